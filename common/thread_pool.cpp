@@ -1,0 +1,125 @@
+#include "common/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace sf {
+namespace {
+
+thread_local bool t_in_pool = false;
+
+class Pool {
+ public:
+  explicit Pool(int n) {
+    for (int i = 0; i < n - 1; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return int(workers_.size()) + 1; }
+
+  void run(size_t n_tasks, const std::function<void(size_t)>& task) {
+    std::lock_guard<std::mutex> run_lk(run_mu_);  // one parallel region at a time
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      task_ = &task;
+      n_tasks_ = n_tasks;
+      next_.store(0);
+      done_ = 0;
+      ++gen_;
+    }
+    cv_.notify_all();
+    t_in_pool = true;
+    drain();
+    t_in_pool = false;
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return done_ == n_tasks_; });
+    task_ = nullptr;
+  }
+
+ private:
+  void drain() {
+    size_t i;
+    size_t finished = 0;
+    while ((i = next_.fetch_add(1)) < n_tasks_) {
+      (*task_)(i);
+      ++finished;
+    }
+    if (finished) {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_ += finished;
+      if (done_ == n_tasks_) done_cv_.notify_all();
+    }
+  }
+  void loop() {
+    t_in_pool = true;
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || (gen_ != seen && task_ != nullptr); });
+        if (stop_) return;
+        seen = gen_;
+      }
+      drain();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_, run_mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(size_t)>* task_ = nullptr;
+  size_t n_tasks_ = 0;
+  std::atomic<size_t> next_{0};
+  size_t done_ = 0;
+  uint64_t gen_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p(num_threads());
+  return p;
+}
+
+}  // namespace
+
+int num_threads() {
+  static const int n = [] {
+    if (const char* e = std::getenv("SF_NUM_THREADS")) {
+      const int v = std::atoi(e);
+      if (v > 0) return v;
+    }
+    return std::max(1, int(std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
+void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain) {
+  if (n == 0) return;
+  grain = std::max<size_t>(grain, 1);
+  const size_t max_tasks = size_t(num_threads()) * 4;
+  size_t n_tasks = std::min(max_tasks, (n + grain - 1) / grain);
+  if (n_tasks <= 1 || t_in_pool || num_threads() == 1) {
+    fn(0, n);
+    return;
+  }
+  const size_t chunk = (n + n_tasks - 1) / n_tasks;
+  n_tasks = (n + chunk - 1) / chunk;
+  pool().run(n_tasks, [&](size_t t) {
+    const size_t b = t * chunk;
+    const size_t e = std::min(n, b + chunk);
+    if (b < e) fn(b, e);
+  });
+}
+
+}  // namespace sf
