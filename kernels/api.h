@@ -1,0 +1,54 @@
+// The backend-neutral kernel API. Every op takes tensor views plus a Stream and returns Status;
+// it dispatches on the views' device to kernels/cpu or kernels/cuda. No service code here.
+//
+// Layouts (row-major, contiguous unless stated):
+//   activations x: [n_tokens, hidden]            weights W: [out, in] (GGUF/HF "y = x W^T")
+//   q: [n_q, n_heads, head_dim]   k, v: [n_k, n_kv_heads, head_dim]   (token-major, GQA-native)
+//   lse: [n_heads, n_q] fp32, natural log of the softmax denominator incl. the row max.
+#pragma once
+#include <cstdint>
+
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace sf::kernels {
+
+struct Stream {
+  Device device = Device::kCpu;
+  void* handle = nullptr;  // cudaStream_t on CUDA; unused on CPU
+};
+
+struct RopeParams {
+  float theta = 10000.f;
+  bool neox = false;  // false: rotate adjacent pairs (GGML "normal"); true: rotate halves (HF)
+  // Llama-3 frequency scaling; factor == 0 disables it.
+  float scaling_factor = 0.f;
+  float low_freq_factor = 1.f;
+  float high_freq_factor = 4.f;
+  int original_max_pos = 8192;
+  int rot_dim = 0;  // 0: the whole head_dim
+};
+
+struct AttentionParams {
+  float scale = 0.f;       // 0: 1/sqrt(head_dim)
+  bool causal = true;
+  int64_t q_offset = 0;    // global position of q row 0 minus that of k row 0 (causal mask)
+};
+
+// out[i,:] = table[ids[i],:]; table may be F32/F16/BF16, out is F32.
+Status embedding(const TensorView& table, const int32_t* ids, int64_t n, TensorView out, Stream s = {});
+// out = x / rms(x) * w, rows of x. out may alias x.
+Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out, Stream s = {});
+// In place on x: [n, heads, head_dim]; positions[n] are absolute token positions.
+Status rope(TensorView x, const int32_t* positions, const RopeParams& p, Stream s = {});
+// out = silu(gate) * up, elementwise. out may alias gate.
+Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, Stream s = {});
+// out += x, elementwise.
+Status add_inplace(TensorView out, const TensorView& x, Stream s = {});
+// y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out] if bias.data). fp32 accumulation.
+Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
+// Dense attention with LSE (the reference every sparse method is measured against).
+Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
+                       TensorView out, TensorView lse, const AttentionParams& p, Stream s = {});
+
+}  // namespace sf::kernels
