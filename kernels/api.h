@@ -27,6 +27,8 @@ struct RopeParams {
   float high_freq_factor = 4.f;
   int original_max_pos = 8192;
   int rot_dim = 0;  // 0: the whole head_dim
+  // Per-pair frequency divisors (GGUF rope_freqs.weight), rot_dim/2 values; overrides scaling.
+  const float* freq_factors = nullptr;
 };
 
 struct AttentionParams {

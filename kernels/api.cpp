@@ -1,0 +1,97 @@
+// Validation + dispatch. Shapes and dtypes are checked once here so backends can assume them.
+#include "kernels/api.h"
+
+#include "kernels/cpu/cpu_ops.h"
+#if SF_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+namespace sf::kernels {
+namespace {
+
+Status need(bool cond, const char* op, const std::string& what) {
+  if (cond) return Status::ok();
+  return Status(Code::kInvalidArgument, std::string(op) + ": " + what);
+}
+bool f32c(const TensorView& t) { return t.dtype == DType::kF32 && t.contiguous(); }
+
+Status same_device(const char* op, Stream s, std::initializer_list<const TensorView*> ts) {
+  for (const TensorView* t : ts)
+    if (t->data && t->device != s.device) return Status(Code::kInvalidArgument, std::string(op) + ": tensor on a different device than the stream");
+  return Status::ok();
+}
+
+#if SF_HAVE_CUDA
+#define SF_DISPATCH(op, ...) \
+  return s.device == Device::kCuda ? cuda::op(__VA_ARGS__, s.handle) : cpu::op(__VA_ARGS__)
+#else
+#define SF_DISPATCH(op, ...)                                                                        \
+  if (s.device == Device::kCuda) return SF_ERR(kUnsupported, #op ": built without the CUDA backend"); \
+  return cpu::op(__VA_ARGS__)
+#endif
+
+}  // namespace
+
+Status embedding(const TensorView& table, const int32_t* ids, int64_t n, TensorView out, Stream s) {
+  SF_TRY(same_device("embedding", s, {&table, &out}));
+  SF_TRY(need(table.ndim == 2 && table.contiguous(), "embedding", "table must be contiguous [vocab, hidden]"));
+  SF_TRY(need(f32c(out) && out.ndim == 2 && out.shape[0] == n && out.shape[1] == table.shape[1], "embedding",
+              "out must be F32 [n, hidden], got " + out.shape_str()));
+  SF_DISPATCH(embedding, table, ids, n, out);
+}
+
+Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out, Stream s) {
+  SF_TRY(same_device("rms_norm", s, {&x, &w, &out}));
+  SF_TRY(need(f32c(x) && f32c(w) && f32c(out) && x.ndim == 2, "rms_norm", "x, w, out must be contiguous F32"));
+  SF_TRY(need(w.numel() == x.shape[1] && out.numel() == x.numel(), "rms_norm",
+              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " out" + out.shape_str()));
+  SF_DISPATCH(rms_norm, x, w, eps, out);
+}
+
+Status rope(TensorView x, const int32_t* positions, const RopeParams& p, Stream s) {
+  SF_TRY(same_device("rope", s, {&x}));
+  SF_TRY(need(f32c(x) && x.ndim == 3, "rope", "x must be contiguous F32 [n, heads, head_dim]"));
+  const int rot = p.rot_dim > 0 ? p.rot_dim : int(x.shape[2]);
+  SF_TRY(need(rot % 2 == 0 && rot <= x.shape[2], "rope", "rot_dim must be even and <= head_dim"));
+  SF_TRY(need(p.theta > 0.f, "rope", "theta must be positive"));
+  SF_DISPATCH(rope, x, positions, p);
+}
+
+Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, Stream s) {
+  SF_TRY(same_device("swiglu", s, {&gate, &up, &out}));
+  SF_TRY(need(f32c(gate) && f32c(up) && f32c(out) && gate.numel() == up.numel() && out.numel() == gate.numel(),
+              "swiglu", "gate, up, out must be contiguous F32 of equal size"));
+  SF_DISPATCH(swiglu, gate, up, out);
+}
+
+Status add_inplace(TensorView out, const TensorView& x, Stream s) {
+  SF_TRY(same_device("add_inplace", s, {&out, &x}));
+  SF_TRY(need(f32c(out) && f32c(x) && out.numel() == x.numel(), "add_inplace", "contiguous F32 of equal size"));
+  SF_DISPATCH(add_inplace, out, x);
+}
+
+Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s) {
+  SF_TRY(same_device("linear", s, {&x, &w, &bias, &y}));
+  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2, "linear", "x, w, y must be 2-D"));
+  SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[0] == x.shape[0] && y.shape[1] == w.shape[0], "linear",
+              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
+  SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, "linear", "rows must be contiguous"));
+  SF_TRY(need(!bias.data || bias.numel() == w.shape[0], "linear", "bias must have out elements"));
+  if (s.device == Device::kCpu)
+    SF_TRY(need(x.dtype == DType::kF32 && w.dtype == DType::kF32 && y.dtype == DType::kF32, "linear", "CPU linear is F32"));
+  SF_DISPATCH(linear, x, w, bias, y);
+}
+
+Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
+                       TensorView lse, const AttentionParams& p, Stream s) {
+  SF_TRY(same_device("attention_dense", s, {&q, &k, &v, &out, &lse}));
+  SF_TRY(need(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && out.ndim == 3, "attention_dense", "q, k, v, out are 3-D"));
+  SF_TRY(need(f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse), "attention_dense", "contiguous F32 tensors"));
+  SF_TRY(need(k.shape == v.shape && q.shape[2] == k.shape[2], "attention_dense", "k/v shape mismatch"));
+  SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "attention_dense", "n_heads must be a multiple of n_kv_heads"));
+  SF_TRY(need(out.shape == q.shape, "attention_dense", "out must match q"));
+  SF_TRY(need(lse.numel() == q.shape[0] * q.shape[1], "attention_dense", "lse must be [n_heads, n_q]"));
+  SF_DISPATCH(attention_dense, q, k, v, out, lse, p);
+}
+
+}  // namespace sf::kernels

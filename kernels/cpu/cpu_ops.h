@@ -1,0 +1,20 @@
+// CPU backend: plain loops + OpenBLAS for GEMMs, parallelized with common/thread_pool.
+// Called through kernels/api.h, which validates shapes and dtypes first.
+#pragma once
+#include "kernels/api.h"
+
+namespace sf::kernels::cpu {
+
+Status embedding(const TensorView& table, const int32_t* ids, int64_t n, TensorView out);
+Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out);
+Status rope(TensorView x, const int32_t* positions, const RopeParams& p);
+Status swiglu(const TensorView& gate, const TensorView& up, TensorView out);
+Status add_inplace(TensorView out, const TensorView& x);
+Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y);
+Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
+                       TensorView lse, const AttentionParams& p);
+
+// Inverse frequencies for RoPE (rot_dim/2 values), shared by CPU and CUDA planning.
+void rope_inv_freq(const RopeParams& p, int rot_dim, float* out);
+
+}  // namespace sf::kernels::cpu

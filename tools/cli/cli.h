@@ -1,0 +1,35 @@
+// Shared pieces of the `sparsefill` CLI. Process edge: errors become one line and an exit code.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::cli {
+
+// --key value / --flag parsing with a whitelist; unknown options are errors naming the option.
+struct Args {
+  std::map<std::string, std::string> opts;
+  bool has(const std::string& k) const { return opts.count(k) > 0; }
+  std::string get(const std::string& k, const std::string& def = "") const {
+    auto it = opts.find(k);
+    return it == opts.end() ? def : it->second;
+  }
+};
+Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
+                        const std::vector<std::string>& flags);
+
+// "default" -> $SF_MODEL, else <repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf.
+std::string resolve_model(const std::string& m);
+Result<std::string> read_text_file(const std::string& path, const char* what);
+std::string git_commit();
+std::string cpu_name();
+std::string now_iso8601();
+std::string shell_quote_args(int argc, char** argv);
+
+int cmd_prefill(int argc, char** argv);
+int cmd_bench(int argc, char** argv);
+int cmd_inspect(int argc, char** argv);
+
+}  // namespace sf::cli

@@ -1,0 +1,165 @@
+// `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "common/log.h"
+#include "kvstore/kv_export.h"
+#include "tools/cli/cli.h"
+#include "worker/model/gguf.h"
+#include "worker/model/model.h"
+#include "worker/model/tokenizer.h"
+
+namespace sf::cli {
+namespace {
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "error: %s\n", st.message().c_str());
+  return 1;
+}
+
+Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::istringstream ss(text);
+  std::string w;
+  while (ss >> w) {
+    char* end = nullptr;
+    const long v = std::strtol(w.c_str(), &end, 10);
+    if (*end || v < 0 || v > INT32_MAX) return SF_ERR(kInvalidArgument, "prompt token file: '" + w + "' is not a token id");
+    ids.push_back(int32_t(v));
+  }
+  return ids;
+}
+
+}  // namespace
+
+int cmd_prefill(int argc, char** argv) {
+  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk"},
+                           {"force", "allow-long", "print-tokens"});
+  if (!args_r.is_ok()) return fail(args_r.status());
+  const Args& a = args_r.value();
+  if (!a.has("model")) return fail(SF_ERR(kInvalidArgument, "--model is required (a .gguf file, a HF directory, or 'default')"));
+  const int n_src = int(a.has("prompt-file")) + int(a.has("prompt")) + int(a.has("prompt-tokens"));
+  if (n_src != 1) return fail(SF_ERR(kInvalidArgument, "give exactly one of --prompt-file, --prompt, --prompt-tokens"));
+
+  // Check cheap inputs before the (slow) model load.
+  std::string text;
+  if (a.has("prompt-file")) {
+    auto t = read_text_file(a.get("prompt-file"), "prompt file");
+    if (!t.is_ok()) return fail(t.status());
+    text = std::move(t).value();
+  } else if (a.has("prompt")) {
+    text = a.get("prompt");
+  }
+  if (a.has("export-kv")) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path d(a.get("export-kv"));
+    if (fs::exists(d, ec) && (!fs::is_directory(d, ec) || !fs::is_empty(d, ec)) && !a.has("force"))
+      return fail(SF_ERR(kAlreadyExists, "export dir '" + d.string() + "' exists and is not empty (use --force to replace it)"));
+  }
+  int64_t chunk = 512;
+  if (a.has("chunk")) {
+    chunk = std::atoll(a.get("chunk").c_str());
+    if (chunk <= 0) return fail(SF_ERR(kInvalidArgument, "--chunk must be a positive integer"));
+  }
+
+  const std::string model_path = resolve_model(a.get("model"));
+  auto mr = model::Model::load(model_path);
+  if (!mr.is_ok()) return fail(mr.status());
+  const model::Model& m = mr.value();
+  const model::ModelConfig& cfg = m.config();
+
+  std::vector<int32_t> ids;
+  std::optional<model::Tokenizer> tok;
+  if (m.format() == model::ModelFormat::kGguf) {
+    auto g = model::GgufFile::open(model_path);
+    if (!g.is_ok()) return fail(g.status());
+    auto spec = model::tokenizer_spec_from_gguf(g.value());
+    if (!spec.is_ok()) return fail(spec.status());
+    auto t = model::Tokenizer::create(std::move(spec).value());
+    if (!t.is_ok()) return fail(t.status());
+    tok.emplace(std::move(t).value());
+  }
+  if (a.has("prompt-tokens")) {
+    auto t = read_text_file(a.get("prompt-tokens"), "prompt token file");
+    if (!t.is_ok()) return fail(t.status());
+    auto r = parse_token_file(t.value());
+    if (!r.is_ok()) return fail(r.status());
+    ids = std::move(r).value();
+  } else {
+    if (!tok) return fail(SF_ERR(kUnsupported, "this model format has no tokenizer support yet; pass --prompt-tokens"));
+    ids = tok->encode(text, /*add_special=*/true, /*parse_special=*/true);
+  }
+  if (ids.empty()) return fail(SF_ERR(kInvalidArgument, "the prompt is empty"));
+  if (int64_t(ids.size()) > cfg.max_context && !a.has("allow-long"))
+    return fail(SF_ERR(kOutOfRange, "prompt has " + std::to_string(ids.size()) + " tokens, more than the model context of " +
+                                        std::to_string(cfg.max_context) + " (use --allow-long to run anyway)"));
+
+  std::printf("model: %s (%s, %d layers, hidden %d, heads %d/%d)\n", cfg.name.c_str(), model::arch_name(cfg.arch),
+              cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads);
+  std::printf("prompt tokens: %zu\n", ids.size());
+  if (a.has("print-tokens")) {
+    std::printf("token ids:");
+    for (int32_t t : ids) std::printf(" %d", t);
+    std::printf("\n");
+  }
+  model::PrefillOptions opt;
+  opt.chunk = chunk;
+  opt.keep_kv = a.has("export-kv");
+  auto pr = model::prefill(m, ids, opt);
+  if (!pr.is_ok()) return fail(pr.status());
+  const model::PrefillResult& r = pr.value();
+  std::printf("time to first token: %.3f s\n", r.seconds);
+  std::printf("prefill throughput: %.1f tokens/s\n", double(ids.size()) / r.seconds);
+  std::string piece = tok ? tok->token_to_piece(r.first_token) : "";
+  std::printf("first token: %d \"%s\"\n", r.first_token, piece.c_str());
+
+  if (a.has("export-kv")) {
+    kvstore::KvExportSpec spec;
+    spec.model_name = cfg.name;
+    spec.arch = model::arch_name(cfg.arch);
+    spec.n_layers = cfg.n_layers;
+    spec.n_kv_heads = cfg.n_kv_heads;
+    spec.head_dim = cfg.head_dim;
+    spec.rope_theta = cfg.rope.theta;
+    spec.keys_interleaved = !cfg.rope.neox;
+    spec.n_tokens = int64_t(ids.size());
+    spec.token_ids = ids;
+    spec.first_token = r.first_token;
+    const auto& kv = r.kv;
+    Status st = kvstore::export_kv(a.get("export-kv"), spec,
+                                   [&](int l, bool v) { return (v ? kv.v : kv.k)[size_t(l)].data(); }, a.has("force"));
+    if (!st.is_ok()) return fail(st);
+    std::printf("kv export: %s (%d layer shards + manifest.json)\n", a.get("export-kv").c_str(), cfg.n_layers);
+  }
+  return 0;
+}
+
+int cmd_inspect(int argc, char** argv) {
+  auto args_r = parse_args(argc, argv, 2, {"model"}, {});
+  if (!args_r.is_ok()) return fail(args_r.status());
+  const std::string path = resolve_model(args_r.value().get("model", "default"));
+  auto g = model::GgufFile::open(path);
+  if (!g.is_ok()) return fail(g.status());
+  std::printf("gguf v%u, alignment %llu, %zu metadata keys, %zu tensors\n", g->version(),
+              static_cast<unsigned long long>(g->alignment()), g->metadata().size(), g->tensors().size());
+  for (const auto& [k, v] : g->metadata()) {
+    if (v.type == model::GgufValueType::kArray) {
+      std::printf("  %s: array[%zu]\n", k.c_str(), v.strings.size() + v.ints.size() + v.floats.size());
+    } else if (auto* s = std::get_if<std::string>(&v.scalar)) {
+      std::printf("  %s: %.80s\n", k.c_str(), s->c_str());
+    } else if (auto* u = std::get_if<uint64_t>(&v.scalar)) {
+      std::printf("  %s: %llu\n", k.c_str(), static_cast<unsigned long long>(*u));
+    } else if (auto* i = std::get_if<int64_t>(&v.scalar)) {
+      std::printf("  %s: %lld\n", k.c_str(), static_cast<long long>(*i));
+    } else if (auto* d = std::get_if<double>(&v.scalar)) {
+      std::printf("  %s: %g\n", k.c_str(), *d);
+    } else if (auto* b = std::get_if<bool>(&v.scalar)) {
+      std::printf("  %s: %s\n", k.c_str(), *b ? "true" : "false");
+    }
+  }
+  return 0;
+}
+
+}  // namespace sf::cli

@@ -1,0 +1,107 @@
+#include <sys/utsname.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+
+#include "tools/cli/cli.h"
+
+namespace sf::cli {
+
+Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
+                        const std::vector<std::string>& flags) {
+  Args a;
+  for (int i = first; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
+    k = k.substr(2);
+    if (std::find(flags.begin(), flags.end(), k) != flags.end()) {
+      a.opts[k] = "1";
+    } else if (std::find(valued.begin(), valued.end(), k) != valued.end()) {
+      if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
+      a.opts[k] = argv[++i];
+    } else {
+      return SF_ERR(kInvalidArgument, "unknown option --" + k);
+    }
+  }
+  return a;
+}
+
+std::string resolve_model(const std::string& m) {
+  if (m != "default") return m;
+  if (const char* e = std::getenv("SF_MODEL")) return e;
+  return std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+Result<std::string> read_text_file(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return SF_ERR(kIo, std::string("cannot read ") + what + " '" + path + "': " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) return SF_ERR(kIo, std::string("cannot read ") + what + " '" + path + "'");
+  return ss.str();
+}
+
+namespace {
+std::string run_capture(const char* cmd) {
+  std::string out;
+  if (FILE* p = popen(cmd, "r")) {
+    std::array<char, 256> b{};
+    while (fgets(b.data(), int(b.size()), p)) out += b.data();
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+}  // namespace
+
+std::string git_commit() {
+  std::string c = run_capture(("git -C '" + std::string(SF_SOURCE_DIR) + "' rev-parse HEAD 2>/dev/null").c_str());
+  if (c.empty()) return "unknown";
+  if (!run_capture(("git -C '" + std::string(SF_SOURCE_DIR) + "' status --porcelain --untracked-files=no 2>/dev/null").c_str()).empty())
+    c += "-dirty";
+  return c;
+}
+
+std::string cpu_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      auto p = line.find(':');
+      if (p != std::string::npos) return line.substr(p + 2);
+    }
+  utsname u{};
+  uname(&u);
+  return u.machine;
+}
+
+std::string now_iso8601() {
+  std::time_t t = std::time(nullptr);
+  char b[32];
+  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return b;
+}
+
+std::string shell_quote_args(int argc, char** argv) {
+  std::string s;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i == 0) {
+      auto p = a.rfind('/');
+      a = p == std::string::npos ? a : a.substr(p + 1);
+    }
+    if (i) s += ' ';
+    s += a.find_first_of(" '\"") == std::string::npos ? a : "'" + a + "'";
+  }
+  return s;
+}
+
+}  // namespace sf::cli

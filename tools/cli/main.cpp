@@ -1,0 +1,39 @@
+// sparsefill CLI: prefill, bench, inspect. (eval and search arrive with the sparse-attention work.)
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "tools/cli/cli.h"
+
+namespace {
+
+void usage() {
+  std::fprintf(stderr,
+               "usage: sparsefill <command> [options]\n"
+               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR] [--force]\n"
+               "           [--allow-long] [--chunk N] [--chat]\n"
+               "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
+               "  inspect  --model PATH|default\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    if (cmd == "prefill") return sf::cli::cmd_prefill(argc, argv);
+    if (cmd == "bench") return sf::cli::cmd_bench(argc, argv);
+    if (cmd == "inspect") return sf::cli::cmd_inspect(argc, argv);
+  } catch (const std::exception& e) {  // process edge: nothing escapes as a crash
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "error: unknown command '%s'\n", cmd.c_str());
+  usage();
+  return 2;
+}

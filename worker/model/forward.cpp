@@ -1,0 +1,143 @@
+// Prefill forward, layer-major with token chunks. Causal attention of chunk c needs only K/V of
+// chunks <= c of the same layer, so every linear layer and the attention of a chunk run while
+// activations stay bounded by the chunk size; only the residual [S, hidden] and the KV cache
+// grow with the prompt.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/api.h"
+#include "worker/model/model.h"
+
+namespace sf::model {
+namespace {
+
+TensorView view2(float* p, int64_t a, int64_t b) { return TensorView::make(p, DType::kF32, {a, b}); }
+TensorView view3(float* p, int64_t a, int64_t b, int64_t c) { return TensorView::make(p, DType::kF32, {a, b, c}); }
+
+int32_t argmax_row(const float* r, int64_t n) {
+  return int32_t(std::max_element(r, r + n) - r);
+}
+
+}  // namespace
+
+Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt) {
+  PrefillResult res;
+  SF_TRY(extend(m, tokens, opt, &res));
+  return res;
+}
+
+Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt, PrefillResult* out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const ModelConfig& c = m.config();
+  const ModelWeights& w = m.weights();
+  const int64_t S = int64_t(tokens.size());
+  if (S == 0) return SF_ERR(kInvalidArgument, "prefill: empty prompt");
+  if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");
+  for (int64_t i = 0; i < S; ++i)
+    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
+      return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +
+                                     std::to_string(i) + " outside vocab " + std::to_string(c.vocab));
+  const int64_t H = c.hidden, hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim, I = c.intermediate;
+  const int64_t C = std::min(opt.chunk, S);
+
+  kernels::RopeParams rope = c.rope;
+  if (!w.rope_freqs.empty()) rope.freq_factors = w.rope_freqs.data.data();
+
+  PrefillResult& res = *out;
+  KvCache& kv = res.kv;
+  const int64_t P = kv.n_tokens;  // tokens already in the cache
+  if (P > 0 && (kv.n_layers != c.n_layers || kv.n_kv_heads != hkv || kv.head_dim != d || int64_t(kv.k.size()) != c.n_layers))
+    return SF_ERR(kInvalidArgument, "extend: KV cache does not match the model");
+  if (P == 0) {
+    kv.n_layers = c.n_layers;
+    kv.n_kv_heads = int(hkv);
+    kv.head_dim = int(d);
+    kv.k.assign(size_t(c.n_layers), {});
+    kv.v.assign(size_t(c.n_layers), {});
+  }
+  kv.n_tokens = P + S;
+
+  std::vector<float> x(size_t(S * H));  // residual stream
+  std::vector<float> xn(size_t(C * H)), q(size_t(C * hq * d)), att(size_t(C * hq * d)), lse(size_t(hq * C)),
+      tmp(size_t(C * H)), gate(size_t(C * I)), up(size_t(C * I));
+  std::vector<int32_t> pos(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) pos[size_t(i)] = int32_t(P + i);
+
+  SF_TRY(kernels::embedding(w.tok_embd.view(), tokens.data(), S, view2(x.data(), S, H)));
+  const TensorView none{};
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = w.layers[size_t(l)];
+    auto& K = kv.k[size_t(l)];
+    auto& V = kv.v[size_t(l)];
+    K.resize(size_t((P + S) * hkv * d));
+    V.resize(size_t((P + S) * hkv * d));
+    for (int64_t c0 = 0; c0 < S; c0 += C) {
+      const int64_t n = std::min(C, S - c0);
+      float* xc = x.data() + c0 * H;
+      TensorView xnv = view2(xn.data(), n, H);
+      SF_TRY(kernels::rms_norm(view2(xc, n, H), L.attn_norm.view(), c.rms_eps, xnv));
+      float* kc = K.data() + (P + c0) * hkv * d;
+      float* vc = V.data() + (P + c0) * hkv * d;
+      SF_TRY(kernels::linear(xnv, L.wq.view(), L.bq.empty() ? none : L.bq.view(), view2(q.data(), n, hq * d)));
+      SF_TRY(kernels::linear(xnv, L.wk.view(), L.bk.empty() ? none : L.bk.view(), view2(kc, n, hkv * d)));
+      SF_TRY(kernels::linear(xnv, L.wv.view(), L.bv.empty() ? none : L.bv.view(), view2(vc, n, hkv * d)));
+      SF_TRY(kernels::rope(view3(q.data(), n, hq, d), pos.data() + c0, rope));
+      SF_TRY(kernels::rope(view3(kc, n, hkv, d), pos.data() + c0, rope));
+      kernels::AttentionParams ap;
+      ap.causal = true;
+      ap.q_offset = P + c0;
+      const int64_t nk = P + c0 + n;
+      SF_TRY(kernels::attention_dense(view3(q.data(), n, hq, d), view3(K.data(), nk, hkv, d),
+                                      view3(V.data(), nk, hkv, d), view3(att.data(), n, hq, d),
+                                      view2(lse.data(), hq, n), ap));
+      SF_TRY(kernels::linear(view2(att.data(), n, hq * d), L.wo.view(), none, view2(tmp.data(), n, H)));
+      SF_TRY(kernels::add_inplace(view2(xc, n, H), view2(tmp.data(), n, H)));
+      SF_TRY(kernels::rms_norm(view2(xc, n, H), L.ffn_norm.view(), c.rms_eps, xnv));
+      SF_TRY(kernels::linear(xnv, L.w_gate.view(), none, view2(gate.data(), n, I)));
+      SF_TRY(kernels::linear(xnv, L.w_up.view(), none, view2(up.data(), n, I)));
+      SF_TRY(kernels::swiglu(view2(gate.data(), n, I), view2(up.data(), n, I), view2(gate.data(), n, I)));
+      SF_TRY(kernels::linear(view2(gate.data(), n, I), L.w_down.view(), none, view2(tmp.data(), n, H)));
+      SF_TRY(kernels::add_inplace(view2(xc, n, H), view2(tmp.data(), n, H)));
+    }
+  }
+
+  // Final norm + LM head on the requested rows, chunked so [rows, vocab] is the only big buffer.
+  const int64_t row0 = opt.all_logits ? 0 : S - 1;
+  const int64_t rows = S - row0;
+  res.n_logit_rows = rows;
+  res.logits.resize(size_t(rows * c.vocab));
+  const OwnedTensor& head = m.output_weight();
+  for (int64_t r = 0; r < rows; r += C) {
+    const int64_t n = std::min(C, rows - r);
+    TensorView xnv = view2(xn.data(), n, H);
+    SF_TRY(kernels::rms_norm(view2(x.data() + (row0 + r) * H, n, H), w.out_norm.view(), c.rms_eps, xnv));
+    SF_TRY(kernels::linear(xnv, head.view(), none, view2(res.logits.data() + r * c.vocab, n, c.vocab)));
+  }
+  res.first_token = argmax_row(res.logits.data() + (rows - 1) * c.vocab, c.vocab);
+  if (!opt.keep_kv) {
+    kv.k.clear();
+    kv.v.clear();
+  }
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return Status::ok();
+}
+
+Result<std::vector<int32_t>> generate_greedy(const Model& m, std::span<const int32_t> prompt, int n_new) {
+  PrefillOptions opt;
+  PrefillResult r;
+  SF_TRY(extend(m, prompt, opt, &r));
+  std::vector<int32_t> out;
+  for (int i = 0; i < n_new; ++i) {
+    const int32_t t = r.first_token;
+    out.push_back(t);
+    if (i + 1 == n_new) break;
+    SF_TRY(extend(m, std::span<const int32_t>(&t, 1), opt, &r));
+  }
+  return out;
+}
+
+}  // namespace sf::model

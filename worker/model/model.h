@@ -1,0 +1,88 @@
+// A Llama-family decoder (Llama-2/3, SmolLM2, Mistral, Qwen2) with fp32 weights for the CPU
+// backend, and its prefill forward. The weights are dequantized once at load time.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "worker/model/config.h"
+
+namespace sf::model {
+
+struct OwnedTensor {
+  std::vector<float> data;
+  std::vector<int64_t> shape;  // row-major
+  bool empty() const { return data.empty(); }
+  TensorView view() const;
+};
+
+struct LayerWeights {
+  OwnedTensor attn_norm, wq, wk, wv, bq, bk, bv, wo;
+  OwnedTensor ffn_norm, w_gate, w_up, w_down;
+};
+
+struct ModelWeights {
+  OwnedTensor tok_embd;  // [vocab, hidden]
+  std::vector<LayerWeights> layers;
+  OwnedTensor out_norm;
+  OwnedTensor lm_head;     // empty when tied to tok_embd
+  OwnedTensor rope_freqs;  // optional per-pair divisors (GGUF Llama-3)
+};
+
+enum class ModelFormat { kGguf, kSafetensors };
+
+class Model {
+ public:
+  // path: a .gguf file, or a Hugging Face directory with config.json + *.safetensors.
+  static Result<Model> load(const std::string& path);
+  // For tests and GPU-host runs: deterministic synthetic weights (seeded) of a given shape.
+  static Result<Model> synthetic(const ModelConfig& cfg, uint64_t seed);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelWeights& weights() const { return w_; }
+  ModelFormat format() const { return format_; }
+  const std::string& path() const { return path_; }
+  // The output projection ([vocab, hidden]), tied or not.
+  const OwnedTensor& output_weight() const { return w_.lm_head.empty() ? w_.tok_embd : w_.lm_head; }
+
+ private:
+  ModelConfig cfg_;
+  ModelWeights w_;
+  ModelFormat format_ = ModelFormat::kGguf;
+  std::string path_;
+  friend Status load_gguf(const std::string&, Model*);
+  friend Status load_safetensors(const std::string&, Model*);
+};
+
+// Keys are stored after RoPE, in the model's own rotary convention (config().rope.neox).
+struct KvCache {
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t n_tokens = 0;
+  std::vector<std::vector<float>> k, v;  // per layer: [n_tokens, n_kv_heads, head_dim]
+};
+
+struct PrefillOptions {
+  int64_t chunk = 512;      // tokens per linear-layer chunk: bounds activation memory
+  bool all_logits = false;  // logits of every position instead of the last only
+  bool keep_kv = true;
+};
+
+struct PrefillResult {
+  std::vector<float> logits;  // [n_rows, vocab]
+  int64_t n_logit_rows = 0;
+  int32_t first_token = -1;   // argmax of the last position
+  KvCache kv;
+  double seconds = 0;
+};
+
+Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});
+// Appends tokens to out->kv (which may already hold a prefix) and replaces out's logits with
+// those of the new tokens. Positions continue from the cached prefix.
+Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt, PrefillResult* out);
+// Greedy continuation: n_new tokens after the prompt, using the KV cache (one token per step).
+Result<std::vector<int32_t>> generate_greedy(const Model& m, std::span<const int32_t> prompt, int n_new);
+
+}  // namespace sf::model
