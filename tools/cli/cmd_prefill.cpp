@@ -51,6 +51,7 @@ int cmd_prefill(int argc, char** argv) {
   } else if (a.has("prompt")) {
     text = a.get("prompt");
   }
+  if (!a.has("prompt-tokens") && text.empty()) return fail(SF_ERR(kInvalidArgument, "the prompt is empty"));
   if (a.has("export-kv")) {
     namespace fs = std::filesystem;
     std::error_code ec;

@@ -1,0 +1,37 @@
+# Bad-input contract of `sparsefill prefill`: one clear error line and a non-zero exit.
+if(TARGET sparsefill)
+  set(_sf $<TARGET_FILE:sparsefill>)
+  set(_ef ${PROJECT_SOURCE_DIR}/tests/tools/expect_fail.sh)
+  set(_tmp ${CMAKE_BINARY_DIR}/cli-test-tmp)
+  set(_doc ${PROJECT_SOURCE_DIR}/data/long_document.txt)
+  file(MAKE_DIRECTORY ${_tmp}/nonempty)
+  file(WRITE ${_tmp}/nonempty/keep "x")
+  file(WRITE ${_tmp}/empty.txt "")
+  file(WRITE ${_tmp}/short.txt "The lighthouse keeper climbed the stairs and")
+  add_test(NAME cli_missing_model COMMAND ${_ef} "^error: model '/nonexistent/m.gguf' does not exist$"
+           ${_sf} prefill --model /nonexistent/m.gguf --prompt hi)
+  add_test(NAME cli_not_a_model COMMAND ${_ef} "^error: gguf: bad magic"
+           ${_sf} prefill --model ${PROJECT_SOURCE_DIR}/README.md --prompt hi)
+  add_test(NAME cli_unknown_arch COMMAND ${_ef} "^error: unknown architecture 'gpt2'"
+           ${_sf} prefill --model ${PROJECT_SOURCE_DIR}/tests/data/unknown_arch.gguf --prompt hi)
+  add_test(NAME cli_empty_prompt COMMAND ${_ef} "^error: the prompt is empty$"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/empty.txt)
+  add_test(NAME cli_unreadable_prompt COMMAND ${_ef} "^error: cannot read prompt file '/nonexistent/p.txt'"
+           ${_sf} prefill --model default --prompt-file /nonexistent/p.txt)
+  add_test(NAME cli_export_dir_not_empty COMMAND ${_ef} "^error: export dir .* exists and is not empty \\(use --force"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/nonempty)
+  add_test(NAME cli_prompt_too_long COMMAND ${_ef} "^error: prompt has [0-9]+ tokens, more than the model context of 8192"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/long3x.txt)
+  add_test(NAME cli_unknown_option COMMAND ${_ef} "^error: unknown option --frobnicate$"
+           ${_sf} prefill --frobnicate)
+  # The long prompt: the bundled document three times (> 8192 tokens).
+  file(READ ${_doc} _doc_text)
+  file(WRITE ${_tmp}/long3x.txt "${_doc_text}${_doc_text}${_doc_text}")
+  # Successful paths: --allow-long on the same prompt is not run (slow); --force replaces a dir.
+  add_test(NAME cli_export_force COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+           --export-kv ${_tmp}/forced --force)
+  set_tests_properties(cli_export_force PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*forced")
+  set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
+                       cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force
+                       PROPERTIES LABELS unit TIMEOUT 120)
+endif()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# expect_fail.sh REGEX CMD...: passes when CMD exits non-zero and its stderr is one line
+# matching REGEX (the CLI's bad-input contract: one clear line, non-zero exit).
+set -u
+regex="$1"; shift
+err="$("$@" 2>&1 >/dev/null)"
+rc=$?
+if [ $rc -eq 0 ]; then echo "FAIL: exited 0 (expected an error)"; exit 1; fi
+# Log lines ([I model] ...) are not errors; the error itself must be exactly one line.
+errlines="$(printf '%s\n' "$err" | grep -v '^\[[DIWE] ' || true)"
+n="$(printf '%s\n' "$errlines" | grep -c .)"
+if [ "$n" -ne 1 ]; then echo "FAIL: expected one error line, got $n:"; printf '%s\n' "$errlines"; exit 1; fi
+if ! printf '%s\n' "$errlines" | grep -Eq -- "$regex"; then echo "FAIL: '$errlines' does not match /$regex/"; exit 1; fi
+echo "ok (rc=$rc): $errlines"
