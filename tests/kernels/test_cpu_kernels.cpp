@@ -1,0 +1,162 @@
+// CPU kernels against straightforward double-precision references on fresh random inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/api.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace sf {
+namespace {
+
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Reference: exact softmax in double, causal with q_offset, GQA by index.
+void attention_ref(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v, int nq,
+                   int nk, int hq, int hkv, int d, int64_t q_off, std::vector<double>& out, std::vector<double>& lse) {
+  out.assign(size_t(nq) * hq * d, 0);
+  lse.assign(size_t(hq) * nq, 0);
+  const double scale = 1.0 / std::sqrt(double(d));
+  for (int h = 0; h < hq; ++h) {
+    const int kh = h / (hq / hkv);
+    for (int i = 0; i < nq; ++i) {
+      const int64_t lim = std::min<int64_t>(nk, q_off + i + 1);
+      std::vector<double> s(static_cast<size_t>(lim));
+      double m = -1e300;
+      for (int64_t j = 0; j < lim; ++j) {
+        double acc = 0;
+        for (int c = 0; c < d; ++c) acc += double(q[(size_t(i) * hq + h) * d + c]) * k[(size_t(j) * hkv + kh) * d + c];
+        s[size_t(j)] = acc * scale;
+        m = std::max(m, s[size_t(j)]);
+      }
+      double l = 0;
+      for (auto& x : s) l += (x = std::exp(x - m));
+      for (int64_t j = 0; j < lim; ++j)
+        for (int c = 0; c < d; ++c) out[(size_t(i) * hq + h) * d + c] += s[size_t(j)] / l * v[(size_t(j) * hkv + kh) * d + c];
+      lse[size_t(h) * nq + i] = m + std::log(l);
+    }
+  }
+}
+
+TEST(CpuKernels, DenseAttentionMatchesReference) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case { int nq, nk, hq, hkv, d; };
+  for (Case c : {Case{100, 100, 4, 2, 64}, Case{37, 170, 8, 2, 128}, Case{1, 65, 3, 1, 64}, Case{129, 129, 9, 3, 64}}) {
+    const int64_t q_off = c.nk - c.nq;
+    auto q = randn(size_t(c.nq) * c.hq * c.d, rng), k = randn(size_t(c.nk) * c.hkv * c.d, rng),
+         v = randn(size_t(c.nk) * c.hkv * c.d, rng);
+    std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN()),
+        lse(size_t(c.hq) * c.nq, std::numeric_limits<float>::quiet_NaN());
+    kernels::AttentionParams p;
+    p.q_offset = q_off;
+    auto st = kernels::attention_dense(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                       TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                                       TensorView::make(v.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                                       TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                       TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    std::vector<double> ro, rl;
+    attention_ref(q, k, v, c.nq, c.nk, c.hq, c.hkv, c.d, q_off, ro, rl);
+    double max_o = 0, max_l = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_FALSE(std::isnan(out[i])) << "unwritten output at " << i;
+      max_o = std::max(max_o, std::fabs(out[i] - ro[i]));
+    }
+    for (size_t i = 0; i < lse.size(); ++i) max_l = std::max(max_l, std::fabs(lse[i] - rl[i]));
+    // fp32 dot products of length <= 128 and sums of <= 170 terms: ~1e-5 absolute.
+    EXPECT_LT(max_o, 2e-5) << c.nq << "x" << c.nk;
+    EXPECT_LT(max_l, 2e-5) << c.nq << "x" << c.nk;
+  }
+}
+
+TEST(CpuKernels, RmsNormAndSwiglu) {
+  std::mt19937_64 rng(fresh_seed());
+  const int n = 7, h = 300;
+  auto x = randn(size_t(n) * h, rng, 3.f), w = randn(size_t(h), rng);
+  std::vector<float> out(x.size());
+  ASSERT_TRUE(kernels::rms_norm(TensorView::make(x.data(), DType::kF32, {n, h}), TensorView::make(w.data(), DType::kF32, {h}),
+                                1e-5f, TensorView::make(out.data(), DType::kF32, {n, h})).is_ok());
+  for (int i = 0; i < n; ++i) {
+    double ss = 0;
+    for (int j = 0; j < h; ++j) ss += double(x[size_t(i * h + j)]) * x[size_t(i * h + j)];
+    const double inv = 1 / std::sqrt(ss / h + 1e-5);
+    for (int j = 0; j < h; ++j) EXPECT_NEAR(out[size_t(i * h + j)], x[size_t(i * h + j)] * inv * w[size_t(j)], 1e-5);
+  }
+  auto g = randn(50, rng, 4.f), u = randn(50, rng);
+  std::vector<float> o(50);
+  ASSERT_TRUE(kernels::swiglu(TensorView::make(g.data(), DType::kF32, {50}), TensorView::make(u.data(), DType::kF32, {50}),
+                              TensorView::make(o.data(), DType::kF32, {50})).is_ok());
+  for (int i = 0; i < 50; ++i) EXPECT_NEAR(o[size_t(i)], g[size_t(i)] / (1 + std::exp(-double(g[size_t(i)]))) * u[size_t(i)], 1e-5);
+}
+
+// Adjacent-pair rotation on permuted channels equals rotate-half on the originals.
+TEST(CpuKernels, RopeStylesAgreeUnderPermutation) {
+  std::mt19937_64 rng(fresh_seed());
+  const int n = 20, heads = 3, d = 64;
+  auto x = randn(size_t(n) * heads * d, rng);
+  std::vector<float> perm(x.size());
+  for (int t = 0; t < n * heads; ++t)
+    for (int i = 0; i < d / 2; ++i) {
+      perm[size_t(t * d + 2 * i)] = x[size_t(t * d + i)];
+      perm[size_t(t * d + 2 * i + 1)] = x[size_t(t * d + i + d / 2)];
+    }
+  std::vector<int32_t> pos(n);
+  for (int i = 0; i < n; ++i) pos[size_t(i)] = 1000 * i + 3;
+  kernels::RopeParams half, pairs;
+  half.neox = true;
+  half.theta = pairs.theta = 500000.f;
+  half.scaling_factor = pairs.scaling_factor = 8.f;  // Llama-3 scaling path
+  ASSERT_TRUE(kernels::rope(TensorView::make(x.data(), DType::kF32, {n, heads, d}), pos.data(), half).is_ok());
+  ASSERT_TRUE(kernels::rope(TensorView::make(perm.data(), DType::kF32, {n, heads, d}), pos.data(), pairs).is_ok());
+  for (int t = 0; t < n * heads; ++t)
+    for (int i = 0; i < d / 2; ++i) {
+      EXPECT_NEAR(perm[size_t(t * d + 2 * i)], x[size_t(t * d + i)], 1e-5);
+      EXPECT_NEAR(perm[size_t(t * d + 2 * i + 1)], x[size_t(t * d + i + d / 2)], 1e-5);
+    }
+}
+
+TEST(CpuKernels, Llama3InvFreqBands) {
+  kernels::RopeParams p;
+  p.theta = 500000.f;
+  p.scaling_factor = 8.f;
+  p.low_freq_factor = 1.f;
+  p.high_freq_factor = 4.f;
+  p.original_max_pos = 8192;
+  std::vector<float> f(64);
+  kernels::cpu::rope_inv_freq(p, 128, f.data());
+  const double kPi = 3.14159265358979323846;
+  for (int i = 0; i < 64; ++i) {
+    const double base = std::pow(500000.0, -2.0 * i / 128);
+    const double wl = 2 * kPi / base;
+    if (wl < 8192 / 4.0) EXPECT_NEAR(f[size_t(i)], base, base * 1e-6);            // high freq: kept
+    else if (wl > 8192 / 1.0) EXPECT_NEAR(f[size_t(i)], base / 8, base * 1e-6);   // low freq: / factor
+    else EXPECT_TRUE(f[size_t(i)] < base && f[size_t(i)] > base / 8);              // blended
+  }
+}
+
+TEST(CpuKernels, ValidationNamesTheProblem) {
+  std::vector<float> a(12), b(10), c(12);
+  auto st = kernels::swiglu(TensorView::make(a.data(), DType::kF32, {12}), TensorView::make(b.data(), DType::kF32, {10}),
+                            TensorView::make(c.data(), DType::kF32, {12}));
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("swiglu"), std::string::npos);
+  kernels::Stream gpu{Device::kCuda, nullptr};
+  EXPECT_FALSE(kernels::swiglu(TensorView::make(a.data(), DType::kF32, {12}), TensorView::make(a.data(), DType::kF32, {12}),
+                               TensorView::make(c.data(), DType::kF32, {12}), gpu).is_ok());
+}
+
+}  // namespace
+}  // namespace sf

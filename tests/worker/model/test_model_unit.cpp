@@ -1,0 +1,221 @@
+// Loader and forward invariants on small synthetic models (no external files needed).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "tests/worker/model/gguf_builder.h"
+#include "worker/model/gguf.h"
+#include "worker/model/model.h"
+
+namespace sf {
+namespace {
+
+uint64_t seed_from_time() {
+  const uint64_t s = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+model::ModelConfig tiny_config(model::Arch arch = model::Arch::kLlama) {
+  model::ModelConfig c;
+  c.arch = arch;
+  c.name = "tiny";
+  c.n_layers = 2;
+  c.hidden = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 16;
+  c.intermediate = 96;
+  c.vocab = 101;
+  c.max_context = 4096;
+  c.qkv_bias = arch == model::Arch::kQwen2;
+  c.rope.neox = arch == model::Arch::kQwen2;
+  c.rope.theta = 10000.f;
+  return c;
+}
+
+std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % uint64_t(vocab));
+  return t;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
+  return m;
+}
+
+TEST(Forward, ChunkSizeDoesNotChangeResults) {
+  const uint64_t seed = seed_from_time();
+  for (auto arch : {model::Arch::kLlama, model::Arch::kQwen2}) {
+    auto m = model::Model::synthetic(tiny_config(arch), seed);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    const auto toks = random_tokens(300, 101, seed + 1);
+    model::PrefillOptions a, b;
+    a.chunk = 512;
+    b.chunk = 37;  // odd size: chunk boundaries fall inside 64-row attention blocks
+    a.all_logits = b.all_logits = true;
+    auto ra = model::prefill(m.value(), toks, a);
+    auto rb = model::prefill(m.value(), toks, b);
+    ASSERT_TRUE(ra.is_ok() && rb.is_ok());
+    EXPECT_LT(max_abs_diff(ra->logits, rb->logits), 1e-4);
+    for (int l = 0; l < 2; ++l) EXPECT_LT(max_abs_diff(ra->kv.k[size_t(l)], rb->kv.k[size_t(l)]), 1e-5);
+  }
+}
+
+TEST(Forward, ExtendEqualsFullPrefill) {
+  const uint64_t seed = seed_from_time();
+  auto m = model::Model::synthetic(tiny_config(), seed);
+  ASSERT_TRUE(m.is_ok());
+  const auto toks = random_tokens(150, 101, seed + 2);
+  auto full = model::prefill(m.value(), toks);
+  ASSERT_TRUE(full.is_ok());
+  model::PrefillResult r;
+  ASSERT_TRUE(model::extend(m.value(), std::span(toks).first(100), {}, &r).is_ok());
+  ASSERT_TRUE(model::extend(m.value(), std::span(toks).subspan(100), {}, &r).is_ok());
+  EXPECT_EQ(r.kv.n_tokens, 150);
+  EXPECT_LT(max_abs_diff(r.logits, full->logits), 1e-4);
+  EXPECT_EQ(r.first_token, full->first_token);
+  EXPECT_LT(max_abs_diff(r.kv.v[1], full->kv.v[1]), 1e-5);
+}
+
+TEST(Forward, RejectsBadTokens) {
+  auto m = model::Model::synthetic(tiny_config(), 1);
+  ASSERT_TRUE(m.is_ok());
+  std::vector<int32_t> bad{1, 2, 101};
+  auto r = model::prefill(m.value(), bad);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("position 2"), std::string::npos) << r.status().message();
+  EXPECT_FALSE(model::prefill(m.value(), std::vector<int32_t>{}).is_ok());
+}
+
+// A GGUF model written by an independent builder, then loaded and compared with the same
+// weights fed to Model::synthetic's forward via a second path: Q/K rows permuted to the GGUF
+// adjacent-pair layout must give the same logits as the rotate-half model.
+TEST(GgufLoader, LoadsTinyLlamaAndMatchesRotateHalfEquivalent) {
+  const uint64_t seed = seed_from_time();
+  auto cfg = tiny_config();
+  cfg.rope.neox = true;
+  cfg.tied_embeddings = true;  // the GGUF below has no output.weight
+  auto hf = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(hf.is_ok());
+  const auto& w = hf->weights();
+  const int d = cfg.head_dim;
+  // HF row (head h, i) -> GGUF row (head h, 2i) and (h, i + d/2) -> (h, 2i+1): llama.cpp's permute.
+  auto permute = [&](const model::OwnedTensor& t, int heads) {
+    std::vector<float> out(t.data.size());
+    const int64_t cols = t.shape[1];
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < d / 2; ++i) {
+        std::copy_n(&t.data[size_t((h * d + i) * cols)], cols, &out[size_t((h * d + 2 * i) * cols)]);
+        std::copy_n(&t.data[size_t((h * d + i + d / 2) * cols)], cols, &out[size_t((h * d + 2 * i + 1) * cols)]);
+      }
+    return out;
+  };
+  testing::GgufBuilder b;
+  b.kv_string("general.architecture", "llama");
+  b.kv_string("general.name", "tiny-gguf");
+  b.kv_u32("llama.block_count", uint32_t(cfg.n_layers));
+  b.kv_u32("llama.embedding_length", uint32_t(cfg.hidden));
+  b.kv_u32("llama.attention.head_count", uint32_t(cfg.n_heads));
+  b.kv_u32("llama.attention.head_count_kv", uint32_t(cfg.n_kv_heads));
+  b.kv_u32("llama.feed_forward_length", uint32_t(cfg.intermediate));
+  b.kv_u32("llama.context_length", 4096);
+  b.kv_f32("llama.rope.freq_base", cfg.rope.theta);
+  b.kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps);
+  auto dims = [](const model::OwnedTensor& t) {
+    return t.shape.size() == 1 ? std::vector<uint64_t>{uint64_t(t.shape[0])}
+                               : std::vector<uint64_t>{uint64_t(t.shape[1]), uint64_t(t.shape[0])};
+  };
+  b.tensor_f32("token_embd.weight", dims(w.tok_embd), w.tok_embd.data);
+  b.tensor_f32("output_norm.weight", dims(w.out_norm), w.out_norm.data);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const auto& L = w.layers[size_t(l)];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    b.tensor_f32(p + "attn_norm.weight", dims(L.attn_norm), L.attn_norm.data);
+    b.tensor_f32(p + "attn_q.weight", dims(L.wq), permute(L.wq, cfg.n_heads));
+    b.tensor_f32(p + "attn_k.weight", dims(L.wk), permute(L.wk, cfg.n_kv_heads));
+    b.tensor_f32(p + "attn_v.weight", dims(L.wv), L.wv.data);
+    b.tensor_f32(p + "attn_output.weight", dims(L.wo), L.wo.data);
+    b.tensor_f32(p + "ffn_norm.weight", dims(L.ffn_norm), L.ffn_norm.data);
+    b.tensor_f32(p + "ffn_gate.weight", dims(L.w_gate), L.w_gate.data);
+    b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
+    b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
+  }
+  const auto bytes = b.build();
+  const std::string path = ::testing::TempDir() + "tiny.gguf";
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  auto gm = model::Model::load(path);
+  ASSERT_TRUE(gm.is_ok()) << gm.status().to_string();
+  EXPECT_FALSE(gm->config().rope.neox);
+  EXPECT_TRUE(gm->config().tied_embeddings);
+  const auto toks = random_tokens(90, cfg.vocab, seed + 3);
+  auto ra = model::prefill(hf.value(), toks);
+  auto rb = model::prefill(gm.value(), toks);
+  ASSERT_TRUE(ra.is_ok() && rb.is_ok());
+  EXPECT_LT(max_abs_diff(ra->logits, rb->logits), 1e-3);
+
+  // Truncation at every 97th length: always an error, never a crash.
+  for (size_t n = 0; n < bytes.size(); n += 97) {
+    auto g = model::GgufFile::parse({bytes.data(), n});
+    if (g.is_ok()) {  // header may parse when only tensor data is cut... but then offsets fail
+      ADD_FAILURE() << "truncated GGUF of " << n << " bytes parsed";
+    }
+  }
+}
+
+TEST(GgufLoader, UnknownArchitectureIsRejectedByName) {
+  testing::GgufBuilder b;
+  b.kv_string("general.architecture", "gpt2");
+  b.tensor_f32("token_embd.weight", {4, 3}, std::vector<float>(12, 0.5f));
+  const auto bytes = b.build();
+  const std::string path = ::testing::TempDir() + "gpt2.gguf";
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  auto m = model::Model::load(path);
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_EQ(m.status().code(), Code::kUnsupported);
+  EXPECT_NE(m.status().message().find("unknown architecture 'gpt2'"), std::string::npos) << m.status().message();
+}
+
+TEST(GgufLoader, BadMagicAndMissingFile) {
+  const uint8_t junk[16] = {'G', 'G', 'U', 'X'};
+  auto g = model::GgufFile::parse({junk, sizeof junk});
+  ASSERT_FALSE(g.is_ok());
+  EXPECT_NE(g.status().message().find("magic"), std::string::npos);
+  auto m = model::Model::load("/nonexistent/model.gguf");
+  ASSERT_FALSE(m.is_ok());
+  EXPECT_NE(m.status().message().find("does not exist"), std::string::npos);
+}
+
+TEST(Dequant, Q4_1AndQ8_0AndQ4_0KnownBlocks) {
+  // Q4_1 block: d=0.5 (f16 0x3800), m=-1 (0xbc00), nibbles j -> element j (low) and j+16 (high)
+  uint8_t q41[20] = {0x00, 0x38, 0x00, 0xbc};
+  for (int j = 0; j < 16; ++j) q41[4 + j] = uint8_t((15 - j) << 4 | j);
+  float out[32];
+  ASSERT_TRUE(model::dequantize_row(3, q41, 32, out).is_ok());
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_FLOAT_EQ(out[j], 0.5f * j - 1.f);
+    EXPECT_FLOAT_EQ(out[j + 16], 0.5f * (15 - j) - 1.f);
+  }
+  uint8_t q80[34] = {0x00, 0x40};  // d = 2
+  for (int j = 0; j < 32; ++j) q80[2 + j] = uint8_t(int8_t(j - 16));
+  ASSERT_TRUE(model::dequantize_row(8, q80, 32, out).is_ok());
+  for (int j = 0; j < 32; ++j) EXPECT_FLOAT_EQ(out[j], 2.f * (j - 16));
+  uint8_t q40[18] = {0x00, 0x3c};  // d = 1
+  for (int j = 0; j < 16; ++j) q40[2 + j] = uint8_t(j << 4 | (15 - j));
+  ASSERT_TRUE(model::dequantize_row(2, q40, 32, out).is_ok());
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_FLOAT_EQ(out[j], float(15 - j - 8));
+    EXPECT_FLOAT_EQ(out[j + 16], float(j - 8));
+  }
+  EXPECT_FALSE(model::dequantize_row(12, q40, 32, out).is_ok());  // Q4_K: unsupported, clear error
+}
+
+}  // namespace
+}  // namespace sf
