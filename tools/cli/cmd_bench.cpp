@@ -89,7 +89,7 @@ int cmd_bench(int argc, char** argv) {
   std::vector<int32_t> doc;
   if (m.format() == model::ModelFormat::kGguf) {
     auto g = model::GgufFile::open(model_path);
-    auto spec = g.is_ok() ? model::tokenizer_spec_from_gguf(g.value()) : Result<model::TokenizerSpec>(g.status());
+    auto spec = g.is_ok() ? model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf) : Result<model::TokenizerSpec>(g.status());
     if (spec.is_ok()) {
       auto tok = model::Tokenizer::create(std::move(spec).value());
       auto text = read_text_file(a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt"), "document");

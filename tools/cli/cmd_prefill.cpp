@@ -34,7 +34,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 }  // namespace
 
 int cmd_prefill(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk"},
+  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -59,6 +59,13 @@ int cmd_prefill(int argc, char** argv) {
     if (fs::exists(d, ec) && (!fs::is_directory(d, ec) || !fs::is_empty(d, ec)) && !a.has("force"))
       return fail(SF_ERR(kAlreadyExists, "export dir '" + d.string() + "' exists and is not empty (use --force to replace it)"));
   }
+  // gguf: the model's own metadata (pre-tokenizer, add_bos), as llama.cpp does.
+  // hf: what transformers' GGUF conversion does (always BOS, GPT-2 regex); the golden reference.
+  model::TokenizerCompat compat = model::TokenizerCompat::kGguf;
+  if (a.has("tokenizer")) {
+    if (a.get("tokenizer") == "hf") compat = model::TokenizerCompat::kHfTransformers;
+    else if (a.get("tokenizer") != "gguf") return fail(SF_ERR(kInvalidArgument, "--tokenizer must be 'gguf' or 'hf'"));
+  }
   int64_t chunk = 512;
   if (a.has("chunk")) {
     chunk = std::atoll(a.get("chunk").c_str());
@@ -76,7 +83,7 @@ int cmd_prefill(int argc, char** argv) {
   if (m.format() == model::ModelFormat::kGguf) {
     auto g = model::GgufFile::open(model_path);
     if (!g.is_ok()) return fail(g.status());
-    auto spec = model::tokenizer_spec_from_gguf(g.value());
+    auto spec = model::tokenizer_spec_from_gguf(g.value(), compat);
     if (!spec.is_ok()) return fail(spec.status());
     auto t = model::Tokenizer::create(std::move(spec).value());
     if (!t.is_ok()) return fail(t.status());

@@ -12,7 +12,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: sparsefill <command> [options]\n"
                "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR] [--force]\n"
-               "           [--allow-long] [--chunk N] [--chat]\n"
+               "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
                "  inspect  --model PATH|default\n");
 }
