@@ -1,0 +1,2 @@
+sf_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_safetensors.cpp LABELS unit
+            LIBS sf_common)
