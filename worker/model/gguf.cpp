@@ -70,18 +70,18 @@ bool is_int_type(GgufValueType t) {
 Status read_scalar(Reader& r, GgufValueType t, GgufValue* v, const std::string& key) {
   const char* what = "metadata value";
   switch (t) {
-    case GgufValueType::kU8: { uint8_t x; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
-    case GgufValueType::kI8: { int8_t x; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
-    case GgufValueType::kU16: { uint16_t x; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
-    case GgufValueType::kI16: { int16_t x; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
-    case GgufValueType::kU32: { uint32_t x; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
-    case GgufValueType::kI32: { int32_t x; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
-    case GgufValueType::kU64: { uint64_t x; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
-    case GgufValueType::kI64: { int64_t x; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
-    case GgufValueType::kF32: { float x; SF_TRY(r.read(&x, what)); v->scalar = double(x); break; }
-    case GgufValueType::kF64: { double x; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
+    case GgufValueType::kU8: { uint8_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
+    case GgufValueType::kI8: { int8_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
+    case GgufValueType::kU16: { uint16_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
+    case GgufValueType::kI16: { int16_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
+    case GgufValueType::kU32: { uint32_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = uint64_t(x); break; }
+    case GgufValueType::kI32: { int32_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = int64_t(x); break; }
+    case GgufValueType::kU64: { uint64_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
+    case GgufValueType::kI64: { int64_t x = 0; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
+    case GgufValueType::kF32: { float x = 0; SF_TRY(r.read(&x, what)); v->scalar = double(x); break; }
+    case GgufValueType::kF64: { double x = 0; SF_TRY(r.read(&x, what)); v->scalar = x; break; }
     case GgufValueType::kBool: {
-      uint8_t x; SF_TRY(r.read(&x, what));
+      uint8_t x = 0; SF_TRY(r.read(&x, what));
       if (x > 1) return SF_ERR(kCorrupt, "gguf: metadata '" + key + "' has bool value " + std::to_string(x));
       v->scalar = bool(x);
       break;

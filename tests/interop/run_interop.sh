@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# ctest wrapper for the KV-export interop test (label: interop).
+# Usage: run_interop.sh PATH_TO_sparsefill SOURCE_DIR
+# Uses SOURCE_DIR/.venv-ref/bin/python (deploy/setup.sh --with-reference); exits 77 (skip) without it.
+# Model: $SF_MODEL, else SOURCE_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf.
+set -euo pipefail
+
+if [ "$#" -ne 2 ]; then
+  echo "usage: $0 PATH_TO_sparsefill SOURCE_DIR" >&2
+  exit 2
+fi
+BIN=$1
+SRC=$2
+PY="$SRC/.venv-ref/bin/python"
+if [ ! -x "$PY" ]; then
+  echo "SKIP: reference stack not installed (deploy/setup.sh --with-reference)"
+  exit 77
+fi
+MODEL=${SF_MODEL:-$SRC/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+
+WORKDIR=$(mktemp -d "${TMPDIR:-/tmp}/sf-interop.XXXXXX")
+cleanup() { rm -rf -- "$WORKDIR"; }
+trap cleanup EXIT
+
+rc=0
+"$PY" "$SRC/tests/interop/test_kv_interop.py" --bin "$BIN" --model "$MODEL" --workdir "$WORKDIR" || rc=$?
+exit "$rc"
