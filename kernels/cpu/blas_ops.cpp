@@ -77,7 +77,7 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
                   qp + r0 * hq * d + h * d, int(hq * d), kp + kvh * d, int(hkv * d), 0.f, s.data(), int(kend));
       for (int64_t i = 0; i < rows; ++i) {
         float* sr = s.data() + i * kend;
-        const int64_t lim = p.causal ? std::min(kend, p.q_offset + r0 + i + 1) : kend;
+        const int64_t lim = p.causal ? std::clamp<int64_t>(p.q_offset + r0 + i + 1, 0, kend) : kend;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < lim; ++j) m = std::max(m, sr[j]);
         double l = 0;

@@ -11,7 +11,7 @@ if(TARGET sparsefill)
   add_test(NAME cli_missing_model COMMAND ${_ef} "^error: model '/nonexistent/m.gguf' does not exist$"
            ${_sf} prefill --model /nonexistent/m.gguf --prompt hi)
   add_test(NAME cli_not_a_model COMMAND ${_ef} "^error: gguf: bad magic"
-           ${_sf} prefill --model ${PROJECT_SOURCE_DIR}/README.md --prompt hi)
+           ${_sf} prefill --model ${PROJECT_SOURCE_DIR}/data/long_document.txt --prompt hi)
   add_test(NAME cli_unknown_arch COMMAND ${_ef} "^error: unknown architecture 'gpt2'"
            ${_sf} prefill --model ${PROJECT_SOURCE_DIR}/tests/data/unknown_arch.gguf --prompt hi)
   add_test(NAME cli_empty_prompt COMMAND ${_ef} "^error: the prompt is empty$"

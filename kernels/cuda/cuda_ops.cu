@@ -1,0 +1,114 @@
+// Adapters from the backend-neutral API to the typed CUDA launchers: unpack views, apply the
+// restrictions only this backend has, convert cudaError_t to Status. No host synchronization.
+#include <cmath>
+#include <string>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda/attention_dense.cuh"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dispatch.h"
+#include "kernels/cuda/elementwise.cuh"
+
+namespace sf::kernels::cuda {
+namespace {
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+Status embedding(const TensorView& table, const int32_t* ids, int64_t n, TensorView out,
+                 void* stream) {
+  const int64_t vocab = table.shape[0], hidden = table.shape[1];
+  float* o = out.ptr<float>();
+  switch (table.dtype) {
+    case DType::kF32:
+      SF_CUDA_TRY(embedding_launch(
+          EmbeddingParams<float>{table.ptr<float>(), ids, o, vocab, hidden}, n, as_stream(stream)));
+      return Status::ok();
+    case DType::kF16:
+      SF_CUDA_TRY(
+          embedding_launch(EmbeddingParams<__half>{table.ptr<__half>(), ids, o, vocab, hidden}, n,
+                           as_stream(stream)));
+      return Status::ok();
+    case DType::kBF16:
+      SF_CUDA_TRY(embedding_launch(
+          EmbeddingParams<__nv_bfloat16>{table.ptr<__nv_bfloat16>(), ids, o, vocab, hidden}, n,
+          as_stream(stream)));
+      return Status::ok();
+    default:
+      return SF_ERR(kUnsupported, std::string("embedding: table dtype ") + dtype_name(table.dtype) +
+                                      " (CUDA supports F32, F16, BF16)");
+  }
+}
+
+Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out, void* stream) {
+  SF_CUDA_TRY(rms_norm_launch(
+      RmsNormParams{x.ptr<float>(), w.ptr<float>(), out.ptr<float>(), x.shape[1], eps}, x.shape[0],
+      as_stream(stream)));
+  return Status::ok();
+}
+
+Status rope(TensorView x, const int32_t* positions, const RopeParams& p, void* stream) {
+  RopeKernelParams kp{};
+  kp.x = x.ptr<float>();
+  kp.positions = positions;
+  kp.heads = int(x.shape[1]);
+  kp.head_dim = int(x.shape[2]);
+  const int rot = p.rot_dim > 0 ? p.rot_dim : kp.head_dim;
+  kp.half = rot / 2;
+  kp.neox = p.neox;
+  if (kp.half > kRopeMaxPairs)
+    return SF_ERR(kUnsupported, "rope: rot_dim " + std::to_string(rot) +
+                                    " exceeds the CUDA limit of " +
+                                    std::to_string(2 * kRopeMaxPairs));
+  cpu::rope_inv_freq(p, rot, kp.inv_freq);  // host-side plan; reads p.freq_factors (host memory)
+  SF_CUDA_TRY(rope_launch(kp, x.shape[0], as_stream(stream)));
+  return Status::ok();
+}
+
+Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, void* stream) {
+  SF_CUDA_TRY(swiglu_launch(
+      SwigluParams{gate.ptr<float>(), up.ptr<float>(), out.ptr<float>(), gate.numel()},
+      as_stream(stream)));
+  return Status::ok();
+}
+
+Status add_inplace(TensorView out, const TensorView& x, void* stream) {
+  SF_CUDA_TRY(
+      add_launch(AddParams{out.ptr<float>(), x.ptr<float>(), out.numel()}, as_stream(stream)));
+  return Status::ok();
+}
+
+bool attention_dense_supported(int head_dim) {
+  return dispatch_head_dim(head_dim, [](auto) {});
+}
+
+Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
+                       TensorView out, TensorView lse, const AttentionParams& p, void* stream) {
+  const int d = int(q.shape[2]);
+  AttentionDenseParams kp{};
+  kp.q = q.ptr<float>();
+  kp.k = k.ptr<float>();
+  kp.v = v.ptr<float>();
+  kp.out = out.ptr<float>();
+  kp.lse = lse.ptr<float>();
+  kp.n_q = q.shape[0];
+  kp.n_k = k.shape[0];
+  kp.n_heads = int(q.shape[1]);
+  kp.n_kv_heads = int(k.shape[1]);
+  kp.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
+  kp.q_offset = p.q_offset;
+  kp.causal = p.causal;
+  cudaError_t err = cudaSuccess;
+  const bool supported = dispatch_head_dim(d, [&](auto head_dim) {
+    err = attention_dense_launch<decltype(head_dim)::value>(kp, as_stream(stream));
+  });
+  if (!supported)
+    return SF_ERR(kUnsupported,
+                  "attention_dense: head_dim " + std::to_string(d) + " (CUDA supports 64, 128)");
+  SF_CUDA_TRY(err);
+  return Status::ok();
+}
+
+}  // namespace sf::kernels::cuda

@@ -1,0 +1,73 @@
+// CUDA backend of kernels/api.h. Plain C++ (no CUDA types) so .cpp callers build with g++; every
+// op takes the cudaStream_t as `void* stream`, enqueues work and returns without waiting for the
+// device. Shapes and dtypes were validated by api.cpp; what is checked here is what only this
+// backend restricts (head dims, dtype combinations). Asynchronous kernel faults surface at the
+// caller's next synchronizing call, as with any CUDA library.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/api.h"
+
+namespace sf::kernels::cuda {
+
+// ids must be in [0, vocab): checking them on the device would need a sync; a row whose id is
+// out of range is written as NaN so the violation shows downstream instead of reading wild memory.
+Status embedding(const TensorView& table, const int32_t* ids, int64_t n, TensorView out,
+                 void* stream);
+Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out, void* stream);
+// positions: device pointer. p.freq_factors: host pointer, read during this call only.
+Status rope(TensorView x, const int32_t* positions, const RopeParams& p, void* stream);
+Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, void* stream);
+Status add_inplace(TensorView out, const TensorView& x, void* stream);
+// cuBLASLt; x and w both F32, F16 or BF16, y and bias F32; fp32 accumulation (no TF32).
+Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
+              void* stream);
+// The plan step of linear(): creates this thread's cuBLASLt handle and workspace on the current
+// device (once) and picks the algorithm for this shape (once per shape). linear() plans lazily on
+// first use of a shape; call this ahead of CUDA graph capture or timed regions, where the
+// one-time cudaMalloc must not happen.
+Status linear_plan(const TensorView& x, const TensorView& w, const TensorView& bias,
+                   const TensorView& y);
+// Flash-style fp32 reference kernel; head_dim 64 or 128 (attention_dense_supported).
+Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
+                       TensorView out, TensorView lse, const AttentionParams& p, void* stream);
+bool attention_dense_supported(int head_dim);
+
+// ---- device helpers (tests, tools) -----------------------------------------------------------
+// Number of visible CUDA devices; an error (not 0) when there is no driver.
+Status device_count(int* n);
+// Waits for `stream` (nullptr: the legacy default stream) and reports any asynchronous error.
+Status stream_synchronize(void* stream);
+
+// Owning device allocation. Copies are synchronous (complete on return, ordered after work on
+// the legacy default stream): for tests and setup, not for run paths.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  Status alloc(size_t bytes);  // frees any previous allocation first
+  void reset();
+  Status upload(const void* src, size_t bytes, size_t offset = 0);
+  Status download(void* dst, size_t bytes, size_t offset = 0) const;
+
+  void* data() const { return ptr_; }
+  size_t size() const { return bytes_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace sf::kernels::cuda

@@ -1,0 +1,73 @@
+// Device queries, stream sync and DeviceBuffer: thin wrappers over the CUDA runtime that speak
+// Status.
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_status.h"
+
+namespace sf::kernels::cuda {
+
+Status device_count(int* n) {
+  *n = 0;
+  SF_CUDA_TRY(cudaGetDeviceCount(n));
+  return Status::ok();
+}
+
+Status stream_synchronize(void* stream) {
+  SF_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
+DeviceBuffer::~DeviceBuffer() { reset(); }
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+  o.ptr_ = nullptr;
+  o.bytes_ = 0;
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::reset() {
+  if (ptr_) (void)cudaFree(ptr_);  // a destructor cannot report; errors resurface on the next call
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+Status DeviceBuffer::alloc(size_t bytes) {
+  reset();
+  if (bytes == 0) return Status::ok();
+  SF_CUDA_TRY(cudaMalloc(&ptr_, bytes));
+  bytes_ = bytes;
+  return Status::ok();
+}
+
+Status DeviceBuffer::upload(const void* src, size_t bytes, size_t offset) {
+  SF_ENSURE(offset <= bytes_ && bytes <= bytes_ - offset, kOutOfRange,
+            "DeviceBuffer::upload: " + std::to_string(bytes) + " bytes at offset " +
+                std::to_string(offset) + " exceed the buffer's " + std::to_string(bytes_));
+  SF_CUDA_TRY(cudaMemcpy(static_cast<char*>(ptr_) + offset, src, bytes, cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return before the DMA lands; wait so that work on any
+  // stream (non-blocking ones included) sees the data.
+  SF_CUDA_TRY(cudaStreamSynchronize(nullptr));
+  return Status::ok();
+}
+
+Status DeviceBuffer::download(void* dst, size_t bytes, size_t offset) const {
+  SF_ENSURE(offset <= bytes_ && bytes <= bytes_ - offset, kOutOfRange,
+            "DeviceBuffer::download: " + std::to_string(bytes) + " bytes at offset " +
+                std::to_string(offset) + " exceed the buffer's " + std::to_string(bytes_));
+  SF_CUDA_TRY(
+      cudaMemcpy(dst, static_cast<const char*>(ptr_) + offset, bytes, cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+}  // namespace sf::kernels::cuda

@@ -1,0 +1,574 @@
+// The CUDA backend against the CPU reference, op by op (ggml's test-backend-ops habit):
+//  - fresh random inputs every run; the seed is printed, SF_TEST_SEED=<seed> replays a run;
+//  - device outputs are poisoned with NaN before each launch, so unwritten elements show;
+//  - every device buffer carries a sentinel guard region behind it, checked after each op;
+//  - the relative L2 error ||gpu - cpu|| / ||cpu|| and the max-abs error are bounded per op, with
+//    the bound and its reason stated next to each test; any NaN/inf the reference lacks fails.
+// Every test skips (GTEST_SKIP) where no CUDA device is present, so the suite passes on CPU hosts.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/api.h"
+#include "kernels/cuda/cuda_ops.h"
+
+namespace sf::kernels {
+namespace {
+
+#define ASSERT_OK(expr)                                           \
+  do {                                                            \
+    const ::sf::Status st_ = (expr);                              \
+    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.to_string(); \
+  } while (0)
+
+#define ASSERT_CUDA(expr)                                                      \
+  do {                                                                         \
+    const cudaError_t e_ = (expr);                                             \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorName(e_) << " " \
+                               << cudaGetErrorString(e_);                      \
+  } while (0)
+
+const Stream kCpu{};
+// The legacy default stream: the synchronous copies in DeviceBuffer are ordered after its work.
+const Stream kGpu{Device::kCuda, nullptr};
+
+constexpr size_t kGuardBytes = 256;
+// 0xA5A5A5A5 as a float is -2.9e-16: no op writes that by chance.
+constexpr uint8_t kGuardByte = 0xA5;
+constexpr uint32_t kPoisonBits = 0x7FC0DEADu;  // a quiet NaN
+
+struct Tolerance {
+  double nerr;     // bound on ||got - ref||_2 / ||ref||_2
+  double max_abs;  // bound on max |got - ref|
+};
+constexpr Tolerance kExact{0.0, 0.0};
+
+uint64_t base_seed() {
+  static const uint64_t seed = [] {
+    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) | rd();
+  }();
+  return seed;
+}
+
+// A device allocation followed by kGuardBytes of sentinel that no op may touch.
+class DevBuf {
+ public:
+  Status alloc(size_t bytes) {
+    bytes_ = bytes;
+    SF_TRY(buf_.alloc(bytes + kGuardBytes));
+    const std::vector<uint8_t> guard(kGuardBytes, kGuardByte);
+    return buf_.upload(guard.data(), kGuardBytes, bytes);
+  }
+  template <typename T>
+  Status alloc_upload(const std::vector<T>& host) {
+    SF_TRY(alloc(host.size() * sizeof(T)));
+    return buf_.upload(host.data(), bytes_);
+  }
+  template <typename T>
+  Status upload(const std::vector<T>& host) {
+    SF_ENSURE(host.size() * sizeof(T) == bytes_, kInvalidArgument, "DevBuf::upload size");
+    return buf_.upload(host.data(), bytes_);
+  }
+  Status poison() {
+    const std::vector<uint32_t> nan((bytes_ + 3) / 4, kPoisonBits);
+    return buf_.upload(nan.data(), bytes_);
+  }
+  Status download(std::vector<float>* out) const {
+    out->assign(bytes_ / sizeof(float), 0.f);
+    return buf_.download(out->data(), bytes_);
+  }
+  Status guard_intact(bool* ok) const {
+    std::vector<uint8_t> g(kGuardBytes);
+    SF_TRY(buf_.download(g.data(), kGuardBytes, bytes_));
+    *ok = std::all_of(g.begin(), g.end(), [](uint8_t b) { return b == kGuardByte; });
+    return Status::ok();
+  }
+  void* data() const { return buf_.data(); }
+  TensorView view(DType t, std::initializer_list<int64_t> dims) const {
+    return TensorView::make(buf_.data(), t, dims, Device::kCuda);
+  }
+
+ private:
+  cuda::DeviceBuffer buf_;
+  size_t bytes_ = 0;
+};
+
+struct ErrStats {
+  double nerr = 0, max_abs = 0;
+  int64_t bad_nonfinite = 0, first_bad = -1;
+};
+
+// Equal values (infinities included) match exactly; a NaN/inf the reference lacks is counted.
+ErrStats compare(const std::vector<float>& got, const std::vector<float>& ref) {
+  ErrStats e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isfinite(ref[i])) den += double(ref[i]) * ref[i];
+    if (got[i] == ref[i]) continue;
+    if (!std::isfinite(got[i]) || !std::isfinite(ref[i])) {
+      if (e.first_bad < 0) e.first_bad = int64_t(i);
+      ++e.bad_nonfinite;
+      continue;
+    }
+    const double d = double(got[i]) - double(ref[i]);
+    num += d * d;
+    e.max_abs = std::max(e.max_abs, std::abs(d));
+  }
+  e.nerr = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+  return e;
+}
+
+// Downloads `dev` (F32), checks its guard, and compares with `ref` under `tol`.
+void expect_matches(const std::string& what, const DevBuf& dev, const std::vector<float>& ref,
+                    Tolerance tol) {
+  std::vector<float> got;
+  ASSERT_OK(cuda::stream_synchronize(nullptr));
+  ASSERT_OK(dev.download(&got));
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  bool guard_ok = false;
+  ASSERT_OK(dev.guard_intact(&guard_ok));
+  EXPECT_TRUE(guard_ok) << what << ": write past the end of the output (sentinel overwritten)";
+  const ErrStats e = compare(got, ref);
+  std::cout << "  " << what << ": nerr=" << e.nerr << " (tol " << tol.nerr
+            << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
+  EXPECT_EQ(e.bad_nonfinite, 0) << what << ": non-finite or unwritten element, first at "
+                                << e.first_bad << " got "
+                                << (e.first_bad >= 0 ? got[size_t(e.first_bad)] : 0.f) << " want "
+                                << (e.first_bad >= 0 ? ref[size_t(e.first_bad)] : 0.f);
+  EXPECT_LE(e.nerr, tol.nerr) << what;
+  EXPECT_LE(e.max_abs, tol.max_abs) << what;
+}
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    const Status st = cuda::device_count(&n);
+    if (!st.is_ok()) GTEST_SKIP() << "no CUDA device: " << st.to_string();
+    if (n == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
+    std::cout << "  seed=" << base_seed() << " (replay with SF_TEST_SEED=" << base_seed() << ")\n";
+    rng_.seed(base_seed());
+  }
+
+  std::vector<float> uniform(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng_);
+    return v;
+  }
+  std::vector<int32_t> ints(size_t n, int32_t lo, int32_t hi) {  // [lo, hi]
+    std::uniform_int_distribution<int32_t> dist(lo, hi);
+    std::vector<int32_t> v(n);
+    for (int32_t& x : v) x = dist(rng_);
+    return v;
+  }
+
+  std::mt19937_64 rng_;
+};
+
+// ---- embedding: a gather plus exact dtype conversions -> bit-exact. ----------------------------
+TEST_F(CudaOps, Embedding) {
+  const int64_t vocab = 1000, hidden = 300, n = 37;  // hidden not a multiple of the block size
+  std::vector<int32_t> ids = ints(size_t(n), 0, int32_t(vocab - 1));
+  ids[0] = 0;
+  ids[1] = int32_t(vocab - 1);
+  const std::vector<float> values = uniform(size_t(vocab * hidden), -1.f, 1.f);
+  DevBuf d_ids;
+  ASSERT_OK(d_ids.alloc_upload(ids));
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<uint16_t> half(values.size());
+    const void* host_table = values.data();
+    DevBuf d_table;
+    if (t == DType::kF32) {
+      ASSERT_OK(d_table.alloc_upload(values));
+    } else {
+      for (size_t i = 0; i < values.size(); ++i)
+        half[i] = t == DType::kF16 ? f32_to_f16(values[i]) : f32_to_bf16(values[i]);
+      host_table = half.data();
+      ASSERT_OK(d_table.alloc_upload(half));
+    }
+    std::vector<float> ref(size_t(n * hidden));
+    ASSERT_OK(embedding(TensorView::make(const_cast<void*>(host_table), t, {vocab, hidden}),
+                        ids.data(), n, TensorView::make(ref.data(), DType::kF32, {n, hidden}),
+                        kCpu));
+    DevBuf d_out;
+    ASSERT_OK(d_out.alloc(ref.size() * 4));
+    ASSERT_OK(d_out.poison());
+    ASSERT_OK(embedding(d_table.view(t, {vocab, hidden}), static_cast<const int32_t*>(d_ids.data()),
+                        n, d_out.view(DType::kF32, {n, hidden}), kGpu));
+    expect_matches(std::string("embedding ") + dtype_name(t), d_out, ref, kExact);
+  }
+}
+
+// ---- rms_norm: fp32 block reduction vs the CPU's double sum; one rounding of the 1/rms factor
+// differs by a few ulp, so relative 1e-6 (about 8 ulp) and 1e-5 absolute on outputs of O(1-5). ----
+TEST_F(CudaOps, RmsNorm) {
+  const int64_t rows = 19, hidden = 1000;
+  const Tolerance tol{1e-6, 1e-5};
+  const std::vector<float> x = uniform(size_t(rows * hidden), -2.f, 2.f);
+  const std::vector<float> w = uniform(size_t(hidden), 0.5f, 1.5f);
+  std::vector<float> ref(x.size());
+  std::vector<float> x_copy = x;
+  ASSERT_OK(rms_norm(TensorView::make(x_copy.data(), DType::kF32, {rows, hidden}),
+                     TensorView::make(const_cast<float*>(w.data()), DType::kF32, {hidden}), 1e-5f,
+                     TensorView::make(ref.data(), DType::kF32, {rows, hidden}), kCpu));
+  DevBuf d_x, d_w, d_out;
+  ASSERT_OK(d_x.alloc_upload(x));
+  ASSERT_OK(d_w.alloc_upload(w));
+  ASSERT_OK(d_out.alloc(x.size() * 4));
+  ASSERT_OK(d_out.poison());
+  ASSERT_OK(rms_norm(d_x.view(DType::kF32, {rows, hidden}), d_w.view(DType::kF32, {hidden}), 1e-5f,
+                     d_out.view(DType::kF32, {rows, hidden}), kGpu));
+  expect_matches("rms_norm", d_out, ref, tol);
+  // out aliasing x (allowed by the API): the input is the output, so no poisoning here.
+  ASSERT_OK(rms_norm(d_x.view(DType::kF32, {rows, hidden}), d_w.view(DType::kF32, {hidden}), 1e-5f,
+                     d_x.view(DType::kF32, {rows, hidden}), kGpu));
+  expect_matches("rms_norm in place", d_x, ref, tol);
+}
+
+// ---- rope: both backends form the angle in double from the same fp32 inverse frequencies and
+// round cos/sin to fp32, so they differ only by FMA contraction (~1 ulp): 1e-6 / 1e-5. Positions
+// reach 131071, where an fp32 angle would be off by ~1e-2 and fail this bound. ------------------
+TEST_F(CudaOps, Rope) {
+  const int64_t n = 23, heads = 5, head_dim = 128;
+  const Tolerance tol{1e-6, 1e-5};
+  std::vector<float> factors = uniform(size_t(head_dim / 2), 1.f, 8.f);
+  struct Case {
+    const char* name;
+    bool neox;
+    bool llama3;
+    bool freq_factors;
+    int rot_dim;
+  };
+  const Case cases[] = {
+      {"adjacent", false, false, false, 0},           {"rotate_half", true, false, false, 0},
+      {"adjacent_llama3", false, true, false, 0},     {"rotate_half_llama3", true, true, false, 0},
+      {"freq_factors", true, false, true, 0},         {"partial_rot64", false, false, false, 64},
+      {"partial_rot64_half", true, false, false, 64},
+  };
+  std::vector<int32_t> pos = ints(size_t(n), 0, 131071);
+  pos[0] = 0;
+  DevBuf d_pos;
+  ASSERT_OK(d_pos.alloc_upload(pos));
+  for (const Case& c : cases) {
+    RopeParams p;
+    p.neox = c.neox;
+    p.rot_dim = c.rot_dim;
+    if (c.llama3) {
+      p.theta = 500000.f;
+      p.scaling_factor = 8.f;
+    }
+    if (c.freq_factors) p.freq_factors = factors.data();
+    const std::vector<float> x = uniform(size_t(n * heads * head_dim), -1.f, 1.f);
+    std::vector<float> ref = x;
+    ASSERT_OK(
+        rope(TensorView::make(ref.data(), DType::kF32, {n, heads, head_dim}), pos.data(), p, kCpu));
+    DevBuf d_x;
+    ASSERT_OK(d_x.alloc_upload(x));
+    ASSERT_OK(rope(d_x.view(DType::kF32, {n, heads, head_dim}),
+                   static_cast<const int32_t*>(d_pos.data()), p, kGpu));
+    expect_matches(std::string("rope ") + c.name, d_x, ref, tol);
+  }
+}
+
+// ---- swiglu: expf differs from glibc's by <= 2 ulp; with gate in [-8, 8] and up in [-2, 2]
+// outputs reach 16, so 1e-6 relative and 3e-5 absolute (~16 ulp at 16). -----------------------
+TEST_F(CudaOps, Swiglu) {
+  const int64_t n = 10007;
+  const Tolerance tol{1e-6, 3e-5};
+  const std::vector<float> gate = uniform(size_t(n), -8.f, 8.f);
+  const std::vector<float> up = uniform(size_t(n), -2.f, 2.f);
+  std::vector<float> ref(static_cast<size_t>(n));
+  ASSERT_OK(swiglu(TensorView::make(const_cast<float*>(gate.data()), DType::kF32, {n}),
+                   TensorView::make(const_cast<float*>(up.data()), DType::kF32, {n}),
+                   TensorView::make(ref.data(), DType::kF32, {n}), kCpu));
+  DevBuf d_gate, d_up, d_out;
+  ASSERT_OK(d_gate.alloc_upload(gate));
+  ASSERT_OK(d_up.alloc_upload(up));
+  ASSERT_OK(d_out.alloc(size_t(n) * 4));
+  ASSERT_OK(d_out.poison());
+  ASSERT_OK(swiglu(d_gate.view(DType::kF32, {n}), d_up.view(DType::kF32, {n}),
+                   d_out.view(DType::kF32, {n}), kGpu));
+  expect_matches("swiglu", d_out, ref, tol);
+  ASSERT_OK(swiglu(d_gate.view(DType::kF32, {n}), d_up.view(DType::kF32, {n}),
+                   d_gate.view(DType::kF32, {n}), kGpu));
+  expect_matches("swiglu in place", d_gate, ref, tol);
+}
+
+// ---- add_inplace: one correctly rounded fp32 add on both sides -> bit-exact. ------------------
+TEST_F(CudaOps, AddInplace) {
+  const int64_t n = 10007;
+  const std::vector<float> a = uniform(size_t(n), -4.f, 4.f);
+  const std::vector<float> b = uniform(size_t(n), -4.f, 4.f);
+  std::vector<float> ref = a;
+  ASSERT_OK(add_inplace(TensorView::make(ref.data(), DType::kF32, {n}),
+                        TensorView::make(const_cast<float*>(b.data()), DType::kF32, {n}), kCpu));
+  DevBuf d_a, d_b;
+  ASSERT_OK(d_a.alloc_upload(a));
+  ASSERT_OK(d_b.alloc_upload(b));
+  ASSERT_OK(add_inplace(d_a.view(DType::kF32, {n}), d_b.view(DType::kF32, {n}), kGpu));
+  expect_matches("add_inplace", d_a, ref, kExact);
+}
+
+// ---- linear -----------------------------------------------------------------------------------
+struct LinearCase {
+  int64_t n, in, out;
+  bool bias;
+  int64_t x_pad;  // x is a view of rows of in + x_pad elements (row stride != in)
+};
+
+// Inputs are drawn in fp32 and rounded to `t`; the CPU reference runs in fp32 on the rounded
+// values, so only the accumulation differs between the two.
+void run_linear_case(DType t, const LinearCase& c, const std::vector<float>& x_raw,
+                     const std::vector<float>& w_raw, const std::vector<float>& b, Tolerance tol) {
+  const int64_t ldx = c.in + c.x_pad;
+  std::vector<float> x_f(x_raw.size()), w_f(w_raw.size());
+  std::vector<uint16_t> x_h(x_raw.size()), w_h(w_raw.size());
+  auto round = [t](float v, uint16_t* h) {
+    if (t == DType::kF16) {
+      *h = f32_to_f16(v);
+      return f16_to_f32(*h);
+    }
+    if (t == DType::kBF16) {
+      *h = f32_to_bf16(v);
+      return bf16_to_f32(*h);
+    }
+    return v;
+  };
+  for (size_t i = 0; i < x_raw.size(); ++i) x_f[i] = round(x_raw[i], &x_h[i]);
+  for (size_t i = 0; i < w_raw.size(); ++i) w_f[i] = round(w_raw[i], &w_h[i]);
+
+  TensorView x_cpu = TensorView::make(x_f.data(), DType::kF32, {c.n, ldx});
+  x_cpu.shape[1] = c.in;
+  std::vector<float> ref(size_t(c.n * c.out));
+  TensorView no_bias;
+  ASSERT_OK(linear(
+      x_cpu, TensorView::make(w_f.data(), DType::kF32, {c.out, c.in}),
+      c.bias ? TensorView::make(const_cast<float*>(b.data()), DType::kF32, {c.out}) : no_bias,
+      TensorView::make(ref.data(), DType::kF32, {c.n, c.out}), kCpu));
+
+  DevBuf d_x, d_w, d_b, d_y;
+  if (t == DType::kF32) {
+    ASSERT_OK(d_x.alloc_upload(x_f));
+    ASSERT_OK(d_w.alloc_upload(w_f));
+  } else {
+    ASSERT_OK(d_x.alloc_upload(x_h));
+    ASSERT_OK(d_w.alloc_upload(w_h));
+  }
+  ASSERT_OK(d_b.alloc_upload(b));
+  ASSERT_OK(d_y.alloc(ref.size() * 4));
+  ASSERT_OK(d_y.poison());
+  TensorView x_gpu = d_x.view(t, {c.n, ldx});
+  x_gpu.shape[1] = c.in;
+  TensorView b_gpu = c.bias ? d_b.view(DType::kF32, {c.out}) : no_bias;
+  ASSERT_OK(
+      linear(x_gpu, d_w.view(t, {c.out, c.in}), b_gpu, d_y.view(DType::kF32, {c.n, c.out}), kGpu));
+  expect_matches(std::string("linear ") + dtype_name(t) + " n=" + std::to_string(c.n) +
+                     " in=" + std::to_string(c.in) + " out=" + std::to_string(c.out) +
+                     (c.bias ? " +bias" : "") + (c.x_pad ? " ldx=" + std::to_string(ldx) : ""),
+                 d_y, ref, tol);
+}
+
+// F32 (CUBLAS_COMPUTE_32F, no TF32) vs OpenBLAS sgemm: both fp32 with different summation
+// orders; with in <= 2048 and U(-1,1) inputs the typical relative error is ~1e-6, so 2e-5
+// relative and 5e-4 absolute (outputs ~15). A wrong layout or missing bias is off by O(1).
+TEST_F(CudaOps, LinearF32) {
+  const LinearCase cases[] = {
+      {37, 264, 200, false, 0}, {37, 264, 200, true, 8}, {5, 2048, 96, true, 0}};
+  for (const LinearCase& c : cases) {
+    const auto x = uniform(size_t(c.n * (c.in + c.x_pad)), -1.f, 1.f);
+    const auto w = uniform(size_t(c.out * c.in), -1.f, 1.f);
+    const auto b = uniform(size_t(c.out), -1.f, 1.f);
+    run_linear_case(DType::kF32, c, x, w, b, {2e-5, 5e-4});
+    if (HasFatalFailure()) return;
+  }
+}
+
+// BF16/F16 inputs with fp32 accumulation on tensor cores, vs fp32 on the same rounded inputs:
+// products are exact in fp32, so only accumulation differs, but Hopper's MMA accumulation may
+// truncate rather than round: for in = 1024 that bounds the drift near 1e-4 relative of outputs
+// ~10. Hence 1e-4 relative and 2e-3 absolute.
+TEST_F(CudaOps, LinearHalf) {
+  const LinearCase cases[] = {{37, 1024, 72, true, 0}, {16, 256, 128, false, 8}};
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    for (const LinearCase& c : cases) {
+      const auto x = uniform(size_t(c.n * (c.in + c.x_pad)), -1.f, 1.f);
+      const auto w = uniform(size_t(c.out * c.in), -1.f, 1.f);
+      const auto b = uniform(size_t(c.out), -1.f, 1.f);
+      run_linear_case(t, c, x, w, b, {1e-4, 2e-3});
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// ---- attention_dense ----------------------------------------------------------------------------
+// fp32 online softmax vs the CPU's two-pass fp32 softmax (double denominator): differences are
+// exp/rounding order, ~1e-6 relative; 1e-5 relative and 1e-4 absolute on out (|out| <= 1) and on
+// lse (|lse| < 10). A mask off by one key or a wrong GQA head mapping moves out by >1e-2.
+struct AttnCase {
+  const char* name;
+  int64_t n_q, n_k, heads, kv_heads, head_dim;
+  bool causal;
+  int64_t q_offset;
+};
+
+TEST_F(CudaOps, AttentionDense) {
+  const Tolerance tol{1e-5, 1e-4};
+  const AttnCase cases[] = {
+      {"causal gqa4 d128", 77, 77, 8, 2, 128, true, 0},
+      {"chunk gqa4 d128 (n_q<n_k)", 45, 173, 8, 2, 128, true, 128},
+      {"causal mha d64", 100, 100, 4, 4, 64, true, 0},
+      {"non-causal gqa2 d64", 33, 90, 4, 2, 64, false, 0},
+      {"chunk gqa4 d64", 50, 300, 8, 2, 64, true, 250},
+      {"row 0 sees no key d64 (q_offset=-1)", 20, 20, 2, 1, 64, true, -1},
+  };
+  for (const AttnCase& c : cases) {
+    const int64_t d = c.head_dim;
+    // q in [-3, 3] and k in [-1, 1]: scaled scores have unit variance, a non-flat softmax.
+    const auto q = uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f);
+    const auto k = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+    const auto v = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+    AttentionParams p;
+    p.causal = c.causal;
+    p.q_offset = c.q_offset;
+    std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+    ASSERT_OK(attention_dense(
+        TensorView::make(const_cast<float*>(q.data()), DType::kF32, {c.n_q, c.heads, d}),
+        TensorView::make(const_cast<float*>(k.data()), DType::kF32, {c.n_k, c.kv_heads, d}),
+        TensorView::make(const_cast<float*>(v.data()), DType::kF32, {c.n_k, c.kv_heads, d}),
+        TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+        TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
+    DevBuf d_q, d_k, d_v, d_out, d_lse;
+    ASSERT_OK(d_q.alloc_upload(q));
+    ASSERT_OK(d_k.alloc_upload(k));
+    ASSERT_OK(d_v.alloc_upload(v));
+    ASSERT_OK(d_out.alloc(ref.size() * 4));
+    ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+    ASSERT_OK(d_out.poison());
+    ASSERT_OK(d_lse.poison());
+    ASSERT_OK(attention_dense(
+        d_q.view(DType::kF32, {c.n_q, c.heads, d}), d_k.view(DType::kF32, {c.n_k, c.kv_heads, d}),
+        d_v.view(DType::kF32, {c.n_k, c.kv_heads, d}), d_out.view(DType::kF32, {c.n_q, c.heads, d}),
+        d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
+    expect_matches(std::string("attention out, ") + c.name, d_out, ref, tol);
+    expect_matches(std::string("attention lse, ") + c.name, d_lse, ref_lse, tol);
+  }
+}
+
+TEST_F(CudaOps, AttentionRejectsUnsupportedHeadDim) {
+  EXPECT_TRUE(cuda::attention_dense_supported(64));
+  EXPECT_TRUE(cuda::attention_dense_supported(128));
+  EXPECT_FALSE(cuda::attention_dense_supported(96));
+  const int64_t n = 4, heads = 2, d = 96;
+  DevBuf d_q, d_out, d_lse;
+  ASSERT_OK(d_q.alloc(size_t(n * heads * d) * 4));
+  ASSERT_OK(d_out.alloc(size_t(n * heads * d) * 4));
+  ASSERT_OK(d_lse.alloc(size_t(n * heads) * 4));
+  const TensorView qv = d_q.view(DType::kF32, {n, heads, d});
+  const Status st = attention_dense(qv, qv, qv, d_out.view(DType::kF32, {n, heads, d}),
+                                    d_lse.view(DType::kF32, {heads, n}), AttentionParams{}, kGpu);
+  EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
+}
+
+// ---- CUDA graph capture -----------------------------------------------------------------------
+// Capture in global mode fails if any op synchronizes with the host or allocates, so this checks
+// the "run paths never sync" contract and linear's plan/run split; replays must match eager runs.
+TEST_F(CudaOps, GraphCaptureMatchesEager) {
+  const int64_t n = 40, heads = 8, kv_heads = 2, d = 128, hidden = 192, out_f = 96;
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { (void)cudaStreamDestroy(s); }
+  } stream_guard{stream};
+  const Stream gs{Device::kCuda, stream};
+
+  const auto x = uniform(size_t(n * hidden), -2.f, 2.f);
+  const auto nw = uniform(size_t(hidden), 0.5f, 1.5f);
+  const auto w = uniform(size_t(out_f * hidden), -1.f, 1.f);
+  const auto b = uniform(size_t(out_f), -1.f, 1.f);
+  const auto q0 = uniform(size_t(n * heads * d), -3.f, 3.f);
+  const auto k = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
+  const auto v = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pos[size_t(i)] = int32_t(1000 + i);
+
+  DevBuf d_x, d_nw, d_xn, d_w, d_b, d_y, d_q0, d_q, d_k, d_v, d_o, d_lse, d_pos;
+  ASSERT_OK(d_x.alloc_upload(x));
+  ASSERT_OK(d_nw.alloc_upload(nw));
+  ASSERT_OK(d_w.alloc_upload(w));
+  ASSERT_OK(d_b.alloc_upload(b));
+  ASSERT_OK(d_q0.alloc_upload(q0));
+  ASSERT_OK(d_q.alloc(q0.size() * 4));
+  ASSERT_OK(d_k.alloc_upload(k));
+  ASSERT_OK(d_v.alloc_upload(v));
+  ASSERT_OK(d_pos.alloc_upload(pos));
+  ASSERT_OK(d_xn.alloc(x.size() * 4));
+  ASSERT_OK(d_y.alloc(size_t(n * out_f) * 4));
+  ASSERT_OK(d_o.alloc(q0.size() * 4));
+  ASSERT_OK(d_lse.alloc(size_t(heads * n) * 4));
+  RopeParams rp;
+  rp.neox = true;
+  const TensorView xn = d_xn.view(DType::kF32, {n, hidden});
+  const TensorView wv = d_w.view(DType::kF32, {out_f, hidden});
+  const TensorView bv = d_b.view(DType::kF32, {out_f});
+  const TensorView yv = d_y.view(DType::kF32, {n, out_f});
+  ASSERT_OK(cuda::linear_plan(xn, wv, bv, yv));
+
+  auto enqueue = [&]() -> Status {
+    SF_TRY(rms_norm(d_x.view(DType::kF32, {n, hidden}), d_nw.view(DType::kF32, {hidden}), 1e-6f, xn,
+                    gs));
+    SF_TRY(linear(xn, wv, bv, yv, gs));
+    const cudaError_t e =
+        cudaMemcpyAsync(d_q.data(), d_q0.data(), q0.size() * 4, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return SF_ERR(kInternal, cudaGetErrorString(e));
+    const TensorView qv = d_q.view(DType::kF32, {n, heads, d});
+    SF_TRY(rope(qv, static_cast<const int32_t*>(d_pos.data()), rp, gs));
+    return attention_dense(qv, d_k.view(DType::kF32, {n, kv_heads, d}),
+                           d_v.view(DType::kF32, {n, kv_heads, d}),
+                           d_o.view(DType::kF32, {n, heads, d}),
+                           d_lse.view(DType::kF32, {heads, n}), AttentionParams{}, gs);
+  };
+  DevBuf* outs[] = {&d_xn, &d_y, &d_o, &d_lse};
+  const char* names[] = {"graph rms_norm", "graph linear", "graph attention out",
+                         "graph attention lse"};
+
+  for (DevBuf* o : outs) ASSERT_OK(o->poison());
+  ASSERT_OK(enqueue());
+  ASSERT_OK(cuda::stream_synchronize(stream));
+  std::vector<std::vector<float>> eager(4);
+  for (int i = 0; i < 4; ++i) ASSERT_OK(outs[i]->download(&eager[size_t(i)]));
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status captured = enqueue();
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  ASSERT_OK(captured);
+  ASSERT_CUDA(end);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    for (DevBuf* o : outs) ASSERT_OK(o->poison());
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    ASSERT_OK(cuda::stream_synchronize(stream));
+    // Deterministic kernels and one cuBLASLt algorithm: replays reproduce the eager run exactly.
+    for (int i = 0; i < 4; ++i) expect_matches(names[i], *outs[i], eager[size_t(i)], kExact);
+  }
+  (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(graph);
+}
+
+}  // namespace
+}  // namespace sf::kernels
