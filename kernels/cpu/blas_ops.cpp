@@ -25,26 +25,6 @@ void serial_blas_once() {
 constexpr int64_t kQBlock = 64;
 constexpr int64_t kKTile = 256;
 
-// x[j] = exp(x[j] - sub) for j < n, returns the sum. Branch-free so GCC vectorizes it (AVX2
-// under -march=x86-64-v3): libm's scalar expf was ~25% of 8K-token prefill. Range reduction
-// exp(v) = 2^k * exp(r), |r| <= ln2/2, then a degree-6 Taylor polynomial: relative error
-// < 2e-7, below fp32 softmax rounding. Inputs are <= 0 here (scores minus the row max).
-float exp_sub_sum(float* x, int64_t n, float sub) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = std::max(x[j] - sub, -87.f);
-    const float kf = (v * 1.44269504f + 12582912.f) - 12582912.f;  // round(v / ln2)
-    const float r = v - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
-    const float poly = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    const int32_t bits = (int32_t(kf) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    x[j] = poly * scale;
-    sum += x[j];
-  }
-  return sum;
-}
-
 }  // namespace
 
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y) {
@@ -83,13 +63,13 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
   float* op = out.ptr<float>();
   float* lp = lse.ptr<float>();
   serial_blas_once();
-  // Tasks = (head, query block). Within a task, keys stream in tiles of kKTile with an online
+  // Tasks = (head, query block), latest blocks first so the long ones don't finish last. Within a task, keys stream in tiles of kKTile with an online
   // softmax (flash-style), so the score tile stays in L2 (64 x 256 fp32 = 64 KiB) at any length.
   parallel_for(size_t(hq * n_qb), [&](size_t tb, size_t te) {
     std::vector<float> s(static_cast<size_t>(kQBlock * kKTile)), m(static_cast<size_t>(kQBlock)), l(static_cast<size_t>(kQBlock));
     for (size_t t = tb; t < te; ++t) {
       const int64_t h = int64_t(t) % hq;
-      const int64_t qb = int64_t(t) / hq;
+      const int64_t qb = n_qb - 1 - int64_t(t) / hq;  // heaviest (latest) query blocks first
       const int64_t kvh = h / group;
       const int64_t r0 = qb * kQBlock;
       const int64_t rows = std::min(kQBlock, nq - r0);

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -46,6 +47,24 @@ Status rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView 
     }
   }, 16);
   return Status::ok();
+}
+
+// exp(v) = 2^k * exp(r): k = round(v / ln2) via the 1.5 * 2^23 rounding trick, 2^k assembled in
+// the exponent bits (v >= -87 keeps it normal).
+float exp_sub_sum(float* x, int64_t n, float sub) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = std::max(x[j] - sub, -87.f);
+    const float kf = (v * 1.44269504f + 12582912.f) - 12582912.f;  // round(v / ln2)
+    const float r = v - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+    const float poly = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    const int32_t bits = (int32_t(kf) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    x[j] = poly * scale;
+    sum += x[j];
+  }
+  return sum;
 }
 
 void rope_inv_freq(const RopeParams& p, int rot_dim, float* out) {

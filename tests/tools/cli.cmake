@@ -24,6 +24,8 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/long3x.txt)
   add_test(NAME cli_unknown_option COMMAND ${_ef} "^error: unknown option --frobnicate$"
            ${_sf} prefill --frobnicate)
+  add_test(NAME cli_unknown_attention COMMAND ${_ef} "^error: unknown attention mode 'bogus'"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --attention bogus)
   # The long prompt: the bundled document three times (> 8192 tokens).
   file(READ ${_doc} _doc_text)
   file(WRITE ${_tmp}/long3x.txt "${_doc_text}${_doc_text}${_doc_text}")
@@ -32,6 +34,6 @@ if(TARGET sparsefill)
            --export-kv ${_tmp}/forced --force)
   set_tests_properties(cli_export_force PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*forced")
   set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
-                       cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force
+                       cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force cli_unknown_attention
                        PROPERTIES LABELS unit TIMEOUT 120)
 endif()

@@ -8,6 +8,7 @@
 #include "tools/cli/cli.h"
 #include "worker/model/gguf.h"
 #include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
 #include "worker/model/tokenizer.h"
 
 namespace sf::cli {
@@ -34,7 +35,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 }  // namespace
 
 int cmd_prefill(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer"},
+  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -115,6 +116,14 @@ int cmd_prefill(int argc, char** argv) {
   model::PrefillOptions opt;
   opt.chunk = chunk;
   opt.keep_kv = a.has("export-kv");
+  std::optional<model::SparseConfig> sparse;
+  const std::string mode = a.get("attention", "dense");
+  if (mode != "dense") {
+    auto sc = model::sparse_config_for_mode(mode, cfg.n_layers, cfg.n_heads);
+    if (!sc.is_ok()) return fail(sc.status());
+    sparse.emplace(std::move(sc).value());
+    opt.sparse = &*sparse;
+  }
   auto pr = model::prefill(m, ids, opt);
   if (!pr.is_ok()) return fail(pr.status());
   const model::PrefillResult& r = pr.value();
@@ -122,6 +131,8 @@ int cmd_prefill(int argc, char** argv) {
   std::printf("prefill throughput: %.1f tokens/s\n", double(ids.size()) / r.seconds);
   std::string piece = tok ? tok->token_to_piece(r.first_token) : "";
   std::printf("first token: %d \"%s\"\n", r.first_token, piece.c_str());
+  std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s\n", mode.c_str(), r.density,
+              r.estimate_s, r.attention_s);
 
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec;

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "kernels/api.h"
+#include "kernels/sparse.h"
+#include "worker/model/sparse_config.h"
 #include "worker/model/model.h"
 
 namespace sf::model {
@@ -60,14 +62,27 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   }
   kv.n_tokens = P + S;
 
-  std::vector<float> x(size_t(S * H));  // residual stream
-  std::vector<float> xn(size_t(C * H)), q(size_t(C * hq * d)), att(size_t(C * hq * d)), lse(size_t(hq * C)),
-      tmp(size_t(C * H)), gate(size_t(C * I)), up(size_t(C * I));
+  std::vector<float> x(static_cast<size_t>(S * H));  // residual stream
+  // Q and the attention output span the whole call: sparse estimation needs the last queries
+  // before any row's attention runs. Linear layers still run in chunks of C tokens.
+  std::vector<float> q(static_cast<size_t>(S * hq * d)), att(static_cast<size_t>(S * hq * d)),
+      lse(static_cast<size_t>(hq * S));
+  std::vector<float> xn(static_cast<size_t>(C * H)), tmp(static_cast<size_t>(C * H)),
+      gate(static_cast<size_t>(C * I)), up(static_cast<size_t>(C * I));
   std::vector<int32_t> pos(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) pos[size_t(i)] = int32_t(P + i);
 
   SF_TRY(kernels::embedding(w.tok_embd.view(), tokens.data(), S, view2(x.data(), S, H)));
   const TensorView none{};
+  const SparseConfig* sc = opt.sparse;
+  if (sc && (sc->n_layers != c.n_layers || sc->n_heads != hq))
+    return SF_ERR(kInvalidArgument, "prefill: sparse config is for " + std::to_string(sc->n_layers) + "x" +
+                                        std::to_string(sc->n_heads) + " layers x heads, the model has " +
+                                        std::to_string(c.n_layers) + "x" + std::to_string(hq));
+  const bool use_sparse = sc && P + S >= sc->dense_below && !sparse_config_is_dense(*sc);
+  res.estimate_s = res.attention_s = 0;
+  double pairs_done = 0, pairs_causal = 0;
+  using clock = std::chrono::steady_clock;
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[size_t(l)];
@@ -75,26 +90,55 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     auto& V = kv.v[size_t(l)];
     K.resize(size_t((P + S) * hkv * d));
     V.resize(size_t((P + S) * hkv * d));
+    // 1) norm, QKV, RoPE per chunk.
+    for (int64_t c0 = 0; c0 < S; c0 += C) {
+      const int64_t n = std::min(C, S - c0);
+      TensorView xnv = view2(xn.data(), n, H);
+      SF_TRY(kernels::rms_norm(view2(x.data() + c0 * H, n, H), L.attn_norm.view(), c.rms_eps, xnv));
+      float* qc = q.data() + c0 * hq * d;
+      float* kc = K.data() + (P + c0) * hkv * d;
+      float* vc = V.data() + (P + c0) * hkv * d;
+      SF_TRY(kernels::linear(xnv, L.wq.view(), L.bq.empty() ? none : L.bq.view(), view2(qc, n, hq * d)));
+      SF_TRY(kernels::linear(xnv, L.wk.view(), L.bk.empty() ? none : L.bk.view(), view2(kc, n, hkv * d)));
+      SF_TRY(kernels::linear(xnv, L.wv.view(), L.bv.empty() ? none : L.bv.view(), view2(vc, n, hkv * d)));
+      SF_TRY(kernels::rope(view3(qc, n, hq, d), pos.data() + c0, rope));
+      SF_TRY(kernels::rope(view3(kc, n, hkv, d), pos.data() + c0, rope));
+    }
+    // 2) attention over all rows of this call against all keys (estimator first when sparse).
+    const int64_t nk = P + S;
+    const TensorView qv = view3(q.data(), S, hq, d), kv3 = view3(K.data(), nk, hkv, d),
+                     vv = view3(V.data(), nk, hkv, d), ov = view3(att.data(), S, hq, d),
+                     lv = view2(lse.data(), hq, S);
+    kernels::AttentionParams ap;
+    ap.causal = true;
+    ap.q_offset = P;
+    const double causal_pairs = double(hq) * (double(S) * double(P) + double(S) * double(S + 1) / 2);
+    pairs_causal += causal_pairs;
+    if (use_sparse) {
+      kernels::SparseIndex idx;
+      kernels::EstimatorStats st;
+      const auto e0 = clock::now();
+      SF_TRY(kernels::sparse_estimate(qv, kv3, sc->layers[size_t(l)], P, &idx, &st));
+      const auto e1 = clock::now();
+      SF_TRY(kernels::attention_sparse(qv, kv3, vv, idx, ov, lv, ap));
+      const auto e2 = clock::now();
+      res.estimate_s += std::chrono::duration<double>(e1 - e0).count();
+      res.attention_s += std::chrono::duration<double>(e2 - e1).count();
+      pairs_done += st.density * causal_pairs;
+      if (opt.on_attention) opt.on_attention(l, qv, kv3, &idx);
+    } else {
+      const auto a0 = clock::now();
+      SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap));
+      res.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
+      pairs_done += causal_pairs;
+      if (opt.on_attention) opt.on_attention(l, qv, kv3, nullptr);
+    }
+    // 3) O projection, residual, MLP per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {
       const int64_t n = std::min(C, S - c0);
       float* xc = x.data() + c0 * H;
       TensorView xnv = view2(xn.data(), n, H);
-      SF_TRY(kernels::rms_norm(view2(xc, n, H), L.attn_norm.view(), c.rms_eps, xnv));
-      float* kc = K.data() + (P + c0) * hkv * d;
-      float* vc = V.data() + (P + c0) * hkv * d;
-      SF_TRY(kernels::linear(xnv, L.wq.view(), L.bq.empty() ? none : L.bq.view(), view2(q.data(), n, hq * d)));
-      SF_TRY(kernels::linear(xnv, L.wk.view(), L.bk.empty() ? none : L.bk.view(), view2(kc, n, hkv * d)));
-      SF_TRY(kernels::linear(xnv, L.wv.view(), L.bv.empty() ? none : L.bv.view(), view2(vc, n, hkv * d)));
-      SF_TRY(kernels::rope(view3(q.data(), n, hq, d), pos.data() + c0, rope));
-      SF_TRY(kernels::rope(view3(kc, n, hkv, d), pos.data() + c0, rope));
-      kernels::AttentionParams ap;
-      ap.causal = true;
-      ap.q_offset = P + c0;
-      const int64_t nk = P + c0 + n;
-      SF_TRY(kernels::attention_dense(view3(q.data(), n, hq, d), view3(K.data(), nk, hkv, d),
-                                      view3(V.data(), nk, hkv, d), view3(att.data(), n, hq, d),
-                                      view2(lse.data(), hq, n), ap));
-      SF_TRY(kernels::linear(view2(att.data(), n, hq * d), L.wo.view(), none, view2(tmp.data(), n, H)));
+      SF_TRY(kernels::linear(view2(att.data() + c0 * hq * d, n, hq * d), L.wo.view(), none, view2(tmp.data(), n, H)));
       SF_TRY(kernels::add_inplace(view2(xc, n, H), view2(tmp.data(), n, H)));
       SF_TRY(kernels::rms_norm(view2(xc, n, H), L.ffn_norm.view(), c.rms_eps, xnv));
       SF_TRY(kernels::linear(xnv, L.w_gate.view(), none, view2(gate.data(), n, I)));
@@ -104,6 +148,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       SF_TRY(kernels::add_inplace(view2(xc, n, H), view2(tmp.data(), n, H)));
     }
   }
+  res.density = pairs_causal > 0 ? pairs_done / pairs_causal : 1.0;
 
   // Final norm + LM head on the requested rows, chunked so [rows, vocab] is the only big buffer.
   const int64_t row0 = opt.all_logits ? 0 : S - 1;

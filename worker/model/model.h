@@ -7,7 +7,10 @@
 #include <vector>
 
 #include "common/status.h"
+#include <functional>
+
 #include "common/tensor.h"
+#include "kernels/sparse_index.h"
 #include "worker/model/config.h"
 
 namespace sf::model {
@@ -64,10 +67,19 @@ struct KvCache {
   std::vector<std::vector<float>> k, v;  // per layer: [n_tokens, n_kv_heads, head_dim]
 };
 
+struct SparseConfig;
+
+// Observer of each layer's attention inputs (eval measures attention recall here): q holds the
+// rows computed in this call, k all keys; idx is null when the layer ran dense.
+using AttentionObserver = std::function<void(int layer, const TensorView& q, const TensorView& k,
+                                             const kernels::SparseIndex* idx)>;
+
 struct PrefillOptions {
   int64_t chunk = 512;      // tokens per linear-layer chunk: bounds activation memory
   bool all_logits = false;  // logits of every position instead of the last only
   bool keep_kv = true;
+  const SparseConfig* sparse = nullptr;  // null: dense attention everywhere
+  AttentionObserver on_attention;
 };
 
 struct PrefillResult {
@@ -76,6 +88,9 @@ struct PrefillResult {
   int32_t first_token = -1;   // argmax of the last position
   KvCache kv;
   double seconds = 0;
+  // Attention accounting of the last call: time in estimators and in attention kernels, and the
+  // fraction of causal query-key pairs computed (1.0 for dense).
+  double estimate_s = 0, attention_s = 0, density = 1.0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});

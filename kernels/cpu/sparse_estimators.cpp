@@ -1,0 +1,453 @@
+// Online sparse-index estimators (MInference Alg. 2 and 3, PSA-style thresholds, MoA spans).
+//
+// Per head, by its HeadPattern; every pattern ends in sparse_slot_build, which always adds the
+// sink [0, sink) and the local window [base - local, kend) of each query block:
+//   dense           local = base: every causal key.
+//   a-shape         nothing else: sink + local window.
+//   vertical-slash  softmax(q_last K^T / sqrt(d)) over causal keys for the last L = min(64, n_q)
+//                   rows; column sums -> top n_vertical columns, sums along diagonals
+//                   (offset = qpos - kpos) -> top n_slash diagonals. The sink columns and the
+//                   local diagonals 0..local rank first and count toward the budgets.
+//   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
+//                   query block, top n_blocks causal key blocks; block 0 and the key blocks under
+//                   the query block's diagonal rank first.
+//   moa             local window of span = alpha + beta * n_k keys before each query block
+//                   (a 64-row block shares the window of its first row), plus the sink.
+//   adaptive-vs     vertical-slash scores; the smallest ranked set of columns whose normalized
+//                   mass reaches gamma, likewise diagonals; each count in [min_budget, max_budget].
+//   adaptive-block  per query block, softmax over the pooled block scores; the smallest ranked
+//                   set reaching gamma; count in [ceil(min_budget/64), ceil(max_budget/64)] blocks.
+// Ranking is deterministic: forced items first, then score descending, index ascending.
+// A head counts in stats.clamped_heads when its budget exceeds what the sequence holds:
+// a-shape sink + local > n_k; vertical-slash n_vertical > causal keys of the last row or
+// n_slash > diagonals; block-sparse n_blocks > key blocks; moa span > n_k; adaptive min_budget
+// beyond those same limits.
+//
+// Cost: the last-query scores are two SGEMMs (row stats, then probabilities) of (G*L) x chunk x d
+// per KV-head group and 2048-key chunk, parallel over (group, chunk): memory stays O(chunk), and
+// the K tile is shared by the group's query heads. Index building runs parallel over heads, each
+// slot linear in its candidates (they are sorted once per head).
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/cpu_sparse.h"
+
+namespace sf::kernels::cpu {
+namespace {
+
+constexpr int64_t kB = kSparseBlock;
+constexpr int64_t kChunk = 2048;  // keys per scoring task: (G*64) x 2048 fp32 = 2 MiB at G = 4
+
+void serial_blas_once() {
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+struct Budget {
+  bool mass = false;  // false: top-k; true: smallest prefix reaching gamma of the total mass
+  int64_t k = 0;      // top-k count, forced items included
+  double gamma = 1.0;
+  int64_t min_count = 0, max_count = 0;  // mass mode clamp, forced items included
+};
+
+// Selection over items [0, n) by score: the forced items (sorted, unique; those >= n dropped)
+// first, then the rest by score descending, index ascending. Returns sorted item ids.
+std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
+                                   const Budget& b) {
+  forced.erase(
+      std::remove_if(forced.begin(), forced.end(), [&](int32_t x) { return x < 0 || x >= n; }),
+      forced.end());
+  std::vector<char> is_forced(size_t(std::max<int64_t>(n, 0)), 0);
+  for (int32_t x : forced) is_forced[size_t(x)] = 1;
+  std::vector<int32_t> rest;
+  rest.reserve(size_t(std::max<int64_t>(n - int64_t(forced.size()), 0)));
+  for (int64_t j = 0; j < n; ++j)
+    if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
+  auto better = [&](int32_t x, int32_t y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  };
+  const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
+  int64_t take = 0;
+  if (!b.mass) {
+    take = std::clamp<int64_t>(b.k - nf, 0, nr);
+    std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
+  } else {
+    std::sort(rest.begin(), rest.end(), better);
+    double total = 0, cum = 0;
+    for (int64_t j = 0; j < n; ++j) total += double(score[j]);
+    for (int32_t x : forced) cum += double(score[x]);
+    const double goal = b.gamma * total;
+    while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
+    const int64_t count =
+        std::clamp<int64_t>(nf + take, b.min_count, std::max(b.min_count, b.max_count));
+    take = std::clamp<int64_t>(count - nf, 0, nr);
+  }
+  std::vector<int32_t> sel = std::move(forced);
+  sel.insert(sel.end(), rest.begin(), rest.begin() + take);
+  std::sort(sel.begin(), sel.end());
+  return sel;
+}
+
+std::vector<int32_t> iota_list(int64_t n) {
+  std::vector<int32_t> v(size_t(std::max<int64_t>(n, 0)));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::kAdaptiveVS; }
+bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock; }
+
+struct Geometry {
+  int64_t nq, nk, hq, hkv, group, d, n_qb, q_offset;
+  float scale;
+  const float* q;
+  const float* k;
+};
+
+// Column sums and diagonal sums of softmax(q_last K^T * scale) for the heads in `heads`
+// (every one needs vertical-slash scores). col[h] has kend_last entries, diag[h] q_offset + n_q.
+void vs_scores(const Geometry& g, const std::vector<int>& heads,
+               std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag) {
+  const int64_t L = std::min<int64_t>(kB, g.nq);
+  const int64_t p0 = g.q_offset + g.nq - L;  // global position of the first scoring row
+  const int64_t kend = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
+  const int64_t n_diag = g.q_offset + g.nq;
+  for (int h : heads) {
+    (*col)[size_t(h)].assign(size_t(kend), 0.f);
+    (*diag)[size_t(h)].assign(size_t(n_diag), 0.f);
+  }
+  if (kend == 0 || L == 0) return;
+  // Groups of query heads sharing a KV head.
+  std::vector<std::vector<int>> groups(size_t(g.hkv));
+  for (int h : heads) groups[size_t(h / g.group)].push_back(h);
+  std::vector<int> gl;
+  for (int64_t x = 0; x < g.hkv; ++x)
+    if (!groups[size_t(x)].empty()) gl.push_back(int(x));
+  const int64_t n_chunks = ceil_div(kend, kChunk);
+  const size_t n_tasks = gl.size() * size_t(n_chunks);
+  // The last rows of q for each group, stacked head-major: row x * L + i.
+  std::vector<std::vector<float>> qbuf(gl.size());
+  for (size_t gi = 0; gi < gl.size(); ++gi) {
+    const auto& hs = groups[size_t(gl[gi])];
+    qbuf[gi].resize(hs.size() * size_t(L * g.d));
+    for (size_t x = 0; x < hs.size(); ++x)
+      for (int64_t i = 0; i < L; ++i)
+        std::copy_n(g.q + ((g.nq - L + i) * g.hq + hs[x]) * g.d, g.d,
+                    qbuf[gi].data() + (int64_t(x) * L + i) * g.d);
+  }
+  auto scores = [&](size_t task, std::vector<float>& s, int64_t* c0, int64_t* kc) {
+    const size_t gi = task / size_t(n_chunks);
+    *c0 = int64_t(task % size_t(n_chunks)) * kChunk;
+    *kc = std::min(kChunk, kend - *c0);
+    const int64_t m = int64_t(groups[size_t(gl[gi])].size()) * L;
+    s.resize(size_t(m * *kc));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(*kc), int(g.d), g.scale,
+                qbuf[gi].data(), int(g.d), g.k + *c0 * g.hkv * g.d + int64_t(gl[gi]) * g.d,
+                int(g.hkv * g.d), 0.f, s.data(), int(*kc));
+  };
+  auto visible = [&](int64_t i, int64_t c0, int64_t kc) {
+    return std::clamp<int64_t>(p0 + i + 1 - c0, 0, kc);
+  };
+  // Pass 1: per-row max and sum of each chunk.
+  std::vector<std::vector<float>> part_m(n_tasks), part_l(n_tasks);
+  parallel_for(n_tasks, [&](size_t tb, size_t te) {
+    std::vector<float> s;
+    for (size_t t = tb; t < te; ++t) {
+      int64_t c0, kc;
+      scores(t, s, &c0, &kc);
+      const int64_t m = int64_t(s.size()) / kc;
+      part_m[t].assign(size_t(m), -std::numeric_limits<float>::infinity());
+      part_l[t].assign(size_t(m), 0.f);
+      for (int64_t r = 0; r < m; ++r) {
+        float* sr = s.data() + r * kc;
+        const int64_t lim = visible(r % L, c0, kc);
+        if (lim == 0) continue;
+        const float mx = *std::max_element(sr, sr + lim);
+        part_m[t][size_t(r)] = mx;
+        part_l[t][size_t(r)] = exp_sub_sum(sr, lim, mx);
+      }
+    }
+  });
+  // Row log-sum-exp over all chunks.
+  std::vector<std::vector<float>> row_lse(gl.size());
+  for (size_t gi = 0; gi < gl.size(); ++gi) {
+    const size_t m = groups[size_t(gl[gi])].size() * size_t(L);
+    row_lse[gi].assign(m, -std::numeric_limits<float>::infinity());
+    for (size_t r = 0; r < m; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < n_chunks; ++c)
+        mx = std::max(mx, part_m[gi * size_t(n_chunks) + size_t(c)][r]);
+      if (mx == -std::numeric_limits<float>::infinity()) continue;
+      double l = 0;
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const size_t t = gi * size_t(n_chunks) + size_t(c);
+        if (part_l[t][r] > 0.f)
+          l += double(part_l[t][r]) * std::exp(double(part_m[t][r]) - double(mx));
+      }
+      row_lse[gi][r] = mx + float(std::log(l));
+    }
+  }
+  // Pass 2: probabilities; columns are chunk-local (written in place), diagonal sums go to a
+  // per-task partial array over the offsets this chunk reaches, reduced after.
+  std::vector<std::vector<float>> part_d(n_tasks);
+  std::vector<int64_t> part_omin(n_tasks);
+  parallel_for(n_tasks, [&](size_t tb, size_t te) {
+    std::vector<float> s;
+    for (size_t t = tb; t < te; ++t) {
+      int64_t c0, kc;
+      scores(t, s, &c0, &kc);
+      const size_t gi = t / size_t(n_chunks);
+      const auto& hs = groups[size_t(gl[gi])];
+      const int64_t omin = std::max<int64_t>(0, p0 - (c0 + kc - 1));
+      const int64_t omax = p0 + L - 1 - c0;
+      const int64_t span = omax - omin + 1;
+      part_omin[t] = omin;
+      part_d[t].assign(hs.size() * size_t(span), 0.f);
+      for (size_t x = 0; x < hs.size(); ++x) {
+        float* cs = (*col)[size_t(hs[x])].data() + c0;
+        float* ds = part_d[t].data() + x * size_t(span);
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t r = int64_t(x) * L + i;
+          float* sr = s.data() + r * kc;
+          const int64_t lim = visible(i, c0, kc);
+          const float lse = row_lse[gi][size_t(r)];
+          if (lim == 0 || lse == -std::numeric_limits<float>::infinity()) continue;
+          exp_sub_sum(sr, lim, lse);
+          for (int64_t j = 0; j < lim; ++j) cs[j] += sr[j];
+          // offset of (row i, key c0 + j) = p0 + i - c0 - j
+          float* dr = ds + (p0 + i - c0 - omin);
+          for (int64_t j = 0; j < lim; ++j) dr[-j] += sr[j];
+        }
+      }
+    }
+  });
+  for (size_t gi = 0; gi < gl.size(); ++gi) {
+    const auto& hs = groups[size_t(gl[gi])];
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const size_t t = gi * size_t(n_chunks) + size_t(c);
+      const size_t span = part_d[t].size() / hs.size();
+      for (size_t x = 0; x < hs.size(); ++x) {
+        float* dst = (*diag)[size_t(hs[x])].data() + part_omin[t];
+        const float* src = part_d[t].data() + x * span;
+        for (size_t o = 0; o < span; ++o) dst[o] += src[o];
+      }
+    }
+  }
+}
+
+// Mean of k over 64-key blocks, per KV head: [hkv][n_kb * d].
+std::vector<std::vector<float>> pool_keys(const Geometry& g) {
+  const int64_t n_kb = ceil_div(g.nk, kB);
+  std::vector<std::vector<float>> pk(size_t(g.hkv), std::vector<float>(size_t(n_kb * g.d), 0.f));
+  parallel_for(size_t(g.hkv * n_kb), [&](size_t tb, size_t te) {
+    for (size_t t = tb; t < te; ++t) {
+      const int64_t kvh = int64_t(t) / n_kb, b = int64_t(t) % n_kb;
+      float* dst = pk[size_t(kvh)].data() + b * g.d;
+      const int64_t j1 = std::min(g.nk, (b + 1) * kB);
+      for (int64_t j = b * kB; j < j1; ++j) {
+        const float* src = g.k + (j * g.hkv + kvh) * g.d;
+        for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
+      }
+      const float inv = 1.f / float(j1 - b * kB);
+      for (int64_t c = 0; c < g.d; ++c) dst[c] *= inv;
+    }
+  });
+  return pk;
+}
+
+// Per-head output: the slots' blocks and columns, CSR over query blocks.
+struct HeadLists {
+  std::vector<int32_t> blocks, cols;
+  std::vector<int64_t> bstart, cstart;  // n_qb + 1
+  bool clamped = false;
+};
+
+}  // namespace
+
+Status sparse_estimate(const TensorView& q, const TensorView& k,
+                       const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
+                       EstimatorStats* stats, std::vector<IndexCandidates>* trace,
+                       std::vector<int64_t>* trace_local) {
+  const auto t_start = std::chrono::steady_clock::now();
+  serial_blas_once();
+  Geometry g;
+  g.nq = q.shape[0];
+  g.hq = q.shape[1];
+  g.d = q.shape[2];
+  g.nk = k.shape[0];
+  g.hkv = k.shape[1];
+  g.group = g.hq / g.hkv;
+  g.n_qb = ceil_div(g.nq, kB);
+  g.q_offset = q_offset;
+  g.scale = 1.f / std::sqrt(float(g.d));
+  g.q = q.ptr<float>();
+  g.k = k.ptr<float>();
+  const int64_t kend_last = std::clamp<int64_t>(q_offset + g.nq, 0, g.nk);
+  const int64_t n_diag = q_offset + g.nq;
+  const int64_t n_kb = ceil_div(g.nk, kB);
+
+  std::vector<int> vs_heads;
+  bool any_block = false;
+  for (int h = 0; h < int(g.hq); ++h) {
+    if (uses_vs(patterns[size_t(h)].pattern)) vs_heads.push_back(h);
+    any_block |= uses_blocks(patterns[size_t(h)].pattern);
+  }
+  std::vector<std::vector<float>> col(size_t(g.hq)), diag(size_t(g.hq));
+  if (!vs_heads.empty()) vs_scores(g, vs_heads, &col, &diag);
+  std::vector<std::vector<float>> pooled_k;
+  if (any_block) pooled_k = pool_keys(g);
+
+  if (trace) trace->assign(size_t(g.hq * g.n_qb), IndexCandidates{});
+  if (trace_local) trace_local->assign(size_t(g.hq), 0);
+  std::vector<HeadLists> lists(size_t(g.hq));
+  parallel_for(size_t(g.hq), [&](size_t hb, size_t he) {
+    for (size_t h = hb; h < he; ++h) {
+      const HeadPattern& hp = patterns[h];
+      HeadLists& hl = lists[h];
+      hl.bstart.assign(size_t(g.n_qb + 1), 0);
+      hl.cstart.assign(size_t(g.n_qb + 1), 0);
+      int64_t local = hp.local;
+      std::vector<int32_t> cols, diags;  // per head (vertical-slash family)
+      std::vector<float> pq, bscore;     // block family: pooled q, one chunk of block scores
+      switch (hp.pattern) {
+        case Pattern::kDense:
+          local = g.q_offset + g.nq;
+          break;  // >= base of every block
+        case Pattern::kAShape:
+          hl.clamped = hp.sink + hp.local > g.nk;
+          break;
+        case Pattern::kMoA: {
+          const double span = hp.alpha + hp.beta * double(g.nk);
+          hl.clamped = span > double(g.nk);
+          local = std::clamp<int64_t>(std::llround(span), 0, g.nk);
+          break;
+        }
+        case Pattern::kVerticalSlash:
+        case Pattern::kAdaptiveVS: {
+          Budget bc, bd;
+          if (hp.pattern == Pattern::kVerticalSlash) {
+            bc.k = std::min(hp.n_vertical, kend_last);
+            bd.k = std::min(hp.n_slash, n_diag);
+            hl.clamped = hp.n_vertical > kend_last || hp.n_slash > n_diag;
+          } else {
+            bc.mass = bd.mass = true;
+            bc.gamma = bd.gamma = hp.gamma;
+            bc.min_count = bd.min_count = hp.min_budget;
+            bc.max_count = bd.max_count = hp.max_budget;
+            hl.clamped = hp.min_budget > kend_last || hp.min_budget > n_diag;
+          }
+          cols =
+              select_ranked(col[h].data(), kend_last, iota_list(std::min(hp.sink, kend_last)), bc);
+          diags =
+              select_ranked(diag[h].data(), n_diag, iota_list(std::min(hp.local + 1, n_diag)), bd);
+          break;
+        }
+        case Pattern::kBlockSparse:
+        case Pattern::kAdaptiveBlock: {
+          hl.clamped = hp.pattern == Pattern::kBlockSparse ? hp.n_blocks > n_kb
+                                                           : ceil_div(hp.min_budget, kB) > n_kb;
+          pq.assign(size_t(g.n_qb * g.d), 0.f);
+          for (int64_t r = 0; r < g.nq; ++r) {
+            const float* src = g.q + (r * g.hq + int64_t(h)) * g.d;
+            float* dst = pq.data() + (r / kB) * g.d;
+            for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
+          }
+          for (int64_t qb = 0; qb < g.n_qb; ++qb) {
+            const float inv = 1.f / float(std::min(kB, g.nq - qb * kB));
+            for (int64_t c = 0; c < g.d; ++c) pq[size_t(qb * g.d + c)] *= inv;
+          }
+          break;
+        }
+      }
+      if (trace_local) (*trace_local)[h] = local;
+      const float* pk = uses_blocks(hp.pattern) ? pooled_k[h / size_t(g.group)].data() : nullptr;
+      std::vector<int32_t> kbs;
+      for (int64_t qb = 0; qb < g.n_qb; ++qb) {
+        const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
+        kbs.clear();
+        if (pk && n_kb > 0) {
+          // Block scores for 64 query blocks at a time: one small SGEMM, O(64 * n_kb) memory.
+          const int64_t c0 = qb / kB * kB;
+          if (qb == c0) {
+            const int64_t m = std::min(kB, g.n_qb - c0);
+            bscore.resize(size_t(m * n_kb));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(n_kb), int(g.d),
+                        g.scale, pq.data() + c0 * g.d, int(g.d), pk, int(g.d), 0.f, bscore.data(),
+                        int(n_kb));
+          }
+          float* s = bscore.data() + (qb - c0) * n_kb;
+          const int64_t n_allowed = ceil_div(sg.kend, kB);
+          std::vector<int32_t> forced{0};
+          for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
+            if (b > 0) forced.push_back(int32_t(b));
+          Budget bb;
+          if (hp.pattern == Pattern::kBlockSparse) {
+            bb.k = hp.n_blocks;
+          } else {  // softmax over the causal blocks, then the mass threshold
+            const float mx = *std::max_element(s, s + n_allowed);
+            const float sum = exp_sub_sum(s, n_allowed, mx);
+            for (int64_t b = 0; b < n_allowed; ++b) s[b] /= sum;
+            bb.mass = true;
+            bb.gamma = hp.gamma;
+            bb.min_count = ceil_div(hp.min_budget, kB);
+            bb.max_count = ceil_div(hp.max_budget, kB);
+          }
+          kbs = select_ranked(s, n_allowed, std::move(forced), bb);
+        }
+        hl.bstart[size_t(qb)] = int64_t(hl.blocks.size());
+        hl.cstart[size_t(qb)] = int64_t(hl.cols.size());
+        sparse_slot_build(sg, cols, diags, kbs, hp.sink, local, &hl.blocks, &hl.cols);
+        if (trace) {
+          IndexCandidates& tc = (*trace)[h * size_t(g.n_qb) + size_t(qb)];
+          tc.columns = cols;
+          tc.diagonals = diags;
+          tc.key_blocks = kbs;
+        }
+      }
+      hl.bstart[size_t(g.n_qb)] = int64_t(hl.blocks.size());
+      hl.cstart[size_t(g.n_qb)] = int64_t(hl.cols.size());
+    }
+  });
+
+  // Size the index exactly, then copy the lists in.
+  int64_t max_b = 0, max_c = 0;
+  for (const HeadLists& hl : lists)
+    for (int64_t qb = 0; qb < g.n_qb; ++qb) {
+      max_b = std::max(max_b, hl.bstart[size_t(qb + 1)] - hl.bstart[size_t(qb)]);
+      max_c = std::max(max_c, hl.cstart[size_t(qb + 1)] - hl.cstart[size_t(qb)]);
+    }
+  *out = sparse_index_make(int(g.hq), g.nq, g.nk, q_offset, int(max_b), int(max_c));
+  stats->clamped_heads = 0;
+  for (int64_t h = 0; h < g.hq; ++h) {
+    const HeadLists& hl = lists[size_t(h)];
+    stats->clamped_heads += hl.clamped ? 1 : 0;
+    for (int64_t qb = 0; qb < g.n_qb; ++qb) {
+      const size_t s = out->slot(int(h), qb);
+      const int64_t b0 = hl.bstart[size_t(qb)], b1 = hl.bstart[size_t(qb + 1)];
+      const int64_t c0 = hl.cstart[size_t(qb)], c1 = hl.cstart[size_t(qb + 1)];
+      out->block_count[s] = int32_t(b1 - b0);
+      out->column_count[s] = int32_t(c1 - c0);
+      std::copy(hl.blocks.begin() + b0, hl.blocks.begin() + b1,
+                out->block_offset.begin() + ptrdiff_t(s * size_t(max_b)));
+      std::copy(hl.cols.begin() + c0, hl.cols.begin() + c1,
+                out->column_index.begin() + ptrdiff_t(s * size_t(max_c)));
+    }
+  }
+  stats->density = out->density();
+  stats->estimate_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return Status::ok();
+}
+
+}  // namespace sf::kernels::cpu

@@ -1,0 +1,128 @@
+// Sparse attention API: pattern names, validation, dispatch. Shapes, dtypes, pattern parameters
+// and the index's invariants are checked here once, so backends can assume them.
+#include "kernels/sparse.h"
+
+#include <cmath>
+
+#include "kernels/cpu/cpu_sparse.h"
+
+namespace sf::kernels {
+namespace {
+
+constexpr struct {
+  Pattern p;
+  const char* name;
+} kPatternNames[] = {
+    {Pattern::kDense, "dense"},
+    {Pattern::kAShape, "a-shape"},
+    {Pattern::kVerticalSlash, "vertical-slash"},
+    {Pattern::kBlockSparse, "block-sparse"},
+    {Pattern::kMoA, "moa"},
+    {Pattern::kAdaptiveVS, "adaptive-vs"},
+    {Pattern::kAdaptiveBlock, "adaptive-block"},
+};
+
+Status need(bool cond, const char* op, const std::string& what) {
+  if (cond) return Status::ok();
+  return Status(Code::kInvalidArgument, std::string(op) + ": " + what);
+}
+bool f32c(const TensorView& t) { return t.dtype == DType::kF32 && t.contiguous(); }
+
+Status check_pattern(const HeadPattern& hp, size_t h) {
+  const std::string f = "sparse_estimate: patterns[" + std::to_string(h) + "].";
+  auto err = [&](const char* field, const std::string& what) {
+    return SF_ERR(kInvalidArgument, f + field + " " + what);
+  };
+  if (hp.sink < 0) return err("sink", "must be >= 0");
+  if (hp.local < 0) return err("local", "must be >= 0");
+  if (hp.n_vertical < 0) return err("n_vertical", "must be >= 0");
+  if (hp.n_slash < 0) return err("n_slash", "must be >= 0");
+  if (hp.n_blocks < 0) return err("n_blocks", "must be >= 0");
+  if (!std::isfinite(hp.alpha) || hp.alpha < 0) return err("alpha", "must be finite and >= 0");
+  if (!std::isfinite(hp.beta) || hp.beta < 0) return err("beta", "must be finite and >= 0");
+  if (!(hp.gamma > 0 && hp.gamma <= 1)) return err("gamma", "must be in (0, 1]");
+  if (hp.min_budget < 0) return err("min_budget", "must be >= 0");
+  if (hp.max_budget < hp.min_budget) return err("max_budget", "must be >= min_budget");
+  bool known = false;
+  for (const auto& e : kPatternNames) known |= e.p == hp.pattern;
+  if (!known) return err("pattern", "is not a known pattern");
+  return Status::ok();
+}
+
+}  // namespace
+
+const char* pattern_name(Pattern p) {
+  for (const auto& e : kPatternNames)
+    if (e.p == p) return e.name;
+  return "unknown";
+}
+
+Result<Pattern> pattern_from_string(const std::string& s) {
+  for (const auto& e : kPatternNames)
+    if (s == e.name) return e.p;
+  return SF_ERR(
+      kInvalidArgument,
+      "unknown sparse pattern '" + s +
+          "' (dense, a-shape, vertical-slash, block-sparse, moa, adaptive-vs, adaptive-block)");
+}
+
+Status sparse_estimate(const TensorView& q, const TensorView& k,
+                       const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
+                       EstimatorStats* stats) {
+  SF_TRY(need(out != nullptr, "sparse_estimate", "out index is null"));
+  SF_TRY(
+      need(q.ndim == 3 && k.ndim == 3, "sparse_estimate", "q and k are 3-D [n, heads, head_dim]"));
+  SF_TRY(need(f32c(q) && f32c(k), "sparse_estimate", "q and k must be contiguous F32"));
+  SF_TRY(need(q.device == k.device, "sparse_estimate", "q and k on different devices"));
+  if (q.device != Device::kCpu)
+    return SF_ERR(kUnsupported, "sparse_estimate: no CUDA estimator yet");
+  SF_TRY(
+      need(q.shape[2] == k.shape[2] && q.shape[2] > 0, "sparse_estimate", "q/k head_dim mismatch"));
+  SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "sparse_estimate",
+              "n_heads must be a multiple of n_kv_heads"));
+  SF_TRY(need(int64_t(patterns.size()) == q.shape[1], "sparse_estimate",
+              "patterns has " + std::to_string(patterns.size()) + " entries for " +
+                  std::to_string(q.shape[1]) + " heads"));
+  SF_TRY(need(q_offset >= 0, "sparse_estimate", "q_offset must be >= 0"));
+  SF_TRY(need(k.shape[0] <= INT32_MAX, "sparse_estimate", "n_k exceeds int32 key positions"));
+  for (size_t h = 0; h < patterns.size(); ++h) SF_TRY(check_pattern(patterns[h], h));
+  EstimatorStats local_stats;
+  return cpu::sparse_estimate(q, k, patterns, q_offset, out, stats ? stats : &local_stats);
+}
+
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndex& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, Stream s) {
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &out, &lse})
+    SF_TRY(need(!t->data || t->device == s.device, "attention_sparse",
+                "tensor on a different device than the stream"));
+  if (s.device == Device::kCuda)
+    return SF_ERR(kUnsupported, "attention_sparse: no CUDA sparse kernel yet");
+  SF_TRY(need(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && out.ndim == 3, "attention_sparse",
+              "q, k, v, out are 3-D"));
+  SF_TRY(need(f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse), "attention_sparse",
+              "contiguous F32 tensors"));
+  SF_TRY(need(k.shape == v.shape && q.shape[2] == k.shape[2], "attention_sparse",
+              "k/v shape mismatch"));
+  SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "attention_sparse",
+              "n_heads must be a multiple of n_kv_heads"));
+  SF_TRY(need(out.shape == q.shape, "attention_sparse", "out must match q"));
+  SF_TRY(need(lse.numel() == q.shape[0] * q.shape[1], "attention_sparse",
+              "lse must be [n_heads, n_q]"));
+  SF_TRY(
+      need(p.causal, "attention_sparse", "the sparse index is causal; params.causal must be true"));
+  SF_TRY(need(idx.n_heads == q.shape[1] && idx.n_q == q.shape[0] && idx.n_k == k.shape[0],
+              "attention_sparse",
+              "index geometry (heads " + std::to_string(idx.n_heads) + ", n_q " +
+                  std::to_string(idx.n_q) + ", n_k " + std::to_string(idx.n_k) +
+                  ") does not match q" + q.shape_str() + " k" + k.shape_str()));
+  SF_TRY(need(idx.q_offset == p.q_offset, "attention_sparse",
+              "index q_offset " + std::to_string(idx.q_offset) + " != params.q_offset " +
+                  std::to_string(p.q_offset)));
+  // Structural check (bounds, order, no overlap): the kernel reads K/V rows at these offsets.
+  // Linear in the index size, negligible next to the attention itself.
+  SF_TRY(sparse_index_validate(idx, 0));
+  return cpu::attention_sparse(q, k, v, idx, out, lse, p);
+}
+
+}  // namespace sf::kernels

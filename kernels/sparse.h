@@ -1,0 +1,76 @@
+// Sparse prefill attention: patterns, per-head configs, online estimators, the sparse kernel.
+// Backend-neutral API; CPU implementation in kernels/cpu, CUDA later.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/api.h"
+#include "kernels/sparse_index.h"
+
+namespace sf::kernels {
+
+enum class Pattern {
+  kDense,
+  kAShape,
+  kVerticalSlash,
+  kBlockSparse,
+  kMoA,
+  kAdaptiveVS,
+  kAdaptiveBlock
+};
+const char* pattern_name(Pattern p);
+Result<Pattern> pattern_from_string(const std::string& s);
+
+// One head's pattern and budget. Token counts; budgets are clamped to the sequence (and the
+// clamp is reported by the estimator stats).
+struct HeadPattern {
+  Pattern pattern = Pattern::kDense;
+  int64_t sink = 64;          // always-kept leading keys
+  int64_t local = 64;         // always-kept recent keys (diagonal window) beyond the query's block
+  int64_t n_vertical = 1000;  // vertical-slash: top-k columns
+  int64_t n_slash = 6096;     // vertical-slash: top-k diagonals
+  int64_t n_blocks = 64;      // block-sparse: top-k key blocks per query block
+  double alpha = 1024;        // MoA span = alpha + beta * N
+  double beta = 0.0;
+  double gamma = 0.95;           // adaptive: cumulative estimated attention mass to reach
+  int64_t min_budget = 256;      // adaptive: tokens kept at least (adaptive-vs: columns, and
+                                 // diagonals, each; adaptive-block: ceil(budget / 64) blocks)...
+  int64_t max_budget = 1 << 20;  // ...and at most
+  double score = 0;              // search: attention recall of this head's choice (informational)
+};
+
+struct EstimatorStats {
+  double estimate_s = 0;
+  int64_t clamped_heads = 0;  // heads whose budget exceeded the sequence and was clamped
+  double density = 0;         // of the index built
+};
+
+// Builds the index for one layer's attention over all rows of q: q [n_q, n_heads, d] (global
+// offset q_offset relative to k row 0), k [n_k, n_kv_heads, d]. Vertical-slash and adaptive
+// scoring use the last min(64, n_q) rows of q against all keys (MInference Alg. 2); block-sparse
+// mean-pools q and k over 64-token blocks (Alg. 3). patterns.size() == n_heads. Estimation time
+// is part of prefill time and is reported in stats (which may be null).
+// Per pattern (details and the exact clamp rules in kernels/cpu/sparse_estimators.cpp):
+//   dense: every causal key. a-shape: sink + local window. vertical-slash: top n_vertical
+//   columns and top n_slash diagonals of the last-query softmax, sink columns and diagonals
+//   0..local ranked first. block-sparse: top n_blocks pooled-score key blocks per query block,
+//   block 0 and the diagonal blocks ranked first. moa: local window of alpha + beta * n_k keys.
+//   adaptive-vs / adaptive-block: the smallest ranked set reaching gamma of the estimated mass.
+// Every pattern also gets the sink and local window (sparse_index.h). Ties rank by lower index.
+// CUDA tensors: kUnsupported for now.
+Status sparse_estimate(const TensorView& q, const TensorView& k,
+                       const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
+                       EstimatorStats* stats);
+
+// out/lse as attention_dense. Exact online softmax over the keys the index selects. Requires
+// p.causal and p.q_offset == idx.q_offset; the index is validated structurally first (bounds,
+// order, overlaps; linear in its size). A row that sees no selected key gets 0 and lse -inf.
+// CUDA stream: kUnsupported for now.
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndex& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, Stream s = {});
+
+}  // namespace sf::kernels

@@ -1,0 +1,809 @@
+// Sparse index, estimators and sparse attention against brute-force references on fresh random
+// inputs (seed printed). The masked reference here rebuilds each row's key set from the index
+// independently of both kernels.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kernels/api.h"
+#include "kernels/cpu/cpu_sparse.h"
+#include "kernels/sparse.h"
+
+namespace sf {
+namespace {
+
+using kernels::HeadPattern;
+using kernels::IndexCandidates;
+using kernels::Pattern;
+using kernels::SparseIndex;
+
+constexpr int64_t kB = 64;
+
+uint64_t fresh_seed() {
+  const uint64_t s = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+int64_t uni(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+struct Geo {
+  int64_t base, rows, kend;
+};
+Geo geo(int64_t nq, int64_t nk, int64_t q_off, int64_t qb) {
+  Geo g;
+  g.rows = std::min(kB, nq - qb * kB);
+  g.base = q_off + qb * kB;
+  g.kend = std::clamp<int64_t>(g.base + g.rows, 0, nk);
+  return g;
+}
+
+// The keys a slot lists, in index order (blocks expanded with the causal clip, then columns).
+std::vector<int64_t> slot_keys(const SparseIndex& idx, int h, int64_t qb) {
+  const Geo g = geo(idx.n_q, idx.n_k, idx.q_offset, qb);
+  const size_t s = idx.slot(h, qb);
+  std::vector<int64_t> keys;
+  for (int b = 0; b < idx.block_count[s]; ++b) {
+    const int64_t off = idx.block_offset[s * size_t(idx.max_blocks) + size_t(b)];
+    for (int64_t j = off; j < std::min(off + kB, g.kend); ++j) keys.push_back(j);
+  }
+  for (int c = 0; c < idx.column_count[s]; ++c)
+    keys.push_back(idx.column_index[s * size_t(idx.max_cols) + size_t(c)]);
+  return keys;
+}
+
+// Expected key set of a slot from candidates, straight from the definition in sparse_index.h.
+std::set<int64_t> expected_keys(const Geo& g, const IndexCandidates& c, int64_t sink,
+                                int64_t local) {
+  std::set<int64_t> k;
+  auto add = [&](int64_t a, int64_t e) {
+    for (int64_t j = std::max<int64_t>(a, 0); j < std::min(e, g.kend); ++j) k.insert(j);
+  };
+  add(0, sink);
+  add(g.base - local, g.kend);
+  for (int32_t o : c.diagonals)
+    if (o >= 0) add(g.base - o, g.base - o + g.rows);
+  for (int32_t b : c.key_blocks)
+    if (b >= 0) add(int64_t(b) * kB, int64_t(b) * kB + kB);
+  for (int32_t col : c.columns) add(col, int64_t(col) + 1);
+  return k;
+}
+
+IndexCandidates random_candidates(std::mt19937_64& rng, int64_t nk, int n_cols, int n_diags,
+                                  int n_blocks) {
+  IndexCandidates c;
+  for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(uni(rng, -3, nk + 5)));
+  for (int i = 0; i < n_diags; ++i) {
+    // Runs of adjacent diagonals as well as isolated ones.
+    const int64_t o = uni(rng, -2, nk + 5), run = uni(rng, 1, 3) == 1 ? uni(rng, 1, 40) : 1;
+    for (int64_t r = 0; r < run; ++r) c.diagonals.push_back(int32_t(o + r));
+  }
+  for (int i = 0; i < n_blocks; ++i) c.key_blocks.push_back(int32_t(uni(rng, -1, nk / kB + 2)));
+  return c;
+}
+
+// A random index over all slots, built through the public builder.
+SparseIndex random_index(std::mt19937_64& rng, int hq, int64_t nq, int64_t nk, int64_t q_off,
+                         int64_t sink, int64_t local, int n_cols, int n_diags, int n_blocks) {
+  SparseIndex idx = kernels::sparse_index_make(hq, nq, nk, q_off, 1, 1);  // small: exercises growth
+  for (int h = 0; h < hq; ++h)
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb)
+      kernels::sparse_index_build(
+          &idx, h, qb, random_candidates(rng, nk, n_cols, n_diags, n_blocks), sink, local);
+  return idx;
+}
+
+TEST(SparseIndex, BuilderProperties) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int iter = 0; iter < 150; ++iter) {
+    const int64_t nq = uni(rng, 1, 300), q_off = uni(rng, 0, 200),
+                  nk = q_off + nq + (uni(rng, 0, 2) == 0 ? uni(rng, 0, 70) : 0);
+    const int64_t sink = uni(rng, 0, 100), local = uni(rng, 0, 200);
+    const int hq = 2;
+    SparseIndex idx =
+        kernels::sparse_index_make(hq, nq, nk, q_off, int(uni(rng, 0, 3)), int(uni(rng, 0, 3)));
+    std::vector<IndexCandidates> cands;
+    for (int h = 0; h < hq; ++h)
+      for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
+        cands.push_back(random_candidates(rng, nk, int(uni(rng, 0, 40)), int(uni(rng, 0, 12)),
+                                          int(uni(rng, 0, 5))));
+        kernels::sparse_index_build(&idx, h, qb, cands.back(), sink, local);
+      }
+    const Status st = kernels::sparse_index_validate(idx, sink);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    int64_t pairs_sum = 0, causal = 0;
+    size_t ci = 0;
+    for (int h = 0; h < hq; ++h)
+      for (int64_t qb = 0; qb < idx.n_qblocks; ++qb, ++ci) {
+        const Geo g = geo(nq, nk, q_off, qb);
+        const size_t s = idx.slot(h, qb);
+        ASSERT_LE(idx.block_count[s], idx.max_blocks);
+        ASSERT_LE(idx.column_count[s], idx.max_cols);
+        auto keys = slot_keys(idx, h, qb);
+        std::set<int64_t> got(keys.begin(), keys.end());
+        ASSERT_EQ(got.size(), keys.size())
+            << "a key is listed twice, head " << h << " qblock " << qb;
+        for (int64_t j : keys) ASSERT_TRUE(j >= 0 && j < g.kend) << "non-causal key " << j;
+        const auto want = expected_keys(g, cands[ci], sink, local);
+        ASSERT_EQ(got, want) << "iter " << iter << " head " << h << " qblock " << qb << " nq " << nq
+                             << " nk " << nk << " q_off " << q_off;
+        // Sink and the whole local window are present.
+        for (int64_t j = 0; j < std::min(sink, g.kend); ++j) ASSERT_TRUE(got.count(j));
+        for (int64_t j = std::max<int64_t>(0, g.base - local); j < g.kend; ++j)
+          ASSERT_TRUE(got.count(j));
+        // pairs(): per row, the listed keys it can see.
+        int64_t p = 0;
+        for (int64_t i = 0; i < g.rows; ++i)
+          for (int64_t j : keys) p += j < std::min(nk, g.base + i + 1);
+        ASSERT_EQ(idx.pairs(h, qb), p);
+        pairs_sum += p;
+        for (int64_t i = 0; i < g.rows; ++i) causal += std::min(nk, g.base + i + 1);
+      }
+    EXPECT_NEAR(idx.density(), double(pairs_sum) / double(causal), 1e-12);
+  }
+}
+
+TEST(SparseIndex, DenseIndexCoversEveryCausalKey) {
+  for (auto [nq, nk, q_off] : {std::tuple<int64_t, int64_t, int64_t>{300, 300, 0},
+                               {100, 357, 257},
+                               {64, 80, 10},
+                               {1, 1, 0}}) {
+    SparseIndex idx = kernels::sparse_index_dense(3, nq, nk, q_off);
+    ASSERT_TRUE(kernels::sparse_index_validate(idx, 64).is_ok());
+    EXPECT_NEAR(idx.density(), 1.0, 1e-12);
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb)
+      EXPECT_EQ(int64_t(slot_keys(idx, 2, qb).size()), geo(nq, nk, q_off, qb).kend);
+  }
+}
+
+TEST(SparseIndex, ValidateNamesTheBrokenField) {
+  std::mt19937_64 rng(fresh_seed());
+  // One slot with a block run, a tail and columns: q rows 128..191 of 200, keys 0..191.
+  SparseIndex good = kernels::sparse_index_make(2, 200, 200, 0, 8, 80);
+  IndexCandidates c;
+  c.columns = {5, 70, 71, 150};
+  c.diagonals = {100};
+  for (int h = 0; h < 2; ++h)
+    for (int64_t qb = 0; qb < good.n_qblocks; ++qb)
+      kernels::sparse_index_build(&good, h, qb, c, 16, 10);
+  ASSERT_TRUE(kernels::sparse_index_validate(good, 16).is_ok());
+  const size_t s = good.slot(1, 2);
+  const size_t b0 = s * size_t(good.max_blocks), c0 = s * size_t(good.max_cols);
+  ASSERT_GE(good.block_count[s], 2);
+  ASSERT_GE(good.column_count[s], 2);
+  auto expect_bad = [&](SparseIndex idx, const std::string& field, int64_t sink = 16) {
+    const Status st = kernels::sparse_index_validate(idx, sink);
+    ASSERT_FALSE(st.is_ok()) << "accepted a broken " << field;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st.message();
+  };
+  {
+    auto x = good;
+    x.block_count[s] = x.max_blocks + 1;
+    expect_bad(x, "block_count");
+  }
+  {
+    auto x = good;
+    x.column_count[s] = -1;
+    expect_bad(x, "column_count");
+  }
+  {
+    auto x = good;
+    x.block_offset[b0 + 1] = x.block_offset[b0] + 10;
+    expect_bad(x, "block_offset[1]");
+  }
+  {
+    auto x = good;
+    x.block_offset[b0] = -4;
+    expect_bad(x, "block_offset[0]");
+  }
+  {
+    auto x = good;
+    x.block_offset[b0 + size_t(x.block_count[s]) - 1] = 192;
+    expect_bad(x, "block_offset");
+  }  // past causal
+  {
+    auto x = good;
+    std::swap(x.column_index[c0], x.column_index[c0 + 1]);
+    expect_bad(x, "column_index[1]");
+  }
+  {
+    auto x = good;
+    x.column_index[c0 + 1] = x.column_index[c0];
+    expect_bad(x, "column_index[1]");
+  }
+  {
+    auto x = good;
+    x.column_index[c0 + size_t(x.column_count[s]) - 1] = 191 + 1;
+    expect_bad(x, "column_index");
+  }
+  {  // a column inside a block
+    auto x = good;
+    x.column_index[c0 + size_t(x.column_count[s]) - 1] =
+        x.block_offset[b0 + size_t(x.block_count[s]) - 1] + 1;
+    expect_bad(x, "inside block_offset");
+  }
+  expect_bad(good, "sink", 40);  // sink wider than what was built
+  {                              // drop the block that holds the diagonal
+    auto x = good;
+    x.block_count[s] -= 1;
+    expect_bad(x, "local");
+  }
+  {
+    auto x = good;
+    x.column_index.pop_back();
+    expect_bad(x, "column_index has");
+  }
+  {
+    auto x = good;
+    x.n_qblocks = 3;
+    expect_bad(x, "n_qblocks");
+  }
+  {
+    auto x = good;
+    x.q_offset = -1;
+    expect_bad(x, "q_offset");
+  }
+  (void)rng;
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+struct Case {
+  int64_t nq, nk, q_off;
+  int hq, hkv, d;
+};
+
+// Softmax over exactly the keys the index selects for each row, from a boolean mask.
+void masked_reference(const std::vector<float>& q, const std::vector<float>& k,
+                      const std::vector<float>& v, const Case& c, const SparseIndex& idx,
+                      std::vector<double>& out, std::vector<double>& lse) {
+  out.assign(size_t(c.nq * c.hq * c.d), 0);
+  lse.assign(size_t(c.hq * c.nq), 0);
+  const double scale = 1.0 / std::sqrt(double(c.d));
+  std::vector<char> mask(size_t(c.nk));
+  for (int h = 0; h < c.hq; ++h) {
+    const int kh = h / (c.hq / c.hkv);
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
+      std::fill(mask.begin(), mask.end(), 0);
+      for (int64_t j : slot_keys(idx, h, qb)) mask[size_t(j)] = 1;
+      const Geo g = geo(c.nq, c.nk, c.q_off, qb);
+      for (int64_t i = 0; i < g.rows; ++i) {
+        const int64_t row = qb * kB + i, lim = std::min(c.nk, g.base + i + 1);
+        std::vector<double> s(size_t(lim), -std::numeric_limits<double>::infinity());
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < lim; ++j) {
+          if (!mask[size_t(j)]) continue;
+          double acc = 0;
+          for (int x = 0; x < c.d; ++x)
+            acc += double(q[size_t((row * c.hq + h) * c.d + x)]) *
+                   k[size_t((j * c.hkv + kh) * c.d + x)];
+          s[size_t(j)] = acc * scale;
+          m = std::max(m, s[size_t(j)]);
+        }
+        if (m == -std::numeric_limits<double>::infinity()) {
+          lse[size_t(h * c.nq + row)] = -std::numeric_limits<double>::infinity();
+          continue;
+        }
+        double l = 0;
+        for (int64_t j = 0; j < lim; ++j)
+          if (mask[size_t(j)]) l += std::exp(s[size_t(j)] - m);
+        for (int64_t j = 0; j < lim; ++j) {
+          if (!mask[size_t(j)]) continue;
+          const double p = std::exp(s[size_t(j)] - m) / l;
+          for (int x = 0; x < c.d; ++x)
+            out[size_t((row * c.hq + h) * c.d + x)] += p * v[size_t((j * c.hkv + kh) * c.d + x)];
+        }
+        lse[size_t(h * c.nq + row)] = m + std::log(l);
+      }
+    }
+  }
+}
+
+struct Outputs {
+  std::vector<float> out, lse;
+};
+
+// Runs the sparse API (fast kernel) or the CPU reference, outputs poisoned with NaN first.
+Outputs run_sparse(const std::vector<float>& q, const std::vector<float>& k,
+                   const std::vector<float>& v, const Case& c, const SparseIndex& idx,
+                   bool reference) {
+  Outputs o;
+  o.out.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
+  o.lse.assign(size_t(c.hq * c.nq), std::numeric_limits<float>::quiet_NaN());
+  kernels::AttentionParams p;
+  p.q_offset = c.q_off;
+  auto tv = [](const std::vector<float>& x, std::initializer_list<int64_t> dims) {
+    return TensorView::make(const_cast<float*>(x.data()), DType::kF32, dims);
+  };
+  const TensorView tq = tv(q, {c.nq, c.hq, c.d}), tk = tv(k, {c.nk, c.hkv, c.d}),
+                   tvv = tv(v, {c.nk, c.hkv, c.d});
+  const TensorView to = tv(o.out, {c.nq, c.hq, c.d}), tl = tv(o.lse, {c.hq, c.nq});
+  const Status st = reference ? kernels::cpu::attention_sparse_ref(tq, tk, tvv, idx, to, tl, p)
+                              : kernels::attention_sparse(tq, tk, tvv, idx, to, tl, p);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return o;
+}
+
+template <typename A, typename B>
+void expect_close(const A& got, const B& want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_FALSE(std::isnan(double(got[i]))) << what << ": unwritten element " << i;
+    if (std::isinf(double(want[i])) || std::isinf(double(got[i]))) {
+      ASSERT_EQ(double(got[i]), double(want[i])) << what << " at " << i;
+      continue;
+    }
+    worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])));
+  }
+  EXPECT_LT(worst, tol) << what;
+}
+
+TEST(SparseAttention, FullIndexEqualsDense) {
+  std::mt19937_64 rng(fresh_seed());
+  for (Case c : {Case{300, 300, 0, 4, 2, 64}, Case{100, 357, 257, 6, 2, 16},
+                 Case{129, 129, 0, 9, 3, 64}, Case{70, 600, 500, 2, 1, 32}}) {
+    auto q = randn(size_t(c.nq * c.hq * c.d), rng), k = randn(size_t(c.nk * c.hkv * c.d), rng),
+         v = randn(size_t(c.nk * c.hkv * c.d), rng);
+    const SparseIndex idx = kernels::sparse_index_dense(c.hq, c.nq, c.nk, c.q_off);
+    std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN()),
+        lse(size_t(c.hq * c.nq));
+    kernels::AttentionParams p;
+    p.q_offset = c.q_off;
+    ASSERT_TRUE(
+        kernels::attention_dense(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                 TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                                 TensorView::make(v.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                                 TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                 TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p)
+            .is_ok());
+    const Outputs fast = run_sparse(q, k, v, c, idx, false),
+                  ref = run_sparse(q, k, v, c, idx, true);
+    expect_close(fast.out, out, 1e-5, "sparse(full) vs dense out");
+    expect_close(fast.lse, lse, 1e-5, "sparse(full) vs dense lse");
+    expect_close(ref.out, out, 2e-5, "reference(full) vs dense out");
+  }
+}
+
+TEST(SparseAttention, RandomIndicesMatchMaskedReference) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Sparse {
+    Case c;
+    int64_t sink, local;
+    int cols, diags, blocks;
+  };
+  for (const Sparse& t :
+       {Sparse{{300, 300, 0, 4, 2, 64}, 16, 20, 30, 6, 2},    // n not a multiple of 64
+        Sparse{{190, 450, 260, 6, 3, 16}, 64, 0, 60, 10, 3},  // q_offset > 0
+        Sparse{{150, 420, 200, 2, 1, 32}, 0, 64, 10, 4, 1},   // keys past the last query
+        Sparse{{640, 900, 260, 2, 1, 64}, 8, 0, 700, 2, 0},   // > 256 columns per slot
+        Sparse{{400, 400, 0, 4, 1, 32}, 4, 0, 12, 2, 1},      // low density
+        Sparse{{64, 64, 0, 3, 1, 16}, 0, 0, 5, 0, 0}}) {      // diagonal only
+    const Case& c = t.c;
+    auto q = randn(size_t(c.nq * c.hq * c.d), rng), k = randn(size_t(c.nk * c.hkv * c.d), rng),
+         v = randn(size_t(c.nk * c.hkv * c.d), rng);
+    const SparseIndex idx =
+        random_index(rng, c.hq, c.nq, c.nk, c.q_off, t.sink, t.local, t.cols, t.diags, t.blocks);
+    ASSERT_TRUE(kernels::sparse_index_validate(idx, t.sink).is_ok());
+    if (c.nq == 640) {
+      int max_cc = 0;
+      for (int32_t cc : idx.column_count) max_cc = std::max(max_cc, int(cc));
+      EXPECT_GT(max_cc, 256) << "case meant to exercise several column batches";
+    }
+    std::vector<double> mo, ml;
+    masked_reference(q, k, v, c, idx, mo, ml);
+    const Outputs fast = run_sparse(q, k, v, c, idx, false),
+                  ref = run_sparse(q, k, v, c, idx, true);
+    expect_close(ref.out, mo, 1e-6, "reference vs masked out");
+    expect_close(ref.lse, ml, 1e-5, "reference vs masked lse");
+    expect_close(fast.out, mo, 2e-5, "fast vs masked out");
+    expect_close(fast.lse, ml, 2e-5, "fast vs masked lse");
+    std::printf("  nq %lld nk %lld q_off %lld: density %.3f\n", (long long)c.nq, (long long)c.nk,
+                (long long)c.q_off, idx.density());
+  }
+}
+
+TEST(SparseAttention, RejectsMismatchedIndexAndCuda) {
+  std::vector<float> q(64 * 2 * 16, 1.f), k(64 * 16, 1.f), out(q.size()), lse(128);
+  const Case c{64, 64, 0, 2, 1, 16};
+  SparseIndex idx = kernels::sparse_index_dense(2, 64, 64, 0);
+  auto call = [&](const SparseIndex& x, kernels::AttentionParams p, kernels::Stream s = {}) {
+    return kernels::attention_sparse(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                     TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                                     TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}), x,
+                                     TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                                     TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p, s);
+  };
+  EXPECT_TRUE(call(idx, {}).is_ok());
+  kernels::AttentionParams off;
+  off.q_offset = 3;
+  EXPECT_NE(call(idx, off).message().find("q_offset"), std::string::npos);
+  kernels::AttentionParams nc;
+  nc.causal = false;
+  EXPECT_NE(call(idx, nc).message().find("causal"), std::string::npos);
+  SparseIndex broken = idx;
+  broken.block_offset[1] = 9999;
+  EXPECT_NE(call(broken, {}).message().find("block_offset"), std::string::npos);
+  EXPECT_EQ(call(kernels::sparse_index_dense(3, 64, 64, 0), {}).code(), Code::kInvalidArgument);
+  const Status st = call(idx, {}, kernels::Stream{Device::kCuda, nullptr});
+  EXPECT_FALSE(st.is_ok());
+}
+
+// ---- estimators against brute force ---------------------------------------------------------
+
+struct Problem {
+  int64_t nq, nk, q_off;
+  int hq, hkv, d;
+  std::vector<float> q, k;
+};
+
+Problem make_problem(std::mt19937_64& rng, int64_t nq, int64_t q_off, int64_t extra_keys, int hq,
+                     int hkv, int d) {
+  Problem p{nq, q_off + nq + extra_keys, q_off, hq, hkv, d, {}, {}};
+  p.q = randn(size_t(nq * hq * d), rng, 1.5f);
+  p.k = randn(size_t(p.nk * hkv * d), rng, 1.5f);
+  // Planted structure so selections are not decided by noise alone: a few heavy key columns.
+  for (int64_t j : {int64_t(7), p.nk / 3, p.nk / 2 + 1})
+    for (int x = 0; x < hkv * d; ++x) p.k[size_t(j * hkv * d + x)] *= 3.f;
+  return p;
+}
+
+// Brute-force ranking: forced first, then score descending, index ascending.
+std::vector<int32_t> brute_rank(const std::vector<double>& s, const std::set<int32_t>& forced) {
+  std::vector<int32_t> order;
+  for (int32_t x : forced)
+    if (x < int32_t(s.size())) order.push_back(x);
+  std::vector<int32_t> rest;
+  for (int32_t j = 0; j < int32_t(s.size()); ++j)
+    if (!forced.count(j)) rest.push_back(j);
+  std::stable_sort(rest.begin(), rest.end(),
+                   [&](int32_t a, int32_t b) { return s[size_t(a)] > s[size_t(b)]; });
+  order.insert(order.end(), rest.begin(), rest.end());
+  return order;
+}
+std::vector<int32_t> brute_topk(const std::vector<double>& s, const std::set<int32_t>& forced,
+                                int64_t k) {
+  auto order = brute_rank(s, forced);
+  int64_t nf = 0;
+  for (int32_t x : forced) nf += x < int32_t(s.size());
+  order.resize(size_t(std::min<int64_t>(std::max(k, nf), int64_t(order.size()))));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+std::vector<int32_t> brute_mass(const std::vector<double>& s, const std::set<int32_t>& forced,
+                                double gamma, int64_t lo, int64_t hi) {
+  auto order = brute_rank(s, forced);
+  int64_t nf = 0;
+  for (int32_t x : forced) nf += x < int32_t(s.size());
+  const double total = std::accumulate(s.begin(), s.end(), 0.0);
+  double cum = 0;
+  int64_t n = 0;
+  for (; n < nf; ++n) cum += s[size_t(order[size_t(n)])];
+  while (n < int64_t(order.size()) && cum < gamma * total) cum += s[size_t(order[size_t(n++)])];
+  n = std::clamp<int64_t>(n, lo, std::max(lo, hi));
+  n = std::clamp<int64_t>(n, nf, int64_t(order.size()));
+  order.resize(size_t(n));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+std::set<int32_t> range_set(int64_t a, int64_t e) {
+  std::set<int32_t> r;
+  for (int64_t x = std::max<int64_t>(a, 0); x < e; ++x) r.insert(int32_t(x));
+  return r;
+}
+
+// The estimator's selection has the same scores as the brute-force one (ties may pick other
+// items of equal score; float vs double may flip one near-tie at the boundary).
+void expect_same_selection(const std::vector<int32_t>& got, const std::vector<int32_t>& want,
+                           const std::vector<double>& s, const char* what, bool mass_mode) {
+  if (mass_mode && got.size() != want.size()) {
+    // Allowed only when the cumulative mass sits on the threshold: the sets differ by one item.
+    ASSERT_LE(std::abs(int64_t(got.size()) - int64_t(want.size())), 1) << what;
+  }
+  std::vector<double> a, b;
+  for (int32_t x : got) a.push_back(s[size_t(x)]);
+  for (int32_t x : want) b.push_back(s[size_t(x)]);
+  std::sort(a.rbegin(), a.rend());
+  std::sort(b.rbegin(), b.rend());
+  const size_t n = std::min(a.size(), b.size());
+  if (!mass_mode) ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << what << " rank " << i;
+}
+
+struct BruteVs {
+  std::vector<double> col, diag;
+};
+BruteVs brute_vs(const Problem& p, int h) {
+  const int64_t L = std::min<int64_t>(64, p.nq), kend = std::min(p.nk, p.q_off + p.nq);
+  const int kh = h / (p.hq / p.hkv);
+  BruteVs r;
+  r.col.assign(size_t(kend), 0);
+  r.diag.assign(size_t(p.q_off + p.nq), 0);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t row = p.nq - L + i, pos = p.q_off + row, lim = std::min(p.nk, pos + 1);
+    std::vector<double> s(static_cast<size_t>(lim));
+    double m = -1e300, l = 0;
+    for (int64_t j = 0; j < lim; ++j) {
+      double acc = 0;
+      for (int x = 0; x < p.d; ++x)
+        acc += double(p.q[size_t((row * p.hq + h) * p.d + x)]) *
+               p.k[size_t((j * p.hkv + kh) * p.d + x)];
+      s[size_t(j)] = acc / std::sqrt(double(p.d));
+      m = std::max(m, s[size_t(j)]);
+    }
+    for (auto& x : s) l += (x = std::exp(x - m));
+    for (int64_t j = 0; j < lim; ++j) {
+      r.col[size_t(j)] += s[size_t(j)] / l;
+      r.diag[size_t(pos - j)] += s[size_t(j)] / l;
+    }
+  }
+  return r;
+}
+
+// Pooled block scores of query block qb against every key block (unscaled dot products).
+std::vector<double> brute_block_scores(const Problem& p, int h, int64_t qb) {
+  const int kh = h / (p.hq / p.hkv);
+  const int64_t n_kb = (p.nk + kB - 1) / kB;
+  std::vector<double> pq(static_cast<size_t>(p.d), 0.0);
+  const int64_t r1 = std::min(p.nq, (qb + 1) * kB);
+  for (int64_t r = qb * kB; r < r1; ++r)
+    for (int x = 0; x < p.d; ++x)
+      pq[size_t(x)] += p.q[size_t((r * p.hq + h) * p.d + x)] / double(r1 - qb * kB);
+  std::vector<double> s(static_cast<size_t>(n_kb));
+  for (int64_t b = 0; b < n_kb; ++b) {
+    const int64_t j1 = std::min(p.nk, (b + 1) * kB);
+    double acc = 0;
+    for (int x = 0; x < p.d; ++x) {
+      double pk = 0;
+      for (int64_t j = b * kB; j < j1; ++j) pk += p.k[size_t((j * p.hkv + kh) * p.d + x)];
+      acc += pq[size_t(x)] * pk / double(j1 - b * kB);
+    }
+    s[size_t(b)] = acc;
+  }
+  return s;
+}
+
+struct Estimated {
+  SparseIndex idx;
+  kernels::EstimatorStats stats;
+  std::vector<IndexCandidates> trace;
+  std::vector<int64_t> local;
+};
+Estimated estimate(const Problem& p, const std::vector<HeadPattern>& pats) {
+  Estimated e;
+  auto tq = TensorView::make(const_cast<float*>(p.q.data()), DType::kF32, {p.nq, p.hq, p.d});
+  auto tk = TensorView::make(const_cast<float*>(p.k.data()), DType::kF32, {p.nk, p.hkv, p.d});
+  // Through the public API once (validation + dispatch), then with the trace for the checks.
+  const Status st0 = kernels::sparse_estimate(tq, tk, pats, p.q_off, &e.idx, &e.stats);
+  EXPECT_TRUE(st0.is_ok()) << st0.to_string();
+  const SparseIndex api_idx = e.idx;
+  const Status st =
+      kernels::cpu::sparse_estimate(tq, tk, pats, p.q_off, &e.idx, &e.stats, &e.trace, &e.local);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(api_idx.block_offset, e.idx.block_offset);
+  EXPECT_EQ(api_idx.column_index, e.idx.column_index);
+  return e;
+}
+
+// The index holds exactly what the builder makes of the traced candidates, and is valid.
+void expect_index_from_trace(const Estimated& e, const std::vector<HeadPattern>& pats) {
+  int64_t sink = INT64_MAX;
+  for (const HeadPattern& hp : pats) sink = std::min(sink, hp.sink);
+  const Status st = kernels::sparse_index_validate(e.idx, sink);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  for (int h = 0; h < e.idx.n_heads; ++h) {
+    for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+      const Geo g = geo(e.idx.n_q, e.idx.n_k, e.idx.q_offset, qb);
+      auto keys = slot_keys(e.idx, h, qb);
+      std::set<int64_t> got(keys.begin(), keys.end());
+      ASSERT_EQ(got.size(), keys.size());
+      ASSERT_EQ(got, expected_keys(g, e.trace[e.idx.slot(h, qb)], pats[size_t(h)].sink,
+                                   e.local[size_t(h)]))
+          << "head " << h << " qblock " << qb;
+    }
+  }
+  EXPECT_NEAR(e.stats.density, e.idx.density(), 1e-12);
+  EXPECT_GE(e.stats.estimate_s, 0.0);
+}
+
+TEST(SparseEstimate, WindowPatternsMatchDefinition) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off, extra] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0}, {300, 100, 0}, {130, 37, 20}}) {
+    const Problem p = make_problem(rng, nq, q_off, extra, 4, 2, 16);
+    std::vector<HeadPattern> pats(4);
+    pats[0].pattern = Pattern::kDense;
+    pats[1].pattern = Pattern::kAShape;
+    pats[1].sink = 10;
+    pats[1].local = 50;
+    pats[2].pattern = Pattern::kMoA;
+    pats[2].alpha = 30;
+    pats[2].beta = 0.1;
+    pats[3].pattern = Pattern::kMoA;  // span beyond the sequence: clamped
+    pats[3].alpha = 5000;
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    EXPECT_EQ(e.stats.clamped_heads, 1);
+    for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+      const Geo g = geo(p.nq, p.nk, p.q_off, qb);
+      auto set_of = [&](int h) {
+        auto k = slot_keys(e.idx, h, qb);
+        return std::set<int64_t>(k.begin(), k.end());
+      };
+      auto window = [&](int64_t sink, int64_t back) {
+        std::set<int64_t> s;
+        for (int64_t j = 0; j < g.kend; ++j)
+          if (j < sink || j >= g.base - back) s.insert(j);
+        return s;
+      };
+      EXPECT_EQ(set_of(0), window(0, g.base)) << "dense";
+      EXPECT_EQ(set_of(1), window(10, 50)) << "a-shape";
+      EXPECT_EQ(set_of(2), window(64, std::llround(30 + 0.1 * double(p.nk)))) << "moa";
+      EXPECT_EQ(set_of(3), window(64, g.base)) << "moa clamped";
+    }
+  }
+}
+
+TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off, extra] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0}, {300, 100, 0}, {40, 500, 7}, {1, 70, 0}}) {
+    const Problem p = make_problem(rng, nq, q_off, extra, 4, 2, 16);
+    std::vector<HeadPattern> pats(4);
+    for (auto& hp : pats) {
+      hp.sink = 4;
+      hp.local = 8;
+    }
+    pats[0].pattern = pats[1].pattern = Pattern::kVerticalSlash;
+    pats[0].n_vertical = 20;
+    pats[0].n_slash = 15;
+    pats[1].n_vertical = 3;    // fewer than the sink: the sink still stays
+    pats[1].n_slash = 100000;  // clamped
+    pats[2].pattern = pats[3].pattern = Pattern::kAdaptiveVS;
+    pats[2].gamma = 0.9;
+    pats[2].min_budget = 4;
+    pats[2].max_budget = 1 << 20;
+    pats[3].gamma = 0.5;
+    pats[3].min_budget = 16;
+    pats[3].max_budget = 30;
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    EXPECT_EQ(e.stats.clamped_heads, 1);
+    for (int h = 0; h < 4; ++h) {
+      const HeadPattern& hp = pats[size_t(h)];
+      const BruteVs b = brute_vs(p, h);
+      const auto fc = range_set(0, std::min<int64_t>(hp.sink, int64_t(b.col.size())));
+      const auto fd = range_set(0, hp.local + 1);
+      std::vector<int32_t> wc, wd;
+      const bool mass = hp.pattern == Pattern::kAdaptiveVS;
+      if (!mass) {
+        wc = brute_topk(b.col, fc, hp.n_vertical);
+        wd = brute_topk(b.diag, fd, hp.n_slash);
+      } else {
+        wc = brute_mass(b.col, fc, hp.gamma, hp.min_budget, hp.max_budget);
+        wd = brute_mass(b.diag, fd, hp.gamma, hp.min_budget, hp.max_budget);
+      }
+      // Every query block of a head shares the head's selection.
+      for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+        const IndexCandidates& tc = e.trace[e.idx.slot(h, qb)];
+        expect_same_selection(tc.columns, wc, b.col, "columns", mass);
+        expect_same_selection(tc.diagonals, wd, b.diag, "diagonals", mass);
+      }
+    }
+  }
+}
+
+TEST(SparseEstimate, BlockSparseMatchesBruteForce) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off, extra] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0}, {300, 100, 0}, {200, 90, 30}, {1, 70, 3}}) {
+    const Problem p = make_problem(rng, nq, q_off, extra, 4, 2, 16);
+    std::vector<HeadPattern> pats(4);
+    for (auto& hp : pats) {
+      hp.sink = 0;
+      hp.local = 0;
+    }
+    pats[0].pattern = pats[1].pattern = Pattern::kBlockSparse;
+    pats[0].n_blocks = 3;
+    pats[1].n_blocks = 1000;  // clamped
+    pats[2].pattern = pats[3].pattern = Pattern::kAdaptiveBlock;
+    pats[2].gamma = 0.7;
+    pats[2].min_budget = 64;
+    pats[3].gamma = 0.99;
+    pats[3].min_budget = 100;  // 2 blocks
+    pats[3].max_budget = 192;  // 3 blocks
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    const int64_t n_kb = (p.nk + kB - 1) / kB;
+    EXPECT_EQ(e.stats.clamped_heads, 1 + (pats[0].n_blocks > n_kb) + ((pats[3].min_budget + kB - 1) / kB > n_kb));
+    for (int h = 0; h < 4; ++h) {
+      const HeadPattern& hp = pats[size_t(h)];
+      for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+        const Geo g = geo(p.nq, p.nk, p.q_off, qb);
+        std::vector<double> s = brute_block_scores(p, h, qb);
+        s.resize(size_t((g.kend + kB - 1) / kB));  // causal block mask
+        std::set<int32_t> forced{0};
+        for (int64_t b = std::min(g.base, g.kend - 1) / kB; b <= (g.kend - 1) / kB; ++b)
+          forced.insert(int32_t(b));
+        const bool mass = hp.pattern == Pattern::kAdaptiveBlock;
+        std::vector<int32_t> want;
+        if (!mass) {
+          want = brute_topk(s, forced, hp.n_blocks);
+        } else {
+          const double mx = *std::max_element(s.begin(), s.end());
+          double sum = 0;
+          for (auto& x : s) sum += (x = std::exp((x - mx) / std::sqrt(double(p.d))));
+          for (auto& x : s) x /= sum;
+          want = brute_mass(s, forced, hp.gamma, (hp.min_budget + kB - 1) / kB,
+                            (hp.max_budget + kB - 1) / kB);
+        }
+        expect_same_selection(e.trace[e.idx.slot(h, qb)].key_blocks, want, s, "key blocks", mass);
+      }
+    }
+  }
+}
+
+TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
+  std::mt19937_64 rng(fresh_seed());
+  const Problem p = make_problem(rng, 64, 0, 0, 2, 1, 16);
+  auto tq = TensorView::make(const_cast<float*>(p.q.data()), DType::kF32, {p.nq, p.hq, p.d});
+  auto tk = TensorView::make(const_cast<float*>(p.k.data()), DType::kF32, {p.nk, p.hkv, p.d});
+  SparseIndex idx;
+  std::vector<HeadPattern> pats(2);
+  pats[1].gamma = 1.5;
+  Status st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
+  EXPECT_NE(st.message().find("patterns[1].gamma"), std::string::npos) << st.message();
+  pats[1].gamma = 0.9;
+  pats[0].max_budget = 1;
+  st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
+  EXPECT_NE(st.message().find("patterns[0].max_budget"), std::string::npos) << st.message();
+  pats.pop_back();
+  EXPECT_FALSE(kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr).is_ok());
+  EXPECT_EQ(std::string(kernels::pattern_name(Pattern::kAdaptiveBlock)), "adaptive-block");
+  for (Pattern x :
+       {Pattern::kDense, Pattern::kAShape, Pattern::kVerticalSlash, Pattern::kBlockSparse,
+        Pattern::kMoA, Pattern::kAdaptiveVS, Pattern::kAdaptiveBlock})
+    EXPECT_EQ(kernels::pattern_from_string(kernels::pattern_name(x)).value(), x);
+  EXPECT_FALSE(kernels::pattern_from_string("slash").is_ok());
+}
+
+// End to end: estimated index -> fast kernel == masked reference, and more budget -> closer to
+// dense.
+TEST(SparseEstimate, EstimatedIndexRunsThroughTheKernel) {
+  std::mt19937_64 rng(fresh_seed());
+  const Problem p = make_problem(rng, 320, 64, 0, 4, 2, 32);
+  const Case c{p.nq, p.nk, p.q_off, p.hq, p.hkv, p.d};
+  auto v = randn(size_t(p.nk * p.hkv * p.d), rng);
+  std::vector<HeadPattern> pats(4);
+  pats[0].pattern = Pattern::kVerticalSlash;
+  pats[0].n_vertical = 30;
+  pats[0].n_slash = 20;
+  pats[1].pattern = Pattern::kBlockSparse;
+  pats[1].n_blocks = 2;
+  pats[2].pattern = Pattern::kAdaptiveVS;
+  pats[3].pattern = Pattern::kAShape;
+  const Estimated e = estimate(p, pats);
+  std::vector<double> mo, ml;
+  masked_reference(p.q, p.k, v, c, e.idx, mo, ml);
+  const Outputs fast = run_sparse(p.q, p.k, v, c, e.idx, false);
+  expect_close(fast.out, mo, 2e-5, "fast vs masked (estimated index)");
+  expect_close(fast.lse, ml, 2e-5, "fast vs masked lse (estimated index)");
+  EXPECT_GT(e.stats.density, 0.0);
+  EXPECT_LT(e.stats.density, 1.0);
+}
+
+}  // namespace
+}  // namespace sf

@@ -1,0 +1,63 @@
+// Pattern-config validation: every malformed or mismatched config gets an error naming the
+// layer, head and field; a saved config round-trips.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "worker/model/sparse_config.h"
+
+namespace sf::model {
+namespace {
+
+std::string two_by_two(const std::string& h01) {
+  return R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"},{"pattern":"a-shape"}],[{"pattern":"vertical-slash","n_vertical":100,"n_slash":200},)" +
+         h01 + "]]}";
+}
+
+void expect_error(const std::string& json, const std::string& needle) {
+  auto r = sparse_config_parse(json, 2, 2, "t.json");
+  ASSERT_FALSE(r.is_ok()) << "accepted: " << json;
+  EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+}
+
+TEST(SparseConfig, ParsesValid) {
+  auto r = sparse_config_parse(two_by_two(R"({"pattern":"moa","alpha":512,"beta":0.1})"), 2, 2, "t.json");
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->layers[1][0].pattern, kernels::Pattern::kVerticalSlash);
+  EXPECT_EQ(r->layers[1][0].n_slash, 200);
+  EXPECT_DOUBLE_EQ(r->layers[1][1].beta, 0.1);
+}
+
+TEST(SparseConfig, RejectsWithLayerHeadField) {
+  expect_error(two_by_two(R"({"pattern":"zigzag"})"), "layer 1 head 1: field 'pattern' has unknown value 'zigzag'");
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","n_vertical":-5})"), "layer 1 head 1: field 'n_vertical' must be >= 0");
+  expect_error(two_by_two(R"({"pattern":"adaptive-vs","gamma":1.5})"), "layer 1 head 1: field 'gamma'");
+  expect_error(two_by_two(R"({"pattern":"block-sparse","n_blocks":"many"})"), "layer 1 head 1: field 'n_blocks' must be an integer");
+  expect_error(two_by_two(R"({"n_blocks":3})"), "layer 1 head 1: field 'pattern' is missing");
+  expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
+  expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
+  expect_error("{not json", "invalid JSON");
+}
+
+TEST(SparseConfig, ModesAndRoundTrip) {
+  auto bad = sparse_config_for_mode("bogus", 2, 2);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("unknown attention mode 'bogus'"), std::string::npos);
+  auto a = sparse_config_for_mode("adaptive", 2, 2);
+  ASSERT_TRUE(a.is_ok());
+  EXPECT_EQ(a->layers[1][1].pattern, kernels::Pattern::kAdaptiveVS);
+  auto c = sparse_config_parse(two_by_two(R"({"pattern":"block-sparse","n_blocks":7,"score":0.97})"), 2, 2, "t");
+  ASSERT_TRUE(c.is_ok());
+  const std::string path = ::testing::TempDir() + "cfg.json";
+  ASSERT_TRUE(sparse_config_save(c.value(), path).is_ok());
+  auto back = sparse_config_load(path, 2, 2);
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->layers[1][1].n_blocks, 7);
+  EXPECT_DOUBLE_EQ(back->layers[1][1].score, 0.97);
+  EXPECT_FALSE(sparse_config_is_dense(back.value()));
+  EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
+}
+
+}  // namespace
+}  // namespace sf::model
