@@ -82,6 +82,18 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
   SF_DISPATCH(linear, x, w, bias, y);
 }
 
+Status cast(const TensorView& x, TensorView out, Stream s) {
+  SF_TRY(same_device("cast", s, {&x, &out}));
+  SF_TRY(need(x.contiguous() && out.contiguous() && x.numel() == out.numel(), "cast",
+              "x, out must be contiguous of equal size, got x" + x.shape_str() + " out" + out.shape_str()));
+  auto is_float = [](DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; };
+  const bool ok = is_float(x.dtype) && is_float(out.dtype) &&
+                  (x.dtype == out.dtype || x.dtype == DType::kF32 || out.dtype == DType::kF32);
+  SF_TRY(need(ok, "cast", std::string("unsupported conversion ") + dtype_name(x.dtype) + " -> " + dtype_name(out.dtype) +
+                              " (F32 <-> F16/BF16, or equal dtypes)"));
+  SF_DISPATCH(cast, x, out);
+}
+
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                        TensorView lse, const AttentionParams& p, Stream s) {
   SF_TRY(same_device("attention_dense", s, {&q, &k, &v, &out, &lse}));

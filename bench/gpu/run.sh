@@ -189,6 +189,8 @@ fi
 ctest --test-dir "$build" -L gpu --output-on-failure --verbose --timeout 1200 >"$logs/ctest.log" 2>&1
 ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
+# test_gpu_forward's figures (GPU prefill vs the CPU forward) belong in the summary too.
+notes+=("$(grep -E '(bf16|f32) (logits|top-1|KV cache):|device: ' "$logs/ctest.log" | head -12)")
 if grep -q 'No tests were found' "$logs/ctest.log"; then
   fail "no gpu-labelled tests were registered (is SF_HAVE_CUDA on? see configure.log)"
 elif [[ $ctest_rc -ne 0 ]]; then

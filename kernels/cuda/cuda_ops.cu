@@ -5,6 +5,7 @@
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
+#include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dispatch.h"
@@ -77,6 +78,33 @@ Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, void
 Status add_inplace(TensorView out, const TensorView& x, void* stream) {
   SF_CUDA_TRY(
       add_launch(AddParams{out.ptr<float>(), x.ptr<float>(), out.numel()}, as_stream(stream)));
+  return Status::ok();
+}
+
+Status cast(const TensorView& x, TensorView out, void* stream) {
+  const int64_t n = x.numel();
+  if (x.dtype == out.dtype) {
+    SF_CUDA_TRY(cudaMemcpyAsync(out.data, x.data, size_t(n) * dtype_size(x.dtype),
+                                cudaMemcpyDeviceToDevice, as_stream(stream)));
+    return Status::ok();
+  }
+  cudaError_t err = cudaErrorInvalidValue;
+  if (x.dtype == DType::kF32 && out.dtype == DType::kBF16)
+    err = cast_launch(CastParams<float, __nv_bfloat16>{x.ptr<float>(), out.ptr<__nv_bfloat16>(), n},
+                      as_stream(stream));
+  else if (x.dtype == DType::kF32 && out.dtype == DType::kF16)
+    err = cast_launch(CastParams<float, __half>{x.ptr<float>(), out.ptr<__half>(), n},
+                      as_stream(stream));
+  else if (x.dtype == DType::kBF16 && out.dtype == DType::kF32)
+    err = cast_launch(CastParams<__nv_bfloat16, float>{x.ptr<__nv_bfloat16>(), out.ptr<float>(), n},
+                      as_stream(stream));
+  else if (x.dtype == DType::kF16 && out.dtype == DType::kF32)
+    err = cast_launch(CastParams<__half, float>{x.ptr<__half>(), out.ptr<float>(), n},
+                      as_stream(stream));
+  else
+    return SF_ERR(kUnsupported, std::string("cast: ") + dtype_name(x.dtype) + " -> " +
+                                    dtype_name(out.dtype) + " (CUDA supports F32 <-> F16/BF16)");
+  SF_CUDA_TRY(err);
   return Status::ok();
 }
 

@@ -25,6 +25,8 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream);
 // cuBLASLt; x and w both F32, F16 or BF16, y and bias F32; fp32 accumulation (no TF32).
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
               void* stream);
+// F32 <-> F16/BF16 or a same-dtype copy (api.cpp checked the pair); round to nearest even.
+Status cast(const TensorView& x, TensorView out, void* stream);
 // The plan step of linear(): creates this thread's cuBLASLt handle and workspace on the current
 // device (once) and picks the algorithm for this shape (once per shape). linear() plans lazily on
 // first use of a shape; call this ahead of CUDA graph capture or timed regions, where the

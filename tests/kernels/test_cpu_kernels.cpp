@@ -160,3 +160,27 @@ TEST(CpuKernels, ValidationNamesTheProblem) {
 
 }  // namespace
 }  // namespace sf
+
+namespace sf {
+namespace {
+
+// F32 -> BF16/F16 -> F32 round trips against the scalar converters in common/dtype.h.
+TEST(CpuKernels, CastRoundsToNearestEven) {
+  std::mt19937_64 rng(fresh_seed());
+  auto x = randn(1000, rng, 100.f);
+  x[0] = 1.00390625f;  // exactly halfway between two bf16 values: ties to even (1.0)
+  std::vector<uint16_t> b(x.size()), h(x.size());
+  ASSERT_TRUE(kernels::cast(TensorView::make(x.data(), DType::kF32, {1000}),
+                            TensorView::make(b.data(), DType::kBF16, {1000})).is_ok());
+  ASSERT_TRUE(kernels::cast(TensorView::make(x.data(), DType::kF32, {1000}),
+                            TensorView::make(h.data(), DType::kF16, {1000})).is_ok());
+  EXPECT_EQ(bf16_to_f32(b[0]), 1.f);
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(b[i], f32_to_bf16(x[i])) << i;
+    EXPECT_EQ(h[i], f32_to_f16(x[i])) << i;
+    EXPECT_LE(std::fabs(bf16_to_f32(b[i]) - x[i]), std::fabs(x[i]) * (1.f / 256)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace sf
