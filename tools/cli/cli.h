@@ -31,5 +31,7 @@ std::string shell_quote_args(int argc, char** argv);
 int cmd_prefill(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
 int cmd_inspect(int argc, char** argv);
+int cmd_eval(int argc, char** argv);
+int cmd_search(int argc, char** argv);
 
 }  // namespace sf::cli

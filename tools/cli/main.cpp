@@ -1,4 +1,4 @@
-// sparsefill CLI: prefill, bench, inspect. (eval and search arrive with the sparse-attention work.)
+// sparsefill CLI: prefill, bench, inspect, eval, search.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -13,8 +13,14 @@ void usage() {
                "usage: sparsefill <command> [options]\n"
                "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
+               "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
+               "           [--device cpu|cuda]\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
-               "  inspect  --model PATH|default\n");
+               "  inspect  --model PATH|default\n"
+               "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F]\n"
+               "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] --out FILE.json\n"
+               "  search   --model PATH|default --calib FILE --target-density D --out configs/NAME.json [--length L]\n"
+               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N]\n");
 }
 
 }  // namespace
@@ -29,6 +35,8 @@ int main(int argc, char** argv) {
     if (cmd == "prefill") return sf::cli::cmd_prefill(argc, argv);
     if (cmd == "bench") return sf::cli::cmd_bench(argc, argv);
     if (cmd == "inspect") return sf::cli::cmd_inspect(argc, argv);
+    if (cmd == "eval") return sf::cli::cmd_eval(argc, argv);
+    if (cmd == "search") return sf::cli::cmd_search(argc, argv);
   } catch (const std::exception& e) {  // process edge: nothing escapes as a crash
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
