@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/api.h"
+#include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
 #include "worker/model/sparse_config.h"
 #include "worker/model/model.h"
@@ -80,7 +81,9 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
                                         std::to_string(sc->n_heads) + " layers x heads, the model has " +
                                         std::to_string(c.n_layers) + "x" + std::to_string(hq));
   const bool use_sparse = sc && P + S >= sc->dense_below && !sparse_config_is_dense(*sc);
-  res.estimate_s = res.attention_s = 0;
+  res.estimate_s = res.attention_s = res.importance_s = 0;
+  if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
+  else res.importance.clear();
   double pairs_done = 0, pairs_causal = 0;
   using clock = std::chrono::steady_clock;
 
@@ -132,6 +135,17 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       res.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
       pairs_done += causal_pairs;
       if (opt.on_attention) opt.on_attention(l, qv, kv3, nullptr);
+    }
+    if (opt.importance_window > 0) {
+      const auto i0 = clock::now();
+      auto& imp = res.importance[size_t(l)];
+      imp.resize(size_t(hkv * nk));
+      kernels::ImportanceParams ip;
+      ip.window = opt.importance_window;
+      ip.pool = opt.importance_pool;
+      ip.q_offset = P;
+      SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
+      res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
     // 3) O projection, residual, MLP per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {

@@ -80,6 +80,10 @@ struct PrefillOptions {
   bool keep_kv = true;
   const SparseConfig* sparse = nullptr;  // null: dense attention everywhere
   AttentionObserver on_attention;
+  // > 0: SnapKV importance of the last importance_window queries of this call against all keys,
+  // from the attention's LSE (kernels/kv_importance.h), into PrefillResult::importance.
+  int importance_window = 0;
+  int importance_pool = 7;  // max-pool kernel over keys (1: raw column sums)
 };
 
 struct PrefillResult {
@@ -91,6 +95,10 @@ struct PrefillResult {
   // Attention accounting of the last call: time in estimators and in attention kernels, and the
   // fraction of causal query-key pairs computed (1.0 for dense).
   double estimate_s = 0, attention_s = 0, density = 1.0;
+  // Per layer [n_kv_heads, n_tokens in the cache] when PrefillOptions::importance_window > 0,
+  // and the time spent computing it.
+  std::vector<std::vector<float>> importance;
+  double importance_s = 0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});
