@@ -1,0 +1,80 @@
+// Retention policies (DESIGN.md "KV store and tiering"): which prompt positions each layer and KV
+// head keeps for decode. Applied per request before export. Scored policies use the SnapKV
+// importance computed during prefill (kernels/kv_importance.h, PrefillResult::importance).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::kvstore {
+
+// Per layer [n_kv_heads, n_tokens] scores, and how they were computed.
+struct ImportanceScores {
+  int n_layers = 0, n_kv_heads = 0;
+  int64_t n_tokens = 0;
+  int window = 0;  // observation window (last queries)
+  int pool = 1;    // max-pool kernel already applied over keys
+  std::vector<std::vector<float>> layers;
+};
+
+enum class RetentionKind { kFull, kStreaming, kSnapKV, kPyramid, kMoA, kLayerwise };
+
+struct MoaSpan {
+  double alpha = 0, beta = 0;  // span(N) = alpha + beta * N recent tokens (seed 003)
+};
+
+// Every policy always keeps the most recent `window` tokens (the observation window in SnapKV
+// terms); `sink` leading tokens are kept where the policy names them.
+struct RetentionPolicy {
+  RetentionKind kind = RetentionKind::kFull;
+  int64_t sink = 4;     // streaming: leading tokens always kept (attention sinks)
+  int64_t window = 32;  // streaming, snapkv, pyramid, layerwise: recent tokens always kept
+  int64_t budget = 0;   // snapkv: tokens per layer and KV head; pyramid: average over layers
+  int pool = 7;         // snapkv: the max-pool kernel the scores must carry
+  double beta = 20;     // pyramid: bottom-to-top ratio of the scored part (PyramidKV's beta)
+  int n_full = 0;       // layerwise: the first n_full layers keep every token
+  int64_t topk = 0;     // layerwise: top-scored tokens kept besides the window
+  int64_t moa_sink = 64;                  // moa: leading tokens every head keeps
+  std::vector<std::vector<MoaSpan>> moa;  // moa: [n_layers][n_kv_heads]
+};
+
+struct Retention {
+  std::string policy;  // "full", "streaming", "snapkv", "pyramid", "moa", "layerwise"
+  std::string params;  // canonical "key=value,..." of the policy's parameters
+  int n_layers = 0, n_kv_heads = 0;
+  int64_t n_tokens = 0;
+  std::vector<std::vector<int32_t>> kept;  // [layer * n_kv_heads + head]: ascending positions
+
+  const std::vector<int32_t>& positions(int layer, int head) const {
+    return kept[size_t(layer) * size_t(n_kv_heads) + size_t(head)];
+  }
+  int64_t kept_total() const;
+  bool is_full() const;  // every layer and head keeps every position
+};
+
+const char* retention_kind_name(RetentionKind k);
+// "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P]" |
+// "pyramid:budget=B[,window=W]" | "layerwise:n_full=F,window=W,topk=K". moa is built in code
+// (its spans come from a per-head config). Unknown policies and keys are errors naming them.
+Result<RetentionPolicy> retention_parse(const std::string& spec);
+std::string retention_params(const RetentionPolicy& p);
+
+// The kept positions of every layer and KV head. Budgets out of range (negative, larger than the
+// prompt, smaller than the always-kept window) and scores of the wrong geometry are errors.
+// scores may be null for policies that need none (full, streaming, moa, layerwise with topk 0).
+Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t n_tokens,
+                                  const ImportanceScores* scores);
+
+// PyramidKV's per-layer budgets (scored part + window): linear from the bottom layer down to the
+// top layer, whose scored part is 1/beta of the average; the total equals n_layers x budget.
+Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t window, double beta, int n_layers,
+                                                   int64_t n_tokens);
+
+// A policy of the given kind whose kept tokens are `fraction` (0, 1] of the full cache, with the
+// defaults the evaluation uses (streaming sink 4; snapkv/pyramid window 32, pool 7; layerwise
+// n_full = fraction x n_layers / 2, window 32).
+Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double fraction, int n_layers, int64_t n_tokens);
+
+}  // namespace sf::kvstore

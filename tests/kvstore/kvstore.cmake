@@ -1,0 +1,1 @@
+sf_add_test(test_retention SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_retention.cpp LABELS unit LIBS sf_kvstore)
