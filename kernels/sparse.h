@@ -32,6 +32,8 @@ struct HeadPattern {
   int64_t local = 64;         // always-kept recent keys (diagonal window) beyond the query's block
   int64_t n_vertical = 1000;  // vertical-slash: top-k columns
   int64_t n_slash = 6096;     // vertical-slash: top-k diagonals
+  int64_t spread_rows = 0;    // vertical-slash scoring: rows spread over the sequence besides the
+                              // last 64 (0 = MInference: the last 64 only)
   int64_t n_blocks = 64;      // block-sparse: top-k key blocks per query block
   double alpha = 1024;        // MoA span = alpha + beta * N
   double beta = 0.0;

@@ -5,7 +5,7 @@
 //   dense           local = base: every causal key.
 //   a-shape         nothing else: sink + local window.
 //   vertical-slash  softmax(q_last K^T / sqrt(d)) over causal keys for the last L = min(64, n_q)
-//                   rows; column sums -> top n_vertical columns, sums along diagonals
+//                   rows (plus spread_rows evenly spaced earlier rows when set); column sums -> top n_vertical columns, sums along diagonals
 //                   (offset = qpos - kpos) -> top n_slash diagonals. The sink columns and the
 //                   local diagonals 0..local rank first and count toward the budgets.
 //   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
@@ -115,12 +115,25 @@ struct Geometry {
   const float* k;
 };
 
-// Column sums and diagonal sums of softmax(q_last K^T * scale) for the heads in `heads`
-// (every one needs vertical-slash scores). col[h] has kend_last entries, diag[h] q_offset + n_q.
-void vs_scores(const Geometry& g, const std::vector<int>& heads,
+// Local rows of q that score vertical-slash: the last min(64, n_q) (MInference Alg. 2) plus
+// `spread` rows evenly spaced over the rows before them. The spread rows make the columns and
+// diagonals serve queries in the middle of the sequence as well as the last ones.
+std::vector<int64_t> scoring_rows(int64_t nq, int64_t spread) {
+  const int64_t last = std::min<int64_t>(kB, nq);
+  const int64_t head = nq - last;
+  std::vector<int64_t> rows;
+  const int64_t n_spread = std::clamp<int64_t>(spread, 0, head);
+  for (int64_t i = 0; i < n_spread; ++i) rows.push_back((2 * i + 1) * head / (2 * n_spread));
+  for (int64_t r = head; r < nq; ++r) rows.push_back(r);
+  return rows;
+}
+
+// Column sums and diagonal sums of softmax(q_row K^T * scale) over causal keys, for the scoring
+// rows `rows` (sorted local row indices) of the heads in `heads`. col[h] has kend_last entries,
+// diag[h] q_offset + n_q.
+void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vector<int64_t>& rows,
                std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag) {
-  const int64_t L = std::min<int64_t>(kB, g.nq);
-  const int64_t p0 = g.q_offset + g.nq - L;  // global position of the first scoring row
+  const int64_t L = int64_t(rows.size());
   const int64_t kend = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
   const int64_t n_diag = g.q_offset + g.nq;
   for (int h : heads) {
@@ -128,6 +141,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads,
     (*diag)[size_t(h)].assign(size_t(n_diag), 0.f);
   }
   if (kend == 0 || L == 0) return;
+  const int64_t pos_min = g.q_offset + rows.front(), pos_max = g.q_offset + rows.back();
   // Groups of query heads sharing a KV head.
   std::vector<std::vector<int>> groups(size_t(g.hkv));
   for (int h : heads) groups[size_t(h / g.group)].push_back(h);
@@ -136,14 +150,14 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads,
     if (!groups[size_t(x)].empty()) gl.push_back(int(x));
   const int64_t n_chunks = ceil_div(kend, kChunk);
   const size_t n_tasks = gl.size() * size_t(n_chunks);
-  // The last rows of q for each group, stacked head-major: row x * L + i.
+  // The scoring rows of q for each group, stacked head-major: row x * L + i.
   std::vector<std::vector<float>> qbuf(gl.size());
   for (size_t gi = 0; gi < gl.size(); ++gi) {
     const auto& hs = groups[size_t(gl[gi])];
     qbuf[gi].resize(hs.size() * size_t(L * g.d));
     for (size_t x = 0; x < hs.size(); ++x)
       for (int64_t i = 0; i < L; ++i)
-        std::copy_n(g.q + ((g.nq - L + i) * g.hq + hs[x]) * g.d, g.d,
+        std::copy_n(g.q + (rows[size_t(i)] * g.hq + hs[x]) * g.d, g.d,
                     qbuf[gi].data() + (int64_t(x) * L + i) * g.d);
   }
   auto scores = [&](size_t task, std::vector<float>& s, int64_t* c0, int64_t* kc) {
@@ -156,8 +170,9 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads,
                 qbuf[gi].data(), int(g.d), g.k + *c0 * g.hkv * g.d + int64_t(gl[gi]) * g.d,
                 int(g.hkv * g.d), 0.f, s.data(), int(*kc));
   };
+  auto pos = [&](int64_t i) { return g.q_offset + rows[size_t(i)]; };
   auto visible = [&](int64_t i, int64_t c0, int64_t kc) {
-    return std::clamp<int64_t>(p0 + i + 1 - c0, 0, kc);
+    return std::clamp<int64_t>(pos(i) + 1 - c0, 0, kc);
   };
   // Pass 1: per-row max and sum of each chunk.
   std::vector<std::vector<float>> part_m(n_tasks), part_l(n_tasks);
@@ -209,8 +224,8 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads,
       scores(t, s, &c0, &kc);
       const size_t gi = t / size_t(n_chunks);
       const auto& hs = groups[size_t(gl[gi])];
-      const int64_t omin = std::max<int64_t>(0, p0 - (c0 + kc - 1));
-      const int64_t omax = p0 + L - 1 - c0;
+      const int64_t omin = std::max<int64_t>(0, pos_min - (c0 + kc - 1));
+      const int64_t omax = pos_max - c0;
       const int64_t span = omax - omin + 1;
       part_omin[t] = omin;
       part_d[t].assign(hs.size() * size_t(span), 0.f);
@@ -225,8 +240,8 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads,
           if (lim == 0 || lse == -std::numeric_limits<float>::infinity()) continue;
           exp_sub_sum(sr, lim, lse);
           for (int64_t j = 0; j < lim; ++j) cs[j] += sr[j];
-          // offset of (row i, key c0 + j) = p0 + i - c0 - j
-          float* dr = ds + (p0 + i - c0 - omin);
+          // offset of (row i, key c0 + j) = pos(i) - c0 - j
+          float* dr = ds + (pos(i) - c0 - omin);
           for (int64_t j = 0; j < lim; ++j) dr[-j] += sr[j];
         }
       }
@@ -304,7 +319,18 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     any_block |= uses_blocks(patterns[size_t(h)].pattern);
   }
   std::vector<std::vector<float>> col(size_t(g.hq)), diag(size_t(g.hq));
-  if (!vs_heads.empty()) vs_scores(g, vs_heads, &col, &diag);
+  {  // one scoring pass per distinct spread_rows setting
+    std::vector<int64_t> spreads;
+    for (int h : vs_heads) spreads.push_back(patterns[size_t(h)].spread_rows);
+    std::sort(spreads.begin(), spreads.end());
+    spreads.erase(std::unique(spreads.begin(), spreads.end()), spreads.end());
+    for (int64_t sp : spreads) {
+      std::vector<int> hs;
+      for (int h : vs_heads)
+        if (patterns[size_t(h)].spread_rows == sp) hs.push_back(h);
+      vs_scores(g, hs, scoring_rows(g.nq, sp), &col, &diag);
+    }
+  }
   std::vector<std::vector<float>> pooled_k;
   if (any_block) pooled_k = pool_keys(g);
 

@@ -526,14 +526,22 @@ void expect_same_selection(const std::vector<int32_t>& got, const std::vector<in
 struct BruteVs {
   std::vector<double> col, diag;
 };
-BruteVs brute_vs(const Problem& p, int h) {
+// Scoring rows: the last min(64, nq), plus `spread` rows at the centres of equal slices of the
+// rows before them.
+BruteVs brute_vs(const Problem& p, int h, int64_t spread) {
   const int64_t L = std::min<int64_t>(64, p.nq), kend = std::min(p.nk, p.q_off + p.nq);
   const int kh = h / (p.hq / p.hkv);
+  std::set<int64_t> rows;
+  for (int64_t i = 0; i < L; ++i) rows.insert(p.nq - L + i);
+  const int64_t before = p.nq - L, n_spread = std::min(spread, before);
+  for (int64_t i = 0; i < n_spread; ++i)
+    rows.insert(int64_t(std::floor((double(i) + 0.5) * double(before) / double(n_spread))));
+  EXPECT_EQ(int64_t(rows.size()), L + n_spread) << "spread rows must be distinct";
   BruteVs r;
   r.col.assign(size_t(kend), 0);
   r.diag.assign(size_t(p.q_off + p.nq), 0);
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t row = p.nq - L + i, pos = p.q_off + row, lim = std::min(p.nk, pos + 1);
+  for (int64_t row : rows) {
+    const int64_t pos = p.q_off + row, lim = std::min(p.nk, pos + 1);
     std::vector<double> s(static_cast<size_t>(lim));
     double m = -1e300, l = 0;
     for (int64_t j = 0; j < lim; ++j) {
@@ -672,6 +680,8 @@ TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
     pats[0].n_slash = 15;
     pats[1].n_vertical = 3;    // fewer than the sink: the sink still stays
     pats[1].n_slash = 100000;  // clamped
+    pats[1].spread_rows = 37;  // its KV group's other head scores the last rows only
+    pats[3].spread_rows = 3000;  // more than the rows before the last 64: all of them
     pats[2].pattern = pats[3].pattern = Pattern::kAdaptiveVS;
     pats[2].gamma = 0.9;
     pats[2].min_budget = 4;
@@ -684,7 +694,7 @@ TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
     EXPECT_EQ(e.stats.clamped_heads, 1);
     for (int h = 0; h < 4; ++h) {
       const HeadPattern& hp = pats[size_t(h)];
-      const BruteVs b = brute_vs(p, h);
+      const BruteVs b = brute_vs(p, h, hp.spread_rows);
       const auto fc = range_set(0, std::min<int64_t>(hp.sink, int64_t(b.col.size())));
       const auto fd = range_set(0, hp.local + 1);
       std::vector<int32_t> wc, wd;

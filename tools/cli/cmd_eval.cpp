@@ -82,6 +82,7 @@ boost::json::object record_json(const eval::EvalRecord& r) {
   o["ppl_tail_dense"] = r.ppl_tail_dense;
   o["ppl_tail_sparse"] = r.ppl_tail_sparse;
   o["ppl_tail_ratio"] = r.ppl_tail_ratio;
+  o["ppl_ratio_by_quarter"] = to_json(r.ppl_ratio_by_quarter);
   o["kl_mean"] = r.kl_mean;
   o["kl_max"] = r.kl_max;
   o["output_rel_error"] = r.output_rel_error;
@@ -120,21 +121,31 @@ std::string fmt(const char* f, double x) {
   return b;
 }
 
+std::string quarters(const std::vector<double>& q) {
+  std::string s;
+  for (double x : q) {
+    if (!s.empty()) s += " / ";
+    s += fmt("%.3f", x);
+  }
+  return s.empty() ? "-" : s;
+}
+
 std::string markdown(const std::string& mode, const std::string& date, const std::string& commit,
                      const std::string& device, const std::string& command, const std::string& doc,
-                     const std::vector<eval::EvalRecord>& recs, int passkey_trials) {
+                     const std::vector<eval::EvalRecord>& recs, int passkey_trials, size_t doc_tokens) {
   std::string s = "# sparsefill eval: " + mode + "\n\n";
   s += "- date: " + date + "\n- git commit: " + commit + "\n- device: " + device + " (CPU; times are side-by-side "
        "ratios, absolute CPU times mean little)\n- command: `" + command + "`\n- document: " + doc +
-       " (repeated when shorter than the length, then truncated)\n\n";
-  s += "| seq_len | density | recall (mean) | min head recall | ppl ratio | ppl ratio (last 256) | KL mean | KL max | "
+       " (comma-separated files joined by a blank line; " + std::to_string(doc_tokens) +
+       " tokens; repeated when shorter than the length, then truncated)\n\n";
+  s += "| seq_len | density | recall (mean) | min head recall | ppl ratio | ppl ratio (last 256) | ppl ratio by quarter | KL mean | KL max | "
        "logit rel err | top-1 agree | passkey sparse | passkey dense | format | estimate s | attention s | "
        "dense attention s | prefill s | dense prefill s | speedup |\n";
-  s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : recs) {
     s += "| " + std::to_string(r.seq_len) + " | " + fmt("%.3f", r.density) + " | " + fmt("%.4f", r.attention_recall) +
          " | " + fmt("%.3f", r.min_head_recall) + " | " + fmt("%.4f", r.ppl_ratio) + " | " +
-         fmt("%.4f", r.ppl_tail_ratio) + " | " + fmt("%.2e", r.kl_mean) + " | " + fmt("%.2e", r.kl_max) + " | " +
+         fmt("%.4f", r.ppl_tail_ratio) + " | " + quarters(r.ppl_ratio_by_quarter) + " | " + fmt("%.2e", r.kl_mean) + " | " + fmt("%.2e", r.kl_max) + " | " +
          fmt("%.4f", r.output_rel_error) + " | " + fmt("%.3f", r.top1_agreement) + " | " +
          fmt("%.2f", r.passkey_accuracy) + " | " + fmt("%.2f", r.dense_passkey_accuracy) + " | L" +
          std::to_string(r.passkey_level) + " | " + fmt("%.3f", r.estimate_s) + " | " + fmt("%.3f", r.attention_s) +
@@ -145,7 +156,7 @@ std::string markdown(const std::string& mode, const std::string& date, const std
        "heads). recall = dense softmax mass on the keys the index selects, per sampled query row (last 64 rows "
        "plus 64 random rows per layer, per-row causal clipping), averaged over rows, heads and layers; computed "
        "on the sparse run's own q and k. ppl ratio = perplexity of the sparse prefill / dense over all positions "
-       "of the document (and over the last 256). KL = KL(dense || sparse) of the next-token distributions of the "
+       "of the document (and over the last 256, and over each quarter of the positions in order). KL = KL(dense || sparse) of the next-token distributions of the "
        "last 256 positions. logit rel err = ||logits_sparse - logits_dense||_2 / ||logits_dense||_2 over the "
        "last 256 positions. Passkey: " + std::to_string(passkey_trials) +
        " trial(s) x 10 depths per length; the prompt prefill runs in the mode under test, the ~10 decoded tokens "
@@ -176,8 +187,12 @@ int cmd_eval(int argc, char** argv) {
   if (!level.is_ok()) return fail(level.status());
   auto reps = parse_int(a, "reps", 1, 1, 20);
   if (!reps.is_ok()) return fail(reps.status());
-  const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt");
-  auto text = read_text_file(doc_path, "document");
+  // Default: two original held-out essays, together longer than 8K tokens, so no length up to
+  // the model's context repeats text (a repeat turns the tail into a copy task).
+  const std::string doc_path =
+      a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt," + std::string(SF_SOURCE_DIR) +
+                            "/data/long_document_2.txt");
+  auto text = read_text_files(doc_path, "document");
   if (!text.is_ok()) return fail(text.status());
   const std::string out_path =
       a.get("out", std::string(SF_SOURCE_DIR) + "/bench/results/eval-" + safe_name(mode) + ".json");
@@ -234,6 +249,9 @@ int cmd_eval(int argc, char** argv) {
                 static_cast<long long>(L), e.density, e.attention_recall, e.min_head_recall, e.ppl_ratio,
                 e.ppl_tail_ratio, e.kl_mean, e.output_rel_error, e.passkey_accuracy, e.dense_passkey_accuracy,
                 e.passkey_level, e.prefill_s, e.dense_prefill_s, e.speedup, e.estimate_s, e.attention_s, dt);
+    if (!e.ppl_ratio_by_quarter.empty())
+      std::printf("  ppl ratio by quarter of positions: %.4f %.4f %.4f %.4f\n", e.ppl_ratio_by_quarter[0],
+                  e.ppl_ratio_by_quarter[1], e.ppl_ratio_by_quarter[2], e.ppl_ratio_by_quarter[3]);
     std::fflush(stdout);
     jrecs.push_back(record_json(e));
     recs.push_back(e);
@@ -287,7 +305,7 @@ int cmd_eval(int argc, char** argv) {
   {
     std::ofstream f(md_path);
     f << markdown(mode, out["date"].as_string().c_str(), out["git_commit"].as_string().c_str(), cpu_name(),
-                  out["command"].as_string().c_str(), doc_path, recs, trials.value());
+                  out["command"].as_string().c_str(), doc_path, recs, trials.value(), doc.size());
     if (!f) return fail(SF_ERR(kIo, "cannot write '" + md_path + "'"));
   }
   std::printf("wrote %s and %s\n", out_path.c_str(), md_path.c_str());

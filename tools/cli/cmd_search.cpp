@@ -47,11 +47,13 @@ struct Cand {
 
 // Candidate settings of every pattern, sized from the sink/local minimum up to the whole
 // sequence on geometric grids; the grid is cut per layer once every head exceeds `cap`.
-std::vector<std::vector<HeadPattern>> candidate_families(int64_t L, const std::set<Pattern>& use) {
+std::vector<std::vector<HeadPattern>> candidate_families(int64_t L, const std::set<Pattern>& use,
+                                                         int64_t spread_rows) {
   std::vector<std::vector<HeadPattern>> fam;
   HeadPattern base;
   base.sink = 64;
   base.local = 64;
+  base.spread_rows = spread_rows;
   auto geo = [](double lo, double hi, double step) {
     std::vector<int64_t> v;
     for (double x = lo; x <= hi * 1.0001; x *= step) {
@@ -141,7 +143,7 @@ std::vector<Cand> hull(std::vector<Cand> c) {
 int cmd_search(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
                            {"model", "calib", "target-density", "out", "length", "allocation", "rows", "seed",
-                            "dense-below", "patterns"},
+                            "dense-below", "patterns", "spread-rows"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -158,6 +160,8 @@ int cmd_search(int argc, char** argv) {
   const int n_random = std::atoi(a.get("rows", "256").c_str());
   if (n_random < 0 || n_random > 4096) return fail(SF_ERR(kInvalidArgument, "--rows must be in [0, 4096]"));
   const uint64_t seed = std::strtoull(a.get("seed", "7").c_str(), nullptr, 10);
+  const int spread_rows = std::atoi(a.get("spread-rows", "64").c_str());
+  if (spread_rows < 0 || spread_rows > 4096) return fail(SF_ERR(kInvalidArgument, "--spread-rows must be in [0, 4096]"));
   std::set<Pattern> use;
   {
     std::stringstream ss(a.get("patterns", "a-shape,vertical-slash,block-sparse"));
@@ -171,7 +175,7 @@ int cmd_search(int argc, char** argv) {
     }
     if (use.empty()) return fail(SF_ERR(kInvalidArgument, "--patterns is empty"));
   }
-  auto text = read_text_file(a.get("calib"), "calibration text");
+  auto text = read_text_files(a.get("calib"), "calibration text");
   if (!text.is_ok()) return fail(text.status());
 
   const std::string model_path = resolve_model(a.get("model", "default"));
@@ -191,7 +195,7 @@ int cmd_search(int argc, char** argv) {
   const std::vector<int32_t> ids = eval::fit_tokens(doc, L);
 
   const auto t0 = std::chrono::steady_clock::now();
-  const auto families = candidate_families(L, use);
+  const auto families = candidate_families(L, use, spread_rows);
   const double cap = alloc == "uniform" ? target : std::min(1.0, 3.0 * target);
   std::vector<std::vector<std::vector<Cand>>> cands(size_t(cfg.n_layers));  // [layer][head][cand]
   Status err;

@@ -49,6 +49,19 @@ Result<std::string> read_text_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
+Result<std::string> read_text_files(const std::string& list, const char* what) {
+  std::string all, item;
+  std::stringstream ss(list);
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) return SF_ERR(kInvalidArgument, std::string("empty path in the ") + what + " list '" + list + "'");
+    SF_ASSIGN(std::string text, read_text_file(item, what));
+    if (!all.empty()) all += "\n\n";
+    all += text;
+  }
+  if (all.empty()) return SF_ERR(kInvalidArgument, std::string("the ") + what + " '" + list + "' is empty");
+  return all;
+}
+
 namespace {
 std::string run_capture(const char* cmd) {
   std::string out;

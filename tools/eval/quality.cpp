@@ -211,18 +211,22 @@ double kl_mean(const float* p_logits, const float* q_logits, int64_t rows, int64
   return s / double(rows);
 }
 
-double mean_nll(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab) {
-  if (rows <= 0) return 0;
-  std::vector<double> nll(size_t(rows), 0.0);
+std::vector<double> nll_rows(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab) {
+  std::vector<double> nll(static_cast<size_t>(std::max<int64_t>(rows, 0)), 0.0);
   parallel_for(size_t(rows), [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const float* x = logits + r * size_t(vocab);
       nll[r] = log_sum_exp(x, vocab) - double(x[targets[r]]);
     }
   }, 16);
+  return nll;
+}
+
+double mean_of(const std::vector<double>& v, size_t b, size_t e) {
+  if (e <= b) return 0;
   double s = 0;
-  for (double x : nll) s += x;
-  return s / double(rows);
+  for (size_t i = b; i < e; ++i) s += v[i];
+  return s / double(e - b);
 }
 
 double rel_l2(const float* a, const float* b, int64_t n) {
@@ -397,12 +401,14 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
     o.keep_kv = false;
     o.all_logits = s.do_logits;
     double nll_d = 0, nll_tail_d = 0;
+    std::vector<double> rows_d;
     if (s.do_logits) {
       auto rd = model::prefill(m, ids, o);
       if (!rd.is_ok()) return rd.status();
       const float* lg = rd->logits.data();
-      nll_d = mean_nll(lg, ids.data() + 1, L - 1, V);
-      nll_tail_d = mean_nll(lg + size_t(L - K) * size_t(V), ids.data() + (L - K) + 1, K - 1, V);
+      rows_d = nll_rows(lg, ids.data() + 1, L - 1, V);
+      nll_d = mean_of(rows_d, 0, rows_d.size());
+      nll_tail_d = mean_of(rows_d, static_cast<size_t>(L - K), rows_d.size());
       dense_tail.assign(lg + size_t(L - K) * size_t(V), lg + size_t(L) * size_t(V));
     }
     RecallStats rs;
@@ -416,8 +422,14 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
       rec.density = rsp->density;
       if (s.do_logits) {
         const float* lg = rsp->logits.data();
-        const double nll_s = mean_nll(lg, ids.data() + 1, L - 1, V);
-        const double nll_tail_s = mean_nll(lg + size_t(L - K) * size_t(V), ids.data() + (L - K) + 1, K - 1, V);
+        const std::vector<double> rows_s = nll_rows(lg, ids.data() + 1, L - 1, V);
+        const double nll_s = mean_of(rows_s, 0, rows_s.size());
+        const double nll_tail_s = mean_of(rows_s, static_cast<size_t>(L - K), rows_s.size());
+        // Where the loss goes: the ratio per quarter of the positions.
+        for (size_t qi = 0; qi < 4; ++qi) {
+          const size_t b = rows_s.size() * qi / 4, e = rows_s.size() * (qi + 1) / 4;
+          rec.ppl_ratio_by_quarter.push_back(std::exp(mean_of(rows_s, b, e) - mean_of(rows_d, b, e)));
+        }
         rec.ppl_dense = std::exp(nll_d);
         rec.ppl_sparse = std::exp(nll_s);
         rec.ppl_ratio = rec.ppl_sparse / rec.ppl_dense;

@@ -69,8 +69,8 @@ model::AttentionObserver recall_observer(RecallStats* out, int n_last, int n_ran
 std::vector<double> kl_rows(const float* p_logits, const float* q_logits, int64_t rows, int64_t vocab);
 // Mean over rows of KL(P || Q), P and Q the softmax of the rows of p_logits and q_logits.
 double kl_mean(const float* p_logits, const float* q_logits, int64_t rows, int64_t vocab);
-// Mean negative log-likelihood of targets[i] under row i of logits.
-double mean_nll(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab);
+// Negative log-likelihood of targets[i] under row i of logits, per row.
+std::vector<double> nll_rows(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab);
 // ||a - b||_2 / ||b||_2 over n values.
 double rel_l2(const float* a, const float* b, int64_t n);
 
@@ -137,6 +137,7 @@ struct EvalRecord {
   // logits
   double ppl_dense = 0, ppl_sparse = 0, ppl_ratio = 1;
   double ppl_tail_dense = 0, ppl_tail_sparse = 0, ppl_tail_ratio = 1;  // last kl_positions only
+  std::vector<double> ppl_ratio_by_quarter;  // ppl ratio over each quarter of the positions, in order
   double kl_mean = 0, kl_max = 0;
   double output_rel_error = 0;  // relative L2 of logits over the last kl_positions positions
   double top1_agreement = 1;    // argmax agreement over the same positions

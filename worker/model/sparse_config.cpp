@@ -118,7 +118,7 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       struct IntField { const char* name; int64_t* dst; };
       for (IntField f : {IntField{"sink", &hp.sink}, {"local", &hp.local}, {"n_vertical", &hp.n_vertical},
                          {"n_slash", &hp.n_slash}, {"n_blocks", &hp.n_blocks}, {"min_budget", &hp.min_budget},
-                         {"max_budget", &hp.max_budget}}) {
+                         {"max_budget", &hp.max_budget}, {"spread_rows", &hp.spread_rows}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -171,6 +171,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
           ho["gamma"] = h.gamma; ho["min_budget"] = h.min_budget; ho["max_budget"] = h.max_budget; break;
         default: break;
       }
+      if (h.spread_rows != 0) ho["spread_rows"] = h.spread_rows;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }
