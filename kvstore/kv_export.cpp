@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <vector>
 
 #include "common/checksum.h"
@@ -21,24 +22,92 @@ std::string hex64(uint64_t v) {
   return b;
 }
 
-// [S, Hkv, d] token-major -> [Hkv, S, d] head-major, undoing adjacent-pair interleave if asked.
-void to_hf_layout(const float* src, int64_t S, int hkv, int d, bool deinterleave, float* dst) {
-  for (int64_t t = 0; t < S; ++t)
-    for (int h = 0; h < hkv; ++h) {
-      const float* r = src + (t * hkv + h) * d;
-      float* o = dst + (int64_t(h) * S + t) * d;
-      if (deinterleave) {
-        for (int i = 0; i < d / 2; ++i) {
-          o[i] = r[2 * i];
-          o[i + d / 2] = r[2 * i + 1];
-        }
-      } else {
-        std::copy(r, r + d, o);
+// Rows `pos` of head h of a token-major [S, Hkv, d] layer into dst [n, d], undoing the
+// adjacent-pair interleave if asked (GGUF llama keys -> HF rotate-half order).
+void gather_head(const float* src, int hkv, int d, int h, const std::vector<int32_t>& pos, bool deinterleave,
+                 float* dst) {
+  for (size_t i = 0; i < pos.size(); ++i) {
+    const float* r = src + (int64_t(pos[i]) * hkv + h) * d;
+    float* o = dst + int64_t(i) * d;
+    if (deinterleave) {
+      for (int c = 0; c < d / 2; ++c) {
+        o[c] = r[2 * c];
+        o[c + d / 2] = r[2 * c + 1];
       }
+    } else {
+      std::copy(r, r + d, o);
     }
+  }
+}
+
+// Per-block metadata of one head: blocks are runs of kKvBlockSize kept tokens in position order.
+struct HeadMeta {
+  std::vector<float> kmin, kmax, kmean, importance;  // [n_blocks, d] x3, [n_blocks]
+};
+
+HeadMeta block_meta(const float* keys, int64_t n, int d, const float* imp_row, const std::vector<int32_t>& pos) {
+  const int64_t nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+  HeadMeta m;
+  m.kmin.resize(size_t(nb * d));
+  m.kmax.resize(size_t(nb * d));
+  m.kmean.resize(size_t(nb * d));
+  if (imp_row) m.importance.assign(size_t(nb), 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t t0 = b * kKvBlockSize, t1 = std::min(n, t0 + kKvBlockSize);
+    for (int c = 0; c < d; ++c) {
+      float lo = keys[t0 * d + c], hi = lo;
+      double sum = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float x = keys[t * d + c];
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+        sum += x;
+      }
+      m.kmin[size_t(b * d + c)] = lo;
+      m.kmax[size_t(b * d + c)] = hi;
+      m.kmean[size_t(b * d + c)] = float(sum / double(t1 - t0));
+    }
+    if (imp_row) {
+      double s = 0;
+      for (int64_t t = t0; t < t1; ++t) s += imp_row[pos[size_t(t)]];
+      m.importance[size_t(b)] = float(s);
+    }
+  }
+  return m;
+}
+
+// Half-open [a, b) runs of a sorted position list: compact for windows and sinks.
+boost::json::array to_ranges(const std::vector<int32_t>& pos) {
+  boost::json::array out;
+  for (size_t i = 0; i < pos.size();) {
+    size_t j = i + 1;
+    while (j < pos.size() && pos[j] == pos[j - 1] + 1) ++j;
+    out.push_back(boost::json::array{pos[i], pos[j - 1] + 1});
+    i = j;
+  }
+  return out;
+}
+
+Status check_retention(const KvExportSpec& spec, const Retention& r) {
+  if (r.n_layers != spec.n_layers || r.n_kv_heads != spec.n_kv_heads || r.n_tokens != spec.n_tokens ||
+      int64_t(r.kept.size()) != int64_t(spec.n_layers) * spec.n_kv_heads)
+    return SF_ERR(kInvalidArgument, "export_kv: retention geometry does not match the cache");
+  for (size_t i = 0; i < r.kept.size(); ++i) {
+    const auto& k = r.kept[i];
+    if (k.empty())
+      return SF_ERR(kInvalidArgument, "export_kv: retention keeps no token for layer " +
+                                          std::to_string(i / size_t(spec.n_kv_heads)) + " head " +
+                                          std::to_string(i % size_t(spec.n_kv_heads)));
+    for (size_t j = 0; j < k.size(); ++j)
+      if (k[j] < 0 || k[j] >= spec.n_tokens || (j > 0 && k[j] <= k[j - 1]))
+        return SF_ERR(kInvalidArgument, "export_kv: retention positions must be ascending and in [0, n_tokens)");
+  }
+  return Status::ok();
 }
 
 }  // namespace
+
+int64_t kv_bytes(const Retention& r, int head_dim) { return r.kept_total() * head_dim * 2 * 4; }
 
 std::string compat_hash(const KvExportSpec& s) {
   char buf[512];
@@ -55,6 +124,17 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
     return SF_ERR(kInvalidArgument, "export_kv: empty geometry");
   if (int64_t(spec.token_ids.size()) != spec.n_tokens)
     return SF_ERR(kInvalidArgument, "export_kv: token_ids size does not match n_tokens");
+  const Retention* ret = spec.retention;
+  if (ret) SF_TRY(check_retention(spec, *ret));
+  if (const ImportanceScores* is = spec.importance) {
+    bool ok = is->n_layers == spec.n_layers && is->n_kv_heads == spec.n_kv_heads && is->n_tokens == spec.n_tokens &&
+              int64_t(is->layers.size()) == spec.n_layers;
+    for (size_t l = 0; ok && l < is->layers.size(); ++l)
+      ok = int64_t(is->layers[l].size()) == int64_t(spec.n_kv_heads) * spec.n_tokens;
+    if (!ok) return SF_ERR(kInvalidArgument, "export_kv: importance geometry does not match the cache");
+  }
+  std::vector<int32_t> all_pos(static_cast<size_t>(spec.n_tokens));
+  for (int64_t t = 0; t < spec.n_tokens; ++t) all_pos[size_t(t)] = int32_t(t);
   std::error_code ec;
   const fs::path out(dir);
   if (fs::exists(out, ec)) {
@@ -74,20 +154,63 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
 
   const int64_t S = spec.n_tokens;
   const int hkv = spec.n_kv_heads, d = spec.head_dim;
-  const size_t n = size_t(S) * size_t(hkv) * size_t(d);
-  std::vector<float> kbuf(n), vbuf(n);
-  boost::json::array shards;
+  boost::json::array shards, ret_layers;
   for (int l = 0; l < spec.n_layers; ++l) {
     const float* k = src(l, false);
     const float* v = src(l, true);
     if (!k || !v) return fail(SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV"));
-    to_hf_layout(k, S, hkv, d, spec.keys_interleaved, kbuf.data());
-    to_hf_layout(v, S, hkv, d, false, vbuf.data());
+    std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hkv));
+    for (int h = 0; h < hkv; ++h) {
+      if (ret) pos[size_t(h)] = ret->positions(l, h);
+      else pos[size_t(h)] = all_pos;
+    }
+    bool uniform = true;
+    for (int h = 1; h < hkv; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
+    // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hkv, n, d].
+    std::vector<int64_t> off(static_cast<size_t>(hkv) + 1, 0);
+    for (int h = 0; h < hkv; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
+    std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
+    std::vector<HeadMeta> meta(static_cast<size_t>(hkv));
+    for (int h = 0; h < hkv; ++h) {
+      float* kh = kbuf.data() + off[size_t(h)] * d;
+      gather_head(k, hkv, d, h, pos[size_t(h)], spec.keys_interleaved, kh);
+      gather_head(v, hkv, d, h, pos[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
+      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h) * S : nullptr;
+      meta[size_t(h)] = block_meta(kh, int64_t(pos[size_t(h)].size()), d, imp, pos[size_t(h)]);
+    }
     SafetensorsWriter w;
-    w.add("key", DType::kF32, {1, hkv, S, d}, kbuf.data(), n * 4);
-    w.add("value", DType::kF32, {1, hkv, S, d}, vbuf.data(), n * 4);
+    boost::json::array names, heads_json;
+    auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
+      w.add(name, t, std::move(shape), p, bytes);
+      names.push_back(boost::json::string(name));
+    };
+    if (uniform) {
+      const int64_t n = int64_t(pos[0].size());
+      add("key", DType::kF32, {1, hkv, n, d}, kbuf.data(), kbuf.size() * 4);
+      add("value", DType::kF32, {1, hkv, n, d}, vbuf.data(), vbuf.size() * 4);
+    }
+    for (int h = 0; h < hkv; ++h) {
+      const std::string sfx = ".h" + std::to_string(h);
+      const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+      if (!uniform) {
+        add("key" + sfx, DType::kF32, {1, 1, n, d}, kbuf.data() + off[size_t(h)] * d, size_t(n * d) * 4);
+        add("value" + sfx, DType::kF32, {1, 1, n, d}, vbuf.data() + off[size_t(h)] * d, size_t(n * d) * 4);
+      }
+      const HeadMeta& m = meta[size_t(h)];
+      add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
+      add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
+      add("block_key_max" + sfx, DType::kF32, {nb, d}, m.kmax.data(), m.kmax.size() * 4);
+      add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
+      if (!m.importance.empty())
+        add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
+      boost::json::object hj;
+      hj["n"] = n;
+      hj["ranges"] = to_ranges(pos[size_t(h)]);
+      heads_json.push_back(std::move(hj));
+    }
     w.set_metadata("layer", std::to_string(l));
-    w.set_metadata("layout", "[batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half");
+    w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
+                                     : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
     char name[32];
     std::snprintf(name, sizeof name, "layer_%03d.safetensors", l);
     const fs::path p = tmp / name;
@@ -96,10 +219,15 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
     boost::json::object sh;
     sh["file"] = name;
     sh["layer"] = l;
-    sh["tensors"] = boost::json::array{"key", "value"};
+    sh["layout"] = uniform ? "uniform" : "per_head";
+    sh["tensors"] = std::move(names);
     sh["bytes"] = uint64_t(fs::file_size(p, ec));
     sh["xxh64"] = hex64(r.value());
     shards.push_back(std::move(sh));
+    boost::json::object lj;
+    lj["layer"] = l;
+    lj["heads"] = std::move(heads_json);
+    ret_layers.push_back(std::move(lj));
   }
 
   boost::json::object model;
@@ -122,9 +250,24 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   for (int32_t t : spec.token_ids) ids.push_back(t);
   man["token_ids"] = std::move(ids);
   man["first_token"] = spec.first_token;
-  boost::json::object ret;
-  ret["policy"] = "full";
-  man["retention"] = std::move(ret);
+  boost::json::object rj;
+  rj["policy"] = ret ? ret->policy : "full";
+  rj["params"] = ret ? ret->params : "";
+  const int64_t kept = ret ? ret->kept_total() : S * spec.n_layers * hkv;
+  rj["kept_tokens"] = kept;
+  rj["kv_bytes"] = kept * d * 2 * 4;
+  rj["kv_bytes_full"] = S * spec.n_layers * hkv * d * 2 * 4;
+  rj["layers"] = std::move(ret_layers);
+  man["retention"] = std::move(rj);
+  if (spec.importance) {
+    boost::json::object ij;
+    ij["method"] = "snapkv column sums of the observation window's softmax, from the attention LSE";
+    ij["window"] = spec.importance->window;
+    ij["pool"] = spec.importance->pool;
+    man["importance"] = std::move(ij);
+  } else {
+    man["importance"] = nullptr;
+  }
   man["checksum"] = "xxh64 of each whole shard file, seed 0";
   man["shards"] = std::move(shards);
   {

@@ -1,6 +1,9 @@
 // Versioned KV export: one safetensors shard per layer plus manifest.json (docs/kv-format.md).
-// Shards hold `key` and `value` as [1, n_kv_heads, n_tokens, head_dim] in Hugging Face's cache
-// layout and rotary convention, so `safetensors` + transformers.DynamicCache can consume them.
+// Shards hold `key` and `value` as [1, n_kv_heads, n_kept, head_dim] in Hugging Face's cache
+// layout and rotary convention, so `safetensors` + transformers.DynamicCache can consume them;
+// when a retention keeps different counts per head, each head gets its own `key.hH`/`value.hH`.
+// Every head also carries its kept positions and per-block (64 kept tokens) metadata that
+// decode-side selection uses: key min/max/mean per channel and summed importance.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -8,10 +11,12 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kvstore/retention.h"
 
 namespace sf::kvstore {
 
-constexpr int kKvFormatVersion = 1;
+// 2: retention detail, per-head positions and per-block metadata (1 had full retention only).
+constexpr int kKvFormatVersion = 2;
 constexpr int kKvBlockSize = 64;
 
 struct KvExportSpec {
@@ -24,10 +29,16 @@ struct KvExportSpec {
   int64_t n_tokens = 0;
   std::vector<int32_t> token_ids;
   int32_t first_token = -1;
+  // Optional; null means full retention and no importance. Not owned; must match the geometry.
+  const Retention* retention = nullptr;
+  const ImportanceScores* importance = nullptr;
 };
 
 // Returns the layer's K or V, token-major [n_tokens, n_kv_heads, head_dim] fp32.
 using LayerSource = std::function<const float*(int layer, bool value)>;
+
+// Bytes of K and V (F32) a retention keeps, summed over layers and heads.
+int64_t kv_bytes(const Retention& r, int head_dim);
 
 // Compatibility hash over everything a consumer must agree on (model, dtype, geometry, rope,
 // block size). Hex string of XXH64.

@@ -1,0 +1,40 @@
+// Decode attention of one new token over a paged cache (DESIGN.md: progressive decode attention).
+//   full:     every block of the head, in position order, online softmax.
+//   psa(eps): seed 002. Blocks are ranked by an upper bound on q.k from their per-channel key
+//             min/max (sum_c max(q_c min_c, q_c max_c)) and visited in descending order. After
+//             each block, the unseen mass is bounded by AS_min * N_left (AS_min: the smallest
+//             block mass seen so far, a bound because blocks come in descending criticality);
+//             the visit stops once AS_acc / (AS_acc + AS_min * N_left) >= eps.
+#pragma once
+#include <cstdint>
+
+#include "common/status.h"
+#include "decode/paged_kv.h"
+
+namespace sf::decode {
+
+enum class DecodeAttnMode { kFull, kPsa };
+
+struct DecodeAttnParams {
+  DecodeAttnMode mode = DecodeAttnMode::kFull;
+  double eps = 0.95;   // psa: accumulated attention mass at which the visit stops
+  float scale = 0.f;   // 0: 1/sqrt(head_dim)
+};
+
+// Blocks visited and available, summed over query heads (and layers, when accumulated).
+struct DecodeAttnStats {
+  int64_t blocks_visited = 0, blocks_total = 0;
+};
+
+// q: [n_heads, head_dim] of one token (already rotated); out: [n_heads, head_dim]. Query head h
+// reads KV head h / (n_heads / n_kv_heads) of `layer`.
+Status decode_attention(const PagedKvCache& cache, int layer, const float* q, int n_heads,
+                        const DecodeAttnParams& p, float* out, DecodeAttnStats* stats);
+
+// Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
+float block_score_bound(const float* q, const KvBlock& b, int head_dim);
+
+// "full" or "psa:EPS" (EPS in (0, 1]).
+Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
+
+}  // namespace sf::decode

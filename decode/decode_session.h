@@ -1,0 +1,51 @@
+// The reference decode node's engine: greedy generation on CPU from a paged KV cache that came
+// from an export, with the model of worker/model. One token per step; positions continue from
+// the prompt length the export recorded (keys of dropped tokens are gone, positions are not
+// renumbered, as in SnapKV).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "decode/decode_attention.h"
+#include "decode/kv_client.h"
+#include "decode/paged_kv.h"
+#include "kvstore/kv_export.h"
+#include "worker/model/model.h"
+
+namespace sf::decode {
+
+// The compatibility hash of exports this model can consume (kvstore::compat_hash of its spec).
+std::string model_compat_hash(const model::Model& m);
+// The export spec prefill fills for this model (geometry, rope, names); token fields empty.
+kvstore::KvExportSpec model_export_spec(const model::Model& m);
+
+class DecodeSession {
+ public:
+  // The cache must come from an export whose compat hash matched m (load_kv_export checks it).
+  DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos, DecodeAttnParams p);
+
+  // Runs `token` at the next position, appends its K/V to every head, returns the logits.
+  Status step(int32_t token, std::vector<float>* logits);
+  // Greedy: returns n_new tokens starting with first_token (the prefill's), like
+  // model::generate_greedy. on_logits (optional) sees the logits that chose tokens 2..n_new.
+  Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new,
+                                               const std::function<void(int, const std::vector<float>&)>& on_logits = {});
+  const DecodeAttnStats& stats() const { return stats_; }
+  const PagedKvCache& cache() const { return cache_; }
+
+ private:
+  const model::Model& m_;
+  PagedKvCache cache_;
+  int64_t pos_;
+  DecodeAttnParams p_;
+  DecodeAttnStats stats_;
+};
+
+// load_kv_export + PagedKvCache for model m, ready to decode.
+Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir, DecodeAttnParams p,
+                                          KvExport* manifest_out = nullptr);
+
+}  // namespace sf::decode

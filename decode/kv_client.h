@@ -1,0 +1,42 @@
+// Decode-side KV client: loads an export (docs/kv-format.md, format version 2) from a directory,
+// verifies it completely and returns it only when every check passed, so a consumer never sees
+// partial data. Checks: format and version, the compatibility hash against the consumer's model,
+// every shard's size and XXH64, tensor names, dtypes and shapes, and that the positions stored in
+// the shards equal the retention the manifest declares. The network transport comes later; this
+// is the file-backed path.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::decode {
+
+// One layer's KV head: the kept tokens in position order, as exported (keys post-RoPE in
+// rotate-half channel order), plus per-block metadata over runs of 64 kept tokens.
+struct HeadKv {
+  std::vector<int32_t> positions;
+  std::vector<float> k, v;                          // [n, head_dim]
+  std::vector<float> block_kmin, block_kmax, block_kmean;  // [n_blocks, head_dim]
+  std::vector<float> block_importance;              // [n_blocks]; empty when the export had none
+};
+
+struct KvExport {
+  std::string model_name, arch, compat_hash;
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0, block_size = 0;
+  int64_t n_tokens = 0;
+  std::vector<int32_t> token_ids;
+  int32_t first_token = -1;
+  std::string retention_policy, retention_params;
+  int64_t kv_bytes = 0, kv_bytes_full = 0;
+  std::vector<HeadKv> heads;  // [layer * n_kv_heads + head]
+
+  const HeadKv& head(int layer, int h) const { return heads[size_t(layer) * size_t(n_kv_heads) + size_t(h)]; }
+};
+
+// expected_compat_hash: the hash of the consumer's own model (decode::model_compat_hash); an
+// export for any other model, dtype, geometry, rope or block size is refused.
+Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash);
+
+}  // namespace sf::decode

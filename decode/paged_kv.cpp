@@ -1,0 +1,94 @@
+#include "decode/paged_kv.h"
+
+#include <algorithm>
+#include <string>
+
+namespace sf::decode {
+namespace {
+
+// rotate-half channel order (i, i + d/2) back to adjacent pairs (2i, 2i + 1).
+void to_interleaved(const float* src, int d, float* dst) {
+  for (int c = 0; c < d / 2; ++c) {
+    dst[2 * c] = src[c];
+    dst[2 * c + 1] = src[c + d / 2];
+  }
+}
+
+}  // namespace
+
+int32_t PagedKvCache::new_block() {
+  KvBlock b;
+  b.pos.assign(kBlockTokens, -1);
+  b.k.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
+  b.v.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
+  b.kmin.assign(size_t(head_dim_), 0.f);
+  b.kmax.assign(size_t(head_dim_), 0.f);
+  pool_.push_back(std::move(b));
+  return int32_t(pool_.size() - 1);
+}
+
+Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_interleaved) {
+  if (e.block_size != kBlockTokens)
+    return SF_ERR(kUnsupported, "paged kv: block size " + std::to_string(e.block_size) + " is not 64");
+  PagedKvCache c;
+  c.n_layers_ = e.n_layers;
+  c.n_kv_heads_ = e.n_kv_heads;
+  c.head_dim_ = e.head_dim;
+  c.pages_.resize(size_t(e.n_layers) * size_t(e.n_kv_heads));
+  const int d = e.head_dim;
+  std::vector<float> tmp(static_cast<size_t>(d));
+  for (int l = 0; l < e.n_layers; ++l)
+    for (int h = 0; h < e.n_kv_heads; ++h) {
+      const HeadKv& H = e.head(l, h);
+      const int64_t n = int64_t(H.positions.size()), nb = (n + kBlockTokens - 1) / kBlockTokens;
+      auto& pages = c.pages_[c.idx(l, h)];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int32_t id = c.new_block();
+        pages.push_back(id);
+        KvBlock& B = c.pool_[size_t(id)];
+        B.n = int32_t(std::min<int64_t>(kBlockTokens, n - b * kBlockTokens));
+        for (int32_t t = 0; t < B.n; ++t) {
+          const int64_t src = b * kBlockTokens + t;
+          B.pos[size_t(t)] = H.positions[size_t(src)];
+          const float* kr = H.k.data() + src * d;
+          if (keys_interleaved) to_interleaved(kr, d, B.k.data() + size_t(t) * size_t(d));
+          else std::copy(kr, kr + d, B.k.begin() + t * d);
+          std::copy(H.v.begin() + src * d, H.v.begin() + (src + 1) * d, B.v.begin() + t * d);
+        }
+        // The export's block metadata, in the model's channel order.
+        const float* mn = H.block_kmin.data() + b * d;
+        const float* mx = H.block_kmax.data() + b * d;
+        if (keys_interleaved) {
+          to_interleaved(mn, d, B.kmin.data());
+          to_interleaved(mx, d, B.kmax.data());
+        } else {
+          std::copy(mn, mn + d, B.kmin.begin());
+          std::copy(mx, mx + d, B.kmax.begin());
+        }
+      }
+    }
+  return c;
+}
+
+int64_t PagedKvCache::n_tokens(int layer, int head) const {
+  int64_t n = 0;
+  for (int32_t id : pages(layer, head)) n += pool_[size_t(id)].n;
+  return n;
+}
+
+void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, const float* v) {
+  auto& pages = pages_[idx(layer, head)];
+  if (pages.empty() || pool_[size_t(pages.back())].n == kBlockTokens) pages.push_back(new_block());
+  KvBlock& B = pool_[size_t(pages.back())];
+  const int d = head_dim_;
+  const int32_t t = B.n++;
+  B.pos[size_t(t)] = pos;
+  std::copy(k, k + d, B.k.begin() + t * d);
+  std::copy(v, v + d, B.v.begin() + t * d);
+  for (int c = 0; c < d; ++c) {
+    B.kmin[size_t(c)] = t == 0 ? k[c] : std::min(B.kmin[size_t(c)], k[c]);
+    B.kmax[size_t(c)] = t == 0 ? k[c] : std::max(B.kmax[size_t(c)], k[c]);
+  }
+}
+
+}  // namespace sf::decode

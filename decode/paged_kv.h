@@ -1,0 +1,47 @@
+// A paged KV cache for decode: one block pool shared by all layers and heads (seed 002: PSA's
+// unified pool), and per (layer, KV head) page tables of block ids in position order. Heads may
+// hold different token counts and positions (retention is per head). Each block keeps the
+// per-channel key min/max that PSA's upper bound needs, updated as tokens are appended.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/status.h"
+#include "decode/kv_client.h"
+
+namespace sf::decode {
+
+constexpr int kBlockTokens = 64;
+
+struct KvBlock {
+  int32_t n = 0;              // tokens filled, <= kBlockTokens
+  std::vector<int32_t> pos;   // [kBlockTokens]
+  std::vector<float> k, v;    // [kBlockTokens, head_dim]
+  std::vector<float> kmin, kmax;  // [head_dim] over the filled tokens
+};
+
+class PagedKvCache {
+ public:
+  // keys_interleaved: the consuming model rotates adjacent channel pairs (GGUF llama); exported
+  // keys (rotate-half order) and their block min/max are permuted back to that order.
+  static Result<PagedKvCache> from_export(const KvExport& e, bool keys_interleaved);
+
+  int n_layers() const { return n_layers_; }
+  int n_kv_heads() const { return n_kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  const std::vector<int32_t>& pages(int layer, int head) const { return pages_[idx(layer, head)]; }
+  const KvBlock& block(int32_t id) const { return pool_[size_t(id)]; }
+  int64_t n_blocks() const { return int64_t(pool_.size()); }
+  int64_t n_tokens(int layer, int head) const;
+  // Appends one token (a decoded one) to a head: fills the last block or opens a new one.
+  void append(int layer, int head, int32_t pos, const float* k, const float* v);
+
+ private:
+  size_t idx(int layer, int head) const { return size_t(layer) * size_t(n_kv_heads_) + size_t(head); }
+  int32_t new_block();
+  int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
+  std::vector<KvBlock> pool_;
+  std::vector<std::vector<int32_t>> pages_;
+};
+
+}  // namespace sf::decode

@@ -1,0 +1,157 @@
+// Decode session and decode attention on synthetic models: full retention + full decode equals
+// the dense continuation; PSA's bound, its early stop and its eps = 1 limit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tests/decode/decode_test_util.h"
+
+namespace sf {
+namespace {
+using testing::TempDir;
+
+void run_full_equals_dense(model::Arch arch) {
+  const uint64_t seed = testing::fresh_seed();
+  model::ModelConfig cfg = testing::tiny_config();
+  cfg.arch = arch;
+  cfg.qkv_bias = arch == model::Arch::kQwen2;
+  cfg.rope.neox = arch == model::Arch::kQwen2;
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const auto toks = testing::random_tokens(333, 101, seed + 1);
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
+  TempDir tmp;
+  ASSERT_TRUE(testing::export_prefill(m.value(), toks, pr.value(), tmp.sub("kv"), nullptr, nullptr).is_ok());
+  auto s = decode::open_decode_session(m.value(), tmp.sub("kv"), decode::DecodeAttnParams{});
+  ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+
+  // Reference: the model's own KV extend, step by step; logits compared at every step.
+  const int n_new = 24;
+  model::PrefillResult ref = pr.value();
+  std::vector<int32_t> got{pr->first_token}, want{pr->first_token};
+  std::vector<float> logits;
+  double max_diff = 0;
+  for (int i = 1; i < n_new; ++i) {
+    ASSERT_TRUE(s->step(got.back(), &logits).is_ok());
+    got.push_back(int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    const int32_t t = want.back();
+    ASSERT_TRUE(model::extend(m.value(), std::span<const int32_t>(&t, 1), {}, &ref).is_ok());
+    want.push_back(ref.first_token);
+    for (size_t j = 0; j < logits.size(); ++j) max_diff = std::max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
+  }
+  EXPECT_EQ(got, want);
+  auto dense = model::generate_greedy(m.value(), toks, n_new);
+  ASSERT_TRUE(dense.is_ok());
+  EXPECT_EQ(got, dense.value());
+  // Same fp32 math in another summation order (per-token loop vs BLAS tiles).
+  EXPECT_LT(max_diff, 1e-4) << "max |logit diff| " << max_diff;
+  std::printf("max |logit diff| vs extend: %.3g\n", max_diff);
+  EXPECT_EQ(s->stats().blocks_visited, s->stats().blocks_total);
+}
+
+TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationLlama) { run_full_equals_dense(model::Arch::kLlama); }
+TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationQwen2) { run_full_equals_dense(model::Arch::kQwen2); }
+
+// A one-layer, one-head export built by hand, with block metadata computed here.
+decode::KvExport hand_export(int n, int d, const std::vector<float>& k, const std::vector<float>& v) {
+  decode::KvExport e;
+  e.n_layers = 1;
+  e.n_kv_heads = 1;
+  e.head_dim = d;
+  e.block_size = 64;
+  e.n_tokens = n;
+  decode::HeadKv h;
+  for (int t = 0; t < n; ++t) h.positions.push_back(t);
+  h.k = k;
+  h.v = v;
+  const int nb = (n + 63) / 64;
+  h.block_kmin.assign(size_t(nb * d), 1e30f);
+  h.block_kmax.assign(size_t(nb * d), -1e30f);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) {
+      float& lo = h.block_kmin[size_t((t / 64) * d + c)];
+      float& hi = h.block_kmax[size_t((t / 64) * d + c)];
+      lo = std::min(lo, k[size_t(t * d + c)]);
+      hi = std::max(hi, k[size_t(t * d + c)]);
+    }
+  e.heads.push_back(std::move(h));
+  return e;
+}
+
+TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
+  const uint64_t seed = testing::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int n = 64 * 20, d = 32;
+  std::vector<float> q(static_cast<size_t>(d)), k(static_cast<size_t>(n * d)), v(static_cast<size_t>(n * d));
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : k) x = 0.1f * nd(rng);
+  for (auto& x : v) x = nd(rng);
+  // Block 13 holds keys aligned with q: it carries nearly all of the attention mass.
+  for (int t = 13 * 64; t < 14 * 64; ++t)
+    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] += 2.f * q[size_t(c)];
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  for (int32_t id : cache->pages(0, 0)) {
+    const auto& b = cache->block(id);
+    const float ub = decode::block_score_bound(q.data(), b, d);
+    for (int t = 0; t < b.n; ++t) {
+      float dot = 0;
+      for (int c = 0; c < d; ++c) dot += q[size_t(c)] * b.k[size_t(t * d + c)];
+      ASSERT_LE(dot, ub + 1e-4f) << "block " << id << " token " << t;
+    }
+  }
+  std::vector<float> full(static_cast<size_t>(d)), psa(static_cast<size_t>(d)), one(static_cast<size_t>(d));
+  decode::DecodeAttnStats sf, sp, s1;
+  decode::DecodeAttnParams pf, pp, p1;
+  pp.mode = p1.mode = decode::DecodeAttnMode::kPsa;
+  pp.eps = 0.9;
+  p1.eps = 1.0;
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pf, full.data(), &sf).is_ok());
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pp, psa.data(), &sp).is_ok());
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p1, one.data(), &s1).is_ok());
+  EXPECT_EQ(sf.blocks_visited, 20);
+  EXPECT_EQ(s1.blocks_visited, 20);  // eps = 1 can only stop when no block is left
+  // The hot block ranks first; the next one sets AS_min small enough to stop.
+  EXPECT_LE(sp.blocks_visited, 3);
+  EXPECT_GE(sp.blocks_visited, 2);
+  // Brute-force softmax in double for the reference output.
+  std::vector<double> ref(size_t(d), 0.0), sc(static_cast<size_t>(n));
+  double mx = -1e300, z = 0;
+  for (int t = 0; t < n; ++t) {
+    double dot = 0;
+    for (int c = 0; c < d; ++c) dot += double(q[size_t(c)]) * k[size_t(t * d + c)];
+    sc[size_t(t)] = dot / std::sqrt(double(d));
+    mx = std::max(mx, sc[size_t(t)]);
+  }
+  for (int t = 0; t < n; ++t) z += std::exp(sc[size_t(t)] - mx);
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) ref[size_t(c)] += std::exp(sc[size_t(t)] - mx) / z * v[size_t(t * d + c)];
+  double e_full = 0, e_one = 0, e_psa = 0, norm = 0;
+  for (int c = 0; c < d; ++c) {
+    e_full = std::max(e_full, std::fabs(full[size_t(c)] - ref[size_t(c)]));
+    e_one = std::max(e_one, std::fabs(one[size_t(c)] - ref[size_t(c)]));
+    e_psa = std::max(e_psa, std::fabs(psa[size_t(c)] - ref[size_t(c)]));
+    norm = std::max(norm, std::fabs(ref[size_t(c)]));
+  }
+  EXPECT_LT(e_full, 1e-5 * (1 + norm));
+  EXPECT_LT(e_one, 1e-5 * (1 + norm));
+  EXPECT_LT(e_psa, 0.05 * (1 + norm));
+  std::printf("psa eps 0.9: %lld of 20 blocks, max err %.3g (full %.3g)\n",
+              static_cast<long long>(sp.blocks_visited), e_psa, e_full);
+}
+
+TEST(DecodeAttention, ParseRejectsBadModes) {
+  EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
+  auto p = decode::decode_attn_parse("psa:0.95");
+  ASSERT_TRUE(p.is_ok());
+  EXPECT_EQ(p->mode, decode::DecodeAttnMode::kPsa);
+  EXPECT_DOUBLE_EQ(p->eps, 0.95);
+  EXPECT_EQ(decode::decode_attn_parse("psa:1.5").status().code(), Code::kOutOfRange);
+  EXPECT_EQ(decode::decode_attn_parse("psa:").status().code(), Code::kOutOfRange);
+  EXPECT_NE(decode::decode_attn_parse("topk").status().message().find("'topk'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace sf

@@ -1,0 +1,248 @@
+// KV export (format 2) and the decode-side client: round trips for full and partial retention,
+// per-block metadata against a recomputation, and a clear error for every bad input.
+#include <gtest/gtest.h>
+
+#include <boost/json.hpp>
+#include <fstream>
+#include <sstream>
+
+#include "common/safetensors.h"
+#include "decode/kv_client.h"
+#include "tests/decode/decode_test_util.h"
+
+namespace sf {
+namespace {
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+constexpr int kN = 300;  // 4 full blocks + a partial one
+
+class KvClient : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = testing::fresh_seed();
+    auto m = model::Model::synthetic(testing::tiny_config(), seed_);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    model_.emplace(std::move(m).value());
+    toks_ = testing::random_tokens(kN, 101, seed_ + 1);
+    model::PrefillOptions opt;
+    opt.importance_window = 32;
+    opt.importance_pool = 7;
+    auto r = model::prefill(*model_, toks_, opt);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    pr_ = std::move(r).value();
+    imp_ = testing::scores_of(pr_, 32, 7);
+    hash_ = decode::model_compat_hash(*model_);
+  }
+  std::string export_to(const std::string& name, const kvstore::Retention* ret) {
+    const std::string d = tmp_.sub(name);
+    Status st = testing::export_prefill(*model_, toks_, pr_, d, ret, &imp_);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    return d;
+  }
+  // A copy of a good export to break.
+  std::string copy_of(const std::string& src, const std::string& name) {
+    const std::string d = tmp_.sub(name);
+    fs::copy(src, d, fs::copy_options::recursive);
+    return d;
+  }
+  static boost::json::value read_manifest(const std::string& dir) {
+    std::ifstream f(dir + "/manifest.json");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return boost::json::parse(ss.str());
+  }
+  static void write_manifest(const std::string& dir, const boost::json::value& v) {
+    std::ofstream(dir + "/manifest.json") << boost::json::serialize(v);
+  }
+  // Channel c of exported (rotate-half) key row vs the forward's adjacent-pair layout.
+  float cache_key(int l, int t, int h, int c) const {
+    const int d = 16, hkv = 2;
+    const float* r = pr_.kv.k[size_t(l)].data() + (int64_t(t) * hkv + h) * d;
+    return c < d / 2 ? r[2 * c] : r[2 * (c - d / 2) + 1];
+  }
+  void expect_head_matches_cache(const decode::KvExport& e, int l, int h, const std::vector<int32_t>& pos) {
+    const decode::HeadKv& H = e.head(l, h);
+    ASSERT_EQ(H.positions, pos);
+    const int d = 16;
+    for (size_t i = 0; i < pos.size(); ++i)
+      for (int c = 0; c < d; ++c) {
+        ASSERT_EQ(H.k[i * d + size_t(c)], cache_key(l, pos[i], h, c)) << "key l" << l << " h" << h << " i" << i;
+        ASSERT_EQ(H.v[i * d + size_t(c)], pr_.kv.v[size_t(l)][(size_t(pos[i]) * 2 + size_t(h)) * d + size_t(c)]);
+      }
+    // Block metadata recomputed from the loaded keys and the prefill's importance.
+    const size_t nb = (pos.size() + 63) / 64;
+    ASSERT_EQ(H.block_kmin.size(), nb * d);
+    ASSERT_EQ(H.block_importance.size(), nb);
+    for (size_t b = 0; b < nb; ++b) {
+      double imp = 0;
+      for (size_t i = b * 64; i < std::min(pos.size(), b * 64 + 64); ++i)
+        imp += pr_.importance[size_t(l)][size_t(h) * kN + size_t(pos[i])];
+      EXPECT_NEAR(H.block_importance[b], imp, 1e-4 * (1 + imp));
+      for (int c = 0; c < d; ++c) {
+        float lo = 1e30f, hi = -1e30f;
+        double s = 0;
+        const size_t t1 = std::min(pos.size(), b * 64 + 64);
+        for (size_t i = b * 64; i < t1; ++i) {
+          lo = std::min(lo, H.k[i * d + size_t(c)]);
+          hi = std::max(hi, H.k[i * d + size_t(c)]);
+          s += H.k[i * d + size_t(c)];
+        }
+        EXPECT_EQ(H.block_kmin[b * d + size_t(c)], lo);
+        EXPECT_EQ(H.block_kmax[b * d + size_t(c)], hi);
+        EXPECT_NEAR(H.block_kmean[b * d + size_t(c)], s / double(t1 - b * 64), 1e-5);
+      }
+    }
+  }
+
+  uint64_t seed_ = 0;
+  std::optional<model::Model> model_;
+  std::vector<int32_t> toks_;
+  model::PrefillResult pr_;
+  kvstore::ImportanceScores imp_;
+  std::string hash_;
+  TempDir tmp_;
+};
+
+TEST_F(KvClient, FullRetentionRoundTripsAndKeepsTheHfLayout) {
+  const std::string d = export_to("full", nullptr);
+  auto e = decode::load_kv_export(d, hash_);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  EXPECT_EQ(e->retention_policy, "full");
+  EXPECT_EQ(e->kv_bytes, e->kv_bytes_full);
+  EXPECT_EQ(e->token_ids, toks_);
+  EXPECT_EQ(e->first_token, pr_.first_token);
+  std::vector<int32_t> all(kN);
+  for (int t = 0; t < kN; ++t) all[size_t(t)] = t;
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) expect_head_matches_cache(e.value(), l, h, all);
+  // Full retention keeps the version-1 tensors a DynamicCache reads.
+  auto f = SafetensorsFile::open(d + "/layer_001.safetensors");
+  ASSERT_TRUE(f.is_ok());
+  ASSERT_NE(f->find("key"), nullptr);
+  EXPECT_EQ(f->find("key")->shape, (std::vector<int64_t>{1, 2, kN, 16}));
+  EXPECT_EQ(f->find("value")->shape, (std::vector<int64_t>{1, 2, kN, 16}));
+}
+
+TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
+  auto snap = kvstore::retention_apply(kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2,
+                                       kN, &imp_);
+  ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
+  const std::string d = export_to("snap", &snap.value());
+  auto e = decode::load_kv_export(d, hash_);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  EXPECT_EQ(e->retention_policy, "snapkv");
+  EXPECT_EQ(e->retention_params, "budget=100,window=32,pool=7");
+  EXPECT_EQ(e->kv_bytes, 2 * 2 * 100 * 16 * 2 * 4);
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) expect_head_matches_cache(e.value(), l, h, snap->positions(l, h));
+  EXPECT_NE(SafetensorsFile::open(d + "/layer_000.safetensors")->find("key"), nullptr);  // uniform layout
+
+  kvstore::RetentionPolicy moa;
+  moa.kind = kvstore::RetentionKind::kMoA;
+  moa.moa_sink = 8;
+  moa.moa = {{{50, 0.0}, {0, 0.5}}, {{20, 0.1}, {300, 0}}};
+  auto mr = kvstore::retention_apply(moa, 2, 2, kN, nullptr);
+  ASSERT_TRUE(mr.is_ok());
+  const std::string d2 = export_to("moa", &mr.value());
+  auto e2 = decode::load_kv_export(d2, hash_);
+  ASSERT_TRUE(e2.is_ok()) << e2.status().to_string();
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) expect_head_matches_cache(e2.value(), l, h, mr->positions(l, h));
+  auto f = SafetensorsFile::open(d2 + "/layer_000.safetensors");
+  EXPECT_EQ(f->find("key"), nullptr);  // per-head layout: counts differ
+  ASSERT_NE(f->find("key.h1"), nullptr);
+  EXPECT_EQ(f->find("key.h1")->shape, (std::vector<int64_t>{1, 1, 8 + 150, 16}));
+}
+
+TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
+  const std::string good = export_to("good", nullptr);
+  ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
+  auto expect_err = [&](const std::string& dir, const std::string& expected_hash, Code code, const std::string& needle) {
+    auto r = decode::load_kv_export(dir, expected_hash);
+    ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
+    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
+  };
+  // Wrong format version.
+  {
+    const std::string d = copy_of(good, "v1");
+    auto v = read_manifest(d);
+    v.as_object()["format_version"] = 1;
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kUnsupported, "format_version 1 is not supported");
+  }
+  // Compatibility hash of another model (the consumer's) and a manifest whose hash was edited.
+  expect_err(good, "0123456789abcdef", Code::kInvalidArgument, "does not match this model's 0123456789abcdef");
+  {
+    const std::string d = copy_of(good, "hash");
+    auto v = read_manifest(d);
+    v.as_object()["compat_hash"] = "ffffffffffffffff";
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kInvalidArgument, "compat_hash ffffffffffffffff");
+  }
+  // Missing shard.
+  {
+    const std::string d = copy_of(good, "missing");
+    fs::remove(d + "/layer_001.safetensors");
+    expect_err(d, hash_, Code::kNotFound, "layer_001.safetensors' is missing");
+  }
+  // Corrupted shard: one flipped byte in the data section, same size.
+  {
+    const std::string d = copy_of(good, "corrupt");
+    const std::string p = d + "/layer_000.safetensors";
+    std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-100, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x5a);
+    f.seekp(-100, std::ios::end);
+    f.write(&c, 1);
+    f.close();
+    expect_err(d, hash_, Code::kCorrupt, "xxh64 checksum mismatch");
+  }
+  // Truncated shard.
+  {
+    const std::string d = copy_of(good, "short");
+    const std::string p = d + "/layer_001.safetensors";
+    fs::resize_file(p, fs::file_size(p) - 8);
+    expect_err(d, hash_, Code::kCorrupt, "bytes, the manifest says");
+  }
+  // Manifest declares other positions than the shard holds.
+  {
+    const std::string d = copy_of(good, "ranges");
+    auto v = read_manifest(d);
+    auto& head = v.as_object()["retention"].as_object()["layers"].as_array()[1].as_object()["heads"].as_array()[0];
+    head.as_object()["ranges"] = boost::json::array{boost::json::array{0, kN - 1}, boost::json::array{kN - 1, kN}};
+    head.as_object()["ranges"].as_array()[0].as_array()[1] = kN - 2;  // drops position kN-2
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "differ from the manifest's retention ranges");
+  }
+  // No manifest; a manifest that is not JSON; a shard entry with a path in its name.
+  {
+    const std::string d = copy_of(good, "nomanifest");
+    fs::remove(d + "/manifest.json");
+    expect_err(d, hash_, Code::kNotFound, "no manifest.json");
+    std::ofstream(d + "/manifest.json") << "{\"format\": ";
+    expect_err(d, hash_, Code::kCorrupt, "not valid JSON");
+  }
+  {
+    const std::string d = copy_of(good, "path");
+    auto v = read_manifest(d);
+    v.as_object()["shards"].as_array()[0].as_object()["file"] = "../good/layer_000.safetensors";
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "not a plain file name");
+  }
+}
+
+TEST_F(KvClient, ExportRejectsARetentionOfAnotherGeometry) {
+  auto r = kvstore::retention_apply(kvstore::RetentionPolicy{}, 2, 2, kN - 1, nullptr);
+  ASSERT_TRUE(r.is_ok());
+  Status st = testing::export_prefill(*model_, toks_, pr_, tmp_.sub("bad"), &r.value(), &imp_);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("retention geometry"), std::string::npos) << st.to_string();
+  EXPECT_FALSE(fs::exists(tmp_.sub("bad")));  // nothing half-written
+}
+
+}  // namespace
+}  // namespace sf
