@@ -12,17 +12,19 @@ namespace sf::decode {
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   DecodeAttnParams p;
   if (spec == "full") return p;
-  if (spec.rfind("psa:", 0) == 0) {
-    const std::string v = spec.substr(4);
+  const bool strict = spec.rfind("psa-strict:", 0) == 0;
+  if (spec.rfind("psa:", 0) == 0 || strict) {
+    const std::string v = spec.substr(strict ? 11 : 4);
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
       return SF_ERR(kOutOfRange, "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
     p.mode = DecodeAttnMode::kPsa;
     p.eps = e;
+    p.pin_sink_recent = !strict;
     return p;
   }
-  return SF_ERR(kInvalidArgument, "decode attention '" + spec + "' is not 'full' or 'psa:EPS'");
+  return SF_ERR(kInvalidArgument, "decode attention '" + spec + "' is not 'full', 'psa:EPS' or 'psa-strict:EPS'");
 }
 
 float block_score_bound(const float* q, const KvBlock& b, int d) {
@@ -52,6 +54,11 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       ub.resize(nb);
       for (size_t b = 0; b < nb; ++b) {
         ub[b] = block_score_bound(qh, cache.block(pages[b]), d);
+      }
+      // Pinned blocks rank above every bound.
+      if (p.pin_sink_recent && nb > 0) {
+        ub[0] = std::numeric_limits<float>::infinity();
+        ub[nb - 1] = std::numeric_limits<float>::infinity();
       }
       std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ub[a] > ub[b]; });
     }

@@ -19,6 +19,9 @@ struct DecodeAttnParams {
   DecodeAttnMode mode = DecodeAttnMode::kFull;
   double eps = 0.95;   // psa: accumulated attention mass at which the visit stops
   float scale = 0.f;   // 0: 1/sqrt(head_dim)
+  // psa: visit the first block (attention sink) and the newest block before the ranked ones,
+  // as every sparse pattern here keeps the sink and the local window. "psa-strict:EPS" clears it.
+  bool pin_sink_recent = true;
 };
 
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
@@ -34,7 +37,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
 // Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
-// "full" or "psa:EPS" (EPS in (0, 1]).
+// "full", "psa:EPS" or "psa-strict:EPS" (EPS in (0, 1]).
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

@@ -70,6 +70,26 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
   return c;
 }
 
+Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv, const kvstore::Retention& r) {
+  if (r.n_layers != kv.n_layers || r.n_kv_heads != kv.n_kv_heads || r.n_tokens != kv.n_tokens ||
+      int64_t(kv.k.size()) != kv.n_layers)
+    return SF_ERR(kInvalidArgument, "paged kv: retention geometry does not match the prefill cache");
+  PagedKvCache c;
+  c.n_layers_ = kv.n_layers;
+  c.n_kv_heads_ = kv.n_kv_heads;
+  c.head_dim_ = kv.head_dim;
+  c.pages_.resize(size_t(kv.n_layers) * size_t(kv.n_kv_heads));
+  const int hkv = kv.n_kv_heads, d = kv.head_dim;
+  for (int l = 0; l < kv.n_layers; ++l)
+    for (int h = 0; h < hkv; ++h)
+      for (int32_t p : r.positions(l, h)) {
+        if (p < 0 || p >= kv.n_tokens) return SF_ERR(kInvalidArgument, "paged kv: retention position out of range");
+        const size_t off = (size_t(p) * size_t(hkv) + size_t(h)) * size_t(d);
+        c.append(l, h, p, kv.k[size_t(l)].data() + off, kv.v[size_t(l)].data() + off);
+      }
+  return c;
+}
+
 int64_t PagedKvCache::n_tokens(int layer, int head) const {
   int64_t n = 0;
   for (int32_t id : pages(layer, head)) n += pool_[size_t(id)].n;

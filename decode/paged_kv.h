@@ -8,6 +8,8 @@
 
 #include "common/status.h"
 #include "decode/kv_client.h"
+#include "kvstore/retention.h"
+#include "worker/model/model.h"
 
 namespace sf::decode {
 
@@ -25,6 +27,10 @@ class PagedKvCache {
   // keys_interleaved: the consuming model rotates adjacent channel pairs (GGUF llama); exported
   // keys (rotate-half order) and their block min/max are permuted back to that order.
   static Result<PagedKvCache> from_export(const KvExport& e, bool keys_interleaved);
+
+  // In-process path (evaluation): the prefill's own cache (model channel order already) with a
+  // retention applied, same paging and metadata as an export would give.
+  static Result<PagedKvCache> from_prefill(const model::KvCache& kv, const kvstore::Retention& r);
 
   int n_layers() const { return n_layers_; }
   int n_kv_heads() const { return n_kv_heads_; }

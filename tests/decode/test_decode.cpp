@@ -48,6 +48,16 @@ void run_full_equals_dense(model::Arch arch) {
   EXPECT_LT(max_diff, 1e-4) << "max |logit diff| " << max_diff;
   std::printf("max |logit diff| vs extend: %.3g\n", max_diff);
   EXPECT_EQ(s->stats().blocks_visited, s->stats().blocks_total);
+
+  // The in-process path (no files) pages the same cache.
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, 333, nullptr);
+  ASSERT_TRUE(full.is_ok());
+  auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  ASSERT_TRUE(pc.is_ok()) << pc.status().to_string();
+  decode::DecodeSession s2(m.value(), std::move(pc).value(), 333, decode::DecodeAttnParams{});
+  auto g2 = s2.generate_greedy(pr->first_token, n_new);
+  ASSERT_TRUE(g2.is_ok());
+  EXPECT_EQ(g2.value(), dense.value());
 }
 
 TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationLlama) { run_full_equals_dense(model::Arch::kLlama); }
@@ -107,6 +117,7 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   decode::DecodeAttnParams pf, pp, p1;
   pp.mode = p1.mode = decode::DecodeAttnMode::kPsa;
   pp.eps = 0.9;
+  pp.pin_sink_recent = false;
   p1.eps = 1.0;
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pf, full.data(), &sf).is_ok());
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pp, psa.data(), &sp).is_ok());
@@ -114,8 +125,14 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   EXPECT_EQ(sf.blocks_visited, 20);
   EXPECT_EQ(s1.blocks_visited, 20);  // eps = 1 can only stop when no block is left
   // The hot block ranks first; the next one sets AS_min small enough to stop.
-  EXPECT_LE(sp.blocks_visited, 3);
-  EXPECT_GE(sp.blocks_visited, 2);
+  EXPECT_EQ(sp.blocks_visited, 2);
+  // Pinned: sink and newest block first, then the hot one.
+  decode::DecodeAttnParams pin = pp;
+  pin.pin_sink_recent = true;
+  decode::DecodeAttnStats spin;
+  std::vector<float> opin(static_cast<size_t>(d));
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pin, opin.data(), &spin).is_ok());
+  EXPECT_EQ(spin.blocks_visited, 3);
   // Brute-force softmax in double for the reference output.
   std::vector<double> ref(size_t(d), 0.0), sc(static_cast<size_t>(n));
   double mx = -1e300, z = 0;
@@ -144,6 +161,7 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
 
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
+  EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
   auto p = decode::decode_attn_parse("psa:0.95");
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->mode, decode::DecodeAttnMode::kPsa);
