@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "common/thread_pool.h"
+
 namespace sf::decode {
 
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
@@ -27,6 +29,20 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   return SF_ERR(kInvalidArgument, "decode attention '" + spec + "' is not 'full', 'psa:EPS' or 'psa-strict:EPS'");
 }
 
+namespace {
+// Eight partial sums so the compiler can vectorize without reassociating a single sum.
+float dot(const float* a, const float* b, int d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[c + j] * b[c + j];
+  float s = 0;
+  for (; c < d; ++c) s += a[c] * b[c];
+  for (int j = 0; j < 8; ++j) s += acc[j];
+  return s;
+}
+}  // namespace
+
 float block_score_bound(const float* q, const KvBlock& b, int d) {
   float u = 0;
   for (int c = 0; c < d; ++c) u += std::max(q[c] * b.kmin[size_t(c)], q[c] * b.kmax[size_t(c)]);
@@ -40,9 +56,12 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   if (n_heads <= 0 || n_heads % hkv) return SF_ERR(kInvalidArgument, "decode_attention: heads not a multiple of kv heads");
   const int group = n_heads / hkv;
   const float scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
+  std::vector<int64_t> visited_h(static_cast<size_t>(n_heads), 0), total_h(static_cast<size_t>(n_heads), 0);
+  // Query heads are independent: one task per head range, each with its own scratch.
+  parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
   std::vector<float> s(kBlockTokens), ub;
   std::vector<size_t> order;
-  for (int h = 0; h < n_heads; ++h) {
+  for (int h = int(hb); h < int(he); ++h) {
     const float* qh = q + size_t(h) * size_t(d);
     float* o = out + size_t(h) * size_t(d);
     std::fill(o, o + d, 0.f);
@@ -71,9 +90,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       float bm = -std::numeric_limits<float>::infinity();
       for (int32_t t = 0; t < B.n; ++t) {
         const float* kr = B.k.data() + size_t(t) * size_t(d);
-        float dot = 0;
-        for (int c = 0; c < d; ++c) dot += qh[c] * kr[c];
-        s[size_t(t)] = dot * scale;
+        s[size_t(t)] = dot(qh, kr, d) * scale;
         bm = std::max(bm, s[size_t(t)]);
       }
       ++visited;
@@ -93,8 +110,12 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
         for (int c = 0; c < d; ++c) o[c] += e * vr[c];
       }
       acc += as_b;
-      as_min = std::min(as_min, as_b);
-      if (p.mode == DecodeAttnMode::kPsa) {
+      // AS_min stands for the blocks not yet seen, so it comes from ranked blocks only (a pinned
+      // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
+      // block may hold one token, whose tiny mass would end the visit at once).
+      const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
+      if (!pinned) as_min = std::min(as_min, as_b * double(kBlockTokens) / double(B.n));
+      if (p.mode == DecodeAttnMode::kPsa && std::isfinite(as_min)) {
         const double left = double(nb - visited);
         if (acc / (acc + as_min * left) >= p.eps) break;
       }
@@ -103,11 +124,15 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       const float inv = float(1.0 / acc);
       for (int c = 0; c < d; ++c) o[c] *= inv;
     }
-    if (stats) {
-      stats->blocks_visited += int64_t(visited);
-      stats->blocks_total += int64_t(nb);
-    }
+    visited_h[size_t(h)] = int64_t(visited);
+    total_h[size_t(h)] = int64_t(nb);
   }
+  });
+  if (stats)
+    for (int h = 0; h < n_heads; ++h) {
+      stats->blocks_visited += visited_h[size_t(h)];
+      stats->blocks_total += total_h[size_t(h)];
+    }
   return Status::ok();
 }
 

@@ -126,13 +126,14 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   EXPECT_EQ(s1.blocks_visited, 20);  // eps = 1 can only stop when no block is left
   // The hot block ranks first; the next one sets AS_min small enough to stop.
   EXPECT_EQ(sp.blocks_visited, 2);
-  // Pinned: sink and newest block first, then the hot one.
+  // Pinned: sink and newest block first (they do not set AS_min), the hot one, then one cold
+  // block sets AS_min.
   decode::DecodeAttnParams pin = pp;
   pin.pin_sink_recent = true;
   decode::DecodeAttnStats spin;
   std::vector<float> opin(static_cast<size_t>(d));
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pin, opin.data(), &spin).is_ok());
-  EXPECT_EQ(spin.blocks_visited, 3);
+  EXPECT_EQ(spin.blocks_visited, 4);
   // Brute-force softmax in double for the reference output.
   std::vector<double> ref(size_t(d), 0.0), sc(static_cast<size_t>(n));
   double mx = -1e300, z = 0;

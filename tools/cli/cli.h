@@ -35,5 +35,6 @@ int cmd_bench(int argc, char** argv);
 int cmd_inspect(int argc, char** argv);
 int cmd_eval(int argc, char** argv);
 int cmd_search(int argc, char** argv);
+int cmd_retention_eval(int argc, char** argv);  // eval --retention ...
 
 }  // namespace sf::cli

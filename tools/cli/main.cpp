@@ -19,6 +19,9 @@ void usage() {
                "  inspect  --model PATH|default\n"
                "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F]\n"
                "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] --out FILE.json\n"
+               "  eval     --retention full|streaming|snapkv|pyramid|layerwise[,...] [--budget 0.1,0.25,0.5]\n"
+               "           [--decode full|psa:EPS[,...]] [--length 8192] [--tokens 64] [--passkey-trials N]\n"
+               "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"
                "  search   --model PATH|default --calib FILE --target-density D --out configs/NAME.json [--length L]\n"
                "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N]\n");
 }
@@ -35,7 +38,12 @@ int main(int argc, char** argv) {
     if (cmd == "prefill") return sf::cli::cmd_prefill(argc, argv);
     if (cmd == "bench") return sf::cli::cmd_bench(argc, argv);
     if (cmd == "inspect") return sf::cli::cmd_inspect(argc, argv);
-    if (cmd == "eval") return sf::cli::cmd_eval(argc, argv);
+    if (cmd == "eval") {
+      // KV retention evaluation lives in cmd_retention_eval.cpp.
+      for (int i = 2; i < argc; ++i)
+        if (!std::strcmp(argv[i], "--retention")) return sf::cli::cmd_retention_eval(argc, argv);
+      return sf::cli::cmd_eval(argc, argv);
+    }
     if (cmd == "search") return sf::cli::cmd_search(argc, argv);
   } catch (const std::exception& e) {  // process edge: nothing escapes as a crash
     std::fprintf(stderr, "error: %s\n", e.what());
