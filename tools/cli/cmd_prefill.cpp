@@ -38,7 +38,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 
 int cmd_prefill(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention",
-                            "device"},
+                            "device", "retention"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -62,6 +62,13 @@ int cmd_prefill(int argc, char** argv) {
     const fs::path d(a.get("export-kv"));
     if (fs::exists(d, ec) && (!fs::is_directory(d, ec) || !fs::is_empty(d, ec)) && !a.has("force"))
       return fail(SF_ERR(kAlreadyExists, "export dir '" + d.string() + "' exists and is not empty (use --force to replace it)"));
+  }
+  kvstore::RetentionPolicy retention;
+  if (a.has("retention")) {
+    if (!a.has("export-kv")) return fail(SF_ERR(kInvalidArgument, "--retention applies to --export-kv"));
+    auto rp = kvstore::retention_parse(a.get("retention"));
+    if (!rp.is_ok()) return fail(rp.status());
+    retention = std::move(rp).value();
   }
   // gguf: the model's own metadata (pre-tokenizer, add_bos), as llama.cpp does.
   // hf: what transformers' GGUF conversion does (always BOS, GPT-2 regex); the golden reference.
@@ -130,6 +137,11 @@ int cmd_prefill(int argc, char** argv) {
   model::PrefillOptions opt;
   opt.chunk = chunk;
   opt.keep_kv = a.has("export-kv");
+  if (a.has("export-kv") && device != "cuda") {
+    // Exports carry per-block importance; scored retention policies select with it.
+    opt.importance_window = 32;
+    opt.importance_pool = retention.kind == kvstore::RetentionKind::kSnapKV ? retention.pool : 7;
+  }
   std::optional<model::SparseConfig> sparse;
   if (mode != "dense") {
     auto sc = model::sparse_config_for_mode(mode, cfg.n_layers, cfg.n_heads);
@@ -176,6 +188,16 @@ int cmd_prefill(int argc, char** argv) {
     spec.token_ids = ids;
     spec.first_token = r.first_token;
     const auto& kv = r.kv;
+    std::optional<kvstore::ImportanceScores> imp;
+    if (!r.importance.empty())
+      imp = kvstore::ImportanceScores{cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, opt.importance_window,
+                                      opt.importance_pool, r.importance};
+    auto ret = kvstore::retention_apply(retention, cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, imp ? &*imp : nullptr);
+    if (!ret.is_ok()) return fail(ret.status());
+    spec.retention = &ret.value();
+    spec.importance = imp ? &*imp : nullptr;
+    std::printf("retention: %s%s%s, %.1f%% of the full KV bytes\n", ret->policy.c_str(), ret->params.empty() ? "" : " ",
+                ret->params.c_str(), 100.0 * double(ret->kept_total()) / double(int64_t(cfg.n_layers) * cfg.n_kv_heads * kv.n_tokens));
     Status st = kvstore::export_kv(a.get("export-kv"), spec,
                                    [&](int l, bool v) { return (v ? kv.v : kv.k)[size_t(l)].data(); }, a.has("force"));
     if (!st.is_ok()) return fail(st);

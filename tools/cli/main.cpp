@@ -11,19 +11,19 @@ namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: sparsefill <command> [options]\n"
-               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR] [--force]\n"
+               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR [--retention POLICY]] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
                "           [--device cpu|cuda]\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
                "  inspect  --model PATH|default\n"
-               "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F]\n"
+               "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
                "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] --out FILE.json\n"
                "  eval     --retention full|streaming|snapkv|pyramid|layerwise[,...] [--budget 0.1,0.25,0.5]\n"
                "           [--decode full|psa:EPS[,...]] [--length 8192] [--tokens 64] [--passkey-trials N]\n"
                "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"
-               "  search   --model PATH|default --calib FILE --target-density D --out configs/NAME.json [--length L]\n"
-               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N]\n");
+               "  search   --model PATH|default --calib F[,F2..] --target-density D --out configs/NAME.json [--length L]\n"
+               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N] [--spread-rows N]\n");
 }
 
 }  // namespace
