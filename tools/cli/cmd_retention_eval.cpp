@@ -3,6 +3,7 @@
 // One prefill of the document (with importance scores) is shared by every policy and budget;
 // each configuration pages the retained cache (decode::PagedKvCache::from_prefill) and decodes
 // on CPU with the reference decode session. Writes bench/results/retention-<policy>.json.
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
 #include <cstdio>
@@ -109,7 +110,7 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
 int cmd_retention_eval(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
                            {"model", "retention", "budget", "decode", "length", "document", "tokens", "passkey-trials",
-                            "passkey-depths", "passkey-level", "out-dir", "name"},
+                            "passkey-depths", "passkey-level", "out-dir", "name", "psa"},
                            {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -127,7 +128,15 @@ int cmd_retention_eval(int argc, char** argv) {
     budgets.push_back(f.value());
   }
   std::vector<std::string> decodes = split(a.get("decode", "full"));
+  // --psa EPS,...: PSA decode over the full cache, recorded with the full policy.
+  std::vector<std::string> psa_specs;
+  if (a.has("psa"))
+    for (const auto& e : split(a.get("psa"))) psa_specs.push_back("psa:" + e);
   for (const auto& d : decodes) {
+    auto p = decode::decode_attn_parse(d);
+    if (!p.is_ok()) return fail(p.status());
+  }
+  for (const auto& d : psa_specs) {
     auto p = decode::decode_attn_parse(d);
     if (!p.is_ok()) return fail(p.status());
   }
@@ -157,7 +166,10 @@ int cmd_retention_eval(int argc, char** argv) {
   const model::Model& m = mr.value();
   auto tok = eval::load_tokenizer(model_path);
   if (!tok.is_ok()) return fail(tok.status());
-  const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt");
+  // Two unrelated documents, so an 8K prompt does not repeat itself (a repeated text turns the
+  // continuation into verbatim copying of the earlier copy, which any eviction breaks).
+  const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt," +
+                                                     std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt");
   auto text = read_text_files(doc_path, "document");
   if (!text.is_ok()) return fail(text.status());
   const auto doc_all = tok->encode(text.value(), true, false);
@@ -171,6 +183,9 @@ int cmd_retention_eval(int argc, char** argv) {
       else
         for (double b : budgets) configs.push_back({k, b, d});
     }
+  if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() && !psa_specs.empty())
+    kinds.push_back(kvstore::RetentionKind::kFull);
+  for (const auto& d : psa_specs) configs.push_back({kvstore::RetentionKind::kFull, 1.0, d});
   std::vector<Measure> res(configs.size());
 
   // 1) The document: importance during prefill, the full-KV greedy continuation, then each
@@ -275,6 +290,9 @@ int cmd_retention_eval(int argc, char** argv) {
     o["model"] = model_path;
     o["document"] = doc_path;
     o["prompt_tokens"] = length;
+    o["document_tokens"] = int64_t(doc_all.size());
+    o["prefill_seconds"] = pr->seconds;
+    o["importance_seconds"] = pr->importance_s;
     o["continuation_tokens"] = T;
     o["passkey"] = json::object{{"trials", trials}, {"depths", depths}, {"level", level},
                                 {"format", eval::passkey_format_description(int(level))},
