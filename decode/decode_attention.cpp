@@ -20,13 +20,15 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
-      return SF_ERR(kOutOfRange, "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
+      return SF_ERR(kOutOfRange,
+                    "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
     p.mode = DecodeAttnMode::kPsa;
     p.eps = e;
     p.pin_sink_recent = !strict;
     return p;
   }
-  return SF_ERR(kInvalidArgument, "decode attention '" + spec + "' is not 'full', 'psa:EPS' or 'psa-strict:EPS'");
+  return SF_ERR(kInvalidArgument,
+                "decode attention '" + spec + "' is not 'full', 'psa:EPS' or 'psa-strict:EPS'");
 }
 
 namespace {
@@ -49,84 +51,88 @@ float block_score_bound(const float* q, const KvBlock& b, int d) {
   return u;
 }
 
-Status decode_attention(const PagedKvCache& cache, int layer, const float* q, int n_heads, const DecodeAttnParams& p,
-                        float* out, DecodeAttnStats* stats) {
+Status decode_attention(const PagedKvCache& cache, int layer, const float* q, int n_heads,
+                        const DecodeAttnParams& p, float* out, DecodeAttnStats* stats) {
   const int hkv = cache.n_kv_heads(), d = cache.head_dim();
-  if (layer < 0 || layer >= cache.n_layers()) return SF_ERR(kOutOfRange, "decode_attention: layer out of range");
-  if (n_heads <= 0 || n_heads % hkv) return SF_ERR(kInvalidArgument, "decode_attention: heads not a multiple of kv heads");
+  if (layer < 0 || layer >= cache.n_layers())
+    return SF_ERR(kOutOfRange, "decode_attention: layer out of range");
+  if (n_heads <= 0 || n_heads % hkv)
+    return SF_ERR(kInvalidArgument, "decode_attention: heads not a multiple of kv heads");
   const int group = n_heads / hkv;
   const float scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
-  std::vector<int64_t> visited_h(static_cast<size_t>(n_heads), 0), total_h(static_cast<size_t>(n_heads), 0);
+  std::vector<int64_t> visited_h(static_cast<size_t>(n_heads), 0),
+      total_h(static_cast<size_t>(n_heads), 0);
   // Query heads are independent: one task per head range, each with its own scratch.
   parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
-  std::vector<float> s(kBlockTokens), ub;
-  std::vector<size_t> order;
-  for (int h = int(hb); h < int(he); ++h) {
-    const float* qh = q + size_t(h) * size_t(d);
-    float* o = out + size_t(h) * size_t(d);
-    std::fill(o, o + d, 0.f);
-    const auto& pages = cache.pages(layer, h / group);
-    const size_t nb = pages.size();
-    order.resize(nb);
-    std::iota(order.begin(), order.end(), size_t(0));
-    if (p.mode == DecodeAttnMode::kPsa) {
-      ub.resize(nb);
-      for (size_t b = 0; b < nb; ++b) {
-        ub[b] = block_score_bound(qh, cache.block(pages[b]), d);
+    std::vector<float> s(kBlockTokens), ub;
+    std::vector<size_t> order;
+    for (int h = int(hb); h < int(he); ++h) {
+      const float* qh = q + size_t(h) * size_t(d);
+      float* o = out + size_t(h) * size_t(d);
+      std::fill(o, o + d, 0.f);
+      const auto& pages = cache.pages(layer, h / group);
+      const size_t nb = pages.size();
+      order.resize(nb);
+      std::iota(order.begin(), order.end(), size_t(0));
+      if (p.mode == DecodeAttnMode::kPsa) {
+        ub.resize(nb);
+        for (size_t b = 0; b < nb; ++b) {
+          ub[b] = block_score_bound(qh, cache.block(pages[b]), d);
+        }
+        // Pinned blocks rank above every bound.
+        if (p.pin_sink_recent && nb > 0) {
+          ub[0] = std::numeric_limits<float>::infinity();
+          ub[nb - 1] = std::numeric_limits<float>::infinity();
+        }
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t a, size_t b) { return ub[a] > ub[b]; });
       }
-      // Pinned blocks rank above every bound.
-      if (p.pin_sink_recent && nb > 0) {
-        ub[0] = std::numeric_limits<float>::infinity();
-        ub[nb - 1] = std::numeric_limits<float>::infinity();
+      // Online softmax over visited blocks; acc, as_min are relative to the running max m.
+      float m = -std::numeric_limits<float>::infinity();
+      double acc = 0, as_min = std::numeric_limits<double>::infinity();
+      size_t visited = 0;
+      for (size_t oi = 0; oi < nb; ++oi) {
+        const KvBlock& B = cache.block(pages[order[oi]]);
+        float bm = -std::numeric_limits<float>::infinity();
+        for (int32_t t = 0; t < B.n; ++t) {
+          const float* kr = B.k.data() + size_t(t) * size_t(d);
+          s[size_t(t)] = dot(qh, kr, d) * scale;
+          bm = std::max(bm, s[size_t(t)]);
+        }
+        ++visited;
+        if (B.n == 0) continue;
+        if (bm > m) {
+          const double r = std::exp(double(m) - double(bm));  // 0 on the first block
+          for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
+          acc *= r;
+          if (std::isfinite(as_min)) as_min *= r;
+          m = bm;
+        }
+        double as_b = 0;
+        for (int32_t t = 0; t < B.n; ++t) {
+          const float e = std::exp(s[size_t(t)] - m);
+          as_b += e;
+          const float* vr = B.v.data() + size_t(t) * size_t(d);
+          for (int c = 0; c < d; ++c) o[c] += e * vr[c];
+        }
+        acc += as_b;
+        // AS_min stands for the blocks not yet seen, so it comes from ranked blocks only (a pinned
+        // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
+        // block may hold one token, whose tiny mass would end the visit at once).
+        const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
+        if (!pinned) as_min = std::min(as_min, as_b * double(kBlockTokens) / double(B.n));
+        if (p.mode == DecodeAttnMode::kPsa && std::isfinite(as_min)) {
+          const double left = double(nb - visited);
+          if (acc / (acc + as_min * left) >= p.eps) break;
+        }
       }
-      std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ub[a] > ub[b]; });
+      if (acc > 0) {
+        const float inv = float(1.0 / acc);
+        for (int c = 0; c < d; ++c) o[c] *= inv;
+      }
+      visited_h[size_t(h)] = int64_t(visited);
+      total_h[size_t(h)] = int64_t(nb);
     }
-    // Online softmax over visited blocks; acc, as_min are relative to the running max m.
-    float m = -std::numeric_limits<float>::infinity();
-    double acc = 0, as_min = std::numeric_limits<double>::infinity();
-    size_t visited = 0;
-    for (size_t oi = 0; oi < nb; ++oi) {
-      const KvBlock& B = cache.block(pages[order[oi]]);
-      float bm = -std::numeric_limits<float>::infinity();
-      for (int32_t t = 0; t < B.n; ++t) {
-        const float* kr = B.k.data() + size_t(t) * size_t(d);
-        s[size_t(t)] = dot(qh, kr, d) * scale;
-        bm = std::max(bm, s[size_t(t)]);
-      }
-      ++visited;
-      if (B.n == 0) continue;
-      if (bm > m) {
-        const double r = std::exp(double(m) - double(bm));  // 0 on the first block
-        for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
-        acc *= r;
-        if (std::isfinite(as_min)) as_min *= r;
-        m = bm;
-      }
-      double as_b = 0;
-      for (int32_t t = 0; t < B.n; ++t) {
-        const float e = std::exp(s[size_t(t)] - m);
-        as_b += e;
-        const float* vr = B.v.data() + size_t(t) * size_t(d);
-        for (int c = 0; c < d; ++c) o[c] += e * vr[c];
-      }
-      acc += as_b;
-      // AS_min stands for the blocks not yet seen, so it comes from ranked blocks only (a pinned
-      // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
-      // block may hold one token, whose tiny mass would end the visit at once).
-      const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
-      if (!pinned) as_min = std::min(as_min, as_b * double(kBlockTokens) / double(B.n));
-      if (p.mode == DecodeAttnMode::kPsa && std::isfinite(as_min)) {
-        const double left = double(nb - visited);
-        if (acc / (acc + as_min * left) >= p.eps) break;
-      }
-    }
-    if (acc > 0) {
-      const float inv = float(1.0 / acc);
-      for (int c = 0; c < d; ++c) o[c] *= inv;
-    }
-    visited_h[size_t(h)] = int64_t(visited);
-    total_h[size_t(h)] = int64_t(nb);
-  }
   });
   if (stats)
     for (int h = 0; h < n_heads; ++h) {

@@ -17,8 +17,8 @@ enum class DecodeAttnMode { kFull, kPsa };
 
 struct DecodeAttnParams {
   DecodeAttnMode mode = DecodeAttnMode::kFull;
-  double eps = 0.95;   // psa: accumulated attention mass at which the visit stops
-  float scale = 0.f;   // 0: 1/sqrt(head_dim)
+  double eps = 0.95;  // psa: accumulated attention mass at which the visit stops
+  float scale = 0.f;  // 0: 1/sqrt(head_dim)
   // psa: visit the first block (attention sink) and the newest block before the ranked ones,
   // as every sparse pattern here keeps the sink and the local window. "psa-strict:EPS" clears it.
   bool pin_sink_recent = true;

@@ -23,38 +23,49 @@ kvstore::KvExportSpec model_export_spec(const model::Model& m) {
   return s;
 }
 
-std::string model_compat_hash(const model::Model& m) { return kvstore::compat_hash(model_export_spec(m)); }
+std::string model_compat_hash(const model::Model& m) {
+  return kvstore::compat_hash(model_export_spec(m));
+}
 
-DecodeSession::DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos, DecodeAttnParams p)
+DecodeSession::DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos,
+                             DecodeAttnParams p)
     : m_(m), cache_(std::move(cache)), pos_(next_pos), p_(p) {}
 
 Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
   const model::ModelConfig& c = m_.config();
   const model::ModelWeights& w = m_.weights();
   if (token < 0 || token >= c.vocab)
-    return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(token) + " outside vocab " + std::to_string(c.vocab));
-  const int64_t H = c.hidden, hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim, I = c.intermediate;
+    return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(token) + " outside vocab " +
+                                   std::to_string(c.vocab));
+  const int64_t H = c.hidden, hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim,
+                I = c.intermediate;
   kernels::RopeParams rope = c.rope;
   if (!w.rope_freqs.empty()) rope.freq_factors = w.rope_freqs.data.data();
-  std::vector<float> x(static_cast<size_t>(H)), xn(static_cast<size_t>(H)), tmp(static_cast<size_t>(H)),
-      q(static_cast<size_t>(hq * d)), k(static_cast<size_t>(hkv * d)), v(static_cast<size_t>(hkv * d)),
-      att(static_cast<size_t>(hq * d)), gate(static_cast<size_t>(I)), up(static_cast<size_t>(I));
+  std::vector<float> x(static_cast<size_t>(H)), xn(static_cast<size_t>(H)),
+      tmp(static_cast<size_t>(H)), q(static_cast<size_t>(hq * d)), k(static_cast<size_t>(hkv * d)),
+      v(static_cast<size_t>(hkv * d)), att(static_cast<size_t>(hq * d)),
+      gate(static_cast<size_t>(I)), up(static_cast<size_t>(I));
   const int32_t pos = int32_t(pos_);
   const TensorView none{};
   SF_TRY(kernels::embedding(w.tok_embd.view(), &token, 1, v2(x.data(), 1, H)));
   for (int l = 0; l < c.n_layers; ++l) {
     const model::LayerWeights& L = w.layers[size_t(l)];
-    SF_TRY(kernels::rms_norm(v2(x.data(), 1, H), L.attn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wq.view(), L.bq.empty() ? none : L.bq.view(), v2(q.data(), 1, hq * d)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wk.view(), L.bk.empty() ? none : L.bk.view(), v2(k.data(), 1, hkv * d)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wv.view(), L.bv.empty() ? none : L.bv.view(), v2(v.data(), 1, hkv * d)));
+    SF_TRY(
+        kernels::rms_norm(v2(x.data(), 1, H), L.attn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
+    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wq.view(), L.bq.empty() ? none : L.bq.view(),
+                           v2(q.data(), 1, hq * d)));
+    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wk.view(), L.bk.empty() ? none : L.bk.view(),
+                           v2(k.data(), 1, hkv * d)));
+    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wv.view(), L.bv.empty() ? none : L.bv.view(),
+                           v2(v.data(), 1, hkv * d)));
     SF_TRY(kernels::rope(TensorView::make(q.data(), DType::kF32, {1, hq, d}), &pos, rope));
     SF_TRY(kernels::rope(TensorView::make(k.data(), DType::kF32, {1, hkv, d}), &pos, rope));
     for (int h = 0; h < hkv; ++h) cache_.append(l, h, pos, k.data() + h * d, v.data() + h * d);
     SF_TRY(decode_attention(cache_, l, q.data(), int(hq), p_, att.data(), &stats_));
     SF_TRY(kernels::linear(v2(att.data(), 1, hq * d), L.wo.view(), none, v2(tmp.data(), 1, H)));
     SF_TRY(kernels::add_inplace(v2(x.data(), 1, H), v2(tmp.data(), 1, H)));
-    SF_TRY(kernels::rms_norm(v2(x.data(), 1, H), L.ffn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
+    SF_TRY(
+        kernels::rms_norm(v2(x.data(), 1, H), L.ffn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
     SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.w_gate.view(), none, v2(gate.data(), 1, I)));
     SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.w_up.view(), none, v2(up.data(), 1, I)));
     SF_TRY(kernels::swiglu(v2(gate.data(), 1, I), v2(up.data(), 1, I), v2(gate.data(), 1, I)));
@@ -63,13 +74,15 @@ Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
   }
   SF_TRY(kernels::rms_norm(v2(x.data(), 1, H), w.out_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
   logits->resize(size_t(c.vocab));
-  SF_TRY(kernels::linear(v2(xn.data(), 1, H), m_.output_weight().view(), none, v2(logits->data(), 1, c.vocab)));
+  SF_TRY(kernels::linear(v2(xn.data(), 1, H), m_.output_weight().view(), none,
+                         v2(logits->data(), 1, c.vocab)));
   ++pos_;
   return Status::ok();
 }
 
 Result<std::vector<int32_t>> DecodeSession::generate_greedy(
-    int32_t first_token, int n_new, const std::function<void(int, const std::vector<float>&)>& on_logits) {
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
   std::vector<int32_t> out;
   std::vector<float> logits;
   int32_t t = first_token;
@@ -83,8 +96,8 @@ Result<std::vector<int32_t>> DecodeSession::generate_greedy(
   return out;
 }
 
-Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir, DecodeAttnParams p,
-                                          KvExport* manifest_out) {
+Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,
+                                          DecodeAttnParams p, KvExport* manifest_out) {
   SF_ASSIGN(KvExport e, load_kv_export(kv_dir, model_compat_hash(m)));
   SF_ASSIGN(PagedKvCache cache, PagedKvCache::from_export(e, !m.config().rope.neox));
   const int64_t next = e.n_tokens;

@@ -31,8 +31,9 @@ class DecodeSession {
   Status step(int32_t token, std::vector<float>* logits);
   // Greedy: returns n_new tokens starting with first_token (the prefill's), like
   // model::generate_greedy. on_logits (optional) sees the logits that chose tokens 2..n_new.
-  Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new,
-                                               const std::function<void(int, const std::vector<float>&)>& on_logits = {});
+  Result<std::vector<int32_t>> generate_greedy(
+      int32_t first_token, int n_new,
+      const std::function<void(int, const std::vector<float>&)>& on_logits = {});
   const DecodeAttnStats& stats() const { return stats_; }
   const PagedKvCache& cache() const { return cache_; }
 
@@ -45,7 +46,7 @@ class DecodeSession {
 };
 
 // load_kv_export + PagedKvCache for model m, ready to decode.
-Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir, DecodeAttnParams p,
-                                          KvExport* manifest_out = nullptr);
+Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,
+                                          DecodeAttnParams p, KvExport* manifest_out = nullptr);
 
 }  // namespace sf::decode

@@ -41,13 +41,15 @@ Result<std::string> get_str(const json::object& o, const char* key, const std::s
   return std::string(v->as_string());
 }
 
-Result<const json::object*> get_obj(const json::object& o, const char* key, const std::string& where) {
+Result<const json::object*> get_obj(const json::object& o, const char* key,
+                                    const std::string& where) {
   SF_ASSIGN(const json::value* v, field(o, key, where));
   if (!v->is_object()) return corrupt(where, std::string("field '") + key + "' is not an object");
   return &v->as_object();
 }
 
-Result<const json::array*> get_arr(const json::object& o, const char* key, const std::string& where) {
+Result<const json::array*> get_arr(const json::object& o, const char* key,
+                                   const std::string& where) {
   SF_ASSIGN(const json::value* v, field(o, key, where));
   if (!v->is_array()) return corrupt(where, std::string("field '") + key + "' is not an array");
   return &v->as_array();
@@ -62,10 +64,12 @@ std::string hex64(uint64_t v) {
 // Copies an F32/I32 tensor of the exact shape; the data section is not aligned in general.
 template <typename T>
 Status read_tensor(const SafetensorsFile& f, const std::string& name, const char* dtype,
-                   const std::vector<int64_t>& shape, const std::string& where, std::vector<T>* out) {
+                   const std::vector<int64_t>& shape, const std::string& where,
+                   std::vector<T>* out) {
   const SafetensorsTensor* t = f.find(name);
   if (!t) return corrupt(where, "tensor '" + name + "' missing");
-  if (t->dtype != dtype) return corrupt(where, "tensor '" + name + "' has dtype " + t->dtype + ", expected " + dtype);
+  if (t->dtype != dtype)
+    return corrupt(where, "tensor '" + name + "' has dtype " + t->dtype + ", expected " + dtype);
   if (t->shape != shape) {
     std::string a, b;
     for (int64_t x : t->shape) a += std::to_string(x) + ",";
@@ -83,10 +87,12 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   const fs::path root(dir);
   const fs::path mpath = root / "manifest.json";
   std::error_code ec;
-  if (!fs::is_regular_file(mpath, ec)) return SF_ERR(kNotFound, "kv export: no manifest.json in '" + dir + "'");
+  if (!fs::is_regular_file(mpath, ec))
+    return SF_ERR(kNotFound, "kv export: no manifest.json in '" + dir + "'");
   const uint64_t msize = fs::file_size(mpath, ec);
   if (ec || msize > kMaxManifestBytes)
-    return corrupt("manifest.json", "size " + std::to_string(msize) + " unreadable or above the 1 GiB limit");
+    return corrupt("manifest.json",
+                   "size " + std::to_string(msize) + " unreadable or above the 1 GiB limit");
   std::string text;
   {
     std::ifstream f(mpath, std::ios::binary);
@@ -106,21 +112,25 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   const std::string W = "manifest.json";
 
   SF_ASSIGN(std::string format, get_str(man, "format", W));
-  if (format != "sparsefill-kv") return corrupt(W, "format '" + format + "' is not 'sparsefill-kv'");
+  if (format != "sparsefill-kv")
+    return corrupt(W, "format '" + format + "' is not 'sparsefill-kv'");
   SF_ASSIGN(int64_t version, get_int(man, "format_version", W));
   if (version != kvstore::kKvFormatVersion)
-    return SF_ERR(kUnsupported, "kv export: format_version " + std::to_string(version) + " is not supported (this reader reads " +
+    return SF_ERR(kUnsupported, "kv export: format_version " + std::to_string(version) +
+                                    " is not supported (this reader reads " +
                                     std::to_string(kvstore::kKvFormatVersion) + ")");
   KvExport out;
   SF_ASSIGN(out.compat_hash, get_str(man, "compat_hash", W));
   if (out.compat_hash != expected_compat_hash)
-    return SF_ERR(kInvalidArgument, "kv export: compat_hash " + out.compat_hash + " does not match this model's " +
-                                        expected_compat_hash +
+    return SF_ERR(kInvalidArgument, "kv export: compat_hash " + out.compat_hash +
+                                        " does not match this model's " + expected_compat_hash +
                                         " (different model, dtype, geometry, rope or block size)");
   SF_ASSIGN(std::string dtype, get_str(man, "dtype", W));
-  if (dtype != "F32") return SF_ERR(kUnsupported, "kv export: dtype " + dtype + " is not supported (F32)");
+  if (dtype != "F32")
+    return SF_ERR(kUnsupported, "kv export: dtype " + dtype + " is not supported (F32)");
   SF_ASSIGN(int64_t bs, get_int(man, "block_size", W));
-  if (bs != kvstore::kKvBlockSize) return corrupt(W, "block_size " + std::to_string(bs) + " is not 64");
+  if (bs != kvstore::kKvBlockSize)
+    return corrupt(W, "block_size " + std::to_string(bs) + " is not 64");
   out.block_size = int(bs);
   SF_ASSIGN(const json::object* model, get_obj(man, "model", W));
   SF_ASSIGN(out.model_name, get_str(*model, "name", "model"));
@@ -136,7 +146,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   SF_ASSIGN(out.n_tokens, get_int(man, "n_tokens", W));
   if (out.n_tokens <= 0 || out.n_tokens > INT32_MAX) return corrupt(W, "n_tokens out of range");
   SF_ASSIGN(const json::array* ids, get_arr(man, "token_ids", W));
-  if (int64_t(ids->size()) != out.n_tokens) return corrupt(W, "token_ids length differs from n_tokens");
+  if (int64_t(ids->size()) != out.n_tokens)
+    return corrupt(W, "token_ids length differs from n_tokens");
   for (const auto& t : *ids) {
     if (!t.is_int64()) return corrupt(W, "token_ids holds a non-integer");
     out.token_ids.push_back(int32_t(t.as_int64()));
@@ -150,11 +161,14 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   SF_ASSIGN(out.kv_bytes, get_int(*ret, "kv_bytes", "retention"));
   SF_ASSIGN(out.kv_bytes_full, get_int(*ret, "kv_bytes_full", "retention"));
   SF_ASSIGN(const json::array* rlayers, get_arr(*ret, "layers", "retention"));
-  if (int64_t(rlayers->size()) != nl) return corrupt("retention", "layers has " + std::to_string(rlayers->size()) + " entries, expected " + std::to_string(nl));
+  if (int64_t(rlayers->size()) != nl)
+    return corrupt("retention", "layers has " + std::to_string(rlayers->size()) +
+                                    " entries, expected " + std::to_string(nl));
 
   SF_ASSIGN(const json::array* shards, get_arr(man, "shards", W));
   if (int64_t(shards->size()) != nl)
-    return corrupt(W, "shards has " + std::to_string(shards->size()) + " entries, expected " + std::to_string(nl));
+    return corrupt(W, "shards has " + std::to_string(shards->size()) + " entries, expected " +
+                          std::to_string(nl));
   out.heads.resize(size_t(nl * nh));
   std::vector<bool> seen(static_cast<size_t>(nl), false);
   int64_t kept_total = 0;
@@ -164,7 +178,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     SF_ASSIGN(std::string file, get_str(sh, "file", "shard"));
     const std::string where = "shard '" + file + "'";
     SF_ASSIGN(int64_t layer, get_int(sh, "layer", where));
-    if (layer < 0 || layer >= nl || seen[size_t(layer)]) return corrupt(where, "layer " + std::to_string(layer) + " out of range or repeated");
+    if (layer < 0 || layer >= nl || seen[size_t(layer)])
+      return corrupt(where, "layer " + std::to_string(layer) + " out of range or repeated");
     seen[size_t(layer)] = true;
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
       return corrupt(where, "file is not a plain file name");
@@ -172,10 +187,12 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     SF_ASSIGN(std::string xxh, get_str(sh, "xxh64", where));
     SF_ASSIGN(std::string layout, get_str(sh, "layout", where));
     const fs::path p = root / file;
-    if (!fs::is_regular_file(p, ec)) return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
+    if (!fs::is_regular_file(p, ec))
+      return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
     const uint64_t fsz = fs::file_size(p, ec);
     if (ec || int64_t(fsz) != bytes)
-      return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " + std::to_string(bytes));
+      return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
+                                std::to_string(bytes));
     SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
     if (hex64(h) != xxh)
       return corrupt(where, "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + xxh);
@@ -186,20 +203,24 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     SF_ASSIGN(const json::array* rheads, get_arr(rlv.as_object(), "heads", "retention layer"));
     SF_ASSIGN(int64_t rlayer, get_int(rlv.as_object(), "layer", "retention layer"));
     if (rlayer != layer || int64_t(rheads->size()) != nh)
-      return corrupt("retention", "layer " + std::to_string(layer) + " entry is out of order or has the wrong head count");
+      return corrupt("retention", "layer " + std::to_string(layer) +
+                                      " entry is out of order or has the wrong head count");
     std::vector<int64_t> n_h(static_cast<size_t>(nh));
     for (int64_t hh = 0; hh < nh; ++hh) {
       const json::value& hv = (*rheads)[size_t(hh)];
       if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
       SF_ASSIGN(n_h[size_t(hh)], get_int(hv.as_object(), "n", "retention head"));
-      if (n_h[size_t(hh)] <= 0 || n_h[size_t(hh)] > out.n_tokens) return corrupt("retention", "kept count out of range");
+      if (n_h[size_t(hh)] <= 0 || n_h[size_t(hh)] > out.n_tokens)
+        return corrupt("retention", "kept count out of range");
     }
     const bool uniform = layout == "uniform";
-    if (!uniform && layout != "per_head") return corrupt(where, "layout '" + layout + "' is not uniform or per_head");
+    if (!uniform && layout != "per_head")
+      return corrupt(where, "layout '" + layout + "' is not uniform or per_head");
     std::vector<float> kall, vall;
     if (uniform) {
       for (int64_t hh = 1; hh < nh; ++hh)
-        if (n_h[size_t(hh)] != n_h[0]) return corrupt(where, "uniform layout with different kept counts per head");
+        if (n_h[size_t(hh)] != n_h[0])
+          return corrupt(where, "uniform layout with different kept counts per head");
       SF_TRY(read_tensor<float>(f, "key", "F32", {1, nh, n_h[0], hd}, where, &kall));
       SF_TRY(read_tensor<float>(f, "value", "F32", {1, nh, n_h[0], hd}, where, &vall));
     }
@@ -219,25 +240,31 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.block_kmax));
       SF_TRY(read_tensor<float>(f, "block_key_mean" + sfx, "F32", {nb, hd}, where, &H.block_kmean));
       if (f.find("block_importance" + sfx))
-        SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where, &H.block_importance));
+        SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where,
+                                  &H.block_importance));
       // The shard's positions must be exactly the manifest's declared retention.
-      SF_ASSIGN(const json::array* ranges, get_arr((*rheads)[size_t(hh)].as_object(), "ranges", "retention head"));
+      SF_ASSIGN(const json::array* ranges,
+                get_arr((*rheads)[size_t(hh)].as_object(), "ranges", "retention head"));
       size_t i = 0;
       for (const auto& rv : *ranges) {
-        if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() || !rv.as_array()[1].is_int64())
+        if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
+            !rv.as_array()[1].is_int64())
           return corrupt("retention", "a range is not [begin, end)");
         const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
         if (a < 0 || b > out.n_tokens || a >= b) return corrupt("retention", "range out of bounds");
         for (int64_t t = a; t < b; ++t, ++i)
           if (i >= H.positions.size() || H.positions[i] != t)
-            return corrupt(where, "positions" + sfx + " differ from the manifest's retention ranges");
+            return corrupt(where,
+                           "positions" + sfx + " differ from the manifest's retention ranges");
       }
-      if (i != H.positions.size()) return corrupt(where, "positions" + sfx + " differ from the manifest's retention ranges");
+      if (i != H.positions.size())
+        return corrupt(where, "positions" + sfx + " differ from the manifest's retention ranges");
       kept_total += n;
     }
   }
   if (out.kv_bytes != kept_total * hd * 2 * 4)
-    return corrupt("retention", "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
+    return corrupt("retention",
+                   "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
   return out;
 }
 

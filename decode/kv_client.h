@@ -17,9 +17,9 @@ namespace sf::decode {
 // rotate-half channel order), plus per-block metadata over runs of 64 kept tokens.
 struct HeadKv {
   std::vector<int32_t> positions;
-  std::vector<float> k, v;                          // [n, head_dim]
+  std::vector<float> k, v;                                 // [n, head_dim]
   std::vector<float> block_kmin, block_kmax, block_kmean;  // [n_blocks, head_dim]
-  std::vector<float> block_importance;              // [n_blocks]; empty when the export had none
+  std::vector<float> block_importance;  // [n_blocks]; empty when the export had none
 };
 
 struct KvExport {
@@ -32,7 +32,9 @@ struct KvExport {
   int64_t kv_bytes = 0, kv_bytes_full = 0;
   std::vector<HeadKv> heads;  // [layer * n_kv_heads + head]
 
-  const HeadKv& head(int layer, int h) const { return heads[size_t(layer) * size_t(n_kv_heads) + size_t(h)]; }
+  const HeadKv& head(int layer, int h) const {
+    return heads[size_t(layer) * size_t(n_kv_heads) + size_t(h)];
+  }
 };
 
 // expected_compat_hash: the hash of the consumer's own model (decode::model_compat_hash); an

@@ -26,7 +26,8 @@ int fail(const sf::Status& st) {
 
 void usage() {
   std::fprintf(stderr,
-               "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention full|psa:EPS]\n"
+               "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
+               "full|psa:EPS]\n"
                "                         [--reference]\n");
 }
 
@@ -63,7 +64,8 @@ int run(int argc, char** argv) {
   if (a.count("tokens")) {
     char* end = nullptr;
     const long n = std::strtol(a["tokens"].c_str(), &end, 10);
-    if (*end != '\0' || n < 1 || n > 100000) return fail(SF_ERR(kInvalidArgument, "--tokens must be in [1, 100000]"));
+    if (*end != '\0' || n < 1 || n > 100000)
+      return fail(SF_ERR(kInvalidArgument, "--tokens must be in [1, 100000]"));
     n_new = int(n);
   }
   auto ap = sf::decode::decode_attn_parse(a.count("attention") ? a["attention"] : "full");
@@ -82,13 +84,16 @@ int run(int argc, char** argv) {
   if (!gen.is_ok()) return fail(gen.status());
   const auto t2 = std::chrono::steady_clock::now();
   const auto& st = sr->stats();
-  std::printf("kv: %s, %lld prompt tokens, retention %s%s%s, %lld of %lld KV bytes (%.1f%%)\n", a["kv"].c_str(),
-              static_cast<long long>(man.n_tokens), man.retention_policy.c_str(), man.retention_params.empty() ? "" : ":",
-              man.retention_params.c_str(), static_cast<long long>(man.kv_bytes),
-              static_cast<long long>(man.kv_bytes_full), 100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
-  std::printf("load + verify: %.3f s; decode %d tokens: %.3f s\n", std::chrono::duration<double>(t1 - t0).count(),
-              n_new, std::chrono::duration<double>(t2 - t1).count());
-  std::printf("attention %s: blocks visited %.4f of available\n", a.count("attention") ? a["attention"].c_str() : "full",
+  std::printf("kv: %s, %lld prompt tokens, retention %s%s%s, %lld of %lld KV bytes (%.1f%%)\n",
+              a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
+              man.retention_params.empty() ? "" : ":", man.retention_params.c_str(),
+              static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
+              100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
+  std::printf("load + verify: %.3f s; decode %d tokens: %.3f s\n",
+              std::chrono::duration<double>(t1 - t0).count(), n_new,
+              std::chrono::duration<double>(t2 - t1).count());
+  std::printf("attention %s: blocks visited %.4f of available\n",
+              a.count("attention") ? a["attention"].c_str() : "full",
               st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0);
   std::printf("tokens:");
   for (int32_t t : gen.value()) std::printf(" %d", t);

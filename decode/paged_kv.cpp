@@ -29,7 +29,8 @@ int32_t PagedKvCache::new_block() {
 
 Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_interleaved) {
   if (e.block_size != kBlockTokens)
-    return SF_ERR(kUnsupported, "paged kv: block size " + std::to_string(e.block_size) + " is not 64");
+    return SF_ERR(kUnsupported,
+                  "paged kv: block size " + std::to_string(e.block_size) + " is not 64");
   PagedKvCache c;
   c.n_layers_ = e.n_layers;
   c.n_kv_heads_ = e.n_kv_heads;
@@ -51,8 +52,10 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
           const int64_t src = b * kBlockTokens + t;
           B.pos[size_t(t)] = H.positions[size_t(src)];
           const float* kr = H.k.data() + src * d;
-          if (keys_interleaved) to_interleaved(kr, d, B.k.data() + size_t(t) * size_t(d));
-          else std::copy(kr, kr + d, B.k.begin() + t * d);
+          if (keys_interleaved)
+            to_interleaved(kr, d, B.k.data() + size_t(t) * size_t(d));
+          else
+            std::copy(kr, kr + d, B.k.begin() + t * d);
           std::copy(H.v.begin() + src * d, H.v.begin() + (src + 1) * d, B.v.begin() + t * d);
         }
         // The export's block metadata, in the model's channel order.
@@ -70,10 +73,12 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
   return c;
 }
 
-Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv, const kvstore::Retention& r) {
+Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
+                                                const kvstore::Retention& r) {
   if (r.n_layers != kv.n_layers || r.n_kv_heads != kv.n_kv_heads || r.n_tokens != kv.n_tokens ||
       int64_t(kv.k.size()) != kv.n_layers)
-    return SF_ERR(kInvalidArgument, "paged kv: retention geometry does not match the prefill cache");
+    return SF_ERR(kInvalidArgument,
+                  "paged kv: retention geometry does not match the prefill cache");
   PagedKvCache c;
   c.n_layers_ = kv.n_layers;
   c.n_kv_heads_ = kv.n_kv_heads;
@@ -83,7 +88,8 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv, const 
   for (int l = 0; l < kv.n_layers; ++l)
     for (int h = 0; h < hkv; ++h)
       for (int32_t p : r.positions(l, h)) {
-        if (p < 0 || p >= kv.n_tokens) return SF_ERR(kInvalidArgument, "paged kv: retention position out of range");
+        if (p < 0 || p >= kv.n_tokens)
+          return SF_ERR(kInvalidArgument, "paged kv: retention position out of range");
         const size_t off = (size_t(p) * size_t(hkv) + size_t(h)) * size_t(d);
         c.append(l, h, p, kv.k[size_t(l)].data() + off, kv.v[size_t(l)].data() + off);
       }

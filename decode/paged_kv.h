@@ -16,9 +16,9 @@ namespace sf::decode {
 constexpr int kBlockTokens = 64;
 
 struct KvBlock {
-  int32_t n = 0;              // tokens filled, <= kBlockTokens
-  std::vector<int32_t> pos;   // [kBlockTokens]
-  std::vector<float> k, v;    // [kBlockTokens, head_dim]
+  int32_t n = 0;                  // tokens filled, <= kBlockTokens
+  std::vector<int32_t> pos;       // [kBlockTokens]
+  std::vector<float> k, v;        // [kBlockTokens, head_dim]
   std::vector<float> kmin, kmax;  // [head_dim] over the filled tokens
 };
 
@@ -43,7 +43,9 @@ class PagedKvCache {
   void append(int layer, int head, int32_t pos, const float* k, const float* v);
 
  private:
-  size_t idx(int layer, int head) const { return size_t(layer) * size_t(n_kv_heads_) + size_t(head); }
+  size_t idx(int layer, int head) const {
+    return size_t(layer) * size_t(n_kv_heads_) + size_t(head);
+  }
   int32_t new_block();
   int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   std::vector<KvBlock> pool_;

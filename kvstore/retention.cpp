@@ -36,30 +36,36 @@ std::vector<int32_t> range_union(int64_t a0, int64_t a1, int64_t b0, int64_t b1)
   return v;
 }
 
-Status check_scores(const ImportanceScores* s, const char* policy, int n_layers, int n_kv_heads, int64_t N) {
+Status check_scores(const ImportanceScores* s, const char* policy, int n_layers, int n_kv_heads,
+                    int64_t N) {
   if (!s || s->layers.empty())
-    return SF_ERR(kInvalidArgument, std::string("retention ") + policy +
-                                        ": needs importance scores (prefill with importance_window > 0)");
+    return SF_ERR(kInvalidArgument,
+                  std::string("retention ") + policy +
+                      ": needs importance scores (prefill with importance_window > 0)");
   if (s->n_layers != n_layers || s->n_kv_heads != n_kv_heads || s->n_tokens != N ||
       int64_t(s->layers.size()) != n_layers)
-    return SF_ERR(kInvalidArgument, std::string("retention ") + policy + ": importance scores are for " +
-                                        str(s->n_layers) + " layers x " + str(s->n_kv_heads) + " heads x " +
-                                        str(s->n_tokens) + " tokens, the cache has " + str(n_layers) + " x " +
-                                        str(n_kv_heads) + " x " + str(N));
+    return SF_ERR(kInvalidArgument, std::string("retention ") + policy +
+                                        ": importance scores are for " + str(s->n_layers) +
+                                        " layers x " + str(s->n_kv_heads) + " heads x " +
+                                        str(s->n_tokens) + " tokens, the cache has " +
+                                        str(n_layers) + " x " + str(n_kv_heads) + " x " + str(N));
   for (int l = 0; l < n_layers; ++l)
     if (int64_t(s->layers[size_t(l)].size()) != int64_t(n_kv_heads) * N)
-      return SF_ERR(kInvalidArgument, std::string("retention ") + policy + ": importance of layer " + str(l) +
-                                          " has " + str(int64_t(s->layers[size_t(l)].size())) + " values, expected " +
-                                          str(int64_t(n_kv_heads) * N));
+      return SF_ERR(kInvalidArgument, std::string("retention ") + policy +
+                                          ": importance of layer " + str(l) + " has " +
+                                          str(int64_t(s->layers[size_t(l)].size())) +
+                                          " values, expected " + str(int64_t(n_kv_heads) * N));
   return Status::ok();
 }
 
 Status check_budget(const char* policy, int64_t budget, int64_t window, int64_t N) {
-  if (window < 0) return SF_ERR(kOutOfRange, std::string("retention ") + policy + ": window " + str(window) + " is negative");
+  if (window < 0)
+    return SF_ERR(kOutOfRange,
+                  std::string("retention ") + policy + ": window " + str(window) + " is negative");
   if (budget < std::max<int64_t>(window, 1) || budget > N)
     return SF_ERR(kOutOfRange, std::string("retention ") + policy + ": budget " + str(budget) +
-                                   " tokens out of range [" + str(std::max<int64_t>(window, 1)) + ", " + str(N) +
-                                   "] (at least the window, at most the prompt)");
+                                   " tokens out of range [" + str(std::max<int64_t>(window, 1)) +
+                                   ", " + str(N) + "] (at least the window, at most the prompt)");
   return Status::ok();
 }
 
@@ -79,12 +85,18 @@ bool Retention::is_full() const {
 
 const char* retention_kind_name(RetentionKind k) {
   switch (k) {
-    case RetentionKind::kFull: return "full";
-    case RetentionKind::kStreaming: return "streaming";
-    case RetentionKind::kSnapKV: return "snapkv";
-    case RetentionKind::kPyramid: return "pyramid";
-    case RetentionKind::kMoA: return "moa";
-    case RetentionKind::kLayerwise: return "layerwise";
+    case RetentionKind::kFull:
+      return "full";
+    case RetentionKind::kStreaming:
+      return "streaming";
+    case RetentionKind::kSnapKV:
+      return "snapkv";
+    case RetentionKind::kPyramid:
+      return "pyramid";
+    case RetentionKind::kMoA:
+      return "moa";
+    case RetentionKind::kLayerwise:
+      return "layerwise";
   }
   return "?";
 }
@@ -94,13 +106,19 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
   const std::string name = spec.substr(0, colon);
   RetentionPolicy p;
   std::vector<std::string> allowed;
-  if (name == "full") p.kind = RetentionKind::kFull;
-  else if (name == "streaming") p.kind = RetentionKind::kStreaming, allowed = {"sink", "window"};
-  else if (name == "snapkv") p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool"};
-  else if (name == "pyramid") p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta"};
-  else if (name == "layerwise") p.kind = RetentionKind::kLayerwise, allowed = {"n_full", "window", "topk"};
+  if (name == "full")
+    p.kind = RetentionKind::kFull;
+  else if (name == "streaming")
+    p.kind = RetentionKind::kStreaming, allowed = {"sink", "window"};
+  else if (name == "snapkv")
+    p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool"};
+  else if (name == "pyramid")
+    p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta"};
+  else if (name == "layerwise")
+    p.kind = RetentionKind::kLayerwise, allowed = {"n_full", "window", "topk"};
   else if (name == "moa")
-    return SF_ERR(kInvalidArgument, "retention 'moa' takes per-head spans from a config, not a spec string");
+    return SF_ERR(kInvalidArgument,
+                  "retention 'moa' takes per-head spans from a config, not a spec string");
   else
     return SF_ERR(kInvalidArgument, "unknown retention policy '" + name +
                                         "' (full, streaming, snapkv, pyramid, moa, layerwise)");
@@ -116,21 +134,31 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
     const auto eq = kv.find('=');
     const std::string key = kv.substr(0, eq);
     if (eq == std::string::npos || std::find(allowed.begin(), allowed.end(), key) == allowed.end())
-      return SF_ERR(kInvalidArgument, "retention " + name + ": unknown or malformed parameter '" + kv + "'");
+      return SF_ERR(kInvalidArgument,
+                    "retention " + name + ": unknown or malformed parameter '" + kv + "'");
     const std::string val = kv.substr(eq + 1);
     char* end = nullptr;
     const double x = std::strtod(val.c_str(), &end);
     if (val.empty() || *end != '\0' || !std::isfinite(x))
-      return SF_ERR(kInvalidArgument, "retention " + name + ": " + key + " = '" + val + "' is not a number");
+      return SF_ERR(kInvalidArgument,
+                    "retention " + name + ": " + key + " = '" + val + "' is not a number");
     if (key != "beta" && x != std::floor(x))
-      return SF_ERR(kInvalidArgument, "retention " + name + ": " + key + " = '" + val + "' must be an integer");
-    if (key == "sink") p.sink = int64_t(x);
-    else if (key == "window") p.window = int64_t(x);
-    else if (key == "budget") p.budget = int64_t(x), have_budget = true;
-    else if (key == "pool") p.pool = int(x);
-    else if (key == "beta") p.beta = x;
-    else if (key == "n_full") p.n_full = int(x);
-    else if (key == "topk") p.topk = int64_t(x);
+      return SF_ERR(kInvalidArgument,
+                    "retention " + name + ": " + key + " = '" + val + "' must be an integer");
+    if (key == "sink")
+      p.sink = int64_t(x);
+    else if (key == "window")
+      p.window = int64_t(x);
+    else if (key == "budget")
+      p.budget = int64_t(x), have_budget = true;
+    else if (key == "pool")
+      p.pool = int(x);
+    else if (key == "beta")
+      p.beta = x;
+    else if (key == "n_full")
+      p.n_full = int(x);
+    else if (key == "topk")
+      p.topk = int64_t(x);
   }
   if ((p.kind == RetentionKind::kSnapKV || p.kind == RetentionKind::kPyramid) && !have_budget)
     return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
@@ -140,20 +168,33 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
 std::string retention_params(const RetentionPolicy& p) {
   std::ostringstream o;
   switch (p.kind) {
-    case RetentionKind::kFull: break;
-    case RetentionKind::kStreaming: o << "sink=" << p.sink << ",window=" << p.window; break;
-    case RetentionKind::kSnapKV: o << "budget=" << p.budget << ",window=" << p.window << ",pool=" << p.pool; break;
-    case RetentionKind::kPyramid: o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << p.beta; break;
-    case RetentionKind::kMoA: o << "sink=" << p.moa_sink << ",heads=" << p.moa.size() << "x" << (p.moa.empty() ? 0 : p.moa[0].size()); break;
-    case RetentionKind::kLayerwise: o << "n_full=" << p.n_full << ",window=" << p.window << ",topk=" << p.topk; break;
+    case RetentionKind::kFull:
+      break;
+    case RetentionKind::kStreaming:
+      o << "sink=" << p.sink << ",window=" << p.window;
+      break;
+    case RetentionKind::kSnapKV:
+      o << "budget=" << p.budget << ",window=" << p.window << ",pool=" << p.pool;
+      break;
+    case RetentionKind::kPyramid:
+      o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << p.beta;
+      break;
+    case RetentionKind::kMoA:
+      o << "sink=" << p.moa_sink << ",heads=" << p.moa.size() << "x"
+        << (p.moa.empty() ? 0 : p.moa[0].size());
+      break;
+    case RetentionKind::kLayerwise:
+      o << "n_full=" << p.n_full << ",window=" << p.window << ",topk=" << p.topk;
+      break;
   }
   return o.str();
 }
 
-Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t window, double beta, int n_layers,
-                                                   int64_t N) {
+Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t window, double beta,
+                                                   int n_layers, int64_t N) {
   SF_TRY(check_budget("pyramid", budget, window, N));
-  if (!(beta >= 1)) return SF_ERR(kOutOfRange, "retention pyramid: beta " + std::to_string(beta) + " must be >= 1");
+  if (!(beta >= 1))
+    return SF_ERR(kOutOfRange, "retention pyramid: beta " + std::to_string(beta) + " must be >= 1");
   if (n_layers <= 0) return SF_ERR(kInvalidArgument, "retention pyramid: no layers");
   // PyramidKV (pyramidkv_utils.py): scored part falls linearly from max_num (bottom) to min_num
   // (top) with min_num = avg / beta and mean avg; when max_num would exceed what a layer can
@@ -177,7 +218,8 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
                                   const ImportanceScores* scores) {
   if (n_layers <= 0 || n_kv_heads <= 0 || N <= 0)
     return SF_ERR(kInvalidArgument, "retention: empty cache geometry");
-  if (N > INT32_MAX) return SF_ERR(kOutOfRange, "retention: " + str(N) + " tokens exceed int32 positions");
+  if (N > INT32_MAX)
+    return SF_ERR(kOutOfRange, "retention: " + str(N) + " tokens exceed int32 positions");
   Retention r;
   r.policy = retention_kind_name(p.kind);
   r.params = retention_params(p);
@@ -192,9 +234,10 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     case RetentionKind::kStreaming: {
       if (p.sink < 0 || p.window < 1 || p.sink + p.window > N)
-        return SF_ERR(kOutOfRange, "retention streaming: sink " + str(p.sink) + " + window " + str(p.window) +
-                                       " out of range (window >= 1, sink >= 0, sink + window <= " + str(N) +
-                                       " prompt tokens)");
+        return SF_ERR(kOutOfRange,
+                      "retention streaming: sink " + str(p.sink) + " + window " + str(p.window) +
+                          " out of range (window >= 1, sink >= 0, sink + window <= " + str(N) +
+                          " prompt tokens)");
       for (auto& k : r.kept) k = range_union(0, p.sink, N - p.window, N);
       break;
     }
@@ -207,8 +250,8 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
                                             std::to_string(scores->pool));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)
-          r.kept[size_t(l * n_kv_heads + h)] =
-              window_plus_topk(scores->layers[size_t(l)].data() + h * N, N, p.window, p.budget - p.window);
+          r.kept[size_t(l * n_kv_heads + h)] = window_plus_topk(
+              scores->layers[size_t(l)].data() + h * N, N, p.window, p.budget - p.window);
       break;
     }
     case RetentionKind::kPyramid: {
@@ -216,27 +259,31 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       SF_TRY(check_scores(scores, "pyramid", n_layers, n_kv_heads, N));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)
-          r.kept[size_t(l * n_kv_heads + h)] = window_plus_topk(scores->layers[size_t(l)].data() + h * N, N, p.window,
-                                                                budgets[size_t(l)] - p.window);
+          r.kept[size_t(l * n_kv_heads + h)] = window_plus_topk(
+              scores->layers[size_t(l)].data() + h * N, N, p.window, budgets[size_t(l)] - p.window);
       break;
     }
     case RetentionKind::kMoA: {
       if (int64_t(p.moa.size()) != n_layers)
         return SF_ERR(kInvalidArgument, "retention moa: config has " + str(int64_t(p.moa.size())) +
                                             " layers, the cache has " + str(n_layers));
-      if (p.moa_sink < 0) return SF_ERR(kOutOfRange, "retention moa: sink " + str(p.moa_sink) + " is negative");
+      if (p.moa_sink < 0)
+        return SF_ERR(kOutOfRange, "retention moa: sink " + str(p.moa_sink) + " is negative");
       for (int l = 0; l < n_layers; ++l) {
         if (int64_t(p.moa[size_t(l)].size()) != n_kv_heads)
           return SF_ERR(kInvalidArgument, "retention moa: layer " + str(l) + " has " +
-                                              str(int64_t(p.moa[size_t(l)].size())) + " head spans, the cache has " +
-                                              str(n_kv_heads) + " KV heads");
+                                              str(int64_t(p.moa[size_t(l)].size())) +
+                                              " head spans, the cache has " + str(n_kv_heads) +
+                                              " KV heads");
         for (int h = 0; h < n_kv_heads; ++h) {
           const MoaSpan& s = p.moa[size_t(l)][size_t(h)];
           if (!(s.alpha >= 0) || !(s.beta >= 0 && s.beta <= 1))
-            return SF_ERR(kOutOfRange, "retention moa: layer " + str(l) + " head " + str(h) + ": alpha " +
-                                           std::to_string(s.alpha) + " must be >= 0 and beta " +
-                                           std::to_string(s.beta) + " in [0, 1]");
-          const int64_t span = std::clamp<int64_t>(int64_t(std::llround(s.alpha + s.beta * double(N))), 1, N);
+            return SF_ERR(kOutOfRange, "retention moa: layer " + str(l) + " head " + str(h) +
+                                           ": alpha " + std::to_string(s.alpha) +
+                                           " must be >= 0 and beta " + std::to_string(s.beta) +
+                                           " in [0, 1]");
+          const int64_t span =
+              std::clamp<int64_t>(int64_t(std::llround(s.alpha + s.beta * double(N))), 1, N);
           r.kept[size_t(l * n_kv_heads + h)] = range_union(0, std::min(p.moa_sink, N), N - span, N);
         }
       }
@@ -244,32 +291,39 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
     }
     case RetentionKind::kLayerwise: {
       if (p.n_full < 0 || p.n_full > n_layers)
-        return SF_ERR(kOutOfRange, "retention layerwise: n_full " + str(p.n_full) + " out of range [0, " +
-                                       str(n_layers) + "]");
+        return SF_ERR(kOutOfRange, "retention layerwise: n_full " + str(p.n_full) +
+                                       " out of range [0, " + str(n_layers) + "]");
       if (p.window < 1 || p.topk < 0 || p.window + p.topk > N)
-        return SF_ERR(kOutOfRange, "retention layerwise: window " + str(p.window) + " + topk " + str(p.topk) +
-                                       " out of range (window >= 1, topk >= 0, sum <= " + str(N) + " prompt tokens)");
+        return SF_ERR(kOutOfRange, "retention layerwise: window " + str(p.window) + " + topk " +
+                                       str(p.topk) +
+                                       " out of range (window >= 1, topk >= 0, sum <= " + str(N) +
+                                       " prompt tokens)");
       if (p.topk > 0) SF_TRY(check_scores(scores, "layerwise", n_layers, n_kv_heads, N));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)
           r.kept[size_t(l * n_kv_heads + h)] =
-              l < p.n_full ? all()
-                           : (p.topk > 0 ? window_plus_topk(scores->layers[size_t(l)].data() + h * N, N, p.window, p.topk)
-                                         : range_union(0, 0, N - p.window, N));
+              l < p.n_full
+                  ? all()
+                  : (p.topk > 0 ? window_plus_topk(scores->layers[size_t(l)].data() + h * N, N,
+                                                   p.window, p.topk)
+                                : range_union(0, 0, N - p.window, N));
       break;
     }
   }
   return r;
 }
 
-Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int n_layers, int64_t N) {
+Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int n_layers,
+                                               int64_t N) {
   if (!(f > 0 && f <= 1))
-    return SF_ERR(kOutOfRange, "retention budget fraction " + std::to_string(f) + " out of range (0, 1]");
+    return SF_ERR(kOutOfRange,
+                  "retention budget fraction " + std::to_string(f) + " out of range (0, 1]");
   RetentionPolicy p;
   p.kind = kind;
   const int64_t B = std::max<int64_t>(1, std::llround(f * double(N)));
   switch (kind) {
-    case RetentionKind::kFull: break;
+    case RetentionKind::kFull:
+      break;
     case RetentionKind::kStreaming:
       p.sink = std::min<int64_t>(4, B / 2);
       p.window = B - p.sink;
@@ -289,7 +343,8 @@ Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int
       break;
     }
     case RetentionKind::kMoA:
-      return SF_ERR(kInvalidArgument, "retention moa: spans come from a per-head config, not a fraction");
+      return SF_ERR(kInvalidArgument,
+                    "retention moa: spans come from a per-head config, not a fraction");
   }
   return p;
 }

@@ -29,14 +29,14 @@ struct MoaSpan {
 // terms); `sink` leading tokens are kept where the policy names them.
 struct RetentionPolicy {
   RetentionKind kind = RetentionKind::kFull;
-  int64_t sink = 4;     // streaming: leading tokens always kept (attention sinks)
-  int64_t window = 32;  // streaming, snapkv, pyramid, layerwise: recent tokens always kept
-  int64_t budget = 0;   // snapkv: tokens per layer and KV head; pyramid: average over layers
-  int pool = 7;         // snapkv: the max-pool kernel the scores must carry
-  double beta = 20;     // pyramid: bottom-to-top ratio of the scored part (PyramidKV's beta)
-  int n_full = 0;       // layerwise: the first n_full layers keep every token
-  int64_t topk = 0;     // layerwise: top-scored tokens kept besides the window
-  int64_t moa_sink = 64;                  // moa: leading tokens every head keeps
+  int64_t sink = 4;       // streaming: leading tokens always kept (attention sinks)
+  int64_t window = 32;    // streaming, snapkv, pyramid, layerwise: recent tokens always kept
+  int64_t budget = 0;     // snapkv: tokens per layer and KV head; pyramid: average over layers
+  int pool = 7;           // snapkv: the max-pool kernel the scores must carry
+  double beta = 20;       // pyramid: bottom-to-top ratio of the scored part (PyramidKV's beta)
+  int n_full = 0;         // layerwise: the first n_full layers keep every token
+  int64_t topk = 0;       // layerwise: top-scored tokens kept besides the window
+  int64_t moa_sink = 64;  // moa: leading tokens every head keeps
   std::vector<std::vector<MoaSpan>> moa;  // moa: [n_layers][n_kv_heads]
 };
 
@@ -64,17 +64,18 @@ std::string retention_params(const RetentionPolicy& p);
 // The kept positions of every layer and KV head. Budgets out of range (negative, larger than the
 // prompt, smaller than the always-kept window) and scores of the wrong geometry are errors.
 // scores may be null for policies that need none (full, streaming, moa, layerwise with topk 0).
-Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t n_tokens,
-                                  const ImportanceScores* scores);
+Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads,
+                                  int64_t n_tokens, const ImportanceScores* scores);
 
 // PyramidKV's per-layer budgets (scored part + window): linear from the bottom layer down to the
 // top layer, whose scored part is 1/beta of the average; the total equals n_layers x budget.
-Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t window, double beta, int n_layers,
-                                                   int64_t n_tokens);
+Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t window, double beta,
+                                                   int n_layers, int64_t n_tokens);
 
 // A policy of the given kind whose kept tokens are `fraction` (0, 1] of the full cache, with the
 // defaults the evaluation uses (streaming sink 4; snapkv/pyramid window 32, pool 7; layerwise
 // n_full = fraction x n_layers / 2, window 32).
-Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double fraction, int n_layers, int64_t n_tokens);
+Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double fraction, int n_layers,
+                                               int64_t n_tokens);
 
 }  // namespace sf::kvstore

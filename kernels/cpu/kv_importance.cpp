@@ -1,5 +1,7 @@
 // CPU kv_importance: the window's scores are recomputed tile by tile (keys x window rows), so
 // memory stays at one [window, tile] score buffer per task regardless of prompt length.
+#include "kernels/kv_importance.h"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -10,7 +12,6 @@
 
 #include "common/thread_pool.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/kv_importance.h"
 
 namespace sf::kernels::cpu {
 namespace {
@@ -43,8 +44,8 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
       for (int64_t h = 0; h < hq; ++h) {
         const int64_t g = h / group;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(tn), int(d), scale,
-                    qp + (r0 + first_row) * hq * d + h * d, int(hq * d), kp + j0 * hkv * d + g * d, int(hkv * d),
-                    0.f, s.data(), int(tn));
+                    qp + (r0 + first_row) * hq * d + h * d, int(hq * d), kp + j0 * hkv * d + g * d,
+                    int(hkv * d), 0.f, s.data(), int(tn));
         float* a = acc.data() + g * nk + j0;
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t r = r0 + first_row + i;
@@ -66,7 +67,8 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
     const float* a = acc.data() + g * nk;
     for (int64_t j = 0; j < nk; ++j) {
       float m = a[j];
-      for (int64_t u = std::max<int64_t>(0, j - half); u <= std::min(nk - 1, j + half); ++u) m = std::max(m, a[u]);
+      for (int64_t u = std::max<int64_t>(0, j - half); u <= std::min(nk - 1, j + half); ++u)
+        m = std::max(m, a[u]);
       o[g * nk + j] = m;
     }
   }

@@ -1,10 +1,11 @@
 // Shared by the decode tests: a tiny synthetic model, its prefill and an export of it.
 #pragma once
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <random>
 #include <string>
-#include <unistd.h>
 
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
@@ -70,16 +71,17 @@ inline kvstore::ImportanceScores scores_of(const model::PrefillResult& r, int wi
   return s;
 }
 
-inline Status export_prefill(const model::Model& m, const std::vector<int32_t>& toks, const model::PrefillResult& r,
-                             const std::string& dir, const kvstore::Retention* ret,
-                             const kvstore::ImportanceScores* imp) {
+inline Status export_prefill(const model::Model& m, const std::vector<int32_t>& toks,
+                             const model::PrefillResult& r, const std::string& dir,
+                             const kvstore::Retention* ret, const kvstore::ImportanceScores* imp) {
   kvstore::KvExportSpec spec = decode::model_export_spec(m);
   spec.n_tokens = int64_t(toks.size());
   spec.token_ids = toks;
   spec.first_token = r.first_token;
   spec.retention = ret;
   spec.importance = imp;
-  return kvstore::export_kv(dir, spec, [&](int l, bool v) { return (v ? r.kv.v : r.kv.k)[size_t(l)].data(); }, false);
+  return kvstore::export_kv(
+      dir, spec, [&](int l, bool v) { return (v ? r.kv.v : r.kv.k)[size_t(l)].data(); }, false);
 }
 
 }  // namespace sf::testing

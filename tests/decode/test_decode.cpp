@@ -22,7 +22,8 @@ void run_full_equals_dense(model::Arch arch) {
   auto pr = model::prefill(m.value(), toks);
   ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
   TempDir tmp;
-  ASSERT_TRUE(testing::export_prefill(m.value(), toks, pr.value(), tmp.sub("kv"), nullptr, nullptr).is_ok());
+  ASSERT_TRUE(testing::export_prefill(m.value(), toks, pr.value(), tmp.sub("kv"), nullptr, nullptr)
+                  .is_ok());
   auto s = decode::open_decode_session(m.value(), tmp.sub("kv"), decode::DecodeAttnParams{});
   ASSERT_TRUE(s.is_ok()) << s.status().to_string();
 
@@ -38,7 +39,8 @@ void run_full_equals_dense(model::Arch arch) {
     const int32_t t = want.back();
     ASSERT_TRUE(model::extend(m.value(), std::span<const int32_t>(&t, 1), {}, &ref).is_ok());
     want.push_back(ref.first_token);
-    for (size_t j = 0; j < logits.size(); ++j) max_diff = std::max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
+    for (size_t j = 0; j < logits.size(); ++j)
+      max_diff = std::max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
   }
   EXPECT_EQ(got, want);
   auto dense = model::generate_greedy(m.value(), toks, n_new);
@@ -50,7 +52,8 @@ void run_full_equals_dense(model::Arch arch) {
   EXPECT_EQ(s->stats().blocks_visited, s->stats().blocks_total);
 
   // The in-process path (no files) pages the same cache.
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, 333, nullptr);
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
+                                       333, nullptr);
   ASSERT_TRUE(full.is_ok());
   auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
   ASSERT_TRUE(pc.is_ok()) << pc.status().to_string();
@@ -60,11 +63,16 @@ void run_full_equals_dense(model::Arch arch) {
   EXPECT_EQ(g2.value(), dense.value());
 }
 
-TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationLlama) { run_full_equals_dense(model::Arch::kLlama); }
-TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationQwen2) { run_full_equals_dense(model::Arch::kQwen2); }
+TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationLlama) {
+  run_full_equals_dense(model::Arch::kLlama);
+}
+TEST(Decode, FullRetentionFullDecodeEqualsDenseContinuationQwen2) {
+  run_full_equals_dense(model::Arch::kQwen2);
+}
 
 // A one-layer, one-head export built by hand, with block metadata computed here.
-decode::KvExport hand_export(int n, int d, const std::vector<float>& k, const std::vector<float>& v) {
+decode::KvExport hand_export(int n, int d, const std::vector<float>& k,
+                             const std::vector<float>& v) {
   decode::KvExport e;
   e.n_layers = 1;
   e.n_kv_heads = 1;
@@ -94,7 +102,8 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int n = 64 * 20, d = 32;
-  std::vector<float> q(static_cast<size_t>(d)), k(static_cast<size_t>(n * d)), v(static_cast<size_t>(n * d));
+  std::vector<float> q(static_cast<size_t>(d)), k(static_cast<size_t>(n * d)),
+      v(static_cast<size_t>(n * d));
   for (auto& x : q) x = nd(rng);
   for (auto& x : k) x = 0.1f * nd(rng);
   for (auto& x : v) x = nd(rng);
@@ -112,14 +121,16 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
       ASSERT_LE(dot, ub + 1e-4f) << "block " << id << " token " << t;
     }
   }
-  std::vector<float> full(static_cast<size_t>(d)), psa(static_cast<size_t>(d)), one(static_cast<size_t>(d));
+  std::vector<float> full(static_cast<size_t>(d)), psa(static_cast<size_t>(d)),
+      one(static_cast<size_t>(d));
   decode::DecodeAttnStats sf, sp, s1;
   decode::DecodeAttnParams pf, pp, p1;
   pp.mode = p1.mode = decode::DecodeAttnMode::kPsa;
   pp.eps = 0.9;
   pp.pin_sink_recent = false;
   p1.eps = 1.0;
-  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pf, full.data(), &sf).is_ok());
+  ASSERT_TRUE(
+      decode::decode_attention(cache.value(), 0, q.data(), 1, pf, full.data(), &sf).is_ok());
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pp, psa.data(), &sp).is_ok());
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p1, one.data(), &s1).is_ok());
   EXPECT_EQ(sf.blocks_visited, 20);
@@ -132,7 +143,8 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   pin.pin_sink_recent = true;
   decode::DecodeAttnStats spin;
   std::vector<float> opin(static_cast<size_t>(d));
-  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pin, opin.data(), &spin).is_ok());
+  ASSERT_TRUE(
+      decode::decode_attention(cache.value(), 0, q.data(), 1, pin, opin.data(), &spin).is_ok());
   EXPECT_EQ(spin.blocks_visited, 4);
   // Brute-force softmax in double for the reference output.
   std::vector<double> ref(size_t(d), 0.0), sc(static_cast<size_t>(n));
@@ -145,7 +157,8 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   }
   for (int t = 0; t < n; ++t) z += std::exp(sc[size_t(t)] - mx);
   for (int t = 0; t < n; ++t)
-    for (int c = 0; c < d; ++c) ref[size_t(c)] += std::exp(sc[size_t(t)] - mx) / z * v[size_t(t * d + c)];
+    for (int c = 0; c < d; ++c)
+      ref[size_t(c)] += std::exp(sc[size_t(t)] - mx) / z * v[size_t(t * d + c)];
   double e_full = 0, e_one = 0, e_psa = 0, norm = 0;
   for (int c = 0; c < d; ++c) {
     e_full = std::max(e_full, std::fabs(full[size_t(c)] - ref[size_t(c)]));

@@ -14,7 +14,8 @@ namespace {
 using testing::TempDir;
 
 std::vector<int32_t> golden_prompt() {
-  auto f = SafetensorsFile::open(std::string(SF_SOURCE_DIR) + "/tests/golden/logits_long.safetensors");
+  auto f =
+      SafetensorsFile::open(std::string(SF_SOURCE_DIR) + "/tests/golden/logits_long.safetensors");
   EXPECT_TRUE(f.is_ok()) << f.status().to_string();
   if (!f.is_ok()) return {};
   const SafetensorsTensor* t = f->find("token_ids");
@@ -45,11 +46,12 @@ TEST(DecodeModel, FullRetentionFullDecodeReproducesDenseContinuation) {
   opt.importance_window = 32;
   auto pr = model::prefill(m.value(), ids, opt);
   ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
-  std::printf("prefill %zu tokens: %.2f s, importance pass %.3f s (%.1f%%)\n", ids.size(), pr->seconds,
-              pr->importance_s, 100 * pr->importance_s / pr->seconds);
+  std::printf("prefill %zu tokens: %.2f s, importance pass %.3f s (%.1f%%)\n", ids.size(),
+              pr->seconds, pr->importance_s, 100 * pr->importance_s / pr->seconds);
   const auto imp = testing::scores_of(pr.value(), 32, 7);
   TempDir tmp;
-  ASSERT_TRUE(testing::export_prefill(m.value(), ids, pr.value(), tmp.sub("full"), nullptr, &imp).is_ok());
+  ASSERT_TRUE(
+      testing::export_prefill(m.value(), ids, pr.value(), tmp.sub("full"), nullptr, &imp).is_ok());
 
   auto s = decode::open_decode_session(m.value(), tmp.sub("full"), decode::DecodeAttnParams{});
   ASSERT_TRUE(s.is_ok()) << s.status().to_string();
@@ -68,17 +70,21 @@ TEST(DecodeModel, FullRetentionFullDecodeReproducesDenseContinuation) {
               prefix_match(gp.value(), dense.value()), n_new);
   EXPECT_LT(visited, 1.0);
 
-  auto pol = kvstore::retention_for_fraction(kvstore::RetentionKind::kSnapKV, 0.25, m->config().n_layers,
-                                             int64_t(ids.size()));
+  auto pol = kvstore::retention_for_fraction(kvstore::RetentionKind::kSnapKV, 0.25,
+                                             m->config().n_layers, int64_t(ids.size()));
   ASSERT_TRUE(pol.is_ok());
-  auto ret = kvstore::retention_apply(pol.value(), m->config().n_layers, m->config().n_kv_heads, int64_t(ids.size()), &imp);
+  auto ret = kvstore::retention_apply(pol.value(), m->config().n_layers, m->config().n_kv_heads,
+                                      int64_t(ids.size()), &imp);
   ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
-  ASSERT_TRUE(testing::export_prefill(m.value(), ids, pr.value(), tmp.sub("snap"), &ret.value(), &imp).is_ok());
+  ASSERT_TRUE(
+      testing::export_prefill(m.value(), ids, pr.value(), tmp.sub("snap"), &ret.value(), &imp)
+          .is_ok());
   auto ss = decode::open_decode_session(m.value(), tmp.sub("snap"), decode::DecodeAttnParams{});
   ASSERT_TRUE(ss.is_ok()) << ss.status().to_string();
   auto gs = ss->generate_greedy(pr->first_token, n_new);
   ASSERT_TRUE(gs.is_ok());
-  std::printf("snapkv 25%%: greedy prefix match %d/%d\n", prefix_match(gs.value(), dense.value()), n_new);
+  std::printf("snapkv 25%%: greedy prefix match %d/%d\n", prefix_match(gs.value(), dense.value()),
+              n_new);
 }
 
 }  // namespace

@@ -61,14 +61,17 @@ class KvClient : public ::testing::Test {
     const float* r = pr_.kv.k[size_t(l)].data() + (int64_t(t) * hkv + h) * d;
     return c < d / 2 ? r[2 * c] : r[2 * (c - d / 2) + 1];
   }
-  void expect_head_matches_cache(const decode::KvExport& e, int l, int h, const std::vector<int32_t>& pos) {
+  void expect_head_matches_cache(const decode::KvExport& e, int l, int h,
+                                 const std::vector<int32_t>& pos) {
     const decode::HeadKv& H = e.head(l, h);
     ASSERT_EQ(H.positions, pos);
     const int d = 16;
     for (size_t i = 0; i < pos.size(); ++i)
       for (int c = 0; c < d; ++c) {
-        ASSERT_EQ(H.k[i * d + size_t(c)], cache_key(l, pos[i], h, c)) << "key l" << l << " h" << h << " i" << i;
-        ASSERT_EQ(H.v[i * d + size_t(c)], pr_.kv.v[size_t(l)][(size_t(pos[i]) * 2 + size_t(h)) * d + size_t(c)]);
+        ASSERT_EQ(H.k[i * d + size_t(c)], cache_key(l, pos[i], h, c))
+            << "key l" << l << " h" << h << " i" << i;
+        ASSERT_EQ(H.v[i * d + size_t(c)],
+                  pr_.kv.v[size_t(l)][(size_t(pos[i]) * 2 + size_t(h)) * d + size_t(c)]);
       }
     // Block metadata recomputed from the loaded keys and the prefill's importance.
     const size_t nb = (pos.size() + 63) / 64;
@@ -125,8 +128,8 @@ TEST_F(KvClient, FullRetentionRoundTripsAndKeepsTheHfLayout) {
 }
 
 TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
-  auto snap = kvstore::retention_apply(kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2,
-                                       kN, &imp_);
+  auto snap = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2, kN, &imp_);
   ASSERT_TRUE(snap.is_ok()) << snap.status().to_string();
   const std::string d = export_to("snap", &snap.value());
   auto e = decode::load_kv_export(d, hash_);
@@ -136,7 +139,8 @@ TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
   EXPECT_EQ(e->kv_bytes, 2 * 2 * 100 * 16 * 2 * 4);
   for (int l = 0; l < 2; ++l)
     for (int h = 0; h < 2; ++h) expect_head_matches_cache(e.value(), l, h, snap->positions(l, h));
-  EXPECT_NE(SafetensorsFile::open(d + "/layer_000.safetensors")->find("key"), nullptr);  // uniform layout
+  EXPECT_NE(SafetensorsFile::open(d + "/layer_000.safetensors")->find("key"),
+            nullptr);  // uniform layout
 
   kvstore::RetentionPolicy moa;
   moa.kind = kvstore::RetentionKind::kMoA;
@@ -158,7 +162,8 @@ TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
 TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
   const std::string good = export_to("good", nullptr);
   ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
-  auto expect_err = [&](const std::string& dir, const std::string& expected_hash, Code code, const std::string& needle) {
+  auto expect_err = [&](const std::string& dir, const std::string& expected_hash, Code code,
+                        const std::string& needle) {
     auto r = decode::load_kv_export(dir, expected_hash);
     ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
     EXPECT_EQ(r.status().code(), code) << r.status().to_string();
@@ -173,7 +178,8 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     expect_err(d, hash_, Code::kUnsupported, "format_version 1 is not supported");
   }
   // Compatibility hash of another model (the consumer's) and a manifest whose hash was edited.
-  expect_err(good, "0123456789abcdef", Code::kInvalidArgument, "does not match this model's 0123456789abcdef");
+  expect_err(good, "0123456789abcdef", Code::kInvalidArgument,
+             "does not match this model's 0123456789abcdef");
   {
     const std::string d = copy_of(good, "hash");
     auto v = read_manifest(d);
@@ -212,8 +218,13 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
   {
     const std::string d = copy_of(good, "ranges");
     auto v = read_manifest(d);
-    auto& head = v.as_object()["retention"].as_object()["layers"].as_array()[1].as_object()["heads"].as_array()[0];
-    head.as_object()["ranges"] = boost::json::array{boost::json::array{0, kN - 1}, boost::json::array{kN - 1, kN}};
+    auto& head = v.as_object()["retention"]
+                     .as_object()["layers"]
+                     .as_array()[1]
+                     .as_object()["heads"]
+                     .as_array()[0];
+    head.as_object()["ranges"] =
+        boost::json::array{boost::json::array{0, kN - 1}, boost::json::array{kN - 1, kN}};
     head.as_object()["ranges"].as_array()[0].as_array()[1] = kN - 2;  // drops position kN-2
     write_manifest(d, v);
     expect_err(d, hash_, Code::kCorrupt, "differ from the manifest's retention ranges");

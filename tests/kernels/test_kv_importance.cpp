@@ -28,8 +28,9 @@ std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd) {
 }
 
 // Materializes the full softmax of the window rows in double, sums columns per KV group, pools.
-std::vector<double> brute_force(const std::vector<float>& q, const std::vector<float>& k, int64_t nq, int64_t nk,
-                                int64_t hq, int64_t hkv, int64_t d, int64_t q_offset, int window, int pool) {
+std::vector<double> brute_force(const std::vector<float>& q, const std::vector<float>& k,
+                                int64_t nq, int64_t nk, int64_t hq, int64_t hkv, int64_t d,
+                                int64_t q_offset, int window, int pool) {
   const int64_t W = std::min<int64_t>(window, nq), group = hq / hkv;
   const double scale = 1.0 / std::sqrt(double(d));
   std::vector<double> col(size_t(hkv * nk), 0.0);
@@ -41,13 +42,15 @@ std::vector<double> brute_force(const std::vector<float>& q, const std::vector<f
       for (int64_t j = 0; j < kend; ++j) {
         double acc = 0;
         for (int64_t c = 0; c < d; ++c)
-          acc += double(q[size_t((r * hq + h) * d + c)]) * double(k[size_t((j * hkv + h / group) * d + c)]);
+          acc += double(q[size_t((r * hq + h) * d + c)]) *
+                 double(k[size_t((j * hkv + h / group) * d + c)]);
         s[size_t(j)] = acc * scale;
         mx = std::max(mx, s[size_t(j)]);
       }
       double z = 0;
       for (double x : s) z += std::exp(x - mx);
-      for (int64_t j = 0; j < kend; ++j) col[size_t((h / group) * nk + j)] += std::exp(s[size_t(j)] - mx) / z;
+      for (int64_t j = 0; j < kend; ++j)
+        col[size_t((h / group) * nk + j)] += std::exp(s[size_t(j)] - mx) / z;
     }
   std::vector<double> out(col.size());
   for (int64_t g = 0; g < hkv; ++g)
@@ -68,11 +71,14 @@ struct Case {
 TEST(KvImportance, MatchesBruteForceSoftmax) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
-  const Case cases[] = {{300, 0, 6, 2, 32, 48, 1}, {300, 0, 6, 2, 32, 48, 7}, {90, 333, 4, 4, 16, 64, 7},
-                        {20, 5, 8, 2, 64, 64, 7}, {513, 17, 3, 1, 8, 32, 5}};
+  const Case cases[] = {{300, 0, 6, 2, 32, 48, 1},
+                        {300, 0, 6, 2, 32, 48, 7},
+                        {90, 333, 4, 4, 16, 64, 7},
+                        {20, 5, 8, 2, 64, 64, 7},
+                        {513, 17, 3, 1, 8, 32, 5}};
   for (const Case& cs : cases) {
-    SCOPED_TRACE("nq=" + std::to_string(cs.nq) + " prefix=" + std::to_string(cs.prefix) + " pool=" +
-                 std::to_string(cs.pool));
+    SCOPED_TRACE("nq=" + std::to_string(cs.nq) + " prefix=" + std::to_string(cs.prefix) +
+                 " pool=" + std::to_string(cs.pool));
     const int64_t nk = cs.prefix + cs.nq;
     // sd 2 makes the softmax peaked, so columns differ by orders of magnitude.
     auto q = randn(size_t(cs.nq * cs.hq * cs.d), rng, 2.f);
@@ -83,19 +89,22 @@ TEST(KvImportance, MatchesBruteForceSoftmax) {
     auto kv = TensorView::make(k.data(), DType::kF32, {nk, cs.hkv, cs.d});
     kernels::AttentionParams ap;
     ap.q_offset = cs.prefix;
-    ASSERT_TRUE(kernels::attention_dense(qv, kv, TensorView::make(v.data(), DType::kF32, {nk, cs.hkv, cs.d}),
-                                         TensorView::make(o.data(), DType::kF32, {cs.nq, cs.hq, cs.d}),
-                                         TensorView::make(lse.data(), DType::kF32, {cs.hq, cs.nq}), ap)
+    ASSERT_TRUE(kernels::attention_dense(
+                    qv, kv, TensorView::make(v.data(), DType::kF32, {nk, cs.hkv, cs.d}),
+                    TensorView::make(o.data(), DType::kF32, {cs.nq, cs.hq, cs.d}),
+                    TensorView::make(lse.data(), DType::kF32, {cs.hq, cs.nq}), ap)
                     .is_ok());
     std::vector<float> out(size_t(cs.hkv * nk), std::numeric_limits<float>::quiet_NaN());  // poison
     kernels::ImportanceParams ip;
     ip.window = cs.window;
     ip.pool = cs.pool;
     ip.q_offset = cs.prefix;
-    Status st = kernels::kv_importance(qv, kv, TensorView::make(lse.data(), DType::kF32, {cs.hq, cs.nq}), ip,
-                                       TensorView::make(out.data(), DType::kF32, {cs.hkv, nk}));
+    Status st =
+        kernels::kv_importance(qv, kv, TensorView::make(lse.data(), DType::kF32, {cs.hq, cs.nq}),
+                               ip, TensorView::make(out.data(), DType::kF32, {cs.hkv, nk}));
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    const auto ref = brute_force(q, k, cs.nq, nk, cs.hq, cs.hkv, cs.d, cs.prefix, cs.window, cs.pool);
+    const auto ref =
+        brute_force(q, k, cs.nq, nk, cs.hq, cs.hkv, cs.d, cs.prefix, cs.window, cs.pool);
     double max_rel = 0, total = 0;
     for (size_t i = 0; i < ref.size(); ++i) {
       ASSERT_TRUE(std::isfinite(out[i])) << "element " << i << " unwritten or not finite";
@@ -104,7 +113,8 @@ TEST(KvImportance, MatchesBruteForceSoftmax) {
     }
     EXPECT_LT(max_rel, 2e-4);
     // Every window row's softmax sums to 1, so unpooled columns add up to rows x heads.
-    if (cs.pool == 1) EXPECT_NEAR(total, double(std::min<int64_t>(cs.window, cs.nq) * cs.hq), 1e-3 * total);
+    if (cs.pool == 1)
+      EXPECT_NEAR(total, double(std::min<int64_t>(cs.window, cs.nq) * cs.hq), 1e-3 * total);
   }
 }
 
@@ -124,7 +134,8 @@ TEST(KvImportance, RejectsBadParams) {
   EXPECT_NE(kernels::kv_importance(qv, kv, lv, ip, ov).message().find("window"), std::string::npos);
   ip.window = 4;
   auto bad_lse = TensorView::make(lse.data(), DType::kF32, {4, 2});
-  EXPECT_NE(kernels::kv_importance(qv, kv, bad_lse, ip, ov).message().find("lse"), std::string::npos);
+  EXPECT_NE(kernels::kv_importance(qv, kv, bad_lse, ip, ov).message().find("lse"),
+            std::string::npos);
   EXPECT_TRUE(kernels::kv_importance(qv, kv, lv, ip, ov).is_ok());
 }
 

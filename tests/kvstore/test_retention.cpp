@@ -52,8 +52,10 @@ bool keeps_last(const std::vector<int32_t>& k, int64_t N, int64_t window) {
 void expect_topk(const std::vector<int32_t>& k, const float* score, int64_t N, int64_t window) {
   float min_kept = 1e30f, max_dropped = -1e30f;
   for (int64_t t = 0; t < N - window; ++t) {
-    if (std::binary_search(k.begin(), k.end(), int32_t(t))) min_kept = std::min(min_kept, score[t]);
-    else max_dropped = std::max(max_dropped, score[t]);
+    if (std::binary_search(k.begin(), k.end(), int32_t(t)))
+      min_kept = std::min(min_kept, score[t]);
+    else
+      max_dropped = std::max(max_dropped, score[t]);
   }
   EXPECT_LE(max_dropped, min_kept);
 }
@@ -117,15 +119,18 @@ TEST(Retention, SnapKVRejectsBadBudgetsAndScores) {
     auto r = retention_apply(p, 2, 2, 100, &sc);
     ASSERT_FALSE(r.is_ok()) << "budget " << b;
     EXPECT_EQ(r.status().code(), Code::kOutOfRange);
-    EXPECT_NE(r.status().message().find("budget " + std::to_string(b)), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("budget " + std::to_string(b)), std::string::npos)
+        << r.status().message();
   }
   p.budget = 50;
-  EXPECT_NE(retention_apply(p, 2, 2, 100, nullptr).status().message().find("needs importance scores"),
-            std::string::npos);
+  EXPECT_NE(
+      retention_apply(p, 2, 2, 100, nullptr).status().message().find("needs importance scores"),
+      std::string::npos);
   EXPECT_NE(retention_apply(p, 3, 2, 100, &sc).status().message().find("importance scores are for"),
             std::string::npos);
   p.pool = 5;
-  EXPECT_NE(retention_apply(p, 2, 2, 100, &sc).status().message().find("pooled with kernel 7"), std::string::npos);
+  EXPECT_NE(retention_apply(p, 2, 2, 100, &sc).status().message().find("pooled with kernel 7"),
+            std::string::npos);
   p.pool = 7;
   EXPECT_TRUE(retention_apply(p, 2, 2, 100, &sc).is_ok());
 }
@@ -189,7 +194,8 @@ TEST(Retention, MoAKeepsPerHeadElasticSpans) {
   EXPECT_EQ(e.status().code(), Code::kOutOfRange);
   EXPECT_NE(e.status().message().find("layer 1 head 1"), std::string::npos) << e.status().message();
   p.moa[1].pop_back();
-  EXPECT_NE(retention_apply(p, 2, 2, N, nullptr).status().message().find("head spans"), std::string::npos);
+  EXPECT_NE(retention_apply(p, 2, 2, N, nullptr).status().message().find("head spans"),
+            std::string::npos);
 }
 
 TEST(Retention, LayerwiseFullBottomLayersThenWindowPlusTopK) {
@@ -218,11 +224,16 @@ TEST(Retention, LayerwiseFullBottomLayersThenWindowPlusTopK) {
 }
 
 TEST(Retention, ParseRejectsUnknownPoliciesAndKeys) {
-  EXPECT_NE(retention_parse("h2o").status().message().find("unknown retention policy 'h2o'"), std::string::npos);
-  EXPECT_NE(retention_parse("snapkv:budget=10,size=3").status().message().find("'size=3'"), std::string::npos);
-  EXPECT_NE(retention_parse("snapkv:window=3").status().message().find("needs budget"), std::string::npos);
-  EXPECT_NE(retention_parse("snapkv:budget=1.5").status().message().find("integer"), std::string::npos);
-  EXPECT_NE(retention_parse("streaming:sink=x").status().message().find("not a number"), std::string::npos);
+  EXPECT_NE(retention_parse("h2o").status().message().find("unknown retention policy 'h2o'"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("snapkv:budget=10,size=3").status().message().find("'size=3'"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("snapkv:window=3").status().message().find("needs budget"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("snapkv:budget=1.5").status().message().find("integer"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("streaming:sink=x").status().message().find("not a number"),
+            std::string::npos);
   auto p = retention_parse("pyramid:budget=512,window=8,beta=10");
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(retention_params(p.value()), "budget=512,window=8,beta=10");
@@ -238,12 +249,15 @@ TEST(Retention, FractionHitsTheRequestedShareOfKvBytes) {
       auto p = retention_for_fraction(kind, f, L, N);
       ASSERT_TRUE(p.is_ok()) << p.status().to_string();
       auto r = retention_apply(p.value(), L, H, N, &sc);
-      ASSERT_TRUE(r.is_ok()) << retention_kind_name(kind) << " " << f << ": " << r.status().to_string();
+      ASSERT_TRUE(r.is_ok()) << retention_kind_name(kind) << " " << f << ": "
+                             << r.status().to_string();
       const double got = double(r->kept_total()) / double(int64_t(L) * H * N);
       EXPECT_NEAR(got, f, 0.01) << retention_kind_name(kind) << " at " << f;
     }
-  EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 0, L, N).status().code(), Code::kOutOfRange);
-  EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 1.5, L, N).status().code(), Code::kOutOfRange);
+  EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 0, L, N).status().code(),
+            Code::kOutOfRange);
+  EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 1.5, L, N).status().code(),
+            Code::kOutOfRange);
 }
 
 }  // namespace

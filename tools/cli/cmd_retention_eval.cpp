@@ -45,7 +45,9 @@ Result<double> parse_fraction(const std::string& s) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end) * mul;
   if (v.empty() || *end != '\0' || !(x > 0 && x <= 1))
-    return SF_ERR(kOutOfRange, "--budget '" + s + "' out of range: a fraction of the full KV bytes in (0, 1] (or 1%-100%)");
+    return SF_ERR(kOutOfRange,
+                  "--budget '" + s +
+                      "' out of range: a fraction of the full KV bytes in (0, 1] (or 1%-100%)");
   return x;
 }
 
@@ -56,8 +58,11 @@ Result<kvstore::RetentionKind> parse_kind(const std::string& s) {
   if (s == "snapkv") return K::kSnapKV;
   if (s == "pyramid") return K::kPyramid;
   if (s == "layerwise") return K::kLayerwise;
-  if (s == "moa") return SF_ERR(kUnsupported, "--retention moa: per-head spans need a config; not supported by eval yet");
-  return SF_ERR(kInvalidArgument, "--retention '" + s + "' is not full, streaming, snapkv, pyramid or layerwise");
+  if (s == "moa")
+    return SF_ERR(kUnsupported,
+                  "--retention moa: per-head spans need a config; not supported by eval yet");
+  return SF_ERR(kInvalidArgument,
+                "--retention '" + s + "' is not full, streaming, snapkv, pyramid or layerwise");
 }
 
 std::vector<double> log_softmax(const std::vector<float>& z) {
@@ -70,7 +75,9 @@ std::vector<double> log_softmax(const std::vector<float>& z) {
   return out;
 }
 
-int32_t argmax(const std::vector<float>& z) { return int32_t(std::max_element(z.begin(), z.end()) - z.begin()); }
+int32_t argmax(const std::vector<float>& z) {
+  return int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+}
 
 struct Config {
   kvstore::RetentionKind kind;
@@ -87,14 +94,16 @@ struct Measure {
 
 // The retained, paged cache of one prefill under one configuration.
 Result<decode::DecodeSession> session_for(const model::Model& m, const model::PrefillResult& pr,
-                                          const kvstore::ImportanceScores& imp, const Config& c, Measure* me) {
+                                          const kvstore::ImportanceScores& imp, const Config& c,
+                                          Measure* me) {
   const model::ModelConfig& mc = m.config();
   const int64_t N = pr.kv.n_tokens;
   kvstore::RetentionPolicy pol;
   if (c.kind != kvstore::RetentionKind::kFull) {
     SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, c.budget, mc.n_layers, N));
   }
-  SF_ASSIGN(kvstore::Retention ret, kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
+  SF_ASSIGN(kvstore::Retention ret,
+            kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
   SF_ASSIGN(decode::DecodeAttnParams ap, decode::decode_attn_parse(c.decode_spec));
   SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret));
   if (me) {
@@ -108,13 +117,15 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
 }  // namespace
 
 int cmd_retention_eval(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2,
-                           {"model", "retention", "budget", "decode", "length", "document", "tokens", "passkey-trials",
-                            "passkey-depths", "passkey-level", "out-dir", "name", "psa"},
-                           {"no-passkey"});
+  auto args_r =
+      parse_args(argc, argv, 2,
+                 {"model", "retention", "budget", "decode", "length", "document", "tokens",
+                  "passkey-trials", "passkey-depths", "passkey-level", "out-dir", "name", "psa"},
+                 {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
-  if (!a.has("retention")) return fail(SF_ERR(kInvalidArgument, "--retention POLICY[,POLICY...] is required"));
+  if (!a.has("retention"))
+    return fail(SF_ERR(kInvalidArgument, "--retention POLICY[,POLICY...] is required"));
   std::vector<kvstore::RetentionKind> kinds;
   for (const auto& s : split(a.get("retention"))) {
     auto k = parse_kind(s);
@@ -145,17 +156,18 @@ int cmd_retention_eval(int argc, char** argv) {
     char* end = nullptr;
     const long x = std::strtol(v.c_str(), &end, 10);
     if (v.empty() || *end != '\0' || x < lo || x > hi)
-      return SF_ERR(kOutOfRange, std::string("--") + k + " '" + v + "' must be an integer in [" + std::to_string(lo) +
-                                     ", " + std::to_string(hi) + "]");
+      return SF_ERR(kOutOfRange, std::string("--") + k + " '" + v + "' must be an integer in [" +
+                                     std::to_string(lo) + ", " + std::to_string(hi) + "]");
     *out = x;
     return Status::ok();
   };
   long length = 0, T = 0, trials = 0, depths = 0, level = 0;
-  for (auto [k, def, lo, hi, out] : {std::tuple{"length", 8192L, 256L, 1L << 20, &length},
-                                     std::tuple{"tokens", 64L, 1L, 4096L, &T},
-                                     std::tuple{"passkey-trials", 1L, 1L, 100L, &trials},
-                                     std::tuple{"passkey-depths", 5L, 1L, 100L, &depths},
-                                     std::tuple{"passkey-level", 3L, 0L, long(eval::kPasskeyLevels - 1), &level}}) {
+  for (auto [k, def, lo, hi, out] :
+       {std::tuple{"length", 8192L, 256L, 1L << 20, &length},
+        std::tuple{"tokens", 64L, 1L, 4096L, &T},
+        std::tuple{"passkey-trials", 1L, 1L, 100L, &trials},
+        std::tuple{"passkey-depths", 5L, 1L, 100L, &depths},
+        std::tuple{"passkey-level", 3L, 0L, long(eval::kPasskeyLevels - 1), &level}}) {
     Status st = int_opt(k, def, lo, hi, out);
     if (!st.is_ok()) return fail(st);
   }
@@ -168,22 +180,26 @@ int cmd_retention_eval(int argc, char** argv) {
   if (!tok.is_ok()) return fail(tok.status());
   // Two unrelated documents, so an 8K prompt does not repeat itself (a repeated text turns the
   // continuation into verbatim copying of the earlier copy, which any eviction breaks).
-  const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt," +
-                                                     std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt");
+  const std::string doc_path =
+      a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt," +
+                            std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt");
   auto text = read_text_files(doc_path, "document");
   if (!text.is_ok()) return fail(text.status());
   const auto doc_all = tok->encode(text.value(), true, false);
-  if (doc_all.empty()) return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
+  if (doc_all.empty())
+    return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
   const auto doc = eval::fit_tokens(doc_all, length);
 
   std::vector<Config> configs;
   for (auto k : kinds)
     for (const auto& d : decodes) {
-      if (k == kvstore::RetentionKind::kFull) configs.push_back({k, 1.0, d});
+      if (k == kvstore::RetentionKind::kFull)
+        configs.push_back({k, 1.0, d});
       else
         for (double b : budgets) configs.push_back({k, b, d});
     }
-  if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() && !psa_specs.empty())
+  if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() &&
+      !psa_specs.empty())
     kinds.push_back(kvstore::RetentionKind::kFull);
   for (const auto& d : psa_specs) configs.push_back({kvstore::RetentionKind::kFull, 1.0, d});
   std::vector<Measure> res(configs.size());
@@ -195,8 +211,10 @@ int cmd_retention_eval(int argc, char** argv) {
   po.importance_pool = 7;
   auto pr = model::prefill(m, doc, po);
   if (!pr.is_ok()) return fail(pr.status());
-  std::printf("prefill %ld tokens: %.1f s (importance pass %.2f s)\n", length, pr->seconds, pr->importance_s);
-  kvstore::ImportanceScores imp{m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, 32, 7, pr->importance};
+  std::printf("prefill %ld tokens: %.1f s (importance pass %.2f s)\n", length, pr->seconds,
+              pr->importance_s);
+  kvstore::ImportanceScores imp{m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, 32, 7,
+                                pr->importance};
   std::vector<int32_t> ref{pr->first_token};
   std::vector<std::vector<double>> ref_lp;
   {
@@ -224,10 +242,13 @@ int cmd_retention_eval(int argc, char** argv) {
       forced += argmax(z) == ref[size_t(i) + 1];
       const auto lp = log_softmax(z);
       double k = 0;
-      for (size_t j = 0; j < lp.size(); ++j) k += std::exp(ref_lp[size_t(i)][j]) * (ref_lp[size_t(i)][j] - lp[j]);
+      for (size_t j = 0; j < lp.size(); ++j)
+        k += std::exp(ref_lp[size_t(i)][j]) * (ref_lp[size_t(i)][j] - lp[j]);
       kl += k;
     }
-    me.visited_frac = s->stats().blocks_total ? double(s->stats().blocks_visited) / double(s->stats().blocks_total) : 1;
+    me.visited_frac = s->stats().blocks_total
+                          ? double(s->stats().blocks_visited) / double(s->stats().blocks_total)
+                          : 1;
     auto s2 = session_for(m, pr.value(), imp, c, nullptr);
     if (!s2.is_ok()) return fail(s2.status());
     auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
@@ -237,10 +258,11 @@ int cmd_retention_eval(int argc, char** argv) {
     me.greedy_match = double(same) / double(T);
     me.greedy_match_forced = double(forced) / double(T);
     me.kl_mean = kl / double(T);
-    std::printf("%-10s %-5.2f %-15s kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  blocks %.3f\n",
-                kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(),
-                double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy_match, me.greedy_match_forced, me.kl_mean,
-                me.visited_frac);
+    std::printf(
+        "%-10s %-5.2f %-15s kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  blocks %.3f\n",
+        kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(),
+        double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy_match, me.greedy_match_forced,
+        me.kl_mean, me.visited_frac);
     std::fflush(stdout);
   }
 
@@ -248,13 +270,14 @@ int cmd_retention_eval(int argc, char** argv) {
   int dense_hits = 0, n_prompts = 0;
   if (!a.has("no-passkey")) {
     for (long tr = 0; tr < trials; ++tr) {
-      auto prompts = eval::passkey_prompts(tok.value(), length, int(level), int(depths), int(tr), 20261122);
+      auto prompts =
+          eval::passkey_prompts(tok.value(), length, int(level), int(depths), int(tr), 20261122);
       if (!prompts.is_ok()) return fail(prompts.status());
       for (const auto& p : prompts.value()) {
         auto ppr = model::prefill(m, p.ids, po);
         if (!ppr.is_ok()) return fail(ppr.status());
-        kvstore::ImportanceScores pimp{m.config().n_layers, m.config().n_kv_heads, ppr->kv.n_tokens, 32, 7,
-                                       ppr->importance};
+        kvstore::ImportanceScores pimp{
+            m.config().n_layers, m.config().n_kv_heads, ppr->kv.n_tokens, 32, 7, ppr->importance};
         auto answer = [&](const Config& c) -> Result<bool> {
           SF_ASSIGN(auto s, session_for(m, ppr.value(), pimp, c, nullptr));
           SF_ASSIGN(auto g, s.generate_greedy(ppr->first_token, 10));
@@ -270,7 +293,8 @@ int cmd_retention_eval(int argc, char** argv) {
           res[ci].passkey_hits += h.value();
           res[ci].passkey_n += 1;
         }
-        std::printf("passkey depth %.2f key %s: dense %s\n", p.depth, p.key.c_str(), d.value() ? "found" : "missed");
+        std::printf("passkey depth %.2f key %s: dense %s\n", p.depth, p.key.c_str(),
+                    d.value() ? "found" : "missed");
         std::fflush(stdout);
       }
     }
@@ -294,16 +318,26 @@ int cmd_retention_eval(int argc, char** argv) {
     o["prefill_seconds"] = pr->seconds;
     o["importance_seconds"] = pr->importance_s;
     o["continuation_tokens"] = T;
-    o["passkey"] = json::object{{"trials", trials}, {"depths", depths}, {"level", level},
-                                {"format", eval::passkey_format_description(int(level))},
-                                {"prompts", n_prompts}, {"new_tokens", 10}};
+    o["passkey"] = json::object{
+        {"trials", trials},     {"depths", depths},
+        {"level", level},       {"format", eval::passkey_format_description(int(level))},
+        {"prompts", n_prompts}, {"new_tokens", 10}};
     o["definitions"] = json::object{
         {"budget", "requested fraction of the full cache's KV bytes"},
-        {"greedy_match_64", "fraction of the next N greedy tokens (free-running) equal position by position to the full-KV continuation"},
-        {"greedy_match_forced_64", "fraction of N steps, fed the full-KV continuation, whose argmax equals the full-KV next token"},
-        {"kl_mean_64", "mean KL(full || policy) of next-token distributions over those teacher-forced steps, nats"},
-        {"blocks_visited_frac", "decode attention blocks visited / available, over heads, layers and steps (1 for full)"},
-        {"importance", "SnapKV column sums of the last 32 queries' softmax from the prefill LSE, max-pooled with kernel 7"}};
+        {"greedy_match_64",
+         "fraction of the next N greedy tokens (free-running) equal position by position to the "
+         "full-KV continuation"},
+        {"greedy_match_forced_64",
+         "fraction of N steps, fed the full-KV continuation, whose argmax equals the full-KV next "
+         "token"},
+        {"kl_mean_64",
+         "mean KL(full || policy) of next-token distributions over those teacher-forced steps, "
+         "nats"},
+        {"blocks_visited_frac",
+         "decode attention blocks visited / available, over heads, layers and steps (1 for full)"},
+        {"importance",
+         "SnapKV column sums of the last 32 queries' softmax from the prefill LSE, max-pooled with "
+         "kernel 7"}};
     json::array recs;
     for (size_t ci = 0; ci < configs.size(); ++ci) {
       if (configs[ci].kind != k) continue;
