@@ -117,11 +117,11 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
 }  // namespace
 
 int cmd_retention_eval(int argc, char** argv) {
-  auto args_r =
-      parse_args(argc, argv, 2,
-                 {"model", "retention", "budget", "decode", "length", "document", "tokens",
-                  "passkey-trials", "passkey-depths", "passkey-level", "out-dir", "name", "psa"},
-                 {"no-passkey"});
+  auto args_r = parse_args(
+      argc, argv, 2,
+      {"model", "retention", "budget", "decode", "length", "document", "tokens", "passkey-trials",
+       "passkey-depths", "passkey-level", "out-dir", "name", "psa", "obs-window"},
+      {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("retention"))
@@ -161,13 +161,14 @@ int cmd_retention_eval(int argc, char** argv) {
     *out = x;
     return Status::ok();
   };
-  long length = 0, T = 0, trials = 0, depths = 0, level = 0;
+  long obs = 0, length = 0, T = 0, trials = 0, depths = 0, level = 0;
   for (auto [k, def, lo, hi, out] :
        {std::tuple{"length", 8192L, 256L, 1L << 20, &length},
         std::tuple{"tokens", 64L, 1L, 4096L, &T},
         std::tuple{"passkey-trials", 1L, 1L, 100L, &trials},
         std::tuple{"passkey-depths", 5L, 1L, 100L, &depths},
-        std::tuple{"passkey-level", 3L, 0L, long(eval::kPasskeyLevels - 1), &level}}) {
+        std::tuple{"passkey-level", 3L, 0L, long(eval::kPasskeyLevels - 1), &level},
+        std::tuple{"obs-window", 32L, 1L, 4096L, &obs}}) {
     Status st = int_opt(k, def, lo, hi, out);
     if (!st.is_ok()) return fail(st);
   }
@@ -178,11 +179,12 @@ int cmd_retention_eval(int argc, char** argv) {
   const model::Model& m = mr.value();
   auto tok = eval::load_tokenizer(model_path);
   if (!tok.is_ok()) return fail(tok.status());
-  // Two unrelated documents, so an 8K prompt does not repeat itself (a repeated text turns the
-  // continuation into verbatim copying of the earlier copy, which any eviction breaks).
+  // The held-out evaluation text (data/README.md): two essays, 10K tokens, so an 8K prompt does
+  // not repeat itself (a repeated text turns the continuation into verbatim copying of the
+  // earlier copy, which any eviction breaks).
   const std::string doc_path =
       a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt," +
-                            std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt");
+                            std::string(SF_SOURCE_DIR) + "/data/long_document_2.txt");
   auto text = read_text_files(doc_path, "document");
   if (!text.is_ok()) return fail(text.status());
   const auto doc_all = tok->encode(text.value(), true, false);
@@ -207,14 +209,14 @@ int cmd_retention_eval(int argc, char** argv) {
   // 1) The document: importance during prefill, the full-KV greedy continuation, then each
   //    configuration free-running and teacher-forced on that continuation.
   model::PrefillOptions po;
-  po.importance_window = 32;
+  po.importance_window = int(obs);  // SnapKV observation window
   po.importance_pool = 7;
   auto pr = model::prefill(m, doc, po);
   if (!pr.is_ok()) return fail(pr.status());
   std::printf("prefill %ld tokens: %.1f s (importance pass %.2f s)\n", length, pr->seconds,
               pr->importance_s);
-  kvstore::ImportanceScores imp{m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, 32, 7,
-                                pr->importance};
+  kvstore::ImportanceScores imp{
+      m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, int(obs), 7, pr->importance};
   std::vector<int32_t> ref{pr->first_token};
   std::vector<std::vector<double>> ref_lp;
   {
@@ -277,7 +279,8 @@ int cmd_retention_eval(int argc, char** argv) {
         auto ppr = model::prefill(m, p.ids, po);
         if (!ppr.is_ok()) return fail(ppr.status());
         kvstore::ImportanceScores pimp{
-            m.config().n_layers, m.config().n_kv_heads, ppr->kv.n_tokens, 32, 7, ppr->importance};
+            m.config().n_layers, m.config().n_kv_heads, ppr->kv.n_tokens, int(obs), 7,
+            ppr->importance};
         auto answer = [&](const Config& c) -> Result<bool> {
           SF_ASSIGN(auto s, session_for(m, ppr.value(), pimp, c, nullptr));
           SF_ASSIGN(auto g, s.generate_greedy(ppr->first_token, 10));
@@ -314,6 +317,7 @@ int cmd_retention_eval(int argc, char** argv) {
     o["model"] = model_path;
     o["document"] = doc_path;
     o["prompt_tokens"] = length;
+    o["obs_window"] = obs;
     o["document_tokens"] = int64_t(doc_all.size());
     o["prefill_seconds"] = pr->seconds;
     o["importance_seconds"] = pr->importance_s;
