@@ -5,6 +5,9 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_sparse.h"
+#ifdef SF_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
 
 namespace sf::kernels {
 namespace {
@@ -97,8 +100,6 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &out, &lse})
     SF_TRY(need(!t->data || t->device == s.device, "attention_sparse",
                 "tensor on a different device than the stream"));
-  if (s.device == Device::kCuda)
-    return SF_ERR(kUnsupported, "attention_sparse: no CUDA sparse kernel yet");
   SF_TRY(need(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && out.ndim == 3, "attention_sparse",
               "q, k, v, out are 3-D"));
   SF_TRY(need(f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse), "attention_sparse",
@@ -123,6 +124,13 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
   // Structural check (bounds, order, no overlap): the kernel reads K/V rows at these offsets.
   // Linear in the index size, negligible next to the attention itself.
   SF_TRY(sparse_index_validate(idx, 0));
+  if (s.device == Device::kCuda) {
+#ifdef SF_HAVE_CUDA
+    return cuda::attention_sparse(q, k, v, idx, out, lse, p, s.handle);
+#else
+    return SF_ERR(kUnsupported, "attention_sparse: built without the CUDA backend");
+#endif
+  }
   return cpu::attention_sparse(q, k, v, idx, out, lse, p);
 }
 

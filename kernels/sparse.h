@@ -1,5 +1,5 @@
 // Sparse prefill attention: patterns, per-head configs, online estimators, the sparse kernel.
-// Backend-neutral API; CPU implementation in kernels/cpu, CUDA later.
+// Backend-neutral API; CPU implementation in kernels/cpu; the sparse kernel also in kernels/cuda.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -70,7 +70,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
 // out/lse as attention_dense. Exact online softmax over the keys the index selects. Requires
 // p.causal and p.q_offset == idx.q_offset; the index is validated structurally first (bounds,
 // order, overlaps; linear in its size). A row that sees no selected key gets 0 and lse -inf.
-// CUDA stream: kUnsupported for now.
+// CUDA stream: kernels/cuda/attention_sparse.cuh (the index is copied to the device in stream
+// order; cuda::attention_sparse with a SparseIndexDevice is the capturable run step).
 Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SparseIndex& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, Stream s = {});

@@ -1,10 +1,13 @@
 // Adapters from the backend-neutral API to the typed CUDA launchers: unpack views, apply the
 // restrictions only this backend has, convert cudaError_t to Status. No host synchronization.
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
+#include "kernels/cuda/attention_sparse.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -135,6 +138,57 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
   if (!supported)
     return SF_ERR(kUnsupported,
                   "attention_dense: head_dim " + std::to_string(d) + " (CUDA supports 64, 128)");
+  SF_CUDA_TRY(err);
+  return Status::ok();
+}
+
+
+bool attention_sparse_supported(int head_dim) {
+  return dispatch_head_dim(head_dim, [](auto) {});
+}
+
+namespace {
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+}  // namespace
+
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndexDevice& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, void* stream) {
+  const int d = int(q.shape[2]);
+  if (idx.n_heads != q.shape[1] || idx.n_q != q.shape[0] || idx.n_k != k.shape[0] ||
+      idx.q_offset != p.q_offset || idx.n_qblocks != (idx.n_q + attention_sparse_detail::kQBlock - 1) / attention_sparse_detail::kQBlock)
+    return SF_ERR(kInvalidArgument, "attention_sparse: device index geometry does not match q/k");
+  if (!p.causal)
+    return SF_ERR(kInvalidArgument, "attention_sparse: the sparse index is causal");
+  for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &out})
+    if (!aligned16(t->data))
+      return SF_ERR(kUnsupported, "attention_sparse: CUDA needs 16-byte aligned q, k, v, out");
+  AttentionSparseParams kp{};
+  kp.q = q.ptr<float>();
+  kp.k = k.ptr<float>();
+  kp.v = v.ptr<float>();
+  kp.out = out.ptr<float>();
+  kp.lse = lse.ptr<float>();
+  kp.n_q = q.shape[0];
+  kp.n_k = k.shape[0];
+  kp.n_heads = int(q.shape[1]);
+  kp.n_kv_heads = int(k.shape[1]);
+  kp.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
+  kp.q_offset = p.q_offset;
+  kp.block_count = idx.block_count;
+  kp.block_offset = idx.block_offset;
+  kp.column_count = idx.column_count;
+  kp.column_index = idx.column_index;
+  kp.n_qblocks = idx.n_qblocks;
+  kp.max_blocks = idx.max_blocks;
+  kp.max_cols = idx.max_cols;
+  cudaError_t err = cudaSuccess;
+  const bool supported = dispatch_head_dim(d, [&](auto head_dim) {
+    err = attention_sparse_launch<decltype(head_dim)::value>(kp, as_stream(stream));
+  });
+  if (!supported)
+    return SF_ERR(kUnsupported,
+                  "attention_sparse: head_dim " + std::to_string(d) + " (CUDA supports 64, 128)");
   SF_CUDA_TRY(err);
   return Status::ok();
 }

@@ -11,6 +11,10 @@
 #include "common/tensor.h"
 #include "kernels/api.h"
 
+namespace sf::kernels {
+struct SparseIndex;  // kernels/sparse_index.h (C++20; this header is also read by nvcc as C++17)
+}  // namespace sf::kernels
+
 namespace sf::kernels::cuda {
 
 // ids must be in [0, vocab): checking them on the device would need a sync; a row whose id is
@@ -37,6 +41,35 @@ Status linear_plan(const TensorView& x, const TensorView& w, const TensorView& b
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
                        TensorView out, TensorView lse, const AttentionParams& p, void* stream);
 bool attention_dense_supported(int head_dim);
+
+// ---- sparse attention over the unified index (attention_sparse.cuh) --------------------------
+class DeviceBuffer;
+// The index's four arrays in device memory, laid out as in SparseIndex (slot = h * n_qblocks +
+// qb). Plain pointers: a device estimator can build one in place.
+struct SparseIndexDevice {
+  const int32_t* block_count = nullptr;
+  const int32_t* block_offset = nullptr;
+  const int32_t* column_count = nullptr;
+  const int32_t* column_index = nullptr;
+  int n_heads = 0;
+  int64_t n_q = 0, n_k = 0, q_offset = 0, n_qblocks = 0;
+  int max_blocks = 0, max_cols = 0;
+};
+// Plan step: copies a host index into *storage (reallocated to fit) and points *view at it.
+// Synchronous; the index must already be valid (sparse_index_validate), the kernel trusts it.
+Status sparse_index_upload(const SparseIndex& idx, DeviceBuffer* storage, SparseIndexDevice* view);
+// Run step: no allocation, no host synchronization, safe under CUDA graph capture. q, k, v, out,
+// lse as attention_dense (contiguous F32, 16-byte aligned); geometry must match idx.
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndexDevice& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, void* stream);
+// From a host index (the backend-neutral API, kernels/sparse.h): a stream-ordered device copy of
+// the index (cudaMallocAsync + copies from pageable memory, which return once the host data has
+// been staged), the launch, then cudaFreeAsync. Not capturable; use the two steps above there.
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndex& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, void* stream);
+bool attention_sparse_supported(int head_dim);
 
 // ---- device helpers (tests, tools) -----------------------------------------------------------
 // Number of visible CUDA devices; an error (not 0) when there is no driver.

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 
 #include "common/dtype.h"
 #include "kernels/api.h"
+#include "kernels/sparse.h"
 #include "kernels/cuda/cuda_ops.h"
 
 namespace sf::kernels {
@@ -479,6 +481,186 @@ TEST_F(CudaOps, AttentionRejectsUnsupportedHeadDim) {
   const TensorView qv = d_q.view(DType::kF32, {n, heads, d});
   const Status st = attention_dense(qv, qv, qv, d_out.view(DType::kF32, {n, heads, d}),
                                     d_lse.view(DType::kF32, {heads, n}), AttentionParams{}, kGpu);
+  EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
+}
+
+// ---- attention_sparse over the unified index ----------------------------------------------------
+// Against the CPU sparse kernel (kernels/sparse.h on host tensors) on fresh random inputs and
+// random indices built by sparse_index_build from random candidates (columns, slash diagonals,
+// key blocks, sink, local window), so entries are unaligned, runs of adjacent entries occur,
+// short causal tail entries and gathered column tails occur. Both sides are fp32 online softmax
+// over the same keys in different tile orders: ~1e-6 relative; the bounds are the dense
+// kernel's (1e-5 relative, 1e-4 absolute). A key dropped, added or masked off by one row moves
+// out by > 1e-2. With the full index, the sparse kernel must equal the dense CUDA kernel.
+struct SparseCase {
+  const char* name;
+  int64_t n_q, n_k, heads, kv_heads, head_dim;
+  int64_t q_offset;
+};
+
+SparseIndex random_index(std::mt19937_64& rng, int64_t heads, int64_t n_q, int64_t n_k,
+                         int64_t q_offset) {
+  SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, 8);
+  std::uniform_int_distribution<int> pick(0, 1 << 30);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t sink = std::array<int64_t, 3>{0, 3, 64}[size_t(pick(rng) % 3)];
+    const int64_t local = std::array<int64_t, 3>{0, 40, 64}[size_t(pick(rng) % 3)];
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
+      const SparseSlotGeometry g = sparse_slot_geometry(n_q, n_k, q_offset, qb);
+      IndexCandidates c;
+      const int n_cols = pick(rng) % 48, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
+      for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(pick(rng) % g.kend));
+      for (int i = 0; i < n_diag; ++i) c.diagonals.push_back(int32_t(pick(rng) % g.kend));
+      for (int i = 0; i < n_blk; ++i) c.key_blocks.push_back(int32_t(pick(rng) % (g.kend / 64 + 1)));
+      sparse_index_build(&idx, int(h), qb, c, sink, local);
+    }
+  }
+  return idx;
+}
+
+TEST_F(CudaOps, AttentionSparse) {
+  const Tolerance tol{1e-5, 1e-4};
+  const SparseCase cases[] = {
+      {"gqa4 d128", 300, 300, 8, 2, 128, 0},
+      {"gqa4 d128 chunk (n_q<n_k)", 77, 333, 8, 2, 128, 256},
+      {"mha d64 short", 45, 45, 4, 4, 64, 0},
+      {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
+      {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
+  };
+  for (const SparseCase& c : cases) {
+    for (int full = 0; full < 2; ++full) {
+      const int64_t d = c.head_dim;
+      const auto q = uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f);
+      const auto k = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+      const auto v = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+      const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                   : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset);
+      ASSERT_OK(sparse_index_validate(idx, 0));
+      const std::string name = std::string(c.name) + (full ? ", full index" : ", random index");
+      std::cout << "  " << name << ": density " << idx.density() << "\n";
+      AttentionParams p;
+      p.q_offset = c.q_offset;
+      std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+      const auto hq = TensorView::make(const_cast<float*>(q.data()), DType::kF32, {c.n_q, c.heads, d});
+      const auto hk =
+          TensorView::make(const_cast<float*>(k.data()), DType::kF32, {c.n_k, c.kv_heads, d});
+      const auto hv =
+          TensorView::make(const_cast<float*>(v.data()), DType::kF32, {c.n_k, c.kv_heads, d});
+      ASSERT_OK(attention_sparse(hq, hk, hv, idx,
+                                 TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+                                 TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}),
+                                 p, kCpu));
+      DevBuf d_q, d_k, d_v, d_out, d_lse;
+      ASSERT_OK(d_q.alloc_upload(q));
+      ASSERT_OK(d_k.alloc_upload(k));
+      ASSERT_OK(d_v.alloc_upload(v));
+      ASSERT_OK(d_out.alloc(ref.size() * 4));
+      ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+      const TensorView qv = d_q.view(DType::kF32, {c.n_q, c.heads, d});
+      const TensorView kv = d_k.view(DType::kF32, {c.n_k, c.kv_heads, d});
+      const TensorView vv = d_v.view(DType::kF32, {c.n_k, c.kv_heads, d});
+      const TensorView ov = d_out.view(DType::kF32, {c.n_q, c.heads, d});
+      const TensorView lv = d_lse.view(DType::kF32, {c.heads, c.n_q});
+      ASSERT_OK(d_out.poison());
+      ASSERT_OK(d_lse.poison());
+      ASSERT_OK(attention_sparse(qv, kv, vv, idx, ov, lv, p, kGpu));
+      expect_matches("sparse out vs cpu sparse, " + name, d_out, ref, tol);
+      expect_matches("sparse lse vs cpu sparse, " + name, d_lse, ref_lse, tol);
+      if (HasFailure()) return;
+      if (full) {  // the full index against the dense CUDA kernel on the same device inputs
+        std::vector<float> sp_out, sp_lse;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_out.download(&sp_out));
+        ASSERT_OK(d_lse.download(&sp_lse));
+        ASSERT_OK(d_out.poison());
+        ASSERT_OK(d_lse.poison());
+        ASSERT_OK(attention_dense(qv, kv, vv, ov, lv, p, kGpu));
+        std::vector<float> dn_out, dn_lse;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_out.download(&dn_out));
+        ASSERT_OK(d_lse.download(&dn_lse));
+        const ErrStats eo = compare(sp_out, dn_out), el = compare(sp_lse, dn_lse);
+        std::cout << "  sparse(full) vs cuda dense, " << c.name << ": out nerr=" << eo.nerr
+                  << " max_abs=" << eo.max_abs << ", lse nerr=" << el.nerr
+                  << " max_abs=" << el.max_abs << "\n";
+        EXPECT_EQ(eo.bad_nonfinite + el.bad_nonfinite, 0) << name;
+        EXPECT_LE(eo.nerr, tol.nerr) << name;
+        EXPECT_LE(eo.max_abs, tol.max_abs) << name;
+        EXPECT_LE(el.nerr, tol.nerr) << name;
+        EXPECT_LE(el.max_abs, tol.max_abs) << name;
+      }
+    }
+  }
+}
+
+// The run step with a device-resident index is capturable (no allocation, no sync) and replays
+// reproduce the eager result bit for bit; unsupported head dims and non-causal params are refused.
+TEST_F(CudaOps, AttentionSparseDeviceIndexGraphAndRejects) {
+  const int64_t n = 200, heads = 8, kv_heads = 2, d = 128;
+  const auto q = uniform(size_t(n * heads * d), -3.f, 3.f);
+  const auto k = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
+  const auto v = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
+  const SparseIndex idx = random_index(rng_, heads, n, n, 0);
+  DevBuf d_q, d_k, d_v, d_out, d_lse;
+  ASSERT_OK(d_q.alloc_upload(q));
+  ASSERT_OK(d_k.alloc_upload(k));
+  ASSERT_OK(d_v.alloc_upload(v));
+  ASSERT_OK(d_out.alloc(q.size() * 4));
+  ASSERT_OK(d_lse.alloc(size_t(heads * n) * 4));
+  const TensorView qv = d_q.view(DType::kF32, {n, heads, d});
+  const TensorView kv = d_k.view(DType::kF32, {n, kv_heads, d});
+  const TensorView vv = d_v.view(DType::kF32, {n, kv_heads, d});
+  const TensorView ov = d_out.view(DType::kF32, {n, heads, d});
+  const TensorView lv = d_lse.view(DType::kF32, {heads, n});
+  cuda::DeviceBuffer idx_storage;
+  cuda::SparseIndexDevice didx;
+  ASSERT_OK(cuda::sparse_index_upload(idx, &idx_storage, &didx));
+  const AttentionParams p;
+
+  ASSERT_OK(d_out.poison());
+  ASSERT_OK(d_lse.poison());
+  ASSERT_OK(attention_sparse(qv, kv, vv, idx, ov, lv, p, kGpu));  // host-index path
+  std::vector<float> eager_out, eager_lse;
+  ASSERT_OK(cuda::stream_synchronize(nullptr));
+  ASSERT_OK(d_out.download(&eager_out));
+  ASSERT_OK(d_lse.download(&eager_lse));
+
+  cudaStream_t stream = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { (void)cudaStreamDestroy(s); }
+  } stream_guard{stream};
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status captured = cuda::attention_sparse(qv, kv, vv, didx, ov, lv, p, stream);
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  ASSERT_OK(captured);
+  ASSERT_CUDA(end);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_OK(d_out.poison());
+  ASSERT_OK(d_lse.poison());
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  ASSERT_OK(cuda::stream_synchronize(stream));
+  expect_matches("sparse graph replay out", d_out, eager_out, kExact);
+  expect_matches("sparse graph replay lse", d_lse, eager_lse, kExact);
+  (void)cudaGraphExecDestroy(exec);
+  (void)cudaGraphDestroy(graph);
+
+  AttentionParams nc;
+  nc.causal = false;
+  EXPECT_EQ(attention_sparse(qv, kv, vv, idx, ov, lv, nc, kGpu).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(cuda::attention_sparse_supported(96));
+  const int64_t d96 = 96;
+  const SparseIndex idx96 = sparse_index_dense(2, 4, 4, 0);
+  DevBuf d_x, d_o96, d_l96;
+  ASSERT_OK(d_x.alloc(size_t(4 * 2 * d96) * 4));
+  ASSERT_OK(d_o96.alloc(size_t(4 * 2 * d96) * 4));
+  ASSERT_OK(d_l96.alloc(size_t(4 * 2) * 4));
+  const TensorView x96 = d_x.view(DType::kF32, {4, 2, d96});
+  const Status st = attention_sparse(x96, x96, x96, idx96, d_o96.view(DType::kF32, {4, 2, d96}),
+                                     d_l96.view(DType::kF32, {2, 4}), p, kGpu);
   EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
 }
 
