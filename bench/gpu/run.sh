@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds sparsefill with the CUDA backend on a GPU host and runs the `gpu`-labelled tests.
+# Builds sparsefill with the CUDA backend on a GPU host, runs the `gpu`-labelled tests, then
+# `sparsefill bench attention` beside the torch SDPA peer (bench/gpu/sdpa_peer.py).
 # Run from the repository root on the GPU host (no network needed):
 #   OUT=/path/to/logs bench/gpu/run.sh [extra cmake args...]
 #
-# Writes 7 files to $OUT (default: <build>/out): summary.txt, env.txt, deps.log, configure.log,
-# build.log, ctest.log, LastTest.log. Exit status: 0 only if configure, the build of every gpu
-# test and the gpu tests all succeeded, and no gpu test skipped itself (a skip on a GPU host means
-# the device was not usable).
+# Writes 8 files to $OUT (default: <build>/out): summary.txt, env.txt, deps.log, configure.log,
+# build.log, ctest.log (verbose: every test's output), bench-attention.log and
+# attention-<gpu>.json. Exit status: 0 only if configure, the build of every gpu test and the gpu
+# tests all succeeded, no gpu test skipped itself (a skip on a GPU host means the device was not
+# usable), and the benchmark (when run) succeeded.
 #
 # Environment:
 #   OUT            where the logs go
@@ -15,6 +17,10 @@
 #   SF_XXHASH_DIR  a folder holding xxhash.h, for hosts without libxxhash-dev
 #   SF_BUILD_DEPS  1: build the GoogleTest/Boost.JSON/xxHash stand-ins below even where the
 #                  packages exist (to test this script's fallbacks on a CPU machine)
+#   SF_BENCH       0: skip the attention benchmark (default 1)
+#   SF_BENCH_LENGTHS         dense lengths (default 8192,32768)
+#   SF_BENCH_SPARSE_LENGTHS  sparse-mode lengths (default 32768)
+#   SF_BENCH_REPS            timed repeats per kernel (default 3)
 #
 # Host gaps handled here (GPU-HOST.md): Boost 1.83 comes as headers only, so when CMake cannot
 # find the compiled boost_json component, Boost.JSON is compiled from its header-only source
@@ -52,10 +58,10 @@ finish() {
     echo "status: $status"
     for n in "${notes[@]}"; do echo "$n"; done
   } >"$logs/summary.txt"
-  for f in summary.txt env.txt deps.log configure.log build.log ctest.log; do
+  for f in summary.txt env.txt deps.log configure.log build.log ctest.log bench-attention.log; do
     [[ -f "$logs/$f" ]] && cp "$logs/$f" "$out/$f"
   done
-  [[ -f "$build/Testing/Temporary/LastTest.log" ]] && cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest.log"
+  # (ctest.log is --verbose, so Testing/Temporary/LastTest.log would repeat it; $OUT keeps 8 files.)
   cat "$logs/summary.txt"
   [[ "$status" == ok* ]]
 }
@@ -199,5 +205,33 @@ elif grep -q '(Skipped)' "$logs/ctest.log"; then
   fail "gpu tests skipped themselves on a GPU host: $(grep -m1 -o 'no CUDA device: .*' "$logs/ctest.log")"
 elif [[ $build_failed == 1 ]]; then
   status="ok (gpu tests passed; other targets failed to build, see build.log)"
+fi
+
+# ---- attention benchmark: torch SDPA peer, then ours (dense and sparse modes) ---------------
+if [[ "${SF_BENCH:-1}" != 0 ]]; then
+  dense_l="${SF_BENCH_LENGTHS:-8192,32768}"
+  sparse_l="${SF_BENCH_SPARSE_LENGTHS:-32768}"
+  peer_l=$(echo "$dense_l,$sparse_l" | tr ',' '\n' | sort -nu | paste -sd, -)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+        tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+  gpu="${gpu:-unknown-gpu}"
+  bl="$logs/bench-attention.log"
+  : >"$bl"
+  echo "--- sdpa peer ($(date -u))" >>"$bl"
+  if ! timeout 300 python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
+    note "sdpa peer failed (see bench-attention.log); benchmark runs without it"
+  fi
+  sdpa_arg=()
+  [[ -f "$logs/sdpa.json" ]] && sdpa_arg=(--sdpa "$logs/sdpa.json")
+  echo "--- sparsefill bench attention ($(date -u))" >>"$bl"
+  if [[ ! -x "$build/tools/sparsefill" ]]; then
+    fail "sparsefill did not build; no attention benchmark"
+  elif ! timeout 420 "$build/tools/sparsefill" bench attention --lengths "$dense_l" \
+         --sparse-lengths "$sparse_l" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
+         --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
+    fail "bench attention failed (see bench-attention.log)"
+  fi
+  echo "--- done ($(date -u))" >>"$bl"
+  notes+=("$(grep -E '^(device|  dense|  [a-z-]+\(|sdpa )' "$bl" | head -30)")
 fi
 exit 0

@@ -32,6 +32,7 @@ std::string shell_quote_args(int argc, char** argv);
 
 int cmd_prefill(int argc, char** argv);
 int cmd_bench(int argc, char** argv);
+int cmd_bench_attention(int argc, char** argv);  // bench attention (GPU)
 int cmd_inspect(int argc, char** argv);
 int cmd_eval(int argc, char** argv);
 int cmd_search(int argc, char** argv);

@@ -67,8 +67,9 @@ std::vector<int64_t> parse_lengths(const std::string& s) {
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
+  if (argc >= 3 && std::string(argv[2]) == "attention") return cmd_bench_attention(argc, argv);
   if (argc < 3 || std::string(argv[2]) != "prefill") {
-    std::fprintf(stderr, "error: usage: sparsefill bench prefill [--model M] [--lengths 512,2048,8192] [--out F] [--reps N]\n");
+    std::fprintf(stderr, "error: usage: sparsefill bench prefill [--model M] [--lengths 512,2048,8192] [--out F] [--reps N] | bench attention [...]\n");
     return 2;
   }
   auto args_r = parse_args(argc, argv, 3, {"model", "lengths", "out", "reps", "document"}, {});

@@ -16,6 +16,8 @@ void usage() {
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
                "           [--device cpu|cuda]\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
+               "  bench    attention [--lengths 8192,32768] [--sparse-lengths 32768] [--reps N] [--blocks K]\n"
+               "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE.json]\n"
                "  inspect  --model PATH|default\n"
                "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
                "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] --out FILE.json\n"
