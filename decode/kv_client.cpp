@@ -83,24 +83,8 @@ Status read_tensor(const SafetensorsFile& f, const std::string& name, const char
 
 }  // namespace
 
-Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash) {
-  const fs::path root(dir);
-  const fs::path mpath = root / "manifest.json";
-  std::error_code ec;
-  if (!fs::is_regular_file(mpath, ec))
-    return SF_ERR(kNotFound, "kv export: no manifest.json in '" + dir + "'");
-  const uint64_t msize = fs::file_size(mpath, ec);
-  if (ec || msize > kMaxManifestBytes)
-    return corrupt("manifest.json",
-                   "size " + std::to_string(msize) + " unreadable or above the 1 GiB limit");
-  std::string text;
-  {
-    std::ifstream f(mpath, std::ios::binary);
-    std::ostringstream ss;
-    ss << f.rdbuf();
-    if (!f) return SF_ERR(kIo, "kv export: cannot read '" + mpath.string() + "'");
-    text = ss.str();
-  }
+Result<KvManifest> parse_kv_manifest(std::string_view text,
+                                     const std::string& expected_compat_hash) {
   json::value root_v;
   {
     json::error_code jec;
@@ -119,7 +103,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     return SF_ERR(kUnsupported, "kv export: format_version " + std::to_string(version) +
                                     " is not supported (this reader reads " +
                                     std::to_string(kvstore::kKvFormatVersion) + ")");
-  KvExport out;
+  KvManifest mf;
+  KvExport& out = mf.meta;
   SF_ASSIGN(out.compat_hash, get_str(man, "compat_hash", W));
   if (out.compat_hash != expected_compat_hash)
     return SF_ERR(kInvalidArgument, "kv export: compat_hash " + out.compat_hash +
@@ -149,10 +134,12 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   if (int64_t(ids->size()) != out.n_tokens)
     return corrupt(W, "token_ids length differs from n_tokens");
   for (const auto& t : *ids) {
-    if (!t.is_int64()) return corrupt(W, "token_ids holds a non-integer");
+    if (!t.is_int64() || t.as_int64() < 0 || t.as_int64() > INT32_MAX)
+      return corrupt(W, "token_ids holds a value that is not a token id");
     out.token_ids.push_back(int32_t(t.as_int64()));
   }
   SF_ASSIGN(int64_t first, get_int(man, "first_token", W));
+  if (first < 0 || first > INT32_MAX) return corrupt(W, "first_token out of range");
   out.first_token = int32_t(first);
 
   SF_ASSIGN(const json::object* ret, get_obj(man, "retention", W));
@@ -164,14 +151,57 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   if (int64_t(rlayers->size()) != nl)
     return corrupt("retention", "layers has " + std::to_string(rlayers->size()) +
                                     " entries, expected " + std::to_string(nl));
+  // Declared retention: counts and [begin, end) runs per head, checked for order and bounds
+  // here (never expanded: a small manifest could declare billions of positions).
+  mf.kept.resize(size_t(nl * nh));
+  mf.ranges.resize(size_t(nl * nh));
+  int64_t kept_total = 0;
+  for (int64_t l = 0; l < nl; ++l) {
+    const json::value& rlv = (*rlayers)[size_t(l)];
+    if (!rlv.is_object()) return corrupt("retention", "layer entry is not an object");
+    SF_ASSIGN(const json::array* rheads, get_arr(rlv.as_object(), "heads", "retention layer"));
+    SF_ASSIGN(int64_t rlayer, get_int(rlv.as_object(), "layer", "retention layer"));
+    if (rlayer != l || int64_t(rheads->size()) != nh)
+      return corrupt("retention", "layer " + std::to_string(l) +
+                                      " entry is out of order or has the wrong head count");
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const json::value& hv = (*rheads)[size_t(hh)];
+      if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
+      SF_ASSIGN(int64_t n, get_int(hv.as_object(), "n", "retention head"));
+      if (n <= 0 || n > out.n_tokens) return corrupt("retention", "kept count out of range");
+      SF_ASSIGN(const json::array* ranges, get_arr(hv.as_object(), "ranges", "retention head"));
+      auto& rr = mf.ranges[size_t(l * nh + hh)];
+      int64_t sum = 0, prev_end = 0;
+      for (const auto& rv : *ranges) {
+        if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
+            !rv.as_array()[1].is_int64())
+          return corrupt("retention", "a range is not [begin, end)");
+        const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
+        if (a < prev_end || b > out.n_tokens || a >= b)
+          return corrupt("retention", "ranges of layer " + std::to_string(l) + " head " +
+                                          std::to_string(hh) + " are out of bounds or order");
+        rr.emplace_back(a, b);
+        sum += b - a;
+        prev_end = b;
+      }
+      if (sum != n)
+        return corrupt("retention", "ranges of layer " + std::to_string(l) + " head " +
+                                        std::to_string(hh) + " cover " + std::to_string(sum) +
+                                        " positions, n says " + std::to_string(n));
+      mf.kept[size_t(l * nh + hh)] = n;
+      kept_total += n;
+    }
+  }
+  if (out.kv_bytes != kept_total * hd * 2 * 4)
+    return corrupt("retention",
+                   "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
 
   SF_ASSIGN(const json::array* shards, get_arr(man, "shards", W));
   if (int64_t(shards->size()) != nl)
     return corrupt(W, "shards has " + std::to_string(shards->size()) + " entries, expected " +
                           std::to_string(nl));
-  out.heads.resize(size_t(nl * nh));
+  mf.shards.resize(size_t(nl));
   std::vector<bool> seen(static_cast<size_t>(nl), false);
-  int64_t kept_total = 0;
   for (const auto& sv : *shards) {
     if (!sv.is_object()) return corrupt(W, "a shard entry is not an object");
     const json::object& sh = sv.as_object();
@@ -183,52 +213,69 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     seen[size_t(layer)] = true;
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
       return corrupt(where, "file is not a plain file name");
-    SF_ASSIGN(int64_t bytes, get_int(sh, "bytes", where));
-    SF_ASSIGN(std::string xxh, get_str(sh, "xxh64", where));
+    KvManifest::Shard& S = mf.shards[size_t(layer)];
+    S.file = file;
+    SF_ASSIGN(S.bytes, get_int(sh, "bytes", where));
+    SF_ASSIGN(S.xxh64, get_str(sh, "xxh64", where));
     SF_ASSIGN(std::string layout, get_str(sh, "layout", where));
-    const fs::path p = root / file;
+    S.uniform = layout == "uniform";
+    if (!S.uniform && layout != "per_head")
+      return corrupt(where, "layout '" + layout + "' is not uniform or per_head");
+    if (S.uniform)
+      for (int64_t hh = 1; hh < nh; ++hh)
+        if (mf.kept[size_t(layer * nh + hh)] != mf.kept[size_t(layer * nh)])
+          return corrupt(where, "uniform layout with different kept counts per head");
+  }
+  return mf;
+}
+
+Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash) {
+  const fs::path root(dir);
+  const fs::path mpath = root / "manifest.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(mpath, ec))
+    return SF_ERR(kNotFound, "kv export: no manifest.json in '" + dir + "'");
+  const uint64_t msize = fs::file_size(mpath, ec);
+  if (ec || msize > kMaxManifestBytes)
+    return corrupt("manifest.json",
+                   "size " + std::to_string(msize) + " unreadable or above the 1 GiB limit");
+  std::string text;
+  {
+    std::ifstream f(mpath, std::ios::binary);
+    std::ostringstream ss;
+    ss << f.rdbuf();
+    if (!f) return SF_ERR(kIo, "kv export: cannot read '" + mpath.string() + "'");
+    text = ss.str();
+  }
+  SF_ASSIGN(KvManifest mf, parse_kv_manifest(text, expected_compat_hash));
+  KvExport out = std::move(mf.meta);
+  const int64_t nl = out.n_layers, nh = out.n_kv_heads, hd = out.head_dim, bs = out.block_size;
+  out.heads.resize(size_t(nl * nh));
+  for (int64_t layer = 0; layer < nl; ++layer) {
+    const KvManifest::Shard& S = mf.shards[size_t(layer)];
+    const std::string where = "shard '" + S.file + "'";
+    const fs::path p = root / S.file;
     if (!fs::is_regular_file(p, ec))
       return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
     const uint64_t fsz = fs::file_size(p, ec);
-    if (ec || int64_t(fsz) != bytes)
+    if (ec || int64_t(fsz) != S.bytes)
       return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
-                                std::to_string(bytes));
+                                std::to_string(S.bytes));
     SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
-    if (hex64(h) != xxh)
-      return corrupt(where, "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + xxh);
+    if (hex64(h) != S.xxh64)
+      return corrupt(where, "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
     SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(p.string()));
-
-    const json::value& rlv = (*rlayers)[size_t(layer)];
-    if (!rlv.is_object()) return corrupt("retention", "layer entry is not an object");
-    SF_ASSIGN(const json::array* rheads, get_arr(rlv.as_object(), "heads", "retention layer"));
-    SF_ASSIGN(int64_t rlayer, get_int(rlv.as_object(), "layer", "retention layer"));
-    if (rlayer != layer || int64_t(rheads->size()) != nh)
-      return corrupt("retention", "layer " + std::to_string(layer) +
-                                      " entry is out of order or has the wrong head count");
-    std::vector<int64_t> n_h(static_cast<size_t>(nh));
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      const json::value& hv = (*rheads)[size_t(hh)];
-      if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
-      SF_ASSIGN(n_h[size_t(hh)], get_int(hv.as_object(), "n", "retention head"));
-      if (n_h[size_t(hh)] <= 0 || n_h[size_t(hh)] > out.n_tokens)
-        return corrupt("retention", "kept count out of range");
-    }
-    const bool uniform = layout == "uniform";
-    if (!uniform && layout != "per_head")
-      return corrupt(where, "layout '" + layout + "' is not uniform or per_head");
     std::vector<float> kall, vall;
-    if (uniform) {
-      for (int64_t hh = 1; hh < nh; ++hh)
-        if (n_h[size_t(hh)] != n_h[0])
-          return corrupt(where, "uniform layout with different kept counts per head");
-      SF_TRY(read_tensor<float>(f, "key", "F32", {1, nh, n_h[0], hd}, where, &kall));
-      SF_TRY(read_tensor<float>(f, "value", "F32", {1, nh, n_h[0], hd}, where, &vall));
+    if (S.uniform) {
+      const int64_t n0 = mf.kept[size_t(layer * nh)];
+      SF_TRY(read_tensor<float>(f, "key", "F32", {1, nh, n0, hd}, where, &kall));
+      SF_TRY(read_tensor<float>(f, "value", "F32", {1, nh, n0, hd}, where, &vall));
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
       HeadKv& H = out.heads[size_t(layer * nh + hh)];
-      const int64_t n = n_h[size_t(hh)], nb = (n + bs - 1) / bs;
+      const int64_t n = mf.kept[size_t(layer * nh + hh)], nb = (n + bs - 1) / bs;
       const std::string sfx = ".h" + std::to_string(hh);
-      if (uniform) {
+      if (S.uniform) {
         H.k.assign(kall.begin() + hh * n * hd, kall.begin() + (hh + 1) * n * hd);
         H.v.assign(vall.begin() + hh * n * hd, vall.begin() + (hh + 1) * n * hd);
       } else {
@@ -242,29 +289,16 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       if (f.find("block_importance" + sfx))
         SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where,
                                   &H.block_importance));
-      // The shard's positions must be exactly the manifest's declared retention.
-      SF_ASSIGN(const json::array* ranges,
-                get_arr((*rheads)[size_t(hh)].as_object(), "ranges", "retention head"));
+      // The shard's positions must be exactly the manifest's declared retention (same count,
+      // checked by the tensor shape, so this walk is bounded by the shard).
       size_t i = 0;
-      for (const auto& rv : *ranges) {
-        if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
-            !rv.as_array()[1].is_int64())
-          return corrupt("retention", "a range is not [begin, end)");
-        const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
-        if (a < 0 || b > out.n_tokens || a >= b) return corrupt("retention", "range out of bounds");
+      for (const auto& [a, b] : mf.ranges[size_t(layer * nh + hh)])
         for (int64_t t = a; t < b; ++t, ++i)
           if (i >= H.positions.size() || H.positions[i] != t)
             return corrupt(where,
                            "positions" + sfx + " differ from the manifest's retention ranges");
-      }
-      if (i != H.positions.size())
-        return corrupt(where, "positions" + sfx + " differ from the manifest's retention ranges");
-      kept_total += n;
     }
   }
-  if (out.kv_bytes != kept_total * hd * 2 * 4)
-    return corrupt("retention",
-                   "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
   return out;
 }
 

@@ -7,6 +7,8 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -36,6 +38,23 @@ struct KvExport {
     return heads[size_t(layer) * size_t(n_kv_heads) + size_t(h)];
   }
 };
+
+// The manifest alone, validated (format, version, compat hash, geometry, declared retention,
+// shard entries) without touching any shard: the part of the reader that parses untrusted text
+// (fuzzed: tests/fuzz/fuzz_kv_manifest.cpp).
+struct KvManifest {
+  KvExport meta;  // every field but the heads' data
+  struct Shard {
+    std::string file, xxh64;
+    int64_t bytes = 0;
+    bool uniform = true;  // key/value for all heads, else key.hH/value.hH
+  };
+  std::vector<Shard> shards;                                     // by layer
+  std::vector<int64_t> kept;                                     // [layer * n_kv_heads + head]
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges;  // declared [begin, end) runs
+};
+Result<KvManifest> parse_kv_manifest(std::string_view text,
+                                     const std::string& expected_compat_hash);
 
 // expected_compat_hash: the hash of the consumer's own model (decode::model_compat_hash); an
 // export for any other model, dtype, geometry, rope or block size is refused.

@@ -214,7 +214,7 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     fs::resize_file(p, fs::file_size(p) - 8);
     expect_err(d, hash_, Code::kCorrupt, "bytes, the manifest says");
   }
-  // Manifest declares other positions than the shard holds.
+  // Manifest ranges that do not add up to the declared count.
   {
     const std::string d = copy_of(good, "ranges");
     auto v = read_manifest(d);
@@ -224,10 +224,26 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
                      .as_object()["heads"]
                      .as_array()[0];
     head.as_object()["ranges"] =
-        boost::json::array{boost::json::array{0, kN - 1}, boost::json::array{kN - 1, kN}};
-    head.as_object()["ranges"].as_array()[0].as_array()[1] = kN - 2;  // drops position kN-2
+        boost::json::array{boost::json::array{0, kN - 2}, boost::json::array{kN - 1, kN}};
     write_manifest(d, v);
-    expect_err(d, hash_, Code::kCorrupt, "differ from the manifest's retention ranges");
+    expect_err(d, hash_, Code::kCorrupt, "cover 299 positions, n says 300");
+  }
+  // Manifest declares other positions (same count) than a partial-retention shard holds.
+  {
+    auto snap = kvstore::retention_apply(
+        kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2, kN, &imp_);
+    ASSERT_TRUE(snap.is_ok());
+    const std::string d = export_to("snap-ranges", &snap.value());
+    auto v = read_manifest(d);
+    auto& head = v.as_object()["retention"]
+                     .as_object()["layers"]
+                     .as_array()[0]
+                     .as_object()["heads"]
+                     .as_array()[1];
+    head.as_object()["ranges"] = boost::json::array{boost::json::array{0, 100}};
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt,
+               "positions.h1 differ from the manifest's retention ranges");
   }
   // No manifest; a manifest that is not JSON; a shard entry with a path in its name.
   {
@@ -253,6 +269,24 @@ TEST_F(KvClient, ExportRejectsARetentionOfAnotherGeometry) {
   EXPECT_EQ(st.code(), Code::kInvalidArgument);
   EXPECT_NE(st.message().find("retention geometry"), std::string::npos) << st.to_string();
   EXPECT_FALSE(fs::exists(tmp_.sub("bad")));  // nothing half-written
+}
+
+// The fuzz target's seed must stay a valid manifest, or the fuzzer never gets past the checks.
+TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
+  std::ifstream f(std::string(SF_SOURCE_DIR) + "/tests/fuzz/kv_manifest_seed.json");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string seed = ss.str();
+  auto m = decode::parse_kv_manifest(seed, "0123456789abcdef");
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  EXPECT_EQ(m->meta.n_tokens, 2);
+  EXPECT_EQ(m->kept, (std::vector<int64_t>{2}));
+  std::string bad = seed;
+  const std::string k32 = "\"kv_bytes\":32";
+  bad.replace(bad.find(k32), k32.size(), "\"kv_bytes\":33");
+  EXPECT_NE(
+      decode::parse_kv_manifest(bad, "0123456789abcdef").status().message().find("kv_bytes 33"),
+      std::string::npos);
 }
 
 }  // namespace

@@ -1,0 +1,33 @@
+// libFuzzer target: parse_kv_manifest (the decode side's reader of manifest.json) on arbitrary
+// text. An accepted manifest must be self-consistent: one shard per layer, declared ranges that
+// add up to the kept counts, and kv_bytes equal to the kept K+V bytes.
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "decode/kv_client.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  auto r = sf::decode::parse_kv_manifest(text, "0123456789abcdef");
+  if (!r.is_ok()) {
+    if (r.status().message().empty()) __builtin_trap();
+    return 0;
+  }
+  const sf::decode::KvManifest& m = *r;
+  const auto& e = m.meta;
+  if (int64_t(m.shards.size()) != e.n_layers || int64_t(e.token_ids.size()) != e.n_tokens)
+    __builtin_trap();
+  int64_t kept = 0;
+  for (size_t i = 0; i < m.kept.size(); ++i) {
+    int64_t sum = 0;
+    for (const auto& [a, b] : m.ranges[i]) {
+      if (a < 0 || b > e.n_tokens || a >= b) __builtin_trap();
+      sum += b - a;
+    }
+    if (sum != m.kept[i]) __builtin_trap();
+    kept += sum;
+  }
+  if (kept * e.head_dim * 8 != e.kv_bytes) __builtin_trap();
+  return 0;
+}
