@@ -102,8 +102,14 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                 "tensor on a different device than the stream"));
   SF_TRY(need(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && out.ndim == 3, "attention_sparse",
               "q, k, v, out are 3-D"));
-  SF_TRY(need(f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse), "attention_sparse",
-              "contiguous F32 tensors"));
+  // BF16 q, k, v, out (lse F32) only on CUDA: the tensor-core kernel; the CPU kernels are F32.
+  const bool bf16_cuda = s.device == Device::kCuda && q.dtype == DType::kBF16 &&
+                         k.dtype == DType::kBF16 && v.dtype == DType::kBF16 &&
+                         out.dtype == DType::kBF16 && q.contiguous() && k.contiguous() &&
+                         v.contiguous() && out.contiguous() && f32c(lse);
+  SF_TRY(need(bf16_cuda || (f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse)),
+              "attention_sparse",
+              "contiguous F32 tensors (or, on CUDA, BF16 q, k, v, out with F32 lse)"));
   SF_TRY(need(k.shape == v.shape && q.shape[2] == k.shape[2], "attention_sparse",
               "k/v shape mismatch"));
   SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "attention_sparse",

@@ -19,7 +19,7 @@ struct IndexLayout {  // int32 element offsets of the four arrays in one
                       // allocation
   size_t bc = 0, bo = 0, cc = 0, ci = 0, total = 0;
 };
-IndexLayout index_layout(const SparseIndex &idx) {
+IndexLayout index_layout(const SparseIndex& idx) {
   const size_t slots = size_t(idx.n_heads) * size_t(idx.n_qblocks);
   IndexLayout l;
   l.bo = l.bc + slots;
@@ -28,7 +28,7 @@ IndexLayout index_layout(const SparseIndex &idx) {
   l.total = l.ci + slots * size_t(idx.max_cols);
   return l;
 }
-SparseIndexDevice index_view(const SparseIndex &idx, const int32_t *base) {
+SparseIndexDevice index_view(const SparseIndex& idx, const int32_t* base) {
   const IndexLayout l = index_layout(idx);
   SparseIndexDevice d;
   d.block_count = base + l.bc;
@@ -44,7 +44,7 @@ SparseIndexDevice index_view(const SparseIndex &idx, const int32_t *base) {
   d.max_cols = idx.max_cols;
   return d;
 }
-Status index_sizes_ok(const SparseIndex &idx) {
+Status index_sizes_ok(const SparseIndex& idx) {
   const size_t slots = size_t(idx.n_heads) * size_t(idx.n_qblocks);
   if (idx.block_count.size() != slots || idx.column_count.size() != slots ||
       idx.block_offset.size() != slots * size_t(idx.max_blocks) ||
@@ -55,7 +55,7 @@ Status index_sizes_ok(const SparseIndex &idx) {
 
 }  // namespace
 
-Status sparse_index_upload(const SparseIndex &idx, DeviceBuffer *storage, SparseIndexDevice *view) {
+Status sparse_index_upload(const SparseIndex& idx, DeviceBuffer* storage, SparseIndexDevice* view) {
   SF_TRY(index_sizes_ok(idx));
   const IndexLayout l = index_layout(idx);
   if (storage->size() < l.total * sizeof(int32_t))
@@ -68,9 +68,9 @@ Status sparse_index_upload(const SparseIndex &idx, DeviceBuffer *storage, Sparse
   return Status::ok();
 }
 
-Status attention_sparse(const TensorView &q, const TensorView &k, const TensorView &v,
-                        const SparseIndex &idx, TensorView out, TensorView lse,
-                        const AttentionParams &p, void *stream) {
+Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const SparseIndex& idx, TensorView out, TensorView lse,
+                        const AttentionParams& p, void* stream) {
   if (!attention_sparse_supported(int(q.shape[2])))
     return SF_ERR(kUnsupported, "attention_sparse: head_dim " + std::to_string(q.shape[2]) +
                                     " (CUDA supports 64, 128)");
@@ -78,11 +78,11 @@ Status attention_sparse(const TensorView &q, const TensorView &k, const TensorVi
   const IndexLayout l = index_layout(idx);
   if (l.total == 0) return Status::ok();
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  void *dev = nullptr;
+  void* dev = nullptr;
   SF_CUDA_TRY(cudaMallocAsync(&dev, l.total * sizeof(int32_t), s));
-  int32_t *base = static_cast<int32_t *>(dev);
+  int32_t* base = static_cast<int32_t*>(dev);
   cudaError_t err = cudaSuccess;
-  const auto copy = [&](const std::vector<int32_t> &src, size_t at) {
+  const auto copy = [&](const std::vector<int32_t>& src, size_t at) {
     if (err == cudaSuccess && !src.empty())
       err = cudaMemcpyAsync(base + at, src.data(), src.size() * sizeof(int32_t),
                             cudaMemcpyHostToDevice, s);

@@ -28,21 +28,21 @@
 namespace sf::kernels::cuda {
 
 struct AttentionSparseParams {
-  const float *q;  // [n_q, n_heads, D]
-  const float *k;  // [n_k, n_kv_heads, D]
-  const float *v;  // [n_k, n_kv_heads, D]
-  float *out;      // [n_q, n_heads, D]
-  float *lse;      // [n_heads, n_q], natural log, -inf for rows that see no selected
+  const float* q;  // [n_q, n_heads, D]
+  const float* k;  // [n_k, n_kv_heads, D]
+  const float* v;  // [n_k, n_kv_heads, D]
+  float* out;      // [n_q, n_heads, D]
+  float* lse;      // [n_heads, n_q], natural log, -inf for rows that see no selected
                    // key
   int64_t n_q, n_k;
   int n_heads, n_kv_heads;
   float scale;
   int64_t q_offset;  // row i of q sees keys j < q_offset + i + 1
   // The index (device pointers), slot = h * n_qblocks + qb.
-  const int32_t *block_count;   // [n_heads * n_qblocks]
-  const int32_t *block_offset;  // [n_heads * n_qblocks * max_blocks]
-  const int32_t *column_count;  // [n_heads * n_qblocks]
-  const int32_t *column_index;  // [n_heads * n_qblocks * max_cols]
+  const int32_t* block_count;   // [n_heads * n_qblocks]
+  const int32_t* block_offset;  // [n_heads * n_qblocks * max_blocks]
+  const int32_t* column_count;  // [n_heads * n_qblocks]
+  const int32_t* column_index;  // [n_heads * n_qblocks * max_cols]
   int64_t n_qblocks;
   int max_blocks, max_cols;
 };
@@ -79,7 +79,7 @@ struct RowState {
 // the rows as float4. Empty slots are zero-filled: their probability is 0, and
 // 0 * garbage could be NaN.
 template <int D>
-__device__ __forceinline__ void load_tile(const AttentionSparseParams &p, Smem<D> &sm, int kv_head,
+__device__ __forceinline__ void load_tile(const AttentionSparseParams& p, Smem<D>& sm, int kv_head,
                                           int64_t my_pos) {
   if (threadIdx.x < kKeys) sm.pos[threadIdx.x] = my_pos;
   __syncthreads();
@@ -90,26 +90,26 @@ __device__ __forceinline__ void load_tile(const AttentionSparseParams &p, Smem<D
     float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
     if (pos >= 0) {
       const int64_t off = (pos * p.n_kv_heads + kv_head) * D;
-      kv4 = reinterpret_cast<const float4 *>(p.k + off)[c];
-      vv4 = reinterpret_cast<const float4 *>(p.v + off)[c];
+      kv4 = reinterpret_cast<const float4*>(p.k + off)[c];
+      vv4 = reinterpret_cast<const float4*>(p.v + off)[c];
     }
-    reinterpret_cast<float4 *>(&sm.k[j][0])[c] = kv4;
-    reinterpret_cast<float4 *>(&sm.v[j][0])[c] = vv4;
+    reinterpret_cast<float4*>(&sm.k[j][0])[c] = kv4;
+    reinterpret_cast<float4*>(&sm.v[j][0])[c] = vv4;
   }
   __syncthreads();
 }
 
 template <int D>
-__device__ __forceinline__ void mainloop_tile(float scale, const Smem<D> &sm, int warp, int lane,
-                                              RowState<D> &st) {
+__device__ __forceinline__ void mainloop_tile(float scale, const Smem<D>& sm, int warp, int lane,
+                                              RowState<D>& st) {
   float s[kRowsPerWarp] = {};
-  const float4 *krow = reinterpret_cast<const float4 *>(&sm.k[lane][0]);
+  const float4* krow = reinterpret_cast<const float4*>(&sm.k[lane][0]);
 #pragma unroll 4
   for (int c = 0; c < D / 4; ++c) {
     const float4 kd = krow[c];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      const float4 qd = reinterpret_cast<const float4 *>(&sm.q[warp * kRowsPerWarp + r][0])[c];
+      const float4 qd = reinterpret_cast<const float4*>(&sm.q[warp * kRowsPerWarp + r][0])[c];
       s[r] += qd.x * kd.x + qd.y * kd.y + qd.z * kd.z + qd.w * kd.w;
     }
   }
@@ -145,7 +145,7 @@ __device__ __forceinline__ void mainloop_tile(float scale, const Smem<D> &sm, in
 }
 
 template <int D>
-__device__ __forceinline__ void attention_sparse_block(const AttentionSparseParams &p) {
+__device__ __forceinline__ void attention_sparse_block(const AttentionSparseParams& p) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of the warp size");
   __shared__ __align__(16) Smem<D> sm;
   const int h = blockIdx.y;
@@ -174,13 +174,13 @@ __device__ __forceinline__ void attention_sparse_block(const AttentionSparsePara
   for (int e = threadIdx.x; e < kRows * (D / 4); e += kThreads) {
     const int r = e / (D / 4), c = e % (D / 4);
     float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < rows) val = reinterpret_cast<const float4 *>(p.q + ((r0 + r) * p.n_heads + h) * D)[c];
-    reinterpret_cast<float4 *>(&sm.q[r][0])[c] = val;
+    if (r < rows) val = reinterpret_cast<const float4*>(p.q + ((r0 + r) * p.n_heads + h) * D)[c];
+    reinterpret_cast<float4*>(&sm.q[r][0])[c] = val;
   }
 
   const int64_t slot = int64_t(h) * p.n_qblocks + qb;
-  const int32_t *bo = p.block_offset + slot * p.max_blocks;
-  const int32_t *ci = p.column_index + slot * p.max_cols;
+  const int32_t* bo = p.block_offset + slot * p.max_blocks;
+  const int32_t* ci = p.column_index + slot * p.max_cols;
   const int bc = p.block_count[slot], cc = p.column_count[slot];
   // Block entries: each covers [off, min(off + 64, slot kend)); clipping at
   // cta_end (<= slot kend) drops keys no row of this CTA sees. Two 32-key tiles
@@ -215,7 +215,7 @@ __device__ __forceinline__ void attention_sparse_block(const AttentionSparsePara
     const int64_t t = r0 + i;
     const bool any = st.l[r] > 0.f;
     const float inv = any ? 1.f / st.l[r] : 0.f;
-    float *o = p.out + (t * p.n_heads + h) * D;
+    float* o = p.out + (t * p.n_heads + h) * D;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) o[lane + 32 * c] = st.o[r][c] * inv;
     if (lane == 0) p.lse[int64_t(h) * p.n_q + t] = any ? st.m[r] + logf(st.l[r]) : -INFINITY;
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(attention_sparse_detail::kThreads)
 
 // Instantiated once per head dim in attention_sparse_hd<D>.cu (see dispatch.h).
 template <int D>
-cudaError_t attention_sparse_launch(const AttentionSparseParams &p, cudaStream_t stream) {
+cudaError_t attention_sparse_launch(const AttentionSparseParams& p, cudaStream_t stream) {
   using namespace attention_sparse_detail;
   if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
   const int64_t blocks = p.n_qblocks * kSubBlocks;
@@ -242,9 +242,8 @@ cudaError_t attention_sparse_launch(const AttentionSparseParams &p, cudaStream_t
   return cudaGetLastError();
 }
 
-extern template cudaError_t attention_sparse_launch<64>(const AttentionSparseParams &,
-                                                        cudaStream_t);
-extern template cudaError_t attention_sparse_launch<128>(const AttentionSparseParams &,
+extern template cudaError_t attention_sparse_launch<64>(const AttentionSparseParams&, cudaStream_t);
+extern template cudaError_t attention_sparse_launch<128>(const AttentionSparseParams&,
                                                          cudaStream_t);
 
 }  // namespace sf::kernels::cuda

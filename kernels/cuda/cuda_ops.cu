@@ -8,6 +8,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
 #include "kernels/cuda/attention_sparse.cuh"
+#include "kernels/cuda/attention_sparse_bf16.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -154,38 +155,70 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SparseIndexDevice& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, void* stream) {
+  constexpr int64_t kQb = attention_sparse_detail::kQBlock;
   const int d = int(q.shape[2]);
   if (idx.n_heads != q.shape[1] || idx.n_q != q.shape[0] || idx.n_k != k.shape[0] ||
-      idx.q_offset != p.q_offset || idx.n_qblocks != (idx.n_q + attention_sparse_detail::kQBlock - 1) / attention_sparse_detail::kQBlock)
+      idx.q_offset != p.q_offset || idx.n_qblocks != (idx.n_q + kQb - 1) / kQb)
     return SF_ERR(kInvalidArgument, "attention_sparse: device index geometry does not match q/k");
-  if (!p.causal)
-    return SF_ERR(kInvalidArgument, "attention_sparse: the sparse index is causal");
+  if (!p.causal) return SF_ERR(kInvalidArgument, "attention_sparse: the sparse index is causal");
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &v, &out})
     if (!aligned16(t->data))
       return SF_ERR(kUnsupported, "attention_sparse: CUDA needs 16-byte aligned q, k, v, out");
-  AttentionSparseParams kp{};
-  kp.q = q.ptr<float>();
-  kp.k = k.ptr<float>();
-  kp.v = v.ptr<float>();
-  kp.out = out.ptr<float>();
-  kp.lse = lse.ptr<float>();
-  kp.n_q = q.shape[0];
-  kp.n_k = k.shape[0];
-  kp.n_heads = int(q.shape[1]);
-  kp.n_kv_heads = int(k.shape[1]);
-  kp.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
-  kp.q_offset = p.q_offset;
-  kp.block_count = idx.block_count;
-  kp.block_offset = idx.block_offset;
-  kp.column_count = idx.column_count;
-  kp.column_index = idx.column_index;
-  kp.n_qblocks = idx.n_qblocks;
-  kp.max_blocks = idx.max_blocks;
-  kp.max_cols = idx.max_cols;
+  const bool bf16 = q.dtype == DType::kBF16;
+  if (!(q.dtype == DType::kF32 || bf16) || k.dtype != q.dtype || v.dtype != q.dtype ||
+      out.dtype != q.dtype || lse.dtype != DType::kF32)
+    return SF_ERR(kUnsupported,
+                  "attention_sparse: CUDA takes q, k, v, out all F32 or all BF16, lse F32");
+  const float scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
   cudaError_t err = cudaSuccess;
-  const bool supported = dispatch_head_dim(d, [&](auto head_dim) {
-    err = attention_sparse_launch<decltype(head_dim)::value>(kp, as_stream(stream));
-  });
+  bool supported = false;
+  if (bf16) {
+    AttentionSparseBf16Params kp{};
+    kp.q = q.ptr<__nv_bfloat16>();
+    kp.k = k.ptr<__nv_bfloat16>();
+    kp.v = v.ptr<__nv_bfloat16>();
+    kp.out = out.ptr<__nv_bfloat16>();
+    kp.lse = lse.ptr<float>();
+    kp.n_q = q.shape[0];
+    kp.n_k = k.shape[0];
+    kp.n_heads = int(q.shape[1]);
+    kp.n_kv_heads = int(k.shape[1]);
+    kp.scale = scale;
+    kp.q_offset = p.q_offset;
+    kp.block_count = idx.block_count;
+    kp.block_offset = idx.block_offset;
+    kp.column_count = idx.column_count;
+    kp.column_index = idx.column_index;
+    kp.n_qblocks = idx.n_qblocks;
+    kp.max_blocks = idx.max_blocks;
+    kp.max_cols = idx.max_cols;
+    supported = dispatch_head_dim(d, [&](auto head_dim) {
+      err = attention_sparse_bf16_launch<decltype(head_dim)::value>(kp, as_stream(stream));
+    });
+  } else {
+    AttentionSparseParams kp{};
+    kp.q = q.ptr<float>();
+    kp.k = k.ptr<float>();
+    kp.v = v.ptr<float>();
+    kp.out = out.ptr<float>();
+    kp.lse = lse.ptr<float>();
+    kp.n_q = q.shape[0];
+    kp.n_k = k.shape[0];
+    kp.n_heads = int(q.shape[1]);
+    kp.n_kv_heads = int(k.shape[1]);
+    kp.scale = scale;
+    kp.q_offset = p.q_offset;
+    kp.block_count = idx.block_count;
+    kp.block_offset = idx.block_offset;
+    kp.column_count = idx.column_count;
+    kp.column_index = idx.column_index;
+    kp.n_qblocks = idx.n_qblocks;
+    kp.max_blocks = idx.max_blocks;
+    kp.max_cols = idx.max_cols;
+    supported = dispatch_head_dim(d, [&](auto head_dim) {
+      err = attention_sparse_launch<decltype(head_dim)::value>(kp, as_stream(stream));
+    });
+  }
   if (!supported)
     return SF_ERR(kUnsupported,
                   "attention_sparse: head_dim " + std::to_string(d) + " (CUDA supports 64, 128)");

@@ -58,8 +58,9 @@ struct SparseIndexDevice {
 // Plan step: copies a host index into *storage (reallocated to fit) and points *view at it.
 // Synchronous; the index must already be valid (sparse_index_validate), the kernel trusts it.
 Status sparse_index_upload(const SparseIndex& idx, DeviceBuffer* storage, SparseIndexDevice* view);
-// Run step: no allocation, no host synchronization, safe under CUDA graph capture. q, k, v, out,
-// lse as attention_dense (contiguous F32, 16-byte aligned); geometry must match idx.
+// Run step: no allocation, no host synchronization, safe under CUDA graph capture. q, k, v, out
+// contiguous and 16-byte aligned, all F32 (CUDA-core fp32 kernel, the reference) or all BF16
+// (tensor-core kernel, fp32 accumulation and softmax); lse F32. Geometry must match idx.
 Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SparseIndexDevice& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, void* stream);

@@ -87,6 +87,7 @@ class DevBuf {
     const std::vector<uint32_t> nan((bytes_ + 3) / 4, kPoisonBits);
     return buf_.upload(nan.data(), bytes_);
   }
+  Status download_raw(void* dst, size_t bytes) const { return buf_.download(dst, bytes); }
   Status download(std::vector<float>* out) const {
     out->assign(bytes_ / sizeof(float), 0.f);
     return buf_.download(out->data(), bytes_);
@@ -589,6 +590,84 @@ TEST_F(CudaOps, AttentionSparse) {
         EXPECT_LE(el.nerr, tol.nerr) << name;
         EXPECT_LE(el.max_abs, tol.max_abs) << name;
       }
+    }
+  }
+}
+
+// bf16 tensor-core kernel: q, k, v rounded to bf16 on the host, so the CPU sparse kernel sees
+// exactly the values the GPU sees; the GPU then rounds P to bf16 before P V (2^-9 relative per
+// probability) and the output to bf16 (2^-9 relative per element): ~3e-3 relative in all,
+// bounded at 1e-2 relative and 1e-2 absolute (|out| <= 1). lse is computed from fp32 scores and
+// unrounded probabilities: 2e-5 relative, 5e-4 absolute. A wrong mask or fragment layout moves
+// out by > 5e-2.
+TEST_F(CudaOps, AttentionSparseBf16) {
+  const Tolerance tol{1e-2, 1e-2}, tol_lse{2e-5, 5e-4};
+  const SparseCase cases[] = {
+      {"gqa4 d128", 300, 300, 8, 2, 128, 0},
+      {"gqa4 d128 chunk (n_q<n_k)", 77, 333, 8, 2, 128, 256},
+      {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
+      {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
+  };
+  auto to_bf16 = [](const std::vector<float>& x, std::vector<uint16_t>* bits,
+                    std::vector<float>* rounded) {
+    bits->resize(x.size());
+    rounded->resize(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      (*bits)[i] = f32_to_bf16(x[i]);
+      (*rounded)[i] = bf16_to_f32((*bits)[i]);
+    }
+  };
+  for (const SparseCase& c : cases) {
+    for (int full = 0; full < 2; ++full) {
+      const int64_t d = c.head_dim;
+      std::vector<uint16_t> qb, kb, vb;
+      std::vector<float> q, k, v;
+      to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
+      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
+      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+      const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                   : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset);
+      const std::string name =
+          std::string("bf16 ") + c.name + (full ? ", full index" : ", random index");
+      AttentionParams p;
+      p.q_offset = c.q_offset;
+      std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+      ASSERT_OK(attention_sparse(
+          TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
+          TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+          TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
+          TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+          TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
+      DevBuf d_q, d_k, d_v, d_out, d_lse;
+      ASSERT_OK(d_q.alloc_upload(qb));
+      ASSERT_OK(d_k.alloc_upload(kb));
+      ASSERT_OK(d_v.alloc_upload(vb));
+      ASSERT_OK(d_out.alloc(ref.size() * 2));
+      ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+      ASSERT_OK(d_out.poison());
+      ASSERT_OK(d_lse.poison());
+      ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                 d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
+                                 d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
+                                 d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                 d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
+      ASSERT_OK(cuda::stream_synchronize(nullptr));
+      std::vector<uint16_t> got_bits(ref.size());
+      ASSERT_OK(d_out.download_raw(got_bits.data(), got_bits.size() * 2));
+      std::vector<float> got(ref.size());
+      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(got_bits[i]);
+      bool guard_ok = false;
+      ASSERT_OK(d_out.guard_intact(&guard_ok));
+      EXPECT_TRUE(guard_ok) << name << ": write past the end of out";
+      const ErrStats e = compare(got, ref);
+      std::cout << "  " << name << " out: nerr=" << e.nerr << " (tol " << tol.nerr
+                << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
+      EXPECT_EQ(e.bad_nonfinite, 0) << name << ": non-finite or unwritten out element, first at "
+                                    << e.first_bad;
+      EXPECT_LE(e.nerr, tol.nerr) << name;
+      EXPECT_LE(e.max_abs, tol.max_abs) << name;
+      expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
+      if (HasFailure()) return;
     }
   }
 }

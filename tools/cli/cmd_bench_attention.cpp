@@ -1,29 +1,23 @@
-// `sparsefill bench attention`: one layer's prefill attention on the GPU, dense
-// and sparse, on synthetic inputs with planted structure, beside torch SDPA
-// measured by bench/gpu/sdpa_peer.py on the same shape (its JSON is merged with
-// --sdpa). Written as JSON (bench/results/).
+// `sparsefill bench attention`: one layer's prefill attention on the GPU, dense and sparse, on
+// synthetic inputs with planted structure, beside torch SDPA measured by bench/gpu/sdpa_peer.py
+// on the same shape (its JSON is merged with --sdpa). Written as JSON (bench/results/).
 //
-// What is timed: the attention kernel alone (CUDA events, median of --reps
-// after a warm-up), with the index already on the device. estimate_ms is the
-// CPU estimator (kernels/sparse.h sparse_estimate) on host copies of q and k,
-// timed on the host: there is no device estimator yet, so it is reported apart
-// and labelled as host estimation. speedup_vs_sdpa follows the issue: SDPA time
-// over (estimate + attention); speedup_vs_dense is our dense kernel's time over
-// the sparse kernel's time (both kernel alone). tflops counts 4 * head_dim
-// FLOPs per computed query-key pair: the causal triangle for dense, the index's
-// selected causal pairs for sparse.
+// What is timed: the attention kernel alone (CUDA events, median of --reps after a warm-up), with
+// the index already on the device. estimate_ms is the CPU estimator (kernels/sparse.h
+// sparse_estimate) on host copies of q and k, timed on the host: there is no device estimator
+// yet, so it is reported apart and labelled as host estimation. speedup_vs_sdpa follows the
+// issue: SDPA time over (estimate + attention); speedup_vs_dense is our dense time over the
+// sparse kernel's time (both kernel alone, same dtype). tflops counts 4 * head_dim FLOPs per
+// computed query-key pair: the causal triangle for dense, the index's selected causal pairs for
+// sparse. out_rel_err_vs_dense is against our fp32 dense output on the same inputs.
 //
-// Planted structure (per KV head, shared by its query heads; per-head strengths
-// vary):
-//   - decay with distance: dims [0, 64) carry rotary features cos/sin(pos *
-//   theta_f) with
-//     RoPE's frequency ladder, so q_i . k_j = A * sum_f cos((i - j) theta_f): a
-//     peak on the diagonal that falls off with distance (slash/local
-//     structure);
-//   - sinks and vertical lines: dims [64, 72) carry a direction u; keys 0..3
-//   and ~0.5% of key
-//     positions chosen at random carry w_j * u, queries carry u, so those
-//     columns score high for every query;
+// Planted structure (per KV head, shared by its query heads; per-head strengths vary):
+//   - decay with distance: dims [0, 64) carry rotary features cos/sin(pos * theta_f) with RoPE's
+//     frequency ladder, so q_i . k_j = A * sum_f cos((i - j) theta_f): a peak on the diagonal
+//     that falls off with distance (slash/local structure);
+//   - sinks and vertical lines: dims [64, 72) carry a direction u; keys 0..3 and ~0.5% of key
+//     positions chosen at random carry w_j * u, queries carry u, so those columns score high
+//     for every query;
 //   - the remaining dims and v are uniform noise; nothing is zero.
 #include <algorithm>
 #include <boost/json.hpp>
@@ -37,7 +31,9 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/thread_pool.h"
+#include "kernels/api.h"
 #include "kernels/sparse.h"
 #include "tools/cli/cli.h"
 
@@ -50,7 +46,7 @@
 namespace sf::cli {
 
 #ifndef SF_HAVE_CUDA
-int cmd_bench_attention(int, char **) {
+int cmd_bench_attention(int, char**) {
   std::fprintf(stderr,
                "error: bench attention needs a build with the CUDA "
                "backend (-DSF_CUDA=ON)\n");
@@ -64,7 +60,7 @@ using kernels::Pattern;
 using kernels::SparseIndex;
 using sf::TensorView;
 
-int fail(const Status &st) {
+int fail(const Status& st) {
   std::fprintf(stderr, "error: %s\n", st.message().c_str());
   return 1;
 }
@@ -73,7 +69,7 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::vector<int64_t> parse_list(const std::string &s) {
+std::vector<int64_t> parse_list(const std::string& s) {
   std::vector<int64_t> v;
   std::stringstream ss(s);
   std::string item;
@@ -103,7 +99,7 @@ struct Inputs {
   int64_t n_vertical = 0;  // planted vertical columns per KV head
 };
 
-Inputs make_inputs(const Shape &s, int64_t n, uint64_t seed) {
+Inputs make_inputs(const Shape& s, int64_t n, uint64_t seed) {
   Inputs in;
   in.q.resize(size_t(n * s.heads * s.d));
   in.k.resize(size_t(n * s.kv_heads * s.d));
@@ -140,7 +136,7 @@ Inputs make_inputs(const Shape &s, int64_t n, uint64_t seed) {
             // how vertical they are.
             const double loc = 1.0 + 0.3 * double(unit(seed ^ 0x51ull, uint64_t(h)));
             const double vert = 1.0 + 0.3 * double(unit(seed ^ 0x52ull, uint64_t(h)));
-            float *qr = in.q.data() + (i * s.heads + h) * d;
+            float* qr = in.q.data() + (i * s.heads + h) * d;
             for (int64_t f = 0; f < n_rot; ++f) {
               qr[2 * f] = float(loc * rot_amp * cs[size_t(f)]);
               qr[2 * f + 1] = float(loc * rot_amp * sn[size_t(f)]);
@@ -153,8 +149,8 @@ Inputs make_inputs(const Shape &s, int64_t n, uint64_t seed) {
               qr[c] = 0.5f * unit(seed ^ 0x71ull, uint64_t((i * s.heads + h) * d + c));
           }
           for (int64_t g = 0; g < s.kv_heads; ++g) {
-            float *kr = in.k.data() + (i * s.kv_heads + g) * d;
-            float *vr = in.v.data() + (i * s.kv_heads + g) * d;
+            float* kr = in.k.data() + (i * s.kv_heads + g) * d;
+            float* vr = in.v.data() + (i * s.kv_heads + g) * d;
             for (int64_t f = 0; f < n_rot; ++f) {
               kr[2 * f] = float(rot_amp * cs[size_t(f)]);
               kr[2 * f + 1] = float(rot_amp * sn[size_t(f)]);
@@ -181,8 +177,8 @@ Inputs make_inputs(const Shape &s, int64_t n, uint64_t seed) {
 
 // Median kernel time in ms over reps after `warmup` untimed runs, CUDA events
 // on `stream`.
-Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::function<Status()> &run,
-                   double *ms_out) {
+Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::function<Status()>& run,
+                   double* ms_out) {
   for (int i = 0; i < warmup; ++i) SF_TRY(run());
   BENCH_CUDA(cudaStreamSynchronize(stream));
   cudaEvent_t a, b;
@@ -208,7 +204,7 @@ Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::functio
   return Status::ok();
 }
 
-double rel_l2(const std::vector<float> &got, const std::vector<float> &ref) {
+double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double dlt = double(got[i]) - double(ref[i]);
@@ -241,11 +237,11 @@ struct SdpaPeer {
   boost::json::value raw;
   // Best bf16 backend at a length (time_ms, backend), and the fp32 figure if
   // measured.
-  bool best(int64_t L, double *ms, std::string *backend, const std::string &dtype) const {
+  bool best(int64_t L, double* ms, std::string* backend, const std::string& dtype) const {
     bool found = false;
     if (!raw.is_object() || !raw.as_object().contains("results")) return false;
-    for (const auto &r : raw.at("results").as_array()) {
-      const auto &o = r.as_object();
+    for (const auto& r : raw.at("results").as_array()) {
+      const auto& o = r.as_object();
       if (!o.contains("ok") || !o.at("ok").as_bool()) continue;
       if (o.at("seq_len").to_number<int64_t>() != L) continue;
       if (std::string(o.at("dtype").as_string()) != dtype) continue;
@@ -267,13 +263,13 @@ struct ModeSpec {
 
 }  // namespace
 
-int cmd_bench_attention(int argc, char **argv) {
+int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
                             "heads", "kv-heads", "head-dim"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
-  const Args &a = args_r.value();
+  const Args& a = args_r.value();
   Shape shape;
   shape.heads = std::atoll(a.get("heads", "32").c_str());
   shape.kv_heads = std::atoll(a.get("kv-heads", "8").c_str());
@@ -291,6 +287,21 @@ int cmd_bench_attention(int argc, char **argv) {
     if (L <= 0 || L > INT32_MAX)
       return fail(SF_ERR(kInvalidArgument, "--sparse-lengths: positive integers"));
   const int reps = std::max(1, std::atoi(a.get("reps", "5").c_str()));
+  std::vector<std::string> dtypes;
+  {
+    std::stringstream ss(a.get("dtypes", "fp32,bf16"));
+    std::string t;
+    while (std::getline(ss, t, ','))
+      if (t == "fp32" || t == "bf16")
+        dtypes.push_back(t);
+      else
+        return fail(SF_ERR(kInvalidArgument, "--dtypes: fp32 and/or bf16, got '" + t + "'"));
+  }
+  // fp32 first: its dense output is the quality reference for both.
+  std::sort(dtypes.begin(), dtypes.end(), [](const std::string& x, const std::string& y) {
+    return (x == "fp32") > (y == "fp32");
+  });
+  const bool want_bf16 = std::count(dtypes.begin(), dtypes.end(), "bf16") > 0;
   const uint64_t seed = a.has("seed")
                             ? std::strtoull(a.get("seed").c_str(), nullptr, 10)
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -380,7 +391,7 @@ int cmd_bench_attention(int argc, char **argv) {
     std::string sdpa_backend, sdpa32_backend;
     const bool have_sdpa = peer.best(L, &sdpa_ms, &sdpa_backend, "bf16");
     const bool have_sdpa32 = peer.best(L, &sdpa32_ms, &sdpa32_backend, "fp32");
-    auto add_sdpa = [&](boost::json::object &o, double total_ms) {
+    auto add_sdpa = [&](boost::json::object& o, double total_ms) {
       if (have_sdpa) {
         o["sdpa_time_ms"] = sdpa_ms;
         o["sdpa_backend"] = sdpa_backend + " bf16";
@@ -398,100 +409,175 @@ int cmd_bench_attention(int argc, char **argv) {
     const int n_rep = L >= 65536 ? std::min(reps, 2) : reps;
     const double causal_pairs = double(L) * double(L + 1) / 2.0 * double(shape.heads);
 
-    // speedup_vs_dense and out_rel_err_vs_dense need dense at the same length
-    // (--lengths).
-    double dense_ms = 0;
-    std::vector<float> dense_out;
-    if (run_dense) {
-      st = time_kernel(
-          stream, 1, n_rep, [&] { return kernels::attention_dense(qv, kv, vv, ov, lv, p, ks); },
-          &dense_ms);
-      if (!st.is_ok()) return fail(st);
-      const double tf = 4.0 * d * causal_pairs / (dense_ms * 1e-3) / 1e12;
-      std::printf("  dense fp32: %.3f ms, %.2f TFLOP/s", dense_ms, tf);
-      if (have_sdpa)
-        std::printf("; SDPA %s bf16 %.3f ms (%.2fx ours)", sdpa_backend.c_str(), sdpa_ms,
-                    dense_ms / sdpa_ms);
-      std::printf("\n");
-      boost::json::object o;
-      o["mode"] = "dense";
-      o["seq_len"] = L;
-      o["dtype"] = "fp32";
-      o["time_ms"] = dense_ms;
-      o["estimate_ms"] = 0.0;
-      o["tflops"] = tf;
-      o["density"] = 1.0;
-      o["speedup_vs_dense"] = 1.0;
-      add_sdpa(o, dense_ms);
-      o["reps"] = n_rep;
-      recs.push_back(std::move(o));
-      if (run_sparse) {
-        dense_out.resize(in.q.size());
-        if (!(st = kernels::cuda::stream_synchronize(stream)).is_ok()) return fail(st);
-        if (!(st = dout.download(dense_out.data(), qbytes)).is_ok()) return fail(st);
+    if (!run_sparse && !run_dense) continue;
+
+    // Indexes first (host estimation, once per mode; both dtypes use the same index).
+    std::vector<SparseIndex> idxs(run_sparse ? modes.size() : 0);
+    std::vector<double> est_ms(idxs.size()), pairs(idxs.size());
+    std::vector<int64_t> clamped(idxs.size());
+    if (run_sparse) {
+      const TensorView hq =
+          TensorView::make(const_cast<float*>(in.q.data()), DType::kF32, {L, shape.heads, shape.d});
+      const TensorView hk = TensorView::make(const_cast<float*>(in.k.data()), DType::kF32,
+                                             {L, shape.kv_heads, shape.d});
+      for (size_t mi = 0; mi < modes.size(); ++mi) {
+        std::vector<HeadPattern> pats(size_t(shape.heads), modes[mi].hp);
+        kernels::EstimatorStats es;
+        const double t0 = now_s();
+        st = kernels::sparse_estimate(hq, hk, pats, 0, &idxs[mi], &es);
+        est_ms[mi] = (now_s() - t0) * 1e3;
+        if (!st.is_ok()) return fail(st);
+        clamped[mi] = es.clamped_heads;
+        for (int h = 0; h < idxs[mi].n_heads; ++h)
+          for (int64_t qb = 0; qb < idxs[mi].n_qblocks; ++qb)
+            pairs[mi] += double(idxs[mi].pairs(h, qb));
       }
     }
-    if (!run_sparse) continue;
-    const TensorView hq =
-        TensorView::make(const_cast<float *>(in.q.data()), DType::kF32, {L, shape.heads, shape.d});
-    const TensorView hk = TensorView::make(const_cast<float *>(in.k.data()), DType::kF32,
-                                           {L, shape.kv_heads, shape.d});
-    for (const ModeSpec &m : modes) {
-      std::vector<HeadPattern> pats(size_t(shape.heads), m.hp);
-      SparseIndex idx;
-      kernels::EstimatorStats es;
-      const double t0 = now_s();
-      st = kernels::sparse_estimate(hq, hk, pats, 0, &idx, &es);
-      const double est_ms = (now_s() - t0) * 1e3;
+
+    // bf16 copies of q, k, v (device casts) and a bf16 output.
+    kernels::cuda::DeviceBuffer dqb, dkb, dvb, doutb;
+    if (want_bf16) {
+      st = dqb.alloc(qbytes / 2);
+      if (st.is_ok()) st = dkb.alloc(kbytes / 2);
+      if (st.is_ok()) st = dvb.alloc(kbytes / 2);
+      if (st.is_ok()) st = doutb.alloc(qbytes / 2);
       if (!st.is_ok()) return fail(st);
-      kernels::cuda::SparseIndexDevice didx;
-      if (!(st = kernels::cuda::sparse_index_upload(idx, &didx_buf, &didx)).is_ok())
-        return fail(st);
-      double sp_ms = 0;
-      st = time_kernel(
-          stream, 1, n_rep,
-          [&] { return kernels::cuda::attention_sparse(qv, kv, vv, didx, ov, lv, p, stream); },
-          &sp_ms);
+    }
+    const TensorView qbv =
+        TensorView::make(dqb.data(), DType::kBF16, {L, shape.heads, shape.d}, Device::kCuda);
+    const TensorView kbv =
+        TensorView::make(dkb.data(), DType::kBF16, {L, shape.kv_heads, shape.d}, Device::kCuda);
+    const TensorView vbv =
+        TensorView::make(dvb.data(), DType::kBF16, {L, shape.kv_heads, shape.d}, Device::kCuda);
+    const TensorView obv =
+        TensorView::make(doutb.data(), DType::kBF16, {L, shape.heads, shape.d}, Device::kCuda);
+    if (want_bf16) {
+      st = kernels::cast(qv, qbv, ks);
+      if (st.is_ok()) st = kernels::cast(kv, kbv, ks);
+      if (st.is_ok()) st = kernels::cast(vv, vbv, ks);
+      if (st.is_ok()) st = kernels::cuda::stream_synchronize(stream);
       if (!st.is_ok()) return fail(st);
-      double pairs = 0;
-      for (int h = 0; h < idx.n_heads; ++h)
-        for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) pairs += double(idx.pairs(h, qb));
-      const double density = idx.density();
-      const double tf = 4.0 * d * pairs / (sp_ms * 1e-3) / 1e12;
-      boost::json::object o;
-      o["mode"] = m.name;
-      o["seq_len"] = L;
-      o["dtype"] = "fp32";
-      o["time_ms"] = sp_ms;
-      o["estimate_ms"] = est_ms;
-      o["estimate_where"] = "host CPU (sparse_estimate on host copies of q, k; " +
-                            std::to_string(num_threads()) + " threads)";
-      o["tflops"] = tf;
-      o["density"] = density;
-      o["index_max_blocks"] = idx.max_blocks;
-      o["index_max_cols"] = idx.max_cols;
-      o["clamped_heads"] = es.clamped_heads;
+    }
+
+    // The quality reference: our fp32 dense output at this length, when fp32 dense runs.
+    std::vector<float> ref_out;
+    for (const std::string& dt : dtypes) {
+      const bool bf = dt == "bf16";
+      const TensorView& q_ = bf ? qbv : qv;
+      const TensorView& k_ = bf ? kbv : kv;
+      const TensorView& v_ = bf ? vbv : vv;
+      const TensorView& o_ = bf ? obv : ov;
+      auto download_out = [&](std::vector<float>* h) -> Status {
+        SF_TRY(kernels::cuda::stream_synchronize(stream));
+        h->resize(in.q.size());
+        if (!bf) return dout.download(h->data(), qbytes);
+        std::vector<uint16_t> bits(in.q.size());
+        SF_TRY(doutb.download(bits.data(), qbytes / 2));
+        for (size_t i = 0; i < bits.size(); ++i) (*h)[i] = bf16_to_f32(bits[i]);
+        return Status::ok();
+      };
+      double dense_ms = 0;
       if (run_dense) {
-        o["speedup_vs_dense"] = dense_ms / sp_ms;
-        o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms);
-        std::vector<float> sp_out(in.q.size());
-        if (!(st = kernels::cuda::stream_synchronize(stream)).is_ok()) return fail(st);
-        if (!(st = dout.download(sp_out.data(), qbytes)).is_ok()) return fail(st);
-        o["out_rel_err_vs_dense"] = rel_l2(sp_out, dense_out);
-      } else {
-        o["speedup_vs_dense"] = nullptr;
+        const char* kernel = "attention_dense (fp32 CUDA cores)";
+        if (!bf) {
+          st = time_kernel(
+              stream, 1, n_rep, [&] { return kernels::attention_dense(qv, kv, vv, ov, lv, p, ks); },
+              &dense_ms);
+        } else {  // no bf16 dense kernel: the tensor-core sparse kernel on the full index
+          kernel = "attention_sparse bf16 (tensor cores) on a full index";
+          const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
+          kernels::cuda::SparseIndexDevice dfull;
+          st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
+          if (st.is_ok())
+            st = time_kernel(
+                stream, 1, n_rep,
+                [&] {
+                  return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
+                },
+                &dense_ms);
+        }
+        if (!st.is_ok()) return fail(st);
+        const double tf = 4.0 * d * causal_pairs / (dense_ms * 1e-3) / 1e12;
+        std::printf("  dense %s: %.3f ms, %.2f TFLOP/s", dt.c_str(), dense_ms, tf);
+        if (have_sdpa)
+          std::printf("; SDPA %s bf16 %.3f ms (%.1f%% of SDPA throughput)", sdpa_backend.c_str(),
+                      sdpa_ms, 100.0 * sdpa_ms / dense_ms);
+        boost::json::object o;
+        o["mode"] = "dense";
+        o["seq_len"] = L;
+        o["dtype"] = dt;
+        o["kernel"] = kernel;
+        o["time_ms"] = dense_ms;
+        o["estimate_ms"] = 0.0;
+        o["tflops"] = tf;
+        o["density"] = 1.0;
+        o["speedup_vs_dense"] = 1.0;
+        if (!bf && run_sparse) {
+          if (!(st = download_out(&ref_out)).is_ok()) return fail(st);
+        } else if (bf && !ref_out.empty()) {
+          std::vector<float> got;
+          if (!(st = download_out(&got)).is_ok()) return fail(st);
+          o["out_rel_err_vs_dense"] = rel_l2(got, ref_out);
+          std::printf("  out rel err vs fp32 dense %.2e", rel_l2(got, ref_out));
+        }
+        std::printf("\n");
+        add_sdpa(o, dense_ms);
+        o["reps"] = n_rep;
+        recs.push_back(std::move(o));
       }
-      add_sdpa(o, sp_ms + est_ms);
-      o["reps"] = n_rep;
-      std::printf(
-          "  %-28s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  "
-          "host estimate %.1f ms",
-          m.name.c_str(), density, sp_ms, tf, est_ms);
-      if (run_dense)
-        std::printf("  vs dense %.2fx  out rel err %.2e", dense_ms / sp_ms,
-                    o["out_rel_err_vs_dense"].as_double());
-      std::printf("\n");
-      recs.push_back(std::move(o));
+      for (size_t mi = 0; mi < idxs.size(); ++mi) {
+        const ModeSpec& m = modes[mi];
+        const SparseIndex& idx = idxs[mi];
+        kernels::cuda::SparseIndexDevice didx;
+        if (!(st = kernels::cuda::sparse_index_upload(idx, &didx_buf, &didx)).is_ok())
+          return fail(st);
+        double sp_ms = 0;
+        st = time_kernel(
+            stream, 1, n_rep,
+            [&] { return kernels::cuda::attention_sparse(q_, k_, v_, didx, o_, lv, p, stream); },
+            &sp_ms);
+        if (!st.is_ok()) return fail(st);
+        const double density = idx.density();
+        const double tf = 4.0 * d * pairs[mi] / (sp_ms * 1e-3) / 1e12;
+        boost::json::object o;
+        o["mode"] = m.name;
+        o["seq_len"] = L;
+        o["dtype"] = dt;
+        o["kernel"] = bf ? "attention_sparse bf16 (tensor cores)" : "attention_sparse fp32";
+        o["time_ms"] = sp_ms;
+        o["estimate_ms"] = est_ms[mi];
+        o["estimate_where"] = "host CPU (sparse_estimate on host copies of q, k; " +
+                              std::to_string(num_threads()) + " threads)";
+        o["tflops"] = tf;
+        o["density"] = density;
+        o["index_max_blocks"] = idx.max_blocks;
+        o["index_max_cols"] = idx.max_cols;
+        o["clamped_heads"] = clamped[mi];
+        if (run_dense) {
+          o["speedup_vs_dense"] = dense_ms / sp_ms;
+          o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms[mi]);
+        } else {
+          o["speedup_vs_dense"] = nullptr;
+        }
+        double err = -1;
+        if (!ref_out.empty()) {
+          std::vector<float> got;
+          if (!(st = download_out(&got)).is_ok()) return fail(st);
+          err = rel_l2(got, ref_out);
+          o["out_rel_err_vs_dense"] = err;  // against our fp32 dense output
+        }
+        add_sdpa(o, sp_ms + est_ms[mi]);
+        o["reps"] = n_rep;
+        std::printf(
+            "  %-28s %s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  host estimate %.1f ms",
+            m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms[mi]);
+        if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
+        if (have_sdpa)
+          std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms[mi]));
+        if (err >= 0) std::printf("  out rel err %.2e", err);
+        std::printf("\n");
+        recs.push_back(std::move(o));
+      }
     }
   }
   cudaStreamDestroy(stream);
@@ -515,9 +601,10 @@ int cmd_bench_attention(int argc, char **argv) {
   sh["head_dim"] = shape.d;
   sh["batch"] = 1;
   sh["causal"] = true;
-  sh["dtype_ours"] =
-      "fp32 (the CUDA attention kernels are fp32 CUDA-core "
-      "kernels; no bf16 path yet)";
+  sh["dtypes"] =
+      "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: the "
+      "tensor-core sparse kernel (mma.sync), its dense figure is that kernel on a full index; "
+      "each record names its kernel";
   out["shape"] = std::move(sh);
   out["seed"] = seed;
   out["inputs"] =

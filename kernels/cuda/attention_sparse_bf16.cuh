@@ -1,0 +1,314 @@
+// Sparse causal attention over the unified index, bf16 inputs and output, fp32 accumulation and
+// softmax, on tensor cores (mma.sync m16n8k16, FlashAttention-2's register layout). Same contract
+// as attention_sparse.cuh (the fp32 kernel, which stays the reference): GQA-native, one online
+// softmax across block entries and gathered columns, per-row causal mask as the CPU kernel, LSE
+// in fp32 (natural log).
+//
+// Work split. A CTA owns one (head, 64-query block) slot; 4 warps, warp w owns rows 16w..16w+15
+// and keeps their Q fragments in registers (loaded once from global). The key list is walked in
+// tiles of 64 positions (a block entry clipped to the CTA's causal limit, or 64 gathered
+// columns); K/V rows of the tile are staged in shared memory by position (rows padded by 16 bytes
+// so ldmatrix phases are conflict-free), so both kinds of tile share one mainloop:
+// S = Q K^T (8 key n-tiles x D/16 k-steps), mask, online softmax in registers (scores in log2
+// units, exp2f), P (re-packed to bf16 A fragments) x V via ldmatrix.trans.
+// Not yet: cp.async/TMA double buffering, wgmma, warp specialization.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sf::kernels::cuda {
+
+struct AttentionSparseBf16Params {
+  const __nv_bfloat16* q;  // [n_q, n_heads, D]
+  const __nv_bfloat16* k;  // [n_k, n_kv_heads, D]
+  const __nv_bfloat16* v;  // [n_k, n_kv_heads, D]
+  __nv_bfloat16* out;      // [n_q, n_heads, D]
+  float* lse;              // [n_heads, n_q], natural log, -inf for rows that see no selected key
+  int64_t n_q, n_k;
+  int n_heads, n_kv_heads;
+  float scale;
+  int64_t q_offset;
+  const int32_t* block_count;
+  const int32_t* block_offset;
+  const int32_t* column_count;
+  const int32_t* column_index;
+  int64_t n_qblocks;
+  int max_blocks, max_cols;
+};
+
+namespace attention_sparse_bf16_detail {
+
+constexpr int kQBlock = 64;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 64;  // keys per tile
+constexpr int kPad = 8;    // bf16 elements of row padding (16 bytes)
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int D>
+struct Smem {
+  __nv_bfloat16 k[kTile][D + kPad];
+  __nv_bfloat16 v[kTile][D + kPad];
+  int64_t pos[kTile];  // key position of tile row j, -1 when empty
+};
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Stages the tile's K/V rows (16 bytes per thread per step); empty rows are zero-filled so that
+// 0-probability columns multiply zeros, never garbage (0 * NaN).
+template <int D>
+__device__ __forceinline__ void load_tile(const AttentionSparseBf16Params& p, Smem<D>& sm,
+                                          int kv_head, int64_t my_pos) {
+  if (threadIdx.x < kTile) sm.pos[threadIdx.x] = my_pos;
+  __syncthreads();
+  constexpr int kVec = D / 8;  // uint4 per row
+  for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
+    const int j = e / kVec, c = e % kVec;
+    const int64_t pos = sm.pos[j];
+    uint4 kk = make_uint4(0, 0, 0, 0), vv = kk;
+    if (pos >= 0) {
+      const int64_t off = (pos * p.n_kv_heads + kv_head) * D;
+      kk = reinterpret_cast<const uint4*>(p.k + off)[c];
+      vv = reinterpret_cast<const uint4*>(p.v + off)[c];
+    }
+    *reinterpret_cast<uint4*>(&sm.k[j][c * 8]) = kk;
+    *reinterpret_cast<uint4*>(&sm.v[j][c * 8]) = vv;
+  }
+  __syncthreads();
+}
+
+template <int D>
+struct WarpState {
+  uint32_t qa[D / 16][4];  // Q A-fragments per k-step
+  float o[D / 8][4];       // O accumulator per 8-dim n-tile
+  float m[2], l[2];        // rows g and g + 8: running max (log2 units), lane-partial sum
+  int64_t lim[2];          // keys < lim visible to the row (0: no row)
+};
+
+template <int D>
+__device__ __forceinline__ void mainloop_tile(float scale_log2, const Smem<D>& sm, int lane,
+                                              WarpState<D>& st) {
+  const int g = lane / 4, tq = lane % 4;
+  // S = Q K^T: 8 n-tiles of 8 keys. ldmatrix x4 (non-trans) over K rows gives the B fragments of
+  // two consecutive k-steps: matrices (key rows nt*8.., dims ks*16 + 0/8, (ks+1)*16 + 0/8).
+  float s[kTile / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks += 2) {
+      uint32_t b[4];
+      const int mi = lane / 8;
+      ldmatrix_x4(b, &sm.k[nt * 8 + lane % 8][ks * 16 + mi * 8]);
+      mma_bf16(s[nt], st.qa[ks][0], st.qa[ks][1], st.qa[ks][2], st.qa[ks][3], b[0], b[1]);
+      mma_bf16(s[nt], st.qa[ks + 1][0], st.qa[ks + 1][1], st.qa[ks + 1][2], st.qa[ks + 1][3], b[2],
+               b[3]);
+    }
+  }
+  // Mask and online softmax. Lane holds rows g (c0, c1) and g + 8 (c2, c3), key columns
+  // nt*8 + 2*tq + {0, 1}.
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t pos = sm.pos[nt * 8 + 2 * tq + (e & 1)];
+      const int r = e >> 1;
+      const float val = (pos >= 0 && pos < st.lim[r]) ? s[nt][e] * scale_log2 : -INFINITY;
+      s[nt][e] = val;
+      mx[r] = fmaxf(mx[r], val);
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(st.m[r], mx[r]);
+    // A row with nothing visible yet keeps m = -inf: alpha 1, probabilities 0.
+    alpha[r] = m_new == -INFINITY ? 1.f : exp2f(st.m[r] - m_new);
+    st.m[r] = m_new;
+  }
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      const float pr = st.m[r] == -INFINITY ? 0.f : exp2f(s[nt][e] - st.m[r]);
+      s[nt][e] = pr;
+      rs[r] += pr;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + rs[r];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    st.o[dt][0] *= alpha[0];
+    st.o[dt][1] *= alpha[0];
+    st.o[dt][2] *= alpha[1];
+    st.o[dt][3] *= alpha[1];
+  }
+  // O += P V: P's C fragments of n-tiles 2kk, 2kk + 1 are the A fragment of key k-step kk.
+  // ldmatrix x4 trans over V rows gives B fragments of two consecutive 8-dim n-tiles: matrices
+  // (key rows kk*16 + 0/8, dims dt*8), (.., (dt+1)*8).
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    const uint32_t a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    const uint32_t a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t b[4];
+      const int mi = lane / 8;
+      ldmatrix_x4_trans(b, &sm.v[kk * 16 + (mi & 1) * 8 + lane % 8][(dt + (mi >> 1)) * 8]);
+      mma_bf16(st.o[dt], a0, a1, a2, a3, b[0], b[1]);
+      mma_bf16(st.o[dt + 1], a0, a1, a2, a3, b[2], b[3]);
+    }
+  }
+  (void)g;
+}
+
+template <int D>
+__device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSparseBf16Params& p) {
+  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+  __shared__ __align__(16) Smem<D> sm;
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
+  const int64_t qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int64_t r0 = qb * kQBlock;
+  const int64_t rows = p.n_q - r0 < kQBlock ? p.n_q - r0 : kQBlock;
+  const int64_t base = p.q_offset + r0;
+  const int64_t cta_end = base + rows < p.n_k ? base + rows : p.n_k;
+
+  WarpState<D> st;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = warp * 16 + g + 8 * r;  // row within the slot
+    const int64_t lim = base + i + 1 < p.n_k ? base + i + 1 : p.n_k;
+    st.lim[r] = i < rows ? lim : 0;
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.f;
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) st.o[dt][0] = st.o[dt][1] = st.o[dt][2] = st.o[dt][3] = 0.f;
+  // Q A-fragments straight from global: registers a0..a3 = (row g, k 2tq), (row g+8, k 2tq),
+  // (row g, k 2tq+8), (row g+8, k 2tq+8) of each 16-wide k-step.
+  {
+    const int i0 = warp * 16 + g, i1 = i0 + 8;
+    const uint32_t* q0 =
+        i0 < rows ? reinterpret_cast<const uint32_t*>(p.q + ((r0 + i0) * p.n_heads + h) * D)
+                  : nullptr;
+    const uint32_t* q1 =
+        i1 < rows ? reinterpret_cast<const uint32_t*>(p.q + ((r0 + i1) * p.n_heads + h) * D)
+                  : nullptr;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int w0 = (ks * 16 + 2 * tq) / 2, w1 = w0 + 4;  // 32-bit word index (2 bf16)
+      st.qa[ks][0] = q0 ? q0[w0] : 0u;
+      st.qa[ks][1] = q1 ? q1[w0] : 0u;
+      st.qa[ks][2] = q0 ? q0[w1] : 0u;
+      st.qa[ks][3] = q1 ? q1[w1] : 0u;
+    }
+  }
+  const float scale_log2 = p.scale * kLog2e;
+
+  const int64_t slot = int64_t(h) * p.n_qblocks + qb;
+  const int32_t* bo = p.block_offset + slot * p.max_blocks;
+  const int32_t* ci = p.column_index + slot * p.max_cols;
+  const int bc = p.block_count[slot], cc = p.column_count[slot];
+  for (int b = 0; b < bc; ++b) {
+    const int64_t k0 = bo[b];
+    const int64_t k1 = k0 + kTile < cta_end ? k0 + kTile : cta_end;
+    if (k0 >= k1) continue;
+    __syncthreads();  // previous tile consumed
+    const int64_t my = int64_t(threadIdx.x) < k1 - k0 ? k0 + threadIdx.x : -1;
+    load_tile(p, sm, kv_head, my);
+    mainloop_tile<D>(scale_log2, sm, lane, st);
+  }
+  for (int c0 = 0; c0 < cc; c0 += kTile) {
+    if (ci[c0] >= cta_end) break;  // sorted ascending
+    int64_t my = -1;
+    if (threadIdx.x < kTile && c0 + int(threadIdx.x) < cc) {
+      const int64_t col = ci[c0 + threadIdx.x];
+      my = col < cta_end ? col : -1;
+    }
+    __syncthreads();
+    load_tile(p, sm, kv_head, my);
+    mainloop_tile<D>(scale_log2, sm, lane, st);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = st.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = warp * 16 + g + 8 * r;
+    if (i >= rows) continue;
+    const int64_t t = r0 + i;
+    const bool any = l > 0.f;
+    const float inv = any ? 1.f / l : 0.f;
+    __nv_bfloat16* o = p.out + (t * p.n_heads + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * tq) =
+          pack_bf16(st.o[dt][2 * r] * inv, st.o[dt][2 * r + 1] * inv);
+    if (tq == 0) p.lse[int64_t(h) * p.n_q + t] = any ? (st.m[r] + log2f(l)) / kLog2e : -INFINITY;
+  }
+}
+
+}  // namespace attention_sparse_bf16_detail
+
+template <int D>
+__global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
+    attention_sparse_bf16_kernel(const AttentionSparseBf16Params p) {
+  attention_sparse_bf16_detail::attention_sparse_bf16_block<D>(p);
+}
+
+template <int D>
+cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p, cudaStream_t stream) {
+  using namespace attention_sparse_bf16_detail;
+  if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
+  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
+  attention_sparse_bf16_kernel<D>
+      <<<dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
+                                                             cudaStream_t);
+extern template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,
+                                                              cudaStream_t);
+
+}  // namespace sf::kernels::cuda
