@@ -34,12 +34,62 @@ def plot_prefill(d, out):
     fig.savefig(out, dpi=100)
 
 
+def plot_attention(d, out):
+    recs = d["records"]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    # Left: dense throughput, ours per dtype beside each SDPA backend of the same run.
+    for dt, mk in (("fp32", "s-"), ("bf16", "o-")):
+        rs = [r for r in recs if r["mode"] == "dense" and r["dtype"] == dt]
+        if rs:
+            ax[0].plot([r["seq_len"] for r in rs], [r["tflops"] for r in rs], mk,
+                       label=f"ours dense {dt}")
+    peer = d.get("sdpa_peer", {}).get("results", [])
+    for be in sorted({r["backend"] + " " + r["dtype"] for r in peer if r.get("ok")}):
+        rs = [r for r in peer if r.get("ok") and r["backend"] + " " + r["dtype"] == be]
+        ax[0].plot([r["seq_len"] for r in rs], [r["tflops"] for r in rs], "x--",
+                   label=f"SDPA {be}")
+    ax[0].set_xscale("log", base=2)
+    ax[0].set_yscale("log")
+    ax[0].set_xlabel("sequence length")
+    ax[0].set_ylabel("TFLOP/s (causal)")
+    ax[0].set_title("dense attention")
+    ax[0].legend(fontsize=7)
+    # Right: total time (host estimate + kernel) against density, sparse modes, bf16 and fp32.
+    lens = sorted({r["seq_len"] for r in recs if r["mode"] != "dense"})
+    for i, L in enumerate(lens):
+        for dt, mk in (("fp32", "s"), ("bf16", "o")):
+            rs = [r for r in recs if r["mode"] != "dense" and r["seq_len"] == L and r["dtype"] == dt]
+            if not rs:
+                continue
+            ax[1].scatter([r["density"] for r in rs],
+                          [r["time_ms"] + r["estimate_ms"] for r in rs], marker=mk,
+                          color=f"C{i}", label=f"{L // 1024}K {dt}: estimate + kernel")
+            ax[1].scatter([r["density"] for r in rs], [r["time_ms"] for r in rs], marker=mk,
+                          facecolors="none", edgecolors=f"C{i}", label=f"{L // 1024}K {dt}: kernel")
+        sd = [r["sdpa_time_ms"] for r in recs if r["seq_len"] == L and r.get("sdpa_time_ms")]
+        if sd:
+            ax[1].axhline(sd[0], color=f"C{i}", ls="--", lw=1, label=f"{L // 1024}K SDPA best bf16")
+    ax[1].set_yscale("log")
+    ax[1].set_xlabel("density (fraction of causal pairs computed)")
+    ax[1].set_ylabel("ms")
+    ax[1].set_title("sparse modes (estimate is host CPU)")
+    ax[1].legend(fontsize=6)
+    dev = d["device"]
+    fig.suptitle(f"attention {d['shape']['heads']}q/{d['shape']['kv_heads']}kv heads, "
+                 f"d={d['shape']['head_dim']}, causal, on {dev['name']} (driver {dev['driver']}), "
+                 f"{d['date'][:10]}, {d['git_commit'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def main():
     for p in sys.argv[1:]:
         d = json.loads(Path(p).read_text())
         out = Path(p).with_suffix(".png")
         if d.get("benchmark") == "prefill-cpu":
             plot_prefill(d, out)
+        elif d.get("benchmark") == "attention":
+            plot_attention(d, out)
         else:
             sys.exit(f"plot_bench: no plot for benchmark {d.get('benchmark')!r}")
         print(f"wrote {out}")

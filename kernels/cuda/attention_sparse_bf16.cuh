@@ -7,15 +7,17 @@
 // Work split. A CTA owns one (head, 64-query block) slot; 4 warps, warp w owns rows 16w..16w+15
 // and keeps their Q fragments in registers (loaded once from global). The key list is walked in
 // tiles of 64 positions (a block entry clipped to the CTA's causal limit, or 64 gathered
-// columns); K/V rows of the tile are staged in shared memory by position (rows padded by 16 bytes
-// so ldmatrix phases are conflict-free), so both kinds of tile share one mainloop:
+// columns); K/V rows of the tile are staged in shared memory by position with cp.async, two
+// stages deep (rows padded by 16 bytes so ldmatrix phases are conflict-free), so both kinds of
+// tile share one mainloop:
 // S = Q K^T (8 key n-tiles x D/16 k-steps), mask, online softmax in registers (scores in log2
 // units, exp2f), P (re-packed to bf16 A fragments) x V via ldmatrix.trans.
-// Not yet: cp.async/TMA double buffering, wgmma, warp specialization.
+// Not yet: TMA, wgmma, warp specialization (FlashAttention-3); see bench/NOTES.md.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace sf::kernels::cuda {
@@ -47,11 +49,17 @@ constexpr int kTile = 64;  // keys per tile
 constexpr int kPad = 8;    // bf16 elements of row padding (16 bytes)
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Two stages: tile t + 1 is copied (cp.async) while tile t is computed. D=128: 69 KB, dynamic
+// shared memory (opt-in above 48 KB); 190 registers per thread allow 2 CTAs per SM anyway.
 template <int D>
-struct Smem {
+struct Stage {
   __nv_bfloat16 k[kTile][D + kPad];
   __nv_bfloat16 v[kTile][D + kPad];
   int64_t pos[kTile];  // key position of tile row j, -1 when empty
+};
+template <int D>
+struct Smem {
+  Stage<D> stage[2];
 };
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -82,27 +90,67 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(addr));
 }
 
-// Stages the tile's K/V rows (16 bytes per thread per step); empty rows are zero-filled so that
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The slot's key list as a sequence of 64-position tiles: first one tile per block entry that
+// starts below the CTA's causal limit (clipped to it), then the gathered columns below the limit
+// in chunks of 64. Both lists are sorted ascending, so the limits are binary searches.
+struct TileList {
+  const int32_t* bo;
+  const int32_t* ci;
+  int n_block_tiles, n_cols;
+  int64_t cta_end;
+
+  __device__ __forceinline__ int count() const {
+    return n_block_tiles + (n_cols + kTile - 1) / kTile;
+  }
+  __device__ __forceinline__ int64_t pos(int t, int j) const {
+    if (t < n_block_tiles) {
+      const int64_t k0 = bo[t];
+      const int64_t k1 = k0 + kTile < cta_end ? k0 + kTile : cta_end;
+      return k0 + j < k1 ? k0 + j : -1;
+    }
+    const int c = (t - n_block_tiles) * kTile + j;
+    return c < n_cols ? int64_t(ci[c]) : -1;
+  }
+};
+
+__device__ __forceinline__ int lower_bound_i32(const int32_t* a, int n, int64_t x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (int64_t(a[mid]) < x)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Issues the copies of tile t into `st` (one commit group). Empty rows are zero-filled so that
 // 0-probability columns multiply zeros, never garbage (0 * NaN).
 template <int D>
-__device__ __forceinline__ void load_tile(const AttentionSparseBf16Params& p, Smem<D>& sm,
-                                          int kv_head, int64_t my_pos) {
-  if (threadIdx.x < kTile) sm.pos[threadIdx.x] = my_pos;
-  __syncthreads();
-  constexpr int kVec = D / 8;  // uint4 per row
+__device__ __forceinline__ void issue_tile(const AttentionSparseBf16Params& p, const TileList& tl,
+                                           int t, Stage<D>& st, int kv_head) {
+  if (threadIdx.x < kTile) st.pos[threadIdx.x] = tl.pos(t, int(threadIdx.x));
+  constexpr int kVec = D / 8;  // 16-byte chunks per row
   for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
     const int j = e / kVec, c = e % kVec;
-    const int64_t pos = sm.pos[j];
-    uint4 kk = make_uint4(0, 0, 0, 0), vv = kk;
-    if (pos >= 0) {
-      const int64_t off = (pos * p.n_kv_heads + kv_head) * D;
-      kk = reinterpret_cast<const uint4*>(p.k + off)[c];
-      vv = reinterpret_cast<const uint4*>(p.v + off)[c];
-    }
-    *reinterpret_cast<uint4*>(&sm.k[j][c * 8]) = kk;
-    *reinterpret_cast<uint4*>(&sm.v[j][c * 8]) = vv;
+    const int64_t pos = tl.pos(t, j);
+    const int64_t off = pos >= 0 ? (pos * p.n_kv_heads + kv_head) * D + c * 8 : 0;
+    cp_async_16(&st.k[j][c * 8], p.k + off, pos >= 0);
+    cp_async_16(&st.v[j][c * 8], p.v + off, pos >= 0);
   }
-  __syncthreads();
+  cp_async_commit();
 }
 
 template <int D>
@@ -114,7 +162,7 @@ struct WarpState {
 };
 
 template <int D>
-__device__ __forceinline__ void mainloop_tile(float scale_log2, const Smem<D>& sm, int lane,
+__device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& sm, int lane,
                                               WarpState<D>& st) {
   const int g = lane / 4, tq = lane % 4;
   // S = Q K^T: 8 n-tiles of 8 keys. ldmatrix x4 (non-trans) over K rows gives the B fragments of
@@ -201,7 +249,8 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Smem<D>& s
 template <int D>
 __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSparseBf16Params& p) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
-  __shared__ __align__(16) Smem<D> sm;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
   const int h = blockIdx.y;
   const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int64_t qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
@@ -248,25 +297,25 @@ __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSpars
   const int32_t* bo = p.block_offset + slot * p.max_blocks;
   const int32_t* ci = p.column_index + slot * p.max_cols;
   const int bc = p.block_count[slot], cc = p.column_count[slot];
-  for (int b = 0; b < bc; ++b) {
-    const int64_t k0 = bo[b];
-    const int64_t k1 = k0 + kTile < cta_end ? k0 + kTile : cta_end;
-    if (k0 >= k1) continue;
-    __syncthreads();  // previous tile consumed
-    const int64_t my = int64_t(threadIdx.x) < k1 - k0 ? k0 + threadIdx.x : -1;
-    load_tile(p, sm, kv_head, my);
-    mainloop_tile<D>(scale_log2, sm, lane, st);
-  }
-  for (int c0 = 0; c0 < cc; c0 += kTile) {
-    if (ci[c0] >= cta_end) break;  // sorted ascending
-    int64_t my = -1;
-    if (threadIdx.x < kTile && c0 + int(threadIdx.x) < cc) {
-      const int64_t col = ci[c0 + threadIdx.x];
-      my = col < cta_end ? col : -1;
+  TileList tl;
+  tl.bo = bo;
+  tl.ci = ci;
+  tl.cta_end = cta_end;
+  tl.n_block_tiles = lower_bound_i32(bo, bc, cta_end);
+  tl.n_cols = lower_bound_i32(ci, cc, cta_end);
+  const int n_tiles = tl.count();
+  if (n_tiles > 0) issue_tile(p, tl, 0, sm.stage[0], kv_head);
+  for (int t = 0; t < n_tiles; ++t) {
+    // Stage (t + 1) & 1 was last read by tile t - 1, which every warp finished (barrier below).
+    if (t + 1 < n_tiles) {
+      issue_tile(p, tl, t + 1, sm.stage[(t + 1) & 1], kv_head);
+      cp_async_wait<1>();  // tile t landed; t + 1 may still be in flight
+    } else {
+      cp_async_wait<0>();
     }
-    __syncthreads();
-    load_tile(p, sm, kv_head, my);
-    mainloop_tile<D>(scale_log2, sm, lane, st);
+    __syncthreads();  // every thread's copies (and pos stores) of tile t are visible
+    mainloop_tile<D>(scale_log2, sm.stage[t & 1], lane, st);
+    __syncthreads();  // stage t & 1 consumed before tile t + 2 overwrites it
   }
 
 #pragma unroll
@@ -301,8 +350,22 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p, cud
   using namespace attention_sparse_bf16_detail;
   if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
   if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
+  constexpr size_t kSmem = sizeof(Smem<D>);
+  // Opt in above 48 KB once per device and instantiation (a function attribute, not a stream
+  // operation; done on the first launch, so before any graph capture that follows it).
+  static std::atomic<uint64_t> opted_in{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
+    err = cudaFuncSetAttribute(attention_sparse_bf16_kernel<D>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_relaxed);
+  }
   attention_sparse_bf16_kernel<D>
-      <<<dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, 0, stream>>>(p);
+      <<<dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
