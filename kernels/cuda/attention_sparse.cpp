@@ -1,7 +1,6 @@
-// Host side of the CUDA sparse kernel: the index's device layout, its upload
-// (plan step) and the backend-neutral entry point that takes a host
-// SparseIndex. Plain C++20 (the index header uses std::span); the launch itself
-// is in cuda_ops.cu.
+// Host side of the CUDA sparse kernels: the index's device layout, its upload (plan step) and the
+// backend-neutral entry point that takes a host SparseIndex. Plain C++20 (the index header uses
+// std::span); the launches are in cuda_ops.cu.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -15,8 +14,8 @@
 namespace sf::kernels::cuda {
 namespace {
 
-struct IndexLayout {  // int32 element offsets of the four arrays in one
-                      // allocation
+// int32 element offsets of the four arrays in one allocation.
+struct IndexLayout {
   size_t bc = 0, bo = 0, cc = 0, ci = 0, total = 0;
 };
 IndexLayout index_layout(const SparseIndex& idx) {
@@ -95,8 +94,7 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                   ? Status::ok()
                   : cuda_status(err, "attention_sparse: index upload", __FILE__, __LINE__);
   if (st.is_ok()) st = attention_sparse(q, k, v, index_view(idx, base), out, lse, p, stream);
-  // Freed in stream order after the kernel; the first error is the one
-  // reported.
+  // Freed in stream order after the kernel; the first error is the one reported.
   const cudaError_t free_err = cudaFreeAsync(dev, s);
   if (st.is_ok()) SF_CUDA_TRY(free_err);
   return st;

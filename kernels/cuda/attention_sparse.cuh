@@ -1,23 +1,20 @@
-// Sparse causal attention with LSE over the unified index
-// (kernels/sparse_index.h), fp32, GQA-native: query head h reads K/V of head h
-// / (n_heads / n_kv_heads) in place, no repeat_kv. One online softmax per row
-// runs across the slot's block entries and then its gathered columns, so the
-// result is exact attention over the selected keys (the CPU kernel's contract).
+// Sparse causal attention with LSE over the unified index (kernels/sparse_index.h), fp32,
+// GQA-native: query head h reads K/V of head h / (n_heads / n_kv_heads) in place, no repeat_kv.
+// One online softmax per row runs across the slot's block entries and then its gathered columns,
+// so the result is exact attention over the selected keys (the CPU kernel's contract). This is
+// the fp32 reference; attention_sparse_bf16.cuh is the tensor-core kernel.
 //
-// Work split. A CTA owns kRows = 16 consecutive query rows of one (head,
-// 64-query block) slot: 4 CTAs per slot, 4 warps, 4 rows per warp. The slot's
-// key list is walked in tiles of kKeys = 32 key positions (lane j owns key j
-// for the scores, head dims lane + 32 i for the output), each tile either a
-// stretch of one block entry or 32 gathered columns; K/V rows are staged in
-// shared memory by position, so both kinds of tile run the same mainloop. Keys
-// at or past the CTA's own causal limit are skipped (the upper part of the
-// diagonal block costs nothing); the per-row mask inside the tile is exactly
-// the CPU kernel's (key < base + i + 1). Slots of later query blocks (more keys
-// under a causal index) are launched first.
+// Work split. A CTA owns kRows = 16 consecutive query rows of one (head, 64-query block) slot:
+// 4 CTAs per slot, 4 warps, 4 rows per warp. The slot's key list is walked in tiles of
+// kKeys = 32 key positions (lane j owns key j for the scores, head dims lane + 32 i for the
+// output), each tile either a stretch of one block entry or 32 gathered columns; K/V rows are
+// staged in shared memory by position, so both kinds of tile run the same mainloop. Keys at or
+// past the CTA's own causal limit are skipped (the upper part of the diagonal block costs
+// nothing); the per-row mask inside the tile is exactly the CPU kernel's (key < base + i + 1).
+// Slots of later query blocks (more keys under a causal index) are launched first.
 //
-// Index on the device: the four arrays of SparseIndex laid out as on the host.
-// Offsets into q/k/v/out and the index are 64-bit: at 1M tokens n_q * n_heads *
-// D passes 2^31.
+// Index on the device: the four arrays of SparseIndex laid out as on the host. Offsets into
+// q/k/v/out and the index are 64-bit: at 1M tokens n_q * n_heads * D passes 2^31.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -32,8 +29,7 @@ struct AttentionSparseParams {
   const float* k;  // [n_k, n_kv_heads, D]
   const float* v;  // [n_k, n_kv_heads, D]
   float* out;      // [n_q, n_heads, D]
-  float* lse;      // [n_heads, n_q], natural log, -inf for rows that see no selected
-                   // key
+  float* lse;      // [n_heads, n_q], natural log, -inf for rows that see no selected key
   int64_t n_q, n_k;
   int n_heads, n_kv_heads;
   float scale;
@@ -57,9 +53,9 @@ constexpr int kRows = kWarps * kRowsPerWarp;  // 16: a quarter of a slot
 constexpr int kSubBlocks = kQBlock / kRows;
 constexpr int kKeys = 32;
 
-// D=128: 8 KB + 16.5 KB + 16 KB + 256 B, under the 48 KB static limit. Rows of
-// q and k are read as float4; k rows are padded by 4 floats so the 8 lanes of a
-// 128-bit load phase (rows 132 words apart) fall on distinct banks.
+// D=128: 8 KB + 16.5 KB + 16 KB + 256 B, under the 48 KB static limit. Rows of q and k are read
+// as float4; k rows are padded by 4 floats so the 8 lanes of a 128-bit load phase (rows 132
+// words apart) fall on distinct banks.
 template <int D>
 struct Smem {
   float q[kRows][D];
@@ -75,9 +71,8 @@ struct RowState {
   int64_t limit[kRowsPerWarp];  // keys < limit are visible to the row (0: no row)
 };
 
-// Stages K/V rows of the tile: positions first (one per lane of warp 0), then
-// the rows as float4. Empty slots are zero-filled: their probability is 0, and
-// 0 * garbage could be NaN.
+// Stages K/V rows of the tile: positions first (one per lane of warp 0), then the rows as float4.
+// Empty slots are zero-filled: their probability is 0, and 0 * garbage could be NaN.
 template <int D>
 __device__ __forceinline__ void load_tile(const AttentionSparseParams& p, Smem<D>& sm, int kv_head,
                                           int64_t my_pos) {
@@ -182,9 +177,8 @@ __device__ __forceinline__ void attention_sparse_block(const AttentionSparsePara
   const int32_t* bo = p.block_offset + slot * p.max_blocks;
   const int32_t* ci = p.column_index + slot * p.max_cols;
   const int bc = p.block_count[slot], cc = p.column_count[slot];
-  // Block entries: each covers [off, min(off + 64, slot kend)); clipping at
-  // cta_end (<= slot kend) drops keys no row of this CTA sees. Two 32-key tiles
-  // per full entry.
+  // Block entries: each covers [off, min(off + 64, slot kend)); clipping at cta_end (<= slot
+  // kend) drops keys no row of this CTA sees. Two 32-key tiles per full entry.
   for (int b = 0; b < bc; ++b) {
     const int64_t k0 = bo[b];
     const int64_t k1 = k0 + kQBlock < cta_end ? k0 + kQBlock : cta_end;
@@ -194,8 +188,7 @@ __device__ __forceinline__ void attention_sparse_block(const AttentionSparsePara
       mainloop_tile<D>(p.scale, sm, warp, lane, st);
     }
   }
-  // Columns: sorted ascending, so the first one at or past cta_end ends the
-  // list for this CTA.
+  // Columns: sorted ascending, so the first one at or past cta_end ends the list for this CTA.
   for (int c0 = 0; c0 < cc; c0 += kKeys) {
     if (ci[c0] >= cta_end) break;
     int64_t pos = -1;
