@@ -16,7 +16,7 @@ void usage() {
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
                "           [--device cpu|cuda]\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
-               "  bench    attention [--lengths 8192,32768] [--sparse-lengths 32768] [--reps N] [--blocks K]\n"
+               "  bench    attention [--lengths 8192,32768] [--sparse-lengths 32768] [--dtypes fp32,bf16] [--reps N] [--blocks K]\n"
                "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE.json]\n"
                "  inspect  --model PATH|default\n"
                "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
