@@ -173,6 +173,27 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
               static_cast<long long>(sp.blocks_visited), e_psa, e_full);
 }
 
+// Uniform attention (all keys zero) over 20 full blocks and a newest block holding one token.
+// The one-token block's raw mass must not become AS_min (it is pinned, and masses count as
+// full-block equivalents): it would stand for every unseen block and end the visit early.
+TEST(DecodeAttention, PsaNewestPartialBlockDoesNotEndTheVisit) {
+  const int n = 64 * 20 + 1, d = 16;
+  std::vector<float> q(static_cast<size_t>(d), 1.f), k(static_cast<size_t>(n * d), 0.f),
+      v(static_cast<size_t>(n * d), 1.f);
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  ASSERT_EQ(cache->pages(0, 0).size(), 21u);
+  decode::DecodeAttnParams p;
+  p.mode = decode::DecodeAttnMode::kPsa;
+  p.eps = 0.9;
+  decode::DecodeAttnStats st;
+  std::vector<float> out(static_cast<size_t>(d));
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p, out.data(), &st).is_ok());
+  // Exact uniform mass: stop once (65 + 64 k) / (65 + 64 * 19) >= 0.9, i.e. k = 17 ranked blocks.
+  EXPECT_EQ(st.blocks_visited, 2 + 17);
+  EXPECT_NEAR(out[0], 1.f, 1e-6f);
+}
+
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
   EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
