@@ -243,7 +243,9 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   man["model"] = std::move(model);
   man["compat_hash"] = compat_hash(spec);
   man["dtype"] = "F32";
-  man["layout"] = "key/value: [1, n_kv_heads, n_tokens, head_dim]; keys after RoPE in rotate-half order";
+  man["layout"] =
+      "key/value: [1, n_kv_heads, n_kept, head_dim] (per shard layout uniform) or key.hH/value.hH: "
+      "[1, 1, n_kept_H, head_dim] (per_head); keys after RoPE in rotate-half order";
   man["block_size"] = kKvBlockSize;
   man["n_tokens"] = S;
   boost::json::array ids;
