@@ -1,0 +1,82 @@
+#include "comm/communicator.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace sf::comm {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+std::chrono::milliseconds default_timeout() {
+  if (const char* e = std::getenv("SF_COMM_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double s = std::strtod(e, &end);
+    if (end != e && *end == '\0' && s > 0) return std::chrono::milliseconds(int64_t(s * 1000));
+  }
+  return std::chrono::milliseconds(120000);
+}
+
+namespace {
+
+// Size 1: the group is this rank alone, so nothing ever waits.
+class SelfCommunicator final : public Communicator {
+ public:
+  explicit SelfCommunicator(std::string name) { name_ = std::move(name); }
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const char* backend() const override { return "self"; }
+
+  Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp) override {
+    return copy(send, recv, count, t, "all_reduce");
+  }
+  Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
+    return copy(send, recv, count, t, "all_gather");
+  }
+  Status all_gatherv(const void* send, int64_t send_count, void* recv, std::span<const int64_t> counts,
+                     DType t) override {
+    if (counts.size() != 1 || counts[0] != send_count)
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': counts must be {send_count}");
+    return copy(send, recv, send_count, t, "all_gatherv");
+  }
+  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t, ReduceOp) override {
+    return copy(send, recv, recv_count, t, "reduce_scatter");
+  }
+  Status send(const void*, int64_t, DType, int peer, int) override {
+    return SF_ERR(kInvalidArgument, "comm: send to rank " + std::to_string(peer) + " on the one-rank communicator '" + name_ + "'");
+  }
+  Status recv(void*, int64_t, DType, int peer, int) override {
+    return SF_ERR(kInvalidArgument, "comm: recv from rank " + std::to_string(peer) + " on the one-rank communicator '" + name_ + "'");
+  }
+  Status bcast(void*, int64_t count, DType, int root) override {
+    if (root != 0 || count < 0) return SF_ERR(kInvalidArgument, "comm: bcast on '" + name_ + "': root must be 0");
+    return Status::ok();
+  }
+  Status barrier() override { return Status::ok(); }
+  Result<std::unique_ptr<Communicator>> split(int, int, const std::string& name) override {
+    return std::unique_ptr<Communicator>(std::make_unique<SelfCommunicator>(name));
+  }
+
+ private:
+  Status copy(const void* send, void* recv, int64_t count, DType t, const char* op) {
+    if (count < 0) return SF_ERR(kInvalidArgument, std::string("comm: ") + op + ": negative count");
+    const size_t n = size_t(count) * dtype_size(t);
+    if (n && send != recv) std::memmove(recv, send, n);
+    bytes_sent_ += int64_t(n);
+    return Status::ok();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name) {
+  return std::make_unique<SelfCommunicator>(name);
+}
+
+}  // namespace sf::comm

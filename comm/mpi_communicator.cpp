@@ -1,0 +1,408 @@
+#include "comm/mpi_communicator.h"
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#if SF_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace sf::comm {
+
+#if SF_HAVE_MPI
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+// Set when any communicator aborts: finalization could then block on its pending requests.
+bool g_any_abort = false;
+
+std::string mpi_error_string(int rc) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
+  return std::string(buf, size_t(len));
+}
+
+// Reductions are defined on these; any dtype can be moved as raw elements.
+Result<MPI_Datatype> mpi_type(DType t, bool reduce) {
+  switch (t) {
+    case DType::kF32: return MPI_FLOAT;
+    case DType::kI32: return MPI_INT32_T;
+    case DType::kI64: return MPI_INT64_T;
+    case DType::kF16:
+    case DType::kBF16:
+      if (!reduce) return MPI_UINT16_T;
+      break;
+    case DType::kU8:
+      if (!reduce) return MPI_UINT8_T;
+      break;
+  }
+  return SF_ERR(kUnsupported, std::string("comm: no reduction on dtype ") + dtype_name(t));
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kMin: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+// "0-3" or "0,2,5": the world ranks of a group, for error messages.
+std::string rank_list(const std::vector<int>& r) {
+  std::string s;
+  for (size_t i = 0; i < r.size();) {
+    size_t j = i;
+    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(r[i]);
+    if (j > i) {
+      s += '-';
+      s += std::to_string(r[j]);
+    }
+    i = j + 1;
+  }
+  return s;
+}
+
+std::string seconds_str(std::chrono::milliseconds ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f s", double(ms.count()) / 1000.0);
+  return b;
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm c, std::string name) : comm_(c) {
+    name_ = std::move(name);
+    timeout_ = default_timeout();
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    MPI_Group g, wg;
+    MPI_Comm_group(comm_, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    std::vector<int> mine(size_t(size_), 0);
+    for (int i = 0; i < size_; ++i) mine[size_t(i)] = i;
+    world_ranks_.assign(size_t(size_), 0);
+    MPI_Group_translate_ranks(g, size_, mine.data(), wg, world_ranks_.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+  }
+  ~MpiCommunicator() override {
+    // A pending request may still reference comm_: leave it to MPI_Abort in that case.
+    if (!aborted() && mpi_initialized()) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "mpi"; }
+
+  Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp op) override {
+    SF_TRY(check_usable("all_reduce", count));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, true));
+    const size_t n = size_t(count) * dtype_size(t);
+    stage_.resize(n);
+    if (n) std::memcpy(stage_.data(), send, n);
+    SF_TRY(run("all_reduce", group_desc(), [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, stage_.data(), int(count), mt, mpi_op(op), comm_, r);
+    }));
+    if (n) std::memcpy(recv, stage_.data(), n);
+    bytes_sent_ += int64_t(n);
+    return Status::ok();
+  }
+
+  Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
+    SF_TRY(check_usable("all_gather", count * size_));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t n = size_t(count) * dtype_size(t);
+    stage_.resize(n * size_t(size_));
+    if (n) std::memcpy(stage_.data() + n * size_t(rank_), send, n);
+    SF_TRY(run("all_gather", group_desc(), [&](MPI_Request* r) {
+      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), int(count), mt, comm_, r);
+    }));
+    if (n) std::memcpy(recv, stage_.data(), n * size_t(size_));
+    bytes_sent_ += int64_t(n);
+    return Status::ok();
+  }
+
+  Status all_gatherv(const void* send, int64_t send_count, void* recv, std::span<const int64_t> counts,
+                     DType t) override {
+    if (int(counts.size()) != size_)
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': " + std::to_string(counts.size()) +
+                                          " counts for " + std::to_string(size_) + " ranks");
+    if (counts[size_t(rank_)] != send_count)
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': counts[" + std::to_string(rank_) +
+                                          "] = " + std::to_string(counts[size_t(rank_)]) + " but send_count is " +
+                                          std::to_string(send_count));
+    // Members: MPI reads them until completion, which may come after a deadline.
+    std::vector<int>& cnt = cnt_;
+    std::vector<int>& disp = disp_;
+    cnt.assign(size_t(size_), 0);
+    disp.assign(size_t(size_), 0);
+    int64_t total = 0;
+    for (int i = 0; i < size_; ++i) {
+      if (counts[size_t(i)] < 0) return SF_ERR(kInvalidArgument, "comm: all_gatherv: negative count");
+      cnt[size_t(i)] = int(counts[size_t(i)]);
+      disp[size_t(i)] = int(total);
+      total += counts[size_t(i)];
+      if (total > INT_MAX) return SF_ERR(kOutOfRange, "comm: all_gatherv: more than INT_MAX elements");
+    }
+    SF_TRY(check_usable("all_gatherv", total));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t es = dtype_size(t);
+    stage_.resize(size_t(total) * es);
+    if (send_count) std::memcpy(stage_.data() + size_t(disp[size_t(rank_)]) * es, send, size_t(send_count) * es);
+    SF_TRY(run("all_gatherv", group_desc(), [&](MPI_Request* r) {
+      return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), cnt.data(), disp.data(), mt,
+                             comm_, r);
+    }));
+    if (total) std::memcpy(recv, stage_.data(), size_t(total) * es);
+    bytes_sent_ += send_count * int64_t(es);
+    return Status::ok();
+  }
+
+  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t, ReduceOp op) override {
+    SF_TRY(check_usable("reduce_scatter", recv_count * size_));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, true));
+    const size_t n = size_t(recv_count) * dtype_size(t);
+    stage_.resize(n * size_t(size_) + n);
+    if (n) std::memcpy(stage_.data(), send, n * size_t(size_));
+    char* out = stage_.data() + n * size_t(size_);
+    SF_TRY(run("reduce_scatter", group_desc(), [&](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block(stage_.data(), out, int(recv_count), mt, mpi_op(op), comm_, r);
+    }));
+    if (n) std::memcpy(recv, out, n);
+    bytes_sent_ += int64_t(n) * size_;
+    return Status::ok();
+  }
+
+  Status send(const void* buf, int64_t count, DType t, int peer, int tag) override {
+    SF_TRY(check_usable("send", count));
+    SF_TRY(check_peer("send", peer));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t n = size_t(count) * dtype_size(t);
+    stage_.resize(n);
+    if (n) std::memcpy(stage_.data(), buf, n);
+    SF_TRY(run("send", peer_desc(peer), [&](MPI_Request* r) {
+      return MPI_Isend(stage_.data(), int(count), mt, peer, tag, comm_, r);
+    }));
+    bytes_sent_ += int64_t(n);
+    return Status::ok();
+  }
+
+  Status recv(void* buf, int64_t count, DType t, int peer, int tag) override {
+    SF_TRY(check_usable("recv", count));
+    SF_TRY(check_peer("recv", peer));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t n = size_t(count) * dtype_size(t);
+    stage_.resize(n);
+    SF_TRY(run("recv", peer_desc(peer), [&](MPI_Request* r) {
+      return MPI_Irecv(stage_.data(), int(count), mt, peer, tag, comm_, r);
+    }));
+    if (n) std::memcpy(buf, stage_.data(), n);
+    return Status::ok();
+  }
+
+  Status bcast(void* buf, int64_t count, DType t, int root) override {
+    SF_TRY(check_usable("bcast", count));
+    SF_TRY(check_peer("bcast", root));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t n = size_t(count) * dtype_size(t);
+    stage_.resize(n);
+    if (n && rank_ == root) std::memcpy(stage_.data(), buf, n);
+    SF_TRY(run("bcast", group_desc() + ", root " + std::to_string(root), [&](MPI_Request* r) {
+      return MPI_Ibcast(stage_.data(), int(count), mt, root, comm_, r);
+    }));
+    if (n && rank_ != root) std::memcpy(buf, stage_.data(), n);
+    if (rank_ == root) bytes_sent_ += int64_t(n);
+    return Status::ok();
+  }
+
+  Status barrier() override {
+    SF_TRY(check_usable("barrier", 0));
+    return run("barrier", group_desc(), [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
+  }
+
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override {
+    SF_TRY(check_usable("split", 0));
+    if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
+    // Everyone is here once the barrier completes, so the blocking split cannot hang on a
+    // missing rank.
+    SF_TRY(run("split (barrier)", group_desc(), [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); }));
+    MPI_Comm nc = MPI_COMM_NULL;
+    const int rc = MPI_Comm_split(comm_, color, key, &nc);
+    if (rc != MPI_SUCCESS) return fail("split", group_desc(), "MPI_Comm_split: " + mpi_error_string(rc));
+    auto c = std::make_unique<MpiCommunicator>(nc, name);
+    c->set_timeout(timeout_);
+    return std::unique_ptr<Communicator>(std::move(c));
+  }
+
+ private:
+  Status check_usable(const char* op, int64_t count) {
+    if (aborted())
+      return Status(abort_status_.code(), "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
+                                              "' (first error: " + abort_status_.message() + ")", __FILE__, __LINE__);
+    if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
+    if (count > INT_MAX)
+      return SF_ERR(kOutOfRange, "comm: " + std::string(op) + ": " + std::to_string(count) +
+                                     " elements exceed one MPI call (INT_MAX)");
+    return Status::ok();
+  }
+  Status check_peer(const char* op, int peer) {
+    if (peer < 0 || peer >= size_)
+      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " + std::to_string(peer) +
+                                          " outside '" + name_ + "' of size " + std::to_string(size_));
+    return Status::ok();
+  }
+  std::string group_desc() const {
+    return "'" + name_ + "' (" + std::to_string(size_) + " ranks: world " + rank_list(world_ranks_) +
+           "; this is rank " + std::to_string(rank_) + ", world " + std::to_string(world_ranks_[size_t(rank_)]) + ")";
+  }
+  std::string peer_desc(int peer) const {
+    return "'" + name_ + "' between rank " + std::to_string(rank_) + " (world " +
+           std::to_string(world_ranks_[size_t(rank_)]) + ") and rank " + std::to_string(peer) + " (world " +
+           std::to_string(world_ranks_[size_t(peer)]) + ")";
+  }
+  Status fail(const char* op, const std::string& who, const std::string& why,
+              Code code = Code::kInternal) {
+    g_any_abort = true;
+    abort_status_ = Status(code, "comm: " + std::string(op) + " on " + who + ": " + why + "; communicator aborted",
+                           __FILE__, __LINE__);
+    return abort_status_;
+  }
+
+  // Starts one non-blocking call and polls it until it completes or the deadline passes.
+  Status run(const char* op, const std::string& who, const std::function<int(MPI_Request*)>& start) {
+    const auto t0 = clock::now();
+    const auto deadline = t0 + timeout_;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int rc = start(&req);
+    if (rc != MPI_SUCCESS) return fail(op, who, mpi_error_string(rc));
+    int spins = 0;
+    for (;;) {
+      int done = 0;
+      rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return fail(op, who, mpi_error_string(rc));
+      if (done) return Status::ok();
+      if (clock::now() >= deadline) {
+        // MPI may still write the staging buffer: give it away for good.
+        new std::vector<char>(std::move(stage_));  // NOLINT: deliberately leaked
+        new std::vector<int>(std::move(cnt_));     // NOLINT
+        new std::vector<int>(std::move(disp_));    // NOLINT
+        stage_ = {};
+        cnt_ = {};
+        disp_ = {};
+        return fail(op, who, "did not complete within its deadline of " + seconds_str(timeout_) +
+                                 " (a peer is stuck, dead or not calling it)", Code::kDeadlineExceeded);
+      }
+      if (++spins < 32) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(spins < 256 ? 20 : 200));
+      }
+    }
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+  std::vector<int> world_ranks_;
+  std::vector<char> stage_;
+  std::vector<int> cnt_, disp_;
+};
+
+}  // namespace
+
+Status mpi_init(int* argc, char*** argv) {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) return Status::ok();
+  int provided = 0;
+  const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+  if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "MPI_Init_thread failed: " + mpi_error_string(rc));
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  return Status::ok();
+}
+
+bool mpi_initialized() {
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  return inited && !finalized;
+}
+
+void mpi_finalize() {
+  if (mpi_initialized()) MPI_Finalize();
+}
+
+bool mpi_any_aborted() { return g_any_abort; }
+
+void mpi_abort_job(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (mpi_initialized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+int mpi_world_rank() {
+  int r = 0;
+  if (mpi_initialized()) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int mpi_world_size() {
+  int n = 1;
+  if (mpi_initialized()) MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
+  if (!mpi_initialized()) return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
+  // MPI_Comm_idup: even duplicating the world waits with a deadline.
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
+  if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
+  const auto timeout = default_timeout();
+  const auto deadline = clock::now() + timeout;
+  for (;;) {
+    int done = 0;
+    rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
+    if (done) break;
+    if (clock::now() >= deadline) {
+      g_any_abort = true;
+      return SF_ERR(kDeadlineExceeded, "comm: duplicating the world communicator (" + std::to_string(mpi_world_size()) +
+                                           " ranks) did not complete within " + seconds_str(timeout));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(dup, name));
+}
+
+#else  // !SF_HAVE_MPI
+
+Status mpi_init(int*, char***) { return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)"); }
+bool mpi_initialized() { return false; }
+void mpi_finalize() {}
+bool mpi_any_aborted() { return false; }
+void mpi_abort_job(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
+int mpi_world_rank() { return 0; }
+int mpi_world_size() { return 1; }
+Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string&) {
+  return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)");
+}
+
+#endif
+
+}  // namespace sf::comm

@@ -1,0 +1,37 @@
+// MPI implementation of Communicator on host buffers, plus the process-edge helpers a job's
+// main() needs (init, world communicator, job-wide abort). Only built when SF_MPI found MPI
+// (SF_HAVE_MPI=1); without it make_mpi_world() returns kUnsupported.
+//
+// Every wait is a non-blocking MPI call polled against the call's deadline (MPI_Test, yielding
+// then sleeping up to 200 us between polls: ranks are often oversubscribed on CPU). Buffers are
+// staged in memory the communicator owns; on a deadline the staging is handed to the pending
+// request and never freed, because MPI cannot cancel a collective.
+//
+// MPI_Comm_split has no non-blocking form: split() first passes a deadline-bounded barrier, so a
+// missing rank shows as a deadline error rather than a hang.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+
+namespace sf::comm {
+
+// MPI_Init_thread (funneled: only the calling thread talks MPI). Idempotent.
+Status mpi_init(int* argc, char*** argv);
+bool mpi_initialized();
+// MPI_Finalize. After a communicator aborted (mpi_any_aborted), its pending requests may block
+// finalization forever: end the job with mpi_abort_job instead.
+void mpi_finalize();
+bool mpi_any_aborted();
+// Ends every rank of the job (MPI_Abort on the world) with the given exit code. Process edge
+// only: library code returns a Status instead.
+[[noreturn]] void mpi_abort_job(int code);
+// World rank and size, or 0 / 1 when MPI is not initialized (a plain process).
+int mpi_world_rank();
+int mpi_world_size();
+
+// A communicator over a duplicate of MPI_COMM_WORLD (errors return, never abort).
+Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name = "world");
+
+}  // namespace sf::comm

@@ -1,0 +1,53 @@
+// main() of the mpi-label tests: every rank runs the same GoogleTest binary in the same test
+// order, so collectives match. A failing rank exits non-zero and mpiexec reports the job failed;
+// deadlines (30 s here) keep a rank that left a test early from hanging the others.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <random>
+
+#include "comm/mpi_communicator.h"
+#include "tests/comm/mpi_test_env.h"
+
+namespace sf::testing {
+namespace {
+std::unique_ptr<comm::Communicator> g_world;
+uint64_t g_seed = 0;
+}  // namespace
+comm::Communicator& test_world() { return *g_world; }
+uint64_t test_seed() { return g_seed; }
+}  // namespace sf::testing
+
+int main(int argc, char** argv) {
+  const sf::Status st = sf::comm::mpi_init(&argc, &argv);
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
+    return 1;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  auto w = sf::comm::make_mpi_world();
+  if (!w.is_ok()) {
+    std::fprintf(stderr, "error: %s\n", w.status().to_string().c_str());
+    sf::comm::mpi_abort_job(1);
+  }
+  sf::testing::g_world = std::move(w).value();
+  sf::testing::g_world->set_timeout(std::chrono::seconds(30));
+  uint64_t seed = std::random_device{}();
+  seed = (seed << 32) ^ std::random_device{}();
+  if (!sf::testing::g_world->bcast(&seed, 1, sf::DType::kI64, 0).is_ok()) sf::comm::mpi_abort_job(1);
+  sf::testing::g_seed = seed;
+  if (sf::testing::g_world->rank() == 0)
+    std::printf("seed %llu, %d ranks\n", static_cast<unsigned long long>(seed), sf::testing::g_world->size());
+  const int rc = RUN_ALL_TESTS();
+  // Agree on the outcome so every rank exits the same way.
+  int32_t bad = rc != 0, any_bad = 0;
+  const sf::Status red = sf::testing::g_world->all_reduce(&bad, &any_bad, 1, sf::DType::kI32, sf::comm::ReduceOp::kMax);
+  if (!red.is_ok() || sf::comm::mpi_any_aborted()) {
+    if (!red.is_ok()) std::fprintf(stderr, "error: %s\n", red.to_string().c_str());
+    // A test aborted a communicator on purpose or failed: finalization could block.
+    if (!red.is_ok() || any_bad) sf::comm::mpi_abort_job(1);
+  }
+  sf::testing::g_world.reset();
+  sf::comm::mpi_finalize();
+  return any_bad ? 1 : 0;
+}

@@ -1,0 +1,209 @@
+// MpiCommunicator under mpiexec (any np >= 2; CI runs 4): every collective against the result
+// each rank computes itself from the shared seed, outputs poisoned first; split groups; and the
+// deadline contract: a rank that arrives late makes the waiting rank fail within its deadline
+// with an error naming the collective and the ranks, and the communicator then fails fast.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "tests/comm/mpi_test_env.h"
+
+namespace sf {
+namespace {
+
+using testing::test_seed;
+using testing::test_world;
+
+// Rank r's input of n values, the same on every rank that asks.
+std::vector<float> input_f32(int r, int64_t n, uint64_t salt) {
+  std::mt19937_64 rng(test_seed() ^ (uint64_t(r + 1) * 0x9e3779b97f4a7c15ull) ^ salt);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> v{};
+  v.resize(size_t(n));
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+std::vector<int64_t> input_i64(int r, int64_t n, uint64_t salt) {
+  std::mt19937_64 rng(test_seed() ^ (uint64_t(r + 7) * 0x2545f4914f6cdd1dull) ^ salt);
+  std::vector<int64_t> v{};
+  v.resize(size_t(n));
+  for (auto& x : v) x = int64_t(rng() % 2000001) - 1000000;
+  return v;
+}
+
+TEST(CommMpi, WorldShape) {
+  auto& w = test_world();
+  ASSERT_GE(w.size(), 2) << "run under mpiexec -np >= 2";
+  EXPECT_STREQ(w.backend(), "mpi");
+  EXPECT_LT(w.rank(), w.size());
+}
+
+TEST(CommMpi, AllReduceSumMaxExact) {
+  auto& w = test_world();
+  const int64_t n = 1000 + int64_t(test_seed() % 97);
+  auto mine = input_i64(w.rank(), n, 1);
+  std::vector<int64_t> sum(size_t(n), -777), mx(size_t(n), -777), want_sum(size_t(n), 0),
+      want_max(size_t(n), INT64_MIN);
+  for (int r = 0; r < w.size(); ++r) {
+    auto v = input_i64(r, n, 1);
+    for (int64_t i = 0; i < n; ++i) {
+      want_sum[size_t(i)] += v[size_t(i)];
+      want_max[size_t(i)] = std::max(want_max[size_t(i)], v[size_t(i)]);
+    }
+  }
+  ASSERT_TRUE(w.all_reduce(mine.data(), sum.data(), n, DType::kI64, comm::ReduceOp::kSum).is_ok());
+  ASSERT_TRUE(w.all_reduce(mine.data(), mx.data(), n, DType::kI64, comm::ReduceOp::kMax).is_ok());
+  EXPECT_EQ(sum, want_sum);
+  EXPECT_EQ(mx, want_max);
+}
+
+TEST(CommMpi, AllReduceF32InPlace) {
+  auto& w = test_world();
+  const int64_t n = 4096;
+  auto v = input_f32(w.rank(), n, 2);
+  std::vector<double> want(size_t(n), 0);
+  for (int r = 0; r < w.size(); ++r) {
+    auto o = input_f32(r, n, 2);
+    for (int64_t i = 0; i < n; ++i) want[size_t(i)] += o[size_t(i)];
+  }
+  ASSERT_TRUE(w.all_reduce(v.data(), v.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  // fp32 sums of <= 4 terms in [-1, 1]: any order is within a few ulp of 4.
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(double(v[size_t(i)]) - want[size_t(i)]));
+  EXPECT_LT(worst, 4e-6);
+}
+
+TEST(CommMpi, AllGatherAndGatherV) {
+  auto& w = test_world();
+  const int64_t n = 333;
+  auto mine = input_f32(w.rank(), n, 3);
+  std::vector<float> all(size_t(n * w.size()), std::nanf(""));
+  ASSERT_TRUE(w.all_gather(mine.data(), all.data(), n, DType::kF32).is_ok());
+  for (int r = 0; r < w.size(); ++r) {
+    auto v = input_f32(r, n, 3);
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), all.begin() + r * n)) << "block of rank " << r;
+  }
+  // Variable counts, one rank sending nothing (CP ranks with empty chunks do).
+  std::vector<int64_t> counts(size_t(w.size()));
+  int64_t total = 0;
+  for (int r = 0; r < w.size(); ++r) total += counts[size_t(r)] = r == 1 ? 0 : 10 + 17 * r;
+  auto mv = input_f32(w.rank(), counts[size_t(w.rank())], 4);
+  std::vector<float> gv(size_t(total) + 8, std::nanf(""));
+  ASSERT_TRUE(w.all_gatherv(mv.data(), counts[size_t(w.rank())], gv.data(), counts, DType::kF32).is_ok());
+  int64_t off = 0;
+  for (int r = 0; r < w.size(); ++r) {
+    auto v = input_f32(r, counts[size_t(r)], 4);
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), gv.begin() + off)) << "block of rank " << r;
+    off += counts[size_t(r)];
+  }
+  for (size_t i = size_t(total); i < gv.size(); ++i) EXPECT_TRUE(std::isnan(gv[i])) << "written past the end";
+  // A count vector that disagrees with send_count is refused before anything is sent.
+  const Status bad = w.all_gatherv(mv.data(), counts[size_t(w.rank())] + 1, gv.data(), counts, DType::kF32);
+  EXPECT_EQ(bad.code(), Code::kInvalidArgument);
+  EXPECT_FALSE(w.aborted());
+}
+
+TEST(CommMpi, ReduceScatter) {
+  auto& w = test_world();
+  const int64_t blk = 257;
+  auto mine = input_i64(w.rank(), blk * w.size(), 5);
+  std::vector<int64_t> out(size_t(blk), -1), want(size_t(blk), 0);
+  for (int r = 0; r < w.size(); ++r) {
+    auto v = input_i64(r, blk * w.size(), 5);
+    for (int64_t i = 0; i < blk; ++i) want[size_t(i)] += v[size_t(w.rank() * blk + i)];
+  }
+  ASSERT_TRUE(w.reduce_scatter(mine.data(), out.data(), blk, DType::kI64, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(out, want);
+}
+
+TEST(CommMpi, SendRecvRingAndBcast) {
+  auto& w = test_world();
+  const int n = w.size(), r = w.rank();
+  const int64_t cnt = 1000;
+  auto mine = input_f32(r, cnt, 6);
+  std::vector<float> got(size_t(cnt), std::nanf(""));
+  // Even ranks send first so the blocking pair order cannot deadlock.
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  if (r % 2 == 0) {
+    ASSERT_TRUE(w.send(mine.data(), cnt, DType::kF32, next, 11).is_ok());
+    ASSERT_TRUE(w.recv(got.data(), cnt, DType::kF32, prev, 11).is_ok());
+  } else {
+    ASSERT_TRUE(w.recv(got.data(), cnt, DType::kF32, prev, 11).is_ok());
+    ASSERT_TRUE(w.send(mine.data(), cnt, DType::kF32, next, 11).is_ok());
+  }
+  EXPECT_EQ(got, input_f32(prev, cnt, 6));
+  const int root = n - 1;
+  std::vector<float> b = r == root ? input_f32(root, cnt, 7) : std::vector<float>(size_t(cnt), std::nanf(""));
+  ASSERT_TRUE(w.bcast(b.data(), cnt, DType::kF32, root).is_ok());
+  EXPECT_EQ(b, input_f32(root, cnt, 7));
+  EXPECT_EQ(w.send(mine.data(), cnt, DType::kF32, n, 1).code(), Code::kInvalidArgument);
+}
+
+TEST(CommMpi, SplitGroups) {
+  auto& w = test_world();
+  auto s = w.split(w.rank() % 2, w.rank(), "parity");
+  ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+  auto& c = *s.value();
+  EXPECT_EQ(c.name(), "parity");
+  EXPECT_EQ(c.size(), (w.size() + 1 - w.rank() % 2) / 2);
+  EXPECT_EQ(c.rank(), w.rank() / 2);
+  int64_t me = w.rank(), sum = -1, want = 0;
+  for (int r = w.rank() % 2; r < w.size(); r += 2) want += r;
+  ASSERT_TRUE(c.all_reduce(&me, &sum, 1, DType::kI64, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(sum, want);
+}
+
+TEST(CommMpi, ReductionOnHalfIsRefused) {
+  auto& w = test_world();
+  uint16_t h[4] = {};
+  EXPECT_EQ(w.all_reduce(h, h, 4, DType::kBF16, comm::ReduceOp::kSum).code(), Code::kUnsupported);
+  EXPECT_FALSE(w.aborted());
+}
+
+// Rank 0 waits on a collective the others join 1.5 s after its 1 s deadline. Rank 0 must fail in
+// [1 s, 1 s + slack), name the collective and the ranks, abort, and then fail fast. The late
+// ranks complete against rank 0's abandoned (staged) request, which never touches freed memory.
+TEST(CommMpi, DeadlineAbortsAndNamesTheCollective) {
+  auto& w = test_world();
+  auto s = w.split(0, w.rank(), "deadline-test");
+  ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+  auto& c = *s.value();
+  using clock = std::chrono::steady_clock;
+  std::vector<float> buf(64, 1.f);
+  if (c.rank() == 0) {
+    c.set_timeout(std::chrono::milliseconds(1000));
+    const auto t0 = clock::now();
+    const Status st = c.all_reduce(buf.data(), buf.data(), 64, DType::kF32, comm::ReduceOp::kSum);
+    const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+    std::printf("rank 0 deadline error after %.3f s: %s\n", waited, st.to_string().c_str());
+    EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
+    EXPECT_GE(waited, 1.0);
+    EXPECT_LT(waited, 1.5);  // the others arrive at 2.5 s: failing later means no deadline at all
+    EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
+    EXPECT_NE(st.message().find("'deadline-test'"), std::string::npos);
+    EXPECT_NE(st.message().find("world 0-" + std::to_string(w.size() - 1)), std::string::npos);
+    EXPECT_NE(st.message().find("1.0 s"), std::string::npos);
+    EXPECT_TRUE(c.aborted());
+    const auto t1 = clock::now();
+    const Status again = c.barrier();
+    EXPECT_LT(std::chrono::duration<double>(clock::now() - t1).count(), 0.05);
+    EXPECT_EQ(again.code(), Code::kDeadlineExceeded);
+    EXPECT_NE(again.message().find("aborted"), std::string::npos);
+    buf.assign(buf.size(), -5.f);
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    ASSERT_TRUE(c.all_reduce(buf.data(), buf.data(), 64, DType::kF32, comm::ReduceOp::kSum).is_ok());
+    EXPECT_EQ(buf[0], float(w.size()));
+  }
+  // The world communicator is untouched by the sub-communicator's abort.
+  ASSERT_TRUE(w.barrier().is_ok());
+  EXPECT_FALSE(w.aborted());
+  if (c.rank() == 0) EXPECT_EQ(buf[0], -5.f) << "the abandoned request wrote into the caller's buffer";
+}
+
+}  // namespace
+}  // namespace sf
