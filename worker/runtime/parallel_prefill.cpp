@@ -1,0 +1,336 @@
+#include "worker/runtime/parallel_prefill.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "kernels/api.h"
+#include "kernels/sparse.h"
+
+namespace sf::runtime {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+TensorView view2(float* p, int64_t a, int64_t b) { return TensorView::make(p, DType::kF32, {a, b}); }
+TensorView view3(float* p, int64_t a, int64_t b, int64_t c) { return TensorView::make(p, DType::kF32, {a, b, c}); }
+
+// Rows [r0, r0 + n) of a [rows, cols] weight: contiguous.
+TensorView rows_of(const model::OwnedTensor& t, int64_t r0, int64_t n) {
+  const int64_t cols = t.shape[1];
+  return TensorView::make(const_cast<float*>(t.data.data()) + r0 * cols, DType::kF32, {n, cols});
+}
+// Columns [c0, c0 + n) of a [rows, cols] weight: a strided view (the GEMM's leading dimension).
+TensorView cols_of(const model::OwnedTensor& t, int64_t c0, int64_t n) {
+  TensorView v = TensorView::make(const_cast<float*>(t.data.data()) + c0, DType::kF32, {t.shape[0], n});
+  v.stride[0] = t.shape[1];
+  return v;
+}
+TensorView slice1(const model::OwnedTensor& t, int64_t i0, int64_t n) {
+  if (t.empty()) return TensorView{};
+  return TensorView::make(const_cast<float*>(t.data.data()) + i0, DType::kF32, {n});
+}
+
+// This rank's TP slice of one layer.
+struct SliceWeights {
+  TensorView wq, wk, wv, bq, bk, bv, wo, gate, up, down;
+};
+
+// Times a collective into stats.comm_s.
+template <typename F>
+Status timed(ParallelStats* st, F&& f) {
+  const auto t0 = clock::now();
+  Status s = f();
+  st->comm_s += std::chrono::duration<double>(clock::now() - t0).count();
+  return s;
+}
+
+}  // namespace
+
+Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0, int nh, const TokenRange& r) {
+  constexpr int64_t B = kernels::kSparseBlock;
+  if (gi.q_offset != 0 || gi.n_q != gi.n_k)
+    return SF_ERR(kInvalidArgument, "slice_index: the global index must cover the whole prompt (q_offset 0, n_q == n_k)");
+  if (h0 < 0 || nh <= 0 || h0 + nh > gi.n_heads)
+    return SF_ERR(kInvalidArgument, "slice_index: heads [" + std::to_string(h0) + ", " + std::to_string(h0 + nh) +
+                                        ") outside the index's " + std::to_string(gi.n_heads));
+  if (r.begin % B != 0 || r.begin < 0 || r.end > gi.n_q || r.end < r.begin || (r.end % B != 0 && r.end != gi.n_q))
+    return SF_ERR(kInvalidArgument, "slice_index: chunk [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                        ") is not 64-aligned inside the index's " + std::to_string(gi.n_q) + " rows");
+  kernels::SparseIndex out = kernels::sparse_index_make(nh, r.size(), r.end, r.begin, gi.max_blocks, gi.max_cols);
+  const int64_t qb0 = r.begin / B;
+  for (int h = 0; h < nh; ++h)
+    for (int64_t qb = 0; qb < out.n_qblocks; ++qb) {
+      const size_t s = gi.slot(h0 + h, qb0 + qb), d = out.slot(h, qb);
+      out.block_count[d] = gi.block_count[s];
+      out.column_count[d] = gi.column_count[s];
+      std::copy_n(gi.block_offset.begin() + std::ptrdiff_t(s * size_t(gi.max_blocks)), gi.block_count[s],
+                  out.block_offset.begin() + std::ptrdiff_t(d * size_t(out.max_blocks)));
+      std::copy_n(gi.column_index.begin() + std::ptrdiff_t(s * size_t(gi.max_cols)), gi.column_count[s],
+                  out.column_index.begin() + std::ptrdiff_t(d * size_t(out.max_cols)));
+    }
+  return out;
+}
+
+Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std::span<const int32_t> tokens,
+                                        const ParallelOptions& opt) {
+  const auto t_start = clock::now();
+  const model::ModelConfig& c = m.config();
+  const model::ModelWeights& w = m.weights();
+  const int TP = g.shape.tp, CP = g.shape.cp;
+  if (!g.tp || !g.cp || !g.group_comm || g.tp->size() != TP || g.cp->size() != CP)
+    return SF_ERR(kInvalidArgument, "parallel_prefill: communicators do not match the grid shape");
+  SF_TRY(check_model_divides(c, TP));
+  const int64_t S = int64_t(tokens.size());
+  if (S == 0) return SF_ERR(kInvalidArgument, "prefill: empty prompt");
+  if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");
+  for (int64_t i = 0; i < S; ++i)
+    if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
+      return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +
+                                     std::to_string(i) + " outside vocab " + std::to_string(c.vocab));
+  const model::SparseConfig* sc = opt.sparse;
+  if (sc && (sc->n_layers != c.n_layers || sc->n_heads != c.n_heads))
+    return SF_ERR(kInvalidArgument, "prefill: sparse config is for " + std::to_string(sc->n_layers) + "x" +
+                                        std::to_string(sc->n_heads) + " layers x heads, the model has " +
+                                        std::to_string(c.n_layers) + "x" + std::to_string(c.n_heads));
+  const bool use_sparse = (sc && S >= sc->dense_below && !model::sparse_config_is_dense(*sc)) || opt.index_source;
+
+  const int64_t H = c.hidden, d = c.head_dim;
+  const int64_t hq_t = c.n_heads / TP, hkv_t = c.n_kv_heads / TP, I_t = c.intermediate / TP;
+  const int64_t hq0 = hq_t * g.tp_rank, hkv0 = hkv_t * g.tp_rank, i0 = I_t * g.tp_rank;
+  const int64_t kvw = hkv_t * d;  // K (or V) floats per token of this slice
+
+  // This rank's tokens: two zigzag chunks, stored back to back in prompt order of each chunk.
+  const auto ranges = cp_rank_ranges(S, CP, g.cp_rank);
+  const int64_t n_loc = ranges[0].size() + ranges[1].size();
+  std::vector<int32_t> ids, pos;
+  for (const auto& r : ranges)
+    for (int64_t i = r.begin; i < r.end; ++i) {
+      ids.push_back(tokens[size_t(i)]);
+      pos.push_back(int32_t(i));
+    }
+  // Local row of each chunk start; every rank's K/V block in the all-gather is laid out the same.
+  const int64_t loc_off[2] = {0, ranges[0].size()};
+  std::vector<int64_t> gather_counts(static_cast<size_t>(CP));
+  for (int r = 0; r < CP; ++r) {
+    const auto rr = cp_rank_ranges(S, CP, r);
+    gather_counts[size_t(r)] = 2 * (rr[0].size() + rr[1].size()) * kvw;  // K then V
+  }
+
+  kernels::RopeParams rope = c.rope;
+  if (!w.rope_freqs.empty()) rope.freq_factors = w.rope_freqs.data.data();
+  const int64_t C = std::max<int64_t>(1, std::min(opt.chunk, std::max<int64_t>(n_loc, 1)));
+  std::vector<float> x(size_t(n_loc * H)), q(size_t(n_loc * hq_t * d)), att(size_t(n_loc * hq_t * d)),
+      lse(size_t(hq_t * std::max<int64_t>(n_loc, 1))), kv_loc(size_t(2 * n_loc * kvw)), kv_all(size_t(2 * S * kvw)),
+      part(size_t(n_loc * H));
+  std::vector<float> xn(size_t(C * H)), gate(size_t(C * I_t)), up(size_t(C * I_t));
+  std::vector<float> K(size_t(S * kvw)), V(size_t(S * kvw));
+  ParallelResult res;
+  ParallelStats& st = res.stats;
+  const int64_t ar_bytes0 = g.tp->bytes_sent(), cp_bytes0 = g.cp->bytes_sent(), grp_bytes0 = g.group_comm->bytes_sent();
+  // Leader-side KV cache of this TP slice (gathered over TP at the end).
+  std::vector<std::vector<float>> kslice, vslice;
+  const bool keep = opt.gather_kv && g.cp_rank == 0;
+  if (keep) {
+    kslice.assign(size_t(c.n_layers), {});
+    vslice.assign(size_t(c.n_layers), {});
+  }
+  const TensorView none{};
+  double pairs_done = 0, pairs_causal = 0;
+
+  if (n_loc > 0) SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
+  for (int l = 0; l < c.n_layers; ++l) {
+    const model::LayerWeights& L = w.layers[size_t(l)];
+    const SliceWeights sw{rows_of(L.wq, hq0 * d, hq_t * d), rows_of(L.wk, hkv0 * d, kvw), rows_of(L.wv, hkv0 * d, kvw),
+                          slice1(L.bq, hq0 * d, hq_t * d),  slice1(L.bk, hkv0 * d, kvw),  slice1(L.bv, hkv0 * d, kvw),
+                          cols_of(L.wo, hq0 * d, hq_t * d), rows_of(L.w_gate, i0, I_t),  rows_of(L.w_up, i0, I_t),
+                          cols_of(L.w_down, i0, I_t)};
+    float* kl = kv_loc.data();
+    float* vl = kv_loc.data() + n_loc * kvw;
+    // 1) norm, Q/K/V of this slice, RoPE at global positions.
+    for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
+      const int64_t n = std::min(C, n_loc - c0);
+      TensorView xnv = view2(xn.data(), n, H);
+      SF_TRY(kernels::rms_norm(view2(x.data() + c0 * H, n, H), L.attn_norm.view(), c.rms_eps, xnv));
+      float* qc = q.data() + c0 * hq_t * d;
+      SF_TRY(kernels::linear(xnv, sw.wq, sw.bq, view2(qc, n, hq_t * d)));
+      SF_TRY(kernels::linear(xnv, sw.wk, sw.bk, view2(kl + c0 * kvw, n, kvw)));
+      SF_TRY(kernels::linear(xnv, sw.wv, sw.bv, view2(vl + c0 * kvw, n, kvw)));
+      SF_TRY(kernels::rope(view3(qc, n, hq_t, d), pos.data() + c0, rope));
+      SF_TRY(kernels::rope(view3(kl + c0 * kvw, n, hkv_t, d), pos.data() + c0, rope));
+    }
+    // 2) CP all-gather of this slice's K and V, then back into prompt order.
+    SF_TRY(timed(&st, [&] {
+      return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
+    }));
+    st.kv_allgather_bytes += int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
+    {
+      int64_t off = 0;
+      for (int r = 0; r < CP; ++r) {
+        const auto rr = cp_rank_ranges(S, CP, r);
+        const int64_t nr = rr[0].size() + rr[1].size();
+        const float* kb = kv_all.data() + off;
+        const float* vb = kb + nr * kvw;
+        int64_t row = 0;
+        for (const auto& ch : rr) {
+          std::copy_n(kb + row * kvw, ch.size() * kvw, K.data() + ch.begin * kvw);
+          std::copy_n(vb + row * kvw, ch.size() * kvw, V.data() + ch.begin * kvw);
+          row += ch.size();
+        }
+        off += 2 * nr * kvw;
+      }
+    }
+    // 3) Attention of each held chunk against every key before its end.
+    for (int j = 0; j < 2; ++j) {
+      const TokenRange& r = ranges[size_t(j)];
+      if (r.size() == 0) continue;
+      const TensorView qv = view3(q.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
+                       kv3 = view3(K.data(), r.end, hkv_t, d), vv = view3(V.data(), r.end, hkv_t, d),
+                       ov = view3(att.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
+                       lv = view2(lse.data(), hq_t, r.size());
+      kernels::AttentionParams ap;
+      ap.causal = true;
+      ap.q_offset = r.begin;
+      const double causal = double(hq_t) * (double(r.size()) * double(r.begin) + double(r.size()) * double(r.size() + 1) / 2);
+      pairs_causal += causal;
+      if (use_sparse) {
+        kernels::SparseIndex idx;
+        const auto e0 = clock::now();
+        if (opt.index_source) {
+          const kernels::SparseIndex* gi = opt.index_source(l);
+          if (!gi) return SF_ERR(kInvalidArgument, "parallel_prefill: no index for layer " + std::to_string(l));
+          if (gi->n_q != S || gi->n_heads != c.n_heads)
+            return SF_ERR(kInvalidArgument, "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
+                                                std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
+                                                " heads, the prompt has " + std::to_string(S) + " x " +
+                                                std::to_string(c.n_heads));
+          SF_ASSIGN(idx, slice_index(*gi, int(hq0), int(hq_t), r));
+          pairs_done += causal * idx.density();
+        } else {
+          const auto& lp = sc->layers[size_t(l)];
+          const std::vector<kernels::HeadPattern> pats(lp.begin() + hq0, lp.begin() + hq0 + hq_t);
+          kernels::EstimatorStats es;
+          SF_TRY(kernels::sparse_estimate(qv, kv3, pats, r.begin, &idx, &es));
+          pairs_done += causal * es.density;
+        }
+        const auto e1 = clock::now();
+        SF_TRY(kernels::attention_sparse(qv, kv3, vv, idx, ov, lv, ap));
+        st.estimate_s += std::chrono::duration<double>(e1 - e0).count();
+        st.attention_s += std::chrono::duration<double>(clock::now() - e1).count();
+      } else {
+        const auto a0 = clock::now();
+        SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap));
+        st.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
+        pairs_done += causal;
+      }
+    }
+    if (keep) {
+      kslice[size_t(l)] = K;
+      vslice[size_t(l)] = V;
+    }
+    // 4) Row-parallel O projection: partial sums over this slice's heads, all-reduced over TP.
+    for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
+      const int64_t n = std::min(C, n_loc - c0);
+      SF_TRY(kernels::linear(view2(att.data() + c0 * hq_t * d, n, hq_t * d), sw.wo, none, view2(part.data() + c0 * H, n, H)));
+    }
+    if (TP > 1)
+      SF_TRY(timed(&st, [&] { return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32, comm::ReduceOp::kSum); }));
+    if (n_loc > 0) SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+    // 5) MLP: column-parallel gate/up, row-parallel down, all-reduce.
+    for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
+      const int64_t n = std::min(C, n_loc - c0);
+      TensorView xnv = view2(xn.data(), n, H);
+      SF_TRY(kernels::rms_norm(view2(x.data() + c0 * H, n, H), L.ffn_norm.view(), c.rms_eps, xnv));
+      SF_TRY(kernels::linear(xnv, sw.gate, none, view2(gate.data(), n, I_t)));
+      SF_TRY(kernels::linear(xnv, sw.up, none, view2(up.data(), n, I_t)));
+      SF_TRY(kernels::swiglu(view2(gate.data(), n, I_t), view2(up.data(), n, I_t), view2(gate.data(), n, I_t)));
+      SF_TRY(kernels::linear(view2(gate.data(), n, I_t), sw.down, none, view2(part.data() + c0 * H, n, H)));
+    }
+    if (TP > 1)
+      SF_TRY(timed(&st, [&] { return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32, comm::ReduceOp::kSum); }));
+    if (n_loc > 0) SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+  }
+  st.tp_allreduce_bytes = TP > 1 ? g.tp->bytes_sent() - ar_bytes0 : 0;
+  st.density = pairs_causal > 0 ? pairs_done / pairs_causal : 1.0;
+
+  // Logits. The last prompt token is in chunk 2*CP-1, which CP rank 0 holds; TP rank 0 of it (the
+  // leader) computes. all_logits: every CP rank's TP rank 0 computes its rows, gathered in order.
+  const model::OwnedTensor& head = m.output_weight();
+  const int64_t vocab = c.vocab;
+  std::vector<float> my_logits;
+  int64_t my_rows = 0, my_row0 = 0;
+  if (g.tp_rank == 0) {
+    my_row0 = opt.all_logits ? 0 : n_loc - 1;
+    my_rows = opt.all_logits ? n_loc : (g.cp_rank == 0 && n_loc > 0 ? 1 : 0);
+    my_logits.resize(size_t(my_rows * vocab));
+    for (int64_t r = 0; r < my_rows; r += C) {
+      const int64_t n = std::min(C, my_rows - r);
+      TensorView xnv = view2(xn.data(), n, H);
+      SF_TRY(kernels::rms_norm(view2(x.data() + (my_row0 + r) * H, n, H), w.out_norm.view(), c.rms_eps, xnv));
+      SF_TRY(kernels::linear(xnv, head.view(), none, view2(my_logits.data() + r * vocab, n, vocab)));
+    }
+  }
+  if (opt.all_logits && g.tp_rank == 0) {
+    std::vector<int64_t> counts(static_cast<size_t>(CP));
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      counts[size_t(r)] = (rr[0].size() + rr[1].size()) * vocab;
+    }
+    std::vector<float> all(size_t(S * vocab));
+    SF_TRY(timed(&st, [&] { return g.cp->all_gatherv(my_logits.data(), my_rows * vocab, all.data(), counts, DType::kF32); }));
+    if (g.leader()) {
+      res.logits.resize(size_t(S * vocab));
+      int64_t off = 0;
+      for (int r = 0; r < CP; ++r)
+        for (const auto& ch : cp_rank_ranges(S, CP, r)) {
+          std::copy_n(all.data() + off, ch.size() * vocab, res.logits.data() + ch.begin * vocab);
+          off += ch.size() * vocab;
+        }
+      res.n_logit_rows = S;
+    }
+  } else if (g.leader()) {
+    res.logits = std::move(my_logits);
+    res.n_logit_rows = 1;
+  }
+  int32_t first = -1;
+  if (g.leader()) {
+    const float* last = res.logits.data() + (res.n_logit_rows - 1) * vocab;
+    first = int32_t(std::max_element(last, last + vocab) - last);
+  }
+  SF_TRY(timed(&st, [&] { return g.group_comm->bcast(&first, 1, DType::kI32, 0); }));
+  res.first_token = first;
+
+  // KV to the leader: CP rank 0's TP row holds every token of its slice; gather the slices.
+  if (keep) {
+    model::KvCache& kv = res.kv;
+    if (g.leader()) {
+      kv.n_layers = c.n_layers;
+      kv.n_kv_heads = c.n_kv_heads;
+      kv.head_dim = int(d);
+      kv.n_tokens = S;
+      kv.k.assign(size_t(c.n_layers), {});
+      kv.v.assign(size_t(c.n_layers), {});
+    }
+    std::vector<float> all(TP > 1 ? size_t(TP * S * kvw) : 0);
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int which = 0; which < 2; ++which) {
+        std::vector<float>& mine = (which ? vslice : kslice)[size_t(l)];
+        if (TP == 1) {
+          if (g.leader()) (which ? kv.v : kv.k)[size_t(l)] = std::move(mine);
+          continue;
+        }
+        SF_TRY(timed(&st, [&] { return g.tp->all_gather(mine.data(), all.data(), S * kvw, DType::kF32); }));
+        if (!g.leader()) continue;
+        auto& dst = (which ? kv.v : kv.k)[size_t(l)];
+        dst.resize(size_t(S * c.n_kv_heads * d));
+        for (int t = 0; t < TP; ++t)
+          for (int64_t i = 0; i < S; ++i)
+            std::copy_n(all.data() + (int64_t(t) * S + i) * kvw, kvw, dst.data() + (i * c.n_kv_heads + t * hkv_t) * d);
+      }
+  }
+  st.comm_bytes = (g.tp->bytes_sent() - ar_bytes0) + (g.cp->bytes_sent() - cp_bytes0) +
+                  (g.group_comm->bytes_sent() - grp_bytes0);
+  st.seconds = std::chrono::duration<double>(clock::now() - t_start).count();
+  return res;
+}
+
+}  // namespace sf::runtime

@@ -1,0 +1,66 @@
+// The prefill forward of worker/model on a TP x CP grid (CPU, host buffers; grid.h has the
+// layout). Per layer, on each rank:
+//   norm -> column-parallel Q/K/V of this TP slice's heads -> RoPE at global positions ->
+//   CP all-gather of this slice's K/V (version 1: every key; one all_gatherv of K and V) ->
+//   attention of each held chunk against keys [0, chunk end) (q_offset = chunk start), dense or
+//   sparse -> row-parallel O projection + TP all-reduce -> norm -> column-parallel gate/up,
+//   row-parallel down + TP all-reduce.
+// Weights are views into the full model (row slices of Q/K/V/gate/up, column slices of O/down
+// through the GEMM's leading dimension), so sharding copies nothing.
+//
+// Equality with model::prefill: the same kernels on the same rows; only the TP all-reduce sums
+// partial projections in another order, so results differ by fp32 rounding (tests state bounds).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "kernels/sparse_index.h"
+#include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
+#include "worker/runtime/grid.h"
+
+namespace sf::runtime {
+
+// A layer's index over the whole prompt and every query head (n_q = n_k = n_tokens, q_offset
+// 0), e.g. recorded from a single-rank run; each rank slices its heads and chunks out of it.
+using GlobalIndexSource = std::function<const kernels::SparseIndex*(int layer)>;
+
+struct ParallelOptions {
+  int64_t chunk = 512;      // tokens per linear-layer chunk
+  bool all_logits = false;  // logits of every position (gathered on the leader) instead of the last
+  bool gather_kv = true;    // the full KV cache on the group leader (for export)
+  // Sparse attention: per-chunk estimation where the chunk's queries live (the estimators'
+  // last-query scores then come from the chunk's own last rows), or, when index_source is set,
+  // the given global index. Null sparse: dense everywhere.
+  const model::SparseConfig* sparse = nullptr;
+  GlobalIndexSource index_source;
+};
+
+struct ParallelStats {
+  double seconds = 0, attention_s = 0, estimate_s = 0;
+  double comm_s = 0;                // time waiting in collectives (this rank)
+  int64_t kv_allgather_bytes = 0;   // K/V bytes this rank received in CP all-gathers
+  int64_t tp_allreduce_bytes = 0;   // bytes this rank all-reduced over TP
+  int64_t comm_bytes = 0;           // everything this rank put into collectives
+  double density = 1.0;             // of this rank's attention (causal pairs computed)
+};
+
+struct ParallelResult {
+  int32_t first_token = -1;   // every rank of the group
+  std::vector<float> logits;  // leader only: [n_logit_rows, vocab] in prompt order
+  int64_t n_logit_rows = 0;
+  model::KvCache kv;          // leader only, when gather_kv: the whole prompt, every KV head
+  ParallelStats stats;
+};
+
+// Collective over g.group_comm. Every rank passes the same tokens and options.
+Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std::span<const int32_t> tokens,
+                                        const ParallelOptions& opt = {});
+
+// Slices one layer's global index (see GlobalIndexSource) to query heads [h0, h0 + nh) and the
+// query rows of chunk r (64-aligned begin), against keys [0, r.end). Exposed for tests.
+Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& global, int h0, int nh, const TokenRange& r);
+
+}  // namespace sf::runtime
