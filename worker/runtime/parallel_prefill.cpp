@@ -139,6 +139,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
 
   if (n_loc > 0) SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
   for (int l = 0; l < c.n_layers; ++l) {
+    if (opt.on_layer) opt.on_layer(l);
     const model::LayerWeights& L = w.layers[size_t(l)];
     const SliceWeights sw{rows_of(L.wq, hq0 * d, hq_t * d), rows_of(L.wk, hkv0 * d, kvw), rows_of(L.wv, hkv0 * d, kvw),
                           slice1(L.bq, hq0 * d, hq_t * d),  slice1(L.bk, hkv0 * d, kvw),  slice1(L.bv, hkv0 * d, kvw),

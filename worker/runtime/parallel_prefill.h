@@ -36,6 +36,8 @@ struct ParallelOptions {
   // the given global index. Null sparse: dense everywhere.
   const model::SparseConfig* sparse = nullptr;
   GlobalIndexSource index_source;
+  // Called on every rank before each layer (progress; the worker's fault injection).
+  std::function<void(int layer)> on_layer;
 };
 
 struct ParallelStats {

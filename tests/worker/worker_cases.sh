@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# worker_cases.sh CASE MPIEXEC WORKER TMPDIR: one `mpi`-label contract of sparsefill-worker.
+# The environment (loopback only, root allowed, one BLAS thread) comes from ctest.
+#   batch       np 4, 2 groups of cp 2: a batch with bad lines writes the good requests, reports
+#               each bad line with its number, exits 3; a second run resumes (writes nothing new)
+#   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
+#   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
+#   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
+#   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
+#   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
+#               the job fails within 30 s with the error naming the collective and the ranks
+set -u
+case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
+rm -rf "$tmp"; mkdir -p "$tmp"
+fail() { echo "FAIL ($case_name): $*"; echo "--- stdout"; cat "$tmp/stdout"; echo "--- stderr"; cat "$tmp/stderr"; exit 1; }
+run() {  # run NP ARGS...: runs the worker, sets rc and ms
+  local np="$1"; shift
+  local t0; t0=$(date +%s%N)
+  "$mpiexec" --oversubscribe -np "$np" "$worker" "$@" >"$tmp/stdout" 2>"$tmp/stderr"
+  rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+}
+errors() { grep '^error: ' "$tmp/stderr" || true; }
+
+cat >"$tmp/prompts.jsonl" <<'EOF'
+{"id": "lighthouse", "prompt": "The lighthouse keeper climbed the stairs and"}
+{"id": "ids", "tokens": [1, 504, 3821, 314, 253, 1345, 30, 2]}
+not json at all
+{"id": "bad/id", "prompt": "x"}
+
+{"id": "village", "prompt": "Once upon a time in a small village by the sea, there lived an old fisherman who"}
+{"id": "lighthouse", "prompt": "a repeated id"}
+{"id": "vocab", "tokens": [1, 99999999]}
+{"id": "both", "prompt": "x", "tokens": [1]}
+{"id": "canal", "prompt": "Canal locks raise and lower boats between stretches of water at different levels."}
+EOF
+
+case "$case_name" in
+  batch)
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "exit $rc, want 3 (bad lines present)"
+    for l in 3 4 7 8 9; do
+      grep -q "prompts.jsonl:$l: .*; skipped" "$tmp/stderr" || fail "bad line $l not reported"
+    done
+    [ "$(grep -c '; skipped$' "$tmp/stderr")" -eq 5 ] || fail "want exactly 5 bad lines reported"
+    for id in lighthouse ids village canal; do
+      [ -f "$tmp/out/$id/manifest.json" ] || fail "no KV export for $id"
+      [ -f "$tmp/out/$id/layer_029.safetensors" ] || fail "no layer 29 shard for $id"
+      grep -q "\"id\": \"$id\"" "$tmp/out/$id.json" || fail "no summary for $id"
+      grep -Eq "\] [0-9]+/[0-9]+ $id: [0-9]+ tokens, first token" "$tmp/stdout" || fail "no progress line for $id"
+    done
+    [ ! -e "$tmp/out/bad" ] && [ ! -e "$tmp/out/vocab" ] || fail "output written for a bad line"
+    grep -q "batch done: 4 written, 0 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "summary"
+    # Both groups worked.
+    grep -q '"group": 0' "$tmp"/out/*.json && grep -q '"group": 1' "$tmp"/out/*.json || fail "one group did nothing"
+    # Resume: one export removed, the rest are complete and skipped.
+    rm -rf "$tmp/out/village"
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
+    grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
+    [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
+    ;;
+  world)
+    run 3 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
+    errors | grep -q '^error: world size 3 is not a multiple of tp x cp = 2 x 1 = 2' || fail "message"
+    ;;
+  tp)
+    run 2 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
+    errors | grep -q "has 3 KV heads (9 query heads), which do not divide by --tp 2" || fail "message"
+    ;;
+  load)
+    SF_WORKER_FAULT=load:1 run 3 --model default --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 1 ] || fail "exit $rc, want 1"
+    [ "$(errors | wc -l)" -eq 3 ] || fail "want one error line from each of the 3 ranks"
+    [ "$(errors | sort -u | wc -l)" -eq 1 ] || fail "ranks printed different messages"
+    errors | grep -q "^error: rank 1 could not load the model: " || fail "message"
+    ;;
+  killed)
+    SF_WORKER_FAULT=kill:1:3 run 2 --model default --cp 2 --comm-timeout 10 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -ne 0 ] || fail "exit 0 with a killed rank"
+    [ "$ms" -lt 30000 ] || fail "took $ms ms (deadline 30 s)"
+    grep -Eq "exited on signal 9|did not complete within its deadline|unexpectedly disconnected" "$tmp/stderr" \
+      || fail "no clear error"
+    ;;
+  stalled)
+    SF_WORKER_FAULT=stop:1:3 run 2 --model default --cp 2 --comm-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -ne 0 ] || fail "exit 0 with a stalled rank"
+    [ "$ms" -lt 30000 ] || fail "took $ms ms (deadline 30 s)"
+    errors | grep -Eq "^error: comm: all_gatherv on 'cp \(group 0, tp rank 0\)' \(2 ranks: world 0-1; .*deadline of 3.0 s" \
+      || fail "no deadline error naming the collective and ranks"
+    ;;
+  *) echo "unknown case $case_name"; exit 2 ;;
+esac
+echo "ok ($case_name): exit $rc in $ms ms"

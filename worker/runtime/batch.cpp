@@ -1,0 +1,107 @@
+#include "worker/runtime/batch.h"
+
+#include <boost/json.hpp>
+#include <filesystem>
+#include <set>
+
+namespace sf::runtime {
+namespace json = boost::json;
+
+Status validate_request_id(const std::string& id) {
+  if (id.empty() || id.size() > 128)
+    return SF_ERR(kInvalidArgument, "field 'id' must have 1 to 128 characters, got " + std::to_string(id.size()));
+  if (id[0] == '.') return SF_ERR(kInvalidArgument, "field 'id' must not start with '.'");
+  for (char ch : id) {
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+                    ch == '_' || ch == '-';
+    if (!ok) return SF_ERR(kInvalidArgument, "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
+  }
+  return Status::ok();
+}
+
+namespace {
+
+Result<BatchRequest> parse_line(std::string_view line) {
+  boost::system::error_code ec;
+  json::parse_options po;
+  po.max_depth = 4;  // {"tokens": [..]} needs 2
+  json::value v = json::parse(line, ec, {}, po);
+  if (ec) return SF_ERR(kInvalidArgument, "invalid JSON: " + ec.message());
+  if (!v.is_object()) return SF_ERR(kInvalidArgument, "a line must be a JSON object");
+  const json::object& o = v.as_object();
+  for (const auto& kv : o)
+    if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens")
+      return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) + "' (id, prompt, tokens)");
+  BatchRequest r;
+  const json::value* id = o.if_contains("id");
+  if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
+  if (!id->is_string()) return SF_ERR(kInvalidArgument, "field 'id' must be a string");
+  r.id = std::string(id->as_string());
+  SF_TRY(validate_request_id(r.id));
+  const json::value* p = o.if_contains("prompt");
+  const json::value* t = o.if_contains("tokens");
+  if ((p != nullptr) == (t != nullptr))
+    return SF_ERR(kInvalidArgument, "give exactly one of the fields 'prompt' and 'tokens'");
+  if (p) {
+    if (!p->is_string()) return SF_ERR(kInvalidArgument, "field 'prompt' must be a string");
+    r.prompt = std::string(p->as_string());
+    if (r.prompt.empty()) return SF_ERR(kInvalidArgument, "field 'prompt' is empty");
+  } else {
+    if (!t->is_array()) return SF_ERR(kInvalidArgument, "field 'tokens' must be an array of token ids");
+    const json::array& a = t->as_array();
+    if (a.empty()) return SF_ERR(kInvalidArgument, "field 'tokens' is empty");
+    for (size_t i = 0; i < a.size(); ++i) {
+      int64_t x = -1;
+      if (a[i].is_int64()) x = a[i].as_int64();
+      else if (a[i].is_uint64() && a[i].as_uint64() <= uint64_t(INT32_MAX)) x = int64_t(a[i].as_uint64());
+      if (x < 0 || x > INT32_MAX)
+        return SF_ERR(kInvalidArgument, "field 'tokens' item " + std::to_string(i) + " is not a token id");
+      r.tokens.push_back(int32_t(x));
+    }
+    r.has_tokens = true;
+  }
+  return r;
+}
+
+}  // namespace
+
+BatchFile parse_batch(const std::string& text) {
+  BatchFile f;
+  std::set<std::string> seen;
+  int64_t line_no = 0;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    std::string_view line(text.data() + pos, nl - pos);
+    ++line_no;
+    pos = nl + 1;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.find_first_not_of(" \t") == std::string_view::npos) {
+      if (nl == text.size()) break;
+      continue;
+    }
+    auto r = parse_line(line);
+    if (!r.is_ok()) {
+      f.bad.push_back({line_no, r.status().message()});
+    } else if (!seen.insert(r->id).second) {
+      f.bad.push_back({line_no, "id '" + r->id + "' repeats an earlier line"});
+    } else {
+      r->line = line_no;
+      f.requests.push_back(std::move(r).value());
+    }
+    if (nl == text.size()) break;
+  }
+  return f;
+}
+
+std::string request_dir(const std::string& out_dir, const std::string& id) {
+  return (std::filesystem::path(out_dir) / id).string();
+}
+
+bool request_complete(const std::string& out_dir, const std::string& id) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(std::filesystem::path(request_dir(out_dir, id)) / "manifest.json", ec);
+}
+
+}  // namespace sf::runtime

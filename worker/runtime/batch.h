@@ -1,0 +1,52 @@
+// Batch mode input and output: prompts.jsonl lines -> requests, and where each request's
+// result lives under the output directory.
+//
+// A line is one JSON object:
+//   {"id": "doc-17", "prompt": "text ..."}      or      {"id": "doc-17", "tokens": [1, 2, 3]}
+// id: 1-128 characters of [A-Za-z0-9._-], not starting with '.', unique in the file (it names
+// the output directory). Exactly one of prompt (non-empty string) / tokens (non-empty array of
+// integers). Blank lines are ignored. Every other line is a bad line: it is reported with its
+// number and reason and skipped; the batch goes on.
+//
+// Output: DIR/<id>/ is the request's KV export (kvstore/kv_export.h: manifest.json + layer
+// shards, renamed into place when complete) and DIR/<id>.json a one-line summary. A request
+// whose DIR/<id>/manifest.json exists is complete and skipped on resume.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::runtime {
+
+struct BatchRequest {
+  int64_t line = 0;  // 1-based line number in the file
+  std::string id;
+  std::string prompt;           // when given as text
+  std::vector<int32_t> tokens;  // when given as ids
+  bool has_tokens = false;
+};
+
+struct BadLine {
+  int64_t line = 0;
+  std::string reason;
+};
+
+struct BatchFile {
+  std::vector<BatchRequest> requests;  // in file order
+  std::vector<BadLine> bad;
+};
+
+// Parses the whole file's text. Never fails: a line that is not a valid request becomes a
+// BadLine (including a repeated id: the first occurrence wins).
+BatchFile parse_batch(const std::string& text);
+
+// The id check alone (also used for the output paths).
+Status validate_request_id(const std::string& id);
+
+std::string request_dir(const std::string& out_dir, const std::string& id);
+// True when the request's export is complete (its manifest.json exists).
+bool request_complete(const std::string& out_dir, const std::string& id);
+
+}  // namespace sf::runtime

@@ -1,0 +1,414 @@
+// sparsefill-worker: the MPI job of TP x CP ranks (DESIGN.md "One request, end to end", step 6).
+//
+//   mpirun -np N sparsefill-worker --model M [--tp T] [--cp C] --batch prompts.jsonl --out DIR
+//
+// N = groups x T x C: world rank w belongs to group w / (T*C); requests (good lines, in file
+// order) go round-robin to groups. Process edge: errors become one `error: ...` line. Exit codes:
+// 0 every request written or already complete; 1 a fatal error (model load, comm deadline);
+// 2 bad invocation (options, world size, model does not divide by --tp); 3 the batch finished
+// but some lines were bad or some requests failed.
+//
+// Start-up errors that every rank detects alike print once (rank 0). A rank that cannot load the
+// model sends its message to every rank, and every rank exits with that same line. A collective
+// that passes its deadline (--comm-timeout) ends the whole job (MPI_Abort) with the error naming
+// the collective and ranks. Test-only fault injection: SF_WORKER_FAULT=load:R (world rank R fails
+// to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
+// first request).
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include "comm/mpi_communicator.h"
+#include "common/log.h"
+#include "kvstore/kv_export.h"
+#include "worker/model/gguf.h"
+#include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
+#include "worker/model/tokenizer.h"
+#include "worker/runtime/batch.h"
+#include "worker/runtime/grid.h"
+#include "worker/runtime/parallel_prefill.h"
+
+namespace sf {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kUsage =
+    "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
+    "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] [--allow-long]\n";
+
+struct Options {
+  std::string model, batch, out, attention = "dense";
+  int tp = 1, cp = 1;
+  int64_t chunk = 512;
+  double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
+  bool allow_long = false;
+};
+
+Result<int64_t> parse_int(const std::string& k, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end || errno || x <= 0) return SF_ERR(kInvalidArgument, "--" + k + " must be a positive integer, got '" + v + "'");
+  return int64_t(x);
+}
+
+Result<Options> parse_options(int argc, char** argv) {
+  Options o;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k == "--allow-long") {
+      o.allow_long = true;
+      continue;
+    }
+    if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
+    k = k.substr(2);
+    static const char* valued[] = {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout"};
+    if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) == std::end(valued))
+      return SF_ERR(kInvalidArgument, "unknown option --" + k);
+    if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
+    kv[k] = argv[++i];
+  }
+  for (const char* req : {"model", "batch", "out"})
+    if (!kv.count(req)) return SF_ERR(kInvalidArgument, std::string("--") + req + " is required");
+  o.model = kv["model"];
+  o.batch = kv["batch"];
+  o.out = kv["out"];
+  if (kv.count("attention")) o.attention = kv["attention"];
+  if (kv.count("tp")) {
+    SF_ASSIGN(const int64_t x, parse_int("tp", kv["tp"]));
+    o.tp = decltype(o.tp)(x);
+  }
+  if (kv.count("cp")) {
+    SF_ASSIGN(const int64_t x, parse_int("cp", kv["cp"]));
+    o.cp = decltype(o.cp)(x);
+  }
+  if (kv.count("chunk")) {
+    SF_ASSIGN(const int64_t x, parse_int("chunk", kv["chunk"]));
+    o.chunk = decltype(o.chunk)(x);
+  }
+  if (kv.count("comm-timeout")) {
+    char* end = nullptr;
+    o.comm_timeout_s = std::strtod(kv["comm-timeout"].c_str(), &end);
+    if (*end || !(o.comm_timeout_s > 0))
+      return SF_ERR(kInvalidArgument, "--comm-timeout must be a positive number of seconds");
+  }
+  if (o.model == "default") {
+    const char* e = std::getenv("SF_MODEL");
+    o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  }
+  return o;
+}
+
+struct Fault {
+  std::string kind;  // load, kill, stop
+  int rank = -1, layer = -1;
+};
+Fault parse_fault() {
+  Fault f;
+  const char* e = std::getenv("SF_WORKER_FAULT");
+  if (!e) return f;
+  std::string s(e);
+  std::istringstream ss(s);
+  std::string part;
+  std::vector<std::string> p;
+  while (std::getline(ss, part, ':')) p.push_back(part);
+  if (p.size() >= 2) {
+    f.kind = p[0];
+    f.rank = std::atoi(p[1].c_str());
+    if (p.size() >= 3) f.layer = std::atoi(p[2].c_str());
+  }
+  return f;
+}
+
+// Every rank learns whether any rank failed; the lowest failing rank's message reaches all.
+// Returns ok on every rank, or the same error on every rank.
+Status agree(comm::Communicator& world, const Status& mine) {
+  int32_t cand = mine.is_ok() ? INT32_MAX : world.rank(), first = INT32_MAX;
+  SF_TRY(world.all_reduce(&cand, &first, 1, DType::kI32, comm::ReduceOp::kMin));
+  if (first == INT32_MAX) return Status::ok();
+  std::string msg = first == world.rank() ? mine.message() : std::string();
+  int64_t len = int64_t(msg.size());
+  SF_TRY(world.bcast(&len, 1, DType::kI64, first));
+  msg.resize(size_t(len));
+  SF_TRY(world.bcast(msg.data(), len, DType::kU8, first));
+  return Status(mine.is_ok() ? Code::kInternal : mine.code(), msg);
+}
+
+void write_summary(const std::string& path, const std::string& json_line) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << json_line << "\n";
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\';
+    o += ch;
+  }
+  return o;
+}
+
+int run(int argc, char** argv) {
+  const bool have_mpi = comm::mpi_init(&argc, &argv).is_ok();
+  std::unique_ptr<comm::Communicator> world;
+  if (have_mpi) {
+    auto w = comm::make_mpi_world();
+    if (!w.is_ok()) {
+      std::fprintf(stderr, "error: %s\n", w.status().message().c_str());
+      comm::mpi_abort_job(1);
+    }
+    world = std::move(w).value();
+  } else {
+    world = comm::make_self_communicator("world");
+  }
+  const bool rank0 = world->rank() == 0;
+  // Exits every rank the same way; the message prints once (rank 0) or on every rank.
+  auto finish = [&](int code, const std::string& err, bool every_rank) {
+    if (!err.empty() && (every_rank || rank0)) std::fprintf(stderr, "error: %s\n", err.c_str());
+    std::fflush(stdout);
+    world.reset();
+    comm::mpi_finalize();
+    return code;
+  };
+  auto fatal = [&](const Status& st) {  // after a comm failure: ranks may be stuck, end the job
+    std::fprintf(stderr, "error: %s\n", st.message().c_str());
+    comm::mpi_abort_job(1);
+  };
+
+  auto opts_r = parse_options(argc, argv);
+  if (!opts_r.is_ok()) {
+    if (rank0) std::fputs(kUsage, stderr);
+    return finish(2, opts_r.status().message(), false);
+  }
+  const Options& o = opts_r.value();
+  if (o.comm_timeout_s > 0) world->set_timeout(std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1000)));
+  const runtime::GridShape shape{o.tp, o.cp};
+  if (Status st = runtime::check_world(shape, world->size()); !st.is_ok()) return finish(2, st.message(), false);
+  const int n_groups = world->size() / shape.group_size();
+  const Fault fault = parse_fault();
+
+  // The batch file is read on rank 0 and broadcast, so other hosts need no copy of it.
+  std::string text;
+  {
+    int64_t len = -1;
+    std::string err;
+    if (rank0) {
+      std::ifstream f(o.batch, std::ios::binary);
+      if (f) {
+        std::ostringstream ss;
+        ss << f.rdbuf();
+        text = ss.str();
+        len = int64_t(text.size());
+      } else {
+        err = "cannot read batch file '" + o.batch + "': " + std::strerror(errno);
+      }
+    }
+    if (Status st = world->bcast(&len, 1, DType::kI64, 0); !st.is_ok()) fatal(st);
+    if (len < 0) return finish(2, err, false);
+    text.resize(size_t(len));
+    if (Status st = world->bcast(text.data(), len, DType::kU8, 0); !st.is_ok()) fatal(st);
+  }
+
+  // Every rank loads the model; one rank's failure is every rank's error.
+  Result<model::Model> mr = SF_ERR(kInternal, "not loaded");
+  if (fault.kind == "load" && fault.rank == world->rank()) {
+    mr = SF_ERR(kIo, "fault injection: rank " + std::to_string(world->rank()) + " cannot load '" + o.model + "'");
+  } else {
+    mr = model::Model::load(o.model);
+  }
+  {
+    // Loading takes each rank a different time: this one wait gets a longer deadline.
+    const auto t = world->timeout();
+    world->set_timeout(t * 10);
+    Status mine = mr.is_ok() ? Status::ok()
+                             : Status(mr.status().code(), "rank " + std::to_string(world->rank()) +
+                                                              " could not load the model: " + mr.status().message());
+    Status all = agree(*world, mine);
+    world->set_timeout(t);
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(1, all.message(), true);
+  }
+  const model::Model& m = mr.value();
+  const model::ModelConfig& cfg = m.config();
+  if (Status st = runtime::check_model_divides(cfg, o.tp); !st.is_ok()) return finish(2, st.message(), false);
+  std::optional<model::SparseConfig> sparse;
+  if (o.attention != "dense") {
+    auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
+    if (!sc.is_ok()) return finish(2, sc.status().message(), false);
+    sparse.emplace(std::move(sc).value());
+  }
+  std::optional<model::Tokenizer> tok;
+  if (m.format() == model::ModelFormat::kGguf) {
+    auto g = model::GgufFile::open(o.model);
+    if (g.is_ok()) {
+      auto spec = model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf);
+      if (spec.is_ok()) {
+        auto t = model::Tokenizer::create(std::move(spec).value());
+        if (t.is_ok()) tok.emplace(std::move(t).value());
+      }
+    }
+  }
+
+  auto grid_r = runtime::make_grid(*world, shape);
+  if (!grid_r.is_ok()) fatal(grid_r.status());
+  runtime::GridComms& g = grid_r.value();
+
+  // Requests: parse, tokenize, validate; identical on every rank, reported once.
+  runtime::BatchFile bf = runtime::parse_batch(text);
+  std::vector<runtime::BatchRequest> good;
+  for (auto& r : bf.requests) {
+    if (!r.has_tokens) {
+      if (!tok) {
+        bf.bad.push_back({r.line, "this model has no tokenizer support; give 'tokens'"});
+        continue;
+      }
+      r.tokens = tok->encode(r.prompt, /*add_special=*/true, /*parse_special=*/true);
+      if (r.tokens.empty()) {
+        bf.bad.push_back({r.line, "field 'prompt' encodes to no tokens"});
+        continue;
+      }
+    }
+    bool ok = true;
+    for (size_t i = 0; i < r.tokens.size() && ok; ++i)
+      if (r.tokens[i] >= cfg.vocab) {
+        bf.bad.push_back({r.line, "field 'tokens' item " + std::to_string(i) + " (" + std::to_string(r.tokens[i]) +
+                                      ") is outside the vocabulary of " + std::to_string(cfg.vocab)});
+        ok = false;
+      }
+    if (ok && int64_t(r.tokens.size()) > cfg.max_context && cfg.max_context > 0 && !o.allow_long) {
+      bf.bad.push_back({r.line, "prompt has " + std::to_string(r.tokens.size()) + " tokens, more than the model context of " +
+                                    std::to_string(cfg.max_context) + " (--allow-long to run anyway)"});
+      ok = false;
+    }
+    if (ok) good.push_back(std::move(r));
+  }
+  std::sort(bf.bad.begin(), bf.bad.end(), [](const auto& a, const auto& b) { return a.line < b.line; });
+  if (rank0) {
+    for (const auto& b : bf.bad) std::fprintf(stderr, "%s:%lld: %s; skipped\n", o.batch.c_str(), static_cast<long long>(b.line), b.reason.c_str());
+    std::printf("batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s\n", good.size(), bf.bad.size(),
+                n_groups, o.tp, o.cp, cfg.name.c_str());
+    std::fflush(stdout);
+  }
+  if (g.leader()) {
+    std::error_code ec;
+    fs::create_directories(o.out, ec);
+    if (ec) fatal(SF_ERR(kIo, "cannot create output dir '" + o.out + "': " + ec.message()));
+  }
+
+  // This group's share, round-robin over the good requests.
+  int64_t n_done = 0, n_skipped = 0, n_failed = 0, my_total = 0;
+  for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) ++my_total;
+  int64_t k = 0;
+  bool first_request = true;
+  for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
+    const runtime::BatchRequest& r = good[i];
+    ++k;
+    int32_t complete = g.leader() && runtime::request_complete(o.out, r.id) ? 1 : 0;
+    if (Status st = g.group_comm->bcast(&complete, 1, DType::kI32, 0); !st.is_ok()) fatal(st);
+    if (complete) {
+      ++n_skipped;
+      if (g.leader())
+        std::printf("[group %d] %lld/%lld %s: complete, skipped\n", g.group, static_cast<long long>(k),
+                    static_cast<long long>(my_total), r.id.c_str());
+      continue;
+    }
+    runtime::ParallelOptions po;
+    po.chunk = o.chunk;
+    po.sparse = sparse ? &*sparse : nullptr;
+    if (first_request && (fault.kind == "kill" || fault.kind == "stop") && fault.rank == world->rank()) {
+      po.on_layer = [&](int l) {
+        if (l != fault.layer) return;
+        std::fprintf(stderr, "fault injection: rank %d %s at layer %d\n", world->rank(),
+                     fault.kind == "kill" ? "kills itself" : "stops", l);
+        std::fflush(stderr);
+        std::raise(fault.kind == "kill" ? SIGKILL : SIGSTOP);
+      };
+    }
+    first_request = false;
+    auto pr = runtime::parallel_prefill(m, g, r.tokens, po);
+    if (!pr.is_ok()) {
+      if (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted()) fatal(pr.status());
+      ++n_failed;
+      if (g.leader()) std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
+      continue;
+    }
+    if (!g.leader()) {
+      ++n_done;
+      continue;
+    }
+    const runtime::ParallelResult& res = pr.value();
+    kvstore::KvExportSpec spec;
+    spec.model_name = cfg.name;
+    spec.arch = model::arch_name(cfg.arch);
+    spec.n_layers = cfg.n_layers;
+    spec.n_kv_heads = cfg.n_kv_heads;
+    spec.head_dim = cfg.head_dim;
+    spec.rope_theta = cfg.rope.theta;
+    spec.keys_interleaved = !cfg.rope.neox;
+    spec.n_tokens = int64_t(r.tokens.size());
+    spec.token_ids = r.tokens;
+    spec.first_token = res.first_token;
+    const std::string dir = runtime::request_dir(o.out, r.id);
+    const Status st = kvstore::export_kv(dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
+                                         /*force=*/true);
+    if (!st.is_ok()) {
+      ++n_failed;
+      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(), static_cast<long long>(r.line),
+                   r.id.c_str(), st.message().c_str());
+      continue;
+    }
+    ++n_done;
+    const auto& s = res.stats;
+    char line[1024];
+    std::snprintf(line, sizeof line,
+                  "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, \"cp\": %d, "
+                  "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
+                  "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": %.6f}",
+                  json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token, o.tp,
+                  o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
+                  static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
+                  json_escape(o.attention).c_str(), s.density);
+    write_summary(dir + ".json", line);
+    std::printf("[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) -> %s\n", g.group,
+                static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(), r.tokens.size(),
+                res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, dir.c_str());
+    std::fflush(stdout);
+  }
+
+  // Totals over the leaders. Groups finish at different times: this wait is bounded by a day,
+  // not by the per-collective deadline.
+  int64_t mine[3] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0, g.leader() ? n_failed : 0}, tot[3] = {};
+  world->set_timeout(std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
+  if (Status st = world->all_reduce(mine, tot, 3, DType::kI64, comm::ReduceOp::kSum); !st.is_ok()) fatal(st);
+  if (rank0)
+    std::printf("batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",
+                static_cast<long long>(tot[0]), static_cast<long long>(tot[1]), static_cast<long long>(tot[2]),
+                bf.bad.size(), o.out.c_str());
+  return finish(tot[2] > 0 || !bf.bad.empty() ? 3 : 0, "", false);
+}
+
+}  // namespace
+}  // namespace sf
+
+int main(int argc, char** argv) {
+  try {
+    return sf::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    sf::comm::mpi_abort_job(1);
+  }
+}
