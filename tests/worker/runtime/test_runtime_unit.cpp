@@ -1,0 +1,176 @@
+// The runtime's pure pieces without MPI: zigzag chunks, grid checks, index slicing, batch lines,
+// and the TP x CP forward on one-rank communicators (equal to model::prefill).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "worker/model/model.h"
+#include "worker/runtime/batch.h"
+#include "worker/runtime/grid.h"
+#include "worker/runtime/parallel_prefill.h"
+
+namespace sf {
+namespace {
+
+TEST(Zigzag, ChunksCoverThePromptOnBlockBoundaries) {
+  for (int cp : {1, 2, 3, 4, 8})
+    for (int64_t n : {1, 63, 64, 65, 427, 640, 1000, 8192}) {
+      const auto ch = runtime::zigzag_chunks(n, cp);
+      ASSERT_EQ(ch.size(), size_t(2 * cp));
+      int64_t at = 0, min_blocks = INT64_MAX, max_blocks = 0;
+      for (const auto& c : ch) {
+        EXPECT_EQ(c.begin, at) << "n " << n << " cp " << cp;
+        EXPECT_GE(c.end, c.begin);
+        EXPECT_TRUE(c.begin % 64 == 0);
+        at = c.end;
+        const int64_t b = (c.size() + 63) / 64;
+        min_blocks = std::min(min_blocks, b);
+        max_blocks = std::max(max_blocks, b);
+      }
+      EXPECT_EQ(at, n);
+      EXPECT_LE(max_blocks - min_blocks, 1) << "unbalanced chunks, n " << n << " cp " << cp;
+      // Rank i holds chunks i and 2cp-1-i: every chunk exactly once over the ranks.
+      std::vector<int> held(size_t(2 * cp), 0);
+      for (int r = 0; r < cp; ++r) {
+        const auto rr = runtime::cp_rank_ranges(n, cp, r);
+        EXPECT_EQ(rr[0].begin, ch[size_t(r)].begin);
+        EXPECT_EQ(rr[1].begin, ch[size_t(2 * cp - 1 - r)].begin);
+        held[size_t(r)]++;
+        held[size_t(2 * cp - 1 - r)]++;
+      }
+      for (int h : held) EXPECT_EQ(h, 1);
+    }
+}
+
+TEST(Grid, WorldAndModelChecksNameTheNumbers) {
+  const Status w = runtime::check_world({2, 2}, 6);
+  EXPECT_EQ(w.code(), Code::kInvalidArgument);
+  EXPECT_NE(w.message().find("world size 6 is not a multiple of tp x cp = 2 x 2 = 4"), std::string::npos) << w.message();
+  EXPECT_TRUE(runtime::check_world({2, 2}, 8).is_ok());
+  EXPECT_FALSE(runtime::check_world({0, 1}, 1).is_ok());
+  model::ModelConfig c;
+  c.name = "m";
+  c.n_heads = 9;
+  c.n_kv_heads = 3;
+  c.intermediate = 1536;
+  EXPECT_TRUE(runtime::check_model_divides(c, 3).is_ok());
+  const Status t = runtime::check_model_divides(c, 2);
+  EXPECT_NE(t.message().find("has 3 KV heads (9 query heads), which do not divide by --tp 2"), std::string::npos);
+  c.n_kv_heads = 9;
+  c.intermediate = 100;
+  EXPECT_NE(runtime::check_model_divides(c, 3).message().find("intermediate size 100"), std::string::npos);
+}
+
+TEST(SliceIndex, CopiesHeadsAndRowsAndRefusesUnalignedChunks) {
+  const int64_t S = 300;
+  const auto gi = kernels::sparse_index_dense(4, S, S, 0);
+  auto s = runtime::slice_index(gi, 2, 2, {128, 256});
+  ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+  const auto want = kernels::sparse_index_dense(2, 128, 256, 128);
+  EXPECT_EQ(s->block_count, want.block_count);
+  EXPECT_EQ(s->n_k, 256);
+  EXPECT_EQ(s->q_offset, 128);
+  EXPECT_TRUE(kernels::sparse_index_validate(s.value(), 0).is_ok());
+  EXPECT_FALSE(runtime::slice_index(gi, 0, 1, {100, 200}).is_ok());
+  EXPECT_FALSE(runtime::slice_index(gi, 3, 2, {0, 64}).is_ok());
+  EXPECT_TRUE(runtime::slice_index(gi, 0, 4, {256, 300}).is_ok());  // the partial last block
+}
+
+TEST(Batch, GoodAndBadLinesWithNumbers) {
+  const std::string text =
+      "{\"id\": \"a\", \"prompt\": \"hello\"}\n"
+      "\n"
+      "{\"id\": \"b\", \"tokens\": [1, 2, 3]}\r\n"
+      "{oops\n"
+      "[1, 2]\n"
+      "{\"prompt\": \"no id\"}\n"
+      "{\"id\": \"a/x\", \"prompt\": \"p\"}\n"
+      "{\"id\": \"c\", \"prompt\": \"p\", \"tokens\": [1]}\n"
+      "{\"id\": \"d\", \"tokens\": [1, -2]}\n"
+      "{\"id\": \"e\", \"prompt\": \"\"}\n"
+      "{\"id\": \"a\", \"prompt\": \"again\"}\n"
+      "{\"id\": \"f\", \"prompt\": \"x\", \"extra\": 1}\n"
+      "{\"id\": \"g\", \"tokens\": []}\n"
+      "{\"id\": \"h\", \"prompt\": \"last line, no newline\"}";
+  const auto f = runtime::parse_batch(text);
+  ASSERT_EQ(f.requests.size(), 3u);
+  EXPECT_EQ(f.requests[0].id, "a");
+  EXPECT_EQ(f.requests[0].line, 1);
+  EXPECT_EQ(f.requests[1].id, "b");
+  EXPECT_EQ(f.requests[1].line, 3);
+  EXPECT_EQ(f.requests[1].tokens, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(f.requests[2].id, "h");
+  EXPECT_EQ(f.requests[2].line, 14);
+  std::vector<int64_t> bad_lines;
+  for (const auto& b : f.bad) bad_lines.push_back(b.line);
+  EXPECT_EQ(bad_lines, (std::vector<int64_t>{4, 5, 6, 7, 8, 9, 10, 11, 12, 13}));
+  auto reason = [&](int64_t line) {
+    for (const auto& b : f.bad)
+      if (b.line == line) return b.reason;
+    return std::string();
+  };
+  EXPECT_NE(reason(4).find("invalid JSON"), std::string::npos);
+  EXPECT_NE(reason(6).find("'id' is missing"), std::string::npos);
+  EXPECT_NE(reason(7).find("[A-Za-z0-9._-]"), std::string::npos);
+  EXPECT_NE(reason(8).find("exactly one of"), std::string::npos);
+  EXPECT_NE(reason(9).find("item 1"), std::string::npos);
+  EXPECT_NE(reason(11).find("repeats"), std::string::npos);
+  EXPECT_NE(reason(12).find("unknown field 'extra'"), std::string::npos);
+  EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
+  EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
+}
+
+TEST(Batch, CompleteMeansManifestPresent) {
+  const auto dir = std::filesystem::temp_directory_path() / ("sf-batch-test-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "x");
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "x"));
+  std::ofstream(dir / "x" / "manifest.json") << "{}";
+  EXPECT_TRUE(runtime::request_complete(dir.string(), "x"));
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "y"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ParallelSelf, OneRankEqualsModelPrefill) {
+  model::ModelConfig c;
+  c.name = "tiny";
+  c.n_layers = 2;
+  c.hidden = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 16;
+  c.intermediate = 96;
+  c.vocab = 101;
+  c.max_context = 4096;
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  auto m = model::Model::synthetic(c, seed);
+  ASSERT_TRUE(m.is_ok());
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t;
+  for (int i = 0; i < 200; ++i) t.push_back(int32_t(rng() % 101));
+  auto world = comm::make_self_communicator();
+  auto g = runtime::make_grid(*world, {1, 1});
+  ASSERT_TRUE(g.is_ok());
+  runtime::ParallelOptions po;
+  po.all_logits = true;
+  auto par = runtime::parallel_prefill(m.value(), g.value(), t, po);
+  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+  model::PrefillOptions ro;
+  ro.all_logits = true;
+  auto ref = model::prefill(m.value(), t, ro);
+  ASSERT_TRUE(ref.is_ok());
+  EXPECT_EQ(par->first_token, ref->first_token);
+  EXPECT_EQ(par->logits, ref->logits);  // same kernels, same rows: bit-identical
+  EXPECT_EQ(par->kv.k, ref->kv.k);
+  EXPECT_EQ(par->kv.v, ref->kv.v);
+  // A one-rank grid cannot run tp 2.
+  EXPECT_FALSE(runtime::make_grid(*world, {2, 1}).is_ok());
+}
+
+}  // namespace
+}  // namespace sf
