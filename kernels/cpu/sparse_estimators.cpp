@@ -10,13 +10,15 @@
 //                   local diagonals 0..local rank first and count toward the budgets.
 //   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
 //                   query block, top n_blocks causal key blocks; block 0 and the key blocks under
-//                   the query block's diagonal rank first.
+//                   the query block's diagonal rank first. The last query block is scored
+//                   exactly instead: the softmax mass of its rows in each key block.
 //   moa             local window of span = alpha + beta * n_k keys before each query block
 //                   (a 64-row block shares the window of its first row), plus the sink.
 //   adaptive-vs     vertical-slash scores; the smallest ranked set of columns whose normalized
 //                   mass reaches gamma, likewise diagonals; each count in [min_budget, max_budget].
-//   adaptive-block  per query block, softmax over the pooled block scores; the smallest ranked
-//                   set reaching gamma; count in [ceil(min_budget/64), ceil(max_budget/64)] blocks.
+//   adaptive-block  per query block, softmax over the pooled block scores (the last block: its
+//                   exact mass, as block-sparse); the smallest ranked set reaching gamma;
+//                   count in [ceil(min_budget/64), ceil(max_budget/64)] blocks.
 // Ranking is deterministic: forced items first, then score descending, index ascending.
 // A head counts in stats.clamped_heads when its budget exceeds what the sequence holds:
 // a-shape sink + local > n_k; vertical-slash n_vertical > causal keys of the last row or
@@ -130,7 +132,7 @@ std::vector<int64_t> scoring_rows(int64_t nq, int64_t spread) {
 
 // Column sums and diagonal sums of softmax(q_row K^T * scale) over causal keys, for the scoring
 // rows `rows` (sorted local row indices) of the heads in `heads`. col[h] has kend_last entries,
-// diag[h] q_offset + n_q.
+// diag[h] q_offset + n_q; diag may be null (columns only).
 void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vector<int64_t>& rows,
                std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag) {
   const int64_t L = int64_t(rows.size());
@@ -138,7 +140,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
   const int64_t n_diag = g.q_offset + g.nq;
   for (int h : heads) {
     (*col)[size_t(h)].assign(size_t(kend), 0.f);
-    (*diag)[size_t(h)].assign(size_t(n_diag), 0.f);
+    if (diag) (*diag)[size_t(h)].assign(size_t(n_diag), 0.f);
   }
   if (kend == 0 || L == 0) return;
   const int64_t pos_min = g.q_offset + rows.front(), pos_max = g.q_offset + rows.back();
@@ -228,7 +230,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
       const int64_t omax = pos_max - c0;
       const int64_t span = omax - omin + 1;
       part_omin[t] = omin;
-      part_d[t].assign(hs.size() * size_t(span), 0.f);
+      if (diag) part_d[t].assign(hs.size() * size_t(span), 0.f);
       for (size_t x = 0; x < hs.size(); ++x) {
         float* cs = (*col)[size_t(hs[x])].data() + c0;
         float* ds = part_d[t].data() + x * size_t(span);
@@ -240,6 +242,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
           if (lim == 0 || lse == -std::numeric_limits<float>::infinity()) continue;
           exp_sub_sum(sr, lim, lse);
           for (int64_t j = 0; j < lim; ++j) cs[j] += sr[j];
+          if (!diag) continue;
           // offset of (row i, key c0 + j) = pos(i) - c0 - j
           float* dr = ds + (pos(i) - c0 - omin);
           for (int64_t j = 0; j < lim; ++j) dr[-j] += sr[j];
@@ -247,7 +250,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
       }
     }
   });
-  for (size_t gi = 0; gi < gl.size(); ++gi) {
+  for (size_t gi = 0; diag && gi < gl.size(); ++gi) {
     const auto& hs = groups[size_t(gl[gi])];
     for (int64_t c = 0; c < n_chunks; ++c) {
       const size_t t = gi * size_t(n_chunks) + size_t(c);
@@ -332,7 +335,27 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     }
   }
   std::vector<std::vector<float>> pooled_k;
-  if (any_block) pooled_k = pool_keys(g);
+  // Block family, last query block: its rows are scored exactly (softmax mass per key block)
+  // instead of by pooled q. Those rows give the logits a decode node starts from, and a pooled
+  // query misses a key block that only a few of its rows attend (a retrieval head reading a
+  // pass key 1.5K tokens back at 2K was the measured case).
+  std::vector<std::vector<float>> last_mass(size_t(g.hq));
+  if (any_block && g.n_qb > 0) {
+    pooled_k = pool_keys(g);
+    std::vector<int> bh;
+    for (int h = 0; h < int(g.hq); ++h)
+      if (uses_blocks(patterns[size_t(h)].pattern)) bh.push_back(h);
+    std::vector<int64_t> rows;
+    for (int64_t r = (g.n_qb - 1) * kB; r < g.nq; ++r) rows.push_back(r);
+    std::vector<std::vector<float>> lc(size_t(g.hq));
+    vs_scores(g, bh, rows, &lc, nullptr);
+    for (int h : bh) {
+      auto& m = last_mass[size_t(h)];
+      m.assign(size_t(n_kb), 0.f);
+      for (size_t j = 0; j < lc[size_t(h)].size(); ++j) m[j / size_t(kB)] += lc[size_t(h)][j];
+      for (float& x : m) x /= float(rows.size());  // each row's mass sums to 1
+    }
+  }
 
   if (trace) trace->assign(size_t(g.hq * g.n_qb), IndexCandidates{});
   if (trace_local) trace_local->assign(size_t(g.hq), 0);
@@ -412,7 +435,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
                         g.scale, pq.data() + c0 * g.d, int(g.d), pk, int(g.d), 0.f, bscore.data(),
                         int(n_kb));
           }
-          float* s = bscore.data() + (qb - c0) * n_kb;
+          const bool exact = qb == g.n_qb - 1;  // scored by last_mass (probabilities)
+          float* s = exact ? last_mass[h].data() : bscore.data() + (qb - c0) * n_kb;
           const int64_t n_allowed = ceil_div(sg.kend, kB);
           std::vector<int32_t> forced{0};
           for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
@@ -421,9 +445,11 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           if (hp.pattern == Pattern::kBlockSparse) {
             bb.k = hp.n_blocks;
           } else {  // softmax over the causal blocks, then the mass threshold
-            const float mx = *std::max_element(s, s + n_allowed);
-            const float sum = exp_sub_sum(s, n_allowed, mx);
-            for (int64_t b = 0; b < n_allowed; ++b) s[b] /= sum;
+            if (!exact) {
+              const float mx = *std::max_element(s, s + n_allowed);
+              const float sum = exp_sub_sum(s, n_allowed, mx);
+              for (int64_t b = 0; b < n_allowed; ++b) s[b] /= sum;
+            }
             bb.mass = true;
             bb.gamma = hp.gamma;
             bb.min_count = ceil_div(hp.min_budget, kB);

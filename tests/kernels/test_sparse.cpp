@@ -584,6 +584,28 @@ std::vector<double> brute_block_scores(const Problem& p, int h, int64_t qb) {
   return s;
 }
 
+// Softmax mass of the last query block's rows in each key block, averaged over those rows (the
+// exact scores the block estimators use for the last query block).
+std::vector<double> brute_last_block_mass(const Problem& p, int h) {
+  const int kh = h / (p.hq / p.hkv);
+  const int64_t n_kb = (p.nk + kB - 1) / kB, r0 = (p.nq - 1) / kB * kB;
+  std::vector<double> mass(static_cast<size_t>(n_kb), 0.0);
+  for (int64_t row = r0; row < p.nq; ++row) {
+    const int64_t lim = std::min(p.nk, p.q_off + row + 1);
+    std::vector<double> s(static_cast<size_t>(lim));
+    double m = -1e300, l = 0;
+    for (int64_t j = 0; j < lim; ++j) {
+      double acc = 0;
+      for (int x = 0; x < p.d; ++x)
+        acc += double(p.q[size_t((row * p.hq + h) * p.d + x)]) * p.k[size_t((j * p.hkv + kh) * p.d + x)];
+      m = std::max(m, s[size_t(j)] = acc / std::sqrt(double(p.d)));
+    }
+    for (auto& x : s) l += (x = std::exp(x - m));
+    for (int64_t j = 0; j < lim; ++j) mass[size_t(j / kB)] += s[size_t(j)] / l / double(p.nq - r0);
+  }
+  return mass;
+}
+
 struct Estimated {
   SparseIndex idx;
   kernels::EstimatorStats stats;
@@ -743,7 +765,9 @@ TEST(SparseEstimate, BlockSparseMatchesBruteForce) {
       const HeadPattern& hp = pats[size_t(h)];
       for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
         const Geo g = geo(p.nq, p.nk, p.q_off, qb);
-        std::vector<double> s = brute_block_scores(p, h, qb);
+        // The last query block is scored by its rows' exact softmax mass, the others by pooled q.
+        const bool last = qb == e.idx.n_qblocks - 1;
+        std::vector<double> s = last ? brute_last_block_mass(p, h) : brute_block_scores(p, h, qb);
         s.resize(size_t((g.kend + kB - 1) / kB));  // causal block mask
         std::set<int32_t> forced{0};
         for (int64_t b = std::min(g.base, g.kend - 1) / kB; b <= (g.kend - 1) / kB; ++b)
@@ -752,6 +776,8 @@ TEST(SparseEstimate, BlockSparseMatchesBruteForce) {
         std::vector<int32_t> want;
         if (!mass) {
           want = brute_topk(s, forced, hp.n_blocks);
+        } else if (last) {
+          want = brute_mass(s, forced, hp.gamma, (hp.min_budget + kB - 1) / kB, (hp.max_budget + kB - 1) / kB);
         } else {
           const double mx = *std::max_element(s.begin(), s.end());
           double sum = 0;
