@@ -54,6 +54,12 @@ class SelfCommunicator final : public Communicator {
   Status recv(void*, int64_t, DType, int peer, int) override {
     return SF_ERR(kInvalidArgument, "comm: recv from rank " + std::to_string(peer) + " on the one-rank communicator '" + name_ + "'");
   }
+  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count, int src, DType t,
+                  int) override {
+    if (dest != 0 || src != 0 || send_count != recv_count)
+      return SF_ERR(kInvalidArgument, "comm: sendrecv on the one-rank communicator '" + name_ + "' must be with rank 0, equal counts");
+    return copy(send, recv, send_count, t, "sendrecv");
+  }
   Status bcast(void*, int64_t count, DType, int root) override {
     if (root != 0 || count < 0) return SF_ERR(kInvalidArgument, "comm: bcast on '" + name_ + "': root must be 0");
     return Status::ok();

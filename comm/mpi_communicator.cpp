@@ -211,6 +211,30 @@ class MpiCommunicator final : public Communicator {
     return Status::ok();
   }
 
+  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count, int src, DType t,
+                  int tag) override {
+    SF_TRY(check_usable("sendrecv", std::max(send_count, recv_count)));
+    SF_TRY(check_usable("sendrecv", std::min(send_count, recv_count)));
+    SF_TRY(check_peer("sendrecv", dest));
+    SF_TRY(check_peer("sendrecv", src));
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    const size_t es = dtype_size(t), ns = size_t(send_count) * es, nr = size_t(recv_count) * es;
+    stage_.resize(ns + nr);
+    if (ns) std::memcpy(stage_.data(), send, ns);
+    const std::string who = "'" + name_ + "': rank " + std::to_string(rank_) + " (world " +
+                            std::to_string(world_ranks_[size_t(rank_)]) + ") sending to rank " + std::to_string(dest) +
+                            " (world " + std::to_string(world_ranks_[size_t(dest)]) + "), receiving from rank " +
+                            std::to_string(src) + " (world " + std::to_string(world_ranks_[size_t(src)]) + ")";
+    SF_TRY(run("sendrecv", who, [&](MPI_Request* r) {
+      const int rc = MPI_Irecv(stage_.data() + ns, int(recv_count), mt, src, tag, comm_, &r[1]);
+      if (rc != MPI_SUCCESS) return rc;
+      return MPI_Isend(stage_.data(), int(send_count), mt, dest, tag, comm_, &r[0]);
+    }));
+    if (nr) std::memcpy(recv, stage_.data() + ns, nr);
+    bytes_sent_ += int64_t(ns);
+    return Status::ok();
+  }
+
   Status bcast(void* buf, int64_t count, DType t, int root) override {
     SF_TRY(check_usable("bcast", count));
     SF_TRY(check_peer("bcast", root));
@@ -280,16 +304,17 @@ class MpiCommunicator final : public Communicator {
   }
 
   // Starts one non-blocking call and polls it until it completes or the deadline passes.
+  // start() may post up to two requests (sendrecv); unused ones stay MPI_REQUEST_NULL.
   Status run(const char* op, const std::string& who, const std::function<int(MPI_Request*)>& start) {
     const auto t0 = clock::now();
     const auto deadline = t0 + timeout_;
-    MPI_Request req = MPI_REQUEST_NULL;
-    int rc = start(&req);
+    MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    int rc = start(req);
     if (rc != MPI_SUCCESS) return fail(op, who, mpi_error_string(rc));
     int spins = 0;
     for (;;) {
       int done = 0;
-      rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      rc = MPI_Testall(2, req, &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return fail(op, who, mpi_error_string(rc));
       if (done) return Status::ok();
       if (clock::now() >= deadline) {

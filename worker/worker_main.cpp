@@ -376,10 +376,11 @@ int run(int argc, char** argv) {
     char line[1024];
     std::snprintf(line, sizeof line,
                   "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, \"cp\": %d, "
-                  "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
+                  "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, \"kv_moved_bytes\": %lld, "
                   "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": %.6f}",
                   json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token, o.tp,
                   o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
+                  static_cast<long long>(s.kv_moved_bytes),
                   static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
                   json_escape(o.attention).c_str(), s.density);
     write_summary(dir + ".json", line);

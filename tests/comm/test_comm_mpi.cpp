@@ -136,6 +136,12 @@ TEST(CommMpi, SendRecvRingAndBcast) {
     ASSERT_TRUE(w.send(mine.data(), cnt, DType::kF32, next, 11).is_ok());
   }
   EXPECT_EQ(got, input_f32(prev, cnt, 6));
+  // sendrecv: every rank sends first, 1 MB each (beyond eager limits), and none deadlocks.
+  const int64_t big = 1 << 18;
+  auto mb = input_f32(r, big, 8);
+  std::vector<float> gb(size_t(big), std::nanf(""));
+  ASSERT_TRUE(w.sendrecv(mb.data(), big, next, gb.data(), big, prev, DType::kF32, 12).is_ok());
+  EXPECT_EQ(gb, input_f32(prev, big, 8));
   const int root = n - 1;
   std::vector<float> b = r == root ? input_f32(root, cnt, 7) : std::vector<float>(size_t(cnt), std::nanf(""));
   ASSERT_TRUE(w.bcast(b.data(), cnt, DType::kF32, root).is_ok());

@@ -1,7 +1,9 @@
 #include "worker/runtime/parallel_prefill.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
 
 #include "kernels/api.h"
 #include "kernels/sparse.h"
@@ -128,14 +130,37 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
   ParallelStats& st = res.stats;
   const int64_t ar_bytes0 = g.tp->bytes_sent(), cp_bytes0 = g.cp->bytes_sent(), grp_bytes0 = g.group_comm->bytes_sent();
   // Leader-side KV cache of this TP slice (gathered over TP at the end).
+  // Selective mode: no rank holds every key, so each keeps its own rows and they are gathered
+  // over CP after the last layer.
   std::vector<std::vector<float>> kslice, vslice;
+  const bool keep_local = opt.gather_kv && opt.selective_kv;
   const bool keep = opt.gather_kv && g.cp_rank == 0;
-  if (keep) {
+  if (keep || keep_local) {
     kslice.assign(size_t(c.n_layers), {});
     vslice.assign(size_t(c.n_layers), {});
   }
   const TensorView none{};
   double pairs_done = 0, pairs_causal = 0;
+  if (opt.selective_kv && !opt.index_source)
+    return SF_ERR(kInvalidArgument, "parallel_prefill: the selective KV exchange needs a shared global index "
+                                    "(index_source); distributed index estimation does not exist yet");
+  // An all-gathered [rank][K rows, V rows] buffer back into prompt order.
+  auto unpack_gathered = [&](const float* all, float* Kd, float* Vd) {
+    int64_t off = 0;
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      const int64_t nr = rr[0].size() + rr[1].size();
+      const float* kb = all + off;
+      const float* vb = kb + nr * kvw;
+      int64_t row = 0;
+      for (const auto& ch : rr) {
+        std::copy_n(kb + row * kvw, ch.size() * kvw, Kd + ch.begin * kvw);
+        std::copy_n(vb + row * kvw, ch.size() * kvw, Vd + ch.begin * kvw);
+        row += ch.size();
+      }
+      off += 2 * nr * kvw;
+    }
+  };
 
   if (n_loc > 0) SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
   for (int l = 0; l < c.n_layers; ++l) {
@@ -159,25 +184,91 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       SF_TRY(kernels::rope(view3(qc, n, hq_t, d), pos.data() + c0, rope));
       SF_TRY(kernels::rope(view3(kl + c0 * kvw, n, hkv_t, d), pos.data() + c0, rope));
     }
-    // 2) CP all-gather of this slice's K and V, then back into prompt order.
-    SF_TRY(timed(&st, [&] {
-      return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
-    }));
-    st.kv_allgather_bytes += int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
-    {
-      int64_t off = 0;
-      for (int r = 0; r < CP; ++r) {
-        const auto rr = cp_rank_ranges(S, CP, r);
-        const int64_t nr = rr[0].size() + rr[1].size();
-        const float* kb = kv_all.data() + off;
-        const float* vb = kb + nr * kvw;
-        int64_t row = 0;
-        for (const auto& ch : rr) {
-          std::copy_n(kb + row * kvw, ch.size() * kvw, K.data() + ch.begin * kvw);
-          std::copy_n(vb + row * kvw, ch.size() * kvw, V.data() + ch.begin * kvw);
-          row += ch.size();
+    // The shared index of this layer, sliced to this rank's heads and chunks (before the
+    // exchange: selective mode moves only what these read).
+    std::array<kernels::SparseIndex, 2> sliced;
+    if (opt.index_source) {
+      const kernels::SparseIndex* gi = opt.index_source(l);
+      if (!gi) return SF_ERR(kInvalidArgument, "parallel_prefill: no index for layer " + std::to_string(l));
+      if (gi->n_q != S || gi->n_heads != c.n_heads)
+        return SF_ERR(kInvalidArgument, "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
+                                            std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
+                                            " heads, the prompt has " + std::to_string(S) + " x " +
+                                            std::to_string(c.n_heads));
+      for (int j = 0; j < 2; ++j) {
+        if (ranges[size_t(j)].size() == 0) continue;
+        SF_ASSIGN(sliced[size_t(j)], slice_index(*gi, int(hq0), int(hq_t), ranges[size_t(j)]));
+      }
+    }
+    const int64_t allgather_recv = int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
+    st.kv_allgather_bytes += allgather_recv;
+    if (!opt.selective_kv) {
+      // 2) CP all-gather of this slice's K and V, then back into prompt order.
+      SF_TRY(timed(&st, [&] {
+        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
+      }));
+      st.kv_moved_bytes += allgather_recv;
+      unpack_gathered(kv_all.data(), K.data(), V.data());
+    } else {
+      // 2') Selective exchange: a mask of the keys this rank's index slices read and it does not
+      // hold; masks are all-gathered (S bytes per rank), then each pair of ranks swaps exactly
+      // the rows the other asked for. Keys nobody asked for stay NaN here, so a kernel that read
+      // one would poison the output.
+      std::fill(K.begin(), K.end(), std::nanf(""));
+      std::fill(V.begin(), V.end(), std::nanf(""));
+      std::vector<uint8_t> need(static_cast<size_t>(S), 0), masks(size_t(S) * size_t(CP));
+      for (int j = 0; j < 2; ++j) {
+        const TokenRange& r = ranges[size_t(j)];
+        if (r.size() == 0) continue;
+        const kernels::SparseIndex& ix = sliced[size_t(j)];
+        for (int h = 0; h < ix.n_heads; ++h)
+          for (int64_t qb = 0; qb < ix.n_qblocks; ++qb) {
+            const auto geo = kernels::sparse_slot_geometry(ix.n_q, ix.n_k, ix.q_offset, qb);
+            const size_t sl = ix.slot(h, qb);
+            for (int b = 0; b < ix.block_count[sl]; ++b) {
+              const int64_t off = ix.block_offset[sl * size_t(ix.max_blocks) + size_t(b)];
+              for (int64_t t = off; t < std::min(off + kernels::kSparseBlock, geo.kend); ++t) need[size_t(t)] = 1;
+            }
+            for (int cc = 0; cc < ix.column_count[sl]; ++cc)
+              need[size_t(ix.column_index[sl * size_t(ix.max_cols) + size_t(cc)])] = 1;
+          }
+      }
+      for (const auto& r : ranges)
+        for (int64_t t = r.begin; t < r.end; ++t) need[size_t(t)] = 0;
+      SF_TRY(timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), S, DType::kU8); }));
+      st.kv_moved_bytes += (CP - 1) * S;
+      // Own rows into place.
+      for (int j = 0; j < 2; ++j) {
+        const TokenRange& r = ranges[size_t(j)];
+        std::copy_n(kl + loc_off[j] * kvw, r.size() * kvw, K.data() + r.begin * kvw);
+        std::copy_n(vl + loc_off[j] * kvw, r.size() * kvw, V.data() + r.begin * kvw);
+      }
+      std::vector<float> sendbuf, recvbuf;
+      for (int step = 1; step < CP; ++step) {
+        const int dest = (g.cp_rank + step) % CP, src = (g.cp_rank + CP - step) % CP;
+        const uint8_t* dest_mask = masks.data() + size_t(dest) * size_t(S);
+        std::vector<int64_t> give, take;  // my tokens dest needs; src's tokens I need
+        for (int j = 0; j < 2; ++j)
+          for (int64_t t = ranges[size_t(j)].begin; t < ranges[size_t(j)].end; ++t)
+            if (dest_mask[t]) give.push_back(t);
+        for (const auto& r : cp_rank_ranges(S, CP, src))
+          for (int64_t t = r.begin; t < r.end; ++t)
+            if (need[size_t(t)]) take.push_back(t);
+        sendbuf.resize(give.size() * 2 * size_t(kvw));
+        for (size_t i = 0; i < give.size(); ++i) {
+          std::copy_n(K.data() + give[i] * kvw, kvw, sendbuf.data() + 2 * i * size_t(kvw));
+          std::copy_n(V.data() + give[i] * kvw, kvw, sendbuf.data() + (2 * i + 1) * size_t(kvw));
         }
-        off += 2 * nr * kvw;
+        recvbuf.resize(take.size() * 2 * size_t(kvw));
+        SF_TRY(timed(&st, [&] {
+          return g.cp->sendrecv(sendbuf.data(), int64_t(sendbuf.size()), dest, recvbuf.data(), int64_t(recvbuf.size()),
+                                src, DType::kF32, 100 + l);
+        }));
+        for (size_t i = 0; i < take.size(); ++i) {
+          std::copy_n(recvbuf.data() + 2 * i * size_t(kvw), kvw, K.data() + take[i] * kvw);
+          std::copy_n(recvbuf.data() + (2 * i + 1) * size_t(kvw), kvw, V.data() + take[i] * kvw);
+        }
+        st.kv_moved_bytes += int64_t(recvbuf.size() * sizeof(float));
       }
     }
     // 3) Attention of each held chunk against every key before its end.
@@ -197,14 +288,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
         kernels::SparseIndex idx;
         const auto e0 = clock::now();
         if (opt.index_source) {
-          const kernels::SparseIndex* gi = opt.index_source(l);
-          if (!gi) return SF_ERR(kInvalidArgument, "parallel_prefill: no index for layer " + std::to_string(l));
-          if (gi->n_q != S || gi->n_heads != c.n_heads)
-            return SF_ERR(kInvalidArgument, "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
-                                                std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
-                                                " heads, the prompt has " + std::to_string(S) + " x " +
-                                                std::to_string(c.n_heads));
-          SF_ASSIGN(idx, slice_index(*gi, int(hq0), int(hq_t), r));
+          idx = std::move(sliced[size_t(j)]);
           pairs_done += causal * idx.density();
         } else {
           const auto& lp = sc->layers[size_t(l)];
@@ -224,7 +308,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
         pairs_done += causal;
       }
     }
-    if (keep) {
+    if (keep_local) {
+      kslice[size_t(l)].assign(kl, kl + n_loc * kvw);
+      vslice[size_t(l)].assign(vl, vl + n_loc * kvw);
+    } else if (keep) {
       kslice[size_t(l)] = K;
       vslice[size_t(l)] = V;
     }
@@ -300,6 +387,19 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
   SF_TRY(timed(&st, [&] { return g.group_comm->bcast(&first, 1, DType::kI32, 0); }));
   res.first_token = first;
 
+  // Selective mode: the CP rows of each layer meet on every CP rank (only CP rank 0 keeps them).
+  if (keep_local)
+    for (int l = 0; l < c.n_layers; ++l) {
+      std::copy_n(kslice[size_t(l)].data(), n_loc * kvw, kv_loc.data());
+      std::copy_n(vslice[size_t(l)].data(), n_loc * kvw, kv_loc.data() + n_loc * kvw);
+      SF_TRY(timed(&st, [&] {
+        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
+      }));
+      if (!keep) continue;
+      kslice[size_t(l)].resize(size_t(S * kvw));
+      vslice[size_t(l)].resize(size_t(S * kvw));
+      unpack_gathered(kv_all.data(), kslice[size_t(l)].data(), vslice[size_t(l)].data());
+    }
   // KV to the leader: CP rank 0's TP row holds every token of its slice; gather the slices.
   if (keep) {
     model::KvCache& kv = res.kv;

@@ -36,6 +36,11 @@ struct ParallelOptions {
   // the given global index. Null sparse: dense everywhere.
   const model::SparseConfig* sparse = nullptr;
   GlobalIndexSource index_source;
+  // Sparsity-aware CP, transfer half: instead of the all-gather, each rank receives only the K/V
+  // rows its slices of index_source read (required). Counted in kv_moved_bytes against
+  // kv_allgather_bytes. The index itself still comes from elsewhere (estimating it where the keys
+  // live is not implemented).
+  bool selective_kv = false;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
 };
@@ -43,7 +48,9 @@ struct ParallelOptions {
 struct ParallelStats {
   double seconds = 0, attention_s = 0, estimate_s = 0;
   double comm_s = 0;                // time waiting in collectives (this rank)
-  int64_t kv_allgather_bytes = 0;   // K/V bytes this rank received in CP all-gathers
+  int64_t kv_allgather_bytes = 0;   // K/V bytes the per-layer CP all-gather brings this rank
+  int64_t kv_moved_bytes = 0;       // what it actually received for attention (== the above
+                                    // unless selective_kv; then rows + request masks)
   int64_t tp_allreduce_bytes = 0;   // bytes this rank all-reduced over TP
   int64_t comm_bytes = 0;           // everything this rank put into collectives
   double density = 1.0;             // of this rank's attention (causal pairs computed)

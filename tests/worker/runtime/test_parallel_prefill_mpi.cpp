@@ -80,7 +80,8 @@ double expect_close(const std::vector<float>& got, const std::vector<float>& wan
 }
 
 // Runs one grid shape on every group of the world and checks each group leader's result.
-void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_tokens, const model::SparseConfig* sparse) {
+void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_tokens, const model::SparseConfig* sparse,
+                bool selective = false) {
   auto& w = test_world();
   ASSERT_EQ(w.size() % shape.group_size(), 0);
   auto gr = runtime::make_grid(w, shape);
@@ -103,12 +104,13 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   po.all_logits = true;
   po.chunk = 100;  // several linear chunks per rank
   if (sparse) po.index_source = [&](int l) { return &indices[size_t(l)]; };
+  po.selective_kv = selective;
   auto par = runtime::parallel_prefill(m, g, tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   EXPECT_EQ(par->first_token, ref->first_token);
   if (g.leader()) {
     const std::string tag = "tp " + std::to_string(shape.tp) + " cp " + std::to_string(shape.cp) + " group " +
-                            std::to_string(g.group) + (sparse ? " sparse" : " dense");
+                            std::to_string(g.group) + (sparse ? " sparse" : " dense") + (selective ? " selective" : "");
     ASSERT_EQ(par->n_logit_rows, n_tokens);
     const double dl = expect_close(par->logits, ref->logits, tag + " logits");
     ASSERT_EQ(par->kv.n_tokens, n_tokens);
@@ -117,10 +119,16 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
       dkv = std::max(dkv, expect_close(par->kv.k[size_t(l)], ref->kv.k[size_t(l)], tag + " K layer " + std::to_string(l)));
       dkv = std::max(dkv, expect_close(par->kv.v[size_t(l)], ref->kv.v[size_t(l)], tag + " V layer " + std::to_string(l)));
     }
-    std::printf("%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, kv all-gather %lld B, "
+    std::printf("%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, kv moved %lld B of all-gather %lld B, "
                 "tp all-reduce %lld B, density %.3f\n", tag.c_str(), static_cast<long long>(n_tokens), dl, dkv,
-                par->stats.comm_s, static_cast<long long>(par->stats.kv_allgather_bytes),
+                par->stats.comm_s, static_cast<long long>(par->stats.kv_moved_bytes),
+                static_cast<long long>(par->stats.kv_allgather_bytes),
                 static_cast<long long>(par->stats.tp_allreduce_bytes), par->stats.density);
+    if (!selective) EXPECT_EQ(par->stats.kv_moved_bytes, par->stats.kv_allgather_bytes);
+    // a-shape reads the sink and one window of 64 keys before each chunk from other ranks: far
+    // less than every key.
+    if (selective && shape.cp > 1)
+      EXPECT_LT(double(par->stats.kv_moved_bytes), 0.5 * double(par->stats.kv_allgather_bytes));
     if (sparse) EXPECT_LT(par->stats.density, 0.9) << "the index must actually be sparse for this test to mean anything";
   } else {
     EXPECT_TRUE(par->logits.empty());
@@ -154,6 +162,16 @@ TEST_P(ParallelPrefill, SparseWithTheSameIndexEqualsSingleRank) {
   ASSERT_TRUE(sc.is_ok());
   sc->dense_below = 0;
   check_grid(*model_, {tp, cp}, 640, &sc.value());
+}
+
+// Sparsity-aware CP, transfer half: each rank receives only the rows its index slices read; rows
+// nobody asked for are NaN on the receiving rank, so reading one would show in the output.
+TEST_P(ParallelPrefill, SelectiveKvExchangeEqualsSingleRank) {
+  const auto [tp, cp] = GetParam();
+  auto sc = model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
+  ASSERT_TRUE(sc.is_ok());
+  sc->dense_below = 0;
+  check_grid(*model_, {tp, cp}, 640, &sc.value(), /*selective=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
