@@ -7,9 +7,12 @@ namespace sf::comm {
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
   }
   return "?";
 }
@@ -39,29 +42,35 @@ class SelfCommunicator final : public Communicator {
   Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
     return copy(send, recv, count, t, "all_gather");
   }
-  Status all_gatherv(const void* send, int64_t send_count, void* recv, std::span<const int64_t> counts,
-                     DType t) override {
+  Status all_gatherv(const void* send, int64_t send_count, void* recv,
+                     std::span<const int64_t> counts, DType t) override {
     if (counts.size() != 1 || counts[0] != send_count)
-      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': counts must be {send_count}");
+      return SF_ERR(kInvalidArgument,
+                    "comm: all_gatherv on '" + name_ + "': counts must be {send_count}");
     return copy(send, recv, send_count, t, "all_gatherv");
   }
-  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t, ReduceOp) override {
+  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t,
+                        ReduceOp) override {
     return copy(send, recv, recv_count, t, "reduce_scatter");
   }
   Status send(const void*, int64_t, DType, int peer, int) override {
-    return SF_ERR(kInvalidArgument, "comm: send to rank " + std::to_string(peer) + " on the one-rank communicator '" + name_ + "'");
+    return SF_ERR(kInvalidArgument, "comm: send to rank " + std::to_string(peer) +
+                                        " on the one-rank communicator '" + name_ + "'");
   }
   Status recv(void*, int64_t, DType, int peer, int) override {
-    return SF_ERR(kInvalidArgument, "comm: recv from rank " + std::to_string(peer) + " on the one-rank communicator '" + name_ + "'");
+    return SF_ERR(kInvalidArgument, "comm: recv from rank " + std::to_string(peer) +
+                                        " on the one-rank communicator '" + name_ + "'");
   }
-  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count, int src, DType t,
-                  int) override {
+  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count,
+                  int src, DType t, int) override {
     if (dest != 0 || src != 0 || send_count != recv_count)
-      return SF_ERR(kInvalidArgument, "comm: sendrecv on the one-rank communicator '" + name_ + "' must be with rank 0, equal counts");
+      return SF_ERR(kInvalidArgument, "comm: sendrecv on the one-rank communicator '" + name_ +
+                                          "' must be with rank 0, equal counts");
     return copy(send, recv, send_count, t, "sendrecv");
   }
   Status bcast(void*, int64_t count, DType, int root) override {
-    if (root != 0 || count < 0) return SF_ERR(kInvalidArgument, "comm: bcast on '" + name_ + "': root must be 0");
+    if (root != 0 || count < 0)
+      return SF_ERR(kInvalidArgument, "comm: bcast on '" + name_ + "': root must be 0");
     return Status::ok();
   }
   Status barrier() override { return Status::ok(); }

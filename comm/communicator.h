@@ -51,8 +51,8 @@ class Communicator {
   virtual Status recv(void* buf, int64_t count, DType t, int peer, int tag) = 0;
   // Sends to dest and receives from src in one step (both posted before either is waited on), so
   // a ring or pairwise exchange where every rank sends first cannot deadlock.
-  virtual Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count,
-                          int src, DType t, int tag) = 0;
+  virtual Status sendrecv(const void* send, int64_t send_count, int dest, void* recv,
+                          int64_t recv_count, int src, DType t, int tag) = 0;
   virtual Status bcast(void* buf, int64_t count, DType t, int root) = 0;
   virtual Status barrier() = 0;
   // Ranks with the same color form a new communicator, ordered by key then by rank here.

@@ -32,9 +32,12 @@ std::string mpi_error_string(int rc) {
 // Reductions are defined on these; any dtype can be moved as raw elements.
 Result<MPI_Datatype> mpi_type(DType t, bool reduce) {
   switch (t) {
-    case DType::kF32: return MPI_FLOAT;
-    case DType::kI32: return MPI_INT32_T;
-    case DType::kI64: return MPI_INT64_T;
+    case DType::kF32:
+      return MPI_FLOAT;
+    case DType::kI32:
+      return MPI_INT32_T;
+    case DType::kI64:
+      return MPI_INT64_T;
     case DType::kF16:
     case DType::kBF16:
       if (!reduce) return MPI_UINT16_T;
@@ -48,9 +51,12 @@ Result<MPI_Datatype> mpi_type(DType t, bool reduce) {
 
 MPI_Op mpi_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return MPI_SUM;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kMin:
+      return MPI_MIN;
   }
   return MPI_SUM;
 }
@@ -126,22 +132,25 @@ class MpiCommunicator final : public Communicator {
     stage_.resize(n * size_t(size_));
     if (n) std::memcpy(stage_.data() + n * size_t(rank_), send, n);
     SF_TRY(run("all_gather", group_desc(), [&](MPI_Request* r) {
-      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), int(count), mt, comm_, r);
+      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), int(count), mt,
+                            comm_, r);
     }));
     if (n) std::memcpy(recv, stage_.data(), n * size_t(size_));
     bytes_sent_ += int64_t(n);
     return Status::ok();
   }
 
-  Status all_gatherv(const void* send, int64_t send_count, void* recv, std::span<const int64_t> counts,
-                     DType t) override {
+  Status all_gatherv(const void* send, int64_t send_count, void* recv,
+                     std::span<const int64_t> counts, DType t) override {
     if (int(counts.size()) != size_)
-      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': " + std::to_string(counts.size()) +
-                                          " counts for " + std::to_string(size_) + " ranks");
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ +
+                                          "': " + std::to_string(counts.size()) + " counts for " +
+                                          std::to_string(size_) + " ranks");
     if (counts[size_t(rank_)] != send_count)
-      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': counts[" + std::to_string(rank_) +
-                                          "] = " + std::to_string(counts[size_t(rank_)]) + " but send_count is " +
-                                          std::to_string(send_count));
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ + "': counts[" +
+                                          std::to_string(rank_) +
+                                          "] = " + std::to_string(counts[size_t(rank_)]) +
+                                          " but send_count is " + std::to_string(send_count));
     // Members: MPI reads them until completion, which may come after a deadline.
     std::vector<int>& cnt = cnt_;
     std::vector<int>& disp = disp_;
@@ -149,27 +158,31 @@ class MpiCommunicator final : public Communicator {
     disp.assign(size_t(size_), 0);
     int64_t total = 0;
     for (int i = 0; i < size_; ++i) {
-      if (counts[size_t(i)] < 0) return SF_ERR(kInvalidArgument, "comm: all_gatherv: negative count");
+      if (counts[size_t(i)] < 0)
+        return SF_ERR(kInvalidArgument, "comm: all_gatherv: negative count");
       cnt[size_t(i)] = int(counts[size_t(i)]);
       disp[size_t(i)] = int(total);
       total += counts[size_t(i)];
-      if (total > INT_MAX) return SF_ERR(kOutOfRange, "comm: all_gatherv: more than INT_MAX elements");
+      if (total > INT_MAX)
+        return SF_ERR(kOutOfRange, "comm: all_gatherv: more than INT_MAX elements");
     }
     SF_TRY(check_usable("all_gatherv", total));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t es = dtype_size(t);
     stage_.resize(size_t(total) * es);
-    if (send_count) std::memcpy(stage_.data() + size_t(disp[size_t(rank_)]) * es, send, size_t(send_count) * es);
+    if (send_count)
+      std::memcpy(stage_.data() + size_t(disp[size_t(rank_)]) * es, send, size_t(send_count) * es);
     SF_TRY(run("all_gatherv", group_desc(), [&](MPI_Request* r) {
-      return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), cnt.data(), disp.data(), mt,
-                             comm_, r);
+      return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), cnt.data(),
+                             disp.data(), mt, comm_, r);
     }));
     if (total) std::memcpy(recv, stage_.data(), size_t(total) * es);
     bytes_sent_ += send_count * int64_t(es);
     return Status::ok();
   }
 
-  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t, ReduceOp op) override {
+  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t,
+                        ReduceOp op) override {
     SF_TRY(check_usable("reduce_scatter", recv_count * size_));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, true));
     const size_t n = size_t(recv_count) * dtype_size(t);
@@ -177,7 +190,8 @@ class MpiCommunicator final : public Communicator {
     if (n) std::memcpy(stage_.data(), send, n * size_t(size_));
     char* out = stage_.data() + n * size_t(size_);
     SF_TRY(run("reduce_scatter", group_desc(), [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block(stage_.data(), out, int(recv_count), mt, mpi_op(op), comm_, r);
+      return MPI_Ireduce_scatter_block(stage_.data(), out, int(recv_count), mt, mpi_op(op), comm_,
+                                       r);
     }));
     if (n) std::memcpy(recv, out, n);
     bytes_sent_ += int64_t(n) * size_;
@@ -211,8 +225,8 @@ class MpiCommunicator final : public Communicator {
     return Status::ok();
   }
 
-  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count, int src, DType t,
-                  int tag) override {
+  Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count,
+                  int src, DType t, int tag) override {
     SF_TRY(check_usable("sendrecv", std::max(send_count, recv_count)));
     SF_TRY(check_usable("sendrecv", std::min(send_count, recv_count)));
     SF_TRY(check_peer("sendrecv", dest));
@@ -221,10 +235,11 @@ class MpiCommunicator final : public Communicator {
     const size_t es = dtype_size(t), ns = size_t(send_count) * es, nr = size_t(recv_count) * es;
     stage_.resize(ns + nr);
     if (ns) std::memcpy(stage_.data(), send, ns);
-    const std::string who = "'" + name_ + "': rank " + std::to_string(rank_) + " (world " +
-                            std::to_string(world_ranks_[size_t(rank_)]) + ") sending to rank " + std::to_string(dest) +
-                            " (world " + std::to_string(world_ranks_[size_t(dest)]) + "), receiving from rank " +
-                            std::to_string(src) + " (world " + std::to_string(world_ranks_[size_t(src)]) + ")";
+    const std::string who =
+        "'" + name_ + "': rank " + std::to_string(rank_) + " (world " +
+        std::to_string(world_ranks_[size_t(rank_)]) + ") sending to rank " + std::to_string(dest) +
+        " (world " + std::to_string(world_ranks_[size_t(dest)]) + "), receiving from rank " +
+        std::to_string(src) + " (world " + std::to_string(world_ranks_[size_t(src)]) + ")";
     SF_TRY(run("sendrecv", who, [&](MPI_Request* r) {
       const int rc = MPI_Irecv(stage_.data() + ns, int(recv_count), mt, src, tag, comm_, &r[1]);
       if (rc != MPI_SUCCESS) return rc;
@@ -255,15 +270,18 @@ class MpiCommunicator final : public Communicator {
     return run("barrier", group_desc(), [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
   }
 
-  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override {
+  Result<std::unique_ptr<Communicator>> split(int color, int key,
+                                              const std::string& name) override {
     SF_TRY(check_usable("split", 0));
     if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
     // Everyone is here once the barrier completes, so the blocking split cannot hang on a
     // missing rank.
-    SF_TRY(run("split (barrier)", group_desc(), [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); }));
+    SF_TRY(run("split (barrier)", group_desc(),
+               [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); }));
     MPI_Comm nc = MPI_COMM_NULL;
     const int rc = MPI_Comm_split(comm_, color, key, &nc);
-    if (rc != MPI_SUCCESS) return fail("split", group_desc(), "MPI_Comm_split: " + mpi_error_string(rc));
+    if (rc != MPI_SUCCESS)
+      return fail("split", group_desc(), "MPI_Comm_split: " + mpi_error_string(rc));
     auto c = std::make_unique<MpiCommunicator>(nc, name);
     c->set_timeout(timeout_);
     return std::unique_ptr<Communicator>(std::move(c));
@@ -272,8 +290,10 @@ class MpiCommunicator final : public Communicator {
  private:
   Status check_usable(const char* op, int64_t count) {
     if (aborted())
-      return Status(abort_status_.code(), "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
-                                              "' (first error: " + abort_status_.message() + ")", __FILE__, __LINE__);
+      return Status(abort_status_.code(),
+                    "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
+                        "' (first error: " + abort_status_.message() + ")",
+                    __FILE__, __LINE__);
     if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
     if (count > INT_MAX)
       return SF_ERR(kOutOfRange, "comm: " + std::string(op) + ": " + std::to_string(count) +
@@ -282,30 +302,34 @@ class MpiCommunicator final : public Communicator {
   }
   Status check_peer(const char* op, int peer) {
     if (peer < 0 || peer >= size_)
-      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " + std::to_string(peer) +
-                                          " outside '" + name_ + "' of size " + std::to_string(size_));
+      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " +
+                                          std::to_string(peer) + " outside '" + name_ +
+                                          "' of size " + std::to_string(size_));
     return Status::ok();
   }
   std::string group_desc() const {
-    return "'" + name_ + "' (" + std::to_string(size_) + " ranks: world " + rank_list(world_ranks_) +
-           "; this is rank " + std::to_string(rank_) + ", world " + std::to_string(world_ranks_[size_t(rank_)]) + ")";
+    return "'" + name_ + "' (" + std::to_string(size_) + " ranks: world " +
+           rank_list(world_ranks_) + "; this is rank " + std::to_string(rank_) + ", world " +
+           std::to_string(world_ranks_[size_t(rank_)]) + ")";
   }
   std::string peer_desc(int peer) const {
     return "'" + name_ + "' between rank " + std::to_string(rank_) + " (world " +
-           std::to_string(world_ranks_[size_t(rank_)]) + ") and rank " + std::to_string(peer) + " (world " +
-           std::to_string(world_ranks_[size_t(peer)]) + ")";
+           std::to_string(world_ranks_[size_t(rank_)]) + ") and rank " + std::to_string(peer) +
+           " (world " + std::to_string(world_ranks_[size_t(peer)]) + ")";
   }
   Status fail(const char* op, const std::string& who, const std::string& why,
               Code code = Code::kInternal) {
     g_any_abort = true;
-    abort_status_ = Status(code, "comm: " + std::string(op) + " on " + who + ": " + why + "; communicator aborted",
-                           __FILE__, __LINE__);
+    abort_status_ = Status(
+        code, "comm: " + std::string(op) + " on " + who + ": " + why + "; communicator aborted",
+        __FILE__, __LINE__);
     return abort_status_;
   }
 
   // Starts one non-blocking call and polls it until it completes or the deadline passes.
   // start() may post up to two requests (sendrecv); unused ones stay MPI_REQUEST_NULL.
-  Status run(const char* op, const std::string& who, const std::function<int(MPI_Request*)>& start) {
+  Status run(const char* op, const std::string& who,
+             const std::function<int(MPI_Request*)>& start) {
     const auto t0 = clock::now();
     const auto deadline = t0 + timeout_;
     MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -325,8 +349,10 @@ class MpiCommunicator final : public Communicator {
         stage_ = {};
         cnt_ = {};
         disp_ = {};
-        return fail(op, who, "did not complete within its deadline of " + seconds_str(timeout_) +
-                                 " (a peer is stuck, dead or not calling it)", Code::kDeadlineExceeded);
+        return fail(op, who,
+                    "did not complete within its deadline of " + seconds_str(timeout_) +
+                        " (a peer is stuck, dead or not calling it)",
+                    Code::kDeadlineExceeded);
       }
       if (++spins < 32) {
         std::this_thread::yield();
@@ -351,7 +377,8 @@ Status mpi_init(int* argc, char*** argv) {
   if (inited) return Status::ok();
   int provided = 0;
   const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
-  if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "MPI_Init_thread failed: " + mpi_error_string(rc));
+  if (rc != MPI_SUCCESS)
+    return SF_ERR(kInternal, "MPI_Init_thread failed: " + mpi_error_string(rc));
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   return Status::ok();
 }
@@ -388,7 +415,8 @@ int mpi_world_size() {
 }
 
 Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
-  if (!mpi_initialized()) return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
+  if (!mpi_initialized())
+    return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
   // MPI_Comm_idup: even duplicating the world waits with a deadline.
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_Request req = MPI_REQUEST_NULL;
@@ -403,8 +431,10 @@ Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
     if (done) break;
     if (clock::now() >= deadline) {
       g_any_abort = true;
-      return SF_ERR(kDeadlineExceeded, "comm: duplicating the world communicator (" + std::to_string(mpi_world_size()) +
-                                           " ranks) did not complete within " + seconds_str(timeout));
+      return SF_ERR(kDeadlineExceeded, "comm: duplicating the world communicator (" +
+                                           std::to_string(mpi_world_size()) +
+                                           " ranks) did not complete within " +
+                                           seconds_str(timeout));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -413,7 +443,9 @@ Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
 
 #else  // !SF_HAVE_MPI
 
-Status mpi_init(int*, char***) { return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)"); }
+Status mpi_init(int*, char***) {
+  return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)");
+}
 bool mpi_initialized() { return false; }
 void mpi_finalize() {}
 bool mpi_any_aborted() { return false; }

@@ -42,7 +42,8 @@ namespace fs = std::filesystem;
 
 const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
-    "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] [--allow-long]\n";
+    "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
+    "[--allow-long]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -56,7 +57,8 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v) {
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end || errno || x <= 0) return SF_ERR(kInvalidArgument, "--" + k + " must be a positive integer, got '" + v + "'");
+  if (v.empty() || *end || errno || x <= 0)
+    return SF_ERR(kInvalidArgument, "--" + k + " must be a positive integer, got '" + v + "'");
   return int64_t(x);
 }
 
@@ -71,8 +73,10 @@ Result<Options> parse_options(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
-    static const char* valued[] = {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout"};
-    if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) == std::end(valued))
+    static const char* valued[] = {"model", "batch",     "out",   "tp",
+                                   "cp",    "attention", "chunk", "comm-timeout"};
+    if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
+        std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
     if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
     kv[k] = argv[++i];
@@ -195,9 +199,11 @@ int run(int argc, char** argv) {
     return finish(2, opts_r.status().message(), false);
   }
   const Options& o = opts_r.value();
-  if (o.comm_timeout_s > 0) world->set_timeout(std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1000)));
+  if (o.comm_timeout_s > 0)
+    world->set_timeout(std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1000)));
   const runtime::GridShape shape{o.tp, o.cp};
-  if (Status st = runtime::check_world(shape, world->size()); !st.is_ok()) return finish(2, st.message(), false);
+  if (Status st = runtime::check_world(shape, world->size()); !st.is_ok())
+    return finish(2, st.message(), false);
   const int n_groups = world->size() / shape.group_size();
   const Fault fault = parse_fault();
 
@@ -226,7 +232,8 @@ int run(int argc, char** argv) {
   // Every rank loads the model; one rank's failure is every rank's error.
   Result<model::Model> mr = SF_ERR(kInternal, "not loaded");
   if (fault.kind == "load" && fault.rank == world->rank()) {
-    mr = SF_ERR(kIo, "fault injection: rank " + std::to_string(world->rank()) + " cannot load '" + o.model + "'");
+    mr = SF_ERR(kIo, "fault injection: rank " + std::to_string(world->rank()) + " cannot load '" +
+                         o.model + "'");
   } else {
     mr = model::Model::load(o.model);
   }
@@ -235,8 +242,9 @@ int run(int argc, char** argv) {
     const auto t = world->timeout();
     world->set_timeout(t * 10);
     Status mine = mr.is_ok() ? Status::ok()
-                             : Status(mr.status().code(), "rank " + std::to_string(world->rank()) +
-                                                              " could not load the model: " + mr.status().message());
+                             : Status(mr.status().code(),
+                                      "rank " + std::to_string(world->rank()) +
+                                          " could not load the model: " + mr.status().message());
     Status all = agree(*world, mine);
     world->set_timeout(t);
     if (world->aborted()) fatal(world->abort_status());
@@ -244,7 +252,8 @@ int run(int argc, char** argv) {
   }
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
-  if (Status st = runtime::check_model_divides(cfg, o.tp); !st.is_ok()) return finish(2, st.message(), false);
+  if (Status st = runtime::check_model_divides(cfg, o.tp); !st.is_ok())
+    return finish(2, st.message(), false);
   std::optional<model::SparseConfig> sparse;
   if (o.attention != "dense") {
     auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
@@ -285,22 +294,29 @@ int run(int argc, char** argv) {
     bool ok = true;
     for (size_t i = 0; i < r.tokens.size() && ok; ++i)
       if (r.tokens[i] >= cfg.vocab) {
-        bf.bad.push_back({r.line, "field 'tokens' item " + std::to_string(i) + " (" + std::to_string(r.tokens[i]) +
-                                      ") is outside the vocabulary of " + std::to_string(cfg.vocab)});
+        bf.bad.push_back({r.line, "field 'tokens' item " + std::to_string(i) + " (" +
+                                      std::to_string(r.tokens[i]) +
+                                      ") is outside the vocabulary of " +
+                                      std::to_string(cfg.vocab)});
         ok = false;
       }
     if (ok && int64_t(r.tokens.size()) > cfg.max_context && cfg.max_context > 0 && !o.allow_long) {
-      bf.bad.push_back({r.line, "prompt has " + std::to_string(r.tokens.size()) + " tokens, more than the model context of " +
-                                    std::to_string(cfg.max_context) + " (--allow-long to run anyway)"});
+      bf.bad.push_back({r.line, "prompt has " + std::to_string(r.tokens.size()) +
+                                    " tokens, more than the model context of " +
+                                    std::to_string(cfg.max_context) +
+                                    " (--allow-long to run anyway)"});
       ok = false;
     }
     if (ok) good.push_back(std::move(r));
   }
-  std::sort(bf.bad.begin(), bf.bad.end(), [](const auto& a, const auto& b) { return a.line < b.line; });
+  std::sort(bf.bad.begin(), bf.bad.end(),
+            [](const auto& a, const auto& b) { return a.line < b.line; });
   if (rank0) {
-    for (const auto& b : bf.bad) std::fprintf(stderr, "%s:%lld: %s; skipped\n", o.batch.c_str(), static_cast<long long>(b.line), b.reason.c_str());
-    std::printf("batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s\n", good.size(), bf.bad.size(),
-                n_groups, o.tp, o.cp, cfg.name.c_str());
+    for (const auto& b : bf.bad)
+      std::fprintf(stderr, "%s:%lld: %s; skipped\n", o.batch.c_str(),
+                   static_cast<long long>(b.line), b.reason.c_str());
+    std::printf("batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s\n",
+                good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str());
     std::fflush(stdout);
   }
   if (g.leader()) {
@@ -322,14 +338,15 @@ int run(int argc, char** argv) {
     if (complete) {
       ++n_skipped;
       if (g.leader())
-        std::printf("[group %d] %lld/%lld %s: complete, skipped\n", g.group, static_cast<long long>(k),
-                    static_cast<long long>(my_total), r.id.c_str());
+        std::printf("[group %d] %lld/%lld %s: complete, skipped\n", g.group,
+                    static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str());
       continue;
     }
     runtime::ParallelOptions po;
     po.chunk = o.chunk;
     po.sparse = sparse ? &*sparse : nullptr;
-    if (first_request && (fault.kind == "kill" || fault.kind == "stop") && fault.rank == world->rank()) {
+    if (first_request && (fault.kind == "kill" || fault.kind == "stop") &&
+        fault.rank == world->rank()) {
       po.on_layer = [&](int l) {
         if (l != fault.layer) return;
         std::fprintf(stderr, "fault injection: rank %d %s at layer %d\n", world->rank(),
@@ -343,7 +360,9 @@ int run(int argc, char** argv) {
     if (!pr.is_ok()) {
       if (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted()) fatal(pr.status());
       ++n_failed;
-      if (g.leader()) std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
+      if (g.leader())
+        std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                     static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
       continue;
     }
     if (!g.leader()) {
@@ -363,42 +382,54 @@ int run(int argc, char** argv) {
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
     const std::string dir = runtime::request_dir(o.out, r.id);
-    const Status st = kvstore::export_kv(dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
-                                         /*force=*/true);
+    const Status st = kvstore::export_kv(
+        dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
+        /*force=*/true);
     if (!st.is_ok()) {
       ++n_failed;
-      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(), static_cast<long long>(r.line),
-                   r.id.c_str(), st.message().c_str());
+      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                   static_cast<long long>(r.line), r.id.c_str(), st.message().c_str());
       continue;
     }
     ++n_done;
     const auto& s = res.stats;
     char line[1024];
-    std::snprintf(line, sizeof line,
-                  "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, \"cp\": %d, "
-                  "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, \"kv_moved_bytes\": %lld, "
-                  "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": %.6f}",
-                  json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token, o.tp,
-                  o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
-                  static_cast<long long>(s.kv_moved_bytes),
-                  static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-                  json_escape(o.attention).c_str(), s.density);
+    std::snprintf(
+        line, sizeof line,
+        "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
+        "\"cp\": %d, "
+        "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
+        "\"kv_moved_bytes\": %lld, "
+        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
+        "%.6f}",
+        json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
+        o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
+        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.tp_allreduce_bytes),
+        static_cast<long long>(s.comm_bytes), json_escape(o.attention).c_str(), s.density);
     write_summary(dir + ".json", line);
-    std::printf("[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) -> %s\n", g.group,
-                static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(), r.tokens.size(),
-                res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, dir.c_str());
+    std::printf(
+        "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "
+        "-> %s\n",
+        g.group, static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(),
+        r.tokens.size(), res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
+        dir.c_str());
     std::fflush(stdout);
   }
 
   // Totals over the leaders. Groups finish at different times: this wait is bounded by a day,
   // not by the per-collective deadline.
-  int64_t mine[3] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0, g.leader() ? n_failed : 0}, tot[3] = {};
-  world->set_timeout(std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
-  if (Status st = world->all_reduce(mine, tot, 3, DType::kI64, comm::ReduceOp::kSum); !st.is_ok()) fatal(st);
+  int64_t mine[3] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
+                     g.leader() ? n_failed : 0},
+          tot[3] = {};
+  world->set_timeout(
+      std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
+  if (Status st = world->all_reduce(mine, tot, 3, DType::kI64, comm::ReduceOp::kSum); !st.is_ok())
+    fatal(st);
   if (rank0)
-    std::printf("batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",
-                static_cast<long long>(tot[0]), static_cast<long long>(tot[1]), static_cast<long long>(tot[2]),
-                bf.bad.size(), o.out.c_str());
+    std::printf(
+        "batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",
+        static_cast<long long>(tot[0]), static_cast<long long>(tot[1]),
+        static_cast<long long>(tot[2]), bf.bad.size(), o.out.c_str());
   return finish(tot[2] > 0 || !bf.bad.empty() ? 3 : 0, "", false);
 }
 

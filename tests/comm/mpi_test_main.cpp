@@ -34,14 +34,17 @@ int main(int argc, char** argv) {
   sf::testing::g_world->set_timeout(std::chrono::seconds(30));
   uint64_t seed = std::random_device{}();
   seed = (seed << 32) ^ std::random_device{}();
-  if (!sf::testing::g_world->bcast(&seed, 1, sf::DType::kI64, 0).is_ok()) sf::comm::mpi_abort_job(1);
+  if (!sf::testing::g_world->bcast(&seed, 1, sf::DType::kI64, 0).is_ok())
+    sf::comm::mpi_abort_job(1);
   sf::testing::g_seed = seed;
   if (sf::testing::g_world->rank() == 0)
-    std::printf("seed %llu, %d ranks\n", static_cast<unsigned long long>(seed), sf::testing::g_world->size());
+    std::printf("seed %llu, %d ranks\n", static_cast<unsigned long long>(seed),
+                sf::testing::g_world->size());
   const int rc = RUN_ALL_TESTS();
   // Agree on the outcome so every rank exits the same way.
   int32_t bad = rc != 0, any_bad = 0;
-  const sf::Status red = sf::testing::g_world->all_reduce(&bad, &any_bad, 1, sf::DType::kI32, sf::comm::ReduceOp::kMax);
+  const sf::Status red = sf::testing::g_world->all_reduce(&bad, &any_bad, 1, sf::DType::kI32,
+                                                          sf::comm::ReduceOp::kMax);
   if (!red.is_ok() || sf::comm::mpi_any_aborted()) {
     if (!red.is_ok()) std::fprintf(stderr, "error: %s\n", red.to_string().c_str());
     // A test aborted a communicator on purpose or failed: finalization could block.

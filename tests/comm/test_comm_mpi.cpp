@@ -73,7 +73,8 @@ TEST(CommMpi, AllReduceF32InPlace) {
   ASSERT_TRUE(w.all_reduce(v.data(), v.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
   // fp32 sums of <= 4 terms in [-1, 1]: any order is within a few ulp of 4.
   double worst = 0;
-  for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(double(v[size_t(i)]) - want[size_t(i)]));
+  for (int64_t i = 0; i < n; ++i)
+    worst = std::max(worst, std::abs(double(v[size_t(i)]) - want[size_t(i)]));
   EXPECT_LT(worst, 4e-6);
 }
 
@@ -93,16 +94,19 @@ TEST(CommMpi, AllGatherAndGatherV) {
   for (int r = 0; r < w.size(); ++r) total += counts[size_t(r)] = r == 1 ? 0 : 10 + 17 * r;
   auto mv = input_f32(w.rank(), counts[size_t(w.rank())], 4);
   std::vector<float> gv(size_t(total) + 8, std::nanf(""));
-  ASSERT_TRUE(w.all_gatherv(mv.data(), counts[size_t(w.rank())], gv.data(), counts, DType::kF32).is_ok());
+  ASSERT_TRUE(
+      w.all_gatherv(mv.data(), counts[size_t(w.rank())], gv.data(), counts, DType::kF32).is_ok());
   int64_t off = 0;
   for (int r = 0; r < w.size(); ++r) {
     auto v = input_f32(r, counts[size_t(r)], 4);
     EXPECT_TRUE(std::equal(v.begin(), v.end(), gv.begin() + off)) << "block of rank " << r;
     off += counts[size_t(r)];
   }
-  for (size_t i = size_t(total); i < gv.size(); ++i) EXPECT_TRUE(std::isnan(gv[i])) << "written past the end";
+  for (size_t i = size_t(total); i < gv.size(); ++i)
+    EXPECT_TRUE(std::isnan(gv[i])) << "written past the end";
   // A count vector that disagrees with send_count is refused before anything is sent.
-  const Status bad = w.all_gatherv(mv.data(), counts[size_t(w.rank())] + 1, gv.data(), counts, DType::kF32);
+  const Status bad =
+      w.all_gatherv(mv.data(), counts[size_t(w.rank())] + 1, gv.data(), counts, DType::kF32);
   EXPECT_EQ(bad.code(), Code::kInvalidArgument);
   EXPECT_FALSE(w.aborted());
 }
@@ -116,7 +120,8 @@ TEST(CommMpi, ReduceScatter) {
     auto v = input_i64(r, blk * w.size(), 5);
     for (int64_t i = 0; i < blk; ++i) want[size_t(i)] += v[size_t(w.rank() * blk + i)];
   }
-  ASSERT_TRUE(w.reduce_scatter(mine.data(), out.data(), blk, DType::kI64, comm::ReduceOp::kSum).is_ok());
+  ASSERT_TRUE(
+      w.reduce_scatter(mine.data(), out.data(), blk, DType::kI64, comm::ReduceOp::kSum).is_ok());
   EXPECT_EQ(out, want);
 }
 
@@ -143,7 +148,8 @@ TEST(CommMpi, SendRecvRingAndBcast) {
   ASSERT_TRUE(w.sendrecv(mb.data(), big, next, gb.data(), big, prev, DType::kF32, 12).is_ok());
   EXPECT_EQ(gb, input_f32(prev, big, 8));
   const int root = n - 1;
-  std::vector<float> b = r == root ? input_f32(root, cnt, 7) : std::vector<float>(size_t(cnt), std::nanf(""));
+  std::vector<float> b =
+      r == root ? input_f32(root, cnt, 7) : std::vector<float>(size_t(cnt), std::nanf(""));
   ASSERT_TRUE(w.bcast(b.data(), cnt, DType::kF32, root).is_ok());
   EXPECT_EQ(b, input_f32(root, cnt, 7));
   EXPECT_EQ(w.send(mine.data(), cnt, DType::kF32, n, 1).code(), Code::kInvalidArgument);
@@ -202,13 +208,15 @@ TEST(CommMpi, DeadlineAbortsAndNamesTheCollective) {
     buf.assign(buf.size(), -5.f);
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-    ASSERT_TRUE(c.all_reduce(buf.data(), buf.data(), 64, DType::kF32, comm::ReduceOp::kSum).is_ok());
+    ASSERT_TRUE(
+        c.all_reduce(buf.data(), buf.data(), 64, DType::kF32, comm::ReduceOp::kSum).is_ok());
     EXPECT_EQ(buf[0], float(w.size()));
   }
   // The world communicator is untouched by the sub-communicator's abort.
   ASSERT_TRUE(w.barrier().is_ok());
   EXPECT_FALSE(w.aborted());
-  if (c.rank() == 0) EXPECT_EQ(buf[0], -5.f) << "the abandoned request wrote into the caller's buffer";
+  if (c.rank() == 0)
+    EXPECT_EQ(buf[0], -5.f) << "the abandoned request wrote into the caller's buffer";
 }
 
 }  // namespace

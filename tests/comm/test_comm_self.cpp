@@ -21,7 +21,8 @@ TEST(CommSelf, CollectivesCopy) {
   ASSERT_TRUE(c->all_gatherv(a.data(), 3, b.data(), counts, DType::kF32).is_ok());
   EXPECT_EQ(a, b);
   const int64_t wrong[1] = {2};
-  EXPECT_EQ(c->all_gatherv(a.data(), 3, b.data(), wrong, DType::kF32).code(), Code::kInvalidArgument);
+  EXPECT_EQ(c->all_gatherv(a.data(), 3, b.data(), wrong, DType::kF32).code(),
+            Code::kInvalidArgument);
   EXPECT_EQ(c->send(a.data(), 3, DType::kF32, 0, 0).code(), Code::kInvalidArgument);
   EXPECT_TRUE(c->barrier().is_ok());
   auto s = c->split(3, 0, "cp");

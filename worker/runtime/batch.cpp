@@ -9,12 +9,15 @@ namespace json = boost::json;
 
 Status validate_request_id(const std::string& id) {
   if (id.empty() || id.size() > 128)
-    return SF_ERR(kInvalidArgument, "field 'id' must have 1 to 128 characters, got " + std::to_string(id.size()));
+    return SF_ERR(kInvalidArgument,
+                  "field 'id' must have 1 to 128 characters, got " + std::to_string(id.size()));
   if (id[0] == '.') return SF_ERR(kInvalidArgument, "field 'id' must not start with '.'");
   for (char ch : id) {
-    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
-                    ch == '_' || ch == '-';
-    if (!ok) return SF_ERR(kInvalidArgument, "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                    (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
+    if (!ok)
+      return SF_ERR(kInvalidArgument,
+                    "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
   }
   return Status::ok();
 }
@@ -31,7 +34,8 @@ Result<BatchRequest> parse_line(std::string_view line) {
   const json::object& o = v.as_object();
   for (const auto& kv : o)
     if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens")
-      return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) + "' (id, prompt, tokens)");
+      return SF_ERR(kInvalidArgument,
+                    "unknown field '" + std::string(kv.key()) + "' (id, prompt, tokens)");
   BatchRequest r;
   const json::value* id = o.if_contains("id");
   if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
@@ -47,15 +51,19 @@ Result<BatchRequest> parse_line(std::string_view line) {
     r.prompt = std::string(p->as_string());
     if (r.prompt.empty()) return SF_ERR(kInvalidArgument, "field 'prompt' is empty");
   } else {
-    if (!t->is_array()) return SF_ERR(kInvalidArgument, "field 'tokens' must be an array of token ids");
+    if (!t->is_array())
+      return SF_ERR(kInvalidArgument, "field 'tokens' must be an array of token ids");
     const json::array& a = t->as_array();
     if (a.empty()) return SF_ERR(kInvalidArgument, "field 'tokens' is empty");
     for (size_t i = 0; i < a.size(); ++i) {
       int64_t x = -1;
-      if (a[i].is_int64()) x = a[i].as_int64();
-      else if (a[i].is_uint64() && a[i].as_uint64() <= uint64_t(INT32_MAX)) x = int64_t(a[i].as_uint64());
+      if (a[i].is_int64())
+        x = a[i].as_int64();
+      else if (a[i].is_uint64() && a[i].as_uint64() <= uint64_t(INT32_MAX))
+        x = int64_t(a[i].as_uint64());
       if (x < 0 || x > INT32_MAX)
-        return SF_ERR(kInvalidArgument, "field 'tokens' item " + std::to_string(i) + " is not a token id");
+        return SF_ERR(kInvalidArgument,
+                      "field 'tokens' item " + std::to_string(i) + " is not a token id");
       r.tokens.push_back(int32_t(x));
     }
     r.has_tokens = true;
@@ -101,7 +109,8 @@ std::string request_dir(const std::string& out_dir, const std::string& id) {
 
 bool request_complete(const std::string& out_dir, const std::string& id) {
   std::error_code ec;
-  return std::filesystem::is_regular_file(std::filesystem::path(request_dir(out_dir, id)) / "manifest.json", ec);
+  return std::filesystem::is_regular_file(
+      std::filesystem::path(request_dir(out_dir, id)) / "manifest.json", ec);
 }
 
 }  // namespace sf::runtime

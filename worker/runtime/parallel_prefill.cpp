@@ -13,8 +13,12 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-TensorView view2(float* p, int64_t a, int64_t b) { return TensorView::make(p, DType::kF32, {a, b}); }
-TensorView view3(float* p, int64_t a, int64_t b, int64_t c) { return TensorView::make(p, DType::kF32, {a, b, c}); }
+TensorView view2(float* p, int64_t a, int64_t b) {
+  return TensorView::make(p, DType::kF32, {a, b});
+}
+TensorView view3(float* p, int64_t a, int64_t b, int64_t c) {
+  return TensorView::make(p, DType::kF32, {a, b, c});
+}
 
 // Rows [r0, r0 + n) of a [rows, cols] weight: contiguous.
 TensorView rows_of(const model::OwnedTensor& t, int64_t r0, int64_t n) {
@@ -23,7 +27,8 @@ TensorView rows_of(const model::OwnedTensor& t, int64_t r0, int64_t n) {
 }
 // Columns [c0, c0 + n) of a [rows, cols] weight: a strided view (the GEMM's leading dimension).
 TensorView cols_of(const model::OwnedTensor& t, int64_t c0, int64_t n) {
-  TensorView v = TensorView::make(const_cast<float*>(t.data.data()) + c0, DType::kF32, {t.shape[0], n});
+  TensorView v =
+      TensorView::make(const_cast<float*>(t.data.data()) + c0, DType::kF32, {t.shape[0], n});
   v.stride[0] = t.shape[1];
   return v;
 }
@@ -48,32 +53,42 @@ Status timed(ParallelStats* st, F&& f) {
 
 }  // namespace
 
-Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0, int nh, const TokenRange& r) {
+Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0, int nh,
+                                         const TokenRange& r) {
   constexpr int64_t B = kernels::kSparseBlock;
   if (gi.q_offset != 0 || gi.n_q != gi.n_k)
-    return SF_ERR(kInvalidArgument, "slice_index: the global index must cover the whole prompt (q_offset 0, n_q == n_k)");
+    return SF_ERR(
+        kInvalidArgument,
+        "slice_index: the global index must cover the whole prompt (q_offset 0, n_q == n_k)");
   if (h0 < 0 || nh <= 0 || h0 + nh > gi.n_heads)
-    return SF_ERR(kInvalidArgument, "slice_index: heads [" + std::to_string(h0) + ", " + std::to_string(h0 + nh) +
-                                        ") outside the index's " + std::to_string(gi.n_heads));
-  if (r.begin % B != 0 || r.begin < 0 || r.end > gi.n_q || r.end < r.begin || (r.end % B != 0 && r.end != gi.n_q))
-    return SF_ERR(kInvalidArgument, "slice_index: chunk [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
-                                        ") is not 64-aligned inside the index's " + std::to_string(gi.n_q) + " rows");
-  kernels::SparseIndex out = kernels::sparse_index_make(nh, r.size(), r.end, r.begin, gi.max_blocks, gi.max_cols);
+    return SF_ERR(kInvalidArgument, "slice_index: heads [" + std::to_string(h0) + ", " +
+                                        std::to_string(h0 + nh) + ") outside the index's " +
+                                        std::to_string(gi.n_heads));
+  if (r.begin % B != 0 || r.begin < 0 || r.end > gi.n_q || r.end < r.begin ||
+      (r.end % B != 0 && r.end != gi.n_q))
+    return SF_ERR(kInvalidArgument,
+                  "slice_index: chunk [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                      ") is not 64-aligned inside the index's " + std::to_string(gi.n_q) + " rows");
+  kernels::SparseIndex out =
+      kernels::sparse_index_make(nh, r.size(), r.end, r.begin, gi.max_blocks, gi.max_cols);
   const int64_t qb0 = r.begin / B;
   for (int h = 0; h < nh; ++h)
     for (int64_t qb = 0; qb < out.n_qblocks; ++qb) {
       const size_t s = gi.slot(h0 + h, qb0 + qb), d = out.slot(h, qb);
       out.block_count[d] = gi.block_count[s];
       out.column_count[d] = gi.column_count[s];
-      std::copy_n(gi.block_offset.begin() + std::ptrdiff_t(s * size_t(gi.max_blocks)), gi.block_count[s],
+      std::copy_n(gi.block_offset.begin() + std::ptrdiff_t(s * size_t(gi.max_blocks)),
+                  gi.block_count[s],
                   out.block_offset.begin() + std::ptrdiff_t(d * size_t(out.max_blocks)));
-      std::copy_n(gi.column_index.begin() + std::ptrdiff_t(s * size_t(gi.max_cols)), gi.column_count[s],
+      std::copy_n(gi.column_index.begin() + std::ptrdiff_t(s * size_t(gi.max_cols)),
+                  gi.column_count[s],
                   out.column_index.begin() + std::ptrdiff_t(d * size_t(out.max_cols)));
     }
   return out;
 }
 
-Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std::span<const int32_t> tokens,
+Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
+                                        std::span<const int32_t> tokens,
                                         const ParallelOptions& opt) {
   const auto t_start = clock::now();
   const model::ModelConfig& c = m.config();
@@ -87,14 +102,17 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
   if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
-      return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +
-                                     std::to_string(i) + " outside vocab " + std::to_string(c.vocab));
+      return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) +
+                                     " at position " + std::to_string(i) + " outside vocab " +
+                                     std::to_string(c.vocab));
   const model::SparseConfig* sc = opt.sparse;
   if (sc && (sc->n_layers != c.n_layers || sc->n_heads != c.n_heads))
-    return SF_ERR(kInvalidArgument, "prefill: sparse config is for " + std::to_string(sc->n_layers) + "x" +
-                                        std::to_string(sc->n_heads) + " layers x heads, the model has " +
-                                        std::to_string(c.n_layers) + "x" + std::to_string(c.n_heads));
-  const bool use_sparse = (sc && S >= sc->dense_below && !model::sparse_config_is_dense(*sc)) || opt.index_source;
+    return SF_ERR(kInvalidArgument,
+                  "prefill: sparse config is for " + std::to_string(sc->n_layers) + "x" +
+                      std::to_string(sc->n_heads) + " layers x heads, the model has " +
+                      std::to_string(c.n_layers) + "x" + std::to_string(c.n_heads));
+  const bool use_sparse =
+      (sc && S >= sc->dense_below && !model::sparse_config_is_dense(*sc)) || opt.index_source;
 
   const int64_t H = c.hidden, d = c.head_dim;
   const int64_t hq_t = c.n_heads / TP, hkv_t = c.n_kv_heads / TP, I_t = c.intermediate / TP;
@@ -121,14 +139,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
   kernels::RopeParams rope = c.rope;
   if (!w.rope_freqs.empty()) rope.freq_factors = w.rope_freqs.data.data();
   const int64_t C = std::max<int64_t>(1, std::min(opt.chunk, std::max<int64_t>(n_loc, 1)));
-  std::vector<float> x(size_t(n_loc * H)), q(size_t(n_loc * hq_t * d)), att(size_t(n_loc * hq_t * d)),
-      lse(size_t(hq_t * std::max<int64_t>(n_loc, 1))), kv_loc(size_t(2 * n_loc * kvw)), kv_all(size_t(2 * S * kvw)),
-      part(size_t(n_loc * H));
+  std::vector<float> x(size_t(n_loc * H)), q(size_t(n_loc * hq_t * d)),
+      att(size_t(n_loc * hq_t * d)), lse(size_t(hq_t * std::max<int64_t>(n_loc, 1))),
+      kv_loc(size_t(2 * n_loc * kvw)), kv_all(size_t(2 * S * kvw)), part(size_t(n_loc * H));
   std::vector<float> xn(size_t(C * H)), gate(size_t(C * I_t)), up(size_t(C * I_t));
   std::vector<float> K(size_t(S * kvw)), V(size_t(S * kvw));
   ParallelResult res;
   ParallelStats& st = res.stats;
-  const int64_t ar_bytes0 = g.tp->bytes_sent(), cp_bytes0 = g.cp->bytes_sent(), grp_bytes0 = g.group_comm->bytes_sent();
+  const int64_t ar_bytes0 = g.tp->bytes_sent(), cp_bytes0 = g.cp->bytes_sent(),
+                grp_bytes0 = g.group_comm->bytes_sent();
   // Leader-side KV cache of this TP slice (gathered over TP at the end).
   // Selective mode: no rank holds every key, so each keeps its own rows and they are gathered
   // over CP after the last layer.
@@ -142,8 +161,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
   const TensorView none{};
   double pairs_done = 0, pairs_causal = 0;
   if (opt.selective_kv && !opt.index_source)
-    return SF_ERR(kInvalidArgument, "parallel_prefill: the selective KV exchange needs a shared global index "
-                                    "(index_source); distributed index estimation does not exist yet");
+    return SF_ERR(kInvalidArgument,
+                  "parallel_prefill: the selective KV exchange needs a shared global index "
+                  "(index_source); distributed index estimation does not exist yet");
   // An all-gathered [rank][K rows, V rows] buffer back into prompt order.
   auto unpack_gathered = [&](const float* all, float* Kd, float* Vd) {
     int64_t off = 0;
@@ -162,14 +182,16 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
     }
   };
 
-  if (n_loc > 0) SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
+  if (n_loc > 0)
+    SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
   for (int l = 0; l < c.n_layers; ++l) {
     if (opt.on_layer) opt.on_layer(l);
     const model::LayerWeights& L = w.layers[size_t(l)];
-    const SliceWeights sw{rows_of(L.wq, hq0 * d, hq_t * d), rows_of(L.wk, hkv0 * d, kvw), rows_of(L.wv, hkv0 * d, kvw),
-                          slice1(L.bq, hq0 * d, hq_t * d),  slice1(L.bk, hkv0 * d, kvw),  slice1(L.bv, hkv0 * d, kvw),
-                          cols_of(L.wo, hq0 * d, hq_t * d), rows_of(L.w_gate, i0, I_t),  rows_of(L.w_up, i0, I_t),
-                          cols_of(L.w_down, i0, I_t)};
+    const SliceWeights sw{rows_of(L.wq, hq0 * d, hq_t * d), rows_of(L.wk, hkv0 * d, kvw),
+                          rows_of(L.wv, hkv0 * d, kvw),     slice1(L.bq, hq0 * d, hq_t * d),
+                          slice1(L.bk, hkv0 * d, kvw),      slice1(L.bv, hkv0 * d, kvw),
+                          cols_of(L.wo, hq0 * d, hq_t * d), rows_of(L.w_gate, i0, I_t),
+                          rows_of(L.w_up, i0, I_t),         cols_of(L.w_down, i0, I_t)};
     float* kl = kv_loc.data();
     float* vl = kv_loc.data() + n_loc * kvw;
     // 1) norm, Q/K/V of this slice, RoPE at global positions.
@@ -189,12 +211,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
     std::array<kernels::SparseIndex, 2> sliced;
     if (opt.index_source) {
       const kernels::SparseIndex* gi = opt.index_source(l);
-      if (!gi) return SF_ERR(kInvalidArgument, "parallel_prefill: no index for layer " + std::to_string(l));
+      if (!gi)
+        return SF_ERR(kInvalidArgument,
+                      "parallel_prefill: no index for layer " + std::to_string(l));
       if (gi->n_q != S || gi->n_heads != c.n_heads)
-        return SF_ERR(kInvalidArgument, "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
-                                            std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
-                                            " heads, the prompt has " + std::to_string(S) + " x " +
-                                            std::to_string(c.n_heads));
+        return SF_ERR(kInvalidArgument,
+                      "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
+                          std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
+                          " heads, the prompt has " + std::to_string(S) + " x " +
+                          std::to_string(c.n_heads));
       for (int j = 0; j < 2; ++j) {
         if (ranges[size_t(j)].size() == 0) continue;
         SF_ASSIGN(sliced[size_t(j)], slice_index(*gi, int(hq0), int(hq_t), ranges[size_t(j)]));
@@ -205,7 +230,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
     if (!opt.selective_kv) {
       // 2) CP all-gather of this slice's K and V, then back into prompt order.
       SF_TRY(timed(&st, [&] {
-        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
+        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts,
+                                 DType::kF32);
       }));
       st.kv_moved_bytes += allgather_recv;
       unpack_gathered(kv_all.data(), K.data(), V.data());
@@ -227,7 +253,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
             const size_t sl = ix.slot(h, qb);
             for (int b = 0; b < ix.block_count[sl]; ++b) {
               const int64_t off = ix.block_offset[sl * size_t(ix.max_blocks) + size_t(b)];
-              for (int64_t t = off; t < std::min(off + kernels::kSparseBlock, geo.kend); ++t) need[size_t(t)] = 1;
+              for (int64_t t = off; t < std::min(off + kernels::kSparseBlock, geo.kend); ++t)
+                need[size_t(t)] = 1;
             }
             for (int cc = 0; cc < ix.column_count[sl]; ++cc)
               need[size_t(ix.column_index[sl * size_t(ix.max_cols) + size_t(cc)])] = 1;
@@ -235,7 +262,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       }
       for (const auto& r : ranges)
         for (int64_t t = r.begin; t < r.end; ++t) need[size_t(t)] = 0;
-      SF_TRY(timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), S, DType::kU8); }));
+      SF_TRY(
+          timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), S, DType::kU8); }));
       st.kv_moved_bytes += (CP - 1) * S;
       // Own rows into place.
       for (int j = 0; j < 2; ++j) {
@@ -261,8 +289,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
         }
         recvbuf.resize(take.size() * 2 * size_t(kvw));
         SF_TRY(timed(&st, [&] {
-          return g.cp->sendrecv(sendbuf.data(), int64_t(sendbuf.size()), dest, recvbuf.data(), int64_t(recvbuf.size()),
-                                src, DType::kF32, 100 + l);
+          return g.cp->sendrecv(sendbuf.data(), int64_t(sendbuf.size()), dest, recvbuf.data(),
+                                int64_t(recvbuf.size()), src, DType::kF32, 100 + l);
         }));
         for (size_t i = 0; i < take.size(); ++i) {
           std::copy_n(recvbuf.data() + 2 * i * size_t(kvw), kvw, K.data() + take[i] * kvw);
@@ -276,13 +304,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       const TokenRange& r = ranges[size_t(j)];
       if (r.size() == 0) continue;
       const TensorView qv = view3(q.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
-                       kv3 = view3(K.data(), r.end, hkv_t, d), vv = view3(V.data(), r.end, hkv_t, d),
+                       kv3 = view3(K.data(), r.end, hkv_t, d),
+                       vv = view3(V.data(), r.end, hkv_t, d),
                        ov = view3(att.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
                        lv = view2(lse.data(), hq_t, r.size());
       kernels::AttentionParams ap;
       ap.causal = true;
       ap.q_offset = r.begin;
-      const double causal = double(hq_t) * (double(r.size()) * double(r.begin) + double(r.size()) * double(r.size() + 1) / 2);
+      const double causal = double(hq_t) * (double(r.size()) * double(r.begin) +
+                                            double(r.size()) * double(r.size() + 1) / 2);
       pairs_causal += causal;
       if (use_sparse) {
         kernels::SparseIndex idx;
@@ -318,11 +348,16 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
     // 4) Row-parallel O projection: partial sums over this slice's heads, all-reduced over TP.
     for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
       const int64_t n = std::min(C, n_loc - c0);
-      SF_TRY(kernels::linear(view2(att.data() + c0 * hq_t * d, n, hq_t * d), sw.wo, none, view2(part.data() + c0 * H, n, H)));
+      SF_TRY(kernels::linear(view2(att.data() + c0 * hq_t * d, n, hq_t * d), sw.wo, none,
+                             view2(part.data() + c0 * H, n, H)));
     }
     if (TP > 1)
-      SF_TRY(timed(&st, [&] { return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32, comm::ReduceOp::kSum); }));
-    if (n_loc > 0) SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+      SF_TRY(timed(&st, [&] {
+        return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32,
+                                comm::ReduceOp::kSum);
+      }));
+    if (n_loc > 0)
+      SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
     // 5) MLP: column-parallel gate/up, row-parallel down, all-reduce.
     for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
       const int64_t n = std::min(C, n_loc - c0);
@@ -330,12 +365,18 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       SF_TRY(kernels::rms_norm(view2(x.data() + c0 * H, n, H), L.ffn_norm.view(), c.rms_eps, xnv));
       SF_TRY(kernels::linear(xnv, sw.gate, none, view2(gate.data(), n, I_t)));
       SF_TRY(kernels::linear(xnv, sw.up, none, view2(up.data(), n, I_t)));
-      SF_TRY(kernels::swiglu(view2(gate.data(), n, I_t), view2(up.data(), n, I_t), view2(gate.data(), n, I_t)));
-      SF_TRY(kernels::linear(view2(gate.data(), n, I_t), sw.down, none, view2(part.data() + c0 * H, n, H)));
+      SF_TRY(kernels::swiglu(view2(gate.data(), n, I_t), view2(up.data(), n, I_t),
+                             view2(gate.data(), n, I_t)));
+      SF_TRY(kernels::linear(view2(gate.data(), n, I_t), sw.down, none,
+                             view2(part.data() + c0 * H, n, H)));
     }
     if (TP > 1)
-      SF_TRY(timed(&st, [&] { return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32, comm::ReduceOp::kSum); }));
-    if (n_loc > 0) SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+      SF_TRY(timed(&st, [&] {
+        return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32,
+                                comm::ReduceOp::kSum);
+      }));
+    if (n_loc > 0)
+      SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
   }
   st.tp_allreduce_bytes = TP > 1 ? g.tp->bytes_sent() - ar_bytes0 : 0;
   st.density = pairs_causal > 0 ? pairs_done / pairs_causal : 1.0;
@@ -353,8 +394,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
     for (int64_t r = 0; r < my_rows; r += C) {
       const int64_t n = std::min(C, my_rows - r);
       TensorView xnv = view2(xn.data(), n, H);
-      SF_TRY(kernels::rms_norm(view2(x.data() + (my_row0 + r) * H, n, H), w.out_norm.view(), c.rms_eps, xnv));
-      SF_TRY(kernels::linear(xnv, head.view(), none, view2(my_logits.data() + r * vocab, n, vocab)));
+      SF_TRY(kernels::rms_norm(view2(x.data() + (my_row0 + r) * H, n, H), w.out_norm.view(),
+                               c.rms_eps, xnv));
+      SF_TRY(
+          kernels::linear(xnv, head.view(), none, view2(my_logits.data() + r * vocab, n, vocab)));
     }
   }
   if (opt.all_logits && g.tp_rank == 0) {
@@ -364,7 +407,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       counts[size_t(r)] = (rr[0].size() + rr[1].size()) * vocab;
     }
     std::vector<float> all(size_t(S * vocab));
-    SF_TRY(timed(&st, [&] { return g.cp->all_gatherv(my_logits.data(), my_rows * vocab, all.data(), counts, DType::kF32); }));
+    SF_TRY(timed(&st, [&] {
+      return g.cp->all_gatherv(my_logits.data(), my_rows * vocab, all.data(), counts, DType::kF32);
+    }));
     if (g.leader()) {
       res.logits.resize(size_t(S * vocab));
       int64_t off = 0;
@@ -393,7 +438,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
       std::copy_n(kslice[size_t(l)].data(), n_loc * kvw, kv_loc.data());
       std::copy_n(vslice[size_t(l)].data(), n_loc * kvw, kv_loc.data() + n_loc * kvw);
       SF_TRY(timed(&st, [&] {
-        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts, DType::kF32);
+        return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts,
+                                 DType::kF32);
       }));
       if (!keep) continue;
       kslice[size_t(l)].resize(size_t(S * kvw));
@@ -419,13 +465,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std
           if (g.leader()) (which ? kv.v : kv.k)[size_t(l)] = std::move(mine);
           continue;
         }
-        SF_TRY(timed(&st, [&] { return g.tp->all_gather(mine.data(), all.data(), S * kvw, DType::kF32); }));
+        SF_TRY(timed(
+            &st, [&] { return g.tp->all_gather(mine.data(), all.data(), S * kvw, DType::kF32); }));
         if (!g.leader()) continue;
         auto& dst = (which ? kv.v : kv.k)[size_t(l)];
         dst.resize(size_t(S * c.n_kv_heads * d));
         for (int t = 0; t < TP; ++t)
           for (int64_t i = 0; i < S; ++i)
-            std::copy_n(all.data() + (int64_t(t) * S + i) * kvw, kvw, dst.data() + (i * c.n_kv_heads + t * hkv_t) * d);
+            std::copy_n(all.data() + (int64_t(t) * S + i) * kvw, kvw,
+                        dst.data() + (i * c.n_kv_heads + t * hkv_t) * d);
       }
   }
   st.comm_bytes = (g.tp->bytes_sent() - ar_bytes0) + (g.cp->bytes_sent() - cp_bytes0) +

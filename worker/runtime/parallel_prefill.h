@@ -47,29 +47,31 @@ struct ParallelOptions {
 
 struct ParallelStats {
   double seconds = 0, attention_s = 0, estimate_s = 0;
-  double comm_s = 0;                // time waiting in collectives (this rank)
-  int64_t kv_allgather_bytes = 0;   // K/V bytes the per-layer CP all-gather brings this rank
-  int64_t kv_moved_bytes = 0;       // what it actually received for attention (== the above
-                                    // unless selective_kv; then rows + request masks)
-  int64_t tp_allreduce_bytes = 0;   // bytes this rank all-reduced over TP
-  int64_t comm_bytes = 0;           // everything this rank put into collectives
-  double density = 1.0;             // of this rank's attention (causal pairs computed)
+  double comm_s = 0;               // time waiting in collectives (this rank)
+  int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
+  int64_t kv_moved_bytes = 0;      // what it actually received for attention (== the above
+                                   // unless selective_kv; then rows + request masks)
+  int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP
+  int64_t comm_bytes = 0;          // everything this rank put into collectives
+  double density = 1.0;            // of this rank's attention (causal pairs computed)
 };
 
 struct ParallelResult {
   int32_t first_token = -1;   // every rank of the group
   std::vector<float> logits;  // leader only: [n_logit_rows, vocab] in prompt order
   int64_t n_logit_rows = 0;
-  model::KvCache kv;          // leader only, when gather_kv: the whole prompt, every KV head
+  model::KvCache kv;  // leader only, when gather_kv: the whole prompt, every KV head
   ParallelStats stats;
 };
 
 // Collective over g.group_comm. Every rank passes the same tokens and options.
-Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g, std::span<const int32_t> tokens,
+Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
+                                        std::span<const int32_t> tokens,
                                         const ParallelOptions& opt = {});
 
 // Slices one layer's global index (see GlobalIndexSource) to query heads [h0, h0 + nh) and the
 // query rows of chunk r (64-aligned begin), against keys [0, r.end). Exposed for tests.
-Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& global, int h0, int nh, const TokenRange& r);
+Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& global, int h0, int nh,
+                                         const TokenRange& r);
 
 }  // namespace sf::runtime

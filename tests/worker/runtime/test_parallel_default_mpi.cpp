@@ -80,7 +80,8 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b, do
 
 void run_grid(runtime::GridShape shape) {
   auto& w = test_world();
-  if (w.size() % shape.group_size() != 0) GTEST_SKIP() << "needs np divisible by " << shape.group_size();
+  if (w.size() % shape.group_size() != 0)
+    GTEST_SKIP() << "needs np divisible by " << shape.group_size();
   ASSERT_TRUE(g_shared && g_shared->ref) << "set-up failed";
   auto gr = runtime::make_grid(w, shape);
   ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
@@ -104,10 +105,13 @@ void run_grid(runtime::GridShape shape) {
     dkv = std::max({dkv, dk, dv});
     mkv = std::max({mkv, r1, r2});
   }
-  std::printf("default model tp %d cp %d group %d: 320 tokens, max |dlogit| %.2e (max |logit| %.1f), max |dKV| %.2e "
-              "(max |KV| %.1f), prefill %.3f s, comm %.3f s, kv all-gather %lld B, tp all-reduce %lld B\n",
-              shape.tp, shape.cp, gr->group, dl, mr, dkv, mkv, par->stats.seconds, par->stats.comm_s,
-              static_cast<long long>(par->stats.kv_allgather_bytes), static_cast<long long>(par->stats.tp_allreduce_bytes));
+  std::printf(
+      "default model tp %d cp %d group %d: 320 tokens, max |dlogit| %.2e (max |logit| %.1f), max "
+      "|dKV| %.2e "
+      "(max |KV| %.1f), prefill %.3f s, comm %.3f s, kv all-gather %lld B, tp all-reduce %lld B\n",
+      shape.tp, shape.cp, gr->group, dl, mr, dkv, mkv, par->stats.seconds, par->stats.comm_s,
+      static_cast<long long>(par->stats.kv_allgather_bytes),
+      static_cast<long long>(par->stats.tp_allreduce_bytes));
 }
 
 TEST_F(ParallelDefault, Cp2) { run_grid({1, 2}); }

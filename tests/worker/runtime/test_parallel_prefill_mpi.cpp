@@ -70,18 +70,20 @@ Diff diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 // Returns the max |diff| for the caller's report.
-double expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+double expect_close(const std::vector<float>& got, const std::vector<float>& want,
+                    const std::string& what) {
   const Diff d = diff(got, want);
   EXPECT_EQ(got.size(), want.size()) << what;
   EXPECT_FALSE(d.nan) << what << " has non-finite values";
   EXPECT_GT(d.max_ref, 0.0) << what << " is all zeros";
-  EXPECT_LE(d.max_abs, 2e-5 + 1e-5 * d.max_ref) << what << ": max |diff| " << d.max_abs << " (max |ref| " << d.max_ref << ")";
+  EXPECT_LE(d.max_abs, 2e-5 + 1e-5 * d.max_ref)
+      << what << ": max |diff| " << d.max_abs << " (max |ref| " << d.max_ref << ")";
   return d.max_abs;
 }
 
 // Runs one grid shape on every group of the world and checks each group leader's result.
-void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_tokens, const model::SparseConfig* sparse,
-                bool selective = false) {
+void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_tokens,
+                const model::SparseConfig* sparse, bool selective = false) {
   auto& w = test_world();
   ASSERT_EQ(w.size() % shape.group_size(), 0);
   auto gr = runtime::make_grid(w, shape);
@@ -94,9 +96,11 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   ro.all_logits = true;
   ro.sparse = sparse;
   std::vector<kernels::SparseIndex> indices(size_t(m.config().n_layers));
-  if (sparse) ro.on_attention = [&](int l, const TensorView&, const TensorView&, const kernels::SparseIndex* idx) {
-    if (idx) indices[size_t(l)] = *idx;
-  };
+  if (sparse)
+    ro.on_attention = [&](int l, const TensorView&, const TensorView&,
+                          const kernels::SparseIndex* idx) {
+      if (idx) indices[size_t(l)] = *idx;
+    };
   auto ref = model::prefill(m, tokens, ro);
   ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
 
@@ -109,27 +113,35 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   EXPECT_EQ(par->first_token, ref->first_token);
   if (g.leader()) {
-    const std::string tag = "tp " + std::to_string(shape.tp) + " cp " + std::to_string(shape.cp) + " group " +
-                            std::to_string(g.group) + (sparse ? " sparse" : " dense") + (selective ? " selective" : "");
+    const std::string tag = "tp " + std::to_string(shape.tp) + " cp " + std::to_string(shape.cp) +
+                            " group " + std::to_string(g.group) + (sparse ? " sparse" : " dense") +
+                            (selective ? " selective" : "");
     ASSERT_EQ(par->n_logit_rows, n_tokens);
     const double dl = expect_close(par->logits, ref->logits, tag + " logits");
     ASSERT_EQ(par->kv.n_tokens, n_tokens);
     double dkv = 0;
     for (int l = 0; l < m.config().n_layers; ++l) {
-      dkv = std::max(dkv, expect_close(par->kv.k[size_t(l)], ref->kv.k[size_t(l)], tag + " K layer " + std::to_string(l)));
-      dkv = std::max(dkv, expect_close(par->kv.v[size_t(l)], ref->kv.v[size_t(l)], tag + " V layer " + std::to_string(l)));
+      dkv = std::max(dkv, expect_close(par->kv.k[size_t(l)], ref->kv.k[size_t(l)],
+                                       tag + " K layer " + std::to_string(l)));
+      dkv = std::max(dkv, expect_close(par->kv.v[size_t(l)], ref->kv.v[size_t(l)],
+                                       tag + " V layer " + std::to_string(l)));
     }
-    std::printf("%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, kv moved %lld B of all-gather %lld B, "
-                "tp all-reduce %lld B, density %.3f\n", tag.c_str(), static_cast<long long>(n_tokens), dl, dkv,
-                par->stats.comm_s, static_cast<long long>(par->stats.kv_moved_bytes),
-                static_cast<long long>(par->stats.kv_allgather_bytes),
-                static_cast<long long>(par->stats.tp_allreduce_bytes), par->stats.density);
+    std::printf(
+        "%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, kv moved %lld B of "
+        "all-gather %lld B, "
+        "tp all-reduce %lld B, density %.3f\n",
+        tag.c_str(), static_cast<long long>(n_tokens), dl, dkv, par->stats.comm_s,
+        static_cast<long long>(par->stats.kv_moved_bytes),
+        static_cast<long long>(par->stats.kv_allgather_bytes),
+        static_cast<long long>(par->stats.tp_allreduce_bytes), par->stats.density);
     if (!selective) EXPECT_EQ(par->stats.kv_moved_bytes, par->stats.kv_allgather_bytes);
     // a-shape reads the sink and one window of 64 keys before each chunk from other ranks: far
     // less than every key.
     if (selective && shape.cp > 1)
       EXPECT_LT(double(par->stats.kv_moved_bytes), 0.5 * double(par->stats.kv_allgather_bytes));
-    if (sparse) EXPECT_LT(par->stats.density, 0.9) << "the index must actually be sparse for this test to mean anything";
+    if (sparse)
+      EXPECT_LT(par->stats.density, 0.9)
+          << "the index must actually be sparse for this test to mean anything";
   } else {
     EXPECT_TRUE(par->logits.empty());
   }
@@ -158,7 +170,8 @@ TEST_P(ParallelPrefill, DenseEqualsSingleRank) {
 
 TEST_P(ParallelPrefill, SparseWithTheSameIndexEqualsSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc = model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
+  auto sc =
+      model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
   ASSERT_TRUE(sc.is_ok());
   sc->dense_below = 0;
   check_grid(*model_, {tp, cp}, 640, &sc.value());
@@ -168,17 +181,19 @@ TEST_P(ParallelPrefill, SparseWithTheSameIndexEqualsSingleRank) {
 // nobody asked for are NaN on the receiving rank, so reading one would show in the output.
 TEST_P(ParallelPrefill, SelectiveKvExchangeEqualsSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc = model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
+  auto sc =
+      model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
   ASSERT_TRUE(sc.is_ok());
   sc->dense_below = 0;
   check_grid(*model_, {tp, cp}, 640, &sc.value(), /*selective=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
-                         ::testing::Values(std::pair{1, 1}, std::pair{1, 2}, std::pair{1, 4}, std::pair{2, 1},
-                                           std::pair{2, 2}, std::pair{4, 1}),
+                         ::testing::Values(std::pair{1, 1}, std::pair{1, 2}, std::pair{1, 4},
+                                           std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 1}),
                          [](const auto& i) {
-                           return "tp" + std::to_string(i.param.first) + "_cp" + std::to_string(i.param.second);
+                           return "tp" + std::to_string(i.param.first) + "_cp" +
+                                  std::to_string(i.param.second);
                          });
 
 TEST(ParallelPrefillErrors, ModelThatDoesNotDivideByTp) {
@@ -193,7 +208,8 @@ TEST(ParallelPrefillErrors, ModelThatDoesNotDivideByTp) {
   const std::vector<int32_t> t = {1, 2, 3};
   auto r = runtime::parallel_prefill(m.value(), gr.value(), t);
   ASSERT_FALSE(r.is_ok());
-  EXPECT_NE(r.status().message().find("3 KV heads (6 query heads), which do not divide by --tp 2"), std::string::npos)
+  EXPECT_NE(r.status().message().find("3 KV heads (6 query heads), which do not divide by --tp 2"),
+            std::string::npos)
       << r.status().message();
 }
 

@@ -1,7 +1,6 @@
 // The runtime's pure pieces without MPI: zigzag chunks, grid checks, index slicing, batch lines,
 // and the TP x CP forward on one-rank communicators (equal to model::prefill).
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
@@ -49,7 +48,9 @@ TEST(Zigzag, ChunksCoverThePromptOnBlockBoundaries) {
 TEST(Grid, WorldAndModelChecksNameTheNumbers) {
   const Status w = runtime::check_world({2, 2}, 6);
   EXPECT_EQ(w.code(), Code::kInvalidArgument);
-  EXPECT_NE(w.message().find("world size 6 is not a multiple of tp x cp = 2 x 2 = 4"), std::string::npos) << w.message();
+  EXPECT_NE(w.message().find("world size 6 is not a multiple of tp x cp = 2 x 2 = 4"),
+            std::string::npos)
+      << w.message();
   EXPECT_TRUE(runtime::check_world({2, 2}, 8).is_ok());
   EXPECT_FALSE(runtime::check_world({0, 1}, 1).is_ok());
   model::ModelConfig c;
@@ -59,10 +60,12 @@ TEST(Grid, WorldAndModelChecksNameTheNumbers) {
   c.intermediate = 1536;
   EXPECT_TRUE(runtime::check_model_divides(c, 3).is_ok());
   const Status t = runtime::check_model_divides(c, 2);
-  EXPECT_NE(t.message().find("has 3 KV heads (9 query heads), which do not divide by --tp 2"), std::string::npos);
+  EXPECT_NE(t.message().find("has 3 KV heads (9 query heads), which do not divide by --tp 2"),
+            std::string::npos);
   c.n_kv_heads = 9;
   c.intermediate = 100;
-  EXPECT_NE(runtime::check_model_divides(c, 3).message().find("intermediate size 100"), std::string::npos);
+  EXPECT_NE(runtime::check_model_divides(c, 3).message().find("intermediate size 100"),
+            std::string::npos);
 }
 
 TEST(SliceIndex, CopiesHeadsAndRowsAndRefusesUnalignedChunks) {
@@ -125,7 +128,8 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
 }
 
 TEST(Batch, CompleteMeansManifestPresent) {
-  const auto dir = std::filesystem::temp_directory_path() / ("sf-batch-test-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("sf-batch-test-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir / "x");
   EXPECT_FALSE(runtime::request_complete(dir.string(), "x"));
