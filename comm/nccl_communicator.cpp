@@ -1,0 +1,352 @@
+#include "comm/nccl_communicator.h"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if SF_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace sf::comm {
+
+#if SF_HAVE_NCCL
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+Result<ncclDataType_t> nccl_type(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kF16:
+      return ncclFloat16;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kI64:
+      return ncclInt64;
+    case DType::kU8:
+      return ncclUint8;
+  }
+  return SF_ERR(kUnsupported, "comm: dtype not supported by NCCL");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  return ncclSum;
+}
+
+std::string seconds_str(std::chrono::milliseconds ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f s", double(ms.count()) / 1000.0);
+  return b;
+}
+
+// Polls a non-blocking NCCL communicator until its pending operation (init, split, enqueue)
+// leaves ncclInProgress, or the deadline passes.
+ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_out) {
+  *timed_out = false;
+  for (;;) {
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(c, &st);
+    if (rc != ncclSuccess) return rc;
+    if (st != ncclInProgress) return st;
+    if (clock::now() >= deadline) {
+      *timed_out = true;
+      return ncclInProgress;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t c, int device, int rank, int size, std::string name)
+      : comm_(c), device_(device), rank_(rank), size_(size) {
+    name_ = std::move(name);
+  }
+  // Stream and scratch come after construction so their errors become a Status.
+  Status init_resources() {
+    SF_TRY(cuda("cudaSetDevice", cudaSetDevice(device_)));
+    SF_TRY(cuda("cudaStreamCreateWithFlags",
+                cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)));
+    return cuda("cudaMalloc", cudaMalloc(&scratch_, sizeof(int32_t)));
+  }
+  ~NcclCommunicator() override {
+    if (!aborted()) {
+      ncclCommDestroy(comm_);
+      if (scratch_) cudaFree(scratch_);
+      if (stream_) cudaStreamDestroy(stream_);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "nccl"; }
+
+  Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp op) override {
+    SF_TRY(usable("all_reduce", count));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("all_reduce", group(), [&] {
+      return ncclAllReduce(send, recv, size_t(count), nt, nccl_op(op), comm_, stream_);
+    }));
+    bytes_sent_ += count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
+    SF_TRY(usable("all_gather", count));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("all_gather", group(),
+               [&] { return ncclAllGather(send, recv, size_t(count), nt, comm_, stream_); }));
+    bytes_sent_ += count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status all_gatherv(const void* send, int64_t send_count, void* recv,
+                     std::span<const int64_t> counts, DType t) override {
+    if (int(counts.size()) != size_ || counts[size_t(rank_)] != send_count)
+      return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ +
+                                          "': counts must have one entry per rank and "
+                                          "counts[rank] == send_count");
+    SF_TRY(usable("all_gatherv", send_count));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    const size_t es = dtype_size(t);
+    SF_TRY(run("all_gatherv", group(), [&] {
+      ncclResult_t rc = ncclGroupStart();
+      size_t off = 0;
+      for (int r = 0; r < size_ && rc == ncclSuccess; ++r) {
+        char* dst = static_cast<char*>(recv) + off * es;
+        rc = ncclBroadcast(r == rank_ ? send : dst, dst, size_t(counts[size_t(r)]), nt, r, comm_,
+                           stream_);
+        off += size_t(counts[size_t(r)]);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess ? rc : end;
+    }));
+    bytes_sent_ += send_count * int64_t(es);
+    return Status::ok();
+  }
+  Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t,
+                        ReduceOp op) override {
+    SF_TRY(usable("reduce_scatter", recv_count));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("reduce_scatter", group(), [&] {
+      return ncclReduceScatter(send, recv, size_t(recv_count), nt, nccl_op(op), comm_, stream_);
+    }));
+    bytes_sent_ += recv_count * size_ * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status send(const void* buf, int64_t count, DType t, int peer, int) override {
+    SF_TRY(usable("send", count));
+    SF_TRY(check_peer("send", peer));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("send", pair(peer),
+               [&] { return ncclSend(buf, size_t(count), nt, peer, comm_, stream_); }));
+    bytes_sent_ += count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status recv(void* buf, int64_t count, DType t, int peer, int) override {
+    SF_TRY(usable("recv", count));
+    SF_TRY(check_peer("recv", peer));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    return run("recv", pair(peer),
+               [&] { return ncclRecv(buf, size_t(count), nt, peer, comm_, stream_); });
+  }
+  Status sendrecv(const void* sbuf, int64_t send_count, int dest, void* rbuf, int64_t recv_count,
+                  int src, DType t, int) override {
+    SF_TRY(usable("sendrecv", std::max(send_count, recv_count)));
+    SF_TRY(check_peer("sendrecv", dest));
+    SF_TRY(check_peer("sendrecv", src));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("sendrecv", pair(dest) + " and " + pair(src), [&] {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc == ncclSuccess) rc = ncclSend(sbuf, size_t(send_count), nt, dest, comm_, stream_);
+      if (rc == ncclSuccess) rc = ncclRecv(rbuf, size_t(recv_count), nt, src, comm_, stream_);
+      const ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess ? rc : end;
+    }));
+    bytes_sent_ += send_count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status bcast(void* buf, int64_t count, DType t, int root) override {
+    SF_TRY(usable("bcast", count));
+    SF_TRY(check_peer("bcast", root));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    SF_TRY(run("bcast", group(),
+               [&] { return ncclBroadcast(buf, buf, size_t(count), nt, root, comm_, stream_); }));
+    if (rank_ == root) bytes_sent_ += count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status barrier() override {
+    SF_TRY(usable("barrier", 1));
+    return run("barrier", group(), [&] {
+      return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_);
+    });
+  }
+  Result<std::unique_ptr<Communicator>> split(int color, int key,
+                                              const std::string& name) override {
+    SF_TRY(usable("split", 0));
+    if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t nc = nullptr;
+    const auto deadline = clock::now() + timeout_;
+    ncclResult_t rc = ncclCommSplit(comm_, color, key, &nc, &cfg);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      return fail("split", group(), ncclGetErrorString(rc));
+    bool timed_out = false;
+    rc = wait_ready(comm_, deadline, &timed_out);
+    if (!timed_out && rc == ncclSuccess && nc) rc = wait_ready(nc, deadline, &timed_out);
+    if (timed_out) return deadline_passed("split", group());
+    if (rc != ncclSuccess) return fail("split", group(), ncclGetErrorString(rc));
+    int r = 0, n = 0;
+    ncclCommUserRank(nc, &r);
+    ncclCommCount(nc, &n);
+    auto c = std::make_unique<NcclCommunicator>(nc, device_, r, n, name);
+    c->set_timeout(timeout_);
+    SF_TRY(c->init_resources());
+    return std::unique_ptr<Communicator>(std::move(c));
+  }
+
+ private:
+  Status cuda(const char* what, cudaError_t e) {
+    if (e == cudaSuccess) return Status::ok();
+    return SF_ERR(kInternal, std::string("comm: ") + what + ": " + cudaGetErrorString(e));
+  }
+  Status usable(const char* op, int64_t count) {
+    if (aborted())
+      return Status(abort_status_.code(),
+                    "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
+                        "' (first error: " + abort_status_.message() + ")",
+                    __FILE__, __LINE__);
+    if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
+    return Status::ok();
+  }
+  Status check_peer(const char* op, int peer) {
+    if (peer < 0 || peer >= size_)
+      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " +
+                                          std::to_string(peer) + " outside '" + name_ +
+                                          "' of size " + std::to_string(size_));
+    return Status::ok();
+  }
+  std::string group() const {
+    return "'" + name_ + "' (nccl, " + std::to_string(size_) + " ranks; this is rank " +
+           std::to_string(rank_) + ", cuda:" + std::to_string(device_) + ")";
+  }
+  std::string pair(int peer) const {
+    return "'" + name_ + "' rank " + std::to_string(rank_) + " <-> rank " + std::to_string(peer);
+  }
+  Status fail(const char* op, const std::string& who, const std::string& why,
+              Code code = Code::kInternal) {
+    ncclCommAbort(comm_);
+    abort_status_ = Status(
+        code, "comm: " + std::string(op) + " on " + who + ": " + why + "; communicator aborted",
+        __FILE__, __LINE__);
+    return abort_status_;
+  }
+  Status deadline_passed(const char* op, const std::string& who) {
+    return fail(op, who,
+                "did not complete within its deadline of " + seconds_str(timeout_) +
+                    " (a peer is stuck, dead or not calling it)",
+                Code::kDeadlineExceeded);
+  }
+
+  // Enqueues on the stream, then polls NCCL's async state and the stream against the deadline.
+  template <typename F>
+  Status run(const char* op, const std::string& who, F&& enqueue) {
+    const auto deadline = clock::now() + timeout_;
+    cudaSetDevice(device_);
+    ncclResult_t rc = enqueue();
+    if (rc != ncclSuccess && rc != ncclInProgress) return fail(op, who, ncclGetErrorString(rc));
+    bool timed_out = false;
+    rc = wait_ready(comm_, deadline, &timed_out);
+    if (timed_out) return deadline_passed(op, who);
+    if (rc != ncclSuccess) return fail(op, who, ncclGetErrorString(rc));
+    for (int spins = 0;; ++spins) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return Status::ok();
+      if (e != cudaErrorNotReady) return fail(op, who, cudaGetErrorString(e));
+      ncclResult_t st = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &st);
+      if (st != ncclSuccess && st != ncclInProgress) return fail(op, who, ncclGetErrorString(st));
+      if (clock::now() >= deadline) return deadline_passed(op, who);
+      if (spins < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  ncclComm_t comm_;
+  int device_ = 0, rank_ = 0, size_ = 1;
+  cudaStream_t stream_ = nullptr;
+  void* scratch_ = nullptr;
+};
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& bootstrap, int device,
+                                                             const std::string& name) {
+  if (cudaSetDevice(device) != cudaSuccess)
+    return SF_ERR(kUnsupported, "comm: nccl: cannot use cuda:" + std::to_string(device));
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof id);
+  Status got = Status::ok();
+  if (bootstrap.rank() == 0) {
+    const ncclResult_t rc = ncclGetUniqueId(&id);
+    if (rc != ncclSuccess)
+      got = SF_ERR(kInternal, std::string("comm: ncclGetUniqueId: ") + ncclGetErrorString(rc));
+  }
+  // Rank 0's failure still reaches the others (an all-zero id), so nobody waits on init.
+  int32_t ok = got.is_ok() ? 1 : 0;
+  SF_TRY(bootstrap.bcast(&ok, 1, DType::kI32, 0));
+  if (!ok)
+    return got.is_ok() ? SF_ERR(kInternal, "comm: nccl: rank 0 could not create the id") : got;
+  SF_TRY(bootstrap.bcast(&id, int64_t(sizeof id), DType::kU8, 0));
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t c = nullptr;
+  const auto deadline = clock::now() + bootstrap.timeout();
+  ncclResult_t rc = ncclCommInitRankConfig(&c, bootstrap.size(), id, bootstrap.rank(), &cfg);
+  if (rc != ncclSuccess && rc != ncclInProgress)
+    return SF_ERR(kInternal,
+                  std::string("comm: ncclCommInitRankConfig: ") + ncclGetErrorString(rc));
+  bool timed_out = false;
+  rc = wait_ready(c, deadline, &timed_out);
+  if (timed_out || rc != ncclSuccess) {
+    ncclCommAbort(c);
+    if (timed_out)
+      return SF_ERR(kDeadlineExceeded,
+                    "comm: nccl init of '" + name + "' (" + std::to_string(bootstrap.size()) +
+                        " ranks) did not complete within " + seconds_str(bootstrap.timeout()));
+    return SF_ERR(kInternal, std::string("comm: nccl init: ") + ncclGetErrorString(rc));
+  }
+  auto n = std::make_unique<NcclCommunicator>(c, device, bootstrap.rank(), bootstrap.size(), name);
+  n->set_timeout(bootstrap.timeout());
+  SF_TRY(n->init_resources());
+  return std::unique_ptr<Communicator>(std::move(n));
+}
+
+#else  // !SF_HAVE_NCCL
+
+bool nccl_available() { return false; }
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator&, int,
+                                                             const std::string&) {
+  return SF_ERR(kUnsupported, "built without NCCL (needs the CUDA build and nccl.h / libnccl)");
+}
+
+#endif
+
+}  // namespace sf::comm

@@ -1,0 +1,28 @@
+// NCCL implementation of Communicator on device buffers (built when CUDA and NCCL are found:
+// SF_HAVE_NCCL=1). Not yet exercised on GPUs: it compiles in the default CUDA build and its test
+// (tests/comm/test_comm_nccl.cpp, label gpu) skips without two GPUs.
+//
+// - Bootstrapped over another communicator (MPI): rank 0 draws the ncclUniqueId and broadcasts it
+//   with that communicator's deadline.
+// - Non-blocking NCCL (config.blocking = 0) on its own stream (cudaStreamNonBlocking, on the
+//   given device). Every call enqueues, then polls ncclCommGetAsyncError and cudaStreamQuery
+//   against the deadline; when it passes, ncclCommAbort and the communicator fails fast from then
+//   on, as the MPI one.
+// - All pointers are device pointers of that device. all_gatherv is one grouped broadcast per
+//   rank (NCCL has no gatherv); barrier all-reduces one int in a device scratch word.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+
+namespace sf::comm {
+
+// True when this build has the NCCL communicator.
+bool nccl_available();
+
+// Collective over bootstrap: a communicator of bootstrap.size() ranks on CUDA device `device`.
+Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& bootstrap, int device,
+                                                             const std::string& name = "nccl");
+
+}  // namespace sf::comm

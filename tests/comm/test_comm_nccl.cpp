@@ -1,0 +1,85 @@
+// NcclCommunicator under mpiexec -np 2, one GPU per rank (label gpu: skips with fewer than two
+// GPUs). Collectives on device buffers against host-computed results, and the deadline: rank 0's
+// all-reduce that rank 1 joins late fails within its deadline and aborts the communicator.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "comm/nccl_communicator.h"
+#include "tests/comm/mpi_test_env.h"
+
+namespace sf {
+namespace {
+
+using testing::test_world;
+
+bool have_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  int32_t mine = n >= test_world().size() ? 1 : 0, all = 0;
+  // Every rank must agree, or one would wait in NCCL init for a peer that skipped.
+  if (!test_world().all_reduce(&mine, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok())
+    return false;
+  return all == 1;
+}
+
+struct DeviceBuf {
+  float* p = nullptr;
+  explicit DeviceBuf(size_t n) { cudaMalloc(&p, n * sizeof(float)); }
+  ~DeviceBuf() { cudaFree(p); }
+};
+
+TEST(CommNccl, CollectivesAndDeadline) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  auto& w = test_world();
+  auto nc = comm::make_nccl_communicator(w, w.rank(), "nccl-test");
+  ASSERT_TRUE(nc.is_ok()) << nc.status().to_string();
+  comm::Communicator& c = *nc.value();
+  EXPECT_EQ(c.size(), w.size());
+  const int64_t n = 1 << 16;
+  std::vector<float> h(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) h[size_t(i)] = float((i % 97) * (w.rank() + 1));
+  DeviceBuf a(static_cast<size_t>(n)), b(static_cast<size_t>(n * w.size()));
+  cudaMemcpy(a.p, h.data(), size_t(n) * sizeof(float), cudaMemcpyHostToDevice);
+  ASSERT_TRUE(c.all_reduce(a.p, a.p, n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  std::vector<float> got(static_cast<size_t>(n));
+  cudaMemcpy(got.data(), a.p, size_t(n) * sizeof(float), cudaMemcpyDeviceToHost);
+  const int tri = w.size() * (w.size() + 1) / 2;
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[size_t(i)], float((i % 97) * tri)) << i;
+  // all_gatherv with uneven counts.
+  std::vector<int64_t> counts(size_t(w.size()));
+  for (int r = 0; r < w.size(); ++r) counts[size_t(r)] = 100 + 50 * r;
+  cudaMemcpy(a.p, h.data(), size_t(counts[size_t(w.rank())]) * sizeof(float),
+             cudaMemcpyHostToDevice);
+  ASSERT_TRUE(c.all_gatherv(a.p, counts[size_t(w.rank())], b.p, counts, DType::kF32).is_ok());
+  std::vector<float> all(size_t(100 * w.size() + 25 * w.size() * (w.size() - 1)));
+  cudaMemcpy(all.data(), b.p, all.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  size_t off = 0;
+  for (int r = 0; r < w.size(); ++r)
+    for (int64_t i = 0; i < counts[size_t(r)]; ++i)
+      ASSERT_EQ(all[off++], float((i % 97) * (r + 1))) << "rank " << r << " item " << i;
+  ASSERT_TRUE(c.barrier().is_ok());
+
+  // Deadline: rank 0 waits 1 s; the others join 2 s late and time out themselves (the aborted
+  // rank 0 never completes their call).
+  using clock = std::chrono::steady_clock;
+  c.set_timeout(std::chrono::milliseconds(w.rank() == 0 ? 1000 : 2000));
+  if (w.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  const auto t0 = clock::now();
+  const Status st = c.all_reduce(a.p, a.p, n, DType::kF32, comm::ReduceOp::kSum);
+  const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+  if (w.rank() == 0) {
+    std::printf("rank 0: %s after %.3f s\n", st.to_string().c_str(), waited);
+    EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
+    EXPECT_LT(waited, 1.5);
+    EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
+  }
+  EXPECT_TRUE(!st.is_ok() || w.rank() != 0);
+  EXPECT_FALSE(c.barrier().is_ok() && w.rank() == 0) << "an aborted communicator must fail fast";
+}
+
+}  // namespace
+}  // namespace sf
