@@ -130,6 +130,18 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     }
   // Local row of each chunk start; every rank's K/V block in the all-gather is laid out the same.
   const int64_t loc_off[2] = {0, ranges[0].size()};
+  // Attention runs per contiguous piece: the two chunks merge when adjacent (CP 1, and the middle
+  // CP rank), so CP 1 is exactly the single-rank forward, estimated sparse attention included.
+  std::vector<TokenRange> aranges;
+  std::vector<int64_t> aoff;
+  if (ranges[0].end == ranges[1].begin) {
+    aranges = {{ranges[0].begin, ranges[1].end}};
+    aoff = {0};
+  } else {
+    aranges = {ranges[0], ranges[1]};
+    aoff = {loc_off[0], loc_off[1]};
+  }
+  const int n_ar = int(aranges.size());
   std::vector<int64_t> gather_counts(static_cast<size_t>(CP));
   for (int r = 0; r < CP; ++r) {
     const auto rr = cp_rank_ranges(S, CP, r);
@@ -208,7 +220,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     }
     // The shared index of this layer, sliced to this rank's heads and chunks (before the
     // exchange: selective mode moves only what these read).
-    std::array<kernels::SparseIndex, 2> sliced;
+    std::array<kernels::SparseIndex, 2> sliced;  // per attention piece
     if (opt.index_source) {
       const kernels::SparseIndex* gi = opt.index_source(l);
       if (!gi)
@@ -220,9 +232,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
                           std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
                           " heads, the prompt has " + std::to_string(S) + " x " +
                           std::to_string(c.n_heads));
-      for (int j = 0; j < 2; ++j) {
-        if (ranges[size_t(j)].size() == 0) continue;
-        SF_ASSIGN(sliced[size_t(j)], slice_index(*gi, int(hq0), int(hq_t), ranges[size_t(j)]));
+      for (int j = 0; j < n_ar; ++j) {
+        if (aranges[size_t(j)].size() == 0) continue;
+        SF_ASSIGN(sliced[size_t(j)], slice_index(*gi, int(hq0), int(hq_t), aranges[size_t(j)]));
       }
     }
     const int64_t allgather_recv = int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
@@ -243,8 +255,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       std::fill(K.begin(), K.end(), std::nanf(""));
       std::fill(V.begin(), V.end(), std::nanf(""));
       std::vector<uint8_t> need(static_cast<size_t>(S), 0), masks(size_t(S) * size_t(CP));
-      for (int j = 0; j < 2; ++j) {
-        const TokenRange& r = ranges[size_t(j)];
+      for (int j = 0; j < n_ar; ++j) {
+        const TokenRange& r = aranges[size_t(j)];
         if (r.size() == 0) continue;
         const kernels::SparseIndex& ix = sliced[size_t(j)];
         for (int h = 0; h < ix.n_heads; ++h)
@@ -300,13 +312,13 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       }
     }
     // 3) Attention of each held chunk against every key before its end.
-    for (int j = 0; j < 2; ++j) {
-      const TokenRange& r = ranges[size_t(j)];
+    for (int j = 0; j < n_ar; ++j) {
+      const TokenRange& r = aranges[size_t(j)];
       if (r.size() == 0) continue;
-      const TensorView qv = view3(q.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
+      const TensorView qv = view3(q.data() + aoff[size_t(j)] * hq_t * d, r.size(), hq_t, d),
                        kv3 = view3(K.data(), r.end, hkv_t, d),
                        vv = view3(V.data(), r.end, hkv_t, d),
-                       ov = view3(att.data() + loc_off[j] * hq_t * d, r.size(), hq_t, d),
+                       ov = view3(att.data() + aoff[size_t(j)] * hq_t * d, r.size(), hq_t, d),
                        lv = view2(lse.data(), hq_t, r.size());
       kernels::AttentionParams ap;
       ap.causal = true;
