@@ -7,6 +7,7 @@
 
 #include "kernels/api.h"
 #include "kernels/sparse.h"
+#include "worker/runtime/cp_estimate.h"
 
 namespace sf::runtime {
 namespace {
@@ -172,10 +173,13 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   }
   const TensorView none{};
   double pairs_done = 0, pairs_causal = 0;
-  if (opt.selective_kv && !opt.index_source)
-    return SF_ERR(kInvalidArgument,
-                  "parallel_prefill: the selective KV exchange needs a shared global index "
-                  "(index_source); distributed index estimation does not exist yet");
+  const bool cp_est = opt.cp_estimate && use_sparse && !opt.index_source;
+  if (opt.selective_kv && !opt.index_source && !cp_est)
+    return SF_ERR(
+        kInvalidArgument,
+        "parallel_prefill: the selective KV exchange needs the index before the exchange: "
+        "a shared global index (index_source) or cp_estimate with a sparse config");
+  const bool have_index = opt.index_source || cp_est;
   // An all-gathered [rank][K rows, V rows] buffer back into prompt order.
   auto unpack_gathered = [&](const float* all, float* Kd, float* Vd) {
     int64_t off = 0;
@@ -236,6 +240,23 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         if (aranges[size_t(j)].size() == 0) continue;
         SF_ASSIGN(sliced[size_t(j)], slice_index(*gi, int(hq0), int(hq_t), aranges[size_t(j)]));
       }
+    } else if (cp_est) {
+      CpEstimateArgs ea;
+      ea.n_tokens = S;
+      ea.ranges = ranges;
+      ea.pieces = aranges;
+      ea.q_loc = q.data();
+      ea.k_loc = kl;
+      ea.n_heads = int(hq_t);
+      ea.n_kv_heads = int(hkv_t);
+      ea.head_dim = int(d);
+      ea.patterns = sc->layers[size_t(l)].data() + hq0;
+      std::vector<kernels::SparseIndex> est;
+      CpEstimateStats es;
+      SF_TRY(timed(&st, [&] { return cp_estimate(*g.cp, ea, &est, &es); }));
+      st.estimate_bytes += es.bytes;
+      st.estimate_s += es.seconds;
+      for (int j = 0; j < n_ar; ++j) sliced[size_t(j)] = std::move(est[size_t(j)]);
     }
     const int64_t allgather_recv = int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
     st.kv_allgather_bytes += allgather_recv;
@@ -329,7 +350,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       if (use_sparse) {
         kernels::SparseIndex idx;
         const auto e0 = clock::now();
-        if (opt.index_source) {
+        if (have_index) {
           idx = std::move(sliced[size_t(j)]);
           pairs_done += causal * idx.density();
         } else {

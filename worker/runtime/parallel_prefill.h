@@ -41,6 +41,10 @@ struct ParallelOptions {
   // kv_allgather_bytes. The index itself still comes from elsewhere (estimating it where the keys
   // live is not implemented).
   bool selective_kv = false;
+  // Sparsity-aware CP, estimation half (cp_estimate.h): with `sparse`, each layer's index is the
+  // single-rank one over the whole prompt, scored where the keys live, instead of per-chunk
+  // estimation. Combines with selective_kv (then no key moves before its selection).
+  bool cp_estimate = false;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
 };
@@ -49,6 +53,7 @@ struct ParallelStats {
   double seconds = 0, attention_s = 0, estimate_s = 0;
   double comm_s = 0;               // time waiting in collectives (this rank)
   int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
+  int64_t estimate_bytes = 0;      // what cp_estimate's collectives brought this rank
   int64_t kv_moved_bytes = 0;      // what it actually received for attention (== the above
                                    // unless selective_kv; then rows + request masks)
   int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP

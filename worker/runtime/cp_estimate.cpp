@@ -1,0 +1,285 @@
+#include "worker/runtime/cp_estimate.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace sf::runtime {
+namespace {
+
+using kernels::HeadPattern;
+using kernels::Pattern;
+constexpr int64_t kB = kernels::kSparseBlock;
+constexpr int64_t kTile = 2048;  // keys per scoring SGEMM: bounds the logits buffer
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::kAdaptiveVS; }
+
+// The scoring rows of the single-rank estimator over a whole prompt of n rows: the last
+// min(64, n) plus `spread` rows evenly spaced before them (same formula).
+std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
+  const int64_t last = std::min<int64_t>(kB, n);
+  const int64_t head = n - last;
+  std::vector<int64_t> rows;
+  const int64_t n_spread = std::clamp<int64_t>(spread, 0, head);
+  for (int64_t i = 0; i < n_spread; ++i) rows.push_back((2 * i + 1) * head / (2 * n_spread));
+  for (int64_t r = head; r < n; ++r) rows.push_back(r);
+  return rows;
+}
+
+// The single-rank ranking: forced items first, then score descending, index ascending; top-k
+// or the smallest prefix reaching gamma of the mass, clamped. Returns sorted ids.
+std::vector<int32_t> select_ranked(const float* score, int64_t n, int64_t forced_n,
+                                   const HeadPattern& hp, bool mass, int64_t k) {
+  std::vector<int32_t> sel(size_t(std::clamp<int64_t>(forced_n, 0, n)));
+  std::iota(sel.begin(), sel.end(), 0);
+  const int64_t nf = int64_t(sel.size());
+  std::vector<int32_t> rest;
+  for (int64_t j = nf; j < n; ++j) rest.push_back(int32_t(j));
+  auto better = [&](int32_t x, int32_t y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  };
+  const int64_t nr = int64_t(rest.size());
+  int64_t take = 0;
+  if (!mass) {
+    take = std::clamp<int64_t>(k - nf, 0, nr);
+    std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
+  } else {
+    std::sort(rest.begin(), rest.end(), better);
+    double total = 0, cum = 0;
+    for (int64_t j = 0; j < n; ++j) total += double(score[j]);
+    for (int64_t j = 0; j < nf; ++j) cum += double(score[j]);
+    const double goal = hp.gamma * total;
+    while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
+    const int64_t count =
+        std::clamp<int64_t>(nf + take, hp.min_budget, std::max(hp.min_budget, hp.max_budget));
+    take = std::clamp<int64_t>(count - nf, 0, nr);
+  }
+  sel.insert(sel.end(), rest.begin(), rest.begin() + take);
+  std::sort(sel.begin(), sel.end());
+  return sel;
+}
+
+}  // namespace
+
+Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
+                   std::vector<kernels::SparseIndex>* out, CpEstimateStats* stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
+  if (S <= 0 || hq <= 0 || hkv <= 0 || hq % hkv != 0 || !a.patterns)
+    return SF_ERR(kInvalidArgument, "cp_estimate: bad geometry");
+  const int64_t group = hq / hkv;
+  const float scale = 1.f / std::sqrt(float(d));
+  const int CP = cp.size();
+  auto local_row = [&](int64_t p) {
+    return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
+  };
+  for (int64_t h = 0; h < hq; ++h) {
+    const Pattern p = a.patterns[h].pattern;
+    if (p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock)
+      return SF_ERR(kUnsupported,
+                    std::string("cp_estimate: ") + kernels::pattern_name(p) +
+                        " heads are not estimated across CP ranks yet (vertical-slash, "
+                        "adaptive, a-shape, moa and dense are)");
+  }
+  // One scoring pass per distinct spread_rows among the vertical-slash heads, as single-rank.
+  std::vector<std::vector<float>> col(static_cast<size_t>(hq)), diag(static_cast<size_t>(hq));
+  std::vector<int64_t> spreads;
+  for (int64_t h = 0; h < hq; ++h)
+    if (uses_vs(a.patterns[h].pattern)) spreads.push_back(a.patterns[h].spread_rows);
+  std::sort(spreads.begin(), spreads.end());
+  spreads.erase(std::unique(spreads.begin(), spreads.end()), spreads.end());
+  int64_t bytes = 0;
+  for (int64_t sp : spreads) {
+    std::vector<int> hs;
+    for (int64_t h = 0; h < hq; ++h)
+      if (uses_vs(a.patterns[h].pattern) && a.patterns[h].spread_rows == sp) hs.push_back(int(h));
+    const int64_t nh = int64_t(hs.size());
+    const std::vector<int64_t> rows = scoring_rows(S, sp);
+    const int64_t L = int64_t(rows.size());
+    // 1) The scoring rows' q, gathered: each rank sends the rows it holds, in position order.
+    std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
+    std::vector<std::vector<int64_t>> rank_rows(static_cast<size_t>(CP));
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      for (int64_t p : rows)
+        if ((p >= rr[0].begin && p < rr[0].end) || (p >= rr[1].begin && p < rr[1].end))
+          rank_rows[size_t(r)].push_back(p);
+      counts[size_t(r)] = int64_t(rank_rows[size_t(r)].size()) * nh * d;
+    }
+    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
+        all(static_cast<size_t>(L * nh * d));
+    {
+      size_t o = 0;
+      for (int64_t p : rank_rows[size_t(cp.rank())])
+        for (int h : hs) {
+          std::copy_n(a.q_loc + (local_row(p) * hq + h) * d, d, mine.data() + o);
+          o += size_t(d);
+        }
+    }
+    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
+    bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+    // Head-major [x][i][d] in the order of `rows`.
+    std::vector<float> qr(static_cast<size_t>(nh * L * d));
+    {
+      std::vector<int64_t> row_of(static_cast<size_t>(S), -1);
+      for (int64_t i = 0; i < L; ++i) row_of[size_t(rows[size_t(i)])] = i;
+      size_t o = 0;
+      for (int r = 0; r < CP; ++r)
+        for (int64_t p : rank_rows[size_t(r)])
+          for (int64_t x = 0; x < nh; ++x) {
+            std::copy_n(all.data() + o, d, qr.data() + (x * L + row_of[size_t(p)]) * d);
+            o += size_t(d);
+          }
+    }
+    // Logits of head x's scoring rows against local keys [t0, t0 + n) of one range.
+    std::vector<float> s;
+    auto logits = [&](int64_t x, int64_t n, int64_t lrow0) {
+      s.resize(size_t(L * n));
+      const int64_t kvh = hs[size_t(x)] / group;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(n), int(d), scale,
+                  qr.data() + x * L * d, int(d), a.k_loc + (lrow0 * hkv + kvh) * d, int(hkv * d),
+                  0.f, s.data(), int(n));
+    };
+    // Tiles of this rank's keys: (global start, count, local row).
+    struct Tile {
+      int64_t t0, n, lrow0;
+    };
+    std::vector<Tile> tiles;
+    for (const auto& r : a.ranges)
+      for (int64_t t = r.begin; t < r.end; t += kTile)
+        tiles.push_back({t, std::min(kTile, r.end - t), local_row(t)});
+    // 2) Row max and sum-exp over local keys, then over ranks.
+    std::vector<float> mx(static_cast<size_t>(nh * L), kNegInf),
+        sum(static_cast<size_t>(nh * L), 0.f);
+    for (int64_t x = 0; x < nh; ++x)
+      for (const Tile& tl : tiles) {
+        logits(x, tl.n, tl.lrow0);
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
+          if (lim == 0) continue;
+          const float* sr = s.data() + i * tl.n;
+          const float m = *std::max_element(sr, sr + lim);
+          float& M = mx[size_t(x * L + i)];
+          float& l = sum[size_t(x * L + i)];
+          double acc = 0;
+          for (int64_t j = 0; j < lim; ++j) acc += std::exp(double(sr[j]) - double(std::max(m, M)));
+          l = float(double(l) *
+                        (M == kNegInf ? 0.0 : std::exp(double(M) - double(std::max(m, M)))) +
+                    acc);
+          M = std::max(m, M);
+        }
+      }
+    std::vector<float> gmx(mx.size());
+    SF_TRY(cp.all_reduce(mx.data(), gmx.data(), int64_t(mx.size()), DType::kF32,
+                         comm::ReduceOp::kMax));
+    for (size_t r = 0; r < sum.size(); ++r)
+      sum[r] =
+          mx[r] == kNegInf ? 0.f : float(double(sum[r]) * std::exp(double(mx[r]) - double(gmx[r])));
+    SF_TRY(cp.all_reduce(sum.data(), sum.data(), int64_t(sum.size()), DType::kF32,
+                         comm::ReduceOp::kSum));
+    bytes += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
+    // 3) Probabilities of local keys into column and diagonal sums, then over ranks.
+    std::vector<float> cs(static_cast<size_t>(nh * S), 0.f), ds(static_cast<size_t>(nh * S), 0.f);
+    for (int64_t x = 0; x < nh; ++x)
+      for (const Tile& tl : tiles) {
+        logits(x, tl.n, tl.lrow0);
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
+          if (lim == 0 || sum[size_t(x * L + i)] <= 0.f) continue;
+          const float lse = gmx[size_t(x * L + i)] + std::log(sum[size_t(x * L + i)]);
+          const float* sr = s.data() + i * tl.n;
+          float* c = cs.data() + x * S + tl.t0;
+          float* dg = ds.data() + x * S + (rows[size_t(i)] - tl.t0);
+          for (int64_t j = 0; j < lim; ++j) {
+            const float pr = std::exp(sr[j] - lse);
+            c[j] += pr;
+            dg[-j] += pr;
+          }
+        }
+      }
+    SF_TRY(
+        cp.all_reduce(cs.data(), cs.data(), int64_t(cs.size()), DType::kF32, comm::ReduceOp::kSum));
+    SF_TRY(
+        cp.all_reduce(ds.data(), ds.data(), int64_t(ds.size()), DType::kF32, comm::ReduceOp::kSum));
+    // A ring all-reduce moves about twice the array through each rank.
+    bytes += 2 * int64_t(sizeof(float)) * int64_t(cs.size() + ds.size());
+    for (int64_t x = 0; x < nh; ++x) {
+      col[size_t(hs[size_t(x)])].assign(cs.begin() + x * S, cs.begin() + (x + 1) * S);
+      diag[size_t(hs[size_t(x)])].assign(ds.begin() + x * S, ds.begin() + (x + 1) * S);
+    }
+  }
+
+  // 4) Candidates per head (identical on every rank), then this rank's slots.
+  std::vector<std::vector<int32_t>> cols(static_cast<size_t>(hq)), diags(static_cast<size_t>(hq));
+  std::vector<int64_t> local(static_cast<size_t>(hq));
+  for (int64_t h = 0; h < hq; ++h) {
+    const HeadPattern& hp = a.patterns[h];
+    local[size_t(h)] = hp.local;
+    switch (hp.pattern) {
+      case Pattern::kDense:
+        local[size_t(h)] = S;
+        break;
+      case Pattern::kMoA:
+        local[size_t(h)] = std::clamp<int64_t>(std::llround(hp.alpha + hp.beta * double(S)), 0, S);
+        break;
+      case Pattern::kVerticalSlash:
+      case Pattern::kAdaptiveVS: {
+        const bool mass = hp.pattern == Pattern::kAdaptiveVS;
+        cols[size_t(h)] = select_ranked(col[size_t(h)].data(), S, std::min(hp.sink, S), hp, mass,
+                                        std::min(hp.n_vertical, S));
+        diags[size_t(h)] = select_ranked(diag[size_t(h)].data(), S, std::min(hp.local + 1, S), hp,
+                                         mass, std::min(hp.n_slash, S));
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  out->assign(a.pieces.size(), kernels::SparseIndex{});
+  std::vector<int32_t> blocks, cl;
+  for (size_t pi = 0; pi < a.pieces.size(); ++pi) {
+    const TokenRange& r = a.pieces[pi];
+    if (r.size() == 0) continue;
+    const int64_t nqb = (r.size() + kB - 1) / kB;
+    std::vector<std::vector<int32_t>> sb(static_cast<size_t>(hq * nqb)),
+        sc(static_cast<size_t>(hq * nqb));
+    int64_t max_b = 0, max_c = 0;
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const auto g = kernels::sparse_slot_geometry(r.size(), r.end, r.begin, qb);
+        blocks.clear();
+        cl.clear();
+        kernels::sparse_slot_build(g, cols[size_t(h)], diags[size_t(h)], {}, a.patterns[h].sink,
+                                   local[size_t(h)], &blocks, &cl);
+        sb[size_t(h * nqb + qb)] = blocks;
+        sc[size_t(h * nqb + qb)] = cl;
+        max_b = std::max<int64_t>(max_b, int64_t(blocks.size()));
+        max_c = std::max<int64_t>(max_c, int64_t(cl.size()));
+      }
+    kernels::SparseIndex ix =
+        kernels::sparse_index_make(int(hq), r.size(), r.end, r.begin, int(max_b), int(max_c));
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const size_t sl = ix.slot(int(h), qb);
+        const auto& b = sb[size_t(h * nqb + qb)];
+        const auto& c = sc[size_t(h * nqb + qb)];
+        ix.block_count[sl] = int32_t(b.size());
+        ix.column_count[sl] = int32_t(c.size());
+        std::copy(b.begin(), b.end(), ix.block_offset.begin() + std::ptrdiff_t(sl * size_t(max_b)));
+        std::copy(c.begin(), c.end(), ix.column_index.begin() + std::ptrdiff_t(sl * size_t(max_c)));
+      }
+    (*out)[pi] = std::move(ix);
+  }
+  if (stats) {
+    stats->bytes += CP > 1 ? bytes : 0;  // a one-rank group moves nothing
+    stats->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return Status::ok();
+}
+
+}  // namespace sf::runtime

@@ -1,0 +1,50 @@
+// Sparsity-aware CP, estimation half: the index estimators' scores computed where the keys live,
+// so every rank builds (its slices of) the index a single rank would build over the whole prompt,
+// before any key crosses the wire.
+//
+// Vertical-slash family (kernels/cpu/sparse_estimators.cpp, reproduced here on a CP grid):
+//   1. the scoring rows' queries (the prompt's last 64 rows plus spread_rows earlier rows) are
+//      all-gathered over CP (L x heads x d floats);
+//   2. each rank scores them against its own keys; the row max and sum-exp are all-reduced;
+//   3. each rank adds the probabilities of its keys into column sums and diagonal sums (offset =
+//      query position - key position); both are all-reduced (S floats per head each);
+//   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
+//      diagonals first, then score descending, index ascending) and builds its own query blocks'
+//      slots with kernels::sparse_slot_build.
+// dense, a-shape and moa need no scores. Block-sparse / adaptive-block heads are refused
+// (kUnsupported): their pooled scores are not distributed yet.
+//
+// The result equals kernels::sparse_estimate over the whole prompt up to fp32 summation order in
+// the reductions (a near-tie at a top-k boundary can swap); tests measure the agreement.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "kernels/sparse.h"
+#include "kernels/sparse_index.h"
+#include "worker/runtime/grid.h"
+
+namespace sf::runtime {
+
+struct CpEstimateArgs {
+  int64_t n_tokens = 0;                            // S, the whole prompt
+  std::array<TokenRange, 2> ranges;                // this rank's chunks (rows of q_loc / k_loc)
+  std::vector<TokenRange> pieces;                  // attention pieces to build indices for
+  const float* q_loc = nullptr;                    // [n_loc, n_heads, d] after RoPE
+  const float* k_loc = nullptr;                    // [n_loc, n_kv_heads, d] after RoPE
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;   // this TP slice's
+  const kernels::HeadPattern* patterns = nullptr;  // n_heads, this slice's
+};
+
+struct CpEstimateStats {
+  int64_t bytes = 0;  // what the estimator's collectives brought this rank
+  double seconds = 0;
+};
+
+// Collective over cp. out[i] is the index of pieces[i] (empty for an empty piece).
+Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
+                   std::vector<kernels::SparseIndex>* out, CpEstimateStats* stats);
+
+}  // namespace sf::runtime
