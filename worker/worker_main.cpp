@@ -43,7 +43,8 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
-    "[--allow-long]\n";
+    "[--allow-long]\n"
+    "                  [--cp-estimate [--selective-kv]]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -51,6 +52,7 @@ struct Options {
   int64_t chunk = 512;
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
   bool allow_long = false;
+  bool cp_estimate = false, selective_kv = false;  // sparsity-aware CP (docs/distributed.md)
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -67,8 +69,10 @@ Result<Options> parse_options(int argc, char** argv) {
   std::map<std::string, std::string> kv;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
-    if (k == "--allow-long") {
-      o.allow_long = true;
+    if (k == "--allow-long" || k == "--cp-estimate" || k == "--selective-kv") {
+      (k == "--allow-long"    ? o.allow_long
+       : k == "--cp-estimate" ? o.cp_estimate
+                              : o.selective_kv) = true;
       continue;
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
@@ -105,6 +109,11 @@ Result<Options> parse_options(int argc, char** argv) {
     if (*end || !(o.comm_timeout_s > 0))
       return SF_ERR(kInvalidArgument, "--comm-timeout must be a positive number of seconds");
   }
+  if (o.cp_estimate && o.attention == "dense")
+    return SF_ERR(kInvalidArgument, "--cp-estimate needs a sparse --attention");
+  if (o.selective_kv && !o.cp_estimate)
+    return SF_ERR(kInvalidArgument,
+                  "--selective-kv needs --cp-estimate (the index must exist before keys move)");
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
     o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -345,6 +354,8 @@ int run(int argc, char** argv) {
     runtime::ParallelOptions po;
     po.chunk = o.chunk;
     po.sparse = sparse ? &*sparse : nullptr;
+    po.cp_estimate = o.cp_estimate;
+    po.selective_kv = o.selective_kv;
     if (first_request && (fault.kind == "kill" || fault.kind == "stop") &&
         fault.rank == world->rank()) {
       po.on_layer = [&](int l) {
@@ -399,13 +410,14 @@ int run(int argc, char** argv) {
         "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
         "\"cp\": %d, "
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
-        "\"kv_moved_bytes\": %lld, "
+        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
-        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.tp_allreduce_bytes),
-        static_cast<long long>(s.comm_bytes), json_escape(o.attention).c_str(), s.density);
+        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
+        static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
+        json_escape(o.attention).c_str(), s.density);
     write_summary(dir + ".json", line);
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "

@@ -4,6 +4,7 @@
 #   batch       np 4, 2 groups of cp 2: a batch with bad lines writes the good requests, reports
 #               each bad line with its number, exits 3; a second run resumes (writes nothing new)
 #   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
+#   flags       --selective-kv without --cp-estimate: one error line, exit 2
 #   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
 #   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
 #   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
@@ -65,6 +66,12 @@ case "$case_name" in
     [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
     errors | grep -q '^error: world size 3 is not a multiple of tp x cp = 2 x 1 = 2' || fail "message"
+    ;;
+  flags)
+    run 2 --model default --cp 2 --selective-kv --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
+    errors | grep -q "^error: --selective-kv needs --cp-estimate" || fail "message"
     ;;
   tp)
     run 2 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
