@@ -269,35 +269,39 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       st.kv_moved_bytes += allgather_recv;
       unpack_gathered(kv_all.data(), K.data(), V.data());
     } else {
-      // 2') Selective exchange: a mask of the keys this rank's index slices read and it does not
-      // hold; masks are all-gathered (S bytes per rank), then each pair of ranks swaps exactly
-      // the rows the other asked for. Keys nobody asked for stay NaN here, so a kernel that read
-      // one would poison the output.
+      // 2') Selective exchange, per (token, KV head): a mask of the keys this rank's index
+      // slices read through each KV head and it does not hold; masks are all-gathered (S x KV
+      // heads bytes per rank), then each pair of ranks swaps exactly the head rows the other asked
+      // for. Keys nobody asked for stay NaN here, so a kernel that read one would poison the
+      // output.
       std::fill(K.begin(), K.end(), std::nanf(""));
       std::fill(V.begin(), V.end(), std::nanf(""));
-      std::vector<uint8_t> need(static_cast<size_t>(S), 0), masks(size_t(S) * size_t(CP));
+      const int64_t grp = hq_t / hkv_t, nm = S * hkv_t;
+      std::vector<uint8_t> need(static_cast<size_t>(nm), 0), masks(size_t(nm) * size_t(CP));
       for (int j = 0; j < n_ar; ++j) {
         const TokenRange& r = aranges[size_t(j)];
         if (r.size() == 0) continue;
         const kernels::SparseIndex& ix = sliced[size_t(j)];
-        for (int h = 0; h < ix.n_heads; ++h)
+        for (int h = 0; h < ix.n_heads; ++h) {
+          uint8_t* nh = need.data() + h / grp;
           for (int64_t qb = 0; qb < ix.n_qblocks; ++qb) {
             const auto geo = kernels::sparse_slot_geometry(ix.n_q, ix.n_k, ix.q_offset, qb);
             const size_t sl = ix.slot(h, qb);
             for (int b = 0; b < ix.block_count[sl]; ++b) {
               const int64_t off = ix.block_offset[sl * size_t(ix.max_blocks) + size_t(b)];
               for (int64_t t = off; t < std::min(off + kernels::kSparseBlock, geo.kend); ++t)
-                need[size_t(t)] = 1;
+                nh[t * hkv_t] = 1;
             }
             for (int cc = 0; cc < ix.column_count[sl]; ++cc)
-              need[size_t(ix.column_index[sl * size_t(ix.max_cols) + size_t(cc)])] = 1;
+              nh[int64_t(ix.column_index[sl * size_t(ix.max_cols) + size_t(cc)]) * hkv_t] = 1;
           }
+        }
       }
       for (const auto& r : ranges)
-        for (int64_t t = r.begin; t < r.end; ++t) need[size_t(t)] = 0;
+        std::fill(need.begin() + r.begin * hkv_t, need.begin() + r.end * hkv_t, uint8_t(0));
       SF_TRY(
-          timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), S, DType::kU8); }));
-      st.kv_moved_bytes += (CP - 1) * S;
+          timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), nm, DType::kU8); }));
+      st.kv_moved_bytes += (CP - 1) * nm;
       // Own rows into place.
       for (int j = 0; j < 2; ++j) {
         const TokenRange& r = ranges[size_t(j)];
@@ -307,27 +311,28 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       std::vector<float> sendbuf, recvbuf;
       for (int step = 1; step < CP; ++step) {
         const int dest = (g.cp_rank + step) % CP, src = (g.cp_rank + CP - step) % CP;
-        const uint8_t* dest_mask = masks.data() + size_t(dest) * size_t(S);
-        std::vector<int64_t> give, take;  // my tokens dest needs; src's tokens I need
+        const uint8_t* dest_mask = masks.data() + size_t(dest) * size_t(nm);
+        // (token * hkv_t + kv head) of my rows dest needs, and of src's rows I need.
+        std::vector<int64_t> give, take;
         for (int j = 0; j < 2; ++j)
-          for (int64_t t = ranges[size_t(j)].begin; t < ranges[size_t(j)].end; ++t)
-            if (dest_mask[t]) give.push_back(t);
+          for (int64_t e = ranges[size_t(j)].begin * hkv_t; e < ranges[size_t(j)].end * hkv_t; ++e)
+            if (dest_mask[e]) give.push_back(e);
         for (const auto& r : cp_rank_ranges(S, CP, src))
-          for (int64_t t = r.begin; t < r.end; ++t)
-            if (need[size_t(t)]) take.push_back(t);
-        sendbuf.resize(give.size() * 2 * size_t(kvw));
+          for (int64_t e = r.begin * hkv_t; e < r.end * hkv_t; ++e)
+            if (need[size_t(e)]) take.push_back(e);
+        sendbuf.resize(give.size() * 2 * size_t(d));
         for (size_t i = 0; i < give.size(); ++i) {
-          std::copy_n(K.data() + give[i] * kvw, kvw, sendbuf.data() + 2 * i * size_t(kvw));
-          std::copy_n(V.data() + give[i] * kvw, kvw, sendbuf.data() + (2 * i + 1) * size_t(kvw));
+          std::copy_n(K.data() + give[i] * d, d, sendbuf.data() + 2 * i * size_t(d));
+          std::copy_n(V.data() + give[i] * d, d, sendbuf.data() + (2 * i + 1) * size_t(d));
         }
-        recvbuf.resize(take.size() * 2 * size_t(kvw));
+        recvbuf.resize(take.size() * 2 * size_t(d));
         SF_TRY(timed(&st, [&] {
           return g.cp->sendrecv(sendbuf.data(), int64_t(sendbuf.size()), dest, recvbuf.data(),
                                 int64_t(recvbuf.size()), src, DType::kF32, 100 + l);
         }));
         for (size_t i = 0; i < take.size(); ++i) {
-          std::copy_n(recvbuf.data() + 2 * i * size_t(kvw), kvw, K.data() + take[i] * kvw);
-          std::copy_n(recvbuf.data() + (2 * i + 1) * size_t(kvw), kvw, V.data() + take[i] * kvw);
+          std::copy_n(recvbuf.data() + 2 * i * size_t(d), d, K.data() + take[i] * d);
+          std::copy_n(recvbuf.data() + (2 * i + 1) * size_t(d), d, V.data() + take[i] * d);
         }
         st.kv_moved_bytes += int64_t(recvbuf.size() * sizeof(float));
       }
