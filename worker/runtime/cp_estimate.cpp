@@ -8,6 +8,8 @@
 #include <limits>
 #include <numeric>
 
+#include "kernels/cpu/cpu_ops.h"
+
 namespace sf::runtime {
 namespace {
 
@@ -18,6 +20,8 @@ constexpr int64_t kTile = 2048;  // keys per scoring SGEMM: bounds the logits bu
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::kAdaptiveVS; }
+bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock; }
+int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 // The scoring rows of the single-rank estimator over a whole prompt of n rows: the last
 // min(64, n) plus `spread` rows evenly spaced before them (same formula).
@@ -31,37 +35,186 @@ std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
   return rows;
 }
 
-// The single-rank ranking: forced items first, then score descending, index ascending; top-k
-// or the smallest prefix reaching gamma of the mass, clamped. Returns sorted ids.
-std::vector<int32_t> select_ranked(const float* score, int64_t n, int64_t forced_n,
-                                   const HeadPattern& hp, bool mass, int64_t k) {
-  std::vector<int32_t> sel(size_t(std::clamp<int64_t>(forced_n, 0, n)));
-  std::iota(sel.begin(), sel.end(), 0);
-  const int64_t nf = int64_t(sel.size());
+// The single-rank ranking: the forced items (sorted, unique; those >= n dropped) first, then the
+// rest by score descending, index ascending; top-k (k counts the forced items) or, in mass mode,
+// the smallest prefix reaching gamma of the total, its count clamped to [min_count, max_count].
+// Returns sorted ids.
+struct Budget {
+  bool mass = false;
+  int64_t k = 0;
+  double gamma = 1.0;
+  int64_t min_count = 0, max_count = 0;
+};
+std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
+                                   const Budget& b) {
+  forced.erase(
+      std::remove_if(forced.begin(), forced.end(), [&](int32_t x) { return x < 0 || x >= n; }),
+      forced.end());
+  std::vector<char> is_forced(size_t(std::max<int64_t>(n, 0)), 0);
+  for (int32_t x : forced) is_forced[size_t(x)] = 1;
   std::vector<int32_t> rest;
-  for (int64_t j = nf; j < n; ++j) rest.push_back(int32_t(j));
+  for (int64_t j = 0; j < n; ++j)
+    if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
   auto better = [&](int32_t x, int32_t y) {
     return score[x] > score[y] || (score[x] == score[y] && x < y);
   };
-  const int64_t nr = int64_t(rest.size());
+  const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
   int64_t take = 0;
-  if (!mass) {
-    take = std::clamp<int64_t>(k - nf, 0, nr);
+  if (!b.mass) {
+    take = std::clamp<int64_t>(b.k - nf, 0, nr);
     std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
   } else {
     std::sort(rest.begin(), rest.end(), better);
     double total = 0, cum = 0;
     for (int64_t j = 0; j < n; ++j) total += double(score[j]);
-    for (int64_t j = 0; j < nf; ++j) cum += double(score[j]);
-    const double goal = hp.gamma * total;
+    for (int32_t x : forced) cum += double(score[x]);
+    const double goal = b.gamma * total;
     while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
     const int64_t count =
-        std::clamp<int64_t>(nf + take, hp.min_budget, std::max(hp.min_budget, hp.max_budget));
+        std::clamp<int64_t>(nf + take, b.min_count, std::max(b.min_count, b.max_count));
     take = std::clamp<int64_t>(count - nf, 0, nr);
   }
+  std::vector<int32_t> sel = std::move(forced);
   sel.insert(sel.end(), rest.begin(), rest.begin() + take);
   std::sort(sel.begin(), sel.end());
   return sel;
+}
+
+std::vector<int32_t> iota_list(int64_t n) {
+  std::vector<int32_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+// Column sums (and, when diag is set, diagonal sums) of softmax(q_row K^T * scale) over causal
+// keys for the scoring rows `rows` (global positions, ascending) of the slice heads `hs`, with
+// the keys spread over the CP ranks: rows' q all-gathered, row max / sum-exp all-reduced, each
+// rank's probabilities summed into [head][S] arrays that are all-reduced. Every rank gets the
+// same arrays. *bytes gets what the collectives brought this rank.
+Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::vector<int>& hs,
+                  const std::vector<int64_t>& rows, bool want_diag, std::vector<float>* col_out,
+                  std::vector<float>* diag_out, int64_t* bytes_out) {
+  const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
+  const int64_t group = hq / hkv;
+  const float scale = 1.f / std::sqrt(float(d));
+  const int CP = cp.size();
+  auto local_row = [&](int64_t p) {
+    return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
+  };
+  int64_t bytes = 0;
+  const int64_t nh = int64_t(hs.size());
+  const int64_t L = int64_t(rows.size());
+  // 1) The scoring rows' q, gathered: each rank sends the rows it holds, in position order.
+  std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
+  std::vector<std::vector<int64_t>> rank_rows(static_cast<size_t>(CP));
+  for (int r = 0; r < CP; ++r) {
+    const auto rr = cp_rank_ranges(S, CP, r);
+    for (int64_t p : rows)
+      if ((p >= rr[0].begin && p < rr[0].end) || (p >= rr[1].begin && p < rr[1].end))
+        rank_rows[size_t(r)].push_back(p);
+    counts[size_t(r)] = int64_t(rank_rows[size_t(r)].size()) * nh * d;
+  }
+  std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
+      all(static_cast<size_t>(L * nh * d));
+  {
+    size_t o = 0;
+    for (int64_t p : rank_rows[size_t(cp.rank())])
+      for (int h : hs) {
+        std::copy_n(a.q_loc + (local_row(p) * hq + h) * d, d, mine.data() + o);
+        o += size_t(d);
+      }
+  }
+  SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
+  bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+  // Head-major [x][i][d] in the order of `rows`.
+  std::vector<float> qr(static_cast<size_t>(nh * L * d));
+  {
+    std::vector<int64_t> row_of(static_cast<size_t>(S), -1);
+    for (int64_t i = 0; i < L; ++i) row_of[size_t(rows[size_t(i)])] = i;
+    size_t o = 0;
+    for (int r = 0; r < CP; ++r)
+      for (int64_t p : rank_rows[size_t(r)])
+        for (int64_t x = 0; x < nh; ++x) {
+          std::copy_n(all.data() + o, d, qr.data() + (x * L + row_of[size_t(p)]) * d);
+          o += size_t(d);
+        }
+  }
+  // Logits of head x's scoring rows against local keys [t0, t0 + n) of one range.
+  std::vector<float> s;
+  auto logits = [&](int64_t x, int64_t n, int64_t lrow0) {
+    s.resize(size_t(L * n));
+    const int64_t kvh = hs[size_t(x)] / group;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(n), int(d), scale,
+                qr.data() + x * L * d, int(d), a.k_loc + (lrow0 * hkv + kvh) * d, int(hkv * d), 0.f,
+                s.data(), int(n));
+  };
+  // Tiles of this rank's keys: (global start, count, local row).
+  struct Tile {
+    int64_t t0, n, lrow0;
+  };
+  std::vector<Tile> tiles;
+  for (const auto& r : a.ranges)
+    for (int64_t t = r.begin; t < r.end; t += kTile)
+      tiles.push_back({t, std::min(kTile, r.end - t), local_row(t)});
+  // 2) Row max and sum-exp over local keys, then over ranks.
+  std::vector<float> mx(static_cast<size_t>(nh * L), kNegInf),
+      sum(static_cast<size_t>(nh * L), 0.f);
+  for (int64_t x = 0; x < nh; ++x)
+    for (const Tile& tl : tiles) {
+      logits(x, tl.n, tl.lrow0);
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
+        if (lim == 0) continue;
+        const float* sr = s.data() + i * tl.n;
+        const float m = *std::max_element(sr, sr + lim);
+        float& M = mx[size_t(x * L + i)];
+        float& l = sum[size_t(x * L + i)];
+        double acc = 0;
+        for (int64_t j = 0; j < lim; ++j) acc += std::exp(double(sr[j]) - double(std::max(m, M)));
+        l = float(double(l) * (M == kNegInf ? 0.0 : std::exp(double(M) - double(std::max(m, M)))) +
+                  acc);
+        M = std::max(m, M);
+      }
+    }
+  std::vector<float> gmx(mx.size());
+  SF_TRY(
+      cp.all_reduce(mx.data(), gmx.data(), int64_t(mx.size()), DType::kF32, comm::ReduceOp::kMax));
+  for (size_t r = 0; r < sum.size(); ++r)
+    sum[r] =
+        mx[r] == kNegInf ? 0.f : float(double(sum[r]) * std::exp(double(mx[r]) - double(gmx[r])));
+  SF_TRY(cp.all_reduce(sum.data(), sum.data(), int64_t(sum.size()), DType::kF32,
+                       comm::ReduceOp::kSum));
+  bytes += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
+  // 3) Probabilities of local keys into column and diagonal sums, then over ranks.
+  std::vector<float> cs(static_cast<size_t>(nh * S), 0.f), ds(static_cast<size_t>(nh * S), 0.f);
+  for (int64_t x = 0; x < nh; ++x)
+    for (const Tile& tl : tiles) {
+      logits(x, tl.n, tl.lrow0);
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
+        if (lim == 0 || sum[size_t(x * L + i)] <= 0.f) continue;
+        const float lse = gmx[size_t(x * L + i)] + std::log(sum[size_t(x * L + i)]);
+        const float* sr = s.data() + i * tl.n;
+        float* c = cs.data() + x * S + tl.t0;
+        float* dg = ds.data() + x * S + (rows[size_t(i)] - tl.t0);
+        for (int64_t j = 0; j < lim; ++j) {
+          const float pr = std::exp(sr[j] - lse);
+          c[j] += pr;
+          if (want_diag) dg[-j] += pr;
+        }
+      }
+    }
+  SF_TRY(
+      cp.all_reduce(cs.data(), cs.data(), int64_t(cs.size()), DType::kF32, comm::ReduceOp::kSum));
+  if (want_diag)
+    SF_TRY(
+        cp.all_reduce(ds.data(), ds.data(), int64_t(ds.size()), DType::kF32, comm::ReduceOp::kSum));
+  // A ring all-reduce moves about twice the array through each rank.
+  bytes += 2 * int64_t(sizeof(float)) * int64_t(cs.size() + (want_diag ? ds.size() : 0));
+  *col_out = std::move(cs);
+  if (want_diag) *diag_out = std::move(ds);
+  *bytes_out += bytes;
+  return Status::ok();
 }
 
 }  // namespace
@@ -72,20 +225,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
   const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
   if (S <= 0 || hq <= 0 || hkv <= 0 || hq % hkv != 0 || !a.patterns)
     return SF_ERR(kInvalidArgument, "cp_estimate: bad geometry");
-  const int64_t group = hq / hkv;
-  const float scale = 1.f / std::sqrt(float(d));
   const int CP = cp.size();
-  auto local_row = [&](int64_t p) {
-    return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
-  };
-  for (int64_t h = 0; h < hq; ++h) {
-    const Pattern p = a.patterns[h].pattern;
-    if (p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock)
-      return SF_ERR(kUnsupported,
-                    std::string("cp_estimate: ") + kernels::pattern_name(p) +
-                        " heads are not estimated across CP ranks yet (vertical-slash, "
-                        "adaptive, a-shape, moa and dense are)");
-  }
   // One scoring pass per distinct spread_rows among the vertical-slash heads, as single-rank.
   std::vector<std::vector<float>> col(static_cast<size_t>(hq)), diag(static_cast<size_t>(hq));
   std::vector<int64_t> spreads;
@@ -99,120 +239,118 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     for (int64_t h = 0; h < hq; ++h)
       if (uses_vs(a.patterns[h].pattern) && a.patterns[h].spread_rows == sp) hs.push_back(int(h));
     const int64_t nh = int64_t(hs.size());
-    const std::vector<int64_t> rows = scoring_rows(S, sp);
-    const int64_t L = int64_t(rows.size());
-    // 1) The scoring rows' q, gathered: each rank sends the rows it holds, in position order.
-    std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
-    std::vector<std::vector<int64_t>> rank_rows(static_cast<size_t>(CP));
-    for (int r = 0; r < CP; ++r) {
-      const auto rr = cp_rank_ranges(S, CP, r);
-      for (int64_t p : rows)
-        if ((p >= rr[0].begin && p < rr[0].end) || (p >= rr[1].begin && p < rr[1].end))
-          rank_rows[size_t(r)].push_back(p);
-      counts[size_t(r)] = int64_t(rank_rows[size_t(r)].size()) * nh * d;
-    }
-    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
-        all(static_cast<size_t>(L * nh * d));
-    {
-      size_t o = 0;
-      for (int64_t p : rank_rows[size_t(cp.rank())])
-        for (int h : hs) {
-          std::copy_n(a.q_loc + (local_row(p) * hq + h) * d, d, mine.data() + o);
-          o += size_t(d);
-        }
-    }
-    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
-    bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
-    // Head-major [x][i][d] in the order of `rows`.
-    std::vector<float> qr(static_cast<size_t>(nh * L * d));
-    {
-      std::vector<int64_t> row_of(static_cast<size_t>(S), -1);
-      for (int64_t i = 0; i < L; ++i) row_of[size_t(rows[size_t(i)])] = i;
-      size_t o = 0;
-      for (int r = 0; r < CP; ++r)
-        for (int64_t p : rank_rows[size_t(r)])
-          for (int64_t x = 0; x < nh; ++x) {
-            std::copy_n(all.data() + o, d, qr.data() + (x * L + row_of[size_t(p)]) * d);
-            o += size_t(d);
-          }
-    }
-    // Logits of head x's scoring rows against local keys [t0, t0 + n) of one range.
-    std::vector<float> s;
-    auto logits = [&](int64_t x, int64_t n, int64_t lrow0) {
-      s.resize(size_t(L * n));
-      const int64_t kvh = hs[size_t(x)] / group;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(n), int(d), scale,
-                  qr.data() + x * L * d, int(d), a.k_loc + (lrow0 * hkv + kvh) * d, int(hkv * d),
-                  0.f, s.data(), int(n));
-    };
-    // Tiles of this rank's keys: (global start, count, local row).
-    struct Tile {
-      int64_t t0, n, lrow0;
-    };
-    std::vector<Tile> tiles;
-    for (const auto& r : a.ranges)
-      for (int64_t t = r.begin; t < r.end; t += kTile)
-        tiles.push_back({t, std::min(kTile, r.end - t), local_row(t)});
-    // 2) Row max and sum-exp over local keys, then over ranks.
-    std::vector<float> mx(static_cast<size_t>(nh * L), kNegInf),
-        sum(static_cast<size_t>(nh * L), 0.f);
-    for (int64_t x = 0; x < nh; ++x)
-      for (const Tile& tl : tiles) {
-        logits(x, tl.n, tl.lrow0);
-        for (int64_t i = 0; i < L; ++i) {
-          const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
-          if (lim == 0) continue;
-          const float* sr = s.data() + i * tl.n;
-          const float m = *std::max_element(sr, sr + lim);
-          float& M = mx[size_t(x * L + i)];
-          float& l = sum[size_t(x * L + i)];
-          double acc = 0;
-          for (int64_t j = 0; j < lim; ++j) acc += std::exp(double(sr[j]) - double(std::max(m, M)));
-          l = float(double(l) *
-                        (M == kNegInf ? 0.0 : std::exp(double(M) - double(std::max(m, M)))) +
-                    acc);
-          M = std::max(m, M);
-        }
-      }
-    std::vector<float> gmx(mx.size());
-    SF_TRY(cp.all_reduce(mx.data(), gmx.data(), int64_t(mx.size()), DType::kF32,
-                         comm::ReduceOp::kMax));
-    for (size_t r = 0; r < sum.size(); ++r)
-      sum[r] =
-          mx[r] == kNegInf ? 0.f : float(double(sum[r]) * std::exp(double(mx[r]) - double(gmx[r])));
-    SF_TRY(cp.all_reduce(sum.data(), sum.data(), int64_t(sum.size()), DType::kF32,
-                         comm::ReduceOp::kSum));
-    bytes += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
-    // 3) Probabilities of local keys into column and diagonal sums, then over ranks.
-    std::vector<float> cs(static_cast<size_t>(nh * S), 0.f), ds(static_cast<size_t>(nh * S), 0.f);
-    for (int64_t x = 0; x < nh; ++x)
-      for (const Tile& tl : tiles) {
-        logits(x, tl.n, tl.lrow0);
-        for (int64_t i = 0; i < L; ++i) {
-          const int64_t lim = std::clamp<int64_t>(rows[size_t(i)] + 1 - tl.t0, 0, tl.n);
-          if (lim == 0 || sum[size_t(x * L + i)] <= 0.f) continue;
-          const float lse = gmx[size_t(x * L + i)] + std::log(sum[size_t(x * L + i)]);
-          const float* sr = s.data() + i * tl.n;
-          float* c = cs.data() + x * S + tl.t0;
-          float* dg = ds.data() + x * S + (rows[size_t(i)] - tl.t0);
-          for (int64_t j = 0; j < lim; ++j) {
-            const float pr = std::exp(sr[j] - lse);
-            c[j] += pr;
-            dg[-j] += pr;
-          }
-        }
-      }
-    SF_TRY(
-        cp.all_reduce(cs.data(), cs.data(), int64_t(cs.size()), DType::kF32, comm::ReduceOp::kSum));
-    SF_TRY(
-        cp.all_reduce(ds.data(), ds.data(), int64_t(ds.size()), DType::kF32, comm::ReduceOp::kSum));
-    // A ring all-reduce moves about twice the array through each rank.
-    bytes += 2 * int64_t(sizeof(float)) * int64_t(cs.size() + ds.size());
+    std::vector<float> cs, ds;
+    SF_TRY(score_rows(cp, a, hs, scoring_rows(S, sp), true, &cs, &ds, &bytes));
     for (int64_t x = 0; x < nh; ++x) {
       col[size_t(hs[size_t(x)])].assign(cs.begin() + x * S, cs.begin() + (x + 1) * S);
       diag[size_t(hs[size_t(x)])].assign(ds.begin() + x * S, ds.begin() + (x + 1) * S);
     }
   }
+
+  // Block family: pooled k of every 64-key block (each block lives on one rank: its owner pools
+  // it, then all-gather), pooled q of this rank's own query blocks (local), and the exact
+  // softmax mass of the prompt's last query block per key block (scored like the columns).
+  const int64_t n_kb = ceil_div(S, kB), n_qb_all = ceil_div(S, kB);
+  std::vector<int> bh;
+  for (int64_t h = 0; h < hq; ++h)
+    if (uses_blocks(a.patterns[h].pattern)) bh.push_back(int(h));
+  std::vector<float> pooled_k;  // [n_kb][hkv][d]
+  std::vector<std::vector<float>> last_mass(static_cast<size_t>(hq));
+  if (!bh.empty()) {
+    std::vector<int64_t> counts(static_cast<size_t>(CP));
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      counts[size_t(r)] = (ceil_div(rr[0].size(), kB) + ceil_div(rr[1].size(), kB)) * hkv * d;
+    }
+    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())]), 0.f),
+        all(static_cast<size_t>(n_kb * hkv * d));
+    {
+      size_t o = 0;
+      int64_t lrow = 0;
+      for (const auto& r : a.ranges) {
+        for (int64_t b0 = r.begin; b0 < r.end; b0 += kB) {
+          const int64_t b1 = std::min(r.end, b0 + kB);
+          for (int64_t kvh = 0; kvh < hkv; ++kvh) {
+            float* dst = mine.data() + o + size_t(kvh * d);
+            for (int64_t j = b0; j < b1; ++j) {
+              const float* src = a.k_loc + ((lrow + j - r.begin) * hkv + kvh) * d;
+              for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
+            }
+            const float inv = 1.f / float(b1 - b0);
+            for (int64_t c = 0; c < d; ++c) dst[c] *= inv;
+          }
+          o += size_t(hkv * d);
+        }
+        lrow += r.size();
+      }
+    }
+    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
+    bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+    pooled_k.resize(all.size());
+    {
+      size_t o = 0;
+      for (int r = 0; r < CP; ++r)
+        for (const auto& rr : cp_rank_ranges(S, CP, r))
+          for (int64_t b0 = rr.begin; b0 < rr.end; b0 += kB) {
+            std::copy_n(all.data() + o, hkv * d, pooled_k.data() + (b0 / kB) * hkv * d);
+            o += size_t(hkv * d);
+          }
+    }
+    std::vector<int64_t> rows;
+    for (int64_t r = (n_qb_all - 1) * kB; r < S; ++r) rows.push_back(r);
+    std::vector<float> lc, unused;
+    SF_TRY(score_rows(cp, a, bh, rows, false, &lc, &unused, &bytes));
+    for (size_t x = 0; x < bh.size(); ++x) {
+      auto& m = last_mass[size_t(bh[x])];
+      m.assign(size_t(n_kb), 0.f);
+      for (int64_t j = 0; j < S; ++j) m[size_t(j / kB)] += lc[x * size_t(S) + size_t(j)];
+      for (float& v : m) v /= float(rows.size());  // each row's mass sums to 1
+    }
+  }
+  auto local_row = [&](int64_t p) {
+    return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
+  };
+  const float scale = 1.f / std::sqrt(float(d));
+  // Key blocks a block-family head selects for global query block gqb (single-rank rules).
+  auto select_blocks = [&](int64_t h, int64_t gqb, const kernels::SparseSlotGeometry& sg) {
+    const HeadPattern& hp = a.patterns[h];
+    const bool exact = gqb == n_qb_all - 1;
+    std::vector<float> sc(static_cast<size_t>(n_kb));
+    if (exact) {
+      sc = last_mass[size_t(h)];
+    } else {
+      std::vector<float> pq(static_cast<size_t>(d), 0.f);
+      const int64_t q0 = gqb * kB, q1 = std::min(S, q0 + kB);
+      for (int64_t rr = q0; rr < q1; ++rr) {
+        const float* src = a.q_loc + (local_row(rr) * hq + h) * d;
+        for (int64_t c = 0; c < d; ++c) pq[size_t(c)] += src[c];
+      }
+      const float inv = 1.f / float(q1 - q0);
+      for (float& v : pq) v *= inv;
+      const int64_t kvh = h / (hq / hkv);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, int(n_kb), int(d), scale, pq.data(),
+                  int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
+    }
+    const int64_t n_allowed = ceil_div(sg.kend, kB);
+    std::vector<int32_t> forced{0};
+    for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
+      if (b > 0) forced.push_back(int32_t(b));
+    Budget bb;
+    if (hp.pattern == Pattern::kBlockSparse) {
+      bb.k = hp.n_blocks;
+    } else {
+      if (!exact) {
+        const float mx = *std::max_element(sc.begin(), sc.begin() + n_allowed);
+        const float sum = kernels::cpu::exp_sub_sum(sc.data(), n_allowed, mx);
+        for (int64_t b = 0; b < n_allowed; ++b) sc[size_t(b)] /= sum;
+      }
+      bb.mass = true;
+      bb.gamma = hp.gamma;
+      bb.min_count = ceil_div(hp.min_budget, kB);
+      bb.max_count = ceil_div(hp.max_budget, kB);
+    }
+    return select_ranked(sc.data(), n_allowed, std::move(forced), bb);
+  };
 
   // 4) Candidates per head (identical on every rank), then this rank's slots.
   std::vector<std::vector<int32_t>> cols(static_cast<size_t>(hq)), diags(static_cast<size_t>(hq));
@@ -229,11 +367,20 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         break;
       case Pattern::kVerticalSlash:
       case Pattern::kAdaptiveVS: {
-        const bool mass = hp.pattern == Pattern::kAdaptiveVS;
-        cols[size_t(h)] = select_ranked(col[size_t(h)].data(), S, std::min(hp.sink, S), hp, mass,
-                                        std::min(hp.n_vertical, S));
-        diags[size_t(h)] = select_ranked(diag[size_t(h)].data(), S, std::min(hp.local + 1, S), hp,
-                                         mass, std::min(hp.n_slash, S));
+        Budget bc, bd;
+        if (hp.pattern == Pattern::kVerticalSlash) {
+          bc.k = std::min(hp.n_vertical, S);
+          bd.k = std::min(hp.n_slash, S);
+        } else {
+          bc.mass = bd.mass = true;
+          bc.gamma = bd.gamma = hp.gamma;
+          bc.min_count = bd.min_count = hp.min_budget;
+          bc.max_count = bd.max_count = hp.max_budget;
+        }
+        cols[size_t(h)] =
+            select_ranked(col[size_t(h)].data(), S, iota_list(std::min(hp.sink, S)), bc);
+        diags[size_t(h)] =
+            select_ranked(diag[size_t(h)].data(), S, iota_list(std::min(hp.local + 1, S)), bd);
         break;
       }
       default:
@@ -254,7 +401,9 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         const auto g = kernels::sparse_slot_geometry(r.size(), r.end, r.begin, qb);
         blocks.clear();
         cl.clear();
-        kernels::sparse_slot_build(g, cols[size_t(h)], diags[size_t(h)], {}, a.patterns[h].sink,
+        std::vector<int32_t> kbs;
+        if (uses_blocks(a.patterns[h].pattern)) kbs = select_blocks(h, r.begin / kB + qb, g);
+        kernels::sparse_slot_build(g, cols[size_t(h)], diags[size_t(h)], kbs, a.patterns[h].sink,
                                    local[size_t(h)], &blocks, &cl);
         sb[size_t(h * nqb + qb)] = blocks;
         sc[size_t(h * nqb + qb)] = cl;

@@ -11,8 +11,10 @@
 //   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
-// dense, a-shape and moa need no scores. Block-sparse / adaptive-block heads are refused
-// (kUnsupported): their pooled scores are not distributed yet.
+// Block family: pooled keys (one 64-key block per owner) are all-gathered, each rank pools its own
+// query blocks and ranks key blocks by the single-rank rules; the prompt's last query block is
+// scored exactly, its softmax mass per key block reduced like the columns.
+// dense, a-shape and moa need no scores.
 //
 // The result equals kernels::sparse_estimate over the whole prompt up to fp32 summation order in
 // the reductions (a near-tie at a top-k boundary can swap); tests measure the agreement.

@@ -212,6 +212,40 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
   check_grid(*model_, {tp, cp}, 1024, &sc.value(), /*selective=*/true, /*cp_est=*/true);
 }
 
+// The same with every estimator family in one layer: vertical-slash, block-sparse, adaptive-block
+// and a-shape heads (block scores from pooled keys gathered from their owners, the last query
+// block's exact mass reduced across ranks).
+TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
+  const auto [tp, cp] = GetParam();
+  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
+                                          model_->config().n_heads);
+  ASSERT_TRUE(sc.is_ok());
+  sc->dense_below = 0;
+  for (auto& l : sc->layers)
+    for (size_t h = 0; h < l.size(); ++h) {
+      auto& hp = l[h];
+      switch (h % 4) {
+        case 0:
+          hp.n_vertical = 100;
+          hp.n_slash = 72;
+          break;
+        case 1:
+          hp.pattern = kernels::Pattern::kBlockSparse;
+          hp.n_blocks = 4;
+          break;
+        case 2:
+          hp.pattern = kernels::Pattern::kAdaptiveBlock;
+          hp.gamma = 0.9;
+          hp.min_budget = 128;
+          hp.max_budget = 512;
+          break;
+        default:
+          hp.pattern = kernels::Pattern::kAShape;
+      }
+    }
+  check_grid(*model_, {tp, cp}, 1000, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+}
+
 // What the worker runs with --attention: each rank estimates the index of its own chunks. CP 1
 // is the single-rank forward exactly (one contiguous piece, same estimator input); under CP 2 and
 // 4 each chunk's estimator scores its own last queries, so the index differs from single-rank by
