@@ -5,9 +5,9 @@
 #
 #   bench/mpi/sparse_cp.sh [BUILD_DIR] [OUT.json]
 #
-# Configs: "vs-only" is the shipped configs/smollm2-135m-instruct.json with its block-sparse heads
-# replaced by vertical-slash (n_vertical 256, n_slash 130, spread 256), because block-family heads
-# are not estimated across ranks yet; "a-shape" (sink + window) is the lower bound.
+# Configs: the shipped configs/smollm2-135m-instruct.json (vertical-slash, block-sparse, a-shape
+# and dense heads), "vs-only" (its block-sparse heads replaced by vertical-slash with n_vertical
+# 256, n_slash 130, spread 256) and "a-shape" (sink + window), the lower bound.
 set -euo pipefail
 cmdline="$0 $*"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -32,12 +32,13 @@ text = open(f"{root}/data/long_document.txt").read()[:18000]
 open(f"{tmp}/p.jsonl", "w").write(json.dumps({"id": "doc", "prompt": text}) + "\n")
 EOF
 records=()
-for run in "2 config:$tmp/vs-only.json" "4 config:$tmp/vs-only.json" "2 a-shape" "4 a-shape"; do
+for run in "2 config:$root/configs/smollm2-135m-instruct.json" "4 config:$root/configs/smollm2-135m-instruct.json" \
+           "2 config:$tmp/vs-only.json" "4 config:$tmp/vs-only.json" "2 a-shape" "4 a-shape"; do
   set -- $run
   rm -rf "$tmp/out"
   mpirun --bind-to none --oversubscribe -np "$1" "$worker" --model default --cp "$1" --attention "$2" \
     --cp-estimate --selective-kv --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
-  records+=("$(sed "s|$tmp/||" "$tmp/out/doc.json")")
+  records+=("$(sed -e "s|$tmp/||" -e "s|$root/||" "$tmp/out/doc.json")")
   echo "cp $1 $2: $(grep 'doc:' "$tmp/log")"
 done
 python3 - "$out" "$(git -C "$root" rev-parse HEAD)" "$cmdline" "${records[@]}" <<'EOF'
