@@ -204,13 +204,38 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         }
       }
     }
-  SF_TRY(
-      cp.all_reduce(cs.data(), cs.data(), int64_t(cs.size()), DType::kF32, comm::ReduceOp::kSum));
-  if (want_diag)
+  // A key's column sum is complete on its owner (every scoring row was added there), so the
+  // columns are gathered from their owners (S / CP per head) rather than all-reduced.
+  {
+    std::vector<int64_t> counts(static_cast<size_t>(CP));
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      counts[size_t(r)] = (rr[0].size() + rr[1].size()) * nh;
+    }
+    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
+        got(static_cast<size_t>(S * nh));
+    size_t o = 0;
+    for (const auto& r : a.ranges)
+      for (int64_t x = 0; x < nh; ++x) {
+        std::copy_n(cs.data() + x * S + r.begin, r.size(), mine.data() + o);
+        o += size_t(r.size());
+      }
+    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
+    bytes += int64_t(sizeof(float)) * (int64_t(got.size()) - int64_t(mine.size()));
+    o = 0;
+    for (int r = 0; r < CP; ++r)
+      for (const auto& rr : cp_rank_ranges(S, CP, r))
+        for (int64_t x = 0; x < nh; ++x) {
+          std::copy_n(got.data() + o, rr.size(), cs.data() + x * S + rr.begin);
+          o += size_t(rr.size());
+        }
+  }
+  if (want_diag) {
     SF_TRY(
         cp.all_reduce(ds.data(), ds.data(), int64_t(ds.size()), DType::kF32, comm::ReduceOp::kSum));
-  // A ring all-reduce moves about twice the array through each rank.
-  bytes += 2 * int64_t(sizeof(float)) * int64_t(cs.size() + (want_diag ? ds.size() : 0));
+    // A ring all-reduce moves about twice the array through each rank.
+    bytes += 2 * int64_t(sizeof(float)) * int64_t(ds.size());
+  }
   *col_out = std::move(cs);
   if (want_diag) *diag_out = std::move(ds);
   *bytes_out += bytes;
