@@ -1,9 +1,10 @@
 // The prefill forward of worker/model on a TP x CP grid (CPU, host buffers; grid.h has the
 // layout). Per layer, on each rank:
 //   norm -> column-parallel Q/K/V of this TP slice's heads -> RoPE at global positions ->
-//   CP all-gather of this slice's K/V (version 1: every key; one all_gatherv of K and V) ->
-//   attention of each held chunk against keys [0, chunk end) (q_offset = chunk start), dense or
-//   sparse -> row-parallel O projection + TP all-reduce -> norm -> column-parallel gate/up,
+//   [cp_estimate: the layer's sparse index scored where the keys live] ->
+//   CP exchange of this slice's K/V (an all_gatherv of every key, or with selective_kv only the
+//   rows the index reads) -> attention of each held piece (adjacent chunks merge) against keys
+//   [0, piece end) (q_offset = piece start), dense or sparse -> row-parallel O projection + TP all-reduce -> norm -> column-parallel gate/up,
 //   row-parallel down + TP all-reduce.
 // Weights are views into the full model (row slices of Q/K/V/gate/up, column slices of O/down
 // through the GEMM's leading dimension), so sharding copies nothing.
@@ -36,10 +37,9 @@ struct ParallelOptions {
   // the given global index. Null sparse: dense everywhere.
   const model::SparseConfig* sparse = nullptr;
   GlobalIndexSource index_source;
-  // Sparsity-aware CP, transfer half: instead of the all-gather, each rank receives only the K/V
-  // rows its slices of index_source read (required). Counted in kv_moved_bytes against
-  // kv_allgather_bytes. The index itself still comes from elsewhere (estimating it where the keys
-  // live is not implemented).
+  // Sparsity-aware CP, transfer half: instead of the all-gather, each rank receives only the
+  // (token, KV head) rows its index slices read; needs the index first (index_source or
+  // cp_estimate). Counted in kv_moved_bytes against kv_allgather_bytes.
   bool selective_kv = false;
   // Sparsity-aware CP, estimation half (cp_estimate.h): with `sparse`, each layer's index is the
   // single-rank one over the whole prompt, scored where the keys live, instead of per-chunk
@@ -54,8 +54,8 @@ struct ParallelStats {
   double comm_s = 0;               // time waiting in collectives (this rank)
   int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
   int64_t estimate_bytes = 0;      // what cp_estimate's collectives brought this rank
-  int64_t kv_moved_bytes = 0;      // what it actually received for attention (== the above
-                                   // unless selective_kv; then rows + request masks)
+  int64_t kv_moved_bytes = 0;      // what it actually received for attention (==
+                                   // kv_allgather_bytes unless selective_kv; then rows + masks)
   int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP
   int64_t comm_bytes = 0;          // everything this rank put into collectives
   double density = 1.0;            // of this rank's attention (causal pairs computed)
