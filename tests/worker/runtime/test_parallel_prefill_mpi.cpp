@@ -141,7 +141,8 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
     // less than every key.
     if (selective && shape.cp > 1 && !cp_est)
       EXPECT_LT(double(par->stats.kv_moved_bytes), 0.5 * double(par->stats.kv_allgather_bytes));
-    if (sparse)
+    // Prompts of a few blocks are dense under any pattern (the short-prompt case checks shapes).
+    if (sparse && n_tokens >= 512)
       EXPECT_LT(par->stats.density, 0.9)
           << "the index must actually be sparse for this test to mean anything";
   } else {
@@ -244,6 +245,8 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
       }
     }
   check_grid(*model_, {tp, cp}, 1000, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+  // Two 64-token blocks over 2 * cp chunks: under CP 4 most ranks hold nothing.
+  check_grid(*model_, {tp, cp}, 100, &sc.value(), /*selective=*/true, /*cp_est=*/true);
 }
 
 // What the worker runs with --attention: each rank estimates the index of its own chunks. CP 1
