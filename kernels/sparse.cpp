@@ -7,6 +7,7 @@
 #include "kernels/cpu/cpu_sparse.h"
 #ifdef SF_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/sparse_estimate.h"
 #endif
 
 namespace sf::kernels {
@@ -76,10 +77,11 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   SF_TRY(need(out != nullptr, "sparse_estimate", "out index is null"));
   SF_TRY(
       need(q.ndim == 3 && k.ndim == 3, "sparse_estimate", "q and k are 3-D [n, heads, head_dim]"));
-  SF_TRY(need(f32c(q) && f32c(k), "sparse_estimate", "q and k must be contiguous F32"));
   SF_TRY(need(q.device == k.device, "sparse_estimate", "q and k on different devices"));
-  if (q.device != Device::kCpu)
-    return SF_ERR(kUnsupported, "sparse_estimate: no CUDA estimator yet");
+  const bool bf16_cuda = q.device == Device::kCuda && q.dtype == DType::kBF16 &&
+                         k.dtype == DType::kBF16 && q.contiguous() && k.contiguous();
+  SF_TRY(need(bf16_cuda || (f32c(q) && f32c(k)), "sparse_estimate",
+              "q and k must be contiguous F32 (or, on CUDA, both BF16)"));
   SF_TRY(
       need(q.shape[2] == k.shape[2] && q.shape[2] > 0, "sparse_estimate", "q/k head_dim mismatch"));
   SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "sparse_estimate",
@@ -91,6 +93,15 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   SF_TRY(need(k.shape[0] <= INT32_MAX, "sparse_estimate", "n_k exceeds int32 key positions"));
   for (size_t h = 0; h < patterns.size(); ++h) SF_TRY(check_pattern(patterns[h], h));
   EstimatorStats local_stats;
+  if (q.device == Device::kCuda) {
+#ifdef SF_HAVE_CUDA
+    // Legacy default stream: the caller's work on it is ordered before, the download after.
+    return cuda::sparse_estimate(q, k, patterns, q_offset, out, stats ? stats : &local_stats,
+                                 nullptr);
+#else
+    return SF_ERR(kUnsupported, "sparse_estimate: built without the CUDA backend");
+#endif
+  }
   return cpu::sparse_estimate(q, k, patterns, q_offset, out, stats ? stats : &local_stats);
 }
 

@@ -62,7 +62,8 @@ struct EstimatorStats {
 //   block 0 and the diagonal blocks ranked first. moa: local window of alpha + beta * n_k keys.
 //   adaptive-vs / adaptive-block: the smallest ranked set reaching gamma of the estimated mass.
 // Every pattern also gets the sink and local window (sparse_index.h). Ties rank by lower index.
-// CUDA tensors: kUnsupported for now.
+// CUDA tensors (F32, or BF16 q and k): the device estimators (kernels/cuda/sparse_estimate.h),
+// same rules; spread_rows > 0 is kUnsupported there.
 Status sparse_estimate(const TensorView& q, const TensorView& k,
                        const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
                        EstimatorStats* stats);

@@ -1,0 +1,748 @@
+// Device index estimators: the CUDA run step of kernels/sparse.h sparse_estimate. The rules are the
+// CPU estimator's (kernels/cpu/sparse_estimators.cpp), step for step:
+//   1. last-query scoring (vertical-slash, and the block family's exact last query block): per
+//      64-key chunk one CTA computes the (<= 64 rows) x 64 logits in shared memory; pass 1 keeps
+//      each row's max and sum-exp, a warp per row merges them into the row LSE, pass 2 recomputes
+//      the logits, turns them into probabilities and writes column sums and per-chunk diagonal
+//      partials (127 offsets), which a third kernel adds (each offset lies in <= 2 chunks).
+//      Every sum has a fixed order: the result does not depend on scheduling.
+//   2. selection (cta_select): one CTA per (head, columns | diagonals) or per (head, query
+//      block); forced items first, the rest ranked by score descending then index ascending via
+//      an 8-bit radix select on order-preserving keys (4 passes), for top-k directly, for the
+//      adaptive mass threshold by a first radix walk on the accumulated mass; the selected ids
+//      come out sorted ascending by a block scan.
+//   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
+//      against every pooled key block in shared memory and selects per query block.
+//   4. slot building: one thread per (head, query block), the host builder's merge of sink,
+//      local window, diagonal ranges and key blocks into 64-key entries plus columns.
+// No allocation and no host synchronization: the launch sequence is safe under graph capture.
+// Index capacity is the plan's; a slot that needs more is truncated and need[] records the
+// largest counts, so the caller can re-plan (kernels/cuda/sparse_estimate.cpp).
+#include <cuda_bf16.h>
+
+#include <cub/block/block_scan.cuh>
+#include <cstdint>
+
+#include "kernels/cuda/sparse_estimate_launch.h"
+
+namespace sf::kernels::cuda {
+namespace {
+
+constexpr int kB = 64;
+constexpr int kScoreThreads = 256;
+
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+__device__ __forceinline__ uint32_t order_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// One scoring pass: rows r0 .. r0 + L - 1 of the heads listed, against keys [0, kend_last).
+struct ScorePass {
+  const int32_t* heads = nullptr;
+  int n_heads = 0;
+  int64_t r0 = 0, L = 0;
+  float* col = nullptr;   // [n_heads * kend_last] column sums, or null
+  float* mass = nullptr;  // [n_heads * n_kb] mass per key block / L, or null
+  float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
+};
+
+size_t score_smem(int64_t d) { return size_t(2 * kB * (d + 1) + kB * (kB + 1)) * sizeof(float); }
+
+// Logits of the pass's rows (scaled) against the chunk's keys into ss[i * 65 + j].
+template <typename T>
+__device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h, int64_t c0,
+                             int64_t kc, float* qs, float* ks, float* ss) {
+  const int64_t d = p.d, dp = d + 1;
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const int64_t kvh = h / (p.hq / p.hkv);
+  for (int64_t x = threadIdx.x; x < kB * d; x += blockDim.x) {
+    const int64_t i = x / d, c = x % d;
+    qs[i * dp + c] = i < sp.L ? load_f(q + ((sp.r0 + i) * p.hq + h) * d + c) : 0.f;
+    ks[i * dp + c] = i < kc ? load_f(k + ((c0 + i) * p.hkv + kvh) * d + c) : 0.f;
+  }
+  __syncthreads();
+  const int i0 = (threadIdx.x / 16) * 4, j0 = (threadIdx.x % 16) * 4;
+  float acc[4][4] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    float a[4], b[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      a[x] = qs[(i0 + x) * dp + c];
+      b[x] = ks[(j0 + x) * dp + c];
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+#pragma unroll
+      for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+  }
+#pragma unroll
+  for (int x = 0; x < 4; ++x)
+#pragma unroll
+    for (int y = 0; y < 4; ++y) ss[(i0 + x) * (kB + 1) + j0 + y] = acc[x][y] * p.scale;
+  __syncthreads();
+}
+
+// Keys of the chunk that row i sees: [0, lim).
+__device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const ScorePass& sp,
+                                               int64_t i, int64_t c0, int64_t kc) {
+  const int64_t v = p.q_offset + sp.r0 + i + 1 - c0;
+  return v < 0 ? 0 : (v > kc ? kc : v);
+}
+
+// grid (n_heads, n_chunks): per row, the chunk's max and sum of exp.
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads)
+    score_stats_kernel(const EstimateLaunch p, const ScorePass sp) {
+  extern __shared__ float smem[];
+  float* qs = smem;
+  float* ks = qs + kB * (p.d + 1);
+  float* ss = ks + kB * (p.d + 1);
+  const int hs = blockIdx.x;
+  const int64_t chunk = blockIdx.y, c0 = chunk * kB;
+  const int64_t kc = imin(kB, p.kend_last - c0);
+  chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t i = warp; i < sp.L; i += kScoreThreads / 32) {
+    const int64_t lim = row_visible(p, sp, i, c0, kc);
+    float m = -INFINITY;
+    for (int64_t j = lane; j < lim; j += 32) m = fmaxf(m, ss[i * (kB + 1) + j]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    if (lim > 0)
+      for (int64_t j = lane; j < lim; j += 32) l += expf(ss[i * (kB + 1) + j] - m);
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) {
+      const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+      p.part_m[at] = m;
+      p.part_l[at] = l;
+    }
+  }
+}
+
+// One warp per (head, row): the row's log-sum-exp over all chunks.
+__global__ void row_lse_kernel(const EstimateLaunch p, const ScorePass sp) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= int64_t(sp.n_heads) * sp.L) return;
+  const int64_t hs = w / sp.L, i = w % sp.L;
+  const size_t base = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks);
+  float m = -INFINITY;
+  for (int64_t c = lane; c < p.n_chunks; c += 32) m = fmaxf(m, p.part_m[base + size_t(c)]);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  double l = 0;
+  if (m != -INFINITY)
+    for (int64_t c = lane; c < p.n_chunks; c += 32) {
+      const float pl = p.part_l[base + size_t(c)];
+      if (pl > 0.f) l += double(pl) * exp(double(p.part_m[base + size_t(c)]) - double(m));
+    }
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  if (lane == 0) p.lse[hs * kB + i] = m == -INFINITY ? -INFINITY : m + float(log(l));
+}
+
+// grid (n_heads, n_chunks): probabilities; column sums, block mass, diagonal partials.
+template <typename T>
+__global__ void __launch_bounds__(kScoreThreads)
+    score_probs_kernel(const EstimateLaunch p, const ScorePass sp) {
+  extern __shared__ float smem[];
+  float* qs = smem;
+  float* ks = qs + kB * (p.d + 1);
+  float* ss = ks + kB * (p.d + 1);
+  const int hs = blockIdx.x;
+  const int64_t chunk = blockIdx.y, c0 = chunk * kB;
+  const int64_t kc = imin(kB, p.kend_last - c0);
+  chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+  for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
+    const int64_t i = x / kB, j = x % kB;
+    float v = 0.f;
+    if (i < sp.L) {
+      const float lse = p.lse[hs * kB + i];
+      if (j < row_visible(p, sp, i, c0, kc) && lse != -INFINITY)
+        v = expf(ss[i * (kB + 1) + j] - lse);
+    }
+    ss[i * (kB + 1) + j] = v;
+  }
+  __syncthreads();
+  __shared__ float red[kB];
+  if (threadIdx.x < kB) {
+    const int j = threadIdx.x;
+    float s = 0.f;
+    for (int64_t i = 0; i < sp.L; ++i) s += ss[i * (kB + 1) + j];
+    if (sp.col && j < kc) sp.col[size_t(hs) * size_t(p.kend_last) + size_t(c0 + j)] = s;
+    red[j] = s;
+  }
+  if (sp.part_d && threadIdx.x < 2 * kB - 1) {  // u = i - j + 63
+    const int u = threadIdx.x;
+    float s = 0.f;
+    for (int64_t i = 0; i < sp.L; ++i) {
+      const int64_t j = i - u + (kB - 1);
+      if (j >= 0 && j < kB) s += ss[i * (kB + 1) + j];
+    }
+    sp.part_d[(size_t(hs) * size_t(p.n_chunks) + size_t(chunk)) * (2 * kB - 1) + size_t(u)] = s;
+  }
+  __syncthreads();
+  if (sp.mass && threadIdx.x == 0) {
+    float s = 0.f;
+    for (int j = 0; j < kB; ++j) s += red[j];
+    sp.mass[size_t(hs) * size_t(p.n_kb) + size_t(chunk)] = s / float(sp.L);
+  }
+}
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+// Diagonal o of vs slot hs: the sum of the (<= 2) chunk partials that reach it.
+__global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= int64_t(sp.n_heads) * p.n_diag) return;
+  const int64_t hs = t / p.n_diag, o = t % p.n_diag;
+  const int64_t P0 = p.q_offset + sp.r0;
+  // chunk c holds o at u = o - P0 + 64 c + 63, valid in [0, L + 62]
+  int64_t c_lo = -floor_div(o - P0 + kB - 1, kB);  // ceil((P0 - 63 - o) / 64)
+  int64_t c_hi = floor_div(P0 + sp.L - 1 - o, kB);
+  if (c_lo < 0) c_lo = 0;
+  if (c_hi > p.n_chunks - 1) c_hi = p.n_chunks - 1;
+  float s = 0.f;
+  for (int64_t c = c_lo; c <= c_hi; ++c) {
+    const int64_t u = o - P0 + kB * c + kB - 1;
+    if (u >= 0 && u <= sp.L + kB - 2)
+      s += sp.part_d[(size_t(hs) * size_t(p.n_chunks) + size_t(c)) * (2 * kB - 1) + size_t(u)];
+  }
+  p.diag[size_t(hs) * size_t(p.n_diag) + size_t(o)] = s;
+}
+
+// Mean over 64-row blocks: dst[(r * n_b + b) * d + c] for src rows [n, heads, d] of the listed
+// heads (heads == null: every head, r = head).
+template <typename T>
+__global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
+                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n_rows_out * n_b * d) return;
+  const int64_t c = t % d, b = (t / d) % n_b, r = t / (d * n_b);
+  const int64_t h = heads ? heads[r] : r;
+  const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
+  float s = 0.f;
+  for (int64_t j = j0; j < j1; ++j) s += load_f(src + (j * n_heads_src + h) * d + c);
+  dst[t] = s * (1.f / float(j1 - j0));
+}
+
+// ---- selection ----------------------------------------------------------------------------
+
+struct SelBudget {
+  int mass = 0;
+  int64_t k = 0;
+  double gamma = 1.0;
+  int64_t min_count = 0, max_count = 0;
+};
+
+struct SelShared {
+  unsigned cnt[256];
+  double msum[256];
+  double dred[32];
+  long long ired[32];
+  uint32_t prefix;
+  long long cnt_gt;
+  double mass_gt;
+  int found;
+  long long value;
+  long long run;
+};
+
+template <int BS>
+__device__ double block_sum(double v, SelShared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.dred[threadIdx.x / 32] = v;
+  __syncthreads();
+  double s = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < BS / 32; ++w) s += sh.dred[w];
+    sh.dred[0] = s;
+  }
+  __syncthreads();
+  s = sh.dred[0];
+  __syncthreads();
+  return s;
+}
+template <int BS>
+__device__ long long block_sum_i(long long v, SelShared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.ired[threadIdx.x / 32] = v;
+  __syncthreads();
+  long long s = 0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < BS / 32; ++w) s += sh.ired[w];
+    sh.ired[0] = s;
+  }
+  __syncthreads();
+  s = sh.ired[0];
+  __syncthreads();
+  return s;
+}
+
+// Radix walk over the non-forced items' keys, 8 bits a pass from the top. Count mode: the key T
+// of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
+// from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
+// sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
+template <int BS, typename Forced>
+__device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool mass_mode,
+                                long long want, double goal, double start_mass, SelShared& sh) {
+  if (threadIdx.x == 0) {
+    sh.prefix = 0;
+    sh.cnt_gt = 0;
+    sh.mass_gt = start_mass;
+    sh.found = 1;
+  }
+  uint32_t mask = 0;
+  long long eq = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int x = threadIdx.x; x < 256; x += BS) {
+      sh.cnt[x] = 0;
+      sh.msum[x] = 0;
+    }
+    __syncthreads();
+    const uint32_t prefix = sh.prefix;
+    for (int64_t i = threadIdx.x; i < n; i += BS) {
+      if (forced(i)) continue;
+      const float v = s[i];
+      const uint32_t key = order_key(v);
+      if ((key & mask) != prefix) continue;
+      const unsigned dgt = (key >> shift) & 255u;
+      atomicAdd(&sh.cnt[dgt], 1u);
+      if (mass_mode) atomicAdd(&sh.msum[dgt], double(v));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int chosen = -1;
+      for (int dg = 255; dg >= 0; --dg) {
+        if (sh.cnt[dg] == 0) continue;
+        if (mass_mode ? sh.mass_gt + sh.msum[dg] >= goal : sh.cnt_gt + sh.cnt[dg] >= want) {
+          chosen = dg;
+          break;
+        }
+        sh.cnt_gt += sh.cnt[dg];
+        sh.mass_gt += sh.msum[dg];
+      }
+      if (chosen < 0) {
+        sh.found = 0;
+        chosen = 0;
+      }
+      sh.prefix = prefix | (uint32_t(chosen) << shift);
+      sh.value = sh.cnt[chosen];
+    }
+    __syncthreads();
+    if (!sh.found) break;
+    mask |= 255u << shift;
+    eq = sh.value;
+  }
+  __syncthreads();
+  return eq;
+}
+
+// The CPU's select_ranked on the device. Forced items: [0, fa) and [fb, fc] (fb > fc: none).
+// Writes the selected ids ascending to out (at most cap) and their number to *n_out.
+template <int BS>
+__device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
+                           const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
+                           SelShared& sh) {
+  auto forced = [&](int64_t i) { return i < fa || (i >= fb && i <= fc); };
+  long long nf_l = 0;
+  double tot_l = 0, fm_l = 0;
+  for (int64_t i = threadIdx.x; i < n; i += BS) {
+    const double v = s[i];
+    tot_l += v;
+    if (forced(i)) {
+      ++nf_l;
+      fm_l += v;
+    }
+  }
+  const long long nf = block_sum_i<BS>(nf_l, sh);
+  const double tot = b.mass ? block_sum<BS>(tot_l, sh) : 0.0;
+  const double fm = b.mass ? block_sum<BS>(fm_l, sh) : 0.0;
+  const long long nr = n - nf;
+  long long take = 0;
+  if (!b.mass) {
+    take = b.k - nf;
+  } else {
+    const double goal = b.gamma * tot;
+    long long c = nf;
+    if (fm < goal && nr > 0) {
+      const long long eq = radix_walk<BS>(s, n, forced, true, 0, goal, fm, sh);
+      if (!sh.found) {
+        c = n;
+      } else {
+        const float sT = key_value(sh.prefix);
+        if (!(sT > 0.f)) {
+          c = n;
+        } else {
+          long long m = (long long)ceil((goal - sh.mass_gt) / double(sT));
+          m = m < 1 ? 1 : (m > eq ? eq : m);
+          c = nf + sh.cnt_gt + m;
+        }
+      }
+    }
+    const long long hi = b.max_count > b.min_count ? b.max_count : b.min_count;
+    c = c < b.min_count ? b.min_count : (c > hi ? hi : c);
+    take = c - nf;
+  }
+  take = take < 0 ? 0 : (take > nr ? nr : take);
+  __syncthreads();  // every thread has read the mass walk's results
+  uint32_t T = 0xffffffffu;
+  long long need_eq = 0;
+  if (take > 0) {
+    radix_walk<BS>(s, n, forced, false, take, 0.0, 0.0, sh);
+    T = sh.prefix;
+    need_eq = take - sh.cnt_gt;
+  }
+  // Compaction in index order: ties at T go to the lowest ids.
+  using Scan = cub::BlockScan<int, BS>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  long long tie_base = 0, out_base = 0;
+  for (int64_t t0 = 0; t0 < n; t0 += BS) {
+    const int64_t i = t0 + threadIdx.x;
+    int f = 0, gt = 0, eq = 0;
+    if (i < n) {
+      f = forced(i);
+      if (!f && take > 0) {
+        const uint32_t key = order_key(s[i]);
+        gt = key > T;
+        eq = key == T;
+      }
+    }
+    int tie_rank, tie_total;
+    Scan(scan_tmp).ExclusiveSum(eq, tie_rank, tie_total);
+    __syncthreads();
+    const int sel = f || gt || (eq && tie_base + tie_rank < need_eq);
+    int pos, sel_total;
+    Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
+    __syncthreads();
+    if (sel && out_base + pos < cap) out[out_base + pos] = int32_t(i);
+    tie_base += tie_total;
+    out_base += sel_total;
+  }
+  if (threadIdx.x == 0) *n_out = int32_t(out_base < cap ? out_base : cap);
+  __syncthreads();
+}
+
+constexpr int kVsSelectThreads = 1024;
+constexpr int kBlockSelectThreads = 256;
+
+// grid (n_vs, 2): y = 0 columns, y = 1 diagonals.
+__global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const EstimateLaunch p) {
+  __shared__ SelShared sh;
+  const int hs = blockIdx.x;
+  const EstHead& eh = p.heads[p.vs_heads[hs]];
+  SelBudget b;
+  b.mass = eh.mass;
+  b.gamma = eh.gamma;
+  b.min_count = eh.min_count;
+  b.max_count = eh.max_count;
+  if (blockIdx.y == 0) {
+    b.k = eh.k_cols;
+    const int64_t n = p.kend_last;
+    cta_select<kVsSelectThreads>(p.col + size_t(hs) * size_t(n), n, eh.sink, 1, 0, b,
+                                 p.sel_cols + size_t(hs) * size_t(n), n, p.n_sel_cols + hs, sh);
+  } else {
+    b.k = eh.k_diags;
+    const int64_t n = p.n_diag;
+    cta_select<kVsSelectThreads>(p.diag + size_t(hs) * size_t(n), n, eh.local + 1, 1, 0, b,
+                                 p.sel_diags + size_t(hs) * size_t(n), n, p.n_sel_diags + hs, sh);
+  }
+}
+
+// grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
+__global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
+  extern __shared__ float smem[];
+  __shared__ SelShared sh;
+  const int hb = blockIdx.x;
+  const int G = p.block_select_group;
+  const int64_t d = p.d, n_kb = p.n_kb;
+  float* pq = smem;          // [G][d]
+  float* sc = smem + G * d;  // [G][n_kb]
+  const int64_t qb0 = int64_t(blockIdx.y) * G;
+  const int64_t ng = imin(G, p.n_qb - qb0);
+  for (int64_t x = threadIdx.x; x < ng * d; x += blockDim.x)
+    pq[x] = p.pooled_q[(size_t(hb) * size_t(p.n_qb) + size_t(qb0)) * size_t(d) + size_t(x)];
+  __syncthreads();
+  const int h = p.blk_heads[hb];
+  const int64_t kvh = h / (p.hq / p.hkv);
+  const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
+  for (int64_t bk = threadIdx.x; bk < n_kb; bk += blockDim.x) {
+    float acc[8] = {};
+    const float* kr = pk + bk * d;
+    for (int64_t c = 0; c < d; c += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(kr + c);
+      for (int g = 0; g < ng; ++g) {
+        const float* qr = pq + g * d + c;
+        acc[g] = fmaf(qr[0], kv.x, acc[g]);
+        acc[g] = fmaf(qr[1], kv.y, acc[g]);
+        acc[g] = fmaf(qr[2], kv.z, acc[g]);
+        acc[g] = fmaf(qr[3], kv.w, acc[g]);
+      }
+    }
+    for (int g = 0; g < ng; ++g) sc[g * n_kb + bk] = acc[g] * p.scale;
+  }
+  __syncthreads();
+  const EstHead& eh = p.heads[h];
+  for (int g = 0; g < ng; ++g) {
+    const int64_t qb = qb0 + g;
+    const int64_t rows = imin(kB, p.nq - qb * kB);
+    const int64_t base = p.q_offset + qb * kB;
+    int64_t kend = base + rows;
+    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+    const int64_t n_allowed = (kend + kB - 1) / kB;
+    const bool exact = qb == p.n_qb - 1;
+    float* s = exact ? p.mass + size_t(hb) * size_t(n_kb) : sc + g * n_kb;
+    SelBudget b;
+    b.mass = eh.mass;
+    b.k = eh.k_blocks;
+    b.gamma = eh.gamma;
+    b.min_count = eh.min_count;
+    b.max_count = eh.max_count;
+    if (eh.mass && !exact && n_allowed > 0) {  // softmax over the causal blocks
+      __shared__ float mx_s, sum_s;
+      if (threadIdx.x == 0) {
+        float mx = -INFINITY;
+        for (int64_t x = 0; x < n_allowed; ++x) mx = fmaxf(mx, s[x]);
+        float sum = 0.f;
+        for (int64_t x = 0; x < n_allowed; ++x) sum += expf(s[x] - mx);
+        mx_s = mx;
+        sum_s = sum;
+      }
+      __syncthreads();
+      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x)
+        s[x] = expf(s[x] - mx_s) / sum_s;
+      __syncthreads();
+    }
+    const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
+    const int64_t fc = kend > 0 ? (kend - 1) / kB : 0;
+    const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
+    cta_select<kBlockSelectThreads>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
+                                    p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot,
+                                    sh);
+  }
+}
+
+// ---- slot building (sparse_index.cpp sparse_slot_build, one thread per slot) ---------------
+
+struct SlotOut {
+  int32_t* blocks;
+  int32_t* cols;
+  int cap_b, cap_c;
+  int nb = 0, nc = 0;
+  __device__ void block(int64_t off) {
+    if (nb < cap_b) blocks[nb] = int32_t(off);
+    ++nb;
+  }
+  __device__ void col(int64_t key) {
+    if (nc < cap_c) cols[nc] = int32_t(key);
+    ++nc;
+  }
+};
+
+__global__ void build_kernel(const EstimateLaunch p) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.hq * p.n_qb) return;
+  const int64_t h = t / p.n_qb, qb = t % p.n_qb;
+  const EstHead& eh = p.heads[h];
+  const int64_t r0 = qb * kB;
+  const int64_t rows = imin(kB, p.nq - r0);
+  const int64_t base = p.q_offset + r0;
+  int64_t kend = base + rows;
+  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+  const int32_t *cols = nullptr, *diags = nullptr, *kbs = nullptr;
+  int64_t ncol = 0, ndiag = 0, nkb = 0;
+  if (eh.kind == kEstVS) {
+    cols = p.sel_cols + size_t(eh.vs_slot) * size_t(p.kend_last);
+    ncol = p.n_sel_cols[eh.vs_slot];
+    diags = p.sel_diags + size_t(eh.vs_slot) * size_t(p.n_diag);
+    ndiag = p.n_sel_diags[eh.vs_slot];
+  } else if (eh.kind == kEstBlock) {
+    const size_t slot = size_t(eh.blk_slot) * size_t(p.n_qb) + size_t(qb);
+    kbs = p.sel_kb + slot * size_t(p.cap_kb);
+    nkb = p.n_sel_kb[slot];
+  }
+  const size_t s = size_t(t);
+  SlotOut o{p.block_offset + s * size_t(p.max_blocks), p.column_index + s * size_t(p.max_cols),
+            p.max_blocks, p.max_cols};
+  int64_t ci = 0;
+  auto flush_columns = [&](int64_t upto) {
+    for (; ci < ncol && cols[ci] < upto; ++ci)
+      if (cols[ci] >= 0) o.col(cols[ci]);
+  };
+  auto emit = [&](int64_t a, int64_t e) {
+    flush_columns(a);
+    while (ci < ncol && cols[ci] < e) ++ci;
+    if (e == kend) {
+      for (int64_t off = a; off < e; off += kB) o.block(off);
+    } else {
+      const int64_t full_end = a + (e - a) / kB * kB;
+      for (int64_t off = a; off < full_end; off += kB) o.block(off);
+      for (int64_t key = full_end; key < e; ++key) o.col(key);
+    }
+  };
+  auto clampk = [&](int64_t x) { return x < 0 ? 0 : (x > kend ? kend : x); };
+  // merge_ranges
+  int64_t fixed_a[2], fixed_e[2];
+  int n_fixed = 0;
+  const int64_t se = imin(eh.sink > 0 ? eh.sink : 0, kend);
+  const int64_t la = clampk(base - (eh.local > 0 ? eh.local : 0));
+  if (se > 0) {
+    fixed_a[n_fixed] = 0;
+    fixed_e[n_fixed++] = se;
+  }
+  if (la < kend) {
+    fixed_a[n_fixed] = la;
+    fixed_e[n_fixed++] = kend;
+  }
+  if (n_fixed == 2 && fixed_a[1] < fixed_a[0]) {
+    const int64_t ta = fixed_a[0], te = fixed_e[0];
+    fixed_a[0] = fixed_a[1];
+    fixed_e[0] = fixed_e[1];
+    fixed_a[1] = ta;
+    fixed_e[1] = te;
+  }
+  int64_t di = ndiag - 1, bi = 0;
+  int fi = 0;
+  int64_t cur_a = -1, cur_e = -1;
+  for (;;) {
+    int64_t a = INT64_MAX, e = 0;
+    int src = -1;
+    while (di >= 0) {
+      const int64_t od = diags[di];
+      if (od >= 0 && clampk(base - od) < clampk(base - od + rows)) break;
+      --di;
+    }
+    while (bi < nkb) {
+      const int64_t bb = kbs[bi];
+      if (bb >= 0 && bb * kB < kend) break;
+      ++bi;
+    }
+    if (di >= 0) {
+      const int64_t od = diags[di];
+      a = clampk(base - od);
+      e = clampk(base - od + rows);
+      src = 0;
+    }
+    if (bi < nkb && int64_t(kbs[bi]) * kB < a) {
+      a = int64_t(kbs[bi]) * kB;
+      e = imin(a + kB, kend);
+      src = 1;
+    }
+    if (fi < n_fixed && fixed_a[fi] < a) {
+      a = fixed_a[fi];
+      e = fixed_e[fi];
+      src = 2;
+    }
+    if (src < 0) break;
+    if (src == 0)
+      --di;
+    else if (src == 1)
+      ++bi;
+    else
+      ++fi;
+    if (cur_e >= a) {
+      cur_e = cur_e > e ? cur_e : e;
+    } else {
+      if (cur_e > cur_a) emit(cur_a, cur_e);
+      cur_a = a;
+      cur_e = e;
+    }
+  }
+  if (cur_e > cur_a) emit(cur_a, cur_e);
+  flush_columns(kend);
+  p.block_count[s] = o.nb < o.cap_b ? o.nb : o.cap_b;
+  p.column_count[s] = o.nc < o.cap_c ? o.nc : o.cap_c;
+  atomicMax(p.need + 0, o.nb);
+  atomicMax(p.need + 1, o.nc);
+}
+
+template <typename T>
+cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
+  if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
+  const size_t smem = score_smem(p.d);
+  cudaError_t e = cudaFuncSetAttribute(score_stats_kernel<T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(score_probs_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(unsigned(sp.n_heads), unsigned(p.n_chunks));
+  score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  const int64_t warps = int64_t(sp.n_heads) * sp.L;
+  row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
+  score_probs_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  if (sp.part_d) {
+    const int64_t n = int64_t(sp.n_heads) * p.n_diag;
+    diag_reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, sp);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
+  cudaError_t e = cudaSuccess;
+  if (p.n_vs > 0) {
+    ScorePass sp;
+    sp.heads = p.vs_heads;
+    sp.n_heads = p.n_vs;
+    sp.r0 = p.vs_r0;
+    sp.L = p.vs_L;
+    sp.col = p.col;
+    sp.part_d = p.part_d;
+    if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
+  }
+  if (p.n_blk > 0 && p.n_qb > 0) {
+    ScorePass sp;
+    sp.heads = p.blk_heads;
+    sp.n_heads = p.n_blk;
+    sp.r0 = p.blk_r0;
+    sp.L = p.blk_L;
+    sp.mass = p.mass;
+    if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
+    if (p.n_kb > 0) {
+      const int64_t nk_el = p.hkv * p.n_kb * p.d;
+      pool_kernel<T><<<unsigned((nk_el + 255) / 256), 256, 0, s>>>(
+          static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k);
+    }
+    const int64_t nq_el = int64_t(p.n_blk) * p.n_qb * p.d;
+    pool_kernel<T><<<unsigned((nq_el + 255) / 256), 256, 0, s>>>(
+        static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q);
+  }
+  if (p.n_vs > 0)
+    vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
+  if (p.n_blk > 0 && p.n_qb > 0) {
+    const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
+    if ((e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(smem))) != cudaSuccess)
+      return e;
+    const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
+    block_select_kernel<<<dim3(unsigned(p.n_blk), gy), kBlockSelectThreads, smem, s>>>(p);
+  }
+  if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;
+  const int64_t slots = p.hq * p.n_qb;
+  if (slots > 0) build_kernel<<<unsigned((slots + 127) / 128), 128, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
+  return size_t(group) * size_t(d + n_kb) * sizeof(float);
+}
+
+cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s) {
+  return p.bf16 ? launch_all<__nv_bfloat16>(p, s) : launch_all<float>(p, s);
+}
+
+}  // namespace sf::kernels::cuda

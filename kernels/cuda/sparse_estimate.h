@@ -1,0 +1,60 @@
+// Device index estimators, host side (C++20): plan (workspace sizing, per-head parameters,
+// capacity of the index built in place) split from run (the launch sequence of
+// sparse_estimate.cu: no allocation, no host synchronization, capturable in a CUDA graph).
+// The rules and the ranking are the CPU estimator's; kernels/sparse.h sparse_estimate on CUDA
+// tensors runs plan + run + download and returns the host index.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/sparse_estimate_launch.h"
+#include "kernels/sparse.h"
+
+namespace sf::kernels::cuda {
+
+struct SparseEstimatePlan {
+  EstimateLaunch launch;    // geometry, head tables and workspace pointers; q, k bound at run
+  DeviceBuffer workspace;   // scores, selections, head tables
+  DeviceBuffer index;       // the index built in place (SparseIndexDevice layout)
+  int64_t clamped_heads = 0;
+  size_t workspace_bytes = 0, index_bytes = 0;
+};
+
+// Supported: F32 or BF16 contiguous q [n_q, heads, d], k [n_k, kv_heads, d] (the same dtype),
+// d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0
+// (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a default
+// (every key block, and min(causal keys, 4096) columns). Allocates; not for capture.
+Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
+                            const std::vector<HeadPattern>& patterns, int64_t q_offset,
+                            int max_blocks, int max_cols, SparseEstimatePlan* plan);
+// Run step: estimates into plan->index and points *out at it. q, k as planned.
+Status sparse_estimate_run(SparseEstimatePlan* plan, const TensorView& q, const TensorView& k,
+                           SparseIndexDevice* out, void* stream);
+// After a run (synchronizes the stream): the largest block and column counts any slot needed.
+// Larger than the plan's capacity means that run truncated slots: re-plan with these.
+Status sparse_estimate_needed(const SparseEstimatePlan& plan, void* stream, int* max_blocks,
+                              int* max_cols);
+// Copies a device index to a host SparseIndex, repacked to the capacities given (>= every
+// count). Synchronizes the stream.
+Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int max_cols,
+                             SparseIndex* out, void* stream);
+// The selections of the last run (tests, tools): per query head its columns and diagonals
+// (vertical-slash family; empty otherwise), per slot h * n_qblocks + qb its key blocks (block
+// family; empty otherwise). Synchronizes the stream.
+struct EstimateSelections {
+  std::vector<std::vector<int32_t>> columns, diagonals, key_blocks;
+};
+Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
+                                  EstimateSelections* out);
+// Fills the plan's index and selection arrays with `byte` (tests poison them before a run).
+Status sparse_estimate_poison(SparseEstimatePlan* plan, int byte, void* stream);
+// The backend-neutral entry (kernels/sparse.h) on CUDA tensors: plan, run, re-plan once if a
+// slot overflowed, download. Synchronous.
+Status sparse_estimate(const TensorView& q, const TensorView& k,
+                       const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
+                       EstimatorStats* stats, void* stream);
+
+}  // namespace sf::kernels::cuda

@@ -1,0 +1,73 @@
+// Typed launchers of the device index estimators (sparse_estimate.cu). Plain structs only: this
+// header is read by nvcc (C++17 or 20) and by the host plan (sparse_estimate.cpp, C++20), which
+// fills EstimateLaunch from the per-head patterns. Every pointer is device memory owned by the
+// plan's workspace; nothing here allocates or synchronizes, so the sequence is capturable.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace sf::kernels::cuda {
+
+// Per query head, what the slot builder and the selectors need (pattern codes: EstKind).
+enum EstKind : int32_t { kEstWindow = 0, kEstVS = 1, kEstBlock = 2 };
+struct EstHead {
+  int32_t kind = kEstWindow;
+  int32_t vs_slot = -1;   // row in the vertical-slash score / selection arrays
+  int32_t blk_slot = -1;  // row in the block-family arrays
+  int32_t mass = 0;       // 1: adaptive (mass threshold), 0: top-k
+  int64_t sink = 0, local = 0;
+  int64_t k_cols = 0, k_diags = 0, k_blocks = 0;  // top-k budgets (forced included)
+  double gamma = 1.0;
+  int64_t min_count = 0, max_count = 0;  // adaptive clamp (items: columns / diagonals / blocks)
+};
+
+struct EstimateLaunch {
+  // Geometry.
+  int64_t nq = 0, nk = 0, hq = 0, hkv = 0, d = 0, q_offset = 0, n_qb = 0, n_kb = 0;
+  int64_t kend_last = 0, n_diag = 0;
+  float scale = 1.f;
+  bool bf16 = false;  // q, k element type: false F32, true BF16
+  const void* q = nullptr;
+  const void* k = nullptr;
+  // Heads.
+  const EstHead* heads = nullptr;  // [hq]
+  int n_vs = 0, n_blk = 0;
+  const int32_t* vs_heads = nullptr;   // [n_vs] query head of each vs slot
+  const int32_t* blk_heads = nullptr;  // [n_blk]
+  // Scoring rows (contiguous local rows r0 .. r0 + L - 1): vertical-slash, block last q block.
+  int64_t vs_r0 = 0, vs_L = 0, blk_r0 = 0, blk_L = 0;
+  int64_t n_chunks = 0;  // 64-key chunks of [0, kend_last)
+  // Workspace.
+  float* part_m = nullptr;  // [max(n_vs, n_blk) * 64 * n_chunks]
+  float* part_l = nullptr;
+  float* lse = nullptr;     // [max(n_vs, n_blk) * 64]
+  float* part_d = nullptr;  // [n_vs * n_chunks * 127]
+  float* col = nullptr;     // [n_vs * kend_last]
+  float* diag = nullptr;    // [n_vs * n_diag]
+  float* mass = nullptr;    // [n_blk * n_kb] exact mass of the last query block
+  float* pooled_q = nullptr;  // [n_blk * n_qb * d]
+  float* pooled_k = nullptr;  // [hkv * n_kb * d]
+  int32_t* sel_cols = nullptr;   // [n_vs * kend_last]
+  int32_t* n_sel_cols = nullptr;  // [n_vs]
+  int32_t* sel_diags = nullptr;  // [n_vs * n_diag]
+  int32_t* n_sel_diags = nullptr;
+  int32_t* sel_kb = nullptr;     // [n_blk * n_qb * cap_kb]
+  int32_t* n_sel_kb = nullptr;   // [n_blk * n_qb]
+  int64_t cap_kb = 0;
+  int block_select_group = 1;  // query blocks per CTA in the block selector
+  // Output (the unified index, SparseIndexDevice layout) and its sizing record.
+  int32_t* block_count = nullptr;
+  int32_t* block_offset = nullptr;
+  int32_t* column_count = nullptr;
+  int32_t* column_index = nullptr;
+  int max_blocks = 0, max_cols = 0;
+  int32_t* need = nullptr;  // [2]: the largest block and column counts any slot needed
+};
+
+// The whole run step in stream order: scoring, selection, pooling, slot building.
+cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
+// Dynamic shared memory the block selector needs for a group of query blocks.
+size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
+
+}  // namespace sf::kernels::cuda
