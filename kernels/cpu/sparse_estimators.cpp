@@ -36,73 +36,23 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
-#include <numeric>
 #include <vector>
 
 #include "common/thread_pool.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/cpu_sparse.h"
+#include "kernels/sparse_select.h"
 
 namespace sf::kernels::cpu {
 namespace {
 
 constexpr int64_t kB = kSparseBlock;
+using Budget = SelectBudget;
 constexpr int64_t kChunk = 2048;  // keys per scoring task: (G*64) x 2048 fp32 = 2 MiB at G = 4
 
 void serial_blas_once() {
   static std::once_flag once;
   std::call_once(once, [] { openblas_set_num_threads(1); });
-}
-
-struct Budget {
-  bool mass = false;  // false: top-k; true: smallest prefix reaching gamma of the total mass
-  int64_t k = 0;      // top-k count, forced items included
-  double gamma = 1.0;
-  int64_t min_count = 0, max_count = 0;  // mass mode clamp, forced items included
-};
-
-// Selection over items [0, n) by score: the forced items (sorted, unique; those >= n dropped)
-// first, then the rest by score descending, index ascending. Returns sorted item ids.
-std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
-                                   const Budget& b) {
-  forced.erase(
-      std::remove_if(forced.begin(), forced.end(), [&](int32_t x) { return x < 0 || x >= n; }),
-      forced.end());
-  std::vector<char> is_forced(size_t(std::max<int64_t>(n, 0)), 0);
-  for (int32_t x : forced) is_forced[size_t(x)] = 1;
-  std::vector<int32_t> rest;
-  rest.reserve(size_t(std::max<int64_t>(n - int64_t(forced.size()), 0)));
-  for (int64_t j = 0; j < n; ++j)
-    if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
-  auto better = [&](int32_t x, int32_t y) {
-    return score[x] > score[y] || (score[x] == score[y] && x < y);
-  };
-  const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
-  int64_t take = 0;
-  if (!b.mass) {
-    take = std::clamp<int64_t>(b.k - nf, 0, nr);
-    std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
-  } else {
-    std::sort(rest.begin(), rest.end(), better);
-    double total = 0, cum = 0;
-    for (int64_t j = 0; j < n; ++j) total += double(score[j]);
-    for (int32_t x : forced) cum += double(score[x]);
-    const double goal = b.gamma * total;
-    while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
-    const int64_t count =
-        std::clamp<int64_t>(nf + take, b.min_count, std::max(b.min_count, b.max_count));
-    take = std::clamp<int64_t>(count - nf, 0, nr);
-  }
-  std::vector<int32_t> sel = std::move(forced);
-  sel.insert(sel.end(), rest.begin(), rest.begin() + take);
-  std::sort(sel.begin(), sel.end());
-  return sel;
-}
-
-std::vector<int32_t> iota_list(int64_t n) {
-  std::vector<int32_t> v(size_t(std::max<int64_t>(n, 0)));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -116,19 +66,6 @@ struct Geometry {
   const float* q;
   const float* k;
 };
-
-// Local rows of q that score vertical-slash: the last min(64, n_q) (MInference Alg. 2) plus
-// `spread` rows evenly spaced over the rows before them. The spread rows make the columns and
-// diagonals serve queries in the middle of the sequence as well as the last ones.
-std::vector<int64_t> scoring_rows(int64_t nq, int64_t spread) {
-  const int64_t last = std::min<int64_t>(kB, nq);
-  const int64_t head = nq - last;
-  std::vector<int64_t> rows;
-  const int64_t n_spread = std::clamp<int64_t>(spread, 0, head);
-  for (int64_t i = 0; i < n_spread; ++i) rows.push_back((2 * i + 1) * head / (2 * n_spread));
-  for (int64_t r = head; r < nq; ++r) rows.push_back(r);
-  return rows;
-}
 
 // Column sums and diagonal sums of softmax(q_row K^T * scale) over causal keys, for the scoring
 // rows `rows` (sorted local row indices) of the heads in `heads`. col[h] has kend_last entries,

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/sparse_select.h"
 
 namespace sf::runtime {
 namespace {
@@ -16,75 +17,16 @@ namespace {
 using kernels::HeadPattern;
 using kernels::Pattern;
 constexpr int64_t kB = kernels::kSparseBlock;
+using Budget = kernels::SelectBudget;
+using kernels::iota_list;
+using kernels::scoring_rows;
+using kernels::select_ranked;
 constexpr int64_t kTile = 2048;  // keys per scoring SGEMM: bounds the logits buffer
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::kAdaptiveVS; }
 bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock; }
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
-
-// The scoring rows of the single-rank estimator over a whole prompt of n rows: the last
-// min(64, n) plus `spread` rows evenly spaced before them (same formula).
-std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
-  const int64_t last = std::min<int64_t>(kB, n);
-  const int64_t head = n - last;
-  std::vector<int64_t> rows;
-  const int64_t n_spread = std::clamp<int64_t>(spread, 0, head);
-  for (int64_t i = 0; i < n_spread; ++i) rows.push_back((2 * i + 1) * head / (2 * n_spread));
-  for (int64_t r = head; r < n; ++r) rows.push_back(r);
-  return rows;
-}
-
-// The single-rank ranking: the forced items (sorted, unique; those >= n dropped) first, then the
-// rest by score descending, index ascending; top-k (k counts the forced items) or, in mass mode,
-// the smallest prefix reaching gamma of the total, its count clamped to [min_count, max_count].
-// Returns sorted ids.
-struct Budget {
-  bool mass = false;
-  int64_t k = 0;
-  double gamma = 1.0;
-  int64_t min_count = 0, max_count = 0;
-};
-std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
-                                   const Budget& b) {
-  forced.erase(
-      std::remove_if(forced.begin(), forced.end(), [&](int32_t x) { return x < 0 || x >= n; }),
-      forced.end());
-  std::vector<char> is_forced(size_t(std::max<int64_t>(n, 0)), 0);
-  for (int32_t x : forced) is_forced[size_t(x)] = 1;
-  std::vector<int32_t> rest;
-  for (int64_t j = 0; j < n; ++j)
-    if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
-  auto better = [&](int32_t x, int32_t y) {
-    return score[x] > score[y] || (score[x] == score[y] && x < y);
-  };
-  const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
-  int64_t take = 0;
-  if (!b.mass) {
-    take = std::clamp<int64_t>(b.k - nf, 0, nr);
-    std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
-  } else {
-    std::sort(rest.begin(), rest.end(), better);
-    double total = 0, cum = 0;
-    for (int64_t j = 0; j < n; ++j) total += double(score[j]);
-    for (int32_t x : forced) cum += double(score[x]);
-    const double goal = b.gamma * total;
-    while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
-    const int64_t count =
-        std::clamp<int64_t>(nf + take, b.min_count, std::max(b.min_count, b.max_count));
-    take = std::clamp<int64_t>(count - nf, 0, nr);
-  }
-  std::vector<int32_t> sel = std::move(forced);
-  sel.insert(sel.end(), rest.begin(), rest.begin() + take);
-  std::sort(sel.begin(), sel.end());
-  return sel;
-}
-
-std::vector<int32_t> iota_list(int64_t n) {
-  std::vector<int32_t> v(static_cast<size_t>(std::max<int64_t>(n, 0)));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
 
 // Column sums (and, when diag is set, diagonal sums) of softmax(q_row K^T * scale) over causal
 // keys for the scoring rows `rows` (global positions, ascending) of the slice heads `hs`, with

@@ -1,0 +1,64 @@
+#include "kernels/sparse_select.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "kernels/sparse_index.h"
+
+namespace sf::kernels {
+
+std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
+                                   const SelectBudget& b) {
+  forced.erase(
+      std::remove_if(forced.begin(), forced.end(), [&](int32_t x) { return x < 0 || x >= n; }),
+      forced.end());
+  std::sort(forced.begin(), forced.end());
+  forced.erase(std::unique(forced.begin(), forced.end()), forced.end());
+  std::vector<char> is_forced(size_t(std::max<int64_t>(n, 0)), 0);
+  for (int32_t x : forced) is_forced[size_t(x)] = 1;
+  std::vector<int32_t> rest;
+  rest.reserve(size_t(std::max<int64_t>(n - int64_t(forced.size()), 0)));
+  for (int64_t j = 0; j < n; ++j)
+    if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
+  auto better = [&](int32_t x, int32_t y) {
+    return score[x] > score[y] || (score[x] == score[y] && x < y);
+  };
+  const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
+  int64_t take = 0;
+  if (!b.mass) {
+    take = std::clamp<int64_t>(b.k - nf, 0, nr);
+    std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), better);
+  } else {
+    std::sort(rest.begin(), rest.end(), better);
+    double total = 0, cum = 0;
+    for (int64_t j = 0; j < n; ++j) total += double(score[j]);
+    for (int32_t x : forced) cum += double(score[x]);
+    const double goal = b.gamma * total;
+    while (take < nr && cum < goal) cum += double(score[rest[size_t(take++)]]);
+    const int64_t count =
+        std::clamp<int64_t>(nf + take, b.min_count, std::max(b.min_count, b.max_count));
+    take = std::clamp<int64_t>(count - nf, 0, nr);
+  }
+  std::vector<int32_t> sel = std::move(forced);
+  sel.insert(sel.end(), rest.begin(), rest.begin() + take);
+  std::sort(sel.begin(), sel.end());
+  return sel;
+}
+
+std::vector<int32_t> iota_list(int64_t n) {
+  std::vector<int32_t> v(size_t(std::max<int64_t>(n, 0)));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
+  const int64_t last = std::min<int64_t>(kSparseBlock, n);
+  const int64_t head = n - last;
+  std::vector<int64_t> rows;
+  const int64_t n_spread = std::clamp<int64_t>(spread, 0, head);
+  for (int64_t i = 0; i < n_spread; ++i) rows.push_back((2 * i + 1) * head / (2 * n_spread));
+  for (int64_t r = head; r < n; ++r) rows.push_back(r);
+  return rows;
+}
+
+}  // namespace sf::kernels
