@@ -47,8 +47,8 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   L.d = q.shape[2];
   L.nk = k.shape[0];
   L.hkv = k.shape[1];
-  if (L.d % 4 != 0 || L.d > 1024)
-    return SF_ERR(kUnsupported, "sparse_estimate (CUDA): head_dim must be a multiple of 4, <= 1024");
+  if (L.d % 4 != 0 || L.d > 256)
+    return SF_ERR(kUnsupported, "sparse_estimate (CUDA): head_dim must be a multiple of 4, <= 256");
   L.q_offset = q_offset;
   L.n_qb = ceil_div(L.nq, kB);
   L.n_kb = ceil_div(L.nk, kB);
@@ -140,6 +140,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     return SF_ERR(kUnsupported, "sparse_estimate (CUDA): " + std::to_string(L.n_kb) +
                                     " key blocks do not fit the block selector's shared memory");
   if (L.block_select_group == 0) L.block_select_group = 1;
+  SF_CUDA_TRY(sparse_estimate_configure(L));
 
   const size_t nv = size_t(L.n_vs), nb = size_t(L.n_blk), nch = size_t(L.n_chunks);
   const size_t nsc = std::max(nv, nb);

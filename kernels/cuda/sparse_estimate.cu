@@ -671,12 +671,6 @@ template <typename T>
 cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p.d);
-  cudaError_t e = cudaFuncSetAttribute(score_stats_kernel<T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(score_probs_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(smem));
-  if (e != cudaSuccess) return e;
   const dim3 grid(unsigned(sp.n_heads), unsigned(p.n_chunks));
   score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
@@ -723,9 +717,6 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
   if (p.n_blk > 0 && p.n_qb > 0) {
     const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
-    if ((e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(smem))) != cudaSuccess)
-      return e;
     const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
     block_select_kernel<<<dim3(unsigned(p.n_blk), gy), kBlockSelectThreads, smem, s>>>(p);
   }
@@ -735,7 +726,26 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t configure(const EstimateLaunch& p) {
+  const int smem = int(score_smem(p.d));
+  cudaError_t e =
+      cudaFuncSetAttribute(score_stats_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(score_probs_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(
+        block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
+  return e;
+}
+
 }  // namespace
+
+cudaError_t sparse_estimate_configure(const EstimateLaunch& p) {
+  return p.bf16 ? configure<__nv_bfloat16>(p) : configure<float>(p);
+}
 
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
   return size_t(group) * size_t(d + n_kb) * sizeof(float);

@@ -65,6 +65,9 @@ struct EstimateLaunch {
   int32_t* need = nullptr;  // [2]: the largest block and column counts any slot needed
 };
 
+// Plan step: the kernels' shared-memory opt-ins for this geometry (not a stream operation; kept
+// out of the run step so that nothing but launches and a memset happens under capture).
+cudaError_t sparse_estimate_configure(const EstimateLaunch& p);
 // The whole run step in stream order: scoring, selection, pooling, slot building.
 cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // Dynamic shared memory the block selector needs for a group of query blocks.

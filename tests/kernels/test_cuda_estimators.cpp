@@ -1,0 +1,490 @@
+// The device index estimators against the CPU estimator (kernels/cpu/sparse_estimators.cpp) on
+// the same inputs: fresh random q, k with planted structure (a sink key, a few strong key columns
+// per KV head), seed printed (SF_TEST_SEED=<seed> replays); every pattern in one layer.
+//
+// What must match:
+//  1. the selections (columns and diagonals of the vertical-slash family, key blocks of each
+//     query block of the block family) equal the CPU's except for ties. A tie, stated: every id
+//     that one side selected and the other did not is non-forced, and its reference score (double
+//     precision, computed here) lies within 1e-4 relative + a small absolute term (1e-9 x the
+//     list's total mass for probabilities, 1e-5 for pooled logits) of the CPU's boundary score
+//     (the lowest-ranked non-forced id the CPU kept); for the adaptive (mass) modes a difference
+//     in set size is also a tie when one set contains the other and the reference mass of the
+//     smaller one is within 1e-4 x total of the goal gamma x total (the cumulative sum crossed
+//     the threshold within rounding);
+//  2. the device index equals, slot for slot and entry for entry, the host builder
+//     (sparse_slot_build) run on the device's own selections;
+//  3. where the selections are identical, the device index equals the CPU estimator's index.
+// Outputs are poisoned (0xFF bytes: counts -1) before each run; a CUDA graph replay of the run
+// step equals the eager run. Skips where there is no CUDA device.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cpu/cpu_sparse.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/sparse_estimate.h"
+#include "kernels/sparse.h"
+
+namespace sf::kernels {
+namespace {
+
+#define ASSERT_OK(expr)                                           \
+  do {                                                            \
+    const ::sf::Status st_ = (expr);                              \
+    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.to_string(); \
+  } while (0)
+#define ASSERT_CUDA(expr)                                                      \
+  do {                                                                         \
+    const cudaError_t e_ = (expr);                                             \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorName(e_) << " " \
+                               << cudaGetErrorString(e_);                      \
+  } while (0)
+
+constexpr int64_t kB = kSparseBlock;
+
+uint64_t base_seed() {
+  static const uint64_t seed = [] {
+    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) | rd();
+  }();
+  return seed;
+}
+
+struct Geo {
+  int64_t nq, nk, q_offset, hq, hkv, d;
+};
+
+std::vector<HeadPattern> mixed_patterns(int64_t hq) {
+  std::vector<HeadPattern> ps;
+  HeadPattern p;
+  p.pattern = Pattern::kVerticalSlash;
+  p.n_vertical = 96;
+  p.n_slash = 160;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kAdaptiveVS;
+  p.gamma = 0.9;
+  p.min_budget = 16;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kBlockSparse;
+  p.n_blocks = 5;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kAdaptiveBlock;
+  p.gamma = 0.85;
+  p.min_budget = 64;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kAShape;
+  p.sink = 64;
+  p.local = 128;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kMoA;
+  p.alpha = 300;
+  p.beta = 0.1;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kDense;
+  ps.push_back(p);
+  p = HeadPattern{};
+  p.pattern = Pattern::kVerticalSlash;
+  p.n_vertical = 300;
+  p.n_slash = 50;
+  p.sink = 16;
+  p.local = 32;
+  ps.push_back(p);
+  std::vector<HeadPattern> out;
+  for (int64_t h = 0; h < hq; ++h) out.push_back(ps[size_t(h) % ps.size()]);
+  return out;
+}
+
+// Reference scores in double.
+struct RefScores {
+  std::vector<std::vector<double>> col, diag;  // per head (vertical-slash family)
+  std::vector<std::vector<double>> blk;        // per slot: the score the selector ranks by
+};
+
+RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std::vector<float>& k,
+                           const std::vector<HeadPattern>& ps) {
+  RefScores r;
+  const int64_t group = g.hq / g.hkv, n_qb = (g.nq + kB - 1) / kB, n_kb = (g.nk + kB - 1) / kB;
+  const double scale = 1.0 / std::sqrt(double(g.d));
+  r.col.assign(size_t(g.hq), {});
+  r.diag.assign(size_t(g.hq), {});
+  r.blk.assign(size_t(g.hq * n_qb), {});
+  const int64_t kend_last = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
+  auto probs_rows = [&](int64_t h, int64_t r0, int64_t r1, auto&& use) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t pos = g.q_offset + row, lim = std::clamp<int64_t>(pos + 1, 0, g.nk);
+      std::vector<double> s(static_cast<size_t>(lim));
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < lim; ++j) {
+        double acc = 0;
+        for (int64_t c = 0; c < g.d; ++c)
+          acc += double(q[size_t((row * g.hq + h) * g.d + c)]) *
+                 double(k[size_t((j * g.hkv + h / group) * g.d + c)]);
+        s[size_t(j)] = acc * scale;
+        mx = std::max(mx, s[size_t(j)]);
+      }
+      double sum = 0;
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      for (int64_t j = 0; j < lim; ++j) use(pos, j, s[size_t(j)] / sum);
+    }
+  };
+  for (int64_t h = 0; h < g.hq; ++h) {
+    const Pattern pt = ps[size_t(h)].pattern;
+    if (pt == Pattern::kVerticalSlash || pt == Pattern::kAdaptiveVS) {
+      r.col[size_t(h)].assign(size_t(kend_last), 0.0);
+      r.diag[size_t(h)].assign(size_t(g.q_offset + g.nq), 0.0);
+      probs_rows(h, g.nq - std::min<int64_t>(kB, g.nq), g.nq, [&](int64_t pos, int64_t j, double p) {
+        r.col[size_t(h)][size_t(j)] += p;
+        r.diag[size_t(h)][size_t(pos - j)] += p;
+      });
+    }
+    if (pt == Pattern::kBlockSparse || pt == Pattern::kAdaptiveBlock) {
+      std::vector<double> pk(size_t(n_kb * g.d), 0.0);
+      for (int64_t b = 0; b < n_kb; ++b) {
+        const int64_t j1 = std::min(g.nk, (b + 1) * kB);
+        for (int64_t j = b * kB; j < j1; ++j)
+          for (int64_t c = 0; c < g.d; ++c)
+            pk[size_t(b * g.d + c)] += k[size_t((j * g.hkv + h / group) * g.d + c)];
+        for (int64_t c = 0; c < g.d; ++c) pk[size_t(b * g.d + c)] /= double(j1 - b * kB);
+      }
+      for (int64_t qb = 0; qb < n_qb; ++qb) {
+        const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
+        const int64_t n_allowed = (sg.kend + kB - 1) / kB;
+        std::vector<double>& s = r.blk[size_t(h * n_qb + qb)];
+        s.assign(size_t(n_allowed), 0.0);
+        if (qb == n_qb - 1) {
+          const int64_t r0 = qb * kB;
+          probs_rows(h, r0, g.nq, [&](int64_t, int64_t j, double p) {
+            if (j / kB < n_allowed) s[size_t(j / kB)] += p / double(g.nq - r0);
+          });
+          continue;
+        }
+        std::vector<double> pq(size_t(g.d), 0.0);
+        for (int64_t row = qb * kB; row < std::min(g.nq, (qb + 1) * kB); ++row)
+          for (int64_t c = 0; c < g.d; ++c) pq[size_t(c)] += q[size_t((row * g.hq + h) * g.d + c)];
+        for (double& x : pq) x /= double(std::min(kB, g.nq - qb * kB));
+        for (int64_t b = 0; b < n_allowed; ++b) {
+          double acc = 0;
+          for (int64_t c = 0; c < g.d; ++c) acc += pq[size_t(c)] * pk[size_t(b * g.d + c)];
+          s[size_t(b)] = acc * scale;
+        }
+        if (pt == Pattern::kAdaptiveBlock) {
+          const double mx = *std::max_element(s.begin(), s.end());
+          double sum = 0;
+          for (double& x : s) sum += (x = std::exp(x - mx));
+          for (double& x : s) x /= sum;
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// Tie judgement of rule 1 above. Returns "" when the lists agree up to ties, else a reason.
+std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& gpu,
+                  const std::vector<double>& score, const std::set<int32_t>& forced, bool mass,
+                  double gamma, bool probabilities, int64_t* n_ties) {
+  if (cpu == gpu) return "";
+  std::vector<int32_t> only;
+  std::set_symmetric_difference(cpu.begin(), cpu.end(), gpu.begin(), gpu.end(),
+                                std::back_inserter(only));
+  double total = 0;
+  for (double x : score) total += x;
+  double s_b = INFINITY;  // the CPU's boundary score
+  for (int32_t x : cpu)
+    if (!forced.count(x) && size_t(x) < score.size()) s_b = std::min(s_b, score[size_t(x)]);
+  const double atol = probabilities ? 1e-9 * std::abs(total) : 1e-5;
+  bool all_close = std::isfinite(s_b);
+  for (int32_t x : only) {
+    if (forced.count(x)) return "forced id " + std::to_string(x) + " differs";
+    if (x < 0 || size_t(x) >= score.size()) return "id " + std::to_string(x) + " out of range";
+    if (!(std::abs(score[size_t(x)] - s_b) <= 1e-4 * std::abs(s_b) + atol)) all_close = false;
+  }
+  if (all_close && (mass || cpu.size() == gpu.size())) {
+    *n_ties += int64_t(only.size());
+    return "";
+  }
+  if (mass) {
+    const auto& small = cpu.size() < gpu.size() ? cpu : gpu;
+    const auto& big = cpu.size() < gpu.size() ? gpu : cpu;
+    const bool nested = std::includes(big.begin(), big.end(), small.begin(), small.end());
+    double m = 0;
+    for (int32_t x : small) m += score[size_t(x)];
+    if (nested && std::abs(m - gamma * total) <= 1e-4 * std::abs(total)) {
+      *n_ties += int64_t(only.size());
+      return "";
+    }
+  }
+  std::string why = std::to_string(only.size()) + " ids differ (cpu " +
+                    std::to_string(cpu.size()) + ", gpu " + std::to_string(gpu.size()) +
+                    "), boundary score " + std::to_string(s_b) + "; first: id " +
+                    std::to_string(only[0]) + " score " + std::to_string(score[size_t(only[0])]);
+  return why;
+}
+
+class CudaEstimators : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    const Status st = cuda::device_count(&n);
+    if (!st.is_ok()) GTEST_SKIP() << "no CUDA device: " << st.to_string();
+    if (n == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";
+    std::cout << "  seed=" << base_seed() << " (replay with SF_TEST_SEED=" << base_seed() << ")\n";
+    rng_.seed(base_seed());
+  }
+
+  // q, k ~ N(0, 1) plus planted structure: a sink key and a few strong columns per KV head that
+  // every query leans toward.
+  void make_inputs(const Geo& g, std::vector<float>* q, std::vector<float>* k) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    q->resize(size_t(g.nq * g.hq * g.d));
+    k->resize(size_t(g.nk * g.hkv * g.d));
+    for (float& x : *q) x = nd(rng_);
+    for (float& x : *k) x = nd(rng_);
+    std::uniform_int_distribution<int64_t> col(1, std::max<int64_t>(1, g.nk - 1));
+    const int64_t group = g.hq / g.hkv;
+    for (int64_t kvh = 0; kvh < g.hkv; ++kvh) {
+      std::vector<float> dir(size_t(g.d));
+      for (float& x : dir) x = nd(rng_) / std::sqrt(float(g.d));
+      std::vector<int64_t> cols{0};
+      for (int i = 0; i < 6; ++i) cols.push_back(col(rng_));
+      for (int64_t j : cols)
+        for (int64_t c = 0; c < g.d; ++c) (*k)[size_t((j * g.hkv + kvh) * g.d + c)] += 4.f * dir[size_t(c)] * std::sqrt(float(g.d));
+      for (int64_t r = 0; r < g.nq; ++r)
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+          for (int64_t c = 0; c < g.d; ++c) (*q)[size_t((r * g.hq + h) * g.d + c)] += dir[size_t(c)];
+    }
+  }
+
+  void run_case(const Geo& g, bool bf16) {
+    SCOPED_TRACE("nq " + std::to_string(g.nq) + " nk " + std::to_string(g.nk) + " q_offset " +
+                 std::to_string(g.q_offset) + " d " + std::to_string(g.d) +
+                 (bf16 ? " bf16" : " f32"));
+    std::vector<float> q, k;
+    make_inputs(g, &q, &k);
+    if (bf16) {  // the CPU sees exactly the values the device reads
+      for (float& x : q) x = bf16_to_f32(f32_to_bf16(x));
+      for (float& x : k) x = bf16_to_f32(f32_to_bf16(x));
+    }
+    const std::vector<HeadPattern> ps = mixed_patterns(g.hq);
+    const TensorView hq_v = TensorView::make(q.data(), DType::kF32, {g.nq, g.hq, g.d});
+    const TensorView hk_v = TensorView::make(k.data(), DType::kF32, {g.nk, g.hkv, g.d});
+    SparseIndex cpu_idx;
+    EstimatorStats cpu_stats;
+    std::vector<IndexCandidates> trace;
+    std::vector<int64_t> trace_local;
+    ASSERT_OK(cpu::sparse_estimate(hq_v, hk_v, ps, g.q_offset, &cpu_idx, &cpu_stats, &trace,
+                                   &trace_local));
+
+    cuda::DeviceBuffer dq, dk;
+    const size_t es = bf16 ? 2 : 4;
+    ASSERT_OK(dq.alloc(q.size() * es));
+    ASSERT_OK(dk.alloc(k.size() * es));
+    if (bf16) {
+      std::vector<uint16_t> qb(q.size()), kb(k.size());
+      for (size_t i = 0; i < q.size(); ++i) qb[i] = f32_to_bf16(q[i]);
+      for (size_t i = 0; i < k.size(); ++i) kb[i] = f32_to_bf16(k[i]);
+      ASSERT_OK(dq.upload(qb.data(), qb.size() * 2));
+      ASSERT_OK(dk.upload(kb.data(), kb.size() * 2));
+    } else {
+      ASSERT_OK(dq.upload(q.data(), q.size() * 4));
+      ASSERT_OK(dk.upload(k.data(), k.size() * 4));
+    }
+    const DType dt = bf16 ? DType::kBF16 : DType::kF32;
+    const TensorView dq_v = TensorView::make(dq.data(), dt, {g.nq, g.hq, g.d}, Device::kCuda);
+    const TensorView dk_v = TensorView::make(dk.data(), dt, {g.nk, g.hkv, g.d}, Device::kCuda);
+
+    cudaStream_t stream = nullptr;
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    struct StreamGuard {
+      cudaStream_t s;
+      ~StreamGuard() { (void)cudaStreamDestroy(s); }
+    } guard{stream};
+
+    // Plan with the exact capacity the CPU index needed (the device must need the same, up to
+    // ties); a first run with small capacity checks the overflow record.
+    cuda::SparseEstimatePlan plan;
+    ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, 1, 1, &plan));
+    cuda::SparseIndexDevice didx;
+    ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
+    ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream));
+    int need_b = 0, need_c = 0;
+    ASSERT_OK(cuda::sparse_estimate_needed(plan, stream, &need_b, &need_c));
+    ASSERT_GT(need_b, 1);
+    ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
+                                         &plan));
+    EXPECT_EQ(plan.clamped_heads, cpu_stats.clamped_heads);
+    ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
+    ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream));
+    int need_b2 = 0, need_c2 = 0;
+    ASSERT_OK(cuda::sparse_estimate_needed(plan, stream, &need_b2, &need_c2));
+    EXPECT_EQ(need_b2, need_b);
+    EXPECT_EQ(need_c2, need_c);
+    SparseIndex gpu_idx;
+    ASSERT_OK(cuda::sparse_index_download(didx, need_b, std::max(need_c, 1), &gpu_idx, stream));
+    ASSERT_OK(sparse_index_validate(gpu_idx, 0));
+    cuda::EstimateSelections sel;
+    ASSERT_OK(cuda::sparse_estimate_selections(plan, stream, &sel));
+
+    // 1. selections vs the CPU's, up to ties.
+    const RefScores ref = reference_scores(g, q, k, ps);
+    const int64_t n_qb = cpu_idx.n_qblocks;
+    const int64_t kend_last = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
+    int64_t n_ties = 0, identical_heads = 0;
+    std::vector<bool> head_identical(size_t(g.hq), true);
+    for (int64_t h = 0; h < g.hq; ++h) {
+      const HeadPattern& hp = ps[size_t(h)];
+      const bool mass = hp.pattern == Pattern::kAdaptiveVS || hp.pattern == Pattern::kAdaptiveBlock;
+      if (hp.pattern == Pattern::kVerticalSlash || hp.pattern == Pattern::kAdaptiveVS) {
+        const IndexCandidates& tc = trace[size_t(h * n_qb)];
+        std::set<int32_t> fc, fd;
+        for (int64_t i = 0; i < std::min(hp.sink, kend_last); ++i) fc.insert(int32_t(i));
+        for (int64_t i = 0; i < std::min(hp.local + 1, g.q_offset + g.nq); ++i) fd.insert(int32_t(i));
+        EXPECT_EQ(judge(tc.columns, sel.columns[size_t(h)], ref.col[size_t(h)], fc, mass,
+                        hp.gamma, true, &n_ties), "")
+            << "head " << h << " columns";
+        EXPECT_EQ(judge(tc.diagonals, sel.diagonals[size_t(h)], ref.diag[size_t(h)], fd, mass,
+                        hp.gamma, true, &n_ties), "")
+            << "head " << h << " diagonals";
+        head_identical[size_t(h)] = tc.columns == sel.columns[size_t(h)] &&
+                                    tc.diagonals == sel.diagonals[size_t(h)];
+      }
+      if (hp.pattern == Pattern::kBlockSparse || hp.pattern == Pattern::kAdaptiveBlock) {
+        for (int64_t qb = 0; qb < n_qb; ++qb) {
+          const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
+          std::set<int32_t> f{0};
+          if (sg.kend > 0)
+            for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
+              f.insert(int32_t(b));
+          const bool probs = mass || qb == n_qb - 1;
+          const auto& a = trace[size_t(h * n_qb + qb)].key_blocks;
+          const auto& b = sel.key_blocks[size_t(h * n_qb + qb)];
+          EXPECT_EQ(judge(a, b, ref.blk[size_t(h * n_qb + qb)], f, mass, hp.gamma, probs, &n_ties),
+                    "")
+              << "head " << h << " query block " << qb << " key blocks";
+          head_identical[size_t(h)] = head_identical[size_t(h)] && a == b;
+        }
+      }
+    }
+    // 2. the device builder equals the host builder on the device's selections.
+    int64_t slots_checked = 0;
+    for (int64_t h = 0; h < g.hq; ++h) {
+      const HeadPattern& hp = ps[size_t(h)];
+      for (int64_t qb = 0; qb < n_qb; ++qb) {
+        const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
+        std::vector<int32_t> blocks, cols;
+        sparse_slot_build(sg, sel.columns[size_t(h)], sel.diagonals[size_t(h)],
+                          sel.key_blocks[size_t(h * n_qb + qb)], hp.sink,
+                          trace_local[size_t(h)], &blocks, &cols);
+        const size_t s = gpu_idx.slot(int(h), qb);
+        ASSERT_EQ(gpu_idx.block_count[s], int32_t(blocks.size())) << "head " << h << " qb " << qb;
+        ASSERT_EQ(gpu_idx.column_count[s], int32_t(cols.size())) << "head " << h << " qb " << qb;
+        for (size_t i = 0; i < blocks.size(); ++i)
+          ASSERT_EQ(gpu_idx.block_offset[s * size_t(gpu_idx.max_blocks) + i], blocks[i])
+              << "head " << h << " qb " << qb << " block entry " << i;
+        for (size_t i = 0; i < cols.size(); ++i)
+          ASSERT_EQ(gpu_idx.column_index[s * size_t(gpu_idx.max_cols) + i], cols[i])
+              << "head " << h << " qb " << qb << " column entry " << i;
+        ++slots_checked;
+      }
+    }
+    // 3. heads with identical selections: the device index equals the CPU estimator's.
+    for (int64_t h = 0; h < g.hq; ++h) {
+      if (!head_identical[size_t(h)]) continue;
+      ++identical_heads;
+      for (int64_t qb = 0; qb < n_qb; ++qb) {
+        const size_t s = gpu_idx.slot(int(h), qb);
+        ASSERT_EQ(gpu_idx.block_count[s], cpu_idx.block_count[s]) << "head " << h << " qb " << qb;
+        ASSERT_EQ(gpu_idx.column_count[s], cpu_idx.column_count[s]) << "head " << h << " qb " << qb;
+        for (int32_t i = 0; i < cpu_idx.block_count[s]; ++i)
+          ASSERT_EQ(gpu_idx.block_offset[s * size_t(gpu_idx.max_blocks) + size_t(i)],
+                    cpu_idx.block_offset[s * size_t(cpu_idx.max_blocks) + size_t(i)]);
+        for (int32_t i = 0; i < cpu_idx.column_count[s]; ++i)
+          ASSERT_EQ(gpu_idx.column_index[s * size_t(gpu_idx.max_cols) + size_t(i)],
+                    cpu_idx.column_index[s * size_t(cpu_idx.max_cols) + size_t(i)]);
+      }
+    }
+    std::cout << "  " << (bf16 ? "bf16" : "f32 ") << " nq " << g.nq << " nk " << g.nk
+              << " d " << g.d << ": " << slots_checked << " slots equal to the host builder, "
+              << identical_heads << "/" << g.hq << " heads identical to the CPU index, " << n_ties
+              << " tied ids, density " << gpu_idx.density() << " (cpu " << cpu_idx.density()
+              << ")\n";
+
+    // Graph capture of the run step: replay equals the eager index.
+    cudaGraph_t graph = nullptr;
+    ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const Status captured = cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream);
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    ASSERT_OK(captured);
+    ASSERT_CUDA(end);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    SparseIndex replay;
+    ASSERT_OK(cuda::sparse_index_download(didx, need_b, std::max(need_c, 1), &replay, stream));
+    (void)cudaGraphExecDestroy(exec);
+    (void)cudaGraphDestroy(graph);
+    EXPECT_EQ(replay.block_count, gpu_idx.block_count);
+    EXPECT_EQ(replay.column_count, gpu_idx.column_count);
+    EXPECT_EQ(replay.block_offset, gpu_idx.block_offset);
+    EXPECT_EQ(replay.column_index, gpu_idx.column_index);
+  }
+
+  std::mt19937_64 rng_;
+};
+
+TEST_F(CudaEstimators, MatchesCpuF32) {
+  run_case({2048, 2048, 0, 8, 2, 128}, false);
+  run_case({1000, 1000, 0, 8, 2, 64}, false);       // partial last query block
+  run_case({700, 1900, 1200, 8, 2, 128}, false);    // q_offset > 0 (a chunk of a longer prompt)
+}
+
+TEST_F(CudaEstimators, MatchesCpuBf16) { run_case({3000, 3000, 0, 8, 4, 128}, true); }
+
+// The backend-neutral entry point on CUDA tensors returns the same index as plan + run.
+TEST_F(CudaEstimators, BackendNeutralEntry) {
+  const Geo g{1500, 1500, 0, 8, 2, 64};
+  std::vector<float> q, k;
+  make_inputs(g, &q, &k);
+  const std::vector<HeadPattern> ps = mixed_patterns(g.hq);
+  cuda::DeviceBuffer dq, dk;
+  ASSERT_OK(dq.alloc(q.size() * 4));
+  ASSERT_OK(dk.alloc(k.size() * 4));
+  ASSERT_OK(dq.upload(q.data(), q.size() * 4));
+  ASSERT_OK(dk.upload(k.data(), k.size() * 4));
+  const TensorView dq_v = TensorView::make(dq.data(), DType::kF32, {g.nq, g.hq, g.d}, Device::kCuda);
+  const TensorView dk_v = TensorView::make(dk.data(), DType::kF32, {g.nk, g.hkv, g.d}, Device::kCuda);
+  SparseIndex a, b;
+  EstimatorStats st;
+  ASSERT_OK(sparse_estimate(dq_v, dk_v, ps, 0, &a, &st));
+  ASSERT_OK(sparse_index_validate(a, 0));
+  EXPECT_GT(st.density, 0.0);
+  ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &b, nullptr, nullptr));
+  EXPECT_EQ(a.block_count, b.block_count);
+  EXPECT_EQ(a.block_offset, b.block_offset);
+  EXPECT_EQ(a.column_index, b.column_index);
+  std::vector<HeadPattern> spread = ps;
+  spread[0].spread_rows = 64;
+  EXPECT_EQ(sparse_estimate(dq_v, dk_v, spread, 0, &a, &st).code(), Code::kUnsupported);
+}
+
+}  // namespace
+}  // namespace sf::kernels
