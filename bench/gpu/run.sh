@@ -21,6 +21,10 @@
 #   SF_BENCH_LENGTHS         dense lengths (default 8192,32768)
 #   SF_BENCH_SPARSE_LENGTHS  sparse-mode lengths (default 32768)
 #   SF_BENCH_REPS            timed repeats per kernel (default 3)
+#   SF_BENCH_DTYPES          fp32,bf16 (default) or one of them
+#   SF_BENCH_HOST_EST_MAX    lengths up to which the CPU estimator also runs, for the index
+#                            comparison (default 32768)
+#   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #
 # Host gaps handled here (GPU-HOST.md): Boost 1.83 comes as headers only, so when CMake cannot
 # find the compiled boost_json component, Boost.JSON is compiled from its header-only source
@@ -197,6 +201,8 @@ ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
 # test_gpu_forward's figures (GPU prefill vs the CPU forward) belong in the summary too.
 notes+=("$(grep -E '(bf16|f32) (logits|top-1|KV cache):|device: ' "$logs/ctest.log" | head -12)")
+# test_cuda_estimators: device index vs the CPU estimator, per case.
+notes+=("$(grep -E 'slots equal to the host builder|seed=' "$logs/ctest.log" | grep -B1 'slots equal' | head -12)")
 if grep -q 'No tests were found' "$logs/ctest.log"; then
   fail "no gpu-labelled tests were registered (is SF_HAVE_CUDA on? see configure.log)"
 elif [[ $ctest_rc -ne 0 ]]; then
@@ -226,8 +232,9 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   echo "--- sparsefill bench attention ($(date -u))" >>"$bl"
   if [[ ! -x "$build/tools/sparsefill" ]]; then
     fail "sparsefill did not build; no attention benchmark"
-  elif ! timeout 420 "$build/tools/sparsefill" bench attention --lengths "$dense_l" \
+  elif ! timeout "${SF_BENCH_TIMEOUT:-420}" "$build/tools/sparsefill" bench attention --lengths "$dense_l" \
          --sparse-lengths "$sparse_l" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
+         --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" --host-estimate-max "${SF_BENCH_HOST_EST_MAX:-32768}" \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"
   fi

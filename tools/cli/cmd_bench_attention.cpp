@@ -3,9 +3,13 @@
 // on the same shape (its JSON is merged with --sdpa). Written as JSON (bench/results/).
 //
 // What is timed: the attention kernel alone (CUDA events, median of --reps after a warm-up), with
-// the index already on the device. estimate_ms is the CPU estimator (kernels/sparse.h
-// sparse_estimate) on host copies of q and k, timed on the host: there is no device estimator
-// yet, so it is reported apart and labelled as host estimation. speedup_vs_sdpa follows the
+// the index already on the device. estimate_ms is the device estimator's run step
+// (kernels/cuda/sparse_estimate.h: scoring, selection, index building into the device index the
+// kernel then reads; CUDA events, median of --reps after a warm-up) on the same q, k as the
+// kernel (fp32 rows: fp32 inputs; bf16 rows: bf16 inputs). Up to --host-estimate-max tokens the
+// CPU estimator also runs on host copies (estimate_host_ms) and the device index is compared with
+// it slot by slot (index_slots_equal_host: the fraction of (head, query block) slots whose lists
+// are identical; the rest differ by ties, see tests/kernels/test_cuda_estimators.cpp). speedup_vs_sdpa follows the
 // issue: SDPA time over (estimate + attention); speedup_vs_dense is our dense time over the
 // sparse kernel's time (both kernel alone, same dtype). tflops counts 4 * head_dim FLOPs per
 // computed query-key pair: the causal triangle for dense, the index's selected causal pairs for
@@ -41,6 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/sparse_estimate.h"
 #endif
 
 namespace sf::cli {
@@ -266,7 +271,7 @@ struct ModeSpec {
 int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
-                            "heads", "kv-heads", "head-dim"},
+                            "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -306,6 +311,7 @@ int cmd_bench_attention(int argc, char** argv) {
                             ? std::strtoull(a.get("seed").c_str(), nullptr, 10)
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   const int64_t topk_blocks = std::atoll(a.get("blocks", "64").c_str());
+  const int64_t host_est_max = std::atoll(a.get("host-estimate-max", "32768").c_str());
 
   SdpaPeer peer;
   if (a.has("sdpa")) {
@@ -411,11 +417,13 @@ int cmd_bench_attention(int argc, char** argv) {
 
     if (!run_sparse && !run_dense) continue;
 
-    // Indexes first (host estimation, once per mode; both dtypes use the same index).
-    std::vector<SparseIndex> idxs(run_sparse ? modes.size() : 0);
-    std::vector<double> est_ms(idxs.size()), pairs(idxs.size());
+    // Host estimation (the CPU estimator), once per mode, up to --host-estimate-max tokens: the
+    // device indexes are compared with these.
+    const size_t n_modes = run_sparse ? modes.size() : 0;
+    std::vector<SparseIndex> idxs(run_sparse && L <= host_est_max ? modes.size() : 0);
+    std::vector<double> est_host_ms(idxs.size()), pairs(idxs.size());
     std::vector<int64_t> clamped(idxs.size());
-    if (run_sparse) {
+    if (!idxs.empty()) {
       const TensorView hq =
           TensorView::make(const_cast<float*>(in.q.data()), DType::kF32, {L, shape.heads, shape.d});
       const TensorView hk = TensorView::make(const_cast<float*>(in.k.data()), DType::kF32,
@@ -425,7 +433,7 @@ int cmd_bench_attention(int argc, char** argv) {
         kernels::EstimatorStats es;
         const double t0 = now_s();
         st = kernels::sparse_estimate(hq, hk, pats, 0, &idxs[mi], &es);
-        est_ms[mi] = (now_s() - t0) * 1e3;
+        est_host_ms[mi] = (now_s() - t0) * 1e3;
         if (!st.is_ok()) return fail(st);
         clamped[mi] = es.clamped_heads;
         for (int h = 0; h < idxs[mi].n_heads; ++h)
@@ -525,12 +533,57 @@ int cmd_bench_attention(int argc, char** argv) {
         o["reps"] = n_rep;
         recs.push_back(std::move(o));
       }
-      for (size_t mi = 0; mi < idxs.size(); ++mi) {
+      for (size_t mi = 0; mi < n_modes; ++mi) {
         const ModeSpec& m = modes[mi];
-        const SparseIndex& idx = idxs[mi];
+        // Device estimation: plan with a modest capacity, re-plan once with what the slots
+        // needed, then time the run step.
+        const std::vector<HeadPattern> pats(size_t(shape.heads), m.hp);
+        kernels::cuda::SparseEstimatePlan eplan;
         kernels::cuda::SparseIndexDevice didx;
-        if (!(st = kernels::cuda::sparse_index_upload(idx, &didx_buf, &didx)).is_ok())
-          return fail(st);
+        const int cap_b = int(std::min<int64_t>((L + 63) / 64, 1024));
+        int need_b = 0, need_c = 0;
+        st = kernels::cuda::sparse_estimate_plan(q_, k_, pats, 0, cap_b, 2048, &eplan);
+        if (st.is_ok()) st = kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream);
+        if (st.is_ok()) st = kernels::cuda::sparse_estimate_needed(eplan, stream, &need_b, &need_c);
+        if (st.is_ok() && (need_b > eplan.launch.max_blocks || need_c > eplan.launch.max_cols)) {
+          eplan = kernels::cuda::SparseEstimatePlan{};
+          st = kernels::cuda::sparse_estimate_plan(q_, k_, pats, 0, std::max(need_b, 1),
+                                                   std::max(need_c, 1), &eplan);
+        }
+        double est_ms = 0;
+        if (st.is_ok())
+          st = time_kernel(
+              stream, 1, n_rep,
+              [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
+              &est_ms);
+        SparseIndex idx;
+        if (st.is_ok())
+          st = kernels::cuda::sparse_index_download(didx, std::max(need_b, 1),
+                                                    std::max(need_c, 1), &idx, stream);
+        if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
+        if (!st.is_ok()) return fail(st);
+        double idx_pairs = 0;
+        for (int h = 0; h < idx.n_heads; ++h)
+          for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) idx_pairs += double(idx.pairs(h, qb));
+        double slots_equal = -1;
+        if (mi < idxs.size()) {  // slot-by-slot against the CPU estimator's index
+          const SparseIndex& hidx = idxs[mi];
+          int64_t eq = 0, total = 0;
+          for (int h = 0; h < idx.n_heads; ++h)
+            for (int64_t qb = 0; qb < idx.n_qblocks; ++qb, ++total) {
+              const size_t sl = idx.slot(h, qb);
+              bool same = idx.block_count[sl] == hidx.block_count[sl] &&
+                          idx.column_count[sl] == hidx.column_count[sl];
+              for (int32_t i = 0; same && i < idx.block_count[sl]; ++i)
+                same = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)] ==
+                       hidx.block_offset[sl * size_t(hidx.max_blocks) + size_t(i)];
+              for (int32_t i = 0; same && i < idx.column_count[sl]; ++i)
+                same = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)] ==
+                       hidx.column_index[sl * size_t(hidx.max_cols) + size_t(i)];
+              eq += same ? 1 : 0;
+            }
+          slots_equal = total ? double(eq) / double(total) : 1.0;
+        }
         double sp_ms = 0;
         st = time_kernel(
             stream, 1, n_rep,
@@ -538,24 +591,33 @@ int cmd_bench_attention(int argc, char** argv) {
             &sp_ms);
         if (!st.is_ok()) return fail(st);
         const double density = idx.density();
-        const double tf = 4.0 * d * pairs[mi] / (sp_ms * 1e-3) / 1e12;
+        const double tf = 4.0 * d * idx_pairs / (sp_ms * 1e-3) / 1e12;
         boost::json::object o;
         o["mode"] = m.name;
         o["seq_len"] = L;
         o["dtype"] = dt;
         o["kernel"] = bf ? "attention_sparse bf16 (tensor cores)" : "attention_sparse fp32";
         o["time_ms"] = sp_ms;
-        o["estimate_ms"] = est_ms[mi];
-        o["estimate_where"] = "host CPU (sparse_estimate on host copies of q, k; " +
-                              std::to_string(num_threads()) + " threads)";
+        o["estimate_ms"] = est_ms;
+        o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
+                              (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
+        o["estimate_fraction_of_attention"] = est_ms / sp_ms;
+        o["estimate_workspace_bytes"] = double(eplan.workspace_bytes);
+        o["index_bytes"] = double(eplan.index_bytes);
+        if (mi < idxs.size()) {
+          o["estimate_host_ms"] = est_host_ms[mi];
+          o["estimate_host_threads"] = num_threads();
+          o["index_slots_equal_host"] = slots_equal;
+          o["density_host"] = idxs[mi].density();
+        }
         o["tflops"] = tf;
         o["density"] = density;
         o["index_max_blocks"] = idx.max_blocks;
         o["index_max_cols"] = idx.max_cols;
-        o["clamped_heads"] = clamped[mi];
+        o["clamped_heads"] = double(eplan.clamped_heads);
         if (run_dense) {
           o["speedup_vs_dense"] = dense_ms / sp_ms;
-          o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms[mi]);
+          o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms);
         } else {
           o["speedup_vs_dense"] = nullptr;
         }
@@ -566,14 +628,17 @@ int cmd_bench_attention(int argc, char** argv) {
           err = rel_l2(got, ref_out);
           o["out_rel_err_vs_dense"] = err;  // against our fp32 dense output
         }
-        add_sdpa(o, sp_ms + est_ms[mi]);
+        add_sdpa(o, sp_ms + est_ms);
         o["reps"] = n_rep;
         std::printf(
-            "  %-28s %s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  host estimate %.1f ms",
-            m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms[mi]);
+            "  %-28s %s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  device estimate %.3f ms "
+            "(%.1f%% of kernel)",
+            m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
+        if (slots_equal >= 0)
+          std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
         if (have_sdpa)
-          std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms[mi]));
+          std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms));
         if (err >= 0) std::printf("  out rel err %.2e", err);
         std::printf("\n");
         recs.push_back(std::move(o));
