@@ -161,6 +161,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.n_sel_cols = c.take<int32_t>(nv);
     L.sel_diags = c.take<int32_t>(nv * size_t(L.n_diag));
     L.n_sel_diags = c.take<int32_t>(nv);
+    L.run_lo = c.take<int32_t>(nv * size_t(L.n_diag));
+    L.run_hi = c.take<int32_t>(nv * size_t(L.n_diag));
+    L.n_runs = c.take<int32_t>(nv);
     L.sel_kb = c.take<int32_t>(nb * size_t(L.n_qb) * size_t(L.cap_kb));
     L.n_sel_kb = c.take<int32_t>(nb * size_t(L.n_qb));
     L.need = c.take<int32_t>(2);

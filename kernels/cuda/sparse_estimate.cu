@@ -54,31 +54,33 @@ struct ScorePass {
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
 };
 
-size_t score_smem(int64_t d) { return size_t(2 * kB * (d + 1) + kB * (kB + 1)) * sizeof(float); }
+// q rows and k rows stored transposed (qs[c * 64 + i]) so a thread's 4 rows and 4 keys are one
+// float4 each per c; then the 64 x 65 logits.
+size_t score_smem(int64_t d) { return size_t(2 * kB * d + kB * (kB + 1)) * sizeof(float); }
 
 // Logits of the pass's rows (scaled) against the chunk's keys into ss[i * 65 + j].
 template <typename T>
 __device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h, int64_t c0,
                              int64_t kc, float* qs, float* ks, float* ss) {
-  const int64_t d = p.d, dp = d + 1;
+  const int64_t d = p.d;
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const int64_t kvh = h / (p.hq / p.hkv);
+  // Consecutive threads take consecutive rows of one channel: conflict-free shared stores; the
+  // strided global reads hit L1 after the first touch of each row.
   for (int64_t x = threadIdx.x; x < kB * d; x += blockDim.x) {
-    const int64_t i = x / d, c = x % d;
-    qs[i * dp + c] = i < sp.L ? load_f(q + ((sp.r0 + i) * p.hq + h) * d + c) : 0.f;
-    ks[i * dp + c] = i < kc ? load_f(k + ((c0 + i) * p.hkv + kvh) * d + c) : 0.f;
+    const int64_t c = x / kB, i = x % kB;
+    qs[c * kB + i] = i < sp.L ? load_f(q + ((sp.r0 + i) * p.hq + h) * d + c) : 0.f;
+    ks[c * kB + i] = i < kc ? load_f(k + ((c0 + i) * p.hkv + kvh) * d + c) : 0.f;
   }
   __syncthreads();
   const int i0 = (threadIdx.x / 16) * 4, j0 = (threadIdx.x % 16) * 4;
   float acc[4][4] = {};
+#pragma unroll 4
   for (int64_t c = 0; c < d; ++c) {
-    float a[4], b[4];
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      a[x] = qs[(i0 + x) * dp + c];
-      b[x] = ks[(j0 + x) * dp + c];
-    }
+    const float4 av = *reinterpret_cast<const float4*>(qs + c * kB + i0);
+    const float4 bv = *reinterpret_cast<const float4*>(ks + c * kB + j0);
+    const float a[4] = {av.x, av.y, av.z, av.w}, b[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
     for (int x = 0; x < 4; ++x)
 #pragma unroll
@@ -104,8 +106,8 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_stats_kernel(const EstimateLaunch p, const ScorePass sp) {
   extern __shared__ float smem[];
   float* qs = smem;
-  float* ks = qs + kB * (p.d + 1);
-  float* ss = ks + kB * (p.d + 1);
+  float* ks = qs + kB * p.d;
+  float* ss = ks + kB * p.d;
   const int hs = blockIdx.x;
   const int64_t chunk = blockIdx.y, c0 = chunk * kB;
   const int64_t kc = imin(kB, p.kend_last - c0);
@@ -154,8 +156,8 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_probs_kernel(const EstimateLaunch p, const ScorePass sp) {
   extern __shared__ float smem[];
   float* qs = smem;
-  float* ks = qs + kB * (p.d + 1);
-  float* ss = ks + kB * (p.d + 1);
+  float* ks = qs + kB * p.d;
+  float* ss = ks + kB * p.d;
   const int hs = blockIdx.x;
   const int64_t chunk = blockIdx.y, c0 = chunk * kB;
   const int64_t kc = imin(kB, p.kend_last - c0);
@@ -455,8 +457,35 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   } else {
     b.k = eh.k_diags;
     const int64_t n = p.n_diag;
+    const int32_t* sel = p.sel_diags + size_t(hs) * size_t(n);
     cta_select<kVsSelectThreads>(p.diag + size_t(hs) * size_t(n), n, eh.local + 1, 1, 0, b,
                                  p.sel_diags + size_t(hs) * size_t(n), n, p.n_sel_diags + hs, sh);
+    // Runs: consecutive selected diagonals at most 64 apart cover one contiguous key range in
+    // every 64-row query block, so the slot builder walks runs instead of diagonals.
+    using Scan = cub::BlockScan<int, kVsSelectThreads>;
+    __shared__ typename Scan::TempStorage tmp;
+    const int64_t ns = p.n_sel_diags[hs];
+    int32_t* lo = p.run_lo + size_t(hs) * size_t(n);
+    int32_t* hi = p.run_hi + size_t(hs) * size_t(n);
+    long long base_s = 0, base_e = 0;
+    for (int64_t t0 = 0; t0 < ns; t0 += kVsSelectThreads) {
+      const int64_t i = t0 + threadIdx.x;
+      int st = 0, en = 0;
+      if (i < ns) {
+        st = i == 0 || sel[i] - sel[i - 1] > kB;
+        en = i == ns - 1 || sel[i + 1] - sel[i] > kB;
+      }
+      int ps, ts, pe, te;
+      Scan(tmp).ExclusiveSum(st, ps, ts);
+      __syncthreads();
+      Scan(tmp).ExclusiveSum(en, pe, te);
+      __syncthreads();
+      if (st) lo[base_s + ps] = sel[i];
+      if (en) hi[base_e + pe] = sel[i];
+      base_s += ts;
+      base_e += te;
+    }
+    if (threadIdx.x == 0) p.n_runs[hs] = int32_t(base_s);
   }
 }
 
@@ -560,13 +589,19 @@ __global__ void build_kernel(const EstimateLaunch p) {
   const int64_t base = p.q_offset + r0;
   int64_t kend = base + rows;
   kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
-  const int32_t *cols = nullptr, *diags = nullptr, *kbs = nullptr;
+  const int32_t *cols = nullptr, *dlo = nullptr, *dhi = nullptr, *kbs = nullptr;
   int64_t ncol = 0, ndiag = 0, nkb = 0;
   if (eh.kind == kEstVS) {
     cols = p.sel_cols + size_t(eh.vs_slot) * size_t(p.kend_last);
     ncol = p.n_sel_cols[eh.vs_slot];
-    diags = p.sel_diags + size_t(eh.vs_slot) * size_t(p.n_diag);
-    ndiag = p.n_sel_diags[eh.vs_slot];
+    if (rows == kB) {  // full query block: the precomputed runs
+      dlo = p.run_lo + size_t(eh.vs_slot) * size_t(p.n_diag);
+      dhi = p.run_hi + size_t(eh.vs_slot) * size_t(p.n_diag);
+      ndiag = p.n_runs[eh.vs_slot];
+    } else {  // short last block: single diagonals
+      dlo = dhi = p.sel_diags + size_t(eh.vs_slot) * size_t(p.n_diag);
+      ndiag = p.n_sel_diags[eh.vs_slot];
+    }
   } else if (eh.kind == kEstBlock) {
     const size_t slot = size_t(eh.blk_slot) * size_t(p.n_qb) + size_t(qb);
     kbs = p.sel_kb + slot * size_t(p.cap_kb);
@@ -582,7 +617,17 @@ __global__ void build_kernel(const EstimateLaunch p) {
   };
   auto emit = [&](int64_t a, int64_t e) {
     flush_columns(a);
-    while (ci < ncol && cols[ci] < e) ++ci;
+    {  // skip the columns the interval covers (binary search)
+      int64_t lo = ci, hi = ncol;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cols[mid] < e)
+          lo = mid + 1;
+        else
+          hi = mid;
+      }
+      ci = lo;
+    }
     if (e == kend) {
       for (int64_t off = a; off < e; off += kB) o.block(off);
     } else {
@@ -612,15 +657,28 @@ __global__ void build_kernel(const EstimateLaunch p) {
     fixed_a[1] = ta;
     fixed_e[1] = te;
   }
-  int64_t di = ndiag - 1, bi = 0;
+  // Diagonal ranges [base - hi, base - lo + rows) are empty once lo >= base + rows: start from
+  // the last run below that (binary search), walking down.
+  int64_t di;
+  {
+    int64_t lo = 0, hi = ndiag;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (int64_t(dlo[mid]) < base + rows)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    di = lo - 1;
+  }
+  int64_t bi = 0;
   int fi = 0;
   int64_t cur_a = -1, cur_e = -1;
   for (;;) {
     int64_t a = INT64_MAX, e = 0;
     int src = -1;
     while (di >= 0) {
-      const int64_t od = diags[di];
-      if (od >= 0 && clampk(base - od) < clampk(base - od + rows)) break;
+      if (dlo[di] >= 0 && clampk(base - dhi[di]) < clampk(base - dlo[di] + rows)) break;
       --di;
     }
     while (bi < nkb) {
@@ -629,9 +687,8 @@ __global__ void build_kernel(const EstimateLaunch p) {
       ++bi;
     }
     if (di >= 0) {
-      const int64_t od = diags[di];
-      a = clampk(base - od);
-      e = clampk(base - od + rows);
+      a = clampk(base - dhi[di]);
+      e = clampk(base - dlo[di] + rows);
       src = 0;
     }
     if (bi < nkb && int64_t(kbs[bi]) * kB < a) {
@@ -686,7 +743,7 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
 template <typename T>
 cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   cudaError_t e = cudaSuccess;
-  if (p.n_vs > 0) {
+  if ((p.stages & 1) && p.n_vs > 0) {
     ScorePass sp;
     sp.heads = p.vs_heads;
     sp.n_heads = p.n_vs;
@@ -696,7 +753,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.part_d = p.part_d;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
   }
-  if (p.n_blk > 0 && p.n_qb > 0) {
+  if ((p.stages & 1) && p.n_blk > 0 && p.n_qb > 0) {
     ScorePass sp;
     sp.heads = p.blk_heads;
     sp.n_heads = p.n_blk;
@@ -713,13 +770,14 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     pool_kernel<T><<<unsigned((nq_el + 255) / 256), 256, 0, s>>>(
         static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q);
   }
-  if (p.n_vs > 0)
+  if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
-  if (p.n_blk > 0 && p.n_qb > 0) {
+  if ((p.stages & 2) && p.n_blk > 0 && p.n_qb > 0) {
     const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
     const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
     block_select_kernel<<<dim3(unsigned(p.n_blk), gy), kBlockSelectThreads, smem, s>>>(p);
   }
+  if (!(p.stages & 4)) return cudaGetLastError();
   if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;
   const int64_t slots = p.hq * p.n_qb;
   if (slots > 0) build_kernel<<<unsigned((slots + 127) / 128), 128, 0, s>>>(p);

@@ -52,6 +52,9 @@ struct EstimateLaunch {
   int32_t* n_sel_cols = nullptr;  // [n_vs]
   int32_t* sel_diags = nullptr;  // [n_vs * n_diag]
   int32_t* n_sel_diags = nullptr;
+  int32_t* run_lo = nullptr;  // [n_vs * n_diag] runs of selected diagonals with gaps <= 64:
+  int32_t* run_hi = nullptr;  // one contiguous key range per run for every full query block
+  int32_t* n_runs = nullptr;  // [n_vs]
   int32_t* sel_kb = nullptr;     // [n_blk * n_qb * cap_kb]
   int32_t* n_sel_kb = nullptr;   // [n_blk * n_qb]
   int64_t cap_kb = 0;
@@ -63,6 +66,7 @@ struct EstimateLaunch {
   int32_t* column_index = nullptr;
   int max_blocks = 0, max_cols = 0;
   int32_t* need = nullptr;  // [2]: the largest block and column counts any slot needed
+  int stages = 7;  // bit 0 scoring and pooling, 1 selection, 2 slot building (timing breakdowns)
 };
 
 // Plan step: the kernels' shared-memory opt-ins for this geometry (not a stream operation; kept

@@ -423,11 +423,20 @@ int cmd_bench_attention(int argc, char** argv) {
     std::vector<SparseIndex> idxs(run_sparse && L <= host_est_max ? modes.size() : 0);
     std::vector<double> est_host_ms(idxs.size()), pairs(idxs.size());
     std::vector<int64_t> clamped(idxs.size());
+    // With bf16 in the run the host copies are rounded to bf16 first, so the CPU estimator sees
+    // the values the device estimator reads on the bf16 rows (those rows are compared).
+    std::vector<float> hq_r, hk_r;
+    if (!idxs.empty() && want_bf16) {
+      hq_r = in.q;
+      hk_r = in.k;
+      for (float& x : hq_r) x = bf16_to_f32(f32_to_bf16(x));
+      for (float& x : hk_r) x = bf16_to_f32(f32_to_bf16(x));
+    }
     if (!idxs.empty()) {
-      const TensorView hq =
-          TensorView::make(const_cast<float*>(in.q.data()), DType::kF32, {L, shape.heads, shape.d});
-      const TensorView hk = TensorView::make(const_cast<float*>(in.k.data()), DType::kF32,
-                                             {L, shape.kv_heads, shape.d});
+      const TensorView hq = TensorView::make(const_cast<float*>(want_bf16 ? hq_r.data() : in.q.data()),
+                                             DType::kF32, {L, shape.heads, shape.d});
+      const TensorView hk = TensorView::make(const_cast<float*>(want_bf16 ? hk_r.data() : in.k.data()),
+                                             DType::kF32, {L, shape.kv_heads, shape.d});
       for (size_t mi = 0; mi < modes.size(); ++mi) {
         std::vector<HeadPattern> pats(size_t(shape.heads), modes[mi].hp);
         kernels::EstimatorStats es;
@@ -556,6 +565,24 @@ int cmd_bench_attention(int argc, char** argv) {
               stream, 1, n_rep,
               [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
               &est_ms);
+        // Where the estimator's time goes: scoring (+ pooling) alone, + selection, then all.
+        double est_score_ms = 0, est_select_ms = 0;
+        if (st.is_ok()) {
+          eplan.launch.stages = 1;
+          st = time_kernel(
+              stream, 1, n_rep,
+              [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
+              &est_score_ms);
+          eplan.launch.stages = 3;
+          if (st.is_ok())
+            st = time_kernel(
+                stream, 1, n_rep,
+                [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
+                &est_select_ms);
+          eplan.launch.stages = 7;
+          if (st.is_ok())  // leaves the complete index in place for the kernel
+            st = kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream);
+        }
         SparseIndex idx;
         if (st.is_ok())
           st = kernels::cuda::sparse_index_download(didx, std::max(need_b, 1),
@@ -566,7 +593,7 @@ int cmd_bench_attention(int argc, char** argv) {
         for (int h = 0; h < idx.n_heads; ++h)
           for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) idx_pairs += double(idx.pairs(h, qb));
         double slots_equal = -1;
-        if (mi < idxs.size()) {  // slot-by-slot against the CPU estimator's index
+        if (mi < idxs.size() && bf == want_bf16) {  // slot-by-slot against the CPU estimator's
           const SparseIndex& hidx = idxs[mi];
           int64_t eq = 0, total = 0;
           for (int h = 0; h < idx.n_heads; ++h)
@@ -602,6 +629,9 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
                               (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
         o["estimate_fraction_of_attention"] = est_ms / sp_ms;
+        o["estimate_scoring_ms"] = est_score_ms;  // scoring and pooling
+        o["estimate_selection_ms"] = est_select_ms - est_score_ms;
+        o["estimate_build_ms"] = est_ms - est_select_ms;
         o["estimate_workspace_bytes"] = double(eplan.workspace_bytes);
         o["index_bytes"] = double(eplan.index_bytes);
         if (mi < idxs.size()) {
@@ -634,6 +664,8 @@ int cmd_bench_attention(int argc, char** argv) {
             "  %-28s %s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  device estimate %.3f ms "
             "(%.1f%% of kernel)",
             m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
+        std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms, est_select_ms - est_score_ms,
+                    est_ms - est_select_ms);
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
