@@ -58,21 +58,45 @@ struct ScorePass {
 // float4 each per c; then the 64 x 65 logits.
 size_t score_smem(int64_t d) { return size_t(2 * kB * d + kB * (kB + 1)) * sizeof(float); }
 
-// Logits of the pass's rows (scaled) against the chunk's keys into ss[i * 65 + j].
+constexpr int kChunksPerCta = 4;  // 64-key chunks per scoring CTA: the q tile is loaded once
+
+// dst[c * 64 + i] = src[i * row_stride + c] for rows i < valid, else 0. Consecutive threads take
+// consecutive rows of one channel (conflict-free shared stores); 16 loads are issued before any
+// store, so the strided reads overlap instead of waiting one by one.
+template <typename T>
+__device__ void load_tile_t(const T* src, int64_t row_stride, int64_t valid, int64_t d,
+                            float* dst) {
+  const int64_t n = kB * d;
+  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 16) {
+    float v[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      const int64_t c = x / kB, i = x % kB;
+      v[u] = (x < n && i < valid) ? load_f(src + i * row_stride + c) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      if (x < n) dst[x] = v[u];
+    }
+  }
+}
+
+template <typename T>
+__device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h, float* qs) {
+  load_tile_t(static_cast<const T*>(p.q) + (sp.r0 * p.hq + h) * p.d, p.hq * p.d, sp.L, p.d, qs);
+}
+
+// Logits of the pass's rows (scaled, q tile already in qs) against the chunk's keys into
+// ss[i * 65 + j].
 template <typename T>
 __device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h, int64_t c0,
                              int64_t kc, float* qs, float* ks, float* ss) {
   const int64_t d = p.d;
-  const T* q = static_cast<const T*>(p.q);
-  const T* k = static_cast<const T*>(p.k);
   const int64_t kvh = h / (p.hq / p.hkv);
-  // Consecutive threads take consecutive rows of one channel: conflict-free shared stores; the
-  // strided global reads hit L1 after the first touch of each row.
-  for (int64_t x = threadIdx.x; x < kB * d; x += blockDim.x) {
-    const int64_t c = x / kB, i = x % kB;
-    qs[c * kB + i] = i < sp.L ? load_f(q + ((sp.r0 + i) * p.hq + h) * d + c) : 0.f;
-    ks[c * kB + i] = i < kc ? load_f(k + ((c0 + i) * p.hkv + kvh) * d + c) : 0.f;
-  }
+  __syncthreads();  // the previous chunk's readers of ks / ss are done
+  load_tile_t(static_cast<const T*>(p.k) + (c0 * p.hkv + kvh) * d, p.hkv * d, kc, d, ks);
   __syncthreads();
   const int i0 = (threadIdx.x / 16) * 4, j0 = (threadIdx.x % 16) * 4;
   float acc[4][4] = {};
@@ -109,7 +133,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   float* ks = qs + kB * p.d;
   float* ss = ks + kB * p.d;
   const int hs = blockIdx.x;
-  const int64_t chunk = blockIdx.y, c0 = chunk * kB;
+  load_q_tile<T>(p, sp, sp.heads[hs], qs);
+  const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
+  for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
+  const int64_t c0 = chunk * kB;
   const int64_t kc = imin(kB, p.kend_last - c0);
   chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -127,6 +154,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       p.part_m[at] = m;
       p.part_l[at] = l;
     }
+  }
   }
 }
 
@@ -159,7 +187,11 @@ __global__ void __launch_bounds__(kScoreThreads)
   float* ks = qs + kB * p.d;
   float* ss = ks + kB * p.d;
   const int hs = blockIdx.x;
-  const int64_t chunk = blockIdx.y, c0 = chunk * kB;
+  __shared__ float red[kB];
+  load_q_tile<T>(p, sp, sp.heads[hs], qs);
+  const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
+  for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
+  const int64_t c0 = chunk * kB;
   const int64_t kc = imin(kB, p.kend_last - c0);
   chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
   for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
@@ -173,7 +205,6 @@ __global__ void __launch_bounds__(kScoreThreads)
     ss[i * (kB + 1) + j] = v;
   }
   __syncthreads();
-  __shared__ float red[kB];
   if (threadIdx.x < kB) {
     const int j = threadIdx.x;
     float s = 0.f;
@@ -195,6 +226,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     float s = 0.f;
     for (int j = 0; j < kB; ++j) s += red[j];
     sp.mass[size_t(hs) * size_t(p.n_kb) + size_t(chunk)] = s / float(sp.L);
+  }
   }
 }
 
@@ -275,6 +307,23 @@ __device__ double block_sum(double v, SelShared& sh) {
   __syncthreads();
   return s;
 }
+// Block-wide minimum (callers negate for a maximum).
+template <int BS>
+__device__ double block_sum_max(double v, SelShared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v = fmin(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.dred[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double r = sh.dred[0];
+    for (int w = 1; w < BS / 32; ++w) r = fmin(r, sh.dred[w]);
+    sh.dred[0] = r;
+  }
+  __syncthreads();
+  const double r = sh.dred[0];
+  __syncthreads();
+  return r;
+}
 template <int BS>
 __device__ long long block_sum_i(long long v, SelShared& sh) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -324,23 +373,61 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
       if (mass_mode) atomicAdd(&sh.msum[dgt], double(v));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int chosen = -1;
-      for (int dg = 255; dg >= 0; --dg) {
-        if (sh.cnt[dg] == 0) continue;
-        if (mass_mode ? sh.mass_gt + sh.msum[dg] >= goal : sh.cnt_gt + sh.cnt[dg] >= want) {
-          chosen = dg;
-          break;
+    // Walk the buckets from the top for the first non-empty one where the running count (mass)
+    // reaches the target: warp 0, 8 buckets a lane, a warp scan for the lanes' offsets.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      unsigned c[8];
+      double m[8];
+      long long csum = 0;
+      double msum = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int bkt = 255 - 8 * lane - e;
+        c[e] = sh.cnt[bkt];
+        m[e] = mass_mode ? sh.msum[bkt] : 0.0;
+        csum += c[e];
+        msum += m[e];
+      }
+      long long cinc = csum;
+      double minc = msum;
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long cv = __shfl_up_sync(0xffffffffu, cinc, o);
+        const double mv = __shfl_up_sync(0xffffffffu, minc, o);
+        if (lane >= o) {
+          cinc += cv;
+          minc += mv;
         }
-        sh.cnt_gt += sh.cnt[dg];
-        sh.mass_gt += sh.msum[dg];
       }
-      if (chosen < 0) {
-        sh.found = 0;
-        chosen = 0;
+      const long long base_c = sh.cnt_gt;
+      const double base_m = sh.mass_gt;
+      long long c_acc = base_c + cinc - csum;
+      double m_acc = base_m + (minc - msum);
+      int hit = -1;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (hit < 0 && c[e] > 0 &&
+            (mass_mode ? m_acc + m[e] >= goal : c_acc + (long long)c[e] >= want))
+          hit = e;
+        if (hit < 0) {
+          c_acc += c[e];
+          m_acc += m[e];
+        }
       }
-      sh.prefix = prefix | (uint32_t(chosen) << shift);
-      sh.value = sh.cnt[chosen];
+      const unsigned ballot = __ballot_sync(0xffffffffu, hit >= 0);
+      if (ballot == 0) {
+        if (lane == 0) {
+          sh.found = 0;
+          sh.prefix = prefix;
+          sh.value = 0;
+        }
+      } else if (lane == __ffs(ballot) - 1) {
+        const int chosen = 255 - 8 * lane - hit;
+        sh.cnt_gt = c_acc;
+        sh.mass_gt = m_acc;
+        sh.prefix = prefix | (uint32_t(chosen) << shift);
+        sh.value = c[hit];
+      }
     }
     __syncthreads();
     if (!sh.found) break;
@@ -539,18 +626,13 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     b.min_count = eh.min_count;
     b.max_count = eh.max_count;
     if (eh.mass && !exact && n_allowed > 0) {  // softmax over the causal blocks
-      __shared__ float mx_s, sum_s;
-      if (threadIdx.x == 0) {
-        float mx = -INFINITY;
-        for (int64_t x = 0; x < n_allowed; ++x) mx = fmaxf(mx, s[x]);
-        float sum = 0.f;
-        for (int64_t x = 0; x < n_allowed; ++x) sum += expf(s[x] - mx);
-        mx_s = mx;
-        sum_s = sum;
-      }
-      __syncthreads();
-      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x)
-        s[x] = expf(s[x] - mx_s) / sum_s;
+      float mx = -INFINITY;
+      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) mx = fmaxf(mx, s[x]);
+      mx = float(-block_sum_max<kBlockSelectThreads>(-double(mx), sh));
+      double sum = 0;
+      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) sum += expf(s[x] - mx);
+      const float fsum = float(block_sum<kBlockSelectThreads>(sum, sh));
+      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) s[x] = expf(s[x] - mx) / fsum;
       __syncthreads();
     }
     const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
@@ -728,7 +810,8 @@ template <typename T>
 cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p.d);
-  const dim3 grid(unsigned(sp.n_heads), unsigned(p.n_chunks));
+  const dim3 grid(unsigned(sp.n_heads),
+                  unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
   score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
   row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
