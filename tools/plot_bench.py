@@ -54,7 +54,7 @@ def plot_attention(d, out):
     ax[0].set_ylabel("TFLOP/s (causal)")
     ax[0].set_title("dense attention")
     ax[0].legend(fontsize=7)
-    # Right: total time (host estimate + kernel) against density, sparse modes, bf16 and fp32.
+    # Right: total time (estimate + kernel) against density, sparse modes, bf16 and fp32.
     lens = sorted({r["seq_len"] for r in recs if r["mode"] != "dense"})
     for i, L in enumerate(lens):
         for dt, mk in (("fp32", "s"), ("bf16", "o")):
@@ -72,7 +72,8 @@ def plot_attention(d, out):
     ax[1].set_yscale("log")
     ax[1].set_xlabel("density (fraction of causal pairs computed)")
     ax[1].set_ylabel("ms")
-    ax[1].set_title("sparse modes (estimate is host CPU)")
+    where = {r.get("estimate_where", "host CPU").split(" ")[0] for r in recs if r["mode"] != "dense"}
+    ax[1].set_title("sparse modes (estimate on " + (", ".join(sorted(where)) or "host") + ")")
     ax[1].legend(fontsize=6)
     dev = d["device"]
     fig.suptitle(f"attention {d['shape']['heads']}q/{d['shape']['kv_heads']}kv heads, "
