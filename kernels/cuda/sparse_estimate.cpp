@@ -174,17 +174,17 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   SF_TRY(plan->workspace.alloc(sizing.off));
   Carver real{0, plan->workspace.as<char>()};
   carve(real);
-  SF_TRY(plan->workspace.upload(heads.data(), heads.size() * sizeof(EstHead),
-                                size_t(reinterpret_cast<const char*>(L.heads) -
-                                       plan->workspace.as<char>())));
+  SF_TRY(plan->workspace.upload(
+      heads.data(), heads.size() * sizeof(EstHead),
+      size_t(reinterpret_cast<const char*>(L.heads) - plan->workspace.as<char>())));
   if (nv)
-    SF_TRY(plan->workspace.upload(vs_heads.data(), nv * 4,
-                                  size_t(reinterpret_cast<const char*>(L.vs_heads) -
-                                         plan->workspace.as<char>())));
+    SF_TRY(plan->workspace.upload(
+        vs_heads.data(), nv * 4,
+        size_t(reinterpret_cast<const char*>(L.vs_heads) - plan->workspace.as<char>())));
   if (nb)
-    SF_TRY(plan->workspace.upload(blk_heads.data(), nb * 4,
-                                  size_t(reinterpret_cast<const char*>(L.blk_heads) -
-                                         plan->workspace.as<char>())));
+    SF_TRY(plan->workspace.upload(
+        blk_heads.data(), nb * 4,
+        size_t(reinterpret_cast<const char*>(L.blk_heads) - plan->workspace.as<char>())));
 
   // The index: every key block of the last query block bounds any slot's block entries.
   const int64_t block_bound = std::max<int64_t>(1, ceil_div(L.kend_last, kB));
@@ -246,10 +246,10 @@ Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int m
   *out = sparse_index_make(idx.n_heads, idx.n_q, idx.n_k, idx.q_offset, max_blocks, max_cols);
   const size_t slots = size_t(idx.n_heads) * size_t(idx.n_qblocks);
   if (slots == 0) return Status::ok();
-  SF_CUDA_TRY(cudaMemcpy(out->block_count.data(), idx.block_count, slots * 4,
-                         cudaMemcpyDeviceToHost));
-  SF_CUDA_TRY(cudaMemcpy(out->column_count.data(), idx.column_count, slots * 4,
-                         cudaMemcpyDeviceToHost));
+  SF_CUDA_TRY(
+      cudaMemcpy(out->block_count.data(), idx.block_count, slots * 4, cudaMemcpyDeviceToHost));
+  SF_CUDA_TRY(
+      cudaMemcpy(out->column_count.data(), idx.column_count, slots * 4, cudaMemcpyDeviceToHost));
   for (size_t s = 0; s < slots; ++s)
     if (out->block_count[s] < 0 || out->column_count[s] < 0 || out->block_count[s] > max_blocks ||
         out->column_count[s] > max_cols)
@@ -265,10 +265,12 @@ Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int m
                              cudaMemcpyDeviceToHost));
   // Entries past each slot's count were never written: zero them as the CPU builder leaves them.
   for (size_t s = 0; s < slots; ++s) {
-    std::fill(out->block_offset.begin() + ptrdiff_t(s * size_t(max_blocks) + size_t(out->block_count[s])),
-              out->block_offset.begin() + ptrdiff_t((s + 1) * size_t(max_blocks)), 0);
-    std::fill(out->column_index.begin() + ptrdiff_t(s * size_t(max_cols) + size_t(out->column_count[s])),
-              out->column_index.begin() + ptrdiff_t((s + 1) * size_t(max_cols)), 0);
+    std::fill(
+        out->block_offset.begin() + ptrdiff_t(s * size_t(max_blocks) + size_t(out->block_count[s])),
+        out->block_offset.begin() + ptrdiff_t((s + 1) * size_t(max_blocks)), 0);
+    std::fill(
+        out->column_index.begin() + ptrdiff_t(s * size_t(max_cols) + size_t(out->column_count[s])),
+        out->column_index.begin() + ptrdiff_t((s + 1) * size_t(max_cols)), 0);
   }
   return Status::ok();
 }
@@ -283,8 +285,8 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
     return Status::ok();
   };
   std::vector<EstHead> heads(size_t(L.hq));
-  SF_CUDA_TRY(cudaMemcpy(heads.data(), L.heads, heads.size() * sizeof(EstHead),
-                         cudaMemcpyDeviceToHost));
+  SF_CUDA_TRY(
+      cudaMemcpy(heads.data(), L.heads, heads.size() * sizeof(EstHead), cudaMemcpyDeviceToHost));
   out->columns.assign(size_t(L.hq), {});
   out->diagonals.assign(size_t(L.hq), {});
   out->key_blocks.assign(size_t(L.hq * L.n_qb), {});
@@ -310,8 +312,7 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
           return SF_ERR(kInternal, "sparse_estimate_selections: head " + std::to_string(h) +
                                        " block " + std::to_string(qb) +
                                        " selection count out of range (unwritten?)");
-        SF_TRY(get(L.sel_kb + (size_t(e.blk_slot) * size_t(L.n_qb) + size_t(qb)) *
-                                  size_t(L.cap_kb),
+        SF_TRY(get(L.sel_kb + (size_t(e.blk_slot) * size_t(L.n_qb) + size_t(qb)) * size_t(L.cap_kb),
                    size_t(n), &out->key_blocks[size_t(h * L.n_qb + qb)]));
       }
     }
@@ -325,8 +326,8 @@ Status sparse_estimate_poison(SparseEstimatePlan* plan, int byte, void* stream) 
   SF_CUDA_TRY(cudaMemsetAsync(plan->index.data(), byte, plan->index_bytes, s));
   // Everything after the head tables: scores, partials, selections and their counts.
   const size_t from = size_t(reinterpret_cast<const char*>(L.part_m) - plan->workspace.as<char>());
-  SF_CUDA_TRY(cudaMemsetAsync(plan->workspace.as<char>() + from, byte,
-                              plan->workspace_bytes - from, s));
+  SF_CUDA_TRY(
+      cudaMemsetAsync(plan->workspace.as<char>() + from, byte, plan->workspace_bytes - from, s));
   return Status::ok();
 }
 

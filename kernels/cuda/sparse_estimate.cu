@@ -20,8 +20,8 @@
 // largest counts, so the caller can re-plan (kernels/cuda/sparse_estimate.cpp).
 #include <cuda_bf16.h>
 
-#include <cub/block/block_scan.cuh>
 #include <cstdint>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/sparse_estimate_launch.h"
 
@@ -49,8 +49,8 @@ struct ScorePass {
   const int32_t* heads = nullptr;
   int n_heads = 0;
   int64_t r0 = 0, L = 0;
-  float* col = nullptr;   // [n_heads * kend_last] column sums, or null
-  float* mass = nullptr;  // [n_heads * n_kb] mass per key block / L, or null
+  float* col = nullptr;     // [n_heads * kend_last] column sums, or null
+  float* mass = nullptr;    // [n_heads * n_kb] mass per key block / L, or null
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
 };
 
@@ -136,25 +136,25 @@ __global__ void __launch_bounds__(kScoreThreads)
   load_q_tile<T>(p, sp, sp.heads[hs], qs);
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
-  const int64_t c0 = chunk * kB;
-  const int64_t kc = imin(kB, p.kend_last - c0);
-  chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t i = warp; i < sp.L; i += kScoreThreads / 32) {
-    const int64_t lim = row_visible(p, sp, i, c0, kc);
-    float m = -INFINITY;
-    for (int64_t j = lane; j < lim; j += 32) m = fmaxf(m, ss[i * (kB + 1) + j]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    if (lim > 0)
-      for (int64_t j = lane; j < lim; j += 32) l += expf(ss[i * (kB + 1) + j] - m);
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) {
-      const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
-      p.part_m[at] = m;
-      p.part_l[at] = l;
+    const int64_t c0 = chunk * kB;
+    const int64_t kc = imin(kB, p.kend_last - c0);
+    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int64_t i = warp; i < sp.L; i += kScoreThreads / 32) {
+      const int64_t lim = row_visible(p, sp, i, c0, kc);
+      float m = -INFINITY;
+      for (int64_t j = lane; j < lim; j += 32) m = fmaxf(m, ss[i * (kB + 1) + j]);
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      float l = 0.f;
+      if (lim > 0)
+        for (int64_t j = lane; j < lim; j += 32) l += expf(ss[i * (kB + 1) + j] - m);
+      for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+      if (lane == 0) {
+        const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+        p.part_m[at] = m;
+        p.part_l[at] = l;
+      }
     }
-  }
   }
 }
 
@@ -191,42 +191,42 @@ __global__ void __launch_bounds__(kScoreThreads)
   load_q_tile<T>(p, sp, sp.heads[hs], qs);
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
-  const int64_t c0 = chunk * kB;
-  const int64_t kc = imin(kB, p.kend_last - c0);
-  chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
-  for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
-    const int64_t i = x / kB, j = x % kB;
-    float v = 0.f;
-    if (i < sp.L) {
-      const float lse = p.lse[hs * kB + i];
-      if (j < row_visible(p, sp, i, c0, kc) && lse != -INFINITY)
-        v = expf(ss[i * (kB + 1) + j] - lse);
+    const int64_t c0 = chunk * kB;
+    const int64_t kc = imin(kB, p.kend_last - c0);
+    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+    for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
+      const int64_t i = x / kB, j = x % kB;
+      float v = 0.f;
+      if (i < sp.L) {
+        const float lse = p.lse[hs * kB + i];
+        if (j < row_visible(p, sp, i, c0, kc) && lse != -INFINITY)
+          v = expf(ss[i * (kB + 1) + j] - lse);
+      }
+      ss[i * (kB + 1) + j] = v;
     }
-    ss[i * (kB + 1) + j] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < kB) {
-    const int j = threadIdx.x;
-    float s = 0.f;
-    for (int64_t i = 0; i < sp.L; ++i) s += ss[i * (kB + 1) + j];
-    if (sp.col && j < kc) sp.col[size_t(hs) * size_t(p.kend_last) + size_t(c0 + j)] = s;
-    red[j] = s;
-  }
-  if (sp.part_d && threadIdx.x < 2 * kB - 1) {  // u = i - j + 63
-    const int u = threadIdx.x;
-    float s = 0.f;
-    for (int64_t i = 0; i < sp.L; ++i) {
-      const int64_t j = i - u + (kB - 1);
-      if (j >= 0 && j < kB) s += ss[i * (kB + 1) + j];
+    __syncthreads();
+    if (threadIdx.x < kB) {
+      const int j = threadIdx.x;
+      float s = 0.f;
+      for (int64_t i = 0; i < sp.L; ++i) s += ss[i * (kB + 1) + j];
+      if (sp.col && j < kc) sp.col[size_t(hs) * size_t(p.kend_last) + size_t(c0 + j)] = s;
+      red[j] = s;
     }
-    sp.part_d[(size_t(hs) * size_t(p.n_chunks) + size_t(chunk)) * (2 * kB - 1) + size_t(u)] = s;
-  }
-  __syncthreads();
-  if (sp.mass && threadIdx.x == 0) {
-    float s = 0.f;
-    for (int j = 0; j < kB; ++j) s += red[j];
-    sp.mass[size_t(hs) * size_t(p.n_kb) + size_t(chunk)] = s / float(sp.L);
-  }
+    if (sp.part_d && threadIdx.x < 2 * kB - 1) {  // u = i - j + 63
+      const int u = threadIdx.x;
+      float s = 0.f;
+      for (int64_t i = 0; i < sp.L; ++i) {
+        const int64_t j = i - u + (kB - 1);
+        if (j >= 0 && j < kB) s += ss[i * (kB + 1) + j];
+      }
+      sp.part_d[(size_t(hs) * size_t(p.n_chunks) + size_t(chunk)) * (2 * kB - 1) + size_t(u)] = s;
+    }
+    __syncthreads();
+    if (sp.mass && threadIdx.x == 0) {
+      float s = 0.f;
+      for (int j = 0; j < kB; ++j) s += red[j];
+      sp.mass[size_t(hs) * size_t(p.n_kb) + size_t(chunk)] = s / float(sp.L);
+    }
   }
 }
 
@@ -810,8 +810,7 @@ template <typename T>
 cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p.d);
-  const dim3 grid(unsigned(sp.n_heads),
-                  unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
+  const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
   score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
   row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
@@ -870,15 +869,14 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
 template <typename T>
 cudaError_t configure(const EstimateLaunch& p) {
   const int smem = int(score_smem(p.d));
-  cudaError_t e =
-      cudaFuncSetAttribute(score_stats_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = cudaFuncSetAttribute(score_stats_kernel<T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(score_probs_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem);
   if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(
-        block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
+    e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
   return e;
 }
 

@@ -16,9 +16,9 @@
 namespace sf::kernels::cuda {
 
 struct SparseEstimatePlan {
-  EstimateLaunch launch;    // geometry, head tables and workspace pointers; q, k bound at run
-  DeviceBuffer workspace;   // scores, selections, head tables
-  DeviceBuffer index;       // the index built in place (SparseIndexDevice layout)
+  EstimateLaunch launch;   // geometry, head tables and workspace pointers; q, k bound at run
+  DeviceBuffer workspace;  // scores, selections, head tables
+  DeviceBuffer index;      // the index built in place (SparseIndexDevice layout)
   int64_t clamped_heads = 0;
   size_t workspace_bytes = 0, index_bytes = 0;
 };

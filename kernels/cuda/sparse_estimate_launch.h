@@ -41,22 +41,22 @@ struct EstimateLaunch {
   // Workspace.
   float* part_m = nullptr;  // [max(n_vs, n_blk) * 64 * n_chunks]
   float* part_l = nullptr;
-  float* lse = nullptr;     // [max(n_vs, n_blk) * 64]
-  float* part_d = nullptr;  // [n_vs * n_chunks * 127]
-  float* col = nullptr;     // [n_vs * kend_last]
-  float* diag = nullptr;    // [n_vs * n_diag]
-  float* mass = nullptr;    // [n_blk * n_kb] exact mass of the last query block
-  float* pooled_q = nullptr;  // [n_blk * n_qb * d]
-  float* pooled_k = nullptr;  // [hkv * n_kb * d]
-  int32_t* sel_cols = nullptr;   // [n_vs * kend_last]
+  float* lse = nullptr;           // [max(n_vs, n_blk) * 64]
+  float* part_d = nullptr;        // [n_vs * n_chunks * 127]
+  float* col = nullptr;           // [n_vs * kend_last]
+  float* diag = nullptr;          // [n_vs * n_diag]
+  float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
+  float* pooled_q = nullptr;      // [n_blk * n_qb * d]
+  float* pooled_k = nullptr;      // [hkv * n_kb * d]
+  int32_t* sel_cols = nullptr;    // [n_vs * kend_last]
   int32_t* n_sel_cols = nullptr;  // [n_vs]
-  int32_t* sel_diags = nullptr;  // [n_vs * n_diag]
+  int32_t* sel_diags = nullptr;   // [n_vs * n_diag]
   int32_t* n_sel_diags = nullptr;
-  int32_t* run_lo = nullptr;  // [n_vs * n_diag] runs of selected diagonals with gaps <= 64:
-  int32_t* run_hi = nullptr;  // one contiguous key range per run for every full query block
-  int32_t* n_runs = nullptr;  // [n_vs]
-  int32_t* sel_kb = nullptr;     // [n_blk * n_qb * cap_kb]
-  int32_t* n_sel_kb = nullptr;   // [n_blk * n_qb]
+  int32_t* run_lo = nullptr;    // [n_vs * n_diag] runs of selected diagonals with gaps <= 64:
+  int32_t* run_hi = nullptr;    // one contiguous key range per run for every full query block
+  int32_t* n_runs = nullptr;    // [n_vs]
+  int32_t* sel_kb = nullptr;    // [n_blk * n_qb * cap_kb]
+  int32_t* n_sel_kb = nullptr;  // [n_blk * n_qb]
   int64_t cap_kb = 0;
   int block_select_group = 1;  // query blocks per CTA in the block selector
   // Output (the unified index, SparseIndexDevice layout) and its sizing record.

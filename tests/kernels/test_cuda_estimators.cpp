@@ -150,10 +150,11 @@ RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std:
     if (pt == Pattern::kVerticalSlash || pt == Pattern::kAdaptiveVS) {
       r.col[size_t(h)].assign(size_t(kend_last), 0.0);
       r.diag[size_t(h)].assign(size_t(g.q_offset + g.nq), 0.0);
-      probs_rows(h, g.nq - std::min<int64_t>(kB, g.nq), g.nq, [&](int64_t pos, int64_t j, double p) {
-        r.col[size_t(h)][size_t(j)] += p;
-        r.diag[size_t(h)][size_t(pos - j)] += p;
-      });
+      probs_rows(h, g.nq - std::min<int64_t>(kB, g.nq), g.nq,
+                 [&](int64_t pos, int64_t j, double p) {
+                   r.col[size_t(h)][size_t(j)] += p;
+                   r.diag[size_t(h)][size_t(pos - j)] += p;
+                 });
     }
     if (pt == Pattern::kBlockSparse || pt == Pattern::kAdaptiveBlock) {
       std::vector<double> pk(size_t(n_kb * g.d), 0.0);
@@ -232,10 +233,10 @@ std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& g
       return "";
     }
   }
-  std::string why = std::to_string(only.size()) + " ids differ (cpu " +
-                    std::to_string(cpu.size()) + ", gpu " + std::to_string(gpu.size()) +
-                    "), boundary score " + std::to_string(s_b) + "; first: id " +
-                    std::to_string(only[0]) + " score " + std::to_string(score[size_t(only[0])]);
+  std::string why = std::to_string(only.size()) + " ids differ (cpu " + std::to_string(cpu.size()) +
+                    ", gpu " + std::to_string(gpu.size()) + "), boundary score " +
+                    std::to_string(s_b) + "; first: id " + std::to_string(only[0]) + " score " +
+                    std::to_string(score[size_t(only[0])]);
   return why;
 }
 
@@ -266,10 +267,12 @@ class CudaEstimators : public ::testing::Test {
       std::vector<int64_t> cols{0};
       for (int i = 0; i < 6; ++i) cols.push_back(col(rng_));
       for (int64_t j : cols)
-        for (int64_t c = 0; c < g.d; ++c) (*k)[size_t((j * g.hkv + kvh) * g.d + c)] += 4.f * dir[size_t(c)] * std::sqrt(float(g.d));
+        for (int64_t c = 0; c < g.d; ++c)
+          (*k)[size_t((j * g.hkv + kvh) * g.d + c)] += 4.f * dir[size_t(c)] * std::sqrt(float(g.d));
       for (int64_t r = 0; r < g.nq; ++r)
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
-          for (int64_t c = 0; c < g.d; ++c) (*q)[size_t((r * g.hq + h) * g.d + c)] += dir[size_t(c)];
+          for (int64_t c = 0; c < g.d; ++c)
+            (*q)[size_t((r * g.hq + h) * g.d + c)] += dir[size_t(c)];
     }
   }
 
@@ -328,8 +331,8 @@ class CudaEstimators : public ::testing::Test {
     int need_b = 0, need_c = 0;
     ASSERT_OK(cuda::sparse_estimate_needed(plan, stream, &need_b, &need_c));
     ASSERT_GT(need_b, 1);
-    ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
-                                         &plan));
+    ASSERT_OK(
+        cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1), &plan));
     EXPECT_EQ(plan.clamped_heads, cpu_stats.clamped_heads);
     ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
     ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream));
@@ -356,15 +359,18 @@ class CudaEstimators : public ::testing::Test {
         const IndexCandidates& tc = trace[size_t(h * n_qb)];
         std::set<int32_t> fc, fd;
         for (int64_t i = 0; i < std::min(hp.sink, kend_last); ++i) fc.insert(int32_t(i));
-        for (int64_t i = 0; i < std::min(hp.local + 1, g.q_offset + g.nq); ++i) fd.insert(int32_t(i));
-        EXPECT_EQ(judge(tc.columns, sel.columns[size_t(h)], ref.col[size_t(h)], fc, mass,
-                        hp.gamma, true, &n_ties), "")
+        for (int64_t i = 0; i < std::min(hp.local + 1, g.q_offset + g.nq); ++i)
+          fd.insert(int32_t(i));
+        EXPECT_EQ(judge(tc.columns, sel.columns[size_t(h)], ref.col[size_t(h)], fc, mass, hp.gamma,
+                        true, &n_ties),
+                  "")
             << "head " << h << " columns";
         EXPECT_EQ(judge(tc.diagonals, sel.diagonals[size_t(h)], ref.diag[size_t(h)], fd, mass,
-                        hp.gamma, true, &n_ties), "")
+                        hp.gamma, true, &n_ties),
+                  "")
             << "head " << h << " diagonals";
-        head_identical[size_t(h)] = tc.columns == sel.columns[size_t(h)] &&
-                                    tc.diagonals == sel.diagonals[size_t(h)];
+        head_identical[size_t(h)] =
+            tc.columns == sel.columns[size_t(h)] && tc.diagonals == sel.diagonals[size_t(h)];
       }
       if (hp.pattern == Pattern::kBlockSparse || hp.pattern == Pattern::kAdaptiveBlock) {
         for (int64_t qb = 0; qb < n_qb; ++qb) {
@@ -391,8 +397,8 @@ class CudaEstimators : public ::testing::Test {
         const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
         std::vector<int32_t> blocks, cols;
         sparse_slot_build(sg, sel.columns[size_t(h)], sel.diagonals[size_t(h)],
-                          sel.key_blocks[size_t(h * n_qb + qb)], hp.sink,
-                          trace_local[size_t(h)], &blocks, &cols);
+                          sel.key_blocks[size_t(h * n_qb + qb)], hp.sink, trace_local[size_t(h)],
+                          &blocks, &cols);
         const size_t s = gpu_idx.slot(int(h), qb);
         ASSERT_EQ(gpu_idx.block_count[s], int32_t(blocks.size())) << "head " << h << " qb " << qb;
         ASSERT_EQ(gpu_idx.column_count[s], int32_t(cols.size())) << "head " << h << " qb " << qb;
@@ -421,8 +427,8 @@ class CudaEstimators : public ::testing::Test {
                     cpu_idx.column_index[s * size_t(cpu_idx.max_cols) + size_t(i)]);
       }
     }
-    std::cout << "  " << (bf16 ? "bf16" : "f32 ") << " nq " << g.nq << " nk " << g.nk
-              << " d " << g.d << ": " << slots_checked << " slots equal to the host builder, "
+    std::cout << "  " << (bf16 ? "bf16" : "f32 ") << " nq " << g.nq << " nk " << g.nk << " d "
+              << g.d << ": " << slots_checked << " slots equal to the host builder, "
               << identical_heads << "/" << g.hq << " heads identical to the CPU index, " << n_ties
               << " tied ids, density " << gpu_idx.density() << " (cpu " << cpu_idx.density()
               << ")\n";
@@ -453,8 +459,8 @@ class CudaEstimators : public ::testing::Test {
 
 TEST_F(CudaEstimators, MatchesCpuF32) {
   run_case({2048, 2048, 0, 8, 2, 128}, false);
-  run_case({1000, 1000, 0, 8, 2, 64}, false);       // partial last query block
-  run_case({700, 1900, 1200, 8, 2, 128}, false);    // q_offset > 0 (a chunk of a longer prompt)
+  run_case({1000, 1000, 0, 8, 2, 64}, false);     // partial last query block
+  run_case({700, 1900, 1200, 8, 2, 128}, false);  // q_offset > 0 (a chunk of a longer prompt)
 }
 
 TEST_F(CudaEstimators, MatchesCpuBf16) { run_case({3000, 3000, 0, 8, 4, 128}, true); }
@@ -470,8 +476,10 @@ TEST_F(CudaEstimators, BackendNeutralEntry) {
   ASSERT_OK(dk.alloc(k.size() * 4));
   ASSERT_OK(dq.upload(q.data(), q.size() * 4));
   ASSERT_OK(dk.upload(k.data(), k.size() * 4));
-  const TensorView dq_v = TensorView::make(dq.data(), DType::kF32, {g.nq, g.hq, g.d}, Device::kCuda);
-  const TensorView dk_v = TensorView::make(dk.data(), DType::kF32, {g.nk, g.hkv, g.d}, Device::kCuda);
+  const TensorView dq_v =
+      TensorView::make(dq.data(), DType::kF32, {g.nq, g.hq, g.d}, Device::kCuda);
+  const TensorView dk_v =
+      TensorView::make(dk.data(), DType::kF32, {g.nk, g.hkv, g.d}, Device::kCuda);
   SparseIndex a, b;
   EstimatorStats st;
   ASSERT_OK(sparse_estimate(dq_v, dk_v, ps, 0, &a, &st));

@@ -9,11 +9,12 @@
 // kernel (fp32 rows: fp32 inputs; bf16 rows: bf16 inputs). Up to --host-estimate-max tokens the
 // CPU estimator also runs on host copies (estimate_host_ms) and the device index is compared with
 // it slot by slot (index_slots_equal_host: the fraction of (head, query block) slots whose lists
-// are identical; the rest differ by ties, see tests/kernels/test_cuda_estimators.cpp). speedup_vs_sdpa follows the
-// issue: SDPA time over (estimate + attention); speedup_vs_dense is our dense time over the
-// sparse kernel's time (both kernel alone, same dtype). tflops counts 4 * head_dim FLOPs per
-// computed query-key pair: the causal triangle for dense, the index's selected causal pairs for
-// sparse. out_rel_err_vs_dense is against our fp32 dense output on the same inputs.
+// are identical; the rest differ by ties, see tests/kernels/test_cuda_estimators.cpp).
+// speedup_vs_sdpa follows the issue: SDPA time over (estimate + attention); speedup_vs_dense is our
+// dense time over the sparse kernel's time (both kernel alone, same dtype). tflops counts 4 *
+// head_dim FLOPs per computed query-key pair: the causal triangle for dense, the index's selected
+// causal pairs for sparse. out_rel_err_vs_dense is against our fp32 dense output on the same
+// inputs.
 //
 // Planted structure (per KV head, shared by its query heads; per-head strengths vary):
 //   - decay with distance: dims [0, 64) carry rotary features cos/sin(pos * theta_f) with RoPE's
@@ -433,10 +434,12 @@ int cmd_bench_attention(int argc, char** argv) {
       for (float& x : hk_r) x = bf16_to_f32(f32_to_bf16(x));
     }
     if (!idxs.empty()) {
-      const TensorView hq = TensorView::make(const_cast<float*>(want_bf16 ? hq_r.data() : in.q.data()),
-                                             DType::kF32, {L, shape.heads, shape.d});
-      const TensorView hk = TensorView::make(const_cast<float*>(want_bf16 ? hk_r.data() : in.k.data()),
-                                             DType::kF32, {L, shape.kv_heads, shape.d});
+      const TensorView hq =
+          TensorView::make(const_cast<float*>(want_bf16 ? hq_r.data() : in.q.data()), DType::kF32,
+                           {L, shape.heads, shape.d});
+      const TensorView hk =
+          TensorView::make(const_cast<float*>(want_bf16 ? hk_r.data() : in.k.data()), DType::kF32,
+                           {L, shape.kv_heads, shape.d});
       for (size_t mi = 0; mi < modes.size(); ++mi) {
         std::vector<HeadPattern> pats(size_t(shape.heads), modes[mi].hp);
         kernels::EstimatorStats es;
@@ -585,8 +588,8 @@ int cmd_bench_attention(int argc, char** argv) {
         }
         SparseIndex idx;
         if (st.is_ok())
-          st = kernels::cuda::sparse_index_download(didx, std::max(need_b, 1),
-                                                    std::max(need_c, 1), &idx, stream);
+          st = kernels::cuda::sparse_index_download(didx, std::max(need_b, 1), std::max(need_c, 1),
+                                                    &idx, stream);
         if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
         if (!st.is_ok()) return fail(st);
         double idx_pairs = 0;
@@ -664,13 +667,12 @@ int cmd_bench_attention(int argc, char** argv) {
             "  %-28s %s density %.4f  kernel %.3f ms (%.2f TFLOP/s eff.)  device estimate %.3f ms "
             "(%.1f%% of kernel)",
             m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
-        std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms, est_select_ms - est_score_ms,
-                    est_ms - est_select_ms);
+        std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms,
+                    est_select_ms - est_score_ms, est_ms - est_select_ms);
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
-        if (have_sdpa)
-          std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms));
+        if (have_sdpa) std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms));
         if (err >= 0) std::printf("  out rel err %.2e", err);
         std::printf("\n");
         recs.push_back(std::move(o));
