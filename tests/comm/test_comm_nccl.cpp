@@ -74,7 +74,10 @@ TEST(CommNccl, CollectivesAndDeadline) {
   if (w.rank() == 0) {
     std::printf("rank 0: %s after %.3f s\n", st.to_string().c_str(), waited);
     EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
-    EXPECT_LT(waited, 1.5);
+    // Fires at the deadline, not before; the rest is ncclCommAbort tearing the communicator
+    // down (0.51 s on 2x H200, 2026-11-22), allowed up to 1 s.
+    EXPECT_GE(waited, 1.0);
+    EXPECT_LT(waited, 2.0);
     EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
   }
   EXPECT_TRUE(!st.is_ok() || w.rank() != 0);
