@@ -1,0 +1,413 @@
+#include "kvstore/block_pool.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+
+namespace sf::kvstore {
+namespace {
+
+constexpr size_t kAlign = 4096;  // page-aligned host blocks: DMA-friendly, O_DIRECT-compatible
+
+class HostStore final : public TierStore {
+ public:
+  HostStore(void* p, int64_t block_bytes) : p_(static_cast<char*>(p)), bb_(block_bytes) {}
+  ~HostStore() override { std::free(p_); }
+  Status write(int64_t slot, const void* src, int64_t bytes) override {
+    std::memcpy(p_ + slot * bb_, src, size_t(bytes));
+    return Status::ok();
+  }
+  Status read(int64_t slot, void* dst, int64_t bytes) const override {
+    std::memcpy(dst, p_ + slot * bb_, size_t(bytes));
+    return Status::ok();
+  }
+
+ private:
+  char* p_;
+  int64_t bb_;
+};
+
+class DiskStore final : public TierStore {
+ public:
+  DiskStore(int fd, std::string path, int64_t block_bytes)
+      : fd_(fd), path_(std::move(path)), bb_(block_bytes) {}
+  ~DiskStore() override {
+    ::close(fd_);
+    ::unlink(path_.c_str());  // the tier is scratch space: blocks do not outlive the pool
+  }
+  Status write(int64_t slot, const void* src, int64_t bytes) override {
+    const char* s = static_cast<const char*>(src);
+    int64_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pwrite(fd_, s + done, size_t(bytes - done), off_t(slot * bb_ + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == ENOSPC)
+        return SF_ERR(kResourceExhausted, "block pool: disk tier '" + path_ +
+                                              "' is full (ENOSPC) writing slot " +
+                                              std::to_string(slot));
+      if (n <= 0)
+        return SF_ERR(kIo, "block pool: disk tier write to '" + path_ + "' slot " +
+                               std::to_string(slot) + " failed: " + std::strerror(errno));
+      done += n;
+    }
+    return Status::ok();
+  }
+  Status read(int64_t slot, void* dst, int64_t bytes) const override {
+    char* d = static_cast<char*>(dst);
+    int64_t done = 0;
+    while (done < bytes) {
+      const ssize_t n = ::pread(fd_, d + done, size_t(bytes - done), off_t(slot * bb_ + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        return SF_ERR(
+            kIo, "block pool: disk tier read of '" + path_ + "' slot " + std::to_string(slot) +
+                     " failed: " + (n == 0 ? std::string("short file") : std::strerror(errno)));
+      done += n;
+    }
+    return Status::ok();
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+  int64_t bb_;
+};
+
+Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64_t block_bytes) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return SF_ERR(
+        kIo, "block pool: disk tier directory '" + dir + "' cannot be created: " + ec.message());
+  if (!std::filesystem::is_directory(dir, ec))
+    return SF_ERR(kIo, "block pool: disk tier path '" + dir + "' is not a directory");
+  const std::string path = (std::filesystem::path(dir) / "blocks.bin").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return SF_ERR(kIo, "block pool: disk tier directory '" + dir +
+                           "' is not writable: " + std::strerror(errno));
+  return std::unique_ptr<TierStore>(new DiskStore(fd, path, block_bytes));
+}
+
+}  // namespace
+
+#ifndef SF_KV_CUDA
+Result<std::unique_ptr<TierStore>> make_device_store(int64_t, int64_t) {
+  return SF_ERR(kUnsupported, "block pool: device tier needs a CUDA build (device_bytes > 0)");
+}
+Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes) {
+  const size_t bytes = (size_t(slots * block_bytes) + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, bytes);
+  if (!p)
+    return SF_ERR(kResourceExhausted, "block pool: host tier allocation of " +
+                                          std::to_string(slots * block_bytes) + " bytes failed");
+  return std::unique_ptr<TierStore>(new HostStore(p, block_bytes));
+}
+#endif
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kDisk:
+      return "disk";
+  }
+  return "?";
+}
+
+Result<std::unique_ptr<BlockPool>> BlockPool::create(const BlockPoolConfig& cfg) {
+  SF_ENSURE(cfg.n_kv_heads > 0, kInvalidArgument, "block pool: n_kv_heads must be positive");
+  SF_ENSURE(cfg.head_dim > 0, kInvalidArgument, "block pool: head_dim must be positive");
+  SF_ENSURE(cfg.device_bytes >= 0 && cfg.host_bytes >= 0 && cfg.disk_bytes >= 0, kInvalidArgument,
+            "block pool: tier budgets must be >= 0");
+  SF_ENSURE(cfg.disk_bytes == 0 || !cfg.disk_dir.empty(), kInvalidArgument,
+            "block pool: disk_dir is required when disk_bytes > 0");
+  std::unique_ptr<BlockPool> p(new BlockPool());
+  p->cfg_ = cfg;
+  // 512 * heads * head_dim bytes: slots of the host arena are page-aligned once heads *
+  // head_dim >= 8, which every real model meets.
+  p->block_bytes_ = int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
+  const std::array<int64_t, kNumTiers> budget = {cfg.device_bytes, cfg.host_bytes, cfg.disk_bytes};
+  for (int t = 0; t < kNumTiers; ++t) {
+    const int64_t slots = budget[size_t(t)] / p->block_bytes_;
+    p->st_[size_t(t)].capacity_bytes = slots * p->block_bytes_;
+    if (slots == 0) continue;
+    Result<std::unique_ptr<TierStore>> s = t == 0 ? make_device_store(slots, p->block_bytes_)
+                                           : t == 1
+                                               ? make_host_store(slots, p->block_bytes_)
+                                               : make_disk_store(cfg.disk_dir, p->block_bytes_);
+    if (!s) return s.status();
+    p->store_[size_t(t)] = std::move(s).value();
+    auto& fs = p->free_slots_[size_t(t)];
+    fs.resize(size_t(slots));
+    // Popped from the back: low slots first, so the disk file grows front to back.
+    std::iota(fs.rbegin(), fs.rend(), int64_t(0));
+  }
+  if (p->st_[0].capacity_bytes + p->st_[1].capacity_bytes + p->st_[2].capacity_bytes == 0)
+    return SF_ERR(kInvalidArgument, "block pool: every tier budget is below one block (" +
+                                        std::to_string(p->block_bytes_) + " bytes)");
+  p->staging_.resize(size_t(p->block_bytes_ / 4));
+  return p;
+}
+
+BlockPool::~BlockPool() = default;
+
+int64_t BlockPool::free_slots(int t) const { return int64_t(free_slots_[size_t(t)].size()); }
+
+Status BlockPool::check_id(BlockId id) const {
+  if (id < 0 || id >= int64_t(entries_.size()) || entries_[size_t(id)].tier < 0)
+    return SF_ERR(kInvalidArgument, "block pool: no live block " + std::to_string(id));
+  return Status::ok();
+}
+
+Result<BlockId> BlockPool::alloc(Tier preferred) {
+  std::lock_guard<std::mutex> g(mu_);
+  int p = int(preferred);
+  if (p < 0 || p >= kNumTiers) return SF_ERR(kInvalidArgument, "block pool: bad tier");
+  // A disabled preferred tier (e.g. no device) is no spill: start at the first enabled one.
+  while (p + 1 < kNumTiers && !store_[size_t(p)]) ++p;
+  for (int t = p; t < kNumTiers; ++t) {
+    TierStats& s = st_[size_t(t)];
+    if (free_slots(t) == 0) {
+      if (store_[size_t(t)]) ++s.full_refusals;
+      continue;
+    }
+    const int64_t slot = free_slots_[size_t(t)].back();
+    free_slots_[size_t(t)].pop_back();
+    BlockId id;
+    if (!free_ids_.empty()) {
+      id = free_ids_.back();
+      free_ids_.pop_back();
+    } else {
+      id = BlockId(entries_.size());
+      entries_.emplace_back();
+    }
+    entries_[size_t(id)] = Entry{t, slot, 0};
+    ++s.allocs;
+    ++s.blocks;
+    s.used_bytes += block_bytes_;
+    if (t != p) ++s.spilled_in;
+    return id;
+  }
+  std::string msg = "block pool: all tiers full from " + std::string(tier_name(Tier(p))) + " on:";
+  for (int t = p; t < kNumTiers; ++t)
+    msg += std::string(" ") + tier_name(Tier(t)) + " " + std::to_string(st_[size_t(t)].used_bytes) +
+           "/" + std::to_string(st_[size_t(t)].capacity_bytes) + " bytes";
+  return SF_ERR(kResourceExhausted, msg);
+}
+
+Status BlockPool::free(BlockId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  Entry& e = entries_[size_t(id)];
+  if (e.pins > 0)
+    return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(id) + " is pinned (" +
+                                        std::to_string(e.pins) + "), cannot free");
+  TierStats& s = st_[size_t(e.tier)];
+  ++s.frees;
+  --s.blocks;
+  s.used_bytes -= block_bytes_;
+  free_slots_[size_t(e.tier)].push_back(e.slot);
+  e = Entry{};
+  free_ids_.push_back(id);
+  return Status::ok();
+}
+
+Status BlockPool::write(BlockId id, const float* k, const float* v) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  if (!k || !v) return SF_ERR(kInvalidArgument, "block pool: write with null k or v");
+  const Entry& e = entries_[size_t(id)];
+  const int64_t half = block_bytes_ / 2;
+  // K and V are staged into one buffer so the disk tier does one pwrite per block.
+  const int64_t kv_bytes = half_floats() * 4;
+  std::memcpy(staging_.data(), k, size_t(kv_bytes));
+  std::memcpy(reinterpret_cast<char*>(staging_.data()) + half, v, size_t(kv_bytes));
+  Status st = store_[size_t(e.tier)]->write(e.slot, staging_.data(), block_bytes_);
+  if (!st.is_ok()) ++st_[size_t(e.tier)].io_errors;
+  return st;
+}
+
+Status BlockPool::read(BlockId id, float* k, float* v) const {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  if (!k || !v) return SF_ERR(kInvalidArgument, "block pool: read with null k or v");
+  const Entry& e = entries_[size_t(id)];
+  SF_TRY(store_[size_t(e.tier)]->read(e.slot, staging_.data(), block_bytes_));
+  const int64_t kv_bytes = half_floats() * 4;
+  std::memcpy(k, staging_.data(), size_t(kv_bytes));
+  std::memcpy(v, reinterpret_cast<const char*>(staging_.data()) + block_bytes_ / 2,
+              size_t(kv_bytes));
+  return Status::ok();
+}
+
+Result<Tier> BlockPool::tier_of(BlockId id) const {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  return Tier(entries_[size_t(id)].tier);
+}
+
+Status BlockPool::pin(BlockId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  ++entries_[size_t(id)].pins;
+  return Status::ok();
+}
+
+Status BlockPool::unpin(BlockId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  Entry& e = entries_[size_t(id)];
+  if (e.pins == 0)
+    return SF_ERR(kInvalidArgument, "block pool: unpin of unpinned block " + std::to_string(id));
+  --e.pins;
+  return Status::ok();
+}
+
+Result<int> BlockPool::pins(BlockId id) const {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_TRY(check_id(id));
+  return entries_[size_t(id)].pins;
+}
+
+Status BlockPool::move(BlockId id, Tier to) {
+  std::lock_guard<std::mutex> g(mu_);
+  return move_locked(id, int(to));
+}
+
+Status BlockPool::move_locked(BlockId id, int to) {
+  SF_TRY(check_id(id));
+  if (to < 0 || to >= kNumTiers) return SF_ERR(kInvalidArgument, "block pool: bad tier");
+  Entry& e = entries_[size_t(id)];
+  const int from = e.tier;
+  if (from == to) return Status::ok();
+  if (e.pins > 0)
+    return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(id) +
+                                        " is pinned, cannot move it to " + tier_name(Tier(to)));
+  TierStats& d = st_[size_t(to)];
+  TierStats& s = st_[size_t(from)];
+  if (!store_[size_t(to)])
+    return SF_ERR(kInvalidArgument, std::string("block pool: cannot move block ") +
+                                        std::to_string(id) + " to " + tier_name(Tier(to)) +
+                                        ": tier disabled (budget 0)");
+  if (free_slots(to) == 0) {
+    ++d.full_refusals;
+    return SF_ERR(kResourceExhausted, std::string("block pool: cannot move block ") +
+                                          std::to_string(id) + " to " + tier_name(Tier(to)) +
+                                          ": tier full (" + std::to_string(d.used_bytes) + "/" +
+                                          std::to_string(d.capacity_bytes) + " bytes)");
+  }
+  Status st = store_[size_t(from)]->read(e.slot, staging_.data(), block_bytes_);
+  if (!st.is_ok()) {
+    ++s.io_errors;
+    return st;
+  }
+  const int64_t slot = free_slots_[size_t(to)].back();
+  st = store_[size_t(to)]->write(slot, staging_.data(), block_bytes_);
+  if (!st.is_ok()) {  // the block stays where it was, intact
+    ++d.io_errors;
+    return st;
+  }
+  free_slots_[size_t(to)].pop_back();
+  free_slots_[size_t(from)].push_back(e.slot);
+  e.tier = to;
+  e.slot = slot;
+  s.used_bytes -= block_bytes_;
+  --s.blocks;
+  d.used_bytes += block_bytes_;
+  ++d.blocks;
+  if (to > from) {
+    ++s.demoted_out;
+    s.bytes_down_out += block_bytes_;
+    ++d.demoted_in;
+    d.bytes_down_in += block_bytes_;
+  } else {
+    ++s.promoted_out;
+    s.bytes_up_out += block_bytes_;
+    ++d.promoted_in;
+    d.bytes_up_in += block_bytes_;
+  }
+  return Status::ok();
+}
+
+Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
+                                         std::span<const float> scores, int64_t sink_blocks,
+                                         int64_t recent_blocks, Tier fast) {
+  std::lock_guard<std::mutex> g(mu_);
+  const int f = int(fast);
+  if (f < 0 || f + 1 >= kNumTiers)
+    return SF_ERR(kInvalidArgument, "block pool: place needs a fast tier with a slower one below");
+  if (scores.size() != blocks.size())
+    return SF_ERR(kInvalidArgument, "block pool: place got " + std::to_string(scores.size()) +
+                                        " scores for " + std::to_string(blocks.size()) + " blocks");
+  if (sink_blocks < 0 || recent_blocks < 0)
+    return SF_ERR(kInvalidArgument, "block pool: sink_blocks and recent_blocks must be >= 0");
+  const int64_t n = int64_t(blocks.size());
+  int64_t room = free_slots(f);
+  for (BlockId id : blocks) {
+    SF_TRY(check_id(id));
+    if (entries_[size_t(id)].tier == f) ++room;
+  }
+  // Priority order: sink, recent window, then descending score (ties: earlier position).
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t(0));
+  auto rank = [&](int64_t i) { return i < sink_blocks ? 0 : (i >= n - recent_blocks ? 1 : 2); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int ra = rank(a), rb = rank(b);
+    if (ra != rb) return ra < rb;
+    return ra == 2 && scores[size_t(a)] > scores[size_t(b)];
+  });
+  // Pinned blocks on the fast tier hold their slot whatever their rank.
+  for (BlockId id : blocks) {
+    const Entry& e = entries_[size_t(id)];
+    if (e.pins > 0 && e.tier == f) --room;
+  }
+  std::vector<char> hot(static_cast<size_t>(n), 0);
+  PlacementResult r;
+  for (int64_t i : order) {
+    const Entry& e = entries_[size_t(blocks[size_t(i)])];
+    if (e.pins > 0) continue;
+    if (room == 0) break;
+    hot[size_t(i)] = 1;
+    --room;
+  }
+  // Demote cold blocks first so promotions find free slots.
+  for (int64_t i = 0; i < n; ++i) {
+    const Entry& e = entries_[size_t(blocks[size_t(i)])];
+    if (e.pins > 0) {
+      ++r.pinned_skipped;
+      continue;
+    }
+    if (hot[size_t(i)] || e.tier != f) continue;
+    SF_TRY(move_locked(blocks[size_t(i)], f + 1));
+    ++r.demoted;
+  }
+  for (int64_t i : order) {
+    if (!hot[size_t(i)]) continue;
+    ++r.hot;
+    if (entries_[size_t(blocks[size_t(i)])].tier == f) continue;
+    SF_TRY(move_locked(blocks[size_t(i)], f));
+    ++r.promoted;
+  }
+  return r;
+}
+
+TierStats BlockPool::stats(Tier t) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return st_[size_t(int(t))];
+}
+
+int64_t BlockPool::live_blocks() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return int64_t(entries_.size() - free_ids_.size());
+}
+
+}  // namespace sf::kvstore

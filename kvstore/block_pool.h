@@ -1,0 +1,138 @@
+// One KV block pool shared by all layers (seed 002: PSA's unified pool; DESIGN.md "KV store and
+// tiering"). A block is 64 tokens x n_kv_heads x head_dim of K followed by the same of V, fp32,
+// token-major: the same layout as model::KvCache rows, so a block is a plain copy of 64 rows.
+//
+// Tiers, fastest first: device (CUDA builds only), pinned host, disk (one file in a directory,
+// pread/pwrite). Each tier has a byte budget fixed at creation. Allocation tries the preferred
+// tier and spills to the next slower one; when every tier is full the caller gets
+// kResourceExhausted, never an abort. Pinned blocks are never moved or freed. Blocks move one
+// tier down (demote) or up (promote) with byte counters per direction; place() applies the
+// sparsity-aware policy: sink, recent window and top-scored blocks on the fast tier.
+//
+// Thread-safe: one mutex guards the tables and counters (copies to and from disk run under it).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::kvstore {
+
+constexpr int kPoolBlockTokens = 64;
+
+enum class Tier : int { kDevice = 0, kHost = 1, kDisk = 2 };
+constexpr int kNumTiers = 3;
+const char* tier_name(Tier t);
+
+struct BlockPoolConfig {
+  int n_kv_heads = 0, head_dim = 0;
+  // Byte budgets, rounded down to whole blocks; 0 disables a tier. device_bytes > 0 needs a
+  // CUDA build (create() says so otherwise).
+  int64_t device_bytes = 0;
+  int64_t host_bytes = 0;
+  int64_t disk_bytes = 0;
+  std::string disk_dir;  // required when disk_bytes > 0; created if missing; holds blocks.bin
+};
+
+// Counters of one tier. Blocks that land here because a faster tier was full count in
+// spilled_in; attempts refused because this tier was full count in full_refusals.
+struct TierStats {
+  int64_t capacity_bytes = 0, used_bytes = 0, blocks = 0;
+  int64_t allocs = 0, frees = 0, spilled_in = 0, full_refusals = 0, io_errors = 0;
+  int64_t demoted_out = 0, promoted_in = 0;     // blocks moved to / from the next slower tier
+  int64_t bytes_down_out = 0, bytes_up_in = 0;  // bytes of those moves
+  int64_t promoted_out = 0, demoted_in = 0;     // blocks moved to / from the next faster tier
+  int64_t bytes_up_out = 0, bytes_down_in = 0;
+};
+
+using BlockId = int64_t;
+
+struct PlacementResult {
+  int64_t hot = 0, promoted = 0, demoted = 0, pinned_skipped = 0;
+};
+
+class TierStore;  // storage backend of one tier (block_pool.cpp, block_pool_cuda.cpp)
+
+class BlockPool {
+ public:
+  static Result<std::unique_ptr<BlockPool>> create(const BlockPoolConfig& cfg);
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  int64_t block_bytes() const { return block_bytes_; }
+  int64_t block_floats() const { return block_bytes_ / int64_t(sizeof(float)); }  // K and V
+  int64_t half_floats() const { return block_floats() / 2; }                      // K or V
+
+  // A block on `preferred` or, when that tier is full, on the next slower tier that has room.
+  Result<BlockId> alloc(Tier preferred = Tier::kDevice);
+  Status free(BlockId id);
+  // k and v: [64, n_kv_heads, head_dim] each, host memory, whatever tier the block is on.
+  Status write(BlockId id, const float* k, const float* v);
+  Status read(BlockId id, float* k, float* v) const;
+  Result<Tier> tier_of(BlockId id) const;
+
+  // Refcounted: a block with pins > 0 is not moved by move()/place() and cannot be freed.
+  Status pin(BlockId id);
+  Status unpin(BlockId id);
+  Result<int> pins(BlockId id) const;
+
+  // Moves a block to tier `to` (any direction). Errors, leaving the block where it was: pinned,
+  // destination full or disabled, I/O failure.
+  Status move(BlockId id, Tier to);
+
+  // Sparsity-aware placement of one sequence's blocks (position order) on the fast tier `fast`:
+  // the first sink_blocks and last recent_blocks come first, then the rest by descending score;
+  // as many as fit in the fast tier (its free room plus what these blocks already occupy) are
+  // hot. Cold blocks on `fast` are demoted to the next tier, hot ones elsewhere are promoted.
+  // Pinned blocks stay put. scores: one per block (e.g. the summed importance of its tokens).
+  // Stops at the first failed move (e.g. the slower tier is full); moves done so far stay.
+  Result<PlacementResult> place(std::span<const BlockId> blocks, std::span<const float> scores,
+                                int64_t sink_blocks, int64_t recent_blocks, Tier fast);
+
+  TierStats stats(Tier t) const;
+  int64_t live_blocks() const;
+
+ private:
+  BlockPool() = default;
+  struct Entry {
+    int tier = -1;  // -1: free entry
+    int64_t slot = -1;
+    int pins = 0;
+  };
+  Status check_id(BlockId id) const;  // caller holds mu_
+  Status move_locked(BlockId id, int to);
+  int64_t free_slots(int t) const;
+
+  mutable std::mutex mu_;
+  BlockPoolConfig cfg_;
+  int64_t block_bytes_ = 0;
+  std::array<std::unique_ptr<TierStore>, kNumTiers> store_;
+  std::array<TierStats, kNumTiers> st_{};
+  std::array<std::vector<int64_t>, kNumTiers> free_slots_;
+  std::vector<Entry> entries_;
+  std::vector<BlockId> free_ids_;
+  mutable std::vector<float> staging_;  // one block, for moves
+};
+
+// Storage of one tier: a fixed number of block slots. Implementations: host (aligned, or
+// cudaHostAlloc'd in CUDA builds), disk (file), device (CUDA builds only).
+class TierStore {
+ public:
+  virtual ~TierStore() = default;
+  virtual Status write(int64_t slot, const void* src, int64_t bytes) = 0;
+  virtual Status read(int64_t slot, void* dst, int64_t bytes) const = 0;
+};
+
+// Device and pinned-host stores. CUDA builds take them from block_pool_cuda.cpp (cudaMalloc,
+// cudaHostAlloc); other builds from block_pool.cpp: no device tier (kUnsupported) and plain
+// page-aligned host memory.
+Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes);
+Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes);
+
+}  // namespace sf::kvstore

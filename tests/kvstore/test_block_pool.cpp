@@ -1,0 +1,388 @@
+// The unified KV block pool: budgets and accounting, spill order, the all-full error, pinning,
+// byte-exact round trips through every tier, disk tier faults (unusable directory, ENOSPC) and
+// sparsity-aware placement.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvstore/block_pool.h"
+
+namespace sf::kvstore {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int n = 0;
+    path = fs::temp_directory_path() /
+           ("sf-pool-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string sub(const std::string& s) const { return (path / s).string(); }
+};
+
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+constexpr int kHeads = 2, kDim = 8;
+
+BlockPoolConfig config(int64_t host_blocks, int64_t disk_blocks, const std::string& dir) {
+  BlockPoolConfig c;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim;
+  const int64_t bb = int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4;
+  // A partial block of budget must be ignored: budgets round down to whole blocks.
+  c.host_bytes = host_blocks * bb + (host_blocks ? bb / 2 : 0);
+  c.disk_bytes = disk_blocks * bb;
+  c.disk_dir = dir;
+  return c;
+}
+
+std::unique_ptr<BlockPool> make_pool(const BlockPoolConfig& c) {
+  auto r = BlockPool::create(c);
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.is_ok() ? std::move(r).value() : nullptr;
+}
+
+// Random K and V of one block, never all zeros.
+struct BlockData {
+  std::vector<float> k, v;
+  BlockData(int64_t n, std::mt19937_64& rng) : k(size_t(n)), v(size_t(n)) {
+    std::normal_distribution<float> d(0.f, 1.f);
+    for (auto& x : k) x = d(rng);
+    for (auto& x : v) x = d(rng);
+  }
+};
+
+void expect_block(const BlockPool& p, BlockId id, const BlockData& want) {
+  // Poisoned so an unwritten element shows.
+  std::vector<float> k(want.k.size(), std::nanf("")), v(want.v.size(), std::nanf(""));
+  const Status st = p.read(id, k.data(), v.data());
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(0, std::memcmp(k.data(), want.k.data(), k.size() * 4)) << "K of block " << id;
+  EXPECT_EQ(0, std::memcmp(v.data(), want.v.data(), v.size() * 4)) << "V of block " << id;
+}
+
+BlockId must_alloc(BlockPool& p, Tier t) {
+  auto id = p.alloc(t);
+  EXPECT_TRUE(id.is_ok()) << id.status().to_string();
+  return id.is_ok() ? *id : -1;
+}
+
+Tier tier(const BlockPool& p, BlockId id) {
+  auto t = p.tier_of(id);
+  EXPECT_TRUE(t.is_ok()) << t.status().to_string();
+  return t.is_ok() ? *t : Tier::kDevice;
+}
+
+TEST(BlockPool, BudgetsAndAccounting) {
+  TempDir tmp;
+  auto p = make_pool(config(3, 2, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  const int64_t bb = p->block_bytes();
+  EXPECT_EQ(bb, int64_t(2) * 64 * kHeads * kDim * 4);
+  EXPECT_EQ(p->stats(Tier::kHost).capacity_bytes, 3 * bb);
+  EXPECT_EQ(p->stats(Tier::kDisk).capacity_bytes, 2 * bb);
+  EXPECT_EQ(p->stats(Tier::kDevice).capacity_bytes, 0);
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto id = p->alloc(Tier::kHost);
+    ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+    ids.push_back(*id);
+  }
+  TierStats h = p->stats(Tier::kHost);
+  EXPECT_EQ(h.used_bytes, 3 * bb);
+  EXPECT_EQ(h.blocks, 3);
+  EXPECT_EQ(h.allocs, 3);
+  EXPECT_EQ(h.spilled_in, 0);
+  ASSERT_TRUE(p->free(ids[1]).is_ok());
+  h = p->stats(Tier::kHost);
+  EXPECT_EQ(h.used_bytes, 2 * bb);
+  EXPECT_EQ(h.frees, 1);
+  EXPECT_EQ(p->live_blocks(), 2);
+  // A freed id is dead: using it again is an error, not a crash.
+  EXPECT_EQ(p->free(ids[1]).code(), Code::kInvalidArgument);
+  EXPECT_EQ(p->tier_of(12345).status().code(), Code::kInvalidArgument);
+  // The freed slot is reused before anything spills.
+  auto again = p->alloc(Tier::kHost);
+  ASSERT_TRUE(again.is_ok());
+  EXPECT_EQ(tier(*p, *again), Tier::kHost);
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 0);
+}
+
+TEST(BlockPool, SpillsToNextTierThenErrorsWhenAllFull) {
+  TempDir tmp;
+  auto p = make_pool(config(2, 2, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  std::vector<Tier> got;
+  // kDevice is disabled on this pool: allocation starts on host without counting a spill.
+  for (int i = 0; i < 4; ++i) {
+    auto id = p->alloc(Tier::kDevice);
+    ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+    got.push_back(tier(*p, *id));
+  }
+  EXPECT_EQ(got, (std::vector<Tier>{Tier::kHost, Tier::kHost, Tier::kDisk, Tier::kDisk}));
+  EXPECT_EQ(p->stats(Tier::kHost).spilled_in, 0);
+  EXPECT_EQ(p->stats(Tier::kDisk).spilled_in, 2);
+  EXPECT_EQ(p->stats(Tier::kHost).full_refusals, 2);
+  auto full = p->alloc(Tier::kHost);
+  ASSERT_FALSE(full.is_ok());
+  EXPECT_EQ(full.status().code(), Code::kResourceExhausted);
+  const std::string msg = full.status().to_string();
+  std::printf("all-full error: %s\n", msg.c_str());
+  EXPECT_NE(msg.find("all tiers full"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("disk"), std::string::npos) << msg;
+  EXPECT_EQ(p->stats(Tier::kDisk).full_refusals, 1);
+  EXPECT_EQ(p->live_blocks(), 4);
+}
+
+TEST(BlockPool, DiskBudgetFullIsAClearError) {
+  TempDir tmp;
+  auto p = make_pool(config(0, 1, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  ASSERT_TRUE(p->alloc(Tier::kDisk).is_ok());
+  auto r = p->alloc(Tier::kDisk);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kResourceExhausted);
+  const std::string bb = std::to_string(p->block_bytes());
+  EXPECT_NE(r.status().message().find("disk " + bb + "/" + bb + " bytes"), std::string::npos)
+      << r.status().to_string();
+}
+
+TEST(BlockPool, RoundTripThroughEveryTierIsByteExact) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  auto p = make_pool(config(2, 2, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  const int64_t bb = p->block_bytes();
+  auto a = p->alloc(Tier::kHost), b = p->alloc(Tier::kDisk);
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  const BlockData da(p->half_floats(), rng), db(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(*a, da.k.data(), da.v.data()).is_ok());
+  ASSERT_TRUE(p->write(*b, db.k.data(), db.v.data()).is_ok());
+  expect_block(*p, *a, da);
+  expect_block(*p, *b, db);
+  // host -> disk -> host, and disk -> host -> disk.
+  ASSERT_TRUE(p->move(*a, Tier::kDisk).is_ok());
+  EXPECT_EQ(tier(*p, *a), Tier::kDisk);
+  expect_block(*p, *a, da);
+  ASSERT_TRUE(p->move(*b, Tier::kHost).is_ok());
+  EXPECT_EQ(tier(*p, *b), Tier::kHost);
+  expect_block(*p, *b, db);
+  ASSERT_TRUE(p->move(*a, Tier::kHost).is_ok());
+  expect_block(*p, *a, da);
+  ASSERT_TRUE(p->move(*b, Tier::kDisk).is_ok());
+  expect_block(*p, *b, db);
+  const TierStats h = p->stats(Tier::kHost), d = p->stats(Tier::kDisk);
+  EXPECT_EQ(h.demoted_out, 2);
+  EXPECT_EQ(h.bytes_down_out, 2 * bb);
+  EXPECT_EQ(h.promoted_in, 2);
+  EXPECT_EQ(h.bytes_up_in, 2 * bb);
+  EXPECT_EQ(d.demoted_in, 2);
+  EXPECT_EQ(d.bytes_down_in, 2 * bb);
+  EXPECT_EQ(d.promoted_out, 2);
+  EXPECT_EQ(d.bytes_up_out, 2 * bb);
+  EXPECT_EQ(h.blocks + d.blocks, 2);
+  EXPECT_EQ(h.used_bytes, bb);
+  EXPECT_EQ(d.used_bytes, bb);
+  // A move to a disabled tier is an error and leaves the block where it was.
+  EXPECT_EQ(p->move(*a, Tier::kDevice).code(), Code::kInvalidArgument);
+  expect_block(*p, *a, da);
+}
+
+TEST(BlockPool, PinnedBlocksAreNeverMovedOrFreed) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  auto p = make_pool(config(2, 4, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 2; ++i) ids.push_back(must_alloc(*p, Tier::kHost));
+  const BlockData d0(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(ids[0], d0.k.data(), d0.v.data()).is_ok());
+  ASSERT_TRUE(p->pin(ids[0]).is_ok());
+  ASSERT_TRUE(p->pin(ids[0]).is_ok());
+  EXPECT_EQ(p->pins(ids[0]).value(), 2);
+  const Status mv = p->move(ids[0], Tier::kDisk);
+  EXPECT_EQ(mv.code(), Code::kInvalidArgument);
+  EXPECT_NE(mv.message().find("pinned"), std::string::npos) << mv.to_string();
+  EXPECT_EQ(p->free(ids[0]).code(), Code::kInvalidArgument);
+  // place() with the pinned block scored coldest: it must stay on host anyway.
+  const std::vector<float> scores = {-1.f, 5.f};
+  auto r = p->place(ids, scores, 0, 0, Tier::kHost);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->pinned_skipped, 1);
+  EXPECT_EQ(tier(*p, ids[0]), Tier::kHost);
+  expect_block(*p, ids[0], d0);
+  ASSERT_TRUE(p->unpin(ids[0]).is_ok());
+  EXPECT_FALSE(p->move(ids[0], Tier::kDisk).is_ok());  // one pin left
+  ASSERT_TRUE(p->unpin(ids[0]).is_ok());
+  EXPECT_EQ(p->unpin(ids[0]).code(), Code::kInvalidArgument);  // not pinned any more
+  ASSERT_TRUE(p->move(ids[0], Tier::kDisk).is_ok());
+  expect_block(*p, ids[0], d0);
+}
+
+TEST(BlockPool, DiskDirectoryThatIsNotWritableIsAClearError) {
+  TempDir tmp;
+  const std::string file = tmp.sub("a-file");
+  std::ofstream(file) << "x";
+  // A directory below a regular file can never be created.
+  auto r = BlockPool::create(config(1, 2, file + "/tier"));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kIo);
+  std::printf("error: %s\n", r.status().to_string().c_str());
+  EXPECT_NE(r.status().message().find("disk tier directory"), std::string::npos);
+  // The path itself is a regular file.
+  auto r2 = BlockPool::create(config(1, 2, file));
+  ASSERT_FALSE(r2.is_ok());
+  EXPECT_EQ(r2.status().code(), Code::kIo);
+  // Permission bits: only meaningful when not root (root bypasses them).
+  if (::geteuid() != 0) {
+    const std::string ro = tmp.sub("ro");
+    fs::create_directories(ro);
+    fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+    auto r3 = BlockPool::create(config(1, 2, ro));
+    fs::permissions(ro, fs::perms::owner_all);
+    ASSERT_FALSE(r3.is_ok());
+    EXPECT_NE(r3.status().message().find("not writable"), std::string::npos)
+        << r3.status().to_string();
+  }
+}
+
+TEST(BlockPool, DiskFullWriteIsAClearErrorAndTheBlockSurvives) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  // The tier's file is /dev/full: every write fails with ENOSPC, as on a full disk.
+  const std::string dir = tmp.sub("disk");
+  fs::create_directories(dir);
+  fs::create_symlink("/dev/full", dir + "/blocks.bin");
+  auto p = make_pool(config(1, 2, dir));
+  ASSERT_TRUE(p);
+  auto h = p->alloc(Tier::kHost);
+  ASSERT_TRUE(h.is_ok());
+  const BlockData d(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(*h, d.k.data(), d.v.data()).is_ok());
+  const Status mv = p->move(*h, Tier::kDisk);
+  ASSERT_FALSE(mv.is_ok());
+  EXPECT_EQ(mv.code(), Code::kResourceExhausted);
+  std::printf("error: %s\n", mv.to_string().c_str());
+  EXPECT_NE(mv.message().find("ENOSPC"), std::string::npos) << mv.to_string();
+  EXPECT_EQ(tier(*p, *h), Tier::kHost);
+  expect_block(*p, *h, d);
+  EXPECT_EQ(p->stats(Tier::kDisk).io_errors, 1);
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 0);
+  auto dd = p->alloc(Tier::kDisk);
+  ASSERT_TRUE(dd.is_ok());
+  EXPECT_EQ(p->write(*dd, d.k.data(), d.v.data()).code(), Code::kResourceExhausted);
+  // The pool's destructor unlinks the symlink, never /dev/full itself.
+  p.reset();
+  EXPECT_TRUE(fs::exists("/dev/full"));
+}
+
+TEST(BlockPool, PlacementKeepsSinkRecentAndTopScoredOnFastTier) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  auto p = make_pool(config(4, 8, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  // 8 blocks of one sequence: 0..3 land on host, 4..7 spill to disk.
+  std::vector<BlockId> ids;
+  std::vector<BlockData> data;
+  for (int i = 0; i < 8; ++i) {
+    ids.push_back(must_alloc(*p, Tier::kHost));
+    data.emplace_back(p->half_floats(), rng);
+    ASSERT_TRUE(p->write(ids.back(), data.back().k.data(), data.back().v.data()).is_ok());
+  }
+  // sink = block 0, recent = block 7; of 1..6 the two best are 5 (9.0) and 2 (7.0).
+  const std::vector<float> scores = {0.f, 1.f, 7.f, 0.5f, 2.f, 9.f, 3.f, 0.f};
+  auto r = p->place(ids, scores, 1, 1, Tier::kHost);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  const std::vector<int> hot = {0, 2, 5, 7};
+  for (int i = 0; i < 8; ++i) {
+    const bool want_hot = std::find(hot.begin(), hot.end(), i) != hot.end();
+    EXPECT_EQ(tier(*p, ids[size_t(i)]), want_hot ? Tier::kHost : Tier::kDisk) << "block " << i;
+    expect_block(*p, ids[size_t(i)], data[size_t(i)]);
+  }
+  EXPECT_EQ(r->hot, 4);
+  EXPECT_EQ(r->demoted, 2);   // 1 and 3 left host
+  EXPECT_EQ(r->promoted, 2);  // 5 and 7 came up
+  EXPECT_EQ(p->stats(Tier::kHost).demoted_out, 2);
+  EXPECT_EQ(p->stats(Tier::kHost).promoted_in, 2);
+  EXPECT_EQ(p->stats(Tier::kHost).bytes_up_in, 2 * p->block_bytes());
+  // Placing again is a no-op.
+  auto r2 = p->place(ids, scores, 1, 1, Tier::kHost);
+  ASSERT_TRUE(r2.is_ok());
+  EXPECT_EQ(r2->demoted + r2->promoted, 0);
+  // Mismatched scores are rejected.
+  EXPECT_EQ(p->place(ids, std::vector<float>(3), 1, 1, Tier::kHost).status().code(),
+            Code::kInvalidArgument);
+}
+
+// CUDA builds on a GPU host: the device tier round trip. Skips in CPU builds (kUnsupported) and
+// where no device can be allocated.
+TEST(BlockPool, DeviceTierRoundTrip) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  BlockPoolConfig c = config(2, 0, "");
+  c.device_bytes = 2 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
+  auto r = BlockPool::create(c);
+  if (!r.is_ok()) {
+    EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
+                r.status().code() == Code::kResourceExhausted)
+        << r.status().to_string();
+    GTEST_SKIP() << r.status().to_string();
+  }
+  auto p = std::move(r).value();
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(must_alloc(*p, Tier::kDevice));
+  EXPECT_EQ(tier(*p, ids[0]), Tier::kDevice);
+  EXPECT_EQ(tier(*p, ids[2]), Tier::kHost);  // spilled
+  const BlockData d(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(ids[0], d.k.data(), d.v.data()).is_ok());
+  expect_block(*p, ids[0], d);
+  ASSERT_TRUE(p->free(ids[2]).is_ok());
+  ASSERT_TRUE(p->move(ids[0], Tier::kHost).is_ok());
+  expect_block(*p, ids[0], d);
+  ASSERT_TRUE(p->move(ids[0], Tier::kDevice).is_ok());
+  expect_block(*p, ids[0], d);
+  EXPECT_EQ(p->stats(Tier::kDevice).bytes_down_out, p->block_bytes());
+  EXPECT_EQ(p->stats(Tier::kDevice).bytes_up_in, p->block_bytes());
+}
+
+TEST(BlockPool, InvalidConfigIsRejected) {
+  BlockPoolConfig c = config(1, 0, "");
+  c.n_kv_heads = 0;
+  EXPECT_EQ(BlockPool::create(c).status().code(), Code::kInvalidArgument);
+  c = config(1, 1, "");  // disk budget without a directory
+  EXPECT_EQ(BlockPool::create(c).status().code(), Code::kInvalidArgument);
+  c = config(0, 0, "");
+  c.host_bytes = 100;  // below one block
+  EXPECT_EQ(BlockPool::create(c).status().code(), Code::kInvalidArgument);
+  c = config(1, 0, "");
+  c.host_bytes = -1;
+  EXPECT_EQ(BlockPool::create(c).status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sf::kvstore
