@@ -1,0 +1,199 @@
+#include "kvstore/prefix_cache.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace sf::kvstore {
+
+uint64_t prefix_block_key(uint64_t parent, const std::string& model_id,
+                          std::span<const int32_t> block_tokens) {
+  XXH64_state_t* s = XXH64_createState();
+  XXH64_reset(s, 0);
+  XXH64_update(s, &parent, sizeof(parent));
+  // The length goes in so that (id "ab", tokens ...) and (id "a", "b"...) cannot collide.
+  const uint64_t n = model_id.size();
+  XXH64_update(s, &n, sizeof(n));
+  XXH64_update(s, model_id.data(), model_id.size());
+  XXH64_update(s, block_tokens.data(), block_tokens.size_bytes());
+  const uint64_t h = XXH64_digest(s);
+  XXH64_freeState(s);
+  return h;
+}
+
+PrefixCache::PrefixCache(BlockPool* pool, int n_layers, int64_t budget_bytes)
+    : pool_(pool), n_layers_(n_layers) {
+  st_.budget_bytes = budget_bytes;
+}
+
+PrefixCache::~PrefixCache() {
+  for (auto& [k, e] : map_)
+    for (BlockId b : e.blocks) (void)pool_->free(b);  // cannot fail: the cache never pins at rest
+}
+
+int64_t PrefixCache::entry_bytes() const { return pool_->block_bytes() * n_layers_; }
+
+std::vector<uint64_t> PrefixCache::match(const std::string& model_id,
+                                         std::span<const int32_t> tokens,
+                                         int64_t max_blocks) const {
+  std::vector<uint64_t> keys;
+  uint64_t parent = 0;
+  const int64_t nb = std::min<int64_t>(int64_t(tokens.size()) / kPoolBlockTokens, max_blocks);
+  for (int64_t b = 0; b < nb; ++b) {
+    auto blk = tokens.subspan(size_t(b * kPoolBlockTokens), kPoolBlockTokens);
+    const uint64_t k = prefix_block_key(parent, model_id, blk);
+    auto it = map_.find(k);
+    if (it == map_.end() || it->second.parent != parent || it->second.model_id != model_id ||
+        !std::equal(blk.begin(), blk.end(), it->second.tokens.begin()))
+      break;
+    keys.push_back(k);
+    parent = k;
+  }
+  return keys;
+}
+
+int64_t PrefixCache::lookup(const std::string& model_id, std::span<const int32_t> tokens,
+                            int64_t max_tokens) {
+  std::lock_guard<std::mutex> g(mu_);
+  const std::vector<uint64_t> keys =
+      match(model_id, tokens, std::max<int64_t>(0, max_tokens) / kPoolBlockTokens);
+  ++st_.lookups;
+  if (keys.empty()) {
+    ++st_.misses;
+    return 0;
+  }
+  ++st_.hits;
+  st_.hit_blocks += int64_t(keys.size());
+  // Leaf first: the first block ends up most recent, so chains are evicted tail first.
+  for (auto it = keys.rbegin(); it != keys.rend(); ++it) {
+    Entry& e = map_[*it];
+    lru_.splice(lru_.begin(), lru_, e.lru);
+  }
+  return int64_t(keys.size()) * kPoolBlockTokens;
+}
+
+Status PrefixCache::read(const std::string& model_id, std::span<const int32_t> tokens,
+                         int64_t n_tokens, const KvRows& dst) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (n_tokens < 0 || n_tokens % kPoolBlockTokens != 0)
+    return SF_ERR(kInvalidArgument, "prefix cache: read of " + std::to_string(n_tokens) +
+                                        " tokens, not a whole number of blocks");
+  const int64_t nb = n_tokens / kPoolBlockTokens;
+  const std::vector<uint64_t> keys = match(model_id, tokens, nb);
+  if (int64_t(keys.size()) < nb)
+    return SF_ERR(kNotFound, "prefix cache: only " +
+                                 std::to_string(keys.size() * kPoolBlockTokens) + " of the " +
+                                 std::to_string(n_tokens) + " requested prefix tokens are cached");
+  const int64_t row = pool_->half_floats() / kPoolBlockTokens;  // floats per token
+  for (int64_t b = 0; b < nb; ++b) {
+    const Entry& e = map_.at(keys[size_t(b)]);
+    for (int l = 0; l < n_layers_; ++l) {
+      float* k = dst(l, false);
+      float* v = dst(l, true);
+      if (!k || !v) return SF_ERR(kInvalidArgument, "prefix cache: null destination rows");
+      const BlockId id = e.blocks[size_t(l)];
+      SF_TRY(pool_->pin(id));
+      const Status st =
+          pool_->read(id, k + b * kPoolBlockTokens * row, v + b * kPoolBlockTokens * row);
+      SF_TRY(pool_->unpin(id));
+      SF_TRY(st);
+    }
+  }
+  return Status::ok();
+}
+
+void PrefixCache::evict_one() {
+  const uint64_t k = lru_.back();
+  lru_.pop_back();
+  auto it = map_.find(k);
+  for (BlockId b : it->second.blocks) (void)pool_->free(b);  // unpinned at rest: cannot fail
+  map_.erase(it);
+  ++st_.evicted_blocks;
+  st_.used_bytes -= entry_bytes();
+  --st_.entries;
+}
+
+Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t> tokens,
+                           const KvRows& src) {
+  std::lock_guard<std::mutex> g(mu_);
+  const int64_t nb = int64_t(tokens.size()) / kPoolBlockTokens;
+  const int64_t eb = entry_bytes();
+  const int64_t row = pool_->half_floats() / kPoolBlockTokens;
+  std::vector<uint64_t> chain;
+  uint64_t parent = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    auto blk = tokens.subspan(size_t(b * kPoolBlockTokens), kPoolBlockTokens);
+    const uint64_t key = prefix_block_key(parent, model_id, blk);
+    auto it = map_.find(key);
+    if (it != map_.end()) {
+      if (it->second.parent != parent || it->second.model_id != model_id ||
+          !std::equal(blk.begin(), blk.end(), it->second.tokens.begin()))
+        break;  // a collision holds this key: leave the rest uncached
+      lru_.splice(lru_.begin(), lru_, it->second.lru);
+      chain.push_back(key);
+      parent = key;
+      continue;
+    }
+    if (eb > st_.budget_bytes)
+      return SF_ERR(kResourceExhausted, "prefix cache: one block (" + std::to_string(eb) +
+                                            " bytes) exceeds the budget of " +
+                                            std::to_string(st_.budget_bytes));
+    // Evict, never this request's own chain: its entries were just made most recent, so the
+    // LRU tail is something else unless the budget holds only this chain.
+    while (st_.used_bytes + eb > st_.budget_bytes && int64_t(lru_.size()) > int64_t(chain.size()))
+      evict_one();
+    if (st_.used_bytes + eb > st_.budget_bytes)
+      return SF_ERR(kResourceExhausted,
+                    "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
+                        " bytes holds " + std::to_string(chain.size()) + " blocks of this prompt");
+    Entry e;
+    e.parent = parent;
+    e.model_id = model_id;
+    e.tokens.assign(blk.begin(), blk.end());
+    Status st;
+    for (int l = 0; l < n_layers_ && st.is_ok(); ++l) {
+      Result<BlockId> id = pool_->alloc(Tier::kDevice);
+      // The pool is full: give back cached blocks that are not this chain's, then retry.
+      while (!id.is_ok() && id.status().code() == Code::kResourceExhausted &&
+             int64_t(lru_.size()) > int64_t(chain.size())) {
+        evict_one();
+        id = pool_->alloc(Tier::kDevice);
+      }
+      if (!id.is_ok()) {
+        st = id.status();
+        break;
+      }
+      e.blocks.push_back(*id);
+      const float* k = src(l, false);
+      const float* v = src(l, true);
+      if (!k || !v)
+        st = SF_ERR(kInvalidArgument, "prefix cache: null source rows");
+      else
+        st = pool_->write(*id, k + b * kPoolBlockTokens * row, v + b * kPoolBlockTokens * row);
+    }
+    if (!st.is_ok()) {
+      for (BlockId id : e.blocks) (void)pool_->free(id);
+      return st;
+    }
+    lru_.push_front(key);
+    e.lru = lru_.begin();
+    map_.emplace(key, std::move(e));
+    ++st_.inserted_blocks;
+    ++st_.entries;
+    st_.used_bytes += eb;
+    chain.push_back(key);
+    parent = key;
+  }
+  // Refresh leaf first, as lookup does, so a prefix is more recent than its extensions.
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+    lru_.splice(lru_.begin(), lru_, map_[*it].lru);
+  return Status::ok();
+}
+
+PrefixCacheStats PrefixCache::stats() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return st_;
+}
+
+}  // namespace sf::kvstore

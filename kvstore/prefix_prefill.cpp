@@ -1,0 +1,57 @@
+#include "kvstore/prefix_prefill.h"
+
+namespace sf::kvstore {
+
+Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, PrefixCache* cache,
+                                                       const std::string& model_id,
+                                                       std::span<const int32_t> tokens,
+                                                       const PrefixPrefillOptions& opt,
+                                                       PrefixPrefillStats* stats) {
+  const model::ModelConfig& c = m.config();
+  SF_ENSURE(cache != nullptr, kInvalidArgument, "prefix prefill: null cache");
+  SF_ENSURE(!tokens.empty(), kInvalidArgument, "prefix prefill: empty prompt");
+  if (cache->n_layers() != c.n_layers ||
+      cache->floats_per_token() != int64_t(c.n_kv_heads) * c.head_dim)
+    return SF_ERR(kInvalidArgument,
+                  "prefix prefill: cache geometry (" + std::to_string(cache->n_layers()) +
+                      " layers, " + std::to_string(cache->floats_per_token()) +
+                      " floats per token) does not match the model (" + std::to_string(c.n_layers) +
+                      ", " + std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + ")");
+  const int64_t S = int64_t(tokens.size());
+  // Leave at least one token to compute: the first generated token needs its logits.
+  const int64_t P = cache->lookup(model_id, tokens, S - 1);
+  model::PrefillResult res;
+  model::KvCache& kv = res.kv;
+  if (P > 0) {
+    kv.n_layers = c.n_layers;
+    kv.n_kv_heads = c.n_kv_heads;
+    kv.head_dim = c.head_dim;
+    kv.n_tokens = P;
+    const size_t n = size_t(P * c.n_kv_heads * c.head_dim);
+    kv.k.assign(size_t(c.n_layers), std::vector<float>(n));
+    kv.v.assign(size_t(c.n_layers), std::vector<float>(n));
+    SF_TRY(cache->read(model_id, tokens, P, [&](int l, bool value) {
+      return value ? kv.v[size_t(l)].data() : kv.k[size_t(l)].data();
+    }));
+  }
+  model::PrefillOptions po = opt.prefill;
+  po.keep_kv = true;  // the blocks to insert come from it
+  SF_TRY(model::extend(m, tokens.subspan(size_t(P)), po, &res));
+  Status ins;
+  if (opt.insert)
+    ins = cache->insert(model_id, tokens, [&](int l, bool value) {
+      return value ? res.kv.v[size_t(l)].data() : res.kv.k[size_t(l)].data();
+    });
+  if (!opt.prefill.keep_kv) {
+    kv.k.clear();
+    kv.v.clear();
+  }
+  if (stats) {
+    stats->reused_tokens = P;
+    stats->computed_tokens = S - P;
+    stats->insert_status = ins;
+  }
+  return res;
+}
+
+}  // namespace sf::kvstore

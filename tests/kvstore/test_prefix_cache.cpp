@@ -1,0 +1,300 @@
+// Prefix cache: the hash chain (model id and every token of a block matter from that block on),
+// longest-prefix lookup, LRU eviction order, counters, and the end-to-end contract on a synthetic
+// model: a prefix-hit prefill gives the same logits and KV as a full recompute.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kvstore/prefix_cache.h"
+#include "kvstore/prefix_prefill.h"
+#include "worker/model/model.h"
+
+namespace sf::kvstore {
+namespace {
+
+uint64_t fresh_seed() {
+  const uint64_t s = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int vocab, std::mt19937_64& rng) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % uint64_t(vocab));
+  return t;
+}
+
+constexpr int kLayers = 2, kHeads = 2, kDim = 8;
+constexpr int64_t kRow = kHeads * kDim;  // floats per token and layer
+
+std::unique_ptr<BlockPool> host_pool(int64_t blocks) {
+  BlockPoolConfig c;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim;
+  c.host_bytes = blocks * int64_t(2) * kPoolBlockTokens * kRow * 4;
+  auto r = BlockPool::create(c);
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return std::move(r).value();
+}
+
+// Synthetic KV rows of a prompt: a function of (layer, K/V, position, token) so a cached block
+// read back can be checked against what any prompt with that prefix would hold.
+struct FakeKv {
+  std::vector<std::vector<float>> k, v;
+  explicit FakeKv(const std::vector<int32_t>& toks) {
+    for (int l = 0; l < kLayers; ++l) {
+      k.emplace_back(toks.size() * kRow);
+      v.emplace_back(toks.size() * kRow);
+      for (size_t t = 0; t < toks.size(); ++t)
+        for (int64_t j = 0; j < kRow; ++j) {
+          k[size_t(l)][t * kRow + size_t(j)] = float(l * 1000 + toks[t]) + 0.001f * float(j + t);
+          v[size_t(l)][t * kRow + size_t(j)] = -float(l * 1000 + toks[t]) - 0.001f * float(j);
+        }
+    }
+  }
+  KvRows rows() {
+    return [this](int l, bool value) { return value ? v[size_t(l)].data() : k[size_t(l)].data(); };
+  }
+};
+
+int64_t entry_bytes() { return kLayers * int64_t(2) * kPoolBlockTokens * kRow * 4; }
+
+TEST(PrefixCache, HashChainCoversModelAndEveryToken) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto toks = random_tokens(64 * 3, 1000, rng);
+  std::span<const int32_t> b0(toks.data(), 64), b1(toks.data() + 64, 64);
+  const uint64_t k0 = prefix_block_key(0, "m", b0);
+  EXPECT_NE(k0, prefix_block_key(0, "m2", b0));
+  EXPECT_NE(prefix_block_key(k0, "m", b1), prefix_block_key(k0 + 1, "m", b1));
+  EXPECT_EQ(k0, prefix_block_key(0, "m", b0));
+
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 16 * entry_bytes());
+  FakeKv kv(toks);
+  ASSERT_TRUE(cache.insert("m", toks, kv.rows()).is_ok());
+  EXPECT_EQ(cache.lookup("m", toks), 192);
+  EXPECT_EQ(cache.lookup("other-model", toks), 0);
+  // One changed token in block 1: block 0 still hits, 1 and 2 miss (their keys chain on it).
+  auto changed = toks;
+  changed[64 + 17] = (changed[64 + 17] + 1) % 1000;
+  EXPECT_EQ(cache.lookup("m", changed), 64);
+  changed = toks;
+  changed[0] = (changed[0] + 1) % 1000;  // the first token: nothing matches
+  EXPECT_EQ(cache.lookup("m", changed), 0);
+  // Whole blocks only, and capped by max_tokens.
+  EXPECT_EQ(cache.lookup("m", std::span<const int32_t>(toks.data(), 150)), 128);
+  EXPECT_EQ(cache.lookup("m", toks, 191), 128);
+  EXPECT_EQ(cache.lookup("m", std::span<const int32_t>(toks.data(), 63)), 0);
+}
+
+TEST(PrefixCache, ReadReturnsTheInsertedKv) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto toks = random_tokens(64 * 2 + 10, 1000, rng);
+  auto pool = host_pool(16);
+  PrefixCache cache(pool.get(), kLayers, 16 * entry_bytes());
+  FakeKv kv(toks);
+  ASSERT_TRUE(cache.insert("m", toks, kv.rows()).is_ok());
+  EXPECT_EQ(cache.stats().inserted_blocks, 2);  // the partial tail block is not cached
+  std::vector<std::vector<float>> k(kLayers, std::vector<float>(128 * kRow, std::nanf(""))), v = k;
+  ASSERT_TRUE(cache
+                  .read("m", toks, 128,
+                        [&](int l, bool value) {
+                          return value ? v[size_t(l)].data() : k[size_t(l)].data();
+                        })
+                  .is_ok());
+  for (int l = 0; l < kLayers; ++l)
+    for (size_t i = 0; i < k[0].size(); ++i) {
+      ASSERT_EQ(k[size_t(l)][i], kv.k[size_t(l)][i]) << "layer " << l << " K float " << i;
+      ASSERT_EQ(v[size_t(l)][i], kv.v[size_t(l)][i]) << "layer " << l << " V float " << i;
+    }
+  // More than is cached, or not whole blocks: errors.
+  EXPECT_EQ(cache.read("m", toks, 192, {}).code(), Code::kNotFound);
+  EXPECT_EQ(cache.read("m", toks, 100, {}).code(), Code::kInvalidArgument);
+}
+
+TEST(PrefixCache, LruEvictsLeastRecentChainTailsFirst) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto a = random_tokens(128, 1000, rng), b = random_tokens(128, 1000, rng),
+             c = random_tokens(64, 1000, rng);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 4 * entry_bytes());  // four blocks
+  FakeKv ka(a), kb(b), kc(c);
+  ASSERT_TRUE(cache.insert("m", a, ka.rows()).is_ok());
+  ASSERT_TRUE(cache.insert("m", b, kb.rows()).is_ok());
+  EXPECT_EQ(cache.stats().used_bytes, 4 * entry_bytes());
+  EXPECT_EQ(cache.lookup("m", a), 128);  // a is now the most recent
+  ASSERT_TRUE(cache.insert("m", c, kc.rows()).is_ok());
+  // b's tail (block 1) was the least recent entry; b's first block and all of a survive.
+  EXPECT_EQ(cache.stats().evicted_blocks, 1);
+  EXPECT_EQ(cache.lookup("m", b), 64);
+  EXPECT_EQ(cache.lookup("m", a), 128);
+  EXPECT_EQ(cache.lookup("m", c), 64);
+  // Recency now (most recent first): c0, a0, a1, b0. Two new blocks evict b0, then a1 (a tail
+  // goes before its head).
+  const auto d = random_tokens(128, 1000, rng);
+  FakeKv kd(d);
+  ASSERT_TRUE(cache.insert("m", d, kd.rows()).is_ok());
+  EXPECT_EQ(cache.stats().evicted_blocks, 3);
+  EXPECT_EQ(cache.lookup("m", b), 0);
+  EXPECT_EQ(cache.lookup("m", a), 64);
+  EXPECT_EQ(cache.lookup("m", c), 64);
+  EXPECT_EQ(cache.lookup("m", d), 128);
+  EXPECT_EQ(cache.stats().used_bytes, 4 * entry_bytes());
+  EXPECT_EQ(pool->live_blocks(), 4 * kLayers);  // evicted entries gave their pool blocks back
+}
+
+TEST(PrefixCache, HitMissCountersAndBudgetErrors) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto a = random_tokens(192, 1000, rng);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 2 * entry_bytes());
+  FakeKv ka(a);
+  EXPECT_EQ(cache.lookup("m", a), 0);
+  // Three blocks into a budget of two: the first two are cached, the third is refused.
+  const Status st = cache.insert("m", a, ka.rows());
+  EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.to_string();
+  EXPECT_EQ(cache.lookup("m", a), 128);
+  EXPECT_EQ(cache.lookup("x", a), 0);
+  const PrefixCacheStats s = cache.stats();
+  EXPECT_EQ(s.lookups, 3);
+  EXPECT_EQ(s.hits, 1);
+  EXPECT_EQ(s.misses, 2);
+  EXPECT_EQ(s.hit_blocks, 2);
+  EXPECT_EQ(s.inserted_blocks, 2);
+  EXPECT_EQ(s.entries, 2);
+  // A pool that runs out is an error too, never a crash (the cache budget is larger here).
+  auto small = host_pool(kLayers);  // one entry's worth
+  PrefixCache c2(small.get(), kLayers, 8 * entry_bytes());
+  EXPECT_EQ(c2.insert("m", a, ka.rows()).code(), Code::kResourceExhausted);
+  EXPECT_EQ(c2.lookup("m", a), 64);
+}
+
+model::ModelConfig tiny_config() {
+  model::ModelConfig c;
+  c.arch = model::Arch::kLlama;
+  c.name = "tiny";
+  c.n_layers = kLayers;
+  c.hidden = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim * 2;
+  c.intermediate = 96;
+  c.vocab = 101;
+  c.max_context = 4096;
+  c.rope.theta = 10000.f;
+  return c;
+}
+
+struct Diff {
+  double max_abs = 0, max_ref = 0;
+  void add(const float* a, const float* b, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      max_abs = std::max(max_abs, double(std::fabs(a[i] - b[i])));
+      max_ref = std::max(max_ref, double(std::fabs(b[i])));
+    }
+  }
+  double rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
+};
+
+// The contract: a request whose prefix is cached computes only its suffix and gets the logits
+// and KV of a full recompute. The same kernels run on the same rows against the same cached K/V;
+// only the summation order can differ (BLAS and attention tiles see a different row count), a
+// few fp32 ulp (measured ~3e-7 relative). Allowed: 1e-5 relative to the largest magnitude, far
+// below what a wrong position or a wrong block (O(1) differences) would give.
+TEST(PrefixPrefill, PrefixHitEqualsFullRecompute) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const model::ModelConfig cfg = tiny_config();
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  BlockPoolConfig pc;
+  pc.n_kv_heads = cfg.n_kv_heads;
+  pc.head_dim = cfg.head_dim;
+  pc.host_bytes = int64_t(64) << 20;
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  PrefixCache cache(pool->get(), cfg.n_layers, int64_t(32) << 20);
+
+  // A: 200 tokens (3 whole blocks cached). B shares A's first 150 tokens (2 whole blocks).
+  const auto a = random_tokens(200, cfg.vocab, rng);
+  auto b = a;
+  b.resize(150);
+  const auto tail = random_tokens(123, cfg.vocab, rng);
+  b.insert(b.end(), tail.begin(), tail.end());
+  PrefixPrefillOptions opt;
+  opt.prefill.all_logits = true;
+  opt.prefill.chunk = 96;  // several chunks, unaligned to blocks
+  PrefixPrefillStats st;
+  auto ra = prefill_with_prefix_cache(*m, &cache, "tiny-seed", a, opt, &st);
+  ASSERT_TRUE(ra.is_ok()) << ra.status().to_string();
+  EXPECT_EQ(st.reused_tokens, 0);
+  EXPECT_TRUE(st.insert_status.is_ok()) << st.insert_status.to_string();
+  EXPECT_EQ(cache.stats().inserted_blocks, 3);
+
+  auto rb = prefill_with_prefix_cache(*m, &cache, "tiny-seed", b, opt, &st);
+  ASSERT_TRUE(rb.is_ok()) << rb.status().to_string();
+  EXPECT_EQ(st.reused_tokens, 128);
+  EXPECT_EQ(st.computed_tokens, int64_t(b.size()) - 128);
+  model::PrefillOptions full_opt = opt.prefill;
+  auto full = model::prefill(*m, b, full_opt);
+  ASSERT_TRUE(full.is_ok()) << full.status().to_string();
+
+  ASSERT_EQ(rb->kv.n_tokens, full->kv.n_tokens);
+  Diff dk, dl;
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    ASSERT_EQ(rb->kv.k[size_t(l)].size(), full->kv.k[size_t(l)].size());
+    dk.add(rb->kv.k[size_t(l)].data(), full->kv.k[size_t(l)].data(), rb->kv.k[size_t(l)].size());
+    dk.add(rb->kv.v[size_t(l)].data(), full->kv.v[size_t(l)].data(), rb->kv.v[size_t(l)].size());
+  }
+  // The hit computed rows 128.. only: compare them with the same rows of the full run.
+  ASSERT_EQ(rb->n_logit_rows, int64_t(b.size()) - 128);
+  const float* full_rows = full->logits.data() + 128 * cfg.vocab;
+  dl.add(rb->logits.data(), full_rows, rb->logits.size());
+  std::printf(
+      "prefix hit vs full recompute: KV max abs diff %.3g (rel %.3g), logits max abs diff "
+      "%.3g (rel %.3g)\n",
+      dk.max_abs, dk.rel(), dl.max_abs, dl.rel());
+  EXPECT_LE(dk.rel(), 1e-5);
+  EXPECT_LE(dl.rel(), 1e-5);
+  EXPECT_EQ(rb->first_token, full->first_token);
+
+  // A different model id never reuses the other model's blocks.
+  ASSERT_TRUE(prefill_with_prefix_cache(*m, &cache, "other", b, opt, &st).is_ok());
+  EXPECT_EQ(st.reused_tokens, 0);
+  // The whole prompt cached: the last token is still computed, so logits exist.
+  const std::vector<int32_t> a192(a.begin(), a.begin() + 192);
+  auto rc = prefill_with_prefix_cache(*m, &cache, "tiny-seed", a192, opt, &st);
+  ASSERT_TRUE(rc.is_ok()) << rc.status().to_string();
+  EXPECT_EQ(st.reused_tokens, 128);
+  EXPECT_EQ(st.computed_tokens, 64);
+  auto full_c = model::prefill(*m, a192, full_opt);
+  ASSERT_TRUE(full_c.is_ok());
+  Diff dc;
+  dc.add(rc->logits.data() + (rc->n_logit_rows - 1) * cfg.vocab,
+         full_c->logits.data() + (full_c->n_logit_rows - 1) * cfg.vocab, size_t(cfg.vocab));
+  std::printf("whole-prompt hit: last-row logits max abs diff %.3g (rel %.3g)\n", dc.max_abs,
+              dc.rel());
+  EXPECT_LE(dc.rel(), 1e-5);
+}
+
+TEST(PrefixPrefill, GeometryMismatchIsAnError) {
+  auto m = model::Model::synthetic(tiny_config(), 1);
+  ASSERT_TRUE(m.is_ok());
+  auto pool = host_pool(8);  // head_dim kDim, the model has 2 * kDim
+  PrefixCache cache(pool.get(), kLayers, 4 * entry_bytes());
+  const std::vector<int32_t> t(70, 3);
+  auto r = prefill_with_prefix_cache(*m, &cache, "tiny", t, {}, nullptr);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("geometry"), std::string::npos) << r.status().to_string();
+}
+
+}  // namespace
+}  // namespace sf::kvstore
