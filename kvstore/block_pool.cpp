@@ -27,6 +27,7 @@ class HostStore final : public TierStore {
     std::memcpy(dst, p_ + slot * bb_, size_t(bytes));
     return Status::ok();
   }
+  char* host_ptr(int64_t slot) const override { return p_ + slot * bb_; }
 
  private:
   char* p_;
@@ -226,12 +227,17 @@ Status BlockPool::write(BlockId id, const float* k, const float* v) {
   SF_TRY(check_id(id));
   if (!k || !v) return SF_ERR(kInvalidArgument, "block pool: write with null k or v");
   const Entry& e = entries_[size_t(id)];
-  const int64_t half = block_bytes_ / 2;
+  const size_t half = size_t(block_bytes_ / 2);
+  TierStore& s = *store_[size_t(e.tier)];
+  if (char* p = s.host_ptr(e.slot)) {
+    std::memcpy(p, k, half);
+    std::memcpy(p + half, v, half);
+    return Status::ok();
+  }
   // K and V are staged into one buffer so the disk tier does one pwrite per block.
-  const int64_t kv_bytes = half_floats() * 4;
-  std::memcpy(staging_.data(), k, size_t(kv_bytes));
-  std::memcpy(reinterpret_cast<char*>(staging_.data()) + half, v, size_t(kv_bytes));
-  Status st = store_[size_t(e.tier)]->write(e.slot, staging_.data(), block_bytes_);
+  std::memcpy(staging_.data(), k, half);
+  std::memcpy(reinterpret_cast<char*>(staging_.data()) + half, v, half);
+  Status st = s.write(e.slot, staging_.data(), block_bytes_);
   if (!st.is_ok()) ++st_[size_t(e.tier)].io_errors;
   return st;
 }
@@ -241,11 +247,19 @@ Status BlockPool::read(BlockId id, float* k, float* v) const {
   SF_TRY(check_id(id));
   if (!k || !v) return SF_ERR(kInvalidArgument, "block pool: read with null k or v");
   const Entry& e = entries_[size_t(id)];
-  SF_TRY(store_[size_t(e.tier)]->read(e.slot, staging_.data(), block_bytes_));
-  const int64_t kv_bytes = half_floats() * 4;
-  std::memcpy(k, staging_.data(), size_t(kv_bytes));
-  std::memcpy(v, reinterpret_cast<const char*>(staging_.data()) + block_bytes_ / 2,
-              size_t(kv_bytes));
+  const size_t half = size_t(block_bytes_ / 2);
+  const TierStore& s = *store_[size_t(e.tier)];
+  const char* p = s.host_ptr(e.slot);
+  if (!p) {
+    Status st = s.read(e.slot, staging_.data(), block_bytes_);
+    if (!st.is_ok()) {
+      ++st_[size_t(e.tier)].io_errors;
+      return st;
+    }
+    p = reinterpret_cast<const char*>(staging_.data());
+  }
+  std::memcpy(k, p, half);
+  std::memcpy(v, p + half, half);
   return Status::ok();
 }
 
@@ -305,21 +319,39 @@ Status BlockPool::move_locked(BlockId id, int to) {
                                           ": tier full (" + std::to_string(d.used_bytes) + "/" +
                                           std::to_string(d.capacity_bytes) + " bytes)");
   }
-  Status st = store_[size_t(from)]->read(e.slot, staging_.data(), block_bytes_);
-  if (!st.is_ok()) {
-    ++s.io_errors;
-    return st;
-  }
   const int64_t slot = free_slots_[size_t(to)].back();
-  st = store_[size_t(to)]->write(slot, staging_.data(), block_bytes_);
-  if (!st.is_ok()) {  // the block stays where it was, intact
-    ++d.io_errors;
-    return st;
+  TierStore& src = *store_[size_t(from)];
+  TierStore& dst = *store_[size_t(to)];
+  // One copy when either side is host memory; disk<->device goes through the staging block.
+  // On failure the block stays where it was, intact.
+  Status st;
+  if (char* dp = dst.host_ptr(slot)) {
+    st = src.read(e.slot, dp, block_bytes_);
+    if (!st.is_ok()) ++s.io_errors;
+  } else if (const char* sp = src.host_ptr(e.slot)) {
+    st = dst.write(slot, sp, block_bytes_);
+    if (!st.is_ok()) ++d.io_errors;
+  } else {
+    st = src.read(e.slot, staging_.data(), block_bytes_);
+    if (!st.is_ok()) {
+      ++s.io_errors;
+    } else {
+      st = dst.write(slot, staging_.data(), block_bytes_);
+      if (!st.is_ok()) ++d.io_errors;
+    }
   }
+  SF_TRY(st);
   free_slots_[size_t(to)].pop_back();
   free_slots_[size_t(from)].push_back(e.slot);
   e.tier = to;
   e.slot = slot;
+  count_move(from, to);
+  return Status::ok();
+}
+
+void BlockPool::count_move(int from, int to) {
+  TierStats& s = st_[size_t(from)];
+  TierStats& d = st_[size_t(to)];
   s.used_bytes -= block_bytes_;
   --s.blocks;
   d.used_bytes += block_bytes_;
@@ -335,6 +367,94 @@ Status BlockPool::move_locked(BlockId id, int to) {
     ++d.promoted_in;
     d.bytes_up_in += block_bytes_;
   }
+}
+
+Status BlockPool::move_batch(std::span<const BlockId> ids, Tier to) {
+  std::lock_guard<std::mutex> g(mu_);
+  return move_batch_locked(ids, int(to));
+}
+
+Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
+  if (to < 0 || to >= kNumTiers) return SF_ERR(kInvalidArgument, "block pool: bad tier");
+  if (!store_[size_t(to)])
+    return SF_ERR(kInvalidArgument, std::string("block pool: cannot move to ") +
+                                        tier_name(Tier(to)) + ": tier disabled (budget 0)");
+  std::vector<BlockId> todo;
+  for (BlockId id : ids) {
+    SF_TRY(check_id(id));
+    const Entry& e = entries_[size_t(id)];
+    if (e.pins > 0)
+      return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(id) +
+                                          " is pinned, cannot move it to " + tier_name(Tier(to)));
+    if (e.tier != to) todo.push_back(id);
+  }
+  std::vector<BlockId> sorted = todo;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    return SF_ERR(kInvalidArgument, "block pool: move_batch lists a block twice");
+  TierStats& d = st_[size_t(to)];
+  if (int64_t(todo.size()) > free_slots(to)) {
+    ++d.full_refusals;
+    return SF_ERR(kResourceExhausted, "block pool: cannot move " + std::to_string(todo.size()) +
+                                          " blocks to " + tier_name(Tier(to)) + ": room for " +
+                                          std::to_string(free_slots(to)));
+  }
+  // Queue every copy that has a host-side end; the rest (disk<->device) go through staging at
+  // once. Destination slots are taken from the back of the free list (ascending) and only
+  // committed after every copy has completed. Runs of blocks whose source and destination slots
+  // are both consecutive go as one copy: per-copy overhead (a few us) otherwise caps small
+  // blocks far below the link's bandwidth.
+  auto& fl = free_slots_[size_t(to)];
+  TierStore& dst = *store_[size_t(to)];
+  auto dst_slot = [&](size_t i) { return fl[fl.size() - 1 - i]; };
+  std::array<bool, kNumTiers> used{};
+  Status st;
+  for (size_t i = 0; i < todo.size() && st.is_ok();) {
+    const Entry& e = entries_[size_t(todo[i])];
+    TierStore& src = *store_[size_t(e.tier)];
+    used[size_t(e.tier)] = true;
+    const int64_t slot = dst_slot(i);
+    size_t run = 1;
+    while (i + run < todo.size()) {
+      const Entry& n = entries_[size_t(todo[i + run])];
+      if (n.tier != e.tier || n.slot != e.slot + int64_t(run) ||
+          dst_slot(i + run) != slot + int64_t(run))
+        break;
+      ++run;
+    }
+    if (char* dp = dst.host_ptr(slot)) {
+      st = src.read_async(e.slot, dp, int64_t(run) * block_bytes_);
+      if (!st.is_ok()) ++st_[size_t(e.tier)].io_errors;
+    } else if (const char* sp = src.host_ptr(e.slot)) {
+      st = dst.write_async(slot, sp, int64_t(run) * block_bytes_);
+      if (!st.is_ok()) ++d.io_errors;
+    } else {
+      run = 1;  // one staging block
+      st = src.read(e.slot, staging_.data(), block_bytes_);
+      if (st.is_ok()) st = dst.write(slot, staging_.data(), block_bytes_);
+      if (!st.is_ok()) ++d.io_errors;
+    }
+    i += run;
+  }
+  // Wait for whatever was queued even after a failure: the slots must be quiet before reuse.
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (!store_[size_t(t)] || !(used[size_t(t)] || t == to)) continue;
+    const Status s = store_[size_t(t)]->sync();
+    if (!s.is_ok()) {
+      ++st_[size_t(t)].io_errors;
+      if (st.is_ok()) st = s;
+    }
+  }
+  SF_TRY(st);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    Entry& e = entries_[size_t(todo[i])];
+    const int from = e.tier;
+    free_slots_[size_t(from)].push_back(e.slot);
+    e.tier = to;
+    e.slot = fl[fl.size() - 1 - i];
+    count_move(from, to);
+  }
+  fl.resize(fl.size() - todo.size());
   return Status::ok();
 }
 
@@ -380,23 +500,24 @@ Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
     --room;
   }
   // Demote cold blocks first so promotions find free slots.
+  std::vector<BlockId> down, up;
   for (int64_t i = 0; i < n; ++i) {
     const Entry& e = entries_[size_t(blocks[size_t(i)])];
     if (e.pins > 0) {
       ++r.pinned_skipped;
       continue;
     }
-    if (hot[size_t(i)] || e.tier != f) continue;
-    SF_TRY(move_locked(blocks[size_t(i)], f + 1));
-    ++r.demoted;
+    if (!hot[size_t(i)] && e.tier == f) down.push_back(blocks[size_t(i)]);
   }
   for (int64_t i : order) {
     if (!hot[size_t(i)]) continue;
     ++r.hot;
-    if (entries_[size_t(blocks[size_t(i)])].tier == f) continue;
-    SF_TRY(move_locked(blocks[size_t(i)], f));
-    ++r.promoted;
+    if (entries_[size_t(blocks[size_t(i)])].tier != f) up.push_back(blocks[size_t(i)]);
   }
+  SF_TRY(move_batch_locked(down, f + 1));
+  r.demoted = int64_t(down.size());
+  SF_TRY(move_batch_locked(up, f));
+  r.promoted = int64_t(up.size());
   return r;
 }
 

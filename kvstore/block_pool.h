@@ -86,12 +86,18 @@ class BlockPool {
   // destination full or disabled, I/O failure.
   Status move(BlockId id, Tier to);
 
+  // Moves a batch to tier `to`: checks every block (live, unpinned, listed once) and the room
+  // first, queues all copies (asynchronous on the device tier's copy stream) and waits once. On
+  // any error no block has moved. Blocks already on `to` are left alone.
+  Status move_batch(std::span<const BlockId> ids, Tier to);
+
   // Sparsity-aware placement of one sequence's blocks (position order) on the fast tier `fast`:
   // the first sink_blocks and last recent_blocks come first, then the rest by descending score;
   // as many as fit in the fast tier (its free room plus what these blocks already occupy) are
   // hot. Cold blocks on `fast` are demoted to the next tier, hot ones elsewhere are promoted.
   // Pinned blocks stay put. scores: one per block (e.g. the summed importance of its tokens).
-  // Stops at the first failed move (e.g. the slower tier is full); moves done so far stay.
+  // Demotions run as one batch, then promotions as another; when the second fails (e.g. an I/O
+  // error) the demotions stay done.
   Result<PlacementResult> place(std::span<const BlockId> blocks, std::span<const float> scores,
                                 int64_t sink_blocks, int64_t recent_blocks, Tier fast);
 
@@ -107,17 +113,19 @@ class BlockPool {
   };
   Status check_id(BlockId id) const;  // caller holds mu_
   Status move_locked(BlockId id, int to);
+  Status move_batch_locked(std::span<const BlockId> ids, int to);
+  void count_move(int from, int to);
   int64_t free_slots(int t) const;
 
   mutable std::mutex mu_;
   BlockPoolConfig cfg_;
   int64_t block_bytes_ = 0;
   std::array<std::unique_ptr<TierStore>, kNumTiers> store_;
-  std::array<TierStats, kNumTiers> st_{};
+  mutable std::array<TierStats, kNumTiers> st_{};  // mutable: read() counts io_errors
   std::array<std::vector<int64_t>, kNumTiers> free_slots_;
   std::vector<Entry> entries_;
   std::vector<BlockId> free_ids_;
-  mutable std::vector<float> staging_;  // one block, for moves
+  mutable std::vector<float> staging_;  // one block: disk reads/writes and disk<->device moves
 };
 
 // Storage of one tier: a fixed number of block slots. Implementations: host (aligned, or
@@ -127,6 +135,18 @@ class TierStore {
   virtual ~TierStore() = default;
   virtual Status write(int64_t slot, const void* src, int64_t bytes) = 0;
   virtual Status read(int64_t slot, void* dst, int64_t bytes) const = 0;
+  // Host-addressable memory of a slot (host tiers), else null. Moves to or from such a slot copy
+  // straight into or out of it: a device<->pinned-host move is one DMA, with no staging copy.
+  virtual char* host_ptr(int64_t /*slot*/) const { return nullptr; }
+  // Copies that may complete later (the device tier queues them on its copy stream); sync()
+  // waits for all of them and reports the first failure. Other tiers copy at once.
+  virtual Status read_async(int64_t slot, void* dst, int64_t bytes) {
+    return read(slot, dst, bytes);
+  }
+  virtual Status write_async(int64_t slot, const void* src, int64_t bytes) {
+    return write(slot, src, bytes);
+  }
+  virtual Status sync() { return Status::ok(); }
 };
 
 // Device and pinned-host stores. CUDA builds take them from block_pool_cuda.cpp (cudaMalloc,

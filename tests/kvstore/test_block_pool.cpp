@@ -339,6 +339,76 @@ TEST(BlockPool, PlacementKeepsSinkRecentAndTopScoredOnFastTier) {
             Code::kInvalidArgument);
 }
 
+TEST(BlockPool, MoveBatchIsAllOrNothing) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  auto p = make_pool(config(4, 3, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  std::vector<BlockId> ids;
+  std::vector<BlockData> data;
+  for (int i = 0; i < 4; ++i) {
+    ids.push_back(must_alloc(*p, Tier::kHost));
+    data.emplace_back(p->half_floats(), rng);
+    ASSERT_TRUE(p->write(ids.back(), data.back().k.data(), data.back().v.data()).is_ok());
+  }
+  auto all_on = [&](Tier t) {
+    for (BlockId id : ids)
+      if (tier(*p, id) != t) return false;
+    return true;
+  };
+  // Four blocks, room for three: refused, nothing moved.
+  EXPECT_EQ(p->move_batch(ids, Tier::kDisk).code(), Code::kResourceExhausted);
+  EXPECT_TRUE(all_on(Tier::kHost));
+  EXPECT_EQ(p->stats(Tier::kDisk).full_refusals, 1);
+  const std::vector<BlockId> three(ids.begin(), ids.begin() + 3);
+  // A pinned block or a repeated one: refused, nothing moved.
+  ASSERT_TRUE(p->pin(ids[1]).is_ok());
+  EXPECT_EQ(p->move_batch(three, Tier::kDisk).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(p->unpin(ids[1]).is_ok());
+  const std::vector<BlockId> twice = {ids[0], ids[0]};
+  EXPECT_EQ(p->move_batch(twice, Tier::kDisk).code(), Code::kInvalidArgument);
+  EXPECT_TRUE(all_on(Tier::kHost));
+  ASSERT_TRUE(p->move_batch(three, Tier::kDisk).is_ok());
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(tier(*p, ids[size_t(i)]), i < 3 ? Tier::kDisk : Tier::kHost);
+    expect_block(*p, ids[size_t(i)], data[size_t(i)]);
+  }
+  EXPECT_EQ(p->stats(Tier::kHost).demoted_out, 3);
+  EXPECT_EQ(p->stats(Tier::kDisk).bytes_down_in, 3 * p->block_bytes());
+  ASSERT_TRUE(p->move_batch(ids, Tier::kHost).is_ok());  // ids[3] is already there
+  EXPECT_TRUE(all_on(Tier::kHost));
+  EXPECT_EQ(p->stats(Tier::kHost).promoted_in, 3);
+  for (int i = 0; i < 4; ++i) expect_block(*p, ids[size_t(i)], data[size_t(i)]);
+}
+
+TEST(BlockPool, MoveBatchToAFullDiskMovesNothing) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  const std::string dir = tmp.sub("disk");
+  fs::create_directories(dir);
+  fs::create_symlink("/dev/full", dir + "/blocks.bin");
+  auto p = make_pool(config(2, 2, dir));
+  ASSERT_TRUE(p);
+  std::vector<BlockId> ids;
+  std::vector<BlockData> data;
+  for (int i = 0; i < 2; ++i) {
+    ids.push_back(must_alloc(*p, Tier::kHost));
+    data.emplace_back(p->half_floats(), rng);
+    ASSERT_TRUE(p->write(ids.back(), data.back().k.data(), data.back().v.data()).is_ok());
+  }
+  const Status st = p->move_batch(ids, Tier::kDisk);
+  EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.to_string();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(tier(*p, ids[size_t(i)]), Tier::kHost);
+    expect_block(*p, ids[size_t(i)], data[size_t(i)]);
+  }
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 0);
+  EXPECT_EQ(p->stats(Tier::kHost).demoted_out, 0);
+}
+
 // CUDA builds on a GPU host: the device tier round trip. Skips in CPU builds (kUnsupported) and
 // where no device can be allocated.
 TEST(BlockPool, DeviceTierRoundTrip) {
@@ -368,6 +438,19 @@ TEST(BlockPool, DeviceTierRoundTrip) {
   expect_block(*p, ids[0], d);
   EXPECT_EQ(p->stats(Tier::kDevice).bytes_down_out, p->block_bytes());
   EXPECT_EQ(p->stats(Tier::kDevice).bytes_up_in, p->block_bytes());
+  // The copy-stream path: a batch down to pinned host and back up.
+  const BlockData d1(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(ids[1], d1.k.data(), d1.v.data()).is_ok());
+  const std::vector<BlockId> both = {ids[0], ids[1]};
+  ASSERT_TRUE(p->move_batch(both, Tier::kHost).is_ok());
+  EXPECT_EQ(tier(*p, ids[1]), Tier::kHost);
+  expect_block(*p, ids[0], d);
+  expect_block(*p, ids[1], d1);
+  ASSERT_TRUE(p->move_batch(both, Tier::kDevice).is_ok());
+  EXPECT_EQ(tier(*p, ids[1]), Tier::kDevice);
+  expect_block(*p, ids[0], d);
+  expect_block(*p, ids[1], d1);
+  EXPECT_EQ(p->stats(Tier::kDevice).bytes_down_out, 3 * p->block_bytes());
 }
 
 TEST(BlockPool, InvalidConfigIsRejected) {

@@ -1,0 +1,6 @@
+# KV block pool demotion bandwidth against the pinned D2H ceiling (GPU hosts only).
+if(SF_HAVE_CUDA AND TARGET sf_kvstore)
+  add_executable(sf_bench_kv_tiering ${CMAKE_CURRENT_LIST_DIR}/kv_tiering_bench.cpp)
+  target_link_libraries(sf_bench_kv_tiering PRIVATE sf_kvstore CUDA::cudart_static)
+  target_compile_options(sf_bench_kv_tiering PRIVATE ${SF_WARN})
+endif()
