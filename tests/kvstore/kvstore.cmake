@@ -3,3 +3,6 @@ sf_add_test(test_block_pool SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_block_pool.cp
             LIBS sf_kvstore TIMEOUT 60)
 sf_add_test(test_prefix_cache SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefix_cache.cpp LABELS unit
             LIBS sf_kvstore TIMEOUT 60)
+# The same contract on the default model.
+sf_add_test(test_prefix_cache_model SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefix_cache_model.cpp
+            LABELS quality LIBS sf_kvstore TIMEOUT 300)
