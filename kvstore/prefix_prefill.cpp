@@ -19,7 +19,7 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
                       ", " + std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + ")");
   const int64_t S = int64_t(tokens.size());
   // Leave at least one token to compute: the first generated token needs its logits.
-  const int64_t P = cache->lookup(model_id, tokens, S - 1);
+  int64_t P = cache->lookup(model_id, tokens, S - 1);
   model::PrefillResult res;
   model::KvCache& kv = res.kv;
   if (P > 0) {
@@ -30,9 +30,16 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
     const size_t n = size_t(P * c.n_kv_heads * c.head_dim);
     kv.k.assign(size_t(c.n_layers), std::vector<float>(n));
     kv.v.assign(size_t(c.n_layers), std::vector<float>(n));
-    SF_TRY(cache->read(model_id, tokens, P, [&](int l, bool value) {
+    const Status rd = cache->read(model_id, tokens, P, [&](int l, bool value) {
       return value ? kv.v[size_t(l)].data() : kv.k[size_t(l)].data();
-    }));
+    });
+    if (rd.code() == Code::kNotFound) {
+      // Another request evicted part of the prefix between lookup and read: compute it all.
+      kv = model::KvCache{};
+      P = 0;
+    } else {
+      SF_TRY(rd);
+    }
   }
   model::PrefillOptions po = opt.prefill;
   po.keep_kv = true;  // the blocks to insert come from it
