@@ -42,6 +42,8 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (hp.n_vertical < 0) return err("n_vertical", "must be >= 0");
   if (hp.n_slash < 0) return err("n_slash", "must be >= 0");
   if (hp.spread_rows < 0 || hp.spread_rows > 4096) return err("spread_rows", "must be in [0, 4096]");
+  if (hp.segment_rows < 0 || hp.segment_rows % kSparseBlock != 0)
+    return err("segment_rows", "must be >= 0 and a multiple of 64");
   if (hp.n_blocks < 0) return err("n_blocks", "must be >= 0");
   if (!std::isfinite(hp.alpha) || hp.alpha < 0) return err("alpha", "must be finite and >= 0");
   if (!std::isfinite(hp.beta) || hp.beta < 0) return err("beta", "must be finite and >= 0");

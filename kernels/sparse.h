@@ -34,6 +34,9 @@ struct HeadPattern {
   int64_t n_slash = 6096;     // vertical-slash: top-k diagonals
   int64_t spread_rows = 0;    // vertical-slash scoring: rows spread over the sequence besides the
                               // last 64 (0 = MInference: the last 64 only)
+  int64_t segment_rows = 0;   // vertical-slash: query rows per selection segment (a multiple of
+                              // 64; 0 = one selection for every row, as MInference). Each segment
+                              // ranks columns and diagonals from the scoring rows inside it.
   int64_t n_blocks = 64;      // block-sparse: top-k key blocks per query block
   double alpha = 1024;        // MoA span = alpha + beta * N
   double beta = 0.0;
@@ -63,7 +66,7 @@ struct EstimatorStats {
 //   adaptive-vs / adaptive-block: the smallest ranked set reaching gamma of the estimated mass.
 // Every pattern also gets the sink and local window (sparse_index.h). Ties rank by lower index.
 // CUDA tensors (F32, or BF16 q and k): the device estimators (kernels/cuda/sparse_estimate.h),
-// same rules; spread_rows > 0 is kUnsupported there.
+// same rules; spread_rows > 0 or segment_rows > 0 is kUnsupported there.
 Status sparse_estimate(const TensorView& q, const TensorView& k,
                        const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
                        EstimatorStats* stats);

@@ -61,4 +61,18 @@ std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
   return rows;
 }
 
+VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows) {
+  VsSegments sg;
+  sg.rows_per = segment_rows > 0 ? segment_rows : std::max<int64_t>(n, 1);
+  const int64_t count = std::max<int64_t>(1, (n + sg.rows_per - 1) / sg.rows_per);
+  sg.rows.assign(size_t(count), {});
+  for (int64_t r : scoring_rows(n, spread)) sg.rows[size_t(r / sg.rows_per)].push_back(r);
+  sg.source.assign(size_t(count), count - 1);
+  for (int64_t s = count - 1, src = count - 1; s >= 0; --s) {
+    if (!sg.rows[size_t(s)].empty()) src = s;
+    sg.source[size_t(s)] = src;
+  }
+  return sg;
+}
+
 }  // namespace sf::kernels

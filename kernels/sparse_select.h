@@ -2,6 +2,7 @@
 // context-parallel estimator in worker/runtime), so a distributed index equals a single-rank one
 // by construction rather than by keeping two copies in step.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -25,5 +26,18 @@ std::vector<int32_t> iota_list(int64_t n);
 // Local rows of q that score vertical-slash over a sequence of n query rows: `spread` rows evenly
 // spaced over the rows before the last min(64, n), then those last rows (MInference Alg. 2).
 std::vector<int64_t> scoring_rows(int64_t n, int64_t spread);
+
+// Vertical-slash selection segments over n query rows: segment s holds rows
+// [s * segment_rows, (s + 1) * segment_rows) (segment_rows 0: one segment of all rows) and ranks
+// from the scoring rows inside it, rows[s]. A segment with none takes the selection of the
+// nearest later segment that has some, source[s]; the last segment always has the last rows.
+struct VsSegments {
+  int64_t rows_per = 0;  // rows per segment (n when segment_rows is 0)
+  std::vector<std::vector<int64_t>> rows;
+  std::vector<int64_t> source;
+  int64_t count() const { return int64_t(source.size()); }
+  int64_t end_row(int64_t s, int64_t n) const { return std::min(n, (s + 1) * rows_per); }
+};
+VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows);
 
 }  // namespace sf::kernels

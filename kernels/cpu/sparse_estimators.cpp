@@ -5,9 +5,13 @@
 //   dense           local = base: every causal key.
 //   a-shape         nothing else: sink + local window.
 //   vertical-slash  softmax(q_last K^T / sqrt(d)) over causal keys for the last L = min(64, n_q)
-//                   rows (plus spread_rows evenly spaced earlier rows when set); column sums -> top n_vertical columns, sums along diagonals
-//                   (offset = qpos - kpos) -> top n_slash diagonals. The sink columns and the
-//                   local diagonals 0..local rank first and count toward the budgets.
+//                   rows (plus spread_rows evenly spaced earlier rows when set); column sums ->
+//                   top n_vertical columns, sums along diagonals (offset = qpos - kpos) -> top
+//                   n_slash diagonals. The sink columns and the local diagonals 0..local rank
+//                   first and count toward the budgets. With segment_rows, each segment of that
+//                   many query rows ranks from its own scoring rows, over the keys it can reach
+//                   (sparse_select.h, vs_segments): a mid-sequence row then keeps the columns
+//                   rows near it attend, not those the prompt's end attends.
 //   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
 //                   query block, top n_blocks causal key blocks; block 0 and the key blocks under
 //                   the query block's diagonal rank first. The last query block is scored
@@ -81,13 +85,14 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
   }
   if (kend == 0 || L == 0) return;
   const int64_t pos_min = g.q_offset + rows.front(), pos_max = g.q_offset + rows.back();
+  const int64_t kseen = std::min(kend, pos_max + 1);  // keys past the last row are never visible
   // Groups of query heads sharing a KV head.
   std::vector<std::vector<int>> groups(size_t(g.hkv));
   for (int h : heads) groups[size_t(h / g.group)].push_back(h);
   std::vector<int> gl;
   for (int64_t x = 0; x < g.hkv; ++x)
     if (!groups[size_t(x)].empty()) gl.push_back(int(x));
-  const int64_t n_chunks = ceil_div(kend, kChunk);
+  const int64_t n_chunks = ceil_div(kseen, kChunk);
   const size_t n_tasks = gl.size() * size_t(n_chunks);
   // The scoring rows of q for each group, stacked head-major: row x * L + i.
   std::vector<std::vector<float>> qbuf(gl.size());
@@ -102,7 +107,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
   auto scores = [&](size_t task, std::vector<float>& s, int64_t* c0, int64_t* kc) {
     const size_t gi = task / size_t(n_chunks);
     *c0 = int64_t(task % size_t(n_chunks)) * kChunk;
-    *kc = std::min(kChunk, kend - *c0);
+    *kc = std::min(kChunk, kseen - *c0);
     const int64_t m = int64_t(groups[size_t(gl[gi])].size()) * L;
     s.resize(size_t(m * *kc));
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(*kc), int(g.d), g.scale,
@@ -258,17 +263,39 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     if (uses_vs(patterns[size_t(h)].pattern)) vs_heads.push_back(h);
     any_block |= uses_blocks(patterns[size_t(h)].pattern);
   }
+  // Vertical-slash scores per head and selection segment: col[h] holds n_seg x kend_last sums,
+  // diag[h] n_seg x n_diag (segment s at s * kend_last / s * n_diag; segments that borrow a later
+  // one's selection stay zero). One scoring pass per distinct (spread_rows, segment_rows).
   std::vector<std::vector<float>> col(size_t(g.hq)), diag(size_t(g.hq));
-  {  // one scoring pass per distinct spread_rows setting
-    std::vector<int64_t> spreads;
-    for (int h : vs_heads) spreads.push_back(patterns[size_t(h)].spread_rows);
-    std::sort(spreads.begin(), spreads.end());
-    spreads.erase(std::unique(spreads.begin(), spreads.end()), spreads.end());
-    for (int64_t sp : spreads) {
+  std::vector<VsSegments> segs(size_t(g.hq));
+  {
+    std::vector<std::pair<int64_t, int64_t>> settings;
+    for (int h : vs_heads)
+      settings.emplace_back(patterns[size_t(h)].spread_rows, patterns[size_t(h)].segment_rows);
+    std::sort(settings.begin(), settings.end());
+    settings.erase(std::unique(settings.begin(), settings.end()), settings.end());
+    for (const auto& [sp, sr] : settings) {
       std::vector<int> hs;
       for (int h : vs_heads)
-        if (patterns[size_t(h)].spread_rows == sp) hs.push_back(h);
-      vs_scores(g, hs, scoring_rows(g.nq, sp), &col, &diag);
+        if (patterns[size_t(h)].spread_rows == sp && patterns[size_t(h)].segment_rows == sr)
+          hs.push_back(h);
+      const VsSegments sg = vs_segments(g.nq, sp, sr);
+      for (int h : hs) {
+        segs[size_t(h)] = sg;
+        col[size_t(h)].assign(size_t(sg.count() * kend_last), 0.f);
+        diag[size_t(h)].assign(size_t(sg.count() * n_diag), 0.f);
+      }
+      std::vector<std::vector<float>> sc(size_t(g.hq)), sd(size_t(g.hq));
+      for (int64_t si = 0; si < sg.count(); ++si) {
+        if (sg.rows[size_t(si)].empty()) continue;
+        vs_scores(g, hs, sg.rows[size_t(si)], &sc, &sd);
+        for (int h : hs) {
+          std::copy(sc[size_t(h)].begin(), sc[size_t(h)].end(),
+                    col[size_t(h)].begin() + si * kend_last);
+          std::copy(sd[size_t(h)].begin(), sd[size_t(h)].end(),
+                    diag[size_t(h)].begin() + si * n_diag);
+        }
+      }
     }
   }
   std::vector<std::vector<float>> pooled_k;
@@ -304,7 +331,9 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
       hl.bstart.assign(size_t(g.n_qb + 1), 0);
       hl.cstart.assign(size_t(g.n_qb + 1), 0);
       int64_t local = hp.local;
-      std::vector<int32_t> cols, diags;  // per head (vertical-slash family)
+      // Vertical-slash family: the selection of each segment (one when segment_rows is 0).
+      std::vector<std::vector<int32_t>> seg_cols(1), seg_diags(1);
+      const VsSegments& vsg = segs[h];
       std::vector<float> pq, bscore;     // block family: pooled q, one chunk of block scores
       switch (hp.pattern) {
         case Pattern::kDense:
@@ -321,22 +350,32 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
         }
         case Pattern::kVerticalSlash:
         case Pattern::kAdaptiveVS: {
-          Budget bc, bd;
-          if (hp.pattern == Pattern::kVerticalSlash) {
-            bc.k = std::min(hp.n_vertical, kend_last);
-            bd.k = std::min(hp.n_slash, n_diag);
+          if (hp.pattern == Pattern::kVerticalSlash)
             hl.clamped = hp.n_vertical > kend_last || hp.n_slash > n_diag;
-          } else {
-            bc.mass = bd.mass = true;
-            bc.gamma = bd.gamma = hp.gamma;
-            bc.min_count = bd.min_count = hp.min_budget;
-            bc.max_count = bd.max_count = hp.max_budget;
+          else
             hl.clamped = hp.min_budget > kend_last || hp.min_budget > n_diag;
+          seg_cols.assign(size_t(vsg.count()), {});
+          seg_diags.assign(size_t(vsg.count()), {});
+          for (int64_t si = 0; si < vsg.count(); ++si) {
+            // Ranked over the keys and diagonals this segment's rows can reach.
+            const int64_t src = vsg.source[size_t(si)];
+            const int64_t nd = g.q_offset + vsg.end_row(si, g.nq);
+            const int64_t nc = std::clamp<int64_t>(nd, 0, kend_last);
+            Budget bc, bd;
+            if (hp.pattern == Pattern::kVerticalSlash) {
+              bc.k = std::min(hp.n_vertical, nc);
+              bd.k = std::min(hp.n_slash, nd);
+            } else {
+              bc.mass = bd.mass = true;
+              bc.gamma = bd.gamma = hp.gamma;
+              bc.min_count = bd.min_count = hp.min_budget;
+              bc.max_count = bd.max_count = hp.max_budget;
+            }
+            seg_cols[size_t(si)] = select_ranked(col[h].data() + src * kend_last, nc,
+                                                 iota_list(std::min(hp.sink, nc)), bc);
+            seg_diags[size_t(si)] = select_ranked(diag[h].data() + src * n_diag, nd,
+                                                  iota_list(std::min(hp.local + 1, nd)), bd);
           }
-          cols =
-              select_ranked(col[h].data(), kend_last, iota_list(std::min(hp.sink, kend_last)), bc);
-          diags =
-              select_ranked(diag[h].data(), n_diag, iota_list(std::min(hp.local + 1, n_diag)), bd);
           break;
         }
         case Pattern::kBlockSparse:
@@ -396,6 +435,9 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
         }
         hl.bstart[size_t(qb)] = int64_t(hl.blocks.size());
         hl.cstart[size_t(qb)] = int64_t(hl.cols.size());
+        const size_t si = uses_vs(hp.pattern) ? size_t(qb * kB / vsg.rows_per) : 0;
+        const auto& cols = seg_cols[si];
+        const auto& diags = seg_diags[si];
         sparse_slot_build(sg, cols, diags, kbs, hp.sink, local, &hl.blocks, &hl.cols);
         if (trace) {
           IndexCandidates& tc = (*trace)[h * size_t(g.n_qb) + size_t(qb)];

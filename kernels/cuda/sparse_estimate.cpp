@@ -86,6 +86,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
         if (hp.spread_rows != 0)
           return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
                                           "].spread_rows > 0 is not implemented on the device");
+        if (hp.segment_rows != 0)
+          return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
+                                          "].segment_rows > 0 is not implemented on the device");
         e.kind = kEstVS;
         e.vs_slot = int32_t(vs_heads.size());
         vs_heads.push_back(int32_t(h));

@@ -24,8 +24,8 @@ struct SparseEstimatePlan {
 };
 
 // Supported: F32 or BF16 contiguous q [n_q, heads, d], k [n_k, kv_heads, d] (the same dtype),
-// d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0
-// (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a default
+// d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0 or
+// segment_rows > 0 (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a default
 // (every key block, and min(causal keys, 4096) columns). Allocates; not for capture.
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,

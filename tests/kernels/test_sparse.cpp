@@ -528,15 +528,19 @@ struct BruteVs {
 };
 // Scoring rows: the last min(64, nq), plus `spread` rows at the centres of equal slices of the
 // rows before them.
-BruteVs brute_vs(const Problem& p, int h, int64_t spread) {
-  const int64_t L = std::min<int64_t>(64, p.nq), kend = std::min(p.nk, p.q_off + p.nq);
-  const int kh = h / (p.hq / p.hkv);
+std::set<int64_t> brute_scoring_rows(const Problem& p, int64_t spread) {
+  const int64_t L = std::min<int64_t>(64, p.nq);
   std::set<int64_t> rows;
   for (int64_t i = 0; i < L; ++i) rows.insert(p.nq - L + i);
   const int64_t before = p.nq - L, n_spread = std::min(spread, before);
   for (int64_t i = 0; i < n_spread; ++i)
     rows.insert(int64_t(std::floor((double(i) + 0.5) * double(before) / double(n_spread))));
   EXPECT_EQ(int64_t(rows.size()), L + n_spread) << "spread rows must be distinct";
+  return rows;
+}
+BruteVs brute_vs_rows(const Problem& p, int h, const std::set<int64_t>& rows) {
+  const int64_t kend = std::min(p.nk, p.q_off + p.nq);
+  const int kh = h / (p.hq / p.hkv);
   BruteVs r;
   r.col.assign(size_t(kend), 0);
   r.diag.assign(size_t(p.q_off + p.nq), 0);
@@ -559,6 +563,9 @@ BruteVs brute_vs(const Problem& p, int h, int64_t spread) {
     }
   }
   return r;
+}
+BruteVs brute_vs(const Problem& p, int h, int64_t spread) {
+  return brute_vs_rows(p, h, brute_scoring_rows(p, spread));
 }
 
 // Pooled block scores of query block qb against every key block (unscaled dot products).
@@ -734,6 +741,72 @@ TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
         expect_same_selection(tc.columns, wc, b.col, "columns", mass);
         expect_same_selection(tc.diagonals, wd, b.diag, "diagonals", mass);
       }
+    }
+  }
+}
+
+// segment_rows: each segment of query rows ranks from the scoring rows inside it (or, with none,
+// from the nearest later segment's), over the keys and diagonals its rows can reach.
+TEST(SparseEstimate, VerticalSlashSegmentsMatchBruteForce) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off, seg] : {std::tuple<int64_t, int64_t, int64_t>{300, 0, 64},
+                                {300, 100, 128}, {700, 0, 192}, {40, 500, 64}}) {
+    const Problem p = make_problem(rng, nq, q_off, 0, 4, 2, 16);
+    std::vector<HeadPattern> pats(4);
+    for (auto& hp : pats) {
+      hp.sink = 4;
+      hp.local = 8;
+      hp.segment_rows = seg;
+    }
+    pats[0].pattern = pats[1].pattern = Pattern::kVerticalSlash;
+    pats[0].n_vertical = 20;
+    pats[0].n_slash = 15;
+    pats[0].spread_rows = 9;  // with seg 64 over 300 rows: segment 1 and 2 hold a few, or none
+    pats[1].n_vertical = 50;
+    pats[1].n_slash = 30;
+    pats[1].spread_rows = 0;  // only the last segment scores; the others borrow it
+    pats[2].pattern = pats[3].pattern = Pattern::kAdaptiveVS;
+    pats[2].gamma = 0.9;
+    pats[2].min_budget = 4;
+    pats[2].spread_rows = 40;
+    pats[3].gamma = 0.6;
+    pats[3].min_budget = 8;
+    pats[3].max_budget = 25;
+    pats[3].spread_rows = 3000;
+    pats[3].segment_rows = 0;  // one selection, alongside segmented heads of its KV group
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    for (int h = 0; h < 4; ++h) {
+      const HeadPattern& hp = pats[size_t(h)];
+      const int64_t per = hp.segment_rows > 0 ? hp.segment_rows : p.nq;
+      const int64_t n_seg = (p.nq + per - 1) / per;
+      const auto all_rows = brute_scoring_rows(p, hp.spread_rows);
+      std::vector<std::set<int64_t>> seg_rows(static_cast<size_t>(n_seg));
+      for (int64_t r : all_rows) seg_rows[size_t(r / per)].insert(r);
+      int borrowed = 0;
+      for (int64_t s = 0; s < n_seg; ++s) {
+        int64_t src = s;
+        while (seg_rows[size_t(src)].empty()) ++src;  // the last segment has the last rows
+        borrowed += src != s;
+        BruteVs b = brute_vs_rows(p, h, seg_rows[size_t(src)]);
+        const int64_t nd = p.q_off + std::min(p.nq, (s + 1) * per);
+        b.col.resize(size_t(std::min<int64_t>(int64_t(b.col.size()), nd)));
+        b.diag.resize(size_t(nd));
+        const auto fc = range_set(0, std::min<int64_t>(hp.sink, int64_t(b.col.size())));
+        const auto fd = range_set(0, hp.local + 1);
+        const bool mass = hp.pattern == Pattern::kAdaptiveVS;
+        const auto wc = mass ? brute_mass(b.col, fc, hp.gamma, hp.min_budget, hp.max_budget)
+                             : brute_topk(b.col, fc, hp.n_vertical);
+        const auto wd = mass ? brute_mass(b.diag, fd, hp.gamma, hp.min_budget, hp.max_budget)
+                             : brute_topk(b.diag, fd, hp.n_slash);
+        for (int64_t qb = s * per / kB; qb < std::min(e.idx.n_qblocks, (s + 1) * per / kB); ++qb) {
+          const IndexCandidates& tc = e.trace[e.idx.slot(h, qb)];
+          expect_same_selection(tc.columns, wc, b.col, "columns", mass);
+          expect_same_selection(tc.diagonals, wd, b.diag, "diagonals", mass);
+        }
+      }
+      if (h == 1)  // no spread rows: the segments wholly before the last 64 rows borrow
+        EXPECT_EQ(borrowed, (p.nq - std::min<int64_t>(64, p.nq)) / per);
     }
   }
 }

@@ -48,12 +48,13 @@ struct Cand {
 // Candidate settings of every pattern, sized from the sink/local minimum up to the whole
 // sequence on geometric grids; the grid is cut per layer once every head exceeds `cap`.
 std::vector<std::vector<HeadPattern>> candidate_families(int64_t L, const std::set<Pattern>& use,
-                                                         int64_t spread_rows) {
+                                                         int64_t spread_rows, int64_t segment_rows) {
   std::vector<std::vector<HeadPattern>> fam;
   HeadPattern base;
   base.sink = 64;
   base.local = 64;
   base.spread_rows = spread_rows;
+  base.segment_rows = segment_rows;
   auto geo = [](double lo, double hi, double step) {
     std::vector<int64_t> v;
     for (double x = lo; x <= hi * 1.0001; x *= step) {
@@ -143,7 +144,7 @@ std::vector<Cand> hull(std::vector<Cand> c) {
 int cmd_search(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
                            {"model", "calib", "target-density", "out", "length", "allocation", "rows", "seed",
-                            "dense-below", "patterns", "spread-rows"},
+                            "dense-below", "patterns", "spread-rows", "segment-rows"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -162,6 +163,9 @@ int cmd_search(int argc, char** argv) {
   const uint64_t seed = std::strtoull(a.get("seed", "7").c_str(), nullptr, 10);
   const int spread_rows = std::atoi(a.get("spread-rows", "64").c_str());
   if (spread_rows < 0 || spread_rows > 4096) return fail(SF_ERR(kInvalidArgument, "--spread-rows must be in [0, 4096]"));
+  const int64_t segment_rows = std::atoll(a.get("segment-rows", "0").c_str());
+  if (segment_rows < 0 || segment_rows % 64 != 0)
+    return fail(SF_ERR(kInvalidArgument, "--segment-rows must be 0 or a positive multiple of 64"));
   std::set<Pattern> use;
   {
     std::stringstream ss(a.get("patterns", "a-shape,vertical-slash,block-sparse"));
@@ -195,7 +199,7 @@ int cmd_search(int argc, char** argv) {
   const std::vector<int32_t> ids = eval::fit_tokens(doc, L);
 
   const auto t0 = std::chrono::steady_clock::now();
-  const auto families = candidate_families(L, use, spread_rows);
+  const auto families = candidate_families(L, use, spread_rows, segment_rows);
   const double cap = alloc == "uniform" ? target : std::min(1.0, 3.0 * target);
   std::vector<std::vector<std::vector<Cand>>> cands(size_t(cfg.n_layers));  // [layer][head][cand]
   Status err;

@@ -118,7 +118,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       struct IntField { const char* name; int64_t* dst; };
       for (IntField f : {IntField{"sink", &hp.sink}, {"local", &hp.local}, {"n_vertical", &hp.n_vertical},
                          {"n_slash", &hp.n_slash}, {"n_blocks", &hp.n_blocks}, {"min_budget", &hp.min_budget},
-                         {"max_budget", &hp.max_budget}, {"spread_rows", &hp.spread_rows}}) {
+                         {"max_budget", &hp.max_budget}, {"spread_rows", &hp.spread_rows},
+                         {"segment_rows", &hp.segment_rows}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -133,6 +134,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.alpha < 0 || hp.beta < 0) return field_err(l, h, hp.alpha < 0 ? "alpha" : "beta", "must be >= 0");
       if (!(hp.gamma > 0 && hp.gamma <= 1)) return field_err(l, h, "gamma", "must be in (0, 1]");
       if (hp.min_budget > hp.max_budget) return field_err(l, h, "min_budget", "exceeds max_budget");
+      if (hp.segment_rows % kernels::kSparseBlock != 0)
+        return field_err(l, h, "segment_rows", "must be a multiple of 64 (got " + std::to_string(hp.segment_rows) + ")");
       c.layers[size_t(l)].push_back(hp);
     }
   }
@@ -172,6 +175,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
         default: break;
       }
       if (h.spread_rows != 0) ho["spread_rows"] = h.spread_rows;
+      if (h.segment_rows != 0) ho["segment_rows"] = h.segment_rows;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

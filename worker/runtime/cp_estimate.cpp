@@ -193,24 +193,40 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
   if (S <= 0 || hq <= 0 || hkv <= 0 || hq % hkv != 0 || !a.patterns)
     return SF_ERR(kInvalidArgument, "cp_estimate: bad geometry");
   const int CP = cp.size();
-  // One scoring pass per distinct spread_rows among the vertical-slash heads, as single-rank.
+  // Scores per head and selection segment (col[h], diag[h]: n_seg x S), one scoring pass per
+  // distinct (spread_rows, segment_rows) and segment with rows, as single-rank.
   std::vector<std::vector<float>> col(static_cast<size_t>(hq)), diag(static_cast<size_t>(hq));
-  std::vector<int64_t> spreads;
+  std::vector<kernels::VsSegments> segs(static_cast<size_t>(hq));
+  std::vector<std::pair<int64_t, int64_t>> settings;
   for (int64_t h = 0; h < hq; ++h)
-    if (uses_vs(a.patterns[h].pattern)) spreads.push_back(a.patterns[h].spread_rows);
-  std::sort(spreads.begin(), spreads.end());
-  spreads.erase(std::unique(spreads.begin(), spreads.end()), spreads.end());
+    if (uses_vs(a.patterns[h].pattern))
+      settings.emplace_back(a.patterns[h].spread_rows, a.patterns[h].segment_rows);
+  std::sort(settings.begin(), settings.end());
+  settings.erase(std::unique(settings.begin(), settings.end()), settings.end());
   int64_t bytes = 0;
-  for (int64_t sp : spreads) {
+  for (const auto& [sp, sr] : settings) {
     std::vector<int> hs;
     for (int64_t h = 0; h < hq; ++h)
-      if (uses_vs(a.patterns[h].pattern) && a.patterns[h].spread_rows == sp) hs.push_back(int(h));
+      if (uses_vs(a.patterns[h].pattern) && a.patterns[h].spread_rows == sp &&
+          a.patterns[h].segment_rows == sr)
+        hs.push_back(int(h));
     const int64_t nh = int64_t(hs.size());
-    std::vector<float> cs, ds;
-    SF_TRY(score_rows(cp, a, hs, scoring_rows(S, sp), true, &cs, &ds, &bytes));
-    for (int64_t x = 0; x < nh; ++x) {
-      col[size_t(hs[size_t(x)])].assign(cs.begin() + x * S, cs.begin() + (x + 1) * S);
-      diag[size_t(hs[size_t(x)])].assign(ds.begin() + x * S, ds.begin() + (x + 1) * S);
+    const kernels::VsSegments vsg = kernels::vs_segments(S, sp, sr);
+    for (int h : hs) {
+      segs[size_t(h)] = vsg;
+      col[size_t(h)].assign(size_t(vsg.count() * S), 0.f);
+      diag[size_t(h)].assign(size_t(vsg.count() * S), 0.f);
+    }
+    for (int64_t si = 0; si < vsg.count(); ++si) {
+      if (vsg.rows[size_t(si)].empty()) continue;
+      std::vector<float> cs, ds;
+      SF_TRY(score_rows(cp, a, hs, vsg.rows[size_t(si)], true, &cs, &ds, &bytes));
+      for (int64_t x = 0; x < nh; ++x) {
+        std::copy(cs.begin() + x * S, cs.begin() + (x + 1) * S,
+                  col[size_t(hs[size_t(x)])].begin() + si * S);
+        std::copy(ds.begin() + x * S, ds.begin() + (x + 1) * S,
+                  diag[size_t(hs[size_t(x)])].begin() + si * S);
+      }
     }
   }
 
@@ -319,8 +335,9 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     return select_ranked(sc.data(), n_allowed, std::move(forced), bb);
   };
 
-  // 4) Candidates per head (identical on every rank), then this rank's slots.
-  std::vector<std::vector<int32_t>> cols(static_cast<size_t>(hq)), diags(static_cast<size_t>(hq));
+  // 4) Candidates per head and segment (identical on every rank), then this rank's slots.
+  std::vector<std::vector<std::vector<int32_t>>> cols(static_cast<size_t>(hq), {{}}),
+      diags(static_cast<size_t>(hq), {{}});
   std::vector<int64_t> local(static_cast<size_t>(hq));
   for (int64_t h = 0; h < hq; ++h) {
     const HeadPattern& hp = a.patterns[h];
@@ -334,20 +351,26 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         break;
       case Pattern::kVerticalSlash:
       case Pattern::kAdaptiveVS: {
-        Budget bc, bd;
-        if (hp.pattern == Pattern::kVerticalSlash) {
-          bc.k = std::min(hp.n_vertical, S);
-          bd.k = std::min(hp.n_slash, S);
-        } else {
-          bc.mass = bd.mass = true;
-          bc.gamma = bd.gamma = hp.gamma;
-          bc.min_count = bd.min_count = hp.min_budget;
-          bc.max_count = bd.max_count = hp.max_budget;
+        const kernels::VsSegments& vsg = segs[size_t(h)];
+        cols[size_t(h)].assign(size_t(vsg.count()), {});
+        diags[size_t(h)].assign(size_t(vsg.count()), {});
+        for (int64_t si = 0; si < vsg.count(); ++si) {
+          const int64_t src = vsg.source[size_t(si)], n = vsg.end_row(si, S);
+          Budget bc, bd;
+          if (hp.pattern == Pattern::kVerticalSlash) {
+            bc.k = std::min(hp.n_vertical, n);
+            bd.k = std::min(hp.n_slash, n);
+          } else {
+            bc.mass = bd.mass = true;
+            bc.gamma = bd.gamma = hp.gamma;
+            bc.min_count = bd.min_count = hp.min_budget;
+            bc.max_count = bd.max_count = hp.max_budget;
+          }
+          cols[size_t(h)][size_t(si)] = select_ranked(col[size_t(h)].data() + src * S, n,
+                                                      iota_list(std::min(hp.sink, n)), bc);
+          diags[size_t(h)][size_t(si)] = select_ranked(diag[size_t(h)].data() + src * S, n,
+                                                       iota_list(std::min(hp.local + 1, n)), bd);
         }
-        cols[size_t(h)] =
-            select_ranked(col[size_t(h)].data(), S, iota_list(std::min(hp.sink, S)), bc);
-        diags[size_t(h)] =
-            select_ranked(diag[size_t(h)].data(), S, iota_list(std::min(hp.local + 1, S)), bd);
         break;
       }
       default:
@@ -370,8 +393,11 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         cl.clear();
         std::vector<int32_t> kbs;
         if (uses_blocks(a.patterns[h].pattern)) kbs = select_blocks(h, r.begin / kB + qb, g);
-        kernels::sparse_slot_build(g, cols[size_t(h)], diags[size_t(h)], kbs, a.patterns[h].sink,
-                                   local[size_t(h)], &blocks, &cl);
+        const size_t si =
+            uses_vs(a.patterns[h].pattern) ? size_t((r.begin + qb * kB) / segs[size_t(h)].rows_per)
+                                           : 0;
+        kernels::sparse_slot_build(g, cols[size_t(h)][si], diags[size_t(h)][si], kbs,
+                                   a.patterns[h].sink, local[size_t(h)], &blocks, &cl);
         sb[size_t(h * nqb + qb)] = blocks;
         sc[size_t(h * nqb + qb)] = cl;
         max_b = std::max<int64_t>(max_b, int64_t(blocks.size()));

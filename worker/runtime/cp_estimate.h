@@ -12,6 +12,7 @@
 //   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
+//   With segment_rows, steps 1-4 run per selection segment (kernels::vs_segments).
 // Block family: pooled keys (one 64-key block per owner) are all-gathered, each rank pools its own
 // query blocks and ranks key blocks by the single-rank rules; the prompt's last query block is
 // scored exactly, its softmax mass per key block gathered like the columns.

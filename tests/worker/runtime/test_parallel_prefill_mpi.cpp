@@ -191,9 +191,10 @@ TEST_P(ParallelPrefill, SelectiveKvExchangeEqualsSingleRank) {
   check_grid(*model_, {tp, cp}, 640, &sc.value(), /*selective=*/true);
 }
 
-// Sparsity-aware CP end to end: the vertical-slash index scored where the keys live (no key moves
-// before selection), then the selective exchange. Equals single-rank sparse attention (which
-// estimates over the whole prompt) within the TP tolerance: the reductions only reorder fp32 sums
+// Sparsity-aware CP end to end: the vertical-slash index (a third of the heads per selection
+// segment) scored where the keys live (no key moves before selection), then the selective
+// exchange. Equals single-rank sparse attention (which estimates over the whole prompt) within
+// the TP tolerance: the reductions only reorder fp32 sums
 // of the scores (measured: CP 2 1.8e-6, CP 4 0). Bytes are printed, not bounded: on this random
 // model the scored diagonals land at random offsets, and a diagonal at offset o makes a chunk read
 // a chunk-long band o keys back, so the union a rank needs is nearly every key (measured: the
@@ -209,6 +210,7 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
       l[h].n_vertical = 100;  // 36 scored columns beyond the 64 sink columns
       l[h].n_slash = 72;      // 7 scored diagonals beyond the local 0..64
       l[h].spread_rows = h % 2 ? 64 : 0;
+      l[h].segment_rows = h % 3 == 0 ? 256 : 0;  // with spread 0: segments 0-2 borrow the last
     }
   check_grid(*model_, {tp, cp}, 1024, &sc.value(), /*selective=*/true, /*cp_est=*/true);
 }
