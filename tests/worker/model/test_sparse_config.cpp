@@ -35,6 +35,8 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
   expect_error(two_by_two(R"({"pattern":"adaptive-vs","gamma":1.5})"), "layer 1 head 1: field 'gamma'");
   expect_error(two_by_two(R"({"pattern":"block-sparse","n_blocks":"many"})"), "layer 1 head 1: field 'n_blocks' must be an integer");
   expect_error(two_by_two(R"({"n_blocks":3})"), "layer 1 head 1: field 'pattern' is missing");
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","segment_rows":100})"),
+               "layer 1 head 1: field 'segment_rows' must be a multiple of 64 (got 100)");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
   expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
   expect_error("{not json", "invalid JSON");
@@ -55,6 +57,14 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(back->layers[1][1].n_blocks, 7);
   EXPECT_DOUBLE_EQ(back->layers[1][1].score, 0.97);
+  auto v = sparse_config_parse(
+      two_by_two(R"({"pattern":"vertical-slash","spread_rows":32,"segment_rows":1024})"), 2, 2, "t");
+  ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+  ASSERT_TRUE(sparse_config_save(v.value(), path).is_ok());
+  auto vb = sparse_config_load(path, 2, 2);
+  ASSERT_TRUE(vb.is_ok()) << vb.status().to_string();
+  EXPECT_EQ(vb->layers[1][1].spread_rows, 32);
+  EXPECT_EQ(vb->layers[1][1].segment_rows, 1024);
   EXPECT_FALSE(sparse_config_is_dense(back.value()));
   EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
 }
