@@ -50,7 +50,7 @@ TEST(QualityRecall, MatchesBruteForce) {
     eval::DenseRowMass dm;
     ASSERT_TRUE(dm.compute(qv, kv, q_off, rows).is_ok());
     for (int h = 0; h < hq; ++h) {
-      double want = 0;
+      double want = 0, want_log = 0;
       for (int64_t r : rows) {
         const int64_t lim = std::min(n_k, q_off + r + 1);
         std::vector<double> s(static_cast<size_t>(lim), 0.0);
@@ -74,13 +74,19 @@ TEST(QualityRecall, MatchesBruteForce) {
         double m = 0;
         for (int64_t j = 0; j < lim; ++j) m += sel[size_t(j)] ? s[size_t(j)] / z : 0.0;
         want += m;
+        want_log += std::log(std::max(1e-6, m));
       }
       want /= double(rows.size());
+      want_log /= double(rows.size());
       EXPECT_NEAR(dm.recall(idx, h), want, 1e-5) << "head " << h << " q_offset " << q_off;
+      // Relative: log recall of a row with a tiny recall is large.
+      EXPECT_NEAR(dm.log_recall(idx, h), want_log, 1e-5 * std::max(1.0, std::abs(want_log)))
+          << "head " << h << " q_offset " << q_off;
     }
     // A dense index recalls everything.
     const kernels::SparseIndex full = kernels::sparse_index_dense(hq, n_q, n_k, q_off);
     for (int h = 0; h < hq; ++h) EXPECT_NEAR(dm.recall(full, h), 1.0, 1e-6);
+    for (int h = 0; h < hq; ++h) EXPECT_NEAR(dm.log_recall(full, h), 0.0, 1e-6);
     for (int h = 0; h < hq; ++h) EXPECT_NEAR(eval::head_density(full, h), 1.0, 1e-12);
   }
 }

@@ -9,12 +9,18 @@
 // index actually built, so merged diagonals, forced sink/local entries and block rounding are
 // all counted as the kernel executes them.
 //
+// Objective per head (--objective): log-recall (default) is the mean over the sampled rows of
+// log(row recall), i.e. minus the mean KL(sparse || dense) of the rows' attention distributions;
+// recall is the mean row recall (MInference). The plain mean lets a head lose rare rows whole (a
+// copy head's row that needs one earlier occurrence), which is where the perplexity went at 8K.
+//
 // Allocation:
-//   uniform  (MInference) every head gets the candidate with the highest recall among those whose
-//            density is <= the target;
-//   global   (default) per-head budgets differ: maximize the mean recall over all heads subject to the mean
-//            density <= the target (Lagrangian relaxation over each head's candidates, then a
-//            greedy fill of the remaining budget). Total kernel cost is the same bound.
+//   uniform  (MInference) every head gets the candidate with the best objective among those
+//            whose density is <= the target;
+//   global   (default) per-head budgets differ: maximize the mean objective over all heads
+//            subject to the mean density <= the target (Lagrangian relaxation over each head's
+//            candidates, then a greedy fill of the remaining budget). Total kernel cost is the
+//            same bound.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,6 +49,7 @@ int fail(const Status& st) {
 struct Cand {
   HeadPattern p;
   double recall = 0, density = 0;
+  double value = 0;  // what the allocation maximizes: recall, or mean log recall (--objective)
 };
 
 // Candidate settings of every pattern, sized from the sink/local minimum up to the whole
@@ -116,21 +123,21 @@ std::string describe(const HeadPattern& p) {
   return b;
 }
 
-// Upper-left convex hull of (density, recall): the only points a Lagrangian choice can pick.
+// Upper-left convex hull of (density, value): the only points a Lagrangian choice can pick.
 std::vector<Cand> hull(std::vector<Cand> c) {
   std::sort(c.begin(), c.end(), [](const Cand& a, const Cand& b) {
-    return a.density < b.density || (a.density == b.density && a.recall > b.recall);
+    return a.density < b.density || (a.density == b.density && a.value > b.value);
   });
-  std::vector<Cand> mono;  // strictly increasing recall with density
+  std::vector<Cand> mono;  // strictly increasing value with density
   for (const Cand& x : c)
-    if (mono.empty() || x.recall > mono.back().recall + 1e-12) mono.push_back(x);
+    if (mono.empty() || x.value > mono.back().value + 1e-12) mono.push_back(x);
   std::vector<Cand> h;
   for (const Cand& x : mono) {
     while (h.size() >= 2) {
       const Cand& a = h[h.size() - 2];
       const Cand& b = h.back();
       // drop b when it lies on or below the segment a-x
-      const double cross = (b.density - a.density) * (x.recall - a.recall) - (b.recall - a.recall) * (x.density - a.density);
+      const double cross = (b.density - a.density) * (x.value - a.value) - (b.value - a.value) * (x.density - a.density);
       if (cross >= 0) h.pop_back();
       else break;
     }
@@ -144,7 +151,7 @@ std::vector<Cand> hull(std::vector<Cand> c) {
 int cmd_search(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
                            {"model", "calib", "target-density", "out", "length", "allocation", "rows", "seed",
-                            "dense-below", "patterns", "spread-rows", "segment-rows"},
+                            "dense-below", "patterns", "spread-rows", "segment-rows", "objective"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -163,6 +170,10 @@ int cmd_search(int argc, char** argv) {
   const uint64_t seed = std::strtoull(a.get("seed", "7").c_str(), nullptr, 10);
   const int spread_rows = std::atoi(a.get("spread-rows", "64").c_str());
   if (spread_rows < 0 || spread_rows > 4096) return fail(SF_ERR(kInvalidArgument, "--spread-rows must be in [0, 4096]"));
+  const std::string objective = a.get("objective", "log-recall");
+  if (objective != "recall" && objective != "log-recall")
+    return fail(SF_ERR(kInvalidArgument, "--objective must be 'recall' or 'log-recall'"));
+  const bool log_objective = objective == "log-recall";
   const int64_t segment_rows = std::atoll(a.get("segment-rows", "0").c_str());
   if (segment_rows < 0 || segment_rows % 64 != 0)
     return fail(SF_ERR(kInvalidArgument, "--segment-rows must be 0 or a positive multiple of 64"));
@@ -224,7 +235,8 @@ int cmd_search(int argc, char** argv) {
         ++n_estimates;
         double min_d = 1e9;
         for (int h = 0; h < hq; ++h) {
-          Cand c{p, dm.recall(idx, h), eval::head_density(idx, h)};
+          Cand c{p, dm.recall(idx, h), eval::head_density(idx, h), 0};
+          c.value = log_objective ? dm.log_recall(idx, h) : c.recall;
           c.p.score = c.recall;
           min_d = std::min(min_d, c.density);
           lc[size_t(h)].push_back(c);
@@ -237,7 +249,7 @@ int cmd_search(int argc, char** argv) {
         HeadPattern d;
         d.pattern = Pattern::kDense;
         d.score = 1.0;
-        lc[size_t(h)].push_back({d, 1.0, 1.0});
+        lc[size_t(h)].push_back({d, 1.0, 1.0, log_objective ? 0.0 : 1.0});
       }
     }
     std::fprintf(stderr, "layer %2d: %zu candidates per head, %.1f s\n", layer, lc.empty() ? 0 : lc[0].size(),
@@ -261,7 +273,7 @@ int cmd_search(int argc, char** argv) {
         const Cand* cheapest = nullptr;
         for (const Cand& c : cs) {
           if (!cheapest || c.density < cheapest->density) cheapest = &c;
-          if (c.density <= target && (!best || c.recall > best->recall)) best = &c;
+          if (c.density <= target && (!best || c.value > best->value)) best = &c;
         }
         pick[size_t(l)][size_t(h)] = best ? *best : *cheapest;
       }
@@ -276,7 +288,7 @@ int cmd_search(int argc, char** argv) {
       for (size_t i = 0; i < hulls.size(); ++i) {
         double bestv = -1e300;
         for (size_t j = 0; j < hulls[i].size(); ++j) {
-          const double v = hulls[i][j].recall - lambda * hulls[i][j].density;
+          const double v = hulls[i][j].value - lambda * hulls[i][j].density;
           if (v > bestv) {
             bestv = v;
             (*sel)[i] = j;
@@ -295,7 +307,7 @@ int cmd_search(int argc, char** argv) {
       else hi = mid;
     }
     double used = choose(hi, &sel);
-    // Greedy fill: upgrade the head with the best recall gain per density while it fits.
+    // Greedy fill: upgrade the head with the best objective gain per density while it fits.
     for (;;) {
       double best_ratio = 0;
       size_t bi = SIZE_MAX;
@@ -305,7 +317,7 @@ int cmd_search(int argc, char** argv) {
         const Cand& c1 = hulls[i][sel[i] + 1];
         const double dd = c1.density - c0.density;
         if (used + dd > budget) continue;
-        const double ratio = (c1.recall - c0.recall) / std::max(dd, 1e-12);
+        const double ratio = (c1.value - c0.value) / std::max(dd, 1e-12);
         if (ratio > best_ratio) {
           best_ratio = ratio;
           bi = i;

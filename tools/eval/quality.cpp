@@ -110,20 +110,29 @@ double DenseRowMass::mass(int h, size_t i, int64_t a, int64_t b) const {
 double DenseRowMass::recall(const kernels::SparseIndex& idx, int h) const {
   if (rows_.empty()) return 1.0;
   double total = 0;
-  for (size_t i = 0; i < rows_.size(); ++i) {
-    const int64_t qb = rows_[i] / kernels::kSparseBlock;
-    if (qb >= idx.n_qblocks || h >= idx.n_heads) continue;  // not covered: recall 0 for the row
-    const size_t slot = idx.slot(h, qb);
-    double m = 0;
-    const int32_t nb = idx.block_count[slot];
-    const int32_t* bo = idx.block_offset.data() + slot * size_t(idx.max_blocks);
-    for (int32_t b = 0; b < nb; ++b) m += mass(h, i, bo[b], int64_t(bo[b]) + kernels::kSparseBlock);
-    const int32_t nc = idx.column_count[slot];
-    const int32_t* ci = idx.column_index.data() + slot * size_t(idx.max_cols);
-    for (int32_t c = 0; c < nc; ++c) m += mass(h, i, ci[c], int64_t(ci[c]) + 1);
-    total += std::min(1.0, m);
-  }
+  for (size_t i = 0; i < rows_.size(); ++i) total += row_recall(idx, h, i);
   return total / double(rows_.size());
+}
+
+double DenseRowMass::log_recall(const kernels::SparseIndex& idx, int h) const {
+  if (rows_.empty()) return 0.0;
+  double total = 0;
+  for (size_t i = 0; i < rows_.size(); ++i) total += std::log(std::max(1e-6, row_recall(idx, h, i)));
+  return total / double(rows_.size());
+}
+
+double DenseRowMass::row_recall(const kernels::SparseIndex& idx, int h, size_t i) const {
+  const int64_t qb = rows_[i] / kernels::kSparseBlock;
+  if (qb >= idx.n_qblocks || h >= idx.n_heads) return 0.0;  // not covered: recall 0
+  const size_t slot = idx.slot(h, qb);
+  double m = 0;
+  const int32_t nb = idx.block_count[slot];
+  const int32_t* bo = idx.block_offset.data() + slot * size_t(idx.max_blocks);
+  for (int32_t b = 0; b < nb; ++b) m += mass(h, i, bo[b], int64_t(bo[b]) + kernels::kSparseBlock);
+  const int32_t nc = idx.column_count[slot];
+  const int32_t* ci = idx.column_index.data() + slot * size_t(idx.max_cols);
+  for (int32_t c = 0; c < nc; ++c) m += mass(h, i, ci[c], int64_t(ci[c]) + 1);
+  return std::min(1.0, m);
 }
 
 double head_density(const kernels::SparseIndex& idx, int h) {
@@ -425,6 +434,11 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
         const std::vector<double> rows_s = nll_rows(lg, ids.data() + 1, L - 1, V);
         const double nll_s = mean_of(rows_s, 0, rows_s.size());
         const double nll_tail_s = mean_of(rows_s, static_cast<size_t>(L - K), rows_s.size());
+        if (const char* dump = std::getenv("SF_TMP_NLL_DUMP")) {  // TEMP diagnostic
+          FILE* f = std::fopen(dump, "w");
+          for (size_t i = 0; i < rows_s.size(); ++i) std::fprintf(f, "%zu %d %.5f %.5f\n", i, ids[i + 1], rows_d[i], rows_s[i]);
+          std::fclose(f);
+        }
         // Where the loss goes: the ratio per quarter of the positions.
         for (size_t qi = 0; qi < 4; ++qi) {
           const size_t b = rows_s.size() * qi / 4, e = rows_s.size() * (qi + 1) / 4;

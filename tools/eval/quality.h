@@ -39,8 +39,14 @@ class DenseRowMass {
   // on the keys idx selects for that row (its query block's key blocks and columns, each clipped
   // to the row's own causal limit).
   double recall(const kernels::SparseIndex& idx, int h) const;
+  // Mean over the sampled rows of log(recall of the row), each row's recall floored at 1e-6.
+  // -log(recall) is exactly KL(sparse || dense) of the row's attention distribution (the sparse
+  // one is the dense one renormalized over the selected keys), so a rare row that loses its one
+  // attended key (a copy head's earlier occurrence) costs far more than its share of the mean.
+  double log_recall(const kernels::SparseIndex& idx, int h) const;
 
  private:
+  double row_recall(const kernels::SparseIndex& idx, int h, size_t i) const;
   int n_heads_ = 0;
   int64_t n_k_ = 0, q_offset_ = 0;
   std::vector<int64_t> rows_;
