@@ -63,10 +63,15 @@ std::vector<int64_t> scoring_rows(int64_t n, int64_t spread) {
 
 VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows) {
   VsSegments sg;
-  sg.rows_per = segment_rows > 0 ? segment_rows : std::max<int64_t>(n, 1);
-  const int64_t count = std::max<int64_t>(1, (n + sg.rows_per - 1) / sg.rows_per);
+  sg.n = n;
+  const int64_t last = n > 0 ? (n - 1) / kSparseBlock * kSparseBlock : 0;
+  sg.begin.push_back(0);
+  for (int64_t b = segment_rows; segment_rows > 0 && b < last; b += segment_rows)
+    sg.begin.push_back(b);
+  if (last > 0 && (spread > 0 || segment_rows > 0)) sg.begin.push_back(last);
+  const int64_t count = sg.count();
   sg.rows.assign(size_t(count), {});
-  for (int64_t r : scoring_rows(n, spread)) sg.rows[size_t(r / sg.rows_per)].push_back(r);
+  for (int64_t r : scoring_rows(n, spread)) sg.rows[size_t(sg.of_row(r))].push_back(r);
   sg.source.assign(size_t(count), count - 1);
   for (int64_t s = count - 1, src = count - 1; s >= 0; --s) {
     if (!sg.rows[size_t(s)].empty()) src = s;

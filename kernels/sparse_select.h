@@ -27,16 +27,24 @@ std::vector<int32_t> iota_list(int64_t n);
 // spaced over the rows before the last min(64, n), then those last rows (MInference Alg. 2).
 std::vector<int64_t> scoring_rows(int64_t n, int64_t spread);
 
-// Vertical-slash selection segments over n query rows: segment s holds rows
-// [s * segment_rows, (s + 1) * segment_rows) (segment_rows 0: one segment of all rows) and ranks
-// from the scoring rows inside it, rows[s]. A segment with none takes the selection of the
-// nearest later segment that has some, source[s]; the last segment always has the last rows.
+// Vertical-slash selection segments over n query rows. Segment boundaries are the multiples of
+// segment_rows (none when 0) below the last query block, and, when spread or segment_rows is
+// set, the last query block itself: that block is then its own segment, ranked by its own rows
+// only, so the rows whose logits a decode node continues from are never outvoted by spread rows
+// (a pass key read only by the last rows was the measured case). spread 0 and segment_rows 0 is
+// MInference: one segment ranked by the last 64 rows. Segment s holds rows [begin[s], end_row(s)) and ranks from the scoring
+// rows inside it, rows[s]; one with none takes the selection of the nearest later segment that
+// has some, source[s] (the last segment always has rows).
 struct VsSegments {
-  int64_t rows_per = 0;  // rows per segment (n when segment_rows is 0)
+  int64_t n = 0;
+  std::vector<int64_t> begin;  // ascending, begin[0] = 0
   std::vector<std::vector<int64_t>> rows;
   std::vector<int64_t> source;
-  int64_t count() const { return int64_t(source.size()); }
-  int64_t end_row(int64_t s, int64_t n) const { return std::min(n, (s + 1) * rows_per); }
+  int64_t count() const { return int64_t(begin.size()); }
+  int64_t end_row(int64_t s) const { return s + 1 < count() ? begin[size_t(s + 1)] : n; }
+  int64_t of_row(int64_t r) const {
+    return int64_t(std::upper_bound(begin.begin(), begin.end(), r) - begin.begin()) - 1;
+  }
 };
 VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows);
 

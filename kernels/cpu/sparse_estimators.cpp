@@ -8,10 +8,11 @@
 //                   rows (plus spread_rows evenly spaced earlier rows when set); column sums ->
 //                   top n_vertical columns, sums along diagonals (offset = qpos - kpos) -> top
 //                   n_slash diagonals. The sink columns and the local diagonals 0..local rank
-//                   first and count toward the budgets. With segment_rows, each segment of that
-//                   many query rows ranks from its own scoring rows, over the keys it can reach
-//                   (sparse_select.h, vs_segments): a mid-sequence row then keeps the columns
-//                   rows near it attend, not those the prompt's end attends.
+//                   first and count toward the budgets. The last query block ranks from its
+//                   own rows only; with segment_rows, each segment of that many query rows
+//                   ranks from its own scoring rows, over the keys it can reach (sparse_select.h,
+//                   vs_segments): a mid-sequence row then keeps the columns rows near it attend,
+//                   not those the prompt's end attends.
 //   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
 //                   query block, top n_blocks causal key blocks; block 0 and the key blocks under
 //                   the query block's diagonal rank first. The last query block is scored
@@ -359,7 +360,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           for (int64_t si = 0; si < vsg.count(); ++si) {
             // Ranked over the keys and diagonals this segment's rows can reach.
             const int64_t src = vsg.source[size_t(si)];
-            const int64_t nd = g.q_offset + vsg.end_row(si, g.nq);
+            const int64_t nd = g.q_offset + vsg.end_row(si);
             const int64_t nc = std::clamp<int64_t>(nd, 0, kend_last);
             Budget bc, bd;
             if (hp.pattern == Pattern::kVerticalSlash) {
@@ -435,7 +436,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
         }
         hl.bstart[size_t(qb)] = int64_t(hl.blocks.size());
         hl.cstart[size_t(qb)] = int64_t(hl.cols.size());
-        const size_t si = uses_vs(hp.pattern) ? size_t(qb * kB / vsg.rows_per) : 0;
+        const size_t si = uses_vs(hp.pattern) ? size_t(vsg.of_row(qb * kB)) : 0;
         const auto& cols = seg_cols[si];
         const auto& diags = seg_diags[si];
         sparse_slot_build(sg, cols, diags, kbs, hp.sink, local, &hl.blocks, &hl.cols);

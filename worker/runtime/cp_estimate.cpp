@@ -355,7 +355,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         cols[size_t(h)].assign(size_t(vsg.count()), {});
         diags[size_t(h)].assign(size_t(vsg.count()), {});
         for (int64_t si = 0; si < vsg.count(); ++si) {
-          const int64_t src = vsg.source[size_t(si)], n = vsg.end_row(si, S);
+          const int64_t src = vsg.source[size_t(si)], n = vsg.end_row(si);
           Budget bc, bd;
           if (hp.pattern == Pattern::kVerticalSlash) {
             bc.k = std::min(hp.n_vertical, n);
@@ -394,8 +394,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         std::vector<int32_t> kbs;
         if (uses_blocks(a.patterns[h].pattern)) kbs = select_blocks(h, r.begin / kB + qb, g);
         const size_t si =
-            uses_vs(a.patterns[h].pattern) ? size_t((r.begin + qb * kB) / segs[size_t(h)].rows_per)
-                                           : 0;
+            uses_vs(a.patterns[h].pattern) ? size_t(segs[size_t(h)].of_row(r.begin + qb * kB)) : 0;
         kernels::sparse_slot_build(g, cols[size_t(h)][si], diags[size_t(h)][si], kbs,
                                    a.patterns[h].sink, local[size_t(h)], &blocks, &cl);
         sb[size_t(h * nqb + qb)] = blocks;
