@@ -173,7 +173,7 @@ std::string markdown(const std::string& mode, const std::string& date, const std
 int cmd_eval(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
                            {"model", "attention", "lengths", "document", "passkey-trials", "passkey-level", "out",
-                            "reps", "seed"},
+                            "reps", "seed", "dump-nll"},
                            {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -238,6 +238,7 @@ int cmd_eval(int argc, char** argv) {
     s.timing_reps = reps.value();
     s.do_passkey = !a.has("no-passkey");
     if (a.has("seed")) s.seed = std::strtoull(a.get("seed").c_str(), nullptr, 10);
+    if (a.has("dump-nll")) s.nll_dump_path = a.get("dump-nll") + "-" + std::to_string(L) + ".tsv";
     const auto t0 = std::chrono::steady_clock::now();
     auto r = eval::evaluate(m, tok.value(), doc, &sc.value(), mode, s);
     if (!r.is_ok()) return fail(r.status());

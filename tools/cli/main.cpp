@@ -20,7 +20,7 @@ void usage() {
                "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE.json]\n"
                "  inspect  --model PATH|default\n"
                "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
-               "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] --out FILE.json\n"
+               "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] [--dump-nll PREFIX] --out FILE.json\n"
                "  eval     --retention full|streaming|snapkv|pyramid|layerwise[,...] [--budget 0.1,0.25,0.5]\n"
                "           [--decode full|psa:EPS[,...]] [--psa EPS[,...]] [--length 8192] [--tokens 64] [--passkey-trials N]\n"
                "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"

@@ -434,10 +434,13 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
         const std::vector<double> rows_s = nll_rows(lg, ids.data() + 1, L - 1, V);
         const double nll_s = mean_of(rows_s, 0, rows_s.size());
         const double nll_tail_s = mean_of(rows_s, static_cast<size_t>(L - K), rows_s.size());
-        if (const char* dump = std::getenv("SF_TMP_NLL_DUMP")) {  // TEMP diagnostic
-          FILE* f = std::fopen(dump, "w");
-          for (size_t i = 0; i < rows_s.size(); ++i) std::fprintf(f, "%zu %d %.5f %.5f\n", i, ids[i + 1], rows_d[i], rows_s[i]);
-          std::fclose(f);
+        if (!s.nll_dump_path.empty()) {
+          FILE* f = std::fopen(s.nll_dump_path.c_str(), "w");
+          if (!f) return SF_ERR(kIo, "cannot write '" + s.nll_dump_path + "'");
+          std::fprintf(f, "position\ttoken\tdense_nll\tsparse_nll\n");
+          for (size_t i = 0; i < rows_s.size(); ++i)
+            std::fprintf(f, "%zu\t%d\t%.5f\t%.5f\n", i + 1, ids[i + 1], rows_d[i], rows_s[i]);
+          if (std::fclose(f) != 0) return SF_ERR(kIo, "cannot write '" + s.nll_dump_path + "'");
         }
         // Where the loss goes: the ratio per quarter of the positions.
         for (size_t qi = 0; qi < 4; ++qi) {

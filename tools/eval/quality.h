@@ -125,6 +125,9 @@ struct EvalSettings {
   uint64_t seed = 0x5eed5eedULL;
   int timing_reps = 1;
   bool do_logits = true, do_timing = true, do_passkey = true, do_recall = true;
+  // When set: per-position loss written there as TSV (position, target token, dense nll, sparse
+  // nll), to see which tokens a pattern costs (copies of earlier text, at 8K).
+  std::string nll_dump_path;
 };
 
 struct PasskeyLevelTry {
