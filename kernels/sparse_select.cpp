@@ -68,7 +68,7 @@ VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows) {
   sg.begin.push_back(0);
   for (int64_t b = segment_rows; segment_rows > 0 && b < last; b += segment_rows)
     sg.begin.push_back(b);
-  if (last > 0 && (spread > 0 || segment_rows > 0)) sg.begin.push_back(last);
+  if (last > 0 && segment_rows > 0) sg.begin.push_back(last);
   const int64_t count = sg.count();
   sg.rows.assign(size_t(count), {});
   for (int64_t r : scoring_rows(n, spread)) sg.rows[size_t(sg.of_row(r))].push_back(r);

@@ -27,12 +27,11 @@ std::vector<int32_t> iota_list(int64_t n);
 // spaced over the rows before the last min(64, n), then those last rows (MInference Alg. 2).
 std::vector<int64_t> scoring_rows(int64_t n, int64_t spread);
 
-// Vertical-slash selection segments over n query rows. Segment boundaries are the multiples of
-// segment_rows (none when 0) below the last query block, and, when spread or segment_rows is
-// set, the last query block itself: that block is then its own segment, ranked by its own rows
-// only, so the rows whose logits a decode node continues from are never outvoted by spread rows
-// (a pass key read only by the last rows was the measured case). spread 0 and segment_rows 0 is
-// MInference: one segment ranked by the last 64 rows. Segment s holds rows [begin[s], end_row(s)) and ranks from the scoring
+// Vertical-slash selection segments over n query rows. segment_rows 0: one segment (MInference,
+// with spread rows when set). Otherwise the boundaries are the multiples of segment_rows below
+// the last query block, and the last query block itself: that block is its own segment, ranked
+// by its own rows only, so the rows whose logits a decode node continues from are not outvoted
+// by spread rows (a pass key read only by the last rows was the measured case). Segment s holds rows [begin[s], end_row(s)) and ranks from the scoring
 // rows inside it, rows[s]; one with none takes the selection of the nearest later segment that
 // has some, source[s] (the last segment always has rows).
 struct VsSegments {

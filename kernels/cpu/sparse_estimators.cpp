@@ -8,11 +8,11 @@
 //                   rows (plus spread_rows evenly spaced earlier rows when set); column sums ->
 //                   top n_vertical columns, sums along diagonals (offset = qpos - kpos) -> top
 //                   n_slash diagonals. The sink columns and the local diagonals 0..local rank
-//                   first and count toward the budgets. The last query block ranks from its
-//                   own rows only; with segment_rows, each segment of that many query rows
-//                   ranks from its own scoring rows, over the keys it can reach (sparse_select.h,
-//                   vs_segments): a mid-sequence row then keeps the columns rows near it attend,
-//                   not those the prompt's end attends.
+//                   first and count toward the budgets. With segment_rows, each segment of that
+//                   many query rows ranks from its own scoring rows, over the keys it can reach,
+//                   and the last query block from its own rows (sparse_select.h, vs_segments):
+//                   a mid-sequence row then keeps the columns rows near it attend, not those the
+//                   prompt's end attends.
 //   block-sparse    mean-pool q and k over 64-token blocks; score = pooled_q . pooled_k; per
 //                   query block, top n_blocks causal key blocks; block 0 and the key blocks under
 //                   the query block's diagonal rank first. The last query block is scored

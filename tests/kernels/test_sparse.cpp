@@ -691,14 +691,14 @@ TEST(SparseEstimate, WindowPatternsMatchDefinition) {
   }
 }
 
-// Brute-force segments (sparse_select.h): boundaries at the multiples of segment_rows below the
-// last query block, and the last query block when spread_rows or segment_rows is set.
+// Brute-force segments (sparse_select.h): with segment_rows, boundaries at its multiples below
+// the last query block and at the last query block.
 std::vector<int64_t> brute_segment_begins(int64_t nq, const HeadPattern& hp) {
   const int64_t last = (nq - 1) / 64 * 64;
   std::vector<int64_t> b{0};
   if (hp.segment_rows > 0)
     for (int64_t x = hp.segment_rows; x < last; x += hp.segment_rows) b.push_back(x);
-  if (last > 0 && (hp.spread_rows > 0 || hp.segment_rows > 0)) b.push_back(last);
+  if (last > 0 && hp.segment_rows > 0) b.push_back(last);
   return b;
 }
 
@@ -765,8 +765,7 @@ TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
     const Estimated e = estimate(p, pats);
     expect_index_from_trace(e, pats);
     EXPECT_EQ(e.stats.clamped_heads, 1);
-    // Heads without spread rows select once (MInference); heads with spread rows also give the
-    // last query block its own selection from its own rows.
+    // No segments: one selection per head from all its scoring rows.
     for (int h = 0; h < 4; ++h) check_vs_head(p, e, h, pats[size_t(h)]);
   }
 }
