@@ -460,7 +460,7 @@ Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
 
 Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
                                          std::span<const float> scores, int64_t sink_blocks,
-                                         int64_t recent_blocks, Tier fast) {
+                                         int64_t recent_blocks, Tier fast, int64_t max_hot) {
   std::lock_guard<std::mutex> g(mu_);
   const int f = int(fast);
   if (f < 0 || f + 1 >= kNumTiers)
@@ -490,6 +490,7 @@ Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
     const Entry& e = entries_[size_t(id)];
     if (e.pins > 0 && e.tier == f) --room;
   }
+  if (max_hot >= 0) room = std::min(room, max_hot);
   std::vector<char> hot(static_cast<size_t>(n), 0);
   PlacementResult r;
   for (int64_t i : order) {

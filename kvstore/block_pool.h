@@ -98,8 +98,11 @@ class BlockPool {
   // Pinned blocks stay put. scores: one per block (e.g. the summed importance of its tokens).
   // Demotions run as one batch, then promotions as another; when the second fails (e.g. an I/O
   // error) the demotions stay done.
+  // max_hot >= 0 caps the hot set further: a share of the fast tier when several sequences or
+  // layers are placed one after another (tiered_kv.h splits it per layer).
   Result<PlacementResult> place(std::span<const BlockId> blocks, std::span<const float> scores,
-                                int64_t sink_blocks, int64_t recent_blocks, Tier fast);
+                                int64_t sink_blocks, int64_t recent_blocks, Tier fast,
+                                int64_t max_hot = -1);
 
   TierStats stats(Tier t) const;
   int64_t live_blocks() const;

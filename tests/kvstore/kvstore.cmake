@@ -6,3 +6,5 @@ sf_add_test(test_prefix_cache SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefix_cach
 # The same contract on the default model.
 sf_add_test(test_prefix_cache_model SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefix_cache_model.cpp
             LABELS quality LIBS sf_kvstore TIMEOUT 300)
+sf_add_test(test_tiered_kv SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_tiered_kv.cpp LABELS unit
+            LIBS sf_kvstore TIMEOUT 120)

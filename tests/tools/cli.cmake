@@ -26,6 +26,20 @@ if(TARGET sparsefill)
            ${_sf} prefill --frobnicate)
   add_test(NAME cli_unknown_attention COMMAND ${_ef} "^error: unknown attention mode 'bogus'"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --attention bogus)
+  # --kv-pool: spec and directory are checked before the model load; a tiny host budget puts
+  # most blocks (one per layer for this short prompt) on disk.
+  add_test(NAME cli_kv_pool_bad_spec COMMAND ${_ef} "^error: --kv-pool host: '64Q' is not a size"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=64Q,disk=${_tmp}/kvp)
+  add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool disk=${_tmp}/kvp)
+  add_test(NAME cli_kv_pool_bad_dir COMMAND ${_ef} "^error: --kv-pool: disk directory '/dev/null/kv' cannot be created"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=64M,disk=/dev/null/kv)
+  add_test(NAME cli_kv_pool COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+           --kv-pool host=1M,disk=${_tmp}/kvp)
+  set_tests_properties(cli_kv_pool PROPERTIES PASS_REGULAR_EXPRESSION
+                       "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes")
+  set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
+                       PROPERTIES LABELS unit TIMEOUT 120)
   # The long prompt: the bundled document three times (> 8192 tokens).
   file(READ ${_doc} _doc_text)
   file(WRITE ${_tmp}/long3x.txt "${_doc_text}${_doc_text}${_doc_text}")

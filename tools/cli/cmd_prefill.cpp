@@ -2,10 +2,13 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
+#include <optional>
 #include <sstream>
 
 #include "common/log.h"
 #include "kvstore/kv_export.h"
+#include "kvstore/tiered_kv.h"
 #include "tools/cli/cli.h"
 #include "worker/model/device_model.h"
 #include "worker/model/gguf.h"
@@ -38,7 +41,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 
 int cmd_prefill(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention",
-                            "device", "retention"},
+                            "device", "retention", "kv-pool"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -70,6 +73,18 @@ int cmd_prefill(int argc, char** argv) {
     if (!rp.is_ok()) return fail(rp.status());
     retention = std::move(rp).value();
   }
+  // --kv-pool: prefill-driven tiering into a host/disk block pool; spec and directory are
+  // checked before the model load.
+  std::optional<kvstore::KvPoolSpec> kv_pool;
+  if (a.has("kv-pool")) {
+    auto sp = kvstore::kv_pool_spec_parse(a.get("kv-pool"));
+    if (!sp.is_ok()) return fail(sp.status());
+    kv_pool = std::move(sp).value();
+    if (!kv_pool->disk_dir.empty()) {
+      const Status st = kvstore::kv_pool_dir_check(kv_pool->disk_dir);
+      if (!st.is_ok()) return fail(st);
+    }
+  }
   // gguf: the model's own metadata (pre-tokenizer, add_bos), as llama.cpp does.
   // hf: what transformers' GGUF conversion does (always BOS, GPT-2 regex); the golden reference.
   model::TokenizerCompat compat = model::TokenizerCompat::kGguf;
@@ -87,6 +102,8 @@ int cmd_prefill(int argc, char** argv) {
   const std::string device = a.get("device", "cpu");
   if (device != "cpu" && device != "cuda") return fail(SF_ERR(kInvalidArgument, "--device must be 'cpu' or 'cuda'"));
   const std::string mode = a.get("attention", "dense");
+  if (device == "cuda" && kv_pool)
+    return fail(SF_ERR(kUnsupported, "--kv-pool tiers the CPU forward's KV; it is not wired to --device cuda yet"));
   if (device == "cuda") {
     const Status st = model::cuda_device_check(0);
     if (!st.is_ok()) return fail(SF_ERR(kUnsupported, "--device cuda: " + st.message()));
@@ -142,6 +159,33 @@ int cmd_prefill(int argc, char** argv) {
     opt.importance_window = 32;
     opt.importance_pool = retention.kind == kvstore::RetentionKind::kSnapKV ? retention.pool : 7;
   }
+  std::unique_ptr<kvstore::BlockPool> pool;
+  std::unique_ptr<kvstore::TieredKv> tiered;
+  if (kv_pool) {
+    kvstore::BlockPoolConfig pc;
+    pc.n_kv_heads = cfg.n_kv_heads;
+    pc.head_dim = cfg.head_dim;
+    pc.host_bytes = kv_pool->host_bytes;
+    pc.disk_dir = kv_pool->disk_dir;
+    const int64_t block_bytes = int64_t(2) * kvstore::kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
+    const int64_t n_blocks = (int64_t(ids.size()) + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+    // disk=DIR without a size: room for the whole KV of this prompt, so only the host budget binds.
+    if (!kv_pool->disk_dir.empty())
+      pc.disk_bytes = kv_pool->disk_bytes >= 0 ? kv_pool->disk_bytes : int64_t(cfg.n_layers) * n_blocks * block_bytes;
+    auto p = kvstore::BlockPool::create(pc);
+    if (!p.is_ok()) return fail(p.status());
+    pool = std::move(p).value();
+    kvstore::TieredKvConfig tc;
+    tc.n_layers = cfg.n_layers;
+    tc.n_kv_heads = cfg.n_kv_heads;
+    tc.head_dim = cfg.head_dim;
+    auto t = kvstore::TieredKv::create(pool.get(), tc);
+    if (!t.is_ok()) return fail(t.status());
+    tiered = std::move(t).value();
+    opt.on_layer_kv = tiered->hook();
+    // Block scores come from the SnapKV importance; the same window as exports use.
+    if (opt.importance_window == 0) opt.importance_window = 32;
+  }
   std::optional<model::SparseConfig> sparse;
   if (mode != "dense") {
     auto sc = model::sparse_config_for_mode(mode, cfg.n_layers, cfg.n_heads);
@@ -175,6 +219,17 @@ int cmd_prefill(int argc, char** argv) {
   std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s\n", mode.c_str(), r.density,
               r.estimate_s, r.attention_s);
 
+  if (pool) {
+    std::printf("kv pool:");
+    for (kvstore::Tier t : {kvstore::Tier::kHost, kvstore::Tier::kDisk}) {
+      const kvstore::TierStats s = pool->stats(t);
+      std::printf(" %s %lld blocks %lld bytes (budget %lld);", kvstore::tier_name(t), static_cast<long long>(s.blocks),
+                  static_cast<long long>(s.used_bytes), static_cast<long long>(s.capacity_bytes));
+    }
+    const kvstore::TierStats h = pool->stats(kvstore::Tier::kHost);
+    std::printf(" moved host->disk %lld, disk->host %lld blocks\n", static_cast<long long>(h.demoted_out),
+                static_cast<long long>(h.promoted_in));
+  }
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec;
     spec.model_name = cfg.name;

@@ -14,7 +14,7 @@ void usage() {
                "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR [--retention POLICY]] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
-               "           [--device cpu|cuda]\n"
+               "           [--device cpu|cuda] [--kv-pool host=BYTES,disk=DIR[:BYTES]]  (sizes: 4096, 64K, 64M, 2G)\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--out FILE.json]\n"
                "  bench    attention [--lengths 8192,32768] [--sparse-lengths 32768] [--dtypes fp32,bf16] [--reps N] [--blocks K]\n"
                "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE.json]\n"

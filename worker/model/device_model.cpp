@@ -462,6 +462,8 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
             "CPU forward for sparse attention modes");
   SF_ENSURE(!opt.on_attention, kUnsupported,
             "device prefill: attention observers read host tensors; use the CPU forward");
+  SF_ENSURE(!opt.on_layer_kv, kUnsupported,
+            "device prefill: per-layer KV hooks read host tensors; use the CPU forward");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
             "device prefill: head_dim " + std::to_string(c.head_dim) +
                 " (CUDA attention supports 64 and 128)");

@@ -147,6 +147,10 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
       res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
+    if (opt.on_layer_kv)
+      SF_TRY(opt.on_layer_kv(l, kv3, vv,
+                             opt.importance_window > 0 ? std::span<const float>(res.importance[size_t(l)])
+                                                       : std::span<const float>()));
     // 3) O projection, residual, MLP per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {
       const int64_t n = std::min(C, S - c0);

@@ -74,6 +74,14 @@ struct SparseConfig;
 using AttentionObserver = std::function<void(int layer, const TensorView& q, const TensorView& k,
                                              const kernels::SparseIndex* idx)>;
 
+// Called once per layer when that layer's K/V rows are final (after attention and importance):
+// k, v are [n_tokens in the cache, n_kv_heads, head_dim]; importance is that layer's
+// [n_kv_heads, n_tokens] SnapKV scores, empty when importance_window is 0. A non-ok Status
+// stops the prefill with that error (KV tiering: kvstore/tiered_kv.h). Reads only: numerics
+// are unchanged.
+using LayerKvHook = std::function<Status(int layer, const TensorView& k, const TensorView& v,
+                                         std::span<const float> importance)>;
+
 struct PrefillOptions {
   int64_t chunk = 512;      // tokens per linear-layer chunk: bounds activation memory
   bool all_logits = false;  // logits of every position instead of the last only
@@ -84,6 +92,7 @@ struct PrefillOptions {
   // from the attention's LSE (kernels/kv_importance.h), into PrefillResult::importance.
   int importance_window = 0;
   int importance_pool = 7;  // max-pool kernel over keys (1: raw column sums)
+  LayerKvHook on_layer_kv;
 };
 
 struct PrefillResult {

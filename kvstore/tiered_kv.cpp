@@ -1,0 +1,277 @@
+#include "kvstore/tiered_kv.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+
+namespace sf::kvstore {
+
+Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const TieredKvConfig& cfg) {
+  SF_ENSURE(pool != nullptr, kInvalidArgument, "tiered kv: pool is null");
+  SF_ENSURE(cfg.n_layers > 0, kInvalidArgument, "tiered kv: n_layers must be positive");
+  SF_ENSURE(cfg.sink_blocks >= 0 && cfg.recent_blocks >= 0, kInvalidArgument,
+            "tiered kv: sink_blocks and recent_blocks must be >= 0");
+  SF_ENSURE(int(cfg.fast) >= 0 && int(cfg.fast) + 1 < kNumTiers, kInvalidArgument,
+            "tiered kv: the fast tier needs a slower tier below it");
+  const int64_t want = int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
+  SF_ENSURE(cfg.n_kv_heads > 0 && cfg.head_dim > 0 && want == pool->block_bytes(),
+            kInvalidArgument,
+            "tiered kv: pool blocks are " + std::to_string(pool->block_bytes()) + " bytes, " +
+                std::to_string(cfg.n_kv_heads) + " KV heads x head_dim " +
+                std::to_string(cfg.head_dim) + " need " + std::to_string(want));
+  std::unique_ptr<TieredKv> t(new TieredKv());
+  t->pool_ = pool;
+  t->cfg_ = cfg;
+  const int64_t fast_blocks = pool->stats(cfg.fast).capacity_bytes / pool->block_bytes();
+  SF_ENSURE(pool->stats(Tier(int(cfg.fast) + 1)).capacity_bytes > 0, kInvalidArgument,
+            std::string("tiered kv: cold blocks need the tier below ") + tier_name(cfg.fast) +
+                " (" + tier_name(Tier(int(cfg.fast) + 1)) + "), whose budget is 0");
+  SF_ENSURE(fast_blocks > 0, kInvalidArgument,
+            std::string("tiered kv: the fast tier (") + tier_name(cfg.fast) +
+                ") has no room for one block of " + std::to_string(pool->block_bytes()) + " bytes");
+  t->quota_.resize(size_t(cfg.n_layers));
+  for (int l = 0; l < cfg.n_layers; ++l)
+    t->quota_[size_t(l)] = fast_blocks / cfg.n_layers + (l < fast_blocks % cfg.n_layers ? 1 : 0);
+  t->tokens_.assign(size_t(cfg.n_layers), 0);
+  t->blocks_.resize(size_t(cfg.n_layers));
+  t->scores_.resize(size_t(cfg.n_layers));
+  t->placed_.resize(size_t(cfg.n_layers));
+  t->kbuf_.resize(size_t(pool->half_floats()));
+  t->vbuf_.resize(size_t(pool->half_floats()));
+  return t;
+}
+
+TieredKv::~TieredKv() {
+  for (size_t l = 0; l < blocks_.size(); ++l) release(int(l));  // empty when create() failed
+}
+
+void TieredKv::release(int layer) {
+  // Our blocks are never pinned by us and are live, so free() cannot fail here.
+  for (BlockId id : blocks_[size_t(layer)]) (void)pool_->free(id);
+  blocks_[size_t(layer)].clear();
+  scores_[size_t(layer)].clear();
+  tokens_[size_t(layer)] = 0;
+  placed_[size_t(layer)] = {};
+}
+
+float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_tokens, int64_t t0,
+                  int64_t t1) {
+  if (importance.empty()) return 0.f;
+  float s = -std::numeric_limits<float>::infinity();
+  for (int g = 0; g < n_kv_heads; ++g)
+    for (int64_t j = t0; j < t1; ++j) s = std::max(s, importance[size_t(g * n_tokens + j)]);
+  return s;
+}
+
+Status TieredKv::on_layer(int layer, const TensorView& k, const TensorView& v,
+                          std::span<const float> importance) {
+  SF_ENSURE(layer >= 0 && layer < cfg_.n_layers, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " out of range");
+  const int hkv = cfg_.n_kv_heads, d = cfg_.head_dim;
+  const int64_t n = k.shape[0];
+  auto shape_ok = [&](const TensorView& t) {
+    return t.data && t.dtype == DType::kF32 && t.device == Device::kCpu && t.ndim == 3 &&
+           t.shape[0] == n && t.shape[1] == hkv && t.shape[2] == d && t.stride[2] == 1 &&
+           t.stride[1] == d && t.stride[0] == int64_t(hkv) * d;
+  };
+  SF_ENSURE(shape_ok(k) && shape_ok(v), kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " K/V must be contiguous F32 host [" +
+                std::to_string(n) + ", " + std::to_string(hkv) + ", " + std::to_string(d) + "]");
+  SF_ENSURE(importance.empty() || int64_t(importance.size()) == int64_t(hkv) * n,
+            kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " importance has " +
+                std::to_string(importance.size()) + " scores, want " + std::to_string(hkv * n));
+  release(layer);
+  const int64_t row = int64_t(hkv) * d;
+  const int64_t nb = (n + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  const float* kp = static_cast<const float*>(k.data);
+  const float* vp = static_cast<const float*>(v.data);
+  std::vector<BlockId>& ids = blocks_[size_t(layer)];
+  std::vector<float>& sc = scores_[size_t(layer)];
+  Status st;
+  for (int64_t b = 0; b < nb && st.is_ok(); ++b) {
+    const int64_t t0 = b * kPoolBlockTokens, t1 = std::min(n, t0 + kPoolBlockTokens);
+    // Written to the fast tier first (as on GPU, where the KV is produced there); alloc spills
+    // to a slower tier when the fast one is full and place() sorts it out below.
+    Result<BlockId> id = pool_->alloc(cfg_.fast);
+    if (!id.is_ok()) {
+      st = SF_ERR(kResourceExhausted, "tiered kv: layer " + std::to_string(layer) + " block " +
+                                          std::to_string(b) + " of " + std::to_string(nb) +
+                                          " fits no tier: " + id.status().message());
+      break;
+    }
+    ids.push_back(id.value());
+    // A partial last block is zero-padded: pool blocks are always 64 tokens.
+    std::fill(kbuf_.begin(), kbuf_.end(), 0.f);
+    std::fill(vbuf_.begin(), vbuf_.end(), 0.f);
+    std::memcpy(kbuf_.data(), kp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
+    std::memcpy(vbuf_.data(), vp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
+    st = pool_->write(id.value(), kbuf_.data(), vbuf_.data());
+    sc.push_back(block_score(importance, hkv, n, t0, t1));
+  }
+  if (st.is_ok()) {
+    auto pr = pool_->place(ids, sc, cfg_.sink_blocks, cfg_.recent_blocks, cfg_.fast,
+                           quota_[size_t(layer)]);
+    if (pr.is_ok())
+      placed_[size_t(layer)] = pr.value();
+    else
+      st = pr.status();
+  }
+  if (!st.is_ok()) {
+    release(layer);
+    return st;
+  }
+  tokens_[size_t(layer)] = n;
+  return Status::ok();
+}
+
+model::LayerKvHook TieredKv::hook() {
+  return [this](int layer, const TensorView& k, const TensorView& v,
+                std::span<const float> importance) { return on_layer(layer, k, v, importance); };
+}
+
+Status TieredKv::read_layer(int layer, std::vector<float>* k, std::vector<float>* v) const {
+  SF_ENSURE(layer >= 0 && layer < cfg_.n_layers, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " out of range");
+  SF_ENSURE(k && v, kInvalidArgument, "tiered kv: read_layer needs k and v");
+  const int64_t n = tokens_[size_t(layer)], row = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
+  k->resize(size_t(n * row));
+  v->resize(size_t(n * row));
+  std::vector<float> kb(size_t(pool_->half_floats())), vb(size_t(pool_->half_floats()));
+  const auto& ids = blocks_[size_t(layer)];
+  for (size_t b = 0; b < ids.size(); ++b) {
+    SF_TRY(pool_->read(ids[b], kb.data(), vb.data()));
+    const int64_t t0 = int64_t(b) * kPoolBlockTokens, t1 = std::min(n, t0 + kPoolBlockTokens);
+    std::memcpy(k->data() + t0 * row, kb.data(), size_t((t1 - t0) * row) * sizeof(float));
+    std::memcpy(v->data() + t0 * row, vb.data(), size_t((t1 - t0) * row) * sizeof(float));
+  }
+  return Status::ok();
+}
+
+Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg) {
+  SF_ENSURE(reg != nullptr, kInvalidArgument, "pool metrics: registry is null");
+  SF_TRY(reg->add_family("sparsefill_kv_pool_capacity_bytes", MetricKind::kGauge,
+                         "KV block pool budget of a tier, whole blocks."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_bytes", MetricKind::kGauge,
+                         "KV block pool bytes in use on a tier."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_blocks", MetricKind::kGauge,
+                         "KV blocks resident on a tier."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_blocks_moved_total", MetricKind::kCounter,
+                         "KV blocks moved out of a tier: down to a slower or up to a faster one."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_bytes_moved_total", MetricKind::kCounter,
+                         "Bytes of KV blocks moved out of a tier, by direction."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_spilled_total", MetricKind::kCounter,
+                         "KV blocks allocated on a tier because a faster one was full."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_full_refusals_total", MetricKind::kCounter,
+                         "Allocations or moves refused because a tier was full."));
+  SF_TRY(reg->add_family("sparsefill_kv_pool_io_errors_total", MetricKind::kCounter,
+                         "Copy or file I/O failures on a tier."));
+  for (int t = 0; t < kNumTiers; ++t) {
+    const TierStats s = pool.stats(Tier(t));
+    const std::string tn = tier_name(Tier(t));
+    const MetricLabels tl = {{"tier", tn}};
+    SF_TRY(reg->set("sparsefill_kv_pool_capacity_bytes", tl, double(s.capacity_bytes)));
+    SF_TRY(reg->set("sparsefill_kv_pool_bytes", tl, double(s.used_bytes)));
+    SF_TRY(reg->set("sparsefill_kv_pool_blocks", tl, double(s.blocks)));
+    SF_TRY(reg->set("sparsefill_kv_pool_spilled_total", tl, double(s.spilled_in)));
+    SF_TRY(reg->set("sparsefill_kv_pool_full_refusals_total", tl, double(s.full_refusals)));
+    SF_TRY(reg->set("sparsefill_kv_pool_io_errors_total", tl, double(s.io_errors)));
+    const MetricLabels down = {{"tier", tn}, {"direction", "down"}};
+    const MetricLabels up = {{"tier", tn}, {"direction", "up"}};
+    SF_TRY(reg->set("sparsefill_kv_pool_blocks_moved_total", down, double(s.demoted_out)));
+    SF_TRY(reg->set("sparsefill_kv_pool_blocks_moved_total", up, double(s.promoted_out)));
+    SF_TRY(reg->set("sparsefill_kv_pool_bytes_moved_total", down, double(s.bytes_down_out)));
+    SF_TRY(reg->set("sparsefill_kv_pool_bytes_moved_total", up, double(s.bytes_up_out)));
+  }
+  return Status::ok();
+}
+
+Result<int64_t> parse_byte_size(const std::string& s, const std::string& what) {
+  const std::string bad = what + ": '" + s + "' is not a size (e.g. 4096, 64K, 64M, 2G, 1T)";
+  if (s.empty() || s[0] < '0' || s[0] > '9') return SF_ERR(kInvalidArgument, bad);
+  size_t i = 0;
+  int64_t v = 0;
+  for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
+    if (v > (std::numeric_limits<int64_t>::max() - 9) / 10)
+      return SF_ERR(kOutOfRange, what + ": '" + s + "' is too large");
+    v = v * 10 + (s[i] - '0');
+  }
+  int shift = 0;
+  if (i < s.size()) {
+    const char u = s[i];
+    shift = u == 'K' || u == 'k' ? 10 : u == 'M' || u == 'm' ? 20 : u == 'G' || u == 'g' ? 30
+          : u == 'T' || u == 't' ? 40 : -1;
+    ++i;
+    if (i < s.size() && (s[i] == 'B' || s[i] == 'b')) ++i;  // "64MB" reads as 64M
+    if (shift < 0 || i != s.size()) return SF_ERR(kInvalidArgument, bad);
+  }
+  if (v > (std::numeric_limits<int64_t>::max() >> shift))
+    return SF_ERR(kOutOfRange, what + ": '" + s + "' is too large");
+  return v << shift;
+}
+
+Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
+  const std::string form = " (form: host=BYTES,disk=DIR[:BYTES])";
+  KvPoolSpec out;
+  bool host = false, disk = false;
+  size_t p = 0;
+  while (p <= spec.size()) {
+    const size_t c = spec.find(',', p);
+    const std::string item = spec.substr(p, c == std::string::npos ? std::string::npos : c - p);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos)
+      return SF_ERR(kInvalidArgument, "--kv-pool: '" + item + "' is not key=value" + form);
+    const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
+    if (key == "host") {
+      if (host) return SF_ERR(kInvalidArgument, "--kv-pool: host given twice");
+      host = true;
+      SF_ASSIGN(int64_t b, parse_byte_size(val, "--kv-pool host"));
+      out.host_bytes = b;
+    } else if (key == "disk") {
+      if (disk) return SF_ERR(kInvalidArgument, "--kv-pool: disk given twice");
+      disk = true;
+      // DIR[:BYTES]: the last ':' splits only when what follows is a size.
+      const size_t colon = val.rfind(':');
+      std::string dir = val;
+      if (colon != std::string::npos) {
+        dir = val.substr(0, colon);
+        SF_ASSIGN(int64_t b, parse_byte_size(val.substr(colon + 1), "--kv-pool disk"));
+        out.disk_bytes = b;
+      }
+      if (dir.empty()) return SF_ERR(kInvalidArgument, "--kv-pool: disk needs a directory" + form);
+      out.disk_dir = dir;
+    } else {
+      return SF_ERR(kInvalidArgument, "--kv-pool: unknown tier '" + key + "'" + form);
+    }
+    if (c == std::string::npos) break;
+    p = c + 1;
+  }
+  if (!host) return SF_ERR(kInvalidArgument, "--kv-pool: host=BYTES is required" + form);
+  if (!disk) return SF_ERR(kInvalidArgument, "--kv-pool: disk=DIR is required (cold blocks go there)" + form);
+  if (out.host_bytes == 0)
+    return SF_ERR(kInvalidArgument, "--kv-pool: host must be > 0 (it is the fast tier)");
+  return out;
+}
+
+Status kv_pool_dir_check(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec))
+    return SF_ERR(kIo, "--kv-pool: disk directory '" + dir + "' cannot be created" +
+                           (ec ? ": " + ec.message() : std::string()));
+  const std::string probe = (std::filesystem::path(dir) / ".sparsefill-write-probe").string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return SF_ERR(kIo, "--kv-pool: disk directory '" + dir +
+                           "' is not writable: " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return Status::ok();
+}
+
+}  // namespace sf::kvstore

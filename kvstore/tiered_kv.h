@@ -1,0 +1,100 @@
+// Prefill-driven KV tiering (DESIGN.md "KV store and tiering", sparsity-aware tiering): as soon
+// as a layer's attention (and its SnapKV importance) is done, the forward's per-layer hook hands
+// its K/V here; they are written as 64-token pool blocks and BlockPool::place() keeps the sink,
+// the recent window and the top-scored blocks of that layer on the fast tier, up to the layer's
+// share of it, demoting the rest to the next tier.
+//
+// Block score: the max over the block's tokens and the layer's KV heads of the SnapKV importance
+// (kernels/kv_importance.h, already max-pooled over keys): a block is hot when any head of the
+// observation window attends to any of its tokens. Without importance every score is 0 and only
+// sink and window are ranked (then position order).
+//
+// Plan/run split: TieredKv::create validates shapes against the pool and fixes each layer's
+// fast-tier quota once; on_layer() runs per layer. CPU path only: the CPU forward still keeps its
+// own full KvCache; the pool holds the tiered copy (the GPU copy-stream path is not wired yet).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kvstore/block_pool.h"
+#include "worker/model/model.h"
+
+namespace sf::kvstore {
+
+struct TieredKvConfig {
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t sink_blocks = 1;    // attention sink: the first block(s)
+  int64_t recent_blocks = 1;  // the last block(s): the observation window lives there
+  Tier fast = Tier::kHost;    // kDevice in CUDA builds; cold blocks go one tier down
+};
+
+class TieredKv {
+ public:
+  // pool must outlive this object and match n_kv_heads / head_dim. Each layer's fast-tier quota
+  // is an equal share of the fast tier's capacity (the remainder to the first layers): tiering
+  // layer by layer must not let early layers take the whole fast tier.
+  static Result<std::unique_ptr<TieredKv>> create(BlockPool* pool, const TieredKvConfig& cfg);
+  ~TieredKv();  // frees this object's blocks
+  TieredKv(const TieredKv&) = delete;
+  TieredKv& operator=(const TieredKv&) = delete;
+
+  // k, v: [n_tokens, n_kv_heads, head_dim] F32 host; importance: [n_kv_heads, n_tokens] or
+  // empty. A layer seen again (model::extend) has its blocks replaced. Errors (e.g. every tier
+  // full: kResourceExhausted naming layer and block) leave no block of this call allocated.
+  Status on_layer(int layer, const TensorView& k, const TensorView& v,
+                  std::span<const float> importance);
+  // The hook for model::PrefillOptions::on_layer_kv.
+  model::LayerKvHook hook();
+
+  // Reassembles a layer's K and V ([n_tokens, n_kv_heads, head_dim]) from whatever tiers its
+  // blocks are on.
+  Status read_layer(int layer, std::vector<float>* k, std::vector<float>* v) const;
+
+  int64_t n_tokens(int layer) const { return tokens_[size_t(layer)]; }
+  const std::vector<BlockId>& blocks(int layer) const { return blocks_[size_t(layer)]; }
+  const std::vector<float>& scores(int layer) const { return scores_[size_t(layer)]; }
+  int64_t fast_quota(int layer) const { return quota_[size_t(layer)]; }
+  const PlacementResult& placement(int layer) const { return placed_[size_t(layer)]; }
+
+ private:
+  TieredKv() = default;
+  void release(int layer);
+  BlockPool* pool_ = nullptr;
+  TieredKvConfig cfg_;
+  std::vector<int64_t> quota_, tokens_;
+  std::vector<std::vector<BlockId>> blocks_;
+  std::vector<std::vector<float>> scores_;
+  std::vector<PlacementResult> placed_;
+  std::vector<float> kbuf_, vbuf_;  // one block, zero-padded past the last token
+};
+
+// Block score of tokens [t0, t1) of one layer: max over KV heads and tokens of importance
+// ([n_kv_heads, n_tokens]).
+float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_tokens, int64_t t0,
+                  int64_t t1);
+
+// Per-tier pool metrics: registers the families and every series (zeros included) and sets
+// them from pool.stats(). Names: sparsefill_kv_pool_{capacity_bytes,bytes,blocks}{tier},
+// sparsefill_kv_pool_blocks_moved_total{tier,direction="down"|"up"} (blocks moved out of tier),
+// sparsefill_kv_pool_bytes_moved_total{tier,direction}, sparsefill_kv_pool_spilled_total{tier},
+// sparsefill_kv_pool_full_refusals_total{tier}, sparsefill_kv_pool_io_errors_total{tier}.
+Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg);
+
+// `--kv-pool host=BYTES,disk=DIR[:BYTES]` (sizes: 123, 64K, 64M, 2G, 1T; binary multiples).
+struct KvPoolSpec {
+  int64_t host_bytes = 0;
+  std::string disk_dir;
+  int64_t disk_bytes = -1;  // -1: not given (the caller sizes it, e.g. to the whole KV)
+};
+Result<int64_t> parse_byte_size(const std::string& s, const std::string& what);
+Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec);
+// Creates the disk directory when missing and checks a file can be written there.
+Status kv_pool_dir_check(const std::string& dir);
+
+}  // namespace sf::kvstore

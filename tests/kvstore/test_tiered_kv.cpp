@@ -1,0 +1,267 @@
+// Prefill-driven tiering on a small synthetic model: each layer's K/V go into the block pool as
+// the forward produces them, the hot set (sink, recent window, top-scored block) stays on the
+// host tier, cold blocks land on disk; reading any layer back gives the forward's own KV cache
+// bit for bit; per-tier metrics expose the same counts. Also the --kv-pool spec parser.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "common/metrics.h"
+#include "kvstore/tiered_kv.h"
+#include "worker/model/model.h"
+
+namespace sf::kvstore {
+namespace {
+
+model::ModelConfig tiny_config() {
+  model::ModelConfig c;
+  c.arch = model::Arch::kLlama;
+  c.name = "tiny";
+  c.n_layers = 3;
+  c.hidden = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 16;
+  c.intermediate = 96;
+  c.vocab = 101;
+  c.max_context = 4096;
+  c.rope.theta = 10000.f;
+  return c;
+}
+
+struct Fixture {
+  uint64_t seed;
+  model::ModelConfig cfg = tiny_config();
+  std::vector<int32_t> tokens;
+  std::string dir;
+  Fixture() {
+    seed = std::random_device{}();
+    std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+    std::mt19937_64 rng(seed);
+    tokens.resize(8 * kPoolBlockTokens + 17);  // 9 blocks per layer, the last one partial
+    for (auto& t : tokens) t = int32_t(rng() % uint64_t(cfg.vocab));
+    dir = (std::filesystem::temp_directory_path() /
+           ("sf_tiered_kv_" + std::to_string(::getpid()) + "_" + std::to_string(seed)))
+              .string();
+  }
+  ~Fixture() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  int64_t block_bytes() const { return int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4; }
+};
+
+TEST(TieredKv, PrefillTiersLayersAndReadsBackBitExact) {
+  Fixture f;
+  auto m = model::Model::synthetic(f.cfg, f.seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  BlockPoolConfig pc;
+  pc.n_kv_heads = f.cfg.n_kv_heads;
+  pc.head_dim = f.cfg.head_dim;
+  pc.host_bytes = 9 * f.block_bytes();  // 3 hot blocks per layer
+  pc.disk_bytes = 64 * f.block_bytes();
+  pc.disk_dir = f.dir;
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  TieredKvConfig tc;
+  tc.n_layers = f.cfg.n_layers;
+  tc.n_kv_heads = f.cfg.n_kv_heads;
+  tc.head_dim = f.cfg.head_dim;
+  auto tk = TieredKv::create(pool->get(), tc);
+  ASSERT_TRUE(tk.is_ok()) << tk.status().to_string();
+
+  model::PrefillOptions opt;
+  opt.importance_window = 32;
+  auto plain = model::prefill(m.value(), f.tokens, opt);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  int calls = 0;
+  auto hook = (*tk)->hook();
+  opt.on_layer_kv = [&](int l, const TensorView& k, const TensorView& v,
+                        std::span<const float> imp) {
+    EXPECT_EQ(l, calls++);  // one call per layer, in order, before the next layer runs
+    return hook(l, k, v, imp);
+  };
+  auto r = model::prefill(m.value(), f.tokens, opt);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(calls, f.cfg.n_layers);
+  // The hook only reads: logits are bit-identical to a run without it.
+  ASSERT_EQ(r->logits.size(), plain->logits.size());
+  EXPECT_EQ(std::memcmp(r->logits.data(), plain->logits.data(), r->logits.size() * 4), 0);
+
+  const int64_t nb = 9;
+  const BlockPool& p = **pool;
+  for (int l = 0; l < f.cfg.n_layers; ++l) {
+    const auto& ids = (*tk)->blocks(l);
+    ASSERT_EQ(int64_t(ids.size()), nb);
+    // Reassembled from host and disk, bit for bit the forward's cache.
+    std::vector<float> k, v;
+    k.assign(r->kv.k[size_t(l)].size() + 5, -7.f);  // poisoned, resized by read_layer
+    ASSERT_TRUE((*tk)->read_layer(l, &k, &v).is_ok());
+    ASSERT_EQ(k.size(), r->kv.k[size_t(l)].size());
+    ASSERT_EQ(v.size(), r->kv.v[size_t(l)].size());
+    EXPECT_EQ(std::memcmp(k.data(), r->kv.k[size_t(l)].data(), k.size() * 4), 0) << "layer " << l;
+    EXPECT_EQ(std::memcmp(v.data(), r->kv.v[size_t(l)].data(), v.size() * 4), 0) << "layer " << l;
+    // Hot set on host: sink block, last block, the best-scored middle block; the rest on disk.
+    const auto& sc = (*tk)->scores(l);
+    ASSERT_EQ(int64_t(sc.size()), nb);
+    // Scores are max of the pooled importance over the block: recompute for one block.
+    const auto& imp = r->importance[size_t(l)];
+    EXPECT_EQ(sc[3], block_score(imp, f.cfg.n_kv_heads, int64_t(f.tokens.size()), 3 * 64, 4 * 64));
+    float top_s = -1.f;
+    int64_t top = -1;
+    for (int64_t b = 1; b + 1 < nb; ++b)
+      if (sc[size_t(b)] > top_s) top_s = sc[size_t(b)], top = b;
+    ASSERT_GT(top_s, 0.f);  // importance is real, never all zeros
+    for (int64_t b = 0; b < nb; ++b) {
+      const bool hot = b == 0 || b == nb - 1 || b == top;
+      auto t = p.tier_of(ids[size_t(b)]);
+      ASSERT_TRUE(t.is_ok());
+      EXPECT_EQ(t.value(), hot ? Tier::kHost : Tier::kDisk) << "layer " << l << " block " << b;
+    }
+    EXPECT_EQ((*tk)->placement(l).hot, 3);
+  }
+  const TierStats host = p.stats(Tier::kHost), disk = p.stats(Tier::kDisk);
+  EXPECT_EQ(host.blocks, 9);
+  EXPECT_EQ(disk.blocks, 18);
+  EXPECT_EQ(host.blocks + disk.blocks, p.live_blocks());
+  EXPECT_EQ(host.used_bytes, 9 * f.block_bytes());
+  EXPECT_EQ(disk.used_bytes, 18 * f.block_bytes());
+  // Layer 0 fits on host (then 6 demoted); layers 1 and 2 find 6 and 3 free host slots, so
+  // 3 + 6 of their blocks spill straight to disk.
+  EXPECT_EQ(disk.spilled_in, 9);
+
+  MetricsRegistry reg;
+  ASSERT_TRUE(pool_metrics_export(p, &reg).is_ok());
+  const std::string text = reg.render();
+  int64_t demoted = 0, promoted = 0;
+  for (int l = 0; l < f.cfg.n_layers; ++l) {
+    demoted += (*tk)->placement(l).demoted;
+    promoted += (*tk)->placement(l).promoted;
+  }
+  auto has = [&](const std::string& line) {
+    EXPECT_NE(text.find("\n" + line + "\n"), std::string::npos) << line << "\n" << text;
+  };
+  has("# TYPE sparsefill_kv_pool_bytes gauge");
+  has("# TYPE sparsefill_kv_pool_blocks_moved_total counter");
+  has("sparsefill_kv_pool_bytes{tier=\"host\"} " + std::to_string(9 * f.block_bytes()));
+  has("sparsefill_kv_pool_bytes{tier=\"disk\"} " + std::to_string(18 * f.block_bytes()));
+  has("sparsefill_kv_pool_bytes{tier=\"device\"} 0");
+  has("sparsefill_kv_pool_blocks{tier=\"host\"} 9");
+  has("sparsefill_kv_pool_blocks{tier=\"disk\"} 18");
+  has("sparsefill_kv_pool_spilled_total{tier=\"disk\"} 9");
+  has("sparsefill_kv_pool_blocks_moved_total{tier=\"host\",direction=\"down\"} " +
+      std::to_string(demoted));
+  has("sparsefill_kv_pool_blocks_moved_total{tier=\"disk\",direction=\"up\"} " +
+      std::to_string(promoted));
+  has("sparsefill_kv_pool_bytes_moved_total{tier=\"host\",direction=\"down\"} " +
+      std::to_string(demoted * f.block_bytes()));
+  EXPECT_GE(demoted, 6);  // layer 0 alone demotes 6
+
+  // Freed with the TieredKv.
+  tk->reset();
+  EXPECT_EQ(p.live_blocks(), 0);
+}
+
+TEST(TieredKv, NoTierHasRoomIsAClearError) {
+  Fixture f;
+  auto m = model::Model::synthetic(f.cfg, f.seed);
+  ASSERT_TRUE(m.is_ok());
+  BlockPoolConfig pc;
+  pc.n_kv_heads = f.cfg.n_kv_heads;
+  pc.head_dim = f.cfg.head_dim;
+  pc.host_bytes = 4 * f.block_bytes();
+  pc.disk_bytes = 2 * f.block_bytes();
+  pc.disk_dir = f.dir;
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok());
+  auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
+  ASSERT_TRUE(tk.is_ok());
+  model::PrefillOptions opt;
+  opt.on_layer_kv = (*tk)->hook();
+  auto r = model::prefill(m.value(), f.tokens, opt);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("tiered kv: layer 0 block 6 of 9 fits no tier"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ((*pool)->live_blocks(), 0);  // nothing half-placed is left behind
+}
+
+TEST(TieredKv, CreateValidates) {
+  Fixture f;
+  BlockPoolConfig pc;
+  pc.n_kv_heads = 2;
+  pc.head_dim = 16;
+  pc.host_bytes = f.block_bytes();
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok());
+  auto no_disk = TieredKv::create(pool->get(), {3, 2, 16});  // host only: nowhere for cold blocks
+  ASSERT_FALSE(no_disk.is_ok());
+  EXPECT_NE(no_disk.status().message().find("whose budget is 0"), std::string::npos);
+  EXPECT_FALSE(TieredKv::create(pool->get(), {3, 2, 32}).is_ok());  // block size mismatch
+  EXPECT_FALSE(TieredKv::create(nullptr, {3, 2, 16}).is_ok());
+  TieredKvConfig c{3, 2, 16};
+  c.fast = Tier::kDisk;  // nothing below it
+  EXPECT_FALSE(TieredKv::create(pool->get(), c).is_ok());
+  pc.host_bytes = 0;
+  pc.disk_bytes = f.block_bytes();
+  pc.disk_dir = f.dir;
+  auto disk_only = BlockPool::create(pc);
+  ASSERT_TRUE(disk_only.is_ok());
+  auto e = TieredKv::create(disk_only->get(), {3, 2, 16});
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_NE(e.status().message().find("no room for one block"), std::string::npos);
+}
+
+TEST(KvPoolSpec, Parses) {
+  auto a = kv_pool_spec_parse("host=64M,disk=/tmp/kv:2G");
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  EXPECT_EQ(a->host_bytes, int64_t(64) << 20);
+  EXPECT_EQ(a->disk_dir, "/tmp/kv");
+  EXPECT_EQ(a->disk_bytes, int64_t(2) << 30);
+  auto b = kv_pool_spec_parse("disk=/tmp/kv,host=4096");
+  ASSERT_TRUE(b.is_ok());
+  EXPECT_EQ(b->host_bytes, 4096);
+  EXPECT_EQ(b->disk_bytes, -1);
+  EXPECT_EQ(kv_pool_spec_parse("host=1k,disk=d").value().host_bytes, 1024);
+  EXPECT_EQ(kv_pool_spec_parse("host=3GB,disk=d").value().host_bytes, int64_t(3) << 30);
+  for (const char* bad : {"", "host", "host=", "host=1.5G", "host=64Q", "host=-1", "host=0,disk=d",
+                          "gpu=1G", "host=1M,host=2M", "host=1M,disk=", "host=1M,disk=:1G",
+                          "host=1M,disk=/tmp/kv:x", "host=99999999999T", "disk=/tmp/kv", "host=1M"}) {
+    auto r = kv_pool_spec_parse(bad);
+    EXPECT_FALSE(r.is_ok()) << bad;
+    if (!r.is_ok()) EXPECT_EQ(r.status().message().rfind("--kv-pool", 0), 0u) << r.status().message();
+  }
+}
+
+TEST(KvPoolSpec, DirCheck) {
+  Fixture f;
+  EXPECT_TRUE(kv_pool_dir_check(f.dir + "/sub").is_ok());
+  EXPECT_TRUE(std::filesystem::is_directory(f.dir + "/sub"));
+  auto st = kv_pool_dir_check("/dev/null/kv");
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("cannot be created"), std::string::npos) << st.message();
+}
+
+TEST(Metrics, ExpositionAndValidation) {
+  MetricsRegistry reg;
+  EXPECT_FALSE(reg.add_family("bad name", MetricKind::kGauge, "x").is_ok());
+  EXPECT_FALSE(reg.add_family("sf_moves", MetricKind::kCounter, "x").is_ok());  // no _total
+  ASSERT_TRUE(reg.add_family("sf_moves_total", MetricKind::kCounter, "Moves.").is_ok());
+  EXPECT_FALSE(reg.add_family("sf_moves_total", MetricKind::kGauge, "x").is_ok());
+  EXPECT_FALSE(reg.set("sf_missing", {}, 1).is_ok());
+  ASSERT_TRUE(reg.set("sf_moves_total", {{"tier", "a\"b"}}, 12345678901.0).is_ok());
+  EXPECT_EQ(reg.render(),
+            "# HELP sf_moves_total Moves.\n# TYPE sf_moves_total counter\n"
+            "sf_moves_total{tier=\"a\\\"b\"} 12345678901\n");
+  EXPECT_EQ(reg.get("sf_moves_total", {{"tier", "a\"b"}}).value(), 12345678901.0);
+}
+
+}  // namespace
+}  // namespace sf::kvstore
