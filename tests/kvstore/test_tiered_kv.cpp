@@ -168,6 +168,44 @@ TEST(TieredKv, PrefillTiersLayersAndReadsBackBitExact) {
   EXPECT_EQ(p.live_blocks(), 0);
 }
 
+// model::extend calls the hook again with the whole cache (prefix + new rows): the layer's blocks
+// are replaced, not appended, and the pool holds exactly one copy.
+TEST(TieredKv, ExtendReplacesLayerBlocks) {
+  Fixture f;
+  auto m = model::Model::synthetic(f.cfg, f.seed);
+  ASSERT_TRUE(m.is_ok());
+  BlockPoolConfig pc;
+  pc.n_kv_heads = f.cfg.n_kv_heads;
+  pc.head_dim = f.cfg.head_dim;
+  pc.host_bytes = 6 * f.block_bytes();
+  pc.disk_bytes = 64 * f.block_bytes();
+  pc.disk_dir = f.dir;
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok());
+  auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
+  ASSERT_TRUE(tk.is_ok());
+  model::PrefillOptions opt;
+  opt.importance_window = 16;
+  opt.on_layer_kv = (*tk)->hook();
+  model::PrefillResult r;
+  const std::span<const int32_t> all(f.tokens);
+  ASSERT_TRUE(model::extend(m.value(), all.first(130), opt, &r).is_ok());
+  EXPECT_EQ((*pool)->live_blocks(), 3 * f.cfg.n_layers);
+  ASSERT_TRUE(model::extend(m.value(), all.subspan(130), opt, &r).is_ok());
+  EXPECT_EQ((*pool)->live_blocks(), 9 * f.cfg.n_layers);
+  for (int l = 0; l < f.cfg.n_layers; ++l) {
+    EXPECT_EQ((*tk)->n_tokens(l), int64_t(f.tokens.size()));
+    std::vector<float> k, v;
+    ASSERT_TRUE((*tk)->read_layer(l, &k, &v).is_ok());
+    ASSERT_EQ(k.size(), r.kv.k[size_t(l)].size());
+    EXPECT_EQ(std::memcmp(k.data(), r.kv.k[size_t(l)].data(), k.size() * 4), 0) << "layer " << l;
+    EXPECT_EQ(std::memcmp(v.data(), r.kv.v[size_t(l)].data(), v.size() * 4), 0) << "layer " << l;
+    EXPECT_EQ((*tk)->placement(l).hot, 2);  // 6 host blocks / 3 layers
+  }
+  EXPECT_EQ((*pool)->stats(Tier::kHost).blocks, 6);
+  EXPECT_EQ((*pool)->stats(Tier::kDisk).blocks, 21);
+}
+
 TEST(TieredKv, NoTierHasRoomIsAClearError) {
   Fixture f;
   auto m = model::Model::synthetic(f.cfg, f.seed);
