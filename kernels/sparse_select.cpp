@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "kernels/sparse.h"
 #include "kernels/sparse_index.h"
 
 namespace sf::kernels {
@@ -78,6 +79,22 @@ VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows) {
     sg.source[size_t(s)] = src;
   }
   return sg;
+}
+
+void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const float* diag,
+               int64_t n_diags, std::vector<int32_t>* cols, std::vector<int32_t>* diags) {
+  SelectBudget bc, bd;
+  if (hp.pattern == Pattern::kVerticalSlash) {
+    bc.k = std::min(hp.n_vertical, n_cols);
+    bd.k = std::min(hp.n_slash, n_diags);
+  } else {
+    bc.mass = bd.mass = true;
+    bc.gamma = bd.gamma = hp.gamma;
+    bc.min_count = bd.min_count = hp.min_budget;
+    bc.max_count = bd.max_count = hp.max_budget;
+  }
+  *cols = select_ranked(col, n_cols, iota_list(std::min(hp.sink, n_cols)), bc);
+  *diags = select_ranked(diag, n_diags, iota_list(std::min(hp.local + 1, n_diags)), bd);
 }
 
 }  // namespace sf::kernels

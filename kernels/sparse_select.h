@@ -8,6 +8,8 @@
 
 namespace sf::kernels {
 
+struct HeadPattern;
+
 struct SelectBudget {
   bool mass = false;  // false: top-k; true: smallest prefix reaching gamma of the total mass
   int64_t k = 0;      // top-k count, forced items included
@@ -46,5 +48,11 @@ struct VsSegments {
   }
 };
 VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows);
+
+// One vertical-slash (or adaptive-vs) selection: columns ranked over keys [0, n_cols) by col,
+// diagonals over offsets [0, n_diags) by diag, with hp's budgets (top-k or mass threshold) and
+// the sink columns / local diagonals forced first.
+void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const float* diag,
+               int64_t n_diags, std::vector<int32_t>* cols, std::vector<int32_t>* diags);
 
 }  // namespace sf::kernels

@@ -362,20 +362,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             const int64_t src = vsg.source[size_t(si)];
             const int64_t nd = g.q_offset + vsg.end_row(si);
             const int64_t nc = std::clamp<int64_t>(nd, 0, kend_last);
-            Budget bc, bd;
-            if (hp.pattern == Pattern::kVerticalSlash) {
-              bc.k = std::min(hp.n_vertical, nc);
-              bd.k = std::min(hp.n_slash, nd);
-            } else {
-              bc.mass = bd.mass = true;
-              bc.gamma = bd.gamma = hp.gamma;
-              bc.min_count = bd.min_count = hp.min_budget;
-              bc.max_count = bd.max_count = hp.max_budget;
-            }
-            seg_cols[size_t(si)] = select_ranked(col[h].data() + src * kend_last, nc,
-                                                 iota_list(std::min(hp.sink, nc)), bc);
-            seg_diags[size_t(si)] = select_ranked(diag[h].data() + src * n_diag, nd,
-                                                  iota_list(std::min(hp.local + 1, nd)), bd);
+            vs_select(hp, col[h].data() + src * kend_last, nc, diag[h].data() + src * n_diag, nd,
+                      &seg_cols[size_t(si)], &seg_diags[size_t(si)]);
           }
           break;
         }

@@ -356,20 +356,8 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         diags[size_t(h)].assign(size_t(vsg.count()), {});
         for (int64_t si = 0; si < vsg.count(); ++si) {
           const int64_t src = vsg.source[size_t(si)], n = vsg.end_row(si);
-          Budget bc, bd;
-          if (hp.pattern == Pattern::kVerticalSlash) {
-            bc.k = std::min(hp.n_vertical, n);
-            bd.k = std::min(hp.n_slash, n);
-          } else {
-            bc.mass = bd.mass = true;
-            bc.gamma = bd.gamma = hp.gamma;
-            bc.min_count = bd.min_count = hp.min_budget;
-            bc.max_count = bd.max_count = hp.max_budget;
-          }
-          cols[size_t(h)][size_t(si)] = select_ranked(col[size_t(h)].data() + src * S, n,
-                                                      iota_list(std::min(hp.sink, n)), bc);
-          diags[size_t(h)][size_t(si)] = select_ranked(diag[size_t(h)].data() + src * S, n,
-                                                       iota_list(std::min(hp.local + 1, n)), bd);
+          kernels::vs_select(hp, col[size_t(h)].data() + src * S, n, diag[size_t(h)].data() + src * S,
+                             n, &cols[size_t(h)][size_t(si)], &diags[size_t(h)][size_t(si)]);
         }
         break;
       }
