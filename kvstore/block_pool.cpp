@@ -17,8 +17,9 @@ constexpr size_t kAlign = 4096;  // page-aligned host blocks: DMA-friendly, O_DI
 
 class HostStore final : public TierStore {
  public:
-  HostStore(void* p, int64_t block_bytes) : p_(static_cast<char*>(p)), bb_(block_bytes) {}
-  ~HostStore() override { std::free(p_); }
+  HostStore(void* p, int64_t block_bytes, void (*release)(void*))
+      : p_(static_cast<char*>(p)), bb_(block_bytes), release_(release) {}
+  ~HostStore() override { release_(p_); }
   Status write(int64_t slot, const void* src, int64_t bytes) override {
     std::memcpy(p_ + slot * bb_, src, size_t(bytes));
     return Status::ok();
@@ -32,6 +33,7 @@ class HostStore final : public TierStore {
  private:
   char* p_;
   int64_t bb_;
+  void (*release_)(void*);
 };
 
 class DiskStore final : public TierStore {
@@ -103,14 +105,23 @@ Result<std::unique_ptr<TierStore>> make_device_store(int64_t, int64_t) {
   return SF_ERR(kUnsupported, "block pool: device tier needs a CUDA build (device_bytes > 0)");
 }
 Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes) {
+  return make_pageable_host_store(slots, block_bytes);
+}
+#endif
+
+Result<std::unique_ptr<TierStore>> make_pageable_host_store(int64_t slots, int64_t block_bytes) {
   const size_t bytes = (size_t(slots * block_bytes) + kAlign - 1) / kAlign * kAlign;
   void* p = std::aligned_alloc(kAlign, bytes);
   if (!p)
     return SF_ERR(kResourceExhausted, "block pool: host tier allocation of " +
                                           std::to_string(slots * block_bytes) + " bytes failed");
-  return std::unique_ptr<TierStore>(new HostStore(p, block_bytes));
+  return make_host_arena_store(p, block_bytes, [](void* q) { std::free(q); });
 }
-#endif
+
+std::unique_ptr<TierStore> make_host_arena_store(void* arena, int64_t block_bytes,
+                                                 void (*release)(void*)) {
+  return std::unique_ptr<TierStore>(new HostStore(arena, block_bytes, release));
+}
 
 const char* tier_name(Tier t) {
   switch (t) {

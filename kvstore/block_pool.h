@@ -157,5 +157,12 @@ class TierStore {
 // page-aligned host memory.
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes);
 Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes);
+// The host store over an arena of slots either build allocated; release frees it (std::free or
+// cudaFreeHost).
+std::unique_ptr<TierStore> make_host_arena_store(void* arena, int64_t block_bytes,
+                                                 void (*release)(void*));
+// Page-aligned pageable host memory: the host tier of CPU builds, and of CUDA builds on a machine
+// without a usable device (pinning needs a driver; the tier works the same without it).
+Result<std::unique_ptr<TierStore>> make_pageable_host_store(int64_t slots, int64_t block_bytes);
 
 }  // namespace sf::kvstore

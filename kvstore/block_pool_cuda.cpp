@@ -54,28 +54,21 @@ class DeviceStore final : public TierStore {
   cudaStream_t s_;
 };
 
-class PinnedHostStore final : public TierStore {
- public:
-  PinnedHostStore(void* p, int64_t bb) : p_(static_cast<char*>(p)), bb_(bb) {}
-  ~PinnedHostStore() override { (void)cudaFreeHost(p_); }
-  Status write(int64_t slot, const void* src, int64_t bytes) override {
-    std::memcpy(p_ + slot * bb_, src, size_t(bytes));
-    return Status::ok();
+// A CUDA build may run where there is no GPU or driver (CI, CPU hosts).
+bool cuda_usable() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
   }
-  Status read(int64_t slot, void* dst, int64_t bytes) const override {
-    std::memcpy(dst, p_ + slot * bb_, size_t(bytes));
-    return Status::ok();
-  }
-  char* host_ptr(int64_t slot) const override { return p_ + slot * bb_; }
-
- private:
-  char* p_;
-  int64_t bb_;
-};
+  return n > 0;
+}
 
 }  // namespace
 
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes) {
+  if (!cuda_usable())
+    return SF_ERR(kUnsupported, "block pool: device tier: no usable CUDA device (device_bytes > 0)");
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, size_t(slots * block_bytes));
   if (e != cudaSuccess)
@@ -93,13 +86,14 @@ Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t bloc
 }
 
 Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes) {
+  if (!cuda_usable()) return make_pageable_host_store(slots, block_bytes);
   void* p = nullptr;
   const cudaError_t e = cudaHostAlloc(&p, size_t(slots * block_bytes), cudaHostAllocDefault);
   if (e != cudaSuccess)
     return SF_ERR(kResourceExhausted, "block pool: host tier cudaHostAlloc of " +
                                           std::to_string(slots * block_bytes) +
                                           " bytes failed: " + cudaGetErrorString(e));
-  return std::unique_ptr<TierStore>(new PinnedHostStore(p, block_bytes));
+  return make_host_arena_store(p, block_bytes, [](void* q) { (void)cudaFreeHost(q); });
 }
 
 }  // namespace sf::kvstore
