@@ -390,23 +390,23 @@ Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
   if (!store_[size_t(to)])
     return SF_ERR(kInvalidArgument, std::string("block pool: cannot move to ") +
                                         tier_name(Tier(to)) + ": tier disabled (budget 0)");
-  std::vector<BlockId> todo;
+  std::vector<BlockId> moving;
   for (BlockId id : ids) {
     SF_TRY(check_id(id));
     const Entry& e = entries_[size_t(id)];
     if (e.pins > 0)
       return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(id) +
                                           " is pinned, cannot move it to " + tier_name(Tier(to)));
-    if (e.tier != to) todo.push_back(id);
+    if (e.tier != to) moving.push_back(id);
   }
-  std::vector<BlockId> sorted = todo;
+  std::vector<BlockId> sorted = moving;
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
     return SF_ERR(kInvalidArgument, "block pool: move_batch lists a block twice");
   TierStats& d = st_[size_t(to)];
-  if (int64_t(todo.size()) > free_slots(to)) {
+  if (int64_t(moving.size()) > free_slots(to)) {
     ++d.full_refusals;
-    return SF_ERR(kResourceExhausted, "block pool: cannot move " + std::to_string(todo.size()) +
+    return SF_ERR(kResourceExhausted, "block pool: cannot move " + std::to_string(moving.size()) +
                                           " blocks to " + tier_name(Tier(to)) + ": room for " +
                                           std::to_string(free_slots(to)));
   }
@@ -420,14 +420,14 @@ Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
   auto dst_slot = [&](size_t i) { return fl[fl.size() - 1 - i]; };
   std::array<bool, kNumTiers> used{};
   Status st;
-  for (size_t i = 0; i < todo.size() && st.is_ok();) {
-    const Entry& e = entries_[size_t(todo[i])];
+  for (size_t i = 0; i < moving.size() && st.is_ok();) {
+    const Entry& e = entries_[size_t(moving[i])];
     TierStore& src = *store_[size_t(e.tier)];
     used[size_t(e.tier)] = true;
     const int64_t slot = dst_slot(i);
     size_t run = 1;
-    while (i + run < todo.size()) {
-      const Entry& n = entries_[size_t(todo[i + run])];
+    while (i + run < moving.size()) {
+      const Entry& n = entries_[size_t(moving[i + run])];
       if (n.tier != e.tier || n.slot != e.slot + int64_t(run) ||
           dst_slot(i + run) != slot + int64_t(run))
         break;
@@ -457,15 +457,15 @@ Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
     }
   }
   SF_TRY(st);
-  for (size_t i = 0; i < todo.size(); ++i) {
-    Entry& e = entries_[size_t(todo[i])];
+  for (size_t i = 0; i < moving.size(); ++i) {
+    Entry& e = entries_[size_t(moving[i])];
     const int from = e.tier;
     free_slots_[size_t(from)].push_back(e.slot);
     e.tier = to;
     e.slot = fl[fl.size() - 1 - i];
     count_move(from, to);
   }
-  fl.resize(fl.size() - todo.size());
+  fl.resize(fl.size() - moving.size());
   return Status::ok();
 }
 

@@ -106,12 +106,17 @@ Status TieredKv::on_layer(int layer, const TensorView& k, const TensorView& v,
       break;
     }
     ids.push_back(id.value());
-    // A partial last block is zero-padded: pool blocks are always 64 tokens.
-    std::fill(kbuf_.begin(), kbuf_.end(), 0.f);
-    std::fill(vbuf_.begin(), vbuf_.end(), 0.f);
-    std::memcpy(kbuf_.data(), kp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
-    std::memcpy(vbuf_.data(), vp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
-    st = pool_->write(id.value(), kbuf_.data(), vbuf_.data());
+    if (t1 - t0 == kPoolBlockTokens) {
+      // A full block is already laid out as the pool's: written straight from the forward's KV.
+      st = pool_->write(id.value(), kp + t0 * row, vp + t0 * row);
+    } else {
+      // A partial last block is zero-padded: pool blocks are always 64 tokens.
+      std::fill(kbuf_.begin(), kbuf_.end(), 0.f);
+      std::fill(vbuf_.begin(), vbuf_.end(), 0.f);
+      std::memcpy(kbuf_.data(), kp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
+      std::memcpy(vbuf_.data(), vp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
+      st = pool_->write(id.value(), kbuf_.data(), vbuf_.data());
+    }
     sc.push_back(block_score(importance, hkv, n, t0, t1));
   }
   if (st.is_ok()) {
