@@ -10,6 +10,7 @@
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/retention.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf::testing {
@@ -20,21 +21,6 @@ inline uint64_t fresh_seed() {
   return s;
 }
 
-inline model::ModelConfig tiny_config() {
-  model::ModelConfig c;
-  c.arch = model::Arch::kLlama;
-  c.name = "tiny";
-  c.n_layers = 2;
-  c.hidden = 64;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 16;
-  c.intermediate = 96;
-  c.vocab = 101;
-  c.max_context = 4096;
-  c.rope.theta = 10000.f;
-  return c;
-}
 
 inline std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -9,6 +9,7 @@
 
 #include "kernels/api.h"
 #include "kernels/kv_importance.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf {
@@ -139,21 +140,7 @@ TEST(KvImportance, RejectsBadParams) {
   EXPECT_TRUE(kernels::kv_importance(qv, kv, lv, ip, ov).is_ok());
 }
 
-model::ModelConfig tiny_config() {
-  model::ModelConfig c;
-  c.arch = model::Arch::kLlama;
-  c.name = "tiny";
-  c.n_layers = 2;
-  c.hidden = 64;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 16;
-  c.intermediate = 96;
-  c.vocab = 101;
-  c.max_context = 4096;
-  c.rope.theta = 10000.f;
-  return c;
-}
+using testing::tiny_config;
 
 // The forward hands each layer's own q, k and LSE to the kernel: unpooled columns of every KV
 // head must add up to window x group (softmax rows sum to 1); a wrong layer's q or LSE breaks it.

@@ -10,6 +10,7 @@
 
 #include "kvstore/prefix_cache.h"
 #include "kvstore/prefix_prefill.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf::kvstore {
@@ -177,18 +178,9 @@ TEST(PrefixCache, HitMissCountersAndBudgetErrors) {
 }
 
 model::ModelConfig tiny_config() {
-  model::ModelConfig c;
-  c.arch = model::Arch::kLlama;
-  c.name = "tiny";
-  c.n_layers = kLayers;
-  c.hidden = 64;
-  c.n_heads = 4;
+  model::ModelConfig c = testing::tiny_config(kLayers);
   c.n_kv_heads = kHeads;
   c.head_dim = kDim * 2;
-  c.intermediate = 96;
-  c.vocab = 101;
-  c.max_context = 4096;
-  c.rope.theta = 10000.f;
   return c;
 }
 

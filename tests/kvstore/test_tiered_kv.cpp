@@ -14,26 +14,13 @@
 
 #include "common/metrics.h"
 #include "kvstore/tiered_kv.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf::kvstore {
 namespace {
 
-model::ModelConfig tiny_config() {
-  model::ModelConfig c;
-  c.arch = model::Arch::kLlama;
-  c.name = "tiny";
-  c.n_layers = 3;
-  c.hidden = 64;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 16;
-  c.intermediate = 96;
-  c.vocab = 101;
-  c.max_context = 4096;
-  c.rope.theta = 10000.f;
-  return c;
-}
+model::ModelConfig tiny_config() { return testing::tiny_config(3); }
 
 struct Fixture {
   uint64_t seed;
