@@ -38,6 +38,9 @@ else
   echo "setup.sh: system packages present"
 fi
 
+# cuDNN frontend headers (the CUDA build's bf16 dense attention path); a no-op when present.
+"$here/fetch-cudnn-frontend.sh"
+
 if ((with_ref)); then
   "$here/setup-reference.sh"
 fi

@@ -98,7 +98,12 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
                        TensorView lse, const AttentionParams& p, Stream s) {
   SF_TRY(same_device("attention_dense", s, {&q, &k, &v, &out, &lse}));
   SF_TRY(need(q.ndim == 3 && k.ndim == 3 && v.ndim == 3 && out.ndim == 3, "attention_dense", "q, k, v, out are 3-D"));
-  SF_TRY(need(f32c(q) && f32c(k) && f32c(v) && f32c(out) && f32c(lse), "attention_dense", "contiguous F32 tensors"));
+  // F32 everywhere (the reference kernels); on CUDA also BF16 q/k/v/out (cuDNN's fused kernel).
+  const bool bf16 = q.dtype == DType::kBF16;
+  const auto io = [&](const TensorView& t) { return t.contiguous() && t.dtype == (bf16 ? DType::kBF16 : DType::kF32); };
+  SF_TRY(need(io(q) && io(k) && io(v) && io(out) && f32c(lse), "attention_dense",
+              "contiguous tensors: q, k, v, out all F32 (or all BF16 on CUDA), lse F32"));
+  SF_TRY(need(!bf16 || s.device == Device::kCuda, "attention_dense", "BF16 inputs need the CUDA backend"));
   SF_TRY(need(k.shape == v.shape && q.shape[2] == k.shape[2], "attention_dense", "k/v shape mismatch"));
   SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "attention_dense", "n_heads must be a multiple of n_kv_heads"));
   SF_TRY(need(out.shape == q.shape, "attention_dense", "out must match q"));

@@ -4,9 +4,10 @@
 # Run from the repository root on the GPU host (no network needed):
 #   OUT=/path/to/logs bench/gpu/run.sh [extra cmake args...]
 #
-# Writes 8 files to $OUT (default: <build>/out): summary.txt, env.txt, deps.log, configure.log,
-# build.log, ctest.log (verbose: every test's output), bench-attention.log and
-# attention-<gpu>.json. Exit status: 0 only if configure, the build of every gpu test and the gpu
+# Writes up to 7 files to $OUT (default: <build>/out): summary.txt, env.txt, build.log (dependency,
+# configure and build logs), ctest.log (verbose: every test's output), bench-attention.log,
+# attention-<gpu>.json and, with SF_BENCH_INPUTS, attention-<gpu>-inputs.json.
+# Exit status: 0 only if configure, the build of every gpu test and the gpu
 # tests all succeeded, no gpu test skipped itself (a skip on a GPU host means the device was not
 # usable), and the benchmark (when run) succeeded.
 #
@@ -25,6 +26,9 @@
 #   SF_BENCH_HOST_EST_MAX    lengths up to which the CPU estimator also runs, for the index
 #                            comparison (default 32768)
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
+#   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
+#                            benchmark runs again on it, at its full length
+#   SF_CUDNN_ROOT            cuDNN folder (default: the torch environment's nvidia/cudnn)
 #
 # Host gaps handled here (GPU-HOST.md): Boost 1.83 comes as headers only, so when CMake cannot
 # find the compiled boost_json component, Boost.JSON is compiled from its header-only source
@@ -62,9 +66,13 @@ finish() {
     echo "status: $status"
     for n in "${notes[@]}"; do echo "$n"; done
   } >"$logs/summary.txt"
-  for f in summary.txt env.txt deps.log configure.log build.log ctest.log bench-attention.log; do
+  for f in summary.txt env.txt ctest.log bench-attention.log; do
     [[ -f "$logs/$f" ]] && cp "$logs/$f" "$out/$f"
   done
+  # $OUT brings back at most 8 files: dependency, configure and build logs travel as one.
+  for f in deps.log configure.log build.log; do
+    [[ -s "$logs/$f" ]] && { echo "===== $f"; cat "$logs/$f"; }
+  done >"$out/build.log"
   # (ctest.log is --verbose, so Testing/Temporary/LastTest.log would repeat it; $OUT keeps 8 files.)
   cat "$logs/summary.txt"
   [[ "$status" == ok* ]]
@@ -178,6 +186,27 @@ if [[ $force_deps == 1 ]] || ! any_exists /usr/lib/x86_64-linux-gnu/libxxhash.{s
   extra+=(-DSF_XXHASH_LIB="$deps/xxhash/libxxhash.a")
 fi
 
+# ---- cuDNN (the bf16 dense path) -----------------------------------------------------------
+# GPU-HOST.md: cuDNN lives in the torch environment (nvidia/cudnn), not under /usr/local/cuda. The
+# frontend headers come from deploy/fetch-cudnn-frontend.sh, run on the CPU machine and carried
+# (.deps/cudnn-frontend; the host has no network). With both, the build must use cuDNN
+# (SF_CUDNN=ON); without either, it builds without and the bf16 dense path reports kUnsupported.
+cudnn_root="${SF_CUDNN_ROOT:-}"
+if [[ -z "$cudnn_root" ]]; then
+  cudnn_root=$(python3 -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null || true)
+fi
+fe_inc="$root/.deps/cudnn-frontend/include"
+if [[ -n "$cudnn_root" && -f "$cudnn_root/include/cudnn.h" && -f "$fe_inc/cudnn_frontend.h" ]]; then
+  extra+=(-DSF_CUDNN=ON -DSF_CUDNN_ROOT="$cudnn_root" -DSF_CUDNN_FRONTEND_INCLUDE="$fe_inc")
+  # cuDNN loads its engine libraries (and NVRTC for runtime-compiled ones) by name at run time.
+  nv_libs=$(python3 -c 'import glob, os, nvidia; print(":".join(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "*", "lib")))))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$cudnn_root/lib${nv_libs:+:$nv_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  note "cuDNN: $cudnn_root (frontend $(cat "$root/.deps/cudnn-frontend/VERSION" 2>/dev/null))"
+else
+  note "cuDNN: not used (root '${cudnn_root}', frontend headers $( [[ -f "$fe_inc/cudnn_frontend.h" ]] && echo present || echo missing: carry .deps/cudnn-frontend))"
+fi
+{ echo "--- cudnn"; echo "root=$cudnn_root"; ls "$cudnn_root/lib" 2>&1 | head; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; } >>"$logs/env.txt"
+
 # ---- configure, build, test ----------------------------------------------------------------
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSF_CUDA=ON -DSF_UCX=OFF -DSF_MPI=OFF \
        "${extra[@]}" "$@" >"$logs/configure.log" 2>&1; then
@@ -237,6 +266,32 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" --host-estimate-max "${SF_BENCH_HOST_EST_MAX:-32768}" \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"
+  fi
+  # Real-model tensors (sparsefill prefill --dump-attention LAYER:FILE, carried to the host): the
+  # same benchmark on that file's q, k, v, with the peer run on the file's shape.
+  if [[ -n "${SF_BENCH_INPUTS:-}" && -x "$build/tools/sparsefill" ]]; then
+    echo "--- inputs $SF_BENCH_INPUTS ($(date -u))" >>"$bl"
+    shp=$(python3 - "$SF_BENCH_INPUTS" <<'PY' 2>>"$bl"
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    h = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+q, k = h["q"]["shape"], h["k"]["shape"]
+print(q[0], q[1], k[1], q[2])
+PY
+)
+    read -r in_n in_h in_kv in_d <<<"$shp"
+    in_arg=()
+    if [[ -n "${in_d:-}" ]] && timeout 120 python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$in_n" --heads "$in_h" \
+         --kv-heads "$in_kv" --head-dim "$in_d" --out "$logs/sdpa-inputs.json" >>"$bl" 2>&1; then
+      in_arg=(--sdpa "$logs/sdpa-inputs.json")
+    else
+      note "sdpa peer on the --inputs shape failed (see bench-attention.log)"
+    fi
+    if ! timeout "${SF_BENCH_TIMEOUT:-420}" "$build/tools/sparsefill" bench attention --inputs "$SF_BENCH_INPUTS" \
+         --reps "${SF_BENCH_REPS:-3}" "${in_arg[@]}" --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" \
+         --out "$out/attention-$gpu-inputs.json" >>"$bl" 2>&1; then
+      fail "bench attention --inputs failed (see bench-attention.log)"
+    fi
   fi
   echo "--- done ($(date -u))" >>"$bl"
   notes+=("$(grep -E '^(device|  dense|  [a-z-]+\(|sdpa )' "$bl" | head -30)")

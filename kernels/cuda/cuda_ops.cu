@@ -118,6 +118,7 @@ bool attention_dense_supported(int head_dim) {
 
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
                        TensorView out, TensorView lse, const AttentionParams& p, void* stream) {
+  if (q.dtype == DType::kBF16) return attention_dense_cudnn(q, k, v, out, lse, p, stream);
   const int d = int(q.shape[2]);
   AttentionDenseParams kp{};
   kp.q = q.ptr<float>();

@@ -37,10 +37,24 @@ Status cast(const TensorView& x, TensorView out, void* stream);
 // one-time cudaMalloc must not happen.
 Status linear_plan(const TensorView& x, const TensorView& w, const TensorView& bias,
                    const TensorView& y);
-// Flash-style fp32 reference kernel; head_dim 64 or 128 (attention_dense_supported).
+// F32 q/k/v/out: our flash-style fp32 reference kernel, head_dim 64 or 128
+// (attention_dense_supported), any q_offset. BF16 q/k/v/out: cuDNN's fused flash attention
+// (attention_cudnn.cpp; fp32 softmax and accumulation), head_dim a multiple of 8 up to 256, causal
+// q_offset 0 or n_k - n_q; kUnsupported when built without cuDNN. lse F32 [heads, n_q] either way.
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v,
                        TensorView out, TensorView lse, const AttentionParams& p, void* stream);
 bool attention_dense_supported(int head_dim);
+// The BF16 path's plan step: this thread's cuDNN handle (once) and, per shape, the built graph
+// and its workspace (once). attention_dense plans lazily on a shape's first use; call this ahead
+// of CUDA graph capture or timed regions.
+Status attention_dense_plan(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& out, const AttentionParams& p);
+// Ok when the BF16 dense path can run in this build (cuDNN linked, version >= 9.0); otherwise
+// kUnsupported saying what is missing.
+Status attention_dense_bf16_available();
+Status attention_dense_cudnn(const TensorView& q, const TensorView& k, const TensorView& v,
+                             TensorView out, TensorView lse, const AttentionParams& p,
+                             void* stream);
 
 // ---- sparse attention over the unified index (attention_sparse.cuh) --------------------------
 class DeviceBuffer;

@@ -672,6 +672,102 @@ TEST_F(CudaOps, AttentionSparseBf16) {
   }
 }
 
+// ---- attention_dense on BF16: cuDNN's fused flash attention -------------------------------------
+// Against the CPU fp32 dense kernel on the same bf16-rounded inputs. cuDNN rounds P to bf16 for
+// the PV product and out to bf16: the bounds are the bf16 sparse kernel's (1e-2 relative and
+// absolute on out, |out| <= 1). Stats (LSE) come from fp32 scores: 2e-5 relative, 5e-4 absolute.
+// Cases: top-left causal (q_offset 0), bottom-right causal (a chunk: q_offset = n_k - n_q),
+// non-causal, GQA 4 and 8, head_dim 64 and 128. A causal offset that is neither is kUnsupported.
+TEST_F(CudaOps, AttentionDenseBf16Cudnn) {
+  const Status avail = cuda::attention_dense_bf16_available();
+  if (!avail.is_ok()) GTEST_SKIP() << avail.to_string();
+  const Tolerance tol{1e-2, 1e-2}, tol_lse{2e-5, 5e-4};
+  struct Case {
+    const char* name;
+    int64_t n_q, n_k, heads, kv_heads, head_dim, q_offset;
+    bool causal;
+  };
+  const Case cases[] = {
+      {"causal gqa4 d128", 300, 300, 8, 2, 128, 0, true},
+      {"chunk gqa4 d128 (bottom-right, n_q<n_k)", 77, 333, 8, 2, 128, 256, true},
+      {"causal gqa8 d64 long", 1500, 1500, 8, 1, 64, 0, true},
+      {"non-causal gqa2 d64", 33, 90, 4, 2, 64, 0, false},
+  };
+  for (const Case& c : cases) {
+    const int64_t d = c.head_dim;
+    std::vector<uint16_t> qb, kb, vb;
+    std::vector<float> q, k, v;
+    const auto to_bf16 = [](const std::vector<float>& x, std::vector<uint16_t>* bits,
+                            std::vector<float>* rounded) {
+      bits->resize(x.size());
+      rounded->resize(x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        (*bits)[i] = f32_to_bf16(x[i]);
+        (*rounded)[i] = bf16_to_f32((*bits)[i]);
+      }
+    };
+    to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
+    to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
+    to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+    AttentionParams p;
+    p.causal = c.causal;
+    p.q_offset = c.q_offset;
+    std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+    ASSERT_OK(attention_dense(TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
+                              TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+                              TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+                              TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+                              TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p,
+                              kCpu));
+    DevBuf d_q, d_k, d_v, d_out, d_lse;
+    ASSERT_OK(d_q.alloc_upload(qb));
+    ASSERT_OK(d_k.alloc_upload(kb));
+    ASSERT_OK(d_v.alloc_upload(vb));
+    ASSERT_OK(d_out.alloc(ref.size() * 2));
+    ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+    ASSERT_OK(d_out.poison());
+    ASSERT_OK(d_lse.poison());
+    const TensorView qv = d_q.view(DType::kBF16, {c.n_q, c.heads, d});
+    const TensorView kv = d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d});
+    const TensorView vv = d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d});
+    const TensorView ov = d_out.view(DType::kBF16, {c.n_q, c.heads, d});
+    ASSERT_OK(cuda::attention_dense_plan(qv, kv, vv, ov, p));
+    ASSERT_OK(attention_dense(qv, kv, vv, ov, d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
+    ASSERT_OK(cuda::stream_synchronize(nullptr));
+    std::vector<uint16_t> got_bits(ref.size());
+    ASSERT_OK(d_out.download_raw(got_bits.data(), got_bits.size() * 2));
+    std::vector<float> got(ref.size());
+    for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(got_bits[i]);
+    bool guard_ok = false;
+    ASSERT_OK(d_out.guard_intact(&guard_ok));
+    const std::string name = std::string("cudnn bf16 ") + c.name;
+    EXPECT_TRUE(guard_ok) << name << ": write past the end of out";
+    const ErrStats e = compare(got, ref);
+    std::cout << "  " << name << " out: nerr=" << e.nerr << " (tol " << tol.nerr
+              << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
+    EXPECT_EQ(e.bad_nonfinite, 0) << name << ": non-finite or unwritten out element, first at "
+                                  << e.first_bad;
+    EXPECT_LE(e.nerr, tol.nerr) << name;
+    EXPECT_LE(e.max_abs, tol.max_abs) << name;
+    expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
+    if (HasFailure()) return;
+  }
+  // A causal offset that is neither alignment cuDNN knows.
+  const int64_t n_q = 16, n_k = 64, h = 2, d = 64;
+  DevBuf d_q, d_k, d_out, d_lse;
+  ASSERT_OK(d_q.alloc(size_t(n_q * h * d) * 2));
+  ASSERT_OK(d_k.alloc(size_t(n_k * h * d) * 2));
+  ASSERT_OK(d_out.alloc(size_t(n_q * h * d) * 2));
+  ASSERT_OK(d_lse.alloc(size_t(n_q * h) * 4));
+  AttentionParams p;
+  p.q_offset = 10;
+  const Status st = attention_dense(
+      d_q.view(DType::kBF16, {n_q, h, d}), d_k.view(DType::kBF16, {n_k, h, d}),
+      d_k.view(DType::kBF16, {n_k, h, d}), d_out.view(DType::kBF16, {n_q, h, d}),
+      d_lse.view(DType::kF32, {h, n_q}), p, kGpu);
+  EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
+}
+
 // The run step with a device-resident index is capturable (no allocation, no sync) and replays
 // reproduce the eager result bit for bit; unsupported head dims and non-causal params are refused.
 TEST_F(CudaOps, AttentionSparseDeviceIndexGraphAndRejects) {

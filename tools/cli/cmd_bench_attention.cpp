@@ -10,8 +10,9 @@
 // CPU estimator also runs on host copies (estimate_host_ms) and the device index is compared with
 // it slot by slot (index_slots_equal_host: the fraction of (head, query block) slots whose lists
 // are identical; the rest differ by ties, see tests/kernels/test_cuda_estimators.cpp).
-// speedup_vs_sdpa follows the issue: SDPA time over (estimate + attention); speedup_vs_dense is our
-// dense time over the sparse kernel's time (both kernel alone, same dtype). tflops counts 4 *
+// speedup_vs_sdpa follows the issue: SDPA time over (estimate + attention); speedup_vs_dense is the
+// dense time over the sparse kernel's time (both kernel alone, same dtype; on bf16 the faster of
+// cuDNN's fused kernel, record "dense", and our kernel on a full index, record "dense-ours"). tflops counts 4 *
 // head_dim FLOPs per computed query-key pair: the causal triangle for dense, the index's selected
 // causal pairs for sparse. out_rel_err_vs_dense is against our fp32 dense output on the same
 // inputs.
@@ -29,14 +30,17 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/safetensors.h"
 #include "common/thread_pool.h"
 #include "kernels/api.h"
 #include "kernels/sparse.h"
@@ -174,6 +178,66 @@ Inputs make_inputs(const Shape& s, int64_t n, uint64_t seed) {
   return in;
 }
 
+// --inputs FILE.safetensors: q [n, heads, d], k and v [n, kv_heads, d], F32, F16 or BF16 (for
+// example one layer's post-RoPE tensors from `sparsefill prefill --dump-attention LAYER:FILE`).
+// A length L <= n runs on the first L rows: the causal prefix of the same prompt.
+struct FileInputs {
+  Inputs all;
+  int64_t n = 0;
+  std::string path;
+};
+Result<std::vector<float>> tensor_f32(const SafetensorsFile& f, const char* name,
+                                      std::vector<int64_t>* shape) {
+  const SafetensorsTensor* t = f.find(name);
+  SF_ENSURE(t != nullptr, kInvalidArgument, std::string("--inputs: no tensor '") + name + "'");
+  SF_ENSURE(t->shape.size() == 3, kInvalidArgument,
+            std::string("--inputs: '") + name + "' must be 3-D [n, heads, head_dim]");
+  *shape = t->shape;
+  const int64_t n = t->numel();
+  std::vector<float> out(static_cast<size_t>(n));
+  if (t->dtype == "F32") {
+    std::memcpy(out.data(), t->data, size_t(n) * 4);
+  } else if (t->dtype == "BF16" || t->dtype == "F16") {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, t->data + 2 * i, 2);
+      out[size_t(i)] = t->dtype == "BF16" ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  } else {
+    return SF_ERR(kInvalidArgument, std::string("--inputs: '") + name + "' has dtype " + t->dtype +
+                                        " (F32, F16 or BF16)");
+  }
+  for (float x : out)
+    SF_ENSURE(std::isfinite(x), kInvalidArgument,
+              std::string("--inputs: '") + name + "' holds a non-finite value");
+  return out;
+}
+Result<FileInputs> load_inputs(const std::string& path, Shape* shape) {
+  SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(path));
+  FileInputs fi;
+  fi.path = path;
+  std::vector<int64_t> qs, ks, vs;
+  SF_ASSIGN(fi.all.q, tensor_f32(f, "q", &qs));
+  SF_ASSIGN(fi.all.k, tensor_f32(f, "k", &ks));
+  SF_ASSIGN(fi.all.v, tensor_f32(f, "v", &vs));
+  SF_ENSURE(ks == vs && qs[0] == ks[0] && qs[2] == ks[2] && ks[1] > 0 && qs[1] % ks[1] == 0,
+            kInvalidArgument,
+            "--inputs: shapes must be q [n, heads, d], k = v [n, kv_heads, d], heads a multiple of "
+            "kv_heads");
+  fi.n = qs[0];
+  shape->heads = qs[1];
+  shape->kv_heads = ks[1];
+  shape->d = qs[2];
+  return fi;
+}
+Inputs prefix_of(const FileInputs& fi, const Shape& s, int64_t L) {
+  Inputs in;
+  in.q.assign(fi.all.q.begin(), fi.all.q.begin() + L * s.heads * s.d);
+  in.k.assign(fi.all.k.begin(), fi.all.k.begin() + L * s.kv_heads * s.d);
+  in.v.assign(fi.all.v.begin(), fi.all.v.begin() + L * s.kv_heads * s.d);
+  return in;
+}
+
 #define BENCH_CUDA(expr)                                                            \
   do {                                                                              \
     const cudaError_t e_ = (expr);                                                  \
@@ -272,7 +336,8 @@ struct ModeSpec {
 int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
-                            "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max"},
+                            "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
+                            "inputs"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -282,10 +347,32 @@ int cmd_bench_attention(int argc, char** argv) {
   shape.d = std::atoll(a.get("head-dim", "128").c_str());
   if (shape.heads <= 0 || shape.kv_heads <= 0 || shape.heads % shape.kv_heads != 0)
     return fail(SF_ERR(kInvalidArgument, "--heads must be a positive multiple of --kv-heads"));
+  std::optional<FileInputs> file_in;
+  if (a.has("inputs")) {
+    auto fi = load_inputs(a.get("inputs"), &shape);
+    if (!fi.is_ok()) return fail(fi.status());
+    file_in.emplace(std::move(fi).value());
+    std::printf("inputs: %s (n %lld, heads %lld, kv heads %lld, head_dim %lld)\n", file_in->path.c_str(),
+                static_cast<long long>(file_in->n), static_cast<long long>(shape.heads),
+                static_cast<long long>(shape.kv_heads), static_cast<long long>(shape.d));
+  }
   if (!kernels::cuda::attention_sparse_supported(int(shape.d)))
     return fail(SF_ERR(kInvalidArgument, "--head-dim must be 64 or 128 (CUDA kernels)"));
-  const auto dense_lengths = parse_list(a.get("lengths", "8192,32768"));
-  const auto sparse_lengths = parse_list(a.get("sparse-lengths", "32768"));
+  // With --inputs the default length is the file's n.
+  const std::string n_str = file_in ? std::to_string(file_in->n) : "";
+  const auto dense_lengths = parse_list(a.get("lengths", file_in ? n_str : "8192,32768"));
+  const auto sparse_lengths = parse_list(a.get("sparse-lengths", file_in ? n_str : "32768"));
+  for (int64_t L : dense_lengths) {
+    if (file_in && L > file_in->n)
+      return fail(SF_ERR(kInvalidArgument, "--lengths: " + std::to_string(L) + " is longer than --inputs (" +
+                                               std::to_string(file_in->n) + " rows)"));
+  }
+  for (int64_t L : sparse_lengths) {
+    if (file_in && L > file_in->n)
+      return fail(SF_ERR(kInvalidArgument, "--sparse-lengths: " + std::to_string(L) +
+                                               " is longer than --inputs (" + std::to_string(file_in->n) +
+                                               " rows)"));
+  }
   for (int64_t L : dense_lengths)
     if (L <= 0 || L > INT32_MAX)
       return fail(SF_ERR(kInvalidArgument, "--lengths: positive integers"));
@@ -366,7 +453,7 @@ int cmd_bench_attention(int argc, char** argv) {
     const bool run_dense = std::count(dense_lengths.begin(), dense_lengths.end(), L) > 0;
     const bool run_sparse = std::count(sparse_lengths.begin(), sparse_lengths.end(), L) > 0;
     const double t_gen = now_s();
-    const Inputs in = make_inputs(shape, L, seed + uint64_t(L));
+    const Inputs in = file_in ? prefix_of(*file_in, shape, L) : make_inputs(shape, L, seed + uint64_t(L));
     std::printf(
         "L=%lld: inputs generated in %.2f s (%lld planted vertical "
         "columns per KV head)\n",
@@ -477,6 +564,13 @@ int cmd_bench_attention(int argc, char** argv) {
       if (st.is_ok()) st = kernels::cast(vv, vbv, ks);
       if (st.is_ok()) st = kernels::cuda::stream_synchronize(stream);
       if (!st.is_ok()) return fail(st);
+      // bf16 only: the fp32 copies are not read again (at 1M they are 40 GB of the device).
+      if (std::count(dtypes.begin(), dtypes.end(), "fp32") == 0) {
+        dq.reset();
+        dk.reset();
+        dv.reset();
+        dout.reset();
+      }
     }
 
     // The quality reference: our fp32 dense output at this length, when fp32 dense runs.
@@ -498,13 +592,47 @@ int cmd_bench_attention(int argc, char** argv) {
       };
       double dense_ms = 0;
       if (run_dense) {
-        const char* kernel = "attention_dense (fp32 CUDA cores)";
+        // One record per dense kernel. bf16: cuDNN's fused kernel (the dense path, when this
+        // build has it) and our tensor-core sparse kernel on a full index (our mainloop's dense
+        // rate); sparse speedups are over the faster of the two.
+        auto dense_record = [&](const char* mode, const char* kernel, double ms) -> Status {
+          const double tf = 4.0 * d * causal_pairs / (ms * 1e-3) / 1e12;
+          std::printf("  %s %s: %.3f ms, %.2f TFLOP/s [%s]", mode, dt.c_str(), ms, tf, kernel);
+          if (have_sdpa)
+            std::printf("; SDPA %s bf16 %.3f ms (%.1f%% of SDPA throughput)", sdpa_backend.c_str(),
+                        sdpa_ms, 100.0 * sdpa_ms / ms);
+          boost::json::object o;
+          o["mode"] = mode;
+          o["seq_len"] = L;
+          o["dtype"] = dt;
+          o["kernel"] = kernel;
+          o["time_ms"] = ms;
+          o["estimate_ms"] = 0.0;
+          o["tflops"] = tf;
+          o["density"] = 1.0;
+          if (have_sdpa) o["fraction_of_sdpa_throughput"] = sdpa_ms / ms;
+          if (!bf && run_sparse) {
+            SF_TRY(download_out(&ref_out));
+          } else if (bf && !ref_out.empty()) {
+            std::vector<float> got;
+            SF_TRY(download_out(&got));
+            o["out_rel_err_vs_dense"] = rel_l2(got, ref_out);
+            std::printf("  out rel err vs fp32 dense %.2e", rel_l2(got, ref_out));
+          }
+          std::printf("\n");
+          add_sdpa(o, ms);
+          o["reps"] = n_rep;
+          recs.push_back(std::move(o));
+          return Status::ok();
+        };
         if (!bf) {
           st = time_kernel(
               stream, 1, n_rep, [&] { return kernels::attention_dense(qv, kv, vv, ov, lv, p, ks); },
               &dense_ms);
-        } else {  // no bf16 dense kernel: the tensor-core sparse kernel on the full index
-          kernel = "attention_sparse bf16 (tensor cores) on a full index";
+          if (st.is_ok()) st = dense_record("dense", "attention_dense (fp32 CUDA cores)", dense_ms);
+          if (!st.is_ok()) return fail(st);
+        } else {
+          double ours_ms = 0;
           const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
           kernels::cuda::SparseIndexDevice dfull;
           st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
@@ -514,36 +642,32 @@ int cmd_bench_attention(int argc, char** argv) {
                 [&] {
                   return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
                 },
-                &dense_ms);
+                &ours_ms);
+          if (!st.is_ok()) return fail(st);
+          didx_buf.reset();
+          const Status cudnn = kernels::cuda::attention_dense_bf16_available();
+          if (cudnn.is_ok()) {
+            if (!(st = dense_record("dense-ours", "attention_sparse bf16 (mma.sync) on a full index",
+                                    ours_ms)).is_ok())
+              return fail(st);
+            st = kernels::cuda::attention_dense_plan(q_, k_, v_, o_, p);
+            if (st.is_ok())
+              st = time_kernel(
+                  stream, 1, n_rep,
+                  [&] { return kernels::attention_dense(q_, k_, v_, o_, lv, p, ks); }, &dense_ms);
+            if (st.is_ok())
+              st = dense_record("dense", "cuDNN fused flash attention (SDPA fprop, graph API)",
+                                dense_ms);
+            if (!st.is_ok()) return fail(st);
+            dense_ms = std::min(dense_ms, ours_ms);
+          } else {
+            std::printf("  (no cuDNN dense path: %s)\n", cudnn.to_string().c_str());
+            dense_ms = ours_ms;
+            if (!(st = dense_record("dense", "attention_sparse bf16 (mma.sync) on a full index",
+                                    ours_ms)).is_ok())
+              return fail(st);
+          }
         }
-        if (!st.is_ok()) return fail(st);
-        const double tf = 4.0 * d * causal_pairs / (dense_ms * 1e-3) / 1e12;
-        std::printf("  dense %s: %.3f ms, %.2f TFLOP/s", dt.c_str(), dense_ms, tf);
-        if (have_sdpa)
-          std::printf("; SDPA %s bf16 %.3f ms (%.1f%% of SDPA throughput)", sdpa_backend.c_str(),
-                      sdpa_ms, 100.0 * sdpa_ms / dense_ms);
-        boost::json::object o;
-        o["mode"] = "dense";
-        o["seq_len"] = L;
-        o["dtype"] = dt;
-        o["kernel"] = kernel;
-        o["time_ms"] = dense_ms;
-        o["estimate_ms"] = 0.0;
-        o["tflops"] = tf;
-        o["density"] = 1.0;
-        o["speedup_vs_dense"] = 1.0;
-        if (!bf && run_sparse) {
-          if (!(st = download_out(&ref_out)).is_ok()) return fail(st);
-        } else if (bf && !ref_out.empty()) {
-          std::vector<float> got;
-          if (!(st = download_out(&got)).is_ok()) return fail(st);
-          o["out_rel_err_vs_dense"] = rel_l2(got, ref_out);
-          std::printf("  out rel err vs fp32 dense %.2e", rel_l2(got, ref_out));
-        }
-        std::printf("\n");
-        add_sdpa(o, dense_ms);
-        o["reps"] = n_rep;
-        recs.push_back(std::move(o));
       }
       for (size_t mi = 0; mi < n_modes; ++mi) {
         const ModeSpec& m = modes[mi];
@@ -561,6 +685,24 @@ int cmd_bench_attention(int argc, char** argv) {
           eplan = kernels::cuda::SparseEstimatePlan{};
           st = kernels::cuda::sparse_estimate_plan(q_, k_, pats, 0, std::max(need_b, 1),
                                                    std::max(need_c, 1), &eplan);
+        }
+        if (st.code() == Code::kResourceExhausted) {
+          // The mode does not fit on this device at this length: record what it needed, go on.
+          const double slots = double(shape.heads) * double((L + 63) / 64);
+          const double need_bytes = slots * (double(need_b) + double(need_c)) * 4.0;
+          std::printf("  %-28s %s out of device memory: the index needs %d blocks and %d columns per "
+                      "slot (%.1f GB); %s\n",
+                      m.name.c_str(), dt.c_str(), need_b, need_c, need_bytes / 1e9, st.message().c_str());
+          boost::json::object o;
+          o["mode"] = m.name;
+          o["seq_len"] = L;
+          o["dtype"] = dt;
+          o["error"] = "out of device memory: " + st.message();
+          o["index_max_blocks_needed"] = need_b;
+          o["index_max_cols_needed"] = need_c;
+          o["index_bytes_needed"] = need_bytes;
+          recs.push_back(std::move(o));
+          continue;
         }
         double est_ms = 0;
         if (st.is_ok())
@@ -701,15 +843,19 @@ int cmd_bench_attention(int argc, char** argv) {
   sh["batch"] = 1;
   sh["causal"] = true;
   sh["dtypes"] =
-      "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: the "
-      "tensor-core sparse kernel (mma.sync), its dense figure is that kernel on a full index; "
-      "each record names its kernel";
+      "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: sparse modes "
+      "run our tensor-core sparse kernel (mma.sync); 'dense' is cuDNN's fused flash attention "
+      "when the build has cuDNN, 'dense-ours' our sparse kernel on a full index; sparse "
+      "speedup_vs_dense is over the faster of the two; each record names its kernel";
   out["shape"] = std::move(sh);
   out["seed"] = seed;
-  out["inputs"] =
-      "synthetic planted structure: rotary decay with distance, "
-      "sinks 0..3, ~0.5% vertical columns per KV head (see "
-      "tools/cli/cmd_bench_attention.cpp)";
+  if (file_in)
+    out["inputs"] = "file " + file_in->path + " (first L rows of q, k, v)";
+  else
+    out["inputs"] =
+        "synthetic planted structure: rotary decay with distance, "
+        "sinks 0..3, ~0.5% vertical columns per KV head (see "
+        "tools/cli/cmd_bench_attention.cpp)";
   out["timing"] =
       "attention kernel alone, CUDA events, median of reps after 1 "
       "warm-up; index already on the device";

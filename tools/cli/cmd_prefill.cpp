@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/log.h"
+#include "common/safetensors.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/tiered_kv.h"
 #include "tools/cli/cli.h"
@@ -41,7 +42,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 
 int cmd_prefill(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention",
-                            "device", "retention", "kv-pool"},
+                            "device", "retention", "kv-pool", "dump-attention"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -111,6 +112,22 @@ int cmd_prefill(int argc, char** argv) {
       return fail(SF_ERR(kUnsupported, "--device cuda runs dense attention only; use --device cpu for --attention " + mode));
   }
 
+  // --dump-attention LAYER:FILE: that layer's attention inputs (q, and the final k, v) as F32
+  // safetensors, for `sparsefill bench attention --inputs FILE` (real-model tensors on the GPU).
+  int dump_layer = -1;
+  std::string dump_path;
+  if (a.has("dump-attention")) {
+    const std::string spec = a.get("dump-attention");
+    const size_t colon = spec.find(':');
+    char* end = nullptr;
+    const long l = colon == std::string::npos ? -1 : std::strtol(spec.substr(0, colon).c_str(), &end, 10);
+    if (colon == std::string::npos || colon == 0 || *end || l < 0 || colon + 1 == spec.size())
+      return fail(SF_ERR(kInvalidArgument, "--dump-attention: expected LAYER:FILE, got '" + spec + "'"));
+    if (device != "cpu") return fail(SF_ERR(kUnsupported, "--dump-attention reads the CPU forward"));
+    dump_layer = int(l);
+    dump_path = spec.substr(colon + 1);
+  }
+
   const std::string model_path = resolve_model(a.get("model"));
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
@@ -151,9 +168,20 @@ int cmd_prefill(int argc, char** argv) {
     for (int32_t t : ids) std::printf(" %d", t);
     std::printf("\n");
   }
+  if (dump_layer >= cfg.n_layers)
+    return fail(SF_ERR(kInvalidArgument, "--dump-attention: layer " + std::to_string(dump_layer) + " of a " +
+                                              std::to_string(cfg.n_layers) + "-layer model"));
   model::PrefillOptions opt;
   opt.chunk = chunk;
-  opt.keep_kv = a.has("export-kv");
+  opt.keep_kv = a.has("export-kv") || dump_layer >= 0;
+  std::vector<float> dump_q;
+  int64_t dump_rows = 0;
+  if (dump_layer >= 0)
+    opt.on_attention = [&](int layer, const TensorView& q, const TensorView&, const kernels::SparseIndex*) {
+      if (layer != dump_layer) return;
+      dump_rows = q.shape[0];
+      dump_q.assign(q.ptr<float>(), q.ptr<float>() + q.numel());
+    };
   if (a.has("export-kv") && device != "cuda") {
     // Exports carry per-block importance; scored retention policies select with it.
     opt.importance_window = 32;
@@ -219,6 +247,26 @@ int cmd_prefill(int argc, char** argv) {
   std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s\n", mode.c_str(), r.density,
               r.estimate_s, r.attention_s);
 
+  if (dump_layer >= 0) {
+    const auto& kv = r.kv;
+    const int64_t n = kv.n_tokens, hq = cfg.n_heads, hk = cfg.n_kv_heads, d = cfg.head_dim;
+    if (dump_rows != n || int64_t(dump_q.size()) != n * hq * d)
+      return fail(SF_ERR(kInternal, "--dump-attention: layer " + std::to_string(dump_layer) + " saw " +
+                                        std::to_string(dump_rows) + " query rows, expected " + std::to_string(n)));
+    SafetensorsWriter w;
+    w.add("q", DType::kF32, {n, hq, d}, dump_q.data(), dump_q.size() * 4);
+    w.add("k", DType::kF32, {n, hk, d}, kv.k[size_t(dump_layer)].data(), size_t(n * hk * d) * 4);
+    w.add("v", DType::kF32, {n, hk, d}, kv.v[size_t(dump_layer)].data(), size_t(n * hk * d) * 4);
+    w.set_metadata("model", cfg.name);
+    w.set_metadata("layer", std::to_string(dump_layer));
+    w.set_metadata("rope", "applied to q and k (the model's own rotary convention)");
+    const auto wr = w.write(dump_path);
+    if (!wr.is_ok()) return fail(wr.status());
+    std::printf("attention inputs of layer %d: %s (q [%lld, %lld, %lld], k and v [%lld, %lld, %lld], F32)\n",
+                dump_layer, dump_path.c_str(), static_cast<long long>(n), static_cast<long long>(hq),
+                static_cast<long long>(d), static_cast<long long>(n), static_cast<long long>(hk),
+                static_cast<long long>(d));
+  }
   if (pool) {
     std::printf("kv pool:");
     for (kvstore::Tier t : {kvstore::Tier::kHost, kvstore::Tier::kDisk}) {
