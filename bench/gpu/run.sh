@@ -26,6 +26,8 @@
 #   SF_BENCH_HOST_EST_MAX    lengths up to which the CPU estimator also runs, for the index
 #                            comparison (default 32768)
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
+#   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
+#   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300)
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
 #                            benchmark runs again on it, at its full length
 #   SF_CUDNN_ROOT            cuDNN folder (default: the torch environment's nvidia/cudnn)
@@ -166,7 +168,7 @@ fi
 
 # ---- xxHash --------------------------------------------------------------------------------
 xxh_inc=""
-for d in "${SF_XXHASH_DIR:-}" /usr/include /usr/local/include; do
+for d in "${SF_XXHASH_DIR:-}" /usr/include /usr/local/include "$root/.deps/xxhash"; do
   [[ -n "$d" && -f "$d/xxhash.h" ]] && { xxh_inc="$d"; break; }
 done
 if [[ -z "$xxh_inc" ]]; then
@@ -253,7 +255,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   bl="$logs/bench-attention.log"
   : >"$bl"
   echo "--- sdpa peer ($(date -u))" >>"$bl"
-  if ! timeout 300 python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
+  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --reps "${SF_PEER_REPS:-10}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
     note "sdpa peer failed (see bench-attention.log); benchmark runs without it"
   fi
   sdpa_arg=()

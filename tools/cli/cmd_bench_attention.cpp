@@ -454,10 +454,14 @@ int cmd_bench_attention(int argc, char** argv) {
     const bool run_sparse = std::count(sparse_lengths.begin(), sparse_lengths.end(), L) > 0;
     const double t_gen = now_s();
     const Inputs in = file_in ? prefix_of(*file_in, shape, L) : make_inputs(shape, L, seed + uint64_t(L));
-    std::printf(
-        "L=%lld: inputs generated in %.2f s (%lld planted vertical "
-        "columns per KV head)\n",
-        static_cast<long long>(L), now_s() - t_gen, static_cast<long long>(in.n_vertical));
+    if (file_in)
+      std::printf("L=%lld: the first %lld rows of %s\n", static_cast<long long>(L), static_cast<long long>(L),
+                  file_in->path.c_str());
+    else
+      std::printf(
+          "L=%lld: inputs generated in %.2f s (%lld planted vertical "
+          "columns per KV head)\n",
+          static_cast<long long>(L), now_s() - t_gen, static_cast<long long>(in.n_vertical));
     kernels::cuda::DeviceBuffer dq, dk, dv, dout, dlse, didx_buf;
     const size_t qbytes = in.q.size() * 4, kbytes = in.k.size() * 4;
     Status st = dq.alloc(qbytes);
