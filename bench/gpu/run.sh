@@ -27,7 +27,8 @@
 #                            comparison (default 32768)
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
-#   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300)
+#   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
+#   SF_PEER_BACKENDS         SDPA backends to time (default cudnn,flash,efficient)
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
 #                            benchmark runs again on it, at its full length
 #   SF_CUDNN_ROOT            cuDNN folder (default: the torch environment's nvidia/cudnn)
@@ -255,7 +256,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   bl="$logs/bench-attention.log"
   : >"$bl"
   echo "--- sdpa peer ($(date -u))" >>"$bl"
-  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --reps "${SF_PEER_REPS:-10}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
+  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
     note "sdpa peer failed (see bench-attention.log); benchmark runs without it"
   fi
   sdpa_arg=()

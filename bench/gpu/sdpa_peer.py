@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fp32-max-len", type=int, default=32768,
                     help="skip the fp32 (efficient backend) peer above this length")
+    ap.add_argument("--backends", default="cudnn,flash,efficient",
+                    help="subset of cudnn,flash,efficient (efficient is the fp32 peer)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -52,6 +54,13 @@ def main():
     plan = [("cudnn", SDPBackend.CUDNN_ATTENTION, torch.bfloat16, "bf16"),
             ("flash", SDPBackend.FLASH_ATTENTION, torch.bfloat16, "bf16"),
             ("efficient", SDPBackend.EFFICIENT_ATTENTION, torch.float32, "fp32")]
+    wanted = set(a.backends.split(","))
+    plan = [p for p in plan if p[0] in wanted]
+
+    def save():  # after every record: a run cut short by its time limit keeps what it measured
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
     for L in [int(x) for x in a.lengths.split(",") if x]:
         flops = 4.0 * a.heads * a.head_dim * L * (L + 1) / 2.0
         for name, backend, dtype, dname in plan:
@@ -102,10 +111,10 @@ def main():
                 print(f"sdpa {name} {dname} L={L}: FAILED {rec['error']}", flush=True)
                 traceback.print_exc(limit=1)
             out["results"].append(rec)
+            save()
             del rec
             torch.cuda.empty_cache()
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save()
     print(f"wrote {a.out}")
 
 

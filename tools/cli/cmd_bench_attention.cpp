@@ -337,10 +337,11 @@ int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
                             "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
-                            "inputs"},
+                            "inputs", "dense-ours-max"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress reaches a log even if the run is cut off
   Shape shape;
   shape.heads = std::atoll(a.get("heads", "32").c_str());
   shape.kv_heads = std::atoll(a.get("kv-heads", "8").c_str());
@@ -400,6 +401,9 @@ int cmd_bench_attention(int argc, char** argv) {
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   const int64_t topk_blocks = std::atoll(a.get("blocks", "64").c_str());
   const int64_t host_est_max = std::atoll(a.get("host-estimate-max", "32768").c_str());
+  // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
+  // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
+  const int64_t dense_ours_max = std::atoll(a.get("dense-ours-max", "131072").c_str());
 
   SdpaPeer peer;
   if (a.has("sdpa")) {
@@ -637,21 +641,28 @@ int cmd_bench_attention(int argc, char** argv) {
           if (!st.is_ok()) return fail(st);
         } else {
           double ours_ms = 0;
-          const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
-          kernels::cuda::SparseIndexDevice dfull;
-          st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
-          if (st.is_ok())
-            st = time_kernel(
-                stream, 1, n_rep,
-                [&] {
-                  return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
-                },
-                &ours_ms);
-          if (!st.is_ok()) return fail(st);
-          didx_buf.reset();
           const Status cudnn = kernels::cuda::attention_dense_bf16_available();
+          const bool run_ours = L <= dense_ours_max || !cudnn.is_ok();
+          if (run_ours) {
+            const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
+            kernels::cuda::SparseIndexDevice dfull;
+            st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
+            if (st.is_ok())
+              st = time_kernel(
+                  stream, 1, n_rep,
+                  [&] {
+                    return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
+                  },
+                  &ours_ms);
+            if (!st.is_ok()) return fail(st);
+            didx_buf.reset();
+          } else {
+            std::printf("  dense-ours %s: skipped above --dense-ours-max %lld\n", dt.c_str(),
+                        static_cast<long long>(dense_ours_max));
+          }
           if (cudnn.is_ok()) {
-            if (!(st = dense_record("dense-ours", "attention_sparse bf16 (mma.sync) on a full index",
+            if (run_ours &&
+                !(st = dense_record("dense-ours", "attention_sparse bf16 (mma.sync) on a full index",
                                     ours_ms)).is_ok())
               return fail(st);
             st = kernels::cuda::attention_dense_plan(q_, k_, v_, o_, p);
@@ -663,7 +674,7 @@ int cmd_bench_attention(int argc, char** argv) {
               st = dense_record("dense", "cuDNN fused flash attention (SDPA fprop, graph API)",
                                 dense_ms);
             if (!st.is_ok()) return fail(st);
-            dense_ms = std::min(dense_ms, ours_ms);
+            if (run_ours) dense_ms = std::min(dense_ms, ours_ms);
           } else {
             std::printf("  (no cuDNN dense path: %s)\n", cudnn.to_string().c_str());
             dense_ms = ours_ms;
