@@ -82,10 +82,16 @@ finish() {
 }
 trap 'finish; exit $?' EXIT
 
+# The copy of the tree on a GPU host may carry a stale .git: the caller writes the commit it sent
+# to .source-commit (git-ignored, carried) and the results name that commit.
+if [[ -z "${SF_SOURCE_COMMIT:-}" && -f "$root/.source-commit" ]]; then
+  export SF_SOURCE_COMMIT="$(cat "$root/.source-commit")"
+fi
+
 # ---- what this host is ---------------------------------------------------------------------
 {
   date -u
-  echo "--- git"; git -C "$root" rev-parse HEAD 2>&1; git -C "$root" status --short 2>&1 | head -50
+  echo "--- git"; echo "SF_SOURCE_COMMIT=${SF_SOURCE_COMMIT:-}"; git -C "$root" rev-parse HEAD 2>&1; git -C "$root" status --short 2>&1 | head -50
   echo "--- nvidia-smi"; nvidia-smi 2>&1 | head -30
   echo "--- nvcc"; /usr/local/cuda/bin/nvcc --version 2>&1 | tail -2
   echo "--- cmake"; cmake --version 2>&1 | head -1

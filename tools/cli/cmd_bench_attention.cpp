@@ -452,6 +452,58 @@ int cmd_bench_attention(int argc, char** argv) {
   lengths.erase(std::unique(lengths.begin(), lengths.end()), lengths.end());
 
   boost::json::array recs;
+  // The JSON is rewritten after every record, so a run cut off by its time limit keeps what it
+  // measured.
+  auto write_json = [&](bool final_write) -> Status {
+    boost::json::object out;
+    out["benchmark"] = "attention";
+    out["date"] = now_iso8601();
+    out["git_commit"] = git_commit();
+    out["command"] = shell_quote_args(argc, argv);
+    boost::json::object devj;
+    devj["kind"] = "cuda";
+    devj["name"] = prop.name;
+    devj["driver"] = driver_version();
+    devj["sm_count"] = prop.multiProcessorCount;
+    devj["compute_capability"] = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    devj["host_threads"] = num_threads();
+    out["device"] = std::move(devj);
+    boost::json::object sh;
+    sh["heads"] = shape.heads;
+    sh["kv_heads"] = shape.kv_heads;
+    sh["head_dim"] = shape.d;
+    sh["batch"] = 1;
+    sh["causal"] = true;
+    sh["dtypes"] =
+        "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: sparse modes "
+        "run our tensor-core sparse kernel (mma.sync); 'dense' is cuDNN's fused flash attention "
+        "when the build has cuDNN, 'dense-ours' our sparse kernel on a full index; sparse "
+        "speedup_vs_dense is over the faster of the two; each record names its kernel";
+    out["shape"] = std::move(sh);
+    out["seed"] = seed;
+    if (file_in)
+      out["inputs"] = "file " + file_in->path + " (first L rows of q, k, v)";
+    else
+      out["inputs"] =
+          "synthetic planted structure: rotary decay with distance, "
+          "sinks 0..3, ~0.5% vertical columns per KV head (see "
+          "tools/cli/cmd_bench_attention.cpp)";
+    out["timing"] =
+        "attention kernel alone, CUDA events, median of reps after 1 "
+        "warm-up; index already on the device";
+    if (!peer.raw.is_null()) out["sdpa_peer"] = peer.raw;
+    out["records"] = recs;
+    const std::string js = boost::json::serialize(out);
+    if (a.has("out")) {
+      std::ofstream f(a.get("out"));
+      f << js << "\n";
+      if (!f) return SF_ERR(kIo, "cannot write '" + a.get("out") + "'");
+      if (final_write) std::printf("wrote %s\n", a.get("out").c_str());
+    } else if (final_write) {
+      std::printf("%s\n", js.c_str());
+    }
+    return Status::ok();
+  };
   const double d = double(shape.d);
   for (const int64_t L : lengths) {
     const bool run_dense = std::count(dense_lengths.begin(), dense_lengths.end(), L) > 0;
@@ -631,6 +683,7 @@ int cmd_bench_attention(int argc, char** argv) {
           add_sdpa(o, ms);
           o["reps"] = n_rep;
           recs.push_back(std::move(o));
+          (void)write_json(false);  // errors surface at the final write
           return Status::ok();
         };
         if (!bf) {
@@ -717,6 +770,7 @@ int cmd_bench_attention(int argc, char** argv) {
           o["index_max_cols_needed"] = need_c;
           o["index_bytes_needed"] = need_bytes;
           recs.push_back(std::move(o));
+          (void)write_json(false);  // errors surface at the final write
           continue;
         }
         double est_ms = 0;
@@ -833,58 +887,12 @@ int cmd_bench_attention(int argc, char** argv) {
         if (err >= 0) std::printf("  out rel err %.2e", err);
         std::printf("\n");
         recs.push_back(std::move(o));
+          (void)write_json(false);  // errors surface at the final write
       }
     }
   }
   cudaStreamDestroy(stream);
-
-  boost::json::object out;
-  out["benchmark"] = "attention";
-  out["date"] = now_iso8601();
-  out["git_commit"] = git_commit();
-  out["command"] = shell_quote_args(argc, argv);
-  boost::json::object devj;
-  devj["kind"] = "cuda";
-  devj["name"] = prop.name;
-  devj["driver"] = driver_version();
-  devj["sm_count"] = prop.multiProcessorCount;
-  devj["compute_capability"] = std::to_string(prop.major) + "." + std::to_string(prop.minor);
-  devj["host_threads"] = num_threads();
-  out["device"] = std::move(devj);
-  boost::json::object sh;
-  sh["heads"] = shape.heads;
-  sh["kv_heads"] = shape.kv_heads;
-  sh["head_dim"] = shape.d;
-  sh["batch"] = 1;
-  sh["causal"] = true;
-  sh["dtypes"] =
-      "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: sparse modes "
-      "run our tensor-core sparse kernel (mma.sync); 'dense' is cuDNN's fused flash attention "
-      "when the build has cuDNN, 'dense-ours' our sparse kernel on a full index; sparse "
-      "speedup_vs_dense is over the faster of the two; each record names its kernel";
-  out["shape"] = std::move(sh);
-  out["seed"] = seed;
-  if (file_in)
-    out["inputs"] = "file " + file_in->path + " (first L rows of q, k, v)";
-  else
-    out["inputs"] =
-        "synthetic planted structure: rotary decay with distance, "
-        "sinks 0..3, ~0.5% vertical columns per KV head (see "
-        "tools/cli/cmd_bench_attention.cpp)";
-  out["timing"] =
-      "attention kernel alone, CUDA events, median of reps after 1 "
-      "warm-up; index already on the device";
-  if (!peer.raw.is_null()) out["sdpa_peer"] = peer.raw;
-  out["records"] = std::move(recs);
-  const std::string js = boost::json::serialize(out);
-  if (a.has("out")) {
-    std::ofstream f(a.get("out"));
-    f << js << "\n";
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + a.get("out") + "'"));
-    std::printf("wrote %s\n", a.get("out").c_str());
-  } else {
-    std::printf("%s\n", js.c_str());
-  }
+  if (const Status st = write_json(true); !st.is_ok()) return fail(st);
   return 0;
 }
 #endif

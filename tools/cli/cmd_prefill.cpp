@@ -231,9 +231,10 @@ int cmd_prefill(int argc, char** argv) {
     const double upload_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     auto plan = model::DevicePrefill::plan(dm.value(), int64_t(ids.size()), opt);
     if (!plan.is_ok()) return fail(plan.status());
-    std::printf("device: cuda:0 %s, bf16 weights %.2f GiB (upload %.3f s), workspace %.2f GiB (plan %.3f s)\n",
+    std::printf("device: cuda:0 %s, bf16 weights %.2f GiB (upload %.3f s), workspace %.2f GiB (plan %.3f s), "
+                "attention: %s\n",
                 dm->device_name().c_str(), double(dm->weight_bytes()) / double(1 << 30), upload_s,
-                double(plan->workspace_bytes()) / double(1 << 30), plan->plan_seconds());
+                double(plan->workspace_bytes()) / double(1 << 30), plan->plan_seconds(), plan->attention_kernel());
     pr = plan->run(ids);
   } else {
     pr = model::prefill(m, ids, opt);

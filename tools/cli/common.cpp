@@ -76,6 +76,9 @@ std::string run_capture(const char* cmd) {
 }  // namespace
 
 std::string git_commit() {
+  // A copy of the tree whose .git is not its own (the GPU hosts get such a copy) names its
+  // commit through SF_SOURCE_COMMIT (bench/gpu/run.sh reads it from .source-commit).
+  if (const char* e = std::getenv("SF_SOURCE_COMMIT"); e && *e) return std::string(e) + " (SF_SOURCE_COMMIT)";
   std::string c = run_capture(("git -C '" + std::string(SF_SOURCE_DIR) + "' rev-parse HEAD 2>/dev/null").c_str());
   if (c.empty()) return "unknown";
   if (!run_capture(("git -C '" + std::string(SF_SOURCE_DIR) + "' status --porcelain --untracked-files=no 2>/dev/null").c_str()).empty())

@@ -175,6 +175,10 @@ struct DevicePrefill::Impl {
   PrefillOptions opt;
   int64_t max_tokens = 0, chunk = 0, max_logit_rows = 0;
   bool half = false;  // linear inputs are cast to the weight dtype first
+  // BF16 weights and a cuDNN build: attention runs on BF16 copies of Q, K, V (cuDNN's fused
+  // kernel, fp32 softmax and accumulation) and its output is widened back to F32. F32 weights
+  // keep the F32 reference kernel (the bit-for-bit path the f32 tests bound at 1e-5).
+  bool attn_bf16 = false;
   double plan_s = 0;
   size_t ws_bytes = 0;
 
@@ -183,6 +187,7 @@ struct DevicePrefill::Impl {
   // [C, H], gate, up [C, I], xh [C, max(H, hq*d, I)] in the weight dtype. K/V: two slots of
   // [S, hkv*d] used by alternate layers; logits: two slots of [C, vocab].
   DeviceBuffer tokens, positions, x, q, att, lse, xn, xh, tmp, gate, up;
+  DeviceBuffer qh, kh, vh, atth;  // attn_bf16: BF16 [S, hq*d] / [S, hkv*d] / [S, hq*d]
   DeviceBuffer k[2], v[2], logits[2];
   CudaEvent kv_ready[2], kv_free[2], logits_ready[2], logits_free[2];
   std::vector<CudaEvent> kv_copied;           // per layer, on the copy stream
@@ -291,7 +296,24 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     }
 
     // 2) attention over all rows.
-    if (!dry) {
+    if (attn_bf16) {
+      const TensorView qb = dview(qh.data(), DType::kBF16, {S, hq, d});
+      const TensorView kb = dview(kh.data(), DType::kBF16, {S, hkv, d});
+      const TensorView vb = dview(vh.data(), DType::kBF16, {S, hkv, d});
+      const TensorView ob = dview(atth.data(), DType::kBF16, {S, hq, d});
+      if (dry) {
+        SF_TRY(kernels::cuda::attention_dense_plan(qb, kb, vb, ob, ap));
+      } else {
+        SF_CUDA_TRY(cudaEventRecord(att_begin[size_t(l)].get(), st));
+        SF_TRY(kernels::cast(dview(Q, DType::kF32, {S, hq, d}), qb, cs()));
+        SF_TRY(kernels::cast(dview(K, DType::kF32, {S, hkv, d}), kb, cs()));
+        SF_TRY(kernels::cast(dview(V, DType::kF32, {S, hkv, d}), vb, cs()));
+        SF_TRY(kernels::attention_dense(qb, kb, vb, ob, dview(lse.data(), DType::kF32, {hq, S}), ap,
+                                        cs()));
+        SF_TRY(kernels::cast(ob, dview(ATT, DType::kF32, {S, hq, d}), cs()));
+        SF_CUDA_TRY(cudaEventRecord(att_end[size_t(l)].get(), st));
+      }
+    } else if (!dry) {
       SF_CUDA_TRY(cudaEventRecord(att_begin[size_t(l)].get(), st));
       SF_TRY(kernels::attention_dense(
           dview(Q, DType::kF32, {S, hq, d}), dview(K, DType::kF32, {S, hkv, d}),
@@ -495,6 +517,13 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
   SF_TRY(w.alloc(w.gate, C * I * f));
   SF_TRY(w.alloc(w.up, C * I * f));
   if (w.half) SF_TRY(w.alloc(w.xh, C * std::max({H, qd, I}) * dtype_size(m.wdt)));
+  w.attn_bf16 = m.wdt == DType::kBF16 && kernels::cuda::attention_dense_bf16_available().is_ok();
+  if (w.attn_bf16) {
+    SF_TRY(w.alloc(w.qh, S * qd * 2));
+    SF_TRY(w.alloc(w.kh, S * kvd * 2));
+    SF_TRY(w.alloc(w.vh, S * kvd * 2));
+    SF_TRY(w.alloc(w.atth, S * qd * 2));
+  }
   const int kv_slots = opt.keep_kv ? 2 : 1;
   for (int s = 0; s < kv_slots; ++s) {
     SF_TRY(w.alloc(w.k[s], S * kvd * f));
@@ -578,6 +607,7 @@ struct DevicePrefill::Impl {
   int64_t max_tokens = 0;
   size_t ws_bytes = 0;
   double plan_s = 0;
+  bool attn_bf16 = false;
 };
 
 namespace {
@@ -601,6 +631,9 @@ DeviceModel& DeviceModel::operator=(DeviceModel&&) noexcept = default;
 DeviceModel::~DeviceModel() = default;
 const ModelConfig& DeviceModel::config() const { return impl_->cfg; }
 DType DeviceModel::weight_dtype() const { return impl_->wdt; }
+const char* DevicePrefill::attention_kernel() const {
+  return impl_->attn_bf16 ? "cuDNN fused flash attention, bf16 q/k/v" : "f32 reference kernel";
+}
 int DeviceModel::device() const { return impl_->device; }
 const std::string& DeviceModel::device_name() const { return impl_->device_name; }
 size_t DeviceModel::weight_bytes() const { return impl_->bytes; }

@@ -4,7 +4,9 @@
 // chunk norm, QKV, RoPE; attention over all rows; per chunk O-proj, residual, MLP.
 //
 // Plain C++ (no CUDA types), usable in every build: without SF_HAVE_CUDA each entry point returns
-// kUnsupported. Dense attention only; prefix extension (extend()) stays on the CPU for now.
+// kUnsupported. Dense attention only (BF16 weights: cuDNN's fused kernel on BF16 Q/K/V when the
+// build has cuDNN; F32 weights: the F32 reference kernel); prefix extension (extend()) stays on
+// the CPU for now.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -76,6 +78,10 @@ class DevicePrefill {
   ~DevicePrefill();  // waits for work still in flight (an error path) before freeing buffers
 
   int64_t max_tokens() const;
+  // The attention path the plan chose: with BF16 weights in a cuDNN build, cuDNN's fused flash
+  // attention on BF16 copies of Q, K, V; otherwise the F32 reference kernel. A run shorter than
+  // max_tokens builds the cuDNN graph for its length on first use (host side, once per length).
+  const char* attention_kernel() const;
   size_t workspace_bytes() const;  // device memory of the plan (weights excluded)
   double plan_seconds() const;
 
