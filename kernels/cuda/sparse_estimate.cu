@@ -54,66 +54,85 @@ struct ScorePass {
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
 };
 
-// q rows and k rows stored transposed (qs[c * 64 + i]) so a thread's 4 rows and 4 keys are one
-// float4 each per c; then the 64 x 65 logits.
-size_t score_smem(int64_t d) { return size_t(2 * kB * d + kB * (kB + 1)) * sizeof(float); }
+// q rows and k rows stored row-major with a 4-float pad (qs[i * (d + 4) + c]): rows are read from
+// global memory as coalesced 4-element vectors and stored as float4 without bank conflicts, and
+// in the product 8 threads reading 8 consecutive padded rows hit 32 distinct banks. Then the
+// 64 x 65 logits.
+__host__ __device__ __forceinline__ int64_t tile_stride(int64_t d) { return d + 4; }
+size_t score_smem(int64_t d) { return size_t(2 * kB * tile_stride(d) + kB * (kB + 1)) * sizeof(float); }
 
 constexpr int kChunksPerCta = 4;  // 64-key chunks per scoring CTA: the q tile is loaded once
 
-// dst[c * 64 + i] = src[i * row_stride + c] for rows i < valid, else 0. Consecutive threads take
-// consecutive rows of one channel (conflict-free shared stores); 16 loads are issued before any
-// store, so the strided reads overlap instead of waiting one by one.
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);  // 4 bf16, 8-byte aligned (d % 4 == 0)
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// dst[i * (d + 4) + c] = src[i * row_stride + c] for rows i < valid, else 0. Consecutive threads
+// take consecutive 4-element vectors of a row (coalesced); 8 loads are issued before any store,
+// so the reads overlap instead of waiting one by one.
 template <typename T>
-__device__ void load_tile_t(const T* src, int64_t row_stride, int64_t valid, int64_t d,
-                            float* dst) {
-  const int64_t n = kB * d;
-  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 16) {
-    float v[16];
+__device__ void load_tile(const T* src, int64_t row_stride, int64_t valid, int64_t d,
+                          float* dst) {
+  const int64_t nv = d / 4, n = kB * nv, ts = tile_stride(d);
+  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 8) {
+    float4 v[8];
 #pragma unroll
-    for (int u = 0; u < 16; ++u) {
+    for (int u = 0; u < 8; ++u) {
       const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
-      const int64_t c = x / kB, i = x % kB;
-      v[u] = (x < n && i < valid) ? load_f(src + i * row_stride + c) : 0.f;
+      const int64_t i = x / nv, c = (x % nv) * 4;
+      v[u] = (x < n && i < valid) ? load4(src + i * row_stride + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
-    for (int u = 0; u < 16; ++u) {
+    for (int u = 0; u < 8; ++u) {
       const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
-      if (x < n) dst[x] = v[u];
+      if (x < n) *reinterpret_cast<float4*>(dst + (x / nv) * ts + (x % nv) * 4) = v[u];
     }
   }
 }
 
 template <typename T>
 __device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h, float* qs) {
-  load_tile_t(static_cast<const T*>(p.q) + (sp.r0 * p.hq + h) * p.d, p.hq * p.d, sp.L, p.d, qs);
+  load_tile(static_cast<const T*>(p.q) + (sp.r0 * p.hq + h) * p.d, p.hq * p.d, sp.L, p.d, qs);
 }
 
 // Logits of the pass's rows (scaled, q tile already in qs) against the chunk's keys into
-// ss[i * 65 + j].
+// ss[i * 65 + j]. Thread t computes rows i0 .. i0 + 3 (i0 = 4 (t / 16)) against keys
+// t % 16 + 16 y; every logit is one fmaf chain over c = 0 .. d - 1 in order.
 template <typename T>
 __device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h, int64_t c0,
                              int64_t kc, float* qs, float* ks, float* ss) {
-  const int64_t d = p.d;
+  const int64_t d = p.d, ts = tile_stride(d);
   const int64_t kvh = h / (p.hq / p.hkv);
   __syncthreads();  // the previous chunk's readers of ks / ss are done
-  load_tile_t(static_cast<const T*>(p.k) + (c0 * p.hkv + kvh) * d, p.hkv * d, kc, d, ks);
+  load_tile(static_cast<const T*>(p.k) + (c0 * p.hkv + kvh) * d, p.hkv * d, kc, d, ks);
   __syncthreads();
-  const int i0 = (threadIdx.x / 16) * 4, j0 = (threadIdx.x % 16) * 4;
+  const int i0 = (threadIdx.x / 16) * 4, jb = threadIdx.x % 16;
   float acc[4][4] = {};
-#pragma unroll 4
-  for (int64_t c = 0; c < d; ++c) {
-    const float4 av = *reinterpret_cast<const float4*>(qs + c * kB + i0);
-    const float4 bv = *reinterpret_cast<const float4*>(ks + c * kB + j0);
-    const float a[4] = {av.x, av.y, av.z, av.w}, b[4] = {bv.x, bv.y, bv.z, bv.w};
+  for (int64_t c = 0; c < d; c += 4) {
+    float4 av[4], bv[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) av[x] = *reinterpret_cast<const float4*>(qs + (i0 + x) * ts + c);
+#pragma unroll
+    for (int y = 0; y < 4; ++y) bv[y] = *reinterpret_cast<const float4*>(ks + (jb + 16 * y) * ts + c);
 #pragma unroll
     for (int x = 0; x < 4; ++x)
 #pragma unroll
-      for (int y = 0; y < 4; ++y) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+      for (int y = 0; y < 4; ++y) {
+        acc[x][y] = fmaf(av[x].x, bv[y].x, acc[x][y]);
+        acc[x][y] = fmaf(av[x].y, bv[y].y, acc[x][y]);
+        acc[x][y] = fmaf(av[x].z, bv[y].z, acc[x][y]);
+        acc[x][y] = fmaf(av[x].w, bv[y].w, acc[x][y]);
+      }
   }
 #pragma unroll
   for (int x = 0; x < 4; ++x)
 #pragma unroll
-    for (int y = 0; y < 4; ++y) ss[(i0 + x) * (kB + 1) + j0 + y] = acc[x][y] * p.scale;
+    for (int y = 0; y < 4; ++y) ss[(i0 + x) * (kB + 1) + jb + 16 * y] = acc[x][y] * p.scale;
   __syncthreads();
 }
 
@@ -130,8 +149,8 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_stats_kernel(const EstimateLaunch p, const ScorePass sp) {
   extern __shared__ float smem[];
   float* qs = smem;
-  float* ks = qs + kB * p.d;
-  float* ss = ks + kB * p.d;
+  float* ks = qs + kB * tile_stride(p.d);
+  float* ss = ks + kB * tile_stride(p.d);
   const int hs = blockIdx.x;
   load_q_tile<T>(p, sp, sp.heads[hs], qs);
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
@@ -184,8 +203,8 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_probs_kernel(const EstimateLaunch p, const ScorePass sp) {
   extern __shared__ float smem[];
   float* qs = smem;
-  float* ks = qs + kB * p.d;
-  float* ss = ks + kB * p.d;
+  float* ks = qs + kB * tile_stride(p.d);
+  float* ss = ks + kB * tile_stride(p.d);
   const int hs = blockIdx.x;
   __shared__ float red[kB];
   load_q_tile<T>(p, sp, sp.heads[hs], qs);
@@ -580,25 +599,37 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ float smem[];
   __shared__ SelShared sh;
-  const int hb = blockIdx.x;
+  // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
+  // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
+  const int hb = blockIdx.y;
   const int G = p.block_select_group;
   const int64_t d = p.d, n_kb = p.n_kb;
   float* pq = smem;          // [G][d]
   float* sc = smem + G * d;  // [G][n_kb]
-  const int64_t qb0 = int64_t(blockIdx.y) * G;
+  const int64_t qb0 = int64_t(blockIdx.x) * G;
   const int64_t ng = imin(G, p.n_qb - qb0);
+  // Key blocks any query block of the group can see: the selector reads scores [0, n_allowed)
+  // only (the last query block uses its exact mass instead), so later blocks are not scored.
+  int64_t n_score;
+  {
+    int64_t kend = p.q_offset + (qb0 + ng - 1) * kB + imin(kB, p.nq - (qb0 + ng - 1) * kB);
+    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+    n_score = (kend + kB - 1) / kB;
+  }
   for (int64_t x = threadIdx.x; x < ng * d; x += blockDim.x)
     pq[x] = p.pooled_q[(size_t(hb) * size_t(p.n_qb) + size_t(qb0)) * size_t(d) + size_t(x)];
   __syncthreads();
   const int h = p.blk_heads[hb];
   const int64_t kvh = h / (p.hq / p.hkv);
   const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
-  for (int64_t bk = threadIdx.x; bk < n_kb; bk += blockDim.x) {
+  for (int64_t bk = threadIdx.x; bk < n_score; bk += blockDim.x) {
     float acc[8] = {};
     const float* kr = pk + bk * d;
     for (int64_t c = 0; c < d; c += 4) {
       const float4 kv = *reinterpret_cast<const float4*>(kr + c);
-      for (int g = 0; g < ng; ++g) {
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {  // unrolled with a guard: acc stays in registers
+        if (g >= ng) break;
         const float* qr = pq + g * d + c;
         acc[g] = fmaf(qr[0], kv.x, acc[g]);
         acc[g] = fmaf(qr[1], kv.y, acc[g]);
@@ -606,7 +637,9 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
         acc[g] = fmaf(qr[3], kv.w, acc[g]);
       }
     }
-    for (int g = 0; g < ng; ++g) sc[g * n_kb + bk] = acc[g] * p.scale;
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+      if (g < ng) sc[g * n_kb + bk] = acc[g] * p.scale;
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];
@@ -857,7 +890,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   if ((p.stages & 2) && p.n_blk > 0 && p.n_qb > 0) {
     const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
     const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
-    block_select_kernel<<<dim3(unsigned(p.n_blk), gy), kBlockSelectThreads, smem, s>>>(p);
+    block_select_kernel<<<dim3(gy, unsigned(p.n_blk)), kBlockSelectThreads, smem, s>>>(p);
   }
   if (!(p.stages & 4)) return cudaGetLastError();
   if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;

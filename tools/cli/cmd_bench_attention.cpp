@@ -337,7 +337,7 @@ int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
                             "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
-                            "inputs", "dense-ours-max"},
+                            "inputs", "dense-ours-max", "modes"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -444,6 +444,22 @@ int cmd_bench_attention(int argc, char** argv) {
     ab.pattern = Pattern::kAdaptiveBlock;
     ab.gamma = 0.95;
     modes.push_back({"adaptive-block(gamma=0.95)", ab});
+  }
+
+  if (a.has("modes")) {  // a subset, by the name before '(': vertical-slash,block-sparse,...
+    std::vector<std::string> want;
+    std::stringstream ss(a.get("modes"));
+    std::string t;
+    while (std::getline(ss, t, ','))
+      if (!t.empty()) want.push_back(t);
+    for (const std::string& w : want)
+      if (std::none_of(modes.begin(), modes.end(),
+                       [&](const ModeSpec& m) { return m.name.substr(0, m.name.find('(')) == w; }))
+        return fail(SF_ERR(kInvalidArgument, "--modes: unknown mode '" + w +
+                                                 "' (vertical-slash, block-sparse, adaptive-vs, adaptive-block)"));
+    std::erase_if(modes, [&](const ModeSpec& m) {
+      return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();
+    });
   }
 
   std::vector<int64_t> lengths = dense_lengths;
