@@ -382,14 +382,35 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     }
     __syncthreads();
     const uint32_t prefix = sh.prefix;
-    for (int64_t i = threadIdx.x; i < n; i += BS) {
-      if (forced(i)) continue;
-      const float v = s[i];
-      const uint32_t key = order_key(v);
-      if ((key & mask) != prefix) continue;
-      const unsigned dgt = (key >> shift) & 255u;
-      atomicAdd(&sh.cnt[dgt], 1u);
-      if (mass_mode) atomicAdd(&sh.msum[dgt], double(v));
+    // Scores cluster (the top digits of similar floats are equal), so per-item shared atomics
+    // serialize on a few buckets: each warp first merges the lanes that share a digit
+    // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
+    const int wl = threadIdx.x % 32;
+    for (int64_t i0 = 0; i0 < n; i0 += BS) {
+      const int64_t i = i0 + threadIdx.x;
+      float v = 0.f;
+      unsigned dgt = 0;
+      bool act = false;
+      if (i < n && !forced(i)) {
+        v = s[i];
+        const uint32_t key = order_key(v);
+        act = (key & mask) == prefix;
+        dgt = (key >> shift) & 255u;
+      }
+      const unsigned am = __ballot_sync(0xffffffffu, act);
+      if (!act) continue;
+      const unsigned peers = __match_any_sync(am, dgt);
+      double m = 0;
+      if (mass_mode)
+        for (int l = 0; l < 32; ++l) {
+          if (!((am >> l) & 1u)) continue;  // every active lane takes the same branches
+          const float vl = __shfl_sync(am, v, l);
+          if ((peers >> l) & 1u) m += double(vl);
+        }
+      if (wl == __ffs(peers) - 1) {
+        atomicAdd(&sh.cnt[dgt], unsigned(__popc(peers)));
+        if (mass_mode) atomicAdd(&sh.msum[dgt], m);
+      }
     }
     __syncthreads();
     // Walk the buckets from the top for the first non-empty one where the running count (mass)
