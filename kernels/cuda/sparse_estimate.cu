@@ -21,8 +21,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/cuda/attention_sparse_bf16.cuh"  // mma.sync / ldmatrix helpers
 #include "kernels/cuda/sparse_estimate_launch.h"
 
 namespace sf::kernels::cuda {
@@ -59,7 +61,24 @@ struct ScorePass {
 // in the product 8 threads reading 8 consecutive padded rows hit 32 distinct banks. Then the
 // 64 x 65 logits.
 __host__ __device__ __forceinline__ int64_t tile_stride(int64_t d) { return d + 4; }
-size_t score_smem(int64_t d) { return size_t(2 * kB * tile_stride(d) + kB * (kB + 1)) * sizeof(float); }
+// BF16 q and k with d % 32 == 0 and 16-byte aligned rows: the logits come from tensor cores
+// (mma.sync m16n8k16, fp32 accumulation) on bf16 tiles [64][d + 8] (16-byte row pad: ldmatrix
+// phases are conflict-free). bf16 products are exact in fp32, only the summation order differs
+// from the fp32 path (and the CPU), so selections can differ at exact ties alone.
+__host__ __device__ __forceinline__ int64_t tile_stride_b(int64_t d) { return d + 8; }
+__host__ __device__ __forceinline__ bool mma_scores(const EstimateLaunch& p) {
+  return p.bf16 && p.d % 32 == 0 && p.d <= 256 && (reinterpret_cast<uintptr_t>(p.q) % 16) == 0 &&
+         (reinterpret_cast<uintptr_t>(p.k) % 16) == 0;
+}
+size_t score_smem(const EstimateLaunch& p) {
+  const size_t logits = size_t(kB * (kB + 1)) * sizeof(float);
+  if (mma_scores(p)) return size_t(2 * kB * tile_stride_b(p.d)) * 2 + logits;
+  return size_t(2 * kB * tile_stride(p.d)) * sizeof(float) + logits;
+}
+// Plan time (q, k not bound yet): the larger of the two layouts.
+size_t score_smem_max(int64_t d) {
+  return size_t(2 * kB * tile_stride(d)) * sizeof(float) + size_t(kB * (kB + 1)) * sizeof(float);
+}
 
 constexpr int kChunksPerCta = 4;  // 64-key chunks per scoring CTA: the q tile is loaded once
 
@@ -95,9 +114,90 @@ __device__ void load_tile(const T* src, int64_t row_stride, int64_t valid, int64
   }
 }
 
+// dst[i * (d + 8) + c] = src[i * row_stride + c] (bf16, 16-byte vectors), zero rows past valid.
+__device__ void load_tile_b(const __nv_bfloat16* src, int64_t row_stride, int64_t valid,
+                            int64_t d, __nv_bfloat16* dst) {
+  const int64_t nv = d / 8, n = kB * nv, ts = tile_stride_b(d);
+  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      const int64_t i = x / nv, c = (x % nv) * 8;
+      v[u] = (x < n && i < valid) ? *reinterpret_cast<const uint4*>(src + i * row_stride + c)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      if (x < n) *reinterpret_cast<uint4*>(dst + (x / nv) * ts + (x % nv) * 8) = v[u];
+    }
+  }
+}
+
+// The scoring CTA's shared memory: q tile, k tile (fp32 padded rows, or bf16 for the mma path)
+// and the 64 x 65 fp32 logits.
+struct ScoreSmem {
+  float *qs, *ks, *ss;
+  __nv_bfloat16 *qb, *kb;
+  bool mma;
+  __device__ ScoreSmem(const EstimateLaunch& p, unsigned char* raw) : mma(mma_scores(p)) {
+    if (mma) {
+      qb = reinterpret_cast<__nv_bfloat16*>(raw);
+      kb = qb + kB * tile_stride_b(p.d);
+      ss = reinterpret_cast<float*>(kb + kB * tile_stride_b(p.d));
+      qs = ks = nullptr;
+    } else {
+      qs = reinterpret_cast<float*>(raw);
+      ks = qs + kB * tile_stride(p.d);
+      ss = ks + kB * tile_stride(p.d);
+      qb = kb = nullptr;
+    }
+  }
+};
+
 template <typename T>
-__device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h, float* qs) {
-  load_tile(static_cast<const T*>(p.q) + (sp.r0 * p.hq + h) * p.d, p.hq * p.d, sp.L, p.d, qs);
+__device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h, ScoreSmem& sm) {
+  const T* src = static_cast<const T*>(p.q) + (sp.r0 * p.hq + h) * p.d;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (sm.mma) {
+      load_tile_b(src, p.hq * p.d, sp.L, p.d, sm.qb);
+      return;
+    }
+  }
+  load_tile(src, p.hq * p.d, sp.L, p.d, sm.qs);
+}
+
+// Tensor-core logits: warp w computes query rows 16 (w % 4) .. + 15 against keys
+// 32 (w / 4) .. + 31 (4 n-tiles of 8), two 16-wide k-steps per ldmatrix x4 of K rows.
+__device__ void chunk_logits_mma(const EstimateLaunch& p, ScoreSmem& sm) {
+  using namespace attention_sparse_bf16_detail;
+  const int64_t ts = tile_stride_b(p.d);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mt = warp % 4, nq = warp / 4;
+  float c[4][4] = {};
+  for (int64_t ks = 0; ks < p.d / 16; ks += 2) {
+    uint32_t a0[4], a1[4];
+    const __nv_bfloat16* qrow = sm.qb + (mt * 16 + lane % 16) * ts + (lane / 16) * 8;
+    ldmatrix_x4(a0, qrow + ks * 16);
+    ldmatrix_x4(a1, qrow + (ks + 1) * 16);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sm.kb + ((nq * 4 + n) * 8 + lane % 8) * ts + ks * 16 + (lane / 8) * 8);
+      mma_bf16(c[n], a0[0], a0[1], a0[2], a0[3], b[0], b[1]);
+      mma_bf16(c[n], a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
+    }
+  }
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int j = (nq * 4 + n) * 8 + 2 * t;
+    sm.ss[(mt * 16 + g) * (kB + 1) + j] = c[n][0] * p.scale;
+    sm.ss[(mt * 16 + g) * (kB + 1) + j + 1] = c[n][1] * p.scale;
+    sm.ss[(mt * 16 + g + 8) * (kB + 1) + j] = c[n][2] * p.scale;
+    sm.ss[(mt * 16 + g + 8) * (kB + 1) + j + 1] = c[n][3] * p.scale;
+  }
 }
 
 // Logits of the pass's rows (scaled, q tile already in qs) against the chunk's keys into
@@ -105,11 +205,24 @@ __device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h,
 // t % 16 + 16 y; every logit is one fmaf chain over c = 0 .. d - 1 in order.
 template <typename T>
 __device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h, int64_t c0,
-                             int64_t kc, float* qs, float* ks, float* ss) {
+                             int64_t kc, ScoreSmem& sm) {
   const int64_t d = p.d, ts = tile_stride(d);
   const int64_t kvh = h / (p.hq / p.hkv);
+  const T* ksrc = static_cast<const T*>(p.k) + (c0 * p.hkv + kvh) * d;
   __syncthreads();  // the previous chunk's readers of ks / ss are done
-  load_tile(static_cast<const T*>(p.k) + (c0 * p.hkv + kvh) * d, p.hkv * d, kc, d, ks);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (sm.mma) {
+      load_tile_b(ksrc, p.hkv * d, kc, d, sm.kb);
+      __syncthreads();
+      chunk_logits_mma(p, sm);
+      __syncthreads();
+      return;
+    }
+  }
+  float* const qs = sm.qs;
+  float* const ks = sm.ks;
+  float* const ss = sm.ss;
+  load_tile(ksrc, p.hkv * d, kc, d, ks);
   __syncthreads();
   const int i0 = (threadIdx.x / 16) * 4, jb = threadIdx.x % 16;
   float acc[4][4] = {};
@@ -147,17 +260,16 @@ __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const Sc
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
     score_stats_kernel(const EstimateLaunch p, const ScorePass sp) {
-  extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + kB * tile_stride(p.d);
-  float* ss = ks + kB * tile_stride(p.d);
+  extern __shared__ __align__(16) unsigned char score_raw[];
+  ScoreSmem sm(p, score_raw);
+  float* const ss = sm.ss;
   const int hs = blockIdx.x;
-  load_q_tile<T>(p, sp, sp.heads[hs], qs);
+  load_q_tile<T>(p, sp, sp.heads[hs], sm);
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
     const int64_t c0 = chunk * kB;
     const int64_t kc = imin(kB, p.kend_last - c0);
-    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, sm);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int64_t i = warp; i < sp.L; i += kScoreThreads / 32) {
       const int64_t lim = row_visible(p, sp, i, c0, kc);
@@ -201,18 +313,17 @@ __global__ void row_lse_kernel(const EstimateLaunch p, const ScorePass sp) {
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
     score_probs_kernel(const EstimateLaunch p, const ScorePass sp) {
-  extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + kB * tile_stride(p.d);
-  float* ss = ks + kB * tile_stride(p.d);
+  extern __shared__ __align__(16) unsigned char score_raw[];
+  ScoreSmem sm(p, score_raw);
+  float* const ss = sm.ss;
   const int hs = blockIdx.x;
   __shared__ float red[kB];
-  load_q_tile<T>(p, sp, sp.heads[hs], qs);
+  load_q_tile<T>(p, sp, sp.heads[hs], sm);
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
     const int64_t c0 = chunk * kB;
     const int64_t kc = imin(kB, p.kend_last - c0);
-    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, qs, ks, ss);
+    chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, sm);
     for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
       const int64_t i = x / kB, j = x % kB;
       float v = 0.f;
@@ -863,7 +974,7 @@ __global__ void build_kernel(const EstimateLaunch p) {
 template <typename T>
 cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
-  const size_t smem = score_smem(p.d);
+  const size_t smem = score_smem(p);
   const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
   score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
@@ -922,7 +1033,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
 
 template <typename T>
 cudaError_t configure(const EstimateLaunch& p) {
-  const int smem = int(score_smem(p.d));
+  const int smem = int(score_smem_max(p.d));
   cudaError_t e = cudaFuncSetAttribute(score_stats_kernel<T>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess)
