@@ -414,6 +414,7 @@ struct SelShared {
   double dred[32];
   long long ired[32];
   uint32_t prefix;
+  uint32_t mask;  // digits of prefix fixed by the walk (all 32 bits unless it stopped early)
   long long cnt_gt;
   double mass_gt;
   int found;
@@ -584,7 +585,11 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     if (!sh.found) break;
     mask |= 255u << shift;
     eq = sh.value;
+    // Count mode: when the chosen bucket holds exactly the items still wanted, every key with
+    // this prefix is taken and the lower digits cannot change the selection.
+    if (!mass_mode && sh.cnt_gt + eq == want) break;
   }
+  if (threadIdx.x == 0) sh.mask = mask;
   __syncthreads();
   return eq;
 }
@@ -637,13 +642,17 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
   }
   take = take < 0 ? 0 : (take > nr ? nr : take);
   __syncthreads();  // every thread has read the mass walk's results
-  uint32_t T = 0xffffffffu;
-  long long need_eq = 0;
+  uint32_t T = 0xffffffffu, M = 0xffffffffu;
+  long long need_eq = 0, n_eq = 0;
   if (take > 0) {
-    radix_walk<BS>(s, n, forced, false, take, 0.0, 0.0, sh);
+    n_eq = radix_walk<BS>(s, n, forced, false, take, 0.0, 0.0, sh);
     T = sh.prefix;
+    M = sh.mask;
     need_eq = take - sh.cnt_gt;
   }
+  // Every key at the threshold is taken (the usual case: unique scores, or an early stop):
+  // no tie ranking, one scan per 256 items instead of two.
+  const bool all_eq = need_eq >= n_eq;
   // Compaction in index order: ties at T go to the lowest ids.
   using Scan = cub::BlockScan<int, BS>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -654,15 +663,17 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
     if (i < n) {
       f = forced(i);
       if (!f && take > 0) {
-        const uint32_t key = order_key(s[i]);
+        const uint32_t key = order_key(s[i]) & M;
         gt = key > T;
         eq = key == T;
       }
     }
-    int tie_rank, tie_total;
-    Scan(scan_tmp).ExclusiveSum(eq, tie_rank, tie_total);
-    __syncthreads();
-    const int sel = f || gt || (eq && tie_base + tie_rank < need_eq);
+    int tie_rank = 0, tie_total = 0;
+    if (!all_eq) {
+      Scan(scan_tmp).ExclusiveSum(eq, tie_rank, tie_total);
+      __syncthreads();
+    }
+    const int sel = f || gt || (eq && (all_eq || tie_base + tie_rank < need_eq));
     int pos, sel_total;
     Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
     __syncthreads();
