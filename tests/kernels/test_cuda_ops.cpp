@@ -154,6 +154,36 @@ void expect_matches(const std::string& what, const DevBuf& dev, const std::vecto
   EXPECT_LE(e.max_abs, tol.max_abs) << what;
 }
 
+// Rounds x to bf16: the bits for the device and the rounded values for the fp32 reference.
+void to_bf16(const std::vector<float>& x, std::vector<uint16_t>* bits, std::vector<float>* rounded) {
+  bits->resize(x.size());
+  rounded->resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    (*bits)[i] = f32_to_bf16(x[i]);
+    (*rounded)[i] = bf16_to_f32((*bits)[i]);
+  }
+}
+
+// expect_matches for a BF16 output: downloads, widens, checks the guard and the bounds.
+void expect_matches_bf16(const std::string& what, const DevBuf& dev, const std::vector<float>& ref,
+                         Tolerance tol) {
+  ASSERT_OK(cuda::stream_synchronize(nullptr));
+  std::vector<uint16_t> bits(ref.size());
+  ASSERT_OK(dev.download_raw(bits.data(), bits.size() * 2));
+  std::vector<float> got(ref.size());
+  for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(bits[i]);
+  bool guard_ok = false;
+  ASSERT_OK(dev.guard_intact(&guard_ok));
+  EXPECT_TRUE(guard_ok) << what << ": write past the end of out";
+  const ErrStats e = compare(got, ref);
+  std::cout << "  " << what << " out: nerr=" << e.nerr << " (tol " << tol.nerr
+            << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
+  EXPECT_EQ(e.bad_nonfinite, 0) << what << ": non-finite or unwritten out element, first at "
+                                << e.first_bad;
+  EXPECT_LE(e.nerr, tol.nerr) << what;
+  EXPECT_LE(e.max_abs, tol.max_abs) << what;
+}
+
 class CudaOps : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -608,15 +638,6 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
   };
-  auto to_bf16 = [](const std::vector<float>& x, std::vector<uint16_t>* bits,
-                    std::vector<float>* rounded) {
-    bits->resize(x.size());
-    rounded->resize(x.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      (*bits)[i] = f32_to_bf16(x[i]);
-      (*rounded)[i] = bf16_to_f32((*bits)[i]);
-    }
-  };
   for (const SparseCase& c : cases) {
     for (int full = 0; full < 2; ++full) {
       const int64_t d = c.head_dim;
@@ -651,21 +672,7 @@ TEST_F(CudaOps, AttentionSparseBf16) {
                                  d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
                                  d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
                                  d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
-      ASSERT_OK(cuda::stream_synchronize(nullptr));
-      std::vector<uint16_t> got_bits(ref.size());
-      ASSERT_OK(d_out.download_raw(got_bits.data(), got_bits.size() * 2));
-      std::vector<float> got(ref.size());
-      for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(got_bits[i]);
-      bool guard_ok = false;
-      ASSERT_OK(d_out.guard_intact(&guard_ok));
-      EXPECT_TRUE(guard_ok) << name << ": write past the end of out";
-      const ErrStats e = compare(got, ref);
-      std::cout << "  " << name << " out: nerr=" << e.nerr << " (tol " << tol.nerr
-                << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
-      EXPECT_EQ(e.bad_nonfinite, 0) << name << ": non-finite or unwritten out element, first at "
-                                    << e.first_bad;
-      EXPECT_LE(e.nerr, tol.nerr) << name;
-      EXPECT_LE(e.max_abs, tol.max_abs) << name;
+      expect_matches_bf16(name, d_out, ref, tol);
       expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
       if (HasFailure()) return;
     }
@@ -697,15 +704,6 @@ TEST_F(CudaOps, AttentionDenseBf16Cudnn) {
     const int64_t d = c.head_dim;
     std::vector<uint16_t> qb, kb, vb;
     std::vector<float> q, k, v;
-    const auto to_bf16 = [](const std::vector<float>& x, std::vector<uint16_t>* bits,
-                            std::vector<float>* rounded) {
-      bits->resize(x.size());
-      rounded->resize(x.size());
-      for (size_t i = 0; i < x.size(); ++i) {
-        (*bits)[i] = f32_to_bf16(x[i]);
-        (*rounded)[i] = bf16_to_f32((*bits)[i]);
-      }
-    };
     to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
     to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
     to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
@@ -733,22 +731,8 @@ TEST_F(CudaOps, AttentionDenseBf16Cudnn) {
     const TensorView ov = d_out.view(DType::kBF16, {c.n_q, c.heads, d});
     ASSERT_OK(cuda::attention_dense_plan(qv, kv, vv, ov, p));
     ASSERT_OK(attention_dense(qv, kv, vv, ov, d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
-    ASSERT_OK(cuda::stream_synchronize(nullptr));
-    std::vector<uint16_t> got_bits(ref.size());
-    ASSERT_OK(d_out.download_raw(got_bits.data(), got_bits.size() * 2));
-    std::vector<float> got(ref.size());
-    for (size_t i = 0; i < got.size(); ++i) got[i] = bf16_to_f32(got_bits[i]);
-    bool guard_ok = false;
-    ASSERT_OK(d_out.guard_intact(&guard_ok));
     const std::string name = std::string("cudnn bf16 ") + c.name;
-    EXPECT_TRUE(guard_ok) << name << ": write past the end of out";
-    const ErrStats e = compare(got, ref);
-    std::cout << "  " << name << " out: nerr=" << e.nerr << " (tol " << tol.nerr
-              << ")  max_abs=" << e.max_abs << " (tol " << tol.max_abs << ")\n";
-    EXPECT_EQ(e.bad_nonfinite, 0) << name << ": non-finite or unwritten out element, first at "
-                                  << e.first_bad;
-    EXPECT_LE(e.nerr, tol.nerr) << name;
-    EXPECT_LE(e.max_abs, tol.max_abs) << name;
+    expect_matches_bf16(name, d_out, ref, tol);
     expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
     if (HasFailure()) return;
   }

@@ -470,16 +470,18 @@ int cmd_bench_attention(int argc, char** argv) {
   boost::json::array recs;
   // The JSON is rewritten after every record, so a run cut off by its time limit keeps what it
   // measured.
+  const std::string commit = git_commit(), command = shell_quote_args(argc, argv),
+                    started = now_iso8601(), driver = driver_version();
   auto write_json = [&](bool final_write) -> Status {
     boost::json::object out;
     out["benchmark"] = "attention";
-    out["date"] = now_iso8601();
-    out["git_commit"] = git_commit();
-    out["command"] = shell_quote_args(argc, argv);
+    out["date"] = started;
+    out["git_commit"] = commit;
+    out["command"] = command;
     boost::json::object devj;
     devj["kind"] = "cuda";
     devj["name"] = prop.name;
-    devj["driver"] = driver_version();
+    devj["driver"] = driver;
     devj["sm_count"] = prop.multiProcessorCount;
     devj["compute_capability"] = std::to_string(prop.major) + "." + std::to_string(prop.minor);
     devj["host_threads"] = num_threads();
