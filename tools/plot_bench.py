@@ -29,7 +29,7 @@ def plot_prefill(d, out):
     ax[1].set_title(f"vs sgemm ceiling {d['sgemm_gflops_2048']:.0f} GFLOP/s")
     dev = d["device"]
     fig.suptitle(f"{d['model']['name']} on {dev['name']} ({dev['hardware_threads']} threads), "
-                 f"{d['date'][:10]}, {d['git_commit'][:10]}", fontsize=9)
+                 f"{d['date'][:10]}, {d.get('source_commit', d['git_commit'])[:10]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
@@ -38,11 +38,13 @@ def plot_attention(d, out):
     recs = d["records"]
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     # Left: dense throughput, ours per dtype beside each SDPA backend of the same run.
-    for dt, mk in (("fp32", "s-"), ("bf16", "o-")):
-        rs = [r for r in recs if r["mode"] == "dense" and r["dtype"] == dt]
-        if rs:
-            ax[0].plot([r["seq_len"] for r in rs], [r["tflops"] for r in rs], mk,
-                       label=f"ours dense {dt}")
+    dense_modes = ("dense", "dense-ours")
+    for mode in dense_modes:
+        for dt, mk in (("fp32", "s-"), ("bf16", "o-")):
+            rs = [r for r in recs if r["mode"] == mode and r["dtype"] == dt]
+            if rs:
+                ax[0].plot([r["seq_len"] for r in rs], [r["tflops"] for r in rs], mk,
+                           label=f"{mode} {dt}: {rs[0].get('kernel', '')[:40]}")
     peer = d.get("sdpa_peer", {}).get("results", [])
     for be in sorted({r["backend"] + " " + r["dtype"] for r in peer if r.get("ok")}):
         rs = [r for r in peer if r.get("ok") and r["backend"] + " " + r["dtype"] == be]
@@ -55,10 +57,12 @@ def plot_attention(d, out):
     ax[0].set_title("dense attention")
     ax[0].legend(fontsize=7)
     # Right: total time (estimate + kernel) against density, sparse modes, bf16 and fp32.
-    lens = sorted({r["seq_len"] for r in recs if r["mode"] != "dense"})
+    # Records with "error" (a mode that did not fit) have no timing.
+    sparse = [r for r in recs if r["mode"] not in dense_modes and "error" not in r]
+    lens = sorted({r["seq_len"] for r in sparse})
     for i, L in enumerate(lens):
         for dt, mk in (("fp32", "s"), ("bf16", "o")):
-            rs = [r for r in recs if r["mode"] != "dense" and r["seq_len"] == L and r["dtype"] == dt]
+            rs = [r for r in sparse if r["seq_len"] == L and r["dtype"] == dt]
             if not rs:
                 continue
             ax[1].scatter([r["density"] for r in rs],
@@ -72,13 +76,13 @@ def plot_attention(d, out):
     ax[1].set_yscale("log")
     ax[1].set_xlabel("density (fraction of causal pairs computed)")
     ax[1].set_ylabel("ms")
-    where = {r.get("estimate_where", "host CPU").split(" ")[0] for r in recs if r["mode"] != "dense"}
+    where = {r.get("estimate_where", "host CPU").split(" ")[0] for r in sparse}
     ax[1].set_title("sparse modes (estimate on " + (", ".join(sorted(where)) or "host") + ")")
     ax[1].legend(fontsize=6)
     dev = d["device"]
     fig.suptitle(f"attention {d['shape']['heads']}q/{d['shape']['kv_heads']}kv heads, "
                  f"d={d['shape']['head_dim']}, causal, on {dev['name']} (driver {dev['driver']}), "
-                 f"{d['date'][:10]}, {d['git_commit'][:10]}", fontsize=9)
+                 f"{d['date'][:10]}, {d.get('source_commit', d['git_commit'])[:10]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
