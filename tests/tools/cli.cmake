@@ -40,6 +40,25 @@ if(TARGET sparsefill)
                        "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes")
   set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
                        PROPERTIES LABELS unit TIMEOUT 120)
+  # --dump-attention LAYER:FILE: bad specs fail before the slow part; a good one writes q, k, v
+  # of that layer, which `bench attention --inputs` reads back (CUDA builds: it reports the file's
+  # shape before it looks for a device, so this runs without a GPU; the exit code is not checked).
+  add_test(NAME cli_dump_attention_bad_spec COMMAND ${_ef} "^error: --dump-attention: expected LAYER:FILE, got '7'"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 7)
+  add_test(NAME cli_dump_attention_bad_layer COMMAND ${_ef} "^error: --dump-attention: layer 30 of a 30-layer model"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 30:${_tmp}/att.safetensors)
+  add_test(NAME cli_dump_attention COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+           --dump-attention 3:${_tmp}/att.safetensors)
+  set_tests_properties(cli_dump_attention PROPERTIES FIXTURES_SETUP dumped_attention PASS_REGULAR_EXPRESSION
+                       "attention inputs of layer 3: .*att.safetensors \\(q \\[[0-9]+, 9, 64\\], k and v \\[[0-9]+, 3, 64\\], F32\\)")
+  set_tests_properties(cli_dump_attention_bad_spec cli_dump_attention_bad_layer cli_dump_attention
+                       PROPERTIES LABELS unit TIMEOUT 120)
+  if(SF_HAVE_CUDA)
+    add_test(NAME cli_bench_inputs_reads_dump COMMAND ${_sf} bench attention --inputs ${_tmp}/att.safetensors)
+    set_tests_properties(cli_bench_inputs_reads_dump PROPERTIES FIXTURES_REQUIRED dumped_attention LABELS unit
+                         TIMEOUT 60 PASS_REGULAR_EXPRESSION
+                         "inputs: .*att.safetensors \\(n [0-9]+, heads 9, kv heads 3, head_dim 64\\)")
+  endif()
   # The long prompt: the bundled document three times (> 8192 tokens).
   file(READ ${_doc} _doc_text)
   file(WRITE ${_tmp}/long3x.txt "${_doc_text}${_doc_text}${_doc_text}")
