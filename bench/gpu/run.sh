@@ -28,6 +28,8 @@
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
+#   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma;
+#                            wgmma,mma.sync adds the A/B)
 #   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
 #   SF_PEER_BACKENDS         SDPA backends to time (default cudnn,flash,efficient)
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
@@ -275,6 +277,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          --sparse-lengths "$sparse_l" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
          --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" --host-estimate-max "${SF_BENCH_HOST_EST_MAX:-32768}" \
          ${SF_BENCH_MODES:+--modes "$SF_BENCH_MODES"} \
+         ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"
   fi

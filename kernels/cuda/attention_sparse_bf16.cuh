@@ -17,7 +17,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace sf::kernels::cuda {
@@ -55,7 +54,7 @@ template <int D>
 struct Stage {
   __nv_bfloat16 k[kTile][D + kPad];
   __nv_bfloat16 v[kTile][D + kPad];
-  int64_t pos[kTile];  // key position of tile row j, -1 when empty
+  int32_t pos[kTile];  // key position of tile row j, -1 when empty (the index is int32)
 };
 template <int D>
 struct Smem {
@@ -141,7 +140,7 @@ __device__ __forceinline__ int lower_bound_i32(const int32_t* a, int n, int64_t 
 template <int D>
 __device__ __forceinline__ void issue_tile(const AttentionSparseBf16Params& p, const TileList& tl,
                                            int t, Stage<D>& st, int kv_head) {
-  if (threadIdx.x < kTile) st.pos[threadIdx.x] = tl.pos(t, int(threadIdx.x));
+  if (threadIdx.x < kTile) st.pos[threadIdx.x] = int32_t(tl.pos(t, int(threadIdx.x)));
   constexpr int kVec = D / 8;  // 16-byte chunks per row
   for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
     const int j = e / kVec, c = e % kVec;
@@ -153,48 +152,55 @@ __device__ __forceinline__ void issue_tile(const AttentionSparseBf16Params& p, c
   cp_async_commit();
 }
 
+// Per-thread softmax and output state of the two rows a lane owns (g and g + 8 of its warp's 16),
+// in the m16n8 accumulator layout. Shared by both mainloops: wgmma's m64nN accumulator gives
+// warp w of the warpgroup rows 16w..16w+15 in the same per-warp layout.
 template <int D>
-struct WarpState {
-  uint32_t qa[D / 16][4];  // Q A-fragments per k-step
-  float o[D / 8][4];       // O accumulator per 8-dim n-tile
-  float m[2], l[2];        // rows g and g + 8: running max (log2 units), lane-partial sum
-  int64_t lim[2];          // keys < lim visible to the row (0: no row)
+struct RowState {
+  float o[D / 8][4];  // O accumulator per 8-dim n-tile
+  float m[2], l[2];   // rows g and g + 8: running max (log2 units), lane-partial sum
+  int64_t lim[2];     // keys < lim visible to the row (0: no row)
 };
 
 template <int D>
-__device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& sm, int lane,
-                                              WarpState<D>& st) {
-  const int g = lane / 4, tq = lane % 4;
-  // S = Q K^T: 8 n-tiles of 8 keys. ldmatrix x4 (non-trans) over K rows gives the B fragments of
-  // two consecutive k-steps: matrices (key rows nt*8.., dims ks*16 + 0/8, (ks+1)*16 + 0/8).
-  float s[kTile / 8][4];
+__device__ __forceinline__ void row_state_init(const AttentionSparseBf16Params& p, int warp, int g,
+                                               int64_t rows, int64_t base, RowState<D>& st) {
 #pragma unroll
-  for (int nt = 0; nt < kTile / 8; ++nt) {
-    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks += 2) {
-      uint32_t b[4];
-      const int mi = lane / 8;
-      ldmatrix_x4(b, &sm.k[nt * 8 + lane % 8][ks * 16 + mi * 8]);
-      mma_bf16(s[nt], st.qa[ks][0], st.qa[ks][1], st.qa[ks][2], st.qa[ks][3], b[0], b[1]);
-      mma_bf16(s[nt], st.qa[ks + 1][0], st.qa[ks + 1][1], st.qa[ks + 1][2], st.qa[ks + 1][3], b[2],
-               b[3]);
-    }
+  for (int r = 0; r < 2; ++r) {
+    const int i = warp * 16 + g + 8 * r;  // row within the slot
+    const int64_t lim = base + i + 1 < p.n_k ? base + i + 1 : p.n_k;
+    st.lim[r] = i < rows ? lim : 0;
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.f;
   }
-  // Mask and online softmax. Lane holds rows g (c0, c1) and g + 8 (c2, c3), key columns
-  // nt*8 + 2*tq + {0, 1}.
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) st.o[dt][0] = st.o[dt][1] = st.o[dt][2] = st.o[dt][3] = 0.f;
+}
+
+// One online-softmax step over a 64-key tile of raw scores s (m16n8 accumulator layout: lane holds
+// rows g (e = 0, 1) and g + 8 (e = 2, 3), keys nt*8 + 2*tq + (e & 1)). pos (the tile's key
+// positions, -1 empty) masks per row; nullptr means every key of the tile is visible to every
+// row. Leaves unnormalised probabilities in s, and rescales o and l.
+template <int D>
+__device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int32_t* pos,
+                                             float scale_log2, int tq, RowState<D>& st) {
+  if (pos) {
+#pragma unroll
+    for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t kp = pos[nt * 8 + 2 * tq + (e & 1)];
+        if (!(kp >= 0 && kp < st.lim[e >> 1])) s[nt][e] = -INFINITY;
+      }
+  }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int nt = 0; nt < kTile / 8; ++nt) {
+  for (int nt = 0; nt < kTile / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t pos = sm.pos[nt * 8 + 2 * tq + (e & 1)];
-      const int r = e >> 1;
-      const float val = (pos >= 0 && pos < st.lim[r]) ? s[nt][e] * scale_log2 : -INFINITY;
-      s[nt][e] = val;
-      mx[r] = fmaxf(mx[r], val);
+      s[nt][e] *= scale_log2;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     }
-  }
   float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -205,15 +211,17 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& 
     alpha[r] = m_new == -INFINITY ? 1.f : exp2f(st.m[r] - m_new);
     st.m[r] = m_new;
   }
+  // exp2(-inf - m) is 0 for finite m; a row still at m = -inf subtracts 0 instead.
+  const float msub[2] = {st.m[0] == -INFINITY ? 0.f : st.m[0],
+                         st.m[1] == -INFINITY ? 0.f : st.m[1]};
   float rs[2] = {0.f, 0.f};
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = e >> 1;
-      const float pr = st.m[r] == -INFINITY ? 0.f : exp2f(s[nt][e] - st.m[r]);
+      const float pr = exp2f(s[nt][e] - msub[e >> 1]);
       s[nt][e] = pr;
-      rs[r] += pr;
+      rs[e >> 1] += pr;
     }
   }
 #pragma unroll
@@ -225,99 +233,23 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& 
     st.o[dt][2] *= alpha[1];
     st.o[dt][3] *= alpha[1];
   }
-  // O += P V: P's C fragments of n-tiles 2kk, 2kk + 1 are the A fragment of key k-step kk.
-  // ldmatrix x4 trans over V rows gives B fragments of two consecutive 8-dim n-tiles: matrices
-  // (key rows kk*16 + 0/8, dims dt*8), (.., (dt+1)*8).
-#pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
-    const uint32_t a0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-    const uint32_t a1 = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-    const uint32_t a2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    const uint32_t a3 = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-    for (int dt = 0; dt < D / 8; dt += 2) {
-      uint32_t b[4];
-      const int mi = lane / 8;
-      ldmatrix_x4_trans(b, &sm.v[kk * 16 + (mi & 1) * 8 + lane % 8][(dt + (mi >> 1)) * 8]);
-      mma_bf16(st.o[dt], a0, a1, a2, a3, b[0], b[1]);
-      mma_bf16(st.o[dt + 1], a0, a1, a2, a3, b[2], b[3]);
-    }
-  }
-  (void)g;
 }
 
+// P's C fragments of n-tiles 2kk, 2kk + 1 as the bf16 A fragment of key k-step kk (the same
+// register layout for mma.sync m16n8k16 and for wgmma's register-A operand).
+__device__ __forceinline__ void p_fragment(const float (&s)[kTile / 8][4], int kk,
+                                           uint32_t (&a)[4]) {
+  a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Normalises and writes the lane's two rows of out (bf16) and their LSE.
 template <int D>
-__device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSparseBf16Params& p) {
-  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
-  const int h = blockIdx.y;
-  const int kv_head = h / (p.n_heads / p.n_kv_heads);
-  const int64_t qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  const int64_t r0 = qb * kQBlock;
-  const int64_t rows = p.n_q - r0 < kQBlock ? p.n_q - r0 : kQBlock;
-  const int64_t base = p.q_offset + r0;
-  const int64_t cta_end = base + rows < p.n_k ? base + rows : p.n_k;
-
-  WarpState<D> st;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = warp * 16 + g + 8 * r;  // row within the slot
-    const int64_t lim = base + i + 1 < p.n_k ? base + i + 1 : p.n_k;
-    st.lim[r] = i < rows ? lim : 0;
-    st.m[r] = -INFINITY;
-    st.l[r] = 0.f;
-  }
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) st.o[dt][0] = st.o[dt][1] = st.o[dt][2] = st.o[dt][3] = 0.f;
-  // Q A-fragments straight from global: registers a0..a3 = (row g, k 2tq), (row g+8, k 2tq),
-  // (row g, k 2tq+8), (row g+8, k 2tq+8) of each 16-wide k-step.
-  {
-    const int i0 = warp * 16 + g, i1 = i0 + 8;
-    const uint32_t* q0 =
-        i0 < rows ? reinterpret_cast<const uint32_t*>(p.q + ((r0 + i0) * p.n_heads + h) * D)
-                  : nullptr;
-    const uint32_t* q1 =
-        i1 < rows ? reinterpret_cast<const uint32_t*>(p.q + ((r0 + i1) * p.n_heads + h) * D)
-                  : nullptr;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const int w0 = (ks * 16 + 2 * tq) / 2, w1 = w0 + 4;  // 32-bit word index (2 bf16)
-      st.qa[ks][0] = q0 ? q0[w0] : 0u;
-      st.qa[ks][1] = q1 ? q1[w0] : 0u;
-      st.qa[ks][2] = q0 ? q0[w1] : 0u;
-      st.qa[ks][3] = q1 ? q1[w1] : 0u;
-    }
-  }
-  const float scale_log2 = p.scale * kLog2e;
-
-  const int64_t slot = int64_t(h) * p.n_qblocks + qb;
-  const int32_t* bo = p.block_offset + slot * p.max_blocks;
-  const int32_t* ci = p.column_index + slot * p.max_cols;
-  const int bc = p.block_count[slot], cc = p.column_count[slot];
-  TileList tl;
-  tl.bo = bo;
-  tl.ci = ci;
-  tl.cta_end = cta_end;
-  tl.n_block_tiles = lower_bound_i32(bo, bc, cta_end);
-  tl.n_cols = lower_bound_i32(ci, cc, cta_end);
-  const int n_tiles = tl.count();
-  if (n_tiles > 0) issue_tile(p, tl, 0, sm.stage[0], kv_head);
-  for (int t = 0; t < n_tiles; ++t) {
-    // Stage (t + 1) & 1 was last read by tile t - 1, which every warp finished (barrier below).
-    if (t + 1 < n_tiles) {
-      issue_tile(p, tl, t + 1, sm.stage[(t + 1) & 1], kv_head);
-      cp_async_wait<1>();  // tile t landed; t + 1 may still be in flight
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // every thread's copies (and pos stores) of tile t are visible
-    mainloop_tile<D>(scale_log2, sm.stage[t & 1], lane, st);
-    __syncthreads();  // stage t & 1 consumed before tile t + 2 overwrites it
-  }
-
+__device__ __forceinline__ void store_rows(const AttentionSparseBf16Params& p, int h, int64_t r0,
+                                           int64_t rows, int warp, int g, int tq,
+                                           const RowState<D>& st) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = st.l[r];
@@ -337,6 +269,120 @@ __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSpars
   }
 }
 
+template <int D>
+__device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& sm, int lane,
+                                              const uint32_t (&qa)[D / 16][4], RowState<D>& st) {
+  const int tq = lane % 4;
+  // S = Q K^T: 8 n-tiles of 8 keys. ldmatrix x4 (non-trans) over K rows gives the B fragments of
+  // two consecutive k-steps: matrices (key rows nt*8.., dims ks*16 + 0/8, (ks+1)*16 + 0/8).
+  float s[kTile / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks += 2) {
+      uint32_t b[4];
+      const int mi = lane / 8;
+      ldmatrix_x4(b, &sm.k[nt * 8 + lane % 8][ks * 16 + mi * 8]);
+      mma_bf16(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b[0], b[1]);
+      mma_bf16(s[nt], qa[ks + 1][0], qa[ks + 1][1], qa[ks + 1][2], qa[ks + 1][3], b[2], b[3]);
+    }
+  }
+  softmax_tile<D>(s, sm.pos, scale_log2, tq, st);
+  // O += P V. ldmatrix x4 trans over V rows gives B fragments of two consecutive 8-dim n-tiles:
+  // matrices (key rows kk*16 + 0/8, dims dt*8), (.., (dt+1)*8).
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    uint32_t a[4];
+    p_fragment(s, kk, a);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t b[4];
+      const int mi = lane / 8;
+      ldmatrix_x4_trans(b, &sm.v[kk * 16 + (mi & 1) * 8 + lane % 8][(dt + (mi >> 1)) * 8]);
+      mma_bf16(st.o[dt], a[0], a[1], a[2], a[3], b[0], b[1]);
+      mma_bf16(st.o[dt + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+    }
+  }
+}
+
+// The CTA's slot geometry and its key list.
+struct SlotGeom {
+  int64_t qb, r0, rows, base, cta_end;
+};
+__device__ __forceinline__ SlotGeom slot_geom(const AttentionSparseBf16Params& p) {
+  SlotGeom sg;
+  sg.qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
+  sg.r0 = sg.qb * kQBlock;
+  sg.rows = p.n_q - sg.r0 < kQBlock ? p.n_q - sg.r0 : kQBlock;
+  sg.base = p.q_offset + sg.r0;
+  sg.cta_end = sg.base + sg.rows < p.n_k ? sg.base + sg.rows : p.n_k;
+  return sg;
+}
+__device__ __forceinline__ TileList slot_tiles(const AttentionSparseBf16Params& p, int h,
+                                               const SlotGeom& sg) {
+  const int64_t slot = int64_t(h) * p.n_qblocks + sg.qb;
+  TileList tl;
+  tl.bo = p.block_offset + slot * p.max_blocks;
+  tl.ci = p.column_index + slot * p.max_cols;
+  tl.cta_end = sg.cta_end;
+  tl.n_block_tiles = lower_bound_i32(tl.bo, p.block_count[slot], sg.cta_end);
+  tl.n_cols = lower_bound_i32(tl.ci, p.column_count[slot], sg.cta_end);
+  return tl;
+}
+
+template <int D>
+__device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSparseBf16Params& p) {
+  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const SlotGeom sg = slot_geom(p);
+
+  RowState<D> st;
+  row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
+  // Q A-fragments straight from global: registers a0..a3 = (row g, k 2tq), (row g+8, k 2tq),
+  // (row g, k 2tq+8), (row g+8, k 2tq+8) of each 16-wide k-step.
+  uint32_t qa[D / 16][4];
+  {
+    const int i0 = warp * 16 + g, i1 = i0 + 8;
+    const uint32_t* q0 =
+        i0 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i0) * p.n_heads + h) * D)
+                     : nullptr;
+    const uint32_t* q1 =
+        i1 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i1) * p.n_heads + h) * D)
+                     : nullptr;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int w0 = (ks * 16 + 2 * tq) / 2, w1 = w0 + 4;  // 32-bit word index (2 bf16)
+      qa[ks][0] = q0 ? q0[w0] : 0u;
+      qa[ks][1] = q1 ? q1[w0] : 0u;
+      qa[ks][2] = q0 ? q0[w1] : 0u;
+      qa[ks][3] = q1 ? q1[w1] : 0u;
+    }
+  }
+  const float scale_log2 = p.scale * kLog2e;
+  const TileList tl = slot_tiles(p, h, sg);
+  const int n_tiles = tl.count();
+  if (n_tiles > 0) issue_tile(p, tl, 0, sm.stage[0], kv_head);
+  for (int t = 0; t < n_tiles; ++t) {
+    // Stage (t + 1) & 1 was last read by tile t - 1, which every warp finished (barrier below).
+    if (t + 1 < n_tiles) {
+      issue_tile(p, tl, t + 1, sm.stage[(t + 1) & 1], kv_head);
+      cp_async_wait<1>();  // tile t landed; t + 1 may still be in flight
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies (and pos stores) of tile t are visible
+    mainloop_tile<D>(scale_log2, sm.stage[t & 1], lane, qa, st);
+    __syncthreads();  // stage t & 1 consumed before tile t + 2 overwrites it
+  }
+  store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
+}
+
 }  // namespace attention_sparse_bf16_detail
 
 template <int D>
@@ -344,34 +390,5 @@ __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
     attention_sparse_bf16_kernel(const AttentionSparseBf16Params p) {
   attention_sparse_bf16_detail::attention_sparse_bf16_block<D>(p);
 }
-
-template <int D>
-cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p, cudaStream_t stream) {
-  using namespace attention_sparse_bf16_detail;
-  if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
-  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
-  constexpr size_t kSmem = sizeof(Smem<D>);
-  // Opt in above 48 KB once per device and instantiation (a function attribute, not a stream
-  // operation; done on the first launch, so before any graph capture that follows it).
-  static std::atomic<uint64_t> opted_in{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (!bit || !(opted_in.load(std::memory_order_relaxed) & bit)) {
-    err = cudaFuncSetAttribute(attention_sparse_bf16_kernel<D>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem));
-    if (err != cudaSuccess) return err;
-    opted_in.fetch_or(bit, std::memory_order_relaxed);
-  }
-  attention_sparse_bf16_kernel<D>
-      <<<dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
-extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
-                                                             cudaStream_t);
-extern template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,
-                                                              cudaStream_t);
 
 }  // namespace sf::kernels::cuda

@@ -1,5 +1,6 @@
 // Adapters from the backend-neutral API to the typed CUDA launchers: unpack views, apply the
 // restrictions only this backend has, convert cudaError_t to Status. No host synchronization.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -8,7 +9,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
 #include "kernels/cuda/attention_sparse.cuh"
-#include "kernels/cuda/attention_sparse_bf16.cuh"
+#include "kernels/cuda/attention_sparse_bf16_sm90.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -151,7 +152,18 @@ bool attention_sparse_supported(int head_dim) {
 
 namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+std::atomic<int> g_sparse_bf16_mainloop{int(SparseBf16Mainloop::kWgmma)};
 }  // namespace
+
+void set_sparse_bf16_mainloop(SparseBf16Mainloop m) {
+  g_sparse_bf16_mainloop.store(int(m), std::memory_order_relaxed);
+}
+SparseBf16Mainloop sparse_bf16_mainloop() {
+  return SparseBf16Mainloop(g_sparse_bf16_mainloop.load(std::memory_order_relaxed));
+}
+const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
+  return m == SparseBf16Mainloop::kWgmma ? "wgmma" : "mma.sync";
+}
 
 Status attention_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                         const SparseIndexDevice& idx, TensorView out, TensorView lse,
@@ -194,7 +206,8 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
     kp.max_blocks = idx.max_blocks;
     kp.max_cols = idx.max_cols;
     supported = dispatch_head_dim(d, [&](auto head_dim) {
-      err = attention_sparse_bf16_launch<decltype(head_dim)::value>(kp, as_stream(stream));
+      err = attention_sparse_bf16_launch<decltype(head_dim)::value>(kp, sparse_bf16_mainloop(),
+                                                                    as_stream(stream));
     });
   } else {
     AttentionSparseParams kp{};

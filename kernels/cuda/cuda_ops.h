@@ -85,6 +85,14 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                         const SparseIndex& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, void* stream);
 bool attention_sparse_supported(int head_dim);
+// The BF16 kernel's mainloop. kWgmma (the default): Hopper warpgroup MMA
+// (attention_sparse_bf16_sm90.cuh). kMmaSync: the FlashAttention-2-style mma.sync kernel
+// (attention_sparse_bf16.cuh), kept as a second implementation for tests and A/B benchmarks.
+// Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1 };
+void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
+SparseBf16Mainloop sparse_bf16_mainloop();
+const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
 
 // ---- device helpers (tests, tools) -----------------------------------------------------------
 // Number of visible CUDA devices; an error (not 0) when there is no driver.

@@ -636,45 +636,54 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa4 d128", 300, 300, 8, 2, 128, 0},
       {"gqa4 d128 chunk (n_q<n_k)", 77, 333, 8, 2, 128, 256},
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
+      {"gqa4 d128 long", 1100, 1100, 8, 2, 128, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
   };
-  for (const SparseCase& c : cases) {
-    for (int full = 0; full < 2; ++full) {
-      const int64_t d = c.head_dim;
-      std::vector<uint16_t> qb, kb, vb;
-      std::vector<float> q, k, v;
-      to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
-      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
-      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
-      const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
-                                   : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset);
-      const std::string name =
-          std::string("bf16 ") + c.name + (full ? ", full index" : ", random index");
-      AttentionParams p;
-      p.q_offset = c.q_offset;
-      std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
-      ASSERT_OK(attention_sparse(
-          TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
-          TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
-          TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
-          TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
-          TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
-      DevBuf d_q, d_k, d_v, d_out, d_lse;
-      ASSERT_OK(d_q.alloc_upload(qb));
-      ASSERT_OK(d_k.alloc_upload(kb));
-      ASSERT_OK(d_v.alloc_upload(vb));
-      ASSERT_OK(d_out.alloc(ref.size() * 2));
-      ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
-      ASSERT_OK(d_out.poison());
-      ASSERT_OK(d_lse.poison());
-      ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
-                                 d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
-                                 d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
-                                 d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
-                                 d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
-      expect_matches_bf16(name, d_out, ref, tol);
-      expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
-      if (HasFailure()) return;
+  // Both mainloops (wgmma, the default, and mma.sync) on the same cases; the default comes back
+  // on every exit.
+  struct Restore {
+    ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmma); }
+  } restore;
+  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync}) {
+    cuda::set_sparse_bf16_mainloop(ml);
+    for (const SparseCase& c : cases) {
+      for (int full = 0; full < 2; ++full) {
+        const int64_t d = c.head_dim;
+        std::vector<uint16_t> qb, kb, vb;
+        std::vector<float> q, k, v;
+        to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
+        to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
+        to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+        const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                     : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset);
+        const std::string name = std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " +
+                                 c.name + (full ? ", full index" : ", random index");
+        AttentionParams p;
+        p.q_offset = c.q_offset;
+        std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+        ASSERT_OK(attention_sparse(
+            TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
+            TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+            TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
+            TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+            TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
+        DevBuf d_q, d_k, d_v, d_out, d_lse;
+        ASSERT_OK(d_q.alloc_upload(qb));
+        ASSERT_OK(d_k.alloc_upload(kb));
+        ASSERT_OK(d_v.alloc_upload(vb));
+        ASSERT_OK(d_out.alloc(ref.size() * 2));
+        ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+        ASSERT_OK(d_out.poison());
+        ASSERT_OK(d_lse.poison());
+        ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                   d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
+                                   d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
+                                   d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                   d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
+        expect_matches_bf16(name, d_out, ref, tol);
+        expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
+        if (HasFailure()) return;
+      }
     }
   }
 }

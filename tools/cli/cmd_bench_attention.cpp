@@ -337,7 +337,7 @@ int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
                             "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
-                            "inputs", "dense-ours-max", "modes"},
+                            "inputs", "dense-ours-max", "modes", "mainloops"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -404,6 +404,24 @@ int cmd_bench_attention(int argc, char** argv) {
   // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
   // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
   const int64_t dense_ours_max = std::atoll(a.get("dense-ours-max", "131072").c_str());
+  // The bf16 sparse kernel's mainloops to time (kernels/cuda/cuda_ops.h). The first gives each
+  // sparse record's time_ms and speedups; the others are timed beside it on the same index
+  // (time_ms_by_mainloop), and each gets its own "dense-ours" record.
+  std::vector<kernels::cuda::SparseBf16Mainloop> mainloops;
+  {
+    std::stringstream ss(a.get("mainloops", "wgmma"));
+    std::string t;
+    while (std::getline(ss, t, ',')) {
+      if (t == "wgmma")
+        mainloops.push_back(kernels::cuda::SparseBf16Mainloop::kWgmma);
+      else if (t == "mma.sync")
+        mainloops.push_back(kernels::cuda::SparseBf16Mainloop::kMmaSync);
+      else
+        return fail(
+            SF_ERR(kInvalidArgument, "--mainloops: wgmma and/or mma.sync, got '" + t + "'"));
+    }
+    if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
+  }
 
   SdpaPeer peer;
   if (a.has("sdpa")) {
@@ -494,9 +512,11 @@ int cmd_bench_attention(int argc, char** argv) {
     sh["causal"] = true;
     sh["dtypes"] =
         "fp32: CUDA-core kernels (dense reference kernel, fp32 sparse kernel); bf16: sparse modes "
-        "run our tensor-core sparse kernel (mma.sync); 'dense' is cuDNN's fused flash attention "
-        "when the build has cuDNN, 'dense-ours' our sparse kernel on a full index; sparse "
-        "speedup_vs_dense is over the faster of the two; each record names its kernel";
+        "run our tensor-core sparse kernel (its mainloop named in 'kernel'; others timed on the "
+        "same index in time_ms_by_mainloop); 'dense' is cuDNN's fused flash attention when the "
+        "build has cuDNN, 'dense-ours' our sparse kernel on a full index, one record per "
+        "mainloop; sparse speedup_vs_dense is over the fastest of these; each record names its "
+        "kernel";
     out["shape"] = std::move(sh);
     out["seed"] = seed;
     if (file_in)
@@ -711,6 +731,7 @@ int cmd_bench_attention(int argc, char** argv) {
           if (st.is_ok()) st = dense_record("dense", "attention_dense (fp32 CUDA cores)", dense_ms);
           if (!st.is_ok()) return fail(st);
         } else {
+          // Our kernel on a full index, once per mainloop; ours_ms is the fastest.
           double ours_ms = 0;
           const Status cudnn = kernels::cuda::attention_dense_bf16_available();
           const bool run_ours = L <= dense_ours_max || !cudnn.is_ok();
@@ -718,13 +739,22 @@ int cmd_bench_attention(int argc, char** argv) {
             const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
             kernels::cuda::SparseIndexDevice dfull;
             st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
-            if (st.is_ok())
+            for (size_t li = 0; st.is_ok() && li < mainloops.size(); ++li) {
+              kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
+              double ms = 0;
               st = time_kernel(
                   stream, 1, n_rep,
                   [&] {
                     return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
                   },
-                  &ours_ms);
+                  &ms);
+              const std::string kernel =
+                  std::string("attention_sparse bf16 (") +
+                  kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]) + ") on a full index";
+              if (st.is_ok()) st = dense_record("dense-ours", kernel.c_str(), ms);
+              ours_ms = li == 0 ? ms : std::min(ours_ms, ms);
+            }
+            kernels::cuda::set_sparse_bf16_mainloop(mainloops[0]);
             if (!st.is_ok()) return fail(st);
             didx_buf.reset();
           } else {
@@ -732,10 +762,6 @@ int cmd_bench_attention(int argc, char** argv) {
                         static_cast<long long>(dense_ours_max));
           }
           if (cudnn.is_ok()) {
-            if (run_ours &&
-                !(st = dense_record("dense-ours", "attention_sparse bf16 (mma.sync) on a full index",
-                                    ours_ms)).is_ok())
-              return fail(st);
             st = kernels::cuda::attention_dense_plan(q_, k_, v_, o_, p);
             if (st.is_ok())
               st = time_kernel(
@@ -749,8 +775,9 @@ int cmd_bench_attention(int argc, char** argv) {
           } else {
             std::printf("  (no cuDNN dense path: %s)\n", cudnn.to_string().c_str());
             dense_ms = ours_ms;
-            if (!(st = dense_record("dense", "attention_sparse bf16 (mma.sync) on a full index",
-                                    ours_ms)).is_ok())
+            if (!(st = dense_record("dense", "attention_sparse bf16 on a full index (fastest)",
+                                    ours_ms))
+                     .is_ok())
               return fail(st);
           }
         }
@@ -843,11 +870,18 @@ int cmd_bench_attention(int argc, char** argv) {
             }
           slots_equal = total ? double(eq) / double(total) : 1.0;
         }
+        // bf16: each listed mainloop in turn, the first last so that the output checked below is
+        // its own; sp_ms is the first's.
         double sp_ms = 0;
-        st = time_kernel(
-            stream, 1, n_rep,
-            [&] { return kernels::cuda::attention_sparse(q_, k_, v_, didx, o_, lv, p, stream); },
-            &sp_ms);
+        boost::json::object by_mainloop;
+        for (size_t li = bf ? mainloops.size() : 1; st.is_ok() && li-- > 0;) {
+          if (bf) kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
+          st = time_kernel(
+              stream, 1, n_rep,
+              [&] { return kernels::cuda::attention_sparse(q_, k_, v_, didx, o_, lv, p, stream); },
+              &sp_ms);
+          if (bf) by_mainloop[kernels::cuda::sparse_bf16_mainloop_name(mainloops[li])] = sp_ms;
+        }
         if (!st.is_ok()) return fail(st);
         const double density = idx.density();
         const double tf = 4.0 * d * idx_pairs / (sp_ms * 1e-3) / 1e12;
@@ -855,8 +889,11 @@ int cmd_bench_attention(int argc, char** argv) {
         o["mode"] = m.name;
         o["seq_len"] = L;
         o["dtype"] = dt;
-        o["kernel"] = bf ? "attention_sparse bf16 (tensor cores)" : "attention_sparse fp32";
+        o["kernel"] = bf ? std::string("attention_sparse bf16 (") +
+                               kernels::cuda::sparse_bf16_mainloop_name(mainloops[0]) + ")"
+                         : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
+        if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
         o["estimate_ms"] = est_ms;
         o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
                               (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
@@ -903,9 +940,12 @@ int cmd_bench_attention(int argc, char** argv) {
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
         if (have_sdpa) std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms));
         if (err >= 0) std::printf("  out rel err %.2e", err);
+        if (bf && mainloops.size() > 1)
+          for (const auto& kv : by_mainloop)
+            std::printf("  [%s %.3f ms]", std::string(kv.key()).c_str(), kv.value().as_double());
         std::printf("\n");
         recs.push_back(std::move(o));
-          (void)write_json(false);  // errors surface at the final write
+        (void)write_json(false);  // errors surface at the final write
       }
     }
   }

@@ -1,0 +1,325 @@
+// The bf16 sparse attention kernel on Hopper's warpgroup MMA (wgmma, sm_90a), and the launcher
+// that picks between it and the mma.sync kernel of attention_sparse_bf16.cuh. Same contract and
+// the same index walk (TileList), online softmax (softmax_tile) and epilogue (store_rows) as that
+// kernel; only the tile products differ.
+//
+// Work split. A CTA is one warpgroup (4 warps, 128 threads) and owns one (head, 64-query block)
+// slot, as before. Q (64 x D), and each 64-key tile of K and V, live in shared memory in the
+// layout wgmma reads: rows of 128 bytes (64 bf16), D/64 column blocks of 64 rows, each 16-byte
+// chunk c of row r stored at chunk c ^ (r & 7) (the 128-byte swizzle, 1024-byte aligned atoms).
+// Per tile:
+//   S  = Q K^T: D/16 wgmma m64n64k16, both operands from shared memory, K-major (K as stored);
+//   softmax on the accumulator registers (warp w holds rows 16w..16w+15 in the m16n8 layout);
+//   O += P V: 4 wgmma m64nDk16, P from registers (the accumulator repacked to bf16, no shuffle),
+//   V from shared memory MN-major (as stored, transposed by the instruction).
+// K/V tiles are copied by all 128 threads with cp.async, two stages deep, tile t + 1 in flight
+// while tile t is computed; the 2 CTAs that fit per SM (82 KB each at D = 128) overlap one's
+// softmax with the other's MMAs. Tiles whose keys every row sees (all at or below the slot's
+// first row, none empty) skip the mask.
+// Not yet: TMA, a producer warp, ping-pong between warpgroups (FlashAttention-3).
+#pragma once
+#include <atomic>
+
+#include "kernels/cuda/attention_sparse_bf16.cuh"
+#include "kernels/cuda/cuda_ops.h"  // SparseBf16Mainloop
+
+namespace sf::kernels::cuda {
+
+namespace attention_sparse_bf16_sm90_detail {
+using namespace attention_sparse_bf16_detail;
+
+// One 64-row operand tile in the 128-byte-swizzled layout: [column block][row][64 elements].
+template <int D>
+struct SwTile {
+  __nv_bfloat16 e[D / 64][kTile][64];
+};
+template <int D>
+struct Smem90 {
+  SwTile<D> q;
+  SwTile<D> k[2], v[2];
+  int32_t pos[2][kTile];  // key position of tile row j, -1 when empty
+  int32_t masked[2];      // 1: some key of the tile is hidden from some row
+};
+constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
+
+// Element offset of 16-byte chunk c (8 elements, c < D/8) of row r.
+__device__ __forceinline__ int sw_offset(int r, int c) {
+  return (c >> 3) * (kTile * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (all >> 4), layout type 1 in bits 62-63. Atoms are 1024-aligned: base offset 0.
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma's operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Pins accumulator registers at this point: the compiler may not move their reads or writes
+// across an in-flight wgmma (which it cannot see) to this side of the fence.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d += A B on the warpgroup. _ss: A and B from shared-memory descriptors, both K-major;
+// _rs: A from registers (this thread's m16n8k16 A fragment of its warp's 16 rows), B MN-major
+// (imm-trans-b 1). scale-d is 1: d accumulates.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a,
+                                                   uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4],
+                                                   uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4],
+                                                    uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
+        "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
+        "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
+        "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const uint32_t (&a)[4],
+                                         uint64_t desc_v) {
+  if constexpr (D == 128)
+    wgmma_m64n128k16_rs(o, a, desc_v);
+  else
+    wgmma_m64n64k16_rs(o, a, desc_v);
+}
+
+// Whether some row of the slot must not see some position of tile t: an empty position, or a
+// key past the slot's first row (base).
+__device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_t base) {
+  if (t < tl.n_block_tiles) {
+    const int64_t k0 = tl.bo[t];
+    return k0 + kTile > tl.cta_end || k0 + kTile - 1 > base;
+  }
+  const int last = (t - tl.n_block_tiles) * kTile + kTile - 1;
+  return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
+}
+
+// Copies tile t's K and V rows into stage b (one commit group, together with any copies issued
+// before it and not yet committed). Empty rows are zero-filled, so masked keys multiply zeros.
+template <int D>
+__device__ __forceinline__ void issue_tile90(const AttentionSparseBf16Params& p, const TileList& tl,
+                                             int t, int64_t base, int b, Smem90<D>& sm,
+                                             int kv_head) {
+  if (threadIdx.x < kTile) sm.pos[b][threadIdx.x] = int32_t(tl.pos(t, int(threadIdx.x)));
+  if (threadIdx.x == 0) sm.masked[b] = tile_needs_mask(tl, t, base);
+  constexpr int kVec = D / 8;
+  __nv_bfloat16* kd = &sm.k[b].e[0][0][0];
+  __nv_bfloat16* vd = &sm.v[b].e[0][0][0];
+#pragma unroll 4
+  for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
+    const int j = e / kVec, c = e % kVec;
+    const int64_t pos = tl.pos(t, j);
+    const int64_t off = pos >= 0 ? (pos * p.n_kv_heads + kv_head) * D + c * 8 : 0;
+    const int so = sw_offset(j, c);
+    cp_async_16(kd + so, p.k + off, pos >= 0);
+    cp_async_16(vd + so, p.v + off, pos >= 0);
+  }
+  cp_async_commit();
+}
+
+template <int D>
+__device__ __forceinline__ void attention_sparse_bf16_sm90_block(
+    const AttentionSparseBf16Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  Smem90<D>& sm = *reinterpret_cast<Smem90<D>*>(
+      smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const SlotGeom sg = slot_geom(p);
+  RowState<D> st;
+  row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
+  const float scale_log2 = p.scale * kLog2e;
+  const TileList tl = slot_tiles(p, h, sg);
+  const int n_tiles = tl.count();
+  if (n_tiles > 0) {
+    // Q rows past the slot's end are zero-filled; their results are never stored.
+    constexpr int kVec = D / 8;
+    __nv_bfloat16* qd = &sm.q.e[0][0][0];
+    for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
+      const int r = e / kVec, c = e % kVec;
+      const bool valid = r < sg.rows;
+      const __nv_bfloat16* src = valid ? p.q + ((sg.r0 + r) * p.n_heads + h) * D + c * 8 : p.q;
+      cp_async_16(qd + sw_offset(r, c), src, valid);
+    }
+    issue_tile90<D>(p, tl, 0, sg.base, 0, sm, kv_head);  // commits Q with tile 0
+  }
+  // K-major Q and K: 8-row groups 1024 bytes apart (SBO); the leading offset is unused with
+  // swizzling (16). A k-step of 16 moves 32 bytes within a 128-byte row, 4 steps per column
+  // block, column blocks kTile * 128 bytes apart.
+  const uint64_t desc_q = sw128_desc(&sm.q, 16, 1024);
+  for (int t = 0; t < n_tiles; ++t) {
+    const int b = t & 1;
+    if (t + 1 < n_tiles) {
+      issue_tile90<D>(p, tl, t + 1, sg.base, b ^ 1, sm, kv_head);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();  // tile t (and Q) landed for every thread, visible to the async proxy
+
+    float s[kTile / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTile / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    const uint64_t desc_k = sw128_desc(&sm.k[b], 16, 1024);
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint64_t step = uint64_t(((ks >> 2) * (kTile * 128) + (ks & 3) * 32) >> 4);
+      wgmma_m64n64k16_ss(s, desc_q + step, desc_k + step);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    softmax_tile<D>(s, sm.masked[b] ? sm.pos[b] : nullptr, scale_log2, tq, st);
+    uint32_t pa[kTile / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
+
+    // V MN-major: 64-dim column blocks kTile * 128 bytes apart (LBO), 8-key groups 1024 bytes
+    // apart (SBO); a k-step of 16 keys moves 2048 bytes.
+    const uint64_t desc_v = sw128_desc(&sm.v[b], kTile * 128, 1024);
+    fence_regs(st.o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk)
+      wgmma_pv<D>(st.o, pa[kk], desc_v + uint64_t((kk * 16 * 128) >> 4));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st.o);
+    __syncthreads();  // stage b consumed before tile t + 2 overwrites it
+  }
+  store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
+#else
+  __trap();  // built without sm_90a: the launcher never selects this kernel there
+#endif
+}
+
+}  // namespace attention_sparse_bf16_sm90_detail
+
+template <int D>
+__global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
+    attention_sparse_bf16_sm90_kernel(const AttentionSparseBf16Params p) {
+  attention_sparse_bf16_sm90_detail::attention_sparse_bf16_sm90_block<D>(p);
+}
+
+namespace attention_sparse_bf16_sm90_detail {
+// Raises a kernel's dynamic shared-memory limit once per device (a function attribute, not a
+// stream operation: the first launch does it, before any graph capture that follows).
+template <typename Kernel>
+cudaError_t opt_in_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_relaxed);
+  return err;
+}
+}  // namespace attention_sparse_bf16_sm90_detail
+
+template <int D>
+cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
+                                         SparseBf16Mainloop mainloop, cudaStream_t stream) {
+  using namespace attention_sparse_bf16_sm90_detail;
+  if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
+  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
+  cudaError_t err = cudaSuccess;
+  if (mainloop == SparseBf16Mainloop::kWgmma) {
+    constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;  // + slack to align the base
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
+  } else {
+    constexpr size_t kSmem = sizeof(Smem<D>);
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    attention_sparse_bf16_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
+                                                             SparseBf16Mainloop, cudaStream_t);
+extern template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,
+                                                              SparseBf16Mainloop, cudaStream_t);
+
+}  // namespace sf::kernels::cuda
