@@ -180,10 +180,13 @@ __device__ __forceinline__ void row_state_init(const AttentionSparseBf16Params& 
 // One online-softmax step over a 64-key tile of raw scores s (m16n8 accumulator layout: lane holds
 // rows g (e = 0, 1) and g + 8 (e = 2, 3), keys nt*8 + 2*tq + (e & 1)). pos (the tile's key
 // positions, -1 empty) masks per row; nullptr means every key of the tile is visible to every
-// row. Leaves unnormalised probabilities in s, and rescales o and l.
+// row. Leaves unnormalised probabilities in s, updates m and l, and returns in alpha the factor
+// the O accumulator must be scaled by (rescale_o) before this tile's P V is added. O is not
+// touched here, so a P V of the previous tile may still be in flight.
 template <int D>
 __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int32_t* pos,
-                                             float scale_log2, int tq, RowState<D>& st) {
+                                             float scale_log2, int tq, RowState<D>& st,
+                                             float (&alpha)[2]) {
   if (pos) {
 #pragma unroll
     for (int nt = 0; nt < kTile / 8; ++nt)
@@ -201,7 +204,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
       s[nt][e] *= scale_log2;
       mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     }
-  float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -226,6 +228,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + rs[r];
+}
+
+template <int D>
+__device__ __forceinline__ void rescale_o(const float (&alpha)[2], RowState<D>& st) {
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     st.o[dt][0] *= alpha[0];
@@ -288,7 +294,9 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& 
       mma_bf16(s[nt], qa[ks + 1][0], qa[ks + 1][1], qa[ks + 1][2], qa[ks + 1][3], b[2], b[3]);
     }
   }
-  softmax_tile<D>(s, sm.pos, scale_log2, tq, st);
+  float alpha[2];
+  softmax_tile<D>(s, sm.pos, scale_log2, tq, st, alpha);
+  rescale_o<D>(alpha, st);
   // O += P V. ldmatrix x4 trans over V rows gives B fragments of two consecutive 8-dim n-tiles:
   // matrices (key rows kk*16 + 0/8, dims dt*8), (.., (dt+1)*8).
 #pragma unroll

@@ -37,8 +37,8 @@ template <int D>
 struct Smem90 {
   SwTile<D> q;
   SwTile<D> k[2], v[2];
-  int32_t pos[2][kTile];  // key position of tile row j, -1 when empty
-  int32_t masked[2];      // 1: some key of the tile is hidden from some row
+  int32_t pos[2][kTile];  // per K stage: key position of tile row j, -1 when empty
+  int32_t masked[2];      // per K stage: 1 when some key of the tile is hidden from some row
 };
 constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
 
@@ -161,29 +161,83 @@ __device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_
   return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
 }
 
-// Copies tile t's K and V rows into stage b (one commit group, together with any copies issued
-// before it and not yet committed). Empty rows are zero-filled, so masked keys multiply zeros.
+// One commit group: the K rows of tile tk (when tk < n_tiles) into K stage tk & 1, with their
+// positions and mask flag, and the V rows of tile tv (when 0 <= tv) into V stage tv & 1. Empty
+// rows are zero-filled, so masked keys multiply zeros. Thread i copies 16-byte chunk i % (D/8) of
+// rows i / (D/8) + 8k: its 8 (D = 128) position lookups are independent loads, issued together.
 template <int D>
-__device__ __forceinline__ void issue_tile90(const AttentionSparseBf16Params& p, const TileList& tl,
-                                             int t, int64_t base, int b, Smem90<D>& sm,
-                                             int kv_head) {
-  if (threadIdx.x < kTile) sm.pos[b][threadIdx.x] = int32_t(tl.pos(t, int(threadIdx.x)));
-  if (threadIdx.x == 0) sm.masked[b] = tile_needs_mask(tl, t, base);
-  constexpr int kVec = D / 8;
-  __nv_bfloat16* kd = &sm.k[b].e[0][0][0];
-  __nv_bfloat16* vd = &sm.v[b].e[0][0][0];
-#pragma unroll 4
-  for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
-    const int j = e / kVec, c = e % kVec;
-    const int64_t pos = tl.pos(t, j);
-    const int64_t off = pos >= 0 ? (pos * p.n_kv_heads + kv_head) * D + c * 8 : 0;
-    const int so = sw_offset(j, c);
-    cp_async_16(kd + so, p.k + off, pos >= 0);
-    cp_async_16(vd + so, p.v + off, pos >= 0);
+__device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, const TileList& tl,
+                                         int n_tiles, int tk, int tv, int64_t base, Smem90<D>& sm,
+                                         int kv_head) {
+  constexpr int kVec = D / 8, kRowsPer = kThreads / kVec, kIter = kTile / kRowsPer;
+  const int c = threadIdx.x % kVec, j0 = threadIdx.x / kVec;
+  if (tk < n_tiles) {
+    if (threadIdx.x < kTile) sm.pos[tk & 1][threadIdx.x] = int32_t(tl.pos(tk, int(threadIdx.x)));
+    if (threadIdx.x == 0) sm.masked[tk & 1] = tile_needs_mask(tl, tk, base);
+    int64_t pos[kIter];
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) pos[i] = tl.pos(tk, j0 + i * kRowsPer);
+    __nv_bfloat16* dst = &sm.k[tk & 1].e[0][0][0];
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) {
+      const int64_t off = pos[i] >= 0 ? (pos[i] * p.n_kv_heads + kv_head) * D + c * 8 : 0;
+      cp_async_16(dst + sw_offset(j0 + i * kRowsPer, c), p.k + off, pos[i] >= 0);
+    }
+  }
+  if (tv >= 0) {
+    int64_t pos[kIter];
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) pos[i] = tl.pos(tv, j0 + i * kRowsPer);
+    __nv_bfloat16* dst = &sm.v[tv & 1].e[0][0][0];
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) {
+      const int64_t off = pos[i] >= 0 ? (pos[i] * p.n_kv_heads + kv_head) * D + c * 8 : 0;
+      cp_async_16(dst + sw_offset(j0 + i * kRowsPer, c), p.v + off, pos[i] >= 0);
+    }
   }
   cp_async_commit();
 }
 
+// S = Q K^T of the tile in K stage b, issued (not waited for). K-major Q and K: 8-row groups
+// 1024 bytes apart (SBO), the leading offset unused with swizzling (16); a k-step of 16 moves 32
+// bytes within a 128-byte row, 4 steps per column block, column blocks kTile * 128 bytes apart.
+template <int D>
+__device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const Smem90<D>& sm, int b) {
+  const uint64_t desc_q = sw128_desc(&sm.q, 16, 1024);
+  const uint64_t desc_k = sw128_desc(&sm.k[b], 16, 1024);
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  fence_regs(s);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const uint64_t step = uint64_t(((ks >> 2) * (kTile * 128) + (ks & 3) * 32) >> 4);
+    wgmma_m64n64k16_ss(s, desc_q + step, desc_k + step);
+  }
+  wgmma_commit();
+  fence_regs(s);
+}
+
+// O += P V with V in stage b, issued (not waited for). V MN-major: 64-dim column blocks
+// kTile * 128 bytes apart (LBO), 8-key groups 1024 bytes apart (SBO); a k-step of 16 keys moves
+// 2048 bytes.
+template <int D>
+__device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&pa)[kTile / 16][4],
+                                         const Smem90<D>& sm, int b) {
+  const uint64_t desc_v = sw128_desc(&sm.v[b], kTile * 128, 1024);
+  fence_regs(st.o);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk)
+    wgmma_pv<D>(st.o, pa[kk], desc_v + uint64_t((kk * 16 * 128) >> 4));
+  wgmma_commit();
+  fence_regs(st.o);
+}
+
+// Schedule (FlashAttention-3's intra-warpgroup overlap): iteration t issues S(t) = Q K(t)^T and
+// O += P(t-1) V(t-1) back to back, then the copies of K(t+1) and V(t), then runs tile t's softmax
+// while P(t-1) V(t-1) is still on the tensor cores; O is rescaled once that product lands. A copy
+// issued in iteration t is consumed in iteration t + 1, so two stages each of K and V suffice.
 template <int D>
 __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     const AttentionSparseBf16Params& p) {
@@ -213,55 +267,49 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
       const __nv_bfloat16* src = valid ? p.q + ((sg.r0 + r) * p.n_heads + h) * D + c * 8 : p.q;
       cp_async_16(qd + sw_offset(r, c), src, valid);
     }
-    issue_tile90<D>(p, tl, 0, sg.base, 0, sm, kv_head);  // commits Q with tile 0
-  }
-  // K-major Q and K: 8-row groups 1024 bytes apart (SBO); the leading offset is unused with
-  // swizzling (16). A k-step of 16 moves 32 bytes within a 128-byte row, 4 steps per column
-  // block, column blocks kTile * 128 bytes apart.
-  const uint64_t desc_q = sw128_desc(&sm.q, 16, 1024);
-  for (int t = 0; t < n_tiles; ++t) {
-    const int b = t & 1;
-    if (t + 1 < n_tiles) {
-      issue_tile90<D>(p, tl, t + 1, sg.base, b ^ 1, sm, kv_head);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_kv<D>(p, tl, n_tiles, 0, -1, sg.base, sm, kv_head);  // Q and K(0)
+    cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile t (and Q) landed for every thread, visible to the async proxy
+    __syncthreads();
 
     float s[kTile / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kTile / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    const uint64_t desc_k = sw128_desc(&sm.k[b], 16, 1024);
-    fence_regs(s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint64_t step = uint64_t(((ks >> 2) * (kTile * 128) + (ks & 3) * 32) >> 4);
-      wgmma_m64n64k16_ss(s, desc_q + step, desc_k + step);
-    }
-    wgmma_commit();
+    uint32_t pa[kTile / 16][4];
+    float alpha[2];
+    issue_s<D>(s, sm, 0);
+    issue_kv<D>(p, tl, n_tiles, 1, 0, sg.base, sm, kv_head);
     wgmma_wait<0>();
     fence_regs(s);
-
-    softmax_tile<D>(s, sm.masked[b] ? sm.pos[b] : nullptr, scale_log2, tq, st);
-    uint32_t pa[kTile / 16][4];
+    softmax_tile<D>(s, sm.masked[0] ? sm.pos[0] : nullptr, scale_log2, tq, st, alpha);
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
 
-    // V MN-major: 64-dim column blocks kTile * 128 bytes apart (LBO), 8-key groups 1024 bytes
-    // apart (SBO); a k-step of 16 keys moves 2048 bytes.
-    const uint64_t desc_v = sw128_desc(&sm.v[b], kTile * 128, 1024);
-    fence_regs(st.o);
-    wgmma_fence();
+    for (int t = 1; t < n_tiles; ++t) {
+      const int b = t & 1;
+      // K(t) and V(t-1) landed, for every thread; every warp is past iteration t - 1, whose
+      // products (reading K stage b ^ 1 and V stage b) completed there.
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      issue_s<D>(s, sm, b);
+      issue_pv<D>(st, pa, sm, b ^ 1);
+      issue_kv<D>(p, tl, n_tiles, t + 1, t, sg.base, sm, kv_head);
+      wgmma_wait<1>();  // S(t) done; P(t-1) V(t-1) may still run
+      fence_regs(s);
+      softmax_tile<D>(s, sm.masked[b] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
+      wgmma_wait<0>();
+      fence_regs(st.o);
+      rescale_o<D>(alpha, st);
+      // pa is an operand of the product that just landed: rewritten only now.
 #pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk)
-      wgmma_pv<D>(st.o, pa[kk], desc_v + uint64_t((kk * 16 * 128) >> 4));
-    wgmma_commit();
+      for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
+    }
+    // The last tile's P V.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    issue_pv<D>(st, pa, sm, (n_tiles - 1) & 1);
     wgmma_wait<0>();
     fence_regs(st.o);
-    __syncthreads();  // stage b consumed before tile t + 2 overwrites it
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
 #else
