@@ -11,7 +11,7 @@
 // stages deep (rows padded by 16 bytes so ldmatrix phases are conflict-free), so both kinds of
 // tile share one mainloop:
 // S = Q K^T (8 key n-tiles x D/16 k-steps), mask, online softmax in registers (scores in log2
-// units, exp2f), P (re-packed to bf16 A fragments) x V via ldmatrix.trans.
+// units, ex2.approx), P (re-packed to bf16 A fragments) x V via ldmatrix.trans.
 // Not yet: TMA, wgmma, warp specialization (FlashAttention-3); see bench/NOTES.md.
 #pragma once
 #include <cuda_bf16.h>
@@ -89,10 +89,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(addr));
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+// To a shared-space address (cvta'd once by the caller).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
   const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(n));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
+}
+// 2^x on the SFU, flushing denormals (what exp2f compiles to under --use_fast_math): the
+// probabilities it makes are rounded to bf16 next, and exp2(-inf) is still 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -210,7 +221,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     const float m_new = fmaxf(st.m[r], mx[r]);
     // A row with nothing visible yet keeps m = -inf: alpha 1, probabilities 0.
-    alpha[r] = m_new == -INFINITY ? 1.f : exp2f(st.m[r] - m_new);
+    alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(st.m[r] - m_new);
     st.m[r] = m_new;
   }
   // exp2(-inf - m) is 0 for finite m; a row still at m = -inf subtracts 0 instead.
@@ -221,7 +232,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
   for (int nt = 0; nt < kTile / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pr = exp2f(s[nt][e] - msub[e >> 1]);
+      const float pr = fast_exp2(s[nt][e] - msub[e >> 1]);
       s[nt][e] = pr;
       rs[e >> 1] += pr;
     }

@@ -161,38 +161,76 @@ __device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_
   return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
 }
 
-// One commit group: the K rows of tile tk (when tk < n_tiles) into K stage tk & 1, with their
-// positions and mask flag, and the V rows of tile tv (when 0 <= tv) into V stage tv & 1. Empty
-// rows are zero-filled, so masked keys multiply zeros. Thread i copies 16-byte chunk i % (D/8) of
-// rows i / (D/8) + 8k: its 8 (D = 128) position lookups are independent loads, issued together.
+// What one thread copies, fixed for the CTA: 16-byte chunk c of rows j0 + i * kRowsPer, i <
+// kIter, of every K and V tile. Since kRowsPer is a multiple of 8, j & 7 == j0 & 7: the chunk's
+// swizzled place moves by a constant kRowsPer rows per i.
 template <int D>
-__device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, const TileList& tl,
-                                         int n_tiles, int tk, int tv, int64_t base, Smem90<D>& sm,
-                                         int kv_head) {
-  constexpr int kVec = D / 8, kRowsPer = kThreads / kVec, kIter = kTile / kRowsPer;
-  const int c = threadIdx.x % kVec, j0 = threadIdx.x / kVec;
+struct CopyPlan {
+  static constexpr int kVec = D / 8, kRowsPer = kThreads / kVec, kIter = kTile / kRowsPer;
+  static_assert(kRowsPer % 8 == 0, "rows per pass must keep j & 7 fixed");
+  int j0;
+  uint32_t k_sa, v_sa;                 // shared address of (row j0, chunk c) in stage 0
+  const __nv_bfloat16 *k_src, *v_src;  // chunk c of kv_head's row 0
+  int64_t row_stride;                  // elements between key rows
+
+  __device__ __forceinline__ CopyPlan(const AttentionSparseBf16Params& p, const Smem90<D>& sm,
+                                      int kv_head) {
+    const int c = threadIdx.x % kVec;
+    j0 = threadIdx.x / kVec;
+    const int so = sw_offset(j0, c) * int(sizeof(__nv_bfloat16));
+    k_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.k[0])) + so;
+    v_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.v[0])) + so;
+    k_src = p.k + int64_t(kv_head) * D + c * 8;
+    v_src = p.v + int64_t(kv_head) * D + c * 8;
+    row_stride = int64_t(p.n_kv_heads) * D;
+  }
+};
+
+// One commit group: the K rows of tile tk (when tk < n_tiles) into K stage tk & 1, with their
+// positions (written by the chunk-0 threads) and mask flag, and the V rows of tile tv (when
+// 0 <= tv) into V stage tv & 1, their positions read back from the K stage that tile used (tv's
+// K copy was issued one iteration earlier and its positions stay until tile tv + 2's). Empty rows
+// are zero-filled, so masked keys multiply zeros.
+template <int D>
+__device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
+                                         int tk, int tv, int64_t base, Smem90<D>& sm) {
+  using Plan = CopyPlan<D>;
+  constexpr uint32_t kStepBytes = Plan::kRowsPer * 64 * sizeof(__nv_bfloat16);
+  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);  // stage b at + b * kStageBytes
   if (tk < n_tiles) {
-    if (threadIdx.x < kTile) sm.pos[tk & 1][threadIdx.x] = int32_t(tl.pos(tk, int(threadIdx.x)));
-    if (threadIdx.x == 0) sm.masked[tk & 1] = tile_needs_mask(tl, tk, base);
-    int64_t pos[kIter];
+    int32_t pos[Plan::kIter];
+    if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
+      const int64_t k0 = tl.bo[tk];
+      const int64_t k1 = k0 + kTile < tl.cta_end ? k0 + kTile : tl.cta_end;
 #pragma unroll
-    for (int i = 0; i < kIter; ++i) pos[i] = tl.pos(tk, j0 + i * kRowsPer);
-    __nv_bfloat16* dst = &sm.k[tk & 1].e[0][0][0];
+      for (int i = 0; i < Plan::kIter; ++i) {
+        const int64_t kp = k0 + cp.j0 + i * Plan::kRowsPer;
+        pos[i] = kp < k1 ? int32_t(kp) : -1;
+      }
+    } else {  // gathered columns
+      const int c0 = (tk - tl.n_block_tiles) * kTile + cp.j0;
 #pragma unroll
-    for (int i = 0; i < kIter; ++i) {
-      const int64_t off = pos[i] >= 0 ? (pos[i] * p.n_kv_heads + kv_head) * D + c * 8 : 0;
-      cp_async_16(dst + sw_offset(j0 + i * kRowsPer, c), p.k + off, pos[i] >= 0);
+      for (int i = 0; i < Plan::kIter; ++i) {
+        const int ci = c0 + i * Plan::kRowsPer;
+        pos[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
+      }
     }
+    if (threadIdx.x % Plan::kVec == 0) {
+#pragma unroll
+      for (int i = 0; i < Plan::kIter; ++i) sm.pos[tk & 1][cp.j0 + i * Plan::kRowsPer] = pos[i];
+    }
+    if (threadIdx.x == 0) sm.masked[tk & 1] = tile_needs_mask(tl, tk, base);
+#pragma unroll
+    for (int i = 0; i < Plan::kIter; ++i)
+      cp_async_16(cp.k_sa + (tk & 1) * kStageBytes + i * kStepBytes,
+                  cp.k_src + int64_t(max(pos[i], 0)) * cp.row_stride, pos[i] >= 0);
   }
   if (tv >= 0) {
-    int64_t pos[kIter];
 #pragma unroll
-    for (int i = 0; i < kIter; ++i) pos[i] = tl.pos(tv, j0 + i * kRowsPer);
-    __nv_bfloat16* dst = &sm.v[tv & 1].e[0][0][0];
-#pragma unroll
-    for (int i = 0; i < kIter; ++i) {
-      const int64_t off = pos[i] >= 0 ? (pos[i] * p.n_kv_heads + kv_head) * D + c * 8 : 0;
-      cp_async_16(dst + sw_offset(j0 + i * kRowsPer, c), p.v + off, pos[i] >= 0);
+    for (int i = 0; i < Plan::kIter; ++i) {
+      const int32_t kp = sm.pos[tv & 1][cp.j0 + i * Plan::kRowsPer];
+      cp_async_16(cp.v_sa + (tv & 1) * kStageBytes + i * kStepBytes,
+                  cp.v_src + int64_t(max(kp, 0)) * cp.row_stride, kp >= 0);
     }
   }
   cp_async_commit();
@@ -258,6 +296,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const TileList tl = slot_tiles(p, h, sg);
   const int n_tiles = tl.count();
   if (n_tiles > 0) {
+    const CopyPlan<D> cp(p, sm, kv_head);
     // Q rows past the slot's end are zero-filled; their results are never stored.
     constexpr int kVec = D / 8;
     __nv_bfloat16* qd = &sm.q.e[0][0][0];
@@ -267,7 +306,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
       const __nv_bfloat16* src = valid ? p.q + ((sg.r0 + r) * p.n_heads + h) * D + c * 8 : p.q;
       cp_async_16(qd + sw_offset(r, c), src, valid);
     }
-    issue_kv<D>(p, tl, n_tiles, 0, -1, sg.base, sm, kv_head);  // Q and K(0)
+    issue_kv<D>(tl, cp, n_tiles, 0, -1, sg.base, sm);  // Q and K(0)
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
@@ -276,7 +315,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     uint32_t pa[kTile / 16][4];
     float alpha[2];
     issue_s<D>(s, sm, 0);
-    issue_kv<D>(p, tl, n_tiles, 1, 0, sg.base, sm, kv_head);
+    issue_kv<D>(tl, cp, n_tiles, 1, 0, sg.base, sm);
     wgmma_wait<0>();
     fence_regs(s);
     softmax_tile<D>(s, sm.masked[0] ? sm.pos[0] : nullptr, scale_log2, tq, st, alpha);
@@ -292,7 +331,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
       __syncthreads();
       issue_s<D>(s, sm, b);
       issue_pv<D>(st, pa, sm, b ^ 1);
-      issue_kv<D>(p, tl, n_tiles, t + 1, t, sg.base, sm, kv_head);
+      issue_kv<D>(tl, cp, n_tiles, t + 1, t, sg.base, sm);
       wgmma_wait<1>();  // S(t) done; P(t-1) V(t-1) may still run
       fence_regs(s);
       softmax_tile<D>(s, sm.masked[b] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);

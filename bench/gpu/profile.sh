@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the bf16 sparse attention kernels on a GPU host, after
+# bench/gpu/run.sh has built build-gpu (run it first, e.g. with SF_BENCH=0). Profiles one launch
+# of each mainloop on one sparse mode at one length and writes the report as text to
+# $OUT/ncu-sparse.txt: speed of light (tensor pipe, L2/DRAM throughput), memory workload, warp
+# stall reasons, occupancy.
+#   OUT=... SF_PROFILE_LENGTH=32768 SF_PROFILE_MODE=block-sparse bench/gpu/profile.sh
+set -uo pipefail
+root="$(pwd)"
+out="${OUT:-$root/build-gpu/out}"
+mkdir -p "$out"
+ncu_bin="$(command -v ncu || true)"
+for c in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu; do
+  [[ -z "$ncu_bin" && -x "$c" ]] && ncu_bin="$c"
+done
+if [[ -z "$ncu_bin" ]]; then
+  echo "profile.sh: no ncu on this host" | tee "$out/ncu-sparse.txt"
+  exit 2
+fi
+L="${SF_PROFILE_LENGTH:-32768}"
+mode="${SF_PROFILE_MODE:-block-sparse}"
+{
+  echo "ncu: $ncu_bin ($("$ncu_bin" --version | tail -1))"
+  echo "command: sparsefill bench attention --lengths $L --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops wgmma,mma.sync --dense-ours-max 0 --host-estimate-max 0"
+  timeout 500 "$ncu_bin" --kernel-name regex:attention_sparse_bf16 --launch-count 4 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats \
+    "$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L" \
+    --modes "$mode" --dtypes bf16 --reps 1 --mainloops wgmma,mma.sync --dense-ours-max 0 \
+    --host-estimate-max 0 2>&1
+} >"$out/ncu-sparse.txt" 2>&1
+echo "profile.sh: wrote $out/ncu-sparse.txt ($(wc -l <"$out/ncu-sparse.txt") lines)"
