@@ -13,7 +13,7 @@
 //      come out sorted ascending by a block scan.
 //   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
 //      against every pooled key block in shared memory and selects per query block.
-//   4. slot building: one warp per (head, query block), the host builder's merge of sink,
+//   4. slot building: one thread per (head, query block), the host builder's merge of sink,
 //      local window, diagonal ranges and key blocks into 64-key entries plus columns.
 // No allocation and no host synchronization: the launch sequence is safe under graph capture.
 // Index capacity is the plan's; a slot that needs more is truncated and need[] records the
@@ -820,54 +820,26 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   }
 }
 
-// ---- slot building (sparse_index.cpp sparse_slot_build, one warp per slot) ----------------
-// Every lane runs the same merge of sink, local window, diagonal runs and key blocks (uniform
-// control flow, broadcast loads); what a merged interval emits (its 64-key entries, a short
-// tail's single keys, and the run of selected columns below it, found by binary search) is
-// written by the 32 lanes together, so the slot's lists go out as coalesced stores.
-
-__device__ __forceinline__ int64_t lower_bound_from(const int32_t* a, int64_t lo, int64_t hi,
-                                                    int64_t x) {
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (int64_t(a[mid]) < x)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
+// ---- slot building (sparse_index.cpp sparse_slot_build, one thread per slot) ---------------
 
 struct SlotOut {
   int32_t* blocks;
   int32_t* cols;
   int cap_b, cap_c;
-  int lane;
-  int64_t nb = 0, nc = 0;  // the same on every lane
-  // Entries a, a + kB, ... (n of them).
-  __device__ void blocks_from(int64_t a, int64_t n) {
-    for (int64_t k = lane; k < n; k += 32)
-      if (nb + k < cap_b) blocks[nb + k] = int32_t(a + k * kB);
-    nb += n;
+  int nb = 0, nc = 0;
+  __device__ void block(int64_t off) {
+    if (nb < cap_b) blocks[nb] = int32_t(off);
+    ++nb;
   }
-  // Single keys a .. a + n - 1.
-  __device__ void keys_from(int64_t a, int64_t n) {
-    for (int64_t k = lane; k < n; k += 32)
-      if (nc + k < cap_c) cols[nc + k] = int32_t(a + k);
-    nc += n;
-  }
-  // src[0 .. n - 1], selected columns.
-  __device__ void copy_cols(const int32_t* src, int64_t n) {
-    for (int64_t k = lane; k < n; k += 32)
-      if (nc + k < cap_c) cols[nc + k] = src[k];
-    nc += n;
+  __device__ void col(int64_t key) {
+    if (nc < cap_c) cols[nc] = int32_t(key);
+    ++nc;
   }
 };
 
 __global__ void build_kernel(const EstimateLaunch p) {
-  const int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (t >= p.hq * p.n_qb) return;  // whole warps leave together
-  const int lane = int(threadIdx.x % 32);
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.hq * p.n_qb) return;
   const int64_t h = t / p.n_qb, qb = t % p.n_qb;
   const EstHead& eh = p.heads[h];
   const int64_t r0 = qb * kB;
@@ -895,25 +867,31 @@ __global__ void build_kernel(const EstimateLaunch p) {
   }
   const size_t s = size_t(t);
   SlotOut o{p.block_offset + s * size_t(p.max_blocks), p.column_index + s * size_t(p.max_cols),
-            p.max_blocks, p.max_cols, lane};
-  // Selected columns are ascending; negative ids (none expected) are skipped.
-  int64_t ci = cols ? lower_bound_from(cols, 0, ncol, 0) : 0;
-  auto flush_columns = [&](int64_t upto) {  // the columns in [.., upto) not yet written
-    const int64_t j = lower_bound_from(cols, ci, ncol, upto);
-    o.copy_cols(cols + ci, j - ci);
-    ci = j;
+            p.max_blocks, p.max_cols};
+  int64_t ci = 0;
+  auto flush_columns = [&](int64_t upto) {
+    for (; ci < ncol && cols[ci] < upto; ++ci)
+      if (cols[ci] >= 0) o.col(cols[ci]);
   };
   auto emit = [&](int64_t a, int64_t e) {
-    if (cols) {
-      flush_columns(a);
-      ci = lower_bound_from(cols, ci, ncol, e);  // skip the columns the interval covers
+    flush_columns(a);
+    {  // skip the columns the interval covers (binary search)
+      int64_t lo = ci, hi = ncol;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cols[mid] < e)
+          lo = mid + 1;
+        else
+          hi = mid;
+      }
+      ci = lo;
     }
     if (e == kend) {
-      o.blocks_from(a, (e - a + kB - 1) / kB);
+      for (int64_t off = a; off < e; off += kB) o.block(off);
     } else {
       const int64_t full_end = a + (e - a) / kB * kB;
-      o.blocks_from(a, (full_end - a) / kB);
-      o.keys_from(full_end, e - full_end);
+      for (int64_t off = a; off < full_end; off += kB) o.block(off);
+      for (int64_t key = full_end; key < e; ++key) o.col(key);
     }
   };
   auto clampk = [&](int64_t x) { return x < 0 ? 0 : (x > kend ? kend : x); };
@@ -939,7 +917,18 @@ __global__ void build_kernel(const EstimateLaunch p) {
   }
   // Diagonal ranges [base - hi, base - lo + rows) are empty once lo >= base + rows: start from
   // the last run below that (binary search), walking down.
-  int64_t di = dlo ? lower_bound_from(dlo, 0, ndiag, base + rows) - 1 : -1;
+  int64_t di;
+  {
+    int64_t lo = 0, hi = ndiag;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (int64_t(dlo[mid]) < base + rows)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    di = lo - 1;
+  }
   int64_t bi = 0;
   int fi = 0;
   int64_t cur_a = -1, cur_e = -1;
@@ -986,13 +975,11 @@ __global__ void build_kernel(const EstimateLaunch p) {
     }
   }
   if (cur_e > cur_a) emit(cur_a, cur_e);
-  if (cols) flush_columns(kend);
-  if (lane == 0) {
-    p.block_count[s] = int32_t(o.nb < o.cap_b ? o.nb : o.cap_b);
-    p.column_count[s] = int32_t(o.nc < o.cap_c ? o.nc : o.cap_c);
-    atomicMax(p.need + 0, int(o.nb));
-    atomicMax(p.need + 1, int(o.nc));
-  }
+  flush_columns(kend);
+  p.block_count[s] = o.nb < o.cap_b ? o.nb : o.cap_b;
+  p.column_count[s] = o.nc < o.cap_c ? o.nc : o.cap_c;
+  atomicMax(p.need + 0, o.nb);
+  atomicMax(p.need + 1, o.nc);
 }
 
 template <typename T>
@@ -1051,7 +1038,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   if (!(p.stages & 4)) return cudaGetLastError();
   if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;
   const int64_t slots = p.hq * p.n_qb;
-  if (slots > 0) build_kernel<<<unsigned((slots + 3) / 4), 128, 0, s>>>(p);  // a warp a slot
+  if (slots > 0) build_kernel<<<unsigned((slots + 127) / 128), 128, 0, s>>>(p);
   return cudaGetLastError();
 }
 
