@@ -350,6 +350,30 @@ __device__ __forceinline__ TileList slot_tiles(const AttentionSparseBf16Params& 
   return tl;
 }
 
+// Q A-fragments straight from global, for the lane's rows of its warp: registers a0..a3 =
+// (row g, k 2tq), (row g+8, k 2tq), (row g, k 2tq+8), (row g+8, k 2tq+8) of each 16-wide k-step
+// (mma.sync m16n8k16 and wgmma's register-A layout alike). Rows past the slot's end are zero.
+template <int D>
+__device__ __forceinline__ void load_q_fragments(const AttentionSparseBf16Params& p, int h,
+                                                 const SlotGeom& sg, int warp, int g, int tq,
+                                                 uint32_t (&qa)[D / 16][4]) {
+  const int i0 = warp * 16 + g, i1 = i0 + 8;
+  const uint32_t* q0 =
+      i0 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i0) * p.n_heads + h) * D)
+                   : nullptr;
+  const uint32_t* q1 =
+      i1 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i1) * p.n_heads + h) * D)
+                   : nullptr;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const int w0 = (ks * 16 + 2 * tq) / 2, w1 = w0 + 4;  // 32-bit word index (2 bf16)
+    qa[ks][0] = q0 ? q0[w0] : 0u;
+    qa[ks][1] = q1 ? q1[w0] : 0u;
+    qa[ks][2] = q0 ? q0[w1] : 0u;
+    qa[ks][3] = q1 ? q1[w1] : 0u;
+  }
+}
+
 template <int D>
 __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSparseBf16Params& p) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
@@ -363,26 +387,8 @@ __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSpars
 
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
-  // Q A-fragments straight from global: registers a0..a3 = (row g, k 2tq), (row g+8, k 2tq),
-  // (row g, k 2tq+8), (row g+8, k 2tq+8) of each 16-wide k-step.
   uint32_t qa[D / 16][4];
-  {
-    const int i0 = warp * 16 + g, i1 = i0 + 8;
-    const uint32_t* q0 =
-        i0 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i0) * p.n_heads + h) * D)
-                     : nullptr;
-    const uint32_t* q1 =
-        i1 < sg.rows ? reinterpret_cast<const uint32_t*>(p.q + ((sg.r0 + i1) * p.n_heads + h) * D)
-                     : nullptr;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const int w0 = (ks * 16 + 2 * tq) / 2, w1 = w0 + 4;  // 32-bit word index (2 bf16)
-      qa[ks][0] = q0 ? q0[w0] : 0u;
-      qa[ks][1] = q1 ? q1[w0] : 0u;
-      qa[ks][2] = q0 ? q0[w1] : 0u;
-      qa[ks][3] = q1 ? q1[w1] : 0u;
-    }
-  }
+  load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
   const float scale_log2 = p.scale * kLog2e;
   const TileList tl = slot_tiles(p, h, sg);
   const int n_tiles = tl.count();

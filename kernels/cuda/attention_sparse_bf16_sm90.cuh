@@ -4,18 +4,19 @@
 // kernel; only the tile products differ.
 //
 // Work split. A CTA is one warpgroup (4 warps, 128 threads) and owns one (head, 64-query block)
-// slot, as before. Q (64 x D), and each 64-key tile of K and V, live in shared memory in the
-// layout wgmma reads: rows of 128 bytes (64 bf16), D/64 column blocks of 64 rows, each 16-byte
-// chunk c of row r stored at chunk c ^ (r & 7) (the 128-byte swizzle, 1024-byte aligned atoms).
-// Per tile:
-//   S  = Q K^T: D/16 wgmma m64n64k16, both operands from shared memory, K-major (K as stored);
+// slot, as before. Q stays in registers as wgmma's A operand (the mma.sync A-fragment layout).
+// Each 64-key tile of K and V lives in shared memory in the layout wgmma reads: rows of 128
+// bytes (64 bf16), D/64 column blocks of 64 rows, each 16-byte chunk c of row r stored at chunk
+// c ^ (r & 7) (the 128-byte swizzle, 1024-byte aligned atoms). Per tile:
+//   S  = Q K^T: D/16 wgmma m64n64k16, Q from registers, K from shared memory K-major (as stored);
 //   softmax on the accumulator registers (warp w holds rows 16w..16w+15 in the m16n8 layout);
 //   O += P V: 4 wgmma m64nDk16, P from registers (the accumulator repacked to bf16, no shuffle),
 //   V from shared memory MN-major (as stored, transposed by the instruction).
-// K/V tiles are copied by all 128 threads with cp.async, two stages deep, tile t + 1 in flight
-// while tile t is computed; the 2 CTAs that fit per SM (82 KB each at D = 128) overlap one's
-// softmax with the other's MMAs. Tiles whose keys every row sees (all at or below the slot's
-// first row, none empty) skip the mask.
+// Tile t's softmax overlaps P(t-1) V(t-1) on the tensor cores (see the schedule below). K/V
+// tiles are copied by all 128 threads with cp.async, three stages deep, two tiles ahead; the 2
+// CTAs that fit per SM (97 KB each at D = 128) overlap one's softmax with the other's MMAs.
+// Tiles whose keys every row sees (all at or below the slot's first row, none empty) skip the
+// mask.
 // Not yet: TMA, a producer warp, ping-pong between warpgroups (FlashAttention-3).
 #pragma once
 #include <atomic>
@@ -33,12 +34,12 @@ template <int D>
 struct SwTile {
   __nv_bfloat16 e[D / 64][kTile][64];
 };
+constexpr int kStages = 3;  // K and V each: copies run two tiles ahead of the products
 template <int D>
 struct Smem90 {
-  SwTile<D> q;
-  SwTile<D> k[2], v[2];
-  int32_t pos[2][kTile];  // per K stage: key position of tile row j, -1 when empty
-  int32_t masked[2];      // per K stage: 1 when some key of the tile is hidden from some row
+  SwTile<D> k[kStages], v[kStages];
+  int32_t pos[kStages][kTile];  // per K stage: key position of tile row j, -1 when empty
+  int32_t masked[kStages];      // per K stage: 1 when some key of the tile is hidden from some row
 };
 constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
 
@@ -80,8 +81,8 @@ __device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
 }
 
 // d += A B on the warpgroup. _ss: A and B from shared-memory descriptors, both K-major;
-// _rs: A from registers (this thread's m16n8k16 A fragment of its warp's 16 rows), B MN-major
-// (imm-trans-b 1). scale-d is 1: d accumulates.
+// _rs: A from registers (this thread's m16n8k16 A fragment of its warp's 16 rows), B K-major
+// (TransB 0) or MN-major (TransB 1). scale-d is 1: d accumulates.
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t desc_a,
                                                    uint64_t desc_b) {
   asm volatile(
@@ -99,6 +100,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t de
       : "l"(desc_a), "l"(desc_b), "n"(1));
 }
 
+template <int TransB>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4],
                                                    uint64_t desc_b) {
   asm volatile(
@@ -106,16 +108,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
         "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
         "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
         "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1), "n"(TransB));
 }
 
+template <int TransB>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4],
                                                     uint64_t desc_b) {
   asm volatile(
@@ -125,7 +128,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
         "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
@@ -138,16 +141,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
         "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
         "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
         "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1), "n"(TransB));
 }
 
 template <int D>
 __device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const uint32_t (&a)[4],
                                          uint64_t desc_v) {
   if constexpr (D == 128)
-    wgmma_m64n128k16_rs(o, a, desc_v);
+    wgmma_m64n128k16_rs<1>(o, a, desc_v);
   else
-    wgmma_m64n64k16_rs(o, a, desc_v);
+    wgmma_m64n64k16_rs<1>(o, a, desc_v);
 }
 
 // Whether some row of the slot must not see some position of tile t: an empty position, or a
@@ -186,62 +189,62 @@ struct CopyPlan {
   }
 };
 
-// One commit group: the K rows of tile tk (when tk < n_tiles) into K stage tk & 1, with their
-// positions (written by the chunk-0 threads) and mask flag, and the V rows of tile tv (when
-// 0 <= tv) into V stage tv & 1, their positions read back from the K stage that tile used (tv's
-// K copy was issued one iteration earlier and its positions stay until tile tv + 2's). Empty rows
-// are zero-filled, so masked keys multiply zeros.
+// One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into V stage vb, and the K
+// rows of tile tk (when tk < n_tiles) into K stage kb with their positions (written by the
+// chunk-0 threads, for the softmax mask) and mask flag. A thread copies the same rows of every
+// tile, so the positions of V(tv) are the ones it looked up for K(tv) in its previous call: they
+// stay in pend, which then takes K(tk)'s. Empty rows are zero-filled, so masked keys multiply
+// zeros.
 template <int D>
 __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
-                                         int tk, int tv, int64_t base, Smem90<D>& sm) {
+                                         int tk, int kb, int tv, int vb, int64_t base,
+                                         Smem90<D>& sm, int32_t (&pend)[CopyPlan<D>::kIter]) {
   using Plan = CopyPlan<D>;
   constexpr uint32_t kStepBytes = Plan::kRowsPer * 64 * sizeof(__nv_bfloat16);
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);  // stage b at + b * kStageBytes
+  if (tv >= 0 && tv < n_tiles) {
+#pragma unroll
+    for (int i = 0; i < Plan::kIter; ++i)
+      cp_async_16(cp.v_sa + vb * kStageBytes + i * kStepBytes,
+                  cp.v_src + int64_t(max(pend[i], 0)) * cp.row_stride, pend[i] >= 0);
+  }
   if (tk < n_tiles) {
-    int32_t pos[Plan::kIter];
     if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
       const int64_t k0 = tl.bo[tk];
       const int64_t k1 = k0 + kTile < tl.cta_end ? k0 + kTile : tl.cta_end;
 #pragma unroll
       for (int i = 0; i < Plan::kIter; ++i) {
         const int64_t kp = k0 + cp.j0 + i * Plan::kRowsPer;
-        pos[i] = kp < k1 ? int32_t(kp) : -1;
+        pend[i] = kp < k1 ? int32_t(kp) : -1;
       }
     } else {  // gathered columns
       const int c0 = (tk - tl.n_block_tiles) * kTile + cp.j0;
 #pragma unroll
       for (int i = 0; i < Plan::kIter; ++i) {
         const int ci = c0 + i * Plan::kRowsPer;
-        pos[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
+        pend[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
       }
     }
     if (threadIdx.x % Plan::kVec == 0) {
 #pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) sm.pos[tk & 1][cp.j0 + i * Plan::kRowsPer] = pos[i];
+      for (int i = 0; i < Plan::kIter; ++i) sm.pos[kb][cp.j0 + i * Plan::kRowsPer] = pend[i];
     }
-    if (threadIdx.x == 0) sm.masked[tk & 1] = tile_needs_mask(tl, tk, base);
+    if (threadIdx.x == 0) sm.masked[kb] = tile_needs_mask(tl, tk, base);
 #pragma unroll
     for (int i = 0; i < Plan::kIter; ++i)
-      cp_async_16(cp.k_sa + (tk & 1) * kStageBytes + i * kStepBytes,
-                  cp.k_src + int64_t(max(pos[i], 0)) * cp.row_stride, pos[i] >= 0);
-  }
-  if (tv >= 0) {
-#pragma unroll
-    for (int i = 0; i < Plan::kIter; ++i) {
-      const int32_t kp = sm.pos[tv & 1][cp.j0 + i * Plan::kRowsPer];
-      cp_async_16(cp.v_sa + (tv & 1) * kStageBytes + i * kStepBytes,
-                  cp.v_src + int64_t(max(kp, 0)) * cp.row_stride, kp >= 0);
-    }
+      cp_async_16(cp.k_sa + kb * kStageBytes + i * kStepBytes,
+                  cp.k_src + int64_t(max(pend[i], 0)) * cp.row_stride, pend[i] >= 0);
   }
   cp_async_commit();
 }
 
-// S = Q K^T of the tile in K stage b, issued (not waited for). K-major Q and K: 8-row groups
-// 1024 bytes apart (SBO), the leading offset unused with swizzling (16); a k-step of 16 moves 32
-// bytes within a 128-byte row, 4 steps per column block, column blocks kTile * 128 bytes apart.
+// S = Q K^T of the tile in K stage b, issued (not waited for). Q from registers (qa: the A
+// fragments of the thread's warp rows, one per 16-wide k-step); K K-major: 8-row groups 1024
+// bytes apart (SBO), the leading offset unused with swizzling (16); a k-step of 16 moves 32 bytes
+// within a 128-byte row, 4 steps per column block, column blocks kTile * 128 bytes apart.
 template <int D>
-__device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const Smem90<D>& sm, int b) {
-  const uint64_t desc_q = sw128_desc(&sm.q, 16, 1024);
+__device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const uint32_t (&qa)[D / 16][4],
+                                        const Smem90<D>& sm, int b) {
   const uint64_t desc_k = sw128_desc(&sm.k[b], 16, 1024);
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
@@ -250,7 +253,7 @@ __device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const Smem90<D
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint64_t step = uint64_t(((ks >> 2) * (kTile * 128) + (ks & 3) * 32) >> 4);
-    wgmma_m64n64k16_ss(s, desc_q + step, desc_k + step);
+    wgmma_m64n64k16_rs<0>(s, qa[ks], desc_k + step);
   }
   wgmma_commit();
   fence_regs(s);
@@ -273,9 +276,11 @@ __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&pa)[k
 }
 
 // Schedule (FlashAttention-3's intra-warpgroup overlap): iteration t issues S(t) = Q K(t)^T and
-// O += P(t-1) V(t-1) back to back, then the copies of K(t+1) and V(t), then runs tile t's softmax
-// while P(t-1) V(t-1) is still on the tensor cores; O is rescaled once that product lands. A copy
-// issued in iteration t is consumed in iteration t + 1, so two stages each of K and V suffice.
+// O += P(t-1) V(t-1) back to back, then the copies of K(t+2) and V(t+1), then runs tile t's
+// softmax while P(t-1) V(t-1) is still on the tensor cores; O is rescaled once that product
+// lands. V(j) is copied together with K(j+1), so the group iteration t waits for (K(t), V(t-1))
+// was issued two iterations earlier, with one more in flight behind it. Three stages of K and of
+// V (96 KB at D = 128): the stage a copy overwrites was last read an iteration before.
 template <int D>
 __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     const AttentionSparseBf16Params& p) {
@@ -297,56 +302,59 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const int n_tiles = tl.count();
   if (n_tiles > 0) {
     const CopyPlan<D> cp(p, sm, kv_head);
-    // Q rows past the slot's end are zero-filled; their results are never stored.
-    constexpr int kVec = D / 8;
-    __nv_bfloat16* qd = &sm.q.e[0][0][0];
-    for (int e = threadIdx.x; e < kTile * kVec; e += kThreads) {
-      const int r = e / kVec, c = e % kVec;
-      const bool valid = r < sg.rows;
-      const __nv_bfloat16* src = valid ? p.q + ((sg.r0 + r) * p.n_heads + h) * D + c * 8 : p.q;
-      cp_async_16(qd + sw_offset(r, c), src, valid);
-    }
-    issue_kv<D>(tl, cp, n_tiles, 0, -1, sg.base, sm);  // Q and K(0)
+    int32_t pend[CopyPlan<D>::kIter];
+    issue_kv<D>(tl, cp, n_tiles, 0, 0, -1, 0, sg.base, sm, pend);  // K(0)
+    // Q stays in registers (wgmma's A operand) for the whole slot; rows past the slot's end are
+    // zero (their results are never stored).
+    uint32_t qa[D / 16][4];
+    load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();
+    __syncthreads();  // K(0) and its positions, for every thread
+    issue_kv<D>(tl, cp, n_tiles, 1, 1, 0, 0, sg.base, sm, pend);  // V(0), K(1)
 
     float s[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     float alpha[2];
-    issue_s<D>(s, sm, 0);
-    issue_kv<D>(tl, cp, n_tiles, 1, 0, sg.base, sm);
+    issue_s<D>(s, qa, sm, 0);
+    issue_kv<D>(tl, cp, n_tiles, 2, 2, 1, 1, sg.base, sm, pend);  // V(1), K(2)
     wgmma_wait<0>();
     fence_regs(s);
     softmax_tile<D>(s, sm.masked[0] ? sm.pos[0] : nullptr, scale_log2, tq, st, alpha);
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
 
+    // Stages of K(t) (= V(t)'s), of K(t+2) / V(t-1), and of V(t+1), rotated each iteration.
+    int b0 = 1, b2 = 0, b1 = 2;
     for (int t = 1; t < n_tiles; ++t) {
-      const int b = t & 1;
       // K(t) and V(t-1) landed, for every thread; every warp is past iteration t - 1, whose
-      // products (reading K stage b ^ 1 and V stage b) completed there.
-      cp_async_wait<0>();
+      // products (reading K stage b2 and V stage b2's predecessor) completed there.
+      cp_async_wait<1>();
       fence_proxy_async();
       __syncthreads();
-      issue_s<D>(s, sm, b);
-      issue_pv<D>(st, pa, sm, b ^ 1);
-      issue_kv<D>(tl, cp, n_tiles, t + 1, t, sg.base, sm);
+      issue_s<D>(s, qa, sm, b0);
+      issue_pv<D>(st, pa, sm, b2);
+      // V(t+1) into the stage V(t-2) used, K(t+2) into the one K(t-1) used.
+      issue_kv<D>(tl, cp, n_tiles, t + 2, b2, t + 1, b1, sg.base, sm, pend);
       wgmma_wait<1>();  // S(t) done; P(t-1) V(t-1) may still run
       fence_regs(s);
-      softmax_tile<D>(s, sm.masked[b] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
+      softmax_tile<D>(s, sm.masked[b0] ? sm.pos[b0] : nullptr, scale_log2, tq, st, alpha);
       wgmma_wait<0>();
       fence_regs(st.o);
       rescale_o<D>(alpha, st);
       // pa is an operand of the product that just landed: rewritten only now.
 #pragma unroll
       for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
+      const int nb = b2;  // (b0, b1, b2) <- (b1, b2, b0): t+1's K stage is b1
+      b2 = b0;
+      b0 = b1;
+      b1 = nb;
     }
-    // The last tile's P V.
+    // The last tile's P V (stage b2 now holds V(n_tiles - 1)).
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    issue_pv<D>(st, pa, sm, (n_tiles - 1) & 1);
+    issue_pv<D>(st, pa, sm, b2);
     wgmma_wait<0>();
     fence_regs(st.o);
   }
