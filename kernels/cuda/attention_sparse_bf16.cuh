@@ -207,19 +207,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
         if (!(kp >= 0 && kp < st.lim[e >> 1])) s[nt][e] = -INFINITY;
       }
   }
+  // Max of the raw scores (scale > 0 commutes with max), then p = 2^(s * scale - m) in one FFMA.
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[nt][e] *= scale_log2;
-      mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-    }
+    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float m_new = fmaxf(st.m[r], mx[r]);
+    const float m_new = fmaxf(st.m[r], mx[r] * scale_log2);
     // A row with nothing visible yet keeps m = -inf: alpha 1, probabilities 0.
     alpha[r] = m_new == -INFINITY ? 1.f : fast_exp2(st.m[r] - m_new);
     st.m[r] = m_new;
@@ -232,7 +230,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
   for (int nt = 0; nt < kTile / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pr = fast_exp2(s[nt][e] - msub[e >> 1]);
+      const float pr = fast_exp2(fmaf(s[nt][e], scale_log2, -msub[e >> 1]));
       s[nt][e] = pr;
       rs[e >> 1] += pr;
     }
@@ -241,8 +239,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], const int
   for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + rs[r];
 }
 
+// Skipped when no row of the warp changed its max (alpha 1 throughout): the usual case once a
+// row has seen its largest scores.
 template <int D>
 __device__ __forceinline__ void rescale_o(const float (&alpha)[2], RowState<D>& st) {
+  if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     st.o[dt][0] *= alpha[0];
