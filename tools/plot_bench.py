@@ -38,13 +38,15 @@ def plot_attention(d, out):
     recs = d["records"]
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     # Left: dense throughput, ours per dtype beside each SDPA backend of the same run.
+    # One line per (mode, dtype, kernel): "dense-ours" has a record per sparse mainloop.
     dense_modes = ("dense", "dense-ours")
     for mode in dense_modes:
         for dt, mk in (("fp32", "s-"), ("bf16", "o-")):
-            rs = [r for r in recs if r["mode"] == mode and r["dtype"] == dt]
-            if rs:
+            rs_all = [r for r in recs if r["mode"] == mode and r["dtype"] == dt]
+            for kernel in dict.fromkeys(r.get("kernel", "") for r in rs_all):
+                rs = [r for r in rs_all if r.get("kernel", "") == kernel]
                 ax[0].plot([r["seq_len"] for r in rs], [r["tflops"] for r in rs], mk,
-                           label=f"{mode} {dt}: {rs[0].get('kernel', '')[:40]}")
+                           label=f"{mode} {dt}: {kernel[:48]}")
     peer = d.get("sdpa_peer", {}).get("results", [])
     for be in sorted({r["backend"] + " " + r["dtype"] for r in peer if r.get("ok")}):
         rs = [r for r in peer if r.get("ok") and r["backend"] + " " + r["dtype"] == be]
