@@ -4,6 +4,10 @@
 #include <initializer_list>
 #include <string>
 
+#if SF_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
 namespace sf::kernels {
 
 Status kv_importance(const TensorView& q, const TensorView& k, const TensorView& lse,
@@ -32,8 +36,13 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
   if (p.window <= 0) return bad("window must be positive, got " + std::to_string(p.window));
   if (p.pool <= 0 || p.pool % 2 == 0)
     return bad("pool must be a positive odd kernel size, got " + std::to_string(p.pool));
-  if (s.device == Device::kCuda)
-    return SF_ERR(kUnsupported, "kv_importance: no CUDA implementation yet");
+  if (s.device == Device::kCuda) {
+#if SF_HAVE_CUDA
+    return cuda::kv_importance(q, k, lse, p, out, s.handle);
+#else
+    return SF_ERR(kUnsupported, "kv_importance: built without CUDA");
+#endif
+  }
   return cpu::kv_importance(q, k, lse, p, out);
 }
 

@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/api.h"
+#include "kernels/kv_importance.h"
 
 namespace sf::kernels {
 struct SparseIndex;  // kernels/sparse_index.h (C++20; this header is also read by nvcc as C++17)
@@ -93,6 +94,12 @@ enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
+
+// ---- KV importance (kv_importance.cu) --------------------------------------------------------
+// kernels/kv_importance.h on device tensors (validated there): F32 q, k, lse, out; pool <= 65,
+// head_dim <= 256 (else kUnsupported). No allocation, no host synchronization.
+Status kv_importance(const TensorView& q, const TensorView& k, const TensorView& lse,
+                     const ImportanceParams& p, TensorView out, void* stream);
 
 // ---- device helpers (tests, tools) -----------------------------------------------------------
 // Number of visible CUDA devices; an error (not 0) when there is no driver.

@@ -21,6 +21,7 @@
 
 #include "common/dtype.h"
 #include "kernels/api.h"
+#include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
 #include "kernels/cuda/cuda_ops.h"
 
@@ -686,6 +687,78 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       }
     }
   }
+}
+
+// ---- kv_importance ------------------------------------------------------------------------------
+// Against the CPU kernel on the same q, k and lse (the CPU dense attention's, so p <= 1; one
+// window row per case gets lse = -inf and must add nothing). Both are fp32 sums of the same terms
+// in different orders with different exp implementations: ~1e-6 relative; bounds 1e-5 relative,
+// 1e-4 absolute (sums reach window x group). A row or key counted twice, or a causal slip, moves
+// a sum by a whole probability (> 1e-3). Cases: GQA 4 and 8, head_dim 64 and 128, a chunk
+// (q_offset > 0), a window longer than the prompt, pool 1, 7 and the largest CUDA takes (65).
+TEST_F(CudaOps, KvImportance) {
+  const Tolerance tol{1e-5, 1e-4};
+  struct Case {
+    const char* name;
+    int64_t n_q, n_k, heads, kv_heads, head_dim, q_offset;
+    int window, pool;
+  };
+  const Case cases[] = {
+      {"gqa4 d128", 300, 300, 8, 2, 128, 0, 64, 7},
+      {"gqa4 d128 chunk", 77, 333, 8, 2, 128, 256, 32, 1},
+      {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0, 32, 7},
+      {"window past the prompt", 20, 20, 4, 1, 64, 0, 64, 5},
+      {"pool 65", 200, 200, 4, 2, 128, 0, 16, 65},
+  };
+  for (const Case& c : cases) {
+    const int64_t d = c.head_dim;
+    const auto q = uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f);
+    const auto k = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+    const auto v = uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f);
+    std::vector<float> att(q.size()), lse(size_t(c.heads * c.n_q));
+    AttentionParams ap;
+    ap.q_offset = c.q_offset;
+    const auto hq =
+        TensorView::make(const_cast<float*>(q.data()), DType::kF32, {c.n_q, c.heads, d});
+    const auto hk =
+        TensorView::make(const_cast<float*>(k.data()), DType::kF32, {c.n_k, c.kv_heads, d});
+    ASSERT_OK(attention_dense(
+        hq, hk, TensorView::make(const_cast<float*>(v.data()), DType::kF32, {c.n_k, c.kv_heads, d}),
+        TensorView::make(att.data(), DType::kF32, {c.n_q, c.heads, d}),
+        TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ap, kCpu));
+    lse[size_t(c.n_q - 1)] = -INFINITY;  // head 0, last row: saw nothing
+    ImportanceParams ip;
+    ip.window = c.window;
+    ip.pool = c.pool;
+    ip.q_offset = c.q_offset;
+    std::vector<float> ref(size_t(c.kv_heads * c.n_k));
+    ASSERT_OK(kv_importance(hq, hk, TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ip,
+                            TensorView::make(ref.data(), DType::kF32, {c.kv_heads, c.n_k})));
+    DevBuf d_q, d_k, d_lse, d_out;
+    ASSERT_OK(d_q.alloc_upload(q));
+    ASSERT_OK(d_k.alloc_upload(k));
+    ASSERT_OK(d_lse.alloc_upload(lse));
+    ASSERT_OK(d_out.alloc(ref.size() * 4));
+    ASSERT_OK(d_out.poison());
+    ASSERT_OK(kv_importance(d_q.view(DType::kF32, {c.n_q, c.heads, d}),
+                            d_k.view(DType::kF32, {c.n_k, c.kv_heads, d}),
+                            d_lse.view(DType::kF32, {c.heads, c.n_q}), ip,
+                            d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
+    expect_matches(std::string("kv_importance ") + c.name, d_out, ref, tol);
+    if (HasFailure()) return;
+  }
+  // A pool wider than CUDA's halo is refused, not computed wrong.
+  DevBuf d_q, d_k, d_lse, d_out;
+  ASSERT_OK(d_q.alloc(64 * 4 * 64 * 4));
+  ASSERT_OK(d_k.alloc(64 * 1 * 64 * 4));
+  ASSERT_OK(d_lse.alloc(4 * 64 * 4));
+  ASSERT_OK(d_out.alloc(64 * 4));
+  ImportanceParams ip;
+  ip.pool = 67;
+  const Status st =
+      kv_importance(d_q.view(DType::kF32, {64, 4, 64}), d_k.view(DType::kF32, {64, 1, 64}),
+                    d_lse.view(DType::kF32, {4, 64}), ip, d_out.view(DType::kF32, {1, 64}), kGpu);
+  EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
 }
 
 // ---- attention_dense on BF16: cuDNN's fused flash attention -------------------------------------

@@ -14,6 +14,7 @@
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/kv_importance.h"
 #endif
 
 namespace sf::model {
@@ -192,7 +193,11 @@ struct DevicePrefill::Impl {
   CudaEvent kv_ready[2], kv_free[2], logits_ready[2], logits_free[2];
   std::vector<CudaEvent> kv_copied;           // per layer, on the copy stream
   std::vector<CudaEvent> att_begin, att_end;  // per layer, timing the attention kernel
-  PinnedBuffer h_tokens, h_kv, h_logits;
+  // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
+  // pinned host memory (copied on the compute stream after each layer), and their timing.
+  DeviceBuffer imp;
+  std::vector<CudaEvent> imp_begin, imp_end;
+  PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
   bool dry = false;  // forward() walks the ops but only plans the GEMMs
 
   ~Impl() {
@@ -322,6 +327,26 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       SF_CUDA_TRY(cudaEventRecord(att_end[size_t(l)].get(), st));
     }
 
+    // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
+    // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
+    // rounded copies; the kernel caps each recomputed score at its row's LSE).
+    if (!dry && opt.importance_window > 0) {
+      kernels::ImportanceParams ip;
+      ip.window = opt.importance_window;
+      ip.pool = opt.importance_pool;
+      ip.scale = ap.scale;
+      ip.q_offset = ap.q_offset;
+      SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
+      SF_TRY(kernels::kv_importance(dview(Q, DType::kF32, {S, hq, d}),
+                                    dview(K, DType::kF32, {S, hkv, d}),
+                                    dview(lse.data(), DType::kF32, {hq, S}), ip,
+                                    dview(imp.data(), DType::kF32, {hkv, S}), cs()));
+      SF_CUDA_TRY(cudaEventRecord(imp_end[size_t(l)].get(), st));
+      SF_CUDA_TRY(cudaMemcpyAsync(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
+                                  imp.data(), size_t(hkv * S) * sizeof(float),
+                                  cudaMemcpyDeviceToHost, st));
+    }
+
     // 3) O projection, residual, MLP per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {
       const int64_t n = std::min(C, S - c0);
@@ -398,6 +423,18 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     float ms = 0.f;
     SF_CUDA_TRY(cudaEventElapsedTime(&ms, att_begin[size_t(l)].get(), att_end[size_t(l)].get()));
     res->attention_s += double(ms) * 1e-3;
+  }
+  res->importance_s = 0;
+  res->importance.clear();
+  if (opt.importance_window > 0) {
+    res->importance.resize(size_t(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      const float* hi = h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens);
+      res->importance[size_t(l)].assign(hi, hi + hkv * S);
+      float ms = 0.f;
+      SF_CUDA_TRY(cudaEventElapsedTime(&ms, imp_begin[size_t(l)].get(), imp_end[size_t(l)].get()));
+      res->importance_s += double(ms) * 1e-3;
+    }
   }
   res->estimate_s = 0;
   res->density = 1.0;
@@ -543,6 +580,12 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
   SF_TRY(w.h_tokens.alloc(S * sizeof(int32_t)));
   SF_TRY(w.h_logits.alloc(size_t(w.max_logit_rows) * vocab * f));
   if (opt.keep_kv) SF_TRY(w.h_kv.alloc(size_t(c.n_layers) * 2 * S * kvd * f));
+  SF_ENSURE(opt.importance_window >= 0, kInvalidArgument,
+            "device prefill: importance_window must be >= 0");
+  if (opt.importance_window > 0) {
+    SF_TRY(w.alloc(w.imp, size_t(c.n_kv_heads) * S * f));
+    SF_TRY(w.h_imp.alloc(size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
+  }
 
   for (int s = 0; s < 2; ++s) {
     SF_TRY(w.kv_ready[s].create(false));
@@ -557,6 +600,12 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
     SF_TRY(w.att_begin.back().create(true));
     w.att_end.emplace_back();
     SF_TRY(w.att_end.back().create(true));
+    if (opt.importance_window > 0) {
+      w.imp_begin.emplace_back();
+      SF_TRY(w.imp_begin.back().create(true));
+      w.imp_end.emplace_back();
+      SF_TRY(w.imp_end.back().create(true));
+    }
   }
 
   // Walk the forward of max_tokens tokens once without enqueueing: every GEMM shape (full and

@@ -76,6 +76,8 @@ PrefillOptions full_options() {
   o.chunk = kChunk;
   o.all_logits = true;
   o.keep_kv = true;
+  o.importance_window = 32;  // SnapKV scores per layer, as exports compute them
+  o.importance_pool = 7;
   return o;
 }
 
@@ -138,9 +140,10 @@ ErrStats compare(const float* got, const float* ref, size_t n) {
 //               two logits of a row are closer than 2 * logit_rel * rms, rounding of that size can
 //               swap them: such positions may pick either and are reported; everywhere else the
 //               top-1 token must be identical;
-//  nerr_kv:     per layer, K and V.
+//  nerr_kv:     per layer, K and V;
+//  nerr_imp:    per layer, the SnapKV importance [kv_heads, tokens].
 struct Bounds {
-  double nerr_logits, logit_rel, nerr_kv;
+  double nerr_logits, logit_rel, nerr_kv, nerr_imp;
 };
 
 void expect_matches_cpu(const char* what, const Reference& ref, const PrefillResult& gpu,
@@ -215,6 +218,20 @@ void expect_matches_cpu(const char* what, const Reference& ref, const PrefillRes
   }
   std::cout << "  " << what << " KV cache: worst nerr=" << worst_kv << " (bound " << b.nerr_kv
             << ")\n";
+
+  ASSERT_EQ(gpu.importance.size(), size_t(c.n_layers)) << what << ": no importance";
+  double worst_imp = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& got = gpu.importance[size_t(l)];
+    const auto& want = cpu.importance[size_t(l)];
+    ASSERT_EQ(got.size(), want.size()) << what << " importance layer " << l;
+    const ErrStats e = compare(got.data(), want.data(), want.size());
+    EXPECT_EQ(e.nonfinite, 0) << what << " importance layer " << l;
+    EXPECT_LE(e.nerr, b.nerr_imp) << what << " importance layer " << l;
+    worst_imp = std::max(worst_imp, e.nerr);
+  }
+  std::cout << "  " << what << " importance: worst nerr=" << worst_imp << " (bound " << b.nerr_imp
+            << "), gpu " << gpu.importance_s << " s\n";
 }
 
 class GpuForward : public ::testing::Test {
@@ -300,7 +317,10 @@ TEST_F(GpuForward, Bf16WeightsMatchCpu) {
   ASSERT_OK(gpu.status());
   std::cout << "  cpu " << ref.cpu.seconds << " s, gpu run " << gpu->seconds << " s (attention "
             << gpu->attention_s << " s)\n";
-  expect_matches_cpu("bf16", ref, gpu.value(), Bounds{1e-2, 5e-2, 1e-2});
+  // Importance: exp(s - lse) with s from the F32 Q, K and lse from cuDNN on their bf16 copies,
+  // on top of the bf16 forward's ~5e-3 in Q and K: scores of magnitude ~10 move by ~0.05, so the
+  // window's probabilities by ~5%: bound 0.1 (a dropped row or key moves a sum by a whole term).
+  expect_matches_cpu("bf16", ref, gpu.value(), Bounds{1e-2, 5e-2, 1e-2, 1e-1});
 }
 
 // ---- F32 weights: both sides compute in fp32 and differ only by summation order (cuBLASLt vs
@@ -316,7 +336,8 @@ TEST_F(GpuForward, F32WeightsMatchCpu) {
   ASSERT_OK(dm.status());
   auto gpu = prefill_device(dm.value(), ref.tokens, full_options());
   ASSERT_OK(gpu.status());
-  expect_matches_cpu("f32", ref, gpu.value(), Bounds{1e-5, 1e-4, 1e-5});
+  // Importance: the same fp32 terms summed in another order (and ~1e-6 in Q, K): bound 1e-4.
+  expect_matches_cpu("f32", ref, gpu.value(), Bounds{1e-5, 1e-4, 1e-5, 1e-4});
 }
 
 // ---- Plan reuse: one plan for 700 tokens serves a shorter prompt next (stale workspace from the
