@@ -1,7 +1,9 @@
 #include "kvstore/retention.h"
 
 #include <algorithm>
+#include <boost/json.hpp>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -69,6 +71,59 @@ Status check_budget(const char* policy, int64_t budget, int64_t window, int64_t 
   return Status::ok();
 }
 
+// One head's recent span on an N-token prompt; retention_apply and the budget search share it so
+// the search counts exactly what apply keeps.
+int64_t moa_span(const MoaSpan& s, int64_t N) {
+  return std::clamp<int64_t>(int64_t(std::llround(s.alpha + s.beta * double(N))), 1, N);
+}
+
+int64_t moa_kept_total(const RetentionPolicy& p, int64_t N) {
+  const int64_t sink = std::min(p.moa_sink, N);
+  int64_t n = 0;
+  for (const auto& layer : p.moa)
+    for (const MoaSpan& s : layer) n += std::min(N, sink + moa_span(s, N));
+  return n;
+}
+
+std::string num(double x) {
+  std::ostringstream o;
+  o << x;
+  return o.str();
+}
+
+// The moa spec's own loop: config is a path, not a number.
+Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
+  const auto colon = spec.find(':');
+  if (colon == std::string::npos)
+    return SF_ERR(kInvalidArgument,
+                  "retention moa needs config=FILE (per-layer, per-KV-head spans; docs/api.md)");
+  std::stringstream ss(spec.substr(colon + 1));
+  std::string kv, config;
+  int64_t sink = -1;
+  while (std::getline(ss, kv, ',')) {
+    const auto eq = kv.find('=');
+    const std::string key = kv.substr(0, eq);
+    if (eq == std::string::npos || (key != "config" && key != "sink"))
+      return SF_ERR(kInvalidArgument,
+                    "retention moa: unknown or malformed parameter '" + kv + "' (config, sink)");
+    const std::string val = kv.substr(eq + 1);
+    if (key == "config") {
+      config = val;
+      continue;
+    }
+    char* end = nullptr;
+    const long long x = std::strtoll(val.c_str(), &end, 10);
+    if (val.empty() || *end != '\0' || x < 0)
+      return SF_ERR(kInvalidArgument,
+                    "retention moa: sink = '" + val + "' must be an integer >= 0");
+    sink = int64_t(x);
+  }
+  if (config.empty()) return SF_ERR(kInvalidArgument, "retention moa needs config=FILE");
+  SF_ASSIGN(RetentionPolicy p, moa_config_load(config));
+  if (sink >= 0) p.moa_sink = sink;
+  return p;
+}
+
 }  // namespace
 
 int64_t Retention::kept_total() const {
@@ -117,8 +172,7 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
   else if (name == "layerwise")
     p.kind = RetentionKind::kLayerwise, allowed = {"n_full", "window", "topk"};
   else if (name == "moa")
-    return SF_ERR(kInvalidArgument,
-                  "retention 'moa' takes per-head spans from a config, not a spec string");
+    return moa_parse_spec(spec);
   else
     return SF_ERR(kInvalidArgument, "unknown retention policy '" + name +
                                         "' (full, streaming, snapkv, pyramid, moa, layerwise)");
@@ -180,8 +234,10 @@ std::string retention_params(const RetentionPolicy& p) {
       o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << p.beta;
       break;
     case RetentionKind::kMoA:
+      if (!p.moa_config.empty()) o << "config=" << p.moa_config << ",";
       o << "sink=" << p.moa_sink << ",heads=" << p.moa.size() << "x"
         << (p.moa.empty() ? 0 : p.moa[0].size());
+      if (p.moa_scale != 1) o << ",scale=" << num(p.moa_scale);
       break;
     case RetentionKind::kLayerwise:
       o << "n_full=" << p.n_full << ",window=" << p.window << ",topk=" << p.topk;
@@ -264,29 +320,11 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     }
     case RetentionKind::kMoA: {
-      if (int64_t(p.moa.size()) != n_layers)
-        return SF_ERR(kInvalidArgument, "retention moa: config has " + str(int64_t(p.moa.size())) +
-                                            " layers, the cache has " + str(n_layers));
-      if (p.moa_sink < 0)
-        return SF_ERR(kOutOfRange, "retention moa: sink " + str(p.moa_sink) + " is negative");
-      for (int l = 0; l < n_layers; ++l) {
-        if (int64_t(p.moa[size_t(l)].size()) != n_kv_heads)
-          return SF_ERR(kInvalidArgument, "retention moa: layer " + str(l) + " has " +
-                                              str(int64_t(p.moa[size_t(l)].size())) +
-                                              " head spans, the cache has " + str(n_kv_heads) +
-                                              " KV heads");
-        for (int h = 0; h < n_kv_heads; ++h) {
-          const MoaSpan& s = p.moa[size_t(l)][size_t(h)];
-          if (!(s.alpha >= 0) || !(s.beta >= 0 && s.beta <= 1))
-            return SF_ERR(kOutOfRange, "retention moa: layer " + str(l) + " head " + str(h) +
-                                           ": alpha " + std::to_string(s.alpha) +
-                                           " must be >= 0 and beta " + std::to_string(s.beta) +
-                                           " in [0, 1]");
-          const int64_t span =
-              std::clamp<int64_t>(int64_t(std::llround(s.alpha + s.beta * double(N))), 1, N);
-          r.kept[size_t(l * n_kv_heads + h)] = range_union(0, std::min(p.moa_sink, N), N - span, N);
-        }
-      }
+      SF_TRY(retention_check_geometry(p, n_layers, n_kv_heads));
+      for (int l = 0; l < n_layers; ++l)
+        for (int h = 0; h < n_kv_heads; ++h)
+          r.kept[size_t(l * n_kv_heads + h)] = range_union(
+              0, std::min(p.moa_sink, N), N - moa_span(p.moa[size_t(l)][size_t(h)], N), N);
       break;
     }
     case RetentionKind::kLayerwise: {
@@ -347,6 +385,168 @@ Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int
                     "retention moa: spans come from a per-head config, not a fraction");
   }
   return p;
+}
+
+Status retention_check_geometry(const RetentionPolicy& p, int n_layers, int n_kv_heads) {
+  if (p.kind != RetentionKind::kMoA) return Status::ok();
+  const std::string from = p.moa_config.empty() ? "" : " ('" + p.moa_config + "')";
+  if (int64_t(p.moa.size()) != n_layers)
+    return SF_ERR(kInvalidArgument, "retention moa: config" + from + " has " +
+                                        str(int64_t(p.moa.size())) + " layers, the cache has " +
+                                        str(n_layers));
+  if (p.moa_sink < 0)
+    return SF_ERR(kOutOfRange, "retention moa: sink " + str(p.moa_sink) + " is negative");
+  for (int l = 0; l < n_layers; ++l) {
+    if (int64_t(p.moa[size_t(l)].size()) != n_kv_heads)
+      return SF_ERR(kInvalidArgument, "retention moa: layer " + str(l) + " has " +
+                                          str(int64_t(p.moa[size_t(l)].size())) +
+                                          " head spans, the cache has " + str(n_kv_heads) +
+                                          " KV heads");
+    for (int h = 0; h < n_kv_heads; ++h) {
+      const MoaSpan& s = p.moa[size_t(l)][size_t(h)];
+      if (!(s.alpha >= 0 && std::isfinite(s.alpha)) || !(s.beta >= 0 && s.beta <= 1))
+        return SF_ERR(kOutOfRange, "retention moa: layer " + str(l) + " head " + str(h) +
+                                       ": alpha " + num(s.alpha) +
+                                       " must be finite and >= 0, beta " + num(s.beta) +
+                                       " in [0, 1]");
+    }
+  }
+  return Status::ok();
+}
+
+Result<RetentionPolicy> moa_config_parse(const std::string& text, const std::string& origin) {
+  namespace json = boost::json;
+  const std::string where = "moa config '" + origin + "'";
+  auto bad = [&](const std::string& what) { return SF_ERR(kInvalidArgument, where + ": " + what); };
+  boost::system::error_code ec;
+  json::parse_options po;
+  po.max_depth = 8;
+  const json::value v = json::parse(text, ec, {}, po);
+  if (ec) return bad("invalid JSON: " + ec.message());
+  if (!v.is_object()) return bad("top level must be an object");
+  const json::object& o = v.as_object();
+  for (const auto& kv : o) {
+    const std::string k(kv.key());
+    if (k != "format" && k != "model" && k != "n_layers" && k != "n_kv_heads" && k != "sink" &&
+        k != "layers")
+      return bad("unknown field '" + k + "' (format, model, n_layers, n_kv_heads, sink, layers)");
+  }
+  // A JSON integer (or an integral double); INT64_MIN when it is not one.
+  auto as_int = [](const json::value& x) -> int64_t {
+    if (x.is_int64()) return x.as_int64();
+    if (x.is_uint64()) return x.as_uint64() <= uint64_t(INT64_MAX) ? int64_t(x.as_uint64()) : -1;
+    if (x.is_double() && std::isfinite(x.as_double()) &&
+        std::floor(x.as_double()) == x.as_double() && std::fabs(x.as_double()) < 9e15)
+      return int64_t(x.as_double());
+    return INT64_MIN;
+  };
+  if (const json::value* f = o.if_contains("format"))
+    if (!f->is_string() || f->as_string() != "sparsefill-moa-retention")
+      return bad("field 'format' must be \"sparsefill-moa-retention\"");
+  if (const json::value* m = o.if_contains("model"); m && !m->is_string())
+    return bad("field 'model' must be a string");
+  int64_t dims[2];
+  const char* dim_names[2] = {"n_layers", "n_kv_heads"};
+  for (int i = 0; i < 2; ++i) {
+    const json::value* x = o.if_contains(dim_names[i]);
+    if (!x) return bad(std::string("field '") + dim_names[i] + "' is missing");
+    dims[i] = as_int(*x);
+    if (dims[i] < 1 || dims[i] > 1 << 16)
+      return bad(std::string("field '") + dim_names[i] + "' must be an integer in [1, 65536]");
+  }
+  RetentionPolicy p;
+  p.kind = RetentionKind::kMoA;
+  p.moa_config = origin;
+  if (const json::value* x = o.if_contains("sink")) {
+    p.moa_sink = as_int(*x);
+    if (p.moa_sink < 0) return bad("field 'sink' must be an integer >= 0");
+  }
+  const json::value* layers = o.if_contains("layers");
+  if (!layers || !layers->is_array() || int64_t(layers->as_array().size()) != dims[0])
+    return bad("field 'layers' must be an array of n_layers = " + str(dims[0]) + " layers");
+  p.moa.resize(size_t(dims[0]));
+  for (int64_t l = 0; l < dims[0]; ++l) {
+    const json::value& lv = layers->as_array()[size_t(l)];
+    if (!lv.is_array() || int64_t(lv.as_array().size()) != dims[1])
+      return bad("layer " + str(l) + " must be an array of n_kv_heads = " + str(dims[1]) +
+                 " head spans");
+    for (int64_t h = 0; h < dims[1]; ++h) {
+      const std::string at = "layer " + str(l) + " head " + str(h);
+      const json::value& hv = lv.as_array()[size_t(h)];
+      if (!hv.is_object()) return bad(at + ": must be an object {\"alpha\": A, \"beta\": B}");
+      MoaSpan span;
+      for (const auto& kv : hv.as_object()) {
+        const std::string k(kv.key());
+        if (k != "alpha" && k != "beta")
+          return bad(at + ": unknown field '" + k + "' (alpha, beta)");
+      }
+      for (auto [name, dst] : {std::pair{"alpha", &span.alpha}, std::pair{"beta", &span.beta}}) {
+        const json::value* x = hv.as_object().if_contains(name);
+        if (!x) return bad(at + ": field '" + name + "' is missing");
+        if (!x->is_number() || !std::isfinite(x->to_number<double>()))
+          return bad(at + ": field '" + name + "' must be a number");
+        *dst = x->to_number<double>();
+      }
+      if (span.alpha < 0)
+        return SF_ERR(kOutOfRange, where + ": " + at + ": field 'alpha' must be >= 0 (got " +
+                                       num(span.alpha) + ")");
+      if (span.beta < 0 || span.beta > 1)
+        return SF_ERR(kOutOfRange, where + ": " + at + ": field 'beta' must be in [0, 1] (got " +
+                                       num(span.beta) + ")");
+      p.moa[size_t(l)].push_back(span);
+    }
+  }
+  return p;
+}
+
+Result<RetentionPolicy> moa_config_load(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return SF_ERR(kIo, "cannot read moa config '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return moa_config_parse(ss.str(), path);
+}
+
+Result<RetentionPolicy> retention_moa_scaled(const RetentionPolicy& base, double f, int n_layers,
+                                             int n_kv_heads, int64_t N) {
+  if (base.kind != RetentionKind::kMoA)
+    return SF_ERR(kInvalidArgument, "retention_moa_scaled: the policy is not moa");
+  if (!(f > 0 && f <= 1))
+    return SF_ERR(kOutOfRange,
+                  "retention budget fraction " + std::to_string(f) + " out of range (0, 1]");
+  if (N <= 0) return SF_ERR(kInvalidArgument, "retention moa: empty prompt");
+  SF_TRY(retention_check_geometry(base, n_layers, n_kv_heads));
+  const int64_t full = int64_t(n_layers) * n_kv_heads * N;
+  const int64_t target = int64_t(std::floor(f * double(full)));
+  auto scaled = [&](double s) {
+    RetentionPolicy p = base;
+    for (auto& layer : p.moa)
+      for (MoaSpan& sp : layer) sp = {sp.alpha * s, std::min(1.0, sp.beta * s)};
+    p.moa_scale = base.moa_scale * s;
+    return p;
+  };
+  const int64_t floor_kept = moa_kept_total(scaled(0), N);
+  if (floor_kept > target)
+    return SF_ERR(kOutOfRange, "retention moa: budget " + num(f) + " keeps " + str(target) +
+                                   " tokens, below the " + str(floor_kept) +
+                                   " of the sink plus one token per head (at least " +
+                                   num(double(floor_kept) / double(full)) + " of this prompt)");
+  // Every nonzero span covers the prompt at s_hi; heads with alpha = beta = 0 stay at one token.
+  double s_hi = 0;
+  for (const auto& layer : base.moa)
+    for (const MoaSpan& sp : layer)
+      if (sp.alpha + sp.beta * double(N) > 0)
+        s_hi = std::max(s_hi, 2 * double(N) / (sp.alpha + sp.beta * double(N)));
+  if (s_hi == 0 || moa_kept_total(scaled(s_hi), N) <= target) return scaled(s_hi);
+  double lo = 0, hi = s_hi;  // kept(lo) <= target < kept(hi)
+  for (int i = 0; i < 200 && hi - lo > 1e-12 * hi; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (moa_kept_total(scaled(mid), N) <= target)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return scaled(lo);
 }
 
 }  // namespace sf::kvstore

@@ -38,6 +38,8 @@ struct RetentionPolicy {
   int64_t topk = 0;       // layerwise: top-scored tokens kept besides the window
   int64_t moa_sink = 64;  // moa: leading tokens every head keeps
   std::vector<std::vector<MoaSpan>> moa;  // moa: [n_layers][n_kv_heads]
+  std::string moa_config;                 // moa: the file the spans came from (provenance)
+  double moa_scale = 1;  // moa: factor already applied to the file's spans (retention_moa_scaled)
 };
 
 struct Retention {
@@ -56,10 +58,24 @@ struct Retention {
 
 const char* retention_kind_name(RetentionKind k);
 // "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P]" |
-// "pyramid:budget=B[,window=W]" | "layerwise:n_full=F,window=W,topk=K". moa is built in code
-// (its spans come from a per-head config). Unknown policies and keys are errors naming them.
+// "pyramid:budget=B[,window=W]" | "layerwise:n_full=F,window=W,topk=K" |
+// "moa:config=FILE[,sink=S]" (reads FILE with moa_config_load; sink overrides the file's).
+// Unknown policies and keys are errors naming them.
 Result<RetentionPolicy> retention_parse(const std::string& spec);
 std::string retention_params(const RetentionPolicy& p);
+
+// A moa retention config (docs/api.md): {"format": "sparsefill-moa-retention", "model": NAME,
+// "n_layers": L, "n_kv_heads": H, "sink": S, "layers": [[{"alpha": A, "beta": B} x H] x L]}.
+// "format" and "model" are optional, "sink" defaults to 64. Every field is checked; errors name
+// the layer, head and field. The layer and head counts are checked against the model by
+// retention_check_geometry (or retention_apply).
+Result<RetentionPolicy> moa_config_parse(const std::string& json_text, const std::string& origin);
+Result<RetentionPolicy> moa_config_load(const std::string& path);
+
+// What retention_apply checks before it looks at the prompt: for moa, span counts equal to the
+// cache's layers and KV heads, alpha >= 0, beta in [0, 1], sink >= 0. Other policies: ok. Lets a
+// CLI fail before a long prefill.
+Status retention_check_geometry(const RetentionPolicy& p, int n_layers, int n_kv_heads);
 
 // The kept positions of every layer and KV head. Budgets out of range (negative, larger than the
 // prompt, smaller than the always-kept window) and scores of the wrong geometry are errors.
@@ -77,5 +93,13 @@ Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t windo
 // n_full = fraction x n_layers / 2, window 32).
 Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double fraction, int n_layers,
                                                int64_t n_tokens);
+
+// moa at a budget: every span scaled by one factor s (alpha * s, min(1, beta * s); a beta that
+// reaches 1 keeps the whole prompt either way), s the largest whose kept tokens on an n_tokens
+// prompt are at most `fraction` of the full cache (bisection over the kept count, which grows
+// with s). The sink is not scaled: a fraction below sink + 1 token per head is an error. The
+// result carries s in moa_scale (times the base's).
+Result<RetentionPolicy> retention_moa_scaled(const RetentionPolicy& base, double fraction,
+                                             int n_layers, int n_kv_heads, int64_t n_tokens);
 
 }  // namespace sf::kvstore

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <random>
 #include <set>
+#include <string>
 
 #include "kvstore/retention.h"
 
@@ -258,6 +259,151 @@ TEST(Retention, FractionHitsTheRequestedShareOfKvBytes) {
             Code::kOutOfRange);
   EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 1.5, L, N).status().code(),
             Code::kOutOfRange);
+}
+
+// A 2-layer, 2-KV-head config; replacing `from` by `to` makes it bad.
+std::string moa_text(const std::string& from = "", const std::string& to = "") {
+  std::string t =
+      R"({"format": "sparsefill-moa-retention", "model": "t", "n_layers": 2, "n_kv_heads": 2,)"
+      R"( "sink": 16, "layers": [[{"alpha": 100, "beta": 0}, {"alpha": 0, "beta": 0.5}],)"
+      R"( [{"alpha": 2000, "beta": 0}, {"alpha": 10, "beta": 0.1}]]})";
+  if (!from.empty()) {
+    const auto at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+  }
+  return t;
+}
+
+TEST(Retention, MoaConfigParsesAndTheSpecLoadsTheShippedConfig) {
+  auto p = moa_config_parse(moa_text(), "t.json");
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->kind, RetentionKind::kMoA);
+  EXPECT_EQ(p->moa_sink, 16);
+  ASSERT_EQ(p->moa.size(), 2u);
+  ASSERT_EQ(p->moa[1].size(), 2u);
+  EXPECT_EQ(p->moa[1][0].alpha, 2000);
+  EXPECT_EQ(p->moa[0][1].beta, 0.5);
+  EXPECT_EQ(p->moa[1][1].alpha, 10);
+  EXPECT_EQ(p->moa[1][1].beta, 0.1);
+  auto r = retention_apply(p.value(), 2, 2, 1000, nullptr);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->positions(0, 1).size(), 16u + 500u);
+  EXPECT_EQ(r->params, "config=t.json,sink=16,heads=2x2");
+
+  const std::string shipped =
+      std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json";
+  auto q = retention_parse("moa:config=" + shipped + ",sink=8");
+  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
+  EXPECT_EQ(q->moa_sink, 8);  // the spec's sink overrides the file's
+  EXPECT_TRUE(retention_check_geometry(q.value(), 30, 3).is_ok());
+  auto g = retention_check_geometry(q.value(), 30, 2);
+  EXPECT_EQ(g.code(), Code::kInvalidArgument);
+  EXPECT_NE(g.message().find("layer 0 has 3 head spans, the cache has 2"), std::string::npos)
+      << g.message();
+  EXPECT_NE(retention_check_geometry(q.value(), 24, 3).message().find("has 30 layers"),
+            std::string::npos);
+}
+
+TEST(Retention, MoaConfigRejectsBadInputNamingTheField) {
+  struct Case {
+    std::string text;
+    Code code;
+    const char* what;
+  };
+  const Case cases[] = {
+      {"{not json", Code::kInvalidArgument, "invalid JSON"},
+      {"[1, 2]", Code::kInvalidArgument, "top level must be an object"},
+      {moa_text("\"model\"", "\"spans\""), Code::kInvalidArgument, "unknown field 'spans'"},
+      {moa_text("\"n_layers\": 2,", ""), Code::kInvalidArgument, "field 'n_layers' is missing"},
+      {moa_text("\"n_kv_heads\": 2", "\"n_kv_heads\": 0"), Code::kInvalidArgument,
+       "field 'n_kv_heads' must be an integer"},
+      {moa_text("\"sink\": 16", "\"sink\": -1"), Code::kInvalidArgument,
+       "field 'sink' must be an integer >= 0"},
+      {moa_text("\"sink\": 16", "\"sink\": 1.5"), Code::kInvalidArgument,
+       "field 'sink' must be an integer >= 0"},
+      {moa_text("sparsefill-moa-retention", "sparsefill-pattern-config"), Code::kInvalidArgument,
+       "field 'format'"},
+      {moa_text("\"n_layers\": 2", "\"n_layers\": 3"), Code::kInvalidArgument,
+       "field 'layers' must be an array of n_layers = 3"},
+      {moa_text(", {\"alpha\": 10, \"beta\": 0.1}", ""), Code::kInvalidArgument,
+       "layer 1 must be an array of n_kv_heads = 2"},
+      {moa_text("{\"alpha\": 0, \"beta\": 0.5}", "7"), Code::kInvalidArgument,
+       "layer 0 head 1: must be an object"},
+      {moa_text("{\"alpha\": 2000,", "{\"gamma\": 1, \"alpha\": 2000,"), Code::kInvalidArgument,
+       "layer 1 head 0: unknown field 'gamma'"},
+      {moa_text("\"alpha\": 100, \"beta\": 0", "\"alpha\": 100"), Code::kInvalidArgument,
+       "layer 0 head 0: field 'beta' is missing"},
+      {moa_text("\"alpha\": 10,", "\"alpha\": \"10\","), Code::kInvalidArgument,
+       "layer 1 head 1: field 'alpha' must be a number"},
+      {moa_text("\"alpha\": 10,", "\"alpha\": -5,"), Code::kOutOfRange,
+       "layer 1 head 1: field 'alpha' must be >= 0"},
+      {moa_text("\"beta\": 0.5", "\"beta\": 1.5"), Code::kOutOfRange,
+       "layer 0 head 1: field 'beta' must be in [0, 1]"},
+  };
+  for (const Case& c : cases) {
+    auto r = moa_config_parse(c.text, "bad.json");
+    ASSERT_FALSE(r.is_ok()) << c.what;
+    EXPECT_EQ(r.status().code(), c.code) << c.what;
+    EXPECT_NE(r.status().message().find("moa config 'bad.json'"), std::string::npos);
+    EXPECT_NE(r.status().message().find(c.what), std::string::npos)
+        << r.status().message() << " does not say " << c.what;
+  }
+  EXPECT_NE(retention_parse("moa").status().message().find("needs config=FILE"), std::string::npos);
+  auto io = retention_parse("moa:config=/nonexistent/moa.json");
+  EXPECT_EQ(io.status().code(), Code::kIo);
+  EXPECT_NE(io.status().message().find("cannot read moa config '/nonexistent/moa.json'"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("moa:config=x.json,window=3").status().message().find("'window=3'"),
+            std::string::npos);
+  EXPECT_NE(retention_parse("moa:config=x.json,sink=-4").status().message().find("sink"),
+            std::string::npos);
+}
+
+TEST(Retention, MoaScaledKeepsJustUnderTheBudget) {
+  const int L = 30, H = 3;
+  const int64_t N = 8192, full = int64_t(L) * H * N;
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> ua(0, 2000), ub(0, 0.3);
+  RetentionPolicy random;
+  random.kind = RetentionKind::kMoA;
+  random.moa.assign(size_t(L), std::vector<MoaSpan>(size_t(H)));
+  for (auto& layer : random.moa)
+    for (auto& s : layer) s = {ua(rng), ub(rng)};
+  auto shipped =
+      moa_config_load(std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json");
+  ASSERT_TRUE(shipped.is_ok()) << shipped.status().to_string();
+  for (const RetentionPolicy* base : {&random, &shipped.value()})
+    for (double f : {0.05, 0.1, 0.25, 0.5, 0.9}) {
+      auto p = retention_moa_scaled(*base, f, L, H, N);
+      ASSERT_TRUE(p.is_ok()) << f << ": " << p.status().to_string();
+      ASSERT_GT(p->moa_scale, 0);
+      for (int l = 0; l < L; ++l)
+        for (int h = 0; h < H; ++h) {
+          const MoaSpan& b = base->moa[size_t(l)][size_t(h)];
+          const MoaSpan& s = p->moa[size_t(l)][size_t(h)];
+          EXPECT_NEAR(s.alpha, b.alpha * p->moa_scale, 1e-9 * (1 + s.alpha));
+          EXPECT_NEAR(s.beta, std::min(1.0, b.beta * p->moa_scale), 1e-12);
+        }
+      auto r = retention_apply(p.value(), L, H, N, nullptr);
+      ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+      expect_sorted_unique_in_range(r.value());
+      const double got = double(r->kept_total()) / double(full);
+      EXPECT_LE(got, f) << "f " << f << " scale " << p->moa_scale;
+      EXPECT_GE(got, f - 0.001) << "f " << f << " scale " << p->moa_scale;
+      EXPECT_NE(r->params.find(",scale="), std::string::npos) << r->params;
+    }
+  auto all = retention_moa_scaled(random, 1.0, L, H, N);
+  ASSERT_TRUE(all.is_ok()) << all.status().to_string();
+  EXPECT_TRUE(retention_apply(all.value(), L, H, N, nullptr)->is_full());
+  // Sink 64 + one token per head is 65 of 1000: a 5% budget cannot hold it.
+  auto low = retention_moa_scaled(shipped.value(), 0.05, L, H, 1000);
+  EXPECT_EQ(low.status().code(), Code::kOutOfRange);
+  EXPECT_NE(low.status().message().find("sink"), std::string::npos) << low.status().message();
+  EXPECT_EQ(retention_moa_scaled(RetentionPolicy{}, 0.5, L, H, N).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(retention_moa_scaled(random, 0.5, L, 2, N).status().code(), Code::kInvalidArgument);
 }
 
 }  // namespace

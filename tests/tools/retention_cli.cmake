@@ -16,6 +16,28 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
            COMMAND ${_ref} "^error: .*retention snapkv: budget 100000 tokens out of range"
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/big --force
                    --retention snapkv:budget=100000)
+  # moa: a bad spec or a config for another model fails before the prefill; bare `moa` uses the
+  # shipped config scaled to the budget, and its record states the spans and the scale.
+  file(WRITE ${_rtmp}/moa-2x3.json "{\"n_layers\": 2, \"n_kv_heads\": 3, \"layers\": [[{\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}], [{\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}]]}")
+  add_test(NAME cli_retention_eval_moa_missing_config
+           COMMAND ${_ref} "^error: .*cannot read moa config '/nonexistent/moa.json'"
+                   ${_rsf} eval --retention snapkv,moa:config=/nonexistent/moa.json,sink=4)
+  add_test(NAME cli_retention_eval_moa_wrong_model
+           COMMAND ${_ref} "^error: .*retention moa: config \\('.*moa-2x3.json'\\) has 2 layers, the cache has 30"
+                   ${_rsf} eval --retention moa:config=${_rtmp}/moa-2x3.json,sink=4,full)
+  add_test(NAME cli_prefill_retention_moa_wrong_model
+           COMMAND ${_ref} "^error: .*retention moa: config \\('.*moa-2x3.json'\\) has 2 layers, the cache has 30"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
+                   --retention moa:config=${_rtmp}/moa-2x3.json)
+  add_test(NAME cli_prefill_retention_moa
+           COMMAND ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
+                   --retention moa:config=${PROJECT_SOURCE_DIR}/configs/smollm2-135m-instruct-moa.json,sink=4)
+  set_tests_properties(cli_prefill_retention_moa PROPERTIES PASS_REGULAR_EXPRESSION
+                       "retention: moa config=.*smollm2-135m-instruct-moa.json,sink=4,heads=30x3, 100.0% of the full KV bytes")
+  add_test(NAME cli_retention_eval_moa
+           COMMAND bash -c "set -e; '${_rsf}' eval --retention moa --budget 0.5 --length 256 --tokens 4 --no-passkey --out-dir '${_rtmp}/moa-eval'; grep -o '\"moa_scale\":[0-9][0-9.eE+-]*,\"moa_spans\":\\[\\[{' '${_rtmp}/moa-eval/retention-moa.json'")
+  set_tests_properties(cli_retention_eval_moa PROPERTIES PASS_REGULAR_EXPRESSION
+                       "moa +0.50 +full +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
   add_test(NAME cli_decode_bad_attention
@@ -25,5 +47,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   set_tests_properties(cli_decode_reproduces_dense PROPERTIES PASS_REGULAR_EXPRESSION "first 16 of 16 tokens equal")
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
                        cli_prefill_retention_budget_too_large cli_decode_missing_export cli_decode_bad_attention
-                       cli_decode_reproduces_dense PROPERTIES LABELS unit TIMEOUT 120)
+                       cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
+                       cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model
+                       cli_prefill_retention_moa cli_retention_eval_moa PROPERTIES LABELS unit TIMEOUT 120)
 endif()

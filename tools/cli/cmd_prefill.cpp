@@ -133,6 +133,10 @@ int cmd_prefill(int argc, char** argv) {
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
+  // A moa config for another model fails before the prefill.
+  if (Status st = kvstore::retention_check_geometry(retention, cfg.n_layers, cfg.n_kv_heads);
+      !st.is_ok())
+    return fail(st);
 
   std::vector<int32_t> ids;
   std::optional<model::Tokenizer> tok;

@@ -3,6 +3,7 @@
 // One prefill of the document (with importance scores) is shared by every policy and budget;
 // each configuration pages the retained cache (decode::PagedKvCache::from_prefill) and decodes
 // on CPU with the reference decode session. Writes bench/results/retention-<policy>.json.
+// moa takes per-head spans from a config (kvstore::moa_config_load) and scales them per budget.
 #include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
@@ -51,18 +52,41 @@ Result<double> parse_fraction(const std::string& s) {
   return x;
 }
 
-Result<kvstore::RetentionKind> parse_kind(const std::string& s) {
+// --retention entries: a comma-separated list where moa's own "key=value" parameters
+// (moa:config=FILE,sink=S) stay with it: a piece with '=' and no ':' continues the previous entry.
+std::vector<std::string> split_policies(const std::string& s) {
+  std::vector<std::string> out;
+  for (auto& x : split(s))
+    if (!out.empty() && x.find('=') != std::string::npos && x.find(':') == std::string::npos)
+      out.back() += "," + x;
+    else
+      out.push_back(x);
+  return out;
+}
+
+// The spans bare `moa` uses: the shipped config of the default model.
+std::string default_moa_config() {
+  return std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json";
+}
+
+// A policy name, or moa's spec; *moa receives moa's spans (scaled per budget later).
+Result<kvstore::RetentionKind> parse_kind(const std::string& s, kvstore::RetentionPolicy* moa) {
   using K = kvstore::RetentionKind;
   if (s == "full") return K::kFull;
   if (s == "streaming") return K::kStreaming;
   if (s == "snapkv") return K::kSnapKV;
   if (s == "pyramid") return K::kPyramid;
   if (s == "layerwise") return K::kLayerwise;
-  if (s == "moa")
-    return SF_ERR(kUnsupported,
-                  "--retention moa: per-head spans need a config; not supported by eval yet");
-  return SF_ERR(kInvalidArgument,
-                "--retention '" + s + "' is not full, streaming, snapkv, pyramid or layerwise");
+  if (s == "moa" || s.rfind("moa:", 0) == 0) {
+    auto p =
+        s == "moa" ? kvstore::moa_config_load(default_moa_config()) : kvstore::retention_parse(s);
+    if (!p.is_ok()) return p.status();
+    *moa = std::move(p).value();
+    return K::kMoA;
+  }
+  return SF_ERR(kInvalidArgument, "--retention '" + s +
+                                      "' is not full, streaming, snapkv, pyramid, layerwise or "
+                                      "moa[:config=FILE[,sink=S]]");
 }
 
 std::vector<double> log_softmax(const std::vector<float>& z) {
@@ -83,10 +107,12 @@ struct Config {
   kvstore::RetentionKind kind;
   double budget;
   std::string decode_spec;
+  const kvstore::RetentionPolicy* moa = nullptr;  // moa: the config's spans, before scaling
 };
 
 struct Measure {
   std::string params;
+  kvstore::RetentionPolicy moa;  // moa: the scaled spans the document prompt used
   int64_t kv_bytes = 0, kv_bytes_full = 0;
   double greedy_match = 0, greedy_match_forced = 0, kl_mean = 0, visited_frac = 1;
   int passkey_hits = 0, passkey_n = 0;
@@ -99,7 +125,10 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
   const model::ModelConfig& mc = m.config();
   const int64_t N = pr.kv.n_tokens;
   kvstore::RetentionPolicy pol;
-  if (c.kind != kvstore::RetentionKind::kFull) {
+  if (c.kind == kvstore::RetentionKind::kMoA) {
+    // Scaled per prompt: spans grow with N, so the same budget needs a prompt-specific factor.
+    SF_ASSIGN(pol, kvstore::retention_moa_scaled(*c.moa, c.budget, mc.n_layers, mc.n_kv_heads, N));
+  } else if (c.kind != kvstore::RetentionKind::kFull) {
     SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, c.budget, mc.n_layers, N));
   }
   SF_ASSIGN(kvstore::Retention ret,
@@ -110,6 +139,7 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     me->params = ret.params;
     me->kv_bytes = kvstore::kv_bytes(ret, mc.head_dim);
     me->kv_bytes_full = N * mc.n_layers * mc.n_kv_heads * mc.head_dim * 2 * 4;
+    if (c.kind == kvstore::RetentionKind::kMoA) me->moa = pol;
   }
   return decode::DecodeSession(m, std::move(cache), N, ap);
 }
@@ -127,9 +157,12 @@ int cmd_retention_eval(int argc, char** argv) {
   if (!a.has("retention"))
     return fail(SF_ERR(kInvalidArgument, "--retention POLICY[,POLICY...] is required"));
   std::vector<kvstore::RetentionKind> kinds;
-  for (const auto& s : split(a.get("retention"))) {
-    auto k = parse_kind(s);
+  kvstore::RetentionPolicy moa;
+  for (const auto& s : split_policies(a.get("retention"))) {
+    auto k = parse_kind(s, &moa);
     if (!k.is_ok()) return fail(k.status());
+    if (std::find(kinds.begin(), kinds.end(), k.value()) != kinds.end())
+      return fail(SF_ERR(kInvalidArgument, "--retention: '" + s + "' names a policy twice"));
     kinds.push_back(k.value());
   }
   std::vector<double> budgets;
@@ -177,6 +210,11 @@ int cmd_retention_eval(int argc, char** argv) {
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
+  // A moa config for another model fails here, not after the prefill.
+  if (Status st =
+          kvstore::retention_check_geometry(moa, m.config().n_layers, m.config().n_kv_heads);
+      !st.is_ok())
+    return fail(st);
   auto tok = eval::load_tokenizer(model_path);
   if (!tok.is_ok()) return fail(tok.status());
   // The held-out evaluation text (data/README.md): two essays, 10K tokens, so an 8K prompt does
@@ -198,7 +236,7 @@ int cmd_retention_eval(int argc, char** argv) {
       if (k == kvstore::RetentionKind::kFull)
         configs.push_back({k, 1.0, d});
       else
-        for (double b : budgets) configs.push_back({k, b, d});
+        for (double b : budgets) configs.push_back({k, b, d, &moa});
     }
   if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() &&
       !psa_specs.empty())
@@ -342,6 +380,14 @@ int cmd_retention_eval(int argc, char** argv) {
         {"importance",
          "SnapKV column sums of the last 32 queries' softmax from the prefill LSE, max-pooled with "
          "kernel 7"}};
+    if (k == kvstore::RetentionKind::kMoA) {
+      json::object& d = o["definitions"].as_object();
+      d["moa_spans"] =
+          "per layer and KV head, span = alpha + beta * N recent tokens kept besides the sink";
+      d["moa_scale"] =
+          "factor on the config's alpha and beta (beta capped at 1): the largest whose kept "
+          "tokens on the document prompt are at most the budget";
+    }
     json::array recs;
     for (size_t ci = 0; ci < configs.size(); ++ci) {
       if (configs[ci].kind != k) continue;
@@ -361,6 +407,20 @@ int cmd_retention_eval(int argc, char** argv) {
       auto dp = decode::decode_attn_parse(configs[ci].decode_spec).value();
       if (dp.mode == decode::DecodeAttnMode::kPsa) r["psa_eps"] = dp.eps;
       r["blocks_visited_frac"] = me.visited_frac;
+      if (k == kvstore::RetentionKind::kMoA) {
+        // The spans the document prompt kept (passkey prompts re-solve the scale for their N).
+        json::array spans;
+        for (const auto& layer : me.moa.moa) {
+          json::array heads;
+          for (const auto& sp : layer)
+            heads.push_back(json::object{{"alpha", sp.alpha}, {"beta", sp.beta}});
+          spans.push_back(std::move(heads));
+        }
+        r["moa_config"] = me.moa.moa_config;
+        r["moa_sink"] = me.moa.moa_sink;
+        r["moa_scale"] = me.moa.moa_scale;
+        r["moa_spans"] = std::move(spans);
+      }
       recs.push_back(std::move(r));
     }
     o["records"] = std::move(recs);
