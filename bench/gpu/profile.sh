@@ -5,6 +5,9 @@
 # $OUT/ncu-sparse.txt: speed of light (tensor pipe, L2/DRAM throughput), memory workload, warp
 # stall reasons, occupancy.
 #   OUT=... SF_PROFILE_LENGTH=32768 SF_PROFILE_MODE=block-sparse bench/gpu/profile.sh
+# SF_PROFILE_KERNELS (an ncu regex, default attention_sparse_bf16) and SF_PROFILE_COUNT (launches,
+# default 4) pick other kernels, e.g. the device estimator's:
+#   SF_PROFILE_KERNELS='score|row_lse|diag|select|build|pool' SF_PROFILE_COUNT=8
 set -uo pipefail
 root="$(pwd)"
 out="${OUT:-$root/build-gpu/out}"
@@ -22,7 +25,8 @@ mode="${SF_PROFILE_MODE:-block-sparse}"
 {
   echo "ncu: $ncu_bin ($("$ncu_bin" --version | tail -1))"
   echo "command: sparsefill bench attention --lengths $L --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops wgmma,mma.sync --dense-ours-max 0 --host-estimate-max 0"
-  timeout 500 "$ncu_bin" --kernel-name regex:attention_sparse_bf16 --launch-count 4 \
+  timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-attention_sparse_bf16}" \
+    --launch-count "${SF_PROFILE_COUNT:-4}" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats \
     "$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L" \
