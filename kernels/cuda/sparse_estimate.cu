@@ -32,6 +32,7 @@ namespace {
 
 constexpr int kB = 64;
 constexpr int kScoreThreads = 256;
+static_assert(kScoreThreads % kB == 0, "score_probs_kernel: a thread keeps one key column");
 
 __host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -94,21 +95,22 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
 // dst[i * (d + 4) + c] = src[i * row_stride + c] for rows i < valid, else 0. Consecutive threads
 // take consecutive 4-element vectors of a row (coalesced); 8 loads are issued before any store,
 // so the reads overlap instead of waiting one by one.
+// Tile indices are 32-bit (x < 64 * d / 4): 64-bit division by nv is a long integer routine.
 template <typename T>
 __device__ void load_tile(const T* src, int64_t row_stride, int64_t valid, int64_t d,
                           float* dst) {
-  const int64_t nv = d / 4, n = kB * nv, ts = tile_stride(d);
-  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 8) {
+  const int nv = int(d / 4), n = kB * nv, ts = int(tile_stride(d));
+  for (int x0 = 0; x0 < n; x0 += int(blockDim.x) * 8) {
     float4 v[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
-      const int64_t i = x / nv, c = (x % nv) * 4;
+      const int x = x0 + u * int(blockDim.x) + int(threadIdx.x);
+      const int i = x / nv, c = (x % nv) * 4;
       v[u] = (x < n && i < valid) ? load4(src + i * row_stride + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      const int x = x0 + u * int(blockDim.x) + int(threadIdx.x);
       if (x < n) *reinterpret_cast<float4*>(dst + (x / nv) * ts + (x % nv) * 4) = v[u];
     }
   }
@@ -117,19 +119,19 @@ __device__ void load_tile(const T* src, int64_t row_stride, int64_t valid, int64
 // dst[i * (d + 8) + c] = src[i * row_stride + c] (bf16, 16-byte vectors), zero rows past valid.
 __device__ void load_tile_b(const __nv_bfloat16* src, int64_t row_stride, int64_t valid,
                             int64_t d, __nv_bfloat16* dst) {
-  const int64_t nv = d / 8, n = kB * nv, ts = tile_stride_b(d);
-  for (int64_t x0 = 0; x0 < n; x0 += int64_t(blockDim.x) * 4) {
+  const int nv = int(d / 8), n = kB * nv, ts = int(tile_stride_b(d));
+  for (int x0 = 0; x0 < n; x0 += int(blockDim.x) * 4) {
     uint4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
-      const int64_t i = x / nv, c = (x % nv) * 8;
+      const int x = x0 + u * int(blockDim.x) + int(threadIdx.x);
+      const int i = x / nv, c = (x % nv) * 8;
       v[u] = (x < n && i < valid) ? *reinterpret_cast<const uint4*>(src + i * row_stride + c)
                                   : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int64_t x = x0 + int64_t(u) * blockDim.x + threadIdx.x;
+      const int x = x0 + u * int(blockDim.x) + int(threadIdx.x);
       if (x < n) *reinterpret_cast<uint4*>(dst + (x / nv) * ts + (x % nv) * 8) = v[u];
     }
   }
@@ -270,15 +272,17 @@ __global__ void __launch_bounds__(kScoreThreads)
     const int64_t c0 = chunk * kB;
     const int64_t kc = imin(kB, p.kend_last - c0);
     chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, sm);
+    // Rows and keys of a chunk are < 64: 32-bit indices keep the integer pipe out of the way.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int64_t i = warp; i < sp.L; i += kScoreThreads / 32) {
-      const int64_t lim = row_visible(p, sp, i, c0, kc);
+    for (int i = warp; i < int(sp.L); i += kScoreThreads / 32) {
+      const int lim = int(row_visible(p, sp, i, c0, kc));
+      const float* row = ss + i * (kB + 1);
       float m = -INFINITY;
-      for (int64_t j = lane; j < lim; j += 32) m = fmaxf(m, ss[i * (kB + 1) + j]);
+      for (int j = lane; j < lim; j += 32) m = fmaxf(m, row[j]);
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       float l = 0.f;
       if (lim > 0)
-        for (int64_t j = lane; j < lim; j += 32) l += expf(ss[i * (kB + 1) + j] - m);
+        for (int j = lane; j < lim; j += 32) l += expf(row[j] - m);
       for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
       if (lane == 0) {
         const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
@@ -324,15 +328,20 @@ __global__ void __launch_bounds__(kScoreThreads)
     const int64_t c0 = chunk * kB;
     const int64_t kc = imin(kB, p.kend_last - c0);
     chunk_logits<T>(p, sp, sp.heads[hs], c0, kc, sm);
-    for (int64_t x = threadIdx.x; x < kB * kB; x += blockDim.x) {
-      const int64_t i = x / kB, j = x % kB;
-      float v = 0.f;
-      if (i < sp.L) {
-        const float lse = p.lse[hs * kB + i];
-        if (j < row_visible(p, sp, i, c0, kc) && lse != -INFINITY)
-          v = expf(ss[i * (kB + 1) + j] - lse);
+    // Thread t owns column j = t % 64 of rows t / 64, + 4, ...: 32-bit indices, and the row's
+    // LSE and causal limit (key c0 + j visible to row i when j < v0 + i) loaded once per row.
+    {
+      const int j = int(threadIdx.x) % kB;
+      const int64_t v0 = p.q_offset + sp.r0 + 1 - c0;  // row i sees keys j < v0 + i (clamped)
+      for (int i = int(threadIdx.x) / kB; i < kB; i += kScoreThreads / kB) {
+        float v = 0.f;
+        if (i < sp.L) {
+          const float lse = p.lse[hs * kB + i];
+          const int64_t lim = v0 + i;
+          if (j < lim && j < kc && lse != -INFINITY) v = expf(ss[i * (kB + 1) + j] - lse);
+        }
+        ss[i * (kB + 1) + j] = v;
       }
-      ss[i * (kB + 1) + j] = v;
     }
     __syncthreads();
     if (threadIdx.x < kB) {
