@@ -14,7 +14,8 @@
 //   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
 //      against every pooled key block in shared memory and selects per query block.
 //   4. slot building: one thread per (head, query block), the host builder's merge of sink,
-//      local window, diagonal ranges and key blocks into 64-key entries plus columns.
+//      local window, diagonal ranges and key blocks into 64-key entries plus columns; the runs
+//      of selected columns are then copied by the warp together (coalesced stores).
 // No allocation and no host synchronization: the launch sequence is safe under graph capture.
 // Index capacity is the plan's; a slot that needs more is truncated and need[] records the
 // largest counts, so the caller can re-plan (kernels/cuda/sparse_estimate.cpp).
@@ -846,9 +847,17 @@ struct SlotOut {
   }
 };
 
-__global__ void build_kernel(const EstimateLaunch p) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= p.hq * p.n_qb) return;
+// A run of selected columns whose copy into the slot's column list is left to the warp:
+// cols[a .. a + n) to column_index[o ..).
+struct ColRun {
+  int32_t a = 0, n = 0, o = 0;
+};
+constexpr int kDeferredRuns = 8;  // more runs than this in a slot are copied by their thread
+
+// Slot t's merge (one thread), writing its entries and tail keys; the runs of selected columns
+// go to runs[] (*n_runs of them) for build_kernel's warp-wide copy, past kDeferredRuns directly.
+__device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kDeferredRuns],
+                           int* n_runs, const int32_t** cols_out, int32_t** dst_out, int* cap_out) {
   const int64_t h = t / p.n_qb, qb = t % p.n_qb;
   const EstHead& eh = p.heads[h];
   const int64_t r0 = qb * kB;
@@ -877,13 +886,36 @@ __global__ void build_kernel(const EstimateLaunch p) {
   const size_t s = size_t(t);
   SlotOut o{p.block_offset + s * size_t(p.max_blocks), p.column_index + s * size_t(p.max_cols),
             p.max_blocks, p.max_cols};
+  *cols_out = cols;
+  *dst_out = o.cols;
+  *cap_out = o.cap_c;
+  // Selected columns ascend; negative ids (none expected) are skipped up front.
   int64_t ci = 0;
+  while (ci < ncol && cols[ci] < 0) ++ci;
+  // Columns in [ci, first >= upto): their places in the list are taken now, their copy deferred.
   auto flush_columns = [&](int64_t upto) {
-    for (; ci < ncol && cols[ci] < upto; ++ci)
-      if (cols[ci] >= 0) o.col(cols[ci]);
+    int64_t lo = ci, hi = ncol;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (cols[mid] < upto)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    const int64_t n = lo - ci;
+    if (n > 0) {
+      if (*n_runs < kDeferredRuns) {
+        runs[*n_runs] = ColRun{int32_t(ci), int32_t(n), o.nc};
+        ++*n_runs;
+        o.nc += int(n);
+      } else {
+        for (int64_t x = ci; x < lo; ++x) o.col(cols[x]);
+      }
+    }
+    ci = lo;
   };
   auto emit = [&](int64_t a, int64_t e) {
-    flush_columns(a);
+    if (cols) flush_columns(a);
     {  // skip the columns the interval covers (binary search)
       int64_t lo = ci, hi = ncol;
       while (lo < hi) {
@@ -984,11 +1016,41 @@ __global__ void build_kernel(const EstimateLaunch p) {
     }
   }
   if (cur_e > cur_a) emit(cur_a, cur_e);
-  flush_columns(kend);
+  if (cols) flush_columns(kend);
   p.block_count[s] = o.nb < o.cap_b ? o.nb : o.cap_b;
   p.column_count[s] = o.nc < o.cap_c ? o.nc : o.cap_c;
   atomicMax(p.need + 0, o.nb);
   atomicMax(p.need + 1, o.nc);
+}
+
+// One thread per slot runs the merge; then the warp copies its 32 slots' deferred column runs
+// together, lane k writing element k of a run: coalesced stores instead of one scattered 4-byte
+// store per column per thread (the slots' lists are max_cols apart).
+__global__ void build_kernel(const EstimateLaunch p) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = int(threadIdx.x % 32);
+  ColRun runs[kDeferredRuns];
+  int n_runs = 0, cap = 0;
+  const int32_t* cols = nullptr;
+  int32_t* dst = nullptr;
+  if (t < p.hq * p.n_qb) build_slot(p, t, runs, &n_runs, &cols, &dst, &cap);
+  __syncwarp();
+  for (int src = 0; src < 32; ++src) {
+    const int nr = __shfl_sync(0xffffffffu, n_runs, src);
+    if (nr == 0) continue;
+    const auto* c = reinterpret_cast<const int32_t*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(cols), src));
+    auto* d = reinterpret_cast<int32_t*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), src));
+    const int cp = __shfl_sync(0xffffffffu, cap, src);
+    for (int r = 0; r < nr; ++r) {
+      const int a = __shfl_sync(0xffffffffu, runs[r].a, src);
+      const int n = __shfl_sync(0xffffffffu, runs[r].n, src);
+      const int o = __shfl_sync(0xffffffffu, runs[r].o, src);
+      for (int k = lane; k < n; k += 32)
+        if (o + k < cp) d[o + k] = c[a + k];
+    }
+  }
 }
 
 template <typename T>
