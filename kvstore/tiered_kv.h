@@ -10,8 +10,9 @@
 // sink and window are ranked (then position order).
 //
 // Plan/run split: TieredKv::create validates shapes against the pool and fixes each layer's
-// fast-tier quota once; on_layer() runs per layer. CPU path only: the CPU forward still keeps its
-// own full KvCache; the pool holds the tiered copy (the GPU copy-stream path is not wired yet).
+// fast-tier quota once; on_layer() runs per layer, from the CPU forward or the GPU forward (host
+// K/V copies, device-computed importance). Both forwards still keep their own full KvCache; the
+// pool holds the tiered copy.
 #pragma once
 #include <cstdint>
 #include <memory>

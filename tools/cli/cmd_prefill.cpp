@@ -103,8 +103,6 @@ int cmd_prefill(int argc, char** argv) {
   const std::string device = a.get("device", "cpu");
   if (device != "cpu" && device != "cuda") return fail(SF_ERR(kInvalidArgument, "--device must be 'cpu' or 'cuda'"));
   const std::string mode = a.get("attention", "dense");
-  if (device == "cuda" && kv_pool)
-    return fail(SF_ERR(kUnsupported, "--kv-pool tiers the CPU forward's KV; it is not wired to --device cuda yet"));
   if (device == "cuda") {
     const Status st = model::cuda_device_check(0);
     if (!st.is_ok()) return fail(SF_ERR(kUnsupported, "--device cuda: " + st.message()));

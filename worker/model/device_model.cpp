@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #if SF_HAVE_CUDA
@@ -196,7 +197,7 @@ struct DevicePrefill::Impl {
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
   DeviceBuffer imp;
-  std::vector<CudaEvent> imp_begin, imp_end;
+  std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
   bool dry = false;  // forward() walks the ops but only plans the GEMMs
 
@@ -240,6 +241,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
                 I = c.intermediate, vocab = c.vocab, qd = hq * d, kvd = hkv * d;
   const int64_t C = std::min(chunk, S);
   const bool keep_kv = opt.keep_kv;
+  // Host copies of each layer's K/V: for the result (keep_kv) and for the per-layer hook.
+  const bool host_kv = keep_kv || bool(opt.on_layer_kv);
   const cudaStream_t st = compute.get(), cp = copy.get();
   float* const X = x.as<float>();
   float* const Q = q.as<float>();
@@ -262,9 +265,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
   for (int l = 0; l < c.n_layers; ++l) {
     const DeviceModel::Impl::Layer& L = m->layers[size_t(l)];
-    const int slot = keep_kv ? l % 2 : 0;
+    const int slot = host_kv ? l % 2 : 0;
     // Slot reuse: layer l writes the slot layer l-2 used; its copy-out must have finished.
-    if (!dry && keep_kv && l >= 2) SF_CUDA_TRY(cudaStreamWaitEvent(st, kv_free[slot].get(), 0));
+    if (!dry && host_kv && l >= 2) SF_CUDA_TRY(cudaStreamWaitEvent(st, kv_free[slot].get(), 0));
     float* const K = k[slot].as<float>();
     float* const V = v[slot].as<float>();
 
@@ -289,7 +292,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     }
 
     // K and V of this layer are final: copy them out while attention and later layers run.
-    if (!dry && keep_kv) {
+    if (!dry && host_kv) {
       SF_TRY(stream_after(cp, st, kv_ready[slot].get()));
       const size_t bytes = size_t(S * kvd) * sizeof(float);
       float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_tokens * kvd);
@@ -345,6 +348,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       SF_CUDA_TRY(cudaMemcpyAsync(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
                                   imp.data(), size_t(hkv * S) * sizeof(float),
                                   cudaMemcpyDeviceToHost, st));
+      SF_CUDA_TRY(cudaEventRecord(imp_copied[size_t(l)].get(), st));
     }
 
     // 3) O projection, residual, MLP per chunk.
@@ -403,13 +407,28 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   kv.n_tokens = S;
   kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
-  if (keep_kv) {
+  // The per-layer hook (KV tiering) runs here, on the host thread, for each layer as soon as its
+  // K/V (and importance) copies land, while the device computes later layers: every layer's
+  // work is already enqueued, so the hook never holds the GPU back.
+  if (host_kv) {
     for (int l = 0; l < c.n_layers; ++l) {
       SF_CUDA_TRY(cudaEventSynchronize(kv_copied[size_t(l)].get()));
-      const float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_tokens * kvd);
-      const float* hv = hk + size_t(max_tokens * kvd);
-      kv.k[size_t(l)].assign(hk, hk + S * kvd);
-      kv.v[size_t(l)].assign(hv, hv + S * kvd);
+      float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_tokens * kvd);
+      float* hv = hk + size_t(max_tokens * kvd);
+      if (opt.on_layer_kv) {
+        std::span<const float> imp_l;
+        if (opt.importance_window > 0) {
+          SF_CUDA_TRY(cudaEventSynchronize(imp_copied[size_t(l)].get()));
+          imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
+                                         size_t(hkv * S));
+        }
+        SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
+                               TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
+      }
+      if (keep_kv) {
+        kv.k[size_t(l)].assign(hk, hk + S * kvd);
+        kv.v[size_t(l)].assign(hv, hv + S * kvd);
+      }
     }
   }
   SF_CUDA_TRY(cudaStreamSynchronize(st));
@@ -521,8 +540,6 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
             "CPU forward for sparse attention modes");
   SF_ENSURE(!opt.on_attention, kUnsupported,
             "device prefill: attention observers read host tensors; use the CPU forward");
-  SF_ENSURE(!opt.on_layer_kv, kUnsupported,
-            "device prefill: per-layer KV hooks read host tensors; use the CPU forward");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
             "device prefill: head_dim " + std::to_string(c.head_dim) +
                 " (CUDA attention supports 64 and 128)");
@@ -561,7 +578,8 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
     SF_TRY(w.alloc(w.vh, S * kvd * 2));
     SF_TRY(w.alloc(w.atth, S * qd * 2));
   }
-  const int kv_slots = opt.keep_kv ? 2 : 1;
+  const bool host_kv = opt.keep_kv || bool(opt.on_layer_kv);  // as in forward()
+  const int kv_slots = host_kv ? 2 : 1;
   for (int s = 0; s < kv_slots; ++s) {
     SF_TRY(w.alloc(w.k[s], S * kvd * f));
     SF_TRY(w.alloc(w.v[s], S * kvd * f));
@@ -579,7 +597,7 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
 
   SF_TRY(w.h_tokens.alloc(S * sizeof(int32_t)));
   SF_TRY(w.h_logits.alloc(size_t(w.max_logit_rows) * vocab * f));
-  if (opt.keep_kv) SF_TRY(w.h_kv.alloc(size_t(c.n_layers) * 2 * S * kvd * f));
+  if (host_kv) SF_TRY(w.h_kv.alloc(size_t(c.n_layers) * 2 * S * kvd * f));
   SF_ENSURE(opt.importance_window >= 0, kInvalidArgument,
             "device prefill: importance_window must be >= 0");
   if (opt.importance_window > 0) {
@@ -605,6 +623,8 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
       SF_TRY(w.imp_begin.back().create(true));
       w.imp_end.emplace_back();
       SF_TRY(w.imp_end.back().create(true));
+      w.imp_copied.emplace_back();
+      SF_TRY(w.imp_copied.back().create(false));
     }
   }
 

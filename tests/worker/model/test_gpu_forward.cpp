@@ -10,12 +10,14 @@
 //    stated and explained next to each test.
 // Every test skips (GTEST_SKIP "no CUDA device: ...") where no CUDA device is present.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -25,6 +27,8 @@
 #include "common/dtype.h"
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/tiered_kv.h"
 #include "worker/model/device_model.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
@@ -416,6 +420,73 @@ TEST_F(GpuForward, RejectsWhatItDoesNotSupport) {
   auto plan = DevicePrefill::plan(dm.value(), 10, {});
   ASSERT_OK(plan.status());
   EXPECT_EQ(plan->run(ref.tokens).status().code(), Code::kInvalidArgument);  // 700 > 10
+}
+
+// ---- KV tiering during a GPU prefill: the per-layer hook gets each layer's host K/V and its
+// device-computed importance. The tiered copy must read back bit-identical to the run's own KV
+// (the hook sees exactly what the result holds), each block's score must be the block_score of
+// that layer's importance in the result, and the host budget (3 blocks a layer) must keep 3 hot
+// blocks per layer with the other 8 of 11 on disk. ------------------------------------------------
+TEST_F(GpuForward, TieredKvHookDuringGpuPrefill) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+  const int64_t block_bytes =
+      int64_t(2) * kvstore::kPoolBlockTokens * c.n_kv_heads * c.head_dim * int64_t(sizeof(float));
+  const std::string dir =
+      (std::filesystem::temp_directory_path() /
+       ("sf_gpu_tiered_" + std::to_string(::getpid()) + "_" + std::to_string(base_seed())))
+          .string();
+  kvstore::BlockPoolConfig pc;
+  pc.n_kv_heads = c.n_kv_heads;
+  pc.head_dim = c.head_dim;
+  pc.host_bytes = 3 * c.n_layers * block_bytes;
+  pc.disk_bytes = c.n_layers * n_blocks * block_bytes;
+  pc.disk_dir = dir;
+  {
+    auto pool = kvstore::BlockPool::create(pc);
+    ASSERT_OK(pool.status());
+    auto tk = kvstore::TieredKv::create(pool->get(), {c.n_layers, c.n_kv_heads, c.head_dim});
+    ASSERT_OK(tk.status());
+    PrefillOptions opt = full_options();
+    opt.on_layer_kv = (*tk)->hook();
+    auto gpu = prefill_device(dm.value(), ref.tokens, opt);
+    ASSERT_OK(gpu.status());
+    ASSERT_EQ(gpu->importance.size(), size_t(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      EXPECT_EQ((*tk)->n_tokens(l), kTokens) << "layer " << l;
+      std::vector<float> k, v;
+      ASSERT_OK((*tk)->read_layer(l, &k, &v));
+      ASSERT_EQ(k.size(), gpu->kv.k[size_t(l)].size()) << "layer " << l;
+      EXPECT_EQ(std::memcmp(k.data(), gpu->kv.k[size_t(l)].data(), k.size() * 4), 0)
+          << "layer " << l;
+      EXPECT_EQ(std::memcmp(v.data(), gpu->kv.v[size_t(l)].data(), v.size() * 4), 0)
+          << "layer " << l;
+      const auto& sc = (*tk)->scores(l);
+      ASSERT_EQ(int64_t(sc.size()), n_blocks) << "layer " << l;
+      bool any = false;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t t0 = b * kvstore::kPoolBlockTokens;
+        const int64_t t1 = std::min<int64_t>(kTokens, t0 + kvstore::kPoolBlockTokens);
+        EXPECT_EQ(sc[size_t(b)],
+                  kvstore::block_score(gpu->importance[size_t(l)], c.n_kv_heads, kTokens, t0, t1))
+            << "layer " << l << " block " << b;
+        any = any || sc[size_t(b)] > 0.f;
+      }
+      EXPECT_TRUE(any) << "layer " << l << ": the hook saw no importance";
+      EXPECT_EQ((*tk)->placement(l).hot, 3) << "layer " << l;
+    }
+    EXPECT_EQ((*pool)->stats(kvstore::Tier::kHost).blocks, 3 * c.n_layers);
+    EXPECT_EQ((*pool)->stats(kvstore::Tier::kDisk).blocks, (n_blocks - 3) * c.n_layers);
+    std::cout << "  tiered during the GPU prefill: " << 3 * c.n_layers << " host blocks, "
+              << (n_blocks - 3) * c.n_layers << " disk blocks, KV read back bit-identical; gpu run "
+              << gpu->seconds << " s\n";
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 }  // namespace
