@@ -155,6 +155,53 @@ TEST(TieredKv, PrefillTiersLayersAndReadsBackBitExact) {
   EXPECT_EQ(p.live_blocks(), 0);
 }
 
+// Without keep_kv the forward drops each layer's K/V once its hook has run: the pool holds the
+// only full copy, and the forward never holds more than one layer's K/V (kv_peak_bytes), against
+// every layer's when kept. What the pool reads back is still bit for bit the kept run's cache, and
+// the logits are unchanged.
+TEST(TieredKv, NotKeptKvLivesOnlyInThePool) {
+  Fixture f;
+  auto m = model::Model::synthetic(f.cfg, f.seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  BlockPoolConfig pc;
+  pc.n_kv_heads = f.cfg.n_kv_heads;
+  pc.head_dim = f.cfg.head_dim;
+  pc.host_bytes = 6 * f.block_bytes();
+  pc.disk_bytes = 64 * f.block_bytes();
+  pc.disk_dir = f.dir;
+  auto pool = BlockPool::create(pc);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
+  ASSERT_TRUE(tk.is_ok()) << tk.status().to_string();
+
+  model::PrefillOptions kept;
+  kept.importance_window = 16;
+  auto ref = model::prefill(m.value(), f.tokens, kept);
+  ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+  const int64_t layer_bytes =
+      int64_t(2) * int64_t(f.tokens.size()) * f.cfg.n_kv_heads * f.cfg.head_dim * 4;
+  EXPECT_EQ(ref->kv_peak_bytes, f.cfg.n_layers * layer_bytes);
+
+  model::PrefillOptions opt = kept;
+  opt.keep_kv = false;
+  opt.on_layer_kv = (*tk)->hook();
+  auto r = model::prefill(m.value(), f.tokens, opt);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_TRUE(r->kv.k.empty());
+  EXPECT_EQ(r->kv_peak_bytes, layer_bytes);
+  ASSERT_EQ(r->logits.size(), ref->logits.size());
+  EXPECT_EQ(std::memcmp(r->logits.data(), ref->logits.data(), r->logits.size() * 4), 0);
+  for (int l = 0; l < f.cfg.n_layers; ++l) {
+    std::vector<float> k, v;
+    ASSERT_TRUE((*tk)->read_layer(l, &k, &v).is_ok());
+    ASSERT_EQ(k.size(), ref->kv.k[size_t(l)].size());
+    EXPECT_EQ(std::memcmp(k.data(), ref->kv.k[size_t(l)].data(), k.size() * 4), 0) << "layer " << l;
+    EXPECT_EQ(std::memcmp(v.data(), ref->kv.v[size_t(l)].data(), v.size() * 4), 0) << "layer " << l;
+  }
+  EXPECT_EQ((*pool)->stats(Tier::kHost).blocks, 6);
+  EXPECT_EQ((*pool)->live_blocks(), 9 * f.cfg.n_layers);
+}
+
 // model::extend calls the hook again with the whole cache (prefix + new rows): the layer's blocks
 // are replaced, not appended, and the pool holds exactly one copy.
 TEST(TieredKv, ExtendReplacesLayerBlocks) {

@@ -278,8 +278,9 @@ int cmd_prefill(int argc, char** argv) {
                   static_cast<long long>(s.used_bytes), static_cast<long long>(s.capacity_bytes));
     }
     const kvstore::TierStats h = pool->stats(kvstore::Tier::kHost);
-    std::printf(" moved host->disk %lld, disk->host %lld blocks\n", static_cast<long long>(h.demoted_out),
-                static_cast<long long>(h.promoted_in));
+    std::printf(" moved host->disk %lld, disk->host %lld blocks; the forward held at most %lld bytes of KV\n",
+                static_cast<long long>(h.demoted_out), static_cast<long long>(h.promoted_in),
+                static_cast<long long>(r.kv_peak_bytes));
   }
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec;

@@ -443,6 +443,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     SF_CUDA_TRY(cudaEventElapsedTime(&ms, att_begin[size_t(l)].get(), att_end[size_t(l)].get()));
     res->attention_s += double(ms) * 1e-3;
   }
+  res->kv_peak_bytes =
+      host_kv ? int64_t(c.n_layers) * 2 * max_tokens * kvd * int64_t(sizeof(float)) : 0;
   res->importance_s = 0;
   res->importance.clear();
   if (opt.importance_window > 0) {

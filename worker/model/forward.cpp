@@ -82,6 +82,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
                                         std::to_string(c.n_layers) + "x" + std::to_string(hq));
   const bool use_sparse = sc && P + S >= sc->dense_below && !sparse_config_is_dense(*sc);
   res.estimate_s = res.attention_s = res.importance_s = 0;
+  res.kv_peak_bytes = 0;
   if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
   else res.importance.clear();
   double pairs_done = 0, pairs_causal = 0;
@@ -93,6 +94,12 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     auto& V = kv.v[size_t(l)];
     K.resize(size_t((P + S) * hkv * d));
     V.resize(size_t((P + S) * hkv * d));
+    {
+      int64_t held = 0;
+      for (int j = 0; j < c.n_layers; ++j)
+        held += int64_t(kv.k[size_t(j)].size() + kv.v[size_t(j)].size()) * int64_t(sizeof(float));
+      res.kv_peak_bytes = std::max(res.kv_peak_bytes, held);
+    }
     // 1) norm, QKV, RoPE per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {
       const int64_t n = std::min(C, S - c0);
@@ -151,6 +158,12 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       SF_TRY(opt.on_layer_kv(l, kv3, vv,
                              opt.importance_window > 0 ? std::span<const float>(res.importance[size_t(l)])
                                                        : std::span<const float>()));
+    // Not kept: this layer's K/V are done with (the hook, e.g. KV tiering, has its own copy), so
+    // a tiered prefill holds one layer's KV at a time besides the pool.
+    if (!opt.keep_kv) {
+      std::vector<float>().swap(K);
+      std::vector<float>().swap(V);
+    }
     // 3) O projection, residual, MLP per chunk.
     for (int64_t c0 = 0; c0 < S; c0 += C) {
       const int64_t n = std::min(C, S - c0);

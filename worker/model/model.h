@@ -108,6 +108,10 @@ struct PrefillResult {
   // and the time spent computing it.
   std::vector<std::vector<float>> importance;
   double importance_s = 0;
+  // Most bytes of K/V the forward held in host memory at once during the call: every layer's
+  // when keep_kv, one layer's at a time when not (the per-layer hook, e.g. KV tiering, keeps its
+  // own copy). The GPU forward reports its pinned host copies.
+  int64_t kv_peak_bytes = 0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});
