@@ -12,7 +12,8 @@
 // tile share one mainloop:
 // S = Q K^T (8 key n-tiles x D/16 k-steps), mask, online softmax in registers (scores in log2
 // units, ex2.approx), P (re-packed to bf16 A fragments) x V via ldmatrix.trans.
-// Not yet: TMA, wgmma, warp specialization (FlashAttention-3); see bench/NOTES.md.
+// This is the second mainloop now: attention_sparse_bf16_sm90.cuh (wgmma) is the default and
+// shares this file's tile walk, softmax_tile, rescale_o, p_fragment and store_rows.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
