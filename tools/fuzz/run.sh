@@ -7,7 +7,7 @@
 #   SF_FUZZ_BUILD=build-fuzz         separate build dir (clang + sanitizers; never the main build)
 #   SF_FUZZ_CORPUS=fuzz-corpus       corpora: <corpus>/<target>/ grows, <corpus>/seeds/ is regenerated
 #   SF_FUZZ_JOBS=1                   build parallelism
-#   SF_FUZZ_TARGETS="safetensors gguf hf_config kv_manifest"
+#   SF_FUZZ_TARGETS="safetensors gguf hf_config kv_manifest moa_config"
 #   SF_PYTHON=.venv-ref/bin/python   needs numpy, gguf, safetensors (deploy/setup-reference.sh)
 # Prints "fuzz_<target>: N execs clean (R exec/s)" per target; exits non-zero on any crash, leak,
 # timeout or sanitizer report, leaving the reproducer at <corpus>/crash-<target>-*.
@@ -18,7 +18,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BUILD=${SF_FUZZ_BUILD:-$ROOT/build-fuzz}
 CORPUS=${SF_FUZZ_CORPUS:-$ROOT/fuzz-corpus}
 JOBS=${SF_FUZZ_JOBS:-1}
-TARGETS=${SF_FUZZ_TARGETS:-"safetensors gguf hf_config kv_manifest"}
+TARGETS=${SF_FUZZ_TARGETS:-"safetensors gguf hf_config kv_manifest moa_config"}
 PY=${SF_PYTHON:-$ROOT/.venv-ref/bin/python}
 
 command -v clang++-14 >/dev/null || { echo "run.sh: clang++-14 not found (apt-get install clang-14)" >&2; exit 2; }
@@ -37,6 +37,9 @@ rm -rf "$CORPUS/seeds"
 # The KV manifest seed is a committed file (a valid manifest for the target's expected hash).
 mkdir -p "$CORPUS/seeds/kv_manifest"
 cp "$ROOT/tests/fuzz/kv_manifest_seed.json" "$CORPUS/seeds/kv_manifest/"
+# The moa retention config's seed is the shipped config.
+mkdir -p "$CORPUS/seeds/moa_config"
+cp "$ROOT/configs/smollm2-135m-instruct-moa.json" "$CORPUS/seeds/moa_config/"
 
 status=0
 for t in $TARGETS; do
