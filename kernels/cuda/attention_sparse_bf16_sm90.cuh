@@ -23,6 +23,7 @@
 
 #include "kernels/cuda/attention_sparse_bf16.cuh"
 #include "kernels/cuda/cuda_ops.h"  // SparseBf16Mainloop
+#include "kernels/cuda/smem_opt_in.h"
 
 namespace sf::kernels::cuda {
 
@@ -371,22 +372,6 @@ __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
     attention_sparse_bf16_sm90_kernel(const AttentionSparseBf16Params p) {
   attention_sparse_bf16_sm90_detail::attention_sparse_bf16_sm90_block<D>(p);
 }
-
-namespace attention_sparse_bf16_sm90_detail {
-// Raises a kernel's dynamic shared-memory limit once per device (a function attribute, not a
-// stream operation: the first launch does it, before any graph capture that follows).
-template <typename Kernel>
-cudaError_t opt_in_smem(Kernel kernel, size_t bytes, std::atomic<uint64_t>& done) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_relaxed);
-  return err;
-}
-}  // namespace attention_sparse_bf16_sm90_detail
 
 template <int D>
 cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,

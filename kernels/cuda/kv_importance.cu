@@ -18,6 +18,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/smem_opt_in.h"
 
 namespace sf::kernels::cuda {
 namespace {
@@ -152,16 +153,8 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
   if ((p.nk + kOutKeys - 1) / kOutKeys > 0x7fffffff || p.hkv > 65535)
     return SF_ERR(kUnsupported, "kv_importance: grid too large");
   const size_t smem = smem_bytes(p.d);
-  // Above 48 KB for head_dim > 88: opt in once per device (a function attribute).
-  static std::atomic<uint64_t> opted{0};
-  int dev = 0;
-  SF_CUDA_TRY(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
-  if (smem > 48 * 1024 && !(bit && (opted.load(std::memory_order_relaxed) & bit))) {
-    SF_CUDA_TRY(cudaFuncSetAttribute(kv_importance_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    opted.fetch_or(bit, std::memory_order_relaxed);
-  }
+  static std::atomic<uint64_t> opted{0};  // above 48 KB from head_dim 89 on
+  SF_CUDA_TRY(opt_in_smem(kv_importance_kernel, smem, opted));
   const dim3 grid(unsigned((p.nk + kOutKeys - 1) / kOutKeys), unsigned(p.hkv));
   kv_importance_kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   SF_CUDA_TRY(cudaGetLastError());

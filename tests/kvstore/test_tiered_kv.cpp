@@ -42,19 +42,23 @@ struct Fixture {
     std::filesystem::remove_all(dir, ec);
   }
   int64_t block_bytes() const { return int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4; }
+  // A host + disk pool of the model's block shape, budgets in blocks.
+  BlockPoolConfig pool_config(int64_t host_blocks, int64_t disk_blocks) const {
+    BlockPoolConfig pc;
+    pc.n_kv_heads = cfg.n_kv_heads;
+    pc.head_dim = cfg.head_dim;
+    pc.host_bytes = host_blocks * block_bytes();
+    pc.disk_bytes = disk_blocks * block_bytes();
+    pc.disk_dir = dir;
+    return pc;
+  }
 };
 
 TEST(TieredKv, PrefillTiersLayersAndReadsBackBitExact) {
   Fixture f;
   auto m = model::Model::synthetic(f.cfg, f.seed);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-  BlockPoolConfig pc;
-  pc.n_kv_heads = f.cfg.n_kv_heads;
-  pc.head_dim = f.cfg.head_dim;
-  pc.host_bytes = 9 * f.block_bytes();  // 3 hot blocks per layer
-  pc.disk_bytes = 64 * f.block_bytes();
-  pc.disk_dir = f.dir;
-  auto pool = BlockPool::create(pc);
+  auto pool = BlockPool::create(f.pool_config(9, 64));  // 3 hot blocks per layer
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
   TieredKvConfig tc;
   tc.n_layers = f.cfg.n_layers;
@@ -163,13 +167,7 @@ TEST(TieredKv, NotKeptKvLivesOnlyInThePool) {
   Fixture f;
   auto m = model::Model::synthetic(f.cfg, f.seed);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
-  BlockPoolConfig pc;
-  pc.n_kv_heads = f.cfg.n_kv_heads;
-  pc.head_dim = f.cfg.head_dim;
-  pc.host_bytes = 6 * f.block_bytes();
-  pc.disk_bytes = 64 * f.block_bytes();
-  pc.disk_dir = f.dir;
-  auto pool = BlockPool::create(pc);
+  auto pool = BlockPool::create(f.pool_config(6, 64));
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
   auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
   ASSERT_TRUE(tk.is_ok()) << tk.status().to_string();
@@ -208,13 +206,7 @@ TEST(TieredKv, ExtendReplacesLayerBlocks) {
   Fixture f;
   auto m = model::Model::synthetic(f.cfg, f.seed);
   ASSERT_TRUE(m.is_ok());
-  BlockPoolConfig pc;
-  pc.n_kv_heads = f.cfg.n_kv_heads;
-  pc.head_dim = f.cfg.head_dim;
-  pc.host_bytes = 6 * f.block_bytes();
-  pc.disk_bytes = 64 * f.block_bytes();
-  pc.disk_dir = f.dir;
-  auto pool = BlockPool::create(pc);
+  auto pool = BlockPool::create(f.pool_config(6, 64));
   ASSERT_TRUE(pool.is_ok());
   auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
   ASSERT_TRUE(tk.is_ok());
@@ -244,13 +236,7 @@ TEST(TieredKv, NoTierHasRoomIsAClearError) {
   Fixture f;
   auto m = model::Model::synthetic(f.cfg, f.seed);
   ASSERT_TRUE(m.is_ok());
-  BlockPoolConfig pc;
-  pc.n_kv_heads = f.cfg.n_kv_heads;
-  pc.head_dim = f.cfg.head_dim;
-  pc.host_bytes = 4 * f.block_bytes();
-  pc.disk_bytes = 2 * f.block_bytes();
-  pc.disk_dir = f.dir;
-  auto pool = BlockPool::create(pc);
+  auto pool = BlockPool::create(f.pool_config(4, 2));
   ASSERT_TRUE(pool.is_ok());
   auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
   ASSERT_TRUE(tk.is_ok());

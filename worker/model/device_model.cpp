@@ -613,20 +613,19 @@ Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tok
     SF_TRY(w.logits_ready[s].create(false));
     SF_TRY(w.logits_free[s].create(false));
   }
+  // Per-layer events: timing ones around kernels, ordering-only ones for copies.
+  const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
+    v.emplace_back();
+    return v.back().create(timing);
+  };
   for (int l = 0; l < c.n_layers; ++l) {
-    w.kv_copied.emplace_back();
-    SF_TRY(w.kv_copied.back().create(false));
-    w.att_begin.emplace_back();
-    SF_TRY(w.att_begin.back().create(true));
-    w.att_end.emplace_back();
-    SF_TRY(w.att_end.back().create(true));
+    SF_TRY(add_event(w.kv_copied, false));
+    SF_TRY(add_event(w.att_begin, true));
+    SF_TRY(add_event(w.att_end, true));
     if (opt.importance_window > 0) {
-      w.imp_begin.emplace_back();
-      SF_TRY(w.imp_begin.back().create(true));
-      w.imp_end.emplace_back();
-      SF_TRY(w.imp_end.back().create(true));
-      w.imp_copied.emplace_back();
-      SF_TRY(w.imp_copied.back().create(false));
+      SF_TRY(add_event(w.imp_begin, true));
+      SF_TRY(add_event(w.imp_end, true));
+      SF_TRY(add_event(w.imp_copied, false));
     }
   }
 
