@@ -19,6 +19,9 @@
 #   SF_BUILD_DEPS  1: build the GoogleTest/Boost.JSON/xxHash stand-ins below even where the
 #                  packages exist (to test this script's fallbacks on a CPU machine)
 #   SF_BENCH       0: skip the attention benchmark (default 1)
+#   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
+#                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
+#                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
 #   SF_BENCH_LENGTHS         dense lengths (default 8192,32768)
 #   SF_BENCH_SPARSE_LENGTHS  sparse-mode lengths (default 32768)
 #   SF_BENCH_REPS            timed repeats per kernel (default 3)
@@ -309,5 +312,13 @@ PY
   fi
   echo "--- done ($(date -u))" >>"$bl"
   notes+=("$(grep -E '^(device|  dense|  [a-z-]+\(|sdpa )' "$bl" | head -30)")
+fi
+
+# ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------
+if [[ "${SF_DIST:-0}" == 1 ]]; then
+  if ! bash "$root/bench/gpu/distributed.sh" "$build" "$out"; then
+    fail "distributed benchmark failed (see bench-distributed.log)"
+  fi
+  notes+=("$(grep -E '^\{' "$out/bench-distributed.log" | cut -c1-400 | head -12)")
 fi
 exit 0

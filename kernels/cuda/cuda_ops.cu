@@ -86,6 +86,22 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream) {
   return Status::ok();
 }
 
+Status fill_normal(TensorView out, const FillNormal& f, void* stream) {
+  SF_ENSURE(out.device == Device::kCuda, kInvalidArgument, "fill_normal: out must be on the device");
+  SF_ENSURE(out.dtype == DType::kF32 || out.dtype == DType::kBF16, kUnsupported,
+            std::string("fill_normal: dtype ") + dtype_name(out.dtype) + " (supported: F32, BF16)");
+  SF_ENSURE(out.contiguous() && (out.ndim == 1 || out.ndim == 2), kInvalidArgument,
+            "fill_normal: out must be a contiguous 1-D or 2-D tensor");
+  const int64_t rows = out.shape[0], cols = out.ndim == 2 ? out.shape[1] : 1;
+  const int64_t ld = f.ld > 0 ? f.ld : cols;
+  SF_ENSURE(f.row0 >= 0 && f.col0 >= 0 && f.col0 + cols <= ld, kInvalidArgument,
+            "fill_normal: the window's columns fall outside ld");
+  SF_CUDA_TRY(fill_normal_launch(FillNormalParams{out.data, out.dtype == DType::kBF16, rows, cols,
+                                                  ld, f.row0, f.col0, f.seed, f.mean, f.stdv},
+                                 as_stream(stream)));
+  return Status::ok();
+}
+
 Status cast(const TensorView& x, TensorView out, void* stream) {
   const int64_t n = x.numel();
   if (x.dtype == out.dtype) {

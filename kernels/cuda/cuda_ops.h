@@ -102,6 +102,17 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
                      const ImportanceParams& p, TensorView out, void* stream);
 
 // ---- device helpers (tests, tools) -----------------------------------------------------------
+// Deterministic synthetic data: out ([rows, cols] contiguous, F32 or BF16; 1-D counts as one
+// column) = mean + stdv * N(0, 1), where element (r, c) is drawn from a hash of seed and its
+// position (row0 + r) * ld + col0 + c in a notional [*, ld] whole. A window therefore equals the
+// same part of the whole filled with the same seed (tensor-parallel slices of a synthetic model).
+struct FillNormal {
+  uint64_t seed = 0;
+  float mean = 0.f, stdv = 1.f;
+  int64_t ld = 0;  // 0: out's own column count
+  int64_t row0 = 0, col0 = 0;
+};
+Status fill_normal(TensorView out, const FillNormal& f, void* stream);
 // Number of visible CUDA devices; an error (not 0) when there is no driver.
 Status device_count(int* n);
 // Waits for `stream` (nullptr: the legacy default stream) and reports any asynchronous error.

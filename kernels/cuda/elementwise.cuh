@@ -176,4 +176,49 @@ inline cudaError_t add_launch(const AddParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---- deterministic random fill (synthetic weights) -------------------------------------------
+
+// Element (r, c) of a window [rows, cols] cut at (row0, col0) out of a notional [*, ld] tensor
+// gets mean + std * N(0,1), the normal drawn (Box-Muller) from a counter hash of
+// (seed, (row0 + r) * ld + col0 + c): any window of a tensor equals the same part of the whole,
+// which is how tensor-parallel slices of a synthetic model match the unsliced one.
+struct FillNormalParams {
+  void* out;  // [rows, cols] contiguous, F32 or BF16
+  bool bf16;
+  int64_t rows, cols, ld, row0, col0;
+  uint64_t seed;
+  float mean, stdv;
+};
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+static __global__ void fill_normal_kernel(const FillNormalParams p) {
+  const int64_t n = p.rows * p.cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / p.cols, c = i - r * p.cols;
+    const uint64_t h = splitmix64(p.seed ^ splitmix64(uint64_t((p.row0 + r) * p.ld + p.col0 + c)));
+    // Two 24-bit uniforms in (0, 1): the log never sees 0.
+    const float u1 = (float(uint32_t(h >> 40)) + 0.5f) * (1.f / 16777216.f);
+    const float u2 = (float(uint32_t(h & 0xFFFFFFu)) + 0.5f) * (1.f / 16777216.f);
+    const float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+    const float v = p.mean + p.stdv * z;
+    if (p.bf16)
+      static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(p.out)[i] = v;
+  }
+}
+
+inline cudaError_t fill_normal_launch(const FillNormalParams& p, cudaStream_t stream) {
+  if (p.rows * p.cols == 0) return cudaSuccess;
+  fill_normal_kernel<<<flat_blocks(p.rows * p.cols), kFlatThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace sf::kernels::cuda

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -41,41 +42,103 @@ struct DevTensor {
   TensorView view;
 };
 
-Status upload_tensor(const OwnedTensor& t, DType dtype, const char* name, DevTensor* out) {
-  if (t.empty()) return Status::ok();
-  SF_ENSURE(!t.shape.empty() && t.shape.size() <= 2, kInvalidArgument,
-            std::string("device upload: tensor ") + name + " must be 1-D or 2-D");
-  const size_t n = t.data.size();
-  SF_TRY(out->buf.alloc(n * dtype_size(dtype)));
-  if (dtype == DType::kF32) {
-    SF_TRY(out->buf.upload(t.data.data(), n * sizeof(float)));
-  } else {
-    std::vector<uint16_t> half(n);
-    const float* src = t.data.data();
-    parallel_for(
-        n,
-        [&](size_t b, size_t e) {
-          for (size_t i = b; i < e; ++i) half[i] = f32_to_bf16(src[i]);
-        },
-        size_t(1) << 16);
-    SF_TRY(out->buf.upload(half.data(), n * sizeof(uint16_t)));
-  }
+// The part of a [rows, cols] weight (1-D: [n, 1]) a TP slice holds.
+struct Part {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
+};
+
+// One weight of the device model: where it goes, its dtype, its unsliced shape, the slice's
+// part, and how a synthetic model draws it.
+struct WeightSpec {
+  const char* name;
+  DevTensor* dst;
+  DType dtype;
+  int64_t R = 0, C = 1;  // unsliced shape; C == 1 with one_d
+  bool one_d = false;
+  Part part;
+  float mean = 0.f, stdv = 1.f;  // synthetic
+  uint64_t tag = 0;              // synthetic: which tensor (the hash's seed)
+  const OwnedTensor* host = nullptr;
+};
+
+Status set_view(const WeightSpec& w, DevTensor* out) {
   TensorView v;
   v.data = out->buf.data();
-  v.dtype = dtype;
+  v.dtype = w.dtype;
   v.device = Device::kCuda;
-  v.ndim = int(t.shape.size());
-  int64_t stride = 1;
-  for (int k = v.ndim - 1; k >= 0; --k) {
-    v.shape[size_t(k)] = t.shape[size_t(k)];
-    v.stride[size_t(k)] = stride;
-    stride *= t.shape[size_t(k)];
+  v.ndim = w.one_d ? 1 : 2;
+  v.shape[0] = w.part.rows;
+  v.stride[0] = w.one_d ? 1 : w.part.cols;
+  if (!w.one_d) {
+    v.shape[1] = w.part.cols;
+    v.stride[1] = 1;
   }
-  SF_ENSURE(
-      stride == int64_t(n), kInvalidArgument,
-      std::string("device upload: tensor ") + name + " has a shape that does not match its data");
   out->view = v;
   return Status::ok();
+}
+
+// From the host model: the slice's part, converted to the device dtype, uploaded.
+Status upload_part(const WeightSpec& w) {
+  const OwnedTensor& t = *w.host;
+  if (t.empty()) return Status::ok();
+  SF_ENSURE(!t.shape.empty() && t.shape.size() <= 2, kInvalidArgument,
+            std::string("device upload: tensor ") + w.name + " must be 1-D or 2-D");
+  const int64_t R = t.shape[0], C = t.shape.size() == 2 ? t.shape[1] : 1;
+  SF_ENSURE(R == w.R && C == w.C && int64_t(t.data.size()) == R * C, kInvalidArgument,
+            std::string("device upload: tensor ") + w.name + " has shape " +
+                std::to_string(R) + "x" + std::to_string(C) + ", the config implies " +
+                std::to_string(w.R) + "x" + std::to_string(w.C));
+  const Part& p = w.part;
+  const size_t n = size_t(p.rows * p.cols);
+  std::vector<float> f32;
+  std::vector<uint16_t> half;
+  if (w.dtype == DType::kF32)
+    f32.resize(n);
+  else
+    half.resize(n);
+  const float* src = t.data.data();
+  parallel_for(
+      size_t(p.rows),
+      [&](size_t b, size_t e) {
+        for (size_t r = b; r < e; ++r) {
+          const float* row = src + (int64_t(r) + p.row0) * C + p.col0;
+          const size_t o = r * size_t(p.cols);
+          for (int64_t c = 0; c < p.cols; ++c) {
+            if (w.dtype == DType::kF32)
+              f32[o + size_t(c)] = row[c];
+            else
+              half[o + size_t(c)] = f32_to_bf16(row[c]);
+          }
+        }
+      },
+      std::max<size_t>(1, (size_t(1) << 16) / size_t(std::max<int64_t>(p.cols, 1))));
+  SF_TRY(w.dst->buf.alloc(n * dtype_size(w.dtype)));
+  SF_TRY(w.dst->buf.upload(w.dtype == DType::kF32 ? static_cast<const void*>(f32.data())
+                                                  : static_cast<const void*>(half.data()),
+                           n * dtype_size(w.dtype)));
+  return set_view(w, w.dst);
+}
+
+// Synthetic: drawn on the device (kernels::cuda::fill_normal), positions in the unsliced tensor.
+Status fill_part(const WeightSpec& w) {
+  const Part& p = w.part;
+  SF_TRY(w.dst->buf.alloc(size_t(p.rows * p.cols) * dtype_size(w.dtype)));
+  SF_TRY(set_view(w, w.dst));
+  kernels::cuda::FillNormal f;
+  f.seed = w.tag;
+  f.mean = w.mean;
+  f.stdv = w.stdv;
+  f.ld = w.C;
+  f.row0 = p.row0;
+  f.col0 = p.col0;
+  return kernels::cuda::fill_normal(w.dst->view, f, nullptr);
+}
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
 }
 
 // RAII over the runtime's handles. Destructors cannot report; a failure there resurfaces at the
@@ -157,7 +220,9 @@ Status stream_after(cudaStream_t waiter, cudaStream_t producer, cudaEvent_t ev) 
 }  // namespace
 
 struct DeviceModel::Impl {
-  ModelConfig cfg;
+  ModelConfig cfg;       // the slice's
+  ModelConfig full_cfg;  // the whole model's
+  TpSlice slice;
   DType wdt = DType::kBF16;
   int device = 0;
   std::string device_name;
@@ -170,36 +235,156 @@ struct DeviceModel::Impl {
   std::vector<Layer> layers;
 
   ~Impl() { (void)cudaSetDevice(device); }  // the buffers are freed on their own device
+
+  // Sets the configs and the device, then puts every weight of the slice on it: copied from
+  // `host`, or (host null) drawn synthetically from `seed`.
+  Status build(const ModelConfig& c, DType weight_dtype, int dev, TpSlice sl, const Model* host,
+               uint64_t seed);
 };
+
+Status DeviceModel::Impl::build(const ModelConfig& c, DType weight_dtype, int dev, TpSlice sl,
+                                const Model* host, uint64_t seed) {
+  SF_ENSURE(weight_dtype == DType::kBF16 || weight_dtype == DType::kF32, kUnsupported,
+            std::string("device model: weight dtype ") + dtype_name(weight_dtype) +
+                " (supported: BF16, F32)");
+  SF_TRY(cuda_device_check(dev));
+  SF_TRY(c.validate());
+  SF_ENSURE(sl.ways >= 1 && sl.index >= 0 && sl.index < sl.ways, kInvalidArgument,
+            "device model: TP slice " + std::to_string(sl.index) + " of " +
+                std::to_string(sl.ways) + " does not exist");
+  SF_ENSURE(c.n_kv_heads % sl.ways == 0 && c.intermediate % sl.ways == 0, kInvalidArgument,
+            "device model: TP " + std::to_string(sl.ways) + " does not divide the model's " +
+                std::to_string(c.n_kv_heads) + " KV heads and " + std::to_string(c.intermediate) +
+                " intermediate size");
+  SF_CUDA_TRY(cudaSetDevice(dev));
+  cudaDeviceProp prop{};
+  SF_CUDA_TRY(cudaGetDeviceProperties(&prop, dev));
+  full_cfg = c;
+  cfg = c;
+  cfg.n_heads = c.n_heads / sl.ways;
+  cfg.n_kv_heads = c.n_kv_heads / sl.ways;
+  cfg.intermediate = c.intermediate / sl.ways;
+  slice = sl;
+  wdt = weight_dtype;
+  device = dev;
+  device_name = prop.name;
+  if (host) {
+    const ModelWeights& w = host->weights();
+    rope_freqs = w.rope_freqs.data;
+    SF_ENSURE(w.layers.size() == size_t(c.n_layers), kInvalidArgument,
+              "device upload: model has " + std::to_string(w.layers.size()) +
+                  " layers, config says " + std::to_string(c.n_layers));
+  }
+
+  const int64_t H = c.hidden, d = c.head_dim, qd = int64_t(c.n_heads) * d,
+                kvd = int64_t(c.n_kv_heads) * d, I = c.intermediate, V = c.vocab;
+  const int64_t qd_t = qd / sl.ways, kvd_t = kvd / sl.ways, I_t = I / sl.ways;
+  const int64_t q0 = qd_t * sl.index, kv0 = kvd_t * sl.index, i0 = I_t * sl.index;
+  const DType f32 = DType::kF32, wd = weight_dtype;
+  const float sH = 1.f / std::sqrt(float(H)), sQ = 1.f / std::sqrt(float(qd)),
+              sI = 1.f / std::sqrt(float(I));
+  std::vector<WeightSpec> specs;
+  // tag: which tensor; kind < 16 per layer, globals after the layers.
+  auto tag_of = [&](int64_t layer, int kind) { return mix64(seed ^ mix64(uint64_t(layer * 16 + kind))); };
+  auto whole = [](int64_t R, int64_t C) { return Part{0, R, 0, C}; };
+  auto rows = [](int64_t r0, int64_t n, int64_t C) { return Part{r0, n, 0, C}; };
+  auto cols = [](int64_t R, int64_t c0, int64_t n) { return Part{0, R, c0, n}; };
+  auto add = [&](const char* name, DevTensor* dst, DType t, int64_t R, int64_t C, bool one_d,
+                 Part part, float mean, float stdv, uint64_t tag, const OwnedTensor* src) {
+    WeightSpec w{name, dst, t, R, C, one_d, part, mean, stdv, tag, src};
+    specs.push_back(w);
+  };
+  const ModelWeights* hw = host ? &host->weights() : nullptr;
+  const int64_t G = c.n_layers;  // global tensors' layer id in the tag
+  add("tok_embd", &tok_embd, f32, V, H, false, whole(V, H), 0.f, 1.f, tag_of(G, 0),
+      hw ? &hw->tok_embd : nullptr);
+  add("out_norm", &out_norm, f32, H, 1, true, whole(H, 1), 1.f, 0.1f, tag_of(G, 1),
+      hw ? &hw->out_norm : nullptr);
+  // Tied and F32: the embedding table serves as the head. Otherwise the head is its own copy (a
+  // tied synthetic head draws the embedding's values: same tag).
+  const bool tied = host ? hw->lm_head.empty() : c.tied_embeddings;
+  if (!(tied && wd == f32))
+    add("lm_head", &lm_head, wd, V, H, false, whole(V, H), 0.f, tied ? 1.f : sH,
+        tag_of(G, tied ? 0 : 2), host ? &host->output_weight() : nullptr);
+  layers.resize(size_t(c.n_layers));
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    Layer& L = layers[size_t(l)];
+    const LayerWeights* s = hw ? &hw->layers[size_t(l)] : nullptr;
+    auto src = [&](const OwnedTensor LayerWeights::*f) { return s ? &(s->*f) : nullptr; };
+    add("attn_norm", &L.attn_norm, f32, H, 1, true, whole(H, 1), 1.f, 0.1f, tag_of(l, 0),
+        src(&LayerWeights::attn_norm));
+    add("wq", &L.wq, wd, qd, H, false, rows(q0, qd_t, H), 0.f, sH, tag_of(l, 1),
+        src(&LayerWeights::wq));
+    add("wk", &L.wk, wd, kvd, H, false, rows(kv0, kvd_t, H), 0.f, sH, tag_of(l, 2),
+        src(&LayerWeights::wk));
+    add("wv", &L.wv, wd, kvd, H, false, rows(kv0, kvd_t, H), 0.f, sH, tag_of(l, 3),
+        src(&LayerWeights::wv));
+    if (host ? !s->bq.empty() : c.qkv_bias) {
+      add("bq", &L.bq, f32, qd, 1, true, rows(q0, qd_t, 1), 0.f, 0.1f, tag_of(l, 4),
+          src(&LayerWeights::bq));
+      add("bk", &L.bk, f32, kvd, 1, true, rows(kv0, kvd_t, 1), 0.f, 0.1f, tag_of(l, 5),
+          src(&LayerWeights::bk));
+      add("bv", &L.bv, f32, kvd, 1, true, rows(kv0, kvd_t, 1), 0.f, 0.1f, tag_of(l, 6),
+          src(&LayerWeights::bv));
+    }
+    add("wo", &L.wo, wd, H, qd, false, cols(H, q0, qd_t), 0.f, sQ, tag_of(l, 7),
+        src(&LayerWeights::wo));
+    add("ffn_norm", &L.ffn_norm, f32, H, 1, true, whole(H, 1), 1.f, 0.1f, tag_of(l, 8),
+        src(&LayerWeights::ffn_norm));
+    add("w_gate", &L.w_gate, wd, I, H, false, rows(i0, I_t, H), 0.f, sH, tag_of(l, 9),
+        src(&LayerWeights::w_gate));
+    add("w_up", &L.w_up, wd, I, H, false, rows(i0, I_t, H), 0.f, sH, tag_of(l, 10),
+        src(&LayerWeights::w_up));
+    add("w_down", &L.w_down, wd, H, I, false, cols(H, i0, I_t), 0.f, sI, tag_of(l, 11),
+        src(&LayerWeights::w_down));
+  }
+  for (const WeightSpec& w : specs) {
+    SF_TRY(host ? upload_part(w) : fill_part(w));
+    bytes += w.dst->buf.size();
+  }
+  if (!host) SF_TRY(kernels::cuda::stream_synchronize(nullptr));  // the fills
+  if (tied && wd == f32) lm_head.view = tok_embd.view;
+  return Status::ok();
+}
 
 struct DevicePrefill::Impl {
   const DeviceModel::Impl* m = nullptr;
   PrefillOptions opt;
   int64_t max_tokens = 0, chunk = 0, max_logit_rows = 0;
+  int64_t max_rows = 0;  // rows this rank holds at most: max_tokens, or a shard's local rows
   bool half = false;  // linear inputs are cast to the weight dtype first
   // BF16 weights and a cuDNN build: attention runs on BF16 copies of Q, K, V (cuDNN's fused
   // kernel, fp32 softmax and accumulation) and its output is widened back to F32. F32 weights
   // keep the F32 reference kernel (the bit-for-bit path the f32 tests bound at 1e-5).
   bool attn_bf16 = false;
-  double plan_s = 0;
+  // A rank of a TP x CP group (plan_shard): its pieces of the prompt and the exchange hooks.
+  bool sharded = false;
+  DeviceShard shard;
+  double plan_s = 0, hook_s = 0;
   size_t ws_bytes = 0;
 
   CudaStream compute, copy;
-  // Device workspace. x: residual [S, H]; q, att: [S, hq*d]; lse: [hq, S]; per chunk C: xn, tmp
-  // [C, H], gate, up [C, I], xh [C, max(H, hq*d, I)] in the weight dtype. K/V: two slots of
-  // [S, hkv*d] used by alternate layers; logits: two slots of [C, vocab].
-  DeviceBuffer tokens, positions, x, q, att, lse, xn, xh, tmp, gate, up;
-  DeviceBuffer qh, kh, vh, atth;  // attn_bf16: BF16 [S, hq*d] / [S, hkv*d] / [S, hq*d]
+  // Device workspace, NL = the rows this rank holds (S unsharded). x: residual [NL, H]; q, att:
+  // [NL, hq*d]; lse: [hq, NL]; part: [NL, H] (O and down projections, summed over TP slices
+  // before the residual add); per chunk C: xn [C, H], gate, up [C, I], xh [C, max(H, hq*d, I)]
+  // in the weight dtype. K/V: two slots of [NL, hkv*d] used by alternate layers; logits: two
+  // slots of [C, vocab].
+  DeviceBuffer tokens, positions, x, q, att, lse, xn, xh, part, gate, up;
+  DeviceBuffer qh, kh, vh, atth;  // attn_bf16: BF16 [NL, hq*d] / [S, hkv*d] / [NL, hq*d]
+  DeviceBuffer kh_loc, vh_loc;    // sharded, attn_bf16: this rank's BF16 K/V rows [NL, hkv*d]
+  DeviceBuffer k_all, v_all;      // sharded, F32 attention: every row [S, hkv*d]
   DeviceBuffer k[2], v[2], logits[2];
   CudaEvent kv_ready[2], kv_free[2], logits_ready[2], logits_free[2];
   std::vector<CudaEvent> kv_copied;           // per layer, on the copy stream
   std::vector<CudaEvent> att_begin, att_end;  // per layer, timing the attention kernel
+  CudaEvent layers_begin;                     // before layer 0; with layer_end: per-layer time
+  std::vector<CudaEvent> layer_end;
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
   DeviceBuffer imp;
   std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
-  bool dry = false;  // forward() walks the ops but only plans the GEMMs
+  bool dry = false;  // forward() walks the ops but only plans the GEMMs and attention shapes
 
   ~Impl() {
     // An error path may leave work in flight on buffers about to be freed.
@@ -219,6 +404,12 @@ struct DevicePrefill::Impl {
     return Status::ok();
   }
 
+  // The rows this rank computes: the shard's pieces, or the whole prompt.
+  std::vector<std::array<int64_t, 2>> pieces(int64_t S) const {
+    if (sharded) return shard.pieces;
+    return {{int64_t(0), S}};
+  }
+
   // The F32 activation x as a GEMM input: itself with F32 weights, else rounded into xh.
   Result<TensorView> gemm_input(const TensorView& x_f32) {
     if (!half) return x_f32;
@@ -232,6 +423,27 @@ struct DevicePrefill::Impl {
     return kernels::linear(in, w.view, b.view, y, cs());
   }
 
+  // A shard hook: runs once the compute stream has drained (it reads what the stream wrote);
+  // its time is the communication the rank waited for.
+  template <typename F>
+  Status hook(F&& f) {
+    SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+    const auto t0 = Clock::now();
+    Status s = f();
+    hook_s += seconds_since(t0);
+    return s;
+  }
+
+  // x += part over n rows, after the TP slices' partial sums have been added up.
+  Status residual_add(float* X, int64_t n) {
+    const int64_t H = m->cfg.hidden;
+    if (dry || n == 0) return Status::ok();
+    if (shard.reduce_tp) SF_TRY(hook([&] { return shard.reduce_tp(part.as<float>(), n * H); }));
+    return kernels::add_inplace(dview(X, DType::kF32, {n, H}),
+                                dview(part.data(), DType::kF32, {n, H}), cs());
+  }
+
+  Status setup(const DeviceModel::Impl& dmi, int64_t max_toks, const PrefillOptions& o);
   Status forward(std::span<const int32_t> ids, int64_t S, PrefillResult* res);
 };
 
@@ -239,7 +451,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   const ModelConfig& c = m->cfg;
   const int64_t H = c.hidden, hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim,
                 I = c.intermediate, vocab = c.vocab, qd = hq * d, kvd = hkv * d;
-  const int64_t C = std::min(chunk, S);
+  const std::vector<std::array<int64_t, 2>> pcs = pieces(S);
+  int64_t NL = 0;
+  for (const auto& p : pcs) NL += p[1] - p[0];
+  const int64_t C = std::min(chunk, NL);
   const bool keep_kv = opt.keep_kv;
   // Host copies of each layer's K/V: for the result (keep_kv) and for the per-layer hook.
   const bool host_kv = keep_kv || bool(opt.on_layer_kv);
@@ -252,15 +467,21 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   if (!m->rope_freqs.empty()) rope.freq_factors = m->rope_freqs.data();
   kernels::AttentionParams ap;
   ap.causal = true;
-  ap.q_offset = 0;
   const DevTensor none;
+  hook_s = 0;
 
   if (!dry) {
-    std::memcpy(h_tokens.as<int32_t>(), ids.data(), size_t(S) * sizeof(int32_t));
-    SF_CUDA_TRY(cudaMemcpyAsync(tokens.data(), h_tokens.as<int32_t>(), size_t(S) * sizeof(int32_t),
+    int32_t* const ht = h_tokens.as<int32_t>();
+    int64_t o = 0;
+    for (const auto& p : pcs) {
+      std::memcpy(ht + o, ids.data() + p[0], size_t(p[1] - p[0]) * sizeof(int32_t));
+      o += p[1] - p[0];
+    }
+    SF_CUDA_TRY(cudaMemcpyAsync(tokens.data(), ht, size_t(NL) * sizeof(int32_t),
                                 cudaMemcpyHostToDevice, st));
-    SF_TRY(kernels::embedding(m->tok_embd.view, tokens.as<int32_t>(), S,
-                              dview(X, DType::kF32, {S, H}), cs()));
+    SF_TRY(kernels::embedding(m->tok_embd.view, tokens.as<int32_t>(), NL,
+                              dview(X, DType::kF32, {NL, H}), cs()));
+    SF_CUDA_TRY(cudaEventRecord(layers_begin.get(), st));
   }
 
   for (int l = 0; l < c.n_layers; ++l) {
@@ -271,9 +492,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     float* const K = k[slot].as<float>();
     float* const V = v[slot].as<float>();
 
-    // 1) norm, QKV, RoPE per chunk.
-    for (int64_t c0 = 0; c0 < S; c0 += C) {
-      const int64_t n = std::min(C, S - c0);
+    // 1) norm, QKV, RoPE per chunk of this rank's rows (positions: their places in the prompt).
+    for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
       float* const qc = Q + c0 * qd;
       float* const kc = K + c0 * kvd;
@@ -294,51 +515,86 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     // K and V of this layer are final: copy them out while attention and later layers run.
     if (!dry && host_kv) {
       SF_TRY(stream_after(cp, st, kv_ready[slot].get()));
-      const size_t bytes = size_t(S * kvd) * sizeof(float);
-      float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_tokens * kvd);
-      float* const hv = hk + size_t(max_tokens * kvd);
+      const size_t bytes = size_t(NL * kvd) * sizeof(float);
+      float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
+      float* const hv = hk + size_t(max_rows * kvd);
       SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
       SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
       SF_CUDA_TRY(cudaEventRecord(kv_free[slot].get(), cp));
       SF_CUDA_TRY(cudaEventRecord(kv_copied[size_t(l)].get(), cp));
     }
 
-    // 2) attention over all rows.
-    if (attn_bf16) {
-      const TensorView qb = dview(qh.data(), DType::kBF16, {S, hq, d});
-      const TensorView kb = dview(kh.data(), DType::kBF16, {S, hkv, d});
-      const TensorView vb = dview(vh.data(), DType::kBF16, {S, hkv, d});
-      const TensorView ob = dview(atth.data(), DType::kBF16, {S, hq, d});
-      if (dry) {
-        SF_TRY(kernels::cuda::attention_dense_plan(qb, kb, vb, ob, ap));
+    // 2) attention inputs: Q of this rank's rows, K/V of the whole prompt (a shard gets the other
+    // ranks' rows through exchange_kv, in the attention's dtype), then one call per piece.
+    const DType adt = attn_bf16 ? DType::kBF16 : DType::kF32;
+    const size_t aes = dtype_size(adt);
+    void* const QA = attn_bf16 ? qh.data() : static_cast<void*>(Q);
+    void* const OA = attn_bf16 ? atth.data() : static_cast<void*>(ATT);
+    void* KA = attn_bf16 ? kh.data() : static_cast<void*>(K);
+    void* VA = attn_bf16 ? vh.data() : static_cast<void*>(V);
+    if (shard.exchange_kv) {
+      void* kl = K;
+      void* vl = V;
+      if (attn_bf16) {
+        kl = kh_loc.data();
+        vl = vh_loc.data();
+        if (!dry) {
+          SF_TRY(kernels::cast(dview(K, DType::kF32, {NL, hkv, d}), dview(kl, adt, {NL, hkv, d}),
+                               cs()));
+          SF_TRY(kernels::cast(dview(V, DType::kF32, {NL, hkv, d}), dview(vl, adt, {NL, hkv, d}),
+                               cs()));
+        }
       } else {
-        SF_CUDA_TRY(cudaEventRecord(att_begin[size_t(l)].get(), st));
-        SF_TRY(kernels::cast(dview(Q, DType::kF32, {S, hq, d}), qb, cs()));
-        SF_TRY(kernels::cast(dview(K, DType::kF32, {S, hkv, d}), kb, cs()));
-        SF_TRY(kernels::cast(dview(V, DType::kF32, {S, hkv, d}), vb, cs()));
-        SF_TRY(kernels::attention_dense(qb, kb, vb, ob, dview(lse.data(), DType::kF32, {hq, S}), ap,
-                                        cs()));
-        SF_TRY(kernels::cast(ob, dview(ATT, DType::kF32, {S, hq, d}), cs()));
-        SF_CUDA_TRY(cudaEventRecord(att_end[size_t(l)].get(), st));
+        KA = k_all.data();
+        VA = v_all.data();
       }
-    } else if (!dry) {
+      if (!dry) SF_TRY(hook([&] { return shard.exchange_kv(l, kl, vl, KA, VA, adt); }));
+    }
+    // Attention time: the casts and the kernels (a shard's exchange is communication).
+    if (!dry) {
       SF_CUDA_TRY(cudaEventRecord(att_begin[size_t(l)].get(), st));
-      SF_TRY(kernels::attention_dense(
-          dview(Q, DType::kF32, {S, hq, d}), dview(K, DType::kF32, {S, hkv, d}),
-          dview(V, DType::kF32, {S, hkv, d}), dview(ATT, DType::kF32, {S, hq, d}),
-          dview(lse.data(), DType::kF32, {hq, S}), ap, cs()));
+      if (attn_bf16) {
+        SF_TRY(kernels::cast(dview(Q, DType::kF32, {NL, hq, d}), dview(QA, adt, {NL, hq, d}),
+                             cs()));
+        if (!shard.exchange_kv) {
+          SF_TRY(kernels::cast(dview(K, DType::kF32, {S, hkv, d}), dview(KA, adt, {S, hkv, d}),
+                               cs()));
+          SF_TRY(kernels::cast(dview(V, DType::kF32, {S, hkv, d}), dview(VA, adt, {S, hkv, d}),
+                               cs()));
+        }
+      }
+    }
+    for (int64_t j = 0, lo = 0; j < int64_t(pcs.size()); lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
+      const int64_t b = pcs[size_t(j)][0], e = pcs[size_t(j)][1], n = e - b;
+      ap.q_offset = b;
+      const TensorView qv = dview(static_cast<char*>(QA) + size_t(lo * qd) * aes, adt, {n, hq, d});
+      const TensorView kv3 = dview(KA, adt, {e, hkv, d});
+      const TensorView vv = dview(VA, adt, {e, hkv, d});
+      const TensorView ov = dview(static_cast<char*>(OA) + size_t(lo * qd) * aes, adt, {n, hq, d});
+      if (dry) {
+        if (attn_bf16) SF_TRY(kernels::cuda::attention_dense_plan(qv, kv3, vv, ov, ap));
+        continue;
+      }
+      SF_TRY(kernels::attention_dense(qv, kv3, vv, ov,
+                                      dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n}), ap,
+                                      cs()));
+    }
+    if (!dry) {
+      if (attn_bf16) SF_TRY(kernels::cast(dview(OA, adt, {NL, hq, d}),
+                                          dview(ATT, DType::kF32, {NL, hq, d}), cs()));
       SF_CUDA_TRY(cudaEventRecord(att_end[size_t(l)].get(), st));
     }
+    ap.q_offset = 0;
 
     // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
     // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
-    // rounded copies; the kernel caps each recomputed score at its row's LSE).
+    // rounded copies; the kernel caps each recomputed score at its row's LSE). Unsharded only.
     if (!dry && opt.importance_window > 0) {
       kernels::ImportanceParams ip;
       ip.window = opt.importance_window;
       ip.pool = opt.importance_pool;
       ip.scale = ap.scale;
-      ip.q_offset = ap.q_offset;
+      ip.q_offset = 0;
       SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
       SF_TRY(kernels::kv_importance(dview(Q, DType::kF32, {S, hq, d}),
                                     dview(K, DType::kF32, {S, hkv, d}),
@@ -351,34 +607,39 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       SF_CUDA_TRY(cudaEventRecord(imp_copied[size_t(l)].get(), st));
     }
 
-    // 3) O projection, residual, MLP per chunk.
-    for (int64_t c0 = 0; c0 < S; c0 += C) {
-      const int64_t n = std::min(C, S - c0);
-      const TensorView xc = dview(X + c0 * H, DType::kF32, {n, H});
+    // 3) O projection of every row (partial over this TP slice's heads), summed, residual.
+    for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      const int64_t n = std::min(C, NL - c0);
+      SF_ASSIGN(const TensorView in_o, gemm_input(dview(ATT + c0 * qd, DType::kF32, {n, qd})));
+      SF_TRY(linear(in_o, L.wo, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
+    }
+    SF_TRY(residual_add(X, NL));
+    // 4) MLP per chunk (down projection partial over this slice's columns), summed, residual.
+    for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
-      const TensorView tv = dview(tmp.data(), DType::kF32, {n, H});
       const TensorView gv = dview(gate.data(), DType::kF32, {n, I});
       const TensorView uv = dview(up.data(), DType::kF32, {n, I});
-      SF_ASSIGN(const TensorView in_o, gemm_input(dview(ATT + c0 * qd, DType::kF32, {n, qd})));
-      SF_TRY(linear(in_o, L.wo, none, tv));
-      if (!dry) {
-        SF_TRY(kernels::add_inplace(xc, tv, cs()));
-        SF_TRY(kernels::rms_norm(xc, L.ffn_norm.view, c.rms_eps, xnv, cs()));
-      }
+      if (!dry)
+        SF_TRY(kernels::rms_norm(dview(X + c0 * H, DType::kF32, {n, H}), L.ffn_norm.view,
+                                 c.rms_eps, xnv, cs()));
       SF_ASSIGN(const TensorView in_f, gemm_input(xnv));
       SF_TRY(linear(in_f, L.w_gate, none, gv));
       SF_TRY(linear(in_f, L.w_up, none, uv));
       if (!dry) SF_TRY(kernels::swiglu(gv, uv, gv, cs()));
       SF_ASSIGN(const TensorView in_d, gemm_input(gv));
-      SF_TRY(linear(in_d, L.w_down, none, tv));
-      if (!dry) SF_TRY(kernels::add_inplace(xc, tv, cs()));
+      SF_TRY(linear(in_d, L.w_down, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
     }
+    SF_TRY(residual_add(X, NL));
+    if (!dry) SF_CUDA_TRY(cudaEventRecord(layer_end[size_t(l)].get(), st));
   }
 
   // Final norm + LM head on the requested rows, in chunks through two device slots, each copied
-  // to pinned host memory on the copy stream.
-  const int64_t row0 = opt.all_logits ? 0 : S - 1;
-  const int64_t rows = S - row0;
+  // to pinned host memory on the copy stream. A shard's last row is the prompt's last on the
+  // rank that computes logits (the zigzag puts the last chunk on CP rank 0).
+  const bool want_logits = !sharded || shard.logits;
+  const int64_t row0 = opt.all_logits ? 0 : NL - 1;
+  const int64_t rows = want_logits ? NL - row0 : 0;
   for (int64_t r = 0, j = 0; r < rows; r += C, ++j) {
     const int64_t n = std::min(C, rows - r);
     const int slot = int(j % 2);
@@ -404,7 +665,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   kv.n_layers = c.n_layers;
   kv.n_kv_heads = int(hkv);
   kv.head_dim = int(d);
-  kv.n_tokens = S;
+  kv.n_tokens = NL;  // a shard's rows: its pieces in order
   kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   // The per-layer hook (KV tiering) runs here, on the host thread, for each layer as soon as its
@@ -413,8 +674,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   if (host_kv) {
     for (int l = 0; l < c.n_layers; ++l) {
       SF_CUDA_TRY(cudaEventSynchronize(kv_copied[size_t(l)].get()));
-      float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_tokens * kvd);
-      float* hv = hk + size_t(max_tokens * kvd);
+      float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
+      float* hv = hk + size_t(max_rows * kvd);
       if (opt.on_layer_kv) {
         std::span<const float> imp_l;
         if (opt.importance_window > 0) {
@@ -426,8 +687,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
                                TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
       }
       if (keep_kv) {
-        kv.k[size_t(l)].assign(hk, hk + S * kvd);
-        kv.v[size_t(l)].assign(hv, hv + S * kvd);
+        kv.k[size_t(l)].assign(hk, hk + NL * kvd);
+        kv.v[size_t(l)].assign(hv, hv + NL * kvd);
       }
     }
   }
@@ -435,8 +696,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   SF_CUDA_TRY(cudaStreamSynchronize(cp));
   res->n_logit_rows = rows;
   res->logits.assign(h_logits.as<float>(), h_logits.as<float>() + rows * vocab);
-  const float* last = res->logits.data() + (rows - 1) * vocab;
-  res->first_token = int32_t(std::max_element(last, last + vocab) - last);
+  if (rows > 0) {
+    const float* last = res->logits.data() + (rows - 1) * vocab;
+    res->first_token = int32_t(std::max_element(last, last + vocab) - last);
+  }
   res->attention_s = 0;
   for (int l = 0; l < c.n_layers; ++l) {
     float ms = 0.f;
@@ -444,7 +707,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     res->attention_s += double(ms) * 1e-3;
   }
   res->kv_peak_bytes =
-      host_kv ? int64_t(c.n_layers) * 2 * max_tokens * kvd * int64_t(sizeof(float)) : 0;
+      host_kv ? int64_t(c.n_layers) * 2 * max_rows * kvd * int64_t(sizeof(float)) : 0;
   res->importance_s = 0;
   res->importance.clear();
   if (opt.importance_window > 0) {
@@ -473,169 +736,185 @@ Status cuda_device_check(int device) {
   return Status::ok();
 }
 
-Result<DeviceModel> DeviceModel::upload(const Model& model, DType weight_dtype, int device) {
-  SF_ENSURE(weight_dtype == DType::kBF16 || weight_dtype == DType::kF32, kUnsupported,
-            std::string("device upload: weight dtype ") + dtype_name(weight_dtype) +
-                " (supported: BF16, F32)");
-  SF_TRY(cuda_device_check(device));
-  const ModelConfig& c = model.config();
-  SF_TRY(c.validate());
-  SF_CUDA_TRY(cudaSetDevice(device));
-  cudaDeviceProp prop{};
-  SF_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
-
+Result<DeviceModel> DeviceModel::upload(const Model& model, DType weight_dtype, int device,
+                                        TpSlice slice) {
   DeviceModel dm;
   dm.impl_ = std::make_unique<Impl>();
-  Impl& m = *dm.impl_;
-  m.cfg = c;
-  m.wdt = weight_dtype;
-  m.device = device;
-  m.device_name = prop.name;
-  const ModelWeights& w = model.weights();
-  m.rope_freqs = w.rope_freqs.data;
-  SF_ENSURE(w.layers.size() == size_t(c.n_layers), kInvalidArgument,
-            "device upload: model has " + std::to_string(w.layers.size()) +
-                " layers, config says " + std::to_string(c.n_layers));
-  const DType f32 = DType::kF32, wd = weight_dtype;
-  SF_TRY(upload_tensor(w.tok_embd, f32, "tok_embd", &m.tok_embd));
-  SF_TRY(upload_tensor(w.out_norm, f32, "out_norm", &m.out_norm));
-  if (w.lm_head.empty() && wd == f32) {
-    m.lm_head.view = m.tok_embd.view;  // tied and same dtype: one copy serves both
-  } else {
-    SF_TRY(upload_tensor(model.output_weight(), wd, "lm_head", &m.lm_head));
-  }
-  m.layers.resize(w.layers.size());
-  for (size_t l = 0; l < w.layers.size(); ++l) {
-    const LayerWeights& s = w.layers[l];
-    Impl::Layer& L = m.layers[l];
-    SF_TRY(upload_tensor(s.attn_norm, f32, "attn_norm", &L.attn_norm));
-    SF_TRY(upload_tensor(s.wq, wd, "wq", &L.wq));
-    SF_TRY(upload_tensor(s.wk, wd, "wk", &L.wk));
-    SF_TRY(upload_tensor(s.wv, wd, "wv", &L.wv));
-    SF_TRY(upload_tensor(s.bq, f32, "bq", &L.bq));
-    SF_TRY(upload_tensor(s.bk, f32, "bk", &L.bk));
-    SF_TRY(upload_tensor(s.bv, f32, "bv", &L.bv));
-    SF_TRY(upload_tensor(s.wo, wd, "wo", &L.wo));
-    SF_TRY(upload_tensor(s.ffn_norm, f32, "ffn_norm", &L.ffn_norm));
-    SF_TRY(upload_tensor(s.w_gate, wd, "w_gate", &L.w_gate));
-    SF_TRY(upload_tensor(s.w_up, wd, "w_up", &L.w_up));
-    SF_TRY(upload_tensor(s.w_down, wd, "w_down", &L.w_down));
-    for (const DevTensor* t : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.bq, &L.bk, &L.bv, &L.wo,
-                               &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
-      m.bytes += t->buf.size();
-  }
-  m.bytes += m.tok_embd.buf.size() + m.out_norm.buf.size() + m.lm_head.buf.size();
+  SF_TRY(dm.impl_->build(model.config(), weight_dtype, device, slice, &model, 0));
   return dm;
 }
 
-Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tokens,
-                                          const PrefillOptions& opt) {
+Result<DeviceModel> DeviceModel::synthetic(const ModelConfig& cfg, uint64_t seed,
+                                           DType weight_dtype, int device, TpSlice slice) {
+  DeviceModel dm;
+  dm.impl_ = std::make_unique<Impl>();
+  SF_TRY(dm.impl_->build(cfg, weight_dtype, device, slice, nullptr, seed));
+  return dm;
+}
+
+Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks,
+                                  const PrefillOptions& o) {
   const auto t0 = Clock::now();
-  const DeviceModel::Impl& m = *dm.impl_;
-  const ModelConfig& c = m.cfg;
-  SF_ENSURE(max_tokens > 0, kInvalidArgument, "device prefill: max_tokens must be positive");
-  SF_ENSURE(max_tokens <= INT32_MAX, kInvalidArgument,
+  const ModelConfig& c = dmi.cfg;
+  SF_ENSURE(max_toks > 0, kInvalidArgument, "device prefill: max_tokens must be positive");
+  SF_ENSURE(max_toks <= INT32_MAX, kInvalidArgument,
             "device prefill: max_tokens exceeds the int32 positions");
-  SF_ENSURE(opt.chunk > 0, kInvalidArgument, "device prefill: chunk must be positive");
-  SF_ENSURE(opt.sparse == nullptr, kUnsupported,
+  SF_ENSURE(o.chunk > 0, kInvalidArgument, "device prefill: chunk must be positive");
+  SF_ENSURE(o.sparse == nullptr, kUnsupported,
             "device prefill: sparse attention is not implemented on CUDA yet (dense only); use the "
             "CPU forward for sparse attention modes");
-  SF_ENSURE(!opt.on_attention, kUnsupported,
+  SF_ENSURE(!o.on_attention, kUnsupported,
             "device prefill: attention observers read host tensors; use the CPU forward");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
             "device prefill: head_dim " + std::to_string(c.head_dim) +
                 " (CUDA attention supports 64 and 128)");
-  SF_CUDA_TRY(cudaSetDevice(m.device));
+  SF_ENSURE(o.importance_window >= 0, kInvalidArgument,
+            "device prefill: importance_window must be >= 0");
+  SF_ENSURE(dmi.slice.ways == 1 || (sharded && shard.reduce_tp), kInvalidArgument,
+            "device prefill: the model is TP slice " + std::to_string(dmi.slice.index) + " of " +
+                std::to_string(dmi.slice.ways) + "; plan it as a shard with a reduce_tp hook");
+  SF_CUDA_TRY(cudaSetDevice(dmi.device));
 
-  DevicePrefill p;
-  p.impl_ = std::make_unique<Impl>();
-  Impl& w = *p.impl_;
-  w.m = &m;
-  w.opt = opt;
-  w.max_tokens = max_tokens;
-  w.chunk = std::min(opt.chunk, max_tokens);
-  w.max_logit_rows = opt.all_logits ? max_tokens : 1;
-  w.half = m.wdt != DType::kF32;
-  SF_TRY(w.compute.create());
-  SF_TRY(w.copy.create());
+  m = &dmi;
+  opt = o;
+  max_tokens = max_toks;
+  max_rows = max_toks;
+  if (sharded) {
+    max_rows = 0;
+    for (const auto& p : shard.pieces) max_rows += p[1] - p[0];
+  }
+  chunk = std::min(o.chunk, max_rows);
+  max_logit_rows = o.all_logits ? max_rows : 1;
+  half = dmi.wdt != DType::kF32;
+  SF_TRY(compute.create());
+  SF_TRY(copy.create());
 
-  const size_t f = sizeof(float), S = size_t(max_tokens), C = size_t(w.chunk);
+  const size_t f = sizeof(float), S = size_t(max_tokens), NL = size_t(max_rows),
+               C = size_t(chunk);
   const size_t H = size_t(c.hidden), qd = size_t(c.n_heads) * size_t(c.head_dim),
                kvd = size_t(c.n_kv_heads) * size_t(c.head_dim), I = size_t(c.intermediate),
                vocab = size_t(c.vocab);
-  SF_TRY(w.alloc(w.tokens, S * sizeof(int32_t)));
-  SF_TRY(w.alloc(w.x, S * H * f));
-  SF_TRY(w.alloc(w.q, S * qd * f));
-  SF_TRY(w.alloc(w.att, S * qd * f));
-  SF_TRY(w.alloc(w.lse, S * size_t(c.n_heads) * f));
-  SF_TRY(w.alloc(w.xn, C * H * f));
-  SF_TRY(w.alloc(w.tmp, C * H * f));
-  SF_TRY(w.alloc(w.gate, C * I * f));
-  SF_TRY(w.alloc(w.up, C * I * f));
-  if (w.half) SF_TRY(w.alloc(w.xh, C * std::max({H, qd, I}) * dtype_size(m.wdt)));
-  w.attn_bf16 = m.wdt == DType::kBF16 && kernels::cuda::attention_dense_bf16_available().is_ok();
-  if (w.attn_bf16) {
-    SF_TRY(w.alloc(w.qh, S * qd * 2));
-    SF_TRY(w.alloc(w.kh, S * kvd * 2));
-    SF_TRY(w.alloc(w.vh, S * kvd * 2));
-    SF_TRY(w.alloc(w.atth, S * qd * 2));
+  SF_TRY(alloc(tokens, NL * sizeof(int32_t)));
+  SF_TRY(alloc(x, NL * H * f));
+  SF_TRY(alloc(q, NL * qd * f));
+  SF_TRY(alloc(att, NL * qd * f));
+  SF_TRY(alloc(lse, NL * size_t(c.n_heads) * f));
+  SF_TRY(alloc(part, NL * H * f));
+  SF_TRY(alloc(xn, C * H * f));
+  SF_TRY(alloc(gate, C * I * f));
+  SF_TRY(alloc(up, C * I * f));
+  if (half) SF_TRY(alloc(xh, C * std::max({H, qd, I}) * dtype_size(dmi.wdt)));
+  attn_bf16 = dmi.wdt == DType::kBF16 && kernels::cuda::attention_dense_bf16_available().is_ok();
+  if (attn_bf16) {
+    SF_TRY(alloc(qh, NL * qd * 2));
+    SF_TRY(alloc(kh, S * kvd * 2));
+    SF_TRY(alloc(vh, S * kvd * 2));
+    SF_TRY(alloc(atth, NL * qd * 2));
   }
-  const bool host_kv = opt.keep_kv || bool(opt.on_layer_kv);  // as in forward()
+  if (shard.exchange_kv) {
+    if (attn_bf16) {
+      SF_TRY(alloc(kh_loc, NL * kvd * 2));
+      SF_TRY(alloc(vh_loc, NL * kvd * 2));
+    } else {
+      SF_TRY(alloc(k_all, S * kvd * f));
+      SF_TRY(alloc(v_all, S * kvd * f));
+    }
+  }
+  const bool host_kv = o.keep_kv || bool(o.on_layer_kv);  // as in forward()
   const int kv_slots = host_kv ? 2 : 1;
   for (int s = 0; s < kv_slots; ++s) {
-    SF_TRY(w.alloc(w.k[s], S * kvd * f));
-    SF_TRY(w.alloc(w.v[s], S * kvd * f));
+    SF_TRY(alloc(k[s], NL * kvd * f));
+    SF_TRY(alloc(v[s], NL * kvd * f));
   }
-  const size_t logit_chunk = std::min(C, size_t(w.max_logit_rows));
-  const int logit_slots = size_t(w.max_logit_rows) > logit_chunk ? 2 : 1;
-  for (int s = 0; s < logit_slots; ++s) SF_TRY(w.alloc(w.logits[s], logit_chunk * vocab * f));
+  const size_t logit_chunk = std::min(C, size_t(max_logit_rows));
+  const int logit_slots = size_t(max_logit_rows) > logit_chunk ? 2 : 1;
+  for (int s = 0; s < logit_slots; ++s) SF_TRY(alloc(logits[s], logit_chunk * vocab * f));
   {
-    std::vector<int32_t> iota(S);
-    for (size_t i = 0; i < S; ++i) iota[i] = int32_t(i);
-    SF_TRY(w.positions.alloc(S * sizeof(int32_t)));
-    SF_TRY(w.positions.upload(iota.data(), S * sizeof(int32_t)));
-    w.ws_bytes += S * sizeof(int32_t);
+    // Each row's place in the prompt (RoPE): 0..S-1, or the shard's pieces.
+    std::vector<int32_t> where;
+    where.reserve(NL);
+    for (const auto& p : pieces(max_tokens))
+      for (int64_t i = p[0]; i < p[1]; ++i) where.push_back(int32_t(i));
+    SF_TRY(positions.alloc(NL * sizeof(int32_t)));
+    SF_TRY(positions.upload(where.data(), NL * sizeof(int32_t)));
+    ws_bytes += NL * sizeof(int32_t);
   }
 
-  SF_TRY(w.h_tokens.alloc(S * sizeof(int32_t)));
-  SF_TRY(w.h_logits.alloc(size_t(w.max_logit_rows) * vocab * f));
-  if (host_kv) SF_TRY(w.h_kv.alloc(size_t(c.n_layers) * 2 * S * kvd * f));
-  SF_ENSURE(opt.importance_window >= 0, kInvalidArgument,
-            "device prefill: importance_window must be >= 0");
-  if (opt.importance_window > 0) {
-    SF_TRY(w.alloc(w.imp, size_t(c.n_kv_heads) * S * f));
-    SF_TRY(w.h_imp.alloc(size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
+  SF_TRY(h_tokens.alloc(NL * sizeof(int32_t)));
+  SF_TRY(h_logits.alloc(size_t(max_logit_rows) * vocab * f));
+  if (host_kv) SF_TRY(h_kv.alloc(size_t(c.n_layers) * 2 * NL * kvd * f));
+  if (o.importance_window > 0) {
+    SF_TRY(alloc(imp, size_t(c.n_kv_heads) * S * f));
+    SF_TRY(h_imp.alloc(size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
   }
 
   for (int s = 0; s < 2; ++s) {
-    SF_TRY(w.kv_ready[s].create(false));
-    SF_TRY(w.kv_free[s].create(false));
-    SF_TRY(w.logits_ready[s].create(false));
-    SF_TRY(w.logits_free[s].create(false));
+    SF_TRY(kv_ready[s].create(false));
+    SF_TRY(kv_free[s].create(false));
+    SF_TRY(logits_ready[s].create(false));
+    SF_TRY(logits_free[s].create(false));
   }
+  SF_TRY(layers_begin.create(true));
   // Per-layer events: timing ones around kernels, ordering-only ones for copies.
   const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
     v.emplace_back();
     return v.back().create(timing);
   };
   for (int l = 0; l < c.n_layers; ++l) {
-    SF_TRY(add_event(w.kv_copied, false));
-    SF_TRY(add_event(w.att_begin, true));
-    SF_TRY(add_event(w.att_end, true));
-    if (opt.importance_window > 0) {
-      SF_TRY(add_event(w.imp_begin, true));
-      SF_TRY(add_event(w.imp_end, true));
-      SF_TRY(add_event(w.imp_copied, false));
+    SF_TRY(add_event(kv_copied, false));
+    SF_TRY(add_event(att_begin, true));
+    SF_TRY(add_event(att_end, true));
+    SF_TRY(add_event(layer_end, true));
+    if (o.importance_window > 0) {
+      SF_TRY(add_event(imp_begin, true));
+      SF_TRY(add_event(imp_end, true));
+      SF_TRY(add_event(imp_copied, false));
     }
   }
 
   // Walk the forward of max_tokens tokens once without enqueueing: every GEMM shape (full and
-  // tail chunks, exact pointers and so alignments) gets its cuBLASLt algorithm now.
-  w.dry = true;
-  SF_TRY(w.forward({}, max_tokens, nullptr));
-  w.dry = false;
-  SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the poisoning memsets
-  w.plan_s = seconds_since(t0);
+  // tail chunks, exact pointers and so alignments) and every attention shape gets its cuBLASLt
+  // algorithm or cuDNN graph now.
+  dry = true;
+  SF_TRY(forward({}, max_tokens, nullptr));
+  dry = false;
+  SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));  // the poisoning memsets
+  plan_s = seconds_since(t0);
+  return Status::ok();
+}
+
+Result<DevicePrefill> DevicePrefill::plan(const DeviceModel& dm, int64_t max_tokens,
+                                          const PrefillOptions& opt) {
+  DevicePrefill p;
+  p.impl_ = std::make_unique<Impl>();
+  SF_TRY(p.impl_->setup(*dm.impl_, max_tokens, opt));
+  return p;
+}
+
+Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel& dm, DeviceShard shard,
+                                                const PrefillOptions& opt) {
+  const int64_t S = shard.n_tokens;
+  SF_ENSURE(S > 0 && !shard.pieces.empty(), kInvalidArgument,
+            "device prefill shard: needs a positive n_tokens and at least one piece");
+  int64_t prev = 0, NL = 0;
+  for (const auto& p : shard.pieces) {
+    SF_ENSURE(p[0] >= prev && p[0] < p[1] && p[1] <= S, kInvalidArgument,
+              "device prefill shard: piece [" + std::to_string(p[0]) + ", " +
+                  std::to_string(p[1]) + ") is empty, out of order or outside the " +
+                  std::to_string(S) + "-token prompt");
+    prev = p[1];
+    NL += p[1] - p[0];
+  }
+  SF_ENSURE(NL == S || shard.exchange_kv, kInvalidArgument,
+            "device prefill shard: a rank that holds part of the prompt needs exchange_kv");
+  SF_ENSURE(!opt.all_logits && opt.importance_window == 0 && !opt.on_layer_kv, kUnsupported,
+            "device prefill shard: all_logits, importance and the per-layer KV hook are "
+            "single-device only");
+  DevicePrefill p;
+  p.impl_ = std::make_unique<Impl>();
+  p.impl_->sharded = true;
+  p.impl_->shard = std::move(shard);
+  SF_TRY(p.impl_->setup(*dm.impl_, S, opt));
   return p;
 }
 
@@ -647,6 +926,9 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_ENSURE(S > 0, kInvalidArgument, "prefill: empty prompt");
   SF_ENSURE(S <= w.max_tokens, kInvalidArgument,
             "device prefill: " + std::to_string(S) + " tokens, the plan holds at most " +
+                std::to_string(w.max_tokens));
+  SF_ENSURE(!w.sharded || S == w.max_tokens, kInvalidArgument,
+            "device prefill shard: " + std::to_string(S) + " tokens, the shard was planned for " +
                 std::to_string(w.max_tokens));
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
@@ -663,10 +945,25 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   return res;
 }
 
+std::vector<double> DevicePrefill::layer_seconds() const {
+  const Impl& w = *impl_;
+  std::vector<double> out;
+  cudaEvent_t prev = w.layers_begin.get();
+  for (const CudaEvent& e : w.layer_end) {
+    float ms = 0.f;
+    // Before any run (or after a failed one) the events never fired: no figures.
+    if (cudaEventElapsedTime(&ms, prev, e.get()) != cudaSuccess) return {};
+    out.push_back(double(ms) * 1e-3);
+    prev = e.get();
+  }
+  return out;
+}
+
 #else  // !SF_HAVE_CUDA: the same interface, every entry point reports the missing backend.
 
 struct DeviceModel::Impl {
-  ModelConfig cfg;
+  ModelConfig cfg, full_cfg;
+  TpSlice slice;
   DType wdt = DType::kBF16;
   int device = 0;
   std::string device_name;
@@ -676,7 +973,7 @@ struct DeviceModel::Impl {
 struct DevicePrefill::Impl {
   int64_t max_tokens = 0;
   size_t ws_bytes = 0;
-  double plan_s = 0;
+  double plan_s = 0, hook_s = 0;
   bool attn_bf16 = false;
 };
 
@@ -687,11 +984,19 @@ Status no_cuda() {
 }  // namespace
 
 Status cuda_device_check(int) { return no_cuda(); }
-Result<DeviceModel> DeviceModel::upload(const Model&, DType, int) { return no_cuda(); }
+Result<DeviceModel> DeviceModel::upload(const Model&, DType, int, TpSlice) { return no_cuda(); }
+Result<DeviceModel> DeviceModel::synthetic(const ModelConfig&, uint64_t, DType, int, TpSlice) {
+  return no_cuda();
+}
 Result<DevicePrefill> DevicePrefill::plan(const DeviceModel&, int64_t, const PrefillOptions&) {
   return no_cuda();
 }
+Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel&, DeviceShard,
+                                                const PrefillOptions&) {
+  return no_cuda();
+}
 Result<PrefillResult> DevicePrefill::run(std::span<const int32_t>) { return no_cuda(); }
+std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 
 #endif  // SF_HAVE_CUDA
 
@@ -700,9 +1005,14 @@ DeviceModel::DeviceModel(DeviceModel&&) noexcept = default;
 DeviceModel& DeviceModel::operator=(DeviceModel&&) noexcept = default;
 DeviceModel::~DeviceModel() = default;
 const ModelConfig& DeviceModel::config() const { return impl_->cfg; }
+const ModelConfig& DeviceModel::full_config() const { return impl_->full_cfg; }
+TpSlice DeviceModel::slice() const { return impl_->slice; }
 DType DeviceModel::weight_dtype() const { return impl_->wdt; }
 const char* DevicePrefill::attention_kernel() const {
   return impl_->attn_bf16 ? "cuDNN fused flash attention, bf16 q/k/v" : "f32 reference kernel";
+}
+DType DevicePrefill::attention_dtype() const {
+  return impl_->attn_bf16 ? DType::kBF16 : DType::kF32;
 }
 int DeviceModel::device() const { return impl_->device; }
 const std::string& DeviceModel::device_name() const { return impl_->device_name; }
@@ -715,6 +1025,7 @@ DevicePrefill::~DevicePrefill() = default;
 int64_t DevicePrefill::max_tokens() const { return impl_->max_tokens; }
 size_t DevicePrefill::workspace_bytes() const { return impl_->ws_bytes; }
 double DevicePrefill::plan_seconds() const { return impl_->plan_s; }
+double DevicePrefill::hook_seconds() const { return impl_->hook_s; }
 
 Result<PrefillResult> prefill_device(const DeviceModel& dm, std::span<const int32_t> tokens,
                                      const PrefillOptions& opt) {

@@ -8,11 +8,14 @@
 // build has cuDNN; F32 weights: the F32 reference kernel); prefix extension (extend()) stays on
 // the CPU for now.
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/status.h"
@@ -23,20 +26,39 @@ namespace sf::model {
 // Ok when this build has the CUDA backend and `device` exists; otherwise says which is missing.
 Status cuda_device_check(int device = 0);
 
+// Tensor parallelism: the part of the model one rank holds (worker/runtime/grid.h's layout). KV
+// heads are cut into `ways` contiguous slices, each with its GQA query heads; the MLP's
+// intermediate columns likewise. Q/K/V/gate/up hold the slice's output rows, O and down the
+// matching input columns, so their outputs are partial sums that the ranks add up (all-reduce).
+struct TpSlice {
+  int ways = 1, index = 0;
+};
+
 class DeviceModel {
  public:
   // Copies every weight to `device` (synchronous: a setup step). The linear weights (Q, K, V, O,
   // gate, up, down, LM head) go in weight_dtype, BF16 or F32; norms, biases and the embedding
   // table stay F32. Activations are F32 throughout; with BF16 weights each linear's input is
-  // rounded to BF16 (kernels::cast) and the GEMM accumulates in F32.
+  // rounded to BF16 (kernels::cast) and the GEMM accumulates in F32. With a slice, only that
+  // TP slice goes up, and config() is the sliced one (heads and intermediate divided by ways).
   static Result<DeviceModel> upload(const Model& m, DType weight_dtype = DType::kBF16,
-                                    int device = 0);
+                                    int device = 0, TpSlice slice = {});
+  // Deterministic synthetic weights generated on the device, for models too large to build on
+  // the host (e.g. Llama-3-8B-shaped benchmarks on a GPU host). Same scales as
+  // Model::synthetic (std 1/sqrt(fan_in), norms 1 + 0.1 N), different values: each element is a
+  // hash of (seed, tensor, position in the unsliced tensor), so every TP slice equals the
+  // matching part of the unsliced synthetic model.
+  static Result<DeviceModel> synthetic(const ModelConfig& cfg, uint64_t seed,
+                                       DType weight_dtype = DType::kBF16, int device = 0,
+                                       TpSlice slice = {});
 
   DeviceModel(DeviceModel&&) noexcept;
   DeviceModel& operator=(DeviceModel&&) noexcept;
   ~DeviceModel();
 
-  const ModelConfig& config() const;
+  const ModelConfig& config() const;       // of the slice this rank holds
+  const ModelConfig& full_config() const;  // of the whole model
+  TpSlice slice() const;
   DType weight_dtype() const;
   int device() const;
   const std::string& device_name() const;  // e.g. "NVIDIA H100 80GB HBM3"
@@ -47,6 +69,26 @@ class DeviceModel {
   struct Impl;  // device_model.cpp
   DeviceModel();
   std::unique_ptr<Impl> impl_;
+};
+
+// One rank's share of a tensor x context parallel prefill (worker/runtime/device_parallel.h fills
+// it from NCCL communicators; the model layer knows no transport). The rank holds the prompt
+// rows of `pieces` (global [begin, end), prompt order, 64-aligned starts), stored back to back;
+// each piece attends to keys [0, end) with the causal diagonal at its begin. The hooks run on the
+// host thread after the compute stream has drained, and return once their result is in place.
+struct DeviceShard {
+  int64_t n_tokens = 0;  // the whole prompt
+  std::vector<std::array<int64_t, 2>> pieces;
+  // Per layer, after this rank's K and V rows are final: k_loc, v_loc [local rows, kv_dim] in
+  // `dtype` (the attention's: BF16 with cuDNN, else F32) -> k_all, v_all [n_tokens, kv_dim] in
+  // prompt order, all device pointers.
+  std::function<Status(int layer, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
+                       DType dtype)>
+      exchange_kv;
+  // Sums a device F32 buffer of `count` values over the TP slices, in place (the O and down
+  // projections' partial sums). Null: one slice.
+  std::function<Status(float* x, int64_t count)> reduce_tp;
+  bool logits = true;  // whether this rank computes the last row's logits (the group leader)
 };
 
 // Plan/run split. plan() does everything that may allocate or block: it checks the shapes
@@ -74,8 +116,19 @@ class DevicePrefill {
  public:
   static Result<DevicePrefill> plan(const DeviceModel& dm, int64_t max_tokens,
                                     const PrefillOptions& opt = {});
-  // tokens.size() in [1, max_tokens]; ids are checked on the host against the vocabulary.
+  // A rank of a TP x CP group: plans for exactly shard.n_tokens tokens of which this rank holds
+  // shard.pieces. Dense attention (BF16 via cuDNN, or F32); logits of the last row only (on the
+  // rank with shard.logits); keep_kv keeps this rank's rows (KvCache::n_tokens = local rows,
+  // pieces in order); no importance or hooks. The dm must be this rank's TP slice.
+  static Result<DevicePrefill> plan_shard(const DeviceModel& dm, DeviceShard shard,
+                                          const PrefillOptions& opt = {});
+  // tokens.size() in [1, max_tokens] (a shard's plan: exactly n_tokens, the whole prompt); ids
+  // are checked on the host against the vocabulary.
   Result<PrefillResult> run(std::span<const int32_t> tokens);
+  // Per-layer wall time of the last run on the device (first layer's start to each layer's end,
+  // differenced), seconds; and the time the shard's hooks spent (host, communication).
+  std::vector<double> layer_seconds() const;
+  double hook_seconds() const;
 
   DevicePrefill(DevicePrefill&&) noexcept;
   DevicePrefill& operator=(DevicePrefill&&) noexcept;
@@ -86,6 +139,7 @@ class DevicePrefill {
   // attention on BF16 copies of Q, K, V; otherwise the F32 reference kernel. A run shorter than
   // max_tokens builds the cuDNN graph for its length on first use (host side, once per length).
   const char* attention_kernel() const;
+  DType attention_dtype() const;  // of Q/K/V/out in attention (and so of a shard's K/V exchange)
   size_t workspace_bytes() const;  // device memory of the plan (weights excluded)
   double plan_seconds() const;
 

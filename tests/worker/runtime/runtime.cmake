@@ -10,3 +10,14 @@ if(SF_MPI)
                   LIBS sf_runtime TIMEOUT 180 ARGS --gtest_filter=*Cp*)
   sf_add_mpi_run(test_parallel_default_mpi_tp3 test_parallel_default_mpi 3 TIMEOUT 180 ARGS --gtest_filter=*Tp3*)
 endif()
+if(SF_MPI AND SF_HAVE_CUDA)
+  # The GPU TP x CP prefill: two GPUs, one per rank (label gpu; skips where there are fewer).
+  add_executable(test_device_parallel_mpi ${CMAKE_CURRENT_LIST_DIR}/test_device_parallel_mpi.cpp
+                 ${PROJECT_SOURCE_DIR}/tests/comm/mpi_test_main.cpp)
+  target_link_libraries(test_device_parallel_mpi PRIVATE sf_runtime GTest::gtest)
+  target_include_directories(test_device_parallel_mpi PRIVATE ${PROJECT_SOURCE_DIR})
+  add_test(NAME test_device_parallel_mpi
+           COMMAND ${MPIEXEC_EXECUTABLE} --oversubscribe -np 2 $<TARGET_FILE:test_device_parallel_mpi>)
+  set_tests_properties(test_device_parallel_mpi PROPERTIES LABELS gpu TIMEOUT 300
+                       ENVIRONMENT "${SF_MPI_TEST_ENV};NCCL_NVLS_ENABLE=0")
+endif()

@@ -1,0 +1,270 @@
+// GPU TP x CP prefill benchmark (issue 5, "Run on the 2-GPU host"): under mpirun, one rank per
+// GPU, a Llama-3-8B-shaped model with deterministic synthetic weights drawn on each device
+// (model::DeviceModel::synthetic: every TP slice equals its part of the one-GPU model), dense
+// attention. For each length and grid it plans the rank's shard, runs one warm-up and --reps
+// timed prefills, and compares the leader's last-row logits with the first grid's (1x1: one GPU).
+//
+//   mpirun -np 2 sf_bench_distributed --lengths 32768,131072 --grids 1x1,1x2,2x1 --out R.jsonl
+//
+// Writes one JSON record per (length, grid) to --out (world rank 0); bench/gpu/distributed.sh
+// adds device, driver, date, commit and command and computes speedups. Grids smaller than the
+// world run on the first ranks while the others wait at a barrier.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/mpi_communicator.h"
+#include "worker/model/device_model.h"
+#include "worker/runtime/device_parallel.h"
+#include "worker/runtime/grid.h"
+
+namespace sf {
+namespace {
+
+struct Args {
+  std::vector<int64_t> lengths{32768};
+  std::vector<runtime::GridShape> grids{{1, 1}, {1, 2}, {2, 1}};
+  int reps = 2, layers = 0;
+  int64_t chunk = 8192;
+  uint64_t seed = 1;
+  std::string out;
+};
+
+// The Llama-3-8B shape (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32
+// query / 8 KV heads of 128, intermediate 14336, vocab 128256, rope theta 500000 with Llama-3
+// scaling (factor 8, low 1, high 4, original 8192).
+model::ModelConfig llama3_8b(int layers) {
+  model::ModelConfig c;
+  c.name = "llama3-8b-shaped (synthetic weights)";
+  c.n_layers = layers > 0 ? layers : 32;
+  c.hidden = 4096;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.intermediate = 14336;
+  c.vocab = 128256;
+  c.max_context = 1 << 20;
+  c.rms_eps = 1e-5f;
+  c.rope.theta = 500000.f;
+  c.rope.scaling_factor = 8.f;
+  c.rope.low_freq_factor = 1.f;
+  c.rope.high_freq_factor = 4.f;
+  c.rope.original_max_pos = 8192;
+  return c;
+}
+
+Result<Args> parse(int argc, char** argv) {
+  Args a;
+  auto list = [](const std::string& s) {
+    std::vector<std::string> v;
+    std::stringstream ss(s);
+    std::string x;
+    while (std::getline(ss, x, ',')) v.push_back(x);
+    return v;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (i + 1 >= argc) return SF_ERR(kInvalidArgument, k + " needs a value");
+    const std::string v = argv[++i];
+    if (k == "--lengths") {
+      a.lengths.clear();
+      for (const auto& x : list(v)) a.lengths.push_back(std::atoll(x.c_str()));
+    } else if (k == "--grids") {
+      a.grids.clear();
+      for (const auto& x : list(v)) {
+        runtime::GridShape g;
+        if (std::sscanf(x.c_str(), "%dx%d", &g.tp, &g.cp) != 2 || g.tp < 1 || g.cp < 1)
+          return SF_ERR(kInvalidArgument, "--grids: '" + x + "' is not TPxCP");
+        a.grids.push_back(g);
+      }
+    } else if (k == "--reps") {
+      a.reps = std::max(1, std::atoi(v.c_str()));
+    } else if (k == "--layers") {
+      a.layers = std::atoi(v.c_str());
+    } else if (k == "--chunk") {
+      a.chunk = std::atoll(v.c_str());
+    } else if (k == "--seed") {
+      a.seed = std::strtoull(v.c_str(), nullptr, 10);
+    } else if (k == "--out") {
+      a.out = v;
+    } else {
+      return SF_ERR(kInvalidArgument, "unknown option " + k);
+    }
+  }
+  for (int64_t L : a.lengths)
+    if (L <= 0) return SF_ERR(kInvalidArgument, "--lengths must be positive");
+  if (a.grids.empty() || a.grids[0].tp != 1 || a.grids[0].cp != 1)
+    return SF_ERR(kInvalidArgument, "--grids must start with 1x1 (the one-GPU reference)");
+  return a;
+}
+
+struct Measured {
+  std::vector<double> seconds, comm_s, attention_s;
+  std::vector<double> layer_s;  // of the fastest run
+  runtime::ParallelStats stats;
+  std::vector<float> logits;  // leader
+  int32_t first_token = -1;
+  size_t weight_bytes = 0, workspace_bytes = 0;
+  std::string device_name;
+  double plan_s = 0;
+};
+
+// One grid at one length on group 0 of the world (other groups idle).
+Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model::ModelConfig& cfg,
+                          runtime::GridShape shape, std::span<const int32_t> tokens) {
+  SF_ASSIGN(runtime::GridComms g, runtime::make_grid(world, shape));
+  Measured m;
+  if (g.group != 0) return m;
+  SF_ASSIGN(const int dev, runtime::local_device(world.rank()));
+  SF_ASSIGN(model::DeviceModel dm,
+            model::DeviceModel::synthetic(cfg, a.seed, DType::kBF16, dev,
+                                          model::TpSlice{shape.tp, g.tp_rank}));
+  SF_ASSIGN(runtime::DeviceGrid dg, runtime::make_device_grid(g, dev));
+  model::PrefillOptions opt;
+  opt.chunk = a.chunk;
+  opt.keep_kv = false;
+  SF_ASSIGN(runtime::DeviceParallelPrefill p,
+            runtime::DeviceParallelPrefill::plan(dm, g, dg, int64_t(tokens.size()), opt));
+  m.weight_bytes = dm.weight_bytes();
+  m.workspace_bytes = p.prefill().workspace_bytes();
+  m.device_name = dm.device_name();
+  m.plan_s = p.prefill().plan_seconds();
+  double best = 1e300;
+  for (int r = 0; r <= a.reps; ++r) {  // run 0 warms up (cuDNN and cuBLASLt first launches)
+    SF_ASSIGN(runtime::ParallelResult res, p.run(tokens));
+    if (r == 0) continue;
+    m.seconds.push_back(res.stats.seconds);
+    m.comm_s.push_back(res.stats.comm_s);
+    m.attention_s.push_back(res.stats.attention_s);
+    m.stats = res.stats;
+    if (res.stats.seconds < best) {
+      best = res.stats.seconds;
+      m.layer_s = p.layer_seconds();
+    }
+    m.logits = std::move(res.logits);
+    m.first_token = res.first_token;
+  }
+  return m;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::string json_list(const std::vector<double>& v, double scale = 1.0) {
+  std::string s = "[";
+  char b[32];
+  for (size_t i = 0; i < v.size(); ++i) {
+    std::snprintf(b, sizeof b, "%s%.6g", i ? ", " : "", v[i] * scale);
+    s += b;
+  }
+  return s + "]";
+}
+
+int run(int argc, char** argv) {
+  if (!comm::mpi_init(&argc, &argv).is_ok()) {
+    std::fprintf(stderr, "error: MPI did not initialize (run under mpirun)\n");
+    return 2;
+  }
+  auto wr = comm::make_mpi_world();
+  if (!wr.is_ok()) {
+    std::fprintf(stderr, "error: %s\n", wr.status().message().c_str());
+    comm::mpi_abort_job(1);
+  }
+  std::unique_ptr<comm::Communicator> world = std::move(wr).value();
+  // Idle ranks wait at the barrier while a grid smaller than the world runs (minutes at 128K).
+  world->set_timeout(std::chrono::seconds(1800));
+  const bool rank0 = world->rank() == 0;
+  auto args = parse(argc, argv);
+  if (!args.is_ok()) {
+    if (rank0) std::fprintf(stderr, "error: %s\n", args.status().message().c_str());
+    world.reset();
+    comm::mpi_finalize();
+    return 2;
+  }
+  const Args& a = args.value();
+  const model::ModelConfig cfg = llama3_8b(a.layers);
+  std::ofstream out;
+  if (rank0 && !a.out.empty()) out.open(a.out, std::ios::trunc);
+  for (int64_t L : a.lengths) {
+    std::vector<int32_t> tokens(static_cast<size_t>(L));
+    std::mt19937_64 rng(a.seed + uint64_t(L));
+    std::uniform_int_distribution<int32_t> tok(0, cfg.vocab - 1);
+    for (auto& t : tokens) t = tok(rng);
+    std::vector<float> ref;
+    double ref_s = 0;
+    for (const runtime::GridShape& shape : a.grids) {
+      if (world->size() % shape.group_size() != 0) {
+        if (rank0)
+          std::fprintf(stderr, "skip %dx%d: world of %d ranks\n", shape.tp, shape.cp,
+                       world->size());
+        continue;
+      }
+      auto mr = run_grid(*world, a, cfg, shape, tokens);
+      Status st = mr.status();
+      // Every rank learns of a failure anywhere (a failed rank would leave the others waiting).
+      int32_t ok = st.is_ok() ? 1 : 0, all = 0;
+      if (!world->all_reduce(&ok, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok() || !all) {
+        std::fprintf(stderr, "error (rank %d, %dx%d at %lld): %s\n", world->rank(), shape.tp,
+                     shape.cp, (long long)L, st.is_ok() ? "a peer failed" : st.message().c_str());
+        comm::mpi_abort_job(1);
+      }
+      if (!rank0) continue;
+      const Measured& m = mr.value();
+      const double s = median(m.seconds);
+      double rel = 0;
+      int32_t ref_top1 = -1;
+      if (shape.tp == 1 && shape.cp == 1) {
+        ref = m.logits;
+        ref_s = s;
+      }
+      if (!ref.empty() && ref.size() == m.logits.size()) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          num = std::max(num, double(std::fabs(m.logits[i] - ref[i])));
+          den = std::max(den, double(std::fabs(ref[i])));
+        }
+        rel = den > 0 ? num / den : 0;
+        ref_top1 = int32_t(std::max_element(ref.begin(), ref.end()) - ref.begin());
+      }
+      double layer_mean = 0;
+      for (double x : m.layer_s) layer_mean += x;
+      if (!m.layer_s.empty()) layer_mean /= double(m.layer_s.size());
+      char b[2048];
+      std::snprintf(
+          b, sizeof b,
+          "{\"tp\": %d, \"cp\": %d, \"gpus\": %d, \"seq_len\": %lld, \"layers\": %d, "
+          "\"prefill_s\": %.6f, \"prefill_s_runs\": %s, \"single_gpu_prefill_s\": %.6f, "
+          "\"comm_exposed_s\": %.6f, \"attention_s\": %.6f, \"layer_ms_mean\": %.4f, "
+          "\"layer_ms\": %s, \"comm_bytes\": %lld, \"allgather_bytes\": %lld, "
+          "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
+          "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
+          "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\"}",
+          shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
+          json_list(m.seconds).c_str(), ref_s, median(m.comm_s), median(m.attention_s),
+          layer_mean * 1e3, json_list(m.layer_s, 1e3).c_str(), (long long)m.stats.comm_bytes,
+          (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
+          m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
+          (long long)a.chunk, m.device_name.c_str());
+      std::printf("%s\n", b);
+      std::fflush(stdout);
+      if (out) out << b << "\n" << std::flush;
+    }
+  }
+  world.reset();
+  comm::mpi_finalize();
+  return 0;
+}
+
+}  // namespace
+}  // namespace sf
+
+int main(int argc, char** argv) { return sf::run(argc, argv); }

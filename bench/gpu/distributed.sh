@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU TP x CP prefill benchmark (issue 5, "Run on the 2-GPU host"): sf_bench_distributed under
+# mpirun, one rank per GPU, on a Llama-3-8B-shaped model with synthetic weights drawn on each
+# device, then distributed-<gpu>.json with the device, driver, date, commit, command and, per
+# record, the speedup over the one-GPU run of the same length and the scaling efficiency.
+#
+#   bench/gpu/distributed.sh BUILD_DIR OUT_DIR        (bench/gpu/run.sh calls it with SF_DIST=1)
+#
+# Environment: SF_DIST_LENGTHS (default 32768,131072), SF_DIST_GRIDS (1x1,1x2,2x1; must start with
+# 1x1), SF_DIST_REPS (timed runs after one warm-up, default 2), SF_DIST_LAYERS (0: all 32),
+# SF_DIST_CHUNK (tokens per linear chunk, default 8192), SF_DIST_TIMEOUT (seconds, default 1500).
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0, GPU-HOST.md).
+set -uo pipefail
+build="$1"
+out="$2"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+bin="$build/bench/sf_bench_distributed"
+log="$out/bench-distributed.log"
+[[ -x "$bin" ]] || { echo "distributed.sh: $bin was not built (configure with -DSF_MPI=ON)" >&2; exit 1; }
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+(( ngpu >= 1 )) || { echo "distributed.sh: no GPU" >&2; exit 1; }
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1}"
+      --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
+records="$build/distributed-records.jsonl"
+cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
+echo "--- $cmd ($(date -u))" >"$log"
+timeout "${SF_DIST_TIMEOUT:-1500}" mpirun --bind-to none -np "$ngpu" "$bin" "${args[@]}" --out "$records" >>"$log" 2>&1
+rc=$?
+echo "--- exit $rc ($(date -u))" >>"$log"
+python3 - "$records" "$out/distributed-$gpu.json" "$cmd" "${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}" "$ngpu" <<'PY'
+import datetime, json, subprocess, sys
+src, dst, cmd, commit, ngpu = sys.argv[1:]
+try:
+    recs = [json.loads(l) for l in open(src) if l.strip()]
+except FileNotFoundError:
+    recs = []
+smi = lambda q: subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.strip().splitlines()
+for r in recs:
+    base = r["single_gpu_prefill_s"]
+    r["speedup"] = round(base / r["prefill_s"], 4) if r["prefill_s"] > 0 and base > 0 else None
+    r["scaling_efficiency"] = round(r["speedup"] / r["gpus"], 4) if r["speedup"] else None
+    r["comm_exposed_fraction"] = round(r["comm_exposed_s"] / r["prefill_s"], 4) if r["prefill_s"] else None
+    # The collectives run after the compute stream drains: none of the communication is hidden.
+    r["comm_hidden_fraction"] = 0.0
+    r["attention"] = "dense (cuDNN fused flash attention, bf16)"
+json.dump({"device": {"gpus": smi("name"), "driver": (smi("driver_version") or ["?"])[0],
+                      "count": int(ngpu)},
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit, "command": "bench/gpu/distributed.sh (" + cmd + ")",
+           "model": "Llama-3-8B-shaped (32 layers, hidden 4096, 32/8 heads of 128, intermediate 14336, "
+                    "vocab 128256), synthetic bf16 weights drawn on each device",
+           "note": "prefill_s: median wall time of the timed runs on the group leader, all layers plus "
+                   "the last row's logits; comm_exposed_s: time the ranks waited in NCCL collectives "
+                   "after draining their compute stream",
+           "records": recs}, open(dst, "w"), indent=1)
+print("wrote", dst, len(recs), "records")
+PY
+exit $rc

@@ -1,0 +1,237 @@
+// The GPU TP x CP prefill (worker/runtime/device_parallel.h) under mpiexec -np 2, one GPU per rank,
+// against the one-GPU device forward run on rank 0 with the unsliced model (label gpu: skips
+// with fewer than two GPUs). Both grids np 2 holds, TP 2 x CP 1 and TP 1 x CP 2, and both weight
+// paths: BF16 weights drawn on the device (DeviceModel::synthetic, cuDNN attention, BF16 K/V
+// exchange) and F32 weights uploaded from a host model (DeviceModel::upload with a TP slice, the
+// F32 attention kernel, F32 exchange). Checked on every rank: the leader's last-row logits and
+// each rank's own K/V rows (its pieces, its KV heads) against the one-GPU run.
+//
+// Tolerance: max |diff| <= tol * max |ref|, tol 1e-4 for F32 weights (TP sums partial projections
+// in another order: fp32 rounding) and 1e-2 for BF16 weights (the GPU-vs-CPU bar of
+// test_gpu_forward: a rounding difference of the TP sum can flip a BF16 rounding of the next
+// GEMM's input). A one-token error in a CP rank's positions or q_offset exceeds both.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "tests/comm/mpi_test_env.h"
+#include "worker/model/device_model.h"
+#include "worker/model/model.h"
+#include "worker/runtime/device_parallel.h"
+
+namespace sf {
+namespace {
+
+using testing::test_seed;
+using testing::test_world;
+
+bool have_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  int32_t mine = n >= test_world().size() ? 1 : 0, all = 0;
+  // Every rank must agree, or one would wait in NCCL init for a peer that skipped.
+  if (!test_world().all_reduce(&mine, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok())
+    return false;
+  return all == 1;
+}
+
+// Llama-3-like proportions, small: GQA 4:1, head_dim 128 (cuDNN and the F32 kernel), TP 2
+// divides the 2 KV heads and the intermediate size.
+model::ModelConfig small_llama3() {
+  model::ModelConfig c;
+  c.name = "synthetic-llama3-small";
+  c.n_layers = 3;
+  c.hidden = 1024;
+  c.n_heads = 8;
+  c.n_kv_heads = 2;
+  c.head_dim = 128;
+  c.intermediate = 2048;
+  c.vocab = 4096;
+  c.max_context = 8192;
+  c.rope.theta = 500000.f;
+  c.rope.scaling_factor = 8.f;
+  return c;
+}
+
+constexpr int64_t kTokens = 1000;  // not a multiple of 64: CP chunks end mid-block
+constexpr int64_t kChunk = 256;
+
+struct Reference {
+  std::vector<float> logits;                // last row
+  std::vector<std::vector<float>> k, v;     // per layer [S, hkv*d]
+};
+
+// The weights for a slice: synthetic on the device, or uploaded from a host model.
+Result<model::DeviceModel> make_model(bool f32, const model::Model* host, model::TpSlice s,
+                                      int dev) {
+  if (f32) return model::DeviceModel::upload(*host, DType::kF32, dev, s);
+  return model::DeviceModel::synthetic(small_llama3(), test_seed(), DType::kBF16, dev, s);
+}
+
+// Rank 0: the one-GPU run; then broadcast to every rank.
+Reference reference(bool f32, const model::Model* host, std::span<const int32_t> tokens) {
+  auto& w = test_world();
+  const model::ModelConfig c = small_llama3();
+  const int64_t kvd = int64_t(c.n_kv_heads) * c.head_dim;
+  Reference r;
+  r.logits.resize(size_t(c.vocab));
+  r.k.assign(size_t(c.n_layers), std::vector<float>(size_t(kTokens * kvd)));
+  r.v = r.k;
+  int32_t ok = 1;
+  if (w.rank() == 0) {
+    auto dm = make_model(f32, host, {}, 0);
+    model::PrefillOptions o;
+    o.chunk = kChunk;
+    Result<model::PrefillResult> res =
+        dm.is_ok() ? model::prefill_device(dm.value(), tokens, o)
+                   : Result<model::PrefillResult>(dm.status());
+    if (!res.is_ok()) {
+      ADD_FAILURE() << res.status().to_string();
+      ok = 0;
+    } else {
+      r.logits = res.value().logits;
+      r.k = res.value().kv.k;
+      r.v = res.value().kv.v;
+    }
+  }
+  EXPECT_TRUE(w.bcast(&ok, 1, DType::kI32, 0).is_ok());
+  if (!ok) return {};
+  EXPECT_TRUE(w.bcast(r.logits.data(), c.vocab, DType::kF32, 0).is_ok());
+  for (int l = 0; l < c.n_layers; ++l) {
+    EXPECT_TRUE(w.bcast(r.k[size_t(l)].data(), kTokens * kvd, DType::kF32, 0).is_ok());
+    EXPECT_TRUE(w.bcast(r.v[size_t(l)].data(), kTokens * kvd, DType::kF32, 0).is_ok());
+  }
+  return r;
+}
+
+// max |got - want| / max |want| over this rank's rows and KV heads of every layer.
+double kv_nerr(const model::KvCache& kv, const Reference& r,
+               const std::vector<std::array<int64_t, 2>>& pieces, int tp_rank) {
+  const model::ModelConfig c = small_llama3();
+  const int64_t d = c.head_dim, kvd = int64_t(c.n_kv_heads) * d, w = int64_t(kv.n_kv_heads) * d;
+  double num = 0, den = 0;
+  bool bad = false;
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int which = 0; which < 2; ++which) {
+      const std::vector<float>& got = (which ? kv.v : kv.k)[size_t(l)];
+      const std::vector<float>& want = (which ? r.v : r.k)[size_t(l)];
+      int64_t row = 0;
+      for (const auto& p : pieces)
+        for (int64_t t = p[0]; t < p[1]; ++t, ++row)
+          for (int64_t j = 0; j < w; ++j) {
+            const float g = got[size_t(row * w + j)];
+            const float e = want[size_t(t * kvd + tp_rank * w + j)];
+            if (!std::isfinite(g)) bad = true;
+            num = std::max(num, double(std::fabs(g - e)));
+            den = std::max(den, double(std::fabs(e)));
+          }
+    }
+  return bad || den == 0 ? INFINITY : num / den;
+}
+
+void check_grid(bool f32, runtime::GridShape shape) {
+  auto& w = test_world();
+  const model::ModelConfig c = small_llama3();
+  std::mt19937_64 rng(test_seed() + 7);
+  std::vector<int32_t> tokens(static_cast<size_t>(kTokens));
+  for (auto& t : tokens) t = int32_t(rng() % uint64_t(c.vocab));
+  std::optional<model::Model> host;
+  if (f32) {
+    auto m = model::Model::synthetic(c, test_seed());
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    host.emplace(std::move(m).value());
+  }
+  const Reference ref = reference(f32, host ? &*host : nullptr, tokens);
+  ASSERT_FALSE(ref.k.empty());
+
+  auto g = runtime::make_grid(w, shape);
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  const int dev = w.rank();
+  auto dm = make_model(f32, host ? &*host : nullptr, {shape.tp, g.value().tp_rank}, dev);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  EXPECT_EQ(dm.value().config().n_kv_heads, c.n_kv_heads / shape.tp);
+  auto dg = runtime::make_device_grid(g.value(), dev);
+  ASSERT_TRUE(dg.is_ok()) << dg.status().to_string();
+  model::PrefillOptions o;
+  o.chunk = kChunk;
+  auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, o);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  // Twice: the second run reuses the plan's buffers (poisoned once, at plan time).
+  for (int run = 0; run < 2; ++run) {
+    auto res = p.value().run(tokens);
+    ASSERT_TRUE(res.is_ok()) << res.status().to_string();
+    const double tol = f32 ? 1e-4 : 1e-2;
+    const double kv_err = kv_nerr(res.value().kv, ref, p.value().pieces(), g.value().tp_rank);
+    std::printf("  rank %d %s tp %d cp %d run %d: K/V nerr %.3g (tol %.0e), %lld bytes "
+                "all-gathered, comm %.4f s\n",
+                w.rank(), f32 ? "f32" : "bf16", shape.tp, shape.cp, run, kv_err, tol,
+                (long long)res.value().stats.kv_allgather_bytes, res.value().stats.comm_s);
+    EXPECT_LE(kv_err, tol) << "rank " << w.rank();
+    if (g.value().leader()) {
+      const std::vector<float>& lg = res.value().logits;
+      ASSERT_EQ(lg.size(), ref.logits.size());
+      double num = 0, den = 0;
+      for (size_t i = 0; i < lg.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(lg[i])) << i;
+        num = std::max(num, double(std::fabs(lg[i] - ref.logits[i])));
+        den = std::max(den, double(std::fabs(ref.logits[i])));
+      }
+      std::printf("  leader logits nerr %.3g\n", num / den);
+      EXPECT_LE(num / den, tol);
+      const int32_t top = int32_t(std::max_element(ref.logits.begin(), ref.logits.end()) -
+                                  ref.logits.begin());
+      EXPECT_EQ(res.value().first_token, top);
+    }
+    if (shape.cp > 1) EXPECT_GT(res.value().stats.kv_allgather_bytes, 0);
+  }
+}
+
+TEST(DeviceParallel, Bf16SyntheticTp2) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  check_grid(false, {2, 1});
+}
+TEST(DeviceParallel, Bf16SyntheticCp2) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  check_grid(false, {1, 2});
+}
+TEST(DeviceParallel, F32UploadTp2) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  check_grid(true, {2, 1});
+}
+TEST(DeviceParallel, F32UploadCp2) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  check_grid(true, {1, 2});
+}
+
+TEST(DeviceParallel, RejectsAMismatchedSlice) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  auto& w = test_world();
+  auto g = runtime::make_grid(w, {2, 1});
+  ASSERT_TRUE(g.is_ok());
+  const int dev = w.rank();
+  // The other rank's slice: planning must refuse before any collective.
+  auto dm = model::DeviceModel::synthetic(small_llama3(), 1, DType::kBF16, dev,
+                                          {2, 1 - g.value().tp_rank});
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  auto dg = runtime::make_device_grid(g.value(), dev);
+  ASSERT_TRUE(dg.is_ok()) << dg.status().to_string();
+  auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, {});
+  ASSERT_FALSE(p.is_ok());
+  EXPECT_NE(p.status().message().find("slice"), std::string::npos) << p.status().message();
+  // A prompt too short for every CP rank to hold a block.
+  auto g2 = runtime::make_grid(w, {1, 2});
+  ASSERT_TRUE(g2.is_ok());
+  auto dm2 = model::DeviceModel::synthetic(small_llama3(), 1, DType::kBF16, dev, {});
+  ASSERT_TRUE(dm2.is_ok());
+  auto dg2 = runtime::make_device_grid(g2.value(), dev);
+  ASSERT_TRUE(dg2.is_ok());
+  auto p2 = runtime::DeviceParallelPrefill::plan(dm2.value(), g2.value(), dg2.value(), 200, {});
+  ASSERT_FALSE(p2.is_ok());
+  EXPECT_NE(p2.status().message().find("64-token block"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace sf

@@ -1,0 +1,214 @@
+#include "worker/runtime/device_parallel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/nccl_communicator.h"
+#include "kernels/cuda/cuda_ops.h"
+
+#if SF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sf::runtime {
+
+Result<int> local_device(int world_rank) {
+  int n = 0;
+  SF_TRY(kernels::cuda::device_count(&n));
+  if (n <= 0) return SF_ERR(kUnsupported, "no CUDA device visible to this rank");
+  int local = world_rank;
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (const char* e = std::getenv(v); e && *e) {
+      local = std::atoi(e);
+      break;
+    }
+  return local % n;
+}
+
+Result<DeviceGrid> make_device_grid(GridComms& g, int device) {
+  DeviceGrid dg;
+  dg.device = device;
+  // A size-1 row or column needs no transport (NCCL init would cost time for nothing).
+  auto one = [&](comm::Communicator& host,
+                 const char* what) -> Result<std::unique_ptr<comm::Communicator>> {
+    if (host.size() == 1) return comm::make_self_communicator(std::string(what) + " (self)");
+    return comm::make_nccl_communicator(host, device, std::string(what) + " (nccl)");
+  };
+  SF_ASSIGN(dg.tp, one(*g.tp, "tp"));
+  SF_ASSIGN(dg.cp, one(*g.cp, "cp"));
+  return dg;
+}
+
+namespace {
+
+// A rank's zigzag chunks as attention pieces: merged when adjacent, empties dropped.
+std::vector<std::array<int64_t, 2>> rank_pieces(int64_t S, int cp, int r) {
+  std::vector<std::array<int64_t, 2>> out;
+  for (const auto& c : cp_rank_ranges(S, cp, r)) {
+    if (c.size() == 0) continue;
+    if (!out.empty() && out.back()[1] == c.begin)
+      out.back()[1] = c.end;
+    else
+      out.push_back({c.begin, c.end});
+  }
+  return out;
+}
+
+}  // namespace
+
+struct DeviceParallelPrefill::Impl {
+  GridComms* g = nullptr;
+  DeviceGrid* dg = nullptr;
+  int64_t S = 0, kvd = 0;
+  std::vector<std::array<int64_t, 2>> mine;
+  std::vector<std::vector<std::array<int64_t, 2>>> rank_rows;  // per CP rank: its pieces
+  std::vector<int64_t> counts;  // per CP rank: K (or V) elements it contributes
+  kernels::cuda::DeviceBuffer stage;  // the all-gather's landing zone: [S, kvd], rank blocks
+  std::optional<model::DevicePrefill> prefill;
+  int64_t kv_recv_bytes = 0;  // per run: the K/V bytes the CP all-gather brings this rank
+
+  // CP exchange: all-gather each of K and V into `stage` (rank blocks in rank order), then copy
+  // every rank's pieces to their places in the prompt.
+  Status exchange(const void* kl, const void* vl, void* ka, void* va, DType dt) {
+#if SF_HAVE_CUDA
+    const size_t es = dtype_size(dt);
+    const int me = g->cp_rank;
+    for (int which = 0; which < 2; ++which) {
+      SF_TRY(dg->cp->all_gatherv(which ? vl : kl, counts[size_t(me)], stage.data(), counts, dt));
+      char* dst = static_cast<char*>(which ? va : ka);
+      const char* src = static_cast<const char*>(stage.data());
+      for (const auto& rows : rank_rows)
+        for (const auto& p : rows) {
+          const size_t bytes = size_t((p[1] - p[0]) * kvd) * es;
+          if (cudaMemcpyAsync(dst + size_t(p[0] * kvd) * es, src, bytes,
+                              cudaMemcpyDeviceToDevice, nullptr) != cudaSuccess)
+            return SF_ERR(kInternal, "device CP exchange: unpacking the all-gathered rows failed");
+          src += bytes;
+        }
+      // Device-to-device copies return before they finish, and neither NCCL's stream nor the
+      // forward's compute stream orders after the legacy stream: wait before `stage` is reused
+      // and before attention reads the rows.
+      SF_TRY(kernels::cuda::stream_synchronize(nullptr));
+    }
+    return Status::ok();
+#else
+    (void)kl, (void)vl, (void)ka, (void)va, (void)dt;
+    return SF_ERR(kUnsupported, "built without CUDA");
+#endif
+  }
+};
+
+Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceModel& dm,
+                                                          GridComms& g, DeviceGrid& dg,
+                                                          int64_t n_tokens,
+                                                          const model::PrefillOptions& opt) {
+  const int TP = g.shape.tp, CP = g.shape.cp;
+  if (!g.tp || !g.cp || !dg.tp || !dg.cp || dg.tp->size() != TP || dg.cp->size() != CP)
+    return SF_ERR(kInvalidArgument,
+                  "device parallel prefill: communicators do not match the grid shape");
+  SF_TRY(check_model_divides(dm.full_config(), TP));
+  if (dm.slice().ways != TP || dm.slice().index != g.tp_rank)
+    return SF_ERR(kInvalidArgument, "device parallel prefill: the model holds TP slice " +
+                                        std::to_string(dm.slice().index) + " of " +
+                                        std::to_string(dm.slice().ways) + ", this rank is " +
+                                        std::to_string(g.tp_rank) + " of " + std::to_string(TP));
+  if (dm.device() != dg.device)
+    return SF_ERR(kInvalidArgument, "device parallel prefill: model on cuda:" +
+                                        std::to_string(dm.device()) + ", communicators on cuda:" +
+                                        std::to_string(dg.device));
+  if (n_tokens < 2 * CP * 64)
+    return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(n_tokens) +
+                                        " tokens give some CP rank no 64-token block (CP " +
+                                        std::to_string(CP) + " needs at least " +
+                                        std::to_string(2 * CP * 64) + ")");
+
+  DeviceParallelPrefill p;
+  p.impl_ = std::make_unique<Impl>();
+  Impl& w = *p.impl_;
+  w.g = &g;
+  w.dg = &dg;
+  w.S = n_tokens;
+  const model::ModelConfig& c = dm.config();  // the slice's
+  w.kvd = int64_t(c.n_kv_heads) * c.head_dim;
+  w.mine = rank_pieces(n_tokens, CP, g.cp_rank);
+  for (int r = 0; r < CP; ++r) {
+    w.rank_rows.push_back(rank_pieces(n_tokens, CP, r));
+    int64_t rows = 0;
+    for (const auto& pc : w.rank_rows.back()) rows += pc[1] - pc[0];
+    w.counts.push_back(rows * w.kvd);
+  }
+
+  model::DeviceShard shard;
+  shard.n_tokens = n_tokens;
+  shard.pieces = w.mine;
+  shard.logits = g.leader();
+  Impl* wp = &w;
+  if (CP > 1)
+    shard.exchange_kv = [wp](int, const void* kl, const void* vl, void* ka, void* va, DType dt) {
+      return wp->exchange(kl, vl, ka, va, dt);
+    };
+  if (TP > 1)
+    shard.reduce_tp = [wp](float* x, int64_t count) {
+      return wp->dg->tp->all_reduce(x, x, count, DType::kF32, comm::ReduceOp::kSum);
+    };
+  SF_ASSIGN(model::DevicePrefill dp, model::DevicePrefill::plan_shard(dm, std::move(shard), opt));
+  if (CP > 1) {
+    // The exchange dtype is the attention's: BF16 on the cuDNN path.
+    const size_t es = dtype_size(dp.attention_dtype());
+    SF_TRY(w.stage.alloc(size_t(n_tokens * w.kvd) * es));
+    w.kv_recv_bytes = int64_t(c.n_layers) * 2 * (n_tokens - w.counts[size_t(g.cp_rank)] / w.kvd) *
+                      w.kvd * int64_t(es);
+  }
+  w.prefill.emplace(std::move(dp));
+  return p;
+}
+
+Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> tokens) {
+  Impl& w = *impl_;
+  GridComms& g = *w.g;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t tp0 = w.dg->tp->bytes_sent(), cp0 = w.dg->cp->bytes_sent(),
+                grp0 = g.group_comm->bytes_sent();
+  if (int64_t(tokens.size()) != w.S)
+    return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(tokens.size()) +
+                                        " tokens, planned for " + std::to_string(w.S));
+  SF_ASSIGN(model::PrefillResult r, w.prefill->run(tokens));
+  ParallelResult out;
+  int32_t first = g.leader() ? r.first_token : -1;
+  SF_TRY(g.group_comm->bcast(&first, 1, DType::kI32, 0));
+  out.first_token = first;
+  if (g.leader()) {
+    out.logits = std::move(r.logits);
+    out.n_logit_rows = r.n_logit_rows;
+  }
+  out.kv = std::move(r.kv);
+  ParallelStats& st = out.stats;
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.attention_s = r.attention_s;
+  st.comm_s = w.prefill->hook_seconds();
+  st.kv_allgather_bytes = w.kv_recv_bytes;
+  st.kv_moved_bytes = w.kv_recv_bytes;
+  st.tp_allreduce_bytes = w.dg->tp->bytes_sent() - tp0;
+  st.comm_bytes = st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) +
+                  (g.group_comm->bytes_sent() - grp0);
+  return out;
+}
+
+const std::vector<std::array<int64_t, 2>>& DeviceParallelPrefill::pieces() const {
+  return impl_->mine;
+}
+std::vector<double> DeviceParallelPrefill::layer_seconds() const {
+  return impl_->prefill->layer_seconds();
+}
+const model::DevicePrefill& DeviceParallelPrefill::prefill() const { return *impl_->prefill; }
+
+DeviceParallelPrefill::DeviceParallelPrefill() = default;
+DeviceParallelPrefill::DeviceParallelPrefill(DeviceParallelPrefill&&) noexcept = default;
+DeviceParallelPrefill& DeviceParallelPrefill::operator=(DeviceParallelPrefill&&) noexcept = default;
+DeviceParallelPrefill::~DeviceParallelPrefill() = default;
+
+}  // namespace sf::runtime

@@ -1,0 +1,66 @@
+// The TP x CP prefill on GPUs: one rank per GPU, NCCL along each grid row (TP) and column (CP),
+// bootstrapped over the rank's MPI grid communicators (grid.h). Each rank holds its TP slice of
+// the model (model::DeviceModel with a TpSlice) and its two zigzag CP chunks; it runs the device
+// forward as a shard (model::DevicePrefill::plan_shard) whose hooks are these collectives:
+//   per layer, CP: all-gather of this slice's K and V rows (in the attention's dtype: BF16 with
+//     cuDNN, half the bytes of the F32 all-gather of the CPU runtime), unpacked to prompt order;
+//   per layer, TP: all-reduce of the O projection's and the down projection's partial sums (F32).
+// The collectives run on NCCL's stream once the compute stream has drained, so communication is
+// not hidden under compute: its time is reported separately (stats.comm_s).
+//
+// Dense attention only (the device forward has no sparse path yet). Equality with one GPU: the
+// same kernels on the same rows; TP adds partial sums in another order (tests state bounds).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "comm/communicator.h"
+#include "worker/model/device_model.h"
+#include "worker/runtime/grid.h"
+#include "worker/runtime/parallel_prefill.h"
+
+namespace sf::runtime {
+
+// This rank's GPU: its rank on its host (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
+// SLURM_LOCALID, else the world rank) modulo the visible devices.
+Result<int> local_device(int world_rank);
+
+// NCCL communicators of one rank over its grid's TP row and CP column, on `device`. Collective
+// over g.tp and g.cp (each bootstraps over its MPI counterpart); a size-1 row or column gets the
+// one-rank communicator. Deadlines as the MPI ones (comm/nccl_communicator.h).
+struct DeviceGrid {
+  int device = 0;
+  std::unique_ptr<comm::Communicator> tp, cp;
+};
+Result<DeviceGrid> make_device_grid(GridComms& g, int device);
+
+class DeviceParallelPrefill {
+ public:
+  // Plans this rank's shard of an n_tokens prompt. dm is this rank's TP slice (slice().ways ==
+  // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk and keep_kv (this rank's
+  // rows, pieces in prompt order) are used; all_logits, sparse and hooks are refused.
+  static Result<DeviceParallelPrefill> plan(const model::DeviceModel& dm, GridComms& g,
+                                            DeviceGrid& dg, int64_t n_tokens,
+                                            const model::PrefillOptions& opt = {});
+  // Collective over the group. Every rank passes the whole prompt. first_token on every rank;
+  // logits (the last row) on the leader; kv: this rank's rows when keep_kv; stats: this rank's.
+  Result<ParallelResult> run(std::span<const int32_t> tokens);
+
+  // This rank's prompt rows: [begin, end) pieces in prompt order.
+  const std::vector<std::array<int64_t, 2>>& pieces() const;
+  // Per-layer device time of the last run (DevicePrefill::layer_seconds).
+  std::vector<double> layer_seconds() const;
+  const model::DevicePrefill& prefill() const;
+
+  DeviceParallelPrefill(DeviceParallelPrefill&&) noexcept;
+  DeviceParallelPrefill& operator=(DeviceParallelPrefill&&) noexcept;
+  ~DeviceParallelPrefill();
+
+ private:
+  struct Impl;
+  DeviceParallelPrefill();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sf::runtime
