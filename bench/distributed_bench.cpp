@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -21,6 +22,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "worker/model/device_model.h"
+#include "worker/model/sparse_config.h"
 #include "worker/runtime/device_parallel.h"
 #include "worker/runtime/grid.h"
 
@@ -30,6 +32,7 @@ namespace {
 struct Args {
   std::vector<int64_t> lengths{32768};
   std::vector<runtime::GridShape> grids{{1, 1}, {1, 2}, {2, 1}};
+  std::vector<std::string> modes{"dense"};  // --attention: dense or a sparse mode
   int reps = 2, layers = 0;
   int64_t chunk = 8192;
   uint64_t seed = 1;
@@ -83,6 +86,8 @@ Result<Args> parse(int argc, char** argv) {
           return SF_ERR(kInvalidArgument, "--grids: '" + x + "' is not TPxCP");
         a.grids.push_back(g);
       }
+    } else if (k == "--attention") {
+      a.modes = list(v);
     } else if (k == "--reps") {
       a.reps = std::max(1, std::atoi(v.c_str()));
     } else if (k == "--layers") {
@@ -105,7 +110,7 @@ Result<Args> parse(int argc, char** argv) {
 }
 
 struct Measured {
-  std::vector<double> seconds, comm_s, attention_s;
+  std::vector<double> seconds, comm_s, attention_s, estimate_s;
   std::vector<double> layer_s;  // of the fastest run
   runtime::ParallelStats stats;
   std::vector<float> logits;  // leader
@@ -117,7 +122,8 @@ struct Measured {
 
 // One grid at one length on group 0 of the world (other groups idle).
 Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model::ModelConfig& cfg,
-                          runtime::GridShape shape, std::span<const int32_t> tokens) {
+                          runtime::GridShape shape, std::span<const int32_t> tokens,
+                          const model::SparseConfig* sc) {
   SF_ASSIGN(runtime::GridComms g, runtime::make_grid(world, shape));
   Measured m;
   if (g.group != 0) return m;
@@ -129,6 +135,7 @@ Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model:
   model::PrefillOptions opt;
   opt.chunk = a.chunk;
   opt.keep_kv = false;
+  opt.sparse = sc;
   SF_ASSIGN(runtime::DeviceParallelPrefill p,
             runtime::DeviceParallelPrefill::plan(dm, g, dg, int64_t(tokens.size()), opt));
   m.weight_bytes = dm.weight_bytes();
@@ -142,6 +149,7 @@ Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model:
     m.seconds.push_back(res.stats.seconds);
     m.comm_s.push_back(res.stats.comm_s);
     m.attention_s.push_back(res.stats.attention_s);
+    m.estimate_s.push_back(res.stats.estimate_s);
     m.stats = res.stats;
     if (res.stats.seconds < best) {
       best = res.stats.seconds;
@@ -199,64 +207,77 @@ int run(int argc, char** argv) {
     std::mt19937_64 rng(a.seed + uint64_t(L));
     std::uniform_int_distribution<int32_t> tok(0, cfg.vocab - 1);
     for (auto& t : tokens) t = tok(rng);
-    std::vector<float> ref;
-    double ref_s = 0;
-    for (const runtime::GridShape& shape : a.grids) {
-      if (world->size() % shape.group_size() != 0) {
-        if (rank0)
-          std::fprintf(stderr, "skip %dx%d: world of %d ranks\n", shape.tp, shape.cp,
-                       world->size());
-        continue;
-      }
-      auto mr = run_grid(*world, a, cfg, shape, tokens);
-      Status st = mr.status();
-      // Every rank learns of a failure anywhere (a failed rank would leave the others waiting).
-      int32_t ok = st.is_ok() ? 1 : 0, all = 0;
-      if (!world->all_reduce(&ok, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok() || !all) {
-        std::fprintf(stderr, "error (rank %d, %dx%d at %lld): %s\n", world->rank(), shape.tp,
-                     shape.cp, (long long)L, st.is_ok() ? "a peer failed" : st.message().c_str());
-        comm::mpi_abort_job(1);
-      }
-      if (!rank0) continue;
-      const Measured& m = mr.value();
-      const double s = median(m.seconds);
-      double rel = 0;
-      int32_t ref_top1 = -1;
-      if (shape.tp == 1 && shape.cp == 1) {
-        ref = m.logits;
-        ref_s = s;
-      }
-      if (!ref.empty() && ref.size() == m.logits.size()) {
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ref.size(); ++i) {
-          num = std::max(num, double(std::fabs(m.logits[i] - ref[i])));
-          den = std::max(den, double(std::fabs(ref[i])));
+    for (const std::string& mode : a.modes) {
+      std::optional<model::SparseConfig> sc;
+      if (mode != "dense") {
+        auto r = model::sparse_config_for_mode(mode, cfg.n_layers, cfg.n_heads);
+        if (!r.is_ok()) {
+          if (rank0) std::fprintf(stderr, "error: %s\n", r.status().message().c_str());
+          comm::mpi_abort_job(2);
         }
-        rel = den > 0 ? num / den : 0;
-        ref_top1 = int32_t(std::max_element(ref.begin(), ref.end()) - ref.begin());
+        sc.emplace(std::move(r).value());
       }
-      double layer_mean = 0;
-      for (double x : m.layer_s) layer_mean += x;
-      if (!m.layer_s.empty()) layer_mean /= double(m.layer_s.size());
-      char b[2048];
-      std::snprintf(
-          b, sizeof b,
-          "{\"tp\": %d, \"cp\": %d, \"gpus\": %d, \"seq_len\": %lld, \"layers\": %d, "
-          "\"prefill_s\": %.6f, \"prefill_s_runs\": %s, \"single_gpu_prefill_s\": %.6f, "
-          "\"comm_exposed_s\": %.6f, \"attention_s\": %.6f, \"layer_ms_mean\": %.4f, "
-          "\"layer_ms\": %s, \"comm_bytes\": %lld, \"allgather_bytes\": %lld, "
-          "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
-          "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
-          "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\"}",
-          shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
-          json_list(m.seconds).c_str(), ref_s, median(m.comm_s), median(m.attention_s),
-          layer_mean * 1e3, json_list(m.layer_s, 1e3).c_str(), (long long)m.stats.comm_bytes,
-          (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
-          m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
-          (long long)a.chunk, m.device_name.c_str());
-      std::printf("%s\n", b);
-      std::fflush(stdout);
-      if (out) out << b << "\n" << std::flush;
+      std::vector<float> ref;
+      double ref_s = 0;
+      for (const runtime::GridShape& shape : a.grids) {
+        if (world->size() % shape.group_size() != 0) {
+          if (rank0)
+            std::fprintf(stderr, "skip %dx%d: world of %d ranks\n", shape.tp, shape.cp,
+                         world->size());
+          continue;
+        }
+        auto mr = run_grid(*world, a, cfg, shape, tokens, sc ? &*sc : nullptr);
+        Status st = mr.status();
+        // Every rank learns of a failure anywhere (a failed rank would leave the others waiting).
+        int32_t ok = st.is_ok() ? 1 : 0, all = 0;
+        if (!world->all_reduce(&ok, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok() || !all) {
+          std::fprintf(stderr, "error (rank %d, %dx%d at %lld): %s\n", world->rank(), shape.tp,
+                       shape.cp, (long long)L, st.is_ok() ? "a peer failed" : st.message().c_str());
+          comm::mpi_abort_job(1);
+        }
+        if (!rank0) continue;
+        const Measured& m = mr.value();
+        const double s = median(m.seconds);
+        double rel = 0;
+        int32_t ref_top1 = -1;
+        if (shape.tp == 1 && shape.cp == 1) {
+          ref = m.logits;
+          ref_s = s;
+        }
+        if (!ref.empty() && ref.size() == m.logits.size()) {
+          double num = 0, den = 0;
+          for (size_t i = 0; i < ref.size(); ++i) {
+            num = std::max(num, double(std::fabs(m.logits[i] - ref[i])));
+            den = std::max(den, double(std::fabs(ref[i])));
+          }
+          rel = den > 0 ? num / den : 0;
+          ref_top1 = int32_t(std::max_element(ref.begin(), ref.end()) - ref.begin());
+        }
+        double layer_mean = 0;
+        for (double x : m.layer_s) layer_mean += x;
+        if (!m.layer_s.empty()) layer_mean /= double(m.layer_s.size());
+        char b[2048];
+        std::snprintf(
+            b, sizeof b,
+            "{\"tp\": %d, \"cp\": %d, \"gpus\": %d, \"seq_len\": %lld, \"layers\": %d, "
+            "\"prefill_s\": %.6f, \"prefill_s_runs\": %s, \"single_gpu_prefill_s\": %.6f, "
+            "\"comm_exposed_s\": %.6f, \"attention_s\": %.6f, \"layer_ms_mean\": %.4f, "
+            "\"layer_ms\": %s, \"comm_bytes\": %lld, \"allgather_bytes\": %lld, "
+            "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
+            "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
+            "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\", \"attention\": \"%s\", "
+            "\"density\": %.5f, \"estimate_s\": %.6f}",
+            shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
+            json_list(m.seconds).c_str(), ref_s, median(m.comm_s), median(m.attention_s),
+            layer_mean * 1e3, json_list(m.layer_s, 1e3).c_str(), (long long)m.stats.comm_bytes,
+            (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
+            m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
+            (long long)a.chunk, m.device_name.c_str(), mode.c_str(), m.stats.density,
+            median(m.estimate_s));
+        std::printf("%s\n", b);
+        std::fflush(stdout);
+        if (out) out << b << "\n" << std::flush;
+      }
     }
   }
   world.reset();

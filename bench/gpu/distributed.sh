@@ -7,7 +7,9 @@
 #   bench/gpu/distributed.sh BUILD_DIR OUT_DIR        (bench/gpu/run.sh calls it with SF_DIST=1)
 #
 # Environment: SF_DIST_LENGTHS (default 32768,131072), SF_DIST_GRIDS (1x1,1x2,2x1; must start with
-# 1x1), SF_DIST_REPS (timed runs after one warm-up, default 2), SF_DIST_LAYERS (0: all 32),
+# 1x1), SF_DIST_ATTENTION (dense and/or sparse modes, default dense,vertical-slash: MInference's
+# 1000 columns / 6096 diagonals on every head), SF_DIST_REPS (timed runs after one warm-up,
+# default 2), SF_DIST_LAYERS (0: all 32),
 # SF_DIST_CHUNK (tokens per linear chunk, default 8192), SF_DIST_TIMEOUT (seconds, default 1500).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, GPU-HOST.md).
 set -uo pipefail
@@ -22,7 +24,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1}"
-      --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
+      --attention "${SF_DIST_ATTENTION:-dense,vertical-slash}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
 records="$build/distributed-records.jsonl"
 cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
 echo "--- $cmd ($(date -u))" >"$log"
@@ -45,7 +47,8 @@ for r in recs:
     r["comm_exposed_fraction"] = round(r["comm_exposed_s"] / r["prefill_s"], 4) if r["prefill_s"] else None
     # The collectives run after the compute stream drains: none of the communication is hidden.
     r["comm_hidden_fraction"] = 0.0
-    r["attention"] = "dense (cuDNN fused flash attention, bf16)"
+    r["attention"] = ("dense (cuDNN fused flash attention, bf16)" if r["attention"] == "dense" else
+                      r["attention"] + " (device estimator per CP piece + our wgmma sparse kernel, bf16)")
 json.dump({"device": {"gpus": smi("name"), "driver": (smi("driver_version") or ["?"])[0],
                       "count": int(ngpu)},
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -87,7 +87,8 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream) {
 }
 
 Status fill_normal(TensorView out, const FillNormal& f, void* stream) {
-  SF_ENSURE(out.device == Device::kCuda, kInvalidArgument, "fill_normal: out must be on the device");
+  SF_ENSURE(out.device == Device::kCuda, kInvalidArgument,
+            "fill_normal: out must be on the device");
   SF_ENSURE(out.dtype == DType::kF32 || out.dtype == DType::kBF16, kUnsupported,
             std::string("fill_normal: dtype ") + dtype_name(out.dtype) + " (supported: F32, BF16)");
   SF_ENSURE(out.contiguous() && (out.ndim == 1 || out.ndim == 2), kInvalidArgument,

@@ -35,7 +35,8 @@ struct Carver {
 
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,
-                            int max_blocks, int max_cols, SparseEstimatePlan* plan) {
+                            int max_blocks, int max_cols, SparseEstimatePlan* plan,
+                            const EstimateMemory* mem) {
   if (!(q.dtype == k.dtype && (q.dtype == DType::kF32 || q.dtype == DType::kBF16) &&
         q.contiguous() && k.contiguous() && q.ndim == 3 && k.ndim == 3))
     return SF_ERR(kInvalidArgument,
@@ -147,10 +148,13 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
 
   const size_t nv = size_t(L.n_vs), nb = size_t(L.n_blk), nch = size_t(L.n_chunks);
   const size_t nsc = std::max(nv, nb);
-  auto carve = [&](Carver& c) {
+  auto carve_tables = [&](Carver& c) {
     L.heads = c.take<EstHead>(size_t(L.hq));
     L.vs_heads = c.take<int32_t>(nv);
     L.blk_heads = c.take<int32_t>(nb);
+    L.need = c.take<int32_t>(2);
+  };
+  auto carve = [&](Carver& c) {
     L.part_m = c.take<float>(nsc * kB * nch);
     L.part_l = c.take<float>(nsc * kB * nch);
     L.lse = c.take<float>(nsc * kB);
@@ -169,43 +173,54 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.n_runs = c.take<int32_t>(nv);
     L.sel_kb = c.take<int32_t>(nb * size_t(L.n_qb) * size_t(L.cap_kb));
     L.n_sel_kb = c.take<int32_t>(nb * size_t(L.n_qb));
-    L.need = c.take<int32_t>(2);
   };
-  Carver sizing;
-  carve(sizing);
-  plan->workspace_bytes = sizing.off;
-  SF_TRY(plan->workspace.alloc(sizing.off));
-  Carver real{0, plan->workspace.as<char>()};
-  carve(real);
-  SF_TRY(plan->workspace.upload(
-      heads.data(), heads.size() * sizeof(EstHead),
-      size_t(reinterpret_cast<const char*>(L.heads) - plan->workspace.as<char>())));
-  if (nv)
-    SF_TRY(plan->workspace.upload(
-        vs_heads.data(), nv * 4,
-        size_t(reinterpret_cast<const char*>(L.vs_heads) - plan->workspace.as<char>())));
-  if (nb)
-    SF_TRY(plan->workspace.upload(
-        blk_heads.data(), nb * 4,
-        size_t(reinterpret_cast<const char*>(L.blk_heads) - plan->workspace.as<char>())));
-
   // The index: every key block of the last query block bounds any slot's block entries.
   const int64_t block_bound = std::max<int64_t>(1, ceil_div(L.kend_last, kB));
   L.max_blocks = int(max_blocks > 0 ? max_blocks : block_bound);
   L.max_cols = int(max_cols > 0 ? max_cols : std::clamp<int64_t>(L.kend_last, 1, 4096));
   const size_t slots = size_t(L.hq) * size_t(L.n_qb);
-  Carver ic;
   auto carve_index = [&](Carver& c) {
     L.block_count = c.take<int32_t>(slots);
     L.column_count = c.take<int32_t>(slots);
     L.block_offset = c.take<int32_t>(slots * size_t(L.max_blocks));
     L.column_index = c.take<int32_t>(slots * size_t(L.max_cols));
   };
+  Carver sizing, ic, tc;
+  carve(sizing);
   carve_index(ic);
+  carve_tables(tc);
+  plan->workspace_bytes = sizing.off;
   plan->index_bytes = ic.off;
-  SF_TRY(plan->index.alloc(ic.off));
-  Carver ir{0, plan->index.as<char>()};
+  if (mem && mem->size_only) return Status::ok();
+  if (mem) {
+    SF_ENSURE(mem->workspace_bytes >= sizing.off && mem->index_bytes >= ic.off, kOutOfRange,
+              "sparse_estimate_plan: lent memory (" + std::to_string(mem->workspace_bytes) + " + " +
+                  std::to_string(mem->index_bytes) + " bytes) is smaller than the plan's " +
+                  std::to_string(sizing.off) + " + " + std::to_string(ic.off));
+    plan->workspace.reset();
+    plan->index.reset();
+    plan->workspace_base = mem->workspace;
+    plan->index_base = mem->index;
+  } else {
+    SF_TRY(plan->workspace.alloc(sizing.off));
+    SF_TRY(plan->index.alloc(ic.off));
+    plan->workspace_base = plan->workspace.as<char>();
+    plan->index_base = plan->index.as<char>();
+  }
+  Carver real{0, plan->workspace_base};
+  carve(real);
+  Carver ir{0, plan->index_base};
   carve_index(ir);
+  SF_TRY(plan->tables.alloc(tc.off));
+  Carver tr{0, plan->tables.as<char>()};
+  carve_tables(tr);
+  auto put = [&](const void* src, size_t bytes, const void* dst) {
+    return plan->tables.upload(src, bytes,
+                               size_t(static_cast<const char*>(dst) - plan->tables.as<char>()));
+  };
+  SF_TRY(put(heads.data(), heads.size() * sizeof(EstHead), L.heads));
+  if (nv) SF_TRY(put(vs_heads.data(), nv * 4, L.vs_heads));
+  if (nb) SF_TRY(put(blk_heads.data(), nb * 4, L.blk_heads));
   return Status::ok();
 }
 
@@ -323,14 +338,20 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
   return Status::ok();
 }
 
+Status sparse_index_pairs(const SparseIndexDevice& idx, unsigned long long* pairs, void* stream) {
+  SF_CUDA_TRY(sparse_index_pairs_launch(
+      IndexPairsArgs{idx.block_count, idx.block_offset, idx.column_count, idx.column_index,
+                     idx.n_heads, idx.n_q, idx.n_k, idx.q_offset, idx.n_qblocks, idx.max_blocks,
+                     idx.max_cols, pairs},
+      static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
 Status sparse_estimate_poison(SparseEstimatePlan* plan, int byte, void* stream) {
-  const EstimateLaunch& L = plan->launch;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  SF_CUDA_TRY(cudaMemsetAsync(plan->index.data(), byte, plan->index_bytes, s));
-  // Everything after the head tables: scores, partials, selections and their counts.
-  const size_t from = size_t(reinterpret_cast<const char*>(L.part_m) - plan->workspace.as<char>());
-  SF_CUDA_TRY(
-      cudaMemsetAsync(plan->workspace.as<char>() + from, byte, plan->workspace_bytes - from, s));
+  SF_CUDA_TRY(cudaMemsetAsync(plan->index_base, byte, plan->index_bytes, s));
+  // Scores, partials, selections and their counts (the head tables live apart).
+  SF_CUDA_TRY(cudaMemsetAsync(plan->workspace_base, byte, plan->workspace_bytes, s));
   return Status::ok();
 }
 

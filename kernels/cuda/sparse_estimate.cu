@@ -1141,4 +1141,49 @@ cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s) {
   return p.bf16 ? launch_all<__nv_bfloat16>(p, s) : launch_all<float>(p, s);
 }
 
+namespace {
+
+constexpr int kPairsThreads = 128;
+
+// One block per slot: the (query, key) pairs its entries cover under the causal mask, as
+// SparseIndex::pairs counts them on the host (sparse_index.cpp).
+__global__ void __launch_bounds__(kPairsThreads) index_pairs_kernel(const IndexPairsArgs a) {
+  const int64_t slot = blockIdx.x;
+  const int64_t qb = slot % a.n_qblocks;
+  const int64_t r0 = qb * kB;
+  const int64_t rows = min(max(a.n_q - r0, int64_t(0)), int64_t(kB));
+  const int64_t base = a.q_offset + r0;
+  const int64_t kend = min(max(base + rows, int64_t(0)), a.n_k);
+  auto limit = [&](int64_t i) { return min(max(base + i + 1, int64_t(0)), a.n_k); };
+  auto range = [&](int64_t lo, int64_t hi) -> unsigned long long {
+    if (hi <= lo) return 0;
+    if (hi <= limit(0)) return (unsigned long long)((hi - lo) * rows);
+    unsigned long long sum = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      sum += (unsigned long long)min(max(limit(i) - lo, int64_t(0)), hi - lo);
+    return sum;
+  };
+  unsigned long long sum = 0;
+  const int nb = a.block_count[slot], nc = a.column_count[slot];
+  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+    const int64_t off = a.block_offset[slot * a.max_blocks + i];
+    sum += range(off, min(off + int64_t(kB), kend));
+  }
+  for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+    const int64_t c = a.column_index[slot * a.max_cols + i];
+    sum += range(c, c + 1);
+  }
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
+  if ((threadIdx.x & 31) == 0 && sum) atomicAdd(a.pairs, sum);
+}
+
+}  // namespace
+
+cudaError_t sparse_index_pairs_launch(const IndexPairsArgs& a, cudaStream_t s) {
+  const int64_t slots = int64_t(a.n_heads) * a.n_qblocks;
+  if (slots == 0) return cudaSuccess;
+  index_pairs_kernel<<<unsigned(slots), kPairsThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
 }  // namespace sf::kernels::cuda

@@ -17,19 +17,36 @@ namespace sf::kernels::cuda {
 
 struct SparseEstimatePlan {
   EstimateLaunch launch;   // geometry, head tables and workspace pointers; q, k bound at run
-  DeviceBuffer workspace;  // scores, selections, head tables
-  DeviceBuffer index;      // the index built in place (SparseIndexDevice layout)
+  DeviceBuffer tables;     // per-head parameters and the need[] record: always the plan's own
+  DeviceBuffer workspace;  // scores, selections (unless EstimateMemory lends them)
+  DeviceBuffer index;      // the index built in place, SparseIndexDevice layout (likewise)
+  char* workspace_base = nullptr;  // where the scratch and the index live (own or lent)
+  char* index_base = nullptr;
   int64_t clamped_heads = 0;
   size_t workspace_bytes = 0, index_bytes = 0;
 };
 
+// Device memory a plan uses for its scratch and its index instead of allocating them: plans whose
+// runs are ordered on one stream (a forward's layers and pieces) can share one arena, each run
+// overwriting the last one's index after that index was consumed. size_only: the plan only
+// records workspace_bytes and index_bytes (to size the arena) and allocates nothing.
+struct EstimateMemory {
+  char* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  char* index = nullptr;
+  size_t index_bytes = 0;
+  bool size_only = false;
+};
+
 // Supported: F32 or BF16 contiguous q [n_q, heads, d], k [n_k, kv_heads, d] (the same dtype),
 // d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0 or
-// segment_rows > 0 (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a default
-// (every key block, and min(causal keys, 4096) columns). Allocates; not for capture.
+// segment_rows > 0 (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a
+// default (every key block, and min(causal keys, 4096) columns). Allocates (with mem: only the head
+// tables, and kOutOfRange when the lent memory is smaller than the plan needs); not for capture.
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,
-                            int max_blocks, int max_cols, SparseEstimatePlan* plan);
+                            int max_blocks, int max_cols, SparseEstimatePlan* plan,
+                            const EstimateMemory* mem = nullptr);
 // Run step: estimates into plan->index and points *out at it. q, k as planned.
 Status sparse_estimate_run(SparseEstimatePlan* plan, const TensorView& q, const TensorView& k,
                            SparseIndexDevice* out, void* stream);
@@ -49,6 +66,9 @@ struct EstimateSelections {
 };
 Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
                                   EstimateSelections* out);
+// Adds the index's computed (query, key) pairs (causal mask applied) to *pairs, a device
+// counter: the numerator of SparseIndex::density. Enqueue only.
+Status sparse_index_pairs(const SparseIndexDevice& idx, unsigned long long* pairs, void* stream);
 // Fills the plan's index and selection arrays with `byte` (tests poison them before a run).
 Status sparse_estimate_poison(SparseEstimatePlan* plan, int byte, void* stream);
 // The backend-neutral entry (kernels/sparse.h) on CUDA tensors: plan, run, re-plan once if a

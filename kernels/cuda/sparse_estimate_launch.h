@@ -77,4 +77,18 @@ cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // Dynamic shared memory the block selector needs for a group of query blocks.
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
 
+// A device index (SparseIndexDevice layout) whose computed (query, key) pairs under the causal
+// mask are added to *pairs, as SparseIndex::pairs counts them: the numerator of its density.
+struct IndexPairsArgs {
+  const int32_t* block_count;
+  const int32_t* block_offset;
+  const int32_t* column_count;
+  const int32_t* column_index;
+  int n_heads;
+  int64_t n_q, n_k, q_offset, n_qblocks;
+  int max_blocks, max_cols;
+  unsigned long long* pairs;
+};
+cudaError_t sparse_index_pairs_launch(const IndexPairsArgs& a, cudaStream_t s);
+
 }  // namespace sf::kernels::cuda

@@ -427,6 +427,47 @@ class CudaEstimators : public ::testing::Test {
                     cpu_idx.column_index[s * size_t(cpu_idx.max_cols) + size_t(i)]);
       }
     }
+    // 4. the device pair count (the GPU forward's density) equals the host index's.
+    int64_t want_pairs = 0;
+    for (int64_t h = 0; h < g.hq; ++h)
+      for (int64_t qb = 0; qb < n_qb; ++qb) want_pairs += gpu_idx.pairs(int(h), qb);
+    {
+      cuda::DeviceBuffer dp;
+      ASSERT_OK(dp.alloc(sizeof(unsigned long long)));
+      ASSERT_CUDA(cudaMemsetAsync(dp.data(), 0, dp.size(), stream));
+      ASSERT_OK(cuda::sparse_index_pairs(didx, dp.as<unsigned long long>(), stream));
+      ASSERT_OK(cuda::stream_synchronize(stream));
+      unsigned long long got = 0;
+      ASSERT_OK(dp.download(&got, sizeof got));
+      EXPECT_EQ(int64_t(got), want_pairs);
+    }
+    // 5. a plan on lent memory (the forward's shared arena) builds the same index.
+    {
+      cuda::SparseEstimatePlan sized, lent;
+      cuda::EstimateMemory mem;
+      mem.size_only = true;
+      ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
+                                           &sized, &mem));
+      cuda::DeviceBuffer ws, ix;
+      ASSERT_OK(ws.alloc(sized.workspace_bytes));
+      ASSERT_OK(ix.alloc(sized.index_bytes));
+      mem = cuda::EstimateMemory{ws.as<char>(), sized.workspace_bytes - 1, ix.as<char>(),
+                                 sized.index_bytes, false};
+      EXPECT_EQ(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
+                                           &lent, &mem)
+                    .code(),
+                Code::kOutOfRange);
+      mem.workspace_bytes = sized.workspace_bytes;
+      ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
+                                           &lent, &mem));
+      ASSERT_OK(cuda::sparse_estimate_poison(&lent, 0xFF, stream));
+      cuda::SparseIndexDevice lidx;
+      ASSERT_OK(cuda::sparse_estimate_run(&lent, dq_v, dk_v, &lidx, stream));
+      SparseIndex lent_idx;
+      ASSERT_OK(cuda::sparse_index_download(lidx, need_b, std::max(need_c, 1), &lent_idx, stream));
+      EXPECT_EQ(lent_idx.block_offset, gpu_idx.block_offset);
+      EXPECT_EQ(lent_idx.column_index, gpu_idx.column_index);
+    }
     std::cout << "  " << (bf16 ? "bf16" : "f32 ") << " nq " << g.nq << " nk " << g.nk << " d "
               << g.d << ": " << slots_checked << " slots equal to the host builder, "
               << identical_heads << "/" << g.hq << " heads identical to the CPU index, " << n_ties

@@ -16,7 +16,9 @@
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sparse_estimate.h"
 #include "kernels/kv_importance.h"
+#include "worker/model/sparse_config.h"
 #endif
 
 namespace sf::model {
@@ -85,9 +87,9 @@ Status upload_part(const WeightSpec& w) {
             std::string("device upload: tensor ") + w.name + " must be 1-D or 2-D");
   const int64_t R = t.shape[0], C = t.shape.size() == 2 ? t.shape[1] : 1;
   SF_ENSURE(R == w.R && C == w.C && int64_t(t.data.size()) == R * C, kInvalidArgument,
-            std::string("device upload: tensor ") + w.name + " has shape " +
-                std::to_string(R) + "x" + std::to_string(C) + ", the config implies " +
-                std::to_string(w.R) + "x" + std::to_string(w.C));
+            std::string("device upload: tensor ") + w.name + " has shape " + std::to_string(R) +
+                "x" + std::to_string(C) + ", the config implies " + std::to_string(w.R) + "x" +
+                std::to_string(w.C));
   const Part& p = w.part;
   const size_t n = size_t(p.rows * p.cols);
   std::vector<float> f32;
@@ -285,7 +287,9 @@ Status DeviceModel::Impl::build(const ModelConfig& c, DType weight_dtype, int de
               sI = 1.f / std::sqrt(float(I));
   std::vector<WeightSpec> specs;
   // tag: which tensor; kind < 16 per layer, globals after the layers.
-  auto tag_of = [&](int64_t layer, int kind) { return mix64(seed ^ mix64(uint64_t(layer * 16 + kind))); };
+  auto tag_of = [&](int64_t layer, int kind) {
+    return mix64(seed ^ mix64(uint64_t(layer * 16 + kind)));
+  };
   auto whole = [](int64_t R, int64_t C) { return Part{0, R, 0, C}; };
   auto rows = [](int64_t r0, int64_t n, int64_t C) { return Part{r0, n, 0, C}; };
   auto cols = [](int64_t R, int64_t c0, int64_t n) { return Part{0, R, c0, n}; };
@@ -384,7 +388,16 @@ struct DevicePrefill::Impl {
   DeviceBuffer imp;
   std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
-  bool dry = false;  // forward() walks the ops but only plans the GEMMs and attention shapes
+  // Sparse attention (opt.sparse at the planned length): per layer and piece a device estimator
+  // plan, all on one shared arena (their runs are ordered on the compute stream, and each index
+  // is consumed by its attention before the next one is built); per layer a device counter of
+  // the pairs computed (density); estimator timing per layer and piece.
+  bool use_sparse = false;
+  std::vector<kernels::cuda::SparseEstimatePlan> est;  // [layer * pieces + piece]
+  DeviceBuffer est_ws, est_index, pairs;
+  std::vector<CudaEvent> est_begin, est_end;
+  double causal_pairs = 0;  // of one layer, every head of the slice
+  bool dry = false;         // forward() walks the ops but only plans the GEMMs and attention shapes
 
   ~Impl() {
     // An error path may leave work in flight on buffers about to be freed.
@@ -443,6 +456,7 @@ struct DevicePrefill::Impl {
                                 dview(part.data(), DType::kF32, {n, H}), cs());
   }
 
+  Status plan_sparse();
   Status setup(const DeviceModel::Impl& dmi, int64_t max_toks, const PrefillOptions& o);
   Status forward(std::span<const int32_t> ids, int64_t S, PrefillResult* res);
 };
@@ -481,6 +495,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
                                 cudaMemcpyHostToDevice, st));
     SF_TRY(kernels::embedding(m->tok_embd.view, tokens.as<int32_t>(), NL,
                               dview(X, DType::kF32, {NL, H}), cs()));
+    if (use_sparse) SF_CUDA_TRY(cudaMemsetAsync(pairs.data(), 0, pairs.size(), st));
     SF_CUDA_TRY(cudaEventRecord(layers_begin.get(), st));
   }
 
@@ -554,17 +569,18 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     if (!dry) {
       SF_CUDA_TRY(cudaEventRecord(att_begin[size_t(l)].get(), st));
       if (attn_bf16) {
-        SF_TRY(kernels::cast(dview(Q, DType::kF32, {NL, hq, d}), dview(QA, adt, {NL, hq, d}),
-                             cs()));
+        SF_TRY(
+            kernels::cast(dview(Q, DType::kF32, {NL, hq, d}), dview(QA, adt, {NL, hq, d}), cs()));
         if (!shard.exchange_kv) {
-          SF_TRY(kernels::cast(dview(K, DType::kF32, {S, hkv, d}), dview(KA, adt, {S, hkv, d}),
-                               cs()));
-          SF_TRY(kernels::cast(dview(V, DType::kF32, {S, hkv, d}), dview(VA, adt, {S, hkv, d}),
-                               cs()));
+          SF_TRY(
+              kernels::cast(dview(K, DType::kF32, {S, hkv, d}), dview(KA, adt, {S, hkv, d}), cs()));
+          SF_TRY(
+              kernels::cast(dview(V, DType::kF32, {S, hkv, d}), dview(VA, adt, {S, hkv, d}), cs()));
         }
       }
     }
-    for (int64_t j = 0, lo = 0; j < int64_t(pcs.size()); lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
+    for (int64_t j = 0, lo = 0; j < int64_t(pcs.size());
+         lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
       const int64_t b = pcs[size_t(j)][0], e = pcs[size_t(j)][1], n = e - b;
       ap.q_offset = b;
       const TensorView qv = dview(static_cast<char*>(QA) + size_t(lo * qd) * aes, adt, {n, hq, d});
@@ -572,16 +588,29 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       const TensorView vv = dview(VA, adt, {e, hkv, d});
       const TensorView ov = dview(static_cast<char*>(OA) + size_t(lo * qd) * aes, adt, {n, hq, d});
       if (dry) {
-        if (attn_bf16) SF_TRY(kernels::cuda::attention_dense_plan(qv, kv3, vv, ov, ap));
+        if (attn_bf16 && !use_sparse)
+          SF_TRY(kernels::cuda::attention_dense_plan(qv, kv3, vv, ov, ap));
         continue;
       }
-      SF_TRY(kernels::attention_dense(qv, kv3, vv, ov,
-                                      dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n}), ap,
-                                      cs()));
+      const TensorView lv = dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n});
+      if (use_sparse) {
+        // The piece's index from its own queries (the last 64 rows score vertical-slash heads)
+        // against keys [0, e), then the sparse kernel on it.
+        const size_t i = size_t(l) * pcs.size() + size_t(j);
+        kernels::cuda::SparseIndexDevice idx;
+        SF_CUDA_TRY(cudaEventRecord(est_begin[i].get(), st));
+        SF_TRY(kernels::cuda::sparse_estimate_run(&est[i], qv, kv3, &idx, st));
+        SF_CUDA_TRY(cudaEventRecord(est_end[i].get(), st));
+        SF_TRY(kernels::cuda::attention_sparse(qv, kv3, vv, idx, ov, lv, ap, st));
+        SF_TRY(kernels::cuda::sparse_index_pairs(idx, pairs.as<unsigned long long>() + l, st));
+      } else {
+        SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap, cs()));
+      }
     }
     if (!dry) {
-      if (attn_bf16) SF_TRY(kernels::cast(dview(OA, adt, {NL, hq, d}),
-                                          dview(ATT, DType::kF32, {NL, hq, d}), cs()));
+      if (attn_bf16)
+        SF_TRY(
+            kernels::cast(dview(OA, adt, {NL, hq, d}), dview(ATT, DType::kF32, {NL, hq, d}), cs()));
       SF_CUDA_TRY(cudaEventRecord(att_end[size_t(l)].get(), st));
     }
     ap.q_offset = 0;
@@ -621,8 +650,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       const TensorView gv = dview(gate.data(), DType::kF32, {n, I});
       const TensorView uv = dview(up.data(), DType::kF32, {n, I});
       if (!dry)
-        SF_TRY(kernels::rms_norm(dview(X + c0 * H, DType::kF32, {n, H}), L.ffn_norm.view,
-                                 c.rms_eps, xnv, cs()));
+        SF_TRY(kernels::rms_norm(dview(X + c0 * H, DType::kF32, {n, H}), L.ffn_norm.view, c.rms_eps,
+                                 xnv, cs()));
       SF_ASSIGN(const TensorView in_f, gemm_input(xnv));
       SF_TRY(linear(in_f, L.w_gate, none, gv));
       SF_TRY(linear(in_f, L.w_up, none, uv));
@@ -722,6 +751,29 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   }
   res->estimate_s = 0;
   res->density = 1.0;
+  if (use_sparse) {
+    for (size_t i = 0; i < est.size(); ++i) {
+      float ms = 0.f;
+      SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
+      res->estimate_s += double(ms) * 1e-3;
+      // A slot that needed more than the plan's capacity was truncated: never pass that off.
+      int nb = 0, nc = 0;
+      SF_TRY(kernels::cuda::sparse_estimate_needed(est[i], st, &nb, &nc));
+      if (nb > est[i].launch.max_blocks || nc > est[i].launch.max_cols)
+        return SF_ERR(kOutOfRange, "device prefill: layer " + std::to_string(i / pcs.size()) +
+                                       " needed " + std::to_string(nb) + " blocks and " +
+                                       std::to_string(nc) +
+                                       " columns in one index slot, the plan holds " +
+                                       std::to_string(est[i].launch.max_blocks) + " and " +
+                                       std::to_string(est[i].launch.max_cols));
+    }
+    res->attention_s -= res->estimate_s;  // the estimators ran inside the attention window
+    std::vector<unsigned long long> got(size_t(c.n_layers));
+    SF_TRY(pairs.download(got.data(), got.size() * sizeof(unsigned long long)));
+    double sum = 0;
+    for (unsigned long long g : got) sum += double(g);
+    res->density = causal_pairs > 0 ? sum / (causal_pairs * c.n_layers) : 0.0;
+  }
   return Status::ok();
 }
 
@@ -760,9 +812,16 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_ENSURE(max_toks <= INT32_MAX, kInvalidArgument,
             "device prefill: max_tokens exceeds the int32 positions");
   SF_ENSURE(o.chunk > 0, kInvalidArgument, "device prefill: chunk must be positive");
-  SF_ENSURE(o.sparse == nullptr, kUnsupported,
-            "device prefill: sparse attention is not implemented on CUDA yet (dense only); use the "
-            "CPU forward for sparse attention modes");
+  if (o.sparse) {
+    const SparseConfig& sc = *o.sparse;
+    SF_ENSURE(sc.n_layers == dmi.full_cfg.n_layers && sc.n_heads == dmi.full_cfg.n_heads &&
+                  sc.layers.size() == size_t(sc.n_layers),
+              kInvalidArgument,
+              "device prefill: sparse config is for " + std::to_string(sc.n_layers) + "x" +
+                  std::to_string(sc.n_heads) + " layers x heads, the model has " +
+                  std::to_string(dmi.full_cfg.n_layers) + "x" +
+                  std::to_string(dmi.full_cfg.n_heads));
+  }
   SF_ENSURE(!o.on_attention, kUnsupported,
             "device prefill: attention observers read host tensors; use the CPU forward");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
@@ -789,8 +848,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(compute.create());
   SF_TRY(copy.create());
 
-  const size_t f = sizeof(float), S = size_t(max_tokens), NL = size_t(max_rows),
-               C = size_t(chunk);
+  const size_t f = sizeof(float), S = size_t(max_tokens), NL = size_t(max_rows), C = size_t(chunk);
   const size_t H = size_t(c.hidden), qd = size_t(c.n_heads) * size_t(c.head_dim),
                kvd = size_t(c.n_kv_heads) * size_t(c.head_dim), I = size_t(c.intermediate),
                vocab = size_t(c.vocab);
@@ -872,6 +930,10 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     }
   }
 
+  use_sparse =
+      o.sparse && max_tokens >= o.sparse->dense_below && !sparse_config_is_dense(*o.sparse);
+  if (use_sparse) SF_TRY(plan_sparse());
+
   // Walk the forward of max_tokens tokens once without enqueueing: every GEMM shape (full and
   // tail chunks, exact pointers and so alignments) and every attention shape gets its cuBLASLt
   // algorithm or cuDNN graph now.
@@ -880,6 +942,59 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   dry = false;
   SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));  // the poisoning memsets
   plan_s = seconds_since(t0);
+  return Status::ok();
+}
+
+Status DevicePrefill::Impl::plan_sparse() {
+  const ModelConfig& c = m->cfg;
+  const int64_t hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim;
+  const int64_t h0 = int64_t(m->slice.index) * hq;  // this TP slice's heads in the config
+  const DType adt = attn_bf16 ? DType::kBF16 : DType::kF32;
+  const auto pcs = pieces(max_tokens);
+  est.clear();
+  est.resize(size_t(c.n_layers) * pcs.size());
+  size_t ws_max = 0, ix_max = 0;
+  auto plan_all = [&](const kernels::cuda::EstimateMemory& mem) -> Status {
+    for (int l = 0; l < c.n_layers; ++l) {
+      const auto& lp = opt.sparse->layers[size_t(l)];
+      const std::vector<kernels::HeadPattern> ps(lp.begin() + h0, lp.begin() + h0 + hq);
+      for (size_t j = 0; j < pcs.size(); ++j) {
+        const int64_t b = pcs[j][0], e = pcs[j][1];
+        // Shapes only: the plan binds q and k at each run.
+        const TensorView qv = dview(nullptr, adt, {e - b, hq, d});
+        const TensorView kv = dview(nullptr, adt, {e, hkv, d});
+        kernels::cuda::SparseEstimatePlan& p = est[size_t(l) * pcs.size() + j];
+        const Status s = kernels::cuda::sparse_estimate_plan(qv, kv, ps, b, 0, 0, &p, &mem);
+        if (!s.is_ok())
+          return Status(s.code(), "device prefill: layer " + std::to_string(l) + ": " + s.message(),
+                        __FILE__, __LINE__);
+        ws_max = std::max(ws_max, p.workspace_bytes);
+        ix_max = std::max(ix_max, p.index_bytes);
+      }
+    }
+    return Status::ok();
+  };
+  kernels::cuda::EstimateMemory sizing;
+  sizing.size_only = true;
+  SF_TRY(plan_all(sizing));
+  SF_TRY(alloc(est_ws, ws_max));
+  SF_TRY(alloc(est_index, ix_max));
+  SF_TRY(plan_all(kernels::cuda::EstimateMemory{est_ws.as<char>(), ws_max, est_index.as<char>(),
+                                                ix_max, false}));
+  SF_TRY(alloc(pairs, size_t(c.n_layers) * sizeof(unsigned long long)));
+  for (size_t i = 0; i < est.size(); ++i) {
+    est_begin.emplace_back();
+    SF_TRY(est_begin.back().create(true));
+    est_end.emplace_back();
+    SF_TRY(est_end.back().create(true));
+  }
+  // Causal pairs of one layer: a piece [b, e) has rows b..e-1, row t seeing keys [0, t].
+  causal_pairs = 0;
+  for (const auto& p : pcs) {
+    const double n = double(p[1] - p[0]);
+    causal_pairs += n * double(p[0]) + n * (n + 1) / 2;
+  }
+  causal_pairs *= double(hq);
   return Status::ok();
 }
 
@@ -899,9 +1014,8 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel& dm, DeviceSha
   int64_t prev = 0, NL = 0;
   for (const auto& p : shard.pieces) {
     SF_ENSURE(p[0] >= prev && p[0] < p[1] && p[1] <= S, kInvalidArgument,
-              "device prefill shard: piece [" + std::to_string(p[0]) + ", " +
-                  std::to_string(p[1]) + ") is empty, out of order or outside the " +
-                  std::to_string(S) + "-token prompt");
+              "device prefill shard: piece [" + std::to_string(p[0]) + ", " + std::to_string(p[1]) +
+                  ") is empty, out of order or outside the " + std::to_string(S) + "-token prompt");
     prev = p[1];
     NL += p[1] - p[0];
   }
@@ -930,6 +1044,10 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_ENSURE(!w.sharded || S == w.max_tokens, kInvalidArgument,
             "device prefill shard: " + std::to_string(S) + " tokens, the shard was planned for " +
                 std::to_string(w.max_tokens));
+  SF_ENSURE(!w.use_sparse || S == w.max_tokens, kInvalidArgument,
+            "device prefill: sparse attention runs at the planned length (" +
+                std::to_string(w.max_tokens) + " tokens), got " + std::to_string(S) +
+                "; plan for this length");
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
       return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) +

@@ -139,7 +139,7 @@ class DevicePrefill {
   // attention on BF16 copies of Q, K, V; otherwise the F32 reference kernel. A run shorter than
   // max_tokens builds the cuDNN graph for its length on first use (host side, once per length).
   const char* attention_kernel() const;
-  DType attention_dtype() const;  // of Q/K/V/out in attention (and so of a shard's K/V exchange)
+  DType attention_dtype() const;   // of Q/K/V/out in attention (and so of a shard's K/V exchange)
   size_t workspace_bytes() const;  // device memory of the plan (weights excluded)
   double plan_seconds() const;
 

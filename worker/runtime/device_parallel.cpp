@@ -66,7 +66,7 @@ struct DeviceParallelPrefill::Impl {
   int64_t S = 0, kvd = 0;
   std::vector<std::array<int64_t, 2>> mine;
   std::vector<std::vector<std::array<int64_t, 2>>> rank_rows;  // per CP rank: its pieces
-  std::vector<int64_t> counts;  // per CP rank: K (or V) elements it contributes
+  std::vector<int64_t> counts;        // per CP rank: K (or V) elements it contributes
   kernels::cuda::DeviceBuffer stage;  // the all-gather's landing zone: [S, kvd], rank blocks
   std::optional<model::DevicePrefill> prefill;
   int64_t kv_recv_bytes = 0;  // per run: the K/V bytes the CP all-gather brings this rank
@@ -84,8 +84,8 @@ struct DeviceParallelPrefill::Impl {
       for (const auto& rows : rank_rows)
         for (const auto& p : rows) {
           const size_t bytes = size_t((p[1] - p[0]) * kvd) * es;
-          if (cudaMemcpyAsync(dst + size_t(p[0] * kvd) * es, src, bytes,
-                              cudaMemcpyDeviceToDevice, nullptr) != cudaSuccess)
+          if (cudaMemcpyAsync(dst + size_t(p[0] * kvd) * es, src, bytes, cudaMemcpyDeviceToDevice,
+                              nullptr) != cudaSuccess)
             return SF_ERR(kInternal, "device CP exchange: unpacking the all-gathered rows failed");
           src += bytes;
         }
@@ -117,9 +117,9 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
                                         std::to_string(dm.slice().ways) + ", this rank is " +
                                         std::to_string(g.tp_rank) + " of " + std::to_string(TP));
   if (dm.device() != dg.device)
-    return SF_ERR(kInvalidArgument, "device parallel prefill: model on cuda:" +
-                                        std::to_string(dm.device()) + ", communicators on cuda:" +
-                                        std::to_string(dg.device));
+    return SF_ERR(kInvalidArgument,
+                  "device parallel prefill: model on cuda:" + std::to_string(dm.device()) +
+                      ", communicators on cuda:" + std::to_string(dg.device));
   if (n_tokens < 2 * CP * 64)
     return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(n_tokens) +
                                         " tokens give some CP rank no 64-token block (CP " +
@@ -189,12 +189,14 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   ParallelStats& st = out.stats;
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.attention_s = r.attention_s;
+  st.estimate_s = r.estimate_s;
+  st.density = r.density;
   st.comm_s = w.prefill->hook_seconds();
   st.kv_allgather_bytes = w.kv_recv_bytes;
   st.kv_moved_bytes = w.kv_recv_bytes;
   st.tp_allreduce_bytes = w.dg->tp->bytes_sent() - tp0;
-  st.comm_bytes = st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) +
-                  (g.group_comm->bytes_sent() - grp0);
+  st.comm_bytes =
+      st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) + (g.group_comm->bytes_sent() - grp0);
   return out;
 }
 

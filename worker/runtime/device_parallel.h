@@ -8,7 +8,11 @@
 // The collectives run on NCCL's stream once the compute stream has drained, so communication is
 // not hidden under compute: its time is reported separately (stats.comm_s).
 //
-// Dense attention only (the device forward has no sparse path yet). Equality with one GPU: the
+// Attention: dense, or sparse (PrefillOptions::sparse) with the device estimators run per piece
+// where its queries live: each TP slice scores its own heads (as one GPU does per head), each CP
+// piece builds its index from its own rows against keys [0, end), so vertical-slash heads score
+// from the piece's last 64 queries rather than the prompt's (and MoA spans scale with the
+// piece's key count): on CP > 1 those indices differ from one GPU's. Equality with one GPU: the
 // same kernels on the same rows; TP adds partial sums in another order (tests state bounds).
 #pragma once
 #include <cstdint>
@@ -38,8 +42,8 @@ Result<DeviceGrid> make_device_grid(GridComms& g, int device);
 class DeviceParallelPrefill {
  public:
   // Plans this rank's shard of an n_tokens prompt. dm is this rank's TP slice (slice().ways ==
-  // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk and keep_kv (this rank's
-  // rows, pieces in prompt order) are used; all_logits, sparse and hooks are refused.
+  // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk, sparse and keep_kv (this
+  // rank's rows, pieces in prompt order) are used; all_logits and hooks are refused.
   static Result<DeviceParallelPrefill> plan(const model::DeviceModel& dm, GridComms& g,
                                             DeviceGrid& dg, int64_t n_tokens,
                                             const model::PrefillOptions& opt = {});

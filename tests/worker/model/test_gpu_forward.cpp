@@ -344,6 +344,98 @@ TEST_F(GpuForward, F32WeightsMatchCpu) {
   expect_matches_cpu("f32", ref, gpu.value(), Bounds{1e-5, 1e-4, 1e-5, 1e-4});
 }
 
+// ---- Sparse attention in the GPU forward: the device estimators and the sparse kernel against
+// the CPU forward's sparse path, one layer config mixing every pattern (dense below 0, so it runs
+// at 700 tokens). F32 weights: the estimators see the CPU's F32 Q/K (up to GEMM rounding, 1e-6),
+// so the indices agree but for near-ties and density matches to 1e-3; logits then agree as the
+// dense F32 forward does (bound 1e-4, ten times the dense one: a flipped near-tie key moves a row
+// by about its attention weight). BF16 weights: the estimators score BF16 copies of Q/K, so
+// near-tie selections may flip; the bound is the dense BF16 forward's (1e-2), density within 2e-2.
+SparseConfig mixed_sparse_config(const ModelConfig& c) {
+  SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  sc.source = "test: mixed";
+  std::vector<kernels::HeadPattern> ps(size_t(c.n_heads));
+  for (int h = 0; h < c.n_heads; ++h) {
+    kernels::HeadPattern& p = ps[size_t(h)];
+    p.sink = 64;
+    p.local = 64;
+    switch (h % 8) {
+      case 0:
+        p.pattern = kernels::Pattern::kAShape;
+        break;
+      case 1:
+        p.pattern = kernels::Pattern::kVerticalSlash;
+        p.n_vertical = 48;
+        p.n_slash = 96;
+        break;
+      case 2:
+        p.pattern = kernels::Pattern::kBlockSparse;
+        p.n_blocks = 3;
+        break;
+      case 3:
+        p.pattern = kernels::Pattern::kAdaptiveVS;
+        p.gamma = 0.9;
+        p.min_budget = 32;
+        break;
+      case 4:
+        p.pattern = kernels::Pattern::kAdaptiveBlock;
+        p.gamma = 0.9;
+        p.min_budget = 64;
+        break;
+      case 5:
+        p.pattern = kernels::Pattern::kMoA;
+        p.alpha = 128;
+        p.beta = 0.1;
+        break;
+      case 6:
+        p.pattern = kernels::Pattern::kDense;
+        break;
+      default:
+        p.pattern = kernels::Pattern::kVerticalSlash;
+        p.n_vertical = 16;
+        p.n_slash = 200;
+        break;
+    }
+  }
+  sc.layers.assign(size_t(c.n_layers), ps);
+  return sc;
+}
+
+void sparse_matches_cpu(DType wdt) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const SparseConfig sc = mixed_sparse_config(ref.model.config());
+  PrefillOptions o = full_options();
+  o.importance_window = 0;
+  o.sparse = &sc;
+  auto cpu = prefill(ref.model, ref.tokens, o);
+  ASSERT_OK(cpu.status());
+  auto dm = DeviceModel::upload(ref.model, wdt, 0);
+  ASSERT_OK(dm.status());
+  auto gpu = prefill_device(dm.value(), ref.tokens, o);
+  ASSERT_OK(gpu.status());
+  const PrefillResult& g = gpu.value();
+  const PrefillResult& c = cpu.value();
+  ASSERT_EQ(g.logits.size(), c.logits.size());
+  const ErrStats e = compare(g.logits.data(), c.logits.data(), c.logits.size());
+  const bool f32 = wdt == DType::kF32;
+  std::cout << "  sparse " << (f32 ? "f32" : "bf16") << ": logits nerr=" << e.nerr
+            << ", density gpu " << g.density << " cpu " << c.density << ", estimate "
+            << g.estimate_s * 1e3 << " ms, attention " << g.attention_s * 1e3 << " ms\n";
+  EXPECT_EQ(e.nonfinite, 0);
+  EXPECT_LE(e.nerr, f32 ? 1e-4 : 1e-2);
+  EXPECT_GT(c.density, 0.05);
+  EXPECT_LT(c.density, 0.95);  // the config is sparse at this length, not dense in disguise
+  EXPECT_NEAR(g.density, c.density, f32 ? 1e-3 : 2e-2);
+  EXPECT_GT(g.estimate_s, 0.0);
+}
+
+TEST_F(GpuForward, SparseF32MatchesCpuSparse) { sparse_matches_cpu(DType::kF32); }
+TEST_F(GpuForward, SparseBf16MatchesCpuSparse) { sparse_matches_cpu(DType::kBF16); }
+
 // ---- Plan reuse: one plan for 700 tokens serves a shorter prompt next (stale workspace from the
 // longer run must not leak into it), with the KV copy-out off and only the last logits: the
 // result matches a fresh plan of exactly that length. Same kernels and GEMM shapes on both sides,
@@ -398,14 +490,23 @@ TEST_F(GpuForward, RejectsWhatItDoesNotSupport) {
   ASSERT_OK(dm.status());
   const std::vector<int32_t> few(ref.tokens.begin(), ref.tokens.begin() + 10);
 
-  auto sc =
-      sparse_config_for_mode("a-shape", ref.model.config().n_layers, ref.model.config().n_heads);
+  // A sparse config for another model shape; a sparse plan run at another length.
+  auto sc = sparse_config_for_mode("a-shape", ref.model.config().n_layers + 1,
+                                   ref.model.config().n_heads);
   ASSERT_OK(sc.status());
   PrefillOptions sparse;
   sparse.sparse = &sc.value();
   const auto r_sparse = prefill_device(dm.value(), few, sparse);
-  EXPECT_EQ(r_sparse.status().code(), Code::kUnsupported);
-  EXPECT_NE(r_sparse.status().message().find("sparse"), std::string::npos);
+  EXPECT_EQ(r_sparse.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r_sparse.status().message().find("sparse config"), std::string::npos);
+  auto sc_ok =
+      sparse_config_for_mode("a-shape", ref.model.config().n_layers, ref.model.config().n_heads);
+  ASSERT_OK(sc_ok.status());
+  sc_ok.value().dense_below = 0;
+  sparse.sparse = &sc_ok.value();
+  auto sparse_plan = DevicePrefill::plan(dm.value(), 200, sparse);
+  ASSERT_OK(sparse_plan.status());
+  EXPECT_EQ(sparse_plan->run(few).status().code(), Code::kInvalidArgument);
 
   PrefillOptions observed;
   observed.on_attention = [](int, const TensorView&, const TensorView&,

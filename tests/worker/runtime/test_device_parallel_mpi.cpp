@@ -20,6 +20,7 @@
 #include "tests/comm/mpi_test_env.h"
 #include "worker/model/device_model.h"
 #include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
 #include "worker/runtime/device_parallel.h"
 
 namespace sf {
@@ -60,8 +61,8 @@ constexpr int64_t kTokens = 1000;  // not a multiple of 64: CP chunks end mid-bl
 constexpr int64_t kChunk = 256;
 
 struct Reference {
-  std::vector<float> logits;                // last row
-  std::vector<std::vector<float>> k, v;     // per layer [S, hkv*d]
+  std::vector<float> logits;             // last row
+  std::vector<std::vector<float>> k, v;  // per layer [S, hkv*d]
 };
 
 // The weights for a slice: synthetic on the device, or uploaded from a host model.
@@ -72,7 +73,8 @@ Result<model::DeviceModel> make_model(bool f32, const model::Model* host, model:
 }
 
 // Rank 0: the one-GPU run; then broadcast to every rank.
-Reference reference(bool f32, const model::Model* host, std::span<const int32_t> tokens) {
+Reference reference(bool f32, const model::Model* host, std::span<const int32_t> tokens,
+                    const model::SparseConfig* sc) {
   auto& w = test_world();
   const model::ModelConfig c = small_llama3();
   const int64_t kvd = int64_t(c.n_kv_heads) * c.head_dim;
@@ -85,9 +87,9 @@ Reference reference(bool f32, const model::Model* host, std::span<const int32_t>
     auto dm = make_model(f32, host, {}, 0);
     model::PrefillOptions o;
     o.chunk = kChunk;
-    Result<model::PrefillResult> res =
-        dm.is_ok() ? model::prefill_device(dm.value(), tokens, o)
-                   : Result<model::PrefillResult>(dm.status());
+    o.sparse = sc;
+    Result<model::PrefillResult> res = dm.is_ok() ? model::prefill_device(dm.value(), tokens, o)
+                                                  : Result<model::PrefillResult>(dm.status());
     if (!res.is_ok()) {
       ADD_FAILURE() << res.status().to_string();
       ok = 0;
@@ -132,7 +134,7 @@ double kv_nerr(const model::KvCache& kv, const Reference& r,
   return bad || den == 0 ? INFINITY : num / den;
 }
 
-void check_grid(bool f32, runtime::GridShape shape) {
+void check_grid(bool f32, runtime::GridShape shape, const model::SparseConfig* sc = nullptr) {
   auto& w = test_world();
   const model::ModelConfig c = small_llama3();
   std::mt19937_64 rng(test_seed() + 7);
@@ -144,7 +146,7 @@ void check_grid(bool f32, runtime::GridShape shape) {
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
     host.emplace(std::move(m).value());
   }
-  const Reference ref = reference(f32, host ? &*host : nullptr, tokens);
+  const Reference ref = reference(f32, host ? &*host : nullptr, tokens, sc);
   ASSERT_FALSE(ref.k.empty());
 
   auto g = runtime::make_grid(w, shape);
@@ -157,6 +159,7 @@ void check_grid(bool f32, runtime::GridShape shape) {
   ASSERT_TRUE(dg.is_ok()) << dg.status().to_string();
   model::PrefillOptions o;
   o.chunk = kChunk;
+  o.sparse = sc;
   auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, o);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   // Twice: the second run reuses the plan's buffers (poisoned once, at plan time).
@@ -165,10 +168,16 @@ void check_grid(bool f32, runtime::GridShape shape) {
     ASSERT_TRUE(res.is_ok()) << res.status().to_string();
     const double tol = f32 ? 1e-4 : 1e-2;
     const double kv_err = kv_nerr(res.value().kv, ref, p.value().pieces(), g.value().tp_rank);
-    std::printf("  rank %d %s tp %d cp %d run %d: K/V nerr %.3g (tol %.0e), %lld bytes "
-                "all-gathered, comm %.4f s\n",
-                w.rank(), f32 ? "f32" : "bf16", shape.tp, shape.cp, run, kv_err, tol,
-                (long long)res.value().stats.kv_allgather_bytes, res.value().stats.comm_s);
+    std::printf(
+        "  rank %d %s%s tp %d cp %d run %d: K/V nerr %.3g (tol %.0e), %lld bytes "
+        "all-gathered, comm %.4f s, density %.4f\n",
+        w.rank(), f32 ? "f32" : "bf16", sc ? (" " + sc->source).c_str() : "", shape.tp, shape.cp,
+        run, kv_err, tol, (long long)res.value().stats.kv_allgather_bytes, res.value().stats.comm_s,
+        res.value().stats.density);
+    if (sc) {
+      EXPECT_GT(res.value().stats.density, 0.05);
+      EXPECT_LT(res.value().stats.density, 0.95);
+    }
     EXPECT_LE(kv_err, tol) << "rank " << w.rank();
     if (g.value().leader()) {
       const std::vector<float>& lg = res.value().logits;
@@ -181,8 +190,8 @@ void check_grid(bool f32, runtime::GridShape shape) {
       }
       std::printf("  leader logits nerr %.3g\n", num / den);
       EXPECT_LE(num / den, tol);
-      const int32_t top = int32_t(std::max_element(ref.logits.begin(), ref.logits.end()) -
-                                  ref.logits.begin());
+      const int32_t top =
+          int32_t(std::max_element(ref.logits.begin(), ref.logits.end()) - ref.logits.begin());
       EXPECT_EQ(res.value().first_token, top);
     }
     if (shape.cp > 1) EXPECT_GT(res.value().stats.kv_allgather_bytes, 0);
@@ -204,6 +213,52 @@ TEST(DeviceParallel, F32UploadTp2) {
 TEST(DeviceParallel, F32UploadCp2) {
   if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
   check_grid(true, {1, 2});
+}
+
+// Sparse attention on the grid. TP: each slice estimates its own heads, which is what one GPU
+// does per head, so with F32 weights (the estimators see the same Q/K up to TP rounding) the
+// mixed config's indices and outputs equal one GPU's. CP: each rank estimates its pieces from
+// their own rows; for a-shape heads that is the one-GPU index exactly (vertical-slash heads would
+// score from the piece's last queries instead: not compared).
+model::SparseConfig sparse_for(const char* mode) {
+  const model::ModelConfig c = small_llama3();
+  model::SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  sc.source = mode;
+  std::vector<kernels::HeadPattern> ps(size_t(c.n_heads));
+  for (int h = 0; h < c.n_heads; ++h) {
+    kernels::HeadPattern& p = ps[size_t(h)];
+    p.pattern = kernels::Pattern::kAShape;
+    if (std::string(mode) == "mixed") {
+      if (h % 4 == 1) {
+        p.pattern = kernels::Pattern::kVerticalSlash;
+        p.n_vertical = 48;
+        p.n_slash = 96;
+      } else if (h % 4 == 2) {
+        p.pattern = kernels::Pattern::kBlockSparse;
+        p.n_blocks = 3;
+      } else if (h % 4 == 3) {
+        p.pattern = kernels::Pattern::kAdaptiveVS;
+        p.gamma = 0.9;
+        p.min_budget = 32;
+      }
+    }
+  }
+  sc.layers.assign(size_t(c.n_layers), ps);
+  return sc;
+}
+
+TEST(DeviceParallel, F32UploadTp2SparseMixed) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  const model::SparseConfig sc = sparse_for("mixed");
+  check_grid(true, {2, 1}, &sc);
+}
+TEST(DeviceParallel, Bf16SyntheticCp2SparseAShape) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  const model::SparseConfig sc = sparse_for("a-shape");
+  check_grid(false, {1, 2}, &sc);
 }
 
 TEST(DeviceParallel, RejectsAMismatchedSlice) {
