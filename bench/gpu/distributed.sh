@@ -7,9 +7,10 @@
 #   bench/gpu/distributed.sh BUILD_DIR OUT_DIR        (bench/gpu/run.sh calls it with SF_DIST=1)
 #
 # Environment: SF_DIST_LENGTHS (default 32768,131072), SF_DIST_GRIDS (1x1,1x2,2x1; must start with
-# 1x1), SF_DIST_ATTENTION (dense and/or sparse modes, default dense,vertical-slash: MInference's
-# 1000 columns / 6096 diagonals on every head), SF_DIST_REPS (timed runs after one warm-up,
-# default 2), SF_DIST_LAYERS (0: all 32),
+# 1x1), SF_DIST_ATTENTION (dense and/or sparse modes of --attention, default
+# dense,vertical-slash,block-sparse: MInference's 1000 columns / 6096 diagonals and top-64 key
+# blocks on every head), SF_DIST_REPS (timed runs after one warm-up, default 2), SF_DIST_LAYERS
+# (0: all 32),
 # SF_DIST_CHUNK (tokens per linear chunk, default 8192), SF_DIST_TIMEOUT (seconds, default 1500).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, GPU-HOST.md).
 set -uo pipefail
@@ -24,7 +25,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1}"
-      --attention "${SF_DIST_ATTENTION:-dense,vertical-slash}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
+      --attention "${SF_DIST_ATTENTION:-dense,vertical-slash,block-sparse}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
 records="$build/distributed-records.jsonl"
 cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
 echo "--- $cmd ($(date -u))" >"$log"

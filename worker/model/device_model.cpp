@@ -12,6 +12,7 @@
 #if SF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "common/log.h"
 #include "common/thread_pool.h"
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -397,6 +398,9 @@ struct DevicePrefill::Impl {
   DeviceBuffer est_ws, est_index, pairs;
   std::vector<CudaEvent> est_begin, est_end;
   double causal_pairs = 0;  // of one layer, every head of the slice
+  // Index capacity per slot of every plan (0 before planning), and the most any slot of the last
+  // run needed: more than the capacity means the run truncated slots and must be redone.
+  int cap_blocks = 0, cap_cols = 0, need_blocks = 0, need_cols = 0;
   bool dry = false;         // forward() walks the ops but only plans the GEMMs and attention shapes
 
   ~Impl() {
@@ -456,7 +460,9 @@ struct DevicePrefill::Impl {
                                 dview(part.data(), DType::kF32, {n, H}), cs());
   }
 
-  Status plan_sparse();
+  // (Re-)plans every layer's and piece's estimator with at least the given slot capacities (0:
+  // the estimator's defaults) on one arena sized for the largest.
+  Status plan_sparse(int min_blocks = 0, int min_cols = 0);
   Status setup(const DeviceModel::Impl& dmi, int64_t max_toks, const PrefillOptions& o);
   Status forward(std::span<const int32_t> ids, int64_t S, PrefillResult* res);
 };
@@ -752,6 +758,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   res->estimate_s = 0;
   res->density = 1.0;
   if (use_sparse) {
+    need_blocks = need_cols = 0;
     for (size_t i = 0; i < est.size(); ++i) {
       float ms = 0.f;
       SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
@@ -759,14 +766,15 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       // A slot that needed more than the plan's capacity was truncated: never pass that off.
       int nb = 0, nc = 0;
       SF_TRY(kernels::cuda::sparse_estimate_needed(est[i], st, &nb, &nc));
-      if (nb > est[i].launch.max_blocks || nc > est[i].launch.max_cols)
-        return SF_ERR(kOutOfRange, "device prefill: layer " + std::to_string(i / pcs.size()) +
-                                       " needed " + std::to_string(nb) + " blocks and " +
-                                       std::to_string(nc) +
-                                       " columns in one index slot, the plan holds " +
-                                       std::to_string(est[i].launch.max_blocks) + " and " +
-                                       std::to_string(est[i].launch.max_cols));
+      need_blocks = std::max(need_blocks, nb);
+      need_cols = std::max(need_cols, nc);
     }
+    if (need_blocks > cap_blocks || need_cols > cap_cols)
+      return SF_ERR(kResourceExhausted,
+                    "device prefill: an index slot needed " + std::to_string(need_blocks) +
+                        " blocks and " + std::to_string(need_cols) + " columns, the plan holds " +
+                        std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) +
+                        " (DevicePrefill::grow_sparse re-plans for them)");
     res->attention_s -= res->estimate_s;  // the estimators ran inside the attention window
     std::vector<unsigned long long> got(size_t(c.n_layers));
     SF_TRY(pairs.download(got.data(), got.size() * sizeof(unsigned long long)));
@@ -945,7 +953,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   return Status::ok();
 }
 
-Status DevicePrefill::Impl::plan_sparse() {
+Status DevicePrefill::Impl::plan_sparse(int min_blocks, int min_cols) {
   const ModelConfig& c = m->cfg;
   const int64_t hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim;
   const int64_t h0 = int64_t(m->slice.index) * hq;  // this TP slice's heads in the config
@@ -954,6 +962,11 @@ Status DevicePrefill::Impl::plan_sparse() {
   est.clear();
   est.resize(size_t(c.n_layers) * pcs.size());
   size_t ws_max = 0, ix_max = 0;
+  est_ws.reset();  // a re-plan frees the old arena before sizing the new one
+  est_index.reset();
+  pairs.reset();
+  est_begin.clear();
+  est_end.clear();
   auto plan_all = [&](const kernels::cuda::EstimateMemory& mem) -> Status {
     for (int l = 0; l < c.n_layers; ++l) {
       const auto& lp = opt.sparse->layers[size_t(l)];
@@ -964,10 +977,23 @@ Status DevicePrefill::Impl::plan_sparse() {
         const TensorView qv = dview(nullptr, adt, {e - b, hq, d});
         const TensorView kv = dview(nullptr, adt, {e, hkv, d});
         kernels::cuda::SparseEstimatePlan& p = est[size_t(l) * pcs.size() + j];
-        const Status s = kernels::cuda::sparse_estimate_plan(qv, kv, ps, b, 0, 0, &p, &mem);
+        // Capacity: the estimator's default for this piece, raised to what a run needed.
+        int nb = min_blocks, nc = min_cols;
+        if (nb > 0 || nc > 0) {
+          kernels::cuda::SparseEstimatePlan probe;
+          kernels::cuda::EstimateMemory size_only;
+          size_only.size_only = true;
+          SF_TRY(kernels::cuda::sparse_estimate_plan(qv, kv, ps, b, 0, 0, &probe, &size_only));
+          nb = std::max(nb, probe.launch.max_blocks);
+          nc = std::max(nc, probe.launch.max_cols);
+        }
+        const Status s = kernels::cuda::sparse_estimate_plan(qv, kv, ps, b, nb, nc, &p, &mem);
         if (!s.is_ok())
           return Status(s.code(), "device prefill: layer " + std::to_string(l) + ": " + s.message(),
                         __FILE__, __LINE__);
+        cap_blocks =
+            cap_blocks == 0 ? p.launch.max_blocks : std::min(cap_blocks, p.launch.max_blocks);
+        cap_cols = cap_cols == 0 ? p.launch.max_cols : std::min(cap_cols, p.launch.max_cols);
         ws_max = std::max(ws_max, p.workspace_bytes);
         ix_max = std::max(ix_max, p.index_bytes);
       }
@@ -977,6 +1003,7 @@ Status DevicePrefill::Impl::plan_sparse() {
   kernels::cuda::EstimateMemory sizing;
   sizing.size_only = true;
   SF_TRY(plan_all(sizing));
+  cap_blocks = cap_cols = 0;  // the capacities of the real plans below
   SF_TRY(alloc(est_ws, ws_max));
   SF_TRY(alloc(est_index, ix_max));
   SF_TRY(plan_all(kernels::cuda::EstimateMemory{est_ws.as<char>(), ws_max, est_index.as<char>(),
@@ -1058,9 +1085,34 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
-  SF_TRY(w.forward(tokens, S, &res));
+  Status st = w.forward(tokens, S, &res);
+  if (st.code() == Code::kResourceExhausted && !w.sharded) {
+    // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
+    // to what this run needed and run again, once. A shard's group must agree first (its caller).
+    SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
+    SF_TRY(grow_sparse(w.need_blocks, w.need_cols));
+    res = PrefillResult{};
+    st = w.forward(tokens, S, &res);
+  }
+  SF_TRY(st);
   res.seconds = seconds_since(t0);
   return res;
+}
+
+std::array<int, 2> DevicePrefill::sparse_need() const {
+  return {impl_->need_blocks, impl_->need_cols};
+}
+
+Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
+  Impl& w = *impl_;
+  if (!w.use_sparse) return Status::ok();
+  SF_CUDA_TRY(cudaSetDevice(w.m->device));
+  SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
+  const size_t before = w.est_ws.size() + w.est_index.size() + w.pairs.size();
+  SF_TRY(w.plan_sparse(std::max(max_blocks, w.cap_blocks), std::max(max_cols, w.cap_cols)));
+  w.ws_bytes -= before;                                 // alloc() counted the new arena
+  SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the new arena's poisoning
+  return Status::ok();
 }
 
 std::vector<double> DevicePrefill::layer_seconds() const {
@@ -1115,6 +1167,8 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel&, DeviceShard,
 }
 Result<PrefillResult> DevicePrefill::run(std::span<const int32_t>) { return no_cuda(); }
 std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
+std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
+Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }
 
 #endif  // SF_HAVE_CUDA
 

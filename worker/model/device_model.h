@@ -129,6 +129,13 @@ class DevicePrefill {
   // differenced), seconds; and the time the shard's hooks spent (host, communication).
   std::vector<double> layer_seconds() const;
   double hook_seconds() const;
+  // Sparse index capacity. The estimators' slot sizes depend on the data; a run whose slots
+  // needed more than the plan holds fails with kResourceExhausted (nothing truncated is passed
+  // off) and sparse_need() says how much. An unsharded run then grows and runs again by itself;
+  // a shard's group agrees on the largest need and every rank calls grow_sparse (re-plans, frees
+  // and reallocates the estimators' arena; synchronous) before running again.
+  std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
+  Status grow_sparse(int max_blocks, int max_cols);
 
   DevicePrefill(DevicePrefill&&) noexcept;
   DevicePrefill& operator=(DevicePrefill&&) noexcept;

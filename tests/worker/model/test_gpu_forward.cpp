@@ -436,6 +436,53 @@ void sparse_matches_cpu(DType wdt) {
 TEST_F(GpuForward, SparseF32MatchesCpuSparse) { sparse_matches_cpu(DType::kF32); }
 TEST_F(GpuForward, SparseBf16MatchesCpuSparse) { sparse_matches_cpu(DType::kBF16); }
 
+// ---- Sparse index capacity: 4600 vertical columns per head at 5000 tokens need more column
+// slots than the estimator's default capacity (4096). The run must not pass off a truncated index:
+// it re-plans for what it needed and runs again, and its last-row logits equal the CPU sparse
+// forward's (F32 weights, bound 1e-4 as above).
+TEST_F(GpuForward, SparseCapacityGrowsOnOverflow) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  kernels::HeadPattern p;
+  p.pattern = kernels::Pattern::kVerticalSlash;
+  p.n_vertical = 4600;
+  p.n_slash = 64;
+  sc.layers.assign(size_t(c.n_layers), std::vector<kernels::HeadPattern>(size_t(c.n_heads), p));
+  std::mt19937_64 rng(base_seed() + 5);
+  std::vector<int32_t> tokens(5000);
+  for (auto& t : tokens) t = int32_t(rng() % uint64_t(c.vocab));
+  PrefillOptions o;
+  o.chunk = 1024;
+  o.keep_kv = false;
+  o.sparse = &sc;
+  auto cpu = prefill(ref.model, tokens, o);
+  ASSERT_OK(cpu.status());
+  auto dm = DeviceModel::upload(ref.model, DType::kF32, 0);
+  ASSERT_OK(dm.status());
+  auto plan = DevicePrefill::plan(dm.value(), int64_t(tokens.size()), o);
+  ASSERT_OK(plan.status());
+  auto gpu = plan->run(tokens);
+  ASSERT_OK(gpu.status());
+  const auto need = plan->sparse_need();
+  std::cout << "  capacity: a slot needed " << need[0] << " blocks and " << need[1]
+            << " columns; density gpu " << gpu->density << " cpu " << cpu->density << "\n";
+  EXPECT_GT(need[1], 4096);  // the default capacity was exceeded, so the grow path ran
+  const ErrStats e = compare(gpu->logits.data(), cpu->logits.data(), cpu->logits.size());
+  std::cout << "  capacity: last-row logits nerr=" << e.nerr << "\n";
+  EXPECT_EQ(e.nonfinite, 0);
+  EXPECT_LE(e.nerr, 1e-4);
+  EXPECT_NEAR(gpu->density, cpu->density, 1e-3);
+  // The grown plan serves the next run without growing again.
+  auto again = plan->run(tokens);
+  ASSERT_OK(again.status());
+  EXPECT_EQ(compare(again->logits.data(), gpu->logits.data(), gpu->logits.size()).nerr, 0.0);
+}
+
 // ---- Plan reuse: one plan for 700 tokens serves a shorter prompt next (stale workspace from the
 // longer run must not leak into it), with the KV copy-out off and only the last logits: the
 // result matches a fresh plan of exactly that length. Same kernels and GEMM shapes on both sides,
