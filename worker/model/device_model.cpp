@@ -1086,9 +1086,11 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
   Status st = w.forward(tokens, S, &res);
-  if (st.code() == Code::kResourceExhausted && !w.sharded) {
-    // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
-    // to what this run needed and run again, once. A shard's group must agree first (its caller).
+  // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
+  // past what this run needed and run again (twice at most: float atomics in the scoring can
+  // move a near-tie selection, and so a slot's size, between runs). A shard's group must agree
+  // first (its caller does).
+  for (int retry = 0; retry < 2 && st.code() == Code::kResourceExhausted && !w.sharded; ++retry) {
     SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
     SF_TRY(grow_sparse(w.need_blocks, w.need_cols));
     res = PrefillResult{};
@@ -1109,7 +1111,11 @@ Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
   SF_CUDA_TRY(cudaSetDevice(w.m->device));
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
   const size_t before = w.est_ws.size() + w.est_index.size() + w.pairs.size();
-  SF_TRY(w.plan_sparse(std::max(max_blocks, w.cap_blocks), std::max(max_cols, w.cap_cols)));
+  // A quarter more than asked, in whole 64-entry steps: the next run's need may differ a little.
+  auto room = [](int need, int cap) {
+    return std::max(cap, int((int64_t(need) * 5 / 4 + 63) / 64 * 64));
+  };
+  SF_TRY(w.plan_sparse(room(max_blocks, w.cap_blocks), room(max_cols, w.cap_cols)));
   w.ws_bytes -= before;                                 // alloc() counted the new arena
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the new arena's poisoning
   return Status::ok();

@@ -133,7 +133,8 @@ class DevicePrefill {
   // needed more than the plan holds fails with kResourceExhausted (nothing truncated is passed
   // off) and sparse_need() says how much. An unsharded run then grows and runs again by itself;
   // a shard's group agrees on the largest need and every rank calls grow_sparse (re-plans, frees
-  // and reallocates the estimators' arena; synchronous) before running again.
+  // and reallocates the estimators' arena, with a quarter more room than asked; synchronous)
+  // before running again.
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
   Status grow_sparse(int max_blocks, int max_cols);
 

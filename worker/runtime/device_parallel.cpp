@@ -180,15 +180,14 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   // Sparse index capacity: when any rank's slots outgrew its plan, every rank grows to the
   // group's largest need and the group runs again (all ranks finished every collective of the
   // failed run, so they stay in step).
-  {
+  for (int retry = 0; retry < 3; ++retry) {
     const bool grow = !rr.is_ok() && rr.status().code() == Code::kResourceExhausted;
     const std::array<int, 2> need = w.prefill->sparse_need();
     int32_t mine[3] = {grow ? 1 : 0, need[0], need[1]}, all[3] = {0, 0, 0};
     SF_TRY(g.group_comm->all_reduce(mine, all, 3, DType::kI32, comm::ReduceOp::kMax));
-    if (all[0]) {
-      SF_TRY(w.prefill->grow_sparse(all[1], all[2]));
-      rr = w.prefill->run(tokens);
-    }
+    if (!all[0] || retry == 2) break;
+    SF_TRY(w.prefill->grow_sparse(all[1], all[2]));
+    rr = w.prefill->run(tokens);
   }
   SF_ASSIGN(model::PrefillResult r, std::move(rr));
   ParallelResult out;
