@@ -6,6 +6,9 @@
 //
 //   mpirun -np 2 sf_bench_distributed --lengths 32768,131072 --grids 1x1,1x2,2x1 --out R.jsonl
 //
+// A grid written TPxCPb (e.g. 2x1b) runs its TP all-reduces blocking (after a drain) instead of
+// overlapped with the next chunk's GEMMs, to measure how much of their time the overlap hides.
+//
 // Writes one JSON record per (length, grid) to --out (world rank 0); bench/gpu/distributed.sh
 // adds device, driver, date, commit and command and computes speedups. Grids smaller than the
 // world run on the first ranks while the others wait at a barrier.
@@ -32,6 +35,7 @@ namespace {
 struct Args {
   std::vector<int64_t> lengths{32768};
   std::vector<runtime::GridShape> grids{{1, 1}, {1, 2}, {2, 1}};
+  std::vector<bool> blocking{false, false, false};  // per grid: TP all-reduces not overlapped
   std::vector<std::string> modes{"dense"};  // --attention: dense or a sparse mode
   int reps = 2, layers = 0;
   int64_t chunk = 8192;
@@ -80,11 +84,15 @@ Result<Args> parse(int argc, char** argv) {
       for (const auto& x : list(v)) a.lengths.push_back(std::atoll(x.c_str()));
     } else if (k == "--grids") {
       a.grids.clear();
+      a.blocking.clear();
       for (const auto& x : list(v)) {
         runtime::GridShape g;
-        if (std::sscanf(x.c_str(), "%dx%d", &g.tp, &g.cp) != 2 || g.tp < 1 || g.cp < 1)
-          return SF_ERR(kInvalidArgument, "--grids: '" + x + "' is not TPxCP");
+        char b = 0;
+        const int n = std::sscanf(x.c_str(), "%dx%d%c", &g.tp, &g.cp, &b);
+        if (n < 2 || g.tp < 1 || g.cp < 1 || (n == 3 && b != 'b'))
+          return SF_ERR(kInvalidArgument, "--grids: '" + x + "' is not TPxCP or TPxCPb");
         a.grids.push_back(g);
+        a.blocking.push_back(n == 3);
       }
     } else if (k == "--attention") {
       a.modes = list(v);
@@ -122,7 +130,7 @@ struct Measured {
 
 // One grid at one length on group 0 of the world (other groups idle).
 Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model::ModelConfig& cfg,
-                          runtime::GridShape shape, std::span<const int32_t> tokens,
+                          runtime::GridShape shape, bool blocking, std::span<const int32_t> tokens,
                           const model::SparseConfig* sc) {
   SF_ASSIGN(runtime::GridComms g, runtime::make_grid(world, shape));
   Measured m;
@@ -136,8 +144,10 @@ Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model:
   opt.chunk = a.chunk;
   opt.keep_kv = false;
   opt.sparse = sc;
+  runtime::DeviceParallelOptions po;
+  po.overlap_tp = !blocking;
   SF_ASSIGN(runtime::DeviceParallelPrefill p,
-            runtime::DeviceParallelPrefill::plan(dm, g, dg, int64_t(tokens.size()), opt));
+            runtime::DeviceParallelPrefill::plan(dm, g, dg, int64_t(tokens.size()), opt, po));
   m.weight_bytes = dm.weight_bytes();
   m.workspace_bytes = p.prefill().workspace_bytes();
   m.device_name = dm.device_name();
@@ -219,14 +229,16 @@ int run(int argc, char** argv) {
       }
       std::vector<float> ref;
       double ref_s = 0;
-      for (const runtime::GridShape& shape : a.grids) {
+      for (size_t gi = 0; gi < a.grids.size(); ++gi) {
+        const runtime::GridShape& shape = a.grids[gi];
+        const bool blocking = a.blocking[gi];
         if (world->size() % shape.group_size() != 0) {
           if (rank0)
             std::fprintf(stderr, "skip %dx%d: world of %d ranks\n", shape.tp, shape.cp,
                          world->size());
           continue;
         }
-        auto mr = run_grid(*world, a, cfg, shape, tokens, sc ? &*sc : nullptr);
+        auto mr = run_grid(*world, a, cfg, shape, blocking, tokens, sc ? &*sc : nullptr);
         Status st = mr.status();
         // Every rank learns of a failure anywhere (a failed rank would leave the others waiting).
         int32_t ok = st.is_ok() ? 1 : 0, all = 0;
@@ -266,14 +278,14 @@ int run(int argc, char** argv) {
             "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
             "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
             "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\", \"attention\": \"%s\", "
-            "\"density\": %.5f, \"estimate_s\": %.6f}",
+            "\"density\": %.5f, \"estimate_s\": %.6f, \"tp_overlap\": %s}",
             shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
             json_list(m.seconds).c_str(), ref_s, median(m.comm_s), median(m.attention_s),
             layer_mean * 1e3, json_list(m.layer_s, 1e3).c_str(), (long long)m.stats.comm_bytes,
             (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
             m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
             (long long)a.chunk, m.device_name.c_str(), mode.c_str(), m.stats.density,
-            median(m.estimate_s));
+            median(m.estimate_s), shape.tp > 1 && !blocking ? "true" : "false");
         std::printf("%s\n", b);
         std::fflush(stdout);
         if (out) out << b << "\n" << std::flush;

@@ -90,6 +90,12 @@ class SelfCommunicator final : public Communicator {
 
 }  // namespace
 
+Status Communicator::all_reduce_enqueue(void*, int64_t, DType, ReduceOp, void*, void*) {
+  return SF_ERR(kUnsupported, std::string("comm: stream-ordered all_reduce on '") + name_ + "' (" +
+                                  backend() + "): only device communicators have it");
+}
+Status Communicator::wait_enqueued() { return Status::ok(); }
+
 std::unique_ptr<Communicator> make_self_communicator(const std::string& name) {
   return std::make_unique<SelfCommunicator>(name);
 }

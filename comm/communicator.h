@@ -1,6 +1,6 @@
 // Communicator: the collectives and point-to-point calls the TP x CP runtime needs, over one
 // group of ranks. Implementations: mpi_communicator (host buffers, CPU), self_communicator (one
-// rank, no transport). The NCCL one (device buffers, own stream) is not written yet.
+// rank, no transport), nccl_communicator (device buffers, its own stream).
 //
 // Deadlines: every call that waits has one (timeout() from the call's start). When it passes,
 // the call returns kDeadlineExceeded naming the collective, the ranks involved and the deadline,
@@ -59,6 +59,16 @@ class Communicator {
   // Collective over this communicator.
   virtual Result<std::unique_ptr<Communicator>> split(int color, int key,
                                                       const std::string& name) = 0;
+
+  // Stream-ordered all-reduce, in place, for device communicators whose callers overlap it with
+  // their own GPU work: enqueued on the communicator's stream after `ready` (a cudaEvent_t the
+  // caller recorded on its stream), with `done` (a cudaEvent_t, may be null) recorded after it.
+  // Returns once enqueued, without waiting for the result; wait_enqueued() then waits for
+  // everything enqueued so far against the deadline (timeout() from its call), with the same
+  // abort-on-deadline contract as the blocking calls. Host communicators: kUnsupported.
+  virtual Status all_reduce_enqueue(void* buf, int64_t count, DType t, ReduceOp op, void* ready,
+                                    void* done);
+  virtual Status wait_enqueued();
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }

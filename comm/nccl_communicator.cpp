@@ -104,6 +104,32 @@ class NcclCommunicator final : public Communicator {
     bytes_sent_ += count * int64_t(dtype_size(t));
     return Status::ok();
   }
+  Status all_reduce_enqueue(void* buf, int64_t count, DType t, ReduceOp op, void* ready,
+                            void* done) override {
+    SF_TRY(usable("all_reduce", count));
+    SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
+    const auto deadline = clock::now() + timeout_;
+    SF_TRY(cuda("cudaSetDevice", cudaSetDevice(device_)));
+    if (ready)
+      SF_TRY(cuda("cudaStreamWaitEvent",
+                  cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0)));
+    ncclResult_t rc = ncclAllReduce(buf, buf, size_t(count), nt, nccl_op(op), comm_, stream_);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      return fail("all_reduce", group(), ncclGetErrorString(rc));
+    bool timed_out = false;
+    rc = wait_ready(comm_, deadline, &timed_out);  // the enqueue itself, not the transfer
+    if (timed_out) return deadline_passed("all_reduce", group());
+    if (rc != ncclSuccess) return fail("all_reduce", group(), ncclGetErrorString(rc));
+    if (done)
+      SF_TRY(cuda("cudaEventRecord", cudaEventRecord(static_cast<cudaEvent_t>(done), stream_)));
+    bytes_sent_ += count * int64_t(dtype_size(t));
+    return Status::ok();
+  }
+  Status wait_enqueued() override {
+    SF_TRY(usable("wait", 0));
+    SF_TRY(cuda("cudaSetDevice", cudaSetDevice(device_)));
+    return drain("all_reduce (enqueued)", group(), clock::now() + timeout_);
+  }
   Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
     SF_TRY(usable("all_gather", count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
@@ -272,6 +298,12 @@ class NcclCommunicator final : public Communicator {
     rc = wait_ready(comm_, deadline, &timed_out);
     if (timed_out) return deadline_passed(op, who);
     if (rc != ncclSuccess) return fail(op, who, ncclGetErrorString(rc));
+    return drain(op, who, deadline);
+  }
+
+  // Polls the stream until everything on it has completed, watching NCCL's async error and the
+  // deadline.
+  Status drain(const char* op, const std::string& who, clock::time_point deadline) {
     for (int spins = 0;; ++spins) {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return Status::ok();

@@ -6,8 +6,9 @@
 #
 #   bench/gpu/distributed.sh BUILD_DIR OUT_DIR        (bench/gpu/run.sh calls it with SF_DIST=1)
 #
-# Environment: SF_DIST_LENGTHS (default 32768,131072), SF_DIST_GRIDS (1x1,1x2,2x1; must start with
-# 1x1), SF_DIST_ATTENTION (dense and/or sparse modes of --attention, default
+# Environment: SF_DIST_LENGTHS (default 32768,131072), SF_DIST_GRIDS (1x1,1x2,2x1,2x1b; must start
+# with 1x1; a "b" suffix runs TP's all-reduces blocking, the twin that measures the overlap),
+# SF_DIST_ATTENTION (dense and/or sparse modes of --attention, default
 # dense,vertical-slash,block-sparse: MInference's 1000 columns / 6096 diagonals and top-64 key
 # blocks on every head), SF_DIST_REPS (timed runs after one warm-up, default 2), SF_DIST_LAYERS
 # (0: all 32),
@@ -24,7 +25,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 (( ngpu >= 1 )) || { echo "distributed.sh: no GPU" >&2; exit 1; }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1}"
+args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1,2x1b}"
       --attention "${SF_DIST_ATTENTION:-dense,vertical-slash,block-sparse}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
 records="$build/distributed-records.jsonl"
 cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
@@ -46,8 +47,20 @@ for r in recs:
     r["speedup"] = round(base / r["prefill_s"], 4) if r["prefill_s"] > 0 and base > 0 else None
     r["scaling_efficiency"] = round(r["speedup"] / r["gpus"], 4) if r["speedup"] else None
     r["comm_exposed_fraction"] = round(r["comm_exposed_s"] / r["prefill_s"], 4) if r["prefill_s"] else None
-    # The collectives run after the compute stream drains: none of the communication is hidden.
+    # CP exchanges and blocking all-reduces run after the compute stream drains: nothing hidden.
+    # An overlapped TP grid's hidden share comes from its blocking twin (same grid, "b" suffix):
+    # the time the overlap saved over the communication time the blocking run waited for.
     r["comm_hidden_fraction"] = 0.0
+    r["comm_hidden_s"] = 0.0
+    if r.get("tp_overlap"):
+        twin = next((b for b in recs if b["tp"] == r["tp"] and b["cp"] == r["cp"] and not b.get("tp_overlap")
+                     and b["seq_len"] == r["seq_len"] and b["attention"] == r["attention"]), None)
+        if twin is None:
+            r["comm_hidden_fraction"] = r["comm_hidden_s"] = None  # not measured
+        else:
+            saved = twin["prefill_s"] - r["prefill_s"]
+            r["comm_hidden_s"] = round(saved, 6)
+            r["comm_hidden_fraction"] = round(saved / twin["comm_exposed_s"], 4) if twin["comm_exposed_s"] > 0 else None
     r["attention"] = ("dense (cuDNN fused flash attention, bf16)" if r["attention"] == "dense" else
                       r["attention"] + " (device estimator per CP piece + our wgmma sparse kernel, bf16)")
 json.dump({"device": {"gpus": smi("name"), "driver": (smi("driver_version") or ["?"])[0],
@@ -57,8 +70,10 @@ json.dump({"device": {"gpus": smi("name"), "driver": (smi("driver_version") or [
            "model": "Llama-3-8B-shaped (32 layers, hidden 4096, 32/8 heads of 128, intermediate 14336, "
                     "vocab 128256), synthetic bf16 weights drawn on each device",
            "note": "prefill_s: median wall time of the timed runs on the group leader, all layers plus "
-                   "the last row's logits; comm_exposed_s: time the ranks waited in NCCL collectives "
-                   "after draining their compute stream",
+                   "the last row's logits; comm_exposed_s: time the leader's host waited on NCCL "
+                   "(drained CP exchanges, blocking all-reduces, the final wait for overlapped ones); "
+                   "comm_hidden_s / comm_hidden_fraction: an overlapped TP grid's saving over its "
+                   "blocking twin, and that saving over the twin's comm_exposed_s",
            "records": recs}, open(dst, "w"), indent=1)
 print("wrote", dst, len(recs), "records")
 PY

@@ -84,5 +84,60 @@ TEST(CommNccl, CollectivesAndDeadline) {
   EXPECT_FALSE(c.barrier().is_ok() && w.rank() == 0) << "an aborted communicator must fail fast";
 }
 
+// The stream-ordered all-reduce (overlapped TP): several enqueued behind events recorded on the
+// caller's stream, then one wait; results equal the sums. Then the deadline: rank 0's enqueued
+// sum whose peers come late fails in wait_enqueued at its 1 s deadline, naming the collective.
+TEST(CommNccl, EnqueuedAllReduceAndDeadline) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  auto& w = test_world();
+  auto nc = comm::make_nccl_communicator(w, w.rank(), "nccl-enqueue");
+  ASSERT_TRUE(nc.is_ok()) << nc.status().to_string();
+  comm::Communicator& c = *nc.value();
+  const int64_t n = 1 << 14, parts = 4;
+  std::vector<float> h(static_cast<size_t>(n * parts));
+  for (size_t i = 0; i < h.size(); ++i) h[i] = float(int(i % 89) * (w.rank() + 1));
+  DeviceBuf a(h.size());
+  cudaStream_t s = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  for (int64_t p = 0; p < parts; ++p) {
+    // The caller's stream produces each part, then the sum of that part is enqueued after it.
+    ASSERT_EQ(cudaMemcpyAsync(a.p + p * n, h.data() + p * n, size_t(n) * sizeof(float),
+                              cudaMemcpyHostToDevice, s),
+              cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(ready, s), cudaSuccess);
+    ASSERT_TRUE(c.all_reduce_enqueue(a.p + p * n, n, DType::kF32, comm::ReduceOp::kSum, ready, done)
+                    .is_ok());
+  }
+  ASSERT_EQ(cudaStreamWaitEvent(s, done, 0), cudaSuccess);
+  ASSERT_TRUE(c.wait_enqueued().is_ok());
+  std::vector<float> got(h.size());
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), a.p, got.size() * sizeof(float), cudaMemcpyDeviceToHost, s),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  const int tri = w.size() * (w.size() + 1) / 2;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], float(int(i % 89) * tri)) << i;
+
+  using clock = std::chrono::steady_clock;
+  c.set_timeout(std::chrono::milliseconds(w.rank() == 0 ? 1000 : 2000));
+  if (w.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  const auto t0 = clock::now();
+  Status st = c.all_reduce_enqueue(a.p, n, DType::kF32, comm::ReduceOp::kSum, nullptr, nullptr);
+  if (st.is_ok()) st = c.wait_enqueued();
+  const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+  if (w.rank() == 0) {
+    std::printf("rank 0 (enqueued): %s after %.3f s\n", st.to_string().c_str(), waited);
+    EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
+    EXPECT_GE(waited, 1.0);
+    EXPECT_LT(waited, 2.0);
+    EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
+  }
+  (void)cudaEventDestroy(ready);
+  (void)cudaEventDestroy(done);
+  (void)cudaStreamDestroy(s);
+}
+
 }  // namespace
 }  // namespace sf

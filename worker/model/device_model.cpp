@@ -383,6 +383,7 @@ struct DevicePrefill::Impl {
   std::vector<CudaEvent> kv_copied;           // per layer, on the copy stream
   std::vector<CudaEvent> att_begin, att_end;  // per layer, timing the attention kernel
   CudaEvent layers_begin;                     // before layer 0; with layer_end: per-layer time
+  CudaEvent tp_ready, tp_done;                // overlapped TP: a chunk's partials, their sum
   std::vector<CudaEvent> layer_end;
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
@@ -445,17 +446,35 @@ struct DevicePrefill::Impl {
   template <typename F>
   Status hook(F&& f) {
     SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));
+    return hook_nosync(f);
+  }
+  template <typename F>
+  Status hook_nosync(F&& f) {
     const auto t0 = Clock::now();
     Status s = f();
     hook_s += seconds_since(t0);
     return s;
   }
 
-  // x += part over n rows, after the TP slices' partial sums have been added up.
+  // Overlapped TP: part rows [r0, r0 + n) are final on the compute stream; their sum over the
+  // slices starts now on the communicator's stream.
+  Status partial_ready(int64_t r0, int64_t n) {
+    if (dry || !shard.reduce_tp_enqueue || n == 0) return Status::ok();
+    const int64_t H = m->cfg.hidden;
+    SF_CUDA_TRY(cudaEventRecord(tp_ready.get(), compute.get()));
+    return shard.reduce_tp_enqueue(part.as<float>() + r0 * H, n * H, tp_ready.get(), tp_done.get());
+  }
+
+  // x += part over n rows, after the TP slices' partial sums have been added up: the compute
+  // stream waits for the last enqueued sum (the communicator's stream runs them in order), or
+  // the host runs the blocking all-reduce.
   Status residual_add(float* X, int64_t n) {
     const int64_t H = m->cfg.hidden;
     if (dry || n == 0) return Status::ok();
-    if (shard.reduce_tp) SF_TRY(hook([&] { return shard.reduce_tp(part.as<float>(), n * H); }));
+    if (shard.reduce_tp_enqueue)
+      SF_CUDA_TRY(cudaStreamWaitEvent(compute.get(), tp_done.get(), 0));
+    else if (shard.reduce_tp)
+      SF_TRY(hook([&] { return shard.reduce_tp(part.as<float>(), n * H); }));
     return kernels::add_inplace(dview(X, DType::kF32, {n, H}),
                                 dview(part.data(), DType::kF32, {n, H}), cs());
   }
@@ -647,6 +666,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       const int64_t n = std::min(C, NL - c0);
       SF_ASSIGN(const TensorView in_o, gemm_input(dview(ATT + c0 * qd, DType::kF32, {n, qd})));
       SF_TRY(linear(in_o, L.wo, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
+      SF_TRY(partial_ready(c0, n));
     }
     SF_TRY(residual_add(X, NL));
     // 4) MLP per chunk (down projection partial over this slice's columns), summed, residual.
@@ -664,6 +684,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       if (!dry) SF_TRY(kernels::swiglu(gv, uv, gv, cs()));
       SF_ASSIGN(const TensorView in_d, gemm_input(gv));
       SF_TRY(linear(in_d, L.w_down, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
+      SF_TRY(partial_ready(c0, n));
     }
     SF_TRY(residual_add(X, NL));
     if (!dry) SF_CUDA_TRY(cudaEventRecord(layer_end[size_t(l)].get(), st));
@@ -693,6 +714,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     }
   }
   if (dry) return Status::ok();
+  // Overlapped TP: every sum was enqueued; wait for them against the communicator's deadline
+  // before anything else can block on a stream that waits for them.
+  if (shard.reduce_tp_enqueue && shard.reduce_tp_wait) SF_TRY(hook_nosync(shard.reduce_tp_wait));
 
   // The only waits of the run. Each layer's KV leaves pinned memory as soon as its copy is done,
   // while the device still computes later layers.
@@ -837,7 +861,8 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
                 " (CUDA attention supports 64 and 128)");
   SF_ENSURE(o.importance_window >= 0, kInvalidArgument,
             "device prefill: importance_window must be >= 0");
-  SF_ENSURE(dmi.slice.ways == 1 || (sharded && shard.reduce_tp), kInvalidArgument,
+  SF_ENSURE(dmi.slice.ways == 1 || (sharded && (shard.reduce_tp || shard.reduce_tp_enqueue)),
+            kInvalidArgument,
             "device prefill: the model is TP slice " + std::to_string(dmi.slice.index) + " of " +
                 std::to_string(dmi.slice.ways) + "; plan it as a shard with a reduce_tp hook");
   SF_CUDA_TRY(cudaSetDevice(dmi.device));
@@ -921,6 +946,8 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     SF_TRY(logits_free[s].create(false));
   }
   SF_TRY(layers_begin.create(true));
+  SF_TRY(tp_ready.create(false));
+  SF_TRY(tp_done.create(false));
   // Per-layer events: timing ones around kernels, ordering-only ones for copies.
   const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
     v.emplace_back();

@@ -86,8 +86,15 @@ struct DeviceShard {
                        DType dtype)>
       exchange_kv;
   // Sums a device F32 buffer of `count` values over the TP slices, in place (the O and down
-  // projections' partial sums). Null: one slice.
+  // projections' partial sums, every row of the rank at once). Null: one slice.
   std::function<Status(float* x, int64_t count)> reduce_tp;
+  // Overlapped TP, used instead of reduce_tp when set: enqueue the sum of one chunk's partial
+  // sums after `ready` (a cudaEvent_t recorded on the compute stream) and record `done`
+  // (cudaEvent_t) after it, without waiting. The next chunk's GEMMs run meanwhile; the compute
+  // stream waits on `done` before the residual add; nothing waits on the host inside a layer.
+  // reduce_tp_wait, after the last layer, waits for every enqueued sum against the deadline.
+  std::function<Status(float* x, int64_t count, void* ready, void* done)> reduce_tp_enqueue;
+  std::function<Status()> reduce_tp_wait;
   bool logits = true;  // whether this rank computes the last row's logits (the group leader)
 };
 

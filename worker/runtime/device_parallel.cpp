@@ -105,7 +105,8 @@ struct DeviceParallelPrefill::Impl {
 Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceModel& dm,
                                                           GridComms& g, DeviceGrid& dg,
                                                           int64_t n_tokens,
-                                                          const model::PrefillOptions& opt) {
+                                                          const model::PrefillOptions& opt,
+                                                          const DeviceParallelOptions& popt) {
   const int TP = g.shape.tp, CP = g.shape.cp;
   if (!g.tp || !g.cp || !dg.tp || !dg.cp || dg.tp->size() != TP || dg.cp->size() != CP)
     return SF_ERR(kInvalidArgument,
@@ -151,10 +152,17 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
     shard.exchange_kv = [wp](int, const void* kl, const void* vl, void* ka, void* va, DType dt) {
       return wp->exchange(kl, vl, ka, va, dt);
     };
-  if (TP > 1)
+  if (TP > 1 && popt.overlap_tp) {
+    shard.reduce_tp_enqueue = [wp](float* x, int64_t count, void* ready, void* done) {
+      return wp->dg->tp->all_reduce_enqueue(x, count, DType::kF32, comm::ReduceOp::kSum, ready,
+                                            done);
+    };
+    shard.reduce_tp_wait = [wp] { return wp->dg->tp->wait_enqueued(); };
+  } else if (TP > 1) {
     shard.reduce_tp = [wp](float* x, int64_t count) {
       return wp->dg->tp->all_reduce(x, x, count, DType::kF32, comm::ReduceOp::kSum);
     };
+  }
   SF_ASSIGN(model::DevicePrefill dp, model::DevicePrefill::plan_shard(dm, std::move(shard), opt));
   if (CP > 1) {
     // The exchange dtype is the attention's: BF16 on the cuDNN path.

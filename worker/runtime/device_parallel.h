@@ -5,8 +5,12 @@
 //   per layer, CP: all-gather of this slice's K and V rows (in the attention's dtype: BF16 with
 //     cuDNN, half the bytes of the F32 all-gather of the CPU runtime), unpacked to prompt order;
 //   per layer, TP: all-reduce of the O projection's and the down projection's partial sums (F32).
-// The collectives run on NCCL's stream once the compute stream has drained, so communication is
-// not hidden under compute: its time is reported separately (stats.comm_s).
+// The CP exchange runs on NCCL's stream once the compute stream has drained (attention needs
+// every key at once). The TP all-reduces are overlapped by default (overlap_tp): each chunk's
+// partial sums are summed on NCCL's stream while the next chunk's GEMMs run, and the compute
+// stream waits on an event before the residual add, with no host wait inside the layer; without
+// it they run synchronously after a drain. stats.comm_s is the time the host waited on
+// communication (drained exchanges, blocking all-reduces, the final wait for enqueued sums).
 //
 // Attention: dense, or sparse (PrefillOptions::sparse) with the device estimators run per piece
 // where its queries live: each TP slice scores its own heads (as one GPU does per head), each CP
@@ -39,6 +43,10 @@ struct DeviceGrid {
 };
 Result<DeviceGrid> make_device_grid(GridComms& g, int device);
 
+struct DeviceParallelOptions {
+  bool overlap_tp = true;  // enqueue the TP all-reduces per chunk (see above)
+};
+
 class DeviceParallelPrefill {
  public:
   // Plans this rank's shard of an n_tokens prompt. dm is this rank's TP slice (slice().ways ==
@@ -46,7 +54,8 @@ class DeviceParallelPrefill {
   // rank's rows, pieces in prompt order) are used; all_logits and hooks are refused.
   static Result<DeviceParallelPrefill> plan(const model::DeviceModel& dm, GridComms& g,
                                             DeviceGrid& dg, int64_t n_tokens,
-                                            const model::PrefillOptions& opt = {});
+                                            const model::PrefillOptions& opt = {},
+                                            const DeviceParallelOptions& popt = {});
   // Collective over the group. Every rank passes the whole prompt. first_token on every rank;
   // logits (the last row) on the leader; kv: this rank's rows when keep_kv; stats: this rank's.
   Result<ParallelResult> run(std::span<const int32_t> tokens);
