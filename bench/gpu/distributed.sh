@@ -33,48 +33,6 @@ echo "--- $cmd ($(date -u))" >"$log"
 timeout "${SF_DIST_TIMEOUT:-1500}" mpirun --bind-to none -np "$ngpu" "$bin" "${args[@]}" --out "$records" >>"$log" 2>&1
 rc=$?
 echo "--- exit $rc ($(date -u))" >>"$log"
-python3 - "$records" "$out/distributed-$gpu.json" "$cmd" "${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}" "$ngpu" <<'PY'
-import datetime, json, subprocess, sys
-src, dst, cmd, commit, ngpu = sys.argv[1:]
-try:
-    recs = [json.loads(l) for l in open(src) if l.strip()]
-except FileNotFoundError:
-    recs = []
-smi = lambda q: subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip().splitlines()
-for r in recs:
-    base = r["single_gpu_prefill_s"]
-    r["speedup"] = round(base / r["prefill_s"], 4) if r["prefill_s"] > 0 and base > 0 else None
-    r["scaling_efficiency"] = round(r["speedup"] / r["gpus"], 4) if r["speedup"] else None
-    r["comm_exposed_fraction"] = round(r["comm_exposed_s"] / r["prefill_s"], 4) if r["prefill_s"] else None
-    # CP exchanges and blocking all-reduces run after the compute stream drains: nothing hidden.
-    # An overlapped TP grid's hidden share comes from its blocking twin (same grid, "b" suffix):
-    # the time the overlap saved over the communication time the blocking run waited for.
-    r["comm_hidden_fraction"] = 0.0
-    r["comm_hidden_s"] = 0.0
-    if r.get("tp_overlap"):
-        twin = next((b for b in recs if b["tp"] == r["tp"] and b["cp"] == r["cp"] and not b.get("tp_overlap")
-                     and b["seq_len"] == r["seq_len"] and b["attention"] == r["attention"]), None)
-        if twin is None:
-            r["comm_hidden_fraction"] = r["comm_hidden_s"] = None  # not measured
-        else:
-            saved = twin["prefill_s"] - r["prefill_s"]
-            r["comm_hidden_s"] = round(saved, 6)
-            r["comm_hidden_fraction"] = round(saved / twin["comm_exposed_s"], 4) if twin["comm_exposed_s"] > 0 else None
-    r["attention"] = ("dense (cuDNN fused flash attention, bf16)" if r["attention"] == "dense" else
-                      r["attention"] + " (device estimator per CP piece + our wgmma sparse kernel, bf16)")
-json.dump({"device": {"gpus": smi("name"), "driver": (smi("driver_version") or ["?"])[0],
-                      "count": int(ngpu)},
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": commit, "command": "bench/gpu/distributed.sh (" + cmd + ")",
-           "model": "Llama-3-8B-shaped (32 layers, hidden 4096, 32/8 heads of 128, intermediate 14336, "
-                    "vocab 128256), synthetic bf16 weights drawn on each device",
-           "note": "prefill_s: median wall time of the timed runs on the group leader, all layers plus "
-                   "the last row's logits; comm_exposed_s: time the leader's host waited on NCCL "
-                   "(drained CP exchanges, blocking all-reduces, the final wait for overlapped ones); "
-                   "comm_hidden_s / comm_hidden_fraction: an overlapped TP grid's saving over its "
-                   "blocking twin, and that saving over the twin's comm_exposed_s",
-           "records": recs}, open(dst, "w"), indent=1)
-print("wrote", dst, len(recs), "records")
-PY
+python3 "$root/bench/gpu/distributed_compose.py" "$records" "$out/distributed-$gpu.json" "$cmd" \
+  "${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}" "$ngpu"
 exit $rc
