@@ -1,5 +1,6 @@
 #include "decode/kv_client.h"
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cstdio>
 #include <cstring>
@@ -197,35 +198,113 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
                    "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
 
   SF_ASSIGN(const json::array* shards, get_arr(man, "shards", W));
-  if (int64_t(shards->size()) != nl)
-    return corrupt(W, "shards has " + std::to_string(shards->size()) + " entries, expected " +
-                          std::to_string(nl));
-  mf.shards.resize(size_t(nl));
-  std::vector<bool> seen(static_cast<size_t>(nl), false);
+  // Shard entries: each holds token runs of a KV head range of one layer. Their run x head
+  // pairs are expanded below, so a manifest cannot declare more of them than it could back.
+  constexpr int64_t kMaxRunHeads = int64_t(1) << 24;
+  struct Run {
+    int64_t begin, end;
+    int shard;
+    int64_t row;  // first row of the run among the shard's rows of this head
+  };
+  std::vector<std::vector<Run>> runs(static_cast<size_t>(nl * nh));
+  mf.pieces.resize(size_t(nl * nh));
+  int64_t run_heads = 0;
   for (const auto& sv : *shards) {
     if (!sv.is_object()) return corrupt(W, "a shard entry is not an object");
     const json::object& sh = sv.as_object();
     SF_ASSIGN(std::string file, get_str(sh, "file", "shard"));
     const std::string where = "shard '" + file + "'";
-    SF_ASSIGN(int64_t layer, get_int(sh, "layer", where));
-    if (layer < 0 || layer >= nl || seen[size_t(layer)])
-      return corrupt(where, "layer " + std::to_string(layer) + " out of range or repeated");
-    seen[size_t(layer)] = true;
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
       return corrupt(where, "file is not a plain file name");
-    KvManifest::Shard& S = mf.shards[size_t(layer)];
+    KvManifest::Shard S;
     S.file = file;
+    SF_ASSIGN(int64_t layer, get_int(sh, "layer", where));
+    if (layer < 0 || layer >= nl)
+      return corrupt(where, "layer " + std::to_string(layer) + " out of range");
+    S.layer = int(layer);
     SF_ASSIGN(S.bytes, get_int(sh, "bytes", where));
     SF_ASSIGN(S.xxh64, get_str(sh, "xxh64", where));
     SF_ASSIGN(std::string layout, get_str(sh, "layout", where));
     S.uniform = layout == "uniform";
     if (!S.uniform && layout != "per_head")
       return corrupt(where, "layout '" + layout + "' is not uniform or per_head");
+    SF_ASSIGN(const json::array* kh, get_arr(sh, "kv_heads", where));
+    if (kh->size() != 2 || !(*kh)[0].is_int64() || !(*kh)[1].is_int64())
+      return corrupt(where, "kv_heads is not [first, end)");
+    const int64_t h0 = (*kh)[0].as_int64(), h1 = (*kh)[1].as_int64();
+    if (h0 < 0 || h1 > nh || h0 >= h1) return corrupt(where, "kv_heads out of range");
+    S.kv_head0 = int(h0);
+    S.kv_head1 = int(h1);
+    SF_ASSIGN(const json::array* toks, get_arr(sh, "tokens", where));
+    int64_t prev = 0;
+    for (const auto& rv : *toks) {
+      if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
+          !rv.as_array()[1].is_int64())
+        return corrupt(where, "a token run is not [begin, end)");
+      const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
+      if (a < prev || a >= b || b > out.n_tokens)
+        return corrupt(where, "token runs are out of bounds or order");
+      S.tokens.emplace_back(a, b);
+      prev = b;
+    }
+    if (S.tokens.empty()) return corrupt(where, "holds no tokens");
+    run_heads += int64_t(S.tokens.size()) * (h1 - h0);
+    if (run_heads > kMaxRunHeads) return corrupt(W, "too many shard runs");
+    const int si = int(mf.shards.size());
+    for (int64_t hh = h0; hh < h1; ++hh) {
+      // The head's kept tokens in each run of the shard: declared ranges intersected with it.
+      const auto& rr = mf.ranges[size_t(layer * nh + hh)];
+      int64_t row = 0;
+      size_t j = 0;
+      for (const auto& [a, b] : S.tokens) {
+        while (j < rr.size() && rr[j].second <= a) ++j;
+        int64_t k = 0;
+        for (size_t i = j; i < rr.size() && rr[i].first < b; ++i)
+          k += std::min(b, rr[i].second) - std::max(a, rr[i].first);
+        runs[size_t(layer * nh + hh)].push_back({a, b, si, row});
+        mf.pieces[size_t(layer * nh + hh)].push_back({si, k, row});
+        row += k;
+      }
+      S.kept.push_back(row);
+    }
     if (S.uniform)
-      for (int64_t hh = 1; hh < nh; ++hh)
-        if (mf.kept[size_t(layer * nh + hh)] != mf.kept[size_t(layer * nh)])
+      for (size_t i = 1; i < S.kept.size(); ++i)
+        if (S.kept[i] != S.kept[0])
           return corrupt(where, "uniform layout with different kept counts per head");
+    mf.shards.push_back(std::move(S));
   }
+  // Per (layer, head): the runs tile [0, n_tokens), and every run before the one holding the
+  // head's last kept token keeps whole blocks of 64 (blocks are counted within a shard).
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      auto& rs = runs[size_t(l * nh + hh)];
+      auto& ps = mf.pieces[size_t(l * nh + hh)];
+      std::vector<size_t> order(rs.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t x, size_t y) { return rs[x].begin < rs[y].begin; });
+      const std::string where =
+          "layer " + std::to_string(l) + " KV head " + std::to_string(hh) + " shards";
+      int64_t next = 0;
+      std::vector<KvManifest::Piece> sorted;
+      for (size_t i : order) {
+        if (rs[i].begin != next)
+          return corrupt(where, std::string(rs[i].begin < next ? "overlap" : "leave a gap") +
+                                    " at token " + std::to_string(std::min(rs[i].begin, next)));
+        next = rs[i].end;
+        sorted.push_back(ps[i]);
+      }
+      if (next != out.n_tokens)
+        return corrupt(where, "cover tokens up to " + std::to_string(next) + " of " +
+                                  std::to_string(out.n_tokens));
+      int64_t last = -1;
+      for (size_t i = 0; i < sorted.size(); ++i)
+        if (sorted[i].kept > 0) last = int64_t(i);
+      for (int64_t i = 0; i < last; ++i)
+        if (sorted[size_t(i)].kept % bs != 0)
+          return corrupt(where, "split a block of 64 kept tokens between runs");
+      ps = std::move(sorted);
+    }
   return mf;
 }
 
@@ -251,52 +330,88 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   KvExport out = std::move(mf.meta);
   const int64_t nl = out.n_layers, nh = out.n_kv_heads, hd = out.head_dim, bs = out.block_size;
   out.heads.resize(size_t(nl * nh));
+  // One shard's tensors of one head, as read.
+  struct HeadData {
+    std::vector<int32_t> positions;
+    std::vector<float> k, v, kmin, kmax, kmean, imp;
+  };
   for (int64_t layer = 0; layer < nl; ++layer) {
-    const KvManifest::Shard& S = mf.shards[size_t(layer)];
-    const std::string where = "shard '" + S.file + "'";
-    const fs::path p = root / S.file;
-    if (!fs::is_regular_file(p, ec))
-      return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
-    const uint64_t fsz = fs::file_size(p, ec);
-    if (ec || int64_t(fsz) != S.bytes)
-      return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
-                                std::to_string(S.bytes));
-    SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
-    if (hex64(h) != S.xxh64)
-      return corrupt(where, "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
-    SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(p.string()));
-    std::vector<float> kall, vall;
-    if (S.uniform) {
-      const int64_t n0 = mf.kept[size_t(layer * nh)];
-      SF_TRY(read_tensor<float>(f, "key", "F32", {1, nh, n0, hd}, where, &kall));
-      SF_TRY(read_tensor<float>(f, "value", "F32", {1, nh, n0, hd}, where, &vall));
+    // Every shard of the layer: verified, then its heads read.
+    std::vector<std::vector<HeadData>> data(mf.shards.size());
+    for (size_t si = 0; si < mf.shards.size(); ++si) {
+      const KvManifest::Shard& S = mf.shards[si];
+      if (S.layer != layer) continue;
+      const std::string where = "shard '" + S.file + "'";
+      const fs::path p = root / S.file;
+      if (!fs::is_regular_file(p, ec))
+        return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
+      const uint64_t fsz = fs::file_size(p, ec);
+      if (ec || int64_t(fsz) != S.bytes)
+        return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
+                                  std::to_string(S.bytes));
+      SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
+      if (hex64(h) != S.xxh64)
+        return corrupt(where,
+                       "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
+      SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(p.string()));
+      const int64_t hs = S.kv_head1 - S.kv_head0;
+      std::vector<float> kall, vall;
+      if (S.uniform) {
+        SF_TRY(read_tensor<float>(f, "key", "F32", {1, hs, S.kept[0], hd}, where, &kall));
+        SF_TRY(read_tensor<float>(f, "value", "F32", {1, hs, S.kept[0], hd}, where, &vall));
+      }
+      data[si].resize(size_t(hs));
+      for (int64_t j = 0; j < hs; ++j) {
+        HeadData& H = data[si][size_t(j)];
+        const int64_t n = S.kept[size_t(j)], nb = (n + bs - 1) / bs;
+        const std::string sfx = ".h" + std::to_string(S.kv_head0 + j);
+        if (S.uniform) {
+          H.k.assign(kall.begin() + j * n * hd, kall.begin() + (j + 1) * n * hd);
+          H.v.assign(vall.begin() + j * n * hd, vall.begin() + (j + 1) * n * hd);
+        } else {
+          SF_TRY(read_tensor<float>(f, "key" + sfx, "F32", {1, 1, n, hd}, where, &H.k));
+          SF_TRY(read_tensor<float>(f, "value" + sfx, "F32", {1, 1, n, hd}, where, &H.v));
+        }
+        SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
+        SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
+        SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));
+        SF_TRY(read_tensor<float>(f, "block_key_mean" + sfx, "F32", {nb, hd}, where, &H.kmean));
+        if (f.find("block_importance" + sfx))
+          SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where, &H.imp));
+      }
     }
+    // Each head's pieces in position order: rows and (whole-block aligned) blocks appended.
     for (int64_t hh = 0; hh < nh; ++hh) {
       HeadKv& H = out.heads[size_t(layer * nh + hh)];
-      const int64_t n = mf.kept[size_t(layer * nh + hh)], nb = (n + bs - 1) / bs;
-      const std::string sfx = ".h" + std::to_string(hh);
-      if (S.uniform) {
-        H.k.assign(kall.begin() + hh * n * hd, kall.begin() + (hh + 1) * n * hd);
-        H.v.assign(vall.begin() + hh * n * hd, vall.begin() + (hh + 1) * n * hd);
-      } else {
-        SF_TRY(read_tensor<float>(f, "key" + sfx, "F32", {1, 1, n, hd}, where, &H.k));
-        SF_TRY(read_tensor<float>(f, "value" + sfx, "F32", {1, 1, n, hd}, where, &H.v));
+      bool imp = true;
+      for (const KvManifest::Piece& pc : mf.pieces[size_t(layer * nh + hh)]) {
+        const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
+        const HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
+        const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
+        H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
+        H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
+        H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
+        H.block_kmin.insert(H.block_kmin.end(), D.kmin.begin() + b0 * hd, D.kmin.begin() + b1 * hd);
+        H.block_kmax.insert(H.block_kmax.end(), D.kmax.begin() + b0 * hd, D.kmax.begin() + b1 * hd);
+        H.block_kmean.insert(H.block_kmean.end(), D.kmean.begin() + b0 * hd,
+                             D.kmean.begin() + b1 * hd);
+        if (D.imp.empty()) {
+          imp = false;
+        } else {
+          H.block_importance.insert(H.block_importance.end(), D.imp.begin() + b0,
+                                    D.imp.begin() + b1);
+        }
       }
-      SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
-      SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.block_kmin));
-      SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.block_kmax));
-      SF_TRY(read_tensor<float>(f, "block_key_mean" + sfx, "F32", {nb, hd}, where, &H.block_kmean));
-      if (f.find("block_importance" + sfx))
-        SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where,
-                                  &H.block_importance));
-      // The shard's positions must be exactly the manifest's declared retention (same count,
-      // checked by the tensor shape, so this walk is bounded by the shard).
+      if (!imp) H.block_importance.clear();  // importance only when every shard carried it
+      // The positions must be exactly the manifest's declared retention (their count is, by the
+      // tensor shapes; this walk is bounded by it).
       size_t i = 0;
       for (const auto& [a, b] : mf.ranges[size_t(layer * nh + hh)])
         for (int64_t t = a; t < b; ++t, ++i)
           if (i >= H.positions.size() || H.positions[i] != t)
-            return corrupt(where,
-                           "positions" + sfx + " differ from the manifest's retention ranges");
+            return corrupt("layer " + std::to_string(layer) + " shards",
+                           "positions.h" + std::to_string(hh) +
+                               " differ from the manifest's retention ranges");
     }
   }
   return out;

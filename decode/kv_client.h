@@ -1,8 +1,10 @@
-// Decode-side KV client: loads an export (docs/kv-format.md, format version 2) from a directory,
+// Decode-side KV client: loads an export (docs/kv-format.md, format version 3) from a directory,
 // verifies it completely and returns it only when every check passed, so a consumer never sees
 // partial data. Checks: format and version, the compatibility hash against the consumer's model,
-// every shard's size and XXH64, tensor names, dtypes and shapes, and that the positions stored in
-// the shards equal the retention the manifest declares. The network transport comes later; this
+// every shard's size and XXH64, tensor names, dtypes and shapes, that the shards of each layer
+// cover every (token, KV head) exactly once (a layer may be split over the TP x CP ranks that
+// computed it), and that the positions stored in the shards equal the retention the manifest
+// declares. The network transport comes later; this
 // is the file-backed path.
 #pragma once
 #include <cstdint>
@@ -47,9 +49,19 @@ struct KvManifest {
   struct Shard {
     std::string file, xxh64;
     int64_t bytes = 0;
-    bool uniform = true;  // key/value for all heads, else key.hH/value.hH
+    bool uniform = true;                        // key/value for all its heads, else key.hH/value.hH
+    int layer = 0, kv_head0 = 0, kv_head1 = 0;  // KV heads [kv_head0, kv_head1)
+    std::vector<std::pair<int64_t, int64_t>> tokens;  // prompt runs it holds, ascending
+    std::vector<int64_t> kept;                        // per head of the shard: kept tokens
   };
-  std::vector<Shard> shards;                                     // by layer
+  // Where (layer, head)'s kept tokens come from, in position order: a run of one shard, its
+  // kept tokens there, and their first row among the shard's rows of that head.
+  struct Piece {
+    int shard = 0;
+    int64_t kept = 0, row = 0;
+  };
+  std::vector<Shard> shards;                                     // in manifest order
+  std::vector<std::vector<Piece>> pieces;                        // [layer * n_kv_heads + head]
   std::vector<int64_t> kept;                                     // [layer * n_kv_heads + head]
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges;  // declared [begin, end) runs
 };

@@ -119,13 +119,14 @@ std::string compat_hash(const KvExportSpec& s) {
   return hex64(xxh64_bytes(str.data(), str.size()));
 }
 
-Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force) {
+namespace {
+
+Status check_spec(const KvExportSpec& spec) {
   if (spec.n_layers <= 0 || spec.n_kv_heads <= 0 || spec.head_dim <= 0 || spec.n_tokens <= 0)
     return SF_ERR(kInvalidArgument, "export_kv: empty geometry");
   if (int64_t(spec.token_ids.size()) != spec.n_tokens)
     return SF_ERR(kInvalidArgument, "export_kv: token_ids size does not match n_tokens");
-  const Retention* ret = spec.retention;
-  if (ret) SF_TRY(check_retention(spec, *ret));
+  if (spec.retention) SF_TRY(check_retention(spec, *spec.retention));
   if (const ImportanceScores* is = spec.importance) {
     bool ok = is->n_layers == spec.n_layers && is->n_kv_heads == spec.n_kv_heads && is->n_tokens == spec.n_tokens &&
               int64_t(is->layers.size()) == spec.n_layers;
@@ -133,8 +134,55 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
       ok = int64_t(is->layers[l].size()) == int64_t(spec.n_kv_heads) * spec.n_tokens;
     if (!ok) return SF_ERR(kInvalidArgument, "export_kv: importance geometry does not match the cache");
   }
-  std::vector<int32_t> all_pos(static_cast<size_t>(spec.n_tokens));
-  for (int64_t t = 0; t < spec.n_tokens; ++t) all_pos[size_t(t)] = int32_t(t);
+  return Status::ok();
+}
+
+// Runs ascending, disjoint, non-empty and inside [0, n).
+bool runs_valid(const std::vector<std::array<int64_t, 2>>& runs, int64_t n) {
+  int64_t prev = 0;
+  for (const auto& r : runs) {
+    if (r[0] < prev || r[0] >= r[1] || r[1] > n) return false;
+    prev = r[1];
+  }
+  return !runs.empty();
+}
+
+// The positions of `kept` (ascending) inside the runs, and each one's row in the part's layout
+// (runs back to back).
+void intersect(const std::vector<int32_t>& kept, const std::vector<std::array<int64_t, 2>>& runs,
+               std::vector<int32_t>* pos, std::vector<int64_t>* rows) {
+  size_t i = 0;
+  int64_t base = 0;
+  for (const auto& r : runs) {
+    while (i < kept.size() && kept[i] < r[0]) ++i;
+    for (; i < kept.size() && kept[i] < r[1]; ++i) {
+      pos->push_back(kept[i]);
+      rows->push_back(base + (kept[i] - r[0]));
+    }
+    base += r[1] - r[0];
+  }
+}
+
+// How many of the sorted positions `kept` fall inside the runs.
+int64_t count_in(const std::vector<int32_t>& kept, const std::vector<std::array<int64_t, 2>>& runs) {
+  int64_t n = 0;
+  for (const auto& r : runs)
+    n += std::lower_bound(kept.begin(), kept.end(), int32_t(r[1])) -
+         std::lower_bound(kept.begin(), kept.end(), int32_t(r[0]));
+  return n;
+}
+
+}  // namespace
+
+KvShardPart whole_part(const KvExportSpec& spec) {
+  KvShardPart p;
+  p.tokens = {{0, spec.n_tokens}};
+  p.kv_head0 = 0;
+  p.n_kv_heads = spec.n_kv_heads;
+  return p;
+}
+
+Result<std::string> begin_export(const std::string& dir, bool force) {
   std::error_code ec;
   const fs::path out(dir);
   if (fs::exists(out, ec)) {
@@ -146,51 +194,75 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
     return SF_ERR(kIo, "cannot create '" + tmp.string() + "': " + ec.message());
-  auto fail = [&](Status st) {
-    std::error_code e2;
-    fs::remove_all(tmp, e2);
-    return st;
-  };
+  return tmp.string();
+}
 
+Status finish_export(const std::string& tmp, const std::string& dir) {
+  std::error_code ec;
+  const fs::path out(dir);
+  if (fs::exists(out, ec)) fs::remove_all(out, ec);
+  if (ec) return SF_ERR(kIo, "cannot replace '" + dir + "': " + ec.message());
+  fs::rename(tmp, out, ec);
+  if (ec) return SF_ERR(kIo, "cannot move export into '" + dir + "': " + ec.message());
+  return Status::ok();
+}
+
+Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
+                                                  const KvShardPart& part, const LayerSource& src) {
+  SF_TRY(check_spec(spec));
   const int64_t S = spec.n_tokens;
-  const int hkv = spec.n_kv_heads, d = spec.head_dim;
-  boost::json::array shards, ret_layers;
+  const int hp = part.n_kv_heads, h0 = part.kv_head0, d = spec.head_dim;
+  if (h0 < 0 || hp <= 0 || h0 + hp > spec.n_kv_heads)
+    return SF_ERR(kInvalidArgument, "export_kv: shard KV heads [" + std::to_string(h0) + ", " +
+                                        std::to_string(h0 + hp) + ") outside the model's " +
+                                        std::to_string(spec.n_kv_heads));
+  if (!runs_valid(part.tokens, S))
+    return SF_ERR(kInvalidArgument, "export_kv: shard token runs must be non-empty, ascending, "
+                                    "disjoint and inside the prompt");
+  std::vector<int32_t> all_pos(static_cast<size_t>(S));
+  for (int64_t t = 0; t < S; ++t) all_pos[size_t(t)] = int32_t(t);
+  const Retention* ret = spec.retention;
+  boost::json::array tok_json;
+  for (const auto& r : part.tokens) tok_json.push_back(boost::json::array{r[0], r[1]});
+  std::error_code ec;
+  std::vector<std::string> entries;
   for (int l = 0; l < spec.n_layers; ++l) {
     const float* k = src(l, false);
     const float* v = src(l, true);
-    if (!k || !v) return fail(SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV"));
-    std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hkv));
-    for (int h = 0; h < hkv; ++h) {
-      if (ret) pos[size_t(h)] = ret->positions(l, h);
-      else pos[size_t(h)] = all_pos;
-    }
+    if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
+    std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
+    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
+    for (int h = 0; h < hp; ++h)
+      intersect(ret ? ret->positions(l, h0 + h) : all_pos, part.tokens, &pos[size_t(h)], &rows[size_t(h)]);
     bool uniform = true;
-    for (int h = 1; h < hkv; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
-    // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hkv, n, d].
-    std::vector<int64_t> off(static_cast<size_t>(hkv) + 1, 0);
-    for (int h = 0; h < hkv; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
+    for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
+    // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
+    std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
+    for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
     std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
-    std::vector<HeadMeta> meta(static_cast<size_t>(hkv));
-    for (int h = 0; h < hkv; ++h) {
+    std::vector<HeadMeta> meta(static_cast<size_t>(hp));
+    for (int h = 0; h < hp; ++h) {
       float* kh = kbuf.data() + off[size_t(h)] * d;
-      gather_head(k, hkv, d, h, pos[size_t(h)], spec.keys_interleaved, kh);
-      gather_head(v, hkv, d, h, pos[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
-      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h) * S : nullptr;
+      // gather_head reads rows by index from a token-major [rows, hp, d] source.
+      std::vector<int32_t> r32(rows[size_t(h)].begin(), rows[size_t(h)].end());
+      gather_head(k, hp, d, h, r32, spec.keys_interleaved, kh);
+      gather_head(v, hp, d, h, r32, false, vbuf.data() + off[size_t(h)] * d);
+      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
       meta[size_t(h)] = block_meta(kh, int64_t(pos[size_t(h)].size()), d, imp, pos[size_t(h)]);
     }
     SafetensorsWriter w;
-    boost::json::array names, heads_json;
+    boost::json::array names;
     auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
       w.add(name, t, std::move(shape), p, bytes);
       names.push_back(boost::json::string(name));
     };
     if (uniform) {
       const int64_t n = int64_t(pos[0].size());
-      add("key", DType::kF32, {1, hkv, n, d}, kbuf.data(), kbuf.size() * 4);
-      add("value", DType::kF32, {1, hkv, n, d}, vbuf.data(), vbuf.size() * 4);
+      add("key", DType::kF32, {1, hp, n, d}, kbuf.data(), kbuf.size() * 4);
+      add("value", DType::kF32, {1, hp, n, d}, vbuf.data(), vbuf.size() * 4);
     }
-    for (int h = 0; h < hkv; ++h) {
-      const std::string sfx = ".h" + std::to_string(h);
+    for (int h = 0; h < hp; ++h) {
+      const std::string sfx = ".h" + std::to_string(h0 + h);
       const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
       if (!uniform) {
         add("key" + sfx, DType::kF32, {1, 1, n, d}, kbuf.data() + off[size_t(h)] * d, size_t(n * d) * 4);
@@ -203,33 +275,106 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
       add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
       if (!m.importance.empty())
         add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
-      boost::json::object hj;
-      hj["n"] = n;
-      hj["ranges"] = to_ranges(pos[size_t(h)]);
-      heads_json.push_back(std::move(hj));
     }
     w.set_metadata("layer", std::to_string(l));
     w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
                                      : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
-    char name[32];
-    std::snprintf(name, sizeof name, "layer_%03d.safetensors", l);
-    const fs::path p = tmp / name;
+    w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
+    char name[64];
+    std::snprintf(name, sizeof name, "layer_%03d%s.safetensors", l, part.file_tag.c_str());
+    const fs::path p = fs::path(tmp) / name;
     auto r = w.write(p.string());
-    if (!r.is_ok()) return fail(r.status());
+    if (!r.is_ok()) return r.status();
     boost::json::object sh;
     sh["file"] = name;
     sh["layer"] = l;
     sh["layout"] = uniform ? "uniform" : "per_head";
+    sh["tokens"] = tok_json;
+    sh["kv_heads"] = boost::json::array{h0, h0 + hp};
+    sh["rank"] = part.rank;
     sh["tensors"] = std::move(names);
     sh["bytes"] = uint64_t(fs::file_size(p, ec));
     sh["xxh64"] = hex64(r.value());
-    shards.push_back(std::move(sh));
+    entries.push_back(boost::json::serialize(sh));
+  }
+  return entries;
+}
+
+Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
+                          const std::vector<std::string>& entries) {
+  SF_TRY(check_spec(spec));
+  const int64_t S = spec.n_tokens;
+  const int hkv = spec.n_kv_heads, d = spec.head_dim, nl = spec.n_layers;
+  const Retention* ret = spec.retention;
+  std::vector<int32_t> all_pos(static_cast<size_t>(S));
+  for (int64_t t = 0; t < S; ++t) all_pos[size_t(t)] = int32_t(t);
+  // Coverage and block alignment per (layer, head): every shard run over that head, with the
+  // head's kept tokens in it.
+  struct Run {
+    int64_t begin, end, kept;
+  };
+  std::vector<std::vector<Run>> cover(static_cast<size_t>(nl * hkv));
+  boost::json::array shards;
+  for (const std::string& e : entries) {
+    boost::json::error_code jec;
+    boost::json::value v = boost::json::parse(e, jec);
+    if (jec || !v.is_object()) return SF_ERR(kInvalidArgument, "export_kv: a shard entry is not a JSON object");
+    const boost::json::object& o = v.as_object();
+    const int64_t l = o.at("layer").to_number<int64_t>();
+    const auto& kh = o.at("kv_heads").as_array();
+    const int64_t a = kh[0].to_number<int64_t>(), b = kh[1].to_number<int64_t>();
+    std::vector<std::array<int64_t, 2>> runs;
+    for (const auto& rv : o.at("tokens").as_array())
+      runs.push_back({rv.as_array()[0].to_number<int64_t>(), rv.as_array()[1].to_number<int64_t>()});
+    if (l < 0 || l >= nl || a < 0 || b > hkv || a >= b || !runs_valid(runs, S))
+      return SF_ERR(kInvalidArgument, "export_kv: shard '" + std::string(o.at("file").as_string()) +
+                                          "' has a layer, head range or token runs outside the model");
+    for (int64_t h = a; h < b; ++h) {
+      const auto& kept = ret ? ret->positions(int(l), int(h)) : all_pos;
+      for (const auto& r : runs) cover[size_t(l * hkv + h)].push_back({r[0], r[1], count_in(kept, {r})});
+    }
+    shards.push_back(std::move(v));
+  }
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t h = 0; h < hkv; ++h) {
+      auto& rs = cover[size_t(l * hkv + h)];
+      std::sort(rs.begin(), rs.end(), [](const Run& x, const Run& y) { return x.begin < y.begin; });
+      const std::string where = "export_kv: the shards of layer " + std::to_string(l) + " KV head " + std::to_string(h);
+      int64_t next = 0, last = -1;
+      for (size_t i = 0; i < rs.size(); ++i) {
+        if (rs[i].begin != next)
+          return SF_ERR(kInvalidArgument, where + (rs[i].begin < next ? " overlap" : " leave a gap") + " at token " +
+                                              std::to_string(std::min(rs[i].begin, next)));
+        next = rs[i].end;
+        if (rs[i].kept > 0) last = int64_t(i);
+      }
+      if (next != S)
+        return SF_ERR(kInvalidArgument, where + " stop at token " + std::to_string(next) + " of " + std::to_string(S));
+      // Blocks are runs of 64 kept tokens within a shard: they add up to the head's only if every
+      // run before the one holding its last kept token keeps whole blocks.
+      for (int64_t i = 0; i < last; ++i)
+        if (rs[size_t(i)].kept % kKvBlockSize != 0)
+          return SF_ERR(kInvalidArgument, where + ": the run [" + std::to_string(rs[size_t(i)].begin) + ", " +
+                                              std::to_string(rs[size_t(i)].end) + ") keeps " +
+                                              std::to_string(rs[size_t(i)].kept) +
+                                              " tokens, not whole blocks of 64, before the head's last block");
+    }
+
+  boost::json::array ret_layers;
+  for (int l = 0; l < nl; ++l) {
+    boost::json::array heads_json;
+    for (int h = 0; h < hkv; ++h) {
+      const auto& kept = ret ? ret->positions(l, h) : all_pos;
+      boost::json::object hj;
+      hj["n"] = int64_t(kept.size());
+      hj["ranges"] = to_ranges(kept);
+      heads_json.push_back(std::move(hj));
+    }
     boost::json::object lj;
     lj["layer"] = l;
     lj["heads"] = std::move(heads_json);
     ret_layers.push_back(std::move(lj));
   }
-
   boost::json::object model;
   model["name"] = spec.model_name;
   model["arch"] = spec.arch;
@@ -244,7 +389,7 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   man["compat_hash"] = compat_hash(spec);
   man["dtype"] = "F32";
   man["layout"] =
-      "key/value: [1, n_kv_heads, n_kept, head_dim] (per shard layout uniform) or key.hH/value.hH: "
+      "key/value: [1, shard kv_heads, n_kept, head_dim] (per shard layout uniform) or key.hH/value.hH: "
       "[1, 1, n_kept_H, head_dim] (per_head); keys after RoPE in rotate-half order";
   man["block_size"] = kKvBlockSize;
   man["n_tokens"] = S;
@@ -255,10 +400,10 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   boost::json::object rj;
   rj["policy"] = ret ? ret->policy : "full";
   rj["params"] = ret ? ret->params : "";
-  const int64_t kept = ret ? ret->kept_total() : S * spec.n_layers * hkv;
+  const int64_t kept = ret ? ret->kept_total() : S * nl * hkv;
   rj["kept_tokens"] = kept;
   rj["kv_bytes"] = kept * d * 2 * 4;
-  rj["kv_bytes_full"] = S * spec.n_layers * hkv * d * 2 * 4;
+  rj["kv_bytes_full"] = S * nl * hkv * d * 2 * 4;
   rj["layers"] = std::move(ret_layers);
   man["retention"] = std::move(rj);
   if (spec.importance) {
@@ -272,15 +417,26 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   }
   man["checksum"] = "xxh64 of each whole shard file, seed 0";
   man["shards"] = std::move(shards);
-  {
-    std::ofstream f(tmp / "manifest.json");
-    f << boost::json::serialize(man) << "\n";
-    if (!f) return fail(SF_ERR(kIo, "cannot write manifest.json in '" + tmp.string() + "'"));
-  }
-  if (fs::exists(out, ec)) fs::remove_all(out, ec);
-  if (ec) return fail(SF_ERR(kIo, "cannot replace '" + dir + "': " + ec.message()));
-  fs::rename(tmp, out, ec);
-  if (ec) return fail(SF_ERR(kIo, "cannot move export into '" + dir + "': " + ec.message()));
+  std::ofstream f(fs::path(tmp) / "manifest.json");
+  f << boost::json::serialize(man) << "\n";
+  if (!f) return SF_ERR(kIo, "cannot write manifest.json in '" + tmp + "'");
+  return Status::ok();
+}
+
+Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force) {
+  SF_TRY(check_spec(spec));
+  SF_ASSIGN(const std::string tmp, begin_export(dir, force));
+  auto fail = [&](Status st) {
+    std::error_code e2;
+    fs::remove_all(tmp, e2);
+    return st;
+  };
+  auto entries = export_kv_shards(tmp, spec, whole_part(spec), src);
+  if (!entries.is_ok()) return fail(entries.status());
+  Status st = export_kv_manifest(tmp, spec, entries.value());
+  if (!st.is_ok()) return fail(st);
+  st = finish_export(tmp, dir);
+  if (!st.is_ok()) return fail(st);
   return Status::ok();
 }
 

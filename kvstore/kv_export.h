@@ -5,6 +5,7 @@
 // Every head also carries its kept positions and per-block (64 kept tokens) metadata that
 // decode-side selection uses: key min/max/mean per channel and summed importance.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -15,8 +16,10 @@
 
 namespace sf::kvstore {
 
-// 2: retention detail, per-head positions and per-block metadata (1 had full retention only).
-constexpr int kKvFormatVersion = 2;
+// 3: a layer may be split over several shard files, each holding some token runs of some KV
+// heads (the TP x CP ranks that computed them); 2: retention detail, per-head positions and
+// per-block metadata; 1: full retention only.
+constexpr int kKvFormatVersion = 3;
 constexpr int kKvBlockSize = 64;
 
 struct KvExportSpec {
@@ -48,5 +51,36 @@ std::string compat_hash(const KvExportSpec& s);
 // temporary directory and renamed into place, so a failure leaves nothing half-written.
 // An existing non-empty dir is an error unless force.
 Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force);
+
+// ---- sharded exports: each writer (a TP x CP rank) writes the part of every layer it holds;
+// one writer then writes the manifest over every part's entries (docs/kv-format.md, "Shards").
+
+// What one writer holds of every layer: token runs (ascending, disjoint) of KV heads
+// [kv_head0, kv_head0 + n_kv_heads). Its LayerSource returns the part's rows, token-major
+// [tokens in run order, n_kv_heads, head_dim]. Blocks of 64 kept tokens are counted within each
+// part, so that they add up to the whole layer's, every part but the one holding a head's last
+// kept position must keep a multiple of 64 tokens of that head (true of 64-aligned CP chunks).
+struct KvShardPart {
+  std::vector<std::array<int64_t, 2>> tokens;
+  int kv_head0 = 0, n_kv_heads = 0;
+  int rank = 0;          // who wrote it (recorded)
+  std::string file_tag;  // file names: layer_LLL<file_tag>.safetensors
+};
+// The whole cache as one part (what export_kv writes).
+KvShardPart whole_part(const KvExportSpec& spec);
+
+// The temporary directory an export is built in (beside dir; created, emptied first) and its
+// final move into place. begin_export refuses an existing non-empty dir unless force.
+Result<std::string> begin_export(const std::string& dir, bool force);
+Status finish_export(const std::string& tmp, const std::string& dir);
+
+// Writes the part's shard files into tmp and returns their manifest entries (JSON objects, one
+// per layer, as text: writers on other ranks send them to the manifest's writer).
+Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
+                                                  const KvShardPart& part, const LayerSource& src);
+// Writes tmp/manifest.json over every part's entries, after checking that per layer they cover
+// every (token, KV head) exactly once and that their blocks align (see KvShardPart).
+Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
+                          const std::vector<std::string>& entries);
 
 }  // namespace sf::kvstore

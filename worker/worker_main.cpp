@@ -20,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -44,10 +45,14 @@ const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--allow-long]\n"
-    "                  [--cp-estimate [--selective-kv]]\n";
+    "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
+  // sharded: every rank writes the shards of the KV it computed and the leader the manifest
+  // (needs --out on a filesystem the group's ranks share); gathered: the leader gathers the
+  // whole cache and writes every shard.
+  std::string export_mode = "sharded";
   int tp = 1, cp = 1;
   int64_t chunk = 512;
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
@@ -77,8 +82,8 @@ Result<Options> parse_options(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
-    static const char* valued[] = {"model", "batch",     "out",   "tp",
-                                   "cp",    "attention", "chunk", "comm-timeout"};
+    static const char* valued[] = {"model",     "batch", "out",          "tp",    "cp",
+                                   "attention", "chunk", "comm-timeout", "export"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -91,6 +96,10 @@ Result<Options> parse_options(int argc, char** argv) {
   o.batch = kv["batch"];
   o.out = kv["out"];
   if (kv.count("attention")) o.attention = kv["attention"];
+  if (kv.count("export")) o.export_mode = kv["export"];
+  if (o.export_mode != "sharded" && o.export_mode != "gathered")
+    return SF_ERR(kInvalidArgument,
+                  "--export must be sharded or gathered, got '" + o.export_mode + "'");
   if (kv.count("tp")) {
     SF_ASSIGN(const int64_t x, parse_int("tp", kv["tp"]));
     o.tp = decltype(o.tp)(x);
@@ -173,6 +182,105 @@ std::string json_escape(const std::string& s) {
     o += ch;
   }
   return o;
+}
+
+// The sharded export of one request (docs/kv-format.md "Shards"), collective over the group:
+// the leader opens the export's temporary directory and broadcasts its path; every rank writes
+// the shards of its own rows and KV heads there (kvstore::export_kv_shards) and sends their
+// manifest entries, or its error, to the leader; the leader checks it can see every shard (a
+// group spread over hosts needs --out on a shared filesystem), writes the manifest and moves the
+// export into place. Returns the same status on every rank.
+Status sharded_export(runtime::GridComms& g, const std::string& dir,
+                      const kvstore::KvExportSpec& spec, const model::KvCache& local) {
+  comm::Communicator& c = *g.group_comm;
+  auto bcast_str = [&](std::string* str) -> Status {
+    int64_t n = int64_t(str->size());
+    SF_TRY(c.bcast(&n, 1, DType::kI64, 0));
+    str->resize(size_t(n));
+    return c.bcast(str->data(), n, DType::kU8, 0);
+  };
+  std::string tmp;
+  Status opened = Status::ok();
+  if (g.leader()) {
+    auto t = kvstore::begin_export(dir, /*force=*/true);
+    if (t.is_ok())
+      tmp = t.value();
+    else
+      opened = t.status();
+  }
+  SF_TRY(bcast_str(&tmp));
+  if (tmp.empty()) return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
+
+  // This rank's part: its CP chunks (merged when adjacent) of its TP slice's KV heads.
+  kvstore::KvShardPart part;
+  for (const auto& ch : runtime::cp_rank_ranges(spec.n_tokens, g.shape.cp, g.cp_rank)) {
+    if (ch.size() == 0) continue;
+    if (!part.tokens.empty() && part.tokens.back()[1] == ch.begin)
+      part.tokens.back()[1] = ch.end;
+    else
+      part.tokens.push_back({ch.begin, ch.end});
+  }
+  part.n_kv_heads = local.n_kv_heads;
+  part.kv_head0 = g.tp_rank * local.n_kv_heads;
+  part.rank = c.rank();
+  part.file_tag = ".r" + std::to_string(c.rank());
+  // What goes to the leader: "ok" and one entry per line, or "error" and the message.
+  std::string mine = "ok";
+  if (!part.tokens.empty()) {
+    auto e = kvstore::export_kv_shards(
+        tmp, spec, part, [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); });
+    if (!e.is_ok()) {
+      mine = "error\nrank " + std::to_string(c.rank()) + ": " + e.status().message();
+    } else {
+      for (const std::string& x : e.value()) mine += "\n" + x;
+    }
+  }
+  const int n = c.size();
+  std::vector<int64_t> lens(static_cast<size_t>(n));
+  const int64_t my_len = int64_t(mine.size());
+  SF_TRY(c.all_gather(&my_len, lens.data(), 1, DType::kI64));
+  int64_t total = 0;
+  for (int64_t x : lens) total += x;
+  std::string all(size_t(total), '\0');
+  SF_TRY(c.all_gatherv(mine.data(), my_len, all.data(), lens, DType::kU8));
+  Status st = Status::ok();
+  if (g.leader()) {
+    std::vector<std::string> entries;
+    int64_t off = 0;
+    for (int r = 0; r < n && st.is_ok(); ++r) {
+      std::istringstream in(all.substr(size_t(off), size_t(lens[size_t(r)])));
+      off += lens[size_t(r)];
+      std::string line;
+      std::getline(in, line);
+      if (line != "ok") {
+        std::string msg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        st = SF_ERR(kIo, "sharded export: " + msg);
+        break;
+      }
+      while (std::getline(in, line)) entries.push_back(line);
+    }
+    // Every shard must be visible where the manifest is written.
+    for (size_t i = 0; i < entries.size() && st.is_ok(); ++i) {
+      const size_t a = entries[i].find("\"file\":\"") + 8, b = entries[i].find('"', a);
+      const std::string file = entries[i].substr(a, b - a);
+      std::error_code ec;
+      if (!fs::exists(fs::path(tmp) / file, ec))
+        st = SF_ERR(kIo, "sharded export: shard '" + file + "' is not visible under '" + tmp +
+                             "' from the group leader (--out must be on a filesystem every rank "
+                             "of the group shares; --export gathered writes everything from "
+                             "the leader)");
+    }
+    if (st.is_ok()) st = kvstore::export_kv_manifest(tmp, spec, entries);
+    if (st.is_ok()) st = kvstore::finish_export(tmp, dir);
+    if (!st.is_ok()) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+  }
+  // Every rank learns the outcome (the leader's message).
+  std::string msg = st.is_ok() ? std::string() : st.message();
+  SF_TRY(bcast_str(&msg));
+  return msg.empty() ? Status::ok() : SF_ERR(kIo, msg);
 }
 
 int run(int argc, char** argv) {
@@ -351,8 +459,11 @@ int run(int argc, char** argv) {
                     static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str());
       continue;
     }
+    const bool sharded = o.export_mode == "sharded";
     runtime::ParallelOptions po;
     po.chunk = o.chunk;
+    po.gather_kv = !sharded;
+    po.local_kv = sharded;
     po.sparse = sparse ? &*sparse : nullptr;
     po.cp_estimate = o.cp_estimate;
     po.selective_kv = o.selective_kv;
@@ -376,10 +487,6 @@ int run(int argc, char** argv) {
                      static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
       continue;
     }
-    if (!g.leader()) {
-      ++n_done;
-      continue;
-    }
     const runtime::ParallelResult& res = pr.value();
     kvstore::KvExportSpec spec;
     spec.model_name = cfg.name;
@@ -393,9 +500,19 @@ int run(int argc, char** argv) {
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
     const std::string dir = runtime::request_dir(o.out, r.id);
-    const Status st = kvstore::export_kv(
-        dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
-        /*force=*/true);
+    Status st;
+    if (sharded) {
+      st = sharded_export(g, dir, spec, res.kv);
+      if (g.group_comm->aborted()) fatal(st);
+    } else if (g.leader()) {
+      st = kvstore::export_kv(
+          dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
+          /*force=*/true);
+    }
+    if (!g.leader()) {
+      ++n_done;
+      continue;
+    }
     if (!st.is_ok()) {
       ++n_failed;
       std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
@@ -412,12 +529,12 @@ int run(int argc, char** argv) {
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
-        "%.6f}",
+        "%.6f, \"export\": \"%s\"}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_escape(o.attention).c_str(), s.density);
+        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str());
     write_summary(dir + ".json", line);
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/nccl_communicator.h"
+#include "tests/comm/mpi_gpu_env.h"
 #include "tests/comm/mpi_test_env.h"
 
 namespace sf {
@@ -16,15 +17,7 @@ namespace {
 
 using testing::test_world;
 
-bool have_gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-  int32_t mine = n >= test_world().size() ? 1 : 0, all = 0;
-  // Every rank must agree, or one would wait in NCCL init for a peer that skipped.
-  if (!test_world().all_reduce(&mine, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok())
-    return false;
-  return all == 1;
-}
+bool have_gpus() { return testing::every_rank_has_a_gpu(); }
 
 struct DeviceBuf {
   float* p = nullptr;

@@ -1,5 +1,6 @@
-// KV export (format 2) and the decode-side client: round trips for full and partial retention,
-// per-block metadata against a recomputation, and a clear error for every bad input.
+// KV export (format 3) and the decode-side client: round trips for full and partial retention,
+// sharded exports (parts of each layer written separately), per-block metadata against a
+// recomputation, and a clear error for every bad input.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -269,6 +270,117 @@ TEST_F(KvClient, ExportRejectsARetentionOfAnotherGeometry) {
   EXPECT_EQ(st.code(), Code::kInvalidArgument);
   EXPECT_NE(st.message().find("retention geometry"), std::string::npos) << st.to_string();
   EXPECT_FALSE(fs::exists(tmp_.sub("bad")));  // nothing half-written
+}
+
+// A sharded export (format 3): the cache written as the parts a TP 2 x CP 2 group holds (KV head
+// 0 or 1 x the zigzag chunk pairs {[0, 64), [256, 300)} and {[64, 256)}), each part by its own
+// export_kv_shards call from its own rows, then one manifest. Loading it gives exactly the heads
+// of the one-part export; coverage and block alignment are checked on both sides.
+TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
+  kvstore::KvExportSpec spec = decode::model_export_spec(*model_);
+  spec.n_tokens = kN;
+  spec.token_ids = toks_;
+  spec.first_token = pr_.first_token;
+  spec.importance = &imp_;
+  const int d = 16, hkv = 2;
+  const std::vector<std::vector<std::array<int64_t, 2>>> chunks = {{{0, 64}, {256, kN}},
+                                                                   {{64, 256}}};
+  // A part's rows, token-major [its tokens, its heads, d], cut out of the whole cache.
+  auto rows_of = [&](const kvstore::KvShardPart& part, int l, bool value) {
+    std::vector<float> out;
+    const auto& src = (value ? pr_.kv.v : pr_.kv.k)[size_t(l)];
+    for (const auto& r : part.tokens)
+      for (int64_t t = r[0]; t < r[1]; ++t)
+        for (int h = part.kv_head0; h < part.kv_head0 + part.n_kv_heads; ++h)
+          out.insert(out.end(), src.begin() + (t * hkv + h) * d,
+                     src.begin() + (t * hkv + h + 1) * d);
+    return out;
+  };
+  auto write = [&](const std::string& name, const std::vector<kvstore::KvShardPart>& parts) {
+    auto tmp = kvstore::begin_export(tmp_.sub(name), false);
+    EXPECT_TRUE(tmp.is_ok()) << tmp.status().to_string();
+    std::vector<std::string> entries;
+    for (const auto& part : parts) {
+      std::vector<std::vector<float>> k(2), v(2);
+      for (int l = 0; l < 2; ++l) {
+        k[size_t(l)] = rows_of(part, l, false);
+        v[size_t(l)] = rows_of(part, l, true);
+      }
+      auto e = kvstore::export_kv_shards(tmp.value(), spec, part, [&](int l, bool value) {
+        return (value ? v : k)[size_t(l)].data();
+      });
+      EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+      entries.insert(entries.end(), e->begin(), e->end());
+    }
+    Status st = kvstore::export_kv_manifest(tmp.value(), spec, entries);
+    if (st.is_ok()) st = kvstore::finish_export(tmp.value(), tmp_.sub(name));
+    return st;
+  };
+  std::vector<kvstore::KvShardPart> parts;
+  for (int c = 0; c < 2; ++c)
+    for (int h = 0; h < 2; ++h) {
+      kvstore::KvShardPart p;
+      p.tokens = chunks[size_t(c)];
+      p.kv_head0 = h;
+      p.n_kv_heads = 1;
+      p.rank = c * 2 + h;
+      p.file_tag = ".r" + std::to_string(p.rank);
+      parts.push_back(p);
+    }
+  ASSERT_TRUE(write("sharded", parts).is_ok());
+  EXPECT_TRUE(fs::exists(tmp_.sub("sharded") + "/layer_001.r3.safetensors"));
+  auto sharded = decode::load_kv_export(tmp_.sub("sharded"), hash_);
+  ASSERT_TRUE(sharded.is_ok()) << sharded.status().to_string();
+  auto whole = decode::load_kv_export(export_to("whole", nullptr), hash_);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+  std::vector<int32_t> all(kN);
+  for (int i = 0; i < kN; ++i) all[size_t(i)] = i;
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < hkv; ++h) {
+      const decode::HeadKv& a = sharded->head(l, h);
+      const decode::HeadKv& b = whole->head(l, h);
+      EXPECT_EQ(a.positions, b.positions);
+      EXPECT_EQ(a.k, b.k);
+      EXPECT_EQ(a.v, b.v);
+      EXPECT_EQ(a.block_kmin, b.block_kmin);
+      EXPECT_EQ(a.block_kmax, b.block_kmax);
+      EXPECT_EQ(a.block_kmean, b.block_kmean);
+      EXPECT_EQ(a.block_importance, b.block_importance);
+      expect_head_matches_cache(sharded.value(), l, h, all);
+    }
+  // The writer refuses parts that overlap, leave a gap, or split a block of 64 mid-head.
+  auto refused = [&](const std::string& name, std::vector<kvstore::KvShardPart> ps,
+                     const std::string& needle) {
+    const Status st = write(name, ps);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << name << ": " << st.to_string();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
+  };
+  auto dup = parts;
+  dup.push_back(parts[0]);
+  dup.back().file_tag = ".dup";
+  refused("overlap", dup, "overlap at token 0");
+  auto gap = parts;
+  gap.pop_back();  // chunk {64, 256} of head 1 missing
+  refused("gap", gap, "leave a gap at token 64");
+  auto odd = parts;
+  odd[0].tokens = {{0, 100}, {256, kN}};
+  odd[2].tokens = {{100, 256}};
+  odd[1].tokens = odd[0].tokens;
+  odd[3].tokens = odd[2].tokens;
+  refused("split", odd, "not whole blocks of 64");
+  // The reader refuses a manifest whose shards do not cover a head (one entry dropped).
+  {
+    const std::string d = copy_of(tmp_.sub("sharded"), "sharded-gap");
+    auto v = read_manifest(d);
+    auto& sh = v.as_object()["shards"].as_array();
+    sh.erase(sh.begin() + 1);
+    write_manifest(d, v);
+    auto r = decode::load_kv_export(d, hash_);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), Code::kCorrupt);
+    EXPECT_NE(r.status().message().find("leave a gap"), std::string::npos)
+        << r.status().to_string();
+  }
 }
 
 // The fuzz target's seed must stay a valid manifest, or the fuzzer never gets past the checks.

@@ -10,6 +10,9 @@
 #   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
 #   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
 #               the job fails within 30 s with the error naming the collective and the ranks
+#   sharded     np 2 with --cp 2, a ~530-token prompt: the default sharded export has one shard per
+#               layer and rank, whose manifest entries cover the prompt, and it decodes exactly as
+#               the gathered export (--export gathered) does; --export bogus is refused
 set -u
 case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -46,7 +49,7 @@ case "$case_name" in
     [ "$(grep -c '; skipped$' "$tmp/stderr")" -eq 5 ] || fail "want exactly 5 bad lines reported"
     for id in lighthouse ids village canal; do
       [ -f "$tmp/out/$id/manifest.json" ] || fail "no KV export for $id"
-      [ -f "$tmp/out/$id/layer_029.safetensors" ] || fail "no layer 29 shard for $id"
+      ls "$tmp/out/$id"/layer_029.r*.safetensors >/dev/null 2>&1 || fail "no layer 29 shard for $id"
       grep -q "\"id\": \"$id\"" "$tmp/out/$id.json" || fail "no summary for $id"
       grep -Eq "\] [0-9]+/[0-9]+ $id: [0-9]+ tokens, first token" "$tmp/stdout" || fail "no progress line for $id"
     done
@@ -99,6 +102,33 @@ case "$case_name" in
     [ "$ms" -lt 30000 ] || fail "took $ms ms (deadline 30 s)"
     errors | grep -Eq "^error: comm: all_gatherv on 'cp \(group 0, tp rank 0\)' \(2 ranks: world 0-1; .*deadline of 3.0 s" \
       || fail "no deadline error naming the collective and ranks"
+    ;;
+  sharded)
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+    decoder="$(dirname "$worker")/../decode/sparsefill-decode"
+    # 2,500 characters of the bundled document (~530 tokens: both CP ranks hold chunks), one line.
+    text=$(head -c 2500 "$root/data/long_document.txt" | tr '\n\t"\\' '    ')
+    printf '{"id": "doc", "prompt": "%s"}\n' "$text" >"$tmp/long.jsonl"
+    run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/out_s"
+    [ "$rc" -eq 0 ] || fail "sharded: exit $rc"
+    [ -f "$tmp/out_s/doc/layer_029.r0.safetensors" ] && [ -f "$tmp/out_s/doc/layer_029.r1.safetensors" ] \
+      || fail "want a layer-29 shard from each rank"
+    [ ! -e "$tmp/out_s/doc/layer_029.safetensors" ] || fail "a whole-layer shard in a sharded export"
+    grep -q '"format_version":3' "$tmp/out_s/doc/manifest.json" || fail "manifest is not format 3"
+    grep -Eq '"tokens":\[\[0,128\],\[384,5[0-9]{2}\]\],"kv_heads":\[0,3\]' "$tmp/out_s/doc/manifest.json" \
+      || fail "rank 0's shard entry does not name its zigzag chunks"
+    grep -q '"export": "sharded"' "$tmp/out_s/doc.json" || fail "summary does not say sharded"
+    run 2 --model default --cp 2 --export gathered --batch "$tmp/long.jsonl" --out "$tmp/out_g"
+    [ "$rc" -eq 0 ] || fail "gathered: exit $rc"
+    [ -f "$tmp/out_g/doc/layer_029.safetensors" ] && [ ! -e "$tmp/out_g/doc/layer_029.r1.safetensors" ] \
+      || fail "a gathered export is one shard per layer, from the leader"
+    "$decoder" --model default --kv "$tmp/out_s/doc" --tokens 12 >"$tmp/dec_s" 2>&1 || { cat "$tmp/dec_s"; fail "decode of the sharded export"; }
+    "$decoder" --model default --kv "$tmp/out_g/doc" --tokens 12 >"$tmp/dec_g" 2>&1 || { cat "$tmp/dec_g"; fail "decode of the gathered export"; }
+    grep '^tokens:' "$tmp/dec_s" >"$tmp/tok_s"; grep '^tokens:' "$tmp/dec_g" >"$tmp/tok_g"
+    [ -s "$tmp/tok_s" ] && cmp -s "$tmp/tok_s" "$tmp/tok_g" || fail "sharded and gathered exports decode differently"
+    run 2 --model default --cp 2 --export bogus --batch "$tmp/long.jsonl" --out "$tmp/out_b"
+    [ "$rc" -eq 2 ] || fail "--export bogus: exit $rc, want 2"
+    errors | grep -q "^error: --export must be sharded or gathered, got 'bogus'" || fail "--export message"
     ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

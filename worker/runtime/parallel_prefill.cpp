@@ -376,6 +376,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         pairs_done += causal;
       }
     }
+    if (opt.local_kv && !opt.gather_kv) {
+      res.kv.k.emplace_back(kl, kl + n_loc * kvw);
+      res.kv.v.emplace_back(vl, vl + n_loc * kvw);
+    }
     if (keep_local) {
       kslice[size_t(l)].assign(kl, kl + n_loc * kvw);
       vslice[size_t(l)].assign(vl, vl + n_loc * kvw);
@@ -415,6 +419,12 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       }));
     if (n_loc > 0)
       SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+  }
+  if (opt.local_kv && !opt.gather_kv) {
+    res.kv.n_layers = c.n_layers;
+    res.kv.n_kv_heads = int(hkv_t);
+    res.kv.head_dim = int(d);
+    res.kv.n_tokens = n_loc;
   }
   st.tp_allreduce_bytes = TP > 1 ? g.tp->bytes_sent() - ar_bytes0 : 0;
   st.density = pairs_causal > 0 ? pairs_done / pairs_causal : 1.0;

@@ -32,6 +32,10 @@ struct ParallelOptions {
   int64_t chunk = 512;      // tokens per linear-layer chunk
   bool all_logits = false;  // logits of every position (gathered on the leader) instead of the last
   bool gather_kv = true;    // the full KV cache on the group leader (for export)
+  // Instead (gather_kv false): every rank's result holds its own rows of its own KV heads
+  // (ParallelResult::kv: n_tokens = the rank's rows, its CP chunks in prompt order; n_kv_heads =
+  // the TP slice's), for a sharded export where the KV stays where it was computed.
+  bool local_kv = false;
   // Sparse attention: per-chunk estimation where the chunk's queries live (the estimators'
   // last-query scores then come from the chunk's own last rows), or, when index_source is set,
   // the given global index. Null sparse: dense everywhere.
@@ -65,7 +69,8 @@ struct ParallelResult {
   int32_t first_token = -1;   // every rank of the group
   std::vector<float> logits;  // leader only: [n_logit_rows, vocab] in prompt order
   int64_t n_logit_rows = 0;
-  model::KvCache kv;  // leader only, when gather_kv: the whole prompt, every KV head
+  model::KvCache kv;  // leader only, when gather_kv: the whole prompt, every KV head;
+                      // every rank, when local_kv: its rows of its KV heads
   ParallelStats stats;
 };
 

@@ -29,6 +29,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/tiered_kv.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/device_model.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
@@ -54,26 +55,7 @@ uint64_t base_seed() {
   return seed;
 }
 
-ModelConfig small_llama3() {
-  ModelConfig c;
-  c.name = "synthetic-llama3-small";
-  c.n_layers = 4;
-  c.hidden = 1024;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = 128;
-  c.intermediate = 3584;
-  c.vocab = 8192;
-  c.max_context = 8192;
-  c.rms_eps = 1e-5f;
-  c.rope.theta = 500000.f;
-  c.rope.neox = false;
-  c.rope.scaling_factor = 8.f;
-  c.rope.low_freq_factor = 1.f;
-  c.rope.high_freq_factor = 4.f;
-  c.rope.original_max_pos = 8192;
-  return c;
-}
+using testing::small_llama3;
 
 PrefillOptions full_options() {
   PrefillOptions o;
@@ -351,58 +333,7 @@ TEST_F(GpuForward, F32WeightsMatchCpu) {
 // dense F32 forward does (bound 1e-4, ten times the dense one: a flipped near-tie key moves a row
 // by about its attention weight). BF16 weights: the estimators score BF16 copies of Q/K, so
 // near-tie selections may flip; the bound is the dense BF16 forward's (1e-2), density within 2e-2.
-SparseConfig mixed_sparse_config(const ModelConfig& c) {
-  SparseConfig sc;
-  sc.n_layers = c.n_layers;
-  sc.n_heads = c.n_heads;
-  sc.dense_below = 0;
-  sc.source = "test: mixed";
-  std::vector<kernels::HeadPattern> ps(size_t(c.n_heads));
-  for (int h = 0; h < c.n_heads; ++h) {
-    kernels::HeadPattern& p = ps[size_t(h)];
-    p.sink = 64;
-    p.local = 64;
-    switch (h % 8) {
-      case 0:
-        p.pattern = kernels::Pattern::kAShape;
-        break;
-      case 1:
-        p.pattern = kernels::Pattern::kVerticalSlash;
-        p.n_vertical = 48;
-        p.n_slash = 96;
-        break;
-      case 2:
-        p.pattern = kernels::Pattern::kBlockSparse;
-        p.n_blocks = 3;
-        break;
-      case 3:
-        p.pattern = kernels::Pattern::kAdaptiveVS;
-        p.gamma = 0.9;
-        p.min_budget = 32;
-        break;
-      case 4:
-        p.pattern = kernels::Pattern::kAdaptiveBlock;
-        p.gamma = 0.9;
-        p.min_budget = 64;
-        break;
-      case 5:
-        p.pattern = kernels::Pattern::kMoA;
-        p.alpha = 128;
-        p.beta = 0.1;
-        break;
-      case 6:
-        p.pattern = kernels::Pattern::kDense;
-        break;
-      default:
-        p.pattern = kernels::Pattern::kVerticalSlash;
-        p.n_vertical = 16;
-        p.n_slash = 200;
-        break;
-    }
-  }
-  sc.layers.assign(size_t(c.n_layers), ps);
-  return sc;
-}
+using testing::mixed_sparse_config;
 
 void sparse_matches_cpu(DType wdt) {
   ASSERT_NE(reference(), nullptr);

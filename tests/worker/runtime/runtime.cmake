@@ -16,6 +16,7 @@ if(SF_MPI AND SF_HAVE_CUDA)
                  ${PROJECT_SOURCE_DIR}/tests/comm/mpi_test_main.cpp)
   target_link_libraries(test_device_parallel_mpi PRIVATE sf_runtime GTest::gtest)
   target_include_directories(test_device_parallel_mpi PRIVATE ${PROJECT_SOURCE_DIR})
+  target_compile_definitions(test_device_parallel_mpi PRIVATE SF_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   add_test(NAME test_device_parallel_mpi
            COMMAND ${MPIEXEC_EXECUTABLE} --oversubscribe -np 2 $<TARGET_FILE:test_device_parallel_mpi>)
   set_tests_properties(test_device_parallel_mpi PROPERTIES LABELS gpu TIMEOUT 300

@@ -17,7 +17,9 @@
 #include <cstdio>
 #include <random>
 
+#include "tests/comm/mpi_gpu_env.h"
 #include "tests/comm/mpi_test_env.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/device_model.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
@@ -29,33 +31,11 @@ namespace {
 using testing::test_seed;
 using testing::test_world;
 
-bool have_gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-  int32_t mine = n >= test_world().size() ? 1 : 0, all = 0;
-  // Every rank must agree, or one would wait in NCCL init for a peer that skipped.
-  if (!test_world().all_reduce(&mine, &all, 1, DType::kI32, comm::ReduceOp::kMin).is_ok())
-    return false;
-  return all == 1;
-}
+bool have_gpus() { return testing::every_rank_has_a_gpu(); }
 
-// Llama-3-like proportions, small: GQA 4:1, head_dim 128 (cuDNN and the F32 kernel), TP 2
-// divides the 2 KV heads and the intermediate size.
-model::ModelConfig small_llama3() {
-  model::ModelConfig c;
-  c.name = "synthetic-llama3-small";
-  c.n_layers = 3;
-  c.hidden = 1024;
-  c.n_heads = 8;
-  c.n_kv_heads = 2;
-  c.head_dim = 128;
-  c.intermediate = 2048;
-  c.vocab = 4096;
-  c.max_context = 8192;
-  c.rope.theta = 500000.f;
-  c.rope.scaling_factor = 8.f;
-  return c;
-}
+// Llama-3-like proportions, small (GQA 4:1, head_dim 128 for cuDNN and the F32 kernel; TP 2
+// divides the 2 KV heads and the intermediate size), 3 layers.
+model::ModelConfig small_llama3() { return testing::small_llama3(3); }
 
 constexpr int64_t kTokens = 1000;  // not a multiple of 64: CP chunks end mid-block
 constexpr int64_t kChunk = 256;
@@ -219,34 +199,15 @@ TEST(DeviceParallel, F32UploadCp2) {
 // does per head, so with F32 weights (the estimators see the same Q/K up to TP rounding) the
 // mixed config's indices and outputs equal one GPU's. CP: each rank estimates its pieces from
 // their own rows; for a-shape heads that is the one-GPU index exactly (vertical-slash heads would
-// score from the piece's last queries instead: not compared).
+// score from the piece's last queries instead: not compared). "mixed": every pattern in each
+// layer (testing::mixed_sparse_config); "a-shape": a-shape on every head.
 model::SparseConfig sparse_for(const char* mode) {
-  const model::ModelConfig c = small_llama3();
-  model::SparseConfig sc;
-  sc.n_layers = c.n_layers;
-  sc.n_heads = c.n_heads;
-  sc.dense_below = 0;
-  sc.source = mode;
-  std::vector<kernels::HeadPattern> ps(size_t(c.n_heads));
-  for (int h = 0; h < c.n_heads; ++h) {
-    kernels::HeadPattern& p = ps[size_t(h)];
-    p.pattern = kernels::Pattern::kAShape;
-    if (std::string(mode) == "mixed") {
-      if (h % 4 == 1) {
-        p.pattern = kernels::Pattern::kVerticalSlash;
-        p.n_vertical = 48;
-        p.n_slash = 96;
-      } else if (h % 4 == 2) {
-        p.pattern = kernels::Pattern::kBlockSparse;
-        p.n_blocks = 3;
-      } else if (h % 4 == 3) {
-        p.pattern = kernels::Pattern::kAdaptiveVS;
-        p.gamma = 0.9;
-        p.min_budget = 32;
-      }
-    }
+  model::SparseConfig sc = testing::mixed_sparse_config(small_llama3());
+  if (std::string(mode) == "a-shape") {
+    for (auto& layer : sc.layers)
+      for (auto& p : layer) p.pattern = kernels::Pattern::kAShape;
+    sc.source = "a-shape";
   }
-  sc.layers.assign(size_t(c.n_layers), ps);
   return sc;
 }
 
