@@ -20,7 +20,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -28,13 +27,16 @@
 #include "comm/mpi_communicator.h"
 #include "common/log.h"
 #include "kvstore/kv_export.h"
+#include "worker/model/device_model.h"
 #include "worker/model/gguf.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
 #include "worker/model/tokenizer.h"
 #include "worker/runtime/batch.h"
+#include "worker/runtime/device_parallel.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
+#include "worker/runtime/sharded_export.h"
 
 namespace sf {
 namespace {
@@ -45,7 +47,8 @@ const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--allow-long]\n"
-    "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n";
+    "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
+    "                  [--device cpu|cuda]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -53,6 +56,9 @@ struct Options {
   // (needs --out on a filesystem the group's ranks share); gathered: the leader gathers the
   // whole cache and writes every shard.
   std::string export_mode = "sharded";
+  // cuda: one GPU per rank (its host-local rank), the model's TP slice in BF16 on it, NCCL
+  // along the grid (worker/runtime/device_parallel.h); exports are sharded.
+  std::string device = "cpu";
   int tp = 1, cp = 1;
   int64_t chunk = 512;
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
@@ -82,8 +88,8 @@ Result<Options> parse_options(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
-    static const char* valued[] = {"model",     "batch", "out",          "tp",    "cp",
-                                   "attention", "chunk", "comm-timeout", "export"};
+    static const char* valued[] = {"model",     "batch", "out",          "tp",     "cp",
+                                   "attention", "chunk", "comm-timeout", "export", "device"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -123,6 +129,13 @@ Result<Options> parse_options(int argc, char** argv) {
   if (o.selective_kv && !o.cp_estimate)
     return SF_ERR(kInvalidArgument,
                   "--selective-kv needs --cp-estimate (the index must exist before keys move)");
+  if (kv.count("device")) o.device = kv["device"];
+  if (o.device != "cpu" && o.device != "cuda")
+    return SF_ERR(kInvalidArgument, "--device must be cpu or cuda, got '" + o.device + "'");
+  if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded"))
+    return SF_ERR(kInvalidArgument,
+                  "--device cuda runs per-piece estimation and sharded exports only (no "
+                  "--cp-estimate, --selective-kv or --export gathered)");
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
     o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -182,105 +195,6 @@ std::string json_escape(const std::string& s) {
     o += ch;
   }
   return o;
-}
-
-// The sharded export of one request (docs/kv-format.md "Shards"), collective over the group:
-// the leader opens the export's temporary directory and broadcasts its path; every rank writes
-// the shards of its own rows and KV heads there (kvstore::export_kv_shards) and sends their
-// manifest entries, or its error, to the leader; the leader checks it can see every shard (a
-// group spread over hosts needs --out on a shared filesystem), writes the manifest and moves the
-// export into place. Returns the same status on every rank.
-Status sharded_export(runtime::GridComms& g, const std::string& dir,
-                      const kvstore::KvExportSpec& spec, const model::KvCache& local) {
-  comm::Communicator& c = *g.group_comm;
-  auto bcast_str = [&](std::string* str) -> Status {
-    int64_t n = int64_t(str->size());
-    SF_TRY(c.bcast(&n, 1, DType::kI64, 0));
-    str->resize(size_t(n));
-    return c.bcast(str->data(), n, DType::kU8, 0);
-  };
-  std::string tmp;
-  Status opened = Status::ok();
-  if (g.leader()) {
-    auto t = kvstore::begin_export(dir, /*force=*/true);
-    if (t.is_ok())
-      tmp = t.value();
-    else
-      opened = t.status();
-  }
-  SF_TRY(bcast_str(&tmp));
-  if (tmp.empty()) return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
-
-  // This rank's part: its CP chunks (merged when adjacent) of its TP slice's KV heads.
-  kvstore::KvShardPart part;
-  for (const auto& ch : runtime::cp_rank_ranges(spec.n_tokens, g.shape.cp, g.cp_rank)) {
-    if (ch.size() == 0) continue;
-    if (!part.tokens.empty() && part.tokens.back()[1] == ch.begin)
-      part.tokens.back()[1] = ch.end;
-    else
-      part.tokens.push_back({ch.begin, ch.end});
-  }
-  part.n_kv_heads = local.n_kv_heads;
-  part.kv_head0 = g.tp_rank * local.n_kv_heads;
-  part.rank = c.rank();
-  part.file_tag = ".r" + std::to_string(c.rank());
-  // What goes to the leader: "ok" and one entry per line, or "error" and the message.
-  std::string mine = "ok";
-  if (!part.tokens.empty()) {
-    auto e = kvstore::export_kv_shards(
-        tmp, spec, part, [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); });
-    if (!e.is_ok()) {
-      mine = "error\nrank " + std::to_string(c.rank()) + ": " + e.status().message();
-    } else {
-      for (const std::string& x : e.value()) mine += "\n" + x;
-    }
-  }
-  const int n = c.size();
-  std::vector<int64_t> lens(static_cast<size_t>(n));
-  const int64_t my_len = int64_t(mine.size());
-  SF_TRY(c.all_gather(&my_len, lens.data(), 1, DType::kI64));
-  int64_t total = 0;
-  for (int64_t x : lens) total += x;
-  std::string all(size_t(total), '\0');
-  SF_TRY(c.all_gatherv(mine.data(), my_len, all.data(), lens, DType::kU8));
-  Status st = Status::ok();
-  if (g.leader()) {
-    std::vector<std::string> entries;
-    int64_t off = 0;
-    for (int r = 0; r < n && st.is_ok(); ++r) {
-      std::istringstream in(all.substr(size_t(off), size_t(lens[size_t(r)])));
-      off += lens[size_t(r)];
-      std::string line;
-      std::getline(in, line);
-      if (line != "ok") {
-        std::string msg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        st = SF_ERR(kIo, "sharded export: " + msg);
-        break;
-      }
-      while (std::getline(in, line)) entries.push_back(line);
-    }
-    // Every shard must be visible where the manifest is written.
-    for (size_t i = 0; i < entries.size() && st.is_ok(); ++i) {
-      const size_t a = entries[i].find("\"file\":\"") + 8, b = entries[i].find('"', a);
-      const std::string file = entries[i].substr(a, b - a);
-      std::error_code ec;
-      if (!fs::exists(fs::path(tmp) / file, ec))
-        st = SF_ERR(kIo, "sharded export: shard '" + file + "' is not visible under '" + tmp +
-                             "' from the group leader (--out must be on a filesystem every rank "
-                             "of the group shares; --export gathered writes everything from "
-                             "the leader)");
-    }
-    if (st.is_ok()) st = kvstore::export_kv_manifest(tmp, spec, entries);
-    if (st.is_ok()) st = kvstore::finish_export(tmp, dir);
-    if (!st.is_ok()) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
-  }
-  // Every rank learns the outcome (the leader's message).
-  std::string msg = st.is_ok() ? std::string() : st.message();
-  SF_TRY(bcast_str(&msg));
-  return msg.empty() ? Status::ok() : SF_ERR(kIo, msg);
 }
 
 int run(int argc, char** argv) {
@@ -393,6 +307,34 @@ int run(int argc, char** argv) {
   if (!grid_r.is_ok()) fatal(grid_r.status());
   runtime::GridComms& g = grid_r.value();
 
+  // GPUs: each rank's TP slice on its device, then NCCL over the grid. Every rank learns of any
+  // rank's failure before the next collective step (NCCL init would wait for a missing peer).
+  std::optional<model::DeviceModel> dmodel;
+  std::optional<runtime::DeviceGrid> dgrid;
+  if (o.device == "cuda") {
+    Status mine = Status::ok();
+    auto dev = runtime::local_device(world->rank());
+    if (!dev.is_ok()) {
+      mine = dev.status();
+    } else {
+      auto d =
+          model::DeviceModel::upload(m, DType::kBF16, dev.value(), model::TpSlice{o.tp, g.tp_rank});
+      if (d.is_ok())
+        dmodel.emplace(std::move(d).value());
+      else
+        mine = d.status();
+    }
+    Status all =
+        agree(*world, mine.is_ok() ? mine
+                                   : Status(mine.code(), "rank " + std::to_string(world->rank()) +
+                                                             ": " + mine.message()));
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(1, all.message(), true);
+    auto grid = runtime::make_device_grid(g, dmodel->device());
+    if (!grid.is_ok()) fatal(grid.status());
+    dgrid.emplace(std::move(grid).value());
+  }
+
   // Requests: parse, tokenize, validate; identical on every rank, reported once.
   runtime::BatchFile bf = runtime::parse_batch(text);
   std::vector<runtime::BatchRequest> good;
@@ -478,9 +420,25 @@ int run(int argc, char** argv) {
       };
     }
     first_request = false;
-    auto pr = runtime::parallel_prefill(m, g, r.tokens, po);
+    Result<runtime::ParallelResult> pr = SF_ERR(kInternal, "not run");
+    if (dmodel) {
+      // Planned per request (length-specific shapes); one rank's plan failure is the group's.
+      model::PrefillOptions dopt;
+      dopt.chunk = o.chunk;
+      dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
+      dopt.sparse = po.sparse;
+      auto plan =
+          runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
+      const Status ok = agree(*g.group_comm, plan.status());
+      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+      pr = ok.is_ok() ? plan.value().run(r.tokens) : Result<runtime::ParallelResult>(ok);
+    } else {
+      pr = runtime::parallel_prefill(m, g, r.tokens, po);
+    }
     if (!pr.is_ok()) {
-      if (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted()) fatal(pr.status());
+      if (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
+          (dgrid && (dgrid->tp->aborted() || dgrid->cp->aborted())))
+        fatal(pr.status());
       ++n_failed;
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
@@ -502,7 +460,7 @@ int run(int argc, char** argv) {
     const std::string dir = runtime::request_dir(o.out, r.id);
     Status st;
     if (sharded) {
-      st = sharded_export(g, dir, spec, res.kv);
+      st = runtime::export_sharded(g, dir, spec, res.kv);
       if (g.group_comm->aborted()) fatal(st);
     } else if (g.leader()) {
       st = kvstore::export_kv(
@@ -529,12 +487,12 @@ int run(int argc, char** argv) {
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
-        "%.6f, \"export\": \"%s\"}",
+        "%.6f, \"export\": \"%s\", \"device\": \"%s\"}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str());
+        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str());
     write_summary(dir + ".json", line);
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "

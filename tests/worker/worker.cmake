@@ -9,3 +9,17 @@ if(SF_MPI AND TARGET sparsefill-worker)
     set_tests_properties(worker_${case} PROPERTIES LABELS mpi TIMEOUT 90 ENVIRONMENT "${SF_MPI_TEST_ENV}")
   endforeach()
 endif()
+if(SF_MPI AND SF_HAVE_CUDA AND TARGET sparsefill-worker)
+  # sparsefill-worker --device cuda on two GPUs against the CPU worker (label gpu; skips with
+  # fewer than two GPUs). The binary runs mpiexec itself, so it is not started under one.
+  add_executable(test_worker_gpu ${CMAKE_CURRENT_LIST_DIR}/test_worker_gpu.cpp)
+  target_link_libraries(test_worker_gpu PRIVATE sf_model sf_decode GTest::gtest GTest::gtest_main
+                        CUDA::cudart_static)
+  target_include_directories(test_worker_gpu PRIVATE ${PROJECT_SOURCE_DIR})
+  target_compile_definitions(test_worker_gpu PRIVATE SF_WORKER_BIN="$<TARGET_FILE:sparsefill-worker>"
+                             SF_MPIEXEC="${MPIEXEC_EXECUTABLE}")
+  add_dependencies(test_worker_gpu sparsefill-worker)
+  add_test(NAME test_worker_gpu COMMAND test_worker_gpu)
+  set_tests_properties(test_worker_gpu PROPERTIES LABELS gpu TIMEOUT 300
+                       ENVIRONMENT "${SF_MPI_TEST_ENV};NCCL_NVLS_ENABLE=0")
+endif()

@@ -14,7 +14,7 @@ if(SF_MPI AND SF_HAVE_CUDA)
   # The GPU TP x CP prefill: two GPUs, one per rank (label gpu; skips where there are fewer).
   add_executable(test_device_parallel_mpi ${CMAKE_CURRENT_LIST_DIR}/test_device_parallel_mpi.cpp
                  ${PROJECT_SOURCE_DIR}/tests/comm/mpi_test_main.cpp)
-  target_link_libraries(test_device_parallel_mpi PRIVATE sf_runtime GTest::gtest)
+  target_link_libraries(test_device_parallel_mpi PRIVATE sf_runtime sf_decode GTest::gtest)
   target_include_directories(test_device_parallel_mpi PRIVATE ${PROJECT_SOURCE_DIR})
   target_compile_definitions(test_device_parallel_mpi PRIVATE SF_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   add_test(NAME test_device_parallel_mpi

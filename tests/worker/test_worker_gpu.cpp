@@ -1,0 +1,164 @@
+// sparsefill-worker --device cuda end to end (label gpu; skips with fewer than two GPUs): a tiny
+// Llama GGUF written here (no model needs to travel to the GPU host), a batch of token lines,
+// and the job run under mpiexec on two GPUs as CP 2 and as TP 2, against the CPU worker on one
+// rank. Each GPU export (sharded: one shard per layer from each rank) must load through the
+// decode client and hold the CPU export's K/V within 1e-2 x max (BF16 weights on the GPU against
+// the F32 CPU forward: the GPU forward test's bound), positions identical.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "decode/decode_session.h"
+#include "decode/kv_client.h"
+#include "tests/worker/model/gguf_builder.h"
+#include "worker/model/model.h"
+
+namespace sf {
+namespace {
+namespace fs = std::filesystem;
+
+// Head dim 64, 4 query / 2 KV heads (TP 2 divides both and the intermediate size), 2 layers.
+model::ModelConfig tiny_gpu_config() {
+  model::ModelConfig c;
+  c.arch = model::Arch::kLlama;
+  c.name = "tiny-gpu-worker";
+  c.n_layers = 2;
+  c.hidden = 256;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;
+  c.intermediate = 512;
+  c.vocab = 512;
+  c.max_context = 4096;
+  c.rope.theta = 10000.f;
+  c.tied_embeddings = true;
+  return c;
+}
+
+std::string write_gguf(const std::string& path, uint64_t seed) {
+  const model::ModelConfig cfg = tiny_gpu_config();
+  auto m = model::Model::synthetic(cfg, seed);
+  EXPECT_TRUE(m.is_ok());
+  const auto& w = m->weights();
+  testing::GgufBuilder b;
+  b.kv_string("general.architecture", "llama");
+  b.kv_string("general.name", cfg.name);
+  b.kv_u32("llama.block_count", uint32_t(cfg.n_layers));
+  b.kv_u32("llama.embedding_length", uint32_t(cfg.hidden));
+  b.kv_u32("llama.attention.head_count", uint32_t(cfg.n_heads));
+  b.kv_u32("llama.attention.head_count_kv", uint32_t(cfg.n_kv_heads));
+  b.kv_u32("llama.feed_forward_length", uint32_t(cfg.intermediate));
+  b.kv_u32("llama.context_length", uint32_t(cfg.max_context));
+  b.kv_f32("llama.rope.freq_base", cfg.rope.theta);
+  b.kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps);
+  auto dims = [](const model::OwnedTensor& t) {
+    return t.shape.size() == 1 ? std::vector<uint64_t>{uint64_t(t.shape[0])}
+                               : std::vector<uint64_t>{uint64_t(t.shape[1]), uint64_t(t.shape[0])};
+  };
+  b.tensor_f32("token_embd.weight", dims(w.tok_embd), w.tok_embd.data);
+  b.tensor_f32("output_norm.weight", dims(w.out_norm), w.out_norm.data);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const auto& L = w.layers[size_t(l)];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    b.tensor_f32(p + "attn_norm.weight", dims(L.attn_norm), L.attn_norm.data);
+    b.tensor_f32(p + "attn_q.weight", dims(L.wq), L.wq.data);
+    b.tensor_f32(p + "attn_k.weight", dims(L.wk), L.wk.data);
+    b.tensor_f32(p + "attn_v.weight", dims(L.wv), L.wv.data);
+    b.tensor_f32(p + "attn_output.weight", dims(L.wo), L.wo.data);
+    b.tensor_f32(p + "ffn_norm.weight", dims(L.ffn_norm), L.ffn_norm.data);
+    b.tensor_f32(p + "ffn_gate.weight", dims(L.w_gate), L.w_gate.data);
+    b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
+    b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
+  }
+  const auto bytes = b.build();
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  return path;
+}
+
+int run(const std::string& cmd, const std::string& log) {
+  const int rc = std::system((cmd + " >" + log + " 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2)
+    GTEST_SKIP() << "needs two GPUs (found " << n << ")";
+  const uint64_t seed = std::random_device{}();
+  std::printf("  seed=%llu\n", static_cast<unsigned long long>(seed));
+  const fs::path dir = fs::temp_directory_path() / ("sf-worker-gpu-" + std::to_string(seed));
+  fs::create_directories(dir);
+  const std::string model = write_gguf((dir / "tiny.gguf").string(), seed);
+  {
+    std::mt19937_64 rng(seed + 1);
+    std::ofstream b(dir / "batch.jsonl");
+    for (const char* id : {"a", "b"}) {
+      b << "{\"id\": \"" << id << "\", \"tokens\": [";
+      for (int i = 0; i < 700; ++i) b << (i ? ", " : "") << rng() % 512;
+      b << "]}\n";
+    }
+  }
+  const std::string worker = SF_WORKER_BIN, mpiexec = SF_MPIEXEC;
+  const std::string common = " --model " + model + " --batch " + (dir / "batch.jsonl").string();
+  ASSERT_EQ(run(mpiexec + " --oversubscribe -np 1 " + worker + common + " --out " +
+                    (dir / "cpu").string(),
+                (dir / "cpu.log").string()),
+            0)
+      << slurp((dir / "cpu.log").string());
+  auto m = model::Model::load(model);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const std::string hash = decode::model_compat_hash(m.value());
+  for (const char* grid : {"--cp 2", "--tp 2"}) {
+    const std::string out = (dir / (std::string("gpu") + grid[2] + grid[3])).string();
+    const std::string log = out + ".log";
+    ASSERT_EQ(run(mpiexec + " --oversubscribe -np 2 " + worker + common + " " + grid +
+                      " --device cuda --out " + out,
+                  log),
+              0)
+        << slurp(log);
+    for (const char* id : {"a", "b"}) {
+      EXPECT_TRUE(fs::exists(out + "/" + id + "/layer_001.r1.safetensors")) << grid;
+      EXPECT_NE(slurp(out + "/" + id + ".json").find("\"device\": \"cuda\""), std::string::npos);
+      auto g = decode::load_kv_export(out + "/" + id, hash);
+      auto c = decode::load_kv_export((dir / "cpu").string() + "/" + id, hash);
+      ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+      ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+      double num = 0, den = 0;
+      for (int l = 0; l < 2; ++l)
+        for (int h = 0; h < 2; ++h) {
+          const auto& a = g->head(l, h);
+          const auto& b = c->head(l, h);
+          ASSERT_EQ(a.positions, b.positions);
+          ASSERT_EQ(a.k.size(), b.k.size());
+          for (size_t i = 0; i < a.k.size(); ++i) {
+            num = std::max(
+                {num, double(std::fabs(a.k[i] - b.k[i])), double(std::fabs(a.v[i] - b.v[i]))});
+            den = std::max({den, double(std::fabs(b.k[i])), double(std::fabs(b.v[i]))});
+          }
+        }
+      std::printf(
+          "  worker %s %s: GPU export vs CPU K/V max |diff| / max = %.3g; first token gpu "
+          "%d cpu %d\n",
+          grid, id, num / den, g->first_token, c->first_token);
+      EXPECT_LE(num / den, 1e-2) << grid << " " << id;
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+}  // namespace
+}  // namespace sf
