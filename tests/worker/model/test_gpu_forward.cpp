@@ -331,14 +331,29 @@ TEST_F(GpuForward, F32WeightsMatchCpu) {
 // at 700 tokens). F32 weights: the estimators see the CPU's F32 Q/K (up to GEMM rounding, 1e-6),
 // so the indices agree but for near-ties and density matches to 1e-3; logits then agree as the
 // dense F32 forward does (bound 1e-4, ten times the dense one: a flipped near-tie key moves a row
-// by about its attention weight). BF16 weights: the estimators score BF16 copies of Q/K, so
-// near-tie selections may flip; the bound is the dense BF16 forward's (1e-2), density within 2e-2.
+// by about its attention weight). BF16 weights: the estimators would score BF16 copies of Q/K,
+// whose near-tie selections can differ from the CPU's F32 ones (seen once on 2x H200: one swapped
+// key, density unchanged, logits 1.08e-2 off against 5.2e-3 without it). So the BF16 run keeps
+// only the heads whose index does not depend on Q/K (a-shape, MoA, dense): what it compares is
+// the BF16 sparse kernel inside the forward, with the dense BF16 forward's bound (1e-2); the
+// data-dependent BF16 selections are compared with the CPU's, up to ties, in test_cuda_estimators.
 using testing::mixed_sparse_config;
+
+SparseConfig structural_only(SparseConfig sc) {
+  using kernels::Pattern;
+  for (auto& layer : sc.layers)
+    for (size_t h = 0; h < layer.size(); ++h)
+      if (layer[h].pattern != Pattern::kAShape && layer[h].pattern != Pattern::kMoA &&
+          layer[h].pattern != Pattern::kDense)
+        layer[h].pattern = h % 2 ? Pattern::kMoA : Pattern::kAShape;
+  return sc;
+}
 
 void sparse_matches_cpu(DType wdt) {
   ASSERT_NE(reference(), nullptr);
   const Reference& ref = *reference();
-  const SparseConfig sc = mixed_sparse_config(ref.model.config());
+  const SparseConfig mixed = mixed_sparse_config(ref.model.config());
+  const SparseConfig sc = wdt == DType::kF32 ? mixed : structural_only(mixed);
   PrefillOptions o = full_options();
   o.importance_window = 0;
   o.sparse = &sc;
