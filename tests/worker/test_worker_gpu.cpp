@@ -46,37 +46,8 @@ std::string write_gguf(const std::string& path, uint64_t seed) {
   const model::ModelConfig cfg = tiny_gpu_config();
   auto m = model::Model::synthetic(cfg, seed);
   EXPECT_TRUE(m.is_ok());
-  const auto& w = m->weights();
   testing::GgufBuilder b;
-  b.kv_string("general.architecture", "llama");
-  b.kv_string("general.name", cfg.name);
-  b.kv_u32("llama.block_count", uint32_t(cfg.n_layers));
-  b.kv_u32("llama.embedding_length", uint32_t(cfg.hidden));
-  b.kv_u32("llama.attention.head_count", uint32_t(cfg.n_heads));
-  b.kv_u32("llama.attention.head_count_kv", uint32_t(cfg.n_kv_heads));
-  b.kv_u32("llama.feed_forward_length", uint32_t(cfg.intermediate));
-  b.kv_u32("llama.context_length", uint32_t(cfg.max_context));
-  b.kv_f32("llama.rope.freq_base", cfg.rope.theta);
-  b.kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps);
-  auto dims = [](const model::OwnedTensor& t) {
-    return t.shape.size() == 1 ? std::vector<uint64_t>{uint64_t(t.shape[0])}
-                               : std::vector<uint64_t>{uint64_t(t.shape[1]), uint64_t(t.shape[0])};
-  };
-  b.tensor_f32("token_embd.weight", dims(w.tok_embd), w.tok_embd.data);
-  b.tensor_f32("output_norm.weight", dims(w.out_norm), w.out_norm.data);
-  for (int l = 0; l < cfg.n_layers; ++l) {
-    const auto& L = w.layers[size_t(l)];
-    const std::string p = "blk." + std::to_string(l) + ".";
-    b.tensor_f32(p + "attn_norm.weight", dims(L.attn_norm), L.attn_norm.data);
-    b.tensor_f32(p + "attn_q.weight", dims(L.wq), L.wq.data);
-    b.tensor_f32(p + "attn_k.weight", dims(L.wk), L.wk.data);
-    b.tensor_f32(p + "attn_v.weight", dims(L.wv), L.wv.data);
-    b.tensor_f32(p + "attn_output.weight", dims(L.wo), L.wo.data);
-    b.tensor_f32(p + "ffn_norm.weight", dims(L.ffn_norm), L.ffn_norm.data);
-    b.tensor_f32(p + "ffn_gate.weight", dims(L.w_gate), L.w_gate.data);
-    b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
-    b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
-  }
+  testing::add_llama(b, m.value(), cfg.name);
   const auto bytes = b.build();
   std::ofstream(path, std::ios::binary)
       .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));

@@ -2,8 +2,11 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "worker/model/model.h"
 
 namespace sf::testing {
 
@@ -57,5 +60,44 @@ class GgufBuilder {
   std::vector<uint8_t> meta_, infos_, data_;
   uint64_t n_kv_ = 0, n_tensors_ = 0;
 };
+
+// A Llama model's metadata and F32 tensors (tied embeddings: no output.weight). qk, when given,
+// maps a Q or K weight and its head count to the rows the GGUF stores (e.g. llama.cpp's permute).
+using QkRows = std::function<std::vector<float>(const model::OwnedTensor&, int heads)>;
+inline void add_llama(GgufBuilder& b, const model::Model& m, const std::string& name,
+                      const QkRows& qk = nullptr) {
+  const model::ModelConfig& cfg = m.config();
+  const model::ModelWeights& w = m.weights();
+  b.kv_string("general.architecture", "llama");
+  b.kv_string("general.name", name);
+  b.kv_u32("llama.block_count", uint32_t(cfg.n_layers));
+  b.kv_u32("llama.embedding_length", uint32_t(cfg.hidden));
+  b.kv_u32("llama.attention.head_count", uint32_t(cfg.n_heads));
+  b.kv_u32("llama.attention.head_count_kv", uint32_t(cfg.n_kv_heads));
+  b.kv_u32("llama.feed_forward_length", uint32_t(cfg.intermediate));
+  b.kv_u32("llama.context_length", 4096);
+  b.kv_f32("llama.rope.freq_base", cfg.rope.theta);
+  b.kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps);
+  auto dims = [](const model::OwnedTensor& t) {
+    return t.shape.size() == 1 ? std::vector<uint64_t>{uint64_t(t.shape[0])}
+                               : std::vector<uint64_t>{uint64_t(t.shape[1]), uint64_t(t.shape[0])};
+  };
+  auto rows = [&](const model::OwnedTensor& t, int heads) { return qk ? qk(t, heads) : t.data; };
+  b.tensor_f32("token_embd.weight", dims(w.tok_embd), w.tok_embd.data);
+  b.tensor_f32("output_norm.weight", dims(w.out_norm), w.out_norm.data);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const auto& L = w.layers[size_t(l)];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    b.tensor_f32(p + "attn_norm.weight", dims(L.attn_norm), L.attn_norm.data);
+    b.tensor_f32(p + "attn_q.weight", dims(L.wq), rows(L.wq, cfg.n_heads));
+    b.tensor_f32(p + "attn_k.weight", dims(L.wk), rows(L.wk, cfg.n_kv_heads));
+    b.tensor_f32(p + "attn_v.weight", dims(L.wv), L.wv.data);
+    b.tensor_f32(p + "attn_output.weight", dims(L.wo), L.wo.data);
+    b.tensor_f32(p + "ffn_norm.weight", dims(L.ffn_norm), L.ffn_norm.data);
+    b.tensor_f32(p + "ffn_gate.weight", dims(L.w_gate), L.w_gate.data);
+    b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
+    b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
+  }
+}
 
 }  // namespace sf::testing

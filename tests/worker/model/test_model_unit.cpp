@@ -105,7 +105,6 @@ TEST(GgufLoader, LoadsTinyLlamaAndMatchesRotateHalfEquivalent) {
   cfg.tied_embeddings = true;  // the GGUF below has no output.weight
   auto hf = model::Model::synthetic(cfg, seed);
   ASSERT_TRUE(hf.is_ok());
-  const auto& w = hf->weights();
   const int d = cfg.head_dim;
   // HF row (head h, i) -> GGUF row (head h, 2i) and (h, i + d/2) -> (h, 2i+1): llama.cpp's permute.
   auto permute = [&](const model::OwnedTensor& t, int heads) {
@@ -119,35 +118,7 @@ TEST(GgufLoader, LoadsTinyLlamaAndMatchesRotateHalfEquivalent) {
     return out;
   };
   testing::GgufBuilder b;
-  b.kv_string("general.architecture", "llama");
-  b.kv_string("general.name", "tiny-gguf");
-  b.kv_u32("llama.block_count", uint32_t(cfg.n_layers));
-  b.kv_u32("llama.embedding_length", uint32_t(cfg.hidden));
-  b.kv_u32("llama.attention.head_count", uint32_t(cfg.n_heads));
-  b.kv_u32("llama.attention.head_count_kv", uint32_t(cfg.n_kv_heads));
-  b.kv_u32("llama.feed_forward_length", uint32_t(cfg.intermediate));
-  b.kv_u32("llama.context_length", 4096);
-  b.kv_f32("llama.rope.freq_base", cfg.rope.theta);
-  b.kv_f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps);
-  auto dims = [](const model::OwnedTensor& t) {
-    return t.shape.size() == 1 ? std::vector<uint64_t>{uint64_t(t.shape[0])}
-                               : std::vector<uint64_t>{uint64_t(t.shape[1]), uint64_t(t.shape[0])};
-  };
-  b.tensor_f32("token_embd.weight", dims(w.tok_embd), w.tok_embd.data);
-  b.tensor_f32("output_norm.weight", dims(w.out_norm), w.out_norm.data);
-  for (int l = 0; l < cfg.n_layers; ++l) {
-    const auto& L = w.layers[size_t(l)];
-    const std::string p = "blk." + std::to_string(l) + ".";
-    b.tensor_f32(p + "attn_norm.weight", dims(L.attn_norm), L.attn_norm.data);
-    b.tensor_f32(p + "attn_q.weight", dims(L.wq), permute(L.wq, cfg.n_heads));
-    b.tensor_f32(p + "attn_k.weight", dims(L.wk), permute(L.wk, cfg.n_kv_heads));
-    b.tensor_f32(p + "attn_v.weight", dims(L.wv), L.wv.data);
-    b.tensor_f32(p + "attn_output.weight", dims(L.wo), L.wo.data);
-    b.tensor_f32(p + "ffn_norm.weight", dims(L.ffn_norm), L.ffn_norm.data);
-    b.tensor_f32(p + "ffn_gate.weight", dims(L.w_gate), L.w_gate.data);
-    b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
-    b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
-  }
+  testing::add_llama(b, hf.value(), "tiny-gguf", permute);
   const auto bytes = b.build();
   const std::string path = ::testing::TempDir() + "tiny.gguf";
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
