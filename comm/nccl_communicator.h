@@ -1,13 +1,15 @@
 // NCCL implementation of Communicator on device buffers (built when CUDA and NCCL are found:
-// SF_HAVE_NCCL=1). Not yet exercised on GPUs: it compiles in the default CUDA build and its test
-// (tests/comm/test_comm_nccl.cpp, label gpu) skips without two GPUs.
+// SF_HAVE_NCCL=1). Its test (tests/comm/test_comm_nccl.cpp, label gpu, np 2) skips without two
+// GPUs; it runs on 2x H200 over NVLink, and the GPU runtime (worker/runtime/device_parallel.h)
+// is built on it.
 //
 // - Bootstrapped over another communicator (MPI): rank 0 draws the ncclUniqueId and broadcasts it
 //   with that communicator's deadline.
 // - Non-blocking NCCL (config.blocking = 0) on its own stream (cudaStreamNonBlocking, on the
 //   given device). Every call enqueues, then polls ncclCommGetAsyncError and cudaStreamQuery
 //   against the deadline; when it passes, ncclCommAbort and the communicator fails fast from then
-//   on, as the MPI one.
+//   on, as the MPI one. all_reduce_enqueue only enqueues (behind the caller's event) and
+//   wait_enqueued polls the same way for everything enqueued.
 // - All pointers are device pointers of that device. all_gatherv is one grouped broadcast per
 //   rank (NCCL has no gatherv); barrier all-reduces one int in a device scratch word.
 #pragma once

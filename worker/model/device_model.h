@@ -1,12 +1,14 @@
 // The prefill forward on a CUDA device: the model's weights uploaded once (DeviceModel), a plan
 // that owns streams, events and every buffer (DevicePrefill::plan), and a run that only enqueues
 // kernels/api.h ops (DevicePrefill::run). Same structure as forward.cpp: layer-major; per token
-// chunk norm, QKV, RoPE; attention over all rows; per chunk O-proj, residual, MLP.
+// chunk norm, QKV, RoPE; attention over all rows (per piece on a shard); O projection of every
+// row, residual; per chunk MLP, residual.
 //
 // Plain C++ (no CUDA types), usable in every build: without SF_HAVE_CUDA each entry point returns
-// kUnsupported. Dense attention only (BF16 weights: cuDNN's fused kernel on BF16 Q/K/V when the
-// build has cuDNN; F32 weights: the F32 reference kernel); prefix extension (extend()) stays on
-// the CPU for now.
+// kUnsupported. Dense attention: BF16 weights use cuDNN's fused kernel on BF16 Q/K/V when the
+// build has cuDNN, F32 weights the F32 reference kernel. Sparse (PrefillOptions::sparse): the
+// device estimators and our sparse kernel, per layer. Prefix extension (extend()) stays on the
+// CPU for now.
 #pragma once
 #include <array>
 #include <cstddef>
@@ -117,8 +119,8 @@ struct DeviceShard {
 // after every layer's work has been enqueued.
 //
 // Contracts: the DeviceModel outlives the plan; plan and run on one thread (cuBLASLt's handle and
-// workspace are per thread); one run at a time per plan. opt.sparse and opt.on_attention are
-// not supported on the device (kUnsupported).
+// workspace are per thread); one run at a time per plan. opt.on_attention is not supported on
+// the device (kUnsupported); a sparse plan runs at exactly its planned length.
 class DevicePrefill {
  public:
   static Result<DevicePrefill> plan(const DeviceModel& dm, int64_t max_tokens,
