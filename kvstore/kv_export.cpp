@@ -22,12 +22,12 @@ std::string hex64(uint64_t v) {
   return b;
 }
 
-// Rows `pos` of head h of a token-major [S, Hkv, d] layer into dst [n, d], undoing the
+// Rows `rows` of head h of a token-major [rows, Hkv, d] layer into dst [n, d], undoing the
 // adjacent-pair interleave if asked (GGUF llama keys -> HF rotate-half order).
-void gather_head(const float* src, int hkv, int d, int h, const std::vector<int32_t>& pos, bool deinterleave,
-                 float* dst) {
-  for (size_t i = 0; i < pos.size(); ++i) {
-    const float* r = src + (int64_t(pos[i]) * hkv + h) * d;
+void gather_head(const float* src, int hkv, int d, int h, const std::vector<int64_t>& rows,
+                 bool deinterleave, float* dst) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float* r = src + (rows[i] * hkv + h) * d;
     float* o = dst + int64_t(i) * d;
     if (deinterleave) {
       for (int c = 0; c < d / 2; ++c) {
@@ -243,10 +243,8 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     std::vector<HeadMeta> meta(static_cast<size_t>(hp));
     for (int h = 0; h < hp; ++h) {
       float* kh = kbuf.data() + off[size_t(h)] * d;
-      // gather_head reads rows by index from a token-major [rows, hp, d] source.
-      std::vector<int32_t> r32(rows[size_t(h)].begin(), rows[size_t(h)].end());
-      gather_head(k, hp, d, h, r32, spec.keys_interleaved, kh);
-      gather_head(v, hp, d, h, r32, false, vbuf.data() + off[size_t(h)] * d);
+      gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
+      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
       const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
       meta[size_t(h)] = block_meta(kh, int64_t(pos[size_t(h)].size()), d, imp, pos[size_t(h)]);
     }
@@ -326,9 +324,18 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
     std::vector<std::array<int64_t, 2>> runs;
     for (const auto& rv : o.at("tokens").as_array())
       runs.push_back({rv.as_array()[0].to_number<int64_t>(), rv.as_array()[1].to_number<int64_t>()});
+    const std::string file(o.at("file").as_string());
     if (l < 0 || l >= nl || a < 0 || b > hkv || a >= b || !runs_valid(runs, S))
-      return SF_ERR(kInvalidArgument, "export_kv: shard '" + std::string(o.at("file").as_string()) +
-                                          "' has a layer, head range or token runs outside the model");
+      return SF_ERR(kInvalidArgument,
+                    "export_kv: shard '" + file +
+                        "' has a layer, head range or token runs outside the model");
+    // Writers on other ranks put their shards here too: each must be in place, whole.
+    std::error_code ec;
+    const fs::path fp = fs::path(tmp) / file;
+    if (!fs::is_regular_file(fp, ec) ||
+        fs::file_size(fp, ec) != o.at("bytes").to_number<uint64_t>())
+      return SF_ERR(kNotFound, "export_kv: shard '" + file + "' is not in '" + tmp + "' with " +
+                                   std::to_string(o.at("bytes").to_number<uint64_t>()) + " bytes");
     for (int64_t h = a; h < b; ++h) {
       const auto& kept = ret ? ret->positions(int(l), int(h)) : all_pos;
       for (const auto& r : runs) cover[size_t(l * hkv + h)].push_back({r[0], r[1], count_in(kept, {r})});

@@ -78,8 +78,9 @@ Status finish_export(const std::string& tmp, const std::string& dir);
 // per layer, as text: writers on other ranks send them to the manifest's writer).
 Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
                                                   const KvShardPart& part, const LayerSource& src);
-// Writes tmp/manifest.json over every part's entries, after checking that per layer they cover
-// every (token, KV head) exactly once and that their blocks align (see KvShardPart).
+// Writes tmp/manifest.json over every part's entries, after checking that every entry's file is
+// in tmp at its size (kNotFound otherwise), that per layer they cover every (token, KV head)
+// exactly once and that their blocks align (see KvShardPart).
 Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
                           const std::vector<std::string>& entries);
 

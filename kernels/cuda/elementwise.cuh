@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "common/hash.h"
 #include "kernels/cuda/reduce.cuh"
 
 namespace sf::kernels::cuda {
@@ -189,13 +190,6 @@ struct FillNormalParams {
   uint64_t seed;
   float mean, stdv;
 };
-
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 static __global__ void fill_normal_kernel(const FillNormalParams p) {
   const int64_t n = p.rows * p.cols;

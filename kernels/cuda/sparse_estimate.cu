@@ -892,16 +892,21 @@ __device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kD
   // Selected columns ascend; negative ids (none expected) are skipped up front.
   int64_t ci = 0;
   while (ci < ncol && cols[ci] < 0) ++ci;
-  // Columns in [ci, first >= upto): their places in the list are taken now, their copy deferred.
-  auto flush_columns = [&](int64_t upto) {
+  // First index in [ci, ncol) whose column is >= x (the columns ascend).
+  auto first_at_least = [&](int64_t x) {
     int64_t lo = ci, hi = ncol;
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (cols[mid] < upto)
+      if (cols[mid] < x)
         lo = mid + 1;
       else
         hi = mid;
     }
+    return lo;
+  };
+  // Columns in [ci, first >= upto): their places in the list are taken now, their copy deferred.
+  auto flush_columns = [&](int64_t upto) {
+    const int64_t lo = first_at_least(upto);
     const int64_t n = lo - ci;
     if (n > 0) {
       if (*n_runs < kDeferredRuns) {
@@ -916,17 +921,7 @@ __device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kD
   };
   auto emit = [&](int64_t a, int64_t e) {
     if (cols) flush_columns(a);
-    {  // skip the columns the interval covers (binary search)
-      int64_t lo = ci, hi = ncol;
-      while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (cols[mid] < e)
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      ci = lo;
-    }
+    ci = first_at_least(e);  // skip the columns the interval covers
     if (e == kend) {
       for (int64_t off = a; off < e; off += kB) o.block(off);
     } else {

@@ -18,6 +18,7 @@
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "tests/worker/model/gguf_builder.h"
+#include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf {
@@ -26,18 +27,12 @@ namespace fs = std::filesystem;
 
 // Head dim 64, 4 query / 2 KV heads (TP 2 divides both and the intermediate size), 2 layers.
 model::ModelConfig tiny_gpu_config() {
-  model::ModelConfig c;
-  c.arch = model::Arch::kLlama;
+  model::ModelConfig c = testing::tiny_config(2);
   c.name = "tiny-gpu-worker";
-  c.n_layers = 2;
   c.hidden = 256;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
+  c.head_dim = 64;  // the device forward's attention: head_dim 64 or 128
   c.intermediate = 512;
   c.vocab = 512;
-  c.max_context = 4096;
-  c.rope.theta = 10000.f;
   c.tied_embeddings = true;
   return c;
 }

@@ -16,7 +16,8 @@ if(SF_MPI AND SF_HAVE_CUDA AND TARGET sparsefill-worker)
   target_link_libraries(test_worker_gpu PRIVATE sf_model sf_decode GTest::gtest GTest::gtest_main
                         CUDA::cudart_static)
   target_include_directories(test_worker_gpu PRIVATE ${PROJECT_SOURCE_DIR})
-  target_compile_definitions(test_worker_gpu PRIVATE SF_WORKER_BIN="$<TARGET_FILE:sparsefill-worker>"
+  target_compile_definitions(test_worker_gpu PRIVATE SF_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+                             SF_WORKER_BIN="$<TARGET_FILE:sparsefill-worker>"
                              SF_MPIEXEC="${MPIEXEC_EXECUTABLE}")
   add_dependencies(test_worker_gpu sparsefill-worker)
   add_test(NAME test_worker_gpu COMMAND test_worker_gpu)

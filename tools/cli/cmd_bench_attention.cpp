@@ -30,8 +30,8 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/hash.h"
 #include "common/safetensors.h"
 #include "common/thread_pool.h"
 #include "kernels/api.h"
@@ -88,16 +89,10 @@ std::vector<int64_t> parse_list(const std::string& s) {
   return v;
 }
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 // Uniform in [-1, 1) from a counter-based hash: parallel generation, same
 // inputs every thread count.
 float unit(uint64_t seed, uint64_t i) {
-  return float(int64_t(splitmix(seed ^ splitmix(i)) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+  return float(int64_t(splitmix64(seed ^ splitmix64(i)) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
 }
 
 struct Shape {
@@ -125,7 +120,7 @@ Inputs make_inputs(const Shape& s, int64_t n, uint64_t seed) {
   auto vertical_logit = [&](int64_t g, int64_t j) -> double {
     if (j < 4) return 10.0;
     const uint64_t h =
-        splitmix(seed ^ 0xC0FFEEull ^ splitmix(uint64_t(g) * 0x1000003ull + uint64_t(j)));
+        splitmix64(seed ^ 0xC0FFEEull ^ splitmix64(uint64_t(g) * 0x1000003ull + uint64_t(j)));
     if (h % 200 != 0) return 0.0;
     return 4.0 + 5.0 * double((h >> 20) % 1000) / 1000.0;
   };

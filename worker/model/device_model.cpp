@@ -12,6 +12,7 @@
 #if SF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/thread_pool.h"
 #include "kernels/api.h"
@@ -137,12 +138,6 @@ Status fill_part(const WeightSpec& w) {
   return kernels::cuda::fill_normal(w.dst->view, f, nullptr);
 }
 
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // RAII over the runtime's handles. Destructors cannot report; a failure there resurfaces at the
 // next runtime call, as with DeviceBuffer.
@@ -289,7 +284,7 @@ Status DeviceModel::Impl::build(const ModelConfig& c, DType weight_dtype, int de
   std::vector<WeightSpec> specs;
   // tag: which tensor; kind < 16 per layer, globals after the layers.
   auto tag_of = [&](int64_t layer, int kind) {
-    return mix64(seed ^ mix64(uint64_t(layer * 16 + kind)));
+    return splitmix64(seed ^ splitmix64(uint64_t(layer * 16 + kind)));
   };
   auto whole = [](int64_t R, int64_t C) { return Part{0, R, 0, C}; };
   auto rows = [](int64_t r0, int64_t n, int64_t C) { return Part{r0, n, 0, C}; };

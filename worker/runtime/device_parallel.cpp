@@ -45,16 +45,10 @@ Result<DeviceGrid> make_device_grid(GridComms& g, int device) {
 
 namespace {
 
-// A rank's zigzag chunks as attention pieces: merged when adjacent, empties dropped.
+// A rank's attention pieces (cp_rank_pieces) as the device shard's [begin, end) pairs.
 std::vector<std::array<int64_t, 2>> rank_pieces(int64_t S, int cp, int r) {
   std::vector<std::array<int64_t, 2>> out;
-  for (const auto& c : cp_rank_ranges(S, cp, r)) {
-    if (c.size() == 0) continue;
-    if (!out.empty() && out.back()[1] == c.begin)
-      out.back()[1] = c.end;
-    else
-      out.push_back({c.begin, c.end});
-  }
+  for (const TokenRange& p : cp_rank_pieces(S, cp, r)) out.push_back({p.begin, p.end});
   return out;
 }
 

@@ -23,6 +23,18 @@ std::array<TokenRange, 2> cp_rank_ranges(int64_t n_tokens, int cp, int cp_rank) 
   return {ch[size_t(cp_rank)], ch[size_t(2 * cp - 1 - cp_rank)]};
 }
 
+std::vector<TokenRange> cp_rank_pieces(int64_t n_tokens, int cp, int cp_rank) {
+  std::vector<TokenRange> out;
+  for (const TokenRange& c : cp_rank_ranges(n_tokens, cp, cp_rank)) {
+    if (c.size() == 0) continue;
+    if (!out.empty() && out.back().end == c.begin)
+      out.back().end = c.end;
+    else
+      out.push_back(c);
+  }
+  return out;
+}
+
 Status check_world(const GridShape& g, int world_size) {
   if (g.tp <= 0 || g.cp <= 0)
     return SF_ERR(kInvalidArgument, "--tp and --cp must be positive, got tp " +

@@ -37,6 +37,9 @@ struct TokenRange {
 std::vector<TokenRange> zigzag_chunks(int64_t n_tokens, int cp);
 // The two chunks CP rank cp_rank holds: {chunk cp_rank, chunk 2*cp-1-cp_rank}.
 std::array<TokenRange, 2> cp_rank_ranges(int64_t n_tokens, int cp, int cp_rank);
+// The same rows as attention pieces: the two chunks merged when adjacent (CP 1, the middle CP
+// rank), empty ones dropped; in prompt order, which is also the order of the rank's local rows.
+std::vector<TokenRange> cp_rank_pieces(int64_t n_tokens, int cp, int cp_rank);
 
 // tp and cp positive; the world divides into groups of tp*cp. One message naming all three.
 Status check_world(const GridShape& g, int world_size);

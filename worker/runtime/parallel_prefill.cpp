@@ -133,14 +133,11 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   const int64_t loc_off[2] = {0, ranges[0].size()};
   // Attention runs per contiguous piece: the two chunks merge when adjacent (CP 1, and the middle
   // CP rank), so CP 1 is exactly the single-rank forward, estimated sparse attention included.
-  std::vector<TokenRange> aranges;
-  std::vector<int64_t> aoff;
-  if (ranges[0].end == ranges[1].begin) {
-    aranges = {{ranges[0].begin, ranges[1].end}};
-    aoff = {0};
-  } else {
-    aranges = {ranges[0], ranges[1]};
-    aoff = {loc_off[0], loc_off[1]};
+  const std::vector<TokenRange> aranges = cp_rank_pieces(S, CP, g.cp_rank);
+  std::vector<int64_t> aoff;  // local row of each piece's start
+  for (int64_t off = 0; const TokenRange& r : aranges) {
+    aoff.push_back(off);
+    off += r.size();
   }
   const int n_ar = int(aranges.size());
   std::vector<int64_t> gather_counts(static_cast<size_t>(CP));

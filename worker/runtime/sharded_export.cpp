@@ -32,13 +32,8 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
 
   // This rank's part: its CP chunks (merged when adjacent) of its TP slice's KV heads.
   kvstore::KvShardPart part;
-  for (const auto& ch : cp_rank_ranges(spec.n_tokens, g.shape.cp, g.cp_rank)) {
-    if (ch.size() == 0) continue;
-    if (!part.tokens.empty() && part.tokens.back()[1] == ch.begin)
-      part.tokens.back()[1] = ch.end;
-    else
-      part.tokens.push_back({ch.begin, ch.end});
-  }
+  for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, g.shape.cp, g.cp_rank))
+    part.tokens.push_back({p.begin, p.end});
   part.n_kv_heads = local.n_kv_heads;
   part.kv_head0 = g.tp_rank * local.n_kv_heads;
   part.rank = c.rank();
@@ -78,18 +73,14 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
       }
       while (std::getline(in, line)) entries.push_back(line);
     }
-    // Every shard must be visible where the manifest is written.
-    for (size_t i = 0; i < entries.size() && st.is_ok(); ++i) {
-      const size_t a = entries[i].find("\"file\":\"") + 8, b = entries[i].find('"', a);
-      const std::string file = entries[i].substr(a, b - a);
-      std::error_code ec;
-      if (!fs::exists(fs::path(tmp) / file, ec))
-        st = SF_ERR(kIo, "sharded export: shard '" + file + "' is not visible under '" + tmp +
-                             "' from the group leader (--out must be on a filesystem every rank "
-                             "of the group shares; --export gathered writes everything from "
-                             "the leader)");
+    if (st.is_ok()) {
+      st = kvstore::export_kv_manifest(tmp, spec, entries);
+      if (st.code() == Code::kNotFound)  // a shard the leader cannot see
+        st = SF_ERR(kIo, "sharded export: " + st.message() +
+                             " as the group leader sees it (--out must be on a filesystem every "
+                             "rank of the group shares; --export gathered writes everything "
+                             "from the leader)");
     }
-    if (st.is_ok()) st = kvstore::export_kv_manifest(tmp, spec, entries);
     if (st.is_ok()) st = kvstore::finish_export(tmp, dir);
     if (!st.is_ok()) {
       std::error_code ec;
