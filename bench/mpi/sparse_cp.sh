@@ -14,7 +14,7 @@
 # and dense heads), "vs-only" (its block-sparse heads replaced by vertical-slash with n_vertical
 # 256, n_slash 130, spread 256) and "a-shape" (sink + window), the lower bound.
 set -euo pipefail
-cmdline="$0 $*"
+cmdline="SF_SPARSE_CP_CHARS=${SF_SPARSE_CP_CHARS:-18000} SF_SPARSE_CP_RUNS='${SF_SPARSE_CP_RUNS:-default}' $0 $*"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="${1:-$root/build}"
 out="${2:-$root/bench/results/sparse-cp-cpu.json}"
