@@ -6,11 +6,11 @@
 //      the logits, turns them into probabilities and writes column sums and per-chunk diagonal
 //      partials (127 offsets), which a third kernel adds (each offset lies in <= 2 chunks).
 //      Every sum has a fixed order: the result does not depend on scheduling.
-//   2. selection (cta_select): one CTA per (head, columns | diagonals) or per (head, query
-//      block); forced items first, the rest ranked by score descending then index ascending via
-//      an 8-bit radix select on order-preserving keys (4 passes), for top-k directly, for the
-//      adaptive mass threshold by a first radix walk on the accumulated mass; the selected ids
-//      come out sorted ascending by a block scan.
+//   2. selection (group_select): one CTA per (head, columns | diagonals), one warp per (head,
+//      query block); forced items first, the rest ranked by score descending then index
+//      ascending via an 8-bit radix select on order-preserving keys (4 passes), for top-k
+//      directly, for the adaptive mass threshold by a first radix walk on the accumulated mass;
+//      the selected ids come out sorted ascending by a scan.
 //   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
 //      against every pooled key block in shared memory and selects per query block.
 //   4. slot building: one thread per (head, query block), the host builder's merge of sink,
@@ -21,9 +21,10 @@
 // largest counts, so the caller can re-plan (kernels/cuda/sparse_estimate.cpp).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "kernels/cuda/attention_sparse_bf16.cuh"  // mma.sync / ldmatrix helpers
 #include "kernels/cuda/sparse_estimate_launch.h"
@@ -72,14 +73,21 @@ __host__ __device__ __forceinline__ bool mma_scores(const EstimateLaunch& p) {
   return p.bf16 && p.d % 32 == 0 && p.d <= 256 && (reinterpret_cast<uintptr_t>(p.q) % 16) == 0 &&
          (reinterpret_cast<uintptr_t>(p.k) % 16) == 0;
 }
+// The mma layout: q tile, k tile, then the logits; the stats pass (logits in registers) uses that
+// last region for a second k tile (the next chunk's, in flight) and its row reduction.
+constexpr size_t kLogitsBytes = size_t(kB * (kB + 1)) * sizeof(float);
+constexpr size_t kStatsRedBytes = size_t(2 * kB * 2) * sizeof(float);
+size_t score_smem_b(int64_t d) {
+  const size_t tile = size_t(kB * tile_stride_b(d)) * 2;
+  return 2 * tile + std::max(kLogitsBytes, tile + kStatsRedBytes);
+}
 size_t score_smem(const EstimateLaunch& p) {
-  const size_t logits = size_t(kB * (kB + 1)) * sizeof(float);
-  if (mma_scores(p)) return size_t(2 * kB * tile_stride_b(p.d)) * 2 + logits;
-  return size_t(2 * kB * tile_stride(p.d)) * sizeof(float) + logits;
+  if (mma_scores(p)) return score_smem_b(p.d);
+  return size_t(2 * kB * tile_stride(p.d)) * sizeof(float) + kLogitsBytes;
 }
 // Plan time (q, k not bound yet): the larger of the two layouts.
 size_t score_smem_max(int64_t d) {
-  return size_t(2 * kB * tile_stride(d)) * sizeof(float) + size_t(kB * (kB + 1)) * sizeof(float);
+  return std::max(size_t(2 * kB * tile_stride(d)) * sizeof(float) + kLogitsBytes, score_smem_b(d));
 }
 
 constexpr int kChunksPerCta = 4;  // 64-key chunks per scoring CTA: the q tile is loaded once
@@ -142,19 +150,23 @@ __device__ void load_tile_b(const __nv_bfloat16* src, int64_t row_stride, int64_
 // and the 64 x 65 fp32 logits.
 struct ScoreSmem {
   float *qs, *ks, *ss;
-  __nv_bfloat16 *qb, *kb;
+  __nv_bfloat16 *qb, *kb, *kb2;  // kb2: the stats pass's second k tile (aliases ss)
+  float* red;                    // the stats pass's [2][64][2] row (max, sum) per key half
   bool mma;
   __device__ ScoreSmem(const EstimateLaunch& p, unsigned char* raw) : mma(mma_scores(p)) {
     if (mma) {
       qb = reinterpret_cast<__nv_bfloat16*>(raw);
       kb = qb + kB * tile_stride_b(p.d);
-      ss = reinterpret_cast<float*>(kb + kB * tile_stride_b(p.d));
+      kb2 = kb + kB * tile_stride_b(p.d);
+      ss = reinterpret_cast<float*>(kb2);
+      red = reinterpret_cast<float*>(kb2 + kB * tile_stride_b(p.d));
       qs = ks = nullptr;
     } else {
       qs = reinterpret_cast<float*>(raw);
       ks = qs + kB * tile_stride(p.d);
       ss = ks + kB * tile_stride(p.d);
-      qb = kb = nullptr;
+      qb = kb = kb2 = nullptr;
+      red = nullptr;
     }
   }
 };
@@ -171,27 +183,36 @@ __device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h,
   load_tile(src, p.hq * p.d, sp.L, p.d, sm.qs);
 }
 
-// Tensor-core logits: warp w computes query rows 16 (w % 4) .. + 15 against keys
-// 32 (w / 4) .. + 31 (4 n-tiles of 8), two 16-wide k-steps per ldmatrix x4 of K rows.
-__device__ void chunk_logits_mma(const EstimateLaunch& p, ScoreSmem& sm) {
+// Tensor-core logits (unscaled) into registers: warp w computes query rows 16 (w % 4) .. + 15
+// against keys 32 (w / 4) .. + 31 (4 n-tiles of 8), two 16-wide k-steps per ldmatrix x4 of K
+// rows. c[n][0..1]: row 16 (w % 4) + lane / 4, keys (4 (w / 4) + n) 8 + 2 (lane % 4) + 0..1;
+// c[n][2..3]: the row 8 below.
+__device__ __forceinline__ void logits_mma(int64_t d, const __nv_bfloat16* qb,
+                                           const __nv_bfloat16* kb, float (&c)[4][4]) {
   using namespace attention_sparse_bf16_detail;
-  const int64_t ts = tile_stride_b(p.d);
+  const int64_t ts = tile_stride_b(d);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4;
-  float c[4][4] = {};
-  for (int64_t ks = 0; ks < p.d / 16; ks += 2) {
+  for (int64_t ks = 0; ks < d / 16; ks += 2) {
     uint32_t a0[4], a1[4];
-    const __nv_bfloat16* qrow = sm.qb + (mt * 16 + lane % 16) * ts + (lane / 16) * 8;
+    const __nv_bfloat16* qrow = qb + (mt * 16 + lane % 16) * ts + (lane / 16) * 8;
     ldmatrix_x4(a0, qrow + ks * 16);
     ldmatrix_x4(a1, qrow + (ks + 1) * 16);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       uint32_t b[4];
-      ldmatrix_x4(b, sm.kb + ((nq * 4 + n) * 8 + lane % 8) * ts + ks * 16 + (lane / 8) * 8);
+      ldmatrix_x4(b, kb + ((nq * 4 + n) * 8 + lane % 8) * ts + ks * 16 + (lane / 8) * 8);
       mma_bf16(c[n], a0[0], a0[1], a0[2], a0[3], b[0], b[1]);
       mma_bf16(c[n], a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
     }
   }
+}
+
+__device__ void chunk_logits_mma(const EstimateLaunch& p, ScoreSmem& sm) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mt = warp % 4, nq = warp / 4;
+  float c[4][4] = {};
+  logits_mma(p.d, sm.qb, sm.kb, c);
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
@@ -259,6 +280,88 @@ __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const Sc
   return v < 0 ? 0 : (v > kc ? kc : v);
 }
 
+// The stats pass on tensor cores (bf16): the logits stay in registers (each warp reduces its
+// 16 rows x 32 keys across the 4 lanes of a row, two warps' halves meet in shared memory), and
+// the next chunk's k tile is copied by cp.async while this one is scored.
+__device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, int hs,
+                                ScoreSmem& sm) {
+  using namespace attention_sparse_bf16_detail;
+  const int64_t d = p.d, ts = tile_stride_b(d);
+  const int64_t kvh = sp.heads[hs] / (p.hq / p.hkv);
+  const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * d;
+  const int64_t krow = p.hkv * d;
+  const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
+  const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
+  __nv_bfloat16* const kbuf[2] = {sm.kb, sm.kb2};
+  auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
+    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+    const int nv = int(d / 8), n = kB * nv;
+    for (int x = threadIdx.x; x < n; x += kScoreThreads) {
+      const int i = x / nv, c = (x % nv) * 8;
+      const bool valid = i < kc;  // rows past the keys are zero-filled
+      cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krow + c, valid);
+    }
+    cp_async_commit();
+  };
+  if (ch0 < ch_end) issue(ch0, kbuf[0]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mt = warp % 4, nq = warp / 4, g = lane / 4, t = lane % 4;
+  for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
+    const int buf = int(chunk - ch0) & 1;
+    if (chunk + 1 < ch_end) {
+      issue(chunk + 1, kbuf[buf ^ 1]);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // this chunk's tile (and the q tile) is visible to every warp
+    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+    float c[4][4] = {};
+    logits_mma(d, sm.qb, kbuf[buf], c);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = mt * 16 + g + 8 * half;
+      const int lim = i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0;
+      float v[8];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = (nq * 4 + n) * 8 + 2 * t + e;
+          v[n * 2 + e] = j < lim ? c[n][2 * half + e] * p.scale : -INFINITY;
+        }
+      float m = -INFINITY;
+#pragma unroll
+      for (int x = 0; x < 8; ++x) m = fmaxf(m, v[x]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      float l = 0.f;
+      if (m != -INFINITY)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) l += expf(v[x] - m);  // exp(-inf) = 0 past the limit
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) {
+        sm.red[(nq * kB + i) * 2] = m;
+        sm.red[(nq * kB + i) * 2 + 1] = l;
+      }
+    }
+    __syncthreads();  // both halves of every row are in red; the tile's readers are done
+    if (threadIdx.x < sp.L) {
+      const int i = threadIdx.x;
+      const float m0 = sm.red[i * 2], l0 = sm.red[i * 2 + 1];
+      const float m1 = sm.red[(kB + i) * 2], l1 = sm.red[(kB + i) * 2 + 1];
+      const float m = fmaxf(m0, m1);
+      float l = 0.f;
+      if (l0 > 0.f) l += l0 * expf(m0 - m);
+      if (l1 > 0.f) l += l1 * expf(m1 - m);
+      const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+      p.part_m[at] = m;
+      p.part_l[at] = l;
+    }
+  }
+}
+
 // grid (n_heads, n_chunks): per row, the chunk's max and sum of exp.
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
@@ -268,6 +371,12 @@ __global__ void __launch_bounds__(kScoreThreads)
   float* const ss = sm.ss;
   const int hs = blockIdx.x;
   load_q_tile<T>(p, sp, sp.heads[hs], sm);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (sm.mma) {
+      score_stats_mma(p, sp, hs, sm);
+      return;
+    }
+  }
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
     const int64_t c0 = chunk * kB;
@@ -370,6 +479,22 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
+// Block family (mass only): the last query block's mass per key block straight from the stats
+// pass, whose chunks are the key blocks: mass[c] = sum_i l_ic exp(m_ic - lse_i) / L, the same
+// sum of probabilities as score_probs_kernel without recomputing the logits. Rows in fixed order.
+__global__ void block_mass_kernel(const EstimateLaunch p, const ScorePass sp) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= int64_t(sp.n_heads) * p.n_chunks) return;
+  const int64_t hs = t / p.n_chunks, c = t % p.n_chunks;
+  float s = 0.f;
+  for (int64_t i = 0; i < sp.L; ++i) {
+    const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(c);
+    const float l = p.part_l[at], lse = p.lse[hs * kB + i];
+    if (l > 0.f && lse != -INFINITY) s += l * expf(p.part_m[at] - lse);
+  }
+  sp.mass[size_t(hs) * size_t(p.n_kb) + size_t(c)] = s / float(sp.L);
+}
+
 __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
@@ -432,64 +557,85 @@ struct SelShared {
   long long run;
 };
 
+// The threads that run one selection: a whole CTA (one list per CTA: columns, diagonals) or one
+// warp (the block selector: a warp per query block, so a CTA's query blocks select at once and
+// wait on warp barriers instead of CTA barriers). The selection code below is written once over
+// this: rank, size, barrier, reductions and the 0/1 exclusive scan of the compaction.
 template <int BS>
-__device__ double block_sum(double v, SelShared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.dred[threadIdx.x / 32] = v;
-  __syncthreads();
-  double s = 0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < BS / 32; ++w) s += sh.dred[w];
-    sh.dred[0] = s;
+struct CtaGroup {
+  static constexpr int kSize = BS;
+  __device__ static int rank() { return int(threadIdx.x); }
+  __device__ static void sync() { __syncthreads(); }
+};
+struct WarpGroup {
+  static constexpr int kSize = 32;
+  __device__ static int rank() { return int(threadIdx.x % 32); }
+  __device__ static void sync() { __syncwarp(); }
+};
+
+template <typename G, typename V, typename Op>
+__device__ V group_reduce(V v, Op op, V* red) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if constexpr (G::kSize == 32) {
+    return v;
+  } else {
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      V r = red[0];
+      for (int w = 1; w < G::kSize / 32; ++w) r = op(r, red[w]);
+      red[0] = r;
+    }
+    __syncthreads();
+    const V r = red[0];
+    __syncthreads();
+    return r;
   }
-  __syncthreads();
-  s = sh.dred[0];
-  __syncthreads();
-  return s;
 }
-// Block-wide minimum (callers negate for a maximum).
-template <int BS>
-__device__ double block_sum_max(double v, SelShared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v = fmin(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.dred[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double r = sh.dred[0];
-    for (int w = 1; w < BS / 32; ++w) r = fmin(r, sh.dred[w]);
-    sh.dred[0] = r;
+template <typename G>
+__device__ double group_sum(double v, SelShared& sh) {
+  return group_reduce<G>(
+      v, [](double a, double b) { return a + b; }, sh.dred);
+}
+template <typename G>
+__device__ double group_min(double v, SelShared& sh) {
+  return group_reduce<G>(
+      v, [](double a, double b) { return fmin(a, b); }, sh.dred);
+}
+template <typename G>
+__device__ long long group_sum_i(long long v, SelShared& sh) {
+  return group_reduce<G>(
+      v, [](long long a, long long b) { return a + b; }, sh.ired);
+}
+
+// Exclusive sum of 0/1 flags over the group's ranks (one flag a thread), and their total.
+template <typename G>
+struct FlagScan {
+  using Scan = cub::BlockScan<int, G::kSize>;
+  typename Scan::TempStorage* tmp;
+  __device__ void operator()(int f, int& pos, int& total) {
+    if constexpr (G::kSize == 32) {
+      const unsigned b = __ballot_sync(0xffffffffu, f);
+      pos = __popc(b & ((1u << (threadIdx.x % 32)) - 1u));
+      total = __popc(b);
+    } else {
+      Scan(*tmp).ExclusiveSum(f, pos, total);
+      __syncthreads();
+    }
   }
-  __syncthreads();
-  const double r = sh.dred[0];
-  __syncthreads();
-  return r;
-}
-template <int BS>
-__device__ long long block_sum_i(long long v, SelShared& sh) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.ired[threadIdx.x / 32] = v;
-  __syncthreads();
-  long long s = 0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < BS / 32; ++w) s += sh.ired[w];
-    sh.ired[0] = s;
-  }
-  __syncthreads();
-  s = sh.ired[0];
-  __syncthreads();
-  return s;
-}
+};
 
 // Radix walk over the non-forced items' keys, 8 bits a pass from the top. Count mode: the key T
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
-template <int BS, typename Forced>
+template <typename G, typename Forced>
 __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool mass_mode,
                                 long long want, double goal, double start_mass, SelShared& sh) {
-  if (threadIdx.x == 0) {
+  constexpr int BS = G::kSize;
+  const int rk = G::rank();
+  if (rk == 0) {
     sh.prefix = 0;
     sh.cnt_gt = 0;
     sh.mass_gt = start_mass;
@@ -498,18 +644,18 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
   uint32_t mask = 0;
   long long eq = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int x = threadIdx.x; x < 256; x += BS) {
+    for (int x = rk; x < 256; x += BS) {
       sh.cnt[x] = 0;
       sh.msum[x] = 0;
     }
-    __syncthreads();
+    G::sync();
     const uint32_t prefix = sh.prefix;
     // Scores cluster (the top digits of similar floats are equal), so per-item shared atomics
     // serialize on a few buckets: each warp first merges the lanes that share a digit
     // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
     const int wl = threadIdx.x % 32;
     for (int64_t i0 = 0; i0 < n; i0 += BS) {
-      const int64_t i = i0 + threadIdx.x;
+      const int64_t i = i0 + rk;
       float v = 0.f;
       unsigned dgt = 0;
       bool act = false;
@@ -534,11 +680,11 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
         if (mass_mode) atomicAdd(&sh.msum[dgt], m);
       }
     }
-    __syncthreads();
+    G::sync();
     // Walk the buckets from the top for the first non-empty one where the running count (mass)
-    // reaches the target: warp 0, 8 buckets a lane, a warp scan for the lanes' offsets.
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
+    // reaches the target: one warp, 8 buckets a lane, a warp scan for the lanes' offsets.
+    if (rk < 32) {
+      const int lane = rk;
       unsigned c[8];
       double m[8];
       long long csum = 0;
@@ -577,6 +723,7 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
         }
       }
       const unsigned ballot = __ballot_sync(0xffffffffu, hit >= 0);
+      if constexpr (BS == 32) __syncwarp();  // every lane has read cnt_gt / mass_gt
       if (ballot == 0) {
         if (lane == 0) {
           sh.found = 0;
@@ -591,29 +738,33 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
         sh.value = c[hit];
       }
     }
-    __syncthreads();
-    if (!sh.found) break;
-    mask |= 255u << shift;
+    G::sync();
+    const int found = sh.found;
     eq = sh.value;
+    const long long cnt_gt = sh.cnt_gt;
+    if (!found) break;
+    mask |= 255u << shift;
     // Count mode: when the chosen bucket holds exactly the items still wanted, every key with
     // this prefix is taken and the lower digits cannot change the selection.
-    if (!mass_mode && sh.cnt_gt + eq == want) break;
+    if (!mass_mode && cnt_gt + eq == want) break;
   }
-  if (threadIdx.x == 0) sh.mask = mask;
-  __syncthreads();
+  if (rk == 0) sh.mask = mask;
+  G::sync();
   return eq;
 }
 
 // The CPU's select_ranked on the device. Forced items: [0, fa) and [fb, fc] (fb > fc: none).
 // Writes the selected ids ascending to out (at most cap) and their number to *n_out.
-template <int BS>
-__device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
-                           const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
-                           SelShared& sh) {
+template <typename G>
+__device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
+                             const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
+                             SelShared& sh, FlagScan<G> scan) {
+  constexpr int BS = G::kSize;
+  const int rk = G::rank();
   auto forced = [&](int64_t i) { return i < fa || (i >= fb && i <= fc); };
   long long nf_l = 0;
   double tot_l = 0, fm_l = 0;
-  for (int64_t i = threadIdx.x; i < n; i += BS) {
+  for (int64_t i = rk; i < n; i += BS) {
     const double v = s[i];
     tot_l += v;
     if (forced(i)) {
@@ -621,9 +772,9 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
       fm_l += v;
     }
   }
-  const long long nf = block_sum_i<BS>(nf_l, sh);
-  const double tot = b.mass ? block_sum<BS>(tot_l, sh) : 0.0;
-  const double fm = b.mass ? block_sum<BS>(fm_l, sh) : 0.0;
+  const long long nf = group_sum_i<G>(nf_l, sh);
+  const double tot = b.mass ? group_sum<G>(tot_l, sh) : 0.0;
+  const double fm = b.mass ? group_sum<G>(fm_l, sh) : 0.0;
   const long long nr = n - nf;
   long long take = 0;
   if (!b.mass) {
@@ -632,7 +783,7 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
     const double goal = b.gamma * tot;
     long long c = nf;
     if (fm < goal && nr > 0) {
-      const long long eq = radix_walk<BS>(s, n, forced, true, 0, goal, fm, sh);
+      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
       if (!sh.found) {
         c = n;
       } else {
@@ -651,24 +802,22 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
     take = c - nf;
   }
   take = take < 0 ? 0 : (take > nr ? nr : take);
-  __syncthreads();  // every thread has read the mass walk's results
+  G::sync();  // every thread has read the mass walk's results
   uint32_t T = 0xffffffffu, M = 0xffffffffu;
   long long need_eq = 0, n_eq = 0;
   if (take > 0) {
-    n_eq = radix_walk<BS>(s, n, forced, false, take, 0.0, 0.0, sh);
+    n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh);
     T = sh.prefix;
     M = sh.mask;
     need_eq = take - sh.cnt_gt;
   }
   // Every key at the threshold is taken (the usual case: unique scores, or an early stop):
-  // no tie ranking, one scan per 256 items instead of two.
+  // no tie ranking, one scan per group of items instead of two.
   const bool all_eq = need_eq >= n_eq;
   // Compaction in index order: ties at T go to the lowest ids.
-  using Scan = cub::BlockScan<int, BS>;
-  __shared__ typename Scan::TempStorage scan_tmp;
   long long tie_base = 0, out_base = 0;
   for (int64_t t0 = 0; t0 < n; t0 += BS) {
-    const int64_t i = t0 + threadIdx.x;
+    const int64_t i = t0 + rk;
     int f = 0, gt = 0, eq = 0;
     if (i < n) {
       f = forced(i);
@@ -679,20 +828,26 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
       }
     }
     int tie_rank = 0, tie_total = 0;
-    if (!all_eq) {
-      Scan(scan_tmp).ExclusiveSum(eq, tie_rank, tie_total);
-      __syncthreads();
-    }
+    if (!all_eq) scan(eq, tie_rank, tie_total);
     const int sel = f || gt || (eq && (all_eq || tie_base + tie_rank < need_eq));
     int pos, sel_total;
-    Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
-    __syncthreads();
+    scan(sel, pos, sel_total);
     if (sel && out_base + pos < cap) out[out_base + pos] = int32_t(i);
     tie_base += tie_total;
     out_base += sel_total;
   }
-  if (threadIdx.x == 0) *n_out = int32_t(out_base < cap ? out_base : cap);
-  __syncthreads();
+  if (rk == 0) *n_out = int32_t(out_base < cap ? out_base : cap);
+  G::sync();
+}
+
+// One selection per CTA (its own scan storage).
+template <int BS>
+__device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
+                           const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
+                           SelShared& sh) {
+  __shared__ typename FlagScan<CtaGroup<BS>>::Scan::TempStorage scan_tmp;
+  group_select<CtaGroup<BS>>(s, n, fa, fb, fc, b, out, cap, n_out, sh,
+                             FlagScan<CtaGroup<BS>>{&scan_tmp});
 }
 
 constexpr int kVsSelectThreads = 1024;
@@ -751,7 +906,7 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 // grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ float smem[];
-  __shared__ SelShared sh;
+  __shared__ SelShared sh_warp[kBlockSelectThreads / 32];
   // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
   // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
   const int hb = blockIdx.y;
@@ -796,7 +951,10 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];
-  for (int g = 0; g < ng; ++g) {
+  // A warp per query block: the group's selections run side by side.
+  const int warp = int(threadIdx.x / 32);
+  SelShared& sh = sh_warp[warp];
+  for (int g = warp; g < ng; g += kBlockSelectThreads / 32) {
     const int64_t qb = qb0 + g;
     const int64_t rows = imin(kB, p.nq - qb * kB);
     const int64_t base = p.q_offset + qb * kB;
@@ -813,20 +971,21 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     b.max_count = eh.max_count;
     if (eh.mass && !exact && n_allowed > 0) {  // softmax over the causal blocks
       float mx = -INFINITY;
-      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) mx = fmaxf(mx, s[x]);
-      mx = float(-block_sum_max<kBlockSelectThreads>(-double(mx), sh));
+      const int lane = int(threadIdx.x % 32);
+      for (int64_t x = lane; x < n_allowed; x += 32) mx = fmaxf(mx, s[x]);
+      mx = float(-group_min<WarpGroup>(-double(mx), sh));
       double sum = 0;
-      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) sum += expf(s[x] - mx);
-      const float fsum = float(block_sum<kBlockSelectThreads>(sum, sh));
-      for (int64_t x = threadIdx.x; x < n_allowed; x += blockDim.x) s[x] = expf(s[x] - mx) / fsum;
-      __syncthreads();
+      for (int64_t x = lane; x < n_allowed; x += 32) sum += expf(s[x] - mx);
+      const float fsum = float(group_sum<WarpGroup>(sum, sh));
+      for (int64_t x = lane; x < n_allowed; x += 32) s[x] = expf(s[x] - mx) / fsum;
+      __syncwarp();
     }
     const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
     const int64_t fc = kend > 0 ? (kend - 1) / kB : 0;
     const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
-    cta_select<kBlockSelectThreads>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
-                                    p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot,
-                                    sh);
+    group_select<WarpGroup>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
+                            p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot, sh,
+                            FlagScan<WarpGroup>{nullptr});
   }
 }
 
@@ -1056,6 +1215,11 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
   row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
+  if (!sp.col && !sp.part_d) {  // mass alone: from the stats, no second pass over the logits
+    const int64_t n = int64_t(sp.n_heads) * p.n_chunks;
+    block_mass_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, sp);
+    return cudaGetLastError();
+  }
   score_probs_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   if (sp.part_d) {
     const int64_t n = int64_t(sp.n_heads) * p.n_diag;
