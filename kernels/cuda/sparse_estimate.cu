@@ -905,7 +905,7 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 
 // grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   __shared__ SelShared sh_warp[kBlockSelectThreads / 32];
   // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
   // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
@@ -930,24 +930,37 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   const int h = p.blk_heads[hb];
   const int64_t kvh = h / (p.hq / p.hkv);
   const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
-  for (int64_t bk = threadIdx.x; bk < n_score; bk += blockDim.x) {
-    float acc[8] = {};
-    const float* kr = pk + bk * d;
+  // A thread scores two key blocks against the group's pooled q, read as float4 (one
+  // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit.
+  const int nt = int(blockDim.x);
+  for (int64_t bk0 = threadIdx.x; bk0 < n_score; bk0 += 2 * nt) {
+    const int64_t bk1 = bk0 + nt < n_score ? bk0 + nt : bk0;
+    float acc0[8] = {}, acc1[8] = {};
+    const float* kr0 = pk + bk0 * d;
+    const float* kr1 = pk + bk1 * d;
     for (int64_t c = 0; c < d; c += 4) {
-      const float4 kv = *reinterpret_cast<const float4*>(kr + c);
+      const float4 k0 = *reinterpret_cast<const float4*>(kr0 + c);
+      const float4 k1 = *reinterpret_cast<const float4*>(kr1 + c);
 #pragma unroll
       for (int g = 0; g < 8; ++g) {  // unrolled with a guard: acc stays in registers
         if (g >= ng) break;
-        const float* qr = pq + g * d + c;
-        acc[g] = fmaf(qr[0], kv.x, acc[g]);
-        acc[g] = fmaf(qr[1], kv.y, acc[g]);
-        acc[g] = fmaf(qr[2], kv.z, acc[g]);
-        acc[g] = fmaf(qr[3], kv.w, acc[g]);
+        const float4 qv = *reinterpret_cast<const float4*>(pq + g * d + c);
+        acc0[g] = fmaf(qv.x, k0.x, acc0[g]);
+        acc0[g] = fmaf(qv.y, k0.y, acc0[g]);
+        acc0[g] = fmaf(qv.z, k0.z, acc0[g]);
+        acc0[g] = fmaf(qv.w, k0.w, acc0[g]);
+        acc1[g] = fmaf(qv.x, k1.x, acc1[g]);
+        acc1[g] = fmaf(qv.y, k1.y, acc1[g]);
+        acc1[g] = fmaf(qv.z, k1.z, acc1[g]);
+        acc1[g] = fmaf(qv.w, k1.w, acc1[g]);
       }
     }
 #pragma unroll
     for (int g = 0; g < 8; ++g)
-      if (g < ng) sc[g * n_kb + bk] = acc[g] * p.scale;
+      if (g < ng) {
+        sc[g * n_kb + bk0] = acc0[g] * p.scale;
+        if (bk1 != bk0) sc[g * n_kb + bk1] = acc1[g] * p.scale;
+      }
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];

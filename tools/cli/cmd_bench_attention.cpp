@@ -173,6 +173,101 @@ Inputs make_inputs(const Shape& s, int64_t n, uint64_t seed) {
   return in;
 }
 
+// Where the attention mass of sampled rows lies, from the fp32 inputs on the host: rows L - 1,
+// 3L/4, L/2 and L/4 of every head, each row's exact softmax over its causal keys. It tells what
+// any index must cover (the oracle) and how much of it one index covers (its recall), so the
+// density a mode chooses can be judged against what the inputs allow.
+constexpr double kOracleGamma = 0.95;
+std::vector<int64_t> sampled_rows(int64_t L) {
+  std::vector<int64_t> r{L - 1, 3 * L / 4, L / 2, L / 4};
+  std::sort(r.begin(), r.end());
+  r.erase(std::unique(r.begin(), r.end()), r.end());
+  return r;
+}
+// fn(pair, row, head, p): p[j] the probability of key j <= row; pairs run on the thread pool.
+void for_sampled_rows(
+    const Inputs& in, const Shape& s, int64_t L,
+    const std::function<void(size_t, int64_t, int64_t, const std::vector<double>&)>& fn) {
+  const std::vector<int64_t> rows = sampled_rows(L);
+  const size_t n_pairs = rows.size() * size_t(s.heads);
+  const double scale = 1.0 / std::sqrt(double(s.d));
+  parallel_for(n_pairs, [&](size_t b, size_t e) {
+    std::vector<double> pr;
+    for (size_t x = b; x < e; ++x) {
+      const int64_t r = rows[x / size_t(s.heads)], h = int64_t(x % size_t(s.heads));
+      const int64_t g = h / (s.heads / s.kv_heads);
+      const float* q = in.q.data() + (r * s.heads + h) * s.d;
+      pr.assign(size_t(r + 1), 0.0);
+      double mx = -INFINITY;
+      for (int64_t j = 0; j <= r; ++j) {
+        const float* k = in.k.data() + (j * s.kv_heads + g) * s.d;
+        double acc = 0;
+        for (int64_t c = 0; c < s.d; ++c) acc += double(q[c]) * double(k[c]);
+        pr[size_t(j)] = acc * scale;
+        mx = std::max(mx, pr[size_t(j)]);
+      }
+      double sum = 0;
+      for (double& v : pr) sum += (v = std::exp(v - mx));
+      for (double& v : pr) v /= sum;
+      fn(x, r, h, pr);
+    }
+  });
+}
+// Smallest fraction of the items whose largest masses reach gamma of the total.
+double fraction_for_mass(std::vector<double> m, double gamma) {
+  std::sort(m.begin(), m.end(), std::greater<double>());
+  double acc = 0;
+  size_t n = 0;
+  while (n < m.size() && acc < gamma) acc += m[n++];
+  return m.empty() ? 0.0 : double(n) / double(m.size());
+}
+struct Oracle {
+  double block_density = 0, key_density = 0;  // means over the sampled (row, head) pairs
+  int64_t pairs = 0;
+};
+Oracle mass_oracle(const Inputs& in, const Shape& s, int64_t L) {
+  const size_t n = sampled_rows(L).size() * size_t(s.heads);
+  std::vector<double> blk(n), key(n);
+  for_sampled_rows(in, s, L, [&](size_t x, int64_t r, int64_t, const std::vector<double>& p) {
+    std::vector<double> bm(size_t(r / kernels::kSparseBlock + 1), 0.0);
+    for (int64_t j = 0; j <= r; ++j) bm[size_t(j / kernels::kSparseBlock)] += p[size_t(j)];
+    blk[x] = fraction_for_mass(std::move(bm), kOracleGamma);
+    key[x] = fraction_for_mass(p, kOracleGamma);
+  });
+  Oracle o;
+  o.pairs = int64_t(n);
+  for (size_t x = 0; x < n; ++x) {
+    o.block_density += blk[x] / double(n);
+    o.key_density += key[x] / double(n);
+  }
+  return o;
+}
+// Mean and minimum over the sampled pairs of the mass the index's slot covers (causal keys).
+void index_recall(const Inputs& in, const Shape& s, int64_t L, const SparseIndex& idx, double* mean,
+                  double* min) {
+  const size_t n = sampled_rows(L).size() * size_t(s.heads);
+  std::vector<double> rec(n);
+  for_sampled_rows(in, s, L, [&](size_t x, int64_t r, int64_t h, const std::vector<double>& p) {
+    const size_t sl = idx.slot(int(h), r / kernels::kSparseBlock);
+    double m = 0;
+    for (int32_t i = 0; i < idx.block_count[sl]; ++i) {
+      const int64_t a = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)];
+      for (int64_t j = a; j < std::min(a + kernels::kSparseBlock, r + 1); ++j) m += p[size_t(j)];
+    }
+    for (int32_t i = 0; i < idx.column_count[sl]; ++i) {
+      const int64_t j = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)];
+      if (j <= r) m += p[size_t(j)];
+    }
+    rec[x] = m;
+  });
+  *mean = 0;
+  *min = 1;
+  for (double v : rec) {
+    *mean += v / double(n);
+    *min = std::min(*min, v);
+  }
+}
+
 // --inputs FILE.safetensors: q [n, heads, d], k and v [n, kv_heads, d], F32, F16 or BF16 (for
 // example one layer's post-RoPE tensors from `sparsefill prefill --dump-attention LAYER:FILE`).
 // A length L <= n runs on the first L rows: the causal prefix of the same prompt.
@@ -551,6 +646,16 @@ int cmd_bench_attention(int argc, char** argv) {
           "L=%lld: inputs generated in %.2f s (%lld planted vertical "
           "columns per KV head)\n",
           static_cast<long long>(L), now_s() - t_gen, static_cast<long long>(in.n_vertical));
+    Oracle oracle;
+    if (run_sparse) {
+      const double t_or = now_s();
+      oracle = mass_oracle(in, shape, L);
+      std::printf(
+          "  oracle (exact softmax of %lld sampled rows x heads): %.0f%% of mass needs "
+          "%.4f of the causal 64-key blocks, %.4f of the keys (%.1f s)\n",
+          static_cast<long long>(oracle.pairs), 100 * kOracleGamma, oracle.block_density,
+          oracle.key_density, now_s() - t_or);
+    }
     kernels::cuda::DeviceBuffer dq, dk, dv, dout, dlse, didx_buf;
     const size_t qbytes = in.q.size() * 4, kbytes = in.k.size() * 4;
     Status st = dq.alloc(qbytes);
@@ -909,6 +1014,12 @@ int cmd_bench_attention(int argc, char** argv) {
         o["index_max_blocks"] = idx.max_blocks;
         o["index_max_cols"] = idx.max_cols;
         o["clamped_heads"] = double(eplan.clamped_heads);
+        double rec_mean = 0, rec_min = 0;
+        index_recall(in, shape, L, idx, &rec_mean, &rec_min);
+        o["sampled_recall"] = rec_mean;  // see mass_oracle: rows L-1, 3L/4, L/2, L/4, every head
+        o["sampled_recall_min"] = rec_min;
+        o["oracle_block_density_95"] = oracle.block_density;
+        o["oracle_key_density_95"] = oracle.key_density;
         if (run_dense) {
           o["speedup_vs_dense"] = dense_ms / sp_ms;
           o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms);
@@ -930,6 +1041,7 @@ int cmd_bench_attention(int argc, char** argv) {
             m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
         std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms,
                     est_select_ms - est_score_ms, est_ms - est_select_ms);
+        std::printf("  sampled recall %.4f (min %.4f)", rec_mean, rec_min);
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
