@@ -520,18 +520,45 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
 }
 
 // Mean over 64-row blocks: dst[(r * n_b + b) * d + c] for src rows [n, heads, d] of the listed
-// heads (heads == null: every head, r = head).
-template <typename T>
+// heads (heads == null: every head, r = head). A thread sums V consecutive channels, read as one
+// 16-byte vector when V > 1 (the pass is bound by reading q); each channel in row order.
+template <typename T, int V>
 __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
                             const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= n_rows_out * n_b * d) return;
-  const int64_t c = t % d, b = (t / d) % n_b, r = t / (d * n_b);
+  const int64_t dv = d / V;
+  if (t >= n_rows_out * n_b * dv) return;
+  const int64_t c = (t % dv) * V, b = (t / dv) % n_b, r = t / (dv * n_b);
   const int64_t h = heads ? heads[r] : r;
   const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
-  float s = 0.f;
-  for (int64_t j = j0; j < j1; ++j) s += load_f(src + (j * n_heads_src + h) * d + c);
-  dst[t] = s * (1.f / float(j1 - j0));
+  float s[V] = {};
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* x = src + (j * n_heads_src + h) * d + c;
+    if constexpr (V == 1) {
+      s[0] += load_f(x);
+    } else {
+      static_assert(V * sizeof(T) == 16, "pool_kernel: 16-byte vectors");
+      const uint4 u = *reinterpret_cast<const uint4*>(x);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
+    }
+  }
+  const float inv = 1.f / float(j1 - j0);
+#pragma unroll
+  for (int k = 0; k < V; ++k) dst[(r * n_b + b) * d + c + k] = s[k] * inv;
+}
+template <typename T>
+void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
+          int64_t n_rows_out, int64_t n_b, float* dst, cudaStream_t s) {
+  constexpr int V = int(16 / sizeof(T));
+  const int64_t vec_n = n_rows_out * n_b * (d / V), n1 = n_rows_out * n_b * d;
+  if (d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
+    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
+                                                                    n_rows_out, n_b, dst);
+  else
+    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
+                                                                 n_rows_out, n_b, dst);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -630,11 +657,18 @@ struct FlagScan {
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
+// cand (a warp's, kCand floats, or null): once a pass leaves at most kCand items on the prefix,
+// their scores are gathered there and the remaining passes read those instead of all n.
+constexpr int kCand = 256;
 template <typename G, typename Forced>
 __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool mass_mode,
-                                long long want, double goal, double start_mass, SelShared& sh) {
+                                long long want, double goal, double start_mass, SelShared& sh,
+                                float* cand = nullptr) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
+  const float* src = s;  // the items a pass reads: all n, or the gathered candidates
+  int64_t n_src = n;
+  bool gathered = false;
   if (rk == 0) {
     sh.prefix = 0;
     sh.cnt_gt = 0;
@@ -654,13 +688,13 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     // serialize on a few buckets: each warp first merges the lanes that share a digit
     // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
     const int wl = threadIdx.x % 32;
-    for (int64_t i0 = 0; i0 < n; i0 += BS) {
+    for (int64_t i0 = 0; i0 < n_src; i0 += BS) {
       const int64_t i = i0 + rk;
       float v = 0.f;
       unsigned dgt = 0;
       bool act = false;
-      if (i < n && !forced(i)) {
-        v = s[i];
+      if (i < n_src && (gathered || !forced(i))) {
+        v = src[i];
         const uint32_t key = order_key(v);
         act = (key & mask) == prefix;
         dgt = (key >> shift) & 255u;
@@ -747,6 +781,28 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     // Count mode: when the chosen bucket holds exactly the items still wanted, every key with
     // this prefix is taken and the lower digits cannot change the selection.
     if (!mass_mode && cnt_gt + eq == want) break;
+    if constexpr (BS == 32) {
+      if (cand && !gathered && shift > 0 && eq <= kCand) {
+        const uint32_t pre = sh.prefix;
+        int64_t base = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += 32) {
+          const int64_t i = i0 + rk;
+          float v = 0.f;
+          bool act = false;
+          if (i < n && !forced(i)) {
+            v = s[i];
+            act = (order_key(v) & mask) == pre;
+          }
+          const unsigned b = __ballot_sync(0xffffffffu, act);
+          if (act) cand[base + __popc(b & ((1u << rk) - 1u))] = v;
+          base += __popc(b);
+        }
+        __syncwarp();
+        src = cand;
+        n_src = base;
+        gathered = true;
+      }
+    }
   }
   if (rk == 0) sh.mask = mask;
   G::sync();
@@ -758,7 +814,7 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
 template <typename G>
 __device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
                              const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
-                             SelShared& sh, FlagScan<G> scan) {
+                             SelShared& sh, FlagScan<G> scan, float* cand = nullptr) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
   auto forced = [&](int64_t i) { return i < fa || (i >= fb && i <= fc); };
@@ -783,7 +839,7 @@ __device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, 
     const double goal = b.gamma * tot;
     long long c = nf;
     if (fm < goal && nr > 0) {
-      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
+      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh, cand);
       if (!sh.found) {
         c = n;
       } else {
@@ -806,7 +862,7 @@ __device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, 
   uint32_t T = 0xffffffffu, M = 0xffffffffu;
   long long need_eq = 0, n_eq = 0;
   if (take > 0) {
-    n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh);
+    n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh, cand);
     T = sh.prefix;
     M = sh.mask;
     need_eq = take - sh.cnt_gt;
@@ -907,6 +963,7 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ __align__(16) float smem[];
   __shared__ SelShared sh_warp[kBlockSelectThreads / 32];
+  __shared__ float cand_warp[kBlockSelectThreads / 32][kCand];
   // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
   // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
   const int hb = blockIdx.y;
@@ -998,7 +1055,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
     group_select<WarpGroup>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
                             p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot, sh,
-                            FlagScan<WarpGroup>{nullptr});
+                            FlagScan<WarpGroup>{nullptr}, cand_warp[warp]);
   }
 }
 
@@ -1262,14 +1319,10 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.L = p.blk_L;
     sp.mass = p.mass;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
-    if (p.n_kb > 0) {
-      const int64_t nk_el = p.hkv * p.n_kb * p.d;
-      pool_kernel<T><<<unsigned((nk_el + 255) / 256), 256, 0, s>>>(
-          static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k);
-    }
-    const int64_t nq_el = int64_t(p.n_blk) * p.n_qb * p.d;
-    pool_kernel<T><<<unsigned((nq_el + 255) / 256), 256, 0, s>>>(
-        static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q);
+    if (p.n_kb > 0)
+      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k, s);
+    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q,
+            s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
