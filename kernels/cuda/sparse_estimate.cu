@@ -520,11 +520,13 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
 }
 
 // Mean over 64-row blocks: dst[(r * n_b + b) * d + c] for src rows [n, heads, d] of the listed
-// heads (heads == null: every head, r = head). A thread sums V consecutive channels, read as one
-// 16-byte vector when V > 1 (the pass is bound by reading q); each channel in row order.
+// heads (heads == null: every head, r = head); channel-major (dst[(r * d + c) * n_b + b]) when
+// `cmajor`. A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass
+// is bound by reading q); each channel in row order.
 template <typename T, int V>
 __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
-                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst) {
+                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst,
+                            bool cmajor) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t dv = d / V;
   if (t >= n_rows_out * n_b * dv) return;
@@ -546,19 +548,20 @@ __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_
   }
   const float inv = 1.f / float(j1 - j0);
 #pragma unroll
-  for (int k = 0; k < V; ++k) dst[(r * n_b + b) * d + c + k] = s[k] * inv;
+  for (int k = 0; k < V; ++k)
+    dst[cmajor ? (r * d + c + k) * n_b + b : (r * n_b + b) * d + c + k] = s[k] * inv;
 }
 template <typename T>
 void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
-          int64_t n_rows_out, int64_t n_b, float* dst, cudaStream_t s) {
+          int64_t n_rows_out, int64_t n_b, float* dst, bool cmajor, cudaStream_t s) {
   constexpr int V = int(16 / sizeof(T));
   const int64_t vec_n = n_rows_out * n_b * (d / V), n1 = n_rows_out * n_b * d;
   if (d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
     pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
-                                                                    n_rows_out, n_b, dst);
+                                                                    n_rows_out, n_b, dst, cmajor);
   else
     pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
-                                                                 n_rows_out, n_b, dst);
+                                                                 n_rows_out, n_b, dst, cmajor);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -988,16 +991,18 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   const int64_t kvh = h / (p.hq / p.hkv);
   const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
   // A thread scores two key blocks against the group's pooled q, read as float4 (one
-  // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit.
+  // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit. Pooled k is
+  // channel-major, so a warp's loads of one channel are one coalesced line.
   const int nt = int(blockDim.x);
   for (int64_t bk0 = threadIdx.x; bk0 < n_score; bk0 += 2 * nt) {
     const int64_t bk1 = bk0 + nt < n_score ? bk0 + nt : bk0;
     float acc0[8] = {}, acc1[8] = {};
-    const float* kr0 = pk + bk0 * d;
-    const float* kr1 = pk + bk1 * d;
     for (int64_t c = 0; c < d; c += 4) {
-      const float4 k0 = *reinterpret_cast<const float4*>(kr0 + c);
-      const float4 k1 = *reinterpret_cast<const float4*>(kr1 + c);
+      const float* kc = pk + c * n_kb;
+      const float4 k0 =
+          make_float4(kc[bk0], kc[n_kb + bk0], kc[2 * n_kb + bk0], kc[3 * n_kb + bk0]);
+      const float4 k1 =
+          make_float4(kc[bk1], kc[n_kb + bk1], kc[2 * n_kb + bk1], kc[3 * n_kb + bk1]);
 #pragma unroll
       for (int g = 0; g < 8; ++g) {  // unrolled with a guard: acc stays in registers
         if (g >= ng) break;
@@ -1320,9 +1325,10 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.mass = p.mass;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
     if (p.n_kb > 0)
-      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k, s);
+      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k,
+              true, s);
     pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q,
-            s);
+            false, s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);

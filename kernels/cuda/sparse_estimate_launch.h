@@ -47,7 +47,7 @@ struct EstimateLaunch {
   float* diag = nullptr;          // [n_vs * n_diag]
   float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
   float* pooled_q = nullptr;      // [n_blk * n_qb * d]
-  float* pooled_k = nullptr;      // [hkv * n_kb * d]
+  float* pooled_k = nullptr;      // [hkv * d * n_kb] (channel-major)
   int32_t* sel_cols = nullptr;    // [n_vs * kend_last]
   int32_t* n_sel_cols = nullptr;  // [n_vs]
   int32_t* sel_diags = nullptr;   // [n_vs * n_diag]
