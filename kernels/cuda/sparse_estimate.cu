@@ -90,7 +90,7 @@ size_t score_smem_max(int64_t d) {
   return std::max(size_t(2 * kB * tile_stride(d)) * sizeof(float) + kLogitsBytes, score_smem_b(d));
 }
 
-constexpr int kChunksPerCta = 4;  // 64-key chunks per scoring CTA: the q tile is loaded once
+constexpr int kChunksPerCta = 8;  // 64-key chunks per scoring CTA: the q tile is loaded once
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
@@ -664,13 +664,13 @@ struct FlagScan {
 // their scores are gathered there and the remaining passes read those instead of all n.
 constexpr int kCand = 256;
 template <typename G, typename Forced>
-__device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool mass_mode,
+__device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_mode,
                                 long long want, double goal, double start_mass, SelShared& sh,
                                 float* cand = nullptr) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
   const float* src = s;  // the items a pass reads: all n, or the gathered candidates
-  int64_t n_src = n;
+  int n_src = n;
   bool gathered = false;
   if (rk == 0) {
     sh.prefix = 0;
@@ -691,8 +691,8 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     // serialize on a few buckets: each warp first merges the lanes that share a digit
     // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
     const int wl = threadIdx.x % 32;
-    for (int64_t i0 = 0; i0 < n_src; i0 += BS) {
-      const int64_t i = i0 + rk;
+    for (int i0 = 0; i0 < n_src; i0 += BS) {
+      const int i = i0 + rk;
       float v = 0.f;
       unsigned dgt = 0;
       bool act = false;
@@ -787,9 +787,9 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
     if constexpr (BS == 32) {
       if (cand && !gathered && shift > 0 && eq <= kCand) {
         const uint32_t pre = sh.prefix;
-        int64_t base = 0;
-        for (int64_t i0 = 0; i0 < n; i0 += 32) {
-          const int64_t i = i0 + rk;
+        int base = 0;
+        for (int i0 = 0; i0 < n; i0 += 32) {
+          const int i = i0 + rk;
           float v = 0.f;
           bool act = false;
           if (i < n && !forced(i)) {
@@ -814,26 +814,38 @@ __device__ long long radix_walk(const float* s, int64_t n, Forced forced, bool m
 
 // The CPU's select_ranked on the device. Forced items: [0, fa) and [fb, fc] (fb > fc: none).
 // Writes the selected ids ascending to out (at most cap) and their number to *n_out.
+// Item ids are 32-bit (lists of keys, diagonals or key blocks of one head: n < 2^31).
 template <typename G>
-__device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, int64_t fc,
+__device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t fb64, int64_t fc64,
                              const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
                              SelShared& sh, FlagScan<G> scan, float* cand = nullptr) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
-  auto forced = [&](int64_t i) { return i < fa || (i >= fb && i <= fc); };
-  long long nf_l = 0;
-  double tot_l = 0, fm_l = 0;
-  for (int64_t i = rk; i < n; i += BS) {
-    const double v = s[i];
-    tot_l += v;
-    if (forced(i)) {
-      ++nf_l;
-      fm_l += v;
+  const int n = int(n64);
+  const int fa = int(imin(fa64 < 0 ? 0 : fa64, n64));  // forced: [0, fa) and [fb, fc]
+  const int fb = int(imin(fb64, n64)), fc = int(imin(fc64, n64 - 1));
+  auto forced = [&](int i) { return i < fa || (i >= fb && i <= fc); };
+  // Count mode needs only the number of forced items: no pass over the scores.
+  long long nf = 0;
+  double tot = 0, fm = 0;
+  if (!b.mass) {
+    const int lo = fb > fa ? fb : fa;
+    nf = (long long)fa + (fc >= lo ? (long long)(fc - lo + 1) : 0);
+  } else {
+    long long nf_l = 0;
+    double tot_l = 0, fm_l = 0;
+    for (int i = rk; i < n; i += BS) {
+      const double v = s[i];
+      tot_l += v;
+      if (forced(i)) {
+        ++nf_l;
+        fm_l += v;
+      }
     }
+    nf = group_sum_i<G>(nf_l, sh);
+    tot = group_sum<G>(tot_l, sh);
+    fm = group_sum<G>(fm_l, sh);
   }
-  const long long nf = group_sum_i<G>(nf_l, sh);
-  const double tot = b.mass ? group_sum<G>(tot_l, sh) : 0.0;
-  const double fm = b.mass ? group_sum<G>(fm_l, sh) : 0.0;
   const long long nr = n - nf;
   long long take = 0;
   if (!b.mass) {
@@ -875,8 +887,8 @@ __device__ void group_select(const float* s, int64_t n, int64_t fa, int64_t fb, 
   const bool all_eq = need_eq >= n_eq;
   // Compaction in index order: ties at T go to the lowest ids.
   long long tie_base = 0, out_base = 0;
-  for (int64_t t0 = 0; t0 < n; t0 += BS) {
-    const int64_t i = t0 + rk;
+  for (int t0 = 0; t0 < n; t0 += BS) {
+    const int i = t0 + rk;
     int f = 0, gt = 0, eq = 0;
     if (i < n) {
       f = forced(i);
