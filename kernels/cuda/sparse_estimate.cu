@@ -974,6 +974,34 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   }
 }
 
+// Pooled logits (unscaled) of key blocks bk0 and bk1 (channel-major pooled k, 32-bit offsets:
+// d * n_kb < 2^31) against the group's ng pooled q rows; each in channel order. Unrolled over
+// channels so that several steps' key loads are in flight before their FMAs wait on them.
+template <bool kFull>
+__device__ __forceinline__ void score_pair(const float* pq, const float* pk, int d, int nkb,
+                                           int bk0, int bk1, int ng, float (&acc0)[8],
+                                           float (&acc1)[8]) {
+#pragma unroll 4
+  for (int c = 0; c < d; c += 4) {
+    const float* kc = pk + c * nkb;
+    const float4 k0 = make_float4(kc[bk0], kc[nkb + bk0], kc[2 * nkb + bk0], kc[3 * nkb + bk0]);
+    const float4 k1 = make_float4(kc[bk1], kc[nkb + bk1], kc[2 * nkb + bk1], kc[3 * nkb + bk1]);
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {  // unrolled (with a guard unless full): acc stays in registers
+      if (!kFull && g >= ng) break;
+      const float4 qv = *reinterpret_cast<const float4*>(pq + g * d + c);
+      acc0[g] = fmaf(qv.x, k0.x, acc0[g]);
+      acc0[g] = fmaf(qv.y, k0.y, acc0[g]);
+      acc0[g] = fmaf(qv.z, k0.z, acc0[g]);
+      acc0[g] = fmaf(qv.w, k0.w, acc0[g]);
+      acc1[g] = fmaf(qv.x, k1.x, acc1[g]);
+      acc1[g] = fmaf(qv.y, k1.y, acc1[g]);
+      acc1[g] = fmaf(qv.z, k1.z, acc1[g]);
+      acc1[g] = fmaf(qv.w, k1.w, acc1[g]);
+    }
+  }
+}
+
 // grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ __align__(16) float smem[];
@@ -1006,29 +1034,13 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit. Pooled k is
   // channel-major, so a warp's loads of one channel are one coalesced line.
   const int nt = int(blockDim.x);
-  for (int64_t bk0 = threadIdx.x; bk0 < n_score; bk0 += 2 * nt) {
-    const int64_t bk1 = bk0 + nt < n_score ? bk0 + nt : bk0;
+  for (int bk0 = threadIdx.x; bk0 < int(n_score); bk0 += 2 * nt) {
+    const int bk1 = bk0 + nt < int(n_score) ? bk0 + nt : bk0;
     float acc0[8] = {}, acc1[8] = {};
-    for (int64_t c = 0; c < d; c += 4) {
-      const float* kc = pk + c * n_kb;
-      const float4 k0 =
-          make_float4(kc[bk0], kc[n_kb + bk0], kc[2 * n_kb + bk0], kc[3 * n_kb + bk0]);
-      const float4 k1 =
-          make_float4(kc[bk1], kc[n_kb + bk1], kc[2 * n_kb + bk1], kc[3 * n_kb + bk1]);
-#pragma unroll
-      for (int g = 0; g < 8; ++g) {  // unrolled with a guard: acc stays in registers
-        if (g >= ng) break;
-        const float4 qv = *reinterpret_cast<const float4*>(pq + g * d + c);
-        acc0[g] = fmaf(qv.x, k0.x, acc0[g]);
-        acc0[g] = fmaf(qv.y, k0.y, acc0[g]);
-        acc0[g] = fmaf(qv.z, k0.z, acc0[g]);
-        acc0[g] = fmaf(qv.w, k0.w, acc0[g]);
-        acc1[g] = fmaf(qv.x, k1.x, acc1[g]);
-        acc1[g] = fmaf(qv.y, k1.y, acc1[g]);
-        acc1[g] = fmaf(qv.z, k1.z, acc1[g]);
-        acc1[g] = fmaf(qv.w, k1.w, acc1[g]);
-      }
-    }
+    if (ng == 8)  // the usual full group: no guards in the unrolled loop
+      score_pair<true>(pq, pk, int(d), int(n_kb), bk0, bk1, 8, acc0, acc1);
+    else
+      score_pair<false>(pq, pk, int(d), int(n_kb), bk0, bk1, int(ng), acc0, acc1);
 #pragma unroll
     for (int g = 0; g < 8; ++g)
       if (g < ng) {
