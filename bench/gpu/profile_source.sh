@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Nsight Compute source-level (SASS) stall sampling of one kernel launch on a GPU host, after
+# bench/gpu/run.sh has built build-gpu: where in the kernel the warps wait. Writes
+# $OUT/ncu-source-top.txt (the 60 SASS lines with the most stall samples, with their line numbers)
+# and $OUT/ncu-source.csv (every line: samples, instructions executed).
+#   OUT=... SF_PROFILE_KERNELS=block_select SF_PROFILE_LENGTH=131072 \
+#     SF_PROFILE_MODE=block-sparse bench/gpu/profile_source.sh
+set -uo pipefail
+root="$(pwd)"
+out="${OUT:-$root/build-gpu/out}"
+mkdir -p "$out"
+ncu_bin="$(command -v ncu || true)"
+[[ -z "$ncu_bin" && -x /usr/local/cuda/bin/ncu ]] && ncu_bin=/usr/local/cuda/bin/ncu
+if [[ -z "$ncu_bin" ]]; then
+  echo "profile_source.sh: no ncu on this host" | tee "$out/ncu-source-top.txt"
+  exit 2
+fi
+L="${SF_PROFILE_LENGTH:-131072}"
+mode="${SF_PROFILE_MODE:-block-sparse}"
+rep="$out/source.ncu-rep"
+timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-block_select}" --launch-count 1 \
+  --section SourceCounters --section WarpStateStats -o "${rep%.ncu-rep}" -f \
+  "$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L" \
+  --modes "$mode" --dtypes bf16 --reps 1 --dense-ours-max 0 --host-estimate-max 0 \
+  >"$out/ncu-source.log" 2>&1
+"$ncu_bin" -i "$rep" --page source --csv --print-source sass >"$out/ncu-source.csv" 2>>"$out/ncu-source.log"
+rm -f "$rep"
+python3 - "$out/ncu-source.csv" >"$out/ncu-source-top.txt" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+hdr, data = rows[head], [r for r in rows[head + 1:] if len(rows[head]) == len(r)]
+si = next(i for i, h in enumerate(hdr) if h.startswith("Warp Stall Sampling (All"))
+ei = next(i for i, h in enumerate(hdr) if h.startswith("Instructions Executed"))
+tot = sum(float(r[si] or 0) for r in data) or 1.0
+print(f"{rows[0][1] if rows[0] else ''}: {int(tot)} stall samples over {len(data)} SASS lines")
+top = sorted(range(len(data)), key=lambda k: -float(data[k][si] or 0))[:60]
+for k in sorted(top):
+    r = data[k]
+    print(f"{k:6d} {100 * float(r[si] or 0) / tot:5.1f}% {r[ei]:>12} {r[1].strip()}")
+PY
+echo "profile_source.sh: wrote $out/ncu-source-top.txt"
