@@ -136,7 +136,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   L.cap_kb = any_adaptive_block ? L.n_kb : std::min(L.n_kb, kb_cap);
   L.block_select_group = 0;
   for (int g = 8; g >= 1; --g)
-    if (sparse_estimate_block_smem(L.n_kb, L.d, g) <= 200 * 1024) {
+    if (sparse_estimate_block_smem(L.n_kb, L.d, g) <= sparse_estimate_block_smem_limit()) {
       L.block_select_group = g;
       break;
     }

@@ -1392,6 +1392,12 @@ size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
   return size_t(group) * size_t(d + n_kb) * sizeof(float);
 }
 
+size_t sparse_estimate_block_smem_limit() {
+  constexpr size_t kStatic =
+      (sizeof(SelShared) + kCand * sizeof(float)) * (kBlockSelectThreads / 32);
+  return size_t(227 * 1024) - kStatic - 1024;  // 1 KB: the cub scan storage and alignment
+}
+
 cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s) {
   return p.bf16 ? launch_all<__nv_bfloat16>(p, s) : launch_all<float>(p, s);
 }

@@ -74,8 +74,10 @@ struct EstimateLaunch {
 cudaError_t sparse_estimate_configure(const EstimateLaunch& p);
 // The whole run step in stream order: scoring, selection, pooling, slot building.
 cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
-// Dynamic shared memory the block selector needs for a group of query blocks.
+// Dynamic shared memory the block selector needs for a group of query blocks, and the most it
+// may take (Hopper's 227 KB per block less the selector's static per-warp state).
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
+size_t sparse_estimate_block_smem_limit();
 
 // A device index (SparseIndexDevice layout) whose computed (query, key) pairs under the causal
 // mask are added to *pairs, as SparseIndex::pairs counts them: the numerator of its density.
