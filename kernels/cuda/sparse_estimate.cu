@@ -1393,9 +1393,19 @@ size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
 }
 
 size_t sparse_estimate_block_smem_limit() {
+  // The device's opt-in limit less the kernel's static shared memory, as the runtime reports them;
+  // without a device, Hopper's 227 KB less the per-warp state and 1 KB of slack.
+  int dev = 0, optin = 0;
+  cudaFuncAttributes fa{};
+  if (cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+      cudaFuncGetAttributes(&fa, block_select_kernel) == cudaSuccess && optin > 0 &&
+      size_t(optin) > fa.sharedSizeBytes)
+    return size_t(optin) - fa.sharedSizeBytes;
+  (void)cudaGetLastError();  // a failed query would leave its error for the next check
   constexpr size_t kStatic =
       (sizeof(SelShared) + kCand * sizeof(float)) * (kBlockSelectThreads / 32);
-  return size_t(227 * 1024) - kStatic - 1024;  // 1 KB: the cub scan storage and alignment
+  return size_t(227 * 1024) - kStatic - 1024;
 }
 
 cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s) {
