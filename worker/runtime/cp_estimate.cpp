@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -28,14 +29,78 @@ bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::k
 bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock; }
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
+// How score_rows hands one head's sums over, when only a top-k selection over all S items reads
+// them: k > 0 sends the top k non-forced items (ids >= forced) of each rank's share, which hold
+// the global top k (every item ahead of one of them on its rank is ahead of it globally); the
+// rest of the array comes back as -1, below every probability sum. k = 0: the whole array.
+struct TopK {
+  int64_t k = 0, forced = 0;
+};
+
+// The top k non-forced (ids >= forced) of this rank's items, the spans [lo, hi) of s (indexed
+// by global id), ranked by value descending then id ascending, appended to out as (id bits,
+// value) float pairs. Returns how many.
+int32_t top_candidates(const float* s, const std::vector<std::pair<int64_t, int64_t>>& spans,
+                       const TopK& t, std::vector<float>* out) {
+  std::vector<int32_t> ids;
+  for (const auto& [lo, hi] : spans)
+    for (int64_t j = std::max(lo, t.forced); j < hi; ++j) ids.push_back(int32_t(j));
+  const int64_t k = std::min<int64_t>(t.k, int64_t(ids.size()));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int32_t x, int32_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+  for (int64_t i = 0; i < k; ++i) {
+    float bits;
+    std::memcpy(&bits, &ids[size_t(i)], sizeof(bits));
+    out->push_back(bits);
+    out->push_back(s[ids[size_t(i)]]);
+  }
+  return int32_t(k);
+}
+
+// All ranks' candidates (from top_candidates, `mine` with per-head counts `n_mine`) into the
+// heads' arrays dst[x * S ..) (filled with -1 first). Returns the bytes received.
+Result<int64_t> gather_candidates(comm::Communicator& cp, const std::vector<float>& mine,
+                                  const std::vector<int32_t>& n_mine, int64_t S,
+                                  const std::vector<size_t>& heads, std::vector<float>* dst) {
+  const int CP = cp.size();
+  const int64_t nh = int64_t(heads.size());
+  std::vector<int32_t> all_n(size_t(nh * CP));
+  SF_TRY(cp.all_gather(n_mine.data(), all_n.data(), nh, DType::kI32));
+  std::vector<int64_t> counts(size_t(CP), 0);
+  for (int r = 0; r < CP; ++r)
+    for (int64_t x = 0; x < nh; ++x) counts[size_t(r)] += 2 * int64_t(all_n[size_t(r * nh + x)]);
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::vector<float> got(static_cast<size_t>(total));
+  SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
+  for (size_t h : heads)
+    std::fill(dst->begin() + std::ptrdiff_t(h * size_t(S)),
+              dst->begin() + std::ptrdiff_t((h + 1) * size_t(S)), -1.f);
+  size_t o = 0;
+  for (int r = 0; r < CP; ++r)
+    for (int64_t x = 0; x < nh; ++x)
+      for (int32_t i = 0; i < all_n[size_t(r * nh + x)]; ++i, o += 2) {
+        int32_t id;
+        std::memcpy(&id, &got[o], sizeof(id));
+        (*dst)[heads[size_t(x)] * size_t(S) + size_t(id)] = got[o + 1];
+      }
+  return int64_t(sizeof(float)) * (total - int64_t(mine.size())) +
+         int64_t(sizeof(int32_t)) * nh * (CP - 1);
+}
+
 // Column sums (and, when diag is set, diagonal sums) of softmax(q_row K^T * scale) over causal
 // keys for the scoring rows `rows` (global positions, ascending) of the slice heads `hs`, with
 // the keys spread over the CP ranks: rows' q all-gathered, row max / sum-exp all-reduced, each
-// rank's probabilities summed into [head][S] arrays that are all-reduced. Every rank gets the
-// same arrays. *bytes gets what the collectives brought this rank.
+// rank's probabilities summed into [head][S] arrays. A column is complete on its key's owner:
+// gathered from there (all of it, or per TopK `col_k` only candidates); the diagonals are
+// all-reduced, or per `diag_k` reduce-scattered and their candidates gathered. Every rank gets the
+// same arrays. With `pool_cols` the columns come back as sums per 64-key block ([head][n_kb]:
+// blocks never straddle ranks). *bytes gets what the collectives brought this rank.
 Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::vector<int>& hs,
                   const std::vector<int64_t>& rows, bool want_diag, std::vector<float>* col_out,
-                  std::vector<float>* diag_out, int64_t* bytes_out) {
+                  std::vector<float>* diag_out, int64_t* bytes_out,
+                  const std::vector<TopK>& col_k = {}, const std::vector<TopK>& diag_k = {},
+                  bool pool_cols = false) {
   const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
   const int64_t group = hq / hkv;
   const float scale = 1.f / std::sqrt(float(d));
@@ -146,37 +211,103 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         }
       }
     }
-  // A key's column sum is complete on its owner (every scoring row was added there), so the
-  // columns are gathered from their owners (S / CP per head) rather than all-reduced.
+  auto topk = [](const std::vector<TopK>& v, int64_t x) {
+    return x < int64_t(v.size()) ? v[size_t(x)] : TopK{};
+  };
+  // Columns: complete on their key's owner (every scoring row was added there), so gathered
+  // from the owners (S / CP per head, or per 64-key block) rather than all-reduced; heads ranked
+  // top-k only send their owners' candidates.
   {
-    std::vector<int64_t> counts(static_cast<size_t>(CP));
-    for (int r = 0; r < CP; ++r) {
-      const auto rr = cp_rank_ranges(S, CP, r);
-      counts[size_t(r)] = (rr[0].size() + rr[1].size()) * nh;
-    }
-    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
-        got(static_cast<size_t>(S * nh));
-    size_t o = 0;
-    for (const auto& r : a.ranges)
-      for (int64_t x = 0; x < nh; ++x) {
-        std::copy_n(cs.data() + x * S + r.begin, r.size(), mine.data() + o);
-        o += size_t(r.size());
+    std::vector<size_t> full, cand;
+    for (int64_t x = 0; x < nh; ++x)
+      (topk(col_k, x).k > 0 && !pool_cols ? cand : full).push_back(size_t(x));
+    const int64_t unit = pool_cols ? kB : 1, n_out = pool_cols ? ceil_div(S, kB) : S;
+    std::vector<float> out(static_cast<size_t>(nh * n_out), 0.f);
+    if (!full.empty()) {
+      const int64_t nf = int64_t(full.size());
+      std::vector<int64_t> counts(static_cast<size_t>(CP));
+      for (int r = 0; r < CP; ++r) {
+        const auto rr = cp_rank_ranges(S, CP, r);
+        counts[size_t(r)] = (ceil_div(rr[0].size(), unit) + ceil_div(rr[1].size(), unit)) * nf;
       }
-    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
-    bytes += int64_t(sizeof(float)) * (int64_t(got.size()) - int64_t(mine.size()));
-    o = 0;
-    for (int r = 0; r < CP; ++r)
-      for (const auto& rr : cp_rank_ranges(S, CP, r))
-        for (int64_t x = 0; x < nh; ++x) {
-          std::copy_n(got.data() + o, rr.size(), cs.data() + x * S + rr.begin);
-          o += size_t(rr.size());
-        }
+      std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
+          got(static_cast<size_t>(n_out * nf));
+      size_t o = 0;
+      for (const auto& r : a.ranges)
+        for (size_t x : full)
+          for (int64_t b0 = r.begin; b0 < r.end; b0 += unit, ++o) {
+            // per-block sums add the columns in key order, as the single-rank block mass does
+            float s = 0.f;
+            for (int64_t j = b0; j < std::min(r.end, b0 + unit); ++j)
+              s += cs[x * size_t(S) + size_t(j)];
+            mine[o] = s;
+          }
+      SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
+      bytes += int64_t(sizeof(float)) * (int64_t(got.size()) - int64_t(mine.size()));
+      o = 0;
+      for (int r = 0; r < CP; ++r)
+        for (const auto& rr : cp_rank_ranges(S, CP, r))
+          for (size_t x : full) {
+            const int64_t n = ceil_div(rr.size(), unit);
+            std::copy_n(got.data() + o, n,
+                        out.data() + x * size_t(n_out) + size_t(rr.begin / unit));
+            o += size_t(n);
+          }
+    }
+    if (!cand.empty()) {
+      std::vector<float> mine;
+      std::vector<int32_t> n_mine;
+      const std::vector<std::pair<int64_t, int64_t>> owned{{a.ranges[0].begin, a.ranges[0].end},
+                                                           {a.ranges[1].begin, a.ranges[1].end}};
+      for (size_t x : cand)
+        n_mine.push_back(
+            top_candidates(cs.data() + x * size_t(S), owned, topk(col_k, int64_t(x)), &mine));
+      auto got = gather_candidates(cp, mine, n_mine, n_out, cand, &out);
+      if (!got.is_ok()) return got.status();
+      bytes += got.value();
+    }
+    cs = std::move(out);
   }
   if (want_diag) {
-    SF_TRY(
-        cp.all_reduce(ds.data(), ds.data(), int64_t(ds.size()), DType::kF32, comm::ReduceOp::kSum));
-    // A ring all-reduce moves about twice the array through each rank.
-    bytes += 2 * int64_t(sizeof(float)) * int64_t(ds.size());
+    std::vector<size_t> full, cand;
+    for (int64_t x = 0; x < nh; ++x) (topk(diag_k, x).k > 0 ? cand : full).push_back(size_t(x));
+    if (!full.empty()) {
+      std::vector<float> buf(full.size() * size_t(S));
+      for (size_t i = 0; i < full.size(); ++i)
+        std::copy_n(ds.data() + full[i] * size_t(S), S, buf.data() + i * size_t(S));
+      SF_TRY(cp.all_reduce(buf.data(), buf.data(), int64_t(buf.size()), DType::kF32,
+                           comm::ReduceOp::kSum));
+      // A ring all-reduce moves about twice the array through each rank.
+      bytes += 2 * int64_t(sizeof(float)) * int64_t(buf.size());
+      for (size_t i = 0; i < full.size(); ++i)
+        std::copy_n(buf.data() + i * size_t(S), S, ds.data() + full[i] * size_t(S));
+    }
+    if (!cand.empty()) {
+      // Reduce-scatter: rank r sums the diagonals [r * slice, (r + 1) * slice) of every
+      // candidate head, then sends its top k of them.
+      const int64_t slice = ceil_div(S, CP), nc = int64_t(cand.size());
+      std::vector<float> send(size_t(CP * nc * slice), 0.f), mine_sum(size_t(nc * slice));
+      for (int r = 0; r < CP; ++r)
+        for (int64_t i = 0; i < nc; ++i) {
+          const int64_t o0 = r * slice, n = std::clamp<int64_t>(S - o0, 0, slice);
+          std::copy_n(ds.data() + cand[size_t(i)] * size_t(S) + size_t(o0), n,
+                      send.data() + size_t((r * nc + i) * slice));
+        }
+      SF_TRY(cp.reduce_scatter(send.data(), mine_sum.data(), nc * slice, DType::kF32,
+                               comm::ReduceOp::kSum));
+      bytes += int64_t(sizeof(float)) * (CP - 1) * nc * slice;  // a ring's share per rank
+      const int64_t o0 = cp.rank() * slice, o1 = std::min(S, o0 + slice);
+      std::vector<float> mine, full_row(static_cast<size_t>(S));
+      std::vector<int32_t> n_mine;
+      for (int64_t i = 0; i < nc; ++i) {
+        if (o1 > o0) std::copy_n(mine_sum.data() + i * slice, o1 - o0, full_row.data() + o0);
+        n_mine.push_back(top_candidates(full_row.data(), {{o0, std::max(o0, o1)}},
+                                        topk(diag_k, int64_t(cand[size_t(i)])), &mine));
+      }
+      auto got = gather_candidates(cp, mine, n_mine, S, cand, &ds);
+      if (!got.is_ok()) return got.status();
+      bytes += got.value();
+    }
   }
   *col_out = std::move(cs);
   if (want_diag) *diag_out = std::move(ds);
@@ -217,10 +348,21 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       col[size_t(h)].assign(size_t(vsg.count() * S), 0.f);
       diag[size_t(h)].assign(size_t(vsg.count() * S), 0.f);
     }
+    // One selection over all S items per head (no segments) with a top-k budget: only each
+    // rank's candidates need to travel, where that is smaller than the sums themselves.
+    std::vector<TopK> col_k(static_cast<size_t>(nh)), diag_k(static_cast<size_t>(nh));
+    if (CP > 1 && vsg.count() == 1 && vsg.end_row(0) == S && vsg.source[0] == 0)
+      for (int64_t x = 0; x < nh; ++x) {
+        const HeadPattern& hp = a.patterns[hs[size_t(x)]];
+        if (hp.pattern != Pattern::kVerticalSlash) continue;  // a mass threshold needs every sum
+        if (2 * hp.n_vertical * CP < S) col_k[size_t(x)] = {hp.n_vertical, hp.sink};
+        if ((CP - 1) * (S / CP + 2 * hp.n_slash) < 2 * S)
+          diag_k[size_t(x)] = {hp.n_slash, hp.local + 1};
+      }
     for (int64_t si = 0; si < vsg.count(); ++si) {
       if (vsg.rows[size_t(si)].empty()) continue;
       std::vector<float> cs, ds;
-      SF_TRY(score_rows(cp, a, hs, vsg.rows[size_t(si)], true, &cs, &ds, &bytes));
+      SF_TRY(score_rows(cp, a, hs, vsg.rows[size_t(si)], true, &cs, &ds, &bytes, col_k, diag_k));
       for (int64_t x = 0; x < nh; ++x) {
         std::copy(cs.begin() + x * S, cs.begin() + (x + 1) * S,
                   col[size_t(hs[size_t(x)])].begin() + si * S);
@@ -281,12 +423,12 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     }
     std::vector<int64_t> rows;
     for (int64_t r = (n_qb_all - 1) * kB; r < S; ++r) rows.push_back(r);
-    std::vector<float> lc, unused;
-    SF_TRY(score_rows(cp, a, bh, rows, false, &lc, &unused, &bytes));
+    std::vector<float> lc, unused;  // lc: [head][n_kb] column sums per key block
+    SF_TRY(score_rows(cp, a, bh, rows, false, &lc, &unused, &bytes, {}, {}, /*pool_cols=*/true));
     for (size_t x = 0; x < bh.size(); ++x) {
       auto& m = last_mass[size_t(bh[x])];
-      m.assign(size_t(n_kb), 0.f);
-      for (int64_t j = 0; j < S; ++j) m[size_t(j / kB)] += lc[x * size_t(S) + size_t(j)];
+      m.assign(lc.begin() + std::ptrdiff_t(x * size_t(n_kb)),
+               lc.begin() + std::ptrdiff_t((x + 1) * size_t(n_kb)));
       for (float& v : m) v /= float(rows.size());  // each row's mass sums to 1
     }
   }

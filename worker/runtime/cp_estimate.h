@@ -8,14 +8,18 @@
 //   2. each rank scores them against its own keys; the row max and sum-exp are all-reduced;
 //   3. each rank adds the probabilities of its keys into column sums and diagonal sums (offset =
 //      query position - key position); a column is complete on its key's owner and is gathered
-//      from there (S / CP floats per head), the diagonals are all-reduced (S per head);
+//      from there (S / CP floats per head), the diagonals are all-reduced (S per head). A head
+//      ranked by a top-k budget over the whole prompt (vertical-slash without segments) moves
+//      only candidates: each owner's top n_vertical columns, and after a reduce-scatter of the
+//      diagonals each rank's top n_slash of its slice (the global top k is among them);
 //   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
 //   With segment_rows, steps 1-4 run per selection segment (kernels::vs_segments).
 // Block family: pooled keys (one 64-key block per owner) are all-gathered, each rank pools its own
 // query blocks and ranks key blocks by the single-rank rules; the prompt's last query block is
-// scored exactly, its softmax mass per key block gathered like the columns.
+// scored exactly, its softmax mass summed per key block on the block's owner and gathered (S / 64
+// per head: chunk boundaries are 64-aligned).
 // dense, a-shape and moa need no scores.
 //
 // The result equals kernels::sparse_estimate over the whole prompt up to fp32 summation order in
