@@ -267,14 +267,14 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       unpack_gathered(kv_all.data(), K.data(), V.data());
     } else {
       // 2') Selective exchange, per (token, KV head): a mask of the keys this rank's index
-      // slices read through each KV head and it does not hold; masks are all-gathered (S x KV
-      // heads bytes per rank), then each pair of ranks swaps exactly the head rows the other asked
-      // for. Keys nobody asked for stay NaN here, so a kernel that read one would poison the
-      // output.
+      // slices read through each KV head and it does not hold; masks are all-gathered as bits
+      // (S x KV heads / 8 bytes per rank), then each pair of ranks swaps exactly the head rows the
+      // other asked for. Keys nobody asked for stay NaN here, so a kernel that read one would
+      // poison the output.
       std::fill(K.begin(), K.end(), std::nanf(""));
       std::fill(V.begin(), V.end(), std::nanf(""));
       const int64_t grp = hq_t / hkv_t, nm = S * hkv_t;
-      std::vector<uint8_t> need(static_cast<size_t>(nm), 0), masks(size_t(nm) * size_t(CP));
+      std::vector<uint8_t> need(static_cast<size_t>(nm), 0);
       for (int j = 0; j < n_ar; ++j) {
         const TokenRange& r = aranges[size_t(j)];
         if (r.size() == 0) continue;
@@ -296,9 +296,13 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       }
       for (const auto& r : ranges)
         std::fill(need.begin() + r.begin * hkv_t, need.begin() + r.end * hkv_t, uint8_t(0));
-      SF_TRY(
-          timed(&st, [&] { return g.cp->all_gather(need.data(), masks.data(), nm, DType::kU8); }));
-      st.kv_moved_bytes += (CP - 1) * nm;
+      const int64_t nbits = (nm + 7) / 8;
+      std::vector<uint8_t> bits(static_cast<size_t>(nbits), 0), masks(size_t(nbits) * size_t(CP));
+      for (int64_t e = 0; e < nm; ++e)
+        if (need[size_t(e)]) bits[size_t(e / 8)] |= uint8_t(1u << (e % 8));
+      SF_TRY(timed(&st,
+                   [&] { return g.cp->all_gather(bits.data(), masks.data(), nbits, DType::kU8); }));
+      st.kv_moved_bytes += (CP - 1) * nbits;
       // Own rows into place.
       for (int j = 0; j < 2; ++j) {
         const TokenRange& r = ranges[size_t(j)];
@@ -308,12 +312,12 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       std::vector<float> sendbuf, recvbuf;
       for (int step = 1; step < CP; ++step) {
         const int dest = (g.cp_rank + step) % CP, src = (g.cp_rank + CP - step) % CP;
-        const uint8_t* dest_mask = masks.data() + size_t(dest) * size_t(nm);
+        const uint8_t* dest_mask = masks.data() + size_t(dest) * size_t(nbits);
         // (token * hkv_t + kv head) of my rows dest needs, and of src's rows I need.
         std::vector<int64_t> give, take;
         for (int j = 0; j < 2; ++j)
           for (int64_t e = ranges[size_t(j)].begin * hkv_t; e < ranges[size_t(j)].end * hkv_t; ++e)
-            if (dest_mask[e]) give.push_back(e);
+            if ((dest_mask[e / 8] >> (e % 8)) & 1u) give.push_back(e);
         for (const auto& r : cp_rank_ranges(S, CP, src))
           for (int64_t e = r.begin * hkv_t; e < r.end * hkv_t; ++e)
             if (need[size_t(e)]) take.push_back(e);
