@@ -134,12 +134,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   L.blk_r0 = L.n_qb > 0 ? (L.n_qb - 1) * kB : 0;
   L.blk_L = L.nq - L.blk_r0;
   L.cap_kb = any_adaptive_block ? L.n_kb : std::min(L.n_kb, kb_cap);
-  L.block_select_group = 0;
-  for (int g = 8; g >= 1; --g)
-    if (sparse_estimate_block_smem(L.n_kb, L.d, g) <= sparse_estimate_block_smem_limit()) {
-      L.block_select_group = g;
-      break;
-    }
+  L.block_select_group = sparse_estimate_block_group(L.n_kb, L.d);
   if (L.n_blk > 0 && L.block_select_group == 0)
     return SF_ERR(kUnsupported, "sparse_estimate (CUDA): " + std::to_string(L.n_kb) +
                                     " key blocks do not fit the block selector's shared memory");

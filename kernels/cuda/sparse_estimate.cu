@@ -1392,6 +1392,13 @@ size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
   return size_t(group) * size_t(d + n_kb) * sizeof(float);
 }
 
+int sparse_estimate_block_group(int64_t n_kb, int64_t d) {
+  const size_t limit = sparse_estimate_block_smem_limit();
+  for (int g = 8; g >= 1; --g)
+    if (sparse_estimate_block_smem(n_kb, d, g) <= limit) return g;
+  return 0;
+}
+
 size_t sparse_estimate_block_smem_limit() {
   // The device's opt-in limit less the kernel's static shared memory, as the runtime reports them;
   // without a device, Hopper's 227 KB less the per-warp state and 1 KB of slack.

@@ -78,6 +78,9 @@ cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // may take (Hopper's 227 KB per block less the selector's static per-warp state).
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
 size_t sparse_estimate_block_smem_limit();
+// Query blocks per block-selector CTA for this geometry: the most (<= 8) whose scores fit the
+// limit; 0 when not even one does.
+int sparse_estimate_block_group(int64_t n_kb, int64_t d);
 
 // A device index (SparseIndexDevice layout) whose computed (query, key) pairs under the causal
 // mask are added to *pairs, as SparseIndex::pairs counts them: the numerator of its density.

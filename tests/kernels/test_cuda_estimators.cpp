@@ -507,6 +507,26 @@ TEST_F(CudaEstimators, MatchesCpuF32) {
 TEST_F(CudaEstimators, MatchesCpuBf16) { run_case({3000, 3000, 0, 8, 4, 128}, true); }
 
 // The backend-neutral entry point on CUDA tensors returns the same index as plan + run.
+// The block selector's launch configuration at long prompts (no data: the plan step's shared
+// memory opt-in alone). At 1M tokens 3 query blocks of scores plus the selector's static per-warp
+// state once passed the 227 KB limit and configure failed; the group size must leave room.
+TEST_F(CudaEstimators, BlockSelectorConfiguresAtLongLengths) {
+  for (const int64_t tokens : {int64_t(131072), int64_t(1) << 20, int64_t(1) << 21}) {
+    for (const int64_t d : {int64_t(64), int64_t(128)}) {
+      cuda::EstimateLaunch L;
+      L.d = d;
+      L.n_kb = tokens / kSparseBlock;
+      L.block_select_group = cuda::sparse_estimate_block_group(L.n_kb, d);
+      ASSERT_GT(L.block_select_group, 0) << tokens << " tokens, d " << d;
+      EXPECT_LE(cuda::sparse_estimate_block_smem(L.n_kb, d, L.block_select_group),
+                cuda::sparse_estimate_block_smem_limit());
+      EXPECT_EQ(cuda::sparse_estimate_configure(L), cudaSuccess)
+          << tokens << " tokens, d " << d << ", group " << L.block_select_group << ": "
+          << cudaGetErrorString(cudaGetLastError());
+    }
+  }
+}
+
 TEST_F(CudaEstimators, BackendNeutralEntry) {
   const Geo g{1500, 1500, 0, 8, 2, 64};
   std::vector<float> q, k;
