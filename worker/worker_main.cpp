@@ -479,18 +479,23 @@ int run(int argc, char** argv) {
     }
     ++n_done;
     const auto& s = res.stats;
-    char line[1024];
+    char line[2048];
     std::snprintf(
         line, sizeof line,
         "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
         "\"cp\": %d, "
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
-        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, "
+        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
+        "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\"}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
+        static_cast<long long>(s.estimate_queries_bytes),
+        static_cast<long long>(s.estimate_columns_bytes),
+        static_cast<long long>(s.estimate_diagonals_bytes),
+        static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str());
     write_summary(dir + ".json", line);

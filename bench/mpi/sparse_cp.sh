@@ -57,6 +57,7 @@ for r in map(json.loads, recs):
     ag = r["kv_allgather_bytes"]
     rows.append({"cp": r["cp"], "attention": r["attention"], "seq_len": r["n_tokens"], "density": r["density"],
                  "allgather_bytes": ag, "kv_moved_bytes": r["kv_moved_bytes"], "estimate_bytes": r["estimate_bytes"],
+                 "estimate_bytes_parts": r.get("estimate_bytes_parts"),
                  "moved_fraction": round(r["kv_moved_bytes"] / ag, 4),
                  "moved_plus_estimate_fraction": round((r["kv_moved_bytes"] + r["estimate_bytes"]) / ag, 4),
                  "prefill_s": r["prefill_s"]})

@@ -95,10 +95,10 @@ Result<int64_t> gather_candidates(comm::Communicator& cp, const std::vector<floa
 // gathered from there (all of it, or per TopK `col_k` only candidates); the diagonals are
 // all-reduced, or per `diag_k` reduce-scattered and their candidates gathered. Every rank gets the
 // same arrays. With `pool_cols` the columns come back as sums per 64-key block ([head][n_kb]:
-// blocks never straddle ranks). *bytes gets what the collectives brought this rank.
+// blocks never straddle ranks). *bytes_out gets what the collectives brought this rank, by part.
 Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::vector<int>& hs,
                   const std::vector<int64_t>& rows, bool want_diag, std::vector<float>* col_out,
-                  std::vector<float>* diag_out, int64_t* bytes_out,
+                  std::vector<float>* diag_out, CpEstimateBytes* bytes_out,
                   const std::vector<TopK>& col_k = {}, const std::vector<TopK>& diag_k = {},
                   bool pool_cols = false) {
   const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
@@ -108,7 +108,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   auto local_row = [&](int64_t p) {
     return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
   };
-  int64_t bytes = 0;
+  CpEstimateBytes bytes;
   const int64_t nh = int64_t(hs.size());
   const int64_t L = int64_t(rows.size());
   // 1) The scoring rows' q, gathered: each rank sends the rows it holds, in position order.
@@ -132,7 +132,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
       }
   }
   SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
-  bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+  bytes.queries += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
   // Head-major [x][i][d] in the order of `rows`.
   std::vector<float> qr(static_cast<size_t>(nh * L * d));
   {
@@ -191,7 +191,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         mx[r] == kNegInf ? 0.f : float(double(sum[r]) * std::exp(double(mx[r]) - double(gmx[r])));
   SF_TRY(cp.all_reduce(sum.data(), sum.data(), int64_t(sum.size()), DType::kF32,
                        comm::ReduceOp::kSum));
-  bytes += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
+  bytes.queries += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
   // 3) Probabilities of local keys into column and diagonal sums, then over ranks.
   std::vector<float> cs(static_cast<size_t>(nh * S), 0.f), ds(static_cast<size_t>(nh * S), 0.f);
   for (int64_t x = 0; x < nh; ++x)
@@ -243,7 +243,8 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
             mine[o] = s;
           }
       SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
-      bytes += int64_t(sizeof(float)) * (int64_t(got.size()) - int64_t(mine.size()));
+      (pool_cols ? bytes.blocks : bytes.columns) +=
+          int64_t(sizeof(float)) * (int64_t(got.size()) - int64_t(mine.size()));
       o = 0;
       for (int r = 0; r < CP; ++r)
         for (const auto& rr : cp_rank_ranges(S, CP, r))
@@ -264,7 +265,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
             top_candidates(cs.data() + x * size_t(S), owned, topk(col_k, int64_t(x)), &mine));
       auto got = gather_candidates(cp, mine, n_mine, n_out, cand, &out);
       if (!got.is_ok()) return got.status();
-      bytes += got.value();
+      bytes.columns += got.value();
     }
     cs = std::move(out);
   }
@@ -278,7 +279,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
       SF_TRY(cp.all_reduce(buf.data(), buf.data(), int64_t(buf.size()), DType::kF32,
                            comm::ReduceOp::kSum));
       // A ring all-reduce moves about twice the array through each rank.
-      bytes += 2 * int64_t(sizeof(float)) * int64_t(buf.size());
+      bytes.diagonals += 2 * int64_t(sizeof(float)) * int64_t(buf.size());
       for (size_t i = 0; i < full.size(); ++i)
         std::copy_n(buf.data() + i * size_t(S), S, ds.data() + full[i] * size_t(S));
     }
@@ -295,7 +296,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         }
       SF_TRY(cp.reduce_scatter(send.data(), mine_sum.data(), nc * slice, DType::kF32,
                                comm::ReduceOp::kSum));
-      bytes += int64_t(sizeof(float)) * (CP - 1) * nc * slice;  // a ring's share per rank
+      bytes.diagonals += int64_t(sizeof(float)) * (CP - 1) * nc * slice;  // a ring's share per rank
       const int64_t o0 = cp.rank() * slice, o1 = std::min(S, o0 + slice);
       std::vector<float> mine, full_row(static_cast<size_t>(S));
       std::vector<int32_t> n_mine;
@@ -306,7 +307,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
       }
       auto got = gather_candidates(cp, mine, n_mine, S, cand, &ds);
       if (!got.is_ok()) return got.status();
-      bytes += got.value();
+      bytes.diagonals += got.value();
     }
   }
   *col_out = std::move(cs);
@@ -334,7 +335,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       settings.emplace_back(a.patterns[h].spread_rows, a.patterns[h].segment_rows);
   std::sort(settings.begin(), settings.end());
   settings.erase(std::unique(settings.begin(), settings.end()), settings.end());
-  int64_t bytes = 0;
+  CpEstimateBytes bytes;
   for (const auto& [sp, sr] : settings) {
     std::vector<int> hs;
     for (int64_t h = 0; h < hq; ++h)
@@ -410,7 +411,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       }
     }
     SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
-    bytes += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+    bytes.blocks += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
     pooled_k.resize(all.size());
     {
       size_t o = 0;
@@ -547,7 +548,10 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     (*out)[pi] = std::move(ix);
   }
   if (stats) {
-    stats->bytes += CP > 1 ? bytes : 0;  // a one-rank group moves nothing
+    if (CP > 1) {  // a one-rank group moves nothing
+      stats->bytes += bytes.total();
+      stats->parts += bytes;
+    }
     stats->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   return Status::ok();

@@ -46,8 +46,25 @@ struct CpEstimateArgs {
   const kernels::HeadPattern* patterns = nullptr;  // n_heads, this slice's
 };
 
+// What the estimator's collectives brought this rank, by what they carried.
+struct CpEstimateBytes {
+  int64_t queries = 0;    // scoring rows' q, their row max and sum-exp
+  int64_t columns = 0;    // vertical-slash column sums or candidates
+  int64_t diagonals = 0;  // diagonal sums (all-reduce counted as 2x the array) or candidates
+  int64_t blocks = 0;     // pooled keys and the last query block's mass per key block
+  int64_t total() const { return queries + columns + diagonals + blocks; }
+  CpEstimateBytes& operator+=(const CpEstimateBytes& o) {
+    queries += o.queries;
+    columns += o.columns;
+    diagonals += o.diagonals;
+    blocks += o.blocks;
+    return *this;
+  }
+};
+
 struct CpEstimateStats {
-  int64_t bytes = 0;  // what the estimator's collectives brought this rank
+  int64_t bytes = 0;  // parts.total()
+  CpEstimateBytes parts;
   double seconds = 0;
 };
 

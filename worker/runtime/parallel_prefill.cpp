@@ -252,6 +252,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       CpEstimateStats es;
       SF_TRY(timed(&st, [&] { return cp_estimate(*g.cp, ea, &est, &es); }));
       st.estimate_bytes += es.bytes;
+      st.estimate_queries_bytes += es.parts.queries;
+      st.estimate_columns_bytes += es.parts.columns;
+      st.estimate_diagonals_bytes += es.parts.diagonals;
+      st.estimate_blocks_bytes += es.parts.blocks;
       st.estimate_s += es.seconds;
       for (int j = 0; j < n_ar; ++j) sliced[size_t(j)] = std::move(est[size_t(j)]);
     }

@@ -58,6 +58,9 @@ struct ParallelStats {
   double comm_s = 0;               // time waiting in collectives (this rank)
   int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
   int64_t estimate_bytes = 0;      // what cp_estimate's collectives brought this rank
+  // ... by part (CpEstimateBytes): scoring rows' q and row stats, columns, diagonals, blocks
+  int64_t estimate_queries_bytes = 0, estimate_columns_bytes = 0, estimate_diagonals_bytes = 0,
+          estimate_blocks_bytes = 0;
   int64_t kv_moved_bytes = 0;      // what it actually received for attention (==
                                    // kv_allgather_bytes unless selective_kv; then rows + masks)
   int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP
