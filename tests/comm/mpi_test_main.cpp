@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "comm/mpi_communicator.h"
@@ -32,14 +33,16 @@ int main(int argc, char** argv) {
   }
   sf::testing::g_world = std::move(w).value();
   sf::testing::g_world->set_timeout(std::chrono::seconds(30));
+  // Rank 0's seed for every rank: SF_TEST_SEED replays a run, otherwise a fresh one.
   uint64_t seed = std::random_device{}();
   seed = (seed << 32) ^ std::random_device{}();
+  if (const char* env = std::getenv("SF_TEST_SEED")) seed = std::strtoull(env, nullptr, 10);
   if (!sf::testing::g_world->bcast(&seed, 1, sf::DType::kI64, 0).is_ok())
     sf::comm::mpi_abort_job(1);
   sf::testing::g_seed = seed;
   if (sf::testing::g_world->rank() == 0)
-    std::printf("seed %llu, %d ranks\n", static_cast<unsigned long long>(seed),
-                sf::testing::g_world->size());
+    std::printf("seed %llu (replay with SF_TEST_SEED), %d ranks\n",
+                static_cast<unsigned long long>(seed), sf::testing::g_world->size());
   const int rc = RUN_ALL_TESTS();
   // Agree on the outcome so every rank exits the same way.
   int32_t bad = rc != 0, any_bad = 0;

@@ -88,6 +88,160 @@ Result<int64_t> gather_candidates(comm::Communicator& cp, const std::vector<floa
          int64_t(sizeof(int32_t)) * nh * (CP - 1);
 }
 
+// Every rank's per-head float lists (lists[x]), all-gathered: out[r][x] is rank r's list x.
+// Adds the bytes received to *bytes.
+Status all_lists(comm::Communicator& cp, const std::vector<std::vector<float>>& lists,
+                 std::vector<std::vector<std::vector<float>>>* out, int64_t* bytes) {
+  const int CP = cp.size();
+  const int64_t nh = int64_t(lists.size());
+  std::vector<int64_t> n_mine(static_cast<size_t>(nh)), all_n(static_cast<size_t>(nh * CP));
+  std::vector<float> mine;
+  for (int64_t x = 0; x < nh; ++x) {
+    n_mine[size_t(x)] = int64_t(lists[size_t(x)].size());
+    mine.insert(mine.end(), lists[size_t(x)].begin(), lists[size_t(x)].end());
+  }
+  SF_TRY(cp.all_gather(n_mine.data(), all_n.data(), nh, DType::kI64));
+  std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
+  for (int r = 0; r < CP; ++r)
+    for (int64_t x = 0; x < nh; ++x) counts[size_t(r)] += all_n[size_t(r * nh + x)];
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::vector<float> got(static_cast<size_t>(total));
+  SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
+  *bytes += int64_t(sizeof(float)) * (total - int64_t(mine.size())) +
+            int64_t(sizeof(int64_t)) * nh * (CP - 1);
+  out->assign(size_t(CP), std::vector<std::vector<float>>(size_t(nh)));
+  size_t o = 0;
+  for (int r = 0; r < CP; ++r)
+    for (int64_t x = 0; x < nh; ++x) {
+      const int64_t n = all_n[size_t(r * nh + x)];
+      (*out)[size_t(r)][size_t(x)].assign(got.begin() + std::ptrdiff_t(o),
+                                          got.begin() + std::ptrdiff_t(o + size_t(n)));
+      o += size_t(n);
+    }
+  return Status::ok();
+}
+
+float id_bits(int32_t id) {
+  float f;
+  std::memcpy(&f, &id, sizeof(f));
+  return f;
+}
+int32_t bits_id(float f) {
+  int32_t id;
+  std::memcpy(&id, &f, sizeof(id));
+  return id;
+}
+
+// The top k (ids >= forced) of sums over ranks of per-rank partial arrays part[x][0, S) (ranked by
+// sum descending, id ascending), exactly, moving only what can matter: TPUT (Cao and Wang,
+// "Efficient top-K query calculation in distributed networks", PODC 2004). 1) every rank sends
+// its top k partials; tau1 = the k-th largest partial sum known, T = tau1 / CP; 2) every rank sends
+// its other partials >= T, so any unsent partial is < T and an item's sum is at most what is
+// known plus T per silent rank, and tau2 = the k-th largest known sum bounds the top k from below;
+// 3) the items whose upper bound reaches tau2 get every rank's partial and their exact sums (in
+// rank order, the same on every rank). Items that cannot reach the top k come back as -1.
+// A head whose round 2 would move more than a reduce-scatter of its array is listed in
+// *fallback and left alone. Adds the bytes received to *bytes.
+Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S,
+                     const std::vector<size_t>& heads, const std::vector<TopK>& tk,
+                     std::vector<size_t>* fallback, int64_t* bytes) {
+  const int CP = cp.size();
+  const int64_t nh = int64_t(heads.size());
+  auto row = [&](int64_t x) { return part->data() + heads[size_t(x)] * size_t(S); };
+  // 1) top k partials.
+  std::vector<std::vector<float>> l1(static_cast<size_t>(nh));
+  for (int64_t x = 0; x < nh; ++x) top_candidates(row(x), {{0, S}}, tk[size_t(x)], &l1[size_t(x)]);
+  std::vector<std::vector<std::vector<float>>> r1;
+  SF_TRY(all_lists(cp, l1, &r1, bytes));
+  // Known partials per head: ids in first-seen order, their known sum and how many ranks sent
+  // one (slot[x][id] indexes them).
+  std::vector<double> T(static_cast<size_t>(nh), 0.0);
+  auto kth = [](std::vector<double> v, int64_t k) {
+    if (k <= 0 || int64_t(v.size()) < k) return 0.0;
+    std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<double>());
+    return v[size_t(k - 1)];
+  };
+  std::vector<std::vector<double>> ksum(static_cast<size_t>(nh));
+  std::vector<std::vector<int>> kcnt(static_cast<size_t>(nh));
+  std::vector<std::vector<int32_t>> kids(static_cast<size_t>(nh));
+  auto add = [&](int64_t x, const std::vector<float>& l, std::vector<int32_t>* where) {
+    for (size_t i = 0; i < l.size(); i += 2) {
+      const int32_t id = bits_id(l[i]);
+      int32_t& w = (*where)[size_t(id)];
+      if (w < 0) {
+        w = int32_t(kids[size_t(x)].size());
+        kids[size_t(x)].push_back(id);
+        ksum[size_t(x)].push_back(0.0);
+        kcnt[size_t(x)].push_back(0);
+      }
+      ksum[size_t(x)][size_t(w)] += double(l[i + 1]);
+      kcnt[size_t(x)][size_t(w)] += 1;
+    }
+  };
+  std::vector<std::vector<int32_t>> slot(static_cast<size_t>(nh));
+  for (int64_t x = 0; x < nh; ++x) {
+    slot[size_t(x)].assign(size_t(S), -1);
+    for (int r = 0; r < CP; ++r) add(x, r1[size_t(r)][size_t(x)], &slot[size_t(x)]);
+    T[size_t(x)] = kth(ksum[size_t(x)], tk[size_t(x)].k) / double(CP);
+  }
+  // 2) the other partials >= T; heads where that outgrows a reduce-scatter fall back.
+  std::vector<std::vector<float>> l2(static_cast<size_t>(nh));
+  std::vector<int64_t> n2(static_cast<size_t>(nh), 0);
+  for (int64_t x = 0; x < nh; ++x) {
+    std::vector<char> sent(static_cast<size_t>(S), 0);
+    for (size_t i = 0; i < l1[size_t(x)].size(); i += 2)
+      sent[size_t(bits_id(l1[size_t(x)][i]))] = 1;
+    const float* p = row(x);
+    for (int64_t o = tk[size_t(x)].forced; o < S; ++o)
+      if (!sent[size_t(o)] && double(p[o]) >= T[size_t(x)]) {
+        l2[size_t(x)].push_back(id_bits(int32_t(o)));
+        l2[size_t(x)].push_back(p[o]);
+      }
+    n2[size_t(x)] = int64_t(l2[size_t(x)].size());
+  }
+  SF_TRY(cp.all_reduce(n2.data(), n2.data(), nh, DType::kI64, comm::ReduceOp::kSum));
+  *bytes += 2 * int64_t(sizeof(int64_t)) * nh;
+  std::vector<char> use(static_cast<size_t>(nh), 1);
+  const int64_t rs_floats = (CP - 1) * ceil_div(S, CP);
+  for (int64_t x = 0; x < nh; ++x)
+    if (n2[size_t(x)] > rs_floats) {
+      use[size_t(x)] = 0;
+      fallback->push_back(heads[size_t(x)]);
+      l2[size_t(x)].clear();
+    }
+  std::vector<std::vector<std::vector<float>>> r2;
+  SF_TRY(all_lists(cp, l2, &r2, bytes));
+  // 3) candidates: upper bound (known + T per silent rank) >= tau2; every rank's partials.
+  std::vector<std::vector<int32_t>> cand(static_cast<size_t>(nh));
+  std::vector<std::vector<float>> l3(static_cast<size_t>(nh));
+  for (int64_t x = 0; x < nh; ++x) {
+    if (!use[size_t(x)]) continue;
+    for (int r = 0; r < CP; ++r) add(x, r2[size_t(r)][size_t(x)], &slot[size_t(x)]);
+    const double tau2 = kth(ksum[size_t(x)], tk[size_t(x)].k);
+    for (size_t i = 0; i < kids[size_t(x)].size(); ++i)
+      // (a relative margin keeps near-ties in: the final ranking is on rounded float sums)
+      if (ksum[size_t(x)][i] + T[size_t(x)] * double(CP - kcnt[size_t(x)][i]) >= tau2 - 1e-6 * tau2)
+        cand[size_t(x)].push_back(kids[size_t(x)][i]);
+    std::sort(cand[size_t(x)].begin(), cand[size_t(x)].end());
+    const float* p = row(x);
+    for (int32_t id : cand[size_t(x)]) l3[size_t(x)].push_back(p[id]);
+  }
+  std::vector<std::vector<std::vector<float>>> r3;
+  SF_TRY(all_lists(cp, l3, &r3, bytes));
+  for (int64_t x = 0; x < nh; ++x) {
+    if (!use[size_t(x)]) continue;
+    float* out = row(x);
+    std::fill(out, out + S, -1.f);
+    for (size_t i = 0; i < cand[size_t(x)].size(); ++i) {
+      float s = 0.f;
+      for (int r = 0; r < CP; ++r) s += r3[size_t(r)][size_t(x)][i];
+      out[cand[size_t(x)][i]] = s;
+    }
+  }
+  return Status::ok();
+}
+
 // Column sums (and, when diag is set, diagonal sums) of softmax(q_row K^T * scale) over causal
 // keys for the scoring rows `rows` (global positions, ascending) of the slice heads `hs`, with
 // the keys spread over the CP ranks: rows' q all-gathered, row max / sum-exp all-reduced, each
@@ -282,6 +436,13 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
       bytes.diagonals += 2 * int64_t(sizeof(float)) * int64_t(buf.size());
       for (size_t i = 0; i < full.size(); ++i)
         std::copy_n(buf.data() + i * size_t(S), S, ds.data() + full[i] * size_t(S));
+    }
+    if (!cand.empty()) {  // threshold rounds first; heads they do not suit fall back below
+      std::vector<TopK> tks;
+      for (size_t h : cand) tks.push_back(topk(diag_k, int64_t(h)));
+      std::vector<size_t> rs;
+      SF_TRY(tput_top_sums(cp, &ds, S, cand, tks, &rs, &bytes.diagonals));
+      cand = std::move(rs);
     }
     if (!cand.empty()) {
       // Reduce-scatter: rank r sums the diagonals [r * slice, (r + 1) * slice) of every
