@@ -30,11 +30,12 @@ bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern:
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 // How score_rows hands one head's sums over, when only a top-k selection over all S items reads
-// them: k > 0 sends the top k non-forced items (ids >= forced) of each rank's share, which hold
-// the global top k (every item ahead of one of them on its rank is ahead of it globally); the
-// rest of the array comes back as -1, below every probability sum. k = 0: the whole array.
+// them: k >= 0 (the non-forced items the selection takes at most) sends only candidates for the
+// top k non-forced items (ids >= forced); the rest of the array comes back as -1, below every
+// probability sum. k < 0: the whole array.
 struct TopK {
-  int64_t k = 0, forced = 0;
+  int64_t k = -1, forced = 0;
+  bool on() const { return k >= 0; }
 };
 
 // The top k non-forced (ids >= forced) of this rank's items, the spans [lo, hi) of s (indexed
@@ -149,6 +150,9 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
   const int CP = cp.size();
   const int64_t nh = int64_t(heads.size());
   auto row = [&](int64_t x) { return part->data() + heads[size_t(x)] * size_t(S); };
+  // A head that takes no non-forced item needs nothing (every rank knows k).
+  for (int64_t x = 0; x < nh; ++x)
+    if (tk[size_t(x)].k == 0) std::fill(row(x), row(x) + S, -1.f);
   // 1) top k partials.
   std::vector<std::vector<float>> l1(static_cast<size_t>(nh));
   for (int64_t x = 0; x < nh; ++x) top_candidates(row(x), {{0, S}}, tk[size_t(x)], &l1[size_t(x)]);
@@ -184,6 +188,7 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
     slot[size_t(x)].assign(size_t(S), -1);
     for (int r = 0; r < CP; ++r) add(x, r1[size_t(r)][size_t(x)], &slot[size_t(x)]);
     T[size_t(x)] = kth(ksum[size_t(x)], tk[size_t(x)].k) / double(CP);
+    if (tk[size_t(x)].k == 0) T[size_t(x)] = std::numeric_limits<double>::infinity();
   }
   // 2) the other partials >= T; heads where that outgrows a reduce-scatter fall back.
   std::vector<std::vector<float>> l2(static_cast<size_t>(nh));
@@ -374,7 +379,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   {
     std::vector<size_t> full, cand;
     for (int64_t x = 0; x < nh; ++x)
-      (topk(col_k, x).k > 0 && !pool_cols ? cand : full).push_back(size_t(x));
+      (topk(col_k, x).on() && !pool_cols ? cand : full).push_back(size_t(x));
     const int64_t unit = pool_cols ? kB : 1, n_out = pool_cols ? ceil_div(S, kB) : S;
     std::vector<float> out(static_cast<size_t>(nh * n_out), 0.f);
     if (!full.empty()) {
@@ -425,7 +430,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   }
   if (want_diag) {
     std::vector<size_t> full, cand;
-    for (int64_t x = 0; x < nh; ++x) (topk(diag_k, x).k > 0 ? cand : full).push_back(size_t(x));
+    for (int64_t x = 0; x < nh; ++x) (topk(diag_k, x).on() ? cand : full).push_back(size_t(x));
     if (!full.empty()) {
       std::vector<float> buf(full.size() * size_t(S));
       for (size_t i = 0; i < full.size(); ++i)
@@ -517,9 +522,13 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       for (int64_t x = 0; x < nh; ++x) {
         const HeadPattern& hp = a.patterns[hs[size_t(x)]];
         if (hp.pattern != Pattern::kVerticalSlash) continue;  // a mass threshold needs every sum
-        if (2 * hp.n_vertical * CP < S) col_k[size_t(x)] = {hp.n_vertical, hp.sink};
-        if ((CP - 1) * (S / CP + 2 * hp.n_slash) < 2 * S)
-          diag_k[size_t(x)] = {hp.n_slash, hp.local + 1};
+        // vs_select takes min(budget, S) items, the forced ones first: at most this many others
+        const int64_t fc = std::min(std::max<int64_t>(hp.sink, 0), S),
+                      fd = std::min(std::max<int64_t>(hp.local + 1, 0), S);
+        const int64_t kc = std::max<int64_t>(hp.n_vertical - fc, 0),
+                      kd = std::max<int64_t>(hp.n_slash - fd, 0);
+        if (2 * kc * CP < S) col_k[size_t(x)] = {kc, fc};
+        if ((CP - 1) * (S / CP + 2 * kd) < 2 * S) diag_k[size_t(x)] = {kd, fd};
       }
     for (int64_t si = 0; si < vsg.count(); ++si) {
       if (vsg.rows[size_t(si)].empty()) continue;
