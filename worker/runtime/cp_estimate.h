@@ -10,11 +10,12 @@
 //      query position - key position); a column is complete on its key's owner and is gathered
 //      from there (S / CP floats per head), the diagonals are all-reduced (S per head). A head
 //      ranked by a top-k budget over the whole prompt (vertical-slash without segments) moves
-//      only candidates: each owner's top n_vertical columns, and for the diagonals (partial on
-//      every rank) threshold rounds (TPUT: top k partials, then every partial above the k-th
-//      known sum / CP, then every rank's partials of the items that can still reach the top k),
-//      or where those would move more, a reduce-scatter and each rank's top n_slash of its
-//      slice; either way the global top k is exactly among the candidates;
+//      only candidates for the items beyond the forced ones that its budget can take (n_vertical
+//      less the sink columns, n_slash less the local diagonals): each owner's top columns, and
+//      for the diagonals (partial on every rank) threshold rounds (TPUT: top k partials, then
+//      every partial above the k-th known sum / CP, then every rank's partials of the items
+//      that can still reach the top k), or where those would move more, a reduce-scatter and
+//      each rank's top k of its slice; either way the global top k is among the candidates;
 //   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
