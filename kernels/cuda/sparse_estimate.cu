@@ -660,18 +660,11 @@ struct FlagScan {
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
-// cand (a warp's, kCand floats, or null): once a pass leaves at most kCand items on the prefix,
-// their scores are gathered there and the remaining passes read those instead of all n.
-constexpr int kCand = 256;
 template <typename G, typename Forced>
 __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_mode,
-                                long long want, double goal, double start_mass, SelShared& sh,
-                                float* cand = nullptr) {
+                                long long want, double goal, double start_mass, SelShared& sh) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
-  const float* src = s;  // the items a pass reads: all n, or the gathered candidates
-  int n_src = n;
-  bool gathered = false;
   if (rk == 0) {
     sh.prefix = 0;
     sh.cnt_gt = 0;
@@ -691,13 +684,13 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
     // serialize on a few buckets: each warp first merges the lanes that share a digit
     // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
     const int wl = threadIdx.x % 32;
-    for (int i0 = 0; i0 < n_src; i0 += BS) {
+    for (int i0 = 0; i0 < n; i0 += BS) {
       const int i = i0 + rk;
       float v = 0.f;
       unsigned dgt = 0;
       bool act = false;
-      if (i < n_src && (gathered || !forced(i))) {
-        v = src[i];
+      if (i < n && !forced(i)) {
+        v = s[i];
         const uint32_t key = order_key(v);
         act = (key & mask) == prefix;
         dgt = (key >> shift) & 255u;
@@ -784,28 +777,6 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
     // Count mode: when the chosen bucket holds exactly the items still wanted, every key with
     // this prefix is taken and the lower digits cannot change the selection.
     if (!mass_mode && cnt_gt + eq == want) break;
-    if constexpr (BS == 32) {
-      if (cand && !gathered && shift > 0 && eq <= kCand) {
-        const uint32_t pre = sh.prefix;
-        int base = 0;
-        for (int i0 = 0; i0 < n; i0 += 32) {
-          const int i = i0 + rk;
-          float v = 0.f;
-          bool act = false;
-          if (i < n && !forced(i)) {
-            v = s[i];
-            act = (order_key(v) & mask) == pre;
-          }
-          const unsigned b = __ballot_sync(0xffffffffu, act);
-          if (act) cand[base + __popc(b & ((1u << rk) - 1u))] = v;
-          base += __popc(b);
-        }
-        __syncwarp();
-        src = cand;
-        n_src = base;
-        gathered = true;
-      }
-    }
   }
   if (rk == 0) sh.mask = mask;
   G::sync();
@@ -818,7 +789,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
 template <typename G>
 __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t fb64, int64_t fc64,
                              const SelBudget& b, int32_t* out, int64_t cap, int32_t* n_out,
-                             SelShared& sh, FlagScan<G> scan, float* cand = nullptr) {
+                             SelShared& sh, FlagScan<G> scan) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
   const int n = int(n64);
@@ -854,7 +825,7 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
     const double goal = b.gamma * tot;
     long long c = nf;
     if (fm < goal && nr > 0) {
-      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh, cand);
+      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
       if (!sh.found) {
         c = n;
       } else {
@@ -877,7 +848,7 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
   uint32_t T = 0xffffffffu, M = 0xffffffffu;
   long long need_eq = 0, n_eq = 0;
   if (take > 0) {
-    n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh, cand);
+    n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh);
     T = sh.prefix;
     M = sh.mask;
     need_eq = take - sh.cnt_gt;
@@ -1006,7 +977,6 @@ __device__ __forceinline__ void score_pair(const float* pq, const float* pk, int
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ __align__(16) float smem[];
   __shared__ SelShared sh_warp[kBlockSelectThreads / 32];
-  __shared__ float cand_warp[kBlockSelectThreads / 32][kCand];
   // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
   // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
   const int hb = blockIdx.y;
@@ -1084,7 +1054,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
     group_select<WarpGroup>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
                             p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot, sh,
-                            FlagScan<WarpGroup>{nullptr}, cand_warp[warp]);
+                            FlagScan<WarpGroup>{nullptr});
   }
 }
 
@@ -1410,8 +1380,7 @@ size_t sparse_estimate_block_smem_limit() {
       size_t(optin) > fa.sharedSizeBytes)
     return size_t(optin) - fa.sharedSizeBytes;
   (void)cudaGetLastError();  // a failed query would leave its error for the next check
-  constexpr size_t kStatic =
-      (sizeof(SelShared) + kCand * sizeof(float)) * (kBlockSelectThreads / 32);
+  constexpr size_t kStatic = sizeof(SelShared) * (kBlockSelectThreads / 32);
   return size_t(227 * 1024) - kStatic - 1024;
 }
 

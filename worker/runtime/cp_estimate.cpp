@@ -38,57 +38,6 @@ struct TopK {
   bool on() const { return k >= 0; }
 };
 
-// The top k non-forced (ids >= forced) of this rank's items, the spans [lo, hi) of s (indexed
-// by global id), ranked by value descending then id ascending, appended to out as (id bits,
-// value) float pairs. Returns how many.
-int32_t top_candidates(const float* s, const std::vector<std::pair<int64_t, int64_t>>& spans,
-                       const TopK& t, std::vector<float>* out) {
-  std::vector<int32_t> ids;
-  for (const auto& [lo, hi] : spans)
-    for (int64_t j = std::max(lo, t.forced); j < hi; ++j) ids.push_back(int32_t(j));
-  const int64_t k = std::min<int64_t>(t.k, int64_t(ids.size()));
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                    [&](int32_t x, int32_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
-  for (int64_t i = 0; i < k; ++i) {
-    float bits;
-    std::memcpy(&bits, &ids[size_t(i)], sizeof(bits));
-    out->push_back(bits);
-    out->push_back(s[ids[size_t(i)]]);
-  }
-  return int32_t(k);
-}
-
-// All ranks' candidates (from top_candidates, `mine` with per-head counts `n_mine`) into the
-// heads' arrays dst[x * S ..) (filled with -1 first). Returns the bytes received.
-Result<int64_t> gather_candidates(comm::Communicator& cp, const std::vector<float>& mine,
-                                  const std::vector<int32_t>& n_mine, int64_t S,
-                                  const std::vector<size_t>& heads, std::vector<float>* dst) {
-  const int CP = cp.size();
-  const int64_t nh = int64_t(heads.size());
-  std::vector<int32_t> all_n(size_t(nh * CP));
-  SF_TRY(cp.all_gather(n_mine.data(), all_n.data(), nh, DType::kI32));
-  std::vector<int64_t> counts(size_t(CP), 0);
-  for (int r = 0; r < CP; ++r)
-    for (int64_t x = 0; x < nh; ++x) counts[size_t(r)] += 2 * int64_t(all_n[size_t(r * nh + x)]);
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  std::vector<float> got(static_cast<size_t>(total));
-  SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), got.data(), counts, DType::kF32));
-  for (size_t h : heads)
-    std::fill(dst->begin() + std::ptrdiff_t(h * size_t(S)),
-              dst->begin() + std::ptrdiff_t((h + 1) * size_t(S)), -1.f);
-  size_t o = 0;
-  for (int r = 0; r < CP; ++r)
-    for (int64_t x = 0; x < nh; ++x)
-      for (int32_t i = 0; i < all_n[size_t(r * nh + x)]; ++i, o += 2) {
-        int32_t id;
-        std::memcpy(&id, &got[o], sizeof(id));
-        (*dst)[heads[size_t(x)] * size_t(S) + size_t(id)] = got[o + 1];
-      }
-  return int64_t(sizeof(float)) * (total - int64_t(mine.size())) +
-         int64_t(sizeof(int32_t)) * nh * (CP - 1);
-}
-
 // Every rank's per-head float lists (lists[x]), all-gathered: out[r][x] is rank r's list x.
 // Adds the bytes received to *bytes.
 Status all_lists(comm::Communicator& cp, const std::vector<std::vector<float>>& lists,
@@ -132,6 +81,40 @@ int32_t bits_id(float f) {
   int32_t id;
   std::memcpy(&id, &f, sizeof(id));
   return id;
+}
+
+// The top k non-forced (ids >= forced) of this rank's items, the spans [lo, hi) of s (indexed
+// by global id), ranked by value descending then id ascending, appended to out as (id bits,
+// value) float pairs.
+void top_candidates(const float* s, const std::vector<std::pair<int64_t, int64_t>>& spans,
+                    const TopK& t, std::vector<float>* out) {
+  std::vector<int32_t> ids;
+  for (const auto& [lo, hi] : spans)
+    for (int64_t j = std::max(lo, t.forced); j < hi; ++j) ids.push_back(int32_t(j));
+  const int64_t k = std::min<int64_t>(t.k, int64_t(ids.size()));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int32_t x, int32_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+  for (int64_t i = 0; i < k; ++i) {
+    out->push_back(id_bits(ids[size_t(i)]));
+    out->push_back(s[ids[size_t(i)]]);
+  }
+}
+
+// All ranks' candidates (per head, from top_candidates) into the heads' arrays dst[x * S ..),
+// filled with -1 first. Adds the bytes received to *bytes.
+Status gather_candidates(comm::Communicator& cp, const std::vector<std::vector<float>>& mine,
+                         int64_t S, const std::vector<size_t>& heads, std::vector<float>* dst,
+                         int64_t* bytes) {
+  std::vector<std::vector<std::vector<float>>> got;
+  SF_TRY(all_lists(cp, mine, &got, bytes));
+  for (size_t h : heads)
+    std::fill(dst->begin() + std::ptrdiff_t(h * size_t(S)),
+              dst->begin() + std::ptrdiff_t((h + 1) * size_t(S)), -1.f);
+  for (const auto& rank : got)
+    for (size_t x = 0; x < heads.size(); ++x)
+      for (size_t i = 0; i < rank[x].size(); i += 2)
+        (*dst)[heads[x] * size_t(S) + size_t(bits_id(rank[x][i]))] = rank[x][i + 1];
+  return Status::ok();
 }
 
 // The top k (ids >= forced) of sums over ranks of per-rank partial arrays part[x][0, S) (ranked by
@@ -415,16 +398,13 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
           }
     }
     if (!cand.empty()) {
-      std::vector<float> mine;
-      std::vector<int32_t> n_mine;
+      std::vector<std::vector<float>> mine(cand.size());
       const std::vector<std::pair<int64_t, int64_t>> owned{{a.ranges[0].begin, a.ranges[0].end},
                                                            {a.ranges[1].begin, a.ranges[1].end}};
-      for (size_t x : cand)
-        n_mine.push_back(
-            top_candidates(cs.data() + x * size_t(S), owned, topk(col_k, int64_t(x)), &mine));
-      auto got = gather_candidates(cp, mine, n_mine, n_out, cand, &out);
-      if (!got.is_ok()) return got.status();
-      bytes.columns += got.value();
+      for (size_t i = 0; i < cand.size(); ++i)
+        top_candidates(cs.data() + cand[i] * size_t(S), owned, topk(col_k, int64_t(cand[i])),
+                       &mine[i]);
+      SF_TRY(gather_candidates(cp, mine, n_out, cand, &out, &bytes.columns));
     }
     cs = std::move(out);
   }
@@ -464,16 +444,14 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
                                comm::ReduceOp::kSum));
       bytes.diagonals += int64_t(sizeof(float)) * (CP - 1) * nc * slice;  // a ring's share per rank
       const int64_t o0 = cp.rank() * slice, o1 = std::min(S, o0 + slice);
-      std::vector<float> mine, full_row(static_cast<size_t>(S));
-      std::vector<int32_t> n_mine;
+      std::vector<float> full_row(static_cast<size_t>(S));
+      std::vector<std::vector<float>> mine(cand.size());
       for (int64_t i = 0; i < nc; ++i) {
         if (o1 > o0) std::copy_n(mine_sum.data() + i * slice, o1 - o0, full_row.data() + o0);
-        n_mine.push_back(top_candidates(full_row.data(), {{o0, std::max(o0, o1)}},
-                                        topk(diag_k, int64_t(cand[size_t(i)])), &mine));
+        top_candidates(full_row.data(), {{o0, std::max(o0, o1)}},
+                       topk(diag_k, int64_t(cand[size_t(i)])), &mine[size_t(i)]);
       }
-      auto got = gather_candidates(cp, mine, n_mine, S, cand, &ds);
-      if (!got.is_ok()) return got.status();
-      bytes.diagonals += got.value();
+      SF_TRY(gather_candidates(cp, mine, S, cand, &ds, &bytes.diagonals));
     }
   }
   *col_out = std::move(cs);
