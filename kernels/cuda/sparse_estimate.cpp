@@ -139,6 +139,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     return SF_ERR(kUnsupported, "sparse_estimate (CUDA): " + std::to_string(L.n_kb) +
                                     " key blocks do not fit the block selector's shared memory");
   if (L.block_select_group == 0) L.block_select_group = 1;
+  L.block_select_cta = sparse_estimate_block_cta(L.block_select_group) ? 1 : 0;
   SF_CUDA_TRY(sparse_estimate_configure(L));
 
   const size_t nv = size_t(L.n_vs), nb = size_t(L.n_blk), nch = size_t(L.n_chunks);

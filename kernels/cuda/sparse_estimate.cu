@@ -656,7 +656,9 @@ struct FlagScan {
   }
 };
 
-// Radix walk over the non-forced items' keys, 8 bits a pass from the top. Count mode: the key T
+// Radix walk over the non-forced items' keys, 8 bits a pass from their highest differing bit (the
+// bits above it are common to every item and need no pass: similar scores share their top digit,
+// so an 8-bit pass from bit 31 mostly lands in one or two buckets). Count mode: the key T
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
@@ -665,24 +667,41 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
                                 long long want, double goal, double start_mass, SelShared& sh) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
+  long long kmax = 0, kmin = 0xffffffffll;
+  for (int i = rk; i < n; i += BS)
+    if (!forced(i)) {
+      const long long key = order_key(s[i]);
+      kmax = key > kmax ? key : kmax;
+      kmin = key < kmin ? key : kmin;
+    }
+  kmax = group_reduce<G>(
+      kmax, [](long long a, long long b) { return a > b ? a : b; }, sh.ired);
+  kmin = group_reduce<G>(
+      kmin, [](long long a, long long b) { return a < b ? a : b; }, sh.ired);
+  // No items (kmax < kmin) or all equal: one pass over the whole key finds them.
+  const uint32_t diff = kmax >= kmin ? uint32_t(kmax) ^ uint32_t(kmin) : 0u;
+  const int hb = diff ? 31 - __clz(diff) : 0;
+  // Bits above hb are fixed (hb = 31: 2u << 31 wraps to 0, so none are).
+  uint32_t mask = diff ? ~((2u << hb) - 1u) : 0xffffffffu;
+  int shift = hb > 7 ? hb - 7 : 0;
   if (rk == 0) {
-    sh.prefix = 0;
+    sh.prefix = uint32_t(kmax) & mask;
     sh.cnt_gt = 0;
     sh.mass_gt = start_mass;
     sh.found = 1;
   }
-  uint32_t mask = 0;
   long long eq = 0;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  for (;;) {
     for (int x = rk; x < 256; x += BS) {
       sh.cnt[x] = 0;
       sh.msum[x] = 0;
     }
     G::sync();
     const uint32_t prefix = sh.prefix;
-    // Scores cluster (the top digits of similar floats are equal), so per-item shared atomics
-    // serialize on a few buckets: each warp first merges the lanes that share a digit
-    // (__match_any_sync) and one lane adds the group's count and mass (summed in lane order).
+    // Count mode: one shared atomic per item (the digits below the common bits spread over the
+    // buckets). Mass mode sums each bucket's scores in lane order, for a result that does not
+    // depend on timing: each warp merges the lanes that share a digit (__match_any_sync) and one
+    // lane adds the group's count and mass.
     const int wl = threadIdx.x % 32;
     for (int i0 = 0; i0 < n; i0 += BS) {
       const int i = i0 + rk;
@@ -695,19 +714,22 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
         act = (key & mask) == prefix;
         dgt = (key >> shift) & 255u;
       }
+      if (!mass_mode) {
+        if (act) atomicAdd(&sh.cnt[dgt], 1u);
+        continue;
+      }
       const unsigned am = __ballot_sync(0xffffffffu, act);
       if (!act) continue;
       const unsigned peers = __match_any_sync(am, dgt);
       double m = 0;
-      if (mass_mode)
-        for (int l = 0; l < 32; ++l) {
-          if (!((am >> l) & 1u)) continue;  // every active lane takes the same branches
-          const float vl = __shfl_sync(am, v, l);
-          if ((peers >> l) & 1u) m += double(vl);
-        }
+      for (int l = 0; l < 32; ++l) {
+        if (!((am >> l) & 1u)) continue;  // every active lane takes the same branches
+        const float vl = __shfl_sync(am, v, l);
+        if ((peers >> l) & 1u) m += double(vl);
+      }
       if (wl == __ffs(peers) - 1) {
         atomicAdd(&sh.cnt[dgt], unsigned(__popc(peers)));
-        if (mass_mode) atomicAdd(&sh.msum[dgt], m);
+        atomicAdd(&sh.msum[dgt], m);
       }
     }
     G::sync();
@@ -777,6 +799,8 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
     // Count mode: when the chosen bucket holds exactly the items still wanted, every key with
     // this prefix is taken and the lower digits cannot change the selection.
     if (!mass_mode && cnt_gt + eq == want) break;
+    if (shift == 0) break;
+    shift = shift > 8 ? shift - 8 : 0;  // a last pass under 8 bits re-reads fixed bits: harmless
   }
   if (rk == 0) sh.mask = mask;
   G::sync();
@@ -973,6 +997,41 @@ __device__ __forceinline__ void score_pair(const float* pq, const float* pk, int
   }
 }
 
+// One query block's selection over its scores s (softmax first in mass mode) by the group's
+// threads. The last query block selects on its exact mass instead (p.mass).
+template <typename Grp>
+__device__ void select_query_block(const EstimateLaunch& p, const EstHead& eh, int hb, int64_t qb,
+                                   float* scores, SelShared& sh, FlagScan<Grp> scan) {
+  const int64_t rows = imin(kB, p.nq - qb * kB);
+  const int64_t base = p.q_offset + qb * kB;
+  int64_t kend = base + rows;
+  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+  const int64_t n_allowed = (kend + kB - 1) / kB;
+  const bool exact = qb == p.n_qb - 1;
+  float* s = exact ? p.mass + size_t(hb) * size_t(p.n_kb) : scores;
+  SelBudget b;
+  b.mass = eh.mass;
+  b.k = eh.k_blocks;
+  b.gamma = eh.gamma;
+  b.min_count = eh.min_count;
+  b.max_count = eh.max_count;
+  if (eh.mass && !exact && n_allowed > 0) {  // softmax over the causal blocks
+    float mx = -INFINITY;
+    for (int64_t x = Grp::rank(); x < n_allowed; x += Grp::kSize) mx = fmaxf(mx, s[x]);
+    mx = float(-group_min<Grp>(-double(mx), sh));
+    double sum = 0;
+    for (int64_t x = Grp::rank(); x < n_allowed; x += Grp::kSize) sum += expf(s[x] - mx);
+    const float fsum = float(group_sum<Grp>(sum, sh));
+    for (int64_t x = Grp::rank(); x < n_allowed; x += Grp::kSize) s[x] = expf(s[x] - mx) / fsum;
+    Grp::sync();
+  }
+  const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
+  const int64_t fc = kend > 0 ? (kend - 1) / kB : 0;
+  const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
+  group_select<Grp>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b, p.sel_kb + slot * size_t(p.cap_kb),
+                    p.cap_kb, p.n_sel_kb + slot, sh, scan);
+}
+
 // grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   extern __shared__ __align__(16) float smem[];
@@ -1020,42 +1079,21 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];
+  if (p.block_select_cta) {
+    // Long prompts: few query blocks' scores fit, so a warp each would leave most warps idle;
+    // the whole CTA runs each selection in turn.
+    using Cta = CtaGroup<kBlockSelectThreads>;
+    __shared__ typename FlagScan<Cta>::Scan::TempStorage scan_tmp;
+    for (int g = 0; g < ng; ++g)
+      select_query_block<Cta>(p, eh, hb, qb0 + g, sc + g * n_kb, sh_warp[0],
+                              FlagScan<Cta>{&scan_tmp});
+    return;
+  }
   // A warp per query block: the group's selections run side by side.
   const int warp = int(threadIdx.x / 32);
-  SelShared& sh = sh_warp[warp];
-  for (int g = warp; g < ng; g += kBlockSelectThreads / 32) {
-    const int64_t qb = qb0 + g;
-    const int64_t rows = imin(kB, p.nq - qb * kB);
-    const int64_t base = p.q_offset + qb * kB;
-    int64_t kend = base + rows;
-    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
-    const int64_t n_allowed = (kend + kB - 1) / kB;
-    const bool exact = qb == p.n_qb - 1;
-    float* s = exact ? p.mass + size_t(hb) * size_t(n_kb) : sc + g * n_kb;
-    SelBudget b;
-    b.mass = eh.mass;
-    b.k = eh.k_blocks;
-    b.gamma = eh.gamma;
-    b.min_count = eh.min_count;
-    b.max_count = eh.max_count;
-    if (eh.mass && !exact && n_allowed > 0) {  // softmax over the causal blocks
-      float mx = -INFINITY;
-      const int lane = int(threadIdx.x % 32);
-      for (int64_t x = lane; x < n_allowed; x += 32) mx = fmaxf(mx, s[x]);
-      mx = float(-group_min<WarpGroup>(-double(mx), sh));
-      double sum = 0;
-      for (int64_t x = lane; x < n_allowed; x += 32) sum += expf(s[x] - mx);
-      const float fsum = float(group_sum<WarpGroup>(sum, sh));
-      for (int64_t x = lane; x < n_allowed; x += 32) s[x] = expf(s[x] - mx) / fsum;
-      __syncwarp();
-    }
-    const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
-    const int64_t fc = kend > 0 ? (kend - 1) / kB : 0;
-    const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
-    group_select<WarpGroup>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b,
-                            p.sel_kb + slot * size_t(p.cap_kb), p.cap_kb, p.n_sel_kb + slot, sh,
-                            FlagScan<WarpGroup>{nullptr});
-  }
+  for (int g = warp; g < ng; g += kBlockSelectThreads / 32)
+    select_query_block<WarpGroup>(p, eh, hb, qb0 + g, sc + g * n_kb, sh_warp[warp],
+                                  FlagScan<WarpGroup>{nullptr});
 }
 
 // ---- slot building (sparse_index.cpp sparse_slot_build, one thread per slot) ---------------
@@ -1361,6 +1399,8 @@ cudaError_t sparse_estimate_configure(const EstimateLaunch& p) {
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
   return size_t(group) * size_t(d + n_kb) * sizeof(float);
 }
+
+bool sparse_estimate_block_cta(int group) { return group <= kBlockSelectThreads / 32 / 2; }
 
 int sparse_estimate_block_group(int64_t n_kb, int64_t d) {
   const size_t limit = sparse_estimate_block_smem_limit();

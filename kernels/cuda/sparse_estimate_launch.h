@@ -59,6 +59,7 @@ struct EstimateLaunch {
   int32_t* n_sel_kb = nullptr;  // [n_blk * n_qb]
   int64_t cap_kb = 0;
   int block_select_group = 1;  // query blocks per CTA in the block selector
+  int block_select_cta = 0;    // 1: the CTA runs each selection in turn (else a warp each)
   // Output (the unified index, SparseIndexDevice layout) and its sizing record.
   int32_t* block_count = nullptr;
   int32_t* block_offset = nullptr;
@@ -81,6 +82,9 @@ size_t sparse_estimate_block_smem_limit();
 // Query blocks per block-selector CTA for this geometry: the most (<= 8) whose scores fit the
 // limit; 0 when not even one does.
 int sparse_estimate_block_group(int64_t n_kb, int64_t d);
+// Whether a CTA of this group size selects with all its threads, one query block at a time (when
+// fewer than half its warps would have a query block of their own).
+bool sparse_estimate_block_cta(int group);
 
 // A device index (SparseIndexDevice layout) whose computed (query, key) pairs under the causal
 // mask are added to *pairs, as SparseIndex::pairs counts them: the numerator of its density.

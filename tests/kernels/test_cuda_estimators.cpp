@@ -323,8 +323,14 @@ class CudaEstimators : public ::testing::Test {
 
     // Plan with the exact capacity the CPU index needed (the device must need the same, up to
     // ties); a first run with small capacity checks the overflow record.
+    // force_cta_: the block selector's CTA-per-selection path (chosen by the plan only at long
+    // prompts) on these small inputs.
+    auto mode = [&](cuda::SparseEstimatePlan& pl) {
+      if (force_cta_) pl.launch.block_select_cta = 1;
+    };
     cuda::SparseEstimatePlan plan;
     ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, 1, 1, &plan));
+    mode(plan);
     cuda::SparseIndexDevice didx;
     ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
     ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream));
@@ -333,6 +339,7 @@ class CudaEstimators : public ::testing::Test {
     ASSERT_GT(need_b, 1);
     ASSERT_OK(
         cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1), &plan));
+    mode(plan);
     EXPECT_EQ(plan.clamped_heads, cpu_stats.clamped_heads);
     ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, stream));
     ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, stream));
@@ -460,6 +467,7 @@ class CudaEstimators : public ::testing::Test {
       mem.workspace_bytes = sized.workspace_bytes;
       ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
                                            &lent, &mem));
+      mode(lent);
       ASSERT_OK(cuda::sparse_estimate_poison(&lent, 0xFF, stream));
       cuda::SparseIndexDevice lidx;
       ASSERT_OK(cuda::sparse_estimate_run(&lent, dq_v, dk_v, &lidx, stream));
@@ -496,6 +504,7 @@ class CudaEstimators : public ::testing::Test {
   }
 
   std::mt19937_64 rng_;
+  bool force_cta_ = false;
 };
 
 TEST_F(CudaEstimators, MatchesCpuF32) {
@@ -505,6 +514,13 @@ TEST_F(CudaEstimators, MatchesCpuF32) {
 }
 
 TEST_F(CudaEstimators, MatchesCpuBf16) { run_case({3000, 3000, 0, 8, 4, 128}, true); }
+
+TEST_F(CudaEstimators, CtaBlockSelectorMatchesCpu) {
+  force_cta_ = true;
+  run_case({2048, 2048, 0, 8, 2, 128}, false);
+  run_case({700, 1900, 1200, 8, 2, 128}, false);
+  run_case({3000, 3000, 0, 8, 4, 128}, true);
+}
 
 // The backend-neutral entry point on CUDA tensors returns the same index as plan + run.
 // The block selector's launch configuration at long prompts (no data: the plan step's shared
