@@ -34,6 +34,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -184,17 +185,20 @@ std::vector<int64_t> sampled_rows(int64_t L) {
   r.erase(std::unique(r.begin(), r.end()), r.end());
   return r;
 }
-// fn(pair, row, head, p): p[j] the probability of key j <= row; pairs run on the thread pool.
+// fn(pair, row, head, p): p[j] the probability of key j <= row, for heads [h0, h0 + nh) (nh < 0:
+// every head from h0); pairs run on the thread pool.
 void for_sampled_rows(
     const Inputs& in, const Shape& s, int64_t L,
-    const std::function<void(size_t, int64_t, int64_t, const std::vector<double>&)>& fn) {
+    const std::function<void(size_t, int64_t, int64_t, const std::vector<double>&)>& fn,
+    int64_t h0 = 0, int64_t nh = -1) {
   const std::vector<int64_t> rows = sampled_rows(L);
-  const size_t n_pairs = rows.size() * size_t(s.heads);
+  if (nh < 0) nh = s.heads - h0;
+  const size_t n_pairs = rows.size() * size_t(nh);
   const double scale = 1.0 / std::sqrt(double(s.d));
   parallel_for(n_pairs, [&](size_t b, size_t e) {
     std::vector<double> pr;
     for (size_t x = b; x < e; ++x) {
-      const int64_t r = rows[x / size_t(s.heads)], h = int64_t(x % size_t(s.heads));
+      const int64_t r = rows[x / size_t(nh)], h = h0 + int64_t(x % size_t(nh));
       const int64_t g = h / (s.heads / s.kv_heads);
       const float* q = in.q.data() + (r * s.heads + h) * s.d;
       pr.assign(size_t(r + 1), 0.0);
@@ -242,30 +246,67 @@ Oracle mass_oracle(const Inputs& in, const Shape& s, int64_t L) {
   }
   return o;
 }
-// Mean and minimum over the sampled pairs of the mass the index's slot covers (causal keys).
-void index_recall(const Inputs& in, const Shape& s, int64_t L, const SparseIndex& idx, double* mean,
-                  double* min) {
-  const size_t n = sampled_rows(L).size() * size_t(s.heads);
+// The block and column lists of the slots that hold sampled rows, per (head of the index, query
+// block), read from a device index slot by slot: at 1M a whole index is tens of GB.
+struct SampledSlots {
+  int64_t n_heads = 0;
+  std::map<std::pair<int64_t, int64_t>, std::pair<std::vector<int32_t>, std::vector<int32_t> > >
+      lists;
+};
+Status download_sampled(const kernels::cuda::SparseIndexDevice& d, int64_t L, SampledSlots* out,
+                        cudaStream_t stream) {
+  SF_TRY(kernels::cuda::stream_synchronize(stream));
+  out->n_heads = d.n_heads;
+  out->lists.clear();
+  auto get = [](void* dst, const int32_t* src, size_t n) -> Status {
+    if (n == 0) return Status::ok();
+    const cudaError_t e = cudaMemcpy(dst, src, n * 4, cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess)
+      return SF_ERR(kInternal, std::string("index slot download: ") + cudaGetErrorString(e));
+    return Status::ok();
+  };
+  for (int64_t r : sampled_rows(L))
+    for (int64_t h = 0; h < d.n_heads; ++h) {
+      const int64_t qb = r / kernels::kSparseBlock;
+      const size_t sl = size_t(h * d.n_qblocks + qb);
+      int32_t nb = 0, nc = 0;
+      SF_TRY(get(&nb, d.block_count + sl, 1));
+      SF_TRY(get(&nc, d.column_count + sl, 1));
+      auto& lists = out->lists[{h, qb}];
+      lists.first.resize(size_t(std::max(nb, 0)));
+      lists.second.resize(size_t(std::max(nc, 0)));
+      SF_TRY(
+          get(lists.first.data(), d.block_offset + sl * size_t(d.max_blocks), lists.first.size()));
+      SF_TRY(
+          get(lists.second.data(), d.column_index + sl * size_t(d.max_cols), lists.second.size()));
+    }
+  return Status::ok();
+}
+// The mass the index's slot covers (causal keys) on the sampled pairs of its heads, which are
+// query heads h0 .. h0 + n_heads - 1: adds their sum to *sum, sets *min, returns their number.
+int64_t index_recall(const Inputs& in, const Shape& s, int64_t L, const SampledSlots& idx,
+                     int64_t h0, double* sum, double* min) {
+  const size_t n = sampled_rows(L).size() * size_t(idx.n_heads);
   std::vector<double> rec(n);
-  for_sampled_rows(in, s, L, [&](size_t x, int64_t r, int64_t h, const std::vector<double>& p) {
-    const size_t sl = idx.slot(int(h), r / kernels::kSparseBlock);
-    double m = 0;
-    for (int32_t i = 0; i < idx.block_count[sl]; ++i) {
-      const int64_t a = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)];
-      for (int64_t j = a; j < std::min(a + kernels::kSparseBlock, r + 1); ++j) m += p[size_t(j)];
-    }
-    for (int32_t i = 0; i < idx.column_count[sl]; ++i) {
-      const int64_t j = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)];
-      if (j <= r) m += p[size_t(j)];
-    }
-    rec[x] = m;
-  });
-  *mean = 0;
+  for_sampled_rows(
+      in, s, L,
+      [&](size_t x, int64_t r, int64_t h, const std::vector<double>& p) {
+        const auto& lists = idx.lists.at({h - h0, r / kernels::kSparseBlock});
+        double m = 0;
+        for (const int32_t a : lists.first)
+          for (int64_t j = a; j < std::min(int64_t(a) + kernels::kSparseBlock, r + 1); ++j)
+            m += p[size_t(j)];
+        for (const int32_t j : lists.second)
+          if (j <= r) m += p[size_t(j)];
+        rec[x] = m;
+      },
+      h0, idx.n_heads);
   *min = 1;
   for (double v : rec) {
-    *mean += v / double(n);
+    *sum += v;
     *min = std::min(*min, v);
   }
+  return int64_t(n);
 }
 
 // --inputs FILE.safetensors: q [n, heads, d], k and v [n, kv_heads, d], F32, F16 or BF16 (for
@@ -427,7 +468,7 @@ int cmd_bench_attention(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 3,
                            {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
                             "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
-                            "inputs", "dense-ours-max", "modes", "mainloops"},
+                            "inputs", "dense-ours-max", "modes", "mainloops", "sparse-memory-gb"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -494,6 +535,11 @@ int cmd_bench_attention(int argc, char** argv) {
   // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
   // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
   const int64_t dense_ours_max = std::atoll(a.get("dense-ours-max", "131072").c_str());
+  // Device memory one sparse mode's estimator workspace and index may take for a layer; above it
+  // the heads run in groups (see the mode loop).
+  const double mem_budget = std::atof(a.get("sparse-memory-gb", "20").c_str()) * 1e9;
+  if (!(mem_budget > 0))
+    return fail(SF_ERR(kInvalidArgument, "--sparse-memory-gb must be positive"));
   // The bf16 sparse kernel's mainloops to time (kernels/cuda/cuda_ops.h). The first gives each
   // sparse record's time_ms and speedups; the others are timed beside it on the same index
   // (time_ms_by_mainloop), and each gets its own "dense-ours" record.
@@ -882,109 +928,268 @@ int cmd_bench_attention(int argc, char** argv) {
           }
         }
       }
+      // Sparse modes. At long prompts the index and the estimator's workspace for every head of
+      // a layer pass the memory budget (--sparse-memory-gb, default 20: one layer's attention in
+      // 20 GB besides q, k, v), so the heads run in groups (whole groups of the query heads that
+      // share KV heads, down to one query head), as MInference runs heads one at a time. Each
+      // group's q, k, v are copied out once, untimed; a group is estimated and attended on its
+      // own, and a mode's times are the sums over its groups.
+      kernels::cuda::DeviceBuffer gq, gk, gv, go;
+      const size_t es = bf ? 2 : 4;
+      const int64_t hpk = shape.heads / shape.kv_heads;  // query heads per KV head
+      struct Group {
+        int64_t h0 = 0, nh = 0, kv0 = 0, nkv = 0;
+        TensorView q, k, v, o, lse;
+      };
+      // Views of n_g groups' geometry (data pointers of the group buffers, bound by bind()).
+      auto group_of = [&](int64_t n_g, int64_t gi) {
+        Group g;
+        g.nh = shape.heads / n_g;
+        g.h0 = gi * g.nh;
+        g.nkv = std::max<int64_t>(1, g.nh / hpk);
+        g.kv0 = g.h0 / hpk;
+        return g;
+      };
+      auto bind = [&](Group& g, int64_t n_g) -> Status {
+        if (n_g == 1) {
+          g.q = q_;
+          g.k = k_;
+          g.v = v_;
+          g.o = o_;
+          g.lse = lv;
+          return Status::ok();
+        }
+        const size_t qb = size_t(L) * size_t(g.nh * shape.d) * es;
+        const size_t kb = size_t(L) * size_t(g.nkv * shape.d) * es;
+        if (gq.size() < qb) SF_TRY(gq.alloc(qb));
+        if (go.size() < qb) SF_TRY(go.alloc(qb));
+        if (gk.size() < kb) SF_TRY(gk.alloc(kb));
+        if (gv.size() < kb) SF_TRY(gv.alloc(kb));
+        const DType t = bf ? DType::kBF16 : DType::kF32;
+        g.q = TensorView::make(gq.data(), t, {L, g.nh, shape.d}, Device::kCuda);
+        g.k = TensorView::make(gk.data(), t, {L, g.nkv, shape.d}, Device::kCuda);
+        g.v = TensorView::make(gv.data(), t, {L, g.nkv, shape.d}, Device::kCuda);
+        g.o = TensorView::make(go.data(), t, {L, g.nh, shape.d}, Device::kCuda);
+        g.lse = TensorView::make(static_cast<float*>(lv.data) + g.h0 * L, DType::kF32, {g.nh, L},
+                                 Device::kCuda);
+        // Rows of the full tensors, the group's heads of each: one strided copy per tensor.
+        auto slice = [&](void* dst, const TensorView& src, int64_t c0, int64_t nc) -> cudaError_t {
+          const size_t w = size_t(nc * shape.d) * es, pitch = size_t(src.shape[1] * shape.d) * es;
+          return cudaMemcpy2DAsync(dst, w,
+                                   static_cast<const char*>(src.data) + size_t(c0 * shape.d) * es,
+                                   pitch, w, size_t(L), cudaMemcpyDeviceToDevice, stream);
+        };
+        cudaError_t e = slice(gq.data(), q_, g.h0, g.nh);
+        if (e == cudaSuccess) e = slice(gk.data(), k_, g.kv0, g.nkv);
+        if (e == cudaSuccess) e = slice(gv.data(), v_, g.kv0, g.nkv);
+        if (e != cudaSuccess)
+          return SF_ERR(kInternal, std::string("head group copy: ") + cudaGetErrorString(e));
+        return Status::ok();
+      };
+      // The group's output back into its heads of the full output.
+      auto unbind = [&](const Group& g, int64_t n_g) -> Status {
+        if (n_g == 1) return Status::ok();
+        const size_t w = size_t(g.nh * shape.d) * es, pitch = size_t(shape.heads * shape.d) * es;
+        const cudaError_t e =
+            cudaMemcpy2DAsync(static_cast<char*>(o_.data) + size_t(g.h0 * shape.d) * es, pitch,
+                              go.data(), w, w, size_t(L), cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess)
+          return SF_ERR(kInternal, std::string("head group copy: ") + cudaGetErrorString(e));
+        return Status::ok();
+      };
+      // Workspace + index bytes of one group's plan at these capacities (nothing allocated).
+      auto group_bytes = [&](int64_t n_g, const HeadPattern& hp, int cb, int cc, size_t* ws,
+                             size_t* ix) -> Status {
+        const Group g = group_of(n_g, 0);
+        const DType t = bf ? DType::kBF16 : DType::kF32;
+        const TensorView qs = TensorView::make(q_.data, t, {L, g.nh, shape.d}, Device::kCuda);
+        const TensorView ks2 = TensorView::make(k_.data, t, {L, g.nkv, shape.d}, Device::kCuda);
+        kernels::cuda::SparseEstimatePlan sized;
+        kernels::cuda::EstimateMemory mem;
+        mem.size_only = true;
+        SF_TRY(kernels::cuda::sparse_estimate_plan(
+            qs, ks2, std::vector<HeadPattern>(size_t(g.nh), hp), 0, cb, cc, &sized, &mem));
+        *ws = sized.workspace_bytes;
+        *ix = sized.index_bytes;
+        return Status::ok();
+      };
+      // The fewest groups (a power of two dividing the heads) whose plan fits the budget; 0: none.
+      auto groups_for = [&](int64_t from, const HeadPattern& hp, int cb, int cc) -> int64_t {
+        for (int64_t n_g = from; n_g <= shape.heads; n_g *= 2) {
+          if (shape.heads % n_g != 0) break;
+          const int64_t nh = shape.heads / n_g;
+          if (nh % hpk != 0 && hpk % nh != 0) continue;  // a group would straddle KV heads
+          size_t ws = 0, ix = 0;
+          if (group_bytes(n_g, hp, cb, cc, &ws, &ix).is_ok() && double(ws + ix) <= mem_budget)
+            return n_g;
+        }
+        return 0;
+      };
+      constexpr double kHostIndexMax = 8e9;  // bytes of index worth a host copy and check
       for (size_t mi = 0; mi < n_modes; ++mi) {
         const ModeSpec& m = modes[mi];
-        // Device estimation: plan with a modest capacity, re-plan once with what the slots
-        // needed, then time the run step.
-        const std::vector<HeadPattern> pats(size_t(shape.heads), m.hp);
-        kernels::cuda::SparseEstimatePlan eplan;
-        kernels::cuda::SparseIndexDevice didx;
+        // Capacity: a first run at a modest capacity records what the slots needed (the
+        // estimator counts past its capacity), then the groups plan with exactly that (the
+        // estimator is deterministic, so the second run needs the same).
         const int cap_b = int(std::min<int64_t>((L + 63) / 64, 1024));
+        const int cap_c = 2048;
         int need_b = 0, need_c = 0;
-        st = kernels::cuda::sparse_estimate_plan(q_, k_, pats, 0, cap_b, 2048, &eplan);
-        if (st.is_ok()) st = kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream);
-        if (st.is_ok()) st = kernels::cuda::sparse_estimate_needed(eplan, stream, &need_b, &need_c);
-        if (st.is_ok() && (need_b > eplan.launch.max_blocks || need_c > eplan.launch.max_cols)) {
-          eplan = kernels::cuda::SparseEstimatePlan{};
-          st = kernels::cuda::sparse_estimate_plan(q_, k_, pats, 0, std::max(need_b, 1),
-                                                   std::max(need_c, 1), &eplan);
+        int64_t n_g = groups_for(1, m.hp, cap_b, cap_c);
+        if (n_g == 0) st = SF_ERR(kResourceExhausted, "no head group fits the memory budget");
+        for (int64_t gi = 0; st.is_ok() && gi < n_g; ++gi) {
+          Group g = group_of(n_g, gi);
+          kernels::cuda::SparseEstimatePlan eplan;
+          kernels::cuda::SparseIndexDevice didx;
+          int nb = 0, nc = 0;
+          st = bind(g, n_g);
+          if (st.is_ok())
+            st = kernels::cuda::sparse_estimate_plan(
+                g.q, g.k, std::vector<HeadPattern>(size_t(g.nh), m.hp), 0, cap_b, cap_c, &eplan);
+          if (st.is_ok()) st = kernels::cuda::sparse_estimate_run(&eplan, g.q, g.k, &didx, stream);
+          if (st.is_ok()) st = kernels::cuda::sparse_estimate_needed(eplan, stream, &nb, &nc);
+          need_b = std::max(need_b, nb);
+          need_c = std::max(need_c, nc);
+        }
+        const int plan_b = std::max(need_b, 1), plan_c = std::max(need_c, 1);
+        if (st.is_ok()) {
+          const int64_t n_g2 = groups_for(n_g, m.hp, plan_b, plan_c);
+          if (n_g2 == 0)
+            st = SF_ERR(kResourceExhausted,
+                        "even one query head's index and workspace pass the memory budget");
+          n_g = n_g2;
         }
         if (st.code() == Code::kResourceExhausted) {
-          // The mode does not fit on this device at this length: record what it needed, go on.
+          // The mode does not fit at this length: record what it needed, go on.
           const double slots = double(shape.heads) * double((L + 63) / 64);
           const double need_bytes = slots * (double(need_b) + double(need_c)) * 4.0;
-          std::printf("  %-28s %s out of device memory: the index needs %d blocks and %d columns per "
-                      "slot (%.1f GB); %s\n",
-                      m.name.c_str(), dt.c_str(), need_b, need_c, need_bytes / 1e9, st.message().c_str());
+          std::printf(
+              "  %-28s %s does not fit: the index needs %d blocks and %d columns per "
+              "slot (%.1f GB for all heads); %s\n",
+              m.name.c_str(), dt.c_str(), need_b, need_c, need_bytes / 1e9, st.message().c_str());
           boost::json::object o;
           o["mode"] = m.name;
           o["seq_len"] = L;
           o["dtype"] = dt;
-          o["error"] = "out of device memory: " + st.message();
+          o["error"] = "out of memory: " + st.message();
           o["index_max_blocks_needed"] = need_b;
           o["index_max_cols_needed"] = need_c;
           o["index_bytes_needed"] = need_bytes;
+          o["memory_budget_bytes"] = mem_budget;
           recs.push_back(std::move(o));
           (void)write_json(false);  // errors surface at the final write
+          st = Status::ok();
           continue;
         }
-        double est_ms = 0;
-        if (st.is_ok())
-          st = time_kernel(
-              stream, 1, n_rep,
-              [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
-              &est_ms);
-        // Where the estimator's time goes: scoring (+ pooling) alone, + selection, then all.
-        double est_score_ms = 0, est_select_ms = 0;
+        if (!st.is_ok()) return fail(st);
+        // Timed pass, group by group. Estimate: the run step, then its stages alone (scoring
+        // and pooling; + selection) for the breakdown; the last run leaves the whole index.
+        double est_ms = 0, est_score_ms = 0, est_select_ms = 0, sp_ms = 0;
+        size_t ws_bytes = 0, ix_bytes = 0;
+        int64_t clamped_heads = 0;
+        double rec_sum = 0, rec_min = 1, slots_equal = -1;
+        int64_t rec_n = 0;
+        int max_blocks_seen = 0, max_cols_seen = 0;
+        bool validated = true;
+        boost::json::object by_mainloop;
+        kernels::cuda::DeviceBuffer dpairs;
+        st = dpairs.alloc(sizeof(unsigned long long));
         if (st.is_ok()) {
-          eplan.launch.stages = 1;
-          st = time_kernel(
-              stream, 1, n_rep,
-              [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
-              &est_score_ms);
-          eplan.launch.stages = 3;
+          const cudaError_t e = cudaMemsetAsync(dpairs.data(), 0, dpairs.size(), stream);
+          if (e != cudaSuccess) st = SF_ERR(kInternal, cudaGetErrorString(e));
+        }
+        for (int64_t gi = 0; st.is_ok() && gi < n_g; ++gi) {
+          Group g = group_of(n_g, gi);
+          kernels::cuda::SparseEstimatePlan eplan;
+          kernels::cuda::SparseIndexDevice didx;
+          auto est_run = [&] {
+            return kernels::cuda::sparse_estimate_run(&eplan, g.q, g.k, &didx, stream);
+          };
+          st = bind(g, n_g);
           if (st.is_ok())
+            st = kernels::cuda::sparse_estimate_plan(
+                g.q, g.k, std::vector<HeadPattern>(size_t(g.nh), m.hp), 0, plan_b, plan_c, &eplan);
+          if (!st.is_ok()) break;
+          ws_bytes = std::max(ws_bytes, eplan.workspace_bytes);
+          ix_bytes = std::max(ix_bytes, eplan.index_bytes);
+          clamped_heads += eplan.clamped_heads;
+          double ms = 0;
+          st = time_kernel(stream, 1, n_rep, est_run, &ms);
+          est_ms += ms;
+          for (int stages : {1, 3}) {
+            eplan.launch.stages = stages;
+            if (st.is_ok()) st = time_kernel(stream, 1, n_rep, est_run, &ms);
+            (stages == 1 ? est_score_ms : est_select_ms) += ms;
+          }
+          eplan.launch.stages = 7;
+          if (st.is_ok()) st = est_run();
+          int nb = 0, nc = 0;
+          if (st.is_ok()) st = kernels::cuda::sparse_estimate_needed(eplan, stream, &nb, &nc);
+          max_blocks_seen = std::max(max_blocks_seen, nb);
+          max_cols_seen = std::max(max_cols_seen, nc);
+          // Density from the device's pair count. The whole index comes to the host (validated,
+          // and compared with the CPU estimator's where that ran) only while it is small.
+          if (st.is_ok())
+            st = kernels::cuda::sparse_index_pairs(didx, dpairs.as<unsigned long long>(), stream);
+          if (st.is_ok() && double(eplan.index_bytes) <= kHostIndexMax) {
+            SparseIndex idx;
+            st = kernels::cuda::sparse_index_download(didx, std::max(nb, 1), std::max(nc, 1), &idx,
+                                                      stream);
+            if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
+            if (st.is_ok() && n_g == 1 && mi < idxs.size() && bf == want_bf16) {
+              // Slot by slot against the CPU estimator's index.
+              const SparseIndex& hidx = idxs[mi];
+              int64_t eq = 0, total = 0;
+              for (int h = 0; h < idx.n_heads; ++h)
+                for (int64_t qb = 0; qb < idx.n_qblocks; ++qb, ++total) {
+                  const size_t sl = idx.slot(h, qb);
+                  bool same = idx.block_count[sl] == hidx.block_count[sl] &&
+                              idx.column_count[sl] == hidx.column_count[sl];
+                  for (int32_t i = 0; same && i < idx.block_count[sl]; ++i)
+                    same = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)] ==
+                           hidx.block_offset[sl * size_t(hidx.max_blocks) + size_t(i)];
+                  for (int32_t i = 0; same && i < idx.column_count[sl]; ++i)
+                    same = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)] ==
+                           hidx.column_index[sl * size_t(hidx.max_cols) + size_t(i)];
+                  eq += same ? 1 : 0;
+                }
+              slots_equal = total ? double(eq) / double(total) : 1.0;
+            }
+          } else {
+            validated = false;
+          }
+          SampledSlots sampled;
+          if (st.is_ok()) st = download_sampled(didx, L, &sampled, stream);
+          if (!st.is_ok()) break;
+          double gmin = 1;
+          rec_n += index_recall(in, shape, L, sampled, g.h0, &rec_sum, &gmin);
+          rec_min = std::min(rec_min, gmin);
+          // bf16: each listed mainloop in turn, the first last so that the output is its own.
+          for (size_t li = bf ? mainloops.size() : 1; st.is_ok() && li-- > 0;) {
+            if (bf) kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
             st = time_kernel(
                 stream, 1, n_rep,
-                [&] { return kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream); },
-                &est_select_ms);
-          eplan.launch.stages = 7;
-          if (st.is_ok())  // leaves the complete index in place for the kernel
-            st = kernels::cuda::sparse_estimate_run(&eplan, q_, k_, &didx, stream);
-        }
-        SparseIndex idx;
-        if (st.is_ok())
-          st = kernels::cuda::sparse_index_download(didx, std::max(need_b, 1), std::max(need_c, 1),
-                                                    &idx, stream);
-        if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
-        if (!st.is_ok()) return fail(st);
-        double idx_pairs = 0;
-        for (int h = 0; h < idx.n_heads; ++h)
-          for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) idx_pairs += double(idx.pairs(h, qb));
-        double slots_equal = -1;
-        if (mi < idxs.size() && bf == want_bf16) {  // slot-by-slot against the CPU estimator's
-          const SparseIndex& hidx = idxs[mi];
-          int64_t eq = 0, total = 0;
-          for (int h = 0; h < idx.n_heads; ++h)
-            for (int64_t qb = 0; qb < idx.n_qblocks; ++qb, ++total) {
-              const size_t sl = idx.slot(h, qb);
-              bool same = idx.block_count[sl] == hidx.block_count[sl] &&
-                          idx.column_count[sl] == hidx.column_count[sl];
-              for (int32_t i = 0; same && i < idx.block_count[sl]; ++i)
-                same = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)] ==
-                       hidx.block_offset[sl * size_t(hidx.max_blocks) + size_t(i)];
-              for (int32_t i = 0; same && i < idx.column_count[sl]; ++i)
-                same = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)] ==
-                       hidx.column_index[sl * size_t(hidx.max_cols) + size_t(i)];
-              eq += same ? 1 : 0;
+                [&] {
+                  return kernels::cuda::attention_sparse(g.q, g.k, g.v, didx, g.o, g.lse, p,
+                                                         stream);
+                },
+                &ms);
+            if (li == 0) sp_ms += ms;
+            if (bf) {
+              const char* name = kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]);
+              const double prev = by_mainloop.contains(name) ? by_mainloop[name].as_double() : 0.0;
+              by_mainloop[name] = prev + ms;
             }
-          slots_equal = total ? double(eq) / double(total) : 1.0;
+          }
+          if (st.is_ok()) st = unbind(g, n_g);
         }
-        // bf16: each listed mainloop in turn, the first last so that the output checked below is
-        // its own; sp_ms is the first's.
-        double sp_ms = 0;
-        boost::json::object by_mainloop;
-        for (size_t li = bf ? mainloops.size() : 1; st.is_ok() && li-- > 0;) {
-          if (bf) kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
-          st = time_kernel(
-              stream, 1, n_rep,
-              [&] { return kernels::cuda::attention_sparse(q_, k_, v_, didx, o_, lv, p, stream); },
-              &sp_ms);
-          if (bf) by_mainloop[kernels::cuda::sparse_bf16_mainloop_name(mainloops[li])] = sp_ms;
-        }
+        if (st.is_ok()) st = kernels::cuda::stream_synchronize(stream);
+        unsigned long long pairs_got = 0;
+        if (st.is_ok()) st = dpairs.download(&pairs_got, sizeof pairs_got);
         if (!st.is_ok()) return fail(st);
-        const double density = idx.density();
+        const double idx_pairs = double(pairs_got);
+        const double density = idx_pairs / causal_pairs;
         const double tf = 4.0 * d * idx_pairs / (sp_ms * 1e-3) / 1e12;
+        const double rec_mean = rec_n ? rec_sum / double(rec_n) : 0.0;
         boost::json::object o;
         o["mode"] = m.name;
         o["seq_len"] = L;
@@ -994,6 +1199,8 @@ int cmd_bench_attention(int argc, char** argv) {
                          : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
+        o["head_groups"] = n_g;  // times are sums over the groups
+        o["memory_budget_bytes"] = mem_budget;
         o["estimate_ms"] = est_ms;
         o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
                               (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
@@ -1001,8 +1208,8 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_scoring_ms"] = est_score_ms;  // scoring and pooling
         o["estimate_selection_ms"] = est_select_ms - est_score_ms;
         o["estimate_build_ms"] = est_ms - est_select_ms;
-        o["estimate_workspace_bytes"] = double(eplan.workspace_bytes);
-        o["index_bytes"] = double(eplan.index_bytes);
+        o["estimate_workspace_bytes"] = double(ws_bytes);  // per group
+        o["index_bytes"] = double(ix_bytes);               // per group
         if (mi < idxs.size()) {
           o["estimate_host_ms"] = est_host_ms[mi];
           o["estimate_host_threads"] = num_threads();
@@ -1011,11 +1218,10 @@ int cmd_bench_attention(int argc, char** argv) {
         }
         o["tflops"] = tf;
         o["density"] = density;
-        o["index_max_blocks"] = idx.max_blocks;
-        o["index_max_cols"] = idx.max_cols;
-        o["clamped_heads"] = double(eplan.clamped_heads);
-        double rec_mean = 0, rec_min = 0;
-        index_recall(in, shape, L, idx, &rec_mean, &rec_min);
+        o["index_max_blocks"] = max_blocks_seen;
+        o["index_max_cols"] = max_cols_seen;
+        o["clamped_heads"] = double(clamped_heads);
+        o["index_validated"] = validated;  // downloaded and checked on the host (small indexes)
         o["sampled_recall"] = rec_mean;  // see mass_oracle: rows L-1, 3L/4, L/2, L/4, every head
         o["sampled_recall_min"] = rec_min;
         o["oracle_block_density_95"] = oracle.block_density;
@@ -1041,6 +1247,9 @@ int cmd_bench_attention(int argc, char** argv) {
             m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
         std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms,
                     est_select_ms - est_score_ms, est_ms - est_select_ms);
+        if (n_g > 1)
+          std::printf(" [%lld head groups, %.1f + %.1f GB each]", static_cast<long long>(n_g),
+                      double(ws_bytes) / 1e9, double(ix_bytes) / 1e9);
         std::printf("  sampled recall %.4f (min %.4f)", rec_mean, rec_min);
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
