@@ -1090,6 +1090,7 @@ int cmd_bench_attention(int argc, char** argv) {
         int64_t rec_n = 0;
         int max_blocks_seen = 0, max_cols_seen = 0;
         bool validated = true;
+        size_t mem_used_max = 0, mem_total = 0;
         boost::json::object by_mainloop;
         kernels::cuda::DeviceBuffer dpairs;
         st = dpairs.alloc(sizeof(unsigned long long));
@@ -1180,6 +1181,13 @@ int cmd_bench_attention(int argc, char** argv) {
               by_mainloop[name] = prev + ms;
             }
           }
+          // Device memory in use with this group's plan and index live (the whole device, as
+          // the runtime reports it: what a smaller GPU would have to hold).
+          size_t mfree = 0, mtotal = 0;
+          if (cudaMemGetInfo(&mfree, &mtotal) == cudaSuccess) {
+            mem_used_max = std::max(mem_used_max, mtotal - mfree);
+            mem_total = mtotal;
+          }
           if (st.is_ok()) st = unbind(g, n_g);
         }
         if (st.is_ok()) st = kernels::cuda::stream_synchronize(stream);
@@ -1210,6 +1218,8 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_build_ms"] = est_ms - est_select_ms;
         o["estimate_workspace_bytes"] = double(ws_bytes);  // per group
         o["index_bytes"] = double(ix_bytes);               // per group
+        o["device_memory_used_max_bytes"] = double(mem_used_max);
+        o["device_memory_total_bytes"] = double(mem_total);
         if (mi < idxs.size()) {
           o["estimate_host_ms"] = est_host_ms[mi];
           o["estimate_host_threads"] = num_threads();
@@ -1250,6 +1260,8 @@ int cmd_bench_attention(int argc, char** argv) {
         if (n_g > 1)
           std::printf(" [%lld head groups, %.1f + %.1f GB each]", static_cast<long long>(n_g),
                       double(ws_bytes) / 1e9, double(ix_bytes) / 1e9);
+        std::printf(" [device memory used %.1f of %.1f GB]", double(mem_used_max) / 1e9,
+                    double(mem_total) / 1e9);
         std::printf("  sampled recall %.4f (min %.4f)", rec_mean, rec_min);
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
