@@ -1013,14 +1013,23 @@ int cmd_bench_attention(int argc, char** argv) {
         *ix = sized.index_bytes;
         return Status::ok();
       };
-      // The fewest groups (a power of two dividing the heads) whose plan fits the budget; 0: none.
+      // Bytes of one group's copies of q, k, v and its output (none with one group).
+      auto copy_bytes = [&](int64_t n_g) {
+        if (n_g == 1) return 0.0;
+        const Group g = group_of(n_g, 0);
+        return double(L) * double(2 * (g.nh + g.nkv) * shape.d) * double(es);
+      };
+      // The fewest groups (a power of two dividing the heads) whose plan, and with more than one
+      // group the group's copies of q, k, v and its output, fit the budget; 0: none.
       auto groups_for = [&](int64_t from, const HeadPattern& hp, int cb, int cc) -> int64_t {
         for (int64_t n_g = from; n_g <= shape.heads; n_g *= 2) {
           if (shape.heads % n_g != 0) break;
           const int64_t nh = shape.heads / n_g;
           if (nh % hpk != 0 && hpk % nh != 0) continue;  // a group would straddle KV heads
           size_t ws = 0, ix = 0;
-          if (group_bytes(n_g, hp, cb, cc, &ws, &ix).is_ok() && double(ws + ix) <= mem_budget)
+          const double copies = copy_bytes(n_g);
+          if (group_bytes(n_g, hp, cb, cc, &ws, &ix).is_ok() &&
+              double(ws + ix) + copies <= mem_budget)
             return n_g;
         }
         return 0;
@@ -1218,6 +1227,7 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_build_ms"] = est_ms - est_select_ms;
         o["estimate_workspace_bytes"] = double(ws_bytes);  // per group
         o["index_bytes"] = double(ix_bytes);               // per group
+        o["head_group_copy_bytes"] = copy_bytes(n_g);      // q, k, v, out copies of one group
         o["device_memory_used_max_bytes"] = double(mem_used_max);
         o["device_memory_total_bytes"] = double(mem_total);
         if (mi < idxs.size()) {
