@@ -1420,7 +1420,9 @@ size_t sparse_estimate_block_smem_limit() {
       size_t(optin) > fa.sharedSizeBytes)
     return size_t(optin) - fa.sharedSizeBytes;
   (void)cudaGetLastError();  // a failed query would leave its error for the next check
-  constexpr size_t kStatic = sizeof(SelShared) * (kBlockSelectThreads / 32);
+  constexpr size_t kStatic =
+      sizeof(SelShared) * (kBlockSelectThreads / 32) +
+      sizeof(typename FlagScan<CtaGroup<kBlockSelectThreads>>::Scan::TempStorage);
   return size_t(227 * 1024) - kStatic - 1024;
 }
 

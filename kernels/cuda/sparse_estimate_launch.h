@@ -83,7 +83,7 @@ size_t sparse_estimate_block_smem_limit();
 // limit; 0 when not even one does.
 int sparse_estimate_block_group(int64_t n_kb, int64_t d);
 // Whether a CTA of this group size selects with all its threads, one query block at a time (when
-// fewer than half its warps would have a query block of their own).
+// at most half its warps would have a query block of their own).
 bool sparse_estimate_block_cta(int group);
 
 // A device index (SparseIndexDevice layout) whose computed (query, key) pairs under the causal

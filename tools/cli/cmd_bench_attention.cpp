@@ -1021,16 +1021,21 @@ int cmd_bench_attention(int argc, char** argv) {
       };
       // The fewest groups (a power of two dividing the heads) whose plan, and with more than one
       // group the group's copies of q, k, v and its output, fit the budget; 0: none.
-      auto groups_for = [&](int64_t from, const HeadPattern& hp, int cb, int cc) -> int64_t {
+      // A plan error other than a memory one goes to *err.
+      auto groups_for = [&](int64_t from, const HeadPattern& hp, int cb, int cc,
+                            Status* err) -> int64_t {
         for (int64_t n_g = from; n_g <= shape.heads; n_g *= 2) {
           if (shape.heads % n_g != 0) break;
           const int64_t nh = shape.heads / n_g;
           if (nh % hpk != 0 && hpk % nh != 0) continue;  // a group would straddle KV heads
           size_t ws = 0, ix = 0;
           const double copies = copy_bytes(n_g);
-          if (group_bytes(n_g, hp, cb, cc, &ws, &ix).is_ok() &&
-              double(ws + ix) + copies <= mem_budget)
-            return n_g;
+          const Status gs = group_bytes(n_g, hp, cb, cc, &ws, &ix);
+          if (!gs.is_ok() && gs.code() != Code::kResourceExhausted) {
+            *err = gs;
+            return 0;
+          }
+          if (gs.is_ok() && double(ws + ix) + copies <= mem_budget) return n_g;
         }
         return 0;
       };
@@ -1043,8 +1048,9 @@ int cmd_bench_attention(int argc, char** argv) {
         const int cap_b = int(std::min<int64_t>((L + 63) / 64, 1024));
         const int cap_c = 2048;
         int need_b = 0, need_c = 0;
-        int64_t n_g = groups_for(1, m.hp, cap_b, cap_c);
-        if (n_g == 0) st = SF_ERR(kResourceExhausted, "no head group fits the memory budget");
+        int64_t n_g = groups_for(1, m.hp, cap_b, cap_c, &st);
+        if (n_g == 0 && st.is_ok())
+          st = SF_ERR(kResourceExhausted, "no head group fits the memory budget");
         for (int64_t gi = 0; st.is_ok() && gi < n_g; ++gi) {
           Group g = group_of(n_g, gi);
           kernels::cuda::SparseEstimatePlan eplan;
@@ -1061,14 +1067,15 @@ int cmd_bench_attention(int argc, char** argv) {
         }
         const int plan_b = std::max(need_b, 1), plan_c = std::max(need_c, 1);
         if (st.is_ok()) {
-          const int64_t n_g2 = groups_for(n_g, m.hp, plan_b, plan_c);
-          if (n_g2 == 0)
+          const int64_t n_g2 = groups_for(n_g, m.hp, plan_b, plan_c, &st);
+          if (n_g2 == 0 && st.is_ok())
             st = SF_ERR(kResourceExhausted,
                         "even one query head's index and workspace pass the memory budget");
           n_g = n_g2;
         }
-        if (st.code() == Code::kResourceExhausted) {
-          // The mode does not fit at this length: record what it needed, go on.
+        // The mode does not fit at this length (the budget, or the device itself): record what it
+        // needed, free the group copies, go on.
+        auto record_unfit = [&] {
           const double slots = double(shape.heads) * double((L + 63) / 64);
           const double need_bytes = slots * (double(need_b) + double(need_c)) * 4.0;
           std::printf(
@@ -1087,6 +1094,13 @@ int cmd_bench_attention(int argc, char** argv) {
           recs.push_back(std::move(o));
           (void)write_json(false);  // errors surface at the final write
           st = Status::ok();
+          gq.reset();
+          gk.reset();
+          gv.reset();
+          go.reset();
+        };
+        if (st.code() == Code::kResourceExhausted) {
+          record_unfit();
           continue;
         }
         if (!st.is_ok()) return fail(st);
@@ -1199,6 +1213,15 @@ int cmd_bench_attention(int argc, char** argv) {
           }
           if (st.is_ok()) st = unbind(g, n_g);
         }
+        if (st.code() == Code::kResourceExhausted) {
+          record_unfit();
+          continue;
+        }
+        // The group copies are not kept for the next mode (which may not need them).
+        gq.reset();
+        gk.reset();
+        gv.reset();
+        go.reset();
         if (st.is_ok()) st = kernels::cuda::stream_synchronize(stream);
         unsigned long long pairs_got = 0;
         if (st.is_ok()) st = dpairs.download(&pairs_got, sizeof pairs_got);
