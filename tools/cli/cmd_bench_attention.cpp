@@ -950,6 +950,19 @@ int cmd_bench_attention(int argc, char** argv) {
         g.kv0 = g.h0 / hpk;
         return g;
       };
+      // For every one of the L rows, heads [s0, s0 + nh) of src (src_heads a row) to heads
+      // [d0, d0 + nh) of dst (dst_heads a row): one strided copy on the stream.
+      auto copy_heads = [&](void* dst, int64_t dst_heads, int64_t d0, const void* src,
+                            int64_t src_heads, int64_t s0, int64_t nh) -> Status {
+        const size_t hb = size_t(shape.d) * es;  // bytes of one head's row
+        const cudaError_t e = cudaMemcpy2DAsync(
+            static_cast<char*>(dst) + size_t(d0) * hb, size_t(dst_heads) * hb,
+            static_cast<const char*>(src) + size_t(s0) * hb, size_t(src_heads) * hb,
+            size_t(nh) * hb, size_t(L), cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess)
+          return SF_ERR(kInternal, std::string("head group copy: ") + cudaGetErrorString(e));
+        return Status::ok();
+      };
       auto bind = [&](Group& g, int64_t n_g) -> Status {
         if (n_g == 1) {
           g.q = q_;
@@ -972,30 +985,14 @@ int cmd_bench_attention(int argc, char** argv) {
         g.o = TensorView::make(go.data(), t, {L, g.nh, shape.d}, Device::kCuda);
         g.lse = TensorView::make(static_cast<float*>(lv.data) + g.h0 * L, DType::kF32, {g.nh, L},
                                  Device::kCuda);
-        // Rows of the full tensors, the group's heads of each: one strided copy per tensor.
-        auto slice = [&](void* dst, const TensorView& src, int64_t c0, int64_t nc) -> cudaError_t {
-          const size_t w = size_t(nc * shape.d) * es, pitch = size_t(src.shape[1] * shape.d) * es;
-          return cudaMemcpy2DAsync(dst, w,
-                                   static_cast<const char*>(src.data) + size_t(c0 * shape.d) * es,
-                                   pitch, w, size_t(L), cudaMemcpyDeviceToDevice, stream);
-        };
-        cudaError_t e = slice(gq.data(), q_, g.h0, g.nh);
-        if (e == cudaSuccess) e = slice(gk.data(), k_, g.kv0, g.nkv);
-        if (e == cudaSuccess) e = slice(gv.data(), v_, g.kv0, g.nkv);
-        if (e != cudaSuccess)
-          return SF_ERR(kInternal, std::string("head group copy: ") + cudaGetErrorString(e));
-        return Status::ok();
+        SF_TRY(copy_heads(gq.data(), g.nh, 0, q_.data, shape.heads, g.h0, g.nh));
+        SF_TRY(copy_heads(gk.data(), g.nkv, 0, k_.data, shape.kv_heads, g.kv0, g.nkv));
+        return copy_heads(gv.data(), g.nkv, 0, v_.data, shape.kv_heads, g.kv0, g.nkv);
       };
       // The group's output back into its heads of the full output.
       auto unbind = [&](const Group& g, int64_t n_g) -> Status {
         if (n_g == 1) return Status::ok();
-        const size_t w = size_t(g.nh * shape.d) * es, pitch = size_t(shape.heads * shape.d) * es;
-        const cudaError_t e =
-            cudaMemcpy2DAsync(static_cast<char*>(o_.data) + size_t(g.h0 * shape.d) * es, pitch,
-                              go.data(), w, w, size_t(L), cudaMemcpyDeviceToDevice, stream);
-        if (e != cudaSuccess)
-          return SF_ERR(kInternal, std::string("head group copy: ") + cudaGetErrorString(e));
-        return Status::ok();
+        return copy_heads(o_.data, shape.heads, g.h0, go.data(), g.nh, 0, g.nh);
       };
       // Workspace + index bytes of one group's plan at these capacities (nothing allocated).
       auto group_bytes = [&](int64_t n_g, const HeadPattern& hp, int cb, int cc, size_t* ws,
