@@ -64,13 +64,13 @@ struct ScorePass {
 // in the product 8 threads reading 8 consecutive padded rows hit 32 distinct banks. Then the
 // 64 x 65 logits.
 __host__ __device__ __forceinline__ int64_t tile_stride(int64_t d) { return d + 4; }
-// BF16 q and k with d % 32 == 0 and 16-byte aligned rows: the logits come from tensor cores
+// BF16 q and k with d 64 or 128 and 16-byte aligned rows: the logits come from tensor cores
 // (mma.sync m16n8k16, fp32 accumulation) on bf16 tiles [64][d + 8] (16-byte row pad: ldmatrix
 // phases are conflict-free). bf16 products are exact in fp32, only the summation order differs
 // from the fp32 path (and the CPU), so selections can differ at exact ties alone.
 __host__ __device__ __forceinline__ int64_t tile_stride_b(int64_t d) { return d + 8; }
 __host__ __device__ __forceinline__ bool mma_scores(const EstimateLaunch& p) {
-  return p.bf16 && p.d % 32 == 0 && p.d <= 256 && (reinterpret_cast<uintptr_t>(p.q) % 16) == 0 &&
+  return p.bf16 && (p.d == 64 || p.d == 128) && (reinterpret_cast<uintptr_t>(p.q) % 16) == 0 &&
          (reinterpret_cast<uintptr_t>(p.k) % 16) == 0;
 }
 // The mma layout: q tile, k tile, then the logits; the stats pass (logits in registers) uses that
@@ -186,22 +186,28 @@ __device__ void load_q_tile(const EstimateLaunch& p, const ScorePass& sp, int h,
 // Tensor-core logits (unscaled) into registers: warp w computes query rows 16 (w % 4) .. + 15
 // against keys 32 (w / 4) .. + 31 (4 n-tiles of 8), two 16-wide k-steps per ldmatrix x4 of K
 // rows. c[n][0..1]: row 16 (w % 4) + lane / 4, keys (4 (w / 4) + n) 8 + 2 (lane % 4) + 0..1;
-// c[n][2..3]: the row 8 below.
-__device__ __forceinline__ void logits_mma(int64_t d, const __nv_bfloat16* qb,
+// c[n][2..3]: the row 8 below. D > 0: the head dim known at compile time (the k-step loop
+// unrolls and its addresses fold); D = 0: d at run time. Same k-step order either way, so the
+// logits are the same bits.
+template <int D>
+__device__ __forceinline__ void logits_mma(int64_t d_rt, const __nv_bfloat16* qb,
                                            const __nv_bfloat16* kb, float (&c)[4][4]) {
   using namespace attention_sparse_bf16_detail;
-  const int64_t ts = tile_stride_b(d);
+  const int d = D > 0 ? D : int(d_rt);
+  const int ts = d + 8;  // tile_stride_b
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4;
-  for (int64_t ks = 0; ks < d / 16; ks += 2) {
+  const __nv_bfloat16* qrow = qb + (mt * 16 + lane % 16) * ts + (lane / 16) * 8;
+  const __nv_bfloat16* krow = kb + (nq * 32 + lane % 8) * ts + (lane / 8) * 8;
+#pragma unroll(D > 0 ? D / 32 : 1)
+  for (int ks = 0; ks < d / 16; ks += 2) {
     uint32_t a0[4], a1[4];
-    const __nv_bfloat16* qrow = qb + (mt * 16 + lane % 16) * ts + (lane / 16) * 8;
     ldmatrix_x4(a0, qrow + ks * 16);
     ldmatrix_x4(a1, qrow + (ks + 1) * 16);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       uint32_t b[4];
-      ldmatrix_x4(b, kb + ((nq * 4 + n) * 8 + lane % 8) * ts + ks * 16 + (lane / 8) * 8);
+      ldmatrix_x4(b, krow + n * 8 * ts + ks * 16);
       mma_bf16(c[n], a0[0], a0[1], a0[2], a0[3], b[0], b[1]);
       mma_bf16(c[n], a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
     }
@@ -212,7 +218,7 @@ __device__ void chunk_logits_mma(const EstimateLaunch& p, ScoreSmem& sm) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4;
   float c[4][4] = {};
-  logits_mma(p.d, sm.qb, sm.kb, c);
+  logits_mma<0>(p.d, sm.qb, sm.kb, c);
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
@@ -282,11 +288,14 @@ __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const Sc
 
 // The stats pass on tensor cores (bf16): the logits stay in registers (each warp reduces its
 // 16 rows x 32 keys across the 4 lanes of a row, two warps' halves meet in shared memory), and
-// the next chunk's k tile is copied by cp.async while this one is scored.
+// the next chunk's k tile is copied by cp.async while this one is scored. Sums of exp run on the
+// SFU (2^(x log2 e), what expf rounds to within a few ulp); chunks every row sees whole (all but
+// the last one or two: the rows are the prompt's last) skip the causal mask.
+template <int D>
 __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, int hs,
                                 ScoreSmem& sm) {
   using namespace attention_sparse_bf16_detail;
-  const int64_t d = p.d, ts = tile_stride_b(d);
+  const int d = D > 0 ? D : int(p.d), ts = d + 8;  // tile_stride_b
   const int64_t kvh = sp.heads[hs] / (p.hq / p.hkv);
   const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * d;
   const int64_t krow = p.hkv * d;
@@ -295,7 +304,7 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   __nv_bfloat16* const kbuf[2] = {sm.kb, sm.kb2};
   auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
     const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
-    const int nv = int(d / 8), n = kB * nv;
+    const int nv = d / 8, n = kB * nv;
     for (int x = threadIdx.x; x < n; x += kScoreThreads) {
       const int i = x / nv, c = (x % nv) * 8;
       const bool valid = i < kc;  // rows past the keys are zero-filled
@@ -306,6 +315,8 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   if (ch0 < ch_end) issue(ch0, kbuf[0]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4, g = lane / 4, t = lane % 4;
+  // Row 0 sees keys [0, v0): a chunk ending at or before v0 is visible to every row.
+  const int64_t v0 = p.q_offset + sp.r0 + 1;
   for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
     const int buf = int(chunk - ch0) & 1;
     if (chunk + 1 < ch_end) {
@@ -316,29 +327,39 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
     }
     __syncthreads();  // this chunk's tile (and the q tile) is visible to every warp
     const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+    const bool whole = kc == kB && c0 + kB <= v0;
     float c[4][4] = {};
-    logits_mma(d, sm.qb, kbuf[buf], c);
+    logits_mma<D>(d, sm.qb, kbuf[buf], c);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = mt * 16 + g + 8 * half;
-      const int lim = i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0;
       float v[8];
+      if (whole && i < sp.L) {
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = (nq * 4 + n) * 8 + 2 * t + e;
-          v[n * 2 + e] = j < lim ? c[n][2 * half + e] * p.scale : -INFINITY;
-        }
+          for (int e = 0; e < 2; ++e) v[n * 2 + e] = c[n][2 * half + e] * p.scale;
+      } else {
+        const int lim = i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0;
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = (nq * 4 + n) * 8 + 2 * t + e;
+            v[n * 2 + e] = j < lim ? c[n][2 * half + e] * p.scale : -INFINITY;
+          }
+      }
       float m = -INFINITY;
 #pragma unroll
       for (int x = 0; x < 8; ++x) m = fmaxf(m, v[x]);
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       float l = 0.f;
-      if (m != -INFINITY)
+      if (m != -INFINITY) {
+        const float ml = m * kLog2e;
 #pragma unroll
-        for (int x = 0; x < 8; ++x) l += expf(v[x] - m);  // exp(-inf) = 0 past the limit
+        for (int x = 0; x < 8; ++x) l += fast_exp2(fmaf(v[x], kLog2e, -ml));  // -inf -> 0
+      }
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       if (t == 0) {
@@ -353,8 +374,8 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
       const float m1 = sm.red[(kB + i) * 2], l1 = sm.red[(kB + i) * 2 + 1];
       const float m = fmaxf(m0, m1);
       float l = 0.f;
-      if (l0 > 0.f) l += l0 * expf(m0 - m);
-      if (l1 > 0.f) l += l1 * expf(m1 - m);
+      if (l0 > 0.f) l += l0 * fast_exp2((m0 - m) * kLog2e);
+      if (l1 > 0.f) l += l1 * fast_exp2((m1 - m) * kLog2e);
       const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
       p.part_m[at] = m;
       p.part_l[at] = l;
@@ -362,7 +383,20 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   }
 }
 
-// grid (n_heads, n_chunks): per row, the chunk's max and sum of exp.
+// grid (n_heads, n_chunks): per row, the chunk's max and sum of exp, on tensor cores (bf16,
+// mma_scores). A kernel per head dim, four CTAs an SM (64 registers, 53 KB of shared memory
+// each at d = 128, no spills): the pass is bound by issue and latency, not by a pipe, so more
+// warps hide more of it.
+template <int D>
+__global__ void __launch_bounds__(kScoreThreads, 4)
+    score_stats_mma_kernel(const EstimateLaunch p, const ScorePass sp) {
+  extern __shared__ __align__(16) unsigned char score_raw[];
+  ScoreSmem sm(p, score_raw);
+  load_q_tile<__nv_bfloat16>(p, sp, sp.heads[blockIdx.x], sm);
+  score_stats_mma<D>(p, sp, int(blockIdx.x), sm);
+}
+
+// The same on CUDA cores (fp32, or bf16 that mma_scores turns down).
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
     score_stats_kernel(const EstimateLaunch p, const ScorePass sp) {
@@ -371,12 +405,6 @@ __global__ void __launch_bounds__(kScoreThreads)
   float* const ss = sm.ss;
   const int hs = blockIdx.x;
   load_q_tile<T>(p, sp, sp.heads[hs], sm);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (sm.mma) {
-      score_stats_mma(p, sp, hs, sm);
-      return;
-    }
-  }
   const int64_t ch_end = imin(p.n_chunks, (int64_t(blockIdx.y) + 1) * kChunksPerCta);
   for (int64_t chunk = int64_t(blockIdx.y) * kChunksPerCta; chunk < ch_end; ++chunk) {
     const int64_t c0 = chunk * kB;
@@ -578,6 +606,7 @@ struct SelShared {
   double msum[256];
   double dred[32];
   long long ired[32];
+  uint32_t ured[32];
   uint32_t prefix;
   uint32_t mask;  // digits of prefix fixed by the walk (all 32 bits unless it stopped early)
   long long cnt_gt;
@@ -667,25 +696,26 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
                                 long long want, double goal, double start_mass, SelShared& sh) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
-  long long kmax = 0, kmin = 0xffffffffll;
+  // 32-bit keys (no items: kmax = 0 < kmin = ~0).
+  uint32_t kmax = 0, kmin = 0xffffffffu;
   for (int i = rk; i < n; i += BS)
     if (!forced(i)) {
-      const long long key = order_key(s[i]);
-      kmax = key > kmax ? key : kmax;
-      kmin = key < kmin ? key : kmin;
+      const uint32_t key = order_key(s[i]);
+      kmax = max(kmax, key);
+      kmin = min(kmin, key);
     }
   kmax = group_reduce<G>(
-      kmax, [](long long a, long long b) { return a > b ? a : b; }, sh.ired);
+      kmax, [](uint32_t a, uint32_t b) { return max(a, b); }, sh.ured);
   kmin = group_reduce<G>(
-      kmin, [](long long a, long long b) { return a < b ? a : b; }, sh.ired);
+      kmin, [](uint32_t a, uint32_t b) { return min(a, b); }, sh.ured);
   // No items (kmax < kmin) or all equal: one pass over the whole key finds them.
-  const uint32_t diff = kmax >= kmin ? uint32_t(kmax) ^ uint32_t(kmin) : 0u;
+  const uint32_t diff = kmax >= kmin ? kmax ^ kmin : 0u;
   const int hb = diff ? 31 - __clz(diff) : 0;
   // Bits above hb are fixed (hb = 31: 2u << 31 wraps to 0, so none are).
   uint32_t mask = diff ? ~((2u << hb) - 1u) : 0xffffffffu;
   int shift = hb > 7 ? hb - 7 : 0;
   if (rk == 0) {
-    sh.prefix = uint32_t(kmax) & mask;
+    sh.prefix = kmax & mask;
     sh.cnt_gt = 0;
     sh.mass_gt = start_mass;
     sh.found = 1;
@@ -694,7 +724,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
   for (;;) {
     for (int x = rk; x < 256; x += BS) {
       sh.cnt[x] = 0;
-      sh.msum[x] = 0;
+      if (mass_mode) sh.msum[x] = 0;
     }
     G::sync();
     const uint32_t prefix = sh.prefix;
@@ -737,9 +767,10 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
     // reaches the target: one warp, 8 buckets a lane, a warp scan for the lanes' offsets.
     if (rk < 32) {
       const int lane = rk;
+      // Counts are 32-bit (n < 2^31 items); count mode leaves the mass bins alone.
       unsigned c[8];
       double m[8];
-      long long csum = 0;
+      unsigned csum = 0;
       double msum = 0;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -749,19 +780,19 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
         csum += c[e];
         msum += m[e];
       }
-      long long cinc = csum;
+      unsigned cinc = csum;
       double minc = msum;
       for (int o = 1; o < 32; o <<= 1) {
-        const long long cv = __shfl_up_sync(0xffffffffu, cinc, o);
-        const double mv = __shfl_up_sync(0xffffffffu, minc, o);
-        if (lane >= o) {
-          cinc += cv;
-          minc += mv;
+        const unsigned cv = __shfl_up_sync(0xffffffffu, cinc, o);
+        if (lane >= o) cinc += cv;
+        if (mass_mode) {  // uniform across the warp
+          const double mv = __shfl_up_sync(0xffffffffu, minc, o);
+          if (lane >= o) minc += mv;
         }
       }
       const long long base_c = sh.cnt_gt;
       const double base_m = sh.mass_gt;
-      long long c_acc = base_c + cinc - csum;
+      long long c_acc = base_c + (long long)(cinc - csum);
       double m_acc = base_m + (minc - msum);
       int hit = -1;
 #pragma unroll
@@ -1319,7 +1350,12 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p);
   const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
-  score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  if (!mma_scores(p))
+    score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  else if (p.d == 128)
+    score_stats_mma_kernel<128><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  else
+    score_stats_mma_kernel<64><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
   row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
   if (!sp.col && !sp.part_d) {  // mass alone: from the stats, no second pass over the logits
@@ -1384,6 +1420,12 @@ cudaError_t configure(const EstimateLaunch& p) {
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(score_probs_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem);
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
+    e = cudaFuncSetAttribute(score_stats_mma_kernel<128>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
+    e = cudaFuncSetAttribute(score_stats_mma_kernel<64>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));

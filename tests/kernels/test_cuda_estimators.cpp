@@ -513,7 +513,11 @@ TEST_F(CudaEstimators, MatchesCpuF32) {
   run_case({700, 1900, 1200, 8, 2, 128}, false);  // q_offset > 0 (a chunk of a longer prompt)
 }
 
-TEST_F(CudaEstimators, MatchesCpuBf16) { run_case({3000, 3000, 0, 8, 4, 128}, true); }
+TEST_F(CudaEstimators, MatchesCpuBf16) {
+  run_case({3000, 3000, 0, 8, 4, 128}, true);
+  // head_dim 64 (its own scoring kernel), a partial last query block and q_offset > 0
+  run_case({1000, 1900, 900, 8, 2, 64}, true);
+}
 
 TEST_F(CudaEstimators, CtaBlockSelectorMatchesCpu) {
   force_cta_ = true;
