@@ -609,6 +609,7 @@ struct SelShared {
   uint32_t ured[32];
   uint32_t prefix;
   uint32_t mask;  // digits of prefix fixed by the walk (all 32 bits unless it stopped early)
+  uint32_t floor;  // count mode: keys below it cannot be among the wanted (0: no floor)
   long long cnt_gt;
   double mass_gt;
   int found;
@@ -691,16 +692,24 @@ struct FlagScan {
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
+// Count mode with want <= 2 * BS first finds a floor: every thread keeps its two largest keys, and
+// the smallest of those second largest is a key that at least 2 * BS items reach, so nothing
+// below it can be among the want largest. The walk then counts only keys at or above the floor
+// (sh.floor; the compaction applies it too): in a top-64 of ~1000 scores most items drop out
+// before the first histogram, whose shared atomics otherwise pile onto the few buckets that hold
+// most scores. A thread with fewer than two items makes the floor 0 (no floor).
 template <typename G, typename Forced>
 __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_mode,
                                 long long want, double goal, double start_mass, SelShared& sh) {
   constexpr int BS = G::kSize;
   const int rk = G::rank();
+  const bool use_floor = !mass_mode && want <= 2 * BS;
   // 32-bit keys (no items: kmax = 0 < kmin = ~0).
-  uint32_t kmax = 0, kmin = 0xffffffffu;
+  uint32_t kmax = 0, kmin = 0xffffffffu, second = 0;
   for (int i = rk; i < n; i += BS)
     if (!forced(i)) {
       const uint32_t key = order_key(s[i]);
+      second = max(second, min(kmax, key));  // the second largest of this thread's keys
       kmax = max(kmax, key);
       kmin = min(kmin, key);
     }
@@ -708,6 +717,14 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
       kmax, [](uint32_t a, uint32_t b) { return max(a, b); }, sh.ured);
   kmin = group_reduce<G>(
       kmin, [](uint32_t a, uint32_t b) { return min(a, b); }, sh.ured);
+  uint32_t floor = 0;
+  if (use_floor) {
+    floor = group_reduce<G>(
+        second, [](uint32_t a, uint32_t b) { return min(a, b); }, sh.ured);
+    // Every key the walk counts lies in [floor, kmax]: the bits they share start above the
+    // highest bit where floor and kmax differ.
+    if (kmax >= kmin && floor > kmin) kmin = floor;
+  }
   // No items (kmax < kmin) or all equal: one pass over the whole key finds them.
   const uint32_t diff = kmax >= kmin ? kmax ^ kmin : 0u;
   const int hb = diff ? 31 - __clz(diff) : 0;
@@ -716,6 +733,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
   int shift = hb > 7 ? hb - 7 : 0;
   if (rk == 0) {
     sh.prefix = kmax & mask;
+    sh.floor = floor;
     sh.cnt_gt = 0;
     sh.mass_gt = start_mass;
     sh.found = 1;
@@ -741,7 +759,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
       if (i < n && !forced(i)) {
         v = s[i];
         const uint32_t key = order_key(v);
-        act = (key & mask) == prefix;
+        act = (key & mask) == prefix && key >= floor;
         dgt = (key >> shift) & 255u;
       }
       if (!mass_mode) {
@@ -900,12 +918,13 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
   }
   take = take < 0 ? 0 : (take > nr ? nr : take);
   G::sync();  // every thread has read the mass walk's results
-  uint32_t T = 0xffffffffu, M = 0xffffffffu;
+  uint32_t T = 0xffffffffu, M = 0xffffffffu, F = 0;
   long long need_eq = 0, n_eq = 0;
   if (take > 0) {
     n_eq = radix_walk<G>(s, n, forced, false, take, 0.0, 0.0, sh);
     T = sh.prefix;
     M = sh.mask;
+    F = sh.floor;
     need_eq = take - sh.cnt_gt;
   }
   // Every key at the threshold is taken (the usual case: unique scores, or an early stop):
@@ -919,9 +938,9 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
     if (i < n) {
       f = forced(i);
       if (!f && take > 0) {
-        const uint32_t key = order_key(s[i]) & M;
-        gt = key > T;
-        eq = key == T;
+        const uint32_t key = order_key(s[i]);
+        gt = (key & M) > T;  // above every key at the threshold, so above the floor too
+        eq = (key & M) == T && key >= F;
       }
     }
     int tie_rank = 0, tie_total = 0;
