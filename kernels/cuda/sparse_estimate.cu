@@ -548,9 +548,10 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
 }
 
 // Mean over 64-row blocks: dst[(r * n_b + b) * d + c] for src rows [n, heads, d] of the listed
-// heads (heads == null: every head, r = head); channel-major (dst[(r * d + c) * n_b + b]) when
-// `cmajor`. A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass
-// is bound by reading q); each channel in row order.
+// heads (heads == null: every head, r = head); as 4-channel vectors by block when `cmajor`
+// (dst[((r * d / 4 + c / 4) * n_b + b) * 4 + c % 4], the block selector's layout; d % 4 == 0).
+// A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass is bound
+// by reading q); each channel in row order.
 template <typename T, int V>
 __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
                             const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst,
@@ -577,7 +578,8 @@ __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_
   const float inv = 1.f / float(j1 - j0);
 #pragma unroll
   for (int k = 0; k < V; ++k)
-    dst[cmajor ? (r * d + c + k) * n_b + b : (r * n_b + b) * d + c + k] = s[k] * inv;
+    dst[cmajor ? ((r * (d / 4) + (c + k) / 4) * n_b + b) * 4 + (c + k) % 4
+               : (r * n_b + b) * d + c + k] = s[k] * inv;
 }
 template <typename T>
 void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
@@ -1019,18 +1021,20 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   }
 }
 
-// Pooled logits (unscaled) of key blocks bk0 and bk1 (channel-major pooled k, 32-bit offsets:
-// d * n_kb < 2^31) against the group's ng pooled q rows; each in channel order. Unrolled over
-// channels so that several steps' key loads are in flight before their FMAs wait on them.
+// Pooled logits (unscaled) of key blocks bk0 and bk1 against the group's ng pooled q rows; each
+// in channel order. Pooled k is [d / 4][n_kb][4]: a block's 4 channels of a step are one 16-byte
+// load, and a step moves both pointers by n_kb vectors (scalar loads at 64-bit offsets cost
+// about as many instructions as the FMAs they fed). Unrolled over channels so that several
+// steps' key loads are in flight before their FMAs wait on them.
 template <bool kFull>
 __device__ __forceinline__ void score_pair(const float* pq, const float* pk, int d, int nkb,
                                            int bk0, int bk1, int ng, float (&acc0)[8],
                                            float (&acc1)[8]) {
+  const float4* p0 = reinterpret_cast<const float4*>(pk) + bk0;
+  const float4* p1 = reinterpret_cast<const float4*>(pk) + bk1;
 #pragma unroll 4
-  for (int c = 0; c < d; c += 4) {
-    const float* kc = pk + c * nkb;
-    const float4 k0 = make_float4(kc[bk0], kc[nkb + bk0], kc[2 * nkb + bk0], kc[3 * nkb + bk0]);
-    const float4 k1 = make_float4(kc[bk1], kc[nkb + bk1], kc[2 * nkb + bk1], kc[3 * nkb + bk1]);
+  for (int c = 0; c < d; c += 4, p0 += nkb, p1 += nkb) {
+    const float4 k0 = *p0, k1 = *p1;
 #pragma unroll
     for (int g = 0; g < 8; ++g) {  // unrolled (with a guard unless full): acc stays in registers
       if (!kFull && g >= ng) break;
@@ -1058,7 +1062,14 @@ __device__ void select_query_block(const EstimateLaunch& p, const EstHead& eh, i
   kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
   const int64_t n_allowed = (kend + kB - 1) / kB;
   const bool exact = qb == p.n_qb - 1;
-  float* s = exact ? p.mass + size_t(hb) * size_t(p.n_kb) : scores;
+  // The last query block's exact mass comes into the shared score row first: the selection then
+  // reads shared memory alone, with shared loads instead of generic ones.
+  float* const s = scores;
+  if (exact) {
+    const float* mass = p.mass + size_t(hb) * size_t(p.n_kb);
+    for (int64_t x = Grp::rank(); x < n_allowed; x += Grp::kSize) s[x] = mass[x];
+    Grp::sync();
+  }
   SelBudget b;
   b.mass = eh.mass;
   b.k = eh.k_blocks;
@@ -1111,7 +1122,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
   // A thread scores two key blocks against the group's pooled q, read as float4 (one
   // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit. Pooled k is
-  // channel-major, so a warp's loads of one channel are one coalesced line.
+  // [d / 4][n_kb][4], so a warp's loads of one 4-channel step are 512 contiguous bytes.
   const int nt = int(blockDim.x);
   for (int bk0 = threadIdx.x; bk0 < int(n_score); bk0 += 2 * nt) {
     const int bk1 = bk0 + nt < int(n_score) ? bk0 + nt : bk0;

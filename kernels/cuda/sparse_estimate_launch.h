@@ -47,7 +47,7 @@ struct EstimateLaunch {
   float* diag = nullptr;          // [n_vs * n_diag]
   float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
   float* pooled_q = nullptr;      // [n_blk * n_qb * d]
-  float* pooled_k = nullptr;      // [hkv * d * n_kb] (channel-major)
+  float* pooled_k = nullptr;      // [hkv][d / 4][n_kb][4]: 4-channel vectors, block-minor
   int32_t* sel_cols = nullptr;    // [n_vs * kend_last]
   int32_t* n_sel_cols = nullptr;  // [n_vs]
   int32_t* sel_diags = nullptr;   // [n_vs * n_diag]
