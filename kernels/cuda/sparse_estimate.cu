@@ -603,9 +603,15 @@ struct SelBudget {
   int64_t min_count = 0, max_count = 0;
 };
 
+constexpr int kWarpCand = 384;  // candidates warp_topk keeps: the histogram's 3 KB, 8 bytes each
 struct SelShared {
-  unsigned cnt[256];
-  double msum[256];
+  union {
+    struct {
+      unsigned cnt[256];
+      double msum[256];
+    };
+    uint2 cand[kWarpCand];  // warp_topk: (key, id) of the items at or above its floor
+  };
   double dred[32];
   long long ired[32];
   uint32_t ured[32];
@@ -858,6 +864,103 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
   return eq;
 }
 
+// Count mode on one warp, for the block selector's top-k (take <= 64): the take largest keys of
+// the non-forced items, ties to the lower id, with every forced item, ids ascending into out (at
+// most cap) and their number into *n_out; the same list as group_select's radix walk. Two sweeps
+// over the scores instead of four: the first finds a floor (the smallest of the lanes' second
+// largest keys: 64 >= take items reach it), the second copies the items at or above it, in id
+// order, to sh.cand; a bitwise walk with warp reductions then finds the threshold among those
+// few (<= 12 a lane, in registers). Forced items must be a head [0, fa) and a tail [fb, fc] with
+// nothing after the tail. Returns false, writing nothing, when more than kWarpCand items pass.
+__device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int take, int32_t* out,
+                          int64_t cap, int32_t* n_out, SelShared& sh) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kPer = kWarpCand / 32;
+  const int lane = int(threadIdx.x % 32);
+  const unsigned lt = (1u << lane) - 1u;
+  auto forced = [&](int i) { return i < fa || (i >= fb && i <= fc); };
+  uint32_t kmax = 0, second = 0;
+  for (int i = lane; i < n; i += 32)
+    if (!forced(i)) {
+      const uint32_t key = order_key(s[i]);
+      second = max(second, min(kmax, key));
+      kmax = max(kmax, key);
+    }
+  const uint32_t floor = __reduce_min_sync(kAll, second);  // 0 when a lane has < 2 items
+  kmax = __reduce_max_sync(kAll, kmax);
+  int m = 0;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    const int i = i0 + lane;
+    uint32_t key = 0;
+    bool c = false;
+    if (i < n && !forced(i)) {
+      key = order_key(s[i]);
+      c = key >= floor;
+    }
+    const unsigned bc = __ballot_sync(kAll, c);
+    const int pos = m + __popc(bc & lt);
+    if (c && pos < kWarpCand) sh.cand[pos] = make_uint2(key, uint32_t(i));
+    m += __popc(bc);
+  }
+  __syncwarp();
+  if (m > kWarpCand) return false;
+  uint32_t ck[kPer];
+  unsigned valid = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int x = e * 32 + lane;
+    ck[e] = x < m ? sh.cand[x].x : 0u;
+    valid |= (x < m ? 1u : 0u) << e;
+  }
+  // Every candidate lies in [floor, kmax]: their bits above the highest one where the two differ
+  // are common. Invariant: cnt_gt candidates are above the prefix, eq share it, cnt_gt < take <=
+  // cnt_gt + eq (m >= take: at least 64 items reach the floor).
+  const uint32_t diff = kmax ^ floor;
+  const int hb = diff ? 31 - __clz(diff) : -1;  // -1: every candidate has the key kmax
+  uint32_t mask = hb < 0 ? 0xffffffffu : (hb == 31 ? 0u : ~((2u << hb) - 1u));
+  uint32_t prefix = kmax & mask;
+  int cnt_gt = 0, eq = m;
+  for (int bit = hb; bit >= 0 && cnt_gt + eq != take; --bit) {
+    const uint32_t m2 = mask | (1u << bit), p1 = prefix | (1u << bit);
+    int c = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) c += ((valid >> e) & 1u) && (ck[e] & m2) == p1;
+    c = int(__reduce_add_sync(kAll, unsigned(c)));
+    if (cnt_gt + c >= take) {
+      prefix = p1;
+      eq = c;
+    } else {
+      cnt_gt += c;
+      eq -= c;
+    }
+    mask = m2;
+  }
+  const int need_eq = take - cnt_gt;  // the lowest ids among the eq at the threshold
+  for (int i = lane; i < fa; i += 32)
+    if (i < cap) out[i] = i;
+  int o = fa, tie_base = 0;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const bool v = (valid >> e) & 1u;
+    const bool gt = v && (ck[e] & mask) > prefix;
+    const bool at = v && (ck[e] & mask) == prefix;
+    const unsigned be = __ballot_sync(kAll, at);
+    const bool sel = gt || (at && tie_base + __popc(be & lt) < need_eq);
+    const unsigned bs = __ballot_sync(kAll, sel);
+    const int pos = o + __popc(bs & lt);
+    if (sel && pos < cap) out[pos] = int32_t(sh.cand[e * 32 + lane].y);
+    o += __popc(bs);
+    tie_base += __popc(be);
+  }
+  const int lo = fb > fa ? fb : fa;
+  for (int i = lo + lane; i <= fc; i += 32)
+    if (o + (i - lo) < cap) out[o + (i - lo)] = i;
+  o += fc >= lo ? fc - lo + 1 : 0;
+  if (lane == 0) *n_out = int32_t(o < cap ? o : cap);
+  __syncwarp();
+  return true;
+}
+
 // The CPU's select_ranked on the device. Forced items: [0, fa) and [fb, fc] (fb > fc: none).
 // Writes the selected ids ascending to out (at most cap) and their number to *n_out.
 // Item ids are 32-bit (lists of keys, diagonals or key blocks of one head: n < 2^31).
@@ -919,6 +1022,11 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
     take = c - nf;
   }
   take = take < 0 ? 0 : (take > nr ? nr : take);
+  if constexpr (G::kSize == 32) {
+    if (!b.mass && take > 0 && take <= 64 && (fb > fc || fc >= n - 1) &&
+        warp_topk(s, n, fa, fb, fc, int(take), out, cap, n_out, sh))
+      return;
+  }
   G::sync();  // every thread has read the mass walk's results
   uint32_t T = 0xffffffffu, M = 0xffffffffu, F = 0;
   long long need_eq = 0, n_eq = 0;
