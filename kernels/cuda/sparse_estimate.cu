@@ -700,12 +700,12 @@ struct FlagScan {
 // of the want-th largest (want >= 1). Mass mode: the key at which the accumulated score, starting
 // from `start_mass`, first reaches `goal`; sh.found = 0 when it never does. Leaves sh.prefix = T,
 // sh.cnt_gt / sh.mass_gt over keys above T, and returns the count of keys equal to T.
-// Count mode with want <= 2 * BS first finds a floor: every thread keeps its two largest keys, and
-// the smallest of those second largest is a key that at least 2 * BS items reach, so nothing
-// below it can be among the want largest. The walk then counts only keys at or above the floor
-// (sh.floor; the compaction applies it too): in a top-64 of ~1000 scores most items drop out
-// before the first histogram, whose shared atomics otherwise pile onto the few buckets that hold
-// most scores. A thread with fewer than two items makes the floor 0 (no floor).
+// Count mode with want <= 2 * BS first finds a floor: every thread keeps its two largest keys; the
+// smallest of the threads' largest (want <= BS) or second largest (want <= 2 BS) is a key that at
+// least BS or 2 BS items reach, so nothing below it can be among the want largest. The walk then
+// counts only keys at or above the floor (sh.floor; the compaction applies it too), so most
+// items drop out before the first histogram. A thread with too few items makes the floor 0 (no
+// floor).
 template <typename G, typename Forced>
 __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_mode,
                                 long long want, double goal, double start_mass, SelShared& sh) {
@@ -721,6 +721,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
       kmax = max(kmax, key);
       kmin = min(kmin, key);
     }
+  const uint32_t mine = want <= BS ? kmax : second;  // this thread's floor candidate
   kmax = group_reduce<G>(
       kmax, [](uint32_t a, uint32_t b) { return max(a, b); }, sh.ured);
   kmin = group_reduce<G>(
@@ -728,7 +729,7 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
   uint32_t floor = 0;
   if (use_floor) {
     floor = group_reduce<G>(
-        second, [](uint32_t a, uint32_t b) { return min(a, b); }, sh.ured);
+        mine, [](uint32_t a, uint32_t b) { return min(a, b); }, sh.ured);
     // Every key the walk counts lies in [floor, kmax]: the bits they share start above the
     // highest bit where floor and kmax differ.
     if (kmax >= kmin && floor > kmin) kmin = floor;
