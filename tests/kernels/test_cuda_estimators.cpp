@@ -240,6 +240,32 @@ std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& g
   return why;
 }
 
+// q [nq, hq, d] and k [nk, hkv, d] on the device, f32 or rounded to bf16.
+struct DeviceQK {
+  cuda::DeviceBuffer qbuf, kbuf;
+  TensorView q, k;
+};
+Status upload_qk(const Geo& g, const std::vector<float>& q, const std::vector<float>& k, bool bf16,
+                 DeviceQK* out) {
+  const size_t es = bf16 ? 2 : 4;
+  SF_TRY(out->qbuf.alloc(q.size() * es));
+  SF_TRY(out->kbuf.alloc(k.size() * es));
+  if (bf16) {
+    std::vector<uint16_t> qb(q.size()), kb(k.size());
+    for (size_t i = 0; i < q.size(); ++i) qb[i] = f32_to_bf16(q[i]);
+    for (size_t i = 0; i < k.size(); ++i) kb[i] = f32_to_bf16(k[i]);
+    SF_TRY(out->qbuf.upload(qb.data(), qb.size() * 2));
+    SF_TRY(out->kbuf.upload(kb.data(), kb.size() * 2));
+  } else {
+    SF_TRY(out->qbuf.upload(q.data(), q.size() * 4));
+    SF_TRY(out->kbuf.upload(k.data(), k.size() * 4));
+  }
+  const DType dt = bf16 ? DType::kBF16 : DType::kF32;
+  out->q = TensorView::make(out->qbuf.data(), dt, {g.nq, g.hq, g.d}, Device::kCuda);
+  out->k = TensorView::make(out->kbuf.data(), dt, {g.nk, g.hkv, g.d}, Device::kCuda);
+  return Status::ok();
+}
+
 class CudaEstimators : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -296,23 +322,9 @@ class CudaEstimators : public ::testing::Test {
     ASSERT_OK(cpu::sparse_estimate(hq_v, hk_v, ps, g.q_offset, &cpu_idx, &cpu_stats, &trace,
                                    &trace_local));
 
-    cuda::DeviceBuffer dq, dk;
-    const size_t es = bf16 ? 2 : 4;
-    ASSERT_OK(dq.alloc(q.size() * es));
-    ASSERT_OK(dk.alloc(k.size() * es));
-    if (bf16) {
-      std::vector<uint16_t> qb(q.size()), kb(k.size());
-      for (size_t i = 0; i < q.size(); ++i) qb[i] = f32_to_bf16(q[i]);
-      for (size_t i = 0; i < k.size(); ++i) kb[i] = f32_to_bf16(k[i]);
-      ASSERT_OK(dq.upload(qb.data(), qb.size() * 2));
-      ASSERT_OK(dk.upload(kb.data(), kb.size() * 2));
-    } else {
-      ASSERT_OK(dq.upload(q.data(), q.size() * 4));
-      ASSERT_OK(dk.upload(k.data(), k.size() * 4));
-    }
-    const DType dt = bf16 ? DType::kBF16 : DType::kF32;
-    const TensorView dq_v = TensorView::make(dq.data(), dt, {g.nq, g.hq, g.d}, Device::kCuda);
-    const TensorView dk_v = TensorView::make(dk.data(), dt, {g.nk, g.hkv, g.d}, Device::kCuda);
+    DeviceQK dev;
+    ASSERT_OK(upload_qk(g, q, k, bf16, &dev));
+    const TensorView dq_v = dev.q, dk_v = dev.k;
 
     cudaStream_t stream = nullptr;
     ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -571,15 +583,9 @@ TEST_F(CudaEstimators, BlockTiesGoToLowerIds) {
   SparseIndex cpu_idx, gpu_idx;
   EstimatorStats st;
   ASSERT_OK(cpu::sparse_estimate(hq_v, hk_v, ps, 0, &cpu_idx, &st, nullptr, nullptr));
-  cuda::DeviceBuffer dq, dk;
-  ASSERT_OK(dq.alloc(q.size() * 4));
-  ASSERT_OK(dk.alloc(k.size() * 4));
-  ASSERT_OK(dq.upload(q.data(), q.size() * 4));
-  ASSERT_OK(dk.upload(k.data(), k.size() * 4));
-  const TensorView dq_v =
-      TensorView::make(dq.data(), DType::kF32, {g.nq, g.hq, g.d}, Device::kCuda);
-  const TensorView dk_v =
-      TensorView::make(dk.data(), DType::kF32, {g.nk, g.hkv, g.d}, Device::kCuda);
+  DeviceQK dev;
+  ASSERT_OK(upload_qk(g, q, k, false, &dev));
+  const TensorView dq_v = dev.q, dk_v = dev.k;
   ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
   EXPECT_EQ(cpu_idx.block_count, gpu_idx.block_count);
   EXPECT_EQ(cpu_idx.block_offset, gpu_idx.block_offset);
@@ -593,15 +599,9 @@ TEST_F(CudaEstimators, BackendNeutralEntry) {
   std::vector<float> q, k;
   make_inputs(g, &q, &k);
   const std::vector<HeadPattern> ps = mixed_patterns(g.hq);
-  cuda::DeviceBuffer dq, dk;
-  ASSERT_OK(dq.alloc(q.size() * 4));
-  ASSERT_OK(dk.alloc(k.size() * 4));
-  ASSERT_OK(dq.upload(q.data(), q.size() * 4));
-  ASSERT_OK(dk.upload(k.data(), k.size() * 4));
-  const TensorView dq_v =
-      TensorView::make(dq.data(), DType::kF32, {g.nq, g.hq, g.d}, Device::kCuda);
-  const TensorView dk_v =
-      TensorView::make(dk.data(), DType::kF32, {g.nk, g.hkv, g.d}, Device::kCuda);
+  DeviceQK dev;
+  ASSERT_OK(upload_qk(g, q, k, false, &dev));
+  const TensorView dq_v = dev.q, dk_v = dev.k;
   SparseIndex a, b;
   EstimatorStats st;
   ASSERT_OK(sparse_estimate(dq_v, dk_v, ps, 0, &a, &st));
