@@ -289,8 +289,9 @@ __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const Sc
 // The stats pass on tensor cores (bf16): the logits stay in registers (each warp reduces its
 // 16 rows x 32 keys across the 4 lanes of a row, two warps' halves meet in shared memory), and
 // the next chunk's k tile is copied by cp.async while this one is scored. Sums of exp run on the
-// SFU (2^(x log2 e), what expf rounds to within a few ulp); chunks every row sees whole (all but
-// the last one or two: the rows are the prompt's last) skip the causal mask.
+// SFU as 2^(x log2 e - m log2 e): m log2 e rounds once, so the relative error grows with the
+// row's max (about 1e-6 at logits near 30), far inside the selections' tie tolerance. Chunks every
+// row sees whole (all but the last one or two: the rows are the prompt's last) skip the mask.
 template <int D>
 __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, int hs,
                                 ScoreSmem& sm) {

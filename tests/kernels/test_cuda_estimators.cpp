@@ -302,6 +302,37 @@ class CudaEstimators : public ::testing::Test {
     }
   }
 
+  // BlockTiesGoToLowerIds at one geometry.
+  void block_ties_case(const Geo& g) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> q(size_t(g.nq * g.hq * g.d)), k(size_t(g.nk * g.hkv * g.d));
+    for (float& x : q) x = nd(rng_);
+    std::vector<float> row(size_t(g.hkv * g.d));
+    for (float& x : row) x = nd(rng_);
+    for (int64_t j = 0; j < g.nk; ++j)
+      std::copy(row.begin(), row.end(), k.begin() + j * g.hkv * g.d);
+    std::vector<HeadPattern> ps(size_t(g.hq));
+    const int64_t budgets[] = {16, 40, 100, 8};  // the warp top-k (<= 64) and the radix walk (100)
+    for (int64_t h = 0; h < g.hq; ++h) {
+      ps[size_t(h)].pattern = Pattern::kBlockSparse;
+      ps[size_t(h)].n_blocks = budgets[h];
+    }
+    const TensorView hq_v = TensorView::make(q.data(), DType::kF32, {g.nq, g.hq, g.d});
+    const TensorView hk_v = TensorView::make(k.data(), DType::kF32, {g.nk, g.hkv, g.d});
+    SparseIndex cpu_idx, gpu_idx;
+    EstimatorStats st;
+    ASSERT_OK(cpu::sparse_estimate(hq_v, hk_v, ps, 0, &cpu_idx, &st, nullptr, nullptr));
+    DeviceQK dev;
+    ASSERT_OK(upload_qk(g, q, k, false, &dev));
+    const TensorView dq_v = dev.q, dk_v = dev.k;
+    ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
+    EXPECT_EQ(cpu_idx.block_count, gpu_idx.block_count);
+    EXPECT_EQ(cpu_idx.block_offset, gpu_idx.block_offset);
+    EXPECT_EQ(cpu_idx.column_count, gpu_idx.column_count);
+    EXPECT_EQ(cpu_idx.column_index, gpu_idx.column_index);
+    std::cout << "  ties: density " << gpu_idx.density() << " (cpu " << cpu_idx.density() << ")\n";
+  }
+
   void run_case(const Geo& g, bool bf16) {
     SCOPED_TRACE("nq " + std::to_string(g.nq) + " nk " + std::to_string(g.nk) + " q_offset " +
                  std::to_string(g.q_offset) + " d " + std::to_string(g.d) +
@@ -523,6 +554,9 @@ TEST_F(CudaEstimators, MatchesCpuF32) {
   run_case({2048, 2048, 0, 8, 2, 128}, false);
   run_case({1000, 1000, 0, 8, 2, 64}, false);     // partial last query block
   run_case({700, 1900, 1200, 8, 2, 128}, false);  // q_offset > 0 (a chunk of a longer prompt)
+  // 128 key blocks: a lane holds 4 of a block-sparse head's scores, so the warp top-k's floor is
+  // above zero and cuts the candidates (4K and shorter leave a lane < 2 items: no floor).
+  run_case({8192, 8192, 0, 8, 2, 128}, false);
 }
 
 TEST_F(CudaEstimators, MatchesCpuBf16) {
@@ -561,37 +595,13 @@ TEST_F(CudaEstimators, BlockSelectorConfiguresAtLongLengths) {
 
 // Exact ties: every key row of a KV head is the same vector, so a query block's pooled scores tie
 // over all its key blocks (and the last query block's exact masses over its whole blocks). The
-// CPU takes the lowest ids; the device's warp top-k (small k) and radix walk (large k) must take
-// the same ones. The judge above would accept any choice among ties, so this compares the indexes
-// themselves.
+// CPU takes the lowest ids; the device must take the same ones. The judge above would accept any
+// choice among ties, so this compares the indexes themselves. At 4K (64 key blocks) every
+// selection of k <= 64 is the warp top-k with no floor (a lane has < 2 items); at 32K (512) the
+// floor is the tied key, so more than 384 candidates pass it and the warp falls back to the radix
+// walk, which budget 100 (> 64) takes directly.
 TEST_F(CudaEstimators, BlockTiesGoToLowerIds) {
-  const Geo g{4096, 4096, 0, 4, 2, 128};
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> q(size_t(g.nq * g.hq * g.d)), k(size_t(g.nk * g.hkv * g.d));
-  for (float& x : q) x = nd(rng_);
-  std::vector<float> row(size_t(g.hkv * g.d));
-  for (float& x : row) x = nd(rng_);
-  for (int64_t j = 0; j < g.nk; ++j) std::copy(row.begin(), row.end(), k.begin() + j * g.hkv * g.d);
-  std::vector<HeadPattern> ps(size_t(g.hq));
-  const int64_t budgets[] = {16, 40, 100, 8};  // the warp top-k (<= 64) and the radix walk (100)
-  for (int64_t h = 0; h < g.hq; ++h) {
-    ps[size_t(h)].pattern = Pattern::kBlockSparse;
-    ps[size_t(h)].n_blocks = budgets[h];
-  }
-  const TensorView hq_v = TensorView::make(q.data(), DType::kF32, {g.nq, g.hq, g.d});
-  const TensorView hk_v = TensorView::make(k.data(), DType::kF32, {g.nk, g.hkv, g.d});
-  SparseIndex cpu_idx, gpu_idx;
-  EstimatorStats st;
-  ASSERT_OK(cpu::sparse_estimate(hq_v, hk_v, ps, 0, &cpu_idx, &st, nullptr, nullptr));
-  DeviceQK dev;
-  ASSERT_OK(upload_qk(g, q, k, false, &dev));
-  const TensorView dq_v = dev.q, dk_v = dev.k;
-  ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
-  EXPECT_EQ(cpu_idx.block_count, gpu_idx.block_count);
-  EXPECT_EQ(cpu_idx.block_offset, gpu_idx.block_offset);
-  EXPECT_EQ(cpu_idx.column_count, gpu_idx.column_count);
-  EXPECT_EQ(cpu_idx.column_index, gpu_idx.column_index);
-  std::cout << "  ties: density " << gpu_idx.density() << " (cpu " << cpu_idx.density() << ")\n";
+  for (const int64_t n : {4096, 32768}) block_ties_case({n, n, 0, 4, 2, 128});
 }
 
 TEST_F(CudaEstimators, BackendNeutralEntry) {
