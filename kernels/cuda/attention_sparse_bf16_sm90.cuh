@@ -165,25 +165,26 @@ __device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_
   return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
 }
 
-// What one thread copies, fixed for the CTA: 16-byte chunk c of rows j0 + i * kRowsPer, i <
-// kIter, of every K and V tile. Since kRowsPer is a multiple of 8, j & 7 == j0 & 7: the chunk's
-// swizzled place moves by a constant kRowsPer rows per i.
-template <int D>
+// What one thread of NT copies, fixed for the CTA: 16-byte chunk c of rows j0 + i * kRowsPer,
+// i < kIter, of every K and V tile. Since kRowsPer is a multiple of 8, j & 7 == j0 & 7: the
+// chunk's swizzled place moves by a constant kRowsPer rows per i.
+template <int D, int NT = kThreads>
 struct CopyPlan {
-  static constexpr int kVec = D / 8, kRowsPer = kThreads / kVec, kIter = kTile / kRowsPer;
+  static constexpr int kVec = D / 8, kRowsPer = NT / kVec, kIter = kTile / kRowsPer;
   static_assert(kRowsPer % 8 == 0, "rows per pass must keep j & 7 fixed");
   int j0;
   uint32_t k_sa, v_sa;                 // shared address of (row j0, chunk c) in stage 0
   const __nv_bfloat16 *k_src, *v_src;  // chunk c of kv_head's row 0
   int64_t row_stride;                  // elements between key rows
 
-  __device__ __forceinline__ CopyPlan(const AttentionSparseBf16Params& p, const Smem90<D>& sm,
-                                      int kv_head) {
+  // k0, v0: stage 0 of the K and V tile arrays.
+  __device__ __forceinline__ CopyPlan(const AttentionSparseBf16Params& p, const SwTile<D>& k0,
+                                      const SwTile<D>& v0, int kv_head) {
     const int c = threadIdx.x % kVec;
     j0 = threadIdx.x / kVec;
     const int so = sw_offset(j0, c) * int(sizeof(__nv_bfloat16));
-    k_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.k[0])) + so;
-    v_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&sm.v[0])) + so;
+    k_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&k0)) + so;
+    v_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&v0)) + so;
     k_src = p.k + int64_t(kv_head) * D + c * 8;
     v_src = p.v + int64_t(kv_head) * D + c * 8;
     row_stride = int64_t(p.n_kv_heads) * D;
@@ -196,19 +197,25 @@ struct CopyPlan {
 // tile, so the positions of V(tv) are the ones it looked up for K(tv) in its previous call: they
 // stay in pend, which then takes K(tk)'s. Empty rows are zero-filled, so masked keys multiply
 // zeros.
+// The thread's rows of a K or V tile (positions pos, -1 empty) into stage b of the array at sa0.
+template <int D, int NT>
+__device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa0,
+                                          const __nv_bfloat16* src, int b,
+                                          const int32_t (&pos)[CopyPlan<D, NT>::kIter]) {
+  constexpr uint32_t kStepBytes = CopyPlan<D, NT>::kRowsPer * 64 * sizeof(__nv_bfloat16);
+  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);  // stage b at + b * kStageBytes
+#pragma unroll
+  for (int i = 0; i < CopyPlan<D, NT>::kIter; ++i)
+    cp_async_16(sa0 + b * kStageBytes + i * kStepBytes,
+                src + int64_t(max(pos[i], 0)) * cp.row_stride, pos[i] >= 0);
+}
+
 template <int D>
 __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
                                          int tk, int kb, int tv, int vb, int64_t base,
                                          Smem90<D>& sm, int32_t (&pend)[CopyPlan<D>::kIter]) {
   using Plan = CopyPlan<D>;
-  constexpr uint32_t kStepBytes = Plan::kRowsPer * 64 * sizeof(__nv_bfloat16);
-  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);  // stage b at + b * kStageBytes
-  if (tv >= 0 && tv < n_tiles) {
-#pragma unroll
-    for (int i = 0; i < Plan::kIter; ++i)
-      cp_async_16(cp.v_sa + vb * kStageBytes + i * kStepBytes,
-                  cp.v_src + int64_t(max(pend[i], 0)) * cp.row_stride, pend[i] >= 0);
-  }
+  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb, pend);
   if (tk < n_tiles) {
     if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
       const int64_t k0 = tl.bo[tk];
@@ -231,22 +238,19 @@ __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& 
       for (int i = 0; i < Plan::kIter; ++i) sm.pos[kb][cp.j0 + i * Plan::kRowsPer] = pend[i];
     }
     if (threadIdx.x == 0) sm.masked[kb] = tile_needs_mask(tl, tk, base);
-#pragma unroll
-    for (int i = 0; i < Plan::kIter; ++i)
-      cp_async_16(cp.k_sa + kb * kStageBytes + i * kStepBytes,
-                  cp.k_src + int64_t(max(pend[i], 0)) * cp.row_stride, pend[i] >= 0);
+    copy_rows(cp, cp.k_sa, cp.k_src, kb, pend);
   }
   cp_async_commit();
 }
 
-// S = Q K^T of the tile in K stage b, issued (not waited for). Q from registers (qa: the A
+// S = Q K^T of K tile kt, issued (not waited for). Q from registers (qa: the A
 // fragments of the thread's warp rows, one per 16-wide k-step); K K-major: 8-row groups 1024
 // bytes apart (SBO), the leading offset unused with swizzling (16); a k-step of 16 moves 32 bytes
 // within a 128-byte row, 4 steps per column block, column blocks kTile * 128 bytes apart.
 template <int D>
 __device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const uint32_t (&qa)[D / 16][4],
-                                        const Smem90<D>& sm, int b) {
-  const uint64_t desc_k = sw128_desc(&sm.k[b], 16, 1024);
+                                        const SwTile<D>& kt) {
+  const uint64_t desc_k = sw128_desc(&kt, 16, 1024);
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
   fence_regs(s);
@@ -260,13 +264,13 @@ __device__ __forceinline__ void issue_s(float (&s)[kTile / 8][4], const uint32_t
   fence_regs(s);
 }
 
-// O += P V with V in stage b, issued (not waited for). V MN-major: 64-dim column blocks
+// O += P V with V tile vt, issued (not waited for). V MN-major: 64-dim column blocks
 // kTile * 128 bytes apart (LBO), 8-key groups 1024 bytes apart (SBO); a k-step of 16 keys moves
 // 2048 bytes.
 template <int D>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&pa)[kTile / 16][4],
-                                         const Smem90<D>& sm, int b) {
-  const uint64_t desc_v = sw128_desc(&sm.v[b], kTile * 128, 1024);
+                                         const SwTile<D>& vt) {
+  const uint64_t desc_v = sw128_desc(&vt, kTile * 128, 1024);
   fence_regs(st.o);
   wgmma_fence();
 #pragma unroll
@@ -302,7 +306,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const TileList tl = slot_tiles(p, h, sg);
   const int n_tiles = tl.count();
   if (n_tiles > 0) {
-    const CopyPlan<D> cp(p, sm, kv_head);
+    const CopyPlan<D> cp(p, sm.k[0], sm.v[0], kv_head);
     int32_t pend[CopyPlan<D>::kIter];
     issue_kv<D>(tl, cp, n_tiles, 0, 0, -1, 0, sg.base, sm, pend);  // K(0)
     // Q stays in registers (wgmma's A operand) for the whole slot; rows past the slot's end are
@@ -317,7 +321,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     float s[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     float alpha[2];
-    issue_s<D>(s, qa, sm, 0);
+    issue_s<D>(s, qa, sm.k[0]);
     issue_kv<D>(tl, cp, n_tiles, 2, 2, 1, 1, sg.base, sm, pend);  // V(1), K(2)
     wgmma_wait<0>();
     fence_regs(s);
@@ -333,8 +337,8 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
       cp_async_wait<1>();
       fence_proxy_async();
       __syncthreads();
-      issue_s<D>(s, qa, sm, b0);
-      issue_pv<D>(st, pa, sm, b2);
+      issue_s<D>(s, qa, sm.k[b0]);
+      issue_pv<D>(st, pa, sm.v[b2]);
       // V(t+1) into the stage V(t-2) used, K(t+2) into the one K(t-1) used.
       issue_kv<D>(tl, cp, n_tiles, t + 2, b2, t + 1, b1, sg.base, sm, pend);
       wgmma_wait<1>();  // S(t) done; P(t-1) V(t-1) may still run
@@ -355,11 +359,253 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    issue_pv<D>(st, pa, sm, b2);
+    issue_pv<D>(st, pa, sm.v[b2]);
     wgmma_wait<0>();
     fence_regs(st.o);
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
+#else
+  __trap();  // built without sm_90a: the launcher never selects this kernel there
+#endif
+}
+
+
+// ---- Query-block pairs: one K/V tile read for 128 rows --------------------------------------------
+// The single-slot kernel reads every tile from L2 for 64 rows: at 128K block-sparse that is about
+// 32 KB per 2.1 MFLOP, which is what bounds it (FlashAttention-3 reads a tile once for 128 rows).
+// Here a CTA is two warpgroups and owns two neighbouring query blocks of one head (warpgroup w:
+// query block 2j + w). Their block lists overlap heavily: slash diagonals of block 2j + 1 are
+// those of block 2j moved by 64 keys, and block-sparse picks and sinks repeat. The CTA walks the
+// merge of the two sorted block lists, loading an offset both lists hold once, then each slot's
+// own column tiles. A tile carries an owner mask; a warpgroup computes only the tiles it owns,
+// so no product is spent on keys a slot did not select. The warpgroups run in lockstep (one
+// barrier per tile); a warpgroup that skips a tile still lands its previous P V.
+constexpr int kPairThreads = 2 * kThreads;
+constexpr int kPairStages = 4;  // copies run three tiles ahead (one CTA per SM at D = 128)
+template <int D>
+struct SmemPair {
+  SwTile<D> k[kPairStages], v[kPairStages];
+  int32_t pos[kPairStages][kTile];  // per K stage: key position of tile row j, -1 when empty
+  int32_t own[kPairStages];         // per K stage: bit w set when slot w computes the tile
+  int32_t masked[kPairStages][2];   // per K stage and slot: some key hidden from some row
+};
+
+// The pair's tile sequence: the union of both slots' block entries in ascending offset, then
+// slot 0's column tiles, then slot 1's.
+struct PairTiles {
+  TileList tl[2];
+  int64_t base[2];
+  int64_t end;  // the later slot's causal limit: block tiles are clipped to it
+  int n_union, n_ct0;
+  __device__ __forceinline__ int count() const {
+    return n_union + n_ct0 + (tl[1].n_cols + kTile - 1) / kTile;
+  }
+};
+
+// Walks the merge of the two block lists; every thread runs its own copy in the same order.
+// The next offset of each list is held in a register (INT64_MAX past the end).
+struct PairCursor {
+  int i[2];
+  int64_t o[2];
+  __device__ __forceinline__ explicit PairCursor(const PairTiles& pt) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      i[w] = 0;
+      o[w] = pt.tl[w].n_block_tiles > 0 ? int64_t(pt.tl[w].bo[0]) : INT64_MAX;
+    }
+  }
+  // The next union offset and its owner mask.
+  __device__ __forceinline__ int64_t next(const PairTiles& pt, int& own) {
+    const int64_t k0 = o[0] < o[1] ? o[0] : o[1];
+    own = 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      if (o[w] != k0) continue;
+      own |= 1 << w;
+      ++i[w];
+      o[w] = i[w] < pt.tl[w].n_block_tiles ? int64_t(pt.tl[w].bo[i[w]]) : INT64_MAX;
+    }
+    return k0;
+  }
+};
+
+// Offsets both lists hold, counted by all threads of the CTA (a binary search per entry of
+// slot 0's list); the result is the same in every thread.
+__device__ __forceinline__ int pair_common_blocks(const PairTiles& pt) {
+  const int n0 = pt.tl[0].n_block_tiles, n1 = pt.tl[1].n_block_tiles;
+  int common = 0;
+  for (int i0 = 0; i0 < n0; i0 += kPairThreads) {
+    const int i = i0 + int(threadIdx.x);
+    bool hit = false;
+    if (i < n0 && n1 > 0) {
+      const int32_t x = pt.tl[0].bo[i];
+      const int j = lower_bound_i32(pt.tl[1].bo, n1, x);
+      hit = j < n1 && pt.tl[1].bo[j] == x;
+    }
+    common += __syncthreads_count(hit);
+  }
+  return common;
+}
+
+// issue_kv for the pair's sequence: K(tk) with its positions, owner mask and per-slot mask
+// flags into stage kb, V(tv) into stage vb (positions from the previous call, as there).
+template <int D>
+__device__ __forceinline__ void issue_kv_pair(const PairTiles& pt, PairCursor& cur,
+                                              const CopyPlan<D, kPairThreads>& cp, int n_tiles,
+                                              int tk, int kb, int tv, int vb, SmemPair<D>& sm,
+                                              int32_t (&pend)[CopyPlan<D, kPairThreads>::kIter]) {
+  using Plan = CopyPlan<D, kPairThreads>;
+  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb, pend);
+  if (tk < n_tiles) {
+    int own, mk0, mk1;
+    if (tk < pt.n_union) {
+      const int64_t k0 = cur.next(pt, own);
+      const int64_t k1 = k0 + kTile < pt.end ? k0 + kTile : pt.end;
+#pragma unroll
+      for (int i = 0; i < Plan::kIter; ++i) {
+        const int64_t kp = k0 + cp.j0 + i * Plan::kRowsPer;
+        pend[i] = kp < k1 ? int32_t(kp) : -1;
+      }
+      mk0 = k0 + kTile > pt.tl[0].cta_end || k0 + kTile - 1 > pt.base[0];
+      mk1 = k0 + kTile > pt.tl[1].cta_end || k0 + kTile - 1 > pt.base[1];
+    } else {  // a column tile of one slot (selects, not an indexed pick: no local memory)
+      const bool w1 = tk - pt.n_union >= pt.n_ct0;
+      const int32_t* col = w1 ? pt.tl[1].ci : pt.tl[0].ci;
+      const int n_cols = w1 ? pt.tl[1].n_cols : pt.tl[0].n_cols;
+      const int c0 = (tk - pt.n_union - (w1 ? pt.n_ct0 : 0)) * kTile;
+#pragma unroll
+      for (int i = 0; i < Plan::kIter; ++i) {
+        const int ci = c0 + cp.j0 + i * Plan::kRowsPer;
+        pend[i] = ci < n_cols ? col[ci] : -1;
+      }
+      own = w1 ? 2 : 1;
+      const int last = c0 + kTile - 1;
+      const int m = last >= n_cols || int64_t(col[last]) > (w1 ? pt.base[1] : pt.base[0]);
+      mk0 = w1 ? 0 : m;
+      mk1 = w1 ? m : 0;
+    }
+    if (threadIdx.x % Plan::kVec == 0) {
+#pragma unroll
+      for (int i = 0; i < Plan::kIter; ++i) sm.pos[kb][cp.j0 + i * Plan::kRowsPer] = pend[i];
+    }
+    if (threadIdx.x == 0) {
+      sm.own[kb] = own;
+      sm.masked[kb][0] = mk0;
+      sm.masked[kb][1] = mk1;
+    }
+    copy_rows(cp, cp.k_sa, cp.k_src, kb, pend);
+  }
+  cp_async_commit();
+}
+
+// The pair mainloop. Tile t sits in stage t % S (K and V alike). Iteration t waits for the copy
+// group holding K(t) and V(t - 1), issues S(t) (when the warpgroup owns t) and P V of its
+// previous tile (when it owned t - 1) back to back, then the copies of K(t + S - 1) and
+// V(t + S - 2) into the stages S(t - 1) and P(t - 2) V(t - 2) read (both landed in iteration
+// t - 1, before this iteration's barrier), then runs tile t's softmax while that P V is on the
+// tensor cores.
+template <int D>
+__device__ __forceinline__ void attention_sparse_bf16_pair_block(
+    const AttentionSparseBf16Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
+  constexpr int S = kPairStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  SmemPair<D>& sm = *reinterpret_cast<SmemPair<D>*>(
+      smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
+  const int wg = threadIdx.x / kThreads;  // the warpgroup's slot in the pair
+  const int warp = (threadIdx.x / 32) % kWarps, lane = threadIdx.x % 32;
+  const int g = lane / 4, tq = lane % 4;
+  // Later pairs first; slot 1 is the later block, slot 0 (missing for an odd count) the earlier.
+  const int64_t qb1 = p.n_qblocks - 1 - 2 * int64_t(blockIdx.x);
+  const SlotGeom sg[2] = {slot_geom_at(p, qb1 - 1), slot_geom_at(p, qb1)};
+  PairTiles pt;
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    pt.tl[w] = slot_tiles(p, h, sg[w]);
+    pt.base[w] = sg[w].base;
+  }
+  pt.end = sg[0].cta_end > sg[1].cta_end ? sg[0].cta_end : sg[1].cta_end;
+  pt.n_union = pt.tl[0].n_block_tiles + pt.tl[1].n_block_tiles - pair_common_blocks(pt);
+  pt.n_ct0 = (pt.tl[0].n_cols + kTile - 1) / kTile;
+  const SlotGeom mine = wg ? sg[1] : sg[0];
+  RowState<D> st;
+  row_state_init<D>(p, warp, g, mine.rows, mine.base, st);
+  const float scale_log2 = p.scale * kLog2e;
+  const int n_tiles = pt.count();
+  if (n_tiles > 0) {
+    const CopyPlan<D, kPairThreads> cp(p, sm.k[0], sm.v[0], kv_head);
+    PairCursor cur(pt);
+    int32_t pend[CopyPlan<D, kPairThreads>::kIter];
+    issue_kv_pair<D>(pt, cur, cp, n_tiles, 0, 0, -1, 0, sm, pend);  // K(0)
+    uint32_t qa[D / 16][4];
+    load_q_fragments<D>(p, h, mine, warp, g, tq, qa);
+#pragma unroll
+    for (int i = 1; i <= S - 2; ++i)  // V(i - 1), K(i)
+      issue_kv_pair<D>(pt, cur, cp, n_tiles, i, i, i - 1, i - 1, sm, pend);
+
+    float s[kTile / 8][4];
+    uint32_t pa[kTile / 16][4];
+    float alpha[2];
+    bool pv_pending = false;  // P V of this warpgroup's last tile (t - 1) not yet issued
+    for (int t = 0; t < n_tiles; ++t) {
+      const int b = t % S, bv = (t + S - 1) % S;  // stages of K(t) and V(t - 1)
+      cp_async_wait<S - 2>();
+      fence_proxy_async();
+      __syncthreads();
+      // Warp-uniform by construction; through a shuffle the compiler knows it too, so the
+      // wgmma issues under it are not serialized as a divergent path's would be.
+      const bool own = __shfl_sync(0xffffffffu, (sm.own[b] >> wg) & 1, 0);
+      const auto copies = [&] {
+        issue_kv_pair<D>(pt, cur, cp, n_tiles, t + S - 1, (t + S - 1) % S, t + S - 2,
+                         (t + S - 2) % S, sm, pend);
+      };
+      // Four straight paths, each landing every product it issues: a product in flight where
+      // paths join makes the compiler serialize all of them (ptxas C7518).
+      if (own && pv_pending) {
+        issue_s<D>(s, qa, sm.k[b]);
+        issue_pv<D>(st, pa, sm.v[bv]);
+        copies();
+        wgmma_wait<1>();  // S(t) done; the P V may still run
+        fence_regs(s);
+        softmax_tile<D>(s, sm.masked[b][wg] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
+        wgmma_wait<0>();
+        fence_regs(st.o);
+      } else if (own) {
+        issue_s<D>(s, qa, sm.k[b]);
+        copies();
+        wgmma_wait<0>();
+        fence_regs(s);
+        softmax_tile<D>(s, sm.masked[b][wg] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
+      } else if (pv_pending) {
+        issue_pv<D>(st, pa, sm.v[bv]);
+        copies();
+        wgmma_wait<0>();
+        fence_regs(st.o);
+      } else {
+        copies();
+      }
+      if (own) {
+        rescale_o<D>(alpha, st);
+        // pa is an operand of the product that just landed: rewritten only now.
+#pragma unroll
+        for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
+      }
+      pv_pending = own;
+    }
+    cp_async_wait<0>();  // V(n_tiles - 1)
+    fence_proxy_async();
+    __syncthreads();
+    if (pv_pending) {
+      issue_pv<D>(st, pa, sm.v[(n_tiles - 1) % S]);
+      wgmma_wait<0>();
+      fence_regs(st.o);
+    }
+  }
+  store_rows<D>(p, h, mine.r0, mine.rows, warp, g, tq, st);
 #else
   __trap();  // built without sm_90a: the launcher never selects this kernel there
 #endif
@@ -374,6 +620,12 @@ __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
 }
 
 template <int D>
+__global__ void __launch_bounds__(attention_sparse_bf16_sm90_detail::kPairThreads, 1)
+    attention_sparse_bf16_pair_kernel(const AttentionSparseBf16Params p) {
+  attention_sparse_bf16_sm90_detail::attention_sparse_bf16_pair_block<D>(p);
+}
+
+template <int D>
 cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
                                          SparseBf16Mainloop mainloop, cudaStream_t stream) {
   using namespace attention_sparse_bf16_sm90_detail;
@@ -381,7 +633,14 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
   if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
   cudaError_t err = cudaSuccess;
-  if (mainloop == SparseBf16Mainloop::kWgmma) {
+  if (mainloop == SparseBf16Mainloop::kWgmmaPair) {
+    constexpr size_t kSmem = sizeof(SmemPair<D>) + kSwAlign;
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_pair_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    const dim3 pairs(unsigned((p.n_qblocks + 1) / 2), unsigned(p.n_heads));
+    attention_sparse_bf16_pair_kernel<D><<<pairs, kPairThreads, kSmem, stream>>>(p);
+  } else if (mainloop == SparseBf16Mainloop::kWgmma) {
     constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;  // + slack to align the base
     static std::atomic<uint64_t> opted{0};
     if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)

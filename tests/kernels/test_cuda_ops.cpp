@@ -530,21 +530,29 @@ struct SparseCase {
   int64_t q_offset;
 };
 
+// Random candidates per slot; with per_head, one candidate set per head for all its query
+// blocks (as vertical-slash and block-sparse indices look: neighbouring query blocks share most
+// block entries and columns, which the paired wgmma kernel loads once).
 SparseIndex random_index(std::mt19937_64& rng, int64_t heads, int64_t n_q, int64_t n_k,
-                         int64_t q_offset) {
+                         int64_t q_offset, bool per_head = false) {
   SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, 8);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
+  const auto draw = [&](int64_t kend) {
+    IndexCandidates c;
+    const int n_cols = pick(rng) % 48, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
+    for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(pick(rng) % kend));
+    for (int i = 0; i < n_diag; ++i) c.diagonals.push_back(int32_t(pick(rng) % kend));
+    for (int i = 0; i < n_blk; ++i) c.key_blocks.push_back(int32_t(pick(rng) % (kend / 64 + 1)));
+    return c;
+  };
   for (int64_t h = 0; h < heads; ++h) {
     const int64_t sink = std::array<int64_t, 3>{0, 3, 64}[size_t(pick(rng) % 3)];
     const int64_t local = std::array<int64_t, 3>{0, 40, 64}[size_t(pick(rng) % 3)];
+    // Candidates past a slot's causal limit are ignored by the builder.
+    const IndexCandidates head_c = draw(std::max<int64_t>(1, std::min(n_k, q_offset + n_q)));
     for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
       const SparseSlotGeometry g = sparse_slot_geometry(n_q, n_k, q_offset, qb);
-      IndexCandidates c;
-      const int n_cols = pick(rng) % 48, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
-      for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(pick(rng) % g.kend));
-      for (int i = 0; i < n_diag; ++i) c.diagonals.push_back(int32_t(pick(rng) % g.kend));
-      for (int i = 0; i < n_blk; ++i) c.key_blocks.push_back(int32_t(pick(rng) % (g.kend / 64 + 1)));
-      sparse_index_build(&idx, int(h), qb, c, sink, local);
+      sparse_index_build(&idx, int(h), qb, per_head ? head_c : draw(g.kend), sink, local);
     }
   }
   return idx;
@@ -645,20 +653,24 @@ TEST_F(CudaOps, AttentionSparseBf16) {
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmma); }
   } restore;
-  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync}) {
+  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kWgmmaPair,
+                        cuda::SparseBf16Mainloop::kMmaSync}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
-      for (int full = 0; full < 2; ++full) {
+      for (int kind = 0; kind < 3; ++kind) {  // full, random per slot, random per head
+        const bool full = kind == 0;
         const int64_t d = c.head_dim;
         std::vector<uint16_t> qb, kb, vb;
         std::vector<float> q, k, v;
         to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
-        const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
-                                     : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset);
-        const std::string name = std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " +
-                                 c.name + (full ? ", full index" : ", random index");
+        const SparseIndex idx =
+            full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                 : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset, kind == 2);
+        const std::string name =
+            std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " + c.name +
+            std::array<const char*, 3>{", full index", ", random index", ", per-head index"}[kind];
         AttentionParams p;
         p.q_offset = c.q_offset;
         std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));

@@ -548,13 +548,11 @@ int cmd_bench_attention(int argc, char** argv) {
     std::stringstream ss(a.get("mainloops", "wgmma"));
     std::string t;
     while (std::getline(ss, t, ',')) {
-      if (t == "wgmma")
-        mainloops.push_back(kernels::cuda::SparseBf16Mainloop::kWgmma);
-      else if (t == "mma.sync")
-        mainloops.push_back(kernels::cuda::SparseBf16Mainloop::kMmaSync);
-      else
-        return fail(
-            SF_ERR(kInvalidArgument, "--mainloops: wgmma and/or mma.sync, got '" + t + "'"));
+      kernels::cuda::SparseBf16Mainloop m;
+      if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
+        return fail(SF_ERR(kInvalidArgument,
+                           "--mainloops: wgmma, wgmma-pair and/or mma.sync, got '" + t + "'"));
+      mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
   }
