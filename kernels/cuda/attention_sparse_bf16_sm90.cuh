@@ -35,12 +35,15 @@ template <int D>
 struct SwTile {
   __nv_bfloat16 e[D / 64][kTile][64];
 };
-constexpr int kStages = 3;  // K and V each: copies run two tiles ahead of the products
+constexpr int kStages = 3;  // K and V each (97 KB at D = 128: two CTAs per SM)
+// Tile t's mask data sits in slot t % kPosSlots: softmax(t) reads it in the iteration whose
+// copies already fill K stage t % kStages with tile t + kStages.
+constexpr int kPosSlots = 2 * kStages;
 template <int D>
 struct Smem90 {
   SwTile<D> k[kStages], v[kStages];
-  int32_t pos[kStages][kTile];  // per K stage: key position of tile row j, -1 when empty
-  int32_t masked[kStages];      // per K stage: 1 when some key of the tile is hidden from some row
+  int32_t pos[kPosSlots][kTile];  // key position of tile row j, -1 when empty
+  int32_t masked[kPosSlots];      // 1 when some key of the tile is hidden from some row
 };
 constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
 
@@ -191,12 +194,12 @@ struct CopyPlan {
   }
 };
 
-// One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into V stage vb, and the K
-// rows of tile tk (when tk < n_tiles) into K stage kb with their positions (written by the
-// chunk-0 threads, for the softmax mask) and mask flag. A thread copies the same rows of every
-// tile, so the positions of V(tv) are the ones it looked up for K(tv) in its previous call: they
-// stay in pend, which then takes K(tk)'s. Empty rows are zero-filled, so masked keys multiply
-// zeros.
+// One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into stage tv % kStages, and
+// the K rows of tile tk (when tk < n_tiles) into stage tk % kStages, with their positions
+// (written by the chunk-0 threads, for the softmax mask) and mask flag into slot tk % kPosSlots.
+// A thread copies the same rows of every tile, so the positions of V(tv) are the ones it looked
+// up when it copied K(tv): the caller keeps them (vpos); pend takes K(tk)'s. Empty rows are
+// zero-filled, so masked keys multiply zeros.
 // The thread's rows of a K or V tile (positions pos, -1 empty) into stage b of the array at sa0.
 template <int D, int NT>
 __device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa0,
@@ -212,11 +215,13 @@ __device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa
 
 template <int D>
 __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
-                                         int tk, int kb, int tv, int vb, int64_t base,
-                                         Smem90<D>& sm, int32_t (&pend)[CopyPlan<D>::kIter]) {
+                                         int tk, int tv, int64_t base, Smem90<D>& sm,
+                                         const int32_t (&vpos)[CopyPlan<D>::kIter],
+                                         int32_t (&pend)[CopyPlan<D>::kIter]) {
   using Plan = CopyPlan<D>;
-  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb, pend);
+  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, tv % kStages, vpos);
   if (tk < n_tiles) {
+    const int kb = tk % kStages, ps = tk % kPosSlots;
     if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
       const int64_t k0 = tl.bo[tk];
       const int64_t k1 = k0 + kTile < tl.cta_end ? k0 + kTile : tl.cta_end;
@@ -235,9 +240,9 @@ __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& 
     }
     if (threadIdx.x % Plan::kVec == 0) {
 #pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) sm.pos[kb][cp.j0 + i * Plan::kRowsPer] = pend[i];
+      for (int i = 0; i < Plan::kIter; ++i) sm.pos[ps][cp.j0 + i * Plan::kRowsPer] = pend[i];
     }
-    if (threadIdx.x == 0) sm.masked[kb] = tile_needs_mask(tl, tk, base);
+    if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
     copy_rows(cp, cp.k_sa, cp.k_src, kb, pend);
   }
   cp_async_commit();
@@ -280,12 +285,65 @@ __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&pa)[k
   fence_regs(st.o);
 }
 
-// Schedule (FlashAttention-3's intra-warpgroup overlap): iteration t issues S(t) = Q K(t)^T and
-// O += P(t-1) V(t-1) back to back, then the copies of K(t+2) and V(t+1), then runs tile t's
-// softmax while P(t-1) V(t-1) is still on the tensor cores; O is rescaled once that product
-// lands. V(j) is copied together with K(j+1), so the group iteration t waits for (K(t), V(t-1))
-// was issued two iterations earlier, with one more in flight behind it. Three stages of K and of
-// V (96 KB at D = 128): the stage a copy overwrites was last read an iteration before.
+// Schedule. The tensor cores get two products per softmax: iteration t issues S(t + 1) =
+// Q K(t + 1)^T and O += P(t - 1) V(t - 1) back to back, then the copies, then runs tile t's
+// softmax (its S landed in iteration t - 1) while both products run; O is rescaled by tile t's
+// factor once they land (P(t - 1) is relative to the old max, so that is exact). Scores
+// alternate between two register sets (S(t + 1) is written while tile t's are read). Tile j's K
+// and V sit in stage j % kStages; iteration t's copy group holds K(t + kStages) (into the stage
+// S(t) read, landed in iteration t - 1) and V(t + kStages - 2) (into the stage P(t - 2) V(t - 2)
+// read, likewise). Iteration t waits for the group of iteration t + 1 - kStages, which holds
+// both K(t + 1) and V(t - 1).
+
+template <int D>
+struct Sm90Loop {
+  using Plan = CopyPlan<D>;
+  const TileList& tl;
+  const Plan& cp;
+  Smem90<D>& sm;
+  int n_tiles;
+  int64_t base;
+  float scale_log2;
+  int tq;
+  int32_t pk1[Plan::kIter], pk2[Plan::kIter];  // K positions copied one and two groups ago
+
+  // The copy group of iteration i (i >= -kStages): K(i + kStages), V(i + kStages - 2).
+  __device__ __forceinline__ void copies(int i) {
+    int32_t pk[Plan::kIter];
+    issue_kv<D>(tl, cp, n_tiles, i + kStages, i + kStages - 2, base, sm, pk2, pk);
+#pragma unroll
+    for (int j = 0; j < Plan::kIter; ++j) {
+      pk2[j] = pk1[j];
+      pk1[j] = pk[j];
+    }
+  }
+
+  // Iteration t: kNext when tile t + 1 exists, kPrev when tile t - 1 does. Every product issued
+  // here lands here: one in flight where paths join makes the compiler serialize all of them
+  // (ptxas C7518).
+  template <bool kNext, bool kPrev>
+  __device__ __forceinline__ void step(int t, const uint32_t (&qa)[D / 16][4],
+                                       float (&s_cur)[kTile / 8][4], float (&s_next)[kTile / 8][4],
+                                       uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
+    cp_async_wait<kStages - 2>();
+    fence_proxy_async();
+    __syncthreads();  // K(t + 1), V(t - 1) landed for every thread; S(t) and P V(t - 2) done
+    if constexpr (kNext) issue_s<D>(s_next, qa, sm.k[(t + 1) % kStages]);
+    if constexpr (kPrev) issue_pv<D>(st, pa, sm.v[(t + kStages - 1) % kStages]);
+    copies(t);
+    float alpha[2];
+    const int ps = t % kPosSlots;
+    softmax_tile<D>(s_cur, sm.masked[ps] ? sm.pos[ps] : nullptr, scale_log2, tq, st, alpha);
+    if constexpr (kNext || kPrev) wgmma_wait<0>();
+    if constexpr (kNext) fence_regs(s_next);
+    if constexpr (kPrev) fence_regs(st.o);
+    rescale_o<D>(alpha, st);
+    // pa is an operand of the product that just landed: rewritten only now.
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
+  }
+};
+
 template <int D>
 __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     const AttentionSparseBf16Params& p) {
@@ -302,310 +360,52 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const SlotGeom sg = slot_geom(p);
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
-  const float scale_log2 = p.scale * kLog2e;
   const TileList tl = slot_tiles(p, h, sg);
-  const int n_tiles = tl.count();
-  if (n_tiles > 0) {
+  const int n = tl.count();
+  if (n > 0) {
     const CopyPlan<D> cp(p, sm.k[0], sm.v[0], kv_head);
-    int32_t pend[CopyPlan<D>::kIter];
-    issue_kv<D>(tl, cp, n_tiles, 0, 0, -1, 0, sg.base, sm, pend);  // K(0)
+    Sm90Loop<D> lp{tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, {}, {}};
+    lp.copies(-kStages);  // K(0)
     // Q stays in registers (wgmma's A operand) for the whole slot; rows past the slot's end are
     // zero (their results are never stored).
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();  // K(0) and its positions, for every thread
-    issue_kv<D>(tl, cp, n_tiles, 1, 1, 0, 0, sg.base, sm, pend);  // V(0), K(1)
-
-    float s[kTile / 8][4];
+#pragma unroll
+    for (int i = 1 - kStages; i < 0; ++i) lp.copies(i);
+    float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
-    float alpha[2];
-    issue_s<D>(s, qa, sm.k[0]);
-    issue_kv<D>(tl, cp, n_tiles, 2, 2, 1, 1, sg.base, sm, pend);  // V(1), K(2)
+    cp_async_wait<kStages - 1>();  // K(0)
+    fence_proxy_async();
+    __syncthreads();
+    issue_s<D>(s0, qa, sm.k[0]);
     wgmma_wait<0>();
-    fence_regs(s);
-    softmax_tile<D>(s, sm.masked[0] ? sm.pos[0] : nullptr, scale_log2, tq, st, alpha);
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
-
-    // Stages of K(t) (= V(t)'s), of K(t+2) / V(t-1), and of V(t+1), rotated each iteration.
-    int b0 = 1, b2 = 0, b1 = 2;
-    for (int t = 1; t < n_tiles; ++t) {
-      // K(t) and V(t-1) landed, for every thread; every warp is past iteration t - 1, whose
-      // products (reading K stage b2 and V stage b2's predecessor) completed there.
-      cp_async_wait<1>();
-      fence_proxy_async();
-      __syncthreads();
-      issue_s<D>(s, qa, sm.k[b0]);
-      issue_pv<D>(st, pa, sm.v[b2]);
-      // V(t+1) into the stage V(t-2) used, K(t+2) into the one K(t-1) used.
-      issue_kv<D>(tl, cp, n_tiles, t + 2, b2, t + 1, b1, sg.base, sm, pend);
-      wgmma_wait<1>();  // S(t) done; P(t-1) V(t-1) may still run
-      fence_regs(s);
-      softmax_tile<D>(s, sm.masked[b0] ? sm.pos[b0] : nullptr, scale_log2, tq, st, alpha);
-      wgmma_wait<0>();
-      fence_regs(st.o);
-      rescale_o<D>(alpha, st);
-      // pa is an operand of the product that just landed: rewritten only now.
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
-      const int nb = b2;  // (b0, b1, b2) <- (b1, b2, b0): t+1's K stage is b1
-      b2 = b0;
-      b0 = b1;
-      b1 = nb;
+    fence_regs(s0);
+    // Tile t's scores are in s0 for even t, s1 for odd t.
+    if (n == 1) {
+      lp.template step<false, false>(0, qa, s0, s1, pa, st);
+    } else {
+      lp.template step<true, false>(0, qa, s0, s1, pa, st);
+      int t = 1;
+      for (; t + 2 < n; t += 2) {
+        lp.template step<true, true>(t, qa, s1, s0, pa, st);
+        lp.template step<true, true>(t + 1, qa, s0, s1, pa, st);
+      }
+      if (t + 1 < n) {  // t = n - 2
+        lp.template step<true, true>(t, qa, s1, s0, pa, st);
+        lp.template step<false, true>(t + 1, qa, s0, s1, pa, st);
+      } else {  // t = n - 1
+        lp.template step<false, true>(t, qa, s1, s0, pa, st);
+      }
     }
-    // The last tile's P V (stage b2 now holds V(n_tiles - 1)).
+    // The last tile's P V: V(n - 1) is in the group of iteration n + 1 - kStages.
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    issue_pv<D>(st, pa, sm.v[b2]);
+    issue_pv<D>(st, pa, sm.v[(n - 1) % kStages]);
     wgmma_wait<0>();
     fence_regs(st.o);
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
-#else
-  __trap();  // built without sm_90a: the launcher never selects this kernel there
-#endif
-}
-
-
-// ---- Query-block pairs: one K/V tile read for 128 rows --------------------------------------------
-// The single-slot kernel reads every tile from L2 for 64 rows: at 128K block-sparse that is about
-// 32 KB per 2.1 MFLOP, which is what bounds it (FlashAttention-3 reads a tile once for 128 rows).
-// Here a CTA is two warpgroups and owns two neighbouring query blocks of one head (warpgroup w:
-// query block 2j + w). Their block lists overlap heavily: slash diagonals of block 2j + 1 are
-// those of block 2j moved by 64 keys, and block-sparse picks and sinks repeat. The CTA walks the
-// merge of the two sorted block lists, loading an offset both lists hold once, then each slot's
-// own column tiles. A tile carries an owner mask; a warpgroup computes only the tiles it owns,
-// so no product is spent on keys a slot did not select. The warpgroups run in lockstep (one
-// barrier per tile); a warpgroup that skips a tile still lands its previous P V.
-constexpr int kPairThreads = 2 * kThreads;
-constexpr int kPairStages = 4;  // copies run three tiles ahead (one CTA per SM at D = 128)
-template <int D>
-struct SmemPair {
-  SwTile<D> k[kPairStages], v[kPairStages];
-  int32_t pos[kPairStages][kTile];  // per K stage: key position of tile row j, -1 when empty
-  int32_t own[kPairStages];         // per K stage: bit w set when slot w computes the tile
-  int32_t masked[kPairStages][2];   // per K stage and slot: some key hidden from some row
-};
-
-// The pair's tile sequence: the union of both slots' block entries in ascending offset, then
-// slot 0's column tiles, then slot 1's.
-struct PairTiles {
-  TileList tl[2];
-  int64_t base[2];
-  int64_t end;  // the later slot's causal limit: block tiles are clipped to it
-  int n_union, n_ct0;
-  __device__ __forceinline__ int count() const {
-    return n_union + n_ct0 + (tl[1].n_cols + kTile - 1) / kTile;
-  }
-};
-
-// Walks the merge of the two block lists; every thread runs its own copy in the same order.
-// The next offset of each list is held in a register (INT64_MAX past the end).
-struct PairCursor {
-  int i[2];
-  int64_t o[2];
-  __device__ __forceinline__ explicit PairCursor(const PairTiles& pt) {
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      i[w] = 0;
-      o[w] = pt.tl[w].n_block_tiles > 0 ? int64_t(pt.tl[w].bo[0]) : INT64_MAX;
-    }
-  }
-  // The next union offset and its owner mask.
-  __device__ __forceinline__ int64_t next(const PairTiles& pt, int& own) {
-    const int64_t k0 = o[0] < o[1] ? o[0] : o[1];
-    own = 0;
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      if (o[w] != k0) continue;
-      own |= 1 << w;
-      ++i[w];
-      o[w] = i[w] < pt.tl[w].n_block_tiles ? int64_t(pt.tl[w].bo[i[w]]) : INT64_MAX;
-    }
-    return k0;
-  }
-};
-
-// Offsets both lists hold, counted by all threads of the CTA (a binary search per entry of
-// slot 0's list); the result is the same in every thread.
-__device__ __forceinline__ int pair_common_blocks(const PairTiles& pt) {
-  const int n0 = pt.tl[0].n_block_tiles, n1 = pt.tl[1].n_block_tiles;
-  int common = 0;
-  for (int i0 = 0; i0 < n0; i0 += kPairThreads) {
-    const int i = i0 + int(threadIdx.x);
-    bool hit = false;
-    if (i < n0 && n1 > 0) {
-      const int32_t x = pt.tl[0].bo[i];
-      const int j = lower_bound_i32(pt.tl[1].bo, n1, x);
-      hit = j < n1 && pt.tl[1].bo[j] == x;
-    }
-    common += __syncthreads_count(hit);
-  }
-  return common;
-}
-
-// issue_kv for the pair's sequence: K(tk) with its positions, owner mask and per-slot mask
-// flags into stage kb, V(tv) into stage vb (positions from the previous call, as there).
-template <int D>
-__device__ __forceinline__ void issue_kv_pair(const PairTiles& pt, PairCursor& cur,
-                                              const CopyPlan<D, kPairThreads>& cp, int n_tiles,
-                                              int tk, int kb, int tv, int vb, SmemPair<D>& sm,
-                                              int32_t (&pend)[CopyPlan<D, kPairThreads>::kIter]) {
-  using Plan = CopyPlan<D, kPairThreads>;
-  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb, pend);
-  if (tk < n_tiles) {
-    int own, mk0, mk1;
-    if (tk < pt.n_union) {
-      const int64_t k0 = cur.next(pt, own);
-      const int64_t k1 = k0 + kTile < pt.end ? k0 + kTile : pt.end;
-#pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) {
-        const int64_t kp = k0 + cp.j0 + i * Plan::kRowsPer;
-        pend[i] = kp < k1 ? int32_t(kp) : -1;
-      }
-      mk0 = k0 + kTile > pt.tl[0].cta_end || k0 + kTile - 1 > pt.base[0];
-      mk1 = k0 + kTile > pt.tl[1].cta_end || k0 + kTile - 1 > pt.base[1];
-    } else {  // a column tile of one slot (selects, not an indexed pick: no local memory)
-      const bool w1 = tk - pt.n_union >= pt.n_ct0;
-      const int32_t* col = w1 ? pt.tl[1].ci : pt.tl[0].ci;
-      const int n_cols = w1 ? pt.tl[1].n_cols : pt.tl[0].n_cols;
-      const int c0 = (tk - pt.n_union - (w1 ? pt.n_ct0 : 0)) * kTile;
-#pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) {
-        const int ci = c0 + cp.j0 + i * Plan::kRowsPer;
-        pend[i] = ci < n_cols ? col[ci] : -1;
-      }
-      own = w1 ? 2 : 1;
-      const int last = c0 + kTile - 1;
-      const int m = last >= n_cols || int64_t(col[last]) > (w1 ? pt.base[1] : pt.base[0]);
-      mk0 = w1 ? 0 : m;
-      mk1 = w1 ? m : 0;
-    }
-    if (threadIdx.x % Plan::kVec == 0) {
-#pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) sm.pos[kb][cp.j0 + i * Plan::kRowsPer] = pend[i];
-    }
-    if (threadIdx.x == 0) {
-      sm.own[kb] = own;
-      sm.masked[kb][0] = mk0;
-      sm.masked[kb][1] = mk1;
-    }
-    copy_rows(cp, cp.k_sa, cp.k_src, kb, pend);
-  }
-  cp_async_commit();
-}
-
-// The pair mainloop. Tile t sits in stage t % S (K and V alike). Iteration t waits for the copy
-// group holding K(t) and V(t - 1), issues S(t) (when the warpgroup owns t) and P V of its
-// previous tile (when it owned t - 1) back to back, then the copies of K(t + S - 1) and
-// V(t + S - 2) into the stages S(t - 1) and P(t - 2) V(t - 2) read (both landed in iteration
-// t - 1, before this iteration's barrier), then runs tile t's softmax while that P V is on the
-// tensor cores.
-template <int D>
-__device__ __forceinline__ void attention_sparse_bf16_pair_block(
-    const AttentionSparseBf16Params& p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
-  constexpr int S = kPairStages;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  SmemPair<D>& sm = *reinterpret_cast<SmemPair<D>*>(
-      smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
-  const int h = blockIdx.y;
-  const int kv_head = h / (p.n_heads / p.n_kv_heads);
-  const int wg = threadIdx.x / kThreads;  // the warpgroup's slot in the pair
-  const int warp = (threadIdx.x / 32) % kWarps, lane = threadIdx.x % 32;
-  const int g = lane / 4, tq = lane % 4;
-  // Later pairs first; slot 1 is the later block, slot 0 (missing for an odd count) the earlier.
-  const int64_t qb1 = p.n_qblocks - 1 - 2 * int64_t(blockIdx.x);
-  const SlotGeom sg[2] = {slot_geom_at(p, qb1 - 1), slot_geom_at(p, qb1)};
-  PairTiles pt;
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    pt.tl[w] = slot_tiles(p, h, sg[w]);
-    pt.base[w] = sg[w].base;
-  }
-  pt.end = sg[0].cta_end > sg[1].cta_end ? sg[0].cta_end : sg[1].cta_end;
-  pt.n_union = pt.tl[0].n_block_tiles + pt.tl[1].n_block_tiles - pair_common_blocks(pt);
-  pt.n_ct0 = (pt.tl[0].n_cols + kTile - 1) / kTile;
-  const SlotGeom mine = wg ? sg[1] : sg[0];
-  RowState<D> st;
-  row_state_init<D>(p, warp, g, mine.rows, mine.base, st);
-  const float scale_log2 = p.scale * kLog2e;
-  const int n_tiles = pt.count();
-  if (n_tiles > 0) {
-    const CopyPlan<D, kPairThreads> cp(p, sm.k[0], sm.v[0], kv_head);
-    PairCursor cur(pt);
-    int32_t pend[CopyPlan<D, kPairThreads>::kIter];
-    issue_kv_pair<D>(pt, cur, cp, n_tiles, 0, 0, -1, 0, sm, pend);  // K(0)
-    uint32_t qa[D / 16][4];
-    load_q_fragments<D>(p, h, mine, warp, g, tq, qa);
-#pragma unroll
-    for (int i = 1; i <= S - 2; ++i)  // V(i - 1), K(i)
-      issue_kv_pair<D>(pt, cur, cp, n_tiles, i, i, i - 1, i - 1, sm, pend);
-
-    float s[kTile / 8][4];
-    uint32_t pa[kTile / 16][4];
-    float alpha[2];
-    bool pv_pending = false;  // P V of this warpgroup's last tile (t - 1) not yet issued
-    for (int t = 0; t < n_tiles; ++t) {
-      const int b = t % S, bv = (t + S - 1) % S;  // stages of K(t) and V(t - 1)
-      cp_async_wait<S - 2>();
-      fence_proxy_async();
-      __syncthreads();
-      // Warp-uniform by construction; through a shuffle the compiler knows it too, so the
-      // wgmma issues under it are not serialized as a divergent path's would be.
-      const bool own = __shfl_sync(0xffffffffu, (sm.own[b] >> wg) & 1, 0);
-      const auto copies = [&] {
-        issue_kv_pair<D>(pt, cur, cp, n_tiles, t + S - 1, (t + S - 1) % S, t + S - 2,
-                         (t + S - 2) % S, sm, pend);
-      };
-      // Four straight paths, each landing every product it issues: a product in flight where
-      // paths join makes the compiler serialize all of them (ptxas C7518).
-      if (own && pv_pending) {
-        issue_s<D>(s, qa, sm.k[b]);
-        issue_pv<D>(st, pa, sm.v[bv]);
-        copies();
-        wgmma_wait<1>();  // S(t) done; the P V may still run
-        fence_regs(s);
-        softmax_tile<D>(s, sm.masked[b][wg] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
-        wgmma_wait<0>();
-        fence_regs(st.o);
-      } else if (own) {
-        issue_s<D>(s, qa, sm.k[b]);
-        copies();
-        wgmma_wait<0>();
-        fence_regs(s);
-        softmax_tile<D>(s, sm.masked[b][wg] ? sm.pos[b] : nullptr, scale_log2, tq, st, alpha);
-      } else if (pv_pending) {
-        issue_pv<D>(st, pa, sm.v[bv]);
-        copies();
-        wgmma_wait<0>();
-        fence_regs(st.o);
-      } else {
-        copies();
-      }
-      if (own) {
-        rescale_o<D>(alpha, st);
-        // pa is an operand of the product that just landed: rewritten only now.
-#pragma unroll
-        for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s, kk, pa[kk]);
-      }
-      pv_pending = own;
-    }
-    cp_async_wait<0>();  // V(n_tiles - 1)
-    fence_proxy_async();
-    __syncthreads();
-    if (pv_pending) {
-      issue_pv<D>(st, pa, sm.v[(n_tiles - 1) % S]);
-      wgmma_wait<0>();
-      fence_regs(st.o);
-    }
-  }
-  store_rows<D>(p, h, mine.r0, mine.rows, warp, g, tq, st);
 #else
   __trap();  // built without sm_90a: the launcher never selects this kernel there
 #endif
@@ -620,12 +420,6 @@ __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
 }
 
 template <int D>
-__global__ void __launch_bounds__(attention_sparse_bf16_sm90_detail::kPairThreads, 1)
-    attention_sparse_bf16_pair_kernel(const AttentionSparseBf16Params p) {
-  attention_sparse_bf16_sm90_detail::attention_sparse_bf16_pair_block<D>(p);
-}
-
-template <int D>
 cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
                                          SparseBf16Mainloop mainloop, cudaStream_t stream) {
   using namespace attention_sparse_bf16_sm90_detail;
@@ -633,14 +427,7 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
   if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
   cudaError_t err = cudaSuccess;
-  if (mainloop == SparseBf16Mainloop::kWgmmaPair) {
-    constexpr size_t kSmem = sizeof(SmemPair<D>) + kSwAlign;
-    static std::atomic<uint64_t> opted{0};
-    if ((err = opt_in_smem(attention_sparse_bf16_pair_kernel<D>, kSmem, opted)) != cudaSuccess)
-      return err;
-    const dim3 pairs(unsigned((p.n_qblocks + 1) / 2), unsigned(p.n_heads));
-    attention_sparse_bf16_pair_kernel<D><<<pairs, kPairThreads, kSmem, stream>>>(p);
-  } else if (mainloop == SparseBf16Mainloop::kWgmma) {
+  if (mainloop == SparseBf16Mainloop::kWgmma) {
     constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;  // + slack to align the base
     static std::atomic<uint64_t> opted{0};
     if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)

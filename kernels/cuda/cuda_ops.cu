@@ -181,14 +181,12 @@ SparseBf16Mainloop sparse_bf16_mainloop() {
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
   switch (m) {
     case SparseBf16Mainloop::kWgmma: return "wgmma";
-    case SparseBf16Mainloop::kWgmmaPair: return "wgmma-pair";
     case SparseBf16Mainloop::kMmaSync: return "mma.sync";
   }
   return "?";
 }
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m) {
-  for (const auto c :
-       {SparseBf16Mainloop::kWgmma, SparseBf16Mainloop::kWgmmaPair, SparseBf16Mainloop::kMmaSync})
+  for (const auto c : {SparseBf16Mainloop::kWgmma, SparseBf16Mainloop::kMmaSync})
     if (name == sparse_bf16_mainloop_name(c)) {
       *m = c;
       return true;

@@ -87,17 +87,15 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                         const SparseIndex& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, void* stream);
 bool attention_sparse_supported(int head_dim);
-// The BF16 kernel's mainloop. kWgmma (the default): Hopper warpgroup MMA, one CTA per
-// (head, query block) slot (attention_sparse_bf16_sm90.cuh). kWgmmaPair: the same products, one
-// CTA of two warpgroups per pair of neighbouring query blocks, loading the key tiles both slots
-// select once. kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh).
-// The others stay as second implementations for tests and A/B benchmarks. Process-wide; read at
-// each launch.
-enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaPair = 2 };
+// The BF16 kernel's mainloop. kWgmma (the default): Hopper warpgroup MMA
+// (attention_sparse_bf16_sm90.cuh). kMmaSync: the FlashAttention-2-style mma.sync kernel
+// (attention_sparse_bf16.cuh), kept as a second implementation for tests and A/B benchmarks.
+// Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// By name ("wgmma", "wgmma-pair", "mma.sync"); false for any other.
+// By name ("wgmma", "mma.sync"); false for any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- KV importance (kv_importance.cu) --------------------------------------------------------

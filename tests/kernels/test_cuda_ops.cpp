@@ -532,7 +532,7 @@ struct SparseCase {
 
 // Random candidates per slot; with per_head, one candidate set per head for all its query
 // blocks (as vertical-slash and block-sparse indices look: neighbouring query blocks share most
-// block entries and columns, which the paired wgmma kernel loads once).
+// block entries and columns).
 SparseIndex random_index(std::mt19937_64& rng, int64_t heads, int64_t n_q, int64_t n_k,
                          int64_t q_offset, bool per_head = false) {
   SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, 8);
@@ -653,8 +653,7 @@ TEST_F(CudaOps, AttentionSparseBf16) {
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmma); }
   } restore;
-  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kWgmmaPair,
-                        cuda::SparseBf16Mainloop::kMmaSync}) {
+  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       for (int kind = 0; kind < 3; ++kind) {  // full, random per slot, random per head
