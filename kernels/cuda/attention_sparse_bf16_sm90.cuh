@@ -176,9 +176,9 @@ struct CopyPlan {
   static constexpr int kVec = D / 8, kRowsPer = NT / kVec, kIter = kTile / kRowsPer;
   static_assert(kRowsPer % 8 == 0, "rows per pass must keep j & 7 fixed");
   int j0;
-  uint32_t k_sa, v_sa;                 // shared address of (row j0, chunk c) in stage 0
-  const __nv_bfloat16 *k_src, *v_src;  // chunk c of kv_head's row 0
-  int64_t row_stride;                  // elements between key rows
+  uint32_t k_sa, v_sa;        // shared address of (row j0, chunk c) in stage 0
+  const char *k_src, *v_src;  // chunk c of kv_head's row 0
+  uint32_t row_bytes;         // between key rows (n_kv_heads * D * 2 < 2^32; rows < 2^31)
 
   // k0, v0: stage 0 of the K and V tile arrays.
   __device__ __forceinline__ CopyPlan(const AttentionSparseBf16Params& p, const SwTile<D>& k0,
@@ -188,47 +188,49 @@ struct CopyPlan {
     const int so = sw_offset(j0, c) * int(sizeof(__nv_bfloat16));
     k_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&k0)) + so;
     v_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&v0)) + so;
-    k_src = p.k + int64_t(kv_head) * D + c * 8;
-    v_src = p.v + int64_t(kv_head) * D + c * 8;
-    row_stride = int64_t(p.n_kv_heads) * D;
+    k_src = reinterpret_cast<const char*>(p.k + int64_t(kv_head) * D + c * 8);
+    v_src = reinterpret_cast<const char*>(p.v + int64_t(kv_head) * D + c * 8);
+    row_bytes = uint32_t(p.n_kv_heads) * D * uint32_t(sizeof(__nv_bfloat16));
   }
 };
 
-// One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into stage tv % kStages, and
-// the K rows of tile tk (when tk < n_tiles) into stage tk % kStages, with their positions
-// (written by the chunk-0 threads, for the softmax mask) and mask flag into slot tk % kPosSlots.
-// A thread copies the same rows of every tile, so the positions of V(tv) are the ones it looked
-// up when it copied K(tv): the caller keeps them (vpos); pend takes K(tk)'s. Empty rows are
-// zero-filled, so masked keys multiply zeros.
-// The thread's rows of a K or V tile (positions pos, -1 empty) into stage b of the array at sa0.
+// The thread's rows of a K or V tile (positions pos, -1 empty) into the stage at byte offset
+// stage_off of the array at sa0. The copies are about a third of the mainloop's instructions, so
+// the address is one 32 x 32 + 64-bit multiply-add per row (positions and row bytes are 32-bit).
 template <int D, int NT>
 __device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa0,
-                                          const __nv_bfloat16* src, int b,
+                                          const char* src, uint32_t stage_off,
                                           const int32_t (&pos)[CopyPlan<D, NT>::kIter]) {
   constexpr uint32_t kStepBytes = CopyPlan<D, NT>::kRowsPer * 64 * sizeof(__nv_bfloat16);
-  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);  // stage b at + b * kStageBytes
 #pragma unroll
   for (int i = 0; i < CopyPlan<D, NT>::kIter; ++i)
-    cp_async_16(sa0 + b * kStageBytes + i * kStepBytes,
-                src + int64_t(max(pos[i], 0)) * cp.row_stride, pos[i] >= 0);
+    cp_async_16(sa0 + stage_off + i * kStepBytes,
+                src + uint64_t(uint32_t(max(pos[i], 0))) * cp.row_bytes, pos[i] >= 0);
 }
 
+// One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into V stage vb, and the K
+// rows of tile tk (when tk < n_tiles) into K stage kb, with their positions (written by the
+// chunk-0 threads, for the softmax mask) and mask flag into slot ps. A thread copies the same
+// rows of every tile, so the positions of V(tv) are the ones it looked up when it copied K(tv):
+// the caller keeps them (vpos); pend takes K(tk)'s. Empty rows are zero-filled, so masked keys
+// multiply zeros.
 template <int D>
 __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
-                                         int tk, int tv, int64_t base, Smem90<D>& sm,
-                                         const int32_t (&vpos)[CopyPlan<D>::kIter],
+                                         int tk, int kb, int ps, int tv, int vb, int64_t base,
+                                         Smem90<D>& sm, const int32_t (&vpos)[CopyPlan<D>::kIter],
                                          int32_t (&pend)[CopyPlan<D>::kIter]) {
   using Plan = CopyPlan<D>;
-  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, tv % kStages, vpos);
+  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
+  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb * kStageBytes, vpos);
   if (tk < n_tiles) {
-    const int kb = tk % kStages, ps = tk % kPosSlots;
     if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
-      const int64_t k0 = tl.bo[tk];
-      const int64_t k1 = k0 + kTile < tl.cta_end ? k0 + kTile : tl.cta_end;
+      // 32-bit: positions are below n_k <= INT32_MAX, and the clip is a count (no k0 + 64).
+      const int32_t k0 = tl.bo[tk];
+      const int32_t left = int32_t(tl.cta_end - k0);  // > 0: entries start below cta_end
 #pragma unroll
       for (int i = 0; i < Plan::kIter; ++i) {
-        const int64_t kp = k0 + cp.j0 + i * Plan::kRowsPer;
-        pend[i] = kp < k1 ? int32_t(kp) : -1;
+        const int32_t j = cp.j0 + i * Plan::kRowsPer;
+        pend[i] = j < left ? k0 + j : -1;
       }
     } else {  // gathered columns
       const int c0 = (tk - tl.n_block_tiles) * kTile + cp.j0;
@@ -243,7 +245,7 @@ __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& 
       for (int i = 0; i < Plan::kIter; ++i) sm.pos[ps][cp.j0 + i * Plan::kRowsPer] = pend[i];
     }
     if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
-    copy_rows(cp, cp.k_sa, cp.k_src, kb, pend);
+    copy_rows(cp, cp.k_sa, cp.k_src, kb * kStageBytes, pend);
   }
   cp_async_commit();
 }
@@ -306,11 +308,26 @@ struct Sm90Loop {
   float scale_log2;
   int tq;
   int32_t pk1[Plan::kIter], pk2[Plan::kIter];  // K positions copied one and two groups ago
+  // t % kStages and t % kPosSlots of the current iteration t, stepped (no divisions per tile).
+  int r3, r6;
+  static_assert(kStages == 3 && kPosSlots == 6, "the stage arithmetic below assumes 3 stages");
 
-  // The copy group of iteration i (i >= -kStages): K(i + kStages), V(i + kStages - 2).
+  __device__ __forceinline__ int stage_next() const { return r3 == 2 ? 0 : r3 + 1; }
+  __device__ __forceinline__ int stage_prev() const { return r3 == 0 ? 2 : r3 - 1; }
+  __device__ __forceinline__ void advance() {
+    r3 = stage_next();
+    r6 = r6 == 5 ? 0 : r6 + 1;
+  }
+
+  // The copy group of iteration i (i >= -kStages): K(i + kStages) into stage i % 3 (pos slot
+  // (i + 3) % 6), V(i + kStages - 2) into stage (i + 1) % 3; i is the current iteration (r3,
+  // r6) or, in the prologue, the stages are passed directly.
   __device__ __forceinline__ void copies(int i) {
+    copies_at(i, r3, r6 >= 3 ? r6 - 3 : r6 + 3, stage_next());
+  }
+  __device__ __forceinline__ void copies_at(int i, int kb, int ps, int vb) {
     int32_t pk[Plan::kIter];
-    issue_kv<D>(tl, cp, n_tiles, i + kStages, i + kStages - 2, base, sm, pk2, pk);
+    issue_kv<D>(tl, cp, n_tiles, i + kStages, kb, ps, i + kStages - 2, vb, base, sm, pk2, pk);
 #pragma unroll
     for (int j = 0; j < Plan::kIter; ++j) {
       pk2[j] = pk1[j];
@@ -328,11 +345,11 @@ struct Sm90Loop {
     cp_async_wait<kStages - 2>();
     fence_proxy_async();
     __syncthreads();  // K(t + 1), V(t - 1) landed for every thread; S(t) and P V(t - 2) done
-    if constexpr (kNext) issue_s<D>(s_next, qa, sm.k[(t + 1) % kStages]);
-    if constexpr (kPrev) issue_pv<D>(st, pa, sm.v[(t + kStages - 1) % kStages]);
+    if constexpr (kNext) issue_s<D>(s_next, qa, sm.k[stage_next()]);
+    if constexpr (kPrev) issue_pv<D>(st, pa, sm.v[stage_prev()]);
     copies(t);
     float alpha[2];
-    const int ps = t % kPosSlots;
+    const int ps = r6;
     softmax_tile<D>(s_cur, sm.masked[ps] ? sm.pos[ps] : nullptr, scale_log2, tq, st, alpha);
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) fence_regs(s_next);
@@ -341,6 +358,7 @@ struct Sm90Loop {
     // pa is an operand of the product that just landed: rewritten only now.
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
+    advance();
   }
 };
 
@@ -364,14 +382,14 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const int n = tl.count();
   if (n > 0) {
     const CopyPlan<D> cp(p, sm.k[0], sm.v[0], kv_head);
-    Sm90Loop<D> lp{tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, {}, {}};
-    lp.copies(-kStages);  // K(0)
+    Sm90Loop<D> lp{tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, {}, {}, 0, 0};
+    lp.copies_at(-3, 0, 0, 1);  // K(0)
     // Q stays in registers (wgmma's A operand) for the whole slot; rows past the slot's end are
     // zero (their results are never stored).
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-#pragma unroll
-    for (int i = 1 - kStages; i < 0; ++i) lp.copies(i);
+    lp.copies_at(-2, 1, 1, 2);  // K(1)
+    lp.copies_at(-1, 2, 2, 0);  // K(2), V(0)
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     cp_async_wait<kStages - 1>();  // K(0)
@@ -401,7 +419,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
-    issue_pv<D>(st, pa, sm.v[(n - 1) % kStages]);
+    issue_pv<D>(st, pa, sm.v[lp.stage_prev()]);  // the loop left r3 at n % 3
     wgmma_wait<0>();
     fence_regs(st.o);
   }
