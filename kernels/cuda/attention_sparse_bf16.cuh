@@ -15,6 +15,7 @@
 // This is the second mainloop now: attention_sparse_bf16_sm90.cuh (wgmma) is the default and
 // shares this file's tile walk, softmax_tile, rescale_o, p_fragment and store_rows.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,6 +39,9 @@ struct AttentionSparseBf16Params {
   const int32_t* column_index;
   int64_t n_qblocks;
   int max_blocks, max_cols;
+  // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 64 x 1 x 64 boxes, 128-byte swizzle),
+  // filled by the launcher for the wgmma mainloop, which loads block tiles through them.
+  CUtensorMap tm_k, tm_v;
 };
 
 namespace attention_sparse_bf16_detail {

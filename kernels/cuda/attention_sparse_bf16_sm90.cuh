@@ -16,9 +16,13 @@
 // tiles are copied by all 128 threads with cp.async, three stages deep, two tiles ahead; the 2
 // CTAs that fit per SM (97 KB each at D = 128) overlap one's softmax with the other's MMAs.
 // Tiles whose keys every row sees (all at or below the slot's first row, none empty) skip the
-// mask.
-// Not yet: TMA, a producer warp, ping-pong between warpgroups (FlashAttention-3).
+// mask. Block tiles (64 consecutive keys) arrive by TMA, one thread issuing D/64 box loads per
+// tile on a stage's mbarrier; gathered-column tiles by cp.async from all threads. The copies were
+// a third of the mainloop's instructions (Nsight, 2026-11-23): the kernel is issue-bound.
+// Not yet: a producer warp, ping-pong between warpgroups (FlashAttention-3).
 #pragma once
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
 #include <atomic>
 
 #include "kernels/cuda/attention_sparse_bf16.cuh"
@@ -42,8 +46,9 @@ constexpr int kPosSlots = 2 * kStages;
 template <int D>
 struct Smem90 {
   SwTile<D> k[kStages], v[kStages];
-  int32_t pos[kPosSlots][kTile];  // key position of tile row j, -1 when empty
-  int32_t masked[kPosSlots];      // 1 when some key of the tile is hidden from some row
+  uint64_t bar_k[kStages], bar_v[kStages];  // mbarriers of the stages' TMA loads
+  int32_t pos[kPosSlots][kTile];            // key position of tile row j, -1 when empty
+  int32_t masked[kPosSlots];  // 1 when some key of the tile is hidden from some row
 };
 constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
 
@@ -74,6 +79,46 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// mbarriers (shared::cta) for the TMA loads.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One 64-row tile of a [n_k, n_kv_heads, D] tensor by TMA: D / 64 boxes of 64 dims x 64 rows
+// into the tile's column blocks (the box layout is the tile's 128-byte swizzle), completing on
+// bar, which expects the tile's bytes. Rows past n_k arrive as zeros.
+template <int D>
+__device__ __forceinline__ void tma_tile(const CUtensorMap* map, uint64_t* bar, SwTile<D>& dst,
+                                         int kv_head, int32_t row0) {
+  mbar_expect_tx(bar, sizeof(SwTile<D>));
+#pragma unroll
+  for (int cb = 0; cb < D / 64; ++cb)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_u32(&dst.e[cb][0][0])),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(cb * 64), "r"(kv_head), "r"(row0),
+        "r"(smem_u32(bar))
+        : "memory");
+}
+
 // Pins accumulator registers at this point: the compiler may not move their reads or writes
 // across an in-flight wgmma (which it cannot see) to this side of the fence.
 template <int N>
@@ -215,22 +260,32 @@ __device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa
 // the caller keeps them (vpos); pend takes K(tk)'s. Empty rows are zero-filled, so masked keys
 // multiply zeros.
 template <int D>
-__device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& cp, int n_tiles,
-                                         int tk, int kb, int ps, int tv, int vb, int64_t base,
+__device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, const TileList& tl,
+                                         const CopyPlan<D>& cp, int n_tiles, int kv_head, int tk,
+                                         int kb, int ps, int tv, int vb, int64_t base,
                                          Smem90<D>& sm, const int32_t (&vpos)[CopyPlan<D>::kIter],
                                          int32_t (&pend)[CopyPlan<D>::kIter]) {
   using Plan = CopyPlan<D>;
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
-  if (tv >= 0 && tv < n_tiles) copy_rows(cp, cp.v_sa, cp.v_src, vb * kStageBytes, vpos);
+  if (tv >= 0 && tv < n_tiles) {
+    if (tv < tl.n_block_tiles) {
+      if (threadIdx.x == 0) tma_tile<D>(&p.tm_v, &sm.bar_v[vb], sm.v[vb], kv_head, tl.bo[tv]);
+    } else {
+      copy_rows(cp, cp.v_sa, cp.v_src, vb * kStageBytes, vpos);
+    }
+  }
   if (tk < n_tiles) {
     if (tk < tl.n_block_tiles) {  // a key block: consecutive positions, clipped causally
-      // 32-bit: positions are below n_k <= INT32_MAX, and the clip is a count (no k0 + 64).
+      // Rows past the causal limit arrive (real keys, or zeros past n_k) but are masked by
+      // position. 32-bit: positions are below n_k <= INT32_MAX.
       const int32_t k0 = tl.bo[tk];
-      const int32_t left = int32_t(tl.cta_end - k0);  // > 0: entries start below cta_end
-#pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) {
-        const int32_t j = cp.j0 + i * Plan::kRowsPer;
-        pend[i] = j < left ? k0 + j : -1;
+      if (threadIdx.x < kTile) {
+        const int32_t j = int32_t(threadIdx.x);
+        sm.pos[ps][j] = j < int32_t(tl.cta_end - k0) ? k0 + j : -1;
+      }
+      if (threadIdx.x == 0) {
+        sm.masked[ps] = tile_needs_mask(tl, tk, base);
+        tma_tile<D>(&p.tm_k, &sm.bar_k[kb], sm.k[kb], kv_head, k0);
       }
     } else {  // gathered columns
       const int c0 = (tk - tl.n_block_tiles) * kTile + cp.j0;
@@ -239,13 +294,13 @@ __device__ __forceinline__ void issue_kv(const TileList& tl, const CopyPlan<D>& 
         const int ci = c0 + i * Plan::kRowsPer;
         pend[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
       }
-    }
-    if (threadIdx.x % Plan::kVec == 0) {
+      if (threadIdx.x % Plan::kVec == 0) {
 #pragma unroll
-      for (int i = 0; i < Plan::kIter; ++i) sm.pos[ps][cp.j0 + i * Plan::kRowsPer] = pend[i];
+        for (int i = 0; i < Plan::kIter; ++i) sm.pos[ps][cp.j0 + i * Plan::kRowsPer] = pend[i];
+      }
+      if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
+      copy_rows(cp, cp.k_sa, cp.k_src, kb * kStageBytes, pend);
     }
-    if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
-    copy_rows(cp, cp.k_sa, cp.k_src, kb * kStageBytes, pend);
   }
   cp_async_commit();
 }
@@ -300,23 +355,32 @@ __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&pa)[k
 template <int D>
 struct Sm90Loop {
   using Plan = CopyPlan<D>;
+  const AttentionSparseBf16Params& p;
   const TileList& tl;
   const Plan& cp;
   Smem90<D>& sm;
   int n_tiles;
   int64_t base;
   float scale_log2;
-  int tq;
+  int tq, kv_head;
   int32_t pk1[Plan::kIter], pk2[Plan::kIter];  // K positions copied one and two groups ago
-  // t % kStages and t % kPosSlots of the current iteration t, stepped (no divisions per tile).
-  int r3, r6;
+  // t % kStages, t % kPosSlots and (t / kStages) & 1 of the current iteration t, stepped (no
+  // divisions per tile). Block tiles come first in the list, so the j-th use of a stage's
+  // mbarrier is always tile j * 3 + stage: a tile's TMA phase is (t / 3) & 1.
+  int r3, r6, ph;
   static_assert(kStages == 3 && kPosSlots == 6, "the stage arithmetic below assumes 3 stages");
 
   __device__ __forceinline__ int stage_next() const { return r3 == 2 ? 0 : r3 + 1; }
   __device__ __forceinline__ int stage_prev() const { return r3 == 0 ? 2 : r3 - 1; }
   __device__ __forceinline__ void advance() {
+    ph ^= r3 == 2;
     r3 = stage_next();
     r6 = r6 == 5 ? 0 : r6 + 1;
+  }
+  // Waits for the TMA loads of K(t + 1) and V(t - 1) where they are block tiles.
+  __device__ __forceinline__ void wait_tma(int t, bool next, bool prev) {
+    if (next && t + 1 < tl.n_block_tiles) mbar_wait(&sm.bar_k[stage_next()], ph ^ (r3 == 2));
+    if (prev && t - 1 < tl.n_block_tiles) mbar_wait(&sm.bar_v[stage_prev()], ph ^ (r3 == 0));
   }
 
   // The copy group of iteration i (i >= -kStages): K(i + kStages) into stage i % 3 (pos slot
@@ -327,7 +391,8 @@ struct Sm90Loop {
   }
   __device__ __forceinline__ void copies_at(int i, int kb, int ps, int vb) {
     int32_t pk[Plan::kIter];
-    issue_kv<D>(tl, cp, n_tiles, i + kStages, kb, ps, i + kStages - 2, vb, base, sm, pk2, pk);
+    issue_kv<D>(p, tl, cp, n_tiles, kv_head, i + kStages, kb, ps, i + kStages - 2, vb, base, sm,
+                pk2, pk);
 #pragma unroll
     for (int j = 0; j < Plan::kIter; ++j) {
       pk2[j] = pk1[j];
@@ -343,6 +408,7 @@ struct Sm90Loop {
                                        float (&s_cur)[kTile / 8][4], float (&s_next)[kTile / 8][4],
                                        uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
     cp_async_wait<kStages - 2>();
+    wait_tma(t, kNext, kPrev);
     fence_proxy_async();
     __syncthreads();  // K(t + 1), V(t - 1) landed for every thread; S(t) and P V(t - 2) done
     if constexpr (kNext) issue_s<D>(s_next, qa, sm.k[stage_next()]);
@@ -382,7 +448,15 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const int n = tl.count();
   if (n > 0) {
     const CopyPlan<D> cp(p, sm.k[0], sm.v[0], kv_head);
-    Sm90Loop<D> lp{tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, {}, {}, 0, 0};
+    if (threadIdx.x == 0) {
+      for (int b = 0; b < kStages; ++b) {
+        mbar_init(&sm.bar_k[b], 1);
+        mbar_init(&sm.bar_v[b], 1);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    Sm90Loop<D> lp{p, tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, kv_head, {}, {}, 0, 0, 0};
     lp.copies_at(-3, 0, 0, 1);  // K(0)
     // Q stays in registers (wgmma's A operand) for the whole slot; rows past the slot's end are
     // zero (their results are never stored).
@@ -393,6 +467,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     cp_async_wait<kStages - 1>();  // K(0)
+    if (tl.n_block_tiles > 0) mbar_wait(&sm.bar_k[0], 0);
     fence_proxy_async();
     __syncthreads();
     issue_s<D>(s0, qa, sm.k[0]);
@@ -415,8 +490,10 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
         lp.template step<false, true>(t, qa, s1, s0, pa, st);
       }
     }
-    // The last tile's P V: V(n - 1) is in the group of iteration n + 1 - kStages.
+    // The last tile's P V: V(n - 1) is in the group of iteration n + 1 - kStages (r3, ph now
+    // describe iteration n).
     cp_async_wait<0>();
+    lp.wait_tma(n, false, true);
     fence_proxy_async();
     __syncthreads();
     issue_pv<D>(st, pa, sm.v[lp.stage_prev()]);  // the loop left r3 at n % 3
@@ -433,8 +510,36 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
 
 template <int D>
 __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
-    attention_sparse_bf16_sm90_kernel(const AttentionSparseBf16Params p) {
+    attention_sparse_bf16_sm90_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
   attention_sparse_bf16_sm90_detail::attention_sparse_bf16_sm90_block<D>(p);
+}
+
+// The TMA map of a [n_k, n_kv_heads, d] bf16 tensor as the wgmma mainloop reads it (dims
+// innermost first; 64-dim x 1-head x 64-row boxes, 128-byte swizzle, zeros past n_k). The driver's
+// encoder is looked up once through the runtime (no libcuda link). Host-only, no device work:
+// safe while a stream is being captured.
+inline cudaError_t encode_kv_map(CUtensorMap* map, const void* base, int64_t n_k, int n_kv_heads,
+                                 int d) {
+  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> encode{nullptr};
+  PFN_cuTensorMapEncodeTiled_v12000 fn = encode.load(std::memory_order_acquire);
+  if (fn == nullptr) {
+    void* sym = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &sym, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess) return e;
+    if (q != cudaDriverEntryPointSuccess || sym == nullptr) return cudaErrorNotSupported;
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(sym);
+    encode.store(fn, std::memory_order_release);
+  }
+  const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(n_kv_heads), cuuint64_t(n_k)};
+  const cuuint64_t strides[2] = {cuuint64_t(d) * 2, cuuint64_t(n_kv_heads) * cuuint64_t(d) * 2};
+  const cuuint32_t box[3] = {64, 1, 64}, elem_strides[3] = {1, 1, 1};
+  const CUresult r =
+      fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+         elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 template <int D>
@@ -450,7 +555,11 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     static std::atomic<uint64_t> opted{0};
     if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
       return err;
-    attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
+    AttentionSparseBf16Params pm = p;
+    if ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
+        (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess)
+      return err;
+    attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
   } else {
     constexpr size_t kSmem = sizeof(Smem<D>);
     static std::atomic<uint64_t> opted{0};
