@@ -349,20 +349,8 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
   sg.cta_end = sg.base + sg.rows < p.n_k ? sg.base + sg.rows : p.n_k;
   return sg;
 }
-// CTA order: grid (n_qblocks * G, n_kv_heads), G = n_heads / n_kv_heads. The G query heads of a
-// KV head take consecutive CTAs at each query block, later query blocks first: heads that share
-// K/V (and often their sinks, columns and diagonals) run together, so their tiles meet in L2. At
-// 1M one KV head's K/V is 512 MB, ten times L2.
-__device__ __forceinline__ int slot_head(const AttentionSparseBf16Params& p) {
-  const int g = p.n_heads / p.n_kv_heads;
-  return int(blockIdx.y) * g + int(blockIdx.x % unsigned(g));
-}
 __device__ __forceinline__ SlotGeom slot_geom(const AttentionSparseBf16Params& p) {
-  const int g = p.n_heads / p.n_kv_heads;
-  return slot_geom_at(p, p.n_qblocks - 1 - int64_t(blockIdx.x / unsigned(g)));
-}
-inline dim3 slot_grid(const AttentionSparseBf16Params& p) {
-  return dim3(unsigned(p.n_qblocks * (p.n_heads / p.n_kv_heads)), unsigned(p.n_kv_heads));
+  return slot_geom_at(p, p.n_qblocks - 1 - int64_t(blockIdx.x));  // later query blocks first
 }
 __device__ __forceinline__ TileList slot_tiles(const AttentionSparseBf16Params& p, int h,
                                                const SlotGeom& sg) {
@@ -411,7 +399,7 @@ __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSpars
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
-  const int h = slot_head(p);
+  const int h = blockIdx.y;
   const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;

@@ -437,7 +437,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   Smem90<D>& sm = *reinterpret_cast<Smem90<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
-  const int h = slot_head(p);
+  const int h = blockIdx.y;
   const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -547,9 +547,8 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
                                          SparseBf16Mainloop mainloop, cudaStream_t stream) {
   using namespace attention_sparse_bf16_sm90_detail;
   if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
-  if (p.n_qblocks * (p.n_heads / p.n_kv_heads) > 0x7fffffff || p.n_kv_heads > 65535)
-    return cudaErrorInvalidConfiguration;
-  const dim3 grid = slot_grid(p);
+  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
   cudaError_t err = cudaSuccess;
   if (mainloop == SparseBf16Mainloop::kWgmma) {
     constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;  // + slack to align the base
