@@ -12,13 +12,14 @@
 //   softmax on the accumulator registers (warp w holds rows 16w..16w+15 in the m16n8 layout);
 //   O += P V: 4 wgmma m64nDk16, P from registers (the accumulator repacked to bf16, no shuffle),
 //   V from shared memory MN-major (as stored, transposed by the instruction).
-// Tile t's softmax overlaps P(t-1) V(t-1) on the tensor cores (see the schedule below). K/V
-// tiles are copied by all 128 threads with cp.async, three stages deep, two tiles ahead; the 2
-// CTAs that fit per SM (97 KB each at D = 128) overlap one's softmax with the other's MMAs.
-// Tiles whose keys every row sees (all at or below the slot's first row, none empty) skip the
-// mask. Block tiles (64 consecutive keys) arrive by TMA, one thread issuing D/64 box loads per
-// tile on a stage's mbarrier; gathered-column tiles by cp.async from all threads. The copies were
-// a third of the mainloop's instructions (Nsight, 2026-11-23): the kernel is issue-bound.
+// Tile t's softmax runs while S(t+1) and P(t-1) V(t-1) are on the tensor cores (see the schedule
+// below). K/V tiles sit in three stages; the 2 CTAs that fit per SM (98 KB each at D = 128, 254
+// registers) overlap one's softmax with the other's MMAs. Block tiles (64 consecutive keys)
+// arrive by TMA, one thread issuing D/64 box loads per tile on a stage's mbarrier; gathered-column
+// tiles by cp.async from all 128 threads. Tiles whose keys every row sees (all at or below the
+// slot's first row, none empty) skip the mask. The kernel is issue-bound (Nsight on H200: about
+// 525 instructions per warp per tile before TMA, half of them copy address math), so the copies'
+// instruction count is what the TMA path and the 32-bit copy addresses cut.
 // Not yet: a producer warp, ping-pong between warpgroups (FlashAttention-3).
 #pragma once
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -48,7 +49,7 @@ struct Smem90 {
   SwTile<D> k[kStages], v[kStages];
   uint64_t bar_k[kStages], bar_v[kStages];  // mbarriers of the stages' TMA loads
   int32_t pos[kPosSlots][kTile];            // key position of tile row j, -1 when empty
-  int32_t masked[kPosSlots];  // 1 when some key of the tile is hidden from some row
+  int32_t masked[kPosSlots];                // 1 when some key of the tile is hidden from some row
 };
 constexpr uint32_t kSwAlign = 1024;  // a swizzle atom (8 rows x 128 bytes)
 
@@ -213,12 +214,12 @@ __device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_
   return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
 }
 
-// What one thread of NT copies, fixed for the CTA: 16-byte chunk c of rows j0 + i * kRowsPer,
-// i < kIter, of every K and V tile. Since kRowsPer is a multiple of 8, j & 7 == j0 & 7: the
-// chunk's swizzled place moves by a constant kRowsPer rows per i.
-template <int D, int NT = kThreads>
+// What one thread copies of a gathered-column tile, fixed for the CTA: 16-byte chunk c of rows
+// j0 + i * kRowsPer, i < kIter. Since kRowsPer is a multiple of 8, j & 7 == j0 & 7: the chunk's
+// swizzled place moves by a constant kRowsPer rows per i.
+template <int D>
 struct CopyPlan {
-  static constexpr int kVec = D / 8, kRowsPer = NT / kVec, kIter = kTile / kRowsPer;
+  static constexpr int kVec = D / 8, kRowsPer = kThreads / kVec, kIter = kTile / kRowsPer;
   static_assert(kRowsPer % 8 == 0, "rows per pass must keep j & 7 fixed");
   int j0;
   uint32_t k_sa, v_sa;        // shared address of (row j0, chunk c) in stage 0
@@ -239,16 +240,16 @@ struct CopyPlan {
   }
 };
 
-// The thread's rows of a K or V tile (positions pos, -1 empty) into the stage at byte offset
-// stage_off of the array at sa0. The copies are about a third of the mainloop's instructions, so
-// the address is one 32 x 32 + 64-bit multiply-add per row (positions and row bytes are 32-bit).
-template <int D, int NT>
-__device__ __forceinline__ void copy_rows(const CopyPlan<D, NT>& cp, uint32_t sa0,
-                                          const char* src, uint32_t stage_off,
-                                          const int32_t (&pos)[CopyPlan<D, NT>::kIter]) {
-  constexpr uint32_t kStepBytes = CopyPlan<D, NT>::kRowsPer * 64 * sizeof(__nv_bfloat16);
+// The thread's rows of a gathered K or V tile (positions pos, -1 empty) into the stage at byte
+// offset stage_off of the array at sa0. The mainloop is issue-bound, so a row's address is one
+// 32 x 32 + 64-bit multiply-add (positions and row bytes are 32-bit).
+template <int D>
+__device__ __forceinline__ void copy_rows(const CopyPlan<D>& cp, uint32_t sa0, const char* src,
+                                          uint32_t stage_off,
+                                          const int32_t (&pos)[CopyPlan<D>::kIter]) {
+  constexpr uint32_t kStepBytes = CopyPlan<D>::kRowsPer * 64 * sizeof(__nv_bfloat16);
 #pragma unroll
-  for (int i = 0; i < CopyPlan<D, NT>::kIter; ++i)
+  for (int i = 0; i < CopyPlan<D>::kIter; ++i)
     cp_async_16(sa0 + stage_off + i * kStepBytes,
                 src + uint64_t(uint32_t(max(pos[i], 0))) * cp.row_bytes, pos[i] >= 0);
 }
@@ -525,8 +526,8 @@ inline cudaError_t encode_kv_map(CUtensorMap* map, const void* base, int64_t n_k
   if (fn == nullptr) {
     void* sym = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &sym, 12000, cudaEnableDefault, &q);
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &sym, 12000,
+                                                           cudaEnableDefault, &q);
     if (e != cudaSuccess) return e;
     if (q != cudaDriverEntryPointSuccess || sym == nullptr) return cudaErrorNotSupported;
     fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(sym);

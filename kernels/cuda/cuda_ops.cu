@@ -180,8 +180,10 @@ SparseBf16Mainloop sparse_bf16_mainloop() {
 }
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
   switch (m) {
-    case SparseBf16Mainloop::kWgmma: return "wgmma";
-    case SparseBf16Mainloop::kMmaSync: return "mma.sync";
+    case SparseBf16Mainloop::kWgmma:
+      return "wgmma";
+    case SparseBf16Mainloop::kMmaSync:
+      return "mma.sync";
   }
   return "?";
 }

@@ -550,8 +550,8 @@ int cmd_bench_attention(int argc, char** argv) {
     while (std::getline(ss, t, ',')) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
-        return fail(SF_ERR(kInvalidArgument,
-                           "--mainloops: wgmma and/or mma.sync, got '" + t + "'"));
+        return fail(
+            SF_ERR(kInvalidArgument, "--mainloops: wgmma and/or mma.sync, got '" + t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
