@@ -335,33 +335,19 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& 
 struct SlotGeom {
   int64_t qb, r0, rows, base, cta_end;
 };
-// Query block qb's geometry; qb < 0 is a slot with no rows (the missing half of a pair).
-__device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params& p, int64_t qb) {
+__device__ __forceinline__ SlotGeom slot_geom(const AttentionSparseBf16Params& p) {
   SlotGeom sg;
-  sg.qb = qb;
-  if (qb < 0) {
-    sg.r0 = sg.rows = sg.base = sg.cta_end = 0;
-    return sg;
-  }
+  sg.qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
   sg.r0 = sg.qb * kQBlock;
   sg.rows = p.n_q - sg.r0 < kQBlock ? p.n_q - sg.r0 : kQBlock;
   sg.base = p.q_offset + sg.r0;
   sg.cta_end = sg.base + sg.rows < p.n_k ? sg.base + sg.rows : p.n_k;
   return sg;
 }
-__device__ __forceinline__ SlotGeom slot_geom(const AttentionSparseBf16Params& p) {
-  return slot_geom_at(p, p.n_qblocks - 1 - int64_t(blockIdx.x));  // later query blocks first
-}
 __device__ __forceinline__ TileList slot_tiles(const AttentionSparseBf16Params& p, int h,
                                                const SlotGeom& sg) {
   const int64_t slot = int64_t(h) * p.n_qblocks + sg.qb;
   TileList tl;
-  if (sg.qb < 0) {  // no slot: no tiles
-    tl.bo = tl.ci = nullptr;
-    tl.n_block_tiles = tl.n_cols = 0;
-    tl.cta_end = 0;
-    return tl;
-  }
   tl.bo = p.block_offset + slot * p.max_blocks;
   tl.ci = p.column_index + slot * p.max_cols;
   tl.cta_end = sg.cta_end;

@@ -13,7 +13,7 @@
 //   O += P V: 4 wgmma m64nDk16, P from registers (the accumulator repacked to bf16, no shuffle),
 //   V from shared memory MN-major (as stored, transposed by the instruction).
 // Tile t's softmax runs while S(t+1) and P(t-1) V(t-1) are on the tensor cores (see the schedule
-// below). K/V tiles sit in three stages; the 2 CTAs that fit per SM (98 KB each at D = 128, 254
+// below). K/V tiles sit in three stages; the 2 CTAs that fit per SM (99 KB each at D = 128, 254
 // registers) overlap one's softmax with the other's MMAs. Block tiles (64 consecutive keys)
 // arrive by TMA, one thread issuing D/64 box loads per tile on a stage's mbarrier; gathered-column
 // tiles by cp.async from all 128 threads. Tiles whose keys every row sees (all at or below the
@@ -40,7 +40,7 @@ template <int D>
 struct SwTile {
   __nv_bfloat16 e[D / 64][kTile][64];
 };
-constexpr int kStages = 3;  // K and V each (97 KB at D = 128: two CTAs per SM)
+constexpr int kStages = 3;  // K and V each (about 99 KB at D = 128: two CTAs per SM)
 // Tile t's mask data sits in slot t % kPosSlots: softmax(t) reads it in the iteration whose
 // copies already fill K stage t % kStages with tile t + kStages.
 constexpr int kPosSlots = 2 * kStages;
@@ -255,11 +255,14 @@ __device__ __forceinline__ void copy_rows(const CopyPlan<D>& cp, uint32_t sa0, c
 }
 
 // One commit group: the V rows of tile tv (when 0 <= tv < n_tiles) into V stage vb, and the K
-// rows of tile tk (when tk < n_tiles) into K stage kb, with their positions (written by the
-// chunk-0 threads, for the softmax mask) and mask flag into slot ps. A thread copies the same
-// rows of every tile, so the positions of V(tv) are the ones it looked up when it copied K(tv):
-// the caller keeps them (vpos); pend takes K(tk)'s. Empty rows are zero-filled, so masked keys
-// multiply zeros.
+// rows of tile tk (when tk < n_tiles) into K stage kb, with their positions (for the softmax
+// mask) and mask flag into slot ps. Block tiles go by TMA (thread 0), their positions written by
+// threads 0..63; such a tile's rows past the causal limit arrive as the real keys there (zeros
+// past n_k), which the mask hides: their probabilities are exactly 0, so K/V rows below n_k must
+// be finite (they are computed keys in every caller). Gathered columns go by cp.async from every
+// thread; a thread copies the same rows of every tile, so the positions of V(tv) are the ones it
+// looked up when it copied K(tv): the caller keeps them (vpos; pend takes K(tk)'s, and is left
+// unset for block tiles, whose V goes by TMA). Their empty rows are zero-filled.
 template <int D>
 __device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, const TileList& tl,
                                          const CopyPlan<D>& cp, int n_tiles, int kv_head, int tk,
@@ -562,9 +565,10 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     static std::atomic<uint64_t> opted{0};
     if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
       return err;
+    // No keys: no slot has a block tile, and the encoder rejects an empty dimension.
     AttentionSparseBf16Params pm = p;
-    if ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
-        (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess)
+    if (p.n_k > 0 && ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
+                      (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess))
       return err;
     attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
   } else {

@@ -645,6 +645,7 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa4 d128", 300, 300, 8, 2, 128, 0},
       {"gqa4 d128 chunk (n_q<n_k)", 77, 333, 8, 2, 128, 256},
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
+      {"gqa4 d64 chunk, n_k past last row", 130, 600, 8, 2, 64, 400},
       {"gqa4 d128 long", 1100, 1100, 8, 2, 128, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
   };
