@@ -532,14 +532,16 @@ struct SparseCase {
 
 // Random candidates per slot; with per_head, one candidate set per head for all its query
 // blocks (as vertical-slash and block-sparse indices look: neighbouring query blocks share most
-// block entries and columns).
+// block entries and columns). max_cols bounds the candidate columns a slot draws: a few hundred
+// give several gathered-column tiles in a row (as adaptive-vs does), so the kernels' column
+// copies reuse their stages.
 SparseIndex random_index(std::mt19937_64& rng, int64_t heads, int64_t n_q, int64_t n_k,
-                         int64_t q_offset, bool per_head = false) {
+                         int64_t q_offset, bool per_head = false, int max_cols = 48) {
   SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, 8);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
   const auto draw = [&](int64_t kend) {
     IndexCandidates c;
-    const int n_cols = pick(rng) % 48, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
+    const int n_cols = pick(rng) % max_cols, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
     for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(pick(rng) % kend));
     for (int i = 0; i < n_diag; ++i) c.diagonals.push_back(int32_t(pick(rng) % kend));
     for (int i = 0; i < n_blk; ++i) c.key_blocks.push_back(int32_t(pick(rng) % (kend / 64 + 1)));
@@ -657,7 +659,8 @@ TEST_F(CudaOps, AttentionSparseBf16) {
   for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
-      for (int kind = 0; kind < 3; ++kind) {  // full, random per slot, random per head
+      // full, random per slot, random per head, random per slot with up to 400 columns
+      for (int kind = 0; kind < 4; ++kind) {
         const bool full = kind == 0;
         const int64_t d = c.head_dim;
         std::vector<uint16_t> qb, kb, vb;
@@ -665,12 +668,13 @@ TEST_F(CudaOps, AttentionSparseBf16) {
         to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
-        const SparseIndex idx =
-            full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
-                 : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset, kind == 2);
+        const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                     : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
+                                                    kind == 2, kind == 3 ? 400 : 48);
         const std::string name =
             std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " + c.name +
-            std::array<const char*, 3>{", full index", ", random index", ", per-head index"}[kind];
+            std::array<const char*, 4>{", full index", ", random index", ", per-head index",
+                                       ", column-heavy index"}[kind];
         AttentionParams p;
         p.q_offset = c.q_offset;
         std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
