@@ -10,6 +10,10 @@
 #   SF_PROFILE_KERNELS='score|row_lse|diag|select|build|pool' SF_PROFILE_COUNT=8
 set -uo pipefail
 root="$(pwd)"
+# As in run.sh: the bench JSON these profiles embed names the commit the caller sent.
+if [[ -z "${SF_SOURCE_COMMIT:-}" && -f "$root/.source-commit" ]]; then
+  export SF_SOURCE_COMMIT="$(cat "$root/.source-commit")"
+fi
 out="${OUT:-$root/build-gpu/out}"
 mkdir -p "$out"
 ncu_bin="$(command -v ncu || true)"

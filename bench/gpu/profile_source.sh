@@ -7,6 +7,10 @@
 #     SF_PROFILE_MODE=block-sparse bench/gpu/profile_source.sh
 set -uo pipefail
 root="$(pwd)"
+# As in run.sh: the bench JSON these profiles embed names the commit the caller sent.
+if [[ -z "${SF_SOURCE_COMMIT:-}" && -f "$root/.source-commit" ]]; then
+  export SF_SOURCE_COMMIT="$(cat "$root/.source-commit")"
+fi
 out="${OUT:-$root/build-gpu/out}"
 mkdir -p "$out"
 ncu_bin="$(command -v ncu || true)"

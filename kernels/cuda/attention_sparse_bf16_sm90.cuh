@@ -305,12 +305,6 @@ __device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, con
       if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
       copy_rows(cp, cp.k_sa, cp.k_src, kb * kStageBytes, pend);
     }
-    // The next tile's column ids into L1 now: its copies then wait on an L1 hit, not on a load
-    // from L2 or HBM (a tile's 64 ids are new lines every time; at 1M adaptive-vs gathers about
-    // 190,000 columns a slot). Eight threads, one 32-byte sector each, inside the list.
-    const int nc = (tk + 1 - tl.n_block_tiles) * kTile + int(threadIdx.x) * 8;
-    if (tk + 1 >= tl.n_block_tiles && threadIdx.x < kTile / 8 && nc < tl.n_cols)
-      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(tl.ci + nc));
   }
   cp_async_commit();
 }
