@@ -498,7 +498,25 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str());
-    write_summary(dir + ".json", line);
+    // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
+    auto list = [](const std::vector<int64_t>& v) {
+      std::string o = "[";
+      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
+      return o + "]";
+    };
+    std::string summary(line);
+    summary.pop_back();  // the closing brace
+    char group[256];
+    std::snprintf(group, sizeof group,
+                  ", \"group_kv_allgather_bytes\": %lld, \"group_kv_moved_bytes\": %lld, "
+                  "\"group_estimate_bytes\": %lld, \"group_density\": %.6f",
+                  static_cast<long long>(s.group_kv_allgather_bytes),
+                  static_cast<long long>(s.group_kv_moved_bytes),
+                  static_cast<long long>(s.group_estimate_bytes), s.group_density);
+    summary += std::string(group) + ", \"kv_moved_bytes_by_rank\": " +
+               list(s.kv_moved_bytes_by_rank) +
+               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
+    write_summary(dir + ".json", summary);
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "
         "-> %s\n",

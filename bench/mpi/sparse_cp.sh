@@ -61,10 +61,27 @@ for r in map(json.loads, recs):
                  "moved_fraction": round(r["kv_moved_bytes"] / ag, 4),
                  "moved_plus_estimate_fraction": round((r["kv_moved_bytes"] + r["estimate_bytes"]) / ag, 4),
                  "prefill_s": r["prefill_s"]})
+    if "group_kv_allgather_bytes" in r:
+        gag = r["group_kv_allgather_bytes"]
+        rows[-1].update({"group_density": r["group_density"], "group_allgather_bytes": gag,
+                         "group_kv_moved_bytes": r["group_kv_moved_bytes"],
+                         "group_estimate_bytes": r["group_estimate_bytes"],
+                         "kv_moved_bytes_by_rank": r["kv_moved_bytes_by_rank"],
+                         "estimate_bytes_by_rank": r["estimate_bytes_by_rank"],
+                         "group_moved_fraction": round(r["group_kv_moved_bytes"] / gag, 4),
+                         "group_moved_plus_estimate_fraction":
+                             round((r["group_kv_moved_bytes"] + r["group_estimate_bytes"]) / gag, 4),
+                         "max_rank_moved_plus_estimate_fraction":
+                             round(max(m + e for m, e in zip(r["kv_moved_bytes_by_rank"],
+                                                             r["estimate_bytes_by_rank"])) * len(r["kv_moved_bytes_by_rank"]) / gag, 4)})
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
 json.dump({"device": {"cpu": cpu}, "date": datetime.datetime.utcnow().isoformat() + "Z", "commit": commit,
            "command": cmd, "model": "SmolLM2-135M-Instruct Q4_1 (fp32 compute)",
-           "note": "bytes are what rank 0 received per prefill (all layers); estimate_bytes counts each "
-                   "all-reduce as twice its array (ring)", "records": rows}, open(out, "w"), indent=1)
+           "note": "allgather_bytes, kv_moved_bytes, estimate_bytes, density and the *_fraction fields "
+                   "without a prefix are rank 0's (it holds the last chunk); group_* are the sums over "
+                   "every rank of the job, *_by_rank each rank's (rank order), max_rank_* the worst "
+                   "rank against its own all-gather share; bytes are received per prefill (all "
+                   "layers); estimate bytes count each all-reduce as twice its array (ring)",
+           "records": rows}, open(out, "w"), indent=1)
 print("wrote", out)
 EOF

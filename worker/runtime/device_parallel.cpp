@@ -212,6 +212,13 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   st.tp_allreduce_bytes = w.dg->tp->bytes_sent() - tp0;
   st.comm_bytes =
       st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) + (g.group_comm->bytes_sent() - grp0);
+  // Every TP rank holds as many heads, so causal pairs per head weigh the ranks alike.
+  double causal = 0;
+  for (const auto& p : w.mine) {
+    const double n = double(p[1] - p[0]);
+    causal += n * double(p[0]) + n * (n + 1) / 2;
+  }
+  SF_TRY(gather_group_stats(g, causal * r.density, causal, &st));
   return out;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 
@@ -86,6 +87,33 @@ Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0,
                   out.column_index.begin() + std::ptrdiff_t(d * size_t(out.max_cols)));
     }
   return out;
+}
+
+Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal,
+                          ParallelStats* st) {
+  constexpr int kStat = 5;
+  const int G = g.group_comm->size();
+  const int64_t mine[kStat] = {st->kv_allgather_bytes, st->kv_moved_bytes, st->estimate_bytes,
+                               std::bit_cast<int64_t>(pairs_done),
+                               std::bit_cast<int64_t>(pairs_causal)};
+  std::vector<int64_t> all(size_t(G) * kStat);
+  SF_TRY(g.group_comm->all_gather(mine, all.data(), kStat, DType::kI64));
+  double done = 0, causal = 0;
+  st->group_kv_allgather_bytes = st->group_kv_moved_bytes = st->group_estimate_bytes = 0;
+  st->kv_moved_bytes_by_rank.resize(size_t(G));
+  st->estimate_bytes_by_rank.resize(size_t(G));
+  for (int r = 0; r < G; ++r) {
+    const int64_t* a = all.data() + size_t(r) * kStat;
+    st->group_kv_allgather_bytes += a[0];
+    st->group_kv_moved_bytes += a[1];
+    st->group_estimate_bytes += a[2];
+    st->kv_moved_bytes_by_rank[size_t(r)] = a[1];
+    st->estimate_bytes_by_rank[size_t(r)] = a[2];
+    done += std::bit_cast<double>(a[3]);
+    causal += std::bit_cast<double>(a[4]);
+  }
+  st->group_density = causal > 0 ? done / causal : 1.0;
+  return Status::ok();
 }
 
 Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
@@ -532,6 +560,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   st.comm_bytes = (g.tp->bytes_sent() - ar_bytes0) + (g.cp->bytes_sent() - cp_bytes0) +
                   (g.group_comm->bytes_sent() - grp_bytes0);
   st.seconds = std::chrono::duration<double>(clock::now() - t_start).count();
+
+  // Group totals, for reporting only: after the clock and the byte counters stop.
+  SF_TRY(gather_group_stats(g, pairs_done, pairs_causal, &st));
   return res;
 }
 

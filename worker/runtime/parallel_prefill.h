@@ -66,6 +66,13 @@ struct ParallelStats {
   int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP
   int64_t comm_bytes = 0;          // everything this rank put into collectives
   double density = 1.0;            // of this rank's attention (causal pairs computed)
+  // The whole group (every TP x CP rank, gathered after the prefill; the fields above are this
+  // rank's). The job's exchange against the job's all-gather is group_kv_moved_bytes /
+  // group_kv_allgather_bytes; the leader (CP rank 0) holds the last chunk, whose queries reach
+  // furthest, so its own fraction is usually the largest of the ranks.
+  int64_t group_kv_allgather_bytes = 0, group_kv_moved_bytes = 0, group_estimate_bytes = 0;
+  std::vector<int64_t> kv_moved_bytes_by_rank, estimate_bytes_by_rank;  // group rank order
+  double group_density = 1.0;  // causal pairs computed over causal pairs, whole prompt, all heads
 };
 
 struct ParallelResult {
@@ -81,6 +88,11 @@ struct ParallelResult {
 Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
                                         std::span<const int32_t> tokens,
                                         const ParallelOptions& opt = {});
+
+// Fills st's group_* and *_by_rank fields: an all-gather of this rank's byte counters and causal
+// pairs (computed, total) over g.group_comm. Collective; parallel_prefill calls it last.
+Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal,
+                          ParallelStats* st);
 
 // Slices one layer's global index (see GlobalIndexSource) to query heads [h0, h0 + nh) and the
 // query rows of chunk r (64-aligned begin), against keys [0, r.end). Exposed for tests.

@@ -166,12 +166,17 @@ void run_sparse_grid(runtime::GridShape shape) {
   }
   std::printf(
       "default model, shipped sparse config, cp-estimate + selective, tp %d cp %d: 1100 tokens, "
-      "max |dlogit| %.2e, max |dKV| %.2e, density %.3f (single-rank %.3f), kv moved %lld B + "
-      "estimate %lld B of all-gather %lld B\n",
-      shape.tp, shape.cp, dl, dkv, par->stats.density, ref->density,
+      "max |dlogit| %.2e, max |dKV| %.2e, density %.3f (group %.3f, single-rank %.3f), kv moved "
+      "%lld B + estimate %lld B of all-gather %lld B (group: %lld + %lld of %lld B)\n",
+      shape.tp, shape.cp, dl, dkv, par->stats.density, par->stats.group_density, ref->density,
       static_cast<long long>(par->stats.kv_moved_bytes),
       static_cast<long long>(par->stats.estimate_bytes),
-      static_cast<long long>(par->stats.kv_allgather_bytes));
+      static_cast<long long>(par->stats.kv_allgather_bytes),
+      static_cast<long long>(par->stats.group_kv_moved_bytes),
+      static_cast<long long>(par->stats.group_estimate_bytes),
+      static_cast<long long>(par->stats.group_kv_allgather_bytes));
+  // The estimator's index is the single-rank one (same scores up to summation order).
+  EXPECT_NEAR(par->stats.group_density, ref->density, 1e-9);
 }
 
 TEST_F(ParallelDefault, Cp2) { run_grid({1, 2}); }

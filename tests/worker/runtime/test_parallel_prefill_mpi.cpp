@@ -130,13 +130,28 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
     }
     std::printf(
         "%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, estimate %lld B, kv "
-        "moved %lld B of all-gather %lld B, tp all-reduce %lld B, density %.3f\n",
+        "moved %lld B of all-gather %lld B (group %lld of %lld B), tp all-reduce %lld B, density "
+        "%.3f (group %.6f)\n",
         tag.c_str(), static_cast<long long>(n_tokens), dl, dkv, par->stats.comm_s,
         static_cast<long long>(par->stats.estimate_bytes),
         static_cast<long long>(par->stats.kv_moved_bytes),
         static_cast<long long>(par->stats.kv_allgather_bytes),
-        static_cast<long long>(par->stats.tp_allreduce_bytes), par->stats.density);
+        static_cast<long long>(par->stats.group_kv_moved_bytes),
+        static_cast<long long>(par->stats.group_kv_allgather_bytes),
+        static_cast<long long>(par->stats.tp_allreduce_bytes), par->stats.density,
+        par->stats.group_density);
     if (!selective) EXPECT_EQ(par->stats.kv_moved_bytes, par->stats.kv_allgather_bytes);
+    // Group totals: every rank receives the K/V rows it does not hold, of its KV heads, per layer.
+    const auto& c = m.config();
+    const auto& st = par->stats;
+    EXPECT_EQ(st.group_kv_allgather_bytes, int64_t(sizeof(float)) * 2 * n_tokens * c.n_kv_heads *
+                                               c.head_dim * (shape.cp - 1) * c.n_layers);
+    ASSERT_EQ(st.kv_moved_bytes_by_rank.size(), size_t(shape.group_size()));
+    EXPECT_EQ(st.kv_moved_bytes_by_rank[0], st.kv_moved_bytes);  // the leader is group rank 0
+    if (!selective) EXPECT_EQ(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
+    if (selective && shape.cp > 1) EXPECT_LT(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
+    // The whole prompt's density, from every rank's chunks, is the single-rank run's.
+    EXPECT_NEAR(st.group_density, sparse ? ref->density : 1.0, 1e-9);
     // a-shape reads the sink and one window of 64 keys before each chunk from other ranks: far
     // less than every key.
     if (selective && shape.cp > 1 && !cp_est)
