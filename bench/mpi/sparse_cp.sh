@@ -49,7 +49,7 @@ for run in "${run_list[@]}"; do
   records+=("$(sed -e "s|$tmp/||" -e "s|$root/||" "$tmp/out/doc.json")")
   echo "cp $1 $2: $(grep 'doc:' "$tmp/log")"
 done
-python3 - "$out" "$(git -C "$root" rev-parse HEAD)" "$cmdline" "${records[@]}" <<'EOF'
+python3 - "$out" "$(git -C "$root" rev-parse HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)" "$cmdline" "${records[@]}" <<'EOF'
 import json, sys, datetime
 out, commit, cmd, *recs = sys.argv[1:]
 rows = []
