@@ -397,6 +397,135 @@ __global__ void __launch_bounds__(kScoreThreads, 4)
   score_stats_mma<D>(p, sp, int(blockIdx.x), sm);
 }
 
+// The stats pass for query heads that share a KV head (GQA): a CTA takes up to kGroupHeads of
+// the pass's heads of one KV head, so each 64-key tile is copied once for all of them and every
+// warp owns whole rows (32 rows x 64 keys: 2 m-tiles x 8 n-tiles), reducing them within itself.
+// One barrier a chunk instead of two, and four times the tensor work per barrier and per copy,
+// against score_stats_mma's 16 x 32 warp tiles and cross-warp merge. Logits are the same mma
+// products; the sums of exp add in another order (within the selections' tie tolerance).
+constexpr int kGroupHeads = 4;
+size_t stats_group_smem(int64_t d) {
+  return size_t(kGroupHeads + 2) * size_t(kB * tile_stride_b(d)) * 2;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kScoreThreads, 2)
+    score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
+  using namespace attention_sparse_bf16_detail;
+  static_assert(kScoreThreads == 2 * 32 * kGroupHeads, "two warps of 32 rows per head");
+  constexpr int ts = D + 8;  // tile_stride_b
+  extern __shared__ __align__(16) unsigned char score_raw[];
+  auto* const qt = reinterpret_cast<__nv_bfloat16*>(score_raw);  // [kGroupHeads][64][ts]
+  __nv_bfloat16* const kbuf[2] = {qt + kGroupHeads * kB * ts, qt + (kGroupHeads + 1) * kB * ts};
+  __shared__ int hs_of[kGroupHeads];  // pass slots of this CTA's heads, -1 past the last
+  const int64_t G = p.hq / p.hkv;
+  const int per_kv = int((G + kGroupHeads - 1) / kGroupHeads);
+  const int64_t kvh = blockIdx.x / per_kv;
+  const int part = int(blockIdx.x % per_kv);
+  if (threadIdx.x == 0) {
+    int seen = 0, n = 0;
+    for (int j = 0; j < kGroupHeads; ++j) hs_of[j] = -1;
+    for (int hs = 0; hs < sp.n_heads && n < kGroupHeads; ++hs)
+      if (sp.heads[hs] / G == kvh) {
+        if (seen / kGroupHeads == part) hs_of[n++] = hs;
+        ++seen;
+      }
+  }
+  __syncthreads();
+  if (hs_of[0] < 0) return;  // no head of the pass reads this KV head (uniform over the CTA)
+  for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j)
+    load_tile_b(static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D,
+                p.hq * D, sp.L, D, qt + j * kB * ts);
+  const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * D;
+  const int64_t krs = p.hkv * D;
+  const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
+  const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
+  auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
+    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+    constexpr int nv = D / 8, n = kB * nv;
+    for (int x = threadIdx.x; x < n; x += kScoreThreads) {
+      const int i = x / nv, c = (x % nv) * 8;
+      const bool valid = i < kc;  // rows past the keys are zero-filled
+      cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krs + c, valid);
+    }
+    cp_async_commit();
+  };
+  if (ch0 < ch_end) issue(ch0, kbuf[0]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = warp / 2, row0 = (warp % 2) * 32, g = lane / 4, t = lane % 4;
+  const int hs = hs_of[slot];
+  const __nv_bfloat16* qrow = qt + (slot * kB + row0 + lane % 16) * ts + (lane / 16) * 8;
+  const int64_t v0 = p.q_offset + sp.r0 + 1;  // row 0 sees keys [0, v0)
+  for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
+    const int buf = int(chunk - ch0) & 1;
+    cp_async_wait<0>();
+    // Every thread's copies of this chunk are visible, and every warp is done with the other
+    // buffer (the last chunk's), which the next copy overwrites.
+    __syncthreads();
+    if (chunk + 1 < ch_end) issue(chunk + 1, kbuf[buf ^ 1]);
+    if (hs < 0) continue;
+    float c[2][8][4] = {};
+    const __nv_bfloat16* krow = kbuf[buf] + (lane % 8) * ts + (lane / 8) * 8;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks += 2) {
+      uint32_t a[2][2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        ldmatrix_x4(a[m][0], qrow + m * 16 * ts + ks * 16);
+        ldmatrix_x4(a[m][1], qrow + m * 16 * ts + (ks + 1) * 16);
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        uint32_t b[4];
+        ldmatrix_x4(b, krow + n * 8 * ts + ks * 16);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          mma_bf16(c[m][n], a[m][0][0], a[m][0][1], a[m][0][2], a[m][0][3], b[0], b[1]);
+          mma_bf16(c[m][n], a[m][1][0], a[m][1][1], a[m][1][2], a[m][1][3], b[2], b[3]);
+        }
+      }
+    }
+    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+    const bool whole = kc == kB && c0 + kB <= v0;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = row0 + m * 16 + g + 8 * half;
+        const int lim = whole ? kB : (i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0);
+        // In place in c (no second array: the accumulators already fill the register budget).
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = c[m][n][2 * half + e];
+            x = n * 8 + 2 * t + e < lim ? x * p.scale : -INFINITY;
+          }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(c[m][n][2 * half], c[m][n][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float l = 0.f;
+        if (mx != -INFINITY) {
+          const float ml = mx * kLog2e;
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              l += fast_exp2(fmaf(c[m][n][2 * half + e], kLog2e, -ml));  // -inf -> 0
+        }
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0 && i < sp.L) {
+          const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+          p.part_m[at] = mx;
+          p.part_l[at] = l;
+        }
+      }
+  }
+}
+
 // The same on CUDA cores (fp32, or bf16 that mma_scores turns down).
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads)
@@ -1490,8 +1619,14 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p);
   const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
+  const int64_t G = p.hq / p.hkv;
+  const dim3 ggrid(unsigned(p.hkv * ((G + kGroupHeads - 1) / kGroupHeads)), grid.y);
   if (!mma_scores(p))
     score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
+  else if (G > 1 && p.d == 128)
+    score_stats_group_kernel<128><<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, sp);
+  else if (G > 1)
+    score_stats_group_kernel<64><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, sp);
   else if (p.d == 128)
     score_stats_mma_kernel<128><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else
@@ -1566,6 +1701,14 @@ cudaError_t configure(const EstimateLaunch& p) {
   if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
     e = cudaFuncSetAttribute(score_stats_mma_kernel<64>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
+    e = cudaFuncSetAttribute(score_stats_group_kernel<128>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(stats_group_smem(128)));
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
+    e = cudaFuncSetAttribute(score_stats_group_kernel<64>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(stats_group_smem(64)));
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));

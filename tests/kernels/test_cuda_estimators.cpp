@@ -563,6 +563,10 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({3000, 3000, 0, 8, 4, 128}, true);
   // head_dim 64 (its own scoring kernel), a partial last query block and q_offset > 0
   run_case({1000, 1900, 900, 8, 2, 64}, true);
+  // Stats pass CTAs per KV head: 8 query heads a KV head (two CTAs of four), and one (MHA: the
+  // ungrouped kernel).
+  run_case({2048, 2048, 0, 16, 2, 128}, true);
+  run_case({1000, 1000, 0, 4, 4, 64}, true);
 }
 
 TEST_F(CudaEstimators, CtaBlockSelectorMatchesCpu) {
