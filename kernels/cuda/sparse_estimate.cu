@@ -49,18 +49,6 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// Mean-pooling of 64-row blocks: dst row r, block b = the mean of src rows [64 b, 64 b + 64) of
-// head heads[r] (r when heads is null); channel-major 4-vectors when cmajor (pooled k's layout).
-template <typename T>
-struct PoolJob {
-  const T* src = nullptr;
-  int64_t n = 0, n_heads_src = 0, d = 0;
-  const int32_t* heads = nullptr;
-  int64_t n_rows_out = 0, n_b = 0;
-  float* dst = nullptr;
-  bool cmajor = false;
-};
-
 // One scoring pass: rows r0 .. r0 + L - 1 of the heads listed, against keys [0, kend_last).
 struct ScorePass {
   const int32_t* heads = nullptr;
@@ -69,37 +57,7 @@ struct ScorePass {
   float* col = nullptr;     // [n_heads * kend_last] column sums, or null
   float* mass = nullptr;    // [n_heads * n_kb] mass per key block / L, or null
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
-  // Poolings the grouped stats kernel runs beside its chunks (bf16, 16-byte vectors).
-  PoolJob<__nv_bfloat16> pool[2];
-  int n_pool = 0;
 };
-
-// Output element t of a pooling: V channels of one block of one row, summed in row order.
-template <typename T, int V>
-__device__ __forceinline__ void pool_elem(const PoolJob<T>& jb, int64_t t) {
-  const int64_t dv = jb.d / V;
-  const int64_t c = (t % dv) * V, b = (t / dv) % jb.n_b, r = t / (dv * jb.n_b);
-  const int64_t h = jb.heads ? jb.heads[r] : r;
-  const int64_t j0 = b * kB, j1 = imin(jb.n, j0 + kB);
-  float s[V] = {};
-  for (int64_t j = j0; j < j1; ++j) {
-    const T* x = jb.src + (j * jb.n_heads_src + h) * jb.d + c;
-    if constexpr (V == 1) {
-      s[0] += load_f(x);
-    } else {
-      static_assert(V * sizeof(T) == 16, "pool_elem: 16-byte vectors");
-      const uint4 u = *reinterpret_cast<const uint4*>(x);
-      const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-      for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
-    }
-  }
-  const float inv = 1.f / float(j1 - j0);
-#pragma unroll
-  for (int k = 0; k < V; ++k)
-    jb.dst[jb.cmajor ? ((r * (jb.d / 4) + (c + k) / 4) * jb.n_b + b) * 4 + (c + k) % 4
-                     : (r * jb.n_b + b) * jb.d + c + k] = s[k] * inv;
-}
 
 // q rows and k rows stored row-major with a 4-float pad (qs[i * (d + 4) + c]): rows are read from
 // global memory as coalesced 4-element vectors and stored as float4 without bank conflicts, and
@@ -451,14 +409,30 @@ size_t stats_group_smem(int64_t d) {
 }
 
 template <int D>
-__device__ void score_stats_group_chunks(const EstimateLaunch& p, const ScorePass& sp,
-                                         const int (&hs_of)[kGroupHeads]) {
+__global__ void __launch_bounds__(kScoreThreads, 2)
+    score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
   using namespace attention_sparse_bf16_detail;
+  static_assert(kScoreThreads == 2 * 32 * kGroupHeads, "two warps of 32 rows per head");
   constexpr int ts = D + 8;  // tile_stride_b
   extern __shared__ __align__(16) unsigned char score_raw[];
   auto* const qt = reinterpret_cast<__nv_bfloat16*>(score_raw);  // [kGroupHeads][64][ts]
   __nv_bfloat16* const kbuf[2] = {qt + kGroupHeads * kB * ts, qt + (kGroupHeads + 1) * kB * ts};
-  const int64_t kvh = sp.heads[hs_of[0]] / (p.hq / p.hkv);
+  __shared__ int hs_of[kGroupHeads];  // pass slots of this CTA's heads, -1 past the last
+  const int64_t G = p.hq / p.hkv;
+  const int per_kv = int((G + kGroupHeads - 1) / kGroupHeads);
+  const int64_t kvh = blockIdx.x / per_kv;
+  const int part = int(blockIdx.x % per_kv);
+  if (threadIdx.x == 0) {
+    int seen = 0, n = 0;
+    for (int j = 0; j < kGroupHeads; ++j) hs_of[j] = -1;
+    for (int hs = 0; hs < sp.n_heads && n < kGroupHeads; ++hs)
+      if (sp.heads[hs] / G == kvh) {
+        if (seen / kGroupHeads == part) hs_of[n++] = hs;
+        ++seen;
+      }
+  }
+  __syncthreads();
+  if (hs_of[0] < 0) return;  // no head of the pass reads this KV head (uniform over the CTA)
   for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j)
     load_tile_b(static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D,
                 p.hq * D, sp.L, D, qt + j * kB * ts);
@@ -550,45 +524,6 @@ __device__ void score_stats_group_chunks(const EstimateLaunch& p, const ScorePas
         }
       }
   }
-}
-
-template <int D>
-__global__ void __launch_bounds__(kScoreThreads, 2)
-    score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
-  using namespace attention_sparse_bf16_detail;
-  static_assert(kScoreThreads == 2 * 32 * kGroupHeads, "two warps of 32 rows per head");
-  __shared__ int hs_of[kGroupHeads];  // pass slots of this CTA's heads, -1 past the last
-  const int64_t G = p.hq / p.hkv;
-  const int per_kv = int((G + kGroupHeads - 1) / kGroupHeads);
-  const int64_t kvh = blockIdx.x / per_kv;
-  const int part = int(blockIdx.x % per_kv);
-  if (threadIdx.x == 0) {
-    int seen = 0, n = 0;
-    for (int j = 0; j < kGroupHeads; ++j) hs_of[j] = -1;
-    for (int hs = 0; hs < sp.n_heads && n < kGroupHeads; ++hs)
-      if (sp.heads[hs] / G == kvh) {
-        if (seen / kGroupHeads == part) hs_of[n++] = hs;
-        ++seen;
-      }
-  }
-  __syncthreads();
-  // The block pass's poolings (HBM-bound) share the grid with the stats (latency-bound): each CTA
-  // pools a contiguous slice, half of them before their chunks and half after, so CTAs on one SM
-  // are mostly in different phases.
-  const int64_t cta = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  auto pool_slice = [&] {
-    const int64_t n_cta = int64_t(gridDim.x) * gridDim.y;
-    for (int x = 0; x < sp.n_pool; ++x) {
-      const PoolJob<__nv_bfloat16>& jb = sp.pool[x];
-      const int64_t n = jb.n_rows_out * jb.n_b * (jb.d / 8), per = (n + n_cta - 1) / n_cta;
-      const int64_t e1 = imin(n, (cta + 1) * per);
-      for (int64_t t = cta * per + threadIdx.x; t < e1; t += kScoreThreads)
-        pool_elem<__nv_bfloat16, 8>(jb, t);
-    }
-  };
-  if (cta % 2) pool_slice();
-  if (hs_of[0] >= 0) score_stats_group_chunks<D>(p, sp, hs_of);  // else no head reads this KV head
-  if (cta % 2 == 0) pool_slice();
 }
 
 // The same on CUDA cores (fp32, or bf16 that mma_scores turns down).
@@ -748,20 +683,45 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
 // A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass is bound
 // by reading q); each channel in row order.
 template <typename T, int V>
-__global__ void pool_kernel(const PoolJob<T> jb) {
+__global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
+                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst,
+                            bool cmajor) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t < jb.n_rows_out * jb.n_b * (jb.d / V)) pool_elem<T, V>(jb, t);
+  const int64_t dv = d / V;
+  if (t >= n_rows_out * n_b * dv) return;
+  const int64_t c = (t % dv) * V, b = (t / dv) % n_b, r = t / (dv * n_b);
+  const int64_t h = heads ? heads[r] : r;
+  const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
+  float s[V] = {};
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* x = src + (j * n_heads_src + h) * d + c;
+    if constexpr (V == 1) {
+      s[0] += load_f(x);
+    } else {
+      static_assert(V * sizeof(T) == 16, "pool_kernel: 16-byte vectors");
+      const uint4 u = *reinterpret_cast<const uint4*>(x);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
+    }
+  }
+  const float inv = 1.f / float(j1 - j0);
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    dst[cmajor ? ((r * (d / 4) + (c + k) / 4) * n_b + b) * 4 + (c + k) % 4
+               : (r * n_b + b) * d + c + k] = s[k] * inv;
 }
 template <typename T>
 void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
           int64_t n_rows_out, int64_t n_b, float* dst, bool cmajor, cudaStream_t s) {
   constexpr int V = int(16 / sizeof(T));
   const int64_t vec_n = n_rows_out * n_b * (d / V), n1 = n_rows_out * n_b * d;
-  const PoolJob<T> jb{src, n, n_heads_src, d, heads, n_rows_out, n_b, dst, cmajor};
   if (d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
-    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(jb);
+    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
+                                                                    n_rows_out, n_b, dst, cmajor);
   else
-    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(jb);
+    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
+                                                                 n_rows_out, n_b, dst, cmajor);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -1654,20 +1614,13 @@ __global__ void build_kernel(const EstimateLaunch p) {
   }
 }
 
-// *pooled (when given): set when the grouped stats kernel ran sp's poolings; otherwise the caller
-// launches them.
 template <typename T>
-cudaError_t score_pass(const EstimateLaunch& p, ScorePass sp, cudaStream_t s,
-                       bool* pooled = nullptr) {
-  if (pooled) *pooled = false;
+cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_t s) {
   if (sp.n_heads == 0 || sp.L == 0 || p.n_chunks == 0) return cudaSuccess;
   const size_t smem = score_smem(p);
   const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
   const int64_t G = p.hq / p.hkv;
   const dim3 ggrid(unsigned(p.hkv * ((G + kGroupHeads - 1) / kGroupHeads)), grid.y);
-  const bool grouped = mma_scores(p) && G > 1;
-  if (!grouped || !pooled) sp.n_pool = 0;
-  if (pooled) *pooled = grouped;
   if (!mma_scores(p))
     score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else if (G > 1 && p.d == 128)
@@ -1713,22 +1666,12 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.r0 = p.blk_r0;
     sp.L = p.blk_L;
     sp.mass = p.mass;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      sp.pool[sp.n_pool++] = {static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads,
-                              int64_t(p.n_blk), p.n_qb, p.pooled_q, false};
-      if (p.n_kb > 0)
-        sp.pool[sp.n_pool++] = {static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv,
-                                p.n_kb, p.pooled_k, true};
-    }
-    bool pooled = false;
-    if ((e = score_pass<T>(p, sp, s, &pooled)) != cudaSuccess) return e;
-    if (!pooled) {
-      if (p.n_kb > 0)
-        pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k,
-                true, s);
-      pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb,
-              p.pooled_q, false, s);
-    }
+    if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
+    if (p.n_kb > 0)
+      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k,
+              true, s);
+    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q,
+            false, s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
