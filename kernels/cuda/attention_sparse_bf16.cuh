@@ -39,10 +39,9 @@ struct AttentionSparseBf16Params {
   const int32_t* column_index;
   int64_t n_qblocks;
   int max_blocks, max_cols;
-  // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 128-byte swizzle), filled by the
-  // launcher for the wgmma mainloop: 64 x 1 x 64 boxes for block tiles, 64 x 1 x 1 (one key row)
-  // for gathered columns.
-  CUtensorMap tm_k, tm_v, tm_k_row, tm_v_row;
+  // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 64 x 1 x 64 boxes, 128-byte swizzle),
+  // filled by the launcher for the wgmma mainloop, which loads block tiles through them.
+  CUtensorMap tm_k, tm_v;
 };
 
 namespace attention_sparse_bf16_detail {

@@ -120,32 +120,6 @@ __device__ __forceinline__ void tma_tile(const CUtensorMap* map, uint64_t* bar, 
         : "memory");
 }
 
-// Gathered-column tile t (t >= n_block_tiles) by TMA, one 64-dim x 1-row box a key row and
-// column block (a row map): with the 128-byte swizzle the row lands where the tile's layout puts
-// it (the pattern follows the shared address, row j of a 1024-aligned atom). Rows past the
-// slot's columns load key 0 (finite; their position -1 masks them). Warp 0 issues, lane l rows
-// l and l + 32; completes on bar, which expects the whole tile.
-template <int D>
-__device__ __forceinline__ void tma_columns(const CUtensorMap* map, uint64_t* bar, SwTile<D>& dst,
-                                            int kv_head, const TileList& tl, int t) {
-  const int lane = int(threadIdx.x);  // the caller passes warp 0
-  if (lane == 0) mbar_expect_tx(bar, sizeof(SwTile<D>));
-  __syncwarp();
-  const int c0 = (t - tl.n_block_tiles) * kTile;
-#pragma unroll
-  for (int j = lane; j < kTile; j += 32) {
-    const int32_t pos = c0 + j < tl.n_cols ? tl.ci[c0 + j] : 0;
-#pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb)
-      asm volatile(
-          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-          " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_u32(&dst.e[cb][j][0])),
-          "l"(reinterpret_cast<uint64_t>(map)), "r"(cb * 64), "r"(kv_head), "r"(pos),
-          "r"(smem_u32(bar))
-          : "memory");
-  }
-}
-
 // Pins accumulator registers at this point: the compiler may not move their reads or writes
 // across an in-flight wgmma (which it cannot see) to this side of the fence.
 template <int N>
@@ -300,8 +274,8 @@ __device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, con
   if (tv >= 0 && tv < n_tiles) {
     if (tv < tl.n_block_tiles) {
       if (threadIdx.x == 0) tma_tile<D>(&p.tm_v, &sm.bar_v[vb], sm.v[vb], kv_head, tl.bo[tv]);
-    } else if (threadIdx.x < 32) {
-      tma_columns<D>(&p.tm_v_row, &sm.bar_v[vb], sm.v[vb], kv_head, tl, tv);
+    } else {
+      copy_rows(cp, cp.v_sa, cp.v_src, vb * kStageBytes, vpos);
     }
   }
   if (tk < n_tiles) {
@@ -318,12 +292,18 @@ __device__ __forceinline__ void issue_kv(const AttentionSparseBf16Params& p, con
         tma_tile<D>(&p.tm_k, &sm.bar_k[kb], sm.k[kb], kv_head, k0);
       }
     } else {  // gathered columns
-      if (threadIdx.x < kTile) {
-        const int ci = (tk - tl.n_block_tiles) * kTile + int(threadIdx.x);
-        sm.pos[ps][threadIdx.x] = ci < tl.n_cols ? tl.ci[ci] : -1;
+      const int c0 = (tk - tl.n_block_tiles) * kTile + cp.j0;
+#pragma unroll
+      for (int i = 0; i < Plan::kIter; ++i) {
+        const int ci = c0 + i * Plan::kRowsPer;
+        pend[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
+      }
+      if (threadIdx.x % Plan::kVec == 0) {
+#pragma unroll
+        for (int i = 0; i < Plan::kIter; ++i) sm.pos[ps][cp.j0 + i * Plan::kRowsPer] = pend[i];
       }
       if (threadIdx.x == 0) sm.masked[ps] = tile_needs_mask(tl, tk, base);
-      if (threadIdx.x < 32) tma_columns<D>(&p.tm_k_row, &sm.bar_k[kb], sm.k[kb], kv_head, tl, tk);
+      copy_rows(cp, cp.k_sa, cp.k_src, kb * kStageBytes, pend);
     }
   }
   cp_async_commit();
@@ -403,8 +383,8 @@ struct Sm90Loop {
   }
   // Waits for the TMA loads of K(t + 1) and V(t - 1) where they are block tiles.
   __device__ __forceinline__ void wait_tma(int t, bool next, bool prev) {
-    if (next) mbar_wait(&sm.bar_k[stage_next()], ph ^ (r3 == 2));
-    if (prev) mbar_wait(&sm.bar_v[stage_prev()], ph ^ (r3 == 0));
+    if (next && t + 1 < tl.n_block_tiles) mbar_wait(&sm.bar_k[stage_next()], ph ^ (r3 == 2));
+    if (prev && t - 1 < tl.n_block_tiles) mbar_wait(&sm.bar_v[stage_prev()], ph ^ (r3 == 0));
   }
 
   // The copy group of iteration i (i >= -kStages): K(i + kStages) into stage i % 3 (pos slot
@@ -491,7 +471,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     cp_async_wait<kStages - 1>();  // K(0)
-    mbar_wait(&sm.bar_k[0], 0);
+    if (tl.n_block_tiles > 0) mbar_wait(&sm.bar_k[0], 0);
     fence_proxy_async();
     __syncthreads();
     issue_s<D>(s0, qa, sm.k[0]);
@@ -543,7 +523,7 @@ __global__ void __launch_bounds__(attention_sparse_bf16_detail::kThreads)
 // encoder is looked up once through the runtime (no libcuda link). Host-only, no device work:
 // safe while a stream is being captured.
 inline cudaError_t encode_kv_map(CUtensorMap* map, const void* base, int64_t n_k, int n_kv_heads,
-                                 int d, uint32_t box_rows) {
+                                 int d) {
   static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> encode{nullptr};
   PFN_cuTensorMapEncodeTiled_v12000 fn = encode.load(std::memory_order_acquire);
   if (fn == nullptr) {
@@ -558,7 +538,7 @@ inline cudaError_t encode_kv_map(CUtensorMap* map, const void* base, int64_t n_k
   }
   const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(n_kv_heads), cuuint64_t(n_k)};
   const cuuint64_t strides[2] = {cuuint64_t(d) * 2, cuuint64_t(n_kv_heads) * cuuint64_t(d) * 2};
-  const cuuint32_t box[3] = {64, 1, box_rows}, elem_strides[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {64, 1, 64}, elem_strides[3] = {1, 1, 1};
   const CUresult r =
       fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -581,11 +561,8 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
       return err;
     // No keys: no slot has a block tile, and the encoder rejects an empty dimension.
     AttentionSparseBf16Params pm = p;
-    if (p.n_k > 0 &&
-        ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D, kTile)) != cudaSuccess ||
-         (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D, kTile)) != cudaSuccess ||
-         (err = encode_kv_map(&pm.tm_k_row, p.k, p.n_k, p.n_kv_heads, D, 1)) != cudaSuccess ||
-         (err = encode_kv_map(&pm.tm_v_row, p.v, p.n_k, p.n_kv_heads, D, 1)) != cudaSuccess))
+    if (p.n_k > 0 && ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
+                      (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess))
       return err;
     attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
   } else {
