@@ -31,6 +31,7 @@
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
+#   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
 #   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma;
 #                            wgmma,mma.sync adds the A/B)
 #   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
@@ -268,7 +269,8 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   bl="$logs/bench-attention.log"
   : >"$bl"
   echo "--- sdpa peer ($(date -u))" >>"$bl"
-  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
+  hd="${SF_BENCH_HEAD_DIM:-128}"
+  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --head-dim "$hd" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
     note "sdpa peer failed (see bench-attention.log); benchmark runs without it"
   fi
   sdpa_arg=()
@@ -277,7 +279,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   if [[ ! -x "$build/tools/sparsefill" ]]; then
     fail "sparsefill did not build; no attention benchmark"
   elif ! timeout "${SF_BENCH_TIMEOUT:-420}" "$build/tools/sparsefill" bench attention --lengths "$dense_l" \
-         --sparse-lengths "$sparse_l" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
+         --sparse-lengths "$sparse_l" --head-dim "$hd" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
          --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" --host-estimate-max "${SF_BENCH_HOST_EST_MAX:-32768}" \
          ${SF_BENCH_MODES:+--modes "$SF_BENCH_MODES"} \
          ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
