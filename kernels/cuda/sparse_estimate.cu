@@ -286,6 +286,43 @@ __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const Sc
   return v < 0 ? 0 : (v > kc ? kc : v);
 }
 
+// A row's max and sum of exp relative to it, the row's values spread over the 4 lanes of a quad
+// (N each, -inf where hidden): every lane of the quad gets both. The sums run on the SFU as
+// 2^(x log2 e - m log2 e).
+template <int N>
+__device__ __forceinline__ void quad_row_stats(const float (&v)[N], float& m, float& l) {
+  using namespace attention_sparse_bf16_detail;
+  m = -INFINITY;
+#pragma unroll
+  for (int x = 0; x < N; ++x) m = fmaxf(m, v[x]);
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  l = 0.f;
+  if (m != -INFINITY) {
+    const float ml = m * kLog2e;
+#pragma unroll
+    for (int x = 0; x < N; ++x) l += fast_exp2(fmaf(v[x], kLog2e, -ml));  // -inf -> 0
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+}
+
+// The key rows of 64-key chunk `chunk` (bf16 rows krow elements apart from kbase, d wide) into a
+// [64][d + 8] tile by cp.async, one commit group; rows past the keys are zero-filled.
+__device__ __forceinline__ void issue_k_chunk(const EstimateLaunch& p, const __nv_bfloat16* kbase,
+                                              int64_t krow, int d, int64_t chunk,
+                                              __nv_bfloat16* dst) {
+  using namespace attention_sparse_bf16_detail;
+  const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
+  const int nv = d / 8, n = kB * nv, ts = d + 8;  // tile_stride_b
+  for (int x = threadIdx.x; x < n; x += kScoreThreads) {
+    const int i = x / nv, c = (x % nv) * 8;
+    const bool valid = i < kc;
+    cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krow + c, valid);
+  }
+  cp_async_commit();
+}
+
 // The stats pass on tensor cores (bf16): the logits stay in registers (each warp reduces its
 // 16 rows x 32 keys across the 4 lanes of a row, two warps' halves meet in shared memory), and
 // the next chunk's k tile is copied by cp.async while this one is scored. Sums of exp run on the
@@ -296,7 +333,7 @@ template <int D>
 __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, int hs,
                                 ScoreSmem& sm) {
   using namespace attention_sparse_bf16_detail;
-  const int d = D > 0 ? D : int(p.d), ts = d + 8;  // tile_stride_b
+  const int d = D > 0 ? D : int(p.d);
   const int64_t kvh = sp.heads[hs] / (p.hq / p.hkv);
   const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * d;
   const int64_t krow = p.hkv * d;
@@ -304,14 +341,7 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
   __nv_bfloat16* const kbuf[2] = {sm.kb, sm.kb2};
   auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
-    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
-    const int nv = d / 8, n = kB * nv;
-    for (int x = threadIdx.x; x < n; x += kScoreThreads) {
-      const int i = x / nv, c = (x % nv) * 8;
-      const bool valid = i < kc;  // rows past the keys are zero-filled
-      cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krow + c, valid);
-    }
-    cp_async_commit();
+    issue_k_chunk(p, kbase, krow, d, chunk, dst);
   };
   if (ch0 < ch_end) issue(ch0, kbuf[0]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -350,19 +380,8 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
             v[n * 2 + e] = j < lim ? c[n][2 * half + e] * p.scale : -INFINITY;
           }
       }
-      float m = -INFINITY;
-#pragma unroll
-      for (int x = 0; x < 8; ++x) m = fmaxf(m, v[x]);
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      float l = 0.f;
-      if (m != -INFINITY) {
-        const float ml = m * kLog2e;
-#pragma unroll
-        for (int x = 0; x < 8; ++x) l += fast_exp2(fmaf(v[x], kLog2e, -ml));  // -inf -> 0
-      }
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float m, l;
+      quad_row_stats(v, m, l);
       if (t == 0) {
         sm.red[(nq * kB + i) * 2] = m;
         sm.red[(nq * kB + i) * 2 + 1] = l;
@@ -441,14 +460,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
   const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
   auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
-    const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
-    constexpr int nv = D / 8, n = kB * nv;
-    for (int x = threadIdx.x; x < n; x += kScoreThreads) {
-      const int i = x / nv, c = (x % nv) * 8;
-      const bool valid = i < kc;  // rows past the keys are zero-filled
-      cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krs + c, valid);
-    }
-    cp_async_commit();
+    issue_k_chunk(p, kbase, krs, D, chunk, dst);
   };
   if (ch0 < ch_end) issue(ch0, kbuf[0]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -493,30 +505,14 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
       for (int half = 0; half < 2; ++half) {
         const int i = row0 + m * 16 + g + 8 * half;
         const int lim = whole ? kB : (i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0);
-        // In place in c (no second array: the accumulators already fill the register budget).
+        float v[16];
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = c[m][n][2 * half + e];
-            x = n * 8 + 2 * t + e < lim ? x * p.scale : -INFINITY;
-          }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(c[m][n][2 * half], c[m][n][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float l = 0.f;
-        if (mx != -INFINITY) {
-          const float ml = mx * kLog2e;
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              l += fast_exp2(fmaf(c[m][n][2 * half + e], kLog2e, -ml));  // -inf -> 0
-        }
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+          for (int e = 0; e < 2; ++e)
+            v[n * 2 + e] = n * 8 + 2 * t + e < lim ? c[m][n][2 * half + e] * p.scale : -INFINITY;
+        float mx, l;
+        quad_row_stats(v, mx, l);
         if (t == 0 && i < sp.L) {
           const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
           p.part_m[at] = mx;
