@@ -513,8 +513,8 @@ int run(int argc, char** argv) {
                   static_cast<long long>(s.group_kv_allgather_bytes),
                   static_cast<long long>(s.group_kv_moved_bytes),
                   static_cast<long long>(s.group_estimate_bytes), s.group_density);
-    summary += std::string(group) + ", \"kv_moved_bytes_by_rank\": " +
-               list(s.kv_moved_bytes_by_rank) +
+    summary += std::string(group) +
+               ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
     write_summary(dir + ".json", summary);
     std::printf(

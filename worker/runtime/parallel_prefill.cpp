@@ -89,8 +89,7 @@ Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0,
   return out;
 }
 
-Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal,
-                          ParallelStats* st) {
+Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal, ParallelStats* st) {
   constexpr int kStat = 5;
   const int G = g.group_comm->size();
   const int64_t mine[kStat] = {st->kv_allgather_bytes, st->kv_moved_bytes, st->estimate_bytes,

@@ -91,8 +91,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
 
 // Fills st's group_* and *_by_rank fields: an all-gather of this rank's byte counters and causal
 // pairs (computed, total) over g.group_comm. Collective; parallel_prefill calls it last.
-Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal,
-                          ParallelStats* st);
+Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal, ParallelStats* st);
 
 // Slices one layer's global index (see GlobalIndexSource) to query heads [h0, h0 + nh) and the
 // query rows of chunk r (64-aligned begin), against keys [0, r.end). Exposed for tests.
