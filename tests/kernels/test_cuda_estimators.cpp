@@ -333,7 +333,8 @@ class CudaEstimators : public ::testing::Test {
     std::cout << "  ties: density " << gpu_idx.density() << " (cpu " << cpu_idx.density() << ")\n";
   }
 
-  void run_case(const Geo& g, bool bf16) {
+  // patterns: one per query head (default: mixed_patterns).
+  void run_case(const Geo& g, bool bf16, std::vector<HeadPattern> patterns = {}) {
     SCOPED_TRACE("nq " + std::to_string(g.nq) + " nk " + std::to_string(g.nk) + " q_offset " +
                  std::to_string(g.q_offset) + " d " + std::to_string(g.d) +
                  (bf16 ? " bf16" : " f32"));
@@ -343,7 +344,7 @@ class CudaEstimators : public ::testing::Test {
       for (float& x : q) x = bf16_to_f32(f32_to_bf16(x));
       for (float& x : k) x = bf16_to_f32(f32_to_bf16(x));
     }
-    const std::vector<HeadPattern> ps = mixed_patterns(g.hq);
+    const std::vector<HeadPattern> ps = patterns.empty() ? mixed_patterns(g.hq) : patterns;
     const TensorView hq_v = TensorView::make(q.data(), DType::kF32, {g.nq, g.hq, g.d});
     const TensorView hk_v = TensorView::make(k.data(), DType::kF32, {g.nk, g.hkv, g.d});
     SparseIndex cpu_idx;
@@ -563,9 +564,12 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({3000, 3000, 0, 8, 4, 128}, true);
   // head_dim 64 (its own scoring kernel), a partial last query block and q_offset > 0
   run_case({1000, 1900, 900, 8, 2, 64}, true);
-  // Stats pass CTAs per KV head: 8 query heads a KV head (two CTAs of four), and one (MHA: the
-  // ungrouped kernel).
-  run_case({2048, 2048, 0, 16, 2, 128}, true);
+  // The stats pass's CTAs per KV head. 8 query heads a KV head, every head in both passes (all
+  // vertical-slash, then all block-sparse): two grouped CTAs of four each. Three a KV head (mixed
+  // patterns: passes of 1-3 heads on a KV head). One (MHA: the ungrouped kernel).
+  run_case({2048, 2048, 0, 16, 2, 128}, true, std::vector<HeadPattern>(16, mixed_patterns(1)[0]));
+  run_case({2048, 2048, 0, 16, 2, 128}, true, std::vector<HeadPattern>(16, mixed_patterns(3)[2]));
+  run_case({1500, 1500, 0, 12, 4, 64}, true);
   run_case({1000, 1000, 0, 4, 4, 64}, true);
 }
 

@@ -175,8 +175,9 @@ void run_sparse_grid(runtime::GridShape shape) {
       static_cast<long long>(par->stats.group_kv_moved_bytes),
       static_cast<long long>(par->stats.group_estimate_bytes),
       static_cast<long long>(par->stats.group_kv_allgather_bytes));
-  // The estimator's index is the single-rank one (same scores up to summation order).
-  EXPECT_NEAR(par->stats.group_density, ref->density, 1e-9);
+  // The estimator's index is the single-rank one (same scores up to summation order; a near-tie
+  // swapped at a top-k boundary would move the density by about 1e-7 a key).
+  EXPECT_NEAR(par->stats.group_density, ref->density, 1e-5);
 }
 
 TEST_F(ParallelDefault, Cp2) { run_grid({1, 2}); }

@@ -150,8 +150,10 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
     EXPECT_EQ(st.kv_moved_bytes_by_rank[0], st.kv_moved_bytes);  // the leader is group rank 0
     if (!selective) EXPECT_EQ(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
     if (selective && shape.cp > 1) EXPECT_LT(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
-    // The whole prompt's density, from every rank's chunks, is the single-rank run's.
-    EXPECT_NEAR(st.group_density, sparse ? ref->density : 1.0, 1e-9);
+    // The whole prompt's density, from every rank's chunks, is the single-rank run's: exactly
+    // with the same index; estimated where the keys live, a near-tie at a top-k boundary may swap
+    // (cp_estimate.h), which moves it by about 1e-7 a key.
+    EXPECT_NEAR(st.group_density, sparse ? ref->density : 1.0, cp_est ? 1e-4 : 1e-9);
     // a-shape reads the sink and one window of 64 keys before each chunk from other ranks: far
     // less than every key.
     if (selective && shape.cp > 1 && !cp_est)
