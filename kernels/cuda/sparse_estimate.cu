@@ -1454,28 +1454,17 @@ __device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kD
   // Selected columns ascend; negative ids (none expected) are skipped up front.
   int64_t ci = 0;
   while (ci < ncol && cols[ci] < 0) ++ci;
-  // First index in [ci, ncol) whose column is >= x (the columns ascend). Calls come with x
-  // ascending and ci only moves up, and the answer is usually a few places past ci: gallop from
-  // ci (probes ci, ci + 1, ci + 3, ci + 7, ...), then bisect the last gap. A bisection over the
-  // whole list cost about ten dependent loads a call, a third of the kernel's stall samples
-  // (bench/results/ncu-source-build-vs-128k-h200-9076006.txt). 32-bit: ncol < 2^31.
+  // First index in [ci, ncol) whose column is >= x (the columns ascend).
   auto first_at_least = [&](int64_t x) {
-    const int n = int(ncol), c0 = int(ci);
-    int lo = c0, probe = c0;
-    for (int64_t step = 1; probe < n && cols[probe] < x;) {  // columns up to probe are < x
-      lo = probe + 1;
-      step *= 2;
-      probe = int(imin(int64_t(c0) + step - 1, n));
-    }
-    int hi = probe;  // the answer is in [lo, hi]
+    int64_t lo = ci, hi = ncol;
     while (lo < hi) {
-      const int mid = lo + (hi - lo) / 2;
+      const int64_t mid = (lo + hi) / 2;
       if (cols[mid] < x)
         lo = mid + 1;
       else
         hi = mid;
     }
-    return int64_t(lo);
+    return lo;
   };
   // Columns in [ci, first >= upto): their places in the list are taken now, their copy deferred.
   auto flush_columns = [&](int64_t upto) {
