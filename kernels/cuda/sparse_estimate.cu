@@ -1414,7 +1414,7 @@ struct SlotOut {
 struct ColRun {
   int32_t a = 0, n = 0, o = 0;
 };
-constexpr int kDeferredRuns = 32;  // more runs than this in a slot are copied by their thread
+constexpr int kDeferredRuns = 8;  // more runs than this in a slot are copied by their thread
 
 // Slot t's merge (one thread), writing its entries and tail keys; the runs of selected columns
 // go to runs[] (*n_runs of them) for build_kernel's warp-wide copy, past kDeferredRuns directly.
