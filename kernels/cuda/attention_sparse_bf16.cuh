@@ -80,15 +80,20 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A generic pointer to shared memory as a shared-space address (PTX operands).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  const uint32_t addr = smem_u32(smem_row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  const uint32_t addr = smem_u32(smem_row);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
@@ -101,7 +106,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                "r"(n));
 }
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  cp_async_16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
+  cp_async_16(smem_u32(smem), gmem, valid);
 }
 // 2^x on the SFU, flushing denormals (what exp2f compiles to under --use_fast_math): the
 // probabilities it makes are rounded to bf16 next, and exp2(-inf) is still 0.

@@ -61,7 +61,7 @@ __device__ __forceinline__ int sw_offset(int r, int c) {
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
 // offsets (all >> 4), layout type 1 in bits 62-63. Atoms are 1024-aligned: base offset 0.
 __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t a = smem_u32(smem);
   return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
          (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
@@ -81,9 +81,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // mbarriers (shared::cta) for the TMA loads.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -232,8 +229,8 @@ struct CopyPlan {
     const int c = threadIdx.x % kVec;
     j0 = threadIdx.x / kVec;
     const int so = sw_offset(j0, c) * int(sizeof(__nv_bfloat16));
-    k_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&k0)) + so;
-    v_sa = static_cast<uint32_t>(__cvta_generic_to_shared(&v0)) + so;
+    k_sa = smem_u32(&k0) + so;
+    v_sa = smem_u32(&v0) + so;
     k_src = reinterpret_cast<const char*>(p.k + int64_t(kv_head) * D + c * 8);
     v_src = reinterpret_cast<const char*>(p.v + int64_t(kv_head) * D + c * 8);
     row_bytes = uint32_t(p.n_kv_heads) * D * uint32_t(sizeof(__nv_bfloat16));
@@ -438,7 +435,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sa = smem_u32(smem_raw);
   Smem90<D>& sm = *reinterpret_cast<Smem90<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
   const int h = blockIdx.y;

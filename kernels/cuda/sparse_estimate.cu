@@ -340,10 +340,7 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
   const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
   __nv_bfloat16* const kbuf[2] = {sm.kb, sm.kb2};
-  auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
-    issue_k_chunk(p, kbase, krow, d, chunk, dst);
-  };
-  if (ch0 < ch_end) issue(ch0, kbuf[0]);
+  if (ch0 < ch_end) issue_k_chunk(p, kbase, krow, d, ch0, kbuf[0]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4, g = lane / 4, t = lane % 4;
   // Row 0 sees keys [0, v0): a chunk ending at or before v0 is visible to every row.
@@ -351,7 +348,7 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
     const int buf = int(chunk - ch0) & 1;
     if (chunk + 1 < ch_end) {
-      issue(chunk + 1, kbuf[buf ^ 1]);
+      issue_k_chunk(p, kbase, krow, d, chunk + 1, kbuf[buf ^ 1]);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -459,10 +456,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int64_t krs = p.hkv * D;
   const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
   const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
-  auto issue = [&](int64_t chunk, __nv_bfloat16* dst) {
-    issue_k_chunk(p, kbase, krs, D, chunk, dst);
-  };
-  if (ch0 < ch_end) issue(ch0, kbuf[0]);
+  if (ch0 < ch_end) issue_k_chunk(p, kbase, krs, D, ch0, kbuf[0]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = warp / 2, row0 = (warp % 2) * 32, g = lane / 4, t = lane % 4;
   const int hs = hs_of[slot];
@@ -474,7 +468,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
     // Every thread's copies of this chunk are visible, and every warp is done with the other
     // buffer (the last chunk's), which the next copy overwrites.
     __syncthreads();
-    if (chunk + 1 < ch_end) issue(chunk + 1, kbuf[buf ^ 1]);
+    if (chunk + 1 < ch_end) issue_k_chunk(p, kbase, krs, D, chunk + 1, kbuf[buf ^ 1]);
     if (hs < 0) continue;
     float c[2][8][4] = {};
     const __nv_bfloat16* krow = kbuf[buf] + (lane % 8) * ts + (lane / 8) * 8;
