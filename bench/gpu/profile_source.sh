@@ -29,7 +29,11 @@ timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-block_select}"
   >"$out/ncu-source.log" 2>&1
 "$ncu_bin" -i "$rep" --page source --csv --print-source sass >"$out/ncu-source.csv" 2>>"$out/ncu-source.log"
 rm -f "$rep"
-python3 - "$out/ncu-source.csv" >"$out/ncu-source-top.txt" <<'PY'
+{
+  echo "# command: SF_PROFILE_KERNELS='${SF_PROFILE_KERNELS:-block_select}' SF_PROFILE_LENGTH=$L SF_PROFILE_MODE=$mode bench/gpu/profile_source.sh"
+  echo "# commit: ${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}; device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); date: $(date -u +%FT%TZ)"
+} >"$out/ncu-source-top.txt"
+python3 - "$out/ncu-source.csv" >>"$out/ncu-source-top.txt" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
