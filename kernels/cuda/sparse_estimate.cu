@@ -13,9 +13,9 @@
 //      the selected ids come out sorted ascending by a scan.
 //   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
 //      against every pooled key block in shared memory and selects per query block.
-//   4. slot building: one thread per (head, query block), the host builder's merge of sink,
-//      local window, diagonal ranges and key blocks into 64-key entries plus columns; the runs
-//      of selected columns are then copied by the warp together (coalesced stores).
+//   4. slot building: one warp per (head, query block), the host builder's merge of sink,
+//      local window, diagonal ranges and key blocks into 64-key entries plus columns, 32
+//      intervals at a time (scans over the lanes), the entries written by the warp together.
 // No allocation and no host synchronization: the launch sequence is safe under graph capture.
 // Index capacity is the plan's; a slot that needs more is truncated and need[] records the
 // largest counts, so the caller can re-plan (kernels/cuda/sparse_estimate.cpp).
@@ -1386,46 +1386,133 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
                                   FlagScan<WarpGroup>{nullptr});
 }
 
-// ---- slot building (sparse_index.cpp sparse_slot_build, one thread per slot) ---------------
+// ---- slot building (sparse_index.cpp sparse_slot_build, a warp per slot) -------------------
+//
+// The host builder walks one stream of key intervals sorted by start (the sink, the diagonal
+// runs or key blocks, the local window), unites those that touch into ranges, and emits each
+// range as 64-key entries plus its tail columns, preceded by the selected columns no range
+// covers. A thread per slot ran that walk serially (5-6 ms for vertical-slash at 128K: thousands
+// of runs a slot, 65K slots); here a warp takes 32 intervals at a time. An interval starts a
+// range when it begins past every end before it (a prefix max over the lanes), a lane that
+// starts one closes the range before it, the closed ranges' entry counts are scanned, and the
+// warp writes the entries together, lane k element k. Same entries, same order as the host.
 
-struct SlotOut {
+constexpr int kBuildWarps = 4;
+constexpr unsigned kAll = 0xffffffffu;
+
+__device__ __forceinline__ int warp_incl_max(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(kAll, v, o);
+    if (lane >= o) v = max(v, u);
+  }
+  return v;
+}
+
+// Exclusive prefix sum over the lanes; *total gets the warp's sum.
+__device__ __forceinline__ int warp_excl_sum(int v, int lane, int* total) {
+  int s = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(kAll, s, o);
+    if (lane >= o) s += u;
+  }
+  *total = __shfl_sync(kAll, s, 31);
+  return s - v;
+}
+
+// The largest lane whose ex (nondecreasing over the lanes, 0 at lane 0) is <= j: the lane that
+// owns element j of a scanned list.
+__device__ __forceinline__ int warp_owner(int ex, int j) {
+  int lo = 0;
+#pragma unroll
+  for (int step = 16; step > 0; step >>= 1)
+    if (__shfl_sync(kAll, ex, lo + step) <= j) lo += step;
+  return lo;
+}
+
+// A slot's output lists and the selected columns (ascending) its ranges leave free.
+struct SlotWriter {
+  const int32_t* cols;
+  int ncol;
   int32_t* blocks;
-  int32_t* cols;
-  int cap_b, cap_c;
-  int nb = 0, nc = 0;
-  __device__ void block(int64_t off) {
-    if (nb < cap_b) blocks[nb] = int32_t(off);
-    ++nb;
+  int32_t* out_cols;
+  int cap_b, cap_c, kend;
+  int nb = 0, nc = 0;  // entries so far (uniform over the warp; may pass the capacities)
+
+  __device__ int first_at_least(int x) const {
+    int lo = 0, hi = ncol;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (cols[mid] < x)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo;
   }
-  __device__ void col(int64_t key) {
-    if (nc < cap_c) cols[nc] = int32_t(key);
-    ++nc;
+
+  // Each lane with `has` emits the free columns in [P, A), then the range [A, E): whole 64-key
+  // entries, the last one past the range when E is the slot's end, else the tail as columns.
+  // The lanes' outputs follow each other in lane order.
+  __device__ void emit(bool has, int A, int E, int P, int lane) {
+    int g_lo = 0, gap = 0, n_b = 0, tail = 0;
+    if (has) {
+      if (cols) {
+        g_lo = first_at_least(P);
+        gap = first_at_least(A) - g_lo;
+      }
+      if (E == kend) {
+        n_b = (E - A + kB - 1) / kB;
+      } else {
+        n_b = (E - A) / kB;
+        tail = E - A - n_b * kB;
+      }
+    }
+    const int full_end = A + n_b * kB;
+    int tb = 0, tc = 0;
+    const int xb = warp_excl_sum(n_b, lane, &tb);
+    const int xc = warp_excl_sum(gap + tail, lane, &tc);
+    for (int j0 = 0; j0 < tb; j0 += 32) {
+      const int j = j0 + lane;
+      const int w = warp_owner(xb, j);
+      const int a = __shfl_sync(kAll, A, w), x = __shfl_sync(kAll, xb, w);
+      if (j < tb && nb + j < cap_b) blocks[nb + j] = a + (j - x) * kB;
+    }
+    for (int j0 = 0; j0 < tc; j0 += 32) {
+      const int j = j0 + lane;
+      const int w = warp_owner(xc, j);
+      const int x = __shfl_sync(kAll, xc, w), g = __shfl_sync(kAll, gap, w);
+      const int gl = __shfl_sync(kAll, g_lo, w), fe = __shfl_sync(kAll, full_end, w);
+      if (j < tc && nc + j < cap_c) {
+        const int off = j - x;
+        out_cols[nc + j] = off < g ? cols[gl + off] : fe + (off - g);
+      }
+    }
+    nb += tb;
+    nc += tc;
   }
 };
 
-// A run of selected columns whose copy into the slot's column list is left to the warp:
-// cols[a .. a + n) to column_index[o ..).
-struct ColRun {
-  int32_t a = 0, n = 0, o = 0;
-};
-constexpr int kDeferredRuns = 8;  // more runs than this in a slot are copied by their thread
-
-// Slot t's merge (one thread), writing its entries and tail keys; the runs of selected columns
-// go to runs[] (*n_runs of them) for build_kernel's warp-wide copy, past kDeferredRuns directly.
-__device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kDeferredRuns],
-                           int* n_runs, const int32_t** cols_out, int32_t** dst_out, int* cap_out) {
+// grid ceil(hq * n_qb / kBuildWarps), kBuildWarps warps: warp w builds slot (h, qb).
+__global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateLaunch p) {
+  const int lane = int(threadIdx.x % 32);
+  const int64_t t = int64_t(blockIdx.x) * kBuildWarps + int64_t(threadIdx.x / 32);
+  if (t >= p.hq * p.n_qb) return;  // the whole warp
   const int64_t h = t / p.n_qb, qb = t % p.n_qb;
   const EstHead& eh = p.heads[h];
   const int64_t r0 = qb * kB;
-  const int64_t rows = imin(kB, p.nq - r0);
-  const int64_t base = p.q_offset + r0;
-  int64_t kend = base + rows;
-  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+  const int rows = int(imin(kB, p.nq - r0));
+  const int64_t base64 = p.q_offset + r0;
+  const int64_t kend64 = base64 + rows;
+  const int kend = int(kend64 < 0 ? 0 : (kend64 > p.nk ? p.nk : kend64));
+  auto clampk = [&](int64_t x) { return int(x < 0 ? 0 : (x > kend ? kend : x)); };
   const int32_t *cols = nullptr, *dlo = nullptr, *dhi = nullptr, *kbs = nullptr;
-  int64_t ncol = 0, ndiag = 0, nkb = 0;
+  int ncol = 0, n_mid = 0;
   if (eh.kind == kEstVS) {
     cols = p.sel_cols + size_t(eh.vs_slot) * size_t(p.kend_last);
     ncol = p.n_sel_cols[eh.vs_slot];
+    int ndiag;
     if (rows == kB) {  // full query block: the precomputed runs
       dlo = p.run_lo + size_t(eh.vs_slot) * size_t(p.n_diag);
       dhi = p.run_hi + size_t(eh.vs_slot) * size_t(p.n_diag);
@@ -1434,173 +1521,101 @@ __device__ void build_slot(const EstimateLaunch& p, int64_t t, ColRun (&runs)[kD
       dlo = dhi = p.sel_diags + size_t(eh.vs_slot) * size_t(p.n_diag);
       ndiag = p.n_sel_diags[eh.vs_slot];
     }
+    // Runs with lo >= base + rows reach no key of the slot: the stream starts at the last run
+    // below that and walks down (starts ascend as the offsets fall).
+    int lo = 0, hi = ndiag;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (int64_t(dlo[mid]) < base64 + rows)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    n_mid = lo;
   } else if (eh.kind == kEstBlock) {
     const size_t slot = size_t(eh.blk_slot) * size_t(p.n_qb) + size_t(qb);
     kbs = p.sel_kb + slot * size_t(p.cap_kb);
-    nkb = p.n_sel_kb[slot];
+    n_mid = p.n_sel_kb[slot];
   }
   const size_t s = size_t(t);
-  SlotOut o{p.block_offset + s * size_t(p.max_blocks), p.column_index + s * size_t(p.max_cols),
-            p.max_blocks, p.max_cols};
-  *cols_out = cols;
-  *dst_out = o.cols;
-  *cap_out = o.cap_c;
-  // Selected columns ascend; negative ids (none expected) are skipped up front.
-  int64_t ci = 0;
-  while (ci < ncol && cols[ci] < 0) ++ci;
-  // First index in [ci, ncol) whose column is >= x (the columns ascend).
-  auto first_at_least = [&](int64_t x) {
-    int64_t lo = ci, hi = ncol;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (cols[mid] < x)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    return lo;
-  };
-  // Columns in [ci, first >= upto): their places in the list are taken now, their copy deferred.
-  auto flush_columns = [&](int64_t upto) {
-    const int64_t lo = first_at_least(upto);
-    const int64_t n = lo - ci;
-    if (n > 0) {
-      if (*n_runs < kDeferredRuns) {
-        runs[*n_runs] = ColRun{int32_t(ci), int32_t(n), o.nc};
-        ++*n_runs;
-        o.nc += int(n);
+  SlotWriter w{cols,
+               ncol,
+               p.block_offset + s * size_t(p.max_blocks),
+               p.column_index + s * size_t(p.max_cols),
+               p.max_blocks,
+               p.max_cols,
+               kend};
+  const int se = int(imin(eh.sink > 0 ? eh.sink : 0, kend));
+  const int la = clampk(base64 - (eh.local > 0 ? eh.local : 0));
+  // The stream: item 0 the sink, items 1 .. n_mid the diagonal runs (descending) or the key
+  // blocks (ascending), item n_mid + 1 the local window [la, kend). A middle interval starting at
+  // or past la lies inside the local window (every end is clamped to kend), so it is dropped and
+  // the window can come last: the stream stays sorted by start.
+  int run_e = -1;  // the largest end so far
+  bool open = false;
+  int open_a = 0, open_p = 0;  // the open range's start and the end of the range before it
+  const int64_t n_items = int64_t(n_mid) + 2;
+  for (int64_t x0 = 0; x0 < n_items; x0 += 32) {
+    const int64_t x = x0 + lane;
+    int a = 0, e = -1;
+    bool valid = false, past = false;
+    if (x == 0) {
+      e = se;
+      valid = se > 0;
+    } else if (x <= n_mid) {
+      if (dlo) {
+        const int64_t di = int64_t(n_mid) - x;
+        const int64_t dl = dlo[di];
+        a = clampk(base64 - dhi[di]);
+        e = clampk(base64 - dl + rows);
+        valid = dl >= 0 && a < e;
       } else {
-        for (int64_t x = ci; x < lo; ++x) o.col(cols[x]);
+        const int64_t bb = kbs[x - 1];
+        a = clampk(bb * kB);
+        e = clampk(int64_t(a) + kB);
+        valid = bb >= 0 && bb * kB < kend;
       }
+      past = a >= la;
+      valid = valid && !past;
+    } else if (x == n_mid + 1) {
+      a = la;
+      e = kend;
+      valid = la < kend;
     }
-    ci = lo;
-  };
-  auto emit = [&](int64_t a, int64_t e) {
-    if (cols) flush_columns(a);
-    ci = first_at_least(e);  // skip the columns the interval covers
-    if (e == kend) {
-      for (int64_t off = a; off < e; off += kB) o.block(off);
-    } else {
-      const int64_t full_end = a + (e - a) / kB * kB;
-      for (int64_t off = a; off < full_end; off += kB) o.block(off);
-      for (int64_t key = full_end; key < e; ++key) o.col(key);
+    const int incl = max(warp_incl_max(valid ? e : -1, lane), run_e);
+    int before = __shfl_up_sync(kAll, incl, 1);  // the largest end before this item
+    if (lane == 0) before = run_e;
+    const bool start = valid && a > before;
+    const unsigned starts = __ballot_sync(kAll, start);
+    const unsigned lower = starts & ((1u << lane) - 1u);
+    const int pl = lower ? 31 - __clz(lower) : 0;
+    const int p_here = max(before, 0);  // where the free columns before a range starting here begin
+    const int a_prev = __shfl_sync(kAll, a, pl), p_prev = __shfl_sync(kAll, p_here, pl);
+    // A lane that starts a range closes the one before: from the lower starting lane, or the
+    // range still open from earlier batches.
+    const bool has = start && (lower != 0 || open);
+    w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
+    if (starts) {
+      const int last = 31 - __clz(starts);
+      open = true;
+      open_a = __shfl_sync(kAll, a, last);
+      open_p = __shfl_sync(kAll, p_here, last);
     }
-  };
-  auto clampk = [&](int64_t x) { return x < 0 ? 0 : (x > kend ? kend : x); };
-  // merge_ranges
-  int64_t fixed_a[2], fixed_e[2];
-  int n_fixed = 0;
-  const int64_t se = imin(eh.sink > 0 ? eh.sink : 0, kend);
-  const int64_t la = clampk(base - (eh.local > 0 ? eh.local : 0));
-  if (se > 0) {
-    fixed_a[n_fixed] = 0;
-    fixed_e[n_fixed++] = se;
+    run_e = __shfl_sync(kAll, incl, 31);
+    // Starts ascend: once a middle interval is past la, so are the rest: on to the window.
+    if (__ballot_sync(kAll, past) && x0 + 32 <= int64_t(n_mid) + 1) x0 = int64_t(n_mid) + 1 - 32;
   }
-  if (la < kend) {
-    fixed_a[n_fixed] = la;
-    fixed_e[n_fixed++] = kend;
-  }
-  if (n_fixed == 2 && fixed_a[1] < fixed_a[0]) {
-    const int64_t ta = fixed_a[0], te = fixed_e[0];
-    fixed_a[0] = fixed_a[1];
-    fixed_e[0] = fixed_e[1];
-    fixed_a[1] = ta;
-    fixed_e[1] = te;
-  }
-  // Diagonal ranges [base - hi, base - lo + rows) are empty once lo >= base + rows: start from
-  // the last run below that (binary search), walking down.
-  int64_t di;
-  {
-    int64_t lo = 0, hi = ndiag;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (int64_t(dlo[mid]) < base + rows)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    di = lo - 1;
-  }
-  int64_t bi = 0;
-  int fi = 0;
-  int64_t cur_a = -1, cur_e = -1;
-  for (;;) {
-    int64_t a = INT64_MAX, e = 0;
-    int src = -1;
-    while (di >= 0) {
-      if (dlo[di] >= 0 && clampk(base - dhi[di]) < clampk(base - dlo[di] + rows)) break;
-      --di;
-    }
-    while (bi < nkb) {
-      const int64_t bb = kbs[bi];
-      if (bb >= 0 && bb * kB < kend) break;
-      ++bi;
-    }
-    if (di >= 0) {
-      a = clampk(base - dhi[di]);
-      e = clampk(base - dlo[di] + rows);
-      src = 0;
-    }
-    if (bi < nkb && int64_t(kbs[bi]) * kB < a) {
-      a = int64_t(kbs[bi]) * kB;
-      e = imin(a + kB, kend);
-      src = 1;
-    }
-    if (fi < n_fixed && fixed_a[fi] < a) {
-      a = fixed_a[fi];
-      e = fixed_e[fi];
-      src = 2;
-    }
-    if (src < 0) break;
-    if (src == 0)
-      --di;
-    else if (src == 1)
-      ++bi;
-    else
-      ++fi;
-    if (cur_e >= a) {
-      cur_e = cur_e > e ? cur_e : e;
-    } else {
-      if (cur_e > cur_a) emit(cur_a, cur_e);
-      cur_a = a;
-      cur_e = e;
-    }
-  }
-  if (cur_e > cur_a) emit(cur_a, cur_e);
-  if (cols) flush_columns(kend);
-  p.block_count[s] = o.nb < o.cap_b ? o.nb : o.cap_b;
-  p.column_count[s] = o.nc < o.cap_c ? o.nc : o.cap_c;
-  atomicMax(p.need + 0, o.nb);
-  atomicMax(p.need + 1, o.nc);
-}
-
-// One thread per slot runs the merge; then the warp copies its 32 slots' deferred column runs
-// together, lane k writing element k of a run: coalesced stores instead of one scattered 4-byte
-// store per column per thread (the slots' lists are max_cols apart).
-__global__ void build_kernel(const EstimateLaunch p) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int lane = int(threadIdx.x % 32);
-  ColRun runs[kDeferredRuns];
-  int n_runs = 0, cap = 0;
-  const int32_t* cols = nullptr;
-  int32_t* dst = nullptr;
-  if (t < p.hq * p.n_qb) build_slot(p, t, runs, &n_runs, &cols, &dst, &cap);
-  __syncwarp();
-  for (int src = 0; src < 32; ++src) {
-    const int nr = __shfl_sync(0xffffffffu, n_runs, src);
-    if (nr == 0) continue;
-    const auto* c = reinterpret_cast<const int32_t*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(cols), src));
-    auto* d = reinterpret_cast<int32_t*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(dst), src));
-    const int cp = __shfl_sync(0xffffffffu, cap, src);
-    for (int r = 0; r < nr; ++r) {
-      const int a = __shfl_sync(0xffffffffu, runs[r].a, src);
-      const int n = __shfl_sync(0xffffffffu, runs[r].n, src);
-      const int o = __shfl_sync(0xffffffffu, runs[r].o, src);
-      for (int k = lane; k < n; k += 32)
-        if (o + k < cp) d[o + k] = c[a + k];
-    }
+  // The last range, then the free columns up to the slot's end.
+  const bool last_has = lane == 0 ? open : lane == 1;
+  const int la_ = lane == 0 ? open_a : kend;
+  const int le = lane == 0 ? run_e : kend;
+  const int lp = lane == 0 ? open_p : (open ? run_e : 0);
+  w.emit(last_has, la_, le, lp, lane);
+  if (lane == 0) {
+    p.block_count[s] = imin(w.nb, w.cap_b);
+    p.column_count[s] = imin(w.nc, w.cap_c);
+    atomicMax(p.need + 0, w.nb);
+    atomicMax(p.need + 1, w.nc);
   }
 }
 
@@ -1673,7 +1688,8 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   if (!(p.stages & 4)) return cudaGetLastError();
   if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;
   const int64_t slots = p.hq * p.n_qb;
-  if (slots > 0) build_kernel<<<unsigned((slots + 127) / 128), 128, 0, s>>>(p);
+  if (slots > 0)
+    build_kernel<<<unsigned((slots + kBuildWarps - 1) / kBuildWarps), 32 * kBuildWarps, 0, s>>>(p);
   return cudaGetLastError();
 }
 
