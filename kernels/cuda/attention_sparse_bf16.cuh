@@ -336,22 +336,13 @@ __device__ __forceinline__ void mainloop_tile(float scale_log2, const Stage<D>& 
   }
 }
 
-// The CTA's slot (head, query block), its geometry and its key list. CTAs start in linear order
-// (x fastest) over the grid (n_qblocks, n_heads); that order walks each KV head's query blocks,
-// later ones first (the longest slots start first), with the head's query heads side by side:
-// they run together and share K/V tiles through L2. Head by head, a KV head's K/V (64 MB at
-// 128K, 512 MB at 1M) left L2 before its next query head read it again.
+// The CTA's slot geometry and its key list.
 struct SlotGeom {
-  int h;
   int64_t qb, r0, rows, base, cta_end;
 };
 __device__ __forceinline__ SlotGeom slot_geom(const AttentionSparseBf16Params& p) {
   SlotGeom sg;
-  const int64_t lin = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  const int64_t g = p.n_heads / p.n_kv_heads, per_kv = p.n_qblocks * g;
-  const int64_t r = lin % per_kv;
-  sg.h = int(lin / per_kv * g + r % g);
-  sg.qb = p.n_qblocks - 1 - r / g;
+  sg.qb = p.n_qblocks - 1 - int64_t(blockIdx.x);  // later query blocks first
   sg.r0 = sg.qb * kQBlock;
   sg.rows = p.n_q - sg.r0 < kQBlock ? p.n_q - sg.r0 : kQBlock;
   sg.base = p.q_offset + sg.r0;
@@ -399,11 +390,11 @@ __device__ __forceinline__ void attention_sparse_bf16_block(const AttentionSpars
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_raw);
-  const SlotGeom sg = slot_geom(p);
-  const int h = sg.h;
+  const int h = blockIdx.y;
   const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
+  const SlotGeom sg = slot_geom(p);
 
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);

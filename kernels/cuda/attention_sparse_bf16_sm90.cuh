@@ -438,11 +438,11 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
   const uint32_t sa = smem_u32(smem_raw);
   Smem90<D>& sm = *reinterpret_cast<Smem90<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
-  const SlotGeom sg = slot_geom(p);
-  const int h = sg.h;
+  const int h = blockIdx.y;
   const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tq = lane % 4;
+  const SlotGeom sg = slot_geom(p);
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
   const TileList tl = slot_tiles(p, h, sg);

@@ -1594,8 +1594,7 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
     // A lane that starts a range closes the one before: from the lower starting lane, or the
     // range still open from earlier batches.
     const bool has = start && (lower != 0 || open);
-    if (__ballot_sync(kAll, has))  // else every interval of the batch joined the open range
-      w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
+    w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
     if (starts) {
       const int last = 31 - __clz(starts);
       open = true;
