@@ -34,6 +34,7 @@ namespace {
 
 constexpr int kB = 64;
 constexpr int kScoreThreads = 256;
+constexpr unsigned kAll = 0xffffffffu;
 static_assert(kScoreThreads % kB == 0, "score_probs_kernel: a thread keeps one key column");
 
 __host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -57,6 +58,7 @@ struct ScorePass {
   float* col = nullptr;     // [n_heads * kend_last] column sums, or null
   float* mass = nullptr;    // [n_heads * n_kb] mass per key block / L, or null
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
+  int group_chunks = 8;     // 64-key chunks per CTA of score_stats_group_kernel
 };
 
 // q rows and k rows stored row-major with a 4-float pad (qs[i * (d + 4) + c]): rows are read from
@@ -438,25 +440,40 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int per_kv = int((G + kGroupHeads - 1) / kGroupHeads);
   const int64_t kvh = blockIdx.x / per_kv;
   const int part = int(blockIdx.x % per_kv);
-  if (threadIdx.x == 0) {
-    int seen = 0, n = 0;
-    for (int j = 0; j < kGroupHeads; ++j) hs_of[j] = -1;
-    for (int hs = 0; hs < sp.n_heads && n < kGroupHeads; ++hs)
-      if (sp.heads[hs] / G == kvh) {
-        if (seen / kGroupHeads == part) hs_of[n++] = hs;
-        ++seen;
-      }
+  // The pass's heads of this KV head, ascending, kGroupHeads per part: warp 0 reads 32 head ids
+  // at a time (one thread reading them one by one held every CTA for their load latencies).
+  if (threadIdx.x < 32) {
+    const int lane = int(threadIdx.x);
+    if (lane < kGroupHeads) hs_of[lane] = -1;
+    __syncwarp();
+    int seen = 0;
+    for (int h0 = 0; h0 < sp.n_heads; h0 += 32) {
+      const int hs = h0 + lane;
+      const bool mine = hs < sp.n_heads && sp.heads[hs] / G == kvh;
+      const unsigned m = __ballot_sync(kAll, mine);
+      const int rank = seen + __popc(m & ((1u << lane) - 1u));
+      if (mine && rank / kGroupHeads == part) hs_of[rank % kGroupHeads] = hs;
+      seen += __popc(m);
+    }
   }
   __syncthreads();
   if (hs_of[0] < 0) return;  // no head of the pass reads this KV head (uniform over the CTA)
-  for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j)
-    load_tile_b(static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D,
-                p.hq * D, sp.L, D, qt + j * kB * ts);
+  const int64_t ch0 = int64_t(blockIdx.y) * sp.group_chunks;
+  const int64_t ch_end = imin(p.n_chunks, ch0 + sp.group_chunks);
+  // The q tiles go by cp.async in chunk ch0's group, so their copy overlaps the first k tile's.
+  constexpr int nv = D / 8;
+  for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j) {
+    const auto* src =
+        static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D;
+    for (int x = threadIdx.x; x < kB * nv; x += kScoreThreads) {
+      const int i = x / nv, c = (x % nv) * 8;
+      const bool valid = i < sp.L;
+      cp_async_16(qt + (j * kB + i) * ts + c, src + int64_t(valid ? i : 0) * p.hq * D + c, valid);
+    }
+  }
   const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * D;
   const int64_t krs = p.hkv * D;
-  const int64_t ch0 = int64_t(blockIdx.y) * kChunksPerCta;
-  const int64_t ch_end = imin(p.n_chunks, ch0 + kChunksPerCta);
-  if (ch0 < ch_end) issue_k_chunk(p, kbase, krs, D, ch0, kbuf[0]);
+  issue_k_chunk(p, kbase, krs, D, ch0, kbuf[0]);  // ch0 < ch_end: the grid covers n_chunks
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = warp / 2, row0 = (warp % 2) * 32, g = lane / 4, t = lane % 4;
   const int hs = hs_of[slot];
@@ -1398,7 +1415,6 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
 // warp writes the entries together, lane k element k. Same entries, same order as the host.
 
 constexpr int kBuildWarps = 4;
-constexpr unsigned kAll = 0xffffffffu;
 
 __device__ __forceinline__ int warp_incl_max(int v, int lane) {
 #pragma unroll
@@ -1594,7 +1610,8 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
     // A lane that starts a range closes the one before: from the lower starting lane, or the
     // range still open from earlier batches.
     const bool has = start && (lower != 0 || open);
-    w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
+    if (__ballot_sync(kAll, has))  // else every interval of the batch joined the open range
+      w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
     if (starts) {
       const int last = 31 - __clz(starts);
       open = true;
@@ -1625,13 +1642,20 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   const size_t smem = score_smem(p);
   const dim3 grid(unsigned(sp.n_heads), unsigned((p.n_chunks + kChunksPerCta - 1) / kChunksPerCta));
   const int64_t G = p.hq / p.hkv;
-  const dim3 ggrid(unsigned(p.hkv * ((G + kGroupHeads - 1) / kGroupHeads)), grid.y);
+  // Grouped stats: more chunks a CTA (fewer q tile loads) while the grid keeps about four
+  // waves of two CTAs on each of Hopper's 132 SMs.
+  const int64_t gx = p.hkv * ((G + kGroupHeads - 1) / kGroupHeads);
+  ScorePass gsp = sp;
+  while (gsp.group_chunks < 32 &&
+         gx * ((p.n_chunks + 2 * gsp.group_chunks - 1) / (2 * gsp.group_chunks)) >= 1024)
+    gsp.group_chunks *= 2;
+  const dim3 ggrid(unsigned(gx), unsigned((p.n_chunks + gsp.group_chunks - 1) / gsp.group_chunks));
   if (!mma_scores(p))
     score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else if (G > 1 && p.d == 128)
-    score_stats_group_kernel<128><<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, sp);
+    score_stats_group_kernel<128><<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
   else if (G > 1)
-    score_stats_group_kernel<64><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, sp);
+    score_stats_group_kernel<64><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
   else if (p.d == 128)
     score_stats_mma_kernel<128><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else
