@@ -11,8 +11,9 @@
 //      ascending via an 8-bit radix select on order-preserving keys (4 passes), for top-k
 //      directly, for the adaptive mass threshold by a first radix walk on the accumulated mass;
 //      the selected ids come out sorted ascending by a scan.
-//   3. block scores: q and k mean-pooled over 64 rows; a CTA scores a group of query blocks
-//      against every pooled key block in shared memory and selects per query block.
+//   3. block scores: q and k mean-pooled over 64 rows and rounded to bf16 (as on the CPU); a CTA
+//      scores a group of query blocks against every pooled key block on tensor cores into
+//      shared memory and selects per query block.
 //   4. slot building: one warp per (head, query block), the host builder's merge of sink,
 //      local window, diagonal ranges and key blocks into 64-key entries plus columns, 32
 //      intervals at a time (scans over the lanes), the entries written by the warp together.
@@ -689,46 +690,66 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
 // (dst[((r * d / 4 + c / 4) * n_b + b) * 4 + c % 4], the block selector's layout; d % 4 == 0).
 // A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass is bound
 // by reading q); each channel in row order.
+// Pooled k in mma B-fragment order, per KV head: n-tile nt (key blocks 8 nt ..) x channel-pair
+// block sp (32 channels) x lane 4 g + t x 8 bf16. Lane (g, t) holds key block 8 nt + g, channels
+// 32 sp + 16 u + 8 hf + 2 t + e at element 2 (2 u + hf) + e: the b0 (hf 0) and b1 (hf 1)
+// registers of m16n8k16 k-step 2 sp + u, so a lane loads two k-steps with one 16-byte load and a
+// warp's loads are 512 contiguous bytes.
+__host__ __device__ __forceinline__ int64_t kfrag_index(int64_t b, int64_t c, int64_t dp) {
+  const int64_t nt = b / 8, g = b % 8, sp = c / 32, u = (c % 32) / 16, w = c % 16;
+  const int64_t hf = w / 8, t = (w % 8) / 2, e = w % 2;
+  return ((nt * (dp / 32) + sp) * 32 + g * 4 + t) * 8 + (u * 2 + hf) * 2 + e;
+}
+
+// Mean over 64-row blocks, rounded to bf16 (the CPU estimators' pooling: f32 sum in row order,
+// times the f32 reciprocal of the count). Thread t: V channels of one (row r, block b) of the
+// padded output [n_rows_out][n_b_out][dp]; channels >= d and blocks >= n_b are zeros. kfrag:
+// the B-fragment order above instead of row-major.
 template <typename T, int V>
-__global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d,
-                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, float* dst,
-                            bool cmajor) {
+__global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d, int64_t dp,
+                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, int64_t n_b_out,
+                            uint16_t* dst, bool kfrag) {
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t dv = d / V;
-  if (t >= n_rows_out * n_b * dv) return;
-  const int64_t c = (t % dv) * V, b = (t / dv) % n_b, r = t / (dv * n_b);
-  const int64_t h = heads ? heads[r] : r;
-  const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
+  const int64_t dv = dp / V;
+  if (t >= n_rows_out * n_b_out * dv) return;
+  const int64_t c = (t % dv) * V, b = (t / dv) % n_b_out, r = t / (dv * n_b_out);
   float s[V] = {};
-  for (int64_t j = j0; j < j1; ++j) {
-    const T* x = src + (j * n_heads_src + h) * d + c;
-    if constexpr (V == 1) {
-      s[0] += load_f(x);
-    } else {
-      static_assert(V * sizeof(T) == 16, "pool_kernel: 16-byte vectors");
-      const uint4 u = *reinterpret_cast<const uint4*>(x);
-      const T* e = reinterpret_cast<const T*>(&u);
+  float inv = 0.f;
+  if (b < n_b && c < d) {
+    const int64_t h = heads ? heads[r] : r;
+    const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* x = src + (j * n_heads_src + h) * d + c;
+      if constexpr (V == 1) {
+        s[0] += load_f(x);
+      } else {
+        static_assert(V * sizeof(T) == 16, "pool_kernel: 16-byte vectors");
+        const uint4 u = *reinterpret_cast<const uint4*>(x);
+        const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
-      for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
+        for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
+      }
     }
+    inv = 1.f / float(j1 - j0);
   }
-  const float inv = 1.f / float(j1 - j0);
 #pragma unroll
   for (int k = 0; k < V; ++k)
-    dst[cmajor ? ((r * (d / 4) + (c + k) / 4) * n_b + b) * 4 + (c + k) % 4
-               : (r * n_b + b) * d + c + k] = s[k] * inv;
+    dst[kfrag ? r * n_b_out * dp + kfrag_index(b, c + k, dp) : (r * n_b_out + b) * dp + c + k] =
+        __bfloat16_as_ushort(__float2bfloat16_rn(s[k] * inv));
 }
 template <typename T>
 void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
-          int64_t n_rows_out, int64_t n_b, float* dst, bool cmajor, cudaStream_t s) {
+          int64_t n_rows_out, int64_t n_b, int64_t n_b_out, uint16_t* dst, bool kfrag,
+          cudaStream_t s) {
   constexpr int V = int(16 / sizeof(T));
-  const int64_t vec_n = n_rows_out * n_b * (d / V), n1 = n_rows_out * n_b * d;
+  const int64_t dp = sparse_estimate_pool_d(d);
+  const int64_t vec_n = n_rows_out * n_b_out * (dp / V), n1 = n_rows_out * n_b_out * dp;
   if (d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
-    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
-                                                                    n_rows_out, n_b, dst, cmajor);
+    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(
+        src, n, n_heads_src, d, dp, heads, n_rows_out, n_b, n_b_out, dst, kfrag);
   else
-    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(src, n, n_heads_src, d, heads,
-                                                                 n_rows_out, n_b, dst, cmajor);
+    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(
+        src, n, n_heads_src, d, dp, heads, n_rows_out, n_b, n_b_out, dst, kfrag);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -1272,31 +1293,6 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 // load, and a step moves both pointers by n_kb vectors (scalar loads at 64-bit offsets cost
 // about as many instructions as the FMAs they fed). Unrolled over channels so that several
 // steps' key loads are in flight before their FMAs wait on them.
-template <bool kFull>
-__device__ __forceinline__ void score_pair(const float* pq, const float* pk, int d, int nkb,
-                                           int bk0, int bk1, int ng, float (&acc0)[8],
-                                           float (&acc1)[8]) {
-  const float4* p0 = reinterpret_cast<const float4*>(pk) + bk0;
-  const float4* p1 = reinterpret_cast<const float4*>(pk) + bk1;
-#pragma unroll 4
-  for (int c = 0; c < d; c += 4, p0 += nkb, p1 += nkb) {
-    const float4 k0 = *p0, k1 = *p1;
-#pragma unroll
-    for (int g = 0; g < 8; ++g) {  // unrolled (with a guard unless full): acc stays in registers
-      if (!kFull && g >= ng) break;
-      const float4 qv = *reinterpret_cast<const float4*>(pq + g * d + c);
-      acc0[g] = fmaf(qv.x, k0.x, acc0[g]);
-      acc0[g] = fmaf(qv.y, k0.y, acc0[g]);
-      acc0[g] = fmaf(qv.z, k0.z, acc0[g]);
-      acc0[g] = fmaf(qv.w, k0.w, acc0[g]);
-      acc1[g] = fmaf(qv.x, k1.x, acc1[g]);
-      acc1[g] = fmaf(qv.y, k1.y, acc1[g]);
-      acc1[g] = fmaf(qv.z, k1.z, acc1[g]);
-      acc1[g] = fmaf(qv.w, k1.w, acc1[g]);
-    }
-  }
-}
-
 // One query block's selection over its scores s (softmax first in mass mode) by the group's
 // threads. The last query block selects on its exact mass instead (p.mass).
 template <typename Grp>
@@ -1340,16 +1336,28 @@ __device__ void select_query_block(const EstimateLaunch& p, const EstHead& eh, i
 }
 
 // grid (n_blk, ceil(n_qb / group)): block scores of `group` query blocks, then selection.
+// Shared memory: the scores [group][n_kb] (f32), then the group's pooled q in A-fragment order.
+__host__ __device__ __forceinline__ size_t block_scores_bytes(int64_t n_kb, int group) {
+  return (size_t(group) * size_t(n_kb) * sizeof(float) + 15) / 16 * 16;
+}
+
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
+  using namespace attention_sparse_bf16_detail;
   extern __shared__ __align__(16) float smem[];
   __shared__ SelShared sh_warp[kBlockSelectThreads / 32];
   // Grid x walks the query-block groups of one head, y the heads: CTAs running together share
-  // that head's pooled K in L2 (8 MB per KV head at 1M) instead of touching every head's.
+  // that head's pooled K in L2 (4 MB per KV head at 1M) instead of touching every head's.
   const int hb = blockIdx.y;
   const int G = p.block_select_group;
-  const int64_t d = p.d, n_kb = p.n_kb;
-  float* pq = smem;          // [G][d]
-  float* sc = smem + G * d;  // [G][n_kb]
+  const int64_t n_kb = p.n_kb;
+  const int nsp = int(sparse_estimate_pool_d(p.d) / 32);
+  float* sc = smem;  // [G][n_kb]
+  // Pooled q as the A operand of m16n8k16 (rows: the group's query blocks, 8 at most, rows 8-15
+  // zero): [sp][g][t] uint4 = the words of channels 32 sp + 2 t + {0, 8, 16, 24} (+ 1) of row g:
+  // registers a0, a2 of k-step 2 sp, then of k-step 2 sp + 1. Consecutive lanes, consecutive
+  // 16-byte words: conflict-free.
+  auto* qa = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(smem) +
+                                      block_scores_bytes(n_kb, G));
   const int64_t qb0 = int64_t(blockIdx.x) * G;
   const int64_t ng = imin(G, p.n_qb - qb0);
   // Key blocks any query block of the group can see: the selector reads scores [0, n_allowed)
@@ -1360,29 +1368,53 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
     n_score = (kend + kB - 1) / kB;
   }
-  for (int64_t x = threadIdx.x; x < ng * d; x += blockDim.x)
-    pq[x] = p.pooled_q[(size_t(hb) * size_t(p.n_qb) + size_t(qb0)) * size_t(d) + size_t(x)];
+  {
+    const auto* q32 = reinterpret_cast<const uint32_t*>(p.pooled_q) +
+                      (size_t(hb) * size_t(p.n_qb) + size_t(qb0)) * size_t(nsp) * 16;
+    for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) {
+      const int sp = x / 32, g = (x / 4) % 8, t = x % 4;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (g < ng) {
+        const uint32_t* w = q32 + size_t(g) * size_t(nsp) * 16 + size_t(sp) * 16 + size_t(t);
+        v = make_uint4(w[0], w[4], w[8], w[12]);
+      }
+      qa[x] = v;
+    }
+  }
   __syncthreads();
   const int h = p.blk_heads[hb];
   const int64_t kvh = h / (p.hq / p.hkv);
-  const float* pk = p.pooled_k + size_t(kvh) * size_t(n_kb) * size_t(d);
-  // A thread scores two key blocks against the group's pooled q, read as float4 (one
-  // broadcast load feeds 8 FMAs): scalar shared loads, one per FMA, were the limit. Pooled k is
-  // [d / 4][n_kb][4], so a warp's loads of one 4-channel step are 512 contiguous bytes.
-  const int nt = int(blockDim.x);
-  for (int bk0 = threadIdx.x; bk0 < int(n_score); bk0 += 2 * nt) {
-    const int bk1 = bk0 + nt < int(n_score) ? bk0 + nt : bk0;
-    float acc0[8] = {}, acc1[8] = {};
-    if (ng == 8)  // the usual full group: no guards in the unrolled loop
-      score_pair<true>(pq, pk, int(d), int(n_kb), bk0, bk1, 8, acc0, acc1);
-    else
-      score_pair<false>(pq, pk, int(d), int(n_kb), bk0, bk1, int(ng), acc0, acc1);
+  // The group's rows against 8 key blocks per warp step, on tensor cores: bf16 products are
+  // exact in f32 (the pooled values are bf16), so the scores are the CPU's up to summation
+  // order. One 16-byte load of pooled k and one of q per two k-steps.
+  {
+    const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
+              t = lane % 4;
+    const auto* kf = reinterpret_cast<const uint4*>(p.pooled_k) +
+                     size_t(kvh) * size_t(sparse_estimate_pool_kb(n_kb) / 8) * size_t(nsp) * 32;
+    const int n_tiles = int((n_score + 7) / 8);
+    for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
+      for (int sp0 = 0; sp0 < nsp; sp0 += 4) {
+        uint4 bq[4];
 #pragma unroll
-    for (int g = 0; g < 8; ++g)
-      if (g < ng) {
-        sc[g * n_kb + bk0] = acc0[g] * p.scale;
-        if (bk1 != bk0) sc[g * n_kb + bk1] = acc1[g] * p.scale;
+        for (int u = 0; u < 4; ++u)
+          if (sp0 + u < nsp) bq[u] = kt[(sp0 + u) * 32];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (sp0 + u < nsp) {
+            const uint4 a = qa[(sp0 + u) * 32 + lane];
+            mma_bf16(c, a.x, 0u, a.y, 0u, bq[u].x, bq[u].y);
+            mma_bf16(c, a.z, 0u, a.w, 0u, bq[u].z, bq[u].w);
+          }
       }
+      const int64_t col = int64_t(nt) * 8 + 2 * t;
+      if (g < ng) {
+        if (col < n_score) sc[g * n_kb + col] = c[0] * p.scale;
+        if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * p.scale;
+      }
+    }
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];
@@ -1697,10 +1729,10 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.mass = p.mass;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
     if (p.n_kb > 0)
-      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb, p.pooled_k,
-              true, s);
-    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.pooled_q,
-            false, s);
+      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb,
+              sparse_estimate_pool_kb(p.n_kb), p.pooled_k, true, s);
+    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.n_qb,
+            p.pooled_q, false, s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
@@ -1752,7 +1784,8 @@ cudaError_t sparse_estimate_configure(const EstimateLaunch& p) {
 }
 
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
-  return size_t(group) * size_t(d + n_kb) * sizeof(float);
+  // The scores, then pooled q for 8 rows (the m16 tile's real half), bf16.
+  return block_scores_bytes(n_kb, group) + size_t(8 * sparse_estimate_pool_d(d)) * 2;
 }
 
 bool sparse_estimate_block_cta(int group) { return group <= kBlockSelectThreads / 32 / 2; }

@@ -46,8 +46,12 @@ struct EstimateLaunch {
   float* col = nullptr;           // [n_vs * kend_last]
   float* diag = nullptr;          // [n_vs * n_diag]
   float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
-  float* pooled_q = nullptr;      // [n_blk * n_qb * d]
-  float* pooled_k = nullptr;      // [hkv][d / 4][n_kb][4]: 4-channel vectors, block-minor
+  // Pooled q and k, bf16 bits (the estimators round the f32 means to bf16), channels zero-padded
+  // to d_pad = d rounded up to 32 (sparse_estimate_pool_dims): pooled_q [n_blk][n_qb][d_pad];
+  // pooled_k per KV head in mma B-fragment order (sparse_estimate.cu kfrag_index), key blocks
+  // zero-padded to a multiple of 8.
+  uint16_t* pooled_q = nullptr;
+  uint16_t* pooled_k = nullptr;
   int32_t* sel_cols = nullptr;    // [n_vs * kend_last]
   int32_t* n_sel_cols = nullptr;  // [n_vs]
   int32_t* sel_diags = nullptr;   // [n_vs * n_diag]
@@ -78,6 +82,15 @@ cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // Dynamic shared memory the block selector needs for a group of query blocks, and the most it
 // may take (Hopper's 227 KB per block less the selector's static per-warp state).
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
+// The pooled arrays' padded head dim (a multiple of 32) and key-block count (a multiple of 8).
+#ifdef __CUDACC__
+#define SF_EST_HD __host__ __device__
+#else
+#define SF_EST_HD
+#endif
+SF_EST_HD inline int64_t sparse_estimate_pool_d(int64_t d) { return (d + 31) / 32 * 32; }
+SF_EST_HD inline int64_t sparse_estimate_pool_kb(int64_t n_kb) { return (n_kb + 7) / 8 * 8; }
+#undef SF_EST_HD
 size_t sparse_estimate_block_smem_limit();
 // Query blocks per block-selector CTA for this geometry: the most (<= 8) whose scores fit the
 // limit; 0 when not even one does.

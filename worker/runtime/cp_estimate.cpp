@@ -9,6 +9,7 @@
 #include <limits>
 #include <numeric>
 
+#include "common/dtype.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/sparse_select.h"
 
@@ -550,8 +551,8 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
               const float* src = a.k_loc + ((lrow + j - r.begin) * hkv + kvh) * d;
               for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
             }
-            const float inv = 1.f / float(b1 - b0);
-            for (int64_t c = 0; c < d; ++c) dst[c] *= inv;
+            const float inv = 1.f / float(b1 - b0);  // rounded as the single-rank estimator
+            for (int64_t c = 0; c < d; ++c) dst[c] = round_to_bf16(dst[c] * inv);
           }
           o += size_t(hkv * d);
         }
@@ -600,7 +601,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         for (int64_t c = 0; c < d; ++c) pq[size_t(c)] += src[c];
       }
       const float inv = 1.f / float(q1 - q0);
-      for (float& v : pq) v *= inv;
+      for (float& v : pq) v = round_to_bf16(v * inv);
       const int64_t kvh = h / (hq / hkv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, int(n_kb), int(d), scale, pq.data(),
                   int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
