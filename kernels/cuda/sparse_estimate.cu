@@ -59,7 +59,7 @@ struct ScorePass {
   float* col = nullptr;     // [n_heads * kend_last] column sums, or null
   float* mass = nullptr;    // [n_heads * n_kb] mass per key block / L, or null
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
-  int group_chunks = 8;     // 64-key chunks per CTA of score_stats_group_kernel
+  int group_chunks = 0;     // 64-key chunks per CTA of score_stats_group_kernel (score_pass)
 };
 
 // q rows and k rows stored row-major with a 4-float pad (qs[i * (d + 4) + c]): rows are read from
@@ -312,17 +312,25 @@ __device__ __forceinline__ void quad_row_stats(const float (&v)[N], float& m, fl
 
 // The key rows of 64-key chunk `chunk` (bf16 rows krow elements apart from kbase, d wide) into a
 // [64][d + 8] tile by cp.async, one commit group; rows past the keys are zero-filled.
+// 64 bf16 rows (d wide, `stride` elements apart from src) into a [64][d + 8] tile by cp.async,
+// rows from `valid` on zero-filled; no commit.
+__device__ __forceinline__ void issue_rows(const __nv_bfloat16* src, int64_t stride, int64_t valid,
+                                           int d, __nv_bfloat16* dst) {
+  using namespace attention_sparse_bf16_detail;
+  const int nv = d / 8, n = kB * nv, ts = d + 8;  // tile_stride_b
+  for (int x = threadIdx.x; x < n; x += kScoreThreads) {
+    const int i = x / nv, c = (x % nv) * 8;
+    const bool ok = i < valid;
+    cp_async_16(dst + i * ts + c, src + int64_t(ok ? i : 0) * stride + c, ok);
+  }
+}
+
 __device__ __forceinline__ void issue_k_chunk(const EstimateLaunch& p, const __nv_bfloat16* kbase,
                                               int64_t krow, int d, int64_t chunk,
                                               __nv_bfloat16* dst) {
   using namespace attention_sparse_bf16_detail;
-  const int64_t c0 = chunk * kB, kc = imin(kB, p.kend_last - c0);
-  const int nv = d / 8, n = kB * nv, ts = d + 8;  // tile_stride_b
-  for (int x = threadIdx.x; x < n; x += kScoreThreads) {
-    const int i = x / nv, c = (x % nv) * 8;
-    const bool valid = i < kc;
-    cp_async_16(dst + i * ts + c, kbase + (c0 + (valid ? i : 0)) * krow + c, valid);
-  }
+  const int64_t c0 = chunk * kB;
+  issue_rows(kbase + c0 * krow, krow, imin(kB, p.kend_last - c0), d, dst);
   cp_async_commit();
 }
 
@@ -462,16 +470,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int64_t ch0 = int64_t(blockIdx.y) * sp.group_chunks;
   const int64_t ch_end = imin(p.n_chunks, ch0 + sp.group_chunks);
   // The q tiles go by cp.async in chunk ch0's group, so their copy overlaps the first k tile's.
-  constexpr int nv = D / 8;
-  for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j) {
-    const auto* src =
-        static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D;
-    for (int x = threadIdx.x; x < kB * nv; x += kScoreThreads) {
-      const int i = x / nv, c = (x % nv) * 8;
-      const bool valid = i < sp.L;
-      cp_async_16(qt + (j * kB + i) * ts + c, src + int64_t(valid ? i : 0) * p.hq * D + c, valid);
-    }
-  }
+  for (int j = 0; j < kGroupHeads && hs_of[j] >= 0; ++j)
+    issue_rows(static_cast<const __nv_bfloat16*>(p.q) + (sp.r0 * p.hq + sp.heads[hs_of[j]]) * D,
+               p.hq * D, sp.L, D, qt + j * kB * ts);
   const auto* kbase = static_cast<const __nv_bfloat16*>(p.k) + kvh * D;
   const int64_t krs = p.hkv * D;
   issue_k_chunk(p, kbase, krs, D, ch0, kbuf[0]);  // ch0 < ch_end: the grid covers n_chunks
@@ -685,11 +686,6 @@ __global__ void diag_reduce_kernel(const EstimateLaunch p, const ScorePass sp) {
   p.diag[size_t(hs) * size_t(p.n_diag) + size_t(o)] = s;
 }
 
-// Mean over 64-row blocks: dst[(r * n_b + b) * d + c] for src rows [n, heads, d] of the listed
-// heads (heads == null: every head, r = head); as 4-channel vectors by block when `cmajor`
-// (dst[((r * d / 4 + c / 4) * n_b + b) * 4 + c % 4], the block selector's layout; d % 4 == 0).
-// A thread sums V consecutive channels, read as one 16-byte vector when V > 1 (the pass is bound
-// by reading q); each channel in row order.
 // Pooled k in mma B-fragment order, per KV head: n-tile nt (key blocks 8 nt ..) x channel-pair
 // block sp (32 channels) x lane 4 g + t x 8 bf16. Lane (g, t) holds key block 8 nt + g, channels
 // 32 sp + 16 u + 8 hf + 2 t + e at element 2 (2 u + hf) + e: the b0 (hf 0) and b1 (hf 1)
@@ -701,10 +697,12 @@ __host__ __device__ __forceinline__ int64_t kfrag_index(int64_t b, int64_t c, in
   return ((nt * (dp / 32) + sp) * 32 + g * 4 + t) * 8 + (u * 2 + hf) * 2 + e;
 }
 
-// Mean over 64-row blocks, rounded to bf16 (the CPU estimators' pooling: f32 sum in row order,
-// times the f32 reciprocal of the count). Thread t: V channels of one (row r, block b) of the
-// padded output [n_rows_out][n_b_out][dp]; channels >= d and blocks >= n_b are zeros. kfrag:
-// the B-fragment order above instead of row-major.
+// Mean over 64-row blocks of src rows [n, heads, d] for the listed heads (heads == null: every
+// head, r = head), rounded to bf16 (the CPU estimators' pooling: f32 sum in row order, times the
+// f32 reciprocal of the count). Thread t: V channels of one (r, block b) of the padded output
+// [n_rows_out][n_b_out][dp], read as one 16-byte vector when V > 1 (the pass is bound by reading
+// q); channels >= d and blocks >= n_b are zeros. kfrag: the B-fragment order above instead of
+// row-major.
 template <typename T, int V>
 __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d, int64_t dp,
                             const int32_t* heads, int64_t n_rows_out, int64_t n_b, int64_t n_b_out,
@@ -1288,11 +1286,6 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   }
 }
 
-// Pooled logits (unscaled) of key blocks bk0 and bk1 against the group's ng pooled q rows; each
-// in channel order. Pooled k is [d / 4][n_kb][4]: a block's 4 channels of a step are one 16-byte
-// load, and a step moves both pointers by n_kb vectors (scalar loads at 64-bit offsets cost
-// about as many instructions as the FMAs they fed). Unrolled over channels so that several
-// steps' key loads are in flight before their FMAs wait on them.
 // One query block's selection over its scores s (softmax first in mass mode) by the group's
 // threads. The last query block selects on its exact mass instead (p.mass).
 template <typename Grp>
@@ -1385,8 +1378,9 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   const int h = p.blk_heads[hb];
   const int64_t kvh = h / (p.hq / p.hkv);
   // The group's rows against 8 key blocks per warp step, on tensor cores: bf16 products are
-  // exact in f32 (the pooled values are bf16), so the scores are the CPU's up to summation
-  // order. One 16-byte load of pooled k and one of q per two k-steps.
+  // exact in f32 (the pooled values are bf16), so the scores differ from the CPU's by the
+  // accumulation alone (order, and the tensor core's f32 adds): tie-level. One 16-byte load of
+  // pooled k and one of q per two k-steps.
   {
     const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
               t = lane % 4;
@@ -1656,10 +1650,10 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
   }
   // The last range, then the free columns up to the slot's end.
   const bool last_has = lane == 0 ? open : lane == 1;
-  const int la_ = lane == 0 ? open_a : kend;
-  const int le = lane == 0 ? run_e : kend;
-  const int lp = lane == 0 ? open_p : (open ? run_e : 0);
-  w.emit(last_has, la_, le, lp, lane);
+  const int last_a = lane == 0 ? open_a : kend;
+  const int last_e = lane == 0 ? run_e : kend;
+  const int last_p = lane == 0 ? open_p : (open ? run_e : 0);
+  w.emit(last_has, last_a, last_e, last_p, lane);
   if (lane == 0) {
     p.block_count[s] = imin(w.nb, w.cap_b);
     p.column_count[s] = imin(w.nc, w.cap_c);
@@ -1677,9 +1671,11 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   // Grouped stats: more chunks a CTA (fewer q tile loads) while the grid keeps about four
   // waves of two CTAs on each of Hopper's 132 SMs.
   const int64_t gx = p.hkv * ((G + kGroupHeads - 1) / kGroupHeads);
+  constexpr int64_t kMinCtas = 1024;  // about four waves of two CTAs on 132 SMs
   ScorePass gsp = sp;
+  gsp.group_chunks = kChunksPerCta;
   while (gsp.group_chunks < 32 &&
-         gx * ((p.n_chunks + 2 * gsp.group_chunks - 1) / (2 * gsp.group_chunks)) >= 1024)
+         gx * ((p.n_chunks + 2 * gsp.group_chunks - 1) / (2 * gsp.group_chunks)) >= kMinCtas)
     gsp.group_chunks *= 2;
   const dim3 ggrid(unsigned(gx), unsigned((p.n_chunks + gsp.group_chunks - 1) / gsp.group_chunks));
   if (!mma_scores(p))

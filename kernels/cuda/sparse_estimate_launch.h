@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "common/hash.h"  // SF_HOST_DEVICE
+
 namespace sf::kernels::cuda {
 
 // Per query head, what the slot builder and the selectors need (pattern codes: EstKind).
@@ -47,7 +49,7 @@ struct EstimateLaunch {
   float* diag = nullptr;          // [n_vs * n_diag]
   float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
   // Pooled q and k, bf16 bits (the estimators round the f32 means to bf16), channels zero-padded
-  // to d_pad = d rounded up to 32 (sparse_estimate_pool_dims): pooled_q [n_blk][n_qb][d_pad];
+  // to d_pad = d rounded up to 32 (sparse_estimate_pool_d): pooled_q [n_blk][n_qb][d_pad];
   // pooled_k per KV head in mma B-fragment order (sparse_estimate.cu kfrag_index), key blocks
   // zero-padded to a multiple of 8.
   uint16_t* pooled_q = nullptr;
@@ -74,6 +76,10 @@ struct EstimateLaunch {
   int stages = 7;  // bit 0 scoring and pooling, 1 selection, 2 slot building (timing breakdowns)
 };
 
+// The pooled arrays' padded head dim (a multiple of 32) and key-block count (a multiple of 8).
+SF_HOST_DEVICE inline int64_t sparse_estimate_pool_d(int64_t d) { return (d + 31) / 32 * 32; }
+SF_HOST_DEVICE inline int64_t sparse_estimate_pool_kb(int64_t n_kb) { return (n_kb + 7) / 8 * 8; }
+
 // Plan step: the kernels' shared-memory opt-ins for this geometry (not a stream operation; kept
 // out of the run step so that nothing but launches and a memset happens under capture).
 cudaError_t sparse_estimate_configure(const EstimateLaunch& p);
@@ -82,15 +88,6 @@ cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // Dynamic shared memory the block selector needs for a group of query blocks, and the most it
 // may take (Hopper's 227 KB per block less the selector's static per-warp state).
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);
-// The pooled arrays' padded head dim (a multiple of 32) and key-block count (a multiple of 8).
-#ifdef __CUDACC__
-#define SF_EST_HD __host__ __device__
-#else
-#define SF_EST_HD
-#endif
-SF_EST_HD inline int64_t sparse_estimate_pool_d(int64_t d) { return (d + 31) / 32 * 32; }
-SF_EST_HD inline int64_t sparse_estimate_pool_kb(int64_t n_kb) { return (n_kb + 7) / 8 * 8; }
-#undef SF_EST_HD
 size_t sparse_estimate_block_smem_limit();
 // Query blocks per block-selector CTA for this geometry: the most (<= 8) whose scores fit the
 // limit; 0 when not even one does.

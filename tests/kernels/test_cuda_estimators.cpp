@@ -35,6 +35,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/sparse_estimate.h"
 #include "kernels/sparse.h"
+#include "tests/kernels/pooled_ref.h"
 
 namespace sf::kernels {
 namespace {
@@ -158,13 +159,11 @@ RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std:
     }
     if (pt == Pattern::kBlockSparse || pt == Pattern::kAdaptiveBlock) {
       std::vector<double> pk(size_t(n_kb * g.d), 0.0);
-      for (int64_t b = 0; b < n_kb; ++b) {
-        const int64_t j1 = std::min(g.nk, (b + 1) * kB);
-        for (int64_t j = b * kB; j < j1; ++j)
-          for (int64_t c = 0; c < g.d; ++c)
-            pk[size_t(b * g.d + c)] += k[size_t((j * g.hkv + h / group) * g.d + c)];
-        for (int64_t c = 0; c < g.d; ++c) pk[size_t(b * g.d + c)] /= double(j1 - b * kB);
-      }
+      for (int64_t b = 0; b < n_kb; ++b)
+        for (int64_t c = 0; c < g.d; ++c)
+          pk[size_t(b * g.d + c)] = test::pooled_channel(
+              b * kB, std::min(g.nk, (b + 1) * kB),
+              [&](int64_t j) { return k[size_t((j * g.hkv + h / group) * g.d + c)]; });
       for (int64_t qb = 0; qb < n_qb; ++qb) {
         const SparseSlotGeometry sg = sparse_slot_geometry(g.nq, g.nk, g.q_offset, qb);
         const int64_t n_allowed = (sg.kend + kB - 1) / kB;
@@ -178,9 +177,10 @@ RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std:
           continue;
         }
         std::vector<double> pq(size_t(g.d), 0.0);
-        for (int64_t row = qb * kB; row < std::min(g.nq, (qb + 1) * kB); ++row)
-          for (int64_t c = 0; c < g.d; ++c) pq[size_t(c)] += q[size_t((row * g.hq + h) * g.d + c)];
-        for (double& x : pq) x /= double(std::min(kB, g.nq - qb * kB));
+        for (int64_t c = 0; c < g.d; ++c)
+          pq[size_t(c)] = test::pooled_channel(
+              qb * kB, std::min(g.nq, (qb + 1) * kB),
+              [&](int64_t row) { return q[size_t((row * g.hq + h) * g.d + c)]; });
         for (int64_t b = 0; b < n_allowed; ++b) {
           double acc = 0;
           for (int64_t c = 0; c < g.d; ++c) acc += pq[size_t(c)] * pk[size_t(b * g.d + c)];

@@ -11,10 +11,10 @@
 #include <set>
 #include <vector>
 
-#include "common/dtype.h"
 #include "kernels/api.h"
 #include "kernels/cpu/cpu_sparse.h"
 #include "kernels/sparse.h"
+#include "tests/kernels/pooled_ref.h"
 
 namespace sf {
 namespace {
@@ -566,15 +566,6 @@ BruteVs brute_vs_rows(const Problem& p, int h, const std::set<int64_t>& rows) {
   return r;
 }
 
-// The block estimators' pooled value of one channel: the f32 sum of the rows in order, times
-// the f32 reciprocal of their count, rounded to bf16 (the estimators' stated pooling).
-template <typename Row>
-double pooled_channel(int64_t r0, int64_t r1, Row row) {
-  float sum = 0.f;
-  for (int64_t r = r0; r < r1; ++r) sum += row(r);
-  return double(round_to_bf16(sum * (1.f / float(r1 - r0))));
-}
-
 // Pooled block scores of query block qb against every key block (unscaled dot products, double).
 std::vector<double> brute_block_scores(const Problem& p, int h, int64_t qb) {
   const int kh = h / (p.hq / p.hkv);
@@ -582,14 +573,14 @@ std::vector<double> brute_block_scores(const Problem& p, int h, int64_t qb) {
   std::vector<double> pq(static_cast<size_t>(p.d), 0.0);
   const int64_t r1 = std::min(p.nq, (qb + 1) * kB);
   for (int x = 0; x < p.d; ++x)
-    pq[size_t(x)] = pooled_channel(
+    pq[size_t(x)] = test::pooled_channel(
         qb * kB, r1, [&](int64_t r) { return p.q[size_t((r * p.hq + h) * p.d + x)]; });
   std::vector<double> s(static_cast<size_t>(n_kb));
   for (int64_t b = 0; b < n_kb; ++b) {
     const int64_t j1 = std::min(p.nk, (b + 1) * kB);
     double acc = 0;
     for (int x = 0; x < p.d; ++x)
-      acc += pq[size_t(x)] * pooled_channel(b * kB, j1, [&](int64_t j) {
+      acc += pq[size_t(x)] * test::pooled_channel(b * kB, j1, [&](int64_t j) {
                return p.k[size_t((j * p.hkv + kh) * p.d + x)];
              });
     s[size_t(b)] = acc;
