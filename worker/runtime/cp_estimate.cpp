@@ -537,37 +537,42 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       const auto rr = cp_rank_ranges(S, CP, r);
       counts[size_t(r)] = (ceil_div(rr[0].size(), kB) + ceil_div(rr[1].size(), kB)) * hkv * d;
     }
-    std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())]), 0.f),
+    // The pooled keys travel as bf16: they are bf16 values already (the single-rank rule), so
+    // half the bytes of f32 carry the same numbers.
+    std::vector<uint16_t> mine(static_cast<size_t>(counts[size_t(cp.rank())]), 0),
         all(static_cast<size_t>(n_kb * hkv * d));
     {
       size_t o = 0;
       int64_t lrow = 0;
+      std::vector<float> sum(static_cast<size_t>(d));
       for (const auto& r : a.ranges) {
         for (int64_t b0 = r.begin; b0 < r.end; b0 += kB) {
           const int64_t b1 = std::min(r.end, b0 + kB);
           for (int64_t kvh = 0; kvh < hkv; ++kvh) {
-            float* dst = mine.data() + o + size_t(kvh * d);
+            std::fill(sum.begin(), sum.end(), 0.f);
             for (int64_t j = b0; j < b1; ++j) {
               const float* src = a.k_loc + ((lrow + j - r.begin) * hkv + kvh) * d;
-              for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
+              for (int64_t c = 0; c < d; ++c) sum[size_t(c)] += src[c];
             }
             const float inv = 1.f / float(b1 - b0);  // rounded as the single-rank estimator
-            for (int64_t c = 0; c < d; ++c) dst[c] = round_to_bf16(dst[c] * inv);
+            for (int64_t c = 0; c < d; ++c)
+              mine[o + size_t(kvh * d + c)] = f32_to_bf16(sum[size_t(c)] * inv);
           }
           o += size_t(hkv * d);
         }
         lrow += r.size();
       }
     }
-    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
-    bytes.blocks += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+    SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kBF16));
+    bytes.blocks += int64_t(sizeof(uint16_t)) * (int64_t(all.size()) - int64_t(mine.size()));
     pooled_k.resize(all.size());
     {
       size_t o = 0;
       for (int r = 0; r < CP; ++r)
         for (const auto& rr : cp_rank_ranges(S, CP, r))
           for (int64_t b0 = rr.begin; b0 < rr.end; b0 += kB) {
-            std::copy_n(all.data() + o, hkv * d, pooled_k.data() + (b0 / kB) * hkv * d);
+            float* dst = pooled_k.data() + (b0 / kB) * hkv * d;
+            for (int64_t x = 0; x < hkv * d; ++x) dst[x] = bf16_to_f32(all[o + size_t(x)]);
             o += size_t(hkv * d);
           }
     }

@@ -20,10 +20,11 @@
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
 //   With segment_rows, steps 1-4 run per selection segment (kernels::vs_segments).
-// Block family: pooled keys (one 64-key block per owner) are all-gathered, each rank pools its own
-// query blocks and ranks key blocks by the single-rank rules; the prompt's last query block is
-// scored exactly, its softmax mass summed per key block on the block's owner and gathered (S / 64
-// per head: chunk boundaries are 64-aligned).
+// Block family: pooled keys (one 64-key block per owner, bf16 as the single-rank estimator rounds
+// them) are all-gathered as bf16, each rank pools its own query blocks and ranks key blocks by
+// the single-rank rules; the prompt's last query block is scored exactly, its softmax mass
+// summed per key block on the block's owner and gathered (S / 64 per head: chunk boundaries are
+// 64-aligned).
 // dense, a-shape and moa need no scores.
 //
 // The result equals kernels::sparse_estimate over the whole prompt up to fp32 summation order in
