@@ -1412,9 +1412,11 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   }
   __syncthreads();
   const EstHead& eh = p.heads[h];
-  if (p.block_select_cta) {
-    // Long prompts: few query blocks' scores fit, so a warp each would leave most warps idle;
-    // the whole CTA runs each selection in turn.
+  if (p.block_select_cta && eh.mass) {
+    // Long prompts, mass threshold: few query blocks' scores fit, and a warp's radix walk over
+    // 16K scores is slow, so the whole CTA runs each selection in turn. A top-k selection stays
+    // on its warp (warp_topk: two sweeps and a walk over ~1% of the items), the group's
+    // selections side by side.
     using Cta = CtaGroup<kBlockSelectThreads>;
     __shared__ typename FlagScan<Cta>::Scan::TempStorage scan_tmp;
     for (int g = 0; g < ng; ++g)
