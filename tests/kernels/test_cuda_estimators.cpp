@@ -368,7 +368,7 @@ class CudaEstimators : public ::testing::Test {
     // Plan with the exact capacity the CPU index needed (the device must need the same, up to
     // ties); a first run with small capacity checks the overflow record.
     // force_cta_: the block selector's CTA-per-selection path (chosen by the plan only at long
-    // prompts) on these small inputs.
+    // prompts, and taken by mass-threshold heads alone) on these small inputs.
     auto mode = [&](cuda::SparseEstimatePlan& pl) {
       if (force_cta_) pl.launch.block_select_cta = 1;
     };
