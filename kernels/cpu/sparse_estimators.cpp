@@ -43,7 +43,6 @@
 #include <mutex>
 #include <vector>
 
-#include "common/dtype.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/cpu_sparse.h"
@@ -208,10 +207,7 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
   }
 }
 
-// Mean of k over 64-key blocks, per KV head: [hkv][n_kb * d]. Pooled q and k are rounded to bf16
-// (sums and the mean in f32, in row order): MInference pools in the model's bf16, and the device
-// selector scores them on tensor cores, whose bf16 products are exact in f32, so both backends
-// rank the same values and differ in summation order alone.
+// Mean of k over 64-key blocks, per KV head: [hkv][n_kb * d], by pooled_mean (bf16 values).
 std::vector<std::vector<float>> pool_keys(const Geometry& g) {
   const int64_t n_kb = ceil_div(g.nk, kB);
   std::vector<std::vector<float>> pk(size_t(g.hkv), std::vector<float>(size_t(n_kb * g.d), 0.f));
@@ -224,8 +220,7 @@ std::vector<std::vector<float>> pool_keys(const Geometry& g) {
         const float* src = g.k + (j * g.hkv + kvh) * g.d;
         for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
       }
-      const float inv = 1.f / float(j1 - b * kB);
-      for (int64_t c = 0; c < g.d; ++c) dst[c] = round_to_bf16(dst[c] * inv);
+      for (int64_t c = 0; c < g.d; ++c) dst[c] = pooled_mean(dst[c], j1 - b * kB);
     }
   });
   return pk;
@@ -381,11 +376,10 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             float* dst = pq.data() + (r / kB) * g.d;
             for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
           }
-          for (int64_t qb = 0; qb < g.n_qb; ++qb) {
-            const float inv = 1.f / float(std::min(kB, g.nq - qb * kB));
+          for (int64_t qb = 0; qb < g.n_qb; ++qb)
             for (int64_t c = 0; c < g.d; ++c)
-              pq[size_t(qb * g.d + c)] = round_to_bf16(pq[size_t(qb * g.d + c)] * inv);
-          }
+              pq[size_t(qb * g.d + c)] =
+                  pooled_mean(pq[size_t(qb * g.d + c)], std::min(kB, g.nq - qb * kB));
           break;
         }
       }

@@ -698,11 +698,11 @@ __host__ __device__ __forceinline__ int64_t kfrag_index(int64_t b, int64_t c, in
 }
 
 // Mean over 64-row blocks of src rows [n, heads, d] for the listed heads (heads == null: every
-// head, r = head), rounded to bf16 (the CPU estimators' pooling: f32 sum in row order, times the
-// f32 reciprocal of the count). Thread t: V channels of one (r, block b) of the padded output
-// [n_rows_out][n_b_out][dp], read as one 16-byte vector when V > 1 (the pass is bound by reading
-// q); channels >= d and blocks >= n_b are zeros. kfrag: the B-fragment order above instead of
-// row-major.
+// head, r = head), rounded to bf16: kernels/sparse_select.h pooled_mean's float steps (f32 sum in
+// row order, times the f32 reciprocal of the count), so the CPU's values to the bit. Thread t: V
+// channels of one (r, block b) of the padded output [n_rows_out][n_b_out][dp], read as one 16-byte
+// vector when V > 1 (the pass is bound by reading q); channels >= d and blocks >= n_b are zeros.
+// kfrag: the B-fragment order above instead of row-major.
 template <typename T, int V>
 __global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d, int64_t dp,
                             const int32_t* heads, int64_t n_rows_out, int64_t n_b, int64_t n_b_out,

@@ -554,9 +554,9 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
               const float* src = a.k_loc + ((lrow + j - r.begin) * hkv + kvh) * d;
               for (int64_t c = 0; c < d; ++c) sum[size_t(c)] += src[c];
             }
-            const float inv = 1.f / float(b1 - b0);  // rounded as the single-rank estimator
-            for (int64_t c = 0; c < d; ++c)
-              mine[o + size_t(kvh * d + c)] = f32_to_bf16(sum[size_t(c)] * inv);
+            for (int64_t c = 0; c < d; ++c)  // exact: pooled_mean's values are bf16
+              mine[o + size_t(kvh * d + c)] =
+                  f32_to_bf16(kernels::pooled_mean(sum[size_t(c)], b1 - b0));
           }
           o += size_t(hkv * d);
         }
@@ -605,8 +605,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         const float* src = a.q_loc + (local_row(rr) * hq + h) * d;
         for (int64_t c = 0; c < d; ++c) pq[size_t(c)] += src[c];
       }
-      const float inv = 1.f / float(q1 - q0);
-      for (float& v : pq) v = round_to_bf16(v * inv);
+      for (float& v : pq) v = kernels::pooled_mean(v, q1 - q0);
       const int64_t kvh = h / (hq / hkv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, int(n_kb), int(d), scale, pq.data(),
                   int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
