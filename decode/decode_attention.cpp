@@ -15,8 +15,9 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   DecodeAttnParams p;
   if (spec == "full") return p;
   const bool strict = spec.rfind("psa-strict:", 0) == 0;
-  if (spec.rfind("psa:", 0) == 0 || strict) {
-    const std::string v = spec.substr(strict ? 11 : 4);
+  const bool avg = spec.rfind("psa-avg:", 0) == 0;
+  if (spec.rfind("psa:", 0) == 0 || strict || avg) {
+    const std::string v = spec.substr(strict ? 11 : avg ? 8 : 4);
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
@@ -25,10 +26,12 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
     p.mode = DecodeAttnMode::kPsa;
     p.eps = e;
     p.pin_sink_recent = !strict;
+    p.remainder = avg ? PsaRemainder::kRecentMean : PsaRemainder::kAsMin;
     return p;
   }
-  return SF_ERR(kInvalidArgument,
-                "decode attention '" + spec + "' is not 'full', 'psa:EPS' or 'psa-strict:EPS'");
+  return SF_ERR(kInvalidArgument, "decode attention '" + spec +
+                                      "' is not 'full', 'psa:EPS', 'psa-avg:EPS' or "
+                                      "'psa-strict:EPS'");
 }
 
 namespace {
@@ -62,6 +65,9 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   const float scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
   std::vector<int64_t> visited_h(static_cast<size_t>(n_heads), 0),
       total_h(static_cast<size_t>(n_heads), 0);
+  const bool psa = p.mode == DecodeAttnMode::kPsa;
+  const bool measure = p.measure_mass && psa;
+  std::vector<double> share_h(static_cast<size_t>(n_heads), 1.0);
   // Query heads are independent: one task per head range, each with its own scratch.
   parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
     std::vector<float> s(kBlockTokens), ub;
@@ -74,7 +80,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       const size_t nb = pages.size();
       order.resize(nb);
       std::iota(order.begin(), order.end(), size_t(0));
-      if (p.mode == DecodeAttnMode::kPsa) {
+      if (psa) {
         ub.resize(nb);
         for (size_t b = 0; b < nb; ++b) {
           ub[b] = block_score_bound(qh, cache.block(pages[b]), d);
@@ -87,10 +93,12 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
         std::stable_sort(order.begin(), order.end(),
                          [&](size_t a, size_t b) { return ub[a] > ub[b]; });
       }
-      // Online softmax over visited blocks; acc, as_min are relative to the running max m.
+      // Online softmax over visited blocks; acc, as_min and recent[] are relative to the running
+      // max m. recent[]: the last kPsaAvgBlocks ranked blocks' masses (psa-avg).
       float m = -std::numeric_limits<float>::infinity();
       double acc = 0, as_min = std::numeric_limits<double>::infinity();
-      size_t visited = 0;
+      double recent[kPsaAvgBlocks] = {};
+      size_t visited = 0, ranked = 0;
       for (size_t oi = 0; oi < nb; ++oi) {
         const KvBlock& B = cache.block(pages[order[oi]]);
         float bm = -std::numeric_limits<float>::infinity();
@@ -106,6 +114,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
           for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
           acc *= r;
           if (std::isfinite(as_min)) as_min *= r;
+          for (double& x : recent) x *= r;
           m = bm;
         }
         double as_b = 0;
@@ -120,11 +129,33 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
         // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
         // block may hold one token, whose tiny mass would end the visit at once).
         const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
-        if (!pinned) as_min = std::min(as_min, as_b * double(kBlockTokens) / double(B.n));
-        if (p.mode == DecodeAttnMode::kPsa && std::isfinite(as_min)) {
-          const double left = double(nb - visited);
-          if (acc / (acc + as_min * left) >= p.eps) break;
+        if (!pinned) {
+          const double full_b = as_b * double(kBlockTokens) / double(B.n);
+          as_min = std::min(as_min, full_b);
+          recent[ranked % kPsaAvgBlocks] = full_b;
+          ++ranked;
         }
+        if (!psa || ranked == 0) continue;
+        double per_block = as_min;  // the estimate of each unseen block's mass
+        if (p.remainder == PsaRemainder::kRecentMean) {
+          if (ranked < size_t(kPsaAvgBlocks)) continue;
+          per_block = 0;
+          for (double x : recent) per_block += x;
+          per_block /= kPsaAvgBlocks;
+        }
+        const double left = double(nb - visited);
+        if (acc / (acc + per_block * left) >= p.eps) break;
+      }
+      if (measure && acc > 0) {
+        // The true denominator, relative to the same running max m: every block scored.
+        double total = 0;
+        for (size_t b = 0; b < nb; ++b) {
+          const KvBlock& B = cache.block(pages[b]);
+          for (int32_t t = 0; t < B.n; ++t)
+            total += std::exp(double(dot(qh, B.k.data() + size_t(t) * size_t(d), d) * scale) -
+                              double(m));
+        }
+        share_h[size_t(h)] = acc / total;
       }
       if (acc > 0) {
         const float inv = float(1.0 / acc);
@@ -138,6 +169,13 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
     for (int h = 0; h < n_heads; ++h) {
       stats->blocks_visited += visited_h[size_t(h)];
       stats->blocks_total += total_h[size_t(h)];
+      if (measure) {
+        const double sh = share_h[size_t(h)];
+        stats->mass_sum += sh;
+        stats->mass_min = std::min(stats->mass_min, sh);
+        stats->mass_n += 1;
+        stats->mass_below_eps += sh < p.eps;
+      }
     }
   return Status::ok();
 }

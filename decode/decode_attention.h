@@ -5,6 +5,11 @@
 //             each block, the unseen mass is bounded by AS_min * N_left (AS_min: the smallest
 //             block mass seen so far, a bound because blocks come in descending criticality);
 //             the visit stops once AS_acc / (AS_acc + AS_min * N_left) >= eps.
+//   psa-avg(eps): the same visit, but the unseen blocks are estimated at the mean mass of the last
+//             kPsaAvgBlocks ranked blocks, and no stop comes before that many ranked blocks. With
+//             min/max bounds over 64 keys the ranking is loose: one low-mass block ranked early
+//             makes AS_min tiny and ends the visit far short of eps (bench/results/retention.md
+//             measures the mass each rule captures).
 #pragma once
 #include <cstdint>
 
@@ -14,6 +19,8 @@
 namespace sf::decode {
 
 enum class DecodeAttnMode { kFull, kPsa };
+enum class PsaRemainder { kAsMin, kRecentMean };
+inline constexpr int kPsaAvgBlocks = 4;
 
 struct DecodeAttnParams {
   DecodeAttnMode mode = DecodeAttnMode::kFull;
@@ -22,11 +29,19 @@ struct DecodeAttnParams {
   // psa: visit the first block (attention sink) and the newest block before the ranked ones,
   // as every sparse pattern here keeps the sink and the local window. "psa-strict:EPS" clears it.
   bool pin_sink_recent = true;
+  PsaRemainder remainder = PsaRemainder::kAsMin;  // "psa-avg:EPS" sets kRecentMean
+  // psa: also score every block to measure the share of the true softmax mass the visit captured
+  // (stats mass_*). A diagnostic for evaluation; it costs a full pass over the keys.
+  bool measure_mass = false;
 };
 
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
 struct DecodeAttnStats {
   int64_t blocks_visited = 0, blocks_total = 0;
+  // With measure_mass: over (head, step) visits, the sum of captured mass shares, their count,
+  // how many fell short of eps, and the smallest share.
+  double mass_sum = 0, mass_min = 1;
+  int64_t mass_n = 0, mass_below_eps = 0;
 };
 
 // q: [n_heads, head_dim] of one token (already rotated); out: [n_heads, head_dim]. Query head h
@@ -37,7 +52,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
 // Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
-// "full", "psa:EPS" or "psa-strict:EPS" (EPS in (0, 1]).
+// "full", "psa:EPS", "psa-avg:EPS" or "psa-strict:EPS" (EPS in (0, 1]).
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

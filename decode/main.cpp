@@ -1,6 +1,7 @@
 // sparsefill-decode: the reference decode node. Loads a KV export (verified: version, compat
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
-//   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention full|psa:EPS]
+//   sparsefill-decode --model PATH|default --kv DIR [--tokens N]
+//                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS]
 //                     [--reference]
 // --reference also runs the dense prefill + greedy continuation of the manifest's prompt and
 // reports how many tokens match. Process edge: errors become one line and exit code 1.
@@ -27,7 +28,7 @@ int fail(const sf::Status& st) {
 void usage() {
   std::fprintf(stderr,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
-               "full|psa:EPS]\n"
+               "full|psa:EPS|psa-avg:EPS|psa-strict:EPS]\n"
                "                         [--reference]\n");
 }
 

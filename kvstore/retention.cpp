@@ -31,6 +31,43 @@ std::vector<int32_t> window_plus_topk(const float* score, int64_t N, int64_t win
   return idx;
 }
 
+// Ada-KV (Feng et al. 2024, Ada-SnapKV): one layer's scored budget H * k is shared by its KV
+// heads. Each head first keeps its own best `floor_k`; the rest go to the best remaining positions
+// of any head. The scores are softmax column sums over the same window rows, so they compare
+// across heads. Returns each head's positions plus its window, ascending.
+std::vector<std::vector<int32_t>> ada_window_plus_topk(const float* score, int n_heads, int64_t N,
+                                                       int64_t window, int64_t k, int64_t floor_k) {
+  window = std::min(window, N);
+  const int64_t cand = N - window;
+  k = std::clamp<int64_t>(k, 0, cand);
+  floor_k = std::clamp<int64_t>(floor_k, 0, k);
+  struct Item {
+    float s;
+    int32_t h, t;
+  };
+  auto better = [](const Item& a, const Item& b) {
+    return a.s != b.s ? a.s > b.s : (a.h != b.h ? a.h < b.h : a.t < b.t);
+  };
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(n_heads));
+  std::vector<Item> rest;
+  rest.reserve(size_t(n_heads) * size_t(cand - floor_k));
+  for (int h = 0; h < n_heads; ++h) {
+    std::vector<Item> it(static_cast<size_t>(cand));
+    for (int64_t t = 0; t < cand; ++t) it[size_t(t)] = {score[h * N + t], h, int32_t(t)};
+    std::partial_sort(it.begin(), it.begin() + floor_k, it.end(), better);
+    for (int64_t i = 0; i < floor_k; ++i) out[size_t(h)].push_back(it[size_t(i)].t);
+    rest.insert(rest.end(), it.begin() + floor_k, it.end());
+  }
+  const int64_t shared = std::min<int64_t>(int64_t(n_heads) * (k - floor_k), int64_t(rest.size()));
+  std::nth_element(rest.begin(), rest.begin() + shared, rest.end(), better);
+  for (int64_t i = 0; i < shared; ++i) out[size_t(rest[size_t(i)].h)].push_back(rest[size_t(i)].t);
+  for (auto& v : out) {
+    for (int64_t t = cand; t < N; ++t) v.push_back(int32_t(t));
+    std::sort(v.begin(), v.end());
+  }
+  return out;
+}
+
 std::vector<int32_t> range_union(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
   std::vector<int32_t> v;
   for (int64_t t = a0; t < a1; ++t) v.push_back(int32_t(t));
@@ -152,6 +189,8 @@ const char* retention_kind_name(RetentionKind k) {
       return "moa";
     case RetentionKind::kLayerwise:
       return "layerwise";
+    case RetentionKind::kAdaKV:
+      return "adakv";
   }
   return "?";
 }
@@ -167,6 +206,8 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
     p.kind = RetentionKind::kStreaming, allowed = {"sink", "window"};
   else if (name == "snapkv")
     p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool"};
+  else if (name == "adakv")
+    p.kind = RetentionKind::kAdaKV, allowed = {"budget", "window", "pool", "floor"};
   else if (name == "pyramid")
     p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta"};
   else if (name == "layerwise")
@@ -174,11 +215,13 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
   else if (name == "moa")
     return moa_parse_spec(spec);
   else
-    return SF_ERR(kInvalidArgument, "unknown retention policy '" + name +
-                                        "' (full, streaming, snapkv, pyramid, moa, layerwise)");
+    return SF_ERR(kInvalidArgument,
+                  "unknown retention policy '" + name +
+                      "' (full, streaming, snapkv, adakv, pyramid, moa, layerwise)");
+  const bool needs_budget = p.kind == RetentionKind::kSnapKV || p.kind == RetentionKind::kAdaKV ||
+                            p.kind == RetentionKind::kPyramid;
   if (colon == std::string::npos) {
-    if (p.kind == RetentionKind::kSnapKV || p.kind == RetentionKind::kPyramid)
-      return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
+    if (needs_budget) return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
     return p;
   }
   std::stringstream ss(spec.substr(colon + 1));
@@ -196,7 +239,7 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
     if (val.empty() || *end != '\0' || !std::isfinite(x))
       return SF_ERR(kInvalidArgument,
                     "retention " + name + ": " + key + " = '" + val + "' is not a number");
-    if (key != "beta" && x != std::floor(x))
+    if (key != "beta" && key != "floor" && x != std::floor(x))
       return SF_ERR(kInvalidArgument,
                     "retention " + name + ": " + key + " = '" + val + "' must be an integer");
     if (key == "sink")
@@ -209,13 +252,17 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
       p.pool = int(x);
     else if (key == "beta")
       p.beta = x;
+    else if (key == "floor")
+      p.floor = x;
     else if (key == "n_full")
       p.n_full = int(x);
     else if (key == "topk")
       p.topk = int64_t(x);
   }
-  if ((p.kind == RetentionKind::kSnapKV || p.kind == RetentionKind::kPyramid) && !have_budget)
+  if (needs_budget && !have_budget)
     return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
+  if (p.kind == RetentionKind::kAdaKV && !(p.floor >= 0 && p.floor <= 1))
+    return SF_ERR(kOutOfRange, "retention adakv: floor " + num(p.floor) + " out of range [0, 1]");
   return p;
 }
 
@@ -229,6 +276,10 @@ std::string retention_params(const RetentionPolicy& p) {
       break;
     case RetentionKind::kSnapKV:
       o << "budget=" << p.budget << ",window=" << p.window << ",pool=" << p.pool;
+      break;
+    case RetentionKind::kAdaKV:
+      o << "budget=" << p.budget << ",window=" << p.window << ",pool=" << p.pool
+        << ",floor=" << num(p.floor);
       break;
     case RetentionKind::kPyramid:
       o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << p.beta;
@@ -310,6 +361,22 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
               scores->layers[size_t(l)].data() + h * N, N, p.window, p.budget - p.window);
       break;
     }
+    case RetentionKind::kAdaKV: {
+      SF_TRY(check_budget("adakv", p.budget, p.window, N));
+      SF_TRY(check_scores(scores, "adakv", n_layers, n_kv_heads, N));
+      if (scores->pool != p.pool)
+        return SF_ERR(kInvalidArgument, "retention adakv: pool " + std::to_string(p.pool) +
+                                            " but the importance scores were pooled with kernel " +
+                                            std::to_string(scores->pool));
+      const int64_t k = p.budget - p.window;
+      for (int l = 0; l < n_layers; ++l) {
+        auto kept = ada_window_plus_topk(scores->layers[size_t(l)].data(), n_kv_heads, N, p.window,
+                                         k, int64_t(std::floor(p.floor * double(k))));
+        for (int h = 0; h < n_kv_heads; ++h)
+          r.kept[size_t(l * n_kv_heads + h)] = std::move(kept[size_t(h)]);
+      }
+      break;
+    }
     case RetentionKind::kPyramid: {
       SF_ASSIGN(auto budgets, pyramid_layer_budgets(p.budget, p.window, p.beta, n_layers, N));
       SF_TRY(check_scores(scores, "pyramid", n_layers, n_kv_heads, N));
@@ -367,6 +434,7 @@ Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int
       p.window = B - p.sink;
       break;
     case RetentionKind::kSnapKV:
+    case RetentionKind::kAdaKV:
     case RetentionKind::kPyramid:
       p.window = std::min<int64_t>(32, B);
       p.budget = B;

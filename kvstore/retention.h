@@ -19,7 +19,7 @@ struct ImportanceScores {
   std::vector<std::vector<float>> layers;
 };
 
-enum class RetentionKind { kFull, kStreaming, kSnapKV, kPyramid, kMoA, kLayerwise };
+enum class RetentionKind { kFull, kStreaming, kSnapKV, kPyramid, kMoA, kLayerwise, kAdaKV };
 
 struct MoaSpan {
   double alpha = 0, beta = 0;  // span(N) = alpha + beta * N recent tokens (seed 003)
@@ -32,7 +32,8 @@ struct RetentionPolicy {
   int64_t sink = 4;       // streaming: leading tokens always kept (attention sinks)
   int64_t window = 32;    // streaming, snapkv, pyramid, layerwise: recent tokens always kept
   int64_t budget = 0;     // snapkv: tokens per layer and KV head; pyramid: average over layers
-  int pool = 7;           // snapkv: the max-pool kernel the scores must carry
+  int pool = 7;           // snapkv, adakv: the max-pool kernel the scores must carry
+  double floor = 0.2;     // adakv: share of a head's scored budget it keeps whatever the others
   double beta = 20;       // pyramid: bottom-to-top ratio of the scored part (PyramidKV's beta)
   int n_full = 0;         // layerwise: the first n_full layers keep every token
   int64_t topk = 0;       // layerwise: top-scored tokens kept besides the window
@@ -43,7 +44,7 @@ struct RetentionPolicy {
 };
 
 struct Retention {
-  std::string policy;  // "full", "streaming", "snapkv", "pyramid", "moa", "layerwise"
+  std::string policy;  // "full", "streaming", "snapkv", "pyramid", "moa", "layerwise", "adakv"
   std::string params;  // canonical "key=value,..." of the policy's parameters
   int n_layers = 0, n_kv_heads = 0;
   int64_t n_tokens = 0;
@@ -58,7 +59,8 @@ struct Retention {
 
 const char* retention_kind_name(RetentionKind k);
 // "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P]" |
-// "pyramid:budget=B[,window=W]" | "layerwise:n_full=F,window=W,topk=K" |
+// "adakv:budget=B[,window=W,pool=P,floor=F]" | "pyramid:budget=B[,window=W]" |
+// "layerwise:n_full=F,window=W,topk=K" |
 // "moa:config=FILE[,sink=S]" (reads FILE with moa_config_load; sink overrides the file's).
 // Unknown policies and keys are errors naming them.
 Result<RetentionPolicy> retention_parse(const std::string& spec);

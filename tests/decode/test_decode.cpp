@@ -194,6 +194,50 @@ TEST(DecodeAttention, PsaNewestPartialBlockDoesNotEndTheVisit) {
   EXPECT_NEAR(out[0], 1.f, 1e-6f);
 }
 
+// A block whose min/max box is wide but whose keys are orthogonal to q ranks first with almost no
+// mass. AS_min then stands for every unseen block, and the seed rule stops after 4 of 20 blocks
+// with a sixth of the mass; psa-avg's recent mean forgets that block and reaches eps. The
+// measured mass (measure_mass) is what tells them apart.
+TEST(DecodeAttention, PsaAvgReachesEpsWhereAMisrankedBlockFoolsAsMin) {
+  const int n = 64 * 20, d = 16;
+  std::vector<float> q(static_cast<size_t>(d), 1.f), k(static_cast<size_t>(n * d), 1.f),
+      v(static_cast<size_t>(n * d));
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) v[size_t(t * d + c)] = float((t * 7 + c * 3) % 11) - 5.f;
+  // Block 5: token t has +5 on channel t % d and -5 on the next one, so q.k = 0 while the box
+  // bound is 5 * sum|q| = 80 (the other blocks: q.k = bound = 16).
+  for (int t = 5 * 64; t < 6 * 64; ++t)
+    for (int c = 0; c < d; ++c)
+      k[size_t(t * d + c)] = c == t % d ? 5.f : (c == (t + 1) % d ? -5.f : 0.f);
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  auto run = [&](const char* spec, decode::DecodeAttnStats* st) {
+    auto p = decode::decode_attn_parse(spec);
+    ASSERT_TRUE(p.is_ok());
+    p->pin_sink_recent = false;
+    p->measure_mass = true;
+    std::vector<float> out(static_cast<size_t>(d));
+    ASSERT_TRUE(
+        decode::decode_attention(cache.value(), 0, q.data(), 1, p.value(), out.data(), st).is_ok());
+  };
+  decode::DecodeAttnStats seed_rule, avg, all;
+  run("psa:0.9", &seed_rule);
+  run("psa-avg:0.9", &avg);
+  run("psa:1", &all);
+  ASSERT_EQ(seed_rule.mass_n, 1);
+  // Per-token mass e^0 : e^4 (scale 1/4); the seed rule stops at (e^0 + 3 e^4) / (e^0 + 19 e^4).
+  const double e4 = std::exp(4.0);
+  EXPECT_EQ(seed_rule.blocks_visited, 4);
+  EXPECT_NEAR(seed_rule.mass_sum, (1 + 3 * e4) / (1 + 19 * e4), 1e-6);
+  EXPECT_EQ(seed_rule.mass_below_eps, 1);
+  // psa-avg: the hot blocks' mean stands for the rest; it stops at 19 of 20 with 18/19 hot.
+  EXPECT_EQ(avg.blocks_visited, 19);
+  EXPECT_GE(avg.mass_sum, 0.9);
+  EXPECT_EQ(avg.mass_below_eps, 0);
+  EXPECT_NEAR(all.mass_sum, 1.0, 1e-6);  // float exps in the visit, double in the check
+  EXPECT_EQ(all.blocks_visited, 20);
+}
+
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
   EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
@@ -201,6 +245,13 @@ TEST(DecodeAttention, ParseRejectsBadModes) {
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->mode, decode::DecodeAttnMode::kPsa);
   EXPECT_DOUBLE_EQ(p->eps, 0.95);
+  EXPECT_EQ(p->remainder, decode::PsaRemainder::kAsMin);
+  auto a = decode::decode_attn_parse("psa-avg:0.9");
+  ASSERT_TRUE(a.is_ok());
+  EXPECT_EQ(a->remainder, decode::PsaRemainder::kRecentMean);
+  EXPECT_TRUE(a->pin_sink_recent);
+  EXPECT_DOUBLE_EQ(a->eps, 0.9);
+  EXPECT_EQ(decode::decode_attn_parse("psa-avg:0").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:1.5").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:").status().code(), Code::kOutOfRange);
   EXPECT_NE(decode::decode_attn_parse("topk").status().message().find("'topk'"), std::string::npos);

@@ -136,6 +136,70 @@ TEST(Retention, SnapKVRejectsBadBudgetsAndScores) {
   EXPECT_TRUE(retention_apply(p, 2, 2, 100, &sc).is_ok());
 }
 
+// Ada-KV: a layer's scored budget is shared by its heads. Checked against its definition: each
+// head's own best floor_k, then a top-k over every other candidate of the layer.
+TEST(Retention, AdaKVSharesTheLayerBudgetAcrossHeads) {
+  const uint64_t seed = fresh_seed();
+  const int L = 2, H = 3;
+  const int64_t N = 600, W = 32, B = 150, k = B - W, floor_k = int64_t(0.2 * double(k));
+  auto sc = random_scores(L, H, N, 7, seed);
+  // Layer 1, head 0 carries most of the mass: it must get more than the uniform share.
+  for (int64_t t = 0; t < N; ++t) sc.layers[1][size_t(t)] *= 100.f;
+  auto p = retention_parse("adakv:budget=150,window=32,pool=7,floor=0.2");
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  auto r = retention_apply(p.value(), L, H, N, &sc);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->policy, "adakv");
+  EXPECT_EQ(r->params, "budget=150,window=32,pool=7,floor=0.2");
+  expect_sorted_unique_in_range(r.value());
+  EXPECT_EQ(r->kept_total(), int64_t(L) * H * B);
+  for (int l = 0; l < L; ++l) {
+    const float* s = sc.layers[size_t(l)].data();
+    float min_shared = 1e30f, max_dropped = -1e30f;
+    for (int h = 0; h < H; ++h) {
+      const auto& kept = r->positions(l, h);
+      EXPECT_TRUE(keeps_last(kept, N, W));
+      ASSERT_GE(int64_t(kept.size()), W + floor_k) << "layer " << l << " head " << h;
+      // The head's floor: its floor_k best candidates (ties cannot occur in lognormal floats).
+      std::vector<float> own(s + h * N, s + h * N + (N - W));
+      std::sort(own.begin(), own.end(), std::greater<>());
+      const float floor_cut = own[size_t(floor_k - 1)];
+      for (int64_t t = 0; t < N - W; ++t) {
+        const float x = s[h * N + t];
+        const bool in = std::binary_search(kept.begin(), kept.end(), int32_t(t));
+        if (x >= floor_cut) {
+          EXPECT_TRUE(in) << "layer " << l << " head " << h << " dropped a floor position " << t;
+          continue;
+        }
+        if (in)
+          min_shared = std::min(min_shared, x);
+        else
+          max_dropped = std::max(max_dropped, x);
+      }
+    }
+    EXPECT_LE(max_dropped, min_shared) << "layer " << l;
+  }
+  EXPECT_GT(int64_t(r->positions(1, 0).size()), B);
+  EXPECT_GE(int64_t(r->positions(1, 1).size()), W + floor_k);
+  // floor = 1 is SnapKV's uniform split.
+  auto uni = retention_parse("adakv:budget=150,window=32,floor=1");
+  auto snap = retention_parse("snapkv:budget=150,window=32");
+  ASSERT_TRUE(uni.is_ok() && snap.is_ok());
+  EXPECT_EQ(retention_apply(uni.value(), L, H, N, &sc)->kept,
+            retention_apply(snap.value(), L, H, N, &sc)->kept);
+  // Bad input names the field.
+  for (const char* bad : {"adakv:budget=150,floor=1.5", "adakv:budget=150,floor=-0.1"}) {
+    auto e = retention_parse(bad);
+    ASSERT_FALSE(e.is_ok()) << bad;
+    EXPECT_NE(e.status().message().find("floor"), std::string::npos) << e.status().message();
+  }
+  EXPECT_NE(retention_parse("adakv:window=32").status().message().find("budget"),
+            std::string::npos);
+  EXPECT_EQ(
+      retention_apply(retention_parse("adakv:budget=601").value(), L, H, N, &sc).status().code(),
+      Code::kOutOfRange);
+}
+
 TEST(Retention, PyramidBudgetsFallLinearlyAndKeepTheTotal) {
   const int L = 30;
   auto b = pyramid_layer_budgets(1024, 32, 20, L, 8192);
@@ -244,8 +308,8 @@ TEST(Retention, FractionHitsTheRequestedShareOfKvBytes) {
   const int L = 30, H = 3;
   const int64_t N = 8192;
   const auto sc = random_scores(L, H, N, 7, fresh_seed());
-  for (auto kind : {RetentionKind::kStreaming, RetentionKind::kSnapKV, RetentionKind::kPyramid,
-                    RetentionKind::kLayerwise})
+  for (auto kind : {RetentionKind::kStreaming, RetentionKind::kSnapKV, RetentionKind::kAdaKV,
+                    RetentionKind::kPyramid, RetentionKind::kLayerwise})
     for (double f : {0.1, 0.25, 0.5}) {
       auto p = retention_for_fraction(kind, f, L, N);
       ASSERT_TRUE(p.is_ok()) << p.status().to_string();

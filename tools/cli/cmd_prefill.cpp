@@ -187,7 +187,10 @@ int cmd_prefill(int argc, char** argv) {
   if (a.has("export-kv") && device != "cuda") {
     // Exports carry per-block importance; scored retention policies select with it.
     opt.importance_window = 32;
-    opt.importance_pool = retention.kind == kvstore::RetentionKind::kSnapKV ? retention.pool : 7;
+    opt.importance_pool = retention.kind == kvstore::RetentionKind::kSnapKV ||
+                                  retention.kind == kvstore::RetentionKind::kAdaKV
+                              ? retention.pool
+                              : 7;
   }
   std::unique_ptr<kvstore::BlockPool> pool;
   std::unique_ptr<kvstore::TieredKv> tiered;

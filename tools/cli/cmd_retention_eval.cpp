@@ -75,6 +75,7 @@ Result<kvstore::RetentionKind> parse_kind(const std::string& s, kvstore::Retenti
   if (s == "full") return K::kFull;
   if (s == "streaming") return K::kStreaming;
   if (s == "snapkv") return K::kSnapKV;
+  if (s == "adakv") return K::kAdaKV;
   if (s == "pyramid") return K::kPyramid;
   if (s == "layerwise") return K::kLayerwise;
   if (s == "moa" || s.rfind("moa:", 0) == 0) {
@@ -84,9 +85,10 @@ Result<kvstore::RetentionKind> parse_kind(const std::string& s, kvstore::Retenti
     *moa = std::move(p).value();
     return K::kMoA;
   }
-  return SF_ERR(kInvalidArgument, "--retention '" + s +
-                                      "' is not full, streaming, snapkv, pyramid, layerwise or "
-                                      "moa[:config=FILE[,sink=S]]");
+  return SF_ERR(kInvalidArgument,
+                "--retention '" + s +
+                    "' is not full, streaming, snapkv, adakv, pyramid, layerwise or "
+                    "moa[:config=FILE[,sink=S]]");
 }
 
 std::vector<double> log_softmax(const std::vector<float>& z) {
@@ -114,14 +116,17 @@ struct Measure {
   std::string params;
   kvstore::RetentionPolicy moa;  // moa: the scaled spans the document prompt used
   int64_t kv_bytes = 0, kv_bytes_full = 0;
-  double greedy_match = 0, greedy_match_forced = 0, kl_mean = 0, visited_frac = 1;
+  std::vector<double> greedy, forced, kl;  // per window
+  int64_t blocks_visited = 0, blocks_total = 0;
+  double mass_sum = 0, mass_min = 1;  // psa: captured softmax mass over (layer, head, step)
+  int64_t mass_n = 0, mass_below = 0;
   int passkey_hits = 0, passkey_n = 0;
 };
 
 // The retained, paged cache of one prefill under one configuration.
 Result<decode::DecodeSession> session_for(const model::Model& m, const model::PrefillResult& pr,
                                           const kvstore::ImportanceScores& imp, const Config& c,
-                                          Measure* me) {
+                                          Measure* me, bool measure_mass = false) {
   const model::ModelConfig& mc = m.config();
   const int64_t N = pr.kv.n_tokens;
   kvstore::RetentionPolicy pol;
@@ -134,6 +139,7 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
   SF_ASSIGN(kvstore::Retention ret,
             kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
   SF_ASSIGN(decode::DecodeAttnParams ap, decode::decode_attn_parse(c.decode_spec));
+  ap.measure_mass = measure_mass;
   SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret));
   if (me) {
     me->params = ret.params;
@@ -150,7 +156,7 @@ int cmd_retention_eval(int argc, char** argv) {
   auto args_r = parse_args(
       argc, argv, 2,
       {"model", "retention", "budget", "decode", "length", "document", "tokens", "passkey-trials",
-       "passkey-depths", "passkey-level", "out-dir", "name", "psa", "obs-window"},
+       "passkey-depths", "passkey-level", "out-dir", "name", "psa", "obs-window", "windows"},
       {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -172,10 +178,12 @@ int cmd_retention_eval(int argc, char** argv) {
     budgets.push_back(f.value());
   }
   std::vector<std::string> decodes = split(a.get("decode", "full"));
-  // --psa EPS,...: PSA decode over the full cache, recorded with the full policy.
+  // --psa EPS,...: PSA decode over the full cache, recorded with the full policy. An entry may be
+  // a whole decode spec (psa-avg:EPS).
   std::vector<std::string> psa_specs;
   if (a.has("psa"))
-    for (const auto& e : split(a.get("psa"))) psa_specs.push_back("psa:" + e);
+    for (const auto& e : split(a.get("psa")))  // EPS, or a whole spec (psa-avg:EPS)
+      psa_specs.push_back(e.rfind("psa", 0) == 0 ? e : "psa:" + e);
   for (const auto& d : decodes) {
     auto p = decode::decode_attn_parse(d);
     if (!p.is_ok()) return fail(p.status());
@@ -194,14 +202,15 @@ int cmd_retention_eval(int argc, char** argv) {
     *out = x;
     return Status::ok();
   };
-  long obs = 0, length = 0, T = 0, trials = 0, depths = 0, level = 0;
+  long obs = 0, length = 0, T = 0, trials = 0, depths = 0, level = 0, n_windows = 0;
   for (auto [k, def, lo, hi, out] :
        {std::tuple{"length", 8192L, 256L, 1L << 20, &length},
         std::tuple{"tokens", 64L, 1L, 4096L, &T},
         std::tuple{"passkey-trials", 1L, 1L, 100L, &trials},
         std::tuple{"passkey-depths", 5L, 1L, 100L, &depths},
         std::tuple{"passkey-level", 3L, 0L, long(eval::kPasskeyLevels - 1), &level},
-        std::tuple{"obs-window", 32L, 1L, 4096L, &obs}}) {
+        std::tuple{"obs-window", 32L, 1L, 4096L, &obs},
+        std::tuple{"windows", 1L, 1L, 64L, &n_windows}}) {
     Status st = int_opt(k, def, lo, hi, out);
     if (!st.is_ok()) return fail(st);
   }
@@ -244,66 +253,94 @@ int cmd_retention_eval(int argc, char** argv) {
   for (const auto& d : psa_specs) configs.push_back({kvstore::RetentionKind::kFull, 1.0, d});
   std::vector<Measure> res(configs.size());
 
-  // 1) The document: importance during prefill, the full-KV greedy continuation, then each
-  //    configuration free-running and teacher-forced on that continuation.
+  // 1) The document: for each window (a prompt of `length` tokens starting at its offset),
+  //    importance during prefill, the full-KV greedy continuation, then each configuration
+  //    free-running and teacher-forced on that continuation. One continuation is a small sample
+  //    (a single near-tie decides the free-running score), so windows are averaged.
   model::PrefillOptions po;
   po.importance_window = int(obs);  // SnapKV observation window
   po.importance_pool = 7;
-  auto pr = model::prefill(m, doc, po);
-  if (!pr.is_ok()) return fail(pr.status());
-  std::printf("prefill %ld tokens: %.1f s (importance pass %.2f s)\n", length, pr->seconds,
-              pr->importance_s);
-  kvstore::ImportanceScores imp{
-      m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, int(obs), 7, pr->importance};
-  std::vector<int32_t> ref{pr->first_token};
-  std::vector<std::vector<double>> ref_lp;
-  {
-    auto s = session_for(m, pr.value(), imp, {kvstore::RetentionKind::kFull, 1.0, "full"}, nullptr);
-    if (!s.is_ok()) return fail(s.status());
-    std::vector<float> z;
-    for (long i = 0; i < T; ++i) {
-      Status st = s->step(ref.back(), &z);
-      if (!st.is_ok()) return fail(st);
-      ref.push_back(argmax(z));
-      ref_lp.push_back(log_softmax(z));
+  const int64_t slack = std::max<int64_t>(0, int64_t(doc_all.size()) - length);
+  std::vector<int64_t> starts;
+  for (long w = 0; w < n_windows; ++w)
+    starts.push_back(n_windows > 1 ? slack * w / (n_windows - 1) : 0);
+  if (n_windows > 1 && slack < n_windows - 1)
+    return fail(SF_ERR(kInvalidArgument,
+                       "--windows " + std::to_string(n_windows) + ": the document has " +
+                           std::to_string(doc_all.size()) + " tokens, too few for that many " +
+                           std::to_string(length) + "-token windows"));
+  double prefill_s = 0, importance_s = 0;
+  for (size_t wi = 0; wi < starts.size(); ++wi) {
+    const std::vector<int32_t> doc =
+        slack > 0 ? std::vector<int32_t>(doc_all.begin() + starts[wi],
+                                         doc_all.begin() + starts[wi] + length)
+                  : eval::fit_tokens(doc_all, length);
+    auto pr = model::prefill(m, doc, po);
+    if (!pr.is_ok()) return fail(pr.status());
+    std::printf("window %zu (tokens %ld..%ld): prefill %.1f s (importance pass %.2f s)\n", wi,
+                long(starts[wi]), long(starts[wi] + length), pr->seconds, pr->importance_s);
+    prefill_s += pr->seconds / double(starts.size());
+    importance_s += pr->importance_s / double(starts.size());
+    kvstore::ImportanceScores imp{
+        m.config().n_layers, m.config().n_kv_heads, pr->kv.n_tokens, int(obs), 7, pr->importance};
+    std::vector<int32_t> ref{pr->first_token};
+    std::vector<std::vector<double>> ref_lp;
+    {
+      auto s =
+          session_for(m, pr.value(), imp, {kvstore::RetentionKind::kFull, 1.0, "full"}, nullptr);
+      if (!s.is_ok()) return fail(s.status());
+      std::vector<float> z;
+      for (long i = 0; i < T; ++i) {
+        Status st = s->step(ref.back(), &z);
+        if (!st.is_ok()) return fail(st);
+        ref.push_back(argmax(z));
+        ref_lp.push_back(log_softmax(z));
+      }
     }
-  }
-  for (size_t ci = 0; ci < configs.size(); ++ci) {
-    const Config& c = configs[ci];
-    Measure& me = res[ci];
-    auto s = session_for(m, pr.value(), imp, c, &me);
-    if (!s.is_ok()) return fail(s.status());
-    std::vector<float> z;
-    double kl = 0;
-    int forced = 0;
-    for (long i = 0; i < T; ++i) {  // teacher-forced on the full-KV continuation
-      Status st = s->step(ref[size_t(i)], &z);
-      if (!st.is_ok()) return fail(st);
-      forced += argmax(z) == ref[size_t(i) + 1];
-      const auto lp = log_softmax(z);
-      double k = 0;
-      for (size_t j = 0; j < lp.size(); ++j)
-        k += std::exp(ref_lp[size_t(i)][j]) * (ref_lp[size_t(i)][j] - lp[j]);
-      kl += k;
+    for (size_t ci = 0; ci < configs.size(); ++ci) {
+      const Config& c = configs[ci];
+      Measure& me = res[ci];
+      auto s = session_for(m, pr.value(), imp, c, &me, /*measure_mass=*/true);
+      if (!s.is_ok()) return fail(s.status());
+      std::vector<float> z;
+      double kl = 0;
+      int forced = 0;
+      for (long i = 0; i < T; ++i) {  // teacher-forced on the full-KV continuation
+        Status st = s->step(ref[size_t(i)], &z);
+        if (!st.is_ok()) return fail(st);
+        forced += argmax(z) == ref[size_t(i) + 1];
+        const auto lp = log_softmax(z);
+        double k = 0;
+        for (size_t j = 0; j < lp.size(); ++j)
+          k += std::exp(ref_lp[size_t(i)][j]) * (ref_lp[size_t(i)][j] - lp[j]);
+        kl += k;
+      }
+      const auto& st = s->stats();
+      me.blocks_visited += st.blocks_visited;
+      me.blocks_total += st.blocks_total;
+      me.mass_sum += st.mass_sum;
+      me.mass_n += st.mass_n;
+      me.mass_below += st.mass_below_eps;
+      me.mass_min = std::min(me.mass_min, st.mass_min);
+      auto s2 = session_for(m, pr.value(), imp, c, nullptr);
+      if (!s2.is_ok()) return fail(s2.status());
+      auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
+      if (!g.is_ok()) return fail(g.status());
+      int same = 0;
+      for (long i = 1; i <= T; ++i) same += g.value()[size_t(i)] == ref[size_t(i)];
+      me.greedy.push_back(double(same) / double(T));
+      me.forced.push_back(double(forced) / double(T));
+      me.kl.push_back(kl / double(T));
+      std::printf(
+          "%-10s %-5.2f %-15s kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  blocks %.3f  "
+          "mass %.4f (min %.4f, below eps %.3f)\n",
+          kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(),
+          double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy.back(), me.forced.back(),
+          me.kl.back(), st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
+          st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
+          st.mass_n ? double(st.mass_below_eps) / double(st.mass_n) : 0.0);
+      std::fflush(stdout);
     }
-    me.visited_frac = s->stats().blocks_total
-                          ? double(s->stats().blocks_visited) / double(s->stats().blocks_total)
-                          : 1;
-    auto s2 = session_for(m, pr.value(), imp, c, nullptr);
-    if (!s2.is_ok()) return fail(s2.status());
-    auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
-    if (!g.is_ok()) return fail(g.status());
-    int same = 0;
-    for (long i = 1; i <= T; ++i) same += g.value()[size_t(i)] == ref[size_t(i)];
-    me.greedy_match = double(same) / double(T);
-    me.greedy_match_forced = double(forced) / double(T);
-    me.kl_mean = kl / double(T);
-    std::printf(
-        "%-10s %-5.2f %-15s kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  blocks %.3f\n",
-        kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(),
-        double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy_match, me.greedy_match_forced,
-        me.kl_mean, me.visited_frac);
-    std::fflush(stdout);
   }
 
   // 2) Passkey retrieval: one prefill per prompt, shared by the dense answer and every config.
@@ -357,8 +394,9 @@ int cmd_retention_eval(int argc, char** argv) {
     o["prompt_tokens"] = length;
     o["obs_window"] = obs;
     o["document_tokens"] = int64_t(doc_all.size());
-    o["prefill_seconds"] = pr->seconds;
-    o["importance_seconds"] = pr->importance_s;
+    o["prefill_seconds"] = prefill_s;
+    o["importance_seconds"] = importance_s;
+    o["windows"] = json::value_from(starts);
     o["continuation_tokens"] = T;
     o["passkey"] = json::object{
         {"trials", trials},     {"depths", depths},
@@ -366,17 +404,22 @@ int cmd_retention_eval(int argc, char** argv) {
         {"prompts", n_prompts}, {"new_tokens", 10}};
     o["definitions"] = json::object{
         {"budget", "requested fraction of the full cache's KV bytes"},
+        {"windows", "start offsets of the prompts (each prompt_tokens long) in the document"},
         {"greedy_match_64",
          "fraction of the next N greedy tokens (free-running) equal position by position to the "
-         "full-KV continuation"},
+         "full-KV continuation, mean over the windows (per window in _per_window)"},
         {"greedy_match_forced_64",
          "fraction of N steps, fed the full-KV continuation, whose argmax equals the full-KV next "
          "token"},
         {"kl_mean_64",
          "mean KL(full || policy) of next-token distributions over those teacher-forced steps, "
-         "nats"},
+         "nats, mean over the windows"},
+        {"psa_mass_mean",
+         "teacher-forced steps: true softmax mass of the visited blocks / all blocks, mean over "
+         "(layer, query head, step); _min the smallest, _below_eps_frac the share under eps"},
         {"blocks_visited_frac",
-         "decode attention blocks visited / available, over heads, layers and steps (1 for full)"},
+         "decode attention blocks visited / available, over heads, layers, steps and windows (1 "
+         "for full)"},
         {"importance",
          "SnapKV column sums of the last 32 queries' softmax from the prefill LSE, max-pooled with "
          "kernel 7"}};
@@ -399,14 +442,27 @@ int cmd_retention_eval(int argc, char** argv) {
       r["decode"] = configs[ci].decode_spec;
       r["kv_bytes"] = me.kv_bytes;
       r["kv_bytes_full"] = me.kv_bytes_full;
-      r["greedy_match_64"] = me.greedy_match;
-      r["greedy_match_forced_64"] = me.greedy_match_forced;
-      r["kl_mean_64"] = me.kl_mean;
+      auto mean = [](const std::vector<double>& v) {
+        double t = 0;
+        for (double x : v) t += x;
+        return v.empty() ? 0.0 : t / double(v.size());
+      };
+      r["greedy_match_64"] = mean(me.greedy);
+      r["greedy_match_forced_64"] = mean(me.forced);
+      r["greedy_match_64_per_window"] = json::value_from(me.greedy);
+      r["kl_mean_64_per_window"] = json::value_from(me.kl);
+      r["kl_mean_64"] = mean(me.kl);
       r["passkey_accuracy"] = me.passkey_n ? double(me.passkey_hits) / me.passkey_n : -1.0;
       r["dense_passkey_accuracy"] = n_prompts ? double(dense_hits) / n_prompts : -1.0;
       auto dp = decode::decode_attn_parse(configs[ci].decode_spec).value();
-      if (dp.mode == decode::DecodeAttnMode::kPsa) r["psa_eps"] = dp.eps;
-      r["blocks_visited_frac"] = me.visited_frac;
+      if (dp.mode == decode::DecodeAttnMode::kPsa) {
+        r["psa_eps"] = dp.eps;
+        r["psa_mass_mean"] = me.mass_n ? me.mass_sum / double(me.mass_n) : 1.0;
+        r["psa_mass_min"] = me.mass_min;
+        r["psa_mass_below_eps_frac"] = me.mass_n ? double(me.mass_below) / double(me.mass_n) : 0.0;
+      }
+      r["blocks_visited_frac"] =
+          me.blocks_total ? double(me.blocks_visited) / double(me.blocks_total) : 1.0;
       if (k == kvstore::RetentionKind::kMoA) {
         // The spans the document prompt kept (passkey prompts re-solve the scale for their N).
         json::array spans;
