@@ -80,8 +80,8 @@ Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
   return Status::ok();
 }
 
-Result<std::vector<int32_t>> DecodeSession::generate_greedy(
-    int32_t first_token, int n_new,
+Result<std::vector<int32_t>> greedy_decode(
+    int32_t first_token, int n_new, const std::function<Status(int32_t, std::vector<float>*)>& step,
     const std::function<void(int, const std::vector<float>&)>& on_logits) {
   std::vector<int32_t> out;
   std::vector<float> logits;
@@ -94,6 +94,14 @@ Result<std::vector<int32_t>> DecodeSession::generate_greedy(
     t = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
   }
   return out;
+}
+
+Result<std::vector<int32_t>> DecodeSession::generate_greedy(
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
+  return greedy_decode(
+      first_token, n_new, [this](int32_t t, std::vector<float>* z) { return step(t, z); },
+      on_logits);
 }
 
 Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,

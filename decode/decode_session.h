@@ -22,6 +22,12 @@ std::string model_compat_hash(const model::Model& m);
 // The export spec prefill fills for this model (geometry, rope, names); token fields empty.
 kvstore::KvExportSpec model_export_spec(const model::Model& m);
 
+// The greedy loop both sessions share: n_new tokens starting with first_token, each next one the
+// argmax of step(previous). on_logits (optional) sees the logits that chose tokens 2..n_new.
+Result<std::vector<int32_t>> greedy_decode(
+    int32_t first_token, int n_new, const std::function<Status(int32_t, std::vector<float>*)>& step,
+    const std::function<void(int, const std::vector<float>&)>& on_logits = {});
+
 class DecodeSession {
  public:
   // The cache must come from an export whose compat hash matched m (load_kv_export checks it).

@@ -1,6 +1,6 @@
 // sparsefill-decode: the reference decode node. Loads a KV export (verified: version, compat
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
-//   sparsefill-decode --model PATH|default --kv DIR [--tokens N]
+//   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
 //                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS]
 //                     [--reference]
 // --reference also runs the dense prefill + greedy continuation of the manifest's prompt and
@@ -15,6 +15,7 @@
 #include <string>
 
 #include "decode/decode_session.h"
+#include "decode/device_session.h"
 #include "worker/model/gguf.h"
 #include "worker/model/tokenizer.h"
 
@@ -29,6 +30,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
                "full|psa:EPS|psa-avg:EPS|psa-strict:EPS]\n"
+               "                         [--device auto|cpu|cuda]\n"
                "                         [--reference]\n");
 }
 
@@ -50,7 +52,7 @@ int run(int argc, char** argv) {
       a["reference"] = "1";
       continue;
     }
-    if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention") {
+    if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device") {
       usage();
       return fail(SF_ERR(kInvalidArgument, "unknown option '" + k + "'"));
     }
@@ -69,6 +71,11 @@ int run(int argc, char** argv) {
       return fail(SF_ERR(kInvalidArgument, "--tokens must be in [1, 100000]"));
     n_new = int(n);
   }
+  const std::string dev = a.count("device") ? a["device"] : "auto";
+  if (dev != "auto" && dev != "cpu" && dev != "cuda")
+    return fail(SF_ERR(kInvalidArgument, "--device '" + dev + "' is not auto, cpu or cuda"));
+  // auto: the GPU when this build and machine have one.
+  const bool on_gpu = dev == "cuda" || (dev == "auto" && sf::model::cuda_device_check(0).is_ok());
   auto ap = sf::decode::decode_attn_parse(a.count("attention") ? a["attention"] : "full");
   if (!ap.is_ok()) return fail(ap.status());
   const std::string path = resolve_model(a.count("model") ? a["model"] : "default");
@@ -80,18 +87,33 @@ int run(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   auto sr = sf::decode::open_decode_session(m, a["kv"], ap.value(), &man);
   if (!sr.is_ok()) return fail(sr.status());
+  // The device session: F32 weights, so the GPU reproduces the CPU's continuation (a reference
+  // node); the cache goes up once, with room for the tokens to decode.
+  std::optional<sf::model::DeviceModel> dm;
+  std::optional<sf::decode::DeviceDecodeSession> ds;
+  if (on_gpu) {
+    auto up = sf::model::DeviceModel::upload(m, sf::DType::kF32);
+    if (!up.is_ok()) return fail(up.status());
+    dm.emplace(std::move(up).value());
+    auto op =
+        sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(), n_new);
+    if (!op.is_ok()) return fail(op.status());
+    ds.emplace(std::move(op).value());
+  }
   const auto t1 = std::chrono::steady_clock::now();
-  auto gen = sr->generate_greedy(man.first_token, n_new);
+  auto gen = on_gpu ? ds->generate_greedy(man.first_token, n_new)
+                    : sr->generate_greedy(man.first_token, n_new);
   if (!gen.is_ok()) return fail(gen.status());
   const auto t2 = std::chrono::steady_clock::now();
-  const auto& st = sr->stats();
+  const auto& st = on_gpu ? ds->stats() : sr->stats();
   std::printf("kv: %s, %lld prompt tokens, retention %s%s%s, %lld of %lld KV bytes (%.1f%%)\n",
               a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
               man.retention_params.empty() ? "" : ":", man.retention_params.c_str(),
               static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
               100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
-  std::printf("load + verify: %.3f s; decode %d tokens: %.3f s\n",
+  std::printf("load + verify: %.3f s; decode %d tokens on %s: %.3f s\n",
               std::chrono::duration<double>(t1 - t0).count(), n_new,
+              on_gpu ? dm->device_name().c_str() : "cpu",
               std::chrono::duration<double>(t2 - t1).count());
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",

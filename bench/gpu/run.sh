@@ -246,6 +246,8 @@ ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
 # test_gpu_forward's figures (GPU prefill vs the CPU forward) belong in the summary too.
 notes+=("$(grep -E '(bf16|f32) (logits|top-1|KV cache):|device: ' "$logs/ctest.log" | head -12)")
+# test_device_decode: the device decode kernel and session vs the host's.
+notes+=("$(grep -E 'visited [0-9]+ of [0-9]+ blocks, max err|logits rel err' "$logs/ctest.log" | head -16)")
 # test_cuda_estimators: device index vs the CPU estimator, per case.
 notes+=("$(grep -E 'slots equal to the host builder|seed=' "$logs/ctest.log" | grep -B1 'slots equal' | head -12)")
 if grep -q 'No tests were found' "$logs/ctest.log"; then

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/api.h"
+#include "kernels/decode_attention.h"
 #include "kernels/kv_importance.h"
 
 namespace sf::kernels {
@@ -97,6 +98,13 @@ SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
 // By name ("wgmma", "mma.sync"); false for any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
+
+// ---- Paged decode attention (decode_attention.cu) --------------------------------------------
+// kernels/decode_attention.h on device pointers (validated there).
+Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
+                              const PagedDecodeParams& p, float* out, int32_t* visited,
+                              void* stream);
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream);
 
 // ---- KV importance (kv_importance.cu) --------------------------------------------------------
 // kernels/kv_importance.h on device tensors (validated there): F32 q, k, lse, out; pool <= 65,

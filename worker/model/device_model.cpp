@@ -1127,6 +1127,20 @@ std::array<int, 2> DevicePrefill::sparse_need() const {
   return {impl_->need_blocks, impl_->need_cols};
 }
 
+DeviceModel::Views DeviceModel::views() const {
+  const Impl& m = *impl_;
+  Views v;
+  v.tok_embd = m.tok_embd.view;
+  v.out_norm = m.out_norm.view;
+  v.lm_head = m.lm_head.view;
+  v.rope_freqs = m.rope_freqs.empty() ? nullptr : m.rope_freqs.data();
+  for (const Impl::Layer& L : m.layers)
+    v.layers.push_back({L.attn_norm.view, L.wq.view, L.wk.view, L.wv.view, L.bq.view, L.bk.view,
+                        L.bv.view, L.wo.view, L.ffn_norm.view, L.w_gate.view, L.w_up.view,
+                        L.w_down.view});
+  return v;
+}
+
 Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
   Impl& w = *impl_;
   if (!w.use_sparse) return Status::ok();
@@ -1196,6 +1210,7 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel&, DeviceShard,
 Result<PrefillResult> DevicePrefill::run(std::span<const int32_t>) { return no_cuda(); }
 std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
+DeviceModel::Views DeviceModel::views() const { return {}; }
 Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }
 
 #endif  // SF_HAVE_CUDA

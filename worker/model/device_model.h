@@ -66,6 +66,19 @@ class DeviceModel {
   const std::string& device_name() const;  // e.g. "NVIDIA H100 80GB HBM3"
   size_t weight_bytes() const;             // device memory held by the weights
 
+  // Device views of the weights, for steps built from kernels/api.h ops outside the prefill (the
+  // decode node's device session). Views of absent tensors (biases) are empty. rope_freqs is
+  // host memory (kernels::rope reads the divisors while launching), null when the model has none.
+  struct LayerViews {
+    TensorView attn_norm, wq, wk, wv, bq, bk, bv, wo, ffn_norm, w_gate, w_up, w_down;
+  };
+  struct Views {
+    TensorView tok_embd, out_norm, lm_head;
+    std::vector<LayerViews> layers;
+    const float* rope_freqs = nullptr;
+  };
+  Views views() const;
+
  private:
   friend class DevicePrefill;
   struct Impl;  // device_model.cpp

@@ -1,0 +1,343 @@
+#include "decode/device_session.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "decode/decode_session.h"
+#include "kernels/api.h"
+#include "kernels/decode_attention.h"
+
+#if SF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_status.h"
+#endif
+
+namespace sf::decode {
+
+static_assert(kBlockTokens == kernels::kDecodeBlockTokens, "one block size on host and device");
+
+#if SF_HAVE_CUDA
+
+struct DevicePagedPool::Impl {
+  int n_layers = 0, hkv = 0, d = 0, max_pages = 0;
+  // k, v [blocks, 64, d]; kmin, kmax [blocks, d]; fill [blocks]; pages [layers, hkv, max_pages]
+  // and n_pages [layers, hkv].
+  kernels::cuda::DeviceBuffer k, v, kmin, kmax, fill, pages, n_pages;
+};
+
+Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int reserve_tokens) {
+  if (reserve_tokens < 0) return SF_ERR(kOutOfRange, "device pool: reserve_tokens must be >= 0");
+  DevicePagedPool pool;
+  pool.impl_ = std::make_unique<Impl>();
+  Impl& m = *pool.impl_;
+  const int64_t L = cache.n_layers(), hkv = cache.n_kv_heads(), d = cache.head_dim(),
+                B = kBlockTokens;
+  m.n_layers = int(L);
+  m.hkv = int(hkv);
+  m.d = int(d);
+  // Pages: each head's own, then enough reserved ones for reserve_tokens more tokens.
+  int64_t most = 0;
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < hkv; ++h) {
+      const auto& pg = cache.pages(l, h);
+      const int64_t room = pg.empty() ? 0 : B - cache.block(pg.back()).n;
+      const int64_t extra = (std::max<int64_t>(0, reserve_tokens - room) + B - 1) / B;
+      most = std::max(most, int64_t(pg.size()) + extra);
+    }
+  if (most > kernels::kDecodeMaxPages)
+    return SF_ERR(kOutOfRange, "device pool: a head needs " + std::to_string(most) +
+                                   " blocks, more than the kernel's " +
+                                   std::to_string(kernels::kDecodeMaxPages) + " (" +
+                                   std::to_string(kernels::kDecodeMaxPages * B) + " tokens)");
+  m.max_pages = int(std::max<int64_t>(most, 1));
+  const int64_t n_blocks = L * hkv * m.max_pages;
+  if (n_blocks > INT32_MAX) return SF_ERR(kOutOfRange, "device pool: too many blocks");
+  std::vector<float> hk(size_t(n_blocks * B * d), 0.f), hv(hk.size(), 0.f),
+      hmin(size_t(n_blocks * d), 0.f), hmax(hmin.size(), 0.f);
+  std::vector<int32_t> hfill(size_t(n_blocks), 0), hpages(size_t(n_blocks), -1),
+      hnp(size_t(L * hkv), 0);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t lh = int64_t(l) * hkv + h, first = lh * m.max_pages;
+      const auto& pg = cache.pages(l, h);
+      hnp[size_t(lh)] = int32_t(pg.size());
+      for (int64_t i = 0; i < m.max_pages; ++i) {
+        const int64_t blk = first + i;  // a head's pages are its own contiguous range
+        hpages[size_t(blk)] = int32_t(blk);
+        if (i >= int64_t(pg.size())) continue;
+        const KvBlock& kb = cache.block(pg[size_t(i)]);
+        std::memcpy(hk.data() + blk * B * d, kb.k.data(), sizeof(float) * size_t(B * d));
+        std::memcpy(hv.data() + blk * B * d, kb.v.data(), sizeof(float) * size_t(B * d));
+        std::memcpy(hmin.data() + blk * d, kb.kmin.data(), sizeof(float) * size_t(d));
+        std::memcpy(hmax.data() + blk * d, kb.kmax.data(), sizeof(float) * size_t(d));
+        hfill[size_t(blk)] = kb.n;
+      }
+    }
+  auto put = [](kernels::cuda::DeviceBuffer& b, const auto& host) -> Status {
+    const size_t bytes = host.size() * sizeof(host[0]);
+    SF_TRY(b.alloc(bytes));
+    return b.upload(host.data(), bytes);
+  };
+  SF_TRY(put(m.k, hk));
+  SF_TRY(put(m.v, hv));
+  SF_TRY(put(m.kmin, hmin));
+  SF_TRY(put(m.kmax, hmax));
+  SF_TRY(put(m.fill, hfill));
+  SF_TRY(put(m.pages, hpages));
+  SF_TRY(put(m.n_pages, hnp));
+  return pool;
+}
+
+kernels::PagedKv DevicePagedPool::layer(int l) const {
+  const Impl& m = *impl_;
+  kernels::PagedKv kv;
+  kv.k = m.k.as<float>();
+  kv.v = m.v.as<float>();
+  kv.kmin = m.kmin.as<float>();
+  kv.kmax = m.kmax.as<float>();
+  kv.fill = m.fill.as<int32_t>();
+  kv.pages = m.pages.as<int32_t>() + int64_t(l) * m.hkv * m.max_pages;
+  kv.n_pages = m.n_pages.as<int32_t>() + int64_t(l) * m.hkv;
+  kv.n_kv_heads = m.hkv;
+  kv.head_dim = m.d;
+  kv.max_pages = m.max_pages;
+  return kv;
+}
+
+size_t DevicePagedPool::bytes() const {
+  const Impl& m = *impl_;
+  return m.k.size() + m.v.size() + m.kmin.size() + m.kmax.size() + m.fill.size() + m.pages.size() +
+         m.n_pages.size();
+}
+
+struct DeviceDecodeSession::Impl {
+  const model::DeviceModel* dm = nullptr;
+  model::DeviceModel::Views w;
+  DecodeAttnParams p;
+  kernels::PagedDecodeParams kp;
+  int64_t pos = 0;
+  int steps_left = 0;
+  int n_layers = 0, hq = 0, hkv = 0, d = 0;
+  int64_t H = 0, I = 0, vocab = 0;
+  cudaStream_t stream = nullptr;
+  DevicePagedPool pool;
+  // Activations (F32), the BF16 GEMM input, token + position, per-layer visited counts.
+  kernels::cuda::DeviceBuffer x, xn, xh, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited;
+  std::vector<int32_t> visited_host;
+  // Per layer and KV head, as the appends leave them: blocks and the last block's fill (the
+  // device keeps its own; these give blocks_total without a download).
+  std::vector<int32_t> np_host, last_fill;
+  DecodeAttnStats stats;
+  size_t pool_bytes = 0;
+
+  ~Impl() {
+    if (stream) (void)cudaStreamDestroy(stream);
+  }
+
+  kernels::Stream cs() const { return {Device::kCuda, stream}; }
+  static TensorView dview(const kernels::cuda::DeviceBuffer& b, DType t,
+                          std::initializer_list<int64_t> shape) {
+    TensorView v = TensorView::make(b.data(), t, shape);
+    v.device = Device::kCuda;
+    return v;
+  }
+  // x [1, n] F32 as a GEMM input: itself with F32 weights, else rounded into xh.
+  Result<TensorView> gemm_input(const kernels::cuda::DeviceBuffer& x_f32, int64_t n) {
+    const TensorView xf = dview(x_f32, DType::kF32, {1, n});
+    if (dm->weight_dtype() == DType::kF32) return xf;
+    const TensorView h = dview(xh, dm->weight_dtype(), {1, n});
+    SF_TRY(kernels::cast(xf, h, cs()));
+    return h;
+  }
+  Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
+                const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
+    SF_ASSIGN(TensorView xin, gemm_input(in, n_in));
+    return kernels::linear(xin, wt, bias, dview(out, DType::kF32, {1, n_out}), cs());
+  }
+};
+
+Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& dm,
+                                                      const PagedKvCache& cache, int64_t next_pos,
+                                                      DecodeAttnParams p, int max_new_tokens) {
+  const model::ModelConfig& c = dm.config();
+  if (dm.slice().ways != 1)
+    return SF_ERR(kUnsupported, "device decode: the model must be whole (no TP slice)");
+  if (cache.n_layers() != c.n_layers || cache.n_kv_heads() != c.n_kv_heads ||
+      cache.head_dim() != c.head_dim)
+    return SF_ERR(kInvalidArgument,
+                  "device decode: the cache is " + std::to_string(cache.n_layers()) + " layers x " +
+                      std::to_string(cache.n_kv_heads()) + " KV heads x head_dim " +
+                      std::to_string(cache.head_dim()) + ", the model " +
+                      std::to_string(c.n_layers) + " x " + std::to_string(c.n_kv_heads) + " x " +
+                      std::to_string(c.head_dim));
+  if (p.measure_mass)
+    return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
+  if (max_new_tokens < 0) return SF_ERR(kOutOfRange, "device decode: max_new_tokens must be >= 0");
+  DeviceDecodeSession s;
+  s.impl_ = std::make_unique<Impl>();
+  Impl& m = *s.impl_;
+  m.dm = &dm;
+  m.w = dm.views();
+  m.p = p;
+  m.kp.psa = p.mode == DecodeAttnMode::kPsa;
+  m.kp.eps = p.eps;
+  m.kp.pin_sink_recent = p.pin_sink_recent;
+  m.kp.recent_mean = p.remainder == PsaRemainder::kRecentMean;
+  m.kp.scale = p.scale;
+  m.pos = next_pos;
+  m.steps_left = max_new_tokens;
+  m.n_layers = c.n_layers;
+  m.hq = c.n_heads;
+  m.hkv = c.n_kv_heads;
+  m.d = c.head_dim;
+  m.H = c.hidden;
+  m.I = c.intermediate;
+  m.vocab = c.vocab;
+  SF_CUDA_TRY(cudaSetDevice(dm.device()));
+
+  SF_ASSIGN(m.pool, DevicePagedPool::upload(cache, max_new_tokens));
+  m.pool_bytes = m.pool.bytes();
+  const int64_t L = c.n_layers, hkv = c.n_kv_heads, d = c.head_dim;
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < hkv; ++h) {
+      const auto& pg = cache.pages(l, h);
+      m.np_host.push_back(int32_t(pg.size()));
+      m.last_fill.push_back(pg.empty() ? kBlockTokens : cache.block(pg.back()).n);
+    }
+  const int64_t qd = int64_t(c.n_heads) * d, kvd = hkv * d;
+  const int64_t widest = std::max({m.H, qd, m.I});
+  for (auto [buf, n] : {std::pair{&m.x, m.H},
+                        {&m.xn, m.H},
+                        {&m.q, qd},
+                        {&m.kn, kvd},
+                        {&m.vn, kvd},
+                        {&m.att, qd},
+                        {&m.tmp, m.H},
+                        {&m.gate, m.I},
+                        {&m.up, m.I},
+                        {&m.logits, m.vocab}})
+    SF_TRY(buf->alloc(sizeof(float) * size_t(n)));
+  SF_TRY(m.xh.alloc(sizeof(uint16_t) * size_t(widest)));
+  SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
+  SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
+  m.visited_host.assign(size_t(L * c.n_heads), 0);
+  SF_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  return s;
+}
+
+Status DeviceDecodeSession::step(int32_t token, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  if (token < 0 || token >= m.vocab)
+    return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(token) + " outside vocab " +
+                                   std::to_string(m.vocab));
+  if (m.steps_left <= 0)
+    return SF_ERR(kOutOfRange, "device decode: the session was opened for fewer tokens");
+  SF_CUDA_TRY(cudaSetDevice(m.dm->device()));
+  const model::ModelConfig& c = m.dm->config();
+  kernels::RopeParams rope = c.rope;
+  rope.freq_factors = m.w.rope_freqs;
+  const int32_t tp[2] = {token, int32_t(m.pos)};
+  // Synchronous and ordered before this step's work: the previous step ended with a wait.
+  SF_TRY(m.tokpos.upload(tp, sizeof(tp)));
+  const int32_t* d_tok = m.tokpos.as<int32_t>();
+  const int32_t* d_pos = d_tok + 1;
+  const int64_t H = m.H, qd = int64_t(m.hq) * m.d, kvd = int64_t(m.hkv) * m.d, I = m.I;
+  const auto F = DType::kF32;
+  const TensorView none{};
+  const kernels::Stream cs = m.cs();
+  SF_TRY(kernels::embedding(m.w.tok_embd, d_tok, 1, Impl::dview(m.x, F, {1, H}), cs));
+  for (int l = 0; l < m.n_layers; ++l) {
+    const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
+    SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.attn_norm, c.rms_eps,
+                             Impl::dview(m.xn, F, {1, H}), cs));
+    SF_TRY(m.linear(m.xn, H, L.wq, L.bq, m.q, qd));
+    SF_TRY(m.linear(m.xn, H, L.wk, L.bk, m.kn, kvd));
+    SF_TRY(m.linear(m.xn, H, L.wv, L.bv, m.vn, kvd));
+    SF_TRY(kernels::rope(Impl::dview(m.q, F, {1, m.hq, m.d}), d_pos, rope, cs));
+    SF_TRY(kernels::rope(Impl::dview(m.kn, F, {1, m.hkv, m.d}), d_pos, rope, cs));
+    const kernels::PagedKv kv = m.pool.layer(l);
+    SF_TRY(kernels::paged_append(kv, m.kn.as<float>(), m.vn.as<float>(), cs));
+    SF_TRY(kernels::paged_decode_attention(m.q.as<float>(), m.hq, kv, m.kp, m.att.as<float>(),
+                                           m.visited.as<int32_t>() + int64_t(l) * m.hq, cs));
+    SF_TRY(m.linear(m.att, qd, L.wo, none, m.tmp, H));
+    SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
+    SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.ffn_norm, c.rms_eps,
+                             Impl::dview(m.xn, F, {1, H}), cs));
+    SF_TRY(m.linear(m.xn, H, L.w_gate, none, m.gate, I));
+    SF_TRY(m.linear(m.xn, H, L.w_up, none, m.up, I));
+    SF_TRY(kernels::swiglu(Impl::dview(m.gate, F, {1, I}), Impl::dview(m.up, F, {1, I}),
+                           Impl::dview(m.gate, F, {1, I}), cs));
+    SF_TRY(m.linear(m.gate, I, L.w_down, none, m.tmp, H));
+    SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
+  }
+  SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), m.w.out_norm, c.rms_eps,
+                           Impl::dview(m.xn, F, {1, H}), cs));
+  SF_TRY(m.linear(m.xn, H, m.w.lm_head, none, m.logits, m.vocab));
+  SF_TRY(kernels::cuda::stream_synchronize(m.stream));
+  logits->resize(size_t(m.vocab));
+  SF_TRY(m.logits.download(logits->data(), sizeof(float) * size_t(m.vocab)));
+  SF_TRY(m.visited.download(m.visited_host.data(), sizeof(int32_t) * m.visited_host.size()));
+  const int group = m.hq / m.hkv;
+  for (size_t i = 0; i < m.np_host.size(); ++i) {  // this step's append, as the kernel did it
+    if (m.last_fill[i] == kBlockTokens) {
+      ++m.np_host[i];
+      m.last_fill[i] = 0;
+    }
+    ++m.last_fill[i];
+  }
+  for (int l = 0; l < m.n_layers; ++l)
+    for (int h = 0; h < m.hq; ++h) {
+      m.stats.blocks_visited += m.visited_host[size_t(l * m.hq + h)];
+      m.stats.blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
+    }
+  ++m.pos;
+  --m.steps_left;
+  return Status::ok();
+}
+
+#else  // !SF_HAVE_CUDA
+
+struct DevicePagedPool::Impl {};
+Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache&, int) {
+  return SF_ERR(kUnsupported, "device pool: built without CUDA (configure with -DSF_CUDA=ON)");
+}
+kernels::PagedKv DevicePagedPool::layer(int) const { return {}; }
+size_t DevicePagedPool::bytes() const { return 0; }
+
+struct DeviceDecodeSession::Impl {
+  DecodeAttnStats stats;
+  size_t pool_bytes = 0;
+};
+
+Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
+                                                      const PagedKvCache&, int64_t,
+                                                      DecodeAttnParams, int) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA (configure with -DSF_CUDA=ON)");
+}
+Status DeviceDecodeSession::step(int32_t, std::vector<float>*) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA");
+}
+
+#endif  // SF_HAVE_CUDA
+
+DevicePagedPool::DevicePagedPool() = default;
+DevicePagedPool::DevicePagedPool(DevicePagedPool&&) noexcept = default;
+DevicePagedPool& DevicePagedPool::operator=(DevicePagedPool&&) noexcept = default;
+DevicePagedPool::~DevicePagedPool() = default;
+
+DeviceDecodeSession::DeviceDecodeSession() = default;
+DeviceDecodeSession::DeviceDecodeSession(DeviceDecodeSession&&) noexcept = default;
+DeviceDecodeSession& DeviceDecodeSession::operator=(DeviceDecodeSession&&) noexcept = default;
+DeviceDecodeSession::~DeviceDecodeSession() = default;
+const DecodeAttnStats& DeviceDecodeSession::stats() const { return impl_->stats; }
+size_t DeviceDecodeSession::pool_bytes() const { return impl_->pool_bytes; }
+
+Result<std::vector<int32_t>> DeviceDecodeSession::generate_greedy(int32_t first_token, int n_new) {
+  return greedy_decode(first_token, n_new,
+                       [this](int32_t t, std::vector<float>* z) { return step(t, z); });
+}
+
+}  // namespace sf::decode

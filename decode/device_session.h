@@ -1,0 +1,62 @@
+// The reference decode node on a CUDA device: DecodeSession's step (decode_session.h) with the
+// weights on the device (model::DeviceModel) and the cache in a device block pool
+// (kernels/decode_attention.h), full or PSA attention by the same rules as the host's.
+//
+// Plan/run split: open() uploads the paged cache and reserves pool pages for max_new_tokens more
+// tokens per head, allocates every activation buffer and creates the stream; step() only
+// enqueues ops (the token id and position go up with one small copy) and waits once, for the
+// logits. Activations are F32; with BF16 weights each linear's input is rounded to BF16 first, as
+// in the device prefill. In a build without CUDA, open() returns kUnsupported.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "decode/decode_attention.h"
+#include "decode/paged_kv.h"
+#include "kernels/decode_attention.h"
+#include "worker/model/device_model.h"
+
+namespace sf::decode {
+
+// A PagedKvCache in device memory (kernels/decode_attention.h's pool): each layer and KV head
+// gets its own pages plus reserved ones for `reserve_tokens` more tokens, which the device
+// append opens in turn. Upload is a setup step (synchronous copies).
+class DevicePagedPool {
+ public:
+  static Result<DevicePagedPool> upload(const PagedKvCache& cache, int reserve_tokens);
+  DevicePagedPool();  // empty until assigned from upload()
+  DevicePagedPool(DevicePagedPool&&) noexcept;
+  DevicePagedPool& operator=(DevicePagedPool&&) noexcept;
+  ~DevicePagedPool();
+  kernels::PagedKv layer(int l) const;  // the layer's view (pages and counts of its heads)
+  size_t bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class DeviceDecodeSession {
+ public:
+  // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected).
+  static Result<DeviceDecodeSession> open(const model::DeviceModel& dm, const PagedKvCache& cache,
+                                          int64_t next_pos, DecodeAttnParams p, int max_new_tokens);
+  DeviceDecodeSession(DeviceDecodeSession&&) noexcept;
+  DeviceDecodeSession& operator=(DeviceDecodeSession&&) noexcept;
+  ~DeviceDecodeSession();
+
+  // As DecodeSession::step; kOutOfRange once max_new_tokens steps have run.
+  Status step(int32_t token, std::vector<float>* logits);
+  Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new);
+  const DecodeAttnStats& stats() const;
+  size_t pool_bytes() const;  // device memory of the block pool
+
+ private:
+  struct Impl;
+  DeviceDecodeSession();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sf::decode

@@ -1,0 +1,61 @@
+// Validation + dispatch for paged decode attention (kernels/decode_attention.h).
+#include "kernels/decode_attention.h"
+
+#include <string>
+
+#if SF_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+namespace sf::kernels {
+namespace {
+
+Status check_pool(const char* op, const PagedKv& kv, Stream s) {
+  auto bad = [&](const std::string& what) {
+    return SF_ERR(kInvalidArgument, std::string(op) + ": " + what);
+  };
+  if (!kv.k || !kv.v || !kv.kmin || !kv.kmax || !kv.fill || !kv.pages || !kv.n_pages)
+    return bad("the block pool has a null array");
+  if (kv.n_kv_heads <= 0 || kv.head_dim <= 0)
+    return bad("n_kv_heads and head_dim must be positive");
+  if (kv.max_pages <= 0 || kv.max_pages > kDecodeMaxPages)
+    return bad("max_pages " + std::to_string(kv.max_pages) + " out of range [1, " +
+               std::to_string(kDecodeMaxPages) + "]");
+  if (s.device != Device::kCuda)
+    return SF_ERR(kUnsupported,
+                  std::string(op) + ": device only (the host path is decode::decode_attention)");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
+                              const PagedDecodeParams& p, float* out, int32_t* visited, Stream s) {
+  SF_TRY(check_pool("paged_decode_attention", kv, s));
+  if (!q || !out) return SF_ERR(kInvalidArgument, "paged_decode_attention: null q or out");
+  if (n_heads <= 0 || n_heads % kv.n_kv_heads)
+    return SF_ERR(kInvalidArgument, "paged_decode_attention: heads " + std::to_string(n_heads) +
+                                        " not a multiple of kv heads " +
+                                        std::to_string(kv.n_kv_heads));
+  if (p.psa && !(p.eps > 0 && p.eps <= 1))
+    return SF_ERR(kOutOfRange,
+                  "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");
+#if SF_HAVE_CUDA
+  return cuda::paged_decode_attention(q, n_heads, kv, p, out, visited, s.handle);
+#else
+  (void)visited;
+  return SF_ERR(kUnsupported, "paged_decode_attention: built without CUDA");
+#endif
+}
+
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s) {
+  SF_TRY(check_pool("paged_append", kv, s));
+  if (!k_new || !v_new) return SF_ERR(kInvalidArgument, "paged_append: null k or v");
+#if SF_HAVE_CUDA
+  return cuda::paged_append(kv, k_new, v_new, s.handle);
+#else
+  return SF_ERR(kUnsupported, "paged_append: built without CUDA");
+#endif
+}
+
+}  // namespace sf::kernels

@@ -1,0 +1,50 @@
+// Paged decode attention on the device (DESIGN.md "progressive decode attention"): one new token
+// per query head over a KV block pool, in full or PSA order, and the append that grows the pool
+// by one token per KV head. The host reference is decode/decode_attention.cpp (the same rules on
+// decode::PagedKvCache); these are its CUDA counterparts for a decode node with a GPU.
+//
+// Pool layout (all device memory, F32): block b holds up to kDecodeBlockTokens keys and values,
+// k/v [n_blocks, kDecodeBlockTokens, head_dim], their per-channel min/max kmin/kmax
+// [n_blocks, head_dim] and its fill count fill[n_blocks]. A KV head's blocks, in position order,
+// are pages[head * max_pages + i] for i < n_pages[head]; pages past n_pages are reserved blocks
+// the append opens in turn (no host involvement, so a decode step can be captured in a graph).
+#pragma once
+#include <cstdint>
+
+#include "common/status.h"
+#include "kernels/api.h"
+
+namespace sf::kernels {
+
+inline constexpr int kDecodeBlockTokens = 64;
+// Blocks per KV head the PSA ranking sorts in shared memory (256K tokens).
+inline constexpr int kDecodeMaxPages = 4096;
+inline constexpr int kPsaRecentBlocks = 4;  // psa-avg: ranked blocks the unseen mass is averaged on
+
+struct PagedKv {
+  float *k = nullptr, *v = nullptr, *kmin = nullptr, *kmax = nullptr;
+  int32_t *fill = nullptr, *pages = nullptr, *n_pages = nullptr;
+  int n_kv_heads = 0, head_dim = 0, max_pages = 0;
+};
+
+struct PagedDecodeParams {
+  bool psa = false;
+  double eps = 0.95;
+  bool pin_sink_recent = true;  // psa: sink and newest block first, not ranked
+  bool recent_mean = false;     // psa: unseen mass from the last kPsaRecentBlocks, not AS_min
+  float scale = 0.f;            // 0: 1/sqrt(head_dim)
+};
+
+// q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32
+// blocks visited per query head (may be null). Query head h reads KV head h / (n_heads /
+// n_kv_heads). Device only: CPU streams get kUnsupported (use decode::decode_attention).
+Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
+                              const PagedDecodeParams& p, float* out, int32_t* visited, Stream s);
+
+// Appends one token per KV head: k_new, v_new [n_kv_heads, head_dim] F32. Fills each head's last
+// block, opening its next reserved page when the block is full; keeps kmin/kmax exact. Fails
+// (device-side, reported as an error here only for bad arguments) if a head has no reserved page
+// left: the caller sizes the reservation for the tokens it will decode.
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s);
+
+}  // namespace sf::kernels

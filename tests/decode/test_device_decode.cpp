@@ -1,0 +1,215 @@
+// The decode node on a CUDA device against the host reference (label gpu): the paged decode
+// kernel follows the host's rules (same visits, outputs to float rounding) in every attention
+// mode, the device append grows the pool as the host cache grows, and the device session decodes
+// what the CPU session decodes. Every test skips ("no CUDA device: ...") without a device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "decode/device_session.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "tests/decode/decode_test_util.h"
+#include "worker/model/device_model.h"
+
+namespace sf {
+namespace {
+using kernels::cuda::DeviceBuffer;
+
+class DeviceDecode : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Status st = model::cuda_device_check(0);
+    if (!st.is_ok()) GTEST_SKIP() << "no CUDA device: " << st.to_string();
+  }
+};
+
+constexpr int kHq = 8, kHkv = 2, kD = 128;
+
+// One layer, kHkv KV heads, n tokens: keys N(0, 0.3) with a few blocks per head pulled towards
+// that head's query direction (vertical structure), values N(0, 1).
+struct Planted {
+  std::vector<float> q;  // [kHq, kD]
+  model::KvCache kv;
+  decode::PagedKvCache cache;
+};
+
+Planted planted(int n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  Planted p;
+  p.q.resize(size_t(kHq * kD));
+  for (auto& x : p.q) x = nd(rng);
+  p.kv.n_layers = 1;
+  p.kv.n_kv_heads = kHkv;
+  p.kv.head_dim = kD;
+  p.kv.n_tokens = n;
+  p.kv.k.assign(1, std::vector<float>(size_t(n) * kHkv * kD));
+  p.kv.v.assign(1, std::vector<float>(size_t(n) * kHkv * kD));
+  for (auto& x : p.kv.k[0]) x = 0.3f * nd(rng);
+  for (auto& x : p.kv.v[0]) x = nd(rng);
+  const int nb = (n + 63) / 64;
+  for (int g = 0; g < kHkv; ++g)
+    for (int hot = 0; hot < 4; ++hot) {
+      const int b = int(rng() % uint64_t(nb)), h = g * (kHq / kHkv) + int(rng() % 4);
+      for (int t = b * 64; t < std::min(n, b * 64 + 64); t += 3)
+        for (int c = 0; c < kD; ++c)
+          p.kv.k[0][(size_t(t) * kHkv + g) * kD + c] += 0.15f * p.q[size_t(h * kD + c)];
+    }
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, kHkv, n, nullptr);
+  EXPECT_TRUE(full.is_ok());
+  auto c = decode::PagedKvCache::from_prefill(p.kv, full.value());
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  p.cache = std::move(c).value();
+  return p;
+}
+
+// The device kernel's output and visits for one mode, against the host's on the same cache.
+void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
+                         const std::vector<float>& q, const std::string& spec) {
+  auto p = decode::decode_attn_parse(spec);
+  ASSERT_TRUE(p.is_ok());
+  std::vector<float> want(q.size());
+  decode::DecodeAttnStats hs;
+  ASSERT_TRUE(
+      decode::decode_attention(cache, 0, q.data(), kHq, p.value(), want.data(), &hs).is_ok());
+  kernels::PagedDecodeParams kp;
+  kp.psa = p->mode == decode::DecodeAttnMode::kPsa;
+  kp.eps = p->eps;
+  kp.pin_sink_recent = p->pin_sink_recent;
+  kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
+  DeviceBuffer dq, dout, dvis;
+  ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
+  ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
+  ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
+  ASSERT_TRUE(dvis.alloc(kHq * 4).is_ok());
+  std::vector<float> nan(q.size(), std::nanf(""));
+  ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
+  const kernels::Stream s{Device::kCuda, nullptr};
+  ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), kHq, pool.layer(0), kp,
+                                              dout.as<float>(), dvis.as<int32_t>(), s)
+                  .is_ok());
+  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+  std::vector<float> got(q.size());
+  std::vector<int32_t> vis(kHq);
+  ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
+  ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
+  int64_t visited = 0;
+  for (int32_t v : vis) visited += v;
+  EXPECT_EQ(visited, hs.blocks_visited) << spec;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << spec << " element " << i;
+    worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
+  }
+  EXPECT_LT(worst, 1e-5) << spec;
+  std::printf("%-14s visited %lld of %lld blocks, max err %.2g\n", spec.c_str(),
+              static_cast<long long>(visited), static_cast<long long>(hs.blocks_total), worst);
+}
+
+const char* kModes[] = {"full", "psa:0.9", "psa:0.95", "psa-avg:0.95", "psa-strict:0.8"};
+
+TEST_F(DeviceDecode, PagedKernelFollowsTheHostRules) {
+  const uint64_t seed = testing::fresh_seed();
+  Planted p = planted(64 * 37 + 20, seed);
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
+// 150 appended tokens: the partial last block fills, two reserved pages open, and the bounds
+// keep up (PSA ranks by them).
+TEST_F(DeviceDecode, AppendGrowsThePoolAsTheHostCacheGrows) {
+  const uint64_t seed = testing::fresh_seed();
+  const int n0 = 64 * 9 + 20, n_new = 150;
+  Planted p = planted(n0, seed);
+  auto pool = decode::DevicePagedPool::upload(p.cache, n_new);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> k(kHkv * kD), v(kHkv * kD);
+  DeviceBuffer dk, dv;
+  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  for (int i = 0; i < n_new; ++i) {
+    for (auto& x : k) x = (i % 7 == 0 ? 2.f : 0.3f) * nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (int g = 0; g < kHkv; ++g)
+      p.cache.append(0, g, n0 + i, k.data() + g * kD, v.data() + g * kD);
+    ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
+    ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
+    ASSERT_TRUE(kernels::paged_append(pool->layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
+  }
+  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+  EXPECT_EQ(p.cache.pages(0, 0).size(), size_t((n0 + n_new + 63) / 64));
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
+// The device session against the CPU session on a synthetic Llama-3-shaped model: F32 weights
+// give the same greedy tokens and logits to 1e-3 (cuBLASLt sums in another order); BF16 weights
+// logits to 1e-2 (the GPU forward's bound) and the same top-1 at all but at most one of the 20
+// steps (random synthetic logits have near-ties that BF16 rounding may flip).
+TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
+  const uint64_t seed = testing::fresh_seed();
+  const model::ModelConfig cfg = testing::small_llama3(2);
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const int n = 900, n_new = 20;
+  const auto toks = testing::random_tokens(n, cfg.vocab, seed + 1);
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, n,
+                                       nullptr);
+  ASSERT_TRUE(full.is_ok());
+  for (DType wdt : {DType::kF32, DType::kBF16}) {
+    auto dm = model::DeviceModel::upload(m.value(), wdt);
+    ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+    for (const char* spec : {"full", "psa-avg:0.95"}) {
+      auto ap = decode::decode_attn_parse(spec);
+      auto c1 = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+      auto c2 = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+      ASSERT_TRUE(ap.is_ok() && c1.is_ok() && c2.is_ok());
+      decode::DecodeSession cpu(m.value(), std::move(c1).value(), n, ap.value());
+      auto dev = decode::DeviceDecodeSession::open(dm.value(), c2.value(), n, ap.value(), n_new);
+      ASSERT_TRUE(dev.is_ok()) << dev.status().to_string();
+      // Teacher-forced on the CPU's own greedy tokens.
+      std::vector<float> zc, zg;
+      int32_t t = pr->first_token;
+      double worst = 0;
+      int same_top = 0;
+      for (int i = 0; i < n_new; ++i) {
+        ASSERT_TRUE(cpu.step(t, &zc).is_ok());
+        ASSERT_TRUE(dev->step(t, &zg).is_ok());
+        double num = 0, den = 0;
+        for (size_t j = 0; j < zc.size(); ++j) {
+          ASSERT_TRUE(std::isfinite(zg[j]));
+          num += (double(zg[j]) - zc[j]) * (double(zg[j]) - zc[j]);
+          den += double(zc[j]) * zc[j];
+        }
+        worst = std::max(worst, std::sqrt(num / den));
+        const auto top = [](const std::vector<float>& z) {
+          return int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+        };
+        same_top += top(zc) == top(zg);
+        t = top(zc);
+      }
+      const double bound = wdt == DType::kF32 ? 1e-3 : 1e-2;
+      EXPECT_LT(worst, bound) << dtype_name(wdt) << " " << spec;
+      EXPECT_GE(same_top, wdt == DType::kF32 ? n_new : n_new - 1) << dtype_name(wdt) << " " << spec;
+      const auto& sc = cpu.stats();
+      const auto& sg = dev->stats();
+      EXPECT_EQ(sg.blocks_total, sc.blocks_total) << spec;
+      const double fc = double(sc.blocks_visited) / double(sc.blocks_total),
+                   fg = double(sg.blocks_visited) / double(sg.blocks_total);
+      if (std::string(spec) == "full") EXPECT_EQ(sg.blocks_visited, sg.blocks_total);
+      EXPECT_NEAR(fg, fc, 0.01) << dtype_name(wdt) << " " << spec;
+      std::printf("%s %-13s logits rel err %.2g, top-1 %d/%d, blocks visited %.3f (cpu %.3f)\n",
+                  dtype_name(wdt), spec, worst, same_top, n_new, fg, fc);
+      // Past the reservation: an error, not a write out of bounds.
+      EXPECT_EQ(dev->step(t, &zg).code(), Code::kOutOfRange);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sf
