@@ -108,6 +108,20 @@ Status check_budget(const char* policy, int64_t budget, int64_t window, int64_t 
   return Status::ok();
 }
 
+// snapkv and adakv: budget, scores of the cache's geometry, pooled with the policy's kernel.
+Status check_snapkv_family(const char* policy, const RetentionPolicy& p,
+                           const ImportanceScores* scores, int n_layers, int n_kv_heads,
+                           int64_t N) {
+  SF_TRY(check_budget(policy, p.budget, p.window, N));
+  SF_TRY(check_scores(scores, policy, n_layers, n_kv_heads, N));
+  if (scores->pool != p.pool)
+    return SF_ERR(kInvalidArgument, std::string("retention ") + policy + ": pool " +
+                                        std::to_string(p.pool) +
+                                        " but the importance scores were pooled with kernel " +
+                                        std::to_string(scores->pool));
+  return Status::ok();
+}
+
 // One head's recent span on an N-token prompt; retention_apply and the budget search share it so
 // the search counts exactly what apply keeps.
 int64_t moa_span(const MoaSpan& s, int64_t N) {
@@ -349,12 +363,7 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     }
     case RetentionKind::kSnapKV: {
-      SF_TRY(check_budget("snapkv", p.budget, p.window, N));
-      SF_TRY(check_scores(scores, "snapkv", n_layers, n_kv_heads, N));
-      if (scores->pool != p.pool)
-        return SF_ERR(kInvalidArgument, "retention snapkv: pool " + std::to_string(p.pool) +
-                                            " but the importance scores were pooled with kernel " +
-                                            std::to_string(scores->pool));
+      SF_TRY(check_snapkv_family("snapkv", p, scores, n_layers, n_kv_heads, N));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)
           r.kept[size_t(l * n_kv_heads + h)] = window_plus_topk(
@@ -362,12 +371,7 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     }
     case RetentionKind::kAdaKV: {
-      SF_TRY(check_budget("adakv", p.budget, p.window, N));
-      SF_TRY(check_scores(scores, "adakv", n_layers, n_kv_heads, N));
-      if (scores->pool != p.pool)
-        return SF_ERR(kInvalidArgument, "retention adakv: pool " + std::to_string(p.pool) +
-                                            " but the importance scores were pooled with kernel " +
-                                            std::to_string(scores->pool));
+      SF_TRY(check_snapkv_family("adakv", p, scores, n_layers, n_kv_heads, N));
       const int64_t k = p.budget - p.window;
       for (int l = 0; l < n_layers; ++l) {
         auto kept = ada_window_plus_topk(scores->layers[size_t(l)].data(), n_kv_heads, N, p.window,
