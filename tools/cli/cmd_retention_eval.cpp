@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "decode/decode_session.h"
@@ -117,6 +118,8 @@ struct Measure {
   kvstore::RetentionPolicy moa;  // moa: the scaled spans the document prompt used
   int64_t kv_bytes = 0, kv_bytes_full = 0;
   std::vector<double> greedy, forced, kl;  // per window
+  std::vector<int64_t> first_div;           // per window: first differing token (1-based), -1
+  std::vector<double> div_gap;              // full-KV top-2 log-prob gap there, -1 if none
   int64_t blocks_visited = 0, blocks_total = 0;
   double mass_sum = 0, mass_min = 1;  // psa: captured softmax mass over (layer, head, step)
   int64_t mass_n = 0, mass_below = 0;
@@ -329,6 +332,19 @@ int cmd_retention_eval(int argc, char** argv) {
       int same = 0;
       for (long i = 1; i <= T; ++i) same += g.value()[size_t(i)] == ref[size_t(i)];
       me.greedy.push_back(double(same) / double(T));
+      // Where the free-running tokens first leave the full-KV ones, and how close the full-KV
+      // model's own top two were there (a near-tie flips under any perturbation).
+      long first = -1;
+      for (long i = 1; i <= T && first < 0; ++i)
+        if (g.value()[size_t(i)] != ref[size_t(i)]) first = i;
+      double gap = -1;
+      if (first > 0) {
+        std::vector<double> lp = ref_lp[size_t(first - 1)];
+        std::partial_sort(lp.begin(), lp.begin() + 2, lp.end(), std::greater<>());
+        gap = lp[0] - lp[1];
+      }
+      me.first_div.push_back(first);
+      me.div_gap.push_back(gap);
       me.forced.push_back(double(forced) / double(T));
       me.kl.push_back(kl / double(T));
       std::printf(
@@ -414,6 +430,10 @@ int cmd_retention_eval(int argc, char** argv) {
         {"kl_mean_64",
          "mean KL(full || policy) of next-token distributions over those teacher-forced steps, "
          "nats, mean over the windows"},
+        {"first_divergence_per_window",
+         "1-based index of the first free-running token that differs from the full-KV "
+         "continuation (-1: none); dense_top2_gap_at_divergence: the full-KV model's log-prob "
+         "gap between its top two tokens at that step, nats"},
         {"psa_mass_mean",
          "teacher-forced steps: true softmax mass of the visited blocks / all blocks, mean over "
          "(layer, query head, step); _min the smallest, _below_eps_frac the share under eps"},
@@ -451,6 +471,8 @@ int cmd_retention_eval(int argc, char** argv) {
       r["greedy_match_forced_64"] = mean(me.forced);
       r["greedy_match_64_per_window"] = json::value_from(me.greedy);
       r["kl_mean_64_per_window"] = json::value_from(me.kl);
+      r["first_divergence_per_window"] = json::value_from(me.first_div);
+      r["dense_top2_gap_at_divergence"] = json::value_from(me.div_gap);
       r["kl_mean_64"] = mean(me.kl);
       r["passkey_accuracy"] = me.passkey_n ? double(me.passkey_hits) / me.passkey_n : -1.0;
       r["dense_passkey_accuracy"] = n_prompts ? double(dense_hits) / n_prompts : -1.0;
