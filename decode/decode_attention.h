@@ -39,7 +39,7 @@ struct DecodeAttnParams {
 struct DecodeAttnStats {
   int64_t blocks_visited = 0, blocks_total = 0;
   // With measure_mass: over (head, step) visits, the sum of captured mass shares, their count,
-  // how many fell short of eps, and the smallest share.
+  // how many fell short of eps (by more than 1e-6, float rounding), and the smallest share.
   double mass_sum = 0, mass_min = 1;
   int64_t mass_n = 0, mass_below_eps = 0;
 };

@@ -18,6 +18,7 @@
 namespace sf::decode {
 
 static_assert(kBlockTokens == kernels::kDecodeBlockTokens, "one block size on host and device");
+static_assert(kPsaAvgBlocks == kernels::kPsaRecentBlocks, "one psa-avg rule on host and device");
 
 #if SF_HAVE_CUDA
 
@@ -120,6 +121,7 @@ struct DeviceDecodeSession::Impl {
   kernels::PagedDecodeParams kp;
   int64_t pos = 0;
   int steps_left = 0;
+  bool broken = false;  // a step failed part way: the pool may hold some layers' appends
   int n_layers = 0, hq = 0, hkv = 0, d = 0;
   int64_t H = 0, I = 0, vocab = 0;
   cudaStream_t stream = nullptr;
@@ -175,6 +177,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
+  if (c.head_dim > 128)
+    return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
+                                    " (the decode kernel takes up to 128)");
   if (max_new_tokens < 0) return SF_ERR(kOutOfRange, "device decode: max_new_tokens must be >= 0");
   DeviceDecodeSession s;
   s.impl_ = std::make_unique<Impl>();
@@ -235,6 +240,15 @@ Status DeviceDecodeSession::step(int32_t token, std::vector<float>* logits) {
                                    std::to_string(m.vocab));
   if (m.steps_left <= 0)
     return SF_ERR(kOutOfRange, "device decode: the session was opened for fewer tokens");
+  if (m.broken)
+    return SF_ERR(kInternal, "device decode: an earlier step failed; reopen the session");
+  Status st = run_step(token, logits);
+  if (!st.is_ok()) m.broken = true;
+  return st;
+}
+
+Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) {
+  Impl& m = *impl_;
   SF_CUDA_TRY(cudaSetDevice(m.dm->device()));
   const model::ModelConfig& c = m.dm->config();
   kernels::RopeParams rope = c.rope;
@@ -318,6 +332,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
   return SF_ERR(kUnsupported, "device decode: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 Status DeviceDecodeSession::step(int32_t, std::vector<float>*) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA");
+}
+Status DeviceDecodeSession::run_step(int32_t, std::vector<float>*) {
   return SF_ERR(kUnsupported, "device decode: built without CUDA");
 }
 

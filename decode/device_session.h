@@ -22,7 +22,9 @@ namespace sf::decode {
 
 // A PagedKvCache in device memory (kernels/decode_attention.h's pool): each layer and KV head
 // gets its own pages plus reserved ones for `reserve_tokens` more tokens, which the device
-// append opens in turn. Upload is a setup step (synchronous copies).
+// append opens in turn. Upload is a setup step (synchronous copies). Every head's range is as
+// long as the longest head's, so a retention with uneven heads (adakv, moa) costs the device
+// memory of its longest head times the heads.
 class DevicePagedPool {
  public:
   static Result<DevicePagedPool> upload(const PagedKvCache& cache, int reserve_tokens);
@@ -47,7 +49,8 @@ class DeviceDecodeSession {
   DeviceDecodeSession& operator=(DeviceDecodeSession&&) noexcept;
   ~DeviceDecodeSession();
 
-  // As DecodeSession::step; kOutOfRange once max_new_tokens steps have run.
+  // As DecodeSession::step; kOutOfRange once max_new_tokens steps have run. A step that fails
+  // part way leaves the session unusable (kInternal after): reopen it.
   Status step(int32_t token, std::vector<float>* logits);
   Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new);
   const DecodeAttnStats& stats() const;
@@ -56,6 +59,7 @@ class DeviceDecodeSession {
  private:
   struct Impl;
   DeviceDecodeSession();
+  Status run_step(int32_t token, std::vector<float>* logits);
   std::unique_ptr<Impl> impl_;
 };
 

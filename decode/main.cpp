@@ -91,21 +91,29 @@ int run(int argc, char** argv) {
   // node); the cache goes up once, with room for the tokens to decode.
   std::optional<sf::model::DeviceModel> dm;
   std::optional<sf::decode::DeviceDecodeSession> ds;
-  if (on_gpu) {
+  bool gpu = on_gpu;
+  if (gpu) {
     auto up = sf::model::DeviceModel::upload(m, sf::DType::kF32);
     if (!up.is_ok()) return fail(up.status());
     dm.emplace(std::move(up).value());
     auto op =
         sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(), n_new);
-    if (!op.is_ok()) return fail(op.status());
-    ds.emplace(std::move(op).value());
+    if (op.is_ok()) {
+      ds.emplace(std::move(op).value());
+    } else if (dev == "auto" && op.status().code() == sf::Code::kUnsupported) {
+      // auto: a model or mode the device session does not take decodes on the CPU.
+      std::fprintf(stderr, "note: decoding on cpu: %s\n", op.status().message().c_str());
+      gpu = false;
+    } else {
+      return fail(op.status());
+    }
   }
   const auto t1 = std::chrono::steady_clock::now();
-  auto gen = on_gpu ? ds->generate_greedy(man.first_token, n_new)
-                    : sr->generate_greedy(man.first_token, n_new);
+  auto gen = gpu ? ds->generate_greedy(man.first_token, n_new)
+                 : sr->generate_greedy(man.first_token, n_new);
   if (!gen.is_ok()) return fail(gen.status());
   const auto t2 = std::chrono::steady_clock::now();
-  const auto& st = on_gpu ? ds->stats() : sr->stats();
+  const auto& st = gpu ? ds->stats() : sr->stats();
   std::printf("kv: %s, %lld prompt tokens, retention %s%s%s, %lld of %lld KV bytes (%.1f%%)\n",
               a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
               man.retention_params.empty() ? "" : ":", man.retention_params.c_str(),
@@ -113,7 +121,7 @@ int run(int argc, char** argv) {
               100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
   std::printf("load + verify: %.3f s; decode %d tokens on %s: %.3f s\n",
               std::chrono::duration<double>(t1 - t0).count(), n_new,
-              on_gpu ? dm->device_name().c_str() : "cpu",
+              gpu ? dm->device_name().c_str() : "cpu",
               std::chrono::duration<double>(t2 - t1).count());
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",

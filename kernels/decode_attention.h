@@ -42,9 +42,9 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited, Stream s);
 
 // Appends one token per KV head: k_new, v_new [n_kv_heads, head_dim] F32. Fills each head's last
-// block, opening its next reserved page when the block is full; keeps kmin/kmax exact. Fails
-// (device-side, reported as an error here only for bad arguments) if a head has no reserved page
-// left: the caller sizes the reservation for the tokens it will decode.
+// block, opening its next reserved page when the block is full; keeps kmin/kmax exact. The caller
+// reserves the pages (decode::DevicePagedPool::upload) and never appends past them: the device
+// cannot report it, and such a token would be dropped.
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s);
 
 }  // namespace sf::kernels

@@ -375,7 +375,7 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       const int64_t k = p.budget - p.window;
       for (int l = 0; l < n_layers; ++l) {
         auto kept = ada_window_plus_topk(scores->layers[size_t(l)].data(), n_kv_heads, N, p.window,
-                                         k, int64_t(std::floor(p.floor * double(k))));
+                                         k, int64_t(std::floor(p.floor * double(k) + 1e-9)));
         for (int h = 0; h < n_kv_heads; ++h)
           r.kept[size_t(l * n_kv_heads + h)] = std::move(kept[size_t(h)]);
       }

@@ -34,7 +34,9 @@ struct Planted {
   decode::PagedKvCache cache;
 };
 
-Planted planted(int n, uint64_t seed) {
+// uneven: KV head 1 keeps a third of the prompt plus its last 100 tokens (a retained cache whose
+// heads hold different block counts), head 0 all of it.
+Planted planted(int n, uint64_t seed, bool uneven = false) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   Planted p;
@@ -58,6 +60,12 @@ Planted planted(int n, uint64_t seed) {
     }
   auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, kHkv, n, nullptr);
   EXPECT_TRUE(full.is_ok());
+  if (uneven) {
+    std::vector<int32_t>& k1 = full->kept[1];
+    k1.clear();
+    for (int t = 0; t < n; ++t)
+      if (t % 3 == 0 || t >= n - 100) k1.push_back(t);
+  }
   auto c = decode::PagedKvCache::from_prefill(p.kv, full.value());
   EXPECT_TRUE(c.is_ok()) << c.status().to_string();
   p.cache = std::move(c).value();
@@ -114,6 +122,34 @@ TEST_F(DeviceDecode, PagedKernelFollowsTheHostRules) {
   Planted p = planted(64 * 37 + 20, seed);
   auto pool = decode::DevicePagedPool::upload(p.cache, 0);
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
+TEST_F(DeviceDecode, PagedKernelHandlesHeadsOfDifferentLengths) {
+  const uint64_t seed = testing::fresh_seed();
+  const int n = 64 * 21 + 5;
+  Planted p = planted(n, seed, /*uneven=*/true);
+  ASSERT_LT(p.cache.pages(0, 1).size(), p.cache.pages(0, 0).size());
+  auto pool = decode::DevicePagedPool::upload(p.cache, 70);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+  // 70 appends: head 0's last block (5 tokens) fills and opens one page, head 1's another count.
+  std::mt19937_64 rng(seed + 2);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> k(kHkv * kD), v(kHkv * kD);
+  DeviceBuffer dk, dv;
+  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  for (int i = 0; i < 70; ++i) {
+    for (auto& x : k) x = 0.5f * nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (int g = 0; g < kHkv; ++g)
+      p.cache.append(0, g, n + i, k.data() + g * kD, v.data() + g * kD);
+    ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
+    ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
+    ASSERT_TRUE(kernels::paged_append(pool->layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
+  }
+  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
 }
 

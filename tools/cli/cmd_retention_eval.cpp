@@ -240,7 +240,6 @@ int cmd_retention_eval(int argc, char** argv) {
   const auto doc_all = tok->encode(text.value(), true, false);
   if (doc_all.empty())
     return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
-  const auto doc = eval::fit_tokens(doc_all, length);
 
   std::vector<Config> configs;
   for (auto k : kinds)
@@ -274,10 +273,14 @@ int cmd_retention_eval(int argc, char** argv) {
                            std::to_string(length) + "-token windows"));
   double prefill_s = 0, importance_s = 0;
   for (size_t wi = 0; wi < starts.size(); ++wi) {
-    const std::vector<int32_t> doc =
-        slack > 0 ? std::vector<int32_t>(doc_all.begin() + starts[wi],
-                                         doc_all.begin() + starts[wi] + length)
-                  : eval::fit_tokens(doc_all, length);
+    // A later window keeps the document's BOS (when the tokenizer adds one) in front.
+    const int64_t bos = tok->spec().add_bos && doc_all[0] == tok->bos_id() ? 1 : 0;
+    std::vector<int32_t> doc(doc_all.begin(), doc_all.begin() + bos);
+    if (slack > 0)
+      doc.insert(doc.end(), doc_all.begin() + starts[wi] + bos,
+                 doc_all.begin() + starts[wi] + length);
+    else
+      doc = eval::fit_tokens(doc_all, length);
     auto pr = model::prefill(m, doc, po);
     if (!pr.is_ok()) return fail(pr.status());
     std::printf("window %zu (tokens %ld..%ld): prefill %.1f s (importance pass %.2f s)\n", wi,
