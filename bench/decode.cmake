@@ -1,0 +1,6 @@
+# Decode attention on a GPU host: the device kernel and the host reference on one paged cache.
+if(SF_HAVE_CUDA AND TARGET sf_decode)
+  add_executable(sf_bench_decode ${CMAKE_CURRENT_LIST_DIR}/decode_bench.cpp)
+  target_link_libraries(sf_bench_decode PRIVATE sf_decode CUDA::cudart_static)
+  target_compile_options(sf_bench_decode PRIVATE ${SF_WARN})
+endif()

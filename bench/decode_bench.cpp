@@ -1,0 +1,137 @@
+// Decode attention on a GPU host: one new token per query head over a paged cache of N tokens
+// (the Llama-3-8B attention shape by default: 32 query heads, 8 KV heads, head_dim 128, fp32
+// pool), for the device kernel (kernels/decode_attention.h) and the host reference
+// (decode/decode_attention.h) on the same cache, in full, psa:0.95 and psa-avg:0.95.
+// Planted keys (as in test_device_decode): N(0, 0.3) with a few blocks per KV head pulled toward
+// one query head's direction, so PSA has mass to find. Prints one JSON line per mode: time per
+// call, blocks visited, and the K/V bytes of the visited blocks per second (each KV head's
+// blocks counted once, though its 4 query heads each read them).
+//   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "decode/decode_attention.h"
+#include "decode/device_session.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kvstore/retention.h"
+
+using namespace sf;
+
+namespace {
+int fail(const char* what, const Status& st) {
+  std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
+  return 1;
+}
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t n = argc > 1 ? std::atoll(argv[1]) : 32768;
+  const int hq = argc > 2 ? std::atoi(argv[2]) : 32;
+  const int hkv = argc > 3 ? std::atoi(argv[3]) : 8;
+  const int d = argc > 4 ? std::atoi(argv[4]) : 128;
+  if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d > 128) {
+    std::fprintf(stderr, "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d<=128]\n");
+    return 2;
+  }
+  std::mt19937_64 rng(20261124);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(size_t(hq) * d);
+  for (auto& x : q) x = nd(rng);
+  model::KvCache kv;
+  kv.n_layers = 1;
+  kv.n_kv_heads = hkv;
+  kv.head_dim = d;
+  kv.n_tokens = n;
+  kv.k.assign(1, std::vector<float>(size_t(n) * hkv * d));
+  kv.v.assign(1, std::vector<float>(size_t(n) * hkv * d));
+  for (auto& x : kv.k[0]) x = 0.3f * nd(rng);
+  for (auto& x : kv.v[0]) x = nd(rng);
+  const int64_t nb = (n + 63) / 64;
+  const int group = hq / hkv;
+  for (int g = 0; g < hkv; ++g)
+    for (int hot = 0; hot < 16; ++hot) {
+      const int64_t b = int64_t(rng() % uint64_t(nb));
+      const int h = g * group + int(rng() % uint64_t(group));
+      for (int64_t t = b * 64; t < std::min(n, b * 64 + 64); t += 3)
+        for (int c = 0; c < d; ++c)
+          kv.k[0][(size_t(t) * hkv + g) * d + c] += 0.15f * q[size_t(h) * d + c];
+    }
+  auto ret = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, hkv, n, nullptr);
+  if (!ret.is_ok()) return fail("retention", ret.status());
+  auto cache = decode::PagedKvCache::from_prefill(kv, ret.value());
+  if (!cache.is_ok()) return fail("paged cache", cache.status());
+  kv = model::KvCache{};  // the paged copy is all that is needed now
+  auto pool = decode::DevicePagedPool::upload(cache.value(), 0);
+  if (!pool.is_ok()) return fail("device pool", pool.status());
+  kernels::cuda::DeviceBuffer dq, dout, dvis;
+  if (!dq.alloc(q.size() * 4).is_ok() || !dq.upload(q.data(), q.size() * 4).is_ok() ||
+      !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
+    return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
+  cudaDeviceProp prop{};
+  (void)cudaGetDeviceProperties(&prop, 0);
+  cudaEvent_t e0, e1;
+  (void)cudaEventCreate(&e0);
+  (void)cudaEventCreate(&e1);
+  const kernels::Stream s{Device::kCuda, nullptr};
+  for (const char* spec : {"full", "psa:0.95", "psa-avg:0.95"}) {
+    auto p = decode::decode_attn_parse(spec);
+    kernels::PagedDecodeParams kp;
+    kp.psa = p->mode == decode::DecodeAttnMode::kPsa;
+    kp.eps = p->eps;
+    kp.pin_sink_recent = p->pin_sink_recent;
+    kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
+    auto launch = [&] {
+      return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
+                                             dout.as<float>(), dvis.as<int32_t>(), s);
+    };
+    for (int i = 0; i < 3; ++i)
+      if (Status st = launch(); !st.is_ok()) return fail(spec, st);
+    const int reps = 20;
+    (void)cudaEventRecord(e0, nullptr);
+    for (int i = 0; i < reps; ++i) (void)launch();
+    (void)cudaEventRecord(e1, nullptr);
+    if (Status st = kernels::cuda::stream_synchronize(nullptr); !st.is_ok()) return fail(spec, st);
+    float ms = 0.f;
+    (void)cudaEventElapsedTime(&ms, e0, e1);
+    const double dev_us = 1e3 * double(ms) / reps;
+    std::vector<int32_t> vis(static_cast<size_t>(hq));
+    (void)dvis.download(vis.data(), vis.size() * 4);
+    int64_t visited = 0;
+    for (int32_t v : vis) visited += v;
+    // Host reference on the same cache (this machine's cores, the decode node's CPU path).
+    std::vector<float> out(q.size());
+    decode::DecodeAttnStats hs;
+    const double t0 = now_s();
+    const int host_reps = 3;
+    for (int i = 0; i < host_reps; ++i) {
+      hs = {};
+      if (Status st = decode::decode_attention(cache.value(), 0, q.data(), hq, p.value(),
+                                               out.data(), &hs);
+          !st.is_ok())
+        return fail(spec, st);
+    }
+    const double host_us = 1e6 * (now_s() - t0) / host_reps;
+    const double visited_frac = double(visited) / double(int64_t(hq) * nb);
+    // K and V of the visited blocks, each KV head's counted once (fp32).
+    const double bytes = visited_frac * double(nb) * 64.0 * hkv * d * 4.0 * 2.0;
+    std::printf(
+        "{\"device\": \"%s\", \"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
+        "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
+        "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
+        "\"device_kv_GBps\": %.1f}\n",
+        prop.name, static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
+        static_cast<long long>(hs.blocks_visited), static_cast<long long>(visited), dev_us,
+        host_us, bytes / (dev_us * 1e-6) / 1e9);
+  }
+  return 0;
+}
