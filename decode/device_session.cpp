@@ -177,9 +177,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
-  if (c.head_dim > 128)
+  if (c.head_dim > 128 || c.head_dim % 4)
     return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
-                                    " (the decode kernel takes up to 128)");
+                                    " (the decode kernel takes multiples of 4 up to 128)");
   if (max_new_tokens < 0) return SF_ERR(kOutOfRange, "device decode: max_new_tokens must be >= 0");
   DeviceDecodeSession s;
   s.impl_ = std::make_unique<Impl>();

@@ -5,12 +5,14 @@
 // so a stop that sits exactly on eps may fall one block apart.
 //
 // Work split: one CTA of 128 threads per query head. PSA ranks the head's blocks in shared memory
-// (bitonic sort of bound/index pairs, up to kDecodeMaxPages). Each visited block: threads 0-63
-// score one key each, the CTA takes the block max, and thread c < head_dim accumulates channel c
-// of the output. Decode is one row per head, so the kernel is latency bound; it does what the
-// host does, on the device, without a host round trip inside a step.
+// (bitonic sort of bound/index pairs, up to kDecodeMaxPages). Each visited block: the CTA loads
+// its keys into a shared tile (float4, every load in flight), threads 0-63 score one key each,
+// the CTA takes the block max, loads the values into the same tile, and thread c < head_dim
+// accumulates channel c of the output. One CTA walks a head's blocks in order (PSA's visit is
+// sequential), so a long context is latency bound: sf_bench_decode measures it.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +20,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/smem_opt_in.h"
 
 namespace sf::kernels::cuda {
 namespace {
@@ -43,6 +46,31 @@ __device__ float block_bound(const float* q, const float* kmin, const float* kma
   return u;
 }
 
+// n rows of d floats (d % 4 == 0, 16-byte aligned) from global into a [rows][ld] tile: float4
+// loads, several per thread issued before their stores.
+__device__ void load_tile(float* tile, const float* src, int n, int d, int ld) {
+  const int q4 = d / 4, total = n * q4;
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * kThreads) {
+    float4 r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i < total) r[u] = s4[i];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i >= total) break;
+      float* dst = tile + (i / q4) * ld + (i % q4) * 4;
+      dst[0] = r[u].x;
+      dst[1] = r[u].y;
+      dst[2] = r[u].z;
+      dst[3] = r[u].w;
+    }
+  }
+}
+
 // Descending by bound, ascending by index on ties: the order of the host's stable_sort.
 __device__ bool before(float ua, int ia, float ub, int ib) {
   return ua > ub || (ua == ub && ia < ib);
@@ -56,7 +84,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   int np2 = 1;
   while (np2 < nb) np2 <<= 1;
-  float* qs = reinterpret_cast<float*>(smem_raw);             // [d]
+  const int ld = d + 1;                                       // tile row stride: no bank conflicts
+  float* tile = reinterpret_cast<float*>(smem_raw);           // [kBT][ld] a block's K, then V
+  float* qs = tile + kBT * ld;                                // [d]
   float* sc = qs + kMaxDim;                                   // [kBT] scores, then exps
   float* red = sc + kBT;                                      // [kThreads / 32] warp partials
   float* ub = red + kThreads / 32;                            // [np2] bounds (psa)
@@ -109,9 +139,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     const int n = a.kv.fill[blk];
     const float* kb = a.kv.k + blk * kBT * d;
     const float* vb = a.kv.v + blk * kBT * d;
+    // The block's keys into shared memory, all loads in flight at once (a row per thread would
+    // wait on one load per channel).
+    load_tile(tile, kb, n, d, ld);
+    __syncthreads();
     float s = -INFINITY;
     if (tid < n) {
-      const float* kr = kb + int64_t(tid) * d;
+      const float* kr = tile + tid * ld;
       // Eight partial sums, summed as the host's dot() does.
       float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int c = 0;
@@ -144,14 +178,15 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
       for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= r;
       m = bm;
     }
-    __syncthreads();  // every thread has read the scores' max
+    __syncthreads();  // every thread has read the scores' max and is done with the keys
     if (tid < n) sc[tid] = expf(sc[tid] - m);
+    load_tile(tile, vb, n, d, ld);
     __syncthreads();
     double as_b = 0;
     for (int t = 0; t < n; ++t) as_b += sc[t];
     if (tid < d) {
       float oc = o;
-      for (int t = 0; t < n; ++t) oc += sc[t] * vb[int64_t(t) * d + tid];
+      for (int t = 0; t < n; ++t) oc += sc[t] * tile[t * ld + tid];
       o = oc;
     }
     acc += as_b;
@@ -217,13 +252,11 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
   if (threadIdx.x == 0) kv.fill[blk] = slot + 1;
 }
 
-constexpr size_t decode_smem_bytes(int np2, bool psa) {
-  return sizeof(float) * (kMaxDim + kBT + kThreads / 32) + (psa ? sizeof(float) * size_t(np2) : 0) +
-         sizeof(int) * size_t(np2);
+constexpr size_t decode_smem_bytes(int np2, bool psa, int d) {
+  return sizeof(float) * (size_t(kBT) * size_t(d + 1) + kMaxDim + kBT + kThreads / 32) +
+         (psa ? sizeof(float) * size_t(np2) : 0) + sizeof(int) * size_t(np2);
 }
-
-static_assert(decode_smem_bytes(kDecodeMaxPages, true) <= 48 * 1024,
-              "the ranking of kDecodeMaxPages blocks fits the default shared memory");
+constexpr size_t kDecodeSmemMax = decode_smem_bytes(kDecodeMaxPages, true, kMaxDim);
 
 }  // namespace
 
@@ -248,7 +281,10 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   // Sized for the most pages a head may hold (the count itself lives on the device).
   int np2 = 1;
   while (np2 < kv.max_pages) np2 <<= 1;
-  const size_t smem = decode_smem_bytes(np2, p.psa);  // <= 48 KB: no opt-in (static_assert)
+  const size_t smem = decode_smem_bytes(np2, p.psa, kv.head_dim);
+  // Opted in once for the largest launch (about 66 KB), so any later one fits.
+  static std::atomic<uint64_t> opted{0};
+  SF_CUDA_TRY(opt_in_smem(paged_decode_kernel, kDecodeSmemMax, opted));
   paged_decode_kernel<<<unsigned(n_heads), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(a);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
