@@ -23,6 +23,10 @@ struct ImportanceParams {
 Status kv_importance(const TensorView& q, const TensorView& k, const TensorView& lse,
                      const ImportanceParams& p, TensorView out, Stream s = {});
 
+// out[j] = max of a over [j - pool/2, j + pool/2] clipped to [0, n): SnapKV's pooling of column
+// scores over keys (pool odd). Host memory; out must not alias a.
+void max_pool_keys(const float* a, int64_t n, int pool, float* out);
+
 namespace cpu {
 Status kv_importance(const TensorView& q, const TensorView& k, const TensorView& lse,
                      const ImportanceParams& p, TensorView out);

@@ -51,6 +51,13 @@ struct EstimatorStats {
   double estimate_s = 0;
   int64_t clamped_heads = 0;  // heads whose budget exceeded the sequence and was clamped
   double density = 0;         // of the index built
+  // Input (CPU backend): also hand back the scores the estimator computed anyway, for KV
+  // importance (PrefillOptions::importance_from_estimator). columns[h] ([n_k], empty for heads
+  // with no such scores) sums softmax(q_row K^T * scale) over the head's scoring rows: the last
+  // segment's rows for vertical-slash and adaptive-vs heads (the last 64 rows, plus spread rows
+  // when set), the last query block's rows for block-sparse and adaptive-block heads.
+  bool keep_columns = false;
+  std::vector<std::vector<float>> columns;
 };
 
 // Builds the index for one layer's attention over all rows of q: q [n_q, n_heads, d] (global

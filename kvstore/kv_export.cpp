@@ -415,7 +415,7 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   man["retention"] = std::move(rj);
   if (spec.importance) {
     boost::json::object ij;
-    ij["method"] = "snapkv column sums of the observation window's softmax, from the attention LSE";
+    ij["method"] = spec.importance->method;
     ij["window"] = spec.importance->window;
     ij["pool"] = spec.importance->pool;
     man["importance"] = std::move(ij);

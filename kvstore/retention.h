@@ -17,6 +17,9 @@ struct ImportanceScores {
   int window = 0;  // observation window (last queries)
   int pool = 1;    // max-pool kernel already applied over keys
   std::vector<std::vector<float>> layers;
+  // How they were computed (the manifest's importance.method).
+  std::string method =
+      "snapkv column sums of the observation window's softmax, from the attention LSE";
 };
 
 enum class RetentionKind { kFull, kStreaming, kSnapKV, kPyramid, kMoA, kLayerwise, kAdaKV };

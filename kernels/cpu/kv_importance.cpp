@@ -62,17 +62,22 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
     }
   });
   float* o = out.ptr<float>();
-  const int64_t half = p.pool / 2;
-  for (int64_t g = 0; g < hkv; ++g) {
-    const float* a = acc.data() + g * nk;
-    for (int64_t j = 0; j < nk; ++j) {
-      float m = a[j];
-      for (int64_t u = std::max<int64_t>(0, j - half); u <= std::min(nk - 1, j + half); ++u)
-        m = std::max(m, a[u]);
-      o[g * nk + j] = m;
-    }
-  }
+  for (int64_t g = 0; g < hkv; ++g) max_pool_keys(acc.data() + g * nk, nk, p.pool, o + g * nk);
   return Status::ok();
 }
 
 }  // namespace sf::kernels::cpu
+
+namespace sf::kernels {
+
+void max_pool_keys(const float* a, int64_t n, int pool, float* out) {
+  const int64_t half = pool / 2;
+  for (int64_t j = 0; j < n; ++j) {
+    float m = a[j];
+    for (int64_t u = std::max<int64_t>(0, j - half); u <= std::min(n - 1, j + half); ++u)
+      m = std::max(m, a[u]);
+    out[j] = m;
+  }
+}
+
+}  // namespace sf::kernels

@@ -303,7 +303,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   // instead of by pooled q. Those rows give the logits a decode node starts from, and a pooled
   // query misses a key block that only a few of its rows attend (a retrieval head reading a
   // pass key 1.5K tokens back at 2K was the measured case).
-  std::vector<std::vector<float>> last_mass(size_t(g.hq));
+  std::vector<std::vector<float>> last_mass(size_t(g.hq)), last_cols(size_t(g.hq));
   if (any_block && g.n_qb > 0) {
     pooled_k = pool_keys(g);
     std::vector<int> bh;
@@ -311,16 +311,32 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
       if (uses_blocks(patterns[size_t(h)].pattern)) bh.push_back(h);
     std::vector<int64_t> rows;
     for (int64_t r = (g.n_qb - 1) * kB; r < g.nq; ++r) rows.push_back(r);
-    std::vector<std::vector<float>> lc(size_t(g.hq));
-    vs_scores(g, bh, rows, &lc, nullptr);
+    vs_scores(g, bh, rows, &last_cols, nullptr);
     for (int h : bh) {
       auto& m = last_mass[size_t(h)];
       m.assign(size_t(n_kb), 0.f);
-      for (size_t j = 0; j < lc[size_t(h)].size(); ++j) m[j / size_t(kB)] += lc[size_t(h)][j];
+      const auto& lc = last_cols[size_t(h)];
+      for (size_t j = 0; j < lc.size(); ++j) m[j / size_t(kB)] += lc[j];
       for (float& x : m) x /= float(rows.size());  // each row's mass sums to 1
     }
   }
 
+  if (stats->keep_columns) {
+    stats->columns.assign(size_t(g.hq), {});
+    for (int h : vs_heads) {
+      const VsSegments& sg = segs[size_t(h)];
+      const int64_t sl = sg.count() - 1;  // the last segment: its rows end the prompt
+      auto& c = stats->columns[size_t(h)];
+      c.assign(size_t(g.nk), 0.f);
+      std::copy_n(col[size_t(h)].begin() + sl * kend_last, kend_last, c.begin());
+    }
+    for (int h = 0; h < int(g.hq); ++h)
+      if (uses_blocks(patterns[size_t(h)].pattern) && !last_cols[size_t(h)].empty()) {
+        auto& c = stats->columns[size_t(h)];
+        c.assign(size_t(g.nk), 0.f);
+        std::copy(last_cols[size_t(h)].begin(), last_cols[size_t(h)].end(), c.begin());
+      }
+  }
   if (trace) trace->assign(size_t(g.hq * g.n_qb), IndexCandidates{});
   if (trace_local) trace_local->assign(size_t(g.hq), 0);
   std::vector<HeadLists> lists(size_t(g.hq));

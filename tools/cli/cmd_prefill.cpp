@@ -42,7 +42,7 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 
 int cmd_prefill(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention",
-                            "device", "retention", "kv-pool", "dump-attention"},
+                            "device", "retention", "kv-pool", "dump-attention", "importance"},
                            {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -67,6 +67,9 @@ int cmd_prefill(int argc, char** argv) {
     if (fs::exists(d, ec) && (!fs::is_directory(d, ec) || !fs::is_empty(d, ec)) && !a.has("force"))
       return fail(SF_ERR(kAlreadyExists, "export dir '" + d.string() + "' exists and is not empty (use --force to replace it)"));
   }
+  const std::string importance_src = a.get("importance", "lse");
+  if (importance_src != "lse" && importance_src != "estimator")
+    return fail(SF_ERR(kInvalidArgument, "--importance '" + importance_src + "' is not lse or estimator"));
   kvstore::RetentionPolicy retention;
   if (a.has("retention")) {
     if (!a.has("export-kv")) return fail(SF_ERR(kInvalidArgument, "--retention applies to --export-kv"));
@@ -187,6 +190,8 @@ int cmd_prefill(int argc, char** argv) {
   if (a.has("export-kv") && device != "cuda") {
     // Exports carry per-block importance; scored retention policies select with it.
     opt.importance_window = 32;
+    // --importance estimator: groups whose heads the sparse estimator scored reuse those scores.
+    opt.importance_from_estimator = importance_src == "estimator";
     opt.importance_pool = retention.kind == kvstore::RetentionKind::kSnapKV ||
                                   retention.kind == kvstore::RetentionKind::kAdaKV
                               ? retention.pool
@@ -302,6 +307,11 @@ int cmd_prefill(int argc, char** argv) {
     if (!r.importance.empty())
       imp = kvstore::ImportanceScores{cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, opt.importance_window,
                                       opt.importance_pool, r.importance};
+    if (imp && opt.importance_from_estimator)
+        imp->method =
+            "per KV group: the sparse estimator's softmax column sums of its scoring rows (last 64, "
+            "plus spread rows) when every query head of the group has them, else the attention "
+            "LSE pass over the observation window";
     auto ret = kvstore::retention_apply(retention, cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, imp ? &*imp : nullptr);
     if (!ret.is_ok()) return fail(ret.status());
     spec.retention = &ret.value();

@@ -11,7 +11,8 @@ namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: sparsefill <command> [options]\n"
-               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR [--retention POLICY]] [--force]\n"
+               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT) [--export-kv DIR [--retention POLICY]\n"
+               "           [--importance lse|estimator]] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
                "           [--device cpu|cuda] [--kv-pool host=BYTES,disk=DIR[:BYTES]]  (sizes: 4096, 64K, 64M, 2G)\n"

@@ -24,6 +24,33 @@ int32_t argmax_row(const float* r, int64_t n) {
   return int32_t(std::max_element(r, r + n) - r);
 }
 
+// KV groups whose query heads all came back with estimator scores (importance_from_estimator).
+std::vector<bool> estimator_groups(const std::vector<std::vector<float>>& cols, int64_t hkv,
+                                   int64_t group, int64_t nk) {
+  std::vector<bool> ok(static_cast<size_t>(hkv), !cols.empty());
+  for (int64_t g = 0; g < hkv && !cols.empty(); ++g)
+    for (int64_t x = 0; x < group; ++x)
+      ok[size_t(g)] = ok[size_t(g)] && int64_t(cols[size_t(g * group + x)].size()) == nk;
+  return ok;
+}
+
+// imp [hkv, nk]: for each reused group, the max-pooled sum of its query heads' scores, the same
+// reduction kv_importance applies to its own sums.
+void importance_from_columns(const std::vector<std::vector<float>>& cols,
+                             const std::vector<bool>& reuse, int64_t group, int64_t nk, int pool,
+                             float* imp) {
+  std::vector<float> sum(static_cast<size_t>(nk));
+  for (size_t g = 0; g < reuse.size(); ++g) {
+    if (!reuse[g]) continue;
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t x = 0; x < group; ++x) {
+      const auto& c = cols[g * size_t(group) + size_t(x)];
+      for (int64_t j = 0; j < nk; ++j) sum[size_t(j)] += c[size_t(j)];
+    }
+    kernels::max_pool_keys(sum.data(), nk, pool, imp + int64_t(g) * nk);
+  }
+}
+
 }  // namespace
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt) {
@@ -88,6 +115,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   double pairs_done = 0, pairs_causal = 0;
   using clock = std::chrono::steady_clock;
 
+  std::vector<std::vector<float>> est_columns;  // this layer's estimator scores, when kept
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w.layers[size_t(l)];
     auto& K = kv.k[size_t(l)];
@@ -127,6 +155,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     if (use_sparse) {
       kernels::SparseIndex idx;
       kernels::EstimatorStats st;
+      st.keep_columns = opt.importance_window > 0 && opt.importance_from_estimator;
       const auto e0 = clock::now();
       SF_TRY(kernels::sparse_estimate(qv, kv3, sc->layers[size_t(l)], P, &idx, &st));
       const auto e1 = clock::now();
@@ -136,6 +165,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       res.attention_s += std::chrono::duration<double>(e2 - e1).count();
       pairs_done += st.density * causal_pairs;
       if (opt.on_attention) opt.on_attention(l, qv, kv3, &idx);
+      est_columns = std::move(st.columns);
     } else {
       const auto a0 = clock::now();
       SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap));
@@ -147,13 +177,19 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       const auto i0 = clock::now();
       auto& imp = res.importance[size_t(l)];
       imp.resize(size_t(hkv * nk));
-      kernels::ImportanceParams ip;
-      ip.window = opt.importance_window;
-      ip.pool = opt.importance_pool;
-      ip.q_offset = P;
-      SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
+      // Groups the estimator's scores cover; the LSE pass fills the rest (all, by default).
+      const std::vector<bool> reuse = estimator_groups(est_columns, hkv, hq / hkv, nk);
+      if (std::count(reuse.begin(), reuse.end(), true) < hkv) {
+        kernels::ImportanceParams ip;
+        ip.window = opt.importance_window;
+        ip.pool = opt.importance_pool;
+        ip.q_offset = P;
+        SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
+      }
+      importance_from_columns(est_columns, reuse, hq / hkv, nk, opt.importance_pool, imp.data());
       res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
+    est_columns.clear();
     if (opt.on_layer_kv)
       SF_TRY(opt.on_layer_kv(l, kv3, vv,
                              opt.importance_window > 0 ? std::span<const float>(res.importance[size_t(l)])

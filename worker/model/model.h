@@ -92,6 +92,12 @@ struct PrefillOptions {
   // from the attention's LSE (kernels/kv_importance.h), into PrefillResult::importance.
   int importance_window = 0;
   int importance_pool = 7;  // max-pool kernel over keys (1: raw column sums)
+  // With a sparse config on the CPU: a KV group whose query heads all have estimator scores
+  // (vertical-slash or block family, kernels::EstimatorStats::columns) takes its importance from
+  // them, max-pooled the same way, instead of the LSE pass; its observation rows are then the
+  // estimator's (the last 64, plus spread rows), not the last importance_window. A layer whose
+  // groups all have them skips the pass.
+  bool importance_from_estimator = false;
   LayerKvHook on_layer_kv;
 };
 

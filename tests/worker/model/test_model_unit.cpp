@@ -9,6 +9,7 @@
 #include "tests/worker/model/gguf_builder.h"
 #include "worker/model/gguf.h"
 #include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
 
 namespace sf {
 namespace {
@@ -83,6 +84,57 @@ TEST(Forward, ExtendEqualsFullPrefill) {
   EXPECT_LT(max_abs_diff(r.logits, full->logits), 1e-4);
   EXPECT_EQ(r.first_token, full->first_token);
   EXPECT_LT(max_abs_diff(r.kv.v[1], full->kv.v[1]), 1e-5);
+}
+
+// Importance from the estimator's own scores: with 640 tokens (whole 64-row blocks) the
+// vertical-slash heads' scoring rows and the block heads' last query block are both the last 64
+// rows. Those scores are the full softmax, so layer 0 (whose q and k do not depend on how
+// attention ran) must equal the LSE pass of a dense prefill with window 64. The LSE pass of a
+// sparse prefill differs: its LSE covers the selected keys only. Layer 1's group 1 mixes a dense
+// head in, so it keeps the (sparse) LSE pass.
+TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const model::ModelConfig c = tiny_config();
+  auto m = model::Model::synthetic(c, seed);
+  ASSERT_TRUE(m.is_ok());
+  model::SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  kernels::HeadPattern vs, bs, dn;
+  vs.pattern = kernels::Pattern::kVerticalSlash;
+  vs.n_vertical = 100;
+  vs.n_slash = 64;
+  bs.pattern = kernels::Pattern::kBlockSparse;
+  bs.n_blocks = 3;
+  dn.pattern = kernels::Pattern::kDense;
+  sc.layers = {{bs, bs, vs, vs}, {vs, vs, dn, vs}};
+  const auto toks = random_tokens(640, c.vocab, seed + 1);
+  const int64_t nk = 640;
+  model::PrefillOptions o;
+  o.importance_window = 64;
+  o.importance_pool = 7;
+  auto dense = model::prefill(m.value(), toks, o);
+  o.sparse = &sc;
+  auto lse = model::prefill(m.value(), toks, o);
+  o.importance_from_estimator = true;
+  auto est = model::prefill(m.value(), toks, o);
+  ASSERT_TRUE(dense.is_ok() && lse.is_ok() && est.is_ok());
+  EXPECT_EQ(lse->logits, est->logits);  // attention is the same either way
+  const auto& a = dense->importance[0];
+  const auto& b = est->importance[0];
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t j = 0; j < a.size(); ++j)
+    worst = std::max(worst, std::fabs(double(a[j]) - b[j]) / (1e-3 + std::fabs(double(a[j]))));
+  EXPECT_LT(worst, 1e-4);
+  std::printf("layer 0: estimator scores vs the dense LSE pass, max rel diff %.2g\n", worst);
+  const auto& l1 = est->importance[1];
+  const auto& l1_lse = lse->importance[1];
+  EXPECT_NE(std::vector<float>(l1.begin(), l1.begin() + nk),
+            std::vector<float>(l1_lse.begin(), l1_lse.begin() + nk));       // group 0: reused
+  EXPECT_TRUE(std::equal(l1.begin() + nk, l1.end(), l1_lse.begin() + nk));  // group 1: LSE pass
 }
 
 TEST(Forward, RejectsBadTokens) {
