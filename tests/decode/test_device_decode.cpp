@@ -115,6 +115,28 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
               static_cast<long long>(visited), static_cast<long long>(hs.blocks_total), worst);
 }
 
+// Appends `count` random tokens (positions from first_pos) to the host cache, and to the pool by
+// the device append. Keys are N(0, scale), every 7th token's N(0, spike): the bounds must follow.
+void append_both(Planted& p, const decode::DevicePagedPool& pool, int first_pos, int count,
+                 uint64_t seed, float scale, float spike) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> k(kHkv * kD), v(kHkv * kD);
+  DeviceBuffer dk, dv;
+  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  for (int i = 0; i < count; ++i) {
+    for (auto& x : k) x = (i % 7 == 0 ? spike : scale) * nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (int g = 0; g < kHkv; ++g)
+      p.cache.append(0, g, first_pos + i, k.data() + g * kD, v.data() + g * kD);
+    ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
+    ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
+    ASSERT_TRUE(kernels::paged_append(pool.layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
+  }
+  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+}
+
 const char* kModes[] = {"full", "psa:0.9", "psa:0.95", "psa-avg:0.95", "psa-strict:0.8"};
 
 TEST_F(DeviceDecode, PagedKernelFollowsTheHostRules) {
@@ -134,22 +156,7 @@ TEST_F(DeviceDecode, PagedKernelHandlesHeadsOfDifferentLengths) {
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
   // 70 appends: head 0's last block (5 tokens) fills and opens one page, head 1's another count.
-  std::mt19937_64 rng(seed + 2);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> k(kHkv * kD), v(kHkv * kD);
-  DeviceBuffer dk, dv;
-  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
-  const kernels::Stream s{Device::kCuda, nullptr};
-  for (int i = 0; i < 70; ++i) {
-    for (auto& x : k) x = 0.5f * nd(rng);
-    for (auto& x : v) x = nd(rng);
-    for (int g = 0; g < kHkv; ++g)
-      p.cache.append(0, g, n + i, k.data() + g * kD, v.data() + g * kD);
-    ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
-    ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
-    ASSERT_TRUE(kernels::paged_append(pool->layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
-  }
-  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+  append_both(p, pool.value(), n, 70, seed + 2, 0.5f, 0.5f);
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
 }
 
@@ -161,22 +168,7 @@ TEST_F(DeviceDecode, AppendGrowsThePoolAsTheHostCacheGrows) {
   Planted p = planted(n0, seed);
   auto pool = decode::DevicePagedPool::upload(p.cache, n_new);
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
-  std::mt19937_64 rng(seed + 1);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> k(kHkv * kD), v(kHkv * kD);
-  DeviceBuffer dk, dv;
-  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
-  const kernels::Stream s{Device::kCuda, nullptr};
-  for (int i = 0; i < n_new; ++i) {
-    for (auto& x : k) x = (i % 7 == 0 ? 2.f : 0.3f) * nd(rng);
-    for (auto& x : v) x = nd(rng);
-    for (int g = 0; g < kHkv; ++g)
-      p.cache.append(0, g, n0 + i, k.data() + g * kD, v.data() + g * kD);
-    ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
-    ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
-    ASSERT_TRUE(kernels::paged_append(pool->layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
-  }
-  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+  append_both(p, pool.value(), n0, n_new, seed + 1, 0.3f, 2.f);
   EXPECT_EQ(p.cache.pages(0, 0).size(), size_t((n0 + n_new + 63) / 64));
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
 }
