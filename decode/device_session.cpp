@@ -117,7 +117,6 @@ size_t DevicePagedPool::bytes() const {
 struct DeviceDecodeSession::Impl {
   const model::DeviceModel* dm = nullptr;
   model::DeviceModel::Views w;
-  DecodeAttnParams p;
   kernels::PagedDecodeParams kp;
   int64_t pos = 0;
   int steps_left = 0;
@@ -133,7 +132,6 @@ struct DeviceDecodeSession::Impl {
   // device keeps its own; these give blocks_total without a download).
   std::vector<int32_t> np_host, last_fill;
   DecodeAttnStats stats;
-  size_t pool_bytes = 0;
 
   ~Impl() {
     if (stream) (void)cudaStreamDestroy(stream);
@@ -146,7 +144,8 @@ struct DeviceDecodeSession::Impl {
     v.device = Device::kCuda;
     return v;
   }
-  // x [1, n] F32 as a GEMM input: itself with F32 weights, else rounded into xh.
+  // x [1, n] F32 as a GEMM input: itself with F32 weights, else rounded into xh once for every
+  // linear that reads it.
   Result<TensorView> gemm_input(const kernels::cuda::DeviceBuffer& x_f32, int64_t n) {
     const TensorView xf = dview(x_f32, DType::kF32, {1, n});
     if (dm->weight_dtype() == DType::kF32) return xf;
@@ -154,10 +153,9 @@ struct DeviceDecodeSession::Impl {
     SF_TRY(kernels::cast(xf, h, cs()));
     return h;
   }
-  Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
-                const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
-    SF_ASSIGN(TensorView xin, gemm_input(in, n_in));
-    return kernels::linear(xin, wt, bias, dview(out, DType::kF32, {1, n_out}), cs());
+  Status linear(const TensorView& in, const TensorView& wt, const TensorView& bias,
+                const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
+    return kernels::linear(in, wt, bias, dview(out, DType::kF32, {1, n_out}), cs());
   }
 };
 
@@ -186,7 +184,6 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   Impl& m = *s.impl_;
   m.dm = &dm;
   m.w = dm.views();
-  m.p = p;
   m.kp.psa = p.mode == DecodeAttnMode::kPsa;
   m.kp.eps = p.eps;
   m.kp.pin_sink_recent = p.pin_sink_recent;
@@ -204,7 +201,6 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   SF_CUDA_TRY(cudaSetDevice(dm.device()));
 
   SF_ASSIGN(m.pool, DevicePagedPool::upload(cache, max_new_tokens));
-  m.pool_bytes = m.pool.bytes();
   const int64_t L = c.n_layers, hkv = c.n_kv_heads, d = c.head_dim;
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < hkv; ++h) {
@@ -267,29 +263,34 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
     const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
     SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.attn_norm, c.rms_eps,
                              Impl::dview(m.xn, F, {1, H}), cs));
-    SF_TRY(m.linear(m.xn, H, L.wq, L.bq, m.q, qd));
-    SF_TRY(m.linear(m.xn, H, L.wk, L.bk, m.kn, kvd));
-    SF_TRY(m.linear(m.xn, H, L.wv, L.bv, m.vn, kvd));
+    SF_ASSIGN(TensorView in, m.gemm_input(m.xn, H));
+    SF_TRY(m.linear(in, L.wq, L.bq, m.q, qd));
+    SF_TRY(m.linear(in, L.wk, L.bk, m.kn, kvd));
+    SF_TRY(m.linear(in, L.wv, L.bv, m.vn, kvd));
     SF_TRY(kernels::rope(Impl::dview(m.q, F, {1, m.hq, m.d}), d_pos, rope, cs));
     SF_TRY(kernels::rope(Impl::dview(m.kn, F, {1, m.hkv, m.d}), d_pos, rope, cs));
     const kernels::PagedKv kv = m.pool.layer(l);
     SF_TRY(kernels::paged_append(kv, m.kn.as<float>(), m.vn.as<float>(), cs));
     SF_TRY(kernels::paged_decode_attention(m.q.as<float>(), m.hq, kv, m.kp, m.att.as<float>(),
                                            m.visited.as<int32_t>() + int64_t(l) * m.hq, cs));
-    SF_TRY(m.linear(m.att, qd, L.wo, none, m.tmp, H));
+    SF_ASSIGN(in, m.gemm_input(m.att, qd));
+    SF_TRY(m.linear(in, L.wo, none, m.tmp, H));
     SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
     SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.ffn_norm, c.rms_eps,
                              Impl::dview(m.xn, F, {1, H}), cs));
-    SF_TRY(m.linear(m.xn, H, L.w_gate, none, m.gate, I));
-    SF_TRY(m.linear(m.xn, H, L.w_up, none, m.up, I));
+    SF_ASSIGN(in, m.gemm_input(m.xn, H));
+    SF_TRY(m.linear(in, L.w_gate, none, m.gate, I));
+    SF_TRY(m.linear(in, L.w_up, none, m.up, I));
     SF_TRY(kernels::swiglu(Impl::dview(m.gate, F, {1, I}), Impl::dview(m.up, F, {1, I}),
                            Impl::dview(m.gate, F, {1, I}), cs));
-    SF_TRY(m.linear(m.gate, I, L.w_down, none, m.tmp, H));
+    SF_ASSIGN(in, m.gemm_input(m.gate, I));
+    SF_TRY(m.linear(in, L.w_down, none, m.tmp, H));
     SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
   }
   SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), m.w.out_norm, c.rms_eps,
                            Impl::dview(m.xn, F, {1, H}), cs));
-  SF_TRY(m.linear(m.xn, H, m.w.lm_head, none, m.logits, m.vocab));
+  SF_ASSIGN(TensorView in, m.gemm_input(m.xn, H));
+  SF_TRY(m.linear(in, m.w.lm_head, none, m.logits, m.vocab));
   SF_TRY(kernels::cuda::stream_synchronize(m.stream));
   logits->resize(size_t(m.vocab));
   SF_TRY(m.logits.download(logits->data(), sizeof(float) * size_t(m.vocab)));
@@ -323,7 +324,7 @@ size_t DevicePagedPool::bytes() const { return 0; }
 
 struct DeviceDecodeSession::Impl {
   DecodeAttnStats stats;
-  size_t pool_bytes = 0;
+  DevicePagedPool pool;
 };
 
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
@@ -350,7 +351,7 @@ DeviceDecodeSession::DeviceDecodeSession(DeviceDecodeSession&&) noexcept = defau
 DeviceDecodeSession& DeviceDecodeSession::operator=(DeviceDecodeSession&&) noexcept = default;
 DeviceDecodeSession::~DeviceDecodeSession() = default;
 const DecodeAttnStats& DeviceDecodeSession::stats() const { return impl_->stats; }
-size_t DeviceDecodeSession::pool_bytes() const { return impl_->pool_bytes; }
+size_t DeviceDecodeSession::pool_bytes() const { return impl_->pool.bytes(); }
 
 Result<std::vector<int32_t>> DeviceDecodeSession::generate_greedy(int32_t first_token, int n_new) {
   return greedy_decode(first_token, n_new,
