@@ -39,8 +39,9 @@ int main(int argc, char** argv) {
   const int hq = argc > 2 ? std::atoi(argv[2]) : 32;
   const int hkv = argc > 3 ? std::atoi(argv[3]) : 8;
   const int d = argc > 4 ? std::atoi(argv[4]) : 128;
-  if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d > 128) {
-    std::fprintf(stderr, "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d<=128]\n");
+  if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || (d != 32 && d != 64 && d != 128)) {
+    std::fprintf(stderr,
+                 "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d: 32|64|128]\n");
     return 2;
   }
   std::mt19937_64 rng(20261124);
@@ -73,7 +74,10 @@ int main(int argc, char** argv) {
   kv = model::KvCache{};  // the paged copy is all that is needed now
   auto pool = decode::DevicePagedPool::upload(cache.value(), 0);
   if (!pool.is_ok()) return fail("device pool", pool.status());
-  kernels::cuda::DeviceBuffer dq, dout, dvis;
+  kernels::cuda::DeviceBuffer dq, dout, dvis, dws;
+  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
+  if (ws > 0 && !dws.alloc(ws).is_ok())
+    return fail("device buffers", SF_ERR(kResourceExhausted, "workspace"));
   if (!dq.alloc(q.size() * 4).is_ok() || !dq.upload(q.data(), q.size() * 4).is_ok() ||
       !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
     return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
@@ -83,6 +87,25 @@ int main(int argc, char** argv) {
   (void)cudaEventCreate(&e0);
   (void)cudaEventCreate(&e1);
   const kernels::Stream s{Device::kCuda, nullptr};
+  // The device's copy rate in the same run, for scale: a 256 MB device-to-device copy reads and
+  // writes 512 MB.
+  double copy_GBps = 0;
+  {
+    const size_t cb = size_t(256) << 20;
+    kernels::cuda::DeviceBuffer a, b;
+    if (a.alloc(cb).is_ok() && b.alloc(cb).is_ok() && cudaMemset(a.data(), 1, cb) == cudaSuccess) {
+      for (int i = 0; i < 2; ++i)
+        (void)cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice);
+      (void)cudaEventRecord(e0, nullptr);
+      for (int i = 0; i < 10; ++i)
+        (void)cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice);
+      (void)cudaEventRecord(e1, nullptr);
+      (void)cudaEventSynchronize(e1);
+      float ms = 0.f;
+      (void)cudaEventElapsedTime(&ms, e0, e1);
+      copy_GBps = 10.0 * 2.0 * double(cb) / (1e-3 * double(ms)) / 1e9;
+    }
+  }
   for (const char* spec : {"full", "psa:0.95", "psa-avg:0.95"}) {
     auto p = decode::decode_attn_parse(spec);
     kernels::PagedDecodeParams kp;
@@ -92,7 +115,8 @@ int main(int argc, char** argv) {
     kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
     auto launch = [&] {
       return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
-                                             dout.as<float>(), dvis.as<int32_t>(), s);
+                                             dout.as<float>(), dvis.as<int32_t>(), dws.data(),
+                                             dws.size(), s);
     };
     for (int i = 0; i < 3; ++i)
       if (Status st = launch(); !st.is_ok()) return fail(spec, st);
@@ -128,10 +152,10 @@ int main(int argc, char** argv) {
         "{\"device\": \"%s\", \"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
         "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
         "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
-        "\"device_kv_GBps\": %.1f}\n",
+        "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f}\n",
         prop.name, static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
-        static_cast<long long>(hs.blocks_visited), static_cast<long long>(visited), dev_us,
-        host_us, bytes / (dev_us * 1e-6) / 1e9);
+        static_cast<long long>(hs.blocks_visited), static_cast<long long>(visited), dev_us, host_us,
+        bytes / (dev_us * 1e-6) / 1e9, copy_GBps);
   }
   return 0;
 }

@@ -126,7 +126,8 @@ struct DeviceDecodeSession::Impl {
   cudaStream_t stream = nullptr;
   DevicePagedPool pool;
   // Activations (F32), the BF16 GEMM input, token + position, per-layer visited counts.
-  kernels::cuda::DeviceBuffer x, xn, xh, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited;
+  kernels::cuda::DeviceBuffer x, xn, xh, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited,
+      attn_ws;  // paged_decode_attention's split partials (every layer's pool has one shape)
   std::vector<int32_t> visited_host;
   // Per layer and KV head, as the appends leave them: blocks and the last block's fill (the
   // device keeps its own; these give blocks_total without a download).
@@ -175,9 +176,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
-  if (c.head_dim > 128 || c.head_dim % 4)
+  if (c.head_dim != 32 && c.head_dim != 64 && c.head_dim != 128)
     return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
-                                    " (the decode kernel takes multiples of 4 up to 128)");
+                                    " (the decode kernel takes 32, 64 or 128)");
   if (max_new_tokens < 0) return SF_ERR(kOutOfRange, "device decode: max_new_tokens must be >= 0");
   DeviceDecodeSession s;
   s.impl_ = std::make_unique<Impl>();
@@ -224,6 +225,8 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   SF_TRY(m.xh.alloc(sizeof(uint16_t) * size_t(widest)));
   SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
   SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
+  if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0)); ws > 0)
+    SF_TRY(m.attn_ws.alloc(ws));
   m.visited_host.assign(size_t(L * c.n_heads), 0);
   SF_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   return s;
@@ -272,7 +275,8 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
     const kernels::PagedKv kv = m.pool.layer(l);
     SF_TRY(kernels::paged_append(kv, m.kn.as<float>(), m.vn.as<float>(), cs));
     SF_TRY(kernels::paged_decode_attention(m.q.as<float>(), m.hq, kv, m.kp, m.att.as<float>(),
-                                           m.visited.as<int32_t>() + int64_t(l) * m.hq, cs));
+                                           m.visited.as<int32_t>() + int64_t(l) * m.hq,
+                                           m.attn_ws.data(), m.attn_ws.size(), cs));
     SF_ASSIGN(in, m.gemm_input(m.att, qd));
     SF_TRY(m.linear(in, L.wo, none, m.tmp, H));
     SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));

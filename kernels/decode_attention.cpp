@@ -29,8 +29,19 @@ Status check_pool(const char* op, const PagedKv& kv, Stream s) {
 
 }  // namespace
 
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
+#if SF_HAVE_CUDA
+  return cuda::paged_decode_workspace_bytes(n_heads, kv);
+#else
+  (void)n_heads;
+  (void)kv;
+  return 0;
+#endif
+}
+
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
-                              const PagedDecodeParams& p, float* out, int32_t* visited, Stream s) {
+                              const PagedDecodeParams& p, float* out, int32_t* visited,
+                              void* workspace, size_t workspace_bytes, Stream s) {
   SF_TRY(check_pool("paged_decode_attention", kv, s));
   if (!q || !out) return SF_ERR(kInvalidArgument, "paged_decode_attention: null q or out");
   if (n_heads <= 0 || n_heads % kv.n_kv_heads)
@@ -41,9 +52,12 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
     return SF_ERR(kOutOfRange,
                   "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");
 #if SF_HAVE_CUDA
-  return cuda::paged_decode_attention(q, n_heads, kv, p, out, visited, s.handle);
+  return cuda::paged_decode_attention(q, n_heads, kv, p, out, visited, workspace, workspace_bytes,
+                                      s.handle);
 #else
   (void)visited;
+  (void)workspace;
+  (void)workspace_bytes;
   return SF_ERR(kUnsupported, "paged_decode_attention: built without CUDA");
 #endif
 }

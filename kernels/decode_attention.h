@@ -35,11 +35,17 @@ struct PagedDecodeParams {
   float scale = 0.f;            // 0: 1/sqrt(head_dim)
 };
 
+// Device memory the full mode needs for its split partials (0 when it needs none): a plan step,
+// fixed by n_heads, head_dim, max_pages and the device's SM count. 0 without CUDA.
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv);
+
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32
-// blocks visited per query head (may be null). Query head h reads KV head h / (n_heads /
-// n_kv_heads). Device only: CPU streams get kUnsupported (use decode::decode_attention).
+// blocks visited per query head (may be null); workspace: paged_decode_workspace_bytes of device
+// memory. Query head h reads KV head h / (n_heads / n_kv_heads). Device only, head_dim 32, 64 or
+// 128: anything else gets kUnsupported (the host path is decode::decode_attention).
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
-                              const PagedDecodeParams& p, float* out, int32_t* visited, Stream s);
+                              const PagedDecodeParams& p, float* out, int32_t* visited,
+                              void* workspace, size_t workspace_bytes, Stream s);
 
 // Appends one token per KV head: k_new, v_new [n_kv_heads, head_dim] F32. Fills each head's last
 // block, opening its next reserved page when the block is full; keeps kmin/kmax exact. The caller

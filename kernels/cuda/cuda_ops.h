@@ -101,9 +101,10 @@ bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------
 // kernels/decode_attention.h on device pointers (validated there).
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv);
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
-                              void* stream);
+                              void* workspace, size_t workspace_bytes, void* stream);
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream);
 
 // ---- KV importance (kv_importance.cu) --------------------------------------------------------

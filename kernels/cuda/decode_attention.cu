@@ -1,17 +1,26 @@
 // CUDA paged decode attention and append (kernels/decode_attention.h). The rules are those of the
-// host reference, decode/decode_attention.cpp, step for step: the same bound, the same visit
-// order (bound descending, ties by page index), the same online softmax in float with the masses
-// in double, the same stop test. Results agree with it to float rounding (exp differs by an ulp),
-// so a stop that sits exactly on eps may fall one block apart.
+// host reference, decode/decode_attention.cpp: the same bound summed in the same order, the same
+// visit order (bound descending, ties by page index), the same stop test on masses in double.
+// Scores and partial sums are added in another order than the host's, so results agree to float
+// rounding, and a stop that sits within rounding of eps may fall one block apart.
 //
-// Work split: one CTA of 128 threads per query head. PSA ranks the head's blocks in shared memory
-// (bitonic sort of bound/index pairs, up to kDecodeMaxPages). Each visited block: the CTA loads
-// its keys into a shared tile (float4, every load in flight), threads 0-63 score one key each,
-// the CTA takes the block max, loads the values into the same tile, and thread c < head_dim
-// accumulates channel c of the output. One CTA walks a head's blocks in order (PSA's visit is
-// sequential), so a long context is latency bound: sf_bench_decode measures it.
+// Work split. A warp takes one 64-key block for one query head (warp_block): lane l loads channel
+// quad l % (D / 4) of one key row per load, so every load is a whole coalesced row; the 32 dot
+// partials a lane holds are reduce-scattered across the row's lanes (31 shuffles for D = 128),
+// leaving one score per lane; the values are read the same way and weighted by the exps
+// shuffled from the lanes that hold them. No shared memory, many loads in flight per warp.
+//   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (enough CTAs
+//         to fill the device); each CTA writes its partial (max, mass, output) and a second
+//         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
+//         their K/V reads meet in L2.
+//   psa:  one CTA of 16 warps per query head. The bounds (a thread per block, the host's order)
+//         are sorted in shared memory (bitonic, up to kDecodeMaxPages); then the ranked blocks
+//         are visited 16 at a time, a warp each, and one thread applies the host's sequential
+//         stop rule to the 16 results in rank order; blocks past the stop are discarded, so the
+//         visit set is the host's and at most 15 blocks' reads are wasted per query head.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -25,50 +34,186 @@
 namespace sf::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;
 constexpr int kBT = kDecodeBlockTokens;
-constexpr int kMaxDim = kThreads;  // one output channel per thread
+constexpr int kFullWarps = 4;   // per CTA, full mode
+constexpr int kPsaWarps = 16;   // per CTA, psa mode: ranked blocks scored per batch
+constexpr unsigned kAll = 0xffffffffu;
 
 struct DecodeArgs {
   const float* q;
   float* out;
   int32_t* visited;
+  float* ws;  // full mode with splits > 1: [n_heads][splits][D + 2] partial output, max, mass
   PagedKv kv;
-  int n_heads;
+  int n_heads, splits;
   float scale;
   double eps;
-  bool psa, pin, recent_mean;
+  bool pin, recent_mean;
 };
 
-__device__ float block_bound(const float* q, const float* kmin, const float* kmax, int d) {
-  float u = 0.f;
-  for (int c = 0; c < d; ++c) u += fmaxf(q[c] * kmin[c], q[c] * kmax[c]);
-  return u;
+// Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
+// the partner's copy), then recurses: after O = 1 lane l holds the sum of item l % (2 O_first).
+// Recursion on a template argument, so every index is a constant and v stays in registers.
+template <int O>
+__device__ __forceinline__ void reduce_scatter(float* v, int lane) {
+  if constexpr (O >= 1) {
+    const bool upper = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < O; ++i) {
+      const float send = upper ? v[i] : v[i + O];
+      const float keep = upper ? v[i + O] : v[i];
+      v[i] = keep + __shfl_xor_sync(kAll, send, O);
+    }
+    reduce_scatter<O / 2>(v, lane);
+  }
 }
 
-// n rows of d floats (d % 4 == 0, 16-byte aligned) from global into a [rows][ld] tile: float4
-// loads, several per thread issued before their stores.
-__device__ void load_tile(float* tile, const float* src, int n, int d, int ld) {
-  const int q4 = d / 4, total = n * q4;
-  const float4* s4 = reinterpret_cast<const float4*>(src);
-  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * kThreads) {
-    float4 r[4];
+__device__ __forceinline__ float4 ld4(const float* p) {
+  return __ldg(reinterpret_cast<const float4*>(p));
+}
+
+// One warp, one block of n (<= 64) keys for one query: q4 is this lane's channel quad of the
+// query. Returns the block max bm of the scaled scores, mass = sum_t exp(s_t - bm) (double) and
+// o4 = sum_t exp(s_t - bm) v_t on this lane's quad (the same in every lane of a quad).
+template <int D>
+__device__ __forceinline__ void warp_block(float4 q4, const float* kb, const float* vb, int n,
+                                           float scale, float* bm, double* mass, float4* o4) {
+  constexpr int LPR = D / 4;     // lanes per key row
+  constexpr int RPL = 32 / LPR;  // rows per warp load
+  const int lane = threadIdx.x & 31, quad = lane % LPR, sub = lane / LPR;
+  float s[2];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = i0 + u * kThreads;
-      if (i < total) r[u] = s4[i];
+  for (int round = 0; round < 2; ++round) {
+    float v[LPR];
+#pragma unroll
+    for (int j = 0; j < LPR; ++j) {
+      const int row = round * 32 + j * RPL + sub;
+      float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (row < n) k4 = ld4(kb + row * D + 4 * quad);
+      v[j] = q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
     }
+    // Reduce-scatter over the LPR lanes of a row: afterwards lane quad holds row j = quad's sum.
+    reduce_scatter<LPR / 2>(v, lane);
+    const int row = round * 32 + quad * RPL + sub;
+    s[round] = row < n ? v[0] * scale : -INFINITY;
+  }
+  float m = fmaxf(s[0], s[1]);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = i0 + u * kThreads;
-      if (i >= total) break;
-      float* dst = tile + (i / q4) * ld + (i % q4) * 4;
-      dst[0] = r[u].x;
-      dst[1] = r[u].y;
-      dst[2] = r[u].z;
-      dst[3] = r[u].w;
+  for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kAll, m, o));
+  const float e[2] = {s[0] == -INFINITY ? 0.f : expf(s[0] - m),
+                      s[1] == -INFINITY ? 0.f : expf(s[1] - m)};
+  double t = double(e[0]) + double(e[1]);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int j = 0; j < 64 / RPL; ++j) {
+    const int row = j * RPL + sub;  // this lane's value row; rows j*RPL.. share one round
+    const int r = row & 31;
+    const int src = (r % RPL) * LPR + r / RPL;  // the lane that holds row's exp
+    const float w = __shfl_sync(kAll, (j * RPL) < 32 ? e[0] : e[1], src);
+    if (row < n) {
+      const float4 v4 = ld4(vb + row * D + 4 * quad);
+      acc.x += w * v4.x;
+      acc.y += w * v4.y;
+      acc.z += w * v4.z;
+      acc.w += w * v4.w;
     }
   }
+#pragma unroll
+  for (int o = LPR; o < 32; o <<= 1) {
+    acc.x += __shfl_xor_sync(kAll, acc.x, o);
+    acc.y += __shfl_xor_sync(kAll, acc.y, o);
+    acc.z += __shfl_xor_sync(kAll, acc.z, o);
+    acc.w += __shfl_xor_sync(kAll, acc.w, o);
+  }
+  *bm = m;
+  *mass = t;
+  *o4 = acc;
+}
+
+// Folds a block result (bm, mass, o4) into a running (m, l, o): the frame moves to the larger max.
+__device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m, double* l,
+                                     float4* o) {
+  if (mass == 0) return;
+  if (bm > *m) {
+    const float r = expf(*m - bm);  // 0 while nothing is folded (m = -inf)
+    o->x *= r, o->y *= r, o->z *= r, o->w *= r;
+    *l *= double(r);
+    *m = bm;
+  }
+  const float w = expf(bm - *m);
+  o->x += w * ob.x, o->y += w * ob.y, o->z += w * ob.z, o->w += w * ob.w;
+  *l += double(w) * mass;
+}
+
+// Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
+// KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
+template <int D>
+__global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs a) {
+  constexpr int LPR = D / 4;
+  __shared__ float sm_m[kFullWarps];
+  __shared__ double sm_l[kFullWarps];
+  __shared__ float4 sm_o[kFullWarps][LPR];
+  const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane % LPR;
+  const int g = h / (a.n_heads / a.kv.n_kv_heads);
+  const int nb = a.kv.n_pages[g];
+  const int per = (nb + a.splits - 1) / a.splits;
+  const int b0 = split * per, b1 = min(nb, b0 + per);
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  const float4 q4 = ld4(a.q + int64_t(h) * D + 4 * quad);
+  float m = -INFINITY;
+  double l = 0;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int b = b0 + warp; b < b1; b += kFullWarps) {
+    const int64_t blk = pages[b];
+    const int n = a.kv.fill[blk];
+    if (n <= 0) continue;
+    float bm;
+    double mass;
+    float4 ob;
+    warp_block<D>(q4, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, &bm, &mass, &ob);
+    fold(bm, mass, ob, &m, &l, &o);
+  }
+  if (lane < LPR) sm_o[warp][lane] = o;
+  if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
+  __syncthreads();
+  if (threadIdx.x >= LPR) return;
+  float M = -INFINITY;
+  double L = 0;
+  float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
+  if (a.splits == 1) {
+    const float inv = L > 0 ? float(1.0 / L) : 0.f;
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[threadIdx.x] =
+        make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
+  } else {
+    float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
+    reinterpret_cast<float4*>(dst)[threadIdx.x] = O;
+    if (threadIdx.x == 0) {
+      dst[D] = M;
+      reinterpret_cast<double*>(dst + D + 2)[0] = L;
+    }
+  }
+  if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
+}
+
+// Merges a query head's splits (one CTA per head, a thread per channel quad).
+template <int D>
+__global__ void merge_kernel(const DecodeArgs a) {
+  const int h = blockIdx.x, c4 = threadIdx.x;
+  float M = -INFINITY;
+  double L = 0;
+  float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int sp = 0; sp < a.splits; ++sp) {
+    const float* src = a.ws + (int64_t(h) * a.splits + sp) * (D + 4);
+    fold(src[D], reinterpret_cast<const double*>(src + D + 2)[0],
+         reinterpret_cast<const float4*>(src)[c4], &M, &L, &O);
+  }
+  const float inv = L > 0 ? float(1.0 / L) : 0.f;
+  reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
+      make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
 }
 
 // Descending by bound, ascending by index on ties: the order of the host's stable_sort.
@@ -76,27 +221,49 @@ __device__ bool before(float ua, int ia, float ub, int ib) {
   return ua > ub || (ua == ub && ia < ib);
 }
 
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs a) {
+// The host's bound, summed channel by channel in its order (the ranking must be the host's).
+__device__ float block_bound(const float* q, const float* kmin, const float* kmax, int d) {
+  float u = 0.f;
+  for (int c = 0; c < d; c += 4) {
+    const float4 lo = ld4(kmin + c), hi = ld4(kmax + c);
+    u += fmaxf(q[c] * lo.x, q[c] * hi.x);
+    u += fmaxf(q[c + 1] * lo.y, q[c + 1] * hi.y);
+    u += fmaxf(q[c + 2] * lo.z, q[c + 2] * hi.z);
+    u += fmaxf(q[c + 3] * lo.w, q[c + 3] * hi.w);
+  }
+  return u;
+}
+
+struct PsaShared {
+  float bm[kPsaWarps];
+  double mass[kPsaWarps];
+  int n[kPsaWarps];
+  float w[kPsaWarps];  // each block's weight in the merged frame (0: past the stop, or empty)
+  float rescale;       // of the running output, into the new frame
+  int done;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kPsaWarps * 32) psa_kernel(const DecodeArgs a) {
+  constexpr int LPR = D / 4;
   extern __shared__ unsigned char smem_raw[];
-  const int h = blockIdx.x, tid = threadIdx.x;
-  const int d = a.kv.head_dim, group = a.n_heads / a.kv.n_kv_heads, g = h / group;
+  __shared__ PsaShared ps;
+  __shared__ float4 wo[kPsaWarps][LPR];
+  __shared__ float qs[D];
+  const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int quad = lane % LPR;
+  const int g = h / (a.n_heads / a.kv.n_kv_heads);
   const int nb = a.kv.n_pages[g];
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   int np2 = 1;
   while (np2 < nb) np2 <<= 1;
-  const int ld = d + 1;                                       // tile row stride: no bank conflicts
-  float* tile = reinterpret_cast<float*>(smem_raw);           // [kBT][ld] a block's K, then V
-  float* qs = tile + kBT * ld;                                // [d]
-  float* sc = qs + kMaxDim;                                   // [kBT] scores, then exps
-  float* red = sc + kBT;                                      // [kThreads / 32] warp partials
-  float* ub = red + kThreads / 32;                            // [np2] bounds (psa)
-  int* ord = reinterpret_cast<int*>(ub + (a.psa ? np2 : 0));  // [np2] page indices in visit order
+  float* ub = reinterpret_cast<float*>(smem_raw);  // [np2] bounds
+  int* ord = reinterpret_cast<int*>(ub + np2);      // [np2] page indices in visit order
 
-  for (int c = tid; c < d; c += kThreads) qs[c] = a.q[int64_t(h) * d + c];
+  for (int c = tid; c < D; c += blockDim.x) qs[c] = a.q[int64_t(h) * D + c];
   __syncthreads();
-  for (int b = tid; b < np2; b += kThreads) {
+  for (int b = tid; b < np2; b += blockDim.x) {
     ord[b] = b;
-    if (!a.psa) continue;
     if (b >= nb) {
       ub[b] = -INFINITY;
       continue;
@@ -104,117 +271,128 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     const int64_t blk = pages[b];
     ub[b] = (a.pin && (b == 0 || b == nb - 1))
                 ? INFINITY
-                : block_bound(qs, a.kv.kmin + blk * d, a.kv.kmax + blk * d, d);
+                : block_bound(qs, a.kv.kmin + blk * D, a.kv.kmax + blk * D, D);
   }
   __syncthreads();
-  if (a.psa) {
-    for (int k = 2; k <= np2; k <<= 1)
-      for (int j = k >> 1; j > 0; j >>= 1) {
-        for (int i = tid; i < np2; i += kThreads) {
-          const int l = i ^ j;
-          if (l <= i) continue;
-          const bool up = (i & k) == 0;  // this pair's run sorts in visit order
-          const bool swap =
-              up ? before(ub[l], ord[l], ub[i], ord[i]) : before(ub[i], ord[i], ub[l], ord[l]);
-          if (swap) {
-            const float tu = ub[i];
-            ub[i] = ub[l];
-            ub[l] = tu;
-            const int to = ord[i];
-            ord[i] = ord[l];
-            ord[l] = to;
-          }
+  for (int k = 2; k <= np2; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = tid; i < np2; i += blockDim.x) {
+        const int l = i ^ j;
+        if (l <= i) continue;
+        const bool up = (i & k) == 0;  // this pair's run sorts in visit order
+        const bool swap =
+            up ? before(ub[l], ord[l], ub[i], ord[i]) : before(ub[i], ord[i], ub[l], ord[l]);
+        if (swap) {
+          const float tu = ub[i];
+          ub[i] = ub[l];
+          ub[l] = tu;
+          const int to = ord[i];
+          ord[i] = ord[l];
+          ord[l] = to;
         }
-        __syncthreads();
       }
-  }
+      __syncthreads();
+    }
 
-  // Every thread keeps the same scalars (computed from the same shared values in the same order).
-  float m = -INFINITY, o = 0.f;
+  const float4 q4 = reinterpret_cast<const float4*>(qs)[quad];
+  // Thread 0 keeps the host's scalars, in the frame of the running max m.
+  float m = -INFINITY;
   double acc = 0, as_min = INFINITY, recent[kPsaRecentBlocks] = {};
   int visited = 0, ranked = 0;
-  for (int oi = 0; oi < nb; ++oi) {
-    const int pi = ord[oi];
-    const int64_t blk = pages[pi];
-    const int n = a.kv.fill[blk];
-    const float* kb = a.kv.k + blk * kBT * d;
-    const float* vb = a.kv.v + blk * kBT * d;
-    // The block's keys into shared memory, all loads in flight at once (a row per thread would
-    // wait on one load per channel).
-    load_tile(tile, kb, n, d, ld);
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // threads < LPR: the running output's quad
+  for (int base = 0; base < nb; base += kPsaWarps) {
+    const int i = base + warp;
+    if (i < nb) {
+      const int64_t blk = pages[ord[i]];
+      const int n = a.kv.fill[blk];
+      float bm = -INFINITY;
+      double mass = 0;
+      float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (n > 0)
+        warp_block<D>(q4, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, &bm, &mass,
+                      &ob);
+      if (lane < LPR) wo[warp][lane] = ob;
+      if (lane == 0) ps.bm[warp] = bm, ps.mass[warp] = mass, ps.n[warp] = n;
+    }
     __syncthreads();
-    float s = -INFINITY;
-    if (tid < n) {
-      const float* kr = tile + tid * ld;
-      // Eight partial sums, summed as the host's dot() does.
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int c = 0;
-      for (; c + 8 <= d; c += 8)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) part[j] += qs[c + j] * kr[c + j];
-      float t = 0;
-      for (; c < d; ++c) t += qs[c] * kr[c];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) t += part[j];
-      s = t * a.scale;
+    if (tid == 0) {
+      // The host's loop over these blocks in rank order, up to its stop.
+      const float m_old = m;
+      const int cnt = min(kPsaWarps, nb - base);
+      int take = cnt;
+      bool stop = false;
+      for (int w = 0; w < cnt; ++w) {
+        ++visited;
+        const int n = ps.n[w];
+        if (n == 0) continue;
+        const float bm = ps.bm[w];
+        if (bm > m) {
+          const double r = exp(double(m) - double(bm));  // 0 on the first block
+          acc *= r;
+          if (isfinite(as_min)) as_min *= r;
+          for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= r;
+          m = bm;
+        }
+        const double as_b = ps.mass[w] * exp(double(bm) - double(m));
+        acc += as_b;
+        const int pi = ord[base + w];
+        const bool pinned = a.pin && (pi == 0 || pi == nb - 1);
+        if (!pinned) {
+          const double full_b = as_b * double(kBT) / double(n);
+          as_min = fmin(as_min, full_b);
+          recent[ranked % kPsaRecentBlocks] = full_b;
+          ++ranked;
+        }
+        if (ranked == 0) continue;
+        double per_block = as_min;
+        if (a.recent_mean) {
+          if (ranked < kPsaRecentBlocks) continue;
+          per_block = 0;
+          for (int j = 0; j < kPsaRecentBlocks; ++j) per_block += recent[j];
+          per_block /= kPsaRecentBlocks;
+        }
+        const double left = double(nb - visited);
+        if (acc / (acc + per_block * left) >= a.eps) {
+          stop = true;
+          take = w + 1;
+          break;
+        }
+      }
+      const bool any = m != -INFINITY;
+      ps.rescale = any && m_old != -INFINITY ? expf(m_old - m) : (any ? 0.f : 1.f);
+      for (int w = 0; w < kPsaWarps; ++w)
+        ps.w[w] = (w < take && ps.n[w] > 0) ? expf(ps.bm[w] - m) : 0.f;
+      ps.done = stop || base + cnt >= nb;
     }
-    float wm = s;
-    for (int off = 16; off > 0; off >>= 1) wm = fmaxf(wm, __shfl_xor_sync(0xffffffffu, wm, off));
-    if ((tid & 31) == 0) red[tid >> 5] = wm;
-    if (tid < kBT) sc[tid] = s;
     __syncthreads();
-    float bm = red[0];
-    for (int w = 1; w < kThreads / 32; ++w) bm = fmaxf(bm, red[w]);
-    ++visited;
-    if (n == 0) {
-      __syncthreads();
-      continue;
+    if (tid < LPR) {
+      const float r = ps.rescale;
+      o.x *= r, o.y *= r, o.z *= r, o.w *= r;
+      for (int w = 0; w < kPsaWarps; ++w) {
+        const float wt = ps.w[w];
+        if (wt == 0.f) continue;
+        const float4 ob = wo[w][tid];
+        o.x += wt * ob.x, o.y += wt * ob.y, o.z += wt * ob.z, o.w += wt * ob.w;
+      }
     }
-    if (bm > m) {
-      const double r = exp(double(m) - double(bm));  // 0 on the first block
-      o = float(o * r);
-      acc *= r;
-      if (isfinite(as_min)) as_min *= r;
-      for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= r;
-      m = bm;
-    }
-    __syncthreads();  // every thread has read the scores' max and is done with the keys
-    if (tid < n) sc[tid] = expf(sc[tid] - m);
-    load_tile(tile, vb, n, d, ld);
-    __syncthreads();
-    double as_b = 0;
-    for (int t = 0; t < n; ++t) as_b += sc[t];
-    if (tid < d) {
-      float oc = o;
-      for (int t = 0; t < n; ++t) oc += sc[t] * tile[t * ld + tid];
-      o = oc;
-    }
-    acc += as_b;
-    __syncthreads();  // sc is rewritten by the next block
-    const bool pinned = a.pin && (pi == 0 || pi == nb - 1);
-    if (!pinned) {
-      const double full_b = as_b * double(kBT) / double(n);
-      as_min = fmin(as_min, full_b);
-      recent[ranked % kPsaRecentBlocks] = full_b;
-      ++ranked;
-    }
-    if (!a.psa || ranked == 0) continue;
-    double per_block = as_min;
-    if (a.recent_mean) {
-      if (ranked < kPsaRecentBlocks) continue;
-      per_block = 0;
-      for (int j = 0; j < kPsaRecentBlocks; ++j) per_block += recent[j];
-      per_block /= kPsaRecentBlocks;
-    }
-    const double left = double(nb - visited);
-    if (acc / (acc + per_block * left) >= a.eps) break;
+    const bool done = ps.done;
+    __syncthreads();  // ps and wo are rewritten by the next batch
+    if (done) break;
   }
-  if (tid < d) a.out[int64_t(h) * d + tid] = acc > 0 ? o * float(1.0 / acc) : 0.f;
+  if (tid == 0) ps.mass[0] = acc;
   if (tid == 0 && a.visited) a.visited[h] = visited;
+  __syncthreads();
+  if (tid < LPR) {
+    const double l = ps.mass[0];
+    const float inv = l > 0 ? float(1.0 / l) : 0.f;
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[tid] =
+        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+  }
 }
 
-// One CTA per KV head: thread 0 opens the next reserved page when the last block is full (or the
-// head has none yet); then thread c writes channel c of the row and folds it into kmin/kmax.
+// One new token per KV head (one CTA each): thread 0 opens the next reserved page when the last
+// block is full (or the head has none yet); then thread c writes channel c of the row and folds
+// it into kmin/kmax.
 __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new) {
   const int g = blockIdx.x, d = kv.head_dim;
   __shared__ int64_t blk_s;
@@ -252,46 +430,87 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
   if (threadIdx.x == 0) kv.fill[blk] = slot + 1;
 }
 
-constexpr size_t decode_smem_bytes(int np2, bool psa, int d) {
-  return sizeof(float) * (size_t(kBT) * size_t(d + 1) + kMaxDim + kBT + kThreads / 32) +
-         (psa ? sizeof(float) * size_t(np2) : 0) + sizeof(int) * size_t(np2);
+bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
+
+// Full-mode splits per query head: about 4 CTAs per SM over all heads, at least 4 pages (a warp's
+// worth) per split. Fixed by the pool's capacity, not its fill (the fill lives on the device).
+int full_splits(int n_heads, int max_pages) {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int want = (4 * sms + n_heads - 1) / n_heads;
+  const int most = (max_pages + kFullWarps - 1) / kFullWarps;
+  return std::max(1, std::min(want, most));
 }
-constexpr size_t kDecodeSmemMax = decode_smem_bytes(kDecodeMaxPages, true, kMaxDim);
+
+size_t psa_smem_bytes(int max_pages) {
+  int np2 = 1;
+  while (np2 < max_pages) np2 <<= 1;
+  return (sizeof(float) + sizeof(int)) * size_t(np2);
+}
+
+template <int D>
+Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
+  if (psa) {
+    static std::atomic<uint64_t> opted{0};
+    SF_CUDA_TRY(opt_in_smem(psa_kernel<D>, psa_smem_bytes(kDecodeMaxPages), opted));
+    psa_kernel<D><<<unsigned(a.n_heads), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(a);
+    SF_CUDA_TRY(cudaGetLastError());
+    return Status::ok();
+  }
+  full_kernel<D><<<unsigned(a.n_heads * a.splits), kFullWarps * 32, 0, st>>>(a);
+  SF_CUDA_TRY(cudaGetLastError());
+  if (a.splits > 1) {
+    merge_kernel<D><<<unsigned(a.n_heads), D / 4, 0, st>>>(a);
+    SF_CUDA_TRY(cudaGetLastError());
+  }
+  return Status::ok();
+}
 
 }  // namespace
 
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
+  if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
+  const int splits = full_splits(n_heads, kv.max_pages);
+  return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(splits) * size_t(kv.head_dim + 4)
+                    : 0;
+}
+
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
-                              void* stream) {
-  if (kv.head_dim > kMaxDim)
-    return SF_ERR(kUnsupported,
-                  "paged_decode_attention: CUDA supports head_dim <= " + std::to_string(kMaxDim) +
-                      ", got " + std::to_string(kv.head_dim));
+                              void* workspace, size_t workspace_bytes, void* stream) {
+  if (!supported_dim(kv.head_dim))
+    return SF_ERR(kUnsupported, "paged_decode_attention: CUDA supports head_dim 32, 64 or 128, got " +
+                                    std::to_string(kv.head_dim));
   DecodeArgs a{};
   a.q = q;
   a.out = out;
   a.visited = visited;
   a.kv = kv;
   a.n_heads = n_heads;
+  a.splits = p.psa ? 1 : full_splits(n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
-  a.psa = p.psa;
   a.pin = p.pin_sink_recent;
   a.recent_mean = p.recent_mean;
-  // Sized for the most pages a head may hold (the count itself lives on the device).
-  int np2 = 1;
-  while (np2 < kv.max_pages) np2 <<= 1;
-  const size_t smem = decode_smem_bytes(np2, p.psa, kv.head_dim);
-  // Opted in once for the largest launch (about 66 KB), so any later one fits.
-  static std::atomic<uint64_t> opted{0};
-  SF_CUDA_TRY(opt_in_smem(paged_decode_kernel, kDecodeSmemMax, opted));
-  paged_decode_kernel<<<unsigned(n_heads), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(a);
-  SF_CUDA_TRY(cudaGetLastError());
-  return Status::ok();
+  if (a.splits > 1) {
+    const size_t need = cuda::paged_decode_workspace_bytes(n_heads, kv);
+    if (!workspace || workspace_bytes < need)
+      return SF_ERR(kInvalidArgument, "paged_decode_attention: full mode needs " +
+                                          std::to_string(need) + " bytes of workspace, got " +
+                                          std::to_string(workspace_bytes));
+    a.ws = static_cast<float*>(workspace);
+  }
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (kv.head_dim) {
+    case 32: return launch<32>(a, p.psa, st);
+    case 64: return launch<64>(a, p.psa, st);
+    default: return launch<128>(a, p.psa, st);
+  }
 }
 
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream) {
-  paged_append_kernel<<<unsigned(kv.n_kv_heads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  paged_append_kernel<<<unsigned(kv.n_kv_heads), 128, 0, static_cast<cudaStream_t>(stream)>>>(
       kv, k_new, v_new);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();

@@ -24,30 +24,30 @@ class DeviceDecode : public ::testing::Test {
   }
 };
 
-constexpr int kHq = 8, kHkv = 2, kD = 128;
+constexpr int kHq = 8, kHkv = 2;
 
 // One layer, kHkv KV heads, n tokens: keys N(0, 0.3) with a few blocks per head pulled towards
 // that head's query direction (vertical structure), values N(0, 1).
 struct Planted {
-  std::vector<float> q;  // [kHq, kD]
+  std::vector<float> q;  // [kHq, head_dim]
   model::KvCache kv;
   decode::PagedKvCache cache;
 };
 
 // uneven: KV head 1 keeps a third of the prompt plus its last 100 tokens (a retained cache whose
 // heads hold different block counts), head 0 all of it.
-Planted planted(int n, uint64_t seed, bool uneven = false) {
+Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   Planted p;
-  p.q.resize(size_t(kHq * kD));
+  p.q.resize(size_t(kHq * d));
   for (auto& x : p.q) x = nd(rng);
   p.kv.n_layers = 1;
   p.kv.n_kv_heads = kHkv;
-  p.kv.head_dim = kD;
+  p.kv.head_dim = d;
   p.kv.n_tokens = n;
-  p.kv.k.assign(1, std::vector<float>(size_t(n) * kHkv * kD));
-  p.kv.v.assign(1, std::vector<float>(size_t(n) * kHkv * kD));
+  p.kv.k.assign(1, std::vector<float>(size_t(n) * kHkv * d));
+  p.kv.v.assign(1, std::vector<float>(size_t(n) * kHkv * d));
   for (auto& x : p.kv.k[0]) x = 0.3f * nd(rng);
   for (auto& x : p.kv.v[0]) x = nd(rng);
   const int nb = (n + 63) / 64;
@@ -55,8 +55,8 @@ Planted planted(int n, uint64_t seed, bool uneven = false) {
     for (int hot = 0; hot < 4; ++hot) {
       const int b = int(rng() % uint64_t(nb)), h = g * (kHq / kHkv) + int(rng() % 4);
       for (int t = b * 64; t < std::min(n, b * 64 + 64); t += 3)
-        for (int c = 0; c < kD; ++c)
-          p.kv.k[0][(size_t(t) * kHkv + g) * kD + c] += 0.15f * p.q[size_t(h * kD + c)];
+        for (int c = 0; c < d; ++c)
+          p.kv.k[0][(size_t(t) * kHkv + g) * d + c] += 0.15f * p.q[size_t(h * d + c)];
     }
   auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, kHkv, n, nullptr);
   EXPECT_TRUE(full.is_ok());
@@ -86,7 +86,9 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   kp.eps = p->eps;
   kp.pin_sink_recent = p->pin_sink_recent;
   kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
-  DeviceBuffer dq, dout, dvis;
+  DeviceBuffer dq, dout, dvis, dws;
+  const size_t ws = kernels::paged_decode_workspace_bytes(kHq, pool.layer(0));
+  if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
   ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
   ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
   ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
@@ -95,7 +97,8 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
   const kernels::Stream s{Device::kCuda, nullptr};
   ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), kHq, pool.layer(0), kp,
-                                              dout.as<float>(), dvis.as<int32_t>(), s)
+                                              dout.as<float>(), dvis.as<int32_t>(), dws.data(),
+                                              dws.size(), s)
                   .is_ok());
   ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
   std::vector<float> got(q.size());
@@ -111,8 +114,9 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
   }
   EXPECT_LT(worst, 1e-5) << spec;
-  std::printf("%-14s visited %lld of %lld blocks, max err %.2g\n", spec.c_str(),
-              static_cast<long long>(visited), static_cast<long long>(hs.blocks_total), worst);
+  std::printf("d %3d %-14s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
+              spec.c_str(), static_cast<long long>(visited),
+              static_cast<long long>(hs.blocks_total), worst);
 }
 
 // Appends `count` random tokens (positions from first_pos) to the host cache, and to the pool by
@@ -121,7 +125,8 @@ void append_both(Planted& p, const decode::DevicePagedPool& pool, int first_pos,
                  uint64_t seed, float scale, float spike) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> k(kHkv * kD), v(kHkv * kD);
+  const int d = p.cache.head_dim();
+  std::vector<float> k(size_t(kHkv * d)), v(size_t(kHkv * d));
   DeviceBuffer dk, dv;
   ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dv.alloc(v.size() * 4).is_ok());
   const kernels::Stream s{Device::kCuda, nullptr};
@@ -129,7 +134,7 @@ void append_both(Planted& p, const decode::DevicePagedPool& pool, int first_pos,
     for (auto& x : k) x = (i % 7 == 0 ? spike : scale) * nd(rng);
     for (auto& x : v) x = nd(rng);
     for (int g = 0; g < kHkv; ++g)
-      p.cache.append(0, g, first_pos + i, k.data() + g * kD, v.data() + g * kD);
+      p.cache.append(0, g, first_pos + i, k.data() + g * d, v.data() + g * d);
     ASSERT_TRUE(dk.upload(k.data(), k.size() * 4).is_ok());
     ASSERT_TRUE(dv.upload(v.data(), v.size() * 4).is_ok());
     ASSERT_TRUE(kernels::paged_append(pool.layer(0), dk.as<float>(), dv.as<float>(), s).is_ok());
@@ -158,6 +163,18 @@ TEST_F(DeviceDecode, PagedKernelHandlesHeadsOfDifferentLengths) {
   // 70 appends: head 0's last block (5 tokens) fills and opens one page, head 1's another count.
   append_both(p, pool.value(), n, 70, seed + 2, 0.5f, 0.5f);
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
+// The head dims the kernel is built for, over enough pages that the full mode splits them and
+// PSA ranks several batches of blocks.
+TEST_F(DeviceDecode, PagedKernelFollowsTheHostRulesAtEveryHeadDim) {
+  const uint64_t seed = testing::fresh_seed();
+  for (int d : {32, 64, 128}) {
+    Planted p = planted(64 * 300 + 7, seed + uint64_t(d), false, d);
+    auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+    ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+    for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+  }
 }
 
 // 150 appended tokens: the partial last block fills, two reserved pages open, and the bounds
