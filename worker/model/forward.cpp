@@ -184,7 +184,24 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
         ip.window = opt.importance_window;
         ip.pool = opt.importance_pool;
         ip.q_offset = P;
-        SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
+        if (use_sparse) {
+          // A sparse layer's LSE covers the selected keys only, so exp(s - lse) would over-count
+          // every key the index left out. SnapKV's scores need each window row's softmax over
+          // all the keys it may see: a dense pass over the window rows gives that LSE.
+          const int64_t wn = std::min<int64_t>(opt.importance_window, S);
+          std::vector<float> w_out(size_t(wn * hq * d)), w_lse(size_t(hq * wn));
+          const TensorView wq = view3(q.data() + (S - wn) * hq * d, wn, hq, d);
+          kernels::AttentionParams wp = ap;
+          wp.q_offset = P + S - wn;
+          SF_TRY(kernels::attention_dense(wq, kv3, vv, view3(w_out.data(), wn, hq, d),
+                                          view2(w_lse.data(), hq, wn), wp));
+          ip.window = int(wn);
+          ip.q_offset = wp.q_offset;
+          SF_TRY(kernels::kv_importance(wq, kv3, view2(w_lse.data(), hq, wn), ip,
+                                        view2(imp.data(), hkv, nk)));
+        } else {
+          SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
+        }
       }
       importance_from_columns(est_columns, reuse, hq / hkv, nk, opt.importance_pool, imp.data());
       res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
