@@ -6,7 +6,8 @@
 // one query head's direction, so PSA has mass to find. Prints one JSON line per mode: time per
 // call, blocks visited, and the K/V bytes of the visited blocks per second (each KV head's
 // blocks counted once, though its 4 query heads each read them).
-//   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128]
+//   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128] [pull=0.15]
+// pull: how far the planted blocks' keys move toward the query (larger: PSA stops sooner).
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -39,9 +40,12 @@ int main(int argc, char** argv) {
   const int hq = argc > 2 ? std::atoi(argv[2]) : 32;
   const int hkv = argc > 3 ? std::atoi(argv[3]) : 8;
   const int d = argc > 4 ? std::atoi(argv[4]) : 128;
-  if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || (d != 32 && d != 64 && d != 128)) {
+  const float pull = argc > 5 ? float(std::atof(argv[5])) : 0.15f;
+  if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || (d != 32 && d != 64 && d != 128) ||
+      !(pull >= 0.f)) {
     std::fprintf(stderr,
-                 "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d: 32|64|128]\n");
+                 "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d: 32|64|128] "
+                 "[pull>=0]\n");
     return 2;
   }
   std::mt19937_64 rng(20261124);
@@ -65,7 +69,7 @@ int main(int argc, char** argv) {
       const int h = g * group + int(rng() % uint64_t(group));
       for (int64_t t = b * 64; t < std::min(n, b * 64 + 64); t += 3)
         for (int c = 0; c < d; ++c)
-          kv.k[0][(size_t(t) * hkv + g) * d + c] += 0.15f * q[size_t(h) * d + c];
+          kv.k[0][(size_t(t) * hkv + g) * d + c] += pull * q[size_t(h) * d + c];
     }
   auto ret = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, hkv, n, nullptr);
   if (!ret.is_ok()) return fail("retention", ret.status());
@@ -149,11 +153,12 @@ int main(int argc, char** argv) {
     // K and V of the visited blocks, each KV head's counted once (fp32).
     const double bytes = visited_frac * double(nb) * 64.0 * hkv * d * 4.0 * 2.0;
     std::printf(
-        "{\"device\": \"%s\", \"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
+        "{\"device\": \"%s\", \"pull\": %.2f, \"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, "
+        "\"head_dim\": %d, "
         "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
         "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
         "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f}\n",
-        prop.name, static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
+        prop.name, double(pull), static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
         static_cast<long long>(hs.blocks_visited), static_cast<long long>(visited), dev_us, host_us,
         bytes / (dev_us * 1e-6) / 1e9, copy_GBps);
   }

@@ -13,11 +13,14 @@
 //         to fill the device); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
 //         their K/V reads meet in L2.
-//   psa:  one CTA of 16 warps per query head. The bounds (a thread per block, the host's order)
-//         are sorted in shared memory (bitonic, up to kDecodeMaxPages); then the ranked blocks
-//         are visited 16 at a time, a warp each, and one thread applies the host's sequential
-//         stop rule to the 16 results in rank order; blocks past the stop are discarded, so the
-//         visit set is the host's and at most 15 blocks' reads are wasted per query head.
+//   psa:  a cluster of 4 CTAs of 16 warps per query head. Each CTA computes the bounds (a thread
+//         per block, the host's order) and sorts them in shared memory (bitonic, up to
+//         kDecodeMaxPages); then the ranked blocks are visited 64 at a time, a warp each across
+//         the cluster, and one thread of the leader CTA reads the 64 results through distributed
+//         shared memory and applies the host's sequential stop rule in rank order; blocks past
+//         the stop are discarded, so the visit set is the host's and at most 63 blocks' reads
+//         are wasted per query head.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,10 +36,13 @@
 
 namespace sf::kernels::cuda {
 namespace {
+namespace cg = cooperative_groups;
 
 constexpr int kBT = kDecodeBlockTokens;
 constexpr int kFullWarps = 4;   // per CTA, full mode
-constexpr int kPsaWarps = 16;   // per CTA, psa mode: ranked blocks scored per batch
+constexpr int kPsaWarps = 16;   // per CTA, psa mode
+constexpr int kPsaCluster = 4;  // CTAs per query head, psa mode
+constexpr int kPsaBatch = kPsaWarps * kPsaCluster;  // ranked blocks scored at once, psa mode
 constexpr unsigned kAll = 0xffffffffu;
 
 struct DecodeArgs {
@@ -106,7 +112,7 @@ __device__ __forceinline__ void warp_block(float4 q4, const float* kb, const flo
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+#pragma unroll 16
   for (int j = 0; j < 64 / RPL; ++j) {
     const int row = j * RPL + sub;  // this lane's value row; rows j*RPL.. share one round
     const int r = row & 31;
@@ -235,22 +241,33 @@ __device__ float block_bound(const float* q, const float* kmin, const float* kma
 }
 
 struct PsaShared {
+  // This CTA's blocks of the batch (slot = warp).
   float bm[kPsaWarps];
   double mass[kPsaWarps];
   int n[kPsaWarps];
-  float w[kPsaWarps];  // each block's weight in the merged frame (0: past the stop, or empty)
-  float rescale;       // of the running output, into the new frame
+  // Leader CTA only: each batch block's weight in the merged frame (0: past the stop, or empty),
+  // the running output's rescale into that frame, and whether the visit ends here.
+  float w[kPsaBatch];
+  float rescale;
   int done;
 };
 
+// A cluster of kPsaCluster CTAs per query head (grid index = head * kPsaCluster + rank). Each CTA
+// ranks the head's blocks itself (the same order everywhere), then every batch takes kPsaBatch
+// ranked blocks, a warp each across the cluster; the leader (rank 0) reads the results through
+// distributed shared memory, applies the stop rule and merges the outputs.
 template <int D>
-__global__ void __launch_bounds__(kPsaWarps * 32) psa_kernel(const DecodeArgs a) {
+__global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps * 32)
+    psa_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
   extern __shared__ unsigned char smem_raw[];
   __shared__ PsaShared ps;
   __shared__ float4 wo[kPsaWarps][LPR];
   __shared__ float qs[D];
-  const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const bool leader = rank == 0;
+  const int h = blockIdx.x / kPsaCluster, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int quad = lane % LPR;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
   const int nb = a.kv.n_pages[g];
@@ -295,13 +312,13 @@ __global__ void __launch_bounds__(kPsaWarps * 32) psa_kernel(const DecodeArgs a)
     }
 
   const float4 q4 = reinterpret_cast<const float4*>(qs)[quad];
-  // Thread 0 keeps the host's scalars, in the frame of the running max m.
+  // The leader's thread 0 keeps the host's scalars, in the frame of the running max m.
   float m = -INFINITY;
   double acc = 0, as_min = INFINITY, recent[kPsaRecentBlocks] = {};
   int visited = 0, ranked = 0;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // threads < LPR: the running output's quad
-  for (int base = 0; base < nb; base += kPsaWarps) {
-    const int i = base + warp;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // leader threads < LPR: the running output
+  for (int base = 0; base < nb; base += kPsaBatch) {
+    const int i = base + rank * kPsaWarps + warp;
     if (i < nb) {
       const int64_t blk = pages[ord[i]];
       const int n = a.kv.fill[blk];
@@ -314,26 +331,28 @@ __global__ void __launch_bounds__(kPsaWarps * 32) psa_kernel(const DecodeArgs a)
       if (lane < LPR) wo[warp][lane] = ob;
       if (lane == 0) ps.bm[warp] = bm, ps.mass[warp] = mass, ps.n[warp] = n;
     }
-    __syncthreads();
-    if (tid == 0) {
-      // The host's loop over these blocks in rank order, up to its stop.
+    cluster.sync();
+    const int cnt = min(kPsaBatch, nb - base);
+    if (leader && tid == 0) {
+      // The host's loop over the batch in rank order, up to its stop.
       const float m_old = m;
-      const int cnt = min(kPsaWarps, nb - base);
       int take = cnt;
       bool stop = false;
       for (int w = 0; w < cnt; ++w) {
+        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
+        const int slot = w % kPsaWarps;
         ++visited;
-        const int n = ps.n[w];
+        const int n = r->n[slot];
         if (n == 0) continue;
-        const float bm = ps.bm[w];
+        const float bm = r->bm[slot];
         if (bm > m) {
-          const double r = exp(double(m) - double(bm));  // 0 on the first block
-          acc *= r;
-          if (isfinite(as_min)) as_min *= r;
-          for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= r;
+          const double f = exp(double(m) - double(bm));  // 0 on the first block
+          acc *= f;
+          if (isfinite(as_min)) as_min *= f;
+          for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= f;
           m = bm;
         }
-        const double as_b = ps.mass[w] * exp(double(bm) - double(m));
+        const double as_b = r->mass[slot] * exp(double(bm) - double(m));
         acc += as_b;
         const int pi = ord[base + w];
         const bool pinned = a.pin && (pi == 0 || pi == nb - 1);
@@ -360,25 +379,29 @@ __global__ void __launch_bounds__(kPsaWarps * 32) psa_kernel(const DecodeArgs a)
       }
       const bool any = m != -INFINITY;
       ps.rescale = any && m_old != -INFINITY ? expf(m_old - m) : (any ? 0.f : 1.f);
-      for (int w = 0; w < kPsaWarps; ++w)
-        ps.w[w] = (w < take && ps.n[w] > 0) ? expf(ps.bm[w] - m) : 0.f;
+      for (int w = 0; w < cnt; ++w) {
+        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
+        const int slot = w % kPsaWarps;
+        ps.w[w] = (w < take && r->n[slot] > 0) ? expf(r->bm[slot] - m) : 0.f;
+      }
       ps.done = stop || base + cnt >= nb;
     }
-    __syncthreads();
-    if (tid < LPR) {
-      const float r = ps.rescale;
-      o.x *= r, o.y *= r, o.z *= r, o.w *= r;
-      for (int w = 0; w < kPsaWarps; ++w) {
+    cluster.sync();
+    if (leader && tid < LPR) {
+      const float f = ps.rescale;
+      o.x *= f, o.y *= f, o.z *= f, o.w *= f;
+      for (int w = 0; w < cnt; ++w) {
         const float wt = ps.w[w];
         if (wt == 0.f) continue;
-        const float4 ob = wo[w][tid];
+        const float4 ob = cluster.map_shared_rank(&wo[0][0], w / kPsaWarps)[(w % kPsaWarps) * LPR + tid];
         o.x += wt * ob.x, o.y += wt * ob.y, o.z += wt * ob.z, o.w += wt * ob.w;
       }
     }
-    const bool done = ps.done;
-    __syncthreads();  // ps and wo are rewritten by the next batch
+    const bool done = cluster.map_shared_rank(&ps, 0)->done;
+    cluster.sync();  // the leader is done reading this batch's results before they are rewritten
     if (done) break;
   }
+  if (!leader) return;
   if (tid == 0) ps.mass[0] = acc;
   if (tid == 0 && a.visited) a.visited[h] = visited;
   __syncthreads();
@@ -454,7 +477,7 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
   if (psa) {
     static std::atomic<uint64_t> opted{0};
     SF_CUDA_TRY(opt_in_smem(psa_kernel<D>, psa_smem_bytes(kDecodeMaxPages), opted));
-    psa_kernel<D><<<unsigned(a.n_heads), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(a);
+    psa_kernel<D><<<unsigned(a.n_heads * kPsaCluster), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(a);
     SF_CUDA_TRY(cudaGetLastError());
     return Status::ok();
   }
