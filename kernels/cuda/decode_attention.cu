@@ -245,8 +245,12 @@ struct PsaShared {
   float bm[kPsaWarps];
   double mass[kPsaWarps];
   int n[kPsaWarps];
-  // Leader CTA only: each batch block's weight in the merged frame (0: past the stop, or empty),
-  // the running output's rescale into that frame, and whether the visit ends here.
+  // Leader CTA only: the batch's results gathered from the cluster (rank order), each block's
+  // weight in the merged frame (0: past the stop, or empty), the running output's rescale into
+  // that frame, and whether the visit ends here.
+  float all_bm[kPsaBatch];
+  double all_mass[kPsaBatch];
+  int all_n[kPsaBatch];
   float w[kPsaBatch];
   float rescale;
   int done;
@@ -333,18 +337,28 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
     }
     cluster.sync();
     const int cnt = min(kPsaBatch, nb - base);
+    if (leader && warp == 0) {
+      // Gather the batch's results with every lane's remote loads in flight; the walk below is
+      // one thread's dependent chain and must not wait on distributed shared memory.
+      for (int w = lane; w < cnt; w += 32) {
+        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
+        const int slot = w % kPsaWarps;
+        ps.all_n[w] = r->n[slot];
+        ps.all_bm[w] = r->bm[slot];
+        ps.all_mass[w] = r->mass[slot];
+      }
+      __syncwarp();
+    }
     if (leader && tid == 0) {
       // The host's loop over the batch in rank order, up to its stop.
       const float m_old = m;
       int take = cnt;
       bool stop = false;
       for (int w = 0; w < cnt; ++w) {
-        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
-        const int slot = w % kPsaWarps;
         ++visited;
-        const int n = r->n[slot];
+        const int n = ps.all_n[w];
         if (n == 0) continue;
-        const float bm = r->bm[slot];
+        const float bm = ps.all_bm[w];
         if (bm > m) {
           const double f = exp(double(m) - double(bm));  // 0 on the first block
           acc *= f;
@@ -352,7 +366,9 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
           for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= f;
           m = bm;
         }
-        const double as_b = r->mass[slot] * exp(double(bm) - double(m));
+        // The block's mass in the running frame (bm <= m here): a float factor, as the host's
+        // float exps would give to rounding.
+        const double as_b = ps.all_mass[w] * double(expf(bm - m));
         acc += as_b;
         const int pi = ord[base + w];
         const bool pinned = a.pin && (pi == 0 || pi == nb - 1);
@@ -371,7 +387,7 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
           per_block /= kPsaRecentBlocks;
         }
         const double left = double(nb - visited);
-        if (acc / (acc + per_block * left) >= a.eps) {
+        if (acc >= a.eps * (acc + per_block * left)) {  // the host's ratio test, no division
           stop = true;
           take = w + 1;
           break;
@@ -379,17 +395,15 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       }
       const bool any = m != -INFINITY;
       ps.rescale = any && m_old != -INFINITY ? expf(m_old - m) : (any ? 0.f : 1.f);
-      for (int w = 0; w < cnt; ++w) {
-        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
-        const int slot = w % kPsaWarps;
-        ps.w[w] = (w < take && r->n[slot] > 0) ? expf(r->bm[slot] - m) : 0.f;
-      }
+      for (int w = 0; w < cnt; ++w)
+        ps.w[w] = (w < take && ps.all_n[w] > 0) ? expf(ps.all_bm[w] - m) : 0.f;
       ps.done = stop || base + cnt >= nb;
     }
     cluster.sync();
     if (leader && tid < LPR) {
       const float f = ps.rescale;
       o.x *= f, o.y *= f, o.z *= f, o.w *= f;
+#pragma unroll 8
       for (int w = 0; w < cnt; ++w) {
         const float wt = ps.w[w];
         if (wt == 0.f) continue;
