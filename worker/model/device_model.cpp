@@ -638,6 +638,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
     // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
     // rounded copies; the kernel caps each recomputed score at its row's LSE). Unsharded only.
+    // On a sparse layer this LSE covers the selected keys only, so unselected keys are
+    // over-counted; the CPU forward takes the window rows' LSE from a dense pass instead.
     if (!dry && opt.importance_window > 0) {
       kernels::ImportanceParams ip;
       ip.window = opt.importance_window;
