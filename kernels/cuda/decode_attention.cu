@@ -251,6 +251,8 @@ struct PsaShared {
   float all_bm[kPsaBatch];
   double all_mass[kPsaBatch];
   int all_n[kPsaBatch];
+  double fb[kPsaBatch];        // the walk: each block's full-block mass if ranked
+  unsigned char rk[kPsaBatch];  // ... and whether it is ranked (not pinned, not empty)
   float w[kPsaBatch];
   float rescale;
   int done;
@@ -316,9 +318,10 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
     }
 
   const float4 q4 = reinterpret_cast<const float4*>(qs)[quad];
-  // The leader's thread 0 keeps the host's scalars, in the frame of the running max m.
+  // The leader's warp 0 keeps the host's scalars (the same in every lane), in the frame of the
+  // running max m.
   float m = -INFINITY;
-  double acc = 0, as_min = INFINITY, recent[kPsaRecentBlocks] = {};
+  double acc = 0, as_min = INFINITY, last4[kPsaRecentBlocks] = {};
   int visited = 0, ranked = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // leader threads < LPR: the running output
   for (int base = 0; base < nb; base += kPsaBatch) {
@@ -338,8 +341,7 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
     cluster.sync();
     const int cnt = min(kPsaBatch, nb - base);
     if (leader && warp == 0) {
-      // Gather the batch's results with every lane's remote loads in flight; the walk below is
-      // one thread's dependent chain and must not wait on distributed shared memory.
+      // Gather the batch's results with every lane's remote loads in flight.
       for (int w = lane; w < cnt; w += 32) {
         const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
         const int slot = w % kPsaWarps;
@@ -349,55 +351,134 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       }
       __syncwarp();
     }
-    if (leader && tid == 0) {
-      // The host's loop over the batch in rank order, up to its stop.
-      const float m_old = m;
-      int take = cnt;
-      bool stop = false;
-      for (int w = 0; w < cnt; ++w) {
-        ++visited;
-        const int n = ps.all_n[w];
-        if (n == 0) continue;
-        const float bm = ps.all_bm[w];
-        if (bm > m) {
-          const double f = exp(double(m) - double(bm));  // 0 on the first block
-          acc *= f;
-          if (isfinite(as_min)) as_min *= f;
-          for (int j = 0; j < kPsaRecentBlocks; ++j) recent[j] *= f;
-          m = bm;
-        }
-        // The block's mass in the running frame (bm <= m here): a float factor, as the host's
-        // float exps would give to rounding.
-        const double as_b = ps.all_mass[w] * double(expf(bm - m));
-        acc += as_b;
-        const int pi = ord[base + w];
-        const bool pinned = a.pin && (pi == 0 || pi == nb - 1);
-        if (!pinned) {
-          const double full_b = as_b * double(kBT) / double(n);
-          as_min = fmin(as_min, full_b);
-          recent[ranked % kPsaRecentBlocks] = full_b;
-          ++ranked;
-        }
-        if (ranked == 0) continue;
-        double per_block = as_min;
-        if (a.recent_mean) {
-          if (ranked < kPsaRecentBlocks) continue;
-          per_block = 0;
-          for (int j = 0; j < kPsaRecentBlocks; ++j) per_block += recent[j];
-          per_block /= kPsaRecentBlocks;
-        }
-        const double left = double(nb - visited);
-        if (acc >= a.eps * (acc + per_block * left)) {  // the host's ratio test, no division
-          stop = true;
-          take = w + 1;
-          break;
-        }
+    if (leader && warp == 0) {
+      // The host's walk (decode_attention.cpp) over the batch in rank order, up to its stop, as
+      // prefix computations: at each block the running mass, AS_min, the ranked count and the
+      // last kPsaRecentBlocks ranked masses are prefix quantities, so the warp finds the first
+      // block where the stop test holds at once. Masses are taken in the frame of the batch's
+      // largest max M (the test is a ratio, so the frame changes only rounding), then carried
+      // in the frame of the visited blocks' max.
+      constexpr int kPer = kPsaBatch / 32;  // consecutive blocks per lane
+      float bmk[kPer];
+      bool valid[kPer];
+      float bmax = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int w = lane * kPer + k;
+        valid[k] = w < cnt && ps.all_n[w] > 0;
+        bmk[k] = valid[k] ? ps.all_bm[w] : -INFINITY;
+        bmax = fmaxf(bmax, bmk[k]);
       }
-      const bool any = m != -INFINITY;
-      ps.rescale = any && m_old != -INFINITY ? expf(m_old - m) : (any ? 0.f : 1.f);
-      for (int w = 0; w < cnt; ++w)
-        ps.w[w] = (w < take && ps.all_n[w] > 0) ? expf(ps.all_bm[w] - m) : 0.f;
-      ps.done = stop || base + cnt >= nb;
+      for (int o = 16; o >= 1; o >>= 1) bmax = fmaxf(bmax, __shfl_xor_sync(kAll, bmax, o));
+      const float M = fmaxf(m, bmax);
+      const double into = (m == -INFINITY) ? 0.0 : exp(double(m) - double(M));
+      const double acc0 = acc * into, asmin0 = isfinite(as_min) ? as_min * into : INFINITY;
+      double l4[kPsaRecentBlocks];  // the carried last ranked masses, oldest first
+#pragma unroll
+      for (int j = 0; j < kPsaRecentBlocks; ++j) l4[j] = last4[j] * into;
+      double pre_sum[kPer], pre_min[kPer];
+      int pre_cnt[kPer];
+      double lane_sum = 0, lane_min = INFINITY;
+      int lane_cnt = 0;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int w = lane * kPer + k;
+        const double as = valid[k] ? ps.all_mass[w] * exp(double(bmk[k]) - double(M)) : 0.0;
+        const int pi = w < cnt ? ord[base + w] : -1;
+        const bool rk = valid[k] && !(a.pin && (pi == 0 || pi == nb - 1));
+        const double fb = rk ? as * double(kBT) / double(ps.all_n[w]) : INFINITY;
+        ps.fb[w] = fb;
+        ps.rk[w] = rk;
+        lane_sum += as;
+        lane_cnt += rk;
+        lane_min = fmin(lane_min, fb);
+        pre_sum[k] = lane_sum;
+        pre_cnt[k] = lane_cnt;
+        pre_min[k] = lane_min;
+      }
+      // Inclusive scans of the lanes' totals, then each lane's exclusive prefix.
+      double xs = lane_sum, xm = lane_min;
+      int xc = lane_cnt;
+      for (int o = 1; o < 32; o <<= 1) {
+        const double s2 = __shfl_up_sync(kAll, xs, o), m2 = __shfl_up_sync(kAll, xm, o);
+        const int c2 = __shfl_up_sync(kAll, xc, o);
+        if (lane >= o) xs += s2, xm = fmin(xm, m2), xc += c2;
+      }
+      double ex_s = __shfl_up_sync(kAll, xs, 1), ex_m = __shfl_up_sync(kAll, xm, 1);
+      int ex_c = __shfl_up_sync(kAll, xc, 1);
+      if (lane == 0) ex_s = 0, ex_m = INFINITY, ex_c = 0;
+      __syncwarp();  // ps.fb and ps.rk are read across lanes below
+      // The last kPsaRecentBlocks ranked masses up to block w, newest first from the batch, then
+      // from the carry; their mean.
+      auto recent_mean_at = [&](int w) {
+        double sum = 0;
+        int got = 0;
+        for (int j = w; j >= 0 && got < kPsaRecentBlocks; --j)
+          if (ps.rk[j]) sum += ps.fb[j], ++got;
+        for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j, ++got) sum += l4[j];
+        return sum / kPsaRecentBlocks;
+      };
+      int first = kPsaBatch;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int w = lane * kPer + k;
+        if (first < kPsaBatch || !valid[k]) continue;  // the host tests nonempty blocks only
+        const double acc_w = acc0 + ex_s + pre_sum[k];
+        const int rank_w = ranked + ex_c + pre_cnt[k];
+        if (rank_w == 0) continue;
+        double per = fmin(asmin0, fmin(ex_m, pre_min[k]));
+        if (a.recent_mean) {
+          if (rank_w < kPsaRecentBlocks) continue;
+          per = recent_mean_at(w);
+        }
+        const double left = double(nb - (visited + w + 1));
+        if (acc_w >= a.eps * (acc_w + per * left)) first = w;  // the host's test, no division
+      }
+      for (int o = 16; o >= 1; o >>= 1) first = min(first, __shfl_xor_sync(kAll, first, o));
+      const bool stop = first < cnt;
+      const int take = stop ? first + 1 : cnt;
+      // The state after block take - 1, from the lane that holds it.
+      const int last = take - 1, owner = last / kPer;
+      double t_sum = 0, t_min = INFINITY;
+      int t_cnt = 0;
+      float mt = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        if (lane * kPer + k == last) t_sum = pre_sum[k], t_min = pre_min[k], t_cnt = pre_cnt[k];
+        if (valid[k] && lane * kPer + k < take) mt = fmaxf(mt, bmk[k]);
+      }
+      t_sum = __shfl_sync(kAll, t_sum + ex_s, owner);
+      t_min = __shfl_sync(kAll, fmin(t_min, ex_m), owner);
+      t_cnt = __shfl_sync(kAll, t_cnt + ex_c, owner);
+      for (int o = 16; o >= 1; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(kAll, mt, o));
+      const float m_take = fmaxf(m, mt);
+      double n4[kPsaRecentBlocks];
+      {
+        int got = 0;
+        for (int j = last; j >= 0 && got < kPsaRecentBlocks; --j)
+          if (ps.rk[j]) n4[kPsaRecentBlocks - 1 - got++] = ps.fb[j];
+        for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j)
+          n4[kPsaRecentBlocks - 1 - got++] = l4[j];
+      }
+      // From the batch frame M to the visited blocks' frame m_take (<= M).
+      const double out = m_take == -INFINITY ? 1.0 : exp(double(M) - double(m_take));
+      acc = (acc0 + t_sum) * out;
+      const double mn = fmin(asmin0, t_min);
+      as_min = isfinite(mn) ? mn * out : INFINITY;
+#pragma unroll
+      for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] = n4[j] * out;
+      ranked += t_cnt;
+      visited += take;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int w = lane * kPer + k;
+        if (w < cnt) ps.w[w] = (valid[k] && w < take) ? expf(bmk[k] - m_take) : 0.f;
+      }
+      if (lane == 0) {
+        ps.rescale = m_take == -INFINITY ? 1.f : (m == -INFINITY ? 0.f : expf(m - m_take));
+        ps.done = stop || base + cnt >= nb;
+      }
+      m = m_take;
     }
     cluster.sync();
     if (leader && tid < LPR) {

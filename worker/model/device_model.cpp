@@ -382,7 +382,8 @@ struct DevicePrefill::Impl {
   std::vector<CudaEvent> layer_end;
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
-  DeviceBuffer imp;
+  // With sparse attention also the window rows' dense output (discarded) and LSE.
+  DeviceBuffer imp, imp_o, imp_lse;
   std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
   // Sparse attention (opt.sparse at the planned length): per layer and piece a device estimator
@@ -638,8 +639,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
     // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
     // rounded copies; the kernel caps each recomputed score at its row's LSE). Unsharded only.
-    // On a sparse layer this LSE covers the selected keys only, so unselected keys are
-    // over-counted; the CPU forward takes the window rows' LSE from a dense pass instead.
+    // A sparse layer's LSE covers the selected keys only and would over-count the others: there
+    // the window rows' LSE comes from a dense F32 pass over those rows, as in the CPU forward.
     if (!dry && opt.importance_window > 0) {
       kernels::ImportanceParams ip;
       ip.window = opt.importance_window;
@@ -647,10 +648,23 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       ip.scale = ap.scale;
       ip.q_offset = 0;
       SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
-      SF_TRY(kernels::kv_importance(dview(Q, DType::kF32, {S, hq, d}),
-                                    dview(K, DType::kF32, {S, hkv, d}),
-                                    dview(lse.data(), DType::kF32, {hq, S}), ip,
-                                    dview(imp.data(), DType::kF32, {hkv, S}), cs()));
+      TensorView iq = dview(Q, DType::kF32, {S, hq, d});
+      TensorView il = dview(lse.data(), DType::kF32, {hq, S});
+      const TensorView ik = dview(K, DType::kF32, {S, hkv, d});
+      if (use_sparse) {
+        const int64_t wn = std::min<int64_t>(opt.importance_window, S);
+        kernels::AttentionParams wp = ap;
+        wp.q_offset = S - wn;
+        iq = dview(Q + (S - wn) * qd, DType::kF32, {wn, hq, d});
+        il = dview(imp_lse.data(), DType::kF32, {hq, wn});
+        SF_TRY(kernels::attention_dense(iq, ik, dview(V, DType::kF32, {S, hkv, d}),
+                                        dview(imp_o.data(), DType::kF32, {wn, hq, d}), il, wp,
+                                        cs()));
+        ip.window = int(wn);
+        ip.q_offset = wp.q_offset;
+      }
+      SF_TRY(
+          kernels::kv_importance(iq, ik, il, ip, dview(imp.data(), DType::kF32, {hkv, S}), cs()));
       SF_CUDA_TRY(cudaEventRecord(imp_end[size_t(l)].get(), st));
       SF_CUDA_TRY(cudaMemcpyAsync(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
                                   imp.data(), size_t(hkv * S) * sizeof(float),
@@ -933,6 +947,11 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   if (host_kv) SF_TRY(h_kv.alloc(size_t(c.n_layers) * 2 * NL * kvd * f));
   if (o.importance_window > 0) {
     SF_TRY(alloc(imp, size_t(c.n_kv_heads) * S * f));
+    if (o.sparse) {
+      const size_t wn = std::min(size_t(o.importance_window), S);
+      SF_TRY(alloc(imp_o, wn * qd * f));
+      SF_TRY(alloc(imp_lse, wn * size_t(c.n_heads) * f));
+    }
     SF_TRY(h_imp.alloc(size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
   }
 

@@ -354,8 +354,11 @@ void sparse_matches_cpu(DType wdt) {
   const Reference& ref = *reference();
   const SparseConfig mixed = mixed_sparse_config(ref.model.config());
   const SparseConfig sc = wdt == DType::kF32 ? mixed : structural_only(mixed);
+  const bool f32 = wdt == DType::kF32;
   PrefillOptions o = full_options();
-  o.importance_window = 0;
+  // F32: also the SnapKV importance, whose window LSE on a sparse layer must be the dense one
+  // (the sparse attention's LSE covers only its selected keys and over-counts the rest).
+  o.importance_window = f32 ? 32 : 0;
   o.sparse = &sc;
   auto cpu = prefill(ref.model, ref.tokens, o);
   ASSERT_OK(cpu.status());
@@ -367,7 +370,6 @@ void sparse_matches_cpu(DType wdt) {
   const PrefillResult& c = cpu.value();
   ASSERT_EQ(g.logits.size(), c.logits.size());
   const ErrStats e = compare(g.logits.data(), c.logits.data(), c.logits.size());
-  const bool f32 = wdt == DType::kF32;
   std::cout << "  sparse " << (f32 ? "f32" : "bf16") << ": logits nerr=" << e.nerr
             << ", density gpu " << g.density << " cpu " << c.density << ", estimate "
             << g.estimate_s * 1e3 << " ms, attention " << g.attention_s * 1e3 << " ms\n";
@@ -377,6 +379,18 @@ void sparse_matches_cpu(DType wdt) {
   EXPECT_LT(c.density, 0.95);  // the config is sparse at this length, not dense in disguise
   EXPECT_NEAR(g.density, c.density, f32 ? 1e-3 : 2e-2);
   EXPECT_GT(g.estimate_s, 0.0);
+  if (!f32) return;
+  ASSERT_EQ(g.importance.size(), c.importance.size());
+  double worst = 0;
+  for (size_t l = 0; l < c.importance.size(); ++l) {
+    ASSERT_EQ(g.importance[l].size(), c.importance[l].size()) << "importance layer " << l;
+    const ErrStats ie =
+        compare(g.importance[l].data(), c.importance[l].data(), c.importance[l].size());
+    EXPECT_EQ(ie.nonfinite, 0) << "importance layer " << l;
+    EXPECT_LE(ie.nerr, 1e-3) << "importance layer " << l;  // logits' sparse F32 bound x 10
+    worst = std::max(worst, ie.nerr);
+  }
+  std::cout << "  sparse f32 importance: worst nerr=" << worst << " (bound 1e-3)\n";
 }
 
 TEST_F(GpuForward, SparseF32MatchesCpuSparse) { sparse_matches_cpu(DType::kF32); }
