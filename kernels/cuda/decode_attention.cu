@@ -13,13 +13,14 @@
 //         to fill the device); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
 //         their K/V reads meet in L2.
-//   psa:  a cluster of 4 CTAs of 16 warps per query head. Each CTA computes the bounds (a thread
-//         per block, the host's order) and sorts them in shared memory (bitonic, up to
-//         kDecodeMaxPages); then the ranked blocks are visited 64 at a time, a warp each across
-//         the cluster, and one thread of the leader CTA reads the 64 results through distributed
-//         shared memory and applies the host's sequential stop rule in rank order; blocks past
-//         the stop are discarded, so the visit set is the host's and at most 63 blocks' reads
-//         are wasted per query head.
+//   psa:  a cluster of 4 CTAs of 16 warps per query head. The CTAs compute a quarter of the
+//         bounds each (a thread per block, summed in the host's order) and exchange them through
+//         distributed shared memory; each sorts them (bitonic, up to kDecodeMaxPages). The ranked
+//         blocks are then visited 64 at a time, a warp each across the cluster, and the leader
+//         CTA's warp 0 gathers the 64 results and evaluates the host's sequential stop rule as
+//         prefix computations to find the first block where it holds; blocks past the stop are
+//         discarded, so the visit set is the host's and at most 63 blocks' reads are wasted per
+//         query head.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -49,7 +50,7 @@ struct DecodeArgs {
   const float* q;
   float* out;
   int32_t* visited;
-  float* ws;  // full mode with splits > 1: [n_heads][splits][D + 2] partial output, max, mass
+  float* ws;  // full mode, splits > 1: [n_heads][splits][D + 4] output, max, (pad), mass (double)
   PagedKv kv;
   int n_heads, splits;
   float scale;
@@ -228,16 +229,19 @@ __device__ bool before(float ua, int ia, float ub, int ib) {
 }
 
 // The host's bound, summed channel by channel in its order (the ranking must be the host's).
-__device__ float block_bound(const float* q, const float* kmin, const float* kmax, int d) {
+// A NaN bound (from a NaN query or key) ranks last, as -inf, so the order stays a total one.
+template <int D>
+__device__ float block_bound(const float* q, const float* kmin, const float* kmax) {
   float u = 0.f;
-  for (int c = 0; c < d; c += 4) {
+#pragma unroll 8
+  for (int c = 0; c < D; c += 4) {
     const float4 lo = ld4(kmin + c), hi = ld4(kmax + c);
     u += fmaxf(q[c] * lo.x, q[c] * hi.x);
     u += fmaxf(q[c + 1] * lo.y, q[c + 1] * hi.y);
     u += fmaxf(q[c + 2] * lo.z, q[c + 2] * hi.z);
     u += fmaxf(q[c + 3] * lo.w, q[c + 3] * hi.w);
   }
-  return u;
+  return isnan(u) ? -INFINITY : u;
 }
 
 struct PsaShared {
@@ -269,7 +273,7 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
   extern __shared__ unsigned char smem_raw[];
   __shared__ PsaShared ps;
   __shared__ float4 wo[kPsaWarps][LPR];
-  __shared__ float qs[D];
+  __shared__ __align__(16) float qs[D];  // read as float4
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   const bool leader = rank == 0;
@@ -285,18 +289,24 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
 
   for (int c = tid; c < D; c += blockDim.x) qs[c] = a.q[int64_t(h) * D + c];
   __syncthreads();
+  // Each CTA bounds every kPsaCluster-th block, then takes the others' from their shared memory:
+  // every CTA holds the same bounds and sorts them the same way.
   for (int b = tid; b < np2; b += blockDim.x) {
     ord[b] = b;
     if (b >= nb) {
       ub[b] = -INFINITY;
       continue;
     }
+    if (b % kPsaCluster != rank) continue;
     const int64_t blk = pages[b];
     ub[b] = (a.pin && (b == 0 || b == nb - 1))
                 ? INFINITY
-                : block_bound(qs, a.kv.kmin + blk * D, a.kv.kmax + blk * D, D);
+                : block_bound<D>(qs, a.kv.kmin + blk * D, a.kv.kmax + blk * D);
   }
-  __syncthreads();
+  cluster.sync();
+  for (int b = tid; b < nb; b += blockDim.x)
+    if (b % kPsaCluster != rank) ub[b] = cluster.map_shared_rank(ub, b % kPsaCluster)[b];
+  cluster.sync();  // every CTA has copied before any sorts its bounds in place
   for (int k = 2; k <= np2; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = tid; i < np2; i += blockDim.x) {
