@@ -165,6 +165,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       total_h[size_t(h)] = int64_t(nb);
     }
   });
+  if (stats) stats->last_visited_by_head.assign(visited_h.begin(), visited_h.end());
   if (stats)
     for (int h = 0; h < n_heads; ++h) {
       stats->blocks_visited += visited_h[size_t(h)];

@@ -12,6 +12,7 @@
 //             measures the mass each rule captures).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "common/status.h"
 #include "decode/paged_kv.h"
@@ -38,6 +39,8 @@ struct DecodeAttnParams {
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
 struct DecodeAttnStats {
   int64_t blocks_visited = 0, blocks_total = 0;
+  // The last call's blocks visited per query head (a device kernel's check).
+  std::vector<int32_t> last_visited_by_head;
   // With measure_mass: over (head, step) visits, the sum of captured mass shares, their count,
   // how many fell short of eps (by more than 1e-6, float rounding), and the smallest share.
   double mass_sum = 0, mass_min = 1;

@@ -108,6 +108,9 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   int64_t visited = 0;
   for (int32_t v : vis) visited += v;
   EXPECT_EQ(visited, hs.blocks_visited) << spec;
+  ASSERT_EQ(hs.last_visited_by_head.size(), vis.size());
+  for (size_t h = 0; h < vis.size(); ++h)
+    EXPECT_EQ(vis[h], hs.last_visited_by_head[h]) << spec << " query head " << h;
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_TRUE(std::isfinite(got[i])) << spec << " element " << i;
@@ -142,7 +145,7 @@ void append_both(Planted& p, const decode::DevicePagedPool& pool, int first_pos,
   ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
 }
 
-const char* kModes[] = {"full", "psa:0.9", "psa:0.95", "psa-avg:0.95", "psa-strict:0.8"};
+const char* kModes[] = {"full", "psa:0.9", "psa:0.95", "psa-avg:0.95", "psa-strict:0.8", "psa:1"};
 
 TEST_F(DeviceDecode, PagedKernelFollowsTheHostRules) {
   const uint64_t seed = testing::fresh_seed();
