@@ -29,36 +29,37 @@ constexpr int kHq = 8, kHkv = 2;
 // One layer, kHkv KV heads, n tokens: keys N(0, 0.3) with a few blocks per head pulled towards
 // that head's query direction (vertical structure), values N(0, 1).
 struct Planted {
-  std::vector<float> q;  // [kHq, head_dim]
+  std::vector<float> q;  // [query heads, head_dim]
   model::KvCache kv;
   decode::PagedKvCache cache;
 };
 
 // uneven: KV head 1 keeps a third of the prompt plus its last 100 tokens (a retained cache whose
 // heads hold different block counts), head 0 all of it.
-Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128) {
+Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq = kHq,
+                int hkv = kHkv) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   Planted p;
-  p.q.resize(size_t(kHq * d));
+  p.q.resize(size_t(hq * d));
   for (auto& x : p.q) x = nd(rng);
   p.kv.n_layers = 1;
-  p.kv.n_kv_heads = kHkv;
+  p.kv.n_kv_heads = hkv;
   p.kv.head_dim = d;
   p.kv.n_tokens = n;
-  p.kv.k.assign(1, std::vector<float>(size_t(n) * kHkv * d));
-  p.kv.v.assign(1, std::vector<float>(size_t(n) * kHkv * d));
+  p.kv.k.assign(1, std::vector<float>(size_t(n) * hkv * d));
+  p.kv.v.assign(1, std::vector<float>(size_t(n) * hkv * d));
   for (auto& x : p.kv.k[0]) x = 0.3f * nd(rng);
   for (auto& x : p.kv.v[0]) x = nd(rng);
   const int nb = (n + 63) / 64;
-  for (int g = 0; g < kHkv; ++g)
+  for (int g = 0; g < hkv; ++g)
     for (int hot = 0; hot < 4; ++hot) {
-      const int b = int(rng() % uint64_t(nb)), h = g * (kHq / kHkv) + int(rng() % 4);
+      const int b = int(rng() % uint64_t(nb)), h = g * (hq / hkv) + int(rng() % uint64_t(hq / hkv));
       for (int t = b * 64; t < std::min(n, b * 64 + 64); t += 3)
         for (int c = 0; c < d; ++c)
-          p.kv.k[0][(size_t(t) * kHkv + g) * d + c] += 0.15f * p.q[size_t(h * d + c)];
+          p.kv.k[0][(size_t(t) * hkv + g) * d + c] += 0.15f * p.q[size_t(h * d + c)];
     }
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, kHkv, n, nullptr);
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, hkv, n, nullptr);
   EXPECT_TRUE(full.is_ok());
   if (uneven) {
     std::vector<int32_t>& k1 = full->kept[1];
@@ -75,34 +76,35 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128) {
 // The device kernel's output and visits for one mode, against the host's on the same cache.
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
                          const std::vector<float>& q, const std::string& spec) {
+  const int hq = int(q.size()) / cache.head_dim();
   auto p = decode::decode_attn_parse(spec);
   ASSERT_TRUE(p.is_ok());
   std::vector<float> want(q.size());
   decode::DecodeAttnStats hs;
   ASSERT_TRUE(
-      decode::decode_attention(cache, 0, q.data(), kHq, p.value(), want.data(), &hs).is_ok());
+      decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
   kernels::PagedDecodeParams kp;
   kp.psa = p->mode == decode::DecodeAttnMode::kPsa;
   kp.eps = p->eps;
   kp.pin_sink_recent = p->pin_sink_recent;
   kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
   DeviceBuffer dq, dout, dvis, dws;
-  const size_t ws = kernels::paged_decode_workspace_bytes(kHq, pool.layer(0));
+  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0));
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
   ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
   ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
   ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
-  ASSERT_TRUE(dvis.alloc(kHq * 4).is_ok());
+  ASSERT_TRUE(dvis.alloc(hq * 4).is_ok());
   std::vector<float> nan(q.size(), std::nanf(""));
   ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
   const kernels::Stream s{Device::kCuda, nullptr};
-  ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), kHq, pool.layer(0), kp,
+  ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), hq, pool.layer(0), kp,
                                               dout.as<float>(), dvis.as<int32_t>(), dws.data(),
                                               dws.size(), s)
                   .is_ok());
   ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
   std::vector<float> got(q.size());
-  std::vector<int32_t> vis(kHq);
+  std::vector<int32_t> vis(hq);
   ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
   ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
   int64_t visited = 0;
@@ -178,6 +180,20 @@ TEST_F(DeviceDecode, PagedKernelFollowsTheHostRulesAtEveryHeadDim) {
     ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
     for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
   }
+}
+
+// Full mode shares each block's loads across up to four query heads of a KV head: group sizes
+// that fill one set partly (3), exactly (4: the tests above), two sets (8) and none (1).
+TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
+  const uint64_t seed = testing::fresh_seed();
+  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
+    for (int d : {64, 128}) {
+      Planted p = planted(64 * 40 + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
+      auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+      ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+      expect_same_as_host(p.cache, pool.value(), p.q, "full");
+      expect_same_as_host(p.cache, pool.value(), p.q, "psa-avg:0.95");
+    }
 }
 
 // 150 appended tokens: the partial last block fills, two reserved pages open, and the bounds
