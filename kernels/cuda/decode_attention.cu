@@ -9,10 +9,10 @@
 // partials a lane holds are reduce-scattered across the row's lanes (31 shuffles for D = 128),
 // leaving one score per lane; the values are read the same way and weighted by the exps
 // shuffled from the lanes that hold them. No shared memory, many loads in flight per warp.
-//   full: flash-decoding. A KV head's pages are split over CTAs of 4 warps (enough CTAs to
-//         fill the device); a warp scores each block for up to 4 query heads of that KV head at
-//         once (warp_block_group: every key and value row loaded once for the group); each CTA
-//         writes its heads' partials (max, mass, output) and a second kernel merges the splits.
+//   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 8 CTAs
+//         per SM); each CTA writes its partial (max, mass, output) and a second kernel merges
+//         the splits. The query heads of one KV head are adjacent in the grid so their K/V reads
+//         meet in L2 (sharing the loads inside a warp instead was slower: bench/NOTES.md).
 //   psa:  a cluster of 4 CTAs of 16 warps per query head. The CTAs compute a quarter of the
 //         bounds each (a thread per block, summed in the host's order) and exchange them through
 //         distributed shared memory; each sorts them (bitonic, up to kDecodeMaxPages). The ranked
@@ -41,8 +41,6 @@ namespace cg = cooperative_groups;
 
 constexpr int kBT = kDecodeBlockTokens;
 constexpr int kFullWarps = 4;   // per CTA, full mode
-constexpr int kGroupHeads = 4;  // query heads of one KV head sharing a warp's loads, full mode
-constexpr int kNv = 8;          // key rows per load group, full mode
 constexpr int kPsaWarps = 16;   // per CTA, psa mode
 constexpr int kPsaCluster = 4;  // CTAs per query head, psa mode
 constexpr int kPsaBatch = kPsaWarps * kPsaCluster;  // ranked blocks scored at once, psa mode
@@ -156,159 +154,56 @@ __device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m,
   *l += double(w) * mass;
 }
 
-// One warp, one block of n (<= 64) keys for up to kGroupHeads query heads of one KV head (G of
-// them): warp_block's work with each key and value row loaded once for the whole group. Rows
-// come kNv loads at a time; each head's kNv dot partials are reduce-scattered over the row's
-// low lane bits and summed over the rest, so every lane holds one row's score per head (the
-// same in the lanes that differ in the higher quad bits). Per head: the block max bm, the mass
-// (double) and this lane's output quad o4, as warp_block returns them.
-template <int D>
-__device__ __forceinline__ void warp_block_group(const float4* q4, int G, const float* kb,
-                                                 const float* vb, int n, float scale, float* bm,
-                                                 double* mass, float4* o4) {
-  constexpr int LPR = D / 4, RPL = 32 / LPR;
-  constexpr int NV = LPR < kNv ? LPR : kNv;  // rows per load group (one load each per lane)
-  constexpr int NSUB = kBT / (NV * RPL);     // load groups per block
-  const int lane = threadIdx.x & 31, quad = lane % LPR, sub = lane / LPR;
-  const int jme = quad & (NV - 1);  // the row of each group this lane ends up holding
-  float e[kGroupHeads][NSUB];
-#pragma unroll
-  for (int c = 0; c < NSUB; ++c) {
-    float4 k4[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int row = c * NV * RPL + j * RPL + sub;
-      k4[j] = row < n ? ld4(kb + row * D + 4 * quad) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    const int row = c * NV * RPL + jme * RPL + sub;
-#pragma unroll
-    for (int g = 0; g < kGroupHeads; ++g) {
-      if (g >= G) continue;
-      float v[NV];
-#pragma unroll
-      for (int j = 0; j < NV; ++j)
-        v[j] = q4[g].x * k4[j].x + q4[g].y * k4[j].y + q4[g].z * k4[j].z + q4[g].w * k4[j].w;
-      reduce_scatter<NV / 2>(v, lane);
-#pragma unroll
-      for (int o = NV; o < LPR; o <<= 1) v[0] += __shfl_xor_sync(kAll, v[0], o);
-      e[g][c] = row < n ? v[0] * scale : -INFINITY;
-    }
-  }
-  const bool owner = quad < NV;  // one copy of each row's values enters the mass
-#pragma unroll
-  for (int g = 0; g < kGroupHeads; ++g) {
-    if (g >= G) continue;
-    float m = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < NSUB; ++c) m = fmaxf(m, e[g][c]);
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kAll, m, o));
-    double t = 0;
-#pragma unroll
-    for (int c = 0; c < NSUB; ++c) {
-      e[g][c] = e[g][c] == -INFINITY ? 0.f : expf(e[g][c] - m);
-      if (owner) t += double(e[g][c]);
-    }
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
-    bm[g] = m;
-    mass[g] = t;
-    o4[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-#pragma unroll
-  for (int c = 0; c < NSUB; ++c)
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int row = c * NV * RPL + j * RPL + sub;
-      const int src = sub * LPR + j;  // holds row's exps (quad j < NV)
-      const float4 v4 = row < n ? ld4(vb + row * D + 4 * quad) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int g = 0; g < kGroupHeads; ++g) {
-        if (g >= G) continue;
-        const float w = __shfl_sync(kAll, e[g][c], src);
-        o4[g].x += w * v4.x, o4[g].y += w * v4.y, o4[g].z += w * v4.z, o4[g].w += w * v4.w;
-      }
-    }
-#pragma unroll
-  for (int g = 0; g < kGroupHeads; ++g) {
-    if (g >= G) continue;
-#pragma unroll
-    for (int o = LPR; o < 32; o <<= 1) {
-      o4[g].x += __shfl_xor_sync(kAll, o4[g].x, o);
-      o4[g].y += __shfl_xor_sync(kAll, o4[g].y, o);
-      o4[g].z += __shfl_xor_sync(kAll, o4[g].z, o);
-      o4[g].w += __shfl_xor_sync(kAll, o4[g].w, o);
-    }
-  }
-}
-
-// Full mode: CTA (split, KV head, head set): up to kGroupHeads query heads of one KV head share
-// every key and value load. Grid index = (split * n_kv_heads + KV head) * sets + set. Warp w takes
-// the split's pages w, w + 4, ...
+// Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
+// KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
 template <int D>
 __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
-  __shared__ float sm_m[kFullWarps][kGroupHeads];
-  __shared__ double sm_l[kFullWarps][kGroupHeads];
-  __shared__ float4 sm_o[kFullWarps][kGroupHeads][LPR];
-  const int group = a.n_heads / a.kv.n_kv_heads;
-  const int sets = (group + kGroupHeads - 1) / kGroupHeads;
-  const int set = blockIdx.x % sets, g = (blockIdx.x / sets) % a.kv.n_kv_heads;
-  const int split = blockIdx.x / (sets * a.kv.n_kv_heads);
-  const int h0 = g * group + set * kGroupHeads, G = min(kGroupHeads, group - set * kGroupHeads);
+  __shared__ float sm_m[kFullWarps];
+  __shared__ double sm_l[kFullWarps];
+  __shared__ float4 sm_o[kFullWarps][LPR];
+  const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane % LPR;
+  const int g = h / (a.n_heads / a.kv.n_kv_heads);
   const int nb = a.kv.n_pages[g];
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
-  float4 q4[kGroupHeads], o[kGroupHeads];
-  float m[kGroupHeads];
-  double l[kGroupHeads];
-#pragma unroll
-  for (int j = 0; j < kGroupHeads; ++j) {
-    q4[j] = j < G ? ld4(a.q + int64_t(h0 + j) * D + 4 * quad) : make_float4(0.f, 0.f, 0.f, 0.f);
-    o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    m[j] = -INFINITY;
-    l[j] = 0;
-  }
+  const float4 q4 = ld4(a.q + int64_t(h) * D + 4 * quad);
+  float m = -INFINITY;
+  double l = 0;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int b = b0 + warp; b < b1; b += kFullWarps) {
     const int64_t blk = pages[b];
     const int n = a.kv.fill[blk];
     if (n <= 0) continue;
-    float bm[kGroupHeads];
-    double mass[kGroupHeads];
-    float4 ob[kGroupHeads];
-    warp_block_group<D>(q4, G, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, bm,
-                        mass, ob);
-#pragma unroll
-    for (int j = 0; j < kGroupHeads; ++j)
-      if (j < G) fold(bm[j], mass[j], ob[j], &m[j], &l[j], &o[j]);
+    float bm;
+    double mass;
+    float4 ob;
+    warp_block<D>(q4, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, &bm, &mass, &ob);
+    fold(bm, mass, ob, &m, &l, &o);
   }
-#pragma unroll
-  for (int j = 0; j < kGroupHeads; ++j) {
-    if (lane < LPR) sm_o[warp][j][lane] = o[j];
-    if (lane == 0) sm_m[warp][j] = m[j], sm_l[warp][j] = l[j];
-  }
+  if (lane < LPR) sm_o[warp][lane] = o;
+  if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
   __syncthreads();
-  if (threadIdx.x >= G * LPR) return;
-  const int j = threadIdx.x / LPR, c4 = threadIdx.x % LPR, h = h0 + j;
+  if (threadIdx.x >= LPR) return;
   float M = -INFINITY;
   double L = 0;
   float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w][j], sm_l[w][j], sm_o[w][j][c4], &M, &L, &O);
+  for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
   if (a.splits == 1) {
     const float inv = L > 0 ? float(1.0 / L) : 0.f;
-    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[threadIdx.x] =
         make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
   } else {
     float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
-    reinterpret_cast<float4*>(dst)[c4] = O;
-    if (c4 == 0) {
+    reinterpret_cast<float4*>(dst)[threadIdx.x] = O;
+    if (threadIdx.x == 0) {
       dst[D] = M;
       reinterpret_cast<double*>(dst + D + 2)[0] = L;
     }
   }
-  if (c4 == 0 && split == 0 && a.visited) a.visited[h] = nb;
+  if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
 }
 
 // Merges a query head's splits (one CTA per head, a thread per channel quad).
@@ -665,20 +560,14 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
 
 bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 
-// Full-mode splits per query head: about 4 CTAs per SM over all heads, at least 4 pages (a warp's
-// worth) per split. Fixed by the pool's capacity, not its fill (the fill lives on the device).
-// CTAs per split: one per KV head and set of up to kGroupHeads of its query heads.
-int full_ctas_per_split(int n_heads, int n_kv_heads) {
-  const int group = n_heads / n_kv_heads;
-  return n_kv_heads * ((group + kGroupHeads - 1) / kGroupHeads);
-}
-
-int full_splits(int n_heads, int n_kv_heads, int max_pages) {
+// Full-mode splits per query head: about 8 CTAs (32 warps) per SM over all heads, at least 4
+// pages (a warp's worth) per split. Fixed by the pool's capacity, not its fill (the fill lives
+// on the device).
+int full_splits(int n_heads, int max_pages) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess)
     (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int per = full_ctas_per_split(n_heads, n_kv_heads);
-  const int want = (4 * sms + per - 1) / per;
+  const int want = (8 * sms + n_heads - 1) / n_heads;
   const int most = (max_pages + kFullWarps - 1) / kFullWarps;
   return std::max(1, std::min(want, most));
 }
@@ -698,8 +587,7 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
     SF_CUDA_TRY(cudaGetLastError());
     return Status::ok();
   }
-  const int ctas = full_ctas_per_split(a.n_heads, a.kv.n_kv_heads) * a.splits;
-  full_kernel<D><<<unsigned(ctas), kFullWarps * 32, 0, st>>>(a);
+  full_kernel<D><<<unsigned(a.n_heads * a.splits), kFullWarps * 32, 0, st>>>(a);
   SF_CUDA_TRY(cudaGetLastError());
   if (a.splits > 1) {
     merge_kernel<D><<<unsigned(a.n_heads), D / 4, 0, st>>>(a);
@@ -712,7 +600,7 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
 
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
   if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
-  const int splits = full_splits(n_heads, kv.n_kv_heads, kv.max_pages);
+  const int splits = full_splits(n_heads, kv.max_pages);
   return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(splits) * size_t(kv.head_dim + 4)
                     : 0;
 }
@@ -729,7 +617,7 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.visited = visited;
   a.kv = kv;
   a.n_heads = n_heads;
-  a.splits = p.psa ? 1 : full_splits(n_heads, kv.n_kv_heads, kv.max_pages);
+  a.splits = p.psa ? 1 : full_splits(n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;
