@@ -443,9 +443,8 @@ int cmd_retention_eval(int argc, char** argv) {
         {"blocks_visited_frac",
          "decode attention blocks visited / available, over heads, layers, steps and windows (1 "
          "for full)"},
-        {"importance",
-         "SnapKV column sums of the last 32 queries' softmax from the prefill LSE, max-pooled with "
-         "kernel 7"}};
+        {"importance", "SnapKV column sums of the last obs_window queries' softmax from the "
+                       "prefill LSE, max-pooled with kernel 7"}};
     if (k == kvstore::RetentionKind::kMoA) {
       json::object& d = o["definitions"].as_object();
       d["moa_spans"] =
