@@ -9,8 +9,8 @@
 // partials a lane holds are reduce-scattered across the row's lanes (31 shuffles for D = 128),
 // leaving one score per lane; the values are read the same way and weighted by the exps
 // shuffled from the lanes that hold them. No shared memory, many loads in flight per warp.
-//   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 4 CTAs
-//         per SM; 8 was slower); each CTA writes its partial (max, mass, output) and a second
+//   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 6 CTAs
+//         per SM); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
 //         their K/V reads meet in L2 (sharing the loads inside a warp instead was slower:
 //         bench/NOTES.md).
@@ -561,13 +561,14 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
 
 bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 
-// Full-mode splits per query head: about 4 CTAs per SM over all heads, at least 4 pages (a warp's
-// worth) per split. Fixed by the pool's capacity, not its fill (the fill lives on the device).
+// Full-mode splits per query head: about 6 CTAs per SM over all heads (one wave; Nsight put 4 at
+// 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages (a warp's worth)
+// per split. Fixed by the pool's capacity, not its fill (the fill lives on the device).
 int full_splits(int n_heads, int max_pages) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess)
     (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int want = (4 * sms + n_heads - 1) / n_heads;
+  const int want = (6 * sms + n_heads - 1) / n_heads;
   const int most = (max_pages + kFullWarps - 1) / kFullWarps;
   return std::max(1, std::min(want, most));
 }
