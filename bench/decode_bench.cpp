@@ -93,22 +93,22 @@ int main(int argc, char** argv) {
   const kernels::Stream s{Device::kCuda, nullptr};
   // The device's copy rate in the same run, for scale: a 256 MB device-to-device copy reads and
   // writes 512 MB.
-  double copy_GBps = 0;
+  double copy_GBps = 0;  // 0: not measured (a failed call)
   {
     const size_t cb = size_t(256) << 20;
     kernels::cuda::DeviceBuffer a, b;
-    if (a.alloc(cb).is_ok() && b.alloc(cb).is_ok() && cudaMemset(a.data(), 1, cb) == cudaSuccess) {
-      for (int i = 0; i < 2; ++i)
-        (void)cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice);
-      (void)cudaEventRecord(e0, nullptr);
-      for (int i = 0; i < 10; ++i)
-        (void)cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice);
-      (void)cudaEventRecord(e1, nullptr);
-      (void)cudaEventSynchronize(e1);
-      float ms = 0.f;
-      (void)cudaEventElapsedTime(&ms, e0, e1);
+    bool ok =
+        a.alloc(cb).is_ok() && b.alloc(cb).is_ok() && cudaMemset(a.data(), 1, cb) == cudaSuccess;
+    for (int i = 0; ok && i < 2; ++i)
+      ok = cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice) == cudaSuccess;
+    ok = ok && cudaEventRecord(e0, nullptr) == cudaSuccess;
+    for (int i = 0; ok && i < 10; ++i)
+      ok = cudaMemcpyAsync(b.data(), a.data(), cb, cudaMemcpyDeviceToDevice) == cudaSuccess;
+    ok = ok && cudaEventRecord(e1, nullptr) == cudaSuccess &&
+         cudaEventSynchronize(e1) == cudaSuccess;
+    float ms = 0.f;
+    if (ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.f)
       copy_GBps = 10.0 * 2.0 * double(cb) / (1e-3 * double(ms)) / 1e9;
-    }
   }
   for (const char* spec : {"full", "psa:0.95", "psa-avg:0.95"}) {
     auto p = decode::decode_attn_parse(spec);

@@ -1,6 +1,7 @@
 // Validation + dispatch for paged decode attention (kernels/decode_attention.h).
 #include "kernels/decode_attention.h"
 
+#include <cstdint>
 #include <string>
 
 #if SF_HAVE_CUDA
@@ -44,6 +45,11 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               void* workspace, size_t workspace_bytes, Stream s) {
   SF_TRY(check_pool("paged_decode_attention", kv, s));
   if (!q || !out) return SF_ERR(kInvalidArgument, "paged_decode_attention: null q or out");
+  // The kernels read q and write out and the workspace as float4.
+  auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
+  if (misaligned(q) || misaligned(out) || (workspace && misaligned(workspace)))
+    return SF_ERR(kInvalidArgument,
+                  "paged_decode_attention: q, out and workspace must be 16-byte aligned");
   if (n_heads <= 0 || n_heads % kv.n_kv_heads)
     return SF_ERR(kInvalidArgument, "paged_decode_attention: heads " + std::to_string(n_heads) +
                                         " not a multiple of kv heads " +

@@ -562,8 +562,8 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
 bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 
 // Full-mode splits per query head: about 6 CTAs per SM over all heads (one wave; Nsight put 4 at
-// 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages (a warp's worth)
-// per split. Fixed by the pool's capacity, not its fill (the fill lives on the device).
+// 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages per split (one
+// per warp). Fixed by the pool's capacity, not its fill (the fill lives on the device).
 int full_splits(int n_heads, int max_pages) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess)
@@ -635,7 +635,8 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   switch (kv.head_dim) {
     case 32: return launch<32>(a, p.psa, st);
     case 64: return launch<64>(a, p.psa, st);
-    default: return launch<128>(a, p.psa, st);
+    case 128: return launch<128>(a, p.psa, st);
+    default: return SF_ERR(kInternal, "paged_decode_attention: head_dim not dispatched");
   }
 }
 

@@ -182,8 +182,8 @@ TEST_F(DeviceDecode, PagedKernelFollowsTheHostRulesAtEveryHeadDim) {
   }
 }
 
-// Full mode shares each block's loads across up to four query heads of a KV head: group sizes
-// that fill one set partly (3), exactly (4: the tests above), two sets (8) and none (1).
+// Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8 and 1, in full mode
+// (split over CTAs) and psa-avg.
 TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
   for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})

@@ -179,6 +179,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       imp.resize(size_t(hkv * nk));
       // Groups the estimator's scores cover; the LSE pass fills the rest (all, by default).
       const std::vector<bool> reuse = estimator_groups(est_columns, hkv, hq / hkv, nk);
+      res.importance_reused_groups += std::count(reuse.begin(), reuse.end(), true);
       if (std::count(reuse.begin(), reuse.end(), true) < hkv) {
         kernels::ImportanceParams ip;
         ip.window = opt.importance_window;

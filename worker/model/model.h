@@ -114,6 +114,9 @@ struct PrefillResult {
   // and the time spent computing it.
   std::vector<std::vector<float>> importance;
   double importance_s = 0;
+  // KV groups, summed over layers, whose importance came from the estimator's scores
+  // (PrefillOptions::importance_from_estimator) instead of the LSE pass.
+  int64_t importance_reused_groups = 0;
   // Most bytes of K/V the forward held in host memory at once during the call: every layer's
   // when keep_kv, one layer's at a time when not (the per-layer hook, e.g. KV tiering, keeps its
   // own copy). The GPU forward reports its pinned host copies.

@@ -89,9 +89,10 @@ TEST(Forward, ExtendEqualsFullPrefill) {
 // Importance from the estimator's own scores: with 640 tokens (whole 64-row blocks) the
 // vertical-slash heads' scoring rows and the block heads' last query block are both the last 64
 // rows. Those scores are the full softmax, so layer 0 (whose q and k do not depend on how
-// attention ran) must equal the LSE pass of a dense prefill with window 64. The LSE pass of a
-// sparse prefill differs: its LSE covers the selected keys only. Layer 1's group 1 mixes a dense
-// head in, so it keeps the (sparse) LSE pass.
+// attention ran) must equal the LSE pass of a dense prefill with window 64. So must the LSE pass of
+// a sparse prefill, whose window rows take their LSE from a dense pass (the sparse attention's
+// covers the selected keys only). Layer 1's group 1 mixes a dense head in, so it keeps the LSE
+// pass; PrefillResult::importance_reused_groups shows which path each run took.
 TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   const uint64_t seed = std::random_device{}();
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
@@ -122,6 +123,9 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   auto est = model::prefill(m.value(), toks, o);
   ASSERT_TRUE(dense.is_ok() && lse.is_ok() && est.is_ok());
   EXPECT_EQ(lse->logits, est->logits);  // attention is the same either way
+  EXPECT_EQ(lse->importance_reused_groups, 0);
+  // Layer 0: both groups (block-sparse pair, vertical-slash pair); layer 1: group 0 only.
+  EXPECT_EQ(est->importance_reused_groups, 3);
   const auto& a = dense->importance[0];
   const auto& b = est->importance[0];
   ASSERT_EQ(a.size(), b.size());
