@@ -112,11 +112,7 @@ int main(int argc, char** argv) {
   }
   for (const char* spec : {"full", "psa:0.95", "psa-avg:0.95"}) {
     auto p = decode::decode_attn_parse(spec);
-    kernels::PagedDecodeParams kp;
-    kp.psa = p->mode == decode::DecodeAttnMode::kPsa;
-    kp.eps = p->eps;
-    kp.pin_sink_recent = p->pin_sink_recent;
-    kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
+    const kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
     auto launch = [&] {
       return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                              dout.as<float>(), dvis.as<int32_t>(), dws.data(),

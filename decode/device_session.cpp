@@ -17,6 +17,16 @@
 
 namespace sf::decode {
 
+kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p) {
+  kernels::PagedDecodeParams kp;
+  kp.psa = p.mode == DecodeAttnMode::kPsa;
+  kp.eps = p.eps;
+  kp.pin_sink_recent = p.pin_sink_recent;
+  kp.recent_mean = p.remainder == PsaRemainder::kRecentMean;
+  kp.scale = p.scale;
+  return kp;
+}
+
 static_assert(kBlockTokens == kernels::kDecodeBlockTokens, "one block size on host and device");
 static_assert(kPsaAvgBlocks == kernels::kPsaRecentBlocks, "one psa-avg rule on host and device");
 
@@ -185,11 +195,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   Impl& m = *s.impl_;
   m.dm = &dm;
   m.w = dm.views();
-  m.kp.psa = p.mode == DecodeAttnMode::kPsa;
-  m.kp.eps = p.eps;
-  m.kp.pin_sink_recent = p.pin_sink_recent;
-  m.kp.recent_mean = p.remainder == PsaRemainder::kRecentMean;
-  m.kp.scale = p.scale;
+  m.kp = device_attn_params(p);
   m.pos = next_pos;
   m.steps_left = max_new_tokens;
   m.n_layers = c.n_layers;

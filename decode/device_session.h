@@ -40,6 +40,9 @@ class DevicePagedPool {
   std::unique_ptr<Impl> impl_;
 };
 
+// The device kernel's parameters for a host decode attention mode (the same rules).
+kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p);
+
 class DeviceDecodeSession {
  public:
   // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected).

@@ -565,9 +565,19 @@ bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 // 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages per split (one
 // per warp). Fixed by the pool's capacity, not its fill (the fill lives on the device).
 int full_splits(int n_heads, int max_pages) {
+  // The SM count per device, queried once: this runs at every launch (each layer of each step).
+  static std::atomic<int> sm_count[64] = {};
   int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess)
-    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    const int cached = dev >= 0 && dev < 64 ? sm_count[dev].load(std::memory_order_relaxed) : 0;
+    if (cached > 0) {
+      sms = cached;
+    } else if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess) {
+      if (dev >= 0 && dev < 64) sm_count[dev].store(sms, std::memory_order_relaxed);
+    } else {
+      sms = 132;
+    }
+  }
   const int want = (6 * sms + n_heads - 1) / n_heads;
   const int most = (max_pages + kFullWarps - 1) / kFullWarps;
   return std::max(1, std::min(want, most));

@@ -83,11 +83,7 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   decode::DecodeAttnStats hs;
   ASSERT_TRUE(
       decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
-  kernels::PagedDecodeParams kp;
-  kp.psa = p->mode == decode::DecodeAttnMode::kPsa;
-  kp.eps = p->eps;
-  kp.pin_sink_recent = p->pin_sink_recent;
-  kp.recent_mean = p->remainder == decode::PsaRemainder::kRecentMean;
+  const kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
   DeviceBuffer dq, dout, dvis, dws;
   const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0));
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
