@@ -50,6 +50,10 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (!(hp.gamma > 0 && hp.gamma <= 1)) return err("gamma", "must be in (0, 1]");
   if (hp.min_budget < 0) return err("min_budget", "must be >= 0");
   if (hp.max_budget < hp.min_budget) return err("max_budget", "must be >= min_budget");
+  if (hp.last_block_rows != 0 && hp.last_block_rows != 1)
+    return err("last_block_rows", "must be 0 or 1");
+  if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
+    return err("last_block_rows", "applies to adaptive-block only");
   bool known = false;
   for (const auto& e : kPatternNames) known |= e.p == hp.pattern;
   if (!known) return err("pattern", "is not a known pattern");

@@ -44,6 +44,9 @@ struct HeadPattern {
   int64_t min_budget = 256;      // adaptive: tokens kept at least (adaptive-vs: columns, and
                                  // diagonals, each; adaptive-block: ceil(budget / 64) blocks)...
   int64_t max_budget = 1 << 20;  // ...and at most
+  int64_t last_block_rows = 0;   // adaptive-block, 1: the last query block keeps, for each of its
+                                 // rows, the smallest ranked key-block set holding gamma of that
+                                 // row's mass (their union), not the set for the rows' mean mass
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 

@@ -46,6 +46,27 @@ std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<in
   return sel;
 }
 
+std::vector<int32_t> select_union_rows(const std::vector<std::vector<float>>& row_mass,
+                                       const float* mean_mass, int64_t n,
+                                       const std::vector<int32_t>& forced, const SelectBudget& b) {
+  std::vector<char> in(size_t(std::max<int64_t>(n, 0)), 0);
+  SelectBudget rb = b;
+  rb.min_count = 0;  // the clamp applies to the union
+  rb.max_count = n;
+  for (const auto& m : row_mass)
+    for (int32_t x : select_ranked(m.data(), n, forced, rb)) in[size_t(x)] = 1;
+  // Union members first (by mean mass among themselves), then the rest by mean mass.
+  std::vector<float> score(size_t(std::max<int64_t>(n, 0)));
+  int64_t u = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    score[size_t(j)] = mean_mass[j] + (in[size_t(j)] ? 2.f : 0.f);  // masses are <= 1
+    u += in[size_t(j)];
+  }
+  SelectBudget kb;
+  kb.k = std::clamp<int64_t>(u, b.min_count, std::max(b.min_count, b.max_count));
+  return select_ranked(score.data(), n, forced, kb);
+}
+
 std::vector<int32_t> iota_list(int64_t n) {
   std::vector<int32_t> v(size_t(std::max<int64_t>(n, 0)));
   std::iota(v.begin(), v.end(), 0);

@@ -30,6 +30,14 @@ struct SelectBudget {
 std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<int32_t> forced,
                                    const SelectBudget& b);
 
+// The last query block of an adaptive-block head with last_block_rows: the union over its rows of
+// each row's selection (select_ranked with b, forced items included) by row_mass ([rows][n], each
+// row's softmax mass per item), then clamped to [b.min_count, b.max_count] by mean_mass (items
+// outside the union rank after it). Every row then keeps >= gamma of its own mass.
+std::vector<int32_t> select_union_rows(const std::vector<std::vector<float>>& row_mass,
+                                       const float* mean_mass, int64_t n,
+                                       const std::vector<int32_t>& forced, const SelectBudget& b);
+
 // 0, 1, ..., n-1 (empty for n <= 0).
 std::vector<int32_t> iota_list(int64_t n);
 

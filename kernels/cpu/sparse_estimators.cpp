@@ -54,6 +54,7 @@ namespace {
 constexpr int64_t kB = kSparseBlock;
 using Budget = SelectBudget;
 constexpr int64_t kChunk = 2048;  // keys per scoring task: (G*64) x 2048 fp32 = 2 MiB at G = 4
+static_assert(kChunk % kB == 0, "scoring chunks start on key-block boundaries");
 
 void serial_blas_once() {
   static std::once_flag once;
@@ -74,15 +75,19 @@ struct Geometry {
 
 // Column sums and diagonal sums of softmax(q_row K^T * scale) over causal keys, for the scoring
 // rows `rows` (sorted local row indices) of the heads in `heads`. col[h] has kend_last entries,
-// diag[h] q_offset + n_q; diag may be null (columns only).
+// diag[h] q_offset + n_q; diag may be null (columns only). row_blocks, when set, also gets each
+// row's own mass per 64-key block: row_blocks[h] is [rows][ceil(kend_last / 64)].
 void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vector<int64_t>& rows,
-               std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag) {
+               std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag,
+               std::vector<std::vector<float>>* row_blocks = nullptr) {
   const int64_t L = int64_t(rows.size());
   const int64_t kend = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
   const int64_t n_diag = g.q_offset + g.nq;
+  const int64_t n_kb = ceil_div(kend, kB);
   for (int h : heads) {
     (*col)[size_t(h)].assign(size_t(kend), 0.f);
     if (diag) (*diag)[size_t(h)].assign(size_t(n_diag), 0.f);
+    if (row_blocks) (*row_blocks)[size_t(h)].assign(size_t(L * n_kb), 0.f);
   }
   if (kend == 0 || L == 0) return;
   const int64_t pos_min = g.q_offset + rows.front(), pos_max = g.q_offset + rows.back();
@@ -185,6 +190,10 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
           if (lim == 0 || lse == -std::numeric_limits<float>::infinity()) continue;
           exp_sub_sum(sr, lim, lse);
           for (int64_t j = 0; j < lim; ++j) cs[j] += sr[j];
+          if (row_blocks) {  // chunks start on block boundaries (kChunk % kB == 0)
+            float* rb = (*row_blocks)[size_t(hs[x])].data() + i * n_kb + c0 / kB;
+            for (int64_t j = 0; j < lim; ++j) rb[j / kB] += sr[j];
+          }
           if (!diag) continue;
           // offset of (row i, key c0 + j) = pos(i) - c0 - j
           float* dr = ds + (pos(i) - c0 - omin);
@@ -304,6 +313,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   // query misses a key block that only a few of its rows attend (a retrieval head reading a
   // pass key 1.5K tokens back at 2K was the measured case).
   std::vector<std::vector<float>> last_mass(size_t(g.hq)), last_cols(size_t(g.hq));
+  // last_block_rows heads: each last-block row's mass per key block, [rows][n_kb] (empty else).
+  std::vector<std::vector<float>> last_rows(size_t(g.hq));
   if (any_block && g.n_qb > 0) {
     pooled_k = pool_keys(g);
     std::vector<int> bh;
@@ -311,8 +322,11 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
       if (uses_blocks(patterns[size_t(h)].pattern)) bh.push_back(h);
     std::vector<int64_t> rows;
     for (int64_t r = (g.n_qb - 1) * kB; r < g.nq; ++r) rows.push_back(r);
-    vs_scores(g, bh, rows, &last_cols, nullptr);
+    bool per_row = false;
+    for (int h : bh) per_row |= patterns[size_t(h)].last_block_rows != 0;
+    vs_scores(g, bh, rows, &last_cols, nullptr, per_row ? &last_rows : nullptr);
     for (int h : bh) {
+      if (!patterns[size_t(h)].last_block_rows) last_rows[size_t(h)].clear();
       auto& m = last_mass[size_t(h)];
       m.assign(size_t(n_kb), 0.f);
       const auto& lc = last_cols[size_t(h)];
@@ -435,7 +449,19 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             bb.min_count = ceil_div(hp.min_budget, kB);
             bb.max_count = ceil_div(hp.max_budget, kB);
           }
-          kbs = select_ranked(s, n_allowed, std::move(forced), bb);
+          if (exact && !last_rows[h].empty()) {
+            // vs_scores' rows are ceil(kend_last / 64) blocks wide; this slot reaches n_allowed.
+            const size_t w = size_t(ceil_div(kend_last, kB));
+            std::vector<std::vector<float>> rm;
+            for (size_t r = 0; r * w < last_rows[h].size(); ++r) {
+              rm.emplace_back(size_t(n_allowed), 0.f);
+              std::copy_n(last_rows[h].begin() + std::ptrdiff_t(r * w),
+                          std::min<size_t>(w, size_t(n_allowed)), rm.back().begin());
+            }
+            kbs = select_union_rows(rm, s, n_allowed, forced, bb);
+          } else {
+            kbs = select_ranked(s, n_allowed, std::move(forced), bb);
+          }
         }
         hl.bstart[size_t(qb)] = int64_t(hl.blocks.size());
         hl.cstart[size_t(qb)] = int64_t(hl.cols.size());

@@ -107,6 +107,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
         break;
       case Pattern::kBlockSparse:
       case Pattern::kAdaptiveBlock:
+        if (hp.last_block_rows != 0)
+          return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
+                                          "].last_block_rows is not implemented on the device");
         e.kind = kEstBlock;
         e.blk_slot = int32_t(blk_heads.size());
         blk_heads.push_back(int32_t(h));

@@ -40,9 +40,10 @@ struct EstimateMemory {
 
 // Supported: F32 or BF16 contiguous q [n_q, heads, d], k [n_k, kv_heads, d] (the same dtype),
 // d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0 or
-// segment_rows > 0 (kUnsupported). max_blocks / max_cols: index capacity per slot; <= 0 picks a
-// default (every key block, and min(causal keys, 4096) columns). Allocates (with mem: only the head
-// tables, and kOutOfRange when the lent memory is smaller than the plan needs); not for capture.
+// segment_rows > 0, and adaptive-block with last_block_rows (kUnsupported). max_blocks / max_cols:
+// index capacity per slot; <= 0 picks a default (every key block, and min(causal keys, 4096)
+// columns). Allocates (with mem: only the head tables, and kOutOfRange when the lent memory is
+// smaller than the plan needs); not for capture.
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,
                             int max_blocks, int max_cols, SparseEstimatePlan* plan,

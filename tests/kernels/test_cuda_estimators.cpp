@@ -632,6 +632,10 @@ TEST_F(CudaEstimators, BackendNeutralEntry) {
   std::vector<HeadPattern> spread = ps;
   spread[0].spread_rows = 64;
   EXPECT_EQ(sparse_estimate(dq_v, dk_v, spread, 0, &a, &st).code(), Code::kUnsupported);
+  std::vector<HeadPattern> rows = ps;  // the per-row last block is host-only too
+  rows[0].pattern = Pattern::kAdaptiveBlock;
+  rows[0].last_block_rows = 1;
+  EXPECT_EQ(sparse_estimate(dq_v, dk_v, rows, 0, &a, &st).code(), Code::kUnsupported);
 }
 
 }  // namespace

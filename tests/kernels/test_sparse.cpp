@@ -588,12 +588,11 @@ std::vector<double> brute_block_scores(const Problem& p, int h, int64_t qb) {
   return s;
 }
 
-// Softmax mass of the last query block's rows in each key block, averaged over those rows (the
-// exact scores the block estimators use for the last query block).
-std::vector<double> brute_last_block_mass(const Problem& p, int h) {
+// Softmax mass of each of the last query block's rows in each key block ([row][key block]).
+std::vector<std::vector<double>> brute_last_block_row_mass(const Problem& p, int h) {
   const int kh = h / (p.hq / p.hkv);
   const int64_t n_kb = (p.nk + kB - 1) / kB, r0 = (p.nq - 1) / kB * kB;
-  std::vector<double> mass(static_cast<size_t>(n_kb), 0.0);
+  std::vector<std::vector<double>> mass;
   for (int64_t row = r0; row < p.nq; ++row) {
     const int64_t lim = std::min(p.nk, p.q_off + row + 1);
     std::vector<double> s(static_cast<size_t>(lim));
@@ -605,8 +604,18 @@ std::vector<double> brute_last_block_mass(const Problem& p, int h) {
       m = std::max(m, s[size_t(j)] = acc / std::sqrt(double(p.d)));
     }
     for (auto& x : s) l += (x = std::exp(x - m));
-    for (int64_t j = 0; j < lim; ++j) mass[size_t(j / kB)] += s[size_t(j)] / l / double(p.nq - r0);
+    mass.emplace_back(static_cast<size_t>(n_kb), 0.0);
+    for (int64_t j = 0; j < lim; ++j) mass.back()[size_t(j / kB)] += s[size_t(j)] / l;
   }
+  return mass;
+}
+// The same averaged over those rows (the exact scores the block estimators use for the last
+// query block).
+std::vector<double> brute_last_block_mass(const Problem& p, int h) {
+  const auto rows = brute_last_block_row_mass(p, h);
+  std::vector<double> mass(rows.front().size(), 0.0);
+  for (const auto& r : rows)
+    for (size_t b = 0; b < r.size(); ++b) mass[b] += r[b] / double(rows.size());
   return mass;
 }
 
@@ -869,6 +878,62 @@ TEST(SparseEstimate, BlockSparseMatchesBruteForce) {
   }
 }
 
+// last_block_rows: the last query block keeps the union of each row's own gamma set, so every
+// one of its rows holds >= gamma of its mass; the mean-mass rule lets a block that few rows read
+// fall under gamma. Clamped by [min_budget, max_budget] through the rows' mean mass.
+TEST(SparseEstimate, AdaptiveBlockLastRowsKeepEachRowsMass) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off, extra] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0}, {300, 400, 0}, {200, 90, 30}}) {
+    const Problem p = make_problem(rng, nq, q_off, extra, 4, 2, 16);
+    std::vector<HeadPattern> pats(4);
+    for (auto& hp : pats) {
+      hp.sink = 0;
+      hp.local = 0;
+      hp.pattern = Pattern::kAdaptiveBlock;
+      hp.min_budget = 64;
+      hp.last_block_rows = 1;
+    }
+    pats[0].gamma = 0.5;
+    pats[1].gamma = 0.9;
+    pats[2].gamma = 0.99;
+    pats[3].gamma = 0.99;
+    pats[3].max_budget = 128;  // 2 blocks: the mean-mass clamp decides
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    const int64_t qb = e.idx.n_qblocks - 1;
+    const Geo g = geo(p.nq, p.nk, p.q_off, qb);
+    const int64_t n_allowed = (g.kend + kB - 1) / kB;
+    std::set<int32_t> forced{0};
+    for (int64_t b = std::min(g.base, g.kend - 1) / kB; b <= (g.kend - 1) / kB; ++b)
+      forced.insert(int32_t(b));
+    for (int h = 0; h < 4; ++h) {
+      const HeadPattern& hp = pats[size_t(h)];
+      auto rows = brute_last_block_row_mass(p, h);
+      std::vector<double> mean = brute_last_block_mass(p, h);
+      mean.resize(size_t(n_allowed));
+      std::set<int32_t> uni;
+      for (auto& r : rows) {
+        r.resize(size_t(n_allowed));
+        for (int32_t x : brute_mass(r, forced, hp.gamma, 0, n_allowed)) uni.insert(x);
+      }
+      std::vector<double> rank = mean;
+      for (int32_t x : uni) rank[size_t(x)] += 2.0;
+      const int64_t k = std::clamp<int64_t>(int64_t(uni.size()), (hp.min_budget + kB - 1) / kB,
+                                            (hp.max_budget + kB - 1) / kB);
+      const auto want = brute_topk(rank, forced, k);
+      const auto& got = e.trace[e.idx.slot(h, qb)].key_blocks;
+      EXPECT_EQ(got, want) << "head " << h << " gamma " << hp.gamma;
+      if (hp.max_budget < (1 << 20)) continue;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        double kept = 0;
+        for (int32_t x : got) kept += rows[r][size_t(x)];
+        EXPECT_GE(kept, hp.gamma - 1e-5) << "head " << h << " row " << r;
+      }
+    }
+  }
+}
+
 TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
   std::mt19937_64 rng(fresh_seed());
   const Problem p = make_problem(rng, 64, 0, 0, 2, 1, 16);
@@ -880,6 +945,10 @@ TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
   Status st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[1].gamma"), std::string::npos) << st.message();
   pats[1].gamma = 0.9;
+  pats[1].last_block_rows = 1;  // dense: applies to adaptive-block only
+  st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
+  EXPECT_NE(st.message().find("patterns[1].last_block_rows"), std::string::npos) << st.message();
+  pats[1].last_block_rows = 0;
   pats[0].max_budget = 1;
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[0].max_budget"), std::string::npos) << st.message();

@@ -107,6 +107,24 @@ std::vector<std::vector<HeadPattern>> candidate_families(int64_t L, const std::s
     }
     fam.push_back(f);
   }
+  // Adaptive (PSA / FlexPrefill thresholds): the budget follows each input's estimated mass,
+  // so one gamma costs what the calibration text needs; the grid is gamma ascending, and cost
+  // grows with it. min_budget stays at its default (HeadPattern). Adaptive-block candidates keep
+  // each last-block row's own gamma set (last_block_rows): with the rows' mean mass, a block only
+  // the final rows read (a pass key) fell under gamma and 2K passkey dropped to 0.90.
+  static constexpr double kGammas[] = {0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99};
+  for (Pattern ap : {Pattern::kAdaptiveVS, Pattern::kAdaptiveBlock}) {
+    if (!use.count(ap)) continue;
+    std::vector<HeadPattern> f;
+    for (double g : kGammas) {
+      HeadPattern p = base;
+      p.pattern = ap;
+      p.gamma = g;
+      p.last_block_rows = ap == Pattern::kAdaptiveBlock ? 1 : 0;
+      f.push_back(p);
+    }
+    fam.push_back(f);
+  }
   return fam;
 }
 
@@ -118,6 +136,12 @@ std::string describe(const HeadPattern& p) {
       std::snprintf(b, sizeof b, "vs(%lld,%lld)", static_cast<long long>(p.n_vertical), static_cast<long long>(p.n_slash));
       break;
     case Pattern::kBlockSparse: std::snprintf(b, sizeof b, "block(%lld)", static_cast<long long>(p.n_blocks)); break;
+    case Pattern::kAdaptiveVS:
+      std::snprintf(b, sizeof b, "avs(%.2f)", p.gamma);
+      break;
+    case Pattern::kAdaptiveBlock:
+      std::snprintf(b, sizeof b, "ablock(%.2f)", p.gamma);
+      break;
     default: std::snprintf(b, sizeof b, "%s", kernels::pattern_name(p.pattern)); break;
   }
   return b;
@@ -179,13 +203,18 @@ int cmd_search(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--segment-rows must be 0 or a positive multiple of 64"));
   std::set<Pattern> use;
   {
-    std::stringstream ss(a.get("patterns", "a-shape,vertical-slash,block-sparse"));
+    std::stringstream ss(
+        a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs,adaptive-block"));
     std::string item;
     while (std::getline(ss, item, ',')) {
       auto p = kernels::pattern_from_string(item);
       if (!p.is_ok() || (p.value() != Pattern::kAShape && p.value() != Pattern::kVerticalSlash &&
-                         p.value() != Pattern::kBlockSparse))
-        return fail(SF_ERR(kInvalidArgument, "--patterns: '" + item + "' is not one of a-shape, vertical-slash, block-sparse"));
+                         p.value() != Pattern::kBlockSparse && p.value() != Pattern::kAdaptiveVS &&
+                         p.value() != Pattern::kAdaptiveBlock))
+        return fail(
+            SF_ERR(kInvalidArgument, "--patterns: '" + item +
+                                         "' is not one of a-shape, vertical-slash, block-sparse, "
+                                         "adaptive-vs, adaptive-block"));
       use.insert(p.value());
     }
     if (use.empty()) return fail(SF_ERR(kInvalidArgument, "--patterns is empty"));

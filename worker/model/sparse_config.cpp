@@ -116,10 +116,16 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (!pr.is_ok()) return field_err(l, h, "pattern", "has unknown value '" + std::string(pv->as_string()) + "'");
       HeadPattern hp = defaults_for(pr.value());
       struct IntField { const char* name; int64_t* dst; };
-      for (IntField f : {IntField{"sink", &hp.sink}, {"local", &hp.local}, {"n_vertical", &hp.n_vertical},
-                         {"n_slash", &hp.n_slash}, {"n_blocks", &hp.n_blocks}, {"min_budget", &hp.min_budget},
-                         {"max_budget", &hp.max_budget}, {"spread_rows", &hp.spread_rows},
-                         {"segment_rows", &hp.segment_rows}}) {
+      for (IntField f : {IntField{"sink", &hp.sink},
+                         {"local", &hp.local},
+                         {"n_vertical", &hp.n_vertical},
+                         {"n_slash", &hp.n_slash},
+                         {"n_blocks", &hp.n_blocks},
+                         {"min_budget", &hp.min_budget},
+                         {"max_budget", &hp.max_budget},
+                         {"spread_rows", &hp.spread_rows},
+                         {"segment_rows", &hp.segment_rows},
+                         {"last_block_rows", &hp.last_block_rows}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -136,6 +142,9 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.min_budget > hp.max_budget) return field_err(l, h, "min_budget", "exceeds max_budget");
       if (hp.segment_rows % kernels::kSparseBlock != 0)
         return field_err(l, h, "segment_rows", "must be a multiple of 64 (got " + std::to_string(hp.segment_rows) + ")");
+      if (hp.last_block_rows > 1) return field_err(l, h, "last_block_rows", "must be 0 or 1");
+      if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
+        return field_err(l, h, "last_block_rows", "applies to adaptive-block only");
       c.layers[size_t(l)].push_back(hp);
     }
   }
@@ -176,6 +185,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
       }
       if (h.spread_rows != 0) ho["spread_rows"] = h.spread_rows;
       if (h.segment_rows != 0) ho["segment_rows"] = h.segment_rows;
+      if (h.last_block_rows != 0) ho["last_block_rows"] = h.last_block_rows;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

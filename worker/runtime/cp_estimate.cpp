@@ -531,6 +531,8 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     if (uses_blocks(a.patterns[h].pattern)) bh.push_back(int(h));
   std::vector<float> pooled_k;  // [n_kb][hkv][d]
   std::vector<std::vector<float>> last_mass(static_cast<size_t>(hq));
+  // last_block_rows heads: each last-block row's own mass per key block ([rows][n_kb]).
+  std::vector<std::vector<std::vector<float>>> last_rows(static_cast<size_t>(hq));
   if (!bh.empty()) {
     std::vector<int64_t> counts(static_cast<size_t>(CP));
     for (int r = 0; r < CP; ++r) {
@@ -586,6 +588,18 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
                lc.begin() + std::ptrdiff_t((x + 1) * size_t(n_kb)));
       for (float& v : m) v /= float(rows.size());  // each row's mass sums to 1
     }
+    std::vector<int> rh;
+    for (int h : bh)
+      if (a.patterns[size_t(h)].last_block_rows) rh.push_back(h);
+    // One scoring pass per row (the same collectives on every rank): the row's block sums.
+    for (int64_t r : rows) {
+      if (rh.empty()) break;
+      std::vector<float> rc;
+      SF_TRY(score_rows(cp, a, rh, {r}, false, &rc, &unused, &bytes, {}, {}, /*pool_cols=*/true));
+      for (size_t x = 0; x < rh.size(); ++x)
+        last_rows[size_t(rh[x])].emplace_back(rc.begin() + std::ptrdiff_t(x * size_t(n_kb)),
+                                              rc.begin() + std::ptrdiff_t((x + 1) * size_t(n_kb)));
+    }
   }
   auto local_row = [&](int64_t p) {
     return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
@@ -627,6 +641,12 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       bb.gamma = hp.gamma;
       bb.min_count = ceil_div(hp.min_budget, kB);
       bb.max_count = ceil_div(hp.max_budget, kB);
+    }
+    if (exact && !last_rows[size_t(h)].empty()) {
+      std::vector<std::vector<float>> rm;
+      for (const auto& m : last_rows[size_t(h)])
+        rm.emplace_back(m.begin(), m.begin() + std::ptrdiff_t(n_allowed));
+      return kernels::select_union_rows(rm, sc.data(), n_allowed, forced, bb);
     }
     return select_ranked(sc.data(), n_allowed, std::move(forced), bb);
   };

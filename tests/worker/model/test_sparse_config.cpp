@@ -37,6 +37,10 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
   expect_error(two_by_two(R"({"n_blocks":3})"), "layer 1 head 1: field 'pattern' is missing");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","segment_rows":100})"),
                "layer 1 head 1: field 'segment_rows' must be a multiple of 64 (got 100)");
+  expect_error(two_by_two(R"({"pattern":"block-sparse","last_block_rows":1})"),
+               "layer 1 head 1: field 'last_block_rows' applies to adaptive-block only");
+  expect_error(two_by_two(R"({"pattern":"adaptive-block","last_block_rows":2})"),
+               "layer 1 head 1: field 'last_block_rows' must be 0 or 1");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
   expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
   expect_error("{not json", "invalid JSON");
@@ -65,6 +69,14 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_TRUE(vb.is_ok()) << vb.status().to_string();
   EXPECT_EQ(vb->layers[1][1].spread_rows, 32);
   EXPECT_EQ(vb->layers[1][1].segment_rows, 1024);
+  auto ab = sparse_config_parse(two_by_two(R"({"pattern":"adaptive-block","last_block_rows":1})"),
+                                2, 2, "t");
+  ASSERT_TRUE(ab.is_ok()) << ab.status().to_string();
+  ASSERT_TRUE(sparse_config_save(ab.value(), path).is_ok());
+  auto abb = sparse_config_load(path, 2, 2);
+  ASSERT_TRUE(abb.is_ok()) << abb.status().to_string();
+  EXPECT_EQ(abb->layers[1][1].last_block_rows, 1);
+  EXPECT_EQ(abb->layers[0][0].last_block_rows, 0);
   EXPECT_FALSE(sparse_config_is_dense(back.value()));
   EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
 }

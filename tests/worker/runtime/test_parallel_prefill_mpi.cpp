@@ -234,16 +234,17 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
 
 // The same with every estimator family in one layer: vertical-slash, block-sparse, adaptive-block
 // and a-shape heads (block scores from pooled keys gathered from their owners, the last query
-// block's exact mass reduced across ranks).
+// block's exact mass reduced across ranks; in odd layers the adaptive-block heads select the last
+// block per row, last_block_rows).
 TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
   const auto [tp, cp] = GetParam();
   auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
                                           model_->config().n_heads);
   ASSERT_TRUE(sc.is_ok());
   sc->dense_below = 0;
-  for (auto& l : sc->layers)
-    for (size_t h = 0; h < l.size(); ++h) {
-      auto& hp = l[h];
+  for (size_t li = 0; li < sc->layers.size(); ++li)
+    for (size_t h = 0; h < sc->layers[li].size(); ++h) {
+      auto& hp = sc->layers[li][h];
       switch (h % 4) {
         case 0:
           hp.n_vertical = 100;
@@ -258,6 +259,11 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
           hp.gamma = 0.9;
           hp.min_budget = 128;
           hp.max_budget = 512;
+          if (li % 2) {  // unclamped, so the union and the mean-mass set differ
+            hp.last_block_rows = 1;
+            hp.gamma = 0.7;
+            hp.max_budget = 1 << 20;
+          }
           break;
         default:
           hp.pattern = kernels::Pattern::kAShape;
