@@ -204,7 +204,7 @@ int cmd_search(int argc, char** argv) {
   std::set<Pattern> use;
   {
     std::stringstream ss(
-        a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs,adaptive-block"));
+        a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs"));
     std::string item;
     while (std::getline(ss, item, ',')) {
       auto p = kernels::pattern_from_string(item);
