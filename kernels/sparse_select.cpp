@@ -1,6 +1,7 @@
 #include "kernels/sparse_select.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "kernels/sparse.h"
@@ -55,15 +56,17 @@ std::vector<int32_t> select_union_rows(const std::vector<std::vector<float>>& ro
   rb.max_count = n;
   for (const auto& m : row_mass)
     for (int32_t x : select_ranked(m.data(), n, forced, rb)) in[size_t(x)] = 1;
-  // Union members first (by mean mass among themselves), then the rest by mean mass.
-  std::vector<float> score(size_t(std::max<int64_t>(n, 0)));
   int64_t u = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    score[size_t(j)] = mean_mass[j] + (in[size_t(j)] ? 2.f : 0.f);  // masses are <= 1
-    u += in[size_t(j)];
-  }
+  for (int64_t j = 0; j < n; ++j) u += in[size_t(j)];
   SelectBudget kb;
   kb.k = std::clamp<int64_t>(u, b.min_count, std::max(b.min_count, b.max_count));
+  // Over the max: the union's members by mean mass. Under the min: the whole union, then the
+  // rest by mean mass. (Infinities keep the mean masses' own order; no offset rounds them.)
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  std::vector<float> score(size_t(std::max<int64_t>(n, 0)));
+  for (int64_t j = 0; j < n; ++j)
+    score[size_t(j)] = in[size_t(j)] ? (kb.k <= u ? mean_mass[j] : kInf)
+                                     : (kb.k <= u ? -kInf : mean_mass[j]);
   return select_ranked(score.data(), n, forced, kb);
 }
 

@@ -31,9 +31,11 @@ std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<in
                                    const SelectBudget& b);
 
 // The last query block of an adaptive-block head with last_block_rows: the union over its rows of
-// each row's selection (select_ranked with b, forced items included) by row_mass ([rows][n], each
-// row's softmax mass per item), then clamped to [b.min_count, b.max_count] by mean_mass (items
-// outside the union rank after it). Every row then keeps >= gamma of its own mass.
+// each row's mass selection (select_ranked with b's gamma, no count clamp, forced items included)
+// by row_mass ([rows][n], each row's softmax mass per item), then clamped to [b.min_count,
+// b.max_count] by mean_mass (over the max: the union's members with the most mean mass; under the
+// min: the union, then the rest by mean mass). Unless the max binds, every row keeps >= gamma of
+// its own mass.
 std::vector<int32_t> select_union_rows(const std::vector<std::vector<float>>& row_mass,
                                        const float* mean_mass, int64_t n,
                                        const std::vector<int32_t>& forced, const SelectBudget& b);
