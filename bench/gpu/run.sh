@@ -19,6 +19,7 @@
 #   SF_BUILD_DEPS  1: build the GoogleTest/Boost.JSON/xxHash stand-ins below even where the
 #                  packages exist (to test this script's fallbacks on a CPU machine)
 #   SF_BENCH       0: skip the attention benchmark (default 1)
+#   SF_GPU_TEST_TIMEOUT  seconds per gpu test (default 1200)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -33,7 +34,7 @@
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
 #   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma;
-#                            wgmma,mma.sync adds the A/B)
+#                            wgmma,mma.sync or wgmma,wgmma-ws adds the A/B)
 #   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
 #   SF_PEER_BACKENDS         SDPA backends to time (default cudnn,flash,efficient)
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
@@ -241,7 +242,7 @@ else
 fi
 
 # --verbose keeps each op's error figures in the log even when the tests pass.
-ctest --test-dir "$build" -L gpu --output-on-failure --verbose --timeout 1200 >"$logs/ctest.log" 2>&1
+ctest --test-dir "$build" -L gpu --output-on-failure --verbose --timeout "${SF_GPU_TEST_TIMEOUT:-1200}" >"$logs/ctest.log" 2>&1
 ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
 # test_gpu_forward's figures (GPU prefill vs the CPU forward) belong in the summary too.

@@ -1,5 +1,5 @@
-// One head dim per translation unit (caps nvcc time per file; see dispatch.h). Both mainloops.
-#include "kernels/cuda/attention_sparse_bf16_sm90.cuh"
+// One head dim per translation unit (caps nvcc time per file; see dispatch.h). All three mainloops.
+#include "kernels/cuda/attention_sparse_bf16_launch.cuh"
 
 namespace sf::kernels::cuda {
 template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,

@@ -545,38 +545,4 @@ inline cudaError_t encode_kv_map(CUtensorMap* map, const void* base, int64_t n_k
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int D>
-cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
-                                         SparseBf16Mainloop mainloop, cudaStream_t stream) {
-  using namespace attention_sparse_bf16_sm90_detail;
-  if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
-  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
-  cudaError_t err = cudaSuccess;
-  if (mainloop == SparseBf16Mainloop::kWgmma) {
-    constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;  // + slack to align the base
-    static std::atomic<uint64_t> opted{0};
-    if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
-      return err;
-    // No keys: no slot has a block tile, and the encoder rejects an empty dimension.
-    AttentionSparseBf16Params pm = p;
-    if (p.n_k > 0 && ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
-                      (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess))
-      return err;
-    attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
-  } else {
-    constexpr size_t kSmem = sizeof(Smem<D>);
-    static std::atomic<uint64_t> opted{0};
-    if ((err = opt_in_smem(attention_sparse_bf16_kernel<D>, kSmem, opted)) != cudaSuccess)
-      return err;
-    attention_sparse_bf16_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
-  }
-  return cudaGetLastError();
-}
-
-extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
-                                                             SparseBf16Mainloop, cudaStream_t);
-extern template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,
-                                                              SparseBf16Mainloop, cudaStream_t);
-
 }  // namespace sf::kernels::cuda

@@ -9,7 +9,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
 #include "kernels/cuda/attention_sparse.cuh"
-#include "kernels/cuda/attention_sparse_bf16_sm90.cuh"
+#include "kernels/cuda/attention_sparse_bf16_launch.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -184,11 +184,14 @@ const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
       return "wgmma";
     case SparseBf16Mainloop::kMmaSync:
       return "mma.sync";
+    case SparseBf16Mainloop::kWgmmaWs:
+      return "wgmma-ws";
   }
   return "?";
 }
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m) {
-  for (const auto c : {SparseBf16Mainloop::kWgmma, SparseBf16Mainloop::kMmaSync})
+  for (const auto c : {SparseBf16Mainloop::kWgmma, SparseBf16Mainloop::kMmaSync,
+                       SparseBf16Mainloop::kWgmmaWs})
     if (name == sparse_bf16_mainloop_name(c)) {
       *m = c;
       return true;

@@ -91,12 +91,13 @@ bool attention_sparse_supported(int head_dim);
 // The BF16 kernel's mainloop. kWgmma (the default): Hopper warpgroup MMA
 // (attention_sparse_bf16_sm90.cuh). kMmaSync: the FlashAttention-2-style mma.sync kernel
 // (attention_sparse_bf16.cuh), kept as a second implementation for tests and A/B benchmarks.
-// Process-wide; read at each launch.
-enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1 };
+// kWgmmaWs: the wgmma mainloop warp-specialized (attention_sparse_bf16_ws.cuh: a producer
+// warpgroup copies for two consumer warpgroups). Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// By name ("wgmma", "mma.sync"); false for any other.
+// By name ("wgmma", "mma.sync", "wgmma-ws"); false for any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------

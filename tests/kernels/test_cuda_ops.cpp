@@ -651,12 +651,13 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa4 d128 long", 1100, 1100, 8, 2, 128, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
   };
-  // Both mainloops (wgmma, the default, and mma.sync) on the same cases; the default comes back
+  // Every mainloop (wgmma, the default, mma.sync and wgmma-ws) on the same cases; the default comes back
   // on every exit.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmma); }
   } restore;
-  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync}) {
+  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
+                        cuda::SparseBf16Mainloop::kWgmmaWs}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       // full, random per slot, random per head, random per slot with up to 400 columns

@@ -551,7 +551,7 @@ int cmd_bench_attention(int argc, char** argv) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
         return fail(
-            SF_ERR(kInvalidArgument, "--mainloops: wgmma and/or mma.sync, got '" + t + "'"));
+            SF_ERR(kInvalidArgument, "--mainloops: wgmma, mma.sync and/or wgmma-ws, got '" + t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));

@@ -1,0 +1,55 @@
+// The bf16 sparse attention launcher: picks the mainloop (kernels/cuda/cuda_ops.h) among the
+// mma.sync kernel (attention_sparse_bf16.cuh), the wgmma kernel (attention_sparse_bf16_sm90.cuh)
+// and the warp-specialized wgmma kernel (attention_sparse_bf16_ws.cuh), and fills the TMA maps.
+#pragma once
+#include "kernels/cuda/attention_sparse_bf16_ws.cuh"
+
+namespace sf::kernels::cuda {
+
+template <int D>
+cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
+                                         SparseBf16Mainloop mainloop, cudaStream_t stream) {
+  using namespace attention_sparse_bf16_sm90_detail;
+  if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
+  if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
+  cudaError_t err = cudaSuccess;
+  if (mainloop == SparseBf16Mainloop::kMmaSync) {
+    constexpr size_t kSmem = sizeof(Smem<D>);
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
+    attention_sparse_bf16_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  // Both wgmma mainloops load block tiles by TMA. No keys: no slot has a block tile, and the
+  // encoder rejects an empty dimension.
+  AttentionSparseBf16Params pm = p;
+  if (p.n_k > 0 && ((err = encode_kv_map(&pm.tm_k, p.k, p.n_k, p.n_kv_heads, D)) != cudaSuccess ||
+                    (err = encode_kv_map(&pm.tm_v, p.v, p.n_k, p.n_kv_heads, D)) != cudaSuccess))
+    return err;
+  if (mainloop == SparseBf16Mainloop::kWgmmaWs) {
+    namespace ws = attention_sparse_bf16_ws_detail;
+    constexpr size_t kSmem = sizeof(ws::SmemWs<D>) + kSwAlign;  // + slack to align the base
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    const dim3 grid(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads));
+    attention_sparse_bf16_ws_kernel<D><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
+  } else {
+    constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;
+    static std::atomic<uint64_t> opted{0};
+    if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
+      return err;
+    const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
+    attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
+  }
+  return cudaGetLastError();
+}
+
+extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
+                                                             SparseBf16Mainloop, cudaStream_t);
+extern template cudaError_t attention_sparse_bf16_launch<128>(const AttentionSparseBf16Params&,
+                                                              SparseBf16Mainloop, cudaStream_t);
+
+}  // namespace sf::kernels::cuda
