@@ -19,7 +19,7 @@
 // tile t's softmax); a warp releases a stage on its "empty" mbarrier once the product that read
 // it has landed. Registers move to the consumers with setmaxnreg (producer 56, consumers 224:
 // 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
-// the consumers spill nothing at 224; the producer spills 12 bytes (L1) at 56.
+// neither role spills (ptxas).
 //
 // Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
 // of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in
@@ -143,11 +143,18 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   const Copy cp(p, pp, kv_head, pt);
   const int n = tl.count();
   Ring rk, rv;
+  // A tile's ids (or block start) are loaded before the wait for its stage: their latency
+  // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
   auto put_k = [&](int t) {
     const int s = rk.s3, slot = rk.s6;
+    const bool block = t < tl.n_block_tiles;
+    int32_t pk[Copy::kIter], k0 = 0;
+    if (block)
+      k0 = tl.bo[t];
+    else
+      cp.ids(tl, t - tl.n_block_tiles, pk);
     mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
-    if (t < tl.n_block_tiles) {
-      const int32_t k0 = tl.bo[t];
+    if (block) {
       pp.pos[slot][pt] = pt < int32_t(tl.cta_end - k0) ? k0 + pt : -1;
       if (pt == 0) {
         pp.masked[slot] = tile_needs_mask(tl, t, base);
@@ -156,8 +163,6 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
         mbar_arrive(&pp.full_k[s]);
       }
     } else {
-      int32_t pk[Copy::kIter];
-      cp.ids(tl, t - tl.n_block_tiles, pk);
       if (pt % 8 == 0) {
 #pragma unroll
         for (int i = 0; i < Copy::kIter; ++i) pp.pos[slot][cp.j0 + 8 * i] = pk[i];
@@ -171,15 +176,19 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   };
   auto put_v = [&](int t) {
     const int s = rv.s3;
+    const bool block = t < tl.n_block_tiles;
+    int32_t pv[Copy::kIter], k0 = 0;
+    if (block)
+      k0 = tl.bo[t];
+    else
+      cp.ids(tl, t - tl.n_block_tiles, pv);
     mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
-    if (t < tl.n_block_tiles) {
+    if (block) {
       if (pt == 0)
-        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, tl.bo[t]);
+        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, k0);
       else
         mbar_arrive(&pp.full_v[s]);
     } else {
-      int32_t pv[Copy::kIter];
-      cp.ids(tl, t - tl.n_block_tiles, pv);
       cp.rows(cp.v_sa, cp.v_src, s * kStageBytes, pv);
       mbar_arrive_cp_async(&pp.full_v[s]);
     }
