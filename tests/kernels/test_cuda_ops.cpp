@@ -568,6 +568,9 @@ TEST_F(CudaOps, AttentionSparse) {
       {"mha d64 short", 45, 45, 4, 4, 64, 0},
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
+      // 528 slots: more than two a stream for wgmma-ws's persistent CTAs on 132 SMs, so its
+      // stage rings run on from one slot into the next.
+      {"gqa4 d128 4200 (several slots a persistent stream)", 4200, 4200, 8, 2, 128, 0},
   };
   for (const SparseCase& c : cases) {
     for (int full = 0; full < 2; ++full) {
@@ -650,6 +653,9 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa4 d64 chunk, n_k past last row", 130, 600, 8, 2, 64, 400},
       {"gqa4 d128 long", 1100, 1100, 8, 2, 128, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
+      // 528 slots: more than two a stream for wgmma-ws's persistent CTAs on 132 SMs, so its
+      // stage rings run on from one slot into the next.
+      {"gqa4 d128 4200 (several slots a persistent stream)", 4200, 4200, 8, 2, 128, 0},
   };
   // Every mainloop (wgmma, the default, mma.sync and wgmma-ws) on the same cases; the default comes back
   // on every exit.
