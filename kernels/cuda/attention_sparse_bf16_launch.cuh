@@ -34,14 +34,7 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     static std::atomic<uint64_t> opted{0};
     if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D>, kSmem, opted)) != cudaSuccess)
       return err;
-    // Persistent: one CTA an SM (its shared memory allows no second), fewer when there are fewer
-    // slot pairs. A host-side attribute query: safe under stream capture.
-    int dev = 0, sms = 0;
-    if ((err = cudaGetDevice(&dev)) != cudaSuccess ||
-        (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess)
-      return err;
-    const int64_t pairs = (p.n_qblocks * p.n_heads + ws::kSlots - 1) / ws::kSlots;
-    const dim3 grid(unsigned(pairs < sms ? pairs : sms));
+    const dim3 grid(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads));
     attention_sparse_bf16_ws_kernel<D><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
   } else {
     constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;

@@ -1,5 +1,5 @@
 // The bf16 sparse attention kernel on wgmma with warp specialization (FlashAttention-3's split):
-// a producer warpgroup copies, two consumer warpgroups compute. Same contract, tile walk
+// a producer warpgroup copies, a consumer warpgroup computes. Same contract, tile walk
 // (TileList), products (issue_s, issue_pv), softmax and epilogue as the wgmma kernel of
 // attention_sparse_bf16_sm90.cuh; what differs is who issues the copies and how stages are
 // handed over.
@@ -10,16 +10,20 @@
 // Here those instructions run on other warps, and a stage is handed over by mbarriers instead
 // of a CTA-wide barrier per tile.
 //
-// Work split. A persistent CTA of 384 threads (one an SM) runs two streams of (head, 64-query
-// block) slots. Warpgroup 0 produces: threads 0-63 for stream 0, 64-127 for stream 1, each half
-// walking its slots' tiles in order. Block tiles arrive by TMA (one thread), gathered columns by
-// cp.async from the half's 64 threads, which then arrive on the stage's "full" mbarrier with
-// cp.async.mbarrier.arrive.noinc (the arrival lands when the thread's copies have). Warpgroups 1
-// and 2 consume stream 0 and 1 with the wgmma kernel's schedule (S(t + 1) and P(t - 1) V(t - 1)
-// on the tensor cores during tile t's softmax); a warp releases a stage on its "empty" mbarrier
-// once the product that read it has landed. Registers move to the consumers with setmaxnreg
-// (producer 64, consumers 216: 128 * 64 + 256 * 216 = 63,488 of the 64,512 the CTA gets at
-// launch). At D = 128 neither role spills (ptxas); the producer spilled at 56.
+// Work split. A CTA of 256 threads owns one (head, 64-query block) slot, two CTAs an SM (as the
+// wgmma kernel: one CTA's softmax overlaps the other's products, and one starts while the other
+// drains). Warpgroup 0 produces with its first 64 threads (warps 2-3 leave at once), walking the
+// slot's tiles in order: block tiles by TMA (one thread), gathered columns by cp.async from the
+// 64, which then arrive on the stage's "full" mbarrier with cp.async.mbarrier.arrive.noinc (the
+// arrival lands when the thread's copies have). Warpgroup 1 consumes with the wgmma kernel's
+// schedule (S(t + 1) and P(t - 1) V(t - 1) on the tensor cores during tile t's softmax); a warp
+// releases a stage on its "empty" mbarrier once the product that read it has landed. Registers
+// move to the consumer with setmaxnreg: producer 40, consumer 216 (128 * 40 + 128 * 216 =
+// 32,768, the CTA's allocation at launch). ptxas: the consumer does not spill; the producer
+// spills 56 bytes at 40, off the critical path.
+// Measured alternatives (bench/NOTES.md): two consumer warpgroups a CTA (one CTA an SM) won
+// 9-21% at 1M in three modes but lost 10% in block-sparse at 1M; the same made persistent (static
+// round-robin over slots) lost 10-35% everywhere.
 //
 // Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
 // of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in
@@ -32,13 +36,17 @@ namespace sf::kernels::cuda {
 namespace attention_sparse_bf16_ws_detail {
 using namespace attention_sparse_bf16_sm90_detail;
 
-constexpr int kSlots = 2;                         // consumer warpgroups (slots) per CTA
-constexpr int kWsThreads = (kSlots + 1) * kThreads;  // 384
-constexpr int kProd = kThreads / kSlots;          // producer threads per slot
-constexpr int kProducerRegs = 64, kConsumerRegs = 216;
-// setmaxnreg moves registers within the CTA's launch allocation: 384 threads get 168 each
-// (65,536 / 384 rounded down to a multiple of 8).
-static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <= 168 * kWsThreads,
+constexpr int kSlots = 1;                            // consumer warpgroups (slots) per CTA
+constexpr int kWsThreads = (kSlots + 1) * kThreads;  // a producer warpgroup and the consumers
+constexpr int kCtasPerSm = kSlots == 1 ? 2 : 1;      // what the shared memory allows
+constexpr int kProd = 64;                            // producer threads per slot
+static_assert(kProd * kSlots <= kThreads, "the producers fit in one warpgroup");
+constexpr int kProducerRegs = 40, kConsumerRegs = 216;
+// setmaxnreg moves registers within the CTA's allocation at launch: 65,536 / (threads x CTAs an
+// SM), rounded down to a multiple of 8.
+constexpr int kLaunchRegs = 65536 / (kWsThreads * kCtasPerSm) / 8 * 8;
+static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <=
+                  kLaunchRegs * kWsThreads,
               "register split over the CTA's allocation");
 
 // One slot's pipeline. full_k counts 2 arrivals a producer thread (its copies' arrival, or
@@ -132,18 +140,17 @@ struct WsCopy {
 
 // The producer half of one slot: K(0), then K(t + 1) and V(t) for every t, each into its stage
 // once the consumer has released it (parity ph ^ 1: a fresh barrier's previous phase counts as
-// complete, so the first pass over the stages does not wait). The rings (rk for K, rv for V)
-// run on across the stream's slots, as the consumer's does. A column tile's ids are loaded
+// complete, so the first pass over the stages does not wait). A column tile's ids are loaded
 // again for its V (L1 hits) rather than kept in the producer's few registers.
 template <int D>
 __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl,
-                                        int64_t base, int kv_head, int pt, WsPipe<D>& pp,
-                                        Ring& rk, Ring& rv) {
+                                        int64_t base, int kv_head, int pt, WsPipe<D>& pp) {
   using Copy = WsCopy<D>;
   static_assert(kProd == kTile, "a block tile's positions: one producer thread a row");
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
   const Copy cp(p, pp, kv_head, pt);
   const int n = tl.count();
+  Ring rk, rv;
   // A tile's ids (or block start) are loaded before the wait for its stage: their latency
   // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
   auto put_k = [&](int t) {
@@ -200,6 +207,7 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
     if (t + 1 < n) put_k(t + 1);
     put_v(t);
   }
+  cp_async_wait<0>();  // the thread's last copies land before it exits
 }
 
 // Waits for a full stage and makes its generic-proxy (cp.async) writes visible to wgmma.
@@ -259,8 +267,7 @@ struct WsConsumer {
 
 template <int D>
 __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, const TileList& tl,
-                                        const SlotGeom& sg, int h, int ctid, WsPipe<D>& pp,
-                                        Ring& ring) {
+                                        const SlotGeom& sg, int h, int ctid, WsPipe<D>& pp) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
@@ -269,14 +276,14 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, cons
   if (n > 0) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D> c{pp, p.scale * kLog2e, tq, lane, ring};
+    WsConsumer<D> c{pp, p.scale * kLog2e, tq, lane, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
-    wait_full(&pp.full_k[c.r.s3], c.r.ph);
-    issue_s<D>(s0, qa, pp.k[c.r.s3]);
+    wait_full(&pp.full_k[0], 0);
+    issue_s<D>(s0, qa, pp.k[0]);
     wgmma_wait<0>();
     fence_regs(s0);
-    release(&pp.empty_k[c.r.s3], lane);
+    release(&pp.empty_k[0], lane);
     // Tile t's scores are in s0 for even t, s1 for odd t.
     if (n == 1) {
       c.template step<false, false>(qa, s0, s1, pa, st);
@@ -294,25 +301,21 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, cons
         c.template step<false, true>(qa, s1, s0, pa, st);
       }
     }
-    // The last tile's P V (the ring now describes the next slot's first tile).
+    // The last tile's P V (the ring now describes tile n).
     const int sp = c.stage_prev();
     wait_full(&pp.full_v[sp], c.r.ph ^ (c.r.s3 == 0));
     issue_pv<D>(st, pa, pp.v[sp]);
     wgmma_wait<0>();
     fence_regs(st.o);
-    release(&pp.empty_v[sp], lane);
-    ring = c.r;
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
 }
 
-// Slot j of the launch (head j / n_qblocks; later query blocks first within a head, as the
-// single-slot kernels).
-__device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params& p, int64_t j,
-                                                 int* h) {
-  *h = int(j / p.n_qblocks);
+// Slot x of the launch (x = kSlots * blockIdx.x + consumer): later query blocks first, as the
+// single-slot kernels.
+__device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params& p, int64_t x) {
   SlotGeom sg;
-  sg.qb = p.n_qblocks - 1 - (j - int64_t(*h) * p.n_qblocks);
+  sg.qb = p.n_qblocks - 1 - x;
   sg.r0 = sg.qb * kQBlock;
   sg.rows = p.n_q - sg.r0 < kQBlock ? p.n_q - sg.r0 : kQBlock;
   sg.base = p.q_offset + sg.r0;
@@ -328,6 +331,8 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   const uint32_t sa = smem_u32(smem_raw);
   SmemWs<D>& sm = *reinterpret_cast<SmemWs<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int wg = threadIdx.x / kThreads;
   if (threadIdx.x == 0) {
     for (int c = 0; c < kSlots; ++c)
@@ -340,29 +345,22 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     mbar_init_fence();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles never meet again
-  // Persistent: stream (CTA, consumer c) takes slots sid, sid + S, ... (S streams in all), so
-  // neighbouring streams work on neighbouring query blocks of one head at the same time (their
-  // tiles meet in L2), and a stream's producer runs on into its next slot while the consumer
-  // finishes this one.
-  const int c = wg == 0 ? int(threadIdx.x) / kProd : wg - 1;
-  const int64_t n_slots = p.n_qblocks * p.n_heads, n_streams = int64_t(gridDim.x) * kSlots;
-  const int64_t sid = int64_t(blockIdx.x) * kSlots + c;
-  Ring ra, rb;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    for (int64_t j = sid; j < n_slots; j += n_streams) {
-      int h;
-      const SlotGeom sg = slot_geom_at(p, j, &h);
-      produce<D>(p, slot_tiles(p, h, sg), sg.base, h / (p.n_heads / p.n_kv_heads),
-                 int(threadIdx.x) % kProd, sm.pipe[c], ra, rb);
+    const int c = int(threadIdx.x) / kProd;
+    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    if (c < kSlots && x < p.n_qblocks) {
+      const SlotGeom sg = slot_geom_at(p, x);
+      produce<D>(p, slot_tiles(p, h, sg), sg.base, kv_head, int(threadIdx.x) % kProd,
+                 sm.pipe[c]);
     }
-    cp_async_wait<0>();  // the thread's last copies land before it exits
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    for (int64_t j = sid; j < n_slots; j += n_streams) {
-      int h;
-      const SlotGeom sg = slot_geom_at(p, j, &h);
-      consume<D>(p, slot_tiles(p, h, sg), sg, h, int(threadIdx.x) - wg * kThreads, sm.pipe[c], ra);
+    const int c = wg - 1;
+    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    if (x < p.n_qblocks) {
+      const SlotGeom sg = slot_geom_at(p, x);
+      consume<D>(p, slot_tiles(p, h, sg), sg, h, int(threadIdx.x) - wg * kThreads, sm.pipe[c]);
     }
   }
 #else
@@ -373,7 +371,8 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
 }  // namespace attention_sparse_bf16_ws_detail
 
 template <int D>
-__global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads, 1)
+__global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads,
+                                  attention_sparse_bf16_ws_detail::kCtasPerSm)
     attention_sparse_bf16_ws_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
   attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D>(p);
 }
