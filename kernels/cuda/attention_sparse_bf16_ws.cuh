@@ -1,5 +1,5 @@
 // The bf16 sparse attention kernel on wgmma with warp specialization (FlashAttention-3's split):
-// a producer warpgroup copies, a consumer warpgroup computes. Same contract, tile walk
+// a producer warpgroup copies, two consumer warpgroups compute. Same contract, tile walk
 // (TileList), products (issue_s, issue_pv), softmax and epilogue as the wgmma kernel of
 // attention_sparse_bf16_sm90.cuh; what differs is who issues the copies and how stages are
 // handed over.
@@ -10,20 +10,24 @@
 // Here those instructions run on other warps, and a stage is handed over by mbarriers instead
 // of a CTA-wide barrier per tile.
 //
-// Work split. A CTA of 256 threads owns one (head, 64-query block) slot, two CTAs an SM (as the
-// wgmma kernel: one CTA's softmax overlaps the other's products, and one starts while the other
-// drains). Warpgroup 0 produces with its first 64 threads (warps 2-3 leave at once), walking the
-// slot's tiles in order: block tiles by TMA (one thread), gathered columns by cp.async from the
-// 64, which then arrive on the stage's "full" mbarrier with cp.async.mbarrier.arrive.noinc (the
-// arrival lands when the thread's copies have). Warpgroup 1 consumes with the wgmma kernel's
-// schedule (S(t + 1) and P(t - 1) V(t - 1) on the tensor cores during tile t's softmax); a warp
-// releases a stage on its "empty" mbarrier once the product that read it has landed. Registers
-// move to the consumer with setmaxnreg: producer 40, consumer 216 (128 * 40 + 128 * 216 =
-// 32,768, the CTA's allocation at launch). ptxas: the consumer does not spill; the producer
-// spills 56 bytes at 40, off the critical path.
-// Measured alternatives (bench/NOTES.md): two consumer warpgroups a CTA (one CTA an SM) won
-// 9-21% at 1M in three modes but lost 10% in block-sparse at 1M; the same made persistent (static
-// round-robin over slots) lost 10-35% everywhere.
+// Work split. A CTA of 384 threads owns two neighbouring (head, 64-query block) slots. Warpgroup
+// 0 produces: threads 0-63 for slot 0, 64-127 for slot 1, each half walking its slot's tiles in
+// order. Block tiles arrive by TMA (one thread), gathered columns by cp.async from the half's 64
+// threads, which then arrive on the stage's "full" mbarrier with cp.async.mbarrier.arrive.noinc
+// (the arrival lands when the thread's copies have). Warpgroups 1 and 2 consume slot 0 and 1
+// with the wgmma kernel's schedule (S(t + 1) and P(t - 1) V(t - 1) on the tensor cores during
+// tile t's softmax); a warp releases a stage on its "empty" mbarrier once the product that read
+// it has landed. Registers move to the consumers with setmaxnreg (producer 56, consumers 224:
+// 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
+// neither role spills (ptxas).
+//
+// Measured on H200 (bench/NOTES.md, thirteenth session): against the wgmma kernel, +16-21% at
+// 1M where slots gather columns (vertical-slash, adaptive-vs) and +8% for vertical-slash at
+// 128K, but 0 to -10% where a slot is all block tiles. The launcher's kAuto takes this kernel
+// for an index whose column capacity holds a tile, the wgmma kernel otherwise. Also measured
+// and dropped: one slot a CTA at two CTAs an SM (its 64 producer threads on 40 registers lost
+// the column gains), and this kernel made persistent with a static round-robin over slots
+// (10-35% slower everywhere).
 //
 // Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
 // of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in
@@ -36,17 +40,13 @@ namespace sf::kernels::cuda {
 namespace attention_sparse_bf16_ws_detail {
 using namespace attention_sparse_bf16_sm90_detail;
 
-constexpr int kSlots = 1;                            // consumer warpgroups (slots) per CTA
-constexpr int kWsThreads = (kSlots + 1) * kThreads;  // a producer warpgroup and the consumers
-constexpr int kCtasPerSm = kSlots == 1 ? 2 : 1;      // what the shared memory allows
-constexpr int kProd = 64;                            // producer threads per slot
-static_assert(kProd * kSlots <= kThreads, "the producers fit in one warpgroup");
-constexpr int kProducerRegs = 40, kConsumerRegs = 216;
-// setmaxnreg moves registers within the CTA's allocation at launch: 65,536 / (threads x CTAs an
-// SM), rounded down to a multiple of 8.
-constexpr int kLaunchRegs = 65536 / (kWsThreads * kCtasPerSm) / 8 * 8;
-static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <=
-                  kLaunchRegs * kWsThreads,
+constexpr int kSlots = 2;                         // consumer warpgroups (slots) per CTA
+constexpr int kWsThreads = (kSlots + 1) * kThreads;  // 384
+constexpr int kProd = kThreads / kSlots;          // producer threads per slot
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+// setmaxnreg moves registers within the CTA's launch allocation: 384 threads get 168 each
+// (65,536 / 384 rounded down to a multiple of 8).
+static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <= 168 * kWsThreads,
               "register split over the CTA's allocation");
 
 // One slot's pipeline. full_k counts 2 arrivals a producer thread (its copies' arrival, or
@@ -349,7 +349,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     setmaxnreg_dec<kProducerRegs>();
     const int c = int(threadIdx.x) / kProd;
     const int64_t x = kSlots * int64_t(blockIdx.x) + c;
-    if (c < kSlots && x < p.n_qblocks) {
+    if (x < p.n_qblocks) {
       const SlotGeom sg = slot_geom_at(p, x);
       produce<D>(p, slot_tiles(p, h, sg), sg.base, kv_head, int(threadIdx.x) % kProd,
                  sm.pipe[c]);
@@ -371,8 +371,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
 }  // namespace attention_sparse_bf16_ws_detail
 
 template <int D>
-__global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads,
-                                  attention_sparse_bf16_ws_detail::kCtasPerSm)
+__global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads, 1)
     attention_sparse_bf16_ws_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
   attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D>(p);
 }

@@ -568,9 +568,8 @@ TEST_F(CudaOps, AttentionSparse) {
       {"mha d64 short", 45, 45, 4, 4, 64, 0},
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
-      // 528 slots: more than two a stream for wgmma-ws's persistent CTAs on 132 SMs, so its
-      // stage rings run on from one slot into the next.
-      {"gqa4 d128 4200 (several slots a persistent stream)", 4200, 4200, 8, 2, 128, 0},
+      // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
+      {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
   for (const SparseCase& c : cases) {
     for (int full = 0; full < 2; ++full) {
@@ -653,17 +652,16 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       {"gqa4 d64 chunk, n_k past last row", 130, 600, 8, 2, 64, 400},
       {"gqa4 d128 long", 1100, 1100, 8, 2, 128, 0},
       {"gqa4 d128 chunk, n_k past last row", 130, 600, 4, 1, 128, 400},
-      // 528 slots: more than two a stream for wgmma-ws's persistent CTAs on 132 SMs, so its
-      // stage rings run on from one slot into the next.
-      {"gqa4 d128 4200 (several slots a persistent stream)", 4200, 4200, 8, 2, 128, 0},
+      // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
+      {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
-  // Every mainloop (wgmma, the default, mma.sync and wgmma-ws) on the same cases; the default comes back
-  // on every exit.
+  // Every mainloop (wgmma, mma.sync, wgmma-ws and auto, the default) on the same cases; the default
+  // comes back on every exit.
   struct Restore {
-    ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmma); }
+    ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kAuto); }
   } restore;
   for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
-                        cuda::SparseBf16Mainloop::kWgmmaWs}) {
+                        cuda::SparseBf16Mainloop::kWgmmaWs, cuda::SparseBf16Mainloop::kAuto}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       // full, random per slot, random per head, random per slot with up to 400 columns

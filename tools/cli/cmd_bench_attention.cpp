@@ -545,13 +545,13 @@ int cmd_bench_attention(int argc, char** argv) {
   // (time_ms_by_mainloop), and each gets its own "dense-ours" record.
   std::vector<kernels::cuda::SparseBf16Mainloop> mainloops;
   {
-    std::stringstream ss(a.get("mainloops", "wgmma"));
+    std::stringstream ss(a.get("mainloops", "auto"));
     std::string t;
     while (std::getline(ss, t, ',')) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
-        return fail(
-            SF_ERR(kInvalidArgument, "--mainloops: wgmma, mma.sync and/or wgmma-ws, got '" + t + "'"));
+        return fail(SF_ERR(kInvalidArgument,
+                           "--mainloops: auto, wgmma, mma.sync and/or wgmma-ws, got '" + t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
@@ -1106,7 +1106,7 @@ int cmd_bench_attention(int argc, char** argv) {
         int64_t clamped_heads = 0;
         double rec_sum = 0, rec_min = 1, slots_equal = -1;
         int64_t rec_n = 0;
-        int max_blocks_seen = 0, max_cols_seen = 0;
+        int max_blocks_seen = 0, max_cols_seen = 0, idx_max_cols = 0;
         bool validated = true;
         size_t mem_used_max = 0, mem_total = 0;
         boost::json::object by_mainloop;
@@ -1128,6 +1128,7 @@ int cmd_bench_attention(int argc, char** argv) {
             st = kernels::cuda::sparse_estimate_plan(
                 g.q, g.k, std::vector<HeadPattern>(size_t(g.nh), m.hp), 0, plan_b, plan_c, &eplan);
           if (!st.is_ok()) break;
+          idx_max_cols = plan_c;  // the index's column capacity (what kAuto reads)
           ws_bytes = std::max(ws_bytes, eplan.workspace_bytes);
           ix_bytes = std::max(ix_bytes, eplan.index_bytes);
           clamped_heads += eplan.clamped_heads;
@@ -1229,9 +1230,16 @@ int cmd_bench_attention(int argc, char** argv) {
         o["mode"] = m.name;
         o["seq_len"] = L;
         o["dtype"] = dt;
-        o["kernel"] = bf ? std::string("attention_sparse bf16 (") +
-                               kernels::cuda::sparse_bf16_mainloop_name(mainloops[0]) + ")"
-                         : std::string("attention_sparse fp32");
+        // auto names the kernel it ran too.
+        const auto ran = kernels::cuda::sparse_bf16_mainloop_resolve(mainloops[0], idx_max_cols);
+        o["kernel"] =
+            bf ? std::string("attention_sparse bf16 (") +
+                     kernels::cuda::sparse_bf16_mainloop_name(mainloops[0]) +
+                     (ran != mainloops[0]
+                          ? std::string(": ") + kernels::cuda::sparse_bf16_mainloop_name(ran)
+                          : std::string()) +
+                     ")"
+               : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
         o["head_groups"] = n_g;  // times are sums over the groups
