@@ -405,6 +405,47 @@ Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::functio
   return Status::ok();
 }
 
+// Times n variants of one kernel (select(i) switches to variant i outside the timed region)
+// with their repeats interleaved, the variant that goes first rotating each round: a GPU that
+// heats and slows over a run then weighs on every variant alike. (Back-to-back timing gave the
+// second of two identical kernels up to 11% more time at 1M on H200.) Median per variant.
+Status time_interleaved(cudaStream_t stream, int warmup, int reps, int n,
+                        const std::function<void(int)>& select, const std::function<Status()>& run,
+                        std::vector<double>* ms_out) {
+  for (int i = 0; i < n; ++i) {
+    select(i);
+    for (int w = 0; w < warmup; ++w) SF_TRY(run());
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<std::vector<double>> ts(static_cast<size_t>(n));
+  Status st = Status::ok();
+  for (int r = 0; r < reps && st.is_ok(); ++r)
+    for (int j = 0; j < n && st.is_ok(); ++j) {
+      const int i = (r + j) % n;
+      select(i);
+      cudaEventRecord(a, stream);
+      st = run();
+      cudaEventRecord(b, stream);
+      const cudaError_t e = cudaEventSynchronize(b);
+      if (e != cudaSuccess) st = SF_ERR(kInternal, std::string("kernel: ") + cudaGetErrorString(e));
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      ts[size_t(i)].push_back(ms);
+    }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  SF_TRY(st);
+  ms_out->clear();
+  for (auto& t : ts) {
+    std::sort(t.begin(), t.end());
+    ms_out->push_back(t[t.size() / 2]);
+  }
+  return Status::ok();
+}
+
 double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -662,7 +703,8 @@ int cmd_bench_attention(int argc, char** argv) {
           "tools/cli/cmd_bench_attention.cpp)";
     out["timing"] =
         "attention kernel alone, CUDA events, median of reps after 1 "
-        "warm-up; index already on the device";
+        "warm-up (several bf16 mainloops: their reps interleaved, the first "
+        "rotating); index already on the device";
     if (!peer.raw.is_null()) out["sdpa_peer"] = peer.raw;
     out["records"] = recs;
     const std::string js = boost::json::serialize(out);
@@ -883,20 +925,27 @@ int cmd_bench_attention(int argc, char** argv) {
             const SparseIndex full = kernels::sparse_index_dense(int(shape.heads), L, L, 0);
             kernels::cuda::SparseIndexDevice dfull;
             st = kernels::cuda::sparse_index_upload(full, &didx_buf, &dfull);
-            for (size_t li = 0; st.is_ok() && li < mainloops.size(); ++li) {
-              kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
-              double ms = 0;
-              st = time_kernel(
-                  stream, 1, n_rep,
+            std::vector<double> ms_l;
+            if (st.is_ok())
+              st = time_interleaved(
+                  stream, 1, n_rep, int(mainloops.size()),
+                  [&](int li) { kernels::cuda::set_sparse_bf16_mainloop(mainloops[size_t(li)]); },
                   [&] {
                     return kernels::cuda::attention_sparse(q_, k_, v_, dfull, o_, lv, p, stream);
                   },
-                  &ms);
+                  &ms_l);
+            for (size_t li = 0; st.is_ok() && li < mainloops.size(); ++li) {
+              const auto ran =
+                  kernels::cuda::sparse_bf16_mainloop_resolve(mainloops[li], dfull.max_cols);
               const std::string kernel =
                   std::string("attention_sparse bf16 (") +
-                  kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]) + ") on a full index";
-              if (st.is_ok()) st = dense_record("dense-ours", kernel.c_str(), ms);
-              ours_ms = li == 0 ? ms : std::min(ours_ms, ms);
+                  kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]) +
+                  (ran != mainloops[li]
+                       ? std::string(": ") + kernels::cuda::sparse_bf16_mainloop_name(ran)
+                       : std::string()) +
+                  ") on a full index";
+              st = dense_record("dense-ours", kernel.c_str(), ms_l[li]);
+              ours_ms = li == 0 ? ms_l[li] : std::min(ours_ms, ms_l[li]);
             }
             kernels::cuda::set_sparse_bf16_mainloop(mainloops[0]);
             if (!st.is_ok()) return fail(st);
@@ -1183,21 +1232,27 @@ int cmd_bench_attention(int argc, char** argv) {
           double gmin = 1;
           rec_n += index_recall(in, shape, L, sampled, g.h0, &rec_sum, &gmin);
           rec_min = std::min(rec_min, gmin);
-          // bf16: each listed mainloop in turn, the first last so that the output is its own.
-          for (size_t li = bf ? mainloops.size() : 1; st.is_ok() && li-- > 0;) {
-            if (bf) kernels::cuda::set_sparse_bf16_mainloop(mainloops[li]);
-            st = time_kernel(
-                stream, 1, n_rep,
-                [&] {
-                  return kernels::cuda::attention_sparse(g.q, g.k, g.v, didx, g.o, g.lse, p,
-                                                         stream);
-                },
-                &ms);
-            if (li == 0) sp_ms += ms;
-            if (bf) {
-              const char* name = kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]);
+          // bf16: the listed mainloops interleaved; the first runs once more after, so that
+          // the output is its own.
+          const int n_ml = bf ? int(mainloops.size()) : 1;
+          const auto run_sparse = [&] {
+            return kernels::cuda::attention_sparse(g.q, g.k, g.v, didx, g.o, g.lse, p, stream);
+          };
+          const auto select = [&](int li) {
+            if (bf) kernels::cuda::set_sparse_bf16_mainloop(mainloops[size_t(li)]);
+          };
+          std::vector<double> ms_l;
+          st = time_interleaved(stream, 1, n_rep, n_ml, select, run_sparse, &ms_l);
+          if (st.is_ok() && n_ml > 1) {
+            select(0);
+            st = run_sparse();
+          }
+          if (st.is_ok()) {
+            sp_ms += ms_l[0];
+            for (int li = 0; bf && li < n_ml; ++li) {
+              const char* name = kernels::cuda::sparse_bf16_mainloop_name(mainloops[size_t(li)]);
               const double prev = by_mainloop.contains(name) ? by_mainloop[name].as_double() : 0.0;
-              by_mainloop[name] = prev + ms;
+              by_mainloop[name] = prev + ms_l[size_t(li)];
             }
           }
           // Device memory in use with this group's plan and index live (the whole device, as
