@@ -33,8 +33,8 @@
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
-#   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma;
-#                            wgmma,mma.sync or wgmma,wgmma-ws adds the A/B)
+#   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma-ws;
+#                            wgmma-ws,wgmma adds the A/B, their repeats interleaved)
 #   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
 #   SF_PEER_BACKENDS         SDPA backends to time (default cudnn,flash,efficient)
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the

@@ -1,5 +1,5 @@
-// The bf16 sparse attention launcher: runs the mainloop named (kernels/cuda/cuda_ops.h; kAuto
-// picks by the index's column capacity) among the mma.sync kernel (attention_sparse_bf16.cuh),
+// The bf16 sparse attention launcher: runs the mainloop named (kernels/cuda/cuda_ops.h) among
+// the mma.sync kernel (attention_sparse_bf16.cuh),
 // the wgmma kernel (attention_sparse_bf16_sm90.cuh) and the warp-specialized wgmma kernel
 // (attention_sparse_bf16_ws.cuh), and fills the TMA maps.
 #pragma once
@@ -14,7 +14,6 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
   if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
   if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
   cudaError_t err = cudaSuccess;
-  mainloop = sparse_bf16_mainloop_resolve(mainloop, p.max_cols);
   if (mainloop == SparseBf16Mainloop::kMmaSync) {
     constexpr size_t kSmem = sizeof(Smem<D>);
     static std::atomic<uint64_t> opted{0};

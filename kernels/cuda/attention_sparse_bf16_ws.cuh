@@ -21,13 +21,12 @@
 // 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
 // neither role spills (ptxas).
 //
-// Measured on H200 (bench/NOTES.md, thirteenth session): against the wgmma kernel, +16-21% at
-// 1M where slots gather columns (vertical-slash, adaptive-vs) and +8% for vertical-slash at
-// 128K, but 0 to -10% where a slot is all block tiles. The launcher's kAuto takes this kernel
-// for an index whose column capacity holds a tile, the wgmma kernel otherwise. Also measured
-// and dropped: one slot a CTA at two CTAs an SM (its 64 producer threads on 40 registers lost
-// the column gains), and this kernel made persistent with a static round-robin over slots
-// (10-35% slower everywhere).
+// Measured on H200 (bench/NOTES.md, thirteenth session), against the wgmma kernel in one run
+// with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +8%
+// adaptive-block, +12% on a full index, adaptive-vs within the run's noise; 1M +17%, +6%, +24%
+// (adaptive-vs), +9%. The default mainloop. Also measured and dropped: one slot a CTA at two
+// CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
+// made persistent with a static round-robin over slots (10-35% slower everywhere).
 //
 // Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
 // of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in

@@ -169,7 +169,7 @@ bool attention_sparse_supported(int head_dim) {
 
 namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-std::atomic<int> g_sparse_bf16_mainloop{int(SparseBf16Mainloop::kAuto)};
+std::atomic<int> g_sparse_bf16_mainloop{int(SparseBf16Mainloop::kWgmmaWs)};
 }  // namespace
 
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m) {
@@ -177,14 +177,6 @@ void set_sparse_bf16_mainloop(SparseBf16Mainloop m) {
 }
 SparseBf16Mainloop sparse_bf16_mainloop() {
   return SparseBf16Mainloop(g_sparse_bf16_mainloop.load(std::memory_order_relaxed));
-}
-// The warp-specialized kernel pays where slots gather columns (their copies leave the
-// consumers); on all-block indices the wgmma kernel is as fast or faster. The column capacity
-// tells them apart: planned from what the slots needed, it is below a tile (64) when no slot
-// gathers more than a block's tail.
-SparseBf16Mainloop sparse_bf16_mainloop_resolve(SparseBf16Mainloop m, int max_cols) {
-  if (m != SparseBf16Mainloop::kAuto) return m;
-  return max_cols >= 64 ? SparseBf16Mainloop::kWgmmaWs : SparseBf16Mainloop::kWgmma;
 }
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
   switch (m) {
@@ -194,14 +186,12 @@ const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
       return "mma.sync";
     case SparseBf16Mainloop::kWgmmaWs:
       return "wgmma-ws";
-    case SparseBf16Mainloop::kAuto:
-      return "auto";
   }
   return "?";
 }
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m) {
-  for (const auto c : {SparseBf16Mainloop::kAuto, SparseBf16Mainloop::kWgmma,
-                       SparseBf16Mainloop::kMmaSync, SparseBf16Mainloop::kWgmmaWs})
+  for (const auto c : {SparseBf16Mainloop::kWgmmaWs, SparseBf16Mainloop::kWgmma,
+                       SparseBf16Mainloop::kMmaSync})
     if (name == sparse_bf16_mainloop_name(c)) {
       *m = c;
       return true;

@@ -88,20 +88,16 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                         const SparseIndex& idx, TensorView out, TensorView lse,
                         const AttentionParams& p, void* stream);
 bool attention_sparse_supported(int head_dim);
-// The BF16 kernel's mainloop. kAuto (the default): kWgmmaWs for an index whose column capacity
-// holds a tile (max_cols >= 64), kWgmma otherwise (H200 measurements in
-// attention_sparse_bf16_ws.cuh). kWgmma: Hopper warpgroup MMA (attention_sparse_bf16_sm90.cuh).
-// kWgmmaWs: the same warp-specialized (a producer warpgroup copies for two consumer warpgroups;
-// attention_sparse_bf16_ws.cuh). kMmaSync: the FlashAttention-2-style mma.sync kernel
-// (attention_sparse_bf16.cuh), kept as a second implementation for tests and A/B benchmarks.
-// Process-wide; read at each launch.
-enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2, kAuto = 3 };
+// The BF16 kernel's mainloop. kWgmmaWs (the default): Hopper warpgroup MMA, warp-specialized (a
+// producer warpgroup copies for two consumer warpgroups; attention_sparse_bf16_ws.cuh). kWgmma:
+// the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
+// kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). The last two
+// stay as second implementations for tests and A/B benchmarks. Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// The kernel m runs on an index of that column capacity (kAuto resolved; others unchanged).
-SparseBf16Mainloop sparse_bf16_mainloop_resolve(SparseBf16Mainloop m, int max_cols);
-// By name ("auto", "wgmma", "mma.sync", "wgmma-ws"); false for any other.
+// By name ("wgmma-ws", "wgmma", "mma.sync"); false for any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------

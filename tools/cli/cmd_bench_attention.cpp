@@ -586,13 +586,13 @@ int cmd_bench_attention(int argc, char** argv) {
   // (time_ms_by_mainloop), and each gets its own "dense-ours" record.
   std::vector<kernels::cuda::SparseBf16Mainloop> mainloops;
   {
-    std::stringstream ss(a.get("mainloops", "auto"));
+    std::stringstream ss(a.get("mainloops", "wgmma-ws"));
     std::string t;
     while (std::getline(ss, t, ',')) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
         return fail(SF_ERR(kInvalidArgument,
-                           "--mainloops: auto, wgmma, mma.sync and/or wgmma-ws, got '" + t + "'"));
+                           "--mainloops: wgmma-ws, wgmma and/or mma.sync, got '" + t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
@@ -935,15 +935,9 @@ int cmd_bench_attention(int argc, char** argv) {
                   },
                   &ms_l);
             for (size_t li = 0; st.is_ok() && li < mainloops.size(); ++li) {
-              const auto ran =
-                  kernels::cuda::sparse_bf16_mainloop_resolve(mainloops[li], dfull.max_cols);
-              const std::string kernel =
-                  std::string("attention_sparse bf16 (") +
-                  kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]) +
-                  (ran != mainloops[li]
-                       ? std::string(": ") + kernels::cuda::sparse_bf16_mainloop_name(ran)
-                       : std::string()) +
-                  ") on a full index";
+              const std::string kernel = std::string("attention_sparse bf16 (") +
+                                         kernels::cuda::sparse_bf16_mainloop_name(mainloops[li]) +
+                                         ") on a full index";
               st = dense_record("dense-ours", kernel.c_str(), ms_l[li]);
               ours_ms = li == 0 ? ms_l[li] : std::min(ours_ms, ms_l[li]);
             }
@@ -1155,7 +1149,7 @@ int cmd_bench_attention(int argc, char** argv) {
         int64_t clamped_heads = 0;
         double rec_sum = 0, rec_min = 1, slots_equal = -1;
         int64_t rec_n = 0;
-        int max_blocks_seen = 0, max_cols_seen = 0, idx_max_cols = 0;
+        int max_blocks_seen = 0, max_cols_seen = 0;
         bool validated = true;
         size_t mem_used_max = 0, mem_total = 0;
         boost::json::object by_mainloop;
@@ -1177,7 +1171,6 @@ int cmd_bench_attention(int argc, char** argv) {
             st = kernels::cuda::sparse_estimate_plan(
                 g.q, g.k, std::vector<HeadPattern>(size_t(g.nh), m.hp), 0, plan_b, plan_c, &eplan);
           if (!st.is_ok()) break;
-          idx_max_cols = plan_c;  // the index's column capacity (what kAuto reads)
           ws_bytes = std::max(ws_bytes, eplan.workspace_bytes);
           ix_bytes = std::max(ix_bytes, eplan.index_bytes);
           clamped_heads += eplan.clamped_heads;
@@ -1285,16 +1278,9 @@ int cmd_bench_attention(int argc, char** argv) {
         o["mode"] = m.name;
         o["seq_len"] = L;
         o["dtype"] = dt;
-        // auto names the kernel it ran too.
-        const auto ran = kernels::cuda::sparse_bf16_mainloop_resolve(mainloops[0], idx_max_cols);
-        o["kernel"] =
-            bf ? std::string("attention_sparse bf16 (") +
-                     kernels::cuda::sparse_bf16_mainloop_name(mainloops[0]) +
-                     (ran != mainloops[0]
-                          ? std::string(": ") + kernels::cuda::sparse_bf16_mainloop_name(ran)
-                          : std::string()) +
-                     ")"
-               : std::string("attention_sparse fp32");
+        o["kernel"] = bf ? std::string("attention_sparse bf16 (") +
+                               kernels::cuda::sparse_bf16_mainloop_name(mainloops[0]) + ")"
+                         : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
         o["head_groups"] = n_g;  // times are sums over the groups
