@@ -376,35 +376,6 @@ Inputs prefix_of(const FileInputs& fi, const Shape& s, int64_t L) {
       return SF_ERR(kInternal, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-// Median kernel time in ms over reps after `warmup` untimed runs, CUDA events
-// on `stream`.
-Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::function<Status()>& run,
-                   double* ms_out) {
-  for (int i = 0; i < warmup; ++i) SF_TRY(run());
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<double> ts;
-  Status st = Status::ok();
-  for (int r = 0; r < reps && st.is_ok(); ++r) {
-    cudaEventRecord(a, stream);
-    st = run();
-    cudaEventRecord(b, stream);
-    const cudaError_t e = cudaEventSynchronize(b);
-    if (e != cudaSuccess) st = SF_ERR(kInternal, std::string("kernel: ") + cudaGetErrorString(e));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    ts.push_back(ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  SF_TRY(st);
-  std::sort(ts.begin(), ts.end());
-  *ms_out = ts[ts.size() / 2];
-  return Status::ok();
-}
-
 // Times n variants of one kernel (select(i) switches to variant i outside the timed region)
 // with their repeats interleaved, the variant that goes first rotating each round: a GPU that
 // heats and slows over a run then weighs on every variant alike. (Back-to-back timing gave the
@@ -443,6 +414,15 @@ Status time_interleaved(cudaStream_t stream, int warmup, int reps, int n,
     std::sort(t.begin(), t.end());
     ms_out->push_back(t[t.size() / 2]);
   }
+  return Status::ok();
+}
+
+// Median kernel time in ms over reps after `warmup` untimed runs, CUDA events on `stream`.
+Status time_kernel(cudaStream_t stream, int warmup, int reps, const std::function<Status()>& run,
+                   double* ms_out) {
+  std::vector<double> ms;
+  SF_TRY(time_interleaved(stream, warmup, reps, 1, [](int) {}, run, &ms));
+  *ms_out = ms[0];
   return Status::ok();
 }
 
