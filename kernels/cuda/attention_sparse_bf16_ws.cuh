@@ -19,7 +19,8 @@
 // tile t's softmax); a warp releases a stage on its "empty" mbarrier once the product that read
 // it has landed. Registers move to the consumers with setmaxnreg (producer 56, consumers 224:
 // 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
-// neither role spills (ptxas).
+// neither role spills (ptxas). The launcher builds it for D = 128 only (D = 64 keeps the wgmma
+// kernel's three CTAs an SM); the code is written for both.
 //
 // Measured on H200 (bench/NOTES.md, thirteenth session), against the wgmma kernel in one run
 // with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +8%

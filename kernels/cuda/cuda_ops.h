@@ -89,7 +89,8 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
                         const AttentionParams& p, void* stream);
 bool attention_sparse_supported(int head_dim);
 // The BF16 kernel's mainloop. kWgmmaWs (the default): Hopper warpgroup MMA, warp-specialized (a
-// producer warpgroup copies for two consumer warpgroups; attention_sparse_bf16_ws.cuh). kWgmma:
+// producer warpgroup copies for two consumer warpgroups; attention_sparse_bf16_ws.cuh), at
+// head_dim 128; head_dim 64 runs kWgmma under this name. kWgmma:
 // the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
 // kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). The last two
 // stay as second implementations for tests and A/B benchmarks. Process-wide; read at each launch.

@@ -655,8 +655,8 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
       {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
-  // Every mainloop (wgmma, mma.sync and wgmma-ws, the default) on the same cases; the default
-  // comes back on every exit.
+  // Every mainloop (wgmma, mma.sync and wgmma-ws, the default; at head_dim 64 wgmma-ws runs the
+  // wgmma kernel) on the same cases; the default comes back on every exit.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
