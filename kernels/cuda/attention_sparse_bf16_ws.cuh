@@ -23,7 +23,7 @@
 // kernel's three CTAs an SM); the code is written for both.
 //
 // Measured on H200 (bench/NOTES.md, thirteenth session), against the wgmma kernel in one run
-// with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +8%
+// with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +9%
 // adaptive-block, +12% on a full index, adaptive-vs within the run's noise; 1M +17%, +6%, +24%
 // (adaptive-vs), +9%. The default mainloop. Also measured and dropped: one slot a CTA at two
 // CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
