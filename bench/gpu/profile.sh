@@ -5,6 +5,7 @@
 # $OUT/ncu-sparse.txt: speed of light (tensor pipe, L2/DRAM throughput), memory workload, warp
 # stall reasons, occupancy.
 #   OUT=... SF_PROFILE_LENGTH=32768 SF_PROFILE_MODE=block-sparse bench/gpu/profile.sh
+# SF_PROFILE_MAINLOOPS (default wgmma-ws,wgmma) names the bf16 sparse mainloops that run, in order;
 # SF_PROFILE_KERNELS (an ncu regex, default attention_sparse_bf16) and SF_PROFILE_COUNT (launches,
 # default 4) pick other kernels, e.g. the device estimator's:
 #   SF_PROFILE_KERNELS='score|row_lse|diag|select|build|pool' SF_PROFILE_COUNT=8
@@ -26,15 +27,18 @@ if [[ -z "$ncu_bin" ]]; then
 fi
 L="${SF_PROFILE_LENGTH:-32768}"
 mode="${SF_PROFILE_MODE:-block-sparse}"
+ml="${SF_PROFILE_MAINLOOPS:-wgmma-ws,wgmma}"
+# Dense lengths: the shortest, so a 1M profile does not also time dense attention at 1M.
+dl=8192
 {
   echo "ncu: $ncu_bin ($("$ncu_bin" --version | tail -1))"
-  echo "command: sparsefill bench attention --lengths $L --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops wgmma,mma.sync --dense-ours-max 0 --host-estimate-max 0"
+  echo "command: sparsefill bench attention --lengths $dl --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops $ml --dense-ours-max 0 --host-estimate-max 0"
   timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-attention_sparse_bf16}" \
     --launch-count "${SF_PROFILE_COUNT:-4}" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats \
-    "$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L" \
-    --modes "$mode" --dtypes bf16 --reps 1 --mainloops wgmma,mma.sync --dense-ours-max 0 \
+    "$root/build-gpu/tools/sparsefill" bench attention --lengths "$dl" --sparse-lengths "$L" \
+    --modes "$mode" --dtypes bf16 --reps 1 --mainloops "$ml" --dense-ours-max 0 \
     --host-estimate-max 0 2>&1
 } >"$out/ncu-sparse.txt" 2>&1
 echo "profile.sh: wrote $out/ncu-sparse.txt ($(wc -l <"$out/ncu-sparse.txt") lines)"
