@@ -19,6 +19,8 @@
 #   SF_BUILD_DEPS  1: build the GoogleTest/Boost.JSON/xxHash stand-ins below even where the
 #                  packages exist (to test this script's fallbacks on a CPU machine)
 #   SF_BENCH       0: skip the attention benchmark (default 1)
+#   SF_TESTS       0: skip the gpu tests (a second benchmark call on a host whose build they
+#                  already passed; the summary says they did not run)
 #   SF_GPU_TEST_TIMEOUT  seconds per gpu test (default 1200)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
@@ -242,6 +244,10 @@ else
 fi
 
 # --verbose keeps each op's error figures in the log even when the tests pass.
+if [[ "${SF_TESTS:-1}" == 0 ]]; then
+  echo "gpu tests not run (SF_TESTS=0)" >"$logs/ctest.log"
+  notes+=("gpu tests not run (SF_TESTS=0)")
+else
 ctest --test-dir "$build" -L gpu --output-on-failure --verbose --timeout "${SF_GPU_TEST_TIMEOUT:-1200}" >"$logs/ctest.log" 2>&1
 ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
@@ -259,6 +265,7 @@ elif grep -q '(Skipped)' "$logs/ctest.log"; then
   fail "gpu tests skipped themselves on a GPU host: $(grep -m1 -o 'no CUDA device: .*' "$logs/ctest.log")"
 elif [[ $build_failed == 1 ]]; then
   status="ok (gpu tests passed; other targets failed to build, see build.log)"
+fi
 fi
 
 # ---- attention benchmark: torch SDPA peer, then ours (dense and sparse modes) ---------------

@@ -31,16 +31,30 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     return err;
   // head_dim 64: the wgmma kernel's three CTAs an SM (0.74-0.81x of SDPA at 128K, eighth
   // session) hold more slots than the warp-specialized kernel's two, which is not measured
-  // there: wgmma-ws is built for head_dim 128 only, and 64 runs the wgmma kernel.
+  // there: wgmma-ws (and -pair) is built for head_dim 128 only, and 64 runs the wgmma kernel.
   if constexpr (D == 128) {
-    if (mainloop == SparseBf16Mainloop::kWgmmaWs) {
-      namespace ws = attention_sparse_bf16_ws_detail;
-      constexpr size_t kSmem = sizeof(ws::SmemWs<D>) + kSwAlign;  // + slack to align the base
+    namespace ws = attention_sparse_bf16_ws_detail;
+    constexpr size_t kSmem = sizeof(ws::SmemWs<D>) + kSwAlign;  // + slack to align the base
+    // Paired: two query heads of a KV head share a CTA's tiles (attention_sparse_bf16_ws.cuh);
+    // needs an even number of query heads per KV head, else the unpaired kernel runs.
+    if (mainloop == SparseBf16Mainloop::kWgmmaWsPair &&
+        (p.n_heads / p.n_kv_heads) % ws::kSlots == 0) {
       static std::atomic<uint64_t> opted{0};
-      if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D>, kSmem, opted)) != cudaSuccess)
+      if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, true>, kSmem, opted)) !=
+          cudaSuccess)
+        return err;
+      const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots));
+      attention_sparse_bf16_ws_kernel<D, true><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
+      return cudaGetLastError();
+    }
+    if (mainloop == SparseBf16Mainloop::kWgmmaWs ||
+        mainloop == SparseBf16Mainloop::kWgmmaWsPair) {
+      static std::atomic<uint64_t> opted{0};
+      if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, false>, kSmem, opted)) !=
+          cudaSuccess)
         return err;
       const dim3 grid(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads));
-      attention_sparse_bf16_ws_kernel<D><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
+      attention_sparse_bf16_ws_kernel<D, false><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
       return cudaGetLastError();
     }
   }

@@ -201,14 +201,17 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[D / 8][4], const uint32_t (&
 }
 
 // Whether some row of the slot must not see some position of tile t: an empty position, or a
-// key past the slot's first row (base).
-__device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_t base) {
-  if (t < tl.n_block_tiles) {
-    const int64_t k0 = tl.bo[t];
-    return k0 + kTile > tl.cta_end || k0 + kTile - 1 > base;
-  }
-  const int last = (t - tl.n_block_tiles) * kTile + kTile - 1;
+// key past the slot's first row (base). Block tile at k0; column tile ct.
+__device__ __forceinline__ int block_tile_needs_mask(int64_t k0, int64_t cta_end, int64_t base) {
+  return k0 + kTile > cta_end || k0 + kTile - 1 > base;
+}
+__device__ __forceinline__ int column_tile_needs_mask(const TileList& tl, int ct, int64_t base) {
+  const int last = ct * kTile + kTile - 1;
   return last >= tl.n_cols || int64_t(tl.ci[last]) > base;
+}
+__device__ __forceinline__ int tile_needs_mask(const TileList& tl, int t, int64_t base) {
+  if (t < tl.n_block_tiles) return block_tile_needs_mask(tl.bo[t], tl.cta_end, base);
+  return column_tile_needs_mask(tl, t - tl.n_block_tiles, base);
 }
 
 // What one thread copies of a gathered-column tile, fixed for the CTA: 16-byte chunk c of rows

@@ -62,8 +62,14 @@ struct alignas(kSwAlign) WsPipe {
 template <int D>
 struct SmemWs {
   WsPipe<D> pipe[kSlots];
+  int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (paired)
 };
+// empty_*: kEmpty arrivals a consumer warpgroup; paired, both consumers release each stage.
 constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
+
+// A tile's flags (WsPipe::masked), written with its K: bit c, consumer c masks by the positions;
+// bit 2 + c, consumer c's slot does not hold the tile (every score masked); kLast, no tile follows.
+constexpr int kSkipShift = 2, kLast = 16;
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
@@ -138,62 +144,114 @@ struct WsCopy {
   }
 };
 
-// The producer half of one slot: K(0), then K(t + 1) and V(t) for every t, each into its stage
+// The order in which a pipe's tiles are copied. Unpaired (one slot a pipe): the slot's TileList
+// order. Paired (two query heads of one KV head at the same query block share one pipe): the
+// union of the two sorted block lists, a block both hold copied once, then slot 0's column tiles,
+// then slot 1's. own: bit c set when slot c holds the tile.
+struct TileSeq {
+  struct Tile {
+    int32_t k0;  // block tile: its first key
+    int list;    // column tile: the slot whose columns, -1 for a block tile
+    int ct;      // column tile: its index in that slot's columns
+    int own;
+  };
+  const int32_t *bo0, *bo1;  // the slots' block starts
+  int nb0, nb1, nc0, nc1;      // their block tiles and column tiles
+  int ia = 0, ib = 0, ca = 0, cb = 0;
+
+  __device__ __forceinline__ TileSeq(const TileList& a, const TileList& b)
+      : bo0(a.bo), bo1(b.bo), nb0(a.n_block_tiles), nb1(b.n_block_tiles),
+        nc0((a.n_cols + kTile - 1) / kTile), nc1((b.n_cols + kTile - 1) / kTile) {}
+  __device__ __forceinline__ bool more() const {
+    return ia < nb0 || ib < nb1 || ca < nc0 || cb < nc1;
+  }
+  __device__ __forceinline__ Tile next() {
+    Tile t{0, -1, 0, 0};
+    if (ia < nb0 || ib < nb1) {
+      const int32_t x = ia < nb0 ? bo0[ia] : INT32_MAX;
+      const int32_t y = ib < nb1 ? bo1[ib] : INT32_MAX;
+      t.k0 = x < y ? x : y;
+      t.own = int(x == t.k0) | int(y == t.k0) << 1;
+      ia += x == t.k0;
+      ib += y == t.k0;
+    } else if (ca < nc0) {
+      t.list = 0;
+      t.ct = ca++;
+      t.own = 1;
+    } else {
+      t.list = 1;
+      t.ct = cb++;
+      t.own = 2;
+    }
+    return t;
+  }
+};
+
+// a or b, field by field: selecting whole structs puts both in local memory.
+__device__ __forceinline__ TileList pick_list(const TileList& a, const TileList& b, bool second) {
+  return {second ? b.bo : a.bo, second ? b.ci : a.ci, second ? b.n_block_tiles : a.n_block_tiles,
+          second ? b.n_cols : a.n_cols, second ? b.cta_end : a.cta_end};
+}
+
+// The producer half of one pipe: K(0), then K(t + 1) and V(t) for every t, each into its stage
 // once the consumer has released it (parity ph ^ 1: a fresh barrier's previous phase counts as
 // complete, so the first pass over the stages does not wait). A column tile's ids are loaded
 // again for its V (L1 hits) rather than kept in the producer's few registers.
 template <int D>
-__device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl,
-                                        int64_t base, int kv_head, int pt, WsPipe<D>& pp) {
+__device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl0,
+                                        const TileList& tl1, int64_t base, int kv_head, int pt,
+                                        WsPipe<D>& pp) {
   using Copy = WsCopy<D>;
   static_assert(kProd == kTile, "a block tile's positions: one producer thread a row");
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
   const Copy cp(p, pp, kv_head, pt);
-  const int n = tl.count();
+  TileSeq sk(tl0, tl1), sv(tl0, tl1);
   Ring rk, rv;
   // A tile's ids (or block start) are loaded before the wait for its stage: their latency
   // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
-  auto put_k = [&](int t) {
+  auto put_k = [&]() {
     const int s = rk.s3, slot = rk.s6;
-    const bool block = t < tl.n_block_tiles;
-    int32_t pk[Copy::kIter], k0 = 0;
-    if (block)
-      k0 = tl.bo[t];
-    else
-      cp.ids(tl, t - tl.n_block_tiles, pk);
+    const TileSeq::Tile t = sk.next();
+    const bool block = t.list < 0;
+    const TileList tl = pick_list(tl0, tl1, t.list == 1);
+    int32_t pk[Copy::kIter];
+    if (!block) cp.ids(tl, t.ct, pk);
     mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
+    if (pt == 0) {
+      const int m = block ? block_tile_needs_mask(t.k0, tl0.cta_end, base)
+                          : column_tile_needs_mask(tl, t.ct, base);
+      int f = sk.more() ? 0 : kLast;
+#pragma unroll
+      for (int c = 0; c < kSlots; ++c) f |= (t.own >> c & 1) ? m << c : 1 << (kSkipShift + c);
+      pp.masked[slot] = f;
+    }
     if (block) {
-      pp.pos[slot][pt] = pt < int32_t(tl.cta_end - k0) ? k0 + pt : -1;
-      if (pt == 0) {
-        pp.masked[slot] = tile_needs_mask(tl, t, base);
-        tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, k0);
-      } else {
+      pp.pos[slot][pt] = pt < int32_t(tl0.cta_end - t.k0) ? t.k0 + pt : -1;
+      if (pt == 0)
+        tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, t.k0);
+      else
         mbar_arrive(&pp.full_k[s]);
-      }
     } else {
       if (pt % 8 == 0) {
 #pragma unroll
         for (int i = 0; i < Copy::kIter; ++i) pp.pos[slot][cp.j0 + 8 * i] = pk[i];
       }
-      if (pt == 0) pp.masked[slot] = tile_needs_mask(tl, t, base);
       cp.rows(cp.k_sa, cp.k_src, s * kStageBytes, pk);
       mbar_arrive_cp_async(&pp.full_k[s]);
     }
-    mbar_arrive(&pp.full_k[s]);  // publishes the positions and the mask flag
+    mbar_arrive(&pp.full_k[s]);  // publishes the positions and the flags
     rk.next();
   };
-  auto put_v = [&](int t) {
+  auto put_v = [&]() {
     const int s = rv.s3;
-    const bool block = t < tl.n_block_tiles;
-    int32_t pv[Copy::kIter], k0 = 0;
-    if (block)
-      k0 = tl.bo[t];
-    else
-      cp.ids(tl, t - tl.n_block_tiles, pv);
+    const TileSeq::Tile t = sv.next();
+    const bool block = t.list < 0;
+    int32_t pv[Copy::kIter];
+    if (!block) cp.ids(pick_list(tl0, tl1, t.list == 1), t.ct, pv);
     mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
     if (block) {
       if (pt == 0)
-        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, k0);
+        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, t.k0);
       else
         mbar_arrive(&pp.full_v[s]);
     } else {
@@ -202,10 +260,10 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
     }
     rv.next();
   };
-  if (n > 0) put_k(0);
-  for (int t = 0; t < n; ++t) {
-    if (t + 1 < n) put_k(t + 1);
-    put_v(t);
+  if (sk.more()) put_k();
+  while (sv.more()) {
+    if (sk.more()) put_k();
+    put_v();
   }
   cp_async_wait<0>();  // the thread's last copies land before it exits
 }
@@ -226,9 +284,12 @@ __device__ __forceinline__ void release(uint64_t* bar, int lane) {
 template <int D>
 struct WsConsumer {
   WsPipe<D>& pp;
+  const int32_t* none;  // all -1
   float scale_log2;
-  int tq, lane;
-  Ring r;  // tile t (the current iteration)
+  int tq, lane, c;  // c: the consumer's bit in the flags (0 unpaired)
+  Ring r;           // tile t (the current iteration)
+
+  __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
 
   __device__ __forceinline__ int stage_next() const { return r.s3 == 2 ? 0 : r.s3 + 1; }
   __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? 2 : r.s3 - 1; }
@@ -247,8 +308,9 @@ struct WsConsumer {
       issue_pv<D>(st, pa, pp.v[sp]);
     }
     float alpha[2];
-    const int ps = r.s6;
-    softmax_tile<D>(s_cur, pp.masked[ps] ? pp.pos[ps] : nullptr, scale_log2, tq, st, alpha);
+    const int ps = r.s6, f = pp.masked[ps];
+    const int32_t* mask = f >> (kSkipShift + c) & 1 ? none : (f >> c & 1 ? pp.pos[ps] : nullptr);
+    softmax_tile<D>(s_cur, mask, scale_log2, tq, st, alpha);
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) {
       fence_regs(s_next);
@@ -265,18 +327,21 @@ struct WsConsumer {
   }
 };
 
+// Consumer c of a pipe (c = 0 unpaired) for slot (h, sg); any: the pipe has a tile. The tile
+// count is not needed up front: each tile's flags say whether it is the last, and tile t's are
+// published with K(t), which step t - 1 waited for.
 template <int D>
-__device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, const TileList& tl,
-                                        const SlotGeom& sg, int h, int ctid, WsPipe<D>& pp) {
+__device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool any,
+                                        const SlotGeom& sg, int h, int ctid, int c,
+                                        WsPipe<D>& pp, const int32_t* none) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
-  const int n = tl.count();
-  if (n > 0) {
+  if (any) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D> c{pp, p.scale * kLog2e, tq, lane, {}};
+    WsConsumer<D> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
@@ -285,25 +350,26 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, cons
     fence_regs(s0);
     release(&pp.empty_k[0], lane);
     // Tile t's scores are in s0 for even t, s1 for odd t.
-    if (n == 1) {
-      c.template step<false, false>(qa, s0, s1, pa, st);
+    if (cs.last()) {
+      cs.template step<false, false>(qa, s0, s1, pa, st);
     } else {
-      c.template step<true, false>(qa, s0, s1, pa, st);
-      int t = 1;
-      for (; t + 2 < n; t += 2) {
-        c.template step<true, true>(qa, s1, s0, pa, st);
-        c.template step<true, true>(qa, s0, s1, pa, st);
-      }
-      if (t + 1 < n) {
-        c.template step<true, true>(qa, s1, s0, pa, st);
-        c.template step<false, true>(qa, s0, s1, pa, st);
-      } else {
-        c.template step<false, true>(qa, s1, s0, pa, st);
+      cs.template step<true, false>(qa, s0, s1, pa, st);
+      for (;;) {
+        if (cs.last()) {
+          cs.template step<false, true>(qa, s1, s0, pa, st);
+          break;
+        }
+        cs.template step<true, true>(qa, s1, s0, pa, st);
+        if (cs.last()) {
+          cs.template step<false, true>(qa, s0, s1, pa, st);
+          break;
+        }
+        cs.template step<true, true>(qa, s0, s1, pa, st);
       }
     }
-    // The last tile's P V (the ring now describes tile n).
-    const int sp = c.stage_prev();
-    wait_full(&pp.full_v[sp], c.r.ph ^ (c.r.s3 == 0));
+    // The last tile's P V (the ring now describes the tile past the last).
+    const int sp = cs.stage_prev();
+    wait_full(&pp.full_v[sp], cs.r.ph ^ (cs.r.s3 == 0));
     issue_pv<D>(st, pa, pp.v[sp]);
     wgmma_wait<0>();
     fence_regs(st.o);
@@ -323,7 +389,12 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
   return sg;
 }
 
-template <int D>
+// kPair = false: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from the
+// end), one pipe each. kPair = true (the query heads a KV head has come in pairs): slots (heads
+// 2 blockIdx.y and 2 blockIdx.y + 1, the same query block), one pipe for both, so a block tile
+// both heads hold is copied once for them. A tile only one head holds is computed by both
+// consumers, fully masked for the other: both walk the same stages in step.
+template <int D, bool kPair>
 __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
@@ -331,36 +402,46 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   const uint32_t sa = smem_u32(smem_raw);
   SmemWs<D>& sm = *reinterpret_cast<SmemWs<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
-  const int h = blockIdx.y;
-  const int kv_head = h / (p.n_heads / p.n_kv_heads);
   const int wg = threadIdx.x / kThreads;
+  // Slot c's head and launch index (x: query block n_qblocks - 1 - x).
+  auto head_of = [&](int c) { return kPair ? kSlots * int(blockIdx.y) + c : int(blockIdx.y); };
+  auto x_of = [&](int c) {
+    return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c;
+  };
+  const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
   if (threadIdx.x == 0) {
-    for (int c = 0; c < kSlots; ++c)
+    for (int c = 0; c < (kPair ? 1 : kSlots); ++c)
       for (int b = 0; b < kStages; ++b) {
         mbar_init(&sm.pipe[c].full_k[b], kFullK);
         mbar_init(&sm.pipe[c].full_v[b], kFullV);
-        mbar_init(&sm.pipe[c].empty_k[b], kEmpty);
-        mbar_init(&sm.pipe[c].empty_v[b], kEmpty);
+        mbar_init(&sm.pipe[c].empty_k[b], kPair ? kSlots * kEmpty : kEmpty);
+        mbar_init(&sm.pipe[c].empty_v[b], kPair ? kSlots * kEmpty : kEmpty);
       }
     mbar_init_fence();
   }
+  if (threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
   __syncthreads();  // the last CTA-wide barrier: the roles never meet again
+  const TileList empty{nullptr, nullptr, 0, 0, 0};
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     const int c = int(threadIdx.x) / kProd;
-    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    if (kPair && c > 0) return;  // one producer half for the shared pipe
+    const int64_t x = x_of(c);
     if (x < p.n_qblocks) {
       const SlotGeom sg = slot_geom_at(p, x);
-      produce<D>(p, slot_tiles(p, h, sg), sg.base, kv_head, int(threadIdx.x) % kProd,
-                 sm.pipe[c]);
+      produce<D>(p, slot_tiles(p, head_of(c), sg), kPair ? slot_tiles(p, head_of(1), sg) : empty,
+                 sg.base, kv_head, int(threadIdx.x) % kProd, sm.pipe[c]);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     const int c = wg - 1;
-    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    const int64_t x = x_of(c);
     if (x < p.n_qblocks) {
       const SlotGeom sg = slot_geom_at(p, x);
-      consume<D>(p, slot_tiles(p, h, sg), sg, h, int(threadIdx.x) - wg * kThreads, sm.pipe[c]);
+      bool any = slot_tiles(p, head_of(c), sg).count() > 0;
+      if (kPair) any = any || slot_tiles(p, head_of(1 - c), sg).count() > 0;
+      consume<D>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, kPair ? c : 0,
+                 sm.pipe[kPair ? 0 : c], sm.none);
     }
   }
 #else
@@ -370,10 +451,10 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
 
 }  // namespace attention_sparse_bf16_ws_detail
 
-template <int D>
+template <int D, bool kPair>
 __global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads, 1)
     attention_sparse_bf16_ws_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
-  attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D>(p);
+  attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D, kPair>(p);
 }
 
 }  // namespace sf::kernels::cuda

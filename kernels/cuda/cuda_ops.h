@@ -93,12 +93,15 @@ bool attention_sparse_supported(int head_dim);
 // head_dim 128; head_dim 64 runs kWgmma under this name. kWgmma:
 // the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
 // kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). The last two
-// stay as second implementations for tests and A/B benchmarks. Process-wide; read at each launch.
-enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2 };
+// stay as second implementations for tests and A/B benchmarks. kWgmmaWsPair: kWgmmaWs with the
+// two consumers on two query heads of one KV head at one query block, sharing the copies of the
+// block tiles both hold (with an odd number of query heads per KV head it runs kWgmmaWs).
+// Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2, kWgmmaWsPair = 3 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// By name ("wgmma-ws", "wgmma", "mma.sync"); false for any other.
+// By name ("wgmma-ws", "wgmma-ws-pair", "wgmma", "mma.sync"); false for any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------

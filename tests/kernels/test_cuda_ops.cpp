@@ -655,13 +655,16 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
       {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
-  // Every mainloop (wgmma, mma.sync and wgmma-ws, the default; at head_dim 64 wgmma-ws runs the
-  // wgmma kernel) on the same cases; the default comes back on every exit.
+  // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, and wgmma-ws-pair; at head_dim 64
+  // both ws names run the wgmma kernel) on the same cases; the default comes back on every exit.
+  // Paired, the random indices give the two heads of a CTA different block lists and columns
+  // (tiles one head holds and the other masks), the full index identical ones.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
   for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
-                        cuda::SparseBf16Mainloop::kWgmmaWs}) {
+                        cuda::SparseBf16Mainloop::kWgmmaWs,
+                        cuda::SparseBf16Mainloop::kWgmmaWsPair}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       // full, random per slot, random per head, random per slot with up to 400 columns
