@@ -62,13 +62,12 @@ struct alignas(kSwAlign) WsPipe {
 template <int D>
 struct SmemWs {
   WsPipe<D> pipe[kSlots];
-  int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (paired)
 };
 // empty_*: kEmpty arrivals a consumer warpgroup; paired, both consumers release each stage.
 constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
 
 // A tile's flags (WsPipe::masked), written with its K: bit c, consumer c masks by the positions;
-// bit 2 + c, consumer c's slot does not hold the tile (every score masked); kLast, no tile follows.
+// bit 2 + c, consumer c's slot does not hold the tile (it skips it); kLast, no tile follows.
 constexpr int kSkipShift = 2, kLast = 16;
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
@@ -146,8 +145,8 @@ struct WsCopy {
 
 // The order in which a pipe's tiles are copied. Unpaired (one slot a pipe): the slot's TileList
 // order. Paired (two query heads of one KV head at the same query block share one pipe): the
-// union of the two sorted block lists, a block both hold copied once, then slot 0's column tiles,
-// then slot 1's. own: bit c set when slot c holds the tile.
+// union of the two sorted block lists, a block both hold copied once, then the two slots' column
+// tiles in turn. own: bit c set when slot c holds the tile.
 struct TileSeq {
   struct Tile {
     int32_t k0;  // block tile: its first key
@@ -174,7 +173,7 @@ struct TileSeq {
       t.own = int(x == t.k0) | int(y == t.k0) << 1;
       ia += x == t.k0;
       ib += y == t.k0;
-    } else if (ca < nc0) {
+    } else if (ca < nc0 && (ca <= cb || cb >= nc1)) {  // the slots' column tiles alternate
       t.list = 0;
       t.ct = ca++;
       t.own = 1;
@@ -281,15 +280,20 @@ __device__ __forceinline__ void release(uint64_t* bar, int lane) {
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
 // Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
 // P(t - 1) V(t - 1), runs softmax(t), waits for both products, then releases their stages.
-template <int D>
+// Paired, the pipe's tiles include ones the slot does not hold: the consumer waits for and
+// releases them like the others and computes their S (see step) but no softmax or P V.
+template <int D, bool kPair>
 struct WsConsumer {
   WsPipe<D>& pp;
-  const int32_t* none;  // all -1
   float scale_log2;
   int tq, lane, c;  // c: the consumer's bit in the flags (0 unpaired)
   Ring r;           // tile t (the current iteration)
+  bool own_cur = true, own_prev = true;  // tiles t and t - 1 are the slot's
 
   __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
+  __device__ __forceinline__ bool owns(int pos_slot) const {
+    return !kPair || !(pp.masked[pos_slot] >> (kSkipShift + c) & 1);
+  }
 
   __device__ __forceinline__ int stage_next() const { return r.s3 == 2 ? 0 : r.s3 + 1; }
   __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? 2 : r.s3 - 1; }
@@ -299,18 +303,24 @@ struct WsConsumer {
                                        float (&s_cur)[kTile / 8][4], float (&s_next)[kTile / 8][4],
                                        uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
     const int sn = stage_next(), sp = stage_prev();
+    bool own_next = true;
+    // S(t + 1) is issued even for a tile the slot does not hold: ptxas serializes every wgmma
+    // of the loop when one accumulator is written by wgmma on one path only (C7515). Its
+    // softmax and P V are skipped.
     if constexpr (kNext) {
       wait_full(&pp.full_k[sn], r.ph ^ (r.s3 == 2));
+      own_next = owns(r.s6 == 5 ? 0 : r.s6 + 1);  // published with K(t + 1)
       issue_s<D>(s_next, qa, pp.k[sn]);
     }
     if constexpr (kPrev) {
       wait_full(&pp.full_v[sp], r.ph ^ (r.s3 == 0));
-      issue_pv<D>(st, pa, pp.v[sp]);
+      if (own_prev) issue_pv<D>(st, pa, pp.v[sp]);
     }
     float alpha[2];
-    const int ps = r.s6, f = pp.masked[ps];
-    const int32_t* mask = f >> (kSkipShift + c) & 1 ? none : (f >> c & 1 ? pp.pos[ps] : nullptr);
-    softmax_tile<D>(s_cur, mask, scale_log2, tq, st, alpha);
+    const int ps = r.s6;
+    if (own_cur)
+      softmax_tile<D>(s_cur, pp.masked[ps] >> c & 1 ? pp.pos[ps] : nullptr, scale_log2, tq, st,
+                      alpha);
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) {
       fence_regs(s_next);
@@ -320,9 +330,15 @@ struct WsConsumer {
       fence_regs(st.o);
       release(&pp.empty_v[sp], lane);
     }
-    rescale_o<D>(alpha, st);
+    if (own_cur) {
+      rescale_o<D>(alpha, st);
 #pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
+      for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
+    }
+    if constexpr (kPair) {
+      own_prev = own_cur;
+      own_cur = own_next;
+    }
     r.next();
   }
 };
@@ -330,10 +346,10 @@ struct WsConsumer {
 // Consumer c of a pipe (c = 0 unpaired) for slot (h, sg); any: the pipe has a tile. The tile
 // count is not needed up front: each tile's flags say whether it is the last, and tile t's are
 // published with K(t), which step t - 1 waited for.
-template <int D>
+template <int D, bool kPair>
 __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool any,
                                         const SlotGeom& sg, int h, int ctid, int c,
-                                        WsPipe<D>& pp, const int32_t* none) {
+                                        WsPipe<D>& pp) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
@@ -341,10 +357,11 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
   if (any) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
+    WsConsumer<D, kPair> cs{pp, p.scale * kLog2e, tq, lane, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
+    cs.own_cur = cs.owns(0);
     issue_s<D>(s0, qa, pp.k[0]);
     wgmma_wait<0>();
     fence_regs(s0);
@@ -367,12 +384,15 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
         cs.template step<true, true>(qa, s0, s1, pa, st);
       }
     }
-    // The last tile's P V (the ring now describes the tile past the last).
+    // The last tile's P V (the ring now describes the tile past the last; own_cur is that
+    // step's own_next, true). Waited for even when not the slot's: the TMA lands before exit.
     const int sp = cs.stage_prev();
     wait_full(&pp.full_v[sp], cs.r.ph ^ (cs.r.s3 == 0));
-    issue_pv<D>(st, pa, pp.v[sp]);
-    wgmma_wait<0>();
-    fence_regs(st.o);
+    if (cs.own_prev) {
+      issue_pv<D>(st, pa, pp.v[sp]);
+      wgmma_wait<0>();
+      fence_regs(st.o);
+    }
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
 }
@@ -392,8 +412,9 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
 // kPair = false: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from the
 // end), one pipe each. kPair = true (the query heads a KV head has come in pairs): slots (heads
 // 2 blockIdx.y and 2 blockIdx.y + 1, the same query block), one pipe for both, so a block tile
-// both heads hold is copied once for them. A tile only one head holds is computed by both
-// consumers, fully masked for the other: both walk the same stages in step.
+// both heads hold is copied once for them. Both consumers walk every stage; each runs softmax and
+// P V on its slot's tiles only. The launcher pairs only indices without gathered columns, whose
+// tiles one consumer would mostly skip.
 template <int D, bool kPair>
 __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -419,7 +440,6 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
       }
     mbar_init_fence();
   }
-  if (threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
   __syncthreads();  // the last CTA-wide barrier: the roles never meet again
   const TileList empty{nullptr, nullptr, 0, 0, 0};
   if (wg == 0) {
@@ -440,8 +460,8 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
       const SlotGeom sg = slot_geom_at(p, x);
       bool any = slot_tiles(p, head_of(c), sg).count() > 0;
       if (kPair) any = any || slot_tiles(p, head_of(1 - c), sg).count() > 0;
-      consume<D>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, kPair ? c : 0,
-                 sm.pipe[kPair ? 0 : c], sm.none);
+      consume<D, kPair>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, kPair ? c : 0,
+                        sm.pipe[kPair ? 0 : c]);
     }
   }
 #else

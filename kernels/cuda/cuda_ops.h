@@ -90,18 +90,25 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
 bool attention_sparse_supported(int head_dim);
 // The BF16 kernel's mainloop. kWgmmaWs (the default): Hopper warpgroup MMA, warp-specialized (a
 // producer warpgroup copies for two consumer warpgroups; attention_sparse_bf16_ws.cuh), at
-// head_dim 128; head_dim 64 runs kWgmma under this name. kWgmma:
-// the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
-// kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). The last two
-// stay as second implementations for tests and A/B benchmarks. kWgmmaWsPair: kWgmmaWs with the
-// two consumers on two query heads of one KV head at one query block, sharing the copies of the
-// block tiles both hold (with an odd number of query heads per KV head it runs kWgmmaWs).
-// Process-wide; read at each launch.
-enum class SparseBf16Mainloop : int { kWgmma = 0, kMmaSync = 1, kWgmmaWs = 2, kWgmmaWsPair = 3 };
+// head_dim 128; head_dim 64 runs kWgmma under this name. Its two consumers take two query heads
+// of one KV head at one query block, sharing the copies of the block tiles both hold, when the
+// index has no gathered columns and the query heads of a KV head come in pairs; otherwise two
+// query blocks of one head. kWgmmaWsPair and kWgmmaWsSingle force one of the two. kWgmma: the
+// same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
+// kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). All but the
+// default stay for tests and A/B benchmarks. Process-wide; read at each launch.
+enum class SparseBf16Mainloop : int {
+  kWgmma = 0,
+  kMmaSync = 1,
+  kWgmmaWs = 2,
+  kWgmmaWsPair = 3,
+  kWgmmaWsSingle = 4
+};
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// By name ("wgmma-ws", "wgmma-ws-pair", "wgmma", "mma.sync"); false for any other.
+// By name ("wgmma-ws", "wgmma-ws-pair", "wgmma-ws-single", "wgmma", "mma.sync"); false for
+// any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------

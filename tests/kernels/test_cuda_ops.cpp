@@ -537,11 +537,13 @@ struct SparseCase {
 // copies reuse their stages.
 SparseIndex random_index(std::mt19937_64& rng, int64_t heads, int64_t n_q, int64_t n_k,
                          int64_t q_offset, bool per_head = false, int max_cols = 48) {
-  SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, 8);
+  // max_cols 0: no gathered columns, and no column capacity (as block-sparse estimators build).
+  SparseIndex idx = sparse_index_make(int(heads), n_q, n_k, q_offset, 2, max_cols > 0 ? 8 : 0);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
   const auto draw = [&](int64_t kend) {
     IndexCandidates c;
-    const int n_cols = pick(rng) % max_cols, n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
+    const int n_cols = max_cols > 0 ? pick(rng) % max_cols : 0;
+    const int n_diag = pick(rng) % 5, n_blk = pick(rng) % 4;
     for (int i = 0; i < n_cols; ++i) c.columns.push_back(int32_t(pick(rng) % kend));
     for (int i = 0; i < n_diag; ++i) c.diagonals.push_back(int32_t(pick(rng) % kend));
     for (int i = 0; i < n_blk; ++i) c.key_blocks.push_back(int32_t(pick(rng) % (kend / 64 + 1)));
@@ -655,20 +657,23 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
       {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
-  // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, and wgmma-ws-pair; at head_dim 64
-  // both ws names run the wgmma kernel) on the same cases; the default comes back on every exit.
-  // Paired, the random indices give the two heads of a CTA different block lists and columns
-  // (tiles one head holds and the other masks), the full index identical ones.
+  // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, which pairs the full index, and
+  // wgmma-ws-pair and -single, which force pairing or not; at head_dim 64 the ws names run the
+  // wgmma kernel) on the same cases; the default comes back on every exit. Forced pairing on the
+  // random indices gives the two heads of a CTA different block lists and columns (tiles one
+  // head holds and the other skips); the full index gives identical ones.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
   for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
                         cuda::SparseBf16Mainloop::kWgmmaWs,
-                        cuda::SparseBf16Mainloop::kWgmmaWsPair}) {
+                        cuda::SparseBf16Mainloop::kWgmmaWsPair,
+                        cuda::SparseBf16Mainloop::kWgmmaWsSingle}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
-      // full, random per slot, random per head, random per slot with up to 400 columns
-      for (int kind = 0; kind < 4; ++kind) {
+      // full, random per slot, random per head, random per slot with up to 400 columns, random
+      // per slot without columns (wgmma-ws pairs it: two heads' different block lists)
+      for (int kind = 0; kind < 5; ++kind) {
         const bool full = kind == 0;
         const int64_t d = c.head_dim;
         std::vector<uint16_t> qb, kb, vb;
@@ -678,11 +683,11 @@ TEST_F(CudaOps, AttentionSparseBf16) {
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
         const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
                                      : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
-                                                    kind == 2, kind == 3 ? 400 : 48);
+                                                    kind == 2, std::array{48, 48, 400, 0}[kind - 1]);
         const std::string name =
             std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " + c.name +
-            std::array<const char*, 4>{", full index", ", random index", ", per-head index",
-                                       ", column-heavy index"}[kind];
+            std::array<const char*, 5>{", full index", ", random index", ", per-head index",
+                                       ", column-heavy index", ", block-only index"}[kind];
         AttentionParams p;
         p.q_offset = c.q_offset;
         std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
