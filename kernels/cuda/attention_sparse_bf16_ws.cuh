@@ -62,12 +62,15 @@ struct alignas(kSwAlign) WsPipe {
 template <int D>
 struct SmemWs {
   WsPipe<D> pipe[kSlots];
+  int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (shared)
+  int32_t n_common;     // paired: block tiles both slots hold
 };
 // empty_*: kEmpty arrivals a consumer warpgroup; paired, both consumers release each stage.
 constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
 
 // A tile's flags (WsPipe::masked), written with its K: bit c, consumer c masks by the positions;
-// bit 2 + c, consumer c's slot does not hold the tile (it skips it); kLast, no tile follows.
+// bit 2 + c, consumer c's slot does not hold the tile (every score masked); kLast, no tile
+// follows.
 constexpr int kSkipShift = 2, kLast = 16;
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
@@ -280,20 +283,15 @@ __device__ __forceinline__ void release(uint64_t* bar, int lane) {
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
 // Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
 // P(t - 1) V(t - 1), runs softmax(t), waits for both products, then releases their stages.
-// Paired, the pipe's tiles include ones the slot does not hold: the consumer waits for and
-// releases them like the others and computes their S (see step) but no softmax or P V.
-template <int D, bool kPair>
+template <int D>
 struct WsConsumer {
   WsPipe<D>& pp;
+  const int32_t* none;  // all -1
   float scale_log2;
   int tq, lane, c;  // c: the consumer's bit in the flags (0 unpaired)
   Ring r;           // tile t (the current iteration)
-  bool own_cur = true, own_prev = true;  // tiles t and t - 1 are the slot's
 
   __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
-  __device__ __forceinline__ bool owns(int pos_slot) const {
-    return !kPair || !(pp.masked[pos_slot] >> (kSkipShift + c) & 1);
-  }
 
   __device__ __forceinline__ int stage_next() const { return r.s3 == 2 ? 0 : r.s3 + 1; }
   __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? 2 : r.s3 - 1; }
@@ -303,24 +301,18 @@ struct WsConsumer {
                                        float (&s_cur)[kTile / 8][4], float (&s_next)[kTile / 8][4],
                                        uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
     const int sn = stage_next(), sp = stage_prev();
-    bool own_next = true;
-    // S(t + 1) is issued even for a tile the slot does not hold: ptxas serializes every wgmma
-    // of the loop when one accumulator is written by wgmma on one path only (C7515). Its
-    // softmax and P V are skipped.
     if constexpr (kNext) {
       wait_full(&pp.full_k[sn], r.ph ^ (r.s3 == 2));
-      own_next = owns(r.s6 == 5 ? 0 : r.s6 + 1);  // published with K(t + 1)
       issue_s<D>(s_next, qa, pp.k[sn]);
     }
     if constexpr (kPrev) {
       wait_full(&pp.full_v[sp], r.ph ^ (r.s3 == 0));
-      if (own_prev) issue_pv<D>(st, pa, pp.v[sp]);
+      issue_pv<D>(st, pa, pp.v[sp]);
     }
     float alpha[2];
-    const int ps = r.s6;
-    if (own_cur)
-      softmax_tile<D>(s_cur, pp.masked[ps] >> c & 1 ? pp.pos[ps] : nullptr, scale_log2, tq, st,
-                      alpha);
+    const int ps = r.s6, f = pp.masked[ps];
+    const int32_t* mask = f >> (kSkipShift + c) & 1 ? none : (f >> c & 1 ? pp.pos[ps] : nullptr);
+    softmax_tile<D>(s_cur, mask, scale_log2, tq, st, alpha);
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) {
       fence_regs(s_next);
@@ -330,15 +322,9 @@ struct WsConsumer {
       fence_regs(st.o);
       release(&pp.empty_v[sp], lane);
     }
-    if (own_cur) {
-      rescale_o<D>(alpha, st);
+    rescale_o<D>(alpha, st);
 #pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
-    }
-    if constexpr (kPair) {
-      own_prev = own_cur;
-      own_cur = own_next;
-    }
+    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
     r.next();
   }
 };
@@ -346,10 +332,10 @@ struct WsConsumer {
 // Consumer c of a pipe (c = 0 unpaired) for slot (h, sg); any: the pipe has a tile. The tile
 // count is not needed up front: each tile's flags say whether it is the last, and tile t's are
 // published with K(t), which step t - 1 waited for.
-template <int D, bool kPair>
+template <int D>
 __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool any,
                                         const SlotGeom& sg, int h, int ctid, int c,
-                                        WsPipe<D>& pp) {
+                                        WsPipe<D>& pp, const int32_t* none) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
@@ -357,11 +343,10 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
   if (any) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D, kPair> cs{pp, p.scale * kLog2e, tq, lane, c, {}};
+    WsConsumer<D> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
-    cs.own_cur = cs.owns(0);
     issue_s<D>(s0, qa, pp.k[0]);
     wgmma_wait<0>();
     fence_regs(s0);
@@ -384,15 +369,12 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
         cs.template step<true, true>(qa, s0, s1, pa, st);
       }
     }
-    // The last tile's P V (the ring now describes the tile past the last; own_cur is that
-    // step's own_next, true). Waited for even when not the slot's: the TMA lands before exit.
+    // The last tile's P V (the ring now describes the tile past the last).
     const int sp = cs.stage_prev();
     wait_full(&pp.full_v[sp], cs.r.ph ^ (cs.r.s3 == 0));
-    if (cs.own_prev) {
-      issue_pv<D>(st, pa, pp.v[sp]);
-      wgmma_wait<0>();
-      fence_regs(st.o);
-    }
+    issue_pv<D>(st, pa, pp.v[sp]);
+    wgmma_wait<0>();
+    fence_regs(st.o);
   }
   store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
 }
@@ -409,12 +391,33 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
   return sg;
 }
 
+// Whether the CTA's two slots share one pipe: when the tiles both hold are most of their work.
+// Shared, each consumer also computes (fully masked) the tiles only the other holds, so the
+// pipe's tile count u against the slots' own t0 + t1 is the extra compute: shared when
+// 2 u <= (1 + 1/8) (t0 + t1). Equal lists give 2 u = t0 + t1; gathered columns are never common.
+// The common blocks are counted by every thread of the CTA (a binary search per block of slot
+// 0 in slot 1's sorted list), before the barriers are set up.
+__device__ __forceinline__ bool share_pipe(const TileList& a, const TileList& b, int* n_common) {
+  int mine = 0;
+  for (int i = int(threadIdx.x); i < a.n_block_tiles; i += kWsThreads) {
+    const int32_t x = a.bo[i];
+    const int j = lower_bound_i32(b.bo, b.n_block_tiles, x);
+    mine += j < b.n_block_tiles && b.bo[j] == x;
+  }
+  mine = __reduce_add_sync(0xffffffffu, mine);
+  if (threadIdx.x % 32 == 0 && mine > 0) atomicAdd(n_common, mine);
+  __syncthreads();
+  const int t = a.n_block_tiles + b.n_block_tiles + (a.n_cols + kTile - 1) / kTile +
+                (b.n_cols + kTile - 1) / kTile;
+  const int u = t - *n_common;
+  return 16 * u <= 9 * t;
+}
+
 // kPair = false: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from the
-// end), one pipe each. kPair = true (the query heads a KV head has come in pairs): slots (heads
-// 2 blockIdx.y and 2 blockIdx.y + 1, the same query block), one pipe for both, so a block tile
-// both heads hold is copied once for them. Both consumers walk every stage; each runs softmax and
-// P V on its slot's tiles only. The launcher pairs only indices without gathered columns, whose
-// tiles one consumer would mostly skip.
+// end), one pipe each. kPair = true (the query heads of a KV head come in pairs): slots (heads
+// 2 blockIdx.y and 2 blockIdx.y + 1, the same query block), which share one pipe when
+// share_pipe says so (always when p.pair_share is set): a block tile both heads hold is then
+// copied once for them, and both consumers walk every stage.
 template <int D, bool kPair>
 __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -430,13 +433,22 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c;
   };
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
+  bool shared = false;
+  if constexpr (kPair) {
+    if (threadIdx.x == 0) sm.n_common = 0;
+    if (threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
+    __syncthreads();
+    const SlotGeom sg = slot_geom_at(p, x_of(0));
+    shared = p.pair_share ||
+             share_pipe(slot_tiles(p, head_of(0), sg), slot_tiles(p, head_of(1), sg), &sm.n_common);
+  }
   if (threadIdx.x == 0) {
-    for (int c = 0; c < (kPair ? 1 : kSlots); ++c)
+    for (int c = 0; c < (shared ? 1 : kSlots); ++c)
       for (int b = 0; b < kStages; ++b) {
         mbar_init(&sm.pipe[c].full_k[b], kFullK);
         mbar_init(&sm.pipe[c].full_v[b], kFullV);
-        mbar_init(&sm.pipe[c].empty_k[b], kPair ? kSlots * kEmpty : kEmpty);
-        mbar_init(&sm.pipe[c].empty_v[b], kPair ? kSlots * kEmpty : kEmpty);
+        mbar_init(&sm.pipe[c].empty_k[b], shared ? kSlots * kEmpty : kEmpty);
+        mbar_init(&sm.pipe[c].empty_v[b], shared ? kSlots * kEmpty : kEmpty);
       }
     mbar_init_fence();
   }
@@ -445,11 +457,11 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     const int c = int(threadIdx.x) / kProd;
-    if (kPair && c > 0) return;  // one producer half for the shared pipe
+    if (shared && c > 0) return;  // one producer half for the shared pipe
     const int64_t x = x_of(c);
     if (x < p.n_qblocks) {
       const SlotGeom sg = slot_geom_at(p, x);
-      produce<D>(p, slot_tiles(p, head_of(c), sg), kPair ? slot_tiles(p, head_of(1), sg) : empty,
+      produce<D>(p, slot_tiles(p, head_of(c), sg), shared ? slot_tiles(p, head_of(1), sg) : empty,
                  sg.base, kv_head, int(threadIdx.x) % kProd, sm.pipe[c]);
     }
   } else {
@@ -459,9 +471,9 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     if (x < p.n_qblocks) {
       const SlotGeom sg = slot_geom_at(p, x);
       bool any = slot_tiles(p, head_of(c), sg).count() > 0;
-      if (kPair) any = any || slot_tiles(p, head_of(1 - c), sg).count() > 0;
-      consume<D, kPair>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, kPair ? c : 0,
-                        sm.pipe[kPair ? 0 : c]);
+      if (shared) any = any || slot_tiles(p, head_of(1 - c), sg).count() > 0;
+      consume<D>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, shared ? c : 0,
+                 sm.pipe[shared ? 0 : c], sm.none);
     }
   }
 #else
