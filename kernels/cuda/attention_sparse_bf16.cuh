@@ -39,9 +39,6 @@ struct AttentionSparseBf16Params {
   const int32_t* column_index;
   int64_t n_qblocks;
   int max_blocks, max_cols;
-  // wgmma-ws with query heads paired: share every CTA's pipe (set by the launcher for
-  // wgmma-ws-pair) instead of deciding per CTA.
-  int pair_share;
   // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 64 x 1 x 64 boxes, 128-byte swizzle),
   // filled by the launcher for the wgmma mainloop, which loads block tiles through them.
   CUtensorMap tm_k, tm_v;

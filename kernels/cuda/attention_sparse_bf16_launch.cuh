@@ -35,13 +35,13 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
   if constexpr (D == 128) {
     namespace ws = attention_sparse_bf16_ws_detail;
     constexpr size_t kSmem = sizeof(ws::SmemWs<D>) + kSwAlign;  // + slack to align the base
-    // Paired: a CTA takes two query heads of one KV head at one query block and shares one
-    // pipe between them where their tiles mostly coincide (attention_sparse_bf16_ws.cuh). It
-    // needs an even number of query heads per KV head; wgmma-ws-pair shares every CTA's pipe.
+    // Paired: a CTA takes two query heads of one KV head at one query block on one pipe
+    // (attention_sparse_bf16_ws.cuh). It needs an even number of query heads per KV head.
+    // wgmma-ws pairs indices without gathered columns (a plan-time capacity, so no host sync):
+    // a column tile belongs to one head, and the other computes it masked.
     const bool pairable = (p.n_heads / p.n_kv_heads) % ws::kSlots == 0;
-    if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWs ||
-                     mainloop == SparseBf16Mainloop::kWgmmaWsPair)) {
-      pm.pair_share = mainloop == SparseBf16Mainloop::kWgmmaWsPair;
+    if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
+                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.max_cols == 0))) {
       static std::atomic<uint64_t> opted{0};
       if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, true>, kSmem, opted)) !=
           cudaSuccess)

@@ -29,9 +29,19 @@
 // CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
 // made persistent with a static round-robin over slots (10-35% slower everywhere).
 //
-// Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
-// of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in
-// flight into tile t's stage.
+// Paired (GQA). A CTA may instead own two query heads of one KV head at the same query block,
+// on one pipe: the producer walks the union of their sorted block lists and copies a block both
+// hold once, then their column tiles in turn. Each tile carries flags: which consumer masks it by
+// positions, which does not hold it (it computes it with every score masked: branching around
+// the S product makes ptxas serialize the loop's wgmma, and per-step branches around softmax
+// and P V cost 15% on a full index), and whether it is the last. Why: at 1M block-sparse was
+// L2-bound (Nsight: L2 78%, DRAM 44%, tensor pipe 53%), every query head loading its KV head's
+// tiles itself; the query heads of a KV head mostly pick the same blocks.
+//
+// Stages: unpaired, K and V three each per slot, as the wgmma kernel; paired, six each on the
+// one pipe (the same shared memory, as many copies in flight). Positions and flags sit in a ring
+// of twice the stages, written with K(t): softmax(t) reads slot t % 2S while K(t + S) may already
+// be in flight into tile t's stage.
 #pragma once
 #include "kernels/cuda/attention_sparse_bf16_sm90.cuh"
 
@@ -51,19 +61,25 @@ static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <= 16
 
 // One slot's pipeline. full_k counts 2 arrivals a producer thread (its copies' arrival, or
 // TMA's expect_tx / a plain arrival, then a plain arrival that publishes the positions), full_v
-// one, empty_* one a consumer warp.
-template <int D>
+// one, empty_* one a consumer warp. S stages of K and V each; positions and flags in 2 S slots.
+template <int D, int S>
 struct alignas(kSwAlign) WsPipe {
-  SwTile<D> k[kStages], v[kStages];
-  uint64_t full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages];
-  int32_t pos[kPosSlots][kTile];
-  int32_t masked[kPosSlots];
+  static constexpr int kS = S;
+  SwTile<D> k[S], v[S];
+  uint64_t full_k[S], full_v[S], empty_k[S], empty_v[S];
+  int32_t pos[2 * S][kTile];
+  int32_t masked[2 * S];
 };
+// Unpaired: a pipe of kStages a slot. Paired: one pipe of twice the stages in the same space,
+// so the CTA keeps as many copies in flight for its two consumers as unpaired.
+constexpr int kDeepStages = kSlots * kStages;
 template <int D>
 struct SmemWs {
-  WsPipe<D> pipe[kSlots];
-  int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (shared)
-  int32_t n_common;     // paired: block tiles both slots hold
+  union {
+    WsPipe<D, kStages> pipe[kSlots];
+    WsPipe<D, kDeepStages> deep;
+  };
+  int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (paired)
 };
 // empty_*: kEmpty arrivals a consumer warpgroup; paired, both consumers release each stage.
 constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
@@ -90,14 +106,15 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Tile j sits in stage j % 3 with mbarrier parity (j / 3) & 1, positions in slot j % 6: stepped
+// Tile j sits in stage j % S with mbarrier parity (j / S) & 1, positions in slot j % 2S: stepped
 // per tile (no divisions).
+template <int S>
 struct Ring {
-  int s3 = 0, s6 = 0, ph = 0;
+  int s3 = 0, s6 = 0, ph = 0;  // stage, position slot, parity
   __device__ __forceinline__ void next() {
-    ph ^= s3 == 2;
-    s3 = s3 == 2 ? 0 : s3 + 1;
-    s6 = s6 == 5 ? 0 : s6 + 1;
+    ph ^= s3 == S - 1;
+    s3 = s3 == S - 1 ? 0 : s3 + 1;
+    s6 = s6 == 2 * S - 1 ? 0 : s6 + 1;
   }
 };
 
@@ -112,7 +129,8 @@ struct WsCopy {
   const char *k_src, *v_src;  // chunk c of kv_head's row 0
   uint32_t row_bytes;
 
-  __device__ __forceinline__ WsCopy(const AttentionSparseBf16Params& p, const WsPipe<D>& pp,
+  template <int S>
+  __device__ __forceinline__ WsCopy(const AttentionSparseBf16Params& p, const WsPipe<D, S>& pp,
                                     int kv_head, int pt) {
     const int c = pt % 8;
     j0 = pt / 8;
@@ -199,16 +217,16 @@ __device__ __forceinline__ TileList pick_list(const TileList& a, const TileList&
 // once the consumer has released it (parity ph ^ 1: a fresh barrier's previous phase counts as
 // complete, so the first pass over the stages does not wait). A column tile's ids are loaded
 // again for its V (L1 hits) rather than kept in the producer's few registers.
-template <int D>
+template <int D, int S>
 __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl0,
                                         const TileList& tl1, int64_t base, int kv_head, int pt,
-                                        WsPipe<D>& pp) {
+                                        WsPipe<D, S>& pp) {
   using Copy = WsCopy<D>;
   static_assert(kProd == kTile, "a block tile's positions: one producer thread a row");
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
   const Copy cp(p, pp, kv_head, pt);
   TileSeq sk(tl0, tl1), sv(tl0, tl1);
-  Ring rk, rv;
+  Ring<S> rk, rv;
   // A tile's ids (or block start) are loaded before the wait for its stage: their latency
   // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
   auto put_k = [&]() {
@@ -283,18 +301,18 @@ __device__ __forceinline__ void release(uint64_t* bar, int lane) {
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
 // Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
 // P(t - 1) V(t - 1), runs softmax(t), waits for both products, then releases their stages.
-template <int D>
+template <int D, int S>
 struct WsConsumer {
-  WsPipe<D>& pp;
+  WsPipe<D, S>& pp;
   const int32_t* none;  // all -1
   float scale_log2;
   int tq, lane, c;  // c: the consumer's bit in the flags (0 unpaired)
-  Ring r;           // tile t (the current iteration)
+  Ring<S> r;        // tile t (the current iteration)
 
   __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
 
-  __device__ __forceinline__ int stage_next() const { return r.s3 == 2 ? 0 : r.s3 + 1; }
-  __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? 2 : r.s3 - 1; }
+  __device__ __forceinline__ int stage_next() const { return r.s3 == S - 1 ? 0 : r.s3 + 1; }
+  __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? S - 1 : r.s3 - 1; }
 
   template <bool kNext, bool kPrev>
   __device__ __forceinline__ void step(const uint32_t (&qa)[D / 16][4],
@@ -302,7 +320,7 @@ struct WsConsumer {
                                        uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
     const int sn = stage_next(), sp = stage_prev();
     if constexpr (kNext) {
-      wait_full(&pp.full_k[sn], r.ph ^ (r.s3 == 2));
+      wait_full(&pp.full_k[sn], r.ph ^ (r.s3 == S - 1));
       issue_s<D>(s_next, qa, pp.k[sn]);
     }
     if constexpr (kPrev) {
@@ -332,10 +350,10 @@ struct WsConsumer {
 // Consumer c of a pipe (c = 0 unpaired) for slot (h, sg); any: the pipe has a tile. The tile
 // count is not needed up front: each tile's flags say whether it is the last, and tile t's are
 // published with K(t), which step t - 1 waited for.
-template <int D>
+template <int D, int S>
 __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool any,
                                         const SlotGeom& sg, int h, int ctid, int c,
-                                        WsPipe<D>& pp, const int32_t* none) {
+                                        WsPipe<D, S>& pp, const int32_t* none) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
@@ -343,7 +361,7 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
   if (any) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
+    WsConsumer<D, S> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
@@ -391,33 +409,10 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
   return sg;
 }
 
-// Whether the CTA's two slots share one pipe: when the tiles both hold are most of their work.
-// Shared, each consumer also computes (fully masked) the tiles only the other holds, so the
-// pipe's tile count u against the slots' own t0 + t1 is the extra compute: shared when
-// 2 u <= (1 + 1/8) (t0 + t1). Equal lists give 2 u = t0 + t1; gathered columns are never common.
-// The common blocks are counted by every thread of the CTA (a binary search per block of slot
-// 0 in slot 1's sorted list), before the barriers are set up.
-__device__ __forceinline__ bool share_pipe(const TileList& a, const TileList& b, int* n_common) {
-  int mine = 0;
-  for (int i = int(threadIdx.x); i < a.n_block_tiles; i += kWsThreads) {
-    const int32_t x = a.bo[i];
-    const int j = lower_bound_i32(b.bo, b.n_block_tiles, x);
-    mine += j < b.n_block_tiles && b.bo[j] == x;
-  }
-  mine = __reduce_add_sync(0xffffffffu, mine);
-  if (threadIdx.x % 32 == 0 && mine > 0) atomicAdd(n_common, mine);
-  __syncthreads();
-  const int t = a.n_block_tiles + b.n_block_tiles + (a.n_cols + kTile - 1) / kTile +
-                (b.n_cols + kTile - 1) / kTile;
-  const int u = t - *n_common;
-  return 16 * u <= 9 * t;
-}
-
 // kPair = false: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from the
 // end), one pipe each. kPair = true (the query heads of a KV head come in pairs): slots (heads
-// 2 blockIdx.y and 2 blockIdx.y + 1, the same query block), which share one pipe when
-// share_pipe says so (always when p.pair_share is set): a block tile both heads hold is then
-// copied once for them, and both consumers walk every stage.
+// 2 blockIdx.y and 2 blockIdx.y + 1, the same query block) on one deep pipe, so a block tile
+// both heads hold is copied once for them; both consumers walk every stage.
 template <int D, bool kPair>
 __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -433,47 +428,53 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c;
   };
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
-  bool shared = false;
-  if constexpr (kPair) {
-    if (threadIdx.x == 0) sm.n_common = 0;
-    if (threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
-    __syncthreads();
-    const SlotGeom sg = slot_geom_at(p, x_of(0));
-    shared = p.pair_share ||
-             share_pipe(slot_tiles(p, head_of(0), sg), slot_tiles(p, head_of(1), sg), &sm.n_common);
-  }
+  auto init = [](auto& pp, uint32_t empty_count) {
+    for (int b = 0; b < pp.kS; ++b) {
+      mbar_init(&pp.full_k[b], kFullK);
+      mbar_init(&pp.full_v[b], kFullV);
+      mbar_init(&pp.empty_k[b], empty_count);
+      mbar_init(&pp.empty_v[b], empty_count);
+    }
+  };
   if (threadIdx.x == 0) {
-    for (int c = 0; c < (shared ? 1 : kSlots); ++c)
-      for (int b = 0; b < kStages; ++b) {
-        mbar_init(&sm.pipe[c].full_k[b], kFullK);
-        mbar_init(&sm.pipe[c].full_v[b], kFullV);
-        mbar_init(&sm.pipe[c].empty_k[b], shared ? kSlots * kEmpty : kEmpty);
-        mbar_init(&sm.pipe[c].empty_v[b], shared ? kSlots * kEmpty : kEmpty);
-      }
+    if constexpr (kPair) {
+      init(sm.deep, kSlots * kEmpty);
+    } else {
+      for (int c = 0; c < kSlots; ++c) init(sm.pipe[c], kEmpty);
+    }
     mbar_init_fence();
   }
+  if (kPair && threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
   __syncthreads();  // the last CTA-wide barrier: the roles never meet again
-  const TileList empty{nullptr, nullptr, 0, 0, 0};
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     const int c = int(threadIdx.x) / kProd;
-    if (shared && c > 0) return;  // one producer half for the shared pipe
     const int64_t x = x_of(c);
-    if (x < p.n_qblocks) {
-      const SlotGeom sg = slot_geom_at(p, x);
-      produce<D>(p, slot_tiles(p, head_of(c), sg), shared ? slot_tiles(p, head_of(1), sg) : empty,
-                 sg.base, kv_head, int(threadIdx.x) % kProd, sm.pipe[c]);
+    if (x >= p.n_qblocks) return;
+    const SlotGeom sg = slot_geom_at(p, x);
+    if constexpr (kPair) {
+      if (c == 0)  // one producer half for the shared pipe
+        produce<D>(p, slot_tiles(p, head_of(0), sg), slot_tiles(p, head_of(1), sg), sg.base,
+                   kv_head, int(threadIdx.x), sm.deep);
+    } else {
+      const TileList empty{nullptr, nullptr, 0, 0, 0};
+      produce<D>(p, slot_tiles(p, head_of(c), sg), empty, sg.base, kv_head,
+                 int(threadIdx.x) % kProd, sm.pipe[c]);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     const int c = wg - 1;
     const int64_t x = x_of(c);
-    if (x < p.n_qblocks) {
-      const SlotGeom sg = slot_geom_at(p, x);
-      bool any = slot_tiles(p, head_of(c), sg).count() > 0;
-      if (shared) any = any || slot_tiles(p, head_of(1 - c), sg).count() > 0;
-      consume<D>(p, any, sg, head_of(c), int(threadIdx.x) - wg * kThreads, shared ? c : 0,
-                 sm.pipe[shared ? 0 : c], sm.none);
+    if (x >= p.n_qblocks) return;
+    const SlotGeom sg = slot_geom_at(p, x);
+    const int ctid = int(threadIdx.x) - wg * kThreads;
+    if constexpr (kPair) {
+      const bool any = slot_tiles(p, head_of(c), sg).count() > 0 ||
+                       slot_tiles(p, head_of(1 - c), sg).count() > 0;
+      consume<D>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
+    } else {
+      consume<D>(p, slot_tiles(p, head_of(c), sg).count() > 0, sg, head_of(c), ctid, 0,
+                 sm.pipe[c], sm.none);
     }
   }
 #else
