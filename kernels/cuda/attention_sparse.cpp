@@ -41,6 +41,17 @@ SparseIndexDevice index_view(const SparseIndex& idx, const int32_t* base) {
   d.n_qblocks = idx.n_qblocks;
   d.max_blocks = idx.max_blocks;
   d.max_cols = idx.max_cols;
+  // Linear in the slots; index_view runs at plan time (upload) or beside a synchronous copy.
+  d.pair_heads = idx.n_heads % 2 == 0;
+  for (int h = 0; d.pair_heads && h < idx.n_heads; h += 2)
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
+      const size_t a = idx.slot(h, qb), b = idx.slot(h + 1, qb);
+      if (idx.block_count[a] != idx.block_count[b] || idx.column_count[a] != 0 ||
+          idx.column_count[b] != 0) {
+        d.pair_heads = false;
+        break;
+      }
+    }
   return d;
 }
 Status index_sizes_ok(const SparseIndex& idx) {

@@ -39,6 +39,7 @@ struct AttentionSparseBf16Params {
   const int32_t* column_index;
   int64_t n_qblocks;
   int max_blocks, max_cols;
+  int pair_heads;  // SparseIndexDevice::pair_heads
   // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 64 x 1 x 64 boxes, 128-byte swizzle),
   // filled by the launcher for the wgmma mainloop, which loads block tiles through them.
   CUtensorMap tm_k, tm_v;

@@ -37,11 +37,13 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     constexpr size_t kSmem = sizeof(ws::SmemWs<D>) + kSwAlign;  // + slack to align the base
     // Paired: a CTA takes two query heads of one KV head at one query block on one pipe
     // (attention_sparse_bf16_ws.cuh). It needs an even number of query heads per KV head.
-    // wgmma-ws pairs indices without gathered columns (a plan-time capacity, so no host sync):
-    // a column tile belongs to one head, and the other computes it masked.
+    // wgmma-ws pairs them where the index says paired heads hold equally many blocks and no
+    // columns (pair_heads, known at plan time, so no host sync): a tile one head lacks is
+    // computed masked by it, and an adaptive index, whose heads keep different counts, lost
+    // 6-17% at 128K paired (bench/NOTES.md).
     const bool pairable = (p.n_heads / p.n_kv_heads) % ws::kSlots == 0;
     if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
-                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.max_cols == 0))) {
+                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.pair_heads))) {
       static std::atomic<uint64_t> opted{0};
       if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, true>, kSmem, opted)) !=
           cudaSuccess)

@@ -244,6 +244,7 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
     kp.n_qblocks = idx.n_qblocks;
     kp.max_blocks = idx.max_blocks;
     kp.max_cols = idx.max_cols;
+    kp.pair_heads = idx.pair_heads;
     supported = dispatch_head_dim(d, [&](auto head_dim) {
       err = attention_sparse_bf16_launch<decltype(head_dim)::value>(kp, sparse_bf16_mainloop(),
                                                                     as_stream(stream));

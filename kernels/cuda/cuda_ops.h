@@ -71,6 +71,10 @@ struct SparseIndexDevice {
   int n_heads = 0;
   int64_t n_q = 0, n_k = 0, q_offset = 0, n_qblocks = 0;
   int max_blocks = 0, max_cols = 0;
+  // Plan-time: in every slot, query heads 2j and 2j + 1 hold equally many key blocks and no
+  // gathered columns (block-sparse top-k with one budget, a dense index). The bf16 kernel's
+  // default mainloop then pairs them on shared tiles (SparseBf16Mainloop).
+  bool pair_heads = false;
 };
 // Plan step: copies a host index into *storage (reallocated to fit) and points *view at it.
 // Synchronous; the index must already be valid (sparse_index_validate), the kernel trusts it.

@@ -59,6 +59,12 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   L.scale = 1.f / std::sqrt(float(L.d));
   L.bf16 = q.dtype == DType::kBF16;
 
+  // Block-sparse top-k on every head with one budget: paired heads hold equally many blocks.
+  L.pair_heads = std::all_of(patterns.begin(), patterns.end(), [&](const HeadPattern& hp) {
+    const HeadPattern& h0 = patterns.front();
+    return hp.pattern == Pattern::kBlockSparse && hp.n_blocks == h0.n_blocks &&
+           hp.sink == h0.sink && hp.local == h0.local;
+  });
   std::vector<EstHead> heads(size_t(L.hq));
   std::vector<int32_t> vs_heads, blk_heads;
   int64_t clamped = 0, kb_cap = 3;
@@ -245,6 +251,7 @@ Status sparse_estimate_run(SparseEstimatePlan* plan, const TensorView& q, const 
   d.n_qblocks = L.n_qb;
   d.max_blocks = L.max_blocks;
   d.max_cols = L.max_cols;
+  d.pair_heads = L.pair_heads;
   return Status::ok();
 }
 

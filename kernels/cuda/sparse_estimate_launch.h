@@ -30,6 +30,7 @@ struct EstimateLaunch {
   int64_t kend_last = 0, n_diag = 0;
   float scale = 1.f;
   bool bf16 = false;  // q, k element type: false F32, true BF16
+  bool pair_heads = false;  // SparseIndexDevice::pair_heads
   const void* q = nullptr;
   const void* k = nullptr;
   // Heads.

@@ -657,11 +657,12 @@ TEST_F(CudaOps, AttentionSparseBf16) {
       // 528 slots, more than the 132 SMs hold at once: CTAs start as others retire.
       {"gqa4 d128 4200 (528 slots)", 4200, 4200, 8, 2, 128, 0},
   };
-  // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, which pairs the full index, and
-  // wgmma-ws-pair and -single, which force pairing or not; at head_dim 64 the ws names run the
-  // wgmma kernel) on the same cases; the default comes back on every exit. Forced pairing on the
-  // random indices gives the two heads of a CTA different block lists and columns (tiles one
-  // head holds and the other skips); the full index gives identical ones.
+  // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, which pairs the heads of the full
+  // index (SparseIndexDevice::pair_heads), and wgmma-ws-pair and -single, which force pairing or
+  // not; at head_dim 64 the ws names run the wgmma kernel) on the same cases; the default comes
+  // back on every exit. Forced pairing on the random indices gives the two heads of a CTA
+  // different block lists, with and without columns (tiles one head holds and the other
+  // computes masked); the full index gives identical ones.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
@@ -672,7 +673,7 @@ TEST_F(CudaOps, AttentionSparseBf16) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       // full, random per slot, random per head, random per slot with up to 400 columns, random
-      // per slot without columns (wgmma-ws pairs it: two heads' different block lists)
+      // per slot without columns
       for (int kind = 0; kind < 5; ++kind) {
         const bool full = kind == 0;
         const int64_t d = c.head_dim;

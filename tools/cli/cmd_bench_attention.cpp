@@ -1130,7 +1130,7 @@ int cmd_bench_attention(int argc, char** argv) {
         double rec_sum = 0, rec_min = 1, slots_equal = -1;
         int64_t rec_n = 0;
         int max_blocks_seen = 0, max_cols_seen = 0;
-        bool validated = true;
+        bool validated = true, pair_heads = true;
         size_t mem_used_max = 0, mem_total = 0;
         boost::json::object by_mainloop;
         kernels::cuda::DeviceBuffer dpairs;
@@ -1144,7 +1144,9 @@ int cmd_bench_attention(int argc, char** argv) {
           kernels::cuda::SparseEstimatePlan eplan;
           kernels::cuda::SparseIndexDevice didx;
           auto est_run = [&] {
-            return kernels::cuda::sparse_estimate_run(&eplan, g.q, g.k, &didx, stream);
+            const Status s = kernels::cuda::sparse_estimate_run(&eplan, g.q, g.k, &didx, stream);
+            pair_heads = pair_heads && didx.pair_heads;
+            return s;
           };
           st = bind(g, n_g);
           if (st.is_ok())
@@ -1263,6 +1265,8 @@ int cmd_bench_attention(int argc, char** argv) {
                          : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
+        // Whether the index lets wgmma-ws pair query heads on shared tiles (kernels/cuda/cuda_ops.h).
+        if (bf) o["index_pair_heads"] = pair_heads;
         o["head_groups"] = n_g;  // times are sums over the groups
         o["memory_budget_bytes"] = mem_budget;
         o["estimate_ms"] = est_ms;
