@@ -27,7 +27,10 @@
 // adaptive-block, +12% on a full index, adaptive-vs within the run's noise; 1M +17%, +6%, +24%
 // (adaptive-vs), +9%. The default mainloop. Also measured and dropped: one slot a CTA at two
 // CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
-// made persistent with a static round-robin over slots (10-35% slower everywhere).
+// made persistent with a static round-robin over slots (10-35% slower everywhere). Paired
+// (fourteenth session, run 5): block-sparse +13% at 128K and +8% at 1M, a full index +30%
+// (583 TFLOP/s, cuDNN's rate); an adaptive-block index paired lost 6-17% at 128K, so the
+// launcher pairs only where SparseIndexDevice::pair_heads holds.
 //
 // Paired (GQA). A CTA may instead own two query heads of one KV head at the same query block,
 // on one pipe: the producer walks the union of their sorted block lists and copies a block both
