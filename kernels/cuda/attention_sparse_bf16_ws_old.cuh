@@ -1,0 +1,381 @@
+// The bf16 sparse attention kernel on wgmma with warp specialization (FlashAttention-3's split):
+// a producer warpgroup copies, two consumer warpgroups compute. Same contract, tile walk
+// (TileList), products (issue_s, issue_pv), softmax and epilogue as the wgmma kernel of
+// attention_sparse_bf16_sm90.cuh; what differs is who issues the copies and how stages are
+// handed over.
+//
+// Why. The single-warpgroup kernel is issue- and latency-bound (Nsight on H200: no hotspot, IPC
+// about 1.5 of 4 at 8 warps an SM), and a gathered-column tile costs each of its threads 16
+// cp.async, their addresses and 8 index loads per tile, between the products and the softmax.
+// Here those instructions run on other warps, and a stage is handed over by mbarriers instead
+// of a CTA-wide barrier per tile.
+//
+// Work split. A CTA of 384 threads owns two neighbouring (head, 64-query block) slots. Warpgroup
+// 0 produces: threads 0-63 for slot 0, 64-127 for slot 1, each half walking its slot's tiles in
+// order. Block tiles arrive by TMA (one thread), gathered columns by cp.async from the half's 64
+// threads, which then arrive on the stage's "full" mbarrier with cp.async.mbarrier.arrive.noinc
+// (the arrival lands when the thread's copies have). Warpgroups 1 and 2 consume slot 0 and 1
+// with the wgmma kernel's schedule (S(t + 1) and P(t - 1) V(t - 1) on the tensor cores during
+// tile t's softmax); a warp releases a stage on its "empty" mbarrier once the product that read
+// it has landed. Registers move to the consumers with setmaxnreg (producer 56, consumers 224:
+// 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
+// neither role spills (ptxas). The launcher builds it for D = 128 only (D = 64 keeps the wgmma
+// kernel's three CTAs an SM); the code is written for both.
+//
+// Measured on H200 (bench/NOTES.md, thirteenth session), against the wgmma kernel in one run
+// with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +9%
+// adaptive-block, +12% on a full index, adaptive-vs within the run's noise; 1M +17%, +6%, +24%
+// (adaptive-vs), +9%. The default mainloop. Also measured and dropped: one slot a CTA at two
+// CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
+// made persistent with a static round-robin over slots (10-35% slower everywhere).
+//
+// Stages per slot: K and V, three each, as the wgmma kernel; positions and mask flags in a ring
+// of six slots, written with K(t): softmax(t) reads slot t % 6 while K(t + 3) may already be in
+// flight into tile t's stage.
+#pragma once
+#include "kernels/cuda/attention_sparse_bf16_sm90.cuh"
+// TEMPORARY (fourteenth session): the thirteenth session's ws kernel (d6f37c5), for an A/B
+// against the restructured unpaired path in one binary. To be removed after the run.
+
+namespace sf::kernels::cuda {
+
+namespace attention_sparse_bf16_ws_old_detail {
+using namespace attention_sparse_bf16_sm90_detail;
+
+constexpr int kSlots = 2;                         // consumer warpgroups (slots) per CTA
+constexpr int kWsThreads = (kSlots + 1) * kThreads;  // 384
+constexpr int kProd = kThreads / kSlots;          // producer threads per slot
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+// setmaxnreg moves registers within the CTA's launch allocation: 384 threads get 168 each
+// (65,536 / 384 rounded down to a multiple of 8).
+static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <= 168 * kWsThreads,
+              "register split over the CTA's allocation");
+
+// One slot's pipeline. full_k counts 2 arrivals a producer thread (its copies' arrival, or
+// TMA's expect_tx / a plain arrival, then a plain arrival that publishes the positions), full_v
+// one, empty_* one a consumer warp.
+template <int D>
+struct alignas(kSwAlign) WsPipe {
+  SwTile<D> k[kStages], v[kStages];
+  uint64_t full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages];
+  int32_t pos[kPosSlots][kTile];
+  int32_t masked[kPosSlots];
+};
+template <int D>
+struct SmemWs {
+  WsPipe<D> pipe[kSlots];
+};
+constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrives on bar when every cp.async this thread issued before has landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// Tile j sits in stage j % 3 with mbarrier parity (j / 3) & 1, positions in slot j % 6: stepped
+// per tile (no divisions).
+struct Ring {
+  int s3 = 0, s6 = 0, ph = 0;
+  __device__ __forceinline__ void next() {
+    ph ^= s3 == 2;
+    s3 = s3 == 2 ? 0 : s3 + 1;
+    s6 = s6 == 5 ? 0 : s6 + 1;
+  }
+};
+
+// What one producer thread (pt < 64) copies of a gathered-column tile: rows j0 + 8 i (i < 8),
+// 16-byte chunk c of each 64-dim column block. Rows 8 apart keep j & 7 == j0: a chunk's swizzled
+// place moves by 8 rows (1024 bytes) per i.
+template <int D>
+struct WsCopy {
+  static constexpr int kBlocks = D / 64, kIter = kTile / 8;
+  int j0;
+  uint32_t k_sa, v_sa;        // shared address of (row j0, chunk c, column block 0) in stage 0
+  const char *k_src, *v_src;  // chunk c of kv_head's row 0
+  uint32_t row_bytes;
+
+  __device__ __forceinline__ WsCopy(const AttentionSparseBf16Params& p, const WsPipe<D>& pp,
+                                    int kv_head, int pt) {
+    const int c = pt % 8;
+    j0 = pt / 8;
+    const int so = sw_offset(j0, c) * int(sizeof(__nv_bfloat16));
+    k_sa = smem_u32(&pp.k[0]) + so;
+    v_sa = smem_u32(&pp.v[0]) + so;
+    k_src = reinterpret_cast<const char*>(p.k + int64_t(kv_head) * D + c * 8);
+    v_src = reinterpret_cast<const char*>(p.v + int64_t(kv_head) * D + c * 8);
+    row_bytes = uint32_t(p.n_kv_heads) * D * uint32_t(sizeof(__nv_bfloat16));
+  }
+  // The thread's rows of column tile `ct` (positions, -1 past the slot's columns).
+  __device__ __forceinline__ void ids(const TileList& tl, int ct, int32_t (&pos)[kIter]) const {
+    const int c0 = ct * kTile + j0;
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) {
+      const int ci = c0 + 8 * i;
+      pos[i] = ci < tl.n_cols ? tl.ci[ci] : -1;
+    }
+  }
+  // Copies those rows into the stage at byte offset stage_off of the array at sa0; empty rows
+  // are zero-filled (0-probability columns multiply zeros).
+  __device__ __forceinline__ void rows(uint32_t sa0, const char* src, uint32_t stage_off,
+                                       const int32_t (&pos)[kIter]) const {
+#pragma unroll
+    for (int i = 0; i < kIter; ++i) {
+      const char* s = src + uint64_t(uint32_t(max(pos[i], 0))) * row_bytes;
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b)
+        cp_async_16(sa0 + stage_off + i * 8 * 128 + b * kTile * 128, s + b * 128, pos[i] >= 0);
+    }
+  }
+};
+
+// The producer half of one slot: K(0), then K(t + 1) and V(t) for every t, each into its stage
+// once the consumer has released it (parity ph ^ 1: a fresh barrier's previous phase counts as
+// complete, so the first pass over the stages does not wait). A column tile's ids are loaded
+// again for its V (L1 hits) rather than kept in the producer's few registers.
+template <int D>
+__device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl,
+                                        int64_t base, int kv_head, int pt, WsPipe<D>& pp) {
+  using Copy = WsCopy<D>;
+  static_assert(kProd == kTile, "a block tile's positions: one producer thread a row");
+  constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
+  const Copy cp(p, pp, kv_head, pt);
+  const int n = tl.count();
+  Ring rk, rv;
+  // A tile's ids (or block start) are loaded before the wait for its stage: their latency
+  // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
+  auto put_k = [&](int t) {
+    const int s = rk.s3, slot = rk.s6;
+    const bool block = t < tl.n_block_tiles;
+    int32_t pk[Copy::kIter], k0 = 0;
+    if (block)
+      k0 = tl.bo[t];
+    else
+      cp.ids(tl, t - tl.n_block_tiles, pk);
+    mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
+    if (block) {
+      pp.pos[slot][pt] = pt < int32_t(tl.cta_end - k0) ? k0 + pt : -1;
+      if (pt == 0) {
+        pp.masked[slot] = tile_needs_mask(tl, t, base);
+        tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, k0);
+      } else {
+        mbar_arrive(&pp.full_k[s]);
+      }
+    } else {
+      if (pt % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < Copy::kIter; ++i) pp.pos[slot][cp.j0 + 8 * i] = pk[i];
+      }
+      if (pt == 0) pp.masked[slot] = tile_needs_mask(tl, t, base);
+      cp.rows(cp.k_sa, cp.k_src, s * kStageBytes, pk);
+      mbar_arrive_cp_async(&pp.full_k[s]);
+    }
+    mbar_arrive(&pp.full_k[s]);  // publishes the positions and the mask flag
+    rk.next();
+  };
+  auto put_v = [&](int t) {
+    const int s = rv.s3;
+    const bool block = t < tl.n_block_tiles;
+    int32_t pv[Copy::kIter], k0 = 0;
+    if (block)
+      k0 = tl.bo[t];
+    else
+      cp.ids(tl, t - tl.n_block_tiles, pv);
+    mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
+    if (block) {
+      if (pt == 0)
+        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, k0);
+      else
+        mbar_arrive(&pp.full_v[s]);
+    } else {
+      cp.rows(cp.v_sa, cp.v_src, s * kStageBytes, pv);
+      mbar_arrive_cp_async(&pp.full_v[s]);
+    }
+    rv.next();
+  };
+  if (n > 0) put_k(0);
+  for (int t = 0; t < n; ++t) {
+    if (t + 1 < n) put_k(t + 1);
+    put_v(t);
+  }
+  cp_async_wait<0>();  // the thread's last copies land before it exits
+}
+
+// Waits for a full stage and makes its generic-proxy (cp.async) writes visible to wgmma.
+__device__ __forceinline__ void wait_full(uint64_t* bar, int parity) {
+  mbar_wait(bar, uint32_t(parity));
+  fence_proxy_async();
+}
+__device__ __forceinline__ void release(uint64_t* bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar);
+}
+
+// The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
+// Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
+// P(t - 1) V(t - 1), runs softmax(t), waits for both products, then releases their stages.
+template <int D>
+struct WsConsumer {
+  WsPipe<D>& pp;
+  float scale_log2;
+  int tq, lane;
+  Ring r;  // tile t (the current iteration)
+
+  __device__ __forceinline__ int stage_next() const { return r.s3 == 2 ? 0 : r.s3 + 1; }
+  __device__ __forceinline__ int stage_prev() const { return r.s3 == 0 ? 2 : r.s3 - 1; }
+
+  template <bool kNext, bool kPrev>
+  __device__ __forceinline__ void step(const uint32_t (&qa)[D / 16][4],
+                                       float (&s_cur)[kTile / 8][4], float (&s_next)[kTile / 8][4],
+                                       uint32_t (&pa)[kTile / 16][4], RowState<D>& st) {
+    const int sn = stage_next(), sp = stage_prev();
+    if constexpr (kNext) {
+      wait_full(&pp.full_k[sn], r.ph ^ (r.s3 == 2));
+      issue_s<D>(s_next, qa, pp.k[sn]);
+    }
+    if constexpr (kPrev) {
+      wait_full(&pp.full_v[sp], r.ph ^ (r.s3 == 0));
+      issue_pv<D>(st, pa, pp.v[sp]);
+    }
+    float alpha[2];
+    const int ps = r.s6;
+    softmax_tile<D>(s_cur, pp.masked[ps] ? pp.pos[ps] : nullptr, scale_log2, tq, st, alpha);
+    if constexpr (kNext || kPrev) wgmma_wait<0>();
+    if constexpr (kNext) {
+      fence_regs(s_next);
+      release(&pp.empty_k[sn], lane);
+    }
+    if constexpr (kPrev) {
+      fence_regs(st.o);
+      release(&pp.empty_v[sp], lane);
+    }
+    rescale_o<D>(alpha, st);
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) p_fragment(s_cur, kk, pa[kk]);
+    r.next();
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, const TileList& tl,
+                                        const SlotGeom& sg, int h, int ctid, WsPipe<D>& pp) {
+  const int warp = ctid / 32, lane = ctid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  RowState<D> st;
+  row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
+  const int n = tl.count();
+  if (n > 0) {
+    uint32_t qa[D / 16][4];
+    load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
+    WsConsumer<D> c{pp, p.scale * kLog2e, tq, lane, {}};
+    float s0[kTile / 8][4], s1[kTile / 8][4];
+    uint32_t pa[kTile / 16][4];
+    wait_full(&pp.full_k[0], 0);
+    issue_s<D>(s0, qa, pp.k[0]);
+    wgmma_wait<0>();
+    fence_regs(s0);
+    release(&pp.empty_k[0], lane);
+    // Tile t's scores are in s0 for even t, s1 for odd t.
+    if (n == 1) {
+      c.template step<false, false>(qa, s0, s1, pa, st);
+    } else {
+      c.template step<true, false>(qa, s0, s1, pa, st);
+      int t = 1;
+      for (; t + 2 < n; t += 2) {
+        c.template step<true, true>(qa, s1, s0, pa, st);
+        c.template step<true, true>(qa, s0, s1, pa, st);
+      }
+      if (t + 1 < n) {
+        c.template step<true, true>(qa, s1, s0, pa, st);
+        c.template step<false, true>(qa, s0, s1, pa, st);
+      } else {
+        c.template step<false, true>(qa, s1, s0, pa, st);
+      }
+    }
+    // The last tile's P V (the ring now describes tile n).
+    const int sp = c.stage_prev();
+    wait_full(&pp.full_v[sp], c.r.ph ^ (c.r.s3 == 0));
+    issue_pv<D>(st, pa, pp.v[sp]);
+    wgmma_wait<0>();
+    fence_regs(st.o);
+  }
+  store_rows<D>(p, h, sg.r0, sg.rows, warp, g, tq, st);
+}
+
+// Slot x of the launch (x = kSlots * blockIdx.x + consumer): later query blocks first, as the
+// single-slot kernels.
+__device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params& p, int64_t x) {
+  SlotGeom sg;
+  sg.qb = p.n_qblocks - 1 - x;
+  sg.r0 = sg.qb * kQBlock;
+  sg.rows = p.n_q - sg.r0 < kQBlock ? p.n_q - sg.r0 : kQBlock;
+  sg.base = p.q_offset + sg.r0;
+  sg.cta_end = sg.base + sg.rows < p.n_k ? sg.base + sg.rows : p.n_k;
+  return sg;
+}
+
+template <int D>
+__device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sa = smem_u32(smem_raw);
+  SmemWs<D>& sm = *reinterpret_cast<SmemWs<D>*>(
+      smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
+  const int h = blockIdx.y;
+  const int kv_head = h / (p.n_heads / p.n_kv_heads);
+  const int wg = threadIdx.x / kThreads;
+  if (threadIdx.x == 0) {
+    for (int c = 0; c < kSlots; ++c)
+      for (int b = 0; b < kStages; ++b) {
+        mbar_init(&sm.pipe[c].full_k[b], kFullK);
+        mbar_init(&sm.pipe[c].full_v[b], kFullV);
+        mbar_init(&sm.pipe[c].empty_k[b], kEmpty);
+        mbar_init(&sm.pipe[c].empty_v[b], kEmpty);
+      }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles never meet again
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int c = int(threadIdx.x) / kProd;
+    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    if (x < p.n_qblocks) {
+      const SlotGeom sg = slot_geom_at(p, x);
+      produce<D>(p, slot_tiles(p, h, sg), sg.base, kv_head, int(threadIdx.x) % kProd,
+                 sm.pipe[c]);
+    }
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    const int c = wg - 1;
+    const int64_t x = kSlots * int64_t(blockIdx.x) + c;
+    if (x < p.n_qblocks) {
+      const SlotGeom sg = slot_geom_at(p, x);
+      consume<D>(p, slot_tiles(p, h, sg), sg, h, int(threadIdx.x) - wg * kThreads, sm.pipe[c]);
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the launcher never selects this kernel there
+#endif
+}
+
+}  // namespace attention_sparse_bf16_ws_old_detail
+
+template <int D>
+__global__ void __launch_bounds__(attention_sparse_bf16_ws_old_detail::kWsThreads, 1)
+    attention_sparse_bf16_ws_old_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
+  attention_sparse_bf16_ws_old_detail::attention_sparse_bf16_ws_block<D>(p);
+}
+
+}  // namespace sf::kernels::cuda
