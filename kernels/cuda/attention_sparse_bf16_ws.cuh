@@ -219,8 +219,10 @@ __device__ __forceinline__ TileList pick_list(const TileList& a, const TileList&
 // The producer half of one pipe: K(0), then K(t + 1) and V(t) for every t, each into its stage
 // once the consumer has released it (parity ph ^ 1: a fresh barrier's previous phase counts as
 // complete, so the first pass over the stages does not wait). A column tile's ids are loaded
-// again for its V (L1 hits) rather than kept in the producer's few registers.
-template <int D, int S>
+// again for its V (L1 hits) rather than kept in the producer's few registers. Unpaired, the
+// tiles are tl0's in its order and counted (tl1 unused): the TileSeq walk and per-tile last
+// flags there cost 5-18% on the unpaired kernel (bench/NOTES.md, fourteenth session, run 7).
+template <int D, int S, bool kPair>
 __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl0,
                                         const TileList& tl1, int64_t base, int kv_head, int pt,
                                         WsPipe<D, S>& pp) {
@@ -228,30 +230,18 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   static_assert(kProd == kTile, "a block tile's positions: one producer thread a row");
   constexpr uint32_t kStageBytes = sizeof(SwTile<D>);
   const Copy cp(p, pp, kv_head, pt);
-  TileSeq sk(tl0, tl1), sv(tl0, tl1);
   Ring<S> rk, rv;
-  // A tile's ids (or block start) are loaded before the wait for its stage: their latency
-  // (an L2 or HBM round trip) then overlaps the consumer's use of that stage.
-  auto put_k = [&]() {
+  // After the wait for the stage: flags (thread 0), positions, the copies, the arrivals. A
+  // tile's ids (or block start) are loaded before that wait: their latency (an L2 or HBM round
+  // trip) then overlaps the consumer's use of the stage.
+  auto fill_k = [&](bool block, int32_t k0, const int32_t (&pk)[Copy::kIter], int flags) {
     const int s = rk.s3, slot = rk.s6;
-    const TileSeq::Tile t = sk.next();
-    const bool block = t.list < 0;
-    const TileList tl = pick_list(tl0, tl1, t.list == 1);
-    int32_t pk[Copy::kIter];
-    if (!block) cp.ids(tl, t.ct, pk);
     mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
-    if (pt == 0) {
-      const int m = block ? block_tile_needs_mask(t.k0, tl0.cta_end, base)
-                          : column_tile_needs_mask(tl, t.ct, base);
-      int f = sk.more() ? 0 : kLast;
-#pragma unroll
-      for (int c = 0; c < kSlots; ++c) f |= (t.own >> c & 1) ? m << c : 1 << (kSkipShift + c);
-      pp.masked[slot] = f;
-    }
+    if (pt == 0) pp.masked[slot] = flags;
     if (block) {
-      pp.pos[slot][pt] = pt < int32_t(tl0.cta_end - t.k0) ? t.k0 + pt : -1;
+      pp.pos[slot][pt] = pt < int32_t(tl0.cta_end - k0) ? k0 + pt : -1;
       if (pt == 0)
-        tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, t.k0);
+        tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, k0);
       else
         mbar_arrive(&pp.full_k[s]);
     } else {
@@ -265,16 +255,12 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
     mbar_arrive(&pp.full_k[s]);  // publishes the positions and the flags
     rk.next();
   };
-  auto put_v = [&]() {
+  auto fill_v = [&](bool block, int32_t k0, const int32_t (&pv)[Copy::kIter]) {
     const int s = rv.s3;
-    const TileSeq::Tile t = sv.next();
-    const bool block = t.list < 0;
-    int32_t pv[Copy::kIter];
-    if (!block) cp.ids(pick_list(tl0, tl1, t.list == 1), t.ct, pv);
     mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
     if (block) {
       if (pt == 0)
-        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, t.k0);
+        tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, k0);
       else
         mbar_arrive(&pp.full_v[s]);
     } else {
@@ -283,10 +269,62 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
     }
     rv.next();
   };
-  if (sk.more()) put_k();
-  while (sv.more()) {
+  if constexpr (!kPair) {
+    const TileList& tl = tl0;
+    const int n = tl.count();
+    auto put_k = [&](int t) {
+      const bool block = t < tl.n_block_tiles;
+      int32_t pk[Copy::kIter], k0 = 0;
+      if (block)
+        k0 = tl.bo[t];
+      else
+        cp.ids(tl, t - tl.n_block_tiles, pk);
+      fill_k(block, k0, pk, pt == 0 ? tile_needs_mask(tl, t, base) : 0);
+    };
+    auto put_v = [&](int t) {
+      const bool block = t < tl.n_block_tiles;
+      int32_t pv[Copy::kIter], k0 = 0;
+      if (block)
+        k0 = tl.bo[t];
+      else
+        cp.ids(tl, t - tl.n_block_tiles, pv);
+      fill_v(block, k0, pv);
+    };
+    if (n > 0) put_k(0);
+    for (int t = 0; t < n; ++t) {
+      if (t + 1 < n) put_k(t + 1);
+      put_v(t);
+    }
+  } else {
+    TileSeq sk(tl0, tl1), sv(tl0, tl1);
+    auto put_k = [&]() {
+      const TileSeq::Tile t = sk.next();
+      const bool block = t.list < 0;
+      const TileList tl = pick_list(tl0, tl1, t.list == 1);
+      int32_t pk[Copy::kIter];
+      if (!block) cp.ids(tl, t.ct, pk);
+      int f = 0;
+      if (pt == 0) {
+        const int m = block ? block_tile_needs_mask(t.k0, tl0.cta_end, base)
+                            : column_tile_needs_mask(tl, t.ct, base);
+        f = sk.more() ? 0 : kLast;
+#pragma unroll
+        for (int c = 0; c < kSlots; ++c) f |= (t.own >> c & 1) ? m << c : 1 << (kSkipShift + c);
+      }
+      fill_k(block, t.k0, pk, f);
+    };
+    auto put_v = [&]() {
+      const TileSeq::Tile t = sv.next();
+      const bool block = t.list < 0;
+      int32_t pv[Copy::kIter];
+      if (!block) cp.ids(pick_list(tl0, tl1, t.list == 1), t.ct, pv);
+      fill_v(block, t.k0, pv);
+    };
     if (sk.more()) put_k();
-    put_v();
+    while (sv.more()) {
+      if (sk.more()) put_k();
+      put_v();
+    }
   }
   cp_async_wait<0>();  // the thread's last copies land before it exits
 }
@@ -304,7 +342,7 @@ __device__ __forceinline__ void release(uint64_t* bar, int lane) {
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
 // Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
 // P(t - 1) V(t - 1), runs softmax(t), waits for both products, then releases their stages.
-template <int D, int S>
+template <int D, int S, bool kPair>
 struct WsConsumer {
   WsPipe<D, S>& pp;
   const int32_t* none;  // all -1
@@ -332,7 +370,11 @@ struct WsConsumer {
     }
     float alpha[2];
     const int ps = r.s6, f = pp.masked[ps];
-    const int32_t* mask = f >> (kSkipShift + c) & 1 ? none : (f >> c & 1 ? pp.pos[ps] : nullptr);
+    const int32_t* mask;
+    if constexpr (kPair)
+      mask = f >> (kSkipShift + c) & 1 ? none : (f >> c & 1 ? pp.pos[ps] : nullptr);
+    else
+      mask = f ? pp.pos[ps] : nullptr;
     softmax_tile<D>(s_cur, mask, scale_log2, tq, st, alpha);
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) {
@@ -350,21 +392,22 @@ struct WsConsumer {
   }
 };
 
-// Consumer c of a pipe (c = 0 unpaired) for slot (h, sg); any: the pipe has a tile. The tile
-// count is not needed up front: each tile's flags say whether it is the last, and tile t's are
-// published with K(t), which step t - 1 waited for.
-template <int D, int S>
-__device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool any,
+// Consumer c of a pipe (c = 0 unpaired) for slot (h, sg). Unpaired, n is the slot's tile
+// count; paired, n > 0 when the pipe has a tile, and the count is not needed up front: each
+// tile's flags say whether it is the last, and tile t's are published with K(t), which step
+// t - 1 waited for.
+template <int D, int S, bool kPair>
+__device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, int n,
                                         const SlotGeom& sg, int h, int ctid, int c,
                                         WsPipe<D, S>& pp, const int32_t* none) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, tq = lane % 4;
   RowState<D> st;
   row_state_init<D>(p, warp, g, sg.rows, sg.base, st);
-  if (any) {
+  if (n > 0) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D, S> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
+    WsConsumer<D, S, kPair> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
@@ -373,7 +416,24 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, bool
     fence_regs(s0);
     release(&pp.empty_k[0], lane);
     // Tile t's scores are in s0 for even t, s1 for odd t.
-    if (cs.last()) {
+    if constexpr (!kPair) {
+      if (n == 1) {
+        cs.template step<false, false>(qa, s0, s1, pa, st);
+      } else {
+        cs.template step<true, false>(qa, s0, s1, pa, st);
+        int t = 1;
+        for (; t + 2 < n; t += 2) {
+          cs.template step<true, true>(qa, s1, s0, pa, st);
+          cs.template step<true, true>(qa, s0, s1, pa, st);
+        }
+        if (t + 1 < n) {
+          cs.template step<true, true>(qa, s1, s0, pa, st);
+          cs.template step<false, true>(qa, s0, s1, pa, st);
+        } else {
+          cs.template step<false, true>(qa, s1, s0, pa, st);
+        }
+      }
+    } else if (cs.last()) {
       cs.template step<false, false>(qa, s0, s1, pa, st);
     } else {
       cs.template step<true, false>(qa, s0, s1, pa, st);
@@ -457,12 +517,13 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     const SlotGeom sg = slot_geom_at(p, x);
     if constexpr (kPair) {
       if (c == 0)  // one producer half for the shared pipe
-        produce<D>(p, slot_tiles(p, head_of(0), sg), slot_tiles(p, head_of(1), sg), sg.base,
-                   kv_head, int(threadIdx.x), sm.deep);
+        produce<D, kDeepStages, true>(p, slot_tiles(p, head_of(0), sg),
+                                      slot_tiles(p, head_of(1), sg), sg.base, kv_head,
+                                      int(threadIdx.x), sm.deep);
     } else {
-      const TileList empty{nullptr, nullptr, 0, 0, 0};
-      produce<D>(p, slot_tiles(p, head_of(c), sg), empty, sg.base, kv_head,
-                 int(threadIdx.x) % kProd, sm.pipe[c]);
+      const TileList tl = slot_tiles(p, head_of(c), sg);
+      produce<D, kStages, false>(p, tl, tl, sg.base, kv_head, int(threadIdx.x) % kProd,
+                                 sm.pipe[c]);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
@@ -472,12 +533,11 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     const SlotGeom sg = slot_geom_at(p, x);
     const int ctid = int(threadIdx.x) - wg * kThreads;
     if constexpr (kPair) {
-      const bool any = slot_tiles(p, head_of(c), sg).count() > 0 ||
-                       slot_tiles(p, head_of(1 - c), sg).count() > 0;
-      consume<D>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
+      const int any = slot_tiles(p, head_of(c), sg).count() + slot_tiles(p, head_of(1 - c), sg).count();
+      consume<D, kDeepStages, true>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
     } else {
-      consume<D>(p, slot_tiles(p, head_of(c), sg).count() > 0, sg, head_of(c), ctid, 0,
-                 sm.pipe[c], sm.none);
+      consume<D, kStages, false>(p, slot_tiles(p, head_of(c), sg).count(), sg, head_of(c), ctid,
+                                 0, sm.pipe[c], sm.none);
     }
   }
 #else
