@@ -4,7 +4,6 @@
 // (attention_sparse_bf16_ws.cuh), and fills the TMA maps.
 #pragma once
 #include "kernels/cuda/attention_sparse_bf16_ws.cuh"
-#include "kernels/cuda/attention_sparse_bf16_ws_old.cuh"  // TEMPORARY A/B
 
 namespace sf::kernels::cuda {
 
@@ -51,17 +50,6 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
         return err;
       const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots));
       attention_sparse_bf16_ws_kernel<D, true><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
-      return cudaGetLastError();
-    }
-    if (mainloop == SparseBf16Mainloop::kWgmmaWsOld) {  // TEMPORARY A/B
-      namespace wo = attention_sparse_bf16_ws_old_detail;
-      constexpr size_t kSmemOld = sizeof(wo::SmemWs<D>) + kSwAlign;
-      static std::atomic<uint64_t> opted{0};
-      if ((err = opt_in_smem(attention_sparse_bf16_ws_old_kernel<D>, kSmemOld, opted)) !=
-          cudaSuccess)
-        return err;
-      const dim3 grid(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads));
-      attention_sparse_bf16_ws_old_kernel<D><<<grid, ws::kWsThreads, kSmemOld, stream>>>(pm);
       return cudaGetLastError();
     }
     if (mainloop == SparseBf16Mainloop::kWgmmaWs || mainloop == SparseBf16Mainloop::kWgmmaWsPair ||

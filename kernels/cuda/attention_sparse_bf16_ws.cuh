@@ -28,9 +28,9 @@
 // (adaptive-vs), +9%. The default mainloop. Also measured and dropped: one slot a CTA at two
 // CTAs an SM (its 64 producer threads on 40 registers lost the column gains), and this kernel
 // made persistent with a static round-robin over slots (10-35% slower everywhere). Paired
-// (fourteenth session, run 5): block-sparse +13% at 128K and +8% at 1M, a full index +30%
-// (583 TFLOP/s, cuDNN's rate); an adaptive-block index paired lost 6-17% at 128K, so the
-// launcher pairs only where SparseIndexDevice::pair_heads holds.
+// (fourteenth session, run 8, against this unpaired kernel in one run): block-sparse +6% at
+// 128K, a full index +13%; at 1M block-sparse even (run 9). An adaptive-block index paired
+// lost 6-17% at 128K, so the launcher pairs only where SparseIndexDevice::pair_heads holds.
 //
 // Paired (GQA). A CTA may instead own two query heads of one KV head at the same query block,
 // on one pipe: the producer walks the union of their sorted block lists and copies a block both
@@ -221,7 +221,7 @@ __device__ __forceinline__ TileList pick_list(const TileList& a, const TileList&
 // complete, so the first pass over the stages does not wait). A column tile's ids are loaded
 // again for its V (L1 hits) rather than kept in the producer's few registers. Unpaired, the
 // tiles are tl0's in its order and counted (tl1 unused): the TileSeq walk and per-tile last
-// flags there cost 5-18% on the unpaired kernel (bench/NOTES.md, fourteenth session, run 7).
+// flags there cost the unpaired kernel 5-18% (bench/NOTES.md, fourteenth session, run 7).
 template <int D, int S, bool kPair>
 __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl0,
                                         const TileList& tl1, int64_t base, int kv_head, int pt,

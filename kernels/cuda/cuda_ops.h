@@ -107,8 +107,7 @@ enum class SparseBf16Mainloop : int {
   kMmaSync = 1,
   kWgmmaWs = 2,
   kWgmmaWsPair = 3,
-  kWgmmaWsSingle = 4,
-  kWgmmaWsOld = 5  // TEMPORARY A/B: the thirteenth session's ws kernel
+  kWgmmaWsSingle = 4
 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
