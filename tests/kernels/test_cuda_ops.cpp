@@ -667,8 +667,7 @@ TEST_F(CudaOps, AttentionSparseBf16) {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
   for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
-                        cuda::SparseBf16Mainloop::kWgmmaWs,
-                        cuda::SparseBf16Mainloop::kWgmmaWsPair,
+                        cuda::SparseBf16Mainloop::kWgmmaWs, cuda::SparseBf16Mainloop::kWgmmaWsPair,
                         cuda::SparseBf16Mainloop::kWgmmaWsSingle}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
@@ -682,9 +681,10 @@ TEST_F(CudaOps, AttentionSparseBf16) {
         to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
         to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
-        const SparseIndex idx = full ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
-                                     : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
-                                                    kind == 2, std::array{48, 48, 400, 0}[kind - 1]);
+        const SparseIndex idx = full
+                                    ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                    : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
+                                                   kind == 2, std::array{48, 48, 400, 0}[kind - 1]);
         const std::string name =
             std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " + c.name +
             std::array<const char*, 5>{", full index", ", random index", ", per-head index",

@@ -571,8 +571,10 @@ int cmd_bench_attention(int argc, char** argv) {
     while (std::getline(ss, t, ',')) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
-        return fail(SF_ERR(kInvalidArgument,
-                           "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, wgmma and/or mma.sync, got '" + t + "'"));
+        return fail(SF_ERR(
+            kInvalidArgument,
+            "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, wgmma and/or mma.sync, got '" +
+                t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
@@ -1265,7 +1267,8 @@ int cmd_bench_attention(int argc, char** argv) {
                          : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
-        // Whether the index lets wgmma-ws pair query heads on shared tiles (kernels/cuda/cuda_ops.h).
+        // Whether the index lets wgmma-ws pair query heads on shared tiles
+        // (kernels/cuda/cuda_ops.h).
         if (bf) o["index_pair_heads"] = pair_heads;
         o["head_groups"] = n_g;  // times are sums over the groups
         o["memory_budget_bytes"] = mem_budget;
