@@ -179,12 +179,16 @@ struct TileSeq {
     int own;
   };
   const int32_t *bo0, *bo1;  // the slots' block starts
-  int nb0, nb1, nc0, nc1;      // their block tiles and column tiles
+  int nb0, nb1, nc0, nc1;    // their block tiles and column tiles
   int ia = 0, ib = 0, ca = 0, cb = 0;
 
   __device__ __forceinline__ TileSeq(const TileList& a, const TileList& b)
-      : bo0(a.bo), bo1(b.bo), nb0(a.n_block_tiles), nb1(b.n_block_tiles),
-        nc0((a.n_cols + kTile - 1) / kTile), nc1((b.n_cols + kTile - 1) / kTile) {}
+      : bo0(a.bo),
+        bo1(b.bo),
+        nb0(a.n_block_tiles),
+        nb1(b.n_block_tiles),
+        nc0((a.n_cols + kTile - 1) / kTile),
+        nc1((b.n_cols + kTile - 1) / kTile) {}
   __device__ __forceinline__ bool more() const {
     return ia < nb0 || ib < nb1 || ca < nc0 || cb < nc1;
   }
@@ -234,7 +238,7 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   // After the wait for the stage: flags (thread 0), positions, the copies, the arrivals. A
   // tile's ids (or block start) are loaded before that wait: their latency (an L2 or HBM round
   // trip) then overlaps the consumer's use of the stage.
-  auto fill_k = [&](bool block, int32_t k0, const int32_t (&pk)[Copy::kIter], int flags) {
+  auto fill_k = [&](bool block, int32_t k0, const int32_t(&pk)[Copy::kIter], int flags) {
     const int s = rk.s3, slot = rk.s6;
     mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
     if (pt == 0) pp.masked[slot] = flags;
@@ -255,7 +259,7 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
     mbar_arrive(&pp.full_k[s]);  // publishes the positions and the flags
     rk.next();
   };
-  auto fill_v = [&](bool block, int32_t k0, const int32_t (&pv)[Copy::kIter]) {
+  auto fill_v = [&](bool block, int32_t k0, const int32_t(&pv)[Copy::kIter]) {
     const int s = rv.s3;
     mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
     if (block) {
@@ -487,9 +491,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   const int wg = threadIdx.x / kThreads;
   // Slot c's head and launch index (x: query block n_qblocks - 1 - x).
   auto head_of = [&](int c) { return kPair ? kSlots * int(blockIdx.y) + c : int(blockIdx.y); };
-  auto x_of = [&](int c) {
-    return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c;
-  };
+  auto x_of = [&](int c) { return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c; };
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
   auto init = [](auto& pp, uint32_t empty_count) {
     for (int b = 0; b < pp.kS; ++b) {
@@ -522,8 +524,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
                                       int(threadIdx.x), sm.deep);
     } else {
       const TileList tl = slot_tiles(p, head_of(c), sg);
-      produce<D, kStages, false>(p, tl, tl, sg.base, kv_head, int(threadIdx.x) % kProd,
-                                 sm.pipe[c]);
+      produce<D, kStages, false>(p, tl, tl, sg.base, kv_head, int(threadIdx.x) % kProd, sm.pipe[c]);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
@@ -533,11 +534,12 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     const SlotGeom sg = slot_geom_at(p, x);
     const int ctid = int(threadIdx.x) - wg * kThreads;
     if constexpr (kPair) {
-      const int any = slot_tiles(p, head_of(c), sg).count() + slot_tiles(p, head_of(1 - c), sg).count();
+      const int any =
+          slot_tiles(p, head_of(c), sg).count() + slot_tiles(p, head_of(1 - c), sg).count();
       consume<D, kDeepStages, true>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
     } else {
-      consume<D, kStages, false>(p, slot_tiles(p, head_of(c), sg).count(), sg, head_of(c), ctid,
-                                 0, sm.pipe[c], sm.none);
+      consume<D, kStages, false>(p, slot_tiles(p, head_of(c), sg).count(), sg, head_of(c), ctid, 0,
+                                 sm.pipe[c], sm.none);
     }
   }
 #else
