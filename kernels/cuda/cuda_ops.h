@@ -94,12 +94,11 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
 bool attention_sparse_supported(int head_dim);
 // The BF16 kernel's mainloop. kWgmmaWs (the default): Hopper warpgroup MMA, warp-specialized (a
 // producer warpgroup copies for two consumer warpgroups; attention_sparse_bf16_ws.cuh), at
-// head_dim 128; head_dim 64 runs kWgmma under this name. Where the query heads of a KV head
-// come in pairs, its two consumers take two of them at one query block, and share one pipe (each
-// block tile both hold copied once) in the CTAs where their tiles mostly coincide; otherwise two
-// query blocks of one head. kWgmmaWsPair shares every CTA's pipe; kWgmmaWsSingle never pairs.
-// kWgmma: the
-// same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
+// head_dim 128; head_dim 64 runs kWgmma under this name. Where SparseIndexDevice::pair_heads
+// holds and the query heads of a KV head come in pairs, its two consumers take two of them at one
+// query block on one pipe (a block tile both hold copied once); otherwise two query blocks of one
+// head. kWgmmaWsPair pairs whenever the heads come in pairs; kWgmmaWsSingle never pairs. kWgmma:
+// the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
 // kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). All but the
 // default stay for tests and A/B benchmarks. Process-wide; read at each launch.
 enum class SparseBf16Mainloop : int {
