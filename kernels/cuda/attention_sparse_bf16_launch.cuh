@@ -7,6 +7,17 @@
 
 namespace sf::kernels::cuda {
 
+// Opts Kernel into `smem` bytes of dynamic shared memory (once a device) and launches it.
+template <auto Kernel>
+cudaError_t attention_sparse_bf16_launch_opted(dim3 grid, unsigned threads, size_t smem,
+                                               cudaStream_t stream,
+                                               const AttentionSparseBf16Params& p) {
+  static std::atomic<uint64_t> opted{0};
+  if (const cudaError_t err = opt_in_smem(Kernel, smem, opted); err != cudaSuccess) return err;
+  Kernel<<<grid, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <int D>
 cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
                                          SparseBf16Mainloop mainloop, cudaStream_t stream) {
@@ -14,15 +25,9 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
   if (p.n_q == 0 || p.n_qblocks == 0) return cudaSuccess;
   if (p.n_qblocks > 0x7fffffff || p.n_heads > 65535) return cudaErrorInvalidConfiguration;
   cudaError_t err = cudaSuccess;
-  if (mainloop == SparseBf16Mainloop::kMmaSync) {
-    constexpr size_t kSmem = sizeof(Smem<D>);
-    static std::atomic<uint64_t> opted{0};
-    if ((err = opt_in_smem(attention_sparse_bf16_kernel<D>, kSmem, opted)) != cudaSuccess)
-      return err;
-    const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
-    attention_sparse_bf16_kernel<D><<<grid, kThreads, kSmem, stream>>>(p);
-    return cudaGetLastError();
-  }
+  if (mainloop == SparseBf16Mainloop::kMmaSync)
+    return attention_sparse_bf16_launch_opted<attention_sparse_bf16_kernel<D>>(
+        dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, sizeof(Smem<D>), stream, p);
   // Both wgmma mainloops load block tiles by TMA. No keys: no slot has a block tile, and the
   // encoder rejects an empty dimension.
   AttentionSparseBf16Params pm = p;
@@ -43,33 +48,19 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     // 6-17% at 128K paired (bench/NOTES.md).
     const bool pairable = (p.n_heads / p.n_kv_heads) % ws::kSlots == 0;
     if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
-                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.pair_heads))) {
-      static std::atomic<uint64_t> opted{0};
-      if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, true>, kSmem, opted)) !=
-          cudaSuccess)
-        return err;
-      const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots));
-      attention_sparse_bf16_ws_kernel<D, true><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
-      return cudaGetLastError();
-    }
+                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.pair_heads)))
+      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, true>>(
+          dim3(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots)), ws::kWsThreads, kSmem,
+          stream, pm);
     if (mainloop == SparseBf16Mainloop::kWgmmaWs || mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
-        mainloop == SparseBf16Mainloop::kWgmmaWsSingle) {
-      static std::atomic<uint64_t> opted{0};
-      if ((err = opt_in_smem(attention_sparse_bf16_ws_kernel<D, false>, kSmem, opted)) !=
-          cudaSuccess)
-        return err;
-      const dim3 grid(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads));
-      attention_sparse_bf16_ws_kernel<D, false><<<grid, ws::kWsThreads, kSmem, stream>>>(pm);
-      return cudaGetLastError();
-    }
+        mainloop == SparseBf16Mainloop::kWgmmaWsSingle)
+      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, false>>(
+          dim3(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads)),
+          ws::kWsThreads, kSmem, stream, pm);
   }
-  constexpr size_t kSmem = sizeof(Smem90<D>) + kSwAlign;
-  static std::atomic<uint64_t> opted{0};
-  if ((err = opt_in_smem(attention_sparse_bf16_sm90_kernel<D>, kSmem, opted)) != cudaSuccess)
-    return err;
-  const dim3 grid(unsigned(p.n_qblocks), unsigned(p.n_heads));
-  attention_sparse_bf16_sm90_kernel<D><<<grid, kThreads, kSmem, stream>>>(pm);
-  return cudaGetLastError();
+  return attention_sparse_bf16_launch_opted<attention_sparse_bf16_sm90_kernel<D>>(
+      dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, sizeof(Smem90<D>) + kSwAlign,
+      stream, pm);
 }
 
 extern template cudaError_t attention_sparse_bf16_launch<64>(const AttentionSparseBf16Params&,
