@@ -33,37 +33,6 @@ struct Carver {
 
 }  // namespace
 
-EstimateSide& EstimateSide::operator=(EstimateSide&& o) noexcept {
-  if (this != &o) {
-    reset();
-    f_ = o.f_;
-    o.f_ = {};
-  }
-  return *this;
-}
-
-Status EstimateSide::create() {
-  if (f_.stream) return Status::ok();
-  EstimateFork f;
-  cudaError_t e = cudaStreamCreateWithFlags(&f.stream, cudaStreamNonBlocking);
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&f.fork, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&f.join, cudaEventDisableTiming);
-  f_ = f;  // reset() frees whatever was created
-  if (e != cudaSuccess) {
-    reset();
-    return SF_ERR(kInternal, std::string("sparse_estimate_plan: side stream: ") +
-                                 cudaGetErrorString(e));
-  }
-  return Status::ok();
-}
-
-void EstimateSide::reset() {
-  if (f_.join) (void)cudaEventDestroy(f_.join);
-  if (f_.fork) (void)cudaEventDestroy(f_.fork);
-  if (f_.stream) (void)cudaStreamDestroy(f_.stream);
-  f_ = {};
-}
-
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,
                             int max_blocks, int max_cols, SparseEstimatePlan* plan,
@@ -255,7 +224,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     return plan->tables.upload(src, bytes,
                                size_t(static_cast<const char*>(dst) - plan->tables.as<char>()));
   };
-  if (L.n_blk > 0) SF_TRY(plan->side.create());
   SF_TRY(put(heads.data(), heads.size() * sizeof(EstHead), L.heads));
   if (nv) SF_TRY(put(vs_heads.data(), nv * 4, L.vs_heads));
   if (nb) SF_TRY(put(blk_heads.data(), nb * 4, L.blk_heads));
@@ -270,8 +238,7 @@ Status sparse_estimate_run(SparseEstimatePlan* plan, const TensorView& q, const 
     return SF_ERR(kInvalidArgument, "sparse_estimate_run: q/k do not match the plan");
   L.q = q.data;
   L.k = k.data;
-  SF_CUDA_TRY(sparse_estimate_launch(L, static_cast<cudaStream_t>(stream),
-                                     plan->fork_pooling ? plan->side.fork() : EstimateFork{}));
+  SF_CUDA_TRY(sparse_estimate_launch(L, static_cast<cudaStream_t>(stream)));
   SparseIndexDevice& d = *out;
   d.block_count = L.block_count;
   d.block_offset = L.block_offset;

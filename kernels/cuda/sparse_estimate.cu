@@ -1706,27 +1706,8 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
 }
 
 template <typename T>
-cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s, const EstimateFork& side) {
+cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   cudaError_t e = cudaSuccess;
-  // The block family's pooling reads all of q and k from HBM (about a third of block-sparse's
-  // estimate at 128K) while the scoring passes are bound by tensor cores and L2: on the side
-  // stream the two overlap. The scoring kernel goes first: its CTAs are limited by shared memory
-  // and leave room for the pooling's, while the pooling's grid would fill every SM's registers.
-  const bool pooling = (p.stages & 1) && p.n_blk > 0 && p.n_qb > 0;
-  const bool forked = pooling && side.stream && side.fork && side.join;
-  cudaStream_t ps = s;
-  if (forked) {
-    if ((e = cudaEventRecord(side.fork, s)) != cudaSuccess) return e;
-    if ((e = cudaStreamWaitEvent(side.stream, side.fork, 0)) != cudaSuccess) return e;
-    ps = side.stream;
-  }
-  auto pool_blocks = [&] {
-    if (p.n_kb > 0)
-      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb,
-              sparse_estimate_pool_kb(p.n_kb), p.pooled_k, true, ps);
-    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.n_qb,
-            p.pooled_q, false, ps);
-  };
   if ((p.stages & 1) && p.n_vs > 0) {
     ScorePass sp;
     sp.heads = p.vs_heads;
@@ -1745,13 +1726,11 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s, const EstimateFo
     sp.L = p.blk_L;
     sp.mass = p.mass;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
-    if (!forked) pool_blocks();
-  }
-  if (forked) {
-    pool_blocks();
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    if ((e = cudaEventRecord(side.join, side.stream)) != cudaSuccess) return e;
-    if ((e = cudaStreamWaitEvent(s, side.join, 0)) != cudaSuccess) return e;
+    if (p.n_kb > 0)
+      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb,
+              sparse_estimate_pool_kb(p.n_kb), p.pooled_k, true, s);
+    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.n_qb,
+            p.pooled_q, false, s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
@@ -1833,9 +1812,8 @@ size_t sparse_estimate_block_smem_limit() {
   return size_t(227 * 1024) - kStatic - 1024;
 }
 
-cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s,
-                                   const EstimateFork& side) {
-  return p.bf16 ? launch_all<__nv_bfloat16>(p, s, side) : launch_all<float>(p, s, side);
+cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s) {
+  return p.bf16 ? launch_all<__nv_bfloat16>(p, s) : launch_all<float>(p, s);
 }
 
 namespace {

@@ -15,29 +15,8 @@
 
 namespace sf::kernels::cuda {
 
-// The plan's side stream and fork/join events (EstimateFork), created at plan time when the
-// plan pools (block family heads) and destroyed with it.
-class EstimateSide {
- public:
-  EstimateSide() = default;
-  ~EstimateSide() { reset(); }
-  EstimateSide(EstimateSide&& o) noexcept : f_(o.f_) { o.f_ = {}; }
-  EstimateSide& operator=(EstimateSide&& o) noexcept;
-  EstimateSide(const EstimateSide&) = delete;
-  EstimateSide& operator=(const EstimateSide&) = delete;
-
-  Status create();  // no-op when already created
-  void reset();
-  const EstimateFork& fork() const { return f_; }
-
- private:
-  EstimateFork f_;
-};
-
 struct SparseEstimatePlan {
   EstimateLaunch launch;   // geometry, head tables and workspace pointers; q, k bound at run
-  EstimateSide side;       // where the run overlaps pooling with scoring (block family only)
-  bool fork_pooling = true;  // false: one stream (A/B timing in bench attention)
   DeviceBuffer tables;     // per-head parameters and the need[] record: always the plan's own
   DeviceBuffer workspace;  // scores, selections (unless EstimateMemory lends them)
   DeviceBuffer index;      // the index built in place, SparseIndexDevice layout (likewise)

@@ -84,16 +84,8 @@ SF_HOST_DEVICE inline int64_t sparse_estimate_pool_kb(int64_t n_kb) { return (n_
 // Plan step: the kernels' shared-memory opt-ins for this geometry (not a stream operation; kept
 // out of the run step so that nothing but launches and a memset happens under capture).
 cudaError_t sparse_estimate_configure(const EstimateLaunch& p);
-// A second stream and two events: the run forks the block family's pooling (bound by HBM reads
-// of q and k) onto the stream while the scoring passes (tensor cores, L2) run on the caller's,
-// and joins it before selection. All null: everything on the caller's stream.
-struct EstimateFork {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
-// The whole run step in stream order: scoring and pooling, selection, slot building.
-cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s,
-                                   const EstimateFork& side = {});
+// The whole run step in stream order: scoring, selection, pooling, slot building.
+cudaError_t sparse_estimate_launch(const EstimateLaunch& p, cudaStream_t s);
 // Dynamic shared memory the block selector needs for a group of query blocks, and the most it
 // may take (Hopper's 227 KB per block less the selector's static per-warp state).
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group);

@@ -1126,8 +1126,7 @@ int cmd_bench_attention(int argc, char** argv) {
         if (!st.is_ok()) return fail(st);
         // Timed pass, group by group. Estimate: the run step, then its stages alone (scoring
         // and pooling; + selection) for the breakdown; the last run leaves the whole index.
-        double est_ms = 0, est_score_ms = 0, est_select_ms = 0, sp_ms = 0, est_one_ms = 0;
-        bool forks = false;  // the estimate overlaps pooling with scoring on a side stream
+        double est_ms = 0, est_score_ms = 0, est_select_ms = 0, sp_ms = 0;
         size_t ws_bytes = 0, ix_bytes = 0;
         int64_t clamped_heads = 0;
         double rec_sum = 0, rec_min = 1, slots_equal = -1;
@@ -1162,16 +1161,6 @@ int cmd_bench_attention(int argc, char** argv) {
           double ms = 0;
           st = time_kernel(stream, 1, n_rep, est_run, &ms);
           est_ms += ms;
-          // A/B in the same run: the whole estimate on the caller's stream alone.
-          if (eplan.launch.n_blk > 0) {
-            forks = true;
-            eplan.fork_pooling = false;
-            if (st.is_ok()) st = time_kernel(stream, 1, n_rep, est_run, &ms);
-            est_one_ms += ms;
-            eplan.fork_pooling = true;
-          } else {
-            est_one_ms += ms;
-          }
           for (int stages : {1, 3}) {
             eplan.launch.stages = stages;
             if (st.is_ok()) st = time_kernel(stream, 1, n_rep, est_run, &ms);
@@ -1287,7 +1276,6 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
                               (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
         o["estimate_fraction_of_attention"] = est_ms / sp_ms;
-        if (forks) o["estimate_ms_one_stream"] = est_one_ms;
         o["estimate_scoring_ms"] = est_score_ms;  // scoring and pooling
         o["estimate_selection_ms"] = est_select_ms - est_score_ms;
         o["estimate_build_ms"] = est_ms - est_select_ms;
@@ -1333,7 +1321,6 @@ int cmd_bench_attention(int argc, char** argv) {
             m.name.c_str(), dt.c_str(), density, sp_ms, tf, est_ms, 100.0 * est_ms / sp_ms);
         std::printf(" [score %.3f select %.3f build %.3f]", est_score_ms,
                     est_select_ms - est_score_ms, est_ms - est_select_ms);
-        if (forks) std::printf(" [one stream %.3f]", est_one_ms);
         if (n_g > 1)
           std::printf(" [%lld head groups, %.1f + %.1f GB each]", static_cast<long long>(n_g),
                       double(ws_bytes) / 1e9, double(ix_bytes) / 1e9);
