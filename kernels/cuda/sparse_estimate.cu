@@ -1061,13 +1061,19 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
   }
   __syncwarp();
   if (m > kWarpCand) return false;
+  // Rows of candidates in use (warp-uniform): the loops below stop there instead of running all
+  // kPer rows (a floor usually leaves about a tenth of the items, a few rows of the twelve).
+  const int ne = (m + 31) / 32;
   uint32_t ck[kPer];
   unsigned valid = 0;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
     const int x = e * 32 + lane;
-    ck[e] = x < m ? sh.cand[x].x : 0u;
-    valid |= (x < m ? 1u : 0u) << e;
+    ck[e] = 0u;  // an empty place: no prefix the walk tests is 0 (each has its bit set)
+    if (e < ne && x < m) {
+      ck[e] = sh.cand[x].x;
+      valid |= 1u << e;
+    }
   }
   // Every candidate lies in [floor, kmax]: their bits above the highest one where the two differ
   // are common. Invariant: cnt_gt candidates are above the prefix, eq share it, cnt_gt < take <=
@@ -1081,7 +1087,10 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
     const uint32_t m2 = mask | (1u << bit), p1 = prefix | (1u << bit);
     int c = 0;
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) c += ((valid >> e) & 1u) && (ck[e] & m2) == p1;
+    for (int e = 0; e < kPer; ++e) {
+      if (e >= ne) break;
+      c += (ck[e] & m2) == p1;
+    }
     c = int(__reduce_add_sync(kAll, unsigned(c)));
     if (cnt_gt + c >= take) {
       prefix = p1;
@@ -1098,6 +1107,7 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
   int o = fa, tie_base = 0;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
+    if (e >= ne) break;
     const bool v = (valid >> e) & 1u;
     const bool gt = v && (ck[e] & mask) > prefix;
     const bool at = v && (ck[e] & mask) == prefix;
