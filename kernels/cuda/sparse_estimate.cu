@@ -45,7 +45,8 @@ __device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloa
 
 __device__ __forceinline__ uint32_t order_key(float x) {
   const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  // Negative: every bit flipped; else the sign bit set. Branch-free: a shift and one LOP3.
+  return u ^ (uint32_t(int32_t(u) >> 31) | 0x80000000u);
 }
 __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
@@ -1035,22 +1036,23 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
   constexpr int kPer = kWarpCand / 32;
   const int lane = int(threadIdx.x % 32);
   const unsigned lt = (1u << lane) - 1u;
-  auto forced = [&](int i) { return i < fa || (i >= fb && i <= fc); };
+  // With the forced items a head and a tail, the rest is one range [r_lo, r_hi): the sweeps walk
+  // it without a per-item test.
+  const int r_lo = fa, r_hi = fb <= fc ? max(fa, fb) : n;
   uint32_t kmax = 0, second = 0;
-  for (int i = lane; i < n; i += 32)
-    if (!forced(i)) {
-      const uint32_t key = order_key(s[i]);
-      second = max(second, min(kmax, key));
-      kmax = max(kmax, key);
-    }
+  for (int i = r_lo + lane; i < r_hi; i += 32) {
+    const uint32_t key = order_key(s[i]);
+    second = max(second, min(kmax, key));
+    kmax = max(kmax, key);
+  }
   const uint32_t floor = __reduce_min_sync(kAll, second);  // 0 when a lane has < 2 items
   kmax = __reduce_max_sync(kAll, kmax);
   int m = 0;
-  for (int i0 = 0; i0 < n; i0 += 32) {
+  for (int i0 = r_lo; i0 < r_hi; i0 += 32) {
     const int i = i0 + lane;
     uint32_t key = 0;
     bool c = false;
-    if (i < n && !forced(i)) {
+    if (i < r_hi) {
       key = order_key(s[i]);
       c = key >= floor;
     }
@@ -1344,6 +1346,53 @@ __host__ __device__ __forceinline__ size_t block_scores_bytes(int64_t n_kb, int 
   return (size_t(group) * size_t(n_kb) * sizeof(float) + 15) / 16 * 16;
 }
 
+// The block selector's scoring for the common head dims (NSP = padded d / 32: 4 for d 128, 2 for
+// d 64): the warp keeps the group's pooled q fragments in registers and loads the next tile's
+// pooled k while the tensor cores take this one, so each tile costs one L2 round trip in the
+// shadow of the last instead of one in series. The same products in the same order as the
+// generic loop in block_select_kernel: the same scores to the bit.
+template <int NSP>
+__device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* kf, int n_tiles,
+                                                 int64_t n_score, int ng, float scale, float* sc,
+                                                 int64_t n_kb) {
+  using namespace attention_sparse_bf16_detail;
+  constexpr int kWarps = kBlockSelectThreads / 32;
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
+            t = lane % 4;
+  uint4 a[NSP], b[NSP];
+#pragma unroll
+  for (int u = 0; u < NSP; ++u) a[u] = qa[u * 32 + lane];
+  int nt = warp;
+  if (nt < n_tiles) {
+#pragma unroll
+    for (int u = 0; u < NSP; ++u) b[u] = kf[size_t(nt) * NSP * 32 + size_t(u * 32 + lane)];
+  }
+  for (; nt < n_tiles; nt += kWarps) {
+    uint4 bn[NSP];
+    const bool more = nt + kWarps < n_tiles;
+    if (more) {
+      const uint4* kt = kf + size_t(nt + kWarps) * NSP * 32 + lane;
+#pragma unroll
+      for (int u = 0; u < NSP; ++u) bn[u] = kt[u * 32];
+    }
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < NSP; ++u) {
+      mma_bf16(c, a[u].x, 0u, a[u].y, 0u, b[u].x, b[u].y);
+      mma_bf16(c, a[u].z, 0u, a[u].w, 0u, b[u].z, b[u].w);
+    }
+    const int64_t col = int64_t(nt) * 8 + 2 * t;
+    if (g < ng) {
+      if (col < n_score) sc[g * n_kb + col] = c[0] * scale;
+      if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * scale;
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < NSP; ++u) b[u] = bn[u];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
   using namespace attention_sparse_bf16_detail;
   extern __shared__ __align__(16) float smem[];
@@ -1397,6 +1446,11 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     const auto* kf = reinterpret_cast<const uint4*>(p.pooled_k) +
                      size_t(kvh) * size_t(sparse_estimate_pool_kb(n_kb) / 8) * size_t(nsp) * 32;
     const int n_tiles = int((n_score + 7) / 8);
+    if (nsp == 4) {
+      block_scores_mma<4>(qa, kf, n_tiles, n_score, int(ng), p.scale, sc, n_kb);
+    } else if (nsp == 2) {
+      block_scores_mma<2>(qa, kf, n_tiles, n_score, int(ng), p.scale, sc, n_kb);
+    } else {
     for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
       float c[4] = {0.f, 0.f, 0.f, 0.f};
       const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
@@ -1418,6 +1472,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
         if (col < n_score) sc[g * n_kb + col] = c[0] * p.scale;
         if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * p.scale;
       }
+    }
     }
   }
   __syncthreads();
