@@ -1359,6 +1359,7 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
   constexpr int kWarps = kBlockSelectThreads / 32;
   const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
             t = lane % 4;
+  const int ns = int(n_score);
   uint4 a[NSP], b[NSP];
 #pragma unroll
   for (int u = 0; u < NSP; ++u) a[u] = qa[u * 32 + lane];
@@ -1368,28 +1369,25 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
     for (int u = 0; u < NSP; ++u) b[u] = kf[size_t(nt) * NSP * 32 + size_t(u * 32 + lane)];
   }
   for (; nt < n_tiles; nt += kWarps) {
+    // The next tile's k; the last iteration reloads its own tile (an L2 hit) instead of
+    // branching around the loads.
     uint4 bn[NSP];
-    const bool more = nt + kWarps < n_tiles;
-    if (more) {
-      const uint4* kt = kf + size_t(nt + kWarps) * NSP * 32 + lane;
+    const uint4* kt = kf + size_t(min(nt + kWarps, n_tiles - 1)) * NSP * 32 + lane;
 #pragma unroll
-      for (int u = 0; u < NSP; ++u) bn[u] = kt[u * 32];
-    }
+    for (int u = 0; u < NSP; ++u) bn[u] = kt[u * 32];
     float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int u = 0; u < NSP; ++u) {
       mma_bf16(c, a[u].x, 0u, a[u].y, 0u, b[u].x, b[u].y);
       mma_bf16(c, a[u].z, 0u, a[u].w, 0u, b[u].z, b[u].w);
     }
-    const int64_t col = int64_t(nt) * 8 + 2 * t;
+    const int col = nt * 8 + 2 * t;  // < n_kb + 8: n_kb fits 32 bits (the selector's ids do)
     if (g < ng) {
-      if (col < n_score) sc[g * n_kb + col] = c[0] * scale;
-      if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * scale;
+      if (col < ns) sc[g * n_kb + col] = c[0] * scale;
+      if (col + 1 < ns) sc[g * n_kb + col + 1] = c[1] * scale;
     }
-    if (more) {
 #pragma unroll
-      for (int u = 0; u < NSP; ++u) b[u] = bn[u];
-    }
+    for (int u = 0; u < NSP; ++u) b[u] = bn[u];
   }
 }
 
