@@ -168,7 +168,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.diag = c.take<float>(nv * size_t(L.n_diag));
     L.mass = c.take<float>(nb * size_t(L.n_kb));
     const size_t dp = size_t(sparse_estimate_pool_d(L.d));
-    L.pooled_q = c.take<uint16_t>(nb * size_t(L.n_qb) * dp);
     L.pooled_k = c.take<uint16_t>(nb ? size_t(L.hkv * sparse_estimate_pool_kb(L.n_kb)) * dp : 0);
     L.sel_cols = c.take<int32_t>(nv * size_t(L.kend_last));
     L.n_sel_cols = c.take<int32_t>(nv);

@@ -11,9 +11,10 @@
 //      ascending via an 8-bit radix select on order-preserving keys (4 passes), for top-k
 //      directly, for the adaptive mass threshold by a first radix walk on the accumulated mass;
 //      the selected ids come out sorted ascending by a scan.
-//   3. block scores: q and k mean-pooled over 64 rows and rounded to bf16 (as on the CPU); a CTA
-//      scores a group of query blocks against every pooled key block on tensor cores into
-//      shared memory and selects per query block.
+//   3. block scores: q and k mean-pooled over 64 rows and rounded to bf16 (as on the CPU); k by a
+//      pooling pass, q by the selector CTA that uses it, which then scores its group of query
+//      blocks against every pooled key block on tensor cores into shared memory and selects per
+//      query block.
 //   4. slot building: one warp per (head, query block), the host builder's merge of sink,
 //      local window, diagonal ranges and key blocks into 64-key entries plus columns, 32
 //      intervals at a time (scans over the lanes), the entries written by the warp together.
@@ -703,57 +704,77 @@ __host__ __device__ __forceinline__ int64_t kfrag_index(int64_t b, int64_t c, in
   return ((nt * (dp / 32) + sp) * 32 + g * 4 + t) * 8 + (u * 2 + hf) * 2 + e;
 }
 
-// Mean over 64-row blocks of src rows [n, heads, d] for the listed heads (heads == null: every
-// head, r = head), rounded to bf16: kernels/sparse_select.h pooled_mean's float steps (f32 sum in
-// row order, times the f32 reciprocal of the count), so the CPU's values to the bit. Thread t: V
-// channels of one (r, block b) of the padded output [n_rows_out][n_b_out][dp], read as one 16-byte
-// vector when V > 1 (the pass is bound by reading q); channels >= d and blocks >= n_b are zeros.
-// kfrag: the B-fragment order above instead of row-major.
+// Channels c .. c + V - 1 summed over `rows` rows of src (x at row 0's channel c, rows `stride`
+// elements apart) in row order, f32: the CPU's pooled_mean sum. The device poolings all sum here,
+// so their means are the same to the bit. V > 1: one 16-byte vector a row, 8 rows loaded before
+// they are added (the caller may have few threads: the loads overlap instead of waiting in turn).
 template <typename T, int V>
-__global__ void pool_kernel(const T* src, int64_t n, int64_t n_heads_src, int64_t d, int64_t dp,
-                            const int32_t* heads, int64_t n_rows_out, int64_t n_b, int64_t n_b_out,
-                            uint16_t* dst, bool kfrag) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t dv = dp / V;
-  if (t >= n_rows_out * n_b_out * dv) return;
-  const int64_t c = (t % dv) * V, b = (t / dv) % n_b_out, r = t / (dv * n_b_out);
-  float s[V] = {};
-  float inv = 0.f;
-  if (b < n_b && c < d) {
-    const int64_t h = heads ? heads[r] : r;
-    const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
-    for (int64_t j = j0; j < j1; ++j) {
-      const T* x = src + (j * n_heads_src + h) * d + c;
-      if constexpr (V == 1) {
-        s[0] += load_f(x);
-      } else {
-        static_assert(V * sizeof(T) == 16, "pool_kernel: 16-byte vectors");
-        const uint4 u = *reinterpret_cast<const uint4*>(x);
-        const T* e = reinterpret_cast<const T*>(&u);
+__device__ __forceinline__ void pooled_sum(const T* x, int64_t stride, int rows, float (&s)[V]) {
+  int j = 0;
+  if constexpr (V > 1) {
+    static_assert(V * sizeof(T) == 16, "pooled_sum: 16-byte vectors");
+    for (; j + 8 <= rows; j += 8) {
+      uint4 u[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) u[r] = *reinterpret_cast<const uint4*>(x + (j + r) * stride);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const T* e = reinterpret_cast<const T*>(&u[r]);
 #pragma unroll
         for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
       }
     }
+  }
+  for (; j < rows; ++j) {
+    const T* r = x + j * stride;
+    if constexpr (V == 1) {
+      s[0] += load_f(r);
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(r);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
+    }
+  }
+}
+
+// Pooled k: the mean over each 64-row block of k [n, kv_heads, d], per KV head, rounded to bf16
+// (kernels/sparse_select.h pooled_mean's float steps: pooled_sum, times the f32 reciprocal of the
+// count, so the CPU's values to the bit), written in the B-fragment order above into
+// [kv_heads][n_b_out blocks][dp]. Thread t: V channels of one (KV head, block), one 16-byte
+// vector a row when V > 1 (the pass is bound by reading k); channels >= d and blocks >= n_b are
+// zeros.
+template <typename T, int V>
+__global__ void pool_k_kernel(const T* src, int64_t n, int64_t hkv, int64_t d, int64_t dp,
+                              int64_t n_b, int64_t n_b_out, uint16_t* dst) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t dv = dp / V;
+  if (t >= hkv * n_b_out * dv) return;
+  const int64_t c = (t % dv) * V, b = (t / dv) % n_b_out, h = t / (dv * n_b_out);
+  float s[V] = {};
+  float inv = 0.f;
+  if (b < n_b && c < d) {
+    const int64_t j0 = b * kB, j1 = imin(n, j0 + kB);
+    pooled_sum<T, V>(src + (j0 * hkv + h) * d + c, hkv * d, int(j1 - j0), s);
     inv = 1.f / float(j1 - j0);
   }
 #pragma unroll
   for (int k = 0; k < V; ++k)
-    dst[kfrag ? r * n_b_out * dp + kfrag_index(b, c + k, dp) : (r * n_b_out + b) * dp + c + k] =
+    dst[h * n_b_out * dp + kfrag_index(b, c + k, dp)] =
         __bfloat16_as_ushort(__float2bfloat16_rn(s[k] * inv));
 }
 template <typename T>
-void pool(const T* src, int64_t n, int64_t n_heads_src, int64_t d, const int32_t* heads,
-          int64_t n_rows_out, int64_t n_b, int64_t n_b_out, uint16_t* dst, bool kfrag,
-          cudaStream_t s) {
+void pool_k(const EstimateLaunch& p, cudaStream_t s) {
   constexpr int V = int(16 / sizeof(T));
-  const int64_t dp = sparse_estimate_pool_d(d);
-  const int64_t vec_n = n_rows_out * n_b_out * (dp / V), n1 = n_rows_out * n_b_out * dp;
-  if (d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
-    pool_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(
-        src, n, n_heads_src, d, dp, heads, n_rows_out, n_b, n_b_out, dst, kfrag);
+  const T* src = static_cast<const T*>(p.k);
+  const int64_t dp = sparse_estimate_pool_d(p.d), n_b_out = sparse_estimate_pool_kb(p.n_kb);
+  const int64_t vec_n = p.hkv * n_b_out * (dp / V), n1 = p.hkv * n_b_out * dp;
+  if (p.d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
+    pool_k_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(
+        src, p.nk, p.hkv, p.d, dp, p.n_kb, n_b_out, p.pooled_k);
   else
-    pool_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(
-        src, n, n_heads_src, d, dp, heads, n_rows_out, n_b, n_b_out, dst, kfrag);
+    pool_k_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(
+        src, p.nk, p.hkv, p.d, dp, p.n_kb, n_b_out, p.pooled_k);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -1351,6 +1372,41 @@ __host__ __device__ __forceinline__ size_t block_scores_bytes(int64_t n_kb, int 
   return (size_t(group) * size_t(n_kb) * sizeof(float) + 15) / 16 * 16;
 }
 
+// Pooled q of query blocks qb0 .. qb0 + ng - 1 of head h, rounded to bf16, into the selector's
+// A-fragment layout qa (zeroed by the caller): channel 32 sp + 8 k + 2 t + e of row g is half e
+// of word k of qa[sp * 32 + g * 4 + t]. The pool pass's arithmetic (pooled_sum, then times the
+// f32 reciprocal of the row count).
+template <typename T, int V>
+__device__ __forceinline__ void pool_group_q_v(const EstimateLaunch& p, int64_t h, int64_t qb0,
+                                               int ng, uint4* qa) {
+  const T* q = static_cast<const T*>(p.q);
+  auto* q16 = reinterpret_cast<uint16_t*>(qa);
+  const int nv = int(p.d / V);
+  for (int x = threadIdx.x; x < ng * nv; x += blockDim.x) {
+    const int g = x / nv, c = (x % nv) * V;
+    const int64_t j0 = (qb0 + g) * kB;
+    const int rows = int(imin(kB, p.nq - j0));
+    float s[V] = {};
+    pooled_sum<T, V>(q + (j0 * p.hq + h) * p.d + c, p.hq * p.d, rows, s);
+    const float inv = 1.f / float(rows);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int ch = c + k, o = ch % 32;
+      q16[(((ch / 32) * 32 + g * 4 + (o % 8) / 2) * 4 + o / 8) * 2 + o % 2] =
+          __bfloat16_as_ushort(__float2bfloat16_rn(s[k] * inv));
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void pool_group_q(const EstimateLaunch& p, int64_t h, int64_t qb0,
+                                             int ng, uint4* qa) {
+  constexpr int V = int(16 / sizeof(T));
+  if (p.d % V == 0 && reinterpret_cast<uintptr_t>(p.q) % 16 == 0)
+    pool_group_q_v<T, V>(p, h, qb0, ng, qa);
+  else
+    pool_group_q_v<T, 1>(p, h, qb0, ng, qa);
+}
+
 // The block selector's scoring for the common head dims (NSP = padded d / 32: 4 for d 128, 2 for
 // d 64): the warp keeps the group's pooled q fragments in registers and loads the next tile's
 // pooled k while the tensor cores take this one, so each tile costs one L2 round trip in the
@@ -1423,21 +1479,17 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
     n_score = (kend + kB - 1) / kB;
   }
-  {
-    const auto* q32 = reinterpret_cast<const uint32_t*>(p.pooled_q) +
-                      (size_t(hb) * size_t(p.n_qb) + size_t(qb0)) * size_t(nsp) * 16;
-    for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) {
-      const int sp = x / 32, g = (x / 4) % 8, t = x % 4;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (g < ng) {
-        const uint32_t* w = q32 + size_t(g) * size_t(nsp) * 16 + size_t(sp) * 16 + size_t(t);
-        v = make_uint4(w[0], w[4], w[8], w[12]);
-      }
-      qa[x] = v;
-    }
-  }
-  __syncthreads();
   const int h = p.blk_heads[hb];
+  // The group's pooled q, computed here rather than by a pooling pass: reading q is a third of
+  // the block family's estimate when it runs alone, and here it overlaps the other CTAs'
+  // selections (issue-bound, next to no DRAM traffic). Zeros first: rows past ng, channels past d.
+  for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) qa[x] = make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();
+  if (p.bf16)
+    pool_group_q<__nv_bfloat16>(p, h, qb0, int(ng), qa);
+  else
+    pool_group_q<float>(p, h, qb0, int(ng), qa);
+  __syncthreads();
   const int64_t kvh = h / (p.hq / p.hkv);
   // The group's rows against 8 key blocks per warp step, on tensor cores: bf16 products are
   // exact in f32 (the pooled values are bf16), so the scores differ from the CPU's by the
@@ -1794,11 +1846,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     sp.L = p.blk_L;
     sp.mass = p.mass;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
-    if (p.n_kb > 0)
-      pool<T>(static_cast<const T*>(p.k), p.nk, p.hkv, p.d, nullptr, p.hkv, p.n_kb,
-              sparse_estimate_pool_kb(p.n_kb), p.pooled_k, true, s);
-    pool<T>(static_cast<const T*>(p.q), p.nq, p.hq, p.d, p.blk_heads, p.n_blk, p.n_qb, p.n_qb,
-            p.pooled_q, false, s);
+    if (p.n_kb > 0) pool_k<T>(p, s);
   }
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);

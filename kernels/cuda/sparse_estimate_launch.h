@@ -49,11 +49,10 @@ struct EstimateLaunch {
   float* col = nullptr;           // [n_vs * kend_last]
   float* diag = nullptr;          // [n_vs * n_diag]
   float* mass = nullptr;          // [n_blk * n_kb] exact mass of the last query block
-  // Pooled q and k, bf16 bits (the estimators round the f32 means to bf16), channels zero-padded
-  // to d_pad = d rounded up to 32 (sparse_estimate_pool_d): pooled_q [n_blk][n_qb][d_pad];
-  // pooled_k per KV head in mma B-fragment order (sparse_estimate.cu kfrag_index), key blocks
-  // zero-padded to a multiple of 8.
-  uint16_t* pooled_q = nullptr;
+  // Pooled k, bf16 bits (the estimators round the f32 means to bf16), channels zero-padded to
+  // d_pad = d rounded up to 32 (sparse_estimate_pool_d), per KV head in mma B-fragment order
+  // (sparse_estimate.cu kfrag_index), key blocks zero-padded to a multiple of 8. The block
+  // selector pools q itself.
   uint16_t* pooled_k = nullptr;
   int32_t* sel_cols = nullptr;    // [n_vs * kend_last]
   int32_t* n_sel_cols = nullptr;  // [n_vs]

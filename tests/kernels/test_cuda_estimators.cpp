@@ -573,6 +573,15 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({1000, 1000, 0, 4, 4, 64}, true);
 }
 
+// Head dims off the fast paths: 96 (three 32-channel spans: the selector's generic scoring loop)
+// and 36 (padded to 64; bf16 rows of 36 channels are not whole 16-byte vectors, so the selector
+// pools q one channel a thread; f32 q pools 4 channels a vector).
+TEST_F(CudaEstimators, OtherHeadDimsMatchCpu) {
+  run_case({1000, 1000, 0, 8, 2, 96}, true);
+  run_case({1000, 1000, 0, 8, 2, 36}, true);
+  run_case({1000, 1000, 0, 8, 2, 36}, false);
+}
+
 TEST_F(CudaEstimators, CtaBlockSelectorMatchesCpu) {
   force_cta_ = true;
   run_case({2048, 2048, 0, 8, 2, 128}, false);
