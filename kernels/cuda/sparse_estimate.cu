@@ -706,19 +706,19 @@ __host__ __device__ __forceinline__ int64_t kfrag_index(int64_t b, int64_t c, in
 
 // Channels c .. c + V - 1 summed over `rows` rows of src (x at row 0's channel c, rows `stride`
 // elements apart) in row order, f32: the CPU's pooled_mean sum. The device poolings all sum here,
-// so their means are the same to the bit. V > 1: one 16-byte vector a row, 8 rows loaded before
-// they are added (the caller may have few threads: the loads overlap instead of waiting in turn).
-template <typename T, int V>
+// so their means are the same to the bit. V > 1: one 16-byte vector a row, kBatch rows loaded
+// before they are added (a caller with few threads wants them all in flight at once).
+template <typename T, int V, int kBatch = 8>
 __device__ __forceinline__ void pooled_sum(const T* x, int64_t stride, int rows, float (&s)[V]) {
   int j = 0;
   if constexpr (V > 1) {
     static_assert(V * sizeof(T) == 16, "pooled_sum: 16-byte vectors");
-    for (; j + 8 <= rows; j += 8) {
-      uint4 u[8];
+    for (; j + kBatch <= rows; j += kBatch) {
+      uint4 u[kBatch];
 #pragma unroll
-      for (int r = 0; r < 8; ++r) u[r] = *reinterpret_cast<const uint4*>(x + (j + r) * stride);
+      for (int r = 0; r < kBatch; ++r) u[r] = *reinterpret_cast<const uint4*>(x + (j + r) * stride);
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
+      for (int r = 0; r < kBatch; ++r) {
         const T* e = reinterpret_cast<const T*>(&u[r]);
 #pragma unroll
         for (int k = 0; k < V; ++k) s[k] += load_f(e + k);
@@ -1387,7 +1387,8 @@ __device__ __forceinline__ void pool_group_q_v(const EstimateLaunch& p, int64_t 
     const int64_t j0 = (qb0 + g) * kB;
     const int rows = int(imin(kB, p.nq - j0));
     float s[V] = {};
-    pooled_sum<T, V>(q + (j0 * p.hq + h) * p.d + c, p.hq * p.d, rows, s);
+    // Half the CTA's threads pool (8 rows x 16 vectors at d 128): 16 rows in flight each.
+    pooled_sum<T, V, 16>(q + (j0 * p.hq + h) * p.d + c, p.hq * p.d, rows, s);
     const float inv = 1.f / float(rows);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
