@@ -14,7 +14,7 @@ struct HeadPattern;
 
 // The block estimators' pooled value of one channel: its f32 sum over the block's n rows (added
 // in row order) times the f32 reciprocal of n, rounded to bf16. MInference pools in the model's
-// bf16, and the device selector (kernels/cuda/sparse_estimate.cu pool_kernel, the same float
+// bf16, and the device estimator (kernels/cuda/sparse_estimate.cu pooled_sum, the same float
 // steps) multiplies bf16 values exactly, so every backend ranks the same numbers.
 inline float pooled_mean(float sum, int64_t n) { return round_to_bf16(sum * (1.f / float(n))); }
 
