@@ -770,11 +770,11 @@ void pool_k(const EstimateLaunch& p, cudaStream_t s) {
   const int64_t dp = sparse_estimate_pool_d(p.d), n_b_out = sparse_estimate_pool_kb(p.n_kb);
   const int64_t vec_n = p.hkv * n_b_out * (dp / V), n1 = p.hkv * n_b_out * dp;
   if (p.d % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0)
-    pool_k_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(
-        src, p.nk, p.hkv, p.d, dp, p.n_kb, n_b_out, p.pooled_k);
+    pool_k_kernel<T, V><<<unsigned((vec_n + 255) / 256), 256, 0, s>>>(src, p.nk, p.hkv, p.d, dp,
+                                                                      p.n_kb, n_b_out, p.pooled_k);
   else
-    pool_k_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(
-        src, p.nk, p.hkv, p.d, dp, p.n_kb, n_b_out, p.pooled_k);
+    pool_k_kernel<T, 1><<<unsigned((n1 + 255) / 256), 256, 0, s>>>(src, p.nk, p.hkv, p.d, dp,
+                                                                   p.n_kb, n_b_out, p.pooled_k);
 }
 
 // ---- selection ----------------------------------------------------------------------------
@@ -1419,8 +1419,7 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
                                                  int64_t n_kb) {
   using namespace attention_sparse_bf16_detail;
   constexpr int kWarps = kBlockSelectThreads / 32;
-  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
-            t = lane % 4;
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4, t = lane % 4;
   const int ns = int(n_score);
   uint4 a[NSP], b[NSP];
 #pragma unroll
@@ -1507,28 +1506,28 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
     } else if (nsp == 2) {
       block_scores_mma<2>(qa, kf, n_tiles, n_score, int(ng), p.scale, sc, n_kb);
     } else {
-    for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
-      for (int sp0 = 0; sp0 < nsp; sp0 += 4) {
-        uint4 bq[4];
+      for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
+        for (int sp0 = 0; sp0 < nsp; sp0 += 4) {
+          uint4 bq[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (sp0 + u < nsp) bq[u] = kt[(sp0 + u) * 32];
+          for (int u = 0; u < 4; ++u)
+            if (sp0 + u < nsp) bq[u] = kt[(sp0 + u) * 32];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (sp0 + u < nsp) {
-            const uint4 a = qa[(sp0 + u) * 32 + lane];
-            mma_bf16(c, a.x, 0u, a.y, 0u, bq[u].x, bq[u].y);
-            mma_bf16(c, a.z, 0u, a.w, 0u, bq[u].z, bq[u].w);
-          }
+          for (int u = 0; u < 4; ++u)
+            if (sp0 + u < nsp) {
+              const uint4 a = qa[(sp0 + u) * 32 + lane];
+              mma_bf16(c, a.x, 0u, a.y, 0u, bq[u].x, bq[u].y);
+              mma_bf16(c, a.z, 0u, a.w, 0u, bq[u].z, bq[u].w);
+            }
+        }
+        const int64_t col = int64_t(nt) * 8 + 2 * t;
+        if (g < ng) {
+          if (col < n_score) sc[g * n_kb + col] = c[0] * p.scale;
+          if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * p.scale;
+        }
       }
-      const int64_t col = int64_t(nt) * 8 + 2 * t;
-      if (g < ng) {
-        if (col < n_score) sc[g * n_kb + col] = c[0] * p.scale;
-        if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * p.scale;
-      }
-    }
     }
   }
   __syncthreads();
