@@ -73,7 +73,9 @@ struct EstimateLaunch {
   int32_t* column_index = nullptr;
   int max_blocks = 0, max_cols = 0;
   int32_t* need = nullptr;  // [2]: the largest block and column counts any slot needed
-  int stages = 7;  // bit 0 scoring and pooling, 1 selection, 2 slot building (timing breakdowns)
+  // Bit 0 scoring and the k pooling, 1 selection (the selector pools q), 2 slot building (timing
+  // breakdowns).
+  int stages = 7;
 };
 
 // The pooled arrays' padded head dim (a multiple of 32) and key-block count (a multiple of 8).

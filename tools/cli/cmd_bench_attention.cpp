@@ -1276,7 +1276,7 @@ int cmd_bench_attention(int argc, char** argv) {
         o["estimate_where"] = std::string("device (kernels/cuda/sparse_estimate run step on ") +
                               (bf ? "bf16" : "fp32") + " q, k; CUDA events)";
         o["estimate_fraction_of_attention"] = est_ms / sp_ms;
-        o["estimate_scoring_ms"] = est_score_ms;  // scoring and pooling
+        o["estimate_scoring_ms"] = est_score_ms;  // scoring and the k pooling (q: in selection)
         o["estimate_selection_ms"] = est_select_ms - est_score_ms;
         o["estimate_build_ms"] = est_ms - est_select_ms;
         o["estimate_workspace_bytes"] = double(ws_bytes);  // per group
