@@ -1409,9 +1409,9 @@ __device__ __forceinline__ void pool_group_q(const EstimateLaunch& p, int64_t h,
 }
 
 // The block selector's scoring for the common head dims (NSP = padded d / 32: 4 for d 128, 2 for
-// d 64): the warp keeps the group's pooled q fragments in registers and keeps the next tiles'
-// pooled k loading while the tensor cores take this one, instead of one L2 round trip a tile in
-// series. The same products in the same order as the
+// d 64): the warp keeps the group's pooled q fragments in registers and loads the next tile's
+// pooled k while the tensor cores take this one, so each tile costs one L2 round trip in the
+// shadow of the last instead of one in series. The same products in the same order as the
 // generic loop in block_select_kernel: the same scores to the bit.
 template <int NSP>
 __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* kf, int n_tiles,
@@ -1421,41 +1421,34 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
   constexpr int kWarps = kBlockSelectThreads / 32;
   const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4, t = lane % 4;
   const int ns = int(n_score);
-  uint4 a[NSP];
+  uint4 a[NSP], b[NSP];
 #pragma unroll
   for (int u = 0; u < NSP; ++u) a[u] = qa[u * 32 + lane];
-  // A ring of kAhead + 1 tiles of k in registers: while a tile is computed, the next kAhead are
-  // in flight (at 1M one CTA fits an SM, 8 warps, too few to hide L2 latency one tile ahead).
-  // Indices past the last tile reload the last tile (an L2 hit) instead of branching.
-  constexpr int kAhead = 2;
-  uint4 b[kAhead + 1][NSP];
-  auto load = [&](uint4(&dst)[NSP], int tile) {
-    const uint4* kt = kf + size_t(min(tile, n_tiles - 1)) * NSP * 32 + lane;
+  int nt = warp;
+  if (nt < n_tiles) {
 #pragma unroll
-    for (int u = 0; u < NSP; ++u) dst[u] = kt[u * 32];
-  };
-  if (warp < n_tiles) {
-#pragma unroll
-    for (int r = 0; r < kAhead; ++r) load(b[r], warp + r * kWarps);
+    for (int u = 0; u < NSP; ++u) b[u] = kf[size_t(nt) * NSP * 32 + size_t(u * 32 + lane)];
   }
-  for (int nt0 = warp; nt0 < n_tiles; nt0 += (kAhead + 1) * kWarps) {
+  for (; nt < n_tiles; nt += kWarps) {
+    // The next tile's k; the last iteration reloads its own tile (an L2 hit) instead of
+    // branching around the loads.
+    uint4 bn[NSP];
+    const uint4* kt = kf + size_t(min(nt + kWarps, n_tiles - 1)) * NSP * 32 + lane;
 #pragma unroll
-    for (int r = 0; r <= kAhead; ++r) {
-      const int nt = nt0 + r * kWarps;
-      if (nt >= n_tiles) break;  // warp-uniform
-      load(b[(r + kAhead) % (kAhead + 1)], nt + kAhead * kWarps);
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int u = 0; u < NSP; ++u) bn[u] = kt[u * 32];
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int u = 0; u < NSP; ++u) {
-        mma_bf16(c, a[u].x, 0u, a[u].y, 0u, b[r][u].x, b[r][u].y);
-        mma_bf16(c, a[u].z, 0u, a[u].w, 0u, b[r][u].z, b[r][u].w);
-      }
-      const int col = nt * 8 + 2 * t;  // < n_kb + 8: n_kb fits 32 bits (the selector's ids do)
-      if (g < ng) {
-        if (col < ns) sc[g * n_kb + col] = c[0] * scale;
-        if (col + 1 < ns) sc[g * n_kb + col + 1] = c[1] * scale;
-      }
+    for (int u = 0; u < NSP; ++u) {
+      mma_bf16(c, a[u].x, 0u, a[u].y, 0u, b[u].x, b[u].y);
+      mma_bf16(c, a[u].z, 0u, a[u].w, 0u, b[u].z, b[u].w);
     }
+    const int col = nt * 8 + 2 * t;  // < n_kb + 8: n_kb fits 32 bits (the selector's ids do)
+    if (g < ng) {
+      if (col < ns) sc[g * n_kb + col] = c[0] * scale;
+      if (col + 1 < ns) sc[g * n_kb + col + 1] = c[1] * scale;
+    }
+#pragma unroll
+    for (int u = 0; u < NSP; ++u) b[u] = bn[u];
   }
 }
 
