@@ -1387,7 +1387,8 @@ __device__ __forceinline__ void pool_group_q_v(const EstimateLaunch& p, int64_t 
     const int64_t j0 = (qb0 + g) * kB;
     const int rows = int(imin(kB, p.nq - j0));
     float s[V] = {};
-    // Half the CTA's threads pool (8 rows x 16 vectors at d 128): 16 rows in flight each.
+    // Few threads pool (bf16 at d 128: 8 query blocks x 16 vectors, half the CTA): 16 rows in
+    // flight each.
     pooled_sum<T, V, 16>(q + (j0 * p.hq + h) * p.d + c, p.hq * p.d, rows, s);
     const float inv = 1.f / float(rows);
 #pragma unroll
@@ -1430,7 +1431,7 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
     for (int u = 0; u < NSP; ++u) b[u] = kf[size_t(nt) * NSP * 32 + size_t(u * 32 + lane)];
   }
   for (; nt < n_tiles; nt += kWarps) {
-    // The next tile's k; the last iteration reloads its own tile (an L2 hit) instead of
+    // The next tile's k; past the end the index clamps to the last tile (an L2 hit) instead of
     // branching around the loads.
     uint4 bn[NSP];
     const uint4* kt = kf + size_t(min(nt + kWarps, n_tiles - 1)) * NSP * 32 + lane;

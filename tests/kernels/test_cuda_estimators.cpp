@@ -571,6 +571,9 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({2048, 2048, 0, 16, 2, 128}, true, std::vector<HeadPattern>(16, mixed_patterns(3)[2]));
   run_case({1500, 1500, 0, 12, 4, 64}, true);
   run_case({1000, 1000, 0, 4, 4, 64}, true);
+  // Past 64 key blocks the selector's d-64 scoring loop runs its steady state (each warp's next
+  // tile in flight under this one); the cases above end within a warp's first tile.
+  run_case({6000, 6000, 0, 8, 2, 64}, true);
 }
 
 // Head dims off the fast paths: 96 (three 32-channel spans: the selector's generic scoring loop)
