@@ -276,22 +276,24 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   if constexpr (!kPair) {
     const TileList& tl = tl0;
     const int n = tl.count();
-    auto put_k = [&](int t) {
+    // Tile t's source: a block tile's first key, or a column tile's gathered key ids.
+    auto source = [&](int t, int32_t& k0, int32_t(&ids)[Copy::kIter]) {
       const bool block = t < tl.n_block_tiles;
-      int32_t pk[Copy::kIter], k0 = 0;
+      k0 = 0;
       if (block)
         k0 = tl.bo[t];
       else
-        cp.ids(tl, t - tl.n_block_tiles, pk);
+        cp.ids(tl, t - tl.n_block_tiles, ids);
+      return block;
+    };
+    auto put_k = [&](int t) {
+      int32_t pk[Copy::kIter], k0;
+      const bool block = source(t, k0, pk);
       fill_k(block, k0, pk, pt == 0 ? tile_needs_mask(tl, t, base) : 0);
     };
     auto put_v = [&](int t) {
-      const bool block = t < tl.n_block_tiles;
-      int32_t pv[Copy::kIter], k0 = 0;
-      if (block)
-        k0 = tl.bo[t];
-      else
-        cp.ids(tl, t - tl.n_block_tiles, pv);
+      int32_t pv[Copy::kIter], k0;
+      const bool block = source(t, k0, pv);
       fill_v(block, k0, pv);
     };
     if (n > 0) put_k(0);
