@@ -6,12 +6,33 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 namespace sf::kvstore {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
+
+constexpr int kMaxSpan = 256;
+
+bool uses_span(RetentionKind k) {
+  return k == RetentionKind::kSnapKV || k == RetentionKind::kAdaKV || k == RetentionKind::kPyramid;
+}
+
+// RetentionPolicy::span: out[j] = max of s over [j - span + 1, j], per head row of N.
+ImportanceScores forward_span(const ImportanceScores& in, int span) {
+  ImportanceScores out = in;
+  const int64_t N = in.n_tokens;
+  for (size_t l = 0; l < in.layers.size(); ++l)
+    for (int h = 0; h < in.n_kv_heads; ++h) {
+      const float* a = in.layers[l].data() + h * N;
+      float* o = out.layers[l].data() + h * N;
+      for (int64_t j = 0; j < N; ++j)
+        o[j] = *std::max_element(a + std::max<int64_t>(0, j - span + 1), a + j + 1);
+    }
+  return out;
+}
 
 // Positions [0, N - window) ranked by score (ties: earlier position first), the best k of them,
 // plus the window, ascending.
@@ -219,11 +240,11 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
   else if (name == "streaming")
     p.kind = RetentionKind::kStreaming, allowed = {"sink", "window"};
   else if (name == "snapkv")
-    p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool"};
+    p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool", "span"};
   else if (name == "adakv")
-    p.kind = RetentionKind::kAdaKV, allowed = {"budget", "window", "pool", "floor"};
+    p.kind = RetentionKind::kAdaKV, allowed = {"budget", "window", "pool", "floor", "span"};
   else if (name == "pyramid")
-    p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta"};
+    p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta", "span"};
   else if (name == "layerwise")
     p.kind = RetentionKind::kLayerwise, allowed = {"n_full", "window", "topk"};
   else if (name == "moa")
@@ -272,7 +293,12 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
       p.n_full = int(x);
     else if (key == "topk")
       p.topk = int64_t(x);
+    else if (key == "span")
+      p.span = x >= 1 && x <= kMaxSpan ? int(x) : -1;
   }
+  if (p.span < 1)
+    return SF_ERR(kOutOfRange,
+                  "retention " + name + ": span out of range [1, " + str(kMaxSpan) + "]");
   if (needs_budget && !have_budget)
     return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
   if (p.kind == RetentionKind::kAdaKV && !(p.floor >= 0 && p.floor <= 1))
@@ -308,6 +334,7 @@ std::string retention_params(const RetentionPolicy& p) {
       o << "n_full=" << p.n_full << ",window=" << p.window << ",topk=" << p.topk;
       break;
   }
+  if (p.span != 1 && uses_span(p.kind)) o << ",span=" << p.span;
   return o.str();
 }
 
@@ -341,6 +368,15 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
     return SF_ERR(kInvalidArgument, "retention: empty cache geometry");
   if (N > INT32_MAX)
     return SF_ERR(kOutOfRange, "retention: " + str(N) + " tokens exceed int32 positions");
+  if (uses_span(p.kind) && (p.span < 1 || p.span > kMaxSpan))
+    return SF_ERR(kOutOfRange, std::string("retention ") + retention_kind_name(p.kind) + ": span " +
+                                   str(p.span) + " out of range [1, " + str(kMaxSpan) + "]");
+  std::optional<ImportanceScores> spanned;
+  if (uses_span(p.kind) && p.span > 1 && scores) {
+    SF_TRY(check_scores(scores, retention_kind_name(p.kind), n_layers, n_kv_heads, N));
+    spanned = forward_span(*scores, p.span);
+    scores = &*spanned;
+  }
   Retention r;
   r.policy = retention_kind_name(p.kind);
   r.params = retention_params(p);

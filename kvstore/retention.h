@@ -36,6 +36,11 @@ struct RetentionPolicy {
   int64_t window = 32;    // streaming, snapkv, pyramid, layerwise: recent tokens always kept
   int64_t budget = 0;     // snapkv: tokens per layer and KV head; pyramid: average over layers
   int pool = 7;           // snapkv, adakv: the max-pool kernel the scores must carry
+  // snapkv, adakv, pyramid: a position also takes the best score of the span - 1 positions
+  // before it, so a scored token is kept with the tokens that follow it. Decoding that copies a
+  // span (a number, a name) reads it forward one token a step, and the observation window only
+  // attended to its start: SnapKV's symmetric pool keeps 3 tokens past it. 1: plain SnapKV.
+  int span = 1;
   double floor = 0.2;     // adakv: share of a head's scored budget it keeps whatever the others
   double beta = 20;       // pyramid: bottom-to-top ratio of the scored part (PyramidKV's beta)
   int n_full = 0;         // layerwise: the first n_full layers keep every token
@@ -61,12 +66,13 @@ struct Retention {
 };
 
 const char* retention_kind_name(RetentionKind k);
-// "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P]" |
-// "adakv:budget=B[,window=W,pool=P,floor=F]" | "pyramid:budget=B[,window=W]" |
+// "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P,span=N]" |
+// "adakv:budget=B[,window=W,pool=P,floor=F,span=N]" | "pyramid:budget=B[,window=W,span=N]" |
 // "layerwise:n_full=F,window=W,topk=K" |
 // "moa:config=FILE[,sink=S]" (reads FILE with moa_config_load; sink overrides the file's).
 // Unknown policies and keys are errors naming them.
 Result<RetentionPolicy> retention_parse(const std::string& spec);
+// span appears only when it is not 1, so specs written before it existed stay canonical.
 std::string retention_params(const RetentionPolicy& p);
 
 // A moa retention config (docs/api.md): {"format": "sparsefill-moa-retention", "model": NAME,

@@ -110,6 +110,57 @@ TEST(Retention, SnapKVKeepsWindowPlusTopScored) {
   EXPECT_NE(r->positions(0, 0), r->positions(0, 1));
 }
 
+// span: snapkv over the forward-spanned scores. A single scored spike at t keeps [t, t + span)
+// (the tokens a copy of it would read next) where plain SnapKV keeps t alone; the rest is the
+// same top-k over s'[j] = max(s[j - span + 1 .. j]).
+TEST(Retention, SpanKeepsTheTokensAfterAScoredOne) {
+  const uint64_t seed = fresh_seed();
+  const int L = 2, H = 2;
+  const int64_t N = 500, W = 16, B = 120, span = 5;
+  auto sc = random_scores(L, H, N, 7, seed);
+  for (auto& l : sc.layers)
+    for (auto& x : l) x = std::min(x, 50.f);
+  const int64_t spike = 211;
+  sc.layers[1][size_t(N + spike)] = 1e4f;  // layer 1, head 1; the next tokens score lowest
+  for (int64_t t = spike + 1; t < spike + span; ++t) sc.layers[1][size_t(N + t)] = 0.f;
+  auto plain = retention_parse("snapkv:budget=120,window=16,pool=7");
+  auto spanned = retention_parse("snapkv:budget=120,window=16,pool=7,span=5");
+  ASSERT_TRUE(plain.is_ok() && spanned.is_ok());
+  EXPECT_EQ(retention_params(spanned.value()), "budget=120,window=16,pool=7,span=5");
+  EXPECT_EQ(retention_params(plain.value()), "budget=120,window=16,pool=7");
+  auto rp = retention_apply(plain.value(), L, H, N, &sc);
+  auto rs = retention_apply(spanned.value(), L, H, N, &sc);
+  ASSERT_TRUE(rp.is_ok() && rs.is_ok()) << rs.status().to_string();
+  expect_sorted_unique_in_range(rs.value());
+  auto kept = [](const std::vector<int32_t>& k, int64_t t) {
+    return std::binary_search(k.begin(), k.end(), int32_t(t));
+  };
+  for (int64_t t = spike; t < spike + span; ++t) EXPECT_TRUE(kept(rs->positions(1, 1), t)) << t;
+  for (int64_t t = spike + 1; t < spike + span; ++t)
+    EXPECT_FALSE(kept(rp->positions(1, 1), t)) << t;
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h) {
+      std::vector<float> s2(static_cast<size_t>(N));
+      const float* s = sc.layers[size_t(l)].data() + h * N;
+      for (int64_t j = 0; j < N; ++j)
+        s2[size_t(j)] = *std::max_element(s + std::max<int64_t>(0, j - span + 1), s + j + 1);
+      const auto& k = rs->positions(l, h);
+      ASSERT_EQ(int64_t(k.size()), B);
+      EXPECT_TRUE(keeps_last(k, N, W));
+      expect_topk(k, s2.data(), N, W);
+    }
+  // adakv and pyramid take it too; other policies do not name it.
+  EXPECT_TRUE(retention_parse("adakv:budget=120,span=8").is_ok());
+  EXPECT_TRUE(retention_parse("pyramid:budget=120,span=8").is_ok());
+  EXPECT_NE(retention_parse("streaming:span=4").status().message().find("'span=4'"),
+            std::string::npos);
+  for (const char* bad : {"snapkv:budget=120,span=0", "snapkv:budget=120,span=257"})
+    EXPECT_EQ(retention_parse(bad).status().code(), Code::kOutOfRange) << bad;
+  RetentionPolicy p = spanned.value();
+  p.span = 0;
+  EXPECT_EQ(retention_apply(p, L, H, N, &sc).status().code(), Code::kOutOfRange);
+}
+
 TEST(Retention, SnapKVRejectsBadBudgetsAndScores) {
   const auto sc = random_scores(2, 2, 100, 7, 1);
   RetentionPolicy p;

@@ -111,6 +111,7 @@ struct Config {
   double budget;
   std::string decode_spec;
   const kvstore::RetentionPolicy* moa = nullptr;  // moa: the config's spans, before scaling
+  int span = 1;                                   // snapkv, adakv, pyramid: RetentionPolicy::span
 };
 
 struct Measure {
@@ -138,6 +139,7 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     SF_ASSIGN(pol, kvstore::retention_moa_scaled(*c.moa, c.budget, mc.n_layers, mc.n_kv_heads, N));
   } else if (c.kind != kvstore::RetentionKind::kFull) {
     SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, c.budget, mc.n_layers, N));
+    pol.span = c.span;
   }
   SF_ASSIGN(kvstore::Retention ret,
             kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
@@ -156,11 +158,11 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
 }  // namespace
 
 int cmd_retention_eval(int argc, char** argv) {
-  auto args_r = parse_args(
-      argc, argv, 2,
-      {"model", "retention", "budget", "decode", "length", "document", "tokens", "passkey-trials",
-       "passkey-depths", "passkey-level", "out-dir", "name", "psa", "obs-window", "windows"},
-      {"no-passkey"});
+  auto args_r = parse_args(argc, argv, 2,
+                           {"model", "retention", "budget", "decode", "length", "document",
+                            "tokens", "passkey-trials", "passkey-depths", "passkey-level",
+                            "out-dir", "name", "psa", "obs-window", "windows", "span"},
+                           {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("retention"))
@@ -179,6 +181,15 @@ int cmd_retention_eval(int argc, char** argv) {
     auto f = parse_fraction(s);
     if (!f.is_ok()) return fail(f.status());
     budgets.push_back(f.value());
+  }
+  // --span N,...: each snapkv, adakv and pyramid configuration once per span.
+  std::vector<int> spans;
+  for (const auto& s : split(a.get("span", "1"))) {
+    char* end = nullptr;
+    const long x = std::strtol(s.c_str(), &end, 10);
+    if (s.empty() || *end != '\0' || x < 1 || x > 256)
+      return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be integers in [1, 256]"));
+    spans.push_back(int(x));
   }
   std::vector<std::string> decodes = split(a.get("decode", "full"));
   // --psa EPS,...: PSA decode over the full cache, recorded with the full policy. An entry may be
@@ -247,7 +258,13 @@ int cmd_retention_eval(int argc, char** argv) {
       if (k == kvstore::RetentionKind::kFull)
         configs.push_back({k, 1.0, d});
       else
-        for (double b : budgets) configs.push_back({k, b, d, &moa});
+        for (double b : budgets) {
+          const bool spanned = k == kvstore::RetentionKind::kSnapKV ||
+                               k == kvstore::RetentionKind::kAdaKV ||
+                               k == kvstore::RetentionKind::kPyramid;
+          for (int sp : spanned ? spans : std::vector<int>{1})
+            configs.push_back({k, b, d, &moa, sp});
+        }
     }
   if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() &&
       !psa_specs.empty())
@@ -351,9 +368,9 @@ int cmd_retention_eval(int argc, char** argv) {
       me.forced.push_back(double(forced) / double(T));
       me.kl.push_back(kl / double(T));
       std::printf(
-          "%-10s %-5.2f %-15s kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  blocks %.3f  "
-          "mass %.4f (min %.4f, below eps %.3f)\n",
-          kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(),
+          "%-10s %-5.2f %-15s span %-3d kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  "
+          "blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
+          kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(), c.span,
           double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy.back(), me.forced.back(),
           me.kl.back(), st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
           st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
@@ -375,23 +392,33 @@ int cmd_retention_eval(int argc, char** argv) {
         kvstore::ImportanceScores pimp{
             m.config().n_layers, m.config().n_kv_heads, ppr->kv.n_tokens, int(obs), 7,
             ppr->importance};
+        // The decoded answer goes to the log: a miss shows whether the key was lost whole
+        // or in part.
+        std::string said;
         auto answer = [&](const Config& c) -> Result<bool> {
           SF_ASSIGN(auto s, session_for(m, ppr.value(), pimp, c, nullptr));
           SF_ASSIGN(auto g, s.generate_greedy(ppr->first_token, 10));
-          return tok->decode(g).find(p.key) != std::string::npos;
+          said = tok->decode(g);
+          for (char& ch : said)
+            if (ch == '\n') ch = ' ';
+          return said.find(p.key) != std::string::npos;
         };
         auto d = answer({kvstore::RetentionKind::kFull, 1.0, "full"});
         if (!d.is_ok()) return fail(d.status());
         dense_hits += d.value();
         ++n_prompts;
+        std::printf("passkey depth %.2f key %s: dense %s (\"%s\")\n", p.depth, p.key.c_str(),
+                    d.value() ? "found" : "missed", said.c_str());
         for (size_t ci = 0; ci < configs.size(); ++ci) {
           auto h = answer(configs[ci]);
           if (!h.is_ok()) return fail(h.status());
           res[ci].passkey_hits += h.value();
           res[ci].passkey_n += 1;
+          std::printf("  %-10s %-5.2f %-15s span %-3d %s (\"%s\")\n",
+                      kvstore::retention_kind_name(configs[ci].kind), configs[ci].budget,
+                      configs[ci].decode_spec.c_str(), configs[ci].span,
+                      h.value() ? "found" : "missed", said.c_str());
         }
-        std::printf("passkey depth %.2f key %s: dense %s\n", p.depth, p.key.c_str(),
-                    d.value() ? "found" : "missed");
         std::fflush(stdout);
       }
     }
@@ -440,6 +467,9 @@ int cmd_retention_eval(int argc, char** argv) {
         {"psa_mass_mean",
          "teacher-forced steps: true softmax mass of the visited blocks / all blocks, mean over "
          "(layer, query head, step); _min the smallest, _below_eps_frac the share under eps"},
+        {"span",
+         "snapkv, adakv, pyramid: a position also takes the best importance of the span - 1 "
+         "positions before it, so a scored token is kept with those after it (1: plain)"},
         {"blocks_visited_frac",
          "decode attention blocks visited / available, over heads, layers, steps and windows (1 "
          "for full)"},
@@ -462,6 +492,7 @@ int cmd_retention_eval(int argc, char** argv) {
       r["params"] = me.params;
       r["budget"] = configs[ci].budget;
       r["decode"] = configs[ci].decode_spec;
+      r["span"] = configs[ci].span;
       r["kv_bytes"] = me.kv_bytes;
       r["kv_bytes_full"] = me.kv_bytes_full;
       auto mean = [](const std::vector<double>& v) {
