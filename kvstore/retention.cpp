@@ -14,22 +14,26 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-constexpr int kMaxSpan = 256;
+constexpr int kMaxSpan = kRetentionMaxSpan;
 
-bool uses_span(RetentionKind k) {
-  return k == RetentionKind::kSnapKV || k == RetentionKind::kAdaKV || k == RetentionKind::kPyramid;
-}
-
-// RetentionPolicy::span: out[j] = max of s over [j - span + 1, j], per head row of N.
+// RetentionPolicy::span: out[j] = max of s over [j - span + 1, j], per head row of N. A
+// monotonic queue of candidate positions (scores decreasing), so a 1M-token row costs O(N)
+// whatever the span.
 ImportanceScores forward_span(const ImportanceScores& in, int span) {
   ImportanceScores out = in;
   const int64_t N = in.n_tokens;
+  std::vector<int64_t> q(static_cast<size_t>(N));
   for (size_t l = 0; l < in.layers.size(); ++l)
     for (int h = 0; h < in.n_kv_heads; ++h) {
       const float* a = in.layers[l].data() + h * N;
       float* o = out.layers[l].data() + h * N;
-      for (int64_t j = 0; j < N; ++j)
-        o[j] = *std::max_element(a + std::max<int64_t>(0, j - span + 1), a + j + 1);
+      size_t head = 0, tail = 0;  // q[head, tail)
+      for (int64_t j = 0; j < N; ++j) {
+        while (tail > head && a[q[tail - 1]] <= a[j]) --tail;
+        q[tail++] = j;
+        if (q[head] <= j - span) ++head;
+        o[j] = a[q[head]];
+      }
     }
   return out;
 }
@@ -210,6 +214,10 @@ bool Retention::is_full() const {
   return true;
 }
 
+bool retention_uses_span(RetentionKind k) {
+  return k == RetentionKind::kSnapKV || k == RetentionKind::kAdaKV || k == RetentionKind::kPyramid;
+}
+
 const char* retention_kind_name(RetentionKind k) {
   switch (k) {
     case RetentionKind::kFull:
@@ -293,12 +301,13 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
       p.n_full = int(x);
     else if (key == "topk")
       p.topk = int64_t(x);
-    else if (key == "span")
-      p.span = x >= 1 && x <= kMaxSpan ? int(x) : -1;
+    else if (key == "span") {
+      if (x < 1 || x > kMaxSpan)
+        return SF_ERR(kOutOfRange, "retention " + name + ": span " + val + " out of range [1, " +
+                                       str(kMaxSpan) + "]");
+      p.span = int(x);
+    }
   }
-  if (p.span < 1)
-    return SF_ERR(kOutOfRange,
-                  "retention " + name + ": span out of range [1, " + str(kMaxSpan) + "]");
   if (needs_budget && !have_budget)
     return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
   if (p.kind == RetentionKind::kAdaKV && !(p.floor >= 0 && p.floor <= 1))
@@ -334,7 +343,7 @@ std::string retention_params(const RetentionPolicy& p) {
       o << "n_full=" << p.n_full << ",window=" << p.window << ",topk=" << p.topk;
       break;
   }
-  if (p.span != 1 && uses_span(p.kind)) o << ",span=" << p.span;
+  if (p.span != 1 && retention_uses_span(p.kind)) o << ",span=" << p.span;
   return o.str();
 }
 
@@ -368,11 +377,11 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
     return SF_ERR(kInvalidArgument, "retention: empty cache geometry");
   if (N > INT32_MAX)
     return SF_ERR(kOutOfRange, "retention: " + str(N) + " tokens exceed int32 positions");
-  if (uses_span(p.kind) && (p.span < 1 || p.span > kMaxSpan))
+  if (retention_uses_span(p.kind) && (p.span < 1 || p.span > kMaxSpan))
     return SF_ERR(kOutOfRange, std::string("retention ") + retention_kind_name(p.kind) + ": span " +
                                    str(p.span) + " out of range [1, " + str(kMaxSpan) + "]");
   std::optional<ImportanceScores> spanned;
-  if (uses_span(p.kind) && p.span > 1 && scores) {
+  if (retention_uses_span(p.kind) && p.span > 1 && scores) {
     SF_TRY(check_scores(scores, retention_kind_name(p.kind), n_layers, n_kv_heads, N));
     spanned = forward_span(*scores, p.span);
     scores = &*spanned;

@@ -144,7 +144,20 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   L.blk_L = L.nq - L.blk_r0;
   L.cap_kb = any_adaptive_block ? L.n_kb : std::min(L.n_kb, kb_cap);
   L.block_select_group = sparse_estimate_block_group(L.n_kb, L.d);
-  if (L.n_blk > 0 && L.block_select_group == 0)
+  // Top-k block heads stream where fewer than kBlockStreamRows query blocks' whole score rows
+  // fit (long prompts: 3 at 1M), so each CTA streams the pooled keys for 8 rows instead of 3.
+  int64_t max_take = 0;
+  L.block_mass_heads = 0;
+  for (int32_t h : blk_heads) {
+    if (patterns[size_t(h)].pattern == Pattern::kAdaptiveBlock)
+      ++L.block_mass_heads;
+    else
+      max_take = std::max(max_take, patterns[size_t(h)].n_blocks);
+  }
+  L.block_stream = L.n_blk > L.block_mass_heads && L.block_select_group < kBlockStreamRows &&
+                   max_take <= kBlockStreamMaxTake;
+  const bool whole_rows = L.block_mass_heads > 0 || (L.n_blk > 0 && !L.block_stream);
+  if (whole_rows && L.block_select_group == 0)
     return SF_ERR(kUnsupported, "sparse_estimate (CUDA): " + std::to_string(L.n_kb) +
                                     " key blocks do not fit the block selector's shared memory");
   if (L.block_select_group == 0) L.block_select_group = 1;

@@ -1412,12 +1412,12 @@ __device__ __forceinline__ void pool_group_q(const EstimateLaunch& p, int64_t h,
 // The block selector's scoring for the common head dims (NSP = padded d / 32: 4 for d 128, 2 for
 // d 64): the warp keeps the group's pooled q fragments in registers and loads the next tile's
 // pooled k while the tensor cores take this one, so each tile costs one L2 round trip in the
-// shadow of the last instead of one in series. The same products in the same order as the
-// generic loop in block_select_kernel: the same scores to the bit.
+// shadow of the last instead of one in series. The same products in the same order as
+// block_scores_generic: the same scores to the bit.
 template <int NSP>
 __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* kf, int n_tiles,
                                                  int64_t n_score, int ng, float scale, float* sc,
-                                                 int64_t n_kb) {
+                                                 int64_t stride) {
   using namespace attention_sparse_bf16_detail;
   constexpr int kWarps = kBlockSelectThreads / 32;
   const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4, t = lane % 4;
@@ -1445,12 +1445,71 @@ __device__ __forceinline__ void block_scores_mma(const uint4* qa, const uint4* k
     }
     const int col = nt * 8 + 2 * t;  // < n_kb + 8: n_kb fits 32 bits (the selector's ids do)
     if (g < ng) {
-      if (col < ns) sc[g * n_kb + col] = c[0] * scale;
-      if (col + 1 < ns) sc[g * n_kb + col + 1] = c[1] * scale;
+      if (col < ns) sc[g * stride + col] = c[0] * scale;
+      if (col + 1 < ns) sc[g * stride + col + 1] = c[1] * scale;
     }
 #pragma unroll
     for (int u = 0; u < NSP; ++u) b[u] = bn[u];
   }
+}
+
+// Head dims off the fast paths (block_scores_mma): q fragments reread from shared memory, guarded
+// channel groups. The same products in the same order.
+__device__ __forceinline__ void block_scores_generic(const uint4* qa, const uint4* kf, int nsp,
+                                                     int n_tiles, int64_t n_score, int ng,
+                                                     float scale, float* sc, int64_t stride) {
+  using namespace attention_sparse_bf16_detail;
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4, t = lane % 4;
+  for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
+    for (int sp0 = 0; sp0 < nsp; sp0 += 4) {
+      uint4 bq[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (sp0 + u < nsp) bq[u] = kt[(sp0 + u) * 32];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (sp0 + u < nsp) {
+          const uint4 a = qa[(sp0 + u) * 32 + lane];
+          mma_bf16(c, a.x, 0u, a.y, 0u, bq[u].x, bq[u].y);
+          mma_bf16(c, a.z, 0u, a.w, 0u, bq[u].z, bq[u].w);
+        }
+    }
+    const int64_t col = int64_t(nt) * 8 + 2 * t;
+    if (g < ng) {
+      if (col < n_score) sc[g * stride + col] = c[0] * scale;
+      if (col + 1 < n_score) sc[g * stride + col + 1] = c[1] * scale;
+    }
+  }
+}
+
+// Scores of the group's ng rows (pooled q in qa) against key blocks [0, n_score) of kf, the
+// pooled keys from tile 0 on: sc[g * stride + key block], every warp of the CTA.
+__device__ __forceinline__ void block_scores(const uint4* qa, const uint4* kf, int nsp,
+                                             int64_t n_score, int ng, float scale, float* sc,
+                                             int64_t stride) {
+  const int n_tiles = int((n_score + 7) / 8);
+  if (nsp == 4)
+    block_scores_mma<4>(qa, kf, n_tiles, n_score, ng, scale, sc, stride);
+  else if (nsp == 2)
+    block_scores_mma<2>(qa, kf, n_tiles, n_score, ng, scale, sc, stride);
+  else
+    block_scores_generic(qa, kf, nsp, n_tiles, n_score, ng, scale, sc, stride);
+}
+
+// One KV head's pooled keys (EstimateLaunch::pooled_k), as 16-byte B-fragment words.
+__device__ __forceinline__ const uint4* pooled_k_of(const EstimateLaunch& p, int64_t kvh, int nsp) {
+  return reinterpret_cast<const uint4*>(p.pooled_k) +
+         size_t(kvh) * size_t(sparse_estimate_pool_kb(p.n_kb) / 8) * size_t(nsp) * 32;
+}
+
+// Key blocks any of query blocks qb0 .. qb0 + ng - 1 can see (causal).
+__device__ __forceinline__ int64_t group_key_blocks(const EstimateLaunch& p, int64_t qb0,
+                                                    int64_t ng) {
+  int64_t kend = p.q_offset + (qb0 + ng - 1) * kB + imin(kB, p.nq - (qb0 + ng - 1) * kB);
+  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+  return (kend + kB - 1) / kB;
 }
 
 __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const EstimateLaunch p) {
@@ -1474,13 +1533,9 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   const int64_t ng = imin(G, p.n_qb - qb0);
   // Key blocks any query block of the group can see: the selector reads scores [0, n_allowed)
   // only (the last query block uses its exact mass instead), so later blocks are not scored.
-  int64_t n_score;
-  {
-    int64_t kend = p.q_offset + (qb0 + ng - 1) * kB + imin(kB, p.nq - (qb0 + ng - 1) * kB);
-    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
-    n_score = (kend + kB - 1) / kB;
-  }
+  const int64_t n_score = group_key_blocks(p, qb0, ng);
   const int h = p.blk_heads[hb];
+  if (p.block_stream && !p.heads[h].mass) return;  // the streaming selector takes top-k heads
   // The group's pooled q, computed here rather than by a pooling pass: that pass read all of q
   // at the HBM roofline, and here the reads partly overlap the other CTA's selection on the SM
   // (issue-bound, next to no DRAM traffic; Nsight at 128K: selector +173 us, pass -261 us).
@@ -1497,41 +1552,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   // exact in f32 (the pooled values are bf16), so the scores differ from the CPU's by the
   // accumulation alone (order, and the tensor core's f32 adds): tie-level. One 16-byte load of
   // pooled k and one of q per two k-steps.
-  {
-    const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane / 4,
-              t = lane % 4;
-    const auto* kf = reinterpret_cast<const uint4*>(p.pooled_k) +
-                     size_t(kvh) * size_t(sparse_estimate_pool_kb(n_kb) / 8) * size_t(nsp) * 32;
-    const int n_tiles = int((n_score + 7) / 8);
-    if (nsp == 4) {
-      block_scores_mma<4>(qa, kf, n_tiles, n_score, int(ng), p.scale, sc, n_kb);
-    } else if (nsp == 2) {
-      block_scores_mma<2>(qa, kf, n_tiles, n_score, int(ng), p.scale, sc, n_kb);
-    } else {
-      for (int nt = warp; nt < n_tiles; nt += kBlockSelectThreads / 32) {
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint4* kt = kf + size_t(nt) * size_t(nsp) * 32 + lane;
-        for (int sp0 = 0; sp0 < nsp; sp0 += 4) {
-          uint4 bq[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (sp0 + u < nsp) bq[u] = kt[(sp0 + u) * 32];
-#pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (sp0 + u < nsp) {
-              const uint4 a = qa[(sp0 + u) * 32 + lane];
-              mma_bf16(c, a.x, 0u, a.y, 0u, bq[u].x, bq[u].y);
-              mma_bf16(c, a.z, 0u, a.w, 0u, bq[u].z, bq[u].w);
-            }
-        }
-        const int64_t col = int64_t(nt) * 8 + 2 * t;
-        if (g < ng) {
-          if (col < n_score) sc[g * n_kb + col] = c[0] * p.scale;
-          if (col + 1 < n_score) sc[g * n_kb + col + 1] = c[1] * p.scale;
-        }
-      }
-    }
-  }
+  block_scores(qa, pooled_k_of(p, kvh, nsp), nsp, n_score, int(ng), p.scale, sc, n_kb);
   __syncthreads();
   const EstHead& eh = p.heads[h];
   if (p.block_select_cta && eh.mass) {
@@ -1551,6 +1572,184 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   for (int g = warp; g < ng; g += kBlockSelectThreads / 32)
     select_query_block<WarpGroup>(p, eh, hb, qb0 + g, sc + g * n_kb, sh_warp[warp],
                                   FlagScan<WarpGroup>{nullptr});
+}
+
+// ---- streaming block selector (top-k heads at long prompts) --------------------------------
+//
+// The block selector holds whole score rows in shared memory, so at 1M (16K key blocks, 64 KB a
+// row) a CTA takes 3 query blocks: each streams its KV head's pooled keys from L2 (2 MB on
+// average) and fills 3 of the mma's rows, so scoring costs 8/3 of what it costs per row at 128K,
+// where 8 fit. Here a CTA scores kBlockStreamRows query blocks chunk by chunk, and each row's
+// warp keeps a running exact top-k of what it has seen: keys arrive in id order, so once take
+// candidates are kept, an item at or below the smallest kept key cannot enter (equal keys go to
+// the lower id, which came first). The selection is group_select's for count mode, bit for bit.
+
+constexpr int kStreamCand = 2 * kBlockStreamMaxTake;  // a row's candidates between compactions
+
+// Keeps the take largest keys of cand[0, m) (ties: the earlier entry; entries are in id order),
+// in place and in order, and returns the smallest key kept. 0 < take <= m <= kStreamCand. One
+// warp: a bitwise walk over the keys in registers, as warp_topk's.
+__device__ uint32_t stream_keep(uint2* cand, int m, int take) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kPer = kStreamCand / 32;
+  const int lane = int(threadIdx.x % 32);
+  const unsigned lt = (1u << lane) - 1u;
+  uint2 c[kPer];
+  unsigned valid = 0;
+  __syncwarp();  // the lanes' appends are visible
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const int x = e * 32 + lane;
+    c[e] = make_uint2(0u, 0u);
+    if (x < m) {
+      c[e] = cand[x];
+      valid |= 1u << e;
+    }
+  }
+  __syncwarp();  // every lane has read its entries before any is overwritten
+  // Invariant: cnt_gt keys lie above the bucket (prefix under mask), eq in it, and cnt_gt <
+  // take <= cnt_gt + eq.
+  uint32_t mask = 0, prefix = 0;
+  int cnt_gt = 0, eq = m;
+  for (int bit = 31; bit >= 0 && cnt_gt + eq != take; --bit) {
+    const uint32_t m2 = mask | (1u << bit), p1 = prefix | (1u << bit);
+    int n1 = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) n1 += ((valid >> e) & 1u) && (c[e].x & m2) == p1;
+    n1 = int(__reduce_add_sync(kAll, unsigned(n1)));
+    if (cnt_gt + n1 >= take) {
+      prefix = p1;
+      eq = n1;
+    } else {
+      cnt_gt += n1;
+      eq -= n1;
+    }
+    mask = m2;
+  }
+  const int need_eq = take - cnt_gt;  // the earliest entries in the bucket
+  int o = 0, tie_base = 0;
+  uint32_t kmin = 0xffffffffu;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    const bool v = (valid >> e) & 1u;
+    const bool gt = v && (c[e].x & mask) > prefix;
+    const bool at = v && (c[e].x & mask) == prefix;
+    const unsigned be = __ballot_sync(kAll, at);
+    const bool sel = gt || (at && tie_base + __popc(be & lt) < need_eq);
+    const unsigned bs = __ballot_sync(kAll, sel);
+    if (sel) {
+      cand[o + __popc(bs & lt)] = c[e];  // at or before its own place: already read
+      kmin = min(kmin, c[e].x);
+    }
+    o += __popc(bs);
+    tie_base += __popc(be);
+  }
+  kmin = __reduce_min_sync(kAll, kmin);
+  __syncwarp();
+  return kmin;
+}
+
+// grid (ceil(n_qb / kBlockStreamRows), n_blk), kBlockSelectThreads. Shared memory: the chunk's
+// scores [rows][chunk] f32, the candidates [rows][kStreamCand] (key, id), pooled q (8 rows).
+__global__ void __launch_bounds__(kBlockSelectThreads) block_stream_kernel(const EstimateLaunch p) {
+  constexpr unsigned kAll = 0xffffffffu;
+  static_assert(kBlockSelectThreads / 32 == kBlockStreamRows, "a warp per row");
+  extern __shared__ __align__(16) float smem[];
+  const int hb = blockIdx.y;
+  const int h = p.blk_heads[hb];
+  const EstHead& eh = p.heads[h];
+  if (eh.mass) return;  // mass thresholds need whole rows: block_select_kernel
+  const int C = p.block_stream_chunk;
+  const int nsp = int(sparse_estimate_pool_d(p.d) / 32);
+  float* const sc = smem;
+  uint2* const cand = reinterpret_cast<uint2*>(smem + size_t(kBlockStreamRows) * size_t(C));
+  auto* const qa = reinterpret_cast<uint4*>(cand + kBlockStreamRows * kStreamCand);
+  const int64_t qb0 = int64_t(blockIdx.x) * kBlockStreamRows;
+  const int ng = int(imin(kBlockStreamRows, p.n_qb - qb0));
+  const int64_t n_score = group_key_blocks(p, qb0, ng);
+  for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) qa[x] = make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();
+  if (p.bf16)
+    pool_group_q<__nv_bfloat16>(p, h, qb0, ng, qa);
+  else
+    pool_group_q<float>(p, h, qb0, ng, qa);
+  __syncthreads();
+  const uint4* kf = pooled_k_of(p, h / (p.hq / p.hkv), nsp);
+
+  // This warp's query block: select_query_block's causal extent and forced blocks (block 0, the
+  // blocks from the first row's own through the last visible), group_select's count mode.
+  const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  const unsigned lt = (1u << lane) - 1u;
+  const int64_t qb = qb0 + warp;
+  const bool mine = warp < ng;
+  int n = 0, fa = 0, fb = 0, fc = -1, take = 0;
+  bool exact = false;
+  if (mine) {
+    const int64_t base = p.q_offset + qb * kB;
+    int64_t kend = base + imin(kB, p.nq - qb * kB);
+    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+    n = int((kend + kB - 1) / kB);
+    const int64_t fb64 = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
+    const int64_t fc64 = kend > 0 ? (kend - 1) / kB : 0;
+    fa = n < 1 ? n : 1;
+    fb = int(imin(fb64 > 0 ? fb64 : 1, n));
+    fc = int(imin(fc64, int64_t(n) - 1));
+    const int lo = fb > fa ? fb : fa;
+    const int nf = fa + (fc >= lo ? fc - lo + 1 : 0);
+    const int64_t t = eh.k_blocks - nf;
+    take = int(t < 0 ? 0 : (t > n - nf ? n - nf : t));
+    exact = qb == p.n_qb - 1;
+  }
+  // The non-forced items: one range (the forced tail [fb, fc] ends the row).
+  const int r_lo = fa, r_hi = fb <= fc ? (fa > fb ? fa : fb) : n;
+  uint2* const mc = cand + warp * kStreamCand;
+  const float* const mass = p.mass + size_t(hb) * size_t(p.n_kb);
+  int m = 0;
+  bool open = true;  // no threshold yet: every item is a candidate
+  uint32_t thr = 0;
+  for (int64_t c0 = 0; c0 < n_score; c0 += C) {
+    const int64_t cn = imin(C, n_score - c0);
+    block_scores(qa, kf + size_t(c0 / 8) * size_t(nsp) * 32, nsp, cn, ng, p.scale, sc, C);
+    __syncthreads();
+    if (mine && take > 0) {
+      const int hi = int(imin(r_hi, c0 + cn));
+      for (int i0 = int(c0 > r_lo ? c0 : r_lo); i0 < hi; i0 += 32) {
+        if (m > kStreamCand - 32) {
+          thr = stream_keep(mc, m, take);
+          m = take;
+          open = false;
+        }
+        const int i = i0 + lane;
+        uint32_t key = 0;
+        bool pass = false;
+        if (i < hi) {
+          // The last query block ranks by its exact mass (select_query_block).
+          key = order_key(exact ? mass[i] : sc[size_t(warp) * size_t(C) + size_t(i - c0)]);
+          pass = open || key > thr;
+        }
+        const unsigned b = __ballot_sync(kAll, pass);
+        if (pass) mc[m + __popc(b & lt)] = make_uint2(key, uint32_t(i));
+        m += __popc(b);
+      }
+      __syncwarp();
+    }
+    __syncthreads();  // the next chunk's scores overwrite these
+  }
+  if (!mine) return;
+  if (take > 0 && m > take) stream_keep(mc, m, take);
+  const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
+  int32_t* const out = p.sel_kb + slot * size_t(p.cap_kb);
+  const int64_t cap = p.cap_kb;
+  for (int i = lane; i < fa; i += 32)
+    if (i < cap) out[i] = i;
+  for (int j = lane; j < take; j += 32)
+    if (fa + j < cap) out[fa + j] = int32_t(mc[j].y);
+  int o = fa + take;
+  const int lo = fb > fa ? fb : fa;
+  for (int i = lo + lane; i <= fc; i += 32)
+    if (o + (i - lo) < cap) out[o + (i - lo)] = i;
+  o += fc >= lo ? fc - lo + 1 : 0;
+  if (lane == 0) p.n_sel_kb[slot] = int32_t(o < cap ? o : cap);
 }
 
 // ---- slot building (sparse_index.cpp sparse_slot_build, a warp per slot) -------------------
@@ -1853,9 +2052,16 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   if ((p.stages & 2) && p.n_vs > 0)
     vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
   if ((p.stages & 2) && p.n_blk > 0 && p.n_qb > 0) {
-    const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
-    const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
-    block_select_kernel<<<dim3(gy, unsigned(p.n_blk)), kBlockSelectThreads, smem, s>>>(p);
+    if (!p.block_stream || p.block_mass_heads > 0) {
+      const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);
+      const unsigned gy = unsigned((p.n_qb + p.block_select_group - 1) / p.block_select_group);
+      block_select_kernel<<<dim3(gy, unsigned(p.n_blk)), kBlockSelectThreads, smem, s>>>(p);
+    }
+    if (p.block_stream) {
+      const unsigned gy = unsigned((p.n_qb + kBlockStreamRows - 1) / kBlockStreamRows);
+      block_stream_kernel<<<dim3(gy, unsigned(p.n_blk)), kBlockSelectThreads,
+                            sparse_estimate_stream_smem(p.d, p.block_stream_chunk), s>>>(p);
+    }
   }
   if (!(p.stages & 4)) return cudaGetLastError();
   if ((e = cudaMemsetAsync(p.need, 0, 2 * sizeof(int32_t), s)) != cudaSuccess) return e;
@@ -1887,9 +2093,12 @@ cudaError_t configure(const EstimateLaunch& p) {
     e = cudaFuncSetAttribute(score_stats_group_kernel<64>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(stats_group_smem(64)));
-  if (e == cudaSuccess)
+  if (e == cudaSuccess && (!p.block_stream || p.block_mass_heads > 0))
     e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
+  if (e == cudaSuccess && p.block_stream)
+    e = cudaFuncSetAttribute(block_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(sparse_estimate_stream_smem(p.d, p.block_stream_chunk)));
   return e;
 }
 
@@ -1902,6 +2111,12 @@ cudaError_t sparse_estimate_configure(const EstimateLaunch& p) {
 size_t sparse_estimate_block_smem(int64_t n_kb, int64_t d, int group) {
   // The scores, then pooled q for 8 rows (the m16 tile's real half), bf16.
   return block_scores_bytes(n_kb, group) + size_t(8 * sparse_estimate_pool_d(d)) * 2;
+}
+
+size_t sparse_estimate_stream_smem(int64_t d, int chunk) {
+  return size_t(kBlockStreamRows) * size_t(chunk) * sizeof(float) +
+         size_t(kBlockStreamRows) * kStreamCand * sizeof(uint2) +
+         size_t(8 * sparse_estimate_pool_d(d)) * 2;
 }
 
 bool sparse_estimate_block_cta(int group) { return group <= kBlockSelectThreads / 32 / 2; }

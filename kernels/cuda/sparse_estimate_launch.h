@@ -66,6 +66,12 @@ struct EstimateLaunch {
   int64_t cap_kb = 0;
   int block_select_group = 1;  // query blocks per CTA in the block selector
   int block_select_cta = 0;    // 1: the CTA runs each selection in turn (else a warp each)
+  // 1: top-k block heads take the streaming selector (kBlockStreamRows query blocks a CTA, scores
+  // in chunks of block_stream_chunk key blocks, an exact running top-k a row); the block selector
+  // then runs the mass-threshold heads alone, and only when there are some.
+  int block_stream = 0;
+  int block_stream_chunk = 2048;  // a multiple of 8
+  int block_mass_heads = 0;       // block-family heads with a mass threshold (adaptive-block)
   // Output (the unified index, SparseIndexDevice layout) and its sizing record.
   int32_t* block_count = nullptr;
   int32_t* block_offset = nullptr;
@@ -94,6 +100,12 @@ size_t sparse_estimate_block_smem_limit();
 // Query blocks per block-selector CTA for this geometry: the most (<= 8) whose scores fit the
 // limit; 0 when not even one does.
 int sparse_estimate_block_group(int64_t n_kb, int64_t d);
+// The streaming block selector (block_stream): query blocks a CTA scores (a warp each, the
+// mma's first 8 rows), the largest top-k it takes (its candidate buffer holds twice that), and
+// its dynamic shared memory.
+constexpr int kBlockStreamRows = 8;
+constexpr int kBlockStreamMaxTake = 128;
+size_t sparse_estimate_stream_smem(int64_t d, int chunk);
 // Whether a CTA of this group size selects with all its threads, one query block at a time (when
 // at most half its warps would have a query block of their own).
 bool sparse_estimate_block_cta(int group);

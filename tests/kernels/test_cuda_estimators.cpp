@@ -325,7 +325,20 @@ class CudaEstimators : public ::testing::Test {
     DeviceQK dev;
     ASSERT_OK(upload_qk(g, q, k, false, &dev));
     const TensorView dq_v = dev.q, dk_v = dev.k;
-    ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
+    if (stream_chunk_ > 0) {  // plan, force the streaming selector, run
+      cuda::SparseEstimatePlan plan;
+      ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, 0, cpu_idx.max_blocks,
+                                           std::max(cpu_idx.max_cols, 1), &plan));
+      plan.launch.block_stream = 1;
+      plan.launch.block_stream_chunk = stream_chunk_;
+      cuda::SparseIndexDevice didx;
+      ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, nullptr));
+      ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, nullptr));
+      ASSERT_OK(cuda::sparse_index_download(didx, cpu_idx.max_blocks, std::max(cpu_idx.max_cols, 1),
+                                            &gpu_idx, nullptr));
+    } else {
+      ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
+    }
     EXPECT_EQ(cpu_idx.block_count, gpu_idx.block_count);
     EXPECT_EQ(cpu_idx.block_offset, gpu_idx.block_offset);
     EXPECT_EQ(cpu_idx.column_count, gpu_idx.column_count);
@@ -369,8 +382,15 @@ class CudaEstimators : public ::testing::Test {
     // ties); a first run with small capacity checks the overflow record.
     // force_cta_: the block selector's CTA-per-selection path (chosen by the plan only at long
     // prompts, and taken by mass-threshold heads alone) on these small inputs.
+    // stream_chunk_ > 0: the streaming selector for the top-k block heads (chosen by the plan
+    // where fewer than 8 whole score rows fit), with chunks this many key blocks long, so short
+    // prompts cross chunks and compact their candidates.
     auto mode = [&](cuda::SparseEstimatePlan& pl) {
       if (force_cta_) pl.launch.block_select_cta = 1;
+      if (stream_chunk_ > 0) {
+        pl.launch.block_stream = 1;
+        pl.launch.block_stream_chunk = stream_chunk_;
+      }
     };
     cuda::SparseEstimatePlan plan;
     ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, 1, 1, &plan));
@@ -549,6 +569,7 @@ class CudaEstimators : public ::testing::Test {
 
   std::mt19937_64 rng_;
   bool force_cta_ = false;
+  int stream_chunk_ = 0;
 };
 
 TEST_F(CudaEstimators, MatchesCpuF32) {
@@ -622,6 +643,48 @@ TEST_F(CudaEstimators, BlockSelectorConfiguresAtLongLengths) {
 // walk, which budget 100 (> 64) takes directly.
 TEST_F(CudaEstimators, BlockTiesGoToLowerIds) {
   for (const int64_t n : {4096, 32768}) block_ties_case({n, n, 0, 4, 2, 128});
+}
+
+// The streaming block selector (long prompts) on short ones: chunks of 64 and 8 key blocks, so
+// rows cross chunks; at 32K a row's 500 candidates pass the 224 that force a compaction. Top-k
+// heads stream, the adaptive-block head of the mix still takes the whole-row selector.
+TEST_F(CudaEstimators, StreamingBlockSelectorMatchesCpu) {
+  stream_chunk_ = 64;
+  run_case({8192, 8192, 0, 8, 2, 128}, false);
+  run_case({700, 1900, 1200, 8, 2, 128}, false);
+  run_case({32768, 32768, 0, 8, 2, 128}, true);
+  run_case({6000, 6000, 0, 8, 2, 64}, true);
+  run_case({1000, 1000, 0, 8, 2, 96}, true);  // the generic scoring loop
+  stream_chunk_ = 8;
+  run_case({3000, 3000, 0, 8, 4, 128}, true);
+}
+
+// Exact ties through the streaming selector's compactions: the lowest ids, as the CPU.
+TEST_F(CudaEstimators, StreamingBlockTiesGoToLowerIds) {
+  stream_chunk_ = 64;
+  for (const int64_t n : {4096, 32768}) block_ties_case({n, n, 0, 4, 2, 128});
+}
+
+// The plan streams top-k heads where fewer than 8 whole rows fit, and only then.
+TEST_F(CudaEstimators, PlanStreamsTopKHeadsAtLongLengths) {
+  for (const int64_t n : {int64_t(32768), int64_t(1) << 20}) {
+    const Geo g{64, n, n - 64, 2, 1, 128};  // the last query block of an n-token prompt
+    DeviceQK dev;
+    std::vector<float> q(size_t(g.nq * g.hq * g.d), 0.5f), k(size_t(g.nk * g.hkv * g.d), 0.25f);
+    ASSERT_OK(upload_qk(g, q, k, true, &dev));
+    std::vector<HeadPattern> ps(2);
+    ps[0].pattern = Pattern::kBlockSparse;
+    ps[0].n_blocks = 64;
+    ps[1].pattern = Pattern::kAdaptiveBlock;
+    ps[1].gamma = 0.9;
+    cuda::SparseEstimatePlan plan;
+    ASSERT_OK(cuda::sparse_estimate_plan(dev.q, dev.k, ps, g.q_offset, 0, 0, &plan));
+    EXPECT_EQ(plan.launch.block_mass_heads, 1);
+    EXPECT_EQ(plan.launch.block_stream, n == (int64_t(1) << 20) ? 1 : 0) << n;
+    ps[0].n_blocks = cuda::kBlockStreamMaxTake + 1;  // past the candidate buffer: whole rows
+    ASSERT_OK(cuda::sparse_estimate_plan(dev.q, dev.k, ps, g.q_offset, 0, 0, &plan));
+    EXPECT_EQ(plan.launch.block_stream, 0) << n;
+  }
 }
 
 TEST_F(CudaEstimators, BackendNeutralEntry) {

@@ -187,8 +187,9 @@ int cmd_retention_eval(int argc, char** argv) {
   for (const auto& s : split(a.get("span", "1"))) {
     char* end = nullptr;
     const long x = std::strtol(s.c_str(), &end, 10);
-    if (s.empty() || *end != '\0' || x < 1 || x > 256)
-      return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be integers in [1, 256]"));
+    if (s.empty() || *end != '\0' || x < 1 || x > kvstore::kRetentionMaxSpan)
+      return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be integers in [1, " +
+                                          std::to_string(kvstore::kRetentionMaxSpan) + "]"));
     spans.push_back(int(x));
   }
   std::vector<std::string> decodes = split(a.get("decode", "full"));
@@ -259,10 +260,7 @@ int cmd_retention_eval(int argc, char** argv) {
         configs.push_back({k, 1.0, d});
       else
         for (double b : budgets) {
-          const bool spanned = k == kvstore::RetentionKind::kSnapKV ||
-                               k == kvstore::RetentionKind::kAdaKV ||
-                               k == kvstore::RetentionKind::kPyramid;
-          for (int sp : spanned ? spans : std::vector<int>{1})
+          for (int sp : kvstore::retention_uses_span(k) ? spans : std::vector<int>{1})
             configs.push_back({k, b, d, &moa, sp});
         }
     }
