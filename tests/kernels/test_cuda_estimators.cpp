@@ -334,8 +334,9 @@ class CudaEstimators : public ::testing::Test {
       cuda::SparseIndexDevice didx;
       ASSERT_OK(cuda::sparse_estimate_poison(&plan, 0xFF, nullptr));
       ASSERT_OK(cuda::sparse_estimate_run(&plan, dq_v, dk_v, &didx, nullptr));
-      ASSERT_OK(cuda::sparse_index_download(didx, cpu_idx.max_blocks, std::max(cpu_idx.max_cols, 1),
-                                            &gpu_idx, nullptr));
+      // The CPU's capacities: its index has no column room (max_cols 0) when no slot has one.
+      ASSERT_OK(
+          cuda::sparse_index_download(didx, cpu_idx.max_blocks, cpu_idx.max_cols, &gpu_idx, nullptr));
     } else {
       ASSERT_OK(cuda::sparse_estimate(dq_v, dk_v, ps, 0, &gpu_idx, nullptr, nullptr));
     }
