@@ -1048,6 +1048,35 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
   return eq;
 }
 
+// The bitwise walk of the warp top-k's (warp_topk, stream_keep): from bit hb down, narrows the
+// bucket (keys equal to *prefix under *mask) that holds the take-th largest of the warp's keys,
+// kPer a lane in rows below ne (an empty place holds 0, which no tested prefix equals).
+// Invariant: *cnt_gt keys lie above the bucket, *eq in it, *cnt_gt < take <= *cnt_gt + *eq; it
+// stops early when the bucket holds exactly the keys still wanted.
+template <int kPer>
+__device__ __forceinline__ void warp_key_walk(const uint32_t (&key)[kPer], int ne, int hb, int take,
+                                              uint32_t* mask, uint32_t* prefix, int* cnt_gt,
+                                              int* eq) {
+  for (int bit = hb; bit >= 0 && *cnt_gt + *eq != take; --bit) {
+    const uint32_t m2 = *mask | (1u << bit), p1 = *prefix | (1u << bit);
+    int c = 0;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      if (e >= ne) break;
+      c += (key[e] & m2) == p1;
+    }
+    c = int(__reduce_add_sync(0xffffffffu, unsigned(c)));
+    if (*cnt_gt + c >= take) {
+      *prefix = p1;
+      *eq = c;
+    } else {
+      *cnt_gt += c;
+      *eq -= c;
+    }
+    *mask = m2;
+  }
+}
+
 // Count mode on one warp, for the block selector's top-k (take <= 64): the take largest keys of
 // the non-forced items, ties to the lower id, with every forced item, ids ascending into out (at
 // most cap) and their number into *n_out; the same list as group_select's radix walk. Two sweeps
@@ -1111,24 +1140,7 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
   uint32_t mask = hb < 0 ? 0xffffffffu : (hb == 31 ? 0u : ~((2u << hb) - 1u));
   uint32_t prefix = kmax & mask;
   int cnt_gt = 0, eq = m;
-  for (int bit = hb; bit >= 0 && cnt_gt + eq != take; --bit) {
-    const uint32_t m2 = mask | (1u << bit), p1 = prefix | (1u << bit);
-    int c = 0;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      if (e >= ne) break;
-      c += (ck[e] & m2) == p1;
-    }
-    c = int(__reduce_add_sync(kAll, unsigned(c)));
-    if (cnt_gt + c >= take) {
-      prefix = p1;
-      eq = c;
-    } else {
-      cnt_gt += c;
-      eq -= c;
-    }
-    mask = m2;
-  }
+  warp_key_walk(ck, ne, hb, take, &mask, &prefix, &cnt_gt, &eq);
   const int need_eq = take - cnt_gt;  // the lowest ids among the eq at the threshold
   for (int i = lane; i < fa; i += 32)
     if (i < cap) out[i] = i;
@@ -1595,6 +1607,7 @@ __device__ uint32_t stream_keep(uint2* cand, int m, int take) {
   const int lane = int(threadIdx.x % 32);
   const unsigned lt = (1u << lane) - 1u;
   uint2 c[kPer];
+  uint32_t key[kPer];
   unsigned valid = 0;
   __syncwarp();  // the lanes' appends are visible
 #pragma unroll
@@ -1605,27 +1618,12 @@ __device__ uint32_t stream_keep(uint2* cand, int m, int take) {
       c[e] = cand[x];
       valid |= 1u << e;
     }
+    key[e] = c[e].x;
   }
   __syncwarp();  // every lane has read its entries before any is overwritten
-  // Invariant: cnt_gt keys lie above the bucket (prefix under mask), eq in it, and cnt_gt <
-  // take <= cnt_gt + eq.
   uint32_t mask = 0, prefix = 0;
   int cnt_gt = 0, eq = m;
-  for (int bit = 31; bit >= 0 && cnt_gt + eq != take; --bit) {
-    const uint32_t m2 = mask | (1u << bit), p1 = prefix | (1u << bit);
-    int n1 = 0;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) n1 += ((valid >> e) & 1u) && (c[e].x & m2) == p1;
-    n1 = int(__reduce_add_sync(kAll, unsigned(n1)));
-    if (cnt_gt + n1 >= take) {
-      prefix = p1;
-      eq = n1;
-    } else {
-      cnt_gt += n1;
-      eq -= n1;
-    }
-    mask = m2;
-  }
+  warp_key_walk(key, kPer, 31, take, &mask, &prefix, &cnt_gt, &eq);
   const int need_eq = take - cnt_gt;  // the earliest entries in the bucket
   int o = 0, tie_base = 0;
   uint32_t kmin = 0xffffffffu;
