@@ -16,6 +16,13 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
            COMMAND ${_ref} "^error: .*retention snapkv: budget 100000 tokens out of range"
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/big --force
                    --retention snapkv:budget=100000)
+  add_test(NAME cli_retention_eval_bad_span
+           COMMAND ${_ref} "^error: .*--span '0' must be integers in \\[1, 256\\]"
+                   ${_rsf} eval --retention adakv --span 4,0)
+  add_test(NAME cli_prefill_retention_bad_span
+           COMMAND ${_ref} "^error: .*retention snapkv: span 300 out of range \\[1, 256\\]"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/span --force
+                   --retention snapkv:budget=8,span=300)
   # moa: a bad spec or a config for another model fails before the prefill; bare `moa` uses the
   # shipped config scaled to the budget, and its record states the spans and the scale.
   file(WRITE ${_rtmp}/moa-2x3.json "{\"n_layers\": 2, \"n_kv_heads\": 3, \"layers\": [[{\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}], [{\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}, {\"alpha\": 8, \"beta\": 0}]]}")
@@ -37,7 +44,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   add_test(NAME cli_retention_eval_moa
            COMMAND bash -c "set -e; '${_rsf}' eval --retention moa --budget 0.5 --length 256 --tokens 4 --no-passkey --out-dir '${_rtmp}/moa-eval'; grep -o '\"moa_scale\":[0-9][0-9.eE+-]*,\"moa_spans\":\\[\\[{' '${_rtmp}/moa-eval/retention-moa.json'")
   set_tests_properties(cli_retention_eval_moa PROPERTIES PASS_REGULAR_EXPRESSION
-                       "moa +0.50 +full +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
+                       "moa +0.50 +full +span 1 +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
   add_test(NAME cli_decode_bad_attention
@@ -49,5 +56,6 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                        cli_prefill_retention_budget_too_large cli_decode_missing_export cli_decode_bad_attention
                        cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
                        cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model
-                       cli_prefill_retention_moa cli_retention_eval_moa PROPERTIES LABELS unit TIMEOUT 120)
+                       cli_prefill_retention_moa cli_retention_eval_moa cli_retention_eval_bad_span
+                       cli_prefill_retention_bad_span PROPERTIES LABELS unit TIMEOUT 120)
 endif()
