@@ -17,7 +17,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/big --force
                    --retention snapkv:budget=100000)
   add_test(NAME cli_retention_eval_bad_span
-           COMMAND ${_ref} "^error: .*--span '0' must be integers in \\[1, 256\\]"
+           COMMAND ${_ref} "^error: .*--span '0' must be an integer in \\[1, 256\\]"
                    ${_rsf} eval --retention adakv --span 4,0)
   add_test(NAME cli_prefill_retention_bad_span
            COMMAND ${_ref} "^error: .*retention snapkv: span 300 out of range \\[1, 256\\]"

@@ -188,7 +188,7 @@ int cmd_retention_eval(int argc, char** argv) {
     char* end = nullptr;
     const long x = std::strtol(s.c_str(), &end, 10);
     if (s.empty() || *end != '\0' || x < 1 || x > kvstore::kRetentionMaxSpan)
-      return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be integers in [1, " +
+      return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be an integer in [1, " +
                                           std::to_string(kvstore::kRetentionMaxSpan) + "]"));
     spans.push_back(int(x));
   }
