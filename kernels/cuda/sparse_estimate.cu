@@ -1338,14 +1338,25 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 
 // One query block's selection over its scores s (softmax first in mass mode) by the group's
 // threads. The last query block selects on its exact mass instead (p.mass).
+// Query block qb's key blocks [0, n_allowed) under the causal mask, and its forced ones for
+// group_select: block 0, and fb .. fc, from the block of its first row's own key (at least 1)
+// through the last visible. The whole-row and the streaming selectors share it.
+struct QueryBlockRow {
+  int64_t n_allowed, fb, fc;
+};
+__device__ __forceinline__ QueryBlockRow query_block_row(const EstimateLaunch& p, int64_t qb) {
+  const int64_t base = p.q_offset + qb * kB;
+  int64_t kend = base + imin(kB, p.nq - qb * kB);
+  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
+  const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
+  return {(kend + kB - 1) / kB, fb > 0 ? fb : 1, kend > 0 ? (kend - 1) / kB : 0};
+}
+
 template <typename Grp>
 __device__ void select_query_block(const EstimateLaunch& p, const EstHead& eh, int hb, int64_t qb,
                                    float* scores, SelShared& sh, FlagScan<Grp> scan) {
-  const int64_t rows = imin(kB, p.nq - qb * kB);
-  const int64_t base = p.q_offset + qb * kB;
-  int64_t kend = base + rows;
-  kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
-  const int64_t n_allowed = (kend + kB - 1) / kB;
+  const QueryBlockRow row = query_block_row(p, qb);
+  const int64_t n_allowed = row.n_allowed;
   const bool exact = qb == p.n_qb - 1;
   // The last query block's exact mass comes into the shared score row first: the selection then
   // reads shared memory alone, with shared loads instead of generic ones.
@@ -1371,10 +1382,8 @@ __device__ void select_query_block(const EstimateLaunch& p, const EstHead& eh, i
     for (int64_t x = Grp::rank(); x < n_allowed; x += Grp::kSize) s[x] = expf(s[x] - mx) / fsum;
     Grp::sync();
   }
-  const int64_t fb = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
-  const int64_t fc = kend > 0 ? (kend - 1) / kB : 0;
   const size_t slot = size_t(hb) * size_t(p.n_qb) + size_t(qb);
-  group_select<Grp>(s, n_allowed, 1, fb > 0 ? fb : 1, fc, b, p.sel_kb + slot * size_t(p.cap_kb),
+  group_select<Grp>(s, n_allowed, 1, row.fb, row.fc, b, p.sel_kb + slot * size_t(p.cap_kb),
                     p.cap_kb, p.n_sel_kb + slot, sh, scan);
 }
 
@@ -1419,6 +1428,19 @@ __device__ __forceinline__ void pool_group_q(const EstimateLaunch& p, int64_t h,
     pool_group_q_v<T, V>(p, h, qb0, ng, qa);
   else
     pool_group_q_v<T, 1>(p, h, qb0, ng, qa);
+}
+
+// The group's pooled q in qa for the selectors, rows past ng and channels past d zero (nsp * 32
+// words). The whole CTA; synchronizes before and after.
+__device__ __forceinline__ void load_group_q(const EstimateLaunch& p, int64_t h, int64_t qb0,
+                                             int ng, int nsp, uint4* qa) {
+  for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) qa[x] = make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();
+  if (p.bf16)
+    pool_group_q<__nv_bfloat16>(p, h, qb0, ng, qa);
+  else
+    pool_group_q<float>(p, h, qb0, ng, qa);
+  __syncthreads();
 }
 
 // The block selector's scoring for the common head dims (NSP = padded d / 32: 4 for d 128, 2 for
@@ -1551,14 +1573,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_select_kernel(const
   // The group's pooled q, computed here rather than by a pooling pass: that pass read all of q
   // at the HBM roofline, and here the reads partly overlap the other CTA's selection on the SM
   // (issue-bound, next to no DRAM traffic; Nsight at 128K: selector +173 us, pass -261 us).
-  // Zeros first: rows past ng, channels past d.
-  for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) qa[x] = make_uint4(0u, 0u, 0u, 0u);
-  __syncthreads();
-  if (p.bf16)
-    pool_group_q<__nv_bfloat16>(p, h, qb0, int(ng), qa);
-  else
-    pool_group_q<float>(p, h, qb0, int(ng), qa);
-  __syncthreads();
+  load_group_q(p, h, qb0, int(ng), nsp, qa);
   const int64_t kvh = h / (p.hq / p.hkv);
   // The group's rows against 8 key blocks per warp step, on tensor cores: bf16 products are
   // exact in f32 (the pooled values are bf16), so the scores differ from the CPU's by the
@@ -1665,13 +1680,7 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_stream_kernel(const
   const int64_t qb0 = int64_t(blockIdx.x) * kBlockStreamRows;
   const int ng = int(imin(kBlockStreamRows, p.n_qb - qb0));
   const int64_t n_score = group_key_blocks(p, qb0, ng);
-  for (int x = threadIdx.x; x < nsp * 32; x += blockDim.x) qa[x] = make_uint4(0u, 0u, 0u, 0u);
-  __syncthreads();
-  if (p.bf16)
-    pool_group_q<__nv_bfloat16>(p, h, qb0, ng, qa);
-  else
-    pool_group_q<float>(p, h, qb0, ng, qa);
-  __syncthreads();
+  load_group_q(p, h, qb0, ng, nsp, qa);
   const uint4* kf = pooled_k_of(p, h / (p.hq / p.hkv), nsp);
 
   // This warp's query block: select_query_block's causal extent and forced blocks (block 0, the
@@ -1683,15 +1692,11 @@ __global__ void __launch_bounds__(kBlockSelectThreads) block_stream_kernel(const
   int n = 0, fa = 0, fb = 0, fc = -1, take = 0;
   bool exact = false;
   if (mine) {
-    const int64_t base = p.q_offset + qb * kB;
-    int64_t kend = base + imin(kB, p.nq - qb * kB);
-    kend = kend < 0 ? 0 : (kend > p.nk ? p.nk : kend);
-    n = int((kend + kB - 1) / kB);
-    const int64_t fb64 = kend > 0 ? (base < kend - 1 ? base : kend - 1) / kB : 1;
-    const int64_t fc64 = kend > 0 ? (kend - 1) / kB : 0;
+    const QueryBlockRow row = query_block_row(p, qb);
+    n = int(row.n_allowed);
     fa = n < 1 ? n : 1;
-    fb = int(imin(fb64 > 0 ? fb64 : 1, n));
-    fc = int(imin(fc64, int64_t(n) - 1));
+    fb = int(imin(row.fb, n));
+    fc = int(imin(row.fc, int64_t(n) - 1));
     const int lo = fb > fa ? fb : fa;
     const int nf = fa + (fc >= lo ? fc - lo + 1 : 0);
     const int64_t t = eh.k_blocks - nf;
