@@ -5,8 +5,10 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "kernels/api.h"
+#include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
 #include "worker/runtime/cp_estimate.h"
 
@@ -53,6 +55,131 @@ Status timed(ParallelStats* st, F&& f) {
   return s;
 }
 
+
+float log_add_exp(float a, float b) {
+  if (a == -std::numeric_limits<float>::infinity()) return b;
+  if (b == -std::numeric_limits<float>::infinity()) return a;
+  const float m = std::max(a, b);
+  return m + std::log(std::exp(a - m) + std::exp(b - m));
+}
+
+// One layer's SnapKV importance where the keys live (ParallelOptions::importance_window): this
+// CP rank's rows (ranges, merged into pieces at local rows aoff) of q [n_loc, hq_t, d] and of
+// its K/V [n_loc, hkv_t, d]. out: [n_kv_heads, S], every rank. Collective over g.cp and g.tp.
+struct ImportanceArgs {
+  int64_t S = 0, hq_t = 0, hkv_t = 0, d = 0;
+  int window = 0, pool = 1;
+  std::array<TokenRange, 2> ranges;
+  const std::vector<TokenRange>* pieces = nullptr;
+  const std::vector<int64_t>* aoff = nullptr;
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+};
+Status cp_importance(GridComms& g, const ImportanceArgs& a, std::vector<float>* out,
+                     ParallelStats* st) {
+  const int CP = g.shape.cp, TP = g.shape.tp;
+  const int64_t S = a.S, hq_t = a.hq_t, hkv_t = a.hkv_t, d = a.d, kvw = hkv_t * d;
+  const int64_t Wn = std::min<int64_t>(a.window, S), w0 = S - Wn;
+  const int64_t n_loc = a.ranges[0].size() + a.ranges[1].size();
+  const int64_t bytes0 = g.cp->bytes_sent() + g.tp->bytes_sent();
+  // 1) The window's queries on every CP rank: each row has one holder and zeros elsewhere, so
+  // the sum over CP is a copy.
+  std::vector<float> wq(size_t(Wn * hq_t * d), 0.f);
+  for (int64_t row = 0; const TokenRange& r : a.ranges) {
+    for (int64_t p = std::max(r.begin, w0); p < r.end; ++p)
+      std::copy_n(a.q + (row + p - r.begin) * hq_t * d, hq_t * d, wq.data() + (p - w0) * hq_t * d);
+    row += r.size();
+  }
+  if (CP > 1)
+    SF_TRY(timed(st, [&] {
+      return g.cp->all_reduce(wq.data(), wq.data(), int64_t(wq.size()), DType::kF32,
+                              comm::ReduceOp::kSum);
+    }));
+  const TensorView wqv = view3(wq.data(), Wn, hq_t, d);
+  // 2) Each window row's LSE over every key: this rank's pieces, then the ranks' partial LSEs
+  // merged in rank order (the same on every rank).
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> lse(size_t(hq_t * Wn), ninf), part(lse.size()), scratch(wq.size());
+  const auto& pieces = *a.pieces;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const TokenRange& r = pieces[j];
+    if (r.size() == 0) continue;
+    const int64_t off = (*a.aoff)[j] * kvw;
+    kernels::AttentionParams ap;
+    ap.causal = true;
+    ap.q_offset = w0 - r.begin;
+    SF_TRY(kernels::attention_dense(wqv, view3(const_cast<float*>(a.k) + off, r.size(), hkv_t, d),
+                                    view3(const_cast<float*>(a.v) + off, r.size(), hkv_t, d),
+                                    view3(scratch.data(), Wn, hq_t, d),
+                                    view2(part.data(), hq_t, Wn), ap));
+    for (size_t i = 0; i < lse.size(); ++i) lse[i] = log_add_exp(lse[i], part[i]);
+  }
+  if (CP > 1) {
+    std::vector<float> all(lse.size() * size_t(CP));
+    SF_TRY(timed(st, [&] {
+      return g.cp->all_gather(lse.data(), all.data(), int64_t(lse.size()), DType::kF32);
+    }));
+    std::fill(lse.begin(), lse.end(), ninf);
+    for (int r = 0; r < CP; ++r)
+      for (size_t i = 0; i < lse.size(); ++i)
+        lse[i] = log_add_exp(lse[i], all[size_t(r) * lse.size() + i]);
+  }
+  // 3) Column sums of this rank's keys (unpooled: the pooling window crosses ranks), gathered
+  // over CP into prompt order, then pooled.
+  std::vector<float> sums(size_t(hkv_t * n_loc)), tmp;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const TokenRange& r = pieces[j];
+    if (r.size() == 0) continue;
+    kernels::ImportanceParams ip;
+    ip.window = int(Wn);
+    ip.pool = 1;
+    ip.q_offset = w0 - r.begin;
+    tmp.resize(size_t(hkv_t * r.size()));
+    SF_TRY(kernels::kv_importance(
+        wqv, view3(const_cast<float*>(a.k) + (*a.aoff)[j] * kvw, r.size(), hkv_t, d),
+        view2(lse.data(), hq_t, Wn), ip, view2(tmp.data(), hkv_t, r.size())));
+    for (int64_t h = 0; h < hkv_t; ++h)
+      std::copy_n(tmp.data() + h * r.size(), r.size(), sums.data() + h * n_loc + (*a.aoff)[j]);
+  }
+  std::vector<float> raw(size_t(hkv_t * S));
+  if (CP > 1) {
+    std::vector<int64_t> counts(static_cast<size_t>(CP));
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      counts[size_t(r)] = hkv_t * (rr[0].size() + rr[1].size());
+    }
+    std::vector<float> all(size_t(hkv_t * S));
+    SF_TRY(timed(st, [&] {
+      return g.cp->all_gatherv(sums.data(), int64_t(sums.size()), all.data(), counts,
+                               DType::kF32);
+    }));
+    int64_t base = 0;
+    for (int r = 0; r < CP; ++r) {
+      const auto rr = cp_rank_ranges(S, CP, r);
+      const int64_t nr = rr[0].size() + rr[1].size();
+      for (int64_t h = 0; h < hkv_t; ++h)
+        for (int64_t row = 0; const TokenRange& ch : rr) {
+          std::copy_n(all.data() + base + h * nr + row, ch.size(), raw.data() + h * S + ch.begin);
+          row += ch.size();
+        }
+      base += hkv_t * nr;
+    }
+  } else {
+    raw = std::move(sums);  // one rank: its rows are the prompt
+  }
+  std::vector<float> pooled(size_t(hkv_t * S));
+  for (int64_t h = 0; h < hkv_t; ++h)
+    kernels::max_pool_keys(raw.data() + h * S, S, a.pool, pooled.data() + h * S);
+  // 4) Every TP slice's KV heads (slices are contiguous heads in TP rank order).
+  out->resize(size_t(TP * hkv_t * S));
+  if (TP > 1)
+    SF_TRY(timed(st, [&] {
+      return g.tp->all_gather(pooled.data(), out->data(), hkv_t * S, DType::kF32);
+    }));
+  else
+    *out = std::move(pooled);
+  st->importance_bytes += g.cp->bytes_sent() + g.tp->bytes_sent() - bytes0;
+  return Status::ok();
+}
 }  // namespace
 
 Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0, int nh,
@@ -222,6 +349,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     }
   };
 
+  if (opt.importance_window < 0 || opt.importance_pool < 1 || opt.importance_pool % 2 == 0)
+    return SF_ERR(kInvalidArgument,
+                  "parallel_prefill: importance_window must be >= 0 and importance_pool odd");
+  if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
   if (n_loc > 0)
     SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
   for (int l = 0; l < c.n_layers; ++l) {
@@ -407,6 +538,24 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         st.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
         pairs_done += causal;
       }
+    }
+    if (opt.importance_window > 0) {
+      const auto i0 = clock::now();
+      ImportanceArgs ia;
+      ia.S = S;
+      ia.hq_t = hq_t;
+      ia.hkv_t = hkv_t;
+      ia.d = d;
+      ia.window = opt.importance_window;
+      ia.pool = opt.importance_pool;
+      ia.ranges = ranges;
+      ia.pieces = &aranges;
+      ia.aoff = &aoff;
+      ia.q = q.data();
+      ia.k = kl;
+      ia.v = vl;
+      SF_TRY(cp_importance(g, ia, &res.importance[size_t(l)], &st));
+      st.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
     if (opt.local_kv && !opt.gather_kv) {
       res.kv.k.emplace_back(kl, kl + n_loc * kvw);

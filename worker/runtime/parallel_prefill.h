@@ -49,6 +49,13 @@ struct ParallelOptions {
   // single-rank one over the whole prompt, scored where the keys live, instead of per-chunk
   // estimation. Combines with selective_kv (then no key moves before its selection).
   bool cp_estimate = false;
+  // > 0: SnapKV importance of the last importance_window queries against every key
+  // (model::PrefillOptions' meaning, always from a dense pass over the window rows), computed
+  // where the keys live: the window's queries go to every CP rank, each window row's LSE is
+  // merged from every rank's keys, and each rank sums its own keys' columns; the sums meet on
+  // every rank, pooled with importance_pool (ParallelResult::importance).
+  int importance_window = 0;
+  int importance_pool = 7;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
 };
@@ -63,6 +70,8 @@ struct ParallelStats {
           estimate_blocks_bytes = 0;
   int64_t kv_moved_bytes = 0;      // what it actually received for attention (==
                                    // kv_allgather_bytes unless selective_kv; then rows + masks)
+  int64_t importance_bytes = 0;    // what this rank put into the importance collectives
+  double importance_s = 0;
   int64_t tp_allreduce_bytes = 0;  // bytes this rank all-reduced over TP
   int64_t comm_bytes = 0;          // everything this rank put into collectives
   double density = 1.0;            // of this rank's attention (causal pairs computed)
@@ -81,6 +90,9 @@ struct ParallelResult {
   int64_t n_logit_rows = 0;
   model::KvCache kv;  // leader only, when gather_kv: the whole prompt, every KV head;
                       // every rank, when local_kv: its rows of its KV heads
+  // Every rank of the group, when importance_window > 0: per layer [n_kv_heads, n_tokens], all
+  // KV heads (every TP slice's), the same on every rank; retention policies select from it.
+  std::vector<std::vector<float>> importance;
   ParallelStats stats;
 };
 

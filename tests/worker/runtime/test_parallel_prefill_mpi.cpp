@@ -95,6 +95,8 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   model::PrefillOptions ro;
   ro.all_logits = true;
   ro.sparse = sparse;
+  ro.importance_window = 32;  // SnapKV scores of the last 32 queries (retention), pool 7
+  ro.importance_pool = 7;
   std::vector<kernels::SparseIndex> indices(size_t(m.config().n_layers));
   if (sparse)
     ro.on_attention = [&](int l, const TensorView&, const TensorView&,
@@ -111,9 +113,18 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   po.sparse = cp_est ? sparse : nullptr;
   po.cp_estimate = cp_est;
   po.selective_kv = selective;
+  po.importance_window = ro.importance_window;
+  po.importance_pool = ro.importance_pool;
   auto par = runtime::parallel_prefill(m, g, tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   EXPECT_EQ(par->first_token, ref->first_token);
+  // Importance scored where the keys live, on every rank: the window rows' LSE merged over the
+  // CP ranks and each rank's own columns (every key, whatever the attention read).
+  ASSERT_EQ(par->importance.size(), size_t(m.config().n_layers));
+  double dimp = 0;
+  for (int l = 0; l < m.config().n_layers; ++l)
+    dimp = std::max(dimp, expect_close(par->importance[size_t(l)], ref->importance[size_t(l)],
+                                       "importance layer " + std::to_string(l)));
   if (g.leader()) {
     const std::string tag = "tp " + std::to_string(shape.tp) + " cp " + std::to_string(shape.cp) +
                             " group " + std::to_string(g.group) + (sparse ? " sparse" : " dense") +
@@ -129,10 +140,10 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
                                        tag + " V layer " + std::to_string(l)));
     }
     std::printf(
-        "%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, comm %.4f s, estimate %lld B, kv "
+        "%s: tokens %lld, max |dlogit| %.2e, max |dKV| %.2e, max |dimportance| %.2e, comm %.4f s, estimate %lld B, kv "
         "moved %lld B of all-gather %lld B (group %lld of %lld B), tp all-reduce %lld B, density "
         "%.3f (group %.6f)\n",
-        tag.c_str(), static_cast<long long>(n_tokens), dl, dkv, par->stats.comm_s,
+        tag.c_str(), static_cast<long long>(n_tokens), dl, dkv, dimp, par->stats.comm_s,
         static_cast<long long>(par->stats.estimate_bytes),
         static_cast<long long>(par->stats.kv_moved_bytes),
         static_cast<long long>(par->stats.kv_allgather_bytes),
