@@ -224,9 +224,13 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   const Retention* ret = spec.retention;
   boost::json::array tok_json;
   for (const auto& r : part.tokens) tok_json.push_back(boost::json::array{r[0], r[1]});
+  if (part.layer < -1 || part.layer >= spec.n_layers)
+    return SF_ERR(kInvalidArgument, "export_kv: shard layer " + std::to_string(part.layer) +
+                                        " outside the model's " + std::to_string(spec.n_layers));
   std::error_code ec;
   std::vector<std::string> entries;
-  for (int l = 0; l < spec.n_layers; ++l) {
+  const int l_end = part.layer < 0 ? spec.n_layers : part.layer + 1;
+  for (int l = std::max(part.layer, 0); l < l_end; ++l) {
     const float* k = src(l, false);
     const float* v = src(l, true);
     if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");

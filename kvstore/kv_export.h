@@ -65,6 +65,7 @@ struct KvShardPart {
   int kv_head0 = 0, n_kv_heads = 0;
   int rank = 0;          // who wrote it (recorded)
   std::string file_tag;  // file names: layer_LLL<file_tag>.safetensors
+  int layer = -1;        // every layer (-1), or only this one (parts that differ per layer)
 };
 // The whole cache as one part (what export_kv writes).
 KvShardPart whole_part(const KvExportSpec& spec);

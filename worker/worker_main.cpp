@@ -48,7 +48,7 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
-    "                  [--device cpu|cuda]\n";
+    "                  [--device cpu|cuda] [--retention POLICY]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -64,6 +64,9 @@ struct Options {
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
   bool allow_long = false;
   bool cp_estimate = false, selective_kv = false;  // sparsity-aware CP (docs/distributed.md)
+  // Applied before export to every request whose line names none (docs/distributed.md,
+  // "Retention"); scored policies use the SnapKV importance computed during the prefill.
+  kvstore::RetentionPolicy retention;
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -88,8 +91,9 @@ Result<Options> parse_options(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
-    static const char* valued[] = {"model",     "batch", "out",          "tp",     "cp",
-                                   "attention", "chunk", "comm-timeout", "export", "device"};
+    static const char* valued[] = {"model",  "batch",     "out",      "tp",
+                                   "cp",     "attention", "chunk",    "comm-timeout",
+                                   "export", "device",    "retention"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -129,13 +133,19 @@ Result<Options> parse_options(int argc, char** argv) {
   if (o.selective_kv && !o.cp_estimate)
     return SF_ERR(kInvalidArgument,
                   "--selective-kv needs --cp-estimate (the index must exist before keys move)");
+  if (kv.count("retention")) {
+    auto rp = kvstore::retention_parse(kv["retention"]);
+    if (!rp.is_ok()) return SF_ERR(kInvalidArgument, "--retention: " + rp.status().message());
+    o.retention = std::move(rp).value();
+  }
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
     return SF_ERR(kInvalidArgument, "--device must be cpu or cuda, got '" + o.device + "'");
-  if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded"))
+  if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded" ||
+                             o.retention.kind != kvstore::RetentionKind::kFull))
     return SF_ERR(kInvalidArgument,
-                  "--device cuda runs per-piece estimation and sharded exports only (no "
-                  "--cp-estimate, --selective-kv or --export gathered)");
+                  "--device cuda runs per-piece estimation and sharded full-retention exports "
+                  "only (no --cp-estimate, --selective-kv, --export gathered or --retention)");
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
     o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -285,6 +295,9 @@ int run(int argc, char** argv) {
   const model::ModelConfig& cfg = m.config();
   if (Status st = runtime::check_model_divides(cfg, o.tp); !st.is_ok())
     return finish(2, st.message(), false);
+  if (Status st = kvstore::retention_check_geometry(o.retention, cfg.n_layers, cfg.n_kv_heads);
+      !st.is_ok())
+    return finish(2, "--retention: " + st.message(), false);
   std::optional<model::SparseConfig> sparse;
   if (o.attention != "dense") {
     auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
@@ -366,6 +379,19 @@ int run(int argc, char** argv) {
                                     " (--allow-long to run anyway)"});
       ok = false;
     }
+    if (ok && r.retention) {
+      if (o.device == "cuda" && r.retention->kind != kvstore::RetentionKind::kFull) {
+        bf.bad.push_back({r.line,
+                          "field 'retention': the GPU runtime exports full retention "
+                          "only (it computes no importance yet)"});
+        ok = false;
+      } else if (Status st =
+                     kvstore::retention_check_geometry(*r.retention, cfg.n_layers, cfg.n_kv_heads);
+                 !st.is_ok()) {
+        bf.bad.push_back({r.line, "field 'retention': " + st.message()});
+        ok = false;
+      }
+    }
     if (ok) good.push_back(std::move(r));
   }
   std::sort(bf.bad.begin(), bf.bad.end(),
@@ -409,6 +435,16 @@ int run(int argc, char** argv) {
     po.sparse = sparse ? &*sparse : nullptr;
     po.cp_estimate = o.cp_estimate;
     po.selective_kv = o.selective_kv;
+    const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
+    if (!dmodel) {
+      // Exports carry per-block importance (as `sparsefill prefill --export-kv` does); scored
+      // retention policies select with it. The GPU runtime computes none yet.
+      po.importance_window = 32;
+      po.importance_pool = policy.kind == kvstore::RetentionKind::kSnapKV ||
+                                   policy.kind == kvstore::RetentionKind::kAdaKV
+                               ? policy.pool
+                               : 7;
+    }
     if (first_request && (fault.kind == "kill" || fault.kind == "stop") &&
         fault.rank == world->rank()) {
       po.on_layer = [&](int l) {
@@ -458,6 +494,24 @@ int run(int argc, char** argv) {
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
     const std::string dir = runtime::request_dir(o.out, r.id);
+    // Every rank holds the same importance, so every rank reaches the same retention (or error).
+    std::optional<kvstore::ImportanceScores> imp;
+    if (!res.importance.empty())
+      imp = kvstore::ImportanceScores{cfg.n_layers,         cfg.n_kv_heads,     spec.n_tokens,
+                                      po.importance_window, po.importance_pool, res.importance};
+    auto ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
+                                        imp ? &*imp : nullptr);
+    if (!ret.is_ok()) {
+      ++n_failed;
+      if (g.leader())
+        std::fprintf(stderr, "%s:%lld: request '%s' failed: retention: %s\n", o.batch.c_str(),
+                     static_cast<long long>(r.line), r.id.c_str(), ret.status().message().c_str());
+      continue;
+    }
+    spec.retention = &ret.value();
+    spec.importance = imp ? &*imp : nullptr;
+    const double kept_frac =
+        double(ret->kept_total()) / double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
     Status st;
     if (sharded) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
@@ -488,7 +542,8 @@ int run(int argc, char** argv) {
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
-        "%.6f, \"export\": \"%s\", \"device\": \"%s\"}",
+        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
+        "\"kv_kept_fraction\": %.6f, \"importance_bytes\": %lld}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -497,7 +552,9 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_diagonals_bytes),
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str());
+        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
+        ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
+        kept_frac, static_cast<long long>(s.importance_bytes));
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";

@@ -13,6 +13,12 @@
 #   sharded     np 2 with --cp 2, a ~530-token prompt: the default sharded export has one shard per
 #               layer and rank, whose manifest entries cover the prompt, and it decodes exactly as
 #               the gathered export (--export gathered) does; --export bogus is refused
+#   retention   np 2 with --cp 2, the same prompt, --retention snapkv (importance scored where
+#               the keys live): the sharded export (block-aligned per-head parts, rows moved
+#               between ranks) keeps exactly the gathered export's positions and decodes as it
+#               does; a line's own "retention" overrides the flag; bad specs are bad lines or a
+#               start-up error; a budget larger than the prompt fails that request only; the
+#               same at TP 3 x CP 2 (np 6)
 set -u
 case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -129,6 +135,51 @@ case "$case_name" in
     run 2 --model default --cp 2 --export bogus --batch "$tmp/long.jsonl" --out "$tmp/out_b"
     [ "$rc" -eq 2 ] || fail "--export bogus: exit $rc, want 2"
     errors | grep -q "^error: --export must be sharded or gathered, got 'bogus'" || fail "--export message"
+    ;;
+  retention)
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+    decoder="$(dirname "$worker")/../decode/sparsefill-decode"
+    text=$(head -c 2500 "$root/data/long_document.txt" | tr '\n\t"\\' '    ')
+    {
+      printf '{"id": "doc", "prompt": "%s"}\n' "$text"
+      printf '{"id": "ada", "prompt": "%s", "retention": "adakv:budget=100,span=4"}\n' "$text"
+      printf '{"id": "neg", "prompt": "x", "retention": "snapkv:budget=64,bogus=1"}\n'
+      printf '{"id": "huge", "prompt": "%s", "retention": "snapkv:budget=100000"}\n' "$text"
+    } >"$tmp/ret.jsonl"
+    for mode in sharded gathered; do
+      run 2 --model default --cp 2 --retention snapkv:budget=128 --export "$mode" --batch "$tmp/ret.jsonl" --out "$tmp/out_$mode"
+      [ "$rc" -eq 3 ] || fail "$mode: exit $rc, want 3 (one bad line, one failed request)"
+      grep -q "ret.jsonl:3: field 'retention': .*bogus" "$tmp/stderr" || fail "$mode: bad retention line not reported"
+      grep -q "ret.jsonl:4: request 'huge' failed: retention: " "$tmp/stderr" || fail "$mode: oversized budget not reported"
+      grep -q '"retention": "snapkv:budget=128,window=32,pool=7"' "$tmp/out_$mode/doc.json" || fail "$mode: summary retention"
+      grep -q '"retention": "adakv:budget=100' "$tmp/out_$mode/ada.json" || fail "$mode: the line's retention did not override"
+      for id in doc ada; do
+        "$decoder" --model default --kv "$tmp/out_$mode/$id" --tokens 12 >"$tmp/dec_${mode}_$id" 2>&1 || { cat "$tmp/dec_${mode}_$id"; fail "decode of $mode $id"; }
+        grep '^tokens:' "$tmp/dec_${mode}_$id" >"$tmp/tok_${mode}_$id"
+      done
+    done
+    [ -f "$tmp/out_sharded/doc/layer_029.r0.h2.safetensors" ] || fail "want per-head parts in a sharded retention export"
+    ls "$tmp/out_sharded/doc" | grep -q '\.r1\.h' || fail "rank 1 wrote no part"
+    for id in doc ada; do
+      [ -s "$tmp/tok_sharded_$id" ] && cmp -s "$tmp/tok_sharded_$id" "$tmp/tok_gathered_$id" || fail "$id: sharded and gathered decode differently"
+      python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]=="full")' \
+        "$tmp/out_sharded/$id/manifest.json" "$tmp/out_gathered/$id/manifest.json" || fail "$id: kept positions differ"
+    done
+    # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head.
+    head -1 "$tmp/ret.jsonl" >"$tmp/one.jsonl"
+    for mode in sharded gathered; do
+      run 6 --model default --tp 3 --cp 2 --retention adakv:budget=128,span=4 --export "$mode" --batch "$tmp/one.jsonl" --out "$tmp/tp_$mode"
+      [ "$rc" -eq 0 ] || fail "tp 3 x cp 2 $mode: exit $rc"
+    done
+    python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]!="adakv")' \
+      "$tmp/tp_sharded/doc/manifest.json" "$tmp/tp_gathered/doc/manifest.json" || fail "tp 3 x cp 2: kept positions differ"
+    for mode in sharded gathered; do
+      "$decoder" --model default --kv "$tmp/tp_$mode/doc" --tokens 12 2>&1 | grep '^tokens:' >"$tmp/tok_tp_$mode"
+    done
+    [ -s "$tmp/tok_tp_sharded" ] && cmp -s "$tmp/tok_tp_sharded" "$tmp/tok_tp_gathered" || fail "tp 3 x cp 2: sharded and gathered decode differently"
+    run 2 --model default --cp 2 --retention bogus --batch "$tmp/ret.jsonl" --out "$tmp/out_b"
+    [ "$rc" -eq 2 ] || fail "--retention bogus: exit $rc, want 2"
+    errors | grep -q "^error: --retention: " || fail "--retention message"
     ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac

@@ -33,9 +33,9 @@ Result<BatchRequest> parse_line(std::string_view line) {
   if (!v.is_object()) return SF_ERR(kInvalidArgument, "a line must be a JSON object");
   const json::object& o = v.as_object();
   for (const auto& kv : o)
-    if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens")
-      return SF_ERR(kInvalidArgument,
-                    "unknown field '" + std::string(kv.key()) + "' (id, prompt, tokens)");
+    if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" && kv.key() != "retention")
+      return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) +
+                                          "' (id, prompt, tokens, retention)");
   BatchRequest r;
   const json::value* id = o.if_contains("id");
   if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
@@ -67,6 +67,13 @@ Result<BatchRequest> parse_line(std::string_view line) {
       r.tokens.push_back(int32_t(x));
     }
     r.has_tokens = true;
+  }
+  if (const json::value* ret = o.if_contains("retention")) {
+    if (!ret->is_string()) return SF_ERR(kInvalidArgument, "field 'retention' must be a string");
+    auto pol = kvstore::retention_parse(std::string(ret->as_string()));
+    if (!pol.is_ok())
+      return SF_ERR(kInvalidArgument, "field 'retention': " + pol.status().message());
+    r.retention = std::move(pol).value();
   }
   return r;
 }

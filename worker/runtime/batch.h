@@ -3,6 +3,8 @@
 //
 // A line is one JSON object:
 //   {"id": "doc-17", "prompt": "text ..."}      or      {"id": "doc-17", "tokens": [1, 2, 3]}
+// with an optional "retention": "POLICY" (kvstore::retention_parse's syntax, e.g.
+// "snapkv:budget=1024,span=4") that overrides the worker's --retention for that request.
 // id: 1-128 characters of [A-Za-z0-9._-], not starting with '.', unique in the file (it names
 // the output directory). Exactly one of prompt (non-empty string) / tokens (non-empty array of
 // integers). Blank lines are ignored. Every other line is a bad line: it is reported with its
@@ -13,10 +15,12 @@
 // whose DIR/<id>/manifest.json exists is complete and skipped on resume.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "kvstore/retention.h"
 
 namespace sf::runtime {
 
@@ -26,6 +30,7 @@ struct BatchRequest {
   std::string prompt;           // when given as text
   std::vector<int32_t> tokens;  // when given as ids
   bool has_tokens = false;
+  std::optional<kvstore::RetentionPolicy> retention;  // the line's own, when it names one
 };
 
 struct BadLine {

@@ -81,19 +81,36 @@ Status cp_importance(GridComms& g, const ImportanceArgs& a, std::vector<float>* 
   const int64_t Wn = std::min<int64_t>(a.window, S), w0 = S - Wn;
   const int64_t n_loc = a.ranges[0].size() + a.ranges[1].size();
   const int64_t bytes0 = g.cp->bytes_sent() + g.tp->bytes_sent();
-  // 1) The window's queries on every CP rank: each row has one holder and zeros elsewhere, so
-  // the sum over CP is a copy.
-  std::vector<float> wq(size_t(Wn * hq_t * d), 0.f);
-  for (int64_t row = 0; const TokenRange& r : a.ranges) {
-    for (int64_t p = std::max(r.begin, w0); p < r.end; ++p)
-      std::copy_n(a.q + (row + p - r.begin) * hq_t * d, hq_t * d, wq.data() + (p - w0) * hq_t * d);
-    row += r.size();
-  }
-  if (CP > 1)
+  // 1) The window's queries on every CP rank: each rank sends the window rows it holds (the
+  // last chunk's rank all of them, unless the window is longer than that chunk).
+  auto window_rows = [&](const std::array<TokenRange, 2>& rr, auto&& f) {
+    for (int64_t row = 0; const TokenRange& r : rr) {
+      for (int64_t p = std::max(r.begin, w0); p < r.end; ++p) f(row + p - r.begin, p);
+      row += r.size();
+    }
+  };
+  std::vector<float> wq(size_t(Wn * hq_t * d)), mine;
+  window_rows(a.ranges, [&](int64_t row, int64_t) {
+    mine.insert(mine.end(), a.q + row * hq_t * d, a.q + (row + 1) * hq_t * d);
+  });
+  if (CP > 1) {
+    std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
+    for (int r = 0; r < CP; ++r)
+      window_rows(cp_rank_ranges(S, CP, r),
+                  [&](int64_t, int64_t) { counts[size_t(r)] += hq_t * d; });
+    std::vector<float> all(wq.size());
     SF_TRY(timed(st, [&] {
-      return g.cp->all_reduce(wq.data(), wq.data(), int64_t(wq.size()), DType::kF32,
-                              comm::ReduceOp::kSum);
+      return g.cp->all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32);
     }));
+    int64_t off = 0;
+    for (int r = 0; r < CP; ++r)
+      window_rows(cp_rank_ranges(S, CP, r), [&](int64_t, int64_t p) {
+        std::copy_n(all.data() + off, hq_t * d, wq.data() + (p - w0) * hq_t * d);
+        off += hq_t * d;
+      });
+  } else {
+    wq = std::move(mine);  // one rank holds every row, in order
+  }
   const TensorView wqv = view3(wq.data(), Wn, hq_t, d);
   // 2) Each window row's LSE over every key: this rank's pieces, then the ranks' partial LSEs
   // merged in rank order (the same on every rank).

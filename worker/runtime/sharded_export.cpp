@@ -1,13 +1,155 @@
 #include "worker/runtime/sharded_export.h"
 
+#include <algorithm>
+#include <array>
 #include <filesystem>
 #include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 namespace sf::runtime {
 namespace fs = std::filesystem;
+
+namespace {
+
+// Retention other than full keeps a different number of tokens of each layer and head on each
+// CP chunk, but a shard's blocks (runs of 64 kept tokens) must not straddle shards
+// (docs/kv-format.md "Shards"). So per (layer, KV head) the kept tokens are cut on block
+// boundaries: the run of chunk c starts at kept index 64 * floor(i_c / 64), i_c the number kept
+// before the chunk, so it takes over the tail of the block its predecessor began; those rows (at
+// most 63 per chunk boundary) move to its rank. Each run with kept tokens is one part (one layer,
+// one head, file tag .rR.hH) covering the positions from its first kept token (0 for the first
+// run) up to the next run's, so every position is covered once.
+struct HeadCut {
+  std::vector<int32_t> owner;                // per kept index: the CP rank that computed it
+  std::vector<int32_t> dest;                 // per kept index: the CP rank whose part holds it
+  std::vector<std::array<int64_t, 3>> runs;  // [pos begin, pos end, kept begin] per part,
+                                             // in position order
+  std::vector<int32_t> run_rank;             // per run: its writer's CP rank
+};
+
+HeadCut cut_head(const std::vector<int32_t>& kept, const std::vector<TokenRange>& chunks, int cp,
+                 int64_t n_tokens) {
+  const int nc = int(chunks.size());
+  auto chunk_owner = [&](int ch) { return ch < cp ? ch : 2 * cp - 1 - ch; };
+  HeadCut h;
+  const int64_t n = int64_t(kept.size());
+  std::vector<int64_t> start(size_t(nc) + 1);  // kept index where each chunk's run starts
+  for (int ch = 0; ch < nc; ++ch) {
+    const int64_t i =
+        std::lower_bound(kept.begin(), kept.end(), chunks[size_t(ch)].begin) - kept.begin();
+    start[size_t(ch)] = ch == 0 ? 0 : i / kvstore::kKvBlockSize * kvstore::kKvBlockSize;
+  }
+  start[size_t(nc)] = n;
+  h.owner.resize(size_t(n));
+  h.dest.resize(size_t(n));
+  for (int ch = 0, src = 0; ch < nc; ++ch) {
+    for (int64_t k = start[size_t(ch)]; k < start[size_t(ch) + 1]; ++k)
+      h.dest[size_t(k)] = chunk_owner(ch);
+    if (start[size_t(ch)] < start[size_t(ch) + 1]) {
+      h.runs.push_back({h.runs.empty() ? 0 : int64_t(kept[size_t(start[size_t(ch)])]), n_tokens,
+                        start[size_t(ch)]});
+      if (h.runs.size() > 1) h.runs[h.runs.size() - 2][1] = h.runs.back()[0];
+      h.run_rank.push_back(chunk_owner(ch));
+    }
+    for (; src < n && kept[size_t(src)] < chunks[size_t(ch)].end; ++src)
+      h.owner[size_t(src)] = chunk_owner(ch);
+  }
+  return h;
+}
+
+// The local row of prompt position p on a rank holding `ranges` (its rows in prompt order).
+int64_t local_row(const std::array<TokenRange, 2>& ranges, int64_t p) {
+  return p < ranges[1].begin || ranges[1].size() == 0 ? p - ranges[0].begin
+                                                      : ranges[0].size() + p - ranges[1].begin;
+}
+
+template <typename Add>
+Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore::KvExportSpec& spec,
+                            const model::KvCache& local, Add&& add) {
+  const int CP = g.shape.cp, me = g.cp_rank;
+  const int64_t S = spec.n_tokens, d = spec.head_dim;
+  const int hl = local.n_kv_heads, h0 = g.tp_rank * hl, nl = spec.n_layers;
+  const auto chunks = zigzag_chunks(S, CP);
+  const auto ranges = cp_rank_ranges(S, CP, me);
+  std::vector<HeadCut> cuts(size_t(nl * hl));
+  for (int l = 0; l < nl; ++l)
+    for (int h = 0; h < hl; ++h)
+      cuts[size_t(l * hl + h)] = cut_head(spec.retention->positions(l, h0 + h), chunks, CP, S);
+  // Rows that change rank, per (layer, head, kept index) in that order on both sides: K then V.
+  std::map<std::array<int64_t, 3>, std::vector<float>> moved;  // (layer, head, kept index)
+  for (int step = 1; step < CP; ++step) {
+    const int to = (me + step) % CP, from = (me + CP - step) % CP;
+    std::vector<float> send, recv;
+    std::vector<std::array<int64_t, 3>> take;
+    for (int l = 0; l < nl; ++l)
+      for (int h = 0; h < hl; ++h) {
+        const HeadCut& hc = cuts[size_t(l * hl + h)];
+        const auto& kept = spec.retention->positions(l, h0 + h);
+        for (size_t k = 0; k < kept.size(); ++k) {
+          if (hc.owner[k] == me && hc.dest[k] == to) {
+            const int64_t row = local_row(ranges, kept[k]) * hl + h;
+            send.insert(send.end(), local.k[size_t(l)].begin() + row * d,
+                        local.k[size_t(l)].begin() + (row + 1) * d);
+            send.insert(send.end(), local.v[size_t(l)].begin() + row * d,
+                        local.v[size_t(l)].begin() + (row + 1) * d);
+          }
+          if (hc.owner[k] == from && hc.dest[k] == me) take.push_back({l, h, int64_t(k)});
+        }
+      }
+    recv.resize(take.size() * 2 * size_t(d));
+    SF_TRY(g.cp->sendrecv(send.data(), int64_t(send.size()), to, recv.data(), int64_t(recv.size()),
+                          from, DType::kF32, 900 + step));
+    for (size_t i = 0; i < take.size(); ++i)
+      moved[take[i]].assign(recv.begin() + std::ptrdiff_t(2 * i * size_t(d)),
+                            recv.begin() + std::ptrdiff_t(2 * (i + 1) * size_t(d)));
+  }
+  // One part per run this rank writes: its rows laid out over the run's positions (the writer
+  // reads only the kept ones).
+  std::vector<float> kbuf, vbuf;
+  for (int l = 0; l < nl; ++l)
+    for (int h = 0; h < hl; ++h) {
+      const HeadCut& hc = cuts[size_t(l * hl + h)];
+      const auto& kept = spec.retention->positions(l, h0 + h);
+      kvstore::KvShardPart part;
+      for (size_t r = 0; r < hc.runs.size(); ++r)
+        if (hc.run_rank[r] == me) part.tokens.push_back({hc.runs[r][0], hc.runs[r][1]});
+      if (part.tokens.empty()) continue;
+      int64_t span = 0;
+      for (const auto& t : part.tokens) span += t[1] - t[0];
+      kbuf.assign(size_t(span * d), 0.f);
+      vbuf.assign(size_t(span * d), 0.f);
+      for (int64_t base = 0; const auto& t : part.tokens) {
+        const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(t[0])) - kept.begin();
+        for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < t[1]; ++k) {
+          float* kd = kbuf.data() + (base + kept[size_t(k)] - t[0]) * d;
+          float* vd = vbuf.data() + (base + kept[size_t(k)] - t[0]) * d;
+          if (hc.owner[size_t(k)] == me) {
+            const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
+            std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
+            std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
+          } else {
+            const std::vector<float>& m = moved.at({l, h, int64_t(k)});
+            std::copy_n(m.data(), d, kd);
+            std::copy_n(m.data() + d, d, vd);
+          }
+        }
+        base += t[1] - t[0];
+      }
+      part.n_kv_heads = 1;
+      part.kv_head0 = h0 + h;
+      part.rank = g.group_comm->rank();
+      part.layer = l;
+      part.file_tag = ".r" + std::to_string(part.rank) + ".h" + std::to_string(h0 + h);
+      add(kvstore::export_kv_shards(tmp, spec, part,
+                                    [&](int, bool v) { return (v ? vbuf : kbuf).data(); }));
+    }
+  return Status::ok();
+}
+
+}  // namespace
 
 Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
                       const model::KvCache& local) {
@@ -30,24 +172,32 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
   SF_TRY(bcast_str(&tmp));
   if (tmp.empty()) return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
 
-  // This rank's part: its CP chunks (merged when adjacent) of its TP slice's KV heads.
-  kvstore::KvShardPart part;
-  for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, g.shape.cp, g.cp_rank))
-    part.tokens.push_back({p.begin, p.end});
-  part.n_kv_heads = local.n_kv_heads;
-  part.kv_head0 = g.tp_rank * local.n_kv_heads;
-  part.rank = c.rank();
-  part.file_tag = ".r" + std::to_string(c.rank());
+  // This rank's parts: with full retention its CP chunks (merged when adjacent) of its TP
+  // slice's KV heads; with any other, block-aligned runs per layer and head (retained_parts).
   // What goes to the leader: "ok" and one entry per line, or "error" and the message.
   std::string mine = "ok";
-  if (!part.tokens.empty()) {
-    auto e = kvstore::export_kv_shards(
-        tmp, spec, part, [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); });
+  auto add = [&](const Result<std::vector<std::string>>& e) {
+    if (mine.starts_with("error")) return;  // the first failure is the one reported
     if (!e.is_ok()) {
       mine = "error\nrank " + std::to_string(c.rank()) + ": " + e.status().message();
-    } else {
-      for (const std::string& x : e.value()) mine += "\n" + x;
+      return;
     }
+    for (const std::string& x : e.value()) mine += "\n" + x;
+  };
+  if (spec.retention && !spec.retention->is_full()) {
+    SF_TRY(write_retained_parts(g, tmp, spec, local, add));
+  } else {
+    kvstore::KvShardPart part;
+    for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, g.shape.cp, g.cp_rank))
+      part.tokens.push_back({p.begin, p.end});
+    part.n_kv_heads = local.n_kv_heads;
+    part.kv_head0 = g.tp_rank * local.n_kv_heads;
+    part.rank = c.rank();
+    part.file_tag = ".r" + std::to_string(c.rank());
+    if (!part.tokens.empty())
+      add(kvstore::export_kv_shards(tmp, spec, part, [&](int l, bool v) {
+        return (v ? local.v : local.k)[size_t(l)].data();
+      }));
   }
   const int n = c.size();
   std::vector<int64_t> lens(static_cast<size_t>(n));

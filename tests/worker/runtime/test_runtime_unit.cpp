@@ -127,6 +127,30 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
 }
 
+// A line's own retention: parsed with the kvstore syntax, errors name the field.
+TEST(Batch, RetentionField) {
+  const std::string text =
+      "{\"id\": \"a\", \"prompt\": \"p\", \"retention\": \"snapkv:budget=256,span=4\"}\n"
+      "{\"id\": \"b\", \"prompt\": \"p\"}\n"
+      "{\"id\": \"c\", \"prompt\": \"p\", \"retention\": 3}\n"
+      "{\"id\": \"d\", \"prompt\": \"p\", \"retention\": \"snapkv\"}\n"
+      "{\"id\": \"e\", \"prompt\": \"p\", \"retention\": \"nearest\"}\n";
+  const auto f = runtime::parse_batch(text);
+  ASSERT_EQ(f.requests.size(), 2u);
+  ASSERT_TRUE(f.requests[0].retention.has_value());
+  EXPECT_EQ(f.requests[0].retention->kind, kvstore::RetentionKind::kSnapKV);
+  EXPECT_EQ(f.requests[0].retention->budget, 256);
+  EXPECT_EQ(f.requests[0].retention->span, 4);
+  EXPECT_FALSE(f.requests[1].retention.has_value());
+  ASSERT_EQ(f.bad.size(), 3u);
+  EXPECT_NE(f.bad[0].reason.find("field 'retention' must be a string"), std::string::npos);
+  EXPECT_NE(f.bad[1].reason.find("field 'retention': retention snapkv needs budget"),
+            std::string::npos)
+      << f.bad[1].reason;
+  EXPECT_NE(f.bad[2].reason.find("field 'retention': "), std::string::npos);
+  EXPECT_NE(f.bad[2].reason.find("nearest"), std::string::npos) << f.bad[2].reason;
+}
+
 TEST(Batch, CompleteMeansManifestPresent) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("sf-batch-test-" + std::to_string(::getpid()));
