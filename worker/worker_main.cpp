@@ -499,8 +499,13 @@ int run(int argc, char** argv) {
     if (!res.importance.empty())
       imp = kvstore::ImportanceScores{cfg.n_layers,         cfg.n_kv_heads,     spec.n_tokens,
                                       po.importance_window, po.importance_pool, res.importance};
-    auto ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
-                                        imp ? &*imp : nullptr);
+    // Full retention stays implicit (null): its position lists would cost 4 bytes a token per
+    // layer and KV head, a gigabyte for a 1M-token Llama-3-8B prompt.
+    const bool full = policy.kind == kvstore::RetentionKind::kFull;
+    Result<kvstore::Retention> ret = kvstore::Retention{"full", "", 0, 0, 0, {}};
+    if (!full)
+      ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
+                                     imp ? &*imp : nullptr);
     if (!ret.is_ok()) {
       ++n_failed;
       if (g.leader())
@@ -508,10 +513,12 @@ int run(int argc, char** argv) {
                      static_cast<long long>(r.line), r.id.c_str(), ret.status().message().c_str());
       continue;
     }
-    spec.retention = &ret.value();
+    spec.retention = full ? nullptr : &ret.value();
     spec.importance = imp ? &*imp : nullptr;
     const double kept_frac =
-        double(ret->kept_total()) / double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
+        full ? 1.0
+             : double(ret->kept_total()) /
+                   double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
     Status st;
     if (sharded) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
