@@ -133,11 +133,10 @@ Status check_budget(const char* policy, int64_t budget, int64_t window, int64_t 
   return Status::ok();
 }
 
-// snapkv and adakv: budget, scores of the cache's geometry, pooled with the policy's kernel.
+// snapkv and adakv: scores of the cache's geometry, pooled with the policy's kernel.
 Status check_snapkv_family(const char* policy, const RetentionPolicy& p,
                            const ImportanceScores* scores, int n_layers, int n_kv_heads,
                            int64_t N) {
-  SF_TRY(check_budget(policy, p.budget, p.window, N));
   SF_TRY(check_scores(scores, policy, n_layers, n_kv_heads, N));
   if (scores->pool != p.pool)
     return SF_ERR(kInvalidArgument, std::string("retention ") + policy + ": pool " +
@@ -371,8 +370,7 @@ Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t windo
   return out;
 }
 
-Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t N,
-                                  const ImportanceScores* scores) {
+Status retention_check_prompt(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t N) {
   if (n_layers <= 0 || n_kv_heads <= 0 || N <= 0)
     return SF_ERR(kInvalidArgument, "retention: empty cache geometry");
   if (N > INT32_MAX)
@@ -380,6 +378,40 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
   if (retention_uses_span(p.kind) && (p.span < 1 || p.span > kMaxSpan))
     return SF_ERR(kOutOfRange, std::string("retention ") + retention_kind_name(p.kind) + ": span " +
                                    str(p.span) + " out of range [1, " + str(kMaxSpan) + "]");
+  switch (p.kind) {
+    case RetentionKind::kFull:
+      return Status::ok();
+    case RetentionKind::kStreaming:
+      if (p.sink < 0 || p.window < 1 || p.sink + p.window > N)
+        return SF_ERR(kOutOfRange,
+                      "retention streaming: sink " + str(p.sink) + " + window " + str(p.window) +
+                          " out of range (window >= 1, sink >= 0, sink + window <= " + str(N) +
+                          " prompt tokens)");
+      return Status::ok();
+    case RetentionKind::kSnapKV:
+    case RetentionKind::kAdaKV:
+      return check_budget(retention_kind_name(p.kind), p.budget, p.window, N);
+    case RetentionKind::kPyramid:
+      return pyramid_layer_budgets(p.budget, p.window, p.beta, n_layers, N).status();
+    case RetentionKind::kMoA:
+      return retention_check_geometry(p, n_layers, n_kv_heads);
+    case RetentionKind::kLayerwise:
+      if (p.n_full < 0 || p.n_full > n_layers)
+        return SF_ERR(kOutOfRange, "retention layerwise: n_full " + str(p.n_full) +
+                                       " out of range [0, " + str(n_layers) + "]");
+      if (p.window < 1 || p.topk < 0 || p.window + p.topk > N)
+        return SF_ERR(kOutOfRange, "retention layerwise: window " + str(p.window) + " + topk " +
+                                       str(p.topk) +
+                                       " out of range (window >= 1, topk >= 0, sum <= " + str(N) +
+                                       " prompt tokens)");
+      return Status::ok();
+  }
+  return SF_ERR(kInvalidArgument, "retention: unknown policy");
+}
+
+Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t N,
+                                  const ImportanceScores* scores) {
+  SF_TRY(retention_check_prompt(p, n_layers, n_kv_heads, N));
   std::optional<ImportanceScores> spanned;
   if (retention_uses_span(p.kind) && p.span > 1 && scores) {
     SF_TRY(check_scores(scores, retention_kind_name(p.kind), n_layers, n_kv_heads, N));
@@ -399,11 +431,6 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       for (auto& k : r.kept) k = all();
       break;
     case RetentionKind::kStreaming: {
-      if (p.sink < 0 || p.window < 1 || p.sink + p.window > N)
-        return SF_ERR(kOutOfRange,
-                      "retention streaming: sink " + str(p.sink) + " + window " + str(p.window) +
-                          " out of range (window >= 1, sink >= 0, sink + window <= " + str(N) +
-                          " prompt tokens)");
       for (auto& k : r.kept) k = range_union(0, p.sink, N - p.window, N);
       break;
     }
@@ -436,7 +463,6 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     }
     case RetentionKind::kMoA: {
-      SF_TRY(retention_check_geometry(p, n_layers, n_kv_heads));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)
           r.kept[size_t(l * n_kv_heads + h)] = range_union(
@@ -444,14 +470,6 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       break;
     }
     case RetentionKind::kLayerwise: {
-      if (p.n_full < 0 || p.n_full > n_layers)
-        return SF_ERR(kOutOfRange, "retention layerwise: n_full " + str(p.n_full) +
-                                       " out of range [0, " + str(n_layers) + "]");
-      if (p.window < 1 || p.topk < 0 || p.window + p.topk > N)
-        return SF_ERR(kOutOfRange, "retention layerwise: window " + str(p.window) + " + topk " +
-                                       str(p.topk) +
-                                       " out of range (window >= 1, topk >= 0, sum <= " + str(N) +
-                                       " prompt tokens)");
       if (p.topk > 0) SF_TRY(check_scores(scores, "layerwise", n_layers, n_kv_heads, N));
       for (int l = 0; l < n_layers; ++l)
         for (int h = 0; h < n_kv_heads; ++h)

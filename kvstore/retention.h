@@ -91,6 +91,12 @@ Result<RetentionPolicy> moa_config_load(const std::string& path);
 // CLI fail before a long prefill.
 Status retention_check_geometry(const RetentionPolicy& p, int n_layers, int n_kv_heads);
 
+// What retention_apply checks of the policy against an n_tokens prompt before it looks at any
+// score: budgets, windows, sinks and spans in range, moa geometry (retention_apply runs it first).
+// Lets a worker refuse a request before its prefill.
+Status retention_check_prompt(const RetentionPolicy& p, int n_layers, int n_kv_heads,
+                              int64_t n_tokens);
+
 // The kept positions of every layer and KV head. Budgets out of range (negative, larger than the
 // prompt, smaller than the always-kept window) and scores of the wrong geometry are errors.
 // scores may be null for policies that need none (full, streaming, moa, layerwise with topk 0).

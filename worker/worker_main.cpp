@@ -379,16 +379,20 @@ int run(int argc, char** argv) {
                                     " (--allow-long to run anyway)"});
       ok = false;
     }
-    if (ok && r.retention) {
-      if (o.device == "cuda" && r.retention->kind != kvstore::RetentionKind::kFull) {
-        bf.bad.push_back({r.line,
-                          "field 'retention': the GPU runtime exports full retention "
-                          "only (it computes no importance yet)"});
-        ok = false;
-      } else if (Status st =
-                     kvstore::retention_check_geometry(*r.retention, cfg.n_layers, cfg.n_kv_heads);
-                 !st.is_ok()) {
-        bf.bad.push_back({r.line, "field 'retention': " + st.message()});
+    if (ok && r.retention && o.device == "cuda" &&
+        r.retention->kind != kvstore::RetentionKind::kFull) {
+      bf.bad.push_back({r.line, "field 'retention': the GPU runtime exports full retention "
+                                "only (it computes no importance yet)"});
+      ok = false;
+    }
+    // Budgets against this prompt (and moa spans against the model), before its prefill runs.
+    if (ok) {
+      if (Status st = kvstore::retention_check_prompt(r.retention ? *r.retention : o.retention,
+                                                      cfg.n_layers, cfg.n_kv_heads,
+                                                      int64_t(r.tokens.size()));
+          !st.is_ok()) {
+        bf.bad.push_back({r.line, std::string(r.retention ? "field 'retention'" : "--retention") +
+                                      ": " + st.message()});
         ok = false;
       }
     }

@@ -187,6 +187,38 @@ TEST(Retention, SnapKVRejectsBadBudgetsAndScores) {
   EXPECT_TRUE(retention_apply(p, 2, 2, 100, &sc).is_ok());
 }
 
+// The prompt-only checks (a worker's pre-flight): every policy's out-of-range case fails with the
+// message retention_apply gives, without scores; the in-range ones pass without scores too.
+TEST(Retention, CheckPromptMatchesApplyWithoutScores) {
+  const int L = 2, H = 2;
+  const int64_t N = 100;
+  const auto sc = random_scores(L, H, N, 7, 1);
+  const char* bad[] = {"snapkv:budget=101",         "adakv:budget=20",
+                       "pyramid:budget=200",        "pyramid:budget=50,beta=0.5",
+                       "streaming:sink=90,window=20", "layerwise:n_full=3,window=8,topk=0",
+                       "layerwise:n_full=1,window=60,topk=50"};
+  for (const char* spec : bad) {
+    auto p = retention_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << spec << ": " << p.status().to_string();
+    const Status pre = retention_check_prompt(p.value(), L, H, N);
+    ASSERT_FALSE(pre.is_ok()) << spec;
+    EXPECT_EQ(pre.code(), Code::kOutOfRange) << spec << ": " << pre.message();
+    EXPECT_EQ(retention_apply(p.value(), L, H, N, &sc).status().message(), pre.message()) << spec;
+  }
+  for (const char* spec : {"full", "snapkv:budget=100", "adakv:budget=32,span=4",
+                           "pyramid:budget=50", "streaming", "layerwise:n_full=2,window=8,topk=4"}) {
+    auto p = retention_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << spec;
+    EXPECT_TRUE(retention_check_prompt(p.value(), L, H, N).is_ok()) << spec;
+  }
+  RetentionPolicy moa;
+  moa.kind = RetentionKind::kMoA;
+  moa.moa.assign(1, std::vector<MoaSpan>(H));  // one layer's spans for a 2-layer cache
+  EXPECT_EQ(retention_check_prompt(moa, L, H, N).message(),
+            retention_apply(moa, L, H, N, nullptr).status().message());
+  EXPECT_FALSE(retention_check_prompt(moa, L, H, N).is_ok());
+}
+
 // Ada-KV: a layer's scored budget is shared by its heads. Checked against its definition: each
 // head's own best floor_k, then a top-k over every other candidate of the layer.
 TEST(Retention, AdaKVSharesTheLayerBudgetAcrossHeads) {

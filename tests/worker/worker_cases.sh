@@ -17,7 +17,7 @@
 #               the keys live): the sharded export (block-aligned per-head parts, rows moved
 #               between ranks) keeps exactly the gathered export's positions and decodes as it
 #               does; a line's own "retention" overrides the flag; bad specs are bad lines or a
-#               start-up error; a budget larger than the prompt fails that request only; the
+#               start-up error; a budget larger than its prompt is a bad line (no prefill); the
 #               same at TP 3 x CP 2 (np 6)
 set -u
 case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
@@ -148,9 +148,9 @@ case "$case_name" in
     } >"$tmp/ret.jsonl"
     for mode in sharded gathered; do
       run 2 --model default --cp 2 --retention snapkv:budget=128 --export "$mode" --batch "$tmp/ret.jsonl" --out "$tmp/out_$mode"
-      [ "$rc" -eq 3 ] || fail "$mode: exit $rc, want 3 (one bad line, one failed request)"
+      [ "$rc" -eq 3 ] || fail "$mode: exit $rc, want 3 (two bad lines)"
       grep -q "ret.jsonl:3: field 'retention': .*bogus" "$tmp/stderr" || fail "$mode: bad retention line not reported"
-      grep -q "ret.jsonl:4: request 'huge' failed: retention: " "$tmp/stderr" || fail "$mode: oversized budget not reported"
+      grep -q "ret.jsonl:4: field 'retention': retention snapkv: budget 100000 tokens out of range \[32, 529\]" "$tmp/stderr" || fail "$mode: oversized budget not reported"
       grep -q '"retention": "snapkv:budget=128,window=32,pool=7"' "$tmp/out_$mode/doc.json" || fail "$mode: summary retention"
       grep -q '"retention": "adakv:budget=100' "$tmp/out_$mode/ada.json" || fail "$mode: the line's retention did not override"
       for id in doc ada; do
