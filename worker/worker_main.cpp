@@ -141,11 +141,10 @@ Result<Options> parse_options(int argc, char** argv) {
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
     return SF_ERR(kInvalidArgument, "--device must be cpu or cuda, got '" + o.device + "'");
-  if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded" ||
-                             o.retention.kind != kvstore::RetentionKind::kFull))
+  if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded"))
     return SF_ERR(kInvalidArgument,
-                  "--device cuda runs per-piece estimation and sharded full-retention exports "
-                  "only (no --cp-estimate, --selective-kv, --export gathered or --retention)");
+                  "--device cuda runs per-piece estimation and sharded exports only (no "
+                  "--cp-estimate, --selective-kv or --export gathered)");
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
     o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -379,12 +378,6 @@ int run(int argc, char** argv) {
                                     " (--allow-long to run anyway)"});
       ok = false;
     }
-    if (ok && r.retention && o.device == "cuda" &&
-        r.retention->kind != kvstore::RetentionKind::kFull) {
-      bf.bad.push_back({r.line, "field 'retention': the GPU runtime exports full retention "
-                                "only (it computes no importance yet)"});
-      ok = false;
-    }
     // Budgets against this prompt (and moa spans against the model), before its prefill runs.
     if (ok) {
       if (Status st = kvstore::retention_check_prompt(r.retention ? *r.retention : o.retention,
@@ -440,9 +433,9 @@ int run(int argc, char** argv) {
     po.cp_estimate = o.cp_estimate;
     po.selective_kv = o.selective_kv;
     const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
-    if (!dmodel) {
-      // Exports carry per-block importance (as `sparsefill prefill --export-kv` does); scored
-      // retention policies select with it. The GPU runtime computes none yet.
+    // CPU exports carry per-block importance (as `sparsefill prefill --export-kv` does); scored
+    // retention policies select with it. On GPUs it is computed when the retention needs it.
+    if (!dmodel || policy.kind != kvstore::RetentionKind::kFull) {
       po.importance_window = 32;
       po.importance_pool = policy.kind == kvstore::RetentionKind::kSnapKV ||
                                    policy.kind == kvstore::RetentionKind::kAdaKV
@@ -467,6 +460,8 @@ int run(int argc, char** argv) {
       dopt.chunk = o.chunk;
       dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
       dopt.sparse = po.sparse;
+      dopt.importance_window = po.importance_window;
+      dopt.importance_pool = po.importance_pool;
       auto plan =
           runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
       const Status ok = agree(*g.group_comm, plan.status());

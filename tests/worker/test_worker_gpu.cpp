@@ -3,10 +3,16 @@
 // and the job run under mpiexec on two GPUs as CP 2 and as TP 2, against the CPU worker on one
 // rank. Each GPU export (sharded: one shard per layer from each rank) must load through the
 // decode client and hold the CPU export's K/V within 1e-2 x max (BF16 weights on the GPU against
-// the F32 CPU forward: the GPU forward test's bound), positions identical.
+// the F32 CPU forward: the GPU forward test's bound), positions identical. A third line, the
+// first's tokens with "retention": "snapkv:budget=256,span=4", exercises the GPU runtime's
+// importance (from the rank that holds the prompt's end) and the sharded retention export: each
+// head keeps 256 tokens whose K/V equal the CPU full export's rows at those positions (1e-2); the
+// kept sets' overlap with the CPU worker's own retention is printed, not bounded (BF16 against
+// F32 importance may order near-ties differently).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -71,11 +77,15 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
   {
     std::mt19937_64 rng(seed + 1);
     std::ofstream b(dir / "batch.jsonl");
+    std::string first;
     for (const char* id : {"a", "b"}) {
-      b << "{\"id\": \"" << id << "\", \"tokens\": [";
-      for (int i = 0; i < 700; ++i) b << (i ? ", " : "") << rng() % 512;
-      b << "]}\n";
+      std::string toks;
+      for (int i = 0; i < 700; ++i) toks += (i ? ", " : "") + std::to_string(rng() % 512);
+      if (first.empty()) first = toks;
+      b << "{\"id\": \"" << id << "\", \"tokens\": [" << toks << "]}\n";
     }
+    b << "{\"id\": \"r\", \"tokens\": [" << first
+      << "], \"retention\": \"snapkv:budget=256,span=4\"}\n";
   }
   const std::string worker = SF_WORKER_BIN, mpiexec = SF_MPIEXEC;
   const std::string common = " --model " + model + " --batch " + (dir / "batch.jsonl").string();
@@ -121,6 +131,41 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
           grid, id, num / den, g->first_token, c->first_token);
       EXPECT_LE(num / den, 1e-2) << grid << " " << id;
     }
+    // The retention line against the CPU's full export of the same tokens ("a") and the CPU
+    // worker's own retention of it ("r").
+    auto g = decode::load_kv_export(out + "/r", hash);
+    auto ca = decode::load_kv_export((dir / "cpu").string() + "/a", hash);
+    auto cr = decode::load_kv_export((dir / "cpu").string() + "/r", hash);
+    ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+    ASSERT_TRUE(ca.is_ok() && cr.is_ok());
+    EXPECT_EQ(g->retention_policy, "snapkv");
+    EXPECT_NE(slurp(out + "/r.json").find("\"retention\": \"snapkv:"), std::string::npos);
+    double num = 0, den = 0;
+    int64_t same = 0, kept = 0;
+    const int64_t d = 64;
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < 2; ++h) {
+        const auto& a = g->head(l, h);
+        const auto& full = ca->head(l, h);
+        ASSERT_EQ(a.positions.size(), 256u) << grid << " layer " << l << " head " << h;
+        ASSERT_FALSE(a.block_importance.empty());
+        for (size_t i = 0; i < a.positions.size(); ++i)
+          for (int64_t j = 0; j < d; ++j) {
+            const size_t gi = i * size_t(d) + size_t(j);
+            const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
+            num = std::max({num, double(std::fabs(a.k[gi] - full.k[fi])),
+                            double(std::fabs(a.v[gi] - full.v[fi]))});
+            den = std::max({den, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
+          }
+        const auto& cp = cr->head(l, h).positions;
+        for (int32_t p : a.positions) same += std::binary_search(cp.begin(), cp.end(), p);
+        kept += int64_t(a.positions.size());
+      }
+    std::printf(
+        "  worker %s r (snapkv 256): kept rows vs CPU full K/V max |diff| / max = %.3g; "
+        "kept positions shared with the CPU worker's retention %.3f\n",
+        grid, num / den, double(same) / double(kept));
+    EXPECT_LE(num / den, 1e-2) << grid;
   }
   std::error_code ec;
   fs::remove_all(dir, ec);

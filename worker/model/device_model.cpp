@@ -383,7 +383,10 @@ struct DevicePrefill::Impl {
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
   // With sparse attention also the window rows' dense output (discarded) and LSE.
-  DeviceBuffer imp, imp_o, imp_lse;
+  // A shard computes them only where the prompt ends (imp_here: the window's rows live there),
+  // against every key; with BF16 attention the exchanged keys are BF16, widened into imp_k/imp_v.
+  DeviceBuffer imp, imp_o, imp_lse, imp_k, imp_v;
+  bool imp_here = false;
   std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
   // Sparse attention (opt.sparse at the planned length): per layer and piece a device estimator
@@ -638,28 +641,45 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
     // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
     // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
-    // rounded copies; the kernel caps each recomputed score at its row's LSE). Unsharded only.
+    // rounded copies; the kernel caps each recomputed score at its row's LSE). A shard computes
+    // it where the prompt ends, from its last piece, whose attention saw every key; its keys are
+    // the exchanged ones (widened to F32 when they travelled as BF16).
     // A sparse layer's LSE covers the selected keys only and would over-count the others: there
     // the window rows' LSE comes from a dense F32 pass over those rows, as in the CPU forward.
-    if (!dry && opt.importance_window > 0) {
+    if (!dry && imp_here) {
+      const int64_t pb = pcs.back()[0], pn = pcs.back()[1] - pb, plo = NL - pn;
+      const float* KF = K;  // unsharded, or a shard holding the whole prompt (CP 1)
+      const float* VF = V;
+      if (shard.exchange_kv && attn_bf16) {
+        SF_TRY(kernels::cast(dview(KA, adt, {S, hkv, d}),
+                             dview(imp_k.data(), DType::kF32, {S, hkv, d}), cs()));
+        if (use_sparse)
+          SF_TRY(kernels::cast(dview(VA, adt, {S, hkv, d}),
+                               dview(imp_v.data(), DType::kF32, {S, hkv, d}), cs()));
+        KF = imp_k.as<float>();
+        VF = imp_v.as<float>();
+      } else if (shard.exchange_kv) {
+        KF = static_cast<const float*>(KA);
+        VF = static_cast<const float*>(VA);
+      }
       kernels::ImportanceParams ip;
       ip.window = opt.importance_window;
       ip.pool = opt.importance_pool;
       ip.scale = ap.scale;
-      ip.q_offset = 0;
+      ip.q_offset = pb;
       SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
-      TensorView iq = dview(Q, DType::kF32, {S, hq, d});
-      TensorView il = dview(lse.data(), DType::kF32, {hq, S});
-      const TensorView ik = dview(K, DType::kF32, {S, hkv, d});
+      TensorView iq = dview(Q + plo * qd, DType::kF32, {pn, hq, d});
+      TensorView il = dview(lse.as<float>() + hq * plo, DType::kF32, {hq, pn});
+      const TensorView ik = dview(const_cast<float*>(KF), DType::kF32, {S, hkv, d});
       if (use_sparse) {
-        const int64_t wn = std::min<int64_t>(opt.importance_window, S);
+        const int64_t wn = std::min<int64_t>(opt.importance_window, pn);
         kernels::AttentionParams wp = ap;
         wp.q_offset = S - wn;
-        iq = dview(Q + (S - wn) * qd, DType::kF32, {wn, hq, d});
+        iq = dview(Q + (NL - wn) * qd, DType::kF32, {wn, hq, d});
         il = dview(imp_lse.data(), DType::kF32, {hq, wn});
-        SF_TRY(kernels::attention_dense(iq, ik, dview(V, DType::kF32, {S, hkv, d}),
-                                        dview(imp_o.data(), DType::kF32, {wn, hq, d}), il, wp,
-                                        cs()));
+        SF_TRY(kernels::attention_dense(
+            iq, ik, dview(const_cast<float*>(VF), DType::kF32, {S, hkv, d}),
+            dview(imp_o.data(), DType::kF32, {wn, hq, d}), il, wp, cs()));
         ip.window = int(wn);
         ip.q_offset = wp.q_offset;
       }
@@ -748,7 +768,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       float* hv = hk + size_t(max_rows * kvd);
       if (opt.on_layer_kv) {
         std::span<const float> imp_l;
-        if (opt.importance_window > 0) {
+        if (imp_here) {
           SF_CUDA_TRY(cudaEventSynchronize(imp_copied[size_t(l)].get()));
           imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
                                          size_t(hkv * S));
@@ -780,7 +800,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       host_kv ? int64_t(c.n_layers) * 2 * max_rows * kvd * int64_t(sizeof(float)) : 0;
   res->importance_s = 0;
   res->importance.clear();
-  if (opt.importance_window > 0) {
+  if (imp_here) {
     res->importance.resize(size_t(c.n_layers));
     for (int l = 0; l < c.n_layers; ++l) {
       const float* hi = h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens);
@@ -945,8 +965,13 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(h_tokens.alloc(NL * sizeof(int32_t)));
   SF_TRY(h_logits.alloc(size_t(max_logit_rows) * vocab * f));
   if (host_kv) SF_TRY(h_kv.alloc(size_t(c.n_layers) * 2 * NL * kvd * f));
-  if (o.importance_window > 0) {
+  imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
+  if (imp_here) {
     SF_TRY(alloc(imp, size_t(c.n_kv_heads) * S * f));
+    if (shard.exchange_kv && attn_bf16) {
+      SF_TRY(alloc(imp_k, S * kvd * f));
+      if (o.sparse) SF_TRY(alloc(imp_v, S * kvd * f));
+    }
     if (o.sparse) {
       const size_t wn = std::min(size_t(o.importance_window), S);
       SF_TRY(alloc(imp_o, wn * qd * f));
@@ -974,7 +999,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     SF_TRY(add_event(att_begin, true));
     SF_TRY(add_event(att_end, true));
     SF_TRY(add_event(layer_end, true));
-    if (o.importance_window > 0) {
+    if (imp_here) {
       SF_TRY(add_event(imp_begin, true));
       SF_TRY(add_event(imp_end, true));
       SF_TRY(add_event(imp_copied, false));
@@ -1091,9 +1116,16 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel& dm, DeviceSha
   }
   SF_ENSURE(NL == S || shard.exchange_kv, kInvalidArgument,
             "device prefill shard: a rank that holds part of the prompt needs exchange_kv");
-  SF_ENSURE(!opt.all_logits && opt.importance_window == 0 && !opt.on_layer_kv, kUnsupported,
-            "device prefill shard: all_logits, importance and the per-layer KV hook are "
-            "single-device only");
+  SF_ENSURE(!opt.all_logits && !opt.on_layer_kv, kUnsupported,
+            "device prefill shard: all_logits and the per-layer KV hook are single-device only");
+  // Importance comes from the piece that ends the prompt: the window's rows must all be in it.
+  const int64_t last_rows = shard.pieces.back()[1] - shard.pieces.back()[0];
+  SF_ENSURE(opt.importance_window == 0 || shard.pieces.back()[1] != S ||
+                last_rows >= std::min<int64_t>(opt.importance_window, S),
+            kUnsupported,
+            "device prefill shard: the importance window (" +
+                std::to_string(opt.importance_window) + " rows) is longer than the last piece (" +
+                std::to_string(last_rows) + " rows); use a longer prompt or fewer CP ranks");
   DevicePrefill p;
   p.impl_ = std::make_unique<Impl>();
   p.impl_->sharded = true;

@@ -57,13 +57,15 @@ std::vector<std::array<int64_t, 2>> rank_pieces(int64_t S, int cp, int r) {
 struct DeviceParallelPrefill::Impl {
   GridComms* g = nullptr;
   DeviceGrid* dg = nullptr;
-  int64_t S = 0, kvd = 0;
+  int64_t S = 0, kvd = 0, head_dim = 0;
+  size_t n_layers = 0;
   std::vector<std::array<int64_t, 2>> mine;
   std::vector<std::vector<std::array<int64_t, 2>>> rank_rows;  // per CP rank: its pieces
   std::vector<int64_t> counts;        // per CP rank: K (or V) elements it contributes
   kernels::cuda::DeviceBuffer stage;  // the all-gather's landing zone: [S, kvd], rank blocks
   std::optional<model::DevicePrefill> prefill;
   int64_t kv_recv_bytes = 0;  // per run: the K/V bytes the CP all-gather brings this rank
+  bool importance = false;    // PrefillOptions::importance_window > 0
 
   // CP exchange: all-gather each of K and V into `stage` (rank blocks in rank order), then copy
   // every rank's pieces to their places in the prompt.
@@ -129,7 +131,10 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
   w.S = n_tokens;
   const model::ModelConfig& c = dm.config();  // the slice's
   w.kvd = int64_t(c.n_kv_heads) * c.head_dim;
+  w.head_dim = c.head_dim;
+  w.n_layers = size_t(c.n_layers);
   w.mine = rank_pieces(n_tokens, CP, g.cp_rank);
+  w.importance = opt.importance_window > 0;
   for (int r = 0; r < CP; ++r) {
     w.rank_rows.push_back(rank_pieces(n_tokens, CP, r));
     int64_t rows = 0;
@@ -202,6 +207,31 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   }
   out.kv = std::move(r.kv);
   ParallelStats& st = out.stats;
+  if (w.importance) {
+    // The slice's scores come from the CP rank that holds the prompt's end (CP rank 0, whose
+    // last piece is the last chunk): to every CP rank, then every TP slice's heads to every rank
+    // (host MPI; [KV heads, S] floats a layer).
+    const int64_t n = int64_t(w.kvd / w.head_dim) * w.S;
+    const int TP = g.shape.tp;
+    const int64_t b0 = g.cp->bytes_sent() + g.tp->bytes_sent();
+    std::vector<float> all(size_t(n * TP));
+    out.importance.resize(w.n_layers);
+    for (size_t l = 0; l < w.n_layers; ++l) {
+      std::vector<float> mine = g.cp_rank == 0 && l < r.importance.size()
+                                    ? std::move(r.importance[l])
+                                    : std::vector<float>();
+      mine.resize(size_t(n));
+      SF_TRY(g.cp->bcast(mine.data(), n, DType::kF32, 0));
+      if (TP == 1) {
+        out.importance[l] = std::move(mine);
+        continue;
+      }
+      SF_TRY(g.tp->all_gather(mine.data(), all.data(), n, DType::kF32));
+      out.importance[l] = all;
+    }
+    st.importance_bytes = g.cp->bytes_sent() + g.tp->bytes_sent() - b0;
+    st.importance_s = r.importance_s;
+  }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.attention_s = r.attention_s;
   st.estimate_s = r.estimate_s;

@@ -50,8 +50,10 @@ struct DeviceParallelOptions {
 class DeviceParallelPrefill {
  public:
   // Plans this rank's shard of an n_tokens prompt. dm is this rank's TP slice (slice().ways ==
-  // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk, sparse and keep_kv (this
-  // rank's rows, pieces in prompt order) are used; all_logits and hooks are refused.
+  // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk, sparse, keep_kv (this
+  // rank's rows, pieces in prompt order) and importance_window/pool (SnapKV scores, computed by
+  // the CP rank holding the prompt's end against every key, then sent to every rank: run's
+  // ParallelResult::importance) are used; all_logits and hooks are refused.
   static Result<DeviceParallelPrefill> plan(const model::DeviceModel& dm, GridComms& g,
                                             DeviceGrid& dg, int64_t n_tokens,
                                             const model::PrefillOptions& opt = {},

@@ -10,6 +10,9 @@
 // in another order: fp32 rounding) and 1e-2 for BF16 weights (the GPU-vs-CPU bar of
 // test_gpu_forward: a rounding difference of the TP sum can flip a BF16 rounding of the next
 // GEMM's input). A one-token error in a CP rank's positions or q_offset exceeds both.
+// SnapKV importance (window 32, pool 7), on every rank for every KV head: 1e-4 (F32) and 0.1
+// (BF16: the sharded run scores the window against keys that crossed CP as BF16; the one-GPU run
+// against its F32 keys; test_gpu_forward's GPU-vs-CPU bound for BF16 importance).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -48,7 +51,9 @@ constexpr int64_t kChunk = 256;
 struct Reference {
   std::vector<float> logits;             // last row
   std::vector<std::vector<float>> k, v;  // per layer [S, hkv*d]
+  std::vector<std::vector<float>> imp;   // per layer [hkv, S]
 };
+constexpr int kImpWindow = 32;
 
 // The weights for a slice: synthetic on the device, or uploaded from a host model.
 Result<model::DeviceModel> make_model(bool f32, const model::Model* host, model::TpSlice s,
@@ -73,6 +78,7 @@ Reference reference(bool f32, const model::Model* host, std::span<const int32_t>
     model::PrefillOptions o;
     o.chunk = kChunk;
     o.sparse = sc;
+    o.importance_window = kImpWindow;
     Result<model::PrefillResult> res = dm.is_ok() ? model::prefill_device(dm.value(), tokens, o)
                                                   : Result<model::PrefillResult>(dm.status());
     if (!res.is_ok()) {
@@ -82,6 +88,7 @@ Reference reference(bool f32, const model::Model* host, std::span<const int32_t>
       r.logits = res.value().logits;
       r.k = res.value().kv.k;
       r.v = res.value().kv.v;
+      r.imp = res.value().importance;
     }
   }
   EXPECT_TRUE(w.bcast(&ok, 1, DType::kI32, 0).is_ok());
@@ -90,6 +97,9 @@ Reference reference(bool f32, const model::Model* host, std::span<const int32_t>
   for (int l = 0; l < c.n_layers; ++l) {
     EXPECT_TRUE(w.bcast(r.k[size_t(l)].data(), kTokens * kvd, DType::kF32, 0).is_ok());
     EXPECT_TRUE(w.bcast(r.v[size_t(l)].data(), kTokens * kvd, DType::kF32, 0).is_ok());
+    r.imp.resize(size_t(c.n_layers));
+    r.imp[size_t(l)].resize(size_t(c.n_kv_heads * kTokens));
+    EXPECT_TRUE(w.bcast(r.imp[size_t(l)].data(), c.n_kv_heads * kTokens, DType::kF32, 0).is_ok());
   }
   return r;
 }
@@ -145,6 +155,7 @@ void check_grid(bool f32, runtime::GridShape shape, const model::SparseConfig* s
   model::PrefillOptions o;
   o.chunk = kChunk;
   o.sparse = sc;
+  o.importance_window = kImpWindow;
   auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, o);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   // Twice: the second run reuses the plan's buffers (poisoned once, at plan time).
@@ -164,6 +175,23 @@ void check_grid(bool f32, runtime::GridShape shape, const model::SparseConfig* s
       EXPECT_LT(res.value().stats.density, 0.95);
     }
     EXPECT_LE(kv_err, tol) << "rank " << w.rank();
+    // Importance: every rank, every KV head, from the rank holding the prompt's end.
+    const auto& imp = res.value().importance;
+    ASSERT_EQ(imp.size(), ref.imp.size());
+    double inum = 0, iden = 0;
+    for (size_t l = 0; l < imp.size(); ++l) {
+      ASSERT_EQ(imp[l].size(), ref.imp[l].size()) << "layer " << l;
+      for (size_t i = 0; i < imp[l].size(); ++i) {
+        ASSERT_TRUE(std::isfinite(imp[l][i])) << "layer " << l << " item " << i;
+        inum = std::max(inum, double(std::fabs(imp[l][i] - ref.imp[l][i])));
+        iden = std::max(iden, double(std::fabs(ref.imp[l][i])));
+      }
+    }
+    const double imp_tol = f32 ? 1e-4 : 0.1;
+    std::printf("  rank %d importance nerr %.3g (tol %.0e)\n", w.rank(),
+                iden > 0 ? inum / iden : INFINITY, imp_tol);
+    EXPECT_GT(iden, 0.0);
+    EXPECT_LE(inum / iden, imp_tol) << "rank " << w.rank();
     if (g.value().leader()) {
       const std::vector<float>& lg = res.value().logits;
       ASSERT_EQ(lg.size(), ref.logits.size());
