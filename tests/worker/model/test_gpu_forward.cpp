@@ -9,6 +9,7 @@
 //  - bounds are on ||gpu - cpu|| / ||cpu|| and on each logit's error relative to its row's RMS,
 //    stated and explained next to each test.
 // Every test skips (GTEST_SKIP "no CUDA device: ...") where no CUDA device is present.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -491,6 +492,122 @@ TEST_F(GpuForward, PlanReuseAndLastRowOnly) {
   EXPECT_EQ(e2.nonfinite, 0);
   EXPECT_LE(e2.nerr, 1e-6);
   EXPECT_EQ(r2->first_token, fresh->first_token);
+}
+
+// ---- A CP shard's importance, on one GPU. ------------------------------------------------------
+// The rank of a CP 2 split holding pieces [0, 192) and [512, 700) (the prompt's end), planned as
+// a shard whose exchange hook fills the other rank's rows from the one-GPU run of the same model,
+// as that rank would send them (BF16 on the cuDNN path). The shard scores the prompt's SnapKV
+// importance from its last piece against every key: equal to the one-GPU run's within 1e-4 (F32
+// weights) and 0.1 (BF16: the shard scores keys that crossed as BF16, one GPU its F32 keys; the
+// GPU-vs-CPU bound of BF16 importance above), and its own K/V rows equal the one-GPU rows at
+// their positions (1e-5 F32, 1e-2 BF16). The workspace is NaN-poisoned at plan time, so a key
+// the widening missed would show as non-finite.
+void shard_importance_matches_one_gpu(const Model& model, const std::vector<int32_t>& tokens,
+                                      DType wdt) {
+  auto dm = DeviceModel::upload(model, wdt, 0);
+  ASSERT_OK(dm.status());
+  PrefillOptions o;
+  o.chunk = kChunk;
+  o.keep_kv = true;
+  o.importance_window = 32;
+  o.importance_pool = 7;
+  auto one = prefill_device(dm.value(), tokens, o);
+  ASSERT_OK(one.status());
+  const ModelConfig& c = model.config();
+  const int64_t kvd = int64_t(c.n_kv_heads) * c.head_dim;
+  DeviceShard sh;
+  sh.n_tokens = kTokens;
+  sh.pieces = {{0, 192}, {512, kTokens}};
+  const int64_t NL = 192 + (kTokens - 512);
+  auto held = [&](int64_t t) { return t < 192 || t >= 512; };
+  int calls = 0;
+  sh.exchange_kv = [&](int l, const void* kl, const void* vl, void* ka, void* va,
+                       DType dt) -> Status {
+    ++calls;
+    const size_t es = dtype_size(dt);
+    for (int which = 0; which < 2; ++which) {
+      std::vector<char> loc(size_t(NL * kvd) * es), all(size_t(kTokens * kvd) * es);
+      if (cudaMemcpy(loc.data(), which ? vl : kl, loc.size(), cudaMemcpyDeviceToHost) !=
+          cudaSuccess)
+        return SF_ERR(kInternal, "test exchange: download");
+      const float* r = (which ? one->kv.v : one->kv.k)[size_t(l)].data();
+      for (int64_t t = 0, row = 0; t < kTokens; ++t) {
+        char* dst = all.data() + size_t(t * kvd) * es;
+        if (held(t)) {
+          std::memcpy(dst, loc.data() + size_t(row++ * kvd) * es, size_t(kvd) * es);
+        } else if (dt == DType::kBF16) {
+          for (int64_t j = 0; j < kvd; ++j) {
+            const uint16_t h = f32_to_bf16(r[t * kvd + j]);
+            std::memcpy(dst + j * 2, &h, 2);
+          }
+        } else {
+          std::memcpy(dst, r + t * kvd, size_t(kvd) * 4);
+        }
+      }
+      if (cudaMemcpy(which ? va : ka, all.data(), all.size(), cudaMemcpyHostToDevice) !=
+          cudaSuccess)
+        return SF_ERR(kInternal, "test exchange: upload");
+    }
+    return Status::ok();
+  };
+  auto plan = DevicePrefill::plan_shard(dm.value(), sh, o);
+  ASSERT_OK(plan.status());
+  auto got = plan->run(tokens);
+  ASSERT_OK(got.status());
+  EXPECT_EQ(calls, c.n_layers);
+  const bool f32 = wdt == DType::kF32;
+  ASSERT_EQ(got->importance.size(), size_t(c.n_layers));
+  double worst = 0, worst_kv = 0;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const auto& g = got->importance[size_t(l)];
+    const auto& w = one->importance[size_t(l)];
+    ASSERT_EQ(g.size(), w.size()) << "layer " << l;
+    const ErrStats e = compare(g.data(), w.data(), w.size());
+    EXPECT_EQ(e.nonfinite, 0) << "importance layer " << l;
+    EXPECT_LE(e.nerr, f32 ? 1e-4 : 0.1) << "importance layer " << l;
+    worst = std::max(worst, e.nerr);
+    // The shard's own rows of K against the one-GPU run's rows at the same positions.
+    std::vector<float> want;
+    for (const auto& p : sh.pieces)
+      want.insert(want.end(), one->kv.k[size_t(l)].begin() + p[0] * kvd,
+                  one->kv.k[size_t(l)].begin() + p[1] * kvd);
+    ASSERT_EQ(got->kv.k[size_t(l)].size(), want.size());
+    const ErrStats ek = compare(got->kv.k[size_t(l)].data(), want.data(), want.size());
+    EXPECT_EQ(ek.nonfinite, 0) << "K layer " << l;
+    EXPECT_LE(ek.nerr, f32 ? 1e-5 : 1e-2) << "K layer " << l;
+    worst_kv = std::max(worst_kv, ek.nerr);
+  }
+  std::cout << "  shard (" << (f32 ? "f32" : "bf16")
+            << ") importance vs one GPU: worst nerr=" << worst << ", own K rows nerr=" << worst_kv
+            << "\n";
+}
+
+TEST_F(GpuForward, ShardImportanceMatchesOneGpu) {
+  ASSERT_NE(reference(), nullptr);
+  shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kF32);
+  shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kBF16);
+}
+
+// A window longer than the piece that ends the prompt is refused at plan time, naming both.
+TEST_F(GpuForward, ShardRefusesAWindowLongerThanItsLastPiece) {
+  ASSERT_NE(reference(), nullptr);
+  auto dm = DeviceModel::upload(reference()->model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  PrefillOptions o;
+  o.chunk = kChunk;
+  o.importance_window = 64;
+  DeviceShard sh;
+  sh.n_tokens = kTokens;
+  sh.pieces = {{0, 192}, {640, kTokens}};  // 60 rows end the prompt
+  sh.exchange_kv = [](int, const void*, const void*, void*, void*, DType) { return Status::ok(); };
+  auto plan = DevicePrefill::plan_shard(dm.value(), sh, o);
+  ASSERT_FALSE(plan.is_ok());
+  EXPECT_EQ(plan.status().code(), Code::kUnsupported);
+  EXPECT_NE(plan.status().message().find("importance window (64 rows) is longer than the last "
+                                         "piece (60 rows)"),
+            std::string::npos)
+      << plan.status().message();
 }
 
 // ---- What the device forward refuses, with the field named. ----------------------------------
