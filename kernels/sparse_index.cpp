@@ -111,6 +111,23 @@ Status bad(const std::string& msg) { return SF_ERR(kInvalidArgument, msg); }
 
 }  // namespace
 
+void sparse_index_key_rows(const SparseIndex& idx, int64_t qb_begin, int64_t qb_end, int q_per_kv,
+                           int kv_head0, int n_kv, uint8_t* need) {
+  for (int h = 0; h < idx.n_heads; ++h) {
+    uint8_t* nh = need + kv_head0 + h / q_per_kv;
+    for (int64_t qb = std::max<int64_t>(qb_begin, 0); qb < std::min(qb_end, idx.n_qblocks); ++qb) {
+      const SparseSlotGeometry g = sparse_slot_geometry(idx.n_q, idx.n_k, idx.q_offset, qb);
+      const size_t sl = idx.slot(h, qb);
+      for (int32_t b = 0; b < idx.block_count[sl]; ++b) {
+        const int64_t off = idx.block_offset[sl * size_t(idx.max_blocks) + size_t(b)];
+        for (int64_t t = off; t < std::min<int64_t>(off + kB, g.kend); ++t) nh[t * n_kv] = 1;
+      }
+      for (int32_t c = 0; c < idx.column_count[sl]; ++c)
+        nh[int64_t(idx.column_index[sl * size_t(idx.max_cols) + size_t(c)]) * n_kv] = 1;
+    }
+  }
+}
+
 SparseSlotGeometry sparse_slot_geometry(int64_t n_q, int64_t n_k, int64_t q_offset, int64_t qb) {
   SparseSlotGeometry g;
   const int64_t r0 = qb * kB;

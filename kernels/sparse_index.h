@@ -86,6 +86,13 @@ struct IndexCandidates {
 void sparse_index_build(SparseIndex* idx, int h, int64_t qb, const IndexCandidates& c, int64_t sink,
                         int64_t local);
 
+// The (key, KV head) rows the slots of query blocks [qb_begin, qb_end) read, every head: sets
+// need[key * n_kv + kv_head0 + h / q_per_kv] = 1 for each key of each listed block (clipped to
+// the slot's causal end) and each column. need holds idx.n_k * n_kv bytes. What sparsity-aware
+// context parallelism must move to a rank holding those query blocks (worker/runtime).
+void sparse_index_key_rows(const SparseIndex& idx, int64_t qb_begin, int64_t qb_end, int q_per_kv,
+                           int kv_head0, int n_kv, uint8_t* need);
+
 // A dense index (every causal key of every row): the sparse kernel on it equals dense attention.
 SparseIndex sparse_index_dense(int n_heads, int64_t n_q, int64_t n_k, int64_t q_offset);
 

@@ -47,6 +47,7 @@
 #include "kernels/api.h"
 #include "kernels/sparse.h"
 #include "tools/cli/cli.h"
+#include "worker/runtime/cp_need.h"
 
 #ifdef SF_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -1127,6 +1128,11 @@ int cmd_bench_attention(int argc, char** argv) {
         // Timed pass, group by group. Estimate: the run step, then its stages alone (scoring
         // and pooling; + selection) for the breakdown; the last run leaves the whole index.
         double est_ms = 0, est_score_ms = 0, est_select_ms = 0, sp_ms = 0;
+        // Sparsity-aware CP on this index: the rows a selective exchange would move to each of
+        // CP zigzag ranks against the all-gather (worker/runtime/cp_need.h), from the host copy.
+        std::vector<runtime::CpNeedCount> cp_counts;
+        for (int cp : {2, 4, 8}) cp_counts.emplace_back(L, int(shape.kv_heads), cp);
+        bool cp_counted = true;
         size_t ws_bytes = 0, ix_bytes = 0;
         int64_t clamped_heads = 0;
         double rec_sum = 0, rec_min = 1, slots_equal = -1;
@@ -1181,6 +1187,8 @@ int cmd_bench_attention(int argc, char** argv) {
             st = kernels::cuda::sparse_index_download(didx, std::max(nb, 1), std::max(nc, 1), &idx,
                                                       stream);
             if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
+            if (st.is_ok())
+              for (auto& cc : cp_counts) cc.add(idx, int(shape.heads / shape.kv_heads), int(g.h0));
             if (st.is_ok() && n_g == 1 && mi < idxs.size() && bf == want_bf16) {
               // Slot by slot against the CPU estimator's index.
               const SparseIndex& hidx = idxs[mi];
@@ -1202,6 +1210,7 @@ int cmd_bench_attention(int argc, char** argv) {
             }
           } else {
             validated = false;
+            cp_counted = false;
           }
           SampledSlots sampled;
           if (st.is_ok()) st = download_sampled(didx, L, &sampled, stream);
@@ -1300,6 +1309,25 @@ int cmd_bench_attention(int argc, char** argv) {
         o["sampled_recall_min"] = rec_min;
         o["oracle_block_density_95"] = oracle.block_density;
         o["oracle_key_density_95"] = oracle.key_density;
+        if (cp_counted) {
+          // Job: every rank's moved rows over every rank's all-gather rows; max_rank: the worst
+          // rank against its own all-gather.
+          boost::json::object cpo;
+          for (const auto& cc : cp_counts) {
+            const auto mv = cc.moved_rows(), ag = cc.allgather_rows();
+            double m = 0, a = 0, worst = 0;
+            for (size_t r = 0; r < mv.size(); ++r) {
+              m += double(mv[r]);
+              a += double(ag[r]);
+              worst = std::max(worst, ag[r] ? double(mv[r]) / double(ag[r]) : 0.0);
+            }
+            cpo[std::to_string(cc.cp())] = boost::json::object{
+                {"moved_fraction", a > 0 ? m / a : 0.0}, {"max_rank_moved_fraction", worst}};
+          }
+          o["cp_selective_kv"] = std::move(cpo);
+        } else {
+          o["cp_selective_kv"] = nullptr;  // the index was too large to copy to the host
+        }
         if (run_dense) {
           o["speedup_vs_dense"] = dense_ms / sp_ms;
           o["speedup_vs_dense_with_estimate"] = dense_ms / (sp_ms + est_ms);

@@ -455,23 +455,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       const int64_t grp = hq_t / hkv_t, nm = S * hkv_t;
       std::vector<uint8_t> need(static_cast<size_t>(nm), 0);
       for (int j = 0; j < n_ar; ++j) {
-        const TokenRange& r = aranges[size_t(j)];
-        if (r.size() == 0) continue;
+        if (aranges[size_t(j)].size() == 0) continue;
         const kernels::SparseIndex& ix = sliced[size_t(j)];
-        for (int h = 0; h < ix.n_heads; ++h) {
-          uint8_t* nh = need.data() + h / grp;
-          for (int64_t qb = 0; qb < ix.n_qblocks; ++qb) {
-            const auto geo = kernels::sparse_slot_geometry(ix.n_q, ix.n_k, ix.q_offset, qb);
-            const size_t sl = ix.slot(h, qb);
-            for (int b = 0; b < ix.block_count[sl]; ++b) {
-              const int64_t off = ix.block_offset[sl * size_t(ix.max_blocks) + size_t(b)];
-              for (int64_t t = off; t < std::min(off + kernels::kSparseBlock, geo.kend); ++t)
-                nh[t * hkv_t] = 1;
-            }
-            for (int cc = 0; cc < ix.column_count[sl]; ++cc)
-              nh[int64_t(ix.column_index[sl * size_t(ix.max_cols) + size_t(cc)]) * hkv_t] = 1;
-          }
-        }
+        kernels::sparse_index_key_rows(ix, 0, ix.n_qblocks, int(grp), 0, int(hkv_t), need.data());
       }
       for (const auto& r : ranges)
         std::fill(need.begin() + r.begin * hkv_t, need.begin() + r.end * hkv_t, uint8_t(0));

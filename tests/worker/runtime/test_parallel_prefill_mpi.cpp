@@ -19,6 +19,7 @@
 #include "tests/comm/mpi_test_env.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
+#include "worker/runtime/cp_need.h"
 #include "worker/runtime/parallel_prefill.h"
 
 namespace sf {
@@ -161,6 +162,22 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
     EXPECT_EQ(st.kv_moved_bytes_by_rank[0], st.kv_moved_bytes);  // the leader is group rank 0
     if (!selective) EXPECT_EQ(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
     if (selective && shape.cp > 1) EXPECT_LT(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
+    // With a shared index, the exchange moves exactly what CpNeedCount predicts from the global
+    // index (the bench's count on long prompts): K and V rows, plus each rank's bit masks.
+    if (selective && !cp_est && sparse) {
+      int64_t rows = 0, ag_rows = 0;
+      for (int l = 0; l < c.n_layers; ++l) {
+        runtime::CpNeedCount cnt(n_tokens, c.n_kv_heads, shape.cp);
+        cnt.add(indices[size_t(l)], c.n_heads / c.n_kv_heads, 0);
+        for (int64_t x : cnt.moved_rows()) rows += x;
+        for (int64_t x : cnt.allgather_rows()) ag_rows += x;
+      }
+      const int64_t masks = int64_t(c.n_layers) * shape.group_size() * (shape.cp - 1) *
+                            ((n_tokens * (c.n_kv_heads / shape.tp) + 7) / 8);
+      const int64_t row_bytes = 2 * int64_t(sizeof(float)) * c.head_dim;
+      EXPECT_EQ(st.group_kv_moved_bytes, rows * row_bytes + masks);
+      EXPECT_EQ(st.group_kv_allgather_bytes, ag_rows * row_bytes);
+    }
     // The whole prompt's density, from every rank's chunks, is the single-rank run's: exactly
     // with the same index; estimated where the keys live, a near-tie at a top-k boundary may swap
     // (cp_estimate.h), which moves it by about 1e-7 a key.

@@ -1,0 +1,44 @@
+#include "worker/runtime/cp_need.h"
+
+#include <algorithm>
+
+#include "worker/runtime/grid.h"
+
+namespace sf::runtime {
+
+CpNeedCount::CpNeedCount(int64_t n_tokens, int n_kv_heads, int cp)
+    : n_tokens_(n_tokens), n_kv_(n_kv_heads), cp_(cp) {
+  need_.assign(size_t(cp), std::vector<uint8_t>(size_t(n_tokens * n_kv_heads), 0));
+}
+
+void CpNeedCount::add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0) {
+  constexpr int64_t B = kernels::kSparseBlock;
+  for (int r = 0; r < cp_; ++r)
+    for (const TokenRange& p : cp_rank_pieces(n_tokens_, cp_, r))
+      kernels::sparse_index_key_rows(idx, p.begin / B, (p.end + B - 1) / B, q_per_kv,
+                                     q_head0 / q_per_kv, n_kv_, need_[size_t(r)].data());
+}
+
+std::vector<int64_t> CpNeedCount::moved_rows() const {
+  std::vector<int64_t> out(size_t(cp_), 0);
+  for (int r = 0; r < cp_; ++r) {
+    const auto own = cp_rank_ranges(n_tokens_, cp_, r);
+    const std::vector<uint8_t>& nd = need_[size_t(r)];
+    for (int64_t t = 0; t < n_tokens_; ++t) {
+      if ((t >= own[0].begin && t < own[0].end) || (t >= own[1].begin && t < own[1].end)) continue;
+      out[size_t(r)] += std::count(nd.begin() + t * n_kv_, nd.begin() + (t + 1) * n_kv_, 1);
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> CpNeedCount::allgather_rows() const {
+  std::vector<int64_t> out(static_cast<size_t>(cp_));
+  for (int r = 0; r < cp_; ++r) {
+    const auto own = cp_rank_ranges(n_tokens_, cp_, r);
+    out[size_t(r)] = (n_tokens_ - own[0].size() - own[1].size()) * n_kv_;
+  }
+  return out;
+}
+
+}  // namespace sf::runtime
