@@ -1187,8 +1187,17 @@ int cmd_bench_attention(int argc, char** argv) {
             st = kernels::cuda::sparse_index_download(didx, std::max(nb, 1), std::max(nc, 1), &idx,
                                                       stream);
             if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
-            if (st.is_ok())
-              for (auto& cc : cp_counts) cc.add(idx, int(shape.heads / shape.kv_heads), int(g.h0));
+            if (st.is_ok()) {
+              // Every (CP size, rank) on the host's threads: each owns its need mask.
+              std::vector<std::pair<size_t, int> > tasks;
+              for (size_t ci = 0; ci < cp_counts.size(); ++ci)
+                for (int r = 0; r < cp_counts[ci].cp(); ++r) tasks.push_back({ci, r});
+              parallel_for(tasks.size(), [&](size_t b, size_t e) {
+                for (size_t t = b; t < e; ++t)
+                  cp_counts[tasks[t].first].add_rank(idx, int(shape.heads / shape.kv_heads),
+                                                     int(g.h0), tasks[t].second);
+              });
+            }
             if (st.is_ok() && n_g == 1 && mi < idxs.size() && bf == want_bf16) {
               // Slot by slot against the CPU estimator's index.
               const SparseIndex& hidx = idxs[mi];

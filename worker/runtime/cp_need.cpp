@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/thread_pool.h"
 #include "worker/runtime/grid.h"
 
 namespace sf::runtime {
@@ -11,24 +12,31 @@ CpNeedCount::CpNeedCount(int64_t n_tokens, int n_kv_heads, int cp)
   need_.assign(size_t(cp), std::vector<uint8_t>(size_t(n_tokens * n_kv_heads), 0));
 }
 
-void CpNeedCount::add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0) {
+void CpNeedCount::add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank) {
   constexpr int64_t B = kernels::kSparseBlock;
-  for (int r = 0; r < cp_; ++r)
-    for (const TokenRange& p : cp_rank_pieces(n_tokens_, cp_, r))
-      kernels::sparse_index_key_rows(idx, p.begin / B, (p.end + B - 1) / B, q_per_kv,
-                                     q_head0 / q_per_kv, n_kv_, need_[size_t(r)].data());
+  for (const TokenRange& p : cp_rank_pieces(n_tokens_, cp_, rank))
+    kernels::sparse_index_key_rows(idx, p.begin / B, (p.end + B - 1) / B, q_per_kv,
+                                   q_head0 / q_per_kv, n_kv_, need_[size_t(rank)].data());
+}
+
+void CpNeedCount::add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0) {
+  parallel_for(size_t(cp_), [&](size_t b, size_t e) {
+    for (size_t r = b; r < e; ++r) add_rank(idx, q_per_kv, q_head0, int(r));
+  });
 }
 
 std::vector<int64_t> CpNeedCount::moved_rows() const {
   std::vector<int64_t> out(size_t(cp_), 0);
-  for (int r = 0; r < cp_; ++r) {
-    const auto own = cp_rank_ranges(n_tokens_, cp_, r);
-    const std::vector<uint8_t>& nd = need_[size_t(r)];
-    for (int64_t t = 0; t < n_tokens_; ++t) {
-      if ((t >= own[0].begin && t < own[0].end) || (t >= own[1].begin && t < own[1].end)) continue;
-      out[size_t(r)] += std::count(nd.begin() + t * n_kv_, nd.begin() + (t + 1) * n_kv_, 1);
+  parallel_for(size_t(cp_), [&](size_t b, size_t e) {
+    for (size_t r = b; r < e; ++r) {
+      const auto own = cp_rank_ranges(n_tokens_, cp_, int(r));
+      const std::vector<uint8_t>& nd = need_[r];
+      int64_t n = std::count(nd.begin(), nd.end(), 1);
+      for (const TokenRange& o : own)
+        n -= std::count(nd.begin() + o.begin * n_kv_, nd.begin() + o.end * n_kv_, 1);
+      out[r] = n;
     }
-  }
+  });
   return out;
 }
 

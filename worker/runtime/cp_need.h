@@ -17,8 +17,11 @@ class CpNeedCount {
   CpNeedCount(int64_t n_tokens, int n_kv_heads, int cp);
   // Adds what a global index's slots read (every query row of the prompt, q_offset 0; its heads
   // are query heads [q_head0, q_head0 + idx.n_heads), q_per_kv of them per KV head) to the rank
-  // holding each query block. May be called once per head group.
+  // holding each query block. May be called once per head group. add_rank does one rank's part
+  // (ranks own disjoint state: callers may run them in parallel); add runs every rank on the
+  // thread pool.
   void add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0);
+  void add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank);
   // Per CP rank: rows it needs and does not hold; rows the all-gather brings it.
   std::vector<int64_t> moved_rows() const;
   std::vector<int64_t> allgather_rows() const;
