@@ -208,8 +208,9 @@ Status finish_export(const std::string& tmp, const std::string& dir) {
 }
 
 Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
-                                                  const KvShardPart& part, const LayerSource& src) {
-  SF_TRY(check_spec(spec));
+                                                  const KvShardPart& part, const LayerSource& src,
+                                                  bool validate) {
+  if (validate) SF_TRY(check_spec(spec));
   const int64_t S = spec.n_tokens;
   const int hp = part.n_kv_heads, h0 = part.kv_head0, d = spec.head_dim;
   if (h0 < 0 || hp <= 0 || h0 + hp > spec.n_kv_heads)
@@ -217,11 +218,12 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
                                         std::to_string(h0 + hp) + ") outside the model's " +
                                         std::to_string(spec.n_kv_heads));
   if (!runs_valid(part.tokens, S))
-    return SF_ERR(kInvalidArgument, "export_kv: shard token runs must be non-empty, ascending, "
-                                    "disjoint and inside the prompt");
-  std::vector<int32_t> all_pos(static_cast<size_t>(S));
-  for (int64_t t = 0; t < S; ++t) all_pos[size_t(t)] = int32_t(t);
+    return SF_ERR(kInvalidArgument,
+                  "export_kv: shard token runs must be non-empty, ascending, "
+                  "disjoint and inside the prompt");
   const Retention* ret = spec.retention;
+  std::vector<int32_t> all_pos(ret ? 0 : static_cast<size_t>(S));  // full retention's positions
+  for (size_t t = 0; t < all_pos.size(); ++t) all_pos[t] = int32_t(t);
   boost::json::array tok_json;
   for (const auto& r : part.tokens) tok_json.push_back(boost::json::array{r[0], r[1]});
   if (part.layer < -1 || part.layer >= spec.n_layers)

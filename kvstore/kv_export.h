@@ -76,9 +76,11 @@ Result<std::string> begin_export(const std::string& dir, bool force);
 Status finish_export(const std::string& tmp, const std::string& dir);
 
 // Writes the part's shard files into tmp and returns their manifest entries (JSON objects, one
-// per layer, as text: writers on other ranks send them to the manifest's writer).
+// per layer, as text: writers on other ranks send them to the manifest's writer). validate false
+// skips the spec's own checks (O(kept tokens)): for the second and later parts of one spec.
 Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
-                                                  const KvShardPart& part, const LayerSource& src);
+                                                  const KvShardPart& part, const LayerSource& src,
+                                                  bool validate = true);
 // Writes tmp/manifest.json over every part's entries, after checking that every entry's file is
 // in tmp at its size (kNotFound otherwise), that per layer they cover every (token, KV head)
 // exactly once and that their blocks align (see KvShardPart).

@@ -15,6 +15,7 @@ namespace {
 std::string str(int64_t v) { return std::to_string(v); }
 
 constexpr int kMaxSpan = kRetentionMaxSpan;
+constexpr int kMaxPool = kRetentionMaxPool;
 
 // RetentionPolicy::span: out[j] = max of s over [j - span + 1, j], per head row of N. A
 // monotonic queue of candidate positions (scores decreasing), so a 1M-token row costs O(N)
@@ -213,6 +214,10 @@ bool Retention::is_full() const {
   return true;
 }
 
+bool retention_needs_scores(const RetentionPolicy& p) {
+  return retention_uses_span(p.kind) || (p.kind == RetentionKind::kLayerwise && p.topk > 0);
+}
+
 bool retention_uses_span(RetentionKind k) {
   return k == RetentionKind::kSnapKV || k == RetentionKind::kAdaKV || k == RetentionKind::kPyramid;
 }
@@ -284,15 +289,22 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
     if (key != "beta" && key != "floor" && x != std::floor(x))
       return SF_ERR(kInvalidArgument,
                     "retention " + name + ": " + key + " = '" + val + "' must be an integer");
+    // Integers convert only in range (a huge double is undefined behaviour as an integer).
+    if (key != "beta" && key != "floor" && std::fabs(x) > double(INT32_MAX))
+      return SF_ERR(kOutOfRange, "retention " + name + ": " + key + " = '" + val +
+                                     "' is out of range (|value| <= " + str(INT32_MAX) + ")");
     if (key == "sink")
       p.sink = int64_t(x);
     else if (key == "window")
       p.window = int64_t(x);
     else if (key == "budget")
       p.budget = int64_t(x), have_budget = true;
-    else if (key == "pool")
+    else if (key == "pool") {
+      if (x < 1 || x > kMaxPool || std::fmod(x, 2) == 0)
+        return SF_ERR(kOutOfRange, "retention " + name + ": pool " + val +
+                                       " must be odd and in [1, " + str(kMaxPool) + "]");
       p.pool = int(x);
-    else if (key == "beta")
+    } else if (key == "beta")
       p.beta = x;
     else if (key == "floor")
       p.floor = x;
@@ -390,6 +402,10 @@ Status retention_check_prompt(const RetentionPolicy& p, int n_layers, int n_kv_h
       return Status::ok();
     case RetentionKind::kSnapKV:
     case RetentionKind::kAdaKV:
+      if (p.pool < 1 || p.pool > kMaxPool || p.pool % 2 == 0)
+        return SF_ERR(kOutOfRange, std::string("retention ") + retention_kind_name(p.kind) +
+                                       ": pool " + str(p.pool) + " must be odd and in [1, " +
+                                       str(kMaxPool) + "]");
       return check_budget(retention_kind_name(p.kind), p.budget, p.window, N);
     case RetentionKind::kPyramid:
       return pyramid_layer_budgets(p.budget, p.window, p.beta, n_layers, N).status();

@@ -69,6 +69,10 @@ const char* retention_kind_name(RetentionKind k);
 // The policies that take RetentionPolicy::span (snapkv, adakv, pyramid), and its largest value.
 bool retention_uses_span(RetentionKind k);
 constexpr int kRetentionMaxSpan = 256;
+// snapkv and adakv's max-pool kernel over keys: odd, at most this.
+constexpr int kRetentionMaxPool = 255;
+// Whether a policy selects with importance scores (snapkv, adakv, pyramid; layerwise with topk).
+bool retention_needs_scores(const RetentionPolicy& p);
 // "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P,span=N]" |
 // "adakv:budget=B[,window=W,pool=P,floor=F,span=N]" | "pyramid:budget=B[,window=W,span=N]" |
 // "layerwise:n_full=F,window=W,topk=K" |

@@ -14,12 +14,14 @@
 // the collective and ranks. Test-only fault injection: SF_WORKER_FAULT=load:R (world rank R fails
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
 // first request).
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -187,6 +189,20 @@ Status agree(comm::Communicator& world, const Status& mine) {
   return Status(mine.is_ok() ? Code::kInternal : mine.code(), msg);
 }
 
+// A retention policy as a number every rank can compare: a moa config is read from each rank's
+// own filesystem, so two ranks may hold different spans under the same spec.
+int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
+  std::string s = std::string(kvstore::retention_kind_name(p.kind)) + ":" +
+                  kvstore::retention_params(p) + ";sink=" + std::to_string(p.moa_sink);
+  char buf[64];
+  for (const auto& layer : p.moa)
+    for (const auto& sp : layer) {
+      std::snprintf(buf, sizeof buf, ";%.17g,%.17g", sp.alpha, sp.beta);
+      s += buf;
+    }
+  return int64_t(std::hash<std::string>{}(s)&0x7fffffffffffffffULL);
+}
+
 void write_summary(const std::string& path, const std::string& json_line) {
   const std::string tmp = path + ".tmp";
   {
@@ -234,9 +250,29 @@ int run(int argc, char** argv) {
   };
 
   auto opts_r = parse_options(argc, argv);
-  if (!opts_r.is_ok()) {
-    if (rank0) std::fputs(kUsage, stderr);
-    return finish(2, opts_r.status().message(), false);
+  {
+    // Every rank parses the options; a --retention moa config is read on each rank's host, so
+    // one rank may fail where the others do not, or read other spans: agree before going on.
+    Status all = agree(*world, opts_r.status());
+    if (world->aborted()) fatal(world->abort_status());
+    if (all.is_ok()) {
+      const int64_t fp = policy_fingerprint(opts_r.value().retention);
+      int64_t lo = 0, hi = 0;
+      if (Status st = world->all_reduce(&fp, &lo, 1, DType::kI64, comm::ReduceOp::kMin);
+          !st.is_ok())
+        fatal(st);
+      if (Status st = world->all_reduce(&fp, &hi, 1, DType::kI64, comm::ReduceOp::kMax);
+          !st.is_ok())
+        fatal(st);
+      if (lo != hi)
+        all = SF_ERR(kInvalidArgument,
+                     "--retention: the ranks read different policies (a moa config file must "
+                     "hold the same spans on every host)");
+    }
+    if (!all.is_ok()) {
+      if (rank0) std::fputs(kUsage, stderr);
+      return finish(2, all.message(), false);
+    }
   }
   const Options& o = opts_r.value();
   if (o.comm_timeout_s > 0)
@@ -391,6 +427,36 @@ int run(int argc, char** argv) {
     }
     if (ok) good.push_back(std::move(r));
   }
+  {
+    // A line's own retention may name a moa config, read on each rank's host: keep only the
+    // lines every rank accepted with the same policy, so every group sees the same requests.
+    int64_t n_lines = 0;
+    for (const auto& r : good) n_lines = std::max(n_lines, r.line);
+    for (const auto& b : bf.bad) n_lines = std::max(n_lines, b.line);
+    int64_t all_lines = 0;
+    if (Status st = world->all_reduce(&n_lines, &all_lines, 1, DType::kI64, comm::ReduceOp::kMax);
+        !st.is_ok())
+      fatal(st);
+    std::vector<int64_t> fp(size_t(all_lines + 1), -1), lo(fp.size()), hi(fp.size());
+    for (const auto& r : good)
+      fp[size_t(r.line)] = r.retention ? policy_fingerprint(*r.retention) : 0;
+    for (auto [buf, op] : {std::pair{&lo, comm::ReduceOp::kMin}, {&hi, comm::ReduceOp::kMax}})
+      if (Status st =
+              world->all_reduce(fp.data(), buf->data(), int64_t(fp.size()), DType::kI64, op);
+          !st.is_ok())
+        fatal(st);
+    std::vector<runtime::BatchRequest> agreed;
+    for (auto& r : good) {
+      if (lo[size_t(r.line)] == hi[size_t(r.line)]) {
+        agreed.push_back(std::move(r));
+      } else {
+        bf.bad.push_back({r.line,
+                          "rejected on another rank (its field 'retention' names a moa "
+                          "config that rank cannot read, or reads with other spans)"});
+      }
+    }
+    good = std::move(agreed);
+  }
   std::sort(bf.bad.begin(), bf.bad.end(),
             [](const auto& a, const auto& b) { return a.line < b.line; });
   if (rank0) {
@@ -434,8 +500,9 @@ int run(int argc, char** argv) {
     po.selective_kv = o.selective_kv;
     const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
     // CPU exports carry per-block importance (as `sparsefill prefill --export-kv` does); scored
-    // retention policies select with it. On GPUs it is computed when the retention needs it.
-    if (!dmodel || policy.kind != kvstore::RetentionKind::kFull) {
+    // retention policies select with it. On GPUs it is computed only when the policy selects
+    // with it (it costs the prompt's keys widened to F32 on the rank holding the prompt's end).
+    if (!dmodel || kvstore::retention_needs_scores(policy)) {
       po.importance_window = 32;
       po.importance_pool = policy.kind == kvstore::RetentionKind::kSnapKV ||
                                    policy.kind == kvstore::RetentionKind::kAdaKV
@@ -521,7 +588,7 @@ int run(int argc, char** argv) {
     Status st;
     if (sharded) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
-      if (g.group_comm->aborted()) fatal(st);
+      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
     } else if (g.leader()) {
       st = kvstore::export_kv(
           dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },

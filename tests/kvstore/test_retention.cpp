@@ -211,6 +211,23 @@ TEST(Retention, CheckPromptMatchesApplyWithoutScores) {
     ASSERT_TRUE(p.is_ok()) << spec;
     EXPECT_TRUE(retention_check_prompt(p.value(), L, H, N).is_ok()) << spec;
   }
+  // snapkv's pool: odd, in [1, kRetentionMaxPool], at parse and in the pre-flight.
+  for (const char* bad_pool :
+       {"snapkv:budget=64,pool=4", "snapkv:budget=64,pool=0", "adakv:budget=64,pool=-1",
+        "snapkv:budget=64,pool=257", "snapkv:budget=1e300"})
+    EXPECT_EQ(retention_parse(bad_pool).status().code(), Code::kOutOfRange) << bad_pool;
+  RetentionPolicy even;
+  even.kind = RetentionKind::kSnapKV;
+  even.budget = 64;
+  even.pool = 6;
+  EXPECT_NE(retention_check_prompt(even, L, H, N).message().find("pool 6 must be odd"),
+            std::string::npos);
+  EXPECT_TRUE(retention_needs_scores(retention_parse("pyramid:budget=50").value()));
+  EXPECT_FALSE(retention_needs_scores(retention_parse("streaming").value()));
+  EXPECT_FALSE(
+      retention_needs_scores(retention_parse("layerwise:n_full=1,window=8,topk=0").value()));
+  EXPECT_TRUE(
+      retention_needs_scores(retention_parse("layerwise:n_full=1,window=8,topk=4").value()));
   RetentionPolicy moa;
   moa.kind = RetentionKind::kMoA;
   moa.moa.assign(1, std::vector<MoaSpan>(H));  // one layer's spans for a 2-layer cache

@@ -1192,11 +1192,14 @@ int cmd_bench_attention(int argc, char** argv) {
               std::vector<std::pair<size_t, int> > tasks;
               for (size_t ci = 0; ci < cp_counts.size(); ++ci)
                 for (int r = 0; r < cp_counts[ci].cp(); ++r) tasks.push_back({ci, r});
+              std::vector<Status> task_st(tasks.size(), Status::ok());
               parallel_for(tasks.size(), [&](size_t b, size_t e) {
                 for (size_t t = b; t < e; ++t)
-                  cp_counts[tasks[t].first].add_rank(idx, int(shape.heads / shape.kv_heads),
-                                                     int(g.h0), tasks[t].second);
+                  task_st[t] = cp_counts[tasks[t].first].add_rank(
+                      idx, int(shape.heads / shape.kv_heads), int(g.h0), tasks[t].second);
               });
+              for (const Status& ts : task_st)
+                if (st.is_ok() && !ts.is_ok()) st = ts;
             }
             if (st.is_ok() && n_g == 1 && mi < idxs.size() && bf == want_bf16) {
               // Slot by slot against the CPU estimator's index.

@@ -12,17 +12,31 @@ CpNeedCount::CpNeedCount(int64_t n_tokens, int n_kv_heads, int cp)
   need_.assign(size_t(cp), std::vector<uint8_t>(size_t(n_tokens * n_kv_heads), 0));
 }
 
-void CpNeedCount::add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank) {
+Status CpNeedCount::add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank) {
   constexpr int64_t B = kernels::kSparseBlock;
+  if (idx.n_q != n_tokens_ || idx.n_k != n_tokens_ || idx.q_offset != 0)
+    return SF_ERR(kInvalidArgument, "CpNeedCount: the index must cover the whole " +
+                                        std::to_string(n_tokens_) + "-token prompt");
+  if (q_per_kv < 1 || q_head0 % q_per_kv != 0 || idx.n_heads % q_per_kv != 0 ||
+      q_head0 / q_per_kv + idx.n_heads / q_per_kv > n_kv_ || rank < 0 || rank >= cp_)
+    return SF_ERR(kInvalidArgument, "CpNeedCount: query heads [" + std::to_string(q_head0) + ", " +
+                                        std::to_string(q_head0 + idx.n_heads) +
+                                        ") are not whole KV groups of " + std::to_string(q_per_kv) +
+                                        " inside " + std::to_string(n_kv_) + " KV heads, or rank " +
+                                        std::to_string(rank) + " is outside CP " +
+                                        std::to_string(cp_));
   for (const TokenRange& p : cp_rank_pieces(n_tokens_, cp_, rank))
     kernels::sparse_index_key_rows(idx, p.begin / B, (p.end + B - 1) / B, q_per_kv,
                                    q_head0 / q_per_kv, n_kv_, need_[size_t(rank)].data());
+  return Status::ok();
 }
 
-void CpNeedCount::add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0) {
-  parallel_for(size_t(cp_), [&](size_t b, size_t e) {
-    for (size_t r = b; r < e; ++r) add_rank(idx, q_per_kv, q_head0, int(r));
+Status CpNeedCount::add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0) {
+  SF_TRY(add_rank(idx, q_per_kv, q_head0, 0));  // checks the arguments once
+  parallel_for(size_t(cp_ - 1), [&](size_t b, size_t e) {
+    for (size_t r = b; r < e; ++r) (void)add_rank(idx, q_per_kv, q_head0, int(r) + 1);
   });
+  return Status::ok();
 }
 
 std::vector<int64_t> CpNeedCount::moved_rows() const {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/status.h"
 #include "kernels/sparse_index.h"
 
 namespace sf::runtime {
@@ -20,8 +21,10 @@ class CpNeedCount {
   // holding each query block. May be called once per head group. add_rank does one rank's part
   // (ranks own disjoint state: callers may run them in parallel); add runs every rank on the
   // thread pool.
-  void add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0);
-  void add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank);
+  // The index must cover the whole prompt (n_q == n_k == n_tokens, q_offset 0) and its heads
+  // whole KV groups inside the counter's KV heads; anything else is kInvalidArgument.
+  Status add(const kernels::SparseIndex& idx, int q_per_kv, int q_head0);
+  Status add_rank(const kernels::SparseIndex& idx, int q_per_kv, int q_head0, int rank);
   // Per CP rank: rows it needs and does not hold; rows the all-gather brings it.
   std::vector<int64_t> moved_rows() const;
   std::vector<int64_t> allgather_rows() const;

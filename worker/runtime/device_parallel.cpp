@@ -214,13 +214,19 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     const int64_t n = int64_t(w.kvd / w.head_dim) * w.S;
     const int TP = g.shape.tp;
     const int64_t b0 = g.cp->bytes_sent() + g.tp->bytes_sent();
+    // CP rank 0 says whether it has the scores first, so no rank retains on zeros.
+    bool ok = r.importance.size() == w.n_layers;
+    for (size_t l = 0; ok && l < w.n_layers; ++l) ok = int64_t(r.importance[l].size()) == n;
+    int32_t have = g.cp_rank != 0 || ok ? 1 : 0, all_have = 0;
+    SF_TRY(g.group_comm->all_reduce(&have, &all_have, 1, DType::kI32, comm::ReduceOp::kMin));
+    if (!all_have)
+      return SF_ERR(kInternal,
+                    "device parallel prefill: the rank holding the prompt's end has no importance");
     std::vector<float> all(size_t(n * TP));
     out.importance.resize(w.n_layers);
     for (size_t l = 0; l < w.n_layers; ++l) {
-      std::vector<float> mine = g.cp_rank == 0 && l < r.importance.size()
-                                    ? std::move(r.importance[l])
-                                    : std::vector<float>();
-      mine.resize(size_t(n));
+      std::vector<float> mine =
+          g.cp_rank == 0 ? std::move(r.importance[l]) : std::vector<float>(size_t(n));
       SF_TRY(g.cp->bcast(mine.data(), n, DType::kF32, 0));
       if (TP == 1) {
         out.importance[l] = std::move(mine);
@@ -240,8 +246,8 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   st.kv_allgather_bytes = w.kv_recv_bytes;
   st.kv_moved_bytes = w.kv_recv_bytes;
   st.tp_allreduce_bytes = w.dg->tp->bytes_sent() - tp0;
-  st.comm_bytes =
-      st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) + (g.group_comm->bytes_sent() - grp0);
+  st.comm_bytes = st.tp_allreduce_bytes + (w.dg->cp->bytes_sent() - cp0) +
+                  (g.group_comm->bytes_sent() - grp0) + st.importance_bytes;
   // Every TP rank holds as many heads, so causal pairs per head weigh the ranks alike.
   double causal = 0;
   for (const auto& p : w.mine) {

@@ -75,7 +75,7 @@ struct ImportanceArgs {
   const float *q = nullptr, *k = nullptr, *v = nullptr;
 };
 Status cp_importance(GridComms& g, const ImportanceArgs& a, std::vector<float>* out,
-                     ParallelStats* st) {
+                     ParallelStats* st, int64_t* tp_bytes) {
   const int CP = g.shape.cp, TP = g.shape.tp;
   const int64_t S = a.S, hq_t = a.hq_t, hkv_t = a.hkv_t, d = a.d, kvw = hkv_t * d;
   const int64_t Wn = std::min<int64_t>(a.window, S), w0 = S - Wn;
@@ -188,11 +188,13 @@ Status cp_importance(GridComms& g, const ImportanceArgs& a, std::vector<float>* 
     kernels::max_pool_keys(raw.data() + h * S, S, a.pool, pooled.data() + h * S);
   // 4) Every TP slice's KV heads (slices are contiguous heads in TP rank order).
   out->resize(size_t(TP * hkv_t * S));
-  if (TP > 1)
+  if (TP > 1) {
+    const int64_t t0 = g.tp->bytes_sent();
     SF_TRY(timed(st, [&] {
       return g.tp->all_gather(pooled.data(), out->data(), hkv_t * S, DType::kF32);
     }));
-  else
+    *tp_bytes += g.tp->bytes_sent() - t0;  // not the TP all-reduces' (tp_allreduce_bytes)
+  } else
     *out = std::move(pooled);
   st->importance_bytes += g.cp->bytes_sent() + g.tp->bytes_sent() - bytes0;
   return Status::ok();
@@ -370,6 +372,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     return SF_ERR(kInvalidArgument,
                   "parallel_prefill: importance_window must be >= 0 and importance_pool odd");
   if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
+  int64_t imp_tp_bytes = 0;
   if (n_loc > 0)
     SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
   for (int l = 0; l < c.n_layers; ++l) {
@@ -557,7 +560,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       ia.q = q.data();
       ia.k = kl;
       ia.v = vl;
-      SF_TRY(cp_importance(g, ia, &res.importance[size_t(l)], &st));
+      SF_TRY(cp_importance(g, ia, &res.importance[size_t(l)], &st, &imp_tp_bytes));
       st.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
     if (opt.local_kv && !opt.gather_kv) {
@@ -610,7 +613,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     res.kv.head_dim = int(d);
     res.kv.n_tokens = n_loc;
   }
-  st.tp_allreduce_bytes = TP > 1 ? g.tp->bytes_sent() - ar_bytes0 : 0;
+  st.tp_allreduce_bytes = TP > 1 ? g.tp->bytes_sent() - ar_bytes0 - imp_tp_bytes : 0;
   st.density = pairs_causal > 0 ? pairs_done / pairs_causal : 1.0;
 
   // Logits. The last prompt token is in chunk 2*CP-1, which CP rank 0 holds; TP rank 0 of it (the

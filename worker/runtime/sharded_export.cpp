@@ -19,45 +19,53 @@ namespace {
 // (docs/kv-format.md "Shards"). So per (layer, KV head) the kept tokens are cut on block
 // boundaries: the run of chunk c starts at kept index 64 * floor(i_c / 64), i_c the number kept
 // before the chunk, so it takes over the tail of the block its predecessor began; those rows (at
-// most 63 per chunk boundary) move to its rank. Each run with kept tokens is one part (one layer,
-// one head, file tag .rR.hH) covering the positions from its first kept token (0 for the first
-// run) up to the next run's, so every position is covered once.
+// most 63 per chunk boundary) move to its rank. A run covers the positions from its first kept
+// token (0 for the first run) up to the next run's, so every position is covered once; each rank
+// writes one part per (layer, head) holding its runs (file tag .rR.hH).
 struct HeadCut {
-  std::vector<int32_t> owner;                // per kept index: the CP rank that computed it
-  std::vector<int32_t> dest;                 // per kept index: the CP rank whose part holds it
-  std::vector<std::array<int64_t, 3>> runs;  // [pos begin, pos end, kept begin] per part,
-                                             // in position order
+  std::vector<int64_t> first;  // per chunk (and the end): kept index of its first kept token
+  std::vector<int64_t> start;  // per chunk (and the end): kept index where its run starts
+  std::vector<std::array<int64_t, 2>> runs;  // [pos begin, pos end) of each non-empty run
   std::vector<int32_t> run_rank;             // per run: its writer's CP rank
 };
+
+int chunk_owner(int ch, int cp) { return ch < cp ? ch : 2 * cp - 1 - ch; }
 
 HeadCut cut_head(const std::vector<int32_t>& kept, const std::vector<TokenRange>& chunks, int cp,
                  int64_t n_tokens) {
   const int nc = int(chunks.size());
-  auto chunk_owner = [&](int ch) { return ch < cp ? ch : 2 * cp - 1 - ch; };
-  HeadCut h;
   const int64_t n = int64_t(kept.size());
-  std::vector<int64_t> start(size_t(nc) + 1);  // kept index where each chunk's run starts
+  HeadCut h;
+  h.first.resize(size_t(nc) + 1);
+  h.start.resize(size_t(nc) + 1);
   for (int ch = 0; ch < nc; ++ch) {
-    const int64_t i =
+    h.first[size_t(ch)] =
         std::lower_bound(kept.begin(), kept.end(), chunks[size_t(ch)].begin) - kept.begin();
-    start[size_t(ch)] = ch == 0 ? 0 : i / kvstore::kKvBlockSize * kvstore::kKvBlockSize;
+    h.start[size_t(ch)] =
+        ch == 0 ? 0 : h.first[size_t(ch)] / kvstore::kKvBlockSize * kvstore::kKvBlockSize;
   }
-  start[size_t(nc)] = n;
-  h.owner.resize(size_t(n));
-  h.dest.resize(size_t(n));
-  for (int ch = 0, src = 0; ch < nc; ++ch) {
-    for (int64_t k = start[size_t(ch)]; k < start[size_t(ch) + 1]; ++k)
-      h.dest[size_t(k)] = chunk_owner(ch);
-    if (start[size_t(ch)] < start[size_t(ch) + 1]) {
-      h.runs.push_back({h.runs.empty() ? 0 : int64_t(kept[size_t(start[size_t(ch)])]), n_tokens,
-                        start[size_t(ch)]});
-      if (h.runs.size() > 1) h.runs[h.runs.size() - 2][1] = h.runs.back()[0];
-      h.run_rank.push_back(chunk_owner(ch));
-    }
-    for (; src < n && kept[size_t(src)] < chunks[size_t(ch)].end; ++src)
-      h.owner[size_t(src)] = chunk_owner(ch);
+  h.first[size_t(nc)] = h.start[size_t(nc)] = n;
+  for (int ch = 0; ch < nc; ++ch) {
+    if (h.start[size_t(ch)] == h.start[size_t(ch) + 1]) continue;
+    h.runs.push_back({h.runs.empty() ? 0 : int64_t(kept[size_t(h.start[size_t(ch)])]), n_tokens});
+    if (h.runs.size() > 1) h.runs[h.runs.size() - 2][1] = h.runs.back()[0];
+    h.run_rank.push_back(chunk_owner(ch, cp));
   }
   return h;
+}
+
+// Calls f(k, owner, dest) for every kept index whose row changes rank, ascending: the rows of
+// chunk c past the next chunk's run start (dest: the last chunk whose run starts at or before k).
+template <typename F>
+void for_each_moved(const HeadCut& h, int cp, F&& f) {
+  const int nc = int(h.first.size()) - 1;
+  for (int ch = 0; ch < nc; ++ch)
+    for (int64_t k = std::max(h.first[size_t(ch)], h.start[size_t(ch) + 1]);
+         k < h.first[size_t(ch) + 1]; ++k) {
+      const int dest =
+          int(std::upper_bound(h.start.begin(), h.start.end() - 1, k) - h.start.begin()) - 1;
+      f(k, chunk_owner(ch, cp), chunk_owner(dest, cp));
+    }
 }
 
 // The local row of prompt position p on a rank holding `ranges` (its rows in prompt order).
@@ -86,18 +94,17 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
     std::vector<std::array<int64_t, 3>> take;
     for (int l = 0; l < nl; ++l)
       for (int h = 0; h < hl; ++h) {
-        const HeadCut& hc = cuts[size_t(l * hl + h)];
         const auto& kept = spec.retention->positions(l, h0 + h);
-        for (size_t k = 0; k < kept.size(); ++k) {
-          if (hc.owner[k] == me && hc.dest[k] == to) {
-            const int64_t row = local_row(ranges, kept[k]) * hl + h;
+        for_each_moved(cuts[size_t(l * hl + h)], CP, [&](int64_t k, int owner, int dest) {
+          if (owner == me && dest == to) {
+            const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
             send.insert(send.end(), local.k[size_t(l)].begin() + row * d,
                         local.k[size_t(l)].begin() + (row + 1) * d);
             send.insert(send.end(), local.v[size_t(l)].begin() + row * d,
                         local.v[size_t(l)].begin() + (row + 1) * d);
           }
-          if (hc.owner[k] == from && hc.dest[k] == me) take.push_back({l, h, int64_t(k)});
-        }
+          if (owner == from && dest == me) take.push_back({l, h, k});
+        });
       }
     recv.resize(take.size() * 2 * size_t(d));
     SF_TRY(g.cp->sendrecv(send.data(), int64_t(send.size()), to, recv.data(), int64_t(recv.size()),
@@ -106,28 +113,35 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
       moved[take[i]].assign(recv.begin() + std::ptrdiff_t(2 * i * size_t(d)),
                             recv.begin() + std::ptrdiff_t(2 * (i + 1) * size_t(d)));
   }
-  // One part per run this rank writes: its rows laid out over the run's positions (the writer
-  // reads only the kept ones).
-  std::vector<float> kbuf, vbuf;
+  // One part per (layer, head) with runs here: its rows laid out over the runs' positions, in
+  // one buffer sized once (the writer reads only the kept rows, so the rest is never filled).
+  int64_t max_span = 0;
+  for (const HeadCut& hc : cuts) {
+    int64_t span = 0;
+    for (size_t r = 0; r < hc.runs.size(); ++r)
+      if (hc.run_rank[r] == me) span += hc.runs[r][1] - hc.runs[r][0];
+    max_span = std::max(max_span, span);
+  }
+  std::vector<float> kbuf(size_t(max_span * d)), vbuf(size_t(max_span * d));
+  bool validate = true;  // the spec once, not once a part
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
       const HeadCut& hc = cuts[size_t(l * hl + h)];
       const auto& kept = spec.retention->positions(l, h0 + h);
       kvstore::KvShardPart part;
       for (size_t r = 0; r < hc.runs.size(); ++r)
-        if (hc.run_rank[r] == me) part.tokens.push_back({hc.runs[r][0], hc.runs[r][1]});
+        if (hc.run_rank[r] == me) part.tokens.push_back(hc.runs[r]);
       if (part.tokens.empty()) continue;
-      int64_t span = 0;
-      for (const auto& t : part.tokens) span += t[1] - t[0];
-      kbuf.assign(size_t(span * d), 0.f);
-      vbuf.assign(size_t(span * d), 0.f);
       for (int64_t base = 0; const auto& t : part.tokens) {
         const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(t[0])) - kept.begin();
         for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < t[1]; ++k) {
-          float* kd = kbuf.data() + (base + kept[size_t(k)] - t[0]) * d;
-          float* vd = vbuf.data() + (base + kept[size_t(k)] - t[0]) * d;
-          if (hc.owner[size_t(k)] == me) {
-            const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
+          const int64_t p = kept[size_t(k)];
+          float* kd = kbuf.data() + (base + p - t[0]) * d;
+          float* vd = vbuf.data() + (base + p - t[0]) * d;
+          const bool mine = (p >= ranges[0].begin && p < ranges[0].end) ||
+                            (p >= ranges[1].begin && p < ranges[1].end);
+          if (mine) {
+            const int64_t row = local_row(ranges, p) * hl + h;
             std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
             std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
           } else {
@@ -143,8 +157,9 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
       part.rank = g.group_comm->rank();
       part.layer = l;
       part.file_tag = ".r" + std::to_string(part.rank) + ".h" + std::to_string(h0 + h);
-      add(kvstore::export_kv_shards(tmp, spec, part,
-                                    [&](int, bool v) { return (v ? vbuf : kbuf).data(); }));
+      add(kvstore::export_kv_shards(
+          tmp, spec, part, [&](int, bool v) { return (v ? vbuf : kbuf).data(); }, validate));
+      validate = false;
     }
   return Status::ok();
 }
@@ -173,7 +188,8 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
   if (tmp.empty()) return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
 
   // This rank's parts: with full retention its CP chunks (merged when adjacent) of its TP
-  // slice's KV heads; with any other, block-aligned runs per layer and head (retained_parts).
+  // slice's KV heads; with any other, block-aligned runs per layer and head
+  // (write_retained_parts).
   // What goes to the leader: "ok" and one entry per line, or "error" and the message.
   std::string mine = "ok";
   auto add = [&](const Result<std::vector<std::string>>& e) {

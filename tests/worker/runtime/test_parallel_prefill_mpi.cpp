@@ -168,7 +168,7 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
       int64_t rows = 0, ag_rows = 0;
       for (int l = 0; l < c.n_layers; ++l) {
         runtime::CpNeedCount cnt(n_tokens, c.n_kv_heads, shape.cp);
-        cnt.add(indices[size_t(l)], c.n_heads / c.n_kv_heads, 0);
+        ASSERT_TRUE(cnt.add(indices[size_t(l)], c.n_heads / c.n_kv_heads, 0).is_ok());
         for (int64_t x : cnt.moved_rows()) rows += x;
         for (int64_t x : cnt.allgather_rows()) ag_rows += x;
       }

@@ -9,6 +9,7 @@
 
 #include "worker/model/model.h"
 #include "worker/runtime/batch.h"
+#include "worker/runtime/cp_need.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
 
@@ -149,6 +150,35 @@ TEST(Batch, RetentionField) {
       << f.bad[1].reason;
   EXPECT_NE(f.bad[2].reason.find("field 'retention': "), std::string::npos);
   EXPECT_NE(f.bad[2].reason.find("nearest"), std::string::npos) << f.bad[2].reason;
+}
+
+// CpNeedCount on a hand-built index: 512 tokens (CP 2: rank 0 holds [0,128) and [384,512),
+// rank 1 [128,384)), 2 heads each its own KV head. Every slot reads the sink block and its own
+// diagonal block; head 1's slots past key 300 also read column 300.
+TEST(CpNeedCount, CountsWhatEachRankReadsAndDoesNotHold) {
+  const int64_t S = 512;
+  kernels::SparseIndex idx = kernels::sparse_index_make(2, S, S, 0, 2, 1);
+  for (int h = 0; h < 2; ++h)
+    for (int64_t qb = 0; qb < idx.n_qblocks; ++qb) {
+      const size_t sl = idx.slot(h, qb);
+      int32_t* bo = idx.block_offset.data() + sl * size_t(idx.max_blocks);
+      bo[0] = 0;
+      bo[1] = int32_t(qb * 64);
+      idx.block_count[sl] = qb > 0 ? 2 : 1;
+      if (h == 1 && qb * 64 > 300) {
+        idx.column_index[sl * size_t(idx.max_cols)] = 300;
+        idx.column_count[sl] = 1;
+      }
+    }
+  runtime::CpNeedCount cnt(S, 2, 2);
+  ASSERT_TRUE(cnt.add(idx, 1, 0).is_ok());
+  // Rank 0: column 300 (head 1) from rank 1. Rank 1: the sink block of both heads from rank 0.
+  EXPECT_EQ(cnt.moved_rows(), (std::vector<int64_t>{1, 128}));
+  EXPECT_EQ(cnt.allgather_rows(), (std::vector<int64_t>{512, 512}));
+  // An index over part of the prompt, or heads past the counter's KV heads, is refused.
+  runtime::CpNeedCount small(S - 64, 2, 2);
+  EXPECT_EQ(small.add(idx, 1, 0).code(), Code::kInvalidArgument);
+  EXPECT_EQ(cnt.add(idx, 1, 1).code(), Code::kInvalidArgument);
 }
 
 TEST(Batch, CompleteMeansManifestPresent) {
