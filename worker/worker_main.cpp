@@ -616,7 +616,7 @@ int run(int argc, char** argv) {
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
-        "\"kv_kept_fraction\": %.6f, \"importance_bytes\": %lld}",
+        "\"kv_kept_fraction\": %.6f, \"importance_bytes\": %lld, \"importance_s\": %.6f}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -627,7 +627,7 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
         ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
-        kept_frac, static_cast<long long>(s.importance_bytes));
+        kept_frac, static_cast<long long>(s.importance_bytes), s.importance_s);
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";
