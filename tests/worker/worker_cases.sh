@@ -18,7 +18,7 @@
 #               between ranks) keeps exactly the gathered export's positions and decodes as it
 #               does; a line's own "retention" overrides the flag; bad specs are bad lines or a
 #               start-up error; a budget larger than its prompt is a bad line (no prefill); the
-#               same at TP 3 x CP 2 (np 6)
+#               same at TP 3 x CP 2 (np 6) and CP 4 (np 4, runs that span several chunks)
 set -u
 case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -165,18 +165,24 @@ case "$case_name" in
       python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]=="full")' \
         "$tmp/out_sharded/$id/manifest.json" "$tmp/out_gathered/$id/manifest.json" || fail "$id: kept positions differ"
     done
-    # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head.
+    # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head. CP 4 with 100 kept
+    # tokens a head: chunks of ~66 tokens keep fewer than a block each, so runs are empty and a
+    # block gathers rows from several chunks (and ranks).
     head -1 "$tmp/ret.jsonl" >"$tmp/one.jsonl"
-    for mode in sharded gathered; do
-      run 6 --model default --tp 3 --cp 2 --retention adakv:budget=128,span=4 --export "$mode" --batch "$tmp/one.jsonl" --out "$tmp/tp_$mode"
-      [ "$rc" -eq 0 ] || fail "tp 3 x cp 2 $mode: exit $rc"
+    for grid in "6 --tp 3 --cp 2 --retention adakv:budget=128,span=4" "4 --cp 4 --retention adakv:budget=100,span=4"; do
+      set -- $grid
+      np="$1"; shift
+      tag="np$np"
+      for mode in sharded gathered; do
+        run "$np" --model default "$@" --export "$mode" --batch "$tmp/one.jsonl" --out "$tmp/${tag}_$mode"
+        [ "$rc" -eq 0 ] || fail "$grid $mode: exit $rc"
+        "$decoder" --model default --kv "$tmp/${tag}_$mode/doc" --tokens 12 2>&1 | grep '^tokens:' >"$tmp/tok_${tag}_$mode"
+      done
+      python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]!="adakv")' \
+        "$tmp/${tag}_sharded/doc/manifest.json" "$tmp/${tag}_gathered/doc/manifest.json" || fail "$grid: kept positions differ"
+      [ -s "$tmp/tok_${tag}_sharded" ] && cmp -s "$tmp/tok_${tag}_sharded" "$tmp/tok_${tag}_gathered" || fail "$grid: sharded and gathered decode differently"
     done
-    python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]!="adakv")' \
-      "$tmp/tp_sharded/doc/manifest.json" "$tmp/tp_gathered/doc/manifest.json" || fail "tp 3 x cp 2: kept positions differ"
-    for mode in sharded gathered; do
-      "$decoder" --model default --kv "$tmp/tp_$mode/doc" --tokens 12 2>&1 | grep '^tokens:' >"$tmp/tok_tp_$mode"
-    done
-    [ -s "$tmp/tok_tp_sharded" ] && cmp -s "$tmp/tok_tp_sharded" "$tmp/tok_tp_gathered" || fail "tp 3 x cp 2: sharded and gathered decode differently"
+    ls "$tmp/np4_sharded/doc" | grep -q '\.r3\.h' || fail "cp 4: rank 3 wrote no part"
     run 2 --model default --cp 2 --retention bogus --batch "$tmp/ret.jsonl" --out "$tmp/out_b"
     [ "$rc" -eq 2 ] || fail "--retention bogus: exit $rc, want 2"
     errors | grep -q "^error: --retention: " || fail "--retention message"
