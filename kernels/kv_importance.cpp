@@ -16,8 +16,9 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
     return SF_ERR(kInvalidArgument, "kv_importance: " + what);
   };
   for (const TensorView* t : std::initializer_list<const TensorView*>{&q, &k, &lse, &out}) {
-    if (t->dtype != DType::kF32 || !t->contiguous())
-      return bad("q, k, lse, out must be contiguous F32");
+    const bool bf16_k = t == &k && t->dtype == DType::kBF16 && s.device == Device::kCuda;
+    if ((t->dtype != DType::kF32 && !bf16_k) || !t->contiguous())
+      return bad("q, k, lse, out must be contiguous F32 (k may be BF16 on CUDA)");
     if (t->device != s.device) return bad("tensor on a different device than the stream");
   }
   if (q.ndim != 3 || k.ndim != 3 || lse.ndim != 2 || out.ndim != 2)

@@ -69,8 +69,9 @@ const char* retention_kind_name(RetentionKind k);
 // The policies that take RetentionPolicy::span (snapkv, adakv, pyramid), and its largest value.
 bool retention_uses_span(RetentionKind k);
 constexpr int kRetentionMaxSpan = 256;
-// snapkv and adakv's max-pool kernel over keys: odd, at most this.
-constexpr int kRetentionMaxPool = 255;
+// snapkv and adakv's max-pool kernel over keys: odd, at most this (the CUDA importance kernel's
+// halo: kernels/kv_importance.h).
+constexpr int kRetentionMaxPool = 65;
 // Whether a policy selects with importance scores (snapkv, adakv, pyramid; layerwise with topk).
 bool retention_needs_scores(const RetentionPolicy& p);
 // "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P,span=N]" |

@@ -8,7 +8,9 @@
 // shared memory (rows padded by one float: a warp's 32 threads read 32 different rows of one
 // column conflict-free); window rows of the group's query heads are staged 8 at a time, and
 // thread j accumulates p = exp(min(s, lse) - lse) of key j for each (head, row) that may see it.
-// The run allocates nothing and does not synchronize with the host.
+// The run allocates nothing and does not synchronize with the host. Keys may be BF16 (a CP
+// rank's exchanged keys), widened as they are staged.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -30,12 +32,13 @@ constexpr int kRowsPerStage = 8;
 
 struct ImpParams {
   const float* q;    // [nq, hq, d]
-  const float* k;    // [nk, hkv, d]
+  const void* k;     // [nk, hkv, d], F32 or BF16 (k_bf16)
   const float* lse;  // [hq, nq]
   float* out;        // [hkv, nk]
   int64_t nq, nk, q_offset;
   int hq, hkv, d, window, half;
   float scale;
+  bool k_bf16;
 };
 
 __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams p) {
@@ -56,7 +59,9 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
 
   for (int x = threadIdx.x; x < T * p.d; x += blockDim.x) {
     const int j = x / p.d, c = x % p.d;
-    ks[j * ld + c] = p.k[((t0 + j) * p.hkv + g) * p.d + c];
+    const int64_t at = ((t0 + j) * p.hkv + g) * p.d + c;
+    ks[j * ld + c] = p.k_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.k)[at])
+                              : static_cast<const float*>(p.k)[at];
   }
   const int64_t W = p.window < p.nq ? p.window : p.nq;
   const int64_t r0 = p.nq - W;
@@ -130,7 +135,8 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
                      const ImportanceParams& ip, TensorView out, void* stream) {
   ImpParams p;
   p.q = q.ptr<float>();
-  p.k = k.ptr<float>();
+  p.k = k.data;
+  p.k_bf16 = k.dtype == DType::kBF16;
   p.lse = lse.ptr<float>();
   p.out = out.ptr<float>();
   p.nq = q.shape[0];

@@ -776,6 +776,38 @@ TEST_F(CudaOps, KvImportance) {
                             d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
     expect_matches(std::string("kv_importance ") + c.name, d_out, ref, tol);
     if (HasFailure()) return;
+    // BF16 keys (a CP rank's exchanged keys): the CPU kernel on the same keys rounded to BF16.
+    std::vector<uint16_t> kb(k.size());
+    std::vector<float> kr(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      kb[i] = f32_to_bf16(k[i]);
+      kr[i] = bf16_to_f32(kb[i]);
+    }
+    std::vector<float> ref_b(ref.size());
+    ASSERT_OK(kv_importance(hq, TensorView::make(kr.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+                            TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ip,
+                            TensorView::make(ref_b.data(), DType::kF32, {c.kv_heads, c.n_k})));
+    DevBuf d_kb;
+    ASSERT_OK(d_kb.alloc_upload(kb));
+    ASSERT_OK(d_out.poison());
+    ASSERT_OK(kv_importance(d_q.view(DType::kF32, {c.n_q, c.heads, d}),
+                            d_kb.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
+                            d_lse.view(DType::kF32, {c.heads, c.n_q}), ip,
+                            d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
+    expect_matches(std::string("kv_importance bf16 keys ") + c.name, d_out, ref_b, tol);
+    if (HasFailure()) return;
+  }
+  // BF16 keys on the CPU are refused (the CUDA kernel widens them; the CPU kernel takes F32).
+  {
+    std::vector<uint16_t> kb(64 * 64);
+    std::vector<float> q1(4 * 64), l1(4), o1(64);
+    ImportanceParams ip;
+    EXPECT_EQ(kv_importance(TensorView::make(q1.data(), DType::kF32, {1, 4, 64}),
+                            TensorView::make(kb.data(), DType::kBF16, {64, 1, 64}),
+                            TensorView::make(l1.data(), DType::kF32, {4, 1}), ip,
+                            TensorView::make(o1.data(), DType::kF32, {1, 64}))
+                  .code(),
+              Code::kInvalidArgument);
   }
   // A pool wider than CUDA's halo is refused, not computed wrong.
   DevBuf d_q, d_k, d_lse, d_out;

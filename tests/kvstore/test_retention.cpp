@@ -214,7 +214,7 @@ TEST(Retention, CheckPromptMatchesApplyWithoutScores) {
   // snapkv's pool: odd, in [1, kRetentionMaxPool], at parse and in the pre-flight.
   for (const char* bad_pool :
        {"snapkv:budget=64,pool=4", "snapkv:budget=64,pool=0", "adakv:budget=64,pool=-1",
-        "snapkv:budget=64,pool=257", "snapkv:budget=1e300"})
+        "snapkv:budget=64,pool=67", "snapkv:budget=1e300"})
     EXPECT_EQ(retention_parse(bad_pool).status().code(), Code::kOutOfRange) << bad_pool;
   RetentionPolicy even;
   even.kind = RetentionKind::kSnapKV;

@@ -648,18 +648,20 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     // the window rows' LSE comes from a dense F32 pass over those rows, as in the CPU forward.
     if (!dry && imp_here) {
       const int64_t pb = pcs.back()[0], pn = pcs.back()[1] - pb, plo = NL - pn;
-      const float* KF = K;  // unsharded, or a shard holding the whole prompt (CP 1)
+      const void* KF = K;  // unsharded, or a shard holding the whole prompt (CP 1)
       const float* VF = V;
-      if (shard.exchange_kv && attn_bf16) {
+      DType kdt = DType::kF32;
+      if (shard.exchange_kv && attn_bf16 && use_sparse) {
+        // The window's dense pass (the F32 kernel) needs F32 keys and values: widened copies.
         SF_TRY(kernels::cast(dview(KA, adt, {S, hkv, d}),
                              dview(imp_k.data(), DType::kF32, {S, hkv, d}), cs()));
-        if (use_sparse)
-          SF_TRY(kernels::cast(dview(VA, adt, {S, hkv, d}),
-                               dview(imp_v.data(), DType::kF32, {S, hkv, d}), cs()));
-        KF = imp_k.as<float>();
+        SF_TRY(kernels::cast(dview(VA, adt, {S, hkv, d}),
+                             dview(imp_v.data(), DType::kF32, {S, hkv, d}), cs()));
+        KF = imp_k.data();
         VF = imp_v.as<float>();
       } else if (shard.exchange_kv) {
-        KF = static_cast<const float*>(KA);
+        KF = KA;  // BF16 under BF16 attention: kv_importance widens it as it reads
+        kdt = adt;
         VF = static_cast<const float*>(VA);
       }
       kernels::ImportanceParams ip;
@@ -670,7 +672,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
       TensorView iq = dview(Q + plo * qd, DType::kF32, {pn, hq, d});
       TensorView il = dview(lse.as<float>() + hq * plo, DType::kF32, {hq, pn});
-      const TensorView ik = dview(const_cast<float*>(KF), DType::kF32, {S, hkv, d});
+      const TensorView ik = dview(const_cast<void*>(KF), kdt, {S, hkv, d});
       if (use_sparse) {
         const int64_t wn = std::min<int64_t>(opt.importance_window, pn);
         kernels::AttentionParams wp = ap;
@@ -966,11 +968,17 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(h_logits.alloc(size_t(max_logit_rows) * vocab * f));
   if (host_kv) SF_TRY(h_kv.alloc(size_t(c.n_layers) * 2 * NL * kvd * f));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
+  // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.
+  SF_ENSURE(o.importance_window == 0 ||
+                (o.importance_pool >= 1 && o.importance_pool <= 65 && o.importance_pool % 2 == 1),
+            kInvalidArgument,
+            "device prefill: importance_pool must be odd and in [1, 65], got " +
+                std::to_string(o.importance_pool));
   if (imp_here) {
     SF_TRY(alloc(imp, size_t(c.n_kv_heads) * S * f));
-    if (shard.exchange_kv && attn_bf16) {
+    if (shard.exchange_kv && attn_bf16 && o.sparse) {
       SF_TRY(alloc(imp_k, S * kvd * f));
-      if (o.sparse) SF_TRY(alloc(imp_v, S * kvd * f));
+      SF_TRY(alloc(imp_v, S * kvd * f));
     }
     if (o.sparse) {
       const size_t wn = std::min(size_t(o.importance_window), S);
