@@ -761,41 +761,37 @@ TEST_F(CudaOps, KvImportance) {
     ip.window = c.window;
     ip.pool = c.pool;
     ip.q_offset = c.q_offset;
-    std::vector<float> ref(size_t(c.kv_heads * c.n_k));
-    ASSERT_OK(kv_importance(hq, hk, TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ip,
-                            TensorView::make(ref.data(), DType::kF32, {c.kv_heads, c.n_k})));
-    DevBuf d_q, d_k, d_lse, d_out;
-    ASSERT_OK(d_q.alloc_upload(q));
-    ASSERT_OK(d_k.alloc_upload(k));
-    ASSERT_OK(d_lse.alloc_upload(lse));
-    ASSERT_OK(d_out.alloc(ref.size() * 4));
-    ASSERT_OK(d_out.poison());
-    ASSERT_OK(kv_importance(d_q.view(DType::kF32, {c.n_q, c.heads, d}),
-                            d_k.view(DType::kF32, {c.n_k, c.kv_heads, d}),
-                            d_lse.view(DType::kF32, {c.heads, c.n_q}), ip,
-                            d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
-    expect_matches(std::string("kv_importance ") + c.name, d_out, ref, tol);
-    if (HasFailure()) return;
-    // BF16 keys (a CP rank's exchanged keys): the CPU kernel on the same keys rounded to BF16.
+    // F32 keys, then BF16 keys (a CP rank's exchanged keys) against the CPU kernel on the same
+    // keys rounded to BF16.
     std::vector<uint16_t> kb(k.size());
     std::vector<float> kr(k.size());
     for (size_t i = 0; i < k.size(); ++i) {
       kb[i] = f32_to_bf16(k[i]);
       kr[i] = bf16_to_f32(kb[i]);
     }
-    std::vector<float> ref_b(ref.size());
-    ASSERT_OK(kv_importance(hq, TensorView::make(kr.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
-                            TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ip,
-                            TensorView::make(ref_b.data(), DType::kF32, {c.kv_heads, c.n_k})));
-    DevBuf d_kb;
+    DevBuf d_q, d_k, d_kb, d_lse, d_out;
+    ASSERT_OK(d_q.alloc_upload(q));
+    ASSERT_OK(d_k.alloc_upload(k));
     ASSERT_OK(d_kb.alloc_upload(kb));
-    ASSERT_OK(d_out.poison());
-    ASSERT_OK(kv_importance(d_q.view(DType::kF32, {c.n_q, c.heads, d}),
-                            d_kb.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
-                            d_lse.view(DType::kF32, {c.heads, c.n_q}), ip,
-                            d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
-    expect_matches(std::string("kv_importance bf16 keys ") + c.name, d_out, ref_b, tol);
-    if (HasFailure()) return;
+    ASSERT_OK(d_lse.alloc_upload(lse));
+    ASSERT_OK(d_out.alloc(size_t(c.kv_heads * c.n_k) * 4));
+    for (const DType kt : {DType::kF32, DType::kBF16}) {
+      const bool bf = kt == DType::kBF16;
+      std::vector<float> ref(size_t(c.kv_heads * c.n_k));
+      ASSERT_OK(kv_importance(hq,
+                              TensorView::make(bf ? kr.data() : const_cast<float*>(k.data()),
+                                               DType::kF32, {c.n_k, c.kv_heads, d}),
+                              TensorView::make(lse.data(), DType::kF32, {c.heads, c.n_q}), ip,
+                              TensorView::make(ref.data(), DType::kF32, {c.kv_heads, c.n_k})));
+      ASSERT_OK(d_out.poison());
+      ASSERT_OK(kv_importance(d_q.view(DType::kF32, {c.n_q, c.heads, d}),
+                              (bf ? d_kb : d_k).view(kt, {c.n_k, c.kv_heads, d}),
+                              d_lse.view(DType::kF32, {c.heads, c.n_q}), ip,
+                              d_out.view(DType::kF32, {c.kv_heads, c.n_k}), kGpu));
+      expect_matches(std::string("kv_importance ") + (bf ? "bf16 keys " : "") + c.name, d_out, ref,
+                     tol);
+      if (HasFailure()) return;
+    }
   }
   // BF16 keys on the CPU are refused (the CUDA kernel widens them; the CPU kernel takes F32).
   {
