@@ -203,6 +203,23 @@ int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
   return int64_t(std::hash<std::string>{}(s)&0x7fffffffffffffffULL);
 }
 
+// Per item, whether every rank holds the same fingerprint (fingerprints >= 0, -1: the rank has
+// no such item): one all-reduce of (fp, -fp) under min gives each item's min and max.
+Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
+                                             const std::vector<int64_t>& fp) {
+  const size_t n = fp.size();
+  std::vector<int64_t> both(2 * n), lo(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    both[i] = fp[i];
+    both[n + i] = -fp[i];
+  }
+  SF_TRY(
+      world.all_reduce(both.data(), lo.data(), int64_t(2 * n), DType::kI64, comm::ReduceOp::kMin));
+  std::vector<bool> same(n);
+  for (size_t i = 0; i < n; ++i) same[i] = lo[i] == -lo[n + i];
+  return same;
+}
+
 void write_summary(const std::string& path, const std::string& json_line) {
   const std::string tmp = path + ".tmp";
   {
@@ -256,15 +273,9 @@ int run(int argc, char** argv) {
     Status all = agree(*world, opts_r.status());
     if (world->aborted()) fatal(world->abort_status());
     if (all.is_ok()) {
-      const int64_t fp = policy_fingerprint(opts_r.value().retention);
-      int64_t lo = 0, hi = 0;
-      if (Status st = world->all_reduce(&fp, &lo, 1, DType::kI64, comm::ReduceOp::kMin);
-          !st.is_ok())
-        fatal(st);
-      if (Status st = world->all_reduce(&fp, &hi, 1, DType::kI64, comm::ReduceOp::kMax);
-          !st.is_ok())
-        fatal(st);
-      if (lo != hi)
+      auto same = same_on_every_rank(*world, {policy_fingerprint(opts_r.value().retention)});
+      if (!same.is_ok()) fatal(same.status());
+      if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
@@ -437,17 +448,14 @@ int run(int argc, char** argv) {
     if (Status st = world->all_reduce(&n_lines, &all_lines, 1, DType::kI64, comm::ReduceOp::kMax);
         !st.is_ok())
       fatal(st);
-    std::vector<int64_t> fp(size_t(all_lines + 1), -1), lo(fp.size()), hi(fp.size());
+    std::vector<int64_t> fp(size_t(all_lines + 1), -1);
     for (const auto& r : good)
       fp[size_t(r.line)] = r.retention ? policy_fingerprint(*r.retention) : 0;
-    for (auto [buf, op] : {std::pair{&lo, comm::ReduceOp::kMin}, {&hi, comm::ReduceOp::kMax}})
-      if (Status st =
-              world->all_reduce(fp.data(), buf->data(), int64_t(fp.size()), DType::kI64, op);
-          !st.is_ok())
-        fatal(st);
+    auto same = same_on_every_rank(*world, fp);
+    if (!same.is_ok()) fatal(same.status());
     std::vector<runtime::BatchRequest> agreed;
     for (auto& r : good) {
-      if (lo[size_t(r.line)] == hi[size_t(r.line)]) {
+      if (same.value()[size_t(r.line)]) {
         agreed.push_back(std::move(r));
       } else {
         bf.bad.push_back({r.line,
@@ -547,7 +555,7 @@ int run(int argc, char** argv) {
                      static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
       continue;
     }
-    const runtime::ParallelResult& res = pr.value();
+    runtime::ParallelResult& res = pr.value();
     kvstore::KvExportSpec spec;
     spec.model_name = cfg.name;
     spec.arch = model::arch_name(cfg.arch);
@@ -563,8 +571,9 @@ int run(int argc, char** argv) {
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
     std::optional<kvstore::ImportanceScores> imp;
     if (!res.importance.empty())
-      imp = kvstore::ImportanceScores{cfg.n_layers,         cfg.n_kv_heads,     spec.n_tokens,
-                                      po.importance_window, po.importance_pool, res.importance};
+      imp = kvstore::ImportanceScores{cfg.n_layers,       cfg.n_kv_heads,
+                                      spec.n_tokens,      po.importance_window,
+                                      po.importance_pool, std::move(res.importance)};
     // Full retention stays implicit (null): its position lists would cost 4 bytes a token per
     // layer and KV head, a gigabyte for a 1M-token Llama-3-8B prompt.
     const bool full = policy.kind == kvstore::RetentionKind::kFull;
