@@ -3,6 +3,7 @@
 #include "worker/model/device_model.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -382,10 +383,11 @@ struct DevicePrefill::Impl {
   std::vector<CudaEvent> layer_end;
   // importance_window > 0: one layer's SnapKV scores [hkv, S] on the device, every layer's in
   // pinned host memory (copied on the compute stream after each layer), and their timing.
-  // With sparse attention also the window rows' dense output (discarded) and LSE.
+  // With sparse attention also the window rows' dense output (discarded) and LSE, from the
+  // attention's own dense kernel in its own dtype (so BF16 keys need no F32 copy).
   // A shard computes them only where the prompt ends (imp_here: the window's rows live there),
-  // against every key; with BF16 attention the exchanged keys are BF16, widened into imp_k/imp_v.
-  DeviceBuffer imp, imp_o, imp_lse, imp_k, imp_v;
+  // against every key.
+  DeviceBuffer imp, imp_o, imp_lse;
   bool imp_here = false;
   std::vector<CudaEvent> imp_begin, imp_end, imp_copied;
   PinnedBuffer h_tokens, h_kv, h_logits, h_imp;
@@ -640,30 +642,30 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     ap.q_offset = 0;
 
     // 2b) SnapKV importance of the last importance_window queries, from this layer's LSE
-    // (kernels/kv_importance.h), on the F32 Q and K (with bf16 attention the LSE is of the
-    // rounded copies; the kernel caps each recomputed score at its row's LSE). A shard computes
-    // it where the prompt ends, from its last piece, whose attention saw every key; its keys are
-    // the exchanged ones (widened to F32 when they travelled as BF16).
+    // (kernels/kv_importance.h), on the F32 Q and the attention's keys (BF16 ones are widened as
+    // the kernel reads them; with bf16 attention the LSE is of the rounded copies, and the kernel
+    // caps each recomputed score at its row's LSE). A shard computes it where the prompt ends,
+    // from its last piece, whose attention saw every key, against the exchanged keys.
     // A sparse layer's LSE covers the selected keys only and would over-count the others: there
-    // the window rows' LSE comes from a dense F32 pass over those rows, as in the CPU forward.
+    // the window rows' LSE comes from a dense pass over those rows (the CPU forward's rule), by
+    // the attention's dense kernel in its dtype; it is planned with the layer's other kernels.
+    const int64_t iwn = imp_here && use_sparse ? std::min<int64_t>(opt.importance_window,
+                                                                   pcs.back()[1] - pcs.back()[0])
+                                               : 0;
+    kernels::AttentionParams iwp = ap;
+    iwp.q_offset = S - iwn;
+    const auto window_views = [&] {
+      return std::array<TensorView, 4>{
+          dview(static_cast<char*>(QA) + size_t((NL - iwn) * qd) * aes, adt, {iwn, hq, d}),
+          dview(KA, adt, {S, hkv, d}), dview(VA, adt, {S, hkv, d}),
+          dview(imp_o.data(), adt, {iwn, hq, d})};
+    };
+    if (dry && iwn > 0 && attn_bf16) {
+      const auto w = window_views();
+      SF_TRY(kernels::cuda::attention_dense_plan(w[0], w[1], w[2], w[3], iwp));
+    }
     if (!dry && imp_here) {
       const int64_t pb = pcs.back()[0], pn = pcs.back()[1] - pb, plo = NL - pn;
-      const void* KF = K;  // unsharded, or a shard holding the whole prompt (CP 1)
-      const float* VF = V;
-      DType kdt = DType::kF32;
-      if (shard.exchange_kv && attn_bf16 && use_sparse) {
-        // The window's dense pass (the F32 kernel) needs F32 keys and values: widened copies.
-        SF_TRY(kernels::cast(dview(KA, adt, {S, hkv, d}),
-                             dview(imp_k.data(), DType::kF32, {S, hkv, d}), cs()));
-        SF_TRY(kernels::cast(dview(VA, adt, {S, hkv, d}),
-                             dview(imp_v.data(), DType::kF32, {S, hkv, d}), cs()));
-        KF = imp_k.data();
-        VF = imp_v.as<float>();
-      } else if (shard.exchange_kv) {
-        KF = KA;  // BF16 under BF16 attention: kv_importance widens it as it reads
-        kdt = adt;
-        VF = static_cast<const float*>(VA);
-      }
       kernels::ImportanceParams ip;
       ip.window = opt.importance_window;
       ip.pool = opt.importance_pool;
@@ -672,18 +674,14 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       SF_CUDA_TRY(cudaEventRecord(imp_begin[size_t(l)].get(), st));
       TensorView iq = dview(Q + plo * qd, DType::kF32, {pn, hq, d});
       TensorView il = dview(lse.as<float>() + hq * plo, DType::kF32, {hq, pn});
-      const TensorView ik = dview(const_cast<void*>(KF), kdt, {S, hkv, d});
+      const TensorView ik = dview(KA, adt, {S, hkv, d});
       if (use_sparse) {
-        const int64_t wn = std::min<int64_t>(opt.importance_window, pn);
-        kernels::AttentionParams wp = ap;
-        wp.q_offset = S - wn;
-        iq = dview(Q + (NL - wn) * qd, DType::kF32, {wn, hq, d});
-        il = dview(imp_lse.data(), DType::kF32, {hq, wn});
-        SF_TRY(kernels::attention_dense(
-            iq, ik, dview(const_cast<float*>(VF), DType::kF32, {S, hkv, d}),
-            dview(imp_o.data(), DType::kF32, {wn, hq, d}), il, wp, cs()));
-        ip.window = int(wn);
-        ip.q_offset = wp.q_offset;
+        const auto w = window_views();
+        iq = dview(Q + (NL - iwn) * qd, DType::kF32, {iwn, hq, d});
+        il = dview(imp_lse.data(), DType::kF32, {hq, iwn});
+        SF_TRY(kernels::attention_dense(w[0], w[1], w[2], w[3], il, iwp, cs()));
+        ip.window = int(iwn);
+        ip.q_offset = iwp.q_offset;
       }
       SF_TRY(
           kernels::kv_importance(iq, ik, il, ip, dview(imp.data(), DType::kF32, {hkv, S}), cs()));
@@ -976,10 +974,6 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
                 std::to_string(o.importance_pool));
   if (imp_here) {
     SF_TRY(alloc(imp, size_t(c.n_kv_heads) * S * f));
-    if (shard.exchange_kv && attn_bf16 && o.sparse) {
-      SF_TRY(alloc(imp_k, S * kvd * f));
-      SF_TRY(alloc(imp_v, S * kvd * f));
-    }
     if (o.sparse) {
       const size_t wn = std::min(size_t(o.importance_window), S);
       SF_TRY(alloc(imp_o, wn * qd * f));

@@ -11,8 +11,8 @@
 // test_gpu_forward: a rounding difference of the TP sum can flip a BF16 rounding of the next
 // GEMM's input). A one-token error in a CP rank's positions or q_offset exceeds both.
 // SnapKV importance (window 32, pool 7), on every rank for every KV head: 1e-4 (F32) and 0.1
-// (BF16: the sharded run scores the window against keys that crossed CP as BF16; the one-GPU run
-// against its F32 keys; test_gpu_forward's GPU-vs-CPU bound for BF16 importance).
+// (BF16: both score BF16 keys, but the sharded run's are rounded from other ranks' K, whose TP
+// sums differ by rounding; test_gpu_forward's GPU-vs-CPU bound for BF16 importance).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
