@@ -34,6 +34,8 @@
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
+#   SF_BENCH_CP_SIZES        CP sizes whose selective exchange is counted (default 2,4,8;
+#                            none skips the count, which walks each index on the host)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
 #   SF_BENCH_MAINLOOPS       bf16 sparse mainloops to time, first = reported (default wgmma-ws;
 #                            wgmma-ws,wgmma adds the A/B, their repeats interleaved)
@@ -292,6 +294,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          --sparse-lengths "$sparse_l" --head-dim "$hd" --reps "${SF_BENCH_REPS:-3}" "${sdpa_arg[@]}" \
          --dtypes "${SF_BENCH_DTYPES:-fp32,bf16}" --host-estimate-max "${SF_BENCH_HOST_EST_MAX:-32768}" \
          ${SF_BENCH_MODES:+--modes "$SF_BENCH_MODES"} \
+         ${SF_BENCH_CP_SIZES:+--cp-sizes "$SF_BENCH_CP_SIZES"} \
          ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"

@@ -487,11 +487,12 @@ struct ModeSpec {
 }  // namespace
 
 int cmd_bench_attention(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 3,
-                           {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks",
-                            "heads", "kv-heads", "head-dim", "dtypes", "host-estimate-max",
-                            "inputs", "dense-ours-max", "modes", "mainloops", "sparse-memory-gb"},
-                           {});
+  auto args_r =
+      parse_args(argc, argv, 3,
+                 {"lengths", "sparse-lengths", "reps", "out", "sdpa", "seed", "blocks", "heads",
+                  "kv-heads", "head-dim", "dtypes", "host-estimate-max", "inputs", "dense-ours-max",
+                  "modes", "mainloops", "sparse-memory-gb", "cp-sizes"},
+                 {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress reaches a log even if the run is cut off
@@ -553,6 +554,16 @@ int cmd_bench_attention(int argc, char** argv) {
                             ? std::strtoull(a.get("seed").c_str(), nullptr, 10)
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   const int64_t topk_blocks = std::atoll(a.get("blocks", "64").c_str());
+  // CP sizes whose selective exchange is counted on each index ("none": no count; the count
+  // walks the whole index on the host, minutes at 1M).
+  std::vector<int> cp_sizes;
+  if (a.get("cp-sizes", "2,4,8") != "none")
+    for (int64_t cp : parse_list(a.get("cp-sizes", "2,4,8"))) {
+      if (cp < 2 || cp > 64)
+        return fail(SF_ERR(kInvalidArgument,
+                           "--cp-sizes: CP sizes in [2, 64] or none, got " + std::to_string(cp)));
+      cp_sizes.push_back(int(cp));
+    }
   const int64_t host_est_max = std::atoll(a.get("host-estimate-max", "32768").c_str());
   // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
   // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
@@ -1131,7 +1142,7 @@ int cmd_bench_attention(int argc, char** argv) {
         // Sparsity-aware CP on this index: the rows a selective exchange would move to each of
         // CP zigzag ranks against the all-gather (worker/runtime/cp_need.h), from the host copy.
         std::vector<runtime::CpNeedCount> cp_counts;
-        for (int cp : {2, 4, 8}) cp_counts.emplace_back(L, int(shape.kv_heads), cp);
+        for (int cp : cp_sizes) cp_counts.emplace_back(L, int(shape.kv_heads), cp);
         bool cp_counted = true;
         size_t ws_bytes = 0, ix_bytes = 0;
         int64_t clamped_heads = 0;
@@ -1321,7 +1332,8 @@ int cmd_bench_attention(int argc, char** argv) {
         o["sampled_recall_min"] = rec_min;
         o["oracle_block_density_95"] = oracle.block_density;
         o["oracle_key_density_95"] = oracle.key_density;
-        if (cp_counted) {
+        // No field when not asked for (--cp-sizes none).
+        if (!cp_sizes.empty() && cp_counted) {
           // Job: every rank's moved rows over every rank's all-gather rows; max_rank: the worst
           // rank against its own all-gather.
           boost::json::object cpo;
@@ -1337,7 +1349,7 @@ int cmd_bench_attention(int argc, char** argv) {
                 {"moved_fraction", a > 0 ? m / a : 0.0}, {"max_rank_moved_fraction", worst}};
           }
           o["cp_selective_kv"] = std::move(cpo);
-        } else {
+        } else if (!cp_sizes.empty()) {
           o["cp_selective_kv"] = nullptr;  // the index was too large to copy to the host
         }
         if (run_dense) {
