@@ -16,7 +16,9 @@
 // The estimator's own exchange (2-3 points at 16K) is not in either.
 //
 //   sf_bench_cp_hybrid --model M.gguf --text FILE[,FILE...] --chars N --config CFG.json
-//                      [--cp 2,4] [--out FILE.json]
+//                      [--cp 2,4] [--out FILE.json] [--skip-pattern P] [--parts blocks|columns]
+// --skip-pattern leaves the heads of one pattern out of the count and --parts counts only the
+// index's blocks or only its columns: where the moved rows come from (the prefill is unchanged).
 #include <algorithm>
 #include <boost/json.hpp>
 #include <chrono>
@@ -28,6 +30,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kernels/sparse.h"
 #include "kernels/sparse_index.h"
 #include "tools/eval/quality.h"
 #include "worker/model/model.h"
@@ -48,13 +51,19 @@ int die(const Status& s) {
   return 1;
 }
 
+struct CountOptions {
+  bool blocks = true, columns = true;
+  std::vector<char> skip_head;  // per query head of the layer: left out of the count
+};
+
 struct Totals {
   double allgather = 0, pull = 0, hybrid = 0;
   int64_t slots = 0, pushed = 0;
 };
 
 // One layer's index, one CP size: adds every (rank, KV head, remote rank)'s costs to t.
-void count_layer(const kernels::SparseIndex& idx, int n_kv, int d, int cp, Totals* t) {
+void count_layer(const kernels::SparseIndex& idx, int n_kv, int d, int cp, const CountOptions& co,
+                 Totals* t) {
   constexpr int64_t B = kernels::kSparseBlock;
   const int64_t n = idx.n_k;
   const int qpk = idx.n_heads / n_kv;
@@ -82,16 +91,17 @@ void count_layer(const kernels::SparseIndex& idx, int n_kv, int d, int cp, Total
         std::vector<int32_t> count(size_t(n), 0);
         for (int hh = 0; hh < qpk; ++hh) {
           const int h = g * qpk + hh;
+          if (!co.skip_head.empty() && co.skip_head[size_t(h)]) continue;
           for (const auto& [qb, rows] : qrows) {
             const size_t sl = idx.slot(h, qb);
             const int64_t causal_end = std::min(n, (qb + 1) * B + idx.q_offset);
             std::vector<int32_t> ks;
-            for (int32_t i = 0; i < idx.block_count[sl]; ++i) {
+            for (int32_t i = 0; co.blocks && i < idx.block_count[sl]; ++i) {
               const int64_t b0 = int64_t(idx.block_offset[sl * size_t(idx.max_blocks) + size_t(i)]);
               for (int64_t k = b0; k < std::min(b0 + B, causal_end); ++k)
                 if (owner[size_t(k)] == s) ks.push_back(int32_t(k));
             }
-            for (int32_t i = 0; i < idx.column_count[sl]; ++i) {
+            for (int32_t i = 0; co.columns && i < idx.column_count[sl]; ++i) {
               const int32_t k = idx.column_index[sl * size_t(idx.max_cols) + size_t(i)];
               if (owner[size_t(k)] == s) ks.push_back(k);
             }
@@ -146,7 +156,17 @@ int main(int argc, char** argv) {
   if (model_path.empty() || texts.empty() || cfg_path.empty())
     return die(SF_ERR(kInvalidArgument,
                       "usage: sf_bench_cp_hybrid --model M.gguf --text FILE[,FILE...] --chars N "
-                      "--config CFG.json [--cp 2,4] [--out FILE.json]"));
+                      "--config CFG.json [--cp 2,4] [--out FILE.json] [--skip-pattern P] "
+                      "[--parts blocks|columns]"));
+  CountOptions co;
+  const std::string parts = arg(argc, argv, "parts", "all");
+  if (parts != "all" && parts != "blocks" && parts != "columns")
+    return die(SF_ERR(kInvalidArgument, "--parts: all, blocks or columns, got '" + parts + "'"));
+  co.blocks = parts != "columns";
+  co.columns = parts != "blocks";
+  const std::string skip = arg(argc, argv, "skip-pattern", "");
+  if (!skip.empty() && !kernels::pattern_from_string(skip).is_ok())
+    return die(kernels::pattern_from_string(skip).status());
   std::vector<int> cps;
   {
     std::stringstream ss(arg(argc, argv, "cp", "2,4"));
@@ -181,13 +201,18 @@ int main(int argc, char** argv) {
   o.keep_kv = false;
   o.sparse = &sc.value();
   int dense_layers = 0;
-  o.on_attention = [&](int, const TensorView&, const TensorView&, const kernels::SparseIndex* idx) {
+  o.on_attention = [&](int layer, const TensorView&, const TensorView&,
+                       const kernels::SparseIndex* idx) {
     if (!idx) {
       ++dense_layers;
       return;
     }
+    co.skip_head.assign(size_t(c.n_heads), 0);
+    for (int h = 0; h < c.n_heads && !skip.empty(); ++h)
+      co.skip_head[size_t(h)] =
+          kernels::pattern_name(sc->layers[size_t(layer)][size_t(h)].pattern) == skip;
     for (size_t i = 0; i < cps.size(); ++i)
-      count_layer(*idx, c.n_kv_heads, c.head_dim, cps[i], &tot[i]);
+      count_layer(*idx, c.n_kv_heads, c.head_dim, cps[i], co, &tot[i]);
   };
   const auto t0 = std::chrono::steady_clock::now();
   auto r = model::prefill(m.value(), ids, o);
@@ -211,7 +236,11 @@ int main(int argc, char** argv) {
                                        {"slots_pushed", t.pushed}});
   }
   if (!out_path.empty()) {
-    boost::json::object doc{{"config", cfg_path}, {"model", c.name}, {"records", recs}};
+    boost::json::object doc{{"config", cfg_path},
+                            {"model", c.name},
+                            {"parts", parts},
+                            {"skip_pattern", skip},
+                            {"records", recs}};
     std::ofstream(out_path) << boost::json::serialize(doc) << "\n";
   }
   return 0;
