@@ -509,7 +509,8 @@ int run(int argc, char** argv) {
     const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
     // CPU exports carry per-block importance (as `sparsefill prefill --export-kv` does); scored
     // retention policies select with it. On GPUs it is computed only when the policy selects
-    // with it (it costs the prompt's keys widened to F32 on the rank holding the prompt's end).
+    // with it (a scoring pass a layer on the rank holding the prompt's end, and with sparse
+    // attention a dense pass over the window's rows).
     if (!dmodel || kvstore::retention_needs_scores(policy)) {
       po.importance_window = 32;
       po.importance_pool = policy.kind == kvstore::RetentionKind::kSnapKV ||
