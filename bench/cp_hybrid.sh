@@ -7,7 +7,8 @@
 #
 # SF_CP_HYBRID_CHARS: prompt length in characters (default 72000, ~16,000 tokens; the documents
 # joined as bench/mpi/sparse_cp.sh joins them). SF_CP_HYBRID_CPS: CP sizes (default 2,4,8).
-# SF_CP_HYBRID_ARGS: more sf_bench_cp_hybrid options (--skip-pattern P, --parts blocks|columns).
+# SF_CP_HYBRID_ARGS: more sf_bench_cp_hybrid options (--skip-pattern P, --parts blocks|columns,
+# --share-group P).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
