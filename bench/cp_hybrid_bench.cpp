@@ -17,8 +17,12 @@
 //
 //   sf_bench_cp_hybrid --model M.gguf --text FILE[,FILE...] --chars N --config CFG.json
 //                      [--cp 2,4] [--out FILE.json] [--skip-pattern P] [--parts blocks|columns]
+//                      [--share-group P]
 // --skip-pattern leaves the heads of one pattern out of the count and --parts counts only the
 // index's blocks or only its columns: where the moved rows come from (the prefill is unchanged).
+// --share-group P is a what-if: the heads of pattern P in a KV group are counted as reading the
+// slots of the group's first such head, as if that pattern picked once per KV group (the
+// attention is unchanged; what a shared pick would cost in quality is not measured here).
 #include <algorithm>
 #include <boost/json.hpp>
 #include <chrono>
@@ -54,6 +58,7 @@ int die(const Status& s) {
 struct CountOptions {
   bool blocks = true, columns = true;
   std::vector<char> skip_head;  // per query head of the layer: left out of the count
+  std::vector<int> slot_head;   // per query head: whose slots it is counted as reading
 };
 
 struct Totals {
@@ -93,7 +98,7 @@ void count_layer(const kernels::SparseIndex& idx, int n_kv, int d, int cp, const
           const int h = g * qpk + hh;
           if (!co.skip_head.empty() && co.skip_head[size_t(h)]) continue;
           for (const auto& [qb, rows] : qrows) {
-            const size_t sl = idx.slot(h, qb);
+            const size_t sl = idx.slot(co.slot_head.empty() ? h : co.slot_head[size_t(h)], qb);
             const int64_t causal_end = std::min(n, (qb + 1) * B + idx.q_offset);
             std::vector<int32_t> ks;
             for (int32_t i = 0; co.blocks && i < idx.block_count[sl]; ++i) {
@@ -157,7 +162,7 @@ int main(int argc, char** argv) {
     return die(SF_ERR(kInvalidArgument,
                       "usage: sf_bench_cp_hybrid --model M.gguf --text FILE[,FILE...] --chars N "
                       "--config CFG.json [--cp 2,4] [--out FILE.json] [--skip-pattern P] "
-                      "[--parts blocks|columns]"));
+                      "[--parts blocks|columns] [--share-group P]"));
   CountOptions co;
   const std::string parts = arg(argc, argv, "parts", "all");
   if (parts != "all" && parts != "blocks" && parts != "columns")
@@ -165,6 +170,9 @@ int main(int argc, char** argv) {
   co.blocks = parts != "columns";
   co.columns = parts != "blocks";
   const std::string skip = arg(argc, argv, "skip-pattern", "");
+  const std::string share = arg(argc, argv, "share-group", "");
+  if (!share.empty() && !kernels::pattern_from_string(share).is_ok())
+    return die(kernels::pattern_from_string(share).status());
   if (!skip.empty() && !kernels::pattern_from_string(skip).is_ok())
     return die(kernels::pattern_from_string(skip).status());
   std::vector<int> cps;
@@ -208,6 +216,20 @@ int main(int argc, char** argv) {
       return;
     }
     co.skip_head.assign(size_t(c.n_heads), 0);
+    co.slot_head.resize(size_t(c.n_heads));
+    const int qpk = c.n_heads / c.n_kv_heads;
+    for (int h = 0; h < c.n_heads; ++h) {
+      co.slot_head[size_t(h)] = h;
+      const auto name = [&](int x) {
+        return std::string(kernels::pattern_name(sc->layers[size_t(layer)][size_t(x)].pattern));
+      };
+      if (share.empty() || name(h) != share) continue;
+      for (int f = h - h % qpk; f < h; ++f)
+        if (name(f) == share) {
+          co.slot_head[size_t(h)] = f;
+          break;
+        }
+    }
     for (int h = 0; h < c.n_heads && !skip.empty(); ++h)
       co.skip_head[size_t(h)] =
           kernels::pattern_name(sc->layers[size_t(layer)][size_t(h)].pattern) == skip;
@@ -236,11 +258,8 @@ int main(int argc, char** argv) {
                                        {"slots_pushed", t.pushed}});
   }
   if (!out_path.empty()) {
-    boost::json::object doc{{"config", cfg_path},
-                            {"model", c.name},
-                            {"parts", parts},
-                            {"skip_pattern", skip},
-                            {"records", recs}};
+    boost::json::object doc{{"config", cfg_path},   {"model", c.name},      {"parts", parts},
+                            {"skip_pattern", skip}, {"share_group", share}, {"records", recs}};
     std::ofstream(out_path) << boost::json::serialize(doc) << "\n";
   }
   return 0;
