@@ -340,6 +340,16 @@ TEST_F(GpuForward, F32WeightsMatchCpu) {
 // data-dependent BF16 selections are compared with the CPU's, up to ties, in test_cuda_estimators.
 using testing::mixed_sparse_config;
 
+// Every head of every layer on pattern p, sparse at any length.
+SparseConfig uniform_config(const ModelConfig& c, const kernels::HeadPattern& p) {
+  SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  sc.layers.assign(size_t(c.n_layers), std::vector<kernels::HeadPattern>(size_t(c.n_heads), p));
+  return sc;
+}
+
 SparseConfig structural_only(SparseConfig sc) {
   using kernels::Pattern;
   for (auto& layer : sc.layers)
@@ -410,15 +420,11 @@ TEST_F(GpuForward, SparseCapacityGrowsOnOverflow) {
   ASSERT_NE(reference(), nullptr);
   const Reference& ref = *reference();
   const ModelConfig& c = ref.model.config();
-  SparseConfig sc;
-  sc.n_layers = c.n_layers;
-  sc.n_heads = c.n_heads;
-  sc.dense_below = 0;
   kernels::HeadPattern p;
   p.pattern = kernels::Pattern::kVerticalSlash;
   p.n_vertical = 4600;
   p.n_slash = 64;
-  sc.layers.assign(size_t(c.n_layers), std::vector<kernels::HeadPattern>(size_t(c.n_heads), p));
+  const SparseConfig sc = uniform_config(c, p);
   std::mt19937_64 rng(base_seed() + 5);
   std::vector<int32_t> tokens(5000);
   for (auto& t : tokens) t = int32_t(rng() % uint64_t(c.vocab));
@@ -607,16 +613,11 @@ TEST_F(GpuForward, ShardImportanceMatchesOneGpu) {
   shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kF32);
   shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kBF16);
   // Sparse attention whose index is every causal key (checked: density 1 on both).
-  const ModelConfig& c = reference()->model.config();
-  SparseConfig all;
-  all.n_layers = c.n_layers;
-  all.n_heads = c.n_heads;
-  all.dense_below = 0;
   kernels::HeadPattern hp;
   hp.pattern = kernels::Pattern::kAShape;
   hp.sink = 64;
   hp.local = 2 * kTokens;
-  all.layers.assign(size_t(c.n_layers), std::vector<kernels::HeadPattern>(size_t(c.n_heads), hp));
+  const SparseConfig all = uniform_config(reference()->model.config(), hp);
   shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kF32, &all);
   shard_importance_matches_one_gpu(reference()->model, reference()->tokens, DType::kBF16, &all);
 }
