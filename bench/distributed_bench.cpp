@@ -8,6 +8,8 @@
 //
 // A grid written TPxCPb (e.g. 2x1b) runs its TP all-reduces blocking (after a drain) instead of
 // overlapped with the next chunk's GEMMs, to measure how much of their time the overlap hides.
+// --importance W also computes the SnapKV importance of the last W queries (pool 7), as the worker
+// does for a scored retention policy: its time, its bytes, and its distance from one GPU's.
 //
 // Writes one JSON record per (length, grid) to --out (world rank 0); bench/gpu/distributed.sh
 // adds device, driver, date, commit and command and computes speedups. Grids smaller than the
@@ -37,7 +39,7 @@ struct Args {
   std::vector<runtime::GridShape> grids{{1, 1}, {1, 2}, {2, 1}};
   std::vector<bool> blocking{false, false, false};  // per grid: TP all-reduces not overlapped
   std::vector<std::string> modes{"dense"};  // --attention: dense or a sparse mode
-  int reps = 2, layers = 0;
+  int reps = 2, layers = 0, importance = 0;
   int64_t chunk = 8192;
   uint64_t seed = 1;
   std::string out;
@@ -100,6 +102,9 @@ Result<Args> parse(int argc, char** argv) {
       a.reps = std::max(1, std::atoi(v.c_str()));
     } else if (k == "--layers") {
       a.layers = std::atoi(v.c_str());
+    } else if (k == "--importance") {
+      a.importance = std::atoi(v.c_str());
+      if (a.importance < 0) return SF_ERR(kInvalidArgument, "--importance must be >= 0");
     } else if (k == "--chunk") {
       a.chunk = std::atoll(v.c_str());
     } else if (k == "--seed") {
@@ -118,10 +123,11 @@ Result<Args> parse(int argc, char** argv) {
 }
 
 struct Measured {
-  std::vector<double> seconds, comm_s, attention_s, estimate_s;
+  std::vector<double> seconds, comm_s, attention_s, estimate_s, importance_s;
   std::vector<double> layer_s;  // of the fastest run
   runtime::ParallelStats stats;
   std::vector<float> logits;  // leader
+  std::vector<std::vector<float>> importance;  // leader, per layer [KV heads, tokens]
   int32_t first_token = -1;
   size_t weight_bytes = 0, workspace_bytes = 0;
   std::string device_name;
@@ -144,6 +150,8 @@ Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model:
   opt.chunk = a.chunk;
   opt.keep_kv = false;
   opt.sparse = sc;
+  opt.importance_window = a.importance;
+  opt.importance_pool = 7;
   runtime::DeviceParallelOptions po;
   po.overlap_tp = !blocking;
   SF_ASSIGN(runtime::DeviceParallelPrefill p,
@@ -160,12 +168,14 @@ Result<Measured> run_grid(comm::Communicator& world, const Args& a, const model:
     m.comm_s.push_back(res.stats.comm_s);
     m.attention_s.push_back(res.stats.attention_s);
     m.estimate_s.push_back(res.stats.estimate_s);
+    m.importance_s.push_back(res.stats.importance_s);
     m.stats = res.stats;
     if (res.stats.seconds < best) {
       best = res.stats.seconds;
       m.layer_s = p.layer_seconds();
     }
     m.logits = std::move(res.logits);
+    m.importance = std::move(res.importance);
     m.first_token = res.first_token;
   }
   return m;
@@ -228,6 +238,7 @@ int run(int argc, char** argv) {
         sc.emplace(std::move(r).value());
       }
       std::vector<float> ref;
+      std::vector<std::vector<float>> ref_imp;
       double ref_s = 0;
       for (size_t gi = 0; gi < a.grids.size(); ++gi) {
         const runtime::GridShape& shape = a.grids[gi];
@@ -254,7 +265,21 @@ int run(int argc, char** argv) {
         int32_t ref_top1 = -1;
         if (shape.tp == 1 && shape.cp == 1) {
           ref = m.logits;
+          ref_imp = m.importance;
           ref_s = s;
+        }
+        // Importance against one GPU's: worst layer's max |diff| over its max (-1: not computed).
+        double imp_rel = -1;
+        if (!ref_imp.empty() && ref_imp.size() == m.importance.size()) {
+          imp_rel = 0;
+          for (size_t l = 0; l < ref_imp.size(); ++l) {
+            double num = 0, den = 0;
+            for (size_t i = 0; i < ref_imp[l].size() && i < m.importance[l].size(); ++i) {
+              num = std::max(num, double(std::fabs(m.importance[l][i] - ref_imp[l][i])));
+              den = std::max(den, double(std::fabs(ref_imp[l][i])));
+            }
+            imp_rel = std::max(imp_rel, den > 0 ? num / den : 0.0);
+          }
         }
         if (!ref.empty() && ref.size() == m.logits.size()) {
           double num = 0, den = 0;
@@ -268,7 +293,7 @@ int run(int argc, char** argv) {
         double layer_mean = 0;
         for (double x : m.layer_s) layer_mean += x;
         if (!m.layer_s.empty()) layer_mean /= double(m.layer_s.size());
-        char b[2048];
+        char b[4096];
         std::snprintf(
             b, sizeof b,
             "{\"tp\": %d, \"cp\": %d, \"gpus\": %d, \"seq_len\": %lld, \"layers\": %d, "
@@ -278,14 +303,17 @@ int run(int argc, char** argv) {
             "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
             "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
             "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\", \"attention\": \"%s\", "
-            "\"density\": %.5f, \"estimate_s\": %.6f, \"tp_overlap\": %s}",
+            "\"density\": %.5f, \"estimate_s\": %.6f, \"tp_overlap\": %s, "
+            "\"importance_window\": %d, \"importance_s\": %.6f, \"importance_bytes\": %lld, "
+            "\"importance_max_rel_err_vs_1gpu\": %.3e}",
             shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
             json_list(m.seconds).c_str(), ref_s, median(m.comm_s), median(m.attention_s),
             layer_mean * 1e3, json_list(m.layer_s, 1e3).c_str(), (long long)m.stats.comm_bytes,
             (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
             m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
             (long long)a.chunk, m.device_name.c_str(), mode.c_str(), m.stats.density,
-            median(m.estimate_s), shape.tp > 1 && !blocking ? "true" : "false");
+            median(m.estimate_s), shape.tp > 1 && !blocking ? "true" : "false", a.importance,
+            median(m.importance_s), (long long)m.stats.importance_bytes, imp_rel);
         std::printf("%s\n", b);
         std::fflush(stdout);
         if (out) out << b << "\n" << std::flush;

@@ -12,7 +12,8 @@
 # dense,vertical-slash,block-sparse: MInference's 1000 columns / 6096 diagonals and top-64 key
 # blocks on every head), SF_DIST_REPS (timed runs after one warm-up, default 2), SF_DIST_LAYERS
 # (0: all 32),
-# SF_DIST_CHUNK (tokens per linear chunk, default 8192), SF_DIST_TIMEOUT (seconds, default 1500).
+# SF_DIST_CHUNK (tokens per linear chunk, default 8192), SF_DIST_TIMEOUT (seconds, default 1500),
+# SF_DIST_IMPORTANCE (SnapKV importance window, as a scored retention asks; default 0: none).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, GPU-HOST.md).
 set -uo pipefail
 build="$1"
@@ -26,7 +27,8 @@ ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1,1x2,2x1,2x1b}"
-      --attention "${SF_DIST_ATTENTION:-dense,vertical-slash,block-sparse}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}")
+      --attention "${SF_DIST_ATTENTION:-dense,vertical-slash,block-sparse}" --reps "${SF_DIST_REPS:-2}" --layers "${SF_DIST_LAYERS:-0}" --chunk "${SF_DIST_CHUNK:-8192}"
+      --importance "${SF_DIST_IMPORTANCE:-0}")
 records="$build/distributed-records.jsonl"
 cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
 echo "--- $cmd ($(date -u))" >"$log"
