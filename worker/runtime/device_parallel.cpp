@@ -227,7 +227,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     for (size_t l = 0; l < w.n_layers; ++l) {
       std::vector<float> mine =
           g.cp_rank == 0 ? std::move(r.importance[l]) : std::vector<float>(size_t(n));
-      SF_TRY(g.cp->bcast(mine.data(), n, DType::kF32, 0));
+      if (g.cp->size() > 1) SF_TRY(g.cp->bcast(mine.data(), n, DType::kF32, 0));
       if (TP == 1) {
         out.importance[l] = std::move(mine);
         continue;
