@@ -3,13 +3,16 @@
 // (kernels/cpu/kv_importance.cpp); the sums are fp32 in another order, so results agree to
 // rounding, not bit for bit.
 //
-// Work split: a CTA owns 64 output keys of one KV head, plus pool/2 halo keys on each side (their
-// sums are recomputed, so the pooling needs no second pass or workspace). Its key rows sit in
-// shared memory (rows padded by one float: a warp's 32 threads read 32 different rows of one
-// column conflict-free); window rows of the group's query heads are staged 8 at a time, and
-// thread j accumulates p = exp(min(s, lse) - lse) of key j for each (head, row) that may see it.
+// Work split: a CTA of 128 threads owns 128 - 2 * (pool / 2) output keys of one KV head, plus
+// pool/2 halo keys on each side (their sums are recomputed, so the pooling needs no second pass
+// or workspace): every thread has a key. Its key rows sit in shared memory, rows padded by four
+// floats, so a thread's 16-byte loads stay aligned and a warp's eight per phase fall in distinct
+// banks; window rows of the group's query heads are staged 16 at a time, and thread j
+// accumulates p = exp(min(s, lse) - lse) of key j for each (head, row) that may see it. Each
+// 16-byte key load feeds four multiply-adds into each of the 16 rows (the q loads are
+// broadcasts): the kernel was bound by shared-memory load instructions with one per FMA.
 // The run allocates nothing and does not synchronize with the host. Keys may be BF16 (a CP
-// rank's exchanged keys), widened as they are staged.
+// rank's exchanged keys, or the attention's copies), widened as they are staged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,10 +28,10 @@
 namespace sf::kernels::cuda {
 namespace {
 
-constexpr int kOutKeys = 64;                       // output keys per CTA
-constexpr int kMaxHalf = 32;                       // pool / 2 supported (pool <= 65)
-constexpr int kThreads = kOutKeys + 2 * kMaxHalf;  // one thread per key of the tile, halo included
-constexpr int kRowsPerStage = 8;
+constexpr int kThreads = 128;  // one thread per key of the tile, halo included
+constexpr int kMaxHalf = 32;   // pool / 2 supported (pool <= 65): at least 64 output keys a CTA
+constexpr int kRowsPerStage = 16;
+constexpr int kPad = 4;  // floats after each staged key row
 
 struct ImpParams {
   const float* q;    // [nq, hq, d]
@@ -42,16 +45,17 @@ struct ImpParams {
 };
 
 __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams p) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int g = blockIdx.y;
   const int group = p.hq / p.hkv;
-  const int64_t o0 = int64_t(blockIdx.x) * kOutKeys;     // first output key
+  const int out_keys = kThreads - 2 * p.half;
+  const int64_t o0 = int64_t(blockIdx.x) * out_keys;     // first output key
   const int64_t t0 = o0 - p.half > 0 ? o0 - p.half : 0;  // first key summed
-  const int64_t t1e = o0 + kOutKeys + p.half;            // one past the last
+  const int64_t t1e = o0 + out_keys + p.half;            // one past the last
   const int64_t t1 = t1e < p.nk ? t1e : p.nk;
   const int T = int(t1 - t0);
-  const int ld = p.d + 1;
-  float* ks = smem;                                              // [T][d + 1]
+  const int ld = p.d + kPad;
+  float* ks = smem;                                              // [T][d + kPad]
   float* qs = ks + size_t(kThreads) * ld;                        // [kRowsPerStage][d]
   float* sums = qs + size_t(kRowsPerStage) * p.d;                // [kThreads]
   float* ls = sums + kThreads;                                   // [kRowsPerStage]
@@ -91,12 +95,21 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
     }
     __syncthreads();
     if (j < T) {
+      // Channels in order, as one accumulator per row would: the sums are unchanged.
       float dot[kRowsPerStage] = {};
-      const float* kr = ks + j * ld;
-      for (int c = 0; c < p.d; ++c) {
-        const float kv = kr[c];
+      const float4* kr = reinterpret_cast<const float4*>(ks + j * ld);
+      const float4* q4 = reinterpret_cast<const float4*>(qs);
+      const int d4 = p.d / 4;
+      for (int c = 0; c < d4; ++c) {
+        const float4 kv = kr[c];
 #pragma unroll
-        for (int i = 0; i < kRowsPerStage; ++i) dot[i] = fmaf(qs[i * p.d + c], kv, dot[i]);
+        for (int i = 0; i < kRowsPerStage; ++i) {
+          const float4 qv = q4[i * d4 + c];
+          dot[i] = fmaf(qv.x, kv.x, dot[i]);
+          dot[i] = fmaf(qv.y, kv.y, dot[i]);
+          dot[i] = fmaf(qv.z, kv.z, dot[i]);
+          dot[i] = fmaf(qv.w, kv.w, dot[i]);
+        }
       }
 #pragma unroll
       for (int i = 0; i < kRowsPerStage; ++i) {
@@ -112,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
   }
   sums[j] = acc;
   __syncthreads();
-  if (j < kOutKeys && o0 + j < p.nk) {
+  if (j < out_keys && o0 + j < p.nk) {
     const int64_t oj = o0 + j;
     const int64_t a = oj - p.half > 0 ? oj - p.half : 0;
     const int64_t e = oj + p.half < p.nk - 1 ? oj + p.half : p.nk - 1;
@@ -123,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
 }
 
 size_t smem_bytes(int d) {
-  return (size_t(kThreads) * size_t(d + 1) + size_t(kRowsPerStage) * size_t(d) + kThreads +
+  return (size_t(kThreads) * size_t(d + kPad) + size_t(kRowsPerStage) * size_t(d) + kThreads +
           kRowsPerStage) *
              sizeof(float) +
          kRowsPerStage * sizeof(int64_t);
@@ -152,16 +165,18 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
     return SF_ERR(kUnsupported,
                   "kv_importance: CUDA supports pool <= " + std::to_string(2 * kMaxHalf + 1) +
                       ", got " + std::to_string(ip.pool));
-  if (p.d > 256)
+  if (p.d > 256 || p.d % 4 != 0)
     return SF_ERR(kUnsupported,
-                  "kv_importance: CUDA supports head_dim <= 256, got " + std::to_string(p.d));
+                  "kv_importance: CUDA supports head_dim a multiple of 4 up to 256, got " +
+                      std::to_string(p.d));
   if (p.nk == 0) return Status::ok();
-  if ((p.nk + kOutKeys - 1) / kOutKeys > 0x7fffffff || p.hkv > 65535)
+  const int64_t out_keys = kThreads - 2 * p.half;
+  if ((p.nk + out_keys - 1) / out_keys > 0x7fffffff || p.hkv > 65535)
     return SF_ERR(kUnsupported, "kv_importance: grid too large");
   const size_t smem = smem_bytes(p.d);
   static std::atomic<uint64_t> opted{0};  // above 48 KB from head_dim 89 on
   SF_CUDA_TRY(opt_in_smem(kv_importance_kernel, smem, opted));
-  const dim3 grid(unsigned((p.nk + kOutKeys - 1) / kOutKeys), unsigned(p.hkv));
+  const dim3 grid(unsigned((p.nk + out_keys - 1) / out_keys), unsigned(p.hkv));
   kv_importance_kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
