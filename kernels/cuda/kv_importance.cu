@@ -3,14 +3,15 @@
 // (kernels/cpu/kv_importance.cpp); the sums are fp32 in another order, so results agree to
 // rounding, not bit for bit.
 //
-// Work split: a CTA of 128 threads owns 128 - 2 * (pool / 2) output keys of one KV head, plus
-// pool/2 halo keys on each side (their sums are recomputed, so the pooling needs no second pass
-// or workspace): every thread has a key. Its key rows sit in shared memory, rows padded by four
-// floats, so a thread's 16-byte loads stay aligned and a warp's eight per phase fall in distinct
-// banks; window rows of the group's query heads are staged 16 at a time, and thread j
-// accumulates p = exp(min(s, lse) - lse) of key j for each (head, row) that may see it. Each
-// 16-byte key load feeds four multiply-adds into each of the 16 rows (the q loads are
-// broadcasts): the kernel was bound by shared-memory load instructions with one per FMA.
+// Work split: a CTA owns a tile of 128 keys of one KV head: 128 - 2 * (pool / 2) output keys
+// plus pool/2 halo keys on each side (their sums are recomputed, so the pooling needs no second
+// pass or workspace). The tile's key rows sit in shared memory, rows padded by four floats, so a
+// thread's 16-byte loads stay aligned and a warp's eight per phase fall in distinct banks; window
+// rows of the group's query heads are staged 16 at a time. Two threads share a key, each taking
+// 8 of a stage's rows (two threads a key keep 16 warps an SM at two CTAs, which the tile's shared
+// memory allows), and accumulate p = exp(min(s, lse) - lse) for each (head, row) that may see
+// the key; their two sums are added before pooling. Each 16-byte key load feeds four
+// multiply-adds into each of its 8 rows (the q loads are broadcasts).
 // The run allocates nothing and does not synchronize with the host. Keys may be BF16 (a CP
 // rank's exchanged keys, or the attention's copies), widened as they are staged.
 #include <cuda_bf16.h>
@@ -28,9 +29,11 @@
 namespace sf::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128;  // one thread per key of the tile, halo included
-constexpr int kMaxHalf = 32;   // pool / 2 supported (pool <= 65): at least 64 output keys a CTA
+constexpr int kKeys = 128;           // keys of a tile, halo included
+constexpr int kThreads = 2 * kKeys;  // two threads a key, each on half of a stage's rows
+constexpr int kMaxHalf = 32;         // pool / 2 supported (pool <= 65): 64 output keys at least
 constexpr int kRowsPerStage = 16;
+constexpr int kRowsPerThread = kRowsPerStage / 2;
 constexpr int kPad = 4;  // floats after each staged key row
 
 struct ImpParams {
@@ -48,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
   extern __shared__ __align__(16) float smem[];
   const int g = blockIdx.y;
   const int group = p.hq / p.hkv;
-  const int out_keys = kThreads - 2 * p.half;
+  const int out_keys = kKeys - 2 * p.half;
   const int64_t o0 = int64_t(blockIdx.x) * out_keys;     // first output key
   const int64_t t0 = o0 - p.half > 0 ? o0 - p.half : 0;  // first key summed
   const int64_t t1e = o0 + out_keys + p.half;            // one past the last
@@ -56,9 +59,9 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
   const int T = int(t1 - t0);
   const int ld = p.d + kPad;
   float* ks = smem;                                              // [T][d + kPad]
-  float* qs = ks + size_t(kThreads) * ld;                        // [kRowsPerStage][d]
-  float* sums = qs + size_t(kRowsPerStage) * p.d;                // [kThreads]
-  float* ls = sums + kThreads;                                   // [kRowsPerStage]
+  float* qs = ks + size_t(kKeys) * ld;                           // [kRowsPerStage][d]
+  float* sums = qs + size_t(kRowsPerStage) * p.d;                // [2][kKeys]
+  float* ls = sums + 2 * kKeys;                                  // [kRowsPerStage]
   int64_t* rs = reinterpret_cast<int64_t*>(ls + kRowsPerStage);  // row positions
 
   for (int x = threadIdx.x; x < T * p.d; x += blockDim.x) {
@@ -73,7 +76,8 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
   // q_offset + r >= t0.
   int64_t first = t0 - p.q_offset - r0;
   first = first < 0 ? 0 : first;
-  const int j = threadIdx.x;
+  const int j = threadIdx.x % kKeys;
+  const int i0 = int(threadIdx.x / kKeys) * kRowsPerThread;  // this thread's rows of a stage
   const int64_t key = t0 + j;
   float acc = 0.f;
   const int64_t n_pairs = first < W ? int64_t(group) * (W - first) : 0;
@@ -96,14 +100,14 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
     __syncthreads();
     if (j < T) {
       // Channels in order, as one accumulator per row would: the sums are unchanged.
-      float dot[kRowsPerStage] = {};
+      float dot[kRowsPerThread] = {};
       const float4* kr = reinterpret_cast<const float4*>(ks + j * ld);
-      const float4* q4 = reinterpret_cast<const float4*>(qs);
+      const float4* q4 = reinterpret_cast<const float4*>(qs + i0 * p.d);
       const int d4 = p.d / 4;
       for (int c = 0; c < d4; ++c) {
         const float4 kv = kr[c];
 #pragma unroll
-        for (int i = 0; i < kRowsPerStage; ++i) {
+        for (int i = 0; i < kRowsPerThread; ++i) {
           const float4 qv = q4[i * d4 + c];
           dot[i] = fmaf(qv.x, kv.x, dot[i]);
           dot[i] = fmaf(qv.y, kv.y, dot[i]);
@@ -112,20 +116,22 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
         }
       }
 #pragma unroll
-      for (int i = 0; i < kRowsPerStage; ++i) {
-        if (i >= nr) break;
-        const float l = ls[i];
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        if (i0 + i >= nr) break;
+        const float l = ls[i0 + i];
         // Rows that saw no key (lse -inf) contribute nothing; key must be causal for the row.
-        if (!(l > -INFINITY) || key > p.q_offset + rs[i]) continue;
+        if (!(l > -INFINITY) || key > p.q_offset + rs[i0 + i]) continue;
         // Recomputed scores can exceed lse by rounding: p <= 1.
         const float s = fminf(dot[i] * p.scale, l);
         acc += expf(s - l);
       }
     }
   }
-  sums[j] = acc;
+  sums[threadIdx.x] = acc;  // [half][key]
   __syncthreads();
-  if (j < out_keys && o0 + j < p.nk) {
+  if (threadIdx.x < kKeys) sums[j] += sums[kKeys + j];
+  __syncthreads();
+  if (threadIdx.x < out_keys && o0 + j < p.nk) {
     const int64_t oj = o0 + j;
     const int64_t a = oj - p.half > 0 ? oj - p.half : 0;
     const int64_t e = oj + p.half < p.nk - 1 ? oj + p.half : p.nk - 1;
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
 }
 
 size_t smem_bytes(int d) {
-  return (size_t(kThreads) * size_t(d + kPad) + size_t(kRowsPerStage) * size_t(d) + kThreads +
+  return (size_t(kKeys) * size_t(d + kPad) + size_t(kRowsPerStage) * size_t(d) + 2 * kKeys +
           kRowsPerStage) *
              sizeof(float) +
          kRowsPerStage * sizeof(int64_t);
@@ -170,7 +176,7 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
                   "kv_importance: CUDA supports head_dim a multiple of 4 up to 256, got " +
                       std::to_string(p.d));
   if (p.nk == 0) return Status::ok();
-  const int64_t out_keys = kThreads - 2 * p.half;
+  const int64_t out_keys = kKeys - 2 * p.half;
   if ((p.nk + out_keys - 1) / out_keys > 0x7fffffff || p.hkv > 65535)
     return SF_ERR(kUnsupported, "kv_importance: grid too large");
   const size_t smem = smem_bytes(p.d);
