@@ -17,10 +17,7 @@ if [[ -z "${SF_SOURCE_COMMIT:-}" && -f "$root/.source-commit" ]]; then
 fi
 out="${OUT:-$root/build-gpu/out}"
 mkdir -p "$out"
-ncu_bin="$(command -v ncu || true)"
-for c in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu; do
-  [[ -z "$ncu_bin" && -x "$c" ]] && ncu_bin="$c"
-done
+source "$(dirname "${BASH_SOURCE[0]}")/find_ncu.sh"
 if [[ -z "$ncu_bin" ]]; then
   echo "profile.sh: no ncu on this host" | tee "$out/ncu-sparse.txt"
   exit 2

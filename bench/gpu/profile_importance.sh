@@ -8,10 +8,7 @@ set -uo pipefail
 root="$(pwd)"
 out="${OUT:-$root/build-gpu/out}"
 mkdir -p "$out"
-ncu_bin="$(command -v ncu || true)"
-for c in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/nsight-compute*/ncu; do
-  [[ -z "$ncu_bin" && -x "$c" ]] && ncu_bin="$c"
-done
+source "$(dirname "${BASH_SOURCE[0]}")/find_ncu.sh"
 [[ -n "$ncu_bin" ]] || { echo "profile_importance.sh: no ncu on this host" | tee "$out/ncu-kv-importance.txt"; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 L="${SF_PROFILE_LENGTH:-131072}"

@@ -13,8 +13,7 @@ if [[ -z "${SF_SOURCE_COMMIT:-}" && -f "$root/.source-commit" ]]; then
 fi
 out="${OUT:-$root/build-gpu/out}"
 mkdir -p "$out"
-ncu_bin="$(command -v ncu || true)"
-[[ -z "$ncu_bin" && -x /usr/local/cuda/bin/ncu ]] && ncu_bin=/usr/local/cuda/bin/ncu
+source "$(dirname "${BASH_SOURCE[0]}")/find_ncu.sh"
 if [[ -z "$ncu_bin" ]]; then
   echo "profile_source.sh: no ncu on this host" | tee "$out/ncu-source-top.txt"
   exit 2
