@@ -18,7 +18,7 @@ struct ImportanceParams {
 
 // q: [nq, n_heads, d], k: [nk, n_kv_heads, d], lse: [n_heads, nq] as attention_dense returns.
 // All F32, except k, which may be BF16 on CUDA (widened as it is read). The CUDA kernel takes
-// pool <= 65.
+// pool <= 65, head_dim a multiple of 8 up to 256, and q and k 16-byte aligned.
 // out: [n_kv_heads, nk] F32. out[g, j] = maxpool_j( sum over the query heads h of KV group g and
 // window rows i that may see key j (causal) of exp(scale * q[i,h].k[j,g] - lse[h,i]) ).
 // Rows whose lse is -inf (they saw no key) contribute nothing.

@@ -125,8 +125,9 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream);
 
 // ---- KV importance (kv_importance.cu) --------------------------------------------------------
-// kernels/kv_importance.h on device tensors (validated there): F32 q, k, lse, out; pool <= 65,
-// head_dim <= 256 (else kUnsupported). No allocation, no host synchronization.
+// kernels/kv_importance.h on device tensors (validated there): F32 q, lse, out, F32 or BF16 k;
+// pool <= 65, head_dim a multiple of 8 up to 256, q and k 16-byte aligned (else kUnsupported).
+// No allocation, no host synchronization.
 Status kv_importance(const TensorView& q, const TensorView& k, const TensorView& lse,
                      const ImportanceParams& p, TensorView out, void* stream);
 
