@@ -557,8 +557,9 @@ int cmd_bench_attention(int argc, char** argv) {
   // CP sizes whose selective exchange is counted on each index ("none": no count; the count
   // walks the whole index on the host, minutes at 1M).
   std::vector<int> cp_sizes;
-  if (a.get("cp-sizes", "2,4,8") != "none")
-    for (int64_t cp : parse_list(a.get("cp-sizes", "2,4,8"))) {
+  const std::string cp_arg = a.get("cp-sizes", "2,4,8");
+  if (cp_arg != "none")
+    for (int64_t cp : parse_list(cp_arg)) {
       if (cp < 2 || cp > 64)
         return fail(SF_ERR(kInvalidArgument,
                            "--cp-sizes: CP sizes in [2, 64] or none, got " + std::to_string(cp)));
