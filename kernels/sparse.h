@@ -47,6 +47,10 @@ struct HeadPattern {
   int64_t last_block_rows = 0;   // adaptive-block, 1: the last query block keeps, for each of its
                                  // rows, the smallest ranked key-block set holding gamma of that
                                  // row's mass (their union), not the set for the rows' mean mass
+  int64_t share_group = 0;       // 1: rank with the other sharing heads of this KV group and
+                                 // family (sparse_select.h, share_leaders): one order, each head
+                                 // its own budget, so the group's picks nest and its heads read
+                                 // fewer distinct keys (what context parallelism moves)
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 

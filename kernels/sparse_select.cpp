@@ -121,4 +121,50 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
   *diags = select_ranked(diag, n_diags, iota_list(std::min(hp.local + 1, n_diags)), bd);
 }
 
+std::vector<int> share_leaders(const std::vector<HeadPattern>& patterns, int q_per_kv) {
+  const int n = int(patterns.size());
+  std::vector<int> leader(static_cast<size_t>(n));
+  std::iota(leader.begin(), leader.end(), 0);
+  if (q_per_kv <= 0) return leader;
+  auto family = [](const HeadPattern& hp) {
+    if (hp.share_group == 0) return 0;
+    if (hp.pattern == Pattern::kVerticalSlash || hp.pattern == Pattern::kAdaptiveVS) return 1;
+    if ((hp.pattern == Pattern::kBlockSparse || hp.pattern == Pattern::kAdaptiveBlock) &&
+        hp.last_block_rows == 0)
+      return 2;
+    return 0;
+  };
+  for (int h = 0; h < n; ++h) {
+    const HeadPattern& a = patterns[size_t(h)];
+    const int fa = family(a);
+    if (fa == 0) continue;
+    for (int g = h / q_per_kv * q_per_kv; g < h; ++g) {
+      const HeadPattern& b = patterns[size_t(g)];
+      if (leader[size_t(g)] != g || family(b) != fa) continue;
+      if (fa == 1 && (a.spread_rows != b.spread_rows || a.segment_rows != b.segment_rows)) continue;
+      leader[size_t(h)] = g;
+      break;
+    }
+  }
+  return leader;
+}
+
+void share_sums(const std::vector<int>& leader, const std::vector<std::vector<float>>& arrays,
+                std::vector<std::vector<float>>* out) {
+  out->assign(arrays.size(), {});
+  std::vector<int> count(arrays.size(), 0);
+  for (size_t h = 0; h < leader.size(); ++h) ++count[size_t(leader[h])];
+  for (size_t h = 0; h < leader.size(); ++h) {
+    const size_t l = size_t(leader[h]);
+    if (count[l] < 2) continue;
+    auto& s = (*out)[l];
+    if (s.empty()) {
+      s = arrays[h];
+      continue;
+    }
+    const auto& a = arrays[h];
+    for (size_t i = 0; i < s.size() && i < a.size(); ++i) s[i] += a[i];
+  }
+}
+
 }  // namespace sf::kernels

@@ -73,4 +73,27 @@ VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows);
 void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const float* diag,
                int64_t n_diags, std::vector<int32_t>* cols, std::vector<int32_t>* diags);
 
+// KV-group-shared ranking (HeadPattern::share_group). Heads rank together when each has
+// share_group set, they read one KV head (h / q_per_kv), and they are of one family with equal
+// scoring settings: vertical-slash and adaptive-vs with the same spread_rows and segment_rows, or
+// block-sparse and adaptive-block (without last_block_rows). Such a set ranks its candidates by
+// the sum of its heads' probability scores and each head takes its own budget from that one
+// order, so the set's picks nest: the group reads the keys of its largest budget, not the union
+// of one pick per head. leader[h] is the lowest head of h's set, h itself when it ranks alone
+// (a set of one head ranks alone).
+std::vector<int> share_leaders(const std::vector<HeadPattern>& patterns, int q_per_kv);
+
+// Each set's scores: the element-wise sum, in head order, of its heads' arrays (equal lengths
+// within a set), at out[leader]; empty for heads that rank alone and for non-leaders.
+void share_sums(const std::vector<int>& leader, const std::vector<std::vector<float>>& arrays,
+                std::vector<std::vector<float>>* out);
+
+// The scores head h ranks by: its set's sum when it has one, else its own array.
+inline const float* share_scores(const std::vector<int>& leader,
+                                 const std::vector<std::vector<float>>& sums,
+                                 const std::vector<std::vector<float>>& own, int h) {
+  const auto& s = sums[size_t(leader[size_t(h)])];
+  return s.empty() ? own[size_t(h)].data() : s.data();
+}
+
 }  // namespace sf::kernels

@@ -20,6 +20,8 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
 // 8K-token prefill): exp(v) = 2^k * exp(r), |r| <= ln2/2, degree-6 Taylor polynomial, relative
 // error < 2e-7. Shared by the dense and sparse attention kernels and the estimators.
 float exp_sub_sum(float* x, int64_t n, float sub);
+// x[0, n) <- softmax(x[0, n)) (max-subtracted; n <= 0: nothing).
+void softmax_in_place(float* x, int64_t n);
 
 // Inverse frequencies for RoPE (rot_dim/2 values), shared by CPU and CUDA planning.
 void rope_inv_freq(const RopeParams& p, int rot_dim, float* out);

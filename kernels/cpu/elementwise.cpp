@@ -67,6 +67,12 @@ float exp_sub_sum(float* x, int64_t n, float sub) {
   return sum;
 }
 
+void softmax_in_place(float* x, int64_t n) {
+  if (n <= 0) return;
+  const float sum = exp_sub_sum(x, n, *std::max_element(x, x + n));
+  for (int64_t j = 0; j < n; ++j) x[j] /= sum;
+}
+
 void rope_inv_freq(const RopeParams& p, int rot_dim, float* out) {
   const int half = rot_dim / 2;
   for (int i = 0; i < half; ++i) {

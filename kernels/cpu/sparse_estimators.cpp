@@ -335,6 +335,16 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     }
   }
 
+  // KV-group-shared ranking (HeadPattern::share_group): a sharing set's vertical-slash heads rank
+  // by their summed column and diagonal sums; its block heads by their summed block
+  // probabilities (computed per query block below).
+  const std::vector<int> leader = share_leaders(patterns, int(g.group));
+  std::vector<std::vector<float>> shared_col, shared_diag;
+  share_sums(leader, col, &shared_col);
+  share_sums(leader, diag, &shared_diag);
+  std::vector<std::vector<int>> members(size_t(g.hq));
+  for (int h = 0; h < int(g.hq); ++h) members[size_t(leader[size_t(h)])].push_back(h);
+
   if (stats->keep_columns) {
     stats->columns.assign(size_t(g.hq), {});
     for (int h : vs_heads) {
@@ -364,7 +374,12 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
       // Vertical-slash family: the selection of each segment (one when segment_rows is 0).
       std::vector<std::vector<int32_t>> seg_cols(1), seg_diags(1);
       const VsSegments& vsg = segs[h];
-      std::vector<float> pq, bscore;     // block family: pooled q, one chunk of block scores
+      // Block family: pooled q and one chunk of block scores per head of the sharing set (h
+      // alone unless it shares), and a shared set's summed probability row.
+      const std::vector<int>& set = members[size_t(leader[h])];
+      const bool shared = uses_blocks(hp.pattern) && set.size() > 1;
+      std::vector<std::vector<float>> pqs, bscores;
+      std::vector<float> srow;
       switch (hp.pattern) {
         case Pattern::kDense:
           local = g.q_offset + g.nq;
@@ -391,7 +406,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             const int64_t src = vsg.source[size_t(si)];
             const int64_t nd = g.q_offset + vsg.end_row(si);
             const int64_t nc = std::clamp<int64_t>(nd, 0, kend_last);
-            vs_select(hp, col[h].data() + src * kend_last, nc, diag[h].data() + src * n_diag, nd,
+            vs_select(hp, share_scores(leader, shared_col, col, int(h)) + src * kend_last, nc,
+                      share_scores(leader, shared_diag, diag, int(h)) + src * n_diag, nd,
                       &seg_cols[size_t(si)], &seg_diags[size_t(si)]);
           }
           break;
@@ -400,16 +416,19 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
         case Pattern::kAdaptiveBlock: {
           hl.clamped = hp.pattern == Pattern::kBlockSparse ? hp.n_blocks > n_kb
                                                            : ceil_div(hp.min_budget, kB) > n_kb;
-          pq.assign(size_t(g.n_qb * g.d), 0.f);
-          for (int64_t r = 0; r < g.nq; ++r) {
-            const float* src = g.q + (r * g.hq + int64_t(h)) * g.d;
-            float* dst = pq.data() + (r / kB) * g.d;
-            for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
+          for (int m : shared ? set : std::vector<int>{int(h)}) {
+            std::vector<float>& pq = pqs.emplace_back(size_t(g.n_qb * g.d), 0.f);
+            for (int64_t r = 0; r < g.nq; ++r) {
+              const float* src = g.q + (r * g.hq + int64_t(m)) * g.d;
+              float* dst = pq.data() + (r / kB) * g.d;
+              for (int64_t c = 0; c < g.d; ++c) dst[c] += src[c];
+            }
+            for (int64_t qb = 0; qb < g.n_qb; ++qb)
+              for (int64_t c = 0; c < g.d; ++c)
+                pq[size_t(qb * g.d + c)] =
+                    pooled_mean(pq[size_t(qb * g.d + c)], std::min(kB, g.nq - qb * kB));
           }
-          for (int64_t qb = 0; qb < g.n_qb; ++qb)
-            for (int64_t c = 0; c < g.d; ++c)
-              pq[size_t(qb * g.d + c)] =
-                  pooled_mean(pq[size_t(qb * g.d + c)], std::min(kB, g.nq - qb * kB));
+          bscores.resize(pqs.size());
           break;
         }
       }
@@ -424,14 +443,26 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           const int64_t c0 = qb / kB * kB;
           if (qb == c0) {
             const int64_t m = std::min(kB, g.n_qb - c0);
-            bscore.resize(size_t(m * n_kb));
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(n_kb), int(g.d),
-                        g.scale, pq.data() + c0 * g.d, int(g.d), pk, int(g.d), 0.f, bscore.data(),
-                        int(n_kb));
+            for (size_t i = 0; i < pqs.size(); ++i) {
+              bscores[i].resize(size_t(m * n_kb));
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(m), int(n_kb), int(g.d),
+                          g.scale, pqs[i].data() + c0 * g.d, int(g.d), pk, int(g.d), 0.f,
+                          bscores[i].data(), int(n_kb));
+            }
           }
           const bool exact = qb == g.n_qb - 1;  // scored by last_mass (probabilities)
-          float* s = exact ? last_mass[h].data() : bscore.data() + (qb - c0) * n_kb;
           const int64_t n_allowed = ceil_div(sg.kend, kB);
+          float* s = exact ? last_mass[h].data() : bscores[0].data() + (qb - c0) * n_kb;
+          if (shared) {  // the set's summed probabilities, in head order
+            srow.assign(size_t(n_allowed), 0.f);
+            for (size_t i = 0; i < set.size(); ++i) {
+              float* r =
+                  exact ? last_mass[size_t(set[i])].data() : bscores[i].data() + (qb - c0) * n_kb;
+              if (!exact) softmax_in_place(r, n_allowed);
+              for (int64_t b = 0; b < n_allowed; ++b) srow[size_t(b)] += r[b];
+            }
+            s = srow.data();
+          }
           std::vector<int32_t> forced{0};
           for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
             if (b > 0) forced.push_back(int32_t(b));
@@ -439,11 +470,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           if (hp.pattern == Pattern::kBlockSparse) {
             bb.k = hp.n_blocks;
           } else {  // softmax over the causal blocks, then the mass threshold
-            if (!exact) {
-              const float mx = *std::max_element(s, s + n_allowed);
-              const float sum = exp_sub_sum(s, n_allowed, mx);
-              for (int64_t b = 0; b < n_allowed; ++b) s[b] /= sum;
-            }
+            if (!exact && !shared) softmax_in_place(s, n_allowed);
             bb.mass = true;
             bb.gamma = hp.gamma;
             bb.min_count = ceil_div(hp.min_budget, kB);

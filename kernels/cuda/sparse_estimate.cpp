@@ -72,6 +72,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   for (int64_t h = 0; h < L.hq; ++h) {
     const HeadPattern& hp = patterns[size_t(h)];
     EstHead& e = heads[size_t(h)];
+    if (hp.share_group != 0)
+      return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
+                                      "].share_group is not implemented on the device");
     e.sink = hp.sink;
     e.local = hp.local;
     bool cl = false;

@@ -14,6 +14,7 @@
 #include "kernels/api.h"
 #include "kernels/cpu/cpu_sparse.h"
 #include "kernels/sparse.h"
+#include "kernels/sparse_select.h"
 #include "tests/kernels/pooled_ref.h"
 
 namespace sf {
@@ -976,6 +977,10 @@ TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[1].last_block_rows"), std::string::npos) << st.message();
   pats[1].last_block_rows = 0;
+  pats[1].share_group = 2;
+  st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
+  EXPECT_NE(st.message().find("patterns[1].share_group"), std::string::npos) << st.message();
+  pats[1].share_group = 0;
   pats[0].max_budget = 1;
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[0].max_budget"), std::string::npos) << st.message();
@@ -987,6 +992,131 @@ TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
         Pattern::kMoA, Pattern::kAdaptiveVS, Pattern::kAdaptiveBlock})
     EXPECT_EQ(kernels::pattern_from_string(kernels::pattern_name(x)).value(), x);
   EXPECT_FALSE(kernels::pattern_from_string("slash").is_ok());
+}
+
+// Which heads rank together: one KV group, one family, equal vertical-slash scoring settings,
+// share_group on both, no last_block_rows.
+TEST(SparseEstimate, ShareLeadersFormSetsByGroupFamilyAndSettings) {
+  std::vector<HeadPattern> p(9);
+  for (auto& hp : p) hp.share_group = 1;
+  p[0].pattern = p[1].pattern = Pattern::kVerticalSlash;
+  p[2].pattern = Pattern::kAdaptiveVS;  // same family as 0 and 1
+  p[3].pattern = Pattern::kBlockSparse;
+  p[4].pattern = Pattern::kVerticalSlash;
+  p[5].pattern = Pattern::kAdaptiveBlock;  // with 3
+  p[6].pattern = Pattern::kVerticalSlash;
+  p[7].pattern = Pattern::kVerticalSlash;
+  p[7].spread_rows = 64;            // other scoring rows than 6: ranks alone
+  p[8].pattern = Pattern::kAShape;  // no ranking
+  EXPECT_EQ(kernels::share_leaders(p, 3), (std::vector<int>{0, 0, 0, 3, 4, 3, 6, 7, 8}));
+  p[5].last_block_rows = 1;  // its last block ranks by its own rows
+  p[1].share_group = 0;
+  EXPECT_EQ(kernels::share_leaders(p, 3), (std::vector<int>{0, 1, 0, 3, 4, 5, 6, 7, 8}));
+  // Groups of 9: heads of different KV groups above now share.
+  p[5].last_block_rows = 0;
+  EXPECT_EQ(kernels::share_leaders(p, 9), (std::vector<int>{0, 1, 0, 3, 0, 3, 0, 7, 8}));
+  std::vector<std::vector<float>> sums, arr{{1, 2}, {5, 5}, {3, 4}, {7, 7}};
+  kernels::share_sums({0, 1, 0, 3}, arr, &sums);
+  EXPECT_EQ(sums[0], (std::vector<float>{4, 6}));
+  EXPECT_TRUE(sums[1].empty() && sums[2].empty() && sums[3].empty());
+}
+
+// share_group: a set ranks by the sum of its heads' probability scores (vertical-slash: column
+// and diagonal sums; blocks: each head's softmax over the causal blocks, the last query block's
+// exact mass), each head taking its own budget, so top-k heads' picks nest. Without sharing they
+// do not on these inputs (the check can fail).
+TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
+  std::mt19937_64 rng(fresh_seed());
+  for (auto [nq, q_off] : {std::pair<int64_t, int64_t>{300, 600}, {400, 200}}) {
+    const Problem p = make_problem(rng, nq, q_off, 0, 6, 2, 16);
+    std::vector<HeadPattern> pats(6);
+    for (auto& hp : pats) {
+      hp.sink = 4;
+      hp.local = 8;
+      hp.share_group = 1;
+    }
+    pats[0].pattern = pats[1].pattern = Pattern::kVerticalSlash;
+    pats[0].n_vertical = 20, pats[0].n_slash = 15;
+    pats[1].n_vertical = 40, pats[1].n_slash = 30;
+    pats[2].pattern = Pattern::kAdaptiveVS;
+    pats[2].gamma = 0.8, pats[2].min_budget = 4;
+    pats[3].pattern = pats[4].pattern = Pattern::kBlockSparse;
+    pats[3].n_blocks = 4, pats[4].n_blocks = 6;
+    pats[3].sink = pats[4].sink = pats[3].local = pats[4].local = 0;
+    pats[5].pattern = Pattern::kAShape;
+    const Estimated e = estimate(p, pats);
+    expect_index_from_trace(e, pats);
+    auto subset = [](const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+      return std::includes(b.begin(), b.end(), a.begin(), a.end());
+    };
+    // Vertical-slash set {0, 1, 2}: one selection for every query block (no segments).
+    BruteVs sum;
+    const auto rows = brute_scoring_rows(p, 0);
+    for (int h = 0; h < 3; ++h) {
+      const BruteVs b = brute_vs_rows(p, h, rows);
+      if (h == 0)
+        sum = b;
+      else
+        for (size_t j = 0; j < b.col.size(); ++j) sum.col[j] += b.col[j];
+      if (h > 0)
+        for (size_t j = 0; j < b.diag.size(); ++j) sum.diag[j] += b.diag[j];
+    }
+    const auto fc = range_set(0, 4), fd = range_set(0, 9);
+    for (int h = 0; h < 3; ++h) {
+      const HeadPattern& hp = pats[size_t(h)];
+      const bool mass = hp.pattern == Pattern::kAdaptiveVS;
+      const auto wc = mass ? brute_mass(sum.col, fc, hp.gamma, hp.min_budget, hp.max_budget)
+                           : brute_topk(sum.col, fc, hp.n_vertical);
+      const auto wd = mass ? brute_mass(sum.diag, fd, hp.gamma, hp.min_budget, hp.max_budget)
+                           : brute_topk(sum.diag, fd, hp.n_slash);
+      for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+        const IndexCandidates& tc = e.trace[e.idx.slot(h, qb)];
+        expect_same_selection(tc.columns, wc, sum.col, "shared columns", mass);
+        expect_same_selection(tc.diagonals, wd, sum.diag, "shared diagonals", mass);
+      }
+    }
+    const IndexCandidates& t0 = e.trace[e.idx.slot(0, 0)];
+    const IndexCandidates& t1 = e.trace[e.idx.slot(1, 0)];
+    EXPECT_TRUE(subset(t0.columns, t1.columns) && subset(t0.diagonals, t1.diagonals));
+    // Block set {3, 4}.
+    int not_nested_alone = 0;
+    std::vector<HeadPattern> alone = pats;
+    for (auto& hp : alone) hp.share_group = 0;
+    const Estimated ea = estimate(p, alone);
+    for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
+      const Geo g = geo(p.nq, p.nk, p.q_off, qb);
+      const bool last = qb == e.idx.n_qblocks - 1;
+      const size_t n_allowed = size_t((g.kend + kB - 1) / kB);
+      std::vector<double> s(n_allowed, 0.0);
+      for (int h : {3, 4}) {
+        std::vector<double> x = last ? brute_last_block_mass(p, h) : brute_block_scores(p, h, qb);
+        x.resize(n_allowed);
+        if (!last) {
+          const double mx = *std::max_element(x.begin(), x.end());
+          double z = 0;
+          for (auto& v : x) z += (v = std::exp((v - mx) / std::sqrt(double(p.d))));
+          for (auto& v : x) v /= z;
+        }
+        for (size_t b = 0; b < n_allowed; ++b) s[b] += x[b];
+      }
+      std::set<int32_t> forced{0};
+      for (int64_t b = std::min(g.base, g.kend - 1) / kB; b <= (g.kend - 1) / kB; ++b)
+        forced.insert(int32_t(b));
+      for (int h : {3, 4})
+        expect_same_selection(e.trace[e.idx.slot(h, qb)].key_blocks,
+                              brute_topk(s, forced, pats[size_t(h)].n_blocks), s, "shared blocks",
+                              false);
+      EXPECT_TRUE(
+          subset(e.trace[e.idx.slot(3, qb)].key_blocks, e.trace[e.idx.slot(4, qb)].key_blocks));
+      not_nested_alone +=
+          !subset(ea.trace[ea.idx.slot(3, qb)].key_blocks, ea.trace[ea.idx.slot(4, qb)].key_blocks);
+    }
+    const IndexCandidates& a0 = ea.trace[ea.idx.slot(0, 0)];
+    const IndexCandidates& a1 = ea.trace[ea.idx.slot(1, 0)];
+    EXPECT_FALSE(subset(a0.columns, a1.columns) && subset(a0.diagonals, a1.diagonals))
+        << "per-head picks nested by chance: the check above could not fail";
+    EXPECT_GT(not_nested_alone, 0);
+  }
 }
 
 // End to end: estimated index -> fast kernel == masked reference, and more budget -> closer to

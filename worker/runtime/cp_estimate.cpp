@@ -238,12 +238,14 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
 // gathered from there (all of it, or per TopK `col_k` only candidates); the diagonals are
 // all-reduced, or per `diag_k` reduce-scattered and their candidates gathered. Every rank gets the
 // same arrays. With `pool_cols` the columns come back as sums per 64-key block ([head][n_kb]:
-// blocks never straddle ranks). *bytes_out gets what the collectives brought this rank, by part.
+// blocks never straddle ranks). With `into` (per head x, the head its sums are added to; x itself
+// for most), a KV-group sharing set's heads are summed into its leader's arrays on each rank and
+// only the leader's travel. *bytes_out gets what the collectives brought this rank, by part.
 Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::vector<int>& hs,
                   const std::vector<int64_t>& rows, bool want_diag, std::vector<float>* col_out,
                   std::vector<float>* diag_out, CpEstimateBytes* bytes_out,
                   const std::vector<TopK>& col_k = {}, const std::vector<TopK>& diag_k = {},
-                  bool pool_cols = false) {
+                  bool pool_cols = false, const std::vector<int>& into = {}) {
   const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
   const int64_t group = hq / hkv;
   const float scale = 1.f / std::sqrt(float(d));
@@ -357,13 +359,23 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   auto topk = [](const std::vector<TopK>& v, int64_t x) {
     return x < int64_t(v.size()) ? v[size_t(x)] : TopK{};
   };
+  // Sharing sets: members added into their leader's rows in head order (share_sums' order, per
+  // rank), then only the leaders travel.
+  auto sent = [&](int64_t x) { return into.empty() || into[size_t(x)] == x; };
+  for (int64_t x = 0; x < nh; ++x) {
+    if (sent(x)) continue;
+    const size_t l = size_t(into[size_t(x)]) * size_t(S), m = size_t(x) * size_t(S);
+    for (int64_t j = 0; j < S; ++j) cs[l + size_t(j)] += cs[m + size_t(j)];
+    if (want_diag)
+      for (int64_t j = 0; j < S; ++j) ds[l + size_t(j)] += ds[m + size_t(j)];
+  }
   // Columns: complete on their key's owner (every scoring row was added there), so gathered
   // from the owners (S / CP per head, or per 64-key block) rather than all-reduced; heads ranked
   // top-k only send their owners' candidates.
   {
     std::vector<size_t> full, cand;
     for (int64_t x = 0; x < nh; ++x)
-      (topk(col_k, x).on() && !pool_cols ? cand : full).push_back(size_t(x));
+      if (sent(x)) (topk(col_k, x).on() && !pool_cols ? cand : full).push_back(size_t(x));
     const int64_t unit = pool_cols ? kB : 1, n_out = pool_cols ? ceil_div(S, kB) : S;
     std::vector<float> out(static_cast<size_t>(nh * n_out), 0.f);
     if (!full.empty()) {
@@ -411,7 +423,8 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   }
   if (want_diag) {
     std::vector<size_t> full, cand;
-    for (int64_t x = 0; x < nh; ++x) (topk(diag_k, x).on() ? cand : full).push_back(size_t(x));
+    for (int64_t x = 0; x < nh; ++x)
+      if (sent(x)) (topk(diag_k, x).on() ? cand : full).push_back(size_t(x));
     if (!full.empty()) {
       std::vector<float> buf(full.size() * size_t(S));
       for (size_t i = 0; i < full.size(); ++i)
@@ -480,6 +493,13 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       settings.emplace_back(a.patterns[h].spread_rows, a.patterns[h].segment_rows);
   std::sort(settings.begin(), settings.end());
   settings.erase(std::unique(settings.begin(), settings.end()), settings.end());
+  // KV-group-shared ranking (sparse_select.h): a sharing set ranks by its heads' summed scores,
+  // which its leader's arrays hold after the exchange (members[leader] lists the set).
+  const std::vector<HeadPattern> patterns(a.patterns, a.patterns + hq);
+  const std::vector<int> leader = kernels::share_leaders(patterns, int(hq / hkv));
+  std::vector<std::vector<int>> members(static_cast<size_t>(hq));
+  for (int64_t h = 0; h < hq; ++h) members[size_t(leader[size_t(h)])].push_back(int(h));
+  auto shares = [&](int64_t h) { return members[size_t(leader[size_t(h)])].size() > 1; };
   CpEstimateBytes bytes;
   for (const auto& [sp, sr] : settings) {
     std::vector<int> hs;
@@ -496,23 +516,40 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     }
     // One selection over all S items per head (no segments) with a top-k budget: only each
     // rank's candidates need to travel, where that is smaller than the sums themselves.
+    // A sharing set's heads are summed on each rank before anything travels (score_rows'
+    // `into`): the set sends one array, its leader's, which every member ranks by.
+    std::vector<int> into(static_cast<size_t>(nh));
+    for (int64_t x = 0; x < nh; ++x)
+      into[size_t(x)] =
+          int(std::find(hs.begin(), hs.end(), leader[size_t(hs[size_t(x)])]) - hs.begin());
     std::vector<TopK> col_k(static_cast<size_t>(nh)), diag_k(static_cast<size_t>(nh));
     if (CP > 1 && vsg.count() == 1 && vsg.end_row(0) == S && vsg.source[0] == 0)
       for (int64_t x = 0; x < nh; ++x) {
-        const HeadPattern& hp = a.patterns[hs[size_t(x)]];
-        if (hp.pattern != Pattern::kVerticalSlash) continue;  // a mass threshold needs every sum
-        // vs_select takes min(budget, S) items, the forced ones first: at most this many others
-        const int64_t fc = std::min(std::max<int64_t>(hp.sink, 0), S),
-                      fd = std::min(std::max<int64_t>(hp.local + 1, 0), S);
-        const int64_t kc = std::max<int64_t>(hp.n_vertical - fc, 0),
-                      kd = std::max<int64_t>(hp.n_slash - fd, 0);
-        if (2 * kc * CP < S) col_k[size_t(x)] = {kc, fc};
-        if ((CP - 1) * (S / CP + 2 * kd) < 2 * S) diag_k[size_t(x)] = {kd, fd};
+        if (into[size_t(x)] != x) continue;
+        // vs_select takes min(budget, S) items, the forced ones first: the candidates must hold
+        // every member's top others (ids at or past the set's fewest forced)
+        bool mass = false;
+        int64_t fc0 = S, fc1 = 0, fd0 = S, fd1 = 0, kc = 0, kd = 0;
+        for (int m : members[size_t(hs[size_t(x)])]) {
+          const HeadPattern& hp = a.patterns[m];
+          mass |= hp.pattern != Pattern::kVerticalSlash;  // a mass threshold needs every sum
+          const int64_t fc = std::min(std::max<int64_t>(hp.sink, 0), S),
+                        fd = std::min(std::max<int64_t>(hp.local + 1, 0), S);
+          fc0 = std::min(fc0, fc), fc1 = std::max(fc1, fc), fd0 = std::min(fd0, fd),
+          fd1 = std::max(fd1, fd);
+          kc = std::max(kc, std::max<int64_t>(hp.n_vertical - fc, 0));
+          kd = std::max(kd, std::max<int64_t>(hp.n_slash - fd, 0));
+        }
+        if (mass) continue;
+        kc += fc1 - fc0, kd += fd1 - fd0;
+        if (2 * kc * CP < S) col_k[size_t(x)] = {kc, fc0};
+        if ((CP - 1) * (S / CP + 2 * kd) < 2 * S) diag_k[size_t(x)] = {kd, fd0};
       }
     for (int64_t si = 0; si < vsg.count(); ++si) {
       if (vsg.rows[size_t(si)].empty()) continue;
       std::vector<float> cs, ds;
-      SF_TRY(score_rows(cp, a, hs, vsg.rows[size_t(si)], true, &cs, &ds, &bytes, col_k, diag_k));
+      SF_TRY(score_rows(cp, a, hs, vsg.rows[size_t(si)], true, &cs, &ds, &bytes, col_k, diag_k,
+                        false, into));
       for (int64_t x = 0; x < nh; ++x) {
         std::copy(cs.begin() + x * S, cs.begin() + (x + 1) * S,
                   col[size_t(hs[size_t(x)])].begin() + si * S);
@@ -606,25 +643,39 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
   };
   const float scale = 1.f / std::sqrt(float(d));
   // Key blocks a block-family head selects for global query block gqb (single-rank rules).
+  // One head's block scores for global query block gqb: the last block's exact mass, else pooled
+  // q . pooled k.
+  auto block_scores = [&](int64_t h, int64_t gqb) {
+    if (gqb == n_qb_all - 1) return last_mass[size_t(h)];
+    std::vector<float> sc(static_cast<size_t>(n_kb));
+    std::vector<float> pq(static_cast<size_t>(d), 0.f);
+    const int64_t q0 = gqb * kB, q1 = std::min(S, q0 + kB);
+    for (int64_t rr = q0; rr < q1; ++rr) {
+      const float* src = a.q_loc + (local_row(rr) * hq + h) * d;
+      for (int64_t c = 0; c < d; ++c) pq[size_t(c)] += src[c];
+    }
+    for (float& v : pq) v = kernels::pooled_mean(v, q1 - q0);
+    const int64_t kvh = h / (hq / hkv);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, int(n_kb), int(d), scale, pq.data(),
+                int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
+    return sc;
+  };
   auto select_blocks = [&](int64_t h, int64_t gqb, const kernels::SparseSlotGeometry& sg) {
     const HeadPattern& hp = a.patterns[h];
     const bool exact = gqb == n_qb_all - 1;
-    std::vector<float> sc(static_cast<size_t>(n_kb));
-    if (exact) {
-      sc = last_mass[size_t(h)];
-    } else {
-      std::vector<float> pq(static_cast<size_t>(d), 0.f);
-      const int64_t q0 = gqb * kB, q1 = std::min(S, q0 + kB);
-      for (int64_t rr = q0; rr < q1; ++rr) {
-        const float* src = a.q_loc + (local_row(rr) * hq + h) * d;
-        for (int64_t c = 0; c < d; ++c) pq[size_t(c)] += src[c];
-      }
-      for (float& v : pq) v = kernels::pooled_mean(v, q1 - q0);
-      const int64_t kvh = h / (hq / hkv);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, int(n_kb), int(d), scale, pq.data(),
-                  int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
-    }
     const int64_t n_allowed = ceil_div(sg.kend, kB);
+    const bool shared = shares(h);
+    std::vector<float> sc;
+    if (!shared) {
+      sc = block_scores(h, gqb);
+    } else {  // the set's summed probabilities, in head order
+      sc.assign(static_cast<size_t>(n_kb), 0.f);
+      for (int m : members[size_t(leader[size_t(h)])]) {
+        std::vector<float> r = block_scores(m, gqb);
+        if (!exact) kernels::cpu::softmax_in_place(r.data(), n_allowed);
+        for (int64_t b = 0; b < n_allowed; ++b) sc[size_t(b)] += r[size_t(b)];
+      }
+    }
     std::vector<int32_t> forced{0};
     for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
       if (b > 0) forced.push_back(int32_t(b));
@@ -632,11 +683,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     if (hp.pattern == Pattern::kBlockSparse) {
       bb.k = hp.n_blocks;
     } else {
-      if (!exact) {
-        const float mx = *std::max_element(sc.begin(), sc.begin() + n_allowed);
-        const float sum = kernels::cpu::exp_sub_sum(sc.data(), n_allowed, mx);
-        for (int64_t b = 0; b < n_allowed; ++b) sc[size_t(b)] /= sum;
-      }
+      if (!exact && !shared) kernels::cpu::softmax_in_place(sc.data(), n_allowed);
       bb.mass = true;
       bb.gamma = hp.gamma;
       bb.min_count = ceil_div(hp.min_budget, kB);
@@ -672,8 +719,9 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         diags[size_t(h)].assign(size_t(vsg.count()), {});
         for (int64_t si = 0; si < vsg.count(); ++si) {
           const int64_t src = vsg.source[size_t(si)], n = vsg.end_row(si);
-          kernels::vs_select(hp, col[size_t(h)].data() + src * S, n, diag[size_t(h)].data() + src * S,
-                             n, &cols[size_t(h)][size_t(si)], &diags[size_t(h)][size_t(si)]);
+          const size_t l = size_t(leader[size_t(h)]);
+          kernels::vs_select(hp, col[l].data() + src * S, n, diag[l].data() + src * S, n,
+                             &cols[size_t(h)][size_t(si)], &diags[size_t(h)][size_t(si)]);
         }
         break;
       }

@@ -41,6 +41,8 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
                "layer 1 head 1: field 'last_block_rows' applies to adaptive-block only");
   expect_error(two_by_two(R"({"pattern":"adaptive-block","last_block_rows":2})"),
                "layer 1 head 1: field 'last_block_rows' must be 0 or 1");
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","share_group":2})"),
+               "layer 1 head 1: field 'share_group' must be 0 or 1");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
   expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
   expect_error("{not json", "invalid JSON");
@@ -77,6 +79,14 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_TRUE(abb.is_ok()) << abb.status().to_string();
   EXPECT_EQ(abb->layers[1][1].last_block_rows, 1);
   EXPECT_EQ(abb->layers[0][0].last_block_rows, 0);
+  auto sg = sparse_config_parse(two_by_two(R"({"pattern":"block-sparse","share_group":1})"), 2, 2,
+                                "t");
+  ASSERT_TRUE(sg.is_ok()) << sg.status().to_string();
+  ASSERT_TRUE(sparse_config_save(sg.value(), path).is_ok());
+  auto sgb = sparse_config_load(path, 2, 2);
+  ASSERT_TRUE(sgb.is_ok()) << sgb.status().to_string();
+  EXPECT_EQ(sgb->layers[1][1].share_group, 1);
+  EXPECT_EQ(sgb->layers[0][0].share_group, 0);
   EXPECT_FALSE(sparse_config_is_dense(back.value()));
   EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
 }

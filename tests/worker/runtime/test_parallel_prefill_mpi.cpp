@@ -302,6 +302,47 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
   check_grid(*model_, {tp, cp}, 100, &sc.value(), /*selective=*/true, /*cp_est=*/true);
 }
 
+// KV-group-shared ranking (share_group) estimated across ranks: each rank sums a set's heads
+// before anything travels, and a top-k set sends candidates for its largest budget. KV groups
+// (2 heads here): two vertical-slash heads of different budgets (top-k candidates), block-sparse
+// with adaptive-block, vertical-slash with adaptive-vs (whole arrays: a mass threshold), and
+// a-shape beside vertical-slash (no set). Equals single-rank with the same config.
+TEST_P(ParallelPrefill, CpEstimateSharedGroupsEqualSingleRank) {
+  const auto [tp, cp] = GetParam();
+  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
+                                          model_->config().n_heads);
+  ASSERT_TRUE(sc.is_ok());
+  sc->dense_below = 0;
+  for (auto& l : sc->layers)
+    for (size_t h = 0; h < l.size(); ++h) {
+      auto& hp = l[h];
+      hp.share_group = 1;
+      hp.n_vertical = h % 2 ? 140 : 100;
+      hp.n_slash = h % 2 ? 90 : 72;
+      switch (h / 2 % 4) {
+        case 1:
+          hp.pattern = h % 2 ? kernels::Pattern::kAdaptiveBlock : kernels::Pattern::kBlockSparse;
+          hp.n_blocks = 4;
+          hp.gamma = 0.9;
+          hp.min_budget = 128;
+          hp.max_budget = 512;
+          break;
+        case 2:
+          if (h % 2) {
+            hp.pattern = kernels::Pattern::kAdaptiveVS;
+            hp.gamma = 0.8;
+          }
+          break;
+        case 3:
+          if (h % 2 == 0) hp.pattern = kernels::Pattern::kAShape;
+          break;
+        default:
+          break;
+      }
+    }
+  check_grid(*model_, {tp, cp}, 1000, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+}
+
 // What the worker runs with --attention: each rank estimates the index of its own chunks. CP 1
 // is the single-rank forward exactly (one contiguous piece, same estimator input); under CP 2 and
 // 4 each chunk's estimator scores its own last queries, so the index differs from single-rank by
