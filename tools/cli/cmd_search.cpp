@@ -175,10 +175,11 @@ std::vector<Cand> hull(std::vector<Cand> c) {
 }  // namespace
 
 int cmd_search(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2,
-                           {"model", "calib", "target-density", "out", "length", "allocation", "rows", "seed",
-                            "dense-below", "patterns", "spread-rows", "segment-rows", "objective"},
-                           {});
+  auto args_r =
+      parse_args(argc, argv, 2,
+                 {"model", "calib", "target-density", "out", "length", "allocation", "rows", "seed",
+                  "dense-below", "patterns", "spread-rows", "segment-rows", "objective"},
+                 {"share-group"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("calib")) return fail(SF_ERR(kInvalidArgument, "--calib FILE is required (a text not used for eval)"));
@@ -377,6 +378,8 @@ int cmd_search(int argc, char** argv) {
       const Cand& c = pick[size_t(l)][size_t(h)];
       HeadPattern p = c.p;
       p.score = c.recall;
+      // --share-group marks the written config only: candidates were costed per head.
+      if (a.has("share-group")) p.share_group = 1;
       sc.layers[size_t(l)].push_back(p);
       ld += c.density;
       lr += c.recall;

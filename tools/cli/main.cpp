@@ -28,7 +28,7 @@ void usage() {
                "           [--windows K] [--passkey-trials N]\n"
                "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"
                "  search   --model PATH|default --calib F[,F2..] --target-density D --out configs/NAME.json [--length L]\n"
-               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N] [--spread-rows N] [--segment-rows N]\n           [--objective log-recall|recall]\n");
+               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N] [--spread-rows N] [--segment-rows N]\n           [--objective log-recall|recall] [--share-group]\n");
 }
 
 }  // namespace

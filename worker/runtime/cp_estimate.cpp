@@ -256,40 +256,57 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
   CpEstimateBytes bytes;
   const int64_t nh = int64_t(hs.size());
   const int64_t L = int64_t(rows.size());
-  // 1) The scoring rows' q, gathered: each rank sends the rows it holds, in position order.
-  std::vector<int64_t> counts(static_cast<size_t>(CP), 0);
+  // 1) The scoring rows' q, exchanged pairwise: each rank sends the rows it holds, in position
+  // order, to every rank holding a key they can see (a row before a rank's first key would only
+  // be masked there: rank r's first key starts chunk r). Rows a rank does not receive stay zero
+  // and are never read (every key they would meet is past the causal limit).
   std::vector<std::vector<int64_t>> rank_rows(static_cast<size_t>(CP));
+  std::vector<int64_t> first_key(static_cast<size_t>(CP));
   for (int r = 0; r < CP; ++r) {
     const auto rr = cp_rank_ranges(S, CP, r);
+    first_key[size_t(r)] = std::min(rr[0].begin, rr[1].begin);
     for (int64_t p : rows)
       if ((p >= rr[0].begin && p < rr[0].end) || (p >= rr[1].begin && p < rr[1].end))
         rank_rows[size_t(r)].push_back(p);
-    counts[size_t(r)] = int64_t(rank_rows[size_t(r)].size()) * nh * d;
   }
-  std::vector<float> mine(static_cast<size_t>(counts[size_t(cp.rank())])),
-      all(static_cast<size_t>(L * nh * d));
-  {
-    size_t o = 0;
-    for (int64_t p : rank_rows[size_t(cp.rank())])
-      for (int h : hs) {
-        std::copy_n(a.q_loc + (local_row(p) * hq + h) * d, d, mine.data() + o);
-        o += size_t(d);
-      }
-  }
-  SF_TRY(cp.all_gatherv(mine.data(), int64_t(mine.size()), all.data(), counts, DType::kF32));
-  bytes.queries += int64_t(sizeof(float)) * (int64_t(all.size()) - int64_t(mine.size()));
+  std::vector<int64_t> row_of(static_cast<size_t>(S), -1);
+  for (int64_t i = 0; i < L; ++i) row_of[size_t(rows[size_t(i)])] = i;
   // Head-major [x][i][d] in the order of `rows`.
-  std::vector<float> qr(static_cast<size_t>(nh * L * d));
+  std::vector<float> qr(static_cast<size_t>(nh * L * d), 0.f);
+  auto put = [&](const std::vector<int64_t>& rs, const float* src) {
+    for (int64_t p : rs)
+      for (int64_t x = 0; x < nh; ++x, src += d)
+        std::copy_n(src, d, qr.data() + (x * L + row_of[size_t(p)]) * d);
+  };
   {
-    std::vector<int64_t> row_of(static_cast<size_t>(S), -1);
-    for (int64_t i = 0; i < L; ++i) row_of[size_t(rows[size_t(i)])] = i;
-    size_t o = 0;
-    for (int r = 0; r < CP; ++r)
-      for (int64_t p : rank_rows[size_t(r)])
-        for (int64_t x = 0; x < nh; ++x) {
-          std::copy_n(all.data() + o, d, qr.data() + (x * L + row_of[size_t(p)]) * d);
+    const std::vector<int64_t>& own = rank_rows[size_t(cp.rank())];
+    auto seen_by = [&](const std::vector<int64_t>& rs, int r) {
+      std::vector<int64_t> out;
+      for (int64_t p : rs)
+        if (p >= first_key[size_t(r)]) out.push_back(p);
+      return out;
+    };
+    auto pack = [&](const std::vector<int64_t>& rs) {
+      std::vector<float> buf(rs.size() * size_t(nh * d));
+      size_t o = 0;
+      for (int64_t p : rs)
+        for (int h : hs) {
+          std::copy_n(a.q_loc + (local_row(p) * hq + h) * d, d, buf.data() + o);
           o += size_t(d);
         }
+      return buf;
+    };
+    put(own, pack(own).data());
+    for (int step = 1; step < CP; ++step) {
+      const int to = (cp.rank() + step) % CP, from = (cp.rank() - step + CP) % CP;
+      const std::vector<float> send = pack(seen_by(own, to));
+      const std::vector<int64_t> got_rows = seen_by(rank_rows[size_t(from)], cp.rank());
+      std::vector<float> got(got_rows.size() * size_t(nh * d));
+      SF_TRY(cp.sendrecv(send.data(), int64_t(send.size()), to, got.data(), int64_t(got.size()),
+                         from, DType::kF32, /*tag=*/41));
+      bytes.queries += int64_t(sizeof(float)) * int64_t(got.size());
+      put(got_rows, got.data());
+    }
   }
   // Logits of head x's scoring rows against local keys [t0, t0 + n) of one range.
   std::vector<float> s;
