@@ -3,8 +3,9 @@
 // before any key crosses the wire.
 //
 // Vertical-slash family (kernels/cpu/sparse_estimators.cpp, reproduced here on a CP grid):
-//   1. the scoring rows' queries (the prompt's last 64 rows plus spread_rows earlier rows) are
-//      all-gathered over CP (L x heads x d floats);
+//   1. the scoring rows' queries (the prompt's last 64 rows plus spread_rows earlier rows) go
+//      from their owner to every rank holding a key they can see (L x heads x d floats at most;
+//      pairwise sendrecv: a row before a rank's first key would only be masked there);
 //   2. each rank scores them against its own keys; the row max and sum-exp are all-reduced;
 //   3. each rank adds the probabilities of its keys into column sums and diagonal sums (offset =
 //      query position - key position); a column is complete on its key's owner and is gathered
@@ -19,12 +20,15 @@
 //   4. every rank ranks columns and diagonals by the same rules (forced sink columns and local
 //      diagonals first, then score descending, index ascending) and builds its own query blocks'
 //      slots with kernels::sparse_slot_build.
-//   With segment_rows, steps 1-4 run per selection segment (kernels::vs_segments).
+//   With segment_rows, steps 1-4 run per selection segment (kernels::vs_segments). A KV group's
+//   sharing set (HeadPattern::share_group, kernels::share_leaders) is summed into its leader's
+//   arrays on each rank after step 3 and only those travel: one candidate list per set (for
+//   the largest budget of its heads), or one array where a head takes a mass threshold.
 // Block family: pooled keys (one 64-key block per owner, bf16 as the single-rank estimator rounds
 // them) are all-gathered as bf16, each rank pools its own query blocks and ranks key blocks by
-// the single-rank rules; the prompt's last query block is scored exactly, its softmax mass
-// summed per key block on the block's owner and gathered (S / 64 per head: chunk boundaries are
-// 64-aligned).
+// the single-rank rules (a sharing set by its heads' summed probabilities); the prompt's last
+// query block is scored exactly, its softmax mass summed per key block on the block's owner and
+// gathered (S / 64 per head: chunk boundaries are 64-aligned).
 // dense, a-shape and moa need no scores.
 //
 // The result equals kernels::sparse_estimate over the whole prompt up to fp32 summation order in
