@@ -79,8 +79,9 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 // block-sparse and adaptive-block (without last_block_rows). Such a set ranks its candidates by
 // the sum of its heads' probability scores and each head takes its own budget from that one
 // order, so the set's picks nest: the group reads the keys of its largest budget, not the union
-// of one pick per head. leader[h] is the lowest head of h's set, h itself when it ranks alone
-// (a set of one head ranks alone).
+// of one pick per head. Block heads rank the prompt's last query block per head (the rows a
+// decode node continues from). leader[h] is the lowest head of h's set, h itself when it ranks
+// alone (a set of one head ranks alone).
 std::vector<int> share_leaders(const std::vector<HeadPattern>& patterns, int q_per_kv);
 
 // Each set's scores: the element-wise sum, in head order, of its heads' arrays (equal lengths

@@ -452,13 +452,15 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           }
           const bool exact = qb == g.n_qb - 1;  // scored by last_mass (probabilities)
           const int64_t n_allowed = ceil_div(sg.kend, kB);
+          // A set's last query block ranks per head: its rows give the logits a decode node
+          // continues from, and one head's retrieval there is not outvoted by its group.
+          const bool sum_set = shared && !exact;
           float* s = exact ? last_mass[h].data() : bscores[0].data() + (qb - c0) * n_kb;
-          if (shared) {  // the set's summed probabilities, in head order
+          if (sum_set) {  // the set's summed probabilities, in head order
             srow.assign(size_t(n_allowed), 0.f);
             for (size_t i = 0; i < set.size(); ++i) {
-              float* r =
-                  exact ? last_mass[size_t(set[i])].data() : bscores[i].data() + (qb - c0) * n_kb;
-              if (!exact) softmax_in_place(r, n_allowed);
+              float* r = bscores[i].data() + (qb - c0) * n_kb;
+              softmax_in_place(r, n_allowed);
               for (int64_t b = 0; b < n_allowed; ++b) srow[size_t(b)] += r[b];
             }
             s = srow.data();
@@ -470,7 +472,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
           if (hp.pattern == Pattern::kBlockSparse) {
             bb.k = hp.n_blocks;
           } else {  // softmax over the causal blocks, then the mass threshold
-            if (!exact && !shared) softmax_in_place(s, n_allowed);
+            if (!exact && !sum_set) softmax_in_place(s, n_allowed);
             bb.mass = true;
             bb.gamma = hp.gamma;
             bb.min_count = ceil_div(hp.min_budget, kB);

@@ -1022,9 +1022,9 @@ TEST(SparseEstimate, ShareLeadersFormSetsByGroupFamilyAndSettings) {
 }
 
 // share_group: a set ranks by the sum of its heads' probability scores (vertical-slash: column
-// and diagonal sums; blocks: each head's softmax over the causal blocks, the last query block's
-// exact mass), each head taking its own budget, so top-k heads' picks nest. Without sharing they
-// do not on these inputs (the check can fail).
+// and diagonal sums; blocks: each head's softmax over the causal blocks; the last query block
+// ranks per head, by its own exact mass), each head taking its own budget, so top-k heads' picks
+// nest. Without sharing they do not on these inputs (the check can fail).
 TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
   std::mt19937_64 rng(fresh_seed());
   for (auto [nq, q_off] : {std::pair<int64_t, int64_t>{300, 600}, {400, 200}}) {
@@ -1087,21 +1087,29 @@ TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
       const Geo g = geo(p.nq, p.nk, p.q_off, qb);
       const bool last = qb == e.idx.n_qblocks - 1;
       const size_t n_allowed = size_t((g.kend + kB - 1) / kB);
-      std::vector<double> s(n_allowed, 0.0);
-      for (int h : {3, 4}) {
-        std::vector<double> x = last ? brute_last_block_mass(p, h) : brute_block_scores(p, h, qb);
-        x.resize(n_allowed);
-        if (!last) {
-          const double mx = *std::max_element(x.begin(), x.end());
-          double z = 0;
-          for (auto& v : x) z += (v = std::exp((v - mx) / std::sqrt(double(p.d))));
-          for (auto& v : x) v /= z;
-        }
-        for (size_t b = 0; b < n_allowed; ++b) s[b] += x[b];
-      }
       std::set<int32_t> forced{0};
       for (int64_t b = std::min(g.base, g.kend - 1) / kB; b <= (g.kend - 1) / kB; ++b)
         forced.insert(int32_t(b));
+      if (last) {  // per head, by its own exact mass
+        for (int h : {3, 4}) {
+          std::vector<double> x = brute_last_block_mass(p, h);
+          x.resize(n_allowed);
+          expect_same_selection(e.trace[e.idx.slot(h, qb)].key_blocks,
+                                brute_topk(x, forced, pats[size_t(h)].n_blocks), x,
+                                "last block, own", false);
+        }
+        continue;
+      }
+      std::vector<double> s(n_allowed, 0.0);
+      for (int h : {3, 4}) {
+        std::vector<double> x = brute_block_scores(p, h, qb);
+        x.resize(n_allowed);
+        const double mx = *std::max_element(x.begin(), x.end());
+        double z = 0;
+        for (auto& v : x) z += (v = std::exp((v - mx) / std::sqrt(double(p.d))));
+        for (auto& v : x) v /= z;
+        for (size_t b = 0; b < n_allowed; ++b) s[b] += x[b];
+      }
       for (int h : {3, 4})
         expect_same_selection(e.trace[e.idx.slot(h, qb)].key_blocks,
                               brute_topk(s, forced, pats[size_t(h)].n_blocks), s, "shared blocks",

@@ -681,7 +681,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     const HeadPattern& hp = a.patterns[h];
     const bool exact = gqb == n_qb_all - 1;
     const int64_t n_allowed = ceil_div(sg.kend, kB);
-    const bool shared = shares(h);
+    const bool shared = shares(h) && !exact;  // a set's last query block ranks per head
     std::vector<float> sc;
     if (!shared) {
       sc = block_scores(h, gqb);
@@ -689,7 +689,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       sc.assign(static_cast<size_t>(n_kb), 0.f);
       for (int m : members[size_t(leader[size_t(h)])]) {
         std::vector<float> r = block_scores(m, gqb);
-        if (!exact) kernels::cpu::softmax_in_place(r.data(), n_allowed);
+        kernels::cpu::softmax_in_place(r.data(), n_allowed);
         for (int64_t b = 0; b < n_allowed; ++b) sc[size_t(b)] += r[size_t(b)];
       }
     }
