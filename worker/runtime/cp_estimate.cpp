@@ -659,7 +659,6 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
     return p < a.ranges[0].end ? p - a.ranges[0].begin : a.ranges[0].size() + p - a.ranges[1].begin;
   };
   const float scale = 1.f / std::sqrt(float(d));
-  // Key blocks a block-family head selects for global query block gqb (single-rank rules).
   // One head's block scores for global query block gqb: the last block's exact mass, else pooled
   // q . pooled k.
   auto block_scores = [&](int64_t h, int64_t gqb) {
@@ -677,6 +676,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
                 int(d), pooled_k.data() + kvh * d, int(hkv * d), 0.f, sc.data(), int(n_kb));
     return sc;
   };
+  // Key blocks a block-family head selects for global query block gqb (single-rank rules).
   auto select_blocks = [&](int64_t h, int64_t gqb, const kernels::SparseSlotGeometry& sg) {
     const HeadPattern& hp = a.patterns[h];
     const bool exact = gqb == n_qb_all - 1;
