@@ -206,6 +206,15 @@ class ParallelPrefill : public ::testing::TestWithParam<std::pair<int, int>> {
     delete model_;
     model_ = nullptr;
   }
+  // The `mode` config for this model, sparse at every length (no dense_below).
+  static model::SparseConfig sparse_everywhere(const char* mode) {
+    auto sc =
+        model::sparse_config_for_mode(mode, model_->config().n_layers, model_->config().n_heads);
+    EXPECT_TRUE(sc.is_ok()) << sc.status().to_string();
+    model::SparseConfig c = sc.is_ok() ? std::move(sc).value() : model::SparseConfig{};
+    c.dense_below = 0;
+    return c;
+  }
   static model::Model* model_;
 };
 model::Model* ParallelPrefill::model_ = nullptr;
@@ -218,22 +227,16 @@ TEST_P(ParallelPrefill, DenseEqualsSingleRank) {
 
 TEST_P(ParallelPrefill, SparseWithTheSameIndexEqualsSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc =
-      model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  check_grid(*model_, {tp, cp}, 640, &sc.value());
+  auto sc = sparse_everywhere("a-shape");
+  check_grid(*model_, {tp, cp}, 640, &sc);
 }
 
 // Sparsity-aware CP, transfer half: each rank receives only the rows its index slices read; rows
 // nobody asked for are NaN on the receiving rank, so reading one would show in the output.
 TEST_P(ParallelPrefill, SelectiveKvExchangeEqualsSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc =
-      model::sparse_config_for_mode("a-shape", model_->config().n_layers, model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  check_grid(*model_, {tp, cp}, 640, &sc.value(), /*selective=*/true);
+  auto sc = sparse_everywhere("a-shape");
+  check_grid(*model_, {tp, cp}, 640, &sc, /*selective=*/true);
 }
 
 // Sparsity-aware CP end to end: the vertical-slash index (a third of the heads per selection
@@ -246,18 +249,15 @@ TEST_P(ParallelPrefill, SelectiveKvExchangeEqualsSingleRank) {
 // selective exchange moved 100.4% of the all-gather bytes at 1,024 tokens).
 TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
-                                          model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  for (auto& l : sc->layers)
+  auto sc = sparse_everywhere("vertical-slash");
+  for (auto& l : sc.layers)
     for (size_t h = 0; h < l.size(); ++h) {
       l[h].n_vertical = 100;  // 36 scored columns beyond the 64 sink columns
       l[h].n_slash = 72;      // 7 scored diagonals beyond the local 0..64
       l[h].spread_rows = h % 2 ? 64 : 0;
       l[h].segment_rows = h % 3 == 0 ? 256 : 0;  // with spread 0: segments 0-2 borrow the last
     }
-  check_grid(*model_, {tp, cp}, 1024, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+  check_grid(*model_, {tp, cp}, 1024, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
 // The same with every estimator family in one layer: vertical-slash, block-sparse, adaptive-block
@@ -266,13 +266,10 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
 // block per row, last_block_rows).
 TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
-                                          model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  for (size_t li = 0; li < sc->layers.size(); ++li)
-    for (size_t h = 0; h < sc->layers[li].size(); ++h) {
-      auto& hp = sc->layers[li][h];
+  auto sc = sparse_everywhere("vertical-slash");
+  for (size_t li = 0; li < sc.layers.size(); ++li)
+    for (size_t h = 0; h < sc.layers[li].size(); ++h) {
+      auto& hp = sc.layers[li][h];
       switch (h % 4) {
         case 0:
           hp.n_vertical = 100;
@@ -297,9 +294,9 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
           hp.pattern = kernels::Pattern::kAShape;
       }
     }
-  check_grid(*model_, {tp, cp}, 1000, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+  check_grid(*model_, {tp, cp}, 1000, &sc, /*selective=*/true, /*cp_est=*/true);
   // Two 64-token blocks over 2 * cp chunks: under CP 4 most ranks hold nothing.
-  check_grid(*model_, {tp, cp}, 100, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+  check_grid(*model_, {tp, cp}, 100, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
 // KV-group-shared ranking (share_group) estimated across ranks: each rank sums a set's heads
@@ -309,11 +306,8 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
 // a-shape beside vertical-slash (no set). Equals single-rank with the same config.
 TEST_P(ParallelPrefill, CpEstimateSharedGroupsEqualSingleRank) {
   const auto [tp, cp] = GetParam();
-  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
-                                          model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  for (auto& l : sc->layers)
+  auto sc = sparse_everywhere("vertical-slash");
+  for (auto& l : sc.layers)
     for (size_t h = 0; h < l.size(); ++h) {
       auto& hp = l[h];
       hp.share_group = 1;
@@ -340,7 +334,7 @@ TEST_P(ParallelPrefill, CpEstimateSharedGroupsEqualSingleRank) {
           break;
       }
     }
-  check_grid(*model_, {tp, cp}, 1000, &sc.value(), /*selective=*/true, /*cp_est=*/true);
+  check_grid(*model_, {tp, cp}, 1000, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
 // What the worker runs with --attention: each rank estimates the index of its own chunks. CP 1
@@ -352,11 +346,8 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
   const auto [tp, cp] = GetParam();
   if (tp != 1) GTEST_SKIP() << "tp > 1 not compared under estimation";
   auto& w = test_world();
-  auto sc = model::sparse_config_for_mode("vertical-slash", model_->config().n_layers,
-                                          model_->config().n_heads);
-  ASSERT_TRUE(sc.is_ok());
-  sc->dense_below = 0;
-  for (auto& l : sc->layers)
+  auto sc = sparse_everywhere("vertical-slash");
+  for (auto& l : sc.layers)
     for (auto& h : l) {
       // Beyond the forced sink columns and local diagonals (64 and 65), so scores decide.
       h.n_vertical = 96;
@@ -367,12 +358,12 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
   const auto tokens = tokens_for(640, model_->config().vocab, 99);
   model::PrefillOptions ro;
   ro.all_logits = true;
-  ro.sparse = &sc.value();
+  ro.sparse = &sc;
   auto ref = model::prefill(*model_, tokens, ro);
   ASSERT_TRUE(ref.is_ok());
   runtime::ParallelOptions po;
   po.all_logits = true;
-  po.sparse = &sc.value();
+  po.sparse = &sc;
   auto par = runtime::parallel_prefill(*model_, gr.value(), tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   // Each scored diagonal is a 64-key band per query block, so at 640 tokens vertical-slash stays
