@@ -1187,8 +1187,8 @@ struct ForcedSpan {
 // total, clamped to [min_count, max(min_count, max_count)], then to what the list holds, as the
 // CPU's select_ranked. Ends on a barrier: sh is free again.
 template <typename G>
-__device__ long long mass_count(const float* s, int n, const ForcedSpan& forced, const SelBudget& b,
-                                SelShared& sh) {
+__device__ long long mass_count(const float* s, int n, const ForcedSpan& forced,
+                                const SelBudget& b, SelShared& sh) {
   constexpr int BS = G::kSize;
   double tot_l = 0, fm_l = 0;
   for (int i = G::rank(); i < n; i += BS) {
@@ -1311,8 +1311,9 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
     // cannot see the diagonals' result otherwise) and agree on the smaller; its CTA takes that
     // count, the other its forced items and top min_count, as vs_select on the host.
     using Grp = CtaGroup<kVsSelectThreads>;
-    const long long cc = mass_count<Grp>(p.col + size_t(hs) * size_t(p.kend_last), int(p.kend_last),
-                                         ForcedSpan(p.kend_last, eh.sink, 1, 0), b, sh);
+    const long long cc = mass_count<Grp>(p.col + size_t(hs) * size_t(p.kend_last),
+                                         int(p.kend_last), ForcedSpan(p.kend_last, eh.sink, 1, 0),
+                                         b, sh);
     const long long cd = mass_count<Grp>(p.diag + size_t(hs) * size_t(p.n_diag), int(p.n_diag),
                                          ForcedSpan(p.n_diag, eh.local + 1, 1, 0), b, sh);
     const bool cols_win = cc <= cd;

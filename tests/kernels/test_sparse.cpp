@@ -807,10 +807,8 @@ TEST(SparseEstimate, AdaptiveVsCheaperFamilyKeepsTheSmallerSet) {
   std::mt19937_64 rng(fresh_seed());
   std::array<int, 3> seen{};
   int smaller = 0;
-  for (auto [nq, q_off, extra] : {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0},
-                                  {300, 100, 0},
-                                  {700, 0, 0},
-                                  {40, 500, 7}}) {
+  for (auto [nq, q_off, extra] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 0, 0}, {300, 100, 0}, {700, 0, 0}, {40, 500, 7}}) {
     const Problem p = make_problem(rng, nq, q_off, extra, 4, 2, 16);
     std::vector<HeadPattern> pats(4);
     for (auto& hp : pats) {
@@ -840,8 +838,7 @@ TEST(SparseEstimate, AdaptiveVsCheaperFamilyKeepsTheSmallerSet) {
       for (int64_t qb = 0; qb < e.idx.n_qblocks; ++qb) {
         const auto a = slot_keys(e.idx, h, qb), b = slot_keys(u.idx, h, qb);
         const std::set<int64_t> sb(b.begin(), b.end());
-        for (int64_t x : a)
-          ASSERT_TRUE(sb.count(x)) << "head " << h << " qb " << qb << " key " << x;
+        for (int64_t x : a) ASSERT_TRUE(sb.count(x)) << "head " << h << " qb " << qb << " key " << x;
         smaller += a.size() < b.size();
       }
   }

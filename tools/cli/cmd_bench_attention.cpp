@@ -646,8 +646,7 @@ int cmd_bench_attention(int argc, char** argv) {
       if (std::none_of(modes.begin(), modes.end(),
                        [&](const ModeSpec& m) { return m.name.substr(0, m.name.find('(')) == w; }))
         return fail(SF_ERR(kInvalidArgument, "--modes: unknown mode '" + w +
-                                                 "' (vertical-slash, block-sparse, adaptive-vs, "
-                                                 "adaptive-vs-cheaper, adaptive-block)"));
+                                                 "' (vertical-slash, block-sparse, adaptive-vs, adaptive-vs-cheaper, adaptive-block)"));
     std::erase_if(modes, [&](const ModeSpec& m) {
       return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();
     });

@@ -261,9 +261,9 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
 }
 
 // The same with every estimator family in one layer: vertical-slash (in odd layers adaptive-vs
-// keeping one family, cheaper_family), block-sparse, adaptive-block and a-shape heads (block scores
-// from pooled keys gathered from their owners, the last query block's exact mass reduced across
-// ranks; in odd layers the adaptive-block heads select the last block per row, last_block_rows).
+// keeping one family, cheaper_family), block-sparse, adaptive-block and a-shape heads (block scores from pooled keys gathered from their owners, the last query
+// block's exact mass reduced across ranks; in odd layers the adaptive-block heads select the last
+// block per row, last_block_rows).
 TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
   const auto [tp, cp] = GetParam();
   auto sc = sparse_everywhere("vertical-slash");
