@@ -55,10 +55,6 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
     return err("last_block_rows", "applies to adaptive-block only");
   if (hp.share_group != 0 && hp.share_group != 1) return err("share_group", "must be 0 or 1");
-  if (hp.cheaper_family != 0 && hp.cheaper_family != 1)
-    return err("cheaper_family", "must be 0 or 1");
-  if (hp.cheaper_family != 0 && hp.pattern != Pattern::kAdaptiveVS)
-    return err("cheaper_family", "applies to adaptive-vs only");
   bool known = false;
   for (const auto& e : kPatternNames) known |= e.p == hp.pattern;
   if (!known) return err("pattern", "is not a known pattern");

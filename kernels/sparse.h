@@ -51,10 +51,6 @@ struct HeadPattern {
                                  // family (sparse_select.h, share_leaders): one order, each head
                                  // its own budget, so the group's picks nest and its heads read
                                  // fewer distinct keys (what context parallelism moves)
-  int64_t cheaper_family = 0;    // adaptive-vs, 1: each family's gamma set alone covers gamma of
-                                 // the scoring rows' mass, so keep only the one with fewer items
-                                 // (columns on a tie); the other keeps its forced items topped up
-                                 // to min_budget. 0: both sets, as FlexPrefill
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 

@@ -117,20 +117,8 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
     bc.min_count = bd.min_count = hp.min_budget;
     bc.max_count = bd.max_count = hp.max_budget;
   }
-  const std::vector<int32_t> fc = iota_list(std::min(hp.sink, n_cols));
-  const std::vector<int32_t> fd = iota_list(std::min(hp.local + 1, n_diags));
-  *cols = select_ranked(col, n_cols, fc, bc);
-  *diags = select_ranked(diag, n_diags, fd, bd);
-  if (hp.pattern == Pattern::kAdaptiveVS && hp.cheaper_family != 0) {
-    // Either set alone holds gamma of the scoring rows' mass: the larger one is dropped to its
-    // forced items and its top min_budget (the device estimator decides the same way).
-    SelectBudget top;
-    top.k = hp.min_budget;
-    if (cols->size() <= diags->size())
-      *diags = select_ranked(diag, n_diags, fd, top);
-    else
-      *cols = select_ranked(col, n_cols, fc, top);
-  }
+  *cols = select_ranked(col, n_cols, iota_list(std::min(hp.sink, n_cols)), bc);
+  *diags = select_ranked(diag, n_diags, iota_list(std::min(hp.local + 1, n_diags)), bd);
 }
 
 std::vector<int> share_leaders(const std::vector<HeadPattern>& patterns, int q_per_kv) {

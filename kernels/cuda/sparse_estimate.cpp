@@ -108,7 +108,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
           cl = hp.n_vertical > L.kend_last || hp.n_slash > L.n_diag;
         } else {
           e.mass = 1;
-          e.cheaper = hp.cheaper_family != 0 ? 1 : 0;
           e.gamma = hp.gamma;
           e.min_count = hp.min_budget;
           e.max_count = hp.max_budget;

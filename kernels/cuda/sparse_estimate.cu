@@ -1168,62 +1168,6 @@ __device__ bool warp_topk(const float* s, int n, int fa, int fb, int fc, int tak
   return true;
 }
 
-// Forced items of a selection over [0, n): [0, fa) and [fb, fc] (fb > fc: none), clamped to the
-// list; nf counts them.
-struct ForcedSpan {
-  int fa, fb, fc;
-  long long nf;
-  __device__ ForcedSpan(int64_t n64, int64_t fa64, int64_t fb64, int64_t fc64) {
-    fa = int(imin(fa64 < 0 ? 0 : fa64, n64));
-    fb = int(imin(fb64, n64));
-    fc = int(imin(fc64, n64 - 1));
-    const int lo = fb > fa ? fb : fa;
-    nf = (long long)fa + (fc >= lo ? (long long)(fc - lo + 1) : 0);
-  }
-  __device__ bool operator()(int i) const { return i < fa || (i >= fb && i <= fc); }
-};
-
-// Mass mode's item count (forced included): the smallest ranked prefix reaching gamma of the
-// total, clamped to [min_count, max(min_count, max_count)], then to what the list holds, as the
-// CPU's select_ranked. Ends on a barrier: sh is free again.
-template <typename G>
-__device__ long long mass_count(const float* s, int n, const ForcedSpan& forced,
-                                const SelBudget& b, SelShared& sh) {
-  constexpr int BS = G::kSize;
-  double tot_l = 0, fm_l = 0;
-  for (int i = G::rank(); i < n; i += BS) {
-    const double v = s[i];
-    tot_l += v;
-    if (forced(i)) fm_l += v;
-  }
-  const double tot = group_sum<G>(tot_l, sh);
-  const double fm = group_sum<G>(fm_l, sh);
-  const long long nf = forced.nf, nr = n - nf;
-  const double goal = b.gamma * tot;
-  long long c = nf;
-  if (fm < goal && nr > 0) {
-    const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
-    if (!sh.found) {
-      c = n;
-    } else {
-      const float sT = key_value(sh.prefix);
-      if (!(sT > 0.f)) {
-        c = n;
-      } else {
-        long long m = (long long)ceil((goal - sh.mass_gt) / double(sT));
-        m = m < 1 ? 1 : (m > eq ? eq : m);
-        c = nf + sh.cnt_gt + m;
-      }
-    }
-  }
-  const long long hi = b.max_count > b.min_count ? b.max_count : b.min_count;
-  c = c < b.min_count ? b.min_count : (c > hi ? hi : c);
-  long long take = c - nf;
-  take = take < 0 ? 0 : (take > nr ? nr : take);
-  G::sync();  // every thread has read the mass walk's results
-  return nf + take;
-}
-
 // The CPU's select_ranked on the device. Forced items: [0, fa) and [fb, fc] (fb > fc: none).
 // Writes the selected ids ascending to out (at most cap) and their number to *n_out.
 // Item ids are 32-bit (lists of keys, diagonals or key blocks of one head: n < 2^31).
@@ -1234,10 +1178,56 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
   constexpr int BS = G::kSize;
   const int rk = G::rank();
   const int n = int(n64);
-  const ForcedSpan forced(n64, fa64, fb64, fc64);
-  const int fa = forced.fa, fb = forced.fb, fc = forced.fc;
-  const long long nf = forced.nf, nr = n - nf;
-  long long take = b.mass ? mass_count<G>(s, n, forced, b, sh) - nf : b.k - nf;
+  const int fa = int(imin(fa64 < 0 ? 0 : fa64, n64));  // forced: [0, fa) and [fb, fc]
+  const int fb = int(imin(fb64, n64)), fc = int(imin(fc64, n64 - 1));
+  auto forced = [&](int i) { return i < fa || (i >= fb && i <= fc); };
+  // Count mode needs only the number of forced items: no pass over the scores.
+  long long nf = 0;
+  double tot = 0, fm = 0;
+  if (!b.mass) {
+    const int lo = fb > fa ? fb : fa;
+    nf = (long long)fa + (fc >= lo ? (long long)(fc - lo + 1) : 0);
+  } else {
+    long long nf_l = 0;
+    double tot_l = 0, fm_l = 0;
+    for (int i = rk; i < n; i += BS) {
+      const double v = s[i];
+      tot_l += v;
+      if (forced(i)) {
+        ++nf_l;
+        fm_l += v;
+      }
+    }
+    nf = group_sum_i<G>(nf_l, sh);
+    tot = group_sum<G>(tot_l, sh);
+    fm = group_sum<G>(fm_l, sh);
+  }
+  const long long nr = n - nf;
+  long long take = 0;
+  if (!b.mass) {
+    take = b.k - nf;
+  } else {
+    const double goal = b.gamma * tot;
+    long long c = nf;
+    if (fm < goal && nr > 0) {
+      const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
+      if (!sh.found) {
+        c = n;
+      } else {
+        const float sT = key_value(sh.prefix);
+        if (!(sT > 0.f)) {
+          c = n;
+        } else {
+          long long m = (long long)ceil((goal - sh.mass_gt) / double(sT));
+          m = m < 1 ? 1 : (m > eq ? eq : m);
+          c = nf + sh.cnt_gt + m;
+        }
+      }
+    }
+    const long long hi = b.max_count > b.min_count ? b.max_count : b.min_count;
+    c = c < b.min_count ? b.min_count : (c > hi ? hi : c);
+    take = c - nf;
+  }
   take = take < 0 ? 0 : (take > nr ? nr : take);
   if constexpr (G::kSize == 32) {
     if (!b.mass && take > 0 && take <= 64 && (fb > fc || fc >= n - 1) &&
@@ -1306,27 +1296,13 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   b.gamma = eh.gamma;
   b.min_count = eh.min_count;
   b.max_count = eh.max_count;
-  if (eh.cheaper) {
-    // adaptive-vs cheaper_family: both CTAs of the head count both gamma sets (the columns' CTA
-    // cannot see the diagonals' result otherwise) and agree on the smaller; its CTA takes that
-    // count, the other its forced items and top min_count, as vs_select on the host.
-    using Grp = CtaGroup<kVsSelectThreads>;
-    const long long cc = mass_count<Grp>(p.col + size_t(hs) * size_t(p.kend_last),
-                                         int(p.kend_last), ForcedSpan(p.kend_last, eh.sink, 1, 0),
-                                         b, sh);
-    const long long cd = mass_count<Grp>(p.diag + size_t(hs) * size_t(p.n_diag), int(p.n_diag),
-                                         ForcedSpan(p.n_diag, eh.local + 1, 1, 0), b, sh);
-    const bool cols_win = cc <= cd;
-    b.mass = 0;
-    b.k = (blockIdx.y == 0) == cols_win ? (blockIdx.y == 0 ? cc : cd) : eh.min_count;
-  }
   if (blockIdx.y == 0) {
-    if (!eh.cheaper) b.k = eh.k_cols;
+    b.k = eh.k_cols;
     const int64_t n = p.kend_last;
     cta_select<kVsSelectThreads>(p.col + size_t(hs) * size_t(n), n, eh.sink, 1, 0, b,
                                  p.sel_cols + size_t(hs) * size_t(n), n, p.n_sel_cols + hs, sh);
   } else {
-    if (!eh.cheaper) b.k = eh.k_diags;
+    b.k = eh.k_diags;
     const int64_t n = p.n_diag;
     const int32_t* sel = p.sel_diags + size_t(hs) * size_t(n);
     cta_select<kVsSelectThreads>(p.diag + size_t(hs) * size_t(n), n, eh.local + 1, 1, 0, b,

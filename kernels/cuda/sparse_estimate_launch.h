@@ -18,7 +18,6 @@ struct EstHead {
   int32_t vs_slot = -1;   // row in the vertical-slash score / selection arrays
   int32_t blk_slot = -1;  // row in the block-family arrays
   int32_t mass = 0;       // 1: adaptive (mass threshold), 0: top-k
-  int32_t cheaper = 0;    // adaptive-vs cheaper_family (kernels/sparse.h)
   int64_t sink = 0, local = 0;
   int64_t k_cols = 0, k_diags = 0, k_blocks = 0;  // top-k budgets (forced included)
   double gamma = 1.0;

@@ -21,7 +21,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -597,24 +596,6 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   // Past 64 key blocks the selector's d-64 scoring loop runs its steady state (each warp's next
   // tile in flight under this one); the cases above end within a warp's first tile.
   run_case({6000, 6000, 0, 8, 2, 64}, true);
-}
-
-// adaptive-vs cheaper_family: both CTAs of a head count both gamma sets and must agree with the
-// host on which one stays. Sink 64 with gamma 0.1 makes the diagonals the smaller set; the
-// others keep their columns (the planted strong keys).
-TEST_F(CudaEstimators, CheaperFamilyMatchesCpu) {
-  std::vector<HeadPattern> ps(8);
-  for (size_t i = 0; i < ps.size(); ++i) {
-    ps[i].pattern = Pattern::kAdaptiveVS;
-    ps[i].cheaper_family = i % 4 == 3 ? 0 : 1;
-    ps[i].gamma = std::array<double, 4>{0.9, 0.1, 0.95, 0.8}[i % 4];
-    ps[i].min_budget = std::array<int64_t, 4>{16, 32, 0, 16}[i % 4];
-    ps[i].sink = i % 4 == 1 ? 64 : 4;
-    ps[i].local = 8;
-  }
-  run_case({2048, 2048, 0, 8, 2, 128}, false, ps);
-  run_case({3000, 3000, 0, 8, 4, 128}, true, ps);
-  run_case({700, 1900, 1200, 8, 2, 64}, true, ps);
 }
 
 // Head dims off the fast paths: 96 (three 32-channel spans: the selector's generic scoring loop)

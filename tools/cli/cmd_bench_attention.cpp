@@ -628,8 +628,6 @@ int cmd_bench_attention(int argc, char** argv) {
     av.pattern = Pattern::kAdaptiveVS;
     av.gamma = 0.95;
     modes.push_back({"adaptive-vs(gamma=0.95)", av});
-    av.cheaper_family = 1;  // one family's gamma set, the smaller (kernels/sparse.h)
-    modes.push_back({"adaptive-vs-cheaper(gamma=0.95)", av});
     HeadPattern ab;
     ab.pattern = Pattern::kAdaptiveBlock;
     ab.gamma = 0.95;
@@ -646,7 +644,7 @@ int cmd_bench_attention(int argc, char** argv) {
       if (std::none_of(modes.begin(), modes.end(),
                        [&](const ModeSpec& m) { return m.name.substr(0, m.name.find('(')) == w; }))
         return fail(SF_ERR(kInvalidArgument, "--modes: unknown mode '" + w +
-                                                 "' (vertical-slash, block-sparse, adaptive-vs, adaptive-vs-cheaper, adaptive-block)"));
+                                                 "' (vertical-slash, block-sparse, adaptive-vs, adaptive-block)"));
     std::erase_if(modes, [&](const ModeSpec& m) {
       return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();
     });

@@ -126,8 +126,7 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
                          {"spread_rows", &hp.spread_rows},
                          {"segment_rows", &hp.segment_rows},
                          {"last_block_rows", &hp.last_block_rows},
-                         {"share_group", &hp.share_group},
-                         {"cheaper_family", &hp.cheaper_family}}) {
+                         {"share_group", &hp.share_group}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -148,9 +147,6 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
         return field_err(l, h, "last_block_rows", "applies to adaptive-block only");
       if (hp.share_group > 1) return field_err(l, h, "share_group", "must be 0 or 1");
-      if (hp.cheaper_family > 1) return field_err(l, h, "cheaper_family", "must be 0 or 1");
-      if (hp.cheaper_family != 0 && hp.pattern != Pattern::kAdaptiveVS)
-        return field_err(l, h, "cheaper_family", "applies to adaptive-vs only");
       c.layers[size_t(l)].push_back(hp);
     }
   }
@@ -193,7 +189,6 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
       if (h.segment_rows != 0) ho["segment_rows"] = h.segment_rows;
       if (h.last_block_rows != 0) ho["last_block_rows"] = h.last_block_rows;
       if (h.share_group != 0) ho["share_group"] = h.share_group;
-      if (h.cheaper_family != 0) ho["cheaper_family"] = h.cheaper_family;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

@@ -260,8 +260,8 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
   check_grid(*model_, {tp, cp}, 1024, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
-// The same with every estimator family in one layer: vertical-slash (in odd layers adaptive-vs
-// keeping one family, cheaper_family), block-sparse, adaptive-block and a-shape heads (block scores from pooled keys gathered from their owners, the last query
+// The same with every estimator family in one layer: vertical-slash, block-sparse, adaptive-block
+// and a-shape heads (block scores from pooled keys gathered from their owners, the last query
 // block's exact mass reduced across ranks; in odd layers the adaptive-block heads select the last
 // block per row, last_block_rows).
 TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
@@ -274,12 +274,6 @@ TEST_P(ParallelPrefill, CpEstimateMixedPatternsEqualSingleRank) {
         case 0:
           hp.n_vertical = 100;
           hp.n_slash = 72;
-          if (li % 2) {  // one family's gamma set: the ranks' sums must pick the same one
-            hp.pattern = kernels::Pattern::kAdaptiveVS;
-            hp.gamma = 0.8;
-            hp.min_budget = 96;
-            hp.cheaper_family = 1;
-          }
           break;
         case 1:
           hp.pattern = kernels::Pattern::kBlockSparse;
