@@ -1027,7 +1027,10 @@ TEST(SparseEstimate, ShareLeadersFormSetsByGroupFamilyAndSettings) {
 // nest. Without sharing they do not on these inputs (the check can fail).
 TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
   std::mt19937_64 rng(fresh_seed());
-  for (auto [nq, q_off] : {std::pair<int64_t, int64_t>{300, 600}, {400, 200}}) {
+  // Per-head block picks nest on every query block of one small problem by chance (checked per
+  // problem over the first two, 15 of 200 seeds failed): counted over all problems, checked once.
+  int not_nested_alone = 0;
+  for (auto [nq, q_off] : {std::pair<int64_t, int64_t>{300, 600}, {400, 200}, {700, 300}}) {
     const Problem p = make_problem(rng, nq, q_off, 0, 6, 2, 16);
     std::vector<HeadPattern> pats(6);
     for (auto& hp : pats) {
@@ -1079,7 +1082,6 @@ TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
     const IndexCandidates& t1 = e.trace[e.idx.slot(1, 0)];
     EXPECT_TRUE(subset(t0.columns, t1.columns) && subset(t0.diagonals, t1.diagonals));
     // Block set {3, 4}.
-    int not_nested_alone = 0;
     std::vector<HeadPattern> alone = pats;
     for (auto& hp : alone) hp.share_group = 0;
     const Estimated ea = estimate(p, alone);
@@ -1123,8 +1125,9 @@ TEST(SparseEstimate, SharedGroupRanksByTheSummedScores) {
     const IndexCandidates& a1 = ea.trace[ea.idx.slot(1, 0)];
     EXPECT_FALSE(subset(a0.columns, a1.columns) && subset(a0.diagonals, a1.diagonals))
         << "per-head picks nested by chance: the check above could not fail";
-    EXPECT_GT(not_nested_alone, 0);
   }
+  EXPECT_GT(not_nested_alone, 0)
+      << "per-head block picks nested everywhere: the check could not fail";
 }
 
 // End to end: estimated index -> fast kernel == masked reference, and more budget -> closer to
