@@ -49,7 +49,7 @@ def softmax_rows(lg):
 def gamma_set(score, gamma, n_forced):
     """Forced items [0, n_forced), then by score descending until gamma of the total."""
     forced = np.arange(min(n_forced, len(score)))
-    rest = np.setdiff1d(np.argsort(-score, kind="stable"), forced, assume_unique=True)
+    rest = np.arange(len(forced), len(score))  # ties: lower index first (stable sort)
     rest = rest[np.argsort(-score[rest], kind="stable")]
     need = gamma * score.sum() - score[forced].sum()
     take = 0 if need <= 0 else int(np.searchsorted(np.cumsum(score[rest]), need) + 1)
