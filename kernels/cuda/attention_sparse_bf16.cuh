@@ -40,10 +40,6 @@ struct AttentionSparseBf16Params {
   int64_t n_qblocks;
   int max_blocks, max_cols;
   int pair_heads;  // SparseIndexDevice::pair_heads
-  // Warp-specialized kernel: how many neighbouring launch indices take the query heads (pairs,
-  // paired) of one KV head at one query block before the next query block (1: every query block
-  // of a head, then the next head). Set by the launcher; divides the grid's head dimension.
-  int raster_heads = 1;
   // K and V as TMA tensor maps (dims D, n_kv_heads, n_k; 64 x 1 x 64 boxes, 128-byte swizzle),
   // filled by the launcher for the wgmma mainloop, which loads block tiles through them.
   CUtensorMap tm_k, tm_v;

@@ -46,25 +46,17 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     // columns (pair_heads, known at plan time, so no host sync): a tile one head lacks is
     // computed masked by it, and an adaptive index, whose heads keep different counts, lost
     // 6-17% at 128K paired (bench/NOTES.md).
-    const int q_per_kv = p.n_heads / p.n_kv_heads;
-    const bool pairable = q_per_kv % ws::kSlots == 0;
-    // The query heads of a KV head side by side in launch order (raster_heads), except under
-    // wgmma-ws-head-major, the order before, kept for the A/B.
-    const bool head_major = mainloop == SparseBf16Mainloop::kWgmmaWsHeadMajor;
+    const bool pairable = (p.n_heads / p.n_kv_heads) % ws::kSlots == 0;
     if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
-                     ((mainloop == SparseBf16Mainloop::kWgmmaWs || head_major) && p.pair_heads))) {
-      pm.raster_heads = head_major ? 1 : q_per_kv / ws::kSlots;
+                     (mainloop == SparseBf16Mainloop::kWgmmaWs && p.pair_heads)))
       return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, true>>(
           dim3(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots)), ws::kWsThreads, kSmem,
           stream, pm);
-    }
     if (mainloop == SparseBf16Mainloop::kWgmmaWs || mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
-        mainloop == SparseBf16Mainloop::kWgmmaWsSingle || head_major) {
-      pm.raster_heads = head_major ? 1 : q_per_kv;
+        mainloop == SparseBf16Mainloop::kWgmmaWsSingle)
       return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, false>>(
           dim3(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads)),
           ws::kWsThreads, kSmem, stream, pm);
-    }
   }
   return attention_sparse_bf16_launch_opted<attention_sparse_bf16_sm90_kernel<D>>(
       dim3(unsigned(p.n_qblocks), unsigned(p.n_heads)), kThreads, sizeof(Smem90<D>) + kSwAlign,

@@ -491,17 +491,9 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   SmemWs<D>& sm = *reinterpret_cast<SmemWs<D>*>(
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
   const int wg = threadIdx.x / kThreads;
-  // CTAs start in launch order (blockIdx.x fastest). raster_heads = G: launch index L goes to head
-  // unit (a head, paired a pair of heads) kv G + L % G at query-block unit (L / G) % gridDim.x of
-  // KV head kv, so the G units of one KV head read their shared K/V tiles at about the same time
-  // and L2 serves the repeats (G = 1: each head's query blocks in turn, the units far apart).
-  const int64_t nx = gridDim.x, span = int64_t(p.raster_heads) * nx;
-  const int64_t L = int64_t(blockIdx.y) * nx + int64_t(blockIdx.x), in_kv = L % span;
-  const int unit = int((L / span) * p.raster_heads + in_kv % p.raster_heads);
-  const int64_t ux = in_kv / p.raster_heads;
   // Slot c's head and launch index (x: query block n_qblocks - 1 - x).
-  auto head_of = [&](int c) { return kPair ? kSlots * unit + c : unit; };
-  auto x_of = [&](int c) { return kPair ? ux : kSlots * ux + c; };
+  auto head_of = [&](int c) { return kPair ? kSlots * int(blockIdx.y) + c : int(blockIdx.y); };
+  auto x_of = [&](int c) { return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c; };
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
   auto init = [](auto& pp, uint32_t empty_count) {
     for (int b = 0; b < pp.kS; ++b) {

@@ -584,11 +584,10 @@ int cmd_bench_attention(int argc, char** argv) {
     while (std::getline(ss, t, ',')) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
-        return fail(SF_ERR(kInvalidArgument,
-                           "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, "
-                           "wgmma-ws-head-major, wgmma and/or "
-                           "mma.sync, got '" +
-                               t + "'"));
+        return fail(SF_ERR(
+            kInvalidArgument,
+            "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, wgmma and/or mma.sync, got '" +
+                t + "'"));
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
