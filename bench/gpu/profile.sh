@@ -9,6 +9,8 @@
 # SF_PROFILE_KERNELS (an ncu regex, default attention_sparse_bf16) and SF_PROFILE_COUNT (launches,
 # default 4) pick other kernels, e.g. the device estimator's:
 #   SF_PROFILE_KERNELS='score|row_lse|diag|select|build|pool' SF_PROFILE_COUNT=8
+# SF_PROFILE_ARGS adds bench options (e.g. '--cp-sizes none', which a 1M profile wants: the CP
+# count walks each index on the host).
 set -uo pipefail
 root="$(pwd)"
 # As in run.sh: the bench JSON these profiles embed names the commit the caller sent.
@@ -29,13 +31,13 @@ ml="${SF_PROFILE_MAINLOOPS:-wgmma-ws,wgmma}"
 dl=8192
 {
   echo "ncu: $ncu_bin ($("$ncu_bin" --version | tail -1))"
-  echo "command: sparsefill bench attention --lengths $dl --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops $ml --dense-ours-max 0 --host-estimate-max 0"
+  echo "command: sparsefill bench attention --lengths $dl --sparse-lengths $L --modes $mode --dtypes bf16 --reps 1 --mainloops $ml --dense-ours-max 0 --host-estimate-max 0 ${SF_PROFILE_ARGS:-}"
   timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-attention_sparse_bf16}" \
     --launch-count "${SF_PROFILE_COUNT:-4}" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats \
     "$root/build-gpu/tools/sparsefill" bench attention --lengths "$dl" --sparse-lengths "$L" \
     --modes "$mode" --dtypes bf16 --reps 1 --mainloops "$ml" --dense-ours-max 0 \
-    --host-estimate-max 0 2>&1
+    --host-estimate-max 0 ${SF_PROFILE_ARGS:-} 2>&1
 } >"$out/ncu-sparse.txt" 2>&1
 echo "profile.sh: wrote $out/ncu-sparse.txt ($(wc -l <"$out/ncu-sparse.txt") lines)"
