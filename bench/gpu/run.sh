@@ -4,9 +4,11 @@
 # Run from the repository root on the GPU host (no network needed):
 #   OUT=/path/to/logs bench/gpu/run.sh [extra cmake args...]
 #
-# Writes up to 7 files to $OUT (default: <build>/out): summary.txt, env.txt, build.log (dependency,
+# Writes up to 8 files to $OUT (default: <build>/out): summary.txt, env.txt, build.log (dependency,
 # configure and build logs), ctest.log (verbose: every test's output), bench-attention.log,
-# attention-<gpu>.json and, with SF_BENCH_INPUTS, attention-<gpu>-inputs.json.
+# gpu-clocks.csv (nvidia-smi's SM and memory clocks, power, temperature and clock-event reasons
+# every 250 ms while the benchmark runs: read only, nothing is set), attention-<gpu>.json and,
+# with SF_BENCH_INPUTS, attention-<gpu>-inputs.json.
 # Exit status: 0 only if configure, the build of every gpu test and the gpu
 # tests all succeeded, no gpu test skipped itself (a skip on a GPU host means the device was not
 # usable), and the benchmark (when run) succeeded.
@@ -81,7 +83,7 @@ finish() {
     echo "status: $status"
     for n in "${notes[@]}"; do echo "$n"; done
   } >"$logs/summary.txt"
-  for f in summary.txt env.txt ctest.log bench-attention.log; do
+  for f in summary.txt env.txt ctest.log bench-attention.log gpu-clocks.csv; do
     [[ -f "$logs/$f" ]] && cp "$logs/$f" "$out/$f"
   done
   # $OUT brings back at most 8 files: dependency, configure and build logs travel as one.
@@ -280,6 +282,17 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   gpu="${gpu:-unknown-gpu}"
   bl="$logs/bench-attention.log"
   : >"$bl"
+  # Clocks and power while the benchmark runs: a kernel's time moves with them (the same kernel
+  # has differed by a third between calls on H100), so the record says what the GPU ran at.
+  mon_pid=""
+  if command -v nvidia-smi >/dev/null; then
+    q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+    reasons=clocks_event_reasons.active
+    nvidia-smi --query-gpu="$reasons" --format=csv,noheader >/dev/null 2>&1 ||
+      reasons=clocks_throttle_reasons.active
+    nvidia-smi --query-gpu="$q,$reasons" --format=csv -lms 250 >"$logs/gpu-clocks.csv" 2>&1 &
+    mon_pid=$!
+  fi
   echo "--- sdpa peer ($(date -u))" >>"$bl"
   hd="${SF_BENCH_HEAD_DIM:-128}"
   if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --head-dim "$hd" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
@@ -326,6 +339,7 @@ PY
     fi
   fi
   echo "--- done ($(date -u))" >>"$bl"
+  [[ -n "$mon_pid" ]] && kill "$mon_pid" 2>/dev/null
   notes+=("$(grep -E '^(device|  dense|  [a-z-]+\(|sdpa )' "$bl" | head -30)")
 fi
 
