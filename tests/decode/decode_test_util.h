@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -15,8 +16,11 @@
 
 namespace sf::testing {
 
+// A fresh seed each call, printed; SF_TEST_SEED=<seed> replays one (run the test alone with
+// --gtest_filter, since every call then returns it).
 inline uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
+  const char* e = std::getenv("SF_TEST_SEED");
+  const uint64_t s = e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(std::random_device{}());
   std::printf("seed %llu\n", static_cast<unsigned long long>(s));
   return s;
 }
