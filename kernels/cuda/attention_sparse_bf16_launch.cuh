@@ -49,17 +49,12 @@ cudaError_t attention_sparse_bf16_launch(const AttentionSparseBf16Params& p,
     const bool pairable = (p.n_heads / p.n_kv_heads) % ws::kSlots == 0;
     if (pairable && (mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
                      (mainloop == SparseBf16Mainloop::kWgmmaWs && p.pair_heads)))
-      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, ws::kWsHeads>>(
+      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, true>>(
           dim3(unsigned(p.n_qblocks), unsigned(p.n_heads / ws::kSlots)), ws::kWsThreads, kSmem,
           stream, pm);
-    // The two query blocks of a CTA on one pipe (a tile both read copied once), for the A/B.
-    if (mainloop == SparseBf16Mainloop::kWgmmaWsQPair)
-      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, ws::kWsQBlocks>>(
-          dim3(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads)),
-          ws::kWsThreads, kSmem, stream, pm);
     if (mainloop == SparseBf16Mainloop::kWgmmaWs || mainloop == SparseBf16Mainloop::kWgmmaWsPair ||
         mainloop == SparseBf16Mainloop::kWgmmaWsSingle)
-      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, ws::kWsSingle>>(
+      return attention_sparse_bf16_launch_opted<attention_sparse_bf16_ws_kernel<D, false>>(
           dim3(unsigned((p.n_qblocks + ws::kSlots - 1) / ws::kSlots), unsigned(p.n_heads)),
           ws::kWsThreads, kSmem, stream, pm);
   }

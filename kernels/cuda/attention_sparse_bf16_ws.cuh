@@ -226,10 +226,7 @@ __device__ __forceinline__ TileList pick_list(const TileList& a, const TileList&
 // again for its V (L1 hits) rather than kept in the producer's few registers. Unpaired, the
 // tiles are tl0's in its order and counted (tl1 unused): the TileSeq walk and per-tile last
 // flags there cost the unpaired kernel 5-18% (bench/NOTES.md, fourteenth session, run 7).
-// base: slot 0's first row. kQ: the slots are neighbouring query blocks of one head, slot 1's
-// first row 64 before (slot 0's cta_end then bounds both slots' positions); otherwise two heads
-// at one query block.
-template <int D, int S, bool kPair, bool kQ = false>
+template <int D, int S, bool kPair>
 __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, const TileList& tl0,
                                         const TileList& tl1, int64_t base, int kv_head, int pt,
                                         WsPipe<D, S>& pp) {
@@ -314,14 +311,11 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
       if (!block) cp.ids(tl, t.ct, pk);
       int f = 0;
       if (pt == 0) {
+        const int m = block ? block_tile_needs_mask(t.k0, tl0.cta_end, base)
+                            : column_tile_needs_mask(tl, t.ct, base);
         f = sk.more() ? 0 : kLast;
 #pragma unroll
-        for (int c = 0; c < kSlots; ++c) {
-          const int64_t b = kQ && c == 1 ? base - kQBlock : base;
-          const int m = block ? block_tile_needs_mask(t.k0, tl0.cta_end, b)
-                              : column_tile_needs_mask(tl, t.ct, b);
-          f |= (t.own >> c & 1) ? m << c : 1 << (kSkipShift + c);
-        }
+        for (int c = 0; c < kSlots; ++c) f |= (t.own >> c & 1) ? m << c : 1 << (kSkipShift + c);
       }
       fill_k(block, t.k0, pk, f);
     };
@@ -484,16 +478,12 @@ __device__ __forceinline__ SlotGeom slot_geom_at(const AttentionSparseBf16Params
   return sg;
 }
 
-// kMode kWsSingle: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from
-// the end), one pipe each. kWsHeads (the query heads of a KV head come in pairs): slots (heads
+// kPair = false: slots (h = blockIdx.y, query blocks 2 blockIdx.x and 2 blockIdx.x + 1 from the
+// end), one pipe each. kPair = true (the query heads of a KV head come in pairs): slots (heads
 // 2 blockIdx.y and 2 blockIdx.y + 1, the same query block) on one deep pipe, so a block tile
-// both heads hold is copied once for them; both consumers walk every stage. kWsQBlocks: the
-// single mode's two slots on one deep pipe: neighbouring query blocks of one head read the same
-// diagonal bands 64 keys apart, which the index cuts into the same block entries.
-constexpr int kWsSingle = 0, kWsHeads = 1, kWsQBlocks = 2;
-template <int D, int kMode>
+// both heads hold is copied once for them; both consumers walk every stage.
+template <int D, bool kPair>
 __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSparseBf16Params& p) {
-  constexpr bool kPair = kMode != kWsSingle;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D == 64 || D == 128, "wgmma mainloop: head_dim 64 or 128");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -502,14 +492,8 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
       smem_raw + ((kSwAlign - (sa & (kSwAlign - 1))) & (kSwAlign - 1)));
   const int wg = threadIdx.x / kThreads;
   // Slot c's head and launch index (x: query block n_qblocks - 1 - x).
-  auto head_of = [&](int c) {
-    return kMode == kWsHeads ? kSlots * int(blockIdx.y) + c : int(blockIdx.y);
-  };
-  auto x_of = [&](int c) {
-    return kMode == kWsHeads ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c;
-  };
-  // Consumers present (kWsQBlocks: an odd count of query blocks leaves the last CTA one slot).
-  const int n_cons = x_of(kSlots - 1) < p.n_qblocks ? kSlots : 1;
+  auto head_of = [&](int c) { return kPair ? kSlots * int(blockIdx.y) + c : int(blockIdx.y); };
+  auto x_of = [&](int c) { return kPair ? int64_t(blockIdx.x) : kSlots * int64_t(blockIdx.x) + c; };
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
   auto init = [](auto& pp, uint32_t empty_count) {
     for (int b = 0; b < pp.kS; ++b) {
@@ -521,7 +505,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   };
   if (threadIdx.x == 0) {
     if constexpr (kPair) {
-      init(sm.deep, uint32_t(n_cons) * kEmpty);
+      init(sm.deep, kSlots * kEmpty);
     } else {
       for (int c = 0; c < kSlots; ++c) init(sm.pipe[c], kEmpty);
     }
@@ -535,23 +519,11 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     const int64_t x = x_of(c);
     if (x >= p.n_qblocks) return;
     const SlotGeom sg = slot_geom_at(p, x);
-    if constexpr (kMode == kWsHeads) {
+    if constexpr (kPair) {
       if (c == 0)  // one producer half for the shared pipe
         produce<D, kDeepStages, true>(p, slot_tiles(p, head_of(0), sg),
                                       slot_tiles(p, head_of(1), sg), sg.base, kv_head,
                                       int(threadIdx.x), sm.deep);
-    } else if constexpr (kMode == kWsQBlocks) {
-      if (c == 0) {
-        const TileList tl0 = slot_tiles(p, head_of(0), sg);
-        // No second slot (the last CTA of an odd count): slot 0's list, emptied field by field
-        // (selecting whole structs puts them in local memory).
-        const bool two = n_cons == kSlots;
-        TileList tl1 = slot_tiles(p, head_of(1), slot_geom_at(p, two ? x_of(1) : x_of(0)));
-        tl1.n_block_tiles = two ? tl1.n_block_tiles : 0;
-        tl1.n_cols = two ? tl1.n_cols : 0;
-        produce<D, kDeepStages, true, true>(p, tl0, tl1, sg.base, kv_head, int(threadIdx.x),
-                                            sm.deep);
-      }
     } else {
       const TileList tl = slot_tiles(p, head_of(c), sg);
       produce<D, kStages, false>(p, tl, tl, sg.base, kv_head, int(threadIdx.x) % kProd, sm.pipe[c]);
@@ -563,14 +535,9 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     if (x >= p.n_qblocks) return;
     const SlotGeom sg = slot_geom_at(p, x);
     const int ctid = int(threadIdx.x) - wg * kThreads;
-    if constexpr (kMode == kWsHeads) {
+    if constexpr (kPair) {
       const int any =
           slot_tiles(p, head_of(c), sg).count() + slot_tiles(p, head_of(1 - c), sg).count();
-      consume<D, kDeepStages, true>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
-    } else if constexpr (kMode == kWsQBlocks) {
-      int any = slot_tiles(p, head_of(c), sg).count();
-      if (n_cons == kSlots)
-        any += slot_tiles(p, head_of(1 - c), slot_geom_at(p, x_of(1 - c))).count();
       consume<D, kDeepStages, true>(p, any, sg, head_of(c), ctid, c, sm.deep, sm.none);
     } else {
       consume<D, kStages, false>(p, slot_tiles(p, head_of(c), sg).count(), sg, head_of(c), ctid, 0,
@@ -584,10 +551,10 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
 
 }  // namespace attention_sparse_bf16_ws_detail
 
-template <int D, int kMode>
+template <int D, bool kPair>
 __global__ void __launch_bounds__(attention_sparse_bf16_ws_detail::kWsThreads, 1)
     attention_sparse_bf16_ws_kernel(const __grid_constant__ AttentionSparseBf16Params p) {
-  attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D, kMode>(p);
+  attention_sparse_bf16_ws_detail::attention_sparse_bf16_ws_block<D, kPair>(p);
 }
 
 }  // namespace sf::kernels::cuda

@@ -190,15 +190,13 @@ const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m) {
       return "wgmma-ws-pair";
     case SparseBf16Mainloop::kWgmmaWsSingle:
       return "wgmma-ws-single";
-    case SparseBf16Mainloop::kWgmmaWsQPair:
-      return "wgmma-ws-qpair";
   }
   return "?";
 }
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m) {
   for (const auto c : {SparseBf16Mainloop::kWgmmaWs, SparseBf16Mainloop::kWgmmaWsPair,
-                       SparseBf16Mainloop::kWgmmaWsSingle, SparseBf16Mainloop::kWgmmaWsQPair,
-                       SparseBf16Mainloop::kWgmma, SparseBf16Mainloop::kMmaSync})
+                       SparseBf16Mainloop::kWgmmaWsSingle, SparseBf16Mainloop::kWgmma,
+                       SparseBf16Mainloop::kMmaSync})
     if (name == sparse_bf16_mainloop_name(c)) {
       *m = c;
       return true;

@@ -97,9 +97,7 @@ bool attention_sparse_supported(int head_dim);
 // head_dim 128; head_dim 64 runs kWgmma under this name. Where SparseIndexDevice::pair_heads
 // holds and the query heads of a KV head come in pairs, its two consumers take two of them at one
 // query block on one pipe (a block tile both hold copied once); otherwise two query blocks of one
-// head. kWgmmaWsPair pairs whenever the heads come in pairs; kWgmmaWsSingle never pairs;
-// kWgmmaWsQPair puts the CTA's two query blocks of one head on one pipe (a tile both read copied
-// once, one the other lacks computed masked by it). kWgmma:
+// head. kWgmmaWsPair pairs whenever the heads come in pairs; kWgmmaWsSingle never pairs. kWgmma:
 // the same products and softmax, one warpgroup that also copies (attention_sparse_bf16_sm90.cuh).
 // kMmaSync: the FlashAttention-2-style mma.sync kernel (attention_sparse_bf16.cuh). All but the
 // default stay for tests and A/B benchmarks. Process-wide; read at each launch.
@@ -108,14 +106,13 @@ enum class SparseBf16Mainloop : int {
   kMmaSync = 1,
   kWgmmaWs = 2,
   kWgmmaWsPair = 3,
-  kWgmmaWsSingle = 4,
-  kWgmmaWsQPair = 5
+  kWgmmaWsSingle = 4
 };
 void set_sparse_bf16_mainloop(SparseBf16Mainloop m);
 SparseBf16Mainloop sparse_bf16_mainloop();
 const char* sparse_bf16_mainloop_name(SparseBf16Mainloop m);
-// By name ("wgmma-ws", "wgmma-ws-pair", "wgmma-ws-single", "wgmma-ws-qpair", "wgmma",
-// "mma.sync"); false for any other.
+// By name ("wgmma-ws", "wgmma-ws-pair", "wgmma-ws-single", "wgmma", "mma.sync"); false for
+// any other.
 bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 
 // ---- Paged decode attention (decode_attention.cu) --------------------------------------------

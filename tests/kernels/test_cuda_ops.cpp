@@ -659,18 +659,16 @@ TEST_F(CudaOps, AttentionSparseBf16) {
   };
   // Every mainloop (wgmma, mma.sync, wgmma-ws, the default, which pairs the heads of the full
   // index (SparseIndexDevice::pair_heads), and wgmma-ws-pair and -single, which force pairing or
-  // not, and wgmma-ws-qpair, a CTA's two query blocks on one pipe; at head_dim 64 the ws names
-  // run the wgmma kernel) on the same cases; the default comes
+  // not; at head_dim 64 the ws names run the wgmma kernel) on the same cases; the default comes
   // back on every exit. Forced pairing on the random indices gives the two heads of a CTA
   // different block lists, with and without columns (tiles one head holds and the other
   // computes masked); the full index gives identical ones.
   struct Restore {
     ~Restore() { cuda::set_sparse_bf16_mainloop(cuda::SparseBf16Mainloop::kWgmmaWs); }
   } restore;
-  for (const auto ml :
-       {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
-        cuda::SparseBf16Mainloop::kWgmmaWs, cuda::SparseBf16Mainloop::kWgmmaWsPair,
-        cuda::SparseBf16Mainloop::kWgmmaWsSingle, cuda::SparseBf16Mainloop::kWgmmaWsQPair}) {
+  for (const auto ml : {cuda::SparseBf16Mainloop::kWgmma, cuda::SparseBf16Mainloop::kMmaSync,
+                        cuda::SparseBf16Mainloop::kWgmmaWs, cuda::SparseBf16Mainloop::kWgmmaWsPair,
+                        cuda::SparseBf16Mainloop::kWgmmaWsSingle}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
       // full, random per slot, random per head, random per slot with up to 400 columns, random

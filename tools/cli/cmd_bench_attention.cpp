@@ -586,8 +586,7 @@ int cmd_bench_attention(int argc, char** argv) {
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
         return fail(SF_ERR(
             kInvalidArgument,
-            "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, wgmma-ws-qpair, wgmma and/or "
-            "mma.sync, got '" +
+            "--mainloops: wgmma-ws, wgmma-ws-pair, wgmma-ws-single, wgmma and/or mma.sync, got '" +
                 t + "'"));
       mainloops.push_back(m);
     }
