@@ -33,7 +33,7 @@
 // lost 6-17% at 128K, so the launcher pairs only where SparseIndexDevice::pair_heads holds.
 // Also dropped (H100, bench/NOTES.md twenty-first session): launching the query heads of a KV
 // head side by side at each query block (24% slower for vertical-slash at 1M), and a CTA's two
-// query blocks on one pipe, copying a tile both read once (1.4-2x slower in every mode).
+// query blocks on one pipe, copying a tile both read once (1.16-1.94x slower in every mode).
 //
 // Paired (GQA). A CTA may instead own two query heads of one KV head at the same query block,
 // on one pipe: the producer walks the union of their sorted block lists and copies a block both
