@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -11,20 +10,11 @@
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/retention.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf::testing {
-
-// A fresh seed each call, printed; SF_TEST_SEED=<seed> replays one (run the test alone with
-// --gtest_filter, since every call then returns it).
-inline uint64_t fresh_seed() {
-  const char* e = std::getenv("SF_TEST_SEED");
-  const uint64_t s = e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(std::random_device{}());
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
-
 
 inline std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);

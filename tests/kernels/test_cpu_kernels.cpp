@@ -8,15 +8,12 @@
 
 #include "kernels/api.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "tests/common/test_seed.h"
 
 namespace sf {
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) {
   std::normal_distribution<float> d(0.f, sd);
   std::vector<float> v(n);

@@ -9,17 +9,14 @@
 
 #include "kernels/api.h"
 #include "kernels/kv_importance.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf {
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 
 std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd) {
   std::normal_distribution<float> nd(0.f, sd);

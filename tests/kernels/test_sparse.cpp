@@ -15,6 +15,7 @@
 #include "kernels/cpu/cpu_sparse.h"
 #include "kernels/sparse.h"
 #include "kernels/sparse_select.h"
+#include "tests/common/test_seed.h"
 #include "tests/kernels/pooled_ref.h"
 
 namespace sf {
@@ -27,11 +28,7 @@ using kernels::SparseIndex;
 
 constexpr int64_t kB = 64;
 
-uint64_t fresh_seed() {
-  const uint64_t s = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) {
   std::normal_distribution<float> d(0.f, sd);
   std::vector<float> v(n);

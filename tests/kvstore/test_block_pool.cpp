@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvstore/block_pool.h"
+#include "tests/common/test_seed.h"
 
 namespace sf::kvstore {
 namespace {
@@ -36,11 +37,7 @@ struct TempDir {
   std::string sub(const std::string& s) const { return (path / s).string(); }
 };
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 
 constexpr int kHeads = 2, kDim = 8;
 

@@ -10,17 +10,14 @@
 
 #include "kvstore/prefix_cache.h"
 #include "kvstore/prefix_prefill.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
 namespace sf::kvstore {
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 
 std::vector<int32_t> random_tokens(int64_t n, int vocab, std::mt19937_64& rng) {
   std::vector<int32_t> t(static_cast<size_t>(n));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvstore/prefix_prefill.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
@@ -28,8 +29,7 @@ TEST(PrefixPrefillModel, PrefixHitEqualsFullRecomputeOnDefaultModel) {
   auto m = model::Model::load(testing::default_model_path());
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const model::ModelConfig& c = m->config();
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();
   std::mt19937_64 rng(seed);
   std::vector<int32_t> a(320), b;
   for (auto& t : a) t = int32_t(rng() % uint64_t(c.vocab));

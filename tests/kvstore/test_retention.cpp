@@ -7,15 +7,12 @@
 #include <string>
 
 #include "kvstore/retention.h"
+#include "tests/common/test_seed.h"
 
 namespace sf::kvstore {
 namespace {
 
-uint64_t fresh_seed() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+using testing::fresh_seed;
 
 ImportanceScores random_scores(int L, int H, int64_t N, int pool, uint64_t seed) {
   std::mt19937_64 rng(seed);

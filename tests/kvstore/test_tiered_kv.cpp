@@ -14,6 +14,7 @@
 
 #include "common/metrics.h"
 #include "kvstore/tiered_kv.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 
@@ -28,8 +29,7 @@ struct Fixture {
   std::vector<int32_t> tokens;
   std::string dir;
   Fixture() {
-    seed = std::random_device{}();
-    std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+    seed = testing::fresh_seed();
     std::mt19937_64 rng(seed);
     tokens.resize(8 * kPoolBlockTokens + 17);  // 9 blocks per layer, the last one partial
     for (auto& t : tokens) t = int32_t(rng() % uint64_t(cfg.vocab));
