@@ -55,6 +55,8 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
     return err("last_block_rows", "applies to adaptive-block only");
   if (hp.share_group != 0 && hp.share_group != 1) return err("share_group", "must be 0 or 1");
+  if (hp.tail_block_min < 0 || hp.tail_block_min >= kSparseBlock)
+    return err("tail_block_min", "must be in [0, 63]");
   bool known = false;
   for (const auto& e : kPatternNames) known |= e.p == hp.pattern;
   if (!known) return err("pattern", "is not a known pattern");

@@ -139,25 +139,40 @@ SparseSlotGeometry sparse_slot_geometry(int64_t n_q, int64_t n_k, int64_t q_offs
 
 void sparse_slot_build(const SparseSlotGeometry& g, std::span<const int32_t> columns,
                        std::span<const int32_t> diagonals, std::span<const int32_t> key_blocks,
-                       int64_t sink, int64_t local, std::vector<int32_t>* blocks,
-                       std::vector<int32_t>* columns_out) {
+                       int64_t sink, int64_t local, int64_t tail_block_min,
+                       std::vector<int32_t>* blocks, std::vector<int32_t>* columns_out) {
   size_t ci = 0;
   // Free candidate columns below `upto` that no interval covers go out in order.
   auto flush_columns = [&](int64_t upto) {
     for (; ci < columns.size() && columns[ci] < upto; ++ci)
       if (columns[ci] >= 0) columns_out->push_back(columns[ci]);
   };
-  merge_ranges(g, diagonals, key_blocks, sink, local, [&](int64_t a, int64_t e) {
-    flush_columns(a);
-    while (ci < columns.size() && columns[ci] < e) ++ci;  // covered by the interval
-    if (e == g.kend) {
-      for (int64_t off = a; off < e; off += kB) blocks->push_back(int32_t(off));
+  // An interval is written once the next one's start is known (a tail block must end by it).
+  int64_t pa = -1, pe = -1;
+  auto finish = [&](int64_t next_a) {
+    if (pe <= pa) return;
+    flush_columns(pa);
+    int64_t end = pe;
+    if (pe == g.kend) {
+      for (int64_t off = pa; off < pe; off += kB) blocks->push_back(int32_t(off));
     } else {
-      const int64_t full_end = a + (e - a) / kB * kB;
-      for (int64_t off = a; off < full_end; off += kB) blocks->push_back(int32_t(off));
-      for (int64_t key = full_end; key < e; ++key) columns_out->push_back(int32_t(key));
+      const int64_t full_end = pa + (pe - pa) / kB * kB, tail = pe - full_end;
+      for (int64_t off = pa; off < full_end; off += kB) blocks->push_back(int32_t(off));
+      if (sparse_tail_to_block(tail, tail_block_min, full_end, next_a)) {
+        blocks->push_back(int32_t(full_end));
+        end = full_end + kB;
+      } else {
+        for (int64_t key = full_end; key < pe; ++key) columns_out->push_back(int32_t(key));
+      }
     }
+    while (ci < columns.size() && columns[ci] < end) ++ci;  // covered
+  };
+  merge_ranges(g, diagonals, key_blocks, sink, local, [&](int64_t a, int64_t e) {
+    finish(a);
+    pa = a;
+    pe = e;
   });
+  finish(g.kend);
   flush_columns(g.kend);
 }
 
@@ -218,7 +233,7 @@ void grow(std::vector<int32_t>* arr, const std::vector<int32_t>& counts, int* ca
 }  // namespace
 
 void sparse_index_build(SparseIndex* idx, int h, int64_t qb, const IndexCandidates& c, int64_t sink,
-                        int64_t local) {
+                        int64_t local, int64_t tail_block_min) {
   auto sorted = [](std::vector<int32_t> v) {
     std::sort(v.begin(), v.end());
     v.erase(std::unique(v.begin(), v.end()), v.end());
@@ -228,7 +243,7 @@ void sparse_index_build(SparseIndex* idx, int h, int64_t qb, const IndexCandidat
                              kbs = sorted(c.key_blocks);
   std::vector<int32_t> blocks, columns;
   const SparseSlotGeometry g = sparse_slot_geometry(idx->n_q, idx->n_k, idx->q_offset, qb);
-  sparse_slot_build(g, cols, diags, kbs, sink, local, &blocks, &columns);
+  sparse_slot_build(g, cols, diags, kbs, sink, local, tail_block_min, &blocks, &columns);
   if (int(blocks.size()) > idx->max_blocks)
     grow(&idx->block_offset, idx->block_count, &idx->max_blocks, int(blocks.size()));
   if (int(columns.size()) > idx->max_cols)

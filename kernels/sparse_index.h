@@ -31,6 +31,14 @@
 //      entries; its tail of (e - a) % 64 < 64 keys moves into the column list. So no block entry
 //      ever covers a key that was not selected, and no key is listed twice.
 //   4. Candidate columns inside an interval are dropped; the rest (below kend) join the tails.
+//   Optional (tail_block_min T in 1..63, 0 = off; HeadPattern::tail_block_min): a tail of at
+//   least T keys becomes one more 64-key entry instead, reaching up to 64 - T keys past its
+//   interval, when that entry ends at or before the next interval's start (or kend); candidate
+//   columns it covers are dropped. That entry then covers keys the estimator did not select (the
+//   index selects them: they are attended and counted in pairs and density), so this one rule
+//   trades a few more computed keys for fewer gathered columns: a column tile's rows are copied
+//   one by one from wherever they lie, a block arrives by one TMA copy. Its costs are in
+//   bench/NOTES.md (twenty-second session).
 // Validation also requires q_offset >= 0 and n_k <= INT32_MAX (offsets and columns are int32).
 // Block offsets are therefore not 64-aligned in general; the kernel treats consecutive entries
 // with off[i + 1] == off[i] + 64 as one contiguous key range (one strided GEMM tile).
@@ -40,10 +48,9 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kernels/sparse_tail.h"
 
 namespace sf::kernels {
-
-constexpr int kSparseBlock = 64;
 
 struct SparseIndex {
   int n_heads = 0;        // query heads
@@ -84,7 +91,7 @@ struct IndexCandidates {
   std::vector<int32_t> key_blocks;  // 64-aligned key block numbers (key_pos / 64)
 };
 void sparse_index_build(SparseIndex* idx, int h, int64_t qb, const IndexCandidates& c, int64_t sink,
-                        int64_t local);
+                        int64_t local, int64_t tail_block_min = 0);
 
 // The (key, KV head) rows the slots of query blocks [qb_begin, qb_end) read, every head: sets
 // need[key * n_kv + kv_head0 + h / q_per_kv] = 1 for each key of each listed block (clipped to
@@ -110,8 +117,8 @@ SparseSlotGeometry sparse_slot_geometry(int64_t n_q, int64_t n_k, int64_t q_offs
 // *blocks and *columns (both end up sorted); returns nothing else, allocates only on growth.
 void sparse_slot_build(const SparseSlotGeometry& g, std::span<const int32_t> columns,
                        std::span<const int32_t> diagonals, std::span<const int32_t> key_blocks,
-                       int64_t sink, int64_t local, std::vector<int32_t>* blocks,
-                       std::vector<int32_t>* columns_out);
+                       int64_t sink, int64_t local, int64_t tail_block_min,
+                       std::vector<int32_t>* blocks, std::vector<int32_t>* columns_out);
 
 // Capacity: sparse_index_build grows max_blocks / max_cols (re-laying out the arrays) when a slot
 // needs more than the index holds, so it never drops a key; that makes it unsafe to call

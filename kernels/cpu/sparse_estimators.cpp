@@ -497,7 +497,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
         const size_t si = uses_vs(hp.pattern) ? size_t(vsg.of_row(qb * kB)) : 0;
         const auto& cols = seg_cols[si];
         const auto& diags = seg_diags[si];
-        sparse_slot_build(sg, cols, diags, kbs, hp.sink, local, &hl.blocks, &hl.cols);
+        sparse_slot_build(sg, cols, diags, kbs, hp.sink, local, hp.tail_block_min, &hl.blocks,
+                          &hl.cols);
         if (trace) {
           IndexCandidates& tc = (*trace)[h * size_t(g.n_qb) + size_t(qb)];
           tc.columns = cols;

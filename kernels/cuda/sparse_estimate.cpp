@@ -77,6 +77,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                                       "].share_group is not implemented on the device");
     e.sink = hp.sink;
     e.local = hp.local;
+    e.tail_block_min = hp.tail_block_min;
     bool cl = false;
     switch (hp.pattern) {
       case Pattern::kDense:

@@ -30,6 +30,7 @@
 
 #include "kernels/cuda/attention_sparse_bf16.cuh"  // mma.sync / ldmatrix helpers
 #include "kernels/cuda/sparse_estimate_launch.h"
+#include "kernels/sparse_tail.h"
 
 namespace sf::kernels::cuda {
 namespace {
@@ -1806,6 +1807,7 @@ struct SlotWriter {
   int32_t* blocks;
   int32_t* out_cols;
   int cap_b, cap_c, kend;
+  int64_t tail_min;    // HeadPattern::tail_block_min
   int nb = 0, nc = 0;  // entries so far (uniform over the warp; may pass the capacities)
 
   __device__ int first_at_least(int x) const {
@@ -1820,10 +1822,19 @@ struct SlotWriter {
     return lo;
   }
 
+  // Where the range [A, E) with the next range at next_a ends once emitted: past E when its tail
+  // becomes a block (sparse_tail_to_block); the next range's free columns start there.
+  __device__ int emitted_end(int A, int E, int next_a) const {
+    if (E == kend) return E;
+    const int at = A + (E - A) / kB * kB;
+    return sparse_tail_to_block(E - at, tail_min, at, next_a) ? at + kB : E;
+  }
+
   // Each lane with `has` emits the free columns in [P, A), then the range [A, E): whole 64-key
-  // entries, the last one past the range when E is the slot's end, else the tail as columns.
-  // The lanes' outputs follow each other in lane order.
-  __device__ void emit(bool has, int A, int E, int P, int lane) {
+  // entries, the last one past the range when E is the slot's end, else the tail as columns (or
+  // as one more entry, by the tail rule, with the next range at next_a). The lanes' outputs
+  // follow each other in lane order.
+  __device__ void emit(bool has, int A, int E, int P, int next_a, int lane) {
     int g_lo = 0, gap = 0, n_b = 0, tail = 0;
     if (has) {
       if (cols) {
@@ -1835,6 +1846,10 @@ struct SlotWriter {
       } else {
         n_b = (E - A) / kB;
         tail = E - A - n_b * kB;
+        if (sparse_tail_to_block(tail, tail_min, A + n_b * kB, next_a)) {
+          ++n_b;
+          tail = 0;
+        }
       }
     }
     const int full_end = A + n_b * kB;
@@ -1912,7 +1927,8 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
                p.column_index + s * size_t(p.max_cols),
                p.max_blocks,
                p.max_cols,
-               kend};
+               kend,
+               eh.tail_block_min};
   const int se = int(imin(eh.sink > 0 ? eh.sink : 0, kend));
   const int la = clampk(base64 - (eh.local > 0 ? eh.local : 0));
   // The stream: item 0 the sink, items 1 .. n_mid the diagonal runs (descending) or the key
@@ -1957,13 +1973,17 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
     const unsigned starts = __ballot_sync(kAll, start);
     const unsigned lower = starts & ((1u << lane) - 1u);
     const int pl = lower ? 31 - __clz(lower) : 0;
-    const int p_here = max(before, 0);  // where the free columns before a range starting here begin
-    const int a_prev = __shfl_sync(kAll, a, pl), p_prev = __shfl_sync(kAll, p_here, pl);
+    const int a_prev = __shfl_sync(kAll, a, pl);
     // A lane that starts a range closes the one before: from the lower starting lane, or the
     // range still open from earlier batches.
     const bool has = start && (lower != 0 || open);
+    const int prev_a = lower ? a_prev : open_a;
+    // Where the free columns before a range starting here begin: the end of the one before, as
+    // emitted.
+    const int p_here = has ? w.emitted_end(prev_a, before, a) : max(before, 0);
+    const int p_prev = __shfl_sync(kAll, p_here, pl);
     if (__ballot_sync(kAll, has))  // else every interval of the batch joined the open range
-      w.emit(has, lower ? a_prev : open_a, before, lower ? p_prev : open_p, lane);
+      w.emit(has, prev_a, before, lower ? p_prev : open_p, a, lane);
     if (starts) {
       const int last = 31 - __clz(starts);
       open = true;
@@ -1978,8 +1998,8 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
   const bool last_has = lane == 0 ? open : lane == 1;
   const int last_a = lane == 0 ? open_a : kend;
   const int last_e = lane == 0 ? run_e : kend;
-  const int last_p = lane == 0 ? open_p : (open ? run_e : 0);
-  w.emit(last_has, last_a, last_e, last_p, lane);
+  const int last_p = lane == 0 ? open_p : (open ? w.emitted_end(open_a, run_e, kend) : 0);
+  w.emit(last_has, last_a, last_e, last_p, kend, lane);
   if (lane == 0) {
     p.block_count[s] = imin(w.nb, w.cap_b);
     p.column_count[s] = imin(w.nc, w.cap_c);

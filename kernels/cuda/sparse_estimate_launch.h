@@ -22,6 +22,7 @@ struct EstHead {
   int64_t k_cols = 0, k_diags = 0, k_blocks = 0;  // top-k budgets (forced included)
   double gamma = 1.0;
   int64_t min_count = 0, max_count = 0;  // adaptive clamp (items: columns / diagonals / blocks)
+  int64_t tail_block_min = 0;            // HeadPattern::tail_block_min
 };
 
 struct EstimateLaunch {

@@ -470,7 +470,7 @@ class CudaEstimators : public ::testing::Test {
         std::vector<int32_t> blocks, cols;
         sparse_slot_build(sg, sel.columns[size_t(h)], sel.diagonals[size_t(h)],
                           sel.key_blocks[size_t(h * n_qb + qb)], hp.sink, trace_local[size_t(h)],
-                          &blocks, &cols);
+                          hp.tail_block_min, &blocks, &cols);
         const size_t s = gpu_idx.slot(int(h), qb);
         ASSERT_EQ(gpu_idx.block_count[s], int32_t(blocks.size())) << "head " << h << " qb " << qb;
         ASSERT_EQ(gpu_idx.column_count[s], int32_t(cols.size())) << "head " << h << " qb " << qb;
@@ -596,6 +596,19 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   // Past 64 key blocks the selector's d-64 scoring loop runs its steady state (each warp's next
   // tile in flight under this one); the cases above end within a warp's first tile.
   run_case({6000, 6000, 0, 8, 2, 64}, true);
+}
+
+// HeadPattern::tail_block_min: the device builder's tail rule (a tail becomes a block when it
+// ends by the next range, which the warp learns from the lane starting that range, possibly in
+// the next batch of 32) against the host's, on vertical-slash and adaptive-vs heads.
+TEST_F(CudaEstimators, TailBlocksMatchCpu) {
+  std::vector<HeadPattern> ps = mixed_patterns(8);
+  ps[0].tail_block_min = 1;
+  ps[1].tail_block_min = 24;
+  ps[7].tail_block_min = 40;
+  run_case({2048, 2048, 0, 8, 2, 128}, false, ps);
+  run_case({3000, 3000, 0, 8, 4, 128}, true, ps);
+  run_case({700, 1900, 1200, 8, 2, 128}, true, ps);
 }
 
 // Head dims off the fast paths: 96 (three 32-channel spans: the selector's generic scoring loop)

@@ -155,6 +155,72 @@ TEST(SparseIndex, BuilderProperties) {
   }
 }
 
+// The tail rule (sparse_index.h, step 4's option), from its definition: the candidates' ranges
+// (not their columns) merged into maximal intervals; an interval ending before kend whose tail
+// t = (e - a) % 64 is at least T gains the keys [e, at + 64) (at = its full entries' end) when
+// at + 64 is at or before the next interval's start (kend for the last).
+TEST(SparseIndex, TailBlocksFollowTheRule) {
+  std::mt19937_64 rng(fresh_seed());
+  int64_t extended = 0, refused = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const int64_t nq = uni(rng, 1, 400), q_off = uni(rng, 0, 300), nk = q_off + nq;
+    const int64_t sink = uni(rng, 0, 100), local = uni(rng, 0, 200), T = uni(rng, 1, 63);
+    SparseIndex plain = kernels::sparse_index_make(1, nq, nk, q_off, 1, 1);
+    SparseIndex tb = plain;
+    for (int64_t qb = 0; qb < plain.n_qblocks; ++qb) {
+      const IndexCandidates c = random_candidates(rng, nk, int(uni(rng, 0, 40)),
+                                                  int(uni(rng, 0, 12)), int(uni(rng, 0, 5)));
+      kernels::sparse_index_build(&plain, 0, qb, c, sink, local);
+      kernels::sparse_index_build(&tb, 0, qb, c, sink, local, T);
+      const Geo g = geo(nq, nk, q_off, qb);
+      // The intervals, from the ranges alone.
+      std::set<int64_t> in_range;
+      IndexCandidates no_cols = c;
+      no_cols.columns.clear();
+      in_range = expected_keys(g, no_cols, sink, local);
+      std::vector<std::pair<int64_t, int64_t>> iv;
+      for (int64_t j : in_range) {
+        if (!iv.empty() && iv.back().second == j)
+          ++iv.back().second;
+        else
+          iv.push_back({j, j + 1});
+      }
+      std::set<int64_t> want = expected_keys(g, c, sink, local);
+      int64_t n_ext = 0;
+      for (size_t i = 0; i < iv.size(); ++i) {
+        const auto [a, e] = iv[i];
+        if (e == g.kend) continue;
+        const int64_t at = a + (e - a) / kB * kB, t = e - at;
+        const int64_t next = i + 1 < iv.size() ? iv[i + 1].first : g.kend;
+        if (t == 0 || t < T) continue;
+        if (at + kB > next) {
+          ++refused;
+          continue;
+        }
+        for (int64_t j = e; j < at + kB; ++j) want.insert(j);
+        ++n_ext;
+      }
+      extended += n_ext;
+      const auto keys = slot_keys(tb, 0, qb);
+      const std::set<int64_t> got(keys.begin(), keys.end());
+      ASSERT_EQ(got.size(), keys.size()) << "a key listed twice, qblock " << qb << " T " << T;
+      ASSERT_EQ(got, want) << "iter " << iter << " qblock " << qb << " T " << T;
+      const size_t s = tb.slot(0, qb);
+      ASSERT_EQ(tb.block_count[s], plain.block_count[s] + n_ext) << "qblock " << qb;
+      ASSERT_LE(tb.column_count[s], plain.column_count[s]);
+      int64_t p = 0;
+      for (int64_t i = 0; i < g.rows; ++i)
+        for (int64_t j : keys) p += j < std::min(nk, g.base + i + 1);
+      ASSERT_EQ(tb.pairs(0, qb), p);
+    }
+    const Status st = kernels::sparse_index_validate(tb, sink);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  // Both branches ran.
+  EXPECT_GT(extended, 0);
+  EXPECT_GT(refused, 0);
+}
+
 TEST(SparseIndex, DenseIndexCoversEveryCausalKey) {
   for (auto [nq, nk, q_off] : {std::tuple<int64_t, int64_t, int64_t>{300, 300, 0},
                                {100, 357, 257},

@@ -482,6 +482,7 @@ struct SdpaPeer {
 struct ModeSpec {
   std::string name;
   HeadPattern hp;
+  bool on_request = false;  // run only when --modes names it
 };
 
 }  // namespace
@@ -620,6 +621,13 @@ int cmd_bench_attention(int argc, char** argv) {
     vs.n_vertical = 1000;
     vs.n_slash = 6096;
     modes.push_back({"vertical-slash(1000,6096)", vs});
+    // The same selection with its diagonal bands' tails of >= T keys as blocks
+    // (HeadPattern::tail_block_min): fewer gathered columns for a few more computed keys.
+    for (int64_t t : {32, 48}) {
+      HeadPattern tb = vs;
+      tb.tail_block_min = t;
+      modes.push_back({"vertical-slash-tail" + std::to_string(t) + "(1000,6096)", tb, true});
+    }
     HeadPattern bs;
     bs.pattern = Pattern::kBlockSparse;
     bs.n_blocks = topk_blocks;
@@ -643,11 +651,16 @@ int cmd_bench_attention(int argc, char** argv) {
     for (const std::string& w : want)
       if (std::none_of(modes.begin(), modes.end(),
                        [&](const ModeSpec& m) { return m.name.substr(0, m.name.find('(')) == w; }))
-        return fail(SF_ERR(kInvalidArgument, "--modes: unknown mode '" + w +
-                                                 "' (vertical-slash, block-sparse, adaptive-vs, adaptive-block)"));
+        return fail(SF_ERR(
+            kInvalidArgument,
+            "--modes: unknown mode '" + w +
+                "' (vertical-slash, vertical-slash-tail32, vertical-slash-tail48, block-sparse, "
+                "adaptive-vs, adaptive-block)"));
     std::erase_if(modes, [&](const ModeSpec& m) {
       return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();
     });
+  } else {
+    std::erase_if(modes, [](const ModeSpec& m) { return m.on_request; });
   }
 
   std::vector<int64_t> lengths = dense_lengths;

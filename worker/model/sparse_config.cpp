@@ -126,7 +126,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
                          {"spread_rows", &hp.spread_rows},
                          {"segment_rows", &hp.segment_rows},
                          {"last_block_rows", &hp.last_block_rows},
-                         {"share_group", &hp.share_group}}) {
+                         {"share_group", &hp.share_group},
+                         {"tail_block_min", &hp.tail_block_min}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -147,6 +148,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.last_block_rows != 0 && hp.pattern != Pattern::kAdaptiveBlock)
         return field_err(l, h, "last_block_rows", "applies to adaptive-block only");
       if (hp.share_group > 1) return field_err(l, h, "share_group", "must be 0 or 1");
+      if (hp.tail_block_min >= kernels::kSparseBlock)
+        return field_err(l, h, "tail_block_min", "must be in [0, 63]");
       c.layers[size_t(l)].push_back(hp);
     }
   }
@@ -189,6 +192,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
       if (h.segment_rows != 0) ho["segment_rows"] = h.segment_rows;
       if (h.last_block_rows != 0) ho["last_block_rows"] = h.last_block_rows;
       if (h.share_group != 0) ho["share_group"] = h.share_group;
+      if (h.tail_block_min != 0) ho["tail_block_min"] = h.tail_block_min;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

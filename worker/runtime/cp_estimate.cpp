@@ -765,7 +765,8 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         const size_t si =
             uses_vs(a.patterns[h].pattern) ? size_t(segs[size_t(h)].of_row(r.begin + qb * kB)) : 0;
         kernels::sparse_slot_build(g, cols[size_t(h)][si], diags[size_t(h)][si], kbs,
-                                   a.patterns[h].sink, local[size_t(h)], &blocks, &cl);
+                                   a.patterns[h].sink, local[size_t(h)],
+                                   a.patterns[h].tail_block_min, &blocks, &cl);
         sb[size_t(h * nqb + qb)] = blocks;
         sc[size_t(h * nqb + qb)] = cl;
         max_b = std::max<int64_t>(max_b, int64_t(blocks.size()));
