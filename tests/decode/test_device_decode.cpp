@@ -4,6 +4,7 @@
 // what the CPU session decodes. Every test skips ("no CUDA device: ...") without a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -207,8 +208,10 @@ TEST_F(DeviceDecode, AppendGrowsThePoolAsTheHostCacheGrows) {
 
 // The device session against the CPU session on a synthetic Llama-3-shaped model: F32 weights
 // give the same greedy tokens and logits to 1e-3 (cuBLASLt sums in another order); BF16 weights
-// logits to 1e-2 (the GPU forward's bound) and the same top-1 at all but at most one of the 20
-// steps (random synthetic logits have near-ties that BF16 rounding may flip).
+// logits to 1e-2 (the GPU forward's bound) and every logit within 0.05 of its CPU row's RMS, and
+// the same top-1 wherever the CPU's top two logits are further apart than twice that (the rule of
+// test_gpu_forward: random synthetic logits have near-ties that BF16 rounding may flip; a fixed
+// "all but one step" failed on H100 with seed 14486071077399753534, two steps flipped).
 TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
   const uint64_t seed = testing::fresh_seed();
   const model::ModelConfig cfg = testing::small_llama3(2);
@@ -235,27 +238,45 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
       // Teacher-forced on the CPU's own greedy tokens.
       std::vector<float> zc, zg;
       int32_t t = pr->first_token;
-      double worst = 0;
-      int same_top = 0;
+      double worst = 0, worst_rel = 0;
+      int same_top = 0, near_tie_swaps = 0;
+      const double logit_rel = 0.05;  // BF16: |gpu - cpu| per logit, against the row's RMS
       for (int i = 0; i < n_new; ++i) {
         ASSERT_TRUE(cpu.step(t, &zc).is_ok());
         ASSERT_TRUE(dev->step(t, &zg).is_ok());
-        double num = 0, den = 0;
+        double num = 0, den = 0, row_max_err = 0;
         for (size_t j = 0; j < zc.size(); ++j) {
           ASSERT_TRUE(std::isfinite(zg[j]));
           num += (double(zg[j]) - zc[j]) * (double(zg[j]) - zc[j]);
           den += double(zc[j]) * zc[j];
+          row_max_err = std::max(row_max_err, std::abs(double(zg[j]) - zc[j]));
         }
         worst = std::max(worst, std::sqrt(num / den));
+        const double rms = std::sqrt(den / double(zc.size()));
+        worst_rel = std::max(worst_rel, row_max_err / rms);
         const auto top = [](const std::vector<float>& z) {
           return int32_t(std::max_element(z.begin(), z.end()) - z.begin());
         };
-        same_top += top(zc) == top(zg);
-        t = top(zc);
+        const int32_t a = top(zc), ga = top(zg);
+        if (a == ga) {
+          ++same_top;
+        } else {
+          double second = -INFINITY;
+          for (size_t j = 0; j < zc.size(); ++j)
+            if (int32_t(j) != a) second = std::max(second, double(zc[j]));
+          const double gap = double(zc[size_t(a)]) - second, allowed = 2 * logit_rel * rms;
+          if (wdt == DType::kBF16 && gap < allowed)
+            ++near_tie_swaps;
+          else
+            ADD_FAILURE() << dtype_name(wdt) << " " << spec << " step " << i << ": gpu top-1 " << ga
+                          << " != cpu " << a << ", cpu top-2 gap " << gap
+                          << (wdt == DType::kBF16 ? " >= " + std::to_string(allowed) : "");
+        }
+        t = a;
       }
       const double bound = wdt == DType::kF32 ? 1e-3 : 1e-2;
       EXPECT_LT(worst, bound) << dtype_name(wdt) << " " << spec;
-      EXPECT_GE(same_top, wdt == DType::kF32 ? n_new : n_new - 1) << dtype_name(wdt) << " " << spec;
+      if (wdt == DType::kBF16) EXPECT_LE(worst_rel, logit_rel) << spec;
       const auto& sc = cpu.stats();
       const auto& sg = dev->stats();
       EXPECT_EQ(sg.blocks_total, sc.blocks_total) << spec;
@@ -263,8 +284,10 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
                    fg = double(sg.blocks_visited) / double(sg.blocks_total);
       if (std::string(spec) == "full") EXPECT_EQ(sg.blocks_visited, sg.blocks_total);
       EXPECT_NEAR(fg, fc, 0.01) << dtype_name(wdt) << " " << spec;
-      std::printf("%s %-13s logits rel err %.2g, top-1 %d/%d, blocks visited %.3f (cpu %.3f)\n",
-                  dtype_name(wdt), spec, worst, same_top, n_new, fg, fc);
+      std::printf(
+          "%s %-13s logits rel err %.2g, worst |logit err|/row rms %.3g, top-1 %d/%d (%d swapped "
+          "at a cpu top-2 gap within rounding), blocks visited %.3f (cpu %.3f)\n",
+          dtype_name(wdt), spec, worst, worst_rel, same_top, n_new, near_tie_swaps, fg, fc);
       // Past the reservation: an error, not a write out of bounds.
       EXPECT_EQ(dev->step(t, &zg).code(), Code::kOutOfRange);
     }
