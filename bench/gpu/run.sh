@@ -36,6 +36,8 @@
 #   SF_BENCH_TIMEOUT         seconds for the benchmark binary (default 420)
 #   SF_PEER_REPS             timed repeats per SDPA backend (default 10)
 #   SF_BENCH_MODES           a subset of the sparse modes (e.g. vertical-slash,block-sparse)
+#   SF_BENCH_SPARSE_MEMORY_GB  the sparse modes' memory budget per layer (default 20: above it the
+#                            heads run in groups)
 #   SF_BENCH_CP_SIZES        CP sizes whose selective exchange is counted (default 2,4,8;
 #                            none skips the count, which walks each index on the host)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
@@ -309,6 +311,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          ${SF_BENCH_MODES:+--modes "$SF_BENCH_MODES"} \
          ${SF_BENCH_CP_SIZES:+--cp-sizes "$SF_BENCH_CP_SIZES"} \
          ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
+         ${SF_BENCH_SPARSE_MEMORY_GB:+--sparse-memory-gb "$SF_BENCH_SPARSE_MEMORY_GB"} \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"
   fi
