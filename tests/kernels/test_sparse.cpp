@@ -1044,6 +1044,10 @@ TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[1].share_group"), std::string::npos) << st.message();
   pats[1].share_group = 0;
+  pats[1].tail_block_min = 64;
+  st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
+  EXPECT_NE(st.message().find("patterns[1].tail_block_min"), std::string::npos) << st.message();
+  pats[1].tail_block_min = 0;
   pats[0].max_budget = 1;
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[0].max_budget"), std::string::npos) << st.message();

@@ -43,6 +43,8 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
                "layer 1 head 1: field 'last_block_rows' must be 0 or 1");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","share_group":2})"),
                "layer 1 head 1: field 'share_group' must be 0 or 1");
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","tail_block_min":64})"),
+               "layer 1 head 1: field 'tail_block_min' must be in [0, 63]");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
   expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
   expect_error("{not json", "invalid JSON");
@@ -84,6 +86,10 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_EQ(sgb.layers.size(), 2u);
   EXPECT_EQ(sgb.layers[1][1].share_group, 1);
   EXPECT_EQ(sgb.layers[0][0].share_group, 0);
+  auto tb = round_trip(R"({"pattern":"vertical-slash","tail_block_min":32})");
+  ASSERT_EQ(tb.layers.size(), 2u);
+  EXPECT_EQ(tb.layers[1][1].tail_block_min, 32);
+  EXPECT_EQ(tb.layers[0][0].tail_block_min, 0);
   EXPECT_FALSE(sparse_config_is_dense(back.value()));
   EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
 }

@@ -256,6 +256,7 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
       l[h].n_slash = 72;      // 7 scored diagonals beyond the local 0..64
       l[h].spread_rows = h % 2 ? 64 : 0;
       l[h].segment_rows = h % 3 == 0 ? 256 : 0;  // with spread 0: segments 0-2 borrow the last
+      l[h].tail_block_min = h % 2 ? 0 : 1;  // any tail a block where it fits (more keys to move)
     }
   check_grid(*model_, {tp, cp}, 1024, &sc, /*selective=*/true, /*cp_est=*/true);
 }
