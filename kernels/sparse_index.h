@@ -28,8 +28,9 @@
 //   3. Each interval is cut into 64-key block entries at a, a + 64, ...  An interval that ends
 //      at kend keeps a final short entry (its [off, off + 64) is clipped by the causal limit, so
 //      it covers exactly the rest). An interval that ends before kend keeps only its full 64-key
-//      entries; its tail of (e - a) % 64 < 64 keys moves into the column list. So no block entry
-//      ever covers a key that was not selected, and no key is listed twice.
+//      entries; its tail of (e - a) % 64 < 64 keys moves into the column list. So (without the
+//      option below) no block entry ever covers a key that was not selected, and no key is listed
+//      twice.
 //   4. Candidate columns inside an interval are dropped; the rest (below kend) join the tails.
 //   Optional (tail_block_min T in 1..63, 0 = off; HeadPattern::tail_block_min): a tail of at
 //   least T keys becomes one more 64-key entry instead, reaching up to 64 - T keys past its
