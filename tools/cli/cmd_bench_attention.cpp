@@ -1153,6 +1153,10 @@ int cmd_bench_attention(int argc, char** argv) {
         // Timed pass, group by group. Estimate: the run step, then its stages alone (scoring
         // and pooling; + selection) for the breakdown; the last run leaves the whole index.
         double est_ms = 0, est_score_ms = 0, est_select_ms = 0, sp_ms = 0;
+        // Per head group: the first mainloop's time and the group's computed pairs (so a slow
+        // group can be told from a heavy one).
+        std::vector<double> group_ms, group_pairs;
+        unsigned long long pairs_before = 0;
         // Sparsity-aware CP on this index: the rows a selective exchange would move to each of
         // CP zigzag ranks against the all-gather (worker/runtime/cp_need.h), from the host copy.
         std::vector<runtime::CpNeedCount> cp_counts;
@@ -1207,6 +1211,13 @@ int cmd_bench_attention(int argc, char** argv) {
           // and compared with the CPU estimator's where that ran) only while it is small.
           if (st.is_ok())
             st = kernels::cuda::sparse_index_pairs(didx, dpairs.as<unsigned long long>(), stream);
+          if (st.is_ok() && n_g > 1) {
+            unsigned long long pairs_now = 0;
+            st = kernels::cuda::stream_synchronize(stream);  // the stream does not block
+            if (st.is_ok()) st = dpairs.download(&pairs_now, sizeof pairs_now);
+            group_pairs.push_back(double(pairs_now - pairs_before));
+            pairs_before = pairs_now;
+          }
           if (st.is_ok() && double(eplan.index_bytes) <= kHostIndexMax) {
             SparseIndex idx;
             st = kernels::cuda::sparse_index_download(didx, std::max(nb, 1), std::max(nc, 1), &idx,
@@ -1272,6 +1283,7 @@ int cmd_bench_attention(int argc, char** argv) {
           }
           if (st.is_ok()) {
             sp_ms += ms_l[0];
+            group_ms.push_back(ms_l[0]);
             for (int li = 0; bf && li < n_ml; ++li) {
               const char* name = kernels::cuda::sparse_bf16_mainloop_name(mainloops[size_t(li)]);
               const double prev = by_mainloop.contains(name) ? by_mainloop[name].as_double() : 0.0;
@@ -1313,6 +1325,15 @@ int cmd_bench_attention(int argc, char** argv) {
                          : std::string("attention_sparse fp32");
         o["time_ms"] = sp_ms;
         if (bf && mainloops.size() > 1) o["time_ms_by_mainloop"] = by_mainloop;
+        if (group_ms.size() > 1 && group_pairs.size() == group_ms.size()) {
+          boost::json::array gt, gp;
+          for (size_t i = 0; i < group_ms.size(); ++i) {
+            gt.push_back(group_ms[i]);
+            gp.push_back(group_pairs[i]);
+          }
+          o["time_ms_by_group"] = std::move(gt);
+          o["pairs_by_group"] = std::move(gp);
+        }
         // Whether the index lets wgmma-ws pair query heads on shared tiles
         // (kernels/cuda/cuda_ops.h).
         if (bf) o["index_pair_heads"] = pair_heads;
