@@ -51,9 +51,11 @@ struct HeadPattern {
                                  // family (sparse_select.h, share_leaders): one order, each head
                                  // its own budget, so the group's picks nest and its heads read
                                  // fewer distinct keys (what context parallelism moves)
-  int64_t tail_block_min = 0;    // index building: a diagonal band's tail of at least this many
+  int64_t tail_block_min = 32;   // index building: a diagonal band's tail of at least this many
                                  // keys (1..63) becomes one more 64-key block instead of gathered
-                                 // columns (sparse_index.h, step 4's option); 0 = off
+                                 // columns (sparse_index.h, step 4's option); 0 = off. A sparse
+                                 // config file that omits it means 0 (files kept their meaning
+                                 // when this default went from 0 to 32)
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 

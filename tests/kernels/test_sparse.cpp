@@ -81,6 +81,39 @@ std::set<int64_t> expected_keys(const Geo& g, const IndexCandidates& c, int64_t 
   return k;
 }
 
+// The same with the tail rule (sparse_index.h, step 4's option; T = 0: expected_keys): each
+// range-made interval that ends before kend with a tail of >= T keys gains [e, at + 64) when
+// that ends by the next interval. Counts the tails extended and those refused for room.
+std::set<int64_t> expected_keys_tail(const Geo& g, const IndexCandidates& c, int64_t sink,
+                                     int64_t local, int64_t T, int64_t* n_ext = nullptr,
+                                     int64_t* refused = nullptr) {
+  std::set<int64_t> want = expected_keys(g, c, sink, local);
+  if (T == 0) return want;
+  IndexCandidates no_cols = c;  // the intervals, from the ranges alone
+  no_cols.columns.clear();
+  std::vector<std::pair<int64_t, int64_t>> iv;
+  for (int64_t j : expected_keys(g, no_cols, sink, local)) {
+    if (!iv.empty() && iv.back().second == j)
+      ++iv.back().second;
+    else
+      iv.push_back({j, j + 1});
+  }
+  for (size_t i = 0; i < iv.size(); ++i) {
+    const auto [a, e] = iv[i];
+    if (e == g.kend) continue;
+    const int64_t at = a + (e - a) / kB * kB, t = e - at;
+    const int64_t next = i + 1 < iv.size() ? iv[i + 1].first : g.kend;
+    if (t == 0 || t < T) continue;
+    if (at + kB > next) {
+      if (refused) ++*refused;
+      continue;
+    }
+    for (int64_t j = e; j < at + kB; ++j) want.insert(j);
+    if (n_ext) ++*n_ext;
+  }
+  return want;
+}
+
 IndexCandidates random_candidates(std::mt19937_64& rng, int64_t nk, int n_cols, int n_diags,
                                   int n_blocks) {
   IndexCandidates c;
@@ -173,33 +206,8 @@ TEST(SparseIndex, TailBlocksFollowTheRule) {
       kernels::sparse_index_build(&plain, 0, qb, c, sink, local);
       kernels::sparse_index_build(&tb, 0, qb, c, sink, local, T);
       const Geo g = geo(nq, nk, q_off, qb);
-      // The intervals, from the ranges alone.
-      std::set<int64_t> in_range;
-      IndexCandidates no_cols = c;
-      no_cols.columns.clear();
-      in_range = expected_keys(g, no_cols, sink, local);
-      std::vector<std::pair<int64_t, int64_t>> iv;
-      for (int64_t j : in_range) {
-        if (!iv.empty() && iv.back().second == j)
-          ++iv.back().second;
-        else
-          iv.push_back({j, j + 1});
-      }
-      std::set<int64_t> want = expected_keys(g, c, sink, local);
       int64_t n_ext = 0;
-      for (size_t i = 0; i < iv.size(); ++i) {
-        const auto [a, e] = iv[i];
-        if (e == g.kend) continue;
-        const int64_t at = a + (e - a) / kB * kB, t = e - at;
-        const int64_t next = i + 1 < iv.size() ? iv[i + 1].first : g.kend;
-        if (t == 0 || t < T) continue;
-        if (at + kB > next) {
-          ++refused;
-          continue;
-        }
-        for (int64_t j = e; j < at + kB; ++j) want.insert(j);
-        ++n_ext;
-      }
+      const std::set<int64_t> want = expected_keys_tail(g, c, sink, local, T, &n_ext, &refused);
       extended += n_ext;
       const auto keys = slot_keys(tb, 0, qb);
       const std::set<int64_t> got(keys.begin(), keys.end());
@@ -717,8 +725,8 @@ void expect_index_from_trace(const Estimated& e, const std::vector<HeadPattern>&
       auto keys = slot_keys(e.idx, h, qb);
       std::set<int64_t> got(keys.begin(), keys.end());
       ASSERT_EQ(got.size(), keys.size());
-      ASSERT_EQ(got, expected_keys(g, e.trace[e.idx.slot(h, qb)], pats[size_t(h)].sink,
-                                   e.local[size_t(h)]))
+      ASSERT_EQ(got, expected_keys_tail(g, e.trace[e.idx.slot(h, qb)], pats[size_t(h)].sink,
+                                        e.local[size_t(h)], pats[size_t(h)].tail_block_min))
           << "head " << h << " qblock " << qb;
     }
   }
@@ -835,6 +843,8 @@ TEST(SparseEstimate, VerticalSlashMatchesBruteForce) {
     pats[3].gamma = 0.5;
     pats[3].min_budget = 16;
     pats[3].max_budget = 30;
+    pats[1].tail_block_min = 0;  // the plain rule; the others the default (32) or a short 8
+    pats[2].tail_block_min = 8;
     const Estimated e = estimate(p, pats);
     expect_index_from_trace(e, pats);
     EXPECT_EQ(e.stats.clamped_heads, 1);
@@ -872,6 +882,8 @@ TEST(SparseEstimate, VerticalSlashSegmentsMatchBruteForce) {
     pats[3].max_budget = 25;
     pats[3].spread_rows = 3000;
     pats[3].segment_rows = 0;  // one selection, alongside segmented heads of its KV group
+    pats[0].tail_block_min = 0;  // the plain rule; the others the default (32) or a short 8
+    pats[3].tail_block_min = 8;
     const Estimated e = estimate(p, pats);
     expect_index_from_trace(e, pats);
     for (int h = 0; h < 4; ++h) {

@@ -620,13 +620,15 @@ int cmd_bench_attention(int argc, char** argv) {
     vs.pattern = Pattern::kVerticalSlash;
     vs.n_vertical = 1000;
     vs.n_slash = 6096;
-    modes.push_back({"vertical-slash(1000,6096)", vs});
-    // The same selection with its diagonal bands' tails of >= T keys as blocks
-    // (HeadPattern::tail_block_min): fewer gathered columns for a few more computed keys.
-    for (int64_t t : {32, 48}) {
+    modes.push_back({"vertical-slash(1000,6096)", vs});  // tail_block_min 32, the default
+    // The same selection with other tail rules (HeadPattern::tail_block_min), on request: plain
+    // (0: every band tail as gathered columns, the index until the default became 32) and 48.
+    for (int64_t t : {0, 48}) {
       HeadPattern tb = vs;
       tb.tail_block_min = t;
-      modes.push_back({"vertical-slash-tail" + std::to_string(t) + "(1000,6096)", tb, true});
+      modes.push_back(
+          {t == 0 ? "vertical-slash-plain(1000,6096)" : "vertical-slash-tail48(1000,6096)", tb,
+           true});
     }
     HeadPattern bs;
     bs.pattern = Pattern::kBlockSparse;
@@ -654,7 +656,7 @@ int cmd_bench_attention(int argc, char** argv) {
         return fail(SF_ERR(
             kInvalidArgument,
             "--modes: unknown mode '" + w +
-                "' (vertical-slash, vertical-slash-tail32, vertical-slash-tail48, block-sparse, "
+                "' (vertical-slash, vertical-slash-plain, vertical-slash-tail48, block-sparse, "
                 "adaptive-vs, adaptive-block)"));
     std::erase_if(modes, [&](const ModeSpec& m) {
       return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();

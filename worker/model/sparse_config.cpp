@@ -115,6 +115,9 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       auto pr = kernels::pattern_from_string(std::string(pv->as_string()));
       if (!pr.is_ok()) return field_err(l, h, "pattern", "has unknown value '" + std::string(pv->as_string()) + "'");
       HeadPattern hp = defaults_for(pr.value());
+      // Absent means 0 here, not HeadPattern's 32: configs written before that default changed
+      // omit the field and must keep selecting what they selected (the writer always writes it).
+      hp.tail_block_min = 0;
       struct IntField { const char* name; int64_t* dst; };
       for (IntField f : {IntField{"sink", &hp.sink},
                          {"local", &hp.local},
@@ -192,7 +195,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
       if (h.segment_rows != 0) ho["segment_rows"] = h.segment_rows;
       if (h.last_block_rows != 0) ho["last_block_rows"] = h.last_block_rows;
       if (h.share_group != 0) ho["share_group"] = h.share_group;
-      if (h.tail_block_min != 0) ho["tail_block_min"] = h.tail_block_min;
+      ho["tail_block_min"] = h.tail_block_min;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

@@ -90,6 +90,17 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_EQ(tb.layers.size(), 2u);
   EXPECT_EQ(tb.layers[1][1].tail_block_min, 32);
   EXPECT_EQ(tb.layers[0][0].tail_block_min, 0);
+  // A file without the field means 0 (files from before the default became 32 keep their
+  // index); what the CLI modes build carries the default, and saving writes it out.
+  EXPECT_EQ(tb.layers[1][0].tail_block_min, 0);
+  auto vs = sparse_config_for_mode("vertical-slash", 2, 2);
+  ASSERT_TRUE(vs.is_ok());
+  EXPECT_EQ(vs->layers[1][1].tail_block_min, kernels::HeadPattern{}.tail_block_min);
+  EXPECT_EQ(kernels::HeadPattern{}.tail_block_min, 32);
+  ASSERT_TRUE(sparse_config_save(vs.value(), path).is_ok());
+  auto vs_back = sparse_config_load(path, 2, 2);
+  ASSERT_TRUE(vs_back.is_ok()) << vs_back.status().to_string();
+  EXPECT_EQ(vs_back->layers[1][1].tail_block_min, 32);
   EXPECT_FALSE(sparse_config_is_dense(back.value()));
   EXPECT_FALSE(sparse_config_load("/nonexistent.json", 2, 2).is_ok());
 }
