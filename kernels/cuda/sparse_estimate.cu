@@ -1831,10 +1831,10 @@ struct SlotWriter {
   }
 
   // Each lane with `has` emits the free columns in [P, A), then the range [A, E): whole 64-key
-  // entries, the last one past the range when E is the slot's end, else the tail as columns (or
-  // as one more entry, by the tail rule, with the next range at next_a). The lanes' outputs
-  // follow each other in lane order.
-  __device__ void emit(bool has, int A, int E, int P, int next_a, int lane) {
+  // entries, the last one past the range when E is the slot's end, else the tail as columns, or
+  // as one more entry where the tail rule moved the range's end (end_e = emitted_end(A, E, ...)
+  // > E). The lanes' outputs follow each other in lane order.
+  __device__ void emit(bool has, int A, int E, int P, int end_e, int lane) {
     int g_lo = 0, gap = 0, n_b = 0, tail = 0;
     if (has) {
       if (cols) {
@@ -1846,7 +1846,7 @@ struct SlotWriter {
       } else {
         n_b = (E - A) / kB;
         tail = E - A - n_b * kB;
-        if (sparse_tail_to_block(tail, tail_min, A + n_b * kB, next_a)) {
+        if (end_e > E) {  // the tail rule held (emitted_end)
           ++n_b;
           tail = 0;
         }
@@ -1983,7 +1983,7 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
     const int p_here = has ? w.emitted_end(prev_a, before, a) : max(before, 0);
     const int p_prev = __shfl_sync(kAll, p_here, pl);
     if (__ballot_sync(kAll, has))  // else every interval of the batch joined the open range
-      w.emit(has, prev_a, before, lower ? p_prev : open_p, a, lane);
+      w.emit(has, prev_a, before, lower ? p_prev : open_p, p_here, lane);
     if (starts) {
       const int last = 31 - __clz(starts);
       open = true;
@@ -1998,8 +1998,9 @@ __global__ void __launch_bounds__(32 * kBuildWarps) build_kernel(const EstimateL
   const bool last_has = lane == 0 ? open : lane == 1;
   const int last_a = lane == 0 ? open_a : kend;
   const int last_e = lane == 0 ? run_e : kend;
-  const int last_p = lane == 0 ? open_p : (open ? w.emitted_end(open_a, run_e, kend) : 0);
-  w.emit(last_has, last_a, last_e, last_p, kend, lane);
+  const int last_end = open ? w.emitted_end(open_a, run_e, kend) : 0;
+  const int last_p = lane == 0 ? open_p : last_end;
+  w.emit(last_has, last_a, last_e, last_p, last_end, lane);
   if (lane == 0) {
     p.block_count[s] = imin(w.nb, w.cap_b);
     p.column_count[s] = imin(w.nc, w.cap_c);

@@ -21,4 +21,15 @@ inline uint64_t fresh_seed() {
   return s;
 }
 
+// One seed for the whole process (the GPU tests: every case of a run from one seed, which they
+// print), SF_TEST_SEED=<seed> replaying all of them.
+inline uint64_t process_seed() {
+  static const uint64_t seed = [] {
+    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) | rd();
+  }();
+  return seed;
+}
+
 }  // namespace sf::testing

@@ -10,6 +10,7 @@
 
 #include "decode/device_session.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "tests/common/logit_rows.h"
 #include "tests/decode/decode_test_util.h"
 #include "worker/model/device_model.h"
 
@@ -244,33 +245,22 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
       for (int i = 0; i < n_new; ++i) {
         ASSERT_TRUE(cpu.step(t, &zc).is_ok());
         ASSERT_TRUE(dev->step(t, &zg).is_ok());
-        double num = 0, den = 0, row_max_err = 0;
-        for (size_t j = 0; j < zc.size(); ++j) {
-          ASSERT_TRUE(std::isfinite(zg[j]));
-          num += (double(zg[j]) - zc[j]) * (double(zg[j]) - zc[j]);
-          den += double(zc[j]) * zc[j];
-          row_max_err = std::max(row_max_err, std::abs(double(zg[j]) - zc[j]));
-        }
-        worst = std::max(worst, std::sqrt(num / den));
-        const double rms = std::sqrt(den / double(zc.size()));
-        worst_rel = std::max(worst_rel, row_max_err / rms);
-        const auto top = [](const std::vector<float>& z) {
-          return int32_t(std::max_element(z.begin(), z.end()) - z.begin());
-        };
-        const int32_t a = top(zc), ga = top(zg);
-        if (a == ga) {
+        ASSERT_EQ(zg.size(), zc.size());
+        for (float x : zg) ASSERT_TRUE(std::isfinite(x));
+        const testing::RowCompare rc =
+            testing::compare_logit_row(zg.data(), zc.data(), int64_t(zc.size()));
+        worst = std::max(worst, std::sqrt(rc.sq_err / rc.sq_ref));
+        worst_rel = std::max(worst_rel, rc.max_err / rc.rms);
+        const int32_t a = int32_t(rc.cpu_top);
+        if (rc.same_top()) {
           ++same_top;
+        } else if (wdt == DType::kBF16 && rc.within_rounding(logit_rel)) {
+          ++near_tie_swaps;
         } else {
-          double second = -INFINITY;
-          for (size_t j = 0; j < zc.size(); ++j)
-            if (int32_t(j) != a) second = std::max(second, double(zc[j]));
-          const double gap = double(zc[size_t(a)]) - second, allowed = 2 * logit_rel * rms;
-          if (wdt == DType::kBF16 && gap < allowed)
-            ++near_tie_swaps;
-          else
-            ADD_FAILURE() << dtype_name(wdt) << " " << spec << " step " << i << ": gpu top-1 " << ga
-                          << " != cpu " << a << ", cpu top-2 gap " << gap
-                          << (wdt == DType::kBF16 ? " >= " + std::to_string(allowed) : "");
+          ADD_FAILURE() << dtype_name(wdt) << " " << spec << " step " << i << ": gpu top-1 "
+                        << rc.gpu_top << " != cpu " << a << ", cpu top-2 gap " << rc.top2_gap
+                        << (wdt == DType::kBF16 ? " >= " + std::to_string(rc.allowed_gap(logit_rel))
+                                                : "");
         }
         t = a;
       }

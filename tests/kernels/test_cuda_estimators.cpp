@@ -35,6 +35,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/sparse_estimate.h"
 #include "kernels/sparse.h"
+#include "tests/common/test_seed.h"
 #include "tests/kernels/pooled_ref.h"
 
 namespace sf::kernels {
@@ -54,14 +55,7 @@ namespace {
 
 constexpr int64_t kB = kSparseBlock;
 
-uint64_t base_seed() {
-  static const uint64_t seed = [] {
-    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
-    std::random_device rd;
-    return (uint64_t(rd()) << 32) | rd();
-  }();
-  return seed;
-}
+uint64_t base_seed() { return testing::process_seed(); }
 
 struct Geo {
   int64_t nq, nk, q_offset, hq, hkv, d;

@@ -21,9 +21,10 @@
 
 #include "common/dtype.h"
 #include "kernels/api.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
-#include "kernels/cuda/cuda_ops.h"
+#include "tests/common/test_seed.h"
 
 namespace sf::kernels {
 namespace {
@@ -56,14 +57,7 @@ struct Tolerance {
 };
 constexpr Tolerance kExact{0.0, 0.0};
 
-uint64_t base_seed() {
-  static const uint64_t seed = [] {
-    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
-    std::random_device rd;
-    return (uint64_t(rd()) << 32) | rd();
-  }();
-  return seed;
-}
+uint64_t base_seed() { return testing::process_seed(); }
 
 // A device allocation followed by kGuardBytes of sentinel that no op may touch.
 class DevBuf {

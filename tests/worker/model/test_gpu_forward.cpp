@@ -30,6 +30,8 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/tiered_kv.h"
+#include "tests/common/logit_rows.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/device_model.h"
 #include "worker/model/model.h"
@@ -47,14 +49,7 @@ namespace {
 constexpr int64_t kTokens = 700;
 constexpr int64_t kChunk = 256;
 
-uint64_t base_seed() {
-  static const uint64_t seed = [] {
-    if (const char* e = std::getenv("SF_TEST_SEED")) return uint64_t(std::strtoull(e, nullptr, 10));
-    std::random_device rd;
-    return (uint64_t(rd()) << 32) | rd();
-  }();
-  return seed;
-}
+uint64_t base_seed() { return testing::process_seed(); }
 
 using testing::small_llama3;
 
@@ -150,33 +145,22 @@ void expect_matches_cpu(const char* what, const Reference& ref, const PrefillRes
   int64_t same = 0, ambiguous_swaps = 0;
   double worst_rel = 0;
   for (int64_t i = 0; i < kTokens; ++i) {
-    const float* g = gpu.logits.data() + i * vocab;
-    const float* r = cpu.logits.data() + i * vocab;
-    double ss = 0, row_max_err = 0;
-    for (int64_t j = 0; j < vocab; ++j) {
-      ss += double(r[j]) * r[j];
-      row_max_err = std::max(row_max_err, std::abs(double(g[j]) - double(r[j])));
-    }
-    const double rms = std::sqrt(ss / double(vocab));
-    worst_rel = std::max(worst_rel, row_max_err / rms);
-    const int64_t a = std::max_element(r, r + vocab) - r;
-    const int64_t ga = std::max_element(g, g + vocab) - g;
-    double second = -INFINITY;
-    for (int64_t j = 0; j < vocab; ++j)
-      if (j != a) second = std::max(second, double(r[j]));
-    const double gap = double(r[a]) - second;
-    if (ga == a) {
+    const testing::RowCompare rc = testing::compare_logit_row(gpu.logits.data() + i * vocab,
+                                                              cpu.logits.data() + i * vocab, vocab);
+    worst_rel = std::max(worst_rel, rc.max_err / rc.rms);
+    if (rc.same_top()) {
       ++same;
       continue;
     }
-    const double allowed = 2.0 * b.logit_rel * rms;
-    if (gap < allowed) {
+    if (rc.within_rounding(b.logit_rel)) {
       ++ambiguous_swaps;
-      std::cout << "  " << what << " position " << i << ": gpu picks " << ga << ", cpu " << a
-                << "; cpu top-2 gap " << gap << " < " << allowed << " (within rounding)\n";
+      std::cout << "  " << what << " position " << i << ": gpu picks " << rc.gpu_top << ", cpu "
+                << rc.cpu_top << "; cpu top-2 gap " << rc.top2_gap << " < "
+                << rc.allowed_gap(b.logit_rel) << " (within rounding)\n";
     } else {
-      ADD_FAILURE() << what << " position " << i << ": gpu top-1 " << ga << " != cpu top-1 " << a
-                    << " with cpu top-2 gap " << gap << " >= " << allowed;
+      ADD_FAILURE() << what << " position " << i << ": gpu top-1 " << rc.gpu_top << " != cpu top-1 "
+                    << rc.cpu_top << " with cpu top-2 gap " << rc.top2_gap
+                    << " >= " << rc.allowed_gap(b.logit_rel);
     }
   }
   std::cout << "  " << what << " top-1: " << same << "/" << kTokens << " identical, "
