@@ -25,19 +25,21 @@ import numpy as np
 N_ROT = 32
 
 
-def logits(L, rows, seed=1):
+def logits(L, rows, seed=1, base=10000.0, peak=12.0):
+    """The generator's logits for query rows `rows` (base: the rotary ladder's base; peak: the
+    diagonal logit; the bench uses 10000 and 12)."""
     rng = np.random.default_rng(seed)
     h = rng.random(L)
     vert = np.where(h < 1 / 200, 4 + 5 * rng.random(L), 0.0)
     vert[:4] = 10.0
-    theta = 10000.0 ** (-np.arange(N_ROT) / N_ROT)
+    theta = base ** (-np.arange(N_ROT) / N_ROT)
     out = np.full((len(rows), L), -np.inf)
     for a, i in enumerate(rows):
         dist = (i - np.arange(i + 1)).astype(np.float64)
         k = np.zeros(i + 1)
         for t in theta:
             k += np.cos(dist * t)
-        out[a, : i + 1] = 12.0 / N_ROT * k + vert[: i + 1]
+        out[a, : i + 1] = peak / N_ROT * k + vert[: i + 1]
     return out
 
 
@@ -77,10 +79,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="131072")
     ap.add_argument("--gamma", type=float, default=0.95)
+    ap.add_argument("--base", type=float, default=10000.0, help="rotary base (bench: 10000)")
+    ap.add_argument("--peak", type=float, default=12.0, help="diagonal logit (bench: 12)")
     args = ap.parse_args()
     for L in (int(x) for x in args.lengths.split(",")):
         last = np.arange(L - 64, L)
-        p = softmax_rows(logits(L, last))
+        p = softmax_rows(logits(L, last, base=args.base, peak=args.peak))
         col = p.sum(axis=0)
         diag = np.zeros(L)
         for a, i in enumerate(last):
@@ -88,7 +92,7 @@ def main():
         cols = gamma_set(col, args.gamma, 64)
         diags = gamma_set(diag, args.gamma, 65)
         sampled = np.array([L // 4, L // 2, 3 * L // 4, L - 1])
-        ps = softmax_rows(logits(L, sampled))
+        ps = softmax_rows(logits(L, sampled, base=args.base, peak=args.peak))
         local = np.arange(65)
         col_cost = float(np.sum(L - cols)) / (L * L / 2)
         print(f"L={L} gamma={args.gamma}: {len(cols)} columns, {len(diags)} diagonals")
