@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Adaptive vertical-slash selection as one cover: a numpy model on the planted inputs.
+
+adaptive-vs (FlexPrefill's rule) keeps the columns holding gamma of the scoring rows' mass AND the
+diagonals holding gamma of it. Each set alone is sized for all the mass, and the vertical columns'
+mass also enters the diagonal sums (a column read by the scoring rows adds to as many offsets), so
+its diagonal set scatters over most 64 x 64 tiles (bench/NOTES.md, twentieth and twenty-third
+sessions). This models the alternative: columns and diagonals chosen together until their UNION
+holds gamma of the scoring rows' mass, each step taking the item (a column or a diagonal) that
+adds the most mass not yet covered:
+  - greedy: one item a step, exact (a lazy heap; the textbook max-coverage greedy);
+  - rounds: every item whose uncovered mass is at least a threshold, set each round so the
+    picks' uncovered mass just reaches what is missing, then exact recount (a rule a GPU can run:
+    a few passes of sums, a threshold and a recount).
+Sinks (columns 0..63) and the local diagonals 0..64 are forced, as in sparsefill. Scoring rows:
+the last 64 plus --spread rows spread over [L/8, L-64) (the shipped configs' spread_rows).
+Cost: columns as the pairs they add, diagonals as the 64 x 64 tiles they touch (as in
+planted_vs_model.py); recall on rows L/4, L/2, 3L/4, L-1 (the bench's sampled rows).
+
+Usage: .venv-ref/bin/python bench/planted_cover_model.py [--lengths 131072] [--spread 256]
+       [--base 10000 --peak 12] (the bench's generator) or [--base 500000 --peak 16] (calibrated
+       to MInference's Llama-3 figure, bench/planted_oracle.py). 1M: about 2 minutes, 3 GB.
+"""
+import argparse
+import heapq
+
+import numpy as np
+
+from planted_vs_model import gamma_set, logits, recall, softmax_rows, tile_density
+
+
+def forced_cover(rows, L):
+    cov = np.zeros((len(rows), L), bool)
+    for a, i in enumerate(rows):
+        cov[a, :64] = True
+        cov[a, max(0, i - 64): i + 1] = True
+    return cov
+
+
+def residual_sums(p, cov, rows, L):
+    pr = np.where(cov, 0.0, p)
+    col = pr.sum(axis=0)
+    diag = np.zeros(L)
+    for a, i in enumerate(rows):
+        np.add.at(diag, i - np.arange(i + 1), pr[a, : i + 1])
+    return col, diag
+
+
+def take(p, cov, rows, kind, x):
+    """Covers item x; returns the mass it added and the per-(row, key) updates."""
+    added = []
+    for a, i in enumerate(rows):
+        j = x if kind == 0 else i - x
+        if 0 <= j <= i and not cov[a, j]:
+            cov[a, j] = True
+            added.append((a, i, j, p[a, j]))
+    return added
+
+
+def cover_greedy(p, rows, L, gamma):
+    cov = forced_cover(rows, L)
+    total, got = p.sum(), (p * cov).sum()
+    col, diag = residual_sums(p, cov, rows, L)
+    cur = [col, diag]
+    heap = [(-col[j], 0, j) for j in np.nonzero(col > 0)[0]]
+    heap += [(-diag[o], 1, o) for o in np.nonzero(diag > 0)[0]]
+    heapq.heapify(heap)
+    picked = ([], [])
+    while got < gamma * total and heap:
+        neg, kind, x = heapq.heappop(heap)
+        v = cur[kind][x]
+        if v <= 0:
+            continue
+        if -neg > v * (1 + 1e-9):  # stale: re-queue at its current value
+            heapq.heappush(heap, (-v, kind, x))
+            continue
+        picked[kind].append(x)
+        cur[kind][x] = 0
+        for a, i, j, m in take(p, cov, rows, kind, x):
+            got += m
+            if kind == 0:
+                diag[i - j] -= m
+            else:
+                col[j] -= m
+    return picked, got / total
+
+
+def cover_rounds(p, rows, L, gamma, max_rounds=8):
+    cov = forced_cover(rows, L)
+    total = p.sum()
+    picked = ([], [])
+    n_rounds = 0
+    for n_rounds in range(1, max_rounds + 1):
+        got = (p * cov).sum()
+        if got >= gamma * total:
+            n_rounds -= 1
+            break
+        col, diag = residual_sums(p, cov, rows, L)
+        vals = np.concatenate([col, diag])
+        order = np.argsort(-vals, kind="stable")
+        need = gamma * total - got
+        k = int(np.searchsorted(np.cumsum(vals[order]), need) + 1)
+        for idx in order[:k]:
+            kind, x = (0, idx) if idx < L else (1, idx - L)
+            if vals[idx] <= 0:
+                continue
+            picked[kind].append(int(x))
+            take(p, cov, rows, kind, int(x))
+    return picked, (p * cov).sum() / total, n_rounds
+
+
+def report(name, L, cols, diags, ps, sampled, extra=""):
+    cols = np.array(sorted(set(range(64)) | set(cols)))
+    diags = np.array(sorted(set(range(65)) | set(diags)))
+    cp = float(np.sum(L - cols)) / (L * L / 2)
+    td = tile_density(L, diags)
+    r = recall(ps, sampled, cols, diags)
+    print(f"  {name}: {len(cols)} columns (pairs {cp:.4f}), {len(diags)} diagonals (tiles {td:.4f});"
+          f" density about {cp + td:.4f}; sampled-row mass mean {r[0]:.3f}, min {r[1]:.3f}{extra}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="131072")
+    ap.add_argument("--gamma", type=float, default=0.95)
+    ap.add_argument("--spread", type=int, default=256)
+    ap.add_argument("--base", type=float, default=10000.0)
+    ap.add_argument("--peak", type=float, default=12.0)
+    args = ap.parse_args()
+    for L in (int(x) for x in args.lengths.split(",")):
+        last = np.arange(L - 64, L)
+        spread = np.linspace(L // 8, L - 65, args.spread).astype(int) if args.spread else []
+        rows = np.concatenate([np.asarray(spread, int), last])
+        p = softmax_rows(logits(L, rows, base=args.base, peak=args.peak))
+        sampled = np.array([L // 4, L // 2, 3 * L // 4, L - 1])
+        ps = softmax_rows(logits(L, sampled, base=args.base, peak=args.peak))
+        print(f"L={L} base={args.base:.0f} peak={args.peak:g} gamma={args.gamma} "
+              f"scoring rows {len(rows)}:")
+        # FlexPrefill's two sets, from the same scoring rows.
+        col = p.sum(axis=0)
+        diag = np.zeros(L)
+        for a, i in enumerate(rows):
+            np.add.at(diag, i - np.arange(i + 1), p[a, : i + 1])
+        report("two gamma sets (adaptive-vs)", L, gamma_set(col, args.gamma, 64),
+               gamma_set(diag, args.gamma, 65), ps, sampled)
+        (gc, gd), gcov = cover_greedy(p, rows, L, args.gamma)
+        report("one cover, greedy", L, gc, gd, ps, sampled, f"; scoring rows {gcov:.3f}")
+        (rc, rd), rcov, nr = cover_rounds(p, rows, L, args.gamma)
+        report("one cover, rounds", L, rc, rd, ps, sampled,
+               f"; scoring rows {rcov:.3f} after {nr} rounds")
+
+
+if __name__ == "__main__":
+    main()
