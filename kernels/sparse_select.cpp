@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <queue>
+#include <tuple>
 
 #include "kernels/sparse.h"
 #include "kernels/sparse_index.h"
@@ -164,6 +166,92 @@ void share_sums(const std::vector<int>& leader, const std::vector<std::vector<fl
     }
     const auto& a = arrays[h];
     for (size_t i = 0; i < s.size() && i < a.size(); ++i) s[i] += a[i];
+  }
+}
+
+void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
+                     int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
+                     std::vector<int32_t>* cols, std::vector<int32_t>* diags) {
+  const int64_t nc = std::max<int64_t>(n_cols, 0), nd = std::max<int64_t>(n_diags, 0);
+  std::vector<char> cov(size_t(std::max<int64_t>(n_rows, 0) * nc), 0);
+  std::vector<double> res[2] = {std::vector<double>(size_t(nc), 0.0),
+                                std::vector<double>(size_t(nd), 0.0)};
+  std::vector<char> taken[2] = {std::vector<char>(size_t(nc), 0), std::vector<char>(size_t(nd), 0)};
+  int64_t count[2] = {0, 0};
+  double total = 0, got = 0;
+  const int64_t sink = std::min(hp.sink, nc), local = std::min(hp.local + 1, nd);
+  for (int64_t j = 0; j < sink; ++j) taken[0][size_t(j)] = 1;
+  for (int64_t o = 0; o < local; ++o) taken[1][size_t(o)] = 1;
+  count[0] = sink;
+  count[1] = local;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* p = probs + r * nc;
+    const int64_t lim = std::clamp<int64_t>(pos[r] + 1, 0, nc);
+    for (int64_t j = 0; j < lim; ++j) {
+      const double v = p[j];
+      total += v;
+      const int64_t o = pos[r] - j;
+      if (j < sink || o < local) {
+        cov[size_t(r * nc + j)] = 1;
+        got += v;
+      } else {
+        res[0][size_t(j)] += v;
+        if (o < nd) res[1][size_t(o)] += v;
+      }
+    }
+  }
+  // Max-heap on (mass, columns first, lower index first); entries go stale as masses fall.
+  using Item = std::tuple<double, int, int64_t>;
+  auto worse = [](const Item& a, const Item& b) {
+    if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
+    if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) > std::get<1>(b);
+    return std::get<2>(a) > std::get<2>(b);
+  };
+  std::priority_queue<Item, std::vector<Item>, decltype(worse)> heap(worse);
+  for (int kind = 0; kind < 2; ++kind)
+    for (size_t x = 0; x < res[kind].size(); ++x)
+      if (!taken[kind][x] && res[kind][x] > 0) heap.emplace(res[kind][x], kind, int64_t(x));
+  const double goal = hp.gamma * total;
+  const int64_t cap[2] = {std::min(hp.max_budget, nc), std::min(hp.max_budget, nd)};
+  while (got < goal && !heap.empty()) {
+    const auto [v, kind, x] = heap.top();
+    heap.pop();
+    const double cur = res[kind][size_t(x)];
+    if (count[kind] >= cap[kind]) continue;
+    if (v != cur) {  // stale: back at its current mass
+      if (cur > 0) heap.emplace(cur, kind, x);
+      continue;
+    }
+    taken[kind][size_t(x)] = 1;
+    ++count[kind];
+    res[kind][size_t(x)] = 0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t j = kind == 0 ? x : pos[r] - x;
+      if (j < 0 || j >= nc || j > pos[r] || cov[size_t(r * nc + j)]) continue;
+      cov[size_t(r * nc + j)] = 1;
+      const double m = probs[r * nc + j];
+      got += m;
+      if (kind == 0) {
+        const int64_t o = pos[r] - j;
+        if (o < nd) res[1][size_t(o)] -= m;
+      } else {
+        res[0][size_t(j)] -= m;
+      }
+    }
+  }
+  const float* plain[2] = {col, diag};
+  const int64_t n[2] = {nc, nd};
+  std::vector<int32_t>* out[2] = {cols, diags};
+  for (int kind = 0; kind < 2; ++kind) {
+    std::vector<int32_t> sel;
+    for (int64_t x = 0; x < n[kind]; ++x)
+      if (taken[kind][size_t(x)]) sel.push_back(int32_t(x));
+    if (int64_t(sel.size()) < std::min(hp.min_budget, n[kind])) {
+      SelectBudget b;  // top-k: the cover's items forced, the rest by plain sums
+      b.k = std::min(hp.min_budget, n[kind]);
+      sel = select_ranked(plain[kind], n[kind], std::move(sel), b);
+    }
+    *out[kind] = std::move(sel);
   }
 }
 

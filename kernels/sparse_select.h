@@ -73,6 +73,20 @@ VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows);
 void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const float* diag,
                int64_t n_diags, std::vector<int32_t>* cols, std::vector<int32_t>* diags);
 
+// adaptive-vs with HeadPattern::vs_cover: columns and diagonals chosen as one cover. probs holds
+// the scoring rows' softmax, [n_rows][n_cols] (row r over keys [0, n_cols), zero past its causal
+// limit), pos[r] the row's absolute position (key j of row r lies on diagonal pos[r] - j, in
+// [0, n_diags)). Forced first, as vs_select: columns [0, sink) and diagonals [0, local]. Then,
+// until the covered mass reaches gamma of the rows' total, the item adding the most uncovered mass
+// (ties: columns before diagonals, then the lower index); a family holding max_budget items takes
+// no more. A family then under min_budget is topped up by its plain sums (col / diag) as
+// vs_select ranks them. The textbook greedy for max coverage: FlexPrefill's rule sizes each set
+// for gamma alone, and the columns' mass, entering the diagonal sums too, scatters the diagonals
+// (bench/planted_cover_model.py). cols and diags come back ascending.
+void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
+                     int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
+                     std::vector<int32_t>* cols, std::vector<int32_t>* diags);
+
 // KV-group-shared ranking (HeadPattern::share_group). Heads rank together when each has
 // share_group set, they read one KV head (h / q_per_kv), and they are of one family with equal
 // scoring settings: vertical-slash and adaptive-vs with the same spread_rows and segment_rows, or

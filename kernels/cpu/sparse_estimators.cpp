@@ -76,10 +76,13 @@ struct Geometry {
 // Column sums and diagonal sums of softmax(q_row K^T * scale) over causal keys, for the scoring
 // rows `rows` (sorted local row indices) of the heads in `heads`. col[h] has kend_last entries,
 // diag[h] q_offset + n_q; diag may be null (columns only). row_blocks, when set, also gets each
-// row's own mass per 64-key block: row_blocks[h] is [rows][ceil(kend_last / 64)].
+// row's own mass per 64-key block: row_blocks[h] is [rows][ceil(kend_last / 64)]. row_probs,
+// when set, gets each row's probabilities, [rows][kend_last], for the heads whose entry is
+// non-empty on entry (HeadPattern::vs_cover; sized by the caller, zeros past causal limits).
 void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vector<int64_t>& rows,
                std::vector<std::vector<float>>* col, std::vector<std::vector<float>>* diag,
-               std::vector<std::vector<float>>* row_blocks = nullptr) {
+               std::vector<std::vector<float>>* row_blocks = nullptr,
+               std::vector<std::vector<float>>* row_probs = nullptr) {
   const int64_t L = int64_t(rows.size());
   const int64_t kend = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
   const int64_t n_diag = g.q_offset + g.nq;
@@ -190,6 +193,8 @@ void vs_scores(const Geometry& g, const std::vector<int>& heads, const std::vect
           if (lim == 0 || lse == -std::numeric_limits<float>::infinity()) continue;
           exp_sub_sum(sr, lim, lse);
           for (int64_t j = 0; j < lim; ++j) cs[j] += sr[j];
+          if (row_probs && !(*row_probs)[size_t(hs[x])].empty())
+            std::copy_n(sr, lim, (*row_probs)[size_t(hs[x])].data() + i * kend + c0);
           if (row_blocks) {  // chunks start on block boundaries (kChunk % kB == 0)
             float* rb = (*row_blocks)[size_t(hs[x])].data() + i * n_kb + c0 / kB;
             for (int64_t j = 0; j < lim; ++j) rb[j / kB] += sr[j];
@@ -277,6 +282,8 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   // one's selection stay zero). One scoring pass per distinct (spread_rows, segment_rows).
   std::vector<std::vector<float>> col(size_t(g.hq)), diag(size_t(g.hq));
   std::vector<VsSegments> segs(size_t(g.hq));
+  // vs_cover heads: the scoring rows' softmax, [rows][kend_last] (their one segment's rows).
+  std::vector<std::vector<float>> probs(size_t(g.hq));
   {
     std::vector<std::pair<int64_t, int64_t>> settings;
     for (int h : vs_heads)
@@ -297,7 +304,14 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
       std::vector<std::vector<float>> sc(size_t(g.hq)), sd(size_t(g.hq));
       for (int64_t si = 0; si < sg.count(); ++si) {
         if (sg.rows[size_t(si)].empty()) continue;
-        vs_scores(g, hs, sg.rows[size_t(si)], &sc, &sd);
+        // vs_cover heads (one segment: check_pattern) also keep each scoring row's softmax.
+        bool want_probs = false;
+        for (int h : hs)
+          if (patterns[size_t(h)].vs_cover) {
+            probs[size_t(h)].assign(sg.rows[size_t(si)].size() * size_t(kend_last), 0.f);
+            want_probs = true;
+          }
+        vs_scores(g, hs, sg.rows[size_t(si)], &sc, &sd, nullptr, want_probs ? &probs : nullptr);
         for (int h : hs) {
           std::copy(sc[size_t(h)].begin(), sc[size_t(h)].end(),
                     col[size_t(h)].begin() + si * kend_last);
@@ -406,6 +420,15 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             const int64_t src = vsg.source[size_t(si)];
             const int64_t nd = g.q_offset + vsg.end_row(si);
             const int64_t nc = std::clamp<int64_t>(nd, 0, kend_last);
+            if (hp.vs_cover) {  // one segment, no sharing (check_pattern)
+              const auto& rs = vsg.rows[size_t(src)];
+              std::vector<int64_t> pos(rs.size());
+              for (size_t r = 0; r < rs.size(); ++r) pos[r] = g.q_offset + rs[r];
+              vs_cover_select(hp, probs[h].data(), pos.data(), int64_t(rs.size()), kend_last,
+                              col[h].data() + src * kend_last, nd, diag[h].data() + src * n_diag,
+                              &seg_cols[size_t(si)], &seg_diags[size_t(si)]);
+              continue;
+            }
             vs_select(hp, share_scores(leader, shared_col, col, int(h)) + src * kend_last, nc,
                       share_scores(leader, shared_diag, diag, int(h)) + src * n_diag, nd,
                       &seg_cols[size_t(si)], &seg_diags[size_t(si)]);

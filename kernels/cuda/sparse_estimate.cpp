@@ -75,6 +75,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     if (hp.share_group != 0)
       return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
                                       "].share_group is not implemented on the device");
+    if (hp.vs_cover != 0)
+      return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
+                                      "].vs_cover is not implemented on the device");
     e.sink = hp.sink;
     e.local = hp.local;
     e.tail_block_min = hp.tail_block_min;

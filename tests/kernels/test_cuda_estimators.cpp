@@ -719,6 +719,11 @@ TEST_F(CudaEstimators, BackendNeutralEntry) {
   rows[0].pattern = Pattern::kAdaptiveBlock;
   rows[0].last_block_rows = 1;
   EXPECT_EQ(sparse_estimate(dq_v, dk_v, rows, 0, &a, &st).code(), Code::kUnsupported);
+  std::vector<HeadPattern> cover = ps;  // adaptive-vs as one cover: host-only as well
+  cover[0].pattern = Pattern::kAdaptiveVS;
+  cover[0].vs_cover = 1;
+  cover[0].segment_rows = cover[0].share_group = 0;  // valid otherwise (check_pattern)
+  EXPECT_EQ(sparse_estimate(dq_v, dk_v, cover, 0, &a, &st).code(), Code::kUnsupported);
 }
 
 }  // namespace

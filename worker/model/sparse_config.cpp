@@ -130,7 +130,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
                          {"segment_rows", &hp.segment_rows},
                          {"last_block_rows", &hp.last_block_rows},
                          {"share_group", &hp.share_group},
-                         {"tail_block_min", &hp.tail_block_min}}) {
+                         {"tail_block_min", &hp.tail_block_min},
+                         {"vs_cover", &hp.vs_cover}}) {
         int64_t x = 0;
         if (!get_int(ho, f.name, &x)) continue;
         if (x == INT64_MIN) return field_err(l, h, f.name, "must be an integer");
@@ -153,6 +154,9 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.share_group > 1) return field_err(l, h, "share_group", "must be 0 or 1");
       if (hp.tail_block_min >= kernels::kSparseBlock)
         return field_err(l, h, "tail_block_min", "must be in [0, 63]");
+      if (hp.vs_cover > 1) return field_err(l, h, "vs_cover", "must be 0 or 1");
+      if (hp.vs_cover != 0 && hp.pattern != Pattern::kAdaptiveVS)
+        return field_err(l, h, "vs_cover", "applies to adaptive-vs only");
       c.layers[size_t(l)].push_back(hp);
     }
   }
@@ -196,6 +200,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
       if (h.last_block_rows != 0) ho["last_block_rows"] = h.last_block_rows;
       if (h.share_group != 0) ho["share_group"] = h.share_group;
       ho["tail_block_min"] = h.tail_block_min;
+      if (h.vs_cover != 0) ho["vs_cover"] = h.vs_cover;
       ho["score"] = h.score;
       heads.push_back(std::move(ho));
     }

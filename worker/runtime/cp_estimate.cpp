@@ -499,6 +499,10 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
   const int64_t S = a.n_tokens, d = a.head_dim, hq = a.n_heads, hkv = a.n_kv_heads;
   if (S <= 0 || hq <= 0 || hkv <= 0 || hq % hkv != 0 || !a.patterns)
     return SF_ERR(kInvalidArgument, "cp_estimate: bad geometry");
+  for (int64_t h = 0; h < hq; ++h)  // every rank holds the same patterns: all refuse alike
+    if (a.patterns[h].vs_cover != 0)
+      return SF_ERR(kUnsupported, "cp_estimate: patterns[" + std::to_string(h) +
+                                      "].vs_cover is not implemented under --cp-estimate");
   const int CP = cp.size();
   // Scores per head and selection segment (col[h], diag[h]: n_seg x S), one scoring pass per
   // distinct (spread_rows, segment_rows) and segment with rows, as single-rank.

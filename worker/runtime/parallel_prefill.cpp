@@ -349,6 +349,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         kInvalidArgument,
         "parallel_prefill: the selective KV exchange needs the index before the exchange: "
         "a shared global index (index_source) or cp_estimate with a sparse config");
+  // Checked on the whole config, before any collective: every rank holds the same config and
+  // refuses alike (a TP slice without such a head must not go on to wait for one that has it).
+  if (cp_est)
+    for (const auto& layer : opt.sparse->layers)
+      for (size_t h = 0; h < layer.size(); ++h)
+        if (layer[h].vs_cover != 0)
+          return SF_ERR(kUnsupported, "parallel_prefill: head " + std::to_string(h) +
+                                          " has vs_cover, which --cp-estimate does not implement "
+                                          "(cp_estimate.h)");
   const bool have_index = opt.index_source || cp_est;
   // An all-gathered [rank][K rows, V rows] buffer back into prompt order.
   auto unpack_gathered = [&](const float* all, float* Kd, float* Vd) {

@@ -43,6 +43,10 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
                "layer 1 head 1: field 'last_block_rows' must be 0 or 1");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","share_group":2})"),
                "layer 1 head 1: field 'share_group' must be 0 or 1");
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","vs_cover":1})"),
+               "layer 1 head 1: field 'vs_cover' applies to adaptive-vs only");
+  expect_error(two_by_two(R"({"pattern":"adaptive-vs","vs_cover":2})"),
+               "layer 1 head 1: field 'vs_cover' must be 0 or 1");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","tail_block_min":64})"),
                "layer 1 head 1: field 'tail_block_min' must be in [0, 63]");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
@@ -86,6 +90,10 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_EQ(sgb.layers.size(), 2u);
   EXPECT_EQ(sgb.layers[1][1].share_group, 1);
   EXPECT_EQ(sgb.layers[0][0].share_group, 0);
+  auto cv = round_trip(R"({"pattern":"adaptive-vs","vs_cover":1})");
+  ASSERT_EQ(cv.layers.size(), 2u);
+  EXPECT_EQ(cv.layers[1][1].vs_cover, 1);
+  EXPECT_EQ(cv.layers[1][0].vs_cover, 0);
   auto tb = round_trip(R"({"pattern":"vertical-slash","tail_block_min":32})");
   ASSERT_EQ(tb.layers.size(), 2u);
   EXPECT_EQ(tb.layers[1][1].tail_block_min, 32);

@@ -261,6 +261,26 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
   check_grid(*model_, {tp, cp}, 1024, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
+// adaptive-vs as one cover (vs_cover) is host-only: estimated across ranks it is refused, with
+// the same error on every rank, also the TP ranks whose heads do not have it (only the last head
+// does), and no rank left waiting.
+TEST_P(ParallelPrefill, CpEstimateRefusesVsCoverOnEveryRank) {
+  const auto [tp, cp] = GetParam();
+  auto sc = sparse_everywhere("adaptive-vs");
+  for (auto& l : sc.layers) l.back().vs_cover = 1;
+  auto& w = test_world();
+  auto gr = runtime::make_grid(w, {tp, cp});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  runtime::ParallelOptions po;
+  po.sparse = &sc;
+  po.cp_estimate = true;
+  const auto tokens = tokens_for(256, model_->config().vocab, 5);
+  auto par = runtime::parallel_prefill(*model_, gr.value(), tokens, po);
+  ASSERT_FALSE(par.is_ok());
+  EXPECT_EQ(par.status().code(), Code::kUnsupported) << par.status().to_string();
+  EXPECT_NE(par.status().message().find("vs_cover"), std::string::npos) << par.status().to_string();
+}
+
 // The same with every estimator family in one layer: vertical-slash, block-sparse, adaptive-block
 // and a-shape heads (block scores from pooled keys gathered from their owners, the last query
 // block's exact mass reduced across ranks; in odd layers the adaptive-block heads select the last
