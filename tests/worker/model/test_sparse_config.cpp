@@ -82,25 +82,25 @@ TEST(SparseConfig, ModesAndRoundTrip) {
   ASSERT_EQ(vb.layers.size(), 2u);
   EXPECT_EQ(vb.layers[1][1].spread_rows, 32);
   EXPECT_EQ(vb.layers[1][1].segment_rows, 1024);
-  auto abb = round_trip(R"({"pattern":"adaptive-block","last_block_rows":1})");
-  ASSERT_EQ(abb.layers.size(), 2u);
-  EXPECT_EQ(abb.layers[1][1].last_block_rows, 1);
-  EXPECT_EQ(abb.layers[0][0].last_block_rows, 0);
-  auto sgb = round_trip(R"({"pattern":"block-sparse","share_group":1})");
-  ASSERT_EQ(sgb.layers.size(), 2u);
-  EXPECT_EQ(sgb.layers[1][1].share_group, 1);
-  EXPECT_EQ(sgb.layers[0][0].share_group, 0);
-  auto cv = round_trip(R"({"pattern":"adaptive-vs","vs_cover":1})");
-  ASSERT_EQ(cv.layers.size(), 2u);
-  EXPECT_EQ(cv.layers[1][1].vs_cover, 1);
-  EXPECT_EQ(cv.layers[1][0].vs_cover, 0);
-  auto tb = round_trip(R"({"pattern":"vertical-slash","tail_block_min":32})");
-  ASSERT_EQ(tb.layers.size(), 2u);
-  EXPECT_EQ(tb.layers[1][1].tail_block_min, 32);
-  EXPECT_EQ(tb.layers[0][0].tail_block_min, 0);
-  // A file without the field means 0 (files from before the default became 32 keep their
-  // index); what the CLI modes build carries the default, and saving writes it out.
-  EXPECT_EQ(tb.layers[1][0].tail_block_min, 0);
+  // A field set on head [1][1] comes back; heads [0][0] and [1][0], which omit it, read 0.
+  auto field_round_trips = [&](const char* head, int64_t kernels::HeadPattern::*field,
+                               int64_t want) {
+    const SparseConfig c = round_trip(head);
+    ASSERT_EQ(c.layers.size(), 2u) << head;
+    EXPECT_EQ(c.layers[1][1].*field, want) << head;
+    EXPECT_EQ(c.layers[0][0].*field, 0) << head;
+    EXPECT_EQ(c.layers[1][0].*field, 0) << head;
+  };
+  field_round_trips(R"({"pattern":"adaptive-block","last_block_rows":1})",
+                    &kernels::HeadPattern::last_block_rows, 1);
+  field_round_trips(R"({"pattern":"block-sparse","share_group":1})",
+                    &kernels::HeadPattern::share_group, 1);
+  field_round_trips(R"({"pattern":"adaptive-vs","vs_cover":1})", &kernels::HeadPattern::vs_cover,
+                    1);
+  // tail_block_min: a file without the field means 0 (files from before the default became 32
+  // keep their index); what the CLI modes build carries the default, and saving writes it out.
+  field_round_trips(R"({"pattern":"vertical-slash","tail_block_min":32})",
+                    &kernels::HeadPattern::tail_block_min, 32);
   auto vs = sparse_config_for_mode("vertical-slash", 2, 2);
   ASSERT_TRUE(vs.is_ok());
   EXPECT_EQ(vs->layers[1][1].tail_block_min, kernels::HeadPattern{}.tail_block_min);
