@@ -57,10 +57,10 @@ struct HeadPattern {
                                  // config file that omits it means 0 (files kept their meaning
                                  // when this default went from 0 to 32)
   int64_t vs_cover = 0;          // adaptive-vs, 1: columns and diagonals chosen as ONE cover,
-                                 // greedily by the scoring rows' mass not yet covered, until
+                                 // in rounds by the scoring rows' mass not yet covered, until
                                  // their union holds gamma of it (sparse_select.h,
                                  // vs_cover_select); 0: each set holds gamma alone (FlexPrefill).
-                                 // CPU estimator only (CUDA and --cp-estimate refuse it)
+                                 // CPU and CUDA estimators (--cp-estimate refuses it)
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
-#include <queue>
-#include <tuple>
 
 #include "kernels/sparse.h"
 #include "kernels/sparse_index.h"
@@ -171,87 +169,91 @@ void share_sums(const std::vector<int>& leader, const std::vector<std::vector<fl
 
 void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
                      int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
-                     std::vector<int32_t>* cols, std::vector<int32_t>* diags) {
+                     std::vector<int32_t>* cols, std::vector<int32_t>* diags, VsCoverTrace* trace) {
   const int64_t nc = std::max<int64_t>(n_cols, 0), nd = std::max<int64_t>(n_diags, 0);
-  std::vector<char> cov(size_t(std::max<int64_t>(n_rows, 0) * nc), 0);
-  std::vector<double> res[2] = {std::vector<double>(size_t(nc), 0.0),
-                                std::vector<double>(size_t(nd), 0.0)};
-  std::vector<char> taken[2] = {std::vector<char>(size_t(nc), 0), std::vector<char>(size_t(nd), 0)};
-  int64_t count[2] = {0, 0};
-  double total = 0, got = 0;
+  const int64_t nr = std::max<int64_t>(n_rows, 0);
+  // round[kind][x]: -1 not taken, 0 forced, k taken in round k.
+  std::vector<int32_t> round[2] = {std::vector<int32_t>(size_t(nc), -1),
+                                   std::vector<int32_t>(size_t(nd), -1)};
   const int64_t sink = std::min(hp.sink, nc), local = std::min(hp.local + 1, nd);
-  for (int64_t j = 0; j < sink; ++j) taken[0][size_t(j)] = 1;
-  for (int64_t o = 0; o < local; ++o) taken[1][size_t(o)] = 1;
-  count[0] = sink;
-  count[1] = local;
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const float* p = probs + r * nc;
-    const int64_t lim = std::clamp<int64_t>(pos[r] + 1, 0, nc);
-    for (int64_t j = 0; j < lim; ++j) {
-      const double v = p[j];
-      total += v;
-      const int64_t o = pos[r] - j;
-      if (j < sink || o < local) {
-        cov[size_t(r * nc + j)] = 1;
-        got += v;
-      } else {
-        res[0][size_t(j)] += v;
-        if (o < nd) res[1][size_t(o)] += v;
-      }
-    }
-  }
-  // Max-heap on (mass, columns first, lower index first); entries go stale as masses fall.
-  using Item = std::tuple<double, int, int64_t>;
-  auto worse = [](const Item& a, const Item& b) {
-    if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
-    if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) > std::get<1>(b);
-    return std::get<2>(a) > std::get<2>(b);
-  };
-  std::priority_queue<Item, std::vector<Item>, decltype(worse)> heap(worse);
-  for (int kind = 0; kind < 2; ++kind)
-    for (size_t x = 0; x < res[kind].size(); ++x)
-      if (!taken[kind][x] && res[kind][x] > 0) heap.emplace(res[kind][x], kind, int64_t(x));
-  const double goal = hp.gamma * total;
+  for (int64_t j = 0; j < sink; ++j) round[0][size_t(j)] = 0;
+  for (int64_t o = 0; o < local; ++o) round[1][size_t(o)] = 0;
+  int64_t count[2] = {sink, local};
   const int64_t cap[2] = {std::min(hp.max_budget, nc), std::min(hp.max_budget, nd)};
-  while (got < goal && !heap.empty()) {
-    const auto [v, kind, x] = heap.top();
-    heap.pop();
-    const double cur = res[kind][size_t(x)];
-    if (count[kind] >= cap[kind]) continue;
-    if (v != cur) {  // stale: back at its current mass
-      if (cur > 0) heap.emplace(cur, kind, x);
-      continue;
-    }
-    taken[kind][size_t(x)] = 1;
-    ++count[kind];
-    res[kind][size_t(x)] = 0;
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t j = kind == 0 ? x : pos[r] - x;
-      if (j < 0 || j >= nc || j > pos[r] || cov[size_t(r * nc + j)]) continue;
-      cov[size_t(r * nc + j)] = 1;
-      const double m = probs[r * nc + j];
-      got += m;
-      if (kind == 0) {
+  const float* plain[2] = {col, diag};
+  // The mass to cover: the plain column sums' total, as the device reduces it.
+  double total = 0;
+  for (int64_t j = 0; j < nc; ++j) total += double(col[j]);
+  const double goal = hp.gamma * total;
+  std::vector<float> res(size_t(nc + nd));
+  std::vector<double> acc(size_t(nc + nd));
+  std::vector<int32_t> order;
+  int rounds = 0;
+  for (int k = 1; k <= kVsCoverRounds; ++k) {
+    // Residuals: each item's mass on entries no taken item covers, rows in order, in double,
+    // then rounded to float (the ranked values); uncovered = the columns' residual total.
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* p = probs + r * nc;
+      const int64_t lim = std::clamp<int64_t>(pos[r] + 1, 0, nc);
+      for (int64_t j = 0; j < lim; ++j) {
         const int64_t o = pos[r] - j;
-        if (o < nd) res[1][size_t(o)] -= m;
-      } else {
-        res[0][size_t(j)] -= m;
+        if (round[0][size_t(j)] >= 0 || (o < nd && round[1][size_t(o)] >= 0)) continue;
+        acc[size_t(j)] += double(p[j]);
+        if (o < nd) acc[size_t(nc + o)] += double(p[j]);
       }
     }
+    double uncovered = 0;
+    for (int64_t x = 0; x < nc + nd; ++x) {
+      res[size_t(x)] = float(acc[size_t(x)]);
+      if (x < nc) uncovered += double(res[size_t(x)]);
+    }
+    const double need = goal - (total - uncovered);
+    if (!(need > 0)) break;
+    const double target = need > total * kVsCoverFinish ? 0.5 * need : need;
+    // Candidates ranked by residual descending, then columns before diagonals, then index: one
+    // joint list with the diagonals after the columns.
+    order.clear();
+    for (int64_t x = 0; x < nc + nd; ++x) {
+      const int kind = x < nc ? 0 : 1;
+      if (res[size_t(x)] > 0.f && round[kind][size_t(kind ? x - nc : x)] < 0)
+        order.push_back(int32_t(x));
+    }
+    if (order.empty()) break;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return res[size_t(a)] > res[size_t(b)] || (res[size_t(a)] == res[size_t(b)] && a < b);
+    });
+    double taken = 0;
+    bool any = false;
+    for (int32_t x : order) {
+      if (taken >= target) break;
+      const int kind = x < nc ? 0 : 1;
+      if (count[kind] >= cap[kind]) continue;  // a full family takes no more
+      round[kind][size_t(kind ? x - nc : x)] = k;
+      ++count[kind];
+      taken += double(res[size_t(x)]);
+      any = true;
+    }
+    rounds = k;
+    if (!any) break;
   }
-  const float* plain[2] = {col, diag};
   const int64_t n[2] = {nc, nd};
   std::vector<int32_t>* out[2] = {cols, diags};
   for (int kind = 0; kind < 2; ++kind) {
     std::vector<int32_t> sel;
     for (int64_t x = 0; x < n[kind]; ++x)
-      if (taken[kind][size_t(x)]) sel.push_back(int32_t(x));
+      if (round[kind][size_t(x)] >= 0) sel.push_back(int32_t(x));
     if (int64_t(sel.size()) < std::min(hp.min_budget, n[kind])) {
       SelectBudget b;  // top-k: the cover's items forced, the rest by plain sums
       b.k = std::min(hp.min_budget, n[kind]);
       sel = select_ranked(plain[kind], n[kind], std::move(sel), b);
     }
     *out[kind] = std::move(sel);
+  }
+  if (trace) {
+    trace->col_round = std::move(round[0]);
+    trace->diag_round = std::move(round[1]);
+    trace->rounds = rounds;
   }
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/sparse_select.h"
 
 namespace sf::kernels::cuda {
 namespace {
@@ -66,7 +67,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
            hp.sink == h0.sink && hp.local == h0.local;
   });
   std::vector<EstHead> heads(size_t(L.hq));
-  std::vector<int32_t> vs_heads, blk_heads;
+  std::vector<int32_t> vs_heads, blk_heads, cov_heads;
   int64_t clamped = 0, kb_cap = 3;
   bool any_adaptive_block = false;
   for (int64_t h = 0; h < L.hq; ++h) {
@@ -75,9 +76,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     if (hp.share_group != 0)
       return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
                                       "].share_group is not implemented on the device");
-    if (hp.vs_cover != 0)
-      return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
-                                      "].vs_cover is not implemented on the device");
     e.sink = hp.sink;
     e.local = hp.local;
     e.tail_block_min = hp.tail_block_min;
@@ -97,15 +95,31 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
       }
       case Pattern::kVerticalSlash:
       case Pattern::kAdaptiveVS:
-        if (hp.spread_rows != 0)
+        if (hp.spread_rows != 0 && hp.vs_cover == 0)
           return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
-                                          "].spread_rows > 0 is not implemented on the device");
+                                          "].spread_rows > 0 is not implemented on the device "
+                                          "(except with vs_cover)");
         if (hp.segment_rows != 0)
           return SF_ERR(kUnsupported, "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
                                           "].segment_rows > 0 is not implemented on the device");
         e.kind = kEstVS;
-        e.vs_slot = int32_t(vs_heads.size());
-        vs_heads.push_back(int32_t(h));
+        if (hp.vs_cover != 0) {
+          // One row set for every cover head; the rounds take no family cap.
+          if (!cov_heads.empty() && patterns[size_t(cov_heads[0])].spread_rows != hp.spread_rows)
+            return SF_ERR(kUnsupported,
+                          "sparse_estimate (CUDA): vs_cover heads with different "
+                          "spread_rows are not implemented on the device");
+          if (hp.max_budget < std::max(L.kend_last, L.n_diag))
+            return SF_ERR(kUnsupported,
+                          "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
+                              "].vs_cover with max_budget below the key or diagonal count is not "
+                              "implemented on the device");
+          e.cover = 1;
+          cov_heads.push_back(int32_t(h));
+        } else {
+          e.vs_slot = int32_t(vs_heads.size());
+          vs_heads.push_back(int32_t(h));
+        }
         if (hp.pattern == Pattern::kVerticalSlash) {
           e.k_cols = std::min(hp.n_vertical, L.kend_last);
           e.k_diags = std::min(hp.n_slash, L.n_diag);
@@ -143,6 +157,18 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     clamped += cl ? 1 : 0;
   }
   plan->clamped_heads = clamped;
+  // Cover heads take the last vs slots, so the plain scoring pass runs over a prefix.
+  for (int32_t h : cov_heads) {
+    heads[size_t(h)].vs_slot = int32_t(vs_heads.size());
+    vs_heads.push_back(h);
+  }
+  L.n_cov = int(cov_heads.size());
+  std::vector<int64_t> cov_local, cov_pos;
+  if (L.n_cov > 0) cov_local = scoring_rows(L.nq, patterns[size_t(cov_heads[0])].spread_rows);
+  for (int64_t r : cov_local) cov_pos.push_back(q_offset + r);
+  L.cov_rows = int64_t(cov_local.size());
+  L.cov_max_rounds = kVsCoverRounds;
+  L.cov_finish = kVsCoverFinish;
   L.n_vs = int(vs_heads.size());
   L.n_blk = int(blk_heads.size());
   L.vs_L = std::min<int64_t>(kB, L.nq);
@@ -178,6 +204,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.vs_heads = c.take<int32_t>(nv);
     L.blk_heads = c.take<int32_t>(nb);
     L.need = c.take<int32_t>(2);
+    L.cov_heads = c.take<int32_t>(size_t(L.n_cov));
+    L.cov_local = c.take<int64_t>(size_t(L.cov_rows));
+    L.cov_pos = c.take<int64_t>(size_t(L.cov_rows));
   };
   auto carve = [&](Carver& c) {
     L.part_m = c.take<float>(nsc * kB * nch);
@@ -196,6 +225,14 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.run_lo = c.take<int32_t>(nv * size_t(L.n_diag));
     L.run_hi = c.take<int32_t>(nv * size_t(L.n_diag));
     L.n_runs = c.take<int32_t>(nv);
+    const size_t ncov = size_t(L.n_cov), ncx = size_t(L.kend_last + L.n_diag);
+    L.cov_q = c.take<char>(ncov ? size_t(L.cov_rows * L.hq * L.d) * (L.bf16 ? 2 : 4) : 0);
+    L.cov_p = c.take<float>(ncov * size_t(L.cov_rows) * size_t(L.kend_last));
+    L.cov_res = c.take<float>(ncov * ncx);
+    L.cov_round = c.take<int32_t>(ncov * ncx);
+    L.cov_list = c.take<int32_t>(ncov * ncx);
+    L.cov_n_list = c.take<int32_t>(ncov);
+    L.cov_state = c.take<int32_t>(ncov * 2);
     L.sel_kb = c.take<int32_t>(nb * size_t(L.n_qb) * size_t(L.cap_kb));
     L.n_sel_kb = c.take<int32_t>(nb * size_t(L.n_qb));
   };
@@ -246,6 +283,11 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   SF_TRY(put(heads.data(), heads.size() * sizeof(EstHead), L.heads));
   if (nv) SF_TRY(put(vs_heads.data(), nv * 4, L.vs_heads));
   if (nb) SF_TRY(put(blk_heads.data(), nb * 4, L.blk_heads));
+  if (L.n_cov) {
+    SF_TRY(put(cov_heads.data(), cov_heads.size() * 4, L.cov_heads));
+    SF_TRY(put(cov_local.data(), cov_local.size() * 8, L.cov_local));
+    SF_TRY(put(cov_pos.data(), cov_pos.size() * 8, L.cov_pos));
+  }
   return Status::ok();
 }
 
@@ -334,6 +376,8 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
   out->columns.assign(size_t(L.hq), {});
   out->diagonals.assign(size_t(L.hq), {});
   out->key_blocks.assign(size_t(L.hq * L.n_qb), {});
+  out->col_round.assign(size_t(L.hq), {});
+  out->diag_round.assign(size_t(L.hq), {});
   std::vector<int32_t> n_sel;
   for (int64_t h = 0; h < L.hq; ++h) {
     const EstHead& e = heads[size_t(h)];
@@ -348,6 +392,14 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
                  &out->columns[size_t(h)]));
       SF_TRY(get(L.sel_diags + size_t(e.vs_slot) * size_t(L.n_diag), size_t(nd),
                  &out->diagonals[size_t(h)]));
+      if (e.cover) {
+        const size_t c = size_t(e.vs_slot - (L.n_vs - L.n_cov)),
+                     ncx = size_t(L.kend_last + L.n_diag);
+        std::vector<int32_t> r;
+        SF_TRY(get(L.cov_round + c * ncx, ncx, &r));
+        out->col_round[size_t(h)].assign(r.begin(), r.begin() + L.kend_last);
+        out->diag_round[size_t(h)].assign(r.begin() + L.kend_last, r.end());
+      }
     } else if (e.kind == kEstBlock) {
       SF_TRY(get(L.n_sel_kb + size_t(e.blk_slot) * size_t(L.n_qb), size_t(L.n_qb), &n_sel));
       for (int64_t qb = 0; qb < L.n_qb; ++qb) {

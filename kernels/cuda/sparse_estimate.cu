@@ -63,7 +63,19 @@ struct ScorePass {
   float* mass = nullptr;    // [n_heads * n_kb] mass per key block / L, or null
   float* part_d = nullptr;  // [n_heads * n_chunks * 127] diagonal partials, or null
   int group_chunks = 0;     // 64-key chunks per CTA of score_stats_group_kernel (score_pass)
+  // Rows not contiguous in the prompt (vs_cover's): q rows r0 .. of p.q (a gathered copy), each at
+  // absolute position pos[i] (ascending); null: row i at q_offset + r0 + i.
+  const int64_t* pos = nullptr;
+  // Each row's probabilities, [n_heads][probs_rows][kend_last] at row probs_row0 + i, or null.
+  float* probs = nullptr;
+  int64_t probs_row0 = 0, probs_rows = 0;
 };
+
+// Absolute position of the pass's row i.
+__device__ __forceinline__ int64_t row_pos(const EstimateLaunch& p, const ScorePass& sp,
+                                           int64_t i) {
+  return sp.pos ? sp.pos[i] : p.q_offset + sp.r0 + i;
+}
 
 // q rows and k rows stored row-major with a 4-float pad (qs[i * (d + 4) + c]): rows are read from
 // global memory as coalesced 4-element vectors and stored as float4 without bank conflicts, and
@@ -288,7 +300,7 @@ __device__ void chunk_logits(const EstimateLaunch& p, const ScorePass& sp, int h
 // Keys of the chunk that row i sees: [0, lim).
 __device__ __forceinline__ int64_t row_visible(const EstimateLaunch& p, const ScorePass& sp,
                                                int64_t i, int64_t c0, int64_t kc) {
-  const int64_t v = p.q_offset + sp.r0 + i + 1 - c0;
+  const int64_t v = row_pos(p, sp, i) + 1 - c0;
   return v < 0 ? 0 : (v > kc ? kc : v);
 }
 
@@ -361,7 +373,7 @@ __device__ void score_stats_mma(const EstimateLaunch& p, const ScorePass& sp, in
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int mt = warp % 4, nq = warp / 4, g = lane / 4, t = lane % 4;
   // Row 0 sees keys [0, v0): a chunk ending at or before v0 is visible to every row.
-  const int64_t v0 = p.q_offset + sp.r0 + 1;
+  const int64_t v0 = row_pos(p, sp, 0) + 1;
   for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
     const int buf = int(chunk - ch0) & 1;
     if (chunk + 1 < ch_end) {
@@ -488,7 +500,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
   const int slot = warp / 2, row0 = (warp % 2) * 32, g = lane / 4, t = lane % 4;
   const int hs = hs_of[slot];
   const __nv_bfloat16* qrow = qt + (slot * kB + row0 + lane % 16) * ts + (lane / 16) * 8;
-  const int64_t v0 = p.q_offset + sp.r0 + 1;  // row 0 sees keys [0, v0)
+  const int64_t v0 = row_pos(p, sp, 0) + 1;  // row 0 sees keys [0, v0)
   for (int64_t chunk = ch0; chunk < ch_end; ++chunk) {
     const int buf = int(chunk - ch0) & 1;
     cp_async_wait<0>();
@@ -617,13 +629,16 @@ __global__ void __launch_bounds__(kScoreThreads)
     // LSE and causal limit (key c0 + j visible to row i when j < v0 + i) loaded once per row.
     {
       const int j = int(threadIdx.x) % kB;
-      const int64_t v0 = p.q_offset + sp.r0 + 1 - c0;  // row i sees keys j < v0 + i (clamped)
       for (int i = int(threadIdx.x) / kB; i < kB; i += kScoreThreads / kB) {
         float v = 0.f;
         if (i < sp.L) {
           const float lse = p.lse[hs * kB + i];
-          const int64_t lim = v0 + i;
+          const int64_t lim = row_pos(p, sp, i) + 1 - c0;  // row i sees keys j < lim
           if (j < lim && j < kc && lse != -INFINITY) v = expf(ss[i * (kB + 1) + j] - lse);
+          if (sp.probs && j < kc)
+            sp.probs[(size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
+                         size_t(p.kend_last) +
+                     size_t(c0 + j)] = v;
         }
         ss[i * (kB + 1) + j] = v;
       }
@@ -785,6 +800,7 @@ struct SelBudget {
   int64_t k = 0;
   double gamma = 1.0;
   int64_t min_count = 0, max_count = 0;
+  double goal = -1;  // mass mode: the mass to reach when >= 0 (else gamma x the list's total)
 };
 
 constexpr int kWarpCand = 384;  // candidates warp_topk keeps: the histogram's 3 KB, 8 bytes each
@@ -1208,7 +1224,7 @@ __device__ void group_select(const float* s, int64_t n64, int64_t fa64, int64_t 
   if (!b.mass) {
     take = b.k - nf;
   } else {
-    const double goal = b.gamma * tot;
+    const double goal = b.goal >= 0 ? b.goal : b.gamma * tot;
     long long c = nf;
     if (fm < goal && nr > 0) {
       const long long eq = radix_walk<G>(s, n, forced, true, 0, goal, fm, sh);
@@ -1287,7 +1303,39 @@ __device__ void cta_select(const float* s, int64_t n, int64_t fa, int64_t fb, in
 constexpr int kVsSelectThreads = 1024;
 constexpr int kBlockSelectThreads = 256;
 
-// grid (n_vs, 2): y = 0 columns, y = 1 diagonals.
+// Runs of vs slot hs's selected diagonals: consecutive ones at most 64 apart cover one
+// contiguous key range in every 64-row query block, so the slot builder walks runs instead of
+// diagonals. The whole CTA.
+__device__ void vs_runs(const EstimateLaunch& p, int hs) {
+  using Scan = cub::BlockScan<int, kVsSelectThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int64_t n = p.n_diag;
+  const int32_t* sel = p.sel_diags + size_t(hs) * size_t(n);
+  const int64_t ns = p.n_sel_diags[hs];
+  int32_t* lo = p.run_lo + size_t(hs) * size_t(n);
+  int32_t* hi = p.run_hi + size_t(hs) * size_t(n);
+  long long base_s = 0, base_e = 0;
+  for (int64_t t0 = 0; t0 < ns; t0 += kVsSelectThreads) {
+    const int64_t i = t0 + threadIdx.x;
+    int st = 0, en = 0;
+    if (i < ns) {
+      st = i == 0 || sel[i] - sel[i - 1] > kB;
+      en = i == ns - 1 || sel[i + 1] - sel[i] > kB;
+    }
+    int ps, ts, pe, te;
+    Scan(tmp).ExclusiveSum(st, ps, ts);
+    __syncthreads();
+    Scan(tmp).ExclusiveSum(en, pe, te);
+    __syncthreads();
+    if (st) lo[base_s + ps] = sel[i];
+    if (en) hi[base_e + pe] = sel[i];
+    base_s += ts;
+    base_e += te;
+  }
+  if (threadIdx.x == 0) p.n_runs[hs] = int32_t(base_s);
+}
+
+// grid (n_vs - n_cov, 2): y = 0 columns, y = 1 diagonals (cover slots select in cover_*).
 __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const EstimateLaunch p) {
   __shared__ SelShared sh;
   const int hs = blockIdx.x;
@@ -1305,36 +1353,160 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
   } else {
     b.k = eh.k_diags;
     const int64_t n = p.n_diag;
-    const int32_t* sel = p.sel_diags + size_t(hs) * size_t(n);
     cta_select<kVsSelectThreads>(p.diag + size_t(hs) * size_t(n), n, eh.local + 1, 1, 0, b,
                                  p.sel_diags + size_t(hs) * size_t(n), n, p.n_sel_diags + hs, sh);
-    // Runs: consecutive selected diagonals at most 64 apart cover one contiguous key range in
-    // every 64-row query block, so the slot builder walks runs instead of diagonals.
-    using Scan = cub::BlockScan<int, kVsSelectThreads>;
-    __shared__ typename Scan::TempStorage tmp;
-    const int64_t ns = p.n_sel_diags[hs];
-    int32_t* lo = p.run_lo + size_t(hs) * size_t(n);
-    int32_t* hi = p.run_hi + size_t(hs) * size_t(n);
-    long long base_s = 0, base_e = 0;
-    for (int64_t t0 = 0; t0 < ns; t0 += kVsSelectThreads) {
-      const int64_t i = t0 + threadIdx.x;
-      int st = 0, en = 0;
-      if (i < ns) {
-        st = i == 0 || sel[i] - sel[i - 1] > kB;
-        en = i == ns - 1 || sel[i + 1] - sel[i] > kB;
-      }
-      int ps, ts, pe, te;
-      Scan(tmp).ExclusiveSum(st, ps, ts);
-      __syncthreads();
-      Scan(tmp).ExclusiveSum(en, pe, te);
-      __syncthreads();
-      if (st) lo[base_s + ps] = sel[i];
-      if (en) hi[base_e + pe] = sel[i];
-      base_s += ts;
-      base_e += te;
-    }
-    if (threadIdx.x == 0) p.n_runs[hs] = int32_t(base_s);
+    vs_runs(p, hs);
   }
+}
+
+// ---- vs_cover: one cover of columns and diagonals, in rounds (sparse_select.h vs_cover_select)
+
+// q rows of the cover's scoring rows, every head: [cov_rows, hq, d] (elements of es bytes).
+__global__ void cover_gather_kernel(const EstimateLaunch p, int es) {
+  const int64_t row_bytes = p.hq * p.d * es;
+  const int64_t r = blockIdx.y;
+  const char* src = static_cast<const char*>(p.q) + p.cov_local[r] * row_bytes;
+  char* dst = static_cast<char*>(p.cov_q) + r * row_bytes;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < row_bytes / 4;
+       b += int64_t(gridDim.x) * blockDim.x)
+    reinterpret_cast<int32_t*>(dst)[b] = reinterpret_cast<const int32_t*>(src)[b];
+}
+
+// grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
+// double. round 0: every entry (the plain column and diagonal sums, into col / diag of the slot),
+// and the round table reset (forced items 0, the rest -1). round k: entries no taken item covers
+// (the residuals, into cov_res); a taken item's is 0. Coalesced: a column's threads read row r's
+// consecutive keys, a diagonal's the same row's keys in descending order.
+__global__ void cover_sums_kernel(const EstimateLaunch p, int round) {
+  const int c = blockIdx.y;
+  if (round > 0 && p.cov_state[2 * c] != 0) return;
+  const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
+  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (x >= ncx) return;
+  const int hs = p.n_vs - p.n_cov + c;
+  const EstHead& eh = p.heads[p.cov_heads[c]];
+  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(nc);
+  int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
+  const bool col = x < nc;
+  if (round == 0) {
+    const bool forced = col ? x < eh.sink : x - nc <= eh.local;
+    rd[x] = forced ? 0 : -1;
+    if (x == 0) {
+      p.cov_state[2 * c] = 0;
+      p.cov_state[2 * c + 1] = 0;
+    }
+  }
+  double s = 0;
+  if (round == 0 || rd[x] < 0) {
+    for (int64_t r = 0; r < p.cov_rows; ++r) {
+      const int64_t pos = p.cov_pos[r];
+      const int64_t j = col ? x : pos - (x - nc);
+      if (j < 0 || j >= nc || j > pos) continue;
+      if (round > 0 && (col ? (pos - j < nd && rd[nc + pos - j] >= 0) : rd[j] >= 0)) continue;
+      s += double(P[size_t(r) * size_t(nc) + size_t(j)]);
+    }
+  }
+  if (round > 0)
+    p.cov_res[size_t(c) * size_t(ncx) + size_t(x)] = float(s);
+  else if (col)
+    p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s);
+  else
+    p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
+}
+
+// grid (n_cov): round k's picks. need = gamma x total - covered (total: the plain column sums;
+// covered: total - the columns' residuals); done when need <= 0. Else the smallest prefix of the
+// joint list (columns then diagonals: the CPU's tie order) by residual reaching need / 2 (need
+// itself once it is below cov_finish of the total) is taken in round k.
+__global__ void __launch_bounds__(kVsSelectThreads)
+    cover_select_kernel(const EstimateLaunch p, int round) {
+  using G = CtaGroup<kVsSelectThreads>;
+  __shared__ SelShared sh;
+  __shared__ typename FlagScan<G>::Scan::TempStorage scan_tmp;
+  const int c = blockIdx.x;
+  if (p.cov_state[2 * c] != 0) return;  // uniform over the CTA
+  const int hs = p.n_vs - p.n_cov + c;
+  const EstHead& eh = p.heads[p.cov_heads[c]];
+  const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
+  const float* res = p.cov_res + size_t(c) * size_t(ncx);
+  int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
+  double tl = 0, ul = 0;
+  for (int64_t i = threadIdx.x; i < nc; i += kVsSelectThreads) {
+    tl += double(p.col[size_t(hs) * size_t(nc) + size_t(i)]);
+    ul += double(res[i]);
+  }
+  const double total = group_sum<G>(tl, sh), uncovered = group_sum<G>(ul, sh);
+  const double need = eh.gamma * total - (total - uncovered);
+  if (!(need > 0)) {
+    if (threadIdx.x == 0) p.cov_state[2 * c] = 1;
+    return;
+  }
+  SelBudget b;
+  b.mass = 1;
+  b.goal = need > total * p.cov_finish ? 0.5 * need : need;
+  b.min_count = 0;
+  b.max_count = ncx;
+  int32_t* list = p.cov_list + size_t(c) * size_t(ncx);
+  group_select<G>(res, ncx, 0, 1, 0, b, list, ncx, p.cov_n_list + c, sh, FlagScan<G>{&scan_tmp});
+  const int64_t n = p.cov_n_list[c];
+  long long any = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kVsSelectThreads) {
+    const int32_t x = list[i];
+    if (rd[x] < 0 && res[x] > 0.f) {  // zeros only past an unreachable goal: never taken
+      rd[x] = round;
+      any = 1;
+    }
+  }
+  any = group_sum_i<G>(any, sh);
+  if (threadIdx.x == 0) {
+    if (any)
+      p.cov_state[2 * c + 1] = round;
+    else
+      p.cov_state[2 * c] = 1;
+  }
+}
+
+// grid (n_cov, 2): the cover's items (+inf) and, up to min_budget, the rest by their plain sums:
+// a top-k over the family, ascending into the slot's selection; then the diagonals' runs.
+__global__ void __launch_bounds__(kVsSelectThreads) cover_final_kernel(const EstimateLaunch p) {
+  using G = CtaGroup<kVsSelectThreads>;
+  __shared__ SelShared sh;
+  __shared__ typename FlagScan<G>::Scan::TempStorage scan_tmp;
+  const int c = blockIdx.x;
+  const int hs = p.n_vs - p.n_cov + c;
+  const EstHead& eh = p.heads[p.cov_heads[c]];
+  const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
+  const bool col = blockIdx.y == 0;
+  const int64_t n = col ? nc : nd, off = col ? 0 : nc;
+  const int32_t* rd = p.cov_round + size_t(c) * size_t(ncx) + size_t(off);
+  float* v = p.cov_res + size_t(c) * size_t(ncx) + size_t(off);
+  const float* plain = col ? p.col + size_t(hs) * size_t(nc) : p.diag + size_t(hs) * size_t(nd);
+  long long taken = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kVsSelectThreads) {
+    const bool t = rd[i] >= 0;
+    v[i] = t ? INFINITY : plain[i];
+    taken += t ? 1 : 0;
+  }
+  taken = group_sum_i<G>(taken, sh);
+  SelBudget b;
+  b.k = eh.min_count < n ? eh.min_count : n;
+  if (b.k < taken) b.k = taken;
+  int32_t* out = col ? p.sel_cols + size_t(hs) * size_t(nc) : p.sel_diags + size_t(hs) * size_t(nd);
+  int32_t* n_out = col ? p.n_sel_cols + hs : p.n_sel_diags + hs;
+  group_select<G>(v, n, 0, 1, 0, b, out, n, n_out, sh, FlagScan<G>{&scan_tmp});
+  if (!col) vs_runs(p, hs);
+}
+
+cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
+  const int64_t ncx = p.kend_last + p.n_diag;
+  const dim3 sgrid(unsigned((ncx + 255) / 256), unsigned(p.n_cov));
+  cover_sums_kernel<<<sgrid, 256, 0, s>>>(p, 0);
+  for (int k = 1; k <= p.cov_max_rounds; ++k) {
+    cover_sums_kernel<<<sgrid, 256, 0, s>>>(p, k);
+    cover_select_kernel<<<unsigned(p.n_cov), kVsSelectThreads, 0, s>>>(p, k);
+  }
+  cover_final_kernel<<<dim3(unsigned(p.n_cov), 2), kVsSelectThreads, 0, s>>>(p);
+  return cudaGetLastError();
 }
 
 // One query block's selection over its scores s (softmax first in mass mode) by the group's
@@ -2037,7 +2209,7 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
     score_stats_mma_kernel<64><<<grid, kScoreThreads, smem, s>>>(p, sp);
   const int64_t warps = int64_t(sp.n_heads) * sp.L;
   row_lse_kernel<<<unsigned((warps * 32 + 255) / 256), 256, 0, s>>>(p, sp);
-  if (!sp.col && !sp.part_d) {  // mass alone: from the stats, no second pass over the logits
+  if (!sp.col && !sp.part_d && !sp.probs) {  // mass alone: from the stats, no second pass
     const int64_t n = int64_t(sp.n_heads) * p.n_chunks;
     block_mass_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, sp);
     return cudaGetLastError();
@@ -2053,15 +2225,37 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
 template <typename T>
 cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   cudaError_t e = cudaSuccess;
-  if ((p.stages & 1) && p.n_vs > 0) {
+  if ((p.stages & 1) && p.n_vs > p.n_cov) {
     ScorePass sp;
     sp.heads = p.vs_heads;
-    sp.n_heads = p.n_vs;
+    sp.n_heads = p.n_vs - p.n_cov;
     sp.r0 = p.vs_r0;
     sp.L = p.vs_L;
     sp.col = p.col;
     sp.part_d = p.part_d;
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
+  }
+  if ((p.stages & 1) && p.n_cov > 0 && p.cov_rows > 0) {
+    // The cover's rows gathered, then scored 64 at a time on the copy, at their own positions.
+    const int es = int(sizeof(T));
+    const int64_t words = p.hq * p.d * es / 4;
+    cover_gather_kernel<<<dim3(unsigned(std::min<int64_t>((words + 255) / 256, 64)),
+                               unsigned(p.cov_rows)),
+                          256, 0, s>>>(p, es);
+    EstimateLaunch pc = p;
+    pc.q = p.cov_q;
+    for (int64_t r0 = 0; r0 < p.cov_rows; r0 += kB) {
+      ScorePass sp;
+      sp.heads = p.cov_heads;
+      sp.n_heads = p.n_cov;
+      sp.r0 = r0;
+      sp.L = imin(kB, p.cov_rows - r0);
+      sp.pos = p.cov_pos + r0;
+      sp.probs = p.cov_p;
+      sp.probs_row0 = r0;
+      sp.probs_rows = p.cov_rows;
+      if ((e = score_pass<T>(pc, sp, s)) != cudaSuccess) return e;
+    }
   }
   if ((p.stages & 1) && p.n_blk > 0 && p.n_qb > 0) {
     ScorePass sp;
@@ -2073,8 +2267,9 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
     if ((e = score_pass<T>(p, sp, s)) != cudaSuccess) return e;
     if (p.n_kb > 0) pool_k<T>(p, s);
   }
-  if ((p.stages & 2) && p.n_vs > 0)
-    vs_select_kernel<<<dim3(unsigned(p.n_vs), 2), kVsSelectThreads, 0, s>>>(p);
+  if ((p.stages & 2) && p.n_vs > p.n_cov)
+    vs_select_kernel<<<dim3(unsigned(p.n_vs - p.n_cov), 2), kVsSelectThreads, 0, s>>>(p);
+  if ((p.stages & 2) && p.n_cov > 0 && (e = cover_launch(p, s)) != cudaSuccess) return e;
   if ((p.stages & 2) && p.n_blk > 0 && p.n_qb > 0) {
     if (!p.block_stream || p.block_mass_heads > 0) {
       const size_t smem = sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group);

@@ -39,11 +39,12 @@ struct EstimateMemory {
 };
 
 // Supported: F32 or BF16 contiguous q [n_q, heads, d], k [n_k, kv_heads, d] (the same dtype),
-// d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0 or
-// segment_rows > 0, and adaptive-block with last_block_rows (kUnsupported). max_blocks / max_cols:
-// index capacity per slot; <= 0 picks a default (every key block, and min(causal keys, 4096)
-// columns). Allocates (with mem: only the head tables, and kOutOfRange when the lent memory is
-// smaller than the plan needs); not for capture.
+// d % 4 == 0, every pattern except vertical-slash / adaptive-vs with spread_rows > 0 (unless
+// vs_cover) or segment_rows > 0, vs_cover heads with different spread_rows or a max_budget below
+// the key or diagonal count, and adaptive-block with last_block_rows (kUnsupported). max_blocks /
+// max_cols: index capacity per slot; <= 0 picks a default (every key block, and min(causal keys,
+// 4096) columns). Allocates (with mem: only the head tables, and kOutOfRange when the lent memory
+// is smaller than the plan needs); not for capture.
 Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                             const std::vector<HeadPattern>& patterns, int64_t q_offset,
                             int max_blocks, int max_cols, SparseEstimatePlan* plan,
@@ -62,8 +63,11 @@ Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int m
 // The selections of the last run (tests, tools): per query head its columns and diagonals
 // (vertical-slash family; empty otherwise), per slot h * n_qblocks + qb its key blocks (block
 // family; empty otherwise). Synchronizes the stream.
+// vs_cover heads also hand back each item's round (VsCoverTrace's col_round / diag_round; empty
+// for other heads).
 struct EstimateSelections {
   std::vector<std::vector<int32_t>> columns, diagonals, key_blocks;
+  std::vector<std::vector<int32_t>> col_round, diag_round;
 };
 Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
                                   EstimateSelections* out);

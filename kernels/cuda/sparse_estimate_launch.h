@@ -23,6 +23,7 @@ struct EstHead {
   double gamma = 1.0;
   int64_t min_count = 0, max_count = 0;  // adaptive clamp (items: columns / diagonals / blocks)
   int64_t tail_block_min = 0;            // HeadPattern::tail_block_min
+  int32_t cover = 0;                     // HeadPattern::vs_cover (an adaptive-vs head)
 };
 
 struct EstimateLaunch {
@@ -62,6 +63,24 @@ struct EstimateLaunch {
   int32_t* run_lo = nullptr;    // [n_vs * n_diag] runs of selected diagonals with gaps <= 64:
   int32_t* run_hi = nullptr;    // one contiguous key range per run for every full query block
   int32_t* n_runs = nullptr;    // [n_vs]
+  // vs_cover heads: the last n_cov vs slots (n_vs - n_cov ..), scored on their own rows (the
+  // scoring rows with spread rows, sparse_select.h scoring_rows), whose softmax they keep, then
+  // selected in rounds (sparse_select.h vs_cover_select). n_cx = kend_last + n_diag: one joint
+  // item list, columns then diagonals.
+  int n_cov = 0;
+  int64_t cov_rows = 0;
+  const int32_t* cov_heads = nullptr;  // [n_cov] query head
+  const int64_t* cov_local = nullptr;  // [cov_rows] local q rows, ascending
+  const int64_t* cov_pos = nullptr;    // [cov_rows] their absolute positions
+  void* cov_q = nullptr;               // [cov_rows, hq, d] those rows of q (q's type)
+  float* cov_p = nullptr;              // [n_cov * cov_rows * kend_last] softmax, 0 past causal
+  float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals (scratch after)
+  int32_t* cov_round = nullptr;        // [n_cov * n_cx] -1 not taken, 0 forced, k round k
+  int32_t* cov_list = nullptr;         // [n_cov * n_cx] a round's picks
+  int32_t* cov_n_list = nullptr;       // [n_cov]
+  int32_t* cov_state = nullptr;        // [n_cov * 2] done, rounds that took items
+  int cov_max_rounds = 0;              // sparse_select.h kVsCoverRounds
+  double cov_finish = 0;               // sparse_select.h kVsCoverFinish
   int32_t* sel_kb = nullptr;    // [n_blk * n_qb * cap_kb]
   int32_t* n_sel_kb = nullptr;  // [n_blk * n_qb]
   int64_t cap_kb = 0;

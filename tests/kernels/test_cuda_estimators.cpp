@@ -35,6 +35,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/sparse_estimate.h"
 #include "kernels/sparse.h"
+#include "kernels/sparse_select.h"
 #include "tests/common/test_seed.h"
 #include "tests/kernels/pooled_ref.h"
 
@@ -190,6 +191,156 @@ RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std:
     }
   }
   return r;
+}
+
+// A vs_cover head's scoring rows (scoring_rows with its spread_rows): their absolute positions
+// and softmax in double, [rows][kend_last], 0 past each row's causal limit.
+struct CoverRef {
+  std::vector<int64_t> pos;
+  std::vector<double> probs;
+};
+CoverRef cover_reference(const Geo& g, const std::vector<float>& q, const std::vector<float>& k,
+                         int64_t h, const HeadPattern& hp) {
+  CoverRef r;
+  const int64_t group = g.hq / g.hkv, nc = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
+  const double scale = 1.0 / std::sqrt(double(g.d));
+  const std::vector<int64_t> rows = scoring_rows(g.nq, hp.spread_rows);
+  r.probs.assign(rows.size() * size_t(nc), 0.0);
+  for (size_t a = 0; a < rows.size(); ++a) {
+    const int64_t pos = g.q_offset + rows[a], lim = std::clamp<int64_t>(pos + 1, 0, nc);
+    r.pos.push_back(pos);
+    double* s = r.probs.data() + a * size_t(nc);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < lim; ++j) {
+      double acc = 0;
+      for (int64_t c = 0; c < g.d; ++c)
+        acc += double(q[size_t((rows[a] * g.hq + h) * g.d + c)]) *
+               double(k[size_t((j * g.hkv + h / group) * g.d + c)]);
+      s[j] = acc * scale;
+      mx = std::max(mx, s[j]);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < lim; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    for (int64_t j = 0; j < lim; ++j) s[j] /= sum;
+  }
+  return r;
+}
+
+std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& gpu,
+                  const std::vector<double>& score, const std::set<int32_t>& forced, bool mass,
+                  double gamma, bool probabilities, int64_t* n_ties);
+
+// Rule 1 for a vs_cover head (sparse_select.h vs_cover_select), round by round on the device's own
+// history: before round k the state is the device's picks of rounds < k, from which the reference
+// residuals (double), need and target give the rule's round-k picks; they must equal the device's
+// round-k picks up to ties (judge, mass mode with the target as goal). Where the device stopped,
+// the reference need must be <= 0 up to 1e-4 x total. Then each final list: the picks, topped up
+// to min_budget by the reference plain sums (judge, count mode, the picks forced).
+std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, int64_t nd,
+                        const std::vector<int32_t>& col_round,
+                        const std::vector<int32_t>& diag_round, const std::vector<int32_t>& cols,
+                        const std::vector<int32_t>& diags, int64_t* n_ties, int* rounds_out) {
+  if (int64_t(col_round.size()) != nc || int64_t(diag_round.size()) != nd)
+    return "round tables of the wrong size";
+  const int64_t nr = int64_t(ref.pos.size()), ncx = nc + nd;
+  auto round_of = [&](int64_t x) {
+    return x < nc ? col_round[size_t(x)] : diag_round[size_t(x - nc)];
+  };
+  int max_round = 0;
+  for (int64_t x = 0; x < ncx; ++x) {
+    const bool forced = x < nc ? x < hp.sink : x - nc <= hp.local;
+    if ((round_of(x) == 0) != forced) return "item " + std::to_string(x) + " forced wrongly";
+    if (round_of(x) < -1 || round_of(x) > kVsCoverRounds) return "round out of range";
+    max_round = std::max(max_round, round_of(x));
+  }
+  *rounds_out = max_round;
+  double total = 0;
+  for (double v : ref.probs) total += v;
+  std::vector<double> res(static_cast<size_t>(ncx));
+  for (int k = 1; k <= kVsCoverRounds; ++k) {
+    std::fill(res.begin(), res.end(), 0.0);
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t j = 0; j <= std::min(ref.pos[size_t(r)], nc - 1); ++j) {
+        const int64_t o = ref.pos[size_t(r)] - j;
+        const int rc = col_round[size_t(j)], rdg = o < nd ? diag_round[size_t(o)] : -1;
+        if ((rc >= 0 && rc < k) || (rdg >= 0 && rdg < k)) continue;
+        const double v = ref.probs[size_t(r * nc + j)];
+        res[size_t(j)] += v;
+        if (o < nd) res[size_t(nc + o)] += v;
+      }
+    double uncovered = 0;
+    for (int64_t j = 0; j < nc; ++j) uncovered += res[size_t(j)];
+    for (int64_t x = 0; x < ncx; ++x)
+      if (round_of(x) >= 0 && round_of(x) < k) res[size_t(x)] = 0;  // taken: nothing left
+    const double need = hp.gamma * total - (total - uncovered);
+    std::vector<int32_t> dev;
+    for (int64_t x = 0; x < ncx; ++x)
+      if (round_of(x) == k) dev.push_back(int32_t(x));
+    if (dev.empty()) {
+      if (k <= max_round) return "round " + std::to_string(k) + " took nothing before later ones";
+      if (need > 1e-4 * total)
+        return "stopped at round " + std::to_string(k) + " with need " + std::to_string(need) +
+               " of total " + std::to_string(total);
+      break;
+    }
+    if (need < -1e-4 * total)
+      return "round " + std::to_string(k) + " took items past the goal (need " +
+             std::to_string(need) + ")";
+    const double target = need > total * kVsCoverFinish ? need / 2 : need;
+    std::vector<int32_t> order;
+    for (int64_t x = 0; x < ncx; ++x)
+      if (round_of(x) < 0 || round_of(x) >= k)
+        if (res[size_t(x)] > 0) order.push_back(int32_t(x));
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return res[size_t(a)] > res[size_t(b)]; });
+    std::vector<int32_t> want;
+    double taken = 0;
+    for (int32_t x : order) {
+      if (taken >= target) break;
+      want.push_back(x);
+      taken += res[size_t(x)];
+    }
+    std::sort(want.begin(), want.end());
+    double sum_res = 0;
+    for (double v : res) sum_res += v;
+    const std::string why =
+        judge(want, dev, res, {}, true, sum_res > 0 ? target / sum_res : 1.0, true, n_ties);
+    if (!why.empty()) return "round " + std::to_string(k) + ": " + why;
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    const int64_t n = kind == 0 ? nc : nd;
+    const auto& rounds = kind == 0 ? col_round : diag_round;
+    std::vector<int32_t> picks;
+    std::set<int32_t> forced;
+    for (int64_t x = 0; x < n; ++x)
+      if (rounds[size_t(x)] >= 0) {
+        picks.push_back(int32_t(x));
+        forced.insert(int32_t(x));
+      }
+    std::vector<double> plain(size_t(n), 0.0);
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t j = 0; j <= std::min(ref.pos[size_t(r)], nc - 1); ++j) {
+        const int64_t o = ref.pos[size_t(r)] - j;
+        const int64_t x = kind == 0 ? j : o;
+        if (x < n) plain[size_t(x)] += ref.probs[size_t(r * nc + j)];
+      }
+    std::vector<int32_t> want = picks;
+    const int64_t floor_n = std::min(hp.min_budget, n);
+    if (int64_t(want.size()) < floor_n) {
+      std::vector<int32_t> rest;
+      for (int64_t x = 0; x < n; ++x)
+        if (!forced.count(int32_t(x))) rest.push_back(int32_t(x));
+      std::stable_sort(rest.begin(), rest.end(),
+                       [&](int32_t a, int32_t b) { return plain[size_t(a)] > plain[size_t(b)]; });
+      rest.resize(size_t(floor_n - int64_t(want.size())));
+      want.insert(want.end(), rest.begin(), rest.end());
+      std::sort(want.begin(), want.end());
+    }
+    const std::string why =
+        judge(want, kind == 0 ? cols : diags, plain, forced, false, 1.0, true, n_ties);
+    if (!why.empty()) return std::string(kind == 0 ? "columns" : "diagonals") + ": " + why;
+  }
+  return "";
 }
 
 // Tie judgement of rule 1 above. Returns "" when the lists agree up to ties, else a reason.
@@ -421,7 +572,18 @@ class CudaEstimators : public ::testing::Test {
     for (int64_t h = 0; h < g.hq; ++h) {
       const HeadPattern& hp = ps[size_t(h)];
       const bool mass = hp.pattern == Pattern::kAdaptiveVS || hp.pattern == Pattern::kAdaptiveBlock;
-      if (hp.pattern == Pattern::kVerticalSlash || hp.pattern == Pattern::kAdaptiveVS) {
+      if (hp.vs_cover) {
+        const IndexCandidates& tc = trace[size_t(h * n_qb)];
+        int rounds = 0;
+        EXPECT_EQ(judge_cover(hp, cover_reference(g, q, k, h, hp), kend_last, g.q_offset + g.nq,
+                              sel.col_round[size_t(h)], sel.diag_round[size_t(h)],
+                              sel.columns[size_t(h)], sel.diagonals[size_t(h)], &n_ties, &rounds),
+                  "")
+            << "head " << h << " cover";
+        max_cover_rounds_ = std::max(max_cover_rounds_, rounds);
+        head_identical[size_t(h)] =
+            tc.columns == sel.columns[size_t(h)] && tc.diagonals == sel.diagonals[size_t(h)];
+      } else if (hp.pattern == Pattern::kVerticalSlash || hp.pattern == Pattern::kAdaptiveVS) {
         const IndexCandidates& tc = trace[size_t(h * n_qb)];
         std::set<int32_t> fc, fd;
         for (int64_t i = 0; i < std::min(hp.sink, kend_last); ++i) fc.insert(int32_t(i));
@@ -563,6 +725,7 @@ class CudaEstimators : public ::testing::Test {
   }
 
   std::mt19937_64 rng_;
+  int max_cover_rounds_ = 0;  // the most rounds a vs_cover head took (CoverMatchesCpu)
   bool force_cta_ = false;
   int stream_chunk_ = 0;
 };
@@ -590,6 +753,30 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   // Past 64 key blocks the selector's d-64 scoring loop runs its steady state (each warp's next
   // tile in flight under this one); the cases above end within a warp's first tile.
   run_case({6000, 6000, 0, 8, 2, 64}, true);
+}
+
+// HeadPattern::vs_cover on the device: adaptive-vs heads choosing columns and diagonals as one
+// cover in rounds, over spread scoring rows (the cover's passes score 64 gathered rows at a time
+// at their own positions), beside plain adaptive-vs and block heads of the same layer. Judged
+// round by round (judge_cover); a min_budget above the cover exercises the top-up.
+TEST_F(CudaEstimators, CoverMatchesCpu) {
+  std::vector<HeadPattern> ps = mixed_patterns(8);
+  for (int h : {1, 2, 6}) {
+    HeadPattern& hp = ps[size_t(h)];
+    hp = HeadPattern{};
+    hp.pattern = Pattern::kAdaptiveVS;
+    hp.vs_cover = 1;
+    hp.spread_rows = 200;
+    hp.gamma = h == 6 ? 0.8 : 0.95;
+    hp.sink = 16;
+    hp.local = 32;
+    hp.min_budget = h == 2 ? 600 : 0;
+  }
+  run_case({2048, 2048, 0, 8, 2, 128}, false, ps);
+  run_case({3000, 3000, 0, 8, 4, 128}, true, ps);
+  run_case({700, 1900, 1200, 8, 2, 128}, true, ps);  // q_offset > 0: rows past the spread
+  run_case({1000, 1000, 0, 8, 2, 64}, true, ps);
+  EXPECT_GT(max_cover_rounds_, 1);  // the rounds, not one threshold
 }
 
 // HeadPattern::tail_block_min: the device builder's tail rule (a tail becomes a block when it
@@ -719,10 +906,17 @@ TEST_F(CudaEstimators, BackendNeutralEntry) {
   rows[0].pattern = Pattern::kAdaptiveBlock;
   rows[0].last_block_rows = 1;
   EXPECT_EQ(sparse_estimate(dq_v, dk_v, rows, 0, &a, &st).code(), Code::kUnsupported);
-  std::vector<HeadPattern> cover = ps;  // adaptive-vs as one cover: host-only as well
-  cover[0].pattern = Pattern::kAdaptiveVS;
-  cover[0].vs_cover = 1;
-  cover[0].segment_rows = cover[0].share_group = 0;  // valid otherwise (check_pattern)
+  std::vector<HeadPattern> cover = ps;  // vs_cover heads must share their scoring rows
+  for (int h : {0, 1}) {
+    cover[size_t(h)] = HeadPattern{};
+    cover[size_t(h)].pattern = Pattern::kAdaptiveVS;
+    cover[size_t(h)].vs_cover = 1;
+  }
+  ASSERT_OK(sparse_estimate(dq_v, dk_v, cover, 0, &a, &st));
+  cover[1].spread_rows = 64;
+  EXPECT_EQ(sparse_estimate(dq_v, dk_v, cover, 0, &a, &st).code(), Code::kUnsupported);
+  cover[1].spread_rows = 0;
+  cover[1].max_budget = 1000;  // no family cap in the device rounds
   EXPECT_EQ(sparse_estimate(dq_v, dk_v, cover, 0, &a, &st).code(), Code::kUnsupported);
 }
 
