@@ -228,7 +228,9 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     const size_t ncov = size_t(L.n_cov), ncx = size_t(L.kend_last + L.n_diag);
     L.cov_q = c.take<char>(ncov ? size_t(L.cov_rows * L.hq * L.d) * (L.bf16 ? 2 : 4) : 0);
     L.cov_p = c.take<float>(ncov * size_t(L.cov_rows) * size_t(L.kend_last));
+    L.cov_resd = c.take<double>(ncov * ncx);
     L.cov_res = c.take<float>(ncov * ncx);
+    L.cov_sum = c.take<double>(ncov * 2);
     L.cov_round = c.take<int32_t>(ncov * ncx);
     L.cov_list = c.take<int32_t>(ncov * ncx);
     L.cov_n_list = c.take<int32_t>(ncov);

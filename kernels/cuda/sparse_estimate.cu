@@ -1373,45 +1373,105 @@ __global__ void cover_gather_kernel(const EstimateLaunch p, int es) {
 }
 
 // grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
-// double. round 0: every entry (the plain column and diagonal sums, into col / diag of the slot),
-// and the round table reset (forced items 0, the rest -1). round k: entries no taken item covers
-// (the residuals, into cov_res); a taken item's is 0. Coalesced: a column's threads read row r's
-// consecutive keys, a diagonal's the same row's keys in descending order.
-__global__ void cover_sums_kernel(const EstimateLaunch p, int round) {
+// double: the plain column and diagonal sums (into col / diag of the slot, the top-up's ranking)
+// and the residual before round 1 (entries no forced item covers, into cov_resd); the round table
+// reset (forced items 0, the rest -1) and the total (the plain column sums) accumulated.
+// Coalesced: a column's threads read row r's consecutive keys, a diagonal's the same row's keys
+// in descending order.
+__global__ void cover_sums_kernel(const EstimateLaunch p) {
+  __shared__ double red[8];
   const int c = blockIdx.y;
-  if (round > 0 && p.cov_state[2 * c] != 0) return;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
   const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (x >= ncx) return;
   const int hs = p.n_vs - p.n_cov + c;
   const EstHead& eh = p.heads[p.cov_heads[c]];
   const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(nc);
-  int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
   const bool col = x < nc;
-  if (round == 0) {
+  double s = 0, r0 = 0;
+  if (x < ncx) {
     const bool forced = col ? x < eh.sink : x - nc <= eh.local;
-    rd[x] = forced ? 0 : -1;
-    if (x == 0) {
-      p.cov_state[2 * c] = 0;
-      p.cov_state[2 * c + 1] = 0;
-    }
-  }
-  double s = 0;
-  if (round == 0 || rd[x] < 0) {
+    p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
     for (int64_t r = 0; r < p.cov_rows; ++r) {
       const int64_t pos = p.cov_pos[r];
       const int64_t j = col ? x : pos - (x - nc);
       if (j < 0 || j >= nc || j > pos) continue;
-      if (round > 0 && (col ? (pos - j < nd && rd[nc + pos - j] >= 0) : rd[j] >= 0)) continue;
-      s += double(P[size_t(r) * size_t(nc) + size_t(j)]);
+      const double v = double(P[size_t(r) * size_t(nc) + size_t(j)]);
+      s += v;
+      if (!forced && j >= eh.sink && pos - j > eh.local) r0 += v;
     }
+    p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0;
+    if (col)
+      p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s);
+    else
+      p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
   }
-  if (round > 0)
-    p.cov_res[size_t(c) * size_t(ncx) + size_t(x)] = float(s);
-  else if (col)
-    p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s);
-  else
-    p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
+  // The total: the block's column sums (of the floats ranked, as the CPU adds them), one atomic.
+  double t = col && x < ncx ? double(float(s)) : 0.0;
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = t;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double bt = 0;
+    for (int w = 0; w < int(blockDim.x) / 32; ++w) bt += red[w];
+    if (bt != 0) atomicAdd(p.cov_sum + 2 * c, bt);
+  }
+}
+
+// grid (ceil(n_cx / 256), n_cov), before round k's selection: the residuals as the floats the
+// selection ranks (0 for taken items), and the columns' residual total (uncovered) accumulated.
+__global__ void cover_prep_kernel(const EstimateLaunch p) {
+  __shared__ double red[8];
+  const int c = blockIdx.y;
+  if (p.cov_state[2 * c] != 0) return;  // done: uniform over the grid row
+  const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
+  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  double u = 0;
+  if (x < ncx) {
+    const size_t at = size_t(c) * size_t(ncx) + size_t(x);
+    const double r = p.cov_round[at] >= 0 ? 0.0 : p.cov_resd[at];
+    const float f = float(r > 0 ? r : 0.0);  // updates can leave -1e-17 where 0 is meant
+    p.cov_res[at] = f;
+    if (x < nc) u = double(f);
+  }
+  for (int o = 16; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = u;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double bu = 0;
+    for (int w = 0; w < int(blockDim.x) / 32; ++w) bu += red[w];
+    if (bu != 0) atomicAdd(p.cov_sum + 2 * c + 1, bu);
+  }
+}
+
+// grid (kCoverUpdateBlocks, n_cov), after round k's selection: each entry the round's new items
+// cover, uncovered before it, leaves the residual of its other item (a new column's entry leaves
+// its diagonal's, a new diagonal's its column's) unless that item is new too. Per (item, row), in
+// double: the residuals stay the CPU's fresh sums up to the order of the additions.
+constexpr int kCoverUpdateBlocks = 64;
+__global__ void cover_update_kernel(const EstimateLaunch p, int round) {
+  const int c = blockIdx.y;
+  if (p.cov_state[2 * c] != 0 || p.cov_state[2 * c + 1] != round) return;  // took nothing
+  const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
+  const int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
+  const int32_t* list = p.cov_list + size_t(c) * size_t(ncx);
+  double* resd = p.cov_resd + size_t(c) * size_t(ncx);
+  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(nc);
+  const int64_t work = int64_t(p.cov_n_list[c]) * p.cov_rows;
+  auto old = [&](int32_t r) { return r >= 0 && r < round; };
+  for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < work;
+       w += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t x = list[w / p.cov_rows];
+    if (rd[x] != round) continue;  // listed, not taken (a zero past an unreachable goal)
+    const int64_t r = w % p.cov_rows, pos = p.cov_pos[r];
+    const int64_t j = x < nc ? x : pos - (x - nc);
+    if (j < 0 || j >= nc || j > pos) continue;
+    const int64_t o = pos - j;
+    const int32_t rc = rd[j], rdg = rd[nc + o];
+    if (old(rc) || old(rdg)) continue;  // covered before this round
+    const int64_t other = x < nc ? nc + o : j;
+    if (rd[other] == round) continue;  // taken in this round too
+    atomicAdd(resd + other, -double(P[size_t(r) * size_t(nc) + size_t(j)]));
+  }
 }
 
 // grid (n_cov): round k's picks. need = gamma x total - covered (total: the plain column sums;
@@ -1425,17 +1485,13 @@ __global__ void __launch_bounds__(kVsSelectThreads)
   __shared__ typename FlagScan<G>::Scan::TempStorage scan_tmp;
   const int c = blockIdx.x;
   if (p.cov_state[2 * c] != 0) return;  // uniform over the CTA
-  const int hs = p.n_vs - p.n_cov + c;
   const EstHead& eh = p.heads[p.cov_heads[c]];
   const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
   const float* res = p.cov_res + size_t(c) * size_t(ncx);
   int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
-  double tl = 0, ul = 0;
-  for (int64_t i = threadIdx.x; i < nc; i += kVsSelectThreads) {
-    tl += double(p.col[size_t(hs) * size_t(nc) + size_t(i)]);
-    ul += double(res[i]);
-  }
-  const double total = group_sum<G>(tl, sh), uncovered = group_sum<G>(ul, sh);
+  const double total = p.cov_sum[2 * c], uncovered = p.cov_sum[2 * c + 1];
+  G::sync();  // every thread has read uncovered before it is reset for the next round's prep
+  if (threadIdx.x == 0) p.cov_sum[2 * c + 1] = 0;
   const double need = eh.gamma * total - (total - uncovered);
   if (!(need > 0)) {
     if (threadIdx.x == 0) p.cov_state[2 * c] = 1;
@@ -1500,10 +1556,15 @@ __global__ void __launch_bounds__(kVsSelectThreads) cover_final_kernel(const Est
 cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
   const int64_t ncx = p.kend_last + p.n_diag;
   const dim3 sgrid(unsigned((ncx + 255) / 256), unsigned(p.n_cov));
-  cover_sums_kernel<<<sgrid, 256, 0, s>>>(p, 0);
+  cudaError_t e = cudaMemsetAsync(p.cov_sum, 0, size_t(p.n_cov) * 2 * sizeof(double), s);
+  if (e == cudaSuccess)
+    e = cudaMemsetAsync(p.cov_state, 0, size_t(p.n_cov) * 2 * sizeof(int32_t), s);
+  if (e != cudaSuccess) return e;
+  cover_sums_kernel<<<sgrid, 256, 0, s>>>(p);
   for (int k = 1; k <= p.cov_max_rounds; ++k) {
-    cover_sums_kernel<<<sgrid, 256, 0, s>>>(p, k);
+    cover_prep_kernel<<<sgrid, 256, 0, s>>>(p);
     cover_select_kernel<<<unsigned(p.n_cov), kVsSelectThreads, 0, s>>>(p, k);
+    cover_update_kernel<<<dim3(kCoverUpdateBlocks, unsigned(p.n_cov)), 256, 0, s>>>(p, k);
   }
   cover_final_kernel<<<dim3(unsigned(p.n_cov), 2), kVsSelectThreads, 0, s>>>(p);
   return cudaGetLastError();

@@ -74,7 +74,9 @@ struct EstimateLaunch {
   const int64_t* cov_pos = nullptr;    // [cov_rows] their absolute positions
   void* cov_q = nullptr;               // [cov_rows, hq, d] those rows of q (q's type)
   float* cov_p = nullptr;              // [n_cov * cov_rows * kend_last] softmax, 0 past causal
-  float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals (scratch after)
+  double* cov_resd = nullptr;          // [n_cov * n_cx] residuals, kept up to date by updates
+  float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals, ranked (scratch after)
+  double* cov_sum = nullptr;           // [n_cov * 2] total (plain column sums), uncovered
   int32_t* cov_round = nullptr;        // [n_cov * n_cx] -1 not taken, 0 forced, k round k
   int32_t* cov_list = nullptr;         // [n_cov * n_cx] a round's picks
   int32_t* cov_n_list = nullptr;       // [n_cov]
