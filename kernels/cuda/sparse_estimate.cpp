@@ -231,6 +231,10 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.cov_resd = c.take<double>(ncov * ncx);
     L.cov_res = c.take<float>(ncov * ncx);
     L.cov_sum = c.take<double>(ncov * 2);
+    L.cov_hcnt = c.take<uint32_t>(ncov * 3 * kCoverBins);
+    L.cov_hmass = c.take<double>(ncov * 3 * kCoverBins);
+    L.cov_walkd = c.take<double>(ncov * 2);
+    L.cov_walki = c.take<int64_t>(ncov * 8);
     L.cov_round = c.take<int32_t>(ncov * ncx);
     L.cov_list = c.take<int32_t>(ncov * ncx);
     L.cov_n_list = c.take<int32_t>(ncov);

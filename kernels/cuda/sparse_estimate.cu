@@ -1443,6 +1443,252 @@ __global__ void cover_prep_kernel(const EstimateLaunch p) {
   }
 }
 
+// A round's pick: the smallest prefix of the joint list (residual descending, then index)
+// whose residuals sum to >= target, found as the key T where the mass above first reaches it: a
+// radix search over the residuals' float keys in three levels (bits 21..31, 10..20, 0..9), each a
+// histogram of counts and masses (wide) and a walk down its buckets (one CTA a head); then every
+// residual above T is taken, and at T the first m by index (m = ceil of what is still missing
+// over T's value), as group_select takes them. cov_walki: [0] prefix, [1] mask, [2] mass-above
+// count, [3] T's count, [4] m, [5] 1: fewer than T's count are taken (tie pass), [6] 1: the
+// candidates do not reach the target, every one is taken.
+constexpr int kCoverPer = 16;  // residuals a thread bins: neighbours share buckets, so runs merge
+__device__ __forceinline__ int cover_shift(int level) {
+  return level == 0 ? 21 : level == 1 ? 10 : 0;
+}
+__device__ __forceinline__ uint32_t cover_width_mask(int level) {
+  return level == 2 ? 0x3ffu : 0x7ffu;
+}
+
+// grid (ceil(n_cx / (256 kCoverPer)), n_cov): level `level`'s histogram of the residuals (> 0)
+// whose key matches the walk's prefix so far.
+__global__ void __launch_bounds__(256) cover_hist_kernel(const EstimateLaunch p, int level) {
+  __shared__ unsigned cnt[kCoverBins];
+  __shared__ double mass[kCoverBins];
+  const int c = blockIdx.y;
+  if (p.cov_state[2 * c] != 0) return;
+  const int64_t* wi = p.cov_walki + size_t(c) * 8;
+  if (wi[6]) return;  // every candidate taken: no threshold
+  const uint32_t prefix = uint32_t(wi[0]), mask = uint32_t(wi[1]);
+  const int shift = cover_shift(level);
+  const uint32_t wm = cover_width_mask(level);
+  for (int b = threadIdx.x; b < kCoverBins; b += blockDim.x) {
+    cnt[b] = 0;
+    mass[b] = 0;
+  }
+  __syncthreads();
+  const int64_t ncx = p.kend_last + p.n_diag;
+  const float* res = p.cov_res + size_t(c) * size_t(ncx);
+  const int64_t x0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kCoverPer;
+  uint32_t rb = 0xffffffffu;
+  unsigned rc = 0;
+  double rm = 0;
+  for (int i = 0; i < kCoverPer && x0 + i < ncx; ++i) {
+    const float v = res[x0 + i];
+    if (!(v > 0.f)) continue;
+    const uint32_t key = order_key(v);
+    if ((key & mask) != prefix) continue;
+    const uint32_t b = (key >> shift) & wm;
+    if (b != rb) {
+      if (rc) {
+        atomicAdd(&cnt[rb], rc);
+        atomicAdd(&mass[rb], rm);
+      }
+      rb = b;
+      rc = 0;
+      rm = 0;
+    }
+    ++rc;
+    rm += double(v);
+  }
+  if (rc) {
+    atomicAdd(&cnt[rb], rc);
+    atomicAdd(&mass[rb], rm);
+  }
+  __syncthreads();
+  uint32_t* gc = p.cov_hcnt + (size_t(c) * 3 + size_t(level)) * kCoverBins;
+  double* gm = p.cov_hmass + (size_t(c) * 3 + size_t(level)) * kCoverBins;
+  for (int b = threadIdx.x; b < kCoverBins; b += blockDim.x)
+    if (cnt[b]) {
+      atomicAdd(gc + b, cnt[b]);
+      atomicAdd(gm + b, mass[b]);
+    }
+}
+
+// grid (n_cov), 256 threads: level `level`'s walk; level -1 sets the round up: need from the
+// totals (done when <= 0), the target, an empty pick list. Each level leaves its histogram zeroed
+// for the next round.
+constexpr int kCoverWalkThreads = 256;
+static_assert(kCoverBins == 8 * kCoverWalkThreads, "a walk thread reads 8 buckets");
+__global__ void __launch_bounds__(kCoverWalkThreads)
+    cover_walk_kernel(const EstimateLaunch p, int level, int round) {
+  using Scan = cub::BlockScan<double, kCoverWalkThreads>;
+  using ScanI = cub::BlockScan<long long, kCoverWalkThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ typename ScanI::TempStorage tmpi;
+  __shared__ int hit;
+  const int c = blockIdx.x;
+  if (p.cov_state[2 * c] != 0) return;
+  int64_t* wi = p.cov_walki + size_t(c) * 8;
+  double* wd = p.cov_walkd + size_t(c) * 2;
+  if (level < 0) {
+    const EstHead& eh = p.heads[p.cov_heads[c]];
+    const double total = p.cov_sum[2 * c], uncovered = p.cov_sum[2 * c + 1];
+    __syncthreads();  // every thread has read uncovered before it is reset for the next round
+    const double need = eh.gamma * total - (total - uncovered);
+    if (threadIdx.x == 0) {
+      p.cov_sum[2 * c + 1] = 0;
+      if (!(need > 0)) {
+        p.cov_state[2 * c] = 1;
+      } else {
+        wd[0] = need > total * p.cov_finish ? 0.5 * need : need;
+        wd[1] = 0;
+        for (int i = 0; i < 8; ++i) wi[i] = 0;
+        p.cov_n_list[c] = 0;
+      }
+    }
+    return;
+  }
+  if (wi[6]) return;  // uniform: every candidate taken
+  uint32_t* gc = p.cov_hcnt + (size_t(c) * 3 + size_t(level)) * kCoverBins;
+  double* gm = p.cov_hmass + (size_t(c) * 3 + size_t(level)) * kCoverBins;
+  const double target = wd[0], above = wd[1];
+  // Thread t holds buckets 2047 - 8t - e, e = 0..7: the buckets in descending key order.
+  unsigned bc[8];
+  double bm[8];
+  double ms = 0;
+  long long cs = 0;
+  for (int e = 0; e < 8; ++e) {
+    const int b = kCoverBins - 1 - 8 * int(threadIdx.x) - e;
+    bc[e] = gc[b];
+    bm[e] = gm[b];
+    ms += bm[e];
+    cs += bc[e];
+  }
+  double mex;
+  long long cex;
+  Scan(tmp).ExclusiveSum(ms, mex);
+  ScanI(tmpi).ExclusiveSum(cs, cex);
+  if (threadIdx.x == 0) hit = kCoverBins;
+  __syncthreads();
+  int mine = kCoverBins;
+  double run = above + mex;
+  for (int e = 0; e < 8; ++e) {
+    if (bc[e] > 0 && run + bm[e] >= target) {
+      mine = 8 * int(threadIdx.x) + e;
+      break;
+    }
+    run += bm[e];
+  }
+  if (mine < kCoverBins) atomicMin(&hit, mine);
+  __syncthreads();
+  if (hit == kCoverBins && level > 0) {
+    // The bucket's mass reached the target one level up; summed in another order here it may
+    // fall short by rounding: its last non-empty bucket is where the target is reached.
+    __syncthreads();
+    if (threadIdx.x == 0) hit = -1;
+    __syncthreads();
+    int last = -1;
+    for (int e = 0; e < 8; ++e)
+      if (bc[e] > 0) last = 8 * int(threadIdx.x) + e;
+    if (last >= 0) atomicMax(&hit, last);
+    __syncthreads();
+    if (hit < 0 && threadIdx.x == 0) hit = kCoverBins;
+    __syncthreads();
+  }
+  const int h = hit;
+  if (int(threadIdx.x) == h / 8) {
+    const int e = h % 8;
+    double m_above = above + mex;
+    long long c_above = wi[2] + cex;
+    for (int f = 0; f < e; ++f) {
+      m_above += bm[f];
+      c_above += bc[f];
+    }
+    const uint32_t b = uint32_t(kCoverBins - 1 - h);
+    const int shift = cover_shift(level);
+    wi[0] = int64_t(uint32_t(wi[0]) | (b << shift));
+    wi[1] = int64_t(uint32_t(wi[1]) | (cover_width_mask(level) << shift));
+    wi[2] = c_above;
+    wd[1] = m_above;
+    if (level == 2) {
+      const float tv = key_value(uint32_t(wi[0]));
+      long long m = (long long)ceil((target - m_above) / double(tv));
+      m = m < 1 ? 1 : (m > (long long)bc[e] ? (long long)bc[e] : m);
+      wi[3] = bc[e];
+      wi[4] = m;
+      wi[5] = m < (long long)bc[e] ? 1 : 0;
+    }
+  }
+  if (h == kCoverBins && threadIdx.x == 0) wi[6] = 1;  // the candidates fall short: take them all
+  if (threadIdx.x == 0 && (level == 2 || h == kCoverBins)) p.cov_state[2 * c + 1] = round;
+  __syncthreads();
+  for (int b = threadIdx.x; b < kCoverBins; b += blockDim.x) {  // clean for the next round
+    gc[b] = 0;
+    gm[b] = 0;
+  }
+}
+
+// Appends x to head c's pick list (warp-aggregated: one atomic a warp).
+__device__ __forceinline__ void cover_append(const EstimateLaunch& p, int c, bool take, int32_t x) {
+  const unsigned act = __activemask();
+  const unsigned b = __ballot_sync(act, take);
+  if (!b) return;
+  const int lane = int(threadIdx.x % 32), leader = __ffs(b) - 1;
+  int base = 0;
+  if (lane == leader) base = atomicAdd(p.cov_n_list + c, __popc(b));
+  base = __shfl_sync(act, base, leader);
+  if (take)
+    p.cov_list[size_t(c) * size_t(p.kend_last + p.n_diag) + size_t(base) +
+               size_t(__popc(b & ((1u << lane) - 1u)))] = x;
+}
+
+// grid (ceil(n_cx / 256), n_cov): takes every residual above T (and at T unless the tie pass
+// decides), or every candidate when they fall short.
+__global__ void cover_mark_kernel(const EstimateLaunch p, int round) {
+  const int c = blockIdx.y;
+  if (p.cov_state[2 * c] != 0) return;
+  const int64_t* wi = p.cov_walki + size_t(c) * 8;
+  const int64_t ncx = p.kend_last + p.n_diag;
+  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  bool take = false;
+  if (x < ncx) {
+    const float v = p.cov_res[size_t(c) * size_t(ncx) + size_t(x)];
+    if (v > 0.f) {
+      const uint32_t key = order_key(v), T = uint32_t(wi[0]);
+      take = wi[6] || key > T || (key == T && !wi[5]);
+    }
+  }
+  if (take) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = round;
+  cover_append(p, c, take, int32_t(x));
+}
+
+// grid (n_cov): where fewer than T's count are taken, the first m at T by index.
+__global__ void __launch_bounds__(kVsSelectThreads)
+    cover_tie_kernel(const EstimateLaunch p, int round) {
+  using Scan = cub::BlockScan<int, kVsSelectThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int c = blockIdx.x;
+  if (p.cov_state[2 * c] != 0) return;
+  const int64_t* wi = p.cov_walki + size_t(c) * 8;
+  if (wi[6] || !wi[5]) return;
+  const uint32_t T = uint32_t(wi[0]);
+  const long long m = wi[4];
+  const int64_t ncx = p.kend_last + p.n_diag;
+  const float* res = p.cov_res + size_t(c) * size_t(ncx);
+  long long seen = 0;
+  for (int64_t x0 = 0; x0 < ncx && seen < m; x0 += kVsSelectThreads) {
+    const int64_t x = x0 + threadIdx.x;
+    const int eq = x < ncx && res[x] > 0.f && order_key(res[x]) == T;
+    int before, n_eq;
+    Scan(tmp).ExclusiveSum(eq, before, n_eq);
+    __syncthreads();
+    const bool take = eq && seen + before < m;
+    if (take) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = round;
+    cover_append(p, c, take, int32_t(x));
+    seen += n_eq;
+  }
+}
+
 // grid (kCoverUpdateBlocks, n_cov), after round k's selection: each entry the round's new items
 // cover, uncovered before it, leaves the residual of its other item (a new column's entry leaves
 // its diagonal's, a new diagonal's its column's) unless that item is new too. Per (item, row), in
@@ -1461,7 +1707,6 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
   for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < work;
        w += int64_t(gridDim.x) * blockDim.x) {
     const int32_t x = list[w / p.cov_rows];
-    if (rd[x] != round) continue;  // listed, not taken (a zero past an unreachable goal)
     const int64_t r = w % p.cov_rows, pos = p.cov_pos[r];
     const int64_t j = x < nc ? x : pos - (x - nc);
     if (j < 0 || j >= nc || j > pos) continue;
@@ -1471,54 +1716,6 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
     const int64_t other = x < nc ? nc + o : j;
     if (rd[other] == round) continue;  // taken in this round too
     atomicAdd(resd + other, -double(P[size_t(r) * size_t(nc) + size_t(j)]));
-  }
-}
-
-// grid (n_cov): round k's picks. need = gamma x total - covered (total: the plain column sums;
-// covered: total - the columns' residuals); done when need <= 0. Else the smallest prefix of the
-// joint list (columns then diagonals: the CPU's tie order) by residual reaching need / 2 (need
-// itself once it is below cov_finish of the total) is taken in round k.
-__global__ void __launch_bounds__(kVsSelectThreads)
-    cover_select_kernel(const EstimateLaunch p, int round) {
-  using G = CtaGroup<kVsSelectThreads>;
-  __shared__ SelShared sh;
-  __shared__ typename FlagScan<G>::Scan::TempStorage scan_tmp;
-  const int c = blockIdx.x;
-  if (p.cov_state[2 * c] != 0) return;  // uniform over the CTA
-  const EstHead& eh = p.heads[p.cov_heads[c]];
-  const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
-  const float* res = p.cov_res + size_t(c) * size_t(ncx);
-  int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
-  const double total = p.cov_sum[2 * c], uncovered = p.cov_sum[2 * c + 1];
-  G::sync();  // every thread has read uncovered before it is reset for the next round's prep
-  if (threadIdx.x == 0) p.cov_sum[2 * c + 1] = 0;
-  const double need = eh.gamma * total - (total - uncovered);
-  if (!(need > 0)) {
-    if (threadIdx.x == 0) p.cov_state[2 * c] = 1;
-    return;
-  }
-  SelBudget b;
-  b.mass = 1;
-  b.goal = need > total * p.cov_finish ? 0.5 * need : need;
-  b.min_count = 0;
-  b.max_count = ncx;
-  int32_t* list = p.cov_list + size_t(c) * size_t(ncx);
-  group_select<G>(res, ncx, 0, 1, 0, b, list, ncx, p.cov_n_list + c, sh, FlagScan<G>{&scan_tmp});
-  const int64_t n = p.cov_n_list[c];
-  long long any = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kVsSelectThreads) {
-    const int32_t x = list[i];
-    if (rd[x] < 0 && res[x] > 0.f) {  // zeros only past an unreachable goal: never taken
-      rd[x] = round;
-      any = 1;
-    }
-  }
-  any = group_sum_i<G>(any, sh);
-  if (threadIdx.x == 0) {
-    if (any)
-      p.cov_state[2 * c + 1] = round;
-    else
-      p.cov_state[2 * c] = 1;
   }
 }
 
@@ -1556,14 +1753,25 @@ __global__ void __launch_bounds__(kVsSelectThreads) cover_final_kernel(const Est
 cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
   const int64_t ncx = p.kend_last + p.n_diag;
   const dim3 sgrid(unsigned((ncx + 255) / 256), unsigned(p.n_cov));
+  const size_t nh = size_t(p.n_cov) * 3 * kCoverBins;
   cudaError_t e = cudaMemsetAsync(p.cov_sum, 0, size_t(p.n_cov) * 2 * sizeof(double), s);
   if (e == cudaSuccess)
     e = cudaMemsetAsync(p.cov_state, 0, size_t(p.n_cov) * 2 * sizeof(int32_t), s);
+  if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hcnt, 0, nh * sizeof(uint32_t), s);
+  if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hmass, 0, nh * sizeof(double), s);
   if (e != cudaSuccess) return e;
   cover_sums_kernel<<<sgrid, 256, 0, s>>>(p);
+  const dim3 hgrid(unsigned((ncx + 256 * kCoverPer - 1) / (256 * kCoverPer)), unsigned(p.n_cov));
   for (int k = 1; k <= p.cov_max_rounds; ++k) {
     cover_prep_kernel<<<sgrid, 256, 0, s>>>(p);
-    cover_select_kernel<<<unsigned(p.n_cov), kVsSelectThreads, 0, s>>>(p, k);
+    for (int level = 0; level < 3; ++level) {
+      if (level == 0)  // the walk sets the round up before level 0's histogram is read
+        cover_walk_kernel<<<unsigned(p.n_cov), kCoverWalkThreads, 0, s>>>(p, -1, k);
+      cover_hist_kernel<<<hgrid, 256, 0, s>>>(p, level);
+      cover_walk_kernel<<<unsigned(p.n_cov), kCoverWalkThreads, 0, s>>>(p, level, k);
+    }
+    cover_mark_kernel<<<sgrid, 256, 0, s>>>(p, k);
+    cover_tie_kernel<<<unsigned(p.n_cov), kVsSelectThreads, 0, s>>>(p, k);
     cover_update_kernel<<<dim3(kCoverUpdateBlocks, unsigned(p.n_cov)), 256, 0, s>>>(p, k);
   }
   cover_final_kernel<<<dim3(unsigned(p.n_cov), 2), kVsSelectThreads, 0, s>>>(p);

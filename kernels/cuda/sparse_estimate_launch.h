@@ -77,6 +77,12 @@ struct EstimateLaunch {
   double* cov_resd = nullptr;          // [n_cov * n_cx] residuals, kept up to date by updates
   float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals, ranked (scratch after)
   double* cov_sum = nullptr;           // [n_cov * 2] total (plain column sums), uncovered
+  // A round's threshold search over the residuals' float keys (order_key), 11 + 11 + 10 bits:
+  // per head three histograms of kCoverBins (count, mass) and the walk's state.
+  uint32_t* cov_hcnt = nullptr;        // [n_cov * 3 * kCoverBins]
+  double* cov_hmass = nullptr;         // [n_cov * 3 * kCoverBins]
+  double* cov_walkd = nullptr;         // [n_cov * 2] target, mass above the bucket
+  int64_t* cov_walki = nullptr;        // [n_cov * 8] see sparse_estimate.cu CoverWalk
   int32_t* cov_round = nullptr;        // [n_cov * n_cx] -1 not taken, 0 forced, k round k
   int32_t* cov_list = nullptr;         // [n_cov * n_cx] a round's picks
   int32_t* cov_n_list = nullptr;       // [n_cov]
@@ -105,6 +111,8 @@ struct EstimateLaunch {
   // breakdowns).
   int stages = 7;
 };
+
+constexpr int kCoverBins = 2048;
 
 // The pooled arrays' padded head dim (a multiple of 32) and key-block count (a multiple of 8).
 SF_HOST_DEVICE inline int64_t sparse_estimate_pool_d(int64_t d) { return (d + 31) / 32 * 32; }
