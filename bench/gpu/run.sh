@@ -40,6 +40,7 @@
 #                            heads run in groups)
 #   SF_BENCH_CP_SIZES        CP sizes whose selective exchange is counted (default 2,4,8;
 #                            none skips the count, which walks each index on the host)
+#   SF_BENCH_SEED            the synthetic inputs' seed (default: from the clock; the JSON keeps it)
 #   SF_BENCH_ROPE_BASE, SF_BENCH_DIAG_LOGIT  the planted inputs' rotary base and diagonal logit
 #                            (defaults 10000 and 12; 500000 and 16: Llama-3-like concentration)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
@@ -315,6 +316,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
          ${SF_BENCH_SPARSE_MEMORY_GB:+--sparse-memory-gb "$SF_BENCH_SPARSE_MEMORY_GB"} \
          ${SF_BENCH_ROPE_BASE:+--planted-rope-base "$SF_BENCH_ROPE_BASE"} \
+         ${SF_BENCH_SEED:+--seed "$SF_BENCH_SEED"} \
          ${SF_BENCH_DIAG_LOGIT:+--planted-diag-logit "$SF_BENCH_DIAG_LOGIT"} \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"
