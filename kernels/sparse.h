@@ -90,7 +90,7 @@ struct EstimatorStats {
 //   adaptive-vs / adaptive-block: the smallest ranked set reaching gamma of the estimated mass.
 // Every pattern also gets the sink and local window (sparse_index.h). Ties rank by lower index.
 // CUDA tensors (F32, or BF16 q and k): the device estimators (kernels/cuda/sparse_estimate.h),
-// same rules; spread_rows > 0 or segment_rows > 0 is kUnsupported there.
+// same rules; spread_rows > 0 (except with vs_cover) or segment_rows > 0 is kUnsupported there.
 Status sparse_estimate(const TensorView& q, const TensorView& k,
                        const std::vector<HeadPattern>& patterns, int64_t q_offset, SparseIndex* out,
                        EstimatorStats* stats);
