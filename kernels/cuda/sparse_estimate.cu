@@ -1361,15 +1361,28 @@ __global__ void __launch_bounds__(kVsSelectThreads) vs_select_kernel(const Estim
 
 // ---- vs_cover: one cover of columns and diagonals, in rounds (sparse_select.h vs_cover_select)
 
-// q rows of the cover's scoring rows, every head: [cov_rows, hq, d] (elements of es bytes).
+// q rows of the cover's scoring rows, every head: [cov_rows, hq, d] (elements of es bytes; a
+// row is a whole number of 4-byte words since d % 4 == 0).
 __global__ void cover_gather_kernel(const EstimateLaunch p, int es) {
-  const int64_t row_bytes = p.hq * p.d * es;
-  const int64_t r = blockIdx.y;
-  const char* src = static_cast<const char*>(p.q) + p.cov_local[r] * row_bytes;
-  char* dst = static_cast<char*>(p.cov_q) + r * row_bytes;
-  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < row_bytes / 4;
-       b += int64_t(gridDim.x) * blockDim.x)
-    reinterpret_cast<int32_t*>(dst)[b] = reinterpret_cast<const int32_t*>(src)[b];
+  const int64_t words = p.hq * p.d * es / 4, n = p.cov_rows * words;
+  const auto* src = static_cast<const int32_t*>(p.q);
+  auto* dst = static_cast<int32_t*>(p.cov_q);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[p.cov_local[i / words] * words + i % words];
+}
+
+// Adds the block's sum of v (every thread of a block of at most 256 calls it) to *dst, one atomic.
+__device__ void block_add(double v, double* dst) {
+  __shared__ double red[8];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double b = 0;
+    for (int w = 0; w < int(blockDim.x) / 32; ++w) b += red[w];
+    if (b != 0) atomicAdd(dst, b);
+  }
 }
 
 // grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
@@ -1379,7 +1392,6 @@ __global__ void cover_gather_kernel(const EstimateLaunch p, int es) {
 // Coalesced: a column's threads read row r's consecutive keys, a diagonal's the same row's keys
 // in descending order.
 __global__ void cover_sums_kernel(const EstimateLaunch p) {
-  __shared__ double red[8];
   const int c = blockIdx.y;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
   const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1405,22 +1417,13 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
     else
       p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
   }
-  // The total: the block's column sums (of the floats ranked, as the CPU adds them), one atomic.
-  double t = col && x < ncx ? double(float(s)) : 0.0;
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = t;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double bt = 0;
-    for (int w = 0; w < int(blockDim.x) / 32; ++w) bt += red[w];
-    if (bt != 0) atomicAdd(p.cov_sum + 2 * c, bt);
-  }
+  // The total: the block's column sums (of the floats ranked, as the CPU adds them).
+  block_add(col && x < ncx ? double(float(s)) : 0.0, p.cov_sum + 2 * c);
 }
 
 // grid (ceil(n_cx / 256), n_cov), before round k's selection: the residuals as the floats the
 // selection ranks (0 for taken items), and the columns' residual total (uncovered) accumulated.
 __global__ void cover_prep_kernel(const EstimateLaunch p) {
-  __shared__ double red[8];
   const int c = blockIdx.y;
   if (p.cov_state[2 * c] != 0) return;  // done: uniform over the grid row
   const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
@@ -1433,14 +1436,7 @@ __global__ void cover_prep_kernel(const EstimateLaunch p) {
     p.cov_res[at] = f;
     if (x < nc) u = double(f);
   }
-  for (int o = 16; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = u;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double bu = 0;
-    for (int w = 0; w < int(blockDim.x) / 32; ++w) bu += red[w];
-    if (bu != 0) atomicAdd(p.cov_sum + 2 * c + 1, bu);
-  }
+  block_add(u, p.cov_sum + 2 * c + 1);
 }
 
 // A round's pick: the smallest prefix of the joint list (residual descending, then index)
@@ -2507,10 +2503,9 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   if ((p.stages & 1) && p.n_cov > 0 && p.cov_rows > 0) {
     // The cover's rows gathered, then scored 64 at a time on the copy, at their own positions.
     const int es = int(sizeof(T));
-    const int64_t words = p.hq * p.d * es / 4;
-    cover_gather_kernel<<<dim3(unsigned(std::min<int64_t>((words + 255) / 256, 64)),
-                               unsigned(p.cov_rows)),
-                          256, 0, s>>>(p, es);
+    const int64_t words = p.cov_rows * p.hq * p.d * es / 4;
+    cover_gather_kernel<<<unsigned(std::min<int64_t>((words + 255) / 256, 4096)), 256, 0, s>>>(p,
+                                                                                               es);
     EstimateLaunch pc = p;
     pc.q = p.cov_q;
     for (int64_t r0 = 0; r0 < p.cov_rows; r0 += kB) {
