@@ -233,7 +233,8 @@ std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& g
 // Rule 1 for a vs_cover head (sparse_select.h vs_cover_select), round by round on the device's own
 // history: before round k the state is the device's picks of rounds < k, from which the reference
 // residuals (double), need and target give the rule's round-k picks; they must equal the device's
-// round-k picks up to ties (judge, mass mode with the target as goal). Where the device stopped,
+// round-k picks up to ties (each differing pick at the rule's boundary residual up to rounding,
+// and the device's picks still the smallest prefix reaching the target). Where the device stopped,
 // the reference need must be <= 0 up to 1e-4 x total. Then each final list: the picks, topped up
 // to min_budget by the reference plain sums (judge, count mode, the picks forced).
 std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, int64_t nd,
@@ -301,11 +302,31 @@ std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, 
       taken += res[size_t(x)];
     }
     std::sort(want.begin(), want.end());
-    double sum_res = 0;
-    for (double v : res) sum_res += v;
-    const std::string why =
-        judge(want, dev, res, {}, true, sum_res > 0 ? target / sum_res : 1.0, true, n_ties);
-    if (!why.empty()) return "round " + std::to_string(k) + ": " + why;
+    if (want != dev) {
+      // A tie: every differing pick's residual is the rule's boundary residual up to rounding,
+      // and the device's picks are still the smallest prefix reaching the target: they reach it,
+      // and without their smallest they do not (a superset of the rule's picks fails here).
+      const std::string at = "round " + std::to_string(k) + ": ";
+      double r_b = INFINITY, m_dev = 0, r_min = INFINITY;
+      for (int32_t x : want) r_b = std::min(r_b, res[size_t(x)]);
+      for (int32_t x : dev) {
+        m_dev += res[size_t(x)];
+        r_min = std::min(r_min, res[size_t(x)]);
+      }
+      std::vector<int32_t> only;
+      std::set_symmetric_difference(want.begin(), want.end(), dev.begin(), dev.end(),
+                                    std::back_inserter(only));
+      for (int32_t x : only)
+        if (!(std::abs(res[size_t(x)] - r_b) <= 1e-4 * r_b + 1e-9 * total))
+          return at + std::to_string(only.size()) + " picks differ (rule " +
+                 std::to_string(want.size()) + ", device " + std::to_string(dev.size()) +
+                 "); item " + std::to_string(x) + " residual " + std::to_string(res[size_t(x)]) +
+                 ", boundary " + std::to_string(r_b);
+      const double tol = 1e-6 * total;
+      if (m_dev < target - tol) return at + "the device's picks fall short of the target";
+      if (m_dev - r_min >= target + tol) return at + "the device's picks are not the smallest";
+      *n_ties += int64_t(only.size());
+    }
   }
   for (int kind = 0; kind < 2; ++kind) {
     const int64_t n = kind == 0 ? nc : nd;
