@@ -189,23 +189,40 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
   std::vector<double> acc(size_t(nc + nd));
   std::vector<int32_t> order;
   int rounds = 0;
-  for (int k = 1; k <= kVsCoverRounds; ++k) {
-    // Residuals: each item's mass on entries no taken item covers, rows in order, in double,
-    // then rounded to float (the ranked values); uncovered = the columns' residual total.
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int64_t r = 0; r < nr; ++r) {
-      const float* p = probs + r * nc;
-      const int64_t lim = std::clamp<int64_t>(pos[r] + 1, 0, nc);
-      for (int64_t j = 0; j < lim; ++j) {
-        const int64_t o = pos[r] - j;
-        if (round[0][size_t(j)] >= 0 || (o < nd && round[1][size_t(o)] >= 0)) continue;
-        acc[size_t(j)] += double(p[j]);
-        if (o < nd) acc[size_t(nc + o)] += double(p[j]);
-      }
+  // Residuals: each item's mass on entries no taken item covers, in double. Summed once over the
+  // rows after the forced items; after each round every newly covered entry leaves the residual
+  // of its other item (unless that one was taken in the same round), as the device keeps them.
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* p = probs + r * nc;
+    const int64_t lim = std::clamp<int64_t>(pos[r] + 1, 0, nc);
+    for (int64_t j = 0; j < lim; ++j) {
+      const int64_t o = pos[r] - j;
+      if (round[0][size_t(j)] >= 0 || (o < nd && round[1][size_t(o)] >= 0)) continue;
+      acc[size_t(j)] += double(p[j]);
+      if (o < nd) acc[size_t(nc + o)] += double(p[j]);
     }
+  }
+  std::vector<int32_t> fresh;  // the last round's picks, as joint ids
+  for (int k = 1; k <= kVsCoverRounds; ++k) {
+    auto old = [&](int32_t rd) { return rd >= 0 && rd < k - 1; };
+    for (int32_t x : fresh) {
+      const bool is_col = x < nc;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t j = is_col ? x : pos[r] - (x - nc);
+        if (j < 0 || j >= nc || j > pos[r]) continue;
+        const int64_t o = pos[r] - j;
+        if (o >= nd || old(round[0][size_t(j)]) || old(round[1][size_t(o)])) continue;
+        const int64_t other = is_col ? nc + o : j;
+        if ((is_col ? round[1][size_t(o)] : round[0][size_t(j)]) == k - 1) continue;
+        acc[size_t(other)] -= double(probs[r * nc + j]);
+      }
+      acc[size_t(x)] = 0;
+    }
+    fresh.clear();
     double uncovered = 0;
     for (int64_t x = 0; x < nc + nd; ++x) {
-      res[size_t(x)] = float(acc[size_t(x)]);
+      const double a = acc[size_t(x)];
+      res[size_t(x)] = float(a > 0 ? a : 0.0);  // updates can leave -1e-17 where 0 is meant
       if (x < nc) uncovered += double(res[size_t(x)]);
     }
     const double need = goal - (total - uncovered);
@@ -232,6 +249,7 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
       round[kind][size_t(kind ? x - nc : x)] = k;
       ++count[kind];
       taken += double(res[size_t(x)]);
+      fresh.push_back(x);
       any = true;
     }
     rounds = k;

@@ -82,8 +82,9 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 // rounds a GPU runs as a few passes (kernels/cuda/sparse_estimate.cu runs the same one):
 //   - forced first, as vs_select: columns [0, sink) and diagonals [0, local];
 //   - goal = gamma * (the sum of col). Round k = 1 .. kVsCoverRounds: every item's residual, its
-//     mass on entries no taken item covers (summed in row order in double, then rounded to
-//     float); need = goal - (the sum of col - the columns' residual total), the mass still
+//     mass on entries no taken item covers (in double: summed once, then each newly covered
+//     entry taken off the other item's; ranked as floats); need = goal - (the sum of col - the
+//     columns' residual total), the mass still
 //     missing; stop when need <= 0.
 //     target = need / 2 while need > kVsCoverFinish of the total, else need. The items not
 //     taken, with residual > 0, ranked by residual descending, then columns before diagonals,
