@@ -84,9 +84,8 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 //   - goal = gamma * (the sum of col). Round k = 1 .. kVsCoverRounds: every item's residual, its
 //     mass on entries no taken item covers (in double: summed once, then each newly covered
 //     entry taken off the other item's; ranked as floats); need = goal - (the sum of col - the
-//     columns' residual total), the mass still
-//     missing; stop when need <= 0.
-//     target = need / 2 while need > kVsCoverFinish of the total, else need. The items not
+//     columns' residual total), the mass still missing; stop when need <= 0. target = need / 2
+//     while need > kVsCoverFinish of the total, else need. The items not
 //     taken, with residual > 0, ranked by residual descending, then columns before diagonals,
 //     then the lower index, are taken in order until their residuals sum to >= target; a family
 //     holding max_budget items takes no more;
