@@ -594,14 +594,14 @@ int cmd_bench_attention(int argc, char** argv) {
   // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
   // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
   const int64_t dense_ours_max = std::atoll(a.get("dense-ours-max", "131072").c_str());
-  // Device memory one sparse mode's estimator workspace and index may take for a layer; above it
-  // the heads run in groups (see the mode loop).
   Planted planted;
   planted.rope_base = std::atof(a.get("planted-rope-base", "10000").c_str());
   planted.diag_logit = std::atof(a.get("planted-diag-logit", "12").c_str());
   if (!(planted.rope_base > 1) || !(planted.diag_logit > 0) || planted.diag_logit > 64)
     return fail(SF_ERR(kInvalidArgument,
                        "--planted-rope-base must be > 1 and --planted-diag-logit in (0, 64]"));
+  // Device memory one sparse mode's estimator workspace and index may take for a layer; above it
+  // the heads run in groups (see the mode loop).
   const double mem_budget = std::atof(a.get("sparse-memory-gb", "20").c_str()) * 1e9;
   if (!(mem_budget > 0))
     return fail(SF_ERR(kInvalidArgument, "--sparse-memory-gb must be positive"));
