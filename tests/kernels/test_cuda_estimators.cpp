@@ -114,6 +114,28 @@ struct RefScores {
   std::vector<std::vector<double>> blk;        // per slot: the score the selector ranks by
 };
 
+// Query row `row` of head h: its softmax over the causal keys, in double.
+std::vector<double> row_softmax(const Geo& g, const std::vector<float>& q,
+                                const std::vector<float>& k, int64_t h, int64_t row) {
+  const int64_t group = g.hq / g.hkv;
+  const double scale = 1.0 / std::sqrt(double(g.d));
+  const int64_t lim = std::clamp<int64_t>(g.q_offset + row + 1, 0, g.nk);
+  std::vector<double> s(static_cast<size_t>(lim));
+  double mx = -INFINITY;
+  for (int64_t j = 0; j < lim; ++j) {
+    double acc = 0;
+    for (int64_t c = 0; c < g.d; ++c)
+      acc += double(q[size_t((row * g.hq + h) * g.d + c)]) *
+             double(k[size_t((j * g.hkv + h / group) * g.d + c)]);
+    s[size_t(j)] = acc * scale;
+    mx = std::max(mx, s[size_t(j)]);
+  }
+  double sum = 0;
+  for (double& x : s) sum += (x = std::exp(x - mx));
+  for (double& x : s) x /= sum;
+  return s;
+}
+
 RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std::vector<float>& k,
                            const std::vector<HeadPattern>& ps) {
   RefScores r;
@@ -125,20 +147,8 @@ RefScores reference_scores(const Geo& g, const std::vector<float>& q, const std:
   const int64_t kend_last = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
   auto probs_rows = [&](int64_t h, int64_t r0, int64_t r1, auto&& use) {
     for (int64_t row = r0; row < r1; ++row) {
-      const int64_t pos = g.q_offset + row, lim = std::clamp<int64_t>(pos + 1, 0, g.nk);
-      std::vector<double> s(static_cast<size_t>(lim));
-      double mx = -INFINITY;
-      for (int64_t j = 0; j < lim; ++j) {
-        double acc = 0;
-        for (int64_t c = 0; c < g.d; ++c)
-          acc += double(q[size_t((row * g.hq + h) * g.d + c)]) *
-                 double(k[size_t((j * g.hkv + h / group) * g.d + c)]);
-        s[size_t(j)] = acc * scale;
-        mx = std::max(mx, s[size_t(j)]);
-      }
-      double sum = 0;
-      for (double& x : s) sum += (x = std::exp(x - mx));
-      for (int64_t j = 0; j < lim; ++j) use(pos, j, s[size_t(j)] / sum);
+      const std::vector<double> pr = row_softmax(g, q, k, h, row);
+      for (size_t j = 0; j < pr.size(); ++j) use(g.q_offset + row, int64_t(j), pr[j]);
     }
   };
   for (int64_t h = 0; h < g.hq; ++h) {
@@ -202,26 +212,14 @@ struct CoverRef {
 CoverRef cover_reference(const Geo& g, const std::vector<float>& q, const std::vector<float>& k,
                          int64_t h, const HeadPattern& hp) {
   CoverRef r;
-  const int64_t group = g.hq / g.hkv, nc = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
-  const double scale = 1.0 / std::sqrt(double(g.d));
+  const int64_t nc = std::clamp<int64_t>(g.q_offset + g.nq, 0, g.nk);
   const std::vector<int64_t> rows = scoring_rows(g.nq, hp.spread_rows);
   r.probs.assign(rows.size() * size_t(nc), 0.0);
   for (size_t a = 0; a < rows.size(); ++a) {
-    const int64_t pos = g.q_offset + rows[a], lim = std::clamp<int64_t>(pos + 1, 0, nc);
-    r.pos.push_back(pos);
-    double* s = r.probs.data() + a * size_t(nc);
-    double mx = -INFINITY;
-    for (int64_t j = 0; j < lim; ++j) {
-      double acc = 0;
-      for (int64_t c = 0; c < g.d; ++c)
-        acc += double(q[size_t((rows[a] * g.hq + h) * g.d + c)]) *
-               double(k[size_t((j * g.hkv + h / group) * g.d + c)]);
-      s[j] = acc * scale;
-      mx = std::max(mx, s[j]);
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < lim; ++j) sum += (s[j] = std::exp(s[j] - mx));
-    for (int64_t j = 0; j < lim; ++j) s[j] /= sum;
+    r.pos.push_back(g.q_offset + rows[a]);
+    const std::vector<double> pr = row_softmax(g, q, k, h, rows[a]);
+    std::copy(pr.begin(), pr.begin() + std::min<int64_t>(int64_t(pr.size()), nc),
+              r.probs.begin() + int64_t(a) * nc);
   }
   return r;
 }
