@@ -62,11 +62,10 @@ std::string hex64(uint64_t v) {
   return b;
 }
 
-// Copies an F32/I32 tensor of the exact shape; the data section is not aligned in general.
-template <typename T>
-Status read_tensor(const SafetensorsFile& f, const std::string& name, const char* dtype,
-                   const std::vector<int64_t>& shape, const std::string& where,
-                   std::vector<T>* out) {
+// The tensor `name`, checked to have the dtype and exact shape.
+Result<const SafetensorsTensor*> find_tensor(const SafetensorsFile& f, const std::string& name,
+                                             const char* dtype, const std::vector<int64_t>& shape,
+                                             const std::string& where) {
   const SafetensorsTensor* t = f.find(name);
   if (!t) return corrupt(where, "tensor '" + name + "' missing");
   if (t->dtype != dtype)
@@ -77,8 +76,48 @@ Status read_tensor(const SafetensorsFile& f, const std::string& name, const char
     for (int64_t x : shape) b += std::to_string(x) + ",";
     return corrupt(where, "tensor '" + name + "' has shape [" + a + "], expected [" + b + "]");
   }
-  out->resize(t->n_bytes() / sizeof(T));
-  if (!out->empty()) std::memcpy(out->data(), t->data, out->size() * sizeof(T));
+  return t;
+}
+
+// Copies the part [first, first + count) (in elements of T) of a checked tensor; the data
+// section is not aligned in general. count < 0: all of it.
+template <typename T>
+Status read_tensor(const SafetensorsFile& f, const std::string& name, const char* dtype,
+                   const std::vector<int64_t>& shape, const std::string& where, std::vector<T>* out,
+                   int64_t first = 0, int64_t count = -1) {
+  SF_ASSIGN(const SafetensorsTensor* t, find_tensor(f, name, dtype, shape, where));
+  out->resize(size_t(count < 0 ? int64_t(t->n_bytes() / sizeof(T)) : count));
+  if (!out->empty())
+    std::memcpy(out->data(), t->data + first * int64_t(sizeof(T)), out->size() * sizeof(T));
+  return Status::ok();
+}
+
+// Head j (of `heads` in the tensors named name + sfx) of a shard's K or V: its n rows read in
+// the export's encoding and decoded to F32.
+Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, const std::string& sfx,
+               int64_t heads, int64_t j, int64_t n, int64_t hd, int64_t bs,
+               const std::string& where, std::vector<float>* out) {
+  using kvstore::KvEncoding;
+  const std::string base = keys ? "key" : "value";
+  const char* dt = enc == KvEncoding::kF32 ? "F32" : enc == KvEncoding::kBF16 ? "BF16" : "U8";
+  const int64_t width = enc == KvEncoding::kInt4 ? hd / 2 : hd;
+  const int64_t esize = enc == KvEncoding::kF32 ? 4 : enc == KvEncoding::kBF16 ? 2 : 1;
+  kvstore::EncodedRows rows;
+  SF_TRY(read_tensor<uint8_t>(f, base + sfx, dt, {1, heads, n, width}, where, &rows.data,
+                              j * n * width * esize, n * width * esize));
+  if (enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4) {
+    const int64_t nb = (n + bs - 1) / bs;
+    const std::vector<int64_t> shape =
+        keys ? std::vector<int64_t>{1, heads, nb, hd} : std::vector<int64_t>{1, heads, n};
+    const int64_t per = keys ? nb * hd : n;
+    SF_TRY(read_tensor<uint16_t>(f, base + "_scale" + sfx, "F16", shape, where, &rows.scale,
+                                 j * per, per));
+    SF_TRY(read_tensor<uint16_t>(f, base + "_zero" + sfx, "F16", shape, where, &rows.zero, j * per,
+                                 per));
+  }
+  out->resize(size_t(n * hd));
+  const Status st = kvstore::kv_decode(enc, keys, rows, n, int(hd), out->data());
+  if (!st.is_ok()) return corrupt(where, base + sfx + ": " + st.message());
   return Status::ok();
 }
 
@@ -100,9 +139,9 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   if (format != "sparsefill-kv")
     return corrupt(W, "format '" + format + "' is not 'sparsefill-kv'");
   SF_ASSIGN(int64_t version, get_int(man, "format_version", W));
-  if (version != kvstore::kKvFormatVersion)
+  if (version != kvstore::kKvFormatVersion && version != 3)
     return SF_ERR(kUnsupported, "kv export: format_version " + std::to_string(version) +
-                                    " is not supported (this reader reads " +
+                                    " is not supported (this reader reads 3 and " +
                                     std::to_string(kvstore::kKvFormatVersion) + ")");
   KvManifest mf;
   KvExport& out = mf.meta;
@@ -114,6 +153,15 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   SF_ASSIGN(std::string dtype, get_str(man, "dtype", W));
   if (dtype != "F32")
     return SF_ERR(kUnsupported, "kv export: dtype " + dtype + " is not supported (F32)");
+  // Version 3 has no kv_dtype: its K/V are F32.
+  if (version >= 4) {
+    SF_ASSIGN(out.kv_dtype, get_str(man, "kv_dtype", W));
+  }
+  auto enc_r = kvstore::kv_encoding_parse(out.kv_dtype);
+  if (!enc_r.is_ok())
+    return SF_ERR(kUnsupported, "kv export: kv_dtype '" + out.kv_dtype +
+                                    "' is not supported (f32, bf16, int8, int4)");
+  const kvstore::KvEncoding enc = enc_r.value();
   SF_ASSIGN(int64_t bs, get_int(man, "block_size", W));
   if (bs != kvstore::kKvBlockSize)
     return corrupt(W, "block_size " + std::to_string(bs) + " is not 64");
@@ -156,7 +204,7 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   // here (never expanded: a small manifest could declare billions of positions).
   mf.kept.resize(size_t(nl * nh));
   mf.ranges.resize(size_t(nl * nh));
-  int64_t kept_total = 0;
+  int64_t kept_bytes = 0;  // K/V bytes the kept tokens take in the export's encoding
   for (int64_t l = 0; l < nl; ++l) {
     const json::value& rlv = (*rlayers)[size_t(l)];
     if (!rlv.is_object()) return corrupt("retention", "layer entry is not an object");
@@ -190,10 +238,10 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
                                         std::to_string(hh) + " cover " + std::to_string(sum) +
                                         " positions, n says " + std::to_string(n));
       mf.kept[size_t(l * nh + hh)] = n;
-      kept_total += n;
+      kept_bytes += kvstore::kv_encoded_bytes(enc, n, int(hd));
     }
   }
-  if (out.kv_bytes != kept_total * hd * 2 * 4)
+  if (out.kv_bytes != kept_bytes)
     return corrupt("retention",
                    "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
 
@@ -328,6 +376,7 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   }
   SF_ASSIGN(KvManifest mf, parse_kv_manifest(text, expected_compat_hash));
   KvExport out = std::move(mf.meta);
+  const kvstore::KvEncoding enc = kvstore::kv_encoding_parse(out.kv_dtype).value();  // parsed
   const int64_t nl = out.n_layers, nh = out.n_kv_heads, hd = out.head_dim, bs = out.block_size;
   out.heads.resize(size_t(nl * nh));
   // One shard's tensors of one head, as read.
@@ -355,23 +404,16 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
                        "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
       SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(p.string()));
       const int64_t hs = S.kv_head1 - S.kv_head0;
-      std::vector<float> kall, vall;
-      if (S.uniform) {
-        SF_TRY(read_tensor<float>(f, "key", "F32", {1, hs, S.kept[0], hd}, where, &kall));
-        SF_TRY(read_tensor<float>(f, "value", "F32", {1, hs, S.kept[0], hd}, where, &vall));
-      }
       data[si].resize(size_t(hs));
       for (int64_t j = 0; j < hs; ++j) {
         HeadData& H = data[si][size_t(j)];
         const int64_t n = S.kept[size_t(j)], nb = (n + bs - 1) / bs;
         const std::string sfx = ".h" + std::to_string(S.kv_head0 + j);
-        if (S.uniform) {
-          H.k.assign(kall.begin() + j * n * hd, kall.begin() + (j + 1) * n * hd);
-          H.v.assign(vall.begin() + j * n * hd, vall.begin() + (j + 1) * n * hd);
-        } else {
-          SF_TRY(read_tensor<float>(f, "key" + sfx, "F32", {1, 1, n, hd}, where, &H.k));
-          SF_TRY(read_tensor<float>(f, "value" + sfx, "F32", {1, 1, n, hd}, where, &H.v));
-        }
+        // Uniform: head j of the shared key/value tensors; per head: its own key.hH/value.hH.
+        const std::string kv_sfx = S.uniform ? "" : sfx;
+        const int64_t heads = S.uniform ? hs : 1, jj = S.uniform ? j : 0;
+        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, bs, where, &H.k));
+        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, bs, where, &H.v));
         SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
         SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
         SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));

@@ -18,7 +18,8 @@
 namespace sf::decode {
 
 // One layer's KV head: the kept tokens in position order, as exported (keys post-RoPE in
-// rotate-half channel order), plus per-block metadata over runs of 64 kept tokens.
+// rotate-half channel order; decoded to F32 from the export's kv_dtype), plus per-block metadata
+// over runs of 64 kept tokens.
 struct HeadKv {
   std::vector<int32_t> positions;
   std::vector<float> k, v;                                 // [n, head_dim]
@@ -33,6 +34,7 @@ struct KvExport {
   std::vector<int32_t> token_ids;
   int32_t first_token = -1;
   std::string retention_policy, retention_params;
+  std::string kv_dtype = "f32";  // how the shards stored K/V (kvstore/kv_quant.h); heads hold F32
   int64_t kv_bytes = 0, kv_bytes_full = 0;
   std::vector<HeadKv> heads;  // [layer * n_kv_heads + head]
 

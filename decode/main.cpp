@@ -114,11 +114,13 @@ int run(int argc, char** argv) {
   if (!gen.is_ok()) return fail(gen.status());
   const auto t2 = std::chrono::steady_clock::now();
   const auto& st = gpu ? ds->stats() : sr->stats();
-  std::printf("kv: %s, %lld prompt tokens, retention %s%s%s, %lld of %lld KV bytes (%.1f%%)\n",
-              a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
-              man.retention_params.empty() ? "" : ":", man.retention_params.c_str(),
-              static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
-              100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
+  std::printf(
+      "kv: %s, %lld prompt tokens, retention %s%s%s, K/V stored as %s: %lld of %lld KV bytes "
+      "(%.1f%%)\n",
+      a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
+      man.retention_params.empty() ? "" : ":", man.retention_params.c_str(), man.kv_dtype.c_str(),
+      static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
+      100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
   std::printf("load + verify: %.3f s; decode %d tokens on %s: %.3f s\n",
               std::chrono::duration<double>(t1 - t0).count(), n_new,
               gpu ? dm->device_name().c_str() : "cpu",

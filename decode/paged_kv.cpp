@@ -74,7 +74,8 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
 }
 
 Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
-                                                const kvstore::Retention& r) {
+                                                const kvstore::Retention& r,
+                                                kvstore::KvEncoding enc) {
   if (r.n_layers != kv.n_layers || r.n_kv_heads != kv.n_kv_heads || r.n_tokens != kv.n_tokens ||
       int64_t(kv.k.size()) != kv.n_layers)
     return SF_ERR(kInvalidArgument,
@@ -93,6 +94,11 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
         const size_t off = (size_t(p) * size_t(hkv) + size_t(h)) * size_t(d);
         c.append(l, h, p, kv.k[size_t(l)].data() + off, kv.v[size_t(l)].data() + off);
       }
+  // Every page but a head's last is a full block, so the pages are the export's key groups.
+  for (KvBlock& B : c.pool_) {
+    SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
+    SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
+  }
   return c;
 }
 

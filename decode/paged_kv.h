@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "decode/kv_client.h"
+#include "kvstore/kv_quant.h"
 #include "kvstore/retention.h"
 #include "worker/model/model.h"
 
@@ -29,8 +30,12 @@ class PagedKvCache {
   static Result<PagedKvCache> from_export(const KvExport& e, bool keys_interleaved);
 
   // In-process path (evaluation): the prefill's own cache (model channel order already) with a
-  // retention applied, same paging and metadata as an export would give.
-  static Result<PagedKvCache> from_prefill(const model::KvCache& kv, const kvstore::Retention& r);
+  // retention applied, same paging and metadata as an export would give. enc: the keys and
+  // values become what a decode node loading an export in that encoding holds
+  // (kvstore::kv_round_trip per block of 64 kept tokens); the block min/max stay the F32 keys',
+  // as the export's metadata does.
+  static Result<PagedKvCache> from_prefill(const model::KvCache& kv, const kvstore::Retention& r,
+                                           kvstore::KvEncoding enc = kvstore::KvEncoding::kF32);
 
   int n_layers() const { return n_layers_; }
   int n_kv_heads() const { return n_kv_heads_; }

@@ -107,7 +107,11 @@ Status check_retention(const KvExportSpec& spec, const Retention& r) {
 
 }  // namespace
 
-int64_t kv_bytes(const Retention& r, int head_dim) { return r.kept_total() * head_dim * 2 * 4; }
+int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc) {
+  int64_t total = 0;
+  for (const auto& k : r.kept) total += kv_encoded_bytes(enc, int64_t(k.size()), head_dim);
+  return total;
+}
 
 std::string compat_hash(const KvExportSpec& s) {
   char buf[512];
@@ -247,12 +251,18 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
     std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
     std::vector<HeadMeta> meta(static_cast<size_t>(hp));
+    // Per head: K and V in the export's encoding (the metadata above comes from the F32 keys).
+    std::vector<EncodedRows> ek(static_cast<size_t>(hp)), ev(static_cast<size_t>(hp));
     for (int h = 0; h < hp; ++h) {
       float* kh = kbuf.data() + off[size_t(h)] * d;
+      float* vh = vbuf.data() + off[size_t(h)] * d;
+      const int64_t n = int64_t(pos[size_t(h)].size());
       gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
-      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
+      gather_head(v, hp, d, h, rows[size_t(h)], false, vh);
       const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
-      meta[size_t(h)] = block_meta(kh, int64_t(pos[size_t(h)].size()), d, imp, pos[size_t(h)]);
+      meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
+      SF_ASSIGN(ek[size_t(h)], kv_encode(spec.encoding, true, kh, n, d));
+      SF_ASSIGN(ev[size_t(h)], kv_encode(spec.encoding, false, vh, n, d));
     }
     SafetensorsWriter w;
     boost::json::array names;
@@ -260,18 +270,40 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
       w.add(name, t, std::move(shape), p, bytes);
       names.push_back(boost::json::string(name));
     };
+    // K/V tensors of `heads` heads of n rows each: codes (or values) and, for the integer
+    // encodings, their F16 scales and zeros.
+    const KvEncoding enc = spec.encoding;
+    const DType data_t = enc == KvEncoding::kF32    ? DType::kF32
+                         : enc == KvEncoding::kBF16 ? DType::kBF16
+                                                    : DType::kU8;
+    const int64_t width = enc == KvEncoding::kInt4 ? d / 2 : d;  // data elements per row
+    const bool params = enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4;
+    auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, const EncodedRows& kr,
+                      const EncodedRows& vr) {
+      const int64_t nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+      add("key" + sfx, data_t, {1, heads, n, width}, kr.data.data(), kr.data.size());
+      add("value" + sfx, data_t, {1, heads, n, width}, vr.data.data(), vr.data.size());
+      if (!params) return;
+      add("key_scale" + sfx, DType::kF16, {1, heads, nb, d}, kr.scale.data(), kr.scale.size() * 2);
+      add("key_zero" + sfx, DType::kF16, {1, heads, nb, d}, kr.zero.data(), kr.zero.size() * 2);
+      add("value_scale" + sfx, DType::kF16, {1, heads, n}, vr.scale.data(), vr.scale.size() * 2);
+      add("value_zero" + sfx, DType::kF16, {1, heads, n}, vr.zero.data(), vr.zero.size() * 2);
+    };
+    EncodedRows kall, vall;  // uniform: every head's, back to back
     if (uniform) {
-      const int64_t n = int64_t(pos[0].size());
-      add("key", DType::kF32, {1, hp, n, d}, kbuf.data(), kbuf.size() * 4);
-      add("value", DType::kF32, {1, hp, n, d}, vbuf.data(), vbuf.size() * 4);
+      for (int h = 0; h < hp; ++h)
+        for (auto [dst, src] :
+             {std::pair{&kall, &ek[size_t(h)]}, std::pair{&vall, &ev[size_t(h)]}}) {
+          dst->data.insert(dst->data.end(), src->data.begin(), src->data.end());
+          dst->scale.insert(dst->scale.end(), src->scale.begin(), src->scale.end());
+          dst->zero.insert(dst->zero.end(), src->zero.begin(), src->zero.end());
+        }
+      add_kv("", hp, int64_t(pos[0].size()), kall, vall);
     }
     for (int h = 0; h < hp; ++h) {
       const std::string sfx = ".h" + std::to_string(h0 + h);
       const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-      if (!uniform) {
-        add("key" + sfx, DType::kF32, {1, 1, n, d}, kbuf.data() + off[size_t(h)] * d, size_t(n * d) * 4);
-        add("value" + sfx, DType::kF32, {1, 1, n, d}, vbuf.data() + off[size_t(h)] * d, size_t(n * d) * 4);
-      }
+      if (!uniform) add_kv(sfx, 1, n, ek[size_t(h)], ev[size_t(h)]);
       const HeadMeta& m = meta[size_t(h)];
       add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
       add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
@@ -401,9 +433,16 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   man["model"] = std::move(model);
   man["compat_hash"] = compat_hash(spec);
   man["dtype"] = "F32";
+  man["kv_dtype"] = kv_encoding_name(spec.encoding);
   man["layout"] =
-      "key/value: [1, shard kv_heads, n_kept, head_dim] (per shard layout uniform) or key.hH/value.hH: "
-      "[1, 1, n_kept_H, head_dim] (per_head); keys after RoPE in rotate-half order";
+      "key/value: [1, shard kv_heads, n_kept, head_dim] (per shard layout uniform) or "
+      "key.hH/value.hH: "
+      "[1, 1, n_kept_H, head_dim] (per_head); keys after RoPE in rotate-half order. kv_dtype "
+      "int8/int4: "
+      "U8 codes (int4: two a byte, even channel low, last dim head_dim/2), x = zero + code * scale "
+      "with "
+      "F16 key_scale/key_zero [1, heads, n_blocks, head_dim] (per channel per 64 kept tokens) and "
+      "value_scale/value_zero [1, heads, n_kept] (per token)";
   man["block_size"] = kKvBlockSize;
   man["n_tokens"] = S;
   boost::json::array ids;
@@ -415,8 +454,12 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   rj["params"] = ret ? ret->params : "";
   const int64_t kept = ret ? ret->kept_total() : S * nl * hkv;
   rj["kept_tokens"] = kept;
-  rj["kv_bytes"] = kept * d * 2 * 4;
-  rj["kv_bytes_full"] = S * nl * hkv * d * 2 * 4;
+  int64_t bytes = 0;
+  for (int l = 0; l < nl; ++l)
+    for (int h = 0; h < hkv; ++h)
+      bytes += kv_encoded_bytes(spec.encoding, ret ? int64_t(ret->positions(l, h).size()) : S, d);
+  rj["kv_bytes"] = bytes;
+  rj["kv_bytes_full"] = nl * hkv * kv_encoded_bytes(spec.encoding, S, d);
   rj["layers"] = std::move(ret_layers);
   man["retention"] = std::move(rj);
   if (spec.importance) {

@@ -12,14 +12,16 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kvstore/kv_quant.h"
 #include "kvstore/retention.h"
 
 namespace sf::kvstore {
 
+// 4: keys and values may be stored in another encoding than F32 (kv_dtype, kvstore/kv_quant.h);
 // 3: a layer may be split over several shard files, each holding some token runs of some KV
 // heads (the TP x CP ranks that computed them); 2: retention detail, per-head positions and
-// per-block metadata; 1: full retention only.
-constexpr int kKvFormatVersion = 3;
+// per-block metadata; 1: full retention only. Readers also read 3, whose K/V are F32.
+constexpr int kKvFormatVersion = 4;
 constexpr int kKvBlockSize = 64;
 
 struct KvExportSpec {
@@ -35,13 +37,16 @@ struct KvExportSpec {
   // Optional; null means full retention and no importance. Not owned; must match the geometry.
   const Retention* retention = nullptr;
   const ImportanceScores* importance = nullptr;
+  // How the shards store K and V; block metadata stays F32, taken from the F32 keys.
+  KvEncoding encoding = KvEncoding::kF32;
 };
 
 // Returns the layer's K or V, token-major [n_tokens, n_kv_heads, head_dim] fp32.
 using LayerSource = std::function<const float*(int layer, bool value)>;
 
-// Bytes of K and V (F32) a retention keeps, summed over layers and heads.
-int64_t kv_bytes(const Retention& r, int head_dim);
+// Bytes of K and V a retention keeps, summed over layers and heads, stored in `enc`
+// (kv_encoded_bytes per head).
+int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc = KvEncoding::kF32);
 
 // Compatibility hash over everything a consumer must agree on (model, dtype, geometry, rope,
 // block size). Hex string of XXH64.

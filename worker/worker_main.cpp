@@ -50,7 +50,7 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
-    "                  [--device cpu|cuda] [--retention POLICY]\n";
+    "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype f32|bf16|int8|int4]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -69,6 +69,8 @@ struct Options {
   // Applied before export to every request whose line names none (docs/distributed.md,
   // "Retention"); scored policies use the SnapKV importance computed during the prefill.
   kvstore::RetentionPolicy retention;
+  // How exports store K and V (kvstore/kv_quant.h).
+  kvstore::KvEncoding kv_dtype = kvstore::KvEncoding::kF32;
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -93,9 +95,9 @@ Result<Options> parse_options(int argc, char** argv) {
     }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
-    static const char* valued[] = {"model",  "batch",     "out",      "tp",
-                                   "cp",     "attention", "chunk",    "comm-timeout",
-                                   "export", "device",    "retention"};
+    static const char* valued[] = {"model",  "batch",     "out",       "tp",
+                                   "cp",     "attention", "chunk",     "comm-timeout",
+                                   "export", "device",    "retention", "kv-dtype"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -139,6 +141,11 @@ Result<Options> parse_options(int argc, char** argv) {
     auto rp = kvstore::retention_parse(kv["retention"]);
     if (!rp.is_ok()) return SF_ERR(kInvalidArgument, "--retention: " + rp.status().message());
     o.retention = std::move(rp).value();
+  }
+  if (kv.count("kv-dtype")) {
+    auto e = kvstore::kv_encoding_parse(kv["kv-dtype"]);
+    if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
+    o.kv_dtype = e.value();
   }
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
@@ -568,6 +575,7 @@ int run(int argc, char** argv) {
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
+    spec.encoding = o.kv_dtype;
     const std::string dir = runtime::request_dir(o.out, r.id);
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
     std::optional<kvstore::ImportanceScores> imp;

@@ -53,8 +53,10 @@ inline kvstore::ImportanceScores scores_of(const model::PrefillResult& r, int wi
 
 inline Status export_prefill(const model::Model& m, const std::vector<int32_t>& toks,
                              const model::PrefillResult& r, const std::string& dir,
-                             const kvstore::Retention* ret, const kvstore::ImportanceScores* imp) {
+                             const kvstore::Retention* ret, const kvstore::ImportanceScores* imp,
+                             kvstore::KvEncoding enc = kvstore::KvEncoding::kF32) {
   kvstore::KvExportSpec spec = decode::model_export_spec(m);
+  spec.encoding = enc;
   spec.n_tokens = int64_t(toks.size());
   spec.token_ids = toks;
   spec.first_token = r.first_token;

@@ -1,6 +1,7 @@
-// KV export (format 3) and the decode-side client: round trips for full and partial retention,
+// KV export (format 4) and the decode-side client: round trips for full and partial retention,
 // sharded exports (parts of each layer written separately), per-block metadata against a
-// recomputation, and a clear error for every bad input.
+// recomputation, K/V encodings (bf16, int8, int4) loading as exactly the encoding's round trip,
+// and a clear error for every bad input.
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -9,6 +10,7 @@
 
 #include "common/safetensors.h"
 #include "decode/kv_client.h"
+#include "decode/paged_kv.h"
 #include "tests/decode/decode_test_util.h"
 
 namespace sf {
@@ -35,9 +37,10 @@ class KvClient : public ::testing::Test {
     imp_ = testing::scores_of(pr_, 32, 7);
     hash_ = decode::model_compat_hash(*model_);
   }
-  std::string export_to(const std::string& name, const kvstore::Retention* ret) {
+  std::string export_to(const std::string& name, const kvstore::Retention* ret,
+                        kvstore::KvEncoding enc = kvstore::KvEncoding::kF32) {
     const std::string d = tmp_.sub(name);
-    Status st = testing::export_prefill(*model_, toks_, pr_, d, ret, &imp_);
+    Status st = testing::export_prefill(*model_, toks_, pr_, d, ret, &imp_, enc);
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     return d;
   }
@@ -160,6 +163,105 @@ TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
   EXPECT_EQ(f->find("key.h1")->shape, (std::vector<int64_t>{1, 1, 8 + 150, 16}));
 }
 
+// An export in each encoding loads as the F32 cache's kv_round_trip (keys grouped per 64 kept
+// tokens of the head, as the export writes them); the block metadata stays the F32 keys', and
+// kv_bytes counts the encoded tensors.
+TEST_F(KvClient, EncodedExportsLoadAsTheEncodingsRoundTrip) {
+  using kvstore::KvEncoding;
+  const int d = 16;
+  auto snap = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2, kN, &imp_);
+  ASSERT_TRUE(snap.is_ok());
+  kvstore::RetentionPolicy moa;  // per-head layout: counts differ
+  moa.kind = kvstore::RetentionKind::kMoA;
+  moa.moa_sink = 8;
+  moa.moa = {{{50, 0.0}, {0, 0.5}}, {{20, 0.1}, {300, 0}}};
+  auto mr = kvstore::retention_apply(moa, 2, 2, kN, nullptr);
+  ASSERT_TRUE(mr.is_ok());
+  std::vector<int32_t> all(kN);
+  for (int t = 0; t < kN; ++t) all[size_t(t)] = t;
+  for (KvEncoding enc : {KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+    for (const kvstore::Retention* ret :
+         std::vector<const kvstore::Retention*>{nullptr, &snap.value(), &mr.value()}) {
+      const std::string name = std::string(kvstore::kv_encoding_name(enc)) + "-" +
+                               (ret ? ret->policy : std::string("full"));
+      SCOPED_TRACE(name);
+      auto e = decode::load_kv_export(export_to(name, ret, enc), hash_);
+      ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+      EXPECT_EQ(e->kv_dtype, kvstore::kv_encoding_name(enc));
+      int64_t bytes = 0;
+      for (int l = 0; l < 2; ++l)
+        for (int h = 0; h < 2; ++h) {
+          const auto& pos = ret ? ret->positions(l, h) : all;
+          const int64_t n = int64_t(pos.size());
+          bytes += kvstore::kv_encoded_bytes(enc, n, d);
+          std::vector<float> k(size_t(n * d)), v(size_t(n * d));
+          for (int64_t i = 0; i < n; ++i)
+            for (int c = 0; c < d; ++c) {
+              k[size_t(i * d + c)] = cache_key(l, pos[size_t(i)], h, c);
+              v[size_t(i * d + c)] =
+                  pr_.kv.v[size_t(l)][(size_t(pos[size_t(i)]) * 2 + size_t(h)) * d + size_t(c)];
+            }
+          // Metadata from the F32 keys, before encoding.
+          const decode::HeadKv& H = e->head(l, h);
+          for (int64_t b = 0; b * 64 < n; ++b)
+            for (int c = 0; c < d; ++c) {
+              float lo = 1e30f;
+              for (int64_t i = b * 64; i < std::min(n, b * 64 + 64); ++i)
+                lo = std::min(lo, k[size_t(i * d + c)]);
+              ASSERT_EQ(H.block_kmin[size_t(b * d + c)], lo);
+            }
+          std::vector<float> k0 = k;
+          ASSERT_TRUE(kvstore::kv_round_trip(enc, true, k.data(), n, d).is_ok());
+          ASSERT_TRUE(kvstore::kv_round_trip(enc, false, v.data(), n, d).is_ok());
+          EXPECT_EQ(H.positions, pos);
+          EXPECT_EQ(H.k, k) << "l" << l << " h" << h;
+          EXPECT_EQ(H.v, v) << "l" << l << " h" << h;
+          EXPECT_NE(H.k, k0);  // the encoding did change the keys
+        }
+      EXPECT_EQ(e->kv_bytes, bytes);
+      auto f = SafetensorsFile::open(tmp_.sub(name) + "/layer_000.safetensors");
+      ASSERT_TRUE(f.is_ok());
+      const SafetensorsTensor* key = f->find(ret == &mr.value() ? "key.h1" : "key");
+      ASSERT_NE(key, nullptr);
+      EXPECT_EQ(key->dtype, enc == KvEncoding::kBF16 ? "BF16" : "U8");
+      EXPECT_EQ(key->shape.back(), enc == KvEncoding::kInt4 ? d / 2 : d);
+      EXPECT_EQ(f->find("value_scale") != nullptr || f->find("value_scale.h1") != nullptr,
+                enc != KvEncoding::kBF16);
+    }
+}
+
+// The retention evaluation pages an encoding in process (PagedKvCache::from_prefill with enc);
+// that must be exactly what a decode node pages from the export it loads.
+TEST_F(KvClient, InProcessEncodingIsWhatTheNodeLoads) {
+  auto snap = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2, kN, &imp_);
+  ASSERT_TRUE(snap.is_ok());
+  for (auto enc : {kvstore::KvEncoding::kInt8, kvstore::KvEncoding::kInt4}) {
+    auto e = decode::load_kv_export(
+        export_to(std::string("paged-") + kvstore::kv_encoding_name(enc), &snap.value(), enc),
+        hash_);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    auto a = decode::PagedKvCache::from_prefill(pr_.kv, snap.value(), enc);
+    auto b = decode::PagedKvCache::from_export(e.value(), !model_->config().rope.neox);
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < 2; ++h) {
+        ASSERT_EQ(a->pages(l, h).size(), b->pages(l, h).size());
+        for (size_t i = 0; i < a->pages(l, h).size(); ++i) {
+          const decode::KvBlock& x = a->block(a->pages(l, h)[i]);
+          const decode::KvBlock& y = b->block(b->pages(l, h)[i]);
+          EXPECT_EQ(x.n, y.n);
+          EXPECT_EQ(x.pos, y.pos);
+          EXPECT_EQ(x.k, y.k) << kvstore::kv_encoding_name(enc) << " l" << l << " h" << h;
+          EXPECT_EQ(x.v, y.v);
+          EXPECT_EQ(x.kmin, y.kmin);
+          EXPECT_EQ(x.kmax, y.kmax);
+        }
+      }
+  }
+}
+
 TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
   const std::string good = export_to("good", nullptr);
   ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
@@ -177,6 +279,31 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     v.as_object()["format_version"] = 1;
     write_manifest(d, v);
     expect_err(d, hash_, Code::kUnsupported, "format_version 1 is not supported");
+  }
+  // Format 3 (no kv_dtype) is still read, as F32; a kv_dtype this reader does not know is not.
+  {
+    const std::string d = copy_of(good, "v3");
+    auto v = read_manifest(d);
+    v.as_object()["format_version"] = 3;
+    v.as_object().erase("kv_dtype");
+    write_manifest(d, v);
+    auto r = decode::load_kv_export(d, hash_);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(r->kv_dtype, "f32");
+    v.as_object()["format_version"] = 4;
+    v.as_object()["kv_dtype"] = "fp8";
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kUnsupported, "kv_dtype 'fp8' is not supported");
+  }
+  // An int8 export whose manifest claims F32 K/V: the shard's tensors say otherwise.
+  {
+    const std::string d = export_to("int8-claims-f32", nullptr, kvstore::KvEncoding::kInt8);
+    auto v = read_manifest(d);
+    v.as_object()["kv_dtype"] = "f32";
+    v.as_object()["retention"].as_object()["kv_bytes"] =
+        2 * 2 * kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kN, 16);
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "tensor 'key' has dtype U8, expected F32");
   }
   // Compatibility hash of another model (the consumer's) and a manifest whose hash was edited.
   expect_err(good, "0123456789abcdef", Code::kInvalidArgument,
@@ -348,6 +475,22 @@ TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
       EXPECT_EQ(a.block_importance, b.block_importance);
       expect_head_matches_cache(sharded.value(), l, h, all);
     }
+  // int4 in parts: every part encodes its whole blocks, so the groups are the whole export's.
+  spec.encoding = kvstore::KvEncoding::kInt4;
+  ASSERT_TRUE(write("sharded-int4", parts).is_ok());
+  auto s4 = decode::load_kv_export(tmp_.sub("sharded-int4"), hash_);
+  ASSERT_TRUE(s4.is_ok()) << s4.status().to_string();
+  auto w4 =
+      decode::load_kv_export(export_to("whole-int4", nullptr, kvstore::KvEncoding::kInt4), hash_);
+  ASSERT_TRUE(w4.is_ok()) << w4.status().to_string();
+  EXPECT_EQ(s4->kv_bytes, w4->kv_bytes);
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < hkv; ++h) {
+      EXPECT_EQ(s4->head(l, h).k, w4->head(l, h).k);
+      EXPECT_EQ(s4->head(l, h).v, w4->head(l, h).v);
+      EXPECT_NE(s4->head(l, h).k, whole->head(l, h).k);
+    }
+  spec.encoding = kvstore::KvEncoding::kF32;
   // The writer refuses parts that overlap, leave a gap, or split a block of 64 mid-head.
   auto refused = [&](const std::string& name, std::vector<kvstore::KvShardPart> ps,
                      const std::string& needle) {

@@ -1,12 +1,13 @@
 // libFuzzer target: parse_kv_manifest (the decode side's reader of manifest.json) on arbitrary
 // text. An accepted manifest must be self-consistent: shards that cover every (layer, KV head)
 // with pieces adding up to its kept count, declared ranges that add up to the kept counts, and
-// kv_bytes equal to the kept K+V bytes.
+// kv_bytes equal to the kept K+V bytes in the manifest's kv_dtype.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
 
 #include "decode/kv_client.h"
+#include "kvstore/kv_quant.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
@@ -30,7 +31,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (sum != m.kept[i] || m.pieces[i].empty()) __builtin_trap();
   }
-  int64_t kept = 0;
+  auto enc = sf::kvstore::kv_encoding_parse(e.kv_dtype);
+  if (!enc.is_ok()) __builtin_trap();
+  int64_t bytes = 0;
   for (size_t i = 0; i < m.kept.size(); ++i) {
     int64_t sum = 0;
     for (const auto& [a, b] : m.ranges[i]) {
@@ -38,8 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       sum += b - a;
     }
     if (sum != m.kept[i]) __builtin_trap();
-    kept += sum;
+    bytes += sf::kvstore::kv_encoded_bytes(enc.value(), sum, e.head_dim);
   }
-  if (kept * e.head_dim * 8 != e.kv_bytes) __builtin_trap();
+  if (bytes != e.kv_bytes) __builtin_trap();
   return 0;
 }

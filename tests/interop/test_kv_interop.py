@@ -13,7 +13,8 @@ Exit codes: 0 pass, 1 fail, 77 skip (prints "SKIP: <reason>"), 2 usage error.
 For each case (a ~500-token slice of data/long_document.txt, and a short ChatML prompt) it:
 
 1. writes the prompt file and runs `sparsefill prefill --model M --prompt-file F --export-kv DIR --force`;
-2. checks manifest.json (format "sparsefill-kv", format_version 3, dtype F32, retention "full",
+2. checks manifest.json (format "sparsefill-kv", format_version 4, dtype F32, kv_dtype f32 (the
+   default encoding), retention "full",
    model geometry against the HF config, one shard per layer, shard sizes) and, when the `xxhash`
    package is importable, each shard's xxh64 (of the whole file, seed 0); without it only that check
    is skipped and the output says so;
@@ -197,7 +198,8 @@ def check_manifest(man: dict, ref: Reference, export_dir: str, fails: Failures) 
         return cond
 
     expect(man.get("format") == "sparsefill-kv", f"manifest.format = {man.get('format')!r}")
-    expect(man.get("format_version") == 3, f"manifest.format_version = {man.get('format_version')!r}")
+    expect(man.get("format_version") == 4, f"manifest.format_version = {man.get('format_version')!r}")
+    expect(man.get("kv_dtype") == "f32", f"manifest.kv_dtype = {man.get('kv_dtype')!r}, expected f32")
     expect(man.get("dtype") == "F32", f"manifest.dtype = {man.get('dtype')!r}, expected F32")
     expect(man.get("block_size") == 64, f"manifest.block_size = {man.get('block_size')!r}")
     ch = man.get("compat_hash")
@@ -419,8 +421,8 @@ def write_fake_export(ref: Reference, ids: list, export_dir: str, layout: str = 
     model = {"name": "SmolLM2-135M-Instruct", "arch": "llama", "n_layers": ref.n_layers,
              "n_kv_heads": ref.n_kv_heads, "head_dim": ref.head_dim, "rope_theta": ref.rope_theta}
     compat = hashlib.sha256(json.dumps([model, "F32", 64], sort_keys=True).encode()).hexdigest()[:16]
-    man = {"format": "sparsefill-kv", "format_version": 3, "model": model, "compat_hash": compat,
-           "dtype": "F32", "block_size": 64, "n_tokens": len(ids), "token_ids": ids,
+    man = {"format": "sparsefill-kv", "format_version": 4, "model": model, "compat_hash": compat,
+           "dtype": "F32", "kv_dtype": "f32", "block_size": 64, "n_tokens": len(ids), "token_ids": ids,
            "first_token": int(torch.argmax(last)), "retention": {"policy": "full"}, "shards": shards}
     with open(os.path.join(export_dir, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(man, f)

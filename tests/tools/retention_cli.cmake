@@ -40,11 +40,23 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
            COMMAND ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
                    --retention moa:config=${PROJECT_SOURCE_DIR}/configs/smollm2-135m-instruct-moa.json,sink=4)
   set_tests_properties(cli_prefill_retention_moa PROPERTIES PASS_REGULAR_EXPRESSION
-                       "retention: moa config=.*smollm2-135m-instruct-moa.json,sink=4,heads=30x3, 100.0% of the full KV bytes")
+                       "retention: moa config=.*smollm2-135m-instruct-moa.json,sink=4,heads=30x3, 100.0% of the tokens; K/V stored as f32, 100.0% of an F32 full cache's bytes")
   add_test(NAME cli_retention_eval_moa
            COMMAND bash -c "set -e; '${_rsf}' eval --retention moa --budget 0.5 --length 256 --tokens 4 --no-passkey --out-dir '${_rtmp}/moa-eval'; grep -o '\"moa_scale\":[0-9][0-9.eE+-]*,\"moa_spans\":\\[\\[{' '${_rtmp}/moa-eval/retention-moa.json'")
   set_tests_properties(cli_retention_eval_moa PROPERTIES PASS_REGULAR_EXPRESSION
-                       "moa +0.50 +full +span 1 +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
+                       "moa +0.50 +full +span 1 +f32 +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
+  # KV encodings: bad names fail before any work; an int8 export decodes to the dense
+  # continuation on this prompt, an int4 one loads and says what it stored.
+  add_test(NAME cli_retention_eval_bad_kv_dtype
+           COMMAND ${_ref} "^error: .*KV encoding 'fp8' is not f32, bf16, int8 or int4"
+                   ${_rsf} eval --retention adakv --kv-dtype int8,fp8)
+  add_test(NAME cli_prefill_kv_dtype_needs_export
+           COMMAND ${_ref} "^error: .*--kv-dtype applies to --export-kv"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --kv-dtype int8)
+  add_test(NAME cli_decode_int8_export
+           COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e8' --kv-dtype int8 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e8' --tokens 16 --reference")
+  set_tests_properties(cli_decode_int8_export PROPERTIES PASS_REGULAR_EXPRESSION
+                       "K/V stored as int8: [0-9]+ of [0-9]+ KV bytes \\(100.0%\\).*first 16 of 16 tokens equal")
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
   add_test(NAME cli_decode_bad_attention
@@ -57,5 +69,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                        cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
                        cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model
                        cli_prefill_retention_moa cli_retention_eval_moa cli_retention_eval_bad_span
-                       cli_prefill_retention_bad_span PROPERTIES LABELS unit TIMEOUT 120)
+                       cli_prefill_retention_bad_span cli_retention_eval_bad_kv_dtype
+                       cli_prefill_kv_dtype_needs_export cli_decode_int8_export
+                       PROPERTIES LABELS unit TIMEOUT 120)
 endif()

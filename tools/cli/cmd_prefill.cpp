@@ -41,9 +41,11 @@ Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
 }  // namespace
 
 int cmd_prefill(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2, {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer", "attention",
-                            "device", "retention", "kv-pool", "dump-attention", "importance"},
-                           {"force", "allow-long", "print-tokens"});
+  auto args_r = parse_args(
+      argc, argv, 2,
+      {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer",
+       "attention", "device", "retention", "kv-pool", "dump-attention", "importance", "kv-dtype"},
+      {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("model")) return fail(SF_ERR(kInvalidArgument, "--model is required (a .gguf file, a HF directory, or 'default')"));
@@ -76,6 +78,15 @@ int cmd_prefill(int argc, char** argv) {
     auto rp = kvstore::retention_parse(a.get("retention"));
     if (!rp.is_ok()) return fail(rp.status());
     retention = std::move(rp).value();
+  }
+  // --kv-dtype: how the export stores K and V (kvstore/kv_quant.h).
+  kvstore::KvEncoding kv_dtype = kvstore::KvEncoding::kF32;
+  if (a.has("kv-dtype")) {
+    if (!a.has("export-kv"))
+      return fail(SF_ERR(kInvalidArgument, "--kv-dtype applies to --export-kv"));
+    auto e = kvstore::kv_encoding_parse(a.get("kv-dtype"));
+    if (!e.is_ok()) return fail(e.status());
+    kv_dtype = e.value();
   }
   // --kv-pool: prefill-driven tiering into a host/disk block pool; spec and directory are
   // checked before the model load.
@@ -302,6 +313,7 @@ int cmd_prefill(int argc, char** argv) {
     spec.n_tokens = int64_t(ids.size());
     spec.token_ids = ids;
     spec.first_token = r.first_token;
+    spec.encoding = kv_dtype;
     const auto& kv = r.kv;
     std::optional<kvstore::ImportanceScores> imp;
     if (!r.importance.empty())
@@ -316,8 +328,17 @@ int cmd_prefill(int argc, char** argv) {
     if (!ret.is_ok()) return fail(ret.status());
     spec.retention = &ret.value();
     spec.importance = imp ? &*imp : nullptr;
-    std::printf("retention: %s%s%s, %.1f%% of the full KV bytes\n", ret->policy.c_str(), ret->params.empty() ? "" : " ",
-                ret->params.c_str(), 100.0 * double(ret->kept_total()) / double(int64_t(cfg.n_layers) * cfg.n_kv_heads * kv.n_tokens));
+    std::printf(
+        "retention: %s%s%s, %.1f%% of the tokens; K/V stored as %s, %.1f%% of an F32 full cache's "
+        "bytes\n",
+        ret->policy.c_str(), ret->params.empty() ? "" : " ", ret->params.c_str(),
+        100.0 * double(ret->kept_total()) /
+            double(int64_t(cfg.n_layers) * cfg.n_kv_heads * kv.n_tokens),
+        kvstore::kv_encoding_name(kv_dtype),
+        100.0 * double(kvstore::kv_bytes(ret.value(), cfg.head_dim, kv_dtype)) /
+            double(
+                int64_t(cfg.n_layers) * cfg.n_kv_heads *
+                kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kv.n_tokens, cfg.head_dim)));
     Status st = kvstore::export_kv(a.get("export-kv"), spec,
                                    [&](int l, bool v) { return (v ? kv.v : kv.k)[size_t(l)].data(); }, a.has("force"));
     if (!st.is_ok()) return fail(st);

@@ -15,6 +15,7 @@
 
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
+#include "kvstore/kv_quant.h"
 #include "kvstore/retention.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
@@ -112,12 +113,14 @@ struct Config {
   std::string decode_spec;
   const kvstore::RetentionPolicy* moa = nullptr;  // moa: the config's spans, before scaling
   int span = 1;                                   // snapkv, adakv, pyramid: RetentionPolicy::span
+  kvstore::KvEncoding enc = kvstore::KvEncoding::kF32;  // how the kept K/V are stored
 };
 
 struct Measure {
   std::string params;
   kvstore::RetentionPolicy moa;  // moa: the scaled spans the document prompt used
   int64_t kv_bytes = 0, kv_bytes_full = 0;
+  double kept_frac = 1;                    // kept tokens / all (layer, KV head, token)
   std::vector<double> greedy, forced, kl;  // per window
   std::vector<int64_t> first_div;           // per window: first differing token (1-based), -1
   std::vector<double> div_gap;              // full-KV top-2 log-prob gap there, -1 if none
@@ -127,29 +130,44 @@ struct Measure {
   int passkey_hits = 0, passkey_n = 0;
 };
 
-// The retained, paged cache of one prefill under one configuration.
+// The retained, paged cache of one prefill under one configuration. The budget is a fraction
+// of the full cache's bytes in `ref` (the reference encoding): a narrower c.enc keeps more tokens
+// for the same bytes.
 Result<decode::DecodeSession> session_for(const model::Model& m, const model::PrefillResult& pr,
                                           const kvstore::ImportanceScores& imp, const Config& c,
-                                          Measure* me, bool measure_mass = false) {
+                                          kvstore::KvEncoding ref, Measure* me,
+                                          bool measure_mass = false) {
   const model::ModelConfig& mc = m.config();
   const int64_t N = pr.kv.n_tokens;
+  const double full =
+      double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) * mc.n_layers * mc.n_kv_heads;
+  // Tokens the budget buys in c.enc; shrunk while the kept bytes (which round per block) exceed
+  // the budget.
+  double tokens = std::min(1.0, c.budget * double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) /
+                                    double(kvstore::kv_encoded_bytes(c.enc, N, mc.head_dim)));
   kvstore::RetentionPolicy pol;
-  if (c.kind == kvstore::RetentionKind::kMoA) {
-    // Scaled per prompt: spans grow with N, so the same budget needs a prompt-specific factor.
-    SF_ASSIGN(pol, kvstore::retention_moa_scaled(*c.moa, c.budget, mc.n_layers, mc.n_kv_heads, N));
-  } else if (c.kind != kvstore::RetentionKind::kFull) {
-    SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, c.budget, mc.n_layers, N));
-    pol.span = c.span;
+  kvstore::Retention ret;
+  for (int tries = 0;; ++tries) {
+    if (c.kind == kvstore::RetentionKind::kMoA) {
+      // Scaled per prompt: spans grow with N, so the same budget needs a prompt-specific factor.
+      SF_ASSIGN(pol, kvstore::retention_moa_scaled(*c.moa, tokens, mc.n_layers, mc.n_kv_heads, N));
+    } else if (c.kind != kvstore::RetentionKind::kFull) {
+      SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, tokens, mc.n_layers, N));
+      pol.span = c.span;
+    }
+    SF_ASSIGN(ret, kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
+    const double bytes = double(kvstore::kv_bytes(ret, mc.head_dim, c.enc));
+    if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full || tries == 4) break;
+    tokens *= c.budget * full / bytes * (1 - 1e-4);
   }
-  SF_ASSIGN(kvstore::Retention ret,
-            kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
   SF_ASSIGN(decode::DecodeAttnParams ap, decode::decode_attn_parse(c.decode_spec));
   ap.measure_mass = measure_mass;
-  SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret));
+  SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret, c.enc));
   if (me) {
     me->params = ret.params;
-    me->kv_bytes = kvstore::kv_bytes(ret, mc.head_dim);
-    me->kv_bytes_full = N * mc.n_layers * mc.n_kv_heads * mc.head_dim * 2 * 4;
+    me->kv_bytes = kvstore::kv_bytes(ret, mc.head_dim, c.enc);
+    me->kv_bytes_full = int64_t(full);
+    me->kept_frac = double(ret.kept_total()) / (double(N) * mc.n_layers * mc.n_kv_heads);
     if (c.kind == kvstore::RetentionKind::kMoA) me->moa = pol;
   }
   return decode::DecodeSession(m, std::move(cache), N, ap);
@@ -158,11 +176,12 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
 }  // namespace
 
 int cmd_retention_eval(int argc, char** argv) {
-  auto args_r = parse_args(argc, argv, 2,
-                           {"model", "retention", "budget", "decode", "length", "document",
-                            "tokens", "passkey-trials", "passkey-depths", "passkey-level",
-                            "out-dir", "name", "psa", "obs-window", "windows", "span"},
-                           {"no-passkey"});
+  auto args_r =
+      parse_args(argc, argv, 2,
+                 {"model", "retention", "budget", "decode", "length", "document", "tokens",
+                  "passkey-trials", "passkey-depths", "passkey-level", "out-dir", "name", "psa",
+                  "obs-window", "windows", "span", "kv-dtype", "kv-ref-dtype"},
+                 {"no-passkey"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("retention"))
@@ -192,6 +211,17 @@ int cmd_retention_eval(int argc, char** argv) {
                                           std::to_string(kvstore::kRetentionMaxSpan) + "]"));
     spans.push_back(int(x));
   }
+  // --kv-dtype ENC,...: every configuration once per encoding of the kept K/V; --kv-ref-dtype:
+  // the encoding of the full cache that budgets and kv_bytes_full are measured against.
+  std::vector<kvstore::KvEncoding> encs;
+  for (const auto& s : split(a.get("kv-dtype", "f32"))) {
+    auto e = kvstore::kv_encoding_parse(s);
+    if (!e.is_ok()) return fail(e.status());
+    encs.push_back(e.value());
+  }
+  auto ref_r = kvstore::kv_encoding_parse(a.get("kv-ref-dtype", "f32"));
+  if (!ref_r.is_ok()) return fail(ref_r.status());
+  const kvstore::KvEncoding ref_enc = ref_r.value();
   std::vector<std::string> decodes = split(a.get("decode", "full"));
   // --psa EPS,...: PSA decode over the full cache, recorded with the full policy. An entry may be
   // a whole decode spec (psa-avg:EPS).
@@ -254,20 +284,23 @@ int cmd_retention_eval(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
 
   std::vector<Config> configs;
-  for (auto k : kinds)
-    for (const auto& d : decodes) {
-      if (k == kvstore::RetentionKind::kFull)
-        configs.push_back({k, 1.0, d});
-      else
-        for (double b : budgets) {
-          for (int sp : kvstore::retention_uses_span(k) ? spans : std::vector<int>{1})
-            configs.push_back({k, b, d, &moa, sp});
-        }
-    }
+  for (auto enc : encs)
+    for (auto k : kinds)
+      for (const auto& d : decodes) {
+        if (k == kvstore::RetentionKind::kFull)
+          configs.push_back({k, 1.0, d, nullptr, 1, enc});
+        else
+          for (double b : budgets) {
+            for (int sp : kvstore::retention_uses_span(k) ? spans : std::vector<int>{1})
+              configs.push_back({k, b, d, &moa, sp, enc});
+          }
+      }
   if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() &&
       !psa_specs.empty())
     kinds.push_back(kvstore::RetentionKind::kFull);
-  for (const auto& d : psa_specs) configs.push_back({kvstore::RetentionKind::kFull, 1.0, d});
+  for (auto enc : encs)
+    for (const auto& d : psa_specs)
+      configs.push_back({kvstore::RetentionKind::kFull, 1.0, d, nullptr, 1, enc});
   std::vector<Measure> res(configs.size());
 
   // 1) The document: for each window (a prompt of `length` tokens starting at its offset),
@@ -307,8 +340,8 @@ int cmd_retention_eval(int argc, char** argv) {
     std::vector<int32_t> ref{pr->first_token};
     std::vector<std::vector<double>> ref_lp;
     {
-      auto s =
-          session_for(m, pr.value(), imp, {kvstore::RetentionKind::kFull, 1.0, "full"}, nullptr);
+      auto s = session_for(m, pr.value(), imp, {kvstore::RetentionKind::kFull, 1.0, "full"},
+                           ref_enc, nullptr);
       if (!s.is_ok()) return fail(s.status());
       std::vector<float> z;
       for (long i = 0; i < T; ++i) {
@@ -321,7 +354,7 @@ int cmd_retention_eval(int argc, char** argv) {
     for (size_t ci = 0; ci < configs.size(); ++ci) {
       const Config& c = configs[ci];
       Measure& me = res[ci];
-      auto s = session_for(m, pr.value(), imp, c, &me, /*measure_mass=*/true);
+      auto s = session_for(m, pr.value(), imp, c, ref_enc, &me, /*measure_mass=*/true);
       if (!s.is_ok()) return fail(s.status());
       std::vector<float> z;
       double kl = 0;
@@ -343,7 +376,7 @@ int cmd_retention_eval(int argc, char** argv) {
       me.mass_n += st.mass_n;
       me.mass_below += st.mass_below_eps;
       me.mass_min = std::min(me.mass_min, st.mass_min);
-      auto s2 = session_for(m, pr.value(), imp, c, nullptr);
+      auto s2 = session_for(m, pr.value(), imp, c, ref_enc, nullptr);
       if (!s2.is_ok()) return fail(s2.status());
       auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
       if (!g.is_ok()) return fail(g.status());
@@ -366,11 +399,12 @@ int cmd_retention_eval(int argc, char** argv) {
       me.forced.push_back(double(forced) / double(T));
       me.kl.push_back(kl / double(T));
       std::printf(
-          "%-10s %-5.2f %-15s span %-3d kv %.3f  greedy_match %.3f (forced %.3f)  kl %.4f  "
-          "blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
+          "%-10s %-5.2f %-15s span %-3d %-4s kv %.3f (tokens %.3f)  greedy_match %.3f (forced "
+          "%.3f)  kl %.4f  blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
           kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(), c.span,
-          double(me.kv_bytes) / double(me.kv_bytes_full), me.greedy.back(), me.forced.back(),
-          me.kl.back(), st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
+          kvstore::kv_encoding_name(c.enc), double(me.kv_bytes) / double(me.kv_bytes_full),
+          me.kept_frac, me.greedy.back(), me.forced.back(), me.kl.back(),
+          st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
           st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
           st.mass_n ? double(st.mass_below_eps) / double(st.mass_n) : 0.0);
       std::fflush(stdout);
@@ -394,7 +428,7 @@ int cmd_retention_eval(int argc, char** argv) {
         // or in part.
         std::string said;
         auto answer = [&](const Config& c) -> Result<bool> {
-          SF_ASSIGN(auto s, session_for(m, ppr.value(), pimp, c, nullptr));
+          SF_ASSIGN(auto s, session_for(m, ppr.value(), pimp, c, ref_enc, nullptr));
           SF_ASSIGN(auto g, s.generate_greedy(ppr->first_token, 10));
           said = tok->decode(g);
           for (char& ch : said)
@@ -412,10 +446,11 @@ int cmd_retention_eval(int argc, char** argv) {
           if (!h.is_ok()) return fail(h.status());
           res[ci].passkey_hits += h.value();
           res[ci].passkey_n += 1;
-          std::printf("  %-10s %-5.2f %-15s span %-3d %s (\"%s\")\n",
+          std::printf("  %-10s %-5.2f %-15s span %-3d %-4s %s (\"%s\")\n",
                       kvstore::retention_kind_name(configs[ci].kind), configs[ci].budget,
                       configs[ci].decode_spec.c_str(), configs[ci].span,
-                      h.value() ? "found" : "missed", said.c_str());
+                      kvstore::kv_encoding_name(configs[ci].enc), h.value() ? "found" : "missed",
+                      said.c_str());
         }
         std::fflush(stdout);
       }
@@ -447,7 +482,14 @@ int cmd_retention_eval(int argc, char** argv) {
         {"level", level},       {"format", eval::passkey_format_description(int(level))},
         {"prompts", n_prompts}, {"new_tokens", 10}};
     o["definitions"] = json::object{
-        {"budget", "requested fraction of the full cache's KV bytes"},
+        {"budget",
+         "requested fraction of the full cache's KV bytes, the full cache stored in "
+         "kv_ref_dtype"},
+        {"kv_bytes",
+         "bytes of the kept keys and values stored in kv_dtype (int8/int4: with their F16 "
+         "scales and zeros, keys per channel per 64 kept tokens, values per token); "
+         "kv_bytes_full: every token in kv_ref_dtype"},
+        {"kv_kept_frac", "kept tokens / all (layer, KV head, token)"},
         {"windows", "start offsets of the prompts (each prompt_tokens long) in the document"},
         {"greedy_match_64",
          "fraction of the next N greedy tokens (free-running) equal position by position to the "
@@ -471,8 +513,9 @@ int cmd_retention_eval(int argc, char** argv) {
         {"blocks_visited_frac",
          "decode attention blocks visited / available, over heads, layers, steps and windows (1 "
          "for full)"},
-        {"importance", "SnapKV column sums of the last obs_window queries' softmax from the "
-                       "prefill LSE, max-pooled with kernel 7"}};
+        {"importance",
+         "SnapKV column sums of the last obs_window queries' softmax from the "
+         "prefill LSE, max-pooled with kernel 7"}};
     if (k == kvstore::RetentionKind::kMoA) {
       json::object& d = o["definitions"].as_object();
       d["moa_spans"] =
@@ -493,6 +536,9 @@ int cmd_retention_eval(int argc, char** argv) {
       r["span"] = configs[ci].span;
       r["kv_bytes"] = me.kv_bytes;
       r["kv_bytes_full"] = me.kv_bytes_full;
+      r["kv_dtype"] = kvstore::kv_encoding_name(configs[ci].enc);
+      r["kv_ref_dtype"] = kvstore::kv_encoding_name(ref_enc);
+      r["kv_kept_frac"] = me.kept_frac;
       auto mean = [](const std::vector<double>& v) {
         double t = 0;
         for (double x : v) t += x;

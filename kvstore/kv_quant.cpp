@@ -1,0 +1,192 @@
+#include "kvstore/kv_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/dtype.h"
+
+namespace sf::kvstore {
+namespace {
+
+int levels(KvEncoding e) { return e == KvEncoding::kInt8 ? 255 : 15; }
+bool is_int(KvEncoding e) { return e == KvEncoding::kInt8 || e == KvEncoding::kInt4; }
+int64_t key_blocks(int64_t n) { return (n + kKvQuantKeyRows - 1) / kKvQuantKeyRows; }
+
+// Payload bytes of n rows of one tensor (K or V).
+int64_t data_bytes(KvEncoding e, int64_t n, int d) {
+  switch (e) {
+    case KvEncoding::kF32:
+      return n * d * 4;
+    case KvEncoding::kBF16:
+      return n * d * 2;
+    case KvEncoding::kInt8:
+      return n * d;
+    case KvEncoding::kInt4:
+      return n * d / 2;
+  }
+  return 0;
+}
+
+// Number of groups (scale/zero pairs) of one tensor.
+int64_t groups(KvEncoding e, bool keys, int64_t n, int d) {
+  if (!is_int(e)) return 0;
+  return keys ? key_blocks(n) * d : n;
+}
+
+void put_code(KvEncoding e, uint8_t* data, int64_t idx, int q) {
+  if (e == KvEncoding::kInt8) {
+    data[idx] = uint8_t(q);
+  } else {
+    uint8_t& b = data[idx / 2];
+    b = (idx & 1) ? uint8_t((b & 0x0f) | (q << 4)) : uint8_t((b & 0xf0) | q);
+  }
+}
+
+int get_code(KvEncoding e, const uint8_t* data, int64_t idx) {
+  if (e == KvEncoding::kInt8) return data[idx];
+  const uint8_t b = data[idx / 2];
+  return (idx & 1) ? b >> 4 : b & 0x0f;
+}
+
+// The elements of one group: `count` of them, element i at rows[first + i * stride].
+struct Group {
+  int64_t first, stride, count;
+};
+
+Group group_of(bool keys, int64_t g, int64_t n, int d) {
+  if (!keys) return {g * d, 1, d};
+  const int64_t b = g / d, c = g % d, r0 = b * kKvQuantKeyRows;
+  return {r0 * d + c, d, std::min<int64_t>(kKvQuantKeyRows, n - r0)};
+}
+
+}  // namespace
+
+Result<KvEncoding> kv_encoding_parse(std::string_view s) {
+  if (s == "f32") return KvEncoding::kF32;
+  if (s == "bf16") return KvEncoding::kBF16;
+  if (s == "int8") return KvEncoding::kInt8;
+  if (s == "int4") return KvEncoding::kInt4;
+  return SF_ERR(kInvalidArgument,
+                "KV encoding '" + std::string(s) + "' is not f32, bf16, int8 or int4");
+}
+
+const char* kv_encoding_name(KvEncoding e) {
+  switch (e) {
+    case KvEncoding::kF32:
+      return "f32";
+    case KvEncoding::kBF16:
+      return "bf16";
+    case KvEncoding::kInt8:
+      return "int8";
+    case KvEncoding::kInt4:
+      return "int4";
+  }
+  return "?";
+}
+
+int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim) {
+  const int64_t params = 2 * 2;  // F16 scale and zero
+  return 2 * data_bytes(e, n, head_dim) +
+         (groups(e, true, n, head_dim) + groups(e, false, n, head_dim)) * params;
+}
+
+Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim) {
+  const int d = head_dim;
+  if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
+    return SF_ERR(kInvalidArgument, std::string("kv_encode: ") + kv_encoding_name(e) +
+                                        " needs n >= 0 and a positive" +
+                                        (e == KvEncoding::kInt4 ? ", even" : "") + " head_dim");
+  EncodedRows out;
+  out.data.assign(size_t(data_bytes(e, n, d)), 0);
+  if (e == KvEncoding::kF32) {
+    if (n > 0) std::memcpy(out.data.data(), rows, out.data.size());
+    return out;
+  }
+  if (e == KvEncoding::kBF16) {
+    for (int64_t i = 0; i < n * d; ++i) {
+      const uint16_t h = f32_to_bf16(rows[i]);
+      std::memcpy(out.data.data() + 2 * i, &h, 2);
+    }
+    return out;
+  }
+  const int L = levels(e);
+  const int64_t ng = groups(e, keys, n, d);
+  out.scale.resize(size_t(ng));
+  out.zero.resize(size_t(ng));
+  for (int64_t g = 0; g < ng; ++g) {
+    const Group G = group_of(keys, g, n, d);
+    float mn = rows[G.first], mx = mn;
+    bool finite = true;  // min/max skip a NaN, so it is looked for
+    for (int64_t i = 0; i < G.count; ++i) {
+      const float x = rows[G.first + i * G.stride];
+      finite = finite && std::isfinite(x);
+      mn = std::min(mn, x);
+      mx = std::max(mx, x);
+    }
+    // Codes are taken against the stored (F16-rounded) zero and scale, so decoding is exact
+    // to what was quantized.
+    const uint16_t zh = f32_to_f16(mn);
+    const float z = f16_to_f32(zh);
+    const uint16_t sh = f32_to_f16(std::max(0.f, mx - z) / float(L));
+    const float s = f16_to_f32(sh);
+    if (!finite || !std::isfinite(z) || !std::isfinite(s))
+      return SF_ERR(kOutOfRange,
+                    std::string("kv_encode: ") + kv_encoding_name(e) + " " +
+                        (keys ? "key" : "value") +
+                        " group needs a zero or scale F16 cannot hold (beyond 65504, or NaN)");
+    out.zero[size_t(g)] = zh;
+    out.scale[size_t(g)] = sh;
+    for (int64_t i = 0; i < G.count; ++i) {
+      const int64_t idx = G.first + i * G.stride;
+      const int q = s > 0 ? int(std::lrint((rows[idx] - z) / s)) : 0;
+      put_code(e, out.data.data(), idx, std::clamp(q, 0, L));
+    }
+  }
+  return out;
+}
+
+Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
+                 float* out) {
+  const int d = head_dim;
+  if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
+    return SF_ERR(kInvalidArgument, "kv_decode: bad geometry");
+  const int64_t ng = groups(e, keys, n, d);
+  if (int64_t(in.data.size()) != data_bytes(e, n, d) || int64_t(in.scale.size()) != ng ||
+      int64_t(in.zero.size()) != ng)
+    return SF_ERR(kInvalidArgument, std::string("kv_decode: ") + kv_encoding_name(e) + " " +
+                                        (keys ? "keys" : "values") + " of " + std::to_string(n) +
+                                        " x " + std::to_string(d) +
+                                        " need other buffer sizes than were given");
+  if (e == KvEncoding::kF32) {
+    if (n > 0) std::memcpy(out, in.data.data(), in.data.size());
+    return Status::ok();
+  }
+  if (e == KvEncoding::kBF16) {
+    for (int64_t i = 0; i < n * d; ++i) {
+      uint16_t h;
+      std::memcpy(&h, in.data.data() + 2 * i, 2);
+      out[i] = bf16_to_f32(h);
+    }
+    return Status::ok();
+  }
+  for (int64_t g = 0; g < ng; ++g) {
+    const Group G = group_of(keys, g, n, d);
+    const float z = f16_to_f32(in.zero[size_t(g)]), s = f16_to_f32(in.scale[size_t(g)]);
+    if (!std::isfinite(z) || !std::isfinite(s) || s < 0)
+      return SF_ERR(kInvalidArgument, "kv_decode: a group's F16 zero or scale is not finite");
+    for (int64_t i = 0; i < G.count; ++i) {
+      const int64_t idx = G.first + i * G.stride;
+      out[idx] = z + float(get_code(e, in.data.data(), idx)) * s;
+    }
+  }
+  return Status::ok();
+}
+
+Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_dim) {
+  if (e == KvEncoding::kF32) return Status::ok();
+  SF_ASSIGN(EncodedRows enc, kv_encode(e, keys, rows, n, head_dim));
+  return kv_decode(e, keys, enc, n, head_dim, rows);
+}
+
+}  // namespace sf::kvstore

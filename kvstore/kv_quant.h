@@ -1,0 +1,56 @@
+// How an exported KV cache stores its keys and values (docs/kv-format.md, "Encodings").
+// The prefill computes K/V in F32; an export may store them narrower so that fewer bytes cross
+// to the decode node:
+//   f32   as computed;
+//   bf16  rounded to bfloat16;
+//   int8, int4  asymmetric integer codes in KIVI's layout (Liu et al. 2024): keys per channel
+//         over each block of 64 kept tokens of a head (the block the export's metadata already
+//         describes), values per token over the head's channels; each group has an F16 scale
+//         and zero, x ~= zero + code * scale. int4 packs two codes a byte, the even channel in
+//         the low nibble.
+// The decode node turns every encoding back into F32 on load; what it attends over is then
+// exactly kv_decode(kv_encode(x)), which the in-process evaluation reproduces by kv_round_trip.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace sf::kvstore {
+
+enum class KvEncoding : uint8_t { kF32 = 0, kBF16, kInt8, kInt4 };
+
+// "f32", "bf16", "int8", "int4"; anything else is kInvalidArgument naming the choices.
+Result<KvEncoding> kv_encoding_parse(std::string_view s);
+const char* kv_encoding_name(KvEncoding e);
+
+// Rows of one quantization group of keys (the export's block of kept tokens).
+constexpr int kKvQuantKeyRows = 64;
+
+// Stored bytes of one head's n kept tokens, keys and values together, with the scales and
+// zeros of the integer encodings (blocks of kKvQuantKeyRows rows for keys, one group per row for
+// values). This is what the retention evaluation counts as kv_bytes.
+int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim);
+
+// One head's keys or values, encoded. data: F32 / BF16 little-endian bytes, or the codes (int4
+// packed). scale, zero: F16 bits; keys [n_blocks, head_dim], values [n]; empty for f32/bf16.
+struct EncodedRows {
+  std::vector<uint8_t> data;
+  std::vector<uint16_t> scale, zero;
+};
+
+// rows: [n, head_dim] F32. int4 needs an even head_dim. A group whose zero (its minimum) or
+// scale is not finite in F16 (beyond 65504, or NaN) is kOutOfRange: the encoding cannot hold it.
+Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim);
+
+// The inverse into out [n, head_dim]. Checks that every buffer has the size n and head_dim
+// imply (kInvalidArgument otherwise), so a reader can hand it what a file declared.
+Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
+                 float* out);
+
+// rows <- kv_decode(kv_encode(rows)): what a decode node holds after loading the encoding.
+Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_dim);
+
+}  // namespace sf::kvstore

@@ -1,0 +1,169 @@
+// KV encodings (kvstore/kv_quant.h): byte counts, the error each encoding allows per group,
+// that groups are what KIVI's layout says (keys per channel per 64 rows, values per row), the
+// int4 packing, and clear errors for what cannot be encoded or decoded.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "common/dtype.h"
+#include "kvstore/kv_quant.h"
+
+namespace sf {
+namespace {
+
+using kvstore::KvEncoding;
+
+std::vector<float> random_rows(int64_t n, int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> x(size_t(n * d));
+  for (int64_t r = 0; r < n; ++r)
+    for (int c = 0; c < d; ++c)  // channel 3 an outlier channel, as post-RoPE keys have
+      x[size_t(r * d + c)] = g(rng) * (c == 3 ? 40.f : 1.f) + (c == 5 ? 7.f : 0.f);
+  return x;
+}
+
+TEST(KvQuant, ParsesNamesAndRefusesOthers) {
+  for (auto e : {KvEncoding::kF32, KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+    EXPECT_EQ(kvstore::kv_encoding_parse(kvstore::kv_encoding_name(e)).value(), e);
+  auto bad = kvstore::kv_encoding_parse("fp8");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'fp8' is not f32, bf16, int8 or int4"), std::string::npos);
+}
+
+TEST(KvQuant, EncodedBytesCountCodesScalesAndZeros) {
+  // 100 rows of 64 channels: K and V each 6400 elements; keys have 2 blocks x 64 channel groups,
+  // values 100 row groups; each group an F16 scale and zero (4 bytes).
+  EXPECT_EQ(kvstore::kv_encoded_bytes(KvEncoding::kF32, 100, 64), 2 * 6400 * 4);
+  EXPECT_EQ(kvstore::kv_encoded_bytes(KvEncoding::kBF16, 100, 64), 2 * 6400 * 2);
+  EXPECT_EQ(kvstore::kv_encoded_bytes(KvEncoding::kInt8, 100, 64), 2 * 6400 + (128 + 100) * 4);
+  EXPECT_EQ(kvstore::kv_encoded_bytes(KvEncoding::kInt4, 100, 64), 6400 + (128 + 100) * 4);
+  // And they are the sizes kv_encode produces.
+  const auto x = random_rows(100, 64, 7);
+  for (auto e : {KvEncoding::kF32, KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4}) {
+    auto k = kvstore::kv_encode(e, true, x.data(), 100, 64).value();
+    auto v = kvstore::kv_encode(e, false, x.data(), 100, 64).value();
+    EXPECT_EQ(int64_t(k.data.size() + v.data.size() +
+                      2 * (k.scale.size() + k.zero.size() + v.scale.size() + v.zero.size())),
+              kvstore::kv_encoded_bytes(e, 100, 64))
+        << kvstore::kv_encoding_name(e);
+  }
+}
+
+// Every element within half a step of its group (step = (max - min) / levels) plus the F16
+// rounding of the zero; bf16 within its relative rounding; f32 exact.
+TEST(KvQuant, ErrorStaysWithinHalfAStepOfItsOwnGroup) {
+  const int64_t n = 150;  // 2 full key blocks and a partial one
+  const int d = 16;
+  const auto x = random_rows(n, d, 11);
+  for (auto e : {KvEncoding::kF32, KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+    for (bool keys : {true, false}) {
+      std::vector<float> y = x;
+      ASSERT_TRUE(kvstore::kv_round_trip(e, keys, y.data(), n, d).is_ok());
+      double worst = 0;  // error / allowed, over every element
+      for (int64_t r = 0; r < n; ++r)
+        for (int c = 0; c < d; ++c) {
+          const float xi = x[size_t(r * d + c)], err = std::fabs(y[size_t(r * d + c)] - xi);
+          double allowed = 0;
+          if (e == KvEncoding::kBF16) allowed = std::fabs(xi) * 0x1p-8;
+          if (e == KvEncoding::kInt8 || e == KvEncoding::kInt4) {
+            float mn = 1e30f, mx = -1e30f;  // the group, recomputed here
+            if (keys) {
+              const int64_t b0 = r / 64 * 64, b1 = std::min<int64_t>(n, b0 + 64);
+              for (int64_t t = b0; t < b1; ++t) {
+                mn = std::min(mn, x[size_t(t * d + c)]);
+                mx = std::max(mx, x[size_t(t * d + c)]);
+              }
+            } else {
+              for (int cc = 0; cc < d; ++cc) {
+                mn = std::min(mn, x[size_t(r * d + cc)]);
+                mx = std::max(mx, x[size_t(r * d + cc)]);
+              }
+            }
+            const double L = e == KvEncoding::kInt8 ? 255 : 15;
+            allowed = 0.5 * (mx - mn) / L * (1 + 2e-3) + std::fabs(mn) * 0x1p-11 + 1e-6;
+          }
+          if (e == KvEncoding::kF32) {
+            ASSERT_EQ(err, 0.f);
+          } else {
+            worst = std::max(worst, double(err) / allowed);
+          }
+        }
+      EXPECT_LE(worst, 1.0) << kvstore::kv_encoding_name(e) << (keys ? " keys" : " values");
+      if (e == KvEncoding::kInt4) EXPECT_GT(worst, 0.5);  // the bound is not vacuous
+    }
+}
+
+// The groups are the layout's: keys grouped by channel, so an outlier channel costs the others
+// nothing; values grouped by row, so an outlier row costs the other rows nothing.
+TEST(KvQuant, AnOutlierOnlyCoarsensItsOwnGroup) {
+  const int64_t n = 64;
+  const int d = 16;
+  // Every row and every channel holds all of 0, 0.01, ..., 0.15: int4's 16 levels exactly.
+  std::vector<float> x(size_t(n * d));
+  for (int64_t r = 0; r < n; ++r)
+    for (int c = 0; c < d; ++c) x[size_t(r * d + c)] = 0.01f * float((r + c) % 16);
+  std::vector<float> k = x, v = x;
+  for (int64_t r = 0; r < n; ++r) k[size_t(r * d + 2)] = 500.f * float(r % 2);  // channel 2
+  for (int c = 0; c < d; ++c) v[size_t(9 * d + c)] = -300.f * float(c % 2);     // row 9
+  std::vector<float> k2 = k, v2 = v;
+  ASSERT_TRUE(kvstore::kv_round_trip(KvEncoding::kInt4, true, k2.data(), n, d).is_ok());
+  ASSERT_TRUE(kvstore::kv_round_trip(KvEncoding::kInt4, false, v2.data(), n, d).is_ok());
+  for (int64_t r = 0; r < n; ++r)
+    for (int c = 0; c < d; ++c) {
+      // Held to F16 precision of the 0.01 scale.
+      if (c != 2) {
+        EXPECT_NEAR(k2[size_t(r * d + c)], k[size_t(r * d + c)], 1e-3) << r << "," << c;
+      }
+      if (r != 9) {
+        EXPECT_NEAR(v2[size_t(r * d + c)], v[size_t(r * d + c)], 1e-3) << r << "," << c;
+      }
+    }
+  // The outlier channel and row themselves are two-valued: exact up to F16.
+  EXPECT_NEAR(k2[size_t(1 * d + 2)], 500.f, 0.5f);
+  EXPECT_NEAR(v2[size_t(9 * d + 1)], -300.f, 0.5f);
+}
+
+TEST(KvQuant, Int4PacksTheEvenChannelInTheLowNibble) {
+  // One row of values 0..15 (scale 1, zero 0): codes equal the values.
+  std::vector<float> x(16);
+  for (int c = 0; c < 16; ++c) x[size_t(c)] = float(c);
+  auto v = kvstore::kv_encode(KvEncoding::kInt4, false, x.data(), 1, 16).value();
+  ASSERT_EQ(v.data.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(v.data[size_t(i)], uint8_t((2 * i) | ((2 * i + 1) << 4)));
+  EXPECT_EQ(f16_to_f32(v.scale[0]), 1.f);
+  EXPECT_EQ(f16_to_f32(v.zero[0]), 0.f);
+  std::vector<float> y(16);
+  ASSERT_TRUE(kvstore::kv_decode(KvEncoding::kInt4, false, v, 1, 16, y.data()).is_ok());
+  EXPECT_EQ(y, x);
+}
+
+TEST(KvQuant, RefusesWhatItCannotRepresentOrRead) {
+  std::vector<float> x = random_rows(4, 8, 3);
+  x[5] = -1e6f;  // its group's zero (the minimum) is beyond F16's range
+  auto r = kvstore::kv_encode(KvEncoding::kInt8, true, x.data(), 4, 8);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kOutOfRange);
+  x[5] = std::nanf("");
+  EXPECT_EQ(kvstore::kv_encode(KvEncoding::kInt4, false, x.data(), 4, 8).status().code(),
+            Code::kOutOfRange);
+  EXPECT_EQ(kvstore::kv_encode(KvEncoding::kInt4, true, x.data(), 3, 7).status().code(),
+            Code::kInvalidArgument);  // odd head_dim cannot pack
+  // A buffer that does not match its geometry (as a file could declare) is refused.
+  const auto y = random_rows(4, 8, 4);
+  auto enc = kvstore::kv_encode(KvEncoding::kInt8, true, y.data(), 4, 8).value();
+  std::vector<float> out(32);
+  enc.scale.pop_back();
+  auto st = kvstore::kv_decode(KvEncoding::kInt8, true, enc, 4, 8, out.data());
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("int8 keys of 4 x 8"), std::string::npos) << st.message();
+  auto enc2 = kvstore::kv_encode(KvEncoding::kInt8, true, y.data(), 4, 8).value();
+  enc2.scale[0] = 0x7c00;  // F16 infinity
+  EXPECT_EQ(kvstore::kv_decode(KvEncoding::kInt8, true, enc2, 4, 8, out.data()).code(),
+            Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sf
