@@ -117,7 +117,7 @@ std::string compat_hash(const KvExportSpec& s) {
   char buf[512];
   std::snprintf(buf, sizeof buf, "sparsefill-kv/%d;model=%s;arch=%s;dtype=F32;layers=%d;kv_heads=%d;head_dim=%d;"
                 "rope_theta=%.6g;rope=rotate_half;block=%d",
-                kKvFormatVersion, s.model_name.c_str(), s.arch.c_str(), s.n_layers, s.n_kv_heads, s.head_dim,
+                kKvCompatVersion, s.model_name.c_str(), s.arch.c_str(), s.n_layers, s.n_kv_heads, s.head_dim,
                 double(s.rope_theta), kKvBlockSize);
   const std::string str(buf);
   return hex64(xxh64_bytes(str.data(), str.size()));

@@ -22,6 +22,10 @@ namespace sf::kvstore {
 // heads (the TP x CP ranks that computed them); 2: retention detail, per-head positions and
 // per-block metadata; 1: full retention only. Readers also read 3, whose K/V are F32.
 constexpr int kKvFormatVersion = 4;
+// The version named inside compat_hash's string. It changes only when what a consumer must agree
+// on changes, not with the file format: version 4 added an encoding, which any reader of 4
+// decodes, so format 3 and 4 exports of one model share a hash.
+constexpr int kKvCompatVersion = 3;
 constexpr int kKvBlockSize = 64;
 
 struct KvExportSpec {
