@@ -99,12 +99,12 @@ Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, con
                const std::string& where, std::vector<float>* out) {
   using kvstore::KvEncoding;
   const std::string base = keys ? "key" : "value";
-  const char* dt = enc == KvEncoding::kF32 ? "F32" : enc == KvEncoding::kBF16 ? "BF16" : "U8";
-  const int64_t width = enc == KvEncoding::kInt4 ? hd / 2 : hd;
-  const int64_t esize = enc == KvEncoding::kF32 ? 4 : enc == KvEncoding::kBF16 ? 2 : 1;
+  const DType et = kvstore::kv_encoding_element(enc);
+  const int64_t width = kvstore::kv_encoding_row_elems(enc, int(hd));
+  const int64_t esize = int64_t(dtype_size(et));
   kvstore::EncodedRows rows;
-  SF_TRY(read_tensor<uint8_t>(f, base + sfx, dt, {1, heads, n, width}, where, &rows.data,
-                              j * n * width * esize, n * width * esize));
+  SF_TRY(read_tensor<uint8_t>(f, base + sfx, dtype_name(et), {1, heads, n, width}, where,
+                              &rows.data, j * n * width * esize, n * width * esize));
   if (enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4) {
     const int64_t nb = (n + bs - 1) / bs;
     const std::vector<int64_t> shape =

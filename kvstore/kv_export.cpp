@@ -273,10 +273,8 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     // K/V tensors of `heads` heads of n rows each: codes (or values) and, for the integer
     // encodings, their F16 scales and zeros.
     const KvEncoding enc = spec.encoding;
-    const DType data_t = enc == KvEncoding::kF32    ? DType::kF32
-                         : enc == KvEncoding::kBF16 ? DType::kBF16
-                                                    : DType::kU8;
-    const int64_t width = enc == KvEncoding::kInt4 ? d / 2 : d;  // data elements per row
+    const DType data_t = kv_encoding_element(enc);
+    const int64_t width = kv_encoding_row_elems(enc, d);
     const bool params = enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4;
     auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, const EncodedRows& kr,
                       const EncodedRows& vr) {

@@ -15,17 +15,7 @@ int64_t key_blocks(int64_t n) { return (n + kKvQuantKeyRows - 1) / kKvQuantKeyRo
 
 // Payload bytes of n rows of one tensor (K or V).
 int64_t data_bytes(KvEncoding e, int64_t n, int d) {
-  switch (e) {
-    case KvEncoding::kF32:
-      return n * d * 4;
-    case KvEncoding::kBF16:
-      return n * d * 2;
-    case KvEncoding::kInt8:
-      return n * d;
-    case KvEncoding::kInt4:
-      return n * d / 2;
-  }
-  return 0;
+  return n * kv_encoding_row_elems(e, d) * int64_t(dtype_size(kv_encoding_element(e)));
 }
 
 // Number of groups (scale/zero pairs) of one tensor.
@@ -83,6 +73,14 @@ const char* kv_encoding_name(KvEncoding e) {
       return "int4";
   }
   return "?";
+}
+
+DType kv_encoding_element(KvEncoding e) {
+  return e == KvEncoding::kF32 ? DType::kF32 : e == KvEncoding::kBF16 ? DType::kBF16 : DType::kU8;
+}
+
+int64_t kv_encoding_row_elems(KvEncoding e, int head_dim) {
+  return e == KvEncoding::kInt4 ? head_dim / 2 : head_dim;
 }
 
 int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim) {

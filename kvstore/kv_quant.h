@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace sf::kvstore {
@@ -25,6 +26,11 @@ enum class KvEncoding : uint8_t { kF32 = 0, kBF16, kInt8, kInt4 };
 // "f32", "bf16", "int8", "int4"; anything else is kInvalidArgument naming the choices.
 Result<KvEncoding> kv_encoding_parse(std::string_view s);
 const char* kv_encoding_name(KvEncoding e);
+
+// The element type of an encoding's K/V tensors (F32, BF16, or U8 codes) and how many elements a
+// row of head_dim channels takes (int4: head_dim / 2 bytes).
+DType kv_encoding_element(KvEncoding e);
+int64_t kv_encoding_row_elems(KvEncoding e, int head_dim);
 
 // Rows of one quantization group of keys (the export's block of kept tokens).
 constexpr int kKvQuantKeyRows = 64;
