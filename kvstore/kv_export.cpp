@@ -251,18 +251,36 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
     std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
     std::vector<HeadMeta> meta(static_cast<size_t>(hp));
-    // Per head: K and V in the export's encoding (the metadata above comes from the F32 keys).
-    std::vector<EncodedRows> ek(static_cast<size_t>(hp)), ev(static_cast<size_t>(hp));
     for (int h = 0; h < hp; ++h) {
       float* kh = kbuf.data() + off[size_t(h)] * d;
-      float* vh = vbuf.data() + off[size_t(h)] * d;
       const int64_t n = int64_t(pos[size_t(h)].size());
       gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
-      gather_head(v, hp, d, h, rows[size_t(h)], false, vh);
+      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
       const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
       meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
-      SF_ASSIGN(ek[size_t(h)], kv_encode(spec.encoding, true, kh, n, d));
-      SF_ASSIGN(ev[size_t(h)], kv_encode(spec.encoding, false, vh, n, d));
+    }
+    // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
+    // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
+    const KvEncoding enc = spec.encoding;
+    const bool raw = enc == KvEncoding::kF32;
+    const bool params = enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4;
+    EncodedRows enc_kv[2];                                           // keys, values
+    std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
+    if (!raw) {
+      for (int h = 0; h < hp; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          EncodedRows& dst = enc_kv[kv];
+          at[size_t(h)][size_t(2 * kv)] = dst.data.size();
+          at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
+          SF_ASSIGN(EncodedRows e,
+                    kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
+                              int64_t(pos[size_t(h)].size()), d));
+          dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
+          dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
+          dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
+        }
+      std::vector<float>().swap(kbuf);
+      std::vector<float>().swap(vbuf);
     }
     SafetensorsWriter w;
     boost::json::array names;
@@ -270,38 +288,36 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
       w.add(name, t, std::move(shape), p, bytes);
       names.push_back(boost::json::string(name));
     };
-    // K/V tensors of `heads` heads of n rows each: codes (or values) and, for the integer
-    // encodings, their F16 scales and zeros.
-    const KvEncoding enc = spec.encoding;
-    const DType data_t = kv_encoding_element(enc);
-    const int64_t width = kv_encoding_row_elems(enc, d);
-    const bool params = enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4;
-    auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, const EncodedRows& kr,
-                      const EncodedRows& vr) {
+    // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
+    // for the integer encodings, their F16 scales and zeros.
+    const DType elem = kv_encoding_element(enc);
+    const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
+    auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
       const int64_t nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-      add("key" + sfx, data_t, {1, heads, n, width}, kr.data.data(), kr.data.size());
-      add("value" + sfx, data_t, {1, heads, n, width}, vr.data.data(), vr.data.size());
-      if (!params) return;
-      add("key_scale" + sfx, DType::kF16, {1, heads, nb, d}, kr.scale.data(), kr.scale.size() * 2);
-      add("key_zero" + sfx, DType::kF16, {1, heads, nb, d}, kr.zero.data(), kr.zero.size() * 2);
-      add("value_scale" + sfx, DType::kF16, {1, heads, n}, vr.scale.data(), vr.scale.size() * 2);
-      add("value_zero" + sfx, DType::kF16, {1, heads, n}, vr.zero.data(), vr.zero.size() * 2);
-    };
-    EncodedRows kall, vall;  // uniform: every head's, back to back
-    if (uniform) {
-      for (int h = 0; h < hp; ++h)
-        for (auto [dst, src] :
-             {std::pair{&kall, &ek[size_t(h)]}, std::pair{&vall, &ev[size_t(h)]}}) {
-          dst->data.insert(dst->data.end(), src->data.begin(), src->data.end());
-          dst->scale.insert(dst->scale.end(), src->scale.begin(), src->scale.end());
-          dst->zero.insert(dst->zero.end(), src->zero.begin(), src->zero.end());
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::string name = kv ? "value" : "key";
+        if (raw) {
+          add(name + sfx, DType::kF32, {1, heads, n, d},
+              (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
+          continue;
         }
-      add_kv("", hp, int64_t(pos[0].size()), kall, vall);
-    }
+        const EncodedRows& e = enc_kv[kv];
+        const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
+        add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
+            size_t(heads * n * width * esize));
+        if (!params) continue;
+        std::vector<int64_t> shape{1, heads, nb, d};
+        if (kv) shape = {1, heads, n};
+        const size_t count = size_t(heads * (kv ? n : nb * d));
+        add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
+        add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
+      }
+    };
+    if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);
     for (int h = 0; h < hp; ++h) {
       const std::string sfx = ".h" + std::to_string(h0 + h);
       const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-      if (!uniform) add_kv(sfx, 1, n, ek[size_t(h)], ev[size_t(h)]);
+      if (!uniform) add_kv(sfx, 1, n, h);
       const HeadMeta& m = meta[size_t(h)];
       add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
       add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);

@@ -120,7 +120,7 @@ case "$case_name" in
     [ -f "$tmp/out_s/doc/layer_029.r0.safetensors" ] && [ -f "$tmp/out_s/doc/layer_029.r1.safetensors" ] \
       || fail "want a layer-29 shard from each rank"
     [ ! -e "$tmp/out_s/doc/layer_029.safetensors" ] || fail "a whole-layer shard in a sharded export"
-    grep -q '"format_version":3' "$tmp/out_s/doc/manifest.json" || fail "manifest is not format 3"
+    grep -q '"format_version":4' "$tmp/out_s/doc/manifest.json" || fail "manifest is not format 4"
     grep -Eq '"tokens":\[\[0,128\],\[384,5[0-9]{2}\]\],"kv_heads":\[0,3\]' "$tmp/out_s/doc/manifest.json" \
       || fail "rank 0's shard entry does not name its zigzag chunks"
     grep -q '"export": "sharded"' "$tmp/out_s/doc.json" || fail "summary does not say sharded"
@@ -132,6 +132,20 @@ case "$case_name" in
     "$decoder" --model default --kv "$tmp/out_g/doc" --tokens 12 >"$tmp/dec_g" 2>&1 || { cat "$tmp/dec_g"; fail "decode of the gathered export"; }
     grep '^tokens:' "$tmp/dec_s" >"$tmp/tok_s"; grep '^tokens:' "$tmp/dec_g" >"$tmp/tok_g"
     [ -s "$tmp/tok_s" ] && cmp -s "$tmp/tok_s" "$tmp/tok_g" || fail "sharded and gathered exports decode differently"
+    # int8 K/V: each rank encodes its own chunks; the sharded export decodes as the gathered one.
+    run 2 --model default --cp 2 --kv-dtype int8 --batch "$tmp/long.jsonl" --out "$tmp/out_s8"
+    [ "$rc" -eq 0 ] || fail "sharded int8: exit $rc"
+    run 2 --model default --cp 2 --kv-dtype int8 --export gathered --batch "$tmp/long.jsonl" --out "$tmp/out_g8"
+    [ "$rc" -eq 0 ] || fail "gathered int8: exit $rc"
+    grep -q '"kv_dtype":"int8"' "$tmp/out_s8/doc/manifest.json" || fail "manifest does not say int8"
+    "$decoder" --model default --kv "$tmp/out_s8/doc" --tokens 12 >"$tmp/dec_s8" 2>&1 || { cat "$tmp/dec_s8"; fail "decode of the sharded int8 export"; }
+    "$decoder" --model default --kv "$tmp/out_g8/doc" --tokens 12 >"$tmp/dec_g8" 2>&1 || { cat "$tmp/dec_g8"; fail "decode of the gathered int8 export"; }
+    grep '^tokens:' "$tmp/dec_s8" >"$tmp/tok_s8"; grep '^tokens:' "$tmp/dec_g8" >"$tmp/tok_g8"
+    [ -s "$tmp/tok_s8" ] && cmp -s "$tmp/tok_s8" "$tmp/tok_g8" || fail "sharded and gathered int8 exports decode differently"
+    grep -q "K/V stored as int8" "$tmp/dec_s8" || fail "decode does not say int8"
+    run 2 --model default --cp 2 --kv-dtype fp8 --batch "$tmp/long.jsonl" --out "$tmp/out_b8"
+    [ "$rc" -eq 2 ] || fail "--kv-dtype fp8: exit $rc, want 2"
+    errors | grep -q "^error: --kv-dtype: KV encoding 'fp8' is not f32, bf16, int8 or int4" || fail "--kv-dtype message"
     run 2 --model default --cp 2 --export bogus --batch "$tmp/long.jsonl" --out "$tmp/out_b"
     [ "$rc" -eq 2 ] || fail "--export bogus: exit $rc, want 2"
     errors | grep -q "^error: --export must be sharded or gathered, got 'bogus'" || fail "--export message"
