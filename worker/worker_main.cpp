@@ -575,7 +575,7 @@ int run(int argc, char** argv) {
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
-    spec.encoding = o.kv_dtype;
+    spec.encoding = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     const std::string dir = runtime::request_dir(o.out, r.id);
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
     std::optional<kvstore::ImportanceScores> imp;
@@ -634,7 +634,8 @@ int run(int argc, char** argv) {
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
-        "\"kv_kept_fraction\": %.6f, \"importance_bytes\": %lld, \"importance_s\": %.6f}",
+        "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
+        "\"importance_s\": %.6f}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -645,7 +646,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
         ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
-        kept_frac, static_cast<long long>(s.importance_bytes), s.importance_s);
+        kept_frac, kvstore::kv_encoding_name(spec.encoding),
+        static_cast<long long>(s.importance_bytes), s.importance_s);
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";

@@ -138,11 +138,17 @@ case "$case_name" in
     run 2 --model default --cp 2 --kv-dtype int8 --export gathered --batch "$tmp/long.jsonl" --out "$tmp/out_g8"
     [ "$rc" -eq 0 ] || fail "gathered int8: exit $rc"
     grep -q '"kv_dtype":"int8"' "$tmp/out_s8/doc/manifest.json" || fail "manifest does not say int8"
+    grep -q '"kv_dtype": "int8"' "$tmp/out_s8/doc.json" || fail "summary does not say int8"
     "$decoder" --model default --kv "$tmp/out_s8/doc" --tokens 12 >"$tmp/dec_s8" 2>&1 || { cat "$tmp/dec_s8"; fail "decode of the sharded int8 export"; }
     "$decoder" --model default --kv "$tmp/out_g8/doc" --tokens 12 >"$tmp/dec_g8" 2>&1 || { cat "$tmp/dec_g8"; fail "decode of the gathered int8 export"; }
     grep '^tokens:' "$tmp/dec_s8" >"$tmp/tok_s8"; grep '^tokens:' "$tmp/dec_g8" >"$tmp/tok_g8"
     [ -s "$tmp/tok_s8" ] && cmp -s "$tmp/tok_s8" "$tmp/tok_g8" || fail "sharded and gathered int8 exports decode differently"
     grep -q "K/V stored as int8" "$tmp/dec_s8" || fail "decode does not say int8"
+    # A line's own kv_dtype overrides --kv-dtype.
+    sed 's/"prompt"/"kv_dtype": "bf16", "prompt"/' "$tmp/long.jsonl" >"$tmp/long16.jsonl"
+    run 2 --model default --cp 2 --kv-dtype int8 --batch "$tmp/long16.jsonl" --out "$tmp/out_s16"
+    [ "$rc" -eq 0 ] || fail "line kv_dtype: exit $rc"
+    grep -q '"kv_dtype":"bf16"' "$tmp/out_s16/doc/manifest.json" || fail "a line's kv_dtype did not override --kv-dtype"
     run 2 --model default --cp 2 --kv-dtype fp8 --batch "$tmp/long.jsonl" --out "$tmp/out_b8"
     [ "$rc" -eq 2 ] || fail "--kv-dtype fp8: exit $rc, want 2"
     errors | grep -q "^error: --kv-dtype: KV encoding 'fp8' is not f32, bf16, int8 or int4" || fail "--kv-dtype message"

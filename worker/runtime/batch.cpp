@@ -33,9 +33,10 @@ Result<BatchRequest> parse_line(std::string_view line) {
   if (!v.is_object()) return SF_ERR(kInvalidArgument, "a line must be a JSON object");
   const json::object& o = v.as_object();
   for (const auto& kv : o)
-    if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" && kv.key() != "retention")
+    if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" &&
+        kv.key() != "retention" && kv.key() != "kv_dtype")
       return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) +
-                                          "' (id, prompt, tokens, retention)");
+                                          "' (id, prompt, tokens, retention, kv_dtype)");
   BatchRequest r;
   const json::value* id = o.if_contains("id");
   if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
@@ -74,6 +75,13 @@ Result<BatchRequest> parse_line(std::string_view line) {
     if (!pol.is_ok())
       return SF_ERR(kInvalidArgument, "field 'retention': " + pol.status().message());
     r.retention = std::move(pol).value();
+  }
+  if (const json::value* e = o.if_contains("kv_dtype")) {
+    if (!e->is_string()) return SF_ERR(kInvalidArgument, "field 'kv_dtype' must be a string");
+    auto enc = kvstore::kv_encoding_parse(std::string(e->as_string()));
+    if (!enc.is_ok())
+      return SF_ERR(kInvalidArgument, "field 'kv_dtype': " + enc.status().message());
+    r.kv_dtype = enc.value();
   }
   return r;
 }

@@ -4,7 +4,8 @@
 // A line is one JSON object:
 //   {"id": "doc-17", "prompt": "text ..."}      or      {"id": "doc-17", "tokens": [1, 2, 3]}
 // with an optional "retention": "POLICY" (kvstore::retention_parse's syntax, e.g.
-// "snapkv:budget=1024,span=4") that overrides the worker's --retention for that request.
+// "snapkv:budget=1024,span=4") that overrides the worker's --retention for that request, and an
+// optional "kv_dtype": "f32" | "bf16" | "int8" | "int4" that overrides its --kv-dtype.
 // id: 1-128 characters of [A-Za-z0-9._-], not starting with '.', unique in the file (it names
 // the output directory). Exactly one of prompt (non-empty string) / tokens (non-empty array of
 // integers). Blank lines are ignored. Every other line is a bad line: it is reported with its
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kvstore/kv_quant.h"
 #include "kvstore/retention.h"
 
 namespace sf::runtime {
@@ -31,6 +33,7 @@ struct BatchRequest {
   std::vector<int32_t> tokens;  // when given as ids
   bool has_tokens = false;
   std::optional<kvstore::RetentionPolicy> retention;  // the line's own, when it names one
+  std::optional<kvstore::KvEncoding> kv_dtype;        // likewise
 };
 
 struct BadLine {

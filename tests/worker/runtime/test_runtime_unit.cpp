@@ -152,6 +152,25 @@ TEST(Batch, RetentionField) {
   EXPECT_NE(f.bad[2].reason.find("nearest"), std::string::npos) << f.bad[2].reason;
 }
 
+// A line's own K/V encoding: one of the encodings' names, errors name the field.
+TEST(Batch, KvDtypeField) {
+  const std::string text =
+      "{\"id\": \"a\", \"prompt\": \"p\", \"kv_dtype\": \"int8\"}\n"
+      "{\"id\": \"b\", \"prompt\": \"p\"}\n"
+      "{\"id\": \"c\", \"prompt\": \"p\", \"kv_dtype\": 8}\n"
+      "{\"id\": \"d\", \"prompt\": \"p\", \"kv_dtype\": \"fp8\"}\n";
+  const auto f = runtime::parse_batch(text);
+  ASSERT_EQ(f.requests.size(), 2u);
+  ASSERT_TRUE(f.requests[0].kv_dtype.has_value());
+  EXPECT_EQ(*f.requests[0].kv_dtype, kvstore::KvEncoding::kInt8);
+  EXPECT_FALSE(f.requests[1].kv_dtype.has_value());
+  ASSERT_EQ(f.bad.size(), 2u);
+  EXPECT_NE(f.bad[0].reason.find("field 'kv_dtype' must be a string"), std::string::npos);
+  EXPECT_NE(f.bad[1].reason.find("field 'kv_dtype': KV encoding 'fp8' is not f32, bf16, int8"),
+            std::string::npos)
+      << f.bad[1].reason;
+}
+
 // CpNeedCount on a hand-built index: 512 tokens (CP 2: rank 0 holds [0,128) and [384,512),
 // rank 1 [128,384)), 2 heads each its own KV head. Every slot reads the sink block and its own
 // diagonal block; head 1's slots past key 300 also read column 300.
