@@ -113,6 +113,9 @@ int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc) {
   return total;
 }
 
+// Key groups are the metadata's blocks (kv_quant.h); the writer sizes key scales by blocks.
+static_assert(kKvQuantKeyRows == kKvBlockSize);
+
 std::string compat_hash(const KvExportSpec& s) {
   char buf[512];
   std::snprintf(buf, sizeof buf, "sparsefill-kv/%d;model=%s;arch=%s;dtype=F32;layers=%d;kv_heads=%d;head_dim=%d;"
@@ -330,6 +333,8 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
                                      : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
     w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
+    // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
+    w.set_metadata("kv_dtype", kv_encoding_name(enc));
     char name[64];
     std::snprintf(name, sizeof name, "layer_%03d%s.safetensors", l, part.file_tag.c_str());
     const fs::path p = fs::path(tmp) / name;

@@ -39,6 +39,10 @@ int get_code(KvEncoding e, const uint8_t* data, int64_t idx) {
   return (idx & 1) ? b >> 4 : b & 0x0f;
 }
 
+// The F16 neighbours of a finite h toward -inf and +inf (an infinity past the largest).
+uint16_t f16_down(uint16_t h) { return h == 0x0000 ? 0x8001 : (h & 0x8000) ? h + 1 : h - 1; }
+uint16_t f16_up(uint16_t h) { return h == 0x8000 ? 0x0001 : (h & 0x8000) ? h - 1 : h + 1; }
+
 // The elements of one group: `count` of them, element i at rows[first + i * stride].
 struct Group {
   int64_t first, stride, count;
@@ -122,11 +126,16 @@ Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_
       mn = std::min(mn, x);
       mx = std::max(mx, x);
     }
-    // Codes are taken against the stored (F16-rounded) zero and scale, so decoding is exact
-    // to what was quantized.
-    const uint16_t zh = f32_to_f16(mn);
+    // The zero rounds down and the scale up to F16, so [zero, zero + L * scale] covers the
+    // group and no value clamps: a nearest-rounded zero above a large minimum (a post-RoPE key
+    // channel far from 0 with a narrow range) would cost that rounding, not half a step. Codes
+    // are taken against the stored values.
+    uint16_t zh = f32_to_f16(mn);
+    if (f16_to_f32(zh) > mn) zh = f16_down(zh);
     const float z = f16_to_f32(zh);
-    const uint16_t sh = f32_to_f16(std::max(0.f, mx - z) / float(L));
+    const float need = std::max(0.f, mx - z) / float(L);
+    uint16_t sh = f32_to_f16(need);
+    if (f16_to_f32(sh) < need) sh = f16_up(sh);
     const float s = f16_to_f32(sh);
     if (!finite || !std::isfinite(z) || !std::isfinite(s))
       return SF_ERR(kOutOfRange,

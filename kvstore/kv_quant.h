@@ -6,7 +6,8 @@
 //   int8, int4  asymmetric integer codes in KIVI's layout (Liu et al. 2024): keys per channel
 //         over each block of 64 kept tokens of a head (the block the export's metadata already
 //         describes), values per token over the head's channels; each group has an F16 scale
-//         and zero, x ~= zero + code * scale. int4 packs two codes a byte, the even channel in
+//         and zero (rounded down and up, so the group fits), x ~= zero + code * scale, within
+//         half a scale of the value. int4 packs two codes a byte, the even channel in
 //         the low nibble.
 // The decode node turns every encoding back into F32 on load; what it attends over is then
 // exactly kv_decode(kv_encode(x)), which the in-process evaluation reproduces by kv_round_trip.

@@ -220,6 +220,18 @@ TEST_F(KvClient, EncodedExportsLoadAsTheEncodingsRoundTrip) {
           EXPECT_NE(H.k, k0);  // the encoding did change the keys
         }
       EXPECT_EQ(e->kv_bytes, bytes);
+      // ... and is what the shards hold in K/V tensors and their scales and zeros.
+      int64_t held = 0;
+      for (int l = 0; l < 2; ++l) {
+        auto sf = SafetensorsFile::open(tmp_.sub(name) + "/layer_00" + std::to_string(l) +
+                                        ".safetensors");
+        ASSERT_TRUE(sf.is_ok());
+        for (const char* base :
+             {"key", "value", "key_scale", "key_zero", "value_scale", "value_zero"})
+          for (const std::string sfx : {"", ".h0", ".h1"})
+            if (const SafetensorsTensor* t = sf->find(base + sfx)) held += int64_t(t->n_bytes());
+      }
+      EXPECT_EQ(held, e->kv_bytes);
       auto f = SafetensorsFile::open(tmp_.sub(name) + "/layer_000.safetensors");
       ASSERT_TRUE(f.is_ok());
       const SafetensorsTensor* key = f->find(ret == &mr.value() ? "key.h1" : "key");

@@ -157,7 +157,13 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     }
     SF_ASSIGN(ret, kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
     const double bytes = double(kvstore::kv_bytes(ret, mc.head_dim, c.enc));
-    if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full || tries == 4) break;
+    if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full) break;
+    if (tries == 4) {
+      std::fprintf(stderr, "warning: %s at budget %.3f in %s keeps %.4f of the bytes\n",
+                   kvstore::retention_kind_name(c.kind), c.budget, kvstore::kv_encoding_name(c.enc),
+                   bytes / full);
+      break;
+    }
     tokens *= c.budget * full / bytes * (1 - 1e-4);
   }
   SF_ASSIGN(decode::DecodeAttnParams ap, decode::decode_attn_parse(c.decode_spec));
