@@ -95,9 +95,8 @@ Status read_tensor(const SafetensorsFile& f, const std::string& name, const char
 // Head j (of `heads` in the tensors named name + sfx) of a shard's K or V: its n rows read in
 // the export's encoding and decoded to F32.
 Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, const std::string& sfx,
-               int64_t heads, int64_t j, int64_t n, int64_t hd, int64_t bs,
-               const std::string& where, std::vector<float>* out) {
-  using kvstore::KvEncoding;
+               int64_t heads, int64_t j, int64_t n, int64_t hd, const std::string& where,
+               std::vector<float>* out) {
   const std::string base = keys ? "key" : "value";
   const DType et = kvstore::kv_encoding_element(enc);
   const int64_t width = kvstore::kv_encoding_row_elems(enc, int(hd));
@@ -105,11 +104,8 @@ Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, con
   kvstore::EncodedRows rows;
   SF_TRY(read_tensor<uint8_t>(f, base + sfx, dtype_name(et), {1, heads, n, width}, where,
                               &rows.data, j * n * width * esize, n * width * esize));
-  if (enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4) {
-    const int64_t nb = (n + bs - 1) / bs;
-    const std::vector<int64_t> shape =
-        keys ? std::vector<int64_t>{1, heads, nb, hd} : std::vector<int64_t>{1, heads, n};
-    const int64_t per = keys ? nb * hd : n;
+  if (const int64_t per = kvstore::kv_param_groups(enc, keys, n, int(hd)); per > 0) {
+    const std::vector<int64_t> shape = kvstore::kv_param_shape(keys, heads, n, int(hd));
     SF_TRY(read_tensor<uint16_t>(f, base + "_scale" + sfx, "F16", shape, where, &rows.scale,
                                  j * per, per));
     SF_TRY(read_tensor<uint16_t>(f, base + "_zero" + sfx, "F16", shape, where, &rows.zero, j * per,
@@ -412,8 +408,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         // Uniform: head j of the shared key/value tensors; per head: its own key.hH/value.hH.
         const std::string kv_sfx = S.uniform ? "" : sfx;
         const int64_t heads = S.uniform ? hs : 1, jj = S.uniform ? j : 0;
-        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, bs, where, &H.k));
-        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, bs, where, &H.v));
+        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, where, &H.k));
+        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, where, &H.v));
         SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
         SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
         SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));

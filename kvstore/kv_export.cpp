@@ -266,7 +266,6 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
     const KvEncoding enc = spec.encoding;
     const bool raw = enc == KvEncoding::kF32;
-    const bool params = enc == KvEncoding::kInt8 || enc == KvEncoding::kInt4;
     EncodedRows enc_kv[2];                                           // keys, values
     std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
     if (!raw) {
@@ -296,7 +295,6 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     const DType elem = kv_encoding_element(enc);
     const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
     auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
-      const int64_t nb = (n + kKvBlockSize - 1) / kKvBlockSize;
       for (int kv = 0; kv < 2; ++kv) {
         const std::string name = kv ? "value" : "key";
         if (raw) {
@@ -308,10 +306,10 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
         const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
         add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
             size_t(heads * n * width * esize));
-        if (!params) continue;
-        std::vector<int64_t> shape{1, heads, nb, d};
-        if (kv) shape = {1, heads, n};
-        const size_t count = size_t(heads * (kv ? n : nb * d));
+        const int64_t per = kv_param_groups(enc, kv == 0, n, d);
+        if (per == 0) continue;
+        const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
+        const size_t count = size_t(heads * per);
         add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
         add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
       }
@@ -473,12 +471,9 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   rj["params"] = ret ? ret->params : "";
   const int64_t kept = ret ? ret->kept_total() : S * nl * hkv;
   rj["kept_tokens"] = kept;
-  int64_t bytes = 0;
-  for (int l = 0; l < nl; ++l)
-    for (int h = 0; h < hkv; ++h)
-      bytes += kv_encoded_bytes(spec.encoding, ret ? int64_t(ret->positions(l, h).size()) : S, d);
-  rj["kv_bytes"] = bytes;
-  rj["kv_bytes_full"] = nl * hkv * kv_encoded_bytes(spec.encoding, S, d);
+  const int64_t full_bytes = nl * hkv * kv_encoded_bytes(spec.encoding, S, d);
+  rj["kv_bytes"] = ret ? kv_bytes(*ret, d, spec.encoding) : full_bytes;
+  rj["kv_bytes_full"] = full_bytes;
   rj["layers"] = std::move(ret_layers);
   man["retention"] = std::move(rj);
   if (spec.importance) {

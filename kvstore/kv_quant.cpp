@@ -18,12 +18,6 @@ int64_t data_bytes(KvEncoding e, int64_t n, int d) {
   return n * kv_encoding_row_elems(e, d) * int64_t(dtype_size(kv_encoding_element(e)));
 }
 
-// Number of groups (scale/zero pairs) of one tensor.
-int64_t groups(KvEncoding e, bool keys, int64_t n, int d) {
-  if (!is_int(e)) return 0;
-  return keys ? key_blocks(n) * d : n;
-}
-
 void put_code(KvEncoding e, uint8_t* data, int64_t idx, int q) {
   if (e == KvEncoding::kInt8) {
     data[idx] = uint8_t(q);
@@ -87,10 +81,20 @@ int64_t kv_encoding_row_elems(KvEncoding e, int head_dim) {
   return e == KvEncoding::kInt4 ? head_dim / 2 : head_dim;
 }
 
+int64_t kv_param_groups(KvEncoding e, bool keys, int64_t n, int head_dim) {
+  if (!is_int(e)) return 0;
+  return keys ? key_blocks(n) * head_dim : n;
+}
+
+std::vector<int64_t> kv_param_shape(bool keys, int64_t heads, int64_t n, int head_dim) {
+  if (keys) return {1, heads, key_blocks(n), head_dim};
+  return {1, heads, n};
+}
+
 int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim) {
   const int64_t params = 2 * 2;  // F16 scale and zero
   return 2 * data_bytes(e, n, head_dim) +
-         (groups(e, true, n, head_dim) + groups(e, false, n, head_dim)) * params;
+         (kv_param_groups(e, true, n, head_dim) + kv_param_groups(e, false, n, head_dim)) * params;
 }
 
 Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim) {
@@ -113,7 +117,7 @@ Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_
     return out;
   }
   const int L = levels(e);
-  const int64_t ng = groups(e, keys, n, d);
+  const int64_t ng = kv_param_groups(e, keys, n, d);
   out.scale.resize(size_t(ng));
   out.zero.resize(size_t(ng));
   for (int64_t g = 0; g < ng; ++g) {
@@ -158,7 +162,7 @@ Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int 
   const int d = head_dim;
   if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
     return SF_ERR(kInvalidArgument, "kv_decode: bad geometry");
-  const int64_t ng = groups(e, keys, n, d);
+  const int64_t ng = kv_param_groups(e, keys, n, d);
   if (int64_t(in.data.size()) != data_bytes(e, n, d) || int64_t(in.scale.size()) != ng ||
       int64_t(in.zero.size()) != ng)
     return SF_ERR(kInvalidArgument, std::string("kv_decode: ") + kv_encoding_name(e) + " " +

@@ -36,6 +36,12 @@ int64_t kv_encoding_row_elems(KvEncoding e, int head_dim);
 // Rows of one quantization group of keys (the export's block of kept tokens).
 constexpr int kKvQuantKeyRows = 64;
 
+// The F16 scale/zero groups of one head's n rows of keys or values (0 for f32 and bf16), and the
+// shape their tensors take for `heads` heads: keys [1, heads, n_blocks, head_dim], values
+// [1, heads, n].
+int64_t kv_param_groups(KvEncoding e, bool keys, int64_t n, int head_dim);
+std::vector<int64_t> kv_param_shape(bool keys, int64_t heads, int64_t n, int head_dim);
+
 // Stored bytes of one head's n kept tokens, keys and values together, with the scales and
 // zeros of the integer encodings (blocks of kKvQuantKeyRows rows for keys, one group per row for
 // values). This is what the retention evaluation counts as kv_bytes.
