@@ -1,12 +1,15 @@
 // Decode attention on a GPU host: one new token per query head over a paged cache of N tokens
 // (the Llama-3-8B attention shape by default: 32 query heads, 8 KV heads, head_dim 128, fp32
 // pool), for the device kernel (kernels/decode_attention.h) and the host reference
-// (decode/decode_attention.h) on the same cache, in full, psa:0.95 and psa-avg:0.95.
+// (decode/decode_attention.h) on the same cache, in full, psa:0.95 and psa-avg:0.95, with the
+// device pool in each of the listed encodings (f32, bf16, int8; the host reference is F32).
 // Planted keys (as in test_device_decode): N(0, 0.3) with a few blocks per KV head pulled toward
 // one query head's direction, so PSA has mass to find. Prints one JSON line per mode: time per
 // call, blocks visited, and the K/V bytes of the visited blocks per second (each KV head's
-// blocks counted once, though its 4 query heads each read them).
+// blocks counted once, though its 4 query heads each read them, in the pool's encoding with its
+// scales and zeros).
 //   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128] [pull=0.15]
+//                   [pools=f32,bf16,int8]
 // pull: how far the planted blocks' keys move toward the query (larger: PSA stops sooner).
 #include <cuda_runtime.h>
 
@@ -41,11 +44,23 @@ int main(int argc, char** argv) {
   const int hkv = argc > 3 ? std::atoi(argv[3]) : 8;
   const int d = argc > 4 ? std::atoi(argv[4]) : 128;
   const float pull = argc > 5 ? float(std::atof(argv[5])) : 0.15f;
+  std::vector<kvstore::KvEncoding> pools;
+  {
+    const std::string list = argc > 6 ? argv[6] : "f32,bf16,int8";
+    size_t at = 0;
+    while (at <= list.size()) {
+      const size_t comma = std::min(list.find(',', at), list.size());
+      auto e = kvstore::kv_encoding_parse(list.substr(at, comma - at));
+      if (!e.is_ok()) return fail("pools", e.status());
+      pools.push_back(e.value());
+      at = comma + 1;
+    }
+  }
   if (n < 64 || hq <= 0 || hkv <= 0 || hq % hkv || (d != 32 && d != 64 && d != 128) ||
       !(pull >= 0.f)) {
     std::fprintf(stderr,
                  "usage: sf_bench_decode [tokens>=64] [heads] [kv_heads | heads] [d: 32|64|128] "
-                 "[pull>=0]\n");
+                 "[pull>=0] [pools=f32,bf16,int8]\n");
     return 2;
   }
   std::mt19937_64 rng(20261124);
@@ -76,12 +91,7 @@ int main(int argc, char** argv) {
   auto cache = decode::PagedKvCache::from_prefill(kv, ret.value());
   if (!cache.is_ok()) return fail("paged cache", cache.status());
   kv = model::KvCache{};  // the paged copy is all that is needed now
-  auto pool = decode::DevicePagedPool::upload(cache.value(), 0);
-  if (!pool.is_ok()) return fail("device pool", pool.status());
-  kernels::cuda::DeviceBuffer dq, dout, dvis, dws;
-  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
-  if (ws > 0 && !dws.alloc(ws).is_ok())
-    return fail("device buffers", SF_ERR(kResourceExhausted, "workspace"));
+  kernels::cuda::DeviceBuffer dq, dout, dvis;
   if (!dq.alloc(q.size() * 4).is_ok() || !dq.upload(q.data(), q.size() * 4).is_ok() ||
       !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
     return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
@@ -110,29 +120,12 @@ int main(int argc, char** argv) {
     if (ok && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.f)
       copy_GBps = 10.0 * 2.0 * double(cb) / (1e-3 * double(ms)) / 1e9;
   }
-  for (const char* spec : {"full", "psa:0.95", "psa-avg:0.95"}) {
-    auto p = decode::decode_attn_parse(spec);
-    const kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-    auto launch = [&] {
-      return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
-                                             dout.as<float>(), dvis.as<int32_t>(), dws.data(),
-                                             dws.size(), s);
-    };
-    for (int i = 0; i < 3; ++i)
-      if (Status st = launch(); !st.is_ok()) return fail(spec, st);
-    const int reps = 20;
-    (void)cudaEventRecord(e0, nullptr);
-    for (int i = 0; i < reps; ++i) (void)launch();
-    (void)cudaEventRecord(e1, nullptr);
-    if (Status st = kernels::cuda::stream_synchronize(nullptr); !st.is_ok()) return fail(spec, st);
-    float ms = 0.f;
-    (void)cudaEventElapsedTime(&ms, e0, e1);
-    const double dev_us = 1e3 * double(ms) / reps;
-    std::vector<int32_t> vis(static_cast<size_t>(hq));
-    (void)dvis.download(vis.data(), vis.size() * 4);
-    int64_t visited = 0;
-    for (int32_t v : vis) visited += v;
-    // Host reference on the same cache (this machine's cores, the decode node's CPU path).
+  // Host reference per mode on the F32 cache (this machine's cores, the decode node's CPU path).
+  const char* specs[] = {"full", "psa:0.95", "psa-avg:0.95"};
+  double host_us[3] = {};
+  int64_t host_visited[3] = {};
+  for (int si = 0; si < 3; ++si) {
+    auto p = decode::decode_attn_parse(specs[si]);
     std::vector<float> out(q.size());
     decode::DecodeAttnStats hs;
     const double t0 = now_s();
@@ -142,21 +135,59 @@ int main(int argc, char** argv) {
       if (Status st = decode::decode_attention(cache.value(), 0, q.data(), hq, p.value(),
                                                out.data(), &hs);
           !st.is_ok())
-        return fail(spec, st);
+        return fail(specs[si], st);
     }
-    const double host_us = 1e6 * (now_s() - t0) / host_reps;
-    const double visited_frac = double(visited) / double(int64_t(hq) * nb);
-    // K and V of the visited blocks, each KV head's counted once (fp32).
-    const double bytes = visited_frac * double(nb) * 64.0 * hkv * d * 4.0 * 2.0;
-    std::printf(
-        "{\"device\": \"%s\", \"pull\": %.2f, \"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, "
-        "\"head_dim\": %d, "
-        "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
-        "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
-        "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f}\n",
-        prop.name, double(pull), static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
-        static_cast<long long>(hs.blocks_visited), static_cast<long long>(visited), dev_us, host_us,
-        bytes / (dev_us * 1e-6) / 1e9, copy_GBps);
+    host_us[si] = 1e6 * (now_s() - t0) / host_reps;
+    host_visited[si] = hs.blocks_visited;
+  }
+  for (const kvstore::KvEncoding enc : pools) {
+    auto pool = decode::DevicePagedPool::upload(cache.value(), 0, enc);
+    if (!pool.is_ok()) return fail("device pool", pool.status());
+    kernels::cuda::DeviceBuffer dws;
+    const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
+    if (ws > 0 && !dws.alloc(ws).is_ok())
+      return fail("device buffers", SF_ERR(kResourceExhausted, "workspace"));
+    // K and V bytes of one block of one KV head as the pool stores them.
+    const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
+                               : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
+                                                                   : 64.0 * d * 4 * 2;
+    for (int si = 0; si < 3; ++si) {
+      const char* spec = specs[si];
+      auto p = decode::decode_attn_parse(spec);
+      const kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
+      auto launch = [&] {
+        return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
+                                               dout.as<float>(), dvis.as<int32_t>(), dws.data(),
+                                               dws.size(), s);
+      };
+      for (int i = 0; i < 3; ++i)
+        if (Status st = launch(); !st.is_ok()) return fail(spec, st);
+      const int reps = 20;
+      (void)cudaEventRecord(e0, nullptr);
+      for (int i = 0; i < reps; ++i) (void)launch();
+      (void)cudaEventRecord(e1, nullptr);
+      if (Status st = kernels::cuda::stream_synchronize(nullptr); !st.is_ok())
+        return fail(spec, st);
+      float ms = 0.f;
+      (void)cudaEventElapsedTime(&ms, e0, e1);
+      const double dev_us = 1e3 * double(ms) / reps;
+      std::vector<int32_t> vis(static_cast<size_t>(hq));
+      (void)dvis.download(vis.data(), vis.size() * 4);
+      int64_t visited = 0;
+      for (int32_t v : vis) visited += v;
+      const double visited_frac = double(visited) / double(int64_t(hq) * nb);
+      const double bytes = visited_frac * double(nb) * hkv * block_bytes;
+      std::printf(
+          "{\"device\": \"%s\", \"pool\": \"%s\", \"pool_bytes\": %zu, \"pull\": %.2f, "
+          "\"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
+          "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
+          "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
+          "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f}\n",
+          prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
+          static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
+          static_cast<long long>(host_visited[si]), static_cast<long long>(visited), dev_us,
+          host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps);
+    }
   }
   return 0;
 }

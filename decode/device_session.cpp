@@ -32,23 +32,50 @@ static_assert(kPsaAvgBlocks == kernels::kPsaRecentBlocks, "one psa-avg rule on h
 
 #if SF_HAVE_CUDA
 
+namespace {
+Result<kernels::PoolDType> pool_dtype(kvstore::KvEncoding e) {
+  switch (e) {
+    case kvstore::KvEncoding::kF32:
+      return kernels::PoolDType::kF32;
+    case kvstore::KvEncoding::kBF16:
+      return kernels::PoolDType::kBF16;
+    case kvstore::KvEncoding::kInt8:
+      return kernels::PoolDType::kInt8;
+    case kvstore::KvEncoding::kInt4:
+      break;
+  }
+  return SF_ERR(kUnsupported, std::string("device pool: the decode kernel reads f32, bf16 or int8 "
+                                          "blocks, not ") +
+                                  kvstore::kv_encoding_name(e));
+}
+}  // namespace
+
 struct DevicePagedPool::Impl {
   int n_layers = 0, hkv = 0, d = 0, max_pages = 0;
-  // k, v [blocks, 64, d]; kmin, kmax [blocks, d]; fill [blocks]; pages [layers, hkv, max_pages]
-  // and n_pages [layers, hkv].
-  kernels::cuda::DeviceBuffer k, v, kmin, kmax, fill, pages, n_pages;
+  kernels::PoolDType dtype = kernels::PoolDType::kF32;
+  // k, v [blocks, 64, d] of dtype; kmin, kmax [blocks, d]; fill [blocks]; pages [layers, hkv,
+  // max_pages] and n_pages [layers, hkv]. INT8: kscale, kzero [blocks, d], vscale, vzero
+  // [blocks, 64] (F16 bits) and kopen [layers, hkv, 64, d] F32.
+  kernels::cuda::DeviceBuffer k, v, kmin, kmax, fill, pages, n_pages, kscale, kzero, vscale, vzero,
+      kopen;
 };
 
-Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int reserve_tokens) {
+Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int reserve_tokens,
+                                                kvstore::KvEncoding enc) {
   if (reserve_tokens < 0) return SF_ERR(kOutOfRange, "device pool: reserve_tokens must be >= 0");
+  SF_ASSIGN(const kernels::PoolDType dt, pool_dtype(enc));
+  const int64_t L = cache.n_layers(), hkv = cache.n_kv_heads(), d = cache.head_dim(),
+                B = kBlockTokens;
+  if (dt != kernels::PoolDType::kF32 && d != 64 && d != 128)
+    return SF_ERR(kUnsupported, std::string("device pool: ") + kvstore::kv_encoding_name(enc) +
+                                    " blocks need head_dim 64 or 128, got " + std::to_string(d));
   DevicePagedPool pool;
   pool.impl_ = std::make_unique<Impl>();
   Impl& m = *pool.impl_;
-  const int64_t L = cache.n_layers(), hkv = cache.n_kv_heads(), d = cache.head_dim(),
-                B = kBlockTokens;
   m.n_layers = int(L);
   m.hkv = int(hkv);
   m.d = int(d);
+  m.dtype = dt;
   // Pages: each head's own, then enough reserved ones for reserve_tokens more tokens.
   int64_t most = 0;
   for (int l = 0; l < L; ++l)
@@ -66,8 +93,14 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
   m.max_pages = int(std::max<int64_t>(most, 1));
   const int64_t n_blocks = L * hkv * m.max_pages;
   if (n_blocks > INT32_MAX) return SF_ERR(kOutOfRange, "device pool: too many blocks");
-  std::vector<float> hk(size_t(n_blocks * B * d), 0.f), hv(hk.size(), 0.f),
-      hmin(size_t(n_blocks * d), 0.f), hmax(hmin.size(), 0.f);
+  const bool q8 = dt == kernels::PoolDType::kInt8;
+  const size_t esize = dt == kernels::PoolDType::kF32 ? 4 : dt == kernels::PoolDType::kBF16 ? 2 : 1;
+  const size_t row_bytes = esize * size_t(d), blk_bytes = row_bytes * size_t(B);
+  std::vector<uint8_t> hk(size_t(n_blocks) * blk_bytes, 0), hv(hk.size(), 0);
+  std::vector<float> hmin(size_t(n_blocks * d), 0.f), hmax(hmin.size(), 0.f);
+  std::vector<uint16_t> hks(q8 ? size_t(n_blocks * d) : 0, 0), hkz(hks.size(), 0),
+      hvs(q8 ? size_t(n_blocks * B) : 0, 0), hvz(hvs.size(), 0);
+  std::vector<float> hopen(q8 ? size_t(L * hkv * B * d) : 0, 0.f);
   std::vector<int32_t> hfill(size_t(n_blocks), 0), hpages(size_t(n_blocks), -1),
       hnp(size_t(L * hkv), 0);
   for (int l = 0; l < L; ++l)
@@ -80,8 +113,26 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
         hpages[size_t(blk)] = int32_t(blk);
         if (i >= int64_t(pg.size())) continue;
         const KvBlock& kb = cache.block(pg[size_t(i)]);
-        std::memcpy(hk.data() + blk * B * d, kb.k.data(), sizeof(float) * size_t(B * d));
-        std::memcpy(hv.data() + blk * B * d, kb.v.data(), sizeof(float) * size_t(B * d));
+        // Each block is one key group (kvstore/kv_quant.h): its int8 codes as loaded where it
+        // has them, else encoded as an export would be.
+        kvstore::EncodedRows ek, ev;
+        if (q8 && !kb.kq.data.empty()) {
+          ek = kb.kq;
+          ev = kb.vq;
+        } else {
+          SF_ASSIGN(ek, kvstore::kv_encode(enc, true, kb.k.data(), kb.n, int(d)));
+          SF_ASSIGN(ev, kvstore::kv_encode(enc, false, kb.v.data(), kb.n, int(d)));
+        }
+        std::memcpy(hk.data() + size_t(blk) * blk_bytes, ek.data.data(), ek.data.size());
+        std::memcpy(hv.data() + size_t(blk) * blk_bytes, ev.data.data(), ev.data.size());
+        if (q8) {
+          std::copy(ek.scale.begin(), ek.scale.end(), hks.begin() + blk * d);
+          std::copy(ek.zero.begin(), ek.zero.end(), hkz.begin() + blk * d);
+          std::copy(ev.scale.begin(), ev.scale.end(), hvs.begin() + blk * B);
+          std::copy(ev.zero.begin(), ev.zero.end(), hvz.begin() + blk * B);
+          if (i + 1 == int64_t(pg.size()))  // the block appends re-encode
+            std::copy(kb.k.begin(), kb.k.begin() + kb.n * d, hopen.begin() + lh * B * d);
+        }
         std::memcpy(hmin.data() + blk * d, kb.kmin.data(), sizeof(float) * size_t(d));
         std::memcpy(hmax.data() + blk * d, kb.kmax.data(), sizeof(float) * size_t(d));
         hfill[size_t(blk)] = kb.n;
@@ -89,6 +140,7 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
     }
   auto put = [](kernels::cuda::DeviceBuffer& b, const auto& host) -> Status {
     const size_t bytes = host.size() * sizeof(host[0]);
+    if (bytes == 0) return Status::ok();
     SF_TRY(b.alloc(bytes));
     return b.upload(host.data(), bytes);
   };
@@ -99,14 +151,27 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
   SF_TRY(put(m.fill, hfill));
   SF_TRY(put(m.pages, hpages));
   SF_TRY(put(m.n_pages, hnp));
+  SF_TRY(put(m.kscale, hks));
+  SF_TRY(put(m.kzero, hkz));
+  SF_TRY(put(m.vscale, hvs));
+  SF_TRY(put(m.vzero, hvz));
+  SF_TRY(put(m.kopen, hopen));
   return pool;
 }
 
 kernels::PagedKv DevicePagedPool::layer(int l) const {
   const Impl& m = *impl_;
   kernels::PagedKv kv;
-  kv.k = m.k.as<float>();
-  kv.v = m.v.as<float>();
+  kv.dtype = m.dtype;
+  kv.k = m.k.data();
+  kv.v = m.v.data();
+  if (m.dtype == kernels::PoolDType::kInt8) {
+    kv.kscale = m.kscale.as<uint16_t>();
+    kv.kzero = m.kzero.as<uint16_t>();
+    kv.vscale = m.vscale.as<uint16_t>();
+    kv.vzero = m.vzero.as<uint16_t>();
+    kv.kopen = m.kopen.as<float>() + int64_t(l) * m.hkv * kBlockTokens * m.d;
+  }
   kv.kmin = m.kmin.as<float>();
   kv.kmax = m.kmax.as<float>();
   kv.fill = m.fill.as<int32_t>();
@@ -121,7 +186,8 @@ kernels::PagedKv DevicePagedPool::layer(int l) const {
 size_t DevicePagedPool::bytes() const {
   const Impl& m = *impl_;
   return m.k.size() + m.v.size() + m.kmin.size() + m.kmax.size() + m.fill.size() + m.pages.size() +
-         m.n_pages.size();
+         m.n_pages.size() + m.kscale.size() + m.kzero.size() + m.vscale.size() + m.vzero.size() +
+         m.kopen.size();
 }
 
 struct DeviceDecodeSession::Impl {
@@ -172,7 +238,8 @@ struct DeviceDecodeSession::Impl {
 
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& dm,
                                                       const PagedKvCache& cache, int64_t next_pos,
-                                                      DecodeAttnParams p, int max_new_tokens) {
+                                                      DecodeAttnParams p, int max_new_tokens,
+                                                      kvstore::KvEncoding pool_enc) {
   const model::ModelConfig& c = dm.config();
   if (dm.slice().ways != 1)
     return SF_ERR(kUnsupported, "device decode: the model must be whole (no TP slice)");
@@ -207,7 +274,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   m.vocab = c.vocab;
   SF_CUDA_TRY(cudaSetDevice(dm.device()));
 
-  SF_ASSIGN(m.pool, DevicePagedPool::upload(cache, max_new_tokens));
+  SF_ASSIGN(m.pool, DevicePagedPool::upload(cache, max_new_tokens, pool_enc));
   const int64_t L = c.n_layers, hkv = c.n_kv_heads, d = c.head_dim;
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < hkv; ++h) {
@@ -326,7 +393,7 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
 #else  // !SF_HAVE_CUDA
 
 struct DevicePagedPool::Impl {};
-Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache&, int) {
+Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache&, int, kvstore::KvEncoding) {
   return SF_ERR(kUnsupported, "device pool: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 kernels::PagedKv DevicePagedPool::layer(int) const { return {}; }
@@ -339,7 +406,7 @@ struct DeviceDecodeSession::Impl {
 
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
                                                       const PagedKvCache&, int64_t,
-                                                      DecodeAttnParams, int) {
+                                                      DecodeAttnParams, int, kvstore::KvEncoding) {
   return SF_ERR(kUnsupported, "device decode: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 Status DeviceDecodeSession::step(int32_t, std::vector<float>*) {

@@ -25,9 +25,17 @@ namespace sf::decode {
 // append opens in turn. Upload is a setup step (synchronous copies). Every head's range is as
 // long as the longest head's, so a retention with uneven heads (adakv, moa) costs the device
 // memory of its longest head times the heads.
+//
+// enc: how the pool stores keys and values: f32 (as the cache holds them), bf16, or int8 (a
+// quarter of F32's bytes plus F16 scales and zeros: 1/8 for keys, 1/32 for values at d = 128);
+// int4 is kUnsupported (the kernel does not read it). Each block is encoded by kvstore's
+// kv_encode, so the pool attends over exactly PagedKvCache::round_trip(enc) of the cache; blocks
+// that carry int8 codes (from an int8 export, or round_trip(kInt8)) go up as they are, so such a
+// cache is attended over as loaded, not rounded twice.
 class DevicePagedPool {
  public:
-  static Result<DevicePagedPool> upload(const PagedKvCache& cache, int reserve_tokens);
+  static Result<DevicePagedPool> upload(const PagedKvCache& cache, int reserve_tokens,
+                                        kvstore::KvEncoding enc = kvstore::KvEncoding::kF32);
   DevicePagedPool();  // empty until assigned from upload()
   DevicePagedPool(DevicePagedPool&&) noexcept;
   DevicePagedPool& operator=(DevicePagedPool&&) noexcept;
@@ -46,8 +54,10 @@ kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p);
 class DeviceDecodeSession {
  public:
   // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected).
+  // pool_enc: the device pool's encoding (DevicePagedPool::upload).
   static Result<DeviceDecodeSession> open(const model::DeviceModel& dm, const PagedKvCache& cache,
-                                          int64_t next_pos, DecodeAttnParams p, int max_new_tokens);
+                                          int64_t next_pos, DecodeAttnParams p, int max_new_tokens,
+                                          kvstore::KvEncoding pool_enc = kvstore::KvEncoding::kF32);
   DeviceDecodeSession(DeviceDecodeSession&&) noexcept;
   DeviceDecodeSession& operator=(DeviceDecodeSession&&) noexcept;
   ~DeviceDecodeSession();

@@ -93,10 +93,10 @@ Status read_tensor(const SafetensorsFile& f, const std::string& name, const char
 }
 
 // Head j (of `heads` in the tensors named name + sfx) of a shard's K or V: its n rows read in
-// the export's encoding and decoded to F32.
+// the export's encoding and decoded to F32; int8: the rows as stored into *codes too.
 Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, const std::string& sfx,
                int64_t heads, int64_t j, int64_t n, int64_t hd, const std::string& where,
-               std::vector<float>* out) {
+               std::vector<float>* out, kvstore::EncodedRows* codes) {
   const std::string base = keys ? "key" : "value";
   const DType et = kvstore::kv_encoding_element(enc);
   const int64_t width = kvstore::kv_encoding_row_elems(enc, int(hd));
@@ -114,7 +114,17 @@ Status read_kv(const SafetensorsFile& f, kvstore::KvEncoding enc, bool keys, con
   out->resize(size_t(n * hd));
   const Status st = kvstore::kv_decode(enc, keys, rows, n, int(hd), out->data());
   if (!st.is_ok()) return corrupt(where, base + sfx + ": " + st.message());
+  if (enc == kvstore::KvEncoding::kInt8) *codes = std::move(rows);
   return Status::ok();
+}
+
+// Rows [r0, r1) of a head's int8 keys or values (key groups whole blocks of bs rows) appended.
+void append_codes(const kvstore::EncodedRows& src, bool keys, int64_t r0, int64_t r1, int64_t hd,
+                  int64_t bs, kvstore::EncodedRows* dst) {
+  dst->data.insert(dst->data.end(), src.data.begin() + r0 * hd, src.data.begin() + r1 * hd);
+  const int64_t p0 = keys ? r0 / bs * hd : r0, p1 = keys ? (r1 + bs - 1) / bs * hd : r1;
+  dst->scale.insert(dst->scale.end(), src.scale.begin() + p0, src.scale.begin() + p1);
+  dst->zero.insert(dst->zero.end(), src.zero.begin() + p0, src.zero.begin() + p1);
 }
 
 }  // namespace
@@ -379,6 +389,7 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   struct HeadData {
     std::vector<int32_t> positions;
     std::vector<float> k, v, kmin, kmax, kmean, imp;
+    kvstore::EncodedRows kq, vq;  // int8 exports
   };
   for (int64_t layer = 0; layer < nl; ++layer) {
     // Every shard of the layer: verified, then its heads read.
@@ -408,8 +419,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         // Uniform: head j of the shared key/value tensors; per head: its own key.hH/value.hH.
         const std::string kv_sfx = S.uniform ? "" : sfx;
         const int64_t heads = S.uniform ? hs : 1, jj = S.uniform ? j : 0;
-        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, where, &H.k));
-        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, where, &H.v));
+        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, where, &H.k, &H.kq));
+        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, where, &H.v, &H.vq));
         SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
         SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
         SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));
@@ -429,6 +440,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
         H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
         H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
+        if (enc == kvstore::KvEncoding::kInt8) {
+          append_codes(D.kq, true, r0, r1, hd, bs, &H.kq);
+          append_codes(D.vq, false, r0, r1, hd, bs, &H.vq);
+        }
         H.block_kmin.insert(H.block_kmin.end(), D.kmin.begin() + b0 * hd, D.kmin.begin() + b1 * hd);
         H.block_kmax.insert(H.block_kmax.end(), D.kmax.begin() + b0 * hd, D.kmax.begin() + b1 * hd);
         H.block_kmean.insert(H.block_kmean.end(), D.kmean.begin() + b0 * hd,

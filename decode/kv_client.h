@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kvstore/kv_quant.h"
 
 namespace sf::decode {
 
@@ -25,6 +26,9 @@ struct HeadKv {
   std::vector<float> k, v;                                 // [n, head_dim]
   std::vector<float> block_kmin, block_kmax, block_kmean;  // [n_blocks, head_dim]
   std::vector<float> block_importance;  // [n_blocks]; empty when the export had none
+  // int8 exports: the codes and F16 scales / zeros as stored (k and v are their decoding), for a
+  // consumer that keeps the encoding (decode::DevicePagedPool); empty for other encodings.
+  kvstore::EncodedRows kq, vq;
 };
 
 struct KvExport {

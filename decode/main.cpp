@@ -2,7 +2,9 @@
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
 //   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
 //                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS]
-//                     [--reference]
+//                     [--pool-dtype f32|bf16|int8] [--reference]
+// --pool-dtype: how the device block pool stores K/V (decode/device_session.h); int8 holds a
+// quarter of F32's bytes and reads that much less per step. Device only.
 // --reference also runs the dense prefill + greedy continuation of the manifest's prompt and
 // reports how many tokens match. Process edge: errors become one line and exit code 1.
 #include <chrono>
@@ -30,7 +32,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
                "full|psa:EPS|psa-avg:EPS|psa-strict:EPS]\n"
-               "                         [--device auto|cpu|cuda]\n"
+               "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
                "                         [--reference]\n");
 }
 
@@ -52,7 +54,8 @@ int run(int argc, char** argv) {
       a["reference"] = "1";
       continue;
     }
-    if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device") {
+    if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device" &&
+        k != "--pool-dtype") {
       usage();
       return fail(SF_ERR(kInvalidArgument, "unknown option '" + k + "'"));
     }
@@ -74,6 +77,12 @@ int run(int argc, char** argv) {
   const std::string dev = a.count("device") ? a["device"] : "auto";
   if (dev != "auto" && dev != "cpu" && dev != "cuda")
     return fail(SF_ERR(kInvalidArgument, "--device '" + dev + "' is not auto, cpu or cuda"));
+  auto pool_enc = sf::kvstore::kv_encoding_parse(a.count("pool-dtype") ? a["pool-dtype"] : "f32");
+  if (!pool_enc.is_ok()) return fail(pool_enc.status());
+  if (pool_enc.value() == sf::kvstore::KvEncoding::kInt4)
+    return fail(SF_ERR(kInvalidArgument, "--pool-dtype takes f32, bf16 or int8"));
+  if (dev == "cpu" && pool_enc.value() != sf::kvstore::KvEncoding::kF32)
+    return fail(SF_ERR(kInvalidArgument, "--pool-dtype is the device pool's; the cpu decodes F32"));
   // auto: the GPU when this build and machine have one.
   const bool on_gpu = dev == "cuda" || (dev == "auto" && sf::model::cuda_device_check(0).is_ok());
   auto ap = sf::decode::decode_attn_parse(a.count("attention") ? a["attention"] : "full");
@@ -96,8 +105,8 @@ int run(int argc, char** argv) {
     auto up = sf::model::DeviceModel::upload(m, sf::DType::kF32);
     if (!up.is_ok()) return fail(up.status());
     dm.emplace(std::move(up).value());
-    auto op =
-        sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(), n_new);
+    auto op = sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(),
+                                                    n_new, pool_enc.value());
     if (op.is_ok()) {
       ds.emplace(std::move(op).value());
     } else if (dev == "auto" && op.status().code() == sf::Code::kUnsupported) {
@@ -125,6 +134,9 @@ int run(int argc, char** argv) {
               std::chrono::duration<double>(t1 - t0).count(), n_new,
               gpu ? dm->device_name().c_str() : "cpu",
               std::chrono::duration<double>(t2 - t1).count());
+  if (gpu)
+    std::printf("device pool: %s, %.1f MiB\n", sf::kvstore::kv_encoding_name(pool_enc.value()),
+                double(ds->pool_bytes()) / (1 << 20));
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",
               st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0);

@@ -14,6 +14,16 @@ void to_interleaved(const float* src, int d, float* dst) {
   }
 }
 
+// The same, in place, for any element type (int8 codes, F16 scales and zeros).
+template <typename T>
+void to_interleaved(T* row, int d) {
+  std::vector<T> tmp(row, row + d);
+  for (int c = 0; c < d / 2; ++c) {
+    row[2 * c] = tmp[size_t(c)];
+    row[2 * c + 1] = tmp[size_t(c + d / 2)];
+  }
+}
+
 }  // namespace
 
 int32_t PagedKvCache::new_block() {
@@ -58,6 +68,20 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
             std::copy(kr, kr + d, B.k.begin() + t * d);
           std::copy(H.v.begin() + src * d, H.v.begin() + (src + 1) * d, B.v.begin() + t * d);
         }
+        if (!H.kq.data.empty()) {  // int8: the codes as stored, in the model's channel order
+          const int64_t r0 = b * kBlockTokens, r1 = r0 + B.n;
+          B.kq.data.assign(H.kq.data.begin() + r0 * d, H.kq.data.begin() + r1 * d);
+          B.kq.scale.assign(H.kq.scale.begin() + b * d, H.kq.scale.begin() + (b + 1) * d);
+          B.kq.zero.assign(H.kq.zero.begin() + b * d, H.kq.zero.begin() + (b + 1) * d);
+          B.vq.data.assign(H.vq.data.begin() + r0 * d, H.vq.data.begin() + r1 * d);
+          B.vq.scale.assign(H.vq.scale.begin() + r0, H.vq.scale.begin() + r1);
+          B.vq.zero.assign(H.vq.zero.begin() + r0, H.vq.zero.begin() + r1);
+          if (keys_interleaved) {
+            for (int32_t t = 0; t < B.n; ++t) to_interleaved(B.kq.data.data() + t * d, d);
+            to_interleaved(B.kq.scale.data(), d);
+            to_interleaved(B.kq.zero.data(), d);
+          }
+        }
         // The export's block metadata, in the model's channel order.
         const float* mn = H.block_kmin.data() + b * d;
         const float* mx = H.block_kmax.data() + b * d;
@@ -95,11 +119,25 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
         c.append(l, h, p, kv.k[size_t(l)].data() + off, kv.v[size_t(l)].data() + off);
       }
   // Every page but a head's last is a full block, so the pages are the export's key groups.
-  for (KvBlock& B : c.pool_) {
-    SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
-    SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
-  }
+  SF_TRY(c.round_trip(enc));
   return c;
+}
+
+Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
+  const int d = head_dim_;
+  for (KvBlock& B : pool_) {
+    if (enc != kvstore::KvEncoding::kInt8) {
+      SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
+      SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
+      B.kq = B.vq = kvstore::EncodedRows{};
+      continue;
+    }
+    SF_ASSIGN(B.kq, kvstore::kv_encode(enc, true, B.k.data(), B.n, d));
+    SF_ASSIGN(B.vq, kvstore::kv_encode(enc, false, B.v.data(), B.n, d));
+    SF_TRY(kvstore::kv_decode(enc, true, B.kq, B.n, d, B.k.data()));
+    SF_TRY(kvstore::kv_decode(enc, false, B.vq, B.n, d, B.v.data()));
+  }
+  return Status::ok();
 }
 
 int64_t PagedKvCache::n_tokens(int layer, int head) const {
@@ -114,6 +152,7 @@ void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, cons
   KvBlock& B = pool_[size_t(pages.back())];
   const int d = head_dim_;
   const int32_t t = B.n++;
+  B.kq = B.vq = kvstore::EncodedRows{};  // no longer the block's encoding
   B.pos[size_t(t)] = pos;
   std::copy(k, k + d, B.k.begin() + t * d);
   std::copy(v, v + d, B.v.begin() + t * d);

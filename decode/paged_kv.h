@@ -21,6 +21,9 @@ struct KvBlock {
   std::vector<int32_t> pos;       // [kBlockTokens]
   std::vector<float> k, v;        // [kBlockTokens, head_dim]
   std::vector<float> kmin, kmax;  // [head_dim] over the filled tokens
+  // The block's int8 codes (one key group, a value group per row) when k and v are their
+  // decoding: a block of an int8 export, or of round_trip(kInt8). An append clears them.
+  kvstore::EncodedRows kq, vq;
 };
 
 class PagedKvCache {
@@ -36,6 +39,11 @@ class PagedKvCache {
   // as the export's metadata does.
   static Result<PagedKvCache> from_prefill(const model::KvCache& kv, const kvstore::Retention& r,
                                            kvstore::KvEncoding enc = kvstore::KvEncoding::kF32);
+
+  // Every block's keys and values replaced by kv_round_trip in `enc` (keys per block, values
+  // per row), the block min/max kept: what a pool storing that encoding attends over, which is
+  // also what a device pool in INT8 or BF16 holds (DevicePagedPool encodes each block so).
+  Status round_trip(kvstore::KvEncoding enc);
 
   int n_layers() const { return n_layers_; }
   int n_kv_heads() const { return n_kv_heads_; }

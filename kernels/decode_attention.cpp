@@ -17,6 +17,11 @@ Status check_pool(const char* op, const PagedKv& kv, Stream s) {
   };
   if (!kv.k || !kv.v || !kv.kmin || !kv.kmax || !kv.fill || !kv.pages || !kv.n_pages)
     return bad("the block pool has a null array");
+  if (kv.dtype == PoolDType::kInt8 &&
+      (!kv.kscale || !kv.kzero || !kv.vscale || !kv.vzero || !kv.kopen))
+    return bad("an INT8 pool needs its scales, zeros and last-block keys");
+  if (kv.dtype != PoolDType::kF32 && kv.dtype != PoolDType::kBF16 && kv.dtype != PoolDType::kInt8)
+    return bad("unknown pool element type");
   if (kv.n_kv_heads <= 0 || kv.head_dim <= 0)
     return bad("n_kv_heads and head_dim must be positive");
   if (kv.max_pages <= 0 || kv.max_pages > kDecodeMaxPages)

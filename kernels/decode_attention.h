@@ -3,11 +3,19 @@
 // by one token per KV head. The host reference is decode/decode_attention.cpp (the same rules on
 // decode::PagedKvCache); these are its CUDA counterparts for a decode node with a GPU.
 //
-// Pool layout (all device memory, F32): block b holds up to kDecodeBlockTokens keys and values,
-// k/v [n_blocks, kDecodeBlockTokens, head_dim], their per-channel min/max kmin/kmax
-// [n_blocks, head_dim] and its fill count fill[n_blocks]. A KV head's blocks, in position order,
-// are pages[head * max_pages + i] for i < n_pages[head]; pages past n_pages are reserved blocks
-// the append opens in turn (no host involvement, so a decode step can be captured in a graph).
+// Pool layout (all device memory): block b holds up to kDecodeBlockTokens keys and values,
+// k/v [n_blocks, kDecodeBlockTokens, head_dim] in the pool's element type, their per-channel
+// min/max kmin/kmax [n_blocks, head_dim] (F32) and its fill count fill[n_blocks]. A KV head's
+// blocks, in position order, are pages[head * max_pages + i] for i < n_pages[head]; pages past
+// n_pages are reserved blocks the append opens in turn (no host involvement, so a decode step can
+// be captured in a graph).
+//
+// Element types: F32; BF16; INT8, the KIVI layout of kvstore/kv_quant.h (one rule on host and
+// device): keys as codes per channel over each block (F16 scale and zero per block and channel),
+// values per token (F16 scale and zero per row), x ~= zero + code * scale. An INT8 pool also
+// keeps the F32 keys of each head's last block (kopen): an append changes that block's channel
+// ranges, so it re-encodes the block from them, and the codes are always those of kv_encode on
+// the block's F32 keys.
 #pragma once
 #include <cstdint>
 
@@ -21,8 +29,15 @@ inline constexpr int kDecodeBlockTokens = 64;
 inline constexpr int kDecodeMaxPages = 4096;
 inline constexpr int kPsaRecentBlocks = 4;  // psa-avg: ranked blocks the unseen mass is averaged on
 
+enum class PoolDType : uint8_t { kF32 = 0, kBF16, kInt8 };
+
 struct PagedKv {
-  float *k = nullptr, *v = nullptr, *kmin = nullptr, *kmax = nullptr;
+  PoolDType dtype = PoolDType::kF32;
+  void *k = nullptr, *v = nullptr;  // elements of dtype (INT8: codes)
+  float *kmin = nullptr, *kmax = nullptr;
+  uint16_t *kscale = nullptr, *kzero = nullptr;  // INT8: F16 bits [n_blocks, head_dim]
+  uint16_t *vscale = nullptr, *vzero = nullptr;  // INT8: F16 bits [n_blocks, kDecodeBlockTokens]
+  float* kopen = nullptr;  // INT8: [n_kv_heads, kDecodeBlockTokens, head_dim], last block's keys
   int32_t *fill = nullptr, *pages = nullptr, *n_pages = nullptr;
   int n_kv_heads = 0, head_dim = 0, max_pages = 0;
 };
@@ -42,13 +57,16 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv);
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32
 // blocks visited per query head (may be null); workspace: paged_decode_workspace_bytes of device
 // memory. Query head h reads KV head h / (n_heads / n_kv_heads). Device only, head_dim 32, 64 or
-// 128: anything else gets kUnsupported (the host path is decode::decode_attention).
+// 128 (BF16 and INT8 pools: 64 or 128): anything else gets kUnsupported (the host path is
+// decode::decode_attention).
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
                               void* workspace, size_t workspace_bytes, Stream s);
 
 // Appends one token per KV head: k_new, v_new [n_kv_heads, head_dim] F32. Fills each head's last
-// block, opening its next reserved page when the block is full; keeps kmin/kmax exact. The caller
+// block, opening its next reserved page when the block is full; keeps kmin/kmax exact (and, INT8,
+// re-encodes the block's keys with its new channel ranges and encodes the value row). A value F16
+// cannot hold gives an infinite or NaN group: the device cannot report it. The caller
 // reserves the pages (decode::DevicePagedPool::upload) and never appends past them: the device
 // cannot report it, and such a token would be dropped.
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s);

@@ -24,6 +24,9 @@
 #   SF_TESTS       0: skip the gpu tests (a second benchmark call on a host whose build they
 #                  already passed; the summary says they did not run)
 #   SF_GPU_TEST_TIMEOUT  seconds per gpu test (default 1200)
+#   SF_DECODE      token counts for sf_bench_decode (e.g. "32768 131072"): the decode kernel
+#                  per pool encoding (SF_DECODE_POOLS, default f32,bf16,int8) and mode, one JSON
+#                  line each into decode-<gpu>.jsonl
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -350,6 +353,21 @@ PY
   echo "--- done ($(date -u))" >>"$bl"
   [[ -n "$mon_pid" ]] && kill "$mon_pid" 2>/dev/null
   notes+=("$(grep -E '^(device|  dense|  [a-z-]+\(|sdpa )' "$bl" | head -30)")
+fi
+
+# ---- decode attention (sf_bench_decode): the device kernel per pool encoding and mode ---------
+if [[ -n "${SF_DECODE:-}" ]]; then
+  dgpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+         tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+  dj="$out/decode-${dgpu:-unknown-gpu}.jsonl"
+  : >"$dj"
+  for n in $SF_DECODE; do
+    if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" 32 8 128 0.15 \
+         "${SF_DECODE_POOLS:-f32,bf16,int8}" >>"$dj" 2>>"$logs/build.log"; then
+      fail "sf_bench_decode $n failed (its stderr is at the end of build.log)"
+    fi
+  done
+  notes+=("$(cut -c1-300 "$dj" | head -18)")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

@@ -9,6 +9,9 @@
 // partials a lane holds are reduce-scattered across the row's lanes (31 shuffles for D = 128),
 // leaving one score per lane; the values are read the same way and weighted by the exps
 // shuffled from the lanes that hold them. No shared memory, many loads in flight per warp.
+// BF16 and INT8 pools load 8 or 4 bytes a lane for the same quad. INT8 folds the key scales into
+// the query (q_c s_c against the codes, plus sum_c q_c z_c per block) and the value scale and
+// zero into the row's weight, so a code is converted once and no F32 row is formed.
 //   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 6 CTAs
 //         per SM); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
@@ -23,6 +26,8 @@
 //         discarded, so the visit set is the host's and at most 63 blocks' reads are wasted per
 //         query head.
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -80,15 +85,50 @@ __device__ __forceinline__ float4 ld4(const float* p) {
   return __ldg(reinterpret_cast<const float4*>(p));
 }
 
-// One warp, one block of n (<= 64) keys for one query: q4 is this lane's channel quad of the
+// F16 bits to float, four at a time (8-byte aligned).
+__device__ __forceinline__ float f16f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float4 ld_f16x4(const uint16_t* p) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+  return make_float4(f16f(uint16_t(u.x)), f16f(uint16_t(u.x >> 16)), f16f(uint16_t(u.y)),
+                     f16f(uint16_t(u.y >> 16)));
+}
+
+// Elements idx .. idx + 3 of a pool array (idx a multiple of 4) as floats; INT8: the codes.
+template <PoolDType T>
+__device__ __forceinline__ float4 ld_elems4(const void* base, int64_t idx) {
+  if constexpr (T == PoolDType::kF32) {
+    return ld4(static_cast<const float*>(base) + idx);
+  } else if constexpr (T == PoolDType::kBF16) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + idx));
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+  } else {
+    const unsigned u =
+        __ldg(reinterpret_cast<const unsigned*>(static_cast<const uint8_t*>(base) + idx));
+    return make_float4(float(u & 0xffu), float((u >> 8) & 0xffu), float((u >> 16) & 0xffu),
+                       float(u >> 24));
+  }
+}
+
+// One warp, block blk (n <= 64 keys) for one query: q4 is this lane's channel quad of the
 // query. Returns the block max bm of the scaled scores, mass = sum_t exp(s_t - bm) (double) and
 // o4 = sum_t exp(s_t - bm) v_t on this lane's quad (the same in every lane of a quad).
-template <int D>
-__device__ __forceinline__ void warp_block(float4 q4, const float* kb, const float* vb, int n,
+template <int D, PoolDType T>
+__device__ __forceinline__ void warp_block(float4 q4, const PagedKv& kv, int64_t blk, int n,
                                            float scale, float* bm, double* mass, float4* o4) {
   constexpr int LPR = D / 4;     // lanes per key row
   constexpr int RPL = 32 / LPR;  // rows per warp load
   const int lane = threadIdx.x & 31, quad = lane % LPR, sub = lane / LPR;
+  const int64_t row0 = blk * kBT;
+  // INT8 keys: q . (z + code * s) = (q * s) . code + q . z, per channel of this block.
+  float4 qk = q4;
+  float bias = 0.f;
+  if constexpr (T == PoolDType::kInt8) {
+    const float4 ks = ld_f16x4(kv.kscale + blk * D + 4 * quad);
+    const float4 kz = ld_f16x4(kv.kzero + blk * D + 4 * quad);
+    qk = make_float4(q4.x * ks.x, q4.y * ks.y, q4.z * ks.z, q4.w * ks.w);
+    bias = q4.x * kz.x + q4.y * kz.y + q4.z * kz.z + q4.w * kz.w;
+  }
   float s[2];
 #pragma unroll
   for (int round = 0; round < 2; ++round) {
@@ -97,8 +137,8 @@ __device__ __forceinline__ void warp_block(float4 q4, const float* kb, const flo
     for (int j = 0; j < LPR; ++j) {
       const int row = round * 32 + j * RPL + sub;
       float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (row < n) k4 = ld4(kb + row * D + 4 * quad);
-      v[j] = q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+      if (row < n) k4 = ld_elems4<T>(kv.k, (row0 + row) * D + 4 * quad);
+      v[j] = qk.x * k4.x + qk.y * k4.y + qk.z * k4.z + qk.w * k4.w + bias;
     }
     // Reduce-scatter over the LPR lanes of a row: afterwards lane quad holds row j = quad's sum.
     reduce_scatter<LPR / 2>(v, lane);
@@ -119,13 +159,18 @@ __device__ __forceinline__ void warp_block(float4 q4, const float* kb, const flo
     const int row = j * RPL + sub;  // this lane's value row; rows j*RPL.. share one round
     const int r = row & 31;
     const int src = (r % RPL) * LPR + r / RPL;  // the lane that holds row's exp
-    const float w = __shfl_sync(kAll, (j * RPL) < 32 ? e[0] : e[1], src);
+    float w = __shfl_sync(kAll, (j * RPL) < 32 ? e[0] : e[1], src);
     if (row < n) {
-      const float4 v4 = ld4(vb + row * D + 4 * quad);
-      acc.x += w * v4.x;
-      acc.y += w * v4.y;
-      acc.z += w * v4.z;
-      acc.w += w * v4.w;
+      const float4 v4 = ld_elems4<T>(kv.v, (row0 + row) * D + 4 * quad);
+      float add = 0.f;  // INT8 values: w (z + code s) = (w s) code + w z
+      if constexpr (T == PoolDType::kInt8) {
+        add = w * f16f(__ldg(kv.vzero + row0 + row));
+        w *= f16f(__ldg(kv.vscale + row0 + row));
+      }
+      acc.x += w * v4.x + add;
+      acc.y += w * v4.y + add;
+      acc.z += w * v4.z + add;
+      acc.w += w * v4.w + add;
     }
   }
 #pragma unroll
@@ -157,7 +202,7 @@ __device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m,
 
 // Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
 // KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
-template <int D>
+template <int D, PoolDType T>
 __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
   __shared__ float sm_m[kFullWarps];
@@ -181,7 +226,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
     float bm;
     double mass;
     float4 ob;
-    warp_block<D>(q4, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, &bm, &mass, &ob);
+    warp_block<D, T>(q4, a.kv, blk, n, a.scale, &bm, &mass, &ob);
     fold(bm, mass, ob, &m, &l, &o);
   }
   if (lane < LPR) sm_o[warp][lane] = o;
@@ -267,7 +312,7 @@ struct PsaShared {
 // ranks the head's blocks itself (the same order everywhere), then every batch takes kPsaBatch
 // ranked blocks, a warp each across the cluster; the leader (rank 0) reads the results through
 // distributed shared memory, applies the stop rule and merges the outputs.
-template <int D>
+template <int D, PoolDType T>
 __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps * 32)
     psa_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
@@ -343,9 +388,7 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       float bm = -INFINITY;
       double mass = 0;
       float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (n > 0)
-        warp_block<D>(q4, a.kv.k + blk * kBT * D, a.kv.v + blk * kBT * D, n, a.scale, &bm, &mass,
-                      &ob);
+      if (n > 0) warp_block<D, T>(q4, a.kv, blk, n, a.scale, &bm, &mass, &ob);
       if (lane < LPR) wo[warp][lane] = ob;
       if (lane == 0) ps.bm[warp] = bm, ps.mass[warp] = mass, ps.n[warp] = n;
     }
@@ -519,13 +562,44 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
   }
 }
 
+// kvstore/kv_quant.cpp's group rule on the device, for 255 levels: the zero is the F16 of the
+// minimum rounded down, the scale the F16 of (max - zero) / 255 rounded up, and a code is
+// (x - zero) / scale rounded to nearest even, in [0, 255]. Bit-level neighbours as on the host.
+__device__ __forceinline__ uint16_t f16_toward(float x, bool up) {
+  uint16_t h = __half_as_ushort(__float2half_rn(x));
+  const float r = f16f(h);
+  if (!up && r > x) h = h == 0x0000 ? 0x8001 : (h & 0x8000) ? h + 1 : h - 1;
+  if (up && r < x) h = h == 0x8000 ? 0x0001 : (h & 0x8000) ? h - 1 : h + 1;
+  return h;
+}
+struct QuantGroup {
+  uint16_t zh, sh;
+  float z, s;
+};
+__device__ __forceinline__ QuantGroup quant_group(float mn, float mx) {
+  QuantGroup g;
+  g.zh = f16_toward(mn, false);
+  g.z = f16f(g.zh);
+  g.sh = f16_toward(fmaxf(0.f, mx - g.z) / 255.f, true);
+  g.s = f16f(g.sh);
+  return g;
+}
+__device__ __forceinline__ uint8_t quant_code(float x, const QuantGroup& g) {
+  const int q = g.s > 0.f ? __float2int_rn((x - g.z) / g.s) : 0;
+  return uint8_t(min(max(q, 0), 255));
+}
+
 // One new token per KV head (one CTA each): thread 0 opens the next reserved page when the last
 // block is full (or the head has none yet); then thread c writes channel c of the row and folds
-// it into kmin/kmax.
+// it into kmin/kmax. INT8: the key row goes to the head's kopen, the value row is encoded (its
+// min and max reduced over the CTA), then each channel of the block's keys is re-encoded over
+// the filled rows.
+template <PoolDType T>
 __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new) {
   const int g = blockIdx.x, d = kv.head_dim;
   __shared__ int64_t blk_s;
   __shared__ int slot_s;
+  __shared__ float red[2][32];
   if (threadIdx.x == 0) {
     int np = kv.n_pages[g];
     int32_t* pages = kv.pages + int64_t(g) * kv.max_pages;
@@ -546,14 +620,55 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
   const int64_t blk = blk_s;
   if (blk < 0) return;
   const int slot = slot_s;
+  const int64_t row = (blk * kBT + slot) * d;
+  float vmn = INFINITY, vmx = -INFINITY;
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    const float kc = k_new[int64_t(g) * d + c];
-    kv.k[(blk * kBT + slot) * d + c] = kc;
-    kv.v[(blk * kBT + slot) * d + c] = v_new[int64_t(g) * d + c];
+    const float kc = k_new[int64_t(g) * d + c], vc = v_new[int64_t(g) * d + c];
+    if constexpr (T == PoolDType::kF32) {
+      static_cast<float*>(kv.k)[row + c] = kc;
+      static_cast<float*>(kv.v)[row + c] = vc;
+    } else if constexpr (T == PoolDType::kBF16) {
+      static_cast<__nv_bfloat16*>(kv.k)[row + c] = __float2bfloat16_rn(kc);
+      static_cast<__nv_bfloat16*>(kv.v)[row + c] = __float2bfloat16_rn(vc);
+    } else {
+      kv.kopen[(int64_t(g) * kBT + slot) * d + c] = kc;
+      vmn = fminf(vmn, vc);
+      vmx = fmaxf(vmx, vc);
+    }
     float& lo = kv.kmin[blk * d + c];
     float& hi = kv.kmax[blk * d + c];
     lo = slot == 0 ? kc : fminf(lo, kc);
     hi = slot == 0 ? kc : fmaxf(hi, kc);
+  }
+  if constexpr (T == PoolDType::kInt8) {
+    for (int o = 16; o >= 1; o >>= 1) {
+      vmn = fminf(vmn, __shfl_xor_sync(kAll, vmn, o));
+      vmx = fmaxf(vmx, __shfl_xor_sync(kAll, vmx, o));
+    }
+    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if ((threadIdx.x & 31) == 0) red[0][warp] = vmn, red[1][warp] = vmx;
+    __syncthreads();  // also orders the kopen row before the key pass below
+    vmn = red[0][0];
+    vmx = red[1][0];
+    for (int w = 1; w < nw; ++w) vmn = fminf(vmn, red[0][w]), vmx = fmaxf(vmx, red[1][w]);
+    const QuantGroup vg = quant_group(vmn, vmx);
+    if (threadIdx.x == 0) {
+      kv.vzero[blk * kBT + slot] = vg.zh;
+      kv.vscale[blk * kBT + slot] = vg.sh;
+    }
+    uint8_t* k8 = static_cast<uint8_t*>(kv.k);
+    uint8_t* v8 = static_cast<uint8_t*>(kv.v);
+    const float* open = kv.kopen + int64_t(g) * kBT * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+      v8[row + c] = quant_code(v_new[int64_t(g) * d + c], vg);
+      float mn = open[c], mx = mn;
+      for (int r = 1; r <= slot; ++r)
+        mn = fminf(mn, open[r * d + c]), mx = fmaxf(mx, open[r * d + c]);
+      const QuantGroup kg = quant_group(mn, mx);
+      kv.kzero[blk * d + c] = kg.zh;
+      kv.kscale[blk * d + c] = kg.sh;
+      for (int r = 0; r <= slot; ++r) k8[(blk * kBT + r) * d + c] = quant_code(open[r * d + c], kg);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) kv.fill[blk] = slot + 1;
@@ -589,22 +704,44 @@ size_t psa_smem_bytes(int max_pages) {
   return (sizeof(float) + sizeof(int)) * size_t(np2);
 }
 
-template <int D>
+template <int D, PoolDType T>
 Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
   if (psa) {
     static std::atomic<uint64_t> opted{0};
-    SF_CUDA_TRY(opt_in_smem(psa_kernel<D>, psa_smem_bytes(kDecodeMaxPages), opted));
-    psa_kernel<D><<<unsigned(a.n_heads * kPsaCluster), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(a);
+    SF_CUDA_TRY(opt_in_smem(psa_kernel<D, T>, psa_smem_bytes(kDecodeMaxPages), opted));
+    psa_kernel<D, T>
+        <<<unsigned(a.n_heads * kPsaCluster), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(
+            a);
     SF_CUDA_TRY(cudaGetLastError());
     return Status::ok();
   }
-  full_kernel<D><<<unsigned(a.n_heads * a.splits), kFullWarps * 32, 0, st>>>(a);
+  full_kernel<D, T><<<unsigned(a.n_heads * a.splits), kFullWarps * 32, 0, st>>>(a);
   SF_CUDA_TRY(cudaGetLastError());
   if (a.splits > 1) {
     merge_kernel<D><<<unsigned(a.n_heads), D / 4, 0, st>>>(a);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
+}
+
+// The element type's instantiations: F32 at every head_dim, BF16 and INT8 at 64 and 128 (the
+// models served; fewer nvcc instantiations).
+template <int D>
+Status launch_dtype(const DecodeArgs& a, bool psa, cudaStream_t st) {
+  switch (a.kv.dtype) {
+    case PoolDType::kF32:
+      return launch<D, PoolDType::kF32>(a, psa, st);
+    case PoolDType::kBF16:
+      if constexpr (D != 32) return launch<D, PoolDType::kBF16>(a, psa, st);
+      break;
+    case PoolDType::kInt8:
+      if constexpr (D != 32) return launch<D, PoolDType::kInt8>(a, psa, st);
+      break;
+  }
+  return SF_ERR(kUnsupported,
+                "paged_decode_attention: BF16 and INT8 pools take head_dim 64 or "
+                "128, got " +
+                    std::to_string(D));
 }
 
 }  // namespace
@@ -643,16 +780,30 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   }
   const auto st = static_cast<cudaStream_t>(stream);
   switch (kv.head_dim) {
-    case 32: return launch<32>(a, p.psa, st);
-    case 64: return launch<64>(a, p.psa, st);
-    case 128: return launch<128>(a, p.psa, st);
+    case 32:
+      return launch_dtype<32>(a, p.psa, st);
+    case 64:
+      return launch_dtype<64>(a, p.psa, st);
+    case 128:
+      return launch_dtype<128>(a, p.psa, st);
     default: return SF_ERR(kInternal, "paged_decode_attention: head_dim not dispatched");
   }
 }
 
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream) {
-  paged_append_kernel<<<unsigned(kv.n_kv_heads), 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      kv, k_new, v_new);
+  const auto st = static_cast<cudaStream_t>(stream);
+  const unsigned grid = unsigned(kv.n_kv_heads);
+  switch (kv.dtype) {
+    case PoolDType::kF32:
+      paged_append_kernel<PoolDType::kF32><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      break;
+    case PoolDType::kBF16:
+      paged_append_kernel<PoolDType::kBF16><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      break;
+    case PoolDType::kInt8:
+      paged_append_kernel<PoolDType::kInt8><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      break;
+  }
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

@@ -2,6 +2,7 @@
 // kernel follows the host's rules (same visits, outputs to float rounding) in every attention
 // mode, the device append grows the pool as the host cache grows, and the device session decodes
 // what the CPU session decodes. Every test skips ("no CUDA device: ...") without a device.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -76,8 +77,9 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
 }
 
 // The device kernel's output and visits for one mode, against the host's on the same cache.
+// tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
-                         const std::vector<float>& q, const std::string& spec) {
+                         const std::vector<float>& q, const std::string& spec, double tol = 1e-5) {
   const int hq = int(q.size()) / cache.head_dim();
   auto p = decode::decode_attn_parse(spec);
   ASSERT_TRUE(p.is_ok());
@@ -116,7 +118,7 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     ASSERT_TRUE(std::isfinite(got[i])) << spec << " element " << i;
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
   }
-  EXPECT_LT(worst, 1e-5) << spec;
+  EXPECT_LT(worst, tol) << spec;
   std::printf("d %3d %-14s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
               spec.c_str(), static_cast<long long>(visited),
               static_cast<long long>(hs.blocks_total), worst);
@@ -205,6 +207,126 @@ TEST_F(DeviceDecode, AppendGrowsThePoolAsTheHostCacheGrows) {
   append_both(p, pool.value(), n0, n_new, seed + 1, 0.3f, 2.f);
   EXPECT_EQ(p.cache.pages(0, 0).size(), size_t((n0 + n_new + 63) / 64));
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
+// BF16 and INT8 pools: the kernel attends over exactly what the host attends over after the
+// cache's round trip through that encoding (PagedKvCache::round_trip), by the same rules. INT8
+// sums a key as (q * scale) . code + q . zero, not q . (zero + code * scale): the two differ by
+// the rounding of q . zero, which for these keys (zeros near -1, |q . zero| up to ~30) is a few
+// 1e-6 of a score, so outputs are held to 1e-4 instead of F32's 1e-5.
+constexpr double kEncodedTol = 1e-4;
+
+TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
+  const uint64_t seed = testing::fresh_seed();
+  for (int d : {64, 128})
+    for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
+      Planted p = planted(64 * 37 + 20, seed + uint64_t(d), /*uneven=*/true, d);
+      auto pool = decode::DevicePagedPool::upload(p.cache, 0, enc);
+      ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+      ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
+      std::printf("%s pool, %zu bytes\n", kvstore::kv_encoding_name(enc), pool->bytes());
+      for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m, kEncodedTol);
+    }
+}
+
+// What the device pool holds for block i of KV head g (layer 0), downloaded.
+struct PoolBlock {
+  std::vector<uint8_t> k, v;
+  std::vector<uint16_t> ks, kz, vs, vz;
+};
+PoolBlock download_block(const decode::DevicePagedPool& pool, int g, int i) {
+  const kernels::PagedKv kv = pool.layer(0);
+  const int d = kv.head_dim, B = kernels::kDecodeBlockTokens;
+  int32_t blk = -1;
+  EXPECT_EQ(cudaMemcpy(&blk, kv.pages + int64_t(g) * kv.max_pages + i, 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  const size_t es = kv.dtype == kernels::PoolDType::kBF16 ? 2 : 1;
+  PoolBlock b;
+  auto get = [](auto* dst, size_t n, const auto* src, int64_t off) {
+    dst->resize(n);
+    EXPECT_EQ(cudaMemcpy(dst->data(), src + off, n * sizeof((*dst)[0]), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  };
+  get(&b.k, size_t(B * d) * es, static_cast<const uint8_t*>(kv.k), int64_t(blk) * B * d * es);
+  get(&b.v, size_t(B * d) * es, static_cast<const uint8_t*>(kv.v), int64_t(blk) * B * d * es);
+  if (kv.dtype == kernels::PoolDType::kInt8) {
+    get(&b.ks, size_t(d), kv.kscale, int64_t(blk) * d);
+    get(&b.kz, size_t(d), kv.kzero, int64_t(blk) * d);
+    get(&b.vs, size_t(B), kv.vscale, int64_t(blk) * B);
+    get(&b.vz, size_t(B), kv.vzero, int64_t(blk) * B);
+  }
+  return b;
+}
+
+// Appends into BF16 and INT8 pools across block boundaries: every block the device wrote holds
+// bit for bit what kvstore's encoder gives for the host cache's F32 rows (INT8: the last block
+// re-encoded as it grew, from the F32 keys it keeps), and the kernel then follows the host on
+// the round trip of the grown cache. Keys with spikes every 7th token widen the channel ranges
+// mid-block, so a stale scale would show.
+TEST_F(DeviceDecode, EncodedAppendIsTheEncoderOfTheGrownCache) {
+  const uint64_t seed = testing::fresh_seed();
+  const int n0 = 64 * 9 + 20, n_new = 150;
+  for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
+    Planted p = planted(n0, seed, /*uneven=*/true);
+    auto pool = decode::DevicePagedPool::upload(p.cache, n_new, enc);
+    ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+    append_both(p, pool.value(), n0, n_new, seed + 1, 0.3f, 2.f);
+    const int d = p.cache.head_dim();
+    int64_t blocks = 0, codes = 0;
+    for (int g = 0; g < kHkv; ++g) {
+      const auto& pages = p.cache.pages(0, g);
+      for (size_t i = 0; i < pages.size(); ++i) {
+        const decode::KvBlock& kb = p.cache.block(pages[i]);
+        auto ek = kvstore::kv_encode(enc, true, kb.k.data(), kb.n, d);
+        auto ev = kvstore::kv_encode(enc, false, kb.v.data(), kb.n, d);
+        ASSERT_TRUE(ek.is_ok() && ev.is_ok());
+        const PoolBlock got = download_block(pool.value(), g, int(i));
+        const size_t bytes = ek->data.size();
+        ASSERT_TRUE(std::equal(ek->data.begin(), ek->data.end(), got.k.begin()))
+            << kvstore::kv_encoding_name(enc) << " head " << g << " block " << i << " keys";
+        ASSERT_TRUE(std::equal(ev->data.begin(), ev->data.end(), got.v.begin()))
+            << kvstore::kv_encoding_name(enc) << " head " << g << " block " << i << " values";
+        if (enc == kvstore::KvEncoding::kInt8) {
+          EXPECT_EQ(ek->scale, got.ks) << "head " << g << " block " << i;
+          EXPECT_EQ(ek->zero, got.kz) << "head " << g << " block " << i;
+          EXPECT_TRUE(std::equal(ev->scale.begin(), ev->scale.end(), got.vs.begin()));
+          EXPECT_TRUE(std::equal(ev->zero.begin(), ev->zero.end(), got.vz.begin()));
+        }
+        ++blocks;
+        codes += int64_t(bytes);
+      }
+    }
+    std::printf("%s: %lld blocks, %lld key bytes equal the host encoder's\n",
+                kvstore::kv_encoding_name(enc), static_cast<long long>(blocks),
+                static_cast<long long>(codes));
+    ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
+    for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m, kEncodedTol);
+  }
+}
+
+// A cache whose blocks carry int8 codes (as loaded from an int8 export) goes up as it is: the
+// pool attends over the cache's own values, not a second rounding of them.
+TEST_F(DeviceDecode, Int8CodesGoUpAsLoaded) {
+  const uint64_t seed = testing::fresh_seed();
+  Planted p = planted(64 * 20 + 33, seed);
+  ASSERT_TRUE(p.cache.round_trip(kvstore::KvEncoding::kInt8).is_ok());
+  ASSERT_FALSE(p.cache.block(p.cache.pages(0, 0)[0]).kq.data.empty());
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0, kvstore::KvEncoding::kInt8);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  const decode::KvBlock& kb = p.cache.block(p.cache.pages(0, 1)[3]);
+  const PoolBlock got = download_block(pool.value(), 1, 3);
+  EXPECT_TRUE(std::equal(kb.kq.data.begin(), kb.kq.data.end(), got.k.begin()));
+  EXPECT_EQ(kb.kq.scale, got.ks);
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m, kEncodedTol);
+}
+
+TEST_F(DeviceDecode, EncodedPoolRefusals) {
+  Planted p = planted(64 * 3, testing::fresh_seed(), false, 32);
+  EXPECT_EQ(decode::DevicePagedPool::upload(p.cache, 0, kvstore::KvEncoding::kInt8).status().code(),
+            Code::kUnsupported);  // head_dim 32: F32 only
+  Planted q = planted(64 * 3, testing::fresh_seed(), false, 64);
+  EXPECT_EQ(decode::DevicePagedPool::upload(q.cache, 0, kvstore::KvEncoding::kInt4).status().code(),
+            Code::kUnsupported);
 }
 
 // The device session against the CPU session on a synthetic Llama-3-shaped model: F32 weights

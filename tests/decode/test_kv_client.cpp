@@ -269,8 +269,37 @@ TEST_F(KvClient, InProcessEncodingIsWhatTheNodeLoads) {
           EXPECT_EQ(x.v, y.v);
           EXPECT_EQ(x.kmin, y.kmin);
           EXPECT_EQ(x.kmax, y.kmax);
+          // int8 blocks keep their codes (a device pool uploads them as they are): the export's,
+          // permuted to the model's channel order, equal the in-process encoding's and decode
+          // to the block's values.
+          if (enc != kvstore::KvEncoding::kInt8) {
+            EXPECT_TRUE(y.kq.data.empty() && x.kq.data.empty());
+            continue;
+          }
+          const int d = a->head_dim();
+          ASSERT_EQ(y.kq.data.size(), size_t(y.n) * size_t(d));
+          EXPECT_EQ(x.kq.data, y.kq.data);
+          EXPECT_EQ(x.kq.scale, y.kq.scale);
+          EXPECT_EQ(x.kq.zero, y.kq.zero);
+          EXPECT_EQ(x.vq.data, y.vq.data);
+          EXPECT_EQ(x.vq.scale, y.vq.scale);
+          EXPECT_EQ(x.vq.zero, y.vq.zero);
+          std::vector<float> dk(size_t(y.n) * size_t(d)), dv(dk.size());
+          ASSERT_TRUE(kvstore::kv_decode(enc, true, y.kq, y.n, d, dk.data()).is_ok());
+          ASSERT_TRUE(kvstore::kv_decode(enc, false, y.vq, y.n, d, dv.data()).is_ok());
+          EXPECT_TRUE(std::equal(dk.begin(), dk.end(), y.k.begin()));
+          EXPECT_TRUE(std::equal(dv.begin(), dv.end(), y.v.begin()));
         }
       }
+    if (enc != kvstore::KvEncoding::kInt8) continue;
+    // An append changes the block, so its codes no longer describe it and are dropped.
+    decode::PagedKvCache c = std::move(b).value();
+    const int32_t last = c.pages(0, 0).back();
+    ASSERT_LT(c.block(last).n, 64);
+    ASSERT_FALSE(c.block(last).kq.data.empty());
+    std::vector<float> row(size_t(c.head_dim()), 0.5f);
+    c.append(0, 0, kN, row.data(), row.data());
+    EXPECT_TRUE(c.block(last).kq.data.empty() && c.block(last).vq.data.empty());
   }
 }
 
