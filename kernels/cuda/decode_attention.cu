@@ -4,14 +4,14 @@
 // Scores and partial sums are added in another order than the host's, so results agree to float
 // rounding, and a stop that sits within rounding of eps may fall one block apart.
 //
-// Work split. A warp takes one 64-key block for one query head (warp_block): lane l loads channel
-// quad l % (D / 4) of one key row per load, so every load is a whole coalesced row; the 32 dot
-// partials a lane holds are reduce-scattered across the row's lanes (31 shuffles for D = 128),
-// leaving one score per lane; the values are read the same way and weighted by the exps
-// shuffled from the lanes that hold them. No shared memory, many loads in flight per warp.
-// BF16 and INT8 pools load 8 or 4 bytes a lane for the same quad. INT8 folds the key scales into
-// the query (q_c s_c against the codes, plus sum_c q_c z_c per block) and the value scale and
-// zero into the row's weight, so a code is converted once and no F32 row is formed.
+// Work split. A warp takes one 64-key block for one query head (warp_block): each lane loads 16
+// bytes of a row at a time (E = 4 F32, 8 BF16 or 16 INT8 channels), D / E lanes a row, so every
+// load is whole coalesced rows; the dot partials a lane holds are reduce-scattered across the
+// row's lanes, leaving one score per lane; the values are read the same way and weighted by the
+// exps shuffled from the lanes that hold them, then handed to the callers four channels a lane.
+// No shared memory, many loads in flight per warp. INT8 folds the key scales into the query
+// (q_c s_c against the codes, plus sum_c q_c z_c per block) and each row's value scale and zero
+// into its weight, so a code is converted once and no F32 row is formed.
 //   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 6 CTAs
 //         per SM); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
@@ -85,49 +85,87 @@ __device__ __forceinline__ float4 ld4(const float* p) {
   return __ldg(reinterpret_cast<const float4*>(p));
 }
 
-// F16 bits to float, four at a time (8-byte aligned).
+// F16 bits to float.
 __device__ __forceinline__ float f16f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-__device__ __forceinline__ float4 ld_f16x4(const uint16_t* p) {
-  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-  return make_float4(f16f(uint16_t(u.x)), f16f(uint16_t(u.x >> 16)), f16f(uint16_t(u.y)),
-                     f16f(uint16_t(u.y >> 16)));
-}
 
-// Elements idx .. idx + 3 of a pool array (idx a multiple of 4) as floats; INT8: the codes.
+// A lane loads 16 bytes of a row at a time: E elements of the pool's type.
 template <PoolDType T>
-__device__ __forceinline__ float4 ld_elems4(const void* base, int64_t idx) {
-  if constexpr (T == PoolDType::kF32) {
-    return ld4(static_cast<const float*>(base) + idx);
-  } else if constexpr (T == PoolDType::kBF16) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + idx));
-    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
-  } else {
-    const unsigned u =
-        __ldg(reinterpret_cast<const unsigned*>(static_cast<const uint8_t*>(base) + idx));
-    return make_float4(float(u & 0xffu), float((u >> 8) & 0xffu), float((u >> 16) & 0xffu),
-                       float(u >> 24));
+inline constexpr int kElemsPerLoad = T == PoolDType::kF32    ? 4
+                                     : T == PoolDType::kBF16 ? 8
+                                                             : 16;
+
+// Elements idx .. idx + E - 1 of a pool array (16-byte aligned) as floats; INT8: the codes (a
+// byte under the exponent of 2^23, minus 2^23: exact, and cheaper than a conversion).
+template <PoolDType T>
+__device__ __forceinline__ void ld_elems(const void* base, int64_t idx, float* x) {
+  constexpr int E = kElemsPerLoad<T>;
+  const uint4 u =
+      __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(base) + idx * (16 / E)));
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (T == PoolDType::kF32) {
+      x[i] = __uint_as_float(w[i]);
+    } else if constexpr (T == PoolDType::kBF16) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        x[4 * i + b] = __uint_as_float(0x4b000000u | ((w[i] >> (8 * b)) & 0xffu)) - 8388608.f;
+    }
   }
 }
 
-// One warp, block blk (n <= 64 keys) for one query: q4 is this lane's channel quad of the
-// query. Returns the block max bm of the scaled scores, mass = sum_t exp(s_t - bm) (double) and
-// o4 = sum_t exp(s_t - bm) v_t on this lane's quad (the same in every lane of a quad).
+// n F16 values (n a multiple of 8, 16-byte aligned) as floats.
+template <int N>
+__device__ __forceinline__ void ld_f16(const uint16_t* p, float* x) {
+#pragma unroll
+  for (int i = 0; i < N; i += 8) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p + i));
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[i + 2 * j] = f16f(uint16_t(w[j]));
+      x[i + 2 * j + 1] = f16f(uint16_t(w[j] >> 16));
+    }
+  }
+}
+
+// This lane's E channels of a query head's row q (global or shared memory): lane l reads
+// channels E * (l % (D / E)) onward, the ones it meets in every key and value row.
 template <int D, PoolDType T>
-__device__ __forceinline__ void warp_block(float4 q4, const PagedKv& kv, int64_t blk, int n,
+__device__ __forceinline__ void load_q(const float* q, float* qf) {
+  constexpr int E = kElemsPerLoad<T>;
+  const int grp = (threadIdx.x & 31) % (D / E);
+#pragma unroll
+  for (int i = 0; i < E; ++i) qf[i] = q[E * grp + i];
+}
+
+// One warp, block blk (n <= 64 keys) for one query: qf is this lane's channels of the query
+// (load_q). Lanes read a row in D / E groups of E channels, 32 / (D / E) rows a load. Returns
+// the block max bm of the scaled scores, mass = sum_t exp(s_t - bm) (double) and, in lanes
+// l < D / 4, o4 = sum_t exp(s_t - bm) v_t on channels 4 l .. 4 l + 3.
+template <int D, PoolDType T>
+__device__ __forceinline__ void warp_block(const float* qf, const PagedKv& kv, int64_t blk, int n,
                                            float scale, float* bm, double* mass, float4* o4) {
-  constexpr int LPR = D / 4;     // lanes per key row
+  constexpr int E = kElemsPerLoad<T>;
+  constexpr int LPR = D / E;     // lanes per row
   constexpr int RPL = 32 / LPR;  // rows per warp load
-  const int lane = threadIdx.x & 31, quad = lane % LPR, sub = lane / LPR;
+  const int lane = threadIdx.x & 31, grp = lane % LPR, sub = lane / LPR;
   const int64_t row0 = blk * kBT;
   // INT8 keys: q . (z + code * s) = (q * s) . code + q . z, per channel of this block.
-  float4 qk = q4;
+  float qk[E];
   float bias = 0.f;
   if constexpr (T == PoolDType::kInt8) {
-    const float4 ks = ld_f16x4(kv.kscale + blk * D + 4 * quad);
-    const float4 kz = ld_f16x4(kv.kzero + blk * D + 4 * quad);
-    qk = make_float4(q4.x * ks.x, q4.y * ks.y, q4.z * ks.z, q4.w * ks.w);
-    bias = q4.x * kz.x + q4.y * kz.y + q4.z * kz.z + q4.w * kz.w;
+    float ks[E], kz[E];
+    ld_f16<E>(kv.kscale + blk * D + E * grp, ks);
+    ld_f16<E>(kv.kzero + blk * D + E * grp, kz);
+#pragma unroll
+    for (int i = 0; i < E; ++i) qk[i] = qf[i] * ks[i], bias += qf[i] * kz[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) qk[i] = qf[i];
   }
   float s[2];
 #pragma unroll
@@ -136,53 +174,92 @@ __device__ __forceinline__ void warp_block(float4 q4, const PagedKv& kv, int64_t
 #pragma unroll
     for (int j = 0; j < LPR; ++j) {
       const int row = round * 32 + j * RPL + sub;
-      float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (row < n) k4 = ld_elems4<T>(kv.k, (row0 + row) * D + 4 * quad);
-      v[j] = qk.x * k4.x + qk.y * k4.y + qk.z * k4.z + qk.w * k4.w + bias;
+      float x[E];
+      if (row < n) {
+        ld_elems<T>(kv.k, (row0 + row) * D + E * grp, x);
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) x[i] = 0.f;
+      }
+      float acc = bias;
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc += qk[i] * x[i];
+      v[j] = acc;
     }
-    // Reduce-scatter over the LPR lanes of a row: afterwards lane quad holds row j = quad's sum.
+    // Reduce-scatter over the LPR lanes of a row: afterwards lane grp holds row j = grp's sum.
     reduce_scatter<LPR / 2>(v, lane);
-    const int row = round * 32 + quad * RPL + sub;
+    const int row = round * 32 + grp * RPL + sub;
     s[round] = row < n ? v[0] * scale : -INFINITY;
   }
   float m = fmaxf(s[0], s[1]);
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kAll, m, o));
-  const float e[2] = {s[0] == -INFINITY ? 0.f : expf(s[0] - m),
-                      s[1] == -INFINITY ? 0.f : expf(s[1] - m)};
+  float e[2] = {s[0] == -INFINITY ? 0.f : expf(s[0] - m), s[1] == -INFINITY ? 0.f : expf(s[1] - m)};
   double t = double(e[0]) + double(e[1]);
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
+  // INT8 values: w (z + code s) = (w s) . code + w z; the lane holding a row's weight folds in
+  // that row's scale and zero once.
+  float ez[2] = {0.f, 0.f};
+  if constexpr (T == PoolDType::kInt8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r * 32 + grp * RPL + sub;
+      if (row < n) {
+        ez[r] = e[r] * f16f(__ldg(kv.vzero + row0 + row));
+        e[r] *= f16f(__ldg(kv.vscale + row0 + row));
+      }
+    }
+  }
+  float acc[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) acc[i] = 0.f;
+  float accz = 0.f;
+#pragma unroll 8
   for (int j = 0; j < 64 / RPL; ++j) {
     const int row = j * RPL + sub;  // this lane's value row; rows j*RPL.. share one round
     const int r = row & 31;
-    const int src = (r % RPL) * LPR + r / RPL;  // the lane that holds row's exp
-    float w = __shfl_sync(kAll, (j * RPL) < 32 ? e[0] : e[1], src);
+    const int src = (r % RPL) * LPR + r / RPL;  // the lane that holds row's weight
+    const float w = __shfl_sync(kAll, (j * RPL) < 32 ? e[0] : e[1], src);
+    if constexpr (T == PoolDType::kInt8)
+      accz += __shfl_sync(kAll, (j * RPL) < 32 ? ez[0] : ez[1], src);
     if (row < n) {
-      const float4 v4 = ld_elems4<T>(kv.v, (row0 + row) * D + 4 * quad);
-      float add = 0.f;  // INT8 values: w (z + code s) = (w s) code + w z
-      if constexpr (T == PoolDType::kInt8) {
-        add = w * f16f(__ldg(kv.vzero + row0 + row));
-        w *= f16f(__ldg(kv.vscale + row0 + row));
-      }
-      acc.x += w * v4.x + add;
-      acc.y += w * v4.y + add;
-      acc.z += w * v4.z + add;
-      acc.w += w * v4.w + add;
+      float x[E];
+      ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[i] += w * x[i];
     }
   }
 #pragma unroll
   for (int o = LPR; o < 32; o <<= 1) {
-    acc.x += __shfl_xor_sync(kAll, acc.x, o);
-    acc.y += __shfl_xor_sync(kAll, acc.y, o);
-    acc.z += __shfl_xor_sync(kAll, acc.z, o);
-    acc.w += __shfl_xor_sync(kAll, acc.w, o);
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] += __shfl_xor_sync(kAll, acc[i], o);
+    if constexpr (T == PoolDType::kInt8) accz += __shfl_xor_sync(kAll, accz, o);
+  }
+  if constexpr (T == PoolDType::kInt8) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] += accz;
+  }
+  // To the callers' layout, four channels a lane: lane l takes acc[4 (l % (E/4)) ..] of the
+  // lane holding channel group l / (E / 4).
+  if constexpr (E == 4) {
+    *o4 = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  } else {
+    constexpr int P = E / 4;
+    const int src = (lane / P) % LPR;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      const float x0 = __shfl_sync(kAll, acc[4 * r], src),
+                  x1 = __shfl_sync(kAll, acc[4 * r + 1], src),
+                  x2 = __shfl_sync(kAll, acc[4 * r + 2], src),
+                  x3 = __shfl_sync(kAll, acc[4 * r + 3], src);
+      if (lane % P == r) o = make_float4(x0, x1, x2, x3);
+    }
+    *o4 = o;
   }
   *bm = m;
   *mass = t;
-  *o4 = acc;
 }
 
 // Folds a block result (bm, mass, o4) into a running (m, l, o): the frame moves to the larger max.
@@ -209,13 +286,14 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   __shared__ double sm_l[kFullWarps];
   __shared__ float4 sm_o[kFullWarps][LPR];
   const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, quad = lane % LPR;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
   const int nb = a.kv.n_pages[g];
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
-  const float4 q4 = ld4(a.q + int64_t(h) * D + 4 * quad);
+  float qf[kElemsPerLoad<T>];
+  load_q<D, T>(a.q + int64_t(h) * D, qf);
   float m = -INFINITY;
   double l = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -226,7 +304,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
     float bm;
     double mass;
     float4 ob;
-    warp_block<D, T>(q4, a.kv, blk, n, a.scale, &bm, &mass, &ob);
+    warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
     fold(bm, mass, ob, &m, &l, &o);
   }
   if (lane < LPR) sm_o[warp][lane] = o;
@@ -324,7 +402,6 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
   const int rank = int(cluster.block_rank());
   const bool leader = rank == 0;
   const int h = blockIdx.x / kPsaCluster, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int quad = lane % LPR;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
   const int nb = a.kv.n_pages[g];
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
@@ -373,7 +450,8 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       __syncthreads();
     }
 
-  const float4 q4 = reinterpret_cast<const float4*>(qs)[quad];
+  float qf[kElemsPerLoad<T>];
+  load_q<D, T>(qs, qf);
   // The leader's warp 0 keeps the host's scalars (the same in every lane), in the frame of the
   // running max m.
   float m = -INFINITY;
@@ -388,7 +466,7 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       float bm = -INFINITY;
       double mass = 0;
       float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (n > 0) warp_block<D, T>(q4, a.kv, blk, n, a.scale, &bm, &mass, &ob);
+      if (n > 0) warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
       if (lane < LPR) wo[warp][lane] = ob;
       if (lane == 0) ps.bm[warp] = bm, ps.mass[warp] = mass, ps.n[warp] = n;
     }
