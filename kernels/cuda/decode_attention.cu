@@ -15,8 +15,10 @@
 //   full: flash-decoding. Each query head's pages are split over CTAs of 4 warps (about 6 CTAs
 //         per SM); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
-//         their K/V reads meet in L2 (sharing the loads inside a warp instead was slower:
-//         bench/NOTES.md).
+//         their K/V reads meet in L2 (sharing the loads inside a warp instead was slower for F32:
+//         bench/NOTES.md). BF16 and INT8 pools with 2+ query heads per KV head share them
+//         (full_shared_kernel): a CTA per (split, KV head), a warp converting each row once
+//         for up to 4 query heads, splits for one wave at that kernel's occupancy.
 //   psa:  a cluster of 4 CTAs of 16 warps per query head. The CTAs compute a quarter of the
 //         bounds each (a thread per block, summed in the host's order) and exchange them through
 //         distributed shared memory; each sorts them (bitonic, up to kDecodeMaxPages). The ranked
@@ -62,6 +64,7 @@ struct DecodeArgs {
   float scale;
   double eps;
   bool pin, recent_mean;
+  bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -345,6 +348,243 @@ __global__ void merge_kernel(const DecodeArgs a) {
   const float inv = L > 0 ? float(1.0 / L) : 0.f;
   reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
       make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
+}
+
+// Full mode with the query heads of a KV head sharing each block's rows (BF16 and INT8 pools):
+// warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
+// converted once; each head keeps its own folded query, scores, weights and sums, summed in the
+// same order as warp_block's, so every head's result is the one warp_block gives it.
+constexpr int kGqaMax = 4;
+
+template <int D, PoolDType T>
+__device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kElemsPerLoad<T>],
+                                                 int G, const PagedKv& kv, int64_t blk, int n,
+                                                 float scale, float (&bm)[kGqaMax],
+                                                 double (&mass)[kGqaMax],
+                                                 float4 (&o4)[kGqaMax]) {
+  constexpr int E = kElemsPerLoad<T>;
+  constexpr int LPR = D / E;
+  constexpr int RPL = 32 / LPR;
+  const int lane = threadIdx.x & 31, grp = lane % LPR, sub = lane / LPR;
+  const int64_t row0 = blk * kBT;
+  float qk[kGqaMax][E];
+  float bias[kGqaMax];
+  if constexpr (T == PoolDType::kInt8) {
+    float ks[E], kz[E];
+    ld_f16<E>(kv.kscale + blk * D + E * grp, ks);
+    ld_f16<E>(kv.kzero + blk * D + E * grp, kz);
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      bias[hh] = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i] * ks[i], bias[hh] += qf[hh][i] * kz[i];
+    }
+  } else {
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      bias[hh] = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i];
+    }
+  }
+  float s[kGqaMax][2];
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    float v[kGqaMax][LPR];
+#pragma unroll
+    for (int j = 0; j < LPR; ++j) {
+      const int row = round * 32 + j * RPL + sub;
+      float x[E];
+      if (row < n) {
+        ld_elems<T>(kv.k, (row0 + row) * D + E * grp, x);
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) x[i] = 0.f;
+      }
+#pragma unroll
+      for (int hh = 0; hh < kGqaMax; ++hh) {
+        float acc = bias[hh];
+#pragma unroll
+        for (int i = 0; i < E; ++i) acc += qk[hh][i] * x[i];
+        v[hh][j] = acc;
+      }
+    }
+    const int row = round * 32 + grp * RPL + sub;
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      if (hh < G) reduce_scatter<LPR / 2>(v[hh], lane);  // G is uniform over the warp
+      s[hh][round] = row < n ? v[hh][0] * scale : -INFINITY;
+    }
+  }
+  float e[kGqaMax][2];
+#pragma unroll
+  for (int hh = 0; hh < kGqaMax; ++hh) {
+    float m = fmaxf(s[hh][0], s[hh][1]);
+    double t = 0;
+    if (hh < G) {
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kAll, m, o));
+      e[hh][0] = s[hh][0] == -INFINITY ? 0.f : expf(s[hh][0] - m);
+      e[hh][1] = s[hh][1] == -INFINITY ? 0.f : expf(s[hh][1] - m);
+      t = double(e[hh][0]) + double(e[hh][1]);
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) t += __shfl_xor_sync(kAll, t, o);
+    } else {
+      e[hh][0] = e[hh][1] = 0.f;
+    }
+    bm[hh] = m;
+    mass[hh] = t;
+  }
+  float ez[kGqaMax][2];
+#pragma unroll
+  for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][0] = ez[hh][1] = 0.f;
+  if constexpr (T == PoolDType::kInt8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r * 32 + grp * RPL + sub;
+      if (row < n) {
+        const float z = f16f(__ldg(kv.vzero + row0 + row)), sc = f16f(__ldg(kv.vscale + row0 + row));
+#pragma unroll
+        for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
+      }
+    }
+  }
+  float acc[kGqaMax][E];
+  float accz[kGqaMax];
+#pragma unroll
+  for (int hh = 0; hh < kGqaMax; ++hh) {
+    accz[hh] = 0.f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[hh][i] = 0.f;
+  }
+#pragma unroll 4
+  for (int j = 0; j < 64 / RPL; ++j) {
+    const int row = j * RPL + sub;
+    const int r = row & 31;
+    const int src = (r % RPL) * LPR + r / RPL;
+    float w[kGqaMax];
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      w[hh] = __shfl_sync(kAll, (j * RPL) < 32 ? e[hh][0] : e[hh][1], src);
+      if constexpr (T == PoolDType::kInt8)
+        accz[hh] += __shfl_sync(kAll, (j * RPL) < 32 ? ez[hh][0] : ez[hh][1], src);
+    }
+    if (row < n) {
+      float x[E];
+      ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
+#pragma unroll
+      for (int hh = 0; hh < kGqaMax; ++hh)
+#pragma unroll
+        for (int i = 0; i < E; ++i) acc[hh][i] += w[hh] * x[i];
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < kGqaMax; ++hh) {
+    if (hh >= G) {
+      o4[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+      continue;
+    }
+#pragma unroll
+    for (int o = LPR; o < 32; o <<= 1) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[hh][i] += __shfl_xor_sync(kAll, acc[hh][i], o);
+      if constexpr (T == PoolDType::kInt8) accz[hh] += __shfl_xor_sync(kAll, accz[hh], o);
+    }
+    if constexpr (T == PoolDType::kInt8) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[hh][i] += accz[hh];
+    }
+    constexpr int P = E / 4;
+    const int srcl = (lane / P) % LPR;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      const float x0 = __shfl_sync(kAll, acc[hh][4 * r], srcl),
+                  x1 = __shfl_sync(kAll, acc[hh][4 * r + 1], srcl),
+                  x2 = __shfl_sync(kAll, acc[hh][4 * r + 2], srcl),
+                  x3 = __shfl_sync(kAll, acc[hh][4 * r + 3], srcl);
+      if (lane % P == r) o = make_float4(x0, x1, x2, x3);
+    }
+    o4[hh] = o;
+  }
+}
+
+// Full mode, shared: CTA (split, KV head g), grid index = split * n_kv_heads + g. Warp w takes
+// the split's pages w, w + 4, ... for the KV head's query heads, kGqaMax a pass; each head's
+// split result goes where full_kernel's would (the same merge follows).
+template <int D, PoolDType T>
+__global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const DecodeArgs a) {
+  constexpr int E = kElemsPerLoad<T>;
+  constexpr int LPR = D / 4;
+  __shared__ float sm_m[kFullWarps][kGqaMax];
+  __shared__ double sm_l[kFullWarps][kGqaMax];
+  __shared__ float4 sm_o[kFullWarps][kGqaMax][LPR];
+  const int n_kv = a.kv.n_kv_heads, group = a.n_heads / n_kv;
+  const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nb = a.kv.n_pages[g];
+  const int per = (nb + a.splits - 1) / a.splits;
+  const int b0 = split * per, b1 = min(nb, b0 + per);
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  for (int h0 = 0; h0 < group; h0 += kGqaMax) {
+    const int G = min(kGqaMax, group - h0);
+    float qf[kGqaMax][E];
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      if (hh < G) {
+        load_q<D, T>(a.q + int64_t(g * group + h0 + hh) * D, qf[hh]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) qf[hh][i] = 0.f;
+      }
+    }
+    float m[kGqaMax];
+    double l[kGqaMax];
+    float4 o[kGqaMax];
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) m[hh] = -INFINITY, l[hh] = 0, o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int b = b0 + warp; b < b1; b += kFullWarps) {
+      const int64_t blk = pages[b];
+      const int n = a.kv.fill[blk];
+      if (n <= 0) continue;
+      float bm[kGqaMax];
+      double mass[kGqaMax];
+      float4 ob[kGqaMax];
+      warp_block_heads<D, T>(qf, G, a.kv, blk, n, a.scale, bm, mass, ob);
+#pragma unroll
+      for (int hh = 0; hh < kGqaMax; ++hh)
+        if (hh < G) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
+    }
+#pragma unroll
+    for (int hh = 0; hh < kGqaMax; ++hh) {
+      if (lane < LPR) sm_o[warp][hh][lane] = o[hh];
+      if (lane == 0) sm_m[warp][hh] = m[hh], sm_l[warp][hh] = l[hh];
+    }
+    __syncthreads();
+    // A thread per (head, channel quad) merges the warps.
+    for (int t = threadIdx.x; t < G * LPR; t += blockDim.x) {
+      const int hh = t / LPR, c4 = t % LPR, h = g * group + h0 + hh;
+      float M = -INFINITY;
+      double L = 0;
+      float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w][hh], sm_l[w][hh], sm_o[w][hh][c4], &M, &L, &O);
+      if (a.splits == 1) {
+        const float inv = L > 0 ? float(1.0 / L) : 0.f;
+        reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
+            make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
+      } else {
+        float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
+        reinterpret_cast<float4*>(dst)[c4] = O;
+        if (c4 == 0) {
+          dst[D] = M;
+          reinterpret_cast<double*>(dst + D + 2)[0] = L;
+        }
+      }
+    }
+    __syncthreads();  // the shared arrays are rewritten by the next pass
+  }
+  if (split == 0 && a.visited)
+    for (int t = threadIdx.x; t < group; t += blockDim.x) a.visited[g * group + t] = nb;
 }
 
 // Descending by bound, ascending by index on ties: the order of the host's stable_sort.
@@ -757,7 +997,7 @@ bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 // Full-mode splits per query head: about 6 CTAs per SM over all heads (one wave; Nsight put 4 at
 // 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages per split (one
 // per warp). Fixed by the pool's capacity, not its fill (the fill lives on the device).
-int full_splits(int n_heads, int max_pages) {
+int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   // The SM count per device, queried once: this runs at every launch (each layer of each step).
   static std::atomic<int> sm_count[64] = {};
   int dev = 0, sms = 132;
@@ -771,7 +1011,7 @@ int full_splits(int n_heads, int max_pages) {
       sms = 132;
     }
   }
-  const int want = (6 * sms + n_heads - 1) / n_heads;
+  const int want = (ctas_per_sm * sms + n_heads - 1) / n_heads;
   const int most = (max_pages + kFullWarps - 1) / kFullWarps;
   return std::max(1, std::min(want, most));
 }
@@ -793,10 +1033,29 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
     SF_CUDA_TRY(cudaGetLastError());
     return Status::ok();
   }
-  full_kernel<D, T><<<unsigned(a.n_heads * a.splits), kFullWarps * 32, 0, st>>>(a);
+  DecodeArgs b = a;
+  unsigned grid = unsigned(a.n_heads * a.splits);
+  if constexpr (T != PoolDType::kF32) {
+    if (a.shared) {
+      // One wave at the kernel's occupancy (its registers allow fewer CTAs an SM than
+      // full_kernel's 6, for which the workspace was sized: an upper bound).
+      static std::atomic<int> occ{0};
+      int per_sm = occ.load(std::memory_order_relaxed);
+      if (per_sm == 0) {
+        SF_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, full_shared_kernel<D, T>, kFullWarps * 32, 0));
+        per_sm = std::clamp(per_sm, 1, 6);
+        occ.store(per_sm, std::memory_order_relaxed);
+      }
+      b.splits = full_splits(a.kv.n_kv_heads, a.kv.max_pages, per_sm);
+      grid = unsigned(a.kv.n_kv_heads * b.splits);
+      full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
+    }
+  }
+  if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
-  if (a.splits > 1) {
-    merge_kernel<D><<<unsigned(a.n_heads), D / 4, 0, st>>>(a);
+  if (b.splits > 1) {
+    merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
@@ -826,7 +1085,9 @@ Status launch_dtype(const DecodeArgs& a, bool psa, cudaStream_t st) {
 
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
   if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
-  const int splits = full_splits(n_heads, kv.max_pages);
+  // Enough for either full kernel (the shared one splits a KV head's pages more ways).
+  const int splits = std::max(full_splits(n_heads, kv.max_pages),
+                              kv.n_kv_heads > 0 ? full_splits(kv.n_kv_heads, kv.max_pages) : 1);
   return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(splits) * size_t(kv.head_dim + 4)
                     : 0;
 }
@@ -843,7 +1104,11 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.visited = visited;
   a.kv = kv;
   a.n_heads = n_heads;
-  a.splits = p.psa ? 1 : full_splits(n_heads, kv.max_pages);
+  // The shared kernel where it applies: an encoded pool (F32 rows cost no conversion, and a
+  // warp per query head was faster there: bench/NOTES.md), 2+ query heads per KV head.
+  a.shared = !p.psa && p.share_kv_heads && kv.dtype != PoolDType::kF32 && kv.head_dim != 32 &&
+             n_heads / kv.n_kv_heads >= 2;
+  a.splits = p.psa ? 1 : full_splits(a.shared ? kv.n_kv_heads : n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;

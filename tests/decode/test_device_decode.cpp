@@ -78,8 +78,10 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
 
 // The device kernel's output and visits for one mode, against the host's on the same cache.
 // tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
+// share: full mode's kernel for encoded pools (PagedDecodeParams::share_kv_heads).
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
-                         const std::vector<float>& q, const std::string& spec, double tol = 1e-5) {
+                         const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
+                         bool share = true) {
   const int hq = int(q.size()) / cache.head_dim();
   auto p = decode::decode_attn_parse(spec);
   ASSERT_TRUE(p.is_ok());
@@ -87,7 +89,8 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   decode::DecodeAttnStats hs;
   ASSERT_TRUE(
       decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
-  const kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
+  kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
+  kp.share_kv_heads = share;
   DeviceBuffer dq, dout, dvis, dws;
   const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0));
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
@@ -119,8 +122,8 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
   }
   EXPECT_LT(worst, tol) << spec;
-  std::printf("d %3d %-14s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
-              spec.c_str(), static_cast<long long>(visited),
+  std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
+              spec.c_str(), share ? "" : " (a warp per query head)", static_cast<long long>(visited),
               static_cast<long long>(hs.blocks_total), worst);
 }
 
@@ -224,7 +227,24 @@ TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
       ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
       std::printf("%s pool, %zu bytes\n", kvstore::kv_encoding_name(enc), pool->bytes());
       for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+      expect_same_as_host(p.cache, pool.value(), p.q, "full", 1e-5, /*share=*/false);
     }
+}
+
+// Full mode over encoded pools at other group sizes: 3 (one pass of the shared kernel with a
+// head slot idle), 8 (two passes) and 1 (no sharing: a warp per query head).
+TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
+  const uint64_t seed = testing::fresh_seed();
+  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
+    for (int d : {64, 128})
+      for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
+        Planted p = planted(64 * 40 + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
+        auto pool = decode::DevicePagedPool::upload(p.cache, 0, enc);
+        ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+        ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
+        std::printf("%s pool, %d / %d heads\n", kvstore::kv_encoding_name(enc), hq, hkv);
+        expect_same_as_host(p.cache, pool.value(), p.q, "full");
+      }
 }
 
 // What the device pool holds for block i of KV head g (layer 0), downloaded.
