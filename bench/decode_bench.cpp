@@ -151,9 +151,9 @@ int main(int argc, char** argv) {
     const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
                                : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
                                                                    : 64.0 * d * 4 * 2;
-    // Full mode over an encoded pool runs twice: the query heads of a KV head sharing each
-    // block's rows (the default), then a warp per query head (kv_shared false).
-    const bool encoded = enc != kvstore::KvEncoding::kF32;
+    // Full mode over an INT8 pool runs twice: the query heads of a KV head sharing each
+    // block's codes (the default), then a warp per query head (kv_shared false).
+    const bool encoded = enc == kvstore::KvEncoding::kInt8;
     for (int run = 0; run < (encoded ? 4 : 3); ++run) {
       const int si = run < 3 ? run : 0;
       const char* spec = specs[si];

@@ -48,9 +48,9 @@ struct PagedDecodeParams {
   bool pin_sink_recent = true;  // psa: sink and newest block first, not ranked
   bool recent_mean = false;     // psa: unseen mass from the last kPsaRecentBlocks, not AS_min
   float scale = 0.f;            // 0: 1/sqrt(head_dim)
-  // full mode, BF16 and INT8 pools, 2+ query heads per KV head: a warp scores a block for all of
-  // its KV head's query heads (up to 4 a pass), so the block's rows are loaded and converted
-  // once a pass instead of once per query head. false: a warp per query head (as F32 and psa).
+  // full mode, INT8 pools, 2+ query heads per KV head: a warp scores a block for all of its KV
+  // head's query heads (up to 4 a pass), so the block's codes are loaded and converted once a
+  // pass instead of once per query head. false: a warp per query head (as F32, BF16 and psa).
   bool share_kv_heads = true;
 };
 

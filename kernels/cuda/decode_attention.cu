@@ -16,9 +16,11 @@
 //         per SM); each CTA writes its partial (max, mass, output) and a second
 //         kernel merges the splits. The query heads of one KV head are adjacent in the grid so
 //         their K/V reads meet in L2 (sharing the loads inside a warp instead was slower for F32:
-//         bench/NOTES.md). BF16 and INT8 pools with 2+ query heads per KV head share them
+//         bench/NOTES.md). INT8 pools with 2+ query heads per KV head share them
 //         (full_shared_kernel): a CTA per (split, KV head), a warp converting each row once
-//         for up to 4 query heads, splits for one wave at that kernel's occupancy.
+//         for up to 4 query heads, splits for one wave at that kernel's occupancy (2x faster
+//         than a warp per head on H100; BF16 lost at 128K, where the kernel's registers leave
+//         too few loads in flight, so BF16 keeps a warp per head: bench/NOTES.md).
 //   psa:  a cluster of 4 CTAs of 16 warps per query head. The CTAs compute a quarter of the
 //         bounds each (a thread per block, summed in the host's order) and exchange them through
 //         distributed shared memory; each sorts them (bitonic, up to kDecodeMaxPages). The ranked
@@ -350,7 +352,7 @@ __global__ void merge_kernel(const DecodeArgs a) {
       make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
 }
 
-// Full mode with the query heads of a KV head sharing each block's rows (BF16 and INT8 pools):
+// Full mode with the query heads of a KV head sharing each block's rows (INT8 pools):
 // warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
 // converted once; each head keeps its own folded query, scores, weights and sums, summed in the
 // same order as warp_block's, so every head's result is the one warp_block gives it.
@@ -1035,7 +1037,7 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
   }
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits);
-  if constexpr (T != PoolDType::kF32) {
+  if constexpr (T == PoolDType::kInt8) {
     if (a.shared) {
       // One wave at the kernel's occupancy (its registers allow fewer CTAs an SM than
       // full_kernel's 6, for which the workspace was sized: an upper bound).
@@ -1104,9 +1106,9 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.visited = visited;
   a.kv = kv;
   a.n_heads = n_heads;
-  // The shared kernel where it applies: an encoded pool (F32 rows cost no conversion, and a
-  // warp per query head was faster there: bench/NOTES.md), 2+ query heads per KV head.
-  a.shared = !p.psa && p.share_kv_heads && kv.dtype != PoolDType::kF32 && kv.head_dim != 32 &&
+  // The shared kernel where it pays: INT8 rows, whose conversion is most of the work, and 2+
+  // query heads per KV head (F32 and BF16 ran faster with a warp per head: bench/NOTES.md).
+  a.shared = !p.psa && p.share_kv_heads && kv.dtype == PoolDType::kInt8 && kv.head_dim != 32 &&
              n_heads / kv.n_kv_heads >= 2;
   a.splits = p.psa ? 1 : full_splits(a.shared ? kv.n_kv_heads : n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));

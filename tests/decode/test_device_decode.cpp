@@ -78,7 +78,7 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
 
 // The device kernel's output and visits for one mode, against the host's on the same cache.
 // tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
-// share: full mode's kernel for encoded pools (PagedDecodeParams::share_kv_heads).
+// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools).
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
                          const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
                          bool share = true) {
@@ -231,8 +231,9 @@ TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
     }
 }
 
-// Full mode over encoded pools at other group sizes: 3 (one pass of the shared kernel with a
-// head slot idle), 8 (two passes) and 1 (no sharing: a warp per query head).
+// Full mode over encoded pools at other group sizes: for INT8, 3 (one pass of the shared kernel
+// with a head slot idle), 8 (two passes) and 1 (no sharing: a warp per query head); BF16 takes
+// a warp per query head at every size.
 TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
   for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
