@@ -14,19 +14,10 @@ namespace sf::decode {
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   DecodeAttnParams p;
   if (spec == "full") return p;
-  const size_t colon = spec.find(':');
-  std::string rule = spec.substr(0, colon);
-  for (auto [suffix, tail] : {std::pair{"+tailvar", PsaTail::kMeanVar},
-                              std::pair{"+tail", PsaTail::kMean}}) {
-    const std::string sx = suffix;
-    if (rule.size() > sx.size() && rule.compare(rule.size() - sx.size(), sx.size(), sx) == 0) {
-      rule.resize(rule.size() - sx.size());
-      p.tail = tail;
-      break;
-    }
-  }
-  if (colon != std::string::npos && (rule == "psa" || rule == "psa-avg" || rule == "psa-strict")) {
-    const std::string v = spec.substr(colon + 1);
+  const bool strict = spec.rfind("psa-strict:", 0) == 0;
+  const bool avg = spec.rfind("psa-avg:", 0) == 0;
+  if (spec.rfind("psa:", 0) == 0 || strict || avg) {
+    const std::string v = spec.substr(strict ? 11 : avg ? 8 : 4);
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
@@ -34,14 +25,13 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
                     "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
     p.mode = DecodeAttnMode::kPsa;
     p.eps = e;
-    p.pin_sink_recent = rule != "psa-strict";
-    p.remainder = rule == "psa-avg" ? PsaRemainder::kRecentMean : PsaRemainder::kAsMin;
+    p.pin_sink_recent = !strict;
+    p.remainder = avg ? PsaRemainder::kRecentMean : PsaRemainder::kAsMin;
     return p;
   }
   return SF_ERR(kInvalidArgument, "decode attention '" + spec +
                                       "' is not 'full', 'psa:EPS', 'psa-avg:EPS' or "
-                                      "'psa-strict:EPS' (a psa rule may end in +tail or "
-                                      "+tailvar)");
+                                      "'psa-strict:EPS'");
 }
 
 namespace {
@@ -156,46 +146,16 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
         const double left = double(nb - visited);
         if (acc / (acc + per_block * left) >= p.eps) break;
       }
-      // The true mass the visit captured and its max (measure_mass), before any tail estimate.
-      const double acc_seen = acc;
-      const float m_seen = m;
-      if (psa && p.tail != PsaTail::kNone) {
-        // Each unvisited block by its means: n exp(scale q.kmean - m) vmean (a lower bound on
-        // its mass by Jensen; + var/2 is the second cumulant, channels taken as independent).
-        const float s2 = scale * scale;
-        for (size_t oi = visited; oi < nb; ++oi) {
-          const KvBlock& B = cache.block(pages[order[oi]]);
-          if (B.n == 0) continue;
-          float sb = dot(qh, B.kmean.data(), d) * scale;
-          if (p.tail == PsaTail::kMeanVar) {
-            float var = 0;
-            for (int c = 0; c < d; ++c) {
-              const float mu = B.kmean[size_t(c)];
-              var += qh[c] * qh[c] * std::max(0.f, B.ksq[size_t(c)] - mu * mu);
-            }
-            sb += 0.5f * s2 * var;
-          }
-          if (sb > m) {
-            const double r = std::exp(double(m) - double(sb));
-            for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
-            acc *= r;
-            m = sb;
-          }
-          const double w = double(B.n) * std::exp(double(sb) - double(m));
-          acc += w;
-          for (int c = 0; c < d; ++c) o[c] += float(w) * B.vmean[size_t(c)];
-        }
-      }
-      if (measure && acc_seen > 0) {
+      if (measure && acc > 0) {
         // The true denominator, relative to the same running max m: every block scored.
         double total = 0;
         for (size_t b = 0; b < nb; ++b) {
           const KvBlock& B = cache.block(pages[b]);
           for (int32_t t = 0; t < B.n; ++t)
             total += std::exp(double(dot(qh, B.k.data() + size_t(t) * size_t(d), d) * scale) -
-                              double(m_seen));
+                              double(m));
         }
-        share_h[size_t(h)] = acc_seen / total;
+        share_h[size_t(h)] = acc / total;
       }
       if (acc > 0) {
         const float inv = float(1.0 / acc);

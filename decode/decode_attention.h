@@ -21,10 +21,6 @@ namespace sf::decode {
 
 enum class DecodeAttnMode { kFull, kPsa };
 enum class PsaRemainder { kAsMin, kRecentMean };
-// What psa does with the blocks it did not visit: drop them (the seed), or add each one's
-// estimated contribution n * exp(scale q.kmean [+ var/2]) * vmean from its key and value means
-// (kMean; kMeanVar adds half the score variance over channels taken as independent).
-enum class PsaTail { kNone, kMean, kMeanVar };
 inline constexpr int kPsaAvgBlocks = 4;
 
 struct DecodeAttnParams {
@@ -35,7 +31,6 @@ struct DecodeAttnParams {
   // as every sparse pattern here keeps the sink and the local window. "psa-strict:EPS" clears it.
   bool pin_sink_recent = true;
   PsaRemainder remainder = PsaRemainder::kAsMin;  // "psa-avg:EPS" sets kRecentMean
-  PsaTail tail = PsaTail::kNone;  // "+tail" after the rule's name sets kMean, "+tailvar" kMeanVar
   // psa: also score every block to measure the share of the true softmax mass the visit captured
   // (stats mass_*). A diagnostic for evaluation; it costs a full pass over the keys.
   bool measure_mass = false;
@@ -60,8 +55,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
 // Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
-// "full", "psa:EPS", "psa-avg:EPS" or "psa-strict:EPS" (EPS in (0, 1]); a psa rule's name may
-// end in "+tail" or "+tailvar" (psa-avg+tail:0.95).
+// "full", "psa:EPS", "psa-avg:EPS" or "psa-strict:EPS" (EPS in (0, 1]).
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

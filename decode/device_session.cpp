@@ -253,8 +253,6 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
-  if (p.tail != PsaTail::kNone)
-    return SF_ERR(kUnsupported, "device decode: psa's +tail estimate runs on the host only");
   if (c.head_dim != 32 && c.head_dim != 64 && c.head_dim != 128)
     return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
                                     " (the decode kernel takes 32, 64 or 128)");

@@ -24,27 +24,6 @@ void to_interleaved(T* row, int d) {
   }
 }
 
-// The block's key and value means over its filled tokens, from the rows it stores.
-void refresh_means(KvBlock& B, int d) {
-  std::fill(B.kmean.begin(), B.kmean.end(), 0.f);
-  std::fill(B.vmean.begin(), B.vmean.end(), 0.f);
-  std::fill(B.ksq.begin(), B.ksq.end(), 0.f);
-  if (B.n == 0) return;
-  std::vector<double> ks(size_t(d), 0.0), vs(size_t(d), 0.0), qs(size_t(d), 0.0);
-  for (int32_t t = 0; t < B.n; ++t)
-    for (int c = 0; c < d; ++c) {
-      const double k = B.k[size_t(t) * size_t(d) + size_t(c)];
-      ks[size_t(c)] += k;
-      qs[size_t(c)] += k * k;
-      vs[size_t(c)] += B.v[size_t(t) * size_t(d) + size_t(c)];
-    }
-  for (int c = 0; c < d; ++c) {
-    B.kmean[size_t(c)] = float(ks[size_t(c)] / B.n);
-    B.vmean[size_t(c)] = float(vs[size_t(c)] / B.n);
-    B.ksq[size_t(c)] = float(qs[size_t(c)] / B.n);
-  }
-}
-
 }  // namespace
 
 int32_t PagedKvCache::new_block() {
@@ -54,9 +33,6 @@ int32_t PagedKvCache::new_block() {
   b.v.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
   b.kmin.assign(size_t(head_dim_), 0.f);
   b.kmax.assign(size_t(head_dim_), 0.f);
-  b.kmean.assign(size_t(head_dim_), 0.f);
-  b.vmean.assign(size_t(head_dim_), 0.f);
-  b.ksq.assign(size_t(head_dim_), 0.f);
   pool_.push_back(std::move(b));
   return int32_t(pool_.size() - 1);
 }
@@ -116,7 +92,6 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
           std::copy(mn, mn + d, B.kmin.begin());
           std::copy(mx, mx + d, B.kmax.begin());
         }
-        refresh_means(B, d);
       }
     }
   return c;
@@ -155,14 +130,13 @@ Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
       SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
       SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
       B.kq = B.vq = kvstore::EncodedRows{};
-      continue;  // (means refreshed below)
+      continue;
     }
     SF_ASSIGN(B.kq, kvstore::kv_encode(enc, true, B.k.data(), B.n, d));
     SF_ASSIGN(B.vq, kvstore::kv_encode(enc, false, B.v.data(), B.n, d));
     SF_TRY(kvstore::kv_decode(enc, true, B.kq, B.n, d, B.k.data()));
     SF_TRY(kvstore::kv_decode(enc, false, B.vq, B.n, d, B.v.data()));
   }
-  for (KvBlock& B : pool_) refresh_means(B, d);
   return Status::ok();
 }
 
@@ -185,10 +159,6 @@ void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, cons
   for (int c = 0; c < d; ++c) {
     B.kmin[size_t(c)] = t == 0 ? k[c] : std::min(B.kmin[size_t(c)], k[c]);
     B.kmax[size_t(c)] = t == 0 ? k[c] : std::max(B.kmax[size_t(c)], k[c]);
-    // Running means (a full refresh per token would cost a block's pass at every append).
-    B.kmean[size_t(c)] += (k[c] - B.kmean[size_t(c)]) / float(B.n);
-    B.vmean[size_t(c)] += (v[c] - B.vmean[size_t(c)]) / float(B.n);
-    B.ksq[size_t(c)] += (k[c] * k[c] - B.ksq[size_t(c)]) / float(B.n);
   }
 }
 

@@ -21,10 +21,6 @@ struct KvBlock {
   std::vector<int32_t> pos;       // [kBlockTokens]
   std::vector<float> k, v;        // [kBlockTokens, head_dim]
   std::vector<float> kmin, kmax;  // [head_dim] over the filled tokens
-  // [head_dim] means of the stored (decoded) keys and values over the filled tokens: what
-  // psa's tail estimate (DecodeAttnParams::tail) scores a block it does not visit by.
-  std::vector<float> kmean, vmean;
-  std::vector<float> ksq;  // [head_dim] mean of the squared keys (the tail's variance term)
   // The block's int8 codes (one key group, a value group per row) when k and v are their
   // decoding: a block of an int8 export, or of round_trip(kInt8). An append clears them.
   kvstore::EncodedRows kq, vq;

@@ -245,90 +245,6 @@ TEST(DecodeAttention, PsaAvgReachesEpsWhereAMisrankedBlockFoolsAsMin) {
   EXPECT_EQ(all.blocks_visited, 20);
 }
 
-// Blocks whose keys are one row repeated: a block's scores are all q.kmean, so the tail estimate
-// n exp(scale q.kmean) vmean is that block's exact contribution, and psa+tail equals full
-// attention however early the visit stops; without the tail the dropped blocks are missing.
-TEST(DecodeAttention, PsaTailIsExactOnBlocksOfRepeatedKeys) {
-  const uint64_t seed = testing::fresh_seed();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const int n = 64 * 20 + 17, d = 16;
-  std::vector<float> q(static_cast<size_t>(d)), k(static_cast<size_t>(n * d)),
-      v(static_cast<size_t>(n * d));
-  for (auto& x : q) x = nd(rng);
-  std::vector<float> row(static_cast<size_t>(d));
-  for (int t = 0; t < n; ++t) {
-    if (t % 64 == 0)
-      for (auto& x : row) x = 0.7f * nd(rng);
-    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = row[size_t(c)];
-    for (int c = 0; c < d; ++c) v[size_t(t * d + c)] = nd(rng);
-  }
-  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
-  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
-  auto run = [&](const char* spec, decode::DecodeAttnStats* st) {
-    auto p = decode::decode_attn_parse(spec);
-    EXPECT_TRUE(p.is_ok()) << spec;
-    std::vector<float> out(static_cast<size_t>(d));
-    EXPECT_TRUE(
-        decode::decode_attention(cache.value(), 0, q.data(), 1, p.value(), out.data(), st).is_ok());
-    return out;
-  };
-  decode::DecodeAttnStats sf, sd, st, sv;
-  const auto full = run("full", &sf);
-  const auto drop = run("psa:0.5", &sd);
-  const auto tail = run("psa+tail:0.5", &st);
-  const auto tvar = run("psa+tailvar:0.5", &sv);  // zero variance: the same estimate
-  ASSERT_LT(sd.blocks_visited, 21);
-  EXPECT_EQ(st.blocks_visited, sd.blocks_visited);  // the tail changes the sum, not the visit
-  EXPECT_EQ(sv.blocks_visited, sd.blocks_visited);
-  double e_drop = 0, e_tail = 0, e_var = 0;
-  for (int c = 0; c < d; ++c) {
-    e_drop = std::max(e_drop, double(std::fabs(drop[size_t(c)] - full[size_t(c)])));
-    e_tail = std::max(e_tail, double(std::fabs(tail[size_t(c)] - full[size_t(c)])));
-    e_var = std::max(e_var, double(std::fabs(tvar[size_t(c)] - full[size_t(c)])));
-  }
-  EXPECT_LT(e_tail, 2e-5) << "seed " << seed;
-  EXPECT_LT(e_var, 2e-5) << "seed " << seed;
-  EXPECT_GT(e_drop, 100 * e_tail) << "seed " << seed;  // the visit did drop mass
-  std::printf("psa 0.5: %lld of 21 blocks; max err dropped %.3g, tail %.3g\n",
-              static_cast<long long>(sd.blocks_visited), e_drop, e_tail);
-}
-
-// The block means the tail reads stay those of the stored rows as tokens are appended.
-TEST(PagedKv, BlockMeansFollowAppends) {
-  const uint64_t seed = testing::fresh_seed();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const int n = 100, d = 8;
-  std::vector<float> k(static_cast<size_t>(n * d)), v(static_cast<size_t>(n * d));
-  for (auto& x : k) x = nd(rng);
-  for (auto& x : v) x = nd(rng);
-  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
-  ASSERT_TRUE(cache.is_ok());
-  std::vector<float> kn(static_cast<size_t>(d)), vn(static_cast<size_t>(d));
-  for (int i = 0; i < 40; ++i) {
-    for (auto& x : kn) x = nd(rng);
-    for (auto& x : vn) x = nd(rng);
-    cache->append(0, 0, n + i, kn.data(), vn.data());
-  }
-  ASSERT_EQ(cache->pages(0, 0).size(), 3u);
-  for (int32_t id : cache->pages(0, 0)) {
-    const auto& b = cache->block(id);
-    for (int c = 0; c < d; ++c) {
-      double km = 0, vm = 0, kq = 0;
-      for (int t = 0; t < b.n; ++t) {
-        const double x = b.k[size_t(t * d + c)];
-        km += x;
-        kq += x * x;
-        vm += b.v[size_t(t * d + c)];
-      }
-      EXPECT_NEAR(b.kmean[size_t(c)], km / b.n, 1e-5) << "block " << id;
-      EXPECT_NEAR(b.vmean[size_t(c)], vm / b.n, 1e-5) << "block " << id;
-      EXPECT_NEAR(b.ksq[size_t(c)], kq / b.n, 1e-4) << "block " << id;
-    }
-  }
-}
-
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
   EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
@@ -346,16 +262,6 @@ TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_EQ(decode::decode_attn_parse("psa:1.5").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:").status().code(), Code::kOutOfRange);
   EXPECT_NE(decode::decode_attn_parse("topk").status().message().find("'topk'"), std::string::npos);
-  EXPECT_EQ(p->tail, decode::PsaTail::kNone);
-  auto t = decode::decode_attn_parse("psa-avg+tail:0.95");
-  ASSERT_TRUE(t.is_ok());
-  EXPECT_EQ(t->tail, decode::PsaTail::kMean);
-  EXPECT_EQ(t->remainder, decode::PsaRemainder::kRecentMean);
-  EXPECT_DOUBLE_EQ(t->eps, 0.95);
-  EXPECT_EQ(decode::decode_attn_parse("psa-strict+tailvar:0.8")->tail, decode::PsaTail::kMeanVar);
-  EXPECT_EQ(decode::decode_attn_parse("full+tail").status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(decode::decode_attn_parse("psa+tails:0.9").status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(decode::decode_attn_parse("psa+tail:2").status().code(), Code::kOutOfRange);
 }
 
 }  // namespace
