@@ -209,8 +209,16 @@ struct DeviceDecodeSession::Impl {
   // device keeps its own; these give blocks_total without a download).
   std::vector<int32_t> np_host, last_fill;
   DecodeAttnStats stats;
+  // One step's kernels as a CUDA graph: captured at the second step (the first runs eagerly, so
+  // every lazy setup, such as a GEMM plan, has happened) and replayed by every later one. The
+  // step reads its token and position from tokpos and the pool's fill from the device, so one
+  // capture serves every step. A capture the runtime refuses leaves the session eager.
+  bool use_graph = true;
+  int64_t eager_steps = 0, graph_steps = 0;
+  cudaGraphExec_t graph = nullptr;
 
   ~Impl() {
+    if (graph) (void)cudaGraphExecDestroy(graph);
     if (stream) (void)cudaStreamDestroy(stream);
   }
 
@@ -239,7 +247,8 @@ struct DeviceDecodeSession::Impl {
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& dm,
                                                       const PagedKvCache& cache, int64_t next_pos,
                                                       DecodeAttnParams p, int max_new_tokens,
-                                                      kvstore::KvEncoding pool_enc) {
+                                                      kvstore::KvEncoding pool_enc,
+                                                      bool cuda_graph) {
   const model::ModelConfig& c = dm.config();
   if (dm.slice().ways != 1)
     return SF_ERR(kUnsupported, "device decode: the model must be whole (no TP slice)");
@@ -265,6 +274,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   m.kp = device_attn_params(p);
   m.pos = next_pos;
   m.steps_left = max_new_tokens;
+  m.use_graph = cuda_graph;
   m.n_layers = c.n_layers;
   m.hq = c.n_heads;
   m.hkv = c.n_kv_heads;
@@ -322,12 +332,64 @@ Status DeviceDecodeSession::step(int32_t token, std::vector<float>* logits) {
 Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) {
   Impl& m = *impl_;
   SF_CUDA_TRY(cudaSetDevice(m.dm->device()));
-  const model::ModelConfig& c = m.dm->config();
-  kernels::RopeParams rope = c.rope;
-  rope.freq_factors = m.w.rope_freqs;
   const int32_t tp[2] = {token, int32_t(m.pos)};
   // Synchronous and ordered before this step's work: the previous step ended with a wait.
   SF_TRY(m.tokpos.upload(tp, sizeof(tp)));
+  if (m.graph) {
+    SF_CUDA_TRY(cudaGraphLaunch(m.graph, m.stream));
+    ++m.graph_steps;
+  } else if (m.use_graph && m.eager_steps > 0) {
+    cudaGraph_t g = nullptr;
+    SF_CUDA_TRY(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
+    const Status st = enqueue_step();
+    const cudaError_t end = cudaStreamEndCapture(m.stream, &g);
+    cudaError_t inst = cudaErrorUnknown;
+    if (st.is_ok() && end == cudaSuccess) inst = cudaGraphInstantiate(&m.graph, g, 0);
+    if (g) (void)cudaGraphDestroy(g);
+    if (inst == cudaSuccess) {
+      SF_CUDA_TRY(cudaGraphLaunch(m.graph, m.stream));
+      ++m.graph_steps;
+    } else {
+      // Nothing ran while capturing: this step and the later ones run eagerly instead.
+      (void)cudaGetLastError();
+      m.graph = nullptr;
+      m.use_graph = false;
+      SF_TRY(enqueue_step());
+      ++m.eager_steps;
+    }
+  } else {
+    SF_TRY(enqueue_step());
+    ++m.eager_steps;
+  }
+  SF_TRY(kernels::cuda::stream_synchronize(m.stream));
+  logits->resize(size_t(m.vocab));
+  SF_TRY(m.logits.download(logits->data(), sizeof(float) * size_t(m.vocab)));
+  SF_TRY(m.visited.download(m.visited_host.data(), sizeof(int32_t) * m.visited_host.size()));
+  const int group = m.hq / m.hkv;
+  for (size_t i = 0; i < m.np_host.size(); ++i) {  // this step's append, as the kernel did it
+    if (m.last_fill[i] == kBlockTokens) {
+      ++m.np_host[i];
+      m.last_fill[i] = 0;
+    }
+    ++m.last_fill[i];
+  }
+  for (int l = 0; l < m.n_layers; ++l)
+    for (int h = 0; h < m.hq; ++h) {
+      m.stats.blocks_visited += m.visited_host[size_t(l * m.hq + h)];
+      m.stats.blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
+    }
+  ++m.pos;
+  --m.steps_left;
+  return Status::ok();
+}
+
+// One step's work on the session's stream, no host wait: embedding of tokpos[0], every layer
+// (the K/V append and attention at position tokpos[1]), the logits.
+Status DeviceDecodeSession::enqueue_step() {
+  Impl& m = *impl_;
+  const model::ModelConfig& c = m.dm->config();
+  kernels::RopeParams rope = c.rope;
+  rope.freq_factors = m.w.rope_freqs;
   const int32_t* d_tok = m.tokpos.as<int32_t>();
   const int32_t* d_pos = d_tok + 1;
   const int64_t H = m.H, qd = int64_t(m.hq) * m.d, kvd = int64_t(m.hkv) * m.d, I = m.I;
@@ -367,27 +429,7 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
   SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), m.w.out_norm, c.rms_eps,
                            Impl::dview(m.xn, F, {1, H}), cs));
   SF_ASSIGN(TensorView in, m.gemm_input(m.xn, H));
-  SF_TRY(m.linear(in, m.w.lm_head, none, m.logits, m.vocab));
-  SF_TRY(kernels::cuda::stream_synchronize(m.stream));
-  logits->resize(size_t(m.vocab));
-  SF_TRY(m.logits.download(logits->data(), sizeof(float) * size_t(m.vocab)));
-  SF_TRY(m.visited.download(m.visited_host.data(), sizeof(int32_t) * m.visited_host.size()));
-  const int group = m.hq / m.hkv;
-  for (size_t i = 0; i < m.np_host.size(); ++i) {  // this step's append, as the kernel did it
-    if (m.last_fill[i] == kBlockTokens) {
-      ++m.np_host[i];
-      m.last_fill[i] = 0;
-    }
-    ++m.last_fill[i];
-  }
-  for (int l = 0; l < m.n_layers; ++l)
-    for (int h = 0; h < m.hq; ++h) {
-      m.stats.blocks_visited += m.visited_host[size_t(l * m.hq + h)];
-      m.stats.blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
-    }
-  ++m.pos;
-  --m.steps_left;
-  return Status::ok();
+  return m.linear(in, m.w.lm_head, none, m.logits, m.vocab);
 }
 
 #else  // !SF_HAVE_CUDA
@@ -402,17 +444,22 @@ size_t DevicePagedPool::bytes() const { return 0; }
 struct DeviceDecodeSession::Impl {
   DecodeAttnStats stats;
   DevicePagedPool pool;
+  int64_t graph_steps = 0;
 };
 
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
                                                       const PagedKvCache&, int64_t,
-                                                      DecodeAttnParams, int, kvstore::KvEncoding) {
+                                                      DecodeAttnParams, int, kvstore::KvEncoding,
+                                                      bool) {
   return SF_ERR(kUnsupported, "device decode: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 Status DeviceDecodeSession::step(int32_t, std::vector<float>*) {
   return SF_ERR(kUnsupported, "device decode: built without CUDA");
 }
 Status DeviceDecodeSession::run_step(int32_t, std::vector<float>*) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA");
+}
+Status DeviceDecodeSession::enqueue_step() {
   return SF_ERR(kUnsupported, "device decode: built without CUDA");
 }
 
@@ -429,6 +476,7 @@ DeviceDecodeSession& DeviceDecodeSession::operator=(DeviceDecodeSession&&) noexc
 DeviceDecodeSession::~DeviceDecodeSession() = default;
 const DecodeAttnStats& DeviceDecodeSession::stats() const { return impl_->stats; }
 size_t DeviceDecodeSession::pool_bytes() const { return impl_->pool.bytes(); }
+int64_t DeviceDecodeSession::graph_steps() const { return impl_->graph_steps; }
 
 Result<std::vector<int32_t>> DeviceDecodeSession::generate_greedy(int32_t first_token, int n_new) {
   return greedy_decode(first_token, n_new,

@@ -54,10 +54,14 @@ kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p);
 class DeviceDecodeSession {
  public:
   // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected).
-  // pool_enc: the device pool's encoding (DevicePagedPool::upload).
+  // pool_enc: the device pool's encoding (DevicePagedPool::upload). cuda_graph: from the second
+  // step on, replay the step's kernels as one CUDA graph instead of launching each (the same
+  // kernels on the same buffers, so the same logits; a capture the runtime refuses leaves the
+  // session eager, which graph_steps() shows).
   static Result<DeviceDecodeSession> open(const model::DeviceModel& dm, const PagedKvCache& cache,
                                           int64_t next_pos, DecodeAttnParams p, int max_new_tokens,
-                                          kvstore::KvEncoding pool_enc = kvstore::KvEncoding::kF32);
+                                          kvstore::KvEncoding pool_enc = kvstore::KvEncoding::kF32,
+                                          bool cuda_graph = true);
   DeviceDecodeSession(DeviceDecodeSession&&) noexcept;
   DeviceDecodeSession& operator=(DeviceDecodeSession&&) noexcept;
   ~DeviceDecodeSession();
@@ -68,11 +72,13 @@ class DeviceDecodeSession {
   Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new);
   const DecodeAttnStats& stats() const;
   size_t pool_bytes() const;  // device memory of the block pool
+  int64_t graph_steps() const;  // steps run as a CUDA graph replay
 
  private:
   struct Impl;
   DeviceDecodeSession();
   Status run_step(int32_t token, std::vector<float>* logits);
+  Status enqueue_step();
   std::unique_ptr<Impl> impl_;
 };
 

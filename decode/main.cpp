@@ -2,9 +2,11 @@
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
 //   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
 //                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS]
-//                     [--pool-dtype f32|bf16|int8] [--reference]
+//                     [--pool-dtype f32|bf16|int8] [--no-cuda-graph] [--reference]
 // --pool-dtype: how the device block pool stores K/V (decode/device_session.h); int8 holds a
 // quarter of F32's bytes and reads that much less per step. Device only.
+// --no-cuda-graph: launch each step's kernels one by one (by default the device session replays
+// them as one CUDA graph from the second step on).
 // --reference also runs the dense prefill + greedy continuation of the manifest's prompt and
 // reports how many tokens match. Process edge: errors become one line and exit code 1.
 #include <chrono>
@@ -33,7 +35,7 @@ void usage() {
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
                "full|psa:EPS|psa-avg:EPS|psa-strict:EPS]\n"
                "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
-               "                         [--reference]\n");
+               "                         [--no-cuda-graph] [--reference]\n");
 }
 
 std::string resolve_model(const std::string& m) {
@@ -50,8 +52,8 @@ int run(int argc, char** argv) {
       usage();
       return 0;
     }
-    if (k == "--reference") {
-      a["reference"] = "1";
+    if (k == "--reference" || k == "--no-cuda-graph") {
+      a[k.substr(2)] = "1";
       continue;
     }
     if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device" &&
@@ -106,7 +108,8 @@ int run(int argc, char** argv) {
     if (!up.is_ok()) return fail(up.status());
     dm.emplace(std::move(up).value());
     auto op = sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(),
-                                                    n_new, pool_enc.value());
+                                                    n_new, pool_enc.value(),
+                                                    /*cuda_graph=*/!a.count("no-cuda-graph"));
     if (op.is_ok()) {
       ds.emplace(std::move(op).value());
     } else if (dev == "auto" && op.status().code() == sf::Code::kUnsupported) {
@@ -135,8 +138,10 @@ int run(int argc, char** argv) {
               gpu ? dm->device_name().c_str() : "cpu",
               std::chrono::duration<double>(t2 - t1).count());
   if (gpu)
-    std::printf("device pool: %s, %.1f MiB\n", sf::kvstore::kv_encoding_name(pool_enc.value()),
-                double(ds->pool_bytes()) / (1 << 20));
+    std::printf("device pool: %s, %.1f MiB; %lld of %d steps replayed as a CUDA graph\n",
+                sf::kvstore::kv_encoding_name(pool_enc.value()),
+                double(ds->pool_bytes()) / (1 << 20), static_cast<long long>(ds->graph_steps()),
+                n_new);
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",
               st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0);

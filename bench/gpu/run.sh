@@ -27,6 +27,10 @@
 #   SF_DECODE      token counts for sf_bench_decode (e.g. "32768 131072"): the decode kernel
 #                  per pool encoding (SF_DECODE_POOLS, default f32,bf16,int8) and mode, one JSON
 #                  line each into decode-<gpu>.jsonl
+#   SF_DECODE_SESSION  shape:tokens pairs for sf_bench_decode_session (e.g. "smollm2:4096
+#                  llama3-8b:8192"): the decode node's step per token, kernels launched one by one
+#                  and as a CUDA graph, one JSON line each into decode-session-<gpu>.jsonl
+#                  (SF_DECODE_STEPS timed steps, default 64)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -368,6 +372,21 @@ if [[ -n "${SF_DECODE:-}" ]]; then
     fi
   done
   notes+=("$(cut -c1-300 "$dj" | head -18)")
+fi
+
+# ---- the decode node's step (sf_bench_decode_session): eager and CUDA-graph steps -------------
+if [[ -n "${SF_DECODE_SESSION:-}" ]]; then
+  sgpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+         tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+  sj="$out/decode-session-${sgpu:-unknown-gpu}.jsonl"
+  : >"$sj"
+  for spec in $SF_DECODE_SESSION; do
+    if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode_session" "${spec%%:*}" \
+         "${spec#*:}" "${SF_DECODE_STEPS:-64}" >>"$sj" 2>>"$logs/build.log"; then
+      fail "sf_bench_decode_session $spec failed (its stderr is at the end of build.log)"
+    fi
+  done
+  notes+=("$(cut -c1-300 "$sj" | head -12)")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

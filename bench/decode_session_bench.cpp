@@ -1,0 +1,149 @@
+// The decode node's step on a GPU host: decode::DeviceDecodeSession over a cache of N tokens, a
+// model of a named shape with deterministic synthetic weights (model::DeviceModel::synthetic),
+// timed per token as a caller sees it (step() returns the logits; the next token is their argmax
+// on the host), with each step's kernels launched one by one and replayed as one CUDA graph.
+// Keys N(0, 0.3), values N(0, 1), every position kept (the timing does not depend on their
+// values). One JSON line per (weights, pool, graph) configuration.
+//   sf_bench_decode_session [shape=smollm2|llama3-8b] [tokens=4096] [steps=64]
+//                           [pools=f32,int8] [weights=bf16,f32]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "decode/device_session.h"
+#include "kvstore/kv_quant.h"
+#include "worker/model/device_model.h"
+
+using namespace sf;
+
+namespace {
+int fail(const char* what, const Status& st) {
+  std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
+  return 1;
+}
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> v;
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t c = std::min(s.find(',', at), s.size());
+    v.push_back(s.substr(at, c - at));
+    at = c + 1;
+  }
+  return v;
+}
+
+// SmolLM2-135M (the default model's shape) and Llama-3-8B (config.json of each).
+Result<model::ModelConfig> shape(const std::string& name) {
+  model::ModelConfig c;
+  c.name = name + "-shaped (synthetic weights)";
+  c.max_context = 1 << 20;
+  if (name == "smollm2") {
+    c.n_layers = 30, c.hidden = 576, c.n_heads = 9, c.n_kv_heads = 3, c.head_dim = 64;
+    c.intermediate = 1536, c.vocab = 49152, c.rms_eps = 1e-5f, c.tied_embeddings = true;
+    c.rope.theta = 100000.f;
+  } else if (name == "llama3-8b") {
+    c.n_layers = 32, c.hidden = 4096, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128;
+    c.intermediate = 14336, c.vocab = 128256, c.rms_eps = 1e-5f;
+    c.rope.theta = 500000.f;
+    c.rope.scaling_factor = 8.f;
+    c.rope.low_freq_factor = 1.f;
+    c.rope.high_freq_factor = 4.f;
+    c.rope.original_max_pos = 8192;
+  } else {
+    return SF_ERR(kInvalidArgument, "shape '" + name + "' is not smollm2 or llama3-8b");
+  }
+  SF_TRY(c.validate());
+  return c;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string shape_name = argc > 1 ? argv[1] : "smollm2";
+  const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096;
+  const int steps = argc > 3 ? std::atoi(argv[3]) : 64;
+  const auto pools = split(argc > 4 ? argv[4] : "f32,int8");
+  const auto weights = split(argc > 5 ? argv[5] : "bf16,f32");
+  auto cfg = shape(shape_name);
+  if (!cfg.is_ok()) return fail("shape", cfg.status());
+  if (n < 1 || steps < 1) {
+    std::fprintf(stderr, "usage: sf_bench_decode_session [smollm2|llama3-8b] [tokens>=1] "
+                         "[steps>=1] [pools] [weights]\n");
+    return 2;
+  }
+  const model::ModelConfig& c = cfg.value();
+  // The cache: every layer and KV head holds positions 0 .. n-1.
+  decode::PagedKvCache cache;
+  {
+    model::KvCache kv;
+    kv.n_layers = c.n_layers;
+    kv.n_kv_heads = c.n_kv_heads;
+    kv.head_dim = c.head_dim;
+    kv.n_tokens = n;
+    std::mt19937_64 rng(20261125);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    const size_t per = size_t(n) * size_t(c.n_kv_heads) * size_t(c.head_dim);
+    for (int l = 0; l < c.n_layers; ++l) {
+      kv.k.emplace_back(per);
+      kv.v.emplace_back(per);
+      for (auto& x : kv.k.back()) x = 0.3f * nd(rng);
+      for (auto& x : kv.v.back()) x = nd(rng);
+    }
+    auto ret = kvstore::retention_apply(kvstore::RetentionPolicy{}, c.n_layers, c.n_kv_heads, n,
+                                        nullptr);
+    if (!ret.is_ok()) return fail("retention", ret.status());
+    auto pc = decode::PagedKvCache::from_prefill(kv, ret.value());
+    if (!pc.is_ok()) return fail("paged cache", pc.status());
+    cache = std::move(pc).value();
+  }
+  cudaDeviceProp prop{};
+  (void)cudaGetDeviceProperties(&prop, 0);
+  const auto ap = decode::decode_attn_parse("full").value();
+  for (const std::string& wname : weights) {
+    const DType wdt = wname == "f32" ? DType::kF32 : DType::kBF16;
+    if (wname != "f32" && wname != "bf16") return fail("weights", SF_ERR(kInvalidArgument, wname));
+    auto dm = model::DeviceModel::synthetic(c, 7, wdt);
+    if (!dm.is_ok()) return fail("device model", dm.status());
+    for (const std::string& pname : pools) {
+      auto enc = kvstore::kv_encoding_parse(pname);
+      if (!enc.is_ok()) return fail("pool", enc.status());
+      for (const bool graph : {false, true}) {
+        auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap, steps + 2,
+                                                   enc.value(), graph);
+        if (!s.is_ok()) return fail("session", s.status());
+        std::vector<float> z;
+        int32_t t = 1;
+        auto next = [&]() -> Status {
+          SF_TRY(s->step(t, &z));
+          t = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+          return Status::ok();
+        };
+        // Two untimed steps: the first runs eagerly (plans, caches), the second captures.
+        for (int i = 0; i < 2; ++i)
+          if (Status st = next(); !st.is_ok()) return fail("warm-up step", st);
+        const double t0 = now_s();
+        for (int i = 0; i < steps; ++i)
+          if (Status st = next(); !st.is_ok()) return fail("step", st);
+        const double ms = 1e3 * (now_s() - t0) / steps;
+        std::printf(
+            "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
+            "\"pool\": \"%s\", \"pool_bytes\": %zu, \"tokens\": %lld, \"steps\": %d, "
+            "\"cuda_graph\": %s, \"graph_steps\": %lld, \"ms_per_token\": %.3f, "
+            "\"tokens_per_s\": %.1f}\n",
+            prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
+            s->pool_bytes(), static_cast<long long>(n), steps, graph ? "true" : "false",
+            static_cast<long long>(s->graph_steps()), ms, 1e3 / ms);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
