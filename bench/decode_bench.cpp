@@ -151,17 +151,16 @@ int main(int argc, char** argv) {
     const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
                                : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
                                                                    : 64.0 * d * 4 * 2;
-    // psa once each; full over an encoded pool once per heads_per_warp (a warp per query head,
-    // or 2 or 4 of a KV head's query heads sharing each block's rows), full over F32 once.
-    const bool encoded = enc != kvstore::KvEncoding::kF32;
-    const int full_runs = encoded && hq / hkv >= 2 ? 3 : 1;
-    for (int run = 0; run < 2 + full_runs; ++run) {
-      const int si = run < full_runs ? 0 : run - full_runs + 1;
+    // Full mode over an INT8 pool runs twice: the query heads of a KV head sharing each
+    // block's codes (the default), then a warp per query head (kv_shared false).
+    const bool encoded = enc == kvstore::KvEncoding::kInt8;
+    for (int run = 0; run < (encoded ? 4 : 3); ++run) {
+      const int si = run < 3 ? run : 0;
       const char* spec = specs[si];
       auto p = decode::decode_attn_parse(spec);
       kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-      const int gq = si == 0 && full_runs > 1 ? (run == 0 ? 1 : run == 1 ? 2 : 4) : 1;
-      kp.heads_per_warp = gq;
+      kp.share_kv_heads = run < 3;
+      const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),
@@ -189,11 +188,11 @@ int main(int argc, char** argv) {
           "\"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
           "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
           "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
-          "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"heads_per_warp\": %d}\n",
+          "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
           static_cast<long long>(host_visited[si]), static_cast<long long>(visited), dev_us,
-          host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, gq);
+          host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false");
     }
   }
   return 0;

@@ -59,11 +59,6 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
     return SF_ERR(kInvalidArgument, "paged_decode_attention: heads " + std::to_string(n_heads) +
                                         " not a multiple of kv heads " +
                                         std::to_string(kv.n_kv_heads));
-  if (p.heads_per_warp != 0 && p.heads_per_warp != 1 && p.heads_per_warp != 2 &&
-      p.heads_per_warp != 4)
-    return SF_ERR(kInvalidArgument, "paged_decode_attention: heads_per_warp " +
-                                        std::to_string(p.heads_per_warp) +
-                                        " is not 0 (auto), 1, 2 or 4");
   if (p.psa && !(p.eps > 0 && p.eps <= 1))
     return SF_ERR(kOutOfRange,
                   "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");

@@ -48,11 +48,10 @@ struct PagedDecodeParams {
   bool pin_sink_recent = true;  // psa: sink and newest block first, not ranked
   bool recent_mean = false;     // psa: unseen mass from the last kPsaRecentBlocks, not AS_min
   float scale = 0.f;            // 0: 1/sqrt(head_dim)
-  // full mode, BF16 and INT8 pools, 2+ query heads per KV head: how many of a KV head's query
-  // heads a warp scores each block for at once (1, 2 or 4), so the block's rows are loaded and
-  // converted once per that many heads. 0: the measured best (INT8 4, BF16 1). F32 and psa
-  // always take a warp per query head.
-  int heads_per_warp = 0;
+  // full mode, INT8 pools, 2+ query heads per KV head: a warp scores a block for all of its KV
+  // head's query heads (up to 4 a pass), so the block's codes are loaded and converted once a
+  // pass instead of once per query head. false: a warp per query head (as F32, BF16 and psa).
+  bool share_kv_heads = true;
 };
 
 // Device memory the full mode needs for its split partials (0 when it needs none): a plan step,

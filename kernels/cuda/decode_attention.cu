@@ -66,8 +66,7 @@ struct DecodeArgs {
   float scale;
   double eps;
   bool pin, recent_mean;
-  int shared;  // full mode: query heads a warp scores together (1: full_kernel, 2 or 4:
-               // full_shared_kernel, a grid over KV heads), splits counted for it
+  bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -354,44 +353,46 @@ __global__ void merge_kernel(const DecodeArgs a) {
 }
 
 // Full mode with the query heads of a KV head sharing each block's rows (INT8 pools):
-// warp_block's work for GQ query heads at once (GQ 2 or 4). The rows are loaded and, INT8,
+// warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
 // converted once; each head keeps its own folded query, scores, weights and sums, summed in the
 // same order as warp_block's, so every head's result is the one warp_block gives it.
-template <int D, PoolDType T, int GQ>
-__device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPerLoad<T>],
+constexpr int kGqaMax = 4;
+
+template <int D, PoolDType T>
+__device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kElemsPerLoad<T>],
                                                  int G, const PagedKv& kv, int64_t blk, int n,
-                                                 float scale, float (&bm)[GQ],
-                                                 double (&mass)[GQ],
-                                                 float4 (&o4)[GQ]) {
+                                                 float scale, float (&bm)[kGqaMax],
+                                                 double (&mass)[kGqaMax],
+                                                 float4 (&o4)[kGqaMax]) {
   constexpr int E = kElemsPerLoad<T>;
   constexpr int LPR = D / E;
   constexpr int RPL = 32 / LPR;
   const int lane = threadIdx.x & 31, grp = lane % LPR, sub = lane / LPR;
   const int64_t row0 = blk * kBT;
-  float qk[GQ][E];
-  float bias[GQ];
+  float qk[kGqaMax][E];
+  float bias[kGqaMax];
   if constexpr (T == PoolDType::kInt8) {
     float ks[E], kz[E];
     ld_f16<E>(kv.kscale + blk * D + E * grp, ks);
     ld_f16<E>(kv.kzero + blk * D + E * grp, kz);
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       bias[hh] = 0.f;
 #pragma unroll
       for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i] * ks[i], bias[hh] += qf[hh][i] * kz[i];
     }
   } else {
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       bias[hh] = 0.f;
 #pragma unroll
       for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i];
     }
   }
-  float s[GQ][2];
+  float s[kGqaMax][2];
 #pragma unroll
   for (int round = 0; round < 2; ++round) {
-    float v[GQ][LPR];
+    float v[kGqaMax][LPR];
 #pragma unroll
     for (int j = 0; j < LPR; ++j) {
       const int row = round * 32 + j * RPL + sub;
@@ -403,7 +404,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
         for (int i = 0; i < E; ++i) x[i] = 0.f;
       }
 #pragma unroll
-      for (int hh = 0; hh < GQ; ++hh) {
+      for (int hh = 0; hh < kGqaMax; ++hh) {
         float acc = bias[hh];
 #pragma unroll
         for (int i = 0; i < E; ++i) acc += qk[hh][i] * x[i];
@@ -412,14 +413,14 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
     }
     const int row = round * 32 + grp * RPL + sub;
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       if (hh < G) reduce_scatter<LPR / 2>(v[hh], lane);  // G is uniform over the warp
       s[hh][round] = row < n ? v[hh][0] * scale : -INFINITY;
     }
   }
-  float e[GQ][2];
+  float e[kGqaMax][2];
 #pragma unroll
-  for (int hh = 0; hh < GQ; ++hh) {
+  for (int hh = 0; hh < kGqaMax; ++hh) {
     float m = fmaxf(s[hh][0], s[hh][1]);
     double t = 0;
     if (hh < G) {
@@ -436,9 +437,9 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
     bm[hh] = m;
     mass[hh] = t;
   }
-  float ez[GQ][2];
+  float ez[kGqaMax][2];
 #pragma unroll
-  for (int hh = 0; hh < GQ; ++hh) ez[hh][0] = ez[hh][1] = 0.f;
+  for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][0] = ez[hh][1] = 0.f;
   if constexpr (T == PoolDType::kInt8) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -446,14 +447,14 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
       if (row < n) {
         const float z = f16f(__ldg(kv.vzero + row0 + row)), sc = f16f(__ldg(kv.vscale + row0 + row));
 #pragma unroll
-        for (int hh = 0; hh < GQ; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
+        for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
       }
     }
   }
-  float acc[GQ][E];
-  float accz[GQ];
+  float acc[kGqaMax][E];
+  float accz[kGqaMax];
 #pragma unroll
-  for (int hh = 0; hh < GQ; ++hh) {
+  for (int hh = 0; hh < kGqaMax; ++hh) {
     accz[hh] = 0.f;
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[hh][i] = 0.f;
@@ -463,9 +464,9 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
     const int row = j * RPL + sub;
     const int r = row & 31;
     const int src = (r % RPL) * LPR + r / RPL;
-    float w[GQ];
+    float w[kGqaMax];
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       w[hh] = __shfl_sync(kAll, (j * RPL) < 32 ? e[hh][0] : e[hh][1], src);
       if constexpr (T == PoolDType::kInt8)
         accz[hh] += __shfl_sync(kAll, (j * RPL) < 32 ? ez[hh][0] : ez[hh][1], src);
@@ -474,13 +475,13 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
       float x[E];
       ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
 #pragma unroll
-      for (int hh = 0; hh < GQ; ++hh)
+      for (int hh = 0; hh < kGqaMax; ++hh)
 #pragma unroll
         for (int i = 0; i < E; ++i) acc[hh][i] += w[hh] * x[i];
     }
   }
 #pragma unroll
-  for (int hh = 0; hh < GQ; ++hh) {
+  for (int hh = 0; hh < kGqaMax; ++hh) {
     if (hh >= G) {
       o4[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
       continue;
@@ -511,15 +512,15 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[GQ][kElemsPer
 }
 
 // Full mode, shared: CTA (split, KV head g), grid index = split * n_kv_heads + g. Warp w takes
-// the split's pages w, w + 4, ... for the KV head's query heads, GQ a pass; each head's
+// the split's pages w, w + 4, ... for the KV head's query heads, kGqaMax a pass; each head's
 // split result goes where full_kernel's would (the same merge follows).
-template <int D, PoolDType T, int GQ>
+template <int D, PoolDType T>
 __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const DecodeArgs a) {
   constexpr int E = kElemsPerLoad<T>;
   constexpr int LPR = D / 4;
-  __shared__ float sm_m[kFullWarps][GQ];
-  __shared__ double sm_l[kFullWarps][GQ];
-  __shared__ float4 sm_o[kFullWarps][GQ][LPR];
+  __shared__ float sm_m[kFullWarps][kGqaMax];
+  __shared__ double sm_l[kFullWarps][kGqaMax];
+  __shared__ float4 sm_o[kFullWarps][kGqaMax][LPR];
   const int n_kv = a.kv.n_kv_heads, group = a.n_heads / n_kv;
   const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -527,11 +528,11 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
-  for (int h0 = 0; h0 < group; h0 += GQ) {
-    const int G = min(GQ, group - h0);
-    float qf[GQ][E];
+  for (int h0 = 0; h0 < group; h0 += kGqaMax) {
+    const int G = min(kGqaMax, group - h0);
+    float qf[kGqaMax][E];
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       if (hh < G) {
         load_q<D, T>(a.q + int64_t(g * group + h0 + hh) * D, qf[hh]);
       } else {
@@ -539,25 +540,25 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
         for (int i = 0; i < E; ++i) qf[hh][i] = 0.f;
       }
     }
-    float m[GQ];
-    double l[GQ];
-    float4 o[GQ];
+    float m[kGqaMax];
+    double l[kGqaMax];
+    float4 o[kGqaMax];
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) m[hh] = -INFINITY, l[hh] = 0, o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int hh = 0; hh < kGqaMax; ++hh) m[hh] = -INFINITY, l[hh] = 0, o[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int b = b0 + warp; b < b1; b += kFullWarps) {
       const int64_t blk = pages[b];
       const int n = a.kv.fill[blk];
       if (n <= 0) continue;
-      float bm[GQ];
-      double mass[GQ];
-      float4 ob[GQ];
-      warp_block_heads<D, T, GQ>(qf, G, a.kv, blk, n, a.scale, bm, mass, ob);
+      float bm[kGqaMax];
+      double mass[kGqaMax];
+      float4 ob[kGqaMax];
+      warp_block_heads<D, T>(qf, G, a.kv, blk, n, a.scale, bm, mass, ob);
 #pragma unroll
-      for (int hh = 0; hh < GQ; ++hh)
+      for (int hh = 0; hh < kGqaMax; ++hh)
         if (hh < G) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
     }
 #pragma unroll
-    for (int hh = 0; hh < GQ; ++hh) {
+    for (int hh = 0; hh < kGqaMax; ++hh) {
       if (lane < LPR) sm_o[warp][hh][lane] = o[hh];
       if (lane == 0) sm_m[warp][hh] = m[hh], sm_l[warp][hh] = l[hh];
     }
@@ -1036,26 +1037,24 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
   }
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits);
-  if constexpr (T != PoolDType::kF32) {
-    if (a.shared > 1) {
+  if constexpr (T == PoolDType::kInt8) {
+    if (a.shared) {
       // One wave at the kernel's occupancy (its registers allow fewer CTAs an SM than
       // full_kernel's 6, for which the workspace was sized: an upper bound).
-      auto kernel = a.shared == 2 ? full_shared_kernel<D, T, 2> : full_shared_kernel<D, T, 4>;
-      static std::atomic<int> occ[2] = {};
-      std::atomic<int>& oc = occ[a.shared == 2 ? 0 : 1];
-      int per_sm = oc.load(std::memory_order_relaxed);
+      static std::atomic<int> occ{0};
+      int per_sm = occ.load(std::memory_order_relaxed);
       if (per_sm == 0) {
-        SF_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                  kFullWarps * 32, 0));
+        SF_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, full_shared_kernel<D, T>, kFullWarps * 32, 0));
         per_sm = std::clamp(per_sm, 1, 6);
-        oc.store(per_sm, std::memory_order_relaxed);
+        occ.store(per_sm, std::memory_order_relaxed);
       }
       b.splits = full_splits(a.kv.n_kv_heads, a.kv.max_pages, per_sm);
       grid = unsigned(a.kv.n_kv_heads * b.splits);
-      kernel<<<grid, kFullWarps * 32, 0, st>>>(b);
+      full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
     }
   }
-  if (b.shared <= 1) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
+  if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
   if (b.splits > 1) {
     merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
@@ -1107,14 +1106,11 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.visited = visited;
   a.kv = kv;
   a.n_heads = n_heads;
-  // Query heads a warp scores together in full mode: the plan's choice, or by default 4 for
-  // INT8, whose conversion is most of the work, and 1 for F32 and BF16 (bench/NOTES.md). F32
-  // always takes a warp per head; sharing needs 2+ query heads per KV head.
-  const int group = n_heads / kv.n_kv_heads;
-  int gq = p.heads_per_warp > 0 ? p.heads_per_warp : kv.dtype == PoolDType::kInt8 ? 4 : 1;
-  if (p.psa || kv.dtype == PoolDType::kF32 || kv.head_dim == 32 || group < 2) gq = 1;
-  a.shared = gq;
-  a.splits = p.psa ? 1 : full_splits(a.shared > 1 ? kv.n_kv_heads : n_heads, kv.max_pages);
+  // The shared kernel where it pays: INT8 rows, whose conversion is most of the work, and 2+
+  // query heads per KV head (F32 and BF16 ran faster with a warp per head: bench/NOTES.md).
+  a.shared = !p.psa && p.share_kv_heads && kv.dtype == PoolDType::kInt8 && kv.head_dim != 32 &&
+             n_heads / kv.n_kv_heads >= 2;
+  a.splits = p.psa ? 1 : full_splits(a.shared ? kv.n_kv_heads : n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;

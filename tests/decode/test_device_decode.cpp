@@ -78,10 +78,10 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
 
 // The device kernel's output and visits for one mode, against the host's on the same cache.
 // tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
-// gq: PagedDecodeParams::heads_per_warp (0: the default).
+// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools).
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
                          const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
-                         int gq = 0) {
+                         bool share = true) {
   const int hq = int(q.size()) / cache.head_dim();
   auto p = decode::decode_attn_parse(spec);
   ASSERT_TRUE(p.is_ok());
@@ -90,7 +90,7 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   ASSERT_TRUE(
       decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
   kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-  kp.heads_per_warp = gq;
+  kp.share_kv_heads = share;
   DeviceBuffer dq, dout, dvis, dws;
   const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0));
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
@@ -122,8 +122,8 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
   }
   EXPECT_LT(worst, tol) << spec;
-  std::printf("d %3d %-14s heads/warp %d visited %lld of %lld blocks, max err %.2g\n",
-              cache.head_dim(), spec.c_str(), gq, static_cast<long long>(visited),
+  std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
+              spec.c_str(), share ? "" : " (a warp per query head)", static_cast<long long>(visited),
               static_cast<long long>(hs.blocks_total), worst);
 }
 
@@ -227,12 +227,13 @@ TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
       ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
       std::printf("%s pool, %zu bytes\n", kvstore::kv_encoding_name(enc), pool->bytes());
       for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
-      for (int gq : {1, 2, 4}) expect_same_as_host(p.cache, pool.value(), p.q, "full", 1e-5, gq);
+      expect_same_as_host(p.cache, pool.value(), p.q, "full", 1e-5, /*share=*/false);
     }
 }
 
-// Full mode over encoded pools at other group sizes, every heads_per_warp: 3 (the shared kernels
-// with a head slot idle), 8 (several passes) and 1 (no sharing: a warp per query head).
+// Full mode over encoded pools at other group sizes: for INT8, 3 (one pass of the shared kernel
+// with a head slot idle), 8 (two passes) and 1 (no sharing: a warp per query head); BF16 takes
+// a warp per query head at every size.
 TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
   for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
@@ -243,18 +244,7 @@ TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
         ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
         ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
         std::printf("%s pool, %d / %d heads\n", kvstore::kv_encoding_name(enc), hq, hkv);
-        for (int gq : {1, 2, 4}) expect_same_as_host(p.cache, pool.value(), p.q, "full", 1e-5, gq);
-        if (hq == 9 && d == 64) {  // a count the kernels do not have is refused, not run
-          kernels::PagedDecodeParams kp;
-          kp.heads_per_warp = 3;
-          DeviceBuffer dq, dout;
-          ASSERT_TRUE(dq.alloc(p.q.size() * 4).is_ok() && dout.alloc(p.q.size() * 4).is_ok());
-          const Status st = kernels::paged_decode_attention(
-              dq.as<float>(), hq, pool->layer(0), kp, dout.as<float>(), nullptr, nullptr, 0,
-              kernels::Stream{Device::kCuda, nullptr});
-          EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
-          EXPECT_NE(st.message().find("heads_per_warp"), std::string::npos) << st.to_string();
-        }
+        expect_same_as_host(p.cache, pool.value(), p.q, "full");
       }
 }
 
