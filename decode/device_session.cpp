@@ -201,8 +201,8 @@ struct DeviceDecodeSession::Impl {
   int64_t H = 0, I = 0, vocab = 0;
   cudaStream_t stream = nullptr;
   DevicePagedPool pool;
-  // Activations (F32), the BF16 GEMM input, token + position, per-layer visited counts.
-  kernels::cuda::DeviceBuffer x, xn, xh, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited,
+  // Activations (F32), token + position, per-layer visited counts.
+  kernels::cuda::DeviceBuffer x, xn, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited,
       attn_ws;  // paged_decode_attention's split partials (every layer's pool has one shape)
   std::vector<int32_t> visited_host;
   // Per layer and KV head, as the appends leave them: blocks and the last block's fill (the
@@ -229,18 +229,12 @@ struct DeviceDecodeSession::Impl {
     v.device = Device::kCuda;
     return v;
   }
-  // x [1, n] F32 as a GEMM input: itself with F32 weights, else rounded into xh once for every
-  // linear that reads it.
-  Result<TensorView> gemm_input(const kernels::cuda::DeviceBuffer& x_f32, int64_t n) {
-    const TensorView xf = dview(x_f32, DType::kF32, {1, n});
-    if (dm->weight_dtype() == DType::kF32) return xf;
-    const TensorView h = dview(xh, dm->weight_dtype(), {1, n});
-    SF_TRY(kernels::cast(xf, h, cs()));
-    return h;
-  }
-  Status linear(const TensorView& in, const TensorView& wt, const TensorView& bias,
-                const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
-    return kernels::linear(in, wt, bias, dview(out, DType::kF32, {1, n_out}), cs());
+  // out[1, n_out] = wt in[1, n_in] (+ bias): the one-row GEMV reads F32 x against F32 or BF16
+  // weights as stored, so no cast kernel precedes a linear.
+  Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
+                const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
+    return kernels::gemv(dview(in, DType::kF32, {1, n_in}), wt, bias,
+                         dview(out, DType::kF32, {1, n_out}), cs());
   }
 };
 
@@ -293,7 +287,6 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
       m.last_fill.push_back(pg.empty() ? kBlockTokens : cache.block(pg.back()).n);
     }
   const int64_t qd = int64_t(c.n_heads) * d, kvd = hkv * d;
-  const int64_t widest = std::max({m.H, qd, m.I});
   for (auto [buf, n] : {std::pair{&m.x, m.H},
                         {&m.xn, m.H},
                         {&m.q, qd},
@@ -305,7 +298,6 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                         {&m.up, m.I},
                         {&m.logits, m.vocab}})
     SF_TRY(buf->alloc(sizeof(float) * size_t(n)));
-  SF_TRY(m.xh.alloc(sizeof(uint16_t) * size_t(widest)));
   SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
   SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
   if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0)); ws > 0)
@@ -401,10 +393,9 @@ Status DeviceDecodeSession::enqueue_step() {
     const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
     SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.attn_norm, c.rms_eps,
                              Impl::dview(m.xn, F, {1, H}), cs));
-    SF_ASSIGN(TensorView in, m.gemm_input(m.xn, H));
-    SF_TRY(m.linear(in, L.wq, L.bq, m.q, qd));
-    SF_TRY(m.linear(in, L.wk, L.bk, m.kn, kvd));
-    SF_TRY(m.linear(in, L.wv, L.bv, m.vn, kvd));
+    SF_TRY(m.linear(m.xn, H, L.wq, L.bq, m.q, qd));
+    SF_TRY(m.linear(m.xn, H, L.wk, L.bk, m.kn, kvd));
+    SF_TRY(m.linear(m.xn, H, L.wv, L.bv, m.vn, kvd));
     SF_TRY(kernels::rope(Impl::dview(m.q, F, {1, m.hq, m.d}), d_pos, rope, cs));
     SF_TRY(kernels::rope(Impl::dview(m.kn, F, {1, m.hkv, m.d}), d_pos, rope, cs));
     const kernels::PagedKv kv = m.pool.layer(l);
@@ -412,24 +403,20 @@ Status DeviceDecodeSession::enqueue_step() {
     SF_TRY(kernels::paged_decode_attention(m.q.as<float>(), m.hq, kv, m.kp, m.att.as<float>(),
                                            m.visited.as<int32_t>() + int64_t(l) * m.hq,
                                            m.attn_ws.data(), m.attn_ws.size(), cs));
-    SF_ASSIGN(in, m.gemm_input(m.att, qd));
-    SF_TRY(m.linear(in, L.wo, none, m.tmp, H));
+    SF_TRY(m.linear(m.att, qd, L.wo, none, m.tmp, H));
     SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
     SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.ffn_norm, c.rms_eps,
                              Impl::dview(m.xn, F, {1, H}), cs));
-    SF_ASSIGN(in, m.gemm_input(m.xn, H));
-    SF_TRY(m.linear(in, L.w_gate, none, m.gate, I));
-    SF_TRY(m.linear(in, L.w_up, none, m.up, I));
+    SF_TRY(m.linear(m.xn, H, L.w_gate, none, m.gate, I));
+    SF_TRY(m.linear(m.xn, H, L.w_up, none, m.up, I));
     SF_TRY(kernels::swiglu(Impl::dview(m.gate, F, {1, I}), Impl::dview(m.up, F, {1, I}),
                            Impl::dview(m.gate, F, {1, I}), cs));
-    SF_ASSIGN(in, m.gemm_input(m.gate, I));
-    SF_TRY(m.linear(in, L.w_down, none, m.tmp, H));
+    SF_TRY(m.linear(m.gate, I, L.w_down, none, m.tmp, H));
     SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
   }
   SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), m.w.out_norm, c.rms_eps,
                            Impl::dview(m.xn, F, {1, H}), cs));
-  SF_ASSIGN(TensorView in, m.gemm_input(m.xn, H));
-  return m.linear(in, m.w.lm_head, none, m.logits, m.vocab);
+  return m.linear(m.xn, H, m.w.lm_head, none, m.logits, m.vocab);
 }
 
 #else  // !SF_HAVE_CUDA

@@ -82,6 +82,20 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
   SF_DISPATCH(linear, x, w, bias, y);
 }
 
+Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s) {
+  SF_TRY(same_device("gemv", s, {&x, &w, &bias, &y}));
+  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2 && x.shape[0] == 1 && y.shape[0] == 1, "gemv",
+              "x [1, in], w [out, in], y [1, out]"));
+  SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[1] == w.shape[0], "gemv",
+              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
+  SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, "gemv", "rows must be contiguous"));
+  SF_TRY(need(x.dtype == DType::kF32 && y.dtype == DType::kF32 && (w.dtype == DType::kF32 || w.dtype == DType::kBF16),
+              "gemv", std::string("x and y F32, w F32 or BF16; got w ") + dtype_name(w.dtype)));
+  SF_TRY(need(!bias.data || (bias.numel() == w.shape[0] && bias.dtype == DType::kF32), "gemv",
+              "bias must have out F32 elements"));
+  SF_DISPATCH(gemv, x, w, bias, y);
+}
+
 Status cast(const TensorView& x, TensorView out, Stream s) {
   SF_TRY(same_device("cast", s, {&x, &out}));
   SF_TRY(need(x.contiguous() && out.contiguous() && x.numel() == out.numel(), "cast",

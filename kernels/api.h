@@ -49,6 +49,10 @@ Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, Stre
 Status add_inplace(TensorView out, const TensorView& x, Stream s = {});
 // y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out] if bias.data). fp32 accumulation.
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
+// y[1, out] = x[1, in] @ w[out, in]^T (+ bias[out]): linear() for one row, the decode step's
+// case. x, y, bias F32; w F32 or BF16, read as stored (x is not rounded); fp32 accumulation.
+// Rows contiguous.
+Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
 // out = x converted elementwise: F32 -> F16/BF16 (round to nearest even), F16/BF16 -> F32
 // (exact), or a copy when the dtypes match. Contiguous, equal element counts. Feeds the
 // half-precision inputs of linear() on backends whose GEMMs need x and w in one dtype.

@@ -11,6 +11,7 @@ Status rope(TensorView x, const int32_t* positions, const RopeParams& p);
 Status swiglu(const TensorView& gate, const TensorView& up, TensorView out);
 Status add_inplace(TensorView out, const TensorView& x);
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y);
+Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y);
 Status cast(const TensorView& x, TensorView out);
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                        TensorView lse, const AttentionParams& p);

@@ -32,6 +32,10 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream);
 // cuBLASLt; x and w both F32, F16 or BF16, y and bias F32; fp32 accumulation (no TF32).
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
               void* stream);
+// One row (api.cpp checked x [1, in], w F32 or BF16): a warp per 4 output rows, 16-byte loads of
+// w where rows are 16-byte aligned; no cuBLASLt, no workspace, no plan; capture-safe.
+Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
+            void* stream);
 // F32 <-> F16/BF16 or a same-dtype copy (api.cpp checked the pair); round to nearest even.
 Status cast(const TensorView& x, TensorView out, void* stream);
 // The plan step of linear(): creates this thread's cuBLASLt handle and workspace on the current

@@ -181,3 +181,65 @@ TEST(CpuKernels, CastRoundsToNearestEven) {
 
 }  // namespace
 }  // namespace sf
+
+namespace sf {
+namespace {
+
+// gemv against a double-precision dot product, F32 and BF16 weights (the BF16 bits widened
+// exactly on both sides, so only the summation order differs: 1e-5 of the row's sum of |w x|).
+// in = 577 leaves a tail after the 8-wide partial sums; a padded row stride checks ldw.
+TEST(CpuKernels, GemvMatchesDoubleReference) {
+  std::mt19937_64 rng(fresh_seed());
+  for (const int64_t in : {int64_t(576), int64_t(577)})
+    for (const DType wdt : {DType::kF32, DType::kBF16}) {
+      const int64_t out = 37, ldw = in + 8;
+      const auto x = randn(size_t(in), rng), w32 = randn(size_t(out * ldw), rng),
+                 b = randn(size_t(out), rng);
+      std::vector<uint16_t> w16(w32.size());
+      std::vector<float> wf(w32.size());  // the values the kernel reads
+      for (size_t i = 0; i < w32.size(); ++i) {
+        w16[i] = f32_to_bf16(w32[i]);
+        wf[i] = wdt == DType::kBF16 ? bf16_to_f32(w16[i]) : w32[i];
+      }
+      TensorView wv = wdt == DType::kBF16 ? TensorView::make(w16.data(), DType::kBF16, {out, ldw})
+                                          : TensorView::make(const_cast<float*>(w32.data()), DType::kF32, {out, ldw});
+      wv.shape[1] = in;  // rows of ldw elements, in of them used
+      std::vector<float> y(size_t(out), std::nanf(""));
+      ASSERT_TRUE(kernels::gemv(TensorView::make(const_cast<float*>(x.data()), DType::kF32, {1, in}), wv,
+                                TensorView::make(const_cast<float*>(b.data()), DType::kF32, {out}),
+                                TensorView::make(y.data(), DType::kF32, {1, out}))
+                      .is_ok());
+      for (int64_t j = 0; j < out; ++j) {
+        double ref = b[size_t(j)], mag = std::fabs(b[size_t(j)]);
+        for (int64_t c = 0; c < in; ++c) {
+          ref += double(wf[size_t(j * ldw + c)]) * x[size_t(c)];
+          mag += std::fabs(double(wf[size_t(j * ldw + c)]) * x[size_t(c)]);
+        }
+        ASSERT_TRUE(std::isfinite(y[size_t(j)]));
+        EXPECT_NEAR(y[size_t(j)], ref, 1e-5 * mag) << dtype_name(wdt) << " in " << in << " row " << j;
+      }
+    }
+}
+
+TEST(CpuKernels, GemvRefusesWhatItDoesNotTake) {
+  std::vector<float> x(16), w(64), y(8);
+  std::vector<uint16_t> h(64);
+  const TensorView none;
+  // Two rows of x: that is linear()'s job.
+  auto st = kernels::gemv(TensorView::make(x.data(), DType::kF32, {2, 8}), TensorView::make(w.data(), DType::kF32, {8, 8}),
+                          none, TensorView::make(y.data(), DType::kF32, {2, 4}));
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("gemv"), std::string::npos);
+  // F16 weights, and an output that does not match w's rows.
+  EXPECT_EQ(kernels::gemv(TensorView::make(x.data(), DType::kF32, {1, 8}), TensorView::make(h.data(), DType::kF16, {8, 8}),
+                          none, TensorView::make(y.data(), DType::kF32, {1, 8}))
+                .code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(kernels::gemv(TensorView::make(x.data(), DType::kF32, {1, 8}), TensorView::make(w.data(), DType::kF32, {8, 8}),
+                          none, TensorView::make(y.data(), DType::kF32, {1, 7}))
+                .code(),
+            Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sf

@@ -441,6 +441,56 @@ TEST_F(CudaOps, LinearHalf) {
   }
 }
 
+// ---- gemv: one row, F32 x against F32 or BF16 weights as stored ----------------------------------
+// The CPU gemv on the same values (BF16 widened exactly on both sides): only the summation order
+// differs, so LinearF32's bounds (2e-5 relative, 5e-4 absolute; outputs up to ~30 at in = 4096).
+// in = 577 and a padded row stride take the scalar path; out = 1001 leaves a partial warp.
+TEST_F(CudaOps, Gemv) {
+  struct Case {
+    int64_t in, out, ldw;
+    bool bias;
+  };
+  const Case cases[] = {{576, 1536, 576, false}, {4096, 1001, 4096, true}, {577, 300, 577, true},
+                        {576, 64, 584, false}, {576, 64, 580, true}};
+  for (const DType wdt : {DType::kF32, DType::kBF16})
+    for (const Case& c : cases) {
+      const auto x = uniform(size_t(c.in), -1.f, 1.f);
+      const auto w32 = uniform(size_t(c.out * c.ldw), -1.f, 1.f);
+      const auto b = uniform(size_t(c.out), -1.f, 1.f);
+      std::vector<uint16_t> w16(w32.size());
+      for (size_t i = 0; i < w32.size(); ++i) w16[i] = f32_to_bf16(w32[i]);
+      TensorView no_bias;
+      TensorView w_cpu = wdt == DType::kBF16
+                             ? TensorView::make(w16.data(), DType::kBF16, {c.out, c.ldw})
+                             : TensorView::make(const_cast<float*>(w32.data()), DType::kF32, {c.out, c.ldw});
+      w_cpu.shape[1] = c.in;
+      std::vector<float> ref(size_t(c.out));
+      ASSERT_OK(gemv(TensorView::make(const_cast<float*>(x.data()), DType::kF32, {1, c.in}), w_cpu,
+                     c.bias ? TensorView::make(const_cast<float*>(b.data()), DType::kF32, {c.out}) : no_bias,
+                     TensorView::make(ref.data(), DType::kF32, {1, c.out}), kCpu));
+      DevBuf d_x, d_w, d_b, d_y;
+      ASSERT_OK(d_x.alloc_upload(x));
+      if (wdt == DType::kBF16) {
+        ASSERT_OK(d_w.alloc_upload(w16));
+      } else {
+        ASSERT_OK(d_w.alloc_upload(w32));
+      }
+      ASSERT_OK(d_b.alloc_upload(b));
+      ASSERT_OK(d_y.alloc(ref.size() * 4));
+      ASSERT_OK(d_y.poison());
+      TensorView w_gpu = d_w.view(wdt, {c.out, c.ldw});
+      w_gpu.shape[1] = c.in;
+      ASSERT_OK(gemv(d_x.view(DType::kF32, {1, c.in}), w_gpu,
+                     c.bias ? d_b.view(DType::kF32, {c.out}) : no_bias,
+                     d_y.view(DType::kF32, {1, c.out}), kGpu));
+      expect_matches(std::string("gemv ") + dtype_name(wdt) + " in=" + std::to_string(c.in) +
+                         " out=" + std::to_string(c.out) + " ldw=" + std::to_string(c.ldw) +
+                         (c.bias ? " +bias" : ""),
+                     d_y, ref, {2e-5, 5e-4});
+      if (HasFatalFailure()) return;
+    }
+}
+
 // ---- attention_dense ----------------------------------------------------------------------------
 // fp32 online softmax vs the CPU's two-pass fp32 softmax (double denominator): differences are
 // exp/rounding order, ~1e-6 relative; 1e-5 relative and 1e-4 absolute on out (|out| <= 1) and on
