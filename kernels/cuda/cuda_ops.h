@@ -32,7 +32,7 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream);
 // cuBLASLt; x and w both F32, F16 or BF16, y and bias F32; fp32 accumulation (no TF32).
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
               void* stream);
-// One row (api.cpp checked x [1, in], w F32 or BF16): a warp per 4 output rows, 16-byte loads of
+// One row (api.cpp checked x [1, in], w F32 or BF16): a CTA per 4 output rows, 16-byte loads of
 // w where rows are 16-byte aligned; no cuBLASLt, no workspace, no plan; capture-safe.
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
             void* stream);

@@ -2,10 +2,11 @@
 // The decode step's linears are this shape: cuBLASLt's GEMM for one row needs x in w's dtype (a
 // cast kernel before each BF16 linear) and reads the weights at about half the copy rate.
 //
-// Work split: a warp takes kRows consecutive output rows; each lane reads 16 bytes of each row
-// (8 BF16 or 4 F32 weights) and the matching x elements once for all kRows rows, for every
-// 32-lane stride of the row; the lanes' partial sums are then reduced by shuffles. Rows that are
-// not 16-byte aligned (in not a multiple of 8 BF16 / 4 F32 elements) take a scalar loop.
+// Work split: a CTA of kWarps warps takes kRows consecutive output rows; each lane reads 16
+// bytes of each row (8 BF16 or 4 F32 weights) and the matching x elements once for all kRows
+// rows, the warps taking alternate 32-lane strides of the rows; lanes reduce by shuffles, warps
+// through shared memory in a fixed order. Rows that are not 16-byte aligned (in not a multiple
+// of 8 BF16 / 4 F32 elements) take a scalar loop.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,8 +17,8 @@
 namespace sf::kernels::cuda {
 namespace {
 
-constexpr int kRows = 4;           // output rows per warp
-constexpr int kWarps = 8;          // warps per CTA
+constexpr int kRows = 4;   // output rows per CTA
+constexpr int kWarps = 4;  // warps per CTA, each summing every kWarps-th 32-lane stride of the rows
 constexpr unsigned kAll = 0xffffffffu;
 
 template <bool kBf16>
@@ -56,13 +57,14 @@ __global__ void __launch_bounds__(kWarps * 32)
                 const float* __restrict__ bias, float* __restrict__ y, int64_t in, int64_t out) {
   using E = Elems<kBf16>;
   constexpr int P = E::kPerLoad;
-  const int lane = threadIdx.x & 31;
-  const int64_t row0 = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kRows;
-  if (row0 >= out) return;
+  __shared__ float part[kWarps][kRows];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row0 = int64_t(blockIdx.x) * kRows;
+  const int rows = int(min(int64_t(kRows), out - row0));
   float acc[kRows] = {};
   if constexpr (kVec) {
-#pragma unroll 2
-    for (int64_t c = int64_t(lane) * P; c < in; c += 32 * P) {
+#pragma unroll 4
+    for (int64_t c = (int64_t(warp) * 32 + lane) * P; c < in; c += int64_t(kWarps) * 32 * P) {
       const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c));
       float xv[P];
       xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
@@ -72,7 +74,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        if (row0 + r >= out) break;
+        if (r >= rows) break;
         float wv[P];
         E::load(w, (row0 + r) * ldw + c, wv);
 #pragma unroll
@@ -80,23 +82,26 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   } else {
-    for (int64_t c = lane; c < in; c += 32) {
+    for (int64_t c = int64_t(warp) * 32 + lane; c < in; c += int64_t(kWarps) * 32) {
       const float xc = __ldg(x + c);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (row0 + r < out) acc[r] += E::one(w, (row0 + r) * ldw + c) * xc;
+        if (r < rows) acc[r] += E::one(w, (row0 + r) * ldw + c) * xc;
     }
   }
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < kRows; ++r) {
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) acc[r] += __shfl_xor_sync(kAll, acc[r], o);
-  if (lane < kRows && row0 + lane < out) {
-    float v = acc[0];
+    if (lane == 0) part[warp][r] = acc[r];
+  }
+  __syncthreads();
+  // The warps' sums in warp order: the same result on every run (no atomics).
+  if (threadIdx.x < rows) {
+    float v = 0.f;
 #pragma unroll
-    for (int r = 1; r < kRows; ++r)
-      if (lane == r) v = acc[r];
-    y[row0 + lane] = v + (bias ? bias[row0 + lane] : 0.f);
+    for (int wi = 0; wi < kWarps; ++wi) v += part[wi][threadIdx.x];
+    y[row0 + threadIdx.x] = v + (bias ? bias[row0 + threadIdx.x] : 0.f);
   }
 }
 
@@ -108,8 +113,7 @@ Status launch(const TensorView& x, const TensorView& w, const TensorView& bias, 
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // 16-byte loads need every row start and x aligned: in and ldw multiples of the load width.
   const bool vec = in % P == 0 && ldw % P == 0 && aligned(w.data) && aligned(x.data);
-  const int64_t per_cta = int64_t(kWarps) * kRows;
-  const unsigned grid = unsigned((out + per_cta - 1) / per_cta);
+  const unsigned grid = unsigned((out + kRows - 1) / kRows);
   const float* b = bias.data ? bias.ptr<float>() : nullptr;
   if (vec)
     gemv_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(x.ptr<float>(), w.data, ldw, b,
@@ -126,7 +130,7 @@ Status launch(const TensorView& x, const TensorView& w, const TensorView& bias, 
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
             void* stream) {
   if (w.shape[0] == 0) return Status::ok();
-  if (int64_t(w.shape[0]) > int64_t(kWarps) * kRows * 2147483647LL)
+  if (int64_t(w.shape[0]) > int64_t(kRows) * 2147483647LL)
     return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
   const auto st = static_cast<cudaStream_t>(stream);
   return w.dtype == DType::kBF16 ? launch<true>(x, w, bias, y, st)
