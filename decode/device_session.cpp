@@ -229,12 +229,15 @@ struct DeviceDecodeSession::Impl {
     v.device = Device::kCuda;
     return v;
   }
-  // out[1, n_out] = wt in[1, n_in] (+ bias): the one-row GEMV reads F32 x against F32 or BF16
-  // weights as stored, so no cast kernel precedes a linear.
+  // out[1, n_out] = wt in[1, n_in] (+ bias), F32 x. BF16 weights: the one-row GEMV, which reads
+  // them as stored (no cast kernel before each linear; 3-10% faster a token than a cast and
+  // cuBLASLt on H100). F32 weights: cuBLASLt, which read them faster than the GEMV did
+  // (bench/NOTES.md, twenty-sixth session).
   Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
                 const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
-    return kernels::gemv(dview(in, DType::kF32, {1, n_in}), wt, bias,
-                         dview(out, DType::kF32, {1, n_out}), cs());
+    const TensorView x = dview(in, DType::kF32, {1, n_in}), y = dview(out, DType::kF32, {1, n_out});
+    if (wt.dtype == DType::kBF16) return kernels::gemv(x, wt, bias, y, cs());
+    return kernels::linear(x, wt, bias, y, cs());
   }
 };
 
