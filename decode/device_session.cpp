@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "decode/decode_session.h"
 #include "kernels/api.h"
@@ -214,7 +215,8 @@ struct DeviceDecodeSession::Impl {
   // step reads its token and position from tokpos and the pool's fill from the device, so one
   // capture serves every step. A capture the runtime refuses leaves the session eager.
   bool use_graph = true;
-  int64_t eager_steps = 0, graph_steps = 0;
+  int64_t eager_here = 0, graph_steps = 0;  // eager steps on step_thread; replays
+  std::thread::id step_thread;               // the thread of the last step
   cudaGraphExec_t graph = nullptr;
 
   ~Impl() {
@@ -330,31 +332,44 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
   const int32_t tp[2] = {token, int32_t(m.pos)};
   // Synchronous and ordered before this step's work: the previous step ended with a wait.
   SF_TRY(m.tokpos.upload(tp, sizeof(tp)));
+  // A captured graph holds the capturing thread's cuBLASLt workspace (the F32 weights' GEMMs,
+  // kernels/cuda/linear.cpp): a step from another thread drops the graph, runs eagerly there
+  // (planning that thread's GEMMs) and captures anew at its next step.
+  const std::thread::id self = std::this_thread::get_id();
+  if (self != m.step_thread) {
+    if (m.graph) (void)cudaGraphExecDestroy(m.graph);
+    m.graph = nullptr;
+    m.step_thread = self;
+    m.eager_here = 0;
+  }
+  bool ran = false;
   if (m.graph) {
     SF_CUDA_TRY(cudaGraphLaunch(m.graph, m.stream));
-    ++m.graph_steps;
-  } else if (m.use_graph && m.eager_steps > 0) {
+    ran = true;
+  } else if (m.use_graph && m.eager_here > 0) {
     cudaGraph_t g = nullptr;
-    SF_CUDA_TRY(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal));
-    const Status st = enqueue_step();
-    const cudaError_t end = cudaStreamEndCapture(m.stream, &g);
-    cudaError_t inst = cudaErrorUnknown;
-    if (st.is_ok() && end == cudaSuccess) inst = cudaGraphInstantiate(&m.graph, g, 0);
-    if (g) (void)cudaGraphDestroy(g);
-    if (inst == cudaSuccess) {
-      SF_CUDA_TRY(cudaGraphLaunch(m.graph, m.stream));
-      ++m.graph_steps;
-    } else {
-      // Nothing ran while capturing: this step and the later ones run eagerly instead.
-      (void)cudaGetLastError();
-      m.graph = nullptr;
-      m.use_graph = false;
-      SF_TRY(enqueue_step());
-      ++m.eager_steps;
+    if (cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+      const Status st = enqueue_step();
+      const cudaError_t end = cudaStreamEndCapture(m.stream, &g);
+      if (!st.is_ok() || end != cudaSuccess || cudaGraphInstantiate(&m.graph, g, 0) != cudaSuccess)
+        m.graph = nullptr;
+      if (g) (void)cudaGraphDestroy(g);
     }
+    if (m.graph) {
+      SF_CUDA_TRY(cudaGraphLaunch(m.graph, m.stream));
+      ran = true;
+    } else {
+      // Refused at any point: nothing ran while capturing, so this step and the later ones
+      // run eagerly instead.
+      (void)cudaGetLastError();
+      m.use_graph = false;
+    }
+  }
+  if (ran) {
+    ++m.graph_steps;
   } else {
     SF_TRY(enqueue_step());
-    ++m.eager_steps;
+    ++m.eager_here;
   }
   SF_TRY(kernels::cuda::stream_synchronize(m.stream));
   logits->resize(size_t(m.vocab));

@@ -59,7 +59,9 @@ class DeviceDecodeSession {
   // pool_enc: the device pool's encoding (DevicePagedPool::upload). cuda_graph: from the second
   // step on, replay the step's kernels as one CUDA graph instead of launching each (the same
   // kernels on the same buffers, so the same logits; a capture the runtime refuses leaves the
-  // session eager, which graph_steps() shows).
+  // session eager, which graph_steps() shows). A graph is bound to the thread that captured it
+  // (cuBLASLt's per-thread workspace): a step from another thread runs eagerly and captures
+  // again at the next one. Steps of one session must not run concurrently.
   static Result<DeviceDecodeSession> open(const model::DeviceModel& dm, const PagedKvCache& cache,
                                           int64_t next_pos, DecodeAttnParams p, int max_new_tokens,
                                           kvstore::KvEncoding pool_enc = kvstore::KvEncoding::kF32,

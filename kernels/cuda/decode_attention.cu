@@ -355,7 +355,8 @@ __global__ void merge_kernel(const DecodeArgs a) {
 // Full mode with the query heads of a KV head sharing each block's rows (INT8 pools):
 // warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
 // converted once; each head keeps its own folded query, scores, weights and sums, summed in the
-// same order as warp_block's, so every head's result is the one warp_block gives it.
+// same order as warp_block's, so every head's result for a block is the one warp_block gives it
+// (the splits differ from full_kernel's, so blocks merge in another order: the last bits move).
 constexpr int kGqaMax = 4;
 
 template <int D, PoolDType T>
@@ -1037,6 +1038,8 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
   }
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits);
+  if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
+    return SF_ERR(kInternal, "paged_decode_attention: the shared kernel is INT8's only");
   if constexpr (T == PoolDType::kInt8) {
     if (a.shared) {
       // One wave at the kernel's occupancy (its registers allow fewer CTAs an SM than

@@ -232,14 +232,20 @@ TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
 }
 
 // Full mode over encoded pools at other group sizes: for INT8, 3 (one pass of the shared kernel
-// with a head slot idle), 8 (two passes) and 1 (no sharing: a warp per query head); BF16 takes
-// a warp per query head at every size.
+// with a head slot idle), 8 (two passes), 6 (a full pass, then a partial one) and 1 (no
+// sharing: a warp per query head); BF16 takes a warp per query head at every size. The last
+// case is long enough (1,100 pages) that each warp of the shared kernel folds several blocks.
 TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
-  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
+  struct Case {
+    int hq, hkv, pages;
+  };
+  for (const Case c : {Case{9, 3, 40}, Case{16, 2, 40}, Case{6, 6, 40}, Case{12, 2, 1100}})
     for (int d : {64, 128})
       for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
-        Planted p = planted(64 * 40 + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
+        const int hq = c.hq, hkv = c.hkv;
+        if (c.pages > 40 && (d != 128 || enc != kvstore::KvEncoding::kInt8)) continue;
+        Planted p = planted(64 * c.pages + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
         auto pool = decode::DevicePagedPool::upload(p.cache, 0, enc);
         ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
         ASSERT_TRUE(p.cache.round_trip(enc).is_ok());

@@ -225,9 +225,10 @@ TEST(CpuKernels, GemvRefusesWhatItDoesNotTake) {
   std::vector<float> x(16), w(64), y(8);
   std::vector<uint16_t> h(64);
   const TensorView none;
-  // Two rows of x: that is linear()'s job.
+  // Two rows of x (and of y, shaped to match): that is linear()'s job.
+  std::vector<float> y2(16);
   auto st = kernels::gemv(TensorView::make(x.data(), DType::kF32, {2, 8}), TensorView::make(w.data(), DType::kF32, {8, 8}),
-                          none, TensorView::make(y.data(), DType::kF32, {2, 4}));
+                          none, TensorView::make(y2.data(), DType::kF32, {2, 8}));
   EXPECT_EQ(st.code(), Code::kInvalidArgument);
   EXPECT_NE(st.message().find("gemv"), std::string::npos);
   // F16 weights, and an output that does not match w's rows.
