@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "decode/device_session.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -479,6 +480,52 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
                     static_cast<long long>(graph->graph_steps()));
       }
   }
+}
+
+
+// A graph holds the capturing thread's cuBLASLt workspace (F32 weights), so a step from another
+// thread runs eagerly there and the next one captures anew: steps 1-2 on one thread (eager,
+// captured), 3-4 on a second (eager, captured), 5-6 back on the first (eager, captured), every
+// logit equal to an eager session's, 3 of the 6 steps replayed.
+TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
+  const uint64_t seed = testing::fresh_seed();
+  const model::ModelConfig cfg = testing::small_llama3(2);
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  const int n = 300, n_new = 6;
+  const auto toks = testing::random_tokens(n, cfg.vocab, seed + 1);
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, n,
+                                       nullptr);
+  ASSERT_TRUE(full.is_ok());
+  auto cache = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  ASSERT_TRUE(cache.is_ok());
+  auto dm = model::DeviceModel::upload(m.value(), DType::kF32);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  const decode::DecodeAttnParams ap;
+  auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
+                                                 kvstore::KvEncoding::kF32, false);
+  auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
+                                                 kvstore::KvEncoding::kF32, true);
+  ASSERT_TRUE(eager.is_ok() && graph.is_ok());
+  std::vector<float> ze, zg;
+  int32_t t = pr->first_token;
+  for (int i = 0; i < n_new; ++i) {
+    ASSERT_TRUE(eager->step(t, &ze).is_ok());
+    Status st = Status::ok();
+    if (i == 2 || i == 3) {  // the second thread
+      std::thread other([&] { st = graph->step(t, &zg); });
+      other.join();
+    } else {
+      st = graph->step(t, &zg);
+    }
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    ASSERT_EQ(ze.size(), zg.size());
+    EXPECT_EQ(std::memcmp(ze.data(), zg.data(), ze.size() * sizeof(float)), 0) << "step " << i;
+    t = int32_t(std::max_element(ze.begin(), ze.end()) - ze.begin());
+  }
+  EXPECT_EQ(graph->graph_steps(), 3);
 }
 
 }  // namespace
