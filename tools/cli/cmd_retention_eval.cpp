@@ -119,8 +119,11 @@ struct Config {
 struct Measure {
   std::string params;
   kvstore::RetentionPolicy moa;  // moa: the scaled spans the document prompt used
-  int64_t kv_bytes = 0, kv_bytes_full = 0;
-  double kept_frac = 1;                    // kept tokens / all (layer, KV head, token)
+  int64_t kv_bytes_full = 0;
+  // Per window: kept K/V bytes (they round per block, and adakv / moa keep per-prompt counts, so
+  // windows differ) and kept tokens / all (layer, KV head, token).
+  std::vector<int64_t> kv_bytes;
+  std::vector<double> kept_frac;
   std::vector<double> greedy, forced, kl;  // per window
   std::vector<int64_t> first_div;           // per window: first differing token (1-based), -1
   std::vector<double> div_gap;              // full-KV top-2 log-prob gap there, -1 if none
@@ -171,9 +174,9 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
   SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret, c.enc));
   if (me) {
     me->params = ret.params;
-    me->kv_bytes = kvstore::kv_bytes(ret, mc.head_dim, c.enc);
+    me->kv_bytes.push_back(kvstore::kv_bytes(ret, mc.head_dim, c.enc));
     me->kv_bytes_full = int64_t(full);
-    me->kept_frac = double(ret.kept_total()) / (double(N) * mc.n_layers * mc.n_kv_heads);
+    me->kept_frac.push_back(double(ret.kept_total()) / (double(N) * mc.n_layers * mc.n_kv_heads));
     if (c.kind == kvstore::RetentionKind::kMoA) me->moa = pol;
   }
   return decode::DecodeSession(m, std::move(cache), N, ap);
@@ -408,8 +411,8 @@ int cmd_retention_eval(int argc, char** argv) {
           "%-10s %-5.2f %-15s span %-3d %-4s kv %.3f (tokens %.3f)  greedy_match %.3f (forced "
           "%.3f)  kl %.4f  blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
           kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(), c.span,
-          kvstore::kv_encoding_name(c.enc), double(me.kv_bytes) / double(me.kv_bytes_full),
-          me.kept_frac, me.greedy.back(), me.forced.back(), me.kl.back(),
+          kvstore::kv_encoding_name(c.enc), double(me.kv_bytes.back()) / double(me.kv_bytes_full),
+          me.kept_frac.back(), me.greedy.back(), me.forced.back(), me.kl.back(),
           st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
           st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
           st.mass_n ? double(st.mass_below_eps) / double(st.mass_n) : 0.0);
@@ -493,9 +496,10 @@ int cmd_retention_eval(int argc, char** argv) {
          "kv_ref_dtype"},
         {"kv_bytes",
          "bytes of the kept keys and values stored in kv_dtype (int8/int4: with their F16 "
-         "scales and zeros, keys per channel per 64 kept tokens, values per token); "
-         "kv_bytes_full: every token in kv_ref_dtype"},
-        {"kv_kept_frac", "kept tokens / all (layer, KV head, token)"},
+         "scales and zeros, keys per channel per 64 kept tokens, values per token), the "
+         "largest over the windows (kv_bytes_per_window keeps each); kv_bytes_full: every "
+         "token in kv_ref_dtype"},
+        {"kv_kept_frac", "kept tokens / all (layer, KV head, token), mean over the windows"},
         {"windows", "start offsets of the prompts (each prompt_tokens long) in the document"},
         {"greedy_match_64",
          "fraction of the next N greedy tokens (free-running) equal position by position to the "
@@ -540,16 +544,19 @@ int cmd_retention_eval(int argc, char** argv) {
       r["budget"] = configs[ci].budget;
       r["decode"] = configs[ci].decode_spec;
       r["span"] = configs[ci].span;
-      r["kv_bytes"] = me.kv_bytes;
-      r["kv_bytes_full"] = me.kv_bytes_full;
-      r["kv_dtype"] = kvstore::kv_encoding_name(configs[ci].enc);
-      r["kv_ref_dtype"] = kvstore::kv_encoding_name(ref_enc);
-      r["kv_kept_frac"] = me.kept_frac;
       auto mean = [](const std::vector<double>& v) {
         double t = 0;
         for (double x : v) t += x;
         return v.empty() ? 0.0 : t / double(v.size());
       };
+      r["kv_bytes"] = me.kv_bytes.empty()
+                          ? int64_t(0)
+                          : *std::max_element(me.kv_bytes.begin(), me.kv_bytes.end());
+      r["kv_bytes_per_window"] = json::value_from(me.kv_bytes);
+      r["kv_bytes_full"] = me.kv_bytes_full;
+      r["kv_dtype"] = kvstore::kv_encoding_name(configs[ci].enc);
+      r["kv_ref_dtype"] = kvstore::kv_encoding_name(ref_enc);
+      r["kv_kept_frac"] = mean(me.kept_frac);
       r["greedy_match_64"] = mean(me.greedy);
       r["greedy_match_forced_64"] = mean(me.forced);
       r["greedy_match_64_per_window"] = json::value_from(me.greedy);
