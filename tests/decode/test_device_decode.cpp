@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "decode/device_session.h"
@@ -355,6 +356,29 @@ TEST_F(DeviceDecode, EncodedPoolRefusals) {
             Code::kUnsupported);
 }
 
+// A small Llama-3-shaped synthetic model, a random n-token prompt prefilled on the CPU and the
+// full retention of its cache: what the session tests decode from.
+struct Prefilled {
+  model::ModelConfig cfg;
+  std::optional<model::Model> m;
+  std::optional<model::PrefillResult> pr;
+  std::optional<kvstore::Retention> full;
+};
+void prefilled(int n, uint64_t seed, Prefilled* out) {
+  out->cfg = testing::small_llama3(2);
+  auto m = model::Model::synthetic(out->cfg, seed);
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  out->m.emplace(std::move(m).value());
+  const auto toks = testing::random_tokens(n, out->cfg.vocab, seed + 1);
+  auto pr = model::prefill(*out->m, toks);
+  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
+  out->pr.emplace(std::move(pr).value());
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, out->cfg.n_layers,
+                                       out->cfg.n_kv_heads, n, nullptr);
+  ASSERT_TRUE(full.is_ok());
+  out->full.emplace(std::move(full).value());
+}
+
 // The device session against the CPU session on a synthetic Llama-3-shaped model: F32 weights
 // give the same greedy tokens and logits to 1e-3 (cuBLASLt sums in another order); BF16 weights
 // logits to 1e-2 (the GPU forward's bound) and every logit within 0.05 of its CPU row's RMS, and
@@ -362,31 +386,27 @@ TEST_F(DeviceDecode, EncodedPoolRefusals) {
 // test_gpu_forward: random synthetic logits have near-ties that BF16 rounding may flip; a fixed
 // "all but one step" failed on H100 with seed 14486071077399753534, two steps flipped).
 TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
-  const uint64_t seed = testing::fresh_seed();
-  const model::ModelConfig cfg = testing::small_llama3(2);
-  auto m = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const int n = 900, n_new = 20;
-  const auto toks = testing::random_tokens(n, cfg.vocab, seed + 1);
-  auto pr = model::prefill(m.value(), toks);
-  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, n,
-                                       nullptr);
-  ASSERT_TRUE(full.is_ok());
+  Prefilled P;
+  prefilled(n, testing::fresh_seed(), &P);
+  if (HasFatalFailure()) return;
+  const model::Model& m = *P.m;
+  const model::PrefillResult& pr = *P.pr;
+  const kvstore::Retention& full = *P.full;
   for (DType wdt : {DType::kF32, DType::kBF16}) {
-    auto dm = model::DeviceModel::upload(m.value(), wdt);
+    auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
     for (const char* spec : {"full", "psa-avg:0.95"}) {
       auto ap = decode::decode_attn_parse(spec);
-      auto c1 = decode::PagedKvCache::from_prefill(pr->kv, full.value());
-      auto c2 = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+      auto c1 = decode::PagedKvCache::from_prefill(pr.kv, full);
+      auto c2 = decode::PagedKvCache::from_prefill(pr.kv, full);
       ASSERT_TRUE(ap.is_ok() && c1.is_ok() && c2.is_ok());
-      decode::DecodeSession cpu(m.value(), std::move(c1).value(), n, ap.value());
+      decode::DecodeSession cpu(m, std::move(c1).value(), n, ap.value());
       auto dev = decode::DeviceDecodeSession::open(dm.value(), c2.value(), n, ap.value(), n_new);
       ASSERT_TRUE(dev.is_ok()) << dev.status().to_string();
       // Teacher-forced on the CPU's own greedy tokens.
       std::vector<float> zc, zg;
-      int32_t t = pr->first_token;
+      int32_t t = pr.first_token;
       double worst = 0, worst_rel = 0;
       int same_top = 0, near_tie_swaps = 0;
       const double logit_rel = 0.05;  // BF16: |gpu - cpu| per logit, against the row's RMS
@@ -436,21 +456,17 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
 // logits bit for bit: the same kernels on the same buffers, with the token and position read
 // from device memory each replay. Full and psa-avg, F32 and BF16 weights, F32 and INT8 pools.
 TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
-  const uint64_t seed = testing::fresh_seed();
-  const model::ModelConfig cfg = testing::small_llama3(2);
-  auto m = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const int n = 700, n_new = 12;
-  const auto toks = testing::random_tokens(n, cfg.vocab, seed + 1);
-  auto pr = model::prefill(m.value(), toks);
-  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, n,
-                                       nullptr);
-  ASSERT_TRUE(full.is_ok());
-  auto cache = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  Prefilled P;
+  prefilled(n, testing::fresh_seed(), &P);
+  if (HasFatalFailure()) return;
+  const model::Model& m = *P.m;
+  const model::PrefillResult& pr = *P.pr;
+  const kvstore::Retention& full = *P.full;
+  auto cache = decode::PagedKvCache::from_prefill(pr.kv, full);
   ASSERT_TRUE(cache.is_ok());
   for (DType wdt : {DType::kF32, DType::kBF16}) {
-    auto dm = model::DeviceModel::upload(m.value(), wdt);
+    auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
     for (const char* spec : {"full", "psa-avg:0.95"})
       for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
@@ -464,7 +480,7 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
                                                        n_new, enc, /*cuda_graph=*/true);
         ASSERT_TRUE(eager.is_ok() && graph.is_ok()) << what;
         std::vector<float> ze, zg;
-        int32_t t = pr->first_token;
+        int32_t t = pr.first_token;
         for (int i = 0; i < n_new; ++i) {
           ASSERT_TRUE(eager->step(t, &ze).is_ok()) << what;
           ASSERT_TRUE(graph->step(t, &zg).is_ok()) << what;
@@ -488,20 +504,16 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
 // captured), 3-4 on a second (eager, captured), 5-6 back on the first (eager, captured), every
 // logit equal to an eager session's, 3 of the 6 steps replayed.
 TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
-  const uint64_t seed = testing::fresh_seed();
-  const model::ModelConfig cfg = testing::small_llama3(2);
-  auto m = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const int n = 300, n_new = 6;
-  const auto toks = testing::random_tokens(n, cfg.vocab, seed + 1);
-  auto pr = model::prefill(m.value(), toks);
-  ASSERT_TRUE(pr.is_ok()) << pr.status().to_string();
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads, n,
-                                       nullptr);
-  ASSERT_TRUE(full.is_ok());
-  auto cache = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  Prefilled P;
+  prefilled(n, testing::fresh_seed(), &P);
+  if (HasFatalFailure()) return;
+  const model::Model& m = *P.m;
+  const model::PrefillResult& pr = *P.pr;
+  const kvstore::Retention& full = *P.full;
+  auto cache = decode::PagedKvCache::from_prefill(pr.kv, full);
   ASSERT_TRUE(cache.is_ok());
-  auto dm = model::DeviceModel::upload(m.value(), DType::kF32);
+  auto dm = model::DeviceModel::upload(m, DType::kF32);
   ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
   const decode::DecodeAttnParams ap;
   auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
@@ -510,7 +522,7 @@ TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
                                                  kvstore::KvEncoding::kF32, true);
   ASSERT_TRUE(eager.is_ok() && graph.is_ok());
   std::vector<float> ze, zg;
-  int32_t t = pr->first_token;
+  int32_t t = pr.first_token;
   for (int i = 0; i < n_new; ++i) {
     ASSERT_TRUE(eager->step(t, &ze).is_ok());
     Status st = Status::ok();
