@@ -21,22 +21,16 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "decode/decode_attention.h"
 #include "decode/device_session.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kvstore/retention.h"
 
 using namespace sf;
+using sf::bench::fail;
+using sf::bench::now_s;
 
-namespace {
-int fail(const char* what, const Status& st) {
-  std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
-  return 1;
-}
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 32768;
@@ -95,6 +89,7 @@ int main(int argc, char** argv) {
   if (!dq.alloc(q.size() * 4).is_ok() || !dq.upload(q.data(), q.size() * 4).is_ok() ||
       !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
     return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
+  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv);
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   cudaEvent_t e0, e1;
@@ -188,11 +183,13 @@ int main(int argc, char** argv) {
           "\"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
           "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
           "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
-          "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s}\n",
+          "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s, "
+          "\"commit\": \"%s\", \"command\": \"%s\"}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
           static_cast<long long>(host_visited[si]), static_cast<long long>(visited), dev_us,
-          host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false");
+          host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
+          commit.c_str(), command.c_str());
     }
   }
   return 0;

@@ -18,20 +18,16 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "decode/device_session.h"
 #include "kvstore/kv_quant.h"
 #include "worker/model/device_model.h"
 
 using namespace sf;
+using sf::bench::fail;
+using sf::bench::now_s;
 
 namespace {
-int fail(const char* what, const Status& st) {
-  std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
-  return 1;
-}
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> v;
   size_t at = 0;
@@ -106,6 +102,7 @@ int main(int argc, char** argv) {
     if (!pc.is_ok()) return fail("paged cache", pc.status());
     cache = std::move(pc).value();
   }
+  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv);
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   const auto ap = decode::decode_attn_parse("full").value();
@@ -154,11 +151,12 @@ int main(int argc, char** argv) {
             "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
             "\"pool\": \"%s\", \"pool_bytes\": %zu, \"tokens\": %lld, \"steps\": %d, "
             "\"cuda_graph\": %s, \"graph_steps\": %lld, \"ms_per_token\": %.3f, "
-            "\"ms_per_token_rounds\": [%.3f, %.3f, %.3f], \"tokens_per_s\": %.1f}\n",
+            "\"ms_per_token_rounds\": [%.3f, %.3f, %.3f], \"tokens_per_s\": %.1f, "
+            "\"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
             sess[gi]->pool_bytes(), static_cast<long long>(n), steps, gi ? "true" : "false",
             static_cast<long long>(sess[gi]->graph_steps()), med, ms[gi][0], ms[gi][1], ms[gi][2],
-            1e3 / med);
+            1e3 / med, commit.c_str(), command.c_str());
         std::fflush(stdout);
       }
     }

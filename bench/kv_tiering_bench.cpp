@@ -15,19 +15,12 @@
 #include <span>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "kvstore/block_pool.h"
 
 using namespace sf::kvstore;
-
-namespace {
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-int fail(const char* what, const sf::Status& st) {
-  std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
-  return 1;
-}
-}  // namespace
+using sf::bench::fail;
+using sf::bench::now_s;
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 2048;

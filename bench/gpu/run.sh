@@ -88,6 +88,13 @@ any_exists() {
   return 1
 }
 note() { notes+=("$*"); echo "run.sh: $*"; }
+# The GPU's name as results files name it: "NVIDIA H100 80GB HBM3" -> nvidia-h100-80gb-hbm3.
+gpu_slug() {
+  local g
+  g=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+      tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+  echo "${g:-unknown-gpu}"
+}
 fail() { status="FAIL"; note "FAIL: $*"; }
 
 finish() {
@@ -289,9 +296,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   dense_l="${SF_BENCH_LENGTHS:-8192,32768}"
   sparse_l="${SF_BENCH_SPARSE_LENGTHS:-32768}"
   peer_l=$(echo "$dense_l,$sparse_l" | tr ',' '\n' | sort -nu | paste -sd, -)
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
-        tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-  gpu="${gpu:-unknown-gpu}"
+  gpu=$(gpu_slug)
   bl="$logs/bench-attention.log"
   : >"$bl"
   # Clocks and power while the benchmark runs: a kernel's time moves with them (the same kernel
@@ -361,9 +366,7 @@ fi
 
 # ---- decode attention (sf_bench_decode): the device kernel per pool encoding and mode ---------
 if [[ -n "${SF_DECODE:-}" ]]; then
-  dgpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
-         tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-  dj="$out/decode-${dgpu:-unknown-gpu}.jsonl"
+  dj="$out/decode-$(gpu_slug).jsonl"
   : >"$dj"
   for n in $SF_DECODE; do
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" 32 8 128 0.15 \
@@ -376,9 +379,7 @@ fi
 
 # ---- the decode node's step (sf_bench_decode_session): eager and CUDA-graph steps -------------
 if [[ -n "${SF_DECODE_SESSION:-}" ]]; then
-  sgpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
-         tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-  sj="$out/decode-session-${sgpu:-unknown-gpu}.jsonl"
+  sj="$out/decode-session-$(gpu_slug).jsonl"
   : >"$sj"
   for spec in $SF_DECODE_SESSION; do
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode_session" "${spec%%:*}" \
