@@ -232,9 +232,9 @@ struct DeviceDecodeSession::Impl {
     return v;
   }
   // out[1, n_out] = wt in[1, n_in] (+ bias), F32 x. BF16 weights: the one-row GEMV, which reads
-  // them as stored (no cast kernel before each linear; 3-10% faster a token than a cast and
-  // cuBLASLt on H100). F32 weights: cuBLASLt, which read them faster than the GEMV did
-  // (bench/NOTES.md, twenty-sixth session).
+  // them as stored (no cast kernel before each linear). F32 weights: cuBLASLt. The choice rests
+  // on H100 timings from separate calls (BF16 3-10% faster a token with the GEMV, F32 3-8%
+  // slower; bench/NOTES.md, twenty-sixth session), not yet on a same-run A/B.
   Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
                 const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
     const TensorView x = dview(in, DType::kF32, {1, n_in}), y = dview(out, DType::kF32, {1, n_out});
