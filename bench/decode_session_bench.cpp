@@ -1,10 +1,12 @@
 // The decode node's step on a GPU host: decode::DeviceDecodeSession over a cache of N tokens, a
 // model of a named shape with deterministic synthetic weights (model::DeviceModel::synthetic),
 // timed per token as a caller sees it (step() returns the logits; the next token is their argmax
-// on the host), with each step's kernels launched one by one and replayed as one CUDA graph:
-// two sessions side by side, timed in alternating rounds of `steps` tokens, median of three.
-// Keys N(0, 0.3), values N(0, 1), every position kept (the timing does not depend on their
-// values). One JSON line per (weights, pool, graph) configuration.
+// on the host). Four sessions side by side: the step's kernels launched one by one or replayed
+// as one CUDA graph, each with the unfused step (a kernel per op) and the fused one (Q/K/V in
+// one GEMV, gate/up/SwiGLU in one, each residual add joined to the next norm), timed in
+// alternating rounds of `steps` tokens, median of three. Keys N(0, 0.3), values N(0, 1), every
+// position kept (the timing does not depend on their values). One JSON line per (weights, pool,
+// graph, fused) configuration.
 //   sf_bench_decode_session [shape=smollm2|llama3-8b] [tokens=4096] [steps=64]
 //                           [pools=f32,int8] [weights=bf16,f32]
 #include <cuda_runtime.h>
@@ -114,48 +116,51 @@ int main(int argc, char** argv) {
     for (const std::string& pname : pools) {
       auto enc = kvstore::kv_encoding_parse(pname);
       if (!enc.is_ok()) return fail("pool", enc.status());
-      // Both sessions open at once; their timed rounds alternate (eager, graph, eager, ...) so
-      // that clocks and host noise fall on both alike. The median round is reported.
-      constexpr int kRounds = 3;  // the record below prints three rounds
-      std::optional<decode::DeviceDecodeSession> sess[2];
-      int32_t tok[2] = {1, 1};
+      // The four sessions open at once; their timed rounds alternate (eager, graph, eager fused,
+      // graph fused, eager, ...) so that clocks and host noise fall on all alike. The median
+      // round is reported.
+      constexpr int kRounds = 3;   // the record below prints three rounds
+      constexpr int kSessions = 4;  // bit 0: CUDA graph, bit 1: fused step
+      std::optional<decode::DeviceDecodeSession> sess[kSessions];
+      int32_t tok[kSessions] = {1, 1, 1, 1};
       std::vector<float> z;
-      for (int gi = 0; gi < 2; ++gi) {
-        auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap,
-                                                   2 + kRounds * steps, enc.value(), gi == 1);
+      for (int si = 0; si < kSessions; ++si) {
+        auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap, 2 + kRounds * steps,
+                                                   enc.value(), (si & 1) != 0, (si & 2) != 0);
         if (!s.is_ok()) return fail("session", s.status());
-        sess[gi].emplace(std::move(s).value());
+        sess[si].emplace(std::move(s).value());
       }
-      auto next = [&](int gi) -> Status {
-        SF_TRY(sess[gi]->step(tok[gi], &z));
-        tok[gi] = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
+      auto next = [&](int si) -> Status {
+        SF_TRY(sess[si]->step(tok[si], &z));
+        tok[si] = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
         return Status::ok();
       };
       // Two untimed steps each: the first runs eagerly (plans, caches), the second captures.
-      for (int gi = 0; gi < 2; ++gi)
+      for (int si = 0; si < kSessions; ++si)
         for (int i = 0; i < 2; ++i)
-          if (Status st = next(gi); !st.is_ok()) return fail("warm-up step", st);
-      std::vector<double> ms[2];
+          if (Status st = next(si); !st.is_ok()) return fail("warm-up step", st);
+      std::vector<double> ms[kSessions];
       for (int r = 0; r < kRounds; ++r)
-        for (int gi = 0; gi < 2; ++gi) {
+        for (int si = 0; si < kSessions; ++si) {
           const double t0 = now_s();
           for (int i = 0; i < steps; ++i)
-            if (Status st = next(gi); !st.is_ok()) return fail("step", st);
-          ms[gi].push_back(1e3 * (now_s() - t0) / steps);
+            if (Status st = next(si); !st.is_ok()) return fail("step", st);
+          ms[si].push_back(1e3 * (now_s() - t0) / steps);
         }
-      for (int gi = 0; gi < 2; ++gi) {
-        std::vector<double> sorted = ms[gi];
+      for (int si = 0; si < kSessions; ++si) {
+        std::vector<double> sorted = ms[si];
         std::sort(sorted.begin(), sorted.end());
         const double med = sorted[sorted.size() / 2];
         std::printf(
             "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
             "\"pool\": \"%s\", \"pool_bytes\": %zu, \"tokens\": %lld, \"steps\": %d, "
-            "\"cuda_graph\": %s, \"graph_steps\": %lld, \"ms_per_token\": %.3f, "
-            "\"ms_per_token_rounds\": [%.3f, %.3f, %.3f], \"tokens_per_s\": %.1f, "
-            "\"commit\": \"%s\", \"command\": \"%s\"}\n",
+            "\"cuda_graph\": %s, \"fused_step\": %s, \"graph_steps\": %lld, "
+            "\"ms_per_token\": %.3f, \"ms_per_token_rounds\": [%.3f, %.3f, %.3f], "
+            "\"tokens_per_s\": %.1f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
-            sess[gi]->pool_bytes(), static_cast<long long>(n), steps, gi ? "true" : "false",
-            static_cast<long long>(sess[gi]->graph_steps()), med, ms[gi][0], ms[gi][1], ms[gi][2],
+            sess[si]->pool_bytes(), static_cast<long long>(n), steps,
+            (si & 1) ? "true" : "false", (si & 2) ? "true" : "false",
+            static_cast<long long>(sess[si]->graph_steps()), med, ms[si][0], ms[si][1], ms[si][2],
             1e3 / med, commit.c_str(), command.c_str());
         std::fflush(stdout);
       }

@@ -1,9 +1,10 @@
 #include "decode/device_session.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 
 #include "decode/decode_session.h"
 #include "kernels/api.h"
@@ -34,6 +35,15 @@ static_assert(kPsaAvgBlocks == kernels::kPsaRecentBlocks, "one psa-avg rule on h
 #if SF_HAVE_CUDA
 
 namespace {
+// A thread's identity for the graph below, never reused. std::thread::id is: once a thread
+// ends, a new one may get its id, and that thread would replay (or try to capture) a graph bound
+// to the ended thread's freed cuBLASLt workspace.
+uint64_t this_thread_serial() {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t serial = next.fetch_add(1, std::memory_order_relaxed);
+  return serial;
+}
+
 Result<kernels::PoolDType> pool_dtype(kvstore::KvEncoding e) {
   switch (e) {
     case kvstore::KvEncoding::kF32:
@@ -203,7 +213,8 @@ struct DeviceDecodeSession::Impl {
   cudaStream_t stream = nullptr;
   DevicePagedPool pool;
   // Activations (F32), token + position, per-layer visited counts.
-  kernels::cuda::DeviceBuffer x, xn, q, kn, vn, att, tmp, gate, up, logits, tokpos, visited,
+  // qkv holds q [hq, d], then k and v [hkv, d] each: one RoPE launch turns q and k.
+  kernels::cuda::DeviceBuffer x, xn, qkv, att, tmp, gate, up, logits, tokpos, visited,
       attn_ws;  // paged_decode_attention's split partials (every layer's pool has one shape)
   std::vector<int32_t> visited_host;
   // Per layer and KV head, as the appends leave them: blocks and the last block's fill (the
@@ -215,8 +226,15 @@ struct DeviceDecodeSession::Impl {
   // step reads its token and position from tokpos and the pool's fill from the device, so one
   // capture serves every step. A capture the runtime refuses leaves the session eager.
   bool use_graph = true;
+  // The fused step (enqueue_step): gemv_parts for Q/K/V, gemv_swiglu for the MLP, add_rms_norm
+  // for each residual add and the norm after it; false: one kernel per op as before (kept for
+  // the A/B in sf_bench_decode_session; BF16 weights give the same logits bit for bit).
+  bool fused = true;
+  // Whether the step calls cuBLASLt (unfused, F32 weights), whose workspace is per thread: then a
+  // graph is bound to the thread that captured it. Otherwise any thread may replay it.
+  bool thread_bound = false;
   int64_t eager_here = 0, graph_steps = 0;  // eager steps on step_thread; replays
-  std::thread::id step_thread;               // the thread of the last step
+  uint64_t step_thread = 0;                  // this_thread_serial() of the last step
   cudaGraphExec_t graph = nullptr;
 
   ~Impl() {
@@ -225,19 +243,20 @@ struct DeviceDecodeSession::Impl {
   }
 
   kernels::Stream cs() const { return {Device::kCuda, stream}; }
-  static TensorView dview(const kernels::cuda::DeviceBuffer& b, DType t,
-                          std::initializer_list<int64_t> shape) {
-    TensorView v = TensorView::make(b.data(), t, shape);
+  float* q() const { return qkv.as<float>(); }
+  float* k() const { return q() + int64_t(hq) * d; }
+  float* v() const { return k() + int64_t(hkv) * d; }
+  static TensorView row(float* p, int64_t n) {
+    TensorView v = TensorView::make(p, DType::kF32, {1, n});
     v.device = Device::kCuda;
     return v;
   }
-  // out[1, n_out] = wt in[1, n_in] (+ bias), F32 x. BF16 weights: the one-row GEMV, which reads
-  // them as stored (no cast kernel before each linear). F32 weights: cuBLASLt. The choice rests
-  // on H100 timings from separate calls (BF16 3-10% faster a token with the GEMV, F32 3-8%
-  // slower; bench/NOTES.md, twenty-sixth session), not yet on a same-run A/B.
-  Status linear(const kernels::cuda::DeviceBuffer& in, int64_t n_in, const TensorView& wt,
-                const TensorView& bias, const kernels::cuda::DeviceBuffer& out, int64_t n_out) {
-    const TensorView x = dview(in, DType::kF32, {1, n_in}), y = dview(out, DType::kF32, {1, n_out});
+  // The unfused step's linears: out[1, n_out] = wt in[1, n_in] (+ bias), F32 x. BF16 weights: the
+  // one-row GEMV, which reads them as stored (no cast kernel before each linear). F32 weights:
+  // cuBLASLt (bench/NOTES.md, twenty-sixth session). The fused step uses the GEMV for both.
+  Status linear(float* in, int64_t n_in, const TensorView& wt, const TensorView& bias, float* out,
+                int64_t n_out) {
+    const TensorView x = row(in, n_in), y = row(out, n_out);
     if (wt.dtype == DType::kBF16) return kernels::gemv(x, wt, bias, y, cs());
     return kernels::linear(x, wt, bias, y, cs());
   }
@@ -247,7 +266,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                                                       const PagedKvCache& cache, int64_t next_pos,
                                                       DecodeAttnParams p, int max_new_tokens,
                                                       kvstore::KvEncoding pool_enc,
-                                                      bool cuda_graph) {
+                                                      bool cuda_graph, bool fused_step) {
   const model::ModelConfig& c = dm.config();
   if (dm.slice().ways != 1)
     return SF_ERR(kUnsupported, "device decode: the model must be whole (no TP slice)");
@@ -274,6 +293,8 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   m.pos = next_pos;
   m.steps_left = max_new_tokens;
   m.use_graph = cuda_graph;
+  m.fused = fused_step;
+  m.thread_bound = !fused_step && dm.weight_dtype() == DType::kF32;
   m.n_layers = c.n_layers;
   m.hq = c.n_heads;
   m.hkv = c.n_kv_heads;
@@ -294,9 +315,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   const int64_t qd = int64_t(c.n_heads) * d, kvd = hkv * d;
   for (auto [buf, n] : {std::pair{&m.x, m.H},
                         {&m.xn, m.H},
-                        {&m.q, qd},
-                        {&m.kn, kvd},
-                        {&m.vn, kvd},
+                        {&m.qkv, qd + 2 * kvd},
                         {&m.att, qd},
                         {&m.tmp, m.H},
                         {&m.gate, m.I},
@@ -335,7 +354,7 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
   // A captured graph holds the capturing thread's cuBLASLt workspace (the F32 weights' GEMMs,
   // kernels/cuda/linear.cpp): a step from another thread drops the graph, runs eagerly there
   // (planning that thread's GEMMs) and captures anew at its next step.
-  const std::thread::id self = std::this_thread::get_id();
+  const uint64_t self = m.thread_bound ? this_thread_serial() : 0;
   if (self != m.step_thread) {
     if (m.graph) (void)cudaGraphExecDestroy(m.graph);
     m.graph = nullptr;
@@ -394,7 +413,10 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
 }
 
 // One step's work on the session's stream, no host wait: embedding of tokpos[0], every layer
-// (the K/V append and attention at position tokpos[1]), the logits.
+// (the K/V append and attention at position tokpos[1]), the logits. Fused (the default), a layer
+// is 9 launches plus the attention's: add_rms_norm, gemv_parts (Q, K, V), rope (q and k as one
+// tensor), paged_append, the attention, gemv (O), add_rms_norm, gemv_swiglu, gemv (down); the
+// residual add of the down projection joins the next layer's first norm.
 Status DeviceDecodeSession::enqueue_step() {
   Impl& m = *impl_;
   const model::ModelConfig& c = m.dm->config();
@@ -403,38 +425,66 @@ Status DeviceDecodeSession::enqueue_step() {
   const int32_t* d_tok = m.tokpos.as<int32_t>();
   const int32_t* d_pos = d_tok + 1;
   const int64_t H = m.H, qd = int64_t(m.hq) * m.d, kvd = int64_t(m.hkv) * m.d, I = m.I;
-  const auto F = DType::kF32;
   const TensorView none{};
   const kernels::Stream cs = m.cs();
-  SF_TRY(kernels::embedding(m.w.tok_embd, d_tok, 1, Impl::dview(m.x, F, {1, H}), cs));
+  float *x = m.x.as<float>(), *xn = m.xn.as<float>(), *att = m.att.as<float>(),
+        *tmp = m.tmp.as<float>(), *gate = m.gate.as<float>();
+  auto attention = [&](int l) -> Status {
+    const kernels::PagedKv kv = m.pool.layer(l);
+    SF_TRY(kernels::paged_append(kv, m.k(), m.v(), cs));
+    return kernels::paged_decode_attention(m.q(), m.hq, kv, m.kp, att,
+                                           m.visited.as<int32_t>() + int64_t(l) * m.hq,
+                                           m.attn_ws.data(), m.attn_ws.size(), cs);
+  };
+  auto rope_view = [&](float* p, int heads) {
+    TensorView v = TensorView::make(p, DType::kF32, {1, heads, m.d});
+    v.device = Device::kCuda;
+    return v;
+  };
+  SF_TRY(kernels::embedding(m.w.tok_embd, d_tok, 1, Impl::row(x, H), cs));
+  if (m.fused) {
+    for (int l = 0; l < m.n_layers; ++l) {
+      const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
+      // Layer 0 has no residual pending; later layers add the previous down projection here.
+      SF_TRY(kernels::add_rms_norm(Impl::row(x, H), l ? Impl::row(tmp, H) : none, L.attn_norm,
+                                   c.rms_eps, Impl::row(xn, H), cs));
+      const kernels::GemvPart qkv[3] = {{L.wq, L.bq, Impl::row(m.q(), qd)},
+                                        {L.wk, L.bk, Impl::row(m.k(), kvd)},
+                                        {L.wv, L.bv, Impl::row(m.v(), kvd)}};
+      SF_TRY(kernels::gemv_parts(Impl::row(xn, H), qkv, 3, cs));
+      SF_TRY(kernels::rope(rope_view(m.q(), m.hq + m.hkv), d_pos, rope, cs));
+      SF_TRY(attention(l));
+      SF_TRY(kernels::gemv(Impl::row(att, qd), L.wo, none, Impl::row(tmp, H), cs));
+      SF_TRY(kernels::add_rms_norm(Impl::row(x, H), Impl::row(tmp, H), L.ffn_norm, c.rms_eps,
+                                   Impl::row(xn, H), cs));
+      SF_TRY(kernels::gemv_swiglu(Impl::row(xn, H), L.w_gate, L.w_up, Impl::row(gate, I), cs));
+      SF_TRY(kernels::gemv(Impl::row(gate, I), L.w_down, none, Impl::row(tmp, H), cs));
+    }
+    SF_TRY(kernels::add_rms_norm(Impl::row(x, H), m.n_layers ? Impl::row(tmp, H) : none,
+                                 m.w.out_norm, c.rms_eps, Impl::row(xn, H), cs));
+    return kernels::gemv(Impl::row(xn, H), m.w.lm_head, none, Impl::row(m.logits.as<float>(), m.vocab),
+                         cs);
+  }
   for (int l = 0; l < m.n_layers; ++l) {
     const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
-    SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.attn_norm, c.rms_eps,
-                             Impl::dview(m.xn, F, {1, H}), cs));
-    SF_TRY(m.linear(m.xn, H, L.wq, L.bq, m.q, qd));
-    SF_TRY(m.linear(m.xn, H, L.wk, L.bk, m.kn, kvd));
-    SF_TRY(m.linear(m.xn, H, L.wv, L.bv, m.vn, kvd));
-    SF_TRY(kernels::rope(Impl::dview(m.q, F, {1, m.hq, m.d}), d_pos, rope, cs));
-    SF_TRY(kernels::rope(Impl::dview(m.kn, F, {1, m.hkv, m.d}), d_pos, rope, cs));
-    const kernels::PagedKv kv = m.pool.layer(l);
-    SF_TRY(kernels::paged_append(kv, m.kn.as<float>(), m.vn.as<float>(), cs));
-    SF_TRY(kernels::paged_decode_attention(m.q.as<float>(), m.hq, kv, m.kp, m.att.as<float>(),
-                                           m.visited.as<int32_t>() + int64_t(l) * m.hq,
-                                           m.attn_ws.data(), m.attn_ws.size(), cs));
-    SF_TRY(m.linear(m.att, qd, L.wo, none, m.tmp, H));
-    SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
-    SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), L.ffn_norm, c.rms_eps,
-                             Impl::dview(m.xn, F, {1, H}), cs));
-    SF_TRY(m.linear(m.xn, H, L.w_gate, none, m.gate, I));
-    SF_TRY(m.linear(m.xn, H, L.w_up, none, m.up, I));
-    SF_TRY(kernels::swiglu(Impl::dview(m.gate, F, {1, I}), Impl::dview(m.up, F, {1, I}),
-                           Impl::dview(m.gate, F, {1, I}), cs));
-    SF_TRY(m.linear(m.gate, I, L.w_down, none, m.tmp, H));
-    SF_TRY(kernels::add_inplace(Impl::dview(m.x, F, {1, H}), Impl::dview(m.tmp, F, {1, H}), cs));
+    SF_TRY(kernels::rms_norm(Impl::row(x, H), L.attn_norm, c.rms_eps, Impl::row(xn, H), cs));
+    SF_TRY(m.linear(xn, H, L.wq, L.bq, m.q(), qd));
+    SF_TRY(m.linear(xn, H, L.wk, L.bk, m.k(), kvd));
+    SF_TRY(m.linear(xn, H, L.wv, L.bv, m.v(), kvd));
+    SF_TRY(kernels::rope(rope_view(m.q(), m.hq), d_pos, rope, cs));
+    SF_TRY(kernels::rope(rope_view(m.k(), m.hkv), d_pos, rope, cs));
+    SF_TRY(attention(l));
+    SF_TRY(m.linear(att, qd, L.wo, none, tmp, H));
+    SF_TRY(kernels::add_inplace(Impl::row(x, H), Impl::row(tmp, H), cs));
+    SF_TRY(kernels::rms_norm(Impl::row(x, H), L.ffn_norm, c.rms_eps, Impl::row(xn, H), cs));
+    SF_TRY(m.linear(xn, H, L.w_gate, none, gate, I));
+    SF_TRY(m.linear(xn, H, L.w_up, none, m.up.as<float>(), I));
+    SF_TRY(kernels::swiglu(Impl::row(gate, I), Impl::row(m.up.as<float>(), I), Impl::row(gate, I), cs));
+    SF_TRY(m.linear(gate, I, L.w_down, none, tmp, H));
+    SF_TRY(kernels::add_inplace(Impl::row(x, H), Impl::row(tmp, H), cs));
   }
-  SF_TRY(kernels::rms_norm(Impl::dview(m.x, F, {1, H}), m.w.out_norm, c.rms_eps,
-                           Impl::dview(m.xn, F, {1, H}), cs));
-  return m.linear(m.xn, H, m.w.lm_head, none, m.logits, m.vocab);
+  SF_TRY(kernels::rms_norm(Impl::row(x, H), m.w.out_norm, c.rms_eps, Impl::row(xn, H), cs));
+  return m.linear(xn, H, m.w.lm_head, none, m.logits.as<float>(), m.vocab);
 }
 
 #else  // !SF_HAVE_CUDA
@@ -455,7 +505,7 @@ struct DeviceDecodeSession::Impl {
 Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel&,
                                                       const PagedKvCache&, int64_t,
                                                       DecodeAttnParams, int, kvstore::KvEncoding,
-                                                      bool) {
+                                                      bool, bool) {
   return SF_ERR(kUnsupported, "device decode: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 Status DeviceDecodeSession::step(int32_t, std::vector<float>*) {

@@ -59,13 +59,17 @@ class DeviceDecodeSession {
   // pool_enc: the device pool's encoding (DevicePagedPool::upload). cuda_graph: from the second
   // step on, replay the step's kernels as one CUDA graph instead of launching each (the same
   // kernels on the same buffers, so the same logits; a capture the runtime refuses leaves the
-  // session eager, which graph_steps() shows). A graph is bound to the thread that captured it
-  // (cuBLASLt's per-thread workspace): a step from another thread runs eagerly and captures
-  // again at the next one. Steps of one session must not run concurrently.
+  // session eager, which graph_steps() shows). fused_step: a layer in 9 launches plus the
+  // attention's (Q/K/V in one GEMV, the MLP's gate, up and SwiGLU in one, each residual add
+  // joined to the norm after it) instead of 16; with BF16 weights the logits are the unfused
+  // step's bit for bit, with F32 weights its linears leave cuBLASLt for the GEMV. Unfused with
+  // F32 weights, a graph is bound to the thread that captured it (cuBLASLt's per-thread
+  // workspace): a step from another thread runs eagerly and captures again at the next one.
+  // Steps of one session must not run concurrently.
   static Result<DeviceDecodeSession> open(const model::DeviceModel& dm, const PagedKvCache& cache,
                                           int64_t next_pos, DecodeAttnParams p, int max_new_tokens,
                                           kvstore::KvEncoding pool_enc = kvstore::KvEncoding::kF32,
-                                          bool cuda_graph = true);
+                                          bool cuda_graph = true, bool fused_step = true);
   DeviceDecodeSession(DeviceDecodeSession&&) noexcept;
   DeviceDecodeSession& operator=(DeviceDecodeSession&&) noexcept;
   ~DeviceDecodeSession();

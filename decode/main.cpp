@@ -2,11 +2,14 @@
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
 //   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
 //                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS]
-//                     [--pool-dtype f32|bf16|int8] [--no-cuda-graph] [--reference]
+//                     [--pool-dtype f32|bf16|int8] [--no-cuda-graph] [--no-fused-step]
+//                     [--reference]
 // --pool-dtype: how the device block pool stores K/V (decode/device_session.h); int8 holds a
 // quarter of F32's bytes and reads that much less per step. Device only.
 // --no-cuda-graph: launch each step's kernels one by one (by default the device session replays
 // them as one CUDA graph from the second step on).
+// --no-fused-step: one kernel per op in the device step (by default Q/K/V are one GEMV, the MLP's
+// gate, up and SwiGLU one, each residual add joined to the next norm).
 // --reference also runs the dense prefill + greedy continuation of the manifest's prompt and
 // reports how many tokens match. Process edge: errors become one line and exit code 1.
 #include <chrono>
@@ -35,7 +38,7 @@ void usage() {
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
                "full|psa:EPS|psa-avg:EPS|psa-strict:EPS]\n"
                "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
-               "                         [--no-cuda-graph] [--reference]\n");
+               "                         [--no-cuda-graph] [--no-fused-step] [--reference]\n");
 }
 
 std::string resolve_model(const std::string& m) {
@@ -52,7 +55,7 @@ int run(int argc, char** argv) {
       usage();
       return 0;
     }
-    if (k == "--reference" || k == "--no-cuda-graph") {
+    if (k == "--reference" || k == "--no-cuda-graph" || k == "--no-fused-step") {
       a[k.substr(2)] = "1";
       continue;
     }
@@ -109,7 +112,8 @@ int run(int argc, char** argv) {
     dm.emplace(std::move(up).value());
     auto op = sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(),
                                                     n_new, pool_enc.value(),
-                                                    /*cuda_graph=*/!a.count("no-cuda-graph"));
+                                                    /*cuda_graph=*/!a.count("no-cuda-graph"),
+                                                    /*fused_step=*/!a.count("no-fused-step"));
     if (op.is_ok()) {
       ds.emplace(std::move(op).value());
     } else if (dev == "auto" && op.status().code() == sf::Code::kUnsupported) {

@@ -70,6 +70,17 @@ Status add_inplace(TensorView out, const TensorView& x, Stream s) {
   SF_DISPATCH(add_inplace, out, x);
 }
 
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps, TensorView out,
+                    Stream s) {
+  SF_TRY(same_device("add_rms_norm", s, {&x, &delta, &w, &out}));
+  SF_TRY(need(f32c(x) && f32c(w) && f32c(out) && x.ndim == 2, "add_rms_norm", "x, w, out must be contiguous F32"));
+  SF_TRY(need(!delta.data || (f32c(delta) && delta.numel() == x.numel()), "add_rms_norm",
+              "delta must be contiguous F32 of x's size"));
+  SF_TRY(need(w.numel() == x.shape[1] && out.numel() == x.numel(), "add_rms_norm",
+              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " out" + out.shape_str()));
+  SF_DISPATCH(add_rms_norm, x, delta, w, eps, out);
+}
+
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s) {
   SF_TRY(same_device("linear", s, {&x, &w, &bias, &y}));
   SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2, "linear", "x, w, y must be 2-D"));
@@ -82,18 +93,46 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
   SF_DISPATCH(linear, x, w, bias, y);
 }
 
+namespace {
+Status check_gemv(const char* op, const TensorView& x, const TensorView& w, const TensorView& bias,
+                  const TensorView& y) {
+  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2 && x.shape[0] == 1 && y.shape[0] == 1, op,
+              "x [1, in], w [out, in], y [1, out]"));
+  SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[1] == w.shape[0], op,
+              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
+  SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, op, "rows must be contiguous"));
+  SF_TRY(need(x.dtype == DType::kF32 && y.dtype == DType::kF32 && (w.dtype == DType::kF32 || w.dtype == DType::kBF16),
+              op, std::string("x and y F32, w F32 or BF16; got w ") + dtype_name(w.dtype)));
+  return need(!bias.data || (bias.numel() == w.shape[0] && bias.dtype == DType::kF32), op,
+              "bias must have out F32 elements");
+}
+}  // namespace
+
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s) {
   SF_TRY(same_device("gemv", s, {&x, &w, &bias, &y}));
-  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2 && x.shape[0] == 1 && y.shape[0] == 1, "gemv",
-              "x [1, in], w [out, in], y [1, out]"));
-  SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[1] == w.shape[0], "gemv",
-              "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
-  SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, "gemv", "rows must be contiguous"));
-  SF_TRY(need(x.dtype == DType::kF32 && y.dtype == DType::kF32 && (w.dtype == DType::kF32 || w.dtype == DType::kBF16),
-              "gemv", std::string("x and y F32, w F32 or BF16; got w ") + dtype_name(w.dtype)));
-  SF_TRY(need(!bias.data || (bias.numel() == w.shape[0] && bias.dtype == DType::kF32), "gemv",
-              "bias must have out F32 elements"));
+  SF_TRY(check_gemv("gemv", x, w, bias, y));
   SF_DISPATCH(gemv, x, w, bias, y);
+}
+
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Stream s) {
+  SF_TRY(need(parts && n_parts >= 1 && n_parts <= kGemvMaxParts, "gemv_parts",
+              "1 to " + std::to_string(kGemvMaxParts) + " parts, got " + std::to_string(n_parts)));
+  for (int i = 0; i < n_parts; ++i) {
+    const GemvPart& p = parts[i];
+    SF_TRY(same_device("gemv_parts", s, {&x, &p.w, &p.bias, &p.y}));
+    SF_TRY(check_gemv("gemv_parts", x, p.w, p.bias, p.y));
+    SF_TRY(need(p.w.dtype == parts[0].w.dtype, "gemv_parts", "every part's w of one dtype"));
+  }
+  SF_DISPATCH(gemv_parts, x, parts, n_parts);
+}
+
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y, Stream s) {
+  SF_TRY(same_device("gemv_swiglu", s, {&x, &w_gate, &w_up, &y}));
+  const TensorView none{};
+  SF_TRY(check_gemv("gemv_swiglu", x, w_gate, none, y));
+  SF_TRY(check_gemv("gemv_swiglu", x, w_up, none, y));
+  SF_TRY(need(w_gate.dtype == w_up.dtype, "gemv_swiglu", "w_gate and w_up of one dtype"));
+  SF_DISPATCH(gemv_swiglu, x, w_gate, w_up, y);
 }
 
 Status cast(const TensorView& x, TensorView out, Stream s) {

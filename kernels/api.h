@@ -47,12 +47,29 @@ Status rope(TensorView x, const int32_t* positions, const RopeParams& p, Stream 
 Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, Stream s = {});
 // out += x, elementwise.
 Status add_inplace(TensorView out, const TensorView& x, Stream s = {});
+// x += delta, then out = rms_norm(x, w): a residual add and the next RMSNorm in one pass, with
+// add_inplace()'s and rms_norm()'s results (x is updated). delta without data: rms_norm() alone.
+// out may alias x.
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps, TensorView out,
+                    Stream s = {});
 // y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out] if bias.data). fp32 accumulation.
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
 // y[1, out] = x[1, in] @ w[out, in]^T (+ bias[out]): linear() for one row, the decode step's
 // case. x, y, bias F32; w F32 or BF16, read as stored (x is not rounded); fp32 accumulation.
 // Rows contiguous.
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
+// Several gemv() of one x in one launch (the decode step's Q, K and V): part i is y_i = w_i x
+// (+ bias_i), each as gemv() computes it alone. parts[0, n_parts): 1..kGemvMaxParts of them,
+// their w of one dtype; each part's checks are gemv()'s.
+inline constexpr int kGemvMaxParts = 3;
+struct GemvPart {
+  TensorView w, bias, y;
+};
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Stream s = {});
+// y[1, out] = silu(w_gate x) * (w_up x): the MLP's gate and up gemv() and swiglu() in one launch,
+// with their result. w_gate and w_up [out, in] of one dtype (F32 or BF16), no bias.
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y,
+                   Stream s = {});
 // out = x converted elementwise: F32 -> F16/BF16 (round to nearest even), F16/BF16 -> F32
 // (exact), or a copy when the dtypes match. Contiguous, equal element counts. Feeds the
 // half-precision inputs of linear() on backends whose GEMMs need x and w in one dtype.

@@ -80,6 +80,20 @@ Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, Te
   return Status::ok();
 }
 
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts) {
+  for (int i = 0; i < n_parts; ++i) SF_TRY(gemv(x, parts[i].w, parts[i].bias, parts[i].y));
+  return Status::ok();
+}
+
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y) {
+  std::vector<float> up(size_t(w_up.shape[0]));
+  const TensorView none{};
+  TensorView uv = TensorView::make(up.data(), DType::kF32, {1, w_up.shape[0]});
+  SF_TRY(gemv(x, w_gate, none, y));
+  SF_TRY(gemv(x, w_up, none, uv));
+  return swiglu(y, uv, y);
+}
+
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                        TensorView lse, const AttentionParams& p) {
   const int64_t nq = q.shape[0], hq = q.shape[1], d = q.shape[2];

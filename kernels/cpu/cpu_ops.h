@@ -12,6 +12,10 @@ Status swiglu(const TensorView& gate, const TensorView& up, TensorView out);
 Status add_inplace(TensorView out, const TensorView& x);
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y);
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y);
+// gemv() per part; gemv() twice then swiglu(); add_inplace() then rms_norm(): the references.
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts);
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y);
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps, TensorView out);
 Status cast(const TensorView& x, TensorView out);
 Status attention_dense(const TensorView& q, const TensorView& k, const TensorView& v, TensorView out,
                        TensorView lse, const AttentionParams& p);

@@ -145,4 +145,9 @@ Status add_inplace(TensorView out, const TensorView& x) {
   return Status::ok();
 }
 
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps, TensorView out) {
+  if (delta.data) SF_TRY(add_inplace(x, delta));
+  return rms_norm(x, w, eps, out);
+}
+
 }  // namespace sf::kernels::cpu

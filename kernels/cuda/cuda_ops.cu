@@ -86,6 +86,15 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream) {
   return Status::ok();
 }
 
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps,
+                    TensorView out, void* stream) {
+  SF_CUDA_TRY(add_rms_norm_launch(
+      AddRmsNormParams{x.ptr<float>(), delta.data ? delta.ptr<float>() : nullptr, w.ptr<float>(),
+                       out.ptr<float>(), x.shape[1], eps},
+      x.shape[0], as_stream(stream)));
+  return Status::ok();
+}
+
 Status fill_normal(TensorView out, const FillNormal& f, void* stream) {
   SF_ENSURE(out.device == Device::kCuda, kInvalidArgument,
             "fill_normal: out must be on the device");

@@ -36,6 +36,14 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
 // w where rows are 16-byte aligned; no cuBLASLt, no workspace, no plan; capture-safe.
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
             void* stream);
+// gemv() of 1..kGemvMaxParts weights in one grid (each part's outputs as gemv() gives them), and
+// the gate/up pair with the SwiGLU epilogue (as gemv() twice and swiglu()).
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, void* stream);
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up,
+                   TensorView y, void* stream);
+// add_inplace() and rms_norm() in one CTA per row, each thread on the same elements as theirs.
+Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps,
+                    TensorView out, void* stream);
 // F32 <-> F16/BF16 or a same-dtype copy (api.cpp checked the pair); round to nearest even.
 Status cast(const TensorView& x, TensorView out, void* stream);
 // The plan step of linear(): creates this thread's cuBLASLt handle and workspace on the current

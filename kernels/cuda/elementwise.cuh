@@ -94,6 +94,39 @@ inline cudaError_t rms_norm_launch(const RmsNormParams& p, int64_t rows, cudaStr
   return cudaGetLastError();
 }
 
+// add_inplace() then rms_norm() on one row per CTA: each thread adds, squares and normalizes the
+// same elements, in the same order, as those kernels' threads, so the results are theirs bit for
+// bit (the decode step uses either and tests hold them equal).
+struct AddRmsNormParams {
+  float* x;            // [rows, hidden], updated to x + delta
+  const float* delta;  // [rows, hidden] or null (no add)
+  const float* w;      // [hidden]
+  float* out;          // [rows, hidden]; may alias x
+  int64_t hidden;
+  float eps;
+};
+
+static __global__ void add_rms_norm_kernel(const AddRmsNormParams p) {
+  float* x = p.x + int64_t(blockIdx.x) * p.hidden;
+  const float* d = p.delta ? p.delta + int64_t(blockIdx.x) * p.hidden : nullptr;
+  float* o = p.out + int64_t(blockIdx.x) * p.hidden;
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x) {
+    if (d) x[j] += d[j];
+    ss += x[j] * x[j];
+  }
+  ss = block_sum(ss);
+  const float inv = 1.f / sqrtf(ss / float(p.hidden) + p.eps);
+  for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x) o[j] = x[j] * inv * p.w[j];
+}
+
+inline cudaError_t add_rms_norm_launch(const AddRmsNormParams& p, int64_t rows,
+                                       cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  add_rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 struct RopeKernelParams {

@@ -1,15 +1,24 @@
-// One-row linear on the device (kernels::gemv): y = w x (+ bias), x and y F32, w F32 or BF16.
-// The decode step's linears are this shape: cuBLASLt's GEMM for one row needs x in w's dtype (a
-// cast kernel before each BF16 linear) and reads the weights at about half the copy rate.
+// One-row linears on the device (kernels::gemv, gemv_parts, gemv_swiglu): y = w x (+ bias), x
+// and y F32, w F32 or BF16. The decode step's linears are this shape: cuBLASLt's GEMM for one row
+// needs x in w's dtype (a cast kernel before each BF16 linear) and reads the weights at about
+// half the copy rate.
 //
-// Work split: a CTA of kWarps warps takes kRows consecutive output rows; each lane reads 16
-// bytes of each row (8 BF16 or 4 F32 weights) and the matching x elements once for all kRows
-// rows, the warps taking alternate 32-lane strides of the rows; lanes reduce by shuffles, warps
-// through shared memory in a fixed order. Rows that are not 16-byte aligned (in not a multiple
-// of 8 BF16 / 4 F32 elements) take a scalar loop.
+// Work split: a CTA of kWarps warps takes kRows consecutive output rows of one part; each lane
+// reads 16 bytes of each row (8 BF16 or 4 F32 weights) and the matching x elements once for all
+// kRows rows, the warps taking alternate 32-lane strides of the rows; lanes reduce by shuffles,
+// warps through shared memory in a fixed order. Rows that are not 16-byte aligned (in not a
+// multiple of 8 BF16 / 4 F32 elements) take a scalar loop.
+//   parts:  up to kGemvMaxParts weights of one x in one launch (the step's Q, K and V); the grid
+//           is the parts' CTAs end to end, and each part's rows are grouped from its own row 0,
+//           so every output is the one gemv() of that part alone computes, bit for bit.
+//   swiglu: a CTA takes the same kRows rows of the gate and the up weights (2 x kRows sums from
+//           one pass over x) and writes silu(g) u with swiglu()'s expression: gemv() twice and
+//           swiglu(), bit for bit, without the two intermediate vectors or the third launch.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -51,17 +60,31 @@ struct Elems<false> {
   }
 };
 
-template <bool kBf16, bool kVec>
-__global__ void __launch_bounds__(kWarps * 32)
-    gemv_kernel(const float* __restrict__ x, const void* __restrict__ w, int64_t ldw,
-                const float* __restrict__ bias, float* __restrict__ y, int64_t in, int64_t out) {
+struct Part {
+  const void* w;
+  int64_t ldw;
+  const float* bias;  // null: none
+  float* y;
+  int64_t out;
+  int64_t cta0;  // the part's first CTA in the grid
+};
+struct PartsArgs {
+  Part p[kGemvMaxParts];
+  int n;
+};
+
+// acc[r] (r < rows) += row (row0 + r) of w . x, this thread's share, then summed over the CTA in
+// a fixed order into part[r] (thread r < rows reads it after the barrier). kPair: also the same
+// rows of w2 into acc2 / part2 (the SwiGLU up weights).
+template <bool kBf16, bool kVec, bool kPair>
+__device__ __forceinline__ void rows_dot(const float* __restrict__ x, const void* __restrict__ w,
+                                         const void* __restrict__ w2, int64_t ldw, int64_t row0,
+                                         int rows, int64_t in, float (&part)[kWarps][kRows],
+                                         float (&part2)[kWarps][kRows]) {
   using E = Elems<kBf16>;
   constexpr int P = E::kPerLoad;
-  __shared__ float part[kWarps][kRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const int rows = int(min(int64_t(kRows), out - row0));
-  float acc[kRows] = {};
+  float acc[kRows] = {}, acc2[kRows] = {};
   if constexpr (kVec) {
 #pragma unroll 4
     for (int64_t c = (int64_t(warp) * 32 + lane) * P; c < in; c += int64_t(kWarps) * 32 * P) {
@@ -79,6 +102,11 @@ __global__ void __launch_bounds__(kWarps * 32)
         E::load(w, (row0 + r) * ldw + c, wv);
 #pragma unroll
         for (int i = 0; i < P; ++i) acc[r] += wv[i] * xv[i];
+        if constexpr (kPair) {
+          E::load(w2, (row0 + r) * ldw + c, wv);
+#pragma unroll
+          for (int i = 0; i < P; ++i) acc2[r] += wv[i] * xv[i];
+        }
       }
     }
   } else {
@@ -86,41 +114,113 @@ __global__ void __launch_bounds__(kWarps * 32)
       const float xc = __ldg(x + c);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (r < rows) acc[r] += E::one(w, (row0 + r) * ldw + c) * xc;
+        if (r < rows) {
+          acc[r] += E::one(w, (row0 + r) * ldw + c) * xc;
+          if constexpr (kPair) acc2[r] += E::one(w2, (row0 + r) * ldw + c) * xc;
+        }
     }
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) acc[r] += __shfl_xor_sync(kAll, acc[r], o);
-    if (lane == 0) part[warp][r] = acc[r];
+    for (int o = 16; o >= 1; o >>= 1) {
+      acc[r] += __shfl_xor_sync(kAll, acc[r], o);
+      if constexpr (kPair) acc2[r] += __shfl_xor_sync(kAll, acc2[r], o);
+    }
+    if (lane == 0) {
+      part[warp][r] = acc[r];
+      if constexpr (kPair) part2[warp][r] = acc2[r];
+    }
   }
   __syncthreads();
+}
+
+template <bool kBf16, bool kVec>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
+  __shared__ float part[kWarps][kRows];
+  int pi = 0;
+  while (pi + 1 < a.n && int64_t(blockIdx.x) >= a.p[pi + 1].cta0) ++pi;
+  const Part& p = a.p[pi];
+  const int64_t row0 = (int64_t(blockIdx.x) - p.cta0) * kRows;
+  const int rows = int(min(int64_t(kRows), p.out - row0));
+  rows_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row0, rows, in, part, part);
   // The warps' sums in warp order: the same result on every run (no atomics).
-  if (threadIdx.x < rows) {
+  if (int(threadIdx.x) < rows) {
     float v = 0.f;
 #pragma unroll
     for (int wi = 0; wi < kWarps; ++wi) v += part[wi][threadIdx.x];
-    y[row0 + threadIdx.x] = v + (bias ? bias[row0 + threadIdx.x] : 0.f);
+    p.y[row0 + threadIdx.x] = v + (p.bias ? p.bias[row0 + threadIdx.x] : 0.f);
   }
 }
 
-template <bool kBf16>
-Status launch(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
-              cudaStream_t st) {
-  const int64_t in = x.shape[1], out = w.shape[0], ldw = w.stride[0];
-  constexpr int P = Elems<kBf16>::kPerLoad;
+template <bool kBf16, bool kVec>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_swiglu_kernel(const float* __restrict__ x, const void* __restrict__ wg,
+                       const void* __restrict__ wu, int64_t ldw, float* __restrict__ y,
+                       int64_t in, int64_t out) {
+  __shared__ float pg[kWarps][kRows], pu[kWarps][kRows];
+  const int64_t row0 = int64_t(blockIdx.x) * kRows;
+  const int rows = int(min(int64_t(kRows), out - row0));
+  rows_dot<kBf16, kVec, true>(x, wg, wu, ldw, row0, rows, in, pg, pu);
+  if (int(threadIdx.x) < rows) {
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kWarps; ++wi) g += pg[wi][threadIdx.x], u += pu[wi][threadIdx.x];
+    y[row0 + threadIdx.x] = g / (1.f + expf(-g)) * u;  // swiglu()'s expression (elementwise.cuh)
+  }
+}
+
+// 16-byte loads need every row start and x aligned: in and every ldw multiples of the load
+// width, and the pointers aligned.
+bool vec_ok(const void* x, int64_t in, std::initializer_list<std::pair<const void*, int64_t>> ws,
+            int per_load) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  // 16-byte loads need every row start and x aligned: in and ldw multiples of the load width.
-  const bool vec = in % P == 0 && ldw % P == 0 && aligned(w.data) && aligned(x.data);
-  const unsigned grid = unsigned((out + kRows - 1) / kRows);
-  const float* b = bias.data ? bias.ptr<float>() : nullptr;
+  bool ok = in % per_load == 0 && aligned(x);
+  for (const auto& [w, ldw] : ws) ok = ok && ldw % per_load == 0 && aligned(w);
+  return ok;
+}
+
+template <bool kBf16>
+Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cudaStream_t st) {
+  const int64_t in = x.shape[1];
+  constexpr int P = Elems<kBf16>::kPerLoad;
+  PartsArgs a{};
+  a.n = n_parts;
+  int64_t ctas = 0;
+  bool vec = in % P == 0 && reinterpret_cast<uintptr_t>(x.data) % 16 == 0;
+  for (int i = 0; i < a.n; ++i) {
+    const GemvPart& g = parts[i];
+    a.p[i] = Part{g.w.data, g.w.stride[0], g.bias.data ? g.bias.ptr<float>() : nullptr,
+                  g.y.ptr<float>(), g.w.shape[0], ctas};
+    vec = vec && vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P);
+    ctas += (g.w.shape[0] + kRows - 1) / kRows;
+  }
+  if (ctas == 0) return Status::ok();
+  if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
   if (vec)
-    gemv_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(x.ptr<float>(), w.data, ldw, b,
-                                                           y.ptr<float>(), in, out);
+    gemv_parts_kernel<kBf16, true><<<unsigned(ctas), kWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
   else
-    gemv_kernel<kBf16, false><<<grid, kWarps * 32, 0, st>>>(x.ptr<float>(), w.data, ldw, b,
-                                                            y.ptr<float>(), in, out);
+    gemv_parts_kernel<kBf16, false><<<unsigned(ctas), kWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+  SF_CUDA_TRY(cudaGetLastError());
+  return Status::ok();
+}
+
+template <bool kBf16>
+Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView& wu, TensorView y,
+                     cudaStream_t st) {
+  const int64_t in = x.shape[1], out = wg.shape[0], ldw = wg.stride[0];
+  if (out == 0) return Status::ok();
+  const int64_t ctas = (out + kRows - 1) / kRows;
+  if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv_swiglu: too many output rows for one grid");
+  const bool vec =
+      vec_ok(x.data, in, {{wg.data, ldw}, {wu.data, wu.stride[0]}}, Elems<kBf16>::kPerLoad);
+  if (vec)
+    gemv_swiglu_kernel<kBf16, true><<<unsigned(ctas), kWarps * 32, 0, st>>>(
+        x.ptr<float>(), wg.data, wu.data, ldw, y.ptr<float>(), in, out);
+  else
+    gemv_swiglu_kernel<kBf16, false><<<unsigned(ctas), kWarps * 32, 0, st>>>(
+        x.ptr<float>(), wg.data, wu.data, ldw, y.ptr<float>(), in, out);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -129,12 +229,21 @@ Status launch(const TensorView& x, const TensorView& w, const TensorView& bias, 
 
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
             void* stream) {
-  if (w.shape[0] == 0) return Status::ok();
-  if (int64_t(w.shape[0]) > int64_t(kRows) * 2147483647LL)
-    return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
+  const GemvPart one{w, bias, y};
+  return gemv_parts(x, &one, 1, stream);
+}
+
+Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
-  return w.dtype == DType::kBF16 ? launch<true>(x, w, bias, y, st)
-                                 : launch<false>(x, w, bias, y, st);
+  return parts[0].w.dtype == DType::kBF16 ? launch_parts<true>(x, parts, n_parts, st)
+                                          : launch_parts<false>(x, parts, n_parts, st);
+}
+
+Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up,
+                   TensorView y, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  return w_gate.dtype == DType::kBF16 ? launch_swiglu<true>(x, w_gate, w_up, y, st)
+                                      : launch_swiglu<false>(x, w_gate, w_up, y, st);
 }
 
 }  // namespace sf::kernels::cuda

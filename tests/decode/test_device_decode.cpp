@@ -396,13 +396,16 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+    for (const bool fused : {true, false})
     for (const char* spec : {"full", "psa-avg:0.95"}) {
+      SCOPED_TRACE(fused ? "fused step" : "unfused step");
       auto ap = decode::decode_attn_parse(spec);
       auto c1 = decode::PagedKvCache::from_prefill(pr.kv, full);
       auto c2 = decode::PagedKvCache::from_prefill(pr.kv, full);
       ASSERT_TRUE(ap.is_ok() && c1.is_ok() && c2.is_ok());
       decode::DecodeSession cpu(m, std::move(c1).value(), n, ap.value());
-      auto dev = decode::DeviceDecodeSession::open(dm.value(), c2.value(), n, ap.value(), n_new);
+      auto dev = decode::DeviceDecodeSession::open(dm.value(), c2.value(), n, ap.value(), n_new,
+                                                   kvstore::KvEncoding::kF32, true, fused);
       ASSERT_TRUE(dev.is_ok()) << dev.status().to_string();
       // Teacher-forced on the CPU's own greedy tokens.
       std::vector<float> zc, zg;
@@ -443,9 +446,10 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
       if (std::string(spec) == "full") EXPECT_EQ(sg.blocks_visited, sg.blocks_total);
       EXPECT_NEAR(fg, fc, 0.01) << dtype_name(wdt) << " " << spec;
       std::printf(
-          "%s %-13s logits rel err %.2g, worst |logit err|/row rms %.3g, top-1 %d/%d (%d swapped "
-          "at a cpu top-2 gap within rounding), blocks visited %.3f (cpu %.3f)\n",
-          dtype_name(wdt), spec, worst, worst_rel, same_top, n_new, near_tie_swaps, fg, fc);
+          "%s %-7s %-13s logits rel err %.2g, worst |logit err|/row rms %.3g, top-1 %d/%d (%d "
+          "swapped at a cpu top-2 gap within rounding), blocks visited %.3f (cpu %.3f)\n",
+          dtype_name(wdt), fused ? "fused" : "unfused", spec, worst, worst_rel, same_top, n_new,
+          near_tie_swaps, fg, fc);
       // Past the reservation: an error, not a write out of bounds.
       EXPECT_EQ(dev->step(t, &zg).code(), Code::kOutOfRange);
     }
@@ -499,12 +503,17 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
 }
 
 
-// A graph holds the capturing thread's cuBLASLt workspace (F32 weights), so a step from another
-// thread runs eagerly there and the next one captures anew: steps 1-2 on one thread (eager,
-// captured), 3-4 on a second (eager, captured), 5-6 back on the first (eager, captured), every
-// logit equal to an eager session's, 3 of the 6 steps replayed.
+// Unfused with F32 weights, the step calls cuBLASLt, and a graph holds the capturing thread's
+// cuBLASLt workspace, so a step from another thread runs eagerly there and the next one captures
+// anew. The fused step calls no cuBLASLt: its graph is replayed from any thread. Steps 0-1 on the main thread (eager,
+// captured), 2-3 on one second thread (eager, captured), 4-5 on the main thread (eager,
+// captured), 6-7 each on a thread of its own, started after the last one ended (eager both: such
+// a thread often gets the ended one's std::thread::id, which must not count as the same thread,
+// whose cuBLASLt context it does not have), 8-9 on the main thread (eager, captured). Every
+// logit equal to an eager session's; steps 1, 3, 5 and 9 replayed (fused: every step after the
+// first).
 TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
-  const int n = 300, n_new = 6;
+  const int n = 300, n_new = 10;
   Prefilled P;
   prefilled(n, testing::fresh_seed(), &P);
   if (HasFatalFailure()) return;
@@ -517,27 +526,107 @@ TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
   ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
   const decode::DecodeAttnParams ap;
   auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
-                                                 kvstore::KvEncoding::kF32, false);
-  auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
-                                                 kvstore::KvEncoding::kF32, true);
-  ASSERT_TRUE(eager.is_ok() && graph.is_ok());
-  std::vector<float> ze, zg;
-  int32_t t = pr.first_token;
+                                                 kvstore::KvEncoding::kF32, false, false);
+  ASSERT_TRUE(eager.is_ok());
+  // The eager session's tokens and logits first, all on this thread.
+  std::vector<std::vector<float>> ze(n_new);
+  std::vector<int32_t> tok(n_new);
+  tok[0] = pr.first_token;
   for (int i = 0; i < n_new; ++i) {
-    ASSERT_TRUE(eager->step(t, &ze).is_ok());
-    Status st = Status::ok();
-    if (i == 2 || i == 3) {  // the second thread
-      std::thread other([&] { st = graph->step(t, &zg); });
-      other.join();
-    } else {
-      st = graph->step(t, &zg);
-    }
-    ASSERT_TRUE(st.is_ok()) << st.to_string();
-    ASSERT_EQ(ze.size(), zg.size());
-    EXPECT_EQ(std::memcmp(ze.data(), zg.data(), ze.size() * sizeof(float)), 0) << "step " << i;
-    t = int32_t(std::max_element(ze.begin(), ze.end()) - ze.begin());
+    ASSERT_TRUE(eager->step(tok[i], &ze[i]).is_ok());
+    if (i + 1 < n_new)
+      tok[i + 1] = int32_t(std::max_element(ze[i].begin(), ze[i].end()) - ze[i].begin());
   }
-  EXPECT_EQ(graph->graph_steps(), 3);
+  for (const bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused step" : "unfused step");
+    auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
+                                                   kvstore::KvEncoding::kF32, true, fused);
+    ASSERT_TRUE(graph.is_ok());
+    std::vector<std::vector<float>> zg(n_new);
+    std::vector<Status> st(n_new, Status::ok());
+    std::vector<int64_t> replayed(n_new);  // graph_steps() after each step
+    auto step = [&](int i) {
+      st[i] = graph->step(tok[i], &zg[i]);
+      replayed[i] = graph->graph_steps();
+    };
+    step(0);
+    step(1);
+    std::thread second([&] {
+      step(2);
+      step(3);
+    });
+    second.join();
+    step(4);
+    step(5);
+    for (int i = 6; i < 8; ++i) {
+      std::thread own([&] { step(i); });
+      own.join();
+    }
+    step(8);
+    step(9);
+    const std::vector<int64_t> want =
+        fused ? std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}
+              : std::vector<int64_t>{0, 1, 1, 2, 2, 3, 3, 3, 3, 4};
+    // Unfused, the eager session's logits bit for bit (the same cuBLASLt GEMMs); fused, within
+    // the F32 GEMV's rounding of the same sums (SessionDecodesWhatTheCpuSessionDecodes holds
+    // both to the CPU).
+    for (int i = 0; i < n_new; ++i) {
+      ASSERT_TRUE(st[i].is_ok()) << "step " << i << ": " << st[i].to_string();
+      ASSERT_EQ(ze[i].size(), zg[i].size());
+      if (!fused) {
+        EXPECT_EQ(std::memcmp(ze[i].data(), zg[i].data(), ze[i].size() * sizeof(float)), 0)
+            << "step " << i;
+      } else {
+        const testing::RowCompare rc =
+            testing::compare_logit_row(zg[i].data(), ze[i].data(), int64_t(ze[i].size()));
+        EXPECT_LT(std::sqrt(rc.sq_err / rc.sq_ref), 1e-4) << "step " << i;
+      }
+      EXPECT_EQ(replayed[i], want[i]) << "graph steps after step " << i;
+    }
+  }
+}
+
+// The fused step against the unfused one on the same model and cache: with BF16 weights the
+// same kernels' sums in the same order (gemv_parts, gemv_swiglu and add_rms_norm are built to
+// equal the ops they replace), so every logit bit for bit, full and psa-avg, F32 and INT8
+// pools, eager and graph.
+TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
+  const int n = 700, n_new = 10;
+  Prefilled P;
+  prefilled(n, testing::fresh_seed(), &P);
+  if (HasFatalFailure()) return;
+  const model::PrefillResult& pr = *P.pr;
+  auto cache = decode::PagedKvCache::from_prefill(pr.kv, *P.full);
+  ASSERT_TRUE(cache.is_ok());
+  auto dm = model::DeviceModel::upload(*P.m, DType::kBF16);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  for (const char* spec : {"full", "psa-avg:0.95"})
+    for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8})
+      for (const bool graph : {false, true}) {
+        const std::string what = std::string(spec) + " " + kvstore::kv_encoding_name(enc) +
+                                 (graph ? " graph" : " eager");
+        auto ap = decode::decode_attn_parse(spec);
+        ASSERT_TRUE(ap.is_ok());
+        auto fused = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+                                                       n_new, enc, graph, true);
+        auto plain = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+                                                       n_new, enc, graph, false);
+        ASSERT_TRUE(fused.is_ok() && plain.is_ok()) << what;
+        std::vector<float> zf, zp;
+        int32_t t = pr.first_token;
+        int equal = 0;
+        for (int i = 0; i < n_new; ++i) {
+          ASSERT_TRUE(fused->step(t, &zf).is_ok()) << what;
+          ASSERT_TRUE(plain->step(t, &zp).is_ok()) << what;
+          ASSERT_EQ(zf.size(), zp.size());
+          const bool same = std::memcmp(zf.data(), zp.data(), zf.size() * sizeof(float)) == 0;
+          EXPECT_TRUE(same) << what << " step " << i;
+          equal += same;
+          t = int32_t(std::max_element(zp.begin(), zp.end()) - zp.begin());
+        }
+        EXPECT_EQ(fused->stats().blocks_visited, plain->stats().blocks_visited) << what;
+        std::printf("%s: %d of %d steps' logits equal\n", what.c_str(), equal, n_new);
+      }
 }
 
 }  // namespace

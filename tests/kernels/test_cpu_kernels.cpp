@@ -242,5 +242,61 @@ TEST(CpuKernels, GemvRefusesWhatItDoesNotTake) {
             Code::kInvalidArgument);
 }
 
+// The decode step's joined ops on the CPU are their parts in sequence: gemv_parts is gemv per
+// part, gemv_swiglu is silu(gemv) * gemv, add_rms_norm is the add then rms_norm, each to the bit;
+// and the API refuses 0 or more than kGemvMaxParts parts, mixed weight dtypes and a mismatched
+// up weight on every backend (the checks are api.cpp's).
+TEST(CpuKernels, JoinedDecodeOpsAreTheirParts) {
+  std::mt19937_64 rng(fresh_seed());
+  const int64_t in = 40, out = 12;
+  const auto x = randn(size_t(in), rng), wg = randn(size_t(out * in), rng),
+             wu = randn(size_t(out * in), rng), b = randn(size_t(out), rng);
+  auto row = [](const std::vector<float>& v, int64_t n) {
+    return TensorView::make(const_cast<float*>(v.data()), DType::kF32, {1, n});
+  };
+  auto mat = [&](const std::vector<float>& v) {
+    return TensorView::make(const_cast<float*>(v.data()), DType::kF32, {out, in});
+  };
+  const TensorView none, bias = TensorView::make(const_cast<float*>(b.data()), DType::kF32, {out});
+  const size_t no = static_cast<size_t>(out);
+  std::vector<float> y1(no), y2(no), g(no), u(no), s(no);
+  const kernels::GemvPart parts[2] = {{mat(wg), bias, row(y1, out)}, {mat(wu), none, row(y2, out)}};
+  ASSERT_TRUE(kernels::gemv_parts(row(x, in), parts, 2).is_ok());
+  ASSERT_TRUE(kernels::gemv(row(x, in), mat(wg), bias, row(g, out)).is_ok());
+  ASSERT_TRUE(kernels::gemv(row(x, in), mat(wu), none, row(u, out)).is_ok());
+  EXPECT_EQ(y1, g);
+  EXPECT_EQ(y2, u);
+  ASSERT_TRUE(kernels::gemv(row(x, in), mat(wg), none, row(g, out)).is_ok());
+  ASSERT_TRUE(kernels::gemv_swiglu(row(x, in), mat(wg), mat(wu), row(s, out)).is_ok());
+  for (int64_t j = 0; j < out; ++j) {
+    const float gj = g[size_t(j)];
+    EXPECT_EQ(s[size_t(j)], gj / (1.f + std::exp(-gj)) * u[size_t(j)]) << j;
+  }
+  std::vector<float> xa = x, xb = x, oa(static_cast<size_t>(in)), ob(static_cast<size_t>(in));
+  const auto d = randn(size_t(in), rng), nw = randn(size_t(in), rng);
+  const TensorView nwv = TensorView::make(const_cast<float*>(nw.data()), DType::kF32, {in});
+  ASSERT_TRUE(kernels::add_inplace(row(xa, in), row(d, in)).is_ok());
+  ASSERT_TRUE(kernels::rms_norm(row(xa, in), nwv, 1e-5f, row(oa, in)).is_ok());
+  ASSERT_TRUE(kernels::add_rms_norm(row(xb, in), row(d, in), nwv, 1e-5f, row(ob, in)).is_ok());
+  EXPECT_EQ(xa, xb);
+  EXPECT_EQ(oa, ob);
+
+  const kernels::GemvPart four[4] = {parts[0], parts[0], parts[0], parts[0]};
+  EXPECT_EQ(kernels::gemv_parts(row(x, in), parts, 0).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(kernels::gemv_parts(row(x, in), four, 4).code(), Code::kInvalidArgument);
+  std::vector<uint16_t> h(size_t(out * in));
+  const kernels::GemvPart mixed[2] = {parts[0],
+                                      {TensorView::make(h.data(), DType::kBF16, {out, in}), none, row(y2, out)}};
+  EXPECT_EQ(kernels::gemv_parts(row(x, in), mixed, 2).code(), Code::kInvalidArgument);
+  EXPECT_EQ(kernels::gemv_swiglu(row(x, in), mat(wg), TensorView::make(const_cast<float*>(wu.data()), DType::kF32,
+                                                                       {out - 1, in}),
+                                 row(s, out))
+                .code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(kernels::add_rms_norm(row(xb, in), row(d, in - 1), nwv, 1e-5f, row(ob, in)).code(),
+            Code::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace sf

@@ -491,6 +491,171 @@ TEST_F(CudaOps, Gemv) {
     }
 }
 
+// ---- the decode step's fused ops: gemv_parts, gemv_swiglu, add_rms_norm -------------------------
+// Each equals, bit for bit, the device ops it joins on the same inputs (the decode session's
+// fused step relies on it: FusedStepIsTheUnfusedStepBitForBit), and the CPU reference within the
+// joined ops' bounds: gemv's 2e-5 / 5e-4 per part; for silu(g) u, whose factors each carry gemv's
+// relative error, 5e-5 normalized and 5e-2 absolute (|g|, |u| reach ~30 at in = 576, the
+// product ~900, so 5e-4 on a factor moves it by up to ~1.5e-2).
+TEST_F(CudaOps, GemvPartsAndSwigluEqualTheOpsTheyJoin) {
+  const TensorView none{};
+  for (const DType wdt : {DType::kF32, DType::kBF16})
+    for (const int64_t in : {int64_t(576), int64_t(577)}) {  // 16-byte rows, then the scalar path
+      const std::string tag = std::string(dtype_name(wdt)) + " in=" + std::to_string(in);
+      auto weights = [&](int64_t out, DevBuf* d, std::vector<float>* host32,
+                         std::vector<uint16_t>* host16) -> Status {
+        *host32 = uniform(size_t(out * in), -1.f, 1.f);
+        host16->resize(host32->size());
+        for (size_t i = 0; i < host32->size(); ++i) (*host16)[i] = f32_to_bf16((*host32)[i]);
+        return wdt == DType::kBF16 ? d->alloc_upload(*host16) : d->alloc_upload(*host32);
+      };
+      auto cpu_w = [&](std::vector<float>& w32, std::vector<uint16_t>& w16, int64_t out) {
+        return wdt == DType::kBF16 ? TensorView::make(w16.data(), DType::kBF16, {out, in})
+                                   : TensorView::make(w32.data(), DType::kF32, {out, in});
+      };
+      const auto x = uniform(size_t(in), -1.f, 1.f);
+      DevBuf d_x;
+      ASSERT_OK(d_x.alloc_upload(x));
+      const TensorView x_cpu = TensorView::make(const_cast<float*>(x.data()), DType::kF32, {1, in});
+      const TensorView x_gpu = d_x.view(DType::kF32, {1, in});
+
+      // Three parts as the step's Q, K, V: 576 rows with a bias, 192, 193 (a partial CTA) with one.
+      const int64_t outs[3] = {576, 192, 193};
+      const bool biased[3] = {true, false, true};
+      std::vector<float> w32[3], b[3], ref[3];
+      std::vector<uint16_t> w16[3];
+      DevBuf d_w[3], d_b[3], d_y[3], d_one[3];
+      GemvPart cpu_parts[3], gpu_parts[3];
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_OK(weights(outs[i], &d_w[i], &w32[i], &w16[i]));
+        b[i] = uniform(size_t(outs[i]), -1.f, 1.f);
+        ASSERT_OK(d_b[i].alloc_upload(b[i]));
+        ref[i].assign(size_t(outs[i]), 0.f);
+        ASSERT_OK(d_y[i].alloc(size_t(outs[i]) * 4));
+        ASSERT_OK(d_one[i].alloc(size_t(outs[i]) * 4));
+        ASSERT_OK(d_y[i].poison());
+        ASSERT_OK(d_one[i].poison());
+        const TensorView bias_cpu =
+            biased[i] ? TensorView::make(b[i].data(), DType::kF32, {outs[i]}) : none;
+        cpu_parts[i] = {cpu_w(w32[i], w16[i], outs[i]), bias_cpu,
+                        TensorView::make(ref[i].data(), DType::kF32, {1, outs[i]})};
+        gpu_parts[i] = {d_w[i].view(wdt, {outs[i], in}),
+                        biased[i] ? d_b[i].view(DType::kF32, {outs[i]}) : none,
+                        d_y[i].view(DType::kF32, {1, outs[i]})};
+        ASSERT_OK(gemv(x_gpu, gpu_parts[i].w, gpu_parts[i].bias,
+                       d_one[i].view(DType::kF32, {1, outs[i]}), kGpu));
+      }
+      ASSERT_OK(gemv_parts(x_cpu, cpu_parts, 3, kCpu));
+      ASSERT_OK(gemv_parts(x_gpu, gpu_parts, 3, kGpu));
+      for (int i = 0; i < 3; ++i) {
+        const std::string what = "gemv_parts " + tag + " part " + std::to_string(i);
+        expect_matches(what + " vs cpu", d_y[i], ref[i], {2e-5, 5e-4});
+        std::vector<float> one;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_one[i].download(&one));
+        expect_matches(what + " vs device gemv", d_y[i], one, kExact);
+        if (HasFatalFailure()) return;
+      }
+
+      // The MLP pair: 1536 rows (SmolLM2's intermediate) and 1001 (a partial CTA).
+      for (const int64_t out : {int64_t(1536), int64_t(1001)}) {
+        const std::string what = "gemv_swiglu " + tag + " out=" + std::to_string(out);
+        std::vector<float> g32, u32;
+        std::vector<uint16_t> g16, u16;
+        DevBuf d_g, d_u, d_gy, d_uy, d_ref, d_y2;
+        ASSERT_OK(weights(out, &d_g, &g32, &g16));
+        ASSERT_OK(weights(out, &d_u, &u32, &u16));
+        std::vector<float> ref2(static_cast<size_t>(out));
+        ASSERT_OK(gemv_swiglu(x_cpu, cpu_w(g32, g16, out), cpu_w(u32, u16, out),
+                              TensorView::make(ref2.data(), DType::kF32, {1, out}), kCpu));
+        for (DevBuf* d : {&d_gy, &d_uy, &d_ref, &d_y2}) {
+          ASSERT_OK(d->alloc(size_t(out) * 4));
+          ASSERT_OK(d->poison());
+        }
+        const TensorView wg = d_g.view(wdt, {out, in}), wu = d_u.view(wdt, {out, in});
+        ASSERT_OK(gemv(x_gpu, wg, none, d_gy.view(DType::kF32, {1, out}), kGpu));
+        ASSERT_OK(gemv(x_gpu, wu, none, d_uy.view(DType::kF32, {1, out}), kGpu));
+        ASSERT_OK(swiglu(d_gy.view(DType::kF32, {1, out}), d_uy.view(DType::kF32, {1, out}),
+                         d_ref.view(DType::kF32, {1, out}), kGpu));
+        ASSERT_OK(gemv_swiglu(x_gpu, wg, wu, d_y2.view(DType::kF32, {1, out}), kGpu));
+        expect_matches(what + " vs cpu", d_y2, ref2, {5e-5, 5e-2});
+        std::vector<float> joined;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_ref.download(&joined));
+        expect_matches(what + " vs device gemv, gemv, swiglu", d_y2, joined, kExact);
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+TEST_F(CudaOps, GemvPartsAndSwigluRefusals) {
+  DevBuf d_x, d_w, d_w16, d_y;
+  ASSERT_OK(d_x.alloc(64 * 4));
+  ASSERT_OK(d_w.alloc(64 * 64 * 4));
+  ASSERT_OK(d_w16.alloc(64 * 64 * 2));
+  ASSERT_OK(d_y.alloc(64 * 4));
+  const TensorView none{}, x = d_x.view(DType::kF32, {1, 64}), y = d_y.view(DType::kF32, {1, 64});
+  const TensorView w = d_w.view(DType::kF32, {64, 64}), w16 = d_w16.view(DType::kBF16, {64, 64});
+  const GemvPart p{w, none, y};
+  const GemvPart four[4] = {p, p, p, p};
+  EXPECT_EQ(gemv_parts(x, four, 0, kGpu).code(), Code::kInvalidArgument);
+  EXPECT_EQ(gemv_parts(x, four, 4, kGpu).code(), Code::kInvalidArgument);  // over kGemvMaxParts
+  const GemvPart mixed[2] = {p, {w16, none, y}};
+  EXPECT_EQ(gemv_parts(x, mixed, 2, kGpu).code(), Code::kInvalidArgument);
+  const GemvPart short_y[1] = {{w, none, d_y.view(DType::kF32, {1, 32})}};
+  EXPECT_EQ(gemv_parts(x, short_y, 1, kGpu).code(), Code::kInvalidArgument);
+  EXPECT_EQ(gemv_swiglu(x, w, w16, y, kGpu).code(), Code::kInvalidArgument);
+  EXPECT_EQ(gemv_swiglu(x, w, d_w.view(DType::kF32, {32, 64}), y, kGpu).code(),
+            Code::kInvalidArgument);
+}
+
+// add_rms_norm: the device add_inplace then rms_norm bit for bit (x and out), the CPU within
+// rms_norm's bounds, and without delta rms_norm alone.
+TEST_F(CudaOps, AddRmsNormIsAddThenNorm) {
+  const int64_t rows = 3, hidden = 1000;
+  const auto x = uniform(size_t(rows * hidden), -2.f, 2.f);
+  const auto dl = uniform(size_t(rows * hidden), -2.f, 2.f);
+  const auto w = uniform(size_t(hidden), 0.5f, 1.5f);
+  std::vector<float> cx = x, cref(x.size());
+  ASSERT_OK(add_rms_norm(TensorView::make(cx.data(), DType::kF32, {rows, hidden}),
+                         TensorView::make(const_cast<float*>(dl.data()), DType::kF32, {rows, hidden}),
+                         TensorView::make(const_cast<float*>(w.data()), DType::kF32, {hidden}), 1e-5f,
+                         TensorView::make(cref.data(), DType::kF32, {rows, hidden}), kCpu));
+  DevBuf d_x1, d_x2, d_d, d_w, d_o1, d_o2;
+  ASSERT_OK(d_x1.alloc_upload(x));
+  ASSERT_OK(d_x2.alloc_upload(x));
+  ASSERT_OK(d_d.alloc_upload(dl));
+  ASSERT_OK(d_w.alloc_upload(w));
+  ASSERT_OK(d_o1.alloc(x.size() * 4));
+  ASSERT_OK(d_o2.alloc(x.size() * 4));
+  ASSERT_OK(d_o1.poison());
+  ASSERT_OK(d_o2.poison());
+  const TensorView wv = d_w.view(DType::kF32, {hidden});
+  ASSERT_OK(add_inplace(d_x1.view(DType::kF32, {rows, hidden}), d_d.view(DType::kF32, {rows, hidden}), kGpu));
+  ASSERT_OK(rms_norm(d_x1.view(DType::kF32, {rows, hidden}), wv, 1e-5f, d_o1.view(DType::kF32, {rows, hidden}),
+                     kGpu));
+  ASSERT_OK(add_rms_norm(d_x2.view(DType::kF32, {rows, hidden}), d_d.view(DType::kF32, {rows, hidden}), wv,
+                         1e-5f, d_o2.view(DType::kF32, {rows, hidden}), kGpu));
+  std::vector<float> x1, o1;
+  ASSERT_OK(cuda::stream_synchronize(nullptr));
+  ASSERT_OK(d_x1.download(&x1));
+  ASSERT_OK(d_o1.download(&o1));
+  expect_matches("add_rms_norm x vs add_inplace", d_x2, x1, kExact);
+  expect_matches("add_rms_norm out vs add_inplace, rms_norm", d_o2, o1, kExact);
+  expect_matches("add_rms_norm x vs cpu", d_x2, cx, kExact);  // one float add each
+  expect_matches("add_rms_norm out vs cpu", d_o2, cref, {1e-6, 1e-5});
+  // Without delta: rms_norm of x alone, x untouched.
+  ASSERT_OK(d_o2.poison());
+  ASSERT_OK(rms_norm(d_x1.view(DType::kF32, {rows, hidden}), wv, 1e-5f, d_o1.view(DType::kF32, {rows, hidden}),
+                     kGpu));
+  ASSERT_OK(add_rms_norm(d_x1.view(DType::kF32, {rows, hidden}), TensorView{}, wv, 1e-5f,
+                         d_o2.view(DType::kF32, {rows, hidden}), kGpu));
+  ASSERT_OK(cuda::stream_synchronize(nullptr));
+  ASSERT_OK(d_o1.download(&o1));
+  expect_matches("add_rms_norm without delta vs rms_norm", d_o2, o1, kExact);
+  expect_matches("add_rms_norm without delta leaves x", d_x1, x1, kExact);
+}
+
 // ---- attention_dense ----------------------------------------------------------------------------
 // fp32 online softmax vs the CPU's two-pass fp32 softmax (double denominator): differences are
 // exp/rounding order, ~1e-6 relative; 1e-5 relative and 1e-4 absolute on out (|out| <= 1) and on
