@@ -131,7 +131,8 @@ Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorVi
   const TensorView none{};
   SF_TRY(check_gemv("gemv_swiglu", x, w_gate, none, y));
   SF_TRY(check_gemv("gemv_swiglu", x, w_up, none, y));
-  SF_TRY(need(w_gate.dtype == w_up.dtype, "gemv_swiglu", "w_gate and w_up of one dtype"));
+  SF_TRY(need(w_gate.dtype == w_up.dtype && w_gate.stride[0] == w_up.stride[0], "gemv_swiglu",
+              "w_gate and w_up of one dtype and row stride"));
   SF_DISPATCH(gemv_swiglu, x, w_gate, w_up, y);
 }
 

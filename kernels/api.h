@@ -67,7 +67,7 @@ struct GemvPart {
 };
 Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Stream s = {});
 // y[1, out] = silu(w_gate x) * (w_up x): the MLP's gate and up gemv() and swiglu() in one launch,
-// with their result. w_gate and w_up [out, in] of one dtype (F32 or BF16), no bias.
+// with their result. w_gate and w_up [out, in] of one dtype (F32 or BF16) and row stride, no bias.
 Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y,
                    Stream s = {});
 // out = x converted elementwise: F32 -> F16/BF16 (round to nearest even), F16/BF16 -> F32

@@ -41,6 +41,13 @@ Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, Te
 Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, void* stream);
 Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up,
                    TensorView y, void* stream);
+// The GEMV kernels' work split (gemv, gemv_parts, gemv_swiglu; process-wide, for benchmarks and
+// tests): kCtaRows (the default) a CTA of 4 warps per 4 rows, the warps on alternate strides
+// of each row; kWarpRow a warp per row, 8 rows a CTA. The two sum in different orders: within
+// one setting gemv_parts and gemv_swiglu equal gemv() bit for bit.
+enum class GemvKernel { kCtaRows, kWarpRow };
+void set_gemv_kernel(GemvKernel k);
+GemvKernel gemv_kernel();
 // add_inplace() and rms_norm() in one CTA per row, each thread on the same elements as theirs.
 Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps,
                     TensorView out, void* stream);

@@ -16,6 +16,7 @@
 //           swiglu(), bit for bit, without the two intermediate vectors or the third launch.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -35,8 +36,11 @@ struct Elems;
 template <>
 struct Elems<true> {
   static constexpr int kPerLoad = 8;
-  __device__ static void load(const void* w, int64_t idx, float* out) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w) + idx));
+  using Raw = uint4;  // a load as it arrives: 4 registers, widened when used
+  __device__ static Raw raw(const void* w, int64_t idx) {
+    return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w) + idx));
+  }
+  __device__ static void unpack(const Raw& u, float* out) {
     const unsigned v[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -44,6 +48,7 @@ struct Elems<true> {
       out[2 * i + 1] = __uint_as_float(v[i] & 0xffff0000u);
     }
   }
+  __device__ static void load(const void* w, int64_t idx, float* out) { unpack(raw(w, idx), out); }
   __device__ static float one(const void* w, int64_t idx) {
     return __uint_as_float(unsigned(__ldg(static_cast<const uint16_t*>(w) + idx)) << 16);
   }
@@ -51,10 +56,14 @@ struct Elems<true> {
 template <>
 struct Elems<false> {
   static constexpr int kPerLoad = 4;
-  __device__ static void load(const void* w, int64_t idx, float* out) {
-    const float4 f = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(w) + idx));
+  using Raw = float4;
+  __device__ static Raw raw(const void* w, int64_t idx) {
+    return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(w) + idx));
+  }
+  __device__ static void unpack(const Raw& f, float* out) {
     out[0] = f.x, out[1] = f.y, out[2] = f.z, out[3] = f.w;
   }
+  __device__ static void load(const void* w, int64_t idx, float* out) { unpack(raw(w, idx), out); }
   __device__ static float one(const void* w, int64_t idx) {
     return __ldg(static_cast<const float*>(w) + idx);
   }
@@ -171,6 +180,111 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// ---- the warp-row variant (GemvKernel::kWarpRow) --------------------------------------------
+// A warp sums one output row (SwiGLU: one gate and one up row) over all of in, each lane on
+// every 32nd 16-byte chunk with kUnroll chunks' loads in flight, then a shuffle tree; a CTA of
+// kRowWarps warps takes that many consecutive rows of one part. x is read through L1 by every
+// warp (the CTA's warps share it there), so L2 sees x once per kRowWarps rows, not once per 4.
+constexpr int kRowWarps = 8;
+constexpr int kUnroll = 8;
+
+template <bool kBf16, bool kVec, bool kPair>
+__device__ __forceinline__ void warp_row_dot(const float* __restrict__ x, const void* __restrict__ w,
+                                             const void* __restrict__ w2, int64_t ldw, int64_t row,
+                                             int64_t in, float* out, float* out2) {
+  using E = Elems<kBf16>;
+  constexpr int P = E::kPerLoad;
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f, acc2 = 0.f;
+  if constexpr (kVec) {
+    const int64_t step = int64_t(32) * P;
+    int64_t c = int64_t(lane) * P;
+    // Whole groups of kUnroll chunks: every load issued before the first multiply-add.
+    for (; c + (kUnroll - 1) * step < in; c += kUnroll * step) {
+      typename E::Raw wr[kUnroll], wr2[kPair ? kUnroll : 1];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        wr[u] = E::raw(w, row * ldw + c + u * step);
+        if constexpr (kPair) wr2[u] = E::raw(w2, row * ldw + c + u * step);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float xv[P], wv[P], wv2[P];
+        E::unpack(wr[u], wv);
+        if constexpr (kPair) E::unpack(wr2[u], wv2);
+        const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c + u * step));
+        xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
+        if constexpr (P == 8) {
+          const float4 xb = __ldg(reinterpret_cast<const float4*>(x + c + u * step + 4));
+          xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
+        }
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          acc += wv[i] * xv[i];
+          if constexpr (kPair) acc2 += wv2[i] * xv[i];
+        }
+      }
+    }
+    for (; c < in; c += step) {
+      float wv[P], xv[P];
+      E::load(w, row * ldw + c, wv);
+      const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c));
+      xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
+      if constexpr (P == 8) {
+        const float4 xb = __ldg(reinterpret_cast<const float4*>(x + c + 4));
+        xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
+      }
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc += wv[i] * xv[i];
+      if constexpr (kPair) {
+        E::load(w2, row * ldw + c, wv);
+#pragma unroll
+        for (int i = 0; i < P; ++i) acc2 += wv[i] * xv[i];
+      }
+    }
+  } else {
+    for (int64_t c = lane; c < in; c += 32) {
+      const float xc = __ldg(x + c);
+      acc += E::one(w, row * ldw + c) * xc;
+      if constexpr (kPair) acc2 += E::one(w2, row * ldw + c) * xc;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) {
+    acc += __shfl_xor_sync(kAll, acc, o);
+    if constexpr (kPair) acc2 += __shfl_xor_sync(kAll, acc2, o);
+  }
+  *out = acc;
+  if constexpr (kPair) *out2 = acc2;
+}
+
+template <bool kBf16, bool kVec>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    gemv_parts_row_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
+  int pi = 0;
+  while (pi + 1 < a.n && int64_t(blockIdx.x) >= a.p[pi + 1].cta0) ++pi;
+  const Part& p = a.p[pi];
+  const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
+  if (row >= p.out) return;
+  float v = 0.f;
+  warp_row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
+  if ((threadIdx.x & 31) == 0) p.y[row] = v + (p.bias ? p.bias[row] : 0.f);
+}
+
+template <bool kBf16, bool kVec>
+__global__ void __launch_bounds__(kRowWarps * 32)
+    gemv_swiglu_row_kernel(const float* __restrict__ x, const void* __restrict__ wg,
+                           const void* __restrict__ wu, int64_t ldw, float* __restrict__ y,
+                           int64_t in, int64_t out) {
+  const int64_t row = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (row >= out) return;
+  float g = 0.f, u = 0.f;
+  warp_row_dot<kBf16, kVec, true>(x, wg, wu, ldw, row, in, &g, &u);
+  if ((threadIdx.x & 31) == 0) y[row] = g / (1.f + expf(-g)) * u;  // swiglu()'s expression
+}
+
+std::atomic<GemvKernel> g_kernel{GemvKernel::kCtaRows};
+
 // 16-byte loads need every row start and x aligned: in and every ldw multiples of the load
 // width, and the pointers aligned.
 bool vec_ok(const void* x, int64_t in, std::initializer_list<std::pair<const void*, int64_t>> ws,
@@ -185,23 +299,33 @@ template <bool kBf16>
 Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cudaStream_t st) {
   const int64_t in = x.shape[1];
   constexpr int P = Elems<kBf16>::kPerLoad;
+  const bool warp_row = g_kernel.load(std::memory_order_relaxed) == GemvKernel::kWarpRow;
+  const int64_t rows_per_cta = warp_row ? kRowWarps : kRows;
   PartsArgs a{};
   a.n = n_parts;
   int64_t ctas = 0;
-  bool vec = in % P == 0 && reinterpret_cast<uintptr_t>(x.data) % 16 == 0;
+  bool vec = true;
   for (int i = 0; i < a.n; ++i) {
     const GemvPart& g = parts[i];
     a.p[i] = Part{g.w.data, g.w.stride[0], g.bias.data ? g.bias.ptr<float>() : nullptr,
                   g.y.ptr<float>(), g.w.shape[0], ctas};
     vec = vec && vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P);
-    ctas += (g.w.shape[0] + kRows - 1) / kRows;
+    ctas += (g.w.shape[0] + rows_per_cta - 1) / rows_per_cta;
   }
   if (ctas == 0) return Status::ok();
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
-  if (vec)
-    gemv_parts_kernel<kBf16, true><<<unsigned(ctas), kWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
-  else
-    gemv_parts_kernel<kBf16, false><<<unsigned(ctas), kWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+  const float* xp = x.ptr<float>();
+  const unsigned grid = unsigned(ctas);
+  if (warp_row) {
+    if (vec)
+      gemv_parts_row_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
+    else
+      gemv_parts_row_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
+  } else if (vec) {
+    gemv_parts_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(xp, a, in);
+  } else {
+    gemv_parts_kernel<kBf16, false><<<grid, kWarps * 32, 0, st>>>(xp, a, in);
+  }
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -211,16 +335,29 @@ Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView
                      cudaStream_t st) {
   const int64_t in = x.shape[1], out = wg.shape[0], ldw = wg.stride[0];
   if (out == 0) return Status::ok();
-  const int64_t ctas = (out + kRows - 1) / kRows;
+  const bool warp_row = g_kernel.load(std::memory_order_relaxed) == GemvKernel::kWarpRow;
+  const int64_t rows_per_cta = warp_row ? kRowWarps : kRows;
+  const int64_t ctas = (out + rows_per_cta - 1) / rows_per_cta;
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv_swiglu: too many output rows for one grid");
-  const bool vec =
-      vec_ok(x.data, in, {{wg.data, ldw}, {wu.data, wu.stride[0]}}, Elems<kBf16>::kPerLoad);
-  if (vec)
-    gemv_swiglu_kernel<kBf16, true><<<unsigned(ctas), kWarps * 32, 0, st>>>(
-        x.ptr<float>(), wg.data, wu.data, ldw, y.ptr<float>(), in, out);
-  else
-    gemv_swiglu_kernel<kBf16, false><<<unsigned(ctas), kWarps * 32, 0, st>>>(
-        x.ptr<float>(), wg.data, wu.data, ldw, y.ptr<float>(), in, out);
+  // The pair shares one row stride (api.cpp checks it; the kernels index both weights by it).
+  const bool vec = vec_ok(x.data, in, {{wg.data, ldw}, {wu.data, ldw}}, Elems<kBf16>::kPerLoad);
+  const float* xp = x.ptr<float>();
+  float* yp = y.ptr<float>();
+  const unsigned grid = unsigned(ctas);
+  if (warp_row) {
+    if (vec)
+      gemv_swiglu_row_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data,
+                                                                            ldw, yp, in, out);
+    else
+      gemv_swiglu_row_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data,
+                                                                             ldw, yp, in, out);
+  } else if (vec) {
+    gemv_swiglu_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw, yp,
+                                                                  in, out);
+  } else {
+    gemv_swiglu_kernel<kBf16, false><<<grid, kWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw, yp,
+                                                                   in, out);
+  }
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -245,5 +382,8 @@ Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorVi
   return w_gate.dtype == DType::kBF16 ? launch_swiglu<true>(x, w_gate, w_up, y, st)
                                       : launch_swiglu<false>(x, w_gate, w_up, y, st);
 }
+
+void set_gemv_kernel(GemvKernel k) { g_kernel.store(k, std::memory_order_relaxed); }
+GemvKernel gemv_kernel() { return g_kernel.load(std::memory_order_relaxed); }
 
 }  // namespace sf::kernels::cuda

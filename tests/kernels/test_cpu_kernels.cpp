@@ -294,6 +294,10 @@ TEST(CpuKernels, JoinedDecodeOpsAreTheirParts) {
                                  row(s, out))
                 .code(),
             Code::kInvalidArgument);
+  std::vector<float> wpad(static_cast<size_t>(out * (in + 4)));
+  TensorView wu_padded = TensorView::make(wpad.data(), DType::kF32, {out, in + 4});
+  wu_padded.shape[1] = in;  // the same shape as w_gate, another row stride
+  EXPECT_EQ(kernels::gemv_swiglu(row(x, in), mat(wg), wu_padded, row(s, out)).code(), Code::kInvalidArgument);
   EXPECT_EQ(kernels::add_rms_norm(row(xb, in), row(d, in - 1), nwv, 1e-5f, row(ob, in)).code(),
             Code::kInvalidArgument);
 }
