@@ -8,9 +8,7 @@
 // position kept (the timing does not depend on their values). One JSON line per (weights, pool,
 // graph, fused) configuration.
 //   sf_bench_decode_session [shape=smollm2|llama3-8b] [tokens=4096] [steps=64]
-//                           [pools=f32,int8] [weights=bf16,f32] [gemv=cta-rows]
-// gemv: the GEMV work splits (kernels/cuda/cuda_ops.h GemvKernel: cta-rows, warp-row) to run the
-// four sessions under, each set before its session's steps (a graph keeps the one it captured).
+//                           [pools=f32,int8] [weights=bf16,f32]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,7 +22,6 @@
 
 #include "bench/bench_util.h"
 #include "decode/device_session.h"
-#include "kernels/cuda/cuda_ops.h"
 #include "kvstore/kv_quant.h"
 #include "worker/model/device_model.h"
 
@@ -75,16 +72,7 @@ int main(int argc, char** argv) {
   const int steps = argc > 3 ? std::atoi(argv[3]) : 64;
   const auto pools = split(argc > 4 ? argv[4] : "f32,int8");
   const auto weights = split(argc > 5 ? argv[5] : "bf16,f32");
-  std::vector<kernels::cuda::GemvKernel> gemvs;
-  for (const std::string& g : split(argc > 6 ? argv[6] : "cta-rows")) {
-    if (g == "cta-rows") {
-      gemvs.push_back(kernels::cuda::GemvKernel::kCtaRows);
-    } else if (g == "warp-row") {
-      gemvs.push_back(kernels::cuda::GemvKernel::kWarpRow);
-    } else {
-      return fail("gemv", SF_ERR(kInvalidArgument, "'" + g + "' is not cta-rows or warp-row"));
-    }
-  }
+
   auto cfg = shape(shape_name);
   if (!cfg.is_ok()) return fail("shape", cfg.status());
   if (n < 1 || steps < 1) {
@@ -133,9 +121,7 @@ int main(int argc, char** argv) {
       // graph fused, eager, ...) so that clocks and host noise fall on all alike. The median
       // round is reported.
       constexpr int kRounds = 3;  // the record below prints three rounds
-      // bit 0: CUDA graph, bit 1: fused step, the rest: which of gemvs.
-      const int kSessions = 4 * int(gemvs.size());
-      auto gemv_of = [&](int si) { return gemvs[size_t(si >> 2)]; };
+      constexpr int kSessions = 4;  // bit 0: CUDA graph, bit 1: fused step
       std::vector<std::optional<decode::DeviceDecodeSession>> sess(static_cast<size_t>(kSessions));
       std::vector<int32_t> tok(static_cast<size_t>(kSessions), 1);
       std::vector<float> z;
@@ -146,7 +132,6 @@ int main(int argc, char** argv) {
         sess[size_t(si)].emplace(std::move(s).value());
       }
       auto next = [&](int si) -> Status {
-        kernels::cuda::set_gemv_kernel(gemv_of(si));
         SF_TRY(sess[size_t(si)]->step(tok[size_t(si)], &z));
         tok[size_t(si)] = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
         return Status::ok();
@@ -163,7 +148,6 @@ int main(int argc, char** argv) {
             if (Status st = next(si); !st.is_ok()) return fail("step", st);
           ms[size_t(si)].push_back(1e3 * (now_s() - t0) / steps);
         }
-      kernels::cuda::set_gemv_kernel(kernels::cuda::GemvKernel::kCtaRows);
       for (int si = 0; si < kSessions; ++si) {
         std::vector<double> sorted = ms[size_t(si)];
         std::sort(sorted.begin(), sorted.end());
@@ -171,14 +155,12 @@ int main(int argc, char** argv) {
         std::printf(
             "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
             "\"pool\": \"%s\", \"pool_bytes\": %zu, \"tokens\": %lld, \"steps\": %d, "
-            "\"cuda_graph\": %s, \"fused_step\": %s, \"gemv_kernel\": \"%s\", "
-            "\"graph_steps\": %lld, "
+            "\"cuda_graph\": %s, \"fused_step\": %s, \"graph_steps\": %lld, "
             "\"ms_per_token\": %.3f, \"ms_per_token_rounds\": [%.3f, %.3f, %.3f], "
             "\"tokens_per_s\": %.1f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
             sess[size_t(si)]->pool_bytes(), static_cast<long long>(n), steps,
             (si & 1) ? "true" : "false", (si & 2) ? "true" : "false",
-            gemv_of(si) == kernels::cuda::GemvKernel::kWarpRow ? "warp-row" : "cta-rows",
             static_cast<long long>(sess[size_t(si)]->graph_steps()), med, ms[size_t(si)][0], ms[size_t(si)][1], ms[size_t(si)][2],
             1e3 / med, commit.c_str(), command.c_str());
         std::fflush(stdout);

@@ -31,9 +31,9 @@
 #                  llama3-8b:8192"): the decode node's step per token, kernels launched one by one
 #                  and as a CUDA graph, one JSON line each into decode-session-<gpu>.jsonl
 #                  (SF_DECODE_STEPS timed steps, default 64; SF_DECODE_WEIGHTS, default
-#                  bf16,f32; SF_DECODE_GEMV, the GEMV work splits, default cta-rows)
+#                  bf16,f32)
 #   SF_GEMV        1: sf_bench_gemv, the decode step's GEMVs at the Llama-3-8B and SmolLM2 shapes
-#                  per work split, beside a copy of the same bytes, into gemv-<gpu>.jsonl
+#                  beside a copy of the same bytes, into gemv-<gpu>.jsonl
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -387,14 +387,14 @@ if [[ -n "${SF_DECODE_SESSION:-}" ]]; then
   for spec in $SF_DECODE_SESSION; do
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode_session" "${spec%%:*}" \
          "${spec#*:}" "${SF_DECODE_STEPS:-64}" f32,int8 "${SF_DECODE_WEIGHTS:-bf16,f32}" \
-         "${SF_DECODE_GEMV:-cta-rows}" >>"$sj" 2>>"$logs/build.log"; then
+         >>"$sj" 2>>"$logs/build.log"; then
       fail "sf_bench_decode_session $spec failed (its stderr is at the end of build.log)"
     fi
   done
   notes+=("$(cut -c1-300 "$sj" | head -12)")
 fi
 
-# ---- the decode step's one-row linears (sf_bench_gemv): each GEMV work split against a copy ----
+# ---- the decode step's one-row linears (sf_bench_gemv) against a copy of the same bytes --------
 if [[ "${SF_GEMV:-0}" == 1 ]]; then
   gj="$out/gemv-$(gpu_slug).jsonl"
   if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_gemv" "${SF_GEMV_REPS:-50}" \

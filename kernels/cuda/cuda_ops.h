@@ -32,8 +32,9 @@ Status add_inplace(TensorView out, const TensorView& x, void* stream);
 // cuBLASLt; x and w both F32, F16 or BF16, y and bias F32; fp32 accumulation (no TF32).
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
               void* stream);
-// One row (api.cpp checked x [1, in], w F32 or BF16): a CTA per 4 output rows, 16-byte loads of
-// w where rows are 16-byte aligned; no cuBLASLt, no workspace, no plan; capture-safe.
+// One row (api.cpp checked x [1, in], w F32 or BF16): a warp per output row, 8 rows a CTA,
+// 16-byte loads of w where rows are 16-byte aligned; no cuBLASLt, no workspace, no plan;
+// capture-safe.
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y,
             void* stream);
 // gemv() of 1..kGemvMaxParts weights in one grid (each part's outputs as gemv() gives them), and
@@ -41,13 +42,6 @@ Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, Te
 Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, void* stream);
 Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up,
                    TensorView y, void* stream);
-// The GEMV kernels' work split (gemv, gemv_parts, gemv_swiglu; process-wide, for benchmarks and
-// tests): kCtaRows (the default) a CTA of 4 warps per 4 rows, the warps on alternate strides
-// of each row; kWarpRow a warp per row, 8 rows a CTA. The two sum in different orders: within
-// one setting gemv_parts and gemv_swiglu equal gemv() bit for bit.
-enum class GemvKernel { kCtaRows, kWarpRow };
-void set_gemv_kernel(GemvKernel k);
-GemvKernel gemv_kernel();
 // add_inplace() and rms_norm() in one CTA per row, each thread on the same elements as theirs.
 Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps,
                     TensorView out, void* stream);

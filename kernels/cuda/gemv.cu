@@ -3,20 +3,22 @@
 // needs x in w's dtype (a cast kernel before each BF16 linear) and reads the weights at about
 // half the copy rate.
 //
-// Work split: a CTA of kWarps warps takes kRows consecutive output rows of one part; each lane
-// reads 16 bytes of each row (8 BF16 or 4 F32 weights) and the matching x elements once for all
-// kRows rows, the warps taking alternate 32-lane strides of the rows; lanes reduce by shuffles,
-// warps through shared memory in a fixed order. Rows that are not 16-byte aligned (in not a
-// multiple of 8 BF16 / 4 F32 elements) take a scalar loop.
+// Work split (measured against the split it replaced, a CTA of 4 warps per 4 rows on alternate
+// strides, at c65827c: bench/NOTES.md, twenty-seventh session): a warp sums one output row over
+// all of in, each lane on every 32nd 16-byte chunk (8 BF16 or 4 F32 weights) with kUnroll
+// chunks' loads in flight, kept as loaded and widened when used, then a shuffle tree in a fixed
+// order (the same result on every run); a CTA of kRowWarps warps takes that many consecutive
+// rows of one part. x is read through L1 by every warp, so L2 sees it once per kRowWarps rows.
+// Rows that are not 16-byte aligned (in or the row stride not a multiple of the load width, or
+// misaligned pointers) take a scalar loop.
 //   parts:  up to kGemvMaxParts weights of one x in one launch (the step's Q, K and V); the grid
-//           is the parts' CTAs end to end, and each part's rows are grouped from its own row 0,
-//           so every output is the one gemv() of that part alone computes, bit for bit.
-//   swiglu: a CTA takes the same kRows rows of the gate and the up weights (2 x kRows sums from
-//           one pass over x) and writes silu(g) u with swiglu()'s expression: gemv() twice and
-//           swiglu(), bit for bit, without the two intermediate vectors or the third launch.
+//           is the parts' CTAs end to end, and every row is summed as gemv() of its part alone
+//           sums it, so each output is that gemv()'s, bit for bit.
+//   swiglu: a warp sums the same row of the gate and the up weights in one pass over x and
+//           writes silu(g) u with swiglu()'s expression: gemv() twice and swiglu(), bit for bit,
+//           without the two intermediate vectors or the third launch.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -27,8 +29,6 @@
 namespace sf::kernels::cuda {
 namespace {
 
-constexpr int kRows = 4;   // output rows per CTA
-constexpr int kWarps = 4;  // warps per CTA, each summing every kWarps-th 32-lane stride of the rows
 constexpr unsigned kAll = 0xffffffffu;
 
 template <bool kBf16>
@@ -82,116 +82,15 @@ struct PartsArgs {
   int n;
 };
 
-// acc[r] (r < rows) += row (row0 + r) of w . x, this thread's share, then summed over the CTA in
-// a fixed order into part[r] (thread r < rows reads it after the barrier). kPair: also the same
-// rows of w2 into acc2 / part2 (the SwiGLU up weights).
+constexpr int kRowWarps = 8;  // rows (warps) per CTA
+constexpr int kUnroll = 8;    // 16-byte loads in flight per lane (per weight)
+
+// This lane's share of row `row` of w . x (kPair: also of w2), summed over the warp: every lane
+// returns the row's sums.
 template <bool kBf16, bool kVec, bool kPair>
-__device__ __forceinline__ void rows_dot(const float* __restrict__ x, const void* __restrict__ w,
-                                         const void* __restrict__ w2, int64_t ldw, int64_t row0,
-                                         int rows, int64_t in, float (&part)[kWarps][kRows],
-                                         float (&part2)[kWarps][kRows]) {
-  using E = Elems<kBf16>;
-  constexpr int P = E::kPerLoad;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float acc[kRows] = {}, acc2[kRows] = {};
-  if constexpr (kVec) {
-#pragma unroll 4
-    for (int64_t c = (int64_t(warp) * 32 + lane) * P; c < in; c += int64_t(kWarps) * 32 * P) {
-      const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c));
-      float xv[P];
-      xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
-      if constexpr (P == 8) {
-        const float4 xb = __ldg(reinterpret_cast<const float4*>(x + c + 4));
-        xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
-      }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r >= rows) break;
-        float wv[P];
-        E::load(w, (row0 + r) * ldw + c, wv);
-#pragma unroll
-        for (int i = 0; i < P; ++i) acc[r] += wv[i] * xv[i];
-        if constexpr (kPair) {
-          E::load(w2, (row0 + r) * ldw + c, wv);
-#pragma unroll
-          for (int i = 0; i < P; ++i) acc2[r] += wv[i] * xv[i];
-        }
-      }
-    }
-  } else {
-    for (int64_t c = int64_t(warp) * 32 + lane; c < in; c += int64_t(kWarps) * 32) {
-      const float xc = __ldg(x + c);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        if (r < rows) {
-          acc[r] += E::one(w, (row0 + r) * ldw + c) * xc;
-          if constexpr (kPair) acc2[r] += E::one(w2, (row0 + r) * ldw + c) * xc;
-        }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) {
-      acc[r] += __shfl_xor_sync(kAll, acc[r], o);
-      if constexpr (kPair) acc2[r] += __shfl_xor_sync(kAll, acc2[r], o);
-    }
-    if (lane == 0) {
-      part[warp][r] = acc[r];
-      if constexpr (kPair) part2[warp][r] = acc2[r];
-    }
-  }
-  __syncthreads();
-}
-
-template <bool kBf16, bool kVec>
-__global__ void __launch_bounds__(kWarps * 32)
-    gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
-  __shared__ float part[kWarps][kRows];
-  int pi = 0;
-  while (pi + 1 < a.n && int64_t(blockIdx.x) >= a.p[pi + 1].cta0) ++pi;
-  const Part& p = a.p[pi];
-  const int64_t row0 = (int64_t(blockIdx.x) - p.cta0) * kRows;
-  const int rows = int(min(int64_t(kRows), p.out - row0));
-  rows_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row0, rows, in, part, part);
-  // The warps' sums in warp order: the same result on every run (no atomics).
-  if (int(threadIdx.x) < rows) {
-    float v = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) v += part[wi][threadIdx.x];
-    p.y[row0 + threadIdx.x] = v + (p.bias ? p.bias[row0 + threadIdx.x] : 0.f);
-  }
-}
-
-template <bool kBf16, bool kVec>
-__global__ void __launch_bounds__(kWarps * 32)
-    gemv_swiglu_kernel(const float* __restrict__ x, const void* __restrict__ wg,
-                       const void* __restrict__ wu, int64_t ldw, float* __restrict__ y,
-                       int64_t in, int64_t out) {
-  __shared__ float pg[kWarps][kRows], pu[kWarps][kRows];
-  const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const int rows = int(min(int64_t(kRows), out - row0));
-  rows_dot<kBf16, kVec, true>(x, wg, wu, ldw, row0, rows, in, pg, pu);
-  if (int(threadIdx.x) < rows) {
-    float g = 0.f, u = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kWarps; ++wi) g += pg[wi][threadIdx.x], u += pu[wi][threadIdx.x];
-    y[row0 + threadIdx.x] = g / (1.f + expf(-g)) * u;  // swiglu()'s expression (elementwise.cuh)
-  }
-}
-
-// ---- the warp-row variant (GemvKernel::kWarpRow) --------------------------------------------
-// A warp sums one output row (SwiGLU: one gate and one up row) over all of in, each lane on
-// every 32nd 16-byte chunk with kUnroll chunks' loads in flight, then a shuffle tree; a CTA of
-// kRowWarps warps takes that many consecutive rows of one part. x is read through L1 by every
-// warp (the CTA's warps share it there), so L2 sees x once per kRowWarps rows, not once per 4.
-constexpr int kRowWarps = 8;
-constexpr int kUnroll = 8;
-
-template <bool kBf16, bool kVec, bool kPair>
-__device__ __forceinline__ void warp_row_dot(const float* __restrict__ x, const void* __restrict__ w,
-                                             const void* __restrict__ w2, int64_t ldw, int64_t row,
-                                             int64_t in, float* out, float* out2) {
+__device__ __forceinline__ void row_dot(const float* __restrict__ x, const void* __restrict__ w,
+                                        const void* __restrict__ w2, int64_t ldw, int64_t row,
+                                        int64_t in, float* out, float* out2) {
   using E = Elems<kBf16>;
   constexpr int P = E::kPerLoad;
   const int lane = threadIdx.x & 31;
@@ -260,30 +159,28 @@ __device__ __forceinline__ void warp_row_dot(const float* __restrict__ x, const 
 
 template <bool kBf16, bool kVec>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    gemv_parts_row_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
+    gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
   int pi = 0;
   while (pi + 1 < a.n && int64_t(blockIdx.x) >= a.p[pi + 1].cta0) ++pi;
   const Part& p = a.p[pi];
   const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.out) return;
   float v = 0.f;
-  warp_row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
+  row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
   if ((threadIdx.x & 31) == 0) p.y[row] = v + (p.bias ? p.bias[row] : 0.f);
 }
 
 template <bool kBf16, bool kVec>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    gemv_swiglu_row_kernel(const float* __restrict__ x, const void* __restrict__ wg,
-                           const void* __restrict__ wu, int64_t ldw, float* __restrict__ y,
-                           int64_t in, int64_t out) {
+    gemv_swiglu_kernel(const float* __restrict__ x, const void* __restrict__ wg,
+                       const void* __restrict__ wu, int64_t ldw, float* __restrict__ y, int64_t in,
+                       int64_t out) {
   const int64_t row = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= out) return;
   float g = 0.f, u = 0.f;
-  warp_row_dot<kBf16, kVec, true>(x, wg, wu, ldw, row, in, &g, &u);
+  row_dot<kBf16, kVec, true>(x, wg, wu, ldw, row, in, &g, &u);
   if ((threadIdx.x & 31) == 0) y[row] = g / (1.f + expf(-g)) * u;  // swiglu()'s expression
 }
-
-std::atomic<GemvKernel> g_kernel{GemvKernel::kCtaRows};
 
 // 16-byte loads need every row start and x aligned: in and every ldw multiples of the load
 // width, and the pointers aligned.
@@ -299,8 +196,6 @@ template <bool kBf16>
 Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cudaStream_t st) {
   const int64_t in = x.shape[1];
   constexpr int P = Elems<kBf16>::kPerLoad;
-  const bool warp_row = g_kernel.load(std::memory_order_relaxed) == GemvKernel::kWarpRow;
-  const int64_t rows_per_cta = warp_row ? kRowWarps : kRows;
   PartsArgs a{};
   a.n = n_parts;
   int64_t ctas = 0;
@@ -310,22 +205,16 @@ Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cud
     a.p[i] = Part{g.w.data, g.w.stride[0], g.bias.data ? g.bias.ptr<float>() : nullptr,
                   g.y.ptr<float>(), g.w.shape[0], ctas};
     vec = vec && vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P);
-    ctas += (g.w.shape[0] + rows_per_cta - 1) / rows_per_cta;
+    ctas += (g.w.shape[0] + kRowWarps - 1) / kRowWarps;
   }
   if (ctas == 0) return Status::ok();
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
   const float* xp = x.ptr<float>();
   const unsigned grid = unsigned(ctas);
-  if (warp_row) {
-    if (vec)
-      gemv_parts_row_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
-    else
-      gemv_parts_row_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
-  } else if (vec) {
-    gemv_parts_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(xp, a, in);
-  } else {
-    gemv_parts_kernel<kBf16, false><<<grid, kWarps * 32, 0, st>>>(xp, a, in);
-  }
+  if (vec)
+    gemv_parts_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
+  else
+    gemv_parts_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -335,29 +224,19 @@ Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView
                      cudaStream_t st) {
   const int64_t in = x.shape[1], out = wg.shape[0], ldw = wg.stride[0];
   if (out == 0) return Status::ok();
-  const bool warp_row = g_kernel.load(std::memory_order_relaxed) == GemvKernel::kWarpRow;
-  const int64_t rows_per_cta = warp_row ? kRowWarps : kRows;
-  const int64_t ctas = (out + rows_per_cta - 1) / rows_per_cta;
+  const int64_t ctas = (out + kRowWarps - 1) / kRowWarps;
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv_swiglu: too many output rows for one grid");
   // The pair shares one row stride (api.cpp checks it; the kernels index both weights by it).
   const bool vec = vec_ok(x.data, in, {{wg.data, ldw}, {wu.data, ldw}}, Elems<kBf16>::kPerLoad);
   const float* xp = x.ptr<float>();
   float* yp = y.ptr<float>();
   const unsigned grid = unsigned(ctas);
-  if (warp_row) {
-    if (vec)
-      gemv_swiglu_row_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data,
-                                                                            ldw, yp, in, out);
-    else
-      gemv_swiglu_row_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data,
-                                                                             ldw, yp, in, out);
-  } else if (vec) {
-    gemv_swiglu_kernel<kBf16, true><<<grid, kWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw, yp,
-                                                                  in, out);
-  } else {
-    gemv_swiglu_kernel<kBf16, false><<<grid, kWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw, yp,
-                                                                   in, out);
-  }
+  if (vec)
+    gemv_swiglu_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw,
+                                                                     yp, in, out);
+  else
+    gemv_swiglu_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw,
+                                                                      yp, in, out);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -382,8 +261,5 @@ Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorVi
   return w_gate.dtype == DType::kBF16 ? launch_swiglu<true>(x, w_gate, w_up, y, st)
                                       : launch_swiglu<false>(x, w_gate, w_up, y, st);
 }
-
-void set_gemv_kernel(GemvKernel k) { g_kernel.store(k, std::memory_order_relaxed); }
-GemvKernel gemv_kernel() { return g_kernel.load(std::memory_order_relaxed); }
 
 }  // namespace sf::kernels::cuda

@@ -445,19 +445,7 @@ TEST_F(CudaOps, LinearHalf) {
 // The CPU gemv on the same values (BF16 widened exactly on both sides): only the summation order
 // differs, so LinearF32's bounds (2e-5 relative, 5e-4 absolute; outputs up to ~30 at in = 4096).
 // in = 577 and a padded row stride take the scalar path; out = 1001 leaves a partial warp.
-// Each GEMV work split (cuda::GemvKernel) is held to the same bounds; the setting is restored.
-struct GemvKernelRestore {
-  ~GemvKernelRestore() { cuda::set_gemv_kernel(cuda::GemvKernel::kCtaRows); }
-};
-constexpr cuda::GemvKernel kGemvKernels[] = {cuda::GemvKernel::kCtaRows, cuda::GemvKernel::kWarpRow};
-const char* gemv_kernel_name(cuda::GemvKernel k) {
-  return k == cuda::GemvKernel::kWarpRow ? "warp-row" : "cta-rows";
-}
-
 TEST_F(CudaOps, Gemv) {
-  GemvKernelRestore restore;
-  for (const cuda::GemvKernel gk : kGemvKernels) {
-  cuda::set_gemv_kernel(gk);
   struct Case {
     int64_t in, out, ldw;
     bool bias;
@@ -495,13 +483,12 @@ TEST_F(CudaOps, Gemv) {
       ASSERT_OK(gemv(d_x.view(DType::kF32, {1, c.in}), w_gpu,
                      c.bias ? d_b.view(DType::kF32, {c.out}) : no_bias,
                      d_y.view(DType::kF32, {1, c.out}), kGpu));
-      expect_matches(std::string("gemv ") + gemv_kernel_name(gk) + " " + dtype_name(wdt) +
-                         " in=" + std::to_string(c.in) + " out=" + std::to_string(c.out) +
-                         " ldw=" + std::to_string(c.ldw) + (c.bias ? " +bias" : ""),
+      expect_matches(std::string("gemv ") + dtype_name(wdt) + " in=" + std::to_string(c.in) +
+                         " out=" + std::to_string(c.out) + " ldw=" + std::to_string(c.ldw) +
+                         (c.bias ? " +bias" : ""),
                      d_y, ref, {2e-5, 5e-4});
       if (HasFatalFailure()) return;
     }
-  }
 }
 
 // ---- the decode step's fused ops: gemv_parts, gemv_swiglu, add_rms_norm -------------------------
@@ -512,14 +499,11 @@ TEST_F(CudaOps, Gemv) {
 // worst 3.4e-5 on a factor moves the product by up to ~5e-3).
 TEST_F(CudaOps, GemvPartsAndSwigluEqualTheOpsTheyJoin) {
   const TensorView none{};
-  GemvKernelRestore restore;
-  for (const cuda::GemvKernel gk : kGemvKernels)
   for (const DType wdt : {DType::kF32, DType::kBF16})
-    // 16-byte rows; the scalar path; rows long enough for the warp-row kernel's unrolled groups.
+    // 16-byte rows (576: only the tail loop), the scalar path, and rows that fill the unrolled
+    // groups of loads.
     for (const int64_t in : {int64_t(576), int64_t(577), int64_t(4096)}) {
-      cuda::set_gemv_kernel(gk);
-      const std::string tag = std::string(gemv_kernel_name(gk)) + " " + dtype_name(wdt) +
-                              " in=" + std::to_string(in);
+      const std::string tag = std::string(dtype_name(wdt)) + " in=" + std::to_string(in);
       auto weights = [&](int64_t out, DevBuf* d, std::vector<float>* host32,
                          std::vector<uint16_t>* host16) -> Status {
         *host32 = uniform(size_t(out * in), -1.f, 1.f);
