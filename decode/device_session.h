@@ -5,10 +5,11 @@
 // Plan/run split: open() uploads the paged cache and reserves pool pages for max_new_tokens more
 // tokens per head, allocates every activation buffer and creates the stream; step() only
 // enqueues ops (the token id and position go up with one small copy) and waits once, for the
-// logits. Activations are F32 and no linear rounds them: BF16 weights go through kernels::gemv
-// (F32 x against the BF16 weights as stored), F32 weights through cuBLASLt; F32 accumulation
-// either way (the device prefill instead rounds x to BF16 for its GEMMs). In a build without
-// CUDA, open() returns kUnsupported.
+// logits. Activations are F32 and no linear rounds them: the fused step (the default) runs every
+// linear as a one-row GEMV (kernels::gemv, gemv_parts, gemv_swiglu: F32 x against the weights as
+// stored); the unfused step does so for BF16 weights and uses cuBLASLt for F32 weights; F32
+// accumulation either way (the device prefill instead rounds x to BF16 for its GEMMs). In a
+// build without CUDA, open() returns kUnsupported.
 #pragma once
 #include <cstdint>
 #include <memory>
