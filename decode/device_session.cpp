@@ -319,9 +319,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                         {&m.att, qd},
                         {&m.tmp, m.H},
                         {&m.gate, m.I},
-                        {&m.up, m.I},
                         {&m.logits, m.vocab}})
     SF_TRY(buf->alloc(sizeof(float) * size_t(n)));
+  if (!fused_step) SF_TRY(m.up.alloc(sizeof(float) * size_t(m.I)));  // the fused step has no up
   SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
   SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
   if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0)); ws > 0)
@@ -351,9 +351,10 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
   const int32_t tp[2] = {token, int32_t(m.pos)};
   // Synchronous and ordered before this step's work: the previous step ended with a wait.
   SF_TRY(m.tokpos.upload(tp, sizeof(tp)));
-  // A captured graph holds the capturing thread's cuBLASLt workspace (the F32 weights' GEMMs,
-  // kernels/cuda/linear.cpp): a step from another thread drops the graph, runs eagerly there
-  // (planning that thread's GEMMs) and captures anew at its next step.
+  // Where the step calls cuBLASLt (thread_bound), a captured graph holds the capturing thread's
+  // workspace (kernels/cuda/linear.cpp): a step from another thread drops the graph, runs
+  // eagerly there (planning that thread's GEMMs) and captures anew at its next step. Otherwise
+  // self stays 0 and any thread replays the graph.
   const uint64_t self = m.thread_bound ? this_thread_serial() : 0;
   if (self != m.step_thread) {
     if (m.graph) (void)cudaGraphExecDestroy(m.graph);

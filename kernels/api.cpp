@@ -14,6 +14,13 @@ Status need(bool cond, const char* op, const std::string& what) {
   return Status(Code::kInvalidArgument, std::string(op) + ": " + what);
 }
 bool f32c(const TensorView& t) { return t.dtype == DType::kF32 && t.contiguous(); }
+// Whether two contiguous views' bytes overlap (a view without data overlaps nothing).
+bool overlap(const TensorView& a, const TensorView& b) {
+  if (!a.data || !b.data) return false;
+  const auto* pa = static_cast<const char*>(a.data);
+  const auto* pb = static_cast<const char*>(b.data);
+  return pa < pb + b.numel() * int64_t(dtype_size(b.dtype)) && pb < pa + a.numel() * int64_t(dtype_size(a.dtype));
+}
 
 Status same_device(const char* op, Stream s, std::initializer_list<const TensorView*> ts) {
   for (const TensorView* t : ts)
@@ -76,6 +83,7 @@ Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, 
   SF_TRY(need(f32c(x) && f32c(w) && f32c(out) && x.ndim == 2, "add_rms_norm", "x, w, out must be contiguous F32"));
   SF_TRY(need(!delta.data || (f32c(delta) && delta.numel() == x.numel()), "add_rms_norm",
               "delta must be contiguous F32 of x's size"));
+  SF_TRY(need(!overlap(delta, x) && !overlap(delta, out), "add_rms_norm", "delta must not overlap x or out"));
   SF_TRY(need(w.numel() == x.shape[1] && out.numel() == x.numel(), "add_rms_norm",
               "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " out" + out.shape_str()));
   SF_DISPATCH(add_rms_norm, x, delta, w, eps, out);
@@ -103,6 +111,7 @@ Status check_gemv(const char* op, const TensorView& x, const TensorView& w, cons
   SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, op, "rows must be contiguous"));
   SF_TRY(need(x.dtype == DType::kF32 && y.dtype == DType::kF32 && (w.dtype == DType::kF32 || w.dtype == DType::kBF16),
               op, std::string("x and y F32, w F32 or BF16; got w ") + dtype_name(w.dtype)));
+  SF_TRY(need(!overlap(x, y), op, "y must not overlap x"));
   return need(!bias.data || (bias.numel() == w.shape[0] && bias.dtype == DType::kF32), op,
               "bias must have out F32 elements");
 }
@@ -122,6 +131,8 @@ Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Strea
     SF_TRY(same_device("gemv_parts", s, {&x, &p.w, &p.bias, &p.y}));
     SF_TRY(check_gemv("gemv_parts", x, p.w, p.bias, p.y));
     SF_TRY(need(p.w.dtype == parts[0].w.dtype, "gemv_parts", "every part's w of one dtype"));
+    for (int j = 0; j < i; ++j)
+      SF_TRY(need(!overlap(p.y, parts[j].y), "gemv_parts", "the parts' y must not overlap"));
   }
   SF_DISPATCH(gemv_parts, x, parts, n_parts);
 }

@@ -49,7 +49,7 @@ Status swiglu(const TensorView& gate, const TensorView& up, TensorView out, Stre
 Status add_inplace(TensorView out, const TensorView& x, Stream s = {});
 // x += delta, then out = rms_norm(x, w): a residual add and the next RMSNorm in one pass, with
 // add_inplace()'s and rms_norm()'s results (x is updated). delta without data: rms_norm() alone.
-// out may alias x.
+// out may alias x; delta must not overlap x or out.
 Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, float eps, TensorView out,
                     Stream s = {});
 // y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out] if bias.data). fp32 accumulation.
@@ -67,7 +67,9 @@ struct GemvPart {
 };
 Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Stream s = {});
 // y[1, out] = silu(w_gate x) * (w_up x): the MLP's gate and up gemv() and swiglu() in one launch,
-// with their result. w_gate and w_up [out, in] of one dtype (F32 or BF16) and row stride, no bias.
+// with their result where both weights are 16-byte aligned or neither (CUDA loads the pair one
+// way). w_gate and w_up [out, in] of one dtype (F32 or BF16) and row stride, no bias.
+// For the gemv family, y must not overlap x (nor, in gemv_parts, another part's y).
 Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y,
                    Stream s = {});
 // out = x converted elementwise: F32 -> F16/BF16 (round to nearest even), F16/BF16 -> F32

@@ -29,7 +29,8 @@
 #                  line each into decode-<gpu>.jsonl
 #   SF_DECODE_SESSION  shape:tokens pairs for sf_bench_decode_session (e.g. "smollm2:4096
 #                  llama3-8b:8192"): the decode node's step per token, kernels launched one by one
-#                  and as a CUDA graph, one JSON line each into decode-session-<gpu>.jsonl
+#                  and as a CUDA graph, unfused and fused, four JSON lines per weights and pool
+#                  into decode-session-<gpu>.jsonl
 #                  (SF_DECODE_STEPS timed steps, default 64; SF_DECODE_WEIGHTS, default
 #                  bf16,f32)
 #   SF_GEMV        1: sf_bench_gemv, the decode step's GEMVs at the Llama-3-8B and SmolLM2 shapes
@@ -380,7 +381,7 @@ if [[ -n "${SF_DECODE:-}" ]]; then
   notes+=("$(cut -c1-300 "$dj" | head -18)")
 fi
 
-# ---- the decode node's step (sf_bench_decode_session): eager and CUDA-graph steps -------------
+# ---- the decode node's step (sf_bench_decode_session): eager and graph, unfused and fused -----
 if [[ -n "${SF_DECODE_SESSION:-}" ]]; then
   sj="$out/decode-session-$(gpu_slug).jsonl"
   : >"$sj"

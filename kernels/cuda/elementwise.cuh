@@ -94,9 +94,10 @@ inline cudaError_t rms_norm_launch(const RmsNormParams& p, int64_t rows, cudaStr
   return cudaGetLastError();
 }
 
-// add_inplace() then rms_norm() on one row per CTA: each thread adds, squares and normalizes the
-// same elements, in the same order, as those kernels' threads, so the results are theirs bit for
-// bit (the decode step uses either and tests hold them equal).
+// add_inplace() then rms_norm() on one row per CTA: the add is elementwise (add_kernel's result
+// whatever thread does it), and each thread then squares and normalizes the same elements in the
+// same order as rms_norm_row's threads, so the results are theirs bit for bit (the decode step
+// uses either and tests hold them equal).
 struct AddRmsNormParams {
   float* x;            // [rows, hidden], updated to x + delta
   const float* delta;  // [rows, hidden] or null (no add)

@@ -12,11 +12,12 @@
 // Rows that are not 16-byte aligned (in or the row stride not a multiple of the load width, or
 // misaligned pointers) take a scalar loop.
 //   parts:  up to kGemvMaxParts weights of one x in one launch (the step's Q, K and V); the grid
-//           is the parts' CTAs end to end, and every row is summed as gemv() of its part alone
-//           sums it, so each output is that gemv()'s, bit for bit.
+//           is the parts' CTAs end to end, and each part takes the load path gemv() of it alone
+//           would, so each output is that gemv()'s, bit for bit. gemv() is one part.
 //   swiglu: a warp sums the same row of the gate and the up weights in one pass over x and
 //           writes silu(g) u with swiglu()'s expression: gemv() twice and swiglu(), bit for bit,
-//           without the two intermediate vectors or the third launch.
+//           without the two intermediate vectors or the third launch, when both weights take one
+//           load path (both 16-byte aligned or neither; the 16-byte path needs both).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -76,6 +77,7 @@ struct Part {
   float* y;
   int64_t out;
   int64_t cta0;  // the part's first CTA in the grid
+  bool vec;      // 16-byte loads (vec_ok for this part), as gemv() of this part alone decides
 };
 struct PartsArgs {
   Part p[kGemvMaxParts];
@@ -157,7 +159,7 @@ __device__ __forceinline__ void row_dot(const float* __restrict__ x, const void*
   if constexpr (kPair) *out2 = acc2;
 }
 
-template <bool kBf16, bool kVec>
+template <bool kBf16>
 __global__ void __launch_bounds__(kRowWarps * 32)
     gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
   int pi = 0;
@@ -166,7 +168,10 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.out) return;
   float v = 0.f;
-  row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
+  if (p.vec)  // uniform over the CTA: one part
+    row_dot<kBf16, true, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
+  else
+    row_dot<kBf16, false, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
   if ((threadIdx.x & 31) == 0) p.y[row] = v + (p.bias ? p.bias[row] : 0.f);
 }
 
@@ -199,22 +204,16 @@ Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cud
   PartsArgs a{};
   a.n = n_parts;
   int64_t ctas = 0;
-  bool vec = true;
   for (int i = 0; i < a.n; ++i) {
     const GemvPart& g = parts[i];
     a.p[i] = Part{g.w.data, g.w.stride[0], g.bias.data ? g.bias.ptr<float>() : nullptr,
-                  g.y.ptr<float>(), g.w.shape[0], ctas};
-    vec = vec && vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P);
+                  g.y.ptr<float>(), g.w.shape[0], ctas,
+                  vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P)};
     ctas += (g.w.shape[0] + kRowWarps - 1) / kRowWarps;
   }
   if (ctas == 0) return Status::ok();
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
-  const float* xp = x.ptr<float>();
-  const unsigned grid = unsigned(ctas);
-  if (vec)
-    gemv_parts_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
-  else
-    gemv_parts_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in);
+  gemv_parts_kernel<kBf16><<<unsigned(ctas), kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

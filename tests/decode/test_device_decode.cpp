@@ -458,7 +458,8 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
 
 // The session's CUDA graph (captured at the second step, replayed after) gives the eager step's
 // logits bit for bit: the same kernels on the same buffers, with the token and position read
-// from device memory each replay. Full and psa-avg, F32 and BF16 weights, F32 and INT8 pools.
+// from device memory each replay. Full and psa-avg, F32 and BF16 weights, F32 and INT8 pools,
+// the fused and the unfused step.
 TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
   const int n = 700, n_new = 12;
   Prefilled P;
@@ -472,16 +473,17 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+    for (const bool fused : {true, false})  // unfused with F32 weights: cuBLASLt in the graph
     for (const char* spec : {"full", "psa-avg:0.95"})
       for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
-        const std::string what = std::string(dtype_name(wdt)) + " " + spec + " " +
-                                  kvstore::kv_encoding_name(enc);
+        const std::string what = std::string(dtype_name(wdt)) + (fused ? " fused " : " unfused ") +
+                                 spec + " " + kvstore::kv_encoding_name(enc);
         auto ap = decode::decode_attn_parse(spec);
         ASSERT_TRUE(ap.is_ok());
         auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
-                                                       n_new, enc, /*cuda_graph=*/false);
+                                                       n_new, enc, /*cuda_graph=*/false, fused);
         auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
-                                                       n_new, enc, /*cuda_graph=*/true);
+                                                       n_new, enc, /*cuda_graph=*/true, fused);
         ASSERT_TRUE(eager.is_ok() && graph.is_ok()) << what;
         std::vector<float> ze, zg;
         int32_t t = pr.first_token;

@@ -242,10 +242,13 @@ TEST(CpuKernels, GemvRefusesWhatItDoesNotTake) {
             Code::kInvalidArgument);
 }
 
-// The decode step's joined ops on the CPU are their parts in sequence: gemv_parts is gemv per
-// part, gemv_swiglu is silu(gemv) * gemv, add_rms_norm is the add then rms_norm, each to the bit;
-// and the API refuses 0 or more than kGemvMaxParts parts, mixed weight dtypes and a mismatched
-// up weight on every backend (the checks are api.cpp's).
+// The decode step's joined ops on the CPU are their parts in sequence, to the bit (the CUDA
+// tests hold the device's joined ops to these references with the joined ops' own bounds, so a
+// CPU version that computed them another way would move those bounds): gemv_parts is gemv per
+// part, gemv_swiglu is silu(gemv) * gemv, add_rms_norm is the add then rms_norm. And the API
+// refuses, on every backend (the checks are api.cpp's): 0 or more than kGemvMaxParts parts,
+// mixed weight dtypes, an up weight of another shape or row stride, y overlapping x or another
+// part's y, a delta of another size or overlapping x.
 TEST(CpuKernels, JoinedDecodeOpsAreTheirParts) {
   std::mt19937_64 rng(fresh_seed());
   const int64_t in = 40, out = 12;
@@ -300,6 +303,16 @@ TEST(CpuKernels, JoinedDecodeOpsAreTheirParts) {
   EXPECT_EQ(kernels::gemv_swiglu(row(x, in), mat(wg), wu_padded, row(s, out)).code(), Code::kInvalidArgument);
   EXPECT_EQ(kernels::add_rms_norm(row(xb, in), row(d, in - 1), nwv, 1e-5f, row(ob, in)).code(),
             Code::kInvalidArgument);
+  EXPECT_EQ(kernels::add_rms_norm(row(xb, in), row(xb, in), nwv, 1e-5f, row(ob, in)).code(),
+            Code::kInvalidArgument);
+  // y over x (in place), and two parts writing one y.
+  std::vector<float> big(static_cast<size_t>(std::max(in, out)));
+  const TensorView x_as_y = TensorView::make(big.data(), DType::kF32, {1, out});
+  const TensorView x_big = TensorView::make(big.data(), DType::kF32, {1, in});
+  EXPECT_EQ(kernels::gemv(x_big, mat(wg), none, x_as_y).code(), Code::kInvalidArgument);
+  EXPECT_EQ(kernels::gemv_swiglu(x_big, mat(wg), mat(wu), x_as_y).code(), Code::kInvalidArgument);
+  const kernels::GemvPart same_y[2] = {{mat(wg), none, row(y1, out)}, {mat(wu), none, row(y1, out)}};
+  EXPECT_EQ(kernels::gemv_parts(row(x, in), same_y, 2).code(), Code::kInvalidArgument);
 }
 
 }  // namespace

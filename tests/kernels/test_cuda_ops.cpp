@@ -444,7 +444,7 @@ TEST_F(CudaOps, LinearHalf) {
 // ---- gemv: one row, F32 x against F32 or BF16 weights as stored ----------------------------------
 // The CPU gemv on the same values (BF16 widened exactly on both sides): only the summation order
 // differs, so LinearF32's bounds (2e-5 relative, 5e-4 absolute; outputs up to ~30 at in = 4096).
-// in = 577 and a padded row stride take the scalar path; out = 1001 leaves a partial warp.
+// in = 577 and a padded row stride take the scalar path; out = 1001 leaves a partial CTA.
 TEST_F(CudaOps, Gemv) {
   struct Case {
     int64_t in, out, ldw;
@@ -493,8 +493,9 @@ TEST_F(CudaOps, Gemv) {
 
 // ---- the decode step's fused ops: gemv_parts, gemv_swiglu, add_rms_norm -------------------------
 // Each equals, bit for bit, the device ops it joins on the same inputs (the decode session's
-// fused step relies on it: FusedStepIsTheUnfusedStepBitForBit), and the CPU reference within the
-// joined ops' bounds: gemv's 2e-5 / 5e-4 per part; for silu(g) u, whose factors each carry gemv's
+// fused step relies on it: FusedStepIsTheUnfusedStepBitForBit; gemv() is gemv_parts with one
+// part, so for parts that check is the mapping of CTAs to parts, and for swiglu the epilogue and
+// the paired pass), and the CPU reference within the joined ops' bounds: gemv's 2e-5 / 5e-4 per part; for silu(g) u, whose factors each carry gemv's
 // error, 5e-5 normalized and 5e-2 absolute (|g|, |u| reach ~80 at in = 4096: gemv's measured
 // worst 3.4e-5 on a factor moves the product by up to ~5e-3).
 TEST_F(CudaOps, GemvPartsAndSwigluEqualTheOpsTheyJoin) {
