@@ -13,7 +13,8 @@
 // misaligned pointers) take a scalar loop.
 //   parts:  up to kGemvMaxParts weights of one x in one launch (the step's Q, K and V); the grid
 //           is the parts' CTAs end to end, and each part takes the load path gemv() of it alone
-//           would, so each output is that gemv()'s, bit for bit. gemv() is one part.
+//           would (parts whose paths differ go one launch each), so each output is that
+//           gemv()'s, bit for bit. gemv() is one part.
 //   swiglu: a warp sums the same row of the gate and the up weights in one pass over x and
 //           writes silu(g) u with swiglu()'s expression: gemv() twice and swiglu(), bit for bit,
 //           without the two intermediate vectors or the third launch, when both weights take one
@@ -77,7 +78,6 @@ struct Part {
   float* y;
   int64_t out;
   int64_t cta0;  // the part's first CTA in the grid
-  bool vec;      // 16-byte loads (vec_ok for this part), as gemv() of this part alone decides
 };
 struct PartsArgs {
   Part p[kGemvMaxParts];
@@ -159,7 +159,7 @@ __device__ __forceinline__ void row_dot(const float* __restrict__ x, const void*
   if constexpr (kPair) *out2 = acc2;
 }
 
-template <bool kBf16>
+template <bool kBf16, bool kVec>
 __global__ void __launch_bounds__(kRowWarps * 32)
     gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
   int pi = 0;
@@ -168,10 +168,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.out) return;
   float v = 0.f;
-  if (p.vec)  // uniform over the CTA: one part
-    row_dot<kBf16, true, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
-  else
-    row_dot<kBf16, false, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
+  row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
   if ((threadIdx.x & 31) == 0) p.y[row] = v + (p.bias ? p.bias[row] : 0.f);
 }
 
@@ -201,19 +198,32 @@ template <bool kBf16>
 Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cudaStream_t st) {
   const int64_t in = x.shape[1];
   constexpr int P = Elems<kBf16>::kPerLoad;
+  bool vec[kGemvMaxParts];
+  for (int i = 0; i < n_parts; ++i)
+    vec[i] = vec_ok(x.data, in, {{parts[i].w.data, parts[i].w.stride[0]}}, P);
+  // One launch takes one load path; parts that would take different ones alone go one launch
+  // each, so every output stays the one gemv() of its part gives (the step's never split).
+  for (int i = 1; i < n_parts; ++i)
+    if (vec[i] != vec[0]) {
+      for (int j = 0; j < n_parts; ++j) SF_TRY(launch_parts<kBf16>(x, parts + j, 1, st));
+      return Status::ok();
+    }
   PartsArgs a{};
   a.n = n_parts;
   int64_t ctas = 0;
   for (int i = 0; i < a.n; ++i) {
     const GemvPart& g = parts[i];
     a.p[i] = Part{g.w.data, g.w.stride[0], g.bias.data ? g.bias.ptr<float>() : nullptr,
-                  g.y.ptr<float>(), g.w.shape[0], ctas,
-                  vec_ok(x.data, in, {{g.w.data, g.w.stride[0]}}, P)};
+                  g.y.ptr<float>(), g.w.shape[0], ctas};
     ctas += (g.w.shape[0] + kRowWarps - 1) / kRowWarps;
   }
   if (ctas == 0) return Status::ok();
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
-  gemv_parts_kernel<kBf16><<<unsigned(ctas), kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+  const unsigned grid = unsigned(ctas);
+  if (vec[0])
+    gemv_parts_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+  else
+    gemv_parts_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

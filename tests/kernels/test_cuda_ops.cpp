@@ -560,6 +560,45 @@ TEST_F(CudaOps, GemvPartsAndSwigluEqualTheOpsTheyJoin) {
         if (HasFatalFailure()) return;
       }
 
+      // Parts whose rows load differently alone (one 16-byte aligned, one shifted by an element):
+      // each output is still its own gemv()'s.
+      if (in % 8 == 0) {
+        std::vector<float> s32(size_t(192 * in + 1));
+        std::vector<uint16_t> s16(s32.size());
+        for (size_t i = 0; i < s32.size(); ++i) {
+          s32[i] = i ? w32[1][i - 1] : 0.f;
+          s16[i] = i ? w16[1][i - 1] : 0;
+        }
+        DevBuf d_s, d_m0, d_m1, d_r1;
+        if (wdt == DType::kBF16) {
+          ASSERT_OK(d_s.alloc_upload(s16));
+        } else {
+          ASSERT_OK(d_s.alloc_upload(s32));
+        }
+        const TensorView shifted = TensorView::make(
+            static_cast<char*>(d_s.data()) + dtype_size(wdt), wdt, {192, in}, Device::kCuda);
+        ASSERT_OK(d_m0.alloc(size_t(576) * 4));
+        ASSERT_OK(d_m1.alloc(size_t(192) * 4));
+        ASSERT_OK(d_r1.alloc(size_t(192) * 4));
+        ASSERT_OK(d_m0.poison());
+        ASSERT_OK(d_m1.poison());
+        const GemvPart mixed[2] = {gpu_parts[0], {shifted, none, d_m1.view(DType::kF32, {1, 192})}};
+        const GemvPart mixed0 = {gpu_parts[0].w, gpu_parts[0].bias, d_m0.view(DType::kF32, {1, 576})};
+        ASSERT_OK(gemv_parts(x_gpu, mixed, 2, kGpu));
+        ASSERT_OK(gemv_parts(x_gpu, &mixed0, 1, kGpu));  // part 0's outputs once more
+        ASSERT_OK(gemv(x_gpu, shifted, none, d_r1.view(DType::kF32, {1, 192}), kGpu));
+        std::vector<float> r0, r1;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_y[0].download(&r0));
+        ASSERT_OK(d_r1.download(&r1));
+        expect_matches("gemv_parts " + tag + " mixed alignment, aligned part", d_m0, r0, kExact);
+        expect_matches("gemv_parts " + tag + " mixed alignment, shifted part vs gemv", d_m1, r1,
+                       kExact);
+        expect_matches("gemv_parts " + tag + " mixed alignment, shifted part vs cpu", d_m1, ref[1],
+                       {2e-5, 5e-4});
+        if (HasFatalFailure()) return;
+      }
+
       // The MLP pair: 1536 rows (SmolLM2's intermediate) and 1001 (a partial CTA).
       for (const int64_t out : {int64_t(1536), int64_t(1001)}) {
         const std::string what = "gemv_swiglu " + tag + " out=" + std::to_string(out);
