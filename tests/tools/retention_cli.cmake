@@ -59,13 +59,18 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                        "K/V stored as int8: [0-9]+ of [0-9]+ KV bytes \\(100.0%\\).*first 16 of 16 tokens equal")
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
+  # The device step's flags parse on any build (the export check comes after them).
+  add_test(NAME cli_decode_device_flags
+           COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv
+                   --no-cuda-graph --no-fused-step)
   add_test(NAME cli_decode_bad_attention
            COMMAND ${_ref} "^error: .*decode attention 'topk' is not" ${_rdec} --kv /nonexistent/kv --attention topk)
   add_test(NAME cli_decode_reproduces_dense
            COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
   set_tests_properties(cli_decode_reproduces_dense PROPERTIES PASS_REGULAR_EXPRESSION "first 16 of 16 tokens equal")
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
-                       cli_prefill_retention_budget_too_large cli_decode_missing_export cli_decode_bad_attention
+                       cli_prefill_retention_budget_too_large cli_decode_missing_export
+                       cli_decode_device_flags cli_decode_bad_attention
                        cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
                        cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model
                        cli_prefill_retention_moa cli_retention_eval_moa cli_retention_eval_bad_span
