@@ -363,6 +363,7 @@ struct Prefilled {
   std::optional<model::Model> m;
   std::optional<model::PrefillResult> pr;
   std::optional<kvstore::Retention> full;
+  std::optional<decode::PagedKvCache> cache;  // the prefill's KV under full retention, paged
 };
 void prefilled(int n, uint64_t seed, Prefilled* out) {
   out->cfg = testing::small_llama3(2);
@@ -377,6 +378,9 @@ void prefilled(int n, uint64_t seed, Prefilled* out) {
                                        out->cfg.n_kv_heads, n, nullptr);
   ASSERT_TRUE(full.is_ok());
   out->full.emplace(std::move(full).value());
+  auto cache = decode::PagedKvCache::from_prefill(out->pr->kv, *out->full);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  out->cache.emplace(std::move(cache).value());
 }
 
 // The device session against the CPU session on a synthetic Llama-3-shaped model: F32 weights
@@ -467,9 +471,7 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
   if (HasFatalFailure()) return;
   const model::Model& m = *P.m;
   const model::PrefillResult& pr = *P.pr;
-  const kvstore::Retention& full = *P.full;
-  auto cache = decode::PagedKvCache::from_prefill(pr.kv, full);
-  ASSERT_TRUE(cache.is_ok());
+  const decode::PagedKvCache& cache = *P.cache;
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
@@ -480,9 +482,9 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
                                  spec + " " + kvstore::kv_encoding_name(enc);
         auto ap = decode::decode_attn_parse(spec);
         ASSERT_TRUE(ap.is_ok());
-        auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+        auto eager = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
                                                        n_new, enc, /*cuda_graph=*/false, fused);
-        auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+        auto graph = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
                                                        n_new, enc, /*cuda_graph=*/true, fused);
         ASSERT_TRUE(eager.is_ok() && graph.is_ok()) << what;
         std::vector<float> ze, zg;
@@ -504,16 +506,15 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
   }
 }
 
-
 // Unfused with F32 weights, the step calls cuBLASLt, and a graph holds the capturing thread's
 // cuBLASLt workspace, so a step from another thread runs eagerly there and the next one captures
-// anew. The fused step calls no cuBLASLt: its graph is replayed from any thread. Steps 0-1 on the main thread (eager,
-// captured), 2-3 on one second thread (eager, captured), 4-5 on the main thread (eager,
-// captured), 6-7 each on a thread of its own, started after the last one ended (eager both: such
-// a thread often gets the ended one's std::thread::id, which must not count as the same thread,
-// whose cuBLASLt context it does not have), 8-9 on the main thread (eager, captured). Every
-// logit equal to an eager session's; steps 1, 3, 5 and 9 replayed (fused: every step after the
-// first).
+// anew. The fused step calls no cuBLASLt: its graph is replayed from any thread. Steps 0-1 on
+// the main thread (eager, captured), 2-3 on one second thread (eager, captured), 4-5 on the
+// main thread (eager, captured), 6-7 each on a thread of its own, started after the last one
+// ended (eager both: such a thread often gets the ended one's std::thread::id, which must not
+// count as the same thread, whose cuBLASLt context it does not have), 8-9 on the main thread
+// (eager, captured). Every logit equal to an eager session's; steps 1, 3, 5 and 9 replayed
+// (fused: every step after the first).
 TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
   const int n = 300, n_new = 10;
   Prefilled P;
@@ -521,13 +522,11 @@ TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
   if (HasFatalFailure()) return;
   const model::Model& m = *P.m;
   const model::PrefillResult& pr = *P.pr;
-  const kvstore::Retention& full = *P.full;
-  auto cache = decode::PagedKvCache::from_prefill(pr.kv, full);
-  ASSERT_TRUE(cache.is_ok());
+  const decode::PagedKvCache& cache = *P.cache;
   auto dm = model::DeviceModel::upload(m, DType::kF32);
   ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
   const decode::DecodeAttnParams ap;
-  auto eager = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
+  auto eager = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap, n_new,
                                                  kvstore::KvEncoding::kF32, false, false);
   ASSERT_TRUE(eager.is_ok());
   // The eager session's tokens and logits first, all on this thread.
@@ -541,7 +540,7 @@ TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
   }
   for (const bool fused : {false, true}) {
     SCOPED_TRACE(fused ? "fused step" : "unfused step");
-    auto graph = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap, n_new,
+    auto graph = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap, n_new,
                                                    kvstore::KvEncoding::kF32, true, fused);
     ASSERT_TRUE(graph.is_ok());
     std::vector<std::vector<float>> zg(n_new);
@@ -598,8 +597,7 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
   prefilled(n, testing::fresh_seed(), &P);
   if (HasFatalFailure()) return;
   const model::PrefillResult& pr = *P.pr;
-  auto cache = decode::PagedKvCache::from_prefill(pr.kv, *P.full);
-  ASSERT_TRUE(cache.is_ok());
+  const decode::PagedKvCache& cache = *P.cache;
   auto dm = model::DeviceModel::upload(*P.m, DType::kBF16);
   ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
   for (const char* spec : {"full", "psa-avg:0.95"})
@@ -609,9 +607,9 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
                                  (graph ? " graph" : " eager");
         auto ap = decode::decode_attn_parse(spec);
         ASSERT_TRUE(ap.is_ok());
-        auto fused = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+        auto fused = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
                                                        n_new, enc, graph, true);
-        auto plain = decode::DeviceDecodeSession::open(dm.value(), cache.value(), n, ap.value(),
+        auto plain = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
                                                        n_new, enc, graph, false);
         ASSERT_TRUE(fused.is_ok() && plain.is_ok()) << what;
         std::vector<float> zf, zp;
