@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "common/checksum.h"
@@ -127,6 +128,46 @@ void append_codes(const kvstore::EncodedRows& src, bool keys, int64_t r0, int64_
   dst->zero.insert(dst->zero.end(), src.zero.begin() + p0, src.zero.begin() + p1);
 }
 
+// A head's two tiers as one list in position order. The files' blocks are per tier, so the
+// merged blocks' key min / max / mean come from the decoded keys; importance is not carried.
+HeadKv merge_tiers(const HeadKv& a, const HeadKv& b, int64_t hd, int64_t bs) {
+  HeadKv m;
+  const size_t n = a.positions.size() + b.positions.size();
+  m.positions.reserve(n);
+  m.k.reserve(n * size_t(hd));
+  m.v.reserve(n * size_t(hd));
+  for (size_t i = 0, j = 0; i + j < n;) {
+    const bool from_a = j == b.positions.size() ||
+                        (i < a.positions.size() && a.positions[i] < b.positions[j]);
+    const HeadKv& s = from_a ? a : b;
+    const size_t r = from_a ? i++ : j++;
+    m.positions.push_back(s.positions[r]);
+    m.k.insert(m.k.end(), s.k.begin() + int64_t(r) * hd, s.k.begin() + int64_t(r + 1) * hd);
+    m.v.insert(m.v.end(), s.v.begin() + int64_t(r) * hd, s.v.begin() + int64_t(r + 1) * hd);
+  }
+  const int64_t nb = (int64_t(n) + bs - 1) / bs;
+  m.block_kmin.assign(size_t(nb * hd), 0.f);
+  m.block_kmax.assign(size_t(nb * hd), 0.f);
+  m.block_kmean.assign(size_t(nb * hd), 0.f);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t r0 = blk * bs, r1 = std::min<int64_t>(int64_t(n), r0 + bs);
+    for (int64_t c = 0; c < hd; ++c) {
+      float lo = m.k[size_t(r0 * hd + c)], hi = lo;
+      double sum = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float x = m.k[size_t(r * hd + c)];
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+        sum += x;
+      }
+      m.block_kmin[size_t(blk * hd + c)] = lo;
+      m.block_kmax[size_t(blk * hd + c)] = hi;
+      m.block_kmean[size_t(blk * hd + c)] = float(sum / double(r1 - r0));
+    }
+  }
+  return m;
+}
+
 }  // namespace
 
 Result<KvManifest> parse_kv_manifest(std::string_view text,
@@ -145,9 +186,9 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   if (format != "sparsefill-kv")
     return corrupt(W, "format '" + format + "' is not 'sparsefill-kv'");
   SF_ASSIGN(int64_t version, get_int(man, "format_version", W));
-  if (version != kvstore::kKvFormatVersion && version != 3)
+  if (version < 3 || version > kvstore::kKvFormatVersion)
     return SF_ERR(kUnsupported, "kv export: format_version " + std::to_string(version) +
-                                    " is not supported (this reader reads 3 and " +
+                                    " is not supported (this reader reads 3 to " +
                                     std::to_string(kvstore::kKvFormatVersion) + ")");
   KvManifest mf;
   KvExport& out = mf.meta;
@@ -168,6 +209,18 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     return SF_ERR(kUnsupported, "kv export: kv_dtype '" + out.kv_dtype +
                                     "' is not supported (f32, bf16, int8, int4)");
   const kvstore::KvEncoding enc = enc_r.value();
+  // Format 5 may add a low tier in a second, narrower encoding.
+  std::optional<kvstore::KvEncoding> enc_low;
+  if (man.contains("kv_dtype_low")) {
+    if (version < 5) return corrupt(W, "kv_dtype_low needs format_version 5");
+    SF_ASSIGN(out.kv_dtype_low, get_str(man, "kv_dtype_low", W));
+    auto lo = kvstore::kv_encodings_parse(out.kv_dtype + "+" + out.kv_dtype_low);
+    if (!lo.is_ok())
+      return SF_ERR(kUnsupported, "kv export: kv_dtype_low '" + out.kv_dtype_low +
+                                      "' is not supported: " + lo.status().message());
+    enc_low = lo.value().low;
+  }
+  const int n_tiers = enc_low ? 2 : 1;
   SF_ASSIGN(int64_t bs, get_int(man, "block_size", W));
   if (bs != kvstore::kKvBlockSize)
     return corrupt(W, "block_size " + std::to_string(bs) + " is not 64");
@@ -210,6 +263,8 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   // here (never expanded: a small manifest could declare billions of positions).
   mf.kept.resize(size_t(nl * nh));
   mf.ranges.resize(size_t(nl * nh));
+  mf.tier_ranges.assign(size_t(n_tiers), std::vector<std::vector<std::pair<int64_t, int64_t>>>(
+                                             size_t(nl * nh)));
   int64_t kept_bytes = 0;  // K/V bytes the kept tokens take in the export's encoding
   for (int64_t l = 0; l < nl; ++l) {
     const json::value& rlv = (*rlayers)[size_t(l)];
@@ -222,29 +277,63 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     for (int64_t hh = 0; hh < nh; ++hh) {
       const json::value& hv = (*rheads)[size_t(hh)];
       if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
-      SF_ASSIGN(int64_t n, get_int(hv.as_object(), "n", "retention head"));
-      if (n <= 0 || n > out.n_tokens) return corrupt("retention", "kept count out of range");
-      SF_ASSIGN(const json::array* ranges, get_arr(hv.as_object(), "ranges", "retention head"));
+      const std::string lh = "layer " + std::to_string(l) + " head " + std::to_string(hh);
+      // {"n": N, "ranges": [[begin, end), ...]}: ascending, disjoint, summing to n.
+      auto read_ranges = [&](const json::object& o, const std::string& what,
+                             std::vector<std::pair<int64_t, int64_t>>* rr) -> Result<int64_t> {
+        SF_ASSIGN(int64_t n, get_int(o, "n", what));
+        if (n <= 0 || n > out.n_tokens) return corrupt("retention", what + " count out of range");
+        SF_ASSIGN(const json::array* ranges, get_arr(o, "ranges", what));
+        int64_t sum = 0, prev_end = 0;
+        for (const auto& rv : *ranges) {
+          if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
+              !rv.as_array()[1].is_int64())
+            return corrupt("retention", "a range is not [begin, end)");
+          const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
+          if (a < prev_end || b > out.n_tokens || a >= b)
+            return corrupt("retention", what + " ranges of " + lh + " are out of bounds or order");
+          rr->emplace_back(a, b);
+          sum += b - a;
+          prev_end = b;
+        }
+        if (sum != n)
+          return corrupt("retention", what + " ranges of " + lh + " cover " + std::to_string(sum) +
+                                          " positions, n says " + std::to_string(n));
+        return n;
+      };
       auto& rr = mf.ranges[size_t(l * nh + hh)];
-      int64_t sum = 0, prev_end = 0;
-      for (const auto& rv : *ranges) {
-        if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
-            !rv.as_array()[1].is_int64())
-          return corrupt("retention", "a range is not [begin, end)");
-        const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
-        if (a < prev_end || b > out.n_tokens || a >= b)
-          return corrupt("retention", "ranges of layer " + std::to_string(l) + " head " +
-                                          std::to_string(hh) + " are out of bounds or order");
-        rr.emplace_back(a, b);
-        sum += b - a;
-        prev_end = b;
-      }
-      if (sum != n)
-        return corrupt("retention", "ranges of layer " + std::to_string(l) + " head " +
-                                        std::to_string(hh) + " cover " + std::to_string(sum) +
-                                        " positions, n says " + std::to_string(n));
+      SF_ASSIGN(int64_t n, read_ranges(hv.as_object(), "kept", &rr));
       mf.kept[size_t(l * nh + hh)] = n;
-      kept_bytes += kvstore::kv_encoded_bytes(enc, n, int(hd));
+      if (!enc_low) {
+        if (hv.as_object().contains("low"))
+          return corrupt("retention", lh + " declares a low tier, but kv_dtype_low is missing");
+        mf.tier_ranges[0][size_t(l * nh + hh)] = rr;
+        kept_bytes += kvstore::kv_encoded_bytes(enc, n, int(hd));
+        continue;
+      }
+      SF_ASSIGN(const json::object* lo, get_obj(hv.as_object(), "low", "retention head"));
+      auto& lr = mf.tier_ranges[1][size_t(l * nh + hh)];
+      SF_ASSIGN(int64_t n_low, read_ranges(*lo, "low", &lr));
+      // The high tier: kept minus low, where low must lie inside kept and leave it non-empty.
+      auto& hr = mf.tier_ranges[0][size_t(l * nh + hh)];
+      size_t j = 0;
+      int64_t inside = 0;
+      for (const auto& [a, b] : rr) {
+        int64_t at = a;
+        for (; j < lr.size() && lr[j].first < b; ++j) {
+          if (lr[j].first < at || lr[j].second > b)
+            return corrupt("retention", "low ranges of " + lh + " are not inside its kept ranges");
+          if (lr[j].first > at) hr.emplace_back(at, lr[j].first);
+          inside += lr[j].second - lr[j].first;
+          at = lr[j].second;
+        }
+        if (at < b) hr.emplace_back(at, b);
+      }
+      if (inside != n_low)
+        return corrupt("retention", "low ranges of " + lh + " are not inside its kept ranges");
+      if (n_low >= n) return corrupt("retention", "the high tier of " + lh + " keeps no token");
+      kept_bytes += kvstore::kv_encoded_bytes(enc, n - n_low, int(hd)) +
+                    kvstore::kv_encoded_bytes(*enc_low, n_low, int(hd));
     }
   }
   if (out.kv_bytes != kept_bytes)
@@ -260,8 +349,9 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     int shard;
     int64_t row;  // first row of the run among the shard's rows of this head
   };
-  std::vector<std::vector<Run>> runs(static_cast<size_t>(nl * nh));
-  mf.pieces.resize(size_t(nl * nh));
+  std::vector<std::vector<std::vector<Run>>> runs(
+      size_t(n_tiers), std::vector<std::vector<Run>>(static_cast<size_t>(nl * nh)));
+  mf.pieces.assign(size_t(n_tiers), std::vector<std::vector<KvManifest::Piece>>(size_t(nl * nh)));
   int64_t run_heads = 0;
   for (const auto& sv : *shards) {
     if (!sv.is_object()) return corrupt(W, "a shard entry is not an object");
@@ -289,6 +379,13 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     if (h0 < 0 || h1 > nh || h0 >= h1) return corrupt(where, "kv_heads out of range");
     S.kv_head0 = int(h0);
     S.kv_head1 = int(h1);
+    if (sh.contains("tier")) {
+      SF_ASSIGN(std::string tier, get_str(sh, "tier", where));
+      if (tier != "high" && tier != "low") return corrupt(where, "tier '" + tier + "' is not high or low");
+      S.low = tier == "low";
+      if (S.low && !enc_low) return corrupt(where, "is a low tier's, but kv_dtype_low is missing");
+    }
+    const int t = S.low ? 1 : 0;
     SF_ASSIGN(const json::array* toks, get_arr(sh, "tokens", where));
     int64_t prev = 0;
     for (const auto& rv : *toks) {
@@ -307,7 +404,7 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     const int si = int(mf.shards.size());
     for (int64_t hh = h0; hh < h1; ++hh) {
       // The head's kept tokens in each run of the shard: declared ranges intersected with it.
-      const auto& rr = mf.ranges[size_t(layer * nh + hh)];
+      const auto& rr = mf.tier_ranges[size_t(t)][size_t(layer * nh + hh)];
       int64_t row = 0;
       size_t j = 0;
       for (const auto& [a, b] : S.tokens) {
@@ -315,8 +412,8 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
         int64_t k = 0;
         for (size_t i = j; i < rr.size() && rr[i].first < b; ++i)
           k += std::min(b, rr[i].second) - std::max(a, rr[i].first);
-        runs[size_t(layer * nh + hh)].push_back({a, b, si, row});
-        mf.pieces[size_t(layer * nh + hh)].push_back({si, k, row});
+        runs[size_t(t)][size_t(layer * nh + hh)].push_back({a, b, si, row});
+        mf.pieces[size_t(t)][size_t(layer * nh + hh)].push_back({si, k, row});
         row += k;
       }
       S.kept.push_back(row);
@@ -329,16 +426,17 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   }
   // Per (layer, head): the runs tile [0, n_tokens), and every run before the one holding the
   // head's last kept token keeps whole blocks of 64 (blocks are counted within a shard).
+  for (int t = 0; t < n_tiers; ++t)
   for (int64_t l = 0; l < nl; ++l)
     for (int64_t hh = 0; hh < nh; ++hh) {
-      auto& rs = runs[size_t(l * nh + hh)];
-      auto& ps = mf.pieces[size_t(l * nh + hh)];
+      auto& rs = runs[size_t(t)][size_t(l * nh + hh)];
+      auto& ps = mf.pieces[size_t(t)][size_t(l * nh + hh)];
       std::vector<size_t> order(rs.size());
       for (size_t i = 0; i < order.size(); ++i) order[i] = i;
       std::sort(order.begin(), order.end(),
                 [&](size_t x, size_t y) { return rs[x].begin < rs[y].begin; });
-      const std::string where =
-          "layer " + std::to_string(l) + " KV head " + std::to_string(hh) + " shards";
+      const std::string where = "layer " + std::to_string(l) + " KV head " + std::to_string(hh) +
+                                (t ? " low tier shards" : " shards");
       int64_t next = 0;
       std::vector<KvManifest::Piece> sorted;
       for (size_t i : order) {
@@ -383,6 +481,9 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   SF_ASSIGN(KvManifest mf, parse_kv_manifest(text, expected_compat_hash));
   KvExport out = std::move(mf.meta);
   const kvstore::KvEncoding enc = kvstore::kv_encoding_parse(out.kv_dtype).value();  // parsed
+  const int n_tiers = out.kv_dtype_low.empty() ? 1 : 2;
+  const kvstore::KvEncoding enc_low =
+      n_tiers == 2 ? kvstore::kv_encoding_parse(out.kv_dtype_low).value() : enc;
   const int64_t nl = out.n_layers, nh = out.n_kv_heads, hd = out.head_dim, bs = out.block_size;
   out.heads.resize(size_t(nl * nh));
   // One shard's tensors of one head, as read.
@@ -419,8 +520,9 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         // Uniform: head j of the shared key/value tensors; per head: its own key.hH/value.hH.
         const std::string kv_sfx = S.uniform ? "" : sfx;
         const int64_t heads = S.uniform ? hs : 1, jj = S.uniform ? j : 0;
-        SF_TRY(read_kv(f, enc, true, kv_sfx, heads, jj, n, hd, where, &H.k, &H.kq));
-        SF_TRY(read_kv(f, enc, false, kv_sfx, heads, jj, n, hd, where, &H.v, &H.vq));
+        const kvstore::KvEncoding e = S.low ? enc_low : enc;
+        SF_TRY(read_kv(f, e, true, kv_sfx, heads, jj, n, hd, where, &H.k, &H.kq));
+        SF_TRY(read_kv(f, e, false, kv_sfx, heads, jj, n, hd, where, &H.v, &H.vq));
         SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
         SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
         SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));
@@ -431,16 +533,18 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     }
     // Each head's pieces in position order: rows and (whole-block aligned) blocks appended.
     for (int64_t hh = 0; hh < nh; ++hh) {
-      HeadKv& H = out.heads[size_t(layer * nh + hh)];
+     HeadKv tiers[2];
+     for (int t = 0; t < n_tiers; ++t) {
+      HeadKv& H = tiers[t];
       bool imp = true;
-      for (const KvManifest::Piece& pc : mf.pieces[size_t(layer * nh + hh)]) {
+      for (const KvManifest::Piece& pc : mf.pieces[size_t(t)][size_t(layer * nh + hh)]) {
         const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
         const HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
         const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
         H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
         H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
         H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
-        if (enc == kvstore::KvEncoding::kInt8) {
+        if ((t ? enc_low : enc) == kvstore::KvEncoding::kInt8) {
           append_codes(D.kq, true, r0, r1, hd, bs, &H.kq);
           append_codes(D.vq, false, r0, r1, hd, bs, &H.vq);
         }
@@ -456,6 +560,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         }
       }
       if (!imp) H.block_importance.clear();  // importance only when every shard carried it
+      if (n_tiers == 2) H.kq = H.vq = kvstore::EncodedRows{};  // tiers differ in encoding
+     }
+      HeadKv& H = out.heads[size_t(layer * nh + hh)];
+      H = n_tiers == 2 ? merge_tiers(tiers[0], tiers[1], hd, bs) : std::move(tiers[0]);
       // The positions must be exactly the manifest's declared retention (their count is, by the
       // tensor shapes; this walk is bounded by it).
       size_t i = 0;

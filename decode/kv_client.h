@@ -1,4 +1,4 @@
-// Decode-side KV client: loads an export (docs/kv-format.md, format version 3) from a directory,
+// Decode-side KV client: loads an export (docs/kv-format.md, format versions 3-5) from a directory,
 // verifies it completely and returns it only when every check passed, so a consumer never sees
 // partial data. Checks: format and version, the compatibility hash against the consumer's model,
 // every shard's size and XXH64, tensor names, dtypes and shapes, that the shards of each layer
@@ -39,6 +39,10 @@ struct KvExport {
   int32_t first_token = -1;
   std::string retention_policy, retention_params;
   std::string kv_dtype = "f32";  // how the shards stored K/V (kvstore/kv_quant.h); heads hold F32
+  // Format 5 with a low tier: its tokens' encoding ("" otherwise). A head's tiers are merged in
+  // position order on load; its block metadata is then taken from the decoded keys of the merged
+  // blocks, and block_importance is left empty (the files' blocks are per tier).
+  std::string kv_dtype_low;
   int64_t kv_bytes = 0, kv_bytes_full = 0;
   std::vector<HeadKv> heads;  // [layer * n_kv_heads + head]
 
@@ -59,6 +63,7 @@ struct KvManifest {
     int layer = 0, kv_head0 = 0, kv_head1 = 0;  // KV heads [kv_head0, kv_head1)
     std::vector<std::pair<int64_t, int64_t>> tokens;  // prompt runs it holds, ascending
     std::vector<int64_t> kept;                        // per head of the shard: kept tokens
+    bool low = false;                                 // holds the low tier (format 5)
   };
   // Where (layer, head)'s kept tokens come from, in position order: a run of one shard, its
   // kept tokens there, and their first row among the shard's rows of that head.
@@ -67,9 +72,13 @@ struct KvManifest {
     int64_t kept = 0, row = 0;
   };
   std::vector<Shard> shards;                                     // in manifest order
-  std::vector<std::vector<Piece>> pieces;                        // [layer * n_kv_heads + head]
+  // [tier][layer * n_kv_heads + head]: tier 0 the high tier (every kept token without a low
+  // tier), tier 1 the low tier (present only with kv_dtype_low).
+  std::vector<std::vector<std::vector<Piece>>> pieces;
   std::vector<int64_t> kept;                                     // [layer * n_kv_heads + head]
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges;  // declared [begin, end) runs
+  // [tier][layer * n_kv_heads + head]: each tier's runs (tier 0 is `ranges` minus the low tier's).
+  std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> tier_ranges;
 };
 Result<KvManifest> parse_kv_manifest(std::string_view text,
                                      const std::string& expected_compat_hash);

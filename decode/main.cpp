@@ -134,7 +134,8 @@ int run(int argc, char** argv) {
       "kv: %s, %lld prompt tokens, retention %s%s%s, K/V stored as %s: %lld of %lld KV bytes "
       "(%.1f%%)\n",
       a["kv"].c_str(), static_cast<long long>(man.n_tokens), man.retention_policy.c_str(),
-      man.retention_params.empty() ? "" : ":", man.retention_params.c_str(), man.kv_dtype.c_str(),
+      man.retention_params.empty() ? "" : ":", man.retention_params.c_str(),
+      (man.kv_dtype + (man.kv_dtype_low.empty() ? "" : "+" + man.kv_dtype_low)).c_str(),
       static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
       100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
   std::printf("load + verify: %.3f s; decode %d tokens on %s: %.3f s\n",

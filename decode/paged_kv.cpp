@@ -99,7 +99,8 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
 
 Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
                                                 const kvstore::Retention& r,
-                                                kvstore::KvEncoding enc) {
+                                                kvstore::KvEncoding enc,
+                                                std::optional<kvstore::KvEncoding> low) {
   if (r.n_layers != kv.n_layers || r.n_kv_heads != kv.n_kv_heads || r.n_tokens != kv.n_tokens ||
       int64_t(kv.k.size()) != kv.n_layers)
     return SF_ERR(kInvalidArgument,
@@ -110,6 +111,39 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
   c.head_dim_ = kv.head_dim;
   c.pages_.resize(size_t(kv.n_layers) * size_t(kv.n_kv_heads));
   const int hkv = kv.n_kv_heads, d = kv.head_dim;
+  if (r.has_low() != low.has_value())
+    return SF_ERR(kInvalidArgument, "paged kv: a low tier needs its encoding, and only it");
+  if (r.has_low()) {
+    // Each tier's rows of a head round-tripped together, then appended in position order.
+    std::vector<float> rows[2][2];  // [tier][k, v]
+    for (int l = 0; l < kv.n_layers; ++l)
+      for (int h = 0; h < hkv; ++h) {
+        const std::vector<int32_t> pos[2] = {r.high_positions(l, h),
+                                             r.low[size_t(l) * size_t(hkv) + size_t(h)]};
+        for (int t = 0; t < 2; ++t) {
+          const int64_t n = int64_t(pos[t].size());
+          for (int w = 0; w < 2; ++w) {
+            const std::vector<float>& src = w ? kv.v[size_t(l)] : kv.k[size_t(l)];
+            rows[t][w].resize(size_t(n * d));
+            for (int64_t i = 0; i < n; ++i) {
+              const int32_t p = pos[t][size_t(i)];
+              if (p < 0 || p >= kv.n_tokens)
+                return SF_ERR(kInvalidArgument, "paged kv: retention position out of range");
+              std::copy_n(src.data() + (size_t(p) * size_t(hkv) + size_t(h)) * size_t(d), d,
+                          rows[t][w].data() + i * d);
+            }
+            SF_TRY(kvstore::kv_round_trip(t ? *low : enc, w == 0, rows[t][w].data(), n, d));
+          }
+        }
+        for (size_t i = 0, j = 0; i < pos[0].size() || j < pos[1].size();) {
+          const int t = j == pos[1].size() || (i < pos[0].size() && pos[0][i] < pos[1][j]) ? 0 : 1;
+          const size_t at = t ? j++ : i++;
+          c.append(l, h, pos[t][at], rows[t][0].data() + at * size_t(d),
+                   rows[t][1].data() + at * size_t(d));
+        }
+      }
+    return c;
+  }
   for (int l = 0; l < kv.n_layers; ++l)
     for (int h = 0; h < hkv; ++h)
       for (int32_t p : r.positions(l, h)) {

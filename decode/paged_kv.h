@@ -4,6 +4,7 @@
 // per-channel key min/max that PSA's upper bound needs, updated as tokens are appended.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "common/status.h"
@@ -37,8 +38,13 @@ class PagedKvCache {
   // values become what a decode node loading an export in that encoding holds
   // (kvstore::kv_round_trip per block of 64 kept tokens); the block min/max stay the F32 keys',
   // as the export's metadata does.
+  // With a low tier (r.low; `low` then names its encoding) each tier of a head is round-tripped
+  // on its own, in position order (its key groups are 64 of its own tokens, as the export's
+  // tier shards hold them), and the merged blocks' min/max are the decoded keys', as the
+  // reader's merge gives them.
   static Result<PagedKvCache> from_prefill(const model::KvCache& kv, const kvstore::Retention& r,
-                                           kvstore::KvEncoding enc = kvstore::KvEncoding::kF32);
+                                           kvstore::KvEncoding enc = kvstore::KvEncoding::kF32,
+                                           std::optional<kvstore::KvEncoding> low = std::nullopt);
 
   // Every block's keys and values replaced by kv_round_trip in `enc` (keys per block, values
   // per row), the block min/max kept: what a pool storing that encoding attends over, which is

@@ -102,14 +102,44 @@ Status check_retention(const KvExportSpec& spec, const Retention& r) {
       if (k[j] < 0 || k[j] >= spec.n_tokens || (j > 0 && k[j] <= k[j - 1]))
         return SF_ERR(kInvalidArgument, "export_kv: retention positions must be ascending and in [0, n_tokens)");
   }
+  if (r.has_low() != spec.encoding_low.has_value())
+    return SF_ERR(kInvalidArgument, r.has_low()
+                                        ? "export_kv: the retention has a low tier but the export "
+                                          "names one encoding (give HIGH+LOW)"
+                                        : "export_kv: two encodings but the retention has no low "
+                                          "tier (give the policy high=TOKENS)");
+  if (!r.has_low()) return Status::ok();
+  if (r.low.size() != r.kept.size())
+    return SF_ERR(kInvalidArgument, "export_kv: retention low tier geometry does not match");
+  for (size_t i = 0; i < r.low.size(); ++i) {
+    const auto& k = r.kept[i];
+    const auto& lo = r.low[i];
+    if (!std::is_sorted(lo.begin(), lo.end()) || std::adjacent_find(lo.begin(), lo.end()) != lo.end() ||
+        !std::includes(k.begin(), k.end(), lo.begin(), lo.end()))
+      return SF_ERR(kInvalidArgument, "export_kv: a low tier must be ascending kept positions");
+    if (lo.size() == k.size())
+      return SF_ERR(kInvalidArgument, "export_kv: the high tier keeps no token for layer " +
+                                          std::to_string(i / size_t(spec.n_kv_heads)) + " head " +
+                                          std::to_string(i % size_t(spec.n_kv_heads)));
+  }
   return Status::ok();
+}
+
+// The positions of (layer, head) in one tier: every kept one without a low tier.
+std::vector<int32_t> tier_positions(const Retention& r, int l, int h, bool low) {
+  if (!r.has_low()) return r.positions(l, h);
+  return low ? r.low[size_t(l) * size_t(r.n_kv_heads) + size_t(h)] : r.high_positions(l, h);
 }
 
 }  // namespace
 
-int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc) {
+int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc, std::optional<KvEncoding> low) {
   int64_t total = 0;
-  for (const auto& k : r.kept) total += kv_encoded_bytes(enc, int64_t(k.size()), head_dim);
+  for (size_t i = 0; i < r.kept.size(); ++i) {
+    const int64_t n_low = r.has_low() ? int64_t(r.low[i].size()) : 0;
+    total += kv_encoded_bytes(enc, int64_t(r.kept[i].size()) - n_low, head_dim);
+    if (n_low > 0) total += kv_encoded_bytes(low.value_or(enc), n_low, head_dim);
+  }
   return total;
 }
 
@@ -134,6 +164,11 @@ Status check_spec(const KvExportSpec& spec) {
   if (int64_t(spec.token_ids.size()) != spec.n_tokens)
     return SF_ERR(kInvalidArgument, "export_kv: token_ids size does not match n_tokens");
   if (spec.retention) SF_TRY(check_retention(spec, *spec.retention));
+  else if (spec.encoding_low)
+    return SF_ERR(kInvalidArgument, "export_kv: two encodings but no retention with a low tier");
+  if (spec.encoding_low && kv_encoded_bytes(*spec.encoding_low, kKvBlockSize, spec.head_dim) >=
+                               kv_encoded_bytes(spec.encoding, kKvBlockSize, spec.head_dim))
+    return SF_ERR(kInvalidArgument, "export_kv: the low tier's encoding must be narrower");
   if (const ImportanceScores* is = spec.importance) {
     bool ok = is->n_layers == spec.n_layers && is->n_kv_heads == spec.n_kv_heads && is->n_tokens == spec.n_tokens &&
               int64_t(is->layers.size()) == spec.n_layers;
@@ -239,14 +274,20 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   std::error_code ec;
   std::vector<std::string> entries;
   const int l_end = part.layer < 0 ? spec.n_layers : part.layer + 1;
-  for (int l = std::max(part.layer, 0); l < l_end; ++l) {
+  // Each tier is its own shard file: the high one (every kept token without a low tier), then
+  // the low one.
+  const int n_tiers = ret && ret->has_low() ? 2 : 1;
+  for (int l = std::max(part.layer, 0); l < l_end; ++l)
+   for (int tier = 0; tier < n_tiers; ++tier) {
+    const bool low = tier == 1;
     const float* k = src(l, false);
     const float* v = src(l, true);
     if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
     std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
     std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
     for (int h = 0; h < hp; ++h)
-      intersect(ret ? ret->positions(l, h0 + h) : all_pos, part.tokens, &pos[size_t(h)], &rows[size_t(h)]);
+      intersect(ret ? tier_positions(*ret, l, h0 + h, low) : all_pos, part.tokens, &pos[size_t(h)],
+                &rows[size_t(h)]);
     bool uniform = true;
     for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
     // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
@@ -264,7 +305,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     }
     // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
     // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
-    const KvEncoding enc = spec.encoding;
+    const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
     const bool raw = enc == KvEncoding::kF32;
     EncodedRows enc_kv[2];                                           // keys, values
     std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
@@ -333,8 +374,10 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
     // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
     w.set_metadata("kv_dtype", kv_encoding_name(enc));
+    if (n_tiers == 2) w.set_metadata("tier", low ? "low" : "high");
     char name[64];
-    std::snprintf(name, sizeof name, "layer_%03d%s.safetensors", l, part.file_tag.c_str());
+    std::snprintf(name, sizeof name, "layer_%03d%s%s.safetensors", l, part.file_tag.c_str(),
+                  low ? ".low" : "");
     const fs::path p = fs::path(tmp) / name;
     auto r = w.write(p.string());
     if (!r.is_ok()) return r.status();
@@ -345,6 +388,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     sh["tokens"] = tok_json;
     sh["kv_heads"] = boost::json::array{h0, h0 + hp};
     sh["rank"] = part.rank;
+    if (n_tiers == 2) sh["tier"] = low ? "low" : "high";
     sh["tensors"] = std::move(names);
     sh["bytes"] = uint64_t(fs::file_size(p, ec));
     sh["xxh64"] = hex64(r.value());
@@ -366,7 +410,10 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   struct Run {
     int64_t begin, end, kept;
   };
-  std::vector<std::vector<Run>> cover(static_cast<size_t>(nl * hkv));
+  // Per tier: [tier][layer * hkv + head].
+  const int n_tiers = ret && ret->has_low() ? 2 : 1;
+  std::vector<std::vector<std::vector<Run>>> cover(
+      size_t(n_tiers), std::vector<std::vector<Run>>(static_cast<size_t>(nl * hkv)));
   boost::json::array shards;
   for (const std::string& e : entries) {
     boost::json::error_code jec;
@@ -391,17 +438,24 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
         fs::file_size(fp, ec) != o.at("bytes").to_number<uint64_t>())
       return SF_ERR(kNotFound, "export_kv: shard '" + file + "' is not in '" + tmp + "' with " +
                                    std::to_string(o.at("bytes").to_number<uint64_t>()) + " bytes");
+    const auto* tier_v = o.if_contains("tier");
+    const bool low = tier_v && tier_v->is_string() && tier_v->as_string() == "low";
+    if (low && n_tiers == 1)
+      return SF_ERR(kInvalidArgument, "export_kv: shard '" + file + "' is a low tier's, but the retention has none");
     for (int64_t h = a; h < b; ++h) {
-      const auto& kept = ret ? ret->positions(int(l), int(h)) : all_pos;
-      for (const auto& r : runs) cover[size_t(l * hkv + h)].push_back({r[0], r[1], count_in(kept, {r})});
+      const auto kept = ret ? tier_positions(*ret, int(l), int(h), low) : all_pos;
+      for (const auto& r : runs)
+        cover[size_t(low)][size_t(l * hkv + h)].push_back({r[0], r[1], count_in(kept, {r})});
     }
     shards.push_back(std::move(v));
   }
+  for (int tier = 0; tier < n_tiers; ++tier)
   for (int64_t l = 0; l < nl; ++l)
     for (int64_t h = 0; h < hkv; ++h) {
-      auto& rs = cover[size_t(l * hkv + h)];
+      auto& rs = cover[size_t(tier)][size_t(l * hkv + h)];
       std::sort(rs.begin(), rs.end(), [](const Run& x, const Run& y) { return x.begin < y.begin; });
-      const std::string where = "export_kv: the shards of layer " + std::to_string(l) + " KV head " + std::to_string(h);
+      const std::string where = std::string("export_kv: the ") + (tier ? "low tier's " : "") +
+                                "shards of layer " + std::to_string(l) + " KV head " + std::to_string(h);
       int64_t next = 0, last = -1;
       for (size_t i = 0; i < rs.size(); ++i) {
         if (rs[i].begin != next)
@@ -430,6 +484,13 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
       boost::json::object hj;
       hj["n"] = int64_t(kept.size());
       hj["ranges"] = to_ranges(kept);
+      if (n_tiers == 2) {
+        const auto& lo = ret->low[size_t(l) * size_t(hkv) + size_t(h)];
+        boost::json::object lj;
+        lj["n"] = int64_t(lo.size());
+        lj["ranges"] = to_ranges(lo);
+        hj["low"] = std::move(lj);
+      }
       heads_json.push_back(std::move(hj));
     }
     boost::json::object lj;
@@ -446,11 +507,12 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   model["rope_theta"] = double(spec.rope_theta);
   boost::json::object man;
   man["format"] = "sparsefill-kv";
-  man["format_version"] = kKvFormatVersion;
+  man["format_version"] = n_tiers == 2 ? kKvFormatVersion : kKvFormatVersionOneTier;
   man["model"] = std::move(model);
   man["compat_hash"] = compat_hash(spec);
   man["dtype"] = "F32";
   man["kv_dtype"] = kv_encoding_name(spec.encoding);
+  if (n_tiers == 2) man["kv_dtype_low"] = kv_encoding_name(*spec.encoding_low);
   man["layout"] =
       "key/value: [1, shard kv_heads, n_kept, head_dim] (per shard layout uniform) or "
       "key.hH/value.hH: "
@@ -459,7 +521,9 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
       "U8 codes (int4: two a byte, even channel low, last dim head_dim/2), x = zero + code * scale "
       "with "
       "F16 key_scale/key_zero [1, heads, n_blocks, head_dim] (per channel per 64 kept tokens) and "
-      "value_scale/value_zero [1, heads, n_kept] (per token)";
+      "value_scale/value_zero [1, heads, n_kept] (per token). With kv_dtype_low (format 5) each "
+      "layer's low tier (retention heads' low ranges) is in its own shards (tier \"low\", "
+      "files *.low.safetensors) in that encoding, the other kept tokens in kv_dtype";
   man["block_size"] = kKvBlockSize;
   man["n_tokens"] = S;
   boost::json::array ids;
@@ -472,7 +536,7 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   const int64_t kept = ret ? ret->kept_total() : S * nl * hkv;
   rj["kept_tokens"] = kept;
   const int64_t full_bytes = nl * hkv * kv_encoded_bytes(spec.encoding, S, d);
-  rj["kv_bytes"] = ret ? kv_bytes(*ret, d, spec.encoding) : full_bytes;
+  rj["kv_bytes"] = ret ? kv_bytes(*ret, d, spec.encoding, spec.encoding_low) : full_bytes;
   rj["kv_bytes_full"] = full_bytes;
   rj["layers"] = std::move(ret_layers);
   man["retention"] = std::move(rj);

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,11 +18,14 @@
 
 namespace sf::kvstore {
 
+// 5: a second, narrower encoding for the retention's low tier (kv_dtype_low; exports without a
+// low tier are still written as 4);
 // 4: keys and values may be stored in another encoding than F32 (kv_dtype, kvstore/kv_quant.h);
 // 3: a layer may be split over several shard files, each holding some token runs of some KV
 // heads (the TP x CP ranks that computed them); 2: retention detail, per-head positions and
-// per-block metadata; 1: full retention only. Readers also read 3, whose K/V are F32.
-constexpr int kKvFormatVersion = 4;
+// per-block metadata; 1: full retention only. Readers read 3, 4 and 5; 3's K/V are F32.
+constexpr int kKvFormatVersion = 5;
+constexpr int kKvFormatVersionOneTier = 4;  // what an export without a low tier is written as
 // The version named inside compat_hash's string. It changes only when what a consumer must agree
 // on changes, not with the file format: version 4 added an encoding, which any reader of 4
 // decodes, so format 3 and 4 exports of one model share a hash.
@@ -43,14 +47,18 @@ struct KvExportSpec {
   const ImportanceScores* importance = nullptr;
   // How the shards store K and V; block metadata stays F32, taken from the F32 keys.
   KvEncoding encoding = KvEncoding::kF32;
+  // The low tier's encoding: set exactly when the retention has a low tier (Retention::low),
+  // narrower than `encoding`. Each tier is written to its own shard files (docs/kv-format.md).
+  std::optional<KvEncoding> encoding_low;
 };
 
 // Returns the layer's K or V, token-major [n_tokens, n_kv_heads, head_dim] fp32.
 using LayerSource = std::function<const float*(int layer, bool value)>;
 
 // Bytes of K and V a retention keeps, summed over layers and heads, stored in `enc`
-// (kv_encoded_bytes per head).
-int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc = KvEncoding::kF32);
+// (kv_encoded_bytes per head); a low tier's tokens in `low` (in `enc` when not given).
+int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc = KvEncoding::kF32,
+                 std::optional<KvEncoding> low = std::nullopt);
 
 // Compatibility hash over everything a consumer must agree on (model, dtype, geometry, rope,
 // block size). Hex string of XXH64.

@@ -59,6 +59,26 @@ Result<KvEncoding> kv_encoding_parse(std::string_view s) {
                 "KV encoding '" + std::string(s) + "' is not f32, bf16, int8 or int4");
 }
 
+Result<KvEncodings> kv_encodings_parse(std::string_view s) {
+  KvEncodings out;
+  const size_t plus = s.find('+');
+  SF_ASSIGN(out.high, kv_encoding_parse(s.substr(0, plus)));
+  if (plus == std::string_view::npos) return out;
+  SF_ASSIGN(KvEncoding low, kv_encoding_parse(s.substr(plus + 1)));
+  if (kv_encoded_bytes(low, kKvQuantKeyRows, 64) >= kv_encoded_bytes(out.high, kKvQuantKeyRows, 64))
+    return SF_ERR(kInvalidArgument, "KV encodings '" + std::string(s) +
+                                        "': the low tier must be narrower than the high one "
+                                        "(f32 > bf16 > int8 > int4)");
+  out.low = low;
+  return out;
+}
+
+std::string kv_encodings_name(const KvEncodings& e) {
+  std::string s = kv_encoding_name(e.high);
+  if (e.low) s += std::string("+") + kv_encoding_name(*e.low);
+  return s;
+}
+
 const char* kv_encoding_name(KvEncoding e) {
   switch (e) {
     case KvEncoding::kF32:

@@ -13,6 +13,7 @@
 // exactly kv_decode(kv_encode(x)), which the in-process evaluation reproduces by kv_round_trip.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,6 +28,18 @@ enum class KvEncoding : uint8_t { kF32 = 0, kBF16, kInt8, kInt4 };
 // "f32", "bf16", "int8", "int4"; anything else is kInvalidArgument naming the choices.
 Result<KvEncoding> kv_encoding_parse(std::string_view s);
 const char* kv_encoding_name(KvEncoding e);
+
+// An export's encodings: every kept token in `high`, or, with a low tier, the retention's
+// low-tier tokens (Retention::low) in `low` and the rest in `high`. Written "int8" or "int8+int4"
+// (the second narrower than the first, so the split spends fewer bytes on the tokens that matter
+// less).
+struct KvEncodings {
+  KvEncoding high = KvEncoding::kF32;
+  std::optional<KvEncoding> low;
+};
+// "ENC" or "HIGH+LOW"; LOW must take fewer bytes a token than HIGH (kInvalidArgument otherwise).
+Result<KvEncodings> kv_encodings_parse(std::string_view s);
+std::string kv_encodings_name(const KvEncodings& e);
 
 // The element type of an encoding's K/V tensors (F32, BF16, or U8 codes) and how many elements a
 // row of head_dim channels takes (int4: head_dim / 2 bytes).

@@ -4,6 +4,7 @@
 #include <boost/json.hpp>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -202,6 +203,15 @@ Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
 
 }  // namespace
 
+std::vector<int32_t> Retention::high_positions(int layer, int head) const {
+  const auto& k = positions(layer, head);
+  if (low.empty()) return k;
+  const auto& lo = low[size_t(layer) * size_t(n_kv_heads) + size_t(head)];
+  std::vector<int32_t> out;
+  std::set_difference(k.begin(), k.end(), lo.begin(), lo.end(), std::back_inserter(out));
+  return out;
+}
+
 int64_t Retention::kept_total() const {
   int64_t n = 0;
   for (const auto& k : kept) n += int64_t(k.size());
@@ -252,11 +262,11 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
   else if (name == "streaming")
     p.kind = RetentionKind::kStreaming, allowed = {"sink", "window"};
   else if (name == "snapkv")
-    p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool", "span"};
+    p.kind = RetentionKind::kSnapKV, allowed = {"budget", "window", "pool", "span", "high"};
   else if (name == "adakv")
-    p.kind = RetentionKind::kAdaKV, allowed = {"budget", "window", "pool", "floor", "span"};
+    p.kind = RetentionKind::kAdaKV, allowed = {"budget", "window", "pool", "floor", "span", "high"};
   else if (name == "pyramid")
-    p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta", "span"};
+    p.kind = RetentionKind::kPyramid, allowed = {"budget", "window", "beta", "span", "high"};
   else if (name == "layerwise")
     p.kind = RetentionKind::kLayerwise, allowed = {"n_full", "window", "topk"};
   else if (name == "moa")
@@ -312,6 +322,8 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
       p.n_full = int(x);
     else if (key == "topk")
       p.topk = int64_t(x);
+    else if (key == "high")
+      p.high = int64_t(x);
     else if (key == "span") {
       if (x < 1 || x > kMaxSpan)
         return SF_ERR(kOutOfRange, "retention " + name + ": span " + val + " out of range [1, " +
@@ -355,6 +367,7 @@ std::string retention_params(const RetentionPolicy& p) {
       break;
   }
   if (p.span != 1 && retention_uses_span(p.kind)) o << ",span=" << p.span;
+  if (p.high != 0) o << ",high=" << p.high;
   return o.str();
 }
 
@@ -390,6 +403,17 @@ Status retention_check_prompt(const RetentionPolicy& p, int n_layers, int n_kv_h
   if (retention_uses_span(p.kind) && (p.span < 1 || p.span > kMaxSpan))
     return SF_ERR(kOutOfRange, std::string("retention ") + retention_kind_name(p.kind) + ": span " +
                                    str(p.span) + " out of range [1, " + str(kMaxSpan) + "]");
+  if (p.high != 0) {
+    const char* name = retention_kind_name(p.kind);
+    if (!retention_uses_span(p.kind))
+      return SF_ERR(kInvalidArgument, std::string("retention ") + name +
+                                          ": high= (a two-tier split) needs a scored policy "
+                                          "(snapkv, adakv, pyramid)");
+    if (p.high < p.window || p.high >= p.budget)
+      return SF_ERR(kOutOfRange, std::string("retention ") + name + ": high " + str(p.high) +
+                                     " out of range [window " + str(p.window) + ", budget " +
+                                     str(p.budget) + ")");
+  }
   switch (p.kind) {
     case RetentionKind::kFull:
       return Status::ok();
@@ -428,6 +452,26 @@ Status retention_check_prompt(const RetentionPolicy& p, int n_layers, int n_kv_h
 Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_kv_heads, int64_t N,
                                   const ImportanceScores* scores) {
   SF_TRY(retention_check_prompt(p, n_layers, n_kv_heads, N));
+  if (p.high > 0) {
+    // Two tiers: the policy at both budgets; high-budget picks outside the full budget's are
+    // kept as well, so the high tier is always a subset of kept.
+    RetentionPolicy one = p, hi = p;
+    one.high = hi.high = 0;
+    hi.budget = p.high;
+    SF_ASSIGN(Retention r, retention_apply(one, n_layers, n_kv_heads, N, scores));
+    SF_ASSIGN(Retention h, retention_apply(hi, n_layers, n_kv_heads, N, scores));
+    r.params = retention_params(p);
+    r.low.resize(r.kept.size());
+    for (size_t i = 0; i < r.kept.size(); ++i) {
+      std::vector<int32_t> all;
+      std::set_union(r.kept[i].begin(), r.kept[i].end(), h.kept[i].begin(), h.kept[i].end(),
+                     std::back_inserter(all));
+      std::set_difference(all.begin(), all.end(), h.kept[i].begin(), h.kept[i].end(),
+                          std::back_inserter(r.low[i]));
+      r.kept[i] = std::move(all);
+    }
+    return r;
+  }
   std::optional<ImportanceScores> spanned;
   if (retention_uses_span(p.kind) && p.span > 1 && scores) {
     SF_TRY(check_scores(scores, retention_kind_name(p.kind), n_layers, n_kv_heads, N));

@@ -49,6 +49,11 @@ struct RetentionPolicy {
   std::vector<std::vector<MoaSpan>> moa;  // moa: [n_layers][n_kv_heads]
   std::string moa_config;                 // moa: the file the spans came from (provenance)
   double moa_scale = 1;  // moa: factor already applied to the file's spans (retention_moa_scaled)
+  // snapkv, adakv, pyramid: > 0 splits the kept tokens into two tiers for a two-encoding export
+  // (kv_quant.h KvEncodings): the tokens the same policy keeps at budget `high` are the high tier,
+  // the rest of what it keeps at `budget` the low tier (Retention::low). A high-budget pick the
+  // full budget drops is kept too (the budgets' picks nest except at score ties across heads).
+  int64_t high = 0;
 };
 
 struct Retention {
@@ -57,10 +62,16 @@ struct Retention {
   int n_layers = 0, n_kv_heads = 0;
   int64_t n_tokens = 0;
   std::vector<std::vector<int32_t>> kept;  // [layer * n_kv_heads + head]: ascending positions
+  // Empty, or per [layer * n_kv_heads + head] the kept positions of the low tier (ascending, a
+  // subset of kept): stored in the export's low encoding, the others in its high one.
+  std::vector<std::vector<int32_t>> low;
 
   const std::vector<int32_t>& positions(int layer, int head) const {
     return kept[size_t(layer) * size_t(n_kv_heads) + size_t(head)];
   }
+  bool has_low() const { return !low.empty(); }
+  // A head's high-tier positions: kept minus low.
+  std::vector<int32_t> high_positions(int layer, int head) const;
   int64_t kept_total() const;
   bool is_full() const;  // every layer and head keeps every position
 };
@@ -76,6 +87,7 @@ constexpr int kRetentionMaxPool = 65;
 bool retention_needs_scores(const RetentionPolicy& p);
 // "full" | "streaming[:sink=S,window=W]" | "snapkv:budget=B[,window=W,pool=P,span=N]" |
 // "adakv:budget=B[,window=W,pool=P,floor=F,span=N]" | "pyramid:budget=B[,window=W,span=N]" |
+// (snapkv, adakv and pyramid also take high=H: RetentionPolicy::high) |
 // "layerwise:n_full=F,window=W,topk=K" |
 // "moa:config=FILE[,sink=S]" (reads FILE with moa_config_load; sink overrides the file's).
 // Unknown policies and keys are errors naming them.

@@ -70,7 +70,7 @@ struct Options {
   // "Retention"); scored policies use the SnapKV importance computed during the prefill.
   kvstore::RetentionPolicy retention;
   // How exports store K and V (kvstore/kv_quant.h).
-  kvstore::KvEncoding kv_dtype = kvstore::KvEncoding::kF32;
+  kvstore::KvEncodings kv_dtype;  // HIGH or HIGH+LOW (with a retention's high=TOKENS)
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -143,7 +143,7 @@ Result<Options> parse_options(int argc, char** argv) {
     o.retention = std::move(rp).value();
   }
   if (kv.count("kv-dtype")) {
-    auto e = kvstore::kv_encoding_parse(kv["kv-dtype"]);
+    auto e = kvstore::kv_encodings_parse(kv["kv-dtype"]);
     if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
     o.kv_dtype = e.value();
   }
@@ -575,7 +575,9 @@ int run(int argc, char** argv) {
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
-    spec.encoding = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+    const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+    spec.encoding = encs.high;
+    spec.encoding_low = encs.low;
     const std::string dir = runtime::request_dir(o.out, r.id);
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
     std::optional<kvstore::ImportanceScores> imp;
@@ -646,7 +648,7 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
         ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
-        kept_frac, kvstore::kv_encoding_name(spec.encoding),
+        kept_frac, kvstore::kv_encodings_name(encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s);
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {

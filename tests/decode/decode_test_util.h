@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <optional>
 #include <string>
 
 #include "decode/decode_session.h"
@@ -54,9 +55,11 @@ inline kvstore::ImportanceScores scores_of(const model::PrefillResult& r, int wi
 inline Status export_prefill(const model::Model& m, const std::vector<int32_t>& toks,
                              const model::PrefillResult& r, const std::string& dir,
                              const kvstore::Retention* ret, const kvstore::ImportanceScores* imp,
-                             kvstore::KvEncoding enc = kvstore::KvEncoding::kF32) {
+                             kvstore::KvEncoding enc = kvstore::KvEncoding::kF32,
+                             std::optional<kvstore::KvEncoding> low = std::nullopt) {
   kvstore::KvExportSpec spec = decode::model_export_spec(m);
   spec.encoding = enc;
+  spec.encoding_low = low;
   spec.n_tokens = int64_t(toks.size());
   spec.token_ids = toks;
   spec.first_token = r.first_token;

@@ -4,8 +4,11 @@
 // and a clear error for every bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
+#include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "common/safetensors.h"
@@ -38,9 +41,10 @@ class KvClient : public ::testing::Test {
     hash_ = decode::model_compat_hash(*model_);
   }
   std::string export_to(const std::string& name, const kvstore::Retention* ret,
-                        kvstore::KvEncoding enc = kvstore::KvEncoding::kF32) {
+                        kvstore::KvEncoding enc = kvstore::KvEncoding::kF32,
+                        std::optional<kvstore::KvEncoding> low = std::nullopt) {
     const std::string d = tmp_.sub(name);
-    Status st = testing::export_prefill(*model_, toks_, pr_, d, ret, &imp_, enc);
+    Status st = testing::export_prefill(*model_, toks_, pr_, d, ret, &imp_, enc, low);
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     return d;
   }
@@ -300,6 +304,161 @@ TEST_F(KvClient, InProcessEncodingIsWhatTheNodeLoads) {
     std::vector<float> row(size_t(c.head_dim()), 0.5f);
     c.append(0, 0, kN, row.data(), row.data());
     EXPECT_TRUE(c.block(last).kq.data.empty() && c.block(last).vq.data.empty());
+  }
+}
+
+// Two tiers (format 5): the policy's top tokens in int8, the rest it keeps in int4, each tier in
+// its own shards. The node's merged cache equals the in-process one bit for bit, the tiers'
+// positions are what the retention split says, and the bytes are each tier's in its encoding.
+TEST_F(KvClient, TwoTierExportLoadsAsTheInProcessCache) {
+  using E = kvstore::KvEncoding;
+  auto pol = kvstore::retention_parse("adakv:budget=200,window=32,pool=7,high=70");
+  ASSERT_TRUE(pol.is_ok()) << pol.status().to_string();
+  auto ret = kvstore::retention_apply(pol.value(), 2, 2, kN, &imp_);
+  ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+  ASSERT_TRUE(ret->has_low());
+  const std::string dir = export_to("tiers", &ret.value(), E::kInt8, E::kInt4);
+  auto e = decode::load_kv_export(dir, hash_);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  EXPECT_EQ(e->kv_dtype, "int8");
+  EXPECT_EQ(e->kv_dtype_low, "int4");
+  EXPECT_EQ(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt8, E::kInt4));
+  EXPECT_LT(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt8));
+  EXPECT_GT(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt4));
+  EXPECT_EQ(read_manifest(dir).as_object().at("format_version").as_int64(), 5);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(fs::exists(dir + "/layer_00" + std::to_string(l) + ".low.safetensors"));
+    for (int h = 0; h < 2; ++h) EXPECT_EQ(e->head(l, h).positions, ret->positions(l, h));
+  }
+  auto a = decode::PagedKvCache::from_prefill(pr_.kv, ret.value(), E::kInt8, E::kInt4);
+  auto b = decode::PagedKvCache::from_export(e.value(), !model_->config().rope.neox);
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  int64_t low_rows_differ = 0;
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) {
+      ASSERT_EQ(a->pages(l, h).size(), b->pages(l, h).size());
+      const auto& lo = ret->low[size_t(l * 2 + h)];
+      for (size_t i = 0; i < a->pages(l, h).size(); ++i) {
+        const decode::KvBlock& x = a->block(a->pages(l, h)[i]);
+        const decode::KvBlock& y = b->block(b->pages(l, h)[i]);
+        EXPECT_EQ(x.pos, y.pos);
+        EXPECT_EQ(x.k, y.k) << "l" << l << " h" << h << " block " << i;
+        EXPECT_EQ(x.v, y.v);
+        EXPECT_EQ(x.kmin, y.kmin);
+        EXPECT_EQ(x.kmax, y.kmax);
+        EXPECT_TRUE(y.kq.data.empty());  // mixed encodings: no codes for a device pool to reuse
+        // Low-tier rows are int4's round trip of their tier, not int8's of the whole set.
+        for (int32_t t = 0; t < x.n; ++t)
+          if (std::binary_search(lo.begin(), lo.end(), x.pos[size_t(t)]))
+            for (int c = 0; c < 16; ++c)
+              low_rows_differ += x.v[size_t(t) * 16 + size_t(c)] !=
+                                 pr_.kv.v[size_t(l)][(size_t(x.pos[size_t(t)]) * 2 + size_t(h)) * 16 + size_t(c)];
+      }
+    }
+  EXPECT_GT(low_rows_differ, 0);
+  // Each tier's error is its encoding's: int4 rows off by more than int8 rows, on average.
+  double err[2] = {0, 0};
+  int64_t cnt[2] = {0, 0};
+  for (int l = 0; l < 2; ++l)
+    for (int h = 0; h < 2; ++h) {
+      const auto& lo = ret->low[size_t(l * 2 + h)];
+      const decode::HeadKv& H = e->head(l, h);
+      for (size_t i = 0; i < H.positions.size(); ++i) {
+        const int t = std::binary_search(lo.begin(), lo.end(), H.positions[i]) ? 1 : 0;
+        for (int c = 0; c < 16; ++c)
+          err[t] += std::fabs(H.v[i * 16 + size_t(c)] -
+                              pr_.kv.v[size_t(l)][(size_t(H.positions[i]) * 2 + size_t(h)) * 16 + size_t(c)]);
+        cnt[t] += 16;
+      }
+    }
+  ASSERT_GT(cnt[0], 0);
+  ASSERT_GT(cnt[1], 0);
+  EXPECT_GT(err[1] / double(cnt[1]), 4 * err[0] / double(cnt[0]));
+}
+
+TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
+  using E = kvstore::KvEncoding;
+  auto ret = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=200,window=32,pool=7,high=64").value(), 2, 2, kN,
+      &imp_);
+  ASSERT_TRUE(ret.is_ok());
+  auto export_err = [&](const kvstore::Retention* r, E enc, std::optional<E> low,
+                        const std::string& needle) {
+    const std::string d = tmp_.sub("bad-export");
+    Status st = testing::export_prefill(*model_, toks_, pr_, d, r, &imp_, enc, low);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
+    EXPECT_FALSE(fs::exists(d + "/manifest.json"));
+  };
+  export_err(&ret.value(), E::kInt8, std::nullopt, "has a low tier but the export names one");
+  export_err(&ret.value(), E::kInt4, E::kInt8, "must be narrower");
+  auto one = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=200,window=32,pool=7").value(), 2, 2, kN, &imp_);
+  export_err(&one.value(), E::kInt8, E::kInt4, "the retention has no low tier");
+  export_err(nullptr, E::kInt8, E::kInt4, "no retention with a low tier");
+
+  const std::string good = export_to("tiers-good", &ret.value(), E::kInt8, E::kInt4);
+  ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
+  auto expect_err = [&](const std::string& dir, Code code, const std::string& needle) {
+    auto r = decode::load_kv_export(dir, hash_);
+    ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
+    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
+  };
+  // A low tier in a format 4 manifest.
+  {
+    const std::string d = copy_of(good, "tiers-v4");
+    auto v = read_manifest(d);
+    v.as_object()["format_version"] = 4;
+    write_manifest(d, v);
+    expect_err(d, Code::kCorrupt, "kv_dtype_low needs format_version 5");
+  }
+  // Low ranges outside the kept ones.
+  {
+    const std::string d = copy_of(good, "tiers-outside");
+    auto v = read_manifest(d);
+    auto& h0 = v.as_object()["retention"].as_object()["layers"].as_array()[0].as_object()["heads"]
+                   .as_array()[0].as_object();
+    const auto kept = h0["ranges"].as_array();
+    // One low token just past the first kept range, where the head keeps nothing.
+    const int64_t end = kept[0].as_array()[1].as_int64();
+    boost::json::object outside;
+    outside["n"] = 1;
+    outside["ranges"] = boost::json::array{boost::json::array{end, end + 1}};
+    h0["low"] = std::move(outside);
+    write_manifest(d, v);
+    expect_err(d, Code::kCorrupt, "not inside its kept ranges");
+  }
+  // Every kept token in the low tier.
+  {
+    const std::string d = copy_of(good, "tiers-all-low");
+    auto v = read_manifest(d);
+    auto& h0 = v.as_object()["retention"].as_object()["layers"].as_array()[0].as_object()["heads"]
+                   .as_array()[0].as_object();
+    const boost::json::value n = h0.at("n"), ranges = h0.at("ranges");
+    boost::json::object all_low;
+    all_low["n"] = n;
+    all_low["ranges"] = ranges;
+    h0["low"] = std::move(all_low);
+    write_manifest(d, v);
+    expect_err(d, Code::kCorrupt, "keeps no token");
+  }
+  // A low tier's shard gone: never a partial load.
+  {
+    const std::string d = copy_of(good, "tiers-missing");
+    fs::remove(d + "/layer_001.low.safetensors");
+    expect_err(d, Code::kNotFound, "layer_001.low.safetensors");
+  }
+  // A low tier's shard declared high: its rows are in the wrong tier's pieces.
+  {
+    const std::string d = copy_of(good, "tiers-swapped");
+    auto v = read_manifest(d);
+    for (auto& sh : v.as_object()["shards"].as_array())
+      if (sh.as_object().at("tier").as_string() == "low") sh.as_object()["tier"] = "high";
+    write_manifest(d, v);
+    auto r = decode::load_kv_export(d, hash_);
+    EXPECT_FALSE(r.is_ok());
   }
 }
 

@@ -34,6 +34,26 @@ TEST(KvQuant, ParsesNamesAndRefusesOthers) {
   EXPECT_NE(bad.status().message().find("'fp8' is not f32, bf16, int8 or int4"), std::string::npos);
 }
 
+TEST(KvQuant, TwoTierNamesParseNarrowerLowOnly) {
+  auto one = kvstore::kv_encodings_parse("int8");
+  ASSERT_TRUE(one.is_ok());
+  EXPECT_EQ(one->high, KvEncoding::kInt8);
+  EXPECT_FALSE(one->low.has_value());
+  auto two = kvstore::kv_encodings_parse("int8+int4");
+  ASSERT_TRUE(two.is_ok()) << two.status().to_string();
+  EXPECT_EQ(two->high, KvEncoding::kInt8);
+  EXPECT_EQ(two->low, KvEncoding::kInt4);
+  EXPECT_EQ(kvstore::kv_encodings_name(two.value()), "int8+int4");
+  EXPECT_TRUE(kvstore::kv_encodings_parse("bf16+int8").is_ok());
+  for (const char* s : {"int4+int8", "int8+int8", "int8+fp8", "int8+", "+int4"}) {
+    auto r = kvstore::kv_encodings_parse(s);
+    EXPECT_FALSE(r.is_ok()) << s;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << s;
+  }
+  EXPECT_NE(kvstore::kv_encodings_parse("int4+int8").status().message().find("narrower"),
+            std::string::npos);
+}
+
 TEST(KvQuant, EncodedBytesCountCodesScalesAndZeros) {
   // 100 rows of 64 channels: K and V each 6400 elements; keys have 2 blocks x 64 channel groups,
   // values 100 row groups; each group an F16 scale and zero (4 bytes).

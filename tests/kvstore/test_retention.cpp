@@ -297,6 +297,58 @@ TEST(Retention, AdaKVSharesTheLayerBudgetAcrossHeads) {
       Code::kOutOfRange);
 }
 
+// high=H splits what a scored policy keeps into two tiers: the high tier is exactly the policy
+// at budget H, the low tier the rest of what it keeps at its budget.
+TEST(Retention, HighSplitsTheKeptTokensIntoTwoTiers) {
+  const uint64_t seed = fresh_seed();
+  const int L = 2, H = 3;
+  const int64_t N = 600;
+  auto sc = random_scores(L, H, N, 7, seed);
+  for (const char* spec : {"adakv:budget=150,window=32,pool=7,span=4,high=60",
+                           "snapkv:budget=150,window=32,pool=7,high=40",
+                           "pyramid:budget=150,window=32,high=80"}) {
+    auto p = retention_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    auto r = retention_apply(p.value(), L, H, N, &sc);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_NE(r->params.find(",high=" + std::to_string(p->high)), std::string::npos) << r->params;
+    RetentionPolicy one = p.value(), hi = p.value();
+    one.high = hi.high = 0;
+    hi.budget = p->high;
+    auto r1 = retention_apply(one, L, H, N, &sc);
+    auto rh = retention_apply(hi, L, H, N, &sc);
+    ASSERT_TRUE(r1.is_ok() && rh.is_ok());
+    ASSERT_TRUE(r->has_low());
+    expect_sorted_unique_in_range(r.value());
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h) {
+        const auto& kept = r->positions(l, h);
+        const auto& low = r->low[size_t(l * H + h)];
+        EXPECT_EQ(r->high_positions(l, h), rh->positions(l, h)) << spec;
+        EXPECT_TRUE(std::includes(kept.begin(), kept.end(), low.begin(), low.end()));
+        EXPECT_TRUE(std::includes(kept.begin(), kept.end(), r1->positions(l, h).begin(),
+                                  r1->positions(l, h).end()));
+        EXPECT_EQ(kept.size(), low.size() + rh->positions(l, h).size());
+        EXPECT_TRUE(keeps_last(r->high_positions(l, h), N, 32));
+      }
+  }
+  // Only scored policies split, and high lies in [window, budget).
+  auto bad = [&](const char* spec, const char* needle) {
+    auto p = retention_parse(spec);
+    Status st = p.is_ok() ? retention_apply(p.value(), L, H, N, &sc).status() : p.status();
+    ASSERT_FALSE(st.is_ok()) << spec;
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
+  };
+  bad("streaming:sink=4,window=100,high=50", "unknown or malformed parameter 'high=50'");
+  bad("adakv:budget=150,window=32,high=150", "high 150 out of range [window 32, budget 150)");
+  bad("adakv:budget=150,window=32,high=20", "high 20 out of range");
+  RetentionPolicy st;
+  st.kind = RetentionKind::kStreaming;
+  st.window = 100;
+  st.high = 50;
+  EXPECT_FALSE(retention_apply(st, L, H, N, nullptr).is_ok());
+}
+
 TEST(Retention, PyramidBudgetsFallLinearlyAndKeepTheTotal) {
   const int L = 30;
   auto b = pyramid_layer_budgets(1024, 32, 20, L, 8192);

@@ -57,6 +57,23 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
            COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e8' --kv-dtype int8 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e8' --tokens 16 --reference")
   set_tests_properties(cli_decode_int8_export PROPERTIES PASS_REGULAR_EXPRESSION
                        "K/V stored as int8: [0-9]+ of [0-9]+ KV bytes \\(100.0%\\).*first 16 of 16 tokens equal")
+  # Two tiers: HIGH+LOW pairs with a retention's high=TOKENS (each without the other fails before
+  # the prefill); the eval's HIGH+LOW:SHARE keeps the bytes at the budget.
+  add_test(NAME cli_prefill_two_tiers_need_high
+           COMMAND ${_ref} "^error: .*--kv-dtype HIGH\\+LOW needs a --retention with high=TOKENS"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/t2 --force
+                   --retention snapkv:budget=8 --kv-dtype int8+int4)
+  add_test(NAME cli_prefill_two_tiers_low_narrower
+           COMMAND ${_ref} "^error: .*the low tier must be narrower"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/t2 --force
+                   --retention snapkv:budget=12,window=4,high=8 --kv-dtype int4+int8)
+  add_test(NAME cli_decode_two_tier_export
+           COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e-t2' --retention snapkv:budget=12,window=4,high=8 --kv-dtype int8+int4 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e-t2' --tokens 4")
+  set_tests_properties(cli_decode_two_tier_export PROPERTIES PASS_REGULAR_EXPRESSION
+                       "retention snapkv:budget=12,window=4,pool=7,high=8, K/V stored as int8\\+int4")
+  add_test(NAME cli_retention_eval_two_tiers_need_scores
+           COMMAND ${_ref} "^error: .*two tiers need a scored policy"
+                   ${_rsf} eval --retention streaming --kv-dtype int8+int4:0.6)
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
   # The device step's flags parse on any build (the export check comes after them).

@@ -185,10 +185,30 @@ case "$case_name" in
       python3 -c 'import json,sys; a,b=(json.load(open(f))["retention"] for f in sys.argv[1:]); sys.exit(a!=b or a["policy"]=="full")' \
         "$tmp/out_sharded/$id/manifest.json" "$tmp/out_gathered/$id/manifest.json" || fail "$id: kept positions differ"
     done
+    # Two tiers (format 5): adakv's top 96 tokens a head in int8, the rest of its 256 in int4,
+    # each tier in its own shards, written by the leader (--export gathered) on one rank or CP 2;
+    # a sharded export is refused for the request (each tier would need its own block-aligned
+    # cut), on every rank before any collective.
+    head -1 "$tmp/ret.jsonl" >"$tmp/one.jsonl"
+    for grid in "1 --export gathered" "2 --cp 2 --export gathered"; do
+      set -- $grid
+      np="$1"; shift
+      run "$np" --model default "$@" --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_np$np"
+      [ "$rc" -eq 0 ] || fail "two tiers ($grid): exit $rc"
+      m="$tmp/tier_np$np/doc/manifest.json"
+      grep -q '"format_version":5' "$m" && grep -q '"kv_dtype_low":"int4"' "$m" || fail "two tiers ($grid): manifest"
+      ls "$tmp/tier_np$np/doc" | grep -q '^layer_029.*\.low\.safetensors$' || fail "two tiers ($grid): no low-tier shard"
+      grep -q '"kv_dtype": "int8+int4"' "$tmp/tier_np$np/doc.json" || fail "two tiers ($grid): summary"
+      "$decoder" --model default --kv "$tmp/tier_np$np/doc" --tokens 12 >"$tmp/dec_tier$np" 2>&1 || { cat "$tmp/dec_tier$np"; fail "decode of two tiers ($grid)"; }
+      grep -q "K/V stored as int8+int4" "$tmp/dec_tier$np" || fail "two tiers ($grid): decode does not say int8+int4"
+    done
+    run 2 --model default --cp 2 --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_cp2s"
+    [ "$rc" -ne 0 ] || fail "two tiers, sharded: exit 0"
+    grep -q "are not implemented for --export sharded" "$tmp/stderr" || fail "two tiers, sharded: message"
+    [ ! -e "$tmp/tier_cp2s/doc/manifest.json" ] || fail "two tiers, sharded: an export was written"
     # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head. CP 4 with 100 kept
     # tokens a head: chunks of ~66 tokens keep fewer than a block each, so runs are empty and a
     # block gathers rows from several chunks (and ranks).
-    head -1 "$tmp/ret.jsonl" >"$tmp/one.jsonl"
     for grid in "6 --tp 3 --cp 2 --retention adakv:budget=128,span=4" "4 --cp 4 --retention adakv:budget=100,span=4"; do
       set -- $grid
       np="$1"; shift

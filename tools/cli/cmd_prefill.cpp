@@ -79,15 +79,20 @@ int cmd_prefill(int argc, char** argv) {
     if (!rp.is_ok()) return fail(rp.status());
     retention = std::move(rp).value();
   }
-  // --kv-dtype: how the export stores K and V (kvstore/kv_quant.h).
-  kvstore::KvEncoding kv_dtype = kvstore::KvEncoding::kF32;
+  // --kv-dtype: how the export stores K and V (kvstore/kv_quant.h); HIGH+LOW pairs with a
+  // retention whose high= splits the kept tokens into two tiers.
+  kvstore::KvEncodings kv_dtype;
   if (a.has("kv-dtype")) {
     if (!a.has("export-kv"))
       return fail(SF_ERR(kInvalidArgument, "--kv-dtype applies to --export-kv"));
-    auto e = kvstore::kv_encoding_parse(a.get("kv-dtype"));
+    auto e = kvstore::kv_encodings_parse(a.get("kv-dtype"));
     if (!e.is_ok()) return fail(e.status());
     kv_dtype = e.value();
   }
+  if (kv_dtype.low.has_value() != (retention.high > 0))
+    return fail(SF_ERR(kInvalidArgument,
+                       kv_dtype.low ? "--kv-dtype HIGH+LOW needs a --retention with high=TOKENS"
+                                    : "--retention high=TOKENS needs --kv-dtype HIGH+LOW"));
   // --kv-pool: prefill-driven tiering into a host/disk block pool; spec and directory are
   // checked before the model load.
   std::optional<kvstore::KvPoolSpec> kv_pool;
@@ -313,7 +318,8 @@ int cmd_prefill(int argc, char** argv) {
     spec.n_tokens = int64_t(ids.size());
     spec.token_ids = ids;
     spec.first_token = r.first_token;
-    spec.encoding = kv_dtype;
+    spec.encoding = kv_dtype.high;
+    spec.encoding_low = kv_dtype.low;
     const auto& kv = r.kv;
     std::optional<kvstore::ImportanceScores> imp;
     if (!r.importance.empty())
@@ -334,8 +340,8 @@ int cmd_prefill(int argc, char** argv) {
         ret->policy.c_str(), ret->params.empty() ? "" : " ", ret->params.c_str(),
         100.0 * double(ret->kept_total()) /
             double(int64_t(cfg.n_layers) * cfg.n_kv_heads * kv.n_tokens),
-        kvstore::kv_encoding_name(kv_dtype),
-        100.0 * double(kvstore::kv_bytes(ret.value(), cfg.head_dim, kv_dtype)) /
+        kvstore::kv_encodings_name(kv_dtype).c_str(),
+        100.0 * double(kvstore::kv_bytes(ret.value(), cfg.head_dim, kv_dtype.high, kv_dtype.low)) /
             double(
                 int64_t(cfg.n_layers) * cfg.n_kv_heads *
                 kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kv.n_tokens, cfg.head_dim)));

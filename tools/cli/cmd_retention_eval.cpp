@@ -114,7 +114,19 @@ struct Config {
   const kvstore::RetentionPolicy* moa = nullptr;  // moa: the config's spans, before scaling
   int span = 1;                                   // snapkv, adakv, pyramid: RetentionPolicy::span
   kvstore::KvEncoding enc = kvstore::KvEncoding::kF32;  // how the kept K/V are stored
+  // Two tiers (--kv-dtype HIGH+LOW[:SHARE]): the low tier's encoding, and the share of the
+  // budget's bytes the high tier takes (the policy's top tokens); the low tier spends the rest.
+  std::optional<kvstore::KvEncoding> low;
+  double high_share = 0.5;
 };
+
+// "int8", or "int8+int4:0.50" for two tiers.
+std::string enc_name(const Config& c) {
+  if (!c.low) return kvstore::kv_encoding_name(c.enc);
+  char b[32];
+  std::snprintf(b, sizeof b, ":%.2f", c.high_share);
+  return kvstore::kv_encodings_name({c.enc, c.low}) + b;
+}
 
 struct Measure {
   std::string params;
@@ -124,6 +136,7 @@ struct Measure {
   // windows differ) and kept tokens / all (layer, KV head, token).
   std::vector<int64_t> kv_bytes;
   std::vector<double> kept_frac;
+  std::vector<double> low_frac;  // two tiers: low-tier tokens / all (layer, KV head, token)
   std::vector<double> greedy, forced, kl;  // per window
   std::vector<int64_t> first_div;           // per window: first differing token (1-based), -1
   std::vector<double> div_gap;              // full-KV top-2 log-prob gap there, -1 if none
@@ -146,8 +159,14 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
       double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) * mc.n_layers * mc.n_kv_heads;
   // Tokens the budget buys in c.enc; shrunk while the kept bytes (which round per block) exceed
   // the budget.
-  double tokens = std::min(1.0, c.budget * double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) /
-                                    double(kvstore::kv_encoded_bytes(c.enc, N, mc.head_dim)));
+  // Tokens the budget buys in one encoding (a fraction of the prompt per head).
+  auto buys = [&](kvstore::KvEncoding e, double share) {
+    return share * c.budget * double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) /
+           double(kvstore::kv_encoded_bytes(e, N, mc.head_dim));
+  };
+  // Two tiers: the high tier's fraction, the rest of the bytes buying low-tier tokens.
+  const double high = c.low ? buys(c.enc, c.high_share) : 0;
+  double tokens = std::min(1.0, c.low ? high + buys(*c.low, 1 - c.high_share) : buys(c.enc, 1));
   kvstore::RetentionPolicy pol;
   kvstore::Retention ret;
   for (int tries = 0;; ++tries) {
@@ -157,9 +176,16 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     } else if (c.kind != kvstore::RetentionKind::kFull) {
       SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, tokens, mc.n_layers, N));
       pol.span = c.span;
+      if (c.low) {
+        if (!kvstore::retention_uses_span(c.kind))
+          return SF_ERR(kInvalidArgument, std::string("--kv-dtype with two tiers needs a scored "
+                                                      "policy (snapkv, adakv, pyramid), not ") +
+                                              kvstore::retention_kind_name(c.kind));
+        pol.high = std::clamp<int64_t>(std::llround(high * double(N)), pol.window, pol.budget - 1);
+      }
     }
     SF_ASSIGN(ret, kvstore::retention_apply(pol, mc.n_layers, mc.n_kv_heads, N, &imp));
-    const double bytes = double(kvstore::kv_bytes(ret, mc.head_dim, c.enc));
+    const double bytes = double(kvstore::kv_bytes(ret, mc.head_dim, c.enc, c.low));
     if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full) break;
     if (tries == 4) {
       std::fprintf(stderr, "warning: %s at budget %.3f in %s keeps %.4f of the bytes\n",
@@ -171,10 +197,16 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
   }
   SF_ASSIGN(decode::DecodeAttnParams ap, decode::decode_attn_parse(c.decode_spec));
   ap.measure_mass = measure_mass;
-  SF_ASSIGN(decode::PagedKvCache cache, decode::PagedKvCache::from_prefill(pr.kv, ret, c.enc));
+  SF_ASSIGN(decode::PagedKvCache cache,
+            decode::PagedKvCache::from_prefill(pr.kv, ret, c.enc, c.low));
   if (me) {
     me->params = ret.params;
-    me->kv_bytes.push_back(kvstore::kv_bytes(ret, mc.head_dim, c.enc));
+    me->kv_bytes.push_back(kvstore::kv_bytes(ret, mc.head_dim, c.enc, c.low));
+    if (ret.has_low()) {
+      int64_t n_low = 0;
+      for (const auto& lo : ret.low) n_low += int64_t(lo.size());
+      me->low_frac.push_back(double(n_low) / (double(N) * mc.n_layers * mc.n_kv_heads));
+    }
     me->kv_bytes_full = int64_t(full);
     me->kept_frac.push_back(double(ret.kept_total()) / (double(N) * mc.n_layers * mc.n_kv_heads));
     if (c.kind == kvstore::RetentionKind::kMoA) me->moa = pol;
@@ -222,11 +254,26 @@ int cmd_retention_eval(int argc, char** argv) {
   }
   // --kv-dtype ENC,...: every configuration once per encoding of the kept K/V; --kv-ref-dtype:
   // the encoding of the full cache that budgets and kv_bytes_full are measured against.
-  std::vector<kvstore::KvEncoding> encs;
+  // HIGH+LOW[:SHARE]: two tiers, the high one taking SHARE (default 0.5) of the bytes.
+  struct EncChoice {
+    kvstore::KvEncodings e;
+    double share = 0.5;
+  };
+  std::vector<EncChoice> encs;
   for (const auto& s : split(a.get("kv-dtype", "f32"))) {
-    auto e = kvstore::kv_encoding_parse(s);
+    const size_t colon = s.find(':');
+    auto e = kvstore::kv_encodings_parse(s.substr(0, colon));
     if (!e.is_ok()) return fail(e.status());
-    encs.push_back(e.value());
+    EncChoice ch{e.value()};
+    if (colon != std::string::npos) {
+      char* end = nullptr;
+      const std::string v = s.substr(colon + 1);
+      ch.share = std::strtod(v.c_str(), &end);
+      if (!ch.e.low || v.empty() || *end != '\0' || !(ch.share > 0 && ch.share < 1))
+        return fail(SF_ERR(kOutOfRange, "--kv-dtype '" + s +
+                                            "': SHARE is for two tiers (HIGH+LOW:SHARE), in (0, 1)"));
+    }
+    encs.push_back(ch);
   }
   auto ref_r = kvstore::kv_encoding_parse(a.get("kv-ref-dtype", "f32"));
   if (!ref_r.is_ok()) return fail(ref_r.status());
@@ -293,23 +340,30 @@ int cmd_retention_eval(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
 
   std::vector<Config> configs;
-  for (auto enc : encs)
+  for (const EncChoice& ec : encs)
     for (auto k : kinds)
       for (const auto& d : decodes) {
+        const auto enc = ec.e.high;
+        if (ec.e.low && !kvstore::retention_uses_span(k))
+          return fail(SF_ERR(kInvalidArgument,
+                             "--kv-dtype " + kvstore::kv_encodings_name(ec.e) +
+                                 ": two tiers need a scored policy (snapkv, adakv, pyramid), not " +
+                                 kvstore::retention_kind_name(k)));
         if (k == kvstore::RetentionKind::kFull)
           configs.push_back({k, 1.0, d, nullptr, 1, enc});
         else
           for (double b : budgets) {
             for (int sp : kvstore::retention_uses_span(k) ? spans : std::vector<int>{1})
-              configs.push_back({k, b, d, &moa, sp, enc});
+              configs.push_back({k, b, d, &moa, sp, enc, ec.e.low, ec.share});
           }
       }
   if (std::find(kinds.begin(), kinds.end(), kvstore::RetentionKind::kFull) == kinds.end() &&
       !psa_specs.empty())
     kinds.push_back(kvstore::RetentionKind::kFull);
-  for (auto enc : encs)
-    for (const auto& d : psa_specs)
-      configs.push_back({kvstore::RetentionKind::kFull, 1.0, d, nullptr, 1, enc});
+  for (const EncChoice& ec : encs)
+    if (!ec.e.low)
+      for (const auto& d : psa_specs)
+        configs.push_back({kvstore::RetentionKind::kFull, 1.0, d, nullptr, 1, ec.e.high});
   std::vector<Measure> res(configs.size());
 
   // 1) The document: for each window (a prompt of `length` tokens starting at its offset),
@@ -409,9 +463,9 @@ int cmd_retention_eval(int argc, char** argv) {
       me.kl.push_back(kl / double(T));
       std::printf(
           "%-10s %-5.2f %-15s span %-3d %-4s kv %.3f (tokens %.3f)  greedy_match %.3f (forced "
-          "%.3f)  kl %.4f  blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
+          "%.3f)  kl %.5f  blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
           kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(), c.span,
-          kvstore::kv_encoding_name(c.enc), double(me.kv_bytes.back()) / double(me.kv_bytes_full),
+          enc_name(c).c_str(), double(me.kv_bytes.back()) / double(me.kv_bytes_full),
           me.kept_frac.back(), me.greedy.back(), me.forced.back(), me.kl.back(),
           st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
           st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
@@ -458,7 +512,7 @@ int cmd_retention_eval(int argc, char** argv) {
           std::printf("  %-10s %-5.2f %-15s span %-3d %-4s %s (\"%s\")\n",
                       kvstore::retention_kind_name(configs[ci].kind), configs[ci].budget,
                       configs[ci].decode_spec.c_str(), configs[ci].span,
-                      kvstore::kv_encoding_name(configs[ci].enc), h.value() ? "found" : "missed",
+                      enc_name(configs[ci]).c_str(), h.value() ? "found" : "missed",
                       said.c_str());
         }
         std::fflush(stdout);
@@ -500,6 +554,10 @@ int cmd_retention_eval(int argc, char** argv) {
          "largest over the windows (kv_bytes_per_window keeps each); kv_bytes_full: every "
          "token in kv_ref_dtype"},
         {"kv_kept_frac", "kept tokens / all (layer, KV head, token), mean over the windows"},
+        {"kv_dtype_low",
+         "two tiers only: the low tier's encoding; kv_high_share: the share of the budget's "
+         "bytes the high tier (the policy's top tokens, kv_dtype) was given; kv_low_frac: "
+         "low-tier tokens / all (layer, KV head, token)"},
         {"windows", "start offsets of the prompts (each prompt_tokens long) in the document"},
         {"greedy_match_64",
          "fraction of the next N greedy tokens (free-running) equal position by position to the "
@@ -555,6 +613,11 @@ int cmd_retention_eval(int argc, char** argv) {
       r["kv_bytes_per_window"] = json::value_from(me.kv_bytes);
       r["kv_bytes_full"] = me.kv_bytes_full;
       r["kv_dtype"] = kvstore::kv_encoding_name(configs[ci].enc);
+      if (configs[ci].low) {
+        r["kv_dtype_low"] = kvstore::kv_encoding_name(*configs[ci].low);
+        r["kv_high_share"] = configs[ci].high_share;
+        r["kv_low_frac"] = mean(me.low_frac);
+      }
       r["kv_ref_dtype"] = kvstore::kv_encoding_name(ref_enc);
       r["kv_kept_frac"] = mean(me.kept_frac);
       r["greedy_match_64"] = mean(me.greedy);

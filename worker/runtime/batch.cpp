@@ -78,7 +78,7 @@ Result<BatchRequest> parse_line(std::string_view line) {
   }
   if (const json::value* e = o.if_contains("kv_dtype")) {
     if (!e->is_string()) return SF_ERR(kInvalidArgument, "field 'kv_dtype' must be a string");
-    auto enc = kvstore::kv_encoding_parse(std::string(e->as_string()));
+    auto enc = kvstore::kv_encodings_parse(std::string(e->as_string()));
     if (!enc.is_ok())
       return SF_ERR(kInvalidArgument, "field 'kv_dtype': " + enc.status().message());
     r.kv_dtype = enc.value();

@@ -5,7 +5,8 @@
 //   {"id": "doc-17", "prompt": "text ..."}      or      {"id": "doc-17", "tokens": [1, 2, 3]}
 // with an optional "retention": "POLICY" (kvstore::retention_parse's syntax, e.g.
 // "snapkv:budget=1024,span=4") that overrides the worker's --retention for that request, and an
-// optional "kv_dtype": "f32" | "bf16" | "int8" | "int4" that overrides its --kv-dtype.
+// optional "kv_dtype": "f32" | "bf16" | "int8" | "int4" (or two tiers, "int8+int4", with a
+// retention's high=TOKENS) that overrides its --kv-dtype.
 // id: 1-128 characters of [A-Za-z0-9._-], not starting with '.', unique in the file (it names
 // the output directory). Exactly one of prompt (non-empty string) / tokens (non-empty array of
 // integers). Blank lines are ignored. Every other line is a bad line: it is reported with its
@@ -33,7 +34,7 @@ struct BatchRequest {
   std::vector<int32_t> tokens;  // when given as ids
   bool has_tokens = false;
   std::optional<kvstore::RetentionPolicy> retention;  // the line's own, when it names one
-  std::optional<kvstore::KvEncoding> kv_dtype;        // likewise
+  std::optional<kvstore::KvEncodings> kv_dtype;       // likewise
 };
 
 struct BadLine {

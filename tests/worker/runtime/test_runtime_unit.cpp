@@ -162,7 +162,8 @@ TEST(Batch, KvDtypeField) {
   const auto f = runtime::parse_batch(text);
   ASSERT_EQ(f.requests.size(), 2u);
   ASSERT_TRUE(f.requests[0].kv_dtype.has_value());
-  EXPECT_EQ(*f.requests[0].kv_dtype, kvstore::KvEncoding::kInt8);
+  EXPECT_EQ(f.requests[0].kv_dtype->high, kvstore::KvEncoding::kInt8);
+  EXPECT_FALSE(f.requests[0].kv_dtype->low.has_value());
   EXPECT_FALSE(f.requests[1].kv_dtype.has_value());
   ASSERT_EQ(f.bad.size(), 2u);
   EXPECT_NE(f.bad[0].reason.find("field 'kv_dtype' must be a string"), std::string::npos);
