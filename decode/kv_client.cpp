@@ -130,7 +130,7 @@ void append_codes(const kvstore::EncodedRows& src, bool keys, int64_t r0, int64_
 
 // A head's two tiers as one list in position order. The files' blocks are per tier, so the
 // merged blocks' key min / max / mean come from the decoded keys; importance is not carried.
-HeadKv merge_tiers(const HeadKv& a, const HeadKv& b, int64_t hd, int64_t bs) {
+HeadKv merge_tiers(const HeadKv& a, const HeadKv& b, int64_t hd) {
   HeadKv m;
   const size_t n = a.positions.size() + b.positions.size();
   m.positions.reserve(n);
@@ -145,26 +145,12 @@ HeadKv merge_tiers(const HeadKv& a, const HeadKv& b, int64_t hd, int64_t bs) {
     m.k.insert(m.k.end(), s.k.begin() + int64_t(r) * hd, s.k.begin() + int64_t(r + 1) * hd);
     m.v.insert(m.v.end(), s.v.begin() + int64_t(r) * hd, s.v.begin() + int64_t(r + 1) * hd);
   }
-  const int64_t nb = (int64_t(n) + bs - 1) / bs;
+  const int64_t nb = (int64_t(n) + kvstore::kKvBlockSize - 1) / kvstore::kKvBlockSize;
   m.block_kmin.assign(size_t(nb * hd), 0.f);
   m.block_kmax.assign(size_t(nb * hd), 0.f);
   m.block_kmean.assign(size_t(nb * hd), 0.f);
-  for (int64_t blk = 0; blk < nb; ++blk) {
-    const int64_t r0 = blk * bs, r1 = std::min<int64_t>(int64_t(n), r0 + bs);
-    for (int64_t c = 0; c < hd; ++c) {
-      float lo = m.k[size_t(r0 * hd + c)], hi = lo;
-      double sum = 0;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float x = m.k[size_t(r * hd + c)];
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
-        sum += x;
-      }
-      m.block_kmin[size_t(blk * hd + c)] = lo;
-      m.block_kmax[size_t(blk * hd + c)] = hi;
-      m.block_kmean[size_t(blk * hd + c)] = float(sum / double(r1 - r0));
-    }
-  }
+  kvstore::block_key_stats(m.k.data(), int64_t(n), int(hd), m.block_kmin.data(),
+                           m.block_kmax.data(), m.block_kmean.data());
   return m;
 }
 
@@ -563,7 +549,7 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       if (n_tiers == 2) H.kq = H.vq = kvstore::EncodedRows{};  // tiers differ in encoding
      }
       HeadKv& H = out.heads[size_t(layer * nh + hh)];
-      H = n_tiers == 2 ? merge_tiers(tiers[0], tiers[1], hd, bs) : std::move(tiers[0]);
+      H = n_tiers == 2 ? merge_tiers(tiers[0], tiers[1], hd) : std::move(tiers[0]);
       // The positions must be exactly the manifest's declared retention (their count is, by the
       // tensor shapes; this walk is bounded by it).
       size_t i = 0;

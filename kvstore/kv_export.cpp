@@ -51,22 +51,10 @@ HeadMeta block_meta(const float* keys, int64_t n, int d, const float* imp_row, c
   m.kmin.resize(size_t(nb * d));
   m.kmax.resize(size_t(nb * d));
   m.kmean.resize(size_t(nb * d));
+  block_key_stats(keys, n, d, m.kmin.data(), m.kmax.data(), m.kmean.data());
   if (imp_row) m.importance.assign(size_t(nb), 0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t t0 = b * kKvBlockSize, t1 = std::min(n, t0 + kKvBlockSize);
-    for (int c = 0; c < d; ++c) {
-      float lo = keys[t0 * d + c], hi = lo;
-      double sum = 0;
-      for (int64_t t = t0; t < t1; ++t) {
-        const float x = keys[t * d + c];
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
-        sum += x;
-      }
-      m.kmin[size_t(b * d + c)] = lo;
-      m.kmax[size_t(b * d + c)] = hi;
-      m.kmean[size_t(b * d + c)] = float(sum / double(t1 - t0));
-    }
     if (imp_row) {
       double s = 0;
       for (int64_t t = t0; t < t1; ++t) s += imp_row[pos[size_t(t)]];

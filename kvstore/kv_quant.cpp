@@ -220,4 +220,23 @@ Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_d
   return kv_decode(e, keys, enc, n, head_dim, rows);
 }
 
+void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* kmax, float* kmean) {
+  for (int64_t b = 0; b * kKvQuantKeyRows < n; ++b) {
+    const int64_t t0 = b * kKvQuantKeyRows, t1 = std::min(n, t0 + kKvQuantKeyRows);
+    for (int c = 0; c < d; ++c) {
+      float lo = keys[t0 * d + c], hi = lo;
+      double sum = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float x = keys[t * d + c];
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+        sum += x;
+      }
+      kmin[b * d + c] = lo;
+      kmax[b * d + c] = hi;
+      kmean[b * d + c] = float(sum / double(t1 - t0));
+    }
+  }
+}
+
 }  // namespace sf::kvstore

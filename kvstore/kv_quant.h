@@ -55,6 +55,11 @@ constexpr int kKvQuantKeyRows = 64;
 int64_t kv_param_groups(KvEncoding e, bool keys, int64_t n, int head_dim);
 std::vector<int64_t> kv_param_shape(bool keys, int64_t heads, int64_t n, int head_dim);
 
+// Per-channel key min, max and mean of each block of kKvQuantKeyRows rows of keys [n, d] (the
+// last block may be short), into [n_blocks, d] each: an export's block metadata
+// (kvstore/kv_export.h), also what a reader recomputes for blocks it merges.
+void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* kmax, float* kmean);
+
 // Stored bytes of one head's n kept tokens, keys and values together, with the scales and
 // zeros of the integer encodings (blocks of kKvQuantKeyRows rows for keys, one group per row for
 // values). This is what the retention evaluation counts as kv_bytes.

@@ -54,6 +54,14 @@ class KvClient : public ::testing::Test {
     fs::copy(src, d, fs::copy_options::recursive);
     return d;
   }
+  // load_kv_export(dir, expected_hash) fails with `code` and a message containing `needle`.
+  static void expect_load_err(const std::string& dir, const std::string& expected_hash, Code code,
+                              const std::string& needle) {
+    auto r = decode::load_kv_export(dir, expected_hash);
+    ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
+    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
+  }
   static boost::json::value read_manifest(const std::string& dir) {
     std::ifstream f(dir + "/manifest.json");
     std::stringstream ss;
@@ -401,10 +409,7 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
   const std::string good = export_to("tiers-good", &ret.value(), E::kInt8, E::kInt4);
   ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
   auto expect_err = [&](const std::string& dir, Code code, const std::string& needle) {
-    auto r = decode::load_kv_export(dir, hash_);
-    ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
-    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
-    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
+    expect_load_err(dir, hash_, code, needle);
   };
   // A low tier in a format 4 manifest.
   {
@@ -465,13 +470,7 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
 TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
   const std::string good = export_to("good", nullptr);
   ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
-  auto expect_err = [&](const std::string& dir, const std::string& expected_hash, Code code,
-                        const std::string& needle) {
-    auto r = decode::load_kv_export(dir, expected_hash);
-    ASSERT_FALSE(r.is_ok()) << "loaded " << dir;
-    EXPECT_EQ(r.status().code(), code) << r.status().to_string();
-    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
-  };
+  const auto& expect_err = expect_load_err;
   // Wrong format version.
   {
     const std::string d = copy_of(good, "v1");
