@@ -265,10 +265,12 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
       if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
       const std::string lh = "layer " + std::to_string(l) + " head " + std::to_string(hh);
       // {"n": N, "ranges": [[begin, end), ...]}: ascending, disjoint, summing to n.
+      // A head keeps at least one token; its low tier may be empty.
       auto read_ranges = [&](const json::object& o, const std::string& what,
                              std::vector<std::pair<int64_t, int64_t>>* rr) -> Result<int64_t> {
         SF_ASSIGN(int64_t n, get_int(o, "n", what));
-        if (n <= 0 || n > out.n_tokens) return corrupt("retention", what + " count out of range");
+        if (n < (what == "low" ? 0 : 1) || n > out.n_tokens)
+          return corrupt("retention", what + " count out of range");
         SF_ASSIGN(const json::array* ranges, get_arr(o, "ranges", what));
         int64_t sum = 0, prev_end = 0;
         for (const auto& rv : *ranges) {
@@ -365,11 +367,14 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     if (h0 < 0 || h1 > nh || h0 >= h1) return corrupt(where, "kv_heads out of range");
     S.kv_head0 = int(h0);
     S.kv_head1 = int(h1);
-    if (sh.contains("tier")) {
+    // Every shard of a two-tier export names its tier; a one-tier export's name none.
+    if (sh.contains("tier") != enc_low.has_value())
+      return corrupt(where, enc_low ? "names no tier in a two-tier export"
+                                    : "names a tier, but kv_dtype_low is missing");
+    if (enc_low) {
       SF_ASSIGN(std::string tier, get_str(sh, "tier", where));
       if (tier != "high" && tier != "low") return corrupt(where, "tier '" + tier + "' is not high or low");
       S.low = tier == "low";
-      if (S.low && !enc_low) return corrupt(where, "is a low tier's, but kv_dtype_low is missing");
     }
     const int t = S.low ? 1 : 0;
     SF_ASSIGN(const json::array* toks, get_arr(sh, "tokens", where));

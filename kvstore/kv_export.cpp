@@ -113,10 +113,14 @@ Status check_retention(const KvExportSpec& spec, const Retention& r) {
   return Status::ok();
 }
 
-// The positions of (layer, head) in one tier: every kept one without a low tier.
-std::vector<int32_t> tier_positions(const Retention& r, int l, int h, bool low) {
+// The positions of (layer, head) in one tier: every kept one without a low tier (no copy);
+// the high tier of two is built in *scratch.
+const std::vector<int32_t>& tier_positions(const Retention& r, int l, int h, bool low,
+                                           std::vector<int32_t>* scratch) {
   if (!r.has_low()) return r.positions(l, h);
-  return low ? r.low[size_t(l) * size_t(r.n_kv_heads) + size_t(h)] : r.high_positions(l, h);
+  if (low) return r.low[size_t(l) * size_t(r.n_kv_heads) + size_t(h)];
+  *scratch = r.high_positions(l, h);
+  return *scratch;
 }
 
 }  // namespace
@@ -241,6 +245,10 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
                                                   const KvShardPart& part, const LayerSource& src,
                                                   bool validate) {
   if (validate) SF_TRY(check_spec(spec));
+  // Cheap even unvalidated: the tiers below read the low encoding exactly when there is one.
+  if ((spec.retention && spec.retention->has_low()) != spec.encoding_low.has_value())
+    return SF_ERR(kInvalidArgument, "export_kv: a retention's low tier and the export's low "
+                                    "encoding must come together");
   const int64_t S = spec.n_tokens;
   const int hp = part.n_kv_heads, h0 = part.kv_head0, d = spec.head_dim;
   if (h0 < 0 || hp <= 0 || h0 + hp > spec.n_kv_heads)
@@ -273,9 +281,10 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
     std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
     std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
+    std::vector<int32_t> scratch;
     for (int h = 0; h < hp; ++h)
-      intersect(ret ? tier_positions(*ret, l, h0 + h, low) : all_pos, part.tokens, &pos[size_t(h)],
-                &rows[size_t(h)]);
+      intersect(ret ? tier_positions(*ret, l, h0 + h, low, &scratch) : all_pos, part.tokens,
+                &pos[size_t(h)], &rows[size_t(h)]);
     bool uniform = true;
     for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
     // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
@@ -426,12 +435,13 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
         fs::file_size(fp, ec) != o.at("bytes").to_number<uint64_t>())
       return SF_ERR(kNotFound, "export_kv: shard '" + file + "' is not in '" + tmp + "' with " +
                                    std::to_string(o.at("bytes").to_number<uint64_t>()) + " bytes");
+    std::vector<int32_t> scratch;
     const auto* tier_v = o.if_contains("tier");
     const bool low = tier_v && tier_v->is_string() && tier_v->as_string() == "low";
     if (low && n_tiers == 1)
       return SF_ERR(kInvalidArgument, "export_kv: shard '" + file + "' is a low tier's, but the retention has none");
     for (int64_t h = a; h < b; ++h) {
-      const auto kept = ret ? tier_positions(*ret, int(l), int(h), low) : all_pos;
+      const auto& kept = ret ? tier_positions(*ret, int(l), int(h), low, &scratch) : all_pos;
       for (const auto& r : runs)
         cover[size_t(low)][size_t(l * hkv + h)].push_back({r[0], r[1], count_in(kept, {r})});
     }
@@ -509,9 +519,12 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
       "U8 codes (int4: two a byte, even channel low, last dim head_dim/2), x = zero + code * scale "
       "with "
       "F16 key_scale/key_zero [1, heads, n_blocks, head_dim] (per channel per 64 kept tokens) and "
-      "value_scale/value_zero [1, heads, n_kept] (per token). With kv_dtype_low (format 5) each "
-      "layer's low tier (retention heads' low ranges) is in its own shards (tier \"low\", "
-      "files *.low.safetensors) in that encoding, the other kept tokens in kv_dtype";
+      "value_scale/value_zero [1, heads, n_kept] (per token)";
+  if (n_tiers == 2)
+    man["layout"] = std::string(man["layout"].as_string()) +
+                    ". Each layer's low tier (retention heads' low ranges) is in its own shards "
+                    "(tier \"low\", files *.low.safetensors) in kv_dtype_low, the other kept "
+                    "tokens in kv_dtype";
   man["block_size"] = kKvBlockSize;
   man["n_tokens"] = S;
   boost::json::array ids;

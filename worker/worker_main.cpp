@@ -50,7 +50,8 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
-    "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype f32|bf16|int8|int4]\n";
+    "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
+    "f32|bf16|int8|int4|HIGH+LOW]\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -440,6 +441,21 @@ int run(int argc, char** argv) {
           !st.is_ok()) {
         bf.bad.push_back({r.line, std::string(r.retention ? "field 'retention'" : "--retention") +
                                       ": " + st.message()});
+        ok = false;
+      }
+    }
+    // Two tiers: a retention's high= and a HIGH+LOW encoding come together, and only into a
+    // gathered export (a sharded one cuts the kept tokens on one tier's blocks).
+    if (ok) {
+      const bool high = (r.retention ? *r.retention : o.retention).high > 0;
+      const bool two = (r.kv_dtype ? *r.kv_dtype : o.kv_dtype).low.has_value();
+      const char* why = high != two ? (high ? "a retention with high= needs a two-tier kv_dtype (HIGH+LOW)"
+                                            : "a two-tier kv_dtype (HIGH+LOW) needs a retention with high=")
+                        : two && o.export_mode == "sharded"
+                            ? "two-tier exports are not implemented for --export sharded; use --export gathered"
+                            : nullptr;
+      if (why) {
+        bf.bad.push_back({r.line, why});
         ok = false;
       }
     }

@@ -206,6 +206,13 @@ case "$case_name" in
     [ "$rc" -ne 0 ] || fail "two tiers, sharded: exit 0"
     grep -q "are not implemented for --export sharded" "$tmp/stderr" || fail "two tiers, sharded: message"
     [ ! -e "$tmp/tier_cp2s/doc/manifest.json" ] || fail "two tiers, sharded: an export was written"
+    grep -q "one.jsonl:1: two-tier exports are not implemented for --export sharded" "$tmp/stderr" \
+      || fail "two tiers, sharded: not refused before the prefill"
+    # high= without a two-tier encoding (and the reverse) is a bad line, caught before the prefill.
+    run 1 --model default --export gathered --retention adakv:budget=256,high=96 --batch "$tmp/one.jsonl" --out "$tmp/tier_mis"
+    [ "$rc" -eq 3 ] || fail "high= without HIGH+LOW: exit $rc, want 3"
+    grep -q "one.jsonl:1: a retention with high= needs a two-tier kv_dtype (HIGH+LOW)" "$tmp/stderr" \
+      || fail "high= without HIGH+LOW: message"
     # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head. CP 4 with 100 kept
     # tokens a head: chunks of ~66 tokens keep fewer than a block each, so runs are empty and a
     # block gathers rows from several chunks (and ranks).

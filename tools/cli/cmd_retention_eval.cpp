@@ -164,7 +164,8 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     return share * c.budget * double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) /
            double(kvstore::kv_encoded_bytes(e, N, mc.head_dim));
   };
-  // Two tiers: the high tier's fraction, the rest of the bytes buying low-tier tokens.
+  // Two tiers: the high tier's fraction, the rest of the bytes buying low-tier tokens (the shrink
+  // below trims only the low tier, so the high one keeps SHARE of the budget's bytes).
   const double high = c.low ? buys(c.enc, c.high_share) : 0;
   double tokens = std::min(1.0, c.low ? high + buys(*c.low, 1 - c.high_share) : buys(c.enc, 1));
   kvstore::RetentionPolicy pol;
@@ -181,6 +182,9 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
           return SF_ERR(kInvalidArgument, std::string("--kv-dtype with two tiers needs a scored "
                                                       "policy (snapkv, adakv, pyramid), not ") +
                                               kvstore::retention_kind_name(c.kind));
+        if (pol.budget <= pol.window)
+          return SF_ERR(kOutOfRange, "two tiers at budget " + std::to_string(c.budget) +
+                                         ": the budget buys no tokens beyond the window");
         pol.high = std::clamp<int64_t>(std::llround(high * double(N)), pol.window, pol.budget - 1);
       }
     }
@@ -189,7 +193,7 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full) break;
     if (tries == 4) {
       std::fprintf(stderr, "warning: %s at budget %.3f in %s keeps %.4f of the bytes\n",
-                   kvstore::retention_kind_name(c.kind), c.budget, kvstore::kv_encoding_name(c.enc),
+                   kvstore::retention_kind_name(c.kind), c.budget, enc_name(c).c_str(),
                    bytes / full);
       break;
     }

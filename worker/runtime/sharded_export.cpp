@@ -172,12 +172,10 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
   // A head's kept tokens are cut on block boundaries of the whole kept list (per zigzag chunk,
   // so even on one rank); each tier would need its own cut. Every rank sees the same spec, so
   // every rank refuses here, before any collective.
-  if (spec.encoding_low)
+  if (spec.encoding_low || (spec.retention && spec.retention->has_low()))
     return SF_ERR(kUnsupported,
-                  "sharded export: two-tier encodings (" +
-                      kvstore::kv_encodings_name({spec.encoding, spec.encoding_low}) +
-                      ") are not implemented for --export sharded (each tier would need its own "
-                      "block-aligned cut); use --export gathered");
+                  "sharded export: two-tier exports are not implemented for --export sharded (each "
+                  "tier would need its own block-aligned cut); use --export gathered");
   comm::Communicator& c = *g.group_comm;
   auto bcast_str = [&](std::string* str) -> Status {
     int64_t n = int64_t(str->size());
