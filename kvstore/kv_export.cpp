@@ -275,6 +275,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   const int n_tiers = ret && ret->has_low() ? 2 : 1;
   for (int l = std::max(part.layer, 0); l < l_end; ++l)
    for (int tier = 0; tier < n_tiers; ++tier) {
+    if (part.tier >= 0 && tier != part.tier) continue;
     const bool low = tier == 1;
     const float* k = src(l, false);
     const float* v = src(l, true);

@@ -83,6 +83,8 @@ struct KvShardPart {
   int rank = 0;          // who wrote it (recorded)
   std::string file_tag;  // file names: layer_LLL<file_tag>.safetensors
   int layer = -1;        // every layer (-1), or only this one (parts that differ per layer)
+  // Two-tier exports: every tier (-1), or only the high (0) or low (1) one (parts cut per tier).
+  int tier = -1;
 };
 // The whole cache as one part (what export_kv writes).
 KvShardPart whole_part(const KvExportSpec& spec);

@@ -444,18 +444,13 @@ int run(int argc, char** argv) {
         ok = false;
       }
     }
-    // Two tiers: a retention's high= and a HIGH+LOW encoding come together, and only into a
-    // gathered export (a sharded one cuts the kept tokens on one tier's blocks).
+    // Two tiers: a retention's high= and a HIGH+LOW encoding come together.
     if (ok) {
       const bool high = (r.retention ? *r.retention : o.retention).high > 0;
       const bool two = (r.kv_dtype ? *r.kv_dtype : o.kv_dtype).low.has_value();
-      const char* why = high != two ? (high ? "a retention with high= needs a two-tier kv_dtype (HIGH+LOW)"
-                                            : "a two-tier kv_dtype (HIGH+LOW) needs a retention with high=")
-                        : two && o.export_mode == "sharded"
-                            ? "two-tier exports are not implemented for --export sharded; use --export gathered"
-                            : nullptr;
-      if (why) {
-        bf.bad.push_back({r.line, why});
+      if (high != two) {
+        bf.bad.push_back({r.line, high ? "a retention with high= needs a two-tier kv_dtype (HIGH+LOW)"
+                                       : "a two-tier kv_dtype (HIGH+LOW) needs a retention with high="});
         ok = false;
       }
     }

@@ -186,28 +186,26 @@ case "$case_name" in
         "$tmp/out_sharded/$id/manifest.json" "$tmp/out_gathered/$id/manifest.json" || fail "$id: kept positions differ"
     done
     # Two tiers (format 5): adakv's top 96 tokens a head in int8, the rest of its 256 in int4,
-    # each tier in its own shards, written by the leader (--export gathered) on one rank or CP 2;
-    # a sharded export is refused for the request (each tier would need its own block-aligned
-    # cut), on every rank before any collective.
+    # each tier in its own shards. On one rank and sharded over CP 2 (each tier cut on its own
+    # blocks, rows moving between ranks per tier) the export decodes as the gathered one.
     head -1 "$tmp/ret.jsonl" >"$tmp/one.jsonl"
-    for grid in "1 --export gathered" "2 --cp 2 --export gathered"; do
+    for grid in "1 --export sharded" "2 --cp 2 --export sharded" "2 --cp 2 --export gathered"; do
       set -- $grid
       np="$1"; shift
-      run "$np" --model default "$@" --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_np$np"
+      tag="np${np}_${*: -1}"
+      run "$np" --model default "$@" --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_$tag"
       [ "$rc" -eq 0 ] || fail "two tiers ($grid): exit $rc"
-      m="$tmp/tier_np$np/doc/manifest.json"
+      m="$tmp/tier_$tag/doc/manifest.json"
       grep -q '"format_version":5' "$m" && grep -q '"kv_dtype_low":"int4"' "$m" || fail "two tiers ($grid): manifest"
-      ls "$tmp/tier_np$np/doc" | grep -q '^layer_029.*\.low\.safetensors$' || fail "two tiers ($grid): no low-tier shard"
-      grep -q '"kv_dtype": "int8+int4"' "$tmp/tier_np$np/doc.json" || fail "two tiers ($grid): summary"
-      "$decoder" --model default --kv "$tmp/tier_np$np/doc" --tokens 12 >"$tmp/dec_tier$np" 2>&1 || { cat "$tmp/dec_tier$np"; fail "decode of two tiers ($grid)"; }
-      grep -q "K/V stored as int8+int4" "$tmp/dec_tier$np" || fail "two tiers ($grid): decode does not say int8+int4"
+      ls "$tmp/tier_$tag/doc" | grep -q '^layer_029.*\.low\.safetensors$' || fail "two tiers ($grid): no low-tier shard"
+      grep -q '"kv_dtype": "int8+int4"' "$tmp/tier_$tag/doc.json" || fail "two tiers ($grid): summary"
+      "$decoder" --model default --kv "$tmp/tier_$tag/doc" --tokens 12 >"$tmp/dec_tier_$tag" 2>&1 || { cat "$tmp/dec_tier_$tag"; fail "decode of two tiers ($grid)"; }
+      grep -q "K/V stored as int8+int4" "$tmp/dec_tier_$tag" || fail "two tiers ($grid): decode does not say int8+int4"
+      grep '^tokens:' "$tmp/dec_tier_$tag" >"$tmp/tok_tier_$tag"
     done
-    run 2 --model default --cp 2 --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_cp2s"
-    [ "$rc" -ne 0 ] || fail "two tiers, sharded: exit 0"
-    grep -q "are not implemented for --export sharded" "$tmp/stderr" || fail "two tiers, sharded: message"
-    [ ! -e "$tmp/tier_cp2s/doc/manifest.json" ] || fail "two tiers, sharded: an export was written"
-    grep -q "one.jsonl:1: two-tier exports are not implemented for --export sharded" "$tmp/stderr" \
-      || fail "two tiers, sharded: not refused before the prefill"
+    ls "$tmp/tier_np2_sharded/doc" | grep -q '^layer_029\.r1\.h[0-9]\.low\.safetensors$' || fail "two tiers: rank 1 wrote no low-tier part"
+    [ -s "$tmp/tok_tier_np2_sharded" ] && cmp -s "$tmp/tok_tier_np2_sharded" "$tmp/tok_tier_np2_gathered" \
+      || fail "two tiers: sharded and gathered exports decode differently"
     # high= without a two-tier encoding (and the reverse) is a bad line, caught before the prefill.
     run 1 --model default --export gathered --retention adakv:budget=256,high=96 --batch "$tmp/one.jsonl" --out "$tmp/tier_mis"
     [ "$rc" -eq 3 ] || fail "high= without HIGH+LOW: exit $rc, want 3"
@@ -216,10 +214,13 @@ case "$case_name" in
     # TP 3 x CP 2: each TP rank cuts and moves the rows of its own KV head. CP 4 with 100 kept
     # tokens a head: chunks of ~66 tokens keep fewer than a block each, so runs are empty and a
     # block gathers rows from several chunks (and ranks).
-    for grid in "6 --tp 3 --cp 2 --retention adakv:budget=128,span=4" "4 --cp 4 --retention adakv:budget=100,span=4"; do
+    # The last grid: two tiers over CP 4, each tier's runs cut and moved on their own.
+    for grid in "6 --tp 3 --cp 2 --retention adakv:budget=128,span=4" "4 --cp 4 --retention adakv:budget=100,span=4" \
+                "4 --cp 4 --retention adakv:budget=160,high=72,span=4 --kv-dtype int8+int4"; do
       set -- $grid
       np="$1"; shift
       tag="np$np"
+      [[ "$grid" == *int8+int4* ]] && tag="np${np}t"
       for mode in sharded gathered; do
         run "$np" --model default "$@" --export "$mode" --batch "$tmp/one.jsonl" --out "$tmp/${tag}_$mode"
         [ "$rc" -eq 0 ] || fail "$grid $mode: exit $rc"

@@ -74,18 +74,35 @@ int64_t local_row(const std::array<TokenRange, 2>& ranges, int64_t p) {
                                                       : ranges[0].size() + p - ranges[1].begin;
 }
 
+// tier: -1 every kept token (one-tier exports); 0 / 1 the high / low tier of a two-tier one,
+// which is cut on its own blocks and written as its own parts.
 template <typename Add>
 Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore::KvExportSpec& spec,
-                            const model::KvCache& local, Add&& add) {
+                            const model::KvCache& local, int tier, Add&& add) {
   const int CP = g.shape.cp, me = g.cp_rank;
   const int64_t S = spec.n_tokens, d = spec.head_dim;
   const int hl = local.n_kv_heads, h0 = g.tp_rank * hl, nl = spec.n_layers;
   const auto chunks = zigzag_chunks(S, CP);
   const auto ranges = cp_rank_ranges(S, CP, me);
+  // The tier's positions per (layer, head): the retention's own lists, or the high tier built.
+  std::vector<std::vector<int32_t>> built(tier == 0 ? size_t(nl * hl) : 0);
+  std::vector<const std::vector<int32_t>*> tier_pos(size_t(nl * hl));
+  for (int l = 0; l < nl; ++l)
+    for (int h = 0; h < hl; ++h) {
+      const size_t i = size_t(l * hl + h);
+      if (tier < 0) {
+        tier_pos[i] = &spec.retention->positions(l, h0 + h);
+      } else if (tier == 1) {
+        tier_pos[i] = &spec.retention->low[size_t(l) * size_t(spec.n_kv_heads) + size_t(h0 + h)];
+      } else {
+        built[i] = spec.retention->high_positions(l, h0 + h);
+        tier_pos[i] = &built[i];
+      }
+    }
   std::vector<HeadCut> cuts(size_t(nl * hl));
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h)
-      cuts[size_t(l * hl + h)] = cut_head(spec.retention->positions(l, h0 + h), chunks, CP, S);
+      cuts[size_t(l * hl + h)] = cut_head(*tier_pos[size_t(l * hl + h)], chunks, CP, S);
   // Rows that change rank, per (layer, head, kept index) in that order on both sides: K then V.
   std::map<std::array<int64_t, 3>, std::vector<float>> moved;  // (layer, head, kept index)
   for (int step = 1; step < CP; ++step) {
@@ -94,7 +111,7 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
     std::vector<std::array<int64_t, 3>> take;
     for (int l = 0; l < nl; ++l)
       for (int h = 0; h < hl; ++h) {
-        const auto& kept = spec.retention->positions(l, h0 + h);
+        const auto& kept = *tier_pos[size_t(l * hl + h)];
         for_each_moved(cuts[size_t(l * hl + h)], CP, [&](int64_t k, int owner, int dest) {
           if (owner == me && dest == to) {
             const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
@@ -127,8 +144,9 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
       const HeadCut& hc = cuts[size_t(l * hl + h)];
-      const auto& kept = spec.retention->positions(l, h0 + h);
+      const auto& kept = *tier_pos[size_t(l * hl + h)];
       kvstore::KvShardPart part;
+      part.tier = tier;
       for (size_t r = 0; r < hc.runs.size(); ++r)
         if (hc.run_rank[r] == me) part.tokens.push_back(hc.runs[r]);
       if (part.tokens.empty()) continue;
@@ -168,14 +186,6 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
 
 Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
                       const model::KvCache& local) {
-  // Every rank sees the same spec, so every rank refuses here, before any collective.
-  // A head's kept tokens are cut on block boundaries of the whole kept list (per zigzag chunk,
-  // so even on one rank); each tier would need its own cut. Every rank sees the same spec, so
-  // every rank refuses here, before any collective.
-  if (spec.encoding_low || (spec.retention && spec.retention->has_low()))
-    return SF_ERR(kUnsupported,
-                  "sharded export: two-tier exports are not implemented for --export sharded (each "
-                  "tier would need its own block-aligned cut); use --export gathered");
   comm::Communicator& c = *g.group_comm;
   auto bcast_str = [&](std::string* str) -> Status {
     int64_t n = int64_t(str->size());
@@ -208,8 +218,13 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
     }
     for (const std::string& x : e.value()) mine += "\n" + x;
   };
-  if (spec.retention && !spec.retention->is_full()) {
-    SF_TRY(write_retained_parts(g, tmp, spec, local, add));
+  if (spec.retention && spec.retention->has_low()) {
+    // Two tiers: each cut on its own blocks (every rank loops the tiers in the same order, so
+    // their exchanges pair up).
+    SF_TRY(write_retained_parts(g, tmp, spec, local, 0, add));
+    SF_TRY(write_retained_parts(g, tmp, spec, local, 1, add));
+  } else if (spec.retention && !spec.retention->is_full()) {
+    SF_TRY(write_retained_parts(g, tmp, spec, local, -1, add));
   } else {
     kvstore::KvShardPart part;
     for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, g.shape.cp, g.cp_rank))
