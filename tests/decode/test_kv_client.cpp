@@ -755,6 +755,24 @@ TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
   EXPECT_NE(
       decode::parse_kv_manifest(bad, "0123456789abcdef").status().message().find("kv_bytes 33"),
       std::string::npos);
+  // The two-tier seed (format 5): int8 for positions 0 and 2, int4 for 1.
+  std::ifstream f5(std::string(SF_SOURCE_DIR) + "/tests/fuzz/kv_manifest_seed_v5.json");
+  std::stringstream ss5;
+  ss5 << f5.rdbuf();
+  const std::string seed5 = ss5.str();
+  auto m5 = decode::parse_kv_manifest(seed5, "0123456789abcdef");
+  ASSERT_TRUE(m5.is_ok()) << m5.status().to_string();
+  EXPECT_EQ(m5->meta.kv_dtype_low, "int4");
+  ASSERT_EQ(m5->tier_ranges.size(), 2u);
+  EXPECT_EQ(m5->tier_ranges[0][0],
+            (std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {2, 3}}));
+  EXPECT_EQ(m5->tier_ranges[1][0], (std::vector<std::pair<int64_t, int64_t>>{{1, 2}}));
+  std::string bad5 = seed5;
+  const std::string k38 = "\"kv_bytes\":38";
+  bad5.replace(bad5.find(k38), k38.size(), "\"kv_bytes\":37");
+  EXPECT_NE(
+      decode::parse_kv_manifest(bad5, "0123456789abcdef").status().message().find("kv_bytes 37"),
+      std::string::npos);
 }
 
 }  // namespace
