@@ -348,7 +348,8 @@ int cmd_prefill(int argc, char** argv) {
     Status st = kvstore::export_kv(a.get("export-kv"), spec,
                                    [&](int l, bool v) { return (v ? kv.v : kv.k)[size_t(l)].data(); }, a.has("force"));
     if (!st.is_ok()) return fail(st);
-    std::printf("kv export: %s (%d layer shards + manifest.json)\n", a.get("export-kv").c_str(), cfg.n_layers);
+    std::printf("kv export: %s (%d layer shards%s + manifest.json)\n", a.get("export-kv").c_str(),
+                cfg.n_layers * (kv_dtype.low ? 2 : 1), kv_dtype.low ? ", two tiers a layer," : "");
   }
   return 0;
 }
