@@ -8,7 +8,9 @@
 // exercises the GPU runtime's importance (from the rank that holds the prompt's end) and the
 // sharded retention export: each head keeps 256 tokens whose K/V equal the CPU full export's rows
 // at those positions (1e-2); the kept sets' overlap with the CPU worker's own retention is printed,
-// not bounded (BF16 against F32 importance may order near-ties differently).
+// not bounded (BF16 against F32 importance may order near-ties differently). A fourth line asks
+// for two tiers (snapkv high=96 in int8, the rest of 256 in int4): a format-5 export written by
+// the ranks, each tier within its encoding's error of the CPU's full export.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -85,6 +87,8 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
     }
     b << "{\"id\": \"r\", \"tokens\": [" << first
       << "], \"retention\": \"snapkv:budget=256,span=4\"}\n";
+    b << "{\"id\": \"t\", \"tokens\": [" << first
+      << "], \"retention\": \"snapkv:budget=256,high=96,span=4\", \"kv_dtype\": \"int8+int4\"}\n";
   }
   const std::string worker = SF_WORKER_BIN, mpiexec = SF_MPIEXEC;
   const std::string common = " --model " + model + " --batch " + (dir / "batch.jsonl").string();
@@ -173,6 +177,35 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
         "kept positions shared with the CPU worker's retention %.3f\n",
         grid.c_str(), num / den, double(same) / double(kept));
     EXPECT_LE(num / den, 1e-2) << grid;
+    // The two-tier line (format 5, each tier cut on its own blocks across the ranks): 96 tokens
+    // a head in int8, 160 in int4, every row within the encodings' error of the CPU's full
+    // export (int4: half a fifteenth of a group's range, a few percent of the max), and not
+    // equal to it (the rows were encoded).
+    auto t = decode::load_kv_export(out + "/t", hash);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    EXPECT_EQ(t->kv_dtype, "int8");
+    EXPECT_EQ(t->kv_dtype_low, "int4");
+    double terr = 0, tden = 0;
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < 2; ++h) {
+        const auto& a = t->head(l, h);
+        const auto& full = ca->head(l, h);
+        ASSERT_EQ(a.positions.size(), 256u) << grid << " two tiers, layer " << l << " head " << h;
+        for (size_t i = 0; i < a.positions.size(); ++i)
+          for (int64_t j = 0; j < d; ++j) {
+            const size_t gi = i * size_t(d) + size_t(j);
+            const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
+            terr = std::max({terr, double(std::fabs(a.k[gi] - full.k[fi])),
+                             double(std::fabs(a.v[gi] - full.v[fi]))});
+            tden = std::max({tden, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
+          }
+      }
+    std::printf(
+        "  worker %s t (snapkv 256, high 96, int8+int4): K/V vs CPU full max |diff| / max = "
+        "%.3g\n",
+        grid.c_str(), terr / tden);
+    EXPECT_LE(terr / tden, 0.1) << grid;
+    EXPECT_GT(terr / tden, 1e-3) << grid << ": the two tiers' rows are not encoded";
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
