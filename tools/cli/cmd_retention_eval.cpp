@@ -166,8 +166,17 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
   };
   // Two tiers: the high tier's fraction, the rest of the bytes buying low-tier tokens (the shrink
   // below trims only the low tier, so the high one keeps SHARE of the budget's bytes).
-  const double high = c.low ? buys(c.enc, c.high_share) : 0;
+  double high = c.low ? buys(c.enc, c.high_share) : 0;
   double tokens = std::min(1.0, c.low ? high + buys(*c.low, 1 - c.high_share) : buys(c.enc, 1));
+  if (c.low && high + buys(*c.low, 1 - c.high_share) > 1) {
+    // Every token fits with bytes to spare: they go to the high tier (the split whose bytes are
+    // the budget with every token kept: high x HIGH + (1 - high) x LOW = budget).
+    const double b_ref = double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)),
+                 b_hi = double(kvstore::kv_encoded_bytes(c.enc, N, mc.head_dim)),
+                 b_lo = double(kvstore::kv_encoded_bytes(*c.low, N, mc.head_dim));
+    // (A hair under: the kept counts round per head and the key groups per 64 tokens.)
+    high = std::clamp((c.budget * b_ref - b_lo) / (b_hi - b_lo) * (1 - 5e-3), high, 1.0);
+  }
   kvstore::RetentionPolicy pol;
   kvstore::Retention ret;
   for (int tries = 0;; ++tries) {
