@@ -418,36 +418,36 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   // Per (layer, head): the runs tile [0, n_tokens), and every run before the one holding the
   // head's last kept token keeps whole blocks of 64 (blocks are counted within a shard).
   for (int t = 0; t < n_tiers; ++t)
-  for (int64_t l = 0; l < nl; ++l)
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      auto& rs = runs[size_t(t)][size_t(l * nh + hh)];
-      auto& ps = mf.pieces[size_t(t)][size_t(l * nh + hh)];
-      std::vector<size_t> order(rs.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(),
-                [&](size_t x, size_t y) { return rs[x].begin < rs[y].begin; });
-      const std::string where = "layer " + std::to_string(l) + " KV head " + std::to_string(hh) +
-                                (t ? " low tier shards" : " shards");
-      int64_t next = 0;
-      std::vector<KvManifest::Piece> sorted;
-      for (size_t i : order) {
-        if (rs[i].begin != next)
-          return corrupt(where, std::string(rs[i].begin < next ? "overlap" : "leave a gap") +
-                                    " at token " + std::to_string(std::min(rs[i].begin, next)));
-        next = rs[i].end;
-        sorted.push_back(ps[i]);
+    for (int64_t l = 0; l < nl; ++l)
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        auto& rs = runs[size_t(t)][size_t(l * nh + hh)];
+        auto& ps = mf.pieces[size_t(t)][size_t(l * nh + hh)];
+        std::vector<size_t> order(rs.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::sort(order.begin(), order.end(),
+                  [&](size_t x, size_t y) { return rs[x].begin < rs[y].begin; });
+        const std::string where = "layer " + std::to_string(l) + " KV head " + std::to_string(hh) +
+                                  (t ? " low tier shards" : " shards");
+        int64_t next = 0;
+        std::vector<KvManifest::Piece> sorted;
+        for (size_t i : order) {
+          if (rs[i].begin != next)
+            return corrupt(where, std::string(rs[i].begin < next ? "overlap" : "leave a gap") +
+                                      " at token " + std::to_string(std::min(rs[i].begin, next)));
+          next = rs[i].end;
+          sorted.push_back(ps[i]);
+        }
+        if (next != out.n_tokens)
+          return corrupt(where, "cover tokens up to " + std::to_string(next) + " of " +
+                                    std::to_string(out.n_tokens));
+        int64_t last = -1;
+        for (size_t i = 0; i < sorted.size(); ++i)
+          if (sorted[i].kept > 0) last = int64_t(i);
+        for (int64_t i = 0; i < last; ++i)
+          if (sorted[size_t(i)].kept % bs != 0)
+            return corrupt(where, "split a block of 64 kept tokens between runs");
+        ps = std::move(sorted);
       }
-      if (next != out.n_tokens)
-        return corrupt(where, "cover tokens up to " + std::to_string(next) + " of " +
-                                  std::to_string(out.n_tokens));
-      int64_t last = -1;
-      for (size_t i = 0; i < sorted.size(); ++i)
-        if (sorted[i].kept > 0) last = int64_t(i);
-      for (int64_t i = 0; i < last; ++i)
-        if (sorted[size_t(i)].kept % bs != 0)
-          return corrupt(where, "split a block of 64 kept tokens between runs");
-      ps = std::move(sorted);
-    }
   return mf;
 }
 
@@ -524,35 +524,35 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     }
     // Each head's pieces in position order: rows and (whole-block aligned) blocks appended.
     for (int64_t hh = 0; hh < nh; ++hh) {
-     HeadKv tiers[2];
-     for (int t = 0; t < n_tiers; ++t) {
-      HeadKv& H = tiers[t];
-      bool imp = true;
-      for (const KvManifest::Piece& pc : mf.pieces[size_t(t)][size_t(layer * nh + hh)]) {
-        const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
-        const HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
-        const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
-        H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
-        H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
-        H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
-        if ((t ? enc_low : enc) == kvstore::KvEncoding::kInt8) {
-          append_codes(D.kq, true, r0, r1, hd, bs, &H.kq);
-          append_codes(D.vq, false, r0, r1, hd, bs, &H.vq);
+      HeadKv tiers[2];
+      for (int t = 0; t < n_tiers; ++t) {
+        HeadKv& H = tiers[t];
+        bool imp = true;
+        for (const KvManifest::Piece& pc : mf.pieces[size_t(t)][size_t(layer * nh + hh)]) {
+          const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
+          const HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
+          const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
+          H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
+          H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
+          H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
+          if ((t ? enc_low : enc) == kvstore::KvEncoding::kInt8) {
+            append_codes(D.kq, true, r0, r1, hd, bs, &H.kq);
+            append_codes(D.vq, false, r0, r1, hd, bs, &H.vq);
+          }
+          H.block_kmin.insert(H.block_kmin.end(), D.kmin.begin() + b0 * hd, D.kmin.begin() + b1 * hd);
+          H.block_kmax.insert(H.block_kmax.end(), D.kmax.begin() + b0 * hd, D.kmax.begin() + b1 * hd);
+          H.block_kmean.insert(H.block_kmean.end(), D.kmean.begin() + b0 * hd,
+                               D.kmean.begin() + b1 * hd);
+          if (D.imp.empty()) {
+            imp = false;
+          } else {
+            H.block_importance.insert(H.block_importance.end(), D.imp.begin() + b0,
+                                      D.imp.begin() + b1);
+          }
         }
-        H.block_kmin.insert(H.block_kmin.end(), D.kmin.begin() + b0 * hd, D.kmin.begin() + b1 * hd);
-        H.block_kmax.insert(H.block_kmax.end(), D.kmax.begin() + b0 * hd, D.kmax.begin() + b1 * hd);
-        H.block_kmean.insert(H.block_kmean.end(), D.kmean.begin() + b0 * hd,
-                             D.kmean.begin() + b1 * hd);
-        if (D.imp.empty()) {
-          imp = false;
-        } else {
-          H.block_importance.insert(H.block_importance.end(), D.imp.begin() + b0,
-                                    D.imp.begin() + b1);
-        }
+        if (!imp) H.block_importance.clear();  // importance only when every shard carried it
+        if (n_tiers == 2) H.kq = H.vq = kvstore::EncodedRows{};  // tiers differ in encoding
       }
-      if (!imp) H.block_importance.clear();  // importance only when every shard carried it
-      if (n_tiers == 2) H.kq = H.vq = kvstore::EncodedRows{};  // tiers differ in encoding
-     }
       HeadKv& H = out.heads[size_t(layer * nh + hh)];
       H = n_tiers == 2 ? merge_tiers(tiers[0], tiers[1], hd) : std::move(tiers[0]);
       // The positions must be exactly the manifest's declared retention (their count is, by the

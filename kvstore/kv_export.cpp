@@ -274,124 +274,124 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   // the low one.
   const int n_tiers = ret && ret->has_low() ? 2 : 1;
   for (int l = std::max(part.layer, 0); l < l_end; ++l)
-   for (int tier = 0; tier < n_tiers; ++tier) {
-    if (part.tier >= 0 && tier != part.tier) continue;
-    const bool low = tier == 1;
-    const float* k = src(l, false);
-    const float* v = src(l, true);
-    if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
-    std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
-    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
-    std::vector<int32_t> scratch;
-    for (int h = 0; h < hp; ++h)
-      intersect(ret ? tier_positions(*ret, l, h0 + h, low, &scratch) : all_pos, part.tokens,
-                &pos[size_t(h)], &rows[size_t(h)]);
-    bool uniform = true;
-    for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
-    // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
-    std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
-    for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
-    std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
-    std::vector<HeadMeta> meta(static_cast<size_t>(hp));
-    for (int h = 0; h < hp; ++h) {
-      float* kh = kbuf.data() + off[size_t(h)] * d;
-      const int64_t n = int64_t(pos[size_t(h)].size());
-      gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
-      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
-      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
-      meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
-    }
-    // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
-    // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
-    const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
-    const bool raw = enc == KvEncoding::kF32;
-    EncodedRows enc_kv[2];                                           // keys, values
-    std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
-    if (!raw) {
+    for (int tier = 0; tier < n_tiers; ++tier) {
+      if (part.tier >= 0 && tier != part.tier) continue;
+      const bool low = tier == 1;
+      const float* k = src(l, false);
+      const float* v = src(l, true);
+      if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
+      std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
+      std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
+      std::vector<int32_t> scratch;
       for (int h = 0; h < hp; ++h)
-        for (int kv = 0; kv < 2; ++kv) {
-          EncodedRows& dst = enc_kv[kv];
-          at[size_t(h)][size_t(2 * kv)] = dst.data.size();
-          at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
-          SF_ASSIGN(EncodedRows e,
-                    kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
-                              int64_t(pos[size_t(h)].size()), d));
-          dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
-          dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
-          dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
-        }
-      std::vector<float>().swap(kbuf);
-      std::vector<float>().swap(vbuf);
-    }
-    SafetensorsWriter w;
-    boost::json::array names;
-    auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
-      w.add(name, t, std::move(shape), p, bytes);
-      names.push_back(boost::json::string(name));
-    };
-    // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
-    // for the integer encodings, their F16 scales and zeros.
-    const DType elem = kv_encoding_element(enc);
-    const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
-    auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
-      for (int kv = 0; kv < 2; ++kv) {
-        const std::string name = kv ? "value" : "key";
-        if (raw) {
-          add(name + sfx, DType::kF32, {1, heads, n, d},
-              (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
-          continue;
-        }
-        const EncodedRows& e = enc_kv[kv];
-        const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
-        add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
-            size_t(heads * n * width * esize));
-        const int64_t per = kv_param_groups(enc, kv == 0, n, d);
-        if (per == 0) continue;
-        const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
-        const size_t count = size_t(heads * per);
-        add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
-        add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
+        intersect(ret ? tier_positions(*ret, l, h0 + h, low, &scratch) : all_pos, part.tokens,
+                  &pos[size_t(h)], &rows[size_t(h)]);
+      bool uniform = true;
+      for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
+      // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
+      std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
+      for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
+      std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
+      std::vector<HeadMeta> meta(static_cast<size_t>(hp));
+      for (int h = 0; h < hp; ++h) {
+        float* kh = kbuf.data() + off[size_t(h)] * d;
+        const int64_t n = int64_t(pos[size_t(h)].size());
+        gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
+        gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
+        const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
+        meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
       }
-    };
-    if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);
-    for (int h = 0; h < hp; ++h) {
-      const std::string sfx = ".h" + std::to_string(h0 + h);
-      const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-      if (!uniform) add_kv(sfx, 1, n, h);
-      const HeadMeta& m = meta[size_t(h)];
-      add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
-      add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
-      add("block_key_max" + sfx, DType::kF32, {nb, d}, m.kmax.data(), m.kmax.size() * 4);
-      add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
-      if (!m.importance.empty())
-        add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
+      // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
+      // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
+      const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
+      const bool raw = enc == KvEncoding::kF32;
+      EncodedRows enc_kv[2];                                           // keys, values
+      std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
+      if (!raw) {
+        for (int h = 0; h < hp; ++h)
+          for (int kv = 0; kv < 2; ++kv) {
+            EncodedRows& dst = enc_kv[kv];
+            at[size_t(h)][size_t(2 * kv)] = dst.data.size();
+            at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
+            SF_ASSIGN(EncodedRows e,
+                      kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
+                                int64_t(pos[size_t(h)].size()), d));
+            dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
+            dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
+            dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
+          }
+        std::vector<float>().swap(kbuf);
+        std::vector<float>().swap(vbuf);
+      }
+      SafetensorsWriter w;
+      boost::json::array names;
+      auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
+        w.add(name, t, std::move(shape), p, bytes);
+        names.push_back(boost::json::string(name));
+      };
+      // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
+      // for the integer encodings, their F16 scales and zeros.
+      const DType elem = kv_encoding_element(enc);
+      const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
+      auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const std::string name = kv ? "value" : "key";
+          if (raw) {
+            add(name + sfx, DType::kF32, {1, heads, n, d},
+                (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
+            continue;
+          }
+          const EncodedRows& e = enc_kv[kv];
+          const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
+          add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
+              size_t(heads * n * width * esize));
+          const int64_t per = kv_param_groups(enc, kv == 0, n, d);
+          if (per == 0) continue;
+          const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
+          const size_t count = size_t(heads * per);
+          add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
+          add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
+        }
+      };
+      if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);
+      for (int h = 0; h < hp; ++h) {
+        const std::string sfx = ".h" + std::to_string(h0 + h);
+        const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+        if (!uniform) add_kv(sfx, 1, n, h);
+        const HeadMeta& m = meta[size_t(h)];
+        add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
+        add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
+        add("block_key_max" + sfx, DType::kF32, {nb, d}, m.kmax.data(), m.kmax.size() * 4);
+        add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
+        if (!m.importance.empty())
+          add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
+      }
+      w.set_metadata("layer", std::to_string(l));
+      w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
+                                       : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
+      w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
+      // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
+      w.set_metadata("kv_dtype", kv_encoding_name(enc));
+      if (n_tiers == 2) w.set_metadata("tier", low ? "low" : "high");
+      char name[64];
+      std::snprintf(name, sizeof name, "layer_%03d%s%s.safetensors", l, part.file_tag.c_str(),
+                    low ? ".low" : "");
+      const fs::path p = fs::path(tmp) / name;
+      auto r = w.write(p.string());
+      if (!r.is_ok()) return r.status();
+      boost::json::object sh;
+      sh["file"] = name;
+      sh["layer"] = l;
+      sh["layout"] = uniform ? "uniform" : "per_head";
+      sh["tokens"] = tok_json;
+      sh["kv_heads"] = boost::json::array{h0, h0 + hp};
+      sh["rank"] = part.rank;
+      if (n_tiers == 2) sh["tier"] = low ? "low" : "high";
+      sh["tensors"] = std::move(names);
+      sh["bytes"] = uint64_t(fs::file_size(p, ec));
+      sh["xxh64"] = hex64(r.value());
+      entries.push_back(boost::json::serialize(sh));
     }
-    w.set_metadata("layer", std::to_string(l));
-    w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
-                                     : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
-    w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
-    // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
-    w.set_metadata("kv_dtype", kv_encoding_name(enc));
-    if (n_tiers == 2) w.set_metadata("tier", low ? "low" : "high");
-    char name[64];
-    std::snprintf(name, sizeof name, "layer_%03d%s%s.safetensors", l, part.file_tag.c_str(),
-                  low ? ".low" : "");
-    const fs::path p = fs::path(tmp) / name;
-    auto r = w.write(p.string());
-    if (!r.is_ok()) return r.status();
-    boost::json::object sh;
-    sh["file"] = name;
-    sh["layer"] = l;
-    sh["layout"] = uniform ? "uniform" : "per_head";
-    sh["tokens"] = tok_json;
-    sh["kv_heads"] = boost::json::array{h0, h0 + hp};
-    sh["rank"] = part.rank;
-    if (n_tiers == 2) sh["tier"] = low ? "low" : "high";
-    sh["tensors"] = std::move(names);
-    sh["bytes"] = uint64_t(fs::file_size(p, ec));
-    sh["xxh64"] = hex64(r.value());
-    entries.push_back(boost::json::serialize(sh));
-  }
   return entries;
 }
 
@@ -449,31 +449,31 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
     shards.push_back(std::move(v));
   }
   for (int tier = 0; tier < n_tiers; ++tier)
-  for (int64_t l = 0; l < nl; ++l)
-    for (int64_t h = 0; h < hkv; ++h) {
-      auto& rs = cover[size_t(tier)][size_t(l * hkv + h)];
-      std::sort(rs.begin(), rs.end(), [](const Run& x, const Run& y) { return x.begin < y.begin; });
-      const std::string where = std::string("export_kv: the ") + (tier ? "low tier's " : "") +
-                                "shards of layer " + std::to_string(l) + " KV head " + std::to_string(h);
-      int64_t next = 0, last = -1;
-      for (size_t i = 0; i < rs.size(); ++i) {
-        if (rs[i].begin != next)
-          return SF_ERR(kInvalidArgument, where + (rs[i].begin < next ? " overlap" : " leave a gap") + " at token " +
-                                              std::to_string(std::min(rs[i].begin, next)));
-        next = rs[i].end;
-        if (rs[i].kept > 0) last = int64_t(i);
+    for (int64_t l = 0; l < nl; ++l)
+      for (int64_t h = 0; h < hkv; ++h) {
+        auto& rs = cover[size_t(tier)][size_t(l * hkv + h)];
+        std::sort(rs.begin(), rs.end(), [](const Run& x, const Run& y) { return x.begin < y.begin; });
+        const std::string where = std::string("export_kv: the ") + (tier ? "low tier's " : "") +
+                                  "shards of layer " + std::to_string(l) + " KV head " + std::to_string(h);
+        int64_t next = 0, last = -1;
+        for (size_t i = 0; i < rs.size(); ++i) {
+          if (rs[i].begin != next)
+            return SF_ERR(kInvalidArgument, where + (rs[i].begin < next ? " overlap" : " leave a gap") + " at token " +
+                                                std::to_string(std::min(rs[i].begin, next)));
+          next = rs[i].end;
+          if (rs[i].kept > 0) last = int64_t(i);
+        }
+        if (next != S)
+          return SF_ERR(kInvalidArgument, where + " stop at token " + std::to_string(next) + " of " + std::to_string(S));
+        // Blocks are runs of 64 kept tokens within a shard: they add up to the head's only if every
+        // run before the one holding its last kept token keeps whole blocks.
+        for (int64_t i = 0; i < last; ++i)
+          if (rs[size_t(i)].kept % kKvBlockSize != 0)
+            return SF_ERR(kInvalidArgument, where + ": the run [" + std::to_string(rs[size_t(i)].begin) + ", " +
+                                                std::to_string(rs[size_t(i)].end) + ") keeps " +
+                                                std::to_string(rs[size_t(i)].kept) +
+                                                " tokens, not whole blocks of 64, before the head's last block");
       }
-      if (next != S)
-        return SF_ERR(kInvalidArgument, where + " stop at token " + std::to_string(next) + " of " + std::to_string(S));
-      // Blocks are runs of 64 kept tokens within a shard: they add up to the head's only if every
-      // run before the one holding its last kept token keeps whole blocks.
-      for (int64_t i = 0; i < last; ++i)
-        if (rs[size_t(i)].kept % kKvBlockSize != 0)
-          return SF_ERR(kInvalidArgument, where + ": the run [" + std::to_string(rs[size_t(i)].begin) + ", " +
-                                              std::to_string(rs[size_t(i)].end) + ") keeps " +
-                                              std::to_string(rs[size_t(i)].kept) +
-                                              " tokens, not whole blocks of 64, before the head's last block");
-    }
 
   boost::json::array ret_layers;
   for (int l = 0; l < nl; ++l) {
