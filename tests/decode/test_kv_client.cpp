@@ -62,6 +62,12 @@ class KvClient : public ::testing::Test {
     EXPECT_EQ(r.status().code(), code) << r.status().to_string();
     EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
   }
+  // The manifest's retention entry of (layer, head).
+  static boost::json::object& retention_head(boost::json::value& v, size_t l, size_t h) {
+    return v.as_object()["retention"].as_object()["layers"].as_array()[l].as_object()["heads"]
+        .as_array()[h]
+        .as_object();
+  }
   static boost::json::value read_manifest(const std::string& dir) {
     std::ifstream f(dir + "/manifest.json");
     std::stringstream ss;
@@ -424,8 +430,7 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
   {
     const std::string d = copy_of(good, "tiers-outside");
     auto v = read_manifest(d);
-    auto& h0 = v.as_object()["retention"].as_object()["layers"].as_array()[0].as_object()["heads"]
-                   .as_array()[0].as_object();
+    auto& h0 = retention_head(v, 0, 0);
     const auto kept = h0["ranges"].as_array();
     // One low token just past the first kept range, where the head keeps nothing.
     const int64_t end = kept[0].as_array()[1].as_int64();
@@ -440,8 +445,7 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
   {
     const std::string d = copy_of(good, "tiers-all-low");
     auto v = read_manifest(d);
-    auto& h0 = v.as_object()["retention"].as_object()["layers"].as_array()[0].as_object()["heads"]
-                   .as_array()[0].as_object();
+    auto& h0 = retention_head(v, 0, 0);
     const boost::json::value n = h0.at("n"), ranges = h0.at("ranges");
     boost::json::object all_low;
     all_low["n"] = n;

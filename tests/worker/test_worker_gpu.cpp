@@ -22,6 +22,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
@@ -65,6 +66,22 @@ int run(const std::string& cmd, const std::string& log) {
 std::string slurp(const std::string& path) {
   std::ifstream f(path);
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// Largest |difference| of a retained head's K/V rows from the full export's rows at the same
+// positions, and the largest |value| of those full rows (head_dim d).
+std::pair<double, double> kept_rows_err(const decode::HeadKv& a, const decode::HeadKv& full,
+                                        int64_t d) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.positions.size(); ++i)
+    for (int64_t j = 0; j < d; ++j) {
+      const size_t gi = i * size_t(d) + size_t(j);
+      const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
+      num = std::max(
+          {num, double(std::fabs(a.k[gi] - full.k[fi])), double(std::fabs(a.v[gi] - full.v[fi]))});
+      den = std::max({den, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
+    }
+  return {num, den};
 }
 
 TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
@@ -160,14 +177,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
         const auto& full = ca->head(l, h);
         ASSERT_EQ(a.positions.size(), 256u) << grid << " layer " << l << " head " << h;
         ASSERT_FALSE(a.block_importance.empty());
-        for (size_t i = 0; i < a.positions.size(); ++i)
-          for (int64_t j = 0; j < d; ++j) {
-            const size_t gi = i * size_t(d) + size_t(j);
-            const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
-            num = std::max({num, double(std::fabs(a.k[gi] - full.k[fi])),
-                            double(std::fabs(a.v[gi] - full.v[fi]))});
-            den = std::max({den, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
-          }
+        const auto [e, m] = kept_rows_err(a, full, d);
+        num = std::max(num, e);
+        den = std::max(den, m);
         const auto& cp = cr->head(l, h).positions;
         for (int32_t p : a.positions) same += std::binary_search(cp.begin(), cp.end(), p);
         kept += int64_t(a.positions.size());
@@ -191,14 +203,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
         const auto& a = t->head(l, h);
         const auto& full = ca->head(l, h);
         ASSERT_EQ(a.positions.size(), 256u) << grid << " two tiers, layer " << l << " head " << h;
-        for (size_t i = 0; i < a.positions.size(); ++i)
-          for (int64_t j = 0; j < d; ++j) {
-            const size_t gi = i * size_t(d) + size_t(j);
-            const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
-            terr = std::max({terr, double(std::fabs(a.k[gi] - full.k[fi])),
-                             double(std::fabs(a.v[gi] - full.v[fi]))});
-            tden = std::max({tden, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
-          }
+        const auto [e, m] = kept_rows_err(a, full, d);
+        terr = std::max(terr, e);
+        tden = std::max(tden, m);
       }
     std::printf(
         "  worker %s t (snapkv 256, high 96, int8+int4): K/V vs CPU full max |diff| / max = "

@@ -155,28 +155,28 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
                                           bool measure_mass = false) {
   const model::ModelConfig& mc = m.config();
   const int64_t N = pr.kv.n_tokens;
-  const double full =
-      double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) * mc.n_layers * mc.n_kv_heads;
-  // Tokens the budget buys in c.enc; shrunk while the kept bytes (which round per block) exceed
-  // the budget.
-  // Tokens the budget buys in one encoding (a fraction of the prompt per head).
+  // Bytes of every token of a head in an encoding.
+  auto all_bytes = [&](kvstore::KvEncoding e) {
+    return double(kvstore::kv_encoded_bytes(e, N, mc.head_dim));
+  };
+  const double full = all_bytes(ref) * mc.n_layers * mc.n_kv_heads;
+  // The fraction of the prompt's tokens a share of the budget buys in an encoding; the total is
+  // shrunk below while the kept bytes (which round per block) exceed the budget.
   auto buys = [&](kvstore::KvEncoding e, double share) {
-    return share * c.budget * double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)) /
-           double(kvstore::kv_encoded_bytes(e, N, mc.head_dim));
+    return share * c.budget * all_bytes(ref) / all_bytes(e);
   };
   // Two tiers: the high tier's fraction, the rest of the bytes buying low-tier tokens (the shrink
   // below trims only the low tier, so the high one keeps SHARE of the budget's bytes).
   double high = c.low ? buys(c.enc, c.high_share) : 0;
-  double tokens = std::min(1.0, c.low ? high + buys(*c.low, 1 - c.high_share) : buys(c.enc, 1));
-  if (c.low && high + buys(*c.low, 1 - c.high_share) > 1) {
+  double tokens = c.low ? high + buys(*c.low, 1 - c.high_share) : buys(c.enc, 1);
+  if (c.low && tokens > 1) {
     // Every token fits with bytes to spare: they go to the high tier (the split whose bytes are
-    // the budget with every token kept: high x HIGH + (1 - high) x LOW = budget).
-    const double b_ref = double(kvstore::kv_encoded_bytes(ref, N, mc.head_dim)),
-                 b_hi = double(kvstore::kv_encoded_bytes(c.enc, N, mc.head_dim)),
-                 b_lo = double(kvstore::kv_encoded_bytes(*c.low, N, mc.head_dim));
-    // (A hair under: the kept counts round per head and the key groups per 64 tokens.)
-    high = std::clamp((c.budget * b_ref - b_lo) / (b_hi - b_lo) * (1 - 5e-3), high, 1.0);
+    // the budget with every token kept: high x HIGH + (1 - high) x LOW = budget; a hair under,
+    // as the kept counts round per head and the key groups per 64 tokens).
+    const double b_hi = all_bytes(c.enc), b_lo = all_bytes(*c.low);
+    high = std::clamp((c.budget * all_bytes(ref) - b_lo) / (b_hi - b_lo) * (1 - 5e-3), high, 1.0);
   }
+  tokens = std::min(1.0, tokens);
   kvstore::RetentionPolicy pol;
   kvstore::Retention ret;
   for (int tries = 0;; ++tries) {
