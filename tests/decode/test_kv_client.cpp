@@ -62,6 +62,27 @@ class KvClient : public ::testing::Test {
     EXPECT_EQ(r.status().code(), code) << r.status().to_string();
     EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().to_string();
   }
+  // Two paged caches with the same pages, block for block: positions, rows and key min/max
+  // equal; f(x, y) then checks more of each pair of blocks.
+  template <typename F>
+  static void expect_same_blocks(const decode::PagedKvCache& a, const decode::PagedKvCache& b,
+                                 F&& f) {
+    for (int l = 0; l < a.n_layers(); ++l)
+      for (int h = 0; h < a.n_kv_heads(); ++h) {
+        ASSERT_EQ(a.pages(l, h).size(), b.pages(l, h).size());
+        for (size_t i = 0; i < a.pages(l, h).size(); ++i) {
+          const decode::KvBlock& x = a.block(a.pages(l, h)[i]);
+          const decode::KvBlock& y = b.block(b.pages(l, h)[i]);
+          EXPECT_EQ(x.n, y.n);
+          EXPECT_EQ(x.pos, y.pos);
+          EXPECT_EQ(x.k, y.k) << "l" << l << " h" << h << " block " << i;
+          EXPECT_EQ(x.v, y.v);
+          EXPECT_EQ(x.kmin, y.kmin);
+          EXPECT_EQ(x.kmax, y.kmax);
+          f(x, y);
+        }
+      }
+  }
   // The manifest's retention entry of (layer, head).
   static boost::json::object& retention_head(boost::json::value& v, size_t l, size_t h) {
     return v.as_object()["retention"].as_object()["layers"].as_array()[l].as_object()["heads"]
@@ -275,40 +296,29 @@ TEST_F(KvClient, InProcessEncodingIsWhatTheNodeLoads) {
     auto a = decode::PagedKvCache::from_prefill(pr_.kv, snap.value(), enc);
     auto b = decode::PagedKvCache::from_export(e.value(), !model_->config().rope.neox);
     ASSERT_TRUE(a.is_ok() && b.is_ok());
-    for (int l = 0; l < 2; ++l)
-      for (int h = 0; h < 2; ++h) {
-        ASSERT_EQ(a->pages(l, h).size(), b->pages(l, h).size());
-        for (size_t i = 0; i < a->pages(l, h).size(); ++i) {
-          const decode::KvBlock& x = a->block(a->pages(l, h)[i]);
-          const decode::KvBlock& y = b->block(b->pages(l, h)[i]);
-          EXPECT_EQ(x.n, y.n);
-          EXPECT_EQ(x.pos, y.pos);
-          EXPECT_EQ(x.k, y.k) << kvstore::kv_encoding_name(enc) << " l" << l << " h" << h;
-          EXPECT_EQ(x.v, y.v);
-          EXPECT_EQ(x.kmin, y.kmin);
-          EXPECT_EQ(x.kmax, y.kmax);
-          // int8 blocks keep their codes (a device pool uploads them as they are): the export's,
-          // permuted to the model's channel order, equal the in-process encoding's and decode
-          // to the block's values.
-          if (enc != kvstore::KvEncoding::kInt8) {
-            EXPECT_TRUE(y.kq.data.empty() && x.kq.data.empty());
-            continue;
-          }
-          const int d = a->head_dim();
-          ASSERT_EQ(y.kq.data.size(), size_t(y.n) * size_t(d));
-          EXPECT_EQ(x.kq.data, y.kq.data);
-          EXPECT_EQ(x.kq.scale, y.kq.scale);
-          EXPECT_EQ(x.kq.zero, y.kq.zero);
-          EXPECT_EQ(x.vq.data, y.vq.data);
-          EXPECT_EQ(x.vq.scale, y.vq.scale);
-          EXPECT_EQ(x.vq.zero, y.vq.zero);
-          std::vector<float> dk(size_t(y.n) * size_t(d)), dv(dk.size());
-          ASSERT_TRUE(kvstore::kv_decode(enc, true, y.kq, y.n, d, dk.data()).is_ok());
-          ASSERT_TRUE(kvstore::kv_decode(enc, false, y.vq, y.n, d, dv.data()).is_ok());
-          EXPECT_TRUE(std::equal(dk.begin(), dk.end(), y.k.begin()));
-          EXPECT_TRUE(std::equal(dv.begin(), dv.end(), y.v.begin()));
-        }
+    SCOPED_TRACE(kvstore::kv_encoding_name(enc));
+    expect_same_blocks(a.value(), b.value(), [&](const decode::KvBlock& x, const decode::KvBlock& y) {
+      // int8 blocks keep their codes (a device pool uploads them as they are): the export's,
+      // permuted to the model's channel order, equal the in-process encoding's and decode
+      // to the block's values.
+      if (enc != kvstore::KvEncoding::kInt8) {
+        EXPECT_TRUE(y.kq.data.empty() && x.kq.data.empty());
+        return;
       }
+      const int d = a->head_dim();
+      ASSERT_EQ(y.kq.data.size(), size_t(y.n) * size_t(d));
+      EXPECT_EQ(x.kq.data, y.kq.data);
+      EXPECT_EQ(x.kq.scale, y.kq.scale);
+      EXPECT_EQ(x.kq.zero, y.kq.zero);
+      EXPECT_EQ(x.vq.data, y.vq.data);
+      EXPECT_EQ(x.vq.scale, y.vq.scale);
+      EXPECT_EQ(x.vq.zero, y.vq.zero);
+      std::vector<float> dk(size_t(y.n) * size_t(d)), dv(dk.size());
+      ASSERT_TRUE(kvstore::kv_decode(enc, true, y.kq, y.n, d, dk.data()).is_ok());
+      ASSERT_TRUE(kvstore::kv_decode(enc, false, y.vq, y.n, d, dv.data()).is_ok());
+      EXPECT_TRUE(std::equal(dk.begin(), dk.end(), y.k.begin()));
+      EXPECT_TRUE(std::equal(dv.begin(), dv.end(), y.v.begin()));
+    });
     if (enc != kvstore::KvEncoding::kInt8) continue;
     // An append changes the block, so its codes no longer describe it and are dropped.
     decode::PagedKvCache c = std::move(b).value();
@@ -356,20 +366,9 @@ TEST_F(KvClient, TwoTierExportLoadsAsTheInProcessCache) {
     auto b = decode::PagedKvCache::from_export(e.value(), !model_->config().rope.neox);
     ASSERT_TRUE(a.is_ok()) << a.status().to_string();
     ASSERT_TRUE(b.is_ok()) << b.status().to_string();
-    for (int l = 0; l < 2; ++l)
-      for (int h = 0; h < 2; ++h) {
-        ASSERT_EQ(a->pages(l, h).size(), b->pages(l, h).size());
-        for (size_t i = 0; i < a->pages(l, h).size(); ++i) {
-          const decode::KvBlock& x = a->block(a->pages(l, h)[i]);
-          const decode::KvBlock& y = b->block(b->pages(l, h)[i]);
-          EXPECT_EQ(x.pos, y.pos);
-          EXPECT_EQ(x.k, y.k) << "l" << l << " h" << h << " block " << i;
-          EXPECT_EQ(x.v, y.v);
-          EXPECT_EQ(x.kmin, y.kmin);
-          EXPECT_EQ(x.kmax, y.kmax);
-          EXPECT_TRUE(y.kq.data.empty());  // mixed encodings: no codes for a device pool to reuse
-        }
-      }
+    expect_same_blocks(a.value(), b.value(), [](const decode::KvBlock&, const decode::KvBlock& y) {
+      EXPECT_TRUE(y.kq.data.empty());  // mixed encodings: no codes for a device pool to reuse
+    });
     // Each tier carries its own encoding's error: the low tier's values (int4's round trip of
     // that tier) are off by several times the high tier's (int8's), on average.
     double err[2] = {0, 0};
@@ -745,10 +744,13 @@ TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
 
 // The fuzz target's seed must stay a valid manifest, or the fuzzer never gets past the checks.
 TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
-  std::ifstream f(std::string(SF_SOURCE_DIR) + "/tests/fuzz/kv_manifest_seed.json");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string seed = ss.str();
+  auto read_seed = [](const char* name) {
+    std::ifstream f(std::string(SF_SOURCE_DIR) + "/tests/fuzz/" + name);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  const std::string seed = read_seed("kv_manifest_seed.json");
   auto m = decode::parse_kv_manifest(seed, "0123456789abcdef");
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   EXPECT_EQ(m->meta.n_tokens, 2);
@@ -760,10 +762,7 @@ TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
       decode::parse_kv_manifest(bad, "0123456789abcdef").status().message().find("kv_bytes 33"),
       std::string::npos);
   // The two-tier seed (format 5): int8 for positions 0 and 2, int4 for 1.
-  std::ifstream f5(std::string(SF_SOURCE_DIR) + "/tests/fuzz/kv_manifest_seed_v5.json");
-  std::stringstream ss5;
-  ss5 << f5.rdbuf();
-  const std::string seed5 = ss5.str();
+  const std::string seed5 = read_seed("kv_manifest_seed_v5.json");
   auto m5 = decode::parse_kv_manifest(seed5, "0123456789abcdef");
   ASSERT_TRUE(m5.is_ok()) << m5.status().to_string();
   EXPECT_EQ(m5->meta.kv_dtype_low, "int4");
