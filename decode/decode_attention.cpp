@@ -14,10 +14,12 @@ namespace sf::decode {
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   DecodeAttnParams p;
   if (spec == "full") return p;
-  const bool strict = spec.rfind("psa-strict:", 0) == 0;
-  const bool avg = spec.rfind("psa-avg:", 0) == 0;
-  if (spec.rfind("psa:", 0) == 0 || strict || avg) {
-    const std::string v = spec.substr(strict ? 11 : avg ? 8 : 4);
+  const size_t colon = spec.find(':');
+  std::string mode = spec.substr(0, colon);
+  const bool gqa = mode.size() > 4 && mode.compare(mode.size() - 4, 4, "+gqa") == 0;
+  if (gqa) mode.resize(mode.size() - 4);
+  if (colon != std::string::npos && (mode == "psa" || mode == "psa-avg" || mode == "psa-strict")) {
+    const std::string v = spec.substr(colon + 1);
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
@@ -25,13 +27,14 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
                     "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
     p.mode = DecodeAttnMode::kPsa;
     p.eps = e;
-    p.pin_sink_recent = !strict;
-    p.remainder = avg ? PsaRemainder::kRecentMean : PsaRemainder::kAsMin;
+    p.pin_sink_recent = mode != "psa-strict";
+    p.remainder = mode == "psa-avg" ? PsaRemainder::kRecentMean : PsaRemainder::kAsMin;
+    p.share_kv_head = gqa;
     return p;
   }
   return SF_ERR(kInvalidArgument, "decode attention '" + spec +
                                       "' is not 'full', 'psa:EPS', 'psa-avg:EPS' or "
-                                      "'psa-strict:EPS'");
+                                      "'psa-strict:EPS' (each psa mode may add '+gqa')");
 }
 
 namespace {
@@ -54,6 +57,108 @@ float block_score_bound(const float* q, const KvBlock& b, int d) {
   return u;
 }
 
+namespace {
+// One query head's online softmax over the blocks folded into it, and its PSA stop rule. acc,
+// as_min and recent[] are relative to the running max m; recent[] holds the last kPsaAvgBlocks
+// ranked blocks' masses (psa-avg).
+struct HeadVisit {
+  const float* q = nullptr;
+  float* o = nullptr;
+  float m = -std::numeric_limits<float>::infinity();
+  double acc = 0, as_min = std::numeric_limits<double>::infinity();
+  double recent[kPsaAvgBlocks] = {};
+  size_t ranked = 0;
+  bool done = false;
+
+  // Folds a non-empty block. `ranked_here`: the block came from this head's own ranking (not
+  // pinned, not named by a group-mate), so its mass may stand for the blocks it has not seen.
+  void fold(const KvBlock& B, bool ranked_here, int d, float scale, std::vector<float>& s) {
+    float bm = -std::numeric_limits<float>::infinity();
+    for (int32_t t = 0; t < B.n; ++t) {
+      const float* kr = B.k.data() + size_t(t) * size_t(d);
+      s[size_t(t)] = dot(q, kr, d) * scale;
+      bm = std::max(bm, s[size_t(t)]);
+    }
+    if (bm > m) {
+      const double r = std::exp(double(m) - double(bm));  // 0 on the first block
+      for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
+      acc *= r;
+      if (std::isfinite(as_min)) as_min *= r;
+      for (double& x : recent) x *= r;
+      m = bm;
+    }
+    double as_b = 0;
+    for (int32_t t = 0; t < B.n; ++t) {
+      const float e = std::exp(s[size_t(t)] - m);
+      as_b += e;
+      const float* vr = B.v.data() + size_t(t) * size_t(d);
+      for (int c = 0; c < d; ++c) o[c] += e * vr[c];
+    }
+    acc += as_b;
+    // AS_min stands for the blocks not yet seen, so it comes from ranked blocks only (a pinned
+    // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
+    // block may hold one token, whose tiny mass would end the visit at once).
+    if (ranked_here) {
+      const double full_b = as_b * double(kBlockTokens) / double(B.n);
+      as_min = std::min(as_min, full_b);
+      recent[ranked % kPsaAvgBlocks] = full_b;
+      ++ranked;
+    }
+  }
+
+  // The PSA stop rule with `left` blocks not yet folded.
+  bool stop(const DecodeAttnParams& p, size_t left) const {
+    if (ranked == 0) return false;
+    double per_block = as_min;  // the estimate of each unseen block's mass
+    if (p.remainder == PsaRemainder::kRecentMean) {
+      if (ranked < size_t(kPsaAvgBlocks)) return false;
+      per_block = 0;
+      for (double x : recent) per_block += x;
+      per_block /= kPsaAvgBlocks;
+    }
+    return acc / (acc + per_block * double(left)) >= p.eps;
+  }
+
+  // The share of the true softmax mass the visit captured: every block scored, relative to m.
+  double captured(const PagedKvCache& cache, const std::vector<int32_t>& pages, int d,
+                  float scale) const {
+    double total = 0;
+    for (int32_t pg : pages) {
+      const KvBlock& B = cache.block(pg);
+      for (int32_t t = 0; t < B.n; ++t)
+        total += std::exp(double(dot(q, B.k.data() + size_t(t) * size_t(d), d) * scale) -
+                          double(m));
+    }
+    return acc / total;
+  }
+
+  void normalize(int d) const {
+    if (acc <= 0) return;
+    const float inv = float(1.0 / acc);
+    for (int c = 0; c < d; ++c) o[c] *= inv;
+  }
+};
+
+// Block order of one query head: position order, or (psa) descending bound with the pinned sink
+// and newest block first.
+void rank_blocks(const PagedKvCache& cache, const std::vector<int32_t>& pages, const float* q,
+                 int d, const DecodeAttnParams& p, std::vector<float>& ub,
+                 std::vector<size_t>& order) {
+  const size_t nb = pages.size();
+  order.resize(nb);
+  std::iota(order.begin(), order.end(), size_t(0));
+  if (p.mode != DecodeAttnMode::kPsa) return;
+  ub.resize(nb);
+  for (size_t b = 0; b < nb; ++b) ub[b] = block_score_bound(q, cache.block(pages[b]), d);
+  // Pinned blocks rank above every bound.
+  if (p.pin_sink_recent && nb > 0) {
+    ub[0] = std::numeric_limits<float>::infinity();
+    ub[nb - 1] = std::numeric_limits<float>::infinity();
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ub[a] > ub[b]; });
+}
+}  // namespace
+
 Status decode_attention(const PagedKvCache& cache, int layer, const float* q, int n_heads,
                         const DecodeAttnParams& p, float* out, DecodeAttnStats* stats) {
   const int hkv = cache.n_kv_heads(), d = cache.head_dim();
@@ -68,116 +173,109 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   const bool psa = p.mode == DecodeAttnMode::kPsa;
   const bool measure = p.measure_mass && psa;
   std::vector<double> share_h(static_cast<size_t>(n_heads), 1.0);
-  // Query heads are independent: one task per head range, each with its own scratch.
-  parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
-    std::vector<float> s(kBlockTokens), ub;
-    std::vector<size_t> order;
-    for (int h = int(hb); h < int(he); ++h) {
-      const float* qh = q + size_t(h) * size_t(d);
-      float* o = out + size_t(h) * size_t(d);
-      std::fill(o, o + d, 0.f);
-      const auto& pages = cache.pages(layer, h / group);
-      const size_t nb = pages.size();
-      order.resize(nb);
-      std::iota(order.begin(), order.end(), size_t(0));
-      if (psa) {
-        ub.resize(nb);
-        for (size_t b = 0; b < nb; ++b) {
-          ub[b] = block_score_bound(qh, cache.block(pages[b]), d);
+  // Blocks each KV head loaded: the union of its query heads' visits (a flag per block).
+  std::vector<std::vector<char>> loaded_g(static_cast<size_t>(hkv));
+  for (int g = 0; g < hkv; ++g) loaded_g[size_t(g)].assign(cache.pages(layer, g).size(), 0);
+  const auto start_head = [&](int h) {
+    HeadVisit hv;
+    hv.q = q + size_t(h) * size_t(d);
+    hv.o = out + size_t(h) * size_t(d);
+    std::fill(hv.o, hv.o + d, 0.f);
+    return hv;
+  };
+  const auto finish_head = [&](int h, const HeadVisit& hv, const std::vector<int32_t>& pages,
+                               size_t visited) {
+    if (measure && hv.acc > 0) share_h[size_t(h)] = hv.captured(cache, pages, d, scale);
+    hv.normalize(d);
+    visited_h[size_t(h)] = int64_t(visited);
+    total_h[size_t(h)] = int64_t(pages.size());
+  };
+  if (psa && p.share_kv_head) {
+    // One visit per KV head: its query heads take turns naming the next block (module comment).
+    parallel_for(size_t(hkv), [&](size_t gb, size_t ge) {
+      std::vector<float> s(kBlockTokens), ub;
+      std::vector<std::vector<size_t>> order(static_cast<size_t>(group));
+      std::vector<HeadVisit> hv(static_cast<size_t>(group));
+      std::vector<size_t> next(static_cast<size_t>(group));
+      for (int g = int(gb); g < int(ge); ++g) {
+        const auto& pages = cache.pages(layer, g);
+        const size_t nb = pages.size();
+        for (int j = 0; j < group; ++j) {
+          hv[size_t(j)] = start_head(g * group + j);
+          rank_blocks(cache, pages, hv[size_t(j)].q, d, p, ub, order[size_t(j)]);
+          next[size_t(j)] = 0;
         }
-        // Pinned blocks rank above every bound.
-        if (p.pin_sink_recent && nb > 0) {
-          ub[0] = std::numeric_limits<float>::infinity();
-          ub[nb - 1] = std::numeric_limits<float>::infinity();
+        std::vector<char>& loaded = loaded_g[size_t(g)];
+        size_t n_loaded = 0;
+        int running = group;
+        while (n_loaded < nb && running > 0) {
+          for (int j = 0; j < group && n_loaded < nb && running > 0; ++j) {
+            if (hv[size_t(j)].done) continue;
+            auto& ord = order[size_t(j)];
+            size_t& nx = next[size_t(j)];
+            while (loaded[ord[nx]]) ++nx;  // n_loaded < nb: an unloaded block remains
+            const size_t b = ord[nx];
+            loaded[b] = 1;
+            ++n_loaded;
+            const KvBlock& B = cache.block(pages[b]);
+            if (B.n == 0) continue;
+            const bool pinned = p.pin_sink_recent && (b == 0 || b == nb - 1);
+            for (int i = 0; i < group; ++i)
+              hv[size_t(i)].fold(B, i == j && !pinned, d, scale, s);
+            for (auto& v : hv)
+              if (!v.done && v.stop(p, nb - n_loaded)) {
+                v.done = true;
+                --running;
+              }
+          }
         }
-        std::stable_sort(order.begin(), order.end(),
-                         [&](size_t a, size_t b) { return ub[a] > ub[b]; });
+        for (int j = 0; j < group; ++j) finish_head(g * group + j, hv[size_t(j)], pages, n_loaded);
       }
-      // Online softmax over visited blocks; acc, as_min and recent[] are relative to the running
-      // max m. recent[]: the last kPsaAvgBlocks ranked blocks' masses (psa-avg).
-      float m = -std::numeric_limits<float>::infinity();
-      double acc = 0, as_min = std::numeric_limits<double>::infinity();
-      double recent[kPsaAvgBlocks] = {};
-      size_t visited = 0, ranked = 0;
-      for (size_t oi = 0; oi < nb; ++oi) {
-        const KvBlock& B = cache.block(pages[order[oi]]);
-        float bm = -std::numeric_limits<float>::infinity();
-        for (int32_t t = 0; t < B.n; ++t) {
-          const float* kr = B.k.data() + size_t(t) * size_t(d);
-          s[size_t(t)] = dot(qh, kr, d) * scale;
-          bm = std::max(bm, s[size_t(t)]);
+    });
+  } else {
+    // Query heads are independent: one task per head range, each with its own scratch.
+    std::vector<std::vector<size_t>> seen_h(static_cast<size_t>(n_heads));
+    parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
+      std::vector<float> s(kBlockTokens), ub;
+      std::vector<size_t> order;
+      for (int h = int(hb); h < int(he); ++h) {
+        HeadVisit hv = start_head(h);
+        const auto& pages = cache.pages(layer, h / group);
+        const size_t nb = pages.size();
+        rank_blocks(cache, pages, hv.q, d, p, ub, order);
+        size_t visited = 0;
+        for (size_t oi = 0; oi < nb; ++oi) {
+          const KvBlock& B = cache.block(pages[order[oi]]);
+          ++visited;
+          if (B.n == 0) continue;
+          const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
+          hv.fold(B, !pinned, d, scale, s);
+          if (psa && hv.stop(p, nb - visited)) break;
         }
-        ++visited;
-        if (B.n == 0) continue;
-        if (bm > m) {
-          const double r = std::exp(double(m) - double(bm));  // 0 on the first block
-          for (int c = 0; c < d; ++c) o[c] = float(o[c] * r);
-          acc *= r;
-          if (std::isfinite(as_min)) as_min *= r;
-          for (double& x : recent) x *= r;
-          m = bm;
-        }
-        double as_b = 0;
-        for (int32_t t = 0; t < B.n; ++t) {
-          const float e = std::exp(s[size_t(t)] - m);
-          as_b += e;
-          const float* vr = B.v.data() + size_t(t) * size_t(d);
-          for (int c = 0; c < d; ++c) o[c] += e * vr[c];
-        }
-        acc += as_b;
-        // AS_min stands for the blocks not yet seen, so it comes from ranked blocks only (a pinned
-        // sink is visited for its mass, not its rank) and from full-block equivalents (the newest
-        // block may hold one token, whose tiny mass would end the visit at once).
-        const bool pinned = p.pin_sink_recent && (order[oi] == 0 || order[oi] == nb - 1);
-        if (!pinned) {
-          const double full_b = as_b * double(kBlockTokens) / double(B.n);
-          as_min = std::min(as_min, full_b);
-          recent[ranked % kPsaAvgBlocks] = full_b;
-          ++ranked;
-        }
-        if (!psa || ranked == 0) continue;
-        double per_block = as_min;  // the estimate of each unseen block's mass
-        if (p.remainder == PsaRemainder::kRecentMean) {
-          if (ranked < size_t(kPsaAvgBlocks)) continue;
-          per_block = 0;
-          for (double x : recent) per_block += x;
-          per_block /= kPsaAvgBlocks;
-        }
-        const double left = double(nb - visited);
-        if (acc / (acc + per_block * left) >= p.eps) break;
+        finish_head(h, hv, pages, visited);
+        if (stats) seen_h[size_t(h)].assign(order.begin(), order.begin() + ptrdiff_t(visited));
       }
-      if (measure && acc > 0) {
-        // The true denominator, relative to the same running max m: every block scored.
-        double total = 0;
-        for (size_t b = 0; b < nb; ++b) {
-          const KvBlock& B = cache.block(pages[b]);
-          for (int32_t t = 0; t < B.n; ++t)
-            total += std::exp(double(dot(qh, B.k.data() + size_t(t) * size_t(d), d) * scale) -
-                              double(m));
-        }
-        share_h[size_t(h)] = acc / total;
-      }
-      if (acc > 0) {
-        const float inv = float(1.0 / acc);
-        for (int c = 0; c < d; ++c) o[c] *= inv;
-      }
-      visited_h[size_t(h)] = int64_t(visited);
-      total_h[size_t(h)] = int64_t(nb);
+    });
+    for (int h = 0; h < n_heads; ++h)
+      for (size_t b : seen_h[size_t(h)]) loaded_g[size_t(h / group)][b] = 1;
+  }
+  if (!stats) return Status::ok();
+  stats->last_visited_by_head.assign(visited_h.begin(), visited_h.end());
+  for (const auto& l : loaded_g) {
+    stats->kv_blocks_loaded += std::count(l.begin(), l.end(), char(1));
+    stats->kv_blocks_total += int64_t(l.size());
+  }
+  for (int h = 0; h < n_heads; ++h) {
+    stats->blocks_visited += visited_h[size_t(h)];
+    stats->blocks_total += total_h[size_t(h)];
+    if (measure) {
+      const double sh = share_h[size_t(h)];
+      stats->mass_sum += sh;
+      stats->mass_min = std::min(stats->mass_min, sh);
+      stats->mass_n += 1;
+      stats->mass_below_eps += sh < p.eps - 1e-6;  // short by more than float rounding
     }
-  });
-  if (stats) stats->last_visited_by_head.assign(visited_h.begin(), visited_h.end());
-  if (stats)
-    for (int h = 0; h < n_heads; ++h) {
-      stats->blocks_visited += visited_h[size_t(h)];
-      stats->blocks_total += total_h[size_t(h)];
-      if (measure) {
-        const double sh = share_h[size_t(h)];
-        stats->mass_sum += sh;
-        stats->mass_min = std::min(stats->mass_min, sh);
-        stats->mass_n += 1;
-        stats->mass_below_eps += sh < p.eps - 1e-6;  // short by more than float rounding
-      }
-    }
+  }
   return Status::ok();
 }
 

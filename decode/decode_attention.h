@@ -10,6 +10,13 @@
 //             min/max bounds over 64 keys the ranking is loose: one low-mass block ranked early
 //             makes AS_min tiny and ends the visit far short of eps (bench/results/retention.md
 //             measures the mass each rule captures).
+//   +gqa (psa+gqa:EPS, psa-avg+gqa:EPS): one visit per KV head instead of one per query head.
+//             Each query head of the group keeps its own ranking and stop rule, the heads take
+//             turns naming the next block (the best one of their own order not yet loaded), and
+//             every head folds every loaded block: a block is read once for the group, and a head
+//             whose rule has stopped still takes the mass of blocks its group-mates asked for.
+//             The visit ends when every head's rule has stopped. Blocks visited are then the
+//             blocks loaded for the KV head, the same count for each of its query heads.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -31,6 +38,7 @@ struct DecodeAttnParams {
   // as every sparse pattern here keeps the sink and the local window. "psa-strict:EPS" clears it.
   bool pin_sink_recent = true;
   PsaRemainder remainder = PsaRemainder::kAsMin;  // "psa-avg:EPS" sets kRecentMean
+  bool share_kv_head = false;                      // "+gqa": one visit per KV head (above)
   // psa: also score every block to measure the share of the true softmax mass the visit captured
   // (stats mass_*). A diagnostic for evaluation; it costs a full pass over the keys.
   bool measure_mass = false;
@@ -39,6 +47,11 @@ struct DecodeAttnParams {
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
 struct DecodeAttnStats {
   int64_t blocks_visited = 0, blocks_total = 0;
+  // Distinct blocks any query head of a KV head visited, summed over KV heads (and layers), and
+  // the blocks available to them: what a kernel reading each block once for its KV head's query
+  // heads would load. With +gqa it is blocks_visited / (query heads per KV head). Host only:
+  // the device session, whose kernel reports counts and not blocks, leaves both 0.
+  int64_t kv_blocks_loaded = 0, kv_blocks_total = 0;
   // The last call's blocks visited per query head (a device kernel's check).
   std::vector<int32_t> last_visited_by_head;
   // With measure_mass: over (head, step) visits, the sum of captured mass shares, their count,
@@ -55,7 +68,8 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
 // Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
-// "full", "psa:EPS", "psa-avg:EPS" or "psa-strict:EPS" (EPS in (0, 1]).
+// "full", or "psa", "psa-avg" or "psa-strict", optionally followed by "+gqa", then ":EPS" (EPS in
+// (0, 1]): "psa-avg+gqa:0.95".
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

@@ -280,6 +280,10 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
+  if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head)
+    return SF_ERR(kUnsupported,
+                  "device decode: psa '+gqa' (one visit per KV head) runs on the host only; the "
+                  "decode kernel visits per query head");
   if (c.head_dim != 32 && c.head_dim != 64 && c.head_dim != 128)
     return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
                                     " (the decode kernel takes 32, 64 or 128)");

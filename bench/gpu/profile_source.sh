@@ -5,6 +5,9 @@
 # and $OUT/ncu-source.csv (every line: samples, instructions executed).
 #   OUT=... SF_PROFILE_KERNELS=block_select SF_PROFILE_LENGTH=131072 \
 #     SF_PROFILE_MODE=block-sparse bench/gpu/profile_source.sh
+# SF_PROFILE_DECODE="ARGS" profiles sf_bench_decode ARGS instead of the attention benchmark (e.g.
+# SF_PROFILE_KERNELS=psa_kernel SF_PROFILE_DECODE="131072 32 8 128 1.0 f32"). SF_PROFILE_VIEW=cuda
+# ranks CUDA source lines instead of SASS lines (build with -DCMAKE_CUDA_FLAGS=-lineinfo).
 set -uo pipefail
 root="$(pwd)"
 # As in run.sh: the bench JSON these profiles embed names the commit the caller sent.
@@ -21,29 +24,42 @@ fi
 L="${SF_PROFILE_LENGTH:-131072}"
 mode="${SF_PROFILE_MODE:-block-sparse}"
 rep="$out/source.ncu-rep"
+view="${SF_PROFILE_VIEW:-sass}"
+if [[ -n "${SF_PROFILE_DECODE:-}" ]]; then
+  # shellcheck disable=SC2206  # the arguments are words on purpose
+  cmd=("$root/build-gpu/bench/sf_bench_decode" ${SF_PROFILE_DECODE})
+  what="SF_PROFILE_DECODE='${SF_PROFILE_DECODE}'"
+else
+  cmd=("$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L"
+       --modes "$mode" --dtypes bf16 --reps 1 --dense-ours-max 0 --host-estimate-max 0)
+  what="SF_PROFILE_LENGTH=$L SF_PROFILE_MODE=$mode"
+fi
 timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-block_select}" --launch-count 1 \
-  --section SourceCounters --section WarpStateStats -o "${rep%.ncu-rep}" -f \
-  "$root/build-gpu/tools/sparsefill" bench attention --lengths "$L" --sparse-lengths "$L" \
-  --modes "$mode" --dtypes bf16 --reps 1 --dense-ours-max 0 --host-estimate-max 0 \
-  >"$out/ncu-source.log" 2>&1
-"$ncu_bin" -i "$rep" --page source --csv --print-source sass >"$out/ncu-source.csv" 2>>"$out/ncu-source.log"
+  --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "${rep%.ncu-rep}" -f \
+  "${cmd[@]}" >"$out/ncu-source.log" 2>&1
+"$ncu_bin" -i "$rep" --page source --csv --print-source "$view" >"$out/ncu-source.csv" 2>>"$out/ncu-source.log"
+"$ncu_bin" -i "$rep" --page details >>"$out/ncu-source.log" 2>&1
 rm -f "$rep"
 {
-  echo "# command: SF_PROFILE_KERNELS='${SF_PROFILE_KERNELS:-block_select}' SF_PROFILE_LENGTH=$L SF_PROFILE_MODE=$mode bench/gpu/profile_source.sh"
+  echo "# command: SF_PROFILE_KERNELS='${SF_PROFILE_KERNELS:-block_select}' $what SF_PROFILE_VIEW=$view bench/gpu/profile_source.sh"
   echo "# commit: ${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}; device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); date: $(date -u +%FT%TZ)"
 } >"$out/ncu-source-top.txt"
 python3 - "$out/ncu-source.csv" >>"$out/ncu-source-top.txt" <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
-head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+# The header row is the one naming the stall samples (SASS view: "Address", "Source", ...; CUDA
+# view: "#", "Source", ...); the source text is the "Source" column.
+head = next(i for i, r in enumerate(rows)
+            if any(c.startswith("Warp Stall Sampling (All") for c in r))
 hdr, data = rows[head], [r for r in rows[head + 1:] if len(rows[head]) == len(r)]
 si = next(i for i, h in enumerate(hdr) if h.startswith("Warp Stall Sampling (All"))
 ei = next(i for i, h in enumerate(hdr) if h.startswith("Instructions Executed"))
+src = hdr.index("Source") if "Source" in hdr else 1
 tot = sum(float(r[si] or 0) for r in data) or 1.0
 print(f"{rows[0][1] if rows[0] else ''}: {int(tot)} stall samples over {len(data)} SASS lines")
 top = sorted(range(len(data)), key=lambda k: -float(data[k][si] or 0))[:60]
 for k in sorted(top):
     r = data[k]
-    print(f"{k:6d} {100 * float(r[si] or 0) / tot:5.1f}% {r[ei]:>12} {r[1].strip()}")
+    print(f"{k:6d} {100 * float(r[si] or 0) / tot:5.1f}% {r[ei]:>12} {r[src].strip()[:160]}")
 PY
 echo "profile_source.sh: wrote $out/ncu-source-top.txt"

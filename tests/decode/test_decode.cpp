@@ -245,6 +245,67 @@ TEST(DecodeAttention, PsaAvgReachesEpsWhereAMisrankedBlockFoolsAsMin) {
   EXPECT_EQ(all.blocks_visited, 20);
 }
 
+// +gqa: two query heads share one KV head, each with one hot block the other does not see
+// (head 0 on channel 0 in block 5, head 1 on channel 1 in block 12; every other key is zero).
+// Alone, each head's seed rule stops after its hot block and one cold one (2 blocks, the other
+// head's block missed). Sharing, the heads take turns: 5 (head 0), 12 (head 1), 0 (head 0, which
+// then stops), 1 (head 1, which then stops); both fold all four blocks, so each reads 4 blocks
+// and captures its mate's block too. The outputs equal a softmax over exactly those blocks.
+TEST(DecodeAttention, PsaGqaFoldsTheGroupsBlocks) {
+  const int n = 64 * 20, d = 16, hq = 2;
+  std::vector<float> q(size_t(hq * d), 0.f), k(size_t(n * d), 0.f), v(size_t(n * d));
+  q[0] = 1.f;      // head 0: channel 0
+  q[d + 1] = 1.f;  // head 1: channel 1
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < d; ++c) v[size_t(t * d + c)] = float((t * 5 + c * 7) % 13) - 6.f;
+  for (int t = 0; t < 64; ++t) {
+    k[size_t((5 * 64 + t) * d + 0)] = 24.f;   // q.k * 1/4 = 6 for head 0
+    k[size_t((12 * 64 + t) * d + 1)] = 24.f;  // and for head 1
+  }
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  auto run = [&](const char* spec, std::vector<float>* out, decode::DecodeAttnStats* st) {
+    auto p = decode::decode_attn_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << spec;
+    p->measure_mass = true;
+    out->assign(size_t(hq * d), 0.f);
+    ASSERT_TRUE(
+        decode::decode_attention(cache.value(), 0, q.data(), hq, p.value(), out->data(), st)
+            .is_ok());
+  };
+  std::vector<float> solo, shared;
+  decode::DecodeAttnStats ss, sg;
+  run("psa-strict:0.9", &solo, &ss);
+  run("psa-strict+gqa:0.9", &shared, &sg);
+  EXPECT_EQ(ss.last_visited_by_head, (std::vector<int32_t>{2, 2}));
+  EXPECT_EQ(sg.last_visited_by_head, (std::vector<int32_t>{4, 4}));
+  EXPECT_EQ(sg.blocks_visited, 8);
+  EXPECT_EQ(sg.blocks_total, 40);
+  // Loads for the KV head: alone the union {5, 0} + {12, 0}; shared, each block once.
+  EXPECT_EQ(ss.kv_blocks_loaded, 3);
+  EXPECT_EQ(sg.kv_blocks_loaded, 4);
+  EXPECT_EQ(sg.kv_blocks_total, 20);
+  // Captured mass per head: hot block 64 e^6 plus cold blocks of 64 each, of 64 e^6 + 19 x 64.
+  const double e6 = std::exp(6.0);
+  EXPECT_NEAR(ss.mass_sum, 2 * (e6 + 1) / (e6 + 19), 1e-6);
+  EXPECT_NEAR(sg.mass_sum, 2 * (e6 + 3) / (e6 + 19), 1e-6);
+  // Reference: each head's softmax over blocks {5, 12, 0, 1} in double.
+  for (int h = 0; h < hq; ++h) {
+    std::vector<double> ref(size_t(d), 0.0);
+    double z = 0;
+    for (int b : {5, 12, 0, 1})
+      for (int t = b * 64; t < b * 64 + 64; ++t) {
+        double s = 0;
+        for (int c = 0; c < d; ++c) s += double(q[size_t(h * d + c)]) * k[size_t(t * d + c)];
+        const double w = std::exp(s / 4.0);
+        z += w;
+        for (int c = 0; c < d; ++c) ref[size_t(c)] += w * v[size_t(t * d + c)];
+      }
+    for (int c = 0; c < d; ++c)
+      EXPECT_NEAR(shared[size_t(h * d + c)], ref[size_t(c)] / z, 1e-5) << "head " << h << " ch " << c;
+  }
+}
+
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
   EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
@@ -258,6 +319,16 @@ TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_EQ(a->remainder, decode::PsaRemainder::kRecentMean);
   EXPECT_TRUE(a->pin_sink_recent);
   EXPECT_DOUBLE_EQ(a->eps, 0.9);
+  auto g = decode::decode_attn_parse("psa-avg+gqa:0.9");
+  ASSERT_TRUE(g.is_ok());
+  EXPECT_TRUE(g->share_kv_head);
+  EXPECT_EQ(g->remainder, decode::PsaRemainder::kRecentMean);
+  EXPECT_FALSE(a->share_kv_head);
+  EXPECT_FALSE(decode::decode_attn_parse("psa-strict+gqa:0.9")->pin_sink_recent);
+  EXPECT_EQ(decode::decode_attn_parse("full+gqa").status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(decode::decode_attn_parse("psa+gqa").status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(decode::decode_attn_parse("psa+kv:0.9").status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(decode::decode_attn_parse("psa+gqa:2").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa-avg:0").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:1.5").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:").status().code(), Code::kOutOfRange);

@@ -116,7 +116,7 @@ struct Config {
   kvstore::KvEncoding enc = kvstore::KvEncoding::kF32;  // how the kept K/V are stored
   // Two tiers (--kv-dtype HIGH+LOW[:SHARE]): the low tier's encoding, and the share of the
   // budget's bytes the high tier takes (the policy's top tokens); the low tier spends the rest.
-  std::optional<kvstore::KvEncoding> low;
+  std::optional<kvstore::KvEncoding> low = std::nullopt;
   double high_share = 0.5;
 };
 
@@ -141,6 +141,7 @@ struct Measure {
   std::vector<int64_t> first_div;           // per window: first differing token (1-based), -1
   std::vector<double> div_gap;              // full-KV top-2 log-prob gap there, -1 if none
   int64_t blocks_visited = 0, blocks_total = 0;
+  int64_t kv_blocks_loaded = 0, kv_blocks_total = 0;
   double mass_sum = 0, mass_min = 1;  // psa: captured softmax mass over (layer, head, step)
   int64_t mass_n = 0, mass_below = 0;
   int passkey_hits = 0, passkey_n = 0;
@@ -448,6 +449,8 @@ int cmd_retention_eval(int argc, char** argv) {
       const auto& st = s->stats();
       me.blocks_visited += st.blocks_visited;
       me.blocks_total += st.blocks_total;
+      me.kv_blocks_loaded += st.kv_blocks_loaded;
+      me.kv_blocks_total += st.kv_blocks_total;
       me.mass_sum += st.mass_sum;
       me.mass_n += st.mass_n;
       me.mass_below += st.mass_below_eps;
@@ -476,11 +479,12 @@ int cmd_retention_eval(int argc, char** argv) {
       me.kl.push_back(kl / double(T));
       std::printf(
           "%-10s %-5.2f %-15s span %-3d %-4s kv %.3f (tokens %.3f)  greedy_match %.3f (forced "
-          "%.3f)  kl %.5f  blocks %.3f  mass %.4f (min %.4f, below eps %.3f)\n",
+          "%.3f)  kl %.5f  blocks %.3f (kv %.3f)  mass %.4f (min %.4f, below eps %.3f)\n",
           kvstore::retention_kind_name(c.kind), c.budget, c.decode_spec.c_str(), c.span,
           enc_name(c).c_str(), double(me.kv_bytes.back()) / double(me.kv_bytes_full),
           me.kept_frac.back(), me.greedy.back(), me.forced.back(), me.kl.back(),
           st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0,
+          st.kv_blocks_total ? double(st.kv_blocks_loaded) / double(st.kv_blocks_total) : 1.0,
           st.mass_n ? st.mass_sum / double(st.mass_n) : 1.0, st.mass_min,
           st.mass_n ? double(st.mass_below_eps) / double(st.mass_n) : 0.0);
       std::fflush(stdout);
@@ -592,8 +596,12 @@ int cmd_retention_eval(int argc, char** argv) {
          "snapkv, adakv, pyramid: a position also takes the best importance of the span - 1 "
          "positions before it, so a scored token is kept with those after it (1: plain)"},
         {"blocks_visited_frac",
-         "decode attention blocks visited / available, over heads, layers, steps and windows (1 "
-         "for full)"},
+         "decode attention blocks visited / available, over query heads, layers, steps and "
+         "windows (1 for full)"},
+        {"kv_blocks_loaded_frac",
+         "blocks any query head of a KV head visited / available, over KV heads, layers, steps "
+         "and windows: the reads of a kernel that loads a block once for its KV head's query "
+         "heads (psa +gqa: equal to blocks_visited_frac)"},
         {"importance",
          "SnapKV column sums of the last obs_window queries' softmax from the "
          "prefill LSE, max-pooled with kernel 7"}};
@@ -651,6 +659,8 @@ int cmd_retention_eval(int argc, char** argv) {
       }
       r["blocks_visited_frac"] =
           me.blocks_total ? double(me.blocks_visited) / double(me.blocks_total) : 1.0;
+      r["kv_blocks_loaded_frac"] =
+          me.kv_blocks_total ? double(me.kv_blocks_loaded) / double(me.kv_blocks_total) : 1.0;
       if (k == kvstore::RetentionKind::kMoA) {
         // The spans the document prompt kept (passkey prompts re-solve the scale for their N).
         json::array spans;

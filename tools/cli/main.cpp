@@ -24,7 +24,7 @@ void usage() {
                "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--no-passkey] [--dump-nll PREFIX] --out FILE.json\n"
                "  eval     --retention full|streaming|snapkv|adakv|pyramid|layerwise|moa[:config=F[,sink=S]][,...]\n"
                "           [--budget 0.1,0.25,0.5] [--span 1[,N...]]\n"
-               "           [--decode full|psa:EPS|psa-avg:EPS[,...]] [--psa EPS|psa-avg:EPS[,...]] [--length 8192] [--tokens 64]\n"
+               "           [--decode full|psa[-avg][+gqa]:EPS[,...]] [--psa EPS|psa[-avg][+gqa]:EPS[,...]] [--length 8192] [--tokens 64]\n"
                "           [--windows K] [--passkey-trials N]\n"
                "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"
                "  search   --model PATH|default --calib F[,F2..] --target-density D --out configs/NAME.json [--length L]\n"
