@@ -5,14 +5,16 @@
 // device pool in each of the listed encodings (f32, bf16, int8; the host reference is F32).
 // Planted keys (as in test_device_decode): N(0, 0.3) with a few blocks per KV head pulled toward
 // one query head's direction, so PSA has mass to find. Prints one JSON line per mode: time per
-// call, blocks visited, and the K/V bytes of the visited blocks per second (each KV head's
-// blocks counted once, though its 4 query heads each read them, in the pool's encoding with its
-// scales and zeros).
+// call, blocks visited (over all query heads; the most any one head visited, which sets a PSA
+// launch's time; and, host, the distinct blocks per KV head), and the K/V bytes of the visited
+// blocks per second (each KV head's blocks counted once, though its 4 query heads each read
+// them, in the pool's encoding with its scales and zeros).
 //   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128] [pull=0.15]
 //                   [pools=f32,bf16,int8]
 // pull: how far the planted blocks' keys move toward the query (larger: PSA stops sooner).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -119,6 +121,7 @@ int main(int argc, char** argv) {
   const char* specs[] = {"full", "psa:0.95", "psa-avg:0.95"};
   double host_us[3] = {};
   int64_t host_visited[3] = {};
+  double host_kv_loaded[3] = {};  // blocks any query head of a KV head visited / available
   for (int si = 0; si < 3; ++si) {
     auto p = decode::decode_attn_parse(specs[si]);
     std::vector<float> out(q.size());
@@ -134,6 +137,7 @@ int main(int argc, char** argv) {
     }
     host_us[si] = 1e6 * (now_s() - t0) / host_reps;
     host_visited[si] = hs.blocks_visited;
+    host_kv_loaded[si] = double(hs.kv_blocks_loaded) / double(hs.kv_blocks_total);
   }
   for (const kvstore::KvEncoding enc : pools) {
     auto pool = decode::DevicePagedPool::upload(cache.value(), 0, enc);
@@ -175,19 +179,22 @@ int main(int argc, char** argv) {
       std::vector<int32_t> vis(static_cast<size_t>(hq));
       (void)dvis.download(vis.data(), vis.size() * 4);
       int64_t visited = 0;
-      for (int32_t v : vis) visited += v;
+      int32_t most = 0;  // the query head that visits most sets a PSA launch's time
+      for (int32_t v : vis) visited += v, most = std::max(most, v);
       const double visited_frac = double(visited) / double(int64_t(hq) * nb);
       const double bytes = visited_frac * double(nb) * hkv * block_bytes;
       std::printf(
           "{\"device\": \"%s\", \"pool\": \"%s\", \"pool_bytes\": %zu, \"pull\": %.2f, "
           "\"tokens\": %lld, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
           "\"mode\": \"%s\", \"blocks_visited_frac\": %.4f, \"host_blocks_visited\": %lld, "
-          "\"device_blocks_visited\": %lld, \"device_us\": %.1f, \"host_us\": %.1f, "
+          "\"device_blocks_visited\": %lld, \"max_head_blocks_visited_frac\": %.4f, "
+          "\"kv_blocks_loaded_frac\": %.4f, \"device_us\": %.1f, \"host_us\": %.1f, "
           "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s, "
           "\"commit\": \"%s\", \"command\": \"%s\"}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
-          static_cast<long long>(host_visited[si]), static_cast<long long>(visited), dev_us,
+          static_cast<long long>(host_visited[si]), static_cast<long long>(visited),
+          double(most) / double(nb), host_kv_loaded[si], dev_us,
           host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
           commit.c_str(), command.c_str());
     }
