@@ -54,8 +54,10 @@ struct PagedDecodeParams {
   bool share_kv_heads = true;
 };
 
-// Device memory the full mode needs for its split partials (0 when it needs none): a plan step,
-// fixed by n_heads, head_dim, max_pages and the device's SM count. 0 without CUDA.
+// Device memory either mode needs (full: its split partials; psa: the bounds, visit order, walk
+// state and one round's block results per query head, about 0.5 MB a head at 2,048 pages and
+// head_dim 128): a plan step, fixed by n_heads, head_dim, max_pages and the device's SM count.
+// 0 without CUDA.
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv);
 
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32

@@ -21,15 +21,13 @@
 //         for up to 4 query heads, splits for one wave at that kernel's occupancy (2x faster
 //         than a warp per head on H100; BF16 lost at 128K, where the kernel's registers leave
 //         too few loads in flight, so BF16 keeps a warp per head: bench/NOTES.md).
-//   psa:  a cluster of 4 CTAs of 16 warps per query head. The CTAs compute a quarter of the
-//         bounds each (a thread per block, summed in the host's order) and exchange them through
-//         distributed shared memory; each sorts them (bitonic, up to kDecodeMaxPages). The ranked
-//         blocks are then visited 64 at a time, a warp each across the cluster, and the leader
-//         CTA's warp 0 gathers the 64 results and evaluates the host's sequential stop rule as
-//         prefix computations to find the first block where it holds; blocks past the stop are
-//         discarded, so the visit set is the host's and at most 63 blocks' reads are wasted per
-//         query head.
-#include <cooperative_groups.h>
+//   psa:  in rounds over the whole device (psa_round_size, above psa_bounds_kernel): every
+//         head's bounds (a thread each), a CTA per head sorting them, then per round a warp per
+//         (head, ranked block) over every SM and a warp per head applying the host's sequential
+//         stop rule to the round as prefix computations, 64 blocks at a time. Blocks past the
+//         stop are discarded, so the visit set is the host's; a head that stops early wastes
+//         at most its last round's reads, and one that visits most of its blocks is read by the
+//         whole device rather than by one SM group (bench/NOTES.md, twenty-ninth session).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -47,13 +45,9 @@
 
 namespace sf::kernels::cuda {
 namespace {
-namespace cg = cooperative_groups;
 
 constexpr int kBT = kDecodeBlockTokens;
 constexpr int kFullWarps = 4;   // per CTA, full mode
-constexpr int kPsaWarps = 16;   // per CTA, psa mode
-constexpr int kPsaCluster = 4;  // CTAs per query head, psa mode
-constexpr int kPsaBatch = kPsaWarps * kPsaCluster;  // ranked blocks scored at once, psa mode
 constexpr unsigned kAll = 0xffffffffu;
 
 struct DecodeArgs {
@@ -611,68 +605,117 @@ __device__ float block_bound(const float* q, const float* kmin, const float* kma
   return isnan(u) ? -INFINITY : u;
 }
 
-struct PsaShared {
-  // This CTA's blocks of the batch (slot = warp).
-  float bm[kPsaWarps];
-  double mass[kPsaWarps];
-  int n[kPsaWarps];
-  // Leader CTA only: the batch's results gathered from the cluster (rank order), each block's
-  // weight in the merged frame (0: past the stop, or empty), the running output's rescale into
-  // that frame, and whether the visit ends here.
-  float all_bm[kPsaBatch];
-  double all_mass[kPsaBatch];
-  int all_n[kPsaBatch];
-  double fb[kPsaBatch];        // the walk: each block's full-block mass if ranked
-  unsigned char rk[kPsaBatch];  // ... and whether it is ranked (not pinned, not empty)
-  float w[kPsaBatch];
-  float rescale;
-  int done;
+// PSA in rounds over the whole device. A launch is a fixed sequence of kernels (no host wait, so
+// a CUDA graph can hold it): psa_bounds_kernel (every head's block bounds, a thread each),
+// psa_rank_kernel (a CTA per head sorts them), then for each round r psa_round_kernel (a warp per
+// (head, ranked block) of the round, over every SM) and psa_walk_kernel (a warp per head applies
+// the host's stop rule to the round's blocks in rank order, 64 at a time, and folds the kept
+// ones). Round r covers psa_round_size(r) ranked blocks (64, 128, ... up to kPsaRoundCap), so a
+// head that stops early wastes at most one round's reads, and a head that visits most of its
+// blocks gets them read by the whole device in a few rounds instead of by one SM group in many
+// batches. A head whose rule has stopped is skipped by the later rounds.
+constexpr int kPsaChunk = 64;        // blocks the walk tests at once (two a lane)
+constexpr int kPsaRoundCap = 1024;   // the largest round
+constexpr int kPsaRankThreads = 512;
+
+__host__ __device__ inline int psa_round_size(int r) {
+  return r >= 4 ? kPsaRoundCap : kPsaChunk << r;  // 64, 128, 256, 512, 1024, 1024, ...
+}
+
+// A head's walk state between rounds (the host's scalars, in the frame of the running max m).
+struct PsaHeadState {
+  double acc, as_min, last4[kPsaRecentBlocks];
+  float m;
+  int visited, ranked, done;
 };
 
-// A cluster of kPsaCluster CTAs per query head (grid index = head * kPsaCluster + rank). Each CTA
-// ranks the head's blocks itself (the same order everywhere), then every batch takes kPsaBatch
-// ranked blocks, a warp each across the cluster; the leader (rank 0) reads the results through
-// distributed shared memory, applies the stop rule and merges the outputs.
-template <int D, PoolDType T>
-__global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps * 32)
-    psa_kernel(const DecodeArgs a) {
-  constexpr int LPR = D / 4;
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ PsaShared ps;
-  __shared__ float4 wo[kPsaWarps][LPR];
-  __shared__ __align__(16) float qs[D];  // read as float4
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const bool leader = rank == 0;
-  const int h = blockIdx.x / kPsaCluster, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = h / (a.n_heads / a.kv.n_kv_heads);
+// Where each part of the PSA workspace lives (byte offsets, 256-aligned), for n_heads query heads
+// over pools of up to max_pages blocks per KV head.
+struct PsaLayout {
+  int rounds = 0, round_max = 0;  // the rounds that cover max_pages; the largest one's size
+  size_t state = 0, o = 0, ub = 0, ord = 0, r_bm = 0, r_n = 0, r_mass = 0, r_o = 0, bytes = 0;
+};
+PsaLayout psa_layout(int n_heads, int max_pages, int d) {
+  PsaLayout L;
+  for (int covered = 0; covered < max_pages; ++L.rounds) {
+    covered += psa_round_size(L.rounds);
+    L.round_max = psa_round_size(L.rounds);
+  }
+  const size_t h = size_t(n_heads), P = size_t(max_pages), R = size_t(L.round_max);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t off = at;
+    at += (bytes + 255) / 256 * 256;
+    return off;
+  };
+  L.state = take(h * sizeof(PsaHeadState));
+  L.o = take(h * size_t(d) * sizeof(float));
+  L.ub = take(h * P * sizeof(float));
+  L.ord = take(h * P * sizeof(int));
+  L.r_bm = take(h * R * sizeof(float));
+  L.r_n = take(h * R * sizeof(int));
+  L.r_mass = take(h * R * sizeof(double));
+  L.r_o = take(h * R * size_t(d) * sizeof(float));
+  L.bytes = at;
+  return L;
+}
+
+struct PsaWs {
+  PsaHeadState* state;
+  float* o;   // [n_heads][D] the running output
+  float* ub;  // [n_heads][max_pages] bounds, then (psa_rank_kernel) nothing
+  int* ord;   // [n_heads][max_pages] page indices in visit order
+  float* r_bm;  // [n_heads][round_max] this round's block results, by slot
+  int* r_n;
+  double* r_mass;
+  float* r_o;  // [n_heads][round_max][D]
+  int round_max;
+};
+PsaWs psa_ws(void* base, const PsaLayout& L) {
+  char* b = static_cast<char*>(base);
+  return PsaWs{reinterpret_cast<PsaHeadState*>(b + L.state), reinterpret_cast<float*>(b + L.o),
+               reinterpret_cast<float*>(b + L.ub),           reinterpret_cast<int*>(b + L.ord),
+               reinterpret_cast<float*>(b + L.r_bm),         reinterpret_cast<int*>(b + L.r_n),
+               reinterpret_cast<double*>(b + L.r_mass),      reinterpret_cast<float*>(b + L.r_o),
+               L.round_max};
+}
+
+__device__ __forceinline__ int head_kv(const DecodeArgs& a, int h) {
+  return h / (a.n_heads / a.kv.n_kv_heads);
+}
+
+// A thread per (query head, block): the host's bound (pinned blocks rank first).
+template <int D>
+__global__ void psa_bounds_kernel(const DecodeArgs a, const PsaWs w) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int P = a.kv.max_pages;
+  if (idx >= int64_t(a.n_heads) * P) return;
+  const int h = int(idx / P), b = int(idx % P), g = head_kv(a, h);
   const int nb = a.kv.n_pages[g];
-  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  if (b >= nb) return;
+  const int64_t blk = a.kv.pages[int64_t(g) * P + b];
+  w.ub[idx] = (a.pin && (b == 0 || b == nb - 1))
+                  ? INFINITY
+                  : block_bound<D>(a.q + int64_t(h) * D, a.kv.kmin + blk * D, a.kv.kmax + blk * D);
+}
+
+// A CTA per query head: sorts its bounds into the visit order (bitonic, in shared memory) and
+// resets its walk state. A head with no blocks is finished here.
+template <int D>
+__global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeArgs a,
+                                                                    const PsaWs w) {
+  extern __shared__ unsigned char smem_raw[];
+  const int h = blockIdx.x, tid = threadIdx.x, g = head_kv(a, h);
+  const int nb = a.kv.n_pages[g], P = a.kv.max_pages;
   int np2 = 1;
   while (np2 < nb) np2 <<= 1;
-  float* ub = reinterpret_cast<float*>(smem_raw);  // [np2] bounds
-  int* ord = reinterpret_cast<int*>(ub + np2);      // [np2] page indices in visit order
-
-  for (int c = tid; c < D; c += blockDim.x) qs[c] = a.q[int64_t(h) * D + c];
-  __syncthreads();
-  // Each CTA bounds every kPsaCluster-th block, then takes the others' from their shared memory:
-  // every CTA holds the same bounds and sorts them the same way.
+  float* ub = reinterpret_cast<float*>(smem_raw);  // [np2]
+  int* ord = reinterpret_cast<int*>(ub + np2);      // [np2]
   for (int b = tid; b < np2; b += blockDim.x) {
     ord[b] = b;
-    if (b >= nb) {
-      ub[b] = -INFINITY;
-      continue;
-    }
-    if (b % kPsaCluster != rank) continue;
-    const int64_t blk = pages[b];
-    ub[b] = (a.pin && (b == 0 || b == nb - 1))
-                ? INFINITY
-                : block_bound<D>(qs, a.kv.kmin + blk * D, a.kv.kmax + blk * D);
+    ub[b] = b < nb ? w.ub[int64_t(h) * P + b] : -INFINITY;
   }
-  cluster.sync();
-  for (int b = tid; b < nb; b += blockDim.x)
-    if (b % kPsaCluster != rank) ub[b] = cluster.map_shared_rank(ub, b % kPsaCluster)[b];
-  cluster.sync();  // every CTA has copied before any sorts its bounds in place
+  __syncthreads();
   for (int k = 2; k <= np2; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = tid; i < np2; i += blockDim.x) {
@@ -692,59 +735,99 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       }
       __syncthreads();
     }
+  for (int b = tid; b < nb; b += blockDim.x) w.ord[int64_t(h) * P + b] = ord[b];
+  for (int c = tid; c < D; c += blockDim.x) w.o[int64_t(h) * D + c] = 0.f;
+  if (tid == 0) {
+    PsaHeadState st{};
+    st.acc = 0;
+    st.as_min = INFINITY;
+    st.m = -INFINITY;
+    st.done = nb == 0;
+    w.state[h] = st;
+    if (nb == 0 && a.visited) a.visited[h] = 0;
+  }
+  if (nb == 0)
+    for (int c = tid; c < D; c += blockDim.x) a.out[int64_t(h) * D + c] = 0.f;
+}
 
-  float qf[kElemsPerLoad<T>];
-  load_q<D, T>(qs, qf);
-  // The leader's warp 0 keeps the host's scalars (the same in every lane), in the frame of the
-  // running max m.
-  float m = -INFINITY;
-  double acc = 0, as_min = INFINITY, last4[kPsaRecentBlocks] = {};
-  int visited = 0, ranked = 0;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // leader threads < LPR: the running output
-  for (int base = 0; base < nb; base += kPsaBatch) {
-    const int i = base + rank * kPsaWarps + warp;
-    if (i < nb) {
-      const int64_t blk = pages[ord[i]];
-      const int n = a.kv.fill[blk];
-      float bm = -INFINITY;
-      double mass = 0;
-      float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (n > 0) warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
-      if (lane < LPR) wo[warp][lane] = ob;
-      if (lane == 0) ps.bm[warp] = bm, ps.mass[warp] = mass, ps.n[warp] = n;
-    }
-    cluster.sync();
-    const int cnt = min(kPsaBatch, nb - base);
-    if (leader && warp == 0) {
-      // Gather the batch's results with every lane's remote loads in flight.
-      for (int w = lane; w < cnt; w += 32) {
-        const PsaShared* r = cluster.map_shared_rank(&ps, w / kPsaWarps);
-        const int slot = w % kPsaWarps;
-        ps.all_n[w] = r->n[slot];
-        ps.all_bm[w] = r->bm[slot];
-        ps.all_mass[w] = r->mass[slot];
-      }
-      __syncwarp();
-    }
-    if (leader && warp == 0) {
-      // The host's walk (decode_attention.cpp) over the batch in rank order, up to its stop, as
-      // prefix computations: at each block the running mass, AS_min, the ranked count and the
-      // last kPsaRecentBlocks ranked masses are prefix quantities, so the warp finds the first
-      // block where the stop test holds at once. Masses are taken in the frame of the batch's
-      // largest max M (the test is a ratio, so the frame changes only rounding), then carried
-      // in the frame of the visited blocks' max.
-      constexpr int kPer = kPsaBatch / 32;  // consecutive blocks per lane
+// Round kernel: warp (head, slot) scores ranked block start + slot of its head, unless the head
+// is done or has fewer blocks. Grid: n_heads x ceil(size / kFullWarps) CTAs.
+template <int D, PoolDType T>
+__global__ void __launch_bounds__(kFullWarps * 32)
+    psa_round_kernel(const DecodeArgs a, const PsaWs w, int start, int size) {
+  constexpr int LPR = D / 4;
+  const int per_head = (size + kFullWarps - 1) / kFullWarps;
+  const int h = blockIdx.x / per_head, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = (blockIdx.x % per_head) * kFullWarps + warp, i = start + slot;
+  const int g = head_kv(a, h), nb = a.kv.n_pages[g];
+  if (slot >= size || i >= nb || w.state[h].done) return;
+  const int P = a.kv.max_pages;
+  const int64_t blk = a.kv.pages[int64_t(g) * P + w.ord[int64_t(h) * P + i]];
+  const int n = a.kv.fill[blk];
+  float bm = -INFINITY;
+  double mass = 0;
+  float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n > 0) {
+    float qf[kElemsPerLoad<T>];
+    load_q<D, T>(a.q + int64_t(h) * D, qf);
+    warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
+  }
+  const int64_t r = int64_t(h) * w.round_max + slot;
+  if (lane < LPR) reinterpret_cast<float4*>(w.r_o + r * D)[lane] = ob;
+  if (lane == 0) w.r_bm[r] = bm, w.r_mass[r] = mass, w.r_n[r] = n;
+}
+
+// Walk kernel: one warp per query head takes the round's results in rank order, kPsaChunk at a
+// time, and applies the host's walk (decode_attention.cpp) up to its stop as prefix computations:
+// at each block the running mass, AS_min, the ranked count and the last kPsaRecentBlocks ranked
+// masses are prefix quantities, so the warp finds the first block where the stop test holds at
+// once. Masses are taken in the frame of the chunk's largest max M (the test is a ratio, so the
+// frame changes only rounding), then carried in the frame of the visited blocks' max. Warp 0
+// walks; then each of the kPsaWalkWarps warps folds a quarter of the chunk's kept blocks (lane
+// l < D / 4: channels 4 l .. 4 l + 3, its loads in flight together) and warp 0 adds the partials
+// to the running output.
+constexpr int kPsaWalkWarps = 4;
+template <int D>
+__global__ void __launch_bounds__(kPsaWalkWarps * 32)
+    psa_walk_kernel(const DecodeArgs a, const PsaWs w, int start, int size) {
+  constexpr int LPR = D / 4;
+  constexpr int kPer = kPsaChunk / 32;  // consecutive blocks per lane
+  __shared__ double fb_s[kPsaChunk];         // each block's full-block mass if ranked
+  __shared__ unsigned char rk_s[kPsaChunk];  // ... and whether it is ranked (not pinned, empty)
+  __shared__ float w_s[kPsaChunk];           // each block's weight in the merged frame, 0: dropped
+  __shared__ float4 part_s[kPsaWalkWarps][LPR];  // the warps' folded quarters of a chunk
+  __shared__ float rescale_s;
+  __shared__ int done_s;
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = head_kv(a, h);
+  const int nb = a.kv.n_pages[g], P = a.kv.max_pages;
+  PsaHeadState st = w.state[h];
+  if (st.done || start >= nb) return;
+  float4 o = warp == 0 && lane < LPR ? reinterpret_cast<const float4*>(w.o + int64_t(h) * D)[lane]
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+  float m = st.m;
+  double acc = st.acc, as_min = st.as_min, last4[kPsaRecentBlocks];
+#pragma unroll
+  for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] = st.last4[j];
+  int visited = st.visited, ranked = st.ranked;
+  bool finished = false;
+  const int end = min(nb, start + size);
+  for (int base = start; base < end && !finished; base += kPsaChunk) {
+    const int cnt = min(kPsaChunk, end - base);
+    const int64_t r0 = int64_t(h) * w.round_max + (base - start);
+    if (warp == 0) {
       float bmk[kPer];
+      double mk[kPer];
       bool valid[kPer];
       float bmax = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
-        const int w = lane * kPer + k;
-        valid[k] = w < cnt && ps.all_n[w] > 0;
-        bmk[k] = valid[k] ? ps.all_bm[w] : -INFINITY;
+        const int x = lane * kPer + k;
+        valid[k] = x < cnt && w.r_n[r0 + x] > 0;
+        bmk[k] = valid[k] ? w.r_bm[r0 + x] : -INFINITY;
+        mk[k] = valid[k] ? w.r_mass[r0 + x] : 0.0;
         bmax = fmaxf(bmax, bmk[k]);
       }
-      for (int o = 16; o >= 1; o >>= 1) bmax = fmaxf(bmax, __shfl_xor_sync(kAll, bmax, o));
+      for (int s = 16; s >= 1; s >>= 1) bmax = fmaxf(bmax, __shfl_xor_sync(kAll, bmax, s));
       const float M = fmaxf(m, bmax);
       const double into = (m == -INFINITY) ? 0.0 : exp(double(m) - double(M));
       const double acc0 = acc * into, asmin0 = isfinite(as_min) ? as_min * into : INFINITY;
@@ -757,13 +840,13 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       int lane_cnt = 0;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
-        const int w = lane * kPer + k;
-        const double as = valid[k] ? ps.all_mass[w] * exp(double(bmk[k]) - double(M)) : 0.0;
-        const int pi = w < cnt ? ord[base + w] : -1;
+        const int x = lane * kPer + k;
+        const double as = valid[k] ? mk[k] * exp(double(bmk[k]) - double(M)) : 0.0;
+        const int pi = x < cnt ? w.ord[int64_t(h) * P + base + x] : -1;
         const bool rk = valid[k] && !(a.pin && (pi == 0 || pi == nb - 1));
-        const double fb = rk ? as * double(kBT) / double(ps.all_n[w]) : INFINITY;
-        ps.fb[w] = fb;
-        ps.rk[w] = rk;
+        const double fb = rk ? as * double(kBT) / double(w.r_n[r0 + x]) : INFINITY;
+        fb_s[x] = fb;
+        rk_s[x] = rk;
         lane_sum += as;
         lane_cnt += rk;
         lane_min = fmin(lane_min, fb);
@@ -774,42 +857,42 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       // Inclusive scans of the lanes' totals, then each lane's exclusive prefix.
       double xs = lane_sum, xm = lane_min;
       int xc = lane_cnt;
-      for (int o = 1; o < 32; o <<= 1) {
-        const double s2 = __shfl_up_sync(kAll, xs, o), m2 = __shfl_up_sync(kAll, xm, o);
-        const int c2 = __shfl_up_sync(kAll, xc, o);
-        if (lane >= o) xs += s2, xm = fmin(xm, m2), xc += c2;
+      for (int s = 1; s < 32; s <<= 1) {
+        const double s2 = __shfl_up_sync(kAll, xs, s), m2 = __shfl_up_sync(kAll, xm, s);
+        const int c2 = __shfl_up_sync(kAll, xc, s);
+        if (lane >= s) xs += s2, xm = fmin(xm, m2), xc += c2;
       }
       double ex_s = __shfl_up_sync(kAll, xs, 1), ex_m = __shfl_up_sync(kAll, xm, 1);
       int ex_c = __shfl_up_sync(kAll, xc, 1);
       if (lane == 0) ex_s = 0, ex_m = INFINITY, ex_c = 0;
-      __syncwarp();  // ps.fb and ps.rk are read across lanes below
-      // The last kPsaRecentBlocks ranked masses up to block w, newest first from the batch, then
+      __syncwarp();  // fb_s and rk_s are read across lanes below
+      // The last kPsaRecentBlocks ranked masses up to block x, newest first from the chunk, then
       // from the carry; their mean.
-      auto recent_mean_at = [&](int w) {
+      auto recent_mean_at = [&](int x) {
         double sum = 0;
         int got = 0;
-        for (int j = w; j >= 0 && got < kPsaRecentBlocks; --j)
-          if (ps.rk[j]) sum += ps.fb[j], ++got;
+        for (int j = x; j >= 0 && got < kPsaRecentBlocks; --j)
+          if (rk_s[j]) sum += fb_s[j], ++got;
         for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j, ++got) sum += l4[j];
         return sum / kPsaRecentBlocks;
       };
-      int first = kPsaBatch;
+      int first = kPsaChunk;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
-        const int w = lane * kPer + k;
-        if (first < kPsaBatch || !valid[k]) continue;  // the host tests nonempty blocks only
-        const double acc_w = acc0 + ex_s + pre_sum[k];
-        const int rank_w = ranked + ex_c + pre_cnt[k];
-        if (rank_w == 0) continue;
+        const int x = lane * kPer + k;
+        if (first < kPsaChunk || !valid[k]) continue;  // the host tests nonempty blocks only
+        const double acc_x = acc0 + ex_s + pre_sum[k];
+        const int rank_x = ranked + ex_c + pre_cnt[k];
+        if (rank_x == 0) continue;
         double per = fmin(asmin0, fmin(ex_m, pre_min[k]));
         if (a.recent_mean) {
-          if (rank_w < kPsaRecentBlocks) continue;
-          per = recent_mean_at(w);
+          if (rank_x < kPsaRecentBlocks) continue;
+          per = recent_mean_at(x);
         }
-        const double left = double(nb - (visited + w + 1));
-        if (acc_w >= a.eps * (acc_w + per * left)) first = w;  // the host's test, no division
+        const double left = double(nb - (visited + x + 1));
+        if (acc_x >= a.eps * (acc_x + per * left)) first = x;  // the host's test, no division
       }
-      for (int o = 16; o >= 1; o >>= 1) first = min(first, __shfl_xor_sync(kAll, first, o));
+      for (int s = 16; s >= 1; s >>= 1) first = min(first, __shfl_xor_sync(kAll, first, s));
       const bool stop = first < cnt;
       const int take = stop ? first + 1 : cnt;
       // The state after block take - 1, from the lane that holds it.
@@ -825,17 +908,17 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       t_sum = __shfl_sync(kAll, t_sum + ex_s, owner);
       t_min = __shfl_sync(kAll, fmin(t_min, ex_m), owner);
       t_cnt = __shfl_sync(kAll, t_cnt + ex_c, owner);
-      for (int o = 16; o >= 1; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(kAll, mt, o));
+      for (int s = 16; s >= 1; s >>= 1) mt = fmaxf(mt, __shfl_xor_sync(kAll, mt, s));
       const float m_take = fmaxf(m, mt);
       double n4[kPsaRecentBlocks];
       {
         int got = 0;
         for (int j = last; j >= 0 && got < kPsaRecentBlocks; --j)
-          if (ps.rk[j]) n4[kPsaRecentBlocks - 1 - got++] = ps.fb[j];
+          if (rk_s[j]) n4[kPsaRecentBlocks - 1 - got++] = fb_s[j];
         for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j)
           n4[kPsaRecentBlocks - 1 - got++] = l4[j];
       }
-      // From the batch frame M to the visited blocks' frame m_take (<= M).
+      // From the chunk frame M to the visited blocks' frame m_take (<= M).
       const double out = m_take == -INFINITY ? 1.0 : exp(double(M) - double(m_take));
       acc = (acc0 + t_sum) * out;
       const double mn = fmin(asmin0, t_min);
@@ -846,40 +929,71 @@ __global__ void __cluster_dims__(kPsaCluster, 1, 1) __launch_bounds__(kPsaWarps 
       visited += take;
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
-        const int w = lane * kPer + k;
-        if (w < cnt) ps.w[w] = (valid[k] && w < take) ? expf(bmk[k] - m_take) : 0.f;
+        const int x = lane * kPer + k;
+        if (x < cnt) w_s[x] = (valid[k] && x < take) ? expf(bmk[k] - m_take) : 0.f;
       }
       if (lane == 0) {
-        ps.rescale = m_take == -INFINITY ? 1.f : (m == -INFINITY ? 0.f : expf(m - m_take));
-        ps.done = stop || base + cnt >= nb;
+        rescale_s = m_take == -INFINITY ? 1.f : (m == -INFINITY ? 0.f : expf(m - m_take));
+        done_s = stop || base + cnt >= nb;
       }
       m = m_take;
+    }  // warp 0
+    __syncthreads();  // w_s, rescale_s and done_s are read by every warp
+    if (lane < LPR) {
+      // This warp's quarter of the chunk, every load issued before the adds.
+      constexpr int kQ = kPsaChunk / kPsaWalkWarps;
+      float4 ob[kQ];
+      float wt[kQ];
+#pragma unroll
+      for (int j = 0; j < kQ; ++j) {
+        const int x = warp * kQ + j;
+        wt[j] = x < cnt ? w_s[x] : 0.f;
+        ob[j] = wt[j] != 0.f ? reinterpret_cast<const float4*>(w.r_o + (r0 + x) * D)[lane]
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < kQ; ++j)
+        p.x += wt[j] * ob[j].x, p.y += wt[j] * ob[j].y, p.z += wt[j] * ob[j].z,
+            p.w += wt[j] * ob[j].w;
+      part_s[warp][lane] = p;
     }
-    cluster.sync();
-    if (leader && tid < LPR) {
-      const float f = ps.rescale;
+    __syncthreads();
+    if (warp == 0 && lane < LPR) {
+      const float f = rescale_s;
       o.x *= f, o.y *= f, o.z *= f, o.w *= f;
-#pragma unroll 8
-      for (int w = 0; w < cnt; ++w) {
-        const float wt = ps.w[w];
-        if (wt == 0.f) continue;
-        const float4 ob = cluster.map_shared_rank(&wo[0][0], w / kPsaWarps)[(w % kPsaWarps) * LPR + tid];
-        o.x += wt * ob.x, o.y += wt * ob.y, o.z += wt * ob.z, o.w += wt * ob.w;
+#pragma unroll
+      for (int q = 0; q < kPsaWalkWarps; ++q) {
+        const float4 p = part_s[q][lane];
+        o.x += p.x, o.y += p.y, o.z += p.z, o.w += p.w;
       }
     }
-    const bool done = cluster.map_shared_rank(&ps, 0)->done;
-    cluster.sync();  // the leader is done reading this batch's results before they are rewritten
-    if (done) break;
+    finished = done_s;
+    __syncthreads();  // the next chunk rewrites the shared arrays
   }
-  if (!leader) return;
-  if (tid == 0) ps.mass[0] = acc;
-  if (tid == 0 && a.visited) a.visited[h] = visited;
-  __syncthreads();
-  if (tid < LPR) {
-    const double l = ps.mass[0];
-    const float inv = l > 0 ? float(1.0 / l) : 0.f;
-    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[tid] =
-        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+  if (warp != 0) return;
+  if (finished) {
+    if (lane < LPR) {
+      const float inv = acc > 0 ? float(1.0 / acc) : 0.f;
+      reinterpret_cast<float4*>(a.out + int64_t(h) * D)[lane] =
+          make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    }
+    if (lane == 0) {
+      w.state[h].done = 1;
+      if (a.visited) a.visited[h] = visited;
+    }
+    return;
+  }
+  if (lane < LPR) reinterpret_cast<float4*>(w.o + int64_t(h) * D)[lane] = o;
+  if (lane == 0) {
+    st.m = m;
+    st.acc = acc;
+    st.as_min = as_min;
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = last4[j];
+    st.visited = visited;
+    st.ranked = ranked;
+    w.state[h] = st;
   }
 }
 
@@ -1019,23 +1133,41 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   return std::max(1, std::min(want, most));
 }
 
-size_t psa_smem_bytes(int max_pages) {
+size_t psa_rank_smem_bytes(int max_pages) {
   int np2 = 1;
   while (np2 < max_pages) np2 <<= 1;
   return (sizeof(float) + sizeof(int)) * size_t(np2);
 }
 
+// The PSA sequence (psa_round_kernel's comment): bounds, ranking, then every round that
+// max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
-Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
-  if (psa) {
-    static std::atomic<uint64_t> opted{0};
-    SF_CUDA_TRY(opt_in_smem(psa_kernel<D, T>, psa_smem_bytes(kDecodeMaxPages), opted));
-    psa_kernel<D, T>
-        <<<unsigned(a.n_heads * kPsaCluster), kPsaWarps * 32, psa_smem_bytes(a.kv.max_pages), st>>>(
-            a);
+Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
+  const PsaLayout L = psa_layout(a.n_heads, a.kv.max_pages, D);
+  const PsaWs w = psa_ws(workspace, L);
+  const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
+  psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
+  SF_CUDA_TRY(cudaGetLastError());
+  static std::atomic<uint64_t> opted{0};
+  SF_CUDA_TRY(opt_in_smem(psa_rank_kernel<D>, psa_rank_smem_bytes(kDecodeMaxPages), opted));
+  psa_rank_kernel<D><<<unsigned(a.n_heads), kPsaRankThreads, psa_rank_smem_bytes(a.kv.max_pages),
+                       st>>>(a, w);
+  SF_CUDA_TRY(cudaGetLastError());
+  for (int r = 0, start = 0; r < L.rounds; start += psa_round_size(r), ++r) {
+    const int size = psa_round_size(r);
+    const int per_head = (size + kFullWarps - 1) / kFullWarps;
+    psa_round_kernel<D, T>
+        <<<unsigned(a.n_heads * per_head), kFullWarps * 32, 0, st>>>(a, w, start, size);
     SF_CUDA_TRY(cudaGetLastError());
-    return Status::ok();
+    psa_walk_kernel<D><<<unsigned(a.n_heads), kPsaWalkWarps * 32, 0, st>>>(a, w, start, size);
+    SF_CUDA_TRY(cudaGetLastError());
   }
+  return Status::ok();
+}
+
+template <int D, PoolDType T>
+Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
+  if (psa) return launch_psa<D, T>(a, workspace, st);
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits);
   if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
@@ -1069,15 +1201,15 @@ Status launch(const DecodeArgs& a, bool psa, cudaStream_t st) {
 // The element type's instantiations: F32 at every head_dim, BF16 and INT8 at 64 and 128 (the
 // models served; fewer nvcc instantiations).
 template <int D>
-Status launch_dtype(const DecodeArgs& a, bool psa, cudaStream_t st) {
+Status launch_dtype(const DecodeArgs& a, bool psa, void* ws, cudaStream_t st) {
   switch (a.kv.dtype) {
     case PoolDType::kF32:
-      return launch<D, PoolDType::kF32>(a, psa, st);
+      return launch<D, PoolDType::kF32>(a, psa, ws, st);
     case PoolDType::kBF16:
-      if constexpr (D != 32) return launch<D, PoolDType::kBF16>(a, psa, st);
+      if constexpr (D != 32) return launch<D, PoolDType::kBF16>(a, psa, ws, st);
       break;
     case PoolDType::kInt8:
-      if constexpr (D != 32) return launch<D, PoolDType::kInt8>(a, psa, st);
+      if constexpr (D != 32) return launch<D, PoolDType::kInt8>(a, psa, ws, st);
       break;
   }
   return SF_ERR(kUnsupported,
@@ -1088,13 +1220,22 @@ Status launch_dtype(const DecodeArgs& a, bool psa, cudaStream_t st) {
 
 }  // namespace
 
-size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
-  if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
+namespace {
+// Full mode's split partials (0 with one split).
+size_t full_workspace_bytes(int n_heads, const PagedKv& kv) {
   // Enough for either full kernel (the shared one splits a KV head's pages more ways).
   const int splits = std::max(full_splits(n_heads, kv.max_pages),
                               kv.n_kv_heads > 0 ? full_splits(kv.n_kv_heads, kv.max_pages) : 1);
   return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(splits) * size_t(kv.head_dim + 4)
                     : 0;
+}
+}  // namespace
+
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
+  if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
+  // Either mode's: full mode's partials or PSA's bounds, order, walk state and round results.
+  return std::max(full_workspace_bytes(n_heads, kv),
+                  psa_layout(n_heads, kv.max_pages, kv.head_dim).bytes);
 }
 
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
@@ -1118,10 +1259,13 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;
   a.recent_mean = p.recent_mean;
-  if (a.splits > 1) {
-    const size_t need = cuda::paged_decode_workspace_bytes(n_heads, kv);
+  const size_t need = p.psa ? psa_layout(n_heads, kv.max_pages, kv.head_dim).bytes
+                   : a.splits > 1 ? full_workspace_bytes(n_heads, kv)
+                                  : 0;
+  if (need > 0) {
     if (!workspace || workspace_bytes < need)
-      return SF_ERR(kInvalidArgument, "paged_decode_attention: full mode needs " +
+      return SF_ERR(kInvalidArgument, std::string("paged_decode_attention: ") +
+                                          (p.psa ? "psa" : "full") + " mode needs " +
                                           std::to_string(need) + " bytes of workspace, got " +
                                           std::to_string(workspace_bytes));
     a.ws = static_cast<float*>(workspace);
@@ -1129,11 +1273,11 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   const auto st = static_cast<cudaStream_t>(stream);
   switch (kv.head_dim) {
     case 32:
-      return launch_dtype<32>(a, p.psa, st);
+      return launch_dtype<32>(a, p.psa, workspace, st);
     case 64:
-      return launch_dtype<64>(a, p.psa, st);
+      return launch_dtype<64>(a, p.psa, workspace, st);
     case 128:
-      return launch_dtype<128>(a, p.psa, st);
+      return launch_dtype<128>(a, p.psa, workspace, st);
     default: return SF_ERR(kInternal, "paged_decode_attention: head_dim not dispatched");
   }
 }
