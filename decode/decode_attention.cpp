@@ -173,9 +173,12 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   const bool psa = p.mode == DecodeAttnMode::kPsa;
   const bool measure = p.measure_mass && psa;
   std::vector<double> share_h(static_cast<size_t>(n_heads), 1.0);
-  // Blocks each KV head loaded: the union of its query heads' visits (a flag per block).
+  // Blocks each KV head loaded: the union of its query heads' visits (a flag per block), kept
+  // when stats are asked for or +gqa needs them.
+  const bool shared = psa && p.share_kv_head;
   std::vector<std::vector<char>> loaded_g(static_cast<size_t>(hkv));
-  for (int g = 0; g < hkv; ++g) loaded_g[size_t(g)].assign(cache.pages(layer, g).size(), 0);
+  if (stats || shared)
+    for (int g = 0; g < hkv; ++g) loaded_g[size_t(g)].assign(cache.pages(layer, g).size(), 0);
   const auto start_head = [&](int h) {
     HeadVisit hv;
     hv.q = q + size_t(h) * size_t(d);
@@ -190,7 +193,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
     visited_h[size_t(h)] = int64_t(visited);
     total_h[size_t(h)] = int64_t(pages.size());
   };
-  if (psa && p.share_kv_head) {
+  if (shared) {
     // One visit per KV head: its query heads take turns naming the next block (module comment).
     parallel_for(size_t(hkv), [&](size_t gb, size_t ge) {
       std::vector<float> s(kBlockTokens), ub;

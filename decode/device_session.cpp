@@ -25,6 +25,7 @@ kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p) {
   kp.eps = p.eps;
   kp.pin_sink_recent = p.pin_sink_recent;
   kp.recent_mean = p.remainder == PsaRemainder::kRecentMean;
+  kp.psa_share_kv_head = p.share_kv_head;
   kp.scale = p.scale;
   return kp;
 }

@@ -59,6 +59,10 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
     return SF_ERR(kInvalidArgument, "paged_decode_attention: heads " + std::to_string(n_heads) +
                                         " not a multiple of kv heads " +
                                         std::to_string(kv.n_kv_heads));
+  if (p.psa && p.psa_share_kv_head)
+    return SF_ERR(kUnsupported,
+                  "paged_decode_attention: psa '+gqa' (one visit per KV head) runs on the host "
+                  "only; the kernel visits per query head");
   if (p.psa && !(p.eps > 0 && p.eps <= 1))
     return SF_ERR(kOutOfRange,
                   "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");

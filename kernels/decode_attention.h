@@ -52,6 +52,9 @@ struct PagedDecodeParams {
   // head's query heads (up to 4 a pass), so the block's codes are loaded and converted once a
   // pass instead of once per query head. false: a warp per query head (as F32, BF16 and psa).
   bool share_kv_heads = true;
+  // psa: the host's "+gqa" visit (one per KV head), which no kernel here implements: refused
+  // with kUnsupported rather than run as per-head visits whose counts would not be the host's.
+  bool psa_share_kv_head = false;
 };
 
 // Device memory either mode needs (full: its split partials; psa: the bounds, visit order, walk

@@ -54,7 +54,8 @@ struct DecodeArgs {
   const float* q;
   float* out;
   int32_t* visited;
-  float* ws;  // full mode, splits > 1: [n_heads][splits][D + 4] output, max, (pad), mass (double)
+  float* ws;  // full mode, splits > 1: [n_heads][splits][D + 4] output, max, (pad), mass (double);
+              // psa takes its workspace through PsaWs instead
   PagedKv kv;
   int n_heads, splits;
   float scale;
@@ -617,6 +618,7 @@ __device__ float block_bound(const float* q, const float* kmin, const float* kma
 constexpr int kPsaChunk = 64;        // blocks the walk tests at once (two a lane)
 constexpr int kPsaRoundCap = 1024;   // the largest round
 constexpr int kPsaRankThreads = 512;
+constexpr int kPsaRoundWarps = 4;  // per CTA, psa_round_kernel
 
 __host__ __device__ inline int psa_round_size(int r) {
   return r >= 4 ? kPsaRoundCap : kPsaChunk << r;  // 64, 128, 256, 512, 1024, 1024, ...
@@ -663,7 +665,7 @@ PsaLayout psa_layout(int n_heads, int max_pages, int d) {
 struct PsaWs {
   PsaHeadState* state;
   float* o;   // [n_heads][D] the running output
-  float* ub;  // [n_heads][max_pages] bounds, then (psa_rank_kernel) nothing
+  float* ub;  // [n_heads][max_pages] bounds (psa_bounds_kernel), read by psa_rank_kernel
   int* ord;   // [n_heads][max_pages] page indices in visit order
   float* r_bm;  // [n_heads][round_max] this round's block results, by slot
   int* r_n;
@@ -751,14 +753,14 @@ __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeA
 }
 
 // Round kernel: warp (head, slot) scores ranked block start + slot of its head, unless the head
-// is done or has fewer blocks. Grid: n_heads x ceil(size / kFullWarps) CTAs.
+// is done or has fewer blocks. Grid: n_heads x ceil(size / kPsaRoundWarps) CTAs.
 template <int D, PoolDType T>
-__global__ void __launch_bounds__(kFullWarps * 32)
+__global__ void __launch_bounds__(kPsaRoundWarps * 32)
     psa_round_kernel(const DecodeArgs a, const PsaWs w, int start, int size) {
   constexpr int LPR = D / 4;
-  const int per_head = (size + kFullWarps - 1) / kFullWarps;
+  const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
   const int h = blockIdx.x / per_head, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int slot = (blockIdx.x % per_head) * kFullWarps + warp, i = start + slot;
+  const int slot = (blockIdx.x % per_head) * kPsaRoundWarps + warp, i = start + slot;
   const int g = head_kv(a, h), nb = a.kv.n_pages[g];
   if (slot >= size || i >= nb || w.state[h].done) return;
   const int P = a.kv.max_pages;
@@ -1155,9 +1157,9 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
   SF_CUDA_TRY(cudaGetLastError());
   for (int r = 0, start = 0; r < L.rounds; start += psa_round_size(r), ++r) {
     const int size = psa_round_size(r);
-    const int per_head = (size + kFullWarps - 1) / kFullWarps;
+    const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
     psa_round_kernel<D, T>
-        <<<unsigned(a.n_heads * per_head), kFullWarps * 32, 0, st>>>(a, w, start, size);
+        <<<unsigned(a.n_heads * per_head), kPsaRoundWarps * 32, 0, st>>>(a, w, start, size);
     SF_CUDA_TRY(cudaGetLastError());
     psa_walk_kernel<D><<<unsigned(a.n_heads), kPsaWalkWarps * 32, 0, st>>>(a, w, start, size);
     SF_CUDA_TRY(cudaGetLastError());

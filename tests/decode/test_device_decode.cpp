@@ -356,6 +356,27 @@ TEST_F(DeviceDecode, EncodedPoolRefusals) {
             Code::kUnsupported);
 }
 
+// The host's +gqa visit (one per KV head) has no kernel: the kernel API refuses it rather than
+// run per-head visits whose counts would not be the host's.
+TEST_F(DeviceDecode, PsaGqaIsRefused) {
+  Planted p = planted(64 * 3, testing::fresh_seed(), false, 64);
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  auto ap = decode::decode_attn_parse("psa-avg+gqa:0.95");
+  ASSERT_TRUE(ap.is_ok());
+  const kernels::PagedDecodeParams kp = decode::device_attn_params(ap.value());
+  const int hq = int(p.q.size()) / 64;
+  DeviceBuffer dq, dout, dws;
+  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
+  ASSERT_TRUE(dws.alloc(ws).is_ok());
+  ASSERT_TRUE(dq.alloc(p.q.size() * 4).is_ok() && dout.alloc(p.q.size() * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  const Status st = kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
+                                                    dout.as<float>(), nullptr, dws.data(),
+                                                    dws.size(), s);
+  EXPECT_EQ(st.code(), Code::kUnsupported) << st.to_string();
+}
+
 // A small Llama-3-shaped synthetic model, a random n-token prompt prefilled on the CPU and the
 // full retention of its cache: what the session tests decode from.
 struct Prefilled {
