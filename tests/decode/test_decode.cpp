@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "tests/decode/decode_test_util.h"
 
@@ -303,6 +304,38 @@ TEST(DecodeAttention, PsaGqaFoldsTheGroupsBlocks) {
       }
     for (int c = 0; c < d; ++c)
       EXPECT_NEAR(shared[size_t(h * d + c)], ref[size_t(c)] / z, 1e-5) << "head " << h << " ch " << c;
+  }
+}
+
+// With one query head per KV head there is nobody to take turns with: +gqa must be the per-head
+// visit exactly (same blocks, same output bits), for each remainder rule, pinned or not.
+TEST(DecodeAttention, PsaGqaWithOneHeadPerKvHeadIsThePerHeadVisit) {
+  const int n = 64 * 37 + 5, d = 32;
+  std::mt19937_64 rng(testing::fresh_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(static_cast<size_t>(d)), k(static_cast<size_t>(n * d)),
+      v(static_cast<size_t>(n * d));
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : k) x = 0.5f * nd(rng);
+  for (auto& x : v) x = nd(rng);
+  for (int t = 64 * 9; t < 64 * 10; t += 2)  // one block the query likes
+    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] += 0.6f * q[size_t(c)];
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  for (const char* mode : {"psa", "psa-avg", "psa-strict"}) {
+    const std::string a = std::string(mode) + ":0.9", b = std::string(mode) + "+gqa:0.9";
+    std::vector<float> oa(static_cast<size_t>(d)), ob(static_cast<size_t>(d));
+    decode::DecodeAttnStats sa, sb;
+    ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1,
+                                         decode::decode_attn_parse(a).value(), oa.data(), &sa)
+                    .is_ok());
+    ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1,
+                                         decode::decode_attn_parse(b).value(), ob.data(), &sb)
+                    .is_ok());
+    EXPECT_EQ(sa.blocks_visited, sb.blocks_visited) << mode;
+    EXPECT_EQ(sa.kv_blocks_loaded, sb.kv_blocks_loaded) << mode;
+    EXPECT_LT(sa.blocks_visited, sa.blocks_total) << mode;  // a visit that stopped early
+    for (int c = 0; c < d; ++c) EXPECT_EQ(oa[size_t(c)], ob[size_t(c)]) << mode << " ch " << c;
   }
 }
 
