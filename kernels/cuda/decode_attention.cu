@@ -785,9 +785,10 @@ __global__ void __launch_bounds__(kPsaRoundWarps * 32)
 // masses are prefix quantities, so the warp finds the first block where the stop test holds at
 // once. Masses are taken in the frame of the chunk's largest max M (the test is a ratio, so the
 // frame changes only rounding), then carried in the frame of the visited blocks' max. Warp 0
-// walks; then each of the kPsaWalkWarps warps folds a quarter of the chunk's kept blocks (lane
-// l < D / 4: channels 4 l .. 4 l + 3, its loads in flight together) and warp 0 adds the partials
-// to the running output.
+// walks the round's chunks with scalars only, noting each kept block's max; then the
+// kPsaWalkWarps warps fold the kept blocks once, in the final frame (weight exp(bm - m), so no
+// chunk waits for the outputs: lane l < D / 4 holds channels 4 l .. 4 l + 3, 16 loads in flight),
+// and warp 0 adds the partials to the running output rescaled into that frame.
 constexpr int kPsaWalkWarps = 4;
 template <int D>
 __global__ void __launch_bounds__(kPsaWalkWarps * 32)
@@ -796,16 +797,17 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
   constexpr int kPer = kPsaChunk / 32;  // consecutive blocks per lane
   __shared__ double fb_s[kPsaChunk];         // each block's full-block mass if ranked
   __shared__ unsigned char rk_s[kPsaChunk];  // ... and whether it is ranked (not pinned, empty)
-  __shared__ float w_s[kPsaChunk];           // each block's weight in the merged frame, 0: dropped
-  __shared__ float4 part_s[kPsaWalkWarps][LPR];  // the warps' folded quarters of a chunk
-  __shared__ float rescale_s;
-  __shared__ int done_s;
+  __shared__ float kept_bm[kPsaRoundCap];   // the round's blocks: max if kept, -inf if not
+  __shared__ float4 part_s[kPsaWalkWarps][LPR];  // the warps' folded shares of the round
+  __shared__ float m_s;
+  __shared__ int taken_s, done_s;
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = head_kv(a, h);
   const int nb = a.kv.n_pages[g], P = a.kv.max_pages;
   PsaHeadState st = w.state[h];
   if (st.done || start >= nb) return;
   float4 o = warp == 0 && lane < LPR ? reinterpret_cast<const float4*>(w.o + int64_t(h) * D)[lane]
                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+  const float m_in = st.m;  // the frame of o
   float m = st.m;
   double acc = st.acc, as_min = st.as_min, last4[kPsaRecentBlocks];
 #pragma unroll
@@ -813,10 +815,11 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
   int visited = st.visited, ranked = st.ranked;
   bool finished = false;
   const int end = min(nb, start + size);
-  for (int base = start; base < end && !finished; base += kPsaChunk) {
-    const int cnt = min(kPsaChunk, end - base);
-    const int64_t r0 = int64_t(h) * w.round_max + (base - start);
-    if (warp == 0) {
+  int taken = 0;  // round positions walked (kept or dropped)
+  if (warp == 0) {
+    for (int base = start; base < end && !finished; base += kPsaChunk) {
+      const int cnt = min(kPsaChunk, end - base);
+      const int64_t r0 = int64_t(h) * w.round_max + (base - start);
       float bmk[kPer];
       double mk[kPer];
       bool valid[kPer];
@@ -932,46 +935,52 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
         const int x = lane * kPer + k;
-        if (x < cnt) w_s[x] = (valid[k] && x < take) ? expf(bmk[k] - m_take) : 0.f;
-      }
-      if (lane == 0) {
-        rescale_s = m_take == -INFINITY ? 1.f : (m == -INFINITY ? 0.f : expf(m - m_take));
-        done_s = stop || base + cnt >= nb;
+        if (x < cnt) kept_bm[base - start + x] = (valid[k] && x < take) ? bmk[k] : -INFINITY;
       }
       m = m_take;
-    }  // warp 0
-    __syncthreads();  // w_s, rescale_s and done_s are read by every warp
-    if (lane < LPR) {
-      // This warp's quarter of the chunk, every load issued before the adds.
-      constexpr int kQ = kPsaChunk / kPsaWalkWarps;
+      taken = base - start + take;
+      finished = stop || base + cnt >= nb;
+      __syncwarp();  // fb_s and rk_s are rewritten by the next chunk
+    }
+    if (lane == 0) m_s = m, taken_s = taken, done_s = finished;
+  }  // warp 0
+  __syncthreads();  // kept_bm, m_s, taken_s and done_s are read by every warp
+  const float mf = m_s;
+  const int n_taken = taken_s;
+  finished = done_s;
+  if (lane < LPR) {
+    // This warp's share of the kept blocks, 16 loads issued before their adds.
+    constexpr int kQ = 16;
+    const int64_t r0 = int64_t(h) * w.round_max;
+    float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int x0 = warp * kQ; x0 < n_taken; x0 += kPsaWalkWarps * kQ) {
       float4 ob[kQ];
       float wt[kQ];
 #pragma unroll
       for (int j = 0; j < kQ; ++j) {
-        const int x = warp * kQ + j;
-        wt[j] = x < cnt ? w_s[x] : 0.f;
+        const int x = x0 + j;
+        const float bm = x < n_taken ? kept_bm[x] : -INFINITY;
+        wt[j] = bm == -INFINITY ? 0.f : expf(bm - mf);
         ob[j] = wt[j] != 0.f ? reinterpret_cast<const float4*>(w.r_o + (r0 + x) * D)[lane]
                              : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int j = 0; j < kQ; ++j)
         p.x += wt[j] * ob[j].x, p.y += wt[j] * ob[j].y, p.z += wt[j] * ob[j].z,
             p.w += wt[j] * ob[j].w;
-      part_s[warp][lane] = p;
     }
-    __syncthreads();
-    if (warp == 0 && lane < LPR) {
-      const float f = rescale_s;
-      o.x *= f, o.y *= f, o.z *= f, o.w *= f;
+    part_s[warp][lane] = p;
+  }
+  __syncthreads();
+  if (warp == 0 && lane < LPR) {
+    // The carried output from its frame m_in into the final one (0 while nothing was folded).
+    const float f = mf == -INFINITY ? 1.f : (m_in == -INFINITY ? 0.f : expf(m_in - mf));
+    o.x *= f, o.y *= f, o.z *= f, o.w *= f;
 #pragma unroll
-      for (int q = 0; q < kPsaWalkWarps; ++q) {
-        const float4 p = part_s[q][lane];
-        o.x += p.x, o.y += p.y, o.z += p.z, o.w += p.w;
-      }
+    for (int q = 0; q < kPsaWalkWarps; ++q) {
+      const float4 pq = part_s[q][lane];
+      o.x += pq.x, o.y += pq.y, o.z += pq.z, o.w += pq.w;
     }
-    finished = done_s;
-    __syncthreads();  // the next chunk rewrites the shared arrays
   }
   if (warp != 0) return;
   if (finished) {
