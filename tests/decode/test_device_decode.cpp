@@ -187,6 +187,17 @@ TEST_F(DeviceDecode, PagedKernelFollowsTheHostRulesAtEveryHeadDim) {
   }
 }
 
+// More pages than PSA's rounds below the cap cover (64 + 128 + 256 + 512 + 1,024 = 1,984): the
+// visits that go that far run a sixth round of 1,024 blocks, carried over from five.
+TEST_F(DeviceDecode, PsaRoundsPastTheLargestRound) {
+  const uint64_t seed = testing::fresh_seed();
+  Planted p = planted(64 * 2100 + 13, seed, false, 64, 4, 1);
+  ASSERT_GT(p.cache.pages(0, 0).size(), 1984u);
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+}
+
 // Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8 and 1, in full mode
 // (split over CTAs) and psa-avg.
 TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
