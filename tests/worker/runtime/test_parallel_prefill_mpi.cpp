@@ -118,15 +118,20 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   po.importance_pool = ro.importance_pool;
   auto par = runtime::parallel_prefill(m, g, tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
-  // Estimated on the ranks under TP > 1, the index is not the single-rank one by construction:
-  // the row-parallel projections sum their halves in another order, so q and k differ from
-  // single-rank in the last bits, and a top-k or threshold decision that sits on a near-tie may
-  // go the other way (CI at deede63, SF_TEST_SEED=17171830764078711870: tp 2 cp 1 took another
-  // column, density 0.689 against 0.685). Such runs are checked for what holds whatever the index
-  // (finite outputs, the byte accounting, sparsity), as PerChunkEstimation does; equality under
-  // estimation is checked at TP 1, and TP x CP equality with one index by the index_source runs.
-  const bool exact = !(cp_est && shape.tp > 1);
-  if (!exact) {
+  // Estimated on the ranks under TP > 1, the index may differ from the single-rank one: the
+  // row-parallel projections (O and down) sum their halves in another order, so q and k from
+  // layer 1 on differ from single-rank in the last bits, and an estimator decision on a near-tie
+  // can go the other way (CI at deede63, SF_TEST_SEED=17171830764078711870: tp 2 cp 1 took
+  // another column, density 0.689 against 0.685, logits off by 0.43). The whole prompt's density
+  // tells: equal (pair counts, exact) when the index is the same. So a TP > 1 estimated run whose
+  // density equals single-rank's is compared like every other run; one whose density moved is a
+  // flipped near-tie, and is held to what does not depend on the index (finite outputs, the byte
+  // accounting, sparsity) and to a density within 1% of single-rank's.
+  const bool flipped = cp_est && sparse && shape.tp > 1 &&
+                       std::fabs(par->stats.group_density - ref->density) >= 1e-9;
+  const bool exact = !flipped;
+  if (flipped) {
+    EXPECT_NEAR(par->stats.group_density, ref->density, 1e-2) << "more than a near-tie moved";
     for (float x : par->logits) ASSERT_TRUE(std::isfinite(x));
   } else {
     EXPECT_EQ(par->first_token, ref->first_token);
@@ -142,7 +147,7 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
     const std::string tag = "tp " + std::to_string(shape.tp) + " cp " + std::to_string(shape.cp) +
                             " group " + std::to_string(g.group) + (sparse ? " sparse" : " dense") +
                             (selective ? " selective" : "") + (cp_est ? " cp-estimate" : "") +
-                            (exact ? "" : " (TP-estimated index: not compared to single-rank)");
+                            (exact ? "" : " (a near-tie flipped under TP rounding: not compared)");
     ASSERT_EQ(par->n_logit_rows, n_tokens);
     const double dl = exact ? expect_close(par->logits, ref->logits, tag + " logits") : -1;
     ASSERT_EQ(par->kv.n_tokens, n_tokens);
