@@ -174,11 +174,13 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   const bool measure = p.measure_mass && psa;
   std::vector<double> share_h(static_cast<size_t>(n_heads), 1.0);
   // Blocks each KV head loaded: the union of its query heads' visits (a flag per block), kept
-  // when stats are asked for or +gqa needs them.
+  // when a PSA call's stats ask for it or +gqa needs it. Full mode loads every block: no flags.
   const bool shared = psa && p.share_kv_head;
+  const bool track = psa && (stats || shared);
   std::vector<std::vector<char>> loaded_g(static_cast<size_t>(hkv));
   if (stats || shared)
-    for (int g = 0; g < hkv; ++g) loaded_g[size_t(g)].assign(cache.pages(layer, g).size(), 0);
+    for (int g = 0; g < hkv; ++g)
+      loaded_g[size_t(g)].assign(cache.pages(layer, g).size(), track ? 0 : 1);
   const auto start_head = [&](int h) {
     HeadVisit hv;
     hv.q = q + size_t(h) * size_t(d);
@@ -256,7 +258,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
           if (psa && hv.stop(p, nb - visited)) break;
         }
         finish_head(h, hv, pages, visited);
-        if (stats) seen_h[size_t(h)].assign(order.begin(), order.begin() + ptrdiff_t(visited));
+        if (track) seen_h[size_t(h)].assign(order.begin(), order.begin() + ptrdiff_t(visited));
       }
     });
     for (int h = 0; h < n_heads; ++h)

@@ -142,6 +142,7 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, pp, psa.data(), &sp).is_ok());
   ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p1, one.data(), &s1).is_ok());
   EXPECT_EQ(sf.blocks_visited, 20);
+  EXPECT_EQ(sf.kv_blocks_loaded, 20);  // full mode loads every block of the KV head
   EXPECT_EQ(s1.blocks_visited, 20);  // eps = 1 can only stop when no block is left
   // The hot block ranks first; the next one sets AS_min small enough to stop.
   EXPECT_EQ(sp.blocks_visited, 2);
