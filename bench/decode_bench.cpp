@@ -1,8 +1,9 @@
 // Decode attention on a GPU host: one new token per query head over a paged cache of N tokens
 // (the Llama-3-8B attention shape by default: 32 query heads, 8 KV heads, head_dim 128, fp32
 // pool), for the device kernel (kernels/decode_attention.h) and the host reference
-// (decode/decode_attention.h) on the same cache, in full, psa:0.95 and psa-avg:0.95, with the
-// device pool in each of the listed encodings (f32, bf16, int8; the host reference is F32).
+// (decode/decode_attention.h) on the same cache, in full, psa:0.95, psa-avg:0.95 and their +gqa
+// forms (one visit per KV head), with the device pool in each of the listed encodings (f32, bf16,
+// int8; the host reference is F32).
 // Planted keys (as in test_device_decode): N(0, 0.3) with a few blocks per KV head pulled toward
 // one query head's direction, so PSA has mass to find. Prints one JSON line per mode: time per
 // call, blocks visited (over all query heads; the most any one head visited, which sets a PSA
@@ -118,11 +119,12 @@ int main(int argc, char** argv) {
       copy_GBps = 10.0 * 2.0 * double(cb) / (1e-3 * double(ms)) / 1e9;
   }
   // Host reference per mode on the F32 cache (this machine's cores, the decode node's CPU path).
-  const char* specs[] = {"full", "psa:0.95", "psa-avg:0.95"};
-  double host_us[3] = {};
-  int64_t host_visited[3] = {};
-  double host_kv_loaded[3] = {};  // blocks any query head of a KV head visited / available
-  for (int si = 0; si < 3; ++si) {
+  const char* specs[] = {"full", "psa:0.95", "psa-avg:0.95", "psa+gqa:0.95", "psa-avg+gqa:0.95"};
+  constexpr int kSpecs = 5;
+  double host_us[kSpecs] = {};
+  int64_t host_visited[kSpecs] = {};
+  double host_kv_loaded[kSpecs] = {};  // blocks any query head of a KV head visited / available
+  for (int si = 0; si < kSpecs; ++si) {
     auto p = decode::decode_attn_parse(specs[si]);
     std::vector<float> out(q.size());
     decode::DecodeAttnStats hs;
@@ -143,7 +145,11 @@ int main(int argc, char** argv) {
     auto pool = decode::DevicePagedPool::upload(cache.value(), 0, enc);
     if (!pool.is_ok()) return fail("device pool", pool.status());
     kernels::cuda::DeviceBuffer dws;
-    const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
+    size_t ws = 0;  // the most any mode here needs
+    for (const char* spec : specs)
+      ws = std::max(ws, kernels::paged_decode_workspace_bytes(
+                            hq, pool->layer(0),
+                            decode::device_attn_params(decode::decode_attn_parse(spec).value())));
     if (ws > 0 && !dws.alloc(ws).is_ok())
       return fail("device buffers", SF_ERR(kResourceExhausted, "workspace"));
     // K and V bytes of one block of one KV head as the pool stores them.
@@ -153,12 +159,12 @@ int main(int argc, char** argv) {
     // Full mode over an INT8 pool runs twice: the query heads of a KV head sharing each
     // block's codes (the default), then a warp per query head (kv_shared false).
     const bool encoded = enc == kvstore::KvEncoding::kInt8;
-    for (int run = 0; run < (encoded ? 4 : 3); ++run) {
-      const int si = run < 3 ? run : 0;
+    for (int run = 0; run < (encoded ? kSpecs + 1 : kSpecs); ++run) {
+      const int si = run < kSpecs ? run : 0;
       const char* spec = specs[si];
       auto p = decode::decode_attn_parse(spec);
       kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-      kp.share_kv_heads = run < 3;
+      kp.share_kv_heads = run < kSpecs;
       const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,

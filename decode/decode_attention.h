@@ -49,8 +49,8 @@ struct DecodeAttnStats {
   int64_t blocks_visited = 0, blocks_total = 0;
   // Distinct blocks any query head of a KV head visited, summed over KV heads (and layers), and
   // the blocks available to them: what a kernel reading each block once for its KV head's query
-  // heads would load. With +gqa it is blocks_visited / (query heads per KV head). Host only:
-  // the device session, whose kernel reports counts and not blocks, leaves both 0.
+  // heads would load. With +gqa it is blocks_visited / (query heads per KV head). The device
+  // session, whose kernel reports counts and not blocks, fills them with +gqa only (else 0).
   int64_t kv_blocks_loaded = 0, kv_blocks_total = 0;
   // The last call's blocks visited per query head (a device kernel's check).
   std::vector<int32_t> last_visited_by_head;

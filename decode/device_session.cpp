@@ -281,10 +281,12 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
-  if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head)
-    return SF_ERR(kUnsupported,
-                  "device decode: psa '+gqa' (one visit per KV head) runs on the host only; the "
-                  "decode kernel visits per query head");
+  if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head &&
+      c.n_heads / c.n_kv_heads > kernels::kDecodePsaGqaMaxGroup)
+    return SF_ERR(kUnsupported, "device decode: psa '+gqa' takes at most " +
+                                    std::to_string(kernels::kDecodePsaGqaMaxGroup) +
+                                    " query heads per KV head, the model has " +
+                                    std::to_string(c.n_heads / c.n_kv_heads));
   if (c.head_dim != 32 && c.head_dim != 64 && c.head_dim != 128)
     return SF_ERR(kUnsupported, "device decode: head_dim " + std::to_string(c.head_dim) +
                                     " (the decode kernel takes 32, 64 or 128)");
@@ -329,7 +331,8 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   if (!fused_step) SF_TRY(m.up.alloc(sizeof(float) * size_t(m.I)));  // the fused step has no up
   SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
   SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
-  if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0)); ws > 0)
+  if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp);
+      ws > 0)
     SF_TRY(m.attn_ws.alloc(ws));
   m.visited_host.assign(size_t(L * c.n_heads), 0);
   SF_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
@@ -412,6 +415,10 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
     for (int h = 0; h < m.hq; ++h) {
       m.stats.blocks_visited += m.visited_host[size_t(l * m.hq + h)];
       m.stats.blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
+      if (m.kp.psa_share_kv_head && h % group == 0) {  // +gqa: a head's visits are its KV head's
+        m.stats.kv_blocks_loaded += m.visited_host[size_t(l * m.hq + h)];
+        m.stats.kv_blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
+      }
     }
   ++m.pos;
   --m.steps_left;

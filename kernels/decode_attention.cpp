@@ -35,12 +35,13 @@ Status check_pool(const char* op, const PagedKv& kv, Stream s) {
 
 }  // namespace
 
-size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
 #if SF_HAVE_CUDA
-  return cuda::paged_decode_workspace_bytes(n_heads, kv);
+  return cuda::paged_decode_workspace_bytes(n_heads, kv, p);
 #else
   (void)n_heads;
   (void)kv;
+  (void)p;
   return 0;
 #endif
 }
@@ -59,10 +60,11 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
     return SF_ERR(kInvalidArgument, "paged_decode_attention: heads " + std::to_string(n_heads) +
                                         " not a multiple of kv heads " +
                                         std::to_string(kv.n_kv_heads));
-  if (p.psa && p.psa_share_kv_head)
-    return SF_ERR(kUnsupported,
-                  "paged_decode_attention: psa '+gqa' (one visit per KV head) runs on the host "
-                  "only; the kernel visits per query head");
+  if (p.psa && p.psa_share_kv_head && n_heads / kv.n_kv_heads > kDecodePsaGqaMaxGroup)
+    return SF_ERR(kUnsupported, "paged_decode_attention: psa '+gqa' takes at most " +
+                                    std::to_string(kDecodePsaGqaMaxGroup) +
+                                    " query heads per KV head, got " +
+                                    std::to_string(n_heads / kv.n_kv_heads));
   if (p.psa && !(p.eps > 0 && p.eps <= 1))
     return SF_ERR(kOutOfRange,
                   "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");

@@ -28,6 +28,7 @@ inline constexpr int kDecodeBlockTokens = 64;
 // Blocks per KV head the PSA ranking sorts in shared memory (256K tokens).
 inline constexpr int kDecodeMaxPages = 4096;
 inline constexpr int kPsaRecentBlocks = 4;  // psa-avg: ranked blocks the unseen mass is averaged on
+inline constexpr int kDecodePsaGqaMaxGroup = 32;  // psa "+gqa": query heads per KV head (a lane each)
 
 enum class PoolDType : uint8_t { kF32 = 0, kBF16, kInt8 };
 
@@ -52,19 +53,22 @@ struct PagedDecodeParams {
   // head's query heads (up to 4 a pass), so the block's codes are loaded and converted once a
   // pass instead of once per query head. false: a warp per query head (as F32, BF16 and psa).
   bool share_kv_heads = true;
-  // psa: the host's "+gqa" visit (one per KV head), which no kernel here implements: refused
-  // with kUnsupported rather than run as per-head visits whose counts would not be the host's.
+  // psa: the host's "+gqa" visit, one per KV head: the query heads of a KV head take turns
+  // naming blocks, every head folds every loaded block, so a block is read once for the group.
+  // Up to kDecodePsaGqaMaxGroup query heads per KV head.
   bool psa_share_kv_head = false;
 };
 
-// Device memory either mode needs (full: its split partials; psa: the bounds, visit order, walk
-// state and one round's block results per query head, about 0.5 MB a head at 2,048 pages and
-// head_dim 128): a plan step, fixed by n_heads, head_dim, max_pages and the device's SM count.
-// 0 without CUDA.
-size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv);
+// Device memory the mode in p needs (full: its split partials; psa: the bounds, visit order,
+// walk state and one round's block results per query head, about 0.5 MB a head at 2,048 pages
+// and head_dim 128; psa +gqa: results for every block a KV head's query heads may name in a
+// round, scored for each of them, about 1.1 MB a query head there): a plan step, fixed by the
+// mode, n_heads, head_dim, max_pages and the device's SM count. 0 without CUDA.
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32
-// blocks visited per query head (may be null); workspace: paged_decode_workspace_bytes of device
+// blocks visited per query head (+gqa: blocks its KV head loaded; may be null); workspace:
+// paged_decode_workspace_bytes(n_heads, kv, p) of device
 // memory. Query head h reads KV head h / (n_heads / n_kv_heads). Device only, head_dim 32, 64 or
 // 128 (BF16 and INT8 pools: 64 or 128): anything else gets kUnsupported (the host path is
 // decode::decode_attention).

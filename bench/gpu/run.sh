@@ -25,8 +25,9 @@
 #                  already passed; the summary says they did not run)
 #   SF_GPU_TEST_TIMEOUT  seconds per gpu test (default 1200)
 #   SF_DECODE      token counts for sf_bench_decode (e.g. "32768 131072"): the decode kernel
-#                  per pool encoding (SF_DECODE_POOLS, default f32,bf16,int8) and mode, one JSON
-#                  line each into decode-<gpu>.jsonl
+#                  per pool encoding (SF_DECODE_POOLS, default f32,bf16,int8), mode and pull
+#                  (SF_DECODE_PULLS, default 0.15: how far the planted blocks lean toward the
+#                  query), one JSON line each into decode-<gpu>.jsonl
 #   SF_DECODE_SESSION  shape:tokens pairs for sf_bench_decode_session (e.g. "smollm2:4096
 #                  llama3-8b:8192"): the decode node's step per token, kernels launched one by one
 #                  and as a CUDA graph, unfused and fused, four JSON lines per weights and pool
@@ -373,12 +374,14 @@ if [[ -n "${SF_DECODE:-}" ]]; then
   dj="$out/decode-$(gpu_slug).jsonl"
   : >"$dj"
   for n in $SF_DECODE; do
-    if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" 32 8 128 0.15 \
-         "${SF_DECODE_POOLS:-f32,bf16,int8}" >>"$dj" 2>>"$logs/build.log"; then
-      fail "sf_bench_decode $n failed (its stderr is at the end of build.log)"
-    fi
+    for pull in ${SF_DECODE_PULLS:-0.15}; do
+      if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" 32 8 128 "$pull" \
+           "${SF_DECODE_POOLS:-f32,bf16,int8}" >>"$dj" 2>>"$logs/build.log"; then
+        fail "sf_bench_decode $n (pull $pull) failed (its stderr is at the end of build.log)"
+      fi
+    done
   done
-  notes+=("$(cut -c1-300 "$dj" | head -18)")
+  notes+=("$(cut -c1-300 "$dj" | head -24)")
 fi
 
 # ---- the decode node's step (sf_bench_decode_session): eager and graph, unfused and fused -----

@@ -62,6 +62,7 @@ struct DecodeArgs {
   double eps;
   bool pin, recent_mean;
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
+  bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -631,19 +632,37 @@ struct PsaHeadState {
   int visited, ranked, done;
 };
 
+// "+gqa" (one visit per KV head, gqa_walk_kernel): a KV head's walk state between rounds. turn:
+// the query head (0 .. G - 1) whose turn comes next; running: heads whose rule has not stopped;
+// n_cand: this round's scored blocks.
+struct GqaKvState {
+  int n_loaded, turn, running, n_cand, done;
+};
+
 // Where each part of the PSA workspace lives (byte offsets, 256-aligned), for n_heads query heads
-// over pools of up to max_pages blocks per KV head.
+// over pools of up to max_pages blocks per KV head. Round results: per query head, one slot per
+// ranked block of the round; with +gqa, per KV head, one slot per block any of its G query heads
+// may name this round (at most G x the round's size), scored for all G heads.
 struct PsaLayout {
   int rounds = 0, round_max = 0;  // the rounds that cover max_pages; the largest one's size
-  size_t state = 0, o = 0, ub = 0, ord = 0, r_bm = 0, r_n = 0, r_mass = 0, r_o = 0, bytes = 0;
+  bool gqa = false;
+  int group = 1, slots = 0;  // +gqa: G; result slots per owner (query head, or KV head)
+  size_t state = 0, o = 0, ub = 0, ord = 0, r_bm = 0, r_n = 0, r_mass = 0, r_o = 0;
+  size_t kvs = 0, cursor = 0, loaded = 0, mark = 0, cand_slot = 0, slot_page = 0, list = 0,
+         list_n = 0;  // +gqa only
+  size_t bytes = 0;
 };
-PsaLayout psa_layout(int n_heads, int max_pages, int d) {
+PsaLayout psa_layout(int n_heads, int n_kv_heads, int max_pages, int d, bool gqa) {
   PsaLayout L;
   for (int covered = 0; covered < max_pages; ++L.rounds) {
     covered += psa_round_size(L.rounds);
     L.round_max = psa_round_size(L.rounds);
   }
-  const size_t h = size_t(n_heads), P = size_t(max_pages), R = size_t(L.round_max);
+  L.gqa = gqa;
+  L.group = gqa ? n_heads / n_kv_heads : 1;
+  L.slots = gqa ? std::min(L.group * L.round_max, max_pages) : L.round_max;
+  const size_t h = size_t(n_heads), P = size_t(max_pages), G = size_t(L.group);
+  const size_t owners = gqa ? size_t(n_kv_heads) : h, S = size_t(L.slots);
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t off = at;
@@ -654,10 +673,21 @@ PsaLayout psa_layout(int n_heads, int max_pages, int d) {
   L.o = take(h * size_t(d) * sizeof(float));
   L.ub = take(h * P * sizeof(float));
   L.ord = take(h * P * sizeof(int));
-  L.r_bm = take(h * R * sizeof(float));
-  L.r_n = take(h * R * sizeof(int));
-  L.r_mass = take(h * R * sizeof(double));
-  L.r_o = take(h * R * size_t(d) * sizeof(float));
+  L.r_bm = take(owners * S * G * sizeof(float));
+  L.r_n = take(owners * S * sizeof(int));
+  L.r_mass = take(owners * S * G * sizeof(double));
+  L.r_o = take(owners * S * G * size_t(d) * sizeof(float));
+  if (gqa) {
+    const size_t kv = size_t(n_kv_heads);
+    L.kvs = take(kv * sizeof(GqaKvState));
+    L.cursor = take(h * sizeof(int));
+    L.loaded = take(kv * P);
+    L.mark = take(kv * P * sizeof(int));
+    L.cand_slot = take(kv * P * sizeof(int));
+    L.slot_page = take(kv * S * sizeof(int));
+    L.list = take(h * size_t(L.round_max) * sizeof(int));
+    L.list_n = take(h * sizeof(int));
+  }
   L.bytes = at;
   return L;
 }
@@ -667,19 +697,41 @@ struct PsaWs {
   float* o;   // [n_heads][D] the running output
   float* ub;  // [n_heads][max_pages] bounds (psa_bounds_kernel), read by psa_rank_kernel
   int* ord;   // [n_heads][max_pages] page indices in visit order
-  float* r_bm;  // [n_heads][round_max] this round's block results, by slot
-  int* r_n;
+  float* r_bm;  // [owner][slots][G] this round's block results, by slot
+  int* r_n;     // [owner][slots]
   double* r_mass;
-  float* r_o;  // [n_heads][round_max][D]
-  int round_max;
+  float* r_o;  // [owner][slots][G][D]
+  // +gqa: per KV head its state, blocks loaded (a byte per page index), this round's candidate
+  // mark (round + 1) and slot per page index, page index per slot; per query head the cursor in
+  // its order (every earlier block is loaded) and this round's list of blocks it may name.
+  GqaKvState* kvs;
+  int* cursor;
+  unsigned char* loaded;
+  int *mark, *cand_slot, *slot_page, *list, *list_n;
+  int round_max, slots, group;
 };
 PsaWs psa_ws(void* base, const PsaLayout& L) {
   char* b = static_cast<char*>(base);
-  return PsaWs{reinterpret_cast<PsaHeadState*>(b + L.state), reinterpret_cast<float*>(b + L.o),
-               reinterpret_cast<float*>(b + L.ub),           reinterpret_cast<int*>(b + L.ord),
-               reinterpret_cast<float*>(b + L.r_bm),         reinterpret_cast<int*>(b + L.r_n),
-               reinterpret_cast<double*>(b + L.r_mass),      reinterpret_cast<float*>(b + L.r_o),
-               L.round_max};
+  auto at = [&](size_t off) { return L.gqa ? b + off : nullptr; };
+  return PsaWs{reinterpret_cast<PsaHeadState*>(b + L.state),
+               reinterpret_cast<float*>(b + L.o),
+               reinterpret_cast<float*>(b + L.ub),
+               reinterpret_cast<int*>(b + L.ord),
+               reinterpret_cast<float*>(b + L.r_bm),
+               reinterpret_cast<int*>(b + L.r_n),
+               reinterpret_cast<double*>(b + L.r_mass),
+               reinterpret_cast<float*>(b + L.r_o),
+               reinterpret_cast<GqaKvState*>(at(L.kvs)),
+               reinterpret_cast<int*>(at(L.cursor)),
+               reinterpret_cast<unsigned char*>(at(L.loaded)),
+               reinterpret_cast<int*>(at(L.mark)),
+               reinterpret_cast<int*>(at(L.cand_slot)),
+               reinterpret_cast<int*>(at(L.slot_page)),
+               reinterpret_cast<int*>(at(L.list)),
+               reinterpret_cast<int*>(at(L.list_n)),
+               L.round_max,
+               L.slots,
+               L.group};
 }
 
 __device__ __forceinline__ int head_kv(const DecodeArgs& a, int h) {
@@ -739,6 +791,17 @@ __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeA
     }
   for (int b = tid; b < nb; b += blockDim.x) w.ord[int64_t(h) * P + b] = ord[b];
   for (int c = tid; c < D; c += blockDim.x) w.o[int64_t(h) * D + c] = 0.f;
+  if (a.gqa) {
+    // The first query head of a KV head resets the KV head's visit.
+    if (tid == 0) w.cursor[h] = 0;
+    if (h % w.group == 0) {
+      for (int b = tid; b < nb; b += blockDim.x) {
+        w.loaded[int64_t(g) * P + b] = 0;
+        w.mark[int64_t(g) * P + b] = 0;
+      }
+      if (tid == 0) w.kvs[g] = GqaKvState{0, 0, w.group, 0, nb == 0};
+    }
+  }
   if (tid == 0) {
     PsaHeadState st{};
     st.acc = 0;
@@ -1008,6 +1071,322 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
   }
 }
 
+// PSA "+gqa": one visit per KV head (the host's rule in decode_attention.cpp: the G query heads
+// of a KV head take turns naming the best block of their own order not yet loaded, every head
+// folds every loaded block, and each head's stop rule is tested after every load). The turns are
+// sequential, so a round first scores every block a head could name in it, then one warp replays
+// the turns over those results:
+//   gqa_cand_kernel: a CTA per KV head; each head whose rule has not stopped lists the first c
+//     blocks of its order not loaded at the round's start (c: the round's size). A head names
+//     blocks of its own list only, in order, so its turns this round are among them; the union
+//     gets one result slot per block.
+//   gqa_score_kernel: a warp per (KV head, slot) scores the block for each of the G query heads
+//     (the block is read from memory once; the heads after the first find it in L1).
+//   gqa_walk_kernel: a CTA per KV head. Warp 0 replays the turns 32 at a time: lane 0 names the
+//     next 32 blocks as if no head stopped, the lanes fetch their results, then lane i folds
+//     head i's share of each turn in order and tests its rule. A stop cuts the batch after that
+//     turn (the later turns are undone, since the stopped head no longer takes turns), and a
+//     head whose list runs out ends the round: every block it could name next is unscored.
+//     Then the warps fold the loaded blocks' outputs into each head, once, in its final frame.
+// A round loads at least c blocks unless the visit ends (the head whose list ran out saw c blocks
+// loaded), so the rounds psa_round_size lists cover max_pages as they do per query head.
+constexpr int kGqaWarps = 4;
+constexpr int kGqaMaxGroup = kDecodePsaGqaMaxGroup;  // query heads per KV head (a lane each in the walk)
+
+__global__ void __launch_bounds__(kGqaWarps * 32)
+    gqa_cand_kernel(const DecodeArgs a, const PsaWs w, int round, int c) {
+  __shared__ int n_cand;
+  const int g = blockIdx.x, G = w.group, P = a.kv.max_pages;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (w.kvs[g].done) return;
+  if (threadIdx.x == 0) n_cand = 0;
+  __syncthreads();
+  const int nb = a.kv.n_pages[g], stamp = round + 1;
+  for (int i = warp; i < G; i += kGqaWarps) {
+    const int h = g * G + i;
+    int found = 0, first = -1;
+    if (!w.state[h].done) {
+      for (int pos = w.cursor[h]; pos < nb && found < c; pos += 32) {
+        const int x = pos + lane;
+        const int b = x < nb ? w.ord[int64_t(h) * P + x] : 0;
+        const bool free_b = x < nb && !w.loaded[int64_t(g) * P + b];
+        const unsigned bal = __ballot_sync(kAll, free_b);
+        if (first < 0 && bal) first = pos + __ffs(int(bal)) - 1;
+        const int k = found + __popc(bal & ((1u << lane) - 1u));
+        if (free_b && k < c) {
+          w.list[int64_t(h) * w.round_max + k] = b;
+          if (atomicMax(&w.mark[int64_t(g) * P + b], stamp) < stamp) {  // first lister
+            const int s = atomicAdd(&n_cand, 1);
+            w.cand_slot[int64_t(g) * P + b] = s;
+            w.slot_page[int64_t(g) * w.slots + s] = b;
+          }
+        }
+        found = min(c, found + __popc(bal));
+      }
+      if (lane == 0) w.cursor[h] = first < 0 ? nb : first;
+    }
+    if (lane == 0) w.list_n[h] = found;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) w.kvs[g].n_cand = n_cand;
+}
+
+template <int D, PoolDType T>
+__global__ void __launch_bounds__(kPsaRoundWarps * 32)
+    gqa_score_kernel(const DecodeArgs a, const PsaWs w, int size) {
+  constexpr int LPR = D / 4;
+  const int per_kv = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
+  const int g = blockIdx.x / per_kv, lane = threadIdx.x & 31;
+  const int slot = (blockIdx.x % per_kv) * kPsaRoundWarps + (threadIdx.x >> 5);
+  if (w.kvs[g].done || slot >= w.kvs[g].n_cand) return;
+  const int G = w.group, P = a.kv.max_pages;
+  const int64_t r = int64_t(g) * w.slots + slot;
+  const int64_t blk = a.kv.pages[int64_t(g) * P + w.slot_page[r]];
+  const int n = a.kv.fill[blk];
+  if (lane == 0) w.r_n[r] = n;
+  for (int i = 0; i < G; ++i) {
+    float bm = -INFINITY;
+    double mass = 0;
+    float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (n > 0) {
+      float qf[kElemsPerLoad<T>];
+      load_q<D, T>(a.q + int64_t(g * G + i) * D, qf);
+      warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
+    }
+    const int64_t ri = r * G + i;
+    if (lane < LPR) reinterpret_cast<float4*>(w.r_o + ri * D)[lane] = ob;
+    if (lane == 0) w.r_bm[ri] = bm, w.r_mass[ri] = mass;
+  }
+}
+
+// The host's HeadVisit::fold on a block's result (max bm, mass relative to bm), in double.
+__device__ __forceinline__ void gqa_fold(float bm, double mass, bool ranked_here, int n, float* m,
+                                         double* acc, double* as_min, double* last4,
+                                         int* ranked) {
+  if (bm > *m) {
+    const double r = exp(double(*m) - double(bm));  // 0 on the first block
+    *acc *= r;
+    if (isfinite(*as_min)) *as_min *= r;
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] *= r;
+    *m = bm;
+  }
+  const double as_b = mass * exp(double(bm) - double(*m));
+  *acc += as_b;
+  if (ranked_here) {
+    const double fb = as_b * double(kBT) / double(n);
+    *as_min = fmin(*as_min, fb);
+    const int slot = *ranked % kPsaRecentBlocks;
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j)  // a constant index each, so last4 stays in registers
+      if (j == slot) last4[j] = fb;
+    ++*ranked;
+  }
+}
+
+// Dynamic shared memory of gqa_walk_kernel for a round of c blocks a head.
+__host__ __device__ inline size_t gqa_walk_smem_bytes(int group, int c, int slots, int max_pages) {
+  return size_t(group) * size_t(c) * 4 + size_t(slots) * 2 + size_t(max_pages);
+}
+// The most any pool can ask (kGqaMaxGroup heads, rounds of kPsaRoundCap, kDecodeMaxPages): the
+// opt-in, once per device.
+inline size_t gqa_walk_smem_limit() {
+  return gqa_walk_smem_bytes(kGqaMaxGroup, kPsaRoundCap, kDecodeMaxPages, kDecodeMaxPages);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kGqaWarps * 32)
+    gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {
+  constexpr int LPR = D / 4;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int l_n[kGqaMaxGroup], ptr[kGqaMaxGroup];
+  __shared__ unsigned char hdone[kGqaMaxGroup];
+  __shared__ int t_head[32], t_slot[32], t_page[32], t_n[32], u_ptr[32];
+  __shared__ float t_bm[32][kGqaMaxGroup];
+  __shared__ double t_mass[32][kGqaMaxGroup];
+  __shared__ float m_in[kGqaMaxGroup], m_out[kGqaMaxGroup];
+  __shared__ double acc_out[kGqaMaxGroup];
+  __shared__ int n_kept_s, n_loaded_s, fin_s;
+  const int g = blockIdx.x, G = w.group, P = a.kv.max_pages;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const GqaKvState ks = w.kvs[g];
+  if (ks.done) return;
+  const int nb = a.kv.n_pages[g];
+  int16_t* l_page = reinterpret_cast<int16_t*>(smem_raw);  // [G][c] each head's list
+  int16_t* l_slot = l_page + G * c;                        // [G][c] ... their result slots
+  int16_t* kept = l_slot + G * c;                          // [slots] loaded this round
+  unsigned char* loaded = reinterpret_cast<unsigned char*>(kept + w.slots);  // [nb]
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) loaded[b] = w.loaded[int64_t(g) * P + b];
+  for (int x = threadIdx.x; x < G * c; x += blockDim.x) {
+    const int i = x / c, k = x % c, h = g * G + i;
+    if (k < w.list_n[h]) {
+      const int b = w.list[int64_t(h) * w.round_max + k];
+      l_page[x] = int16_t(b);
+      l_slot[x] = int16_t(w.cand_slot[int64_t(g) * P + b]);
+    }
+  }
+  for (int i = threadIdx.x; i < G; i += blockDim.x) {
+    l_n[i] = w.list_n[g * G + i];
+    ptr[i] = 0;
+    hdone[i] = w.state[g * G + i].done;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    PsaHeadState st{};
+    if (lane < G) st = w.state[g * G + lane];
+    float m = lane < G ? st.m : -INFINITY;
+    double acc = st.acc, as_min = st.as_min, last4[kPsaRecentBlocks];
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] = st.last4[j];
+    int ranked = st.ranked;
+    if (lane < G) m_in[lane] = m;
+    int turn = ks.turn, n_loaded = ks.n_loaded, running = ks.running, n_kept = 0;
+    bool round_end = false;
+    while (n_loaded < nb && running > 0 && !round_end) {
+      // Lane 0 names the next turns' blocks as if no head stopped (logging each head's list
+      // position, so a cut can undo them).
+      int cnt = 0, ran_out = 0;
+      if (lane == 0) {
+        int t = turn;
+        while (cnt < 32 && n_loaded + cnt < nb) {
+          int j = t;
+          while (hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
+          int k = ptr[j];
+          while (k < l_n[j] && loaded[l_page[j * c + k]]) ++k;
+          if (k == l_n[j]) {
+            ran_out = 1;
+            break;
+          }
+          u_ptr[cnt] = ptr[j];
+          ptr[j] = k + 1;
+          loaded[l_page[j * c + k]] = 1;
+          t_head[cnt] = j;
+          t_slot[cnt] = l_slot[j * c + k];
+          t_page[cnt] = l_page[j * c + k];
+          ++cnt;
+          t = j + 1 == G ? 0 : j + 1;
+        }
+      }
+      cnt = __shfl_sync(kAll, cnt, 0);
+      ran_out = __shfl_sync(kAll, ran_out, 0);
+      __syncwarp();
+      if (lane < cnt) {
+        const int64_t r = int64_t(g) * w.slots + t_slot[lane];
+        t_n[lane] = w.r_n[r];
+        for (int i = 0; i < G; ++i) {
+          t_bm[lane][i] = w.r_bm[r * G + i];
+          t_mass[lane][i] = w.r_mass[r * G + i];
+        }
+      }
+      __syncwarp();
+      int accepted = cnt;
+      for (int t = 0; t < cnt; ++t) {
+        const int n = t_n[t];
+        if (n == 0) continue;  // an empty block is loaded, but folds nothing and tests no rule
+        bool stopped = false;
+        if (lane < G) {
+          const int b = t_page[t];
+          const bool pinned = a.pin && (b == 0 || b == nb - 1);
+          gqa_fold(t_bm[t][lane], t_mass[t][lane], lane == t_head[t] && !pinned, n, &m, &acc,
+                   &as_min, last4, &ranked);
+          if (!hdone[lane] && ranked > 0) {
+            double per = as_min;  // the estimate of each unseen block's mass
+            bool test = true;
+            if (a.recent_mean) {
+              test = ranked >= kPsaRecentBlocks;
+              per = 0;
+#pragma unroll
+              for (int j = 0; j < kPsaRecentBlocks; ++j) per += last4[j];
+              per /= kPsaRecentBlocks;
+            }
+            const double left = double(nb - (n_loaded + t + 1));
+            stopped = test && acc >= a.eps * (acc + per * left);  // the host's test, no division
+          }
+        }
+        const unsigned sb = __ballot_sync(kAll, stopped);
+        if (sb) {
+          if (stopped) hdone[lane] = 1;
+          running -= __popc(sb);
+          accepted = t + 1;
+          break;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) {
+        for (int t = cnt - 1; t >= accepted; --t) {  // newest first, so each head's undo is exact
+          loaded[t_page[t]] = 0;
+          ptr[t_head[t]] = u_ptr[t];
+        }
+        for (int t = 0; t < accepted; ++t) kept[n_kept + t] = int16_t(t_slot[t]);
+      }
+      n_kept += accepted;
+      n_loaded += accepted;
+      if (accepted > 0) turn = t_head[accepted - 1] + 1 == G ? 0 : t_head[accepted - 1] + 1;
+      round_end = ran_out && accepted == cnt;
+      __syncwarp();
+    }
+    const bool fin = n_loaded == nb || running == 0;
+    if (lane < G) {
+      st.m = m;
+      st.acc = acc;
+      st.as_min = as_min;
+#pragma unroll
+      for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = last4[j];
+      st.ranked = ranked;
+      st.visited = n_loaded;
+      st.done = hdone[lane];
+      w.state[g * G + lane] = st;
+      m_out[lane] = m;
+      acc_out[lane] = acc;
+    }
+    if (lane == 0) {
+      n_kept_s = n_kept;
+      n_loaded_s = n_loaded;
+      fin_s = fin;
+      w.kvs[g] = GqaKvState{n_loaded, turn, running, 0, fin};
+    }
+  }  // warp 0
+  __syncthreads();
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) w.loaded[int64_t(g) * P + b] = loaded[b];
+  const int n_kept = n_kept_s;
+  const bool fin = fin_s;
+  // Each head folds the round's loaded blocks once, in its final frame, onto its carried output.
+  for (int i = warp; i < G; i += kGqaWarps) {
+    if (lane >= LPR) continue;
+    const int h = g * G + i;
+    const float mf = m_out[i], mi = m_in[i];
+    float4 o = reinterpret_cast<const float4*>(w.o + int64_t(h) * D)[lane];
+    const float f = mf == -INFINITY ? 1.f : (mi == -INFINITY ? 0.f : expf(mi - mf));
+    o.x *= f, o.y *= f, o.z *= f, o.w *= f;
+    constexpr int kQ = 16;
+    for (int x0 = 0; x0 < n_kept; x0 += kQ) {
+      float4 ob[kQ];
+      float wt[kQ];
+#pragma unroll
+      for (int j = 0; j < kQ; ++j) {
+        const int64_t ri = x0 + j < n_kept ? (int64_t(g) * w.slots + kept[x0 + j]) * G + i : -1;
+        const float bm = ri >= 0 ? w.r_bm[ri] : -INFINITY;
+        wt[j] = bm == -INFINITY ? 0.f : expf(bm - mf);
+        ob[j] = wt[j] != 0.f ? reinterpret_cast<const float4*>(w.r_o + ri * D)[lane]
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kQ; ++j)
+        o.x += wt[j] * ob[j].x, o.y += wt[j] * ob[j].y, o.z += wt[j] * ob[j].z,
+            o.w += wt[j] * ob[j].w;
+    }
+    if (!fin) {
+      reinterpret_cast<float4*>(w.o + int64_t(h) * D)[lane] = o;
+      continue;
+    }
+    const double acc = acc_out[i];
+    const float inv = acc > 0 ? float(1.0 / acc) : 0.f;
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[lane] =
+        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    if (lane == 0 && a.visited) a.visited[h] = n_loaded_s;
+  }
+}
+
 // kvstore/kv_quant.cpp's group rule on the device, for 255 levels: the zero is the F16 of the
 // minimum rounded down, the scale the F16 of (max - zero) / 255 rounded up, and a code is
 // (x - zero) / scale rounded to nearest even, in [0, 255]. Bit-level neighbours as on the host.
@@ -1154,7 +1533,7 @@ size_t psa_rank_smem_bytes(int max_pages) {
 // max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
 Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
-  const PsaLayout L = psa_layout(a.n_heads, a.kv.max_pages, D);
+  const PsaLayout L = psa_layout(a.n_heads, a.kv.n_kv_heads, a.kv.max_pages, D, a.gqa);
   const PsaWs w = psa_ws(workspace, L);
   const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
   psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
@@ -1164,8 +1543,27 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
   psa_rank_kernel<D><<<unsigned(a.n_heads), kPsaRankThreads, psa_rank_smem_bytes(a.kv.max_pages),
                        st>>>(a, w);
   SF_CUDA_TRY(cudaGetLastError());
+  if (a.gqa) {
+    static std::atomic<uint64_t> walk_opted{0};
+    SF_CUDA_TRY(opt_in_smem(gqa_walk_kernel<D>, gqa_walk_smem_limit(), walk_opted));
+  }
+  const int n_kv = a.kv.n_kv_heads;
   for (int r = 0, start = 0; r < L.rounds; start += psa_round_size(r), ++r) {
     const int size = psa_round_size(r);
+    if (a.gqa) {
+      const int slots = std::min(L.group * size, a.kv.max_pages);
+      gqa_cand_kernel<<<unsigned(n_kv), kGqaWarps * 32, 0, st>>>(a, w, r, size);
+      SF_CUDA_TRY(cudaGetLastError());
+      gqa_score_kernel<D, T>
+          <<<unsigned(n_kv * ((slots + kPsaRoundWarps - 1) / kPsaRoundWarps)),
+             kPsaRoundWarps * 32, 0, st>>>(a, w, slots);
+      SF_CUDA_TRY(cudaGetLastError());
+      gqa_walk_kernel<D><<<unsigned(n_kv), kGqaWarps * 32,
+                           gqa_walk_smem_bytes(L.group, size, L.slots, a.kv.max_pages), st>>>(
+          a, w, size);
+      SF_CUDA_TRY(cudaGetLastError());
+      continue;
+    }
     const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
     psa_round_kernel<D, T>
         <<<unsigned(a.n_heads * per_head), kPsaRoundWarps * 32, 0, st>>>(a, w, start, size);
@@ -1242,11 +1640,14 @@ size_t full_workspace_bytes(int n_heads, const PagedKv& kv) {
 }
 }  // namespace
 
-size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv) {
-  if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0) return 0;
-  // Either mode's: full mode's partials or PSA's bounds, order, walk state and round results.
-  return std::max(full_workspace_bytes(n_heads, kv),
-                  psa_layout(n_heads, kv.max_pages, kv.head_dim).bytes);
+size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
+  if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0 || kv.n_kv_heads <= 0)
+    return 0;
+  // Full mode's partials, or PSA's bounds, order, walk state and round results.
+  return p.psa ? psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim,
+                            p.psa_share_kv_head)
+                     .bytes
+               : full_workspace_bytes(n_heads, kv);
 }
 
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
@@ -1270,9 +1671,8 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;
   a.recent_mean = p.recent_mean;
-  const size_t need = p.psa ? psa_layout(n_heads, kv.max_pages, kv.head_dim).bytes
-                   : a.splits > 1 ? full_workspace_bytes(n_heads, kv)
-                                  : 0;
+  a.gqa = p.psa && p.psa_share_kv_head;
+  const size_t need = p.psa || a.splits > 1 ? cuda::paged_decode_workspace_bytes(n_heads, kv, p) : 0;
   if (need > 0) {
     if (!workspace || workspace_bytes < need)
       return SF_ERR(kInvalidArgument, std::string("paged_decode_attention: ") +

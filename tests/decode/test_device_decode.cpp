@@ -94,7 +94,7 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
   kp.share_kv_heads = share;
   DeviceBuffer dq, dout, dvis, dws;
-  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0));
+  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0), kp);
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
   ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
   ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
@@ -152,7 +152,9 @@ void append_both(Planted& p, const decode::DevicePagedPool& pool, int first_pos,
   ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
 }
 
-const char* kModes[] = {"full", "psa:0.9", "psa:0.95", "psa-avg:0.95", "psa-strict:0.8", "psa:1"};
+const char* kModes[] = {"full",           "psa:0.9",          "psa:0.95",
+                        "psa-avg:0.95",   "psa-strict:0.8",   "psa:1",
+                        "psa+gqa:0.95",   "psa-avg+gqa:0.95", "psa-strict+gqa:0.8"};
 
 TEST_F(DeviceDecode, PagedKernelFollowsTheHostRules) {
   const uint64_t seed = testing::fresh_seed();
@@ -199,7 +201,7 @@ TEST_F(DeviceDecode, PsaRoundsPastTheLargestRound) {
 }
 
 // Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8 and 1, in full mode
-// (split over CTAs) and psa-avg.
+// (split over CTAs), psa-avg and psa-avg+gqa (whose turns go round the group).
 TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
   for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
@@ -209,6 +211,7 @@ TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
       ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
       expect_same_as_host(p.cache, pool.value(), p.q, "full");
       expect_same_as_host(p.cache, pool.value(), p.q, "psa-avg:0.95");
+      expect_same_as_host(p.cache, pool.value(), p.q, "psa-avg+gqa:0.95");
     }
 }
 
@@ -367,18 +370,22 @@ TEST_F(DeviceDecode, EncodedPoolRefusals) {
             Code::kUnsupported);
 }
 
-// The host's +gqa visit (one per KV head) has no kernel: the kernel API refuses it rather than
-// run per-head visits whose counts would not be the host's.
-TEST_F(DeviceDecode, PsaGqaIsRefused) {
-  Planted p = planted(64 * 3, testing::fresh_seed(), false, 64);
+// +gqa turns take one lane per query head of a KV head: more than kDecodePsaGqaMaxGroup is
+// refused with kUnsupported (the host runs it), and the workspace is sized by the mode.
+TEST_F(DeviceDecode, PsaGqaRefusesGroupsPastTheLimit) {
+  const int hq = kernels::kDecodePsaGqaMaxGroup + 1;
+  Planted p = planted(64 * 3, testing::fresh_seed(), false, 64, hq, 1);
   auto pool = decode::DevicePagedPool::upload(p.cache, 0);
   ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
   auto ap = decode::decode_attn_parse("psa-avg+gqa:0.95");
   ASSERT_TRUE(ap.is_ok());
   const kernels::PagedDecodeParams kp = decode::device_attn_params(ap.value());
-  const int hq = int(p.q.size()) / 64;
+  kernels::PagedDecodeParams per_head = kp;
+  per_head.psa_share_kv_head = false;
+  EXPECT_GT(kernels::paged_decode_workspace_bytes(hq, pool->layer(0), kp),
+            kernels::paged_decode_workspace_bytes(hq, pool->layer(0), per_head));
   DeviceBuffer dq, dout, dws;
-  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0));
+  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0), kp);
   ASSERT_TRUE(dws.alloc(ws).is_ok());
   ASSERT_TRUE(dq.alloc(p.q.size() * 4).is_ok() && dout.alloc(p.q.size() * 4).is_ok());
   const kernels::Stream s{Device::kCuda, nullptr};
