@@ -1159,31 +1159,6 @@ __global__ void __launch_bounds__(kPsaRoundWarps * 32)
   }
 }
 
-// The host's HeadVisit::fold on a block's result (max bm, mass relative to bm), in double.
-__device__ __forceinline__ void gqa_fold(float bm, double mass, bool ranked_here, int n, float* m,
-                                         double* acc, double* as_min, double* last4,
-                                         int* ranked) {
-  if (bm > *m) {
-    const double r = exp(double(*m) - double(bm));  // 0 on the first block
-    *acc *= r;
-    if (isfinite(*as_min)) *as_min *= r;
-#pragma unroll
-    for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] *= r;
-    *m = bm;
-  }
-  const double as_b = mass * exp(double(bm) - double(*m));
-  *acc += as_b;
-  if (ranked_here) {
-    const double fb = as_b * double(kBT) / double(n);
-    *as_min = fmin(*as_min, fb);
-    const int slot = *ranked % kPsaRecentBlocks;
-#pragma unroll
-    for (int j = 0; j < kPsaRecentBlocks; ++j)  // a constant index each, so last4 stays in registers
-      if (j == slot) last4[j] = fb;
-    ++*ranked;
-  }
-}
-
 // Dynamic shared memory of gqa_walk_kernel for a round of c blocks a head.
 __host__ __device__ inline size_t gqa_walk_smem_bytes(int group, int c, int slots, int max_pages) {
   return size_t(group) * size_t(c) * 4 + size_t(slots) * 2 + size_t(max_pages);
@@ -1194,19 +1169,110 @@ inline size_t gqa_walk_smem_limit() {
   return gqa_walk_smem_bytes(kGqaMaxGroup, kPsaRoundCap, kDecodeMaxPages, kDecodeMaxPages);
 }
 
+// gqa_walk_kernel's static shared memory: a batch of up to 32 turns (block, naming head, its
+// results for every head) and each head's walk state (the host's scalars in the frame of its
+// running max m; last4: its last ranked blocks' masses, oldest first).
+struct GqaWalkShared {
+  int t_head[32], t_slot[32], t_page[32], t_n[32], u_ptr[32];
+  float t_bm[32][kGqaMaxGroup];
+  double t_mass[32][kGqaMaxGroup];
+  double fb[32];  // a head's full-block mass of each turn it ranked (the psa-avg lookback)
+  unsigned char rk[32];
+  float m[kGqaMaxGroup], m_in[kGqaMaxGroup];
+  double acc[kGqaMaxGroup], as_min[kGqaMaxGroup], l4[kGqaMaxGroup][kPsaRecentBlocks];
+  int ranked[kGqaMaxGroup], first[kGqaMaxGroup], l_n[kGqaMaxGroup], ptr[kGqaMaxGroup];
+  unsigned char hdone[kGqaMaxGroup];
+  int n_kept, n_loaded, fin;
+};
+
+// Head i over the batch's first n turns, a lane a turn: the host's folds and stop tests as prefix
+// computations (as psa_walk_kernel does for a head's own blocks), in the frame M of the largest
+// max among them (the test is a ratio, so the frame changes only rounding). test: returns the
+// first turn whose stop test holds for head i (n if none); apply: moves head i's state past the
+// n turns (M is then exactly its new running max). Warp 0, all lanes.
+__device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int n, int n_loaded,
+                              int nb, bool test, bool apply) {
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // S.fb and S.rk of the previous head are read
+  const int nt = lane < n ? S.t_n[lane] : 0;
+  const bool valid = nt > 0;  // the host folds and tests nonempty blocks only
+  const float bm = valid ? S.t_bm[lane][i] : -INFINITY;
+  const int b = lane < n ? S.t_page[lane] : 0;
+  const bool rk = valid && S.t_head[lane] == i && !(a.pin && (b == 0 || b == nb - 1));
+  float bmax = bm;
+  for (int s = 16; s >= 1; s >>= 1) bmax = fmaxf(bmax, __shfl_xor_sync(kAll, bmax, s));
+  const float m0 = S.m[i], M = fmaxf(m0, bmax);
+  const double into = m0 == -INFINITY ? 0.0 : exp(double(m0) - double(M));
+  const double acc0 = S.acc[i] * into;
+  const double asmin0 = isfinite(S.as_min[i]) ? S.as_min[i] * into : INFINITY;
+  const double as = valid ? S.t_mass[lane][i] * exp(double(bm) - double(M)) : 0.0;
+  const double fb = rk ? as * double(kBT) / double(nt) : INFINITY;
+  S.fb[lane] = fb;
+  S.rk[lane] = rk;
+  double ps = as, pm = fb;  // inclusive scans over the turns
+  int pc = rk;
+  for (int s = 1; s < 32; s <<= 1) {
+    const double s2 = __shfl_up_sync(kAll, ps, s), m2 = __shfl_up_sync(kAll, pm, s);
+    const int c2 = __shfl_up_sync(kAll, pc, s);
+    if (lane >= s) ps += s2, pm = fmin(pm, m2), pc += c2;
+  }
+  __syncwarp();  // S.fb and S.rk are read across lanes
+  // The last kPsaRecentBlocks ranked masses up to turn x (newest first from the batch, then the
+  // carried ones), written oldest first into out.
+  auto recent = [&](int x, double* out) {
+    int got = 0;
+    for (int j = x; j >= 0 && got < kPsaRecentBlocks; --j)
+      if (S.rk[j]) out[kPsaRecentBlocks - 1 - got++] = S.fb[j];
+    for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j)
+      out[kPsaRecentBlocks - 1 - got++] = S.l4[i][j] * into;
+  };
+  int first = n;
+  if (test) {
+    bool hit = false;
+    const int rank_x = S.ranked[i] + pc;
+    if (valid && rank_x > 0) {
+      const double acc_x = acc0 + ps;
+      double per = fmin(asmin0, pm);
+      bool ok = true;
+      if (a.recent_mean) {
+        ok = rank_x >= kPsaRecentBlocks;
+        double r4[kPsaRecentBlocks];
+        recent(lane, r4);
+        per = (r4[0] + r4[1] + r4[2] + r4[3]) / kPsaRecentBlocks;
+      }
+      const double left = double(nb - (n_loaded + lane + 1));
+      hit = ok && acc_x >= a.eps * (acc_x + per * left);  // the host's test, no division
+    }
+    const unsigned bal = __ballot_sync(kAll, hit);
+    first = bal ? __ffs(int(bal)) - 1 : n;
+  }
+  if (apply && n > 0) {
+    const int last = n - 1;
+    const double t_sum = __shfl_sync(kAll, ps, last), t_min = __shfl_sync(kAll, pm, last);
+    const int t_cnt = __shfl_sync(kAll, pc, last);
+    if (lane == 0) {
+      double r4[kPsaRecentBlocks];
+      recent(last, r4);
+#pragma unroll
+      for (int j = 0; j < kPsaRecentBlocks; ++j) S.l4[i][j] = r4[j];
+      S.acc[i] = acc0 + t_sum;
+      const double mn = fmin(asmin0, t_min);
+      S.as_min[i] = mn;
+      S.ranked[i] += t_cnt;
+      S.m[i] = M;
+    }
+  }
+  return first;
+}
+
+// A CTA per KV head: warp 0 replays the round's turns (gqa_cand_kernel's comment), then every
+// warp folds the loaded blocks' outputs into its heads.
 template <int D>
 __global__ void __launch_bounds__(kGqaWarps * 32)
     gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {
   constexpr int LPR = D / 4;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int l_n[kGqaMaxGroup], ptr[kGqaMaxGroup];
-  __shared__ unsigned char hdone[kGqaMaxGroup];
-  __shared__ int t_head[32], t_slot[32], t_page[32], t_n[32], u_ptr[32];
-  __shared__ float t_bm[32][kGqaMaxGroup];
-  __shared__ double t_mass[32][kGqaMaxGroup];
-  __shared__ float m_in[kGqaMaxGroup], m_out[kGqaMaxGroup];
-  __shared__ double acc_out[kGqaMaxGroup];
-  __shared__ int n_kept_s, n_loaded_s, fin_s;
+  __shared__ GqaWalkShared S;
   const int g = blockIdx.x, G = w.group, P = a.kv.max_pages;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const GqaKvState ks = w.kvs[g];
@@ -1226,43 +1292,42 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     }
   }
   for (int i = threadIdx.x; i < G; i += blockDim.x) {
-    l_n[i] = w.list_n[g * G + i];
-    ptr[i] = 0;
-    hdone[i] = w.state[g * G + i].done;
+    const PsaHeadState st = w.state[g * G + i];
+    S.l_n[i] = w.list_n[g * G + i];
+    S.ptr[i] = 0;
+    S.hdone[i] = st.done;
+    S.m[i] = S.m_in[i] = st.m;
+    S.acc[i] = st.acc;
+    S.as_min[i] = st.as_min;
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j) S.l4[i][j] = st.last4[j];
+    S.ranked[i] = st.ranked;
   }
   __syncthreads();
   if (warp == 0) {
-    PsaHeadState st{};
-    if (lane < G) st = w.state[g * G + lane];
-    float m = lane < G ? st.m : -INFINITY;
-    double acc = st.acc, as_min = st.as_min, last4[kPsaRecentBlocks];
-#pragma unroll
-    for (int j = 0; j < kPsaRecentBlocks; ++j) last4[j] = st.last4[j];
-    int ranked = st.ranked;
-    if (lane < G) m_in[lane] = m;
     int turn = ks.turn, n_loaded = ks.n_loaded, running = ks.running, n_kept = 0;
     bool round_end = false;
     while (n_loaded < nb && running > 0 && !round_end) {
-      // Lane 0 names the next turns' blocks as if no head stopped (logging each head's list
-      // position, so a cut can undo them).
+      // Lane 0 names the next turns' blocks as if no head stopped, logging each head's list
+      // position so a cut can undo them.
       int cnt = 0, ran_out = 0;
       if (lane == 0) {
         int t = turn;
         while (cnt < 32 && n_loaded + cnt < nb) {
           int j = t;
-          while (hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
-          int k = ptr[j];
-          while (k < l_n[j] && loaded[l_page[j * c + k]]) ++k;
-          if (k == l_n[j]) {
+          while (S.hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
+          int k = S.ptr[j];
+          while (k < S.l_n[j] && loaded[l_page[j * c + k]]) ++k;
+          if (k == S.l_n[j]) {
             ran_out = 1;
             break;
           }
-          u_ptr[cnt] = ptr[j];
-          ptr[j] = k + 1;
+          S.u_ptr[cnt] = S.ptr[j];
+          S.ptr[j] = k + 1;
           loaded[l_page[j * c + k]] = 1;
-          t_head[cnt] = j;
-          t_slot[cnt] = l_slot[j * c + k];
-          t_page[cnt] = l_page[j * c + k];
+          S.t_head[cnt] = j;
+          S.t_slot[cnt] = l_slot[j * c + k];
+          S.t_page[cnt] = l_page[j * c + k];
           ++cnt;
           t = j + 1 == G ? 0 : j + 1;
         }
@@ -1271,90 +1336,67 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
       ran_out = __shfl_sync(kAll, ran_out, 0);
       __syncwarp();
       if (lane < cnt) {
-        const int64_t r = int64_t(g) * w.slots + t_slot[lane];
-        t_n[lane] = w.r_n[r];
+        const int64_t r = int64_t(g) * w.slots + S.t_slot[lane];
+        S.t_n[lane] = w.r_n[r];
         for (int i = 0; i < G; ++i) {
-          t_bm[lane][i] = w.r_bm[r * G + i];
-          t_mass[lane][i] = w.r_mass[r * G + i];
+          S.t_bm[lane][i] = w.r_bm[r * G + i];
+          S.t_mass[lane][i] = w.r_mass[r * G + i];
         }
       }
-      __syncwarp();
+      // The first stop of any head cuts the batch after that turn.
       int accepted = cnt;
-      for (int t = 0; t < cnt; ++t) {
-        const int n = t_n[t];
-        if (n == 0) continue;  // an empty block is loaded, but folds nothing and tests no rule
-        bool stopped = false;
-        if (lane < G) {
-          const int b = t_page[t];
-          const bool pinned = a.pin && (b == 0 || b == nb - 1);
-          gqa_fold(t_bm[t][lane], t_mass[t][lane], lane == t_head[t] && !pinned, n, &m, &acc,
-                   &as_min, last4, &ranked);
-          if (!hdone[lane] && ranked > 0) {
-            double per = as_min;  // the estimate of each unseen block's mass
-            bool test = true;
-            if (a.recent_mean) {
-              test = ranked >= kPsaRecentBlocks;
-              per = 0;
-#pragma unroll
-              for (int j = 0; j < kPsaRecentBlocks; ++j) per += last4[j];
-              per /= kPsaRecentBlocks;
-            }
-            const double left = double(nb - (n_loaded + t + 1));
-            stopped = test && acc >= a.eps * (acc + per * left);  // the host's test, no division
-          }
-        }
-        const unsigned sb = __ballot_sync(kAll, stopped);
-        if (sb) {
-          if (stopped) hdone[lane] = 1;
-          running -= __popc(sb);
-          accepted = t + 1;
-          break;
-        }
+      for (int i = 0; i < G; ++i) {
+        const int f = S.hdone[i] ? cnt : gqa_chunk_head(a, S, i, cnt, n_loaded, nb, true, false);
+        if (lane == 0) S.first[i] = f;
+        accepted = min(accepted, f + 1);
       }
+      for (int i = 0; i < G; ++i) gqa_chunk_head(a, S, i, accepted, n_loaded, nb, false, true);
       __syncwarp();
       if (lane == 0) {
+        for (int i = 0; i < G; ++i)
+          if (!S.hdone[i] && S.first[i] == accepted - 1) S.hdone[i] = 1, --running;
         for (int t = cnt - 1; t >= accepted; --t) {  // newest first, so each head's undo is exact
-          loaded[t_page[t]] = 0;
-          ptr[t_head[t]] = u_ptr[t];
+          loaded[S.t_page[t]] = 0;
+          S.ptr[S.t_head[t]] = S.u_ptr[t];
         }
-        for (int t = 0; t < accepted; ++t) kept[n_kept + t] = int16_t(t_slot[t]);
+        for (int t = 0; t < accepted; ++t) kept[n_kept + t] = int16_t(S.t_slot[t]);
       }
+      running = __shfl_sync(kAll, running, 0);
       n_kept += accepted;
       n_loaded += accepted;
-      if (accepted > 0) turn = t_head[accepted - 1] + 1 == G ? 0 : t_head[accepted - 1] + 1;
+      if (accepted > 0) turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
       round_end = ran_out && accepted == cnt;
       __syncwarp();
     }
     const bool fin = n_loaded == nb || running == 0;
     if (lane < G) {
-      st.m = m;
-      st.acc = acc;
-      st.as_min = as_min;
+      PsaHeadState st{};
+      st.m = S.m[lane];
+      st.acc = S.acc[lane];
+      st.as_min = S.as_min[lane];
 #pragma unroll
-      for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = last4[j];
-      st.ranked = ranked;
+      for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = S.l4[lane][j];
+      st.ranked = S.ranked[lane];
       st.visited = n_loaded;
-      st.done = hdone[lane];
+      st.done = S.hdone[lane];
       w.state[g * G + lane] = st;
-      m_out[lane] = m;
-      acc_out[lane] = acc;
     }
     if (lane == 0) {
-      n_kept_s = n_kept;
-      n_loaded_s = n_loaded;
-      fin_s = fin;
+      S.n_kept = n_kept;
+      S.n_loaded = n_loaded;
+      S.fin = fin;
       w.kvs[g] = GqaKvState{n_loaded, turn, running, 0, fin};
     }
   }  // warp 0
   __syncthreads();
   for (int b = threadIdx.x; b < nb; b += blockDim.x) w.loaded[int64_t(g) * P + b] = loaded[b];
-  const int n_kept = n_kept_s;
-  const bool fin = fin_s;
+  const int n_kept = S.n_kept;
+  const bool fin = S.fin;
   // Each head folds the round's loaded blocks once, in its final frame, onto its carried output.
   for (int i = warp; i < G; i += kGqaWarps) {
     if (lane >= LPR) continue;
     const int h = g * G + i;
-    const float mf = m_out[i], mi = m_in[i];
+    const float mf = S.m[i], mi = S.m_in[i];
     float4 o = reinterpret_cast<const float4*>(w.o + int64_t(h) * D)[lane];
     const float f = mf == -INFINITY ? 1.f : (mi == -INFINITY ? 0.f : expf(mi - mf));
     o.x *= f, o.y *= f, o.z *= f, o.w *= f;
@@ -1379,11 +1421,11 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
       reinterpret_cast<float4*>(w.o + int64_t(h) * D)[lane] = o;
       continue;
     }
-    const double acc = acc_out[i];
+    const double acc = S.acc[i];
     const float inv = acc > 0 ? float(1.0 / acc) : 0.f;
     reinterpret_cast<float4*>(a.out + int64_t(h) * D)[lane] =
         make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-    if (lane == 0 && a.visited) a.visited[h] = n_loaded_s;
+    if (lane == 0 && a.visited) a.visited[h] = S.n_loaded;
   }
 }
 
