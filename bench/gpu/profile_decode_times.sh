@@ -8,8 +8,8 @@
 #                       psa-avg:0.95 calls, 23 each with bounds and rank, come before psa+gqa)
 #   SF_PROFILE_COUNT    launches timed (default 20: one +gqa call at 2,048 pages, 6 rounds)
 #   SF_PROFILE_TAG      a suffix for the output files
-# Writes $OUT/ncu-decode-times${SF_PROFILE_TAG:-}.csv (ncu's rows) and $OUT/ncu-decode-times${SF_PROFILE_TAG:-}.txt (time per launch
-# and per kernel name).
+# Writes $OUT/ncu-decode-timesTAG.csv (ncu's rows) and $OUT/ncu-decode-timesTAG.txt (time per
+# launch and per kernel name).
 set -uo pipefail
 root="$(pwd)"
 out="${OUT:-$root/build-gpu/out}"
