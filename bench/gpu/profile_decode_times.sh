@@ -27,10 +27,11 @@ timeout 400 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-gqa_|psa_bound
 rc=$?
 python3 - "$out/ncu-decode-times${SF_PROFILE_TAG:-}.csv" >"$out/ncu-decode-times${SF_PROFILE_TAG:-}.txt" <<'PY'
 import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows:
+rows = list(csv.reader(open(sys.argv[1])))
+start = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), None)
+if start is None:
     print("no ncu rows"); sys.exit(0)
-h = rows[0]
+h, rows = rows[start], [r for r in rows[start:] if len(r) == len(rows[start])]
 ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
 tot = collections.OrderedDict()
 for r in rows[1:]:

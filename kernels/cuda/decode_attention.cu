@@ -1080,8 +1080,8 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 //     blocks of its order not loaded at the round's start (c: the round's size). A head names
 //     blocks of its own list only, in order, so its turns this round are among them; the union
 //     gets one result slot per block.
-//   gqa_score_kernel: a warp per (KV head, slot) scores the block for each of the G query heads
-//     (the block is read from memory once; the heads after the first find it in L1).
+//   gqa_score_kernel: a warp per (slot, query head) scores the block, the G heads' warps side by
+//     side, so the block is read from memory about once for the group.
 //   gqa_walk_kernel: a CTA per KV head. Warp 0 replays the turns 32 at a time: lane 0 names the
 //     next 32 blocks as if no head stopped, the lanes fetch their results, then lane i folds
 //     head i's share of each turn in order and tests its rule. A stop cuts the batch after that
@@ -1131,32 +1131,33 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
   if (threadIdx.x == 0) w.kvs[g].n_cand = n_cand;
 }
 
+// A warp per (slot, query head), the G heads of a slot side by side in a CTA so the block's
+// rows meet in L1. size: the round's slots per KV head.
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kPsaRoundWarps * 32)
     gqa_score_kernel(const DecodeArgs a, const PsaWs w, int size) {
   constexpr int LPR = D / 4;
-  const int per_kv = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
-  const int g = blockIdx.x / per_kv, lane = threadIdx.x & 31;
-  const int slot = (blockIdx.x % per_kv) * kPsaRoundWarps + (threadIdx.x >> 5);
-  if (w.kvs[g].done || slot >= w.kvs[g].n_cand) return;
   const int G = w.group, P = a.kv.max_pages;
+  const int per_kv = (size * G + kPsaRoundWarps - 1) / kPsaRoundWarps;
+  const int g = blockIdx.x / per_kv, lane = threadIdx.x & 31;
+  const int item = (blockIdx.x % per_kv) * kPsaRoundWarps + (threadIdx.x >> 5);
+  const int slot = item / G, i = item % G;
+  if (w.kvs[g].done || slot >= w.kvs[g].n_cand) return;
   const int64_t r = int64_t(g) * w.slots + slot;
   const int64_t blk = a.kv.pages[int64_t(g) * P + w.slot_page[r]];
   const int n = a.kv.fill[blk];
-  if (lane == 0) w.r_n[r] = n;
-  for (int i = 0; i < G; ++i) {
-    float bm = -INFINITY;
-    double mass = 0;
-    float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (n > 0) {
-      float qf[kElemsPerLoad<T>];
-      load_q<D, T>(a.q + int64_t(g * G + i) * D, qf);
-      warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
-    }
-    const int64_t ri = r * G + i;
-    if (lane < LPR) reinterpret_cast<float4*>(w.r_o + ri * D)[lane] = ob;
-    if (lane == 0) w.r_bm[ri] = bm, w.r_mass[ri] = mass;
+  if (lane == 0 && i == 0) w.r_n[r] = n;
+  float bm = -INFINITY;
+  double mass = 0;
+  float4 ob = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n > 0) {
+    float qf[kElemsPerLoad<T>];
+    load_q<D, T>(a.q + int64_t(g * G + i) * D, qf);
+    warp_block<D, T>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob);
   }
+  const int64_t ri = r * G + i;
+  if (lane < LPR) reinterpret_cast<float4*>(w.r_o + ri * D)[lane] = ob;
+  if (lane == 0) w.r_bm[ri] = bm, w.r_mass[ri] = mass;
 }
 
 // Dynamic shared memory of gqa_walk_kernel for a round of c blocks a head.
@@ -1176,24 +1177,26 @@ struct GqaWalkShared {
   int t_head[32], t_slot[32], t_page[32], t_n[32], u_ptr[32];
   float t_bm[32][kGqaMaxGroup];
   double t_mass[32][kGqaMaxGroup];
-  double fb[32];  // a head's full-block mass of each turn it ranked (the psa-avg lookback)
-  unsigned char rk[32];
+  double fb[kGqaWarps][32];  // per warp: its head's full-block mass of each turn it ranked
+  unsigned char rk[kGqaWarps][32];
   float m[kGqaMaxGroup], m_in[kGqaMaxGroup];
   double acc[kGqaMaxGroup], as_min[kGqaMaxGroup], l4[kGqaMaxGroup][kPsaRecentBlocks];
   int ranked[kGqaMaxGroup], first[kGqaMaxGroup], l_n[kGqaMaxGroup], ptr[kGqaMaxGroup];
   unsigned char hdone[kGqaMaxGroup];
-  int n_kept, n_loaded, fin;
+  int turn, n_loaded, running, n_kept, cnt, ran_out, go, round_end;
 };
 
 // Head i over the batch's first n turns, a lane a turn: the host's folds and stop tests as prefix
 // computations (as psa_walk_kernel does for a head's own blocks), in the frame M of the largest
 // max among them (the test is a ratio, so the frame changes only rounding). test: returns the
 // first turn whose stop test holds for head i (n if none); apply: moves head i's state past the
-// n turns (M is then exactly its new running max). Warp 0, all lanes.
+// n turns (M is then exactly its new running max). One warp, all lanes.
 __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int n, int n_loaded,
                               int nb, bool test, bool apply) {
-  const int lane = threadIdx.x & 31;
-  __syncwarp();  // S.fb and S.rk of the previous head are read
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double* fbs = S.fb[warp];
+  unsigned char* rks = S.rk[warp];
+  __syncwarp();  // the previous head's fbs and rks are read
   const int nt = lane < n ? S.t_n[lane] : 0;
   const bool valid = nt > 0;  // the host folds and tests nonempty blocks only
   const float bm = valid ? S.t_bm[lane][i] : -INFINITY;
@@ -1207,8 +1210,8 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
   const double asmin0 = isfinite(S.as_min[i]) ? S.as_min[i] * into : INFINITY;
   const double as = valid ? S.t_mass[lane][i] * exp(double(bm) - double(M)) : 0.0;
   const double fb = rk ? as * double(kBT) / double(nt) : INFINITY;
-  S.fb[lane] = fb;
-  S.rk[lane] = rk;
+  fbs[lane] = fb;
+  rks[lane] = rk;
   double ps = as, pm = fb;  // inclusive scans over the turns
   int pc = rk;
   for (int s = 1; s < 32; s <<= 1) {
@@ -1216,13 +1219,13 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
     const int c2 = __shfl_up_sync(kAll, pc, s);
     if (lane >= s) ps += s2, pm = fmin(pm, m2), pc += c2;
   }
-  __syncwarp();  // S.fb and S.rk are read across lanes
+  __syncwarp();  // fbs and rks are read across lanes
   // The last kPsaRecentBlocks ranked masses up to turn x (newest first from the batch, then the
   // carried ones), written oldest first into out.
   auto recent = [&](int x, double* out) {
     int got = 0;
     for (int j = x; j >= 0 && got < kPsaRecentBlocks; --j)
-      if (S.rk[j]) out[kPsaRecentBlocks - 1 - got++] = S.fb[j];
+      if (rks[j]) out[kPsaRecentBlocks - 1 - got++] = fbs[j];
     for (int j = kPsaRecentBlocks - 1; got < kPsaRecentBlocks; --j)
       out[kPsaRecentBlocks - 1 - got++] = S.l4[i][j] * into;
   };
@@ -1265,8 +1268,9 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
   return first;
 }
 
-// A CTA per KV head: warp 0 replays the round's turns (gqa_cand_kernel's comment), then every
-// warp folds the loaded blocks' outputs into its heads.
+// A CTA per KV head replays the round's turns (gqa_cand_kernel's comment): thread 0 names each
+// batch's blocks, each warp folds and tests its heads, thread 0 cuts; then every warp folds the
+// loaded blocks' outputs into its heads.
 template <int D>
 __global__ void __launch_bounds__(kGqaWarps * 32)
     gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {
@@ -1304,94 +1308,96 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     S.ranked[i] = st.ranked;
   }
   __syncthreads();
-  if (warp == 0) {
-    int turn = ks.turn, n_loaded = ks.n_loaded, running = ks.running, n_kept = 0;
-    bool round_end = false;
-    while (n_loaded < nb && running > 0 && !round_end) {
-      // Lane 0 names the next turns' blocks as if no head stopped, logging each head's list
-      // position so a cut can undo them.
-      int cnt = 0, ran_out = 0;
-      if (lane == 0) {
-        int t = turn;
-        while (cnt < 32 && n_loaded + cnt < nb) {
-          int j = t;
-          while (S.hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
-          int k = S.ptr[j];
-          while (k < S.l_n[j] && loaded[l_page[j * c + k]]) ++k;
-          if (k == S.l_n[j]) {
-            ran_out = 1;
-            break;
-          }
-          S.u_ptr[cnt] = S.ptr[j];
-          S.ptr[j] = k + 1;
-          loaded[l_page[j * c + k]] = 1;
-          S.t_head[cnt] = j;
-          S.t_slot[cnt] = l_slot[j * c + k];
-          S.t_page[cnt] = l_page[j * c + k];
-          ++cnt;
-          t = j + 1 == G ? 0 : j + 1;
-        }
-      }
-      cnt = __shfl_sync(kAll, cnt, 0);
-      ran_out = __shfl_sync(kAll, ran_out, 0);
-      __syncwarp();
-      if (lane < cnt) {
-        const int64_t r = int64_t(g) * w.slots + S.t_slot[lane];
-        S.t_n[lane] = w.r_n[r];
-        for (int i = 0; i < G; ++i) {
-          S.t_bm[lane][i] = w.r_bm[r * G + i];
-          S.t_mass[lane][i] = w.r_mass[r * G + i];
-        }
-      }
-      // The first stop of any head cuts the batch after that turn.
-      int accepted = cnt;
-      for (int i = 0; i < G; ++i) {
-        const int f = S.hdone[i] ? cnt : gqa_chunk_head(a, S, i, cnt, n_loaded, nb, true, false);
-        if (lane == 0) S.first[i] = f;
-        accepted = min(accepted, f + 1);
-      }
-      for (int i = 0; i < G; ++i) gqa_chunk_head(a, S, i, accepted, n_loaded, nb, false, true);
-      __syncwarp();
-      if (lane == 0) {
-        for (int i = 0; i < G; ++i)
-          if (!S.hdone[i] && S.first[i] == accepted - 1) S.hdone[i] = 1, --running;
-        for (int t = cnt - 1; t >= accepted; --t) {  // newest first, so each head's undo is exact
-          loaded[S.t_page[t]] = 0;
-          S.ptr[S.t_head[t]] = S.u_ptr[t];
-        }
-        for (int t = 0; t < accepted; ++t) kept[n_kept + t] = int16_t(S.t_slot[t]);
-      }
-      running = __shfl_sync(kAll, running, 0);
-      n_kept += accepted;
-      n_loaded += accepted;
-      if (accepted > 0) turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
-      round_end = ran_out && accepted == cnt;
-      __syncwarp();
-    }
-    const bool fin = n_loaded == nb || running == 0;
-    if (lane < G) {
-      PsaHeadState st{};
-      st.m = S.m[lane];
-      st.acc = S.acc[lane];
-      st.as_min = S.as_min[lane];
-#pragma unroll
-      for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = S.l4[lane][j];
-      st.ranked = S.ranked[lane];
-      st.visited = n_loaded;
-      st.done = S.hdone[lane];
-      w.state[g * G + lane] = st;
-    }
-    if (lane == 0) {
-      S.n_kept = n_kept;
-      S.n_loaded = n_loaded;
-      S.fin = fin;
-      w.kvs[g] = GqaKvState{n_loaded, turn, running, 0, fin};
-    }
-  }  // warp 0
+  if (threadIdx.x == 0) {
+    S.turn = ks.turn;
+    S.n_loaded = ks.n_loaded;
+    S.running = ks.running;
+    S.n_kept = 0;
+    S.round_end = 0;
+  }
   __syncthreads();
+  for (;;) {
+    // Thread 0 names the next turns' blocks as if no head stopped, logging each head's list
+    // position so a cut can undo them.
+    if (threadIdx.x == 0) {
+      S.go = S.n_loaded < nb && S.running > 0 && !S.round_end;
+      int cnt = 0, ran_out = 0;
+      for (int t = S.turn; S.go && cnt < 32 && S.n_loaded + cnt < nb;) {
+        int j = t;
+        while (S.hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
+        int k = S.ptr[j];
+        while (k < S.l_n[j] && loaded[l_page[j * c + k]]) ++k;
+        if (k == S.l_n[j]) {
+          ran_out = 1;
+          break;
+        }
+        S.u_ptr[cnt] = S.ptr[j];
+        S.ptr[j] = k + 1;
+        loaded[l_page[j * c + k]] = 1;
+        S.t_head[cnt] = j;
+        S.t_slot[cnt] = l_slot[j * c + k];
+        S.t_page[cnt] = l_page[j * c + k];
+        ++cnt;
+        t = j + 1 == G ? 0 : j + 1;
+      }
+      S.cnt = cnt;
+      S.ran_out = ran_out;
+    }
+    __syncthreads();
+    if (!S.go) break;
+    const int cnt = S.cnt, n_loaded = S.n_loaded;
+    if (warp == 0 && lane < cnt) {
+      const int64_t r = int64_t(g) * w.slots + S.t_slot[lane];
+      S.t_n[lane] = w.r_n[r];
+      for (int i = 0; i < G; ++i) {
+        S.t_bm[lane][i] = w.r_bm[r * G + i];
+        S.t_mass[lane][i] = w.r_mass[r * G + i];
+      }
+    }
+    __syncthreads();
+    // Each warp tests its heads; the first stop of any head cuts the batch after that turn.
+    for (int i = warp; i < G; i += kGqaWarps) {
+      const int f = S.hdone[i] ? cnt : gqa_chunk_head(a, S, i, cnt, n_loaded, nb, true, false);
+      if (lane == 0) S.first[i] = f;
+    }
+    __syncthreads();
+    int accepted = cnt;
+    for (int i = 0; i < G; ++i) accepted = min(accepted, S.first[i] + 1);
+    for (int i = warp; i < G; i += kGqaWarps)
+      gqa_chunk_head(a, S, i, accepted, n_loaded, nb, false, true);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < G; ++i)
+        if (!S.hdone[i] && S.first[i] == accepted - 1) S.hdone[i] = 1, --S.running;
+      for (int t = cnt - 1; t >= accepted; --t) {  // newest first, so each head's undo is exact
+        loaded[S.t_page[t]] = 0;
+        S.ptr[S.t_head[t]] = S.u_ptr[t];
+      }
+      for (int t = 0; t < accepted; ++t) kept[S.n_kept + t] = int16_t(S.t_slot[t]);
+      S.n_kept += accepted;
+      S.n_loaded += accepted;
+      if (accepted > 0) S.turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
+      S.round_end = S.ran_out && accepted == cnt;
+    }
+    // The next batch starts with thread 0, whose own writes these are; the other threads read
+    // them after its barrier.
+  }
+  const bool fin = S.n_loaded == nb || S.running == 0;
+  for (int i = threadIdx.x; i < G; i += blockDim.x) {
+    PsaHeadState st{};
+    st.m = S.m[i];
+    st.acc = S.acc[i];
+    st.as_min = S.as_min[i];
+#pragma unroll
+    for (int j = 0; j < kPsaRecentBlocks; ++j) st.last4[j] = S.l4[i][j];
+    st.ranked = S.ranked[i];
+    st.visited = S.n_loaded;
+    st.done = S.hdone[i];
+    w.state[g * G + i] = st;
+  }
+  if (threadIdx.x == 0) w.kvs[g] = GqaKvState{S.n_loaded, S.turn, S.running, 0, fin};
   for (int b = threadIdx.x; b < nb; b += blockDim.x) w.loaded[int64_t(g) * P + b] = loaded[b];
   const int n_kept = S.n_kept;
-  const bool fin = S.fin;
   // Each head folds the round's loaded blocks once, in its final frame, onto its carried output.
   for (int i = warp; i < G; i += kGqaWarps) {
     if (lane >= LPR) continue;
@@ -1597,7 +1603,7 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
       gqa_cand_kernel<<<unsigned(n_kv), kGqaWarps * 32, 0, st>>>(a, w, r, size);
       SF_CUDA_TRY(cudaGetLastError());
       gqa_score_kernel<D, T>
-          <<<unsigned(n_kv * ((slots + kPsaRoundWarps - 1) / kPsaRoundWarps)),
+          <<<unsigned(n_kv * ((slots * L.group + kPsaRoundWarps - 1) / kPsaRoundWarps)),
              kPsaRoundWarps * 32, 0, st>>>(a, w, slots);
       SF_CUDA_TRY(cudaGetLastError());
       gqa_walk_kernel<D><<<unsigned(n_kv), kGqaWarps * 32,
