@@ -437,7 +437,7 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
     for (const bool fused : {true, false})
-    for (const char* spec : {"full", "psa-avg:0.95"}) {
+    for (const char* spec : {"full", "psa-avg:0.95", "psa-avg+gqa:0.95"}) {
       SCOPED_TRACE(fused ? "fused step" : "unfused step");
       auto ap = decode::decode_attn_parse(spec);
       auto c1 = decode::PagedKvCache::from_prefill(pr.kv, full);
@@ -485,6 +485,13 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
                    fg = double(sg.blocks_visited) / double(sg.blocks_total);
       if (std::string(spec) == "full") EXPECT_EQ(sg.blocks_visited, sg.blocks_total);
       EXPECT_NEAR(fg, fc, 0.01) << dtype_name(wdt) << " " << spec;
+      if (std::string(spec).find("+gqa") != std::string::npos) {  // the KV heads' loads too
+        ASSERT_GT(sg.kv_blocks_total, 0) << spec;
+        EXPECT_EQ(sg.kv_blocks_total, sc.kv_blocks_total) << spec;
+        EXPECT_NEAR(double(sg.kv_blocks_loaded) / double(sg.kv_blocks_total),
+                    double(sc.kv_blocks_loaded) / double(sc.kv_blocks_total), 0.01)
+            << dtype_name(wdt) << " " << spec;
+      }
       std::printf(
           "%s %-7s %-13s logits rel err %.2g, worst |logit err|/row rms %.3g, top-1 %d/%d (%d "
           "swapped at a cpu top-2 gap within rounding), blocks visited %.3f (cpu %.3f)\n",
@@ -498,8 +505,8 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
 
 // The session's CUDA graph (captured at the second step, replayed after) gives the eager step's
 // logits bit for bit: the same kernels on the same buffers, with the token and position read
-// from device memory each replay. Full and psa-avg, F32 and BF16 weights, F32 and INT8 pools,
-// the fused and the unfused step.
+// from device memory each replay. Full, psa-avg and psa-avg+gqa, F32 and BF16 weights, F32 and
+// INT8 pools, the fused and the unfused step.
 TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
   const int n = 700, n_new = 12;
   Prefilled P;
@@ -512,7 +519,7 @@ TEST_F(DeviceDecode, GraphReplayedStepsEqualEagerSteps) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
     for (const bool fused : {true, false})  // unfused with F32 weights: cuBLASLt in the graph
-    for (const char* spec : {"full", "psa-avg:0.95"})
+    for (const char* spec : {"full", "psa-avg:0.95", "psa-avg+gqa:0.95"})
       for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
         const std::string what = std::string(dtype_name(wdt)) + (fused ? " fused " : " unfused ") +
                                  spec + " " + kvstore::kv_encoding_name(enc);
