@@ -1171,28 +1171,34 @@ inline size_t gqa_walk_smem_limit() {
 }
 
 // gqa_walk_kernel's static shared memory: a batch of up to 32 turns (block, naming head, its
-// results for every head) and each head's walk state (the host's scalars in the frame of its
-// running max m; last4: its last ranked blocks' masses, oldest first).
+// results for every head), how the batch was named, and each head's walk state (the host's
+// scalars in the frame of its running max m; l4: its last ranked blocks' masses, oldest first),
+// with the state after the whole batch pending until the batch is known not to be cut.
 struct GqaWalkShared {
   int t_head[32], t_slot[32], t_page[32], t_n[32], u_ptr[32];
   float t_bm[32][kGqaMaxGroup];
   double t_mass[32][kGqaMaxGroup];
+  int act[32], tn[32];    // the heads taking turns, in turn order; picks listed for each
+  int tp[32][32];         // active head q's k-th pick this batch: its list index
   double fb[kGqaWarps][32];  // per warp: its head's full-block mass of each turn it ranked
   unsigned char rk[kGqaWarps][32];
-  float m[kGqaMaxGroup], m_in[kGqaMaxGroup];
+  float m[kGqaMaxGroup], m_in[kGqaMaxGroup], pm[kGqaMaxGroup];
   double acc[kGqaMaxGroup], as_min[kGqaMaxGroup], l4[kGqaMaxGroup][kPsaRecentBlocks];
-  int ranked[kGqaMaxGroup], first[kGqaMaxGroup], l_n[kGqaMaxGroup], ptr[kGqaMaxGroup];
+  double pacc[kGqaMaxGroup], pas_min[kGqaMaxGroup], pl4[kGqaMaxGroup][kPsaRecentBlocks];
+  int ranked[kGqaMaxGroup], pranked[kGqaMaxGroup], first[kGqaMaxGroup], l_n[kGqaMaxGroup],
+      ptr[kGqaMaxGroup];
   unsigned char hdone[kGqaMaxGroup];
   int turn, n_loaded, running, n_kept, cnt, ran_out, go, round_end;
 };
 
 // Head i over the batch's first n turns, a lane a turn: the host's folds and stop tests as prefix
 // computations (as psa_walk_kernel does for a head's own blocks), in the frame M of the largest
-// max among them (the test is a ratio, so the frame changes only rounding). test: returns the
-// first turn whose stop test holds for head i (n if none); apply: moves head i's state past the
-// n turns (M is then exactly its new running max). One warp, all lanes.
+// max among them (the test is a ratio, so the frame changes only rounding). Returns the first
+// turn whose stop test holds for head i (n if none, or if !test), and writes head i's state after
+// the n turns (M is then exactly its running max) into the pending arrays (commit false) or the
+// state (commit true). One warp, all lanes.
 __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int n, int n_loaded,
-                              int nb, bool test, bool apply) {
+                              int nb, bool test, bool commit) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   double* fbs = S.fb[warp];
   unsigned char* rks = S.rk[warp];
@@ -1249,28 +1255,115 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
     const unsigned bal = __ballot_sync(kAll, hit);
     first = bal ? __ffs(int(bal)) - 1 : n;
   }
-  if (apply && n > 0) {
+  if (n > 0) {
     const int last = n - 1;
     const double t_sum = __shfl_sync(kAll, ps, last), t_min = __shfl_sync(kAll, pm, last);
     const int t_cnt = __shfl_sync(kAll, pc, last);
     if (lane == 0) {
       double r4[kPsaRecentBlocks];
       recent(last, r4);
+      double* l4 = commit ? S.l4[i] : S.pl4[i];
 #pragma unroll
-      for (int j = 0; j < kPsaRecentBlocks; ++j) S.l4[i][j] = r4[j];
-      S.acc[i] = acc0 + t_sum;
-      const double mn = fmin(asmin0, t_min);
-      S.as_min[i] = mn;
-      S.ranked[i] += t_cnt;
-      S.m[i] = M;
+      for (int j = 0; j < kPsaRecentBlocks; ++j) l4[j] = r4[j];
+      (commit ? S.acc : S.pacc)[i] = acc0 + t_sum;
+      (commit ? S.as_min : S.pas_min)[i] = fmin(asmin0, t_min);
+      (commit ? S.ranked : S.pranked)[i] = S.ranked[i] + t_cnt;
+      (commit ? S.m : S.pm)[i] = M;
     }
   }
   return first;
 }
 
-// A CTA per KV head replays the round's turns (gqa_cand_kernel's comment): thread 0 names each
-// batch's blocks, each warp folds and tests its heads, thread 0 cuts; then every warp folds the
-// loaded blocks' outputs into its heads.
+// Warp 0 names the batch's turns as if no head stopped (the sequential rule: each head in turn
+// takes the first block of its list not yet loaded). In parallel: each head lists its next
+// unloaded entries as of the batch's start, a lane takes a turn (turn t is head act[t % A]'s
+// (t / A)-th pick), and the batch ends before the first turn whose pick an earlier turn of the
+// batch already took (that head would have skipped it) or whose head has no pick left (its list
+// ran out: the round ends there). A batch cut short that way is continued one turn at a time
+// by lane 0. Turns are logged (head, page, slot, the pick's list index) so a cut can undo them.
+__device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const int16_t* l_slot,
+                               unsigned char* loaded, int c, int G, int nb) {
+  const int lane = threadIdx.x & 31;
+  const int n_loaded = S.n_loaded, turn = S.turn;
+  const int room = min(32, nb - n_loaded);  // turns this batch may take
+  const unsigned heads = G == 32 ? kAll : (1u << G) - 1u;
+  const unsigned act = __ballot_sync(kAll, lane < G && !S.hdone[lane]);
+  const int A = __popc(act);  // > 0: the caller checked running
+  const unsigned rot = ((act >> turn) | (turn ? act << (G - turn) : 0u)) & heads;
+  if (lane < A) {  // the lane-th set bit of rot, back in head numbers
+    unsigned m = rot;
+    for (int k = 0; k < lane; ++k) m &= m - 1;
+    const int bit = __ffs(int(m)) - 1;
+    S.act[lane] = bit + turn >= G ? bit + turn - G : bit + turn;
+  }
+  __syncwarp();
+  for (int q = 0; q < A && q < room; ++q) {
+    const int j = S.act[q], need = (room - q + A - 1) / A;
+    int found = 0;
+    for (int pos = S.ptr[j]; pos < S.l_n[j] && found < need; pos += 32) {
+      const int x = pos + lane;
+      const bool fr = x < S.l_n[j] && !loaded[l_page[j * c + x]];
+      const unsigned bal = __ballot_sync(kAll, fr);
+      const int k = found + __popc(bal & ((1u << lane) - 1u));
+      if (fr && k < need) S.tp[q][k] = x;
+      found = min(need, found + __popc(bal));
+    }
+    if (lane == 0) S.tn[q] = found;
+  }
+  __syncwarp();
+  const int q = lane % A, k = lane / A, j = S.act[q];
+  const bool has = lane < room && k < S.tn[q];
+  const int idx = has ? S.tp[q][k] : 0;
+  const int page = has ? l_page[j * c + idx] : -1 - lane;
+  bool bad = !has;
+  for (int s = 1; s < 32; ++s) {
+    const int p2 = __shfl_up_sync(kAll, page, s);
+    bad |= lane >= s && p2 == page;
+  }
+  const unsigned badm = __ballot_sync(kAll, bad);
+  const int T = badm ? __ffs(int(badm)) - 1 : 32;  // turns named exactly
+  const bool out_at_T = T < room && !__shfl_sync(kAll, has, T & 31);  // T's head ran out
+  if (lane < T) {
+    S.t_head[lane] = j;
+    S.t_page[lane] = page;
+    S.t_slot[lane] = l_slot[j * c + idx];
+    S.u_ptr[lane] = idx;
+    loaded[page] = 1;
+    if (lane + A >= T) S.ptr[j] = idx + 1;  // this head's last turn of the batch
+  }
+  __syncwarp();
+  if (lane == 0) {
+    int cnt = T, ran_out = out_at_T;
+    // A short batch (picks shared between heads) goes on one turn at a time.
+    if (!ran_out && T < 16 && T < room) {
+      int t = S.t_head[T - 1] + 1 == G ? 0 : S.t_head[T - 1] + 1;
+      while (cnt < room) {
+        int jj = t;
+        while (S.hdone[jj]) jj = jj + 1 == G ? 0 : jj + 1;
+        int kk = S.ptr[jj];
+        while (kk < S.l_n[jj] && loaded[l_page[jj * c + kk]]) ++kk;
+        if (kk == S.l_n[jj]) {
+          ran_out = 1;
+          break;
+        }
+        S.u_ptr[cnt] = kk;
+        S.ptr[jj] = kk + 1;
+        loaded[l_page[jj * c + kk]] = 1;
+        S.t_head[cnt] = jj;
+        S.t_slot[cnt] = l_slot[jj * c + kk];
+        S.t_page[cnt] = l_page[jj * c + kk];
+        ++cnt;
+        t = jj + 1 == G ? 0 : jj + 1;
+      }
+    }
+    S.cnt = cnt;
+    S.ran_out = ran_out;
+  }
+}
+
+// A CTA per KV head replays the round's turns (gqa_cand_kernel's comment): warp 0 names each
+// batch's blocks, the CTA fetches their results, each warp folds and tests its heads, thread 0
+// cuts; then every warp folds the loaded blocks' outputs into its heads.
 template <int D>
 __global__ void __launch_bounds__(kGqaWarps * 32)
     gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {
@@ -1287,14 +1380,6 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
   int16_t* kept = l_slot + G * c;                          // [slots] loaded this round
   unsigned char* loaded = reinterpret_cast<unsigned char*>(kept + w.slots);  // [nb]
   for (int b = threadIdx.x; b < nb; b += blockDim.x) loaded[b] = w.loaded[int64_t(g) * P + b];
-  for (int x = threadIdx.x; x < G * c; x += blockDim.x) {
-    const int i = x / c, k = x % c, h = g * G + i;
-    if (k < w.list_n[h]) {
-      const int b = w.list[int64_t(h) * w.round_max + k];
-      l_page[x] = int16_t(b);
-      l_slot[x] = int16_t(w.cand_slot[int64_t(g) * P + b]);
-    }
-  }
   for (int i = threadIdx.x; i < G; i += blockDim.x) {
     const PsaHeadState st = w.state[g * G + i];
     S.l_n[i] = w.list_n[g * G + i];
@@ -1307,7 +1392,6 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     for (int j = 0; j < kPsaRecentBlocks; ++j) S.l4[i][j] = st.last4[j];
     S.ranked[i] = st.ranked;
   }
-  __syncthreads();
   if (threadIdx.x == 0) {
     S.turn = ks.turn;
     S.n_loaded = ks.n_loaded;
@@ -1316,55 +1400,63 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     S.round_end = 0;
   }
   __syncthreads();
-  for (;;) {
-    // Thread 0 names the next turns' blocks as if no head stopped, logging each head's list
-    // position so a cut can undo them.
-    if (threadIdx.x == 0) {
-      S.go = S.n_loaded < nb && S.running > 0 && !S.round_end;
-      int cnt = 0, ran_out = 0;
-      for (int t = S.turn; S.go && cnt < 32 && S.n_loaded + cnt < nb;) {
-        int j = t;
-        while (S.hdone[j]) j = j + 1 == G ? 0 : j + 1;  // running > 0: some head is left
-        int k = S.ptr[j];
-        while (k < S.l_n[j] && loaded[l_page[j * c + k]]) ++k;
-        if (k == S.l_n[j]) {
-          ran_out = 1;
-          break;
-        }
-        S.u_ptr[cnt] = S.ptr[j];
-        S.ptr[j] = k + 1;
-        loaded[l_page[j * c + k]] = 1;
-        S.t_head[cnt] = j;
-        S.t_slot[cnt] = l_slot[j * c + k];
-        S.t_page[cnt] = l_page[j * c + k];
-        ++cnt;
-        t = j + 1 == G ? 0 : j + 1;
+  {  // the lists, 8 entries a thread at a time so their loads overlap
+    constexpr int U = 8;
+    for (int x0 = threadIdx.x; x0 < G * c; x0 += blockDim.x * U) {
+      int b[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int x = x0 + u * blockDim.x, i = x / c, k = x % c;
+        b[u] = x < G * c && k < S.l_n[i] ? w.list[int64_t(g * G + i) * w.round_max + k] : -1;
       }
-      S.cnt = cnt;
-      S.ran_out = ran_out;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int x = x0 + u * blockDim.x;
+        if (b[u] < 0) continue;
+        l_page[x] = int16_t(b[u]);
+        l_slot[x] = int16_t(w.cand_slot[int64_t(g) * P + b[u]]);
+      }
+    }
+  }
+  __syncthreads();
+  for (;;) {
+    if (warp == 0) {
+      const bool go = S.n_loaded < nb && S.running > 0 && !S.round_end;
+      if (go) gqa_name_turns(S, l_page, l_slot, loaded, c, G, nb);
+      if (lane == 0) S.go = go;
     }
     __syncthreads();
     if (!S.go) break;
     const int cnt = S.cnt, n_loaded = S.n_loaded;
-    if (warp == 0 && lane < cnt) {
-      const int64_t r = int64_t(g) * w.slots + S.t_slot[lane];
-      S.t_n[lane] = w.r_n[r];
-      for (int i = 0; i < G; ++i) {
-        S.t_bm[lane][i] = w.r_bm[r * G + i];
-        S.t_mass[lane][i] = w.r_mass[r * G + i];
-      }
+    for (int x = threadIdx.x; x < cnt * G; x += blockDim.x) {  // the turns' results
+      const int t = x / G, i = x % G;
+      const int64_t r = int64_t(g) * w.slots + S.t_slot[t];
+      S.t_bm[t][i] = w.r_bm[r * G + i];
+      S.t_mass[t][i] = w.r_mass[r * G + i];
+      if (i == 0) S.t_n[t] = w.r_n[r];
     }
     __syncthreads();
-    // Each warp tests its heads; the first stop of any head cuts the batch after that turn.
+    // Each warp tests its heads over the whole batch; the first stop of any head cuts the batch
+    // after that turn.
     for (int i = warp; i < G; i += kGqaWarps) {
-      const int f = S.hdone[i] ? cnt : gqa_chunk_head(a, S, i, cnt, n_loaded, nb, true, false);
+      const int f = gqa_chunk_head(a, S, i, cnt, n_loaded, nb, !S.hdone[i], false);
       if (lane == 0) S.first[i] = f;
     }
     __syncthreads();
     int accepted = cnt;
     for (int i = 0; i < G; ++i) accepted = min(accepted, S.first[i] + 1);
-    for (int i = warp; i < G; i += kGqaWarps)
-      gqa_chunk_head(a, S, i, accepted, n_loaded, nb, false, true);
+    for (int i = warp; i < G; i += kGqaWarps) {
+      if (accepted < cnt) {
+        gqa_chunk_head(a, S, i, accepted, n_loaded, nb, false, true);
+      } else if (lane == 0 && cnt > 0) {  // not cut: the states after the batch stand
+        S.m[i] = S.pm[i];
+        S.acc[i] = S.pacc[i];
+        S.as_min[i] = S.pas_min[i];
+        S.ranked[i] = S.pranked[i];
+#pragma unroll
+        for (int j = 0; j < kPsaRecentBlocks; ++j) S.l4[i][j] = S.pl4[i][j];
+      }
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
       for (int i = 0; i < G; ++i)
@@ -1379,8 +1471,7 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
       if (accepted > 0) S.turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
       S.round_end = S.ran_out && accepted == cnt;
     }
-    // The next batch starts with thread 0, whose own writes these are; the other threads read
-    // them after its barrier.
+    __syncthreads();
   }
   const bool fin = S.n_loaded == nb || S.running == 0;
   for (int i = threadIdx.x; i < G; i += blockDim.x) {
