@@ -1327,7 +1327,7 @@ __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const in
     S.t_head[lane] = j;
     S.t_page[lane] = page;
     S.t_slot[lane] = l_slot[j * c + idx];
-    S.u_ptr[lane] = idx;
+    S.u_ptr[lane] = idx;  // what this head skipped before idx was loaded at the batch's start
     loaded[page] = 1;
     if (lane + A >= T) S.ptr[j] = idx + 1;  // this head's last turn of the batch
   }
@@ -1346,7 +1346,9 @@ __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const in
           ran_out = 1;
           break;
         }
-        S.u_ptr[cnt] = kk;
+        // Undo to the position before this turn, not to kk: the entries skipped here may have
+        // been loaded by an earlier turn of the batch that a cut undoes too.
+        S.u_ptr[cnt] = S.ptr[jj];
         S.ptr[jj] = kk + 1;
         loaded[l_page[jj * c + kk]] = 1;
         S.t_head[cnt] = jj;
