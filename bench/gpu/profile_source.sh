@@ -8,6 +8,7 @@
 # SF_PROFILE_DECODE="ARGS" profiles sf_bench_decode ARGS instead of the attention benchmark (e.g.
 # SF_PROFILE_KERNELS=psa_kernel SF_PROFILE_DECODE="131072 32 8 128 1.0 f32"). SF_PROFILE_VIEW=cuda
 # ranks CUDA source lines instead of SASS lines (build with -DCMAKE_CUDA_FLAGS=-lineinfo).
+# SF_PROFILE_SKIP: matching launches to skip before the profiled one (default 0).
 set -uo pipefail
 root="$(pwd)"
 # As in run.sh: the bench JSON these profiles embed names the commit the caller sent.
@@ -34,7 +35,8 @@ else
        --modes "$mode" --dtypes bf16 --reps 1 --dense-ours-max 0 --host-estimate-max 0)
   what="SF_PROFILE_LENGTH=$L SF_PROFILE_MODE=$mode"
 fi
-timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-block_select}" --launch-count 1 \
+timeout 500 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-block_select}" \
+  --launch-skip "${SF_PROFILE_SKIP:-0}" --launch-count 1 \
   --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "${rep%.ncu-rep}" -f \
   "${cmd[@]}" >"$out/ncu-source.log" 2>&1
 print_source=sass
