@@ -1090,7 +1090,7 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 //     Then the warps fold the loaded blocks' outputs into each head, once, in its final frame.
 // A round loads at least c blocks unless the visit ends (the head whose list ran out saw c blocks
 // loaded), so the rounds psa_round_size lists cover max_pages as they do per query head.
-constexpr int kGqaWarps = 4;
+constexpr int kGqaWarps = 8;
 constexpr int kGqaMaxGroup = kDecodePsaGqaMaxGroup;  // query heads per KV head (a lane each in the walk)
 
 __global__ void __launch_bounds__(kGqaWarps * 32)
@@ -1189,6 +1189,7 @@ struct GqaWalkShared {
       ptr[kGqaMaxGroup];
   unsigned char hdone[kGqaMaxGroup];
   int turn, n_loaded, running, n_kept, cnt, ran_out, go, round_end;
+  float4 part[kGqaMaxGroup > kGqaWarps ? kGqaMaxGroup : kGqaWarps][32];  // the output fold's partials
 };
 
 // Head i over the batch's first n turns, a lane a turn: the host's folds and stop tests as prefix
@@ -1492,6 +1493,34 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
   for (int b = threadIdx.x; b < nb; b += blockDim.x) w.loaded[int64_t(g) * P + b] = loaded[b];
   const int n_kept = S.n_kept;
   // Each head folds the round's loaded blocks once, in its final frame, onto its carried output.
+  // A head's blocks are split over the warps it gets (parts), whose partials meet in S.part; a
+  // block's max and output are loaded together, 16 blocks at a time.
+  const int parts = max(1, kGqaWarps / G);
+  for (int u = warp; u < G * parts; u += kGqaWarps) {
+    if (lane >= LPR) continue;
+    const int i = u % G, part = u / G;
+    const float mf = S.m[i];
+    float4 p = make_float4(0.f, 0.f, 0.f, 0.f);
+    constexpr int kQ = 16;
+    for (int x0 = part * kQ; x0 < n_kept; x0 += parts * kQ) {
+      float4 ob[kQ];
+      float bm[kQ];
+#pragma unroll
+      for (int j = 0; j < kQ; ++j) {
+        const int64_t ri = x0 + j < n_kept ? (int64_t(g) * w.slots + kept[x0 + j]) * G + i : -1;
+        bm[j] = ri >= 0 ? w.r_bm[ri] : -INFINITY;
+        ob[j] = ri >= 0 ? reinterpret_cast<const float4*>(w.r_o + ri * D)[lane]
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kQ; ++j) {
+        const float wt = bm[j] == -INFINITY ? 0.f : expf(bm[j] - mf);  // empty blocks: 0
+        p.x += wt * ob[j].x, p.y += wt * ob[j].y, p.z += wt * ob[j].z, p.w += wt * ob[j].w;
+      }
+    }
+    S.part[u][lane] = p;
+  }
+  __syncthreads();
   for (int i = warp; i < G; i += kGqaWarps) {
     if (lane >= LPR) continue;
     const int h = g * G + i;
@@ -1499,22 +1528,9 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     float4 o = reinterpret_cast<const float4*>(w.o + int64_t(h) * D)[lane];
     const float f = mf == -INFINITY ? 1.f : (mi == -INFINITY ? 0.f : expf(mi - mf));
     o.x *= f, o.y *= f, o.z *= f, o.w *= f;
-    constexpr int kQ = 16;
-    for (int x0 = 0; x0 < n_kept; x0 += kQ) {
-      float4 ob[kQ];
-      float wt[kQ];
-#pragma unroll
-      for (int j = 0; j < kQ; ++j) {
-        const int64_t ri = x0 + j < n_kept ? (int64_t(g) * w.slots + kept[x0 + j]) * G + i : -1;
-        const float bm = ri >= 0 ? w.r_bm[ri] : -INFINITY;
-        wt[j] = bm == -INFINITY ? 0.f : expf(bm - mf);
-        ob[j] = wt[j] != 0.f ? reinterpret_cast<const float4*>(w.r_o + ri * D)[lane]
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < kQ; ++j)
-        o.x += wt[j] * ob[j].x, o.y += wt[j] * ob[j].y, o.z += wt[j] * ob[j].z,
-            o.w += wt[j] * ob[j].w;
+    for (int part = 0; part < parts; ++part) {
+      const float4 q = S.part[part * G + i][lane];
+      o.x += q.x, o.y += q.y, o.z += q.z, o.w += q.w;
     }
     if (!fin) {
       reinterpret_cast<float4*>(w.o + int64_t(h) * D)[lane] = o;
