@@ -37,7 +37,8 @@ tot = collections.OrderedDict()
 for r in rows[1:]:
     name = r[ki].split("(")[0].split("<")[0].split("::")[-1]
     v = float(r[vi].replace(",", ""))
-    us = v / 1e3 if r[ui] == "nsecond" else v if r[ui] == "usecond" else v * 1e3
+    unit = r[ui]
+    us = v / 1e3 if unit in ("ns", "nsecond") else v if unit in ("us", "usecond") else v * 1e3
     print(f"{name:28s} {us:9.1f} us")
     n, t = tot.get(name, (0, 0.0))
     tot[name] = (n + 1, t + us)

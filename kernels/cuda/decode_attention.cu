@@ -28,6 +28,11 @@
 //         stop are discarded, so the visit set is the host's; a head that stops early wastes
 //         at most its last round's reads, and one that visits most of its blocks is read by the
 //         whole device rather than by one SM group (bench/NOTES.md, twenty-ninth session).
+//   psa +gqa: one visit per KV head, in the same rounds (gqa_cand_kernel's comment): the blocks
+//         each query head may name, a warp per (block, query head) scoring them so the group's
+//         warps read a block together, and a CTA per KV head replaying the sequential turns 32 at
+//         a time. The replay is the cost: 8 KV heads keep 8 SMs busy (bench/NOTES.md, thirtieth
+//         session).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
