@@ -1079,21 +1079,20 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 // PSA "+gqa": one visit per KV head (the host's rule in decode_attention.cpp: the G query heads
 // of a KV head take turns naming the best block of their own order not yet loaded, every head
 // folds every loaded block, and each head's stop rule is tested after every load). The turns are
-// sequential, so a round first scores every block a head could name in it, then a CTA per KV
-// head replays the turns over those results:
+// sequential, so a round first scores every block a head could name in it, then one warp replays
+// the turns over those results:
 //   gqa_cand_kernel: a CTA per KV head; each head whose rule has not stopped lists the first c
 //     blocks of its order not loaded at the round's start (c: the round's size). A head names
 //     blocks of its own list only, in order, so its turns this round are among them; the union
 //     gets one result slot per block.
 //   gqa_score_kernel: a warp per (slot, query head) scores the block, the G heads' warps side by
 //     side, so the block is read from memory about once for the group.
-//   gqa_walk_kernel: a CTA per KV head replays the turns 32 at a time: warp 0 names the next 32
-//     blocks as if no head stopped (gqa_name_turns), the CTA fetches their results, and a warp
-//     per head folds its share of the turns and tests its rule as prefix scans. A stop cuts the
-//     batch after that turn (the later turns are undone, since the stopped head no longer takes
-//     turns), and a head whose list runs out ends the round: every block it could name next is
-//     unscored. Then the warps fold the loaded blocks' outputs into each head, once, in its final
-//     frame.
+//   gqa_walk_kernel: a CTA per KV head. Warp 0 replays the turns 32 at a time: lane 0 names the
+//     next 32 blocks as if no head stopped, the lanes fetch their results, then lane i folds
+//     head i's share of each turn in order and tests its rule. A stop cuts the batch after that
+//     turn (the later turns are undone, since the stopped head no longer takes turns), and a
+//     head whose list runs out ends the round: every block it could name next is unscored.
+//     Then the warps fold the loaded blocks' outputs into each head, once, in its final frame.
 // A round loads at least c blocks unless the visit ends (the head whose list ran out saw c blocks
 // loaded), so the rounds psa_round_size lists cover max_pages as they do per query head.
 constexpr int kGqaWarps = 8;
@@ -1281,100 +1280,98 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
   return first;
 }
 
-// Warp 0 names the batch's turns as if no head stopped, by the sequential rule: each head in turn
-// takes the first block of its list not yet loaded. Each head first lists its next (up to) 32
-// entries unloaded at the batch's start; then the turns go one at a time, lane q holding active
-// head q's next listed entry, and a ballot over the lanes of the earlier turns (lane t keeps turn
-// t's block) tells whether another head took it in this batch, in which case the head moves on.
-// A head whose list ran out ends the round there; one that used up its 32 listed entries ends
-// the batch. Each turn logs (head, page, slot) and its head's list position before the turn, so a
-// cut can undo it.
+// Warp 0 names the batch's turns as if no head stopped (the sequential rule: each head in turn
+// takes the first block of its list not yet loaded). In parallel: each head lists its next
+// unloaded entries as of the batch's start, a lane takes a turn (turn t is head act[t % A]'s
+// (t / A)-th pick), and the batch ends before the first turn whose pick an earlier turn of the
+// batch already took (that head would have skipped it) or whose head has no pick left (its list
+// ran out: the round ends there). A batch cut short that way is continued one turn at a time
+// by lane 0. Turns are logged (head, page, slot, the pick's list index) so a cut can undo them.
 __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const int16_t* l_slot,
-                               const unsigned char* loaded, int c, int G, int nb) {
+                               unsigned char* loaded, int c, int G, int nb) {
   const int lane = threadIdx.x & 31;
-  const int room = min(32, nb - S.n_loaded);  // turns this batch may take
-  const int turn = S.turn;
+  const int n_loaded = S.n_loaded, turn = S.turn;
+  const int room = min(32, nb - n_loaded);  // turns this batch may take
   const unsigned heads = G == 32 ? kAll : (1u << G) - 1u;
   const unsigned act = __ballot_sync(kAll, lane < G && !S.hdone[lane]);
   const int A = __popc(act);  // > 0: the caller checked running
   const unsigned rot = ((act >> turn) | (turn ? act << (G - turn) : 0u)) & heads;
-  int head = 0;  // lane q < A: the q-th head in turn order
-  if (lane < A) {
+  if (lane < A) {  // the lane-th set bit of rot, back in head numbers
     unsigned m = rot;
     for (int k = 0; k < lane; ++k) m &= m - 1;
     const int bit = __ffs(int(m)) - 1;
-    head = bit + turn >= G ? bit + turn - G : bit + turn;
-    S.act[lane] = head;
+    S.act[lane] = bit + turn >= G ? bit + turn - G : bit + turn;
   }
   __syncwarp();
-  for (int q = 0; q < A && q < room; ++q) {  // each head's next 32 unloaded entries
-    const int j = S.act[q];
+  for (int q = 0; q < A && q < room; ++q) {
+    const int j = S.act[q], need = (room - q + A - 1) / A;
     int found = 0;
-    for (int pos = S.ptr[j]; pos < S.l_n[j] && found < 32; pos += 32) {
+    for (int pos = S.ptr[j]; pos < S.l_n[j] && found < need; pos += 32) {
       const int x = pos + lane;
       const bool fr = x < S.l_n[j] && !loaded[l_page[j * c + x]];
       const unsigned bal = __ballot_sync(kAll, fr);
       const int k = found + __popc(bal & ((1u << lane) - 1u));
-      if (fr && k < 32) S.tp[q][k] = x;
-      found = min(32, found + __popc(bal));
+      if (fr && k < need) S.tp[q][k] = x;
+      found = min(need, found + __popc(bal));
     }
     if (lane == 0) S.tn[q] = found;
   }
   __syncwarp();
-  // Lane q (< A): head q's next listed entry (kq into its list of tn entries) and its position.
-  const int tn = lane < A && lane < room ? S.tn[lane] : 0;  // heads past room were not listed
-  int kq = 0, last = lane < A ? S.ptr[head] : 0;
-  int c_idx = tn > 0 ? S.tp[lane][0] : 0;
-  int c_page = tn > 0 ? l_page[head * c + c_idx] : -1;
-  int my_page = -1, my_idx = 0, my_u = 0, my_head = 0;  // lane t: turn t
-  int T = 0, ran_out = 0;
-  for (int t = 0; t < room; ++t) {
-    const int q = t % A;
-    bool stop = false;
-    int p = -1;
-    for (;;) {
-      const int kq_q = __shfl_sync(kAll, kq, q), tn_q = __shfl_sync(kAll, tn, q);
-      if (kq_q >= tn_q) {  // head q has no listed entry left
-        ran_out = tn_q < 32;  // its whole list is loaded: the round ends
-        stop = true;
-        break;
-      }
-      p = __shfl_sync(kAll, c_page, q);
-      if (!__ballot_sync(kAll, lane < t && my_page == p)) break;
-      if (lane == q && ++kq < tn) {  // taken by an earlier turn of this batch: the next entry
-        c_idx = S.tp[q][kq];
-        c_page = l_page[head * c + c_idx];
-      }
-    }
-    if (stop) break;
-    const int idx = __shfl_sync(kAll, c_idx, q), u = __shfl_sync(kAll, last, q);
-    if (lane == t) my_page = p, my_idx = idx, my_u = u, my_head = S.act[q];
-    if (lane == q) {
-      last = idx + 1;
-      if (++kq < tn) {
-        c_idx = S.tp[q][kq];
-        c_page = l_page[head * c + c_idx];
-      }
-    }
-    T = t + 1;
+  const int q = lane % A, k = lane / A, j = S.act[q];
+  const bool has = lane < room && k < S.tn[q];
+  const int idx = has ? S.tp[q][k] : 0;
+  const int page = has ? l_page[j * c + idx] : -1 - lane;
+  bool bad = !has;
+  for (int s = 1; s < 32; ++s) {
+    const int p2 = __shfl_up_sync(kAll, page, s);
+    bad |= lane >= s && p2 == page;
   }
+  const unsigned badm = __ballot_sync(kAll, bad);
+  const int T = badm ? __ffs(int(badm)) - 1 : 32;  // turns named exactly
+  const bool out_at_T = T < room && !__shfl_sync(kAll, has, T & 31);  // T's head ran out
   if (lane < T) {
-    S.t_head[lane] = my_head;
-    S.t_page[lane] = my_page;
-    S.t_slot[lane] = l_slot[my_head * c + my_idx];
-    S.u_ptr[lane] = my_u;
+    S.t_head[lane] = j;
+    S.t_page[lane] = page;
+    S.t_slot[lane] = l_slot[j * c + idx];
+    S.u_ptr[lane] = idx;  // what this head skipped before idx was loaded at the batch's start
+    loaded[page] = 1;
+    if (lane + A >= T) S.ptr[j] = idx + 1;  // this head's last turn of the batch
   }
-  if (lane < A) S.ptr[head] = last;
+  __syncwarp();
   if (lane == 0) {
-    S.cnt = T;
+    int cnt = T, ran_out = out_at_T;
+    // A short batch (picks shared between heads) goes on one turn at a time.
+    if (!ran_out && T < 16 && T < room) {
+      int t = S.t_head[T - 1] + 1 == G ? 0 : S.t_head[T - 1] + 1;
+      while (cnt < room) {
+        int jj = t;
+        while (S.hdone[jj]) jj = jj + 1 == G ? 0 : jj + 1;
+        int kk = S.ptr[jj];
+        while (kk < S.l_n[jj] && loaded[l_page[jj * c + kk]]) ++kk;
+        if (kk == S.l_n[jj]) {
+          ran_out = 1;
+          break;
+        }
+        // Undo to the position before this turn, not to kk: the entries skipped here may have
+        // been loaded by an earlier turn of the batch that a cut undoes too.
+        S.u_ptr[cnt] = S.ptr[jj];
+        S.ptr[jj] = kk + 1;
+        loaded[l_page[jj * c + kk]] = 1;
+        S.t_head[cnt] = jj;
+        S.t_slot[cnt] = l_slot[jj * c + kk];
+        S.t_page[cnt] = l_page[jj * c + kk];
+        ++cnt;
+        t = jj + 1 == G ? 0 : jj + 1;
+      }
+    }
+    S.cnt = cnt;
     S.ran_out = ran_out;
   }
 }
 
 // A CTA per KV head replays the round's turns (gqa_cand_kernel's comment): warp 0 names each
-// batch's blocks, the CTA fetches their results, each warp folds and tests its heads, warp 0
-// marks the accepted turns' blocks loaded and undoes the cut ones; then every warp folds the
-// loaded blocks' outputs into its heads.
+// batch's blocks, the CTA fetches their results, each warp folds and tests its heads, thread 0
+// cuts; then every warp folds the loaded blocks' outputs into its heads.
 template <int D>
 __global__ void __launch_bounds__(kGqaWarps * 32)
     gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {
@@ -1469,26 +1466,18 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
       }
     }
     __syncthreads();
-    if (warp == 0) {  // the accepted turns' blocks are loaded; the cut ones are undone
-      const int n_kept = S.n_kept;
-      if (lane < accepted) {
-        loaded[S.t_page[lane]] = 1;
-        kept[n_kept + lane] = int16_t(S.t_slot[lane]);
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < G; ++i)
+        if (!S.hdone[i] && S.first[i] == accepted - 1) S.hdone[i] = 1, --S.running;
+      for (int t = cnt - 1; t >= accepted; --t) {  // newest first, so each head's undo is exact
+        loaded[S.t_page[t]] = 0;
+        S.ptr[S.t_head[t]] = S.u_ptr[t];
       }
-      const bool stops = lane < G && !S.hdone[lane] && S.first[lane] == accepted - 1;
-      const unsigned stopped = __ballot_sync(kAll, stops);
-      if (stops) S.hdone[lane] = 1;
-      __syncwarp();
-      if (lane == 0) {
-        for (int t = cnt - 1; t >= accepted; --t)  // newest first, so each head's undo is exact
-          S.ptr[S.t_head[t]] = S.u_ptr[t];
-        S.running -= __popc(stopped);
-        S.n_kept = n_kept + accepted;
-        S.n_loaded += accepted;
-        if (accepted > 0)
-          S.turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
-        S.round_end = S.ran_out && accepted == cnt;
-      }
+      for (int t = 0; t < accepted; ++t) kept[S.n_kept + t] = int16_t(S.t_slot[t]);
+      S.n_kept += accepted;
+      S.n_loaded += accepted;
+      if (accepted > 0) S.turn = S.t_head[accepted - 1] + 1 == G ? 0 : S.t_head[accepted - 1] + 1;
+      S.round_end = S.ran_out && accepted == cnt;
     }
     __syncthreads();
   }
