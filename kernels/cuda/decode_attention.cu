@@ -1281,17 +1281,16 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
 }
 
 // Warp 0 names the batch's turns as if no head stopped (the sequential rule: each head in turn
-// takes the first block of its list not yet loaded). In parallel: each head lists its next
-// unloaded entries as of the batch's start, a lane takes a turn (turn t is head act[t % A]'s
-// (t / A)-th pick), and the batch ends before the first turn whose pick an earlier turn of the
-// batch already took (that head would have skipped it) or whose head has no pick left (its list
-// ran out: the round ends there). A batch cut short that way is continued one turn at a time
-// by lane 0. Turns are logged (head, page, slot, the pick's list index) so a cut can undo them.
+// takes the first block of its list not yet loaded), in parallel passes: a lane a turn, each head
+// taking its next entries unloaded at the pass's start, the pass cut before the first pick an
+// earlier turn of it already took (that head would have skipped it) or whose head has no entry
+// left (its list ran out: the round ends there). Short passes (picks shared between heads) hand
+// the rest of the batch to lane 0, one turn at a time. Turns are logged (head, page, slot, the
+// head's list position before the turn) so a cut can undo them.
 __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const int16_t* l_slot,
                                unsigned char* loaded, int c, int G, int nb) {
   const int lane = threadIdx.x & 31;
-  const int n_loaded = S.n_loaded, turn = S.turn;
-  const int room = min(32, nb - n_loaded);  // turns this batch may take
+  const int room = min(32, nb - S.n_loaded), turn = S.turn;  // turns this batch may take
   const unsigned heads = G == 32 ? kAll : (1u << G) - 1u;
   const unsigned act = __ballot_sync(kAll, lane < G && !S.hdone[lane]);
   const int A = __popc(act);  // > 0: the caller checked running
@@ -1303,68 +1302,77 @@ __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const in
     S.act[lane] = bit + turn >= G ? bit + turn - G : bit + turn;
   }
   __syncwarp();
-  for (int q = 0; q < A && q < room; ++q) {
-    const int j = S.act[q], need = (room - q + A - 1) / A;
-    int found = 0;
-    for (int pos = S.ptr[j]; pos < S.l_n[j] && found < need; pos += 32) {
-      const int x = pos + lane;
-      const bool fr = x < S.l_n[j] && !loaded[l_page[j * c + x]];
-      const unsigned bal = __ballot_sync(kAll, fr);
-      const int k = found + __popc(bal & ((1u << lane) - 1u));
-      if (fr && k < need) S.tp[q][k] = x;
-      found = min(need, found + __popc(bal));
-    }
-    if (lane == 0) S.tn[q] = found;
-  }
-  __syncwarp();
-  const int q = lane % A, k = lane / A, j = S.act[q];
-  const bool has = lane < room && k < S.tn[q];
-  const int idx = has ? S.tp[q][k] : 0;
-  const int page = has ? l_page[j * c + idx] : -1 - lane;
-  bool bad = !has;
-  for (int s = 1; s < 32; ++s) {
-    const int p2 = __shfl_up_sync(kAll, page, s);
-    bad |= lane >= s && p2 == page;
-  }
-  const unsigned badm = __ballot_sync(kAll, bad);
-  const int T = badm ? __ffs(int(badm)) - 1 : 32;  // turns named exactly
-  const bool out_at_T = T < room && !__shfl_sync(kAll, has, T & 31);  // T's head ran out
-  if (lane < T) {
-    S.t_head[lane] = j;
-    S.t_page[lane] = page;
-    S.t_slot[lane] = l_slot[j * c + idx];
-    S.u_ptr[lane] = idx;  // what this head skipped before idx was loaded at the batch's start
-    loaded[page] = 1;
-    if (lane + A >= T) S.ptr[j] = idx + 1;  // this head's last turn of the batch
-  }
-  __syncwarp();
-  if (lane == 0) {
-    int cnt = T, ran_out = out_at_T;
-    // A short batch (picks shared between heads) goes on one turn at a time.
-    if (!ran_out && T < 16 && T < room) {
-      int t = S.t_head[T - 1] + 1 == G ? 0 : S.t_head[T - 1] + 1;
-      while (cnt < room) {
-        int jj = t;
-        while (S.hdone[jj]) jj = jj + 1 == G ? 0 : jj + 1;
-        int kk = S.ptr[jj];
-        while (kk < S.l_n[jj] && loaded[l_page[jj * c + kk]]) ++kk;
-        if (kk == S.l_n[jj]) {
-          ran_out = 1;
-          break;
-        }
-        // Undo to the position before this turn, not to kk: the entries skipped here may have
-        // been loaded by an earlier turn of the batch that a cut undoes too.
-        S.u_ptr[cnt] = S.ptr[jj];
-        S.ptr[jj] = kk + 1;
-        loaded[l_page[jj * c + kk]] = 1;
-        S.t_head[cnt] = jj;
-        S.t_slot[cnt] = l_slot[jj * c + kk];
-        S.t_page[cnt] = l_page[jj * c + kk];
-        ++cnt;
-        t = jj + 1 == G ? 0 : jj + 1;
+  // Parallel passes: turn cnt + l is head act[(q0 + l) % A]'s (l / A)-th pick among the entries
+  // unloaded at the pass's start; a pass ends before the first pick an earlier turn of it took.
+  // Passes go on while they name at least kLong turns.
+  constexpr int kLong = 8;
+  int cnt = 0, q0 = 0, ran_out = 0;
+  while (cnt < room) {
+    const int left = room - cnt;
+    for (int r = 0; r < A && r < left; ++r) {
+      const int j = S.act[(q0 + r) % A], need = (left - r + A - 1) / A;
+      int found = 0;
+      for (int pos = S.ptr[j]; pos < S.l_n[j] && found < need; pos += 32) {
+        const int x = pos + lane;
+        const bool fr = x < S.l_n[j] && !loaded[l_page[j * c + x]];
+        const unsigned bal = __ballot_sync(kAll, fr);
+        const int k = found + __popc(bal & ((1u << lane) - 1u));
+        if (fr && k < need) S.tp[r][k] = x;
+        found = min(need, found + __popc(bal));
       }
+      if (lane == 0) S.tn[r] = found;
     }
-    S.cnt = cnt;
+    __syncwarp();
+    const int r = lane % A, k = lane / A, j = S.act[(q0 + r) % A];
+    const bool has = lane < left && k < S.tn[r];
+    const int idx = has ? S.tp[r][k] : 0;
+    const int page = has ? l_page[j * c + idx] : -1 - lane;
+    bool bad = !has;
+    for (int s = 1; s < 32; ++s) {
+      const int p2 = __shfl_up_sync(kAll, page, s);
+      bad |= lane >= s && p2 == page;
+    }
+    const unsigned badm = __ballot_sync(kAll, bad);
+    const int T = badm ? __ffs(int(badm)) - 1 : 32;  // turns named exactly
+    ran_out = T < left && !__shfl_sync(kAll, has, T & 31);  // T's head has no entry left
+    if (lane < T) {
+      const int t = cnt + lane;
+      S.t_head[t] = j;
+      S.t_page[t] = page;
+      S.t_slot[t] = l_slot[j * c + idx];
+      // The undo point is the head's position before this turn: what it skipped may have been
+      // loaded by an earlier pass of this batch, which a cut undoes too.
+      S.u_ptr[t] = k == 0 ? S.ptr[j] : S.tp[r][k - 1] + 1;
+      loaded[page] = 1;
+    }
+    __syncwarp();  // every S.ptr read above comes before the writes below
+    if (lane < T && lane + A >= T) S.ptr[j] = idx + 1;  // this head's last turn of the pass
+    __syncwarp();
+    cnt += T;
+    q0 = (q0 + T) % A;
+    if (ran_out || T < kLong) break;
+  }
+  if (lane == 0) {
+    // After a short pass (picks shared between heads), one turn at a time.
+    int t = cnt, jq = q0;
+    while (!ran_out && t < room) {
+      const int jj = S.act[jq];
+      int kk = S.ptr[jj];
+      while (kk < S.l_n[jj] && loaded[l_page[jj * c + kk]]) ++kk;
+      if (kk == S.l_n[jj]) {
+        ran_out = 1;
+        break;
+      }
+      S.u_ptr[t] = S.ptr[jj];  // before the skip, as above
+      S.ptr[jj] = kk + 1;
+      loaded[l_page[jj * c + kk]] = 1;
+      S.t_head[t] = jj;
+      S.t_slot[t] = l_slot[jj * c + kk];
+      S.t_page[t] = l_page[jj * c + kk];
+      ++t;
+      jq = jq + 1 == A ? 0 : jq + 1;
+    }
+    S.cnt = t;
     S.ran_out = ran_out;
   }
 }
