@@ -1079,20 +1079,21 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 // PSA "+gqa": one visit per KV head (the host's rule in decode_attention.cpp: the G query heads
 // of a KV head take turns naming the best block of their own order not yet loaded, every head
 // folds every loaded block, and each head's stop rule is tested after every load). The turns are
-// sequential, so a round first scores every block a head could name in it, then one warp replays
-// the turns over those results:
+// sequential, so a round first scores every block a head could name in it, then a CTA per KV
+// head replays the turns over those results:
 //   gqa_cand_kernel: a CTA per KV head; each head whose rule has not stopped lists the first c
 //     blocks of its order not loaded at the round's start (c: the round's size). A head names
 //     blocks of its own list only, in order, so its turns this round are among them; the union
 //     gets one result slot per block.
 //   gqa_score_kernel: a warp per (slot, query head) scores the block, the G heads' warps side by
 //     side, so the block is read from memory about once for the group.
-//   gqa_walk_kernel: a CTA per KV head. Warp 0 replays the turns 32 at a time: lane 0 names the
-//     next 32 blocks as if no head stopped, the lanes fetch their results, then lane i folds
-//     head i's share of each turn in order and tests its rule. A stop cuts the batch after that
-//     turn (the later turns are undone, since the stopped head no longer takes turns), and a
-//     head whose list runs out ends the round: every block it could name next is unscored.
-//     Then the warps fold the loaded blocks' outputs into each head, once, in its final frame.
+//   gqa_walk_kernel: a CTA per KV head replays the turns 32 at a time: warp 0 names the next 32
+//     blocks as if no head stopped (gqa_name_turns), the CTA fetches their results, and a warp
+//     per head folds its share of the turns and tests its rule as prefix scans. A stop cuts the
+//     batch after that turn (the later turns are undone, since the stopped head no longer takes
+//     turns), and a head whose list runs out ends the round: every block it could name next is
+//     unscored. Then the warps fold the loaded blocks' outputs into each head, once, in its final
+//     frame.
 // A round loads at least c blocks unless the visit ends (the head whose list ran out saw c blocks
 // loaded), so the rounds psa_round_size lists cover max_pages as they do per query head.
 constexpr int kGqaWarps = 8;
@@ -1378,8 +1379,9 @@ __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const in
 }
 
 // A CTA per KV head replays the round's turns (gqa_cand_kernel's comment): warp 0 names each
-// batch's blocks, the CTA fetches their results, each warp folds and tests its heads, thread 0
-// cuts; then every warp folds the loaded blocks' outputs into its heads.
+// batch's blocks, the CTA fetches their results, each warp folds and tests its heads (a head per
+// warp, more when G > kGqaWarps), thread 0 cuts and undoes; then the warps fold the loaded
+// blocks' outputs into the heads (a head's blocks over kGqaWarps / G warps when G < kGqaWarps).
 template <int D>
 __global__ void __launch_bounds__(kGqaWarps * 32)
     gqa_walk_kernel(const DecodeArgs a, const PsaWs w, int c) {

@@ -200,11 +200,12 @@ TEST_F(DeviceDecode, PsaRoundsPastTheLargestRound) {
   for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
 }
 
-// Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8 and 1, in full mode
-// (split over CTAs), psa-avg and psa-avg+gqa (whose turns go round the group).
+// Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8, 1 and 32 (the most
+// +gqa takes on the device: several heads a warp in its walk), in full mode (split over CTAs),
+// psa-avg and psa-avg+gqa (whose turns go round the group).
 TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
-  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}})
+  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}, {32, 1}})
     for (int d : {64, 128}) {
       Planted p = planted(64 * 40 + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
       auto pool = decode::DevicePagedPool::upload(p.cache, 0);
