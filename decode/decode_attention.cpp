@@ -19,7 +19,17 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   const bool gqa = mode.size() > 4 && mode.compare(mode.size() - 4, 4, "+gqa") == 0;
   if (gqa) mode.resize(mode.size() - 4);
   if (colon != std::string::npos && (mode == "psa" || mode == "psa-avg" || mode == "psa-strict")) {
-    const std::string v = spec.substr(colon + 1);
+    std::string v = spec.substr(colon + 1);
+    if (const size_t c2 = v.find(':'); c2 != std::string::npos) {
+      const std::string g = v.substr(c2 + 1);
+      char* gend = nullptr;
+      const double margin = std::strtod(g.c_str(), &gend);
+      if (g.empty() || *gend != '\0' || !(margin > 0 && std::isfinite(margin)))
+        return SF_ERR(kOutOfRange, "decode attention psa: guard margin '" + g +
+                                       "' must be a positive number of nats");
+      p.guard_margin = margin;
+      v.resize(c2);
+    }
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
@@ -34,7 +44,8 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   }
   return SF_ERR(kInvalidArgument, "decode attention '" + spec +
                                       "' is not 'full', 'psa:EPS', 'psa-avg:EPS' or "
-                                      "'psa-strict:EPS' (each psa mode may add '+gqa')");
+                                      "'psa-strict:EPS' (each psa mode may add '+gqa' before "
+                                      "the colon and ':MARGIN' after EPS)");
 }
 
 namespace {

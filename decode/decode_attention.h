@@ -42,6 +42,11 @@ struct DecodeAttnParams {
   // psa: also score every block to measure the share of the true softmax mass the visit captured
   // (stats mass_*). A diagnostic for evaluation; it costs a full pass over the keys.
   bool measure_mass = false;
+  // psa, decode sessions on the host ("psa-avg:EPS:MARGIN"): a step whose top two logits are
+  // closer than this many nats is run again with full attention (its cache appends undone), so
+  // the token a near-tie decides is the full cache's. 0: off. The re-run's blocks count as
+  // visited (DecodeAttnStats::guard_steps counts the re-runs).
+  double guard_margin = 0;
 };
 
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
@@ -58,6 +63,8 @@ struct DecodeAttnStats {
   // how many fell short of eps (by more than 1e-6, float rounding), and the smallest share.
   double mass_sum = 0, mass_min = 1;
   int64_t mass_n = 0, mass_below_eps = 0;
+  // Decode sessions: steps run, and steps run again in full by the guard (guard_margin).
+  int64_t steps = 0, guard_steps = 0;
 };
 
 // q: [n_heads, head_dim] of one token (already rotated); out: [n_heads, head_dim]. Query head h
@@ -69,7 +76,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
 // "full", or "psa", "psa-avg" or "psa-strict", optionally followed by "+gqa", then ":EPS" (EPS in
-// (0, 1]): "psa-avg+gqa:0.95".
+// (0, 1]) and optionally ":MARGIN" (the guard, nats > 0): "psa-avg+gqa:0.95", "psa-avg:0.95:0.2".
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

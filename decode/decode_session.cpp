@@ -1,6 +1,7 @@
 #include "decode/decode_session.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "kernels/api.h"
 #include "kvstore/kv_export.h"
@@ -32,6 +33,37 @@ DecodeSession::DecodeSession(const model::Model& m, PagedKvCache cache, int64_t 
     : m_(m), cache_(std::move(cache)), pos_(next_pos), p_(p) {}
 
 Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
+  const bool guard = p_.mode == DecodeAttnMode::kPsa && p_.guard_margin > 0;
+  std::vector<PagedKvCache::AppendUndo> undo;
+  SF_TRY(run(token, p_, logits, guard ? &undo : nullptr));
+  ++stats_.steps;
+  if (!guard) return Status::ok();
+  float top = -std::numeric_limits<float>::infinity(), second = top;
+  for (float z : *logits) {
+    if (z > top) {
+      second = top;
+      top = z;
+    } else if (z > second) {
+      second = z;
+    }
+  }
+  if (double(top) - double(second) >= p_.guard_margin) return Status::ok();
+  // A near-tie: take the step back and run it with full attention. The re-run's blocks count as
+  // visited, over the same blocks available.
+  for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
+  --pos_;
+  DecodeAttnParams full;
+  full.scale = p_.scale;
+  const int64_t total = stats_.blocks_total, kv_total = stats_.kv_blocks_total;
+  SF_TRY(run(token, full, logits, nullptr));
+  stats_.blocks_total = total;
+  stats_.kv_blocks_total = kv_total;
+  ++stats_.guard_steps;
+  return Status::ok();
+}
+
+Status DecodeSession::run(int32_t token, const DecodeAttnParams& p, std::vector<float>* logits,
+                          std::vector<PagedKvCache::AppendUndo>* undo) {
   const model::ModelConfig& c = m_.config();
   const model::ModelWeights& w = m_.weights();
   if (token < 0 || token >= c.vocab)
@@ -60,8 +92,13 @@ Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
                            v2(v.data(), 1, hkv * d)));
     SF_TRY(kernels::rope(TensorView::make(q.data(), DType::kF32, {1, hq, d}), &pos, rope));
     SF_TRY(kernels::rope(TensorView::make(k.data(), DType::kF32, {1, hkv, d}), &pos, rope));
-    for (int h = 0; h < hkv; ++h) cache_.append(l, h, pos, k.data() + h * d, v.data() + h * d);
-    SF_TRY(decode_attention(cache_, l, q.data(), int(hq), p_, att.data(), &stats_));
+    for (int h = 0; h < hkv; ++h) {
+      if (undo)
+        undo->push_back(cache_.append_undoable(l, h, pos, k.data() + h * d, v.data() + h * d));
+      else
+        cache_.append(l, h, pos, k.data() + h * d, v.data() + h * d);
+    }
+    SF_TRY(decode_attention(cache_, l, q.data(), int(hq), p, att.data(), &stats_));
     SF_TRY(kernels::linear(v2(att.data(), 1, hq * d), L.wo.view(), none, v2(tmp.data(), 1, H)));
     SF_TRY(kernels::add_inplace(v2(x.data(), 1, H), v2(tmp.data(), 1, H)));
     SF_TRY(

@@ -33,7 +33,9 @@ class DecodeSession {
   // The cache must come from an export whose compat hash matched m (load_kv_export checks it).
   DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos, DecodeAttnParams p);
 
-  // Runs `token` at the next position, appends its K/V to every head, returns the logits.
+  // Runs `token` at the next position, appends its K/V to every head, returns the logits. With a
+  // psa guard margin (DecodeAttnParams::guard_margin), a step whose top two logits are closer
+  // than the margin is taken back and run again with full attention.
   Status step(int32_t token, std::vector<float>* logits);
   // Greedy: returns n_new tokens starting with first_token (the prefill's), like
   // model::generate_greedy. on_logits (optional) sees the logits that chose tokens 2..n_new.
@@ -44,6 +46,9 @@ class DecodeSession {
   const PagedKvCache& cache() const { return cache_; }
 
  private:
+  // One step under attention params p; undo (optional) receives every cache append.
+  Status run(int32_t token, const DecodeAttnParams& p, std::vector<float>* logits,
+             std::vector<PagedKvCache::AppendUndo>* undo);
   const model::Model& m_;
   PagedKvCache cache_;
   int64_t pos_;

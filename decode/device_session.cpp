@@ -281,6 +281,8 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
+  if (p.guard_margin > 0)
+    return SF_ERR(kUnsupported, "device decode: the psa guard (':MARGIN') runs on the host only");
   if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head &&
       c.n_heads / c.n_kv_heads > kernels::kDecodePsaGqaMaxGroup)
     return SF_ERR(kUnsupported, "device decode: psa '+gqa' takes at most " +

@@ -180,6 +180,43 @@ int64_t PagedKvCache::n_tokens(int layer, int head) const {
   return n;
 }
 
+PagedKvCache::AppendUndo PagedKvCache::append_undoable(int layer, int head, int32_t pos,
+                                                      const float* k, const float* v) {
+  AppendUndo u;
+  u.layer = layer;
+  u.head = head;
+  const auto& pages = pages_[idx(layer, head)];
+  u.opened = pages.empty() || pool_[size_t(pages.back())].n == kBlockTokens;
+  if (!u.opened) {
+    KvBlock& B = pool_[size_t(pages.back())];
+    u.kmin = B.kmin;
+    u.kmax = B.kmax;
+    u.kq = std::move(B.kq);
+    u.vq = std::move(B.vq);
+  }
+  append(layer, head, pos, k, v);
+  return u;
+}
+
+void PagedKvCache::undo_append(AppendUndo&& u) {
+  auto& pages = pages_[idx(u.layer, u.head)];
+  const int32_t id = pages.back();
+  KvBlock& B = pool_[size_t(id)];
+  const int32_t t = --B.n;
+  B.pos[size_t(t)] = -1;
+  std::fill(B.k.begin() + t * head_dim_, B.k.begin() + (t + 1) * head_dim_, 0.f);
+  std::fill(B.v.begin() + t * head_dim_, B.v.begin() + (t + 1) * head_dim_, 0.f);
+  if (u.opened) {  // the newest block of the pool, opened by this append
+    pages.pop_back();
+    if (size_t(id) + 1 == pool_.size()) pool_.pop_back();
+    return;
+  }
+  B.kmin = std::move(u.kmin);
+  B.kmax = std::move(u.kmax);
+  B.kq = std::move(u.kq);
+  B.vq = std::move(u.vq);
+}
+
 void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, const float* v) {
   auto& pages = pages_[idx(layer, head)];
   if (pages.empty() || pool_[size_t(pages.back())].n == kBlockTokens) pages.push_back(new_block());

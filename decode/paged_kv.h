@@ -60,6 +60,17 @@ class PagedKvCache {
   int64_t n_tokens(int layer, int head) const;
   // Appends one token (a decoded one) to a head: fills the last block or opens a new one.
   void append(int layer, int head, int32_t pos, const float* k, const float* v);
+  // What undo_append needs to take one append back exactly (the block's min/max and encoding
+  // before it, and whether it opened the block).
+  struct AppendUndo {
+    int layer = 0, head = 0;
+    bool opened = false;
+    std::vector<float> kmin, kmax;
+    kvstore::EncodedRows kq, vq;
+  };
+  AppendUndo append_undoable(int layer, int head, int32_t pos, const float* k, const float* v);
+  // Takes back the newest append of u's head; undo several in the reverse order of the appends.
+  void undo_append(AppendUndo&& u);
 
  private:
   size_t idx(int layer, int head) const {

@@ -367,6 +367,107 @@ TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_EQ(decode::decode_attn_parse("psa:1.5").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:").status().code(), Code::kOutOfRange);
   EXPECT_NE(decode::decode_attn_parse("topk").status().message().find("'topk'"), std::string::npos);
+  auto gd = decode::decode_attn_parse("psa-avg:0.95:0.2");
+  ASSERT_TRUE(gd.is_ok());
+  EXPECT_DOUBLE_EQ(gd->eps, 0.95);
+  EXPECT_DOUBLE_EQ(gd->guard_margin, 0.2);
+  EXPECT_DOUBLE_EQ(a->guard_margin, 0.0);
+  EXPECT_EQ(decode::decode_attn_parse("psa:0.9:0").status().code(), Code::kOutOfRange);
+  EXPECT_EQ(decode::decode_attn_parse("psa:0.9:x").status().code(), Code::kOutOfRange);
+  EXPECT_EQ(decode::decode_attn_parse("psa:0.9:").status().code(), Code::kOutOfRange);
+  EXPECT_EQ(decode::decode_attn_parse("psa:2:0.1").status().code(), Code::kOutOfRange);
+}
+
+// An append taken back leaves the cache as it was: pages, fills, positions, keys and the block
+// min/max PSA ranks by, whether the append filled a block or opened one.
+TEST(PagedKv, UndoneAppendsRestoreTheCache) {
+  const uint64_t seed = testing::fresh_seed();
+  model::ModelConfig cfg = testing::tiny_config();
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok());
+  const auto toks = testing::random_tokens(127, 101, seed + 1);  // the 2nd block has one free row
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok());
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
+                                       127, nullptr);
+  ASSERT_TRUE(full.is_ok());
+  auto a = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  auto b = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  const int d = a->head_dim();
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> nd(0.f, 3.f);  // wide keys: the min/max move
+  std::vector<decode::PagedKvCache::AppendUndo> undo;
+  for (int step = 0; step < 2; ++step)  // fills the second block, then opens a third
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) {
+        std::vector<float> k(static_cast<size_t>(d)), v(static_cast<size_t>(d));
+        for (auto& x : k) x = nd(rng);
+        for (auto& x : v) x = nd(rng);
+        undo.push_back(a->append_undoable(l, h, 127 + step, k.data(), v.data()));
+      }
+  EXPECT_EQ(a->pages(0, 0).size(), 3u);
+  for (auto it = undo.rbegin(); it != undo.rend(); ++it) a->undo_append(std::move(*it));
+  EXPECT_EQ(a->n_blocks(), b->n_blocks());
+  for (int l = 0; l < cfg.n_layers; ++l)
+    for (int h = 0; h < cfg.n_kv_heads; ++h) {
+      ASSERT_EQ(a->pages(l, h), b->pages(l, h));
+      for (int32_t id : a->pages(l, h)) {
+        const decode::KvBlock &x = a->block(id), &y = b->block(id);
+        EXPECT_EQ(x.n, y.n);
+        EXPECT_EQ(x.pos, y.pos);
+        EXPECT_EQ(x.k, y.k);
+        EXPECT_EQ(x.v, y.v);
+        EXPECT_EQ(x.kmin, y.kmin);
+        EXPECT_EQ(x.kmax, y.kmax);
+      }
+    }
+}
+
+// The psa guard: a margin no step's top two logits can be under re-runs nothing (the plain PSA
+// session's logits bit for bit); one every step is under re-runs every step in full (the full
+// session's logits bit for bit), and the re-runs' blocks count as visited.
+TEST(DecodeSession, PsaGuardRerunsNearTiesInFull) {
+  const uint64_t seed = testing::fresh_seed();
+  model::ModelConfig cfg = testing::tiny_config();
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok());
+  const int n = 700;
+  const auto toks = testing::random_tokens(n, 101, seed + 1);
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok());
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
+                                       n, nullptr);
+  ASSERT_TRUE(full.is_ok());
+  auto session = [&](const std::string& spec) {
+    auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+    EXPECT_TRUE(pc.is_ok());
+    return decode::DecodeSession(m.value(), std::move(pc).value(), n,
+                                 decode::decode_attn_parse(spec).value());
+  };
+  auto run = [&](decode::DecodeSession& s, std::vector<std::vector<float>>* out) {
+    auto g = s.generate_greedy(pr->first_token, 16,
+                               [&](int, const std::vector<float>& z) { out->push_back(z); });
+    ASSERT_TRUE(g.is_ok());
+  };
+  std::vector<std::vector<float>> z_psa, z_never, z_full, z_always;
+  auto psa = session("psa:0.5"), never = session("psa:0.5:1e-30"), plain = session("full"),
+       always = session("psa:0.5:1e30");
+  run(psa, &z_psa);
+  run(never, &z_never);
+  run(plain, &z_full);
+  run(always, &z_always);
+  EXPECT_EQ(z_never, z_psa);
+  EXPECT_EQ(never.stats().guard_steps, 0);
+  EXPECT_EQ(z_always, z_full);
+  EXPECT_EQ(always.stats().guard_steps, always.stats().steps);
+  EXPECT_EQ(always.stats().steps, 15);
+  // The PSA pass then the full pass: more than all the blocks, over the same total.
+  EXPECT_EQ(always.stats().blocks_total, plain.stats().blocks_total);
+  EXPECT_GT(always.stats().blocks_visited, plain.stats().blocks_visited);
+  EXPECT_LT(always.stats().blocks_visited, 2 * plain.stats().blocks_visited);
+  EXPECT_LT(psa.stats().blocks_visited, psa.stats().blocks_total);  // eps 0.5 skips blocks
+  EXPECT_NE(z_psa, z_full);
 }
 
 }  // namespace

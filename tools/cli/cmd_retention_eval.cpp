@@ -144,6 +144,9 @@ struct Measure {
   int64_t kv_blocks_loaded = 0, kv_blocks_total = 0;
   double mass_sum = 0, mass_min = 1;  // psa: captured softmax mass over (layer, head, step)
   int64_t mass_n = 0, mass_below = 0;
+  // psa guard: teacher-forced steps and re-runs; the free-running run's blocks and re-runs.
+  int64_t steps = 0, guard_steps = 0;
+  int64_t fr_blocks_visited = 0, fr_blocks_total = 0, fr_steps = 0, fr_guard_steps = 0;
   int passkey_hits = 0, passkey_n = 0;
 };
 
@@ -455,10 +458,16 @@ int cmd_retention_eval(int argc, char** argv) {
       me.mass_n += st.mass_n;
       me.mass_below += st.mass_below_eps;
       me.mass_min = std::min(me.mass_min, st.mass_min);
+      me.steps += st.steps;
+      me.guard_steps += st.guard_steps;
       auto s2 = session_for(m, pr.value(), imp, c, ref_enc, nullptr);
       if (!s2.is_ok()) return fail(s2.status());
       auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
       if (!g.is_ok()) return fail(g.status());
+      me.fr_blocks_visited += s2->stats().blocks_visited;
+      me.fr_blocks_total += s2->stats().blocks_total;
+      me.fr_steps += s2->stats().steps;
+      me.fr_guard_steps += s2->stats().guard_steps;
       int same = 0;
       for (long i = 1; i <= T; ++i) same += g.value()[size_t(i)] == ref[size_t(i)];
       me.greedy.push_back(double(same) / double(T));
@@ -597,7 +606,13 @@ int cmd_retention_eval(int argc, char** argv) {
          "positions before it, so a scored token is kept with those after it (1: plain)"},
         {"blocks_visited_frac",
          "decode attention blocks visited / available, over query heads, layers, steps and "
-         "windows (1 for full)"},
+         "windows (1 for full; with a psa guard, a step run again in full adds all its blocks "
+         "to the visited ones)"},
+        {"guard_steps_frac",
+         "psa with a guard margin (psa-avg:EPS:MARGIN): steps whose top two logits were closer "
+         "than MARGIN nats and so were run again with full attention / steps, teacher-forced; "
+         "_free_running the same over the free-running run, whose blocks visited / available "
+         "is blocks_visited_frac_free_running"},
         {"kv_blocks_loaded_frac",
          "blocks any query head of a KV head visited / available, over KV heads, layers, steps "
          "and windows: the reads of a kernel that loads a block once for its KV head's query "
@@ -656,6 +671,14 @@ int cmd_retention_eval(int argc, char** argv) {
         r["psa_mass_mean"] = me.mass_n ? me.mass_sum / double(me.mass_n) : 1.0;
         r["psa_mass_min"] = me.mass_min;
         r["psa_mass_below_eps_frac"] = me.mass_n ? double(me.mass_below) / double(me.mass_n) : 0.0;
+        if (dp.guard_margin > 0) {
+          r["psa_guard_margin"] = dp.guard_margin;
+          r["guard_steps_frac"] = me.steps ? double(me.guard_steps) / double(me.steps) : 0.0;
+          r["guard_steps_frac_free_running"] =
+              me.fr_steps ? double(me.fr_guard_steps) / double(me.fr_steps) : 0.0;
+          r["blocks_visited_frac_free_running"] =
+              me.fr_blocks_total ? double(me.fr_blocks_visited) / double(me.fr_blocks_total) : 1.0;
+        }
       }
       r["blocks_visited_frac"] =
           me.blocks_total ? double(me.blocks_visited) / double(me.blocks_total) : 1.0;
