@@ -1,7 +1,8 @@
 // sparsefill-decode: the reference decode node. Loads a KV export (verified: version, compat
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
 //   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
-//                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS] (psa modes: +gqa)
+//                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS] (psa modes: +gqa;
+//                     :MARGIN after EPS, the host's guard: decode/decode_attention.h)
 //                     [--pool-dtype f32|bf16|int8] [--no-cuda-graph] [--no-fused-step]
 //                     [--reference]
 // --pool-dtype: how the device block pool stores K/V (decode/device_session.h); int8 holds a
@@ -36,7 +37,7 @@ int fail(const sf::Status& st) {
 void usage() {
   std::fprintf(stderr,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
-               "full|psa[-avg|-strict][+gqa]:EPS]\n"
+               "full|psa[-avg|-strict][+gqa]:EPS[:MARGIN]]\n"
                "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
                "                         [--no-cuda-graph] [--no-fused-step] [--reference]\n");
 }
