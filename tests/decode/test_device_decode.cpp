@@ -437,6 +437,16 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+    {  // the psa guard is the host session's: refused, so --device auto decodes on the CPU
+      auto c = decode::PagedKvCache::from_prefill(pr.kv, full);
+      ASSERT_TRUE(c.is_ok());
+      EXPECT_EQ(decode::DeviceDecodeSession::open(
+                    dm.value(), c.value(), n, decode::decode_attn_parse("psa-avg:0.95:0.1").value(),
+                    n_new, kvstore::KvEncoding::kF32, true, true)
+                    .status()
+                    .code(),
+                Code::kUnsupported);
+    }
     for (const bool fused : {true, false})
     for (const char* spec : {"full", "psa-avg:0.95", "psa-avg+gqa:0.95"}) {
       SCOPED_TRACE(fused ? "fused step" : "unfused step");
