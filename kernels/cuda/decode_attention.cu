@@ -44,6 +44,8 @@
 #include <cstdint>
 #include <string>
 
+#include <cub/block/block_radix_sort.cuh>
+
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/smem_opt_in.h"
@@ -591,11 +593,6 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
     for (int t = threadIdx.x; t < group; t += blockDim.x) a.visited[g * group + t] = nb;
 }
 
-// Descending by bound, ascending by index on ties: the order of the host's stable_sort.
-__device__ bool before(float ua, int ia, float ub, int ib) {
-  return ua > ub || (ua == ub && ia < ib);
-}
-
 // The host's bound, summed channel by channel in its order (the ranking must be the host's).
 // A NaN bound (from a NaN query or key) ranks last, as -inf, so the order stays a total one.
 template <int D>
@@ -758,43 +755,31 @@ __global__ void psa_bounds_kernel(const DecodeArgs a, const PsaWs w) {
                   : block_bound<D>(a.q + int64_t(h) * D, a.kv.kmin + blk * D, a.kv.kmax + blk * D);
 }
 
-// A CTA per query head: sorts its bounds into the visit order (bitonic, in shared memory) and
-// resets its walk state. A head with no blocks is finished here.
-template <int D>
+// A CTA per query head: sorts its bounds into the visit order and resets its walk state. A head
+// with no blocks is finished here. The order is the host's stable_sort by descending bound: a
+// block radix sort is stable, and the blocks go in by index (blocked, thread t holding
+// t * ITEMS ..), so ties stay in index order; -0 becomes +0 first, which the host's comparison
+// holds equal, and padding past the head's blocks is -inf, after any real block. ITEMS x
+// kPsaRankThreads covers max_pages (4 for 2,048 pages, 8 for kDecodeMaxPages).
+template <int ITEMS>
 __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeArgs a,
                                                                     const PsaWs w) {
-  extern __shared__ unsigned char smem_raw[];
-  const int h = blockIdx.x, tid = threadIdx.x, g = head_kv(a, h);
+  using Sort = cub::BlockRadixSort<float, kPsaRankThreads, ITEMS, int>;
+  __shared__ typename Sort::TempStorage sort_tmp;
+  const int h = blockIdx.x, tid = threadIdx.x, g = head_kv(a, h), D = a.kv.head_dim;
   const int nb = a.kv.n_pages[g], P = a.kv.max_pages;
-  int np2 = 1;
-  while (np2 < nb) np2 <<= 1;
-  float* ub = reinterpret_cast<float*>(smem_raw);  // [np2]
-  int* ord = reinterpret_cast<int*>(ub + np2);      // [np2]
-  for (int b = tid; b < np2; b += blockDim.x) {
-    ord[b] = b;
-    ub[b] = b < nb ? w.ub[int64_t(h) * P + b] : -INFINITY;
+  float key[ITEMS];
+  int ord[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int b = tid * ITEMS + i;
+    key[i] = b < nb ? w.ub[int64_t(h) * P + b] + 0.f : -INFINITY;
+    ord[i] = b;
   }
-  __syncthreads();
-  for (int k = 2; k <= np2; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < np2; i += blockDim.x) {
-        const int l = i ^ j;
-        if (l <= i) continue;
-        const bool up = (i & k) == 0;  // this pair's run sorts in visit order
-        const bool swap =
-            up ? before(ub[l], ord[l], ub[i], ord[i]) : before(ub[i], ord[i], ub[l], ord[l]);
-        if (swap) {
-          const float tu = ub[i];
-          ub[i] = ub[l];
-          ub[l] = tu;
-          const int to = ord[i];
-          ord[i] = ord[l];
-          ord[l] = to;
-        }
-      }
-      __syncthreads();
-    }
-  for (int b = tid; b < nb; b += blockDim.x) w.ord[int64_t(h) * P + b] = ord[b];
+  Sort(sort_tmp).SortDescending(key, ord);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i)
+    if (tid * ITEMS + i < nb) w.ord[int64_t(h) * P + tid * ITEMS + i] = ord[i];
   for (int c = tid; c < D; c += blockDim.x) w.o[int64_t(h) * D + c] = 0.f;
   if (a.gqa) {
     // The first query head of a KV head resets the KV head's visit.
@@ -1695,12 +1680,6 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   return std::max(1, std::min(want, most));
 }
 
-size_t psa_rank_smem_bytes(int max_pages) {
-  int np2 = 1;
-  while (np2 < max_pages) np2 <<= 1;
-  return (sizeof(float) + sizeof(int)) * size_t(np2);
-}
-
 // The PSA sequence (psa_round_kernel's comment): bounds, ranking, then every round that
 // max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
@@ -1710,10 +1689,11 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
   const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
   psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
   SF_CUDA_TRY(cudaGetLastError());
-  static std::atomic<uint64_t> opted{0};
-  SF_CUDA_TRY(opt_in_smem(psa_rank_kernel<D>, psa_rank_smem_bytes(kDecodeMaxPages), opted));
-  psa_rank_kernel<D><<<unsigned(a.n_heads), kPsaRankThreads, psa_rank_smem_bytes(a.kv.max_pages),
-                       st>>>(a, w);
+  static_assert(kPsaRankThreads * 8 >= kDecodeMaxPages, "the rank sort covers every page");
+  if (a.kv.max_pages <= kPsaRankThreads * 4)
+    psa_rank_kernel<4><<<unsigned(a.n_heads), kPsaRankThreads, 0, st>>>(a, w);
+  else
+    psa_rank_kernel<8><<<unsigned(a.n_heads), kPsaRankThreads, 0, st>>>(a, w);
   SF_CUDA_TRY(cudaGetLastError());
   if (a.gqa) {
     static std::atomic<uint64_t> walk_opted{0};
