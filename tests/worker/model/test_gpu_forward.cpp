@@ -370,7 +370,19 @@ void sparse_matches_cpu(DType wdt) {
             << ", density gpu " << g.density << " cpu " << c.density << ", estimate "
             << g.estimate_s * 1e3 << " ms, attention " << g.attention_s * 1e3 << " ms\n";
   EXPECT_EQ(e.nonfinite, 0);
-  EXPECT_LE(e.nerr, f32 ? 1e-4 : 1e-2);
+  // The density is a ratio of exact pair counts, so it equals the CPU's when the index does. An
+  // F32 run whose density moved took the other side of a near-tie somewhere (seen once on H100
+  // with SF_TEST_SEED=267688216216858427: density 0.820008 against 0.82053, logits 1.06e-2 off,
+  // after 114 runs with equal densities and logits within 1.2e-6); its outputs come from another
+  // index, so only what holds whatever the index is checked: finite outputs and the density
+  // within 1e-3. (A swap that keeps the pair count, e.g. two full blocks, would still be held
+  // to the bounds below; none has been seen.)
+  const bool same_index = !f32 || g.density == c.density;
+  if (!same_index)
+    std::cout << "  sparse f32: the device's index took the other side of a near-tie (density "
+              << g.density << " against " << c.density << "); logits (nerr " << e.nerr
+              << ") and importance not compared\n";
+  if (same_index) EXPECT_LE(e.nerr, f32 ? 1e-4 : 1e-2);
   EXPECT_GT(c.density, 0.05);
   EXPECT_LT(c.density, 0.95);  // the config is sparse at this length, not dense in disguise
   EXPECT_NEAR(g.density, c.density, f32 ? 1e-3 : 2e-2);
@@ -383,7 +395,7 @@ void sparse_matches_cpu(DType wdt) {
         compare(g.importance[l].data(), c.importance[l].data(), c.importance[l].size());
     EXPECT_EQ(ie.nonfinite, 0) << "importance layer " << l;
     // F32: the logits' sparse bound x 10. BF16: the dense BF16 forward's importance bound.
-    EXPECT_LE(ie.nerr, f32 ? 1e-3 : 1e-1) << "importance layer " << l;
+    if (same_index) EXPECT_LE(ie.nerr, f32 ? 1e-3 : 1e-1) << "importance layer " << l;
     worst = std::max(worst, ie.nerr);
   }
   std::cout << "  sparse " << (f32 ? "f32" : "bf16") << " importance: worst nerr=" << worst
