@@ -593,31 +593,20 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
     for (int t = threadIdx.x; t < group; t += blockDim.x) a.visited[g * group + t] = nb;
 }
 
-// The host's bound for up to kBoundHeads query heads of one KV head (q: the first head's row,
-// nh heads), each summed channel by channel in the host's order (the ranking must be the host's),
-// the block's key min/max read once for them. A NaN bound (from a NaN query or key) ranks last,
-// as -inf, so the order stays a total one.
-constexpr int kBoundHeads = 4;
+// The host's bound, summed channel by channel in its order (the ranking must be the host's).
+// A NaN bound (from a NaN query or key) ranks last, as -inf, so the order stays a total one.
 template <int D>
-__device__ void block_bounds(const float* q, int nh, const float* kmin, const float* kmax,
-                             float* u) {
-#pragma unroll
-  for (int j = 0; j < kBoundHeads; ++j) u[j] = 0.f;
-#pragma unroll 4
+__device__ float block_bound(const float* q, const float* kmin, const float* kmax) {
+  float u = 0.f;
+#pragma unroll 8
   for (int c = 0; c < D; c += 4) {
     const float4 lo = ld4(kmin + c), hi = ld4(kmax + c);
-#pragma unroll
-    for (int j = 0; j < kBoundHeads; ++j) {
-      if (j >= nh) break;
-      const float* qj = q + j * D + c;
-      u[j] += fmaxf(qj[0] * lo.x, qj[0] * hi.x);
-      u[j] += fmaxf(qj[1] * lo.y, qj[1] * hi.y);
-      u[j] += fmaxf(qj[2] * lo.z, qj[2] * hi.z);
-      u[j] += fmaxf(qj[3] * lo.w, qj[3] * hi.w);
-    }
+    u += fmaxf(q[c] * lo.x, q[c] * hi.x);
+    u += fmaxf(q[c + 1] * lo.y, q[c + 1] * hi.y);
+    u += fmaxf(q[c + 2] * lo.z, q[c + 2] * hi.z);
+    u += fmaxf(q[c + 3] * lo.w, q[c + 3] * hi.w);
   }
-#pragma unroll
-  for (int j = 0; j < kBoundHeads; ++j) u[j] = isnan(u[j]) ? -INFINITY : u[j];
+  return isnan(u) ? -INFINITY : u;
 }
 
 // PSA in rounds over the whole device. A launch is a fixed sequence of kernels (no host wait, so
@@ -751,31 +740,19 @@ __device__ __forceinline__ int head_kv(const DecodeArgs& a, int h) {
   return h / (a.n_heads / a.kv.n_kv_heads);
 }
 
-// A thread per (KV head, kBoundHeads of its query heads, block): the host's bounds (pinned
-// blocks rank first), the block's key min/max read once for those heads.
+// A thread per (query head, block): the host's bound (pinned blocks rank first).
 template <int D>
 __global__ void psa_bounds_kernel(const DecodeArgs a, const PsaWs w) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int P = a.kv.max_pages, G = a.n_heads / a.kv.n_kv_heads;
-  const int chunks = (G + kBoundHeads - 1) / kBoundHeads;
-  if (idx >= int64_t(a.kv.n_kv_heads) * chunks * P) return;
-  const int b = int(idx % P);
-  const int64_t r = idx / P;
-  const int g = int(r / chunks), h0 = g * G + int(r % chunks) * kBoundHeads;
-  const int nh = min(kBoundHeads, (g + 1) * G - h0);
+  const int P = a.kv.max_pages;
+  if (idx >= int64_t(a.n_heads) * P) return;
+  const int h = int(idx / P), b = int(idx % P), g = head_kv(a, h);
   const int nb = a.kv.n_pages[g];
   if (b >= nb) return;
   const int64_t blk = a.kv.pages[int64_t(g) * P + b];
-  float u[kBoundHeads];
-  if (a.pin && (b == 0 || b == nb - 1)) {
-#pragma unroll
-    for (int j = 0; j < kBoundHeads; ++j) u[j] = INFINITY;
-  } else {
-    block_bounds<D>(a.q + int64_t(h0) * D, nh, a.kv.kmin + blk * D, a.kv.kmax + blk * D, u);
-  }
-#pragma unroll
-  for (int j = 0; j < kBoundHeads; ++j)
-    if (j < nh) w.ub[int64_t(h0 + j) * P + b] = u[j];
+  w.ub[idx] = (a.pin && (b == 0 || b == nb - 1))
+                  ? INFINITY
+                  : block_bound<D>(a.q + int64_t(h) * D, a.kv.kmin + blk * D, a.kv.kmax + blk * D);
 }
 
 // A CTA per query head: sorts its bounds into the visit order and resets its walk state. A head
@@ -1709,9 +1686,7 @@ template <int D, PoolDType T>
 Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
   const PsaLayout L = psa_layout(a.n_heads, a.kv.n_kv_heads, a.kv.max_pages, D, a.gqa);
   const PsaWs w = psa_ws(workspace, L);
-  const int group = a.n_heads / a.kv.n_kv_heads;
-  const int64_t items = int64_t(a.kv.n_kv_heads) * ((group + kBoundHeads - 1) / kBoundHeads) *
-                        a.kv.max_pages;
+  const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
   psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
   SF_CUDA_TRY(cudaGetLastError());
   static_assert(kPsaRankThreads * 8 >= kDecodeMaxPages, "the rank sort covers every page");
