@@ -25,7 +25,12 @@ timeout 400 "$ncu_bin" --kernel-name "regex:${SF_PROFILE_KERNELS:-gqa_|psa_bound
   --metrics gpu__time_duration.sum --csv \
   "$root/build-gpu/bench/sf_bench_decode" "${args[@]}" >"$out/ncu-decode-times${SF_PROFILE_TAG:-}.csv" 2>&1
 rc=$?
-python3 - "$out/ncu-decode-times${SF_PROFILE_TAG:-}.csv" >"$out/ncu-decode-times${SF_PROFILE_TAG:-}.txt" <<'PY'
+txt="$out/ncu-decode-times${SF_PROFILE_TAG:-}.txt"
+{
+  echo "# command: SF_PROFILE_DECODE='${args[*]}' SF_PROFILE_KERNELS='${SF_PROFILE_KERNELS:-gqa_|psa_bounds|psa_rank}' SF_PROFILE_SKIP=${SF_PROFILE_SKIP:-92} SF_PROFILE_COUNT=${SF_PROFILE_COUNT:-20} bench/gpu/profile_decode_times.sh"
+  echo "# commit: ${SF_SOURCE_COMMIT:-$(cat "$root/.source-commit" 2>/dev/null || git -C "$root" rev-parse --short HEAD 2>/dev/null)}; device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); date: $(date -u +%FT%TZ)"
+} >"$txt"
+python3 - "$out/ncu-decode-times${SF_PROFILE_TAG:-}.csv" >>"$txt" <<'PY'
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))
 start = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), None)

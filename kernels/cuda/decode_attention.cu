@@ -1082,6 +1082,27 @@ __global__ void __launch_bounds__(kPsaWalkWarps * 32)
 // A round loads at least c blocks unless the visit ends (the head whose list ran out saw c blocks
 // loaded), so the rounds psa_round_size lists cover max_pages as they do per query head.
 constexpr int kGqaWarps = 8;
+
+// One warp: positions x in [from, end) in order, 32 at a time; the first `want` for which
+// is_free(x) holds go to take(k, x), k = 0, 1, ... Returns how many were taken; first (optional)
+// gets the first free position, or -1.
+template <typename IsFree, typename Take>
+__device__ __forceinline__ int warp_first_free(int from, int end, int want, IsFree is_free,
+                                               Take take, int* first = nullptr) {
+  const int lane = threadIdx.x & 31;
+  int found = 0;
+  if (first) *first = -1;
+  for (int pos = from; pos < end && found < want; pos += 32) {
+    const int x = pos + lane;
+    const bool fr = x < end && is_free(x);
+    const unsigned bal = __ballot_sync(kAll, fr);
+    if (first && *first < 0 && bal) *first = pos + __ffs(int(bal)) - 1;
+    const int k = found + __popc(bal & ((1u << lane) - 1u));
+    if (fr && k < want) take(k, x);
+    found = min(want, found + __popc(bal));
+  }
+  return found;
+}
 constexpr int kGqaMaxGroup = kDecodePsaGqaMaxGroup;  // query heads per KV head (a lane each in the walk)
 
 __global__ void __launch_bounds__(kGqaWarps * 32)
@@ -1097,23 +1118,20 @@ __global__ void __launch_bounds__(kGqaWarps * 32)
     const int h = g * G + i;
     int found = 0, first = -1;
     if (!w.state[h].done) {
-      for (int pos = w.cursor[h]; pos < nb && found < c; pos += 32) {
-        const int x = pos + lane;
-        const int b = x < nb ? w.ord[int64_t(h) * P + x] : 0;
-        const bool free_b = x < nb && !w.loaded[int64_t(g) * P + b];
-        const unsigned bal = __ballot_sync(kAll, free_b);
-        if (first < 0 && bal) first = pos + __ffs(int(bal)) - 1;
-        const int k = found + __popc(bal & ((1u << lane) - 1u));
-        if (free_b && k < c) {
-          w.list[int64_t(h) * w.round_max + k] = b;
-          if (atomicMax(&w.mark[int64_t(g) * P + b], stamp) < stamp) {  // first lister
-            const int s = atomicAdd(&n_cand, 1);
-            w.cand_slot[int64_t(g) * P + b] = s;
-            w.slot_page[int64_t(g) * w.slots + s] = b;
-          }
-        }
-        found = min(c, found + __popc(bal));
-      }
+      const int* ord = w.ord + int64_t(h) * P;
+      const unsigned char* loaded = w.loaded + int64_t(g) * P;
+      found = warp_first_free(
+          w.cursor[h], nb, c, [&](int x) { return !loaded[ord[x]]; },
+          [&](int k, int x) {
+            const int b = ord[x];
+            w.list[int64_t(h) * w.round_max + k] = b;
+            if (atomicMax(&w.mark[int64_t(g) * P + b], stamp) < stamp) {  // first lister
+              const int s = atomicAdd(&n_cand, 1);
+              w.cand_slot[int64_t(g) * P + b] = s;
+              w.slot_page[int64_t(g) * w.slots + s] = b;
+            }
+          },
+          &first);
       if (lane == 0) w.cursor[h] = first < 0 ? nb : first;
     }
     if (lane == 0) w.list_n[h] = found;
@@ -1297,15 +1315,9 @@ __device__ void gqa_name_turns(GqaWalkShared& S, const int16_t* l_page, const in
     const int left = room - cnt;
     for (int r = 0; r < A && r < left; ++r) {
       const int j = S.act[(q0 + r) % A], need = (left - r + A - 1) / A;
-      int found = 0;
-      for (int pos = S.ptr[j]; pos < S.l_n[j] && found < need; pos += 32) {
-        const int x = pos + lane;
-        const bool fr = x < S.l_n[j] && !loaded[l_page[j * c + x]];
-        const unsigned bal = __ballot_sync(kAll, fr);
-        const int k = found + __popc(bal & ((1u << lane) - 1u));
-        if (fr && k < need) S.tp[r][k] = x;
-        found = min(need, found + __popc(bal));
-      }
+      const int found = warp_first_free(
+          S.ptr[j], S.l_n[j], need, [&](int x) { return !loaded[l_page[j * c + x]]; },
+          [&](int k, int x) { S.tp[r][k] = x; });
       if (lane == 0) S.tn[r] = found;
     }
     __syncwarp();
