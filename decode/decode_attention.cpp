@@ -19,16 +19,35 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   const bool gqa = mode.size() > 4 && mode.compare(mode.size() - 4, 4, "+gqa") == 0;
   if (gqa) mode.resize(mode.size() - 4);
   if (colon != std::string::npos && (mode == "psa" || mode == "psa-avg" || mode == "psa-strict")) {
-    std::string v = spec.substr(colon + 1);
-    if (const size_t c2 = v.find(':'); c2 != std::string::npos) {
-      const std::string g = v.substr(c2 + 1);
+    // EPS, then optional fields: a guard margin (a number) and a verified draft (verifyN).
+    std::vector<std::string> f;
+    for (size_t at = colon + 1;;) {
+      const size_t c2 = spec.find(':', at);
+      f.push_back(spec.substr(at, c2 == std::string::npos ? std::string::npos : c2 - at));
+      if (c2 == std::string::npos) break;
+      at = c2 + 1;
+    }
+    const std::string v = f[0];
+    for (size_t i = 1; i < f.size(); ++i) {
+      const std::string& g = f[i];
+      if (g.rfind("verify", 0) == 0) {
+        const std::string n = g.substr(6);
+        char* nend = nullptr;
+        const long k = std::strtol(n.c_str(), &nend, 10);
+        if (n.empty() || *nend != '\0' || k < 1 || k > kMaxVerifyDraft || p.verify_draft > 0)
+          return SF_ERR(kOutOfRange, "decode attention psa: '" + g +
+                                         "' must be verifyN, N in [1, " +
+                                         std::to_string(kMaxVerifyDraft) + "], given once");
+        p.verify_draft = int(k);
+        continue;
+      }
       char* gend = nullptr;
       const double margin = std::strtod(g.c_str(), &gend);
-      if (g.empty() || *gend != '\0' || !(margin > 0 && std::isfinite(margin)))
+      if (g.empty() || *gend != '\0' || !(margin > 0 && std::isfinite(margin)) ||
+          p.guard_margin > 0)
         return SF_ERR(kOutOfRange, "decode attention psa: guard margin '" + g +
-                                       "' must be a positive number of nats");
+                                       "' must be a positive number of nats, given once");
       p.guard_margin = margin;
-      v.resize(c2);
     }
     char* end = nullptr;
     const double e = std::strtod(v.c_str(), &end);
@@ -45,7 +64,7 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
   return SF_ERR(kInvalidArgument, "decode attention '" + spec +
                                       "' is not 'full', 'psa:EPS', 'psa-avg:EPS' or "
                                       "'psa-strict:EPS' (each psa mode may add '+gqa' before "
-                                      "the colon and ':MARGIN' after EPS)");
+                                      "the colon, and ':MARGIN' and ':verifyN' after EPS)");
 }
 
 namespace {
@@ -81,13 +100,16 @@ struct HeadVisit {
   size_t ranked = 0;
   bool done = false;
 
-  // Folds a non-empty block. `ranked_here`: the block came from this head's own ranking (not
-  // pinned, not named by a group-mate), so its mass may stand for the blocks it has not seen.
-  void fold(const KvBlock& B, bool ranked_here, int d, float scale, std::vector<float>& s) {
+  // Folds a block with at least one key at a position <= lim (later keys score -inf, so they
+  // add exact zeros). `ranked_here`: the block came from this head's own ranking (not pinned,
+  // not named by a group-mate), so its mass may stand for the blocks it has not seen.
+  void fold(const KvBlock& B, bool ranked_here, int d, float scale, std::vector<float>& s,
+            int32_t lim = std::numeric_limits<int32_t>::max()) {
     float bm = -std::numeric_limits<float>::infinity();
     for (int32_t t = 0; t < B.n; ++t) {
       const float* kr = B.k.data() + size_t(t) * size_t(d);
-      s[size_t(t)] = dot(q, kr, d) * scale;
+      s[size_t(t)] = B.pos[size_t(t)] > lim ? -std::numeric_limits<float>::infinity()
+                                            : dot(q, kr, d) * scale;
       bm = std::max(bm, s[size_t(t)]);
     }
     if (bm > m) {
@@ -283,6 +305,7 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
   }
   for (int h = 0; h < n_heads; ++h) {
     stats->blocks_visited += visited_h[size_t(h)];
+    stats->blocks_computed += visited_h[size_t(h)];
     stats->blocks_total += total_h[size_t(h)];
     if (measure) {
       const double sh = share_h[size_t(h)];
@@ -290,6 +313,64 @@ Status decode_attention(const PagedKvCache& cache, int layer, const float* q, in
       stats->mass_min = std::min(stats->mass_min, sh);
       stats->mass_n += 1;
       stats->mass_below_eps += sh < p.eps - 1e-6;  // short by more than float rounding
+    }
+  }
+  return Status::ok();
+}
+
+Status decode_attention_causal(const PagedKvCache& cache, int layer, const float* q, int n,
+                               const int32_t* pos, int n_heads, float scale, float* out,
+                               DecodeAttnStats* stats) {
+  const int hkv = cache.n_kv_heads(), d = cache.head_dim();
+  if (layer < 0 || layer >= cache.n_layers())
+    return SF_ERR(kOutOfRange, "decode_attention_causal: layer out of range");
+  if (n_heads <= 0 || n_heads % hkv)
+    return SF_ERR(kInvalidArgument, "decode_attention_causal: heads not a multiple of kv heads");
+  if (n <= 0) return SF_ERR(kInvalidArgument, "decode_attention_causal: no tokens");
+  for (int i = 1; i < n; ++i)
+    if (pos[i] <= pos[i - 1])
+      return SF_ERR(kInvalidArgument, "decode_attention_causal: positions not increasing");
+  const int group = n_heads / hkv;
+  if (!(scale > 0.f)) scale = 1.f / std::sqrt(float(d));
+  const size_t row = size_t(n_heads) * size_t(d);
+  // visible[h][i]: blocks token i of query head h reads (those holding a key at or before it).
+  std::vector<std::vector<int64_t>> visible(static_cast<size_t>(n_heads),
+                                            std::vector<int64_t>(static_cast<size_t>(n), 0));
+  parallel_for(size_t(n_heads), [&](size_t hb, size_t he) {
+    std::vector<float> s(kBlockTokens);
+    std::vector<HeadVisit> hv(static_cast<size_t>(n));
+    for (int h = int(hb); h < int(he); ++h) {
+      for (int i = 0; i < n; ++i) {
+        hv[size_t(i)] = HeadVisit{};
+        hv[size_t(i)].q = q + size_t(i) * row + size_t(h) * size_t(d);
+        hv[size_t(i)].o = out + size_t(i) * row + size_t(h) * size_t(d);
+        std::fill(hv[size_t(i)].o, hv[size_t(i)].o + d, 0.f);
+      }
+      // One read of each block serves every token that can see it, in position order as a
+      // single-token full call folds them.
+      for (int32_t pg : cache.pages(layer, h / group)) {
+        const KvBlock& B = cache.block(pg);
+        for (int i = 0; i < n; ++i) {
+          if (B.n > 0 && B.pos[0] > pos[i]) continue;  // opened after token i
+          ++visible[size_t(h)][size_t(i)];  // an empty block counts, as a single call counts it
+          if (B.n > 0) hv[size_t(i)].fold(B, false, d, scale, s, pos[i]);
+        }
+      }
+      for (auto& v : hv) v.normalize(d);
+    }
+  });
+  if (!stats) return Status::ok();
+  stats->last_total_by_token.assign(static_cast<size_t>(n), 0);
+  for (int h = 0; h < n_heads; ++h) {
+    const int64_t read = int64_t(cache.pages(layer, h / group).size());
+    stats->blocks_visited += read;
+    if (h % group == 0) stats->kv_blocks_loaded += read;
+    for (int i = 0; i < n; ++i) {
+      const int64_t vis = visible[size_t(h)][size_t(i)];
+      stats->blocks_total += vis;
+      stats->blocks_computed += vis;
+      stats->last_total_by_token[size_t(i)] += vis;
+      if (h % group == 0) stats->kv_blocks_total += vis;
     }
   }
   return Status::ok();

@@ -45,9 +45,19 @@ struct DecodeAttnParams {
   // psa, decode sessions on the host ("psa-avg:EPS:MARGIN"): a step whose top two logits are
   // closer than this many nats is run again with full attention (its cache appends undone), so
   // the token a near-tie decides is the full cache's. 0: off. The re-run's blocks count as
-  // visited (DecodeAttnStats::guard_steps counts the re-runs).
+  // visited (DecodeAttnStats::guard_steps counts the re-runs). With verify_draft, the margin
+  // instead ends a draft early: the near-tie's token is left to the verification.
   double guard_margin = 0;
+  // psa, decode sessions on the host ("psa-avg:EPS:verifyN"): self-speculative decoding. PSA
+  // drafts up to N greedy tokens, then one full-attention pass over the draft (each block read
+  // once for all its tokens, decode_attention_causal) keeps the draft up to its first token the
+  // full cache would not choose, puts the full cache's token there, and leaves the cache with
+  // the pass's K/V. The tokens equal full decode's up to the batched pass's float rounding.
+  // 0: off. Single steps (DecodeSession::step) run the draft's PSA alone.
+  int verify_draft = 0;
 };
+
+inline constexpr int kMaxVerifyDraft = 256;
 
 // Blocks visited and available, summed over query heads (and layers, when accumulated).
 struct DecodeAttnStats {
@@ -65,6 +75,16 @@ struct DecodeAttnStats {
   int64_t mass_n = 0, mass_below_eps = 0;
   // Decode sessions: steps run, and steps run again in full by the guard (guard_margin).
   int64_t steps = 0, guard_steps = 0;
+  // Verified generation (verify_draft): draft steps run (rejected ones included) and accepted,
+  // verification passes and the tokens they ran. There, blocks_visited counts the drafts' visits
+  // plus each pass's blocks once per query head (a block is read once for all the pass's
+  // tokens), blocks_total the blocks full decode would visit for the tokens kept (as for any
+  // session: every step's blocks per query head), and blocks_computed the drafts' visits plus
+  // each pass's blocks per token (the attention's arithmetic, not its reads).
+  int64_t draft_steps = 0, draft_accepted = 0, verify_passes = 0, verify_tokens = 0;
+  int64_t blocks_computed = 0;
+  // decode_attention_causal: the last call's blocks each token reads, summed over query heads.
+  std::vector<int64_t> last_total_by_token;
 };
 
 // q: [n_heads, head_dim] of one token (already rotated); out: [n_heads, head_dim]. Query head h
@@ -72,11 +92,22 @@ struct DecodeAttnStats {
 Status decode_attention(const PagedKvCache& cache, int layer, const float* q, int n_heads,
                         const DecodeAttnParams& p, float* out, DecodeAttnStats* stats);
 
+// Full attention of n new tokens whose K/V `cache` already holds (appended in position order):
+// token i reads the keys of position <= pos[i]. q and out: [n, n_heads, head_dim]. Each query
+// head reads each block once for all n tokens; token i's output equals a single-token full
+// decode_attention over the cache as it stood after token i's append, bit for bit. stats: the
+// blocks read (blocks_visited, kv_blocks_loaded), blocks_total and blocks_computed as for n
+// single-token calls.
+Status decode_attention_causal(const PagedKvCache& cache, int layer, const float* q, int n,
+                               const int32_t* pos, int n_heads, float scale, float* out,
+                               DecodeAttnStats* stats);
+
 // Upper bound on q.k over the block's keys from their per-channel min/max (unscaled).
 float block_score_bound(const float* q, const KvBlock& b, int head_dim);
 
 // "full", or "psa", "psa-avg" or "psa-strict", optionally followed by "+gqa", then ":EPS" (EPS in
-// (0, 1]) and optionally ":MARGIN" (the guard, nats > 0): "psa-avg+gqa:0.95", "psa-avg:0.95:0.2".
+// (0, 1]) and optionally ":MARGIN" (the guard, nats > 0) and ":verifyN" (verified drafts of up
+// to N tokens), in either order: "psa-avg+gqa:0.95", "psa-avg:0.95:0.2", "psa-avg:0.95:verify16".
 Result<DecodeAttnParams> decode_attn_parse(const std::string& spec);
 
 }  // namespace sf::decode

@@ -9,6 +9,22 @@
 namespace sf::decode {
 namespace {
 TensorView v2(float* p, int64_t a, int64_t b) { return TensorView::make(p, DType::kF32, {a, b}); }
+
+// The gap between the largest and second-largest of z[0..n) (a near-tie is a small gap).
+double top_two_gap(const float* z, size_t n) {
+  float top = -std::numeric_limits<float>::infinity(), second = top;
+  for (size_t i = 0; i < n; ++i) {
+    if (z[i] > top) {
+      second = top;
+      top = z[i];
+    } else if (z[i] > second) {
+      second = z[i];
+    }
+  }
+  return double(top) - double(second);
+}
+
+int32_t argmax_row(const float* z, size_t n) { return int32_t(std::max_element(z, z + n) - z); }
 }  // namespace
 
 kvstore::KvExportSpec model_export_spec(const model::Model& m) {
@@ -33,21 +49,13 @@ DecodeSession::DecodeSession(const model::Model& m, PagedKvCache cache, int64_t 
     : m_(m), cache_(std::move(cache)), pos_(next_pos), p_(p) {}
 
 Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
-  const bool guard = p_.mode == DecodeAttnMode::kPsa && p_.guard_margin > 0;
+  const bool guard =
+      p_.mode == DecodeAttnMode::kPsa && p_.guard_margin > 0 && p_.verify_draft == 0;
   std::vector<PagedKvCache::AppendUndo> undo;
-  SF_TRY(run(token, p_, logits, guard ? &undo : nullptr));
+  SF_TRY(run(&token, 1, p_, logits, guard ? &undo : nullptr));
   ++stats_.steps;
   if (!guard) return Status::ok();
-  float top = -std::numeric_limits<float>::infinity(), second = top;
-  for (float z : *logits) {
-    if (z > top) {
-      second = top;
-      top = z;
-    } else if (z > second) {
-      second = z;
-    }
-  }
-  if (double(top) - double(second) >= p_.guard_margin) return Status::ok();
+  if (top_two_gap(logits->data(), logits->size()) >= p_.guard_margin) return Status::ok();
   // A near-tie: take the step back and run it with full attention. The re-run's blocks count as
   // visited, over the same blocks available.
   for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
@@ -55,65 +63,85 @@ Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
   DecodeAttnParams full;
   full.scale = p_.scale;
   const int64_t total = stats_.blocks_total, kv_total = stats_.kv_blocks_total;
-  SF_TRY(run(token, full, logits, nullptr));
+  SF_TRY(run(&token, 1, full, logits, nullptr));
   stats_.blocks_total = total;
   stats_.kv_blocks_total = kv_total;
   ++stats_.guard_steps;
   return Status::ok();
 }
 
-Status DecodeSession::run(int32_t token, const DecodeAttnParams& p, std::vector<float>* logits,
-                          std::vector<PagedKvCache::AppendUndo>* undo) {
+Status DecodeSession::run(const int32_t* tokens, int n, const DecodeAttnParams& p,
+                          std::vector<float>* logits, std::vector<PagedKvCache::AppendUndo>* undo,
+                          std::vector<int>* undo_token, std::vector<int64_t>* totals) {
   const model::ModelConfig& c = m_.config();
   const model::ModelWeights& w = m_.weights();
-  if (token < 0 || token >= c.vocab)
-    return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(token) + " outside vocab " +
-                                   std::to_string(c.vocab));
+  if (n < 1) return SF_ERR(kInvalidArgument, "decode: no tokens to run");
+  if (n > 1 && p.mode != DecodeAttnMode::kFull)
+    return SF_ERR(kInvalidArgument, "decode: several tokens at once need full attention");
+  for (int i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= c.vocab)
+      return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(tokens[i]) +
+                                     " outside vocab " + std::to_string(c.vocab));
   const int64_t H = c.hidden, hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim,
-                I = c.intermediate;
+                I = c.intermediate, N = n;
   kernels::RopeParams rope = c.rope;
   if (!w.rope_freqs.empty()) rope.freq_factors = w.rope_freqs.data.data();
-  std::vector<float> x(static_cast<size_t>(H)), xn(static_cast<size_t>(H)),
-      tmp(static_cast<size_t>(H)), q(static_cast<size_t>(hq * d)), k(static_cast<size_t>(hkv * d)),
-      v(static_cast<size_t>(hkv * d)), att(static_cast<size_t>(hq * d)),
-      gate(static_cast<size_t>(I)), up(static_cast<size_t>(I));
-  const int32_t pos = int32_t(pos_);
+  const auto buf = [N](int64_t cols) { return std::vector<float>(static_cast<size_t>(N * cols)); };
+  std::vector<float> x = buf(H), xn = buf(H), tmp = buf(H), q = buf(hq * d), k = buf(hkv * d),
+                     v = buf(hkv * d), att = buf(hq * d), gate = buf(I), up = buf(I);
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) pos[size_t(i)] = int32_t(pos_ + i);
+  if (totals) totals->assign(static_cast<size_t>(n), 0);
   const TensorView none{};
-  SF_TRY(kernels::embedding(w.tok_embd.view(), &token, 1, v2(x.data(), 1, H)));
+  SF_TRY(kernels::embedding(w.tok_embd.view(), tokens, N, v2(x.data(), N, H)));
   for (int l = 0; l < c.n_layers; ++l) {
     const model::LayerWeights& L = w.layers[size_t(l)];
     SF_TRY(
-        kernels::rms_norm(v2(x.data(), 1, H), L.attn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wq.view(), L.bq.empty() ? none : L.bq.view(),
-                           v2(q.data(), 1, hq * d)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wk.view(), L.bk.empty() ? none : L.bk.view(),
-                           v2(k.data(), 1, hkv * d)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.wv.view(), L.bv.empty() ? none : L.bv.view(),
-                           v2(v.data(), 1, hkv * d)));
-    SF_TRY(kernels::rope(TensorView::make(q.data(), DType::kF32, {1, hq, d}), &pos, rope));
-    SF_TRY(kernels::rope(TensorView::make(k.data(), DType::kF32, {1, hkv, d}), &pos, rope));
-    for (int h = 0; h < hkv; ++h) {
-      if (undo)
-        undo->push_back(cache_.append_undoable(l, h, pos, k.data() + h * d, v.data() + h * d));
-      else
-        cache_.append(l, h, pos, k.data() + h * d, v.data() + h * d);
+        kernels::rms_norm(v2(x.data(), N, H), L.attn_norm.view(), c.rms_eps, v2(xn.data(), N, H)));
+    SF_TRY(kernels::linear(v2(xn.data(), N, H), L.wq.view(), L.bq.empty() ? none : L.bq.view(),
+                           v2(q.data(), N, hq * d)));
+    SF_TRY(kernels::linear(v2(xn.data(), N, H), L.wk.view(), L.bk.empty() ? none : L.bk.view(),
+                           v2(k.data(), N, hkv * d)));
+    SF_TRY(kernels::linear(v2(xn.data(), N, H), L.wv.view(), L.bv.empty() ? none : L.bv.view(),
+                           v2(v.data(), N, hkv * d)));
+    SF_TRY(kernels::rope(TensorView::make(q.data(), DType::kF32, {N, hq, d}), pos.data(), rope));
+    SF_TRY(kernels::rope(TensorView::make(k.data(), DType::kF32, {N, hkv, d}), pos.data(), rope));
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < hkv; ++h) {
+        const float* kr = k.data() + (i * hkv + h) * d;
+        const float* vr = v.data() + (i * hkv + h) * d;
+        if (undo) {
+          undo->push_back(cache_.append_undoable(l, h, pos[size_t(i)], kr, vr));
+          if (undo_token) undo_token->push_back(i);
+        } else {
+          cache_.append(l, h, pos[size_t(i)], kr, vr);
+        }
+      }
+    if (n == 1) {
+      const int64_t before = stats_.blocks_total;
+      SF_TRY(decode_attention(cache_, l, q.data(), int(hq), p, att.data(), &stats_));
+      if (totals) (*totals)[0] += stats_.blocks_total - before;
+    } else {
+      SF_TRY(decode_attention_causal(cache_, l, q.data(), n, pos.data(), int(hq), p.scale,
+                                     att.data(), &stats_));
+      if (totals)
+        for (int i = 0; i < n; ++i) (*totals)[size_t(i)] += stats_.last_total_by_token[size_t(i)];
     }
-    SF_TRY(decode_attention(cache_, l, q.data(), int(hq), p, att.data(), &stats_));
-    SF_TRY(kernels::linear(v2(att.data(), 1, hq * d), L.wo.view(), none, v2(tmp.data(), 1, H)));
-    SF_TRY(kernels::add_inplace(v2(x.data(), 1, H), v2(tmp.data(), 1, H)));
+    SF_TRY(kernels::linear(v2(att.data(), N, hq * d), L.wo.view(), none, v2(tmp.data(), N, H)));
+    SF_TRY(kernels::add_inplace(v2(x.data(), N, H), v2(tmp.data(), N, H)));
     SF_TRY(
-        kernels::rms_norm(v2(x.data(), 1, H), L.ffn_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.w_gate.view(), none, v2(gate.data(), 1, I)));
-    SF_TRY(kernels::linear(v2(xn.data(), 1, H), L.w_up.view(), none, v2(up.data(), 1, I)));
-    SF_TRY(kernels::swiglu(v2(gate.data(), 1, I), v2(up.data(), 1, I), v2(gate.data(), 1, I)));
-    SF_TRY(kernels::linear(v2(gate.data(), 1, I), L.w_down.view(), none, v2(tmp.data(), 1, H)));
-    SF_TRY(kernels::add_inplace(v2(x.data(), 1, H), v2(tmp.data(), 1, H)));
+        kernels::rms_norm(v2(x.data(), N, H), L.ffn_norm.view(), c.rms_eps, v2(xn.data(), N, H)));
+    SF_TRY(kernels::linear(v2(xn.data(), N, H), L.w_gate.view(), none, v2(gate.data(), N, I)));
+    SF_TRY(kernels::linear(v2(xn.data(), N, H), L.w_up.view(), none, v2(up.data(), N, I)));
+    SF_TRY(kernels::swiglu(v2(gate.data(), N, I), v2(up.data(), N, I), v2(gate.data(), N, I)));
+    SF_TRY(kernels::linear(v2(gate.data(), N, I), L.w_down.view(), none, v2(tmp.data(), N, H)));
+    SF_TRY(kernels::add_inplace(v2(x.data(), N, H), v2(tmp.data(), N, H)));
   }
-  SF_TRY(kernels::rms_norm(v2(x.data(), 1, H), w.out_norm.view(), c.rms_eps, v2(xn.data(), 1, H)));
-  logits->resize(size_t(c.vocab));
-  SF_TRY(kernels::linear(v2(xn.data(), 1, H), m_.output_weight().view(), none,
-                         v2(logits->data(), 1, c.vocab)));
-  ++pos_;
+  SF_TRY(kernels::rms_norm(v2(x.data(), N, H), w.out_norm.view(), c.rms_eps, v2(xn.data(), N, H)));
+  logits->resize(size_t(N * c.vocab));
+  SF_TRY(kernels::linear(v2(xn.data(), N, H), m_.output_weight().view(), none,
+                         v2(logits->data(), N, c.vocab)));
+  pos_ += n;
   return Status::ok();
 }
 
@@ -136,9 +164,72 @@ Result<std::vector<int32_t>> greedy_decode(
 Result<std::vector<int32_t>> DecodeSession::generate_greedy(
     int32_t first_token, int n_new,
     const std::function<void(int, const std::vector<float>&)>& on_logits) {
+  if (p_.mode == DecodeAttnMode::kPsa && p_.verify_draft > 0)
+    return generate_verified(first_token, n_new, on_logits);
   return greedy_decode(
       first_token, n_new, [this](int32_t t, std::vector<float>* z) { return step(t, z); },
       on_logits);
+}
+
+Result<std::vector<int32_t>> DecodeSession::generate_verified(
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
+  std::vector<int32_t> out;
+  if (n_new <= 0) return out;
+  out.push_back(first_token);
+  const size_t V = size_t(m_.config().vocab);
+  const int64_t group = m_.config().n_heads / m_.config().n_kv_heads;
+  DecodeAttnParams full;
+  full.scale = p_.scale;
+  std::vector<float> z, zv;
+  std::vector<PagedKvCache::AppendUndo> undo;
+  std::vector<int> undo_token;
+  std::vector<int64_t> totals;
+  int32_t x = first_token;
+  while (int(out.size()) < n_new) {
+    // A round emits the accepted drafts and one token of the full cache's: at most k + 1.
+    const int k_max = std::min(p_.verify_draft, n_new - int(out.size()) - 1);
+    const int64_t total0 = stats_.blocks_total, kv_total0 = stats_.kv_blocks_total;
+    std::vector<int32_t> in{x};
+    undo.clear();
+    for (int j = 0; j < k_max; ++j) {
+      SF_TRY(run(&in.back(), 1, p_, &z, &undo));
+      ++stats_.draft_steps;
+      in.push_back(argmax_row(z.data(), V));
+      // A near-tie's token is likely the draft's first wrong one: verify now.
+      if (p_.guard_margin > 0 && top_two_gap(z.data(), V) < p_.guard_margin) break;
+    }
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
+    pos_ -= int64_t(in.size()) - 1;
+    // One full pass over the round's inputs; row i's argmax is the full cache's token after in[i].
+    undo.clear();
+    undo_token.clear();
+    SF_TRY(run(in.data(), int(in.size()), full, &zv, &undo, &undo_token, &totals));
+    ++stats_.verify_passes;
+    stats_.verify_tokens += int64_t(in.size());
+    size_t acc = 0;  // drafts accepted
+    while (acc + 1 < in.size() && argmax_row(zv.data() + acc * V, V) == in[acc + 1]) ++acc;
+    // Keep the K/V of in[0..acc]; take the later tokens' appends back, newest first.
+    for (size_t u = undo.size(); u-- > 0;)
+      if (size_t(undo_token[u]) > acc) cache_.undo_append(std::move(undo[u]));
+    pos_ -= int64_t(in.size() - 1 - acc);
+    stats_.draft_accepted += int64_t(acc);
+    stats_.steps += int64_t(acc) + 1;
+    // Blocks available count for the kept tokens only, as full decode would have run them.
+    stats_.blocks_total = total0;
+    stats_.kv_blocks_total = kv_total0;
+    for (size_t i = 0; i <= acc; ++i) {
+      stats_.blocks_total += totals[i];
+      stats_.kv_blocks_total += totals[i] / group;
+    }
+    for (size_t i = 0; i <= acc; ++i) {
+      const float* row = zv.data() + i * V;
+      out.push_back(i < acc ? in[i + 1] : argmax_row(row, V));
+      if (on_logits) on_logits(int(out.size()) - 1, std::vector<float>(row, row + V));
+    }
+    x = out.back();
+  }
+  return out;
 }
 
 Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,

@@ -35,10 +35,13 @@ class DecodeSession {
 
   // Runs `token` at the next position, appends its K/V to every head, returns the logits. With a
   // psa guard margin (DecodeAttnParams::guard_margin), a step whose top two logits are closer
-  // than the margin is taken back and run again with full attention.
+  // than the margin is taken back and run again with full attention. With verify_draft, a step
+  // is the draft's PSA alone (no guard, no verification).
   Status step(int32_t token, std::vector<float>* logits);
   // Greedy: returns n_new tokens starting with first_token (the prefill's), like
   // model::generate_greedy. on_logits (optional) sees the logits that chose tokens 2..n_new.
+  // With verify_draft, PSA drafts and full-attention passes verify (DecodeAttnParams); the
+  // logits are then the verification's.
   Result<std::vector<int32_t>> generate_greedy(
       int32_t first_token, int n_new,
       const std::function<void(int, const std::vector<float>&)>& on_logits = {});
@@ -46,9 +49,17 @@ class DecodeSession {
   const PagedKvCache& cache() const { return cache_; }
 
  private:
-  // One step under attention params p; undo (optional) receives every cache append.
-  Status run(int32_t token, const DecodeAttnParams& p, std::vector<float>* logits,
-             std::vector<PagedKvCache::AppendUndo>* undo);
+  // Runs tokens[0..n) at the next n positions under attention params p and appends their K/V;
+  // logits: [n, vocab]. n > 1 needs full attention (decode_attention_causal; a verification
+  // pass). undo (optional) receives every cache append, and undo_token the token index of each;
+  // totals (optional) each token's blocks over layers and query heads.
+  Status run(const int32_t* tokens, int n, const DecodeAttnParams& p, std::vector<float>* logits,
+             std::vector<PagedKvCache::AppendUndo>* undo, std::vector<int>* undo_token = nullptr,
+             std::vector<int64_t>* totals = nullptr);
+  // generate_greedy with verify_draft.
+  Result<std::vector<int32_t>> generate_verified(
+      int32_t first_token, int n_new,
+      const std::function<void(int, const std::vector<float>&)>& on_logits);
   const model::Model& m_;
   PagedKvCache cache_;
   int64_t pos_;

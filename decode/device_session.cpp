@@ -283,6 +283,9 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
   if (p.guard_margin > 0)
     return SF_ERR(kUnsupported, "device decode: the psa guard (':MARGIN') runs on the host only");
+  if (p.verify_draft > 0)
+    return SF_ERR(kUnsupported,
+                  "device decode: verified drafts (':verifyN') run on the host only");
   if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head &&
       c.n_heads / c.n_kv_heads > kernels::kDecodePsaGqaMaxGroup)
     return SF_ERR(kUnsupported, "device decode: psa '+gqa' takes at most " +

@@ -2,7 +2,8 @@
 // hash, shard checksums), assembles the paged cache and generates greedily on CPU.
 //   sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--device auto|cpu|cuda]
 //                     [--attention full|psa:EPS|psa-avg:EPS|psa-strict:EPS] (psa modes: +gqa;
-//                     :MARGIN after EPS, the host's guard: decode/decode_attention.h)
+//                     :MARGIN and :verifyN after EPS, the host's guard and verified drafts:
+//                     decode/decode_attention.h)
 //                     [--pool-dtype f32|bf16|int8] [--no-cuda-graph] [--no-fused-step]
 //                     [--reference]
 // --pool-dtype: how the device block pool stores K/V (decode/device_session.h); int8 holds a
@@ -37,7 +38,7 @@ int fail(const sf::Status& st) {
 void usage() {
   std::fprintf(stderr,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
-               "full|psa[-avg|-strict][+gqa]:EPS[:MARGIN]]\n"
+               "full|psa[-avg|-strict][+gqa]:EPS[:MARGIN][:verifyN]]\n"
                "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
                "                         [--no-cuda-graph] [--no-fused-step] [--reference]\n");
 }
@@ -151,6 +152,12 @@ int run(int argc, char** argv) {
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",
               st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0);
+  if (st.verify_passes > 0)
+    std::printf("verified drafts: %lld drafted, %lld kept, %lld full-attention passes; blocks "
+                "computed %.4f of available\n",
+                static_cast<long long>(st.draft_steps), static_cast<long long>(st.draft_accepted),
+                static_cast<long long>(st.verify_passes),
+                double(st.blocks_computed) / double(st.blocks_total));
   std::printf("tokens:");
   for (int32_t t : gen.value()) std::printf(" %d", t);
   std::printf("\n");

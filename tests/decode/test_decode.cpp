@@ -340,6 +340,56 @@ TEST(DecodeAttention, PsaGqaWithOneHeadPerKvHeadIsThePerHeadVisit) {
   }
 }
 
+// A verification pass: n new tokens' full attention in one read of each block equals n
+// single-token full calls, each over the cache as it stood after its token's append, bit for bit
+// (blocks end mid-pass: 60 of 64 filled, then 9 appends), and counts the blocks both ways.
+TEST(DecodeAttention, CausalPassEqualsSingleTokenCalls) {
+  const int n = 64 * 5 + 60, d = 32, heads = 3, extra = 9;
+  std::mt19937_64 rng(testing::fresh_seed());
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const auto fill = [&](size_t len) {
+    std::vector<float> x(len);
+    for (auto& e : x) e = nd(rng);
+    return x;
+  };
+  const std::vector<float> k = fill(size_t(n * d)), v = fill(size_t(n * d)),
+                           q = fill(size_t(extra * heads * d)),
+                           nk = fill(size_t(extra * d)), nv = fill(size_t(extra * d));
+  auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  decode::DecodeAttnParams full;
+  std::vector<float> one(size_t(extra * heads * d)), pass(one.size(), -7.f);
+  decode::DecodeAttnStats s1, sp;
+  std::vector<int32_t> pos(static_cast<size_t>(extra));
+  for (int i = 0; i < extra; ++i) {
+    pos[size_t(i)] = n + i;
+    cache->append(0, 0, n + i, nk.data() + i * d, nv.data() + i * d);
+    ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data() + i * heads * d, heads, full,
+                                         one.data() + i * heads * d, &s1)
+                    .is_ok());
+  }
+  ASSERT_TRUE(decode::decode_attention_causal(cache.value(), 0, q.data(), extra, pos.data(), heads,
+                                              0.f, pass.data(), &sp)
+                  .is_ok());
+  EXPECT_EQ(pass, one);
+  EXPECT_EQ(sp.blocks_total, s1.blocks_total);
+  EXPECT_EQ(sp.blocks_computed, s1.blocks_computed);
+  EXPECT_EQ(sp.kv_blocks_total, s1.kv_blocks_total);
+  // Read once: every query head reads the 7 blocks of the final cache once.
+  EXPECT_EQ(sp.blocks_visited, int64_t(heads) * 7);
+  EXPECT_EQ(sp.kv_blocks_loaded, 7);
+  EXPECT_EQ(s1.blocks_total, int64_t(heads) * (6 * 4 + 7 * 5));
+  int64_t by_token = 0;
+  for (int64_t t : sp.last_total_by_token) by_token += t;
+  EXPECT_EQ(by_token, s1.blocks_total);
+  // Positions must increase.
+  std::swap(pos[0], pos[1]);
+  EXPECT_EQ(decode::decode_attention_causal(cache.value(), 0, q.data(), extra, pos.data(), heads,
+                                            0.f, pass.data(), nullptr)
+                .code(),
+            Code::kInvalidArgument);
+}
+
 TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_TRUE(decode::decode_attn_parse("full").is_ok());
   EXPECT_FALSE(decode::decode_attn_parse("psa-strict:0.9")->pin_sink_recent);
@@ -376,6 +426,22 @@ TEST(DecodeAttention, ParseRejectsBadModes) {
   EXPECT_EQ(decode::decode_attn_parse("psa:0.9:x").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:0.9:").status().code(), Code::kOutOfRange);
   EXPECT_EQ(decode::decode_attn_parse("psa:2:0.1").status().code(), Code::kOutOfRange);
+  auto vd = decode::decode_attn_parse("psa-avg:0.95:verify16");
+  ASSERT_TRUE(vd.is_ok());
+  EXPECT_EQ(vd->verify_draft, 16);
+  EXPECT_DOUBLE_EQ(vd->guard_margin, 0.0);
+  EXPECT_DOUBLE_EQ(vd->eps, 0.95);
+  EXPECT_EQ(a->verify_draft, 0);
+  for (const char* both : {"psa-avg:0.95:verify8:0.25", "psa-avg:0.95:0.25:verify8"}) {
+    auto b = decode::decode_attn_parse(both);
+    ASSERT_TRUE(b.is_ok()) << both;
+    EXPECT_EQ(b->verify_draft, 8) << both;
+    EXPECT_DOUBLE_EQ(b->guard_margin, 0.25) << both;
+  }
+  for (const char* bad : {"psa:0.9:verify0", "psa:0.9:verify257", "psa:0.9:verifyx",
+                          "psa:0.9:verify", "psa:0.9:verify4:verify8", "psa:0.9:0.1:0.2",
+                          "psa:0.9:verify4:"})
+    EXPECT_EQ(decode::decode_attn_parse(bad).status().code(), Code::kOutOfRange) << bad;
 }
 
 // An append taken back leaves the cache as it was: pages, fills, positions, keys and the block
@@ -468,6 +534,101 @@ TEST(DecodeSession, PsaGuardRerunsNearTiesInFull) {
   EXPECT_LT(always.stats().blocks_visited, 2 * plain.stats().blocks_visited);
   EXPECT_LT(psa.stats().blocks_visited, psa.stats().blocks_total);  // eps 0.5 skips blocks
   EXPECT_NE(z_psa, z_full);
+}
+
+// Verified drafts (psa:EPS:verifyN): the tokens are full decode's, however poor the draft (eps
+// 0.5 here), up to the batched pass's float rounding; the logits are the full pass's; the cache
+// left behind is full decode's; the blocks the kept tokens would visit in full are the total.
+TEST(DecodeSession, VerifiedDraftsGiveFullDecodesTokens) {
+  const uint64_t seed = testing::fresh_seed();
+  model::ModelConfig cfg = testing::tiny_config();
+  auto m = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(m.is_ok());
+  const int n = 700, n_new = 40;
+  const auto toks = testing::random_tokens(n, 101, seed + 1);
+  auto pr = model::prefill(m.value(), toks);
+  ASSERT_TRUE(pr.is_ok());
+  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
+                                       n, nullptr);
+  ASSERT_TRUE(full.is_ok());
+  auto session = [&](const std::string& spec) {
+    auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
+    EXPECT_TRUE(pc.is_ok());
+    return decode::DecodeSession(m.value(), std::move(pc).value(), n,
+                                 decode::decode_attn_parse(spec).value());
+  };
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::vector<std::vector<float>> z;
+  };
+  auto run = [&](decode::DecodeSession& s) {
+    Run r;
+    auto g = s.generate_greedy(pr->first_token, n_new, [&](int i, const std::vector<float>& z) {
+      EXPECT_EQ(i, int(r.z.size()) + 1);
+      r.z.push_back(z);
+    });
+    EXPECT_TRUE(g.is_ok()) << g.status().to_string();
+    r.tokens = g.value();
+    return r;
+  };
+  auto ref_s = session("full");
+  const Run ref = run(ref_s);
+  auto psa_s = session("psa:0.5");
+  const Run psa = run(psa_s);
+  EXPECT_NE(psa.z, ref.z);
+  for (const char* spec : {"psa:0.5:verify1", "psa:0.5:verify6", "psa:0.5:verify64",
+                           "psa:0.5:verify6:1e30"}) {
+    auto s = session(spec);
+    const Run got = run(s);
+    ASSERT_EQ(got.tokens.size(), size_t(n_new)) << spec;
+    ASSERT_EQ(got.z.size(), ref.z.size()) << spec;
+    for (size_t i = 0; i < ref.z.size(); ++i) {
+      double diff = 0;
+      for (size_t j = 0; j < ref.z[i].size(); ++j)
+        diff = std::max(diff, double(std::fabs(got.z[i][j] - ref.z[i][j])));
+      EXPECT_LT(diff, 1e-4) << spec << " step " << i;  // batched GEMM against GEMV rows
+      if (got.tokens[i + 1] != ref.tokens[i + 1]) {
+        // Only a near-tie of the full cache's own logits may flip under that rounding.
+        std::vector<float> top = ref.z[i];
+        std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+        EXPECT_LT(top[0] - top[1], 1e-4) << spec << " token " << i + 1;
+        break;  // the continuations part here
+      }
+    }
+    const decode::DecodeAttnStats& st = s.stats();
+    EXPECT_EQ(st.steps, n_new - 1) << spec;
+    EXPECT_EQ(st.blocks_total, ref_s.stats().blocks_total) << spec;
+    EXPECT_EQ(st.kv_blocks_total, ref_s.stats().kv_blocks_total) << spec;
+    EXPECT_GT(st.verify_passes, 0) << spec;
+    EXPECT_GT(st.draft_steps, 0) << spec;
+    EXPECT_LE(st.draft_accepted, st.draft_steps) << spec;
+    // Every kept token is one accepted draft or one pass's own token.
+    EXPECT_EQ(st.draft_accepted + st.verify_passes, n_new - 1) << spec;
+    EXPECT_EQ(st.verify_tokens, st.verify_passes + st.draft_steps) << spec;
+    EXPECT_GE(st.blocks_computed, st.blocks_visited) << spec;
+    // verify1 drafts one token a round; a margin every draft is under ends each after one too.
+    const std::string sp = spec;
+    if (sp.find("verify1") != std::string::npos || sp.find("1e30") != std::string::npos)
+      EXPECT_LE(st.verify_tokens, 2 * st.verify_passes) << spec;
+    else
+      EXPECT_GT(st.verify_tokens, 2 * st.verify_passes) << spec;  // longer drafts were verified
+    // The cache left behind is full decode's: the same tokens per head, K/V within rounding.
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) {
+        ASSERT_EQ(s.cache().n_tokens(l, h), ref_s.cache().n_tokens(l, h)) << spec;
+        const auto& pa = s.cache().pages(l, h);
+        const auto& pb = ref_s.cache().pages(l, h);
+        ASSERT_EQ(pa.size(), pb.size()) << spec;
+        const decode::KvBlock& a = s.cache().block(pa.back());
+        const decode::KvBlock& b = ref_s.cache().block(pb.back());
+        ASSERT_EQ(a.n, b.n) << spec;
+        for (int32_t t = 0; t < a.n; ++t) EXPECT_EQ(a.pos[size_t(t)], b.pos[size_t(t)]) << spec;
+        for (size_t c = 0; c < size_t(a.n) * size_t(cfg.head_dim); ++c) {
+          EXPECT_NEAR(a.k[c], b.k[c], 1e-4) << spec;
+          EXPECT_NEAR(a.v[c], b.v[c], 1e-4) << spec;
+        }
+      }
+  }
 }
 
 }  // namespace

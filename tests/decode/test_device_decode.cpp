@@ -437,15 +437,18 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
-    {  // the psa guard is the host session's: refused, so --device auto decodes on the CPU
+    // The psa guard and verified drafts are the host session's: refused, so --device auto
+    // decodes them on the CPU.
+    for (const char* host_only : {"psa-avg:0.95:0.1", "psa-avg:0.95:verify8"}) {
       auto c = decode::PagedKvCache::from_prefill(pr.kv, full);
       ASSERT_TRUE(c.is_ok());
       EXPECT_EQ(decode::DeviceDecodeSession::open(
-                    dm.value(), c.value(), n, decode::decode_attn_parse("psa-avg:0.95:0.1").value(),
+                    dm.value(), c.value(), n, decode::decode_attn_parse(host_only).value(),
                     n_new, kvstore::KvEncoding::kF32, true, true)
                     .status()
                     .code(),
-                Code::kUnsupported);
+                Code::kUnsupported)
+          << host_only;
     }
     for (const bool fused : {true, false})
     for (const char* spec : {"full", "psa-avg:0.95", "psa-avg+gqa:0.95"}) {

@@ -5,6 +5,7 @@
 // on CPU with the reference decode session. Writes bench/results/retention-<policy>.json.
 // moa takes per-head spans from a config (kvstore::moa_config_load) and scales them per budget.
 #include <algorithm>
+#include <chrono>
 #include <boost/json.hpp>
 #include <cmath>
 #include <cstdio>
@@ -147,6 +148,10 @@ struct Measure {
   // psa guard: teacher-forced steps and re-runs; the free-running run's blocks and re-runs.
   int64_t steps = 0, guard_steps = 0;
   int64_t fr_blocks_visited = 0, fr_blocks_total = 0, fr_steps = 0, fr_guard_steps = 0;
+  // psa verified drafts (psa-avg:EPS:verifyN), free-running run: blocks computed, drafts run
+  // and accepted, verification passes.
+  int64_t fr_blocks_computed = 0, fr_draft_steps = 0, fr_draft_accepted = 0, fr_passes = 0;
+  std::vector<double> fr_seconds;  // per window: the free-running generation's wall time
   int passkey_hits = 0, passkey_n = 0;
 };
 
@@ -462,12 +467,27 @@ int cmd_retention_eval(int argc, char** argv) {
       me.guard_steps += st.guard_steps;
       auto s2 = session_for(m, pr.value(), imp, c, ref_enc, nullptr);
       if (!s2.is_ok()) return fail(s2.status());
+      const auto g0 = std::chrono::steady_clock::now();
       auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
       if (!g.is_ok()) return fail(g.status());
+      me.fr_seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - g0).count());
       me.fr_blocks_visited += s2->stats().blocks_visited;
       me.fr_blocks_total += s2->stats().blocks_total;
       me.fr_steps += s2->stats().steps;
       me.fr_guard_steps += s2->stats().guard_steps;
+      me.fr_blocks_computed += s2->stats().blocks_computed;
+      me.fr_draft_steps += s2->stats().draft_steps;
+      me.fr_draft_accepted += s2->stats().draft_accepted;
+      me.fr_passes += s2->stats().verify_passes;
+      if (s2->stats().verify_passes > 0) {
+        const auto& v = s2->stats();
+        std::printf("  verified free-running: blocks read %.3f, computed %.3f; %ld drafts, %ld "
+                    "accepted, %ld passes\n",
+                    double(v.blocks_visited) / double(v.blocks_total),
+                    double(v.blocks_computed) / double(v.blocks_total), long(v.draft_steps),
+                    long(v.draft_accepted), long(v.verify_passes));
+      }
       int same = 0;
       for (long i = 1; i <= T; ++i) same += g.value()[size_t(i)] == ref[size_t(i)];
       me.greedy.push_back(double(same) / double(T));
@@ -607,7 +627,20 @@ int cmd_retention_eval(int argc, char** argv) {
         {"blocks_visited_frac",
          "decode attention blocks visited / available, over query heads, layers, steps and "
          "windows (1 for full; with a psa guard, a step run again in full adds all its blocks "
-         "to the visited ones)"},
+         "to the visited ones); with verified drafts (psa...:verifyN) it is the free-running "
+         "run's, whose tokens greedy_match_64 scores: drafts' visits plus each verification "
+         "pass's blocks once (a pass reads a block once for all its tokens) / the blocks full "
+         "decode visits for the tokens kept, and blocks_visited_frac_forced_draft is the "
+         "teacher-forced draft's alone"},
+        {"blocks_computed_frac_free_running",
+         "verified drafts: drafts' visits plus each pass's blocks per token (the attention's "
+         "arithmetic rather than its reads) / the blocks full decode visits for the tokens kept"},
+        {"decode_s_free_running",
+         "wall seconds of the free-running generation on this host's CPU threads, mean over the "
+         "windows (the cache already paged; nothing else measured in it)"},
+        {"draft_accept_frac",
+         "verified drafts, free-running: drafted tokens the full-attention pass kept / drafted "
+         "tokens; tokens_per_pass: tokens kept / verification passes"},
         {"guard_steps_frac",
          "psa with a guard margin (psa-avg:EPS:MARGIN): steps whose top two logits were closer "
          "than MARGIN nats and so were run again with full attention / steps, teacher-forced; "
@@ -663,6 +696,7 @@ int cmd_retention_eval(int argc, char** argv) {
       r["first_divergence_per_window"] = json::value_from(me.first_div);
       r["dense_top2_gap_at_divergence"] = json::value_from(me.div_gap);
       r["kl_mean_64"] = mean(me.kl);
+      r["decode_s_free_running"] = mean(me.fr_seconds);
       r["passkey_accuracy"] = me.passkey_n ? double(me.passkey_hits) / me.passkey_n : -1.0;
       r["dense_passkey_accuracy"] = n_prompts ? double(dense_hits) / n_prompts : -1.0;
       auto dp = decode::decode_attn_parse(configs[ci].decode_spec).value();
@@ -682,6 +716,15 @@ int cmd_retention_eval(int argc, char** argv) {
       }
       r["blocks_visited_frac"] =
           me.blocks_total ? double(me.blocks_visited) / double(me.blocks_total) : 1.0;
+      if (dp.mode == decode::DecodeAttnMode::kPsa && dp.verify_draft > 0) {
+        const auto frac = [](int64_t a, int64_t b) { return b ? double(a) / double(b) : 1.0; };
+        r["psa_verify_draft"] = dp.verify_draft;
+        r["blocks_visited_frac_forced_draft"] = r["blocks_visited_frac"];
+        r["blocks_visited_frac"] = frac(me.fr_blocks_visited, me.fr_blocks_total);
+        r["blocks_computed_frac_free_running"] = frac(me.fr_blocks_computed, me.fr_blocks_total);
+        r["draft_accept_frac"] = frac(me.fr_draft_accepted, me.fr_draft_steps);
+        r["tokens_per_pass"] = me.fr_passes ? double(me.fr_steps) / double(me.fr_passes) : 0.0;
+      }
       r["kv_blocks_loaded_frac"] =
           me.kv_blocks_total ? double(me.kv_blocks_loaded) / double(me.kv_blocks_total) : 1.0;
       if (k == kvstore::RetentionKind::kMoA) {
