@@ -46,7 +46,8 @@ struct DecodeAttnParams {
   // closer than this many nats is run again with full attention (its cache appends undone), so
   // the token a near-tie decides is the full cache's. 0: off. The re-run's blocks count as
   // visited (DecodeAttnStats::guard_steps counts the re-runs). With verify_draft, the margin
-  // instead ends a draft early: the near-tie's token is left to the verification.
+  // instead marks the draft's near-ties, where a draft may stop early for verification
+  // (decode_session.h: verify_stops_at_tie).
   double guard_margin = 0;
   // psa, decode sessions on the host ("psa-avg:EPS:verifyN"): self-speculative decoding. PSA
   // drafts up to N greedy tokens, then one full-attention pass over the draft (each block read

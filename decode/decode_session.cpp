@@ -171,6 +171,11 @@ Result<std::vector<int32_t>> DecodeSession::generate_greedy(
       on_logits);
 }
 
+bool verify_stops_at_tie(int64_t hits, int64_t misses, int drafts_left, double draft_share) {
+  const double p_wrong = double(hits + 1) / double(hits + misses + 4);
+  return p_wrong * double(drafts_left) * draft_share > 1.0;
+}
+
 Result<std::vector<int32_t>> DecodeSession::generate_verified(
     int32_t first_token, int n_new,
     const std::function<void(int, const std::vector<float>&)>& on_logits) {
@@ -185,6 +190,10 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
   std::vector<PagedKvCache::AppendUndo> undo;
   std::vector<int> undo_token;
   std::vector<int64_t> totals;
+  std::vector<char> tie;  // per draft of the round: a near-tie (gap under the margin)
+  // Near-ties the passes have judged (rejected: hits) and the drafts' blocks visited and
+  // available, for the stop rule below.
+  int64_t tie_hits = 0, tie_misses = 0, draft_visits = 0, draft_blocks = 0;
   int32_t x = first_token;
   while (int(out.size()) < n_new) {
     // A round emits the accepted drafts and one token of the full cache's: at most k + 1.
@@ -192,12 +201,19 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
     const int64_t total0 = stats_.blocks_total, kv_total0 = stats_.kv_blocks_total;
     std::vector<int32_t> in{x};
     undo.clear();
+    tie.clear();
     for (int j = 0; j < k_max; ++j) {
+      const int64_t v0 = stats_.blocks_visited, t0 = stats_.blocks_total;
       SF_TRY(run(&in.back(), 1, p_, &z, &undo));
       ++stats_.draft_steps;
+      draft_visits += stats_.blocks_visited - v0;
+      draft_blocks += stats_.blocks_total - t0;
       in.push_back(argmax_row(z.data(), V));
-      // A near-tie's token is likely the draft's first wrong one: verify now.
-      if (p_.guard_margin > 0 && top_two_gap(z.data(), V) < p_.guard_margin) break;
+      tie.push_back(p_.guard_margin > 0 && top_two_gap(z.data(), V) < p_.guard_margin);
+      if (!tie.back()) continue;
+      if (verify_stops_at_tie(tie_hits, tie_misses, k_max - j - 1,
+                              double(draft_visits) / double(std::max<int64_t>(draft_blocks, 1))))
+        break;
     }
     for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
     pos_ -= int64_t(in.size()) - 1;
@@ -214,6 +230,9 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
       if (size_t(undo_token[u]) > acc) cache_.undo_append(std::move(undo[u]));
     pos_ -= int64_t(in.size() - 1 - acc);
     stats_.draft_accepted += int64_t(acc);
+    // The near-ties this pass judged: accepted drafts, and the first rejected one.
+    for (size_t i = 0; i < tie.size() && i <= acc; ++i)
+      if (tie[i]) ++(i < acc ? tie_misses : tie_hits);
     stats_.steps += int64_t(acc) + 1;
     // Blocks available count for the kept tokens only, as full decode would have run them.
     stats_.blocks_total = total0;

@@ -28,6 +28,14 @@ Result<std::vector<int32_t>> greedy_decode(
     int32_t first_token, int n_new, const std::function<Status(int32_t, std::vector<float>*)>& step,
     const std::function<void(int, const std::vector<float>&)>& on_logits = {});
 
+// Verified drafts (DecodeAttnParams::verify_draft) with a margin: whether a draft that has just
+// hit a near-tie stops for verification. The near-tie's token may be the draft's first wrong
+// one. Stopping costs one more pass, which reads every block once; going on risks the drafts
+// left, wasted if that token is wrong. So it stops when P(wrong) x drafts_left x draft_share (a
+// draft step's share of the blocks) exceeds one pass, P(wrong) being the session's rate of
+// near-ties the passes rejected (hits) against accepted (misses), with a prior of 1 in 4.
+bool verify_stops_at_tie(int64_t hits, int64_t misses, int drafts_left, double draft_share);
+
 class DecodeSession {
  public:
   // The cache must come from an export whose compat hash matched m (load_kv_export checks it).
