@@ -490,29 +490,44 @@ TEST(PagedKv, UndoneAppendsRestoreTheCache) {
     }
 }
 
+// A tiny synthetic model prefilled on n random tokens (fresh seed), and host decode sessions
+// over its full cache.
+struct TinyPrefill {
+  model::ModelConfig cfg = testing::tiny_config();
+  uint64_t seed = testing::fresh_seed();
+  Result<model::Model> m;
+  int n;
+  model::PrefillResult pr;
+  Result<kvstore::Retention> full;
+  bool ok = false;
+  explicit TinyPrefill(int n_tokens)
+      : m(model::Model::synthetic(cfg, seed)), n(n_tokens),
+        full(kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
+                                      n_tokens, nullptr)) {
+    if (!m.is_ok() || !full.is_ok()) return;
+    auto p = model::prefill(m.value(), testing::random_tokens(n, 101, seed + 1));
+    if (!p.is_ok()) return;
+    pr = std::move(p).value();
+    ok = true;
+  }
+  decode::DecodeSession session(const std::string& spec) const {
+    auto pc = decode::PagedKvCache::from_prefill(pr.kv, full.value());
+    EXPECT_TRUE(pc.is_ok());
+    return decode::DecodeSession(m.value(), std::move(pc).value(), n,
+                                 decode::decode_attn_parse(spec).value());
+  }
+};
+
 // The psa guard: a margin no step's top two logits can be under re-runs nothing (the plain PSA
 // session's logits bit for bit); one every step is under re-runs every step in full (the full
 // session's logits bit for bit), and the re-runs' blocks count as visited.
 TEST(DecodeSession, PsaGuardRerunsNearTiesInFull) {
-  const uint64_t seed = testing::fresh_seed();
-  model::ModelConfig cfg = testing::tiny_config();
-  auto m = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(m.is_ok());
-  const int n = 700;
-  const auto toks = testing::random_tokens(n, 101, seed + 1);
-  auto pr = model::prefill(m.value(), toks);
-  ASSERT_TRUE(pr.is_ok());
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
-                                       n, nullptr);
-  ASSERT_TRUE(full.is_ok());
-  auto session = [&](const std::string& spec) {
-    auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
-    EXPECT_TRUE(pc.is_ok());
-    return decode::DecodeSession(m.value(), std::move(pc).value(), n,
-                                 decode::decode_attn_parse(spec).value());
-  };
+  TinyPrefill tp(700);
+  ASSERT_TRUE(tp.ok);
+  const auto& pr = tp.pr;
+  const auto session = [&](const std::string& spec) { return tp.session(spec); };
   auto run = [&](decode::DecodeSession& s, std::vector<std::vector<float>>* out) {
-    auto g = s.generate_greedy(pr->first_token, 16,
+    auto g = s.generate_greedy(pr.first_token, 16,
                                [&](int, const std::vector<float>& z) { out->push_back(z); });
     ASSERT_TRUE(g.is_ok());
   };
@@ -540,30 +555,19 @@ TEST(DecodeSession, PsaGuardRerunsNearTiesInFull) {
 // 0.5 here), up to the batched pass's float rounding; the logits are the full pass's; the cache
 // left behind is full decode's; the blocks the kept tokens would visit in full are the total.
 TEST(DecodeSession, VerifiedDraftsGiveFullDecodesTokens) {
-  const uint64_t seed = testing::fresh_seed();
-  model::ModelConfig cfg = testing::tiny_config();
-  auto m = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(m.is_ok());
-  const int n = 700, n_new = 40;
-  const auto toks = testing::random_tokens(n, 101, seed + 1);
-  auto pr = model::prefill(m.value(), toks);
-  ASSERT_TRUE(pr.is_ok());
-  auto full = kvstore::retention_apply(kvstore::RetentionPolicy{}, cfg.n_layers, cfg.n_kv_heads,
-                                       n, nullptr);
-  ASSERT_TRUE(full.is_ok());
-  auto session = [&](const std::string& spec) {
-    auto pc = decode::PagedKvCache::from_prefill(pr->kv, full.value());
-    EXPECT_TRUE(pc.is_ok());
-    return decode::DecodeSession(m.value(), std::move(pc).value(), n,
-                                 decode::decode_attn_parse(spec).value());
-  };
+  const int n_new = 40;
+  TinyPrefill tp(700);
+  ASSERT_TRUE(tp.ok);
+  const auto& pr = tp.pr;
+  const model::ModelConfig& cfg = tp.cfg;
+  const auto session = [&](const std::string& spec) { return tp.session(spec); };
   struct Run {
     std::vector<int32_t> tokens;
     std::vector<std::vector<float>> z;
   };
   auto run = [&](decode::DecodeSession& s) {
     Run r;
-    auto g = s.generate_greedy(pr->first_token, n_new, [&](int i, const std::vector<float>& z) {
+    auto g = s.generate_greedy(pr.first_token, n_new, [&](int i, const std::vector<float>& z) {
       EXPECT_EQ(i, int(r.z.size()) + 1);
       r.z.push_back(z);
     });
