@@ -1,6 +1,7 @@
 #include "decode/decode_attention.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -34,7 +35,8 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
         const std::string n = g.substr(6);
         char* nend = nullptr;
         const long k = std::strtol(n.c_str(), &nend, 10);
-        if (n.empty() || *nend != '\0' || k < 1 || k > kMaxVerifyDraft || p.verify_draft > 0)
+        if (n.empty() || !std::isdigit(static_cast<unsigned char>(n[0])) || *nend != '\0' ||
+            k < 1 || k > kMaxVerifyDraft || p.verify_draft > 0)
           return SF_ERR(kOutOfRange, "decode attention psa: '" + g +
                                          "' must be verifyN, N in [1, " +
                                          std::to_string(kMaxVerifyDraft) + "], given once");

@@ -27,6 +27,19 @@ void to_interleaved(T* row, int d) {
 }  // namespace
 
 int32_t PagedKvCache::new_block() {
+  if (!free_.empty()) {  // a block an undone append opened, not at the pool's end
+    const int32_t id = free_.back();
+    free_.pop_back();
+    KvBlock& b = pool_[size_t(id)];
+    b.n = 0;
+    std::fill(b.pos.begin(), b.pos.end(), -1);
+    std::fill(b.k.begin(), b.k.end(), 0.f);
+    std::fill(b.v.begin(), b.v.end(), 0.f);
+    std::fill(b.kmin.begin(), b.kmin.end(), 0.f);
+    std::fill(b.kmax.begin(), b.kmax.end(), 0.f);
+    b.kq = b.vq = kvstore::EncodedRows{};
+    return id;
+  }
   KvBlock b;
   b.pos.assign(kBlockTokens, -1);
   b.k.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
@@ -159,7 +172,9 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
 
 Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
   const int d = head_dim_;
-  for (KvBlock& B : pool_) {
+  for (size_t id = 0; id < pool_.size(); ++id) {
+    if (std::find(free_.begin(), free_.end(), int32_t(id)) != free_.end()) continue;
+    KvBlock& B = pool_[id];
     if (enc != kvstore::KvEncoding::kInt8) {
       SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
       SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
@@ -206,9 +221,14 @@ void PagedKvCache::undo_append(AppendUndo&& u) {
   B.pos[size_t(t)] = -1;
   std::fill(B.k.begin() + t * head_dim_, B.k.begin() + (t + 1) * head_dim_, 0.f);
   std::fill(B.v.begin() + t * head_dim_, B.v.begin() + (t + 1) * head_dim_, 0.f);
-  if (u.opened) {  // the newest block of the pool, opened by this append
+  if (u.opened) {  // the block this append opened goes back to the pool
     pages.pop_back();
-    if (size_t(id) + 1 == pool_.size()) pool_.pop_back();
+    // Undone out of pool order (a verification pass keeps some heads' appends and not
+    // others'), it is not the pool's last: it waits on the free list for the next block opened.
+    if (size_t(id) + 1 == pool_.size())
+      pool_.pop_back();
+    else
+      free_.push_back(id);
     return;
   }
   B.kmin = std::move(u.kmin);

@@ -56,7 +56,8 @@ class PagedKvCache {
   int head_dim() const { return head_dim_; }
   const std::vector<int32_t>& pages(int layer, int head) const { return pages_[idx(layer, head)]; }
   const KvBlock& block(int32_t id) const { return pool_[size_t(id)]; }
-  int64_t n_blocks() const { return int64_t(pool_.size()); }
+  // Blocks in use (an undone append's block may wait in the pool for reuse).
+  int64_t n_blocks() const { return int64_t(pool_.size() - free_.size()); }
   int64_t n_tokens(int layer, int head) const;
   // Appends one token (a decoded one) to a head: fills the last block or opens a new one.
   void append(int layer, int head, int32_t pos, const float* k, const float* v);
@@ -69,7 +70,9 @@ class PagedKvCache {
     kvstore::EncodedRows kq, vq;
   };
   AppendUndo append_undoable(int layer, int head, int32_t pos, const float* k, const float* v);
-  // Takes back the newest append of u's head; undo several in the reverse order of the appends.
+  // Takes back the newest append of u's head; undo several of a head in the reverse order of
+  // its appends. Heads are independent: undoing one head's appends and keeping another's later
+  // ones is fine (a block freed out of pool order is reused by the next block opened).
   void undo_append(AppendUndo&& u);
 
  private:
@@ -79,6 +82,7 @@ class PagedKvCache {
   int32_t new_block();
   int n_layers_ = 0, n_kv_heads_ = 0, head_dim_ = 0;
   std::vector<KvBlock> pool_;
+  std::vector<int32_t> free_;  // pool blocks no page table holds, reused first
   std::vector<std::vector<int32_t>> pages_;
 };
 

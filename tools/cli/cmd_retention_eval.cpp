@@ -649,7 +649,11 @@ int cmd_retention_eval(int argc, char** argv) {
         {"kv_blocks_loaded_frac",
          "blocks any query head of a KV head visited / available, over KV heads, layers, steps "
          "and windows: the reads of a kernel that loads a block once for its KV head's query "
-         "heads (psa +gqa: equal to blocks_visited_frac)"},
+         "heads (psa +gqa: equal to blocks_visited_frac); teacher-forced, so with verified "
+         "drafts the draft's alone"},
+        {"psa_verify_draft",
+         "verified drafts (psa...:verifyN): N, the most tokens a draft runs before a "
+         "full-attention pass verifies it (a MARGIN may stop it earlier at a near-tie)"},
         {"importance",
          "SnapKV column sums of the last obs_window queries' softmax from the "
          "prefill LSE, max-pooled with kernel 7"}};
@@ -705,7 +709,7 @@ int cmd_retention_eval(int argc, char** argv) {
         r["psa_mass_mean"] = me.mass_n ? me.mass_sum / double(me.mass_n) : 1.0;
         r["psa_mass_min"] = me.mass_min;
         r["psa_mass_below_eps_frac"] = me.mass_n ? double(me.mass_below) / double(me.mass_n) : 0.0;
-        if (dp.guard_margin > 0) {
+        if (dp.guard_margin > 0 && dp.verify_draft == 0) {
           r["psa_guard_margin"] = dp.guard_margin;
           r["guard_steps_frac"] = me.steps ? double(me.guard_steps) / double(me.steps) : 0.0;
           r["guard_steps_frac_free_running"] =
