@@ -9,7 +9,9 @@
 // call, blocks visited (over all query heads; the most any one head visited, which sets a PSA
 // launch's time; and, host, the distinct blocks per KV head), and the K/V bytes of the visited
 // blocks per second (each KV head's blocks counted once, though its 4 query heads each read
-// them, in the pool's encoding with its scales and zeros).
+// them, in the pool's encoding with its scales and zeros). Then, per pool, a verification pass's
+// attention ("full-pass": 8, 16, 32 and 64 tokens at once, PagedDecodeParams::n_tokens) against
+// as many single-token full calls.
 //   sf_bench_decode [tokens=32768] [heads=32] [kv_heads=8] [head_dim=128] [pull=0.15]
 //                   [pools=f32,bf16,int8]
 // pull: how far the planted blocks' keys move toward the query (larger: PSA stops sooner).
@@ -203,6 +205,52 @@ int main(int argc, char** argv) {
           double(most) / double(nb), host_kv_loaded[si], dev_us,
           host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
           commit.c_str(), command.c_str());
+    }
+    // A verification pass's attention (full mode, PagedDecodeParams::n_tokens): the newest
+    // `nt` keys of each KV head taken as the pass's tokens, against nt single-token full calls.
+    // The query rows are random (not the planted query): the time does not depend on them.
+    {
+      constexpr int kMaxPass = 64;
+      std::vector<float> qp(size_t(kMaxPass) * hq * d);
+      for (auto& x : qp) x = nd(rng);
+      kernels::cuda::DeviceBuffer dqp, doutp, dwsp;
+      if (!dqp.alloc(qp.size() * 4).is_ok() || !dqp.upload(qp.data(), qp.size() * 4).is_ok() ||
+          !doutp.alloc(qp.size() * 4).is_ok())
+        return fail("pass buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
+      auto time_us = [&](int nt, double* us) -> Status {
+        kernels::PagedDecodeParams kp;
+        kp.n_tokens = nt;
+        const size_t need = kernels::paged_decode_workspace_bytes(hq, pool->layer(0), kp);
+        if (need > dwsp.size()) SF_TRY(dwsp.alloc(need));
+        auto launch = [&] {
+          return kernels::paged_decode_attention(dqp.as<float>(), hq, pool->layer(0), kp,
+                                                 doutp.as<float>(), nullptr, dwsp.data(),
+                                                 dwsp.size(), s);
+        };
+        for (int i = 0; i < 3; ++i) SF_TRY(launch());
+        const int reps = 10;
+        (void)cudaEventRecord(e0, nullptr);
+        for (int i = 0; i < reps; ++i) (void)launch();
+        (void)cudaEventRecord(e1, nullptr);
+        SF_TRY(kernels::cuda::stream_synchronize(nullptr));
+        float ms = 0.f;
+        (void)cudaEventElapsedTime(&ms, e0, e1);
+        *us = 1e3 * double(ms) / reps;
+        return Status::ok();
+      };
+      double one_us = 0;
+      if (Status st = time_us(1, &one_us); !st.is_ok()) return fail("pass", st);
+      for (const int nt : {8, 16, 32, 64}) {
+        double us = 0;
+        if (Status st = time_us(nt, &us); !st.is_ok()) return fail("pass", st);
+        std::printf(
+            "{\"device\": \"%s\", \"pool\": \"%s\", \"tokens\": %lld, \"heads\": %d, "
+            "\"kv_heads\": %d, \"head_dim\": %d, \"mode\": \"full-pass\", \"pass_tokens\": %d, "
+            "\"device_us\": %.1f, \"single_token_full_us\": %.1f, \"per_token_us\": %.1f, "
+            "\"speedup_vs_single_calls\": %.2f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
+            prop.name, kvstore::kv_encoding_name(enc), static_cast<long long>(n), hq, hkv, d, nt,
+            us, one_us, us / nt, double(nt) * one_us / us, commit.c_str(), command.c_str());
+      }
     }
   }
   return 0;

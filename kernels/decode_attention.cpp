@@ -65,6 +65,12 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                                     std::to_string(kDecodePsaGqaMaxGroup) +
                                     " query heads per KV head, got " +
                                     std::to_string(n_heads / kv.n_kv_heads));
+  if (p.n_tokens < 1 || p.n_tokens > kDecodeMaxTokens)
+    return SF_ERR(kOutOfRange, "paged_decode_attention: n_tokens " + std::to_string(p.n_tokens) +
+                                   " not in [1, " + std::to_string(kDecodeMaxTokens) + "]");
+  if (p.n_tokens > 1 && (p.psa || visited))
+    return SF_ERR(kInvalidArgument,
+                  "paged_decode_attention: several tokens take full mode and no visited counts");
   if (p.psa && !(p.eps > 0 && p.eps <= 1))
     return SF_ERR(kOutOfRange,
                   "paged_decode_attention: eps " + std::to_string(p.eps) + " not in (0, 1]");

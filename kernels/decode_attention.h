@@ -57,7 +57,15 @@ struct PagedDecodeParams {
   // naming blocks, every head folds every loaded block, so a block is read once for the group.
   // Up to kDecodePsaGqaMaxGroup query heads per KV head.
   bool psa_share_kv_head = false;
+  // Full mode: tokens attended at once, a verification pass's (decode::decode_attention_causal).
+  // q and out are [n_tokens, n_heads, head_dim]; every token's K/V is already in the pool, and
+  // token i does not see the newest n_tokens - 1 - i keys of each KV head. The CTAs of one
+  // (query head, split) for the n tokens run side by side, so a block is read from memory about
+  // once for all of them (L2 serves the others). psa takes 1 only.
+  int n_tokens = 1;
 };
+
+inline constexpr int kDecodeMaxTokens = 256;  // n_tokens, at most
 
 // Device memory the mode in p needs (full: its split partials; psa: the bounds, visit order,
 // walk state and one round's block results per query head, about 0.5 MB a head at 2,048 pages
@@ -66,8 +74,9 @@ struct PagedDecodeParams {
 // mode, n_heads, head_dim, max_pages and the device's SM count. 0 without CUDA.
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
-// q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32; visited: [n_heads] int32
-// blocks visited per query head (+gqa: blocks its KV head loaded; may be null); workspace:
+// q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32 (both [p.n_tokens, ...]
+// with several tokens); visited: [n_heads] int32 blocks visited per query head (+gqa: blocks its
+// KV head loaded; may be null; must be null with several tokens); workspace:
 // paged_decode_workspace_bytes(n_heads, kv, p) of device
 // memory. Query head h reads KV head h / (n_heads / n_kv_heads). Device only, head_dim 32, 64 or
 // 128 (BF16 and INT8 pools: 64 or 128): anything else gets kUnsupported (the host path is

@@ -65,6 +65,7 @@ struct DecodeArgs {
               // psa takes its workspace through PsaWs instead
   PagedKv kv;
   int n_heads, splits;
+  int n_tokens;  // full mode: tokens at once (PagedDecodeParams::n_tokens)
   float scale;
   double eps;
   bool pin, recent_mean;
@@ -285,29 +286,45 @@ __device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m,
   *l += double(w) * mass;
 }
 
-// Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
-// KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
+// Full mode: CTA (split, query head, token); grid index = (split * n_heads + h) * n_tokens + i,
+// so the tokens of a (split, query head) run side by side (one read of its blocks from memory,
+// the rest from L2) and the query heads of a KV head next to them. Warp w takes the split's
+// pages w, w + 4, ...
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
   __shared__ float sm_m[kFullWarps];
   __shared__ double sm_l[kFullWarps];
   __shared__ float4 sm_o[kFullWarps][LPR];
-  const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
+  const int tok = blockIdx.x % a.n_tokens, hs = blockIdx.x / a.n_tokens;
+  const int h = hs % a.n_heads, split = hs / a.n_heads;
+  const int64_t row = int64_t(tok) * a.n_heads + h;  // q, out and partials row
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
-  const int nb = a.kv.n_pages[g];
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  // Token tok does not see the newest n_tokens - 1 - tok keys: drop whole blocks from the end,
+  // then cut the last one it sees (last_n keys; -1: its fill).
+  int nb = a.kv.n_pages[g], last_n = -1;
+  for (int hide = a.n_tokens - 1 - tok; hide > 0 && nb > 0;) {
+    const int f = a.kv.fill[pages[nb - 1]];
+    if (f <= hide) {
+      hide -= f;
+      --nb;
+    } else {
+      last_n = f - hide;
+      hide = 0;
+    }
+  }
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
-  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   float qf[kElemsPerLoad<T>];
-  load_q<D, T>(a.q + int64_t(h) * D, qf);
+  load_q<D, T>(a.q + row * D, qf);
   float m = -INFINITY;
   double l = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int b = b0 + warp; b < b1; b += kFullWarps) {
     const int64_t blk = pages[b];
-    const int n = a.kv.fill[blk];
+    const int n = b == nb - 1 && last_n >= 0 ? last_n : a.kv.fill[blk];
     if (n <= 0) continue;
     float bm;
     double mass;
@@ -325,10 +342,10 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
   if (a.splits == 1) {
     const float inv = L > 0 ? float(1.0 / L) : 0.f;
-    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[threadIdx.x] =
+    reinterpret_cast<float4*>(a.out + row * D)[threadIdx.x] =
         make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
   } else {
-    float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
+    float* dst = a.ws + (row * a.splits + split) * (D + 4);
     reinterpret_cast<float4*>(dst)[threadIdx.x] = O;
     if (threadIdx.x == 0) {
       dst[D] = M;
@@ -338,10 +355,11 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
 }
 
-// Merges a query head's splits (one CTA per head, a thread per channel quad).
+// Merges a query head's splits (one CTA per head and token, a thread per channel quad).
 template <int D>
 __global__ void merge_kernel(const DecodeArgs a) {
-  const int h = blockIdx.x, c4 = threadIdx.x;
+  const int64_t h = blockIdx.x;  // the row: token * n_heads + query head
+  const int c4 = threadIdx.x;
   float M = -INFINITY;
   double L = 0;
   float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1742,7 +1760,7 @@ template <int D, PoolDType T>
 Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (psa) return launch_psa<D, T>(a, workspace, st);
   DecodeArgs b = a;
-  unsigned grid = unsigned(a.n_heads * a.splits);
+  unsigned grid = unsigned(a.n_heads * a.splits * a.n_tokens);
   if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
     return SF_ERR(kInternal, "paged_decode_attention: the shared kernel is INT8's only");
   if constexpr (T == PoolDType::kInt8) {
@@ -1765,7 +1783,7 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
   if (b.splits > 1) {
-    merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
+    merge_kernel<D><<<unsigned(b.n_heads * b.n_tokens), D / 4, 0, st>>>(b);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
@@ -1794,8 +1812,14 @@ Status launch_dtype(const DecodeArgs& a, bool psa, void* ws, cudaStream_t st) {
 }  // namespace
 
 namespace {
-// Full mode's split partials (0 with one split).
-size_t full_workspace_bytes(int n_heads, const PagedKv& kv) {
+// Full mode's split partials (0 with one split), for n_tokens tokens at once.
+size_t full_workspace_bytes(int n_heads, const PagedKv& kv, int n_tokens) {
+  if (n_tokens > 1) {
+    const int splits = full_splits(n_heads * n_tokens, kv.max_pages);
+    return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(n_tokens) * size_t(splits) *
+                            size_t(kv.head_dim + 4)
+                      : 0;
+  }
   // Enough for either full kernel (the shared one splits a KV head's pages more ways).
   const int splits = std::max(full_splits(n_heads, kv.max_pages),
                               kv.n_kv_heads > 0 ? full_splits(kv.n_kv_heads, kv.max_pages) : 1);
@@ -1811,7 +1835,7 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
   return p.psa ? psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim,
                             p.psa_share_kv_head)
                      .bytes
-               : full_workspace_bytes(n_heads, kv);
+               : full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1));
 }
 
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
@@ -1828,9 +1852,12 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.n_heads = n_heads;
   // The shared kernel where it pays: INT8 rows, whose conversion is most of the work, and 2+
   // query heads per KV head (F32 and BF16 ran faster with a warp per head: bench/NOTES.md).
+  // Several tokens run full_kernel's token dimension (the shared kernel has none).
+  a.n_tokens = p.psa ? 1 : std::max(p.n_tokens, 1);
   a.shared = !p.psa && p.share_kv_heads && kv.dtype == PoolDType::kInt8 && kv.head_dim != 32 &&
-             n_heads / kv.n_kv_heads >= 2;
-  a.splits = p.psa ? 1 : full_splits(a.shared ? kv.n_kv_heads : n_heads, kv.max_pages);
+             n_heads / kv.n_kv_heads >= 2 && a.n_tokens == 1;
+  a.splits = p.psa ? 1
+                   : full_splits(a.shared ? kv.n_kv_heads : n_heads * a.n_tokens, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;

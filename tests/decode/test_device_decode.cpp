@@ -271,6 +271,86 @@ TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
       }
 }
 
+// A verification pass's attention (PagedDecodeParams::n_tokens): n tokens at once, the newest
+// n - 1 - i keys of each KV head hidden from token i, against the host's decode_attention_causal
+// on the same cache (encoded pools after the host's round trip), every head_dim and element type,
+// uneven heads; 70 tokens reach back past a whole block. Outputs poisoned first.
+TEST_F(DeviceDecode, SeveralTokensAreTheHostsCausalPass) {
+  const uint64_t seed = testing::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int d : {64, 128})
+    for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kBF16,
+                     kvstore::KvEncoding::kInt8})
+      for (const bool uneven : {false, true})
+        for (const int nt : {1, 7, 70}) {
+          const int n = 64 * 20 + 37;
+          Planted p = planted(n, seed + uint64_t(d * 7 + nt), uneven, d);
+          auto pool = decode::DevicePagedPool::upload(p.cache, 0, enc);
+          ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+          if (enc != kvstore::KvEncoding::kF32) ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
+          std::vector<float> q(size_t(nt) * kHq * d), want(q.size()), got(q.size());
+          for (auto& x : q) x = nd(rng);
+          std::vector<int32_t> pos(static_cast<size_t>(nt));
+          for (int i = 0; i < nt; ++i) pos[size_t(i)] = n - nt + i;
+          ASSERT_TRUE(decode::decode_attention_causal(p.cache, 0, q.data(), nt, pos.data(), kHq,
+                                                      0.f, want.data(), nullptr)
+                          .is_ok());
+          kernels::PagedDecodeParams kp;
+          kp.n_tokens = nt;
+          DeviceBuffer dq, dout, dws;
+          const size_t ws = kernels::paged_decode_workspace_bytes(kHq, pool->layer(0), kp);
+          if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
+          ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok() && dout.alloc(q.size() * 4).is_ok());
+          ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
+          std::vector<float> nan(q.size(), std::nanf(""));
+          ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());
+          const kernels::Stream s{Device::kCuda, nullptr};
+          ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), kHq, pool->layer(0), kp,
+                                                      dout.as<float>(), nullptr, dws.data(),
+                                                      dws.size(), s)
+                          .is_ok());
+          ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+          ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
+          double worst = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            ASSERT_TRUE(std::isfinite(got[i])) << "element " << i;
+            worst = std::max(worst,
+                             std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
+          }
+          EXPECT_LT(worst, 1e-5) << kvstore::kv_encoding_name(enc) << " d " << d << " tokens "
+                                 << nt << (uneven ? " uneven" : "");
+          if (nt == 70 && !uneven)
+            std::printf("%s d %d: %d tokens at once, max err %.2g\n",
+                        kvstore::kv_encoding_name(enc), d, nt, worst);
+        }
+  // Several tokens are full mode's only, and report no visits.
+  Planted p = planted(200, seed);
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+  ASSERT_TRUE(pool.is_ok());
+  kernels::PagedDecodeParams kp;
+  kp.n_tokens = 2;
+  DeviceBuffer dq, dout, dvis;
+  ASSERT_TRUE(dq.alloc(2 * p.q.size() * 4).is_ok() && dout.alloc(2 * p.q.size() * 4).is_ok() &&
+              dvis.alloc(kHq * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  EXPECT_EQ(kernels::paged_decode_attention(dq.as<float>(), kHq, pool->layer(0), kp,
+                                            dout.as<float>(), dvis.as<int32_t>(), nullptr, 0, s)
+                .code(),
+            Code::kInvalidArgument);
+  kp.psa = true;
+  EXPECT_EQ(kernels::paged_decode_attention(dq.as<float>(), kHq, pool->layer(0), kp,
+                                            dout.as<float>(), nullptr, nullptr, 0, s)
+                .code(),
+            Code::kInvalidArgument);
+  kp.psa = false;
+  kp.n_tokens = kernels::kDecodeMaxTokens + 1;
+  EXPECT_EQ(kernels::paged_decode_attention(dq.as<float>(), kHq, pool->layer(0), kp,
+                                            dout.as<float>(), nullptr, nullptr, 0, s)
+                .code(),
+            Code::kOutOfRange);
+}
+
 // What the device pool holds for block i of KV head g (layer 0), downloaded.
 struct PoolBlock {
   std::vector<uint8_t> k, v;
