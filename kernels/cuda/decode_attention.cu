@@ -373,6 +373,176 @@ __global__ void merge_kernel(const DecodeArgs a) {
       make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
 }
 
+// Several tokens at once (PagedDecodeParams::n_tokens > 1): a verification pass's attention.
+// A KV head's query rows (token-major: row r is token r / G of query head g G + r % G) go to
+// CTAs of kPassRows; a CTA stages each block of its split in shared memory once, as floats, and
+// its warps score it for kPassRowsPerWarp rows each (a lane per key, so no cross-lane sums),
+// then fold the values (a lane per channel group). A block is thus read once per kPassRows rows
+// instead of once per row. Row r does not see the newest n_tokens - 1 - token keys; a KV head's
+// blocks before its last are full (the pool fills a block before opening the next), so block b
+// holds keys 64 b onward.
+constexpr int kPassWarps = 8, kPassRowsPerWarp = 4, kPassRows = kPassWarps * kPassRowsPerWarp;
+
+template <int D>
+constexpr size_t pass_smem_bytes() {
+  // K (a row padded by one float: lane t reads row t, conflict-free), V, the CTA's queries, the
+  // warps' weights.
+  return sizeof(float) * (size_t(kBT) * (D + 1) + size_t(kBT) * D + size_t(kPassRows) * D +
+                          size_t(kPassRows) * kBT);
+}
+
+template <PoolDType T>
+__device__ __forceinline__ float pool_elem(const void* base, int64_t idx) {
+  if constexpr (T == PoolDType::kF32) {
+    return __ldg(static_cast<const float*>(base) + idx);
+  } else if constexpr (T == PoolDType::kBF16) {
+    return __uint_as_float(uint32_t(__ldg(static_cast<const uint16_t*>(base) + idx)) << 16);
+  } else {
+    return float(__ldg(static_cast<const uint8_t*>(base) + idx));
+  }
+}
+
+// CTA (KV head, split, row chunk); grid index = (g * splits + split) * chunks + chunk, so the
+// chunks that read the same blocks run side by side.
+template <int D, PoolDType T>
+__global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs a, int chunks) {
+  extern __shared__ float smem[];
+  float* ks = smem;                         // [kBT][D + 1]
+  float* vs = ks + kBT * (D + 1);           // [kBT][D]
+  float* qs = vs + kBT * D;                 // [kPassRows][D], scaled
+  float* ps = qs + kPassRows * D;           // [kPassRows][kBT]
+  constexpr int DPL = D / 32;               // channels a lane folds
+  const int chunk = blockIdx.x % chunks, gs = blockIdx.x / chunks;
+  const int split = gs % a.splits, g = gs / a.splits;
+  const int G = a.n_heads / a.kv.n_kv_heads, R = G * a.n_tokens;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  const int nb = a.kv.n_pages[g];
+  const int64_t total = nb > 0 ? int64_t(nb - 1) * kBT + a.kv.fill[pages[nb - 1]] : 0;
+  // The CTA's rows: queries to shared memory, pre-scaled.
+  for (int i = threadIdx.x; i < kPassRows * D; i += blockDim.x) {
+    const int r = chunk * kPassRows + i / D;
+    float x = 0.f;
+    if (r < R) {
+      const int tok = r / G, h = g * G + r % G;
+      x = a.q[(int64_t(tok) * a.n_heads + h) * D + i % D] * a.scale;
+    }
+    qs[i] = x;
+  }
+  // This warp's rows: how many keys each sees, and its running max, mass and output.
+  int64_t vis[kPassRowsPerWarp];
+  float m[kPassRowsPerWarp], o[kPassRowsPerWarp][DPL];
+  double l[kPassRowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kPassRowsPerWarp; ++j) {
+    const int r = chunk * kPassRows + warp * kPassRowsPerWarp + j;
+    vis[j] = r < R ? total - (a.n_tokens - 1 - r / G) : 0;
+    m[j] = -INFINITY;
+    l[j] = 0;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) o[j][c] = 0.f;
+  }
+  const int per = (nb + a.splits - 1) / a.splits;
+  const int b0 = split * per, b1 = min(nb, b0 + per);
+  for (int b = b0; b < b1; ++b) {
+    const int64_t blk = pages[b];
+    const int n = a.kv.fill[blk];
+    __syncthreads();  // the last block's K and V are no longer read
+    for (int i = threadIdx.x; i < kBT * D; i += blockDim.x) {
+      const int t = i / D, c = i % D;
+      float k = 0.f, v = 0.f;
+      if (t < n) {
+        k = pool_elem<T>(a.kv.k, (blk * kBT + t) * D + c);
+        v = pool_elem<T>(a.kv.v, (blk * kBT + t) * D + c);
+        if constexpr (T == PoolDType::kInt8) {
+          k = f16f(__ldg(a.kv.kzero + blk * D + c)) + k * f16f(__ldg(a.kv.kscale + blk * D + c));
+          v = f16f(__ldg(a.kv.vzero + blk * kBT + t)) + v * f16f(__ldg(a.kv.vscale + blk * kBT + t));
+        }
+      }
+      ks[t * (D + 1) + c] = k;
+      vs[t * D + c] = v;
+    }
+    __syncthreads();
+    // Scores: lane t takes keys t and t + 32 for the warp's rows.
+    float sc[kPassRowsPerWarp][2];
+#pragma unroll
+    for (int j = 0; j < kPassRowsPerWarp; ++j) sc[j][0] = sc[j][1] = 0.f;
+    const float* qw = qs + warp * kPassRowsPerWarp * D;
+#pragma unroll 4
+    for (int c = 0; c < D; ++c) {
+      const float k0 = ks[lane * (D + 1) + c], k1 = ks[(lane + 32) * (D + 1) + c];
+#pragma unroll
+      for (int j = 0; j < kPassRowsPerWarp; ++j) {
+        const float qv = qw[j * D + c];
+        sc[j][0] += qv * k0;
+        sc[j][1] += qv * k1;
+      }
+    }
+    float* pw = ps + warp * kPassRowsPerWarp * kBT;
+#pragma unroll
+    for (int j = 0; j < kPassRowsPerWarp; ++j) {
+      const int64_t key0 = int64_t(b) * kBT;
+      const bool ok0 = lane < n && key0 + lane < vis[j];
+      const bool ok1 = lane + 32 < n && key0 + lane + 32 < vis[j];
+      const float s0 = ok0 ? sc[j][0] : -INFINITY, s1 = ok1 ? sc[j][1] : -INFINITY;
+      float bm = fmaxf(s0, s1);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) bm = fmaxf(bm, __shfl_xor_sync(kAll, bm, off));
+      if (bm == -INFINITY) {  // the row sees none of this block
+        pw[j * kBT + lane] = 0.f;
+        pw[j * kBT + lane + 32] = 0.f;
+        continue;
+      }
+      const float mn = fmaxf(m[j], bm);
+      const float alpha = expf(m[j] - mn);  // 0 while nothing is folded (m = -inf)
+      const float e0 = ok0 ? expf(s0 - mn) : 0.f, e1 = ok1 ? expf(s1 - mn) : 0.f;
+      double t = double(e0) + double(e1);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) t += __shfl_xor_sync(kAll, t, off);
+      l[j] = l[j] * double(alpha) + t;
+      m[j] = mn;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) o[j][c] *= alpha;
+      pw[j * kBT + lane] = e0;
+      pw[j * kBT + lane + 32] = e1;
+    }
+    __syncwarp();
+    // Values: lane folds channels lane, lane + 32, ... of each row.
+    for (int t = 0; t < n; ++t) {
+      float v[DPL];
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) v[c] = vs[t * D + lane + 32 * c];
+#pragma unroll
+      for (int j = 0; j < kPassRowsPerWarp; ++j) {
+        const float w = pw[j * kBT + t];
+#pragma unroll
+        for (int c = 0; c < DPL; ++c) o[j][c] += w * v[c];
+      }
+    }
+    __syncwarp();
+  }
+  // Partials (or, one split, the outputs) in full_kernel's layout: row tok * n_heads + h.
+#pragma unroll
+  for (int j = 0; j < kPassRowsPerWarp; ++j) {
+    const int r = chunk * kPassRows + warp * kPassRowsPerWarp + j;
+    if (r >= R) continue;
+    const int64_t row = int64_t(r / G) * a.n_heads + g * G + r % G;
+    if (a.splits == 1) {
+      const float inv = l[j] > 0 ? float(1.0 / l[j]) : 0.f;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) a.out[row * D + lane + 32 * c] = o[j][c] * inv;
+    } else {
+      float* dst = a.ws + (row * a.splits + split) * (D + 4);
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) dst[lane + 32 * c] = o[j][c];
+      if (lane == 0) {
+        dst[D] = m[j];
+        reinterpret_cast<double*>(dst + D + 2)[0] = l[j];
+      }
+    }
+  }
+}
+
 // Full mode with the query heads of a KV head sharing each block's rows (INT8 pools):
 // warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
 // converted once; each head keeps its own folded query, scores, weights and sums, summed in the
@@ -1710,6 +1880,22 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   return std::max(1, std::min(want, most));
 }
 
+// Several tokens (pass_kernel): row chunks of a KV head, and splits of its pages so that the
+// grid fills about two waves of 2 CTAs an SM (the kernel's shared memory allows 2), at least 8
+// pages a split.
+int pass_chunks(int n_heads, int n_kv_heads, int n_tokens) {
+  return (n_heads / n_kv_heads * n_tokens + kPassRows - 1) / kPassRows;
+}
+int pass_splits(int n_heads, int n_kv_heads, int n_tokens, int max_pages) {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms = 132;
+  const int ctas = n_kv_heads * pass_chunks(n_heads, n_kv_heads, n_tokens);
+  const int want = (4 * sms + ctas - 1) / ctas;
+  return std::max(1, std::min(want, (max_pages + 7) / 8));
+}
+
 // The PSA sequence (psa_round_kernel's comment): bounds, ranking, then every round that
 // max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
@@ -1757,8 +1943,25 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
 }
 
 template <int D, PoolDType T>
+Status launch_pass(const DecodeArgs& a, cudaStream_t st) {
+  static std::atomic<uint64_t> opted{0};
+  constexpr size_t smem = pass_smem_bytes<D>();
+  SF_CUDA_TRY(opt_in_smem(pass_kernel<D, T>, smem, opted));
+  const int chunks = pass_chunks(a.n_heads, a.kv.n_kv_heads, a.n_tokens);
+  pass_kernel<D, T><<<unsigned(a.kv.n_kv_heads * a.splits * chunks), kPassWarps * 32, smem, st>>>(
+      a, chunks);
+  SF_CUDA_TRY(cudaGetLastError());
+  if (a.splits > 1) {
+    merge_kernel<D><<<unsigned(a.n_heads * a.n_tokens), D / 4, 0, st>>>(a);
+    SF_CUDA_TRY(cudaGetLastError());
+  }
+  return Status::ok();
+}
+
+template <int D, PoolDType T>
 Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (psa) return launch_psa<D, T>(a, workspace, st);
+  if (a.n_tokens > 1) return launch_pass<D, T>(a, st);
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits * a.n_tokens);
   if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
@@ -1815,7 +2018,7 @@ namespace {
 // Full mode's split partials (0 with one split), for n_tokens tokens at once.
 size_t full_workspace_bytes(int n_heads, const PagedKv& kv, int n_tokens) {
   if (n_tokens > 1) {
-    const int splits = full_splits(n_heads * n_tokens, kv.max_pages);
+    const int splits = pass_splits(n_heads, kv.n_kv_heads, n_tokens, kv.max_pages);
     return splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(n_tokens) * size_t(splits) *
                             size_t(kv.head_dim + 4)
                       : 0;
@@ -1856,8 +2059,9 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.n_tokens = p.psa ? 1 : std::max(p.n_tokens, 1);
   a.shared = !p.psa && p.share_kv_heads && kv.dtype == PoolDType::kInt8 && kv.head_dim != 32 &&
              n_heads / kv.n_kv_heads >= 2 && a.n_tokens == 1;
-  a.splits = p.psa ? 1
-                   : full_splits(a.shared ? kv.n_kv_heads : n_heads * a.n_tokens, kv.max_pages);
+  a.splits = p.psa             ? 1
+             : a.n_tokens > 1 ? pass_splits(n_heads, kv.n_kv_heads, a.n_tokens, kv.max_pages)
+                              : full_splits(a.shared ? kv.n_kv_heads : n_heads, kv.max_pages);
   a.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(kv.head_dim));
   a.eps = p.eps;
   a.pin = p.pin_sink_recent;
