@@ -59,9 +59,9 @@ struct PagedDecodeParams {
   bool psa_share_kv_head = false;
   // Full mode: tokens attended at once, a verification pass's (decode::decode_attention_causal).
   // q and out are [n_tokens, n_heads, head_dim]; every token's K/V is already in the pool, and
-  // token i does not see the newest n_tokens - 1 - i keys of each KV head. The CTAs of one
-  // (query head, split) for the n tokens run side by side, so a block is read from memory about
-  // once for all of them (L2 serves the others). psa takes 1 only.
+  // token i does not see the newest n_tokens - 1 - i keys of each KV head. A block is staged in
+  // shared memory once for 32 rows (a KV head's tokens x query heads), not read per row, and
+  // the CTAs that stage the same blocks run side by side. psa takes 1 only.
   int n_tokens = 1;
 };
 

@@ -65,7 +65,7 @@ struct DecodeArgs {
               // psa takes its workspace through PsaWs instead
   PagedKv kv;
   int n_heads, splits;
-  int n_tokens;  // full mode: tokens at once (PagedDecodeParams::n_tokens)
+  int n_tokens;  // full mode: tokens at once (PagedDecodeParams::n_tokens; > 1: pass_kernel)
   float scale;
   double eps;
   bool pin, recent_mean;
@@ -286,45 +286,29 @@ __device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m,
   *l += double(w) * mass;
 }
 
-// Full mode: CTA (split, query head, token); grid index = (split * n_heads + h) * n_tokens + i,
-// so the tokens of a (split, query head) run side by side (one read of its blocks from memory,
-// the rest from L2) and the query heads of a KV head next to them. Warp w takes the split's
-// pages w, w + 4, ...
+// Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
+// KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs a) {
   constexpr int LPR = D / 4;
   __shared__ float sm_m[kFullWarps];
   __shared__ double sm_l[kFullWarps];
   __shared__ float4 sm_o[kFullWarps][LPR];
-  const int tok = blockIdx.x % a.n_tokens, hs = blockIdx.x / a.n_tokens;
-  const int h = hs % a.n_heads, split = hs / a.n_heads;
-  const int64_t row = int64_t(tok) * a.n_heads + h;  // q, out and partials row
+  const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
-  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
-  // Token tok does not see the newest n_tokens - 1 - tok keys: drop whole blocks from the end,
-  // then cut the last one it sees (last_n keys; -1: its fill).
-  int nb = a.kv.n_pages[g], last_n = -1;
-  for (int hide = a.n_tokens - 1 - tok; hide > 0 && nb > 0;) {
-    const int f = a.kv.fill[pages[nb - 1]];
-    if (f <= hide) {
-      hide -= f;
-      --nb;
-    } else {
-      last_n = f - hide;
-      hide = 0;
-    }
-  }
+  const int nb = a.kv.n_pages[g];
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   float qf[kElemsPerLoad<T>];
-  load_q<D, T>(a.q + row * D, qf);
+  load_q<D, T>(a.q + int64_t(h) * D, qf);
   float m = -INFINITY;
   double l = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int b = b0 + warp; b < b1; b += kFullWarps) {
     const int64_t blk = pages[b];
-    const int n = b == nb - 1 && last_n >= 0 ? last_n : a.kv.fill[blk];
+    const int n = a.kv.fill[blk];
     if (n <= 0) continue;
     float bm;
     double mass;
@@ -342,10 +326,10 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
   if (a.splits == 1) {
     const float inv = L > 0 ? float(1.0 / L) : 0.f;
-    reinterpret_cast<float4*>(a.out + row * D)[threadIdx.x] =
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[threadIdx.x] =
         make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
   } else {
-    float* dst = a.ws + (row * a.splits + split) * (D + 4);
+    float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
     reinterpret_cast<float4*>(dst)[threadIdx.x] = O;
     if (threadIdx.x == 0) {
       dst[D] = M;
@@ -355,7 +339,8 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
 }
 
-// Merges a query head's splits (one CTA per head and token, a thread per channel quad).
+// Merges a query head's splits (one CTA per row: a query head, or with several tokens a
+// (token, query head); a thread per channel quad).
 template <int D>
 __global__ void merge_kernel(const DecodeArgs a) {
   const int64_t h = blockIdx.x;  // the row: token * n_heads + query head
@@ -385,9 +370,10 @@ constexpr int kPassWarps = 8, kPassRowsPerWarp = 4, kPassRows = kPassWarps * kPa
 
 template <int D>
 constexpr size_t pass_smem_bytes() {
-  // K (a row padded by one float: lane t reads row t, conflict-free), V, the CTA's queries, the
-  // warps' weights.
-  return sizeof(float) * (size_t(kBT) * (D + 1) + size_t(kBT) * D + size_t(kPassRows) * D +
+  // K (a row padded by four floats: lane t reads four channels of row t as one 16-byte load,
+  // and each quarter-warp's loads fall in distinct banks), V, the CTA's queries, the warps'
+  // weights.
+  return sizeof(float) * (size_t(kBT) * (D + 4) + size_t(kBT) * D + size_t(kPassRows) * D +
                           size_t(kPassRows) * kBT);
 }
 
@@ -407,8 +393,8 @@ __device__ __forceinline__ float pool_elem(const void* base, int64_t idx) {
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs a, int chunks) {
   extern __shared__ float smem[];
-  float* ks = smem;                         // [kBT][D + 1]
-  float* vs = ks + kBT * (D + 1);           // [kBT][D]
+  float* ks = smem;                         // [kBT][D + 4]
+  float* vs = ks + kBT * (D + 4);           // [kBT][D]
   float* qs = vs + kBT * D;                 // [kPassRows][D], scaled
   float* ps = qs + kPassRows * D;           // [kPassRows][kBT]
   constexpr int DPL = D / 32;               // channels a lane folds
@@ -459,7 +445,7 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
           v = f16f(__ldg(a.kv.vzero + blk * kBT + t)) + v * f16f(__ldg(a.kv.vscale + blk * kBT + t));
         }
       }
-      ks[t * (D + 1) + c] = k;
+      ks[t * (D + 4) + c] = k;
       vs[t * D + c] = v;
     }
     __syncthreads();
@@ -469,13 +455,14 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
     for (int j = 0; j < kPassRowsPerWarp; ++j) sc[j][0] = sc[j][1] = 0.f;
     const float* qw = qs + warp * kPassRowsPerWarp * D;
 #pragma unroll 4
-    for (int c = 0; c < D; ++c) {
-      const float k0 = ks[lane * (D + 1) + c], k1 = ks[(lane + 32) * (D + 1) + c];
+    for (int c = 0; c < D; c += 4) {
+      const float4 k0 = *reinterpret_cast<const float4*>(ks + lane * (D + 4) + c);
+      const float4 k1 = *reinterpret_cast<const float4*>(ks + (lane + 32) * (D + 4) + c);
 #pragma unroll
       for (int j = 0; j < kPassRowsPerWarp; ++j) {
-        const float qv = qw[j * D + c];
-        sc[j][0] += qv * k0;
-        sc[j][1] += qv * k1;
+        const float4 qv = *reinterpret_cast<const float4*>(qw + j * D + c);  // a broadcast
+        sc[j][0] += qv.x * k0.x + qv.y * k0.y + qv.z * k0.z + qv.w * k0.w;
+        sc[j][1] += qv.x * k1.x + qv.y * k1.y + qv.z * k1.z + qv.w * k1.w;
       }
     }
     float* pw = ps + warp * kPassRowsPerWarp * kBT;
@@ -507,16 +494,19 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
       pw[j * kBT + lane + 32] = e1;
     }
     __syncwarp();
-    // Values: lane folds channels lane, lane + 32, ... of each row.
-    for (int t = 0; t < n; ++t) {
-      float v[DPL];
+    // Values: lane folds channels lane, lane + 32, ... of each row, four keys a step (the
+    // weights as one broadcast load; keys past the fill have weight 0 and value 0).
+    for (int t = 0; t < n; t += 4) {
+      float v[4][DPL];
 #pragma unroll
-      for (int c = 0; c < DPL; ++c) v[c] = vs[t * D + lane + 32 * c];
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int c = 0; c < DPL; ++c) v[u][c] = vs[(t + u) * D + lane + 32 * c];
 #pragma unroll
       for (int j = 0; j < kPassRowsPerWarp; ++j) {
-        const float w = pw[j * kBT + t];
+        const float4 w = *reinterpret_cast<const float4*>(pw + j * kBT + t);
 #pragma unroll
-        for (int c = 0; c < DPL; ++c) o[j][c] += w * v[c];
+        for (int c = 0; c < DPL; ++c) o[j][c] += w.x * v[0][c] + w.y * v[1][c] + w.z * v[2][c] + w.w * v[3][c];
       }
     }
     __syncwarp();
@@ -1963,7 +1953,7 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (psa) return launch_psa<D, T>(a, workspace, st);
   if (a.n_tokens > 1) return launch_pass<D, T>(a, st);
   DecodeArgs b = a;
-  unsigned grid = unsigned(a.n_heads * a.splits * a.n_tokens);
+  unsigned grid = unsigned(a.n_heads * a.splits);
   if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
     return SF_ERR(kInternal, "paged_decode_attention: the shared kernel is INT8's only");
   if constexpr (T == PoolDType::kInt8) {
@@ -1986,7 +1976,7 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
   if (b.splits > 1) {
-    merge_kernel<D><<<unsigned(b.n_heads * b.n_tokens), D / 4, 0, st>>>(b);
+    merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
@@ -2055,7 +2045,7 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.n_heads = n_heads;
   // The shared kernel where it pays: INT8 rows, whose conversion is most of the work, and 2+
   // query heads per KV head (F32 and BF16 ran faster with a warp per head: bench/NOTES.md).
-  // Several tokens run full_kernel's token dimension (the shared kernel has none).
+  // Several tokens run pass_kernel.
   a.n_tokens = p.psa ? 1 : std::max(p.n_tokens, 1);
   a.shared = !p.psa && p.share_kv_heads && kv.dtype == PoolDType::kInt8 && kv.head_dim != 32 &&
              n_heads / kv.n_kv_heads >= 2 && a.n_tokens == 1;
