@@ -377,17 +377,6 @@ constexpr size_t pass_smem_bytes() {
                           size_t(kPassRows) * kBT);
 }
 
-template <PoolDType T>
-__device__ __forceinline__ float pool_elem(const void* base, int64_t idx) {
-  if constexpr (T == PoolDType::kF32) {
-    return __ldg(static_cast<const float*>(base) + idx);
-  } else if constexpr (T == PoolDType::kBF16) {
-    return __uint_as_float(uint32_t(__ldg(static_cast<const uint16_t*>(base) + idx)) << 16);
-  } else {
-    return float(__ldg(static_cast<const uint8_t*>(base) + idx));
-  }
-}
-
 // CTA (KV head, split, row chunk); grid index = (g * splits + split) * chunks + chunk, so the
 // chunks that read the same blocks run side by side.
 template <int D, PoolDType T>
@@ -434,19 +423,35 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
     const int64_t blk = pages[b];
     const int n = a.kv.fill[blk];
     __syncthreads();  // the last block's K and V are no longer read
-    for (int i = threadIdx.x; i < kBT * D; i += blockDim.x) {
+    // 16 bytes of the pool a load (E elements), as floats (INT8: decoded with the block's
+    // channel scales and zeros for keys, the row's for values).
+    constexpr int E = kElemsPerLoad<T>;
+    for (int i = threadIdx.x * E; i < kBT * D; i += blockDim.x * E) {
       const int t = i / D, c = i % D;
-      float k = 0.f, v = 0.f;
+      float k[E], v[E];
       if (t < n) {
-        k = pool_elem<T>(a.kv.k, (blk * kBT + t) * D + c);
-        v = pool_elem<T>(a.kv.v, (blk * kBT + t) * D + c);
+        ld_elems<T>(a.kv.k, (blk * kBT + t) * D + c, k);
+        ld_elems<T>(a.kv.v, (blk * kBT + t) * D + c, v);
         if constexpr (T == PoolDType::kInt8) {
-          k = f16f(__ldg(a.kv.kzero + blk * D + c)) + k * f16f(__ldg(a.kv.kscale + blk * D + c));
-          v = f16f(__ldg(a.kv.vzero + blk * kBT + t)) + v * f16f(__ldg(a.kv.vscale + blk * kBT + t));
+          float s[E], z[E];
+          ld_f16<E>(a.kv.kscale + blk * D + c, s);
+          ld_f16<E>(a.kv.kzero + blk * D + c, z);
+          const float vsc = f16f(__ldg(a.kv.vscale + blk * kBT + t)),
+                      vz = f16f(__ldg(a.kv.vzero + blk * kBT + t));
+#pragma unroll
+          for (int e = 0; e < E; ++e) k[e] = z[e] + k[e] * s[e], v[e] = vz + v[e] * vsc;
         }
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) k[e] = v[e] = 0.f;
       }
-      ks[t * (D + 4) + c] = k;
-      vs[t * D + c] = v;
+#pragma unroll
+      for (int e = 0; e < E; e += 4) {
+        *reinterpret_cast<float4*>(ks + t * (D + 4) + c + e) =
+            make_float4(k[e], k[e + 1], k[e + 2], k[e + 3]);
+        *reinterpret_cast<float4*>(vs + t * D + c + e) =
+            make_float4(v[e], v[e + 1], v[e + 2], v[e + 3]);
+      }
     }
     __syncthreads();
     // Scores: lane t takes keys t and t + 32 for the warp's rows.
