@@ -61,17 +61,21 @@ struct PagedDecodeParams {
   // q and out are [n_tokens, n_heads, head_dim]; every token's K/V is already in the pool, and
   // token i does not see the newest n_tokens - 1 - i keys of each KV head. A block is staged in
   // shared memory once for 32 rows (a KV head's tokens x query heads), not read per row, and
-  // the CTAs that stage the same blocks run side by side. psa takes 1 only.
+  // the CTAs that stage the same blocks run side by side. psa takes 1 only. It needs what every
+  // producer of a pool here gives (decode::PagedKvCache, DevicePagedPool, paged_append): each
+  // block of a KV head but its last is full (keys are numbered 64 b + slot), and each KV head
+  // holds at least n_tokens keys (the device cannot check it; a row with none comes out 0).
   int n_tokens = 1;
 };
 
 inline constexpr int kDecodeMaxTokens = 256;  // n_tokens, at most
 
-// Device memory the mode in p needs (full: its split partials; psa: the bounds, visit order,
-// walk state and one round's block results per query head, about 0.5 MB a head at 2,048 pages
-// and head_dim 128; psa +gqa: results for every block a KV head's query heads may name in a
-// round, scored for each of them, about 1.1 MB a query head there): a plan step, fixed by the
-// mode, n_heads, head_dim, max_pages and the device's SM count. 0 without CUDA.
+// Device memory the mode in p needs (full: its split partials, per token with p.n_tokens; psa:
+// the bounds, visit order, walk state and one round's block results per query head, about
+// 0.5 MB a head at 2,048 pages and head_dim 128; psa +gqa: results for every block a KV head's
+// query heads may name in a round, scored for each of them, about 1.1 MB a query head there): a
+// plan step, fixed by the mode, n_tokens, n_heads, the KV heads, head_dim, max_pages and the
+// device's SM count. 0 without CUDA.
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32 (both [p.n_tokens, ...]

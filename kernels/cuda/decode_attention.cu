@@ -61,8 +61,8 @@ struct DecodeArgs {
   const float* q;
   float* out;
   int32_t* visited;
-  float* ws;  // full mode, splits > 1: [n_heads][splits][D + 4] output, max, (pad), mass (double);
-              // psa takes its workspace through PsaWs instead
+  float* ws;  // full mode, splits > 1: [n_tokens * n_heads][splits][D + 4] output, max, (pad),
+              // mass (double); psa takes its workspace through PsaWs instead
   PagedKv kv;
   int n_heads, splits;
   int n_tokens;  // full mode: tokens at once (PagedDecodeParams::n_tokens; > 1: pass_kernel)
@@ -381,7 +381,7 @@ constexpr size_t pass_smem_bytes() {
 // chunks that read the same blocks run side by side.
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs a, int chunks) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];  // read as float4
   float* ks = smem;                         // [kBT][D + 4]
   float* vs = ks + kBT * (D + 4);           // [kBT][D]
   float* qs = vs + kBT * D;                 // [kPassRows][D], scaled
@@ -1856,8 +1856,9 @@ bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
 // Full-mode splits per query head: about 6 CTAs per SM over all heads (one wave; Nsight put 4 at
 // 0.59 waves and 25% occupancy, 8 spilled into a second wave), at least 4 pages per split (one
 // per warp). Fixed by the pool's capacity, not its fill (the fill lives on the device).
-int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
-  // The SM count per device, queried once: this runs at every launch (each layer of each step).
+// The current device's SM count, queried once per device: the splits below are planned at
+// every launch (each layer of each step).
+int device_sms() {
   static std::atomic<int> sm_count[64] = {};
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) {
@@ -1870,7 +1871,11 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
       sms = 132;
     }
   }
-  const int want = (ctas_per_sm * sms + n_heads - 1) / n_heads;
+  return sms;
+}
+
+int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
+  const int want = (ctas_per_sm * device_sms() + n_heads - 1) / n_heads;
   const int most = (max_pages + kFullWarps - 1) / kFullWarps;
   return std::max(1, std::min(want, most));
 }
@@ -1882,12 +1887,8 @@ int pass_chunks(int n_heads, int n_kv_heads, int n_tokens) {
   return (n_heads / n_kv_heads * n_tokens + kPassRows - 1) / kPassRows;
 }
 int pass_splits(int n_heads, int n_kv_heads, int n_tokens, int max_pages) {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    sms = 132;
   const int ctas = n_kv_heads * pass_chunks(n_heads, n_kv_heads, n_tokens);
-  const int want = (4 * sms + ctas - 1) / ctas;
+  const int want = (4 * device_sms() + ctas - 1) / ctas;
   return std::max(1, std::min(want, (max_pages + 7) / 8));
 }
 

@@ -273,40 +273,66 @@ TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
 
 // A verification pass's attention (PagedDecodeParams::n_tokens): n tokens at once, the newest
 // n - 1 - i keys of each KV head hidden from token i, against the host's decode_attention_causal
-// on the same cache (encoded pools after the host's round trip), every head_dim and element type,
-// uneven heads; 70 tokens reach back past a whole block. Outputs poisoned first.
+// on the same cache (encoded pools after the host's round trip). Every element type at d 64 and
+// 128 (F32 also at 32), uneven heads; 70 tokens hide a partial block and more, 130 two whole
+// ones. Query heads per KV head 4 (a 32-row chunk is 8 whole tokens), 6 and 7 (a token's heads
+// cross chunks) and 1. A short pool (6 pages) runs one split (the kernel writes the outputs),
+// the others several (partials, merged). Outputs poisoned first.
 TEST_F(DeviceDecode, SeveralTokensAreTheHostsCausalPass) {
   const uint64_t seed = testing::fresh_seed();
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
+  struct Case {
+    int d;
+    kvstore::KvEncoding enc;
+    bool uneven;
+    int nt, hq, hkv, n;
+  };
+  std::vector<Case> cases;
+  const int kLong = 64 * 20 + 37, kShort = 64 * 5 + 37;
   for (int d : {64, 128})
     for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kBF16,
                      kvstore::KvEncoding::kInt8})
       for (const bool uneven : {false, true})
-        for (const int nt : {1, 7, 70}) {
-          const int n = 64 * 20 + 37;
-          Planted p = planted(n, seed + uint64_t(d * 7 + nt), uneven, d);
+        for (const int nt : {1, 7, 70}) cases.push_back({d, enc, uneven, nt, kHq, kHkv, kLong});
+  for (const int nt : {7, 70}) {
+    cases.push_back({32, kvstore::KvEncoding::kF32, true, nt, kHq, kHkv, kLong});
+    cases.push_back({128, kvstore::KvEncoding::kF32, false, nt, 12, 2, kLong});  // 6 a KV head
+    cases.push_back({64, kvstore::KvEncoding::kBF16, true, nt, 14, 2, kLong});   // 7
+    cases.push_back({128, kvstore::KvEncoding::kF32, false, nt, 4, 4, kLong});   // 1
+    cases.push_back({128, kvstore::KvEncoding::kF32, true, nt, kHq, kHkv, kShort});
+    cases.push_back({64, kvstore::KvEncoding::kInt8, false, nt, 12, 2, kShort});
+  }
+  cases.push_back({128, kvstore::KvEncoding::kF32, false, 130, kHq, kHkv, kLong});
+  // (Not uneven: a pass's tokens are in every head, and head 1 of an uneven cache holds only
+  // its last 100 positions whole.)
+  cases.push_back({64, kvstore::KvEncoding::kInt8, false, 130, 14, 2, kLong});
+  for (const Case& cs : cases) {
+          const int d = cs.d, nt = cs.nt, n = cs.n, hq = cs.hq;
+          const auto enc = cs.enc;
+          const bool uneven = cs.uneven;
+          Planted p = planted(n, seed + uint64_t(d * 7 + nt + hq), uneven, d, hq, cs.hkv);
           auto pool = decode::DevicePagedPool::upload(p.cache, 0, enc);
           ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
           if (enc != kvstore::KvEncoding::kF32) ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
-          std::vector<float> q(size_t(nt) * kHq * d), want(q.size()), got(q.size());
+          std::vector<float> q(size_t(nt) * hq * d), want(q.size()), got(q.size());
           for (auto& x : q) x = nd(rng);
           std::vector<int32_t> pos(static_cast<size_t>(nt));
           for (int i = 0; i < nt; ++i) pos[size_t(i)] = n - nt + i;
-          ASSERT_TRUE(decode::decode_attention_causal(p.cache, 0, q.data(), nt, pos.data(), kHq,
+          ASSERT_TRUE(decode::decode_attention_causal(p.cache, 0, q.data(), nt, pos.data(), hq,
                                                       0.f, want.data(), nullptr)
                           .is_ok());
           kernels::PagedDecodeParams kp;
           kp.n_tokens = nt;
           DeviceBuffer dq, dout, dws;
-          const size_t ws = kernels::paged_decode_workspace_bytes(kHq, pool->layer(0), kp);
+          const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool->layer(0), kp);
           if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
           ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok() && dout.alloc(q.size() * 4).is_ok());
           ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
           std::vector<float> nan(q.size(), std::nanf(""));
           ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());
           const kernels::Stream s{Device::kCuda, nullptr};
-          ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), kHq, pool->layer(0), kp,
+          ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                       dout.as<float>(), nullptr, dws.data(),
                                                       dws.size(), s)
                           .is_ok());
@@ -319,11 +345,13 @@ TEST_F(DeviceDecode, SeveralTokensAreTheHostsCausalPass) {
                              std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
           }
           EXPECT_LT(worst, 1e-5) << kvstore::kv_encoding_name(enc) << " d " << d << " tokens "
-                                 << nt << (uneven ? " uneven" : "");
-          if (nt == 70 && !uneven)
-            std::printf("%s d %d: %d tokens at once, max err %.2g\n",
-                        kvstore::kv_encoding_name(enc), d, nt, worst);
-        }
+                                 << nt << " heads " << hq << "/" << cs.hkv << " keys " << n
+                                 << (uneven ? " uneven" : "");
+          if (nt > 1)
+            std::printf("%s d %d, %d/%d heads, %d keys%s: %d tokens at once, max err %.2g\n",
+                        kvstore::kv_encoding_name(enc), d, hq, cs.hkv, n,
+                        uneven ? " (uneven)" : "", nt, worst);
+  }
   // Several tokens are full mode's only, and report no visits.
   Planted p = planted(200, seed);
   auto pool = decode::DevicePagedPool::upload(p.cache, 0);
