@@ -143,6 +143,17 @@ int main(int argc, char** argv) {
     host_visited[si] = hs.blocks_visited;
     host_kv_loaded[si] = double(hs.kv_blocks_loaded) / double(hs.kv_blocks_total);
   }
+  // Microseconds a call of `launch` takes: three warm-up calls, then `reps` timed by events.
+  const auto time_us = [&](const auto& launch, int reps) -> Result<double> {
+    for (int i = 0; i < 3; ++i) SF_TRY(launch());
+    (void)cudaEventRecord(e0, nullptr);
+    for (int i = 0; i < reps; ++i) (void)launch();
+    (void)cudaEventRecord(e1, nullptr);
+    SF_TRY(kernels::cuda::stream_synchronize(nullptr));
+    float ms = 0.f;
+    (void)cudaEventElapsedTime(&ms, e0, e1);
+    return 1e3 * double(ms) / reps;
+  };
   for (const kvstore::KvEncoding enc : pools) {
     auto pool = decode::DevicePagedPool::upload(cache.value(), 0, enc);
     if (!pool.is_ok()) return fail("device pool", pool.status());
@@ -173,17 +184,9 @@ int main(int argc, char** argv) {
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),
                                                dws.size(), s);
       };
-      for (int i = 0; i < 3; ++i)
-        if (Status st = launch(); !st.is_ok()) return fail(spec, st);
-      const int reps = 20;
-      (void)cudaEventRecord(e0, nullptr);
-      for (int i = 0; i < reps; ++i) (void)launch();
-      (void)cudaEventRecord(e1, nullptr);
-      if (Status st = kernels::cuda::stream_synchronize(nullptr); !st.is_ok())
-        return fail(spec, st);
-      float ms = 0.f;
-      (void)cudaEventElapsedTime(&ms, e0, e1);
-      const double dev_us = 1e3 * double(ms) / reps;
+      auto timed = time_us(launch, 20);
+      if (!timed.is_ok()) return fail(spec, timed.status());
+      const double dev_us = timed.value();
       std::vector<int32_t> vis(static_cast<size_t>(hq));
       (void)dvis.download(vis.data(), vis.size() * 4);
       int64_t visited = 0;
@@ -217,32 +220,26 @@ int main(int argc, char** argv) {
       if (!dqp.alloc(qp.size() * 4).is_ok() || !dqp.upload(qp.data(), qp.size() * 4).is_ok() ||
           !doutp.alloc(qp.size() * 4).is_ok())
         return fail("pass buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
-      auto time_us = [&](int nt, double* us) -> Status {
+      auto pass_us = [&](int nt) -> Result<double> {
         kernels::PagedDecodeParams kp;
         kp.n_tokens = nt;
         const size_t need = kernels::paged_decode_workspace_bytes(hq, pool->layer(0), kp);
         if (need > dwsp.size()) SF_TRY(dwsp.alloc(need));
-        auto launch = [&] {
-          return kernels::paged_decode_attention(dqp.as<float>(), hq, pool->layer(0), kp,
-                                                 doutp.as<float>(), nullptr, dwsp.data(),
-                                                 dwsp.size(), s);
-        };
-        for (int i = 0; i < 3; ++i) SF_TRY(launch());
-        const int reps = 10;
-        (void)cudaEventRecord(e0, nullptr);
-        for (int i = 0; i < reps; ++i) (void)launch();
-        (void)cudaEventRecord(e1, nullptr);
-        SF_TRY(kernels::cuda::stream_synchronize(nullptr));
-        float ms = 0.f;
-        (void)cudaEventElapsedTime(&ms, e0, e1);
-        *us = 1e3 * double(ms) / reps;
-        return Status::ok();
+        return time_us(
+            [&] {
+              return kernels::paged_decode_attention(dqp.as<float>(), hq, pool->layer(0), kp,
+                                                     doutp.as<float>(), nullptr, dwsp.data(),
+                                                     dwsp.size(), s);
+            },
+            10);
       };
-      double one_us = 0;
-      if (Status st = time_us(1, &one_us); !st.is_ok()) return fail("pass", st);
+      auto one = pass_us(1);
+      if (!one.is_ok()) return fail("pass", one.status());
+      const double one_us = one.value();
       for (const int nt : {8, 16, 32, 64}) {
-        double us = 0;
-        if (Status st = time_us(nt, &us); !st.is_ok()) return fail("pass", st);
+        auto timed = pass_us(nt);
+        if (!timed.is_ok()) return fail("pass", timed.status());
+        const double us = timed.value();
         std::printf(
             "{\"device\": \"%s\", \"pool\": \"%s\", \"tokens\": %lld, \"heads\": %d, "
             "\"kv_heads\": %d, \"head_dim\": %d, \"mode\": \"full-pass\", \"pass_tokens\": %d, "

@@ -27,27 +27,24 @@ void to_interleaved(T* row, int d) {
 }  // namespace
 
 int32_t PagedKvCache::new_block() {
-  if (!free_.empty()) {  // a block an undone append opened, not at the pool's end
-    const int32_t id = free_.back();
+  // A block an undone append opened, not at the pool's end, is reused first.
+  int32_t id;
+  if (!free_.empty()) {
+    id = free_.back();
     free_.pop_back();
-    KvBlock& b = pool_[size_t(id)];
-    b.n = 0;
-    std::fill(b.pos.begin(), b.pos.end(), -1);
-    std::fill(b.k.begin(), b.k.end(), 0.f);
-    std::fill(b.v.begin(), b.v.end(), 0.f);
-    std::fill(b.kmin.begin(), b.kmin.end(), 0.f);
-    std::fill(b.kmax.begin(), b.kmax.end(), 0.f);
-    b.kq = b.vq = kvstore::EncodedRows{};
-    return id;
+  } else {
+    id = int32_t(pool_.size());
+    pool_.emplace_back();
   }
-  KvBlock b;
+  KvBlock& b = pool_[size_t(id)];
+  b.n = 0;
   b.pos.assign(kBlockTokens, -1);
   b.k.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
   b.v.assign(size_t(kBlockTokens) * size_t(head_dim_), 0.f);
   b.kmin.assign(size_t(head_dim_), 0.f);
   b.kmax.assign(size_t(head_dim_), 0.f);
-  pool_.push_back(std::move(b));
-  return int32_t(pool_.size() - 1);
+  b.kq = b.vq = kvstore::EncodedRows{};
+  return id;
 }
 
 Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_interleaved) {
