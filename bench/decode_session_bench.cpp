@@ -7,8 +7,15 @@
 // alternating rounds of `steps` tokens, median of three. Keys N(0, 0.3), values N(0, 1), every
 // position kept (the timing does not depend on their values). One JSON line per (weights, pool,
 // graph, fused) configuration.
+//
+// verify: attention modes with verified drafts (e.g. psa-avg:0.95:verify8), each a fused graph
+// session timed the same way over generate_greedy (a round's `steps` tokens: drafts as graph
+// steps, then the eager verification pass), one more JSON line each with the drafts' and passes'
+// counts. The cache's random keys spread attention evenly and the synthetic weights draft
+// tokens of their own, so PSA visits and acceptance here are not a real model's: the figure is
+// the mechanism's cost on the device at these counts, not its speed-up on real text.
 //   sf_bench_decode_session [shape=smollm2|llama3-8b] [tokens=4096] [steps=64]
-//                           [pools=f32,int8] [weights=bf16,f32]
+//                           [pools=f32,int8] [weights=bf16,f32] [verify=]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -72,6 +79,7 @@ int main(int argc, char** argv) {
   const int steps = argc > 3 ? std::atoi(argv[3]) : 64;
   const auto pools = split(argc > 4 ? argv[4] : "f32,int8");
   const auto weights = split(argc > 5 ? argv[5] : "bf16,f32");
+  const auto verify = argc > 6 && argv[6][0] ? split(argv[6]) : std::vector<std::string>{};
 
   auto cfg = shape(shape_name);
   if (!cfg.is_ok()) return fail("shape", cfg.status());
@@ -163,6 +171,43 @@ int main(int argc, char** argv) {
             (si & 1) ? "true" : "false", (si & 2) ? "true" : "false",
             static_cast<long long>(sess[size_t(si)]->graph_steps()), med, ms[size_t(si)][0], ms[size_t(si)][1], ms[size_t(si)][2],
             1e3 / med, commit.c_str(), command.c_str());
+        std::fflush(stdout);
+      }
+      // Verified drafts: rounds of `steps` generated tokens, median of three, as above.
+      for (const std::string& spec : verify) {
+        auto vp = decode::decode_attn_parse(spec);
+        if (!vp.is_ok()) return fail("verify mode", vp.status());
+        auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n, vp.value(),
+                                                   1 + (kRounds + 1) * steps, enc.value());
+        if (!s.is_ok()) return fail("verify session", s.status());
+        int32_t t = 1;
+        std::vector<double> vms;
+        for (int r = 0; r <= kRounds; ++r) {  // round 0 untimed (plans, the graph's capture)
+          const double t0 = now_s();
+          auto g = s->generate_greedy(t, steps + 1);
+          if (!g.is_ok()) return fail("verify generate", g.status());
+          if (r > 0) vms.push_back(1e3 * (now_s() - t0) / steps);
+          t = g->back();
+        }
+        std::vector<double> sorted = vms;
+        std::sort(sorted.begin(), sorted.end());
+        const double med = sorted[sorted.size() / 2];
+        const decode::DecodeAttnStats& st = s->stats();
+        const double tot = double(std::max<int64_t>(st.blocks_total, 1));
+        std::printf(
+            "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
+            "\"pool\": \"%s\", \"tokens\": %lld, \"steps\": %d, \"attention\": \"%s\", "
+            "\"draft_steps\": %lld, \"draft_accepted\": %lld, \"verify_passes\": %lld, "
+            "\"tokens_per_pass\": %.2f, \"blocks_visited_frac\": %.4f, "
+            "\"blocks_computed_frac\": %.4f, \"ms_per_token\": %.3f, "
+            "\"ms_per_token_rounds\": [%.3f, %.3f, %.3f], \"tokens_per_s\": %.1f, "
+            "\"commit\": \"%s\", \"command\": \"%s\"}\n",
+            prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
+            static_cast<long long>(n), steps, spec.c_str(), static_cast<long long>(st.draft_steps),
+            static_cast<long long>(st.draft_accepted), static_cast<long long>(st.verify_passes),
+            double(st.steps) / double(std::max<int64_t>(st.verify_passes, 1)),
+            double(st.blocks_visited) / tot, double(st.blocks_computed) / tot, med, vms[0], vms[1],
+            vms[2], 1e3 / med, commit.c_str(), command.c_str());
         std::fflush(stdout);
       }
     }

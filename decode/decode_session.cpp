@@ -176,19 +176,17 @@ bool verify_stops_at_tie(int64_t hits, int64_t misses, int drafts_left, double d
   return p_wrong * double(drafts_left) * draft_share > 1.0;
 }
 
-Result<std::vector<int32_t>> DecodeSession::generate_verified(
-    int32_t first_token, int n_new,
+Result<std::vector<int32_t>> verified_decode(
+    int32_t first_token, int n_new, const DecodeAttnParams& p, int64_t vocab, int group,
+    DecodeAttnStats* stats, const VerifyOps& ops,
     const std::function<void(int, const std::vector<float>&)>& on_logits) {
   std::vector<int32_t> out;
   if (n_new <= 0) return out;
+  if (p.verify_draft < 1) return SF_ERR(kInvalidArgument, "decode: verify_draft must be >= 1");
   out.push_back(first_token);
-  const size_t V = size_t(m_.config().vocab);
-  const int64_t group = m_.config().n_heads / m_.config().n_kv_heads;
-  DecodeAttnParams full;
-  full.scale = p_.scale;
+  const size_t V = size_t(vocab);
+  DecodeAttnStats& st = *stats;
   std::vector<float> z, zv;
-  std::vector<PagedKvCache::AppendUndo> undo;
-  std::vector<int> undo_token;
   std::vector<int64_t> totals;
   std::vector<char> tie;  // per draft of the round: a near-tie (gap under the margin)
   // Near-ties the passes have judged (rejected: hits) and the drafts' blocks visited and
@@ -197,49 +195,43 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
   int32_t x = first_token;
   while (int(out.size()) < n_new) {
     // A round emits the accepted drafts and one token of the full cache's: at most k + 1.
-    const int k_max = std::min(p_.verify_draft, n_new - int(out.size()) - 1);
-    const int64_t total0 = stats_.blocks_total, kv_total0 = stats_.kv_blocks_total;
+    const int k_max = std::min(p.verify_draft, n_new - int(out.size()) - 1);
+    const int64_t total0 = st.blocks_total, kv_total0 = st.kv_blocks_total;
     std::vector<int32_t> in{x};
-    undo.clear();
     tie.clear();
     for (int j = 0; j < k_max; ++j) {
-      const int64_t v0 = stats_.blocks_visited, t0 = stats_.blocks_total;
-      SF_TRY(run(&in.back(), 1, p_, &z, &undo));
-      ++stats_.draft_steps;
-      draft_visits += stats_.blocks_visited - v0;
-      draft_blocks += stats_.blocks_total - t0;
+      const int64_t v0 = st.blocks_visited, t0 = st.blocks_total;
+      SF_TRY(ops.draft(in.back(), &z));
+      ++st.draft_steps;
+      draft_visits += st.blocks_visited - v0;
+      draft_blocks += st.blocks_total - t0;
       in.push_back(argmax_row(z.data(), V));
-      tie.push_back(p_.guard_margin > 0 && top_two_gap(z.data(), V) < p_.guard_margin);
+      tie.push_back(p.guard_margin > 0 && top_two_gap(z.data(), V) < p.guard_margin);
       if (!tie.back()) continue;
       if (verify_stops_at_tie(tie_hits, tie_misses, k_max - j - 1,
                               double(draft_visits) / double(std::max<int64_t>(draft_blocks, 1))))
         break;
     }
-    for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
-    pos_ -= int64_t(in.size()) - 1;
+    SF_TRY(ops.drop_drafts());
     // One full pass over the round's inputs; row i's argmax is the full cache's token after in[i].
-    undo.clear();
-    undo_token.clear();
-    SF_TRY(run(in.data(), int(in.size()), full, &zv, &undo, &undo_token, &totals));
-    ++stats_.verify_passes;
-    stats_.verify_tokens += int64_t(in.size());
+    SF_TRY(ops.pass(in, &zv, &totals));
+    ++st.verify_passes;
+    st.verify_tokens += int64_t(in.size());
     size_t acc = 0;  // drafts accepted
     while (acc + 1 < in.size() && argmax_row(zv.data() + acc * V, V) == in[acc + 1]) ++acc;
-    // Keep the K/V of in[0..acc]; take the later tokens' appends back, newest first.
-    for (size_t u = undo.size(); u-- > 0;)
-      if (size_t(undo_token[u]) > acc) cache_.undo_append(std::move(undo[u]));
-    pos_ -= int64_t(in.size() - 1 - acc);
-    stats_.draft_accepted += int64_t(acc);
+    // Keep the K/V of in[0..acc]; the later tokens' appends go back.
+    if (acc + 1 < in.size()) SF_TRY(ops.keep(int(acc) + 1));
+    st.draft_accepted += int64_t(acc);
     // The near-ties this pass judged: accepted drafts, and the first rejected one.
     for (size_t i = 0; i < tie.size() && i <= acc; ++i)
       if (tie[i]) ++(i < acc ? tie_misses : tie_hits);
-    stats_.steps += int64_t(acc) + 1;
+    st.steps += int64_t(acc) + 1;
     // Blocks available count for the kept tokens only, as full decode would have run them.
-    stats_.blocks_total = total0;
-    stats_.kv_blocks_total = kv_total0;
+    st.blocks_total = total0;
+    st.kv_blocks_total = kv_total0;
     for (size_t i = 0; i <= acc; ++i) {
-      stats_.blocks_total += totals[i];
-      stats_.kv_blocks_total += totals[i] / group;
+      st.blocks_total += totals[i];
+      st.kv_blocks_total += totals[i] / group;
     }
     for (size_t i = 0; i <= acc; ++i) {
       const float* row = zv.data() + i * V;
@@ -249,6 +241,46 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
     x = out.back();
   }
   return out;
+}
+
+Result<std::vector<int32_t>> DecodeSession::generate_verified(
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
+  DecodeAttnParams full;
+  full.scale = p_.scale;
+  std::vector<PagedKvCache::AppendUndo> undo, pass_undo;  // the drafts', the last pass's
+  std::vector<int> undo_token;
+  int drafts = 0;
+  VerifyOps ops;
+  ops.draft = [&](int32_t t, std::vector<float>* z) {
+    ++drafts;
+    return run(&t, 1, p_, z, &undo);
+  };
+  ops.drop_drafts = [&]() {
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
+    pos_ -= drafts;
+    drafts = 0;
+    undo.clear();
+    return Status::ok();
+  };
+  int n_pass = 0;
+  ops.pass = [&](const std::vector<int32_t>& in, std::vector<float>* zv,
+                 std::vector<int64_t>* totals) {
+    pass_undo.clear();
+    undo_token.clear();
+    n_pass = int(in.size());
+    return run(in.data(), n_pass, full, zv, &pass_undo, &undo_token, totals);
+  };
+  ops.keep = [&](int kept) {
+    // Newest first: a head's appends come back in the reverse of their order.
+    for (size_t u = pass_undo.size(); u-- > 0;)
+      if (undo_token[u] >= kept) cache_.undo_append(std::move(pass_undo[u]));
+    pos_ -= n_pass - kept;
+    pass_undo.clear();
+    return Status::ok();
+  };
+  return verified_decode(first_token, n_new, p_, m_.config().vocab,
+                         m_.config().n_heads / m_.config().n_kv_heads, &stats_, ops, on_logits);
 }
 
 Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,

@@ -36,6 +36,29 @@ Result<std::vector<int32_t>> greedy_decode(
 // near-ties the passes rejected (hits) against accepted (misses), with a prior of 1 in 4.
 bool verify_stops_at_tie(int64_t hits, int64_t misses, int drafts_left, double draft_share);
 
+// What verified generation needs of a session (host or device), each appending to its cache:
+//   draft: one PSA step of `token` (stats: its blocks, as any step counts them);
+//   drop_drafts: take back every draft append since the round began;
+//   pass: the round's tokens at once with full attention; logits [n, vocab]; totals[i] token
+//         i's blocks over layers and query heads (stats: blocks read, computed and available);
+//   keep: take back the pass's appends of tokens past the first `kept`.
+struct VerifyOps {
+  std::function<Status(int32_t token, std::vector<float>* logits)> draft;
+  std::function<Status()> drop_drafts;
+  std::function<Status(const std::vector<int32_t>& tokens, std::vector<float>* logits,
+                       std::vector<int64_t>* totals)>
+      pass;
+  std::function<Status(int kept)> keep;
+};
+// The verified loop both sessions share (DecodeAttnParams::verify_draft): rounds of up to
+// verify_draft PSA drafts (stopped early at a near-tie by verify_stops_at_tie), each verified by
+// one pass; the tokens are the pass's argmaxes. group: query heads per KV head; stats: the
+// session's (DecodeAttnStats: the verified fields).
+Result<std::vector<int32_t>> verified_decode(
+    int32_t first_token, int n_new, const DecodeAttnParams& p, int64_t vocab, int group,
+    DecodeAttnStats* stats, const VerifyOps& ops,
+    const std::function<void(int, const std::vector<float>&)>& on_logits = {});
+
 class DecodeSession {
  public:
   // The cache must come from an export whose compat hash matched m (load_kv_export checks it).

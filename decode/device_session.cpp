@@ -195,6 +195,12 @@ kernels::PagedKv DevicePagedPool::layer(int l) const {
   return kv;
 }
 
+kernels::PagedKv DevicePagedPool::all() const {
+  kernels::PagedKv kv = layer(0);
+  kv.n_kv_heads = impl_->n_layers * impl_->hkv;  // layer l's heads follow layer l - 1's
+  return kv;
+}
+
 size_t DevicePagedPool::bytes() const {
   const Impl& m = *impl_;
   return m.k.size() + m.v.size() + m.kmin.size() + m.kmax.size() + m.fill.size() + m.pages.size() +
@@ -222,6 +228,19 @@ struct DeviceDecodeSession::Impl {
   // device keeps its own; these give blocks_total without a download).
   std::vector<int32_t> np_host, last_fill;
   DecodeAttnStats stats;
+  // Verified drafts (verify_draft > 0): the pass's buffers for up to n_max = verify_draft + 1
+  // tokens (ptok: token ids then positions; pk, pv: every layer's K/V rows of the pass, kept so
+  // the accepted tokens' can be appended again), the pool's snapshot at a round's start, and
+  // the host mirrors and counters as they stood then.
+  DecodeAttnParams params;  // as opened
+  int verify = 0, n_max = 0;
+  kernels::PagedDecodeParams kp_pass;
+  kernels::cuda::DeviceBuffer ptok, px, pxn, pq, pk, pv, patt, ptmp, pgate, plogits, snap;
+  struct Mark {
+    std::vector<int32_t> np, fill;
+    int64_t pos = 0;
+    int steps_left = 0;
+  } mark;
   // One step's kernels as a CUDA graph: captured at the second step (the first runs eagerly, so
   // every lazy setup, such as a GEMM plan, has happened) and replayed by every later one. The
   // step reads its token and position from tokpos and the pool's fill from the device, so one
@@ -244,6 +263,20 @@ struct DeviceDecodeSession::Impl {
   }
 
   kernels::Stream cs() const { return {Device::kCuda, stream}; }
+  // One token's append to every head of the host mirrors, as the kernel does it; returns that
+  // token's blocks over layers and query heads (what full attention reads for it).
+  int64_t mirror_append() {
+    int64_t blocks = 0;
+    for (size_t i = 0; i < np_host.size(); ++i) {
+      if (last_fill[i] == kBlockTokens) {
+        ++np_host[i];
+        last_fill[i] = 0;
+      }
+      ++last_fill[i];
+      blocks += np_host[i];
+    }
+    return blocks * (hq / hkv);
+  }
   float* q() const { return qkv.as<float>(); }
   float* k() const { return q() + int64_t(hq) * d; }
   float* v() const { return k() + int64_t(hkv) * d; }
@@ -281,11 +314,16 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
                       std::to_string(c.head_dim));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
-  if (p.guard_margin > 0)
+  if (p.guard_margin > 0 && p.verify_draft == 0)
     return SF_ERR(kUnsupported, "device decode: the psa guard (':MARGIN') runs on the host only");
-  if (p.verify_draft > 0)
-    return SF_ERR(kUnsupported,
-                  "device decode: verified drafts (':verifyN') run on the host only");
+  if (p.verify_draft > 0 && p.mode != DecodeAttnMode::kPsa)
+    return SF_ERR(kInvalidArgument, "device decode: verified drafts need psa drafts");
+  if (p.verify_draft > kernels::kDecodeMaxTokens - 1)
+    return SF_ERR(kUnsupported, "device decode: verify" + std::to_string(p.verify_draft) +
+                                    ": a pass takes at most " +
+                                    std::to_string(kernels::kDecodeMaxTokens) +
+                                    " tokens, so at most " +
+                                    std::to_string(kernels::kDecodeMaxTokens - 1) + " drafts");
   if (p.mode == DecodeAttnMode::kPsa && p.share_kv_head &&
       c.n_heads / c.n_kv_heads > kernels::kDecodePsaGqaMaxGroup)
     return SF_ERR(kUnsupported, "device decode: psa '+gqa' takes at most " +
@@ -302,6 +340,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   m.dm = &dm;
   m.w = dm.views();
   m.kp = device_attn_params(p);
+  m.params = p;
   m.pos = next_pos;
   m.steps_left = max_new_tokens;
   m.use_graph = cuda_graph;
@@ -336,9 +375,28 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   if (!fused_step) SF_TRY(m.up.alloc(sizeof(float) * size_t(m.I)));  // the fused step has no up
   SF_TRY(m.tokpos.alloc(2 * sizeof(int32_t)));
   SF_TRY(m.visited.alloc(sizeof(int32_t) * size_t(L * c.n_heads)));
-  if (const size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp);
-      ws > 0)
-    SF_TRY(m.attn_ws.alloc(ws));
+  size_t ws = kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp);
+  if (p.verify_draft > 0) {
+    m.verify = p.verify_draft;
+    m.n_max = p.verify_draft + 1;
+    m.kp_pass.scale = m.kp.scale;
+    m.kp_pass.n_tokens = m.n_max;
+    ws = std::max(ws, kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp_pass));
+    const int64_t N = m.n_max;
+    for (auto [buf, n] : {std::pair{&m.px, N * m.H},
+                          {&m.pxn, N * m.H},
+                          {&m.pq, N * qd},
+                          {&m.pk, L * N * kvd},
+                          {&m.pv, L * N * kvd},
+                          {&m.patt, N * qd},
+                          {&m.ptmp, N * m.H},
+                          {&m.pgate, N * m.I},
+                          {&m.plogits, N * m.vocab}})
+      SF_TRY(buf->alloc(sizeof(float) * size_t(n)));
+    SF_TRY(m.ptok.alloc(2 * sizeof(int32_t) * size_t(N)));
+    SF_TRY(m.snap.alloc(kernels::paged_snapshot_bytes(m.pool.all())));
+  }
+  if (ws > 0) SF_TRY(m.attn_ws.alloc(ws));
   m.visited_host.assign(size_t(L * c.n_heads), 0);
   SF_CUDA_TRY(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   return s;
@@ -409,16 +467,11 @@ Status DeviceDecodeSession::run_step(int32_t token, std::vector<float>* logits) 
   SF_TRY(m.logits.download(logits->data(), sizeof(float) * size_t(m.vocab)));
   SF_TRY(m.visited.download(m.visited_host.data(), sizeof(int32_t) * m.visited_host.size()));
   const int group = m.hq / m.hkv;
-  for (size_t i = 0; i < m.np_host.size(); ++i) {  // this step's append, as the kernel did it
-    if (m.last_fill[i] == kBlockTokens) {
-      ++m.np_host[i];
-      m.last_fill[i] = 0;
-    }
-    ++m.last_fill[i];
-  }
+  m.mirror_append();
   for (int l = 0; l < m.n_layers; ++l)
     for (int h = 0; h < m.hq; ++h) {
       m.stats.blocks_visited += m.visited_host[size_t(l * m.hq + h)];
+      m.stats.blocks_computed += m.visited_host[size_t(l * m.hq + h)];
       m.stats.blocks_total += m.np_host[size_t(l * m.hkv + h / group)];
       if (m.kp.psa_share_kv_head && h % group == 0) {  // +gqa: a head's visits are its KV head's
         m.stats.kv_blocks_loaded += m.visited_host[size_t(l * m.hq + h)];
@@ -505,6 +558,153 @@ Status DeviceDecodeSession::enqueue_step() {
   return m.linear(xn, H, m.w.lm_head, none, m.logits.as<float>(), m.vocab);
 }
 
+// The verification pass (generate_greedy with verify_draft): the step's ops over n rows, each
+// linear a gemv over the rows (row i as the step's gemv gives it), the attention the pass
+// kernel (full, n_tokens = n) after the n tokens' K/V are appended; then a wait and the logits.
+// Eager: n changes from round to round.
+Status DeviceDecodeSession::run_pass(const int32_t* tokens, int n, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  if (n < 1 || n > m.n_max)
+    return SF_ERR(kInternal, "device decode: a pass of " + std::to_string(n) + " tokens");
+  if (n > m.steps_left)
+    return SF_ERR(kOutOfRange, "device decode: the session was opened for fewer tokens");
+  for (int i = 0; i < n; ++i)
+    if (tokens[i] < 0 || tokens[i] >= m.vocab)
+      return SF_ERR(kOutOfRange, "decode: token id " + std::to_string(tokens[i]) +
+                                     " outside vocab " + std::to_string(m.vocab));
+  const model::ModelConfig& c = m.dm->config();
+  SF_CUDA_TRY(cudaSetDevice(m.dm->device()));
+  std::vector<int32_t> tp(size_t(2 * n));
+  for (int i = 0; i < n; ++i) tp[size_t(i)] = tokens[i], tp[size_t(n + i)] = int32_t(m.pos + i);
+  SF_TRY(m.ptok.upload(tp.data(), tp.size() * sizeof(int32_t)));
+  const int32_t* d_tok = m.ptok.as<int32_t>();
+  const int32_t* d_pos = d_tok + n;
+  kernels::RopeParams rope = c.rope;
+  rope.freq_factors = m.w.rope_freqs;
+  const int64_t H = m.H, qd = int64_t(m.hq) * m.d, kvd = int64_t(m.hkv) * m.d, I = m.I, N = n;
+  const TensorView none{};
+  const kernels::Stream cs = m.cs();
+  auto rows = [N](float* p, int64_t cols) {
+    TensorView v = TensorView::make(p, DType::kF32, {N, cols});
+    v.device = Device::kCuda;
+    return v;
+  };
+  auto heads = [&](float* p, int h) {
+    TensorView v = TensorView::make(p, DType::kF32, {N, h, m.d});
+    v.device = Device::kCuda;
+    return v;
+  };
+  float *x = m.px.as<float>(), *xn = m.pxn.as<float>(), *q = m.pq.as<float>(),
+        *att = m.patt.as<float>(), *tmp = m.ptmp.as<float>(), *gate = m.pgate.as<float>();
+  kernels::PagedDecodeParams kp = m.kp_pass;
+  kp.n_tokens = n;
+  SF_TRY(kernels::embedding(m.w.tok_embd, d_tok, N, rows(x, H), cs));
+  for (int l = 0; l < m.n_layers; ++l) {
+    const model::DeviceModel::LayerViews& L = m.w.layers[size_t(l)];
+    float* k = m.pk.as<float>() + int64_t(l) * m.n_max * kvd;
+    float* v = m.pv.as<float>() + int64_t(l) * m.n_max * kvd;
+    SF_TRY(kernels::add_rms_norm(rows(x, H), l ? rows(tmp, H) : none, L.attn_norm, c.rms_eps,
+                                 rows(xn, H), cs));
+    const kernels::GemvPart qkv[3] = {
+        {L.wq, L.bq, rows(q, qd)}, {L.wk, L.bk, rows(k, kvd)}, {L.wv, L.bv, rows(v, kvd)}};
+    SF_TRY(kernels::gemv_parts(rows(xn, H), qkv, 3, cs));
+    SF_TRY(kernels::rope(heads(q, m.hq), d_pos, rope, cs));
+    SF_TRY(kernels::rope(heads(k, m.hkv), d_pos, rope, cs));
+    const kernels::PagedKv kv = m.pool.layer(l);
+    SF_TRY(kernels::paged_append(kv, k, v, cs, n));
+    SF_TRY(kernels::paged_decode_attention(q, m.hq, kv, kp, att, nullptr, m.attn_ws.data(),
+                                           m.attn_ws.size(), cs));
+    SF_TRY(kernels::gemv(rows(att, qd), L.wo, none, rows(tmp, H), cs));
+    SF_TRY(kernels::add_rms_norm(rows(x, H), rows(tmp, H), L.ffn_norm, c.rms_eps, rows(xn, H),
+                                 cs));
+    SF_TRY(kernels::gemv_swiglu(rows(xn, H), L.w_gate, L.w_up, rows(gate, I), cs));
+    SF_TRY(kernels::gemv(rows(gate, I), L.w_down, none, rows(tmp, H), cs));
+  }
+  SF_TRY(kernels::add_rms_norm(rows(x, H), m.n_layers ? rows(tmp, H) : none, m.w.out_norm,
+                               c.rms_eps, rows(xn, H), cs));
+  SF_TRY(kernels::gemv(rows(xn, H), m.w.lm_head, none, rows(m.plogits.as<float>(), m.vocab), cs));
+  SF_TRY(kernels::cuda::stream_synchronize(m.stream));
+  logits->resize(size_t(N * m.vocab));
+  SF_TRY(m.plogits.download(logits->data(), sizeof(float) * logits->size()));
+  m.pos += n;
+  m.steps_left -= n;
+  return Status::ok();
+}
+
+Result<std::vector<int32_t>> DeviceDecodeSession::generate_verified(
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
+  Impl& m = *impl_;
+  if (m.broken)
+    return SF_ERR(kInternal, "device decode: an earlier step failed; reopen the session");
+  const kernels::PagedKv all = m.pool.all();
+  // saved: the snapshot holds the pool as this round began (taken at its first draft); a round
+  // without drafts (the last token alone) takes none and never takes tokens back.
+  bool saved = false, pass_saved = false;
+  auto restore = [&]() -> Status {
+    SF_TRY(kernels::paged_restore(all, m.snap.data(), m.snap.size(), m.cs()));
+    m.np_host = m.mark.np;
+    m.last_fill = m.mark.fill;
+    m.pos = m.mark.pos;
+    m.steps_left = m.mark.steps_left;
+    return Status::ok();
+  };
+  VerifyOps ops;
+  ops.draft = [&](int32_t t, std::vector<float>* z) -> Status {
+    if (!saved) {
+      SF_TRY(kernels::paged_snapshot(all, m.snap.data(), m.snap.size(), m.cs()));
+      m.mark = Impl::Mark{m.np_host, m.last_fill, m.pos, m.steps_left};
+      saved = true;
+    }
+    const int64_t steps = m.stats.steps;  // a draft is no step of the output
+    const Status st = step(t, z);
+    m.stats.steps = steps;
+    return st;
+  };
+  ops.drop_drafts = [&]() -> Status { return saved ? restore() : Status::ok(); };
+  ops.pass = [&](const std::vector<int32_t>& in, std::vector<float>* zv,
+                 std::vector<int64_t>* totals) -> Status {
+    // The drafts' snapshot is also the pool before the pass (drop_drafts restored it).
+    pass_saved = saved;
+    saved = false;
+    const int n = int(in.size());
+    const Status st = run_pass(in.data(), n, zv);
+    if (!st.is_ok()) {
+      m.broken = true;
+      return st;
+    }
+    // Each query head read each block of its KV head once; token i computed its own.
+    totals->assign(size_t(n), 0);
+    for (int i = 0; i < n; ++i) {
+      (*totals)[size_t(i)] = m.mirror_append();
+      m.stats.blocks_computed += (*totals)[size_t(i)];
+    }
+    int64_t read = 0;
+    for (int32_t np : m.np_host) read += np;
+    m.stats.blocks_visited += read * (m.hq / m.hkv);
+    if (m.kp.psa_share_kv_head) m.stats.kv_blocks_loaded += read;
+    return Status::ok();
+  };
+  ops.keep = [&](int kept) -> Status {
+    if (!pass_saved) return SF_ERR(kInternal, "device decode: no snapshot to take a pass back to");
+    // Back to the pool before the pass, then the kept tokens' K/V (the pass's rows) again.
+    SF_TRY(restore());
+    for (int l = 0; l < m.n_layers; ++l) {
+      const int64_t off = int64_t(l) * m.n_max * int64_t(m.hkv) * m.d;
+      SF_TRY(kernels::paged_append(m.pool.layer(l), m.pk.as<float>() + off,
+                                   m.pv.as<float>() + off, m.cs(), kept));
+    }
+    for (int i = 0; i < kept; ++i) m.mirror_append();
+    m.pos += kept;
+    m.steps_left -= kept;
+    return kernels::cuda::stream_synchronize(m.stream);
+  };
+  auto out = verified_decode(first_token, n_new, m.params, m.vocab, m.hq / m.hkv, &m.stats, ops,
+                             on_logits);
+  if (!out.is_ok()) m.broken = true;
+  return out;
+}
+
 #else  // !SF_HAVE_CUDA
 
 struct DevicePagedPool::Impl {};
@@ -512,6 +712,7 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache&, int, kvstor
   return SF_ERR(kUnsupported, "device pool: built without CUDA (configure with -DSF_CUDA=ON)");
 }
 kernels::PagedKv DevicePagedPool::layer(int) const { return {}; }
+kernels::PagedKv DevicePagedPool::all() const { return {}; }
 size_t DevicePagedPool::bytes() const { return 0; }
 
 struct DeviceDecodeSession::Impl {
@@ -535,6 +736,13 @@ Status DeviceDecodeSession::run_step(int32_t, std::vector<float>*) {
 Status DeviceDecodeSession::enqueue_step() {
   return SF_ERR(kUnsupported, "device decode: built without CUDA");
 }
+Status DeviceDecodeSession::run_pass(const int32_t*, int, std::vector<float>*) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA");
+}
+Result<std::vector<int32_t>> DeviceDecodeSession::generate_verified(
+    int32_t, int, const std::function<void(int, const std::vector<float>&)>&) {
+  return SF_ERR(kUnsupported, "device decode: built without CUDA");
+}
 
 #endif  // SF_HAVE_CUDA
 
@@ -551,9 +759,15 @@ const DecodeAttnStats& DeviceDecodeSession::stats() const { return impl_->stats;
 size_t DeviceDecodeSession::pool_bytes() const { return impl_->pool.bytes(); }
 int64_t DeviceDecodeSession::graph_steps() const { return impl_->graph_steps; }
 
-Result<std::vector<int32_t>> DeviceDecodeSession::generate_greedy(int32_t first_token, int n_new) {
-  return greedy_decode(first_token, n_new,
-                       [this](int32_t t, std::vector<float>* z) { return step(t, z); });
+Result<std::vector<int32_t>> DeviceDecodeSession::generate_greedy(
+    int32_t first_token, int n_new,
+    const std::function<void(int, const std::vector<float>&)>& on_logits) {
+#if SF_HAVE_CUDA
+  if (impl_->verify > 0) return generate_verified(first_token, n_new, on_logits);
+#endif
+  return greedy_decode(
+      first_token, n_new, [this](int32_t t, std::vector<float>* z) { return step(t, z); },
+      on_logits);
 }
 
 }  // namespace sf::decode

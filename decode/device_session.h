@@ -12,6 +12,7 @@
 // build without CUDA, open() returns kUnsupported.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -44,6 +45,9 @@ class DevicePagedPool {
   DevicePagedPool& operator=(DevicePagedPool&&) noexcept;
   ~DevicePagedPool();
   kernels::PagedKv layer(int l) const;  // the layer's view (pages and counts of its heads)
+  // Every layer as one view of n_layers x n_kv_heads heads (a layer's heads one after another):
+  // for what acts on each head alike, such as kernels::paged_snapshot.
+  kernels::PagedKv all() const;
   size_t bytes() const;
 
  private:
@@ -56,7 +60,9 @@ kernels::PagedDecodeParams device_attn_params(const DecodeAttnParams& p);
 
 class DeviceDecodeSession {
  public:
-  // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected).
+  // dm must outlive the session. p: full, psa or psa-avg (measure_mass is host-only: rejected),
+  // psa with verified drafts (p.verify_draft up to kernels::kDecodeMaxTokens - 1, with or
+  // without a margin: generate_greedy below); the guard alone is host-only (rejected).
   // pool_enc: the device pool's encoding (DevicePagedPool::upload). cuda_graph: from the second
   // step on, replay the step's kernels as one CUDA graph instead of launching each (the same
   // kernels on the same buffers, so the same logits; a capture the runtime refuses leaves the
@@ -76,9 +82,18 @@ class DeviceDecodeSession {
   ~DeviceDecodeSession();
 
   // As DecodeSession::step; kOutOfRange once max_new_tokens steps have run. A step that fails
-  // part way leaves the session unusable (kInternal after): reopen it.
+  // part way leaves the session unusable (kInternal after): reopen it. With verify_draft, a step
+  // is the draft's PSA alone, as on the host.
   Status step(int32_t token, std::vector<float>* logits);
-  Result<std::vector<int32_t>> generate_greedy(int32_t first_token, int n_new);
+  // As DecodeSession::generate_greedy. With verify_draft, a round's PSA drafts run as steps
+  // (the pool saved before them by kernels::paged_snapshot and restored after), then one
+  // verification pass runs the round's tokens at once: every linear a gemv over its rows (each
+  // row as the step's gemv gives it), the attention kernels::paged_decode_attention with
+  // n_tokens, full. The pass's K/V stay for the tokens kept; the rest are taken back (restore,
+  // then the kept tokens' K/V appended again). The stop rules and stats are the host's.
+  Result<std::vector<int32_t>> generate_greedy(
+      int32_t first_token, int n_new,
+      const std::function<void(int, const std::vector<float>&)>& on_logits = {});
   const DecodeAttnStats& stats() const;
   size_t pool_bytes() const;  // device memory of the block pool
   int64_t graph_steps() const;  // steps run as a CUDA graph replay
@@ -88,6 +103,11 @@ class DeviceDecodeSession {
   DeviceDecodeSession();
   Status run_step(int32_t token, std::vector<float>* logits);
   Status enqueue_step();
+  // The verification pass: tokens[0..n) at the next n positions, appended; logits [n, vocab].
+  Status run_pass(const int32_t* tokens, int n, std::vector<float>* logits);
+  Result<std::vector<int32_t>> generate_verified(
+      int32_t first_token, int n_new,
+      const std::function<void(int, const std::vector<float>&)>& on_logits);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -104,11 +104,13 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
 namespace {
 Status check_gemv(const char* op, const TensorView& x, const TensorView& w, const TensorView& bias,
                   const TensorView& y) {
-  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2 && x.shape[0] == 1 && y.shape[0] == 1, op,
-              "x [1, in], w [out, in], y [1, out]"));
+  SF_TRY(need(x.ndim == 2 && w.ndim == 2 && y.ndim == 2 && x.shape[0] >= 1 && y.shape[0] == x.shape[0],
+              op, "x [n, in], w [out, in], y [n, out], n >= 1"));
   SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[1] == w.shape[0], op,
               "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
   SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, op, "rows must be contiguous"));
+  SF_TRY(need(x.shape[0] == 1 || (x.stride[0] == x.shape[1] && y.stride[0] == y.shape[1]), op,
+              "several rows need x and y contiguous"));
   SF_TRY(need(x.dtype == DType::kF32 && y.dtype == DType::kF32 && (w.dtype == DType::kF32 || w.dtype == DType::kBF16),
               op, std::string("x and y F32, w F32 or BF16; got w ") + dtype_name(w.dtype)));
   SF_TRY(need(!overlap(x, y), op, "y must not overlap x"));

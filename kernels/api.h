@@ -54,9 +54,11 @@ Status add_rms_norm(TensorView x, const TensorView& delta, const TensorView& w, 
                     Stream s = {});
 // y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out] if bias.data). fp32 accumulation.
 Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
-// y[1, out] = x[1, in] @ w[out, in]^T (+ bias[out]): linear() for one row, the decode step's
-// case. x, y, bias F32; w F32 or BF16, read as stored (x is not rounded); fp32 accumulation.
-// Rows contiguous.
+// y[n, out] = x[n, in] @ w[out, in]^T (+ bias[out]): linear() for the decode step's one row (or
+// a verification pass's few). x, y, bias F32; w F32 or BF16, read as stored (x is not rounded);
+// fp32 accumulation. Rows contiguous (x and y wholly so with n > 1). Row i of y is, bit for bit,
+// what gemv() of x's row i alone gives: the CUDA kernel reads a weight row once for up to four
+// x rows, with each row's sums in the one-row order.
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y, Stream s = {});
 // Several gemv() of one x in one launch (the decode step's Q, K and V): part i is y_i = w_i x
 // (+ bias_i), each as gemv() computes it alone. parts[0, n_parts): 1..kGemvMaxParts of them,
@@ -66,7 +68,7 @@ struct GemvPart {
   TensorView w, bias, y;
 };
 Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts, Stream s = {});
-// y[1, out] = silu(w_gate x) * (w_up x): the MLP's gate and up gemv() and swiglu() in one launch,
+// y[n, out] = silu(w_gate x) * (w_up x): the MLP's gate and up gemv() and swiglu() in one launch,
 // with their result where both weights are 16-byte aligned or neither (CUDA loads the pair one
 // way). w_gate and w_up [out, in] of one dtype (F32 or BF16) and row stride, no bias.
 // For the gemv family, y must not overlap x (nor, in gemv_parts, another part's y).

@@ -85,14 +85,54 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
 #endif
 }
 
-Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s) {
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s,
+                    int n_tokens) {
   SF_TRY(check_pool("paged_append", kv, s));
   if (!k_new || !v_new) return SF_ERR(kInvalidArgument, "paged_append: null k or v");
+  if (n_tokens < 1 || n_tokens > kDecodeMaxTokens)
+    return SF_ERR(kOutOfRange, "paged_append: n_tokens " + std::to_string(n_tokens) +
+                                   " not in [1, " + std::to_string(kDecodeMaxTokens) + "]");
 #if SF_HAVE_CUDA
-  return cuda::paged_append(kv, k_new, v_new, s.handle);
+  return cuda::paged_append(kv, k_new, v_new, n_tokens, s.handle);
 #else
   return SF_ERR(kUnsupported, "paged_append: built without CUDA");
 #endif
+}
+
+size_t paged_snapshot_bytes(const PagedKv& kv) {
+#if SF_HAVE_CUDA
+  return cuda::paged_snapshot_bytes(kv);
+#else
+  (void)kv;
+  return 0;
+#endif
+}
+
+namespace {
+Status snapshot_or_restore(const char* op, const PagedKv& kv, const void* snap, size_t snap_bytes,
+                           bool save, Stream s) {
+  SF_TRY(check_pool(op, kv, s));
+  if (!snap || reinterpret_cast<uintptr_t>(snap) % 16 != 0)
+    return SF_ERR(kInvalidArgument, std::string(op) + ": null or misaligned snapshot");
+  if (snap_bytes < paged_snapshot_bytes(kv))
+    return SF_ERR(kInvalidArgument, std::string(op) + ": the snapshot holds " +
+                                        std::to_string(snap_bytes) + " bytes, the pool needs " +
+                                        std::to_string(paged_snapshot_bytes(kv)));
+#if SF_HAVE_CUDA
+  return cuda::paged_snapshot(kv, const_cast<void*>(snap), save, s.handle);
+#else
+  (void)save;
+  return SF_ERR(kUnsupported, std::string(op) + ": built without CUDA");
+#endif
+}
+}  // namespace
+
+Status paged_snapshot(const PagedKv& kv, void* snap, size_t snap_bytes, Stream s) {
+  return snapshot_or_restore("paged_snapshot", kv, snap, snap_bytes, true, s);
+}
+
+Status paged_restore(const PagedKv& kv, const void* snap, size_t snap_bytes, Stream s) {
+  return snapshot_or_restore("paged_restore", kv, snap, snap_bytes, false, s);
 }
 
 }  // namespace sf::kernels

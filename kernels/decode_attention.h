@@ -95,6 +95,19 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
 // cannot hold gives an infinite or NaN group: the device cannot report it. The caller
 // reserves the pages (decode::DevicePagedPool::upload) and never appends past them: the device
 // cannot report it, and such a token would be dropped.
-Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s);
+// n_tokens (1..kDecodeMaxTokens) tokens at once: k_new, v_new [n_tokens, n_kv_heads,
+// head_dim], appended in order, the pool as n_tokens calls leave it.
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s,
+                    int n_tokens = 1);
+
+// Undoing appends (a verification pass takes back rejected drafts): paged_snapshot saves what
+// appends change in each KV head of kv (its block count, and of its last block the fill, key
+// min/max and, INT8, key codes, scales and zeros and the head's kopen); paged_restore puts it
+// back, so the pool is as it was at the snapshot whatever was appended since. Device memory of
+// paged_snapshot_bytes(kv), 16-byte aligned. kv may span several layers (one view of a whole
+// pool: decode::DevicePagedPool::all()).
+size_t paged_snapshot_bytes(const PagedKv& kv);
+Status paged_snapshot(const PagedKv& kv, void* snap, size_t snap_bytes, Stream s);
+Status paged_restore(const PagedKv& kv, const void* snap, size_t snap_bytes, Stream s);
 
 }  // namespace sf::kernels

@@ -33,7 +33,8 @@
 #                  and as a CUDA graph, unfused and fused, four JSON lines per weights and pool
 #                  into decode-session-<gpu>.jsonl
 #                  (SF_DECODE_STEPS timed steps, default 64; SF_DECODE_WEIGHTS, default
-#                  bf16,f32)
+#                  bf16,f32; SF_DECODE_SESSION_POOLS, default f32,int8; SF_DECODE_VERIFY, modes
+#                  with verified drafts, e.g. psa-avg:0.95:verify8, a line each)
 #   SF_GEMV        1: sf_bench_gemv, the decode step's GEMVs at the Llama-3-8B and SmolLM2 shapes
 #                  beside a copy of the same bytes, into gemv-<gpu>.jsonl
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -390,8 +391,8 @@ if [[ -n "${SF_DECODE_SESSION:-}" ]]; then
   : >"$sj"
   for spec in $SF_DECODE_SESSION; do
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode_session" "${spec%%:*}" \
-         "${spec#*:}" "${SF_DECODE_STEPS:-64}" f32,int8 "${SF_DECODE_WEIGHTS:-bf16,f32}" \
-         >>"$sj" 2>>"$logs/build.log"; then
+         "${spec#*:}" "${SF_DECODE_STEPS:-64}" "${SF_DECODE_SESSION_POOLS:-f32,int8}" \
+         "${SF_DECODE_WEIGHTS:-bf16,f32}" "${SF_DECODE_VERIFY:-}" >>"$sj" 2>>"$logs/build.log"; then
       fail "sf_bench_decode_session $spec failed (its stderr is at the end of build.log)"
     fi
   done

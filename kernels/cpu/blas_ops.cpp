@@ -52,9 +52,7 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
 }
 
 Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, TensorView y) {
-  const int64_t in = x.shape[1], out = w.shape[0];
-  const float* xp = x.ptr<float>();
-  float* yp = y.ptr<float>();
+  const int64_t in = x.shape[1], out = w.shape[0], n = x.shape[0];
   const bool bf16 = w.dtype == DType::kBF16;
   parallel_for(size_t(out), [&](size_t b, size_t e) {
     std::vector<float> row(bf16 ? size_t(in) : 0);
@@ -67,14 +65,18 @@ Status gemv(const TensorView& x, const TensorView& w, const TensorView& bias, Te
       } else {
         wr = w.ptr<float>() + int64_t(j) * w.stride[0];
       }
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: vectorizes, fixed order
-      int64_t c = 0;
-      for (; c + 8 <= in; c += 8)
-        for (int u = 0; u < 8; ++u) acc[u] += wr[c + u] * xp[c + u];
-      float sum = 0.f;
-      for (; c < in; ++c) sum += wr[c] * xp[c];
-      for (float a : acc) sum += a;
-      yp[j] = sum + (bias.data ? bias.ptr<float>()[j] : 0.f);
+      // Each row of x against the weight row (widened once), each sum as the one-row case's.
+      for (int64_t r = 0; r < n; ++r) {
+        const float* xp = x.ptr<float>() + r * x.stride[0];
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: vectorizes, fixed order
+        int64_t c = 0;
+        for (; c + 8 <= in; c += 8)
+          for (int u = 0; u < 8; ++u) acc[u] += wr[c + u] * xp[c + u];
+        float sum = 0.f;
+        for (; c < in; ++c) sum += wr[c] * xp[c];
+        for (float a : acc) sum += a;
+        y.ptr<float>()[r * y.stride[0] + int64_t(j)] = sum + (bias.data ? bias.ptr<float>()[j] : 0.f);
+      }
     }
   }, 64);
   return Status::ok();
@@ -86,9 +88,9 @@ Status gemv_parts(const TensorView& x, const GemvPart* parts, int n_parts) {
 }
 
 Status gemv_swiglu(const TensorView& x, const TensorView& w_gate, const TensorView& w_up, TensorView y) {
-  std::vector<float> up(size_t(w_up.shape[0]));
+  std::vector<float> up(size_t(x.shape[0] * w_up.shape[0]));
   const TensorView none{};
-  TensorView uv = TensorView::make(up.data(), DType::kF32, {1, w_up.shape[0]});
+  TensorView uv = TensorView::make(up.data(), DType::kF32, {x.shape[0], w_up.shape[0]});
   SF_TRY(gemv(x, w_gate, none, y));
   SF_TRY(gemv(x, w_up, none, uv));
   return swiglu(y, uv, y);

@@ -135,7 +135,11 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
                               void* workspace, size_t workspace_bytes, void* stream);
-Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream);
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, int n_tokens,
+                    void* stream);
+size_t paged_snapshot_bytes(const PagedKv& kv);
+// save: the pool's append state into snap; else snap's back into the pool.
+Status paged_snapshot(const PagedKv& kv, void* snap, bool save, void* stream);
 
 // ---- KV importance (kv_importance.cu) --------------------------------------------------------
 // kernels/kv_importance.h on device tensors (validated there): F32 q, lse, out, F32 or BF16 k;

@@ -1766,89 +1766,154 @@ __device__ __forceinline__ uint8_t quant_code(float x, const QuantGroup& g) {
   return uint8_t(min(max(q, 0), 255));
 }
 
-// One new token per KV head (one CTA each): thread 0 opens the next reserved page when the last
-// block is full (or the head has none yet); then thread c writes channel c of the row and folds
-// it into kmin/kmax. INT8: the key row goes to the head's kopen, the value row is encoded (its
-// min and max reduced over the CTA), then each channel of the block's keys is re-encoded over
-// the filled rows.
+// n_tokens new tokens per KV head (one CTA each), in order: for each, thread 0 opens the next
+// reserved page when the last block is full (or the head has none yet); then thread c writes
+// channel c of the row and folds it into kmin/kmax. INT8: the key row goes to the head's kopen,
+// the value row is encoded (its min and max reduced over the CTA), then each channel of the
+// block's keys is re-encoded over the filled rows. k_new, v_new: [n_tokens, n_kv_heads, d].
 template <PoolDType T>
-__global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new) {
+__global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new,
+                                    int n_tokens) {
   const int g = blockIdx.x, d = kv.head_dim;
   __shared__ int64_t blk_s;
   __shared__ int slot_s;
   __shared__ float red[2][32];
-  if (threadIdx.x == 0) {
-    int np = kv.n_pages[g];
-    int32_t* pages = kv.pages + int64_t(g) * kv.max_pages;
-    int64_t blk = np > 0 ? pages[np - 1] : -1;
-    if (blk < 0 || kv.fill[blk] >= kBT) {
-      if (np < kv.max_pages) {
-        blk = pages[np];
-        kv.n_pages[g] = np + 1;
-        kv.fill[blk] = 0;
+  for (int t = 0; t < n_tokens; ++t, k_new += int64_t(kv.n_kv_heads) * d,
+           v_new += int64_t(kv.n_kv_heads) * d) {
+    __syncthreads();  // the previous token's fill is written and its shared values read
+    if (threadIdx.x == 0) {
+      int np = kv.n_pages[g];
+      int32_t* pages = kv.pages + int64_t(g) * kv.max_pages;
+      int64_t blk = np > 0 ? pages[np - 1] : -1;
+      if (blk < 0 || kv.fill[blk] >= kBT) {
+        if (np < kv.max_pages) {
+          blk = pages[np];
+          kv.n_pages[g] = np + 1;
+          kv.fill[blk] = 0;
+        } else {
+          blk = -1;  // no reserved page: the host checks capacity before launching
+        }
+      }
+      blk_s = blk;
+      slot_s = blk >= 0 ? kv.fill[blk] : 0;
+    }
+    __syncthreads();
+    const int64_t blk = blk_s;
+    if (blk < 0) return;  // every thread: the same shared value
+    const int slot = slot_s;
+    const int64_t row = (blk * kBT + slot) * d;
+    float vmn = INFINITY, vmx = -INFINITY;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+      const float kc = k_new[int64_t(g) * d + c], vc = v_new[int64_t(g) * d + c];
+      if constexpr (T == PoolDType::kF32) {
+        static_cast<float*>(kv.k)[row + c] = kc;
+        static_cast<float*>(kv.v)[row + c] = vc;
+      } else if constexpr (T == PoolDType::kBF16) {
+        static_cast<__nv_bfloat16*>(kv.k)[row + c] = __float2bfloat16_rn(kc);
+        static_cast<__nv_bfloat16*>(kv.v)[row + c] = __float2bfloat16_rn(vc);
       } else {
-        blk = -1;  // no reserved page: the host checks capacity before launching
+        kv.kopen[(int64_t(g) * kBT + slot) * d + c] = kc;
+        vmn = fminf(vmn, vc);
+        vmx = fmaxf(vmx, vc);
+      }
+      float& lo = kv.kmin[blk * d + c];
+      float& hi = kv.kmax[blk * d + c];
+      lo = slot == 0 ? kc : fminf(lo, kc);
+      hi = slot == 0 ? kc : fmaxf(hi, kc);
+    }
+    if constexpr (T == PoolDType::kInt8) {
+      for (int o = 16; o >= 1; o >>= 1) {
+        vmn = fminf(vmn, __shfl_xor_sync(kAll, vmn, o));
+        vmx = fmaxf(vmx, __shfl_xor_sync(kAll, vmx, o));
+      }
+      const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+      if ((threadIdx.x & 31) == 0) red[0][warp] = vmn, red[1][warp] = vmx;
+      __syncthreads();  // also orders the kopen row before the key pass below
+      vmn = red[0][0];
+      vmx = red[1][0];
+      for (int w = 1; w < nw; ++w) vmn = fminf(vmn, red[0][w]), vmx = fmaxf(vmx, red[1][w]);
+      const QuantGroup vg = quant_group(vmn, vmx);
+      if (threadIdx.x == 0) {
+        kv.vzero[blk * kBT + slot] = vg.zh;
+        kv.vscale[blk * kBT + slot] = vg.sh;
+      }
+      uint8_t* k8 = static_cast<uint8_t*>(kv.k);
+      uint8_t* v8 = static_cast<uint8_t*>(kv.v);
+      const float* open = kv.kopen + int64_t(g) * kBT * d;
+      for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        v8[row + c] = quant_code(v_new[int64_t(g) * d + c], vg);
+        float mn = open[c], mx = mn;
+        for (int r = 1; r <= slot; ++r)
+          mn = fminf(mn, open[r * d + c]), mx = fmaxf(mx, open[r * d + c]);
+        const QuantGroup kg = quant_group(mn, mx);
+        kv.kzero[blk * d + c] = kg.zh;
+        kv.kscale[blk * d + c] = kg.sh;
+        for (int r = 0; r <= slot; ++r) k8[(blk * kBT + r) * d + c] = quant_code(open[r * d + c], kg);
       }
     }
-    blk_s = blk;
-    slot_s = blk >= 0 ? kv.fill[blk] : 0;
+    __syncthreads();
+    if (threadIdx.x == 0) kv.fill[blk] = slot + 1;
   }
+}
+
+// What an append changes in a KV head, saved per head (PagedSnapshot below): n_pages, and of
+// the last block its fill, kmin and kmax, and (INT8) its key codes, scales and zeros and the
+// head's kopen. Rows past the fill and blocks past n_pages need nothing: an append writes a row
+// before reading it, and opening a page resets its fill and (slot 0) its kmin and kmax. Value
+// rows are encoded alone, so rows below the fill never change.
+struct SnapLayout {
+  int d;
+  bool q8;
+  __host__ __device__ size_t f32s() const { return 2 * size_t(d) + (q8 ? size_t(kBT) * d : 0); }
+  __host__ __device__ size_t u16s() const { return q8 ? 2 * size_t(d) : 0; }
+  __host__ __device__ size_t u8s() const { return q8 ? size_t(kBT) * d : 0; }
+  // Per head: 2 int32 (n_pages, fill), then the F32, U16 and U8 parts, each 16-byte aligned.
+  __host__ __device__ static size_t up16(size_t b) { return (b + 15) / 16 * 16; }
+  __host__ __device__ size_t head_bytes() const {
+    return up16(8) + up16(4 * f32s()) + up16(2 * u16s()) + up16(u8s());
+  }
+};
+
+template <bool kSave>
+__global__ void paged_snapshot_kernel(const PagedKv kv, uint8_t* snap) {
+  const int g = blockIdx.x, d = kv.head_dim;
+  const bool q8 = kv.dtype == PoolDType::kInt8;
+  const SnapLayout lay{d, q8};
+  uint8_t* base = snap + size_t(g) * lay.head_bytes();
+  int32_t* hdr = reinterpret_cast<int32_t*>(base);
+  float* f = reinterpret_cast<float*>(base + SnapLayout::up16(8));
+  uint16_t* h = reinterpret_cast<uint16_t*>(base + SnapLayout::up16(8) + SnapLayout::up16(4 * lay.f32s()));
+  uint8_t* b = base + SnapLayout::up16(8) + SnapLayout::up16(4 * lay.f32s()) +
+               SnapLayout::up16(2 * lay.u16s());
+  __shared__ int np_s;
+  if (threadIdx.x == 0) np_s = kSave ? kv.n_pages[g] : hdr[0];
   __syncthreads();
-  const int64_t blk = blk_s;
-  if (blk < 0) return;
-  const int slot = slot_s;
-  const int64_t row = (blk * kBT + slot) * d;
-  float vmn = INFINITY, vmx = -INFINITY;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    const float kc = k_new[int64_t(g) * d + c], vc = v_new[int64_t(g) * d + c];
-    if constexpr (T == PoolDType::kF32) {
-      static_cast<float*>(kv.k)[row + c] = kc;
-      static_cast<float*>(kv.v)[row + c] = vc;
-    } else if constexpr (T == PoolDType::kBF16) {
-      static_cast<__nv_bfloat16*>(kv.k)[row + c] = __float2bfloat16_rn(kc);
-      static_cast<__nv_bfloat16*>(kv.v)[row + c] = __float2bfloat16_rn(vc);
+  const int np = np_s;
+  const int64_t blk = np > 0 ? kv.pages[int64_t(g) * kv.max_pages + np - 1] : -1;
+  if (threadIdx.x == 0) {
+    if (kSave) {
+      hdr[0] = np;
+      hdr[1] = blk >= 0 ? kv.fill[blk] : 0;
     } else {
-      kv.kopen[(int64_t(g) * kBT + slot) * d + c] = kc;
-      vmn = fminf(vmn, vc);
-      vmx = fmaxf(vmx, vc);
-    }
-    float& lo = kv.kmin[blk * d + c];
-    float& hi = kv.kmax[blk * d + c];
-    lo = slot == 0 ? kc : fminf(lo, kc);
-    hi = slot == 0 ? kc : fmaxf(hi, kc);
-  }
-  if constexpr (T == PoolDType::kInt8) {
-    for (int o = 16; o >= 1; o >>= 1) {
-      vmn = fminf(vmn, __shfl_xor_sync(kAll, vmn, o));
-      vmx = fmaxf(vmx, __shfl_xor_sync(kAll, vmx, o));
-    }
-    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if ((threadIdx.x & 31) == 0) red[0][warp] = vmn, red[1][warp] = vmx;
-    __syncthreads();  // also orders the kopen row before the key pass below
-    vmn = red[0][0];
-    vmx = red[1][0];
-    for (int w = 1; w < nw; ++w) vmn = fminf(vmn, red[0][w]), vmx = fmaxf(vmx, red[1][w]);
-    const QuantGroup vg = quant_group(vmn, vmx);
-    if (threadIdx.x == 0) {
-      kv.vzero[blk * kBT + slot] = vg.zh;
-      kv.vscale[blk * kBT + slot] = vg.sh;
-    }
-    uint8_t* k8 = static_cast<uint8_t*>(kv.k);
-    uint8_t* v8 = static_cast<uint8_t*>(kv.v);
-    const float* open = kv.kopen + int64_t(g) * kBT * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      v8[row + c] = quant_code(v_new[int64_t(g) * d + c], vg);
-      float mn = open[c], mx = mn;
-      for (int r = 1; r <= slot; ++r)
-        mn = fminf(mn, open[r * d + c]), mx = fmaxf(mx, open[r * d + c]);
-      const QuantGroup kg = quant_group(mn, mx);
-      kv.kzero[blk * d + c] = kg.zh;
-      kv.kscale[blk * d + c] = kg.sh;
-      for (int r = 0; r <= slot; ++r) k8[(blk * kBT + r) * d + c] = quant_code(open[r * d + c], kg);
+      kv.n_pages[g] = np;
+      if (blk >= 0) kv.fill[blk] = hdr[1];
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) kv.fill[blk] = slot + 1;
+  if (blk < 0) return;
+  auto move = [&](auto* pool, auto* saved, int64_t n) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (kSave) saved[i] = pool[i];
+      else pool[i] = saved[i];
+    }
+  };
+  move(kv.kmin + blk * d, f, d);
+  move(kv.kmax + blk * d, f + d, d);
+  if (q8) {
+    move(kv.kopen + int64_t(g) * kBT * d, f + 2 * d, int64_t(kBT) * d);
+    move(kv.kscale + blk * d, h, d);
+    move(kv.kzero + blk * d, h + d, d);
+    move(static_cast<uint8_t*>(kv.k) + blk * kBT * d, b, int64_t(kBT) * d);
+  }
 }
 
 bool supported_dim(int d) { return d == 32 || d == 64 || d == 128; }
@@ -2084,20 +2149,37 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   }
 }
 
-Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, void* stream) {
+Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, int n_tokens,
+                    void* stream) {
   const auto st = static_cast<cudaStream_t>(stream);
   const unsigned grid = unsigned(kv.n_kv_heads);
   switch (kv.dtype) {
     case PoolDType::kF32:
-      paged_append_kernel<PoolDType::kF32><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      paged_append_kernel<PoolDType::kF32><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
       break;
     case PoolDType::kBF16:
-      paged_append_kernel<PoolDType::kBF16><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      paged_append_kernel<PoolDType::kBF16><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
       break;
     case PoolDType::kInt8:
-      paged_append_kernel<PoolDType::kInt8><<<grid, 128, 0, st>>>(kv, k_new, v_new);
+      paged_append_kernel<PoolDType::kInt8><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
       break;
   }
+  SF_CUDA_TRY(cudaGetLastError());
+  return Status::ok();
+}
+
+size_t paged_snapshot_bytes(const PagedKv& kv) {
+  return size_t(kv.n_kv_heads) * SnapLayout{kv.head_dim, kv.dtype == PoolDType::kInt8}.head_bytes();
+}
+
+Status paged_snapshot(const PagedKv& kv, void* snap, bool save, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  const unsigned grid = unsigned(kv.n_kv_heads);
+  auto* p = static_cast<uint8_t*>(snap);
+  if (save)
+    paged_snapshot_kernel<true><<<grid, 128, 0, st>>>(kv, p);
+  else
+    paged_snapshot_kernel<false><<<grid, 128, 0, st>>>(kv, p);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

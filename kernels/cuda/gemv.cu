@@ -1,7 +1,8 @@
 // One-row linears on the device (kernels::gemv, gemv_parts, gemv_swiglu): y = w x (+ bias), x
 // and y F32, w F32 or BF16. The decode step's linears are this shape: cuBLASLt's GEMM for one row
 // needs x in w's dtype (a cast kernel before each BF16 linear) and reads the weights at about
-// half the copy rate.
+// half the copy rate. A verification pass runs a few rows (up to 257): a warp then takes up to
+// kRowsPerWarp of them per weight row, each summed as the one-row kernel sums it.
 //
 // Work split (measured against the split it replaced, a CTA of 4 warps per 4 rows on alternate
 // strides, at c65827c: bench/NOTES.md, twenty-seventh session): a warp sums one output row over
@@ -87,16 +88,33 @@ struct PartsArgs {
 constexpr int kRowWarps = 8;  // rows (warps) per CTA
 constexpr int kUnroll = 8;    // 16-byte loads in flight per lane (per weight)
 
-// This lane's share of row `row` of w . x (kPair: also of w2), summed over the warp: every lane
-// returns the row's sums.
-template <bool kBf16, bool kVec, bool kPair>
-__device__ __forceinline__ void row_dot(const float* __restrict__ x, const void* __restrict__ w,
-                                        const void* __restrict__ w2, int64_t ldw, int64_t row,
-                                        int64_t in, float* out, float* out2) {
+// This lane's share of row `row` of w . x (kPair: also of w2), summed over the warp, for x's
+// rows 0..nr (R at most; ldx apart): every lane returns the sums. A weight load serves every x
+// row, and each row's sum is taken in the one-row order, so row r's result is that of R = 1 on
+// it alone, bit for bit. Rows past nr read row 0 and are not returned.
+template <bool kBf16, bool kVec, bool kPair, int R>
+__device__ __forceinline__ void row_dot(const float* __restrict__ x, int64_t ldx, int nr,
+                                        const void* __restrict__ w, const void* __restrict__ w2,
+                                        int64_t ldw, int64_t row, int64_t in, float* out,
+                                        float* out2) {
   using E = Elems<kBf16>;
   constexpr int P = E::kPerLoad;
   const int lane = threadIdx.x & 31;
-  float acc = 0.f, acc2 = 0.f;
+  const float* xr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) xr[r] = x + (r < nr ? r : 0) * ldx;
+  float acc[R], acc2[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f, acc2[r] = 0.f;
+  // x's P values at column c of row r, as loaded.
+  auto xload = [&](int r, int64_t c, float* xv) {
+    const float4 xa = __ldg(reinterpret_cast<const float4*>(xr[r] + c));
+    xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
+    if constexpr (P == 8) {
+      const float4 xb = __ldg(reinterpret_cast<const float4*>(xr[r] + c + 4));
+      xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
+    }
+  };
   if constexpr (kVec) {
     const int64_t step = int64_t(32) * P;
     int64_t c = int64_t(lane) * P;
@@ -110,78 +128,96 @@ __device__ __forceinline__ void row_dot(const float* __restrict__ x, const void*
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        float xv[P], wv[P], wv2[P];
+        float wv[P], wv2[P];
         E::unpack(wr[u], wv);
         if constexpr (kPair) E::unpack(wr2[u], wv2);
-        const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c + u * step));
-        xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
-        if constexpr (P == 8) {
-          const float4 xb = __ldg(reinterpret_cast<const float4*>(x + c + u * step + 4));
-          xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
-        }
 #pragma unroll
-        for (int i = 0; i < P; ++i) {
-          acc += wv[i] * xv[i];
-          if constexpr (kPair) acc2 += wv2[i] * xv[i];
+        for (int r = 0; r < R; ++r) {
+          float xv[P];
+          xload(r, c + u * step, xv);
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            acc[r] += wv[i] * xv[i];
+            if constexpr (kPair) acc2[r] += wv2[i] * xv[i];
+          }
         }
       }
     }
     for (; c < in; c += step) {
-      float wv[P], xv[P];
+      float wv[P], wv2[P];
       E::load(w, row * ldw + c, wv);
-      const float4 xa = __ldg(reinterpret_cast<const float4*>(x + c));
-      xv[0] = xa.x, xv[1] = xa.y, xv[2] = xa.z, xv[3] = xa.w;
-      if constexpr (P == 8) {
-        const float4 xb = __ldg(reinterpret_cast<const float4*>(x + c + 4));
-        xv[4] = xb.x, xv[5] = xb.y, xv[6] = xb.z, xv[7] = xb.w;
-      }
+      if constexpr (kPair) E::load(w2, row * ldw + c, wv2);
 #pragma unroll
-      for (int i = 0; i < P; ++i) acc += wv[i] * xv[i];
-      if constexpr (kPair) {
-        E::load(w2, row * ldw + c, wv);
+      for (int r = 0; r < R; ++r) {
+        float xv[P];
+        xload(r, c, xv);
 #pragma unroll
-        for (int i = 0; i < P; ++i) acc2 += wv[i] * xv[i];
+        for (int i = 0; i < P; ++i) acc[r] += wv[i] * xv[i];
+        if constexpr (kPair) {
+#pragma unroll
+          for (int i = 0; i < P; ++i) acc2[r] += wv2[i] * xv[i];
+        }
       }
     }
   } else {
     for (int64_t c = lane; c < in; c += 32) {
-      const float xc = __ldg(x + c);
-      acc += E::one(w, row * ldw + c) * xc;
-      if constexpr (kPair) acc2 += E::one(w2, row * ldw + c) * xc;
+      const float wc = E::one(w, row * ldw + c);
+      const float wc2 = kPair ? E::one(w2, row * ldw + c) : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float xc = __ldg(xr[r] + c);
+        acc[r] += wc * xc;
+        if constexpr (kPair) acc2[r] += wc2 * xc;
+      }
     }
   }
 #pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) {
-    acc += __shfl_xor_sync(kAll, acc, o);
-    if constexpr (kPair) acc2 += __shfl_xor_sync(kAll, acc2, o);
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+      acc[r] += __shfl_xor_sync(kAll, acc[r], o);
+      if constexpr (kPair) acc2[r] += __shfl_xor_sync(kAll, acc2[r], o);
+    }
+    out[r] = acc[r];
+    if constexpr (kPair) out2[r] = acc2[r];
   }
-  *out = acc;
-  if constexpr (kPair) *out2 = acc2;
 }
 
-template <bool kBf16, bool kVec>
+// x rows per warp with several: a weight row is read once for that many (a pass's 2-257 rows
+// read the weights n / 4 times instead of n).
+constexpr int kRowsPerWarp = 4;
+
+// Grid: x = the parts' CTAs end to end, y = groups of R rows of x.
+template <bool kBf16, bool kVec, int R>
 __global__ void __launch_bounds__(kRowWarps * 32)
-    gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in) {
+    gemv_parts_kernel(const float* __restrict__ x, const PartsArgs a, int64_t in, int64_t n) {
   int pi = 0;
   while (pi + 1 < a.n && int64_t(blockIdx.x) >= a.p[pi + 1].cta0) ++pi;
   const Part& p = a.p[pi];
   const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.out) return;
-  float v = 0.f;
-  row_dot<kBf16, kVec, false>(x, p.w, nullptr, p.ldw, row, in, &v, nullptr);
-  if ((threadIdx.x & 31) == 0) p.y[row] = v + (p.bias ? p.bias[row] : 0.f);
+  const int64_t r0 = int64_t(blockIdx.y) * R;
+  const int nr = int(min(int64_t(R), n - r0));
+  float v[R];
+  row_dot<kBf16, kVec, false, R>(x + r0 * in, in, nr, p.w, nullptr, p.ldw, row, in, v, nullptr);
+  if ((threadIdx.x & 31) == 0)
+    for (int r = 0; r < nr; ++r) p.y[(r0 + r) * p.out + row] = v[r] + (p.bias ? p.bias[row] : 0.f);
 }
 
-template <bool kBf16, bool kVec>
+template <bool kBf16, bool kVec, int R>
 __global__ void __launch_bounds__(kRowWarps * 32)
     gemv_swiglu_kernel(const float* __restrict__ x, const void* __restrict__ wg,
                        const void* __restrict__ wu, int64_t ldw, float* __restrict__ y, int64_t in,
-                       int64_t out) {
+                       int64_t out, int64_t n) {
   const int64_t row = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= out) return;
-  float g = 0.f, u = 0.f;
-  row_dot<kBf16, kVec, true>(x, wg, wu, ldw, row, in, &g, &u);
-  if ((threadIdx.x & 31) == 0) y[row] = g / (1.f + expf(-g)) * u;  // swiglu()'s expression
+  const int64_t r0 = int64_t(blockIdx.y) * R;
+  const int nr = int(min(int64_t(R), n - r0));
+  float g[R], u[R];
+  row_dot<kBf16, kVec, true, R>(x + r0 * in, in, nr, wg, wu, ldw, row, in, g, u);
+  if ((threadIdx.x & 31) == 0)
+    for (int r = 0; r < nr; ++r)
+      y[(r0 + r) * out + row] = g[r] / (1.f + expf(-g[r])) * u[r];  // swiglu()'s expression
 }
 
 // 16-byte loads need every row start and x aligned: in and every ldw multiples of the load
@@ -219,11 +255,18 @@ Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cud
   }
   if (ctas == 0) return Status::ok();
   if (ctas > 2147483647LL) return SF_ERR(kOutOfRange, "gemv: too many output rows for one grid");
-  const unsigned grid = unsigned(ctas);
-  if (vec[0])
-    gemv_parts_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+  const int64_t n = x.shape[0], groups = (n + kRowsPerWarp - 1) / kRowsPerWarp;
+  if (groups > 65535) return SF_ERR(kOutOfRange, "gemv: too many x rows for one grid");
+  const float* xp = x.ptr<float>();
+  const dim3 grid(unsigned(ctas), n == 1 ? 1u : unsigned(groups));
+  if (n == 1 && vec[0])
+    gemv_parts_kernel<kBf16, true, 1><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+  else if (n == 1)
+    gemv_parts_kernel<kBf16, false, 1><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+  else if (vec[0])
+    gemv_parts_kernel<kBf16, true, kRowsPerWarp><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
   else
-    gemv_parts_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(x.ptr<float>(), a, in);
+    gemv_parts_kernel<kBf16, false, kRowsPerWarp><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -239,13 +282,19 @@ Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView
   const bool vec = vec_ok(x.data, in, {{wg.data, ldw}, {wu.data, ldw}}, Elems<kBf16>::kPerLoad);
   const float* xp = x.ptr<float>();
   float* yp = y.ptr<float>();
-  const unsigned grid = unsigned(ctas);
-  if (vec)
-    gemv_swiglu_kernel<kBf16, true><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw,
-                                                                     yp, in, out);
+  const int64_t n = x.shape[0], groups = (n + kRowsPerWarp - 1) / kRowsPerWarp;
+  if (groups > 65535) return SF_ERR(kOutOfRange, "gemv_swiglu: too many x rows for one grid");
+  const dim3 grid(unsigned(ctas), n == 1 ? 1u : unsigned(groups));
+  const void *g = wg.data, *u = wu.data;
+  constexpr int T = kRowWarps * 32, R = kRowsPerWarp;
+  if (n == 1 && vec)
+    gemv_swiglu_kernel<kBf16, true, 1><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+  else if (n == 1)
+    gemv_swiglu_kernel<kBf16, false, 1><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+  else if (vec)
+    gemv_swiglu_kernel<kBf16, true, R><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
   else
-    gemv_swiglu_kernel<kBf16, false><<<grid, kRowWarps * 32, 0, st>>>(xp, wg.data, wu.data, ldw,
-                                                                      yp, in, out);
+    gemv_swiglu_kernel<kBf16, false, R><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

@@ -545,9 +545,9 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
   for (DType wdt : {DType::kF32, DType::kBF16}) {
     auto dm = model::DeviceModel::upload(m, wdt);
     ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
-    // The psa guard and verified drafts are the host session's: refused, so --device auto
-    // decodes them on the CPU.
-    for (const char* host_only : {"psa-avg:0.95:0.1", "psa-avg:0.95:verify8"}) {
+    // The psa guard is the host session's: refused, so --device auto decodes it on the CPU;
+    // so are more drafts than a pass takes.
+    for (const char* host_only : {"psa-avg:0.95:0.1", "psa-avg:0.95:verify256"}) {
       auto c = decode::PagedKvCache::from_prefill(pr.kv, full);
       ASSERT_TRUE(c.is_ok());
       EXPECT_EQ(decode::DeviceDecodeSession::open(
@@ -792,6 +792,205 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
         EXPECT_EQ(fused->stats().blocks_visited, plain->stats().blocks_visited) << what;
         std::printf("%s: %d of %d steps' logits equal\n", what.c_str(), equal, n_new);
       }
+}
+
+// What a pool holds for every head of layer 0 as attention and later appends see it: block
+// counts, and of each block in use its fill, key min/max and the rows below the fill (INT8: the
+// codes of every row below the fill, both groups' scales and zeros).
+std::vector<std::vector<uint8_t>> pool_state(const decode::DevicePagedPool& pool) {
+  const kernels::PagedKv kv = pool.layer(0);
+  const int d = kv.head_dim, B = kernels::kDecodeBlockTokens;
+  std::vector<std::vector<uint8_t>> out;
+  std::vector<int32_t> np(size_t(kv.n_kv_heads));
+  EXPECT_EQ(cudaMemcpy(np.data(), kv.n_pages, np.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  out.emplace_back(reinterpret_cast<uint8_t*>(np.data()), reinterpret_cast<uint8_t*>(np.data() + np.size()));
+  auto bytes = [&](const void* src, size_t n) {
+    std::vector<uint8_t> b(n);
+    EXPECT_EQ(cudaMemcpy(b.data(), src, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    out.push_back(std::move(b));
+  };
+  const size_t es = kv.dtype == kernels::PoolDType::kF32 ? 4 : kv.dtype == kernels::PoolDType::kBF16 ? 2 : 1;
+  for (int g = 0; g < kv.n_kv_heads; ++g)
+    for (int i = 0; i < np[size_t(g)]; ++i) {
+      int32_t blk = -1, fill = 0;
+      EXPECT_EQ(cudaMemcpy(&blk, kv.pages + int64_t(g) * kv.max_pages + i, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(&fill, kv.fill + blk, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      out.emplace_back(reinterpret_cast<uint8_t*>(&fill), reinterpret_cast<uint8_t*>(&fill + 1));
+      bytes(kv.kmin + int64_t(blk) * d, size_t(d) * 4);
+      bytes(kv.kmax + int64_t(blk) * d, size_t(d) * 4);
+      bytes(static_cast<const uint8_t*>(kv.k) + int64_t(blk) * B * d * es, size_t(fill) * d * es);
+      bytes(static_cast<const uint8_t*>(kv.v) + int64_t(blk) * B * d * es, size_t(fill) * d * es);
+      if (kv.dtype == kernels::PoolDType::kInt8) {
+        bytes(kv.kscale + int64_t(blk) * d, size_t(d) * 2);
+        bytes(kv.kzero + int64_t(blk) * d, size_t(d) * 2);
+        bytes(kv.vscale + int64_t(blk) * B, size_t(fill) * 2);
+        bytes(kv.vzero + int64_t(blk) * B, size_t(fill) * 2);
+      }
+    }
+  return out;
+}
+
+// Appends of several tokens at once leave the pool as one token at a time does, and a snapshot
+// restored after appends (some opening pages, the INT8 last block re-encoded) gives back the
+// pool as it was: the state a verification pass's undo relies on. Pool A appends 130 tokens
+// one by one; pool B takes a snapshot, appends 90 other tokens in one call, restores, then
+// appends the same 130 in calls of 1, 63 and 66; then both append 20 more one by one (through
+// the INT8 kopen the restore put back) and must still be equal, and both attend as the host
+// cache that grew by the same 150 tokens.
+TEST_F(DeviceDecode, SeveralAppendsAndARestoredSnapshotAreOneAtATime) {
+  const uint64_t seed = testing::fresh_seed();
+  const int n0 = 64 * 9 + 20, d = 128;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto rows = [&](int count, float scale) {
+    std::vector<float> r(size_t(count) * kHkv * d);
+    for (size_t i = 0; i < r.size(); ++i) r[i] = (i / (kHkv * d) % 7 == 0 ? 2.f : scale) * nd(rng);
+    return r;
+  };
+  const std::vector<float> k = rows(150, 0.3f), v = rows(150, 1.f), kx = rows(90, 0.3f),
+                           vx = rows(90, 1.f);
+  DeviceBuffer dk, dv, dkx, dvx, snap;
+  ASSERT_TRUE(dk.alloc(k.size() * 4).is_ok() && dk.upload(k.data(), k.size() * 4).is_ok());
+  ASSERT_TRUE(dv.alloc(v.size() * 4).is_ok() && dv.upload(v.data(), v.size() * 4).is_ok());
+  ASSERT_TRUE(dkx.alloc(kx.size() * 4).is_ok() && dkx.upload(kx.data(), kx.size() * 4).is_ok());
+  ASSERT_TRUE(dvx.alloc(vx.size() * 4).is_ok() && dvx.upload(vx.data(), vx.size() * 4).is_ok());
+  const kernels::Stream s{Device::kCuda, nullptr};
+  const int64_t row = int64_t(kHkv) * d;
+  for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kBF16,
+                   kvstore::KvEncoding::kInt8}) {
+    const std::string what = kvstore::kv_encoding_name(enc);
+    Planted p = planted(n0, seed, /*uneven=*/true);
+    auto a = decode::DevicePagedPool::upload(p.cache, 150 + 90, enc);
+    auto b = decode::DevicePagedPool::upload(p.cache, 150 + 90, enc);
+    ASSERT_TRUE(a.is_ok() && b.is_ok()) << what;
+    const kernels::PagedKv ka = a->layer(0), kb = b->layer(0);
+    const size_t sb = kernels::paged_snapshot_bytes(b->all());
+    ASSERT_GT(sb, 0u);
+    ASSERT_TRUE(snap.alloc(sb).is_ok());
+    const auto before = pool_state(b.value());
+    for (int i = 0; i < 130; ++i)
+      ASSERT_TRUE(kernels::paged_append(ka, dk.as<float>() + i * row, dv.as<float>() + i * row, s).is_ok());
+    ASSERT_TRUE(kernels::paged_snapshot(b->all(), snap.data(), sb, s).is_ok());
+    ASSERT_TRUE(kernels::paged_append(kb, dkx.as<float>(), dvx.as<float>(), s, 90).is_ok());
+    ASSERT_NE(pool_state(b.value()), before) << what;
+    ASSERT_TRUE(kernels::paged_restore(b->all(), snap.data(), sb, s).is_ok());
+    ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+    EXPECT_EQ(pool_state(b.value()), before) << what << ": restored";
+    int at = 0;
+    for (const int n : {1, 63, 66}) {
+      ASSERT_TRUE(kernels::paged_append(kb, dk.as<float>() + at * row, dv.as<float>() + at * row, s, n).is_ok());
+      at += n;
+    }
+    ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+    EXPECT_EQ(pool_state(a.value()), pool_state(b.value())) << what << ": 130 appended";
+    for (int i = 130; i < 150; ++i)
+      for (const auto& kv : {ka, kb})
+        ASSERT_TRUE(kernels::paged_append(kv, dk.as<float>() + i * row, dv.as<float>() + i * row, s).is_ok());
+    ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+    EXPECT_EQ(pool_state(a.value()), pool_state(b.value())) << what << ": 150 appended";
+    for (int i = 0; i < 150; ++i)
+      for (int g = 0; g < kHkv; ++g)
+        p.cache.append(0, g, n0 + i, k.data() + i * row + g * d, v.data() + i * row + g * d);
+    if (enc != kvstore::KvEncoding::kF32) ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
+    for (const char* m : {"full", "psa-avg:0.95"}) expect_same_as_host(p.cache, b.value(), p.q, m);
+  }
+  // Refusals: a snapshot too small, and too many tokens for one append.
+  auto pool = decode::DevicePagedPool::upload(planted(200, seed).cache, 10);
+  ASSERT_TRUE(pool.is_ok());
+  ASSERT_TRUE(snap.alloc(kernels::paged_snapshot_bytes(pool->all())).is_ok());
+  EXPECT_EQ(kernels::paged_snapshot(pool->all(), snap.data(), snap.size() - 16, s).code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(kernels::paged_append(pool->layer(0), dk.as<float>(), dv.as<float>(), s,
+                                  kernels::kDecodeMaxTokens + 1)
+                .code(),
+            Code::kOutOfRange);
+}
+
+// Verified drafts on the device (psa:0.5 drafts, which the passes often reject): the tokens and
+// logits are the device's full decode's (the pass's attention sums in another order than the
+// step's, its linears are the step's gemv rows bit for bit: 1e-4 on the logits, and a token may
+// differ only where full decode's own top two logits are that close), the counts are the host
+// loop's, and what the pool keeps is what full decode appends (the later logits read it).
+// F32 and BF16 weights, F32 and INT8 pools. Fixtures are tried until one rejects a draft.
+TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
+  const int n = 700, n_new = 40;
+  const uint64_t base = testing::fresh_seed();
+  bool rejected = false;
+  for (uint64_t attempt = 0; attempt < 8 && !rejected; ++attempt) {
+    SCOPED_TRACE("fixture seed " + std::to_string(base + 2 * attempt));
+    Prefilled P;
+    prefilled(n, base + 2 * attempt, &P);
+    if (HasFatalFailure()) return;
+    const decode::PagedKvCache& cache = *P.cache;
+    for (DType wdt : {DType::kF32, DType::kBF16}) {
+      auto dm = model::DeviceModel::upload(*P.m, wdt);
+      ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+      for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
+        struct Run {
+          std::vector<int32_t> tokens;
+          std::vector<std::vector<float>> z;
+          decode::DecodeAttnStats stats;
+        };
+        auto run = [&](const char* spec, Run* r) {
+          auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n,
+                                                     decode::decode_attn_parse(spec).value(),
+                                                     n_new, enc);
+          ASSERT_TRUE(s.is_ok()) << spec << ": " << s.status().to_string();
+          auto g = s->generate_greedy(P.pr->first_token, n_new,
+                                      [&](int i, const std::vector<float>& z) {
+                                        EXPECT_EQ(i, int(r->z.size()) + 1);
+                                        r->z.push_back(z);
+                                      });
+          ASSERT_TRUE(g.is_ok()) << spec << ": " << g.status().to_string();
+          r->tokens = g.value();
+          r->stats = s->stats();
+        };
+        Run ref;
+        run("full", &ref);
+        if (HasFatalFailure()) return;
+        for (const char* spec : {"psa:0.5:verify1", "psa:0.5:verify6", "psa-avg:0.5:verify64:1e30"}) {
+          const std::string what = std::string(dtype_name(wdt)) + " " +
+                                   kvstore::kv_encoding_name(enc) + " " + spec;
+          Run got;
+          run(spec, &got);
+          if (HasFatalFailure()) return;
+          ASSERT_EQ(got.tokens.size(), size_t(n_new)) << what;
+          ASSERT_EQ(got.z.size(), ref.z.size()) << what;
+          double worst = 0;
+          bool parted = false;
+          for (size_t i = 0; i < ref.z.size() && !parted; ++i) {
+            for (size_t j = 0; j < ref.z[i].size(); ++j)
+              worst = std::max(worst, double(std::fabs(got.z[i][j] - ref.z[i][j])));
+            if (got.tokens[i + 1] != ref.tokens[i + 1]) {
+              std::vector<float> top = ref.z[i];
+              std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+              EXPECT_LT(top[0] - top[1], 1e-4) << what << " token " << i + 1;
+              parted = true;  // the continuations part here
+            }
+          }
+          EXPECT_LT(worst, 1e-4) << what;
+          const decode::DecodeAttnStats& st = got.stats;
+          EXPECT_EQ(st.steps, n_new - 1) << what;
+          if (!parted) EXPECT_EQ(st.blocks_total, ref.stats.blocks_total) << what;
+          EXPECT_GT(st.verify_passes, 0) << what;
+          EXPECT_EQ(st.draft_accepted + st.verify_passes, n_new - 1) << what;
+          EXPECT_EQ(st.verify_tokens, st.verify_passes + st.draft_steps) << what;
+          EXPECT_LT(st.blocks_visited, st.blocks_computed) << what;
+          if (std::string(spec) == "psa:0.5:verify1")
+            EXPECT_LE(st.verify_tokens, 2 * st.verify_passes) << what;
+          else
+            EXPECT_GT(st.verify_tokens, 2 * st.verify_passes) << what;
+          rejected = rejected || st.draft_accepted < st.draft_steps;
+          std::printf("%s: %lld drafts, %lld kept, %lld passes, max logit diff %.2g%s\n",
+                      what.c_str(), static_cast<long long>(st.draft_steps),
+                      static_cast<long long>(st.draft_accepted),
+                      static_cast<long long>(st.verify_passes), worst,
+                      parted ? " (parted at a near-tie)" : "");
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(rejected) << "no fixture's drafts were rejected: the undo went untested";
 }
 
 }  // namespace

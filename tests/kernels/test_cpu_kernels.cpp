@@ -221,16 +221,58 @@ TEST(CpuKernels, GemvMatchesDoubleReference) {
     }
 }
 
+// Several rows: row r of y is gemv() of x's row r alone, bit for bit (the verification pass's
+// linears are the decode step's), for gemv, gemv_parts and gemv_swiglu.
+TEST(CpuKernels, GemvRowsAreOneRowGemvs) {
+  std::mt19937_64 rng(fresh_seed());
+  const int64_t n = 5, in = 577, out = 41;
+  for (const DType wdt : {DType::kF32, DType::kBF16}) {
+    const auto x = randn(size_t(n * in), rng), w32 = randn(size_t(out * in), rng),
+               u32 = randn(size_t(out * in), rng), b = randn(size_t(out), rng);
+    std::vector<uint16_t> w16(w32.size()), u16(u32.size());
+    for (size_t i = 0; i < w32.size(); ++i) w16[i] = f32_to_bf16(w32[i]), u16[i] = f32_to_bf16(u32[i]);
+    auto wv = [&](std::vector<float>& f, std::vector<uint16_t>& h) {
+      return wdt == DType::kBF16 ? TensorView::make(h.data(), DType::kBF16, {out, in})
+                                 : TensorView::make(f.data(), DType::kF32, {out, in});
+    };
+    auto w32m = w32, u32m = u32;
+    const TensorView w = wv(w32m, w16), u = wv(u32m, u16);
+    const TensorView bias = TensorView::make(const_cast<float*>(b.data()), DType::kF32, {out});
+    std::vector<float> y(static_cast<size_t>(n * out)), ys(y.size()), one(static_cast<size_t>(out));
+    ASSERT_TRUE(kernels::gemv(TensorView::make(const_cast<float*>(x.data()), DType::kF32, {n, in}), w,
+                              bias, TensorView::make(y.data(), DType::kF32, {n, out}))
+                    .is_ok());
+    ASSERT_TRUE(kernels::gemv_swiglu(TensorView::make(const_cast<float*>(x.data()), DType::kF32, {n, in}),
+                                     w, u, TensorView::make(ys.data(), DType::kF32, {n, out}))
+                    .is_ok());
+    for (int64_t r = 0; r < n; ++r) {
+      const TensorView xr = TensorView::make(const_cast<float*>(x.data()) + r * in, DType::kF32, {1, in});
+      ASSERT_TRUE(kernels::gemv(xr, w, bias, TensorView::make(one.data(), DType::kF32, {1, out})).is_ok());
+      for (int64_t j = 0; j < out; ++j)
+        ASSERT_EQ(y[size_t(r * out + j)], one[size_t(j)]) << dtype_name(wdt) << " row " << r << " out " << j;
+      ASSERT_TRUE(kernels::gemv_swiglu(xr, w, u, TensorView::make(one.data(), DType::kF32, {1, out})).is_ok());
+      for (int64_t j = 0; j < out; ++j)
+        ASSERT_EQ(ys[size_t(r * out + j)], one[size_t(j)]) << dtype_name(wdt) << " swiglu row " << r;
+    }
+  }
+}
+
 TEST(CpuKernels, GemvRefusesWhatItDoesNotTake) {
   std::vector<float> x(16), w(64), y(8);
   std::vector<uint16_t> h(64);
   const TensorView none;
-  // Two rows of x (and of y, shaped to match): that is linear()'s job.
+  // Two rows of x and one of y; two of each with x's rows padded (several rows must be dense).
   std::vector<float> y2(16);
   auto st = kernels::gemv(TensorView::make(x.data(), DType::kF32, {2, 8}), TensorView::make(w.data(), DType::kF32, {8, 8}),
-                          none, TensorView::make(y2.data(), DType::kF32, {2, 8}));
+                          none, TensorView::make(y.data(), DType::kF32, {1, 8}));
   EXPECT_EQ(st.code(), Code::kInvalidArgument);
   EXPECT_NE(st.message().find("gemv"), std::string::npos);
+  TensorView padded = TensorView::make(x.data(), DType::kF32, {2, 8});
+  padded.shape[1] = 7;  // rows 8 apart, 7 used
+  EXPECT_EQ(kernels::gemv(padded, TensorView::make(w.data(), DType::kF32, {8, 7}), none,
+                          TensorView::make(y2.data(), DType::kF32, {2, 8}))
+                .code(),
+            Code::kInvalidArgument);
   // F16 weights, and an output that does not match w's rows.
   EXPECT_EQ(kernels::gemv(TensorView::make(x.data(), DType::kF32, {1, 8}), TensorView::make(h.data(), DType::kF16, {8, 8}),
                           none, TensorView::make(y.data(), DType::kF32, {1, 8}))

@@ -630,6 +630,109 @@ TEST_F(CudaOps, GemvPartsAndSwigluEqualTheOpsTheyJoin) {
     }
 }
 
+// Several rows of x (a verification pass's): row r of each output equals, bit for bit, the
+// one-row device op on x's row r (a warp reads a weight row once for up to four rows, each
+// summed in the one-row order), and the CPU's rows within gemv's bounds. 2, 5 and 65 rows (a
+// partial group of four, and the pass's size at verify64), on the 16-byte path, the scalar path
+// and the unrolled groups; three parts with a partial CTA; the MLP pair.
+TEST_F(CudaOps, GemvRowsAreOneRowGemvs) {
+  const TensorView none{};
+  for (const DType wdt : {DType::kF32, DType::kBF16})
+    for (const int64_t in : {int64_t(576), int64_t(577), int64_t(4096)})
+      for (const int64_t n : {int64_t(2), int64_t(5), int64_t(65)}) {
+        const std::string tag = std::string(dtype_name(wdt)) + " in=" + std::to_string(in) +
+                                " n=" + std::to_string(n);
+        const int64_t outs[3] = {576, 192, 193};
+        const auto x = uniform(size_t(n * in), -1.f, 1.f);
+        DevBuf d_x;
+        ASSERT_OK(d_x.alloc_upload(x));
+        std::vector<float> w32[3], b[3];
+        std::vector<uint16_t> w16[3];
+        DevBuf d_w[3], d_b[3], d_y[3], d_one[3];
+        GemvPart parts[3], cpu_parts[3];
+        std::vector<float> cpu_y[3];
+        for (int i = 0; i < 3; ++i) {
+          w32[i] = uniform(size_t(outs[i] * in), -1.f, 1.f);
+          w16[i].resize(w32[i].size());
+          for (size_t j = 0; j < w32[i].size(); ++j) w16[i][j] = f32_to_bf16(w32[i][j]);
+          if (wdt == DType::kBF16) {
+            ASSERT_OK(d_w[i].alloc_upload(w16[i]));
+          } else {
+            ASSERT_OK(d_w[i].alloc_upload(w32[i]));
+          }
+          b[i] = uniform(size_t(outs[i]), -1.f, 1.f);
+          ASSERT_OK(d_b[i].alloc_upload(b[i]));
+          ASSERT_OK(d_y[i].alloc(size_t(n * outs[i]) * 4));
+          ASSERT_OK(d_y[i].poison());
+          ASSERT_OK(d_one[i].alloc(size_t(n * outs[i]) * 4));
+          ASSERT_OK(d_one[i].poison());
+          const TensorView bias = i == 1 ? none : d_b[i].view(DType::kF32, {outs[i]});
+          parts[i] = {d_w[i].view(wdt, {outs[i], in}), bias, d_y[i].view(DType::kF32, {n, outs[i]})};
+          cpu_y[i].assign(size_t(n * outs[i]), 0.f);
+          cpu_parts[i] = {wdt == DType::kBF16
+                              ? TensorView::make(w16[i].data(), DType::kBF16, {outs[i], in})
+                              : TensorView::make(w32[i].data(), DType::kF32, {outs[i], in}),
+                          i == 1 ? none : TensorView::make(b[i].data(), DType::kF32, {outs[i]}),
+                          TensorView::make(cpu_y[i].data(), DType::kF32, {n, outs[i]})};
+        }
+        ASSERT_OK(gemv_parts(d_x.view(DType::kF32, {n, in}), parts, 3, kGpu));
+        ASSERT_OK(gemv_parts(TensorView::make(const_cast<float*>(x.data()), DType::kF32, {n, in}),
+                             cpu_parts, 3, kCpu));
+        // The same rows one at a time, into the matching rows of d_one.
+        for (int64_t r = 0; r < n; ++r) {
+          GemvPart one[3];
+          for (int i = 0; i < 3; ++i)
+            one[i] = {parts[i].w, parts[i].bias,
+                      TensorView::make(static_cast<float*>(d_one[i].data()) + r * outs[i],
+                                       DType::kF32, {1, outs[i]}, Device::kCuda)};
+          ASSERT_OK(gemv_parts(TensorView::make(static_cast<float*>(d_x.data()) + r * in,
+                                                DType::kF32, {1, in}, Device::kCuda),
+                               one, 3, kGpu));
+        }
+        for (int i = 0; i < 3; ++i) {
+          std::vector<float> rows;
+          ASSERT_OK(cuda::stream_synchronize(nullptr));
+          ASSERT_OK(d_one[i].download(&rows));
+          const std::string what = "gemv_parts " + tag + " part " + std::to_string(i);
+          expect_matches(what + " vs one row at a time", d_y[i], rows, kExact);
+          expect_matches(what + " vs cpu", d_y[i], cpu_y[i], {2e-5, 5e-4});
+          if (HasFatalFailure()) return;
+        }
+        // The MLP pair over the same rows (1001 outputs: a partial CTA).
+        const int64_t out = 1001;
+        auto g32 = uniform(size_t(out * in), -1.f, 1.f), u32 = uniform(size_t(out * in), -1.f, 1.f);
+        std::vector<uint16_t> g16(g32.size()), u16(u32.size());
+        for (size_t j = 0; j < g32.size(); ++j) g16[j] = f32_to_bf16(g32[j]), u16[j] = f32_to_bf16(u32[j]);
+        DevBuf d_g, d_u, d_s, d_s1;
+        if (wdt == DType::kBF16) {
+          ASSERT_OK(d_g.alloc_upload(g16));
+          ASSERT_OK(d_u.alloc_upload(u16));
+        } else {
+          ASSERT_OK(d_g.alloc_upload(g32));
+          ASSERT_OK(d_u.alloc_upload(u32));
+        }
+        ASSERT_OK(d_s.alloc(size_t(n * out) * 4));
+        ASSERT_OK(d_s.poison());
+        ASSERT_OK(d_s1.alloc(size_t(n * out) * 4));
+        ASSERT_OK(d_s1.poison());
+        const TensorView wg = d_g.view(wdt, {out, in}), wu = d_u.view(wdt, {out, in});
+        ASSERT_OK(gemv_swiglu(d_x.view(DType::kF32, {n, in}), wg, wu, d_s.view(DType::kF32, {n, out}),
+                              kGpu));
+        for (int64_t r = 0; r < n; ++r)
+          ASSERT_OK(gemv_swiglu(TensorView::make(static_cast<float*>(d_x.data()) + r * in,
+                                                 DType::kF32, {1, in}, Device::kCuda),
+                                wg, wu,
+                                TensorView::make(static_cast<float*>(d_s1.data()) + r * out,
+                                                 DType::kF32, {1, out}, Device::kCuda),
+                                kGpu));
+        std::vector<float> rows;
+        ASSERT_OK(cuda::stream_synchronize(nullptr));
+        ASSERT_OK(d_s1.download(&rows));
+        expect_matches("gemv_swiglu " + tag + " vs one row at a time", d_s, rows, kExact);
+        if (HasFatalFailure()) return;
+      }
+}
+
 TEST_F(CudaOps, GemvPartsAndSwigluRefusals) {
   DevBuf d_x, d_w, d_w16, d_y;
   ASSERT_OK(d_x.alloc(64 * 4));
