@@ -380,8 +380,12 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
     m.verify = p.verify_draft;
     m.n_max = p.verify_draft + 1;
     m.kp_pass.scale = m.kp.scale;
-    m.kp_pass.n_tokens = m.n_max;
-    ws = std::max(ws, kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp_pass));
+    // A pass's split count depends on its token count (fewer tokens, more splits each), so the
+    // workspace is the largest over every count a pass may take.
+    for (int t = 2; t <= m.n_max; ++t) {
+      m.kp_pass.n_tokens = t;
+      ws = std::max(ws, kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp_pass));
+    }
     const int64_t N = m.n_max;
     for (auto [buf, n] : {std::pair{&m.px, N * m.H},
                           {&m.pxn, N * m.H},

@@ -907,11 +907,17 @@ TEST_F(DeviceDecode, SeveralAppendsAndARestoredSnapshotAreOneAtATime) {
 }
 
 // Verified drafts on the device (psa:0.5 drafts, which the passes often reject): the tokens and
-// logits are the device's full decode's (the pass's attention sums in another order than the
-// step's, its linears are the step's gemv rows bit for bit: 1e-4 on the logits, and a token may
-// differ only where full decode's own top two logits are that close), the counts are the host
-// loop's, and what the pool keeps is what full decode appends (the later logits read it).
-// F32 and BF16 weights, F32 and INT8 pools. Fixtures are tried until one rejects a draft.
+// logits are the device's full decode's, the counts are the host loop's, and what the pool keeps
+// is what full decode appends (the later logits read it). F32 and BF16 weights, F32 and INT8
+// pools. Fixtures are tried until one rejects a draft. Bounds on the logits (and the top-two gap
+// under which a token may differ):
+//  - F32 pools 1e-4: the pass's attention sums in another order than the step's; its linears
+//    are the step's gemv rows bit for bit (measured 1.4e-6 on H100).
+//  - INT8 pools 2e-3: besides, the pass reads a block that gained keys in the round as encoded
+//    after all of them (an append re-encodes the block's key channels over their new ranges), a
+//    step as encoded after its own: codes move by up to a step of 1/255 of a channel's range
+//    (measured 1.8e-4 to 4.0e-4 on H100; the full INT8 pool's own distance from the F32 pool's
+//    logits is printed beside it).
 TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
   const int n = 700, n_new = 40;
   const uint64_t base = testing::fresh_seed();
@@ -925,7 +931,8 @@ TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
     for (DType wdt : {DType::kF32, DType::kBF16}) {
       auto dm = model::DeviceModel::upload(*P.m, wdt);
       ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
-      for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
+      for (auto pool_enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8}) {
+        auto enc = pool_enc;  // run() opens its sessions with enc
         struct Run {
           std::vector<int32_t> tokens;
           std::vector<std::vector<float>> z;
@@ -948,6 +955,22 @@ TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
         Run ref;
         run("full", &ref);
         if (HasFatalFailure()) return;
+        const bool q8 = enc == kvstore::KvEncoding::kInt8;
+        const double bound = q8 ? 2e-3 : 1e-4;
+        double quant = 0;  // INT8: the full decode's logits against the F32 pool's, to a parting
+        if (q8) {
+          const auto saved = enc;
+          enc = kvstore::KvEncoding::kF32;
+          Run f32;
+          run("full", &f32);
+          enc = saved;
+          if (HasFatalFailure()) return;
+          for (size_t i = 0; i < ref.z.size(); ++i) {
+            for (size_t j = 0; j < ref.z[i].size(); ++j)
+              quant = std::max(quant, double(std::fabs(f32.z[i][j] - ref.z[i][j])));
+            if (f32.tokens[i + 1] != ref.tokens[i + 1]) break;
+          }
+        }
         for (const char* spec : {"psa:0.5:verify1", "psa:0.5:verify6", "psa-avg:0.5:verify64:1e30"}) {
           const std::string what = std::string(dtype_name(wdt)) + " " +
                                    kvstore::kv_encoding_name(enc) + " " + spec;
@@ -964,11 +987,11 @@ TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
             if (got.tokens[i + 1] != ref.tokens[i + 1]) {
               std::vector<float> top = ref.z[i];
               std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
-              EXPECT_LT(top[0] - top[1], 1e-4) << what << " token " << i + 1;
+              EXPECT_LT(top[0] - top[1], bound) << what << " token " << i + 1;
               parted = true;  // the continuations part here
             }
           }
-          EXPECT_LT(worst, 1e-4) << what;
+          EXPECT_LT(worst, bound) << what;
           const decode::DecodeAttnStats& st = got.stats;
           EXPECT_EQ(st.steps, n_new - 1) << what;
           if (!parted) EXPECT_EQ(st.blocks_total, ref.stats.blocks_total) << what;
@@ -981,11 +1004,13 @@ TEST_F(DeviceDecode, VerifiedDraftsGiveFullDecodesTokens) {
           else
             EXPECT_GT(st.verify_tokens, 2 * st.verify_passes) << what;
           rejected = rejected || st.draft_accepted < st.draft_steps;
-          std::printf("%s: %lld drafts, %lld kept, %lld passes, max logit diff %.2g%s\n",
+          std::printf("%s: %lld drafts, %lld kept, %lld passes, max logit diff %.2g%s%s\n",
                       what.c_str(), static_cast<long long>(st.draft_steps),
                       static_cast<long long>(st.draft_accepted),
                       static_cast<long long>(st.verify_passes), worst,
-                      parted ? " (parted at a near-tie)" : "");
+                      parted ? " (parted at a near-tie)" : "",
+                      q8 ? (" (int8 full vs f32 full: " + std::to_string(quant) + ")").c_str()
+                         : "");
         }
       }
     }
