@@ -231,7 +231,7 @@ Result<std::vector<int32_t>> verified_decode(
     st.kv_blocks_total = kv_total0;
     for (size_t i = 0; i <= acc; ++i) {
       st.blocks_total += totals[i];
-      st.kv_blocks_total += totals[i] / group;
+      if (ops.count_kv) st.kv_blocks_total += totals[i] / group;
     }
     for (size_t i = 0; i <= acc; ++i) {
       const float* row = zv.data() + i * V;

@@ -49,6 +49,9 @@ struct VerifyOps {
                        std::vector<int64_t>* totals)>
       pass;
   std::function<Status(int kept)> keep;
+  // Whether the loop adds the kept tokens' KV-head blocks to kv_blocks_total (the device
+  // session counts KV-head loads with +gqa only: DecodeAttnStats).
+  bool count_kv = true;
 };
 // The verified loop both sessions share (DecodeAttnParams::verify_draft): rounds of up to
 // verify_draft PSA drafts (stopped early at a near-tie by verify_stops_at_tie), each verified by

@@ -382,7 +382,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
     m.kp_pass.scale = m.kp.scale;
     // A pass's split count depends on its token count (fewer tokens, more splits each), so the
     // workspace is the largest over every count a pass may take.
-    for (int t = 2; t <= m.n_max; ++t) {
+    for (int t = 1; t <= m.n_max; ++t) {  // 1: a round's last token alone
       m.kp_pass.n_tokens = t;
       ws = std::max(ws, kernels::paged_decode_workspace_bytes(c.n_heads, m.pool.layer(0), m.kp_pass));
     }
@@ -417,6 +417,7 @@ Status DeviceDecodeSession::step(int32_t token, std::vector<float>* logits) {
     return SF_ERR(kInternal, "device decode: an earlier step failed; reopen the session");
   Status st = run_step(token, logits);
   if (!st.is_ok()) m.broken = true;
+  else ++m.stats.steps;
   return st;
 }
 
@@ -562,10 +563,11 @@ Status DeviceDecodeSession::enqueue_step() {
   return m.linear(xn, H, m.w.lm_head, none, m.logits.as<float>(), m.vocab);
 }
 
-// The verification pass (generate_greedy with verify_draft): the step's ops over n rows, each
-// linear a gemv over the rows (row i as the step's gemv gives it), the attention the pass
-// kernel (full, n_tokens = n) after the n tokens' K/V are appended; then a wait and the logits.
-// Eager: n changes from round to round.
+// The verification pass (generate_greedy with verify_draft): the fused step's ops over n rows,
+// each linear a gemv over the rows (row i as the fused step's gemv gives it; the unfused step
+// with F32 weights uses cuBLASLt instead, so its logits differ from the pass's by the sums'
+// order), the attention the pass kernel (full, n_tokens = n) after the n tokens' K/V are
+// appended; then a wait and the logits. Eager: n changes from round to round.
 Status DeviceDecodeSession::run_pass(const int32_t* tokens, int n, std::vector<float>* logits) {
   Impl& m = *impl_;
   if (n < 1 || n > m.n_max)
@@ -703,6 +705,7 @@ Result<std::vector<int32_t>> DeviceDecodeSession::generate_verified(
     m.steps_left -= kept;
     return kernels::cuda::stream_synchronize(m.stream);
   };
+  ops.count_kv = m.kp.psa_share_kv_head;  // the device counts KV-head loads with +gqa only
   auto out = verified_decode(first_token, n_new, m.params, m.vocab, m.hq / m.hkv, &m.stats, ops,
                              on_logits);
   if (!out.is_ok()) m.broken = true;

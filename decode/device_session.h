@@ -88,7 +88,7 @@ class DeviceDecodeSession {
   // As DecodeSession::generate_greedy. With verify_draft, a round's PSA drafts run as steps
   // (the pool saved before them by kernels::paged_snapshot and restored after), then one
   // verification pass runs the round's tokens at once: every linear a gemv over its rows (each
-  // row as the step's gemv gives it), the attention kernels::paged_decode_attention with
+  // row as the fused step's gemv gives it), the attention kernels::paged_decode_attention with
   // n_tokens, full. The pass's K/V stay for the tokens kept; the rest are taken back (restore,
   // then the kept tokens' K/V appended again). The stop rules and stats are the host's.
   Result<std::vector<int32_t>> generate_greedy(

@@ -89,14 +89,13 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
                               void* workspace, size_t workspace_bytes, Stream s);
 
-// Appends one token per KV head: k_new, v_new [n_kv_heads, head_dim] F32. Fills each head's last
-// block, opening its next reserved page when the block is full; keeps kmin/kmax exact (and, INT8,
-// re-encodes the block's keys with its new channel ranges and encodes the value row). A value F16
-// cannot hold gives an infinite or NaN group: the device cannot report it. The caller
-// reserves the pages (decode::DevicePagedPool::upload) and never appends past them: the device
-// cannot report it, and such a token would be dropped.
-// n_tokens (1..kDecodeMaxTokens) tokens at once: k_new, v_new [n_tokens, n_kv_heads,
-// head_dim], appended in order, the pool as n_tokens calls leave it.
+// Appends n_tokens (1..kDecodeMaxTokens) tokens per KV head, in order: k_new, v_new [n_tokens,
+// n_kv_heads, head_dim] F32; the pool is as n_tokens one-token calls leave it. Fills each
+// head's last block, opening its next reserved page when the block is full; keeps kmin/kmax
+// exact (and, INT8, re-encodes the block's keys with its new channel ranges and encodes the
+// value row). A value F16 cannot hold gives an infinite or NaN group: the device cannot report
+// it. The caller reserves the pages (decode::DevicePagedPool::upload) and never appends past
+// them: the device cannot report it, and such a token would be dropped.
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, Stream s,
                     int n_tokens = 1);
 

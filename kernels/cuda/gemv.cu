@@ -1,7 +1,7 @@
 // One-row linears on the device (kernels::gemv, gemv_parts, gemv_swiglu): y = w x (+ bias), x
 // and y F32, w F32 or BF16. The decode step's linears are this shape: cuBLASLt's GEMM for one row
 // needs x in w's dtype (a cast kernel before each BF16 linear) and reads the weights at about
-// half the copy rate. A verification pass runs a few rows (up to 257): a warp then takes up to
+// half the copy rate. A verification pass runs a few rows (up to 256): a warp then takes up to
 // kRowsPerWarp of them per weight row, each summed as the one-row kernel sums it.
 //
 // Work split (measured against the split it replaced, a CTA of 4 warps per 4 rows on alternate
@@ -183,7 +183,7 @@ __device__ __forceinline__ void row_dot(const float* __restrict__ x, int64_t ldx
   }
 }
 
-// x rows per warp with several: a weight row is read once for that many (a pass's 2-257 rows
+// x rows per warp with several: a weight row is read once for that many (a pass's 2-256 rows
 // read the weights n / 4 times instead of n).
 constexpr int kRowsPerWarp = 4;
 

@@ -40,9 +40,9 @@ struct Planted {
 };
 
 // uneven: KV head 1 keeps a third of the prompt plus its last 100 tokens (a retained cache whose
-// heads hold different block counts), head 0 all of it.
+// heads hold different block counts), head 0 all of it. empty_last: the last KV head keeps none.
 Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq = kHq,
-                int hkv = kHkv) {
+                int hkv = kHkv, bool empty_last = false) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   Planted p;
@@ -72,6 +72,7 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
     for (int t = 0; t < n; ++t)
       if (t % 3 == 0 || t >= n - 100) k1.push_back(t);
   }
+  if (empty_last) full->kept[size_t(hkv - 1)].clear();
   auto c = decode::PagedKvCache::from_prefill(p.kv, full.value());
   EXPECT_TRUE(c.is_ok()) << c.status().to_string();
   p.cache = std::move(c).value();
@@ -825,6 +826,8 @@ std::vector<std::vector<uint8_t>> pool_state(const decode::DevicePagedPool& pool
         bytes(kv.kzero + int64_t(blk) * d, size_t(d) * 2);
         bytes(kv.vscale + int64_t(blk) * B, size_t(fill) * 2);
         bytes(kv.vzero + int64_t(blk) * B, size_t(fill) * 2);
+        // The head's F32 keys of its last block (the next append re-encodes from them).
+        if (i + 1 == np[size_t(g)]) bytes(kv.kopen + int64_t(g) * B * d, size_t(fill) * d * 4);
       }
     }
   return out;
@@ -834,12 +837,14 @@ std::vector<std::vector<uint8_t>> pool_state(const decode::DevicePagedPool& pool
 // restored after appends (some opening pages, the INT8 last block re-encoded) gives back the
 // pool as it was: the state a verification pass's undo relies on. Pool A appends 130 tokens
 // one by one; pool B takes a snapshot, appends 90 other tokens in one call, restores, then
-// appends the same 130 in calls of 1, 63 and 66; then both append 20 more one by one (through
-// the INT8 kopen the restore put back) and must still be equal, and both attend as the host
-// cache that grew by the same 150 tokens.
+// appends the same 130 in calls of 1 (which re-encodes the restored INT8 last block from the
+// restored kopen), 63 and 66; then both append 20 more one by one and must still be equal, and
+// both attend as the host cache that grew by the same 150 tokens. Two caches: heads of 596 and
+// 298 tokens (last blocks part full); and heads of 640 tokens (a last block exactly full at the
+// snapshot) and none (no block at the snapshot).
 TEST_F(DeviceDecode, SeveralAppendsAndARestoredSnapshotAreOneAtATime) {
   const uint64_t seed = testing::fresh_seed();
-  const int n0 = 64 * 9 + 20, d = 128;
+  const int d = 128;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   auto rows = [&](int count, float scale) {
@@ -856,10 +861,15 @@ TEST_F(DeviceDecode, SeveralAppendsAndARestoredSnapshotAreOneAtATime) {
   ASSERT_TRUE(dvx.alloc(vx.size() * 4).is_ok() && dvx.upload(vx.data(), vx.size() * 4).is_ok());
   const kernels::Stream s{Device::kCuda, nullptr};
   const int64_t row = int64_t(kHkv) * d;
+  for (const int n0 : {64 * 9 + 20, 64 * 10})
   for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kBF16,
                    kvstore::KvEncoding::kInt8}) {
-    const std::string what = kvstore::kv_encoding_name(enc);
-    Planted p = planted(n0, seed, /*uneven=*/true);
+    const bool part_full = n0 % 64 != 0;
+    const std::string what = std::string(kvstore::kv_encoding_name(enc)) +
+                             (part_full ? ", last blocks part full" : ", full and empty heads");
+    Planted p = part_full ? planted(n0, seed, /*uneven=*/true)
+                          : planted(n0, seed, false, d, kHq, kHkv, /*empty_last=*/true);
+    ASSERT_EQ(p.cache.pages(0, kHkv - 1).empty(), !part_full);
     auto a = decode::DevicePagedPool::upload(p.cache, 150 + 90, enc);
     auto b = decode::DevicePagedPool::upload(p.cache, 150 + 90, enc);
     ASSERT_TRUE(a.is_ok() && b.is_ok()) << what;
