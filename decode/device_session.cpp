@@ -280,10 +280,13 @@ struct DeviceDecodeSession::Impl {
   float* q() const { return qkv.as<float>(); }
   float* k() const { return q() + int64_t(hq) * d; }
   float* v() const { return k() + int64_t(hkv) * d; }
-  static TensorView row(float* p, int64_t n) {
-    TensorView v = TensorView::make(p, DType::kF32, {1, n});
-    v.device = Device::kCuda;
-    return v;
+  // Device F32 views: [rows, cols], one row of them, and [rows, heads, head_dim] for RoPE.
+  static TensorView mat(float* p, int64_t rows, int64_t cols) {
+    return TensorView::make(p, DType::kF32, {rows, cols}, Device::kCuda);
+  }
+  static TensorView row(float* p, int64_t n) { return mat(p, 1, n); }
+  TensorView heads(float* p, int64_t rows, int h) const {
+    return TensorView::make(p, DType::kF32, {rows, int64_t(h), int64_t(d)}, Device::kCuda);
   }
   // The unfused step's linears: out[1, n_out] = wt in[1, n_in] (+ bias), F32 x. BF16 weights: the
   // one-row GEMV, which reads them as stored (no cast kernel before each linear). F32 weights:
@@ -512,11 +515,6 @@ Status DeviceDecodeSession::enqueue_step() {
                                            m.visited.as<int32_t>() + int64_t(l) * m.hq,
                                            m.attn_ws.data(), m.attn_ws.size(), cs);
   };
-  auto rope_view = [&](float* p, int heads) {
-    TensorView v = TensorView::make(p, DType::kF32, {1, heads, m.d});
-    v.device = Device::kCuda;
-    return v;
-  };
   SF_TRY(kernels::embedding(m.w.tok_embd, d_tok, 1, Impl::row(x, H), cs));
   if (m.fused) {
     for (int l = 0; l < m.n_layers; ++l) {
@@ -528,7 +526,7 @@ Status DeviceDecodeSession::enqueue_step() {
                                         {L.wk, L.bk, Impl::row(m.k(), kvd)},
                                         {L.wv, L.bv, Impl::row(m.v(), kvd)}};
       SF_TRY(kernels::gemv_parts(Impl::row(xn, H), qkv, 3, cs));
-      SF_TRY(kernels::rope(rope_view(m.q(), m.hq + m.hkv), d_pos, rope, cs));
+      SF_TRY(kernels::rope(m.heads(m.q(), 1, m.hq + m.hkv), d_pos, rope, cs));
       SF_TRY(attention(l));
       SF_TRY(kernels::gemv(Impl::row(att, qd), L.wo, none, Impl::row(tmp, H), cs));
       SF_TRY(kernels::add_rms_norm(Impl::row(x, H), Impl::row(tmp, H), L.ffn_norm, c.rms_eps,
@@ -547,8 +545,8 @@ Status DeviceDecodeSession::enqueue_step() {
     SF_TRY(m.linear(xn, H, L.wq, L.bq, m.q(), qd));
     SF_TRY(m.linear(xn, H, L.wk, L.bk, m.k(), kvd));
     SF_TRY(m.linear(xn, H, L.wv, L.bv, m.v(), kvd));
-    SF_TRY(kernels::rope(rope_view(m.q(), m.hq), d_pos, rope, cs));
-    SF_TRY(kernels::rope(rope_view(m.k(), m.hkv), d_pos, rope, cs));
+    SF_TRY(kernels::rope(m.heads(m.q(), 1, m.hq), d_pos, rope, cs));
+    SF_TRY(kernels::rope(m.heads(m.k(), 1, m.hkv), d_pos, rope, cs));
     SF_TRY(attention(l));
     SF_TRY(m.linear(att, qd, L.wo, none, tmp, H));
     SF_TRY(kernels::add_inplace(Impl::row(x, H), Impl::row(tmp, H), cs));
@@ -590,16 +588,7 @@ Status DeviceDecodeSession::run_pass(const int32_t* tokens, int n, std::vector<f
   const int64_t H = m.H, qd = int64_t(m.hq) * m.d, kvd = int64_t(m.hkv) * m.d, I = m.I, N = n;
   const TensorView none{};
   const kernels::Stream cs = m.cs();
-  auto rows = [N](float* p, int64_t cols) {
-    TensorView v = TensorView::make(p, DType::kF32, {N, cols});
-    v.device = Device::kCuda;
-    return v;
-  };
-  auto heads = [&](float* p, int h) {
-    TensorView v = TensorView::make(p, DType::kF32, {N, h, m.d});
-    v.device = Device::kCuda;
-    return v;
-  };
+  auto rows = [N](float* p, int64_t cols) { return Impl::mat(p, N, cols); };
   float *x = m.px.as<float>(), *xn = m.pxn.as<float>(), *q = m.pq.as<float>(),
         *att = m.patt.as<float>(), *tmp = m.ptmp.as<float>(), *gate = m.pgate.as<float>();
   kernels::PagedDecodeParams kp = m.kp_pass;
@@ -614,8 +603,8 @@ Status DeviceDecodeSession::run_pass(const int32_t* tokens, int n, std::vector<f
     const kernels::GemvPart qkv[3] = {
         {L.wq, L.bq, rows(q, qd)}, {L.wk, L.bk, rows(k, kvd)}, {L.wv, L.bv, rows(v, kvd)}};
     SF_TRY(kernels::gemv_parts(rows(xn, H), qkv, 3, cs));
-    SF_TRY(kernels::rope(heads(q, m.hq), d_pos, rope, cs));
-    SF_TRY(kernels::rope(heads(k, m.hkv), d_pos, rope, cs));
+    SF_TRY(kernels::rope(m.heads(q, N, m.hq), d_pos, rope, cs));
+    SF_TRY(kernels::rope(m.heads(k, N, m.hkv), d_pos, rope, cs));
     const kernels::PagedKv kv = m.pool.layer(l);
     SF_TRY(kernels::paged_append(kv, k, v, cs, n));
     SF_TRY(kernels::paged_decode_attention(q, m.hq, kv, kp, att, nullptr, m.attn_ws.data(),
