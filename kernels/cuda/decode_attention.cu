@@ -72,6 +72,7 @@ struct DecodeArgs {
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
   bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
   bool uni;     // psa per query head: rounds scored once per KV head's union (psa_union_*)
+  int psa_rounds;  // psa: the rounds that cover max_pages (PsaLayout::rounds)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -829,18 +830,18 @@ struct GqaKvState {
 // over pools of up to max_pages blocks per KV head. Round results: per query head, one slot per
 // ranked block of the round; with +gqa, per KV head, one slot per block any of its G query heads
 // may name this round (at most G x the round's size), scored for all G heads.
-// With the union rounds (not +gqa), results stay per query head, and per KV head a union slot
-// per block its query heads rank in a round (at most min(G x the round's size, max_pages)),
-// with the slot each head's results go to (u_head_slot).
+// With the union rounds (not +gqa), results stay per query head; per KV head a union slot per
+// block its query heads rank in a round (at most min(G x the round's size, max_pages)) and each
+// round's count of them; per query head each block's place in its order (pos).
 struct PsaLayout {
   int rounds = 0, round_max = 0;  // the rounds that cover max_pages; the largest one's size
   bool gqa = false, uni = false;
   int group = 1, slots = 0;  // G (+gqa, union); result slots per owner (query head, or KV head)
   int uslots = 0;            // +gqa, union: slots per KV head for the blocks it scores in a round
   size_t state = 0, o = 0, ub = 0, ord = 0, r_bm = 0, r_n = 0, r_mass = 0, r_o = 0;
-  size_t kvs = 0, mark = 0, cand_slot = 0, slot_page = 0;  // +gqa and union
-  size_t cursor = 0, loaded = 0, list = 0, list_n = 0;     // +gqa only
-  size_t u_head_slot = 0;                                  // union only
+  size_t mark = 0, slot_page = 0;                                // +gqa and union
+  size_t kvs = 0, cand_slot = 0, cursor = 0, loaded = 0, list = 0, list_n = 0;  // +gqa only
+  size_t pos = 0, u_count = 0;                                    // union only
   size_t bytes = 0;
 };
 // Whether a PSA launch scores its rounds by KV-head union (PagedDecodeParams::psa_union).
@@ -878,17 +879,18 @@ PsaLayout psa_layout(int n_heads, int n_kv_heads, int max_pages, int d, bool gqa
   L.r_o = take(owners * S * R * size_t(d) * sizeof(float));
   if (gqa || L.uni) {
     const size_t kv = size_t(n_kv_heads), U = size_t(L.uslots);
-    L.kvs = take(kv * sizeof(GqaKvState));
     L.mark = take(kv * P * sizeof(int));
-    L.cand_slot = take(kv * P * sizeof(int));
     L.slot_page = take(kv * U * sizeof(int));
     if (gqa) {
+      L.kvs = take(kv * sizeof(GqaKvState));
+      L.cand_slot = take(kv * P * sizeof(int));
       L.cursor = take(h * sizeof(int));
       L.loaded = take(kv * P);
       L.list = take(h * size_t(L.round_max) * sizeof(int));
       L.list_n = take(h * sizeof(int));
     } else {
-      L.u_head_slot = take(kv * U * G * sizeof(int));
+      L.pos = take(h * P * sizeof(int));
+      L.u_count = take(size_t(L.rounds) * kv * sizeof(int));
     }
   }
   L.bytes = at;
@@ -911,7 +913,9 @@ struct PsaWs {
   int* cursor;
   unsigned char* loaded;
   int *mark, *cand_slot, *slot_page, *list, *list_n;
-  int* u_head_slot;  // union: [KV head][uslots][G] the slot of query head i's results, or -1
+  // union: [n_heads][max_pages] each block's place in the head's order; [round][KV head] the
+  // round's union slots
+  int *pos, *u_count;
   int round_max, slots, group, uslots;
 };
 PsaWs psa_ws(void* base, const PsaLayout& L) {
@@ -933,7 +937,8 @@ PsaWs psa_ws(void* base, const PsaLayout& L) {
                reinterpret_cast<int*>(at(L.slot_page)),
                reinterpret_cast<int*>(at(L.list)),
                reinterpret_cast<int*>(at(L.list_n)),
-               reinterpret_cast<int*>(at(L.u_head_slot)),
+               reinterpret_cast<int*>(at(L.pos)),
+               reinterpret_cast<int*>(at(L.u_count)),
                L.round_max,
                L.slots,
                L.group,
@@ -983,17 +988,22 @@ __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeA
   Sort(sort_tmp).SortDescending(key, ord);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i)
-    if (tid * ITEMS + i < nb) w.ord[int64_t(h) * P + tid * ITEMS + i] = ord[i];
+    if (tid * ITEMS + i < nb) {
+      w.ord[int64_t(h) * P + tid * ITEMS + i] = ord[i];
+      if (a.uni) w.pos[int64_t(h) * P + ord[i]] = tid * ITEMS + i;
+    }
   for (int c = tid; c < D; c += blockDim.x) w.o[int64_t(h) * D + c] = 0.f;
   if (a.gqa || a.uni) {
-    // The first query head of a KV head resets the KV head's visit (union: its round marks).
+    // The first query head of a KV head resets the KV head's visit (union: its round marks and
+    // counts).
     if (a.gqa && tid == 0) w.cursor[h] = 0;
     if (h % w.group == 0) {
       for (int b = tid; b < nb; b += blockDim.x) {
         if (a.gqa) w.loaded[int64_t(g) * P + b] = 0;
         w.mark[int64_t(g) * P + b] = 0;
       }
-      if (tid == 0) w.kvs[g] = GqaKvState{0, 0, w.group, 0, nb == 0};
+      if (a.gqa && tid == 0) w.kvs[g] = GqaKvState{0, 0, w.group, 0, nb == 0};
+      if (a.uni && tid < a.psa_rounds) w.u_count[tid * a.kv.n_kv_heads + g] = 0;
     }
   }
   if (tid == 0) {
@@ -1046,60 +1056,41 @@ __global__ void __launch_bounds__(kPsaRoundWarps * 32)
 // The union round (DecodeArgs::uni), in two kernels. The query heads of a KV head rank their
 // blocks apart, and their visits overlap; a round of the per-head kernel above reads a block
 // once for each head that ranked it, at whatever time each head's warp comes to it.
-//   psa_union_cand_kernel: a CTA per KV head lists the blocks its running heads rank at
-//     [start, start + size): each block gets one union slot (the first head to list it takes a
-//     slot, by the round's stamp on the block), and records, per head, the result slot (its rank
-//     - start) or -1.
+//   psa_union_cand_kernel: a thread per (query head, ranked block of the round): the first to
+//     list a block for its KV head (by the round's stamp on it) gives it a union slot.
 //   psa_union_score_kernel: a warp per (union slot, query head), the G heads of a slot side by
-//     side, scores the block for each head that ranked it, into that head's result slot.
+//     side, scores the block for each running head whose order puts it in the round (its place,
+//     pos, minus start is that head's result slot).
 // The walk is unchanged, so the visits and outputs are the per-head kernel's bit for bit.
-constexpr int kUnionCandThreads = 256;
-__global__ void __launch_bounds__(kUnionCandThreads)
-    psa_union_cand_kernel(const DecodeArgs a, const PsaWs w, int round, int start, int size) {
-  __shared__ int n_cand;
-  const int g = blockIdx.x, G = w.group, P = a.kv.max_pages, stamp = round + 1;
-  const int span = max(0, min(a.kv.n_pages[g], start + size) - start);
-  if (threadIdx.x == 0) n_cand = 0;
-  __syncthreads();
-  int* const head_slot = w.u_head_slot + int64_t(g) * w.uslots * G;
-  for (int it = threadIdx.x; it < G * span; it += blockDim.x) {
-    const int h = g * G + it / span;
-    if (w.state[h].done) continue;
-    const int b = w.ord[int64_t(h) * P + start + it % span];
-    if (atomicMax(&w.mark[int64_t(g) * P + b], stamp) < stamp) {  // the first to list it
-      const int u = atomicAdd(&n_cand, 1);
-      w.cand_slot[int64_t(g) * P + b] = u;
-      w.slot_page[int64_t(g) * w.uslots + u] = b;
-    }
+__global__ void psa_union_cand_kernel(const DecodeArgs a, const PsaWs w, int round, int start,
+                                      int size) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.n_heads) * size) return;
+  const int h = int(idx / size), x = start + int(idx % size), g = head_kv(a, h);
+  const int P = a.kv.max_pages;
+  if (x >= a.kv.n_pages[g] || w.state[h].done) return;
+  const int b = w.ord[int64_t(h) * P + x];
+  if (atomicMax(&w.mark[int64_t(g) * P + b], round + 1) <= round) {  // the first to list it
+    const int u = atomicAdd(&w.u_count[round * a.kv.n_kv_heads + g], 1);
+    w.slot_page[int64_t(g) * w.uslots + u] = b;
   }
-  __syncthreads();  // n_cand and every cand_slot are final
-  const int nc = n_cand;
-  for (int it = threadIdx.x; it < nc * G; it += blockDim.x) head_slot[it] = -1;
-  __syncthreads();
-  for (int it = threadIdx.x; it < G * span; it += blockDim.x) {
-    const int i = it / span, h = g * G + i;
-    if (w.state[h].done) continue;
-    const int b = w.ord[int64_t(h) * P + start + it % span];
-    head_slot[int64_t(w.cand_slot[int64_t(g) * P + b]) * G + i] = it % span;
-  }
-  if (threadIdx.x == 0) w.kvs[g].n_cand = nc;
 }
 
 // Grid: n_kv_heads x ceil(usize x G / kPsaRoundWarps), usize the round's most union slots.
 template <int D, PoolDType T>
 __global__ void __launch_bounds__(kPsaRoundWarps * 32)
-    psa_union_score_kernel(const DecodeArgs a, const PsaWs w, int usize) {
-  const int G = w.group;
+    psa_union_score_kernel(const DecodeArgs a, const PsaWs w, int round, int start, int size,
+                           int usize) {
+  const int G = w.group, P = a.kv.max_pages;
   const int per_kv = (usize * G + kPsaRoundWarps - 1) / kPsaRoundWarps;
   const int g = blockIdx.x / per_kv;
   const int item = (blockIdx.x % per_kv) * kPsaRoundWarps + (threadIdx.x >> 5);
-  const int u = item / G, i = item % G;
-  if (u >= w.kvs[g].n_cand) return;
-  const int64_t us = int64_t(g) * w.uslots + u;
-  const int slot = w.u_head_slot[us * G + i];
-  if (slot < 0) return;
-  psa_score_slot<D, T>(a, w, g * G + i,
-                       slot, a.kv.pages[int64_t(g) * a.kv.max_pages + w.slot_page[us]]);
+  const int u = item / G, h = g * G + item % G;
+  if (u >= w.u_count[round * a.kv.n_kv_heads + g] || w.state[h].done) return;
+  const int b = w.slot_page[int64_t(g) * w.uslots + u];
+  const int x = w.pos[int64_t(h) * P + b];
+  if (x < start || x >= start + size) return;
+  psa_score_slot<D, T>(a, w, h, x - start, a.kv.pages[int64_t(g) * P + b]);
 }
 
 // Walk kernel: one warp per query head takes the round's results in rank order, kPsaChunk at a
@@ -2047,8 +2038,11 @@ int pass_splits(int n_heads, int n_kv_heads, int n_tokens, int max_pages) {
 // The PSA sequence (psa_round_kernel's comment): bounds, ranking, then every round that
 // max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
-Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
-  const PsaLayout L = psa_layout(a.n_heads, a.kv.n_kv_heads, a.kv.max_pages, D, a.gqa, a.uni);
+Status launch_psa(const DecodeArgs& args, void* workspace, cudaStream_t st) {
+  const PsaLayout L =
+      psa_layout(args.n_heads, args.kv.n_kv_heads, args.kv.max_pages, D, args.gqa, args.uni);
+  DecodeArgs a = args;
+  a.psa_rounds = L.rounds;
   const PsaWs w = psa_ws(workspace, L);
   const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
   psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
@@ -2082,11 +2076,12 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
     }
     if (a.uni) {
       const int usize = std::min(L.group * size, a.kv.max_pages);
-      psa_union_cand_kernel<<<unsigned(n_kv), kUnionCandThreads, 0, st>>>(a, w, r, start, size);
+      const int64_t listed = int64_t(a.n_heads) * size;
+      psa_union_cand_kernel<<<unsigned((listed + 255) / 256), 256, 0, st>>>(a, w, r, start, size);
       SF_CUDA_TRY(cudaGetLastError());
       psa_union_score_kernel<D, T>
           <<<unsigned(n_kv * ((usize * L.group + kPsaRoundWarps - 1) / kPsaRoundWarps)),
-             kPsaRoundWarps * 32, 0, st>>>(a, w, usize);
+             kPsaRoundWarps * 32, 0, st>>>(a, w, r, start, size, usize);
     } else {
       const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
       psa_round_kernel<D, T>
