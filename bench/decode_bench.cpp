@@ -21,7 +21,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -170,30 +169,16 @@ int main(int argc, char** argv) {
     const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
                                : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
                                                                    : 64.0 * d * 4 * 2;
-    // Every mode as the decode node runs it, then the A/B runs: full mode over an INT8 pool with
-    // a warp per query head (kv_shared false; the default shares each block's codes among a KV
-    // head's query heads), and psa:0.95 / psa-avg:0.95 with rounds per query head (psa_union
-    // false; the default scores a KV head's union once), whose outputs must be the default's
-    // bit for bit.
+    // Full mode over an INT8 pool runs twice: the query heads of a KV head sharing each
+    // block's codes (the default), then a warp per query head (kv_shared false).
     const bool encoded = enc == kvstore::KvEncoding::kInt8;
-    struct Run {
-      int si;
-      bool share, uni;
-    };
-    std::vector<Run> runs;
-    for (int si = 0; si < kSpecs; ++si) runs.push_back({si, true, true});
-    if (encoded) runs.push_back({0, false, true});
-    if (hq / hkv > 1) runs.push_back({1, true, false}), runs.push_back({2, true, false});
-    std::vector<std::vector<float>> union_out(kSpecs);
-    for (const Run& run : runs) {
-      const int si = run.si;
+    for (int run = 0; run < (encoded ? kSpecs + 1 : kSpecs); ++run) {
+      const int si = run < kSpecs ? run : 0;
       const char* spec = specs[si];
       auto p = decode::decode_attn_parse(spec);
       kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-      kp.share_kv_heads = run.share;
-      kp.psa_union = run.uni;
+      kp.share_kv_heads = run < kSpecs;
       const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
-      const bool union_rounds = kp.psa && !kp.psa_share_kv_head && kp.psa_union && hq / hkv > 1;
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),
@@ -204,13 +189,6 @@ int main(int argc, char** argv) {
       const double dev_us = timed.value();
       std::vector<int32_t> vis(static_cast<size_t>(hq));
       (void)dvis.download(vis.data(), vis.size() * 4);
-      std::vector<float> out(q.size());
-      (void)dout.download(out.data(), out.size() * 4);
-      // -1: no union run to compare with; 1: bit for bit the union rounds' output.
-      int same_as_union = -1;
-      if (union_rounds) union_out[size_t(si)] = out;
-      if (kp.psa && !kp.psa_union && !union_out[size_t(si)].empty())
-        same_as_union = std::memcmp(out.data(), union_out[size_t(si)].data(), out.size() * 4) == 0;
       int64_t visited = 0;
       int32_t most = 0;  // the query head that visits most sets a PSA launch's time
       for (int32_t v : vis) visited += v, most = std::max(most, v);
@@ -223,16 +201,13 @@ int main(int argc, char** argv) {
           "\"device_blocks_visited\": %lld, \"max_head_blocks_visited_frac\": %.4f, "
           "\"kv_blocks_loaded_frac\": %.4f, \"device_us\": %.1f, \"host_us\": %.1f, "
           "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s, "
-          "\"psa_union_rounds\": %s, \"same_as_union_rounds\": %s, "
           "\"commit\": \"%s\", \"command\": \"%s\"}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
           static_cast<long long>(host_visited[si]), static_cast<long long>(visited),
           double(most) / double(nb), host_kv_loaded[si], dev_us,
           host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
-          union_rounds ? "true" : "false",
-          same_as_union < 0 ? "null" : same_as_union ? "true" : "false", commit.c_str(),
-          command.c_str());
+          commit.c_str(), command.c_str());
     }
     // A verification pass's attention (full mode, PagedDecodeParams::n_tokens): the newest
     // `nt` keys of each KV head taken as the pass's tokens, against nt single-token full calls.

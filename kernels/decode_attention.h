@@ -57,11 +57,6 @@ struct PagedDecodeParams {
   // naming blocks, every head folds every loaded block, so a block is read once for the group.
   // Up to kDecodePsaGqaMaxGroup query heads per KV head.
   bool psa_share_kv_head = false;
-  // psa per query head, 2+ query heads per KV head: a round scores each block that any query
-  // head of a KV head ranks in it once for the group (the heads that ranked it side by side, so
-  // its rows meet in L1), instead of a warp per (query head, ranked block) on its own. The
-  // visits and every output bit are the same either way; false is kept for A/B timing.
-  bool psa_union = true;
   // Full mode: tokens attended at once, a verification pass's (decode::decode_attention_causal).
   // q and out are [n_tokens, n_heads, head_dim]; every token's K/V is already in the pool, and
   // token i does not see the newest n_tokens - 1 - i keys of each KV head. A block is staged in

@@ -71,8 +71,6 @@ struct DecodeArgs {
   bool pin, recent_mean;
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
   bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
-  bool uni;     // psa per query head: rounds scored once per KV head's union (psa_union_*)
-  int psa_rounds;  // psa: the rounds that cover max_pages (PsaLayout::rounds)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -830,39 +828,26 @@ struct GqaKvState {
 // over pools of up to max_pages blocks per KV head. Round results: per query head, one slot per
 // ranked block of the round; with +gqa, per KV head, one slot per block any of its G query heads
 // may name this round (at most G x the round's size), scored for all G heads.
-// With the union rounds (not +gqa), results stay per query head; per KV head a union slot per
-// block its query heads rank in a round (at most min(G x the round's size, max_pages)) and each
-// round's count of them; per query head each block's place in its order (pos).
 struct PsaLayout {
   int rounds = 0, round_max = 0;  // the rounds that cover max_pages; the largest one's size
-  bool gqa = false, uni = false;
-  int group = 1, slots = 0;  // G (+gqa, union); result slots per owner (query head, or KV head)
-  int uslots = 0;            // +gqa, union: slots per KV head for the blocks it scores in a round
+  bool gqa = false;
+  int group = 1, slots = 0;  // +gqa: G; result slots per owner (query head, or KV head)
   size_t state = 0, o = 0, ub = 0, ord = 0, r_bm = 0, r_n = 0, r_mass = 0, r_o = 0;
-  size_t mark = 0, slot_page = 0;                                // +gqa and union
-  size_t kvs = 0, cand_slot = 0, cursor = 0, loaded = 0, list = 0, list_n = 0;  // +gqa only
-  size_t pos = 0, u_count = 0;                                    // union only
+  size_t kvs = 0, cursor = 0, loaded = 0, mark = 0, cand_slot = 0, slot_page = 0, list = 0,
+         list_n = 0;  // +gqa only
   size_t bytes = 0;
 };
-// Whether a PSA launch scores its rounds by KV-head union (PagedDecodeParams::psa_union).
-bool psa_union_on(int n_heads, int n_kv_heads, const PagedDecodeParams& p) {
-  return p.psa && !p.psa_share_kv_head && p.psa_union && n_kv_heads > 0 &&
-         n_heads / n_kv_heads > 1;
-}
-PsaLayout psa_layout(int n_heads, int n_kv_heads, int max_pages, int d, bool gqa, bool uni) {
+PsaLayout psa_layout(int n_heads, int n_kv_heads, int max_pages, int d, bool gqa) {
   PsaLayout L;
   for (int covered = 0; covered < max_pages; ++L.rounds) {
     covered += psa_round_size(L.rounds);
     L.round_max = psa_round_size(L.rounds);
   }
   L.gqa = gqa;
-  L.uni = uni && !gqa;
-  L.group = gqa || L.uni ? n_heads / n_kv_heads : 1;
-  L.uslots = gqa || L.uni ? std::min(L.group * L.round_max, max_pages) : 0;
-  L.slots = gqa ? L.uslots : L.round_max;
+  L.group = gqa ? n_heads / n_kv_heads : 1;
+  L.slots = gqa ? std::min(L.group * L.round_max, max_pages) : L.round_max;
   const size_t h = size_t(n_heads), P = size_t(max_pages), G = size_t(L.group);
   const size_t owners = gqa ? size_t(n_kv_heads) : h, S = size_t(L.slots);
-  const size_t R = gqa ? G : 1;  // results per slot: +gqa scores a slot for every head
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t off = at;
@@ -873,25 +858,20 @@ PsaLayout psa_layout(int n_heads, int n_kv_heads, int max_pages, int d, bool gqa
   L.o = take(h * size_t(d) * sizeof(float));
   L.ub = take(h * P * sizeof(float));
   L.ord = take(h * P * sizeof(int));
-  L.r_bm = take(owners * S * R * sizeof(float));
+  L.r_bm = take(owners * S * G * sizeof(float));
   L.r_n = take(owners * S * sizeof(int));
-  L.r_mass = take(owners * S * R * sizeof(double));
-  L.r_o = take(owners * S * R * size_t(d) * sizeof(float));
-  if (gqa || L.uni) {
-    const size_t kv = size_t(n_kv_heads), U = size_t(L.uslots);
+  L.r_mass = take(owners * S * G * sizeof(double));
+  L.r_o = take(owners * S * G * size_t(d) * sizeof(float));
+  if (gqa) {
+    const size_t kv = size_t(n_kv_heads);
+    L.kvs = take(kv * sizeof(GqaKvState));
+    L.cursor = take(h * sizeof(int));
+    L.loaded = take(kv * P);
     L.mark = take(kv * P * sizeof(int));
-    L.slot_page = take(kv * U * sizeof(int));
-    if (gqa) {
-      L.kvs = take(kv * sizeof(GqaKvState));
-      L.cand_slot = take(kv * P * sizeof(int));
-      L.cursor = take(h * sizeof(int));
-      L.loaded = take(kv * P);
-      L.list = take(h * size_t(L.round_max) * sizeof(int));
-      L.list_n = take(h * sizeof(int));
-    } else {
-      L.pos = take(h * P * sizeof(int));
-      L.u_count = take(size_t(L.rounds) * kv * sizeof(int));
-    }
+    L.cand_slot = take(kv * P * sizeof(int));
+    L.slot_page = take(kv * S * sizeof(int));
+    L.list = take(h * size_t(L.round_max) * sizeof(int));
+    L.list_n = take(h * sizeof(int));
   }
   L.bytes = at;
   return L;
@@ -913,14 +893,11 @@ struct PsaWs {
   int* cursor;
   unsigned char* loaded;
   int *mark, *cand_slot, *slot_page, *list, *list_n;
-  // union: [n_heads][max_pages] each block's place in the head's order; [round][KV head] the
-  // round's union slots
-  int *pos, *u_count;
-  int round_max, slots, group, uslots;
+  int round_max, slots, group;
 };
 PsaWs psa_ws(void* base, const PsaLayout& L) {
   char* b = static_cast<char*>(base);
-  auto at = [&](size_t off) { return off ? b + off : nullptr; };
+  auto at = [&](size_t off) { return L.gqa ? b + off : nullptr; };
   return PsaWs{reinterpret_cast<PsaHeadState*>(b + L.state),
                reinterpret_cast<float*>(b + L.o),
                reinterpret_cast<float*>(b + L.ub),
@@ -937,12 +914,9 @@ PsaWs psa_ws(void* base, const PsaLayout& L) {
                reinterpret_cast<int*>(at(L.slot_page)),
                reinterpret_cast<int*>(at(L.list)),
                reinterpret_cast<int*>(at(L.list_n)),
-               reinterpret_cast<int*>(at(L.pos)),
-               reinterpret_cast<int*>(at(L.u_count)),
                L.round_max,
                L.slots,
-               L.group,
-               L.uslots};
+               L.group};
 }
 
 __device__ __forceinline__ int head_kv(const DecodeArgs& a, int h) {
@@ -988,22 +962,17 @@ __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeA
   Sort(sort_tmp).SortDescending(key, ord);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i)
-    if (tid * ITEMS + i < nb) {
-      w.ord[int64_t(h) * P + tid * ITEMS + i] = ord[i];
-      if (a.uni) w.pos[int64_t(h) * P + ord[i]] = tid * ITEMS + i;
-    }
+    if (tid * ITEMS + i < nb) w.ord[int64_t(h) * P + tid * ITEMS + i] = ord[i];
   for (int c = tid; c < D; c += blockDim.x) w.o[int64_t(h) * D + c] = 0.f;
-  if (a.gqa || a.uni) {
-    // The first query head of a KV head resets the KV head's visit (union: its round marks and
-    // counts).
-    if (a.gqa && tid == 0) w.cursor[h] = 0;
+  if (a.gqa) {
+    // The first query head of a KV head resets the KV head's visit.
+    if (tid == 0) w.cursor[h] = 0;
     if (h % w.group == 0) {
       for (int b = tid; b < nb; b += blockDim.x) {
-        if (a.gqa) w.loaded[int64_t(g) * P + b] = 0;
+        w.loaded[int64_t(g) * P + b] = 0;
         w.mark[int64_t(g) * P + b] = 0;
       }
-      if (a.gqa && tid == 0) w.kvs[g] = GqaKvState{0, 0, w.group, 0, nb == 0};
-      if (a.uni && tid < a.psa_rounds) w.u_count[tid * a.kv.n_kv_heads + g] = 0;
+      if (tid == 0) w.kvs[g] = GqaKvState{0, 0, w.group, 0, nb == 0};
     }
   }
   if (tid == 0) {
@@ -1019,12 +988,19 @@ __global__ void __launch_bounds__(kPsaRankThreads) psa_rank_kernel(const DecodeA
     for (int c = tid; c < D; c += blockDim.x) a.out[int64_t(h) * D + c] = 0.f;
 }
 
-// One warp scores block blk for query head h into h's round result `slot` (the walk reads it).
+// Round kernel: warp (head, slot) scores ranked block start + slot of its head, unless the head
+// is done or has fewer blocks. Grid: n_heads x ceil(size / kPsaRoundWarps) CTAs.
 template <int D, PoolDType T>
-__device__ __forceinline__ void psa_score_slot(const DecodeArgs& a, const PsaWs& w, int h,
-                                               int slot, int64_t blk) {
+__global__ void __launch_bounds__(kPsaRoundWarps * 32)
+    psa_round_kernel(const DecodeArgs a, const PsaWs w, int start, int size) {
   constexpr int LPR = D / 4;
-  const int lane = threadIdx.x & 31;
+  const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
+  const int h = blockIdx.x / per_head, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = (blockIdx.x % per_head) * kPsaRoundWarps + warp, i = start + slot;
+  const int g = head_kv(a, h), nb = a.kv.n_pages[g];
+  if (slot >= size || i >= nb || w.state[h].done) return;
+  const int P = a.kv.max_pages;
+  const int64_t blk = a.kv.pages[int64_t(g) * P + w.ord[int64_t(h) * P + i]];
   const int n = a.kv.fill[blk];
   float bm = -INFINITY;
   double mass = 0;
@@ -1037,60 +1013,6 @@ __device__ __forceinline__ void psa_score_slot(const DecodeArgs& a, const PsaWs&
   const int64_t r = int64_t(h) * w.round_max + slot;
   if (lane < LPR) reinterpret_cast<float4*>(w.r_o + r * D)[lane] = ob;
   if (lane == 0) w.r_bm[r] = bm, w.r_mass[r] = mass, w.r_n[r] = n;
-}
-
-// Round kernel: warp (head, slot) scores ranked block start + slot of its head, unless the head
-// is done or has fewer blocks. Grid: n_heads x ceil(size / kPsaRoundWarps) CTAs.
-template <int D, PoolDType T>
-__global__ void __launch_bounds__(kPsaRoundWarps * 32)
-    psa_round_kernel(const DecodeArgs a, const PsaWs w, int start, int size) {
-  const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
-  const int h = blockIdx.x / per_head, warp = threadIdx.x >> 5;
-  const int slot = (blockIdx.x % per_head) * kPsaRoundWarps + warp, i = start + slot;
-  const int g = head_kv(a, h), nb = a.kv.n_pages[g];
-  if (slot >= size || i >= nb || w.state[h].done) return;
-  const int P = a.kv.max_pages;
-  psa_score_slot<D, T>(a, w, h, slot, a.kv.pages[int64_t(g) * P + w.ord[int64_t(h) * P + i]]);
-}
-
-// The union round (DecodeArgs::uni), in two kernels. The query heads of a KV head rank their
-// blocks apart, and their visits overlap; a round of the per-head kernel above reads a block
-// once for each head that ranked it, at whatever time each head's warp comes to it.
-//   psa_union_cand_kernel: a thread per (query head, ranked block of the round): the first to
-//     list a block for its KV head (by the round's stamp on it) gives it a union slot.
-//   psa_union_score_kernel: a warp per (union slot, query head), the G heads of a slot side by
-//     side, scores the block for each running head whose order puts it in the round (its place,
-//     pos, minus start is that head's result slot).
-// The walk is unchanged, so the visits and outputs are the per-head kernel's bit for bit.
-__global__ void psa_union_cand_kernel(const DecodeArgs a, const PsaWs w, int round, int start,
-                                      int size) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(a.n_heads) * size) return;
-  const int h = int(idx / size), x = start + int(idx % size), g = head_kv(a, h);
-  const int P = a.kv.max_pages;
-  if (x >= a.kv.n_pages[g] || w.state[h].done) return;
-  const int b = w.ord[int64_t(h) * P + x];
-  if (atomicMax(&w.mark[int64_t(g) * P + b], round + 1) <= round) {  // the first to list it
-    const int u = atomicAdd(&w.u_count[round * a.kv.n_kv_heads + g], 1);
-    w.slot_page[int64_t(g) * w.uslots + u] = b;
-  }
-}
-
-// Grid: n_kv_heads x ceil(usize x G / kPsaRoundWarps), usize the round's most union slots.
-template <int D, PoolDType T>
-__global__ void __launch_bounds__(kPsaRoundWarps * 32)
-    psa_union_score_kernel(const DecodeArgs a, const PsaWs w, int round, int start, int size,
-                           int usize) {
-  const int G = w.group, P = a.kv.max_pages;
-  const int per_kv = (usize * G + kPsaRoundWarps - 1) / kPsaRoundWarps;
-  const int g = blockIdx.x / per_kv;
-  const int item = (blockIdx.x % per_kv) * kPsaRoundWarps + (threadIdx.x >> 5);
-  const int u = item / G, h = g * G + item % G;
-  if (u >= w.u_count[round * a.kv.n_kv_heads + g] || w.state[h].done) return;
-  const int b = w.slot_page[int64_t(g) * w.uslots + u];
-  const int x = w.pos[int64_t(h) * P + b];
-  if (x < start || x >= start + size) return;
-  psa_score_slot<D, T>(a, w, h, x - start, a.kv.pages[int64_t(g) * P + b]);
 }
 
 // Walk kernel: one warp per query head takes the round's results in rank order, kPsaChunk at a
@@ -2038,11 +1960,8 @@ int pass_splits(int n_heads, int n_kv_heads, int n_tokens, int max_pages) {
 // The PSA sequence (psa_round_kernel's comment): bounds, ranking, then every round that
 // max_pages can need (a fixed count, so the launch fits a CUDA graph).
 template <int D, PoolDType T>
-Status launch_psa(const DecodeArgs& args, void* workspace, cudaStream_t st) {
-  const PsaLayout L =
-      psa_layout(args.n_heads, args.kv.n_kv_heads, args.kv.max_pages, D, args.gqa, args.uni);
-  DecodeArgs a = args;
-  a.psa_rounds = L.rounds;
+Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
+  const PsaLayout L = psa_layout(a.n_heads, a.kv.n_kv_heads, a.kv.max_pages, D, a.gqa);
   const PsaWs w = psa_ws(workspace, L);
   const int64_t items = int64_t(a.n_heads) * a.kv.max_pages;
   psa_bounds_kernel<D><<<unsigned((items + 255) / 256), 256, 0, st>>>(a, w);
@@ -2074,19 +1993,9 @@ Status launch_psa(const DecodeArgs& args, void* workspace, cudaStream_t st) {
       SF_CUDA_TRY(cudaGetLastError());
       continue;
     }
-    if (a.uni) {
-      const int usize = std::min(L.group * size, a.kv.max_pages);
-      const int64_t listed = int64_t(a.n_heads) * size;
-      psa_union_cand_kernel<<<unsigned((listed + 255) / 256), 256, 0, st>>>(a, w, r, start, size);
-      SF_CUDA_TRY(cudaGetLastError());
-      psa_union_score_kernel<D, T>
-          <<<unsigned(n_kv * ((usize * L.group + kPsaRoundWarps - 1) / kPsaRoundWarps)),
-             kPsaRoundWarps * 32, 0, st>>>(a, w, r, start, size, usize);
-    } else {
-      const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
-      psa_round_kernel<D, T>
-          <<<unsigned(a.n_heads * per_head), kPsaRoundWarps * 32, 0, st>>>(a, w, start, size);
-    }
+    const int per_head = (size + kPsaRoundWarps - 1) / kPsaRoundWarps;
+    psa_round_kernel<D, T>
+        <<<unsigned(a.n_heads * per_head), kPsaRoundWarps * 32, 0, st>>>(a, w, start, size);
     SF_CUDA_TRY(cudaGetLastError());
     psa_walk_kernel<D><<<unsigned(a.n_heads), kPsaWalkWarps * 32, 0, st>>>(a, w, start, size);
     SF_CUDA_TRY(cudaGetLastError());
@@ -2188,7 +2097,7 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
     return 0;
   // Full mode's partials, or PSA's bounds, order, walk state and round results.
   return p.psa ? psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim,
-                            p.psa_share_kv_head, psa_union_on(n_heads, kv.n_kv_heads, p))
+                            p.psa_share_kv_head)
                      .bytes
                : full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1));
 }
@@ -2219,7 +2128,6 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.pin = p.pin_sink_recent;
   a.recent_mean = p.recent_mean;
   a.gqa = p.psa && p.psa_share_kv_head;
-  a.uni = psa_union_on(n_heads, kv.n_kv_heads, p);
   const size_t need = p.psa || a.splits > 1 ? cuda::paged_decode_workspace_bytes(n_heads, kv, p) : 0;
   if (need > 0) {
     if (!workspace || workspace_bytes < need)

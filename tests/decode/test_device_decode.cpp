@@ -79,10 +79,21 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
   return p;
 }
 
-// One device launch of the paged kernel on q over pool's layer 0, outputs poisoned first.
-void run_device(const decode::DevicePagedPool& pool, const std::vector<float>& q, int hq,
-                const kernels::PagedDecodeParams& kp, std::vector<float>* got,
-                std::vector<int32_t>* vis) {
+// The device kernel's output and visits for one mode, against the host's on the same cache.
+// tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
+// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools).
+void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
+                         const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
+                         bool share = true) {
+  const int hq = int(q.size()) / cache.head_dim();
+  auto p = decode::decode_attn_parse(spec);
+  ASSERT_TRUE(p.is_ok());
+  std::vector<float> want(q.size());
+  decode::DecodeAttnStats hs;
+  ASSERT_TRUE(
+      decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
+  kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
+  kp.share_kv_heads = share;
   DeviceBuffer dq, dout, dvis, dws;
   const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0), kp);
   if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
@@ -98,33 +109,10 @@ void run_device(const decode::DevicePagedPool& pool, const std::vector<float>& q
                                               dws.size(), s)
                   .is_ok());
   ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
-  got->resize(q.size());
-  vis->resize(size_t(hq));
-  ASSERT_TRUE(dout.download(got->data(), got->size() * 4).is_ok());
-  ASSERT_TRUE(dvis.download(vis->data(), vis->size() * 4).is_ok());
-}
-
-// The device kernel's output and visits for one mode, against the host's on the same cache.
-// tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
-// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools). PSA per query head with
-// 2+ query heads per KV head runs its rounds both ways (PagedDecodeParams::psa_union), which
-// must agree bit for bit.
-void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
-                         const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
-                         bool share = true) {
-  const int hq = int(q.size()) / cache.head_dim();
-  auto p = decode::decode_attn_parse(spec);
-  ASSERT_TRUE(p.is_ok());
-  std::vector<float> want(q.size());
-  decode::DecodeAttnStats hs;
-  ASSERT_TRUE(
-      decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
-  kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-  kp.share_kv_heads = share;
-  std::vector<float> got;
-  std::vector<int32_t> vis;
-  run_device(pool, q, hq, kp, &got, &vis);
-  if (::testing::Test::HasFatalFailure()) return;
+  std::vector<float> got(q.size());
+  std::vector<int32_t> vis(hq);
+  ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
+  ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
   int64_t visited = 0;
   for (int32_t v : vis) visited += v;
   EXPECT_EQ(visited, hs.blocks_visited) << spec;
@@ -137,22 +125,9 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
   }
   EXPECT_LT(worst, tol) << spec;
-  const bool both_rounds = kp.psa && !kp.psa_share_kv_head && hq / cache.n_kv_heads() > 1;
-  if (both_rounds) {
-    kernels::PagedDecodeParams split = kp;
-    split.psa_union = false;
-    std::vector<float> got_split;
-    std::vector<int32_t> vis_split;
-    run_device(pool, q, hq, split, &got_split, &vis_split);
-    if (::testing::Test::HasFatalFailure()) return;
-    EXPECT_EQ(vis_split, vis) << spec << ": rounds per query head against union rounds";
-    EXPECT_EQ(0, std::memcmp(got_split.data(), got.data(), got.size() * 4))
-        << spec << ": rounds per query head against union rounds";
-  }
-  std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g%s\n", cache.head_dim(),
+  std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
               spec.c_str(), share ? "" : " (a warp per query head)", static_cast<long long>(visited),
-              static_cast<long long>(hs.blocks_total), worst,
-              both_rounds ? ", union rounds = per-head rounds" : "");
+              static_cast<long long>(hs.blocks_total), worst);
 }
 
 // Appends `count` random tokens (positions from first_pos) to the host cache, and to the pool by
