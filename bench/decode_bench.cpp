@@ -169,16 +169,20 @@ int main(int argc, char** argv) {
     const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
                                : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
                                                                    : 64.0 * d * 4 * 2;
-    // Full mode over an INT8 pool runs twice: the query heads of a KV head sharing each
-    // block's codes (the default), then a warp per query head (kv_shared false).
+    // Full mode runs twice, the default and then the other kernel: over an INT8 pool the query
+    // heads of a KV head sharing each block's codes, then a warp per query head (kv_shared
+    // false); over F32 and BF16 blocks staged in shared memory by bulk copies, then a warp per
+    // query head loading its own rows (staged false).
     const bool encoded = enc == kvstore::KvEncoding::kInt8;
-    for (int run = 0; run < (encoded ? kSpecs + 1 : kSpecs); ++run) {
+    for (int run = 0; run < kSpecs + 1; ++run) {
       const int si = run < kSpecs ? run : 0;
       const char* spec = specs[si];
       auto p = decode::decode_attn_parse(spec);
       kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-      kp.share_kv_heads = run < kSpecs;
+      kp.share_kv_heads = !encoded || run < kSpecs;
+      kp.full_staged = encoded || run < kSpecs;
       const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
+      const bool staged = si == 0 && !encoded && kp.full_staged && hq / hkv <= 8;
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),
@@ -201,13 +205,13 @@ int main(int argc, char** argv) {
           "\"device_blocks_visited\": %lld, \"max_head_blocks_visited_frac\": %.4f, "
           "\"kv_blocks_loaded_frac\": %.4f, \"device_us\": %.1f, \"host_us\": %.1f, "
           "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s, "
-          "\"commit\": \"%s\", \"command\": \"%s\"}\n",
+          "\"staged\": %s, \"commit\": \"%s\", \"command\": \"%s\"}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
           static_cast<long long>(host_visited[si]), static_cast<long long>(visited),
           double(most) / double(nb), host_kv_loaded[si], dev_us,
           host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
-          commit.c_str(), command.c_str());
+          staged ? "true" : "false", commit.c_str(), command.c_str());
     }
     // A verification pass's attention (full mode, PagedDecodeParams::n_tokens): the newest
     // `nt` keys of each KV head taken as the pass's tokens, against nt single-token full calls.

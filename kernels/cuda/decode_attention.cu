@@ -48,6 +48,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/mbarrier.cuh"
 #include "kernels/cuda/smem_opt_in.h"
 
 namespace sf::kernels::cuda {
@@ -71,6 +72,7 @@ struct DecodeArgs {
   bool pin, recent_mean;
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
   bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
+  int staged_splits, staged_w;  // full mode: full_staged_kernel's plan (0: full_kernel)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -104,12 +106,13 @@ inline constexpr int kElemsPerLoad = T == PoolDType::kF32    ? 4
                                                              : 16;
 
 // Elements idx .. idx + E - 1 of a pool array (16-byte aligned) as floats; INT8: the codes (a
-// byte under the exponent of 2^23, minus 2^23: exact, and cheaper than a conversion).
-template <PoolDType T>
+// byte under the exponent of 2^23, minus 2^23: exact, and cheaper than a conversion). kSmem:
+// base is a block staged in shared memory (full_staged_kernel).
+template <PoolDType T, bool kSmem = false>
 __device__ __forceinline__ void ld_elems(const void* base, int64_t idx, float* x) {
   constexpr int E = kElemsPerLoad<T>;
-  const uint4 u =
-      __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(base) + idx * (16 / E)));
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + idx * (16 / E));
+  const uint4 u = kSmem ? *p : __ldg(p);
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -154,10 +157,13 @@ __device__ __forceinline__ void load_q(const float* q, float* qf) {
 // One warp, block blk (n <= 64 keys) for one query: qf is this lane's channels of the query
 // (load_q). Lanes read a row in D / E groups of E channels, 32 / (D / E) rows a load. Returns
 // the block max bm of the scaled scores, mass = sum_t exp(s_t - bm) (double) and, in lanes
-// l < D / 4, o4 = sum_t exp(s_t - bm) v_t on channels 4 l .. 4 l + 3.
-template <int D, PoolDType T>
+// l < D / 4, o4 = sum_t exp(s_t - bm) v_t on channels 4 l .. 4 l + 3. With kSmem the block's
+// keys and values are read from a copy in shared memory, sk and sv ([64][D] each; F32 and BF16).
+template <int D, PoolDType T, bool kSmem = false>
 __device__ __forceinline__ void warp_block(const float* qf, const PagedKv& kv, int64_t blk, int n,
-                                           float scale, float* bm, double* mass, float4* o4) {
+                                           float scale, float* bm, double* mass, float4* o4,
+                                           const void* sk = nullptr, const void* sv = nullptr) {
+  static_assert(!kSmem || T != PoolDType::kInt8, "INT8 blocks are read from global memory");
   constexpr int E = kElemsPerLoad<T>;
   constexpr int LPR = D / E;     // lanes per row
   constexpr int RPL = 32 / LPR;  // rows per warp load
@@ -185,7 +191,10 @@ __device__ __forceinline__ void warp_block(const float* qf, const PagedKv& kv, i
       const int row = round * 32 + j * RPL + sub;
       float x[E];
       if (row < n) {
-        ld_elems<T>(kv.k, (row0 + row) * D + E * grp, x);
+        if constexpr (kSmem)
+          ld_elems<T, true>(sk, int64_t(row) * D + E * grp, x);
+        else
+          ld_elems<T>(kv.k, (row0 + row) * D + E * grp, x);
       } else {
 #pragma unroll
         for (int i = 0; i < E; ++i) x[i] = 0.f;
@@ -234,7 +243,10 @@ __device__ __forceinline__ void warp_block(const float* qf, const PagedKv& kv, i
       accz += __shfl_sync(kAll, (j * RPL) < 32 ? ez[0] : ez[1], src);
     if (row < n) {
       float x[E];
-      ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
+      if constexpr (kSmem)
+        ld_elems<T, true>(sv, int64_t(row) * D + E * grp, x);
+      else
+        ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
 #pragma unroll
       for (int i = 0; i < E; ++i) acc[i] += w * x[i];
     }
@@ -337,6 +349,104 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
     }
   }
   if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
+}
+
+// Full mode, one token, F32 and BF16 pools: CTA (KV head, split). One producer thread streams
+// the split's blocks through a ring of staged_stages() shared-memory stages, a block's keys and
+// its values one bulk copy each; consumer warp c reads them there for query head c % G of the
+// KV head, taking every W-th block (W = kStagedConsumers / G warps a head). A block then comes
+// from memory once for its G query heads, and the copies run ahead of the arithmetic instead of
+// waiting on it (full_kernel: a warp per query head loads its own rows). Each consumer warp
+// writes its own partial; the merge takes splits x W of them per query head.
+constexpr int kStagedConsumers = 8;  // consumer warps a CTA can hold (G x W of them work)
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_block_bytes() {  // the keys (or the values) of one block
+  return size_t(kBT) * D * (T == PoolDType::kF32 ? 4 : 2);
+}
+template <int D, PoolDType T>
+__host__ __device__ constexpr int staged_stages() {  // as many as fit about 96 KB, 2 to 4
+  const int fit = int((96 * 1024) / (2 * staged_block_bytes<D, T>()));
+  return fit < 2 ? 2 : fit > 4 ? 4 : fit;
+}
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_smem_bytes() {
+  return size_t(staged_stages<D, T>()) * (2 * staged_block_bytes<D, T>() + 2 * sizeof(uint64_t));
+}
+
+template <int D, PoolDType T>
+__global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
+    full_staged_kernel(const DecodeArgs a, int splits, int W) {
+  constexpr int S = staged_stages<D, T>(), LPR = D / 4;
+  constexpr size_t HB = staged_block_bytes<D, T>();
+  extern __shared__ __align__(128) unsigned char staged_smem[];
+  unsigned char* const smem = staged_smem;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * 2 * HB);  // stage's copies landed
+  uint64_t* empty = full + S;                                       // its G readers are done
+  const int n_kv = a.kv.n_kv_heads, G = a.n_heads / n_kv;
+  const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nb = a.kv.n_pages[g], per = (nb + splits - 1) / splits;
+  const int b0 = min(nb, split * per), b1 = min(nb, b0 + per);
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G);
+    mbar::init_fence();
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Block i of the split goes to stage i % S once that stage's block i - S has been read.
+    if (lane == 0)
+      for (int b = b0, i = 0; b < b1; ++b, ++i) {
+        const int s = i % S;
+        if (i >= S) mbar::wait(&empty[s], ((i / S) - 1) & 1);
+        const int64_t blk = pages[b];
+        mbar::arrive_expect_tx(&full[s], uint32_t(2 * HB));
+        mbar::bulk_copy(smem + s * 2 * HB, static_cast<const char*>(a.kv.k) + blk * HB,
+                        uint32_t(HB), &full[s]);
+        mbar::bulk_copy(smem + s * 2 * HB + HB, static_cast<const char*>(a.kv.v) + blk * HB,
+                        uint32_t(HB), &full[s]);
+      }
+    return;
+  }
+  const int c = warp - 1;
+  if (c >= G * W) return;
+  const int h = g * G + c % G, w = c / G;
+  float qf[kElemsPerLoad<T>];
+  load_q<D, T>(a.q + int64_t(h) * D, qf);
+  float m = -INFINITY;
+  double l = 0;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int b = b0 + w, i = w; b < b1; b += W, i += W) {
+    const int s = i % S;
+    mbar::wait(&full[s], (i / S) & 1);
+    const int64_t blk = pages[b];
+    const int n = a.kv.fill[blk];
+    if (n > 0) {
+      float bm;
+      double mass;
+      float4 ob;
+      warp_block<D, T, true>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob, smem + s * 2 * HB,
+                             smem + s * 2 * HB + HB);
+      fold(bm, mass, ob, &m, &l, &o);
+    }
+    __syncwarp();
+    if (lane == 0) mbar::arrive(&empty[s]);
+  }
+  const int parts = splits * W;
+  if (parts == 1) {
+    const float inv = l > 0 ? float(1.0 / l) : 0.f;
+    if (lane < LPR)
+      reinterpret_cast<float4*>(a.out + int64_t(h) * D)[lane] =
+          make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+  } else {
+    float* dst = a.ws + (int64_t(h) * parts + split * W + w) * (D + 4);
+    if (lane < LPR) reinterpret_cast<float4*>(dst)[lane] = o;
+    if (lane == 0) {
+      dst[D] = m;
+      reinterpret_cast<double*>(dst + D + 2)[0] = l;
+    }
+  }
+  if (lane == 0 && split == 0 && w == 0 && a.visited) a.visited[h] = nb;
 }
 
 // Merges a query head's splits (one CTA per row: a query head, or with several tokens a
@@ -1945,6 +2055,54 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   return std::max(1, std::min(want, most));
 }
 
+// full_staged_kernel's CTAs an SM (its shared memory opted in first); 0 if it cannot run.
+template <int D, PoolDType T>
+int staged_per_sm() {
+  static std::atomic<int> occ{-1};
+  static std::atomic<uint64_t> opted{0};
+  int per_sm = occ.load(std::memory_order_relaxed);
+  if (per_sm >= 0) return per_sm;
+  per_sm = 0;
+  if (opt_in_smem(full_staged_kernel<D, T>, staged_smem_bytes<D, T>(), opted) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T>,
+                                                    (kStagedConsumers + 1) * 32,
+                                                    staged_smem_bytes<D, T>()) != cudaSuccess)
+    per_sm = 0;
+  occ.store(per_sm, std::memory_order_relaxed);
+  return per_sm;
+}
+int staged_per_sm(int d, PoolDType t) {
+  const bool f32 = t == PoolDType::kF32;
+  switch (d) {
+    case 32: return f32 ? staged_per_sm<32, PoolDType::kF32>() : 0;
+    case 64: return f32 ? staged_per_sm<64, PoolDType::kF32>() : staged_per_sm<64, PoolDType::kBF16>();
+    case 128: return f32 ? staged_per_sm<128, PoolDType::kF32>() : staged_per_sm<128, PoolDType::kBF16>();
+    default: return 0;
+  }
+}
+
+// Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, F32 or
+// BF16 pool, at most kStagedConsumers query heads per KV head), with W consumer warps a query
+// head and `splits` CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at
+// least.
+struct StagedPlan {
+  int splits = 0, w = 1;  // splits 0: not staged
+};
+StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
+  StagedPlan sp;
+  if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.dtype == PoolDType::kInt8 ||
+      kv.n_kv_heads <= 0 || n_heads % kv.n_kv_heads != 0)
+    return sp;
+  const int G = n_heads / kv.n_kv_heads;
+  if (G > kStagedConsumers) return sp;
+  const int per_sm = staged_per_sm(kv.head_dim, kv.dtype);
+  if (per_sm <= 0) return sp;
+  sp.w = kStagedConsumers / G;
+  const int most = std::max(1, kv.max_pages / (2 * sp.w));
+  sp.splits = std::clamp(per_sm * device_sms() / kv.n_kv_heads, 1, most);
+  return sp;
+}
+
 // Several tokens (pass_kernel): row chunks of a KV head, and splits of its pages so that the
 // grid fills about two waves of 2 CTAs an SM (the kernel's shared memory allows 2), at least 8
 // pages a split.
@@ -2044,6 +2202,21 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
       full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
     }
   }
+  if constexpr (T != PoolDType::kInt8) {
+    if (a.staged_splits > 0) {
+      b.splits = a.staged_splits * a.staged_w;  // partials a query head, for the merge
+      const int G = a.n_heads / a.kv.n_kv_heads;
+      full_staged_kernel<D, T>
+          <<<unsigned(a.kv.n_kv_heads * a.staged_splits), unsigned((1 + G * a.staged_w) * 32),
+             staged_smem_bytes<D, T>(), st>>>(a, a.staged_splits, a.staged_w);
+      SF_CUDA_TRY(cudaGetLastError());
+      if (b.splits > 1) {
+        merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
+        SF_CUDA_TRY(cudaGetLastError());
+      }
+      return Status::ok();
+    }
+  }
   if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
   if (b.splits > 1) {
@@ -2096,10 +2269,15 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
   if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0 || kv.n_kv_heads <= 0)
     return 0;
   // Full mode's partials, or PSA's bounds, order, walk state and round results.
-  return p.psa ? psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim,
-                            p.psa_share_kv_head)
-                     .bytes
-               : full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1));
+  if (p.psa)
+    return psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim, p.psa_share_kv_head)
+        .bytes;
+  const StagedPlan sp = staged_plan(n_heads, kv, p);
+  const size_t staged = sp.splits * sp.w > 1 ? sizeof(float) * size_t(n_heads) *
+                                                   size_t(sp.splits * sp.w) *
+                                                   size_t(kv.head_dim + 4)
+                                             : 0;
+  return std::max(staged, full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1)));
 }
 
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
@@ -2128,7 +2306,12 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.pin = p.pin_sink_recent;
   a.recent_mean = p.recent_mean;
   a.gqa = p.psa && p.psa_share_kv_head;
-  const size_t need = p.psa || a.splits > 1 ? cuda::paged_decode_workspace_bytes(n_heads, kv, p) : 0;
+  const StagedPlan sp = staged_plan(n_heads, kv, p);
+  a.staged_splits = sp.splits;
+  a.staged_w = sp.w;
+  const size_t need = p.psa || a.splits > 1 || a.staged_splits * a.staged_w > 1
+                          ? cuda::paged_decode_workspace_bytes(n_heads, kv, p)
+                          : 0;
   if (need > 0) {
     if (!workspace || workspace_bytes < need)
       return SF_ERR(kInvalidArgument, std::string("paged_decode_attention: ") +

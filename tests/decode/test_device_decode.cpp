@@ -81,7 +81,8 @@ Planted planted(int n, uint64_t seed, bool uneven = false, int d = 128, int hq =
 
 // The device kernel's output and visits for one mode, against the host's on the same cache.
 // tol: the largest |got - want| / (1 + |want|); F32 pools agree to 1e-5 (the sums' order).
-// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools).
+// share: PagedDecodeParams::share_kv_heads (full mode over INT8 pools). Full mode over F32 and
+// BF16 pools runs both kernels (PagedDecodeParams::full_staged).
 void expect_same_as_host(const decode::PagedKvCache& cache, const decode::DevicePagedPool& pool,
                          const std::vector<float>& q, const std::string& spec, double tol = 1e-5,
                          bool share = true) {
@@ -94,40 +95,46 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
       decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
   kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
   kp.share_kv_heads = share;
-  DeviceBuffer dq, dout, dvis, dws;
-  const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0), kp);
-  if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
-  ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
-  ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
-  ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
-  ASSERT_TRUE(dvis.alloc(hq * 4).is_ok());
-  std::vector<float> nan(q.size(), std::nanf(""));
-  ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
-  const kernels::Stream s{Device::kCuda, nullptr};
-  ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), hq, pool.layer(0), kp,
-                                              dout.as<float>(), dvis.as<int32_t>(), dws.data(),
-                                              dws.size(), s)
-                  .is_ok());
-  ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
-  std::vector<float> got(q.size());
-  std::vector<int32_t> vis(hq);
-  ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
-  ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
-  int64_t visited = 0;
-  for (int32_t v : vis) visited += v;
-  EXPECT_EQ(visited, hs.blocks_visited) << spec;
-  ASSERT_EQ(hs.last_visited_by_head.size(), vis.size());
-  for (size_t h = 0; h < vis.size(); ++h)
-    EXPECT_EQ(vis[h], hs.last_visited_by_head[h]) << spec << " query head " << h;
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << spec << " element " << i;
-    worst = std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
+  const bool both = !kp.psa && pool.layer(0).dtype != kernels::PoolDType::kInt8;
+  for (int staged = 1; staged >= (both ? 0 : 1); --staged) {
+    kp.full_staged = staged != 0;
+    DeviceBuffer dq, dout, dvis, dws;
+    const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0), kp);
+    if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
+    ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
+    ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
+    ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
+    ASSERT_TRUE(dvis.alloc(hq * 4).is_ok());
+    std::vector<float> nan(q.size(), std::nanf(""));
+    ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
+    const kernels::Stream s{Device::kCuda, nullptr};
+    ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), hq, pool.layer(0), kp,
+                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),
+                                                dws.size(), s)
+                    .is_ok());
+    ASSERT_TRUE(kernels::cuda::stream_synchronize(nullptr).is_ok());
+    std::vector<float> got(q.size());
+    std::vector<int32_t> vis(hq);
+    ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
+    ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
+    const std::string what = spec + (both ? (staged ? " (staged)" : " (a warp per query head)") : "");
+    int64_t visited = 0;
+    for (int32_t v : vis) visited += v;
+    EXPECT_EQ(visited, hs.blocks_visited) << what;
+    ASSERT_EQ(hs.last_visited_by_head.size(), vis.size());
+    for (size_t h = 0; h < vis.size(); ++h)
+      EXPECT_EQ(vis[h], hs.last_visited_by_head[h]) << what << " query head " << h;
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << what << " element " << i;
+      worst =
+          std::max(worst, std::fabs(double(got[i]) - want[i]) / (1 + std::fabs(double(want[i]))));
+    }
+    EXPECT_LT(worst, tol) << what;
+    std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
+                what.c_str(), share ? "" : " (a warp per query head)",
+                static_cast<long long>(visited), static_cast<long long>(hs.blocks_total), worst);
   }
-  EXPECT_LT(worst, tol) << spec;
-  std::printf("d %3d %-14s%s visited %lld of %lld blocks, max err %.2g\n", cache.head_dim(),
-              spec.c_str(), share ? "" : " (a warp per query head)", static_cast<long long>(visited),
-              static_cast<long long>(hs.blocks_total), worst);
 }
 
 // Appends `count` random tokens (positions from first_pos) to the host cache, and to the pool by
