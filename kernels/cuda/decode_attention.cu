@@ -416,9 +416,12 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   float m = -INFINITY;
   double l = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int b = b0 + w, i = w; b < b1; b += W, i += W) {
+  // Every block's landing is awaited in order, the other warps' blocks too: a phase parity
+  // names a stage's fill unambiguously only to a waiter that saw the fill before it complete.
+  for (int b = b0, i = 0; b < b1; ++b, ++i) {
     const int s = i % S;
     mbar::wait(&full[s], (i / S) & 1);
+    if (i % W != w) continue;
     const int64_t blk = pages[b];
     const int n = a.kv.fill[blk];
     if (n > 0) {
