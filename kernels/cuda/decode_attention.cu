@@ -381,7 +381,9 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   extern __shared__ __align__(128) unsigned char staged_smem[];
   unsigned char* const smem = staged_smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * 2 * HB);  // stage's copies landed
-  uint64_t* empty = full + S;                                       // its G readers are done
+  // Every lane of the stage's G reader warps arrives on its empty barrier: an arrive releases
+  // the arriving thread's own reads only.
+  uint64_t* empty = full + S;
   const int n_kv = a.kv.n_kv_heads, G = a.n_heads / n_kv;
   const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   const int b0 = min(nb, split * per), b1 = min(nb, b0 + per);
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G);
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G * 32);
     mbar::init_fence();
   }
   __syncthreads();
@@ -432,8 +434,7 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
                              smem + s * 2 * HB + HB);
       fold(bm, mass, ob, &m, &l, &o);
     }
-    __syncwarp();
-    if (lane == 0) mbar::arrive(&empty[s]);
+    mbar::arrive(&empty[s]);
   }
   const int parts = splits * W;
   if (parts == 1) {
