@@ -28,6 +28,7 @@
 
 #include "kernels/cuda/attention_sparse_bf16.cuh"
 #include "kernels/cuda/cuda_ops.h"  // SparseBf16Mainloop
+#include "kernels/cuda/mbarrier.cuh"  // the TMA loads' mbarriers
 #include "kernels/cuda/smem_opt_in.h"
 
 namespace sf::kernels::cuda {
@@ -80,33 +81,13 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// mbarriers (shared::cta) for the TMA loads.
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
 // One 64-row tile of a [n_k, n_kv_heads, D] tensor by TMA: D / 64 boxes of 64 dims x 64 rows
 // into the tile's column blocks (the box layout is the tile's 128-byte swizzle), completing on
 // bar, which expects the tile's bytes. Rows past n_k arrive as zeros.
 template <int D>
 __device__ __forceinline__ void tma_tile(const CUtensorMap* map, uint64_t* bar, SwTile<D>& dst,
                                          int kv_head, int32_t row0) {
-  mbar_expect_tx(bar, sizeof(SwTile<D>));
+  mbar::arrive_expect_tx(bar, sizeof(SwTile<D>));
 #pragma unroll
   for (int cb = 0; cb < D / 64; ++cb)
     asm volatile(
@@ -383,8 +364,8 @@ struct Sm90Loop {
   }
   // Waits for the TMA loads of K(t + 1) and V(t - 1) where they are block tiles.
   __device__ __forceinline__ void wait_tma(int t, bool next, bool prev) {
-    if (next && t + 1 < tl.n_block_tiles) mbar_wait(&sm.bar_k[stage_next()], ph ^ (r3 == 2));
-    if (prev && t - 1 < tl.n_block_tiles) mbar_wait(&sm.bar_v[stage_prev()], ph ^ (r3 == 0));
+    if (next && t + 1 < tl.n_block_tiles) mbar::wait(&sm.bar_k[stage_next()], ph ^ (r3 == 2));
+    if (prev && t - 1 < tl.n_block_tiles) mbar::wait(&sm.bar_v[stage_prev()], ph ^ (r3 == 0));
   }
 
   // The copy group of iteration i (i >= -kStages): K(i + kStages) into stage i % 3 (pos slot
@@ -454,10 +435,10 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     const CopyPlan<D> cp(p, sm.k[0], sm.v[0], kv_head);
     if (threadIdx.x == 0) {
       for (int b = 0; b < kStages; ++b) {
-        mbar_init(&sm.bar_k[b], 1);
-        mbar_init(&sm.bar_v[b], 1);
+        mbar::init(&sm.bar_k[b], 1);
+        mbar::init(&sm.bar_v[b], 1);
       }
-      mbar_init_fence();
+      mbar::init_fence();
     }
     __syncthreads();
     Sm90Loop<D> lp{p, tl, cp, sm, n, sg.base, p.scale * kLog2e, tq, kv_head, {}, {}, 0, 0, 0};
@@ -471,7 +452,7 @@ __device__ __forceinline__ void attention_sparse_bf16_sm90_block(
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     cp_async_wait<kStages - 1>();  // K(0)
-    if (tl.n_block_tiles > 0) mbar_wait(&sm.bar_k[0], 0);
+    if (tl.n_block_tiles > 0) mbar::wait(&sm.bar_k[0], 0);
     fence_proxy_async();
     __syncthreads();
     issue_s<D>(s0, qa, sm.k[0]);

@@ -95,9 +95,6 @@ constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
 // follows.
 constexpr int kSkipShift = 2, kLast = 16;
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
 // Arrives on bar when every cp.async this thread issued before has landed.
 __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
@@ -243,14 +240,14 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
   // trip) then overlaps the consumer's use of the stage.
   auto fill_k = [&](bool block, int32_t k0, const int32_t(&pk)[Copy::kIter], int flags) {
     const int s = rk.s3, slot = rk.s6;
-    mbar_wait(&pp.empty_k[s], rk.ph ^ 1);
+    mbar::wait(&pp.empty_k[s], rk.ph ^ 1);
     if (pt == 0) pp.masked[slot] = flags;
     if (block) {
       pp.pos[slot][pt] = pt < int32_t(tl0.cta_end - k0) ? k0 + pt : -1;
       if (pt == 0)
         tma_tile<D>(&p.tm_k, &pp.full_k[s], pp.k[s], kv_head, k0);
       else
-        mbar_arrive(&pp.full_k[s]);
+        mbar::arrive(&pp.full_k[s]);
     } else {
       if (pt % 8 == 0) {
 #pragma unroll
@@ -259,17 +256,17 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
       cp.rows(cp.k_sa, cp.k_src, s * kStageBytes, pk);
       mbar_arrive_cp_async(&pp.full_k[s]);
     }
-    mbar_arrive(&pp.full_k[s]);  // publishes the positions and the flags
+    mbar::arrive(&pp.full_k[s]);  // publishes the positions and the flags
     rk.next();
   };
   auto fill_v = [&](bool block, int32_t k0, const int32_t(&pv)[Copy::kIter]) {
     const int s = rv.s3;
-    mbar_wait(&pp.empty_v[s], rv.ph ^ 1);
+    mbar::wait(&pp.empty_v[s], rv.ph ^ 1);
     if (block) {
       if (pt == 0)
         tma_tile<D>(&p.tm_v, &pp.full_v[s], pp.v[s], kv_head, k0);
       else
-        mbar_arrive(&pp.full_v[s]);
+        mbar::arrive(&pp.full_v[s]);
     } else {
       cp.rows(cp.v_sa, cp.v_src, s * kStageBytes, pv);
       mbar_arrive_cp_async(&pp.full_v[s]);
@@ -340,12 +337,12 @@ __device__ __forceinline__ void produce(const AttentionSparseBf16Params& p, cons
 
 // Waits for a full stage and makes its generic-proxy (cp.async) writes visible to wgmma.
 __device__ __forceinline__ void wait_full(uint64_t* bar, int parity) {
-  mbar_wait(bar, uint32_t(parity));
+  mbar::wait(bar, uint32_t(parity));
   fence_proxy_async();
 }
 __device__ __forceinline__ void release(uint64_t* bar, int lane) {
   __syncwarp();
-  if (lane == 0) mbar_arrive(bar);
+  if (lane == 0) mbar::arrive(bar);
 }
 
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
@@ -500,10 +497,10 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
   const int kv_head = head_of(0) / (p.n_heads / p.n_kv_heads);
   auto init = [](auto& pp, uint32_t empty_count) {
     for (int b = 0; b < pp.kS; ++b) {
-      mbar_init(&pp.full_k[b], kFullK);
-      mbar_init(&pp.full_v[b], kFullV);
-      mbar_init(&pp.empty_k[b], empty_count);
-      mbar_init(&pp.empty_v[b], empty_count);
+      mbar::init(&pp.full_k[b], kFullK);
+      mbar::init(&pp.full_v[b], kFullV);
+      mbar::init(&pp.empty_k[b], empty_count);
+      mbar::init(&pp.empty_v[b], empty_count);
     }
   };
   if (threadIdx.x == 0) {
@@ -512,7 +509,7 @@ __device__ __forceinline__ void attention_sparse_bf16_ws_block(const AttentionSp
     } else {
       for (int c = 0; c < kSlots; ++c) init(sm.pipe[c], kEmpty);
     }
-    mbar_init_fence();
+    mbar::init_fence();
   }
   if (kPair && threadIdx.x < kTile) sm.none[threadIdx.x] = -1;
   __syncthreads();  // the last CTA-wide barrier: the roles never meet again
