@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
       kp.share_kv_heads = !encoded || run < kSpecs;
       kp.full_staged = encoded || run < kSpecs;
       const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
-      const bool staged = si == 0 && !encoded && kp.full_staged && hq / hkv <= 8 && d == 128;
+      const bool staged = kernels::paged_decode_staged(hq, pool->layer(0), kp);
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),

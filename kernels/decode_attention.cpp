@@ -46,6 +46,17 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
 #endif
 }
 
+bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
+#if SF_HAVE_CUDA
+  return cuda::paged_decode_staged(n_heads, kv, p);
+#else
+  (void)n_heads;
+  (void)kv;
+  (void)p;
+  return false;
+#endif
+}
+
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
                               void* workspace, size_t workspace_bytes, Stream s) {

@@ -83,6 +83,12 @@ inline constexpr int kDecodeMaxTokens = 256;  // n_tokens, at most
 // device's SM count. 0 without CUDA.
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
+// Whether full mode over kv runs the staged kernel on the current device
+// (PagedDecodeParams::full_staged; one token, F32 or BF16 pool, head_dim 128, up to 8 query heads
+// per KV head, and the kernel fits the device): a plan step, for tests and benchmarks. false
+// without CUDA.
+bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
+
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32 (both [p.n_tokens, ...]
 // with several tokens); visited: [n_heads] int32 blocks visited per query head (+gqa: blocks its
 // KV head loaded; may be null; must be null with several tokens); workspace:

@@ -132,6 +132,7 @@ bool parse_sparse_bf16_mainloop(std::string_view name, SparseBf16Mainloop* m);
 // kernels/decode_attention.h on device pointers (pool, pointers and eps validated there; head_dim
 // and the workspace size here).
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
+bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
                               const PagedDecodeParams& p, float* out, int32_t* visited,
                               void* workspace, size_t workspace_bytes, void* stream);

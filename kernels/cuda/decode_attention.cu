@@ -381,8 +381,9 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   extern __shared__ __align__(128) unsigned char staged_smem[];
   unsigned char* const smem = staged_smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * 2 * HB);  // stage's copies landed
-  // Every lane of the stage's G reader warps arrives on its empty barrier: an arrive releases
-  // the arriving thread's own reads only.
+  // Every lane of every consumer warp arrives on a stage's empty barrier for each block (an
+  // arrive releases the arriving thread's own reads only; warps that skip the block arrive at
+  // once), so no warp falls a whole ring behind the producer.
   uint64_t* empty = full + S;
   const int n_kv = a.kv.n_kv_heads, G = a.n_heads / n_kv;
   const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
@@ -391,7 +392,7 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   const int b0 = min(nb, split * per), b1 = min(nb, b0 + per);
   const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G * 32);
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G * W * 32);
     mbar::init_fence();
   }
   __syncthreads();
@@ -418,12 +419,16 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
   float m = -INFINITY;
   double l = 0;
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  // Every block's landing is awaited in order, the other warps' blocks too: a phase parity
-  // names a stage's fill unambiguously only to a waiter that saw the fill before it complete.
+  // Every block's landing is awaited in order, the other warps' blocks too. A parity names a
+  // stage's fill unambiguously only to a waiter at most one fill behind: the waits in order keep
+  // it from being ahead, and the producer's wait for every warp's arrival from being behind.
   for (int b = b0, i = 0; b < b1; ++b, ++i) {
     const int s = i % S;
     mbar::wait(&full[s], (i / S) & 1);
-    if (i % W != w) continue;
+    if (i % W != w) {
+      mbar::arrive(&empty[s]);
+      continue;
+    }
     const int64_t blk = pages[b];
     const int n = a.kv.fill[blk];
     if (n > 0) {
@@ -2059,20 +2064,31 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
   return std::max(1, std::min(want, most));
 }
 
-// full_staged_kernel's CTAs an SM (its shared memory opted in first); 0 if it cannot run.
+// full_staged_kernel's CTAs an SM on the current device, its shared memory opted in there
+// first (a function attribute is per device); 0 if it cannot run.
 template <int D, PoolDType T>
 int staged_per_sm() {
-  static std::atomic<int> occ{-1};
+  static std::atomic<int> occ[64];  // CTAs an SM + 1 per device; 0: not asked yet
   static std::atomic<uint64_t> opted{0};
-  int per_sm = occ.load(std::memory_order_relaxed);
-  if (per_sm >= 0) return per_sm;
-  per_sm = 0;
-  if (opt_in_smem(full_staged_kernel<D, T>, staged_smem_bytes<D, T>(), opted) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T>,
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (opt_in_smem(full_staged_kernel<D, T>, staged_smem_bytes<D, T>(), opted) != cudaSuccess) {
+    (void)cudaGetLastError();  // the per-head kernel runs instead; leave no error pending
+    return 0;
+  }
+  const int known = occ[dev].load(std::memory_order_relaxed);
+  if (known > 0) return known - 1;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T>,
                                                     (kStagedConsumers + 1) * 32,
-                                                    staged_smem_bytes<D, T>()) != cudaSuccess)
+                                                    staged_smem_bytes<D, T>()) != cudaSuccess) {
+    (void)cudaGetLastError();
     per_sm = 0;
-  occ.store(per_sm, std::memory_order_relaxed);
+  }
+  occ[dev].store(per_sm + 1, std::memory_order_relaxed);
   return per_sm;
 }
 // head_dim 128 only: at 64 (SmolLM2's 9 / 3 heads) the staged kernel made the device session's
@@ -2280,6 +2296,10 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
                                                    size_t(kv.head_dim + 4)
                                              : 0;
   return std::max(staged, full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1)));
+}
+
+bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
+  return supported_dim(kv.head_dim) && n_heads > 0 && staged_plan(n_heads, kv, p).splits > 0;
 }
 
 Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,

@@ -95,18 +95,31 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
       decode::decode_attention(cache, 0, q.data(), hq, p.value(), want.data(), &hs).is_ok());
   kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
   kp.share_kv_heads = share;
-  const bool both = !kp.psa && pool.layer(0).dtype != kernels::PoolDType::kInt8;
+  const kernels::PoolDType pdt = pool.layer(0).dtype;
+  const bool both = !kp.psa && pdt != kernels::PoolDType::kInt8;
   for (int staged = 1; staged >= (both ? 0 : 1); --staged) {
     kp.full_staged = staged != 0;
+    // The staged kernel runs where it is meant to (one token, F32 or BF16, head_dim 128, up to 8
+    // query heads per KV head), so the comparison below is of the kernel it names.
+    const bool ran_staged = kernels::paged_decode_staged(hq, pool.layer(0), kp);
+    EXPECT_EQ(ran_staged, staged && both && cache.head_dim() == 128 &&
+                              hq % cache.n_kv_heads() == 0 && hq / cache.n_kv_heads() <= 8)
+        << spec;
     DeviceBuffer dq, dout, dvis, dws;
     const size_t ws = kernels::paged_decode_workspace_bytes(hq, pool.layer(0), kp);
-    if (ws > 0) ASSERT_TRUE(dws.alloc(ws).is_ok());
+    if (ws > 0) {
+      ASSERT_TRUE(dws.alloc(ws).is_ok());
+      std::vector<float> junk(ws / 4, std::nanf(""));  // partials poisoned too
+      ASSERT_TRUE(dws.upload(junk.data(), junk.size() * 4).is_ok());
+    }
     ASSERT_TRUE(dq.alloc(q.size() * 4).is_ok());
     ASSERT_TRUE(dq.upload(q.data(), q.size() * 4).is_ok());
     ASSERT_TRUE(dout.alloc(q.size() * 4).is_ok());
     ASSERT_TRUE(dvis.alloc(hq * 4).is_ok());
     std::vector<float> nan(q.size(), std::nanf(""));
     ASSERT_TRUE(dout.upload(nan.data(), nan.size() * 4).is_ok());  // poisoned
+    const std::vector<int32_t> no_visits(size_t(hq), -1);
+    ASSERT_TRUE(dvis.upload(no_visits.data(), no_visits.size() * 4).is_ok());
     const kernels::Stream s{Device::kCuda, nullptr};
     ASSERT_TRUE(kernels::paged_decode_attention(dq.as<float>(), hq, pool.layer(0), kp,
                                                 dout.as<float>(), dvis.as<int32_t>(), dws.data(),
@@ -117,7 +130,7 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
     std::vector<int32_t> vis(hq);
     ASSERT_TRUE(dout.download(got.data(), got.size() * 4).is_ok());
     ASSERT_TRUE(dvis.download(vis.data(), vis.size() * 4).is_ok());
-    const std::string what = spec + (both ? (staged ? " (staged)" : " (a warp per query head)") : "");
+    const std::string what = spec + (ran_staged ? " (staged)" : both ? " (per-head kernel)" : "");
     int64_t visited = 0;
     for (int32_t v : vis) visited += v;
     EXPECT_EQ(visited, hs.blocks_visited) << what;
@@ -209,11 +222,13 @@ TEST_F(DeviceDecode, PsaRoundsPastTheLargestRound) {
 }
 
 // Query heads per KV head other than the tests' 4: 3 (the SmolLM2 shape), 8, 1 and 32 (the most
-// +gqa takes on the device: several heads a warp in its walk), in full mode (split over CTAs),
-// psa-avg and psa-avg+gqa (whose turns go round the group).
+// +gqa takes on the device: several heads a warp in its walk), 2 and 5 (the staged kernel's 4
+// and 1 warps a query head), in full mode (split over CTAs), psa-avg and psa-avg+gqa (whose
+// turns go round the group). Last, 3 pages at 8 query heads per KV head: the staged kernel runs
+// one CTA a KV head and writes the output itself.
 TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
   const uint64_t seed = testing::fresh_seed();
-  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}, {32, 1}})
+  for (auto [hq, hkv] : {std::pair{9, 3}, {16, 2}, {6, 6}, {32, 1}, {4, 2}, {10, 2}})
     for (int d : {64, 128}) {
       Planted p = planted(64 * 40 + 9, seed + uint64_t(hq * d), false, d, hq, hkv);
       auto pool = decode::DevicePagedPool::upload(p.cache, 0);
@@ -222,6 +237,10 @@ TEST_F(DeviceDecode, FullModeAtEveryGroupSize) {
       expect_same_as_host(p.cache, pool.value(), p.q, "psa-avg:0.95");
       expect_same_as_host(p.cache, pool.value(), p.q, "psa-avg+gqa:0.95");
     }
+  Planted p = planted(64 * 2 + 5, seed + 7, false, 128, 16, 2);
+  auto pool = decode::DevicePagedPool::upload(p.cache, 0);
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  expect_same_as_host(p.cache, pool.value(), p.q, "full");
 }
 
 // 150 appended tokens: the partial last block fills, two reserved pages open, and the bounds
