@@ -21,6 +21,9 @@
 //         for up to 4 query heads, splits for one wave at that kernel's occupancy (2x faster
 //         than a warp per head on H100; BF16 lost at 128K, where the kernel's registers leave
 //         too few loads in flight, so BF16 keeps a warp per head: bench/NOTES.md).
+//         At head_dim 128, F32 and BF16 pools take full_staged_kernel instead: a producer
+//         thread streams a KV head's blocks into shared memory by bulk copies, and the warps of
+//         its query heads read them there (1.7x / 1.4x faster on H100; NOTES thirty-third).
 //   psa:  in rounds over the whole device (psa_round_size, above psa_bounds_kernel): every
 //         head's bounds (a thread each), a CTA per head sorting them, then per round a warp per
 //         (head, ranked block) over every SM and a warp per head applying the host's sequential
