@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
 // waiting on it (full_kernel: a warp per query head loads its own rows). Each consumer warp
 // writes its own partial; the merge takes splits x W of them per query head.
 constexpr int kStagedConsumers = 8;  // consumer warps a CTA can hold (G x W of them work)
+// The keys (or the values) of one block.
 template <int D, PoolDType T>
-__host__ __device__ constexpr size_t staged_block_bytes() {  // the keys (or the values) of one block
+__host__ __device__ constexpr size_t staged_block_bytes() {
   return size_t(kBT) * D * (T == PoolDType::kF32 ? 4 : 2);
 }
 template <int D, PoolDType T>
