@@ -301,6 +301,25 @@ __device__ __forceinline__ void fold(float bm, double mass, float4 ob, float* m,
   *l += double(w) * mass;
 }
 
+// Query head h's part `part` of `parts` (running max m, mass l, output o on channel quad c4):
+// the normalized output itself when there is one part, else its row of the merge's workspace.
+template <int D>
+__device__ __forceinline__ void store_part(const DecodeArgs& a, int h, int part, int parts,
+                                           float m, double l, float4 o, int c4) {
+  if (parts == 1) {
+    const float inv = l > 0 ? float(1.0 / l) : 0.f;
+    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
+        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    return;
+  }
+  float* dst = a.ws + (int64_t(h) * parts + part) * (D + 4);
+  reinterpret_cast<float4*>(dst)[c4] = o;
+  if (c4 == 0) {
+    dst[D] = m;
+    reinterpret_cast<double*>(dst + D + 2)[0] = l;
+  }
+}
+
 // Full mode: CTA (split, query head); grid index = split * n_heads + h, so the query heads of a
 // KV head sit side by side. Warp w takes the split's pages w, w + 4, ...
 template <int D, PoolDType T>
@@ -339,18 +358,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   double L = 0;
   float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
-  if (a.splits == 1) {
-    const float inv = L > 0 ? float(1.0 / L) : 0.f;
-    reinterpret_cast<float4*>(a.out + int64_t(h) * D)[threadIdx.x] =
-        make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
-  } else {
-    float* dst = a.ws + (int64_t(h) * a.splits + split) * (D + 4);
-    reinterpret_cast<float4*>(dst)[threadIdx.x] = O;
-    if (threadIdx.x == 0) {
-      dst[D] = M;
-      reinterpret_cast<double*>(dst + D + 2)[0] = L;
-    }
-  }
+  store_part<D>(a, h, split, a.splits, M, L, O, threadIdx.x);
   if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
 }
 
@@ -445,20 +453,7 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
     }
     mbar::arrive(&empty[s]);
   }
-  const int parts = splits * W;
-  if (parts == 1) {
-    const float inv = l > 0 ? float(1.0 / l) : 0.f;
-    if (lane < LPR)
-      reinterpret_cast<float4*>(a.out + int64_t(h) * D)[lane] =
-          make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-  } else {
-    float* dst = a.ws + (int64_t(h) * parts + split * W + w) * (D + 4);
-    if (lane < LPR) reinterpret_cast<float4*>(dst)[lane] = o;
-    if (lane == 0) {
-      dst[D] = m;
-      reinterpret_cast<double*>(dst + D + 2)[0] = l;
-    }
-  }
+  if (lane < LPR) store_part<D>(a, h, split * W + w, splits * W, m, l, o, lane);
   if (lane == 0 && split == 0 && w == 0 && a.visited) a.visited[h] = nb;
 }
 
@@ -2287,6 +2282,16 @@ size_t full_workspace_bytes(int n_heads, const PagedKv& kv, int n_tokens) {
 }
 }  // namespace
 
+// Full mode's partials: either kernel's (the staged one's with plan sp).
+static size_t full_mode_workspace_bytes(int n_heads, const PagedKv& kv,
+                                        const PagedDecodeParams& p, const StagedPlan& sp) {
+  const size_t staged = sp.splits * sp.w > 1 ? sizeof(float) * size_t(n_heads) *
+                                                   size_t(sp.splits * sp.w) *
+                                                   size_t(kv.head_dim + 4)
+                                             : 0;
+  return std::max(staged, full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1)));
+}
+
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   if (!supported_dim(kv.head_dim) || n_heads <= 0 || kv.max_pages <= 0 || kv.n_kv_heads <= 0)
     return 0;
@@ -2294,12 +2299,7 @@ size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedD
   if (p.psa)
     return psa_layout(n_heads, kv.n_kv_heads, kv.max_pages, kv.head_dim, p.psa_share_kv_head)
         .bytes;
-  const StagedPlan sp = staged_plan(n_heads, kv, p);
-  const size_t staged = sp.splits * sp.w > 1 ? sizeof(float) * size_t(n_heads) *
-                                                   size_t(sp.splits * sp.w) *
-                                                   size_t(kv.head_dim + 4)
-                                             : 0;
-  return std::max(staged, full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1)));
+  return full_mode_workspace_bytes(n_heads, kv, p, staged_plan(n_heads, kv, p));
 }
 
 bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
@@ -2335,9 +2335,12 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   const StagedPlan sp = staged_plan(n_heads, kv, p);
   a.staged_splits = sp.splits;
   a.staged_w = sp.w;
-  const size_t need = p.psa || a.splits > 1 || a.staged_splits * a.staged_w > 1
-                          ? cuda::paged_decode_workspace_bytes(n_heads, kv, p)
-                          : 0;
+  // The plan above sizes the full-mode workspace too; PSA's is its layout's.
+  size_t need = 0;
+  if (p.psa)
+    need = cuda::paged_decode_workspace_bytes(n_heads, kv, p);
+  else if (a.splits > 1 || a.staged_splits * a.staged_w > 1)
+    need = full_mode_workspace_bytes(n_heads, kv, p, sp);
   if (need > 0) {
     if (!workspace || workspace_bytes < need)
       return SF_ERR(kInvalidArgument, std::string("paged_decode_attention: ") +
