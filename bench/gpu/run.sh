@@ -27,7 +27,9 @@
 #   SF_DECODE      token counts for sf_bench_decode (e.g. "32768 131072"): the decode kernel
 #                  per pool encoding (SF_DECODE_POOLS, default f32,bf16,int8), mode and pull
 #                  (SF_DECODE_PULLS, default 0.15: how far the planted blocks lean toward the
-#                  query), one JSON line each into decode-<gpu>.jsonl
+#                  query), one JSON line each into decode-<gpu>.jsonl; SF_DECODE_SHAPES,
+#                  "heads:kv_heads:head_dim" items, default "32:8:128" (Llama-3-8B; SmolLM2 is
+#                  "9:3:64")
 #   SF_DECODE_SESSION  shape:tokens pairs for sf_bench_decode_session (e.g. "smollm2:4096
 #                  llama3-8b:8192"): the decode node's step per token, kernels launched one by one
 #                  and as a CUDA graph, unfused and fused, four JSON lines per weights and pool
@@ -374,12 +376,15 @@ fi
 if [[ -n "${SF_DECODE:-}" ]]; then
   dj="$out/decode-$(gpu_slug).jsonl"
   : >"$dj"
-  for n in $SF_DECODE; do
-    for pull in ${SF_DECODE_PULLS:-0.15}; do
-      if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" 32 8 128 "$pull" \
-           "${SF_DECODE_POOLS:-f32,bf16,int8}" >>"$dj" 2>>"$logs/build.log"; then
-        fail "sf_bench_decode $n (pull $pull) failed (its stderr is at the end of build.log)"
-      fi
+  for shape in ${SF_DECODE_SHAPES:-32:8:128}; do
+    IFS=: read -r dhq dhkv dd <<<"$shape"
+    for n in $SF_DECODE; do
+      for pull in ${SF_DECODE_PULLS:-0.15}; do
+        if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_decode" "$n" "$dhq" "$dhkv" \
+             "$dd" "$pull" "${SF_DECODE_POOLS:-f32,bf16,int8}" >>"$dj" 2>>"$logs/build.log"; then
+          fail "sf_bench_decode $n $shape (pull $pull) failed (its stderr is at the end of build.log)"
+        fi
+      done
     done
   done
   notes+=("$(cut -c1-300 "$dj" | head -24)")

@@ -21,9 +21,10 @@
 //         for up to 4 query heads, splits for one wave at that kernel's occupancy (2x faster
 //         than a warp per head on H100; BF16 lost at 128K, where the kernel's registers leave
 //         too few loads in flight, so BF16 keeps a warp per head: bench/NOTES.md).
-//         At head_dim 128, F32 and BF16 pools take full_staged_kernel instead: a producer
-//         thread streams a KV head's blocks into shared memory by bulk copies, and the warps of
-//         its query heads read them there (1.7x / 1.4x faster on H100; NOTES thirty-third).
+//         At head_dim 64 and 128, F32 and BF16 pools take full_staged_kernel instead: a
+//         producer thread streams a KV head's blocks into shared memory by bulk copies, and the
+//         warps of its query heads read them there (1.7x / 1.4x faster at 128 on H100; NOTES
+//         thirty-third and thirty-fourth sessions).
 //   psa:  in rounds over the whole device (psa_round_size, above psa_bounds_kernel): every
 //         head's bounds (a thread each), a CTA per head sorting them, then per round a warp per
 //         (head, ranked block) over every SM and a warp per head applying the host's sequential
@@ -367,8 +368,9 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
 // its values one bulk copy each; consumer warp c reads them there for query head c % G of the
 // KV head, taking every W-th block (W = kStagedConsumers / G warps a head). A block then comes
 // from memory once for its G query heads, and the copies run ahead of the arithmetic instead of
-// waiting on it (full_kernel: a warp per query head loads its own rows). Each consumer warp
-// writes its own partial; the merge takes splits x W of them per query head.
+// waiting on it (full_kernel: a warp per query head loads its own rows). A query head's W warps
+// merge their partials in the CTA, so the merge kernel takes `splits` rows a query head, not
+// splits x W (at head_dim 64, 88 CTAs a KV head would otherwise leave it 176).
 constexpr int kStagedConsumers = 8;  // consumer warps a CTA can hold (G x W of them work)
 // The keys (or the values) of one block.
 template <int D, PoolDType T>
@@ -380,9 +382,22 @@ __host__ __device__ constexpr int staged_stages() {  // as many as fit about 96 
   const int fit = int((96 * 1024) / (2 * staged_block_bytes<D, T>()));
   return fit < 2 ? 2 : fit > 4 ? 4 : fit;
 }
+// The ring's stages, then their full and empty barriers, then the consumer warps' partials for
+// the in-CTA merge: outputs [kStagedConsumers][D / 4] float4, masses (double), maxima.
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_merge_offset() {
+  return size_t(staged_stages<D, T>()) * (2 * staged_block_bytes<D, T>() + 2 * sizeof(uint64_t));
+}
 template <int D, PoolDType T>
 __host__ __device__ constexpr size_t staged_smem_bytes() {
-  return size_t(staged_stages<D, T>()) * (2 * staged_block_bytes<D, T>() + 2 * sizeof(uint64_t));
+  return staged_merge_offset<D, T>() +
+         size_t(kStagedConsumers) * (D * sizeof(float) + sizeof(double) + sizeof(float));
+}
+
+// Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (0 is
+// __syncthreads'): the consumer warps of a warp-specialized CTA, without the producer.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int D, PoolDType T>
@@ -453,24 +468,52 @@ __global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
     }
     mbar::arrive(&empty[s]);
   }
-  if (lane < LPR) store_part<D>(a, h, split * W + w, splits * W, m, l, o, lane);
   if (lane == 0 && split == 0 && w == 0 && a.visited) a.visited[h] = nb;
-}
-
-// Merges a query head's splits (one CTA per row: a query head, or with several tokens a
-// (token, query head); a thread per channel quad).
-template <int D>
-__global__ void merge_kernel(const DecodeArgs a) {
-  const int64_t h = blockIdx.x;  // the row: token * n_heads + query head
-  const int c4 = threadIdx.x;
+  // Query head h's W partials (warps c % G + j G), folded in j order by its warp w = 0.
+  float4* const po = reinterpret_cast<float4*>(smem + staged_merge_offset<D, T>());
+  double* const pl = reinterpret_cast<double*>(po + kStagedConsumers * LPR);
+  float* const pm = reinterpret_cast<float*>(pl + kStagedConsumers);
+  if (lane < LPR) po[c * LPR + lane] = o;
+  if (lane == 0) pl[c] = l, pm[c] = m;
+  named_barrier_sync(1, G * W * 32);
+  if (w != 0 || lane >= LPR) return;
   float M = -INFINITY;
   double L = 0;
   float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int sp = 0; sp < a.splits; ++sp) {
+  for (int j = 0; j < W; ++j) {
+    const int cj = c + j * G;
+    fold(pm[cj], pl[cj], po[cj * LPR + lane], &M, &L, &O);
+  }
+  store_part<D>(a, h, split, splits, M, L, O, lane);
+}
+
+// Merges a query head's splits (one CTA per row: a query head, or with several tokens a
+// (token, query head)). A thread per (channel quad, split group): group j folds splits j, j + P,
+// ..., and group 0 folds the P results. One thread per quad walking every split was a chain of
+// dependent loads as long as the split count (88 at head_dim 64 on an H100).
+constexpr int kMergeThreads = 128;
+template <int D>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeArgs a) {
+  constexpr int Q = D / 4, P = kMergeThreads / Q;
+  __shared__ float4 so[P][Q];
+  __shared__ double sl[P];
+  __shared__ float sm[P];
+  const int64_t h = blockIdx.x;  // the row: token * n_heads + query head
+  const int c4 = threadIdx.x % Q, grp = threadIdx.x / Q;
+  float M = -INFINITY;
+  double L = 0;
+  float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int sp = grp; sp < a.splits; sp += P) {
     const float* src = a.ws + (int64_t(h) * a.splits + sp) * (D + 4);
     fold(src[D], reinterpret_cast<const double*>(src + D + 2)[0],
          reinterpret_cast<const float4*>(src)[c4], &M, &L, &O);
   }
+  so[grp][c4] = O;
+  if (c4 == 0) sl[grp] = L, sm[grp] = M;
+  __syncthreads();
+  if (grp != 0) return;
+  M = -INFINITY, L = 0, O = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = 0; j < P; ++j) fold(sm[j], sl[j], so[j][c4], &M, &L, &O);
   const float inv = L > 0 ? float(1.0 / L) : 0.f;
   reinterpret_cast<float4*>(a.out + int64_t(h) * D)[c4] =
       make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
@@ -2090,12 +2133,15 @@ int staged_per_sm() {
   occ[dev].store(per_sm + 1, std::memory_order_relaxed);
   return per_sm;
 }
-// head_dim 128 only: at 64 (SmolLM2's 9 / 3 heads) the staged kernel made the device session's
-// F32 step slower (bench/NOTES.md, thirty-third session), so those dims keep full_kernel.
+// head_dim 64 and 128 (32 keeps full_kernel: no BF16 instantiation there, and no model served).
 int staged_per_sm(int d, PoolDType t) {
-  if (d != 128) return 0;
-  return t == PoolDType::kF32 ? staged_per_sm<128, PoolDType::kF32>()
-                              : staged_per_sm<128, PoolDType::kBF16>();
+  if (d == 128)
+    return t == PoolDType::kF32 ? staged_per_sm<128, PoolDType::kF32>()
+                                : staged_per_sm<128, PoolDType::kBF16>();
+  if (d == 64)
+    return t == PoolDType::kF32 ? staged_per_sm<64, PoolDType::kF32>()
+                                : staged_per_sm<64, PoolDType::kBF16>();
+  return 0;
 }
 
 // Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, F32 or
@@ -2188,7 +2234,7 @@ Status launch_pass(const DecodeArgs& a, cudaStream_t st) {
       a, chunks);
   SF_CUDA_TRY(cudaGetLastError());
   if (a.splits > 1) {
-    merge_kernel<D><<<unsigned(a.n_heads * a.n_tokens), D / 4, 0, st>>>(a);
+    merge_kernel<D><<<unsigned(a.n_heads * a.n_tokens), kMergeThreads, 0, st>>>(a);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
@@ -2219,16 +2265,16 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
       full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
     }
   }
-  if constexpr (T != PoolDType::kInt8 && D == 128) {
+  if constexpr (T != PoolDType::kInt8 && D != 32) {
     if (a.staged_splits > 0) {
-      b.splits = a.staged_splits * a.staged_w;  // partials a query head, for the merge
+      b.splits = a.staged_splits;  // partials a query head, for the merge
       const int G = a.n_heads / a.kv.n_kv_heads;
       full_staged_kernel<D, T>
           <<<unsigned(a.kv.n_kv_heads * a.staged_splits), unsigned((1 + G * a.staged_w) * 32),
              staged_smem_bytes<D, T>(), st>>>(a, a.staged_splits, a.staged_w);
       SF_CUDA_TRY(cudaGetLastError());
       if (b.splits > 1) {
-        merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
+        merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
         SF_CUDA_TRY(cudaGetLastError());
       }
       return Status::ok();
@@ -2237,7 +2283,7 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
   SF_CUDA_TRY(cudaGetLastError());
   if (b.splits > 1) {
-    merge_kernel<D><<<unsigned(b.n_heads), D / 4, 0, st>>>(b);
+    merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
     SF_CUDA_TRY(cudaGetLastError());
   }
   return Status::ok();
@@ -2285,10 +2331,9 @@ size_t full_workspace_bytes(int n_heads, const PagedKv& kv, int n_tokens) {
 // Full mode's partials: either kernel's (the staged one's with plan sp).
 static size_t full_mode_workspace_bytes(int n_heads, const PagedKv& kv,
                                         const PagedDecodeParams& p, const StagedPlan& sp) {
-  const size_t staged = sp.splits * sp.w > 1 ? sizeof(float) * size_t(n_heads) *
-                                                   size_t(sp.splits * sp.w) *
-                                                   size_t(kv.head_dim + 4)
-                                             : 0;
+  const size_t staged = sp.splits > 1 ? sizeof(float) * size_t(n_heads) * size_t(sp.splits) *
+                                           size_t(kv.head_dim + 4)
+                                     : 0;
   return std::max(staged, full_workspace_bytes(n_heads, kv, std::max(p.n_tokens, 1)));
 }
 
@@ -2339,7 +2384,7 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   size_t need = 0;
   if (p.psa)
     need = cuda::paged_decode_workspace_bytes(n_heads, kv, p);
-  else if (a.splits > 1 || a.staged_splits * a.staged_w > 1)
+  else if (a.splits > 1 || a.staged_splits > 1)
     need = full_mode_workspace_bytes(n_heads, kv, p, sp);
   if (need > 0) {
     if (!workspace || workspace_bytes < need)
