@@ -112,11 +112,9 @@ inline constexpr int kElemsPerLoad = T == PoolDType::kF32    ? 4
 // Elements idx .. idx + E - 1 of a pool array (16-byte aligned) as floats; INT8: the codes (a
 // byte under the exponent of 2^23, minus 2^23: exact, and cheaper than a conversion). kSmem:
 // base is a block staged in shared memory (full_staged_kernel).
-template <PoolDType T, bool kSmem = false>
-__device__ __forceinline__ void ld_elems(const void* base, int64_t idx, float* x) {
-  constexpr int E = kElemsPerLoad<T>;
-  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + idx * (16 / E));
-  const uint4 u = kSmem ? *p : __ldg(p);
+// The E elements of 16 loaded bytes u, as floats (ld_elems).
+template <PoolDType T>
+__device__ __forceinline__ void cvt_elems(uint4 u, float* x) {
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -132,20 +130,27 @@ __device__ __forceinline__ void ld_elems(const void* base, int64_t idx, float* x
     }
   }
 }
+template <PoolDType T, bool kSmem = false>
+__device__ __forceinline__ void ld_elems(const void* base, int64_t idx, float* x) {
+  constexpr int E = kElemsPerLoad<T>;
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + idx * (16 / E));
+  cvt_elems<T>(kSmem ? *p : __ldg(p), x);
+}
 
+// 8 F16 values loaded as 16 bytes u, as floats.
+__device__ __forceinline__ void cvt_f16x8(uint4 u, float* x) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[2 * j] = f16f(uint16_t(w[j]));
+    x[2 * j + 1] = f16f(uint16_t(w[j] >> 16));
+  }
+}
 // n F16 values (n a multiple of 8, 16-byte aligned) as floats.
 template <int N>
 __device__ __forceinline__ void ld_f16(const uint16_t* p, float* x) {
 #pragma unroll
-  for (int i = 0; i < N; i += 8) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p + i));
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      x[i + 2 * j] = f16f(uint16_t(w[j]));
-      x[i + 2 * j + 1] = f16f(uint16_t(w[j] >> 16));
-    }
-  }
+  for (int i = 0; i < N; i += 8) cvt_f16x8(__ldg(reinterpret_cast<const uint4*>(p + i)), x + i);
 }
 
 // This lane's E channels of a query head's row q (global or shared memory): lane l reads
@@ -562,6 +567,99 @@ constexpr size_t pass_smem_bytes() {
                           size_t(kPassRows) * kBT);
 }
 
+// A thread of pass_kernel stages a block in NL loads of 16 bytes (E elements) of its keys and as
+// many of its values; load li covers row (tid + 256 li) E / D at channel (tid E) % D, the same
+// channels each time. PassRaw holds NR of them as loaded, from load l0 on, and for INT8 the F16
+// scales and zeros of the thread's key channels and each row's value scale and zero.
+template <int D, PoolDType T>
+inline constexpr int kPassLoads = kDecodeBlockTokens * D / (kPassWarps * 32 * kElemsPerLoad<T>);
+template <PoolDType T, int NR>
+struct PassRaw {
+  static constexpr int F = T == PoolDType::kInt8 ? kElemsPerLoad<T> / 8 : 1;  // F16 x 8 loads
+  uint4 k[NR], v[NR];
+  uint4 ks[F], kz[F];
+  uint16_t vs[NR], vz[NR];
+};
+// Whether a whole block's loads fit in registers while the previous block is worked on (at
+// most 8 of 16 bytes), so they are issued a block ahead. Otherwise (F32 at head_dim 128: 16,
+// which took the kernel to 238 registers and one CTA an SM) a block is loaded as it is staged,
+// 4 + 4 at a time.
+template <int D, PoolDType T>
+inline constexpr bool kPassAhead =
+    2 * kPassLoads<D, T> + (T == PoolDType::kInt8 ? 2 * PassRaw<T, 1>::F : 0) <= 8;
+
+// Issues loads l0 .. l0 + NR - 1 of block blk (fill n) into r (rows past the fill are not loaded);
+// nothing waits on them until r is read.
+template <int D, PoolDType T, int NR>
+__device__ __forceinline__ void pass_fetch(const PagedKv& kv, int64_t blk, int n, int l0,
+                                           PassRaw<T, NR>* r) {
+  constexpr int E = kElemsPerLoad<T>;
+  static_assert((kPassWarps * 32 * E) % D == 0, "a thread's loads share their channels");
+  const int c = (threadIdx.x * E) % D;
+  if constexpr (T == PoolDType::kInt8) {
+    if (l0 == 0) {
+#pragma unroll
+      for (int e = 0; e < PassRaw<T, NR>::F; ++e) {
+        r->ks[e] = __ldg(reinterpret_cast<const uint4*>(kv.kscale + blk * D + c + 8 * e));
+        r->kz[e] = __ldg(reinterpret_cast<const uint4*>(kv.kzero + blk * D + c + 8 * e));
+      }
+    }
+  }
+#pragma unroll
+  for (int li = 0; li < NR; ++li) {
+    const int t = (threadIdx.x + (l0 + li) * kPassWarps * 32) * E / D;
+    if (t >= n) continue;
+    const int64_t at = (blk * kBT + t) * D + c;  // in elements
+    const auto load = [&](const void* base) {
+      return __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(base) + at * (16 / E)));
+    };
+    r->k[li] = load(kv.k);
+    r->v[li] = load(kv.v);
+    if constexpr (T == PoolDType::kInt8) {
+      r->vs[li] = __ldg(kv.vscale + blk * kBT + t);
+      r->vz[li] = __ldg(kv.vzero + blk * kBT + t);
+    }
+  }
+}
+
+// Writes the loads in r (from load l0 on) into the staged block as floats: K rows padded to
+// D + 4, V rows of D (INT8: decoded with the block's channel scales and zeros for keys, the
+// row's for values); rows past the fill n as zeros.
+template <int D, PoolDType T, int NR>
+__device__ __forceinline__ void pass_stage(const PassRaw<T, NR>& r, int n, int l0, float* ks,
+                                           float* vs) {
+  constexpr int E = kElemsPerLoad<T>;
+  const int c = (threadIdx.x * E) % D;
+#pragma unroll
+  for (int li = 0; li < NR; ++li) {
+    const int t = (threadIdx.x + (l0 + li) * kPassWarps * 32) * E / D;
+    float k[E], v[E];
+    if (t < n) {
+      cvt_elems<T>(r.k[li], k);
+      cvt_elems<T>(r.v[li], v);
+      if constexpr (T == PoolDType::kInt8) {
+        float s[E], z[E];
+#pragma unroll
+        for (int e = 0; e < E / 8; ++e)
+          cvt_f16x8(r.ks[e], s + 8 * e), cvt_f16x8(r.kz[e], z + 8 * e);
+        const float vsc = f16f(r.vs[li]), vz = f16f(r.vz[li]);
+#pragma unroll
+        for (int e = 0; e < E; ++e) k[e] = z[e] + k[e] * s[e], v[e] = vz + v[e] * vsc;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) k[e] = v[e] = 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < E; e += 4) {
+      *reinterpret_cast<float4*>(ks + t * (D + 4) + c + e) =
+          make_float4(k[e], k[e + 1], k[e + 2], k[e + 3]);
+      *reinterpret_cast<float4*>(vs + t * D + c + e) =
+          make_float4(v[e], v[e + 1], v[e + 2], v[e + 3]);
+    }
+  }
+}
+
 // CTA (KV head, split, row chunk); grid index = (g * splits + split) * chunks + chunk, so the
 // chunks that read the same blocks run side by side.
 template <int D, PoolDType T>
@@ -604,38 +702,38 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
   }
   const int per = (nb + a.splits - 1) / a.splits;
   const int b0 = split * per, b1 = min(nb, b0 + per);
+  // A block's loads are all issued before any is used, and where they fit (kPassAhead) a block
+  // ahead: block b + 1's loads are in flight while the warps work on block b. (A loop of
+  // load-then-store, then a barrier, then the arithmetic, had left the loads waiting one by one
+  // and the SM idle between.)
+  constexpr int NL = kPassLoads<D, T>;
+  static_assert(NL * kPassWarps * 32 * kElemsPerLoad<T> == kBT * D, "whole loads a thread");
+  constexpr bool kAhead = kPassAhead<D, T>;
+  constexpr int NR = kAhead ? NL : (NL < 4 ? NL : 4);  // loads held in registers at once
+  static_assert(NL % NR == 0, "whole rounds of loads");
+  PassRaw<T, NR> raw;
+  int n = 0;  // the fill of the block whose loads raw holds (kAhead)
+  if (kAhead && b0 < b1) {
+    n = a.kv.fill[pages[b0]];
+    pass_fetch<D>(a.kv, pages[b0], n, 0, &raw);
+  }
   for (int b = b0; b < b1; ++b) {
-    const int64_t blk = pages[b];
-    const int n = a.kv.fill[blk];
     __syncthreads();  // the last block's K and V are no longer read
-    // 16 bytes of the pool a load (E elements), as floats (INT8: decoded with the block's
-    // channel scales and zeros for keys, the row's for values).
-    constexpr int E = kElemsPerLoad<T>;
-    for (int i = threadIdx.x * E; i < kBT * D; i += blockDim.x * E) {
-      const int t = i / D, c = i % D;
-      float k[E], v[E];
-      if (t < n) {
-        ld_elems<T>(a.kv.k, (blk * kBT + t) * D + c, k);
-        ld_elems<T>(a.kv.v, (blk * kBT + t) * D + c, v);
-        if constexpr (T == PoolDType::kInt8) {
-          float s[E], z[E];
-          ld_f16<E>(a.kv.kscale + blk * D + c, s);
-          ld_f16<E>(a.kv.kzero + blk * D + c, z);
-          const float vsc = f16f(__ldg(a.kv.vscale + blk * kBT + t)),
-                      vz = f16f(__ldg(a.kv.vzero + blk * kBT + t));
-#pragma unroll
-          for (int e = 0; e < E; ++e) k[e] = z[e] + k[e] * s[e], v[e] = vz + v[e] * vsc;
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) k[e] = v[e] = 0.f;
+    int n_cur;  // this block's fill
+    if constexpr (kAhead) {
+      n_cur = n;
+      pass_stage<D>(raw, n_cur, 0, ks, vs);
+      if (b + 1 < b1) {
+        n = a.kv.fill[pages[b + 1]];
+        pass_fetch<D>(a.kv, pages[b + 1], n, 0, &raw);
       }
+    } else {
+      const int64_t blk = pages[b];
+      n_cur = a.kv.fill[blk];
 #pragma unroll
-      for (int e = 0; e < E; e += 4) {
-        *reinterpret_cast<float4*>(ks + t * (D + 4) + c + e) =
-            make_float4(k[e], k[e + 1], k[e + 2], k[e + 3]);
-        *reinterpret_cast<float4*>(vs + t * D + c + e) =
-            make_float4(v[e], v[e + 1], v[e + 2], v[e + 3]);
+      for (int l0 = 0; l0 < NL; l0 += NR) {
+        pass_fetch<D>(a.kv, blk, n_cur, l0, &raw);
+        pass_stage<D>(raw, n_cur, l0, ks, vs);
       }
     }
     __syncthreads();
@@ -659,8 +757,8 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
 #pragma unroll
     for (int j = 0; j < kPassRowsPerWarp; ++j) {
       const int64_t key0 = int64_t(b) * kBT;
-      const bool ok0 = lane < n && key0 + lane < vis[j];
-      const bool ok1 = lane + 32 < n && key0 + lane + 32 < vis[j];
+      const bool ok0 = lane < n_cur && key0 + lane < vis[j];
+      const bool ok1 = lane + 32 < n_cur && key0 + lane + 32 < vis[j];
       const float s0 = ok0 ? sc[j][0] : -INFINITY, s1 = ok1 ? sc[j][1] : -INFINITY;
       float bm = fmaxf(s0, s1);
 #pragma unroll
@@ -686,7 +784,7 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
     __syncwarp();
     // Values: lane folds channels lane, lane + 32, ... of each row, four keys a step (the
     // weights as one broadcast load; keys past the fill have weight 0 and value 0).
-    for (int t = 0; t < n; t += 4) {
+    for (int t = 0; t < n_cur; t += 4) {
       float v[4][DPL];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
