@@ -169,20 +169,19 @@ int main(int argc, char** argv) {
     const double block_bytes = enc == kvstore::KvEncoding::kInt8 ? 64.0 * d * 2 + 4.0 * d + 4.0 * 64
                                : enc == kvstore::KvEncoding::kBF16 ? 64.0 * d * 2 * 2
                                                                    : 64.0 * d * 4 * 2;
-    // Full mode runs twice, the default and then the other kernel: over an INT8 pool the query
-    // heads of a KV head sharing each block's codes, then a warp per query head (kv_shared
-    // false); over F32 and BF16 blocks staged in shared memory by bulk copies, then a warp per
-    // query head loading its own rows (staged false).
+    // Full mode runs twice, the default and then the other kernel: blocks staged in shared
+    // memory by bulk copies (staged true), then over F32 and BF16 a warp per query head loading
+    // its own rows, over an INT8 pool the query heads of a KV head sharing each block's codes
+    // loaded by the warp (kv_shared true).
     const bool encoded = enc == kvstore::KvEncoding::kInt8;
     for (int run = 0; run < kSpecs + 1; ++run) {
       const int si = run < kSpecs ? run : 0;
       const char* spec = specs[si];
       auto p = decode::decode_attn_parse(spec);
       kernels::PagedDecodeParams kp = decode::device_attn_params(p.value());
-      kp.share_kv_heads = !encoded || run < kSpecs;
-      kp.full_staged = encoded || run < kSpecs;
-      const bool shared = si == 0 && encoded && kp.share_kv_heads && hq / hkv >= 2;
+      kp.full_staged = run < kSpecs;
       const bool staged = kernels::paged_decode_staged(hq, pool->layer(0), kp);
+      const bool shared = si == 0 && !staged && encoded && kp.share_kv_heads && hq / hkv >= 2;
       auto launch = [&] {
         return kernels::paged_decode_attention(dq.as<float>(), hq, pool->layer(0), kp,
                                                dout.as<float>(), dvis.as<int32_t>(), dws.data(),

@@ -76,7 +76,8 @@ struct DecodeArgs {
   bool pin, recent_mean;
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
   bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
-  int staged_splits, staged_w;  // full mode: full_staged_kernel's plan (0: full_kernel)
+  int staged_splits, staged_w, staged_sets;  // full mode: full_staged_kernel's plan (splits 0:
+                                             // another kernel)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -146,11 +147,14 @@ __device__ __forceinline__ void cvt_f16x8(uint4 u, float* x) {
     x[2 * j + 1] = f16f(uint16_t(w[j] >> 16));
   }
 }
-// n F16 values (n a multiple of 8, 16-byte aligned) as floats.
-template <int N>
+// n F16 values (n a multiple of 8, 16-byte aligned) as floats; kSmem: p is in shared memory.
+template <int N, bool kSmem = false>
 __device__ __forceinline__ void ld_f16(const uint16_t* p, float* x) {
 #pragma unroll
-  for (int i = 0; i < N; i += 8) cvt_f16x8(__ldg(reinterpret_cast<const uint4*>(p + i)), x + i);
+  for (int i = 0; i < N; i += 8) {
+    const uint4* u = reinterpret_cast<const uint4*>(p + i);
+    cvt_f16x8(kSmem ? *u : __ldg(u), x + i);
+  }
 }
 
 // This lane's E channels of a query head's row q (global or shared memory): lane l reads
@@ -366,130 +370,6 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   for (int w = 0; w < kFullWarps; ++w) fold(sm_m[w], sm_l[w], sm_o[w][threadIdx.x], &M, &L, &O);
   store_part<D>(a, h, split, a.splits, M, L, O, threadIdx.x);
   if (threadIdx.x == 0 && split == 0 && a.visited) a.visited[h] = nb;
-}
-
-// Full mode, one token, F32 and BF16 pools: CTA (KV head, split). One producer thread streams
-// the split's blocks through a ring of staged_stages() shared-memory stages, a block's keys and
-// its values one bulk copy each; consumer warp c reads them there for query head c % G of the
-// KV head, taking every W-th block (W = kStagedConsumers / G warps a head). A block then comes
-// from memory once for its G query heads, and the copies run ahead of the arithmetic instead of
-// waiting on it (full_kernel: a warp per query head loads its own rows). A query head's W warps
-// merge their partials in the CTA, so the merge kernel takes `splits` rows a query head, not
-// splits x W (at head_dim 64, 88 CTAs a KV head would otherwise leave it 176).
-constexpr int kStagedConsumers = 8;  // consumer warps a CTA can hold (G x W of them work)
-// The keys (or the values) of one block.
-template <int D, PoolDType T>
-__host__ __device__ constexpr size_t staged_block_bytes() {
-  return size_t(kBT) * D * (T == PoolDType::kF32 ? 4 : 2);
-}
-template <int D, PoolDType T>
-__host__ __device__ constexpr int staged_stages() {  // as many as fit about 96 KB, 2 to 4
-  const int fit = int((96 * 1024) / (2 * staged_block_bytes<D, T>()));
-  return fit < 2 ? 2 : fit > 4 ? 4 : fit;
-}
-// The ring's stages, then their full and empty barriers, then the consumer warps' partials for
-// the in-CTA merge: outputs [kStagedConsumers][D / 4] float4, masses (double), maxima.
-template <int D, PoolDType T>
-__host__ __device__ constexpr size_t staged_merge_offset() {
-  return size_t(staged_stages<D, T>()) * (2 * staged_block_bytes<D, T>() + 2 * sizeof(uint64_t));
-}
-template <int D, PoolDType T>
-__host__ __device__ constexpr size_t staged_smem_bytes() {
-  return staged_merge_offset<D, T>() +
-         size_t(kStagedConsumers) * (D * sizeof(float) + sizeof(double) + sizeof(float));
-}
-
-// Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (0 is
-// __syncthreads'): the consumer warps of a warp-specialized CTA, without the producer.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-template <int D, PoolDType T>
-__global__ void __launch_bounds__((kStagedConsumers + 1) * 32)
-    full_staged_kernel(const DecodeArgs a, int splits, int W) {
-  constexpr int S = staged_stages<D, T>(), LPR = D / 4;
-  constexpr size_t HB = staged_block_bytes<D, T>();
-  extern __shared__ __align__(128) unsigned char staged_smem[];
-  unsigned char* const smem = staged_smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * 2 * HB);  // stage's copies landed
-  // Every lane of every consumer warp arrives on a stage's empty barrier for each block (an
-  // arrive releases the arriving thread's own reads only; warps that skip the block arrive at
-  // once), so no warp falls a whole ring behind the producer.
-  uint64_t* empty = full + S;
-  const int n_kv = a.kv.n_kv_heads, G = a.n_heads / n_kv;
-  const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nb = a.kv.n_pages[g], per = (nb + splits - 1) / splits;
-  const int b0 = min(nb, split * per), b1 = min(nb, b0 + per);
-  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], G * W * 32);
-    mbar::init_fence();
-  }
-  __syncthreads();
-  if (warp == 0) {
-    // Block i of the split goes to stage i % S once that stage's block i - S has been read.
-    if (lane == 0)
-      for (int b = b0, i = 0; b < b1; ++b, ++i) {
-        const int s = i % S;
-        if (i >= S) mbar::wait(&empty[s], ((i / S) - 1) & 1);
-        const int64_t blk = pages[b];
-        mbar::arrive_expect_tx(&full[s], uint32_t(2 * HB));
-        mbar::bulk_copy(smem + s * 2 * HB, static_cast<const char*>(a.kv.k) + blk * HB,
-                        uint32_t(HB), &full[s]);
-        mbar::bulk_copy(smem + s * 2 * HB + HB, static_cast<const char*>(a.kv.v) + blk * HB,
-                        uint32_t(HB), &full[s]);
-      }
-    return;
-  }
-  const int c = warp - 1;
-  if (c >= G * W) return;
-  const int h = g * G + c % G, w = c / G;
-  float qf[kElemsPerLoad<T>];
-  load_q<D, T>(a.q + int64_t(h) * D, qf);
-  float m = -INFINITY;
-  double l = 0;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  // Every block's landing is awaited in order, the other warps' blocks too. A parity names a
-  // stage's fill unambiguously only to a waiter at most one fill behind: the waits in order keep
-  // it from being ahead, and the producer's wait for every warp's arrival from being behind.
-  for (int b = b0, i = 0; b < b1; ++b, ++i) {
-    const int s = i % S;
-    mbar::wait(&full[s], (i / S) & 1);
-    if (i % W != w) {
-      mbar::arrive(&empty[s]);
-      continue;
-    }
-    const int64_t blk = pages[b];
-    const int n = a.kv.fill[blk];
-    if (n > 0) {
-      float bm;
-      double mass;
-      float4 ob;
-      warp_block<D, T, true>(qf, a.kv, blk, n, a.scale, &bm, &mass, &ob, smem + s * 2 * HB,
-                             smem + s * 2 * HB + HB);
-      fold(bm, mass, ob, &m, &l, &o);
-    }
-    mbar::arrive(&empty[s]);
-  }
-  if (lane == 0 && split == 0 && w == 0 && a.visited) a.visited[h] = nb;
-  // Query head h's W partials (warps c % G + j G), folded in j order by its warp w = 0.
-  float4* const po = reinterpret_cast<float4*>(smem + staged_merge_offset<D, T>());
-  double* const pl = reinterpret_cast<double*>(po + kStagedConsumers * LPR);
-  float* const pm = reinterpret_cast<float*>(pl + kStagedConsumers);
-  if (lane < LPR) po[c * LPR + lane] = o;
-  if (lane == 0) pl[c] = l, pm[c] = m;
-  named_barrier_sync(1, G * W * 32);
-  if (w != 0 || lane >= LPR) return;
-  float M = -INFINITY;
-  double L = 0;
-  float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int j = 0; j < W; ++j) {
-    const int cj = c + j * G;
-    fold(pm[cj], pl[cj], po[cj * LPR + lane], &M, &L, &O);
-  }
-  store_part<D>(a, h, split, splits, M, L, O, lane);
 }
 
 // Merges a query head's splits (one CTA per row: a query head, or with several tokens a
@@ -828,9 +708,23 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
 // (the splits differ from full_kernel's, so blocks merge in another order: the last bits move).
 constexpr int kGqaMax = 4;
 
-template <int D, PoolDType T>
+// Where warp_block_heads reads a block: the pool's arrays (global memory, rows from row0) or a
+// copy staged in shared memory (full_staged_kernel, rows from 0).
+struct BlockSrc {
+  const void *k, *v;         // keys and values (codes for INT8); row r at (row0 + r) * D
+  int64_t row0;
+  const uint16_t *ks, *kz;   // INT8: the block's key channel scales and zeros (F16 bits), [D]
+  const uint16_t *vs, *vz;   // INT8: its rows' value scales and zeros, [kBT]
+};
+template <int D>
+__device__ __forceinline__ BlockSrc pool_block(const PagedKv& kv, int64_t blk) {
+  return {kv.k, kv.v, blk * kBT, kv.kscale + blk * D, kv.kzero + blk * D, kv.vscale + blk * kBT,
+          kv.vzero + blk * kBT};
+}
+
+template <int D, PoolDType T, bool kSmem = false>
 __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kElemsPerLoad<T>],
-                                                 int G, const PagedKv& kv, int64_t blk, int n,
+                                                 int G, const BlockSrc& bs, int n,
                                                  float scale, float (&bm)[kGqaMax],
                                                  double (&mass)[kGqaMax],
                                                  float4 (&o4)[kGqaMax]) {
@@ -838,13 +732,13 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
   constexpr int LPR = D / E;
   constexpr int RPL = 32 / LPR;
   const int lane = threadIdx.x & 31, grp = lane % LPR, sub = lane / LPR;
-  const int64_t row0 = blk * kBT;
+  const int64_t row0 = bs.row0;
   float qk[kGqaMax][E];
   float bias[kGqaMax];
   if constexpr (T == PoolDType::kInt8) {
     float ks[E], kz[E];
-    ld_f16<E>(kv.kscale + blk * D + E * grp, ks);
-    ld_f16<E>(kv.kzero + blk * D + E * grp, kz);
+    ld_f16<E, kSmem>(bs.ks + E * grp, ks);
+    ld_f16<E, kSmem>(bs.kz + E * grp, kz);
 #pragma unroll
     for (int hh = 0; hh < kGqaMax; ++hh) {
       bias[hh] = 0.f;
@@ -868,7 +762,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
       const int row = round * 32 + j * RPL + sub;
       float x[E];
       if (row < n) {
-        ld_elems<T>(kv.k, (row0 + row) * D + E * grp, x);
+        ld_elems<T, kSmem>(bs.k, (row0 + row) * D + E * grp, x);
       } else {
 #pragma unroll
         for (int i = 0; i < E; ++i) x[i] = 0.f;
@@ -915,7 +809,8 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
     for (int r = 0; r < 2; ++r) {
       const int row = r * 32 + grp * RPL + sub;
       if (row < n) {
-        const float z = f16f(__ldg(kv.vzero + row0 + row)), sc = f16f(__ldg(kv.vscale + row0 + row));
+        const float z = f16f(kSmem ? bs.vz[row] : __ldg(bs.vz + row)),
+                    sc = f16f(kSmem ? bs.vs[row] : __ldg(bs.vs + row));
 #pragma unroll
         for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
       }
@@ -943,7 +838,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
     }
     if (row < n) {
       float x[E];
-      ld_elems<T>(kv.v, (row0 + row) * D + E * grp, x);
+      ld_elems<T, kSmem>(bs.v, (row0 + row) * D + E * grp, x);
 #pragma unroll
       for (int hh = 0; hh < kGqaMax; ++hh)
 #pragma unroll
@@ -978,6 +873,184 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
       if (lane % P == r) o = make_float4(x0, x1, x2, x3);
     }
     o4[hh] = o;
+  }
+}
+
+// Full mode, one token: CTA (KV head, split). One producer thread streams the split's blocks
+// through a ring of staged_stages() shared-memory stages, a block's keys and its values one bulk
+// copy each (INT8: also its key channels' scales and zeros and its rows' value scales and
+// zeros); the consumer warps read them there. A consumer warp serves a set of the KV head's
+// query heads: one head over F32 and BF16 pools (warp_block), up to kGqaMax over INT8, whose
+// codes it converts once for all of them (warp_block_heads). With `sets` sets, W =
+// kStagedConsumers / sets warps a set take every W-th block. A block then comes from memory
+// once for its KV head's query heads, and the copies run ahead of the arithmetic instead of
+// waiting on it (full_kernel: a warp per query head loads its own rows). A set's W warps merge
+// their partials in the CTA, so the merge kernel takes `splits` rows a query head, not splits x
+// W (at head_dim 64, 88 CTAs a KV head would otherwise leave it 176).
+// Consumer warps a CTA can hold (sets x W of them work). INT8 takes 3: warp_block_heads keeps
+// four heads' queries and sums in about 255 registers (with 8 consumer warps the kernel was held
+// to 168 and spilled), so 4 warps a CTA let two CTAs share an SM.
+template <PoolDType T>
+inline constexpr int kStagedConsumers = T == PoolDType::kInt8 ? 3 : 8;
+template <PoolDType T>
+inline constexpr int kStagedHeadsPerWarp = T == PoolDType::kInt8 ? kGqaMax : 1;
+// The keys (or the values) of one block.
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_block_bytes() {
+  return size_t(kBT) * D * (T == PoolDType::kF32 ? 4 : T == PoolDType::kBF16 ? 2 : 1);
+}
+// INT8: a block's key scales and zeros ([D] F16 each), then its value scales and zeros ([kBT]).
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_meta_bytes() {
+  return T == PoolDType::kInt8 ? 2 * sizeof(uint16_t) * size_t(D + kBT) : 0;
+}
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_stage_bytes() {
+  return 2 * staged_block_bytes<D, T>() + staged_meta_bytes<D, T>();
+}
+template <int D, PoolDType T>
+__host__ __device__ constexpr int staged_stages() {  // as many as fit about 96 KB, 2 to 4
+  const int fit = int((96 * 1024) / staged_stage_bytes<D, T>());
+  return fit < 2 ? 2 : fit > 4 ? 4 : fit;
+}
+// The ring's stages, then their full and empty barriers, then the consumer warps' partials for
+// the in-CTA merge: outputs [kStagedConsumers][heads a warp][D / 4] float4, masses (double),
+// maxima.
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_merge_offset() {
+  return size_t(staged_stages<D, T>()) * (staged_stage_bytes<D, T>() + 2 * sizeof(uint64_t));
+}
+template <int D, PoolDType T>
+__host__ __device__ constexpr size_t staged_smem_bytes() {
+  return staged_merge_offset<D, T>() + size_t(kStagedConsumers<T>) * kStagedHeadsPerWarp<T> *
+                                           (D * sizeof(float) + sizeof(double) + sizeof(float));
+}
+
+// Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (0 is
+// __syncthreads'): the consumer warps of a warp-specialized CTA, without the producer.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int D, PoolDType T>
+__global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
+    full_staged_kernel(const DecodeArgs a, int splits, int W) {
+  constexpr int S = staged_stages<D, T>(), LPR = D / 4, E = kElemsPerLoad<T>;
+  constexpr int HPW = kStagedHeadsPerWarp<T>;
+  constexpr size_t HB = staged_block_bytes<D, T>(), SB = staged_stage_bytes<D, T>();
+  extern __shared__ __align__(128) unsigned char staged_smem[];
+  unsigned char* const smem = staged_smem;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * SB);  // stage's copies landed
+  // Every lane of every consumer warp arrives on a stage's empty barrier for each block (an
+  // arrive releases the arriving thread's own reads only; warps that skip the block arrive at
+  // once), so no warp falls a whole ring behind the producer.
+  uint64_t* empty = full + S;
+  const int n_kv = a.kv.n_kv_heads, G = a.n_heads / n_kv, sets = (G + HPW - 1) / HPW;
+  const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nb = a.kv.n_pages[g], per = (nb + splits - 1) / splits;
+  const int b0 = min(nb, split * per), b1 = min(nb, b0 + per);
+  const int32_t* pages = a.kv.pages + int64_t(g) * a.kv.max_pages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar::init(&full[s], 1), mbar::init(&empty[s], sets * W * 32);
+    mbar::init_fence();
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Block i of the split goes to stage i % S once that stage's block i - S has been read.
+    if (lane == 0)
+      for (int b = b0, i = 0; b < b1; ++b, ++i) {
+        const int s = i % S;
+        if (i >= S) mbar::wait(&empty[s], ((i / S) - 1) & 1);
+        const int64_t blk = pages[b];
+        unsigned char* st = smem + s * SB;
+        mbar::arrive_expect_tx(&full[s], uint32_t(SB));
+        mbar::bulk_copy(st, static_cast<const char*>(a.kv.k) + blk * HB, uint32_t(HB), &full[s]);
+        mbar::bulk_copy(st + HB, static_cast<const char*>(a.kv.v) + blk * HB, uint32_t(HB),
+                        &full[s]);
+        if constexpr (T == PoolDType::kInt8) {
+          constexpr uint32_t KM = D * sizeof(uint16_t), VM = kBT * sizeof(uint16_t);
+          mbar::bulk_copy(st + 2 * HB, a.kv.kscale + blk * D, KM, &full[s]);
+          mbar::bulk_copy(st + 2 * HB + KM, a.kv.kzero + blk * D, KM, &full[s]);
+          mbar::bulk_copy(st + 2 * HB + 2 * KM, a.kv.vscale + blk * kBT, VM, &full[s]);
+          mbar::bulk_copy(st + 2 * HB + 2 * KM + VM, a.kv.vzero + blk * kBT, VM, &full[s]);
+        }
+      }
+    return;
+  }
+  const int c = warp - 1;
+  if (c >= sets * W) return;
+  const int set = c % sets, w = c / sets;
+  const int h0 = g * G + set * HPW, GS = min(HPW, G - set * HPW);  // this set's query heads
+  float qf[kGqaMax][E];
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    if (hh < GS) {
+      load_q<D, T>(a.q + int64_t(h0 + hh) * D, qf[hh]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) qf[hh][i] = 0.f;
+    }
+  }
+  float m[HPW];
+  double l[HPW];
+  float4 o[HPW];
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) m[hh] = -INFINITY, l[hh] = 0, o[hh] = make_float4(0, 0, 0, 0);
+  // Every block's landing is awaited in order, the other warps' blocks too. A parity names a
+  // stage's fill unambiguously only to a waiter at most one fill behind: the waits in order keep
+  // it from being ahead, and the producer's wait for every warp's arrival from being behind.
+  for (int b = b0, i = 0; b < b1; ++b, ++i) {
+    const int s = i % S;
+    mbar::wait(&full[s], (i / S) & 1);
+    if (i % W != w) {
+      mbar::arrive(&empty[s]);
+      continue;
+    }
+    const int n = a.kv.fill[pages[b]];
+    if (n > 0) {
+      const unsigned char* st = smem + s * SB;
+      if constexpr (T == PoolDType::kInt8) {
+        const auto* meta = reinterpret_cast<const uint16_t*>(st + 2 * HB);
+        const BlockSrc src{st, st + HB, 0, meta, meta + D, meta + 2 * D, meta + 2 * D + kBT};
+        float bm[kGqaMax];
+        double mass[kGqaMax];
+        float4 ob[kGqaMax];
+        warp_block_heads<D, T, true>(qf, GS, src, n, a.scale, bm, mass, ob);
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh)
+          if (hh < GS) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
+      } else {
+        float bm;
+        double mass;
+        float4 ob;
+        warp_block<D, T, true>(qf[0], a.kv, pages[b], n, a.scale, &bm, &mass, &ob, st, st + HB);
+        fold(bm, mass, ob, &m[0], &l[0], &o[0]);
+      }
+    }
+    mbar::arrive(&empty[s]);
+  }
+  if (lane < GS && split == 0 && w == 0 && a.visited) a.visited[h0 + lane] = nb;
+  // A set's W partials per head (warps set + j sets), folded in j order by its warp w = 0.
+  float4* const po = reinterpret_cast<float4*>(smem + staged_merge_offset<D, T>());
+  double* const pl = reinterpret_cast<double*>(po + kStagedConsumers<T> * HPW * LPR);
+  float* const pm = reinterpret_cast<float*>(pl + kStagedConsumers<T> * HPW);
+#pragma unroll
+  for (int hh = 0; hh < HPW; ++hh) {
+    if (lane < LPR) po[(c * HPW + hh) * LPR + lane] = o[hh];
+    if (lane == 0) pl[c * HPW + hh] = l[hh], pm[c * HPW + hh] = m[hh];
+  }
+  named_barrier_sync(1, sets * W * 32);
+  if (w != 0 || lane >= LPR) return;
+  for (int hh = 0; hh < GS; ++hh) {
+    float M = -INFINITY;
+    double L = 0;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < W; ++j) {
+      const int at = (set + j * sets) * HPW + hh;
+      fold(pm[at], pl[at], po[at * LPR + lane], &M, &L, &O);
+    }
+    store_part<D>(a, h0 + hh, split, splits, M, L, O, lane);
   }
 }
 
@@ -1022,7 +1095,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
       float bm[kGqaMax];
       double mass[kGqaMax];
       float4 ob[kGqaMax];
-      warp_block_heads<D, T>(qf, G, a.kv, blk, n, a.scale, bm, mass, ob);
+      warp_block_heads<D, T>(qf, G, pool_block<D>(a.kv, blk), n, a.scale, bm, mass, ob);
 #pragma unroll
       for (int hh = 0; hh < kGqaMax; ++hh)
         if (hh < G) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
@@ -2247,7 +2320,7 @@ int staged_per_sm() {
   if (known > 0) return known - 1;
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T>,
-                                                    (kStagedConsumers + 1) * 32,
+                                                    (kStagedConsumers<T> + 1) * 32,
                                                     staged_smem_bytes<D, T>()) != cudaSuccess) {
     (void)cudaGetLastError();
     per_sm = 0;
@@ -2255,34 +2328,41 @@ int staged_per_sm() {
   occ[dev].store(per_sm + 1, std::memory_order_relaxed);
   return per_sm;
 }
-// head_dim 64 and 128 (32 keeps full_kernel: no BF16 instantiation there, and no model served).
-int staged_per_sm(int d, PoolDType t) {
-  if (d == 128)
-    return t == PoolDType::kF32 ? staged_per_sm<128, PoolDType::kF32>()
-                                : staged_per_sm<128, PoolDType::kBF16>();
-  if (d == 64)
-    return t == PoolDType::kF32 ? staged_per_sm<64, PoolDType::kF32>()
-                                : staged_per_sm<64, PoolDType::kBF16>();
+// head_dim 64 and 128 (32 keeps full_kernel: no BF16 or INT8 instantiation there, and no model
+// served).
+template <int D>
+int staged_per_sm_dim(PoolDType t) {
+  switch (t) {
+    case PoolDType::kF32: return staged_per_sm<D, PoolDType::kF32>();
+    case PoolDType::kBF16: return staged_per_sm<D, PoolDType::kBF16>();
+    case PoolDType::kInt8: return staged_per_sm<D, PoolDType::kInt8>();
+  }
   return 0;
 }
+int staged_per_sm(int d, PoolDType t) {
+  return d == 128 ? staged_per_sm_dim<128>(t) : d == 64 ? staged_per_sm_dim<64>(t) : 0;
+}
 
-// Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, F32 or
-// BF16 pool, at most kStagedConsumers query heads per KV head), with W consumer warps a query
-// head and `splits` CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at
-// least.
+// Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, at most
+// kStagedConsumers sets of query heads per KV head), with W consumer warps a set and `splits`
+// CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at least.
 struct StagedPlan {
-  int splits = 0, w = 1;  // splits 0: not staged
+  int splits = 0, w = 1, sets = 1;  // splits 0: not staged
 };
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
-  if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.dtype == PoolDType::kInt8 ||
-      kv.n_kv_heads <= 0 || n_heads % kv.n_kv_heads != 0)
+  if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.n_kv_heads <= 0 ||
+      n_heads % kv.n_kv_heads != 0)
     return sp;
   const int G = n_heads / kv.n_kv_heads;
-  if (G > kStagedConsumers) return sp;
+  const bool i8 = kv.dtype == PoolDType::kInt8;
+  const int hpw = i8 ? kStagedHeadsPerWarp<PoolDType::kInt8> : 1;
+  const int consumers = i8 ? kStagedConsumers<PoolDType::kInt8> : kStagedConsumers<PoolDType::kF32>;
+  sp.sets = (G + hpw - 1) / hpw;
+  if (sp.sets > consumers) return sp;
   const int per_sm = staged_per_sm(kv.head_dim, kv.dtype);
   if (per_sm <= 0) return sp;
-  sp.w = kStagedConsumers / G;
+  sp.w = consumers / sp.sets;
   const int most = std::max(1, kv.max_pages / (2 * sp.w));
   sp.splits = std::clamp(per_sm * device_sms() / kv.n_kv_heads, 1, most);
   return sp;
@@ -2368,6 +2448,21 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if (a.n_tokens > 1) return launch_pass<D, T>(a, st);
   DecodeArgs b = a;
   unsigned grid = unsigned(a.n_heads * a.splits);
+  if constexpr (D != 32) {
+    if (a.staged_splits > 0) {
+      b.splits = a.staged_splits;  // partials a query head, for the merge
+      full_staged_kernel<D, T>
+          <<<unsigned(a.kv.n_kv_heads * a.staged_splits),
+             unsigned((1 + a.staged_sets * a.staged_w) * 32), staged_smem_bytes<D, T>(), st>>>(
+              a, a.staged_splits, a.staged_w);
+      SF_CUDA_TRY(cudaGetLastError());
+      if (b.splits > 1) {
+        merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
+        SF_CUDA_TRY(cudaGetLastError());
+      }
+      return Status::ok();
+    }
+  }
   if (a.shared && T != PoolDType::kInt8)  // the dispatch below would run no kernel
     return SF_ERR(kInternal, "paged_decode_attention: the shared kernel is INT8's only");
   if constexpr (T == PoolDType::kInt8) {
@@ -2385,21 +2480,6 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
       b.splits = full_splits(a.kv.n_kv_heads, a.kv.max_pages, per_sm);
       grid = unsigned(a.kv.n_kv_heads * b.splits);
       full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
-    }
-  }
-  if constexpr (T != PoolDType::kInt8 && D != 32) {
-    if (a.staged_splits > 0) {
-      b.splits = a.staged_splits;  // partials a query head, for the merge
-      const int G = a.n_heads / a.kv.n_kv_heads;
-      full_staged_kernel<D, T>
-          <<<unsigned(a.kv.n_kv_heads * a.staged_splits), unsigned((1 + G * a.staged_w) * 32),
-             staged_smem_bytes<D, T>(), st>>>(a, a.staged_splits, a.staged_w);
-      SF_CUDA_TRY(cudaGetLastError());
-      if (b.splits > 1) {
-        merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
-        SF_CUDA_TRY(cudaGetLastError());
-      }
-      return Status::ok();
     }
   }
   if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
@@ -2502,6 +2582,7 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   const StagedPlan sp = staged_plan(n_heads, kv, p);
   a.staged_splits = sp.splits;
   a.staged_w = sp.w;
+  a.staged_sets = sp.sets;
   // The plan above sizes the full-mode workspace too; PSA's is its layout's.
   size_t need = 0;
   if (p.psa)
