@@ -53,10 +53,11 @@ struct PagedDecodeParams {
   // head's query heads (up to 4 a pass), so the block's codes are loaded and converted once a
   // pass instead of once per query head. false: a warp per query head (as F32, BF16 and psa).
   bool share_kv_heads = true;
-  // full mode, one token, F32 and BF16 pools, head_dim 64 or 128, up to 8 query heads per KV
-  // head: a CTA streams a KV head's blocks into shared memory by bulk copies (TMA), ahead of the
-  // warps that read them there for each of its query heads. false: a warp per query head loading
-  // its own rows (A/B timing).
+  // full mode, one token, head_dim 64 or 128, up to 8 query heads per KV head over F32 and BF16
+  // pools, 2 to 12 over INT8: a CTA streams a KV head's blocks into shared memory by bulk copies
+  // (TMA), ahead of the warps that read them there for its query heads (INT8: a warp converts a
+  // block's codes once for up to 4 heads). false: a warp per query head loading its own rows, or
+  // over INT8 the shared-codes kernel (share_kv_heads) (A/B timing).
   bool full_staged = true;
   // psa: the host's "+gqa" visit, one per KV head: the query heads of a KV head take turns
   // naming blocks, every head folds every loaded block, so a block is read once for the group.
@@ -84,9 +85,8 @@ inline constexpr int kDecodeMaxTokens = 256;  // n_tokens, at most
 size_t paged_decode_workspace_bytes(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
 // Whether full mode over kv runs the staged kernel on the current device
-// (PagedDecodeParams::full_staged; one token, F32 or BF16 pool, head_dim 64 or 128, up to 8 query heads
-// per KV head, and the kernel fits the device): a plan step, for tests and benchmarks. false
-// without CUDA.
+// (PagedDecodeParams::full_staged; one token, head_dim 64 or 128, the group sizes named there,
+// and the kernel fits the device): a plan step, for tests and benchmarks. false without CUDA.
 bool paged_decode_staged(int n_heads, const PagedKv& kv, const PagedDecodeParams& p);
 
 // q: [n_heads, head_dim] F32 (rotated); out: [n_heads, head_dim] F32 (both [p.n_tokens, ...]

@@ -21,10 +21,11 @@
 //         for up to 4 query heads, splits for one wave at that kernel's occupancy (2x faster
 //         than a warp per head on H100; BF16 lost at 128K, where the kernel's registers leave
 //         too few loads in flight, so BF16 keeps a warp per head: bench/NOTES.md).
-//         At head_dim 64 and 128, F32 and BF16 pools take full_staged_kernel instead: a
-//         producer thread streams a KV head's blocks into shared memory by bulk copies, and the
-//         warps of its query heads read them there (1.7x / 1.4x faster at 128 on H100; NOTES
-//         thirty-third and thirty-fourth sessions).
+//         At head_dim 64 and 128 every pool takes full_staged_kernel instead (INT8 with 2+
+//         query heads per KV head): a producer thread streams a KV head's blocks into shared
+//         memory by bulk copies, and the warps of its query heads read them there (on H100 at
+//         d 128, 1.7x / 1.4x / 1.27x faster over F32 / BF16 / INT8; NOTES thirty-third and
+//         thirty-fourth sessions).
 //   psa:  in rounds over the whole device (psa_round_size, above psa_bounds_kernel): every
 //         head's bounds (a thread each), a CTA per head sorting them, then per round a warp per
 //         (head, ranked block) over every SM and a warp per head applying the host's sequential
@@ -407,8 +408,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeArgs a
     for (int sp = grp; sp < a.splits; sp += P) {
       const float* src = base + int64_t(sp) * (D + 4);
       const double l = reinterpret_cast<const double*>(src + D + 2)[0];
+      if (!(l > 0)) continue;  // an empty split: its max is -inf, its output not read
       const float4 o = reinterpret_cast<const float4*>(src)[c4];
-      const float w = l > 0 ? expf(src[D] - M) : 0.f;
+      const float w = expf(src[D] - M);
       O.x += w * o.x, O.y += w * o.y, O.z += w * o.z, O.w += w * o.w;
       L += double(w) * l;
     }
@@ -2351,11 +2353,14 @@ struct StagedPlan {
 };
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
-  if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.n_kv_heads <= 0 ||
+  if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.n_kv_heads <= 0 || n_heads <= 0 ||
       n_heads % kv.n_kv_heads != 0)
     return sp;
   const int G = n_heads / kv.n_kv_heads;
   const bool i8 = kv.dtype == PoolDType::kInt8;
+  // INT8 with one query head per KV head keeps full_kernel: warp_block_heads does four heads'
+  // arithmetic whatever the group, and there is no conversion to share.
+  if (i8 && G < 2) return sp;
   const int hpw = i8 ? kStagedHeadsPerWarp<PoolDType::kInt8> : 1;
   const int consumers = i8 ? kStagedConsumers<PoolDType::kInt8> : kStagedConsumers<PoolDType::kF32>;
   sp.sets = (G + hpw - 1) / hpw;
@@ -2559,6 +2564,10 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   if (!supported_dim(kv.head_dim))
     return SF_ERR(kUnsupported, "paged_decode_attention: CUDA supports head_dim 32, 64 or 128, got " +
                                     std::to_string(kv.head_dim));
+  if (n_heads <= 0 || kv.n_kv_heads <= 0 || n_heads % kv.n_kv_heads != 0)
+    return SF_ERR(kInvalidArgument, "paged_decode_attention: " + std::to_string(n_heads) +
+                                        " query heads over " + std::to_string(kv.n_kv_heads) +
+                                        " KV heads (want a positive multiple)");
   DecodeArgs a{};
   a.q = q;
   a.out = out;
