@@ -878,6 +878,21 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
   }
 }
 
+// The rows of n consecutive query heads from q (load_q) in qf[0, n), zeros in qf[n, N).
+template <int D, PoolDType T, int N>
+__device__ __forceinline__ void load_q_heads(const float* q, int n,
+                                             float (&qf)[kGqaMax][kElemsPerLoad<T>]) {
+#pragma unroll
+  for (int hh = 0; hh < N; ++hh) {
+    if (hh < n) {
+      load_q<D, T>(q + int64_t(hh) * D, qf[hh]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kElemsPerLoad<T>; ++i) qf[hh][i] = 0.f;
+    }
+  }
+}
+
 // Full mode, one token: CTA (KV head, split). One producer thread streams the split's blocks
 // through a ring of staged_stages() shared-memory stages, a block's keys and its values one bulk
 // copy each (INT8: also its key channels' scales and zeros and its rows' value scales and
@@ -985,15 +1000,7 @@ __global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
   const int set = c % sets, w = c / sets;
   const int h0 = g * G + set * HPW, GS = min(HPW, G - set * HPW);  // this set's query heads
   float qf[kGqaMax][E];
-#pragma unroll
-  for (int hh = 0; hh < HPW; ++hh) {
-    if (hh < GS) {
-      load_q<D, T>(a.q + int64_t(h0 + hh) * D, qf[hh]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < E; ++i) qf[hh][i] = 0.f;
-    }
-  }
+  load_q_heads<D, T, HPW>(a.q + int64_t(h0) * D, GS, qf);
   float m[HPW];
   double l[HPW];
   float4 o[HPW];
@@ -1076,15 +1083,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
   for (int h0 = 0; h0 < group; h0 += kGqaMax) {
     const int G = min(kGqaMax, group - h0);
     float qf[kGqaMax][E];
-#pragma unroll
-    for (int hh = 0; hh < kGqaMax; ++hh) {
-      if (hh < G) {
-        load_q<D, T>(a.q + int64_t(g * group + h0 + hh) * D, qf[hh]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < E; ++i) qf[hh][i] = 0.f;
-      }
-    }
+    load_q_heads<D, T, kGqaMax>(a.q + int64_t(g * group + h0) * D, G, qf);
     float m[kGqaMax];
     double l[kGqaMax];
     float4 o[kGqaMax];
