@@ -704,8 +704,9 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
 }
 
 // Full mode with the query heads of a KV head sharing each block's rows (INT8 pools):
-// warp_block's work for up to kGqaMax query heads at once. The rows are loaded and, INT8,
-// converted once; each head keeps its own folded query, scores, weights and sums, summed in the
+// warp_block's work for up to kGqaMax query heads at once (NH of them in its loops, the first
+// G <= NH real; entries from NH on are not written). The rows are loaded and, INT8, converted
+// once; each head keeps its own folded query, scores, weights and sums, summed in the
 // same order as warp_block's, so every head's result for a block is the one warp_block gives it
 // (the splits differ from full_kernel's, so blocks merge in another order: the last bits move).
 constexpr int kGqaMax = 4;
@@ -724,7 +725,7 @@ __device__ __forceinline__ BlockSrc pool_block(const PagedKv& kv, int64_t blk) {
           kv.vzero + blk * kBT};
 }
 
-template <int D, PoolDType T, bool kSmem = false>
+template <int D, PoolDType T, bool kSmem = false, int NH = kGqaMax>
 __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kElemsPerLoad<T>],
                                                  int G, const BlockSrc& bs, int n,
                                                  float scale, float (&bm)[kGqaMax],
@@ -742,14 +743,14 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
     ld_f16<E, kSmem>(bs.ks + E * grp, ks);
     ld_f16<E, kSmem>(bs.kz + E * grp, kz);
 #pragma unroll
-    for (int hh = 0; hh < kGqaMax; ++hh) {
+    for (int hh = 0; hh < NH; ++hh) {
       bias[hh] = 0.f;
 #pragma unroll
       for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i] * ks[i], bias[hh] += qf[hh][i] * kz[i];
     }
   } else {
 #pragma unroll
-    for (int hh = 0; hh < kGqaMax; ++hh) {
+    for (int hh = 0; hh < NH; ++hh) {
       bias[hh] = 0.f;
 #pragma unroll
       for (int i = 0; i < E; ++i) qk[hh][i] = qf[hh][i];
@@ -770,7 +771,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
         for (int i = 0; i < E; ++i) x[i] = 0.f;
       }
 #pragma unroll
-      for (int hh = 0; hh < kGqaMax; ++hh) {
+      for (int hh = 0; hh < NH; ++hh) {
         float acc = bias[hh];
 #pragma unroll
         for (int i = 0; i < E; ++i) acc += qk[hh][i] * x[i];
@@ -779,14 +780,14 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
     }
     const int row = round * 32 + grp * RPL + sub;
 #pragma unroll
-    for (int hh = 0; hh < kGqaMax; ++hh) {
+    for (int hh = 0; hh < NH; ++hh) {
       if (hh < G) reduce_scatter<LPR / 2>(v[hh], lane);  // G is uniform over the warp
       s[hh][round] = row < n ? v[hh][0] * scale : -INFINITY;
     }
   }
   float e[kGqaMax][2];
 #pragma unroll
-  for (int hh = 0; hh < kGqaMax; ++hh) {
+  for (int hh = 0; hh < NH; ++hh) {
     float m = fmaxf(s[hh][0], s[hh][1]);
     double t = 0;
     if (hh < G) {
@@ -805,7 +806,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
   }
   float ez[kGqaMax][2];
 #pragma unroll
-  for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][0] = ez[hh][1] = 0.f;
+  for (int hh = 0; hh < NH; ++hh) ez[hh][0] = ez[hh][1] = 0.f;
   if constexpr (T == PoolDType::kInt8) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -814,14 +815,14 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
         const float z = f16f(kSmem ? bs.vz[row] : __ldg(bs.vz + row)),
                     sc = f16f(kSmem ? bs.vs[row] : __ldg(bs.vs + row));
 #pragma unroll
-        for (int hh = 0; hh < kGqaMax; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
+        for (int hh = 0; hh < NH; ++hh) ez[hh][r] = e[hh][r] * z, e[hh][r] *= sc;
       }
     }
   }
   float acc[kGqaMax][E];
   float accz[kGqaMax];
 #pragma unroll
-  for (int hh = 0; hh < kGqaMax; ++hh) {
+  for (int hh = 0; hh < NH; ++hh) {
     accz[hh] = 0.f;
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[hh][i] = 0.f;
@@ -833,7 +834,7 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
     const int src = (r % RPL) * LPR + r / RPL;
     float w[kGqaMax];
 #pragma unroll
-    for (int hh = 0; hh < kGqaMax; ++hh) {
+    for (int hh = 0; hh < NH; ++hh) {
       w[hh] = __shfl_sync(kAll, (j * RPL) < 32 ? e[hh][0] : e[hh][1], src);
       if constexpr (T == PoolDType::kInt8)
         accz[hh] += __shfl_sync(kAll, (j * RPL) < 32 ? ez[hh][0] : ez[hh][1], src);
@@ -842,13 +843,13 @@ __device__ __forceinline__ void warp_block_heads(const float (&qf)[kGqaMax][kEle
       float x[E];
       ld_elems<T, kSmem>(bs.v, (row0 + row) * D + E * grp, x);
 #pragma unroll
-      for (int hh = 0; hh < kGqaMax; ++hh)
+      for (int hh = 0; hh < NH; ++hh)
 #pragma unroll
         for (int i = 0; i < E; ++i) acc[hh][i] += w[hh] * x[i];
     }
   }
 #pragma unroll
-  for (int hh = 0; hh < kGqaMax; ++hh) {
+  for (int hh = 0; hh < NH; ++hh) {
     if (hh >= G) {
       o4[hh] = make_float4(0.f, 0.f, 0.f, 0.f);
       continue;
@@ -1025,7 +1026,13 @@ __global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
         float bm[kGqaMax];
         double mass[kGqaMax];
         float4 ob[kGqaMax];
-        warp_block_heads<D, T, true>(qf, GS, src, n, a.scale, bm, mass, ob);
+        // The arithmetic for this set's heads only (a group of 3 did 4 heads' work).
+        switch (GS) {
+          case 1: warp_block_heads<D, T, true, 1>(qf, GS, src, n, a.scale, bm, mass, ob); break;
+          case 2: warp_block_heads<D, T, true, 2>(qf, GS, src, n, a.scale, bm, mass, ob); break;
+          case 3: warp_block_heads<D, T, true, 3>(qf, GS, src, n, a.scale, bm, mass, ob); break;
+          default: warp_block_heads<D, T, true, 4>(qf, GS, src, n, a.scale, bm, mass, ob);
+        }
 #pragma unroll
         for (int hh = 0; hh < HPW; ++hh)
           if (hh < GS) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
