@@ -77,8 +77,8 @@ struct DecodeArgs {
   bool pin, recent_mean;
   bool shared;  // full mode: full_shared_kernel (grid over KV heads), splits counted for it
   bool gqa;     // psa: one visit per KV head (gqa_walk_kernel)
-  int staged_splits, staged_w, staged_sets;  // full mode: full_staged_kernel's plan (splits 0:
-                                             // another kernel)
+  int staged_splits, staged_w, staged_sets, staged_nhf;  // full mode: full_staged_kernel's plan
+                                                         // (splits 0: another kernel)
 };
 
 // Halves v[0, 2 O) across lanes l and l ^ O (each keeps the half its bit O names, summed with
@@ -950,7 +950,11 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <int D, PoolDType T>
+// NHF: INT8, the query heads a set's warp does the arithmetic for (warp_block_heads' NH): 4, or
+// 2 and 3 for groups of that size (all of whose heads are one set). A group of 3 doing 4 heads'
+// work was 17% slower at d 64, and a run-time choice among them in one kernel made the 4-head
+// path 5% slower at d 128 (NOTES, thirty-fourth session), hence a kernel each.
+template <int D, PoolDType T, int NHF = kStagedHeadsPerWarp<T>>
 __global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
     full_staged_kernel(const DecodeArgs a, int splits, int W) {
   constexpr int S = staged_stages<D, T>(), LPR = D / 4, E = kElemsPerLoad<T>;
@@ -1026,13 +1030,7 @@ __global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
         float bm[kGqaMax];
         double mass[kGqaMax];
         float4 ob[kGqaMax];
-        // The arithmetic for this set's heads only (a group of 3 did 4 heads' work).
-        switch (GS) {
-          case 1: warp_block_heads<D, T, true, 1>(qf, GS, src, n, a.scale, bm, mass, ob); break;
-          case 2: warp_block_heads<D, T, true, 2>(qf, GS, src, n, a.scale, bm, mass, ob); break;
-          case 3: warp_block_heads<D, T, true, 3>(qf, GS, src, n, a.scale, bm, mass, ob); break;
-          default: warp_block_heads<D, T, true, 4>(qf, GS, src, n, a.scale, bm, mass, ob);
-        }
+        warp_block_heads<D, T, true, NHF>(qf, GS, src, n, a.scale, bm, mass, ob);  // GS <= NHF
 #pragma unroll
         for (int hh = 0; hh < HPW; ++hh)
           if (hh < GS) fold(bm[hh], mass[hh], ob[hh], &m[hh], &l[hh], &o[hh]);
@@ -2311,7 +2309,7 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
 
 // full_staged_kernel's CTAs an SM on the current device, its shared memory opted in there
 // first (a function attribute is per device); 0 if it cannot run.
-template <int D, PoolDType T>
+template <int D, PoolDType T, int NHF = kStagedHeadsPerWarp<T>>
 int staged_per_sm() {
   static std::atomic<int> occ[64];  // CTAs an SM + 1 per device; 0: not asked yet
   static std::atomic<uint64_t> opted{0};
@@ -2320,14 +2318,15 @@ int staged_per_sm() {
     (void)cudaGetLastError();
     return 0;
   }
-  if (opt_in_smem(full_staged_kernel<D, T>, staged_smem_bytes<D, T>(), opted) != cudaSuccess) {
+  if (opt_in_smem(full_staged_kernel<D, T, NHF>, staged_smem_bytes<D, T>(), opted) !=
+      cudaSuccess) {
     (void)cudaGetLastError();  // the per-head kernel runs instead; leave no error pending
     return 0;
   }
   const int known = occ[dev].load(std::memory_order_relaxed);
   if (known > 0) return known - 1;
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T>,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, full_staged_kernel<D, T, NHF>,
                                                     (kStagedConsumers<T> + 1) * 32,
                                                     staged_smem_bytes<D, T>()) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -2339,16 +2338,19 @@ int staged_per_sm() {
 // head_dim 64 and 128 (32 keeps full_kernel: no BF16 or INT8 instantiation there, and no model
 // served).
 template <int D>
-int staged_per_sm_dim(PoolDType t) {
+int staged_per_sm_dim(PoolDType t, int nhf) {
   switch (t) {
     case PoolDType::kF32: return staged_per_sm<D, PoolDType::kF32>();
     case PoolDType::kBF16: return staged_per_sm<D, PoolDType::kBF16>();
-    case PoolDType::kInt8: return staged_per_sm<D, PoolDType::kInt8>();
+    case PoolDType::kInt8:
+      return nhf == 2   ? staged_per_sm<D, PoolDType::kInt8, 2>()
+             : nhf == 3 ? staged_per_sm<D, PoolDType::kInt8, 3>()
+                        : staged_per_sm<D, PoolDType::kInt8, 4>();
   }
   return 0;
 }
-int staged_per_sm(int d, PoolDType t) {
-  return d == 128 ? staged_per_sm_dim<128>(t) : d == 64 ? staged_per_sm_dim<64>(t) : 0;
+int staged_per_sm(int d, PoolDType t, int nhf) {
+  return d == 128 ? staged_per_sm_dim<128>(t, nhf) : d == 64 ? staged_per_sm_dim<64>(t, nhf) : 0;
 }
 
 // Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, at most
@@ -2356,6 +2358,7 @@ int staged_per_sm(int d, PoolDType t) {
 // CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at least.
 struct StagedPlan {
   int splits = 0, w = 1, sets = 1;  // splits 0: not staged
+  int nhf = 1;                      // INT8: the kernel's heads a warp (full_staged_kernel's NHF)
 };
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
@@ -2370,8 +2373,9 @@ StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& 
   const int hpw = i8 ? kStagedHeadsPerWarp<PoolDType::kInt8> : 1;
   const int consumers = i8 ? kStagedConsumers<PoolDType::kInt8> : kStagedConsumers<PoolDType::kF32>;
   sp.sets = (G + hpw - 1) / hpw;
+  sp.nhf = std::min(G, hpw);
   if (sp.sets > consumers) return sp;
-  const int per_sm = staged_per_sm(kv.head_dim, kv.dtype);
+  const int per_sm = staged_per_sm(kv.head_dim, kv.dtype, sp.nhf);
   if (per_sm <= 0) return sp;
   sp.w = consumers / sp.sets;
   const int most = std::max(1, kv.max_pages / (2 * sp.w));
@@ -2462,10 +2466,21 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
   if constexpr (D != 32) {
     if (a.staged_splits > 0) {
       b.splits = a.staged_splits;  // partials a query head, for the merge
-      full_staged_kernel<D, T>
-          <<<unsigned(a.kv.n_kv_heads * a.staged_splits),
-             unsigned((1 + a.staged_sets * a.staged_w) * 32), staged_smem_bytes<D, T>(), st>>>(
-              a, a.staged_splits, a.staged_w);
+      const dim3 grid_s(unsigned(a.kv.n_kv_heads * a.staged_splits)),
+          block_s(unsigned((1 + a.staged_sets * a.staged_w) * 32));
+      const auto go = [&](auto kernel) {
+        kernel<<<grid_s, block_s, staged_smem_bytes<D, T>(), st>>>(a, a.staged_splits, a.staged_w);
+      };
+      if constexpr (T == PoolDType::kInt8) {
+        if (a.staged_nhf == 2)
+          go(full_staged_kernel<D, T, 2>);
+        else if (a.staged_nhf == 3)
+          go(full_staged_kernel<D, T, 3>);
+        else
+          go(full_staged_kernel<D, T, 4>);
+      } else {
+        go(full_staged_kernel<D, T>);
+      }
       SF_CUDA_TRY(cudaGetLastError());
       if (b.splits > 1) {
         merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
@@ -2598,6 +2613,7 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
   a.staged_splits = sp.splits;
   a.staged_w = sp.w;
   a.staged_sets = sp.sets;
+  a.staged_nhf = sp.nhf;
   // The plan above sizes the full-mode workspace too; PSA's is its layout's.
   size_t need = 0;
   if (p.psa)

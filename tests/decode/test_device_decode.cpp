@@ -284,9 +284,10 @@ TEST_F(DeviceDecode, EncodedPoolsFollowTheHostRules) {
 }
 
 // Full mode over encoded pools at other group sizes, each through the staged kernel and the
-// other (expect_same_as_host). INT8: 3 (one set of 4 with a head slot idle; the shared kernel:
-// one pass), 8 (two sets, or two passes), 6 (a full set, then a partial one), 10 (three sets,
-// one warp each), 5 (a last set of one head) and 1 (not staged; a warp per query head). The
+// other (expect_same_as_host). INT8: 3 and 2 (the staged kernels for sets of 3 and 2 heads; the
+// shared kernel: one pass with idle head slots), 8 (two sets of 4, or two passes), 6 (a full
+// set, then a partial one), 10 (three sets, one warp each), 5 (a last set of one head) and 1
+// (not staged; a warp per query head). The
 // 1,100-page case has each warp fold many blocks; the 3-page one runs one staged CTA a KV head,
 // which writes the outputs itself.
 TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
@@ -295,7 +296,7 @@ TEST_F(DeviceDecode, EncodedPoolsFullModeAtEveryGroupSize) {
     int hq, hkv, pages;
   };
   for (const Case c : {Case{9, 3, 40}, Case{16, 2, 40}, Case{6, 6, 40}, Case{12, 2, 1100},
-                       Case{10, 1, 40}, Case{5, 1, 40}, Case{8, 2, 3}})
+                       Case{10, 1, 40}, Case{5, 1, 40}, Case{4, 2, 40}, Case{8, 2, 3}})
     for (int d : {64, 128})
       for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
         const int hq = c.hq, hkv = c.hkv;
