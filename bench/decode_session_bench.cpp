@@ -4,9 +4,11 @@
 // on the host). Four sessions side by side: the step's kernels launched one by one or replayed
 // as one CUDA graph, each with the unfused step (a kernel per op) and the fused one (Q/K/V in
 // one GEMV, gate/up/SwiGLU in one, each residual add joined to the next norm), timed in
-// alternating rounds of `steps` tokens, median of three. Keys N(0, 0.3), values N(0, 1), every
-// position kept (the timing does not depend on their values). One JSON line per (weights, pool,
-// graph, fused) configuration.
+// alternating rounds of `steps` tokens, median of three. A fifth session, graph and fused, launches
+// its kernels without programmatic dependent launch (kernels/cuda/dependent_launch.cuh), the
+// A/B of that launch in the same rounds. Keys N(0, 0.3), values N(0, 1), every position kept (the
+// timing does not depend on their values). One JSON line per (weights, pool, graph, fused,
+// dependent launch) configuration.
 //
 // verify: attention modes with verified drafts (e.g. psa-avg:0.95:verify8), each a fused graph
 // session timed the same way over generate_greedy (a round's `steps` tokens: drafts as graph
@@ -29,6 +31,7 @@
 
 #include "bench/bench_util.h"
 #include "decode/device_session.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kvstore/kv_quant.h"
 #include "worker/model/device_model.h"
 
@@ -117,6 +120,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   const auto ap = decode::decode_attn_parse("full").value();
+  const bool pdl0 = kernels::cuda::dependent_launch();  // SF_PDL=0 turns it off everywhere
   for (const std::string& wname : weights) {
     const DType wdt = wname == "f32" ? DType::kF32 : DType::kBF16;
     if (wname != "f32" && wname != "bf16") return fail("weights", SF_ERR(kInvalidArgument, wname));
@@ -125,21 +129,25 @@ int main(int argc, char** argv) {
     for (const std::string& pname : pools) {
       auto enc = kvstore::kv_encoding_parse(pname);
       if (!enc.is_ok()) return fail("pool", enc.status());
-      // The four sessions open at once; their timed rounds alternate (eager, graph, eager fused,
-      // graph fused, eager, ...) so that clocks and host noise fall on all alike. The median
-      // round is reported.
+      // The five sessions open at once; their timed rounds alternate (eager, graph, eager fused,
+      // graph fused, graph fused without dependent launch, eager, ...) so that clocks and host
+      // noise fall on all alike. The median round is reported.
       constexpr int kRounds = 3;  // the record below prints three rounds
-      constexpr int kSessions = 4;  // bit 0: CUDA graph, bit 1: fused step
+      constexpr int kSessions = 5;  // bit 0: CUDA graph, bit 1: fused step; 4: 3 without PDL
+      const auto graph_of = [](int si) { return si == 4 || (si & 1) != 0; };
+      const auto fused_of = [](int si) { return si == 4 || (si & 2) != 0; };
+      const auto pdl_of = [pdl0](int si) { return si != 4 && pdl0; };
       std::vector<std::optional<decode::DeviceDecodeSession>> sess(static_cast<size_t>(kSessions));
       std::vector<int32_t> tok(static_cast<size_t>(kSessions), 1);
       std::vector<float> z;
       for (int si = 0; si < kSessions; ++si) {
         auto s = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap, 2 + kRounds * steps,
-                                                   enc.value(), (si & 1) != 0, (si & 2) != 0);
+                                                   enc.value(), graph_of(si), fused_of(si));
         if (!s.is_ok()) return fail("session", s.status());
         sess[size_t(si)].emplace(std::move(s).value());
       }
       auto next = [&](int si) -> Status {
+        kernels::cuda::set_dependent_launch(pdl_of(si));  // read at each launch (and capture)
         SF_TRY(sess[size_t(si)]->step(tok[size_t(si)], &z));
         tok[size_t(si)] = int32_t(std::max_element(z.begin(), z.end()) - z.begin());
         return Status::ok();
@@ -156,6 +164,7 @@ int main(int argc, char** argv) {
             if (Status st = next(si); !st.is_ok()) return fail("step", st);
           ms[size_t(si)].push_back(1e3 * (now_s() - t0) / steps);
         }
+      kernels::cuda::set_dependent_launch(pdl0);
       for (int si = 0; si < kSessions; ++si) {
         std::vector<double> sorted = ms[size_t(si)];
         std::sort(sorted.begin(), sorted.end());
@@ -163,12 +172,14 @@ int main(int argc, char** argv) {
         std::printf(
             "{\"device\": \"%s\", \"shape\": \"%s\", \"layers\": %d, \"weights\": \"%s\", "
             "\"pool\": \"%s\", \"pool_bytes\": %zu, \"tokens\": %lld, \"steps\": %d, "
-            "\"cuda_graph\": %s, \"fused_step\": %s, \"graph_steps\": %lld, "
+            "\"cuda_graph\": %s, \"fused_step\": %s, \"dependent_launch\": %s, "
+            "\"graph_steps\": %lld, "
             "\"ms_per_token\": %.3f, \"ms_per_token_rounds\": [%.3f, %.3f, %.3f], "
             "\"tokens_per_s\": %.1f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
             sess[size_t(si)]->pool_bytes(), static_cast<long long>(n), steps,
-            (si & 1) ? "true" : "false", (si & 2) ? "true" : "false",
+            graph_of(si) ? "true" : "false", fused_of(si) ? "true" : "false",
+            pdl_of(si) ? "true" : "false",
             static_cast<long long>(sess[size_t(si)]->graph_steps()), med, ms[size_t(si)][0], ms[size_t(si)][1], ms[size_t(si)][2],
             1e3 / med, commit.c_str(), command.c_str());
         std::fflush(stdout);

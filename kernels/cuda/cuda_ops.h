@@ -165,6 +165,12 @@ Status fill_normal(TensorView out, const FillNormal& f, void* stream);
 Status device_count(int* n);
 // Waits for `stream` (nullptr: the legacy default stream) and reports any asynchronous error.
 Status stream_synchronize(void* stream);
+// Programmatic dependent launch of the decode step's kernels (elementwise, gemv, paged append,
+// decode attention and its merge; kernels/cuda/dependent_launch.cuh). On unless the environment
+// says SF_PDL=0 at first use; set_dependent_launch() overrides it for later launches (a
+// benchmark's A/B). A CUDA graph keeps what was on when it was captured.
+bool dependent_launch();
+void set_dependent_launch(bool on);
 
 // Owning device allocation. Copies are synchronous (complete on return, ordered after work on
 // the legacy default stream): for tests and setup, not for run paths.

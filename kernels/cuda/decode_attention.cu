@@ -53,6 +53,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dependent_launch.cuh"
 #include "kernels/cuda/mbarrier.cuh"
 #include "kernels/cuda/smem_opt_in.h"
 
@@ -339,6 +340,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_kernel(const DecodeArgs 
   __shared__ float sm_m[kFullWarps];
   __shared__ double sm_l[kFullWarps];
   __shared__ float4 sm_o[kFullWarps][LPR];
+  grid_dep_enter();
   const int h = blockIdx.x % a.n_heads, split = blockIdx.x / a.n_heads;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = h / (a.n_heads / a.kv.n_kv_heads);
@@ -386,6 +388,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeArgs a
   __shared__ float4 so[P][Q];
   __shared__ double sl[P];
   __shared__ float smax[kMergeThreads / 32];
+  grid_dep_enter();
   const float* const base = a.ws + int64_t(blockIdx.x) * a.splits * (D + 4);
   const int t = threadIdx.x;
   float mx = -INFINITY;  // over the splits with mass (an empty split's max is -inf)
@@ -552,6 +555,7 @@ __global__ void __launch_bounds__(kPassWarps * 32) pass_kernel(const DecodeArgs 
   float* qs = vs + kBT * D;                 // [kPassRows][D], scaled
   float* ps = qs + kPassRows * D;           // [kPassRows][kBT]
   constexpr int DPL = D / 32;               // channels a lane folds
+  grid_dep_enter();
   const int chunk = blockIdx.x % chunks, gs = blockIdx.x / chunks;
   const int split = gs % a.splits, g = gs / a.splits;
   const int G = a.n_heads / a.kv.n_kv_heads, R = G * a.n_tokens;
@@ -962,6 +966,7 @@ __global__ void __launch_bounds__((kStagedConsumers<T> + 1) * 32)
   constexpr size_t HB = staged_block_bytes<D, T>(), SB = staged_stage_bytes<D, T>();
   extern __shared__ __align__(128) unsigned char staged_smem[];
   unsigned char* const smem = staged_smem;
+  grid_dep_enter();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * SB);  // stage's copies landed
   // Every lane of every consumer warp arrives on a stage's empty barrier for each block (an
   // arrive releases the arriving thread's own reads only; warps that skip the block arrive at
@@ -1078,6 +1083,7 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
   __shared__ float sm_m[kFullWarps][kGqaMax];
   __shared__ double sm_l[kFullWarps][kGqaMax];
   __shared__ float4 sm_o[kFullWarps][kGqaMax][LPR];
+  grid_dep_enter();
   const int n_kv = a.kv.n_kv_heads, group = a.n_heads / n_kv;
   const int g = blockIdx.x % n_kv, split = blockIdx.x / n_kv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -2136,6 +2142,7 @@ __device__ __forceinline__ uint8_t quant_code(float x, const QuantGroup& g) {
 template <PoolDType T>
 __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new,
                                     int n_tokens) {
+  grid_dep_enter();
   const int g = blockIdx.x, d = kv.head_dim;
   __shared__ int64_t blk_s;
   __shared__ int slot_s;
@@ -2447,13 +2454,11 @@ Status launch_pass(const DecodeArgs& a, cudaStream_t st) {
   constexpr size_t smem = pass_smem_bytes<D>();
   SF_CUDA_TRY(opt_in_smem(pass_kernel<D, T>, smem, opted));
   const int chunks = pass_chunks(a.n_heads, a.kv.n_kv_heads, a.n_tokens);
-  pass_kernel<D, T><<<unsigned(a.kv.n_kv_heads * a.splits * chunks), kPassWarps * 32, smem, st>>>(
-      a, chunks);
-  SF_CUDA_TRY(cudaGetLastError());
-  if (a.splits > 1) {
-    merge_kernel<D><<<unsigned(a.n_heads * a.n_tokens), kMergeThreads, 0, st>>>(a);
-    SF_CUDA_TRY(cudaGetLastError());
-  }
+  SF_CUDA_TRY(launch_dependent(pass_kernel<D, T>, unsigned(a.kv.n_kv_heads * a.splits * chunks),
+                               kPassWarps * 32, smem, st, a, chunks));
+  if (a.splits > 1)
+    SF_CUDA_TRY(launch_dependent(merge_kernel<D>, unsigned(a.n_heads * a.n_tokens), kMergeThreads,
+                                 0, st, a));
   return Status::ok();
 }
 
@@ -2469,23 +2474,22 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
       const dim3 grid_s(unsigned(a.kv.n_kv_heads * a.staged_splits)),
           block_s(unsigned((1 + a.staged_sets * a.staged_w) * 32));
       const auto go = [&](auto kernel) {
-        kernel<<<grid_s, block_s, staged_smem_bytes<D, T>(), st>>>(a, a.staged_splits, a.staged_w);
+        return launch_dependent(kernel, grid_s, block_s, staged_smem_bytes<D, T>(), st, a,
+                                a.staged_splits, a.staged_w);
       };
       if constexpr (T == PoolDType::kInt8) {
         if (a.staged_nhf == 2)
-          go(full_staged_kernel<D, T, 2>);
+          SF_CUDA_TRY(go(full_staged_kernel<D, T, 2>));
         else if (a.staged_nhf == 3)
-          go(full_staged_kernel<D, T, 3>);
+          SF_CUDA_TRY(go(full_staged_kernel<D, T, 3>));
         else
-          go(full_staged_kernel<D, T, 4>);
+          SF_CUDA_TRY(go(full_staged_kernel<D, T, 4>));
       } else {
-        go(full_staged_kernel<D, T>);
+        SF_CUDA_TRY(go(full_staged_kernel<D, T>));
       }
-      SF_CUDA_TRY(cudaGetLastError());
-      if (b.splits > 1) {
-        merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
-        SF_CUDA_TRY(cudaGetLastError());
-      }
+      if (b.splits > 1)
+        SF_CUDA_TRY(
+            launch_dependent(merge_kernel<D>, unsigned(b.n_heads), kMergeThreads, 0, st, b));
       return Status::ok();
     }
   }
@@ -2505,15 +2509,13 @@ Status launch(const DecodeArgs& a, bool psa, void* workspace, cudaStream_t st) {
       }
       b.splits = full_splits(a.kv.n_kv_heads, a.kv.max_pages, per_sm);
       grid = unsigned(a.kv.n_kv_heads * b.splits);
-      full_shared_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
+      SF_CUDA_TRY(launch_dependent(full_shared_kernel<D, T>, grid, kFullWarps * 32, 0, st, b));
     }
   }
-  if (!b.shared) full_kernel<D, T><<<grid, kFullWarps * 32, 0, st>>>(b);
-  SF_CUDA_TRY(cudaGetLastError());
-  if (b.splits > 1) {
-    merge_kernel<D><<<unsigned(b.n_heads), kMergeThreads, 0, st>>>(b);
-    SF_CUDA_TRY(cudaGetLastError());
-  }
+  if (!b.shared)
+    SF_CUDA_TRY(launch_dependent(full_kernel<D, T>, grid, kFullWarps * 32, 0, st, b));
+  if (b.splits > 1)
+    SF_CUDA_TRY(launch_dependent(merge_kernel<D>, unsigned(b.n_heads), kMergeThreads, 0, st, b));
   return Status::ok();
 }
 
@@ -2646,13 +2648,16 @@ Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, i
   const unsigned grid = unsigned(kv.n_kv_heads);
   switch (kv.dtype) {
     case PoolDType::kF32:
-      paged_append_kernel<PoolDType::kF32><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
+      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kF32>, grid, 128, 0, st, kv,
+                                   k_new, v_new, n_tokens));
       break;
     case PoolDType::kBF16:
-      paged_append_kernel<PoolDType::kBF16><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
+      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kBF16>, grid, 128, 0, st, kv,
+                                   k_new, v_new, n_tokens));
       break;
     case PoolDType::kInt8:
-      paged_append_kernel<PoolDType::kInt8><<<grid, 128, 0, st>>>(kv, k_new, v_new, n_tokens);
+      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kInt8>, grid, 128, 0, st, kv,
+                                   k_new, v_new, n_tokens));
       break;
   }
   SF_CUDA_TRY(cudaGetLastError());

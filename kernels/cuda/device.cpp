@@ -2,6 +2,10 @@
 // Status.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
 
@@ -17,6 +21,25 @@ Status stream_synchronize(void* stream) {
   SF_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
   return Status::ok();
 }
+
+namespace {
+// -1: not read yet; 0 / 1 after.
+std::atomic<int> g_dependent_launch{-1};
+}  // namespace
+
+bool dependent_launch() {
+  int v = g_dependent_launch.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("SF_PDL");
+    v = e && std::strcmp(e, "0") == 0 ? 0 : 1;
+    int expected = -1;  // a set_dependent_launch() that raced ahead wins
+    if (!g_dependent_launch.compare_exchange_strong(expected, v, std::memory_order_relaxed))
+      v = expected;
+  }
+  return v != 0;
+}
+
+void set_dependent_launch(bool on) { g_dependent_launch.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 DeviceBuffer::~DeviceBuffer() { reset(); }
 

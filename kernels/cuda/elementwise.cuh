@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "common/hash.h"
+#include "kernels/cuda/dependent_launch.cuh"
 #include "kernels/cuda/reduce.cuh"
 
 namespace sf::kernels::cuda {
@@ -56,14 +57,14 @@ __device__ __forceinline__ void embedding_row(const EmbeddingParams<T>& p, int64
 
 template <typename T>
 __global__ void embedding_kernel(const EmbeddingParams<T> p) {
+  grid_dep_enter();
   embedding_row(p, blockIdx.x);
 }
 
 template <typename T>
 cudaError_t embedding_launch(const EmbeddingParams<T>& p, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  embedding_kernel<T><<<unsigned(n), kRowThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(embedding_kernel<T>, unsigned(n), kRowThreads, 0, stream, p);
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
@@ -86,12 +87,14 @@ __device__ __forceinline__ void rms_norm_row(const RmsNormParams& p, int64_t row
   for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x) o[j] = x[j] * inv * p.w[j];
 }
 
-static __global__ void rms_norm_kernel(const RmsNormParams p) { rms_norm_row(p, blockIdx.x); }
+static __global__ void rms_norm_kernel(const RmsNormParams p) {
+  grid_dep_enter();
+  rms_norm_row(p, blockIdx.x);
+}
 
 inline cudaError_t rms_norm_launch(const RmsNormParams& p, int64_t rows, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(rms_norm_kernel, unsigned(rows), kRowThreads, 0, stream, p);
 }
 
 // add_inplace() then rms_norm() on one row per CTA: the add is elementwise (add_kernel's result
@@ -108,6 +111,7 @@ struct AddRmsNormParams {
 };
 
 static __global__ void add_rms_norm_kernel(const AddRmsNormParams p) {
+  grid_dep_enter();
   float* x = p.x + int64_t(blockIdx.x) * p.hidden;
   const float* d = p.delta ? p.delta + int64_t(blockIdx.x) * p.hidden : nullptr;
   float* o = p.out + int64_t(blockIdx.x) * p.hidden;
@@ -124,8 +128,7 @@ static __global__ void add_rms_norm_kernel(const AddRmsNormParams p) {
 inline cudaError_t add_rms_norm_launch(const AddRmsNormParams& p, int64_t rows,
                                        cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  add_rms_norm_kernel<<<unsigned(rows), kRowThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(add_rms_norm_kernel, unsigned(rows), kRowThreads, 0, stream, p);
 }
 
 // ---- RoPE ------------------------------------------------------------------------------------
@@ -162,12 +165,14 @@ __device__ __forceinline__ void rope_token(const RopeKernelParams& p, int64_t t)
   }
 }
 
-static __global__ void rope_kernel(const RopeKernelParams p) { rope_token(p, blockIdx.x); }
+static __global__ void rope_kernel(const RopeKernelParams p) {
+  grid_dep_enter();
+  rope_token(p, blockIdx.x);
+}
 
 inline cudaError_t rope_launch(const RopeKernelParams& p, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  rope_kernel<<<unsigned(n), kRowThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(rope_kernel, unsigned(n), kRowThreads, 0, stream, p);
 }
 
 // ---- SwiGLU and add --------------------------------------------------------------------------
@@ -180,6 +185,7 @@ struct SwigluParams {
 };
 
 static __global__ void swiglu_kernel(const SwigluParams p) {
+  grid_dep_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float g = p.gate[i];
@@ -189,8 +195,7 @@ static __global__ void swiglu_kernel(const SwigluParams p) {
 
 inline cudaError_t swiglu_launch(const SwigluParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
-  swiglu_kernel<<<flat_blocks(p.n), kFlatThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(swiglu_kernel, flat_blocks(p.n), kFlatThreads, 0, stream, p);
 }
 
 struct AddParams {
@@ -200,6 +205,7 @@ struct AddParams {
 };
 
 static __global__ void add_kernel(const AddParams p) {
+  grid_dep_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
        i += int64_t(gridDim.x) * blockDim.x)
     p.out[i] += p.x[i];
@@ -207,8 +213,7 @@ static __global__ void add_kernel(const AddParams p) {
 
 inline cudaError_t add_launch(const AddParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
-  add_kernel<<<flat_blocks(p.n), kFlatThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(add_kernel, flat_blocks(p.n), kFlatThreads, 0, stream, p);
 }
 
 // ---- deterministic random fill (synthetic weights) -------------------------------------------

@@ -28,6 +28,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dependent_launch.cuh"
 
 namespace sf::kernels::cuda {
 namespace {
@@ -187,6 +188,17 @@ __device__ __forceinline__ void row_dot(const float* __restrict__ x, int64_t ldx
 // read the weights n / 4 times instead of n).
 constexpr int kRowsPerWarp = 4;
 
+// A warp asks L2 for its weight row before it waits for the kernel before it (launched as a
+// dependent, dependent_launch.cuh): the weights are no earlier kernel's output, and a prefetch
+// changes no value, so the row's DRAM latency hides under that kernel's tail.
+template <bool kBf16>
+__device__ __forceinline__ void prefetch_row(const void* w, int64_t ldw, int64_t row, int64_t in) {
+  constexpr int64_t kElem = kBf16 ? 2 : 4, kLine = 128;
+  const char* r = static_cast<const char*>(w) + row * ldw * kElem;
+  for (int64_t b = int64_t(threadIdx.x & 31) * kLine; b < in * kElem; b += 32 * kLine)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(r + b));
+}
+
 // Grid: x = the parts' CTAs end to end, y = groups of R rows of x.
 template <bool kBf16, bool kVec, int R>
 __global__ void __launch_bounds__(kRowWarps * 32)
@@ -196,6 +208,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   const Part& p = a.p[pi];
   const int64_t row = (int64_t(blockIdx.x) - p.cta0) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.out) return;
+  prefetch_row<kBf16>(p.w, p.ldw, row, in);
+  grid_dep_enter();
   const int64_t r0 = int64_t(blockIdx.y) * R;
   const int nr = int(min(int64_t(R), n - r0));
   float v[R];
@@ -211,6 +225,9 @@ __global__ void __launch_bounds__(kRowWarps * 32)
                        int64_t out, int64_t n) {
   const int64_t row = int64_t(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= out) return;
+  prefetch_row<kBf16>(wg, ldw, row, in);
+  prefetch_row<kBf16>(wu, ldw, row, in);
+  grid_dep_enter();
   const int64_t r0 = int64_t(blockIdx.y) * R;
   const int nr = int(min(int64_t(R), n - r0));
   float g[R], u[R];
@@ -260,13 +277,13 @@ Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cud
   const float* xp = x.ptr<float>();
   const dim3 grid(unsigned(ctas), n == 1 ? 1u : unsigned(groups));
   if (n == 1 && vec[0])
-    gemv_parts_kernel<kBf16, true, 1><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, true, 1>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
   else if (n == 1)
-    gemv_parts_kernel<kBf16, false, 1><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, false, 1>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
   else if (vec[0])
-    gemv_parts_kernel<kBf16, true, kRowsPerWarp><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, true, kRowsPerWarp>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
   else
-    gemv_parts_kernel<kBf16, false, kRowsPerWarp><<<grid, kRowWarps * 32, 0, st>>>(xp, a, in, n);
+    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, false, kRowsPerWarp>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
@@ -288,13 +305,13 @@ Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView
   const void *g = wg.data, *u = wu.data;
   constexpr int T = kRowWarps * 32, R = kRowsPerWarp;
   if (n == 1 && vec)
-    gemv_swiglu_kernel<kBf16, true, 1><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, true, 1>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
   else if (n == 1)
-    gemv_swiglu_kernel<kBf16, false, 1><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, false, 1>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
   else if (vec)
-    gemv_swiglu_kernel<kBf16, true, R><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, true, R>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
   else
-    gemv_swiglu_kernel<kBf16, false, R><<<grid, T, 0, st>>>(xp, g, u, ldw, yp, in, out, n);
+    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, false, R>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
   SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }

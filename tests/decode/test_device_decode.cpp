@@ -833,6 +833,56 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
       }
 }
 
+// Programmatic dependent launch (kernels/cuda/dependent_launch.cuh) lets a step's kernel start
+// while the one before it finishes; each waits for its inputs first. Steps with it and without
+// it give the same logits bit for bit, eager and graph-replayed (a graph keeps the launches it
+// captured), full and psa-avg, F32 and INT8 pools. A kernel that read its input before the wait
+// would race its producer and change logits here.
+TEST_F(DeviceDecode, DependentLaunchChangesNoBit) {
+  const int n = 700, n_new = 10;
+  Prefilled P;
+  prefilled(n, testing::fresh_seed(), &P);
+  if (HasFatalFailure()) return;
+  const model::PrefillResult& pr = *P.pr;
+  const decode::PagedKvCache& cache = *P.cache;
+  auto dm = model::DeviceModel::upload(*P.m, DType::kBF16);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  const bool was = kernels::cuda::dependent_launch();
+  struct Restore {
+    bool on;
+    ~Restore() { kernels::cuda::set_dependent_launch(on); }
+  } restore{was};
+  for (const char* spec : {"full", "psa-avg:0.95"})
+    for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8})
+      for (const bool graph : {false, true}) {
+        const std::string what = std::string(spec) + " " + kvstore::kv_encoding_name(enc) +
+                                 (graph ? " graph" : " eager");
+        auto ap = decode::decode_attn_parse(spec);
+        ASSERT_TRUE(ap.is_ok());
+        auto with = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
+                                                      enc, graph, true);
+        auto without = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
+                                                         enc, graph, true);
+        ASSERT_TRUE(with.is_ok() && without.is_ok()) << what;
+        std::vector<float> zw, zo;
+        int32_t t = pr.first_token;
+        for (int i = 0; i < n_new; ++i) {
+          kernels::cuda::set_dependent_launch(true);
+          ASSERT_TRUE(with->step(t, &zw).is_ok()) << what;
+          kernels::cuda::set_dependent_launch(false);
+          ASSERT_TRUE(without->step(t, &zo).is_ok()) << what;
+          ASSERT_EQ(zw.size(), zo.size());
+          EXPECT_EQ(std::memcmp(zw.data(), zo.data(), zw.size() * sizeof(float)), 0)
+              << what << " step " << i;
+          t = int32_t(std::max_element(zo.begin(), zo.end()) - zo.begin());
+        }
+        EXPECT_EQ(with->graph_steps(), graph ? n_new - 1 : 0) << what;
+        EXPECT_EQ(with->stats().blocks_visited, without->stats().blocks_visited) << what;
+        std::printf("%s: %d steps with and without dependent launch, logits equal\n",
+                    what.c_str(), n_new);
+      }
+}
+
 // What a pool holds for every head of layer 0 as attention and later appends see it: block
 // counts, and of each block in use its fill, key min/max and the rows below the fill (INT8: the
 // codes of every row below the fill, both groups' scales and zeros).
