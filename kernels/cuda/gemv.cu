@@ -192,7 +192,8 @@ constexpr int kRowsPerWarp = 4;
 // (launched as a dependent, dependent_launch.cuh): the weights are no earlier kernel's output,
 // and a prefetch changes no value, so the first loads' DRAM latency hides under that kernel's
 // tail. Only the head: whole rows from every resident warp (Llama-3-8B's gate and up, 28 KB a
-// row) would overflow L2 before the loads came, and the Llama-3 step lost 13% that way.
+// row, 64 warps an SM) would be more than L2 holds before the loads came. (Whole rows, 1 KB and
+// none measured within noise of each other on the Llama-3-8B step: NOTES, thirty-fifth session.)
 constexpr int64_t kPrefetchBytes = 1024;
 template <bool kBf16>
 __device__ __forceinline__ void prefetch_row(const void* w, int64_t ldw, int64_t row, int64_t in) {
