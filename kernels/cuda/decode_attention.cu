@@ -127,9 +127,10 @@ __device__ __forceinline__ void cvt_elems(uint4 u, float* x) {
       x[2 * i] = __uint_as_float(w[i] << 16);
       x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     } else {
+      // Code c becomes the float 2^23 + c (byte c under exponent byte 0x4b, one PRMT), then c.
 #pragma unroll
       for (int b = 0; b < 4; ++b)
-        x[4 * i + b] = __uint_as_float(0x4b000000u | ((w[i] >> (8 * b)) & 0xffu)) - 8388608.f;
+        x[4 * i + b] = __uint_as_float(__byte_perm(w[i], 0x4b000000u, 0x7440u | b)) - 8388608.f;
     }
   }
 }
