@@ -165,10 +165,10 @@ Status fill_normal(TensorView out, const FillNormal& f, void* stream);
 Status device_count(int* n);
 // Waits for `stream` (nullptr: the legacy default stream) and reports any asynchronous error.
 Status stream_synchronize(void* stream);
-// Programmatic dependent launch of the decode step's kernels (elementwise, gemv, paged append,
-// decode attention and its merge; kernels/cuda/dependent_launch.cuh). On unless the environment
-// says SF_PDL=0 at first use; set_dependent_launch() overrides it for later launches (a
-// benchmark's A/B). A CUDA graph keeps what was on when it was captured.
+// Programmatic dependent launch of the elementwise kernels (prefill's too), the GEMVs, the paged
+// append, decode attention and its merge (kernels/cuda/dependent_launch.cuh). On unless the
+// environment holds SF_PDL=0 (exactly "0") at first use; set_dependent_launch() overrides it
+// for later launches (a benchmark's A/B). A CUDA graph keeps what was on when it was captured.
 bool dependent_launch();
 void set_dependent_launch(bool on);
 

@@ -39,7 +39,9 @@ bool dependent_launch() {
   return v != 0;
 }
 
-void set_dependent_launch(bool on) { g_dependent_launch.store(on ? 1 : 0, std::memory_order_relaxed); }
+void set_dependent_launch(bool on) {
+  g_dependent_launch.store(on ? 1 : 0, std::memory_order_relaxed);
+}
 
 DeviceBuffer::~DeviceBuffer() { reset(); }
 

@@ -199,8 +199,8 @@ template <bool kBf16>
 __device__ __forceinline__ void prefetch_row(const void* w, int64_t ldw, int64_t row, int64_t in) {
   constexpr int64_t kElem = kBf16 ? 2 : 4, kLine = 128;
   const int64_t b = int64_t(threadIdx.x & 31) * kLine;
-  if (b < in * kElem && b < kPrefetchBytes)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(w) + row * ldw * kElem + b));
+  const char* r = static_cast<const char*>(w) + row * ldw * kElem;
+  if (b < in * kElem && b < kPrefetchBytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(r + b));
 }
 
 // Grid: x = the parts' CTAs end to end, y = groups of R rows of x.
@@ -280,15 +280,17 @@ Status launch_parts(const TensorView& x, const GemvPart* parts, int n_parts, cud
   if (groups > 65535) return SF_ERR(kOutOfRange, "gemv: too many x rows for one grid");
   const float* xp = x.ptr<float>();
   const dim3 grid(unsigned(ctas), n == 1 ? 1u : unsigned(groups));
+  const auto go = [&](auto kernel) {
+    return launch_dependent(kernel, grid, kRowWarps * 32, 0, st, xp, a, in, n);
+  };
   if (n == 1 && vec[0])
-    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, true, 1>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
+    SF_CUDA_TRY(go(gemv_parts_kernel<kBf16, true, 1>));
   else if (n == 1)
-    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, false, 1>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
+    SF_CUDA_TRY(go(gemv_parts_kernel<kBf16, false, 1>));
   else if (vec[0])
-    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, true, kRowsPerWarp>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
+    SF_CUDA_TRY(go(gemv_parts_kernel<kBf16, true, kRowsPerWarp>));
   else
-    SF_CUDA_TRY(launch_dependent(gemv_parts_kernel<kBf16, false, kRowsPerWarp>, grid, kRowWarps * 32, 0, st, xp, a, in, n));
-  SF_CUDA_TRY(cudaGetLastError());
+    SF_CUDA_TRY(go(gemv_parts_kernel<kBf16, false, kRowsPerWarp>));
   return Status::ok();
 }
 
@@ -308,15 +310,17 @@ Status launch_swiglu(const TensorView& x, const TensorView& wg, const TensorView
   const dim3 grid(unsigned(ctas), n == 1 ? 1u : unsigned(groups));
   const void *g = wg.data, *u = wu.data;
   constexpr int T = kRowWarps * 32, R = kRowsPerWarp;
+  const auto go = [&](auto kernel) {
+    return launch_dependent(kernel, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n);
+  };
   if (n == 1 && vec)
-    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, true, 1>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
+    SF_CUDA_TRY(go(gemv_swiglu_kernel<kBf16, true, 1>));
   else if (n == 1)
-    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, false, 1>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
+    SF_CUDA_TRY(go(gemv_swiglu_kernel<kBf16, false, 1>));
   else if (vec)
-    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, true, R>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
+    SF_CUDA_TRY(go(gemv_swiglu_kernel<kBf16, true, R>));
   else
-    SF_CUDA_TRY(launch_dependent(gemv_swiglu_kernel<kBf16, false, R>, grid, T, 0, st, xp, g, u, ldw, yp, in, out, n));
-  SF_CUDA_TRY(cudaGetLastError());
+    SF_CUDA_TRY(go(gemv_swiglu_kernel<kBf16, false, R>));
   return Status::ok();
 }
 

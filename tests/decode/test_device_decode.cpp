@@ -836,8 +836,9 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
 // Programmatic dependent launch (kernels/cuda/dependent_launch.cuh) lets a step's kernel start
 // while the one before it finishes; each waits for its inputs first. Steps with it and without
 // it give the same logits bit for bit, eager and graph-replayed (a graph keeps the launches it
-// captured), full and psa-avg, F32 and INT8 pools. A kernel that read its input before the wait
-// would race its producer and change logits here.
+// captured), fused and unfused (the unfused step's separate norm, add, SwiGLU and RoPE
+// launches), full and psa-avg, F32 and INT8 pools. A kernel that read its input before the wait
+// would race its producer, which would likely change logits here.
 TEST_F(DeviceDecode, DependentLaunchChangesNoBit) {
   const int n = 700, n_new = 10;
   Prefilled P;
@@ -854,15 +855,16 @@ TEST_F(DeviceDecode, DependentLaunchChangesNoBit) {
   } restore{was};
   for (const char* spec : {"full", "psa-avg:0.95"})
     for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8})
-      for (const bool graph : {false, true}) {
+      for (const bool graph : {false, true})
+      for (const bool fused : {true, false}) {
         const std::string what = std::string(spec) + " " + kvstore::kv_encoding_name(enc) +
-                                 (graph ? " graph" : " eager");
+                                 (graph ? " graph" : " eager") + (fused ? " fused" : " unfused");
         auto ap = decode::decode_attn_parse(spec);
         ASSERT_TRUE(ap.is_ok());
         auto with = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
-                                                      enc, graph, true);
+                                                      enc, graph, fused);
         auto without = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
-                                                         enc, graph, true);
+                                                         enc, graph, fused);
         ASSERT_TRUE(with.is_ok() && without.is_ok()) << what;
         std::vector<float> zw, zo;
         int32_t t = pr.first_token;
