@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -791,15 +792,15 @@ TEST_F(DeviceDecode, GraphFollowsTheSteppingThread) {
   }
 }
 
-// The fused step against the unfused one on the same model and cache: with BF16 weights the
-// same kernels' sums in the same order (gemv_parts, gemv_swiglu and add_rms_norm are built to
-// equal the ops they replace), so every logit bit for bit, full and psa-avg, F32 and INT8
-// pools, eager and graph.
-TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
-  const int n = 700, n_new = 10;
+// Two device sessions over one BF16 model and cache, for each of full and psa-avg, F32 and INT8
+// pools, eager and graph: `a` opened with fused_a, `b` with fused_b, stepped in turn over the
+// same tokens (b's argmax) for n_new steps, before(0) ahead of a's step and before(1) ahead of
+// b's. Every step's logits must be equal bit for bit, and so must the blocks visited.
+void expect_sessions_equal(int n, int n_new, bool fused_a, bool fused_b,
+                           const std::function<void(int)>& before) {
   Prefilled P;
   prefilled(n, testing::fresh_seed(), &P);
-  if (HasFatalFailure()) return;
+  if (::testing::Test::HasFatalFailure()) return;
   const model::PrefillResult& pr = *P.pr;
   const decode::PagedKvCache& cache = *P.cache;
   auto dm = model::DeviceModel::upload(*P.m, DType::kBF16);
@@ -808,29 +809,42 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
     for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8})
       for (const bool graph : {false, true}) {
         const std::string what = std::string(spec) + " " + kvstore::kv_encoding_name(enc) +
-                                 (graph ? " graph" : " eager");
+                                 (graph ? " graph" : " eager") +
+                                 (fused_a ? " fused" : " unfused") +
+                                 (fused_b ? " / fused" : " / unfused");
         auto ap = decode::decode_attn_parse(spec);
         ASSERT_TRUE(ap.is_ok());
-        auto fused = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
-                                                       n_new, enc, graph, true);
-        auto plain = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(),
-                                                       n_new, enc, graph, false);
-        ASSERT_TRUE(fused.is_ok() && plain.is_ok()) << what;
-        std::vector<float> zf, zp;
+        auto a = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new, enc,
+                                                   graph, fused_a);
+        auto b = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new, enc,
+                                                   graph, fused_b);
+        ASSERT_TRUE(a.is_ok() && b.is_ok()) << what;
+        std::vector<float> za, zb;
         int32_t t = pr.first_token;
         int equal = 0;
         for (int i = 0; i < n_new; ++i) {
-          ASSERT_TRUE(fused->step(t, &zf).is_ok()) << what;
-          ASSERT_TRUE(plain->step(t, &zp).is_ok()) << what;
-          ASSERT_EQ(zf.size(), zp.size());
-          const bool same = std::memcmp(zf.data(), zp.data(), zf.size() * sizeof(float)) == 0;
+          before(0);
+          ASSERT_TRUE(a->step(t, &za).is_ok()) << what;
+          before(1);
+          ASSERT_TRUE(b->step(t, &zb).is_ok()) << what;
+          ASSERT_EQ(za.size(), zb.size());
+          const bool same = std::memcmp(za.data(), zb.data(), za.size() * sizeof(float)) == 0;
           EXPECT_TRUE(same) << what << " step " << i;
           equal += same;
-          t = int32_t(std::max_element(zp.begin(), zp.end()) - zp.begin());
+          t = int32_t(std::max_element(zb.begin(), zb.end()) - zb.begin());
         }
-        EXPECT_EQ(fused->stats().blocks_visited, plain->stats().blocks_visited) << what;
+        EXPECT_EQ(a->graph_steps(), graph ? n_new - 1 : 0) << what;
+        EXPECT_EQ(a->stats().blocks_visited, b->stats().blocks_visited) << what;
         std::printf("%s: %d of %d steps' logits equal\n", what.c_str(), equal, n_new);
       }
+}
+
+// The fused step against the unfused one on the same model and cache: with BF16 weights the
+// same kernels' sums in the same order (gemv_parts, gemv_swiglu and add_rms_norm are built to
+// equal the ops they replace), so every logit bit for bit, full and psa-avg, F32 and INT8
+// pools, eager and graph.
+TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
+  expect_sessions_equal(700, 10, true, false, [](int) {});
 }
 
 // Programmatic dependent launch (kernels/cuda/dependent_launch.cuh) lets a step's kernel start
@@ -840,49 +854,16 @@ TEST_F(DeviceDecode, FusedStepIsTheUnfusedStepBitForBit) {
 // launches), full and psa-avg, F32 and INT8 pools. A kernel that read its input before the wait
 // would race its producer, which would likely change logits here.
 TEST_F(DeviceDecode, DependentLaunchChangesNoBit) {
-  const int n = 700, n_new = 10;
-  Prefilled P;
-  prefilled(n, testing::fresh_seed(), &P);
-  if (HasFatalFailure()) return;
-  const model::PrefillResult& pr = *P.pr;
-  const decode::PagedKvCache& cache = *P.cache;
-  auto dm = model::DeviceModel::upload(*P.m, DType::kBF16);
-  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
   const bool was = kernels::cuda::dependent_launch();
   struct Restore {
     bool on;
     ~Restore() { kernels::cuda::set_dependent_launch(on); }
   } restore{was};
-  for (const char* spec : {"full", "psa-avg:0.95"})
-    for (auto enc : {kvstore::KvEncoding::kF32, kvstore::KvEncoding::kInt8})
-      for (const bool graph : {false, true})
-      for (const bool fused : {true, false}) {
-        const std::string what = std::string(spec) + " " + kvstore::kv_encoding_name(enc) +
-                                 (graph ? " graph" : " eager") + (fused ? " fused" : " unfused");
-        auto ap = decode::decode_attn_parse(spec);
-        ASSERT_TRUE(ap.is_ok());
-        auto with = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
-                                                      enc, graph, fused);
-        auto without = decode::DeviceDecodeSession::open(dm.value(), cache, n, ap.value(), n_new,
-                                                         enc, graph, fused);
-        ASSERT_TRUE(with.is_ok() && without.is_ok()) << what;
-        std::vector<float> zw, zo;
-        int32_t t = pr.first_token;
-        for (int i = 0; i < n_new; ++i) {
-          kernels::cuda::set_dependent_launch(true);
-          ASSERT_TRUE(with->step(t, &zw).is_ok()) << what;
-          kernels::cuda::set_dependent_launch(false);
-          ASSERT_TRUE(without->step(t, &zo).is_ok()) << what;
-          ASSERT_EQ(zw.size(), zo.size());
-          EXPECT_EQ(std::memcmp(zw.data(), zo.data(), zw.size() * sizeof(float)), 0)
-              << what << " step " << i;
-          t = int32_t(std::max_element(zo.begin(), zo.end()) - zo.begin());
-        }
-        EXPECT_EQ(with->graph_steps(), graph ? n_new - 1 : 0) << what;
-        EXPECT_EQ(with->stats().blocks_visited, without->stats().blocks_visited) << what;
-        std::printf("%s: %d steps with and without dependent launch, logits equal\n",
-                    what.c_str(), n_new);
-      }
+  const auto pdl_for = [](int session) { kernels::cuda::set_dependent_launch(session == 0); };
+  for (const bool fused : {true, false}) {
+    expect_sessions_equal(700, 10, fused, fused, pdl_for);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // What a pool holds for every head of layer 0 as attention and later appends see it: block
