@@ -2363,8 +2363,7 @@ int staged_per_sm(int d, PoolDType t, int nhf) {
 
 // Whether full mode runs full_staged_kernel (PagedDecodeParams::full_staged: one token, at most
 // kStagedConsumers sets of query heads per KV head), with W consumer warps a set and `splits`
-// CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at least (INT8: one,
-// since a block's arithmetic there outweighs the ring's fill and the merge's extra partials).
+// CTAs a KV head: one wave at the kernel's occupancy, each warp two blocks at least.
 struct StagedPlan {
   int splits = 0, w = 1, sets = 1;  // splits 0: not staged
   int nhf = 1;                      // INT8: the kernel's heads a warp (full_staged_kernel's NHF)
@@ -2387,7 +2386,7 @@ StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& 
   const int per_sm = staged_per_sm(kv.head_dim, kv.dtype, sp.nhf);
   if (per_sm <= 0) return sp;
   sp.w = consumers / sp.sets;
-  const int most = std::max(1, kv.max_pages / ((i8 ? 1 : 2) * sp.w));
+  const int most = std::max(1, kv.max_pages / (2 * sp.w));
   sp.splits = std::clamp(per_sm * device_sms() / kv.n_kv_heads, 1, most);
   return sp;
 }
