@@ -27,21 +27,8 @@ double top_two_gap(const float* z, size_t n) {
 int32_t argmax_row(const float* z, size_t n) { return int32_t(std::max_element(z, z + n) - z); }
 }  // namespace
 
-kvstore::KvExportSpec model_export_spec(const model::Model& m) {
-  const model::ModelConfig& c = m.config();
-  kvstore::KvExportSpec s;
-  s.model_name = c.name;
-  s.arch = model::arch_name(c.arch);
-  s.n_layers = c.n_layers;
-  s.n_kv_heads = c.n_kv_heads;
-  s.head_dim = c.head_dim;
-  s.rope_theta = c.rope.theta;
-  s.keys_interleaved = !c.rope.neox;
-  return s;
-}
-
 std::string model_compat_hash(const model::Model& m) {
-  return kvstore::compat_hash(model_export_spec(m));
+  return kvstore::compat_hash(kvstore::model_export_spec(m));
 }
 
 DecodeSession::DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos,
@@ -287,6 +274,8 @@ Result<DecodeSession> open_decode_session(const model::Model& m, const std::stri
                                           DecodeAttnParams p, KvExport* manifest_out) {
   SF_ASSIGN(KvExport e, load_kv_export(kv_dir, model_compat_hash(m)));
   SF_ASSIGN(PagedKvCache cache, PagedKvCache::from_export(e, !m.config().rope.neox));
+  const model::ModelConfig& c = m.config();
+  SF_TRY(check_cache_geometry(cache, c.n_layers, c.n_kv_heads, c.head_dim, "decode"));
   const int64_t next = e.n_tokens;
   if (manifest_out) {
     // The K/V copies now live in the cache; keep only the manifest fields.

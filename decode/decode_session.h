@@ -19,8 +19,6 @@ namespace sf::decode {
 
 // The compatibility hash of exports this model can consume (kvstore::compat_hash of its spec).
 std::string model_compat_hash(const model::Model& m);
-// The export spec prefill fills for this model (geometry, rope, names); token fields empty.
-kvstore::KvExportSpec model_export_spec(const model::Model& m);
 
 // The greedy loop both sessions share: n_new tokens starting with first_token, each next one the
 // argmax of step(previous). on_logits (optional) sees the logits that chose tokens 2..n_new.

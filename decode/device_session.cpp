@@ -307,14 +307,7 @@ Result<DeviceDecodeSession> DeviceDecodeSession::open(const model::DeviceModel& 
   const model::ModelConfig& c = dm.config();
   if (dm.slice().ways != 1)
     return SF_ERR(kUnsupported, "device decode: the model must be whole (no TP slice)");
-  if (cache.n_layers() != c.n_layers || cache.n_kv_heads() != c.n_kv_heads ||
-      cache.head_dim() != c.head_dim)
-    return SF_ERR(kInvalidArgument,
-                  "device decode: the cache is " + std::to_string(cache.n_layers()) + " layers x " +
-                      std::to_string(cache.n_kv_heads()) + " KV heads x head_dim " +
-                      std::to_string(cache.head_dim()) + ", the model " +
-                      std::to_string(c.n_layers) + " x " + std::to_string(c.n_kv_heads) + " x " +
-                      std::to_string(c.head_dim));
+  SF_TRY(check_cache_geometry(cache, c.n_layers, c.n_kv_heads, c.head_dim, "device decode"));
   if (p.measure_mass)
     return SF_ERR(kUnsupported, "device decode: measure_mass is a host-only diagnostic");
   if (p.guard_margin > 0 && p.verify_draft == 0)

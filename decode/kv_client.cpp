@@ -43,6 +43,14 @@ Result<std::string> get_str(const json::object& o, const char* key, const std::s
   return std::string(v->as_string());
 }
 
+Result<double> get_num(const json::object& o, const char* key, const std::string& where) {
+  SF_ASSIGN(const json::value* v, field(o, key, where));
+  if (v->is_double()) return v->as_double();
+  if (v->is_int64()) return double(v->as_int64());
+  if (v->is_uint64()) return double(v->as_uint64());
+  return corrupt(where, std::string("field '") + key + "' is not a number");
+}
+
 Result<const json::object*> get_obj(const json::object& o, const char* key,
                                     const std::string& where) {
   SF_ASSIGN(const json::value* v, field(o, key, where));
@@ -222,6 +230,24 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   out.n_layers = int(nl);
   out.n_kv_heads = int(nh);
   out.head_dim = int(hd);
+  {
+    // The hash must be the one of the manifest's own model fields: one edited after export
+    // (a layer count, a head_dim) would otherwise pass the consumer's check with its old hash.
+    kvstore::KvExportSpec own;
+    own.model_name = out.model_name;
+    own.arch = out.arch;
+    own.n_layers = out.n_layers;
+    own.n_kv_heads = out.n_kv_heads;
+    own.head_dim = out.head_dim;
+    SF_ASSIGN(double theta, get_num(*model, "rope_theta", "model"));
+    own.rope_theta = float(theta);
+    if (model->contains("rope_variant")) {
+      SF_ASSIGN(own.rope_variant, get_str(*model, "rope_variant", "model"));
+    }
+    if (kvstore::compat_hash(own) != out.compat_hash)
+      return corrupt("model", "its fields (name, arch, geometry, rope) do not hash to compat_hash " +
+                                  out.compat_hash + ": the manifest was edited or is corrupt");
+  }
   SF_ASSIGN(out.n_tokens, get_int(man, "n_tokens", W));
   if (out.n_tokens <= 0 || out.n_tokens > INT32_MAX) return corrupt(W, "n_tokens out of range");
   SF_ASSIGN(const json::array* ids, get_arr(man, "token_ids", W));

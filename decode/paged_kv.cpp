@@ -250,4 +250,16 @@ void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, cons
   }
 }
 
+Status check_cache_geometry(const PagedKvCache& cache, int n_layers, int n_kv_heads, int head_dim,
+                            const std::string& who) {
+  if (cache.n_layers() == n_layers && cache.n_kv_heads() == n_kv_heads &&
+      cache.head_dim() == head_dim)
+    return Status::ok();
+  return SF_ERR(kInvalidArgument, who + ": the cache is " + std::to_string(cache.n_layers()) +
+                                      " layers x " + std::to_string(cache.n_kv_heads()) +
+                                      " KV heads x head_dim " + std::to_string(cache.head_dim()) +
+                                      ", the model " + std::to_string(n_layers) + " x " +
+                                      std::to_string(n_kv_heads) + " x " + std::to_string(head_dim));
+}
+
 }  // namespace sf::decode

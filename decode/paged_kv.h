@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
@@ -85,5 +86,10 @@ class PagedKvCache {
   std::vector<int32_t> free_;  // pool blocks no page table holds, reused first
   std::vector<std::vector<int32_t>> pages_;
 };
+
+// Whether a cache fits a model's attention (layers, KV heads, head_dim); `who` starts the error.
+// A session indexes the cache by the model's layers and heads, so a mismatch is refused first.
+Status check_cache_geometry(const PagedKvCache& cache, int n_layers, int n_kv_heads, int head_dim,
+                            const std::string& who);
 
 }  // namespace sf::decode

@@ -1,6 +1,8 @@
 #include "kvstore/block_pool.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,8 +43,9 @@ class DiskStore final : public TierStore {
   DiskStore(int fd, std::string path, int64_t block_bytes)
       : fd_(fd), path_(std::move(path)), bb_(block_bytes) {}
   ~DiskStore() override {
-    ::close(fd_);
+    // Unlinked while still locked, so the next pool in this directory starts a fresh file.
     ::unlink(path_.c_str());  // the tier is scratch space: blocks do not outlive the pool
+    ::close(fd_);
   }
   Status write(int64_t slot, const void* src, int64_t bytes) override {
     const char* s = static_cast<const char*>(src);
@@ -91,10 +94,35 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
   if (!std::filesystem::is_directory(dir, ec))
     return SF_ERR(kIo, "block pool: disk tier path '" + dir + "' is not a directory");
   const std::string path = (std::filesystem::path(dir) / "blocks.bin").string();
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  // One pool a directory: two would write each other's slots, and the first to close would
+  // unlink the other's file. The lock goes with the descriptor, so a crashed pool's file is
+  // taken over. Only a regular file is locked (a test may point blocks.bin at a device). A file
+  // unlinked by a closing pool between our open and our lock is not ours to use: open again.
+  int fd = -1;
+  for (int attempt = 0; attempt < 4 && fd < 0; ++attempt) {
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+      return SF_ERR(kIo, "block pool: disk tier directory '" + dir +
+                             "' is not writable: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) break;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      ::close(fd);
+      if (err == EWOULDBLOCK)
+        return SF_ERR(kAlreadyExists, "block pool: disk tier directory '" + dir +
+                                          "' is in use by another block pool (its blocks.bin is "
+                                          "locked); give each pool its own directory");
+      return SF_ERR(kIo, "block pool: cannot lock '" + path + "': " + std::strerror(err));
+    }
+    struct stat now {};
+    if (::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
   if (fd < 0)
-    return SF_ERR(kIo, "block pool: disk tier directory '" + dir +
-                           "' is not writable: " + std::strerror(errno));
+    return SF_ERR(kIo, "block pool: '" + path + "' kept being replaced while it was opened");
   return std::unique_ptr<TierStore>(new DiskStore(fd, path, block_bytes));
 }
 

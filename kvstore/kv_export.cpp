@@ -139,13 +139,50 @@ int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc, std::optional
 static_assert(kKvQuantKeyRows == kKvBlockSize);
 
 std::string compat_hash(const KvExportSpec& s) {
-  char buf[512];
-  std::snprintf(buf, sizeof buf, "sparsefill-kv/%d;model=%s;arch=%s;dtype=F32;layers=%d;kv_heads=%d;head_dim=%d;"
-                "rope_theta=%.6g;rope=rotate_half;block=%d",
-                kKvCompatVersion, s.model_name.c_str(), s.arch.c_str(), s.n_layers, s.n_kv_heads, s.head_dim,
-                double(s.rope_theta), kKvBlockSize);
-  const std::string str(buf);
+  std::string str = "sparsefill-kv/" + std::to_string(kKvCompatVersion) + ";model=" + s.model_name +
+                    ";arch=" + s.arch + ";dtype=F32;layers=" + std::to_string(s.n_layers) +
+                    ";kv_heads=" + std::to_string(s.n_kv_heads) +
+                    ";head_dim=" + std::to_string(s.head_dim);
+  char theta[64];
+  std::snprintf(theta, sizeof theta, ";rope_theta=%.6g", double(s.rope_theta));
+  str += theta;
+  str += ";rope=rotate_half;block=" + std::to_string(kKvBlockSize);
+  if (!s.rope_variant.empty()) str += ";rope_variant=" + s.rope_variant;
   return hex64(xxh64_bytes(str.data(), str.size()));
+}
+
+std::string rope_variant(const kernels::RopeParams& rope, int head_dim, const float* freq_factors,
+                         size_t n_freq_factors) {
+  std::string v;
+  char buf[160];
+  if (freq_factors != nullptr && n_freq_factors > 0) {
+    // The divisors override the scaling formula, so they alone describe the frequencies.
+    v = "freq_factors=" + hex64(xxh64_bytes(freq_factors, n_freq_factors * sizeof(float)));
+  } else if (rope.scaling_factor != 0.f) {
+    std::snprintf(buf, sizeof buf, "llama3(factor=%.6g,low=%.6g,high=%.6g,original=%d)",
+                  double(rope.scaling_factor), double(rope.low_freq_factor),
+                  double(rope.high_freq_factor), rope.original_max_pos);
+    v = buf;
+  }
+  if (rope.rot_dim != 0 && rope.rot_dim != head_dim)
+    v += (v.empty() ? "" : ",") + std::string("rot_dim=") + std::to_string(rope.rot_dim);
+  return v;
+}
+
+KvExportSpec model_export_spec(const model::Model& m) {
+  const model::ModelConfig& c = m.config();
+  const model::OwnedTensor& freqs = m.weights().rope_freqs;
+  KvExportSpec s;
+  s.model_name = c.name;
+  s.arch = model::arch_name(c.arch);
+  s.n_layers = c.n_layers;
+  s.n_kv_heads = c.n_kv_heads;
+  s.head_dim = c.head_dim;
+  s.rope_theta = c.rope.theta;
+  s.rope_variant = rope_variant(c.rope, c.head_dim, freqs.empty() ? nullptr : freqs.data.data(),
+                                freqs.data.size());
+  s.keys_interleaved = !c.rope.neox;
+  return s;
 }
 
 namespace {
@@ -504,6 +541,7 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   model["n_kv_heads"] = spec.n_kv_heads;
   model["head_dim"] = spec.head_dim;
   model["rope_theta"] = double(spec.rope_theta);
+  if (!spec.rope_variant.empty()) model["rope_variant"] = spec.rope_variant;
   boost::json::object man;
   man["format"] = "sparsefill-kv";
   man["format_version"] = n_tiers == 2 ? kKvFormatVersion : kKvFormatVersionOneTier;

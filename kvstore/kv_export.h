@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "common/status.h"
+#include "kernels/api.h"
 #include "kvstore/kv_quant.h"
 #include "kvstore/retention.h"
+#include "worker/model/model.h"
 
 namespace sf::kvstore {
 
@@ -36,6 +38,8 @@ struct KvExportSpec {
   std::string model_name, arch;
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;
   float rope_theta = 0.f;
+  // Whatever else of the model's RoPE changes the keys (rope_variant); empty for plain RoPE.
+  std::string rope_variant;
   // true when keys come rotated by adjacent pairs (GGUF llama layout); the export rewrites
   // them to rotate-half order, which is what HF caches hold.
   bool keys_interleaved = false;
@@ -61,8 +65,19 @@ int64_t kv_bytes(const Retention& r, int head_dim, KvEncoding enc = KvEncoding::
                  std::optional<KvEncoding> low = std::nullopt);
 
 // Compatibility hash over everything a consumer must agree on (model, dtype, geometry, rope,
-// block size). Hex string of XXH64.
+// block size). Hex string of XXH64. A non-empty rope_variant joins the hashed string, so plain
+// RoPE models keep the hash they had before it existed.
 std::string compat_hash(const KvExportSpec& s);
+
+// The RoPE beyond theta that a consumer must match to continue the keys: Llama-3 frequency
+// scaling, a partial rotary dimension, per-pair frequency divisors (hashed by value). "" when
+// the model has none of them.
+std::string rope_variant(const kernels::RopeParams& rope, int head_dim, const float* freq_factors,
+                         size_t n_freq_factors);
+
+// The spec's model part for m (names, geometry, RoPE, key layout); token fields left empty.
+// Every exporter (prefill, the worker) and every consumer's hash start from this one.
+KvExportSpec model_export_spec(const model::Model& m);
 
 // Writes dir/manifest.json and dir/layer_XXX.safetensors. The export is built in a sibling
 // temporary directory and renamed into place, so a failure leaves nothing half-written.

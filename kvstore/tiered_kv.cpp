@@ -240,10 +240,11 @@ Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
     } else if (key == "disk") {
       if (disk) return SF_ERR(kInvalidArgument, "--kv-pool: disk given twice");
       disk = true;
-      // DIR[:BYTES]: the last ':' splits only when what follows is a size.
+      // DIR[:BYTES]: the last ':' splits off a size when no '/' follows it, so a directory
+      // may hold ':' ("/data/run:1/kv"); what it splits off must then be a size.
       const size_t colon = val.rfind(':');
       std::string dir = val;
-      if (colon != std::string::npos) {
+      if (colon != std::string::npos && val.find('/', colon) == std::string::npos) {
         dir = val.substr(0, colon);
         SF_ASSIGN(int64_t b, parse_byte_size(val.substr(colon + 1), "--kv-pool disk"));
         out.disk_bytes = b;

@@ -16,6 +16,7 @@
 // first request).
 #include <algorithm>
 #include <csignal>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -241,10 +242,31 @@ void write_summary(const std::string& path, const std::string& json_line) {
 std::string json_escape(const std::string& s) {
   std::string o;
   for (char ch : s) {
-    if (ch == '"' || ch == '\\') o += '\\';
-    o += ch;
+    if (ch == '"' || ch == '\\') {
+      o += '\\';
+      o += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char u[8];
+      std::snprintf(u, sizeof u, "\\u%04x", unsigned(static_cast<unsigned char>(ch)));
+      o += u;
+    } else {
+      o += ch;
+    }
   }
   return o;
+}
+
+// printf into a string of whatever length it needs (a summary holds user paths and ids).
+__attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...) {
+  va_list ap, ap2;
+  va_start(ap, fmt);
+  va_copy(ap2, ap);
+  const int n = std::vsnprintf(nullptr, 0, fmt, ap);
+  va_end(ap);
+  std::string out(n > 0 ? size_t(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), size_t(n) + 1, fmt, ap2);
+  va_end(ap2);
+  return out;
 }
 
 int run(int argc, char** argv) {
@@ -575,14 +597,7 @@ int run(int argc, char** argv) {
       continue;
     }
     runtime::ParallelResult& res = pr.value();
-    kvstore::KvExportSpec spec;
-    spec.model_name = cfg.name;
-    spec.arch = model::arch_name(cfg.arch);
-    spec.n_layers = cfg.n_layers;
-    spec.n_kv_heads = cfg.n_kv_heads;
-    spec.head_dim = cfg.head_dim;
-    spec.rope_theta = cfg.rope.theta;
-    spec.keys_interleaved = !cfg.rope.neox;
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(m);
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
@@ -637,9 +652,7 @@ int run(int argc, char** argv) {
     }
     ++n_done;
     const auto& s = res.stats;
-    char line[2048];
-    std::snprintf(
-        line, sizeof line,
+    std::string summary = sformat(
         "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
         "\"cp\": %d, "
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
@@ -667,7 +680,6 @@ int run(int argc, char** argv) {
       for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
       return o + "]";
     };
-    std::string summary(line);
     summary.pop_back();  // the closing brace
     char group[256];
     std::snprintf(group, sizeof group,

@@ -57,7 +57,7 @@ inline Status export_prefill(const model::Model& m, const std::vector<int32_t>& 
                              const kvstore::Retention* ret, const kvstore::ImportanceScores* imp,
                              kvstore::KvEncoding enc = kvstore::KvEncoding::kF32,
                              std::optional<kvstore::KvEncoding> low = std::nullopt) {
-  kvstore::KvExportSpec spec = decode::model_export_spec(m);
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(m);
   spec.encoding = enc;
   spec.encoding_low = low;
   spec.n_tokens = int64_t(toks.size());

@@ -150,6 +150,47 @@ class KvClient : public ::testing::Test {
   TempDir tmp_;
 };
 
+TEST(KvCompatHash, PlainRopeKeepsItsHashAndEveryRopeVariantChangesIt) {
+  kvstore::KvExportSpec s;
+  s.model_name = "t";
+  s.arch = "llama";
+  s.n_layers = 1;
+  s.n_kv_heads = 1;
+  s.head_dim = 2;
+  s.rope_theta = 10000.f;
+  // XXH64 of "sparsefill-kv/3;model=t;arch=llama;dtype=F32;layers=1;kv_heads=1;head_dim=2;
+  // rope_theta=10000;rope=rotate_half;block=64", computed outside the project: exports of
+  // plain-RoPE models written before rope_variant existed keep loading.
+  EXPECT_EQ(kvstore::compat_hash(s), "5688de8268c8db7a");
+  kernels::RopeParams plain;
+  EXPECT_EQ(kvstore::rope_variant(plain, 2, nullptr, 0), "");
+  kernels::RopeParams whole = plain;
+  whole.rot_dim = 2;  // rotating every channel is plain RoPE
+  EXPECT_EQ(kvstore::rope_variant(whole, 2, nullptr, 0), "");
+  kernels::RopeParams llama3 = plain;
+  llama3.scaling_factor = 8.f;
+  const float freqs_a[2] = {1.f, 8.f}, freqs_b[2] = {1.f, 4.f};
+  kernels::RopeParams partial = plain;
+  partial.rot_dim = 32;
+  std::vector<std::string> hashes{kvstore::compat_hash(s)};
+  for (const std::string& v :
+       {kvstore::rope_variant(llama3, 64, nullptr, 0), kvstore::rope_variant(partial, 64, nullptr, 0),
+        kvstore::rope_variant(plain, 64, freqs_a, 2), kvstore::rope_variant(plain, 64, freqs_b, 2),
+        kvstore::rope_variant(llama3, 64, freqs_a, 2)}) {
+    EXPECT_FALSE(v.empty());
+    kvstore::KvExportSpec t = s;
+    t.rope_variant = v;
+    hashes.push_back(kvstore::compat_hash(t));
+  }
+  EXPECT_EQ(kvstore::rope_variant(llama3, 64, nullptr, 0),
+            "llama3(factor=8,low=1,high=4,original=8192)");
+  // Divisors override the formula, so with them the scaling factor is not what is hashed.
+  EXPECT_EQ(hashes[3], hashes[5]);
+  hashes.erase(hashes.begin() + 5);
+  std::sort(hashes.begin(), hashes.end());
+  EXPECT_EQ(std::unique(hashes.begin(), hashes.end()), hashes.end()) << "two variants collide";
+}
+
 TEST_F(KvClient, FullRetentionRoundTripsAndKeepsTheHfLayout) {
   const std::string d = export_to("full", nullptr);
   auto e = decode::load_kv_export(d, hash_);
@@ -531,6 +572,23 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     write_manifest(d, v);
     expect_err(d, hash_, Code::kInvalidArgument, "compat_hash ffffffffffffffff");
   }
+  // Model fields edited after export, the hash left as it was: a consumer of the original model
+  // would pass the hash check and then index layers and heads the cache does not have.
+  for (const char* field : {"n_layers", "n_kv_heads", "head_dim"}) {
+    const std::string d = copy_of(good, std::string("geom-") + field);
+    auto v = read_manifest(d);
+    auto& model = v.as_object()["model"].as_object();
+    model[field] = model[field].as_int64() * 2;
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "do not hash to compat_hash");
+  }
+  {
+    const std::string d = copy_of(good, "rope-variant");
+    auto v = read_manifest(d);
+    v.as_object()["model"].as_object()["rope_variant"] = "llama3(factor=8,low=1,high=4,original=8192)";
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "do not hash to compat_hash");
+  }
   // Missing shard.
   {
     const std::string d = copy_of(good, "missing");
@@ -620,7 +678,7 @@ TEST_F(KvClient, ExportRejectsARetentionOfAnotherGeometry) {
 // export_kv_shards call from its own rows, then one manifest. Loading it gives exactly the heads
 // of the one-part export; coverage and block alignment are checked on both sides.
 TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
-  kvstore::KvExportSpec spec = decode::model_export_spec(*model_);
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
   spec.n_tokens = kN;
   spec.token_ids = toks_;
   spec.first_token = pr_.first_token;
@@ -751,7 +809,9 @@ TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
     return ss.str();
   };
   const std::string seed = read_seed("kv_manifest_seed.json");
-  auto m = decode::parse_kv_manifest(seed, "0123456789abcdef");
+  // The seeds' model fields hash to this (kvstore::compat_hash, pinned in test_kv_export).
+  const std::string h = "5688de8268c8db7a";
+  auto m = decode::parse_kv_manifest(seed, h);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   EXPECT_EQ(m->meta.n_tokens, 2);
   EXPECT_EQ(m->kept, (std::vector<int64_t>{2}));
@@ -759,11 +819,11 @@ TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
   const std::string k32 = "\"kv_bytes\":32";
   bad.replace(bad.find(k32), k32.size(), "\"kv_bytes\":33");
   EXPECT_NE(
-      decode::parse_kv_manifest(bad, "0123456789abcdef").status().message().find("kv_bytes 33"),
+      decode::parse_kv_manifest(bad, h).status().message().find("kv_bytes 33"),
       std::string::npos);
   // The two-tier seed (format 5): int8 for positions 0 and 2, int4 for 1.
   const std::string seed5 = read_seed("kv_manifest_seed_v5.json");
-  auto m5 = decode::parse_kv_manifest(seed5, "0123456789abcdef");
+  auto m5 = decode::parse_kv_manifest(seed5, h);
   ASSERT_TRUE(m5.is_ok()) << m5.status().to_string();
   EXPECT_EQ(m5->meta.kv_dtype_low, "int4");
   ASSERT_EQ(m5->tier_ranges.size(), 2u);
@@ -774,7 +834,7 @@ TEST(KvManifest, FuzzSeedIsAcceptedAndTamperedCopiesAreNot) {
   const std::string k38 = "\"kv_bytes\":38";
   bad5.replace(bad5.find(k38), k38.size(), "\"kv_bytes\":37");
   EXPECT_NE(
-      decode::parse_kv_manifest(bad5, "0123456789abcdef").status().message().find("kv_bytes 37"),
+      decode::parse_kv_manifest(bad5, h).status().message().find("kv_bytes 37"),
       std::string::npos);
 }
 

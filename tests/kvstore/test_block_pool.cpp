@@ -265,6 +265,25 @@ TEST(BlockPool, DiskDirectoryThatIsNotWritableIsAClearError) {
   }
 }
 
+TEST(BlockPool, TwoPoolsCannotShareADiskDirectory) {
+  TempDir tmp;
+  const std::string dir = tmp.sub("disk");
+  auto a = BlockPool::create(config(1, 2, dir));
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  // A second pool on the same directory would overwrite the first's slots and, on closing,
+  // delete its file: refused while the first lives.
+  auto b = BlockPool::create(config(1, 2, dir));
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().code(), Code::kAlreadyExists);
+  std::printf("error: %s\n", b.status().to_string().c_str());
+  EXPECT_NE(b.status().message().find("in use by another block pool"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir + "/blocks.bin"));  // the refused pool removed nothing
+  a.value().reset();  // the first pool goes, and its file with it
+  EXPECT_FALSE(fs::exists(dir + "/blocks.bin"));
+  auto c = BlockPool::create(config(1, 2, dir));
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+}
+
 TEST(BlockPool, DiskFullWriteIsAClearErrorAndTheBlockSurvives) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
   const uint64_t seed = fresh_seed();

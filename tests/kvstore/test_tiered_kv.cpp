@@ -287,6 +287,15 @@ TEST(KvPoolSpec, Parses) {
   ASSERT_TRUE(b.is_ok());
   EXPECT_EQ(b->host_bytes, 4096);
   EXPECT_EQ(b->disk_bytes, -1);
+  // A ':' inside the directory is the directory's; a size only follows the last one.
+  auto c = kv_pool_spec_parse("host=1M,disk=/data/run:1/kv");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->disk_dir, "/data/run:1/kv");
+  EXPECT_EQ(c->disk_bytes, -1);
+  auto d = kv_pool_spec_parse("host=1M,disk=/data/run:1/kv:8G");
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  EXPECT_EQ(d->disk_dir, "/data/run:1/kv");
+  EXPECT_EQ(d->disk_bytes, int64_t(8) << 30);
   EXPECT_EQ(kv_pool_spec_parse("host=1k,disk=d").value().host_bytes, 1024);
   EXPECT_EQ(kv_pool_spec_parse("host=3GB,disk=d").value().host_bytes, int64_t(3) << 30);
   for (const char* bad : {"", "host", "host=", "host=1.5G", "host=64Q", "host=-1", "host=0,disk=d",

@@ -307,14 +307,7 @@ int cmd_prefill(int argc, char** argv) {
                 static_cast<long long>(r.kv_peak_bytes));
   }
   if (a.has("export-kv")) {
-    kvstore::KvExportSpec spec;
-    spec.model_name = cfg.name;
-    spec.arch = model::arch_name(cfg.arch);
-    spec.n_layers = cfg.n_layers;
-    spec.n_kv_heads = cfg.n_kv_heads;
-    spec.head_dim = cfg.head_dim;
-    spec.rope_theta = cfg.rope.theta;
-    spec.keys_interleaved = !cfg.rope.neox;
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(m);
     spec.n_tokens = int64_t(ids.size());
     spec.token_ids = ids;
     spec.first_token = r.first_token;

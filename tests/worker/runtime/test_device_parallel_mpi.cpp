@@ -311,7 +311,7 @@ void check_sharded_export(runtime::GridShape shape) {
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();
   const Reference ref = reference(true, &m.value(), tokens, nullptr);
   ASSERT_FALSE(ref.k.empty());
-  kvstore::KvExportSpec spec = decode::model_export_spec(m.value());
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(m.value());
   spec.n_tokens = kTokens;
   spec.token_ids = tokens;
   spec.first_token =
