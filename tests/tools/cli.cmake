@@ -30,6 +30,12 @@ if(TARGET sparsefill)
   # most blocks (one per layer for this short prompt) on disk.
   add_test(NAME cli_kv_pool_bad_spec COMMAND ${_ef} "^error: --kv-pool host: '64Q' is not a size"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=64Q,disk=${_tmp}/kvp)
+  # The device forward scores importance by its LSE pass only: the estimator's source is refused
+  # before anything loads (so this runs on machines without a GPU too).
+  add_test(NAME cli_cuda_importance_estimator COMMAND ${_ef} "^error: --importance estimator runs on the CPU forward"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/cuda-imp
+           --importance estimator --device cuda)
+  set_tests_properties(cli_cuda_importance_estimator PROPERTIES LABELS unit TIMEOUT 60)
   add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool disk=${_tmp}/kvp)
   add_test(NAME cli_kv_pool_bad_dir COMMAND ${_ef} "^error: --kv-pool: disk directory '/dev/null/kv' cannot be created"

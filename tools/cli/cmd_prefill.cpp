@@ -118,15 +118,19 @@ int cmd_prefill(int argc, char** argv) {
     if (chunk <= 0) return fail(SF_ERR(kInvalidArgument, "--chunk must be a positive integer"));
   }
 
-  // --device cuda: BF16 weights on GPU 0, dense attention. Checked before the slow model load.
+  // --device cuda: BF16 weights on GPU 0, any --attention mode (DevicePrefill). Checked before
+  // the slow model load.
   const std::string device = a.get("device", "cpu");
   if (device != "cpu" && device != "cuda") return fail(SF_ERR(kInvalidArgument, "--device must be 'cpu' or 'cuda'"));
   const std::string mode = a.get("attention", "dense");
   if (device == "cuda") {
+    // The device forward scores importance by its LSE pass only; the estimator's column sums
+    // stay on the device's estimate and are not kept.
+    if (importance_src == "estimator")
+      return fail(SF_ERR(kUnsupported, "--importance estimator runs on the CPU forward; --device cuda computes "
+                                       "importance by the LSE pass (--importance lse)"));
     const Status st = model::cuda_device_check(0);
     if (!st.is_ok()) return fail(SF_ERR(kUnsupported, "--device cuda: " + st.message()));
-    if (mode != "dense")
-      return fail(SF_ERR(kUnsupported, "--device cuda runs dense attention only; use --device cpu for --attention " + mode));
   }
 
   // --dump-attention LAYER:FILE: that layer's attention inputs (q, and the final k, v) as F32
@@ -203,8 +207,9 @@ int cmd_prefill(int argc, char** argv) {
       dump_rows = q.shape[0];
       dump_q.assign(q.ptr<float>(), q.ptr<float>() + q.numel());
     };
-  if (a.has("export-kv") && device != "cuda") {
-    // Exports carry per-block importance; scored retention policies select with it.
+  if (a.has("export-kv")) {
+    // Exports carry per-block importance (CPU and GPU forward alike); scored retention policies
+    // select with it.
     opt.importance_window = 32;
     // --importance estimator: groups whose heads the sparse estimator scored reuse those scores.
     opt.importance_from_estimator = importance_src == "estimator";
