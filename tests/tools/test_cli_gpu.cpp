@@ -87,7 +87,7 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
     const std::string head[4] = {
         R"({"pattern":"vertical-slash","sink":64,"local":64,"n_vertical":64,"n_slash":128})",
         R"({"pattern":"block-sparse","sink":64,"local":64,"n_blocks":4})",
-        R"({"pattern":"adaptive-vs","sink":64,"local":64,"gamma":0.9,"min_budget":64,"spread_rows":64})",
+        R"({"pattern":"adaptive-vs","sink":64,"local":64,"gamma":0.9,"min_budget":64})",
         R"({"pattern":"a-shape","sink":64,"local":256})"};
     std::string layer = "[" + head[0] + "," + head[1] + "," + head[2] + "," + head[3] + "]";
     std::ofstream(dir / "sparse.json")
