@@ -623,9 +623,13 @@ Result<RetentionPolicy> moa_config_parse(const std::string& text, const std::str
   for (const auto& kv : o) {
     const std::string k(kv.key());
     if (k != "format" && k != "model" && k != "n_layers" && k != "n_kv_heads" && k != "sink" &&
-        k != "layers")
-      return bad("unknown field '" + k + "' (format, model, n_layers, n_kv_heads, sink, layers)");
+        k != "layers" && k != "profile")
+      return bad("unknown field '" + k +
+                 "' (format, model, n_layers, n_kv_heads, sink, layers, profile)");
   }
+  // "profile": how `sparsefill moa-profile` made the spans (provenance, not read).
+  if (const json::value* pf = o.if_contains("profile"); pf && !pf->is_object())
+    return bad("field 'profile' must be an object");
   // A JSON integer (or an integral double); INT64_MIN when it is not one.
   auto as_int = [](const json::value& x) -> int64_t {
     if (x.is_int64()) return x.as_int64();

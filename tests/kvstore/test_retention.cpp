@@ -6,6 +6,7 @@
 #include <set>
 #include <string>
 
+#include "kvstore/moa_profile.h"
 #include "kvstore/retention.h"
 #include "tests/common/test_seed.h"
 
@@ -621,3 +622,68 @@ TEST(Retention, MoaScaledKeepsJustUnderTheBudget) {
 
 }  // namespace
 }  // namespace sf::kvstore
+
+namespace sf {
+namespace {
+
+TEST(MoaProfile, MassCurveCountsTheSinkAndTheNewestTokens) {
+  // 10 tokens: 0.5 on token 0 (sink), 0.3 on token 2, 0.2 on token 9 (the newest).
+  std::vector<float> s(10, 0.f);
+  s[0] = 0.5f, s[2] = 0.3f, s[9] = 0.2f;
+  const auto c = kvstore::moa_mass_curve(s.data(), 10, 1, 4);
+  // Spans 0, 4, 8, 9 (the last: every token after the sink).
+  ASSERT_EQ(c.size(), 4u);
+  EXPECT_NEAR(c[0], 0.5, 1e-6);
+  EXPECT_NEAR(c[1], 0.7, 1e-6);  // tokens 6..9
+  EXPECT_NEAR(c[2], 1.0, 1e-6);  // tokens 2..9: token 2 is in
+  EXPECT_NEAR(c[3], 1.0, 1e-6);
+  std::vector<float> none(10, 0.f);
+  EXPECT_EQ(kvstore::moa_mass_curve(none.data(), 10, 1, 4), std::vector<double>(4, 0.0));
+}
+
+TEST(MoaProfile, AllocationGoesWhereTheMassIsAndKeepsTheBudget) {
+  // Head 0: all its mass within the newest 64 tokens (a local head). Head 1: half of it 900
+  // tokens back (a retrieval head), flat before that. Head 2: mass spread evenly.
+  const int64_t n = 1024, step = 64;
+  std::vector<float> local(n, 0.f), far(n, 0.f), even(n, 1.f);
+  local[n - 1] = 1.f;
+  far[n - 1] = 1.f, far[n - 900] = 1.f;
+  std::vector<std::vector<double>> curves{kvstore::moa_mass_curve(local.data(), n, 0, step),
+                                          kvstore::moa_mass_curve(far.data(), n, 0, step),
+                                          kvstore::moa_mass_curve(even.data(), n, 0, step)};
+  // The even head gains 1/1024 a token, the far one 0.5/896 by its one jump: the even head
+  // fills first (to the whole prompt, 960 more), then the far head jumps back 896 tokens.
+  auto a = kvstore::moa_allocate(curves, step, 3 * 64 + 960 + 896, 64);
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  const auto& sp = a.value();
+  EXPECT_EQ(sp[0], 64);    // nothing more to gain
+  EXPECT_EQ(sp[1], 960);   // past token n - 900, reached across its flat stretch
+  EXPECT_EQ(sp[2], 1024);  // the whole prompt
+  EXPECT_LE(sp[0] + sp[1] + sp[2], 3 * 64 + 960 + 896);
+  EXPECT_EQ(sp[0] % step + sp[1] % step + sp[2] % step, 0);
+  // A budget below every head's minimum is an error, not a silent overrun.
+  EXPECT_FALSE(kvstore::moa_allocate(curves, step, 100, 64).is_ok());
+  // A tighter budget gives each head no more than the looser one did.
+  auto b = kvstore::moa_allocate(curves, step, 3 * 64 + 256, 64);
+  ASSERT_TRUE(b.is_ok());
+  for (size_t h = 0; h < 3; ++h) EXPECT_LE(b.value()[h], sp[h]) << h;
+}
+
+TEST(MoaProfile, FitIsExactOnALineAndClampsItsCoefficients) {
+  const auto f = kvstore::moa_fit({2048, 4096, 8192}, {612, 1124, 2148});  // 100 + N / 4
+  EXPECT_NEAR(f.alpha, 100, 1e-9);
+  EXPECT_NEAR(f.beta, 0.25, 1e-12);
+  const auto shrink = kvstore::moa_fit({2048, 4096}, {1000, 500});  // falling: beta 0
+  EXPECT_EQ(shrink.beta, 0);
+  EXPECT_NEAR(shrink.alpha, 750, 1e-9);
+  const auto steep = kvstore::moa_fit({2048, 4096}, {0, 4000});  // alpha < 0: through 0
+  EXPECT_EQ(steep.alpha, 0);
+  EXPECT_GT(steep.beta, 0);
+  EXPECT_LE(steep.beta, 1);
+  const auto one = kvstore::moa_fit({4096}, {512});
+  EXPECT_EQ(one.alpha, 512);
+  EXPECT_EQ(one.beta, 0);
+}
+
+}  // namespace
+}  // namespace sf

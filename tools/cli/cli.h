@@ -37,5 +37,6 @@ int cmd_inspect(int argc, char** argv);
 int cmd_eval(int argc, char** argv);
 int cmd_search(int argc, char** argv);
 int cmd_retention_eval(int argc, char** argv);  // eval --retention ...
+int cmd_moa_profile(int argc, char** argv);     // moa-profile: MoA retention spans
 
 }  // namespace sf::cli

@@ -1,4 +1,4 @@
-// sparsefill CLI: prefill, bench, inspect, eval, search.
+// sparsefill CLI: prefill, bench, inspect, eval, search, moa-profile.
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -28,7 +28,9 @@ void usage() {
                "           [--windows K] [--passkey-trials N]\n"
                "           [--passkey-depths D] [--passkey-level 0-3] [--no-passkey] [--out-dir DIR] [--name SUFFIX]\n"
                "  search   --model PATH|default --calib F[,F2..] --target-density D --out configs/NAME.json [--length L]\n"
-               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N] [--spread-rows N] [--segment-rows N]\n           [--objective log-recall|recall] [--share-group]\n");
+               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse] [--rows N] [--spread-rows N] [--segment-rows N]\n           [--objective log-recall|recall] [--share-group]\n"
+               "  moa-profile --out FILE.json [--model PATH|default] [--document F[,F2..]] [--lengths 2048,4096,8192]\n"
+               "           [--density 0.25] [--sink 64] [--step 64] [--obs-window 32]\n");
 }
 
 }  // namespace
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
       return sf::cli::cmd_eval(argc, argv);
     }
     if (cmd == "search") return sf::cli::cmd_search(argc, argv);
+    if (cmd == "moa-profile") return sf::cli::cmd_moa_profile(argc, argv);
   } catch (const std::exception& e) {  // process edge: nothing escapes as a crash
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

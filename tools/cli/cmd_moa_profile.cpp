@@ -1,0 +1,180 @@
+// sparsefill moa-profile: per layer and KV head MoA spans (alpha + beta * N recent tokens) for KV
+// retention, profiled on calibration text (kvstore/moa_profile.h says how). For each prompt
+// length it prefills the document's first N tokens with SnapKV importance (unpooled column sums
+// of the last `--obs-window` queries' softmax), turns every head's scores into the share of its
+// mass kept at each span, gives the heads spans under `--density` of the prompt's KV by the
+// greedy, then fits each head's spans across the lengths. The config it writes is what
+// `moa:config=FILE` reads; eval scales it to each budget.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <boost/json.hpp>
+
+#include "kvstore/moa_profile.h"
+#include "tools/cli/cli.h"
+#include "tools/eval/quality.h"
+#include "worker/model/model.h"
+
+namespace sf::cli {
+namespace {
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
+  return 1;
+}
+
+Result<std::vector<int64_t>> parse_lengths(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) {
+    char* end = nullptr;
+    const long long v = std::strtoll(x.c_str(), &end, 10);
+    if (x.empty() || *end || v < 256)
+      return SF_ERR(kInvalidArgument, "--lengths: '" + x + "' is not a length of at least 256");
+    out.push_back(v);
+  }
+  if (out.empty()) return SF_ERR(kInvalidArgument, "--lengths is empty");
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end())
+    return SF_ERR(kInvalidArgument, "--lengths names a length twice");
+  return out;
+}
+
+}  // namespace
+
+int cmd_moa_profile(int argc, char** argv) {
+  auto args_r = parse_args(argc, argv, 2,
+                           {"model", "document", "lengths", "density", "sink", "step",
+                            "obs-window", "out"},
+                           {});
+  if (!args_r.is_ok()) return fail(args_r.status());
+  const Args& a = args_r.value();
+  if (!a.has("out")) return fail(SF_ERR(kInvalidArgument, "--out FILE.json is required"));
+  auto lengths_r = parse_lengths(a.get("lengths", "2048,4096,8192"));
+  if (!lengths_r.is_ok()) return fail(lengths_r.status());
+  const std::vector<int64_t> lengths = lengths_r.value();
+  const double density = std::atof(a.get("density", "0.25").c_str());
+  const int64_t sink = std::atoll(a.get("sink", "64").c_str());
+  const int64_t step = std::atoll(a.get("step", "64").c_str());
+  const int obs = std::atoi(a.get("obs-window", "32").c_str());
+  if (!(density > 0 && density < 1))
+    return fail(SF_ERR(kInvalidArgument, "--density must be in (0, 1)"));
+  if (sink < 0 || step <= 0 || obs <= 0 || sink + step >= lengths.front())
+    return fail(SF_ERR(kInvalidArgument,
+                       "--sink >= 0, --step > 0 and --obs-window > 0, with sink + step below the "
+                       "shortest length"));
+
+  const std::string model_path = resolve_model(a.get("model", "default"));
+  auto mr = model::Model::load(model_path);
+  if (!mr.is_ok()) return fail(mr.status());
+  const model::Model& m = mr.value();
+  const model::ModelConfig& cfg = m.config();
+  auto tok = eval::load_tokenizer(model_path);
+  if (!tok.is_ok()) return fail(tok.status());
+  // Calibration text, held out from eval's documents (data/README.md).
+  const std::string doc_path =
+      a.get("document", std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt," +
+                            std::string(SF_SOURCE_DIR) + "/data/calibration_document_2.txt");
+  auto text = read_text_files(doc_path, "document");
+  if (!text.is_ok()) return fail(text.status());
+  const auto doc = tok->encode(text.value(), true, false);
+  // A repeated text would teach heads to attend to the earlier copy.
+  if (int64_t(doc.size()) < lengths.back())
+    return fail(SF_ERR(kInvalidArgument, "the document has " + std::to_string(doc.size()) +
+                                             " tokens, fewer than the longest length " +
+                                             std::to_string(lengths.back())));
+
+  const int L = cfg.n_layers, Hkv = cfg.n_kv_heads;
+  const size_t H = size_t(L) * size_t(Hkv);
+  std::vector<std::vector<int64_t>> spans(H);  // [head][length]
+  boost::json::array per_length;
+  for (int64_t N : lengths) {
+    const std::vector<int32_t> prompt(doc.begin(), doc.begin() + N);
+    model::PrefillOptions po;
+    po.importance_window = obs;
+    po.importance_pool = 1;  // the mass itself, not SnapKV's max-pooled selection score
+    auto pr = model::prefill(m, prompt, po);
+    if (!pr.is_ok()) return fail(pr.status());
+    std::vector<std::vector<double>> curves(H);
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < Hkv; ++h)
+        curves[size_t(l) * size_t(Hkv) + size_t(h)] = kvstore::moa_mass_curve(
+            pr->importance[size_t(l)].data() + size_t(h) * size_t(N), N, sink, step);
+    const int64_t kept = int64_t(density * double(N)) * int64_t(H);
+    auto al = kvstore::moa_allocate(curves, step, kept - int64_t(H) * sink, step);
+    if (!al.is_ok()) return fail(al.status());
+    double mass = 0, uniform = 0;
+    int full = 0;
+    const int64_t even = ((kept / int64_t(H) - sink) / step);  // every head alike, in steps
+    for (size_t i = 0; i < H; ++i) {
+      const int64_t at = al.value()[i] / step;
+      mass += curves[i][size_t(at)];
+      uniform += curves[i][size_t(std::min<int64_t>(even, int64_t(curves[i].size()) - 1))];
+      full += at == int64_t(curves[i].size()) - 1;
+      spans[i].push_back(al.value()[i]);
+    }
+    std::printf(
+        "length %lld: prefill %.1f s; spans keep %.4f of the window's mass on average (one "
+        "span for every head: %.4f); %d of %zu heads keep the whole prompt\n",
+        static_cast<long long>(N), pr->seconds, mass / double(H), uniform / double(H), full, H);
+    boost::json::object o;
+    o["length"] = N;
+    o["mass_kept"] = mass / double(H);
+    o["mass_kept_uniform_spans"] = uniform / double(H);
+    o["heads_whole_prompt"] = full;
+    per_length.push_back(std::move(o));
+  }
+
+  boost::json::array layers;
+  for (int l = 0; l < L; ++l) {
+    boost::json::array heads;
+    for (int h = 0; h < Hkv; ++h) {
+      const kvstore::MoaSpan f = kvstore::moa_fit(lengths, spans[size_t(l) * size_t(Hkv) + size_t(h)]);
+      boost::json::object sp;
+      sp["alpha"] = std::round(f.alpha * 100) / 100;
+      sp["beta"] = std::round(f.beta * 1e6) / 1e6;
+      heads.push_back(std::move(sp));
+    }
+    layers.push_back(std::move(heads));
+  }
+  boost::json::object profile;
+  profile["command"] = shell_quote_args(argc, argv);
+  profile["commit"] = git_commit();
+  profile["date"] = now_iso8601();
+  profile["document"] = doc_path;
+  profile["density"] = density;
+  profile["step"] = step;
+  profile["obs_window"] = obs;
+  profile["measure"] =
+      "share of the observation window's attention mass (unpooled SnapKV column sums) within the "
+      "sink plus the span, every head weighted alike; spans by a greedy over each head's upper "
+      "concave envelope at each length, then alpha + beta * N by least squares across lengths";
+  profile["lengths"] = std::move(per_length);
+  boost::json::object root;
+  root["format"] = "sparsefill-moa-retention";
+  root["model"] = cfg.name;
+  root["n_layers"] = L;
+  root["n_kv_heads"] = Hkv;
+  root["sink"] = sink;
+  root["layers"] = std::move(layers);
+  root["profile"] = std::move(profile);
+  const std::string out = a.get("out");
+  {
+    std::ofstream f(out);
+    if (!f) return fail(SF_ERR(kIo, "cannot write '" + out + "'"));
+    f << boost::json::serialize(root) << "\n";
+    if (!f) return fail(SF_ERR(kIo, "writing '" + out + "' failed"));
+  }
+  // What was written must load as a retention config.
+  auto back = kvstore::moa_config_load(out);
+  if (!back.is_ok()) return fail(back.status());
+  std::printf("wrote %s (%d layers x %d KV heads)\n", out.c_str(), L, Hkv);
+  return 0;
+}
+
+}  // namespace sf::cli
