@@ -22,12 +22,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
 
 #include "comm/mpi_communicator.h"
+#include "common/checksum.h"
 #include "common/log.h"
 #include "kvstore/kv_export.h"
 #include "worker/model/device_model.h"
@@ -200,7 +202,7 @@ Status agree(comm::Communicator& world, const Status& mine) {
 
 // A retention policy as a number every rank can compare: a moa config is read from each rank's
 // own filesystem, so two ranks may hold different spans under the same spec.
-int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
+std::string policy_string(const kvstore::RetentionPolicy& p) {
   std::string s = std::string(kvstore::retention_kind_name(p.kind)) + ":" +
                   kvstore::retention_params(p) + ";sink=" + std::to_string(p.moa_sink);
   char buf[64];
@@ -209,7 +211,35 @@ int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
       std::snprintf(buf, sizeof buf, ";%.17g,%.17g", sp.alpha, sp.beta);
       s += buf;
     }
-  return int64_t(std::hash<std::string>{}(s)&0x7fffffffffffffffULL);
+  return s;
+}
+int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
+  const std::string s = policy_string(p);
+  return int64_t(xxh64_bytes(s.data(), s.size()) & 0x7fffffffffffffffULL);
+}
+
+// What a request's export depends on, as 16 hex digits that stay the same across builds: the
+// tokens, the retention (moa spans included), the encodings, the attention (a config file by its
+// contents), the export layout and the model's compatibility hash. Resume skips a request only
+// when its summary holds the same one. The grid is not in it: another TP x CP shards the same KV.
+std::string request_fingerprint(const std::vector<int32_t>& tokens,
+                                const kvstore::RetentionPolicy& policy,
+                                const kvstore::KvEncodings& encs, const std::string& attention,
+                                const std::string& attention_file, const std::string& export_mode,
+                                const std::string& compat) {
+  char tok[24];
+  std::snprintf(tok, sizeof tok, "%016llx",
+                static_cast<unsigned long long>(
+                    xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))));
+  const std::string s = std::string("tokens=") + tok + ";n=" + std::to_string(tokens.size()) +
+                        ";retention=" + policy_string(policy) +
+                        ";kv=" + kvstore::kv_encodings_name(encs) + ";attention=" + attention +
+                        ";attention_file=" + attention_file + ";export=" + export_mode +
+                        ";model=" + compat;
+  char out[24];
+  std::snprintf(out, sizeof out, "%016llx",
+                static_cast<unsigned long long>(xxh64_bytes(s.data(), s.size())));
+  return out;
 }
 
 // Per item, whether every rank holds the same fingerprint (fingerprints >= 0, -1: the rank has
@@ -526,10 +556,30 @@ int run(int argc, char** argv) {
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) ++my_total;
   int64_t k = 0;
   bool first_request = true;
+  // The request fingerprint's model and attention parts, the same for every request.
+  const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
+  std::string attention_file_hash;
+  if (o.attention.rfind("config:", 0) == 0) {
+    std::ifstream f(o.attention.substr(7), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    char h[24];
+    std::snprintf(h, sizeof h, "%016llx",
+                  static_cast<unsigned long long>(xxh64_bytes(text.data(), text.size())));
+    attention_file_hash = h;
+  }
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     ++k;
-    int32_t complete = g.leader() && runtime::request_complete(o.out, r.id) ? 1 : 0;
+    const kvstore::KvEncodings req_encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+    const std::string fingerprint = request_fingerprint(
+        r.tokens, r.retention ? *r.retention : o.retention, req_encs, o.attention,
+        attention_file_hash, o.export_mode, model_compat);
+    int32_t complete = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
+    if (g.leader() && !complete) {
+      const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
+      if (!why.empty())
+        std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
+    }
     if (Status st = g.group_comm->bcast(&complete, 1, DType::kI32, 0); !st.is_ok()) fatal(st);
     if (complete) {
       ++n_skipped;
@@ -661,7 +711,7 @@ int run(int argc, char** argv) {
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
-        "\"importance_s\": %.6f}",
+        "\"importance_s\": %.6f, \"fingerprint\": \"%s\"}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -673,7 +723,7 @@ int run(int argc, char** argv) {
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
         ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
         kept_frac, kvstore::kv_encodings_name(encs).c_str(),
-        static_cast<long long>(s.importance_bytes), s.importance_s);
+        static_cast<long long>(s.importance_bytes), s.importance_s, fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";

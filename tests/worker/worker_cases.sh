@@ -69,6 +69,20 @@ case "$case_name" in
     [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
     grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
     [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
+    grep -q '"fingerprint": "[0-9a-f]\{16\}"' "$tmp/out/village.json" || fail "summary has no fingerprint"
+    # Resume after a line changed (canal's retention) and after a job stopped between an export
+    # and its summary (lighthouse's summary gone): both computed again, the rest skipped.
+    sed 's/"id": "canal", "prompt"/"id": "canal", "retention": "streaming:sink=2,window=8", "prompt"/' \
+      "$tmp/prompts.jsonl" >"$tmp/changed.jsonl"
+    rm -f "$tmp/out/lighthouse.json"
+    run 4 --model default --cp 2 --batch "$tmp/changed.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "changed resume: exit $rc, want 3"
+    grep -q "batch done: 2 written, 2 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "changed resume summary"
+    grep -q "canal: its export was made for other inputs (fingerprint [0-9a-f]*, now [0-9a-f]*); computed again" "$tmp/stdout" \
+      || fail "the changed line was not reported as recomputed"
+    grep -q "lighthouse: its export has no summary with a fingerprint; computed again" "$tmp/stdout" \
+      || fail "the export without a summary was not reported as recomputed"
+    grep -q '"retention": "streaming:' "$tmp/out/canal.json" || fail "canal's summary is not the new retention's"
     ;;
   world)
     run 3 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -2,6 +2,7 @@
 
 #include <boost/json.hpp>
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 namespace sf::runtime {
@@ -122,10 +123,37 @@ std::string request_dir(const std::string& out_dir, const std::string& id) {
   return (std::filesystem::path(out_dir) / id).string();
 }
 
-bool request_complete(const std::string& out_dir, const std::string& id) {
+namespace {
+bool has_export(const std::string& out_dir, const std::string& id) {
   std::error_code ec;
   return std::filesystem::is_regular_file(
       std::filesystem::path(request_dir(out_dir, id)) / "manifest.json", ec);
+}
+// The summary's fingerprint, "" when there is no summary or it names none.
+std::string summary_fingerprint(const std::string& out_dir, const std::string& id) {
+  std::ifstream f(request_dir(out_dir, id) + ".json");
+  std::string line;
+  if (!f || !std::getline(f, line)) return "";
+  boost::system::error_code ec;
+  const boost::json::value v = boost::json::parse(line, ec);
+  if (ec || !v.is_object()) return "";
+  const boost::json::value* fp = v.as_object().if_contains("fingerprint");
+  return fp && fp->is_string() ? std::string(fp->as_string()) : "";
+}
+}  // namespace
+
+bool request_complete(const std::string& out_dir, const std::string& id,
+                      const std::string& fingerprint) {
+  return has_export(out_dir, id) && summary_fingerprint(out_dir, id) == fingerprint;
+}
+
+std::string request_stale_reason(const std::string& out_dir, const std::string& id,
+                                 const std::string& fingerprint) {
+  if (!has_export(out_dir, id)) return "";
+  const std::string had = summary_fingerprint(out_dir, id);
+  if (had == fingerprint) return "";
+  if (had.empty()) return "its export has no summary with a fingerprint";
+  return "its export was made for other inputs (fingerprint " + had + ", now " + fingerprint + ")";
 }
 
 }  // namespace sf::runtime

@@ -13,8 +13,11 @@
 // number and reason and skipped; the batch goes on.
 //
 // Output: DIR/<id>/ is the request's KV export (kvstore/kv_export.h: manifest.json + layer
-// shards, renamed into place when complete) and DIR/<id>.json a one-line summary. A request
-// whose DIR/<id>/manifest.json exists is complete and skipped on resume.
+// shards, renamed into place when complete) and DIR/<id>.json a one-line summary, written after
+// it, holding the request's fingerprint (what the export depends on). On resume a request is
+// complete, and skipped, when its manifest.json exists and its summary holds the same
+// fingerprint; otherwise (a changed line, other options, another model, or a job stopped between
+// the export and its summary) it is computed again and its export replaced.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -55,7 +58,12 @@ BatchFile parse_batch(const std::string& text);
 Status validate_request_id(const std::string& id);
 
 std::string request_dir(const std::string& out_dir, const std::string& id);
-// True when the request's export is complete (its manifest.json exists).
-bool request_complete(const std::string& out_dir, const std::string& id);
+// True when the request's export is complete (its manifest.json exists) and was made for
+// `fingerprint` (its summary DIR/<id>.json holds "fingerprint": "<fingerprint>").
+bool request_complete(const std::string& out_dir, const std::string& id,
+                      const std::string& fingerprint);
+// Why a request with an export is not complete: "" when it is (or has no export at all).
+std::string request_stale_reason(const std::string& out_dir, const std::string& id,
+                                 const std::string& fingerprint);
 
 }  // namespace sf::runtime
