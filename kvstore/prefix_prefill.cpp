@@ -1,5 +1,7 @@
 #include "kvstore/prefix_prefill.h"
 
+#include <algorithm>
+
 namespace sf::kvstore {
 
 Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, PrefixCache* cache,
@@ -18,8 +20,9 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
                       " floats per token) does not match the model (" + std::to_string(c.n_layers) +
                       ", " + std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + ")");
   const int64_t S = int64_t(tokens.size());
-  // Leave at least one token to compute: the first generated token needs its logits.
-  int64_t P = cache->lookup(model_id, tokens, S - 1);
+  // Leave at least one token to compute (the first generated token needs its logits), or the
+  // caller's min_suffix.
+  int64_t P = cache->lookup(model_id, tokens, std::max<int64_t>(0, S - std::max<int64_t>(1, opt.min_suffix)));
   model::PrefillResult res;
   model::KvCache& kv = res.kv;
   if (P > 0) {

@@ -15,6 +15,10 @@ namespace sf::kvstore {
 struct PrefixPrefillOptions {
   model::PrefillOptions prefill;
   bool insert = true;  // cache this prompt's whole blocks afterwards
+  // Tokens always computed at the end (at least 1, for the first token's logits). A caller whose
+  // result depends on the last rows' queries (SnapKV importance over an observation window)
+  // sets it to that window, so a hit scores from the same queries a full prefill would.
+  int64_t min_suffix = 1;
 };
 
 struct PrefixPrefillStats {

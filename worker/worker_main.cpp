@@ -15,6 +15,7 @@
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
 // first request).
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdarg>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include <iterator>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 
@@ -32,6 +34,8 @@
 #include "common/checksum.h"
 #include "common/log.h"
 #include "kvstore/kv_export.h"
+#include "kvstore/prefix_prefill.h"
+#include "kvstore/tiered_kv.h"
 #include "worker/model/device_model.h"
 #include "worker/model/gguf.h"
 #include "worker/model/model.h"
@@ -54,7 +58,8 @@ const char* kUsage =
     "[--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
-    "f32|bf16|int8|int4|HIGH+LOW]\n";
+    "f32|bf16|int8|int4|HIGH+LOW]\n"
+    "                  [--prefix-cache BYTES]  (CPU, TP = CP = 1, dense)\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -75,6 +80,10 @@ struct Options {
   kvstore::RetentionPolicy retention;
   // How exports store K and V (kvstore/kv_quant.h).
   kvstore::KvEncodings kv_dtype;  // HIGH or HIGH+LOW (with a retention's high=TOKENS)
+  // > 0: each rank keeps a prefix cache of this many bytes of K/V (kvstore/prefix_cache.h), so a
+  // request sharing whole 64-token blocks with an earlier one of the same rank computes only the
+  // rest (docs/distributed.md, "Prefix cache"). CPU, groups of one rank, dense attention.
+  int64_t prefix_cache_bytes = 0;
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -101,7 +110,8 @@ Result<Options> parse_options(int argc, char** argv) {
     k = k.substr(2);
     static const char* valued[] = {"model",  "batch",     "out",       "tp",
                                    "cp",     "attention", "chunk",     "comm-timeout",
-                                   "export", "device",    "retention", "kv-dtype"};
+                                   "export", "device",    "retention", "kv-dtype",
+                                   "prefix-cache"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -158,6 +168,16 @@ Result<Options> parse_options(int argc, char** argv) {
     return SF_ERR(kInvalidArgument,
                   "--device cuda runs per-piece estimation and sharded exports only (no "
                   "--cp-estimate, --selective-kv or --export gathered)");
+  if (kv.count("prefix-cache")) {
+    SF_ASSIGN(o.prefix_cache_bytes, kvstore::parse_byte_size(kv["prefix-cache"], "--prefix-cache"));
+    // Another rank's prefix would need its KV moved, and the sparse estimators score the rows a
+    // call computes, so a hit's index would not be a full prefill's.
+    if (o.prefix_cache_bytes <= 0 || o.device != "cpu" || o.tp != 1 || o.cp != 1 ||
+        o.attention != "dense")
+      return SF_ERR(kInvalidArgument,
+                    "--prefix-cache needs a positive size, --device cpu, --tp 1 --cp 1 and dense "
+                    "attention (each rank then serves its own requests from its own cache)");
+  }
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
     o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -556,6 +576,21 @@ int run(int argc, char** argv) {
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) ++my_total;
   int64_t k = 0;
   bool first_request = true;
+  // --prefix-cache: this rank's pool (host memory, the budget's bytes) and cache over it.
+  std::unique_ptr<kvstore::BlockPool> prefix_pool;
+  std::unique_ptr<kvstore::PrefixCache> prefix;
+  int64_t prefix_reused_total = 0;
+  if (o.prefix_cache_bytes > 0) {
+    kvstore::BlockPoolConfig pc;
+    pc.n_kv_heads = cfg.n_kv_heads;
+    pc.head_dim = cfg.head_dim;
+    pc.host_bytes = o.prefix_cache_bytes;
+    auto p = kvstore::BlockPool::create(pc);
+    if (!p.is_ok()) fatal(p.status());
+    prefix_pool = std::move(p).value();
+    prefix = std::make_unique<kvstore::PrefixCache>(prefix_pool.get(), cfg.n_layers,
+                                                    o.prefix_cache_bytes);
+  }
   // The request fingerprint's model and attention parts, the same for every request.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
   std::string attention_file_hash;
@@ -620,6 +655,7 @@ int run(int argc, char** argv) {
     }
     first_request = false;
     Result<runtime::ParallelResult> pr = SF_ERR(kInternal, "not run");
+    int64_t reused_tokens = 0;  // from the prefix cache
     if (dmodel) {
       // Planned per request (length-specific shapes); one rank's plan failure is the group's.
       model::PrefillOptions dopt;
@@ -633,6 +669,37 @@ int run(int argc, char** argv) {
       const Status ok = agree(*g.group_comm, plan.status());
       if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
       pr = ok.is_ok() ? plan.value().run(r.tokens) : Result<runtime::ParallelResult>(ok);
+    } else if (prefix) {
+      // This rank alone (a group of one): the cached prefix's K/V, model::extend on the rest.
+      // The importance window's rows are always computed, so a hit scores as a full prefill.
+      kvstore::PrefixPrefillOptions ppo;
+      ppo.prefill.chunk = o.chunk;
+      ppo.prefill.keep_kv = true;
+      ppo.prefill.importance_window = po.importance_window;
+      ppo.prefill.importance_pool = po.importance_pool;
+      ppo.min_suffix = std::max(1, po.importance_window);
+      kvstore::PrefixPrefillStats pst;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto hr = kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat, r.tokens, ppo,
+                                                   &pst);
+      if (hr.is_ok()) {
+        runtime::ParallelResult out;
+        out.first_token = hr->first_token;
+        out.kv = std::move(hr->kv);
+        out.importance = std::move(hr->importance);
+        out.stats.seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        out.stats.attention_s = hr->attention_s;
+        out.stats.importance_s = hr->importance_s;
+        pr = std::move(out);
+        reused_tokens = pst.reused_tokens;
+        prefix_reused_total += pst.reused_tokens;
+        if (!pst.insert_status.is_ok())
+          std::fprintf(stderr, "%s: prefix cache: not all of its blocks were cached: %s\n",
+                       r.id.c_str(), pst.insert_status.message().c_str());
+      } else {
+        pr = hr.status();
+      }
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }
@@ -711,7 +778,7 @@ int run(int argc, char** argv) {
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
-        "\"importance_s\": %.6f, \"fingerprint\": \"%s\"}",
+        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"fingerprint\": \"%s\"}",
         json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -723,7 +790,8 @@ int run(int argc, char** argv) {
         json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
         ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
         kept_frac, kvstore::kv_encodings_name(encs).c_str(),
-        static_cast<long long>(s.importance_bytes), s.importance_s, fingerprint.c_str());
+        static_cast<long long>(s.importance_bytes), s.importance_s,
+        static_cast<long long>(reused_tokens), fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";
@@ -743,28 +811,33 @@ int run(int argc, char** argv) {
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
     write_summary(dir + ".json", summary);
     std::printf(
-        "[group %d] %lld/%lld %s: %zu tokens, first token %d, %.3f s (%.0f tokens/s, comm %.3f s) "
-        "-> %s\n",
+        "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
+        "s) -> %s\n",
         g.group, static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(),
-        r.tokens.size(), res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
-        dir.c_str());
+        r.tokens.size(),
+        prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
+        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, dir.c_str());
     std::fflush(stdout);
   }
 
   // Totals over the leaders. Groups finish at different times: this wait is bounded by a day,
   // not by the per-collective deadline.
-  int64_t mine[3] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
-                     g.leader() ? n_failed : 0},
-          tot[3] = {};
+  int64_t mine[4] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
+                     g.leader() ? n_failed : 0, prefix_reused_total},
+          tot[4] = {};
   world->set_timeout(
       std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
-  if (Status st = world->all_reduce(mine, tot, 3, DType::kI64, comm::ReduceOp::kSum); !st.is_ok())
+  if (Status st = world->all_reduce(mine, tot, 4, DType::kI64, comm::ReduceOp::kSum); !st.is_ok())
     fatal(st);
-  if (rank0)
+  if (rank0) {
     std::printf(
         "batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",
         static_cast<long long>(tot[0]), static_cast<long long>(tot[1]),
         static_cast<long long>(tot[2]), bf.bad.size(), o.out.c_str());
+    if (o.prefix_cache_bytes > 0)
+      std::printf("prefix cache: %lld prompt tokens reused, not computed\n",
+                  static_cast<long long>(tot[3]));
+  }
   return finish(tot[2] > 0 || !bf.bad.empty() ? 3 : 0, "", false);
 }
 
