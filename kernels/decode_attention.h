@@ -59,6 +59,11 @@ struct PagedDecodeParams {
   // block's codes once for up to 4 heads). false: a warp per query head loading its own rows, or
   // over INT8 the shared-codes kernel (share_kv_heads) (A/B timing).
   bool full_staged = true;
+  // INT8 pools stage only from this many blocks (KV heads x max_pages) on, below which the
+  // shared-codes kernel is faster; -1: the built-in threshold (kernels/cuda/decode_attention.cu,
+  // kStagedInt8MinBlocks), 0: always (tests reach the staged kernel on small caches with it).
+  // Decided by the pool's capacity, at plan time, like every other choice of kernel here.
+  int64_t staged_int8_min_blocks = -1;
   // psa: the host's "+gqa" visit, one per KV head: the query heads of a KV head take turns
   // naming blocks, every head folds every loaded block, so a block is read once for the group.
   // Up to kDecodePsaGqaMaxGroup query heads per KV head.

@@ -2368,6 +2368,13 @@ struct StagedPlan {
   int splits = 0, w = 1, sets = 1;  // splits 0: not staged
   int nhf = 1;                      // INT8: the kernel's heads a warp (full_staged_kernel's NHF)
 };
+// INT8 pools take the staged kernel from this many blocks (KV heads x pages) on: below it the
+// shared-codes kernel is faster. On H100 the staged kernel has a floor of about 21 us at head_dim
+// 64 and 33 us at 128 (4K-8K tokens) where the shared-codes kernel takes 13-21 us; the two cross
+// near 1,500 blocks at both head dims (32K x 3 KV heads at d 64, 12K x 8 at d 128;
+// bench/results/decode-int8-sweep-h100-83eaa9b.jsonl, bench/NOTES.md).
+inline constexpr int64_t kStagedInt8MinBlocks = 1536;
+
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
   if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.n_kv_heads <= 0 || n_heads <= 0 ||
@@ -2378,6 +2385,9 @@ StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& 
   // INT8 with one query head per KV head keeps full_kernel: warp_block_heads does four heads'
   // arithmetic whatever the group, and there is no conversion to share.
   if (i8 && G < 2) return sp;
+  const int64_t min_blocks =
+      p.staged_int8_min_blocks >= 0 ? p.staged_int8_min_blocks : kStagedInt8MinBlocks;
+  if (i8 && int64_t(kv.n_kv_heads) * kv.max_pages < min_blocks) return sp;
   const int hpw = i8 ? kStagedHeadsPerWarp<PoolDType::kInt8> : 1;
   const int consumers = i8 ? kStagedConsumers<PoolDType::kInt8> : kStagedConsumers<PoolDType::kF32>;
   sp.sets = (G + hpw - 1) / hpw;
