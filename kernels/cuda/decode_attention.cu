@@ -2369,11 +2369,12 @@ struct StagedPlan {
   int nhf = 1;                      // INT8: the kernel's heads a warp (full_staged_kernel's NHF)
 };
 // INT8 pools take the staged kernel from this many blocks (KV heads x pages) on: below it the
-// shared-codes kernel is faster. On H100 the staged kernel has a floor of about 21 us at head_dim
-// 64 and 33 us at 128 (4K-8K tokens) where the shared-codes kernel takes 13-21 us; the two cross
-// near 1,500 blocks at both head dims (32K x 3 KV heads at d 64, 12K x 8 at d 128;
-// bench/results/decode-int8-sweep-h100-83eaa9b.jsonl, bench/NOTES.md).
-inline constexpr int64_t kStagedInt8MinBlocks = 1536;
+// shared-codes kernel is faster. On H100, timed alone, the staged kernel has a floor of about
+// 21 us at head_dim 64 and 33 us at 128 where the shared-codes kernel takes 13-21 us; in two runs
+// the shared-codes kernel won up to 1,024 blocks (16K x 3 KV heads at d 64, 8K x 8 at d 128) and
+// the staged one from 1,152 on (24K x 3, 12K x 8): bench/results/decode-int8-threshold-h100-
+// 054028c.jsonl and decode-int8-sweep-h100-83eaa9b.jsonl (bench/NOTES.md).
+inline constexpr int64_t kStagedInt8MinBlocks = 1152;
 
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
