@@ -201,15 +201,28 @@ TEST(CpNeedCount, CountsWhatEachRankReadsAndDoesNotHold) {
   EXPECT_EQ(cnt.add(idx, 1, 1).code(), Code::kInvalidArgument);
 }
 
-TEST(Batch, CompleteMeansManifestPresent) {
+TEST(Batch, CompleteMeansManifestAndASummaryWithTheSameFingerprint) {
   const auto dir =
       std::filesystem::temp_directory_path() / ("sf-batch-test-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir / "x");
-  EXPECT_FALSE(runtime::request_complete(dir.string(), "x"));
+  const std::string fp = "0123456789abcdef";
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "x", fp));
+  EXPECT_EQ(runtime::request_stale_reason(dir.string(), "x", fp), "");  // nothing exported yet
   std::ofstream(dir / "x" / "manifest.json") << "{}";
-  EXPECT_TRUE(runtime::request_complete(dir.string(), "x"));
-  EXPECT_FALSE(runtime::request_complete(dir.string(), "y"));
+  // An export without its summary (a job stopped between the two) is not complete.
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "x", fp));
+  EXPECT_NE(runtime::request_stale_reason(dir.string(), "x", fp).find("no summary"),
+            std::string::npos);
+  std::ofstream(dir / "x.json") << R"({"id": "x", "fingerprint": "0123456789abcdef"})" << "\n";
+  EXPECT_TRUE(runtime::request_complete(dir.string(), "x", fp));
+  EXPECT_EQ(runtime::request_stale_reason(dir.string(), "x", fp), "");
+  // Another request's inputs under the same id.
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "x", "fedcba9876543210"));
+  EXPECT_NE(runtime::request_stale_reason(dir.string(), "x", "fedcba9876543210")
+                .find("made for other inputs (fingerprint 0123456789abcdef"),
+            std::string::npos);
+  EXPECT_FALSE(runtime::request_complete(dir.string(), "y", fp));
   std::filesystem::remove_all(dir);
 }
 
