@@ -32,6 +32,7 @@
 
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
+#include "tests/common/subprocess.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/device_model.h"
@@ -40,27 +41,6 @@
 namespace sf {
 namespace {
 namespace fs = std::filesystem;
-
-model::ModelConfig tiny_cli_config() {
-  model::ModelConfig c = testing::tiny_config(2);
-  c.name = "tiny-gpu-cli";
-  c.hidden = 256;
-  c.head_dim = 64;  // the device attention's head_dim: 64 or 128
-  c.intermediate = 512;
-  c.vocab = 512;
-  c.tied_embeddings = true;
-  return c;
-}
-
-int run(const std::string& cmd, const std::string& log) {
-  const int rc = std::system((cmd + " >" + log + " 2>&1").c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
 
 double reported_density(const std::string& log) {
   std::smatch m;
@@ -73,15 +53,11 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   std::printf("  seed=%llu\n", static_cast<unsigned long long>(seed));
   const fs::path dir = fs::temp_directory_path() / ("sf-cli-gpu-" + std::to_string(seed));
   fs::create_directories(dir);
-  const model::ModelConfig cfg = tiny_cli_config();
+  const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-cli");
   auto synth = model::Model::synthetic(cfg, seed);
   ASSERT_TRUE(synth.is_ok()) << synth.status().to_string();
-  testing::GgufBuilder b;
-  testing::add_llama(b, synth.value(), cfg.name);
-  const auto bytes = b.build();
-  const std::string model = (dir / "tiny.gguf").string();
-  std::ofstream(model, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  const std::string model =
+      testing::write_llama_gguf((dir / "tiny.gguf").string(), synth.value(), cfg.name);
   {
     std::mt19937_64 rng(seed + 1);
     std::ofstream t(dir / "prompt.txt");
@@ -118,10 +94,10 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
       runs.push_back(r);
   for (const Run& r : runs) {
     const std::string log = (dir / (r.name + ".log")).string();
-    ASSERT_EQ(run(common + r.args + " --export-kv " + (dir / r.name).string(), log), 0)
-        << r.name << ":\n" << slurp(log);
+    ASSERT_EQ(testing::run_logged(common + r.args + " --export-kv " + (dir / r.name).string(), log), 0)
+        << r.name << ":\n" << testing::slurp(log);
   }
-  const double d_cpu = reported_density(slurp((dir / "cpu-snap.log").string()));
+  const double d_cpu = reported_density(testing::slurp((dir / "cpu-snap.log").string()));
   if (!dev.is_ok()) {
     EXPECT_GT(d_cpu, 0.0);
     EXPECT_LT(d_cpu, 0.9);
@@ -129,10 +105,10 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
     fs::remove_all(dir, ec);
     GTEST_SKIP() << "no CUDA device: " << dev.message() << " (CPU density " << d_cpu << ")";
   }
-  const double d_gpu = reported_density(slurp((dir / "gpu-snap.log").string()));
+  const double d_gpu = reported_density(testing::slurp((dir / "gpu-snap.log").string()));
   std::printf("  density: cpu %.3f gpu %.3f\n", d_cpu, d_gpu);
   EXPECT_GT(d_gpu, 0.0);
-  EXPECT_LT(d_gpu, 0.9) << slurp((dir / "gpu-snap.log").string());
+  EXPECT_LT(d_gpu, 0.9) << testing::slurp((dir / "gpu-snap.log").string());
   EXPECT_LT(d_cpu, 0.9);
   EXPECT_NEAR(d_gpu, d_cpu, 0.05);
 

@@ -26,6 +26,7 @@
 
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
+#include "tests/common/subprocess.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
@@ -34,39 +35,15 @@ namespace sf {
 namespace {
 namespace fs = std::filesystem;
 
-// Head dim 64, 4 query / 2 KV heads (TP 2 divides both and the intermediate size), 2 layers.
-model::ModelConfig tiny_gpu_config() {
-  model::ModelConfig c = testing::tiny_config(2);
-  c.name = "tiny-gpu-worker";
-  c.hidden = 256;
-  c.head_dim = 64;  // the device forward's attention: head_dim 64 or 128
-  c.intermediate = 512;
-  c.vocab = 512;
-  c.tied_embeddings = true;
-  return c;
-}
-
 std::string write_gguf(const std::string& path, uint64_t seed) {
-  const model::ModelConfig cfg = tiny_gpu_config();
+  const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-worker");
   auto m = model::Model::synthetic(cfg, seed);
   EXPECT_TRUE(m.is_ok());
-  testing::GgufBuilder b;
-  testing::add_llama(b, m.value(), cfg.name);
-  const auto bytes = b.build();
-  std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
-  return path;
+  return testing::write_llama_gguf(path, m.value(), cfg.name);
 }
 
-int run(const std::string& cmd, const std::string& log) {
-  const int rc = std::system((cmd + " >" + log + " 2>&1").c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
+using testing::slurp;
+int run(const std::string& cmd, const std::string& log) { return testing::run_logged(cmd, log); }
 
 // Largest |difference| of a retained head's K/V rows from the full export's rows at the same
 // positions, and the largest |value| of those full rows (head_dim d).

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -98,6 +99,18 @@ inline void add_llama(GgufBuilder& b, const model::Model& m, const std::string& 
     b.tensor_f32(p + "ffn_up.weight", dims(L.w_up), L.w_up.data);
     b.tensor_f32(p + "ffn_down.weight", dims(L.w_down), L.w_down.data);
   }
+}
+
+// m written as a Llama GGUF (F32 tensors, no tokenizer) at path, for tests that run a binary on
+// a model of their own (nothing has to travel to a GPU host). Returns path.
+inline std::string write_llama_gguf(const std::string& path, const model::Model& m,
+                                    const std::string& name) {
+  GgufBuilder b;
+  add_llama(b, m, name);
+  const auto bytes = b.build();
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  return path;
 }
 
 }  // namespace sf::testing

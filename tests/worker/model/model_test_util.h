@@ -39,6 +39,19 @@ inline model::ModelConfig tiny_config(int n_layers = 2) {
   return c;
 }
 
+// The tiny config at the device forward's smallest shapes (head_dim 64; 4 query / 2 KV heads, so
+// TP 2 divides both and the intermediate size), for tests that run the GPU binaries end to end.
+inline model::ModelConfig tiny_gpu_config(const std::string& name, int n_layers = 2) {
+  model::ModelConfig c = tiny_config(n_layers);
+  c.name = name;
+  c.hidden = 256;
+  c.head_dim = 64;
+  c.intermediate = 512;
+  c.vocab = 512;
+  c.tied_embeddings = true;
+  return c;
+}
+
 // Llama-3-8B proportions scaled down (the GPU forward tests): hidden 1024, 8 query / 2 KV heads
 // of head_dim 128 (GQA 4), intermediate 3584 (3.5 x hidden), vocab 8192, RoPE theta 500000 with
 // Llama-3 frequency scaling. TP 2 divides its KV heads and intermediate size.
