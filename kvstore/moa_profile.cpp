@@ -7,6 +7,7 @@
 namespace sf::kvstore {
 
 std::vector<double> moa_mass_curve(const float* scores, int64_t n, int64_t sink, int64_t step) {
+  if (step <= 0 || n <= 0) return {};  // moa_allocate refuses an empty curve
   const int64_t s = std::clamp<int64_t>(sink, 0, n);
   double total = 0, base = 0;
   for (int64_t t = 0; t < n; ++t) total += double(scores[t]);
@@ -41,25 +42,42 @@ Result<std::vector<int64_t>> moa_allocate(const std::vector<std::vector<double>>
     return SF_ERR(kInvalidArgument, "moa profile: a budget of " + std::to_string(budget) +
                                         " span tokens is below the heads' minimum of " +
                                         std::to_string(used));
-  for (;;) {
-    // The best move over all heads: to any later point that fits, by mass gained per token. The
-    // best jump from a point is to a vertex of the upper concave envelope, so taking it walks
-    // the envelope and a head whose curve is flat before a far-back rise still gets that rise.
-    double best = 0;
-    size_t bh = H;
-    int64_t bj = 0;
-    const int64_t left = budget - used;
-    for (size_t h = 0; h < H; ++h) {
-      const std::vector<double>& c = curves[h];
-      const int64_t last = std::min<int64_t>(int64_t(c.size()) - 1, at[h] + left / step);
-      for (int64_t j = at[h] + 1; j <= last; ++j) {
-        const double gain = (c[size_t(j)] - c[size_t(at[h])]) / double((j - at[h]) * step);
-        if (gain > best) best = gain, bh = h, bj = j;
-      }
+  // Each head's best move from where it stands: to any later point within `room` steps, by mass
+  // gained per token (0, none: no gain). The best jump from a point lands on a vertex of the
+  // curve's upper concave envelope, so a head whose curve is flat before a far-back rise still
+  // gets that rise.
+  struct Move {
+    double gain = 0;
+    int64_t to = -1;
+  };
+  auto best_move = [&](size_t h, int64_t room) {
+    Move m;
+    const std::vector<double>& c = curves[h];
+    const int64_t last = std::min<int64_t>(int64_t(c.size()) - 1, at[h] + room);
+    for (int64_t j = at[h] + 1; j <= last; ++j) {
+      const double g = (c[size_t(j)] - c[size_t(at[h])]) / double((j - at[h]) * step);
+      if (g > m.gain) m = {g, j};
     }
+    return m;
+  };
+  // Lazy greedy: a cached move was the best under a budget at least as large as what is left, so
+  // its gain bounds the head's best now. The largest bound is taken if it still fits; otherwise
+  // that head is re-scored under what is left. One head is re-scored per step, not all of them.
+  std::vector<Move> cached(H);
+  for (size_t h = 0; h < H; ++h) cached[h] = best_move(h, (budget - used) / step);
+  for (;;) {
+    size_t bh = H;
+    for (size_t h = 0; h < H; ++h)
+      if (cached[h].to >= 0 && (bh == H || cached[h].gain > cached[bh].gain)) bh = h;
     if (bh == H) break;  // nothing fits, or nothing gains
-    used += (bj - at[bh]) * step;
-    at[bh] = bj;
+    const int64_t room = (budget - used) / step;
+    if (cached[bh].to - at[bh] > room) {
+      cached[bh] = best_move(bh, room);
+      continue;
+    }
+    used += (cached[bh].to - at[bh]) * step;
+    at[bh] = cached[bh].to;
+    cached[bh] = best_move(bh, (budget - used) / step);
   }
   std::vector<int64_t> spans(H);
   for (size_t h = 0; h < H; ++h) spans[h] = at[h] * step;

@@ -238,28 +238,59 @@ int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
   return int64_t(xxh64_bytes(s.data(), s.size()) & 0x7fffffffffffffffULL);
 }
 
+std::string hex16(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+// A file's identity without reading it all: its size and the XXH64 of its first and last MiB
+// (a GGUF's header and tensor table are at its start; a requantized or retrained checkpoint of one
+// name and geometry differs there or in its size). "" when it cannot be read.
+std::string file_identity(const fs::path& p) {
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  std::ifstream f(p, std::ios::binary);
+  if (ec || !f) return "";
+  const std::streamsize mib = 1 << 20;
+  std::string head(size_t(std::min<uintmax_t>(size, uintmax_t(mib))), '\0'), tail = head;
+  f.read(head.data(), std::streamsize(head.size()));
+  f.seekg(std::streamoff(size - tail.size()));
+  f.read(tail.data(), std::streamsize(tail.size()));
+  return std::to_string(size) + ":" + hex16(xxh64_bytes(head.data(), head.size())) + ":" +
+         hex16(xxh64_bytes(tail.data(), tail.size()));
+}
+
+// The model's weights as the fingerprint sees them: its file, or a Hugging Face directory's
+// config.json and *.safetensors in name order.
+std::string model_identity(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return file_identity(path);
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(path, ec))
+    if (e.is_regular_file() && (e.path().extension() == ".safetensors" ||
+                                e.path().filename() == "config.json"))
+      files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::string s;
+  for (const auto& f : files) s += f.filename().string() + "=" + file_identity(f) + ";";
+  return s;
+}
+
 // What a request's export depends on, as 16 hex digits that stay the same across builds: the
-// tokens, the retention (moa spans included), the encodings, the attention (a config file by its
-// contents), the export layout and the model's compatibility hash. Resume skips a request only
-// when its summary holds the same one. The grid is not in it: another TP x CP shards the same KV.
+// tokens, the retention (moa spans included) and the encodings, then `job`, the job's part: the
+// model's compatibility hash and weights (model_identity), --device, the grid and the
+// sparsity-aware CP flags (per-chunk estimation and the device's BF16 sums differ with them),
+// the attention (a config file by its contents) and the export layout. Resume skips a request only
+// when its summary holds the same one.
 std::string request_fingerprint(const std::vector<int32_t>& tokens,
                                 const kvstore::RetentionPolicy& policy,
-                                const kvstore::KvEncodings& encs, const std::string& attention,
-                                const std::string& attention_file, const std::string& export_mode,
-                                const std::string& compat) {
-  char tok[24];
-  std::snprintf(tok, sizeof tok, "%016llx",
-                static_cast<unsigned long long>(
-                    xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))));
-  const std::string s = std::string("tokens=") + tok + ";n=" + std::to_string(tokens.size()) +
-                        ";retention=" + policy_string(policy) +
-                        ";kv=" + kvstore::kv_encodings_name(encs) + ";attention=" + attention +
-                        ";attention_file=" + attention_file + ";export=" + export_mode +
-                        ";model=" + compat;
-  char out[24];
-  std::snprintf(out, sizeof out, "%016llx",
-                static_cast<unsigned long long>(xxh64_bytes(s.data(), s.size())));
-  return out;
+                                const kvstore::KvEncodings& encs, const std::string& job) {
+  const std::string s =
+      "tokens=" + hex16(xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))) +
+      ";n=" + std::to_string(tokens.size()) + ";retention=" + policy_string(policy) +
+      ";kv=" + kvstore::kv_encodings_name(encs) + ";" + job;
+  return hex16(xxh64_bytes(s.data(), s.size()));
 }
 
 // Per item, whether every rank holds the same fingerprint (fingerprints >= 0, -1: the rank has
@@ -279,14 +310,19 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
   return same;
 }
 
-void write_summary(const std::string& path, const std::string& json_line) {
+// Written whole or not at all: resume reads the fingerprint from it.
+Status write_summary(const std::string& path, const std::string& json_line) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::trunc);
     f << json_line << "\n";
+    f.flush();
+    if (!f) return SF_ERR(kIo, "cannot write the summary '" + tmp + "'");
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
+  if (ec) return SF_ERR(kIo, "cannot rename the summary to '" + path + "': " + ec.message());
+  return Status::ok();
 }
 
 std::string json_escape(const std::string& s) {
@@ -593,27 +629,32 @@ int run(int argc, char** argv) {
   }
   // The request fingerprint's model and attention parts, the same for every request.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
-  std::string attention_file_hash;
+  std::string job = "model=" + model_compat + ";weights=" + model_identity(o.model) +
+                    ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
+                    ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
+                    std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
+                    std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
+                    ";export=" + o.export_mode;
   if (o.attention.rfind("config:", 0) == 0) {
     std::ifstream f(o.attention.substr(7), std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    char h[24];
-    std::snprintf(h, sizeof h, "%016llx",
-                  static_cast<unsigned long long>(xxh64_bytes(text.data(), text.size())));
-    attention_file_hash = h;
+    job += ";attention_file=" + hex16(xxh64_bytes(text.data(), text.size()));
   }
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     ++k;
     const kvstore::KvEncodings req_encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
-    const std::string fingerprint = request_fingerprint(
-        r.tokens, r.retention ? *r.retention : o.retention, req_encs, o.attention,
-        attention_file_hash, o.export_mode, model_compat);
+    const std::string fingerprint =
+        request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, req_encs, job);
     int32_t complete = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
     if (g.leader() && !complete) {
       const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
       if (!why.empty())
         std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
+      // The old summary goes before the export is replaced: a job stopped in between must not
+      // leave the new export beside the old fingerprint.
+      std::error_code rm_ec;
+      fs::remove(runtime::request_dir(o.out, r.id) + ".json", rm_ec);
     }
     if (Status st = g.group_comm->bcast(&complete, 1, DType::kI32, 0); !st.is_ok()) fatal(st);
     if (complete) {
@@ -678,6 +719,12 @@ int run(int argc, char** argv) {
       ppo.prefill.importance_window = po.importance_window;
       ppo.prefill.importance_pool = po.importance_pool;
       ppo.min_suffix = std::max(1, po.importance_window);
+      if (po.on_layer)  // fault injection (tests): at the layer's end here, not its start
+        ppo.prefill.on_layer_kv = [&](int l, const TensorView&, const TensorView&,
+                                      std::span<const float>) {
+          po.on_layer(l);
+          return Status::ok();
+        };
       kvstore::PrefixPrefillStats pst;
       const auto t0 = std::chrono::steady_clock::now();
       auto hr = kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat, r.tokens, ppo,
@@ -691,6 +738,8 @@ int run(int argc, char** argv) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         out.stats.attention_s = hr->attention_s;
         out.stats.importance_s = hr->importance_s;
+        out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
+        out.stats.estimate_bytes_by_rank = {0};
         pr = std::move(out);
         reused_tokens = pst.reused_tokens;
         prefix_reused_total += pst.reused_tokens;
@@ -731,7 +780,9 @@ int run(int argc, char** argv) {
     // Full retention stays implicit (null): its position lists would cost 4 bytes a token per
     // layer and KV head, a gigabyte for a 1M-token Llama-3-8B prompt.
     const bool full = policy.kind == kvstore::RetentionKind::kFull;
-    Result<kvstore::Retention> ret = kvstore::Retention{"full", "", 0, 0, 0, {}};
+    kvstore::Retention full_retention;
+    full_retention.policy = "full";
+    Result<kvstore::Retention> ret = full_retention;
     if (!full)
       ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
                                      imp ? &*imp : nullptr);
@@ -809,7 +860,13 @@ int run(int argc, char** argv) {
     summary += std::string(group) +
                ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
-    write_summary(dir + ".json", summary);
+    if (Status ws = write_summary(dir + ".json", summary); !ws.is_ok()) {
+      --n_done;
+      ++n_failed;
+      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                   static_cast<long long>(r.line), r.id.c_str(), ws.message().c_str());
+      continue;
+    }
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
         "s) -> %s\n",

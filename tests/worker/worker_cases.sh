@@ -89,6 +89,10 @@ case "$case_name" in
     grep -q "lighthouse: its export has no summary with a fingerprint; computed again" "$tmp/stdout" \
       || fail "the export without a summary was not reported as recomputed"
     grep -q '"retention": "streaming:' "$tmp/out/canal.json" || fail "canal's summary is not the new retention's"
+    # Another grid (CP 1 instead of 2) is other inputs too: everything is computed again.
+    run 2 --model default --batch "$tmp/changed.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "grid resume: exit $rc, want 3"
+    grep -q "batch done: 4 written, 0 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "grid resume summary"
     ;;
   prefix)
     shared=$(seq -s, 1000 1199)  # 200 token ids
