@@ -28,5 +28,6 @@ if(SF_MPI AND SF_HAVE_CUDA AND TARGET sparsefill-worker)
   add_dependencies(test_worker_gpu sparsefill-worker)
   add_test(NAME test_worker_gpu COMMAND test_worker_gpu)
   set_tests_properties(test_worker_gpu PROPERTIES LABELS gpu TIMEOUT 300
-                       ENVIRONMENT "${SF_MPI_TEST_ENV};NCCL_NVLS_ENABLE=0")
+                       ENVIRONMENT "${SF_MPI_TEST_ENV};NCCL_NVLS_ENABLE=0"
+                       SKIP_REGULAR_EXPRESSION "needs a GPU")
 endif()

@@ -20,6 +20,9 @@ struct Args {
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
                         const std::vector<std::string>& flags);
 
+// The CLI's one error convention: "error: MESSAGE" on stderr, exit status 1.
+int fail(const Status& st);
+
 // "default" -> $SF_MODEL, else <repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf.
 std::string resolve_model(const std::string& m);
 Result<std::string> read_text_file(const std::string& path, const char* what);

@@ -20,11 +20,6 @@
 namespace sf::cli {
 namespace {
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.message().c_str());
-  return 1;
-}
-
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

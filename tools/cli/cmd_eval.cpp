@@ -20,11 +20,6 @@
 namespace sf::cli {
 namespace {
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.message().c_str());
-  return 1;
-}
-
 Result<std::vector<int64_t>> parse_length_list(const std::string& s) {
   std::vector<int64_t> v;
   std::stringstream ss(s);

@@ -22,11 +22,6 @@
 namespace sf::cli {
 namespace {
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
-  return 1;
-}
-
 Result<std::vector<int64_t>> parse_lengths(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);

@@ -20,11 +20,6 @@
 namespace sf::cli {
 namespace {
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.message().c_str());
-  return 1;
-}
-
 Result<std::vector<int32_t>> parse_token_file(const std::string& text) {
   std::vector<int32_t> ids;
   std::istringstream ss(text);

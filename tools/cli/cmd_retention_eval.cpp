@@ -25,11 +25,6 @@
 namespace sf::cli {
 namespace {
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
-  return 1;
-}
-
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);

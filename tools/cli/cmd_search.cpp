@@ -41,11 +41,6 @@ namespace {
 using kernels::HeadPattern;
 using kernels::Pattern;
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.message().c_str());
-  return 1;
-}
-
 struct Cand {
   HeadPattern p;
   double recall = 0, density = 0;

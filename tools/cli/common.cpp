@@ -99,6 +99,11 @@ std::string cpu_name() {
   return u.machine;
 }
 
+int fail(const Status& st) {
+  std::fprintf(stderr, "error: %s\n", st.message().c_str());
+  return 1;
+}
+
 std::string now_iso8601() {
   std::time_t t = std::time(nullptr);
   char b[32];
