@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -12,6 +13,12 @@
 namespace sf {
 
 uint64_t xxh64_bytes(const void* data, size_t n) { return uint64_t(XXH64(data, n, 0)); }
+
+std::string hex64(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
 
 Result<uint64_t> xxh64_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -11,6 +11,8 @@
 #include <limits>
 #include <memory>
 
+#include "common/text.h"
+
 namespace sf {
 namespace {
 
@@ -109,25 +111,6 @@ Status parse_tensor(const std::string& where, std::string_view name, const boost
             tn + ": data_offsets span " + std::to_string(t->end - t->begin) +
                 " bytes but shape x dtype needs " + std::to_string(want_bytes));
   return Status::ok();
-}
-
-void json_escape(std::string_view s, std::string* out) {
-  static const char kHex[] = "0123456789abcdef";
-  out->push_back('"');
-  for (char ch : s) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out->push_back('\\');
-      out->push_back(char(c));
-    } else if (c < 0x20) {
-      *out += "\\u00";
-      out->push_back(kHex[c >> 4]);
-      out->push_back(kHex[c & 15]);
-    } else {
-      out->push_back(char(c));
-    }
-  }
-  out->push_back('"');
 }
 
 Status write_all(int fd, const void* p, size_t n, const std::string& path) {

@@ -65,12 +65,6 @@ Result<const json::array*> get_arr(const json::object& o, const char* key,
   return &v->as_array();
 }
 
-std::string hex64(uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // The tensor `name`, checked to have the dtype and exact shape.
 Result<const SafetensorsTensor*> find_tensor(const SafetensorsFile& f, const std::string& name,
                                              const char* dtype, const std::vector<int64_t>& shape,

@@ -60,8 +60,8 @@ struct PagedDecodeParams {
   // over INT8 the shared-codes kernel (share_kv_heads) (A/B timing).
   bool full_staged = true;
   // INT8 pools stage only from this many blocks (KV heads x max_pages) on, below which the
-  // shared-codes kernel is faster; -1: the built-in threshold (kernels/cuda/decode_attention.cu,
-  // kStagedInt8MinBlocks), 0: always (tests reach the staged kernel on small caches with it).
+  // shared-codes kernel is faster; -1: kDecodeStagedInt8MinBlocks, 0: always (tests reach the
+  // staged kernel on small caches with it).
   // Decided by the pool's capacity, at plan time, like every other choice of kernel here.
   int64_t staged_int8_min_blocks = -1;
   // psa: the host's "+gqa" visit, one per KV head: the query heads of a KV head take turns
@@ -80,6 +80,14 @@ struct PagedDecodeParams {
 };
 
 inline constexpr int kDecodeMaxTokens = 256;  // n_tokens, at most
+
+// INT8 pools take the staged kernel from this many blocks (KV heads x max_pages) on: below it
+// the shared-codes kernel is faster. On H100, timed alone, the staged kernel has a floor of about
+// 21 us at head_dim 64 and 33 us at 128 where the shared-codes kernel takes 13-21 us; in two runs
+// the shared-codes kernel won up to 1,024 blocks (16K x 3 KV heads at d 64, 8K x 8 at d 128) and
+// the staged one from 1,152 on (24K x 3, 12K x 8): bench/results/decode-int8-threshold-h100-
+// 054028c.jsonl and decode-int8-sweep-h100-83eaa9b.jsonl (bench/NOTES.md).
+inline constexpr int64_t kDecodeStagedInt8MinBlocks = 1152;
 
 // Device memory the mode in p needs (full: its split partials, per token with p.n_tokens; psa:
 // the bounds, visit order, walk state and one round's block results per query head, about

@@ -16,12 +16,6 @@ namespace sf::kvstore {
 namespace fs = std::filesystem;
 namespace {
 
-std::string hex64(uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // Rows `rows` of head h of a token-major [rows, Hkv, d] layer into dst [n, d], undoing the
 // adjacent-pair interleave if asked (GGUF llama keys -> HF rotate-half order).
 void gather_head(const float* src, int hkv, int d, int h, const std::vector<int64_t>& rows,

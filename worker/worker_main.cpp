@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
-#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +32,7 @@
 #include "comm/mpi_communicator.h"
 #include "common/checksum.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/prefix_prefill.h"
 #include "kvstore/tiered_kv.h"
@@ -238,12 +238,6 @@ int64_t policy_fingerprint(const kvstore::RetentionPolicy& p) {
   return int64_t(xxh64_bytes(s.data(), s.size()) & 0x7fffffffffffffffULL);
 }
 
-std::string hex16(uint64_t v) {
-  char b[24];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // A file's identity without reading it all: its size and the XXH64 of its first and last MiB
 // (a GGUF's header and tensor table are at its start; a requantized or retrained checkpoint of one
 // name and geometry differs there or in its size). "" when it cannot be read.
@@ -257,8 +251,8 @@ std::string file_identity(const fs::path& p) {
   f.read(head.data(), std::streamsize(head.size()));
   f.seekg(std::streamoff(size - tail.size()));
   f.read(tail.data(), std::streamsize(tail.size()));
-  return std::to_string(size) + ":" + hex16(xxh64_bytes(head.data(), head.size())) + ":" +
-         hex16(xxh64_bytes(tail.data(), tail.size()));
+  return std::to_string(size) + ":" + hex64(xxh64_bytes(head.data(), head.size())) + ":" +
+         hex64(xxh64_bytes(tail.data(), tail.size()));
 }
 
 // The model's weights as the fingerprint sees them: its file, or a Hugging Face directory's
@@ -287,10 +281,10 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
                                 const kvstore::RetentionPolicy& policy,
                                 const kvstore::KvEncodings& encs, const std::string& job) {
   const std::string s =
-      "tokens=" + hex16(xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))) +
+      "tokens=" + hex64(xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))) +
       ";n=" + std::to_string(tokens.size()) + ";retention=" + policy_string(policy) +
       ";kv=" + kvstore::kv_encodings_name(encs) + ";" + job;
-  return hex16(xxh64_bytes(s.data(), s.size()));
+  return hex64(xxh64_bytes(s.data(), s.size()));
 }
 
 // Per item, whether every rank holds the same fingerprint (fingerprints >= 0, -1: the rank has
@@ -323,36 +317,6 @@ Status write_summary(const std::string& path, const std::string& json_line) {
   fs::rename(tmp, path, ec);
   if (ec) return SF_ERR(kIo, "cannot rename the summary to '" + path + "': " + ec.message());
   return Status::ok();
-}
-
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      o += '\\';
-      o += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      char u[8];
-      std::snprintf(u, sizeof u, "\\u%04x", unsigned(static_cast<unsigned char>(ch)));
-      o += u;
-    } else {
-      o += ch;
-    }
-  }
-  return o;
-}
-
-// printf into a string of whatever length it needs (a summary holds user paths and ids).
-__attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...) {
-  va_list ap, ap2;
-  va_start(ap, fmt);
-  va_copy(ap2, ap);
-  const int n = std::vsnprintf(nullptr, 0, fmt, ap);
-  va_end(ap);
-  std::string out(n > 0 ? size_t(n) : 0, '\0');
-  if (n > 0) std::vsnprintf(out.data(), size_t(n) + 1, fmt, ap2);
-  va_end(ap2);
-  return out;
 }
 
 int run(int argc, char** argv) {
@@ -638,14 +602,14 @@ int run(int argc, char** argv) {
   if (o.attention.rfind("config:", 0) == 0) {
     std::ifstream f(o.attention.substr(7), std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    job += ";attention_file=" + hex16(xxh64_bytes(text.data(), text.size()));
+    job += ";attention_file=" + hex64(xxh64_bytes(text.data(), text.size()));
   }
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     ++k;
-    const kvstore::KvEncodings req_encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+    const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     const std::string fingerprint =
-        request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, req_encs, job);
+        request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, encs, job);
     int32_t complete = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
     if (g.leader() && !complete) {
       const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
@@ -767,7 +731,6 @@ int run(int argc, char** argv) {
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
-    const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     spec.encoding = encs.high;
     spec.encoding_low = encs.low;
     const std::string dir = runtime::request_dir(o.out, r.id);
@@ -821,16 +784,16 @@ int run(int argc, char** argv) {
     ++n_done;
     const auto& s = res.stats;
     std::string summary = sformat(
-        "{\"id\": \"%s\", \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
+        "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
         "\"cp\": %d, "
         "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
-        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": \"%s\", \"density\": "
-        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": \"%s%s%s\", "
+        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
+        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"fingerprint\": \"%s\"}",
-        json_escape(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
+        json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
         static_cast<long long>(s.estimate_queries_bytes),
@@ -838,8 +801,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_diagonals_bytes),
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_escape(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
-        ret->policy.c_str(), ret->params.empty() ? "" : ":", json_escape(ret->params).c_str(),
+        json_quoted(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
+        json_quoted(ret->policy + (ret->params.empty() ? "" : ":" + ret->params)).c_str(),
         kept_frac, kvstore::kv_encodings_name(encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
         static_cast<long long>(reused_tokens), fingerprint.c_str());

@@ -2368,14 +2368,6 @@ struct StagedPlan {
   int splits = 0, w = 1, sets = 1;  // splits 0: not staged
   int nhf = 1;                      // INT8: the kernel's heads a warp (full_staged_kernel's NHF)
 };
-// INT8 pools take the staged kernel from this many blocks (KV heads x pages) on: below it the
-// shared-codes kernel is faster. On H100, timed alone, the staged kernel has a floor of about
-// 21 us at head_dim 64 and 33 us at 128 where the shared-codes kernel takes 13-21 us; in two runs
-// the shared-codes kernel won up to 1,024 blocks (16K x 3 KV heads at d 64, 8K x 8 at d 128) and
-// the staged one from 1,152 on (24K x 3, 12K x 8): bench/results/decode-int8-threshold-h100-
-// 054028c.jsonl and decode-int8-sweep-h100-83eaa9b.jsonl (bench/NOTES.md).
-inline constexpr int64_t kStagedInt8MinBlocks = 1152;
-
 StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& p) {
   StagedPlan sp;
   if (p.psa || p.n_tokens > 1 || !p.full_staged || kv.n_kv_heads <= 0 || n_heads <= 0 ||
@@ -2387,7 +2379,7 @@ StagedPlan staged_plan(int n_heads, const PagedKv& kv, const PagedDecodeParams& 
   // arithmetic whatever the group, and there is no conversion to share.
   if (i8 && G < 2) return sp;
   const int64_t min_blocks =
-      p.staged_int8_min_blocks >= 0 ? p.staged_int8_min_blocks : kStagedInt8MinBlocks;
+      p.staged_int8_min_blocks >= 0 ? p.staged_int8_min_blocks : kDecodeStagedInt8MinBlocks;
   if (i8 && int64_t(kv.n_kv_heads) * kv.max_pages < min_blocks) return sp;
   const int hpw = i8 ? kStagedHeadsPerWarp<PoolDType::kInt8> : 1;
   const int consumers = i8 ? kStagedConsumers<PoolDType::kInt8> : kStagedConsumers<PoolDType::kF32>;
@@ -2656,23 +2648,15 @@ Status paged_decode_attention(const float* q, int n_heads, const PagedKv& kv,
 
 Status paged_append(const PagedKv& kv, const float* k_new, const float* v_new, int n_tokens,
                     void* stream) {
-  const auto st = static_cast<cudaStream_t>(stream);
-  const unsigned grid = unsigned(kv.n_kv_heads);
+  const auto go = [&](auto kernel) {
+    return launch_dependent(kernel, unsigned(kv.n_kv_heads), 128, 0,
+                            static_cast<cudaStream_t>(stream), kv, k_new, v_new, n_tokens);
+  };
   switch (kv.dtype) {
-    case PoolDType::kF32:
-      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kF32>, grid, 128, 0, st, kv,
-                                   k_new, v_new, n_tokens));
-      break;
-    case PoolDType::kBF16:
-      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kBF16>, grid, 128, 0, st, kv,
-                                   k_new, v_new, n_tokens));
-      break;
-    case PoolDType::kInt8:
-      SF_CUDA_TRY(launch_dependent(paged_append_kernel<PoolDType::kInt8>, grid, 128, 0, st, kv,
-                                   k_new, v_new, n_tokens));
-      break;
+    case PoolDType::kF32: SF_CUDA_TRY(go(paged_append_kernel<PoolDType::kF32>)); break;
+    case PoolDType::kBF16: SF_CUDA_TRY(go(paged_append_kernel<PoolDType::kBF16>)); break;
+    case PoolDType::kInt8: SF_CUDA_TRY(go(paged_append_kernel<PoolDType::kInt8>)); break;
   }
-  SF_CUDA_TRY(cudaGetLastError());
   return Status::ok();
 }
 

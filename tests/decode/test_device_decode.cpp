@@ -99,13 +99,14 @@ void expect_same_as_host(const decode::PagedKvCache& cache, const decode::Device
   kp.share_kv_heads = share;
   const kernels::PoolDType pdt = pool.layer(0).dtype;
   const bool both = !kp.psa;
-  // Below kStagedInt8MinBlocks (1,152 blocks) an INT8 pool takes the shared-codes kernel by
+  // Below kDecodeStagedInt8MinBlocks an INT8 pool takes the shared-codes kernel by
   // default; these caches are smaller, so the staged kernel is asked for outright.
   if (pdt == kernels::PoolDType::kInt8 && both && cache.head_dim() != 32 &&
       hq % cache.n_kv_heads() == 0 && hq / cache.n_kv_heads() >= 2 &&
       hq / cache.n_kv_heads() <= 12) {
     kernels::PagedDecodeParams dflt = kp;
-    EXPECT_EQ(int64_t(cache.n_kv_heads()) * pool.layer(0).max_pages < 1152,
+    EXPECT_EQ(int64_t(cache.n_kv_heads()) * pool.layer(0).max_pages <
+                  kernels::kDecodeStagedInt8MinBlocks,
               !kernels::paged_decode_staged(hq, pool.layer(0), dflt))
         << spec << ": INT8 staged below the threshold, or not above it";
   }

@@ -20,6 +20,9 @@ struct Args {
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
                         const std::vector<std::string>& flags);
 
+// --lengths: comma-separated integers, each at least 256.
+Result<std::vector<int64_t>> parse_length_list(const std::string& s);
+
 // The CLI's one error convention: "error: MESSAGE" on stderr, exit status 1.
 int fail(const Status& st);
 

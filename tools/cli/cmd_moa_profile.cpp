@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,27 +19,6 @@
 #include "worker/model/model.h"
 
 namespace sf::cli {
-namespace {
-
-Result<std::vector<int64_t>> parse_lengths(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) {
-    char* end = nullptr;
-    const long long v = std::strtoll(x.c_str(), &end, 10);
-    if (x.empty() || *end || v < 256)
-      return SF_ERR(kInvalidArgument, "--lengths: '" + x + "' is not a length of at least 256");
-    out.push_back(v);
-  }
-  if (out.empty()) return SF_ERR(kInvalidArgument, "--lengths is empty");
-  std::sort(out.begin(), out.end());
-  if (std::adjacent_find(out.begin(), out.end()) != out.end())
-    return SF_ERR(kInvalidArgument, "--lengths names a length twice");
-  return out;
-}
-
-}  // namespace
 
 int cmd_moa_profile(int argc, char** argv) {
   auto args_r = parse_args(argc, argv, 2,
@@ -50,9 +28,12 @@ int cmd_moa_profile(int argc, char** argv) {
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("out")) return fail(SF_ERR(kInvalidArgument, "--out FILE.json is required"));
-  auto lengths_r = parse_lengths(a.get("lengths", "2048,4096,8192"));
+  auto lengths_r = parse_length_list(a.get("lengths", "2048,4096,8192"));
   if (!lengths_r.is_ok()) return fail(lengths_r.status());
-  const std::vector<int64_t> lengths = lengths_r.value();
+  std::vector<int64_t> lengths = lengths_r.value();
+  std::sort(lengths.begin(), lengths.end());
+  if (std::adjacent_find(lengths.begin(), lengths.end()) != lengths.end())
+    return fail(SF_ERR(kInvalidArgument, "--lengths names a length twice"));
   const double density = std::atof(a.get("density", "0.25").c_str());
   const int64_t sink = std::atoll(a.get("sink", "64").c_str());
   const int64_t step = std::atoll(a.get("step", "64").c_str());

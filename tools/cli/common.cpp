@@ -99,6 +99,21 @@ std::string cpu_name() {
   return u.machine;
 }
 
+Result<std::vector<int64_t>> parse_length_list(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long long x = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end || x < 256)
+      return SF_ERR(kInvalidArgument, "--lengths: '" + item + "' is not an integer >= 256");
+    v.push_back(x);
+  }
+  if (v.empty()) return SF_ERR(kInvalidArgument, "--lengths is empty");
+  return v;
+}
+
 int fail(const Status& st) {
   std::fprintf(stderr, "error: %s\n", st.message().c_str());
   return 1;

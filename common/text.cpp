@@ -1,0 +1,45 @@
+#include "common/text.h"
+
+#include <cstdarg>
+#include <cstdio>
+
+namespace sf {
+
+void json_escape(std::string_view s, std::string* out) {
+  static const char kHex[] = "0123456789abcdef";
+  out->push_back('"');
+  for (char ch : s) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out->push_back('\\');
+      out->push_back(char(c));
+    } else if (c < 0x20) {
+      *out += "\\u00";
+      out->push_back(kHex[c >> 4]);
+      out->push_back(kHex[c & 15]);
+    } else {
+      out->push_back(char(c));
+    }
+  }
+  out->push_back('"');
+}
+
+std::string json_quoted(std::string_view s) {
+  std::string out;
+  json_escape(s, &out);
+  return out;
+}
+
+std::string sformat(const char* fmt, ...) {
+  va_list ap, ap2;
+  va_start(ap, fmt);
+  va_copy(ap2, ap);
+  const int n = std::vsnprintf(nullptr, 0, fmt, ap);
+  va_end(ap);
+  std::string out(n > 0 ? size_t(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), size_t(n) + 1, fmt, ap2);
+  va_end(ap2);
+  return out;
+}
+
+}  // namespace sf

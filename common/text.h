@@ -1,0 +1,17 @@
+// Small text helpers shared by writers of JSON by hand (safetensors headers, worker summaries).
+#pragma once
+#include <string>
+#include <string_view>
+
+namespace sf {
+
+// Appends s as a JSON string literal, quotes included: '"' and '\' escaped, control characters
+// as \u00XX, everything else (UTF-8 included) as is.
+void json_escape(std::string_view s, std::string* out);
+// The same, returned.
+std::string json_quoted(std::string_view s);
+
+// printf into a string of whatever length it needs.
+__attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...);
+
+}  // namespace sf
