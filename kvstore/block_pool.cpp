@@ -129,6 +129,10 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
 }  // namespace
 
 #ifndef SF_KV_CUDA
+Status BlockPool::write_from_device_async(std::span<const BlockId>, const float*, const float*,
+                                          int64_t, void*) {
+  return SF_ERR(kUnsupported, "block pool: writes from device memory need a CUDA build");
+}
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t, int64_t) {
   return SF_ERR(kUnsupported, "block pool: device tier needs a CUDA build (device_bytes > 0)");
 }
@@ -208,13 +212,15 @@ Status BlockPool::check_id(BlockId id) const {
   return Status::ok();
 }
 
-Result<BlockId> BlockPool::alloc(Tier preferred) {
+Result<BlockId> BlockPool::alloc(Tier preferred, Tier slowest) {
   std::lock_guard<std::mutex> g(mu_);
   int p = int(preferred);
-  if (p < 0 || p >= kNumTiers) return SF_ERR(kInvalidArgument, "block pool: bad tier");
+  const int last = int(slowest);
+  if (p < 0 || p >= kNumTiers || last < p || last >= kNumTiers)
+    return SF_ERR(kInvalidArgument, "block pool: bad tier");
   // A disabled preferred tier (e.g. no device) is no spill: start at the first enabled one.
-  while (p + 1 < kNumTiers && !store_[size_t(p)]) ++p;
-  for (int t = p; t < kNumTiers; ++t) {
+  while (p < last && !store_[size_t(p)]) ++p;
+  for (int t = p; t <= last; ++t) {
     TierStats& s = st_[size_t(t)];
     if (free_slots(t) == 0) {
       if (store_[size_t(t)]) ++s.full_refusals;
@@ -237,8 +243,9 @@ Result<BlockId> BlockPool::alloc(Tier preferred) {
     if (t != p) ++s.spilled_in;
     return id;
   }
-  std::string msg = "block pool: all tiers full from " + std::string(tier_name(Tier(p))) + " on:";
-  for (int t = p; t < kNumTiers; ++t)
+  std::string msg = "block pool: all tiers full from " + std::string(tier_name(Tier(p))) + " to " +
+                    tier_name(Tier(last)) + ":";
+  for (int t = p; t <= last; ++t)
     msg += std::string(" ") + tier_name(Tier(t)) + " " + std::to_string(st_[size_t(t)].used_bytes) +
            "/" + std::to_string(st_[size_t(t)].capacity_bytes) + " bytes";
   return SF_ERR(kResourceExhausted, msg);

@@ -69,12 +69,22 @@ class BlockPool {
   int64_t block_floats() const { return block_bytes_ / int64_t(sizeof(float)); }  // K and V
   int64_t half_floats() const { return block_floats() / 2; }                      // K or V
 
-  // A block on `preferred` or, when that tier is full, on the next slower tier that has room.
-  Result<BlockId> alloc(Tier preferred = Tier::kDevice);
+  // A block on `preferred` or, when that tier is full, on the next slower tier that has room, down
+  // to `slowest` (the device forward's blocks stop at host: a disk write would wait).
+  Result<BlockId> alloc(Tier preferred = Tier::kDevice, Tier slowest = Tier::kDisk);
   Status free(BlockId id);
   // k and v: [64, n_kv_heads, head_dim] each, host memory, whatever tier the block is on.
   Status write(BlockId id, const float* k, const float* v);
   Status read(BlockId id, float* k, float* v) const;
+  // Block b of ids gets rows [64 b, min(n_rows, 64 b + 64)) of k and v (device memory,
+  // [n_rows, n_kv_heads, head_dim] F32 each; ids.size() blocks cover n_rows); a partial last
+  // block's other rows are zeroed. Copies are queued on `stream` (a cudaStream_t), runs of
+  // consecutive slots as one 2-D copy, and not waited for: the caller must let the stream pass
+  // them before the blocks are read, moved or freed. Blocks must be live, unpinned, freshly
+  // allocated and on the device or pinned host tier. Every block is checked before anything is
+  // queued, so an error queues nothing. CUDA builds only (kUnsupported otherwise).
+  Status write_from_device_async(std::span<const BlockId> ids, const float* k, const float* v,
+                                 int64_t n_rows, void* stream);
   Result<Tier> tier_of(BlockId id) const;
 
   // Refcounted: a block with pins > 0 is not moved by move()/place() and cannot be freed.
@@ -141,6 +151,8 @@ class TierStore {
   // Host-addressable memory of a slot (host tiers), else null. Moves to or from such a slot copy
   // straight into or out of it: a device<->pinned-host move is one DMA, with no staging copy.
   virtual char* host_ptr(int64_t /*slot*/) const { return nullptr; }
+  // Device memory of a slot (the device tier), else null.
+  virtual char* device_ptr(int64_t /*slot*/) const { return nullptr; }
   // Copies that may complete later (the device tier queues them on its copy stream); sync()
   // waits for all of them and reports the first failure. Other tiers copy at once.
   virtual Status read_async(int64_t slot, void* dst, int64_t bytes) {

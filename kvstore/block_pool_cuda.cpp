@@ -4,8 +4,10 @@
 // copies on it and waits once.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "kvstore/block_pool.h"
 
@@ -47,6 +49,7 @@ class DeviceStore final : public TierStore {
         "device tier copy from host");
   }
   Status sync() override { return cuda_status(cudaStreamSynchronize(s_), "device tier copy"); }
+  char* device_ptr(int64_t slot) const override { return p_ + slot * bb_; }
 
  private:
   char* p_;
@@ -65,6 +68,66 @@ bool cuda_usable() {
 }
 
 }  // namespace
+
+Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const float* k,
+                                         const float* v, int64_t n_rows, void* stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_ENSURE(k && v, kInvalidArgument, "block pool: write_from_device_async with null k or v");
+  SF_ENSURE(n_rows > 0 && int64_t(ids.size()) == (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens,
+            kInvalidArgument,
+            "block pool: " + std::to_string(ids.size()) + " blocks for " +
+                std::to_string(n_rows) + " rows");
+  // Everything is checked before the first copy is queued.
+  std::vector<char*> dst(ids.size());
+  for (size_t b = 0; b < ids.size(); ++b) {
+    SF_TRY(check_id(ids[b]));
+    const Entry& e = entries_[size_t(ids[b])];
+    if (e.pins > 0)
+      return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is pinned");
+    const TierStore& ts = *store_[size_t(e.tier)];
+    dst[b] = e.tier == int(Tier::kDevice) ? ts.device_ptr(e.slot) : ts.host_ptr(e.slot);
+    if (!dst[b] || e.tier == int(Tier::kDisk))
+      return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is on the " +
+                                          tier_name(Tier(e.tier)) +
+                                          " tier; writes from device memory go to device or host");
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const size_t half = size_t(block_bytes_ / 2);
+  const int64_t full = n_rows / kPoolBlockTokens;  // blocks with all 64 rows
+  // Runs of full blocks whose slots follow each other in one tier: the source rows of a run are
+  // contiguous, its destinations one block apart, so K (and V) go as one 2-D copy per run.
+  for (int64_t b = 0; b < full;) {
+    int64_t r = 1;
+    while (b + r < full && dst[size_t(b + r)] == dst[size_t(b)] + r * block_bytes_) ++r;
+    const size_t off = size_t(b) * half / sizeof(float);
+    SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)], size_t(block_bytes_), k + off, half, half,
+                                         size_t(r), cudaMemcpyDefault, s),
+                       "write from device (K)"));
+    SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)] + half, size_t(block_bytes_), v + off, half,
+                                         half, size_t(r), cudaMemcpyDefault, s),
+                       "write from device (V)"));
+    b += r;
+  }
+  if (full < int64_t(ids.size())) {
+    const int64_t b = full;
+    const size_t have = size_t(n_rows - b * kPoolBlockTokens) * half / kPoolBlockTokens;
+    const size_t off = size_t(b) * half / sizeof(float);
+    char* d = dst[size_t(b)];
+    const bool on_device = entries_[size_t(ids[size_t(b)])].tier == int(Tier::kDevice);
+    for (int kv = 0; kv < 2; ++kv) {
+      char* h = d + size_t(kv) * half;
+      // A fresh block is touched by no queued copy yet, so a host slot can be zeroed at once.
+      if (on_device)
+        SF_TRY(cuda_status(cudaMemsetAsync(h + have, 0, half - have, s), "zero a partial block"));
+      else
+        std::memset(h + have, 0, half - have);
+      SF_TRY(cuda_status(
+          cudaMemcpyAsync(h, (kv == 0 ? k : v) + off, have, cudaMemcpyDefault, s),
+          "write from device (last block)"));
+    }
+  }
+  return Status::ok();
+}
 
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes) {
   if (!cuda_usable())

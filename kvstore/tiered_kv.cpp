@@ -38,6 +38,7 @@ Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const Tiered
   for (int l = 0; l < cfg.n_layers; ++l)
     t->quota_[size_t(l)] = fast_blocks / cfg.n_layers + (l < fast_blocks % cfg.n_layers ? 1 : 0);
   t->tokens_.assign(size_t(cfg.n_layers), 0);
+  t->pending_.assign(size_t(cfg.n_layers), 0);
   t->blocks_.resize(size_t(cfg.n_layers));
   t->scores_.resize(size_t(cfg.n_layers));
   t->placed_.resize(size_t(cfg.n_layers));
@@ -56,6 +57,7 @@ void TieredKv::release(int layer) {
   blocks_[size_t(layer)].clear();
   scores_[size_t(layer)].clear();
   tokens_[size_t(layer)] = 0;
+  pending_[size_t(layer)] = 0;
   placed_[size_t(layer)] = {};
 }
 
@@ -92,7 +94,6 @@ Status TieredKv::on_layer(int layer, const TensorView& k, const TensorView& v,
   const float* kp = static_cast<const float*>(k.data);
   const float* vp = static_cast<const float*>(v.data);
   std::vector<BlockId>& ids = blocks_[size_t(layer)];
-  std::vector<float>& sc = scores_[size_t(layer)];
   Status st;
   for (int64_t b = 0; b < nb && st.is_ok(); ++b) {
     const int64_t t0 = b * kPoolBlockTokens, t1 = std::min(n, t0 + kPoolBlockTokens);
@@ -117,22 +118,103 @@ Status TieredKv::on_layer(int layer, const TensorView& k, const TensorView& v,
       std::memcpy(vbuf_.data(), vp + t0 * row, size_t((t1 - t0) * row) * sizeof(float));
       st = pool_->write(id.value(), kbuf_.data(), vbuf_.data());
     }
-    sc.push_back(block_score(importance, hkv, n, t0, t1));
   }
-  if (st.is_ok()) {
-    auto pr = pool_->place(ids, sc, cfg_.sink_blocks, cfg_.recent_blocks, cfg_.fast,
-                           quota_[size_t(layer)]);
-    if (pr.is_ok())
-      placed_[size_t(layer)] = pr.value();
+  if (st.is_ok()) st = rank_and_place(layer, n, importance);
+  if (!st.is_ok()) release(layer);
+  return st;
+}
+
+Status TieredKv::rank_and_place(int layer, int64_t n, std::span<const float> importance) {
+  const std::vector<BlockId>& ids = blocks_[size_t(layer)];
+  std::vector<float>& sc = scores_[size_t(layer)];
+  sc.clear();
+  for (size_t b = 0; b < ids.size(); ++b) {
+    const int64_t t0 = int64_t(b) * kPoolBlockTokens;
+    sc.push_back(block_score(importance, cfg_.n_kv_heads, n, t0,
+                             std::min(n, t0 + kPoolBlockTokens)));
+  }
+  SF_ASSIGN(placed_[size_t(layer)], pool_->place(ids, sc, cfg_.sink_blocks, cfg_.recent_blocks,
+                                                 cfg_.fast, quota_[size_t(layer)]));
+  tokens_[size_t(layer)] = n;
+  return Status::ok();
+}
+
+Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64_t n_rows,
+                                void* stream) {
+  SF_ENSURE(layer >= 0 && layer < cfg_.n_layers, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " out of range");
+  SF_ENSURE(cfg_.fast == Tier::kDevice, kInvalidArgument,
+            "tiered kv: K/V from device memory need the device as the fast tier");
+  SF_ENSURE(k && v && n_rows > 0, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " enqueue_device needs K/V rows");
+  release(layer);
+  const int64_t nb = (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  // The layer's device share goes, before any score exists, to the blocks place() keeps first
+  // (sink, recent window), then to those nearest the end; the rest go straight to pinned host.
+  // So each layer starts within its quota, and place_device() only swaps within the layer.
+  const int64_t sink = std::min(cfg_.sink_blocks, nb);
+  const int64_t recent = std::min(cfg_.recent_blocks, nb - sink);
+  std::vector<char> fast(size_t(nb), 0);
+  int64_t left = quota_[size_t(layer)];
+  const auto take = [&](int64_t b) {
+    if (left > 0 && !fast[size_t(b)]) {
+      fast[size_t(b)] = 1;
+      --left;
+    }
+  };
+  for (int64_t b = 0; b < sink; ++b) take(b);
+  for (int64_t b = nb - 1; b >= nb - recent; --b) take(b);
+  for (int64_t b = nb - 1; b >= 0; --b) take(b);
+  std::vector<BlockId>& ids = blocks_[size_t(layer)];
+  Status st;
+  for (int64_t b = 0; b < nb && st.is_ok(); ++b) {
+    Result<BlockId> id = fast[size_t(b)] ? pool_->alloc(Tier::kDevice, Tier::kHost)
+                                         : pool_->alloc(Tier::kHost, Tier::kHost);
+    if (id.is_ok())
+      ids.push_back(id.value());
     else
-      st = pr.status();
+      st = SF_ERR(kResourceExhausted,
+                  "tiered kv: layer " + std::to_string(layer) + " block " + std::to_string(b) +
+                      " of " + std::to_string(nb) + " fits neither the device nor the host tier: " +
+                      id.status().message());
   }
+  // Nothing is queued when this fails, so the blocks can go back at once.
+  if (st.is_ok()) st = pool_->write_from_device_async(ids, k, v, n_rows, stream);
   if (!st.is_ok()) {
     release(layer);
     return st;
   }
-  tokens_[size_t(layer)] = n;
+  pending_[size_t(layer)] = n_rows;
   return Status::ok();
+}
+
+Status TieredKv::place_device(int layer, std::span<const float> importance) {
+  SF_ENSURE(layer >= 0 && layer < cfg_.n_layers, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " out of range");
+  const int64_t n = pending_[size_t(layer)];
+  SF_ENSURE(n > 0, kInvalidArgument,
+            "tiered kv: place_device of layer " + std::to_string(layer) +
+                " without enqueue_device");
+  SF_ENSURE(importance.empty() || int64_t(importance.size()) == int64_t(cfg_.n_kv_heads) * n,
+            kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " importance has " +
+                std::to_string(importance.size()) + " scores, want " +
+                std::to_string(int64_t(cfg_.n_kv_heads) * n));
+  pending_[size_t(layer)] = 0;
+  const Status st = rank_and_place(layer, n, importance);
+  if (!st.is_ok()) release(layer);
+  return st;
+}
+
+model::DeviceLayerKvSink TieredKv::device_sink() {
+  model::DeviceLayerKvSink s;
+  s.enqueue = [this](int layer, const float* k, const float* v, int64_t n_rows, void* stream) {
+    return enqueue_device(layer, k, v, n_rows, stream);
+  };
+  s.place = [this](int layer, std::span<const float> importance) {
+    return place_device(layer, importance);
+  };
+  return s;
 }
 
 model::LayerKvHook TieredKv::hook() {
@@ -144,6 +226,8 @@ Status TieredKv::read_layer(int layer, std::vector<float>* k, std::vector<float>
   SF_ENSURE(layer >= 0 && layer < cfg_.n_layers, kInvalidArgument,
             "tiered kv: layer " + std::to_string(layer) + " out of range");
   SF_ENSURE(k && v, kInvalidArgument, "tiered kv: read_layer needs k and v");
+  SF_ENSURE(pending_[size_t(layer)] == 0, kInvalidArgument,
+            "tiered kv: layer " + std::to_string(layer) + " is enqueued but not placed yet");
   const int64_t n = tokens_[size_t(layer)], row = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
   k->resize(size_t(n * row));
   v->resize(size_t(n * row));
@@ -221,9 +305,9 @@ Result<int64_t> parse_byte_size(const std::string& s, const std::string& what) {
 }
 
 Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
-  const std::string form = " (form: host=BYTES,disk=DIR[:BYTES])";
+  const std::string form = " (forms: host=BYTES,disk=DIR[:BYTES] or device=BYTES,host=BYTES)";
   KvPoolSpec out;
-  bool host = false, disk = false;
+  bool host = false, disk = false, device = false;
   size_t p = 0;
   while (p <= spec.size()) {
     const size_t c = spec.find(',', p);
@@ -232,7 +316,12 @@ Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
     if (eq == std::string::npos)
       return SF_ERR(kInvalidArgument, "--kv-pool: '" + item + "' is not key=value" + form);
     const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
-    if (key == "host") {
+    if (key == "device") {
+      if (device) return SF_ERR(kInvalidArgument, "--kv-pool: device given twice");
+      device = true;
+      SF_ASSIGN(int64_t b, parse_byte_size(val, "--kv-pool device"));
+      out.device_bytes = b;
+    } else if (key == "host") {
       if (host) return SF_ERR(kInvalidArgument, "--kv-pool: host given twice");
       host = true;
       SF_ASSIGN(int64_t b, parse_byte_size(val, "--kv-pool host"));
@@ -258,6 +347,16 @@ Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
     p = c + 1;
   }
   if (!host) return SF_ERR(kInvalidArgument, "--kv-pool: host=BYTES is required" + form);
+  if (device) {
+    // The device forward's blocks never go to disk (a disk write would wait inside a layer).
+    if (disk)
+      return SF_ERR(kInvalidArgument,
+                    "--kv-pool: with device=, cold blocks go to host=; disk= is not used" + form);
+    if (out.device_bytes == 0 || out.host_bytes == 0)
+      return SF_ERR(kInvalidArgument,
+                    "--kv-pool: device and host must be > 0 (the fast tier and the cold one)");
+    return out;
+  }
   if (!disk) return SF_ERR(kInvalidArgument, "--kv-pool: disk=DIR is required (cold blocks go there)" + form);
   if (out.host_bytes == 0)
     return SF_ERR(kInvalidArgument, "--kv-pool: host must be > 0 (it is the fast tier)");

@@ -13,6 +13,13 @@
 // fast-tier quota once; on_layer() runs per layer, from the CPU forward or the GPU forward (host
 // K/V copies, device-computed importance). Both forwards still keep their own full KvCache; the
 // pool holds the tiered copy.
+//
+// With the device as the fast tier, the GPU forward hands its K/V over without a host copy
+// (device_sink): enqueue_device() queues the layer's blocks on the forward's copy stream as soon
+// as its K/V are final, the layer's fast-tier share (sink, recent window, then the blocks nearest
+// the end) device to device and the rest straight to pinned host; place_device() then ranks them
+// by importance when it lands and swaps cold device blocks for hot host ones on the pool's copy
+// stream. Neither waits inside a layer, and both run while the GPU computes later layers.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -53,6 +60,15 @@ class TieredKv {
   // The hook for model::PrefillOptions::on_layer_kv.
   model::LayerKvHook hook();
 
+  // The device forward's path (CUDA builds, fast tier kDevice): k, v are the layer's device rows
+  // ([n_rows, n_kv_heads, head_dim] F32), read on `stream` (a cudaStream_t) after this returns;
+  // blocks never go to disk here. place_device() must follow once the stream has passed those
+  // reads; until then the layer reads as empty and read_layer() refuses it.
+  Status enqueue_device(int layer, const float* k, const float* v, int64_t n_rows, void* stream);
+  Status place_device(int layer, std::span<const float> importance);
+  // The sink for model::PrefillOptions::on_layer_kv_device.
+  model::DeviceLayerKvSink device_sink();
+
   // Reassembles a layer's K and V ([n_tokens, n_kv_heads, head_dim]) from whatever tiers its
   // blocks are on.
   Status read_layer(int layer, std::vector<float>* k, std::vector<float>* v) const;
@@ -66,9 +82,12 @@ class TieredKv {
  private:
   TieredKv() = default;
   void release(int layer);
+  // Scores the layer's blocks (importance: [n_kv_heads, n] or empty) and places them.
+  Status rank_and_place(int layer, int64_t n, std::span<const float> importance);
   BlockPool* pool_ = nullptr;
   TieredKvConfig cfg_;
   std::vector<int64_t> quota_, tokens_;
+  std::vector<int64_t> pending_;  // rows enqueue_device() queued, not yet placed (0: none)
   std::vector<std::vector<BlockId>> blocks_;
   std::vector<std::vector<float>> scores_;
   std::vector<PlacementResult> placed_;
@@ -87,8 +106,11 @@ float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_t
 // sparsefill_kv_pool_full_refusals_total{tier}, sparsefill_kv_pool_io_errors_total{tier}.
 Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg);
 
-// `--kv-pool host=BYTES,disk=DIR[:BYTES]` (sizes: 123, 64K, 64M, 2G, 1T; binary multiples).
+// `--kv-pool host=BYTES,disk=DIR[:BYTES]` (fast tier host, cold blocks to disk) or
+// `--kv-pool device=BYTES,host=BYTES` (the device forward's: fast tier device, cold blocks to
+// pinned host). Sizes: 123, 64K, 64M, 2G, 1T; binary multiples.
 struct KvPoolSpec {
+  int64_t device_bytes = 0;  // > 0: the device form
   int64_t host_bytes = 0;
   std::string disk_dir;
   int64_t disk_bytes = -1;  // -1: not given (the caller sizes it, e.g. to the whole KV)

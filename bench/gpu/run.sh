@@ -39,6 +39,9 @@
 #                  with verified drafts, e.g. psa-avg:0.95:verify8, a line each)
 #   SF_GEMV        1: sf_bench_gemv, the decode step's GEMVs at the Llama-3-8B and SmolLM2 shapes
 #                  beside a copy of the same bytes, into gemv-<gpu>.jsonl
+#   SF_TIERING_PREFILL  "tokens:layers:device_frac" items (e.g. "32768:8:0.25"): the KV tiering
+#                  device sink's cost to a Llama-3-8B-shaped prefill (sf_bench_kv_tiering_prefill),
+#                  one JSON line each into tiering-prefill-<gpu>.jsonl
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -415,6 +418,19 @@ if [[ "${SF_GEMV:-0}" == 1 ]]; then
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------
+if [[ -n "${SF_TIERING_PREFILL:-}" ]]; then
+  tj="$out/tiering-prefill-$(gpu_slug).jsonl"
+  : >"$tj"
+  for item in $SF_TIERING_PREFILL; do
+    IFS=: read -r t_tok t_lay t_frac <<<"$item"
+    if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_kv_tiering_prefill" \
+         "$t_tok" "$t_lay" "$t_frac" "${SF_TIERING_REPS:-3}" >>"$tj" 2>>"$logs/build.log"; then
+      fail "sf_bench_kv_tiering_prefill $item failed (its stderr is at the end of build.log)"
+    fi
+  done
+  notes+=("$(cut -c1-600 "$tj")")
+fi
+
 if [[ "${SF_DIST:-0}" == 1 ]]; then
   if ! bash "$root/bench/gpu/distributed.sh" "$build" "$out"; then
     fail "distributed benchmark failed (see bench-distributed.log)"

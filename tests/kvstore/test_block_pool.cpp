@@ -151,6 +151,26 @@ TEST(BlockPool, SpillsToNextTierThenErrorsWhenAllFull) {
   EXPECT_EQ(p->live_blocks(), 4);
 }
 
+// alloc's slowest bound: spill stops there (the device forward's blocks never go to disk).
+TEST(BlockPool, AllocStopsAtItsSlowestTier) {
+  TempDir tmp;
+  auto p = make_pool(config(1, 2, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  auto a = p->alloc(Tier::kHost, Tier::kHost);
+  ASSERT_TRUE(a.is_ok());
+  EXPECT_EQ(tier(*p, *a), Tier::kHost);
+  auto b = p->alloc(Tier::kDevice, Tier::kHost);  // host full: no spill to disk
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("from host to host"), std::string::npos)
+      << b.status().message();
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 0);
+  EXPECT_EQ(p->alloc(Tier::kDisk, Tier::kHost).status().code(), Code::kInvalidArgument);
+  auto c = p->alloc(Tier::kHost);  // the default bound spills as before
+  ASSERT_TRUE(c.is_ok());
+  EXPECT_EQ(tier(*p, *c), Tier::kDisk);
+}
+
 TEST(BlockPool, DiskBudgetFullIsAClearError) {
   TempDir tmp;
   auto p = make_pool(config(0, 1, tmp.sub("disk")));

@@ -277,6 +277,39 @@ TEST(TieredKv, CreateValidates) {
   EXPECT_NE(e.status().message().find("no room for one block"), std::string::npos);
 }
 
+// The device path's preconditions, checked before anything is queued; what it does on a GPU is
+// test_gpu_forward's TieredKvFromDeviceDuringGpuPrefill.
+TEST(TieredKv, DevicePathValidates) {
+  Fixture f;
+  auto pool = BlockPool::create(f.pool_config(4, 40));
+  ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+  auto tk = TieredKv::create(pool->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
+  ASSERT_TRUE(tk.is_ok());
+  const std::vector<float> rows(size_t(f.cfg.n_kv_heads * f.cfg.head_dim) * 70, 1.f);
+  // The fast tier here is host: device rows need a device fast tier.
+  const Status e = (*tk)->enqueue_device(0, rows.data(), rows.data(), 70, nullptr);
+  EXPECT_EQ(e.code(), Code::kInvalidArgument);
+  EXPECT_NE(e.message().find("device as the fast tier"), std::string::npos) << e.message();
+  EXPECT_EQ((*tk)->place_device(0, {}).code(), Code::kInvalidArgument);  // nothing enqueued
+  EXPECT_EQ((*tk)->place_device(7, {}).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*pool)->live_blocks(), 0);
+  // A block on disk (or a CPU build) is refused by the pool before any copy is queued.
+  auto id = (*pool)->alloc(Tier::kDisk);
+  ASSERT_TRUE(id.is_ok());
+  const std::vector<BlockId> one = {id.value()};
+  const Status w = (*pool)->write_from_device_async(one, rows.data(), rows.data(), 64, nullptr);
+  EXPECT_TRUE(w.code() == Code::kInvalidArgument || w.code() == Code::kUnsupported) << w.to_string();
+  EXPECT_EQ((*pool)->write_from_device_async(one, rows.data(), rows.data(), 65, nullptr).code() ==
+                Code::kOk,
+            false);  // one block cannot hold 65 rows
+  // The CPU forward refuses the sink.
+  auto m = model::Model::synthetic(f.cfg, f.seed);
+  ASSERT_TRUE(m.is_ok());
+  model::PrefillOptions o;
+  o.on_layer_kv_device = (*tk)->device_sink();
+  EXPECT_EQ(model::prefill(m.value(), f.tokens, o).status().code(), Code::kUnsupported);
+}
+
 TEST(KvPoolSpec, Parses) {
   auto a = kv_pool_spec_parse("host=64M,disk=/tmp/kv:2G");
   ASSERT_TRUE(a.is_ok()) << a.status().to_string();
@@ -296,11 +329,20 @@ TEST(KvPoolSpec, Parses) {
   ASSERT_TRUE(d.is_ok()) << d.status().to_string();
   EXPECT_EQ(d->disk_dir, "/data/run:1/kv");
   EXPECT_EQ(d->disk_bytes, int64_t(8) << 30);
+  // The device forward's form: device fast, host cold, no disk.
+  auto g = kv_pool_spec_parse("device=256M,host=4G");
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  EXPECT_EQ(g->device_bytes, int64_t(256) << 20);
+  EXPECT_EQ(g->host_bytes, int64_t(4) << 30);
+  EXPECT_TRUE(g->disk_dir.empty());
+  EXPECT_EQ(kv_pool_spec_parse("host=1M,disk=d").value().device_bytes, 0);
   EXPECT_EQ(kv_pool_spec_parse("host=1k,disk=d").value().host_bytes, 1024);
   EXPECT_EQ(kv_pool_spec_parse("host=3GB,disk=d").value().host_bytes, int64_t(3) << 30);
   for (const char* bad : {"", "host", "host=", "host=1.5G", "host=64Q", "host=-1", "host=0,disk=d",
                           "gpu=1G", "host=1M,host=2M", "host=1M,disk=", "host=1M,disk=:1G",
-                          "host=1M,disk=/tmp/kv:x", "host=99999999999T", "disk=/tmp/kv", "host=1M"}) {
+                          "host=1M,disk=/tmp/kv:x", "host=99999999999T", "disk=/tmp/kv", "host=1M",
+                          "device=1G", "device=0,host=1G", "device=1G,host=0", "device=1G,device=1G,host=1M",
+                          "device=1G,host=1G,disk=/tmp/kv", "device=x,host=1G"}) {
     auto r = kv_pool_spec_parse(bad);
     EXPECT_FALSE(r.is_ok()) << bad;
     if (!r.is_ok()) EXPECT_EQ(r.status().message().rfind("--kv-pool", 0), 0u) << r.status().message();

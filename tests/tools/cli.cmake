@@ -36,6 +36,8 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/cuda-imp
            --importance estimator --device cuda)
   set_tests_properties(cli_cuda_importance_estimator PROPERTIES LABELS unit TIMEOUT 60)
+  add_test(NAME cli_kv_pool_device_on_cpu COMMAND ${_ef} "^error: --kv-pool device= needs --device cuda"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool device=64M,host=64M)
   add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool disk=${_tmp}/kvp)
   add_test(NAME cli_kv_pool_bad_dir COMMAND ${_ef} "^error: --kv-pool: disk directory '/dev/null/kv' cannot be created"
@@ -44,7 +46,7 @@ if(TARGET sparsefill)
            --kv-pool host=1M,disk=${_tmp}/kvp)
   set_tests_properties(cli_kv_pool PROPERTIES PASS_REGULAR_EXPRESSION
                        "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes.*the forward held at most [0-9]+ bytes of KV")
-  set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
+  set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_device_on_cpu cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
                        PROPERTIES LABELS unit TIMEOUT 120)
   # --dump-attention LAYER:FILE: bad specs fail before the slow part; a good one writes q, k, v
   # of that layer, which `bench attention --inputs` reads back (CUDA builds: it reports the file's

@@ -16,7 +16,9 @@
 //   bounds the sparse forward on one index;
 // - the same export with dense attention bounds every layer's kept rows by 1e-2 of their max
 //   against the CPU's dense full export (as test_worker_gpu does for the worker);
-// - the kept positions shared with the CPU's own snapkv export are printed, not bounded.
+// - the kept positions shared with the CPU's own snapkv export are printed, not bounded;
+// - the dense GPU run tiers its KV from device memory (--kv-pool device=,host=): 4 blocks a layer
+//   stay on the device, the other 28 go to pinned host.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -86,11 +88,16 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   // The CPU references run everywhere (they test the CLI's sparse export on a GGUF without a
   // tokenizer); the GPU runs and the comparisons only where there is a device.
   const Status dev = model::cuda_device_check(0);
+  // The dense GPU run also tiers its KV from device memory: 4 blocks a layer on the device, the
+  // other 28 of 32 on pinned host.
+  const int64_t block_bytes = int64_t(2) * 64 * cfg.n_kv_heads * cfg.head_dim * 4;
+  const std::string pool = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +
+                           ",host=" + std::to_string(32 * cfg.n_layers * block_bytes);
   std::vector<Run> runs{{"cpu-full", " --device cpu" + sparse},
                         {"cpu-snap", " --device cpu" + sparse + snap}};
   if (dev.is_ok())
     for (const Run& r : {Run{"gpu-snap", " --device cuda" + sparse + snap},
-                         Run{"cpu-dense", " --device cpu"}, Run{"gpu-dense", " --device cuda" + snap}})
+                         Run{"cpu-dense", " --device cpu"}, Run{"gpu-dense", " --device cuda" + snap + pool}})
       runs.push_back(r);
   for (const Run& r : runs) {
     const std::string log = (dir / (r.name + ".log")).string();
@@ -111,6 +118,16 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   EXPECT_LT(d_gpu, 0.9) << testing::slurp((dir / "gpu-snap.log").string());
   EXPECT_LT(d_cpu, 0.9);
   EXPECT_NEAR(d_gpu, d_cpu, 0.05);
+  {
+    const std::string log = testing::slurp((dir / "gpu-dense.log").string());
+    std::smatch pm;
+    const std::regex pool_re("kv pool: device ([0-9]+) blocks .*host ([0-9]+) blocks .*moved device->host ([0-9]+)");
+    ASSERT_TRUE(std::regex_search(log, pm, pool_re)) << log;
+    std::printf("  gpu-dense --kv-pool: device %s blocks, host %s blocks, %s swapped\n",
+                pm[1].str().c_str(), pm[2].str().c_str(), pm[3].str().c_str());
+    EXPECT_EQ(std::stoll(pm[1]), 4 * cfg.n_layers);
+    EXPECT_EQ(std::stoll(pm[2]), 28 * cfg.n_layers);
+  }
 
   auto m = model::Model::load(model);
   ASSERT_TRUE(m.is_ok()) << m.status().to_string();

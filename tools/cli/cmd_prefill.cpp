@@ -127,6 +127,8 @@ int cmd_prefill(int argc, char** argv) {
     const Status st = model::cuda_device_check(0);
     if (!st.is_ok()) return fail(SF_ERR(kUnsupported, "--device cuda: " + st.message()));
   }
+  if (kv_pool && kv_pool->device_bytes > 0 && device != "cuda")
+    return fail(SF_ERR(kInvalidArgument, "--kv-pool device= needs --device cuda"));
 
   // --dump-attention LAYER:FILE: that layer's attention inputs (q, and the final k, v) as F32
   // safetensors, for `sparsefill bench attention --inputs FILE` (real-model tensors on the GPU).
@@ -223,6 +225,7 @@ int cmd_prefill(int argc, char** argv) {
     kvstore::BlockPoolConfig pc;
     pc.n_kv_heads = cfg.n_kv_heads;
     pc.head_dim = cfg.head_dim;
+    pc.device_bytes = kv_pool->device_bytes;
     pc.host_bytes = kv_pool->host_bytes;
     pc.disk_dir = kv_pool->disk_dir;
     const int64_t block_bytes = int64_t(2) * kvstore::kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
@@ -237,10 +240,16 @@ int cmd_prefill(int argc, char** argv) {
     tc.n_layers = cfg.n_layers;
     tc.n_kv_heads = cfg.n_kv_heads;
     tc.head_dim = cfg.head_dim;
+    if (kv_pool->device_bytes > 0) tc.fast = kvstore::Tier::kDevice;
     auto t = kvstore::TieredKv::create(pool.get(), tc);
     if (!t.is_ok()) return fail(t.status());
     tiered = std::move(t).value();
-    opt.on_layer_kv = tiered->hook();
+    // device=: the device forward hands each layer's K/V over on its copy stream (no host copy
+    // for the pool); otherwise the forward's host K/V go through the per-layer hook.
+    if (kv_pool->device_bytes > 0)
+      opt.on_layer_kv_device = tiered->device_sink();
+    else
+      opt.on_layer_kv = tiered->hook();
     // Block scores come from the SnapKV importance; the same window as exports use.
     if (opt.importance_window == 0) opt.importance_window = 32;
   }
@@ -300,14 +309,18 @@ int cmd_prefill(int argc, char** argv) {
   }
   if (pool) {
     std::printf("kv pool:");
-    for (kvstore::Tier t : {kvstore::Tier::kHost, kvstore::Tier::kDisk}) {
+    for (kvstore::Tier t : {kvstore::Tier::kDevice, kvstore::Tier::kHost, kvstore::Tier::kDisk}) {
       const kvstore::TierStats s = pool->stats(t);
+      if (s.capacity_bytes == 0) continue;
       std::printf(" %s %lld blocks %lld bytes (budget %lld);", kvstore::tier_name(t), static_cast<long long>(s.blocks),
                   static_cast<long long>(s.used_bytes), static_cast<long long>(s.capacity_bytes));
     }
-    const kvstore::TierStats h = pool->stats(kvstore::Tier::kHost);
-    std::printf(" moved host->disk %lld, disk->host %lld blocks; the forward held at most %lld bytes of KV\n",
-                static_cast<long long>(h.demoted_out), static_cast<long long>(h.promoted_in),
+    const kvstore::Tier fast = kv_pool->device_bytes > 0 ? kvstore::Tier::kDevice : kvstore::Tier::kHost;
+    const kvstore::TierStats h = pool->stats(fast);
+    const char* fn = kvstore::tier_name(fast);
+    const char* cn = kvstore::tier_name(kvstore::Tier(int(fast) + 1));
+    std::printf(" moved %s->%s %lld, %s->%s %lld blocks; the forward held at most %lld bytes of KV\n", fn, cn,
+                static_cast<long long>(h.demoted_out), cn, fn, static_cast<long long>(h.promoted_in),
                 static_cast<long long>(r.kv_peak_bytes));
   }
   if (a.has("export-kv")) {

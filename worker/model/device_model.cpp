@@ -498,6 +498,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   const bool keep_kv = opt.keep_kv;
   // Host copies of each layer's K/V: for the result (keep_kv) and for the per-layer hook.
   const bool host_kv = keep_kv || bool(opt.on_layer_kv);
+  // Device KV tiering: the sink reads each layer's K/V slot on the copy stream, as host_kv does.
+  const bool dev_sink = bool(opt.on_layer_kv_device);
+  const bool kv_out = host_kv || dev_sink;
   const cudaStream_t st = compute.get(), cp = copy.get();
   float* const X = x.as<float>();
   float* const Q = q.as<float>();
@@ -527,9 +530,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
   for (int l = 0; l < c.n_layers; ++l) {
     const DeviceModel::Impl::Layer& L = m->layers[size_t(l)];
-    const int slot = host_kv ? l % 2 : 0;
+    const int slot = kv_out ? l % 2 : 0;
     // Slot reuse: layer l writes the slot layer l-2 used; its copy-out must have finished.
-    if (!dry && host_kv && l >= 2) SF_CUDA_TRY(cudaStreamWaitEvent(st, kv_free[slot].get(), 0));
+    if (!dry && kv_out && l >= 2) SF_CUDA_TRY(cudaStreamWaitEvent(st, kv_free[slot].get(), 0));
     float* const K = k[slot].as<float>();
     float* const V = v[slot].as<float>();
 
@@ -554,13 +557,18 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     }
 
     // K and V of this layer are final: copy them out while attention and later layers run.
-    if (!dry && host_kv) {
+    if (!dry && kv_out) {
       SF_TRY(stream_after(cp, st, kv_ready[slot].get()));
-      const size_t bytes = size_t(NL * kvd) * sizeof(float);
-      float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
-      float* const hv = hk + size_t(max_rows * kvd);
-      SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
-      SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
+      if (host_kv) {
+        const size_t bytes = size_t(NL * kvd) * sizeof(float);
+        float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
+        float* const hv = hk + size_t(max_rows * kvd);
+        SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
+        SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
+      }
+      // The tiering sink queues its block copies (device tier: device to device; spilled
+      // blocks: to pinned host) behind them, on the same stream; it never waits here.
+      if (dev_sink) SF_TRY(opt.on_layer_kv_device.enqueue(l, K, V, NL, cp));
       SF_CUDA_TRY(cudaEventRecord(kv_free[slot].get(), cp));
       SF_CUDA_TRY(cudaEventRecord(kv_copied[size_t(l)].get(), cp));
     }
@@ -761,21 +769,24 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // The per-layer hook (KV tiering) runs here, on the host thread, for each layer as soon as its
   // K/V (and importance) copies land, while the device computes later layers: every layer's
   // work is already enqueued, so the hook never holds the GPU back.
-  if (host_kv) {
+  // The device sink places a layer here too: its block copies were queued before kv_copied, and
+  // the demotions it then issues run on the pool's copy stream beside the compute.
+  if (kv_out) {
     for (int l = 0; l < c.n_layers; ++l) {
       SF_CUDA_TRY(cudaEventSynchronize(kv_copied[size_t(l)].get()));
+      std::span<const float> imp_l;
+      if (imp_here && (opt.on_layer_kv || dev_sink)) {
+        SF_CUDA_TRY(cudaEventSynchronize(imp_copied[size_t(l)].get()));
+        imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
+                                       size_t(hkv * S));
+      }
+      if (dev_sink) SF_TRY(opt.on_layer_kv_device.place(l, imp_l));
+      if (!host_kv) continue;
       float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
       float* hv = hk + size_t(max_rows * kvd);
-      if (opt.on_layer_kv) {
-        std::span<const float> imp_l;
-        if (imp_here) {
-          SF_CUDA_TRY(cudaEventSynchronize(imp_copied[size_t(l)].get()));
-          imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
-                                         size_t(hkv * S));
-        }
+      if (opt.on_layer_kv)
         SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
                                TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
-      }
       if (keep_kv) {
         kv.k[size_t(l)].assign(hk, hk + NL * kvd);
         kv.v[size_t(l)].assign(hv, hv + NL * kvd);
@@ -887,6 +898,11 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   }
   SF_ENSURE(!o.on_attention, kUnsupported,
             "device prefill: attention observers read host tensors; use the CPU forward");
+  SF_ENSURE(bool(o.on_layer_kv_device) ||
+                (!o.on_layer_kv_device.enqueue && !o.on_layer_kv_device.place),
+            kInvalidArgument, "device prefill: on_layer_kv_device needs both enqueue and place");
+  SF_ENSURE(!sharded || !o.on_layer_kv_device, kUnsupported,
+            "device prefill shard: the device KV tiering sink is single-device only");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
             "device prefill: head_dim " + std::to_string(c.head_dim) +
                 " (CUDA attention supports 64 and 128)");
@@ -943,7 +959,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     }
   }
   const bool host_kv = o.keep_kv || bool(o.on_layer_kv);  // as in forward()
-  const int kv_slots = host_kv ? 2 : 1;
+  const int kv_slots = host_kv || bool(o.on_layer_kv_device) ? 2 : 1;
   for (int s = 0; s < kv_slots; ++s) {
     SF_TRY(alloc(k[s], NL * kvd * f));
     SF_TRY(alloc(v[s], NL * kvd * f));

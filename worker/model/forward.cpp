@@ -66,6 +66,9 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   const int64_t S = int64_t(tokens.size());
   if (S == 0) return SF_ERR(kInvalidArgument, "prefill: empty prompt");
   if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");
+  if (opt.on_layer_kv_device.enqueue || opt.on_layer_kv_device.place)
+    return SF_ERR(kUnsupported, "prefill: on_layer_kv_device (device KV tiering) needs the device "
+                                "forward; the CPU forward takes on_layer_kv");
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
       return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +

@@ -82,6 +82,20 @@ using AttentionObserver = std::function<void(int layer, const TensorView& q, con
 using LayerKvHook = std::function<Status(int layer, const TensorView& k, const TensorView& v,
                                          std::span<const float> importance)>;
 
+// KV tiering straight from the device forward (kvstore::TieredKv::device_sink). enqueue is
+// called while a layer is being enqueued, as soon as its K/V rows are final in device memory
+// (k, v: [n_rows, n_kv_heads, head_dim] F32): it may only queue reads of them on `stream` (the
+// forward's copy stream, a cudaStream_t), never wait, as the rows are overwritten two layers
+// later. place is called on the host thread once that stream has passed those reads and the
+// layer's importance ([n_kv_heads, n_rows], empty without importance_window) has landed, while
+// the device computes later layers. Single-device DevicePrefill only; the CPU forward refuses it.
+struct DeviceLayerKvSink {
+  std::function<Status(int layer, const float* k, const float* v, int64_t n_rows, void* stream)>
+      enqueue;
+  std::function<Status(int layer, std::span<const float> importance)> place;
+  explicit operator bool() const { return bool(enqueue) && bool(place); }
+};
+
 struct PrefillOptions {
   int64_t chunk = 512;      // tokens per linear-layer chunk: bounds activation memory
   bool all_logits = false;  // logits of every position instead of the last only
@@ -99,6 +113,7 @@ struct PrefillOptions {
   // groups all have them skips the pass.
   bool importance_from_estimator = false;
   LayerKvHook on_layer_kv;
+  DeviceLayerKvSink on_layer_kv_device;  // DevicePrefill only
 };
 
 struct PrefillResult {

@@ -748,5 +748,102 @@ TEST_F(GpuForward, TieredKvHookDuringGpuPrefill) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// ---- KV tiering from device memory: the sink queues each layer's blocks on the forward's copy
+// stream (its device share device to device, the rest to pinned host) and places them when the
+// importance lands. The run keeps no host KV of its own (keep_kv off), so the only host copy is
+// the pool's. Checked against a plain run of the same plan inputs: logits bit-identical (the sink
+// only reads), every block bit-identical to that run's KV, the partial last block zero-padded,
+// scores the block_score of this run's importance, and 3 device blocks a layer (the budget) with
+// the other 8 of 11 on pinned host. ---------------------------------------------------------------
+TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+  const int64_t row = int64_t(c.n_kv_heads) * c.head_dim;
+  const int64_t block_bytes = int64_t(2) * kvstore::kPoolBlockTokens * row * int64_t(sizeof(float));
+  kvstore::BlockPoolConfig pc;
+  pc.n_kv_heads = c.n_kv_heads;
+  pc.head_dim = c.head_dim;
+  pc.device_bytes = 3 * c.n_layers * block_bytes;
+  pc.host_bytes = c.n_layers * n_blocks * block_bytes;
+  auto pool = kvstore::BlockPool::create(pc);
+  ASSERT_OK(pool.status());
+  kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
+  tc.fast = kvstore::Tier::kDevice;
+  auto tk = kvstore::TieredKv::create(pool->get(), tc);
+  ASSERT_OK(tk.status());
+
+  auto plain = prefill_device(dm.value(), ref.tokens, full_options());
+  ASSERT_OK(plain.status());
+  PrefillOptions opt = full_options();
+  opt.keep_kv = false;
+  opt.on_layer_kv_device = (*tk)->device_sink();
+  auto gpu = prefill_device(dm.value(), ref.tokens, opt);
+  ASSERT_OK(gpu.status());
+  ASSERT_EQ(gpu->logits.size(), plain->logits.size());
+  EXPECT_EQ(std::memcmp(gpu->logits.data(), plain->logits.data(), gpu->logits.size() * 4), 0);
+  EXPECT_EQ(gpu->kv_peak_bytes, 0) << "no host KV besides the pool's";
+  ASSERT_EQ(gpu->importance.size(), size_t(c.n_layers));
+  std::vector<float> kb(size_t((*pool)->half_floats())), vb(kb.size());
+  const int64_t tail = kTokens - (n_blocks - 1) * kvstore::kPoolBlockTokens;
+  for (int l = 0; l < c.n_layers; ++l) {
+    EXPECT_EQ((*tk)->n_tokens(l), kTokens) << "layer " << l;
+    std::vector<float> k, v;
+    ASSERT_OK((*tk)->read_layer(l, &k, &v));
+    ASSERT_EQ(k.size(), plain->kv.k[size_t(l)].size()) << "layer " << l;
+    EXPECT_EQ(std::memcmp(k.data(), plain->kv.k[size_t(l)].data(), k.size() * 4), 0)
+        << "layer " << l;
+    EXPECT_EQ(std::memcmp(v.data(), plain->kv.v[size_t(l)].data(), v.size() * 4), 0)
+        << "layer " << l;
+    ASSERT_OK((*pool)->read((*tk)->blocks(l).back(), kb.data(), vb.data()));
+    int64_t nonzero = 0;
+    for (int64_t i = tail * row; i < int64_t(kb.size()); ++i)
+      nonzero += (kb[size_t(i)] != 0.f) + (vb[size_t(i)] != 0.f);
+    EXPECT_EQ(nonzero, 0) << "layer " << l << ": the partial last block's padding";
+    const auto& sc = (*tk)->scores(l);
+    ASSERT_EQ(int64_t(sc.size()), n_blocks) << "layer " << l;
+    bool any = false;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t t0 = b * kvstore::kPoolBlockTokens;
+      const int64_t t1 = std::min<int64_t>(kTokens, t0 + kvstore::kPoolBlockTokens);
+      EXPECT_EQ(sc[size_t(b)],
+                kvstore::block_score(gpu->importance[size_t(l)], c.n_kv_heads, kTokens, t0, t1))
+          << "layer " << l << " block " << b;
+      any = any || sc[size_t(b)] > 0.f;
+    }
+    EXPECT_TRUE(any) << "layer " << l << ": the sink saw no importance";
+    EXPECT_EQ((*tk)->placement(l).hot, 3) << "layer " << l;
+    // Sink, window and the best-scored other block are the ones on the device.
+    int64_t best = 1;
+    for (int64_t b = 2; b + 1 < n_blocks; ++b)
+      if (sc[size_t(b)] > sc[size_t(best)]) best = b;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      auto t = (*pool)->tier_of((*tk)->blocks(l)[size_t(b)]);
+      ASSERT_OK(t.status());
+      const bool hot = b == 0 || b == n_blocks - 1 || b == best;
+      EXPECT_EQ(*t, hot ? kvstore::Tier::kDevice : kvstore::Tier::kHost)
+          << "layer " << l << " block " << b;
+    }
+  }
+  const kvstore::TierStats d = (*pool)->stats(kvstore::Tier::kDevice);
+  EXPECT_EQ(d.blocks, 3 * c.n_layers);
+  EXPECT_EQ((*pool)->stats(kvstore::Tier::kHost).blocks, (n_blocks - 3) * c.n_layers);
+  EXPECT_EQ(d.demoted_out, d.promoted_in);  // each layer swaps within its own share
+  std::cout << "  tiered from device memory: " << d.blocks << " device blocks, "
+            << (n_blocks - 3) * c.n_layers << " pinned host blocks, " << d.demoted_out
+            << " swapped after scoring; KV bit-identical, logits bit-identical; gpu run "
+            << gpu->seconds << " s (plain " << plain->seconds << " s)\n";
+
+  // A sharded plan and the CPU forward refuse the sink; half a sink is refused too.
+  PrefillOptions half = full_options();
+  half.on_layer_kv_device.enqueue = opt.on_layer_kv_device.enqueue;
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), kTokens, half).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(prefill(ref.model, ref.tokens, opt).status().code(), Code::kUnsupported);
+}
+
 }  // namespace
 }  // namespace sf::model
