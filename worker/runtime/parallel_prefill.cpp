@@ -335,7 +335,12 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   // Selective mode: no rank holds every key, so each keeps its own rows and they are gathered
   // over CP after the last layer.
   std::vector<std::vector<float>> kslice, vslice;
-  const bool keep_local = opt.gather_kv && opt.selective_kv;
+  const bool cp_est = opt.cp_estimate && use_sparse && !opt.index_source;
+  // A prompt below the config's dense_below has no index: every causal key is read, so the
+  // selective exchange would move what the all-gather does. It takes the all-gather (a batch's
+  // short documents must not fail for it).
+  const bool selective = opt.selective_kv && (use_sparse || opt.index_source);
+  const bool keep_local = opt.gather_kv && selective;
   const bool keep = opt.gather_kv && g.cp_rank == 0;
   if (keep || keep_local) {
     kslice.assign(size_t(c.n_layers), {});
@@ -343,8 +348,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   }
   const TensorView none{};
   double pairs_done = 0, pairs_causal = 0;
-  const bool cp_est = opt.cp_estimate && use_sparse && !opt.index_source;
-  if (opt.selective_kv && !opt.index_source && !cp_est)
+  if (selective && !opt.index_source && !cp_est)
     return SF_ERR(
         kInvalidArgument,
         "parallel_prefill: the selective KV exchange needs the index before the exchange: "
@@ -448,7 +452,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     }
     const int64_t allgather_recv = int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
     st.kv_allgather_bytes += allgather_recv;
-    if (!opt.selective_kv) {
+    if (!selective) {
       // 2) CP all-gather of this slice's K and V, then back into prompt order.
       SF_TRY(timed(&st, [&] {
         return g.cp->all_gatherv(kv_loc.data(), 2 * n_loc * kvw, kv_all.data(), gather_counts,

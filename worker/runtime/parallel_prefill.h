@@ -43,7 +43,8 @@ struct ParallelOptions {
   GlobalIndexSource index_source;
   // Sparsity-aware CP, transfer half: instead of the all-gather, each rank receives only the
   // (token, KV head) rows its index slices read; needs the index first (index_source or
-  // cp_estimate). Counted in kv_moved_bytes against kv_allgather_bytes.
+  // cp_estimate). Counted in kv_moved_bytes against kv_allgather_bytes. A prompt the sparse
+  // config leaves dense (shorter than dense_below) has no index and takes the all-gather.
   bool selective_kv = false;
   // Sparsity-aware CP, estimation half (cp_estimate.h): with `sparse`, each layer's index is the
   // single-rank one over the whole prompt, scored where the keys live, instead of per-chunk

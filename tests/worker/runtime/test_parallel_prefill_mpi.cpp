@@ -279,6 +279,35 @@ TEST_P(ParallelPrefill, CpEstimateAndSelectiveExchangeEqualSingleRank) {
   check_grid(*model_, {tp, cp}, 1024, &sc, /*selective=*/true, /*cp_est=*/true);
 }
 
+// A prompt shorter than the config's dense_below has no index: --selective-kv takes the
+// all-gather for it (a batch's short documents used to fail the request), moving what the
+// all-gather moves, with the plain dense run's outputs bit for bit.
+TEST_P(ParallelPrefill, SelectiveKvBelowDenseBelowTakesTheAllGather) {
+  const auto [tp, cp] = GetParam();
+  auto sc = sparse_everywhere("vertical-slash");
+  sc.dense_below = 1024;
+  auto& w = test_world();
+  auto gr = runtime::make_grid(w, {tp, cp});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  const auto tokens = tokens_for(427, model_->config().vocab, 11);
+  runtime::ParallelOptions plain;
+  plain.chunk = 100;
+  auto ref = runtime::parallel_prefill(*model_, gr.value(), tokens, plain);
+  ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+  runtime::ParallelOptions po = plain;
+  po.sparse = &sc;
+  po.cp_estimate = true;
+  po.selective_kv = true;
+  auto par = runtime::parallel_prefill(*model_, gr.value(), tokens, po);
+  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+  EXPECT_EQ(par->stats.kv_moved_bytes, par->stats.kv_allgather_bytes);
+  EXPECT_EQ(par->stats.estimate_bytes, 0);
+  EXPECT_EQ(par->stats.group_density, 1.0);
+  ASSERT_EQ(par->logits.size(), ref->logits.size());
+  EXPECT_EQ(par->logits, ref->logits);
+  EXPECT_EQ(par->first_token, ref->first_token);
+}
+
 // adaptive-vs as one cover (vs_cover) is host-only: estimated across ranks it is refused, with
 // the same error on every rank, also the TP ranks whose heads do not have it (only the last head
 // does), and no rank left waiting.
