@@ -126,6 +126,10 @@ int run(int argc, char** argv) {
       return fail(op.status());
     }
   }
+  // auto that ended on the cpu: a --pool-dtype given for the device pool is not used.
+  if (!gpu && a.count("pool-dtype") && pool_enc.value() != sf::kvstore::KvEncoding::kF32)
+    std::fprintf(stderr, "note: --pool-dtype %s is the device pool's; decoding on cpu in F32\n",
+                 a["pool-dtype"].c_str());
   const auto t1 = std::chrono::steady_clock::now();
   auto gen = gpu ? ds->generate_greedy(man.first_token, n_new)
                  : sr->generate_greedy(man.first_token, n_new);

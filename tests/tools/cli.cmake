@@ -36,6 +36,10 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/cuda-imp
            --importance estimator --device cuda)
   set_tests_properties(cli_cuda_importance_estimator PROPERTIES LABELS unit TIMEOUT 60)
+  # --help after a command prints the usage (every option of every command) on stdout, exit 0.
+  add_test(NAME cli_command_help COMMAND ${_sf} prefill --help)
+  set_tests_properties(cli_command_help PROPERTIES LABELS unit TIMEOUT 30 PASS_REGULAR_EXPRESSION
+                       "--prompt-tokens F.*--kv-dtype.*--dump-attention.*--kv-pool device=BYTES,host=BYTES.*--kv-ref-dtype")
   add_test(NAME cli_kv_pool_device_on_cpu COMMAND ${_ef} "^error: --kv-pool device= needs --device cuda"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool device=64M,host=64M)
   add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"

@@ -205,9 +205,11 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     const double bytes = double(kvstore::kv_bytes(ret, mc.head_dim, c.enc, c.low));
     if (c.kind == kvstore::RetentionKind::kFull || bytes <= c.budget * full) break;
     if (tries == 4) {
-      std::fprintf(stderr, "warning: %s at budget %.3f in %s keeps %.4f of the bytes\n",
+      std::fprintf(stderr,
+                   "warning: %s at budget %.3f in %s keeps %.6f of the bytes, over the budget "
+                   "by %.2g after five shrinks (rounding to whole tokens and blocks)\n",
                    kvstore::retention_kind_name(c.kind), c.budget, enc_name(c).c_str(),
-                   bytes / full);
+                   bytes / full, bytes / full - c.budget);
       break;
     }
     tokens *= c.budget * full / bytes * (1 - 1e-4);
