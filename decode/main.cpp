@@ -58,7 +58,7 @@ int run(int argc, char** argv) {
       return 0;
     }
     if (k == "--reference" || k == "--no-cuda-graph" || k == "--no-fused-step") {
-      a[k.substr(2)] = "1";
+      a.insert_or_assign(k.substr(2), std::string("1"));  // (= "1" trips GCC 12's -Wrestrict)
       continue;
     }
     if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device" &&

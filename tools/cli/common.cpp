@@ -23,7 +23,7 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
     if (std::find(flags.begin(), flags.end(), k) != flags.end()) {
-      a.opts[k] = "1";
+      a.opts.insert_or_assign(k, std::string("1"));  // (= "1" trips GCC 12's -Wrestrict)
     } else if (std::find(valued.begin(), valued.end(), k) != valued.end()) {
       if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
       a.opts[k] = argv[++i];
