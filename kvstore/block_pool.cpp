@@ -561,10 +561,33 @@ Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
     ++r.hot;
     if (entries_[size_t(blocks[size_t(i)])].tier != f) up.push_back(blocks[size_t(i)]);
   }
-  SF_TRY(move_batch_locked(down, f + 1));
-  r.demoted = int64_t(down.size());
-  SF_TRY(move_batch_locked(up, f));
-  r.promoted = int64_t(up.size());
+  // Demotions free fast slots for promotions, which free slow ones for the next demotions: in
+  // rounds sized to the room each side has, so a swap needs one free slot on either tier, not
+  // room for every cold block at once.
+  size_t di = 0, ui = 0;
+  while (di < down.size() || ui < up.size()) {
+    const size_t nd = std::min(down.size() - di, size_t(free_slots(f + 1)));
+    if (nd > 0) {
+      SF_TRY(move_batch_locked(std::span<const BlockId>(down).subspan(di, nd), f + 1));
+      di += nd;
+      r.demoted += int64_t(nd);
+    }
+    const size_t nu = std::min(up.size() - ui, size_t(free_slots(f)));
+    if (nu > 0) {
+      SF_TRY(move_batch_locked(std::span<const BlockId>(up).subspan(ui, nu), f));
+      ui += nu;
+      r.promoted += int64_t(nu);
+    }
+    if (nd == 0 && nu == 0) {
+      ++st_[size_t(f + 1)].full_refusals;
+      return SF_ERR(kResourceExhausted,
+                    "block pool: place cannot swap " + std::to_string(down.size() - di) +
+                        " cold blocks to " + tier_name(Tier(f + 1)) + " for " +
+                        std::to_string(up.size() - ui) + " hot ones: both " + tier_name(Tier(f)) +
+                        " and " + tier_name(Tier(f + 1)) + " are full (one free block on either "
+                        "tier is enough)");
+    }
+  }
   return r;
 }
 

@@ -82,7 +82,8 @@ class BlockPool {
   // consecutive slots as one 2-D copy, and not waited for: the caller must let the stream pass
   // them before the blocks are read, moved or freed. Blocks must be live, unpinned, freshly
   // allocated and on the device or pinned host tier. Every block is checked before anything is
-  // queued, so an error queues nothing. CUDA builds only (kUnsupported otherwise).
+  // queued, and a copy that fails to queue waits for those queued before it, so an error leaves
+  // nothing in flight. CUDA builds only (kUnsupported otherwise).
   Status write_from_device_async(std::span<const BlockId> ids, const float* k, const float* v,
                                  int64_t n_rows, void* stream);
   Result<Tier> tier_of(BlockId id) const;
@@ -106,8 +107,10 @@ class BlockPool {
   // as many as fit in the fast tier (its free room plus what these blocks already occupy) are
   // hot. Cold blocks on `fast` are demoted to the next tier, hot ones elsewhere are promoted.
   // Pinned blocks stay put. scores: one per block (e.g. the summed importance of its tokens).
-  // Demotions run as one batch, then promotions as another; when the second fails (e.g. an I/O
-  // error) the demotions stay done.
+  // Demotions run as one batch, then promotions as another, each sized to the room the other
+  // tier has: when the slower tier is full, rounds alternate (a swap needs one free block on
+  // either tier; none is kResourceExhausted). When a later batch fails (e.g. an I/O error) the
+  // earlier moves stay done.
   // max_hot >= 0 caps the hot set further: a share of the fast tier when several sequences or
   // layers are placed one after another (tiered_kv.h splits it per layer).
   Result<PlacementResult> place(std::span<const BlockId> blocks, std::span<const float> scores,

@@ -94,39 +94,43 @@ Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const fl
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t half = size_t(block_bytes_ / 2);
   const int64_t full = n_rows / kPoolBlockTokens;  // blocks with all 64 rows
-  // Runs of full blocks whose slots follow each other in one tier: the source rows of a run are
-  // contiguous, its destinations one block apart, so K (and V) go as one 2-D copy per run.
-  for (int64_t b = 0; b < full;) {
-    int64_t r = 1;
-    while (b + r < full && dst[size_t(b + r)] == dst[size_t(b)] + r * block_bytes_) ++r;
-    const size_t off = size_t(b) * half / sizeof(float);
-    SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)], size_t(block_bytes_), k + off, half, half,
-                                         size_t(r), cudaMemcpyDefault, s),
-                       "write from device (K)"));
-    SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)] + half, size_t(block_bytes_), v + off, half,
-                                         half, size_t(r), cudaMemcpyDefault, s),
-                       "write from device (V)"));
-    b += r;
-  }
-  if (full < int64_t(ids.size())) {
+  const auto queue = [&]() -> Status {
+    // Runs of full blocks whose slots follow each other in one tier: the source rows of a run
+    // are contiguous, its destinations one block apart, so K (and V) go as one 2-D copy a run.
+    for (int64_t b = 0; b < full;) {
+      int64_t r = 1;
+      while (b + r < full && dst[size_t(b + r)] == dst[size_t(b)] + r * block_bytes_) ++r;
+      const size_t off = size_t(b) * half / sizeof(float);
+      SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)], size_t(block_bytes_), k + off, half,
+                                           half, size_t(r), cudaMemcpyDefault, s),
+                         "write from device (K)"));
+      SF_TRY(cuda_status(cudaMemcpy2DAsync(dst[size_t(b)] + half, size_t(block_bytes_), v + off,
+                                           half, half, size_t(r), cudaMemcpyDefault, s),
+                         "write from device (V)"));
+      b += r;
+    }
+    if (full == int64_t(ids.size())) return Status::ok();
     const int64_t b = full;
     const size_t have = size_t(n_rows - b * kPoolBlockTokens) * half / kPoolBlockTokens;
     const size_t off = size_t(b) * half / sizeof(float);
-    char* d = dst[size_t(b)];
     const bool on_device = entries_[size_t(ids[size_t(b)])].tier == int(Tier::kDevice);
     for (int kv = 0; kv < 2; ++kv) {
-      char* h = d + size_t(kv) * half;
+      char* h = dst[size_t(b)] + size_t(kv) * half;
       // A fresh block is touched by no queued copy yet, so a host slot can be zeroed at once.
       if (on_device)
         SF_TRY(cuda_status(cudaMemsetAsync(h + have, 0, half - have, s), "zero a partial block"));
       else
         std::memset(h + have, 0, half - have);
-      SF_TRY(cuda_status(
-          cudaMemcpyAsync(h, (kv == 0 ? k : v) + off, have, cudaMemcpyDefault, s),
-          "write from device (last block)"));
+      SF_TRY(cuda_status(cudaMemcpyAsync(h, (kv == 0 ? k : v) + off, have, cudaMemcpyDefault, s),
+                         "write from device (last block)"));
     }
-  }
-  return Status::ok();
+    return Status::ok();
+  };
+  const Status st = queue();
+  // A copy that failed to queue may follow others that did: they land before the caller frees
+  // the blocks, so an error leaves nothing in flight.
+  if (!st.is_ok()) (void)cudaStreamSynchronize(s);
+  return st;
 }
 
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes) {

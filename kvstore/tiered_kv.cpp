@@ -52,8 +52,11 @@ TieredKv::~TieredKv() {
 }
 
 void TieredKv::release(int layer) {
-  // Our blocks are never pinned by us and are live, so free() cannot fail here.
-  for (BlockId id : blocks_[size_t(layer)]) (void)pool_->free(id);
+  // Our blocks are never pinned by us and are live, so free() cannot fail here. Freed last to
+  // first: the pool hands slots back last in, first out, so the layer's next blocks get them
+  // in ascending order again (runs of consecutive slots copy as one).
+  const auto& ids = blocks_[size_t(layer)];
+  for (auto it = ids.rbegin(); it != ids.rend(); ++it) (void)pool_->free(*it);
   blocks_[size_t(layer)].clear();
   scores_[size_t(layer)].clear();
   tokens_[size_t(layer)] = 0;
@@ -178,7 +181,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
                       " of " + std::to_string(nb) + " fits neither the device nor the host tier: " +
                       id.status().message());
   }
-  // Nothing is queued when this fails, so the blocks can go back at once.
+  // Nothing is left in flight when this fails, so the blocks can go back at once.
   if (st.is_ok()) st = pool_->write_from_device_async(ids, k, v, n_rows, stream);
   if (!st.is_ok()) {
     release(layer);

@@ -151,6 +151,43 @@ TEST(BlockPool, SpillsToNextTierThenErrorsWhenAllFull) {
   EXPECT_EQ(p->live_blocks(), 4);
 }
 
+// place() with the slower tier full but for one block: demotions and promotions alternate, one
+// block a round, and the swap completes with every block's data intact. With no free block on
+// either tier it is a clear error and nothing moves.
+TEST(BlockPool, PlaceSwapsThroughOneFreeBlock) {
+  TempDir tmp;
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  auto p = make_pool(config(2, 3, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  std::vector<BlockId> ids;
+  std::vector<BlockData> data;
+  for (Tier t : {Tier::kHost, Tier::kHost, Tier::kDisk, Tier::kDisk}) {
+    ids.push_back(must_alloc(*p, t));
+    data.emplace_back(p->half_floats(), rng);
+    ASSERT_TRUE(p->write(ids.back(), data.back().k.data(), data.back().v.data()).is_ok());
+  }
+  const std::vector<float> scores = {0.f, 0.f, 1.f, 2.f};  // the disk blocks are the hot ones
+  auto r = p->place(ids, scores, 0, 0, Tier::kHost);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->demoted, 2);
+  EXPECT_EQ(r->promoted, 2);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(tier(*p, ids[i]), i < 2 ? Tier::kDisk : Tier::kHost) << i;
+    expect_block(*p, ids[i], data[i]);
+  }
+  // Fill the disk's last block: no room on either tier.
+  const BlockId filler = must_alloc(*p, Tier::kDisk);
+  const std::vector<float> back = {2.f, 1.f, 0.f, 0.f};
+  auto stuck = p->place(ids, back, 0, 0, Tier::kHost);
+  ASSERT_FALSE(stuck.is_ok());
+  EXPECT_EQ(stuck.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(stuck.status().message().find("place cannot swap"), std::string::npos)
+      << stuck.status().message();
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(tier(*p, ids[i]), i < 2 ? Tier::kDisk : Tier::kHost);
+  ASSERT_TRUE(p->free(filler).is_ok());
+}
+
 // alloc's slowest bound: spill stops there (the device forward's blocks never go to disk).
 TEST(BlockPool, AllocStopsAtItsSlowestTier) {
   TempDir tmp;

@@ -127,6 +127,14 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
                 pm[1].str().c_str(), pm[2].str().c_str(), pm[3].str().c_str());
     EXPECT_EQ(std::stoll(pm[1]), 4 * cfg.n_layers);
     EXPECT_EQ(std::stoll(pm[2]), 28 * cfg.n_layers);
+    // A host budget one block short of the rest plus the swap block is refused before the
+    // prefill, with the size it needs.
+    const std::string short_pool = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +
+                                   ",host=" + std::to_string(28 * cfg.n_layers * block_bytes);
+    const std::string slog = (dir / "short-host.log").string();
+    EXPECT_NE(testing::run_logged(common + " --device cuda" + short_pool, slog), 0);
+    const std::string need = "host=" + std::to_string((28 * cfg.n_layers + 1) * block_bytes) + " or more";
+    EXPECT_NE(testing::slurp(slog).find(need), std::string::npos) << testing::slurp(slog);
   }
 
   auto m = model::Model::load(model);

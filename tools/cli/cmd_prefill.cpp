@@ -1,4 +1,5 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -233,6 +234,24 @@ int cmd_prefill(int argc, char** argv) {
     // disk=DIR without a size: room for the whole KV of this prompt, so only the host budget binds.
     if (!kv_pool->disk_dir.empty())
       pc.disk_bytes = kv_pool->disk_bytes >= 0 ? kv_pool->disk_bytes : int64_t(cfg.n_layers) * n_blocks * block_bytes;
+    if (kv_pool->device_bytes > 0) {
+      // device=: blocks never go to disk, so host must hold what each layer's device share
+      // (TieredKv's split) does not, plus one block that placement swaps through.
+      const int64_t dev_blocks = kv_pool->device_bytes / block_bytes;
+      int64_t host_need = 1;
+      for (int l = 0; l < cfg.n_layers; ++l) {
+        const int64_t share = dev_blocks / cfg.n_layers + (l < dev_blocks % cfg.n_layers ? 1 : 0);
+        host_need += std::max<int64_t>(0, n_blocks - share);
+      }
+      if (kv_pool->host_bytes / block_bytes < host_need)
+        return fail(SF_ERR(kInvalidArgument,
+                           "--kv-pool: host=" + std::to_string(kv_pool->host_bytes) + " holds " +
+                               std::to_string(kv_pool->host_bytes / block_bytes) + " blocks of " +
+                               std::to_string(block_bytes) + " bytes; this prompt's KV needs " +
+                               std::to_string(host_need - 1) +
+                               " beyond the device's share, plus one to swap through: host=" +
+                               std::to_string(host_need * block_bytes) + " or more"));
+    }
     auto p = kvstore::BlockPool::create(pc);
     if (!p.is_ok()) return fail(p.status());
     pool = std::move(p).value();

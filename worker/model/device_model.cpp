@@ -903,6 +903,9 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
             kInvalidArgument, "device prefill: on_layer_kv_device needs both enqueue and place");
   SF_ENSURE(!sharded || !o.on_layer_kv_device, kUnsupported,
             "device prefill shard: the device KV tiering sink is single-device only");
+  SF_ENSURE(!o.on_layer_kv_device || !o.on_layer_kv, kInvalidArgument,
+            "device prefill: on_layer_kv_device and on_layer_kv are two ways to tier the same KV; "
+            "give one");
   SF_ENSURE(kernels::cuda::attention_dense_supported(c.head_dim), kUnsupported,
             "device prefill: head_dim " + std::to_string(c.head_dim) +
                 " (CUDA attention supports 64 and 128)");
@@ -1182,9 +1185,18 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
   // past what this run needed and run again (twice at most: float atomics in the scoring can
   // move a near-tie selection, and so a slot's size, between runs). A shard's group must agree
-  // first (its caller does).
-  for (int retry = 0; retry < 2 && st.code() == Code::kResourceExhausted && !w.sharded; ++retry) {
+  // first (its caller does). Only that error is retried: a KV sink's full tier is the same
+  // kResourceExhausted but would fail again.
+  const auto outgrew = [&] {
+    return st.code() == Code::kResourceExhausted &&
+           (w.need_blocks > w.cap_blocks || w.need_cols > w.cap_cols);
+  };
+  for (int retry = 0; retry < 2 && outgrew() && !w.sharded; ++retry) {
     SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
+    // The failed run's copies (a KV sink's into its pool blocks) must land before the sink
+    // releases and reuses those blocks.
+    SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
+    SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
     SF_TRY(grow_sparse(w.need_blocks, w.need_cols));
     res = PrefillResult{};
     st = w.forward(tokens, S, &res);

@@ -748,6 +748,78 @@ TEST_F(GpuForward, TieredKvHookDuringGpuPrefill) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// ---- BlockPool::write_from_device_async on its own: runs of consecutive device slots (one 2-D
+// copy each), blocks on pinned host, and a partial last block on either tier, whose padding must
+// be zero even over a block that held other data. Fresh random rows each run. -----------------------
+TEST_F(GpuForward, PoolWritesFromDeviceMemory) {
+  const int hkv = 2, d = 16;
+  const int64_t row = int64_t(hkv) * d, half = kvstore::kPoolBlockTokens * row;
+  kvstore::BlockPoolConfig pc;
+  pc.n_kv_heads = hkv;
+  pc.head_dim = d;
+  pc.device_bytes = 3 * 2 * half * 4;
+  pc.host_bytes = 3 * 2 * half * 4;
+  auto pool = kvstore::BlockPool::create(pc);
+  ASSERT_OK(pool.status());
+  kvstore::BlockPool& p = **pool;
+  std::mt19937_64 rng(base_seed() + 77);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  const std::vector<float> junk(static_cast<size_t>(half), 7.f);
+  // Tiers in block order for each case, and its row count (the last block partial).
+  struct Case {
+    std::vector<kvstore::Tier> tiers;
+    int64_t rows;
+  };
+  for (const Case& cs : {Case{{kvstore::Tier::kDevice, kvstore::Tier::kDevice, kvstore::Tier::kHost,
+                                kvstore::Tier::kHost},
+                               3 * kvstore::kPoolBlockTokens + 20},
+                          Case{{kvstore::Tier::kHost, kvstore::Tier::kDevice}, kvstore::kPoolBlockTokens + 5}}) {
+    std::vector<kvstore::BlockId> ids;
+    for (kvstore::Tier t : cs.tiers) {
+      auto id = p.alloc(t, t);
+      ASSERT_OK(id.status());
+      ids.push_back(*id);
+    }
+    ASSERT_OK(p.write(ids.back(), junk.data(), junk.data()));  // padding must overwrite this
+    std::vector<float> hk(size_t(cs.rows * row)), hv(hk.size());
+    for (auto& x : hk) x = u(rng);
+    for (auto& x : hv) x = u(rng);
+    void *dkv = nullptr, *dvv = nullptr;
+    ASSERT_EQ(cudaMalloc(&dkv, hk.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&dvv, hv.size() * 4), cudaSuccess);
+    float* dk = static_cast<float*>(dkv);
+    float* dv = static_cast<float*>(dvv);
+    ASSERT_EQ(cudaMemcpy(dk, hk.data(), hk.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dv, hv.data(), hv.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_OK(p.write_from_device_async(ids, dk, dv, cs.rows, s));
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<float> kb(static_cast<size_t>(half)), vb(kb.size());
+    for (size_t b = 0; b < ids.size(); ++b) {
+      ASSERT_OK(p.read(ids[b], kb.data(), vb.data()));
+      const int64_t r0 = int64_t(b) * kvstore::kPoolBlockTokens;
+      const int64_t n = std::min<int64_t>(kvstore::kPoolBlockTokens, cs.rows - r0);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < half; ++i) {
+        const bool in = i < n * row;
+        bad += kb[size_t(i)] != (in ? hk[size_t(r0 * row + i)] : 0.f);
+        bad += vb[size_t(i)] != (in ? hv[size_t(r0 * row + i)] : 0.f);
+      }
+      EXPECT_EQ(bad, 0) << "block " << b << " on " << kvstore::tier_name(cs.tiers[b]) << ", "
+                        << n << " rows";
+    }
+    cudaFree(dk);
+    cudaFree(dv);
+    for (kvstore::BlockId id : ids) ASSERT_OK(p.free(id));
+  }
+  // A block on a tier the device cannot write (none here but a freed id) is refused.
+  const std::vector<kvstore::BlockId> gone = {0};
+  EXPECT_EQ(p.write_from_device_async(gone, nullptr, nullptr, 10, s).code(),
+            Code::kInvalidArgument);
+  cudaStreamDestroy(s);
+}
+
 // ---- KV tiering from device memory: the sink queues each layer's blocks on the forward's copy
 // stream (its device share device to device, the rest to pinned host) and places them when the
 // importance lands. The run keeps no host KV of its own (keep_kv off), so the only host copy is
