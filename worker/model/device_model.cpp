@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -768,9 +769,37 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   // The per-layer hook (KV tiering) runs here, on the host thread, for each layer as soon as its
   // K/V (and importance) copies land, while the device computes later layers: every layer's
-  // work is already enqueued, so the hook never holds the GPU back.
+  // work is already enqueued, so the hook never holds the GPU back. (With keep_kv the result's
+  // copies go first, below, and the hooks after them.)
   // The device sink places a layer here too: its block copies were queued before kv_copied, and
   // the demotions it then issues run on the pool's copy stream beside the compute.
+  // The result's copy of each layer's K and V leaves pinned memory on the pool's threads, each
+  // as soon as its layer lands: one thread's copy into fresh pages (page faults first) ran at
+  // 2-3 GB/s and tripled a 32K prefill with keep_kv (bench/NOTES.md, thirty-seventh session).
+  if (keep_kv) {
+    std::mutex mu;
+    Status first = Status::ok();
+    parallel_for(
+        size_t(2 * c.n_layers),
+        [&](size_t b, size_t e) {
+          (void)cudaSetDevice(m->device);
+          for (size_t i = b; i < e; ++i) {
+            const size_t l = i / 2;
+            const cudaError_t ce = cudaEventSynchronize(kv_copied[l].get());
+            if (ce != cudaSuccess) {
+              std::lock_guard<std::mutex> g(mu);
+              if (first.is_ok())
+                first = SF_ERR(kInternal, std::string("device prefill: KV copy-out of layer ") +
+                                              std::to_string(l) + ": " + cudaGetErrorString(ce));
+              return;
+            }
+            const float* src = h_kv.as<float>() + (2 * l + i % 2) * size_t(max_rows * kvd);
+            (i % 2 ? kv.v : kv.k)[l].assign(src, src + NL * kvd);
+          }
+        },
+        1);
+    SF_TRY(first);
+  }
   if (kv_out) {
     for (int l = 0; l < c.n_layers; ++l) {
       SF_CUDA_TRY(cudaEventSynchronize(kv_copied[size_t(l)].get()));
@@ -787,10 +816,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       if (opt.on_layer_kv)
         SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
                                TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
-      if (keep_kv) {
-        kv.k[size_t(l)].assign(hk, hk + NL * kvd);
-        kv.v[size_t(l)].assign(hv, hv + NL * kvd);
-      }
     }
   }
   SF_CUDA_TRY(cudaStreamSynchronize(st));
