@@ -776,6 +776,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // The result's copy of each layer's K and V leaves pinned memory on the pool's threads, each
   // as soon as its layer lands: one thread's copy into fresh pages (page faults first) ran at
   // 2-3 GB/s and tripled a 32K prefill with keep_kv (bench/NOTES.md, thirty-seventh session).
+  // Each task first sizes (and so faults in) all of its vectors while the device computes, then
+  // copies each one as its layer lands.
   if (keep_kv) {
     std::mutex mu;
     Status first = Status::ok();
@@ -783,6 +785,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         size_t(2 * c.n_layers),
         [&](size_t b, size_t e) {
           (void)cudaSetDevice(m->device);
+          for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
           for (size_t i = b; i < e; ++i) {
             const size_t l = i / 2;
             const cudaError_t ce = cudaEventSynchronize(kv_copied[l].get());
@@ -794,7 +797,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
               return;
             }
             const float* src = h_kv.as<float>() + (2 * l + i % 2) * size_t(max_rows * kvd);
-            (i % 2 ? kv.v : kv.k)[l].assign(src, src + NL * kvd);
+            std::memcpy((i % 2 ? kv.v : kv.k)[l].data(), src, size_t(NL * kvd) * sizeof(float));
           }
         },
         1);
