@@ -5,7 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if SF_HAVE_MPI
@@ -441,6 +443,88 @@ Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
   return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(dup, name));
 }
 
+struct Heartbeat::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  // Sends in flight, each with the value it points at (stable: one allocation a note).
+  std::vector<std::pair<MPI_Request, std::unique_ptr<int64_t>>> sends;
+  void reap() {
+    std::erase_if(sends, [](auto& s) {
+      int done = 0;
+      return MPI_Test(&s.first, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done != 0;
+    });
+  }
+};
+
+Result<std::unique_ptr<Heartbeat>> Heartbeat::create() {
+  // The world communicator's idup with its deadline, then its MPI_Comm is taken over.
+  if (!mpi_initialized())
+    return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
+  if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
+  const auto timeout = default_timeout();
+  const auto deadline = clock::now() + timeout;
+  for (;;) {
+    int done = 0;
+    rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
+    if (done) break;
+    if (clock::now() >= deadline) {
+      g_any_abort = true;
+      return SF_ERR(kDeadlineExceeded, "comm: the heartbeat communicator (" +
+                                           std::to_string(mpi_world_size()) +
+                                           " ranks) did not complete within " +
+                                           seconds_str(timeout));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::unique_ptr<Heartbeat> h(new Heartbeat());
+  h->impl_ = std::make_unique<Impl>();
+  h->impl_->comm = dup;
+  return h;
+}
+
+Heartbeat::~Heartbeat() {
+  if (!impl_) return;
+  impl_->reap();
+  // Sends still pending are left to the job's end (freeing their buffers would race MPI).
+  for (auto& s : impl_->sends) (void)s.second.release();
+  if (impl_->sends.empty() && impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
+}
+
+Status Heartbeat::beat(std::span<const int> to, int64_t value) {
+  impl_->reap();
+  int me = 0;
+  MPI_Comm_rank(impl_->comm, &me);
+  for (int r : to) {
+    if (r == me) continue;
+    auto v = std::make_unique<int64_t>(value);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int rc = MPI_Isend(v.get(), 1, MPI_INT64_T, r, 0, impl_->comm, &req);
+    if (rc != MPI_SUCCESS)
+      return SF_ERR(kInternal, "comm: heartbeat to rank " + std::to_string(r) + ": " +
+                                   mpi_error_string(rc));
+    impl_->sends.emplace_back(req, std::move(v));
+  }
+  return Status::ok();
+}
+
+Status Heartbeat::poll(std::vector<std::pair<int, int64_t>>* got) {
+  impl_->reap();
+  for (;;) {
+    int flag = 0;
+    MPI_Status st;
+    int rc = MPI_Iprobe(MPI_ANY_SOURCE, 0, impl_->comm, &flag, &st);
+    if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: heartbeat probe: " + mpi_error_string(rc));
+    if (!flag) return Status::ok();
+    int64_t v = 0;
+    rc = MPI_Recv(&v, 1, MPI_INT64_T, st.MPI_SOURCE, 0, impl_->comm, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: heartbeat receive: " + mpi_error_string(rc));
+    got->emplace_back(st.MPI_SOURCE, v);
+  }
+}
+
 #else  // !SF_HAVE_MPI
 
 Status mpi_init(int*, char***) {
@@ -458,6 +542,17 @@ int mpi_world_rank() { return 0; }
 int mpi_world_size() { return 1; }
 Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string&) {
   return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)");
+}
+struct Heartbeat::Impl {};
+Result<std::unique_ptr<Heartbeat>> Heartbeat::create() {
+  return SF_ERR(kUnsupported, "built without MPI (SF_MPI=OFF or MPI not found)");
+}
+Heartbeat::~Heartbeat() = default;
+Status Heartbeat::beat(std::span<const int>, int64_t) {
+  return SF_ERR(kUnsupported, "built without MPI");
+}
+Status Heartbeat::poll(std::vector<std::pair<int, int64_t>>*) {
+  return SF_ERR(kUnsupported, "built without MPI");
 }
 
 #endif

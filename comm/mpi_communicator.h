@@ -10,8 +10,12 @@
 // MPI_Comm_split has no non-blocking form: split() first passes a deadline-bounded barrier, so a
 // missing rank shows as a deadline error rather than a hang.
 #pragma once
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -33,5 +37,31 @@ int mpi_world_size();
 
 // A communicator over a duplicate of MPI_COMM_WORLD (errors return, never abort).
 Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name = "world");
+
+// Liveness notes beside the collectives, for waits no collective deadline can bound: a batch
+// job's groups finish at different times, so its final tally waits for the slowest group, and a
+// rank that stops (SIGSTOP, a hung device) in a group of one would hold it until that deadline.
+// beat() posts a small value to some world ranks without waiting (MPI_Isend); poll() receives
+// whatever has arrived (MPI_Iprobe), never waiting either. Its own duplicate of the world, so
+// notes never match another communicator's messages. Notes from one rank arrive in the order
+// sent. A rank must poll until every note meant for it has arrived before MPI_Finalize (the
+// worker's senders end with a "done" note, and its receivers poll until they have every one).
+class Heartbeat {
+ public:
+  // Collective over the world (like make_mpi_world, with its deadline).
+  static Result<std::unique_ptr<Heartbeat>> create();
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+  // Posts `value` to each world rank in `to` (this rank is skipped).
+  Status beat(std::span<const int> to, int64_t value);
+  // Appends every note received since the last call: (source world rank, value).
+  Status poll(std::vector<std::pair<int, int64_t>>* got);
+
+ private:
+  Heartbeat() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace sf::comm

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "comm/mpi_communicator.h"
 #include "common/checksum.h"
@@ -55,7 +56,7 @@ namespace fs = std::filesystem;
 const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
-    "[--allow-long]\n"
+    "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "f32|bf16|int8|int4|HIGH+LOW]\n"
@@ -73,6 +74,9 @@ struct Options {
   int tp = 1, cp = 1;
   int64_t chunk = 512;
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
+  // Several groups: a group whose leader sends no progress note for this long (a layer, a
+  // request's export) while the others wait for it to finish ends the job (comm::Heartbeat).
+  double stall_timeout_s = 600;
   bool allow_long = false;
   bool cp_estimate = false, selective_kv = false;  // sparsity-aware CP (docs/distributed.md)
   // Applied before export to every request whose line names none (docs/distributed.md,
@@ -111,7 +115,7 @@ Result<Options> parse_options(int argc, char** argv) {
     static const char* valued[] = {"model",  "batch",     "out",       "tp",
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
-                                   "prefix-cache"};
+                                   "prefix-cache", "stall-timeout"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -145,6 +149,12 @@ Result<Options> parse_options(int argc, char** argv) {
     o.comm_timeout_s = std::strtod(kv["comm-timeout"].c_str(), &end);
     if (*end || !(o.comm_timeout_s > 0))
       return SF_ERR(kInvalidArgument, "--comm-timeout must be a positive number of seconds");
+  }
+  if (kv.count("stall-timeout")) {
+    char* end = nullptr;
+    o.stall_timeout_s = std::strtod(kv["stall-timeout"].c_str(), &end);
+    if (*end || !(o.stall_timeout_s > 0))
+      return SF_ERR(kInvalidArgument, "--stall-timeout must be a positive number of seconds");
   }
   if (o.cp_estimate && o.attention == "dense")
     return SF_ERR(kInvalidArgument, "--cp-estimate needs a sparse --attention");
@@ -333,10 +343,12 @@ int run(int argc, char** argv) {
     world = comm::make_self_communicator("world");
   }
   const bool rank0 = world->rank() == 0;
+  std::unique_ptr<comm::Heartbeat> hb;  // several groups: the leaders' progress notes
   // Exits every rank the same way; the message prints once (rank 0) or on every rank.
   auto finish = [&](int code, const std::string& err, bool every_rank) {
     if (!err.empty() && (every_rank || rank0)) std::fprintf(stderr, "error: %s\n", err.c_str());
     std::fflush(stdout);
+    hb.reset();
     world.reset();
     comm::mpi_finalize();
     return code;
@@ -445,6 +457,26 @@ int run(int argc, char** argv) {
   auto grid_r = runtime::make_grid(*world, shape);
   if (!grid_r.is_ok()) fatal(grid_r.status());
   runtime::GridComms& g = grid_r.value();
+  // Groups finish at different times and wait for each other only in the final tally. Each
+  // leader notes its progress to the other leaders (at most once a second, and at each layer
+  // and request), and "done" (-1) at the end; a leader that has finished waits for every other
+  // group's "done" and ends the job when one sends nothing for --stall-timeout.
+  const int gs = shape.group_size();
+  std::vector<int> leaders;
+  for (int q = 0; q < n_groups; ++q) leaders.push_back(q * gs);
+  if (have_mpi && n_groups > 1) {
+    auto h = comm::Heartbeat::create();
+    if (!h.is_ok()) fatal(h.status());
+    hb = std::move(h).value();
+  }
+  auto last_beat = std::chrono::steady_clock::now() - std::chrono::hours(1);
+  auto beat = [&](int64_t value) {
+    if (!hb || !g.leader()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (value >= 0 && now - last_beat < std::chrono::seconds(1)) return;
+    last_beat = now;
+    if (Status st = hb->beat(leaders, value); !st.is_ok()) fatal(st);
+  };
 
   // GPUs: each rank's TP slice on its device, then NCCL over the grid. Every rank learns of any
   // rank's failure before the next collective step (NCCL init would wait for a missing peer).
@@ -606,6 +638,7 @@ int run(int argc, char** argv) {
   }
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
+    beat(k);  // progress: the last request is done with
     ++k;
     const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     const std::string fingerprint =
@@ -648,9 +681,11 @@ int run(int argc, char** argv) {
                                ? policy.pool
                                : 7;
     }
+    po.on_layer = [&](int) { beat(k); };
     if (first_request && (fault.kind == "kill" || fault.kind == "stop") &&
         fault.rank == world->rank()) {
       po.on_layer = [&](int l) {
+        beat(k);
         if (l != fault.layer) return;
         std::fprintf(stderr, "fault injection: rank %d %s at layer %d\n", world->rank(),
                      fault.kind == "kill" ? "kills itself" : "stops", l);
@@ -840,8 +875,36 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  // Every other group's "done", or the job ends when one goes quiet for --stall-timeout.
+  if (hb && g.leader()) {
+    beat(-1);
+    using clock = std::chrono::steady_clock;
+    std::vector<clock::time_point> seen(size_t(n_groups), clock::now());
+    std::vector<char> done(size_t(n_groups), 0);
+    done[size_t(g.group)] = 1;
+    std::vector<std::pair<int, int64_t>> notes;
+    for (;;) {
+      notes.clear();
+      if (Status st = hb->poll(&notes); !st.is_ok()) fatal(st);
+      for (const auto& [src, v] : notes) {
+        seen[size_t(src / gs)] = clock::now();
+        if (v < 0) done[size_t(src / gs)] = 1;
+      }
+      if (std::all_of(done.begin(), done.end(), [](char d) { return d != 0; })) break;
+      for (int q = 0; q < n_groups; ++q)
+        if (!done[size_t(q)] &&
+            std::chrono::duration<double>(clock::now() - seen[size_t(q)]).count() >
+                o.stall_timeout_s)
+          fatal(SF_ERR(kDeadlineExceeded,
+                       sformat("group %d (world ranks %d-%d) sent no progress for %.0f s while "
+                               "group %d waited for it to finish: a rank stopped or hung (or a "
+                               "layer takes longer than --stall-timeout); ending the job",
+                               q, q * gs, q * gs + gs - 1, o.stall_timeout_s, g.group)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
   // Totals over the leaders. Groups finish at different times: this wait is bounded by a day,
-  // not by the per-collective deadline.
+  // not by the per-collective deadline (the leaders' notes above bound a stopped group).
   int64_t mine[4] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
                      g.leader() ? n_failed : 0, prefix_reused_total},
           tot[4] = {};

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/mpi_communicator.h"
 #include "tests/comm/mpi_test_env.h"
 
 namespace sf {
@@ -33,6 +34,39 @@ std::vector<int64_t> input_i64(int r, int64_t n, uint64_t salt) {
   v.resize(size_t(n));
   for (auto& x : v) x = int64_t(rng() % 2000001) - 1000000;
   return v;
+}
+
+// Heartbeat notes: every rank posts 0..9 then -1 to every other rank, never waiting; each rank
+// polls until it has every rank's -1, and each sender's notes arrive in the order sent.
+TEST(CommMpi, HeartbeatNotesArriveInOrder) {
+  auto& w = test_world();
+  auto h = comm::Heartbeat::create();
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  std::vector<int> all(size_t(w.size()));
+  for (int r = 0; r < w.size(); ++r) all[size_t(r)] = r;
+  for (int64_t v = 0; v < 10; ++v) ASSERT_TRUE((*h)->beat(all, v).is_ok());
+  ASSERT_TRUE((*h)->beat(all, -1).is_ok());
+  std::vector<std::vector<int64_t>> got(size_t(w.size()));
+  int done = 1;  // this rank sends itself nothing
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::vector<std::pair<int, int64_t>> notes;
+  while (done < w.size() && std::chrono::steady_clock::now() < deadline) {
+    notes.clear();
+    ASSERT_TRUE((*h)->poll(&notes).is_ok());
+    for (const auto& [src, v] : notes) {
+      ASSERT_NE(src, w.rank()) << "a note to itself";
+      got[size_t(src)].push_back(v);
+      done += v < 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(done, w.size()) << "notes missing after 30 s";
+  for (int r = 0; r < w.size(); ++r) {
+    if (r == w.rank()) continue;
+    std::vector<int64_t> want = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1};
+    EXPECT_EQ(got[size_t(r)], want) << "from rank " << r;
+  }
+  ASSERT_TRUE(w.barrier().is_ok());  // every rank has its notes before the object goes
 }
 
 TEST(CommMpi, WorldShape) {

@@ -10,6 +10,8 @@
 #   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
 #   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
 #               the job fails within 30 s with the error naming the collective and the ranks
+#   stalled_group  np 2, two groups of one: group 1's rank SIGSTOPs at layer 3; group 0
+#               finishes, then ends the job after --stall-timeout 3 with the group named (30 s)
 #   sharded     np 2 with --cp 2, a ~530-token prompt: the default sharded export has one shard per
 #               layer and rank, whose manifest entries cover the prompt, and it decodes exactly as
 #               the gathered export (--export gathered) does; --export bogus is refused
@@ -171,6 +173,20 @@ PY
     [ "$ms" -lt 30000 ] || fail "took $ms ms (deadline 30 s)"
     errors | grep -Eq "^error: comm: all_gatherv on 'cp \(group 0, tp rank 0\)' \(2 ranks: world 0-1; .*deadline of 3.0 s" \
       || fail "no deadline error naming the collective and ranks"
+    ;;
+  stalled_group)
+    # Two groups of one rank: group 1's only rank stops at layer 3 of its first request, where no
+    # collective can notice. Group 0 finishes, waits for group 1's progress notes, and ends the
+    # job after --stall-timeout instead of holding the final tally for its day-long deadline.
+    SF_WORKER_FAULT=stop:1:3 run 2 --model default --stall-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -ne 0 ] || fail "exit 0 with a stalled group"
+    [ "$ms" -lt 30000 ] || fail "took $ms ms (stall timeout 3 s)"
+    errors | grep -Eq "^error: group 1 \(world ranks 1-1\) sent no progress for 3 s while group 0 waited" \
+      || fail "no error naming the stalled group"
+    grep -q "1/2 lighthouse" "$tmp/stdout" && grep -q "2/2 village" "$tmp/stdout" \
+      || fail "group 0 should have finished its requests first"
+    run 2 --model default --stall-timeout 0 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "--stall-timeout 0: exit $rc, want 2"
     ;;
   sharded)
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
