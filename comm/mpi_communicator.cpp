@@ -450,7 +450,11 @@ struct Heartbeat::Impl {
   void reap() {
     std::erase_if(sends, [](auto& s) {
       int done = 0;
-      return MPI_Test(&s.first, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done != 0;
+      if (MPI_Test(&s.first, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+        (void)s.second.release();  // MPI may still read it: left to the job's end
+        return true;
+      }
+      return done != 0;
     });
   }
 };
@@ -487,10 +491,14 @@ Result<std::unique_ptr<Heartbeat>> Heartbeat::create() {
 
 Heartbeat::~Heartbeat() {
   if (!impl_) return;
-  impl_->reap();
-  // Sends still pending are left to the job's end (freeing their buffers would race MPI).
+  // Every note of a job that ends normally has been received (the worker's leaders poll for
+  // every "done"), so its sends complete; a few seconds bound the wait otherwise, and what is
+  // still pending is left to the job's end (freeing its buffers would race MPI).
+  const auto deadline = clock::now() + std::chrono::seconds(5);
+  for (impl_->reap(); !impl_->sends.empty() && clock::now() < deadline; impl_->reap())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   for (auto& s : impl_->sends) (void)s.second.release();
-  if (impl_->sends.empty() && impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
+  if (impl_->comm != MPI_COMM_NULL) MPI_Comm_free(&impl_->comm);
 }
 
 Status Heartbeat::beat(std::span<const int> to, int64_t value) {

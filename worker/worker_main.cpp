@@ -13,7 +13,7 @@
 // that passes its deadline (--comm-timeout) ends the whole job (MPI_Abort) with the error naming
 // the collective and ranks. Test-only fault injection: SF_WORKER_FAULT=load:R (world rank R fails
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
-// first request).
+// first request), slow:R:MS (rank R sleeps MS milliseconds at every layer: slow but alive).
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -196,7 +196,7 @@ Result<Options> parse_options(int argc, char** argv) {
 }
 
 struct Fault {
-  std::string kind;  // load, kill, stop
+  std::string kind;  // load, kill, stop, slow (layer: milliseconds slept at every layer)
   int rank = -1, layer = -1;
 };
 Fault parse_fault() {
@@ -469,13 +469,28 @@ int run(int argc, char** argv) {
     if (!h.is_ok()) fatal(h.status());
     hb = std::move(h).value();
   }
-  auto last_beat = std::chrono::steady_clock::now() - std::chrono::hours(1);
+  // What each group last said and when (a leader receives while it beats, so notes do not pile
+  // up unreceived while it works).
+  using hb_clock = std::chrono::steady_clock;
+  std::vector<hb_clock::time_point> seen(size_t(n_groups), hb_clock::now());
+  std::vector<char> done(size_t(n_groups), 0);
+  std::vector<std::pair<int, int64_t>> notes;
+  auto drain = [&] {
+    notes.clear();
+    if (Status st = hb->poll(&notes); !st.is_ok()) fatal(st);
+    for (const auto& [src, v] : notes) {
+      seen[size_t(src / gs)] = hb_clock::now();
+      if (v < 0) done[size_t(src / gs)] = 1;
+    }
+  };
+  auto last_beat = hb_clock::now() - std::chrono::hours(1);
   auto beat = [&](int64_t value) {
     if (!hb || !g.leader()) return;
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = hb_clock::now();
     if (value >= 0 && now - last_beat < std::chrono::seconds(1)) return;
     last_beat = now;
     if (Status st = hb->beat(leaders, value); !st.is_ok()) fatal(st);
+    drain();
   };
 
   // GPUs: each rank's TP slice on its device, then NCCL over the grid. Every rank learns of any
@@ -682,6 +697,11 @@ int run(int argc, char** argv) {
                                : 7;
     }
     po.on_layer = [&](int) { beat(k); };
+    if (fault.kind == "slow" && fault.rank == world->rank())
+      po.on_layer = [&](int) {
+        beat(k);
+        std::this_thread::sleep_for(std::chrono::milliseconds(fault.layer));
+      };
     if (first_request && (fault.kind == "kill" || fault.kind == "stop") &&
         fault.rank == world->rank()) {
       po.on_layer = [&](int l) {
@@ -803,7 +823,11 @@ int run(int argc, char** argv) {
       if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
     } else if (g.leader()) {
       st = kvstore::export_kv(
-          dir, spec, [&](int l, bool v) { return (v ? res.kv.v : res.kv.k)[size_t(l)].data(); },
+          dir, spec,
+          [&](int l, bool v) {
+            beat(k);  // a long export is progress too
+            return (v ? res.kv.v : res.kv.k)[size_t(l)].data();
+          },
           /*force=*/true);
     }
     if (!g.leader()) {
@@ -878,22 +902,17 @@ int run(int argc, char** argv) {
   // Every other group's "done", or the job ends when one goes quiet for --stall-timeout.
   if (hb && g.leader()) {
     beat(-1);
-    using clock = std::chrono::steady_clock;
-    std::vector<clock::time_point> seen(size_t(n_groups), clock::now());
-    std::vector<char> done(size_t(n_groups), 0);
     done[size_t(g.group)] = 1;
-    std::vector<std::pair<int, int64_t>> notes;
+    // The silence is counted from here at the earliest: a group busy with a long request while
+    // this one worked is not held to notes this leader was not reading.
+    const auto start = hb_clock::now();
+    for (auto& t : seen) t = std::max(t, start);
     for (;;) {
-      notes.clear();
-      if (Status st = hb->poll(&notes); !st.is_ok()) fatal(st);
-      for (const auto& [src, v] : notes) {
-        seen[size_t(src / gs)] = clock::now();
-        if (v < 0) done[size_t(src / gs)] = 1;
-      }
+      drain();
       if (std::all_of(done.begin(), done.end(), [](char d) { return d != 0; })) break;
       for (int q = 0; q < n_groups; ++q)
         if (!done[size_t(q)] &&
-            std::chrono::duration<double>(clock::now() - seen[size_t(q)]).count() >
+            std::chrono::duration<double>(hb_clock::now() - seen[size_t(q)]).count() >
                 o.stall_timeout_s)
           fatal(SF_ERR(kDeadlineExceeded,
                        sformat("group %d (world ranks %d-%d) sent no progress for %.0f s while "

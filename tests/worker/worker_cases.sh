@@ -11,7 +11,9 @@
 #   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
 #               the job fails within 30 s with the error naming the collective and the ranks
 #   stalled_group  np 2, two groups of one: group 1's rank SIGSTOPs at layer 3; group 0
-#               finishes, then ends the job after --stall-timeout 3 with the group named (30 s)
+#               finishes, then ends the job after --stall-timeout 3 with the group named (30 s);
+#               a group that is slow but sends notes (150 ms a layer) outlasts --stall-timeout 2
+#               and the job finishes
 #   sharded     np 2 with --cp 2, a ~530-token prompt: the default sharded export has one shard per
 #               layer and rank, whose manifest entries cover the prompt, and it decodes exactly as
 #               the gathered export (--export gathered) does; --export bogus is refused
@@ -185,6 +187,13 @@ PY
       || fail "no error naming the stalled group"
     grep -q "1/2 lighthouse" "$tmp/stdout" && grep -q "2/2 village" "$tmp/stdout" \
       || fail "group 0 should have finished its requests first"
+    # Slow but alive: group 1's rank sleeps 150 ms at each of its 30 layers a request, so group
+    # 0 (done in about a second) waits ~9 s, far past a 2 s stall timeout, on notes that keep
+    # coming. The job must finish.
+    SF_WORKER_FAULT=slow:1:150 run 2 --model default --stall-timeout 2 --batch "$tmp/prompts.jsonl" --out "$tmp/slow"
+    [ "$rc" -eq 3 ] || fail "a slow, live group: exit $rc, want 3 (the batch's bad lines)"
+    [ "$(find "$tmp/slow" -name manifest.json | wc -l)" -eq 4 ] || fail "want 4 exports from the slow run"
+    [ "$ms" -gt 8000 ] || fail "the slow rank took only $ms ms: the sleep did not happen"
     run 2 --model default --stall-timeout 0 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] || fail "--stall-timeout 0: exit $rc, want 2"
     ;;

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <span>
+#include <thread>
 #include <vector>
 
 #if SF_HAVE_CUDA
@@ -784,18 +786,28 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     parallel_for(
         size_t(2 * c.n_layers),
         [&](size_t b, size_t e) {
-          (void)cudaSetDevice(m->device);
-          for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
+          const auto failed = [&](Status s) {
+            std::lock_guard<std::mutex> g(mu);
+            if (first.is_ok()) first = std::move(s);
+          };
+          try {
+            for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
+          } catch (const std::bad_alloc&) {
+            return failed(SF_ERR(kResourceExhausted,
+                                 "device prefill: no host memory for the kept KV (" +
+                                     std::to_string(2 * c.n_layers * NL * kvd * 4) + " bytes)"));
+          }
           for (size_t i = b; i < e; ++i) {
             const size_t l = i / 2;
-            const cudaError_t ce = cudaEventSynchronize(kv_copied[l].get());
-            if (ce != cudaSuccess) {
-              std::lock_guard<std::mutex> g(mu);
-              if (first.is_ok())
-                first = SF_ERR(kInternal, std::string("device prefill: KV copy-out of layer ") +
-                                              std::to_string(l) + ": " + cudaGetErrorString(ce));
-              return;
-            }
+            // Polled with a sleep, not cudaEventSynchronize: that spins a core per waiting task
+            // (the events have no blocking-sync flag), beside other ranks' threads.
+            cudaError_t ce;
+            while ((ce = cudaEventQuery(kv_copied[l].get())) == cudaErrorNotReady)
+              std::this_thread::sleep_for(std::chrono::microseconds(200));
+            if (ce != cudaSuccess)
+              return failed(SF_ERR(kInternal, std::string("device prefill: KV copy-out of layer ") +
+                                                  std::to_string(l) + ": " +
+                                                  cudaGetErrorString(ce)));
             const float* src = h_kv.as<float>() + (2 * l + i % 2) * size_t(max_rows * kvd);
             std::memcpy((i % 2 ? kv.v : kv.k)[l].data(), src, size_t(NL * kvd) * sizeof(float));
           }
