@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/llama3_shape.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/tiered_kv.h"
 #include "worker/model/device_model.h"
@@ -36,23 +37,7 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  // The Llama-3-8B shape (as bench/distributed_bench.cpp), fewer layers.
-  model::ModelConfig c;
-  c.name = "llama3-8b-shaped (synthetic weights)";
-  c.n_layers = layers;
-  c.hidden = 4096;
-  c.n_heads = 32;
-  c.n_kv_heads = 8;
-  c.head_dim = 128;
-  c.intermediate = 14336;
-  c.vocab = 128256;
-  c.max_context = 1 << 20;
-  c.rms_eps = 1e-5f;
-  c.rope.theta = 500000.f;
-  c.rope.scaling_factor = 8.f;
-  c.rope.low_freq_factor = 1.f;
-  c.rope.high_freq_factor = 4.f;
-  c.rope.original_max_pos = 8192;
+  const model::ModelConfig c = sf::bench::llama3_8b(layers);
   auto dm = model::DeviceModel::synthetic(c, 1);
   if (!dm.is_ok()) return fail("synthetic model", dm.status());
   std::vector<int32_t> tokens(static_cast<size_t>(S));

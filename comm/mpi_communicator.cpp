@@ -416,10 +416,12 @@ int mpi_world_size() {
   return n;
 }
 
-Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
+namespace {
+// MPI_Comm_idup of the world: even duplicating it waits with a deadline. `what` names it in the
+// error.
+Result<MPI_Comm> dup_world(const std::string& what) {
   if (!mpi_initialized())
     return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
-  // MPI_Comm_idup: even duplicating the world waits with a deadline.
   MPI_Comm dup = MPI_COMM_NULL;
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
@@ -433,13 +435,18 @@ Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
     if (done) break;
     if (clock::now() >= deadline) {
       g_any_abort = true;
-      return SF_ERR(kDeadlineExceeded, "comm: duplicating the world communicator (" +
-                                           std::to_string(mpi_world_size()) +
+      return SF_ERR(kDeadlineExceeded, "comm: " + what + " (" + std::to_string(mpi_world_size()) +
                                            " ranks) did not complete within " +
                                            seconds_str(timeout));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+  return dup;
+}
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name) {
+  SF_ASSIGN(MPI_Comm dup, dup_world("duplicating the world communicator"));
   return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(dup, name));
 }
 
@@ -460,29 +467,7 @@ struct Heartbeat::Impl {
 };
 
 Result<std::unique_ptr<Heartbeat>> Heartbeat::create() {
-  // The world communicator's idup with its deadline, then its MPI_Comm is taken over.
-  if (!mpi_initialized())
-    return SF_ERR(kInvalidArgument, "comm: MPI is not initialized (call mpi_init first)");
-  MPI_Comm dup = MPI_COMM_NULL;
-  MPI_Request req = MPI_REQUEST_NULL;
-  int rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req);
-  if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
-  const auto timeout = default_timeout();
-  const auto deadline = clock::now() + timeout;
-  for (;;) {
-    int done = 0;
-    rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return SF_ERR(kInternal, "comm: MPI_Comm_idup: " + mpi_error_string(rc));
-    if (done) break;
-    if (clock::now() >= deadline) {
-      g_any_abort = true;
-      return SF_ERR(kDeadlineExceeded, "comm: the heartbeat communicator (" +
-                                           std::to_string(mpi_world_size()) +
-                                           " ranks) did not complete within " +
-                                           seconds_str(timeout));
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  SF_ASSIGN(MPI_Comm dup, dup_world("creating the heartbeat communicator"));
   std::unique_ptr<Heartbeat> h(new Heartbeat());
   h->impl_ = std::make_unique<Impl>();
   h->impl_->comm = dup;

@@ -681,6 +681,35 @@ TEST_F(GpuForward, RejectsWhatItDoesNotSupport) {
   EXPECT_EQ(plan->run(ref.tokens).status().code(), Code::kInvalidArgument);  // 700 > 10
 }
 
+// One tiered layer against a run's KV and importance: blocks read back bit-identical, each
+// block's score the block_score of that layer's importance (some of it non-zero), `hot` blocks
+// on the fast tier.
+void expect_tiered_layer(const kvstore::TieredKv& tk, int l, const PrefillResult& kv_run,
+                         const PrefillResult& imp_run, int n_kv_heads, int64_t hot) {
+  const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+  EXPECT_EQ(tk.n_tokens(l), kTokens) << "layer " << l;
+  std::vector<float> k, v;
+  ASSERT_OK(tk.read_layer(l, &k, &v));
+  ASSERT_EQ(k.size(), kv_run.kv.k[size_t(l)].size()) << "layer " << l;
+  EXPECT_EQ(std::memcmp(k.data(), kv_run.kv.k[size_t(l)].data(), k.size() * 4), 0)
+      << "layer " << l;
+  EXPECT_EQ(std::memcmp(v.data(), kv_run.kv.v[size_t(l)].data(), v.size() * 4), 0)
+      << "layer " << l;
+  const auto& sc = tk.scores(l);
+  ASSERT_EQ(int64_t(sc.size()), n_blocks) << "layer " << l;
+  bool any = false;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t t0 = b * kvstore::kPoolBlockTokens;
+    const int64_t t1 = std::min<int64_t>(kTokens, t0 + kvstore::kPoolBlockTokens);
+    EXPECT_EQ(sc[size_t(b)],
+              kvstore::block_score(imp_run.importance[size_t(l)], n_kv_heads, kTokens, t0, t1))
+        << "layer " << l << " block " << b;
+    any = any || sc[size_t(b)] > 0.f;
+  }
+  EXPECT_TRUE(any) << "layer " << l << ": tiering saw no importance";
+  EXPECT_EQ(tk.placement(l).hot, hot) << "layer " << l;
+}
+
 // ---- KV tiering during a GPU prefill: the per-layer hook gets each layer's host K/V and its
 // device-computed importance. The tiered copy must read back bit-identical to the run's own KV
 // (the hook sees exactly what the result holds), each block's score must be the block_score of
@@ -715,29 +744,8 @@ TEST_F(GpuForward, TieredKvHookDuringGpuPrefill) {
     auto gpu = prefill_device(dm.value(), ref.tokens, opt);
     ASSERT_OK(gpu.status());
     ASSERT_EQ(gpu->importance.size(), size_t(c.n_layers));
-    for (int l = 0; l < c.n_layers; ++l) {
-      EXPECT_EQ((*tk)->n_tokens(l), kTokens) << "layer " << l;
-      std::vector<float> k, v;
-      ASSERT_OK((*tk)->read_layer(l, &k, &v));
-      ASSERT_EQ(k.size(), gpu->kv.k[size_t(l)].size()) << "layer " << l;
-      EXPECT_EQ(std::memcmp(k.data(), gpu->kv.k[size_t(l)].data(), k.size() * 4), 0)
-          << "layer " << l;
-      EXPECT_EQ(std::memcmp(v.data(), gpu->kv.v[size_t(l)].data(), v.size() * 4), 0)
-          << "layer " << l;
-      const auto& sc = (*tk)->scores(l);
-      ASSERT_EQ(int64_t(sc.size()), n_blocks) << "layer " << l;
-      bool any = false;
-      for (int64_t b = 0; b < n_blocks; ++b) {
-        const int64_t t0 = b * kvstore::kPoolBlockTokens;
-        const int64_t t1 = std::min<int64_t>(kTokens, t0 + kvstore::kPoolBlockTokens);
-        EXPECT_EQ(sc[size_t(b)],
-                  kvstore::block_score(gpu->importance[size_t(l)], c.n_kv_heads, kTokens, t0, t1))
-            << "layer " << l << " block " << b;
-        any = any || sc[size_t(b)] > 0.f;
-      }
-      EXPECT_TRUE(any) << "layer " << l << ": the hook saw no importance";
-      EXPECT_EQ((*tk)->placement(l).hot, 3) << "layer " << l;
-    }
+    for (int l = 0; l < c.n_layers; ++l)
+      expect_tiered_layer(**tk, l, gpu.value(), gpu.value(), c.n_kv_heads, 3);
     EXPECT_EQ((*pool)->stats(kvstore::Tier::kHost).blocks, 3 * c.n_layers);
     EXPECT_EQ((*pool)->stats(kvstore::Tier::kDisk).blocks, (n_blocks - 3) * c.n_layers);
     std::cout << "  tiered during the GPU prefill: " << 3 * c.n_layers << " host blocks, "
@@ -862,32 +870,13 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   std::vector<float> kb(size_t((*pool)->half_floats())), vb(kb.size());
   const int64_t tail = kTokens - (n_blocks - 1) * kvstore::kPoolBlockTokens;
   for (int l = 0; l < c.n_layers; ++l) {
-    EXPECT_EQ((*tk)->n_tokens(l), kTokens) << "layer " << l;
-    std::vector<float> k, v;
-    ASSERT_OK((*tk)->read_layer(l, &k, &v));
-    ASSERT_EQ(k.size(), plain->kv.k[size_t(l)].size()) << "layer " << l;
-    EXPECT_EQ(std::memcmp(k.data(), plain->kv.k[size_t(l)].data(), k.size() * 4), 0)
-        << "layer " << l;
-    EXPECT_EQ(std::memcmp(v.data(), plain->kv.v[size_t(l)].data(), v.size() * 4), 0)
-        << "layer " << l;
+    expect_tiered_layer(**tk, l, plain.value(), gpu.value(), c.n_kv_heads, 3);
     ASSERT_OK((*pool)->read((*tk)->blocks(l).back(), kb.data(), vb.data()));
     int64_t nonzero = 0;
     for (int64_t i = tail * row; i < int64_t(kb.size()); ++i)
       nonzero += (kb[size_t(i)] != 0.f) + (vb[size_t(i)] != 0.f);
     EXPECT_EQ(nonzero, 0) << "layer " << l << ": the partial last block's padding";
     const auto& sc = (*tk)->scores(l);
-    ASSERT_EQ(int64_t(sc.size()), n_blocks) << "layer " << l;
-    bool any = false;
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const int64_t t0 = b * kvstore::kPoolBlockTokens;
-      const int64_t t1 = std::min<int64_t>(kTokens, t0 + kvstore::kPoolBlockTokens);
-      EXPECT_EQ(sc[size_t(b)],
-                kvstore::block_score(gpu->importance[size_t(l)], c.n_kv_heads, kTokens, t0, t1))
-          << "layer " << l << " block " << b;
-      any = any || sc[size_t(b)] > 0.f;
-    }
-    EXPECT_TRUE(any) << "layer " << l << ": the sink saw no importance";
-    EXPECT_EQ((*tk)->placement(l).hot, 3) << "layer " << l;
     // Sink, window and the best-scored other block are the ones on the device.
     int64_t best = 1;
     for (int64_t b = 2; b + 1 < n_blocks; ++b)
