@@ -724,6 +724,7 @@ int run(int argc, char** argv) {
       dopt.sparse = po.sparse;
       dopt.importance_window = po.importance_window;
       dopt.importance_pool = po.importance_pool;
+      dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
       auto plan =
           runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
       const Status ok = agree(*g.group_comm, plan.status());

@@ -3,6 +3,7 @@
 #include "worker/model/device_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -769,69 +770,76 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   kv.n_tokens = NL;  // a shard's rows: its pieces in order
   kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
-  // The per-layer hook (KV tiering) runs here, on the host thread, for each layer as soon as its
-  // K/V (and importance) copies land, while the device computes later layers: every layer's
-  // work is already enqueued, so the hook never holds the GPU back. (With keep_kv the result's
-  // copies go first, below, and the hooks after them.)
-  // The device sink places a layer here too: its block copies were queued before kv_copied, and
-  // the demotions it then issues run on the pool's copy stream beside the compute.
-  // The result's copy of each layer's K and V leaves pinned memory on the pool's threads, each
-  // as soon as its layer lands: one thread's copy into fresh pages (page faults first) ran at
-  // 2-3 GB/s and tripled a 32K prefill with keep_kv (bench/NOTES.md, thirty-seventh session).
-  // Each task first sizes (and so faults in) all of its vectors while the device computes, then
-  // copies each one as its layer lands.
+  // Each layer in order, on this thread, as soon as its copies land while the device computes
+  // later layers (every layer's work is already enqueued, so nothing here holds the GPU back):
+  // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
+  //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
+  //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
+  //   pool first, while the device computes, and each layer is then one parallel memcpy;
+  // - the device sink places the layer (its block copies were queued before kv_copied; the
+  //   demotions it issues run on the pool's copy stream beside the compute);
+  // - the host hook (KV tiering) gets the layer's host K/V and importance;
+  // - opt.on_layer_done reports progress.
+  // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
+  // flag), beside other ranks' threads.
+  const auto wait_event = [](cudaEvent_t e) -> Status {
+    cudaError_t ce;
+    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    SF_CUDA_TRY(ce);
+    return Status::ok();
+  };
   if (keep_kv) {
-    std::mutex mu;
-    Status first = Status::ok();
-    parallel_for(
-        size_t(2 * c.n_layers),
-        [&](size_t b, size_t e) {
-          const auto failed = [&](Status s) {
-            std::lock_guard<std::mutex> g(mu);
-            if (first.is_ok()) first = std::move(s);
-          };
-          try {
-            for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
-          } catch (const std::bad_alloc&) {
-            return failed(SF_ERR(kResourceExhausted,
-                                 "device prefill: no host memory for the kept KV (" +
-                                     std::to_string(2 * c.n_layers * NL * kvd * 4) + " bytes)"));
-          }
-          for (size_t i = b; i < e; ++i) {
-            const size_t l = i / 2;
-            // Polled with a sleep, not cudaEventSynchronize: that spins a core per waiting task
-            // (the events have no blocking-sync flag), beside other ranks' threads.
-            cudaError_t ce;
-            while ((ce = cudaEventQuery(kv_copied[l].get())) == cudaErrorNotReady)
-              std::this_thread::sleep_for(std::chrono::microseconds(200));
-            if (ce != cudaSuccess)
-              return failed(SF_ERR(kInternal, std::string("device prefill: KV copy-out of layer ") +
-                                                  std::to_string(l) + ": " +
-                                                  cudaGetErrorString(ce)));
-            const float* src = h_kv.as<float>() + (2 * l + i % 2) * size_t(max_rows * kvd);
-            std::memcpy((i % 2 ? kv.v : kv.k)[l].data(), src, size_t(NL * kvd) * sizeof(float));
-          }
-        },
-        1);
-    SF_TRY(first);
-  }
-  if (kv_out) {
-    for (int l = 0; l < c.n_layers; ++l) {
-      SF_CUDA_TRY(cudaEventSynchronize(kv_copied[size_t(l)].get()));
-      std::span<const float> imp_l;
-      if (imp_here && (opt.on_layer_kv || dev_sink)) {
-        SF_CUDA_TRY(cudaEventSynchronize(imp_copied[size_t(l)].get()));
-        imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
-                                       size_t(hkv * S));
+    std::atomic<bool> no_memory{false};
+    parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
+      try {
+        for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
+      } catch (const std::bad_alloc&) {
+        no_memory = true;
       }
-      if (dev_sink) SF_TRY(opt.on_layer_kv_device.place(l, imp_l));
-      if (!host_kv) continue;
-      float* hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
-      float* hv = hk + size_t(max_rows * kvd);
-      if (opt.on_layer_kv)
-        SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
-                               TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
+    });
+    SF_ENSURE(!no_memory, kResourceExhausted,
+              "device prefill: no host memory for the kept KV (" +
+                  std::to_string(2 * c.n_layers * NL * kvd * 4) + " bytes)");
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    if (!kv_out) {
+      if (opt.on_layer_done) {
+        SF_TRY(wait_event(layer_end[size_t(l)].get()));
+        opt.on_layer_done(l);
+      }
+      continue;
     }
+    SF_TRY(wait_event(kv_copied[size_t(l)].get()));
+    float* hk = host_kv ? h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd) : nullptr;
+    float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
+    if (keep_kv) {
+      // K then V of the layer as one range of 2 x NL x kvd floats, split over the pool.
+      const size_t n = size_t(NL * kvd);
+      parallel_for(
+          2 * n,
+          [&](size_t b, size_t e) {
+            for (size_t i = b; i < e;) {
+              const bool v = i >= n;
+              const size_t off = v ? i - n : i, len = std::min(e, v ? 2 * n : n) - i;
+              std::memcpy((v ? kv.v : kv.k)[size_t(l)].data() + off, (v ? hv : hk) + off,
+                          len * sizeof(float));
+              i += len;
+            }
+          },
+          size_t(1) << 18);  // 1 MiB a task at least
+    }
+    std::span<const float> imp_l;
+    if (imp_here && (opt.on_layer_kv || dev_sink)) {
+      SF_TRY(wait_event(imp_copied[size_t(l)].get()));
+      imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
+                                     size_t(hkv * S));
+    }
+    if (dev_sink) SF_TRY(opt.on_layer_kv_device.place(l, imp_l));
+    if (opt.on_layer_kv)
+      SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
+                             TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
+    if (opt.on_layer_done) opt.on_layer_done(l);
   }
   SF_CUDA_TRY(cudaStreamSynchronize(st));
   SF_CUDA_TRY(cudaStreamSynchronize(cp));

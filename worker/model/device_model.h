@@ -125,14 +125,15 @@ struct DeviceShard {
 // and the next layers. K/V live in two device slots used by alternate layers; an event from the
 // copy stream makes layer l+2 wait until slot (l % 2) has been copied out. Logit chunks use the
 // same two-slot scheme. The host drains each layer's KV from pinned memory into the result as
-// soon as its copy event fires (K and V of each layer a task on the CPU thread pool), while the
-// device is still computing later layers. With
+// soon as its copy event fires (one memcpy split over the CPU thread pool, into vectors the pool
+// sized first), while the device is still computing later layers. With
 // opt.importance_window > 0 each layer's SnapKV importance is computed on the device from its
 // LSE (kernels/kv_importance.h) and copied out the same way; opt.on_layer_kv (KV tiering) is
 // called on the host thread with each layer's host K/V and importance as soon as they land,
-// after every layer's work has been enqueued (after the result's copies, when it keeps the KV).
+// after every layer's work has been enqueued (after that layer's copy into the result).
 // opt.on_layer_kv_device (KV tiering from device memory) queues each layer's blocks on the copy
-// stream while the layer is enqueued and places them on the host thread as above.
+// stream while the layer is enqueued and places them on the host thread as above;
+// opt.on_layer_done is called there too, once a layer, in order (progress).
 //
 // Contracts: the DeviceModel outlives the plan; plan and run on one thread (cuBLASLt's handle and
 // workspace are per thread); one run at a time per plan. opt.on_attention is not supported on

@@ -215,6 +215,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       SF_TRY(opt.on_layer_kv(l, kv3, vv,
                              opt.importance_window > 0 ? std::span<const float>(res.importance[size_t(l)])
                                                        : std::span<const float>()));
+    if (opt.on_layer_done) opt.on_layer_done(l);
     // Not kept: this layer's K/V are done with (the hook, e.g. KV tiering, has its own copy), so
     // a tiered prefill holds one layer's KV at a time besides the pool.
     if (!opt.keep_kv) {

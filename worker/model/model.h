@@ -114,6 +114,10 @@ struct PrefillOptions {
   bool importance_from_estimator = false;
   LayerKvHook on_layer_kv;
   DeviceLayerKvSink on_layer_kv_device;  // DevicePrefill only
+  // Progress: called on the calling thread once layer l is done (the CPU forward: after its
+  // hook; DevicePrefill: as its work lands on the host, after the KV copy-out and hooks, while
+  // later layers still compute). The worker's stall notes use it.
+  std::function<void(int layer)> on_layer_done;
 };
 
 struct PrefillResult {

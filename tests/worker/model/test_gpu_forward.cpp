@@ -856,13 +856,32 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   auto tk = kvstore::TieredKv::create(pool->get(), tc);
   ASSERT_OK(tk.status());
 
-  auto plain = prefill_device(dm.value(), ref.tokens, full_options());
+  // Progress reaches the caller once a layer, in order, on every path: keeping the KV, the sink,
+  // and neither.
+  std::vector<int> done;
+  std::vector<int> want(size_t(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) want[size_t(l)] = l;
+  PrefillOptions kept = full_options();
+  kept.on_layer_done = [&](int l) { done.push_back(l); };
+  auto plain = prefill_device(dm.value(), ref.tokens, kept);
   ASSERT_OK(plain.status());
+  EXPECT_EQ(done, want) << "keep_kv";
+  done.clear();
   PrefillOptions opt = full_options();
   opt.keep_kv = false;
   opt.on_layer_kv_device = (*tk)->device_sink();
+  opt.on_layer_done = kept.on_layer_done;
   auto gpu = prefill_device(dm.value(), ref.tokens, opt);
   ASSERT_OK(gpu.status());
+  EXPECT_EQ(done, want) << "device sink";
+  done.clear();
+  PrefillOptions bare = full_options();
+  bare.keep_kv = false;
+  bare.on_layer_done = kept.on_layer_done;
+  auto nothing_kept = prefill_device(dm.value(), ref.tokens, bare);
+  ASSERT_OK(nothing_kept.status());
+  EXPECT_EQ(done, want) << "no KV out";
+  EXPECT_EQ(std::memcmp(nothing_kept->logits.data(), plain->logits.data(), plain->logits.size() * 4), 0);
   ASSERT_EQ(gpu->logits.size(), plain->logits.size());
   EXPECT_EQ(std::memcmp(gpu->logits.data(), plain->logits.data(), gpu->logits.size() * 4), 0);
   EXPECT_EQ(gpu->kv_peak_bytes, 0) << "no host KV besides the pool's";
