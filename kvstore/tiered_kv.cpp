@@ -209,6 +209,22 @@ Status TieredKv::place_device(int layer, std::span<const float> importance) {
   return st;
 }
 
+Status TieredKv::check_device_room(int64_t n_tokens) const {
+  if (cfg_.fast != Tier::kDevice) return Status::ok();
+  const int64_t bb = pool_->block_bytes();
+  const int64_t nb = (n_tokens + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  int64_t need = 1;
+  for (int64_t q : quota_) need += std::max<int64_t>(0, nb - q);
+  const int64_t host = pool_->stats(Tier::kHost).capacity_bytes;
+  if (host / bb >= need) return Status::ok();
+  return SF_ERR(kResourceExhausted,
+                "tiered kv: the host tier holds " + std::to_string(host / bb) + " blocks of " +
+                    std::to_string(bb) + " bytes; " + std::to_string(n_tokens) +
+                    " tokens need " + std::to_string(need - 1) +
+                    " beyond the device's share, plus one to swap through: a host budget of " +
+                    std::to_string(need * bb) + " bytes or more");
+}
+
 model::DeviceLayerKvSink TieredKv::device_sink() {
   model::DeviceLayerKvSink s;
   s.enqueue = [this](int layer, const float* k, const float* v, int64_t n_rows, void* stream) {

@@ -68,6 +68,10 @@ class TieredKv {
   Status place_device(int layer, std::span<const float> importance);
   // The sink for model::PrefillOptions::on_layer_kv_device.
   model::DeviceLayerKvSink device_sink();
+  // Before a device-path prefill of n_tokens: the host tier must hold every block outside the
+  // layers' device shares, plus one that placement swaps through (kResourceExhausted naming the
+  // host budget it needs otherwise). Checks nothing for a host fast tier (its spill goes to disk).
+  Status check_device_room(int64_t n_tokens) const;
 
   // Reassembles a layer's K and V ([n_tokens, n_kv_heads, head_dim]) from whatever tiers its
   // blocks are on.

@@ -133,7 +133,11 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
                                    ",host=" + std::to_string(28 * cfg.n_layers * block_bytes);
     const std::string slog = (dir / "short-host.log").string();
     EXPECT_NE(testing::run_logged(common + " --device cuda" + short_pool, slog), 0);
-    const std::string need = "host=" + std::to_string((28 * cfg.n_layers + 1) * block_bytes) + " or more";
+    const std::string need = "--kv-pool: tiered kv: the host tier holds " +
+                             std::to_string(28 * cfg.n_layers) + " blocks of " + std::to_string(block_bytes) +
+                             " bytes; 2048 tokens need " + std::to_string(28 * cfg.n_layers) +
+                             " beyond the device's share, plus one to swap through: a host budget of " +
+                             std::to_string((28 * cfg.n_layers + 1) * block_bytes) + " bytes or more";
     EXPECT_NE(testing::slurp(slog).find(need), std::string::npos) << testing::slurp(slog);
   }
 

@@ -1,5 +1,4 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -234,24 +233,6 @@ int cmd_prefill(int argc, char** argv) {
     // disk=DIR without a size: room for the whole KV of this prompt, so only the host budget binds.
     if (!kv_pool->disk_dir.empty())
       pc.disk_bytes = kv_pool->disk_bytes >= 0 ? kv_pool->disk_bytes : int64_t(cfg.n_layers) * n_blocks * block_bytes;
-    if (kv_pool->device_bytes > 0) {
-      // device=: blocks never go to disk, so host must hold what each layer's device share
-      // (TieredKv's split) does not, plus one block that placement swaps through.
-      const int64_t dev_blocks = kv_pool->device_bytes / block_bytes;
-      int64_t host_need = 1;
-      for (int l = 0; l < cfg.n_layers; ++l) {
-        const int64_t share = dev_blocks / cfg.n_layers + (l < dev_blocks % cfg.n_layers ? 1 : 0);
-        host_need += std::max<int64_t>(0, n_blocks - share);
-      }
-      if (kv_pool->host_bytes / block_bytes < host_need)
-        return fail(SF_ERR(kInvalidArgument,
-                           "--kv-pool: host=" + std::to_string(kv_pool->host_bytes) + " holds " +
-                               std::to_string(kv_pool->host_bytes / block_bytes) + " blocks of " +
-                               std::to_string(block_bytes) + " bytes; this prompt's KV needs " +
-                               std::to_string(host_need - 1) +
-                               " beyond the device's share, plus one to swap through: host=" +
-                               std::to_string(host_need * block_bytes) + " or more"));
-    }
     auto p = kvstore::BlockPool::create(pc);
     if (!p.is_ok()) return fail(p.status());
     pool = std::move(p).value();
@@ -265,10 +246,13 @@ int cmd_prefill(int argc, char** argv) {
     tiered = std::move(t).value();
     // device=: the device forward hands each layer's K/V over on its copy stream (no host copy
     // for the pool); otherwise the forward's host K/V go through the per-layer hook.
-    if (kv_pool->device_bytes > 0)
+    if (kv_pool->device_bytes > 0) {
+      const Status room = tiered->check_device_room(int64_t(ids.size()));
+      if (!room.is_ok()) return fail(Status(room.code(), "--kv-pool: " + room.message()));
       opt.on_layer_kv_device = tiered->device_sink();
-    else
+    } else {
       opt.on_layer_kv = tiered->hook();
+    }
     // Block scores come from the SnapKV importance; the same window as exports use.
     if (opt.importance_window == 0) opt.importance_window = 32;
   }
