@@ -247,14 +247,46 @@ KvShardPart whole_part(const KvExportSpec& spec) {
   return p;
 }
 
-Result<std::string> begin_export(const std::string& dir, bool force) {
+namespace {
+
+// The directory an export lands in, normalized: "runs/kv/" and "runs/./kv" name "runs/kv" (its
+// temporary sibling must sit beside it, not inside it). A path with no name of its own (".",
+// "..", "/") is refused: replacing it would remove the directory that holds it.
+Result<fs::path> export_dir_path(const std::string& dir) {
+  fs::path out = fs::path(dir).lexically_normal();
+  if (!out.empty() && out.filename().empty()) out = out.parent_path();
+  const std::string name = out.filename().string();
+  if (dir.empty() || name.empty() || name == "." || name == ".." || out == out.root_path())
+    return SF_ERR(kInvalidArgument, "export dir '" + dir +
+                                        "' names no directory of its own (give one such as out/kv)");
+  return out;
+}
+
+}  // namespace
+
+Status export_dir_check(const std::string& dir, bool force) {
+  SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
-  const fs::path out(dir);
-  if (fs::exists(out, ec)) {
-    if (!fs::is_directory(out, ec)) return SF_ERR(kAlreadyExists, "export dir '" + dir + "' exists and is not a directory");
-    if (!fs::is_empty(out, ec) && !force)
-      return SF_ERR(kAlreadyExists, "export dir '" + dir + "' exists and is not empty (use --force to replace it)");
-  }
+  if (!fs::exists(out, ec)) return Status::ok();
+  if (!fs::is_directory(out, ec))
+    return SF_ERR(kAlreadyExists, "export dir '" + dir + "' exists and is not a directory");
+  if (fs::is_empty(out, ec)) return Status::ok();
+  if (!force)
+    return SF_ERR(kAlreadyExists,
+                  "export dir '" + dir + "' exists and is not empty (use --force to replace it)");
+  // --force replaces an earlier export, never an arbitrary directory (a typo such as
+  // --export-kv ~ would otherwise remove a home directory).
+  if (!fs::is_regular_file(out / "manifest.json", ec))
+    return SF_ERR(kAlreadyExists, "export dir '" + dir +
+                                      "' is not empty and holds no manifest.json, so it is not a "
+                                      "KV export; --force replaces only an earlier export");
+  return Status::ok();
+}
+
+Result<std::string> begin_export(const std::string& dir, bool force) {
+  SF_TRY(export_dir_check(dir, force));
+  SF_ASSIGN(const fs::path out, export_dir_path(dir));
+  std::error_code ec;
   const fs::path tmp = out.parent_path() / (out.filename().string() + ".partial-" + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
@@ -263,8 +295,8 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
 }
 
 Status finish_export(const std::string& tmp, const std::string& dir) {
+  SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
-  const fs::path out(dir);
   if (fs::exists(out, ec)) fs::remove_all(out, ec);
   if (ec) return SF_ERR(kIo, "cannot replace '" + dir + "': " + ec.message());
   fs::rename(tmp, out, ec);

@@ -104,8 +104,12 @@ struct KvShardPart {
 // The whole cache as one part (what export_kv writes).
 KvShardPart whole_part(const KvExportSpec& spec);
 
+// Whether dir can take an export: a path with a name of its own ("out/kv", "out/kv/"; not ".",
+// ".." or "/"), and either missing, empty, or (with force) an earlier export, one holding
+// manifest.json. Cheap: callers check before a prefill, begin_export checks again.
+Status export_dir_check(const std::string& dir, bool force);
 // The temporary directory an export is built in (beside dir; created, emptied first) and its
-// final move into place. begin_export refuses an existing non-empty dir unless force.
+// final move into place, which replaces an earlier export there.
 Result<std::string> begin_export(const std::string& dir, bool force);
 Status finish_export(const std::string& tmp, const std::string& dir);
 

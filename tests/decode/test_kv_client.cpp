@@ -211,6 +211,42 @@ TEST_F(KvClient, FullRetentionRoundTripsAndKeepsTheHfLayout) {
   EXPECT_EQ(f->find("value")->shape, (std::vector<int64_t>{1, 2, kN, 16}));
 }
 
+TEST_F(KvClient, ExportDirectoryRules) {
+  // A trailing "/" names the same directory: the export lands there, complete, and a second
+  // export over it (force) replaces it.
+  const std::string d = tmp_.sub("slashed");
+  ASSERT_TRUE(testing::export_prefill(*model_, toks_, pr_, d + "/", nullptr, &imp_).is_ok());
+  ASSERT_TRUE(decode::load_kv_export(d, hash_).is_ok());
+  auto again = kvstore::begin_export(d + "/", /*force=*/false);
+  ASSERT_FALSE(again.is_ok());
+  EXPECT_NE(again.status().message().find("use --force"), std::string::npos);
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+  spec.n_tokens = int64_t(toks_.size());
+  spec.token_ids = toks_;
+  spec.first_token = pr_.first_token;
+  spec.importance = &imp_;
+  const auto src = [&](int l, bool v) { return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data(); };
+  ASSERT_TRUE(kvstore::export_kv(d + "/", spec, src, /*force=*/true).is_ok());
+  ASSERT_TRUE(decode::load_kv_export(d, hash_).is_ok());
+  EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator{}), 1)
+      << "a temporary directory was left behind";
+  // --force replaces an earlier export, never a directory that is not one.
+  const std::string other = tmp_.sub("other");
+  fs::create_directories(other);
+  { std::ofstream(other + "/notes.txt") << "keep me"; }
+  auto st = kvstore::export_kv(other, spec, src, /*force=*/true);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("holds no manifest.json"), std::string::npos) << st.message();
+  EXPECT_TRUE(fs::exists(other + "/notes.txt"));
+  // Paths with no name of their own are refused before anything is touched.
+  for (const std::string bad : {".", "..", "/", "", "sub/..", "sub/../"}) {
+    const Status c = kvstore::export_dir_check(bad, /*force=*/true);
+    ASSERT_FALSE(c.is_ok()) << "'" << bad << "'";
+    EXPECT_NE(c.message().find("names no directory of its own"), std::string::npos) << c.message();
+  }
+  EXPECT_TRUE(kvstore::export_dir_check(tmp_.sub("fresh/kv/"), false).is_ok());
+}
+
 TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {
   auto snap = kvstore::retention_apply(
       kvstore::retention_parse("snapkv:budget=100,window=32,pool=7").value(), 2, 2, kN, &imp_);

@@ -20,6 +20,15 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file /nonexistent/p.txt)
   add_test(NAME cli_export_dir_not_empty COMMAND ${_ef} "^error: export dir .* exists and is not empty \\(use --force"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/nonempty)
+  # --force replaces an earlier export only; "." or a trailing "/" must not reach remove_all.
+  add_test(NAME cli_export_force_not_an_export COMMAND ${_ef}
+           "^error: export dir .* is not empty and holds no manifest.json, so it is not a KV export"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/nonempty --force)
+  file(MAKE_DIRECTORY ${_tmp}/dotdir)
+  file(WRITE ${_tmp}/dotdir/keep "x")
+  add_test(NAME cli_export_dir_dot COMMAND ${_ef} "^error: export dir '.' names no directory of its own"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv . --force)
+  set_tests_properties(cli_export_dir_dot PROPERTIES WORKING_DIRECTORY ${_tmp}/dotdir)
   add_test(NAME cli_prompt_too_long COMMAND ${_ef} "^error: prompt has [0-9]+ tokens, more than the model context of 8192"
            ${_sf} prefill --model default --prompt-file ${_tmp}/long3x.txt)
   add_test(NAME cli_unknown_option COMMAND ${_ef} "^error: unknown option --frobnicate$"
@@ -78,7 +87,12 @@ if(TARGET sparsefill)
   add_test(NAME cli_export_force COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --export-kv ${_tmp}/forced --force)
   set_tests_properties(cli_export_force PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*forced")
+  # A trailing "/" names the same directory (its temporary sibling must not land inside it).
+  add_test(NAME cli_export_trailing_slash COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+           --export-kv ${_tmp}/slashed/ --force)
+  set_tests_properties(cli_export_trailing_slash PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*slashed")
   set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
                        cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force cli_unknown_attention
+                       cli_export_force_not_an_export cli_export_dir_dot cli_export_trailing_slash
                        PROPERTIES LABELS unit TIMEOUT 120)
 endif()

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# expect_fail.sh REGEX CMD...: passes when CMD exits non-zero and its stderr is one line
-# matching REGEX (the CLI's bad-input contract: one clear line, non-zero exit).
+# expect_fail.sh [--stdout-lacks REGEX2] REGEX CMD...: passes when CMD exits non-zero and its
+# stderr is one line matching REGEX (the CLI's bad-input contract: one clear line, non-zero exit).
+# --stdout-lacks also requires that no stdout line matches REGEX2 (e.g. that a refusal came before
+# the slow part, which prints its timing).
 set -u
+lacks=""
+if [ "${1:-}" = "--stdout-lacks" ]; then lacks="$2"; shift 2; fi
 regex="$1"; shift
-err="$("$@" 2>&1 >/dev/null)"
+out_file="$(mktemp)"
+trap 'rm -f "$out_file"' EXIT
+err="$("$@" 2>&1 >"$out_file")"
 rc=$?
 if [ $rc -eq 0 ]; then echo "FAIL: exited 0 (expected an error)"; exit 1; fi
 # Log lines ([I model] ...) are not errors; the error itself must be exactly one line.
@@ -11,4 +17,7 @@ errlines="$(printf '%s\n' "$err" | grep -v '^\[[DIWE] ' || true)"
 n="$(printf '%s\n' "$errlines" | grep -c .)"
 if [ "$n" -ne 1 ]; then echo "FAIL: expected one error line, got $n:"; printf '%s\n' "$errlines"; exit 1; fi
 if ! printf '%s\n' "$errlines" | grep -Eq -- "$regex"; then echo "FAIL: '$errlines' does not match /$regex/"; exit 1; fi
+if [ -n "$lacks" ] && grep -Eq -- "$lacks" "$out_file"; then
+  echo "FAIL: stdout has /$lacks/:"; grep -E -- "$lacks" "$out_file"; exit 1
+fi
 echo "ok (rc=$rc): $errlines"

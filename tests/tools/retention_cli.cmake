@@ -13,7 +13,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   add_test(NAME cli_retention_unknown_policy
            COMMAND ${_ref} "^error: .*--retention 'h2o' is not" ${_rsf} eval --retention h2o)
   add_test(NAME cli_prefill_retention_budget_too_large
-           COMMAND ${_ref} "^error: .*retention snapkv: budget 100000 tokens out of range"
+           COMMAND ${_ref} --stdout-lacks "time to first token" "^error: .*retention snapkv: budget 100000 tokens out of range"
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/big --force
                    --retention snapkv:budget=100000)
   add_test(NAME cli_retention_eval_bad_span

@@ -1,7 +1,6 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -58,11 +57,8 @@ int cmd_prefill(int argc, char** argv) {
   }
   if (!a.has("prompt-tokens") && text.empty()) return fail(SF_ERR(kInvalidArgument, "the prompt is empty"));
   if (a.has("export-kv")) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    const fs::path d(a.get("export-kv"));
-    if (fs::exists(d, ec) && (!fs::is_directory(d, ec) || !fs::is_empty(d, ec)) && !a.has("force"))
-      return fail(SF_ERR(kAlreadyExists, "export dir '" + d.string() + "' exists and is not empty (use --force to replace it)"));
+    if (Status st = kvstore::export_dir_check(a.get("export-kv"), a.has("force")); !st.is_ok())
+      return fail(st);
   }
   const std::string importance_src = a.get("importance", "lse");
   if (importance_src != "lse" && importance_src != "estimator")
@@ -185,6 +181,11 @@ int cmd_prefill(int argc, char** argv) {
   if (int64_t(ids.size()) > cfg.max_context && !a.has("allow-long"))
     return fail(SF_ERR(kOutOfRange, "prompt has " + std::to_string(ids.size()) + " tokens, more than the model context of " +
                                         std::to_string(cfg.max_context) + " (use --allow-long to run anyway)"));
+  // Budgets against this prompt, before a prefill that may take hours.
+  if (Status st = kvstore::retention_check_prompt(retention, cfg.n_layers, cfg.n_kv_heads,
+                                                  int64_t(ids.size()));
+      !st.is_ok())
+    return fail(st);
 
   std::printf("model: %s (%s, %d layers, hidden %d, heads %d/%d)\n", cfg.name.c_str(), model::arch_name(cfg.arch),
               cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads);
