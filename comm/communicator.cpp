@@ -1,7 +1,10 @@
 #include "comm/communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+
+#include "common/log.h"
 
 namespace sf::comm {
 
@@ -21,7 +24,15 @@ std::chrono::milliseconds default_timeout() {
   if (const char* e = std::getenv("SF_COMM_TIMEOUT_S")) {
     char* end = nullptr;
     const double s = std::strtod(e, &end);
-    if (end != e && *end == '\0' && s > 0) return std::chrono::milliseconds(int64_t(s * 1000));
+    // Up to 1e6 s (11.6 days): a larger value would overflow the deadline's clock arithmetic.
+    if (end != e && *end == '\0' && s > 0 && s <= kMaxTimeoutS)
+      return std::chrono::milliseconds(std::max<int64_t>(1, int64_t(s * 1000)));
+    static bool warned = false;  // once a process, not at every communicator
+    if (!warned) {
+      warned = true;
+      SF_LOG(kWarn, "comm", "SF_COMM_TIMEOUT_S='" << e << "' is not a number of seconds in (0, "
+                                                  << kMaxTimeoutS << "]; using 120");
+    }
   }
   return std::chrono::milliseconds(120000);
 }

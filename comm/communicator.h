@@ -87,7 +87,10 @@ class Communicator {
   int64_t bytes_sent_ = 0;
 };
 
-// Default deadline of one wait: SF_COMM_TIMEOUT_S seconds when set (positive number), else 120.
+// The longest deadline a wait takes, in seconds (11.6 days).
+inline constexpr double kMaxTimeoutS = 1e6;
+// Default deadline of one wait: SF_COMM_TIMEOUT_S seconds when set (a number in (0, 1e6]; another
+// value is warned about once and ignored), else 120.
 std::chrono::milliseconds default_timeout();
 
 // A one-rank communicator: every collective is a copy. Lets the TP x CP runtime run unchanged

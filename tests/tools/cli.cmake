@@ -29,6 +29,11 @@ if(TARGET sparsefill)
   add_test(NAME cli_export_dir_dot COMMAND ${_ef} "^error: export dir '.' names no directory of its own"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv . --force)
   set_tests_properties(cli_export_dir_dot PROPERTIES WORKING_DIRECTORY ${_tmp}/dotdir)
+  # Numbers are read whole: "64k" is not 64, "2k" not 2.
+  add_test(NAME cli_chunk_not_an_integer COMMAND ${_ef} "^error: --chunk: '64k' is not an integer in \\[1, "
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --chunk 64k)
+  add_test(NAME cli_bench_lengths_not_integers COMMAND ${_ef} "^error: --lengths: '2k' is not an integer >= 1$"
+           ${_sf} bench prefill --lengths 512,2k)
   add_test(NAME cli_prompt_too_long COMMAND ${_ef} "^error: prompt has [0-9]+ tokens, more than the model context of 8192"
            ${_sf} prefill --model default --prompt-file ${_tmp}/long3x.txt)
   add_test(NAME cli_unknown_option COMMAND ${_ef} "^error: unknown option --frobnicate$"
@@ -94,5 +99,6 @@ if(TARGET sparsefill)
   set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
                        cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force cli_unknown_attention
                        cli_export_force_not_an_export cli_export_dir_dot cli_export_trailing_slash
+                       cli_chunk_not_an_integer cli_bench_lengths_not_integers
                        PROPERTIES LABELS unit TIMEOUT 120)
 endif()

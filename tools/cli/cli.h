@@ -16,10 +16,19 @@ struct Args {
     auto it = opts.find(k);
     return it == opts.end() ? def : it->second;
   }
+  // --k as a whole decimal integer (or def when absent) in [lo, hi]; "64k", "x" and "" are
+  // errors naming the option, never read as 64 or 0.
+  Result<int64_t> get_int(const std::string& k, int64_t def, int64_t lo, int64_t hi) const;
+  // --k as a whole finite number in [lo, hi].
+  Result<double> get_double(const std::string& k, double def, double lo, double hi) const;
 };
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
                         const std::vector<std::string>& flags);
 
+// Comma-separated whole integers, each at least lo ("what" names the option in errors); empty
+// items are errors, and so is an empty list unless allow_empty.
+Result<std::vector<int64_t>> parse_int_list(const std::string& s, const std::string& what,
+                                            int64_t lo, bool allow_empty = false);
 // --lengths: comma-separated integers, each at least 256.
 Result<std::vector<int64_t>> parse_length_list(const std::string& s);
 

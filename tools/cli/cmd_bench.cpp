@@ -51,14 +51,6 @@ double prefill_flops(const model::ModelConfig& c, int64_t S) {
   return c.n_layers * (lin + attn) + 2.0 * H * c.vocab;
 }
 
-std::vector<int64_t> parse_lengths(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::atoll(item.c_str()));
-  return v;
-}
-
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
@@ -71,10 +63,12 @@ int cmd_bench(int argc, char** argv) {
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   const std::string model_path = resolve_model(a.get("model", "default"));
-  const auto lengths = parse_lengths(a.get("lengths", "512,2048,8192"));
-  for (int64_t L : lengths)
-    if (L <= 0) return fail(SF_ERR(kInvalidArgument, "--lengths must be positive integers"));
-  const int reps = std::max(1, std::atoi(a.get("reps", "3").c_str()));
+  auto lengths_r = parse_int_list(a.get("lengths", "512,2048,8192"), "--lengths", 1);
+  if (!lengths_r.is_ok()) return fail(lengths_r.status());
+  const std::vector<int64_t> lengths = std::move(lengths_r).value();
+  auto reps_r = a.get_int("reps", 3, 1, 100000);
+  if (!reps_r.is_ok()) return fail(reps_r.status());
+  const int reps = int(reps_r.value());
 
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());

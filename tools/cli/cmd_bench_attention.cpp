@@ -77,15 +77,6 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) v.push_back(std::atoll(item.c_str()));
-  return v;
-}
-
 // Uniform in [-1, 1) from a counter-based hash: parallel generation, same
 // inputs every thread count.
 float unit(uint64_t seed, uint64_t i) {
@@ -517,9 +508,16 @@ int cmd_bench_attention(int argc, char** argv) {
   const Args& a = args_r.value();
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress reaches a log even if the run is cut off
   Shape shape;
-  shape.heads = std::atoll(a.get("heads", "32").c_str());
-  shape.kv_heads = std::atoll(a.get("kv-heads", "8").c_str());
-  shape.d = std::atoll(a.get("head-dim", "128").c_str());
+  {
+    auto heads = a.get_int("heads", 32, 1, 1024);
+    auto kv_heads = a.get_int("kv-heads", 8, 1, 1024);
+    auto d = a.get_int("head-dim", 128, 1, 1024);
+    for (const auto* r : {&heads, &kv_heads, &d})
+      if (!r->is_ok()) return fail(r->status());
+    shape.heads = heads.value();
+    shape.kv_heads = kv_heads.value();
+    shape.d = d.value();
+  }
   if (shape.heads <= 0 || shape.kv_heads <= 0 || shape.heads % shape.kv_heads != 0)
     return fail(SF_ERR(kInvalidArgument, "--heads must be a positive multiple of --kv-heads"));
   std::optional<FileInputs> file_in;
@@ -535,8 +533,14 @@ int cmd_bench_attention(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--head-dim must be 64 or 128 (CUDA kernels)"));
   // With --inputs the default length is the file's n.
   const std::string n_str = file_in ? std::to_string(file_in->n) : "";
-  const auto dense_lengths = parse_list(a.get("lengths", file_in ? n_str : "8192,32768"));
-  const auto sparse_lengths = parse_list(a.get("sparse-lengths", file_in ? n_str : "32768"));
+  auto dense_r = parse_int_list(a.get("lengths", file_in ? n_str : "8192,32768"), "--lengths", 1,
+                                /*allow_empty=*/true);
+  if (!dense_r.is_ok()) return fail(dense_r.status());
+  auto sparse_r = parse_int_list(a.get("sparse-lengths", file_in ? n_str : "32768"),
+                                 "--sparse-lengths", 1, /*allow_empty=*/true);
+  if (!sparse_r.is_ok()) return fail(sparse_r.status());
+  const std::vector<int64_t> dense_lengths = std::move(dense_r).value();
+  const std::vector<int64_t> sparse_lengths = std::move(sparse_r).value();
   for (int64_t L : dense_lengths) {
     if (file_in && L > file_in->n)
       return fail(SF_ERR(kInvalidArgument, "--lengths: " + std::to_string(L) + " is longer than --inputs (" +
@@ -554,7 +558,9 @@ int cmd_bench_attention(int argc, char** argv) {
   for (int64_t L : sparse_lengths)
     if (L <= 0 || L > INT32_MAX)
       return fail(SF_ERR(kInvalidArgument, "--sparse-lengths: positive integers"));
-  const int reps = std::max(1, std::atoi(a.get("reps", "5").c_str()));
+  auto reps_r = a.get_int("reps", 5, 1, 100000);
+  if (!reps_r.is_ok()) return fail(reps_r.status());
+  const int reps = int(reps_r.value());
   std::vector<std::string> dtypes;
   {
     std::stringstream ss(a.get("dtypes", "fp32,bf16"));
@@ -573,31 +579,46 @@ int cmd_bench_attention(int argc, char** argv) {
   const uint64_t seed = a.has("seed")
                             ? std::strtoull(a.get("seed").c_str(), nullptr, 10)
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  const int64_t topk_blocks = std::atoll(a.get("blocks", "64").c_str());
+  auto topk_r = a.get_int("blocks", 64, 1, int64_t(1) << 24);
+  if (!topk_r.is_ok()) return fail(topk_r.status());
+  const int64_t topk_blocks = topk_r.value();
   // CP sizes whose selective exchange is counted on each index ("none": no count; the count
   // walks the whole index on the host, minutes at 1M).
   std::vector<int> cp_sizes;
   const std::string cp_arg = a.get("cp-sizes", "2,4,8");
-  if (cp_arg != "none")
-    for (int64_t cp : parse_list(cp_arg)) {
+  if (cp_arg != "none") {
+    auto cps = parse_int_list(cp_arg, "--cp-sizes", 2);
+    if (!cps.is_ok()) return fail(cps.status());
+    for (int64_t cp : cps.value()) {
       if (cp < 2 || cp > 64)
         return fail(SF_ERR(kInvalidArgument,
                            "--cp-sizes: CP sizes in [2, 64] or none, got " + std::to_string(cp)));
       cp_sizes.push_back(int(cp));
     }
-  const int64_t host_est_max = std::atoll(a.get("host-estimate-max", "32768").c_str());
+  }
+  auto host_est_r = a.get_int("host-estimate-max", 32768, 0, INT32_MAX);
+  if (!host_est_r.is_ok()) return fail(host_est_r.status());
+  const int64_t host_est_max = host_est_r.value();
   // Our kernel on a full index ("dense-ours") up to this length: its index is O(L^2 / 64^2) per
   // head (8.6 GB at 512K) and its rate is flat in L (119-133 TFLOP/s from 8K to 128K on H100).
-  const int64_t dense_ours_max = std::atoll(a.get("dense-ours-max", "131072").c_str());
+  auto dense_ours_r = a.get_int("dense-ours-max", 131072, 0, INT32_MAX);
+  if (!dense_ours_r.is_ok()) return fail(dense_ours_r.status());
+  const int64_t dense_ours_max = dense_ours_r.value();
   Planted planted;
-  planted.rope_base = std::atof(a.get("planted-rope-base", "10000").c_str());
-  planted.diag_logit = std::atof(a.get("planted-diag-logit", "12").c_str());
+  auto rope_base_r = a.get_double("planted-rope-base", 10000, 1, 1e12);
+  auto diag_r = a.get_double("planted-diag-logit", 12, 0, 64);
+  if (!rope_base_r.is_ok()) return fail(rope_base_r.status());
+  if (!diag_r.is_ok()) return fail(diag_r.status());
+  planted.rope_base = rope_base_r.value();
+  planted.diag_logit = diag_r.value();
   if (!(planted.rope_base > 1) || !(planted.diag_logit > 0) || planted.diag_logit > 64)
     return fail(SF_ERR(kInvalidArgument,
                        "--planted-rope-base must be > 1 and --planted-diag-logit in (0, 64]"));
   // Device memory one sparse mode's estimator workspace and index may take for a layer; above it
   // the heads run in groups (see the mode loop).
-  const double mem_budget = std::atof(a.get("sparse-memory-gb", "20").c_str()) * 1e9;
+  auto mem_r = a.get_double("sparse-memory-gb", 20, 0.001, 1e6);
+  if (!mem_r.is_ok()) return fail(mem_r.status());
+  const double mem_budget = mem_r.value() * 1e9;
   if (!(mem_budget > 0))
     return fail(SF_ERR(kInvalidArgument, "--sparse-memory-gb must be positive"));
   // The bf16 sparse kernel's mainloops to time (kernels/cuda/cuda_ops.h). The first gives each

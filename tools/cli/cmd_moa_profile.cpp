@@ -34,10 +34,17 @@ int cmd_moa_profile(int argc, char** argv) {
   std::sort(lengths.begin(), lengths.end());
   if (std::adjacent_find(lengths.begin(), lengths.end()) != lengths.end())
     return fail(SF_ERR(kInvalidArgument, "--lengths names a length twice"));
-  const double density = std::atof(a.get("density", "0.25").c_str());
-  const int64_t sink = std::atoll(a.get("sink", "64").c_str());
-  const int64_t step = std::atoll(a.get("step", "64").c_str());
-  const int obs = std::atoi(a.get("obs-window", "32").c_str());
+  auto density_r = a.get_double("density", 0.25, 0, 1);
+  auto sink_r = a.get_int("sink", 64, 0, INT32_MAX);
+  auto step_r = a.get_int("step", 64, 1, INT32_MAX);
+  auto obs_r = a.get_int("obs-window", 32, 1, 1 << 20);
+  if (!density_r.is_ok()) return fail(density_r.status());
+  if (!sink_r.is_ok()) return fail(sink_r.status());
+  if (!step_r.is_ok()) return fail(step_r.status());
+  if (!obs_r.is_ok()) return fail(obs_r.status());
+  const double density = density_r.value();
+  const int64_t sink = sink_r.value(), step = step_r.value();
+  const int obs = int(obs_r.value());
   if (!(density > 0 && density < 1))
     return fail(SF_ERR(kInvalidArgument, "--density must be in (0, 1)"));
   if (sink < 0 || step <= 0 || obs <= 0 || sink + step >= lengths.front())

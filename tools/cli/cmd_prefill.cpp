@@ -103,11 +103,9 @@ int cmd_prefill(int argc, char** argv) {
     if (a.get("tokenizer") == "hf") compat = model::TokenizerCompat::kHfTransformers;
     else if (a.get("tokenizer") != "gguf") return fail(SF_ERR(kInvalidArgument, "--tokenizer must be 'gguf' or 'hf'"));
   }
-  int64_t chunk = 512;
-  if (a.has("chunk")) {
-    chunk = std::atoll(a.get("chunk").c_str());
-    if (chunk <= 0) return fail(SF_ERR(kInvalidArgument, "--chunk must be a positive integer"));
-  }
+  auto chunk_r = a.get_int("chunk", 512, 1, int64_t(1) << 30);
+  if (!chunk_r.is_ok()) return fail(chunk_r.status());
+  const int64_t chunk = chunk_r.value();
 
   // --device cuda: BF16 weights on GPU 0, any --attention mode (DevicePrefill). Checked before
   // the slow model load.

@@ -187,16 +187,22 @@ int cmd_search(int argc, char** argv) {
   const std::string alloc = a.get("allocation", "global");
   if (alloc != "uniform" && alloc != "global")
     return fail(SF_ERR(kInvalidArgument, "--allocation must be 'uniform' or 'global'"));
-  const int n_random = std::atoi(a.get("rows", "256").c_str());
-  if (n_random < 0 || n_random > 4096) return fail(SF_ERR(kInvalidArgument, "--rows must be in [0, 4096]"));
-  const uint64_t seed = std::strtoull(a.get("seed", "7").c_str(), nullptr, 10);
-  const int spread_rows = std::atoi(a.get("spread-rows", "64").c_str());
-  if (spread_rows < 0 || spread_rows > 4096) return fail(SF_ERR(kInvalidArgument, "--spread-rows must be in [0, 4096]"));
+  auto rows_r = a.get_int("rows", 256, 0, 4096);
+  if (!rows_r.is_ok()) return fail(rows_r.status());
+  const int n_random = int(rows_r.value());
+  auto seed_r = a.get_int("seed", 7, 0, INT64_MAX);
+  if (!seed_r.is_ok()) return fail(seed_r.status());
+  const uint64_t seed = uint64_t(seed_r.value());
+  auto spread_r = a.get_int("spread-rows", 64, 0, 4096);
+  if (!spread_r.is_ok()) return fail(spread_r.status());
+  const int spread_rows = int(spread_r.value());
   const std::string objective = a.get("objective", "log-recall");
   if (objective != "recall" && objective != "log-recall")
     return fail(SF_ERR(kInvalidArgument, "--objective must be 'recall' or 'log-recall'"));
   const bool log_objective = objective == "log-recall";
-  const int64_t segment_rows = std::atoll(a.get("segment-rows", "0").c_str());
+  auto segment_r = a.get_int("segment-rows", 0, 0, int64_t(1) << 30);
+  if (!segment_r.is_ok()) return fail(segment_r.status());
+  const int64_t segment_rows = segment_r.value();
   if (segment_rows < 0 || segment_rows % 64 != 0)
     return fail(SF_ERR(kInvalidArgument, "--segment-rows must be 0 or a positive multiple of 64"));
   std::set<Pattern> use;
@@ -231,9 +237,9 @@ int cmd_search(int argc, char** argv) {
   if (doc.size() < 256) return fail(SF_ERR(kInvalidArgument, "the calibration text has fewer than 256 tokens"));
   // Default: the model's context (at most 8192), the calibration text repeated to reach it as
   // eval repeats its document, so budgets are sized at the length the targets are measured at.
-  int64_t L = a.has("length") ? std::atoll(a.get("length").c_str()) : std::min<int64_t>(cfg.max_context, 8192);
-  if (L < 256 || L > cfg.max_context)
-    return fail(SF_ERR(kInvalidArgument, "--length must be in [256, " + std::to_string(cfg.max_context) + "]"));
+  auto L_r = a.get_int("length", std::min<int64_t>(cfg.max_context, 8192), 256, cfg.max_context);
+  if (!L_r.is_ok()) return fail(L_r.status());
+  int64_t L = L_r.value();
   const std::vector<int32_t> ids = eval::fit_tokens(doc, L);
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -362,7 +368,11 @@ int cmd_search(int argc, char** argv) {
   sc.n_layers = NL;
   sc.n_heads = NH;
   sc.target_density = target;
-  if (a.has("dense-below")) sc.dense_below = std::max<int64_t>(0, std::atoll(a.get("dense-below").c_str()));
+  if (a.has("dense-below")) {
+    auto db = a.get_int("dense-below", 0, 0, INT32_MAX);
+    if (!db.is_ok()) return fail(db.status());
+    sc.dense_below = db.value();
+  }
   sc.layers.assign(size_t(NL), {});
   double sum_d = 0, sum_r = 0, min_r = 1;
   std::map<std::string, int> counts;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -99,19 +100,61 @@ std::string cpu_name() {
   return u.machine;
 }
 
-Result<std::vector<int64_t>> parse_length_list(const std::string& s) {
+namespace {
+
+bool whole_int(const std::string& s, int64_t* out) {
+  if (s.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(s.c_str(), &end, 10);
+  if (*end || errno == ERANGE) return false;
+  *out = x;
+  return true;
+}
+
+}  // namespace
+
+Result<int64_t> Args::get_int(const std::string& k, int64_t def, int64_t lo, int64_t hi) const {
+  if (!has(k)) return def;
+  int64_t x = 0;
+  if (!whole_int(get(k), &x) || x < lo || x > hi)
+    return SF_ERR(kInvalidArgument, "--" + k + ": '" + get(k) + "' is not an integer in [" +
+                                        std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return x;
+}
+
+Result<double> Args::get_double(const std::string& k, double def, double lo, double hi) const {
+  if (!has(k)) return def;
+  const std::string v = get(k);
+  char* end = nullptr;
+  const double x = v.empty() ? 0.0 : std::strtod(v.c_str(), &end);
+  if (v.empty() || *end || !std::isfinite(x) || x < lo || x > hi) {
+    std::ostringstream range;
+    range << "[" << lo << ", " << hi << "]";
+    return SF_ERR(kInvalidArgument,
+                  "--" + k + ": '" + v + "' is not a number in " + range.str());
+  }
+  return x;
+}
+
+Result<std::vector<int64_t>> parse_int_list(const std::string& s, const std::string& what,
+                                            int64_t lo, bool allow_empty) {
   std::vector<int64_t> v;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    char* end = nullptr;
-    const long long x = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end || x < 256)
-      return SF_ERR(kInvalidArgument, "--lengths: '" + item + "' is not an integer >= 256");
+    int64_t x = 0;
+    if (!whole_int(item, &x) || x < lo)
+      return SF_ERR(kInvalidArgument,
+                    what + ": '" + item + "' is not an integer >= " + std::to_string(lo));
     v.push_back(x);
   }
-  if (v.empty()) return SF_ERR(kInvalidArgument, "--lengths is empty");
+  if (v.empty() && !allow_empty) return SF_ERR(kInvalidArgument, what + " is empty");
   return v;
+}
+
+Result<std::vector<int64_t>> parse_length_list(const std::string& s) {
+  return parse_int_list(s, "--lengths", 256);
 }
 
 int fail(const Status& st) {

@@ -1,6 +1,7 @@
 #include "worker/runtime/batch.h"
 
 #include <boost/json.hpp>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -20,6 +21,16 @@ Status validate_request_id(const std::string& id) {
       return SF_ERR(kInvalidArgument,
                     "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
   }
+  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries <id>.json.tmp and
+  // <id>.partial-PID beside them: an id must not be another id's file.
+  const auto ends_with = [&](const char* s) {
+    const size_t n = std::strlen(s);
+    return id.size() >= n && id.compare(id.size() - n, n, s) == 0;
+  };
+  if (ends_with(".json") || ends_with(".tmp") || id.find(".partial-") != std::string::npos)
+    return SF_ERR(kInvalidArgument,
+                  "field 'id' must not end in .json or .tmp or hold .partial- (the worker's own "
+                  "files beside each output directory are named so)");
   return Status::ok();
 }
 

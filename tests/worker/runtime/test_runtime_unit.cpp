@@ -126,6 +126,11 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_NE(reason(12).find("unknown field 'extra'"), std::string::npos);
   EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
   EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
+  // Ids that would be another id's summary or a temporary beside the outputs.
+  for (const char* id : {"a.json", "a.tmp", "a.json.tmp", "a.partial-12", "x.partial-"})
+    EXPECT_FALSE(runtime::validate_request_id(id).is_ok()) << id;
+  for (const char* id : {"a", "a.jsonl", "doc.v2", "json", "a-partial", "tmp.a"})
+    EXPECT_TRUE(runtime::validate_request_id(id).is_ok()) << id;
 }
 
 // A line's own retention: parsed with the kvstore syntax, errors name the field.
