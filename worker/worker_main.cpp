@@ -431,16 +431,52 @@ int run(int argc, char** argv) {
   }
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
-  if (Status st = runtime::check_model_divides(cfg, o.tp); !st.is_ok())
-    return finish(2, st.message(), false);
-  if (Status st = kvstore::retention_check_geometry(o.retention, cfg.n_layers, cfg.n_kv_heads);
-      !st.is_ok())
-    return finish(2, "--retention: " + st.message(), false);
+  // The model against the options. An --attention config file is read on each rank's host, so
+  // one rank may fail where the others do not: agree before the grid's first collective.
   std::optional<model::SparseConfig> sparse;
-  if (o.attention != "dense") {
-    auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
-    if (!sc.is_ok()) return finish(2, sc.status().message(), false);
-    sparse.emplace(std::move(sc).value());
+  {
+    Status mine = runtime::check_model_divides(cfg, o.tp);
+    if (mine.is_ok()) {
+      if (Status st = kvstore::retention_check_geometry(o.retention, cfg.n_layers, cfg.n_kv_heads);
+          !st.is_ok())
+        mine = Status(st.code(), "--retention: " + st.message());
+    }
+    if (mine.is_ok() && o.attention != "dense") {
+      auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
+      if (sc.is_ok())
+        sparse.emplace(std::move(sc).value());
+      else
+        mine = Status(sc.status().code(),
+                      "rank " + std::to_string(world->rank()) + ": " + sc.status().message());
+    }
+    Status all = agree(*world, mine);
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(2, all.message(), false);
+  }
+  // The request fingerprint's model and attention parts, the same for every request. They are
+  // read on each rank's host: ranks holding other weights or another config file would compute
+  // a mix of two models, so they must agree.
+  const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
+  std::string job = "model=" + model_compat + ";weights=" + model_identity(o.model) +
+                    ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
+                    ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
+                    std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
+                    std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
+                    ";export=" + o.export_mode;
+  if (o.attention.rfind("config:", 0) == 0) {
+    std::ifstream f(o.attention.substr(7), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    job += ";attention_file=" + hex64(xxh64_bytes(text.data(), text.size()));
+  }
+  {
+    auto same = same_on_every_rank(
+        *world, {int64_t(xxh64_bytes(job.data(), job.size()) & 0x7fffffffffffffffULL)});
+    if (!same.is_ok()) fatal(same.status());
+    if (!same.value()[0])
+      return finish(2,
+                    "the ranks read different model weights or --attention config files (each "
+                    "host must hold the same files: compare their sizes and checksums)",
+                    false);
   }
   std::optional<model::Tokenizer> tok;
   if (m.format() == model::ModelFormat::kGguf) {
@@ -637,19 +673,6 @@ int run(int argc, char** argv) {
     prefix_pool = std::move(p).value();
     prefix = std::make_unique<kvstore::PrefixCache>(prefix_pool.get(), cfg.n_layers,
                                                     o.prefix_cache_bytes);
-  }
-  // The request fingerprint's model and attention parts, the same for every request.
-  const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
-  std::string job = "model=" + model_compat + ";weights=" + model_identity(o.model) +
-                    ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
-                    ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
-                    std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
-                    std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
-                    ";export=" + o.export_mode;
-  if (o.attention.rfind("config:", 0) == 0) {
-    std::ifstream f(o.attention.substr(7), std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    job += ";attention_file=" + hex64(xxh64_bytes(text.data(), text.size()));
   }
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];

@@ -7,6 +7,8 @@
 #   flags       --selective-kv without --cp-estimate: one error line, exit 2
 #   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
 #   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
+#   hosts       np 2 by MPMD, each rank in its own directory: an --attention config file missing
+#               on rank 1, then one with other contents, is one start-up error naming it, exit 2
 #   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
 #   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
 #               the job fails within 30 s with the error naming the collective and the ranks
@@ -168,6 +170,34 @@ PY
     [ "$ms" -lt 30000 ] || fail "took $ms ms (deadline 30 s)"
     grep -Eq "exited on signal 9|did not complete within its deadline|unexpectedly disconnected" "$tmp/stderr" \
       || fail "no clear error"
+    ;;
+  hosts)
+    # Each rank reads --attention config:FILE on its own host (here: its own working directory,
+    # by MPMD). A rank that cannot read it, or reads other contents, is one clear start-up error
+    # on rank 0, exit 2, not a grid barrier waiting out its deadline.
+    src="$(cd "$(dirname "$0")/../.." && pwd)"
+    mkdir -p "$tmp/a" "$tmp/b"
+    cp "$src/configs/smollm2-135m-instruct.json" "$tmp/a/c.json"
+    hosts() {  # rank 0 in a/, rank 1 in b/
+      local t0; t0=$(date +%s%N)
+      SF_COMM_TIMEOUT_S=30 "$mpiexec" --oversubscribe -np 1 --wdir "$tmp/a" "$worker" "$@" : \
+        -np 1 --wdir "$tmp/b" "$worker" "$@" >"$tmp/stdout" 2>"$tmp/stderr"
+      rc=$?
+      ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    }
+    hosts --model default --cp 2 --attention config:c.json --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "config missing on rank 1: exit $rc, want 2"
+    [ "$ms" -lt 20000 ] || fail "took $ms ms: waited on a deadline instead of agreeing"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
+    errors | grep -q "^error: rank 1: .*c.json" || fail "message should name rank 1 and the file"
+    # Other contents on rank 1's host (one more byte): the ranks would build different indexes.
+    { cat "$tmp/a/c.json"; echo; } >"$tmp/b/c.json"
+    hosts --model default --cp 2 --attention config:c.json --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "config differs on rank 1: exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
+    errors | grep -q "^error: the ranks read different model weights or --attention config files" \
+      || fail "message"
+    [ ! -e "$tmp/out" ] || [ -z "$(find "$tmp/out" -name manifest.json)" ] || fail "exports were written"
     ;;
   stalled)
     SF_WORKER_FAULT=stop:1:3 run 2 --model default --cp 2 --comm-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
