@@ -10,7 +10,8 @@
 // at those positions (1e-2); the kept sets' overlap with the CPU worker's own retention is printed,
 // not bounded (BF16 against F32 importance may order near-ties differently). A fourth line asks
 // for two tiers (snapkv high=96 in int8, the rest of 256 in int4): a format-5 export written by
-// the ranks, each tier within its encoding's error of the CPU's full export.
+// the ranks, each tier within its encoding's error of the CPU's full export. A fifth, of 50 tokens,
+// must export as the CPU's at CP 1 (one rank holds it whole) and fail with its reason at CP 2.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@
 #include <random>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
@@ -83,6 +85,10 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
       << "], \"retention\": \"snapkv:budget=256,span=4\"}\n";
     b << "{\"id\": \"t\", \"tokens\": [" << first
       << "], \"retention\": \"snapkv:budget=256,high=96,span=4\", \"kv_dtype\": \"int8+int4\"}\n";
+    // A short prompt: one rank takes it whole at CP 1; CP 2 needs a 64-token block a rank.
+    std::string toks;
+    for (int i = 0; i < 50; ++i) toks += (i ? ", " : "") + std::to_string(rng() % 512);
+    b << "{\"id\": \"s\", \"tokens\": [" << toks << "]}\n";
   }
   const std::string worker = SF_WORKER_BIN, mpiexec = SF_MPIEXEC;
   const std::string common = " --model " + model + " --batch " + (dir / "batch.jsonl").string();
@@ -102,12 +108,22 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
     }
     const std::string out = (dir / ("gpu-" + grid.substr(2, 2) + grid.back())).string();
     const std::string log = out + ".log";
+    const bool cp1 = grid != "--cp 2";
+    // At CP 2 the short line fails, with its reason, and the job exits 3 after the others.
     ASSERT_EQ(run(mpiexec + " --oversubscribe -np " + std::to_string(np) + " " + worker + common +
                       " " + grid + " --device cuda --out " + out,
                   log),
-              0)
+              cp1 ? 0 : 3)
         << slurp(log);
-    for (const char* id : {"a", "b"}) {
+    if (!cp1) {
+      EXPECT_NE(slurp(log).find("50 tokens give some CP rank no 64-token block (CP 2 needs at "
+                                "least 256)"),
+                std::string::npos)
+          << slurp(log);
+    }
+    std::vector<std::string> ids = {"a", "b"};
+    if (cp1) ids.push_back("s");
+    for (const std::string& id : ids) {
       // Each rank writes its own shard of every layer.
       EXPECT_TRUE(
           fs::exists(out + "/" + id + "/layer_001.r" + std::to_string(np - 1) + ".safetensors"))
@@ -133,7 +149,7 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
       std::printf(
           "  worker %s %s: GPU export vs CPU K/V max |diff| / max = %.3g; first token gpu "
           "%d cpu %d\n",
-          grid.c_str(), id, num / den, g->first_token, c->first_token);
+          grid.c_str(), id.c_str(), num / den, g->first_token, c->first_token);
       EXPECT_LE(num / den, 1e-2) << grid << " " << id;
     }
     // The retention line against the CPU's full export of the same tokens ("a") and the CPU

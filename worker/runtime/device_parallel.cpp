@@ -117,7 +117,9 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
     return SF_ERR(kInvalidArgument,
                   "device parallel prefill: model on cuda:" + std::to_string(dm.device()) +
                       ", communicators on cuda:" + std::to_string(dg.device));
-  if (n_tokens < 2 * CP * 64)
+  // Each CP rank needs a 64-token block of its own (the device shard has no empty rank); at CP 1
+  // the one rank takes the prompt whole, however short.
+  if (CP > 1 && n_tokens < 2 * CP * 64)
     return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(n_tokens) +
                                         " tokens give some CP rank no 64-token block (CP " +
                                         std::to_string(CP) + " needs at least " +
