@@ -65,6 +65,9 @@ struct DeviceParallelPrefill::Impl {
   kernels::cuda::DeviceBuffer stage;  // the all-gather's landing zone: [S, kvd], rank blocks
   std::optional<model::DevicePrefill> prefill;
   int64_t kv_recv_bytes = 0;  // per run: the K/V bytes the CP all-gather brings this rank
+  // A prompt too short for a 64-token block on each CP rank: every CP rank computes it whole
+  // (no exchange), and keeps only its own pieces' rows, so exports shard as at any length.
+  bool whole = false;
   bool importance = false;    // PrefillOptions::importance_window > 0
 
   // CP exchange: all-gather each of K and V into `stage` (rank blocks in rank order), then copy
@@ -117,13 +120,6 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
     return SF_ERR(kInvalidArgument,
                   "device parallel prefill: model on cuda:" + std::to_string(dm.device()) +
                       ", communicators on cuda:" + std::to_string(dg.device));
-  // Each CP rank needs a 64-token block of its own (the device shard has no empty rank); at CP 1
-  // the one rank takes the prompt whole, however short.
-  if (CP > 1 && n_tokens < 2 * CP * 64)
-    return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(n_tokens) +
-                                        " tokens give some CP rank no 64-token block (CP " +
-                                        std::to_string(CP) + " needs at least " +
-                                        std::to_string(2 * CP * 64) + ")");
 
   DeviceParallelPrefill p;
   p.impl_ = std::make_unique<Impl>();
@@ -137,6 +133,9 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
   w.n_layers = size_t(c.n_layers);
   w.mine = rank_pieces(n_tokens, CP, g.cp_rank);
   w.importance = opt.importance_window > 0;
+  // The device shard needs rows on every rank: below a 64-token block a CP rank, each CP rank
+  // runs the prompt whole (at most 2 x CP x 64 tokens, a few milliseconds) instead of failing.
+  w.whole = CP > 1 && n_tokens < 2 * CP * 64;
   for (int r = 0; r < CP; ++r) {
     w.rank_rows.push_back(rank_pieces(n_tokens, CP, r));
     int64_t rows = 0;
@@ -146,10 +145,10 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
 
   model::DeviceShard shard;
   shard.n_tokens = n_tokens;
-  shard.pieces = w.mine;
+  shard.pieces = w.whole ? std::vector<std::array<int64_t, 2>>{{0, n_tokens}} : w.mine;
   shard.logits = g.leader();
   Impl* wp = &w;
-  if (CP > 1)
+  if (CP > 1 && !w.whole)
     shard.exchange_kv = [wp](int, const void* kl, const void* vl, void* ka, void* va, DType dt) {
       return wp->exchange(kl, vl, ka, va, dt);
     };
@@ -165,7 +164,7 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
     };
   }
   SF_ASSIGN(model::DevicePrefill dp, model::DevicePrefill::plan_shard(dm, std::move(shard), opt));
-  if (CP > 1) {
+  if (CP > 1 && !w.whole) {
     // The exchange dtype is the attention's: BF16 on the cuDNN path.
     const size_t es = dtype_size(dp.attention_dtype());
     SF_TRY(w.stage.alloc(size_t(n_tokens * w.kvd) * es));
@@ -208,6 +207,24 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     out.n_logit_rows = r.n_logit_rows;
   }
   out.kv = std::move(r.kv);
+  if (w.whole && !out.kv.k.empty()) {
+    // Computed whole: keep this rank's pieces' rows, as a sharded run holds them.
+    const size_t row = size_t(w.kvd);
+    int64_t n_mine = 0;
+    for (const auto& p : w.mine) n_mine += p[1] - p[0];
+    for (auto* side : {&out.kv.k, &out.kv.v})
+      for (std::vector<float>& layer : *side) {
+        std::vector<float> kept(size_t(n_mine) * row);
+        size_t o = 0;
+        for (const auto& p : w.mine) {
+          std::copy(layer.begin() + std::ptrdiff_t(size_t(p[0]) * row),
+                    layer.begin() + std::ptrdiff_t(size_t(p[1]) * row), kept.begin() + std::ptrdiff_t(o));
+          o += size_t(p[1] - p[0]) * row;
+        }
+        layer = std::move(kept);
+      }
+    out.kv.n_tokens = n_mine;
+  }
   ParallelStats& st = out.stats;
   if (w.importance) {
     // The slice's scores come from the CP rank that holds the prompt's end (CP rank 0, whose
@@ -252,7 +269,9 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
                   (g.group_comm->bytes_sent() - grp0) + st.importance_bytes;
   // Every TP rank holds as many heads, so causal pairs per head weigh the ranks alike.
   double causal = 0;
-  for (const auto& p : w.mine) {
+  const std::vector<std::array<int64_t, 2>> computed =
+      w.whole ? std::vector<std::array<int64_t, 2>>{{0, w.S}} : w.mine;
+  for (const auto& p : computed) {
     const double n = double(p[1] - p[0]);
     causal += n * double(p[0]) + n * (n + 1) / 2;
   }

@@ -53,7 +53,9 @@ class DeviceParallelPrefill {
   // g.shape.tp, slice().index == g.tp_rank) on dg.device. opt: chunk, sparse, keep_kv (this
   // rank's rows, pieces in prompt order) and importance_window/pool (SnapKV scores, computed by
   // the CP rank holding the prompt's end against every key, then sent to every rank: run's
-  // ParallelResult::importance) are used; all_logits and hooks are refused.
+  // ParallelResult::importance) are used; all_logits and hooks are refused. A prompt shorter than
+  // 2 x CP x 64 tokens (no 64-token block for some CP rank) runs whole on every CP rank, with no
+  // exchange, and each rank keeps its own pieces' rows.
   static Result<DeviceParallelPrefill> plan(const model::DeviceModel& dm, GridComms& g,
                                             DeviceGrid& dg, int64_t n_tokens,
                                             const model::PrefillOptions& opt = {},
