@@ -97,8 +97,9 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
       const int64_t extra = (std::max<int64_t>(0, reserve_tokens - room) + B - 1) / B;
       most = std::max(most, int64_t(pg.size()) + extra);
     }
+  // kUnsupported: a context the kernel does not take (--device auto then decodes on the CPU).
   if (most > kernels::kDecodeMaxPages)
-    return SF_ERR(kOutOfRange, "device pool: a head needs " + std::to_string(most) +
+    return SF_ERR(kUnsupported, "device pool: a head needs " + std::to_string(most) +
                                    " blocks, more than the kernel's " +
                                    std::to_string(kernels::kDecodeMaxPages) + " (" +
                                    std::to_string(kernels::kDecodeMaxPages * B) + " tokens)");

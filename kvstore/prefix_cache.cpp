@@ -121,6 +121,13 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
   const int64_t eb = entry_bytes();
   const int64_t row = pool_->half_floats() / kPoolBlockTokens;
   std::vector<uint64_t> chain;
+  // Refresh leaf first, as lookup does, so a prefix is more recent than its extensions: on every
+  // exit, a partial insert included (its blocks went in prefix first, which would leave the
+  // prefix oldest: evicted first, stranding the rest of its chain).
+  const auto refresh = [&] {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+      lru_.splice(lru_.begin(), lru_, map_[*it].lru);
+  };
   uint64_t parent = 0;
   for (int64_t b = 0; b < nb; ++b) {
     auto blk = tokens.subspan(size_t(b * kPoolBlockTokens), kPoolBlockTokens);
@@ -135,18 +142,22 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
       parent = key;
       continue;
     }
-    if (eb > st_.budget_bytes)
+    if (eb > st_.budget_bytes) {
+      refresh();
       return SF_ERR(kResourceExhausted, "prefix cache: one block (" + std::to_string(eb) +
                                             " bytes) exceeds the budget of " +
                                             std::to_string(st_.budget_bytes));
+    }
     // Evict, never this request's own chain: its entries were just made most recent, so the
     // LRU tail is something else unless the budget holds only this chain.
     while (st_.used_bytes + eb > st_.budget_bytes && int64_t(lru_.size()) > int64_t(chain.size()))
       evict_one();
-    if (st_.used_bytes + eb > st_.budget_bytes)
+    if (st_.used_bytes + eb > st_.budget_bytes) {
+      refresh();
       return SF_ERR(kResourceExhausted,
                     "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
                         " bytes holds " + std::to_string(chain.size()) + " blocks of this prompt");
+    }
     Entry e;
     e.parent = parent;
     e.model_id = model_id;
@@ -174,6 +185,7 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
     }
     if (!st.is_ok()) {
       for (BlockId id : e.blocks) (void)pool_->free(id);
+      refresh();
       return st;
     }
     lru_.push_front(key);
@@ -185,9 +197,7 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
     chain.push_back(key);
     parent = key;
   }
-  // Refresh leaf first, as lookup does, so a prefix is more recent than its extensions.
-  for (auto it = chain.rbegin(); it != chain.rend(); ++it)
-    lru_.splice(lru_.begin(), lru_, map_[*it].lru);
+  refresh();
   return Status::ok();
 }
 

@@ -151,7 +151,9 @@ Status check_snapkv_family(const char* policy, const RetentionPolicy& p,
 // One head's recent span on an N-token prompt; retention_apply and the budget search share it so
 // the search counts exactly what apply keeps.
 int64_t moa_span(const MoaSpan& s, int64_t N) {
-  return std::clamp<int64_t>(int64_t(std::llround(s.alpha + s.beta * double(N))), 1, N);
+  // Clamped as a double first: llround of a value past int64 (a config's alpha of 1e19) is
+  // undefined, and glibc's LLONG_MIN would clamp to a span of 1.
+  return int64_t(std::llround(std::clamp(s.alpha + s.beta * double(N), 1.0, double(N))));
 }
 
 int64_t moa_kept_total(const RetentionPolicy& p, int64_t N) {
@@ -390,7 +392,9 @@ Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t windo
   const double step = n_layers > 1 ? (hi - lo) / (n_layers - 1) : 0;
   for (int l = 0; l < n_layers; ++l) {
     const double scored = n_layers > 1 ? hi - step * l : avg;
-    out[size_t(l)] = window + std::clamp<int64_t>(int64_t(std::llround(scored)), 0, N - window);
+    // Without a window, a top layer's share can round to 0: each keeps at least one token.
+    out[size_t(l)] = window + std::clamp<int64_t>(int64_t(std::llround(scored)),
+                                                  window == 0 ? 1 : 0, N - window);
   }
   return out;
 }
@@ -506,8 +510,12 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
       SF_TRY(check_snapkv_family("adakv", p, scores, n_layers, n_kv_heads, N));
       const int64_t k = p.budget - p.window;
       for (int l = 0; l < n_layers; ++l) {
+        // Without a window a head whose floor rounds to 0 could lose every pick to the others
+        // and keep no token, which no export can hold: each head keeps at least one.
+        const int64_t floor_k = std::max<int64_t>(int64_t(std::floor(p.floor * double(k) + 1e-9)),
+                                                  p.window == 0 ? 1 : 0);
         auto kept = ada_window_plus_topk(scores->layers[size_t(l)].data(), n_kv_heads, N, p.window,
-                                         k, int64_t(std::floor(p.floor * double(k) + 1e-9)));
+                                         k, floor_k);
         for (int h = 0; h < n_kv_heads; ++h)
           r.kept[size_t(l * n_kv_heads + h)] = std::move(kept[size_t(h)]);
       }

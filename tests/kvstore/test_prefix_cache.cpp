@@ -174,6 +174,25 @@ TEST(PrefixCache, HitMissCountersAndBudgetErrors) {
   EXPECT_EQ(c2.lookup("m", a), 64);
 }
 
+// An insert that runs out of budget part way keeps what it cached with the prefix most recent,
+// so later evictions take its tail first and the prefix stays reachable.
+TEST(PrefixCache, PartialInsertKeepsItsPrefixMostRecent) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto a = random_tokens(6 * 64, 1000, rng), b = random_tokens(64, 1000, rng);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 4 * entry_bytes());  // four blocks
+  FakeKv ka(a), kb(b);
+  EXPECT_EQ(cache.insert("m", a, ka.rows()).code(), Code::kResourceExhausted);
+  EXPECT_EQ(cache.stats().entries, 4);  // (no lookup here: a lookup refreshes the chain itself)
+  // One more block evicts one of a's: its last cached block, not its first (which would leave
+  // the other three unreachable, still holding budget).
+  ASSERT_TRUE(cache.insert("m", b, kb.rows()).is_ok());
+  EXPECT_EQ(cache.stats().evicted_blocks, 1);
+  EXPECT_EQ(cache.lookup("m", a), 3 * 64);
+  EXPECT_EQ(cache.lookup("m", b), 64);
+}
+
 model::ModelConfig tiny_config() {
   model::ModelConfig c = testing::tiny_config(kLayers);
   c.n_kv_heads = kHeads;

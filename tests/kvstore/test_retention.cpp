@@ -390,6 +390,27 @@ TEST(Retention, PyramidBudgetsFallLinearlyAndKeepTheTotal) {
   EXPECT_EQ(e.status().code(), Code::kOutOfRange);
 }
 
+// Without a window, a head must still keep a token (an export refuses an empty head, after the
+// whole prefill): adakv whose floor rounds to 0 while another head takes every shared pick, and
+// pyramid whose top layers' share rounds to 0.
+TEST(Retention, NoHeadKeepsNothingWithoutAWindow) {
+  const int L = 4, H = 2;
+  const int64_t N = 600;
+  auto sc = random_scores(L, H, N, 7, fresh_seed());
+  for (auto& layer : sc.layers)
+    for (int64_t t = 0; t < N; ++t) layer[size_t(N + t)] = 0.f;  // head 1 scores nothing
+  for (const char* spec : {"adakv:budget=4,window=0,floor=0", "adakv:budget=3,window=0,floor=0.2",
+                           "pyramid:budget=1,window=0"}) {
+    auto p = retention_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << spec << ": " << p.status().to_string();
+    auto r = retention_apply(p.value(), L, H, N, &sc);
+    ASSERT_TRUE(r.is_ok()) << spec << ": " << r.status().to_string();
+    expect_sorted_unique_in_range(r.value());
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h) EXPECT_FALSE(r->positions(l, h).empty()) << spec << " " << l << "/" << h;
+  }
+}
+
 TEST(Retention, MoAKeepsPerHeadElasticSpans) {
   RetentionPolicy p;
   p.kind = RetentionKind::kMoA;
@@ -404,6 +425,12 @@ TEST(Retention, MoAKeepsPerHeadElasticSpans) {
   EXPECT_EQ(r->positions(1, 0).size(), size_t(N));  // span clamps to the prompt
   EXPECT_EQ(r->positions(1, 1).size(), 64u + 110u);
   EXPECT_TRUE(keeps_last(r->positions(0, 1), N, 500));
+  // A span past int64 clamps to the prompt, not to one token.
+  RetentionPolicy huge = p;
+  huge.moa[0][0] = {1e19, 0.0};
+  auto hr = retention_apply(huge, 2, 2, N, nullptr);
+  ASSERT_TRUE(hr.is_ok()) << hr.status().to_string();
+  EXPECT_EQ(hr->positions(0, 0).size(), size_t(N));
   p.moa[1][1].beta = 1.5;
   auto e = retention_apply(p, 2, 2, N, nullptr);
   EXPECT_EQ(e.status().code(), Code::kOutOfRange);

@@ -20,16 +20,6 @@
 namespace sf::cli {
 namespace {
 
-Result<int> parse_int(const Args& a, const std::string& key, int def, int lo, int hi) {
-  if (!a.has(key)) return def;
-  char* end = nullptr;
-  const long x = std::strtol(a.get(key).c_str(), &end, 10);
-  if (a.get(key).empty() || *end || x < lo || x > hi)
-    return SF_ERR(kInvalidArgument, "--" + key + " must be an integer in [" + std::to_string(lo) + ", " +
-                                        std::to_string(hi) + "]");
-  return int(x);
-}
-
 std::string safe_name(const std::string& mode) {
   std::string s;
   for (char c : mode) s += (std::isalnum(static_cast<unsigned char>(c)) || c == '-') ? c : '_';
@@ -161,12 +151,14 @@ int cmd_eval(int argc, char** argv) {
   if (mode.empty()) return fail(SF_ERR(kInvalidArgument, "--attention MODE is required"));
   auto lengths = parse_length_list(a.get("lengths", "2048,4096,8192"));
   if (!lengths.is_ok()) return fail(lengths.status());
-  auto trials = parse_int(a, "passkey-trials", 1, 1, 100);
+  auto trials = a.get_int("passkey-trials", 1, 1, 100);
   if (!trials.is_ok()) return fail(trials.status());
-  auto level = parse_int(a, "passkey-level", 0, 0, eval::kPasskeyLevels - 1);
+  auto level = a.get_int("passkey-level", 0, 0, eval::kPasskeyLevels - 1);
   if (!level.is_ok()) return fail(level.status());
-  auto reps = parse_int(a, "reps", 1, 1, 20);
+  auto reps = a.get_int("reps", 1, 1, 20);
   if (!reps.is_ok()) return fail(reps.status());
+  auto seed = a.get_int("seed", 0, 0, INT64_MAX);
+  if (!seed.is_ok()) return fail(seed.status());
   // Default: two original held-out essays, together longer than 8K tokens, so no length up to
   // the model's context repeats text (a repeat turns the tail into a copy task).
   const std::string doc_path =
@@ -176,6 +168,11 @@ int cmd_eval(int argc, char** argv) {
   if (!text.is_ok()) return fail(text.status());
   const std::string out_path =
       a.get("out", std::string(SF_SOURCE_DIR) + "/bench/results/eval-" + safe_name(mode) + ".json");
+  // The markdown summary goes beside the JSON, with its extension replaced by .md.
+  if (std::filesystem::path(out_path).extension() == ".md")
+    return fail(SF_ERR(kInvalidArgument, "--out '" + out_path +
+                                             "' ends in .md, the markdown summary's name; give "
+                                             "the JSON's (FILE.json)"));
   {
     const auto parent = std::filesystem::path(out_path).parent_path();
     std::error_code ec;
@@ -217,7 +214,7 @@ int cmd_eval(int argc, char** argv) {
     s.passkey_level = level.value();
     s.timing_reps = reps.value();
     s.do_passkey = !a.has("no-passkey");
-    if (a.has("seed")) s.seed = std::strtoull(a.get("seed").c_str(), nullptr, 10);
+    if (a.has("seed")) s.seed = uint64_t(seed.value());
     if (a.has("dump-nll")) s.nll_dump_path = a.get("dump-nll") + "-" + std::to_string(L) + ".tsv";
     const auto t0 = std::chrono::steady_clock::now();
     auto r = eval::evaluate(m, tok.value(), doc, &sc.value(), mode, s);

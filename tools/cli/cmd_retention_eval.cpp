@@ -178,7 +178,9 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
     // the budget with every token kept: high x HIGH + (1 - high) x LOW = budget; a hair under,
     // as the kept counts round per head and the key groups per 64 tokens).
     const double b_hi = all_bytes(c.enc), b_lo = all_bytes(*c.low);
-    high = std::clamp((c.budget * all_bytes(ref) - b_lo) / (b_hi - b_lo) * (1 - 5e-3), high, 1.0);
+    // (min/max, not std::clamp: high itself may pass 1 here, and clamp's bounds must be ordered)
+    high = std::min(1.0, std::max(high, (c.budget * all_bytes(ref) - b_lo) / (b_hi - b_lo) *
+                                            (1 - 5e-3)));
   }
   tokens = std::min(1.0, tokens);
   kvstore::RetentionPolicy pol;
