@@ -529,6 +529,11 @@ TEST_F(DeviceDecode, EncodedPoolRefusals) {
   Planted q = planted(64 * 3, testing::fresh_seed(), false, 64);
   EXPECT_EQ(decode::DevicePagedPool::upload(q.cache, 0, kvstore::KvEncoding::kInt4).status().code(),
             Code::kUnsupported);
+  // A head past the kernel's 4,096 blocks with the reserved tokens: kUnsupported too, so
+  // --device auto decodes on the CPU instead of failing.
+  auto big = decode::DevicePagedPool::upload(q.cache, kernels::kDecodeMaxPages * 64,
+                                             kvstore::KvEncoding::kF32);
+  EXPECT_EQ(big.status().code(), Code::kUnsupported) << big.status().to_string();
 }
 
 // +gqa turns take one lane per query head of a KV head: more than kDecodePsaGqaMaxGroup is
