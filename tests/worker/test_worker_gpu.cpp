@@ -115,10 +115,13 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
               0)
         << slurp(log);
     for (const std::string id : {"a", "b", "s"}) {
-      // Each rank writes its own shard of every layer.
-      EXPECT_TRUE(
-          fs::exists(out + "/" + id + "/layer_001.r" + std::to_string(np - 1) + ".safetensors"))
-          << grid;
+      // Each rank writes its own shard of every layer; at CP 2 the 50-token line's last rank
+      // holds no rows (one 64-token block, zigzag chunks 0 and 3 on rank 0) and writes none.
+      const bool empty_rank = id == "s" && grid == "--cp 2";
+      EXPECT_EQ(
+          fs::exists(out + "/" + id + "/layer_001.r" + std::to_string(np - 1) + ".safetensors"),
+          !empty_rank)
+          << grid << " " << id;
       EXPECT_NE(slurp(out + "/" + id + ".json").find("\"device\": \"cuda\""), std::string::npos);
       auto g = decode::load_kv_export(out + "/" + id, hash);
       auto c = decode::load_kv_export((dir / "cpu").string() + "/" + id, hash);
