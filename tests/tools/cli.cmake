@@ -64,6 +64,11 @@ if(TARGET sparsefill)
            --kv-pool host=1M,disk=${_tmp}/kvp)
   set_tests_properties(cli_kv_pool PROPERTIES PASS_REGULAR_EXPRESSION
                        "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes.*the forward held at most [0-9]+ bytes of KV")
+  # --kv-pool with --export-kv: the export is read from the pool (host and disk blocks), byte for
+  # byte a plain run's, while the forward holds one layer's K/V at a time.
+  add_test(NAME cli_kv_pool_export COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/export_via_pool.sh ${_sf}
+           ${_tmp}/export-via-pool)
+  set_tests_properties(cli_kv_pool_export PROPERTIES LABELS unit TIMEOUT 180)
   set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_device_on_cpu cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
                        PROPERTIES LABELS unit TIMEOUT 120)
   # --dump-attention LAYER:FILE: bad specs fail before the slow part; a good one writes q, k, v

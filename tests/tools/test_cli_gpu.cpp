@@ -18,7 +18,8 @@
 //   against the CPU's dense full export (as test_worker_gpu does for the worker);
 // - the kept positions shared with the CPU's own snapkv export are printed, not bounded;
 // - the dense GPU run tiers its KV from device memory (--kv-pool device=,host=): 4 blocks a layer
-//   stay on the device, the other 28 go to pinned host.
+//   stay on the device, the other 28 go to pinned host, and its export (bounded above) is read
+//   back from those blocks: the forward keeps no host copy of the KV.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -127,6 +128,8 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
                 pm[1].str().c_str(), pm[2].str().c_str(), pm[3].str().c_str());
     EXPECT_EQ(std::stoll(pm[1]), 4 * cfg.n_layers);
     EXPECT_EQ(std::stoll(pm[2]), 28 * cfg.n_layers);
+    // The export reads the pool (device and host blocks): the forward keeps no host copy.
+    EXPECT_NE(log.find("the forward held at most 0 bytes of KV"), std::string::npos) << log;
     // A host budget one block short of the rest plus the swap block is refused before the
     // prefill, with the size it needs.
     const std::string short_pool = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +

@@ -198,7 +198,9 @@ int cmd_prefill(int argc, char** argv) {
                                               std::to_string(cfg.n_layers) + "-layer model"));
   model::PrefillOptions opt;
   opt.chunk = chunk;
-  opt.keep_kv = a.has("export-kv") || dump_layer >= 0;
+  // With --kv-pool the export reads the pool, which holds every layer's K/V: the forward need
+  // not keep a second copy (it drops each layer once tiered).
+  opt.keep_kv = (a.has("export-kv") && !kv_pool) || dump_layer >= 0;
   std::vector<float> dump_q;
   int64_t dump_rows = 0;
   if (dump_layer >= 0)
@@ -333,16 +335,17 @@ int cmd_prefill(int argc, char** argv) {
     spec.encoding = kv_dtype.high;
     spec.encoding_low = kv_dtype.low;
     const auto& kv = r.kv;
+    const int64_t S = int64_t(ids.size());
     std::optional<kvstore::ImportanceScores> imp;
     if (!r.importance.empty())
-      imp = kvstore::ImportanceScores{cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, opt.importance_window,
+      imp = kvstore::ImportanceScores{cfg.n_layers, cfg.n_kv_heads, S, opt.importance_window,
                                       opt.importance_pool, r.importance};
     if (imp && opt.importance_from_estimator)
         imp->method =
             "per KV group: the sparse estimator's softmax column sums of its scoring rows (last 64, "
             "plus spread rows) when every query head of the group has them, else the attention "
             "LSE pass over the observation window";
-    auto ret = kvstore::retention_apply(retention, cfg.n_layers, cfg.n_kv_heads, kv.n_tokens, imp ? &*imp : nullptr);
+    auto ret = kvstore::retention_apply(retention, cfg.n_layers, cfg.n_kv_heads, S, imp ? &*imp : nullptr);
     if (!ret.is_ok()) return fail(ret.status());
     spec.retention = &ret.value();
     spec.importance = imp ? &*imp : nullptr;
@@ -351,14 +354,28 @@ int cmd_prefill(int argc, char** argv) {
         "bytes\n",
         ret->policy.c_str(), ret->params.empty() ? "" : " ", ret->params.c_str(),
         100.0 * double(ret->kept_total()) /
-            double(int64_t(cfg.n_layers) * cfg.n_kv_heads * kv.n_tokens),
+            double(int64_t(cfg.n_layers) * cfg.n_kv_heads * S),
         kvstore::kv_encodings_name(kv_dtype).c_str(),
         100.0 * double(kvstore::kv_bytes(ret.value(), cfg.head_dim, kv_dtype.high, kv_dtype.low)) /
             double(
                 int64_t(cfg.n_layers) * cfg.n_kv_heads *
-                kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kv.n_tokens, cfg.head_dim)));
-    Status st = kvstore::export_kv(a.get("export-kv"), spec,
-                                   [&](int l, bool v) { return (v ? kv.v : kv.k)[size_t(l)].data(); }, a.has("force"));
+                kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, S, cfg.head_dim)));
+    // The pool's layers, read back one at a time (export_kv asks for a layer's K, then its V);
+    // without a pool, the forward's kept KV.
+    int pooled_layer = -1;
+    std::vector<float> pk, pv;
+    Status read_st;
+    const kvstore::LayerSource src = [&](int l, bool v) -> const float* {
+      if (!tiered) return (v ? kv.v : kv.k)[size_t(l)].data();
+      if (l != pooled_layer) {
+        read_st = tiered->read_layer(l, &pk, &pv);
+        if (!read_st.is_ok()) return nullptr;
+        pooled_layer = l;
+      }
+      return v ? pv.data() : pk.data();
+    };
+    Status st = kvstore::export_kv(a.get("export-kv"), spec, src, a.has("force"));
+    if (!read_st.is_ok()) return fail(Status(read_st.code(), "kv export from the pool: " + read_st.message()));
     if (!st.is_ok()) return fail(st);
     std::printf("kv export: %s (%d layer shards%s + manifest.json)\n", a.get("export-kv").c_str(),
                 cfg.n_layers * (kv_dtype.low ? 2 : 1), kv_dtype.low ? ", two tiers a layer," : "");
