@@ -946,15 +946,32 @@ int run(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
-  // Totals over the leaders. Groups finish at different times: this wait is bounded by a day,
-  // not by the per-collective deadline (the leaders' notes above bound a stopped group).
+  // Test fault: this rank stops after its group's last request, before the tally.
+  if (fault.kind == "stop_end" && fault.rank == world->rank()) {
+    std::fprintf(stderr, "fault injection: rank %d stops before the final tally\n", world->rank());
+    std::fflush(stderr);
+    std::raise(SIGSTOP);
+  }
+  // Totals over the leaders. A member enters as soon as its group is done and may wait for other
+  // groups for hours: a day's deadline. A leader enters once every group said "done" (above; in
+  // a job of one group, once its group's last collective ran), so every rank is past its work
+  // and due within moments: a rank stopped after its group's last request ends the job after
+  // --stall-timeout instead of holding it for the day.
   int64_t mine[4] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
                      g.leader() ? n_failed : 0, prefix_reused_total},
           tot[4] = {};
   world->set_timeout(
-      std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
-  if (Status st = world->all_reduce(mine, tot, 4, DType::kI64, comm::ReduceOp::kSum); !st.is_ok())
+      g.leader() ? std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))
+                 : std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
+  if (Status st = world->all_reduce(mine, tot, 4, DType::kI64, comm::ReduceOp::kSum); !st.is_ok()) {
+    if (g.leader() && st.code() == Code::kDeadlineExceeded)
+      fatal(SF_ERR(kDeadlineExceeded,
+                   sformat("the final tally: every group finished its requests, but a rank did "
+                           "not arrive within --stall-timeout (%.0f s): it stopped or hung after "
+                           "its group's last request; ending the job (%s)",
+                           o.stall_timeout_s, st.message().c_str())));
     fatal(st);
+  }
   if (rank0) {
     std::printf(
         "batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",

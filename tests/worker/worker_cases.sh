@@ -15,7 +15,8 @@
 #   stalled_group  np 2, two groups of one: group 1's rank SIGSTOPs at layer 3; group 0
 #               finishes, then ends the job after --stall-timeout 3 with the group named (30 s);
 #               a group that is slow but sends notes (150 ms a layer) outlasts --stall-timeout 2
-#               and the job finishes
+#               and the job finishes; a CP 2 group's member that stops after the group's last
+#               request (before the final tally) ends the job after --stall-timeout 3
 #   sharded     np 2 with --cp 2, a ~530-token prompt: the default sharded export has one shard per
 #               layer and rank, whose manifest entries cover the prompt, and it decodes exactly as
 #               the gathered export (--export gathered) does; --export bogus is refused
@@ -226,6 +227,15 @@ PY
     [ "$ms" -gt 8000 ] || fail "the slow rank took only $ms ms: the sleep did not happen"
     run 2 --model default --stall-timeout 0 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] || fail "--stall-timeout 0: exit $rc, want 2"
+    # A member of a two-rank group (CP 2) stops after the group's last request, where neither a
+    # collective nor the leaders' notes can see it: the leader's tally ends the job after
+    # --stall-timeout 3 instead of a day.
+    SF_WORKER_FAULT=stop_end:1 run 2 --model default --cp 2 --stall-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/end"
+    [ "$rc" -ne 0 ] || fail "exit 0 with a member stopped before the tally"
+    [ "$ms" -lt 30000 ] || fail "took $ms ms (stall timeout 3 s)"
+    errors | grep -Eq "^error: the final tally: every group finished its requests, but a rank did not arrive within --stall-timeout \(3 s\)" \
+      || fail "no error naming the tally"
+    [ "$(find "$tmp/end" -name manifest.json | wc -l)" -eq 4 ] || fail "the group's 4 exports should be written first"
     ;;
   sharded)
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
