@@ -1,6 +1,8 @@
 #include "comm/mpi_communicator.h"
 
+#include <algorithm>
 #include <climits>
+#include <numeric>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -158,26 +160,46 @@ class MpiCommunicator final : public Communicator {
     std::vector<int>& disp = disp_;
     cnt.assign(size_t(size_), 0);
     disp.assign(size_t(size_), 0);
-    int64_t total = 0;
+    int64_t total = 0, unit = 0;
     for (int i = 0; i < size_; ++i) {
       if (counts[size_t(i)] < 0)
         return SF_ERR(kInvalidArgument, "comm: all_gatherv: negative count");
-      cnt[size_t(i)] = int(counts[size_t(i)]);
-      disp[size_t(i)] = int(total);
       total += counts[size_t(i)];
-      if (total > INT_MAX)
-        return SF_ERR(kOutOfRange, "comm: all_gatherv: more than INT_MAX elements");
+      unit = std::gcd(unit, counts[size_t(i)]);
     }
-    SF_TRY(check_usable("all_gatherv", total));
+    // MPI counts and displacements are ints: past INT_MAX elements (K/V rows of a 1M-token
+    // prompt: 2^31 floats at 8 KV heads x 128), count in units of the counts' common divisor
+    // (a row), one contiguous datatype each.
+    if (total <= INT_MAX || unit == 0) unit = 1;
+    if (total / unit > INT_MAX)
+      return SF_ERR(kOutOfRange, "comm: all_gatherv on '" + name_ + "': " +
+                                     std::to_string(total) +
+                                     " elements, more than INT_MAX units of their common divisor");
+    for (int i = 0, off = 0; i < size_; ++i) {
+      cnt[size_t(i)] = int(counts[size_t(i)] / unit);
+      disp[size_t(i)] = off;
+      off += cnt[size_t(i)];
+    }
+    SF_TRY(check_usable("all_gatherv", total / unit));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    MPI_Datatype ut = mt;
+    if (unit > 1) {
+      if (MPI_Type_contiguous(int(unit), mt, &ut) != MPI_SUCCESS || MPI_Type_commit(&ut) != MPI_SUCCESS)
+        return SF_ERR(kInternal, "comm: all_gatherv: cannot make a datatype of " +
+                                     std::to_string(unit) + " elements");
+    }
     const size_t es = dtype_size(t);
     stage_.resize(size_t(total) * es);
     if (send_count)
-      std::memcpy(stage_.data() + size_t(disp[size_t(rank_)]) * es, send, size_t(send_count) * es);
-    SF_TRY(run("all_gatherv", group_desc(), [&](MPI_Request* r) {
+      std::memcpy(stage_.data() + size_t(disp[size_t(rank_)]) * size_t(unit) * es, send,
+                  size_t(send_count) * es);
+    const Status st = run("all_gatherv", group_desc(), [&](MPI_Request* r) {
       return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), cnt.data(),
-                             disp.data(), mt, comm_, r);
-    }));
+                             disp.data(), ut, comm_, r);
+    });
+    // Freed at once: MPI keeps a type alive for the operations still using it.
+    if (unit > 1) MPI_Type_free(&ut);
+    SF_TRY(st);
     if (total) std::memcpy(recv, stage_.data(), size_t(total) * es);
     bytes_sent_ += send_count * int64_t(es);
     return Status::ok();
@@ -253,6 +275,15 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status bcast(void* buf, int64_t count, DType t, int root) override {
+    // One MPI call takes at most INT_MAX elements: larger broadcasts (a batch file past 2 GiB)
+    // go in pieces, each under the deadline.
+    constexpr int64_t kPiece = int64_t(1) << 30;
+    if (count > kPiece) {
+      const size_t es = dtype_size(t);
+      for (int64_t o = 0; o < count; o += kPiece)
+        SF_TRY(bcast(static_cast<char*>(buf) + size_t(o) * es, std::min(kPiece, count - o), t, root));
+      return Status::ok();
+    }
     SF_TRY(check_usable("bcast", count));
     SF_TRY(check_peer("bcast", root));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));

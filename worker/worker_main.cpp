@@ -196,7 +196,11 @@ Result<Options> parse_options(int argc, char** argv) {
 }
 
 struct Fault {
-  std::string kind;  // load, kill, stop, slow (layer: milliseconds slept at every layer)
+  // Test-only (SF_WORKER_FAULT=KIND:RANK[:N]): load, kill and stop (at layer N of the first
+  // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
+  // (every request fails on that rank after its prefill), slow_export (N ms a layer of a gathered
+  // export).
+  std::string kind;
   int rank = -1, layer = -1;
 };
 Fault parse_fault() {
@@ -632,8 +636,9 @@ int run(int argc, char** argv) {
         agreed.push_back(std::move(r));
       } else {
         bf.bad.push_back({r.line,
-                          "rejected on another rank (its field 'retention' names a moa "
-                          "config that rank cannot read, or reads with other spans)"});
+                          "rejected on another rank (that rank could not tokenize it, or its "
+                          "field 'retention' names a moa config that rank cannot read or reads "
+                          "with other spans)"});
       }
     }
     good = std::move(agreed);
@@ -795,10 +800,21 @@ int run(int argc, char** argv) {
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }
+    if (fault.kind == "fail_after" && fault.rank == world->rank() && pr.is_ok())
+      pr = SF_ERR(kInternal, "fault injection: rank " + std::to_string(world->rank()) +
+                                 " fails the request after its prefill");
+    if (!pr.is_ok() && (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
+                        (dgrid && (dgrid->tp->aborted() || dgrid->cp->aborted()))))
+      fatal(pr.status());
+    {
+      // One rank's failure is the group's: a rank that failed alone (after the run's last
+      // collective) must not go on to the next request's collectives while its peers export
+      // this one; the failing rank's reason reaches the leader, which reports it.
+      const Status grp = agree(*g.group_comm, pr.status());
+      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+      if (!grp.is_ok()) pr = grp;
+    }
     if (!pr.is_ok()) {
-      if (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
-          (dgrid && (dgrid->tp->aborted() || dgrid->cp->aborted())))
-        fatal(pr.status());
       ++n_failed;
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
@@ -845,14 +861,27 @@ int run(int argc, char** argv) {
     if (sharded) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
       if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
-    } else if (g.leader()) {
-      st = kvstore::export_kv(
-          dir, spec,
-          [&](int l, bool v) {
-            beat(k);  // a long export is progress too
-            return (v ? res.kv.v : res.kv.k)[size_t(l)].data();
-          },
-          /*force=*/true);
+    } else {
+      if (g.leader())
+        st = kvstore::export_kv(
+            dir, spec,
+            [&](int l, bool v) {
+              beat(k);  // a long export is progress too
+              if (!v && fault.kind == "slow_export" && fault.rank == world->rank())
+                std::this_thread::sleep_for(std::chrono::milliseconds(fault.layer));
+              return (v ? res.kv.v : res.kv.k)[size_t(l)].data();
+            },
+            /*force=*/true);
+      // The other ranks wait for the leader's export here (every layer written and hashed:
+      // minutes for a long prompt on a slow filesystem), under --stall-timeout, not in the next
+      // request's first collective under --comm-timeout.
+      int32_t wrote = st.is_ok() ? 1 : 0;
+      const auto t = g.group_comm->timeout();
+      g.group_comm->set_timeout(
+          std::max(t, std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))));
+      const Status bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
+      g.group_comm->set_timeout(t);
+      if (!bs.is_ok()) fatal(bs);
     }
     if (!g.leader()) {
       ++n_done;

@@ -9,6 +9,9 @@
 #   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
 #   hosts       np 2 by MPMD, each rank in its own directory: an --attention config file missing
 #               on rank 1, then one with other contents, is one start-up error naming it, exit 2
+#   group_fail  np 2, CP 2: rank 1 fails every request alone after its prefill; the group
+#               reports 4 failed with rank 1's reason, no deadline; a gathered export slower than
+#               --comm-timeout is waited for (under --stall-timeout) and written
 #   killed      rank 1 SIGKILLs itself at layer 3: the job fails within 30 s
 #   stalled     rank 1 SIGSTOPs itself at layer 3: rank 0's all-gather passes its 3 s deadline,
 #               the job fails within 30 s with the error naming the collective and the ranks
@@ -164,6 +167,24 @@ PY
     [ "$(errors | wc -l)" -eq 3 ] || fail "want one error line from each of the 3 ranks"
     [ "$(errors | sort -u | wc -l)" -eq 1 ] || fail "ranks printed different messages"
     errors | grep -q "^error: rank 1 could not load the model: " || fail "message"
+    ;;
+  group_fail)
+    # Rank 1 of a CP 2 group fails every request alone, after its prefill: the whole group counts
+    # each as failed with rank 1's reason (no rank runs ahead into the next request's collectives).
+    SF_WORKER_FAULT=fail_after:1 run 2 --model default --cp 2 --comm-timeout 5 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "exit $rc, want 3"
+    [ "$ms" -lt 30000 ] || fail "took $ms ms: a deadline, not an agreement"
+    grep -q "batch done: 0 written, 0 already complete, 4 failed" "$tmp/stdout" || fail "want 4 failed"
+    [ "$(grep -c "failed: fault injection: rank 1 fails the request after its prefill" "$tmp/stderr")" -eq 4 ] \
+      || fail "want rank 1's reason for each of the 4 requests"
+    ! grep -q "deadline" "$tmp/stderr" || fail "a collective timed out"
+    # A gathered export slower than --comm-timeout (30 layers x 150 ms against 2 s): the other
+    # rank waits for it under --stall-timeout, and every request is written.
+    SF_WORKER_FAULT=slow_export:0:150 run 2 --model default --cp 2 --export gathered --comm-timeout 2 \
+      --batch "$tmp/prompts.jsonl" --out "$tmp/slow"
+    [ "$rc" -eq 3 ] || fail "slow gathered export: exit $rc, want 3 (the batch's bad lines)"
+    [ "$(find "$tmp/slow" -name manifest.json | wc -l)" -eq 4 ] || fail "want 4 exports"
+    [ "$ms" -gt 4500 ] || fail "the export took only $ms ms: the sleep did not happen"
     ;;
   killed)
     SF_WORKER_FAULT=kill:1:3 run 2 --model default --cp 2 --comm-timeout 10 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
