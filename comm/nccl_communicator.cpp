@@ -233,6 +233,7 @@ class NcclCommunicator final : public Communicator {
     bool timed_out = false;
     rc = wait_ready(comm_, deadline, &timed_out);
     if (!timed_out && rc == ncclSuccess && nc) rc = wait_ready(nc, deadline, &timed_out);
+    if ((timed_out || rc != ncclSuccess) && nc) ncclCommAbort(nc);  // the child, half made
     if (timed_out) return deadline_passed("split", group());
     if (rc != ncclSuccess) return fail("split", group(), ncclGetErrorString(rc));
     int r = 0, n = 0;
@@ -352,9 +353,11 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(Communicator& boots
   ncclComm_t c = nullptr;
   const auto deadline = clock::now() + bootstrap.timeout();
   ncclResult_t rc = ncclCommInitRankConfig(&c, bootstrap.size(), id, bootstrap.rank(), &cfg);
-  if (rc != ncclSuccess && rc != ncclInProgress)
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    if (c) ncclCommAbort(c);
     return SF_ERR(kInternal,
                   std::string("comm: ncclCommInitRankConfig: ") + ncclGetErrorString(rc));
+  }
   bool timed_out = false;
   rc = wait_ready(c, deadline, &timed_out);
   if (timed_out || rc != ncclSuccess) {
