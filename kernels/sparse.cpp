@@ -32,6 +32,8 @@ Status need(bool cond, const char* op, const std::string& what) {
 }
 bool f32c(const TensorView& t) { return t.dtype == DType::kF32 && t.contiguous(); }
 
+}  // namespace
+
 Status check_pattern(const HeadPattern& hp, size_t h) {
   const std::string f = "sparse_estimate: patterns[" + std::to_string(h) + "].";
   auto err = [&](const char* field, const std::string& what) {
@@ -67,8 +69,6 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (!known) return err("pattern", "is not a known pattern");
   return Status::ok();
 }
-
-}  // namespace
 
 const char* pattern_name(Pattern p) {
   for (const auto& e : kPatternNames)

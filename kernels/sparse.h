@@ -64,6 +64,10 @@ struct HeadPattern {
   double score = 0;              // search: attention recall of this head's choice (informational)
 };
 
+// A head's pattern parameters in range (what sparse_estimate checks of patterns[h]; the error
+// names "patterns[h]." and the field).
+Status check_pattern(const HeadPattern& hp, size_t h);
+
 struct EstimatorStats {
   double estimate_s = 0;
   int64_t clamped_heads = 0;  // heads whose budget exceeded the sequence and was clamped

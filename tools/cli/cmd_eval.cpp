@@ -181,6 +181,9 @@ int cmd_eval(int argc, char** argv) {
   }
 
   const std::string model_path = resolve_model(a.get("model", "default"));
+  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
+  auto tok = eval::load_tokenizer(model_path);
+  if (!tok.is_ok()) return fail(tok.status());
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
@@ -191,8 +194,6 @@ int cmd_eval(int argc, char** argv) {
                                           std::to_string(cfg.max_context)));
   auto sc = model::sparse_config_for_mode(mode, cfg.n_layers, cfg.n_heads);
   if (!sc.is_ok()) return fail(sc.status());
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
   const std::vector<int32_t> doc = tok->encode(text.value(), true, false);
   if (doc.empty()) return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
 

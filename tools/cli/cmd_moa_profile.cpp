@@ -53,12 +53,13 @@ int cmd_moa_profile(int argc, char** argv) {
                        "shortest length"));
 
   const std::string model_path = resolve_model(a.get("model", "default"));
+  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
+  auto tok = eval::load_tokenizer(model_path);
+  if (!tok.is_ok()) return fail(tok.status());
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
   // Calibration text, held out from eval's documents (data/README.md).
   const std::string doc_path =
       a.get("document", std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt," +

@@ -342,9 +342,10 @@ int cmd_prefill(int argc, char** argv) {
                                       opt.importance_pool, r.importance};
     if (imp && opt.importance_from_estimator)
         imp->method =
-            "per KV group: the sparse estimator's softmax column sums of its scoring rows (last 64, "
-            "plus spread rows) when every query head of the group has them, else the attention "
-            "LSE pass over the observation window";
+            "per KV group: the sparse estimator's softmax column sums of its scoring rows "
+            "(vertical-slash: last 64 plus spread rows; block family: the last query block), "
+            "rescaled to the observation window's row count, when every query head of the group "
+            "has them, else the attention LSE pass over the observation window";
     auto ret = kvstore::retention_apply(retention, cfg.n_layers, cfg.n_kv_heads, S, imp ? &*imp : nullptr);
     if (!ret.is_ok()) return fail(ret.status());
     spec.retention = &ret.value();

@@ -338,6 +338,9 @@ int cmd_retention_eval(int argc, char** argv) {
   }
 
   const std::string model_path = resolve_model(a.get("model", "default"));
+  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
+  auto tok = eval::load_tokenizer(model_path);
+  if (!tok.is_ok()) return fail(tok.status());
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
@@ -346,8 +349,6 @@ int cmd_retention_eval(int argc, char** argv) {
           kvstore::retention_check_geometry(moa, m.config().n_layers, m.config().n_kv_heads);
       !st.is_ok())
     return fail(st);
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
   // The held-out evaluation text (data/README.md): two essays, 10K tokens, so an 8K prompt does
   // not repeat itself (a repeated text turns the continuation into verbatim copying of the
   // earlier copy, which any eviction breaks).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <random>
 #include <set>
@@ -251,6 +252,11 @@ double rel_l2(const float* a, const float* b, int64_t n) {
 // ---- text and tokens -------------------------------------------------------------------------
 
 Result<model::Tokenizer> load_tokenizer(const std::string& model_path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(model_path, ec))
+    return SF_ERR(kUnsupported, "'" + model_path +
+                                    "' is a Hugging Face directory: eval, search and moa-profile "
+                                    "read the tokenizer from a GGUF file (give a .gguf model)");
   auto g = model::GgufFile::open(model_path);
   if (!g.is_ok()) return g.status();
   auto spec = model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf);

@@ -35,17 +35,23 @@ std::vector<bool> estimator_groups(const std::vector<std::vector<float>>& cols, 
 }
 
 // imp [hkv, nk]: for each reused group, the max-pooled sum of its query heads' scores, the same
-// reduction kv_importance applies to its own sums.
+// reduction kv_importance applies to its own sums. A head's scores sum softmax rows, as many as its
+// estimator scored (64 plus spread rows for vertical-slash, the last query block's for block
+// heads: 1 to 64); each is rescaled to `rows` (the LSE pass's window) so groups from either source
+// compare (adakv shares a layer's budget across KV heads, tiering takes the max over them).
 void importance_from_columns(const std::vector<std::vector<float>>& cols,
                              const std::vector<bool>& reuse, int64_t group, int64_t nk, int pool,
-                             float* imp) {
+                             double rows, float* imp) {
   std::vector<float> sum(static_cast<size_t>(nk));
   for (size_t g = 0; g < reuse.size(); ++g) {
     if (!reuse[g]) continue;
     std::fill(sum.begin(), sum.end(), 0.f);
     for (int64_t x = 0; x < group; ++x) {
       const auto& c = cols[g * size_t(group) + size_t(x)];
-      for (int64_t j = 0; j < nk; ++j) sum[size_t(j)] += c[size_t(j)];
+      double mass = 0;  // = the head's scored rows: each softmax row sums to 1
+      for (int64_t j = 0; j < nk; ++j) mass += c[size_t(j)];
+      const float scale = mass > 0 ? float(rows / mass) : 0.f;
+      for (int64_t j = 0; j < nk; ++j) sum[size_t(j)] += scale * c[size_t(j)];
     }
     kernels::max_pool_keys(sum.data(), nk, pool, imp + int64_t(g) * nk);
   }
@@ -82,8 +88,27 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   PrefillResult& res = *out;
   KvCache& kv = res.kv;
   const int64_t P = kv.n_tokens;  // tokens already in the cache
-  if (P > 0 && (kv.n_layers != c.n_layers || kv.n_kv_heads != hkv || kv.head_dim != d || int64_t(kv.k.size()) != c.n_layers))
+  if (P > 0 && (kv.n_layers != c.n_layers || kv.n_kv_heads != hkv || kv.head_dim != d ||
+                int64_t(kv.k.size()) != c.n_layers || int64_t(kv.v.size()) != c.n_layers))
     return SF_ERR(kInvalidArgument, "extend: KV cache does not match the model");
+  for (int l = 0; P > 0 && l < c.n_layers; ++l)
+    if (int64_t(kv.k[size_t(l)].size()) != P * hkv * d || int64_t(kv.v[size_t(l)].size()) != P * hkv * d)
+      return SF_ERR(kInvalidArgument, "extend: layer " + std::to_string(l) + " of the KV cache does not hold " +
+                                          std::to_string(P) + " tokens");
+  // A call that fails leaves the cache as it found it (its P tokens), so a later extend does not
+  // attend to rows this one never finished.
+  struct Restore {
+    KvCache& kv;
+    int64_t P, row;
+    bool armed = true;
+    ~Restore() {
+      if (!armed) return;
+      for (auto* side : {&kv.k, &kv.v})
+        for (auto& layer : *side)
+          if (int64_t(layer.size()) > P * row) layer.resize(size_t(P * row));
+      kv.n_tokens = P;
+    }
+  } restore{kv, P, hkv * d};
   if (P == 0) {
     kv.n_layers = c.n_layers;
     kv.n_kv_heads = int(hkv);
@@ -207,7 +232,8 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
           SF_TRY(kernels::kv_importance(qv, kv3, lv, ip, view2(imp.data(), hkv, nk)));
         }
       }
-      importance_from_columns(est_columns, reuse, hq / hkv, nk, opt.importance_pool, imp.data());
+      importance_from_columns(est_columns, reuse, hq / hkv, nk, opt.importance_pool,
+                              double(std::min<int64_t>(opt.importance_window, S)), imp.data());
       res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
     }
     est_columns.clear();
@@ -257,6 +283,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     kv.v.clear();
   }
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  restore.armed = false;
   return Status::ok();
 }
 

@@ -109,8 +109,9 @@ struct PrefillOptions {
   // With a sparse config on the CPU: a KV group whose query heads all have estimator scores
   // (vertical-slash or block family, kernels::EstimatorStats::columns) takes its importance from
   // them, max-pooled the same way, instead of the LSE pass; its observation rows are then the
-  // estimator's (the last 64, plus spread rows), not the last importance_window. A layer whose
-  // groups all have them skips the pass.
+  // estimator's (vertical-slash: the last 64 plus spread rows; block family: the last query
+  // block, 1 to 64 rows), each head's sums rescaled to importance_window rows so groups from
+  // either source compare. A layer whose groups all have them skips the pass.
   bool importance_from_estimator = false;
   LayerKvHook on_layer_kv;
   DeviceLayerKvSink on_layer_kv_device;  // DevicePrefill only

@@ -69,6 +69,21 @@ Result<ModelConfig> config_from_gguf(const GgufFile& g) {
   c.rope.neox = c.arch == Arch::kQwen2;
   if (auto r = g.get_int(key(arch, "rope.dimension_count")); r.is_ok() && r.value() != c.head_dim)
     c.rope.rot_dim = int(r.value());
+  // RoPE scaling other than Llama-3's (its rope_freqs.weight tensor, which the loader reads) is
+  // not implemented: a linearly scaled or YaRN model would load and rotate with unscaled
+  // frequencies, silently wrong past its original context. Refused, as the HF path refuses it.
+  std::string scaling = "none";
+  double factor = 1.0;
+  if (auto r = g.get_string(key(arch, "rope.scaling.type")); r.is_ok()) scaling = r.value();
+  if (auto r = g.get_float(key(arch, "rope.scaling.factor")); r.is_ok()) factor = r.value();
+  if (auto r = g.get_float(key(arch, "rope.scale_linear")); r.is_ok() && r.value() != 1.0) {
+    scaling = "linear";
+    factor = r.value();
+  }
+  if (scaling != "none" && factor != 1.0 && factor != 0.0)
+    return SF_ERR(kUnsupported, "gguf: RoPE scaling '" + scaling + "' (factor " +
+                                    std::to_string(factor) +
+                                    ") is not supported (only Llama-3's rope_freqs)");
   if (c.name.empty()) c.name = arch;
   SF_TRY(c.validate());
   return c;

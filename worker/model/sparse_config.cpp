@@ -69,7 +69,12 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
     if (!x) return false;
     if (x->is_int64()) { *out = x->as_int64(); return true; }
     if (x->is_uint64()) { *out = int64_t(x->as_uint64()); return true; }
-    if (x->is_double() && std::floor(x->as_double()) == x->as_double()) { *out = int64_t(x->as_double()); return true; }
+    // Bounded first: converting a double past int64 (1e19) is undefined.
+    if (x->is_double() && std::floor(x->as_double()) == x->as_double() &&
+        std::fabs(x->as_double()) < 4.6e18) {
+      *out = int64_t(x->as_double());
+      return true;
+    }
     *out = INT64_MIN;  // wrong type: reported by caller
     return true;
   };
@@ -157,6 +162,11 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.vs_cover > 1) return field_err(l, h, "vs_cover", "must be 0 or 1");
       if (hp.vs_cover != 0 && hp.pattern != Pattern::kAdaptiveVS)
         return field_err(l, h, "vs_cover", "applies to adaptive-vs only");
+      // Everything the estimator checks at its first call, so a file it would refuse fails here,
+      // not at the first layer of a prefill.
+      if (Status st = kernels::check_pattern(hp, size_t(h)); !st.is_ok())
+        return SF_ERR(kInvalidArgument, "sparse config '" + origin + "': layer " + std::to_string(l) +
+                                            ": " + st.message());
       c.layers[size_t(l)].push_back(hp);
     }
   }

@@ -84,6 +84,24 @@ TEST(Forward, ExtendEqualsFullPrefill) {
   EXPECT_LT(max_abs_diff(r.logits, full->logits), 1e-4);
   EXPECT_EQ(r.first_token, full->first_token);
   EXPECT_LT(max_abs_diff(r.kv.v[1], full->kv.v[1]), 1e-5);
+  // A call that fails (here: a sparse config for another model) leaves the cache as it was, so a
+  // later call does not attend to rows it never finished.
+  model::SparseConfig wrong;
+  wrong.n_layers = 1;
+  wrong.n_heads = 1;
+  model::PrefillOptions bad;
+  bad.sparse = &wrong;
+  const auto more = random_tokens(10, 101, seed + 3);
+  EXPECT_FALSE(model::extend(m.value(), more, bad, &r).is_ok());
+  EXPECT_EQ(r.kv.n_tokens, 150);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(r.kv.k[size_t(l)].size(), full->kv.k[size_t(l)].size());
+    EXPECT_EQ(r.kv.v[size_t(l)].size(), full->kv.v[size_t(l)].size());
+  }
+  // A cache whose layers do not hold n_tokens rows is refused.
+  model::PrefillResult cut = r;
+  cut.kv.v[1].resize(10);
+  EXPECT_FALSE(model::extend(m.value(), more, {}, &cut).is_ok());
 }
 
 // Importance from the estimator's own scores: with 640 tokens (whole 64-row blocks) the
@@ -154,6 +172,44 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   EXPECT_TRUE(std::equal(l1.begin() + nk, l1.end(), l1_lse.begin() + nk));  // group 1: LSE pass
 }
 
+// Importance reused from the estimator is on the LSE pass's scale whatever the estimator scored:
+// at 1,089 tokens a block head's last query block is 1 row, the LSE window 32 rows. Unpooled,
+// every group's scores then sum to (query heads a group) x 32, from either source, so adakv's
+// shared budget and tiering's max over KV heads compare like with like.
+TEST(Forward, ImportanceFromEstimatorIsOnTheWindowScale) {
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const model::ModelConfig c = tiny_config();
+  auto m = model::Model::synthetic(c, seed);
+  ASSERT_TRUE(m.is_ok());
+  model::SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  kernels::HeadPattern bs, dn;
+  bs.pattern = kernels::Pattern::kBlockSparse;
+  bs.n_blocks = 3;
+  dn.pattern = kernels::Pattern::kDense;
+  sc.layers = {{bs, bs, dn, dn}, {bs, bs, dn, dn}};  // group 0 from the estimator, group 1 LSE
+  const int64_t nk = 1089;
+  const auto toks = random_tokens(nk, c.vocab, seed + 1);
+  model::PrefillOptions o;
+  o.importance_window = 32;
+  o.importance_pool = 1;
+  o.sparse = &sc;
+  o.importance_from_estimator = true;
+  auto est = model::prefill(m.value(), toks, o);
+  ASSERT_TRUE(est.is_ok()) << est.status().to_string();
+  EXPECT_EQ(est->importance_reused_groups, 2);
+  const double want = double(c.n_heads / c.n_kv_heads) * 32;
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      double total = 0;
+      for (int64_t j = 0; j < nk; ++j) total += est->importance[size_t(l)][size_t(g * nk + j)];
+      EXPECT_NEAR(total, want, 1e-3 * want) << "layer " << l << " group " << g;
+    }
+}
+
 TEST(Forward, RejectsBadTokens) {
   auto m = model::Model::synthetic(tiny_config(), 1);
   ASSERT_TRUE(m.is_ok());
@@ -221,6 +277,38 @@ TEST(GgufLoader, UnknownArchitectureIsRejectedByName) {
   ASSERT_FALSE(m.is_ok());
   EXPECT_EQ(m.status().code(), Code::kUnsupported);
   EXPECT_NE(m.status().message().find("unknown architecture 'gpt2'"), std::string::npos) << m.status().message();
+}
+
+// RoPE scaling the forward does not implement (linear, YaRN) is refused by name, never loaded to
+// rotate with unscaled frequencies; "none", or a factor of 1, loads.
+TEST(GgufLoader, UnsupportedRopeScalingIsRefused) {
+  const model::ModelConfig cfg = tiny_config();
+  auto m = model::Model::synthetic(cfg, seed_from_time());
+  ASSERT_TRUE(m.is_ok());
+  struct Case {
+    const char* type;
+    float factor;
+    bool ok;
+  };
+  for (const Case& k : {Case{"linear", 4.f, false}, Case{"yarn", 4.f, false},
+                        Case{"none", 0.f, true}, Case{"linear", 1.f, true}}) {
+    testing::GgufBuilder b;
+    testing::add_llama(b, m.value(), "tiny-scaled");
+    b.kv_string("llama.rope.scaling.type", k.type);
+    if (k.factor > 0) b.kv_f32("llama.rope.scaling.factor", k.factor);
+    const auto bytes = b.build();
+    const std::string path = ::testing::TempDir() + "scaled.gguf";
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    auto r = model::Model::load(path);
+    EXPECT_EQ(r.is_ok(), k.ok) << k.type << " " << k.factor << ": " << r.status().to_string();
+    if (!k.ok) {
+      EXPECT_EQ(r.status().code(), Code::kUnsupported);
+      EXPECT_NE(r.status().message().find(std::string("RoPE scaling '") + k.type + "'"),
+                std::string::npos)
+          << r.status().message();
+    }
+  }
 }
 
 TEST(GgufLoader, BadMagicAndMissingFile) {

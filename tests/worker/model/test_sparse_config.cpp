@@ -52,6 +52,14 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
   expect_error(R"({"n_layers":2,"n_heads":2,"layers":[[{"pattern":"dense"}],[]]})", "layer 0 must list 2 heads");
   expect_error("{not json", "invalid JSON");
+  // What the estimator would refuse at a prefill's first layer is refused at load, with the layer.
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","spread_rows":5000})"),
+               "layer 1: sparse_estimate: patterns[1].spread_rows must be in [0, 4096]");
+  expect_error(two_by_two(R"({"pattern":"adaptive-vs","vs_cover":1,"segment_rows":128})"),
+               "layer 1: sparse_estimate: patterns[1].vs_cover needs segment_rows 0 and share_group 0");
+  // An integer past int64 as a JSON double is an error, not an undefined conversion.
+  expect_error(two_by_two(R"({"pattern":"vertical-slash","n_vertical":1e19})"),
+               "layer 1 head 1: field 'n_vertical' must be an integer");
 }
 
 TEST(SparseConfig, ModesAndRoundTrip) {
