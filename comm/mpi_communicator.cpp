@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <numeric>
 #include <cstdio>
 #include <cstdlib>
@@ -168,10 +169,21 @@ class MpiCommunicator final : public Communicator {
       unit = std::gcd(unit, counts[size_t(i)]);
     }
     // MPI counts and displacements are ints: past INT_MAX elements (K/V rows of a 1M-token
-    // prompt: 2^31 floats at 8 KV heads x 128), count in units of the counts' common divisor
-    // (a row), one contiguous datatype each.
-    if (total <= INT_MAX || unit == 0) unit = 1;
-    if (total / unit > INT_MAX)
+    // prompt: 2^31 floats at 8 KV heads x 128), count in units, each a contiguous datatype: the
+    // smallest divisor of the counts' common divisor that brings the total under INT_MAX (equal
+    // counts make that divisor the whole contribution, itself maybe past INT_MAX, so not it).
+    if (total <= INT_MAX || unit == 0) {
+      unit = 1;
+    } else {
+      const int64_t g = unit;
+      unit = 0;
+      for (int64_t d = 1; d * d <= g && !unit; ++d)
+        if (g % d == 0 && total / d <= INT_MAX) unit = d;
+      for (int64_t d = std::max<int64_t>(1, int64_t(std::sqrt(double(g)))); d >= 1 && !unit; --d)
+        if (g % d == 0 && total / (g / d) <= INT_MAX && g / d <= INT_MAX) unit = g / d;
+      if (!unit) unit = g;  // refused below
+    }
+    if (total / unit > INT_MAX || unit > INT_MAX)
       return SF_ERR(kOutOfRange, "comm: all_gatherv on '" + name_ + "': " +
                                      std::to_string(total) +
                                      " elements, more than INT_MAX units of their common divisor");

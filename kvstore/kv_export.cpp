@@ -249,16 +249,26 @@ KvShardPart whole_part(const KvExportSpec& spec) {
 
 namespace {
 
-// The directory an export lands in, normalized: "runs/kv/" and "runs/./kv" name "runs/kv" (its
-// temporary sibling must sit beside it, not inside it). A path with no name of its own (".",
-// "..", "/") is refused: replacing it would remove the directory that holds it.
+// The directory an export lands in, resolved: "runs/kv/" and "runs/./kv" name "runs/kv" (its
+// temporary sibling must sit beside it, not inside it), and symbolic links are followed (a
+// linked export directory is replaced where it lives; "link/../x" is what the system resolves,
+// not what the text reads). A path with no name of its own (".", "..", "/") is refused:
+// replacing it would remove the directory that holds it.
 Result<fs::path> export_dir_path(const std::string& dir) {
-  fs::path out = fs::path(dir).lexically_normal();
-  if (!out.empty() && out.filename().empty()) out = out.parent_path();
-  const std::string name = out.filename().string();
-  if (dir.empty() || name.empty() || name == "." || name == ".." || out == out.root_path())
+  fs::path lex = fs::path(dir).lexically_normal();
+  if (!lex.empty() && lex.filename().empty()) lex = lex.parent_path();
+  const std::string name = lex.filename().string();
+  const auto refuse = [&] {
     return SF_ERR(kInvalidArgument, "export dir '" + dir +
                                         "' names no directory of its own (give one such as out/kv)");
+  };
+  if (dir.empty() || name.empty() || name == "." || name == ".." || lex == lex.root_path())
+    return refuse();
+  std::error_code ec;
+  fs::path out = fs::weakly_canonical(fs::path(dir), ec);
+  if (ec) return lex;
+  if (!out.empty() && out.filename().empty()) out = out.parent_path();
+  if (out.filename().empty() || out == out.root_path()) return refuse();
   return out;
 }
 

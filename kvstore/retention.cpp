@@ -390,11 +390,19 @@ Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t windo
   }
   std::vector<int64_t> out(static_cast<size_t>(n_layers));
   const double step = n_layers > 1 ? (hi - lo) / (n_layers - 1) : 0;
+  int64_t raised = 0;
   for (int l = 0; l < n_layers; ++l) {
     const double scored = n_layers > 1 ? hi - step * l : avg;
-    // Without a window, a top layer's share can round to 0: each keeps at least one token.
-    out[size_t(l)] = window + std::clamp<int64_t>(int64_t(std::llround(scored)),
-                                                  window == 0 ? 1 : 0, N - window);
+    const int64_t k = std::clamp<int64_t>(int64_t(std::llround(scored)), 0, N - window);
+    // Without a window, a top layer's share can round to 0: each keeps at least one token, and
+    // the bottom layers give those tokens back so the total stays the schedule's.
+    raised += window == 0 && k == 0 ? 1 : 0;
+    out[size_t(l)] = window + (window == 0 ? std::max<int64_t>(k, 1) : k);
+  }
+  for (int l = 0; raised > 0 && l < n_layers; ++l) {
+    const int64_t give = std::min(raised, out[size_t(l)] - 1);
+    out[size_t(l)] -= give;
+    raised -= give;
   }
   return out;
 }

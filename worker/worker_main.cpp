@@ -989,11 +989,13 @@ int run(int argc, char** argv) {
   int64_t mine[4] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
                      g.leader() ? n_failed : 0, prefix_reused_total},
           tot[4] = {};
+  // (In a job of one group every rank is past the group's last collective: all are due.)
   world->set_timeout(
-      g.leader() ? std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))
-                 : std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
+      g.leader() || n_groups == 1
+          ? std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))
+          : std::max(world->timeout(), std::chrono::milliseconds(int64_t(24) * 3600 * 1000)));
   if (Status st = world->all_reduce(mine, tot, 4, DType::kI64, comm::ReduceOp::kSum); !st.is_ok()) {
-    if (g.leader() && st.code() == Code::kDeadlineExceeded)
+    if ((g.leader() || n_groups == 1) && st.code() == Code::kDeadlineExceeded)
       fatal(SF_ERR(kDeadlineExceeded,
                    sformat("the final tally: every group finished its requests, but a rank did "
                            "not arrive within --stall-timeout (%.0f s): it stopped or hung after "

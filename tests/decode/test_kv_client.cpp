@@ -245,6 +245,16 @@ TEST_F(KvClient, ExportDirectoryRules) {
     EXPECT_NE(c.message().find("names no directory of its own"), std::string::npos) << c.message();
   }
   EXPECT_TRUE(kvstore::export_dir_check(tmp_.sub("fresh/kv/"), false).is_ok());
+  // A linked export directory is replaced where it lives: the link still names the new export,
+  // and nothing is left beside the link.
+  const std::string real = tmp_.sub("real-kv"), link = tmp_.sub("link-kv");
+  ASSERT_TRUE(kvstore::export_kv(real, spec, src, false).is_ok());
+  fs::create_directory_symlink(real, link);
+  std::ofstream(real + "/stale.txt") << "from before";
+  ASSERT_TRUE(kvstore::export_kv(link + "/", spec, src, /*force=*/true).is_ok());
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_FALSE(fs::exists(real + "/stale.txt")) << "the linked directory was not replaced";
+  ASSERT_TRUE(decode::load_kv_export(link, hash_).is_ok());
 }
 
 TEST_F(KvClient, PartialRetentionExportsExactlyTheKeptPositions) {

@@ -409,6 +409,17 @@ TEST(Retention, NoHeadKeepsNothingWithoutAWindow) {
     for (int l = 0; l < L; ++l)
       for (int h = 0; h < H; ++h) EXPECT_FALSE(r->positions(l, h).empty()) << spec << " " << l << "/" << h;
   }
+  // Pyramid's raised top layers are given back by the bottom ones: the total stays L x budget.
+  for (int64_t budget : {1, 2, 3}) {
+    auto pb = pyramid_layer_budgets(budget, 0, 20, L, N);
+    ASSERT_TRUE(pb.is_ok());
+    int64_t total = 0;
+    for (int64_t x : pb.value()) {
+      EXPECT_GE(x, 1);
+      total += x;
+    }
+    EXPECT_EQ(total, L * budget) << "budget " << budget;
+  }
 }
 
 TEST(Retention, MoAKeepsPerHeadElasticSpans) {

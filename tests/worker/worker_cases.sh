@@ -178,13 +178,13 @@ PY
     [ "$(grep -c "failed: fault injection: rank 1 fails the request after its prefill" "$tmp/stderr")" -eq 4 ] \
       || fail "want rank 1's reason for each of the 4 requests"
     ! grep -q "deadline" "$tmp/stderr" || fail "a collective timed out"
-    # A gathered export slower than --comm-timeout (30 layers x 150 ms against 2 s): the other
+    # A gathered export slower than --comm-timeout (30 layers x 300 ms against 5 s): the other
     # rank waits for it under --stall-timeout, and every request is written.
-    SF_WORKER_FAULT=slow_export:0:150 run 2 --model default --cp 2 --export gathered --comm-timeout 2 \
+    SF_WORKER_FAULT=slow_export:0:300 run 2 --model default --cp 2 --export gathered --comm-timeout 5 \
       --batch "$tmp/prompts.jsonl" --out "$tmp/slow"
     [ "$rc" -eq 3 ] || fail "slow gathered export: exit $rc, want 3 (the batch's bad lines)"
     [ "$(find "$tmp/slow" -name manifest.json | wc -l)" -eq 4 ] || fail "want 4 exports"
-    [ "$ms" -gt 4500 ] || fail "the export took only $ms ms: the sleep did not happen"
+    [ "$ms" -gt 9000 ] || fail "the exports took only $ms ms: the sleep did not happen"
     ;;
   killed)
     SF_WORKER_FAULT=kill:1:3 run 2 --model default --cp 2 --comm-timeout 10 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -368,6 +368,7 @@ int cmd_prefill(int argc, char** argv) {
     Status read_st;
     const kvstore::LayerSource src = [&](int l, bool v) -> const float* {
       if (!tiered) return (v ? kv.v : kv.k)[size_t(l)].data();
+      if (!read_st.is_ok()) return nullptr;  // keep the first read error
       if (l != pooled_layer) {
         read_st = tiered->read_layer(l, &pk, &pv);
         if (!read_st.is_ok()) return nullptr;

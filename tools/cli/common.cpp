@@ -140,6 +140,8 @@ Result<double> Args::get_double(const std::string& k, double def, double lo, dou
 Result<std::vector<int64_t>> parse_int_list(const std::string& s, const std::string& what,
                                             int64_t lo, bool allow_empty) {
   std::vector<int64_t> v;
+  if (!s.empty() && s.back() == ',')
+    return SF_ERR(kInvalidArgument, what + ": '" + s + "' ends in an empty item");
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {

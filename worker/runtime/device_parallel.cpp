@@ -188,12 +188,21 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   // Sparse index capacity: when any rank's slots outgrew its plan, every rank grows to the
   // group's largest need and the group runs again (all ranks finished every collective of the
   // failed run, so they stay in step).
-  for (int retry = 0; retry < 3; ++retry) {
+  // Any other failure of any rank is every rank's, here, before the collectives below (a rank
+  // returning alone would meet its peers' next collective with its caller's).
+  for (int retry = 0;; ++retry) {
     const bool grow = !rr.is_ok() && rr.status().code() == Code::kResourceExhausted;
+    const bool failed = !rr.is_ok() && !grow;
     const std::array<int, 2> need = w.prefill->sparse_need();
-    int32_t mine[3] = {grow ? 1 : 0, need[0], need[1]}, all[3] = {0, 0, 0};
-    SF_TRY(g.group_comm->all_reduce(mine, all, 3, DType::kI32, comm::ReduceOp::kMax));
-    if (!all[0] || retry == 2) break;
+    int32_t mine[4] = {grow ? 1 : 0, need[0], need[1], failed ? 1 : 0}, all[4] = {0, 0, 0, 0};
+    SF_TRY(g.group_comm->all_reduce(mine, all, 4, DType::kI32, comm::ReduceOp::kMax));
+    if (all[3] || (all[0] && retry == 2)) {
+      if (!rr.is_ok()) return rr.status();
+      return SF_ERR(kInternal, all[3] ? "device parallel prefill: another rank of the group failed"
+                                      : "device parallel prefill: another rank's sparse index "
+                                        "outgrew its plan three times");
+    }
+    if (!all[0]) break;
     SF_TRY(w.prefill->grow_sparse(all[1], all[2]));
     rr = w.prefill->run(tokens);
   }
