@@ -406,6 +406,12 @@ struct DevicePrefill::Impl {
   // Index capacity per slot of every plan (0 before planning), and the most any slot of the last
   // run needed: more than the capacity means the run truncated slots and must be redone.
   int cap_blocks = 0, cap_cols = 0, need_blocks = 0, need_cols = 0;
+  // The last run's index outgrew some plan's capacity (each plan's own: a piece's bound differs
+  // from another's, so a largest need against the smallest capacity would re-run for nothing).
+  bool outgrown = false;
+  // plan_sparse failed part way (a grow with no memory): its plans are not usable until one
+  // succeeds, and a run says so instead of launching on a freed arena.
+  bool sparse_broken = false;
   bool dry = false;         // forward() walks the ops but only plans the GEMMs and attention shapes
 
   ~Impl() {
@@ -449,6 +455,10 @@ struct DevicePrefill::Impl {
   // its time is the communication the rank waited for.
   template <typename F>
   Status hook(F&& f) {
+    // Overlapped TP: the compute stream may wait on sums still on the communicator's stream.
+    // Wait for those against its deadline first, so a dead TP peer is an error here, not a hang
+    // in the synchronize below (which has no deadline).
+    if (shard.reduce_tp_enqueue && shard.reduce_tp_wait) SF_TRY(hook_nosync(shard.reduce_tp_wait));
     SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));
     return hook_nosync(f);
   }
@@ -515,6 +525,11 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   ap.causal = true;
   const DevTensor none;
   hook_s = 0;
+  outgrown = false;
+  if (use_sparse && sparse_broken)
+    return SF_ERR(kInternal,
+                  "device prefill: the sparse plan could not grow (see the earlier error); plan "
+                  "the prefill again");
 
   if (!dry) {
     int32_t* const ht = h_tokens.as<int32_t>();
@@ -872,21 +887,27 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   res->density = 1.0;
   if (use_sparse) {
     need_blocks = need_cols = 0;
+    size_t worst = est.size();
     for (size_t i = 0; i < est.size(); ++i) {
       float ms = 0.f;
       SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
       res->estimate_s += double(ms) * 1e-3;
-      // A slot that needed more than the plan's capacity was truncated: never pass that off.
+      // A slot that needed more than its plan's capacity was truncated: never pass that off.
       int nb = 0, nc = 0;
       SF_TRY(kernels::cuda::sparse_estimate_needed(est[i], st, &nb, &nc));
       need_blocks = std::max(need_blocks, nb);
       need_cols = std::max(need_cols, nc);
+      if ((nb > est[i].launch.max_blocks || nc > est[i].launch.max_cols) && worst == est.size())
+        worst = i;
     }
-    if (need_blocks > cap_blocks || need_cols > cap_cols)
+    outgrown = worst < est.size();
+    if (outgrown)
       return SF_ERR(kResourceExhausted,
                     "device prefill: an index slot needed " + std::to_string(need_blocks) +
-                        " blocks and " + std::to_string(need_cols) + " columns, the plan holds " +
-                        std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) +
+                        " blocks and " + std::to_string(need_cols) + " columns, plan " +
+                        std::to_string(worst) + " holds " +
+                        std::to_string(est[worst].launch.max_blocks) + " and " +
+                        std::to_string(est[worst].launch.max_cols) +
                         " (DevicePrefill::grow_sparse re-plans for them)");
     res->attention_s -= res->estimate_s;  // the estimators ran inside the attention window
     std::vector<unsigned long long> got(size_t(c.n_layers));
@@ -1234,10 +1255,7 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   // move a near-tie selection, and so a slot's size, between runs). A shard's group must agree
   // first (its caller does). Only that error is retried: a KV sink's full tier is the same
   // kResourceExhausted but would fail again.
-  const auto outgrew = [&] {
-    return st.code() == Code::kResourceExhausted &&
-           (w.need_blocks > w.cap_blocks || w.need_cols > w.cap_cols);
-  };
+  const auto outgrew = [&] { return st.code() == Code::kResourceExhausted && w.outgrown; };
   for (int retry = 0; retry < 2 && outgrew() && !w.sharded; ++retry) {
     SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
     // The failed run's copies (a KV sink's into its pool blocks) must land before the sink
@@ -1256,6 +1274,7 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
 std::array<int, 2> DevicePrefill::sparse_need() const {
   return {impl_->need_blocks, impl_->need_cols};
 }
+bool DevicePrefill::outgrew() const { return impl_->outgrown; }
 
 DeviceModel::Views DeviceModel::views() const {
   const Impl& m = *impl_;
@@ -1281,7 +1300,9 @@ Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
   auto room = [](int need, int cap) {
     return std::max(cap, int((int64_t(need) * 5 / 4 + 63) / 64 * 64));
   };
+  w.sparse_broken = true;  // until the re-plan below succeeds whole
   SF_TRY(w.plan_sparse(room(max_blocks, w.cap_blocks), room(max_cols, w.cap_cols)));
+  w.sparse_broken = false;
   w.ws_bytes -= before;                                 // alloc() counted the new arena
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the new arena's poisoning
   return Status::ok();
@@ -1293,8 +1314,12 @@ std::vector<double> DevicePrefill::layer_seconds() const {
   cudaEvent_t prev = w.layers_begin.get();
   for (const CudaEvent& e : w.layer_end) {
     float ms = 0.f;
-    // Before any run (or after a failed one) the events never fired: no figures.
-    if (cudaEventElapsedTime(&ms, prev, e.get()) != cudaSuccess) return {};
+    // Before any run (or after a failed one) the events never fired: no figures (and the error
+    // is cleared, not left for the next launch's check to report as its own).
+    if (cudaEventElapsedTime(&ms, prev, e.get()) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return {};
+    }
     out.push_back(double(ms) * 1e-3);
     prev = e.get();
   }
@@ -1340,6 +1365,7 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel&, DeviceShard,
 Result<PrefillResult> DevicePrefill::run(std::span<const int32_t>) { return no_cuda(); }
 std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
+bool DevicePrefill::outgrew() const { return false; }
 DeviceModel::Views DeviceModel::views() const { return {}; }
 Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }
 

@@ -143,9 +143,10 @@ class DevicePrefill {
   static Result<DevicePrefill> plan(const DeviceModel& dm, int64_t max_tokens,
                                     const PrefillOptions& opt = {});
   // A rank of a TP x CP group: plans for exactly shard.n_tokens tokens of which this rank holds
-  // shard.pieces. Dense attention (BF16 via cuDNN, or F32); logits of the last row only (on the
-  // rank with shard.logits); keep_kv keeps this rank's rows (KvCache::n_tokens = local rows,
-  // pieces in order); no importance or hooks. The dm must be this rank's TP slice.
+  // shard.pieces. Dense or sparse attention (each piece estimates its own index); logits of the
+  // last row only (on the rank with shard.logits); keep_kv keeps this rank's rows
+  // (KvCache::n_tokens = local rows, pieces in order); importance on the rank whose last piece
+  // ends the prompt; no per-layer KV hook or device sink. The dm must be this rank's TP slice.
   static Result<DevicePrefill> plan_shard(const DeviceModel& dm, DeviceShard shard,
                                           const PrefillOptions& opt = {});
   // tokens.size() in [1, max_tokens] (a shard's plan: exactly n_tokens, the whole prompt); ids
@@ -162,6 +163,9 @@ class DevicePrefill {
   // and reallocates the estimators' arena, with a quarter more room than asked; synchronous)
   // before running again.
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
+  bool outgrew() const;  // the last run failed because an index slot outgrew its plan
+  // (A grow that fails part way leaves the sparse plan unusable: later runs fail with
+  // kInternal until a grow succeeds.)
   Status grow_sparse(int max_blocks, int max_cols);
 
   DevicePrefill(DevicePrefill&&) noexcept;

@@ -191,7 +191,8 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   // Any other failure of any rank is every rank's, here, before the collectives below (a rank
   // returning alone would meet its peers' next collective with its caller's).
   for (int retry = 0;; ++retry) {
-    const bool grow = !rr.is_ok() && rr.status().code() == Code::kResourceExhausted;
+    // Only an outgrown index is retried (a host allocation's kResourceExhausted would fail again).
+    const bool grow = !rr.is_ok() && w.prefill->outgrew();
     const bool failed = !rr.is_ok() && !grow;
     const std::array<int, 2> need = w.prefill->sparse_need();
     int32_t mine[4] = {grow ? 1 : 0, need[0], need[1], failed ? 1 : 0}, all[4] = {0, 0, 0, 0};
@@ -203,8 +204,12 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
                                         "outgrew its plan three times");
     }
     if (!all[0]) break;
-    SF_TRY(w.prefill->grow_sparse(all[1], all[2]));
-    rr = w.prefill->run(tokens);
+    // A grow that fails on one rank (no memory for the larger arena) is carried by the next
+    // all-reduce like any failure, so its peers do not run alone into the exchange.
+    if (Status gs = w.prefill->grow_sparse(all[1], all[2]); !gs.is_ok())
+      rr = gs;
+    else
+      rr = w.prefill->run(tokens);
   }
   SF_ASSIGN(model::PrefillResult r, std::move(rr));
   ParallelResult out;
