@@ -23,7 +23,7 @@ pkgs=(
   libucx-dev
   libxxhash-dev
   clang-14 libclang-rt-14-dev
-  python3 python3-venv
+  python3 python3-venv python3-pip
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -12,6 +12,9 @@ for a in "$@"; do
   esac
 done
 "$root/deploy/setup.sh" "${ref[@]}"
+# With the reference stack installed here, the interop test must run: a missing or broken stack
+# fails it instead of skipping it.
+if ((${#ref[@]})); then export SF_REQUIRE_REFERENCE=1; fi
 "$root/deploy/fetch-model.sh"
 "$root/deploy/build.sh"
 cd "$root/build"

@@ -32,9 +32,14 @@ args=(--lengths "${SF_DIST_LENGTHS:-32768,131072}" --grids "${SF_DIST_GRIDS:-1x1
 records="$build/distributed-records.jsonl"
 cmd="mpirun --bind-to none -np $ngpu sf_bench_distributed ${args[*]}"
 echo "--- $cmd ($(date -u))" >"$log"
+rm -f "$records"  # a failed run must not publish an earlier run's records under this commit
 timeout "${SF_DIST_TIMEOUT:-1500}" mpirun --bind-to none -np "$ngpu" "$bin" "${args[@]}" --out "$records" >>"$log" 2>&1
 rc=$?
 echo "--- exit $rc ($(date -u))" >>"$log"
-python3 "$root/bench/gpu/distributed_compose.py" "$records" "$out/distributed-$gpu.json" "$cmd" \
-  "${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}" "$ngpu"
+# The records this run completed (all of them, or those before a timeout) are composed; none, no
+# results file.
+if [[ -s "$records" ]]; then
+  python3 "$root/bench/gpu/distributed_compose.py" "$records" "$out/distributed-$gpu.json" "$cmd" \
+    "${SF_SOURCE_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null)}" "$ngpu" || { ((rc)) || rc=1; }
+fi
 exit $rc

@@ -13,6 +13,11 @@ BIN=$1
 SRC=$2
 PY="$SRC/.venv-ref/bin/python"
 if [ ! -x "$PY" ]; then
+  # deploy/test.sh installs the stack and sets SF_REQUIRE_REFERENCE=1: a missing one fails there.
+  if [ "${SF_REQUIRE_REFERENCE:-0}" = 1 ]; then
+    echo "FAIL: SF_REQUIRE_REFERENCE=1 but the reference stack is not installed ($PY)"
+    exit 1
+  fi
   echo "SKIP: reference stack not installed (deploy/setup.sh --with-reference)"
   exit 77
 fi

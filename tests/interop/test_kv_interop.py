@@ -72,6 +72,11 @@ CHAT_TEXT = (
 
 
 def skip(reason: str) -> None:
+    # deploy/test.sh installs the reference stack and sets SF_REQUIRE_REFERENCE: there a missing
+    # or broken stack is a failure, not a skip that leaves CI green.
+    if os.environ.get("SF_REQUIRE_REFERENCE") == "1":
+        print(f"FAIL (SF_REQUIRE_REFERENCE=1): {reason}", flush=True)
+        sys.exit(1)
     print(f"SKIP: {reason}", flush=True)
     sys.exit(SKIP)
 

@@ -2,6 +2,7 @@
 if(TARGET sparsefill)
   set(_sf $<TARGET_FILE:sparsefill>)
   set(_ef ${PROJECT_SOURCE_DIR}/tests/tools/expect_fail.sh)
+  set(_ok ${PROJECT_SOURCE_DIR}/tests/tools/expect_ok.sh)
   set(_tmp ${CMAKE_BINARY_DIR}/cli-test-tmp)
   set(_doc ${PROJECT_SOURCE_DIR}/data/long_document.txt)
   file(MAKE_DIRECTORY ${_tmp}/nonempty)
@@ -51,19 +52,16 @@ if(TARGET sparsefill)
            --importance estimator --device cuda)
   set_tests_properties(cli_cuda_importance_estimator PROPERTIES LABELS unit TIMEOUT 60)
   # --help after a command prints the usage (every option of every command) on stdout, exit 0.
-  add_test(NAME cli_command_help COMMAND ${_sf} prefill --help)
-  set_tests_properties(cli_command_help PROPERTIES LABELS unit TIMEOUT 30 PASS_REGULAR_EXPRESSION
-                       "--prompt-tokens F.*--kv-dtype.*--dump-attention.*--kv-pool device=BYTES,host=BYTES.*--kv-ref-dtype")
+  add_test(NAME cli_command_help COMMAND ${_ok} "--prompt-tokens F.*--kv-dtype.*--dump-attention.*--kv-pool device=BYTES,host=BYTES.*--kv-ref-dtype" ${_sf} prefill --help)
+  set_tests_properties(cli_command_help PROPERTIES LABELS unit TIMEOUT 30)
   add_test(NAME cli_kv_pool_device_on_cpu COMMAND ${_ef} "^error: --kv-pool device= needs --device cuda"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool device=64M,host=64M)
   add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool disk=${_tmp}/kvp)
   add_test(NAME cli_kv_pool_bad_dir COMMAND ${_ef} "^error: --kv-pool: disk directory '/dev/null/kv' cannot be created"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=64M,disk=/dev/null/kv)
-  add_test(NAME cli_kv_pool COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+  add_test(NAME cli_kv_pool COMMAND ${_ok} "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes.*the forward held at most [0-9]+ bytes of KV" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --kv-pool host=1M,disk=${_tmp}/kvp)
-  set_tests_properties(cli_kv_pool PROPERTIES PASS_REGULAR_EXPRESSION
-                       "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes.*the forward held at most [0-9]+ bytes of KV")
   # --kv-pool with --export-kv: the export is read from the pool (host and disk blocks), byte for
   # byte a plain run's, while the forward holds one layer's K/V at a time.
   add_test(NAME cli_kv_pool_export COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/export_via_pool.sh ${_sf}
@@ -78,10 +76,9 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 7)
   add_test(NAME cli_dump_attention_bad_layer COMMAND ${_ef} "^error: --dump-attention: layer 30 of a 30-layer model"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 30:${_tmp}/att.safetensors)
-  add_test(NAME cli_dump_attention COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+  add_test(NAME cli_dump_attention COMMAND ${_ok} "attention inputs of layer 3: .*att.safetensors \\(q \\[[0-9]+, 9, 64\\], k and v \\[[0-9]+, 3, 64\\], F32\\)" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --dump-attention 3:${_tmp}/att.safetensors)
-  set_tests_properties(cli_dump_attention PROPERTIES FIXTURES_SETUP dumped_attention PASS_REGULAR_EXPRESSION
-                       "attention inputs of layer 3: .*att.safetensors \\(q \\[[0-9]+, 9, 64\\], k and v \\[[0-9]+, 3, 64\\], F32\\)")
+  set_tests_properties(cli_dump_attention PROPERTIES FIXTURES_SETUP dumped_attention)
   set_tests_properties(cli_dump_attention_bad_spec cli_dump_attention_bad_layer cli_dump_attention
                        PROPERTIES LABELS unit TIMEOUT 120)
   if(SF_HAVE_CUDA)
@@ -94,13 +91,11 @@ if(TARGET sparsefill)
   file(READ ${_doc} _doc_text)
   file(WRITE ${_tmp}/long3x.txt "${_doc_text}${_doc_text}${_doc_text}")
   # Successful paths: --allow-long on the same prompt is not run (slow); --force replaces a dir.
-  add_test(NAME cli_export_force COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+  add_test(NAME cli_export_force COMMAND ${_ok} "kv export: .*forced" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --export-kv ${_tmp}/forced --force)
-  set_tests_properties(cli_export_force PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*forced")
   # A trailing "/" names the same directory (its temporary sibling must not land inside it).
-  add_test(NAME cli_export_trailing_slash COMMAND ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
+  add_test(NAME cli_export_trailing_slash COMMAND ${_ok} "kv export: .*slashed" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --export-kv ${_tmp}/slashed/ --force)
-  set_tests_properties(cli_export_trailing_slash PROPERTIES PASS_REGULAR_EXPRESSION "kv export: .*slashed")
   set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
                        cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force cli_unknown_attention
                        cli_export_force_not_an_export cli_export_dir_dot cli_export_trailing_slash

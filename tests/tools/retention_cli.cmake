@@ -5,6 +5,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   set(_rsf $<TARGET_FILE:sparsefill>)
   set(_rdec $<TARGET_FILE:sparsefill-decode>)
   set(_ref ${PROJECT_SOURCE_DIR}/tests/tools/expect_fail.sh)
+  set(_rok ${PROJECT_SOURCE_DIR}/tests/tools/expect_ok.sh)
   set(_rtmp ${CMAKE_BINARY_DIR}/retention-cli-tmp)
   file(MAKE_DIRECTORY ${_rtmp})
   file(WRITE ${_rtmp}/short.txt "The lighthouse keeper climbed the stairs and looked out over the harbour, where")
@@ -37,14 +38,12 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
                    --retention moa:config=${_rtmp}/moa-2x3.json)
   add_test(NAME cli_prefill_retention_moa
-           COMMAND ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
+           COMMAND ${_rok} "retention: moa config=.*smollm2-135m-instruct-moa.json,sink=4,heads=30x3, 100.0% of the tokens; K/V stored as f32, 100.0% of an F32 full cache's bytes"
+                   ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/moa --force
                    --retention moa:config=${PROJECT_SOURCE_DIR}/configs/smollm2-135m-instruct-moa.json,sink=4)
-  set_tests_properties(cli_prefill_retention_moa PROPERTIES PASS_REGULAR_EXPRESSION
-                       "retention: moa config=.*smollm2-135m-instruct-moa.json,sink=4,heads=30x3, 100.0% of the tokens; K/V stored as f32, 100.0% of an F32 full cache's bytes")
   add_test(NAME cli_retention_eval_moa
-           COMMAND bash -c "set -e; '${_rsf}' eval --retention moa --budget 0.5 --length 256 --tokens 4 --no-passkey --out-dir '${_rtmp}/moa-eval'; grep -o '\"moa_scale\":[0-9][0-9.eE+-]*,\"moa_spans\":\\[\\[{' '${_rtmp}/moa-eval/retention-moa.json'")
-  set_tests_properties(cli_retention_eval_moa PROPERTIES PASS_REGULAR_EXPRESSION
-                       "moa +0.50 +full +span 1 +f32 +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\"")
+           COMMAND ${_rok} "moa +0.50 +full +span 1 +f32 +kv 0\\.(49[0-9]|500) .*\"moa_scale\":[0-9.]+(E-[0-9]+)?,\"moa_spans\""
+                   bash -c "set -e; '${_rsf}' eval --retention moa --budget 0.5 --length 256 --tokens 4 --no-passkey --out-dir '${_rtmp}/moa-eval'; grep -o '\"moa_scale\":[0-9][0-9.eE+-]*,\"moa_spans\":\\[\\[{' '${_rtmp}/moa-eval/retention-moa.json'")
   # KV encodings: bad names fail before any work; an int8 export decodes to the dense
   # continuation on this prompt, an int4 one loads and says what it stored.
   add_test(NAME cli_retention_eval_bad_kv_dtype
@@ -54,9 +53,8 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
            COMMAND ${_ref} "^error: .*--kv-dtype applies to --export-kv"
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --kv-dtype int8)
   add_test(NAME cli_decode_int8_export
-           COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e8' --kv-dtype int8 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e8' --tokens 16 --reference")
-  set_tests_properties(cli_decode_int8_export PROPERTIES PASS_REGULAR_EXPRESSION
-                       "K/V stored as int8: [0-9]+ of [0-9]+ KV bytes \\(100.0%\\).*first 16 of 16 tokens equal")
+           COMMAND ${_rok} "K/V stored as int8: [0-9]+ of [0-9]+ KV bytes \\(100.0%\\).*first 16 of 16 tokens equal"
+                   bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e8' --kv-dtype int8 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e8' --tokens 16 --reference")
   # Two tiers: HIGH+LOW pairs with a retention's high=TOKENS (each without the other fails before
   # the prefill); the eval's HIGH+LOW:SHARE keeps the bytes at the budget.
   add_test(NAME cli_prefill_two_tiers_need_high
@@ -68,9 +66,8 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    ${_rsf} prefill --model default --prompt-file ${_rtmp}/short.txt --export-kv ${_rtmp}/t2 --force
                    --retention snapkv:budget=12,window=4,high=8 --kv-dtype int4+int8)
   add_test(NAME cli_decode_two_tier_export
-           COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e-t2' --retention snapkv:budget=12,window=4,high=8 --kv-dtype int8+int4 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e-t2' --tokens 4")
-  set_tests_properties(cli_decode_two_tier_export PROPERTIES PASS_REGULAR_EXPRESSION
-                       "retention snapkv:budget=12,window=4,pool=7,high=8, K/V stored as int8\\+int4")
+           COMMAND ${_rok} "retention snapkv:budget=12,window=4,pool=7,high=8, K/V stored as int8\\+int4"
+                   bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e-t2' --retention snapkv:budget=12,window=4,high=8 --kv-dtype int8+int4 --force; '${_rdec}' --model default --kv '${_rtmp}/e2e-t2' --tokens 4")
   add_test(NAME cli_retention_eval_two_tiers_need_scores
            COMMAND ${_ref} "^error: .*two tiers need a scored policy"
                    ${_rsf} eval --retention streaming --kv-dtype int8+int4:0.6)
@@ -83,8 +80,8 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   add_test(NAME cli_decode_bad_attention
            COMMAND ${_ref} "^error: .*decode attention 'topk' is not" ${_rdec} --kv /nonexistent/kv --attention topk)
   add_test(NAME cli_decode_reproduces_dense
-           COMMAND bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
-  set_tests_properties(cli_decode_reproduces_dense PROPERTIES PASS_REGULAR_EXPRESSION "first 16 of 16 tokens equal")
+           COMMAND ${_rok} "first 16 of 16 tokens equal"
+                   bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
                        cli_prefill_retention_budget_too_large cli_decode_missing_export
                        cli_decode_device_flags cli_decode_bad_attention
@@ -93,5 +90,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                        cli_prefill_retention_moa cli_retention_eval_moa cli_retention_eval_bad_span
                        cli_prefill_retention_bad_span cli_retention_eval_bad_kv_dtype
                        cli_prefill_kv_dtype_needs_export cli_decode_int8_export
+                       cli_prefill_two_tiers_need_high cli_prefill_two_tiers_low_narrower
+                       cli_decode_two_tier_export cli_retention_eval_two_tiers_need_scores
                        PROPERTIES LABELS unit TIMEOUT 120)
 endif()
