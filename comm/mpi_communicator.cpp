@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cmath>
 #include <numeric>
 #include <cstdio>
 #include <cstdlib>
@@ -176,12 +175,11 @@ class MpiCommunicator final : public Communicator {
       unit = 1;
     } else {
       const int64_t g = unit;
-      unit = 0;
-      for (int64_t d = 1; d * d <= g && !unit; ++d)
-        if (g % d == 0 && total / d <= INT_MAX) unit = d;
-      for (int64_t d = std::max<int64_t>(1, int64_t(std::sqrt(double(g)))); d >= 1 && !unit; --d)
-        if (g % d == 0 && total / (g / d) <= INT_MAX && g / d <= INT_MAX) unit = g / d;
-      if (!unit) unit = g;  // refused below
+      unit = g;  // refused below when no divisor fits
+      for (int64_t d = 1; d * d <= g; ++d)
+        if (g % d == 0)
+          for (const int64_t u : {d, g / d})
+            if (u < unit && u <= INT_MAX && total / u <= INT_MAX) unit = u;
     }
     if (total / unit > INT_MAX || unit > INT_MAX)
       return SF_ERR(kOutOfRange, "comm: all_gatherv on '" + name_ + "': " +

@@ -69,9 +69,9 @@ Result<ModelConfig> config_from_gguf(const GgufFile& g) {
   c.rope.neox = c.arch == Arch::kQwen2;
   if (auto r = g.get_int(key(arch, "rope.dimension_count")); r.is_ok() && r.value() != c.head_dim)
     c.rope.rot_dim = int(r.value());
-  // RoPE scaling other than Llama-3's (its rope_freqs.weight tensor, which the loader reads) is
-  // not implemented: a linearly scaled or YaRN model would load and rotate with unscaled
-  // frequencies, silently wrong past its original context. Refused, as the HF path refuses it.
+  // The forward applies one RoPE scaling, Llama-3's (its rope_freqs.weight tensor, which the
+  // loader reads). A linearly scaled or YaRN model would rotate with unscaled frequencies,
+  // silently wrong past its original context, so it is refused, as the HF path refuses it.
   std::string scaling = "none";
   double factor = 1.0;
   if (auto r = g.get_string(key(arch, "rope.scaling.type")); r.is_ok()) scaling = r.value();

@@ -52,6 +52,17 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
+// A sparse config of the tiny model with these per-layer head patterns, estimated at any length.
+model::SparseConfig patterns_config(const model::ModelConfig& c,
+                                    std::vector<std::vector<kernels::HeadPattern>> layers) {
+  model::SparseConfig sc;
+  sc.n_layers = c.n_layers;
+  sc.n_heads = c.n_heads;
+  sc.dense_below = 0;
+  sc.layers = std::move(layers);
+  return sc;
+}
+
 TEST(Forward, ChunkSizeDoesNotChangeResults) {
   const uint64_t seed = seed_from_time();
   for (auto arch : {model::Arch::kLlama, model::Arch::kQwen2}) {
@@ -117,10 +128,6 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   const model::ModelConfig c = tiny_config();
   auto m = model::Model::synthetic(c, seed);
   ASSERT_TRUE(m.is_ok());
-  model::SparseConfig sc;
-  sc.n_layers = c.n_layers;
-  sc.n_heads = c.n_heads;
-  sc.dense_below = 0;
   kernels::HeadPattern vs, bs, dn;
   vs.pattern = kernels::Pattern::kVerticalSlash;
   vs.n_vertical = 100;
@@ -128,7 +135,7 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   bs.pattern = kernels::Pattern::kBlockSparse;
   bs.n_blocks = 3;
   dn.pattern = kernels::Pattern::kDense;
-  sc.layers = {{bs, bs, vs, vs}, {vs, vs, dn, vs}};
+  const model::SparseConfig sc = patterns_config(c, {{bs, bs, vs, vs}, {vs, vs, dn, vs}});
   const auto toks = random_tokens(640, c.vocab, seed + 1);
   const int64_t nk = 640;
   model::PrefillOptions o;
@@ -182,15 +189,12 @@ TEST(Forward, ImportanceFromEstimatorIsOnTheWindowScale) {
   const model::ModelConfig c = tiny_config();
   auto m = model::Model::synthetic(c, seed);
   ASSERT_TRUE(m.is_ok());
-  model::SparseConfig sc;
-  sc.n_layers = c.n_layers;
-  sc.n_heads = c.n_heads;
-  sc.dense_below = 0;
   kernels::HeadPattern bs, dn;
   bs.pattern = kernels::Pattern::kBlockSparse;
   bs.n_blocks = 3;
   dn.pattern = kernels::Pattern::kDense;
-  sc.layers = {{bs, bs, dn, dn}, {bs, bs, dn, dn}};  // group 0 from the estimator, group 1 LSE
+  // Group 0 from the estimator, group 1 from the LSE pass.
+  const model::SparseConfig sc = patterns_config(c, {{bs, bs, dn, dn}, {bs, bs, dn, dn}});
   const int64_t nk = 1089;
   const auto toks = random_tokens(nk, c.vocab, seed + 1);
   model::PrefillOptions o;
