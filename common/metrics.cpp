@@ -1,7 +1,11 @@
 #include "common/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 
 namespace sf {
 namespace {
@@ -42,8 +46,11 @@ std::string format_value(double v) {
   // Integral values (byte and block counts) print exactly, without an exponent.
   if (v == std::floor(v) && std::fabs(v) < 9.007199254740992e15)
     std::snprintf(buf, sizeof buf, "%.0f", v);
-  else
-    std::snprintf(buf, sizeof buf, "%.17g", v);
+  else  // the shortest form that reads back as v (0.1, not 0.10000000000000001)
+    for (int prec = 15; prec <= 17; ++prec) {
+      std::snprintf(buf, sizeof buf, "%.*g", prec, v);
+      if (std::strtod(buf, nullptr) == v) break;
+    }
   return buf;
 }
 
@@ -52,6 +59,8 @@ std::string format_value(double v) {
 Status MetricsRegistry::add_family(const std::string& name, MetricKind kind,
                                    const std::string& help) {
   if (!valid_name(name)) return SF_ERR(kInvalidArgument, "metrics: bad metric name '" + name + "'");
+  if (kind == MetricKind::kHistogram)
+    return SF_ERR(kInvalidArgument, "metrics: '" + name + "': histograms need add_histogram");
   if (kind == MetricKind::kCounter &&
       (name.size() < 6 || name.compare(name.size() - 6, 6, "_total") != 0))
     return SF_ERR(kInvalidArgument, "metrics: counter '" + name + "' must end in _total");
@@ -62,7 +71,10 @@ Status MetricsRegistry::add_family(const std::string& name, MetricKind kind,
       return SF_ERR(kInvalidArgument, "metrics: '" + name + "' registered with another kind");
     return Status::ok();
   }
-  fam_[name] = Family{kind, help, {}};
+  Family f;
+  f.kind = kind;
+  f.help = help;
+  fam_[name] = std::move(f);
   return Status::ok();
 }
 
@@ -72,14 +84,80 @@ Status MetricsRegistry::set(const std::string& name, const MetricLabels& labels,
   std::lock_guard<std::mutex> g(mu_);
   auto it = fam_.find(name);
   if (it == fam_.end()) return SF_ERR(kNotFound, "metrics: no family '" + name + "'");
+  if (it->second.kind == MetricKind::kHistogram)
+    return SF_ERR(kInvalidArgument, "metrics: '" + name + "' is a histogram: observe, not set");
   it->second.series[render_labels(labels)] = value;
   return Status::ok();
+}
+
+Status MetricsRegistry::add_histogram(const std::string& name, const std::string& help,
+                                      std::vector<double> bounds) {
+  if (!valid_name(name)) return SF_ERR(kInvalidArgument, "metrics: bad metric name '" + name + "'");
+  if (bounds.empty())
+    return SF_ERR(kInvalidArgument, "metrics: histogram '" + name + "' needs bucket bounds");
+  for (size_t i = 0; i < bounds.size(); ++i)
+    if (!std::isfinite(bounds[i]) || (i > 0 && !(bounds[i] > bounds[i - 1])))
+      return SF_ERR(kInvalidArgument,
+                    "metrics: histogram '" + name + "' bounds must be finite and ascending");
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = fam_.find(name);
+  if (it != fam_.end()) {
+    if (it->second.kind != MetricKind::kHistogram || it->second.bounds != bounds)
+      return SF_ERR(kInvalidArgument, "metrics: '" + name + "' registered with another kind");
+    return Status::ok();
+  }
+  Family f;
+  f.kind = MetricKind::kHistogram;
+  f.help = help;
+  f.bounds = std::move(bounds);
+  fam_[name] = std::move(f);
+  return Status::ok();
+}
+
+// Caller holds mu_.
+Status MetricsRegistry::histogram_series(const std::string& name, const MetricLabels& labels,
+                                         Histogram** h) {
+  for (const auto& [k, v] : labels)
+    if (!valid_name(k) || k == "le")
+      return SF_ERR(kInvalidArgument, "metrics: bad histogram label name '" + k + "'");
+  auto it = fam_.find(name);
+  if (it == fam_.end()) return SF_ERR(kNotFound, "metrics: no family '" + name + "'");
+  if (it->second.kind != MetricKind::kHistogram)
+    return SF_ERR(kInvalidArgument, "metrics: '" + name + "' is not a histogram");
+  Histogram& s = it->second.hist[render_labels(labels)];
+  if (s.counts.empty()) s.counts.assign(it->second.bounds.size() + 1, 0);
+  *h = &s;
+  return Status::ok();
+}
+
+Status MetricsRegistry::observe(const std::string& name, const MetricLabels& labels,
+                                double value) {
+  if (std::isnan(value))
+    return SF_ERR(kInvalidArgument, "metrics: NaN observed into '" + name + "'");
+  std::lock_guard<std::mutex> g(mu_);
+  Histogram* h = nullptr;
+  SF_TRY(histogram_series(name, labels, &h));
+  const auto& b = fam_.at(name).bounds;
+  // The first bucket whose upper bound (inclusive, as `le` says) holds the value.
+  const size_t i = size_t(std::lower_bound(b.begin(), b.end(), value) - b.begin());
+  ++h->counts[i];
+  h->sum += value;
+  ++h->count;
+  return Status::ok();
+}
+
+Status MetricsRegistry::touch(const std::string& name, const MetricLabels& labels) {
+  std::lock_guard<std::mutex> g(mu_);
+  Histogram* h = nullptr;
+  return histogram_series(name, labels, &h);
 }
 
 Result<double> MetricsRegistry::get(const std::string& name, const MetricLabels& labels) const {
   std::lock_guard<std::mutex> g(mu_);
   auto it = fam_.find(name);
   if (it == fam_.end()) return SF_ERR(kNotFound, "metrics: no family '" + name + "'");
+  if (it->second.kind == MetricKind::kHistogram)
+    return SF_ERR(kInvalidArgument, "metrics: '" + name + "' is a histogram");
   auto s = it->second.series.find(render_labels(labels));
   if (s == it->second.series.end())
     return SF_ERR(kNotFound, "metrics: no series " + name + render_labels(labels));
@@ -91,10 +169,49 @@ std::string MetricsRegistry::render() const {
   std::string out;
   for (const auto& [name, f] : fam_) {
     out += "# HELP " + name + " " + f.help + "\n";
-    out += "# TYPE " + name + (f.kind == MetricKind::kCounter ? " counter\n" : " gauge\n");
+    out += "# TYPE " + name +
+           (f.kind == MetricKind::kCounter     ? " counter\n"
+            : f.kind == MetricKind::kHistogram ? " histogram\n"
+                                                : " gauge\n");
     for (const auto& [labels, v] : f.series) out += name + labels + " " + format_value(v) + "\n";
+    for (const auto& [labels, h] : f.hist) {
+      // `le` goes last inside the series' own braces.
+      const std::string open = labels.empty() ? "{" : labels.substr(0, labels.size() - 1) + ",";
+      uint64_t cum = 0;
+      for (size_t i = 0; i < h.counts.size(); ++i) {
+        cum += h.counts[i];
+        const std::string le = i < f.bounds.size() ? format_value(f.bounds[i]) : "+Inf";
+        out += name + "_bucket" + open + "le=\"" + le + "\"} " + format_value(double(cum)) + "\n";
+      }
+      out += name + "_sum" + labels + " " + format_value(h.sum) + "\n";
+      out += name + "_count" + labels + " " + format_value(double(h.count)) + "\n";
+    }
   }
   return out;
+}
+
+Status MetricsRegistry::write_textfile(const std::string& path) const {
+  // The temporary name does not end in .prom, so a collector never reads it half written.
+  const std::string tmp = path + ".tmp";
+  const std::string text = render();
+  {
+    std::ofstream f(tmp, std::ios::trunc | std::ios::binary);
+    f << text;
+    f.flush();
+    if (!f) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      return SF_ERR(kIo, "metrics: cannot write '" + tmp + "'");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::error_code rm;
+    std::filesystem::remove(tmp, rm);
+    return SF_ERR(kIo, "metrics: cannot rename '" + tmp + "' to '" + path + "': " + ec.message());
+  }
+  return Status::ok();
 }
 
 }  // namespace sf

@@ -1,8 +1,9 @@
 // A small metrics registry with Prometheus text exposition (format 0.0.4). Families are
-// registered at start with their series so zeros are exported before anything happens; values
-// are set from the owner's own counters (snapshots), so a registry never double counts.
-// Thread-safe: one mutex.
+// registered at start with their series so zeros are exported before anything happens; counter
+// and gauge values are set from the owner's own counters (snapshots), so a registry never double
+// counts. Histograms are the one exception: `observe` adds a sample. Thread-safe: one mutex.
 #pragma once
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -13,7 +14,7 @@
 
 namespace sf {
 
-enum class MetricKind { kCounter, kGauge };
+enum class MetricKind { kCounter, kGauge, kHistogram };
 
 // Label pairs in exposition order, e.g. {{"tier", "host"}}.
 using MetricLabels = std::vector<std::pair<std::string, std::string>>;
@@ -26,14 +27,32 @@ class MetricsRegistry {
   // Creates the series when new. The family must exist; label values are escaped on output.
   [[nodiscard]] Status set(const std::string& name, const MetricLabels& labels, double value);
   Result<double> get(const std::string& name, const MetricLabels& labels) const;
+  // A histogram with cumulative buckets at `bounds` (finite, strictly ascending; +Inf is added).
+  [[nodiscard]] Status add_histogram(const std::string& name, const std::string& help,
+                                     std::vector<double> bounds);
+  // One sample into the series `labels` (created when new; a label may not be named `le`).
+  [[nodiscard]] Status observe(const std::string& name, const MetricLabels& labels, double value);
+  // Creates an empty series, so a histogram exports zeros before its first sample.
+  [[nodiscard]] Status touch(const std::string& name, const MetricLabels& labels);
   std::string render() const;  // text/plain; version=0.0.4
+  // The rendered text written for a node_exporter textfile collector: to `path`.tmp, then renamed
+  // over `path`, so a scrape never reads half a file. kIo when the file cannot be written.
+  [[nodiscard]] Status write_textfile(const std::string& path) const;
 
  private:
+  struct Histogram {
+    std::vector<uint64_t> counts;  // per bucket (not cumulative), the last one +Inf
+    double sum = 0;
+    uint64_t count = 0;
+  };
   struct Family {
     MetricKind kind = MetricKind::kGauge;
     std::string help;
     std::map<std::string, double> series;  // rendered label set -> value
+    std::vector<double> bounds;            // histograms: finite bucket bounds
+    std::map<std::string, Histogram> hist;  // histograms: rendered label set -> buckets
   };
+  Status histogram_series(const std::string& name, const MetricLabels& labels, Histogram** h);
   mutable std::mutex mu_;
   std::map<std::string, Family> fam_;
 };

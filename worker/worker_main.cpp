@@ -43,6 +43,7 @@
 #include "worker/model/sparse_config.h"
 #include "worker/model/tokenizer.h"
 #include "worker/runtime/batch.h"
+#include "worker/runtime/batch_metrics.h"
 #include "worker/runtime/device_parallel.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
@@ -88,6 +89,8 @@ struct Options {
   // request sharing whole 64-token blocks with an earlier one of the same rank computes only the
   // rest (docs/distributed.md, "Prefix cache"). CPU, groups of one rank, dense attention.
   int64_t prefix_cache_bytes = 0;
+  // Each group leader's Prometheus text file (worker/runtime/batch_metrics.h); empty: none.
+  std::string metrics_file;
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -115,7 +118,7 @@ Result<Options> parse_options(int argc, char** argv) {
     static const char* valued[] = {"model",  "batch",     "out",       "tp",
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
-                                   "prefix-cache", "stall-timeout"};
+                                   "prefix-cache", "stall-timeout", "metrics-file"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -170,6 +173,11 @@ Result<Options> parse_options(int argc, char** argv) {
     auto e = kvstore::kv_encodings_parse(kv["kv-dtype"]);
     if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
     o.kv_dtype = e.value();
+  }
+  if (kv.count("metrics-file")) {
+    o.metrics_file = kv["metrics-file"];
+    if (o.metrics_file.empty() || o.metrics_file.back() == '/')
+      return SF_ERR(kInvalidArgument, "--metrics-file must name a file, got '" + o.metrics_file + "'");
   }
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
@@ -662,6 +670,32 @@ int run(int argc, char** argv) {
   // This group's share, round-robin over the good requests.
   int64_t n_done = 0, n_skipped = 0, n_failed = 0, my_total = 0;
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) ++my_total;
+  // --metrics-file: the leader's first file is written now; one leader that cannot write its
+  // file stops the job before any prefill, with every rank agreeing.
+  runtime::BatchMetrics metrics(
+      g.leader() && !o.metrics_file.empty()
+          ? runtime::BatchMetrics::group_path(o.metrics_file, g.group, n_groups)
+          : std::string(),
+      runtime::BatchMetricsInfo{cfg.name, o.device, o.attention, o.tp, o.cp, g.group, n_groups});
+  {
+    const Status st = metrics.start(my_total, int64_t(bf.bad.size()));
+    const Status all = agree(*world, st.is_ok() ? st
+                                                : Status(st.code(), "--metrics-file: " +
+                                                                        st.message()));
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(2, all.message(), false);
+  }
+  bool metrics_warned = false;
+  auto publish = [&](bool in_flight, bool finished) {
+    // A file that stops being writable mid-batch (full disk) costs the operator the view, not
+    // the job its exports: warned once.
+    const Status st = metrics.publish(n_done, n_skipped, n_failed, in_flight, finished);
+    if (!st.is_ok() && !metrics_warned) {
+      metrics_warned = true;
+      std::fprintf(stderr, "warning: --metrics-file: %s (the batch goes on)\n",
+                   st.message().c_str());
+    }
+  };
   int64_t k = 0;
   bool first_request = true;
   // --prefix-cache: this rank's pool (host memory, the budget's bytes) and cache over it.
@@ -682,6 +716,7 @@ int run(int argc, char** argv) {
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
+    publish(/*in_flight=*/true, /*finished=*/false);
     ++k;
     const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     const std::string fingerprint =
@@ -942,6 +977,9 @@ int run(int argc, char** argv) {
                    static_cast<long long>(r.line), r.id.c_str(), ws.message().c_str());
       continue;
     }
+    metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
+                         s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
+                         s.group_estimate_bytes, s.tp_allreduce_bytes});
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
         "s) -> %s\n",
@@ -952,6 +990,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  publish(/*in_flight=*/false, /*finished=*/true);
   // Every other group's "done", or the job ends when one goes quiet for --stall-timeout.
   if (hb && g.leader()) {
     beat(-1);

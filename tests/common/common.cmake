@@ -1,2 +1,4 @@
 sf_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_safetensors.cpp LABELS unit
             LIBS sf_common)
+sf_add_test(test_metrics SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics.cpp LABELS unit
+            LIBS sf_common)

@@ -358,19 +358,5 @@ TEST(KvPoolSpec, DirCheck) {
   EXPECT_NE(st.message().find("cannot be created"), std::string::npos) << st.message();
 }
 
-TEST(Metrics, ExpositionAndValidation) {
-  MetricsRegistry reg;
-  EXPECT_FALSE(reg.add_family("bad name", MetricKind::kGauge, "x").is_ok());
-  EXPECT_FALSE(reg.add_family("sf_moves", MetricKind::kCounter, "x").is_ok());  // no _total
-  ASSERT_TRUE(reg.add_family("sf_moves_total", MetricKind::kCounter, "Moves.").is_ok());
-  EXPECT_FALSE(reg.add_family("sf_moves_total", MetricKind::kGauge, "x").is_ok());
-  EXPECT_FALSE(reg.set("sf_missing", {}, 1).is_ok());
-  ASSERT_TRUE(reg.set("sf_moves_total", {{"tier", "a\"b"}}, 12345678901.0).is_ok());
-  EXPECT_EQ(reg.render(),
-            "# HELP sf_moves_total Moves.\n# TYPE sf_moves_total counter\n"
-            "sf_moves_total{tier=\"a\\\"b\"} 12345678901\n");
-  EXPECT_EQ(reg.get("sf_moves_total", {{"tier", "a\"b"}}).value(), 12345678901.0);
-}
-
 }  // namespace
 }  // namespace sf::kvstore

@@ -62,6 +62,16 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=64M,disk=/dev/null/kv)
   add_test(NAME cli_kv_pool COMMAND ${_ok} "kv pool: host 10 blocks 983040 bytes \\(budget 983040\\); disk 20 blocks 1966080 bytes.*the forward held at most [0-9]+ bytes of KV" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --kv-pool host=1M,disk=${_tmp}/kvp)
+  # --metrics-file: the pool's counters in Prometheus text, the same counts as the printed line;
+  # without --kv-pool, or in a missing directory, refused before the model loads.
+  add_test(NAME cli_kv_pool_metrics COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/pool_metrics.sh ${_sf}
+           ${_tmp}/short.txt ${_tmp}/kv-pool-metrics)
+  add_test(NAME cli_metrics_file_needs_pool COMMAND ${_ef} "^error: --metrics-file writes the --kv-pool tiers' counters; give --kv-pool"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --metrics-file ${_tmp}/m.prom)
+  add_test(NAME cli_metrics_file_bad_dir COMMAND ${_ef} "^error: --metrics-file '${_tmp}/no/such/m.prom': not a file in an existing directory"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=1M,disk=${_tmp}/kvp --metrics-file ${_tmp}/no/such/m.prom)
+  set_tests_properties(cli_kv_pool_metrics cli_metrics_file_needs_pool cli_metrics_file_bad_dir
+                       PROPERTIES LABELS unit TIMEOUT 120)
   # --kv-pool with --export-kv: the export is read from the pool (host and disk blocks), byte for
   # byte a plain run's, while the forward holds one layer's K/V at a time.
   add_test(NAME cli_kv_pool_export COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/export_via_pool.sh ${_sf}

@@ -2,9 +2,11 @@
 # worker_cases.sh CASE MPIEXEC WORKER TMPDIR: one `mpi`-label contract of sparsefill-worker.
 # The environment (loopback only, root allowed, one BLAS thread) comes from ctest.
 #   batch       np 4, 2 groups of cp 2: a batch with bad lines writes the good requests, reports
-#               each bad line with its number, exits 3; a second run resumes (writes nothing new)
+#               each bad line with its number, exits 3; a second run resumes (writes nothing new);
+#               --metrics-file: each group's Prometheus file counts what its summaries say
 #   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
-#   flags       --selective-kv without --cp-estimate: one error line, exit 2
+#   flags       --selective-kv without --cp-estimate, or a --metrics-file in a missing
+#               directory: one error line, exit 2, no request run
 #   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
 #   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
 #   hosts       np 2 by MPMD, each rank in its own directory: an --attention config file missing
@@ -63,7 +65,8 @@ EOF
 
 case "$case_name" in
   batch)
-    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    mkdir -p "$tmp/metrics"
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     [ "$rc" -eq 3 ] || fail "exit $rc, want 3 (bad lines present)"
     for l in 3 4 7 8 9; do
       grep -q "prompts.jsonl:$l: .*; skipped" "$tmp/stderr" || fail "bad line $l not reported"
@@ -79,11 +82,39 @@ case "$case_name" in
     grep -q "batch done: 4 written, 0 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "summary"
     # Both groups worked.
     grep -q '"group": 0' "$tmp"/out/*.json && grep -q '"group": 1' "$tmp"/out/*.json || fail "one group did nothing"
+    # Metrics: one Prometheus text file a group; their written requests and prompt tokens add
+    # up to the summaries', the bad lines are in group 0's file only, both groups finished.
+    m0="$tmp/metrics/w.g0.prom"; m1="$tmp/metrics/w.g1.prom"
+    [ -f "$m0" ] && [ -f "$m1" ] && [ ! -e "$tmp/metrics/w.prom" ] || fail "metrics files: $(ls "$tmp/metrics")"
+    metric() { awk -v k="$2" '$1 == k { print $2 }' "$1"; }
+    w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
+    w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
+    [ "$((w0 + w1))" -eq 4 ] && [ "$w0" -ge 1 ] && [ "$w1" -ge 1 ] || fail "metrics: written $w0 + $w1, want 4"
+    [ "$(metric "$m0" 'sparsefill_worker_batch_bad_lines{group="0"}')" = 5 ] || fail "metrics: bad lines"
+    ! grep -q batch_bad_lines "$m1" || fail "metrics: bad lines in group 1's file"
+    for g in 0 1; do
+      f="$tmp/metrics/w.g$g.prom"
+      [ "$(metric "$f" "sparsefill_worker_finished{group=\"$g\"}")" = 1 ] || fail "metrics: group $g not finished"
+      [ "$(metric "$f" "sparsefill_worker_prefill_seconds_count{group=\"$g\"}")" = \
+        "$(metric "$f" "sparsefill_worker_requests_total{group=\"$g\",outcome=\"written\"}")" ] || fail "metrics: histogram count"
+      # CP 2 all-gathers its K/V: bytes counted, and the moved bytes equal them (no --selective-kv).
+      ag=$(metric "$f" "sparsefill_worker_kv_allgather_bytes_total{group=\"$g\"}")
+      [ "$ag" -gt 0 ] && [ "$ag" = "$(metric "$f" "sparsefill_worker_kv_moved_bytes_total{group=\"$g\"}")" ] || fail "metrics: group $g K/V bytes $ag"
+    done
+    want_tokens=$(grep -ho '"n_tokens": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
+    got_tokens=$(( $(metric "$m0" 'sparsefill_worker_prompt_tokens_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_prompt_tokens_total{group="1"}') ))
+    [ "$got_tokens" -eq "$want_tokens" ] || fail "metrics: prompt tokens $got_tokens, summaries $want_tokens"
+    [ ! -e "$m0.tmp" ] && [ ! -e "$m1.tmp" ] || fail "metrics: a temporary file was left"
     # Resume: one export removed, the rest are complete and skipped.
     rm -rf "$tmp/out/village"
-    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
     grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
+    s0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="skipped"}')
+    s1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="skipped"}')
+    w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
+    w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
+    [ "$((s0 + s1))" -eq 3 ] && [ "$((w0 + w1))" -eq 1 ] || fail "metrics on resume: skipped $s0 + $s1, written $w0 + $w1"
     [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
     grep -q '"fingerprint": "[0-9a-f]\{16\}"' "$tmp/out/village.json" || fail "summary has no fingerprint"
     # Resume after a line changed (canal's retention) and after a job stopped between an export
@@ -154,6 +185,13 @@ PY
     [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
     errors | grep -q "^error: --selective-kv needs --cp-estimate" || fail "message"
+    # A metrics file the leaders cannot write (np 4: two groups, each leader its own file) is
+    # one start-up error, before any prefill.
+    run 4 --model default --cp 2 --metrics-file "$tmp/no/such/dir/w.prom" --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] || fail "metrics: exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "metrics: want one error line"
+    errors | grep -q "^error: --metrics-file: metrics: cannot write '.*/no/such/dir/w.g0.prom.tmp'" || fail "metrics: message"
+    [ ! -e "$tmp/out/lighthouse" ] || fail "metrics: a request ran"
     ;;
   tp)
     run 2 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -1,11 +1,13 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <sstream>
 
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/safetensors.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/tiered_kv.h"
@@ -38,7 +40,8 @@ int cmd_prefill(int argc, char** argv) {
   auto args_r = parse_args(
       argc, argv, 2,
       {"model", "prompt-file", "prompt", "prompt-tokens", "export-kv", "chunk", "tokenizer",
-       "attention", "device", "retention", "kv-pool", "dump-attention", "importance", "kv-dtype"},
+       "attention", "device", "retention", "kv-pool", "dump-attention", "importance", "kv-dtype",
+       "metrics-file"},
       {"force", "allow-long", "print-tokens"});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -95,6 +98,19 @@ int cmd_prefill(int argc, char** argv) {
       const Status st = kvstore::kv_pool_dir_check(kv_pool->disk_dir);
       if (!st.is_ok()) return fail(st);
     }
+  }
+  // --metrics-file: the pool's per-tier counters (Prometheus text) once the prefill is done; its
+  // directory is checked here, before the model load.
+  std::string metrics_file;
+  if (a.has("metrics-file")) {
+    if (!kv_pool)
+      return fail(SF_ERR(kInvalidArgument, "--metrics-file writes the --kv-pool tiers' counters; give --kv-pool"));
+    metrics_file = a.get("metrics-file");
+    const std::filesystem::path parent = std::filesystem::path(metrics_file).parent_path();
+    std::error_code ec;
+    if (metrics_file.empty() || metrics_file.back() == '/' ||
+        !std::filesystem::is_directory(parent.empty() ? "." : parent, ec))
+      return fail(SF_ERR(kInvalidArgument, "--metrics-file '" + metrics_file + "': not a file in an existing directory"));
   }
   // gguf: the model's own metadata (pre-tokenizer, add_bos), as llama.cpp does.
   // hf: what transformers' GGUF conversion does (always BOS, GPT-2 regex); the golden reference.
@@ -326,6 +342,12 @@ int cmd_prefill(int argc, char** argv) {
     std::printf(" moved %s->%s %lld, %s->%s %lld blocks; the forward held at most %lld bytes of KV\n", fn, cn,
                 static_cast<long long>(h.demoted_out), cn, fn, static_cast<long long>(h.promoted_in),
                 static_cast<long long>(r.kv_peak_bytes));
+    if (!metrics_file.empty()) {
+      MetricsRegistry reg;
+      if (Status st = kvstore::pool_metrics_export(*pool, &reg); !st.is_ok()) return fail(st);
+      if (Status st = reg.write_textfile(metrics_file); !st.is_ok()) return fail(st);
+      std::printf("kv pool metrics: %s\n", metrics_file.c_str());
+    }
   }
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec = kvstore::model_export_spec(m);

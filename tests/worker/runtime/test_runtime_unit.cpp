@@ -6,9 +6,11 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 
 #include "worker/model/model.h"
 #include "worker/runtime/batch.h"
+#include "worker/runtime/batch_metrics.h"
 #include "worker/runtime/cp_need.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
@@ -228,6 +230,72 @@ TEST(Batch, CompleteMeansManifestAndASummaryWithTheSameFingerprint) {
                 .find("made for other inputs (fingerprint 0123456789abcdef"),
             std::string::npos);
   EXPECT_FALSE(runtime::request_complete(dir.string(), "y", fp));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
+  using runtime::BatchMetrics;
+  EXPECT_EQ(BatchMetrics::group_path("/m/sf.prom", 0, 1), "/m/sf.prom");
+  EXPECT_EQ(BatchMetrics::group_path("/m/sf.prom", 1, 3), "/m/sf.g1.prom");
+  EXPECT_EQ(BatchMetrics::group_path("sf", 2, 3), "sf.g2");
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("sf-batch-metrics-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto read = [](const std::filesystem::path& p) {
+    std::ifstream f(p);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  auto has = [](const std::string& text, const std::string& line) {
+    return text.find("\n" + line + "\n") != std::string::npos;
+  };
+  // Disabled: nothing written, every call succeeds.
+  BatchMetrics off("", {});
+  EXPECT_TRUE(off.start(3, 1).is_ok());
+  EXPECT_TRUE(off.publish(1, 1, 1, false, true).is_ok());
+
+  const std::string p1 = (dir / "w.g1.prom").string();
+  BatchMetrics m(p1, {"SmolLM2", "cpu", "dense", 1, 2, 1, 2});
+  ASSERT_TRUE(m.start(3, 5).is_ok());
+  std::string t = read(p1);
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_assigned{group=\"1\"} 3")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"written\"} 0")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_count{group=\"1\"} 0")) << t;
+  // Only group 0 carries the batch's bad lines.
+  EXPECT_EQ(t.find("sparsefill_worker_batch_bad_lines"), std::string::npos) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_info{group=\"1\",model=\"SmolLM2\",device=\"cpu\","
+                     "attention=\"dense\",tp=\"1\",cp=\"2\",groups=\"2\"} 1"))
+      << t;
+  m.add_written({100, 0, 2.5, 0.25, 4000, 1000, 200, 0});
+  m.add_written({50, 10, 0.75, 0.5, 2000, 500, 100, 0});
+  ASSERT_TRUE(m.publish(2, 1, 1, false, true).is_ok());
+  t = read(p1);
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"written\"} 2")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"skipped\"} 1")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"failed\"} 1")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prompt_tokens_total{group=\"1\"} 150")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefix_reused_tokens_total{group=\"1\"} 10")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_comm_seconds_total{group=\"1\"} 0.75")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_kv_allgather_bytes_total{group=\"1\"} 6000")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_kv_moved_bytes_total{group=\"1\"} 1500")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_estimate_bytes_total{group=\"1\"} 300")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_bucket{group=\"1\",le=\"0.5\"} 0")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_bucket{group=\"1\",le=\"1\"} 1")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_bucket{group=\"1\",le=\"5\"} 2")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_sum{group=\"1\"} 3.25")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_finished{group=\"1\"} 1")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_request_in_flight{group=\"1\"} 0")) << t;
+
+  const std::string p0 = (dir / "w.g0.prom").string();
+  BatchMetrics m0(p0, {"SmolLM2", "cpu", "dense", 1, 2, 0, 2});
+  ASSERT_TRUE(m0.start(2, 5).is_ok());
+  EXPECT_TRUE(has(read(p0), "sparsefill_worker_batch_bad_lines{group=\"0\"} 5"));
+  // A directory that does not exist: the error names the file.
+  BatchMetrics bad((dir / "nope" / "w.prom").string(), {});
+  const Status st = bad.start(1, 0);
+  EXPECT_EQ(st.code(), Code::kIo) << st.message();
   std::filesystem::remove_all(dir);
 }
 

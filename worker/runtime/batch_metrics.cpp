@@ -1,0 +1,127 @@
+#include "worker/runtime/batch_metrics.h"
+
+#include <chrono>
+#include <filesystem>
+
+namespace sf::runtime {
+namespace {
+
+// Request times span a 100-token line on a CPU to a million-token prompt on a slow grid.
+const std::vector<double> kPrefillBuckets = {0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600};
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+std::string BatchMetrics::group_path(const std::string& path, int group, int n_groups) {
+  if (n_groups <= 1) return path;
+  const std::filesystem::path p(path);
+  const std::string tag = ".g" + std::to_string(group);
+  return (p.parent_path() / (p.stem().string() + tag + p.extension().string())).string();
+}
+
+BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
+    : path_(std::move(path)), group_{{"group", std::to_string(info.group)}},
+      group_idx_(info.group) {
+  if (path_.empty()) return;
+  // Names and kinds are fixed here, so a failure would be a programming error: checked by the
+  // unit test that renders every family.
+  auto add = [&](const char* name, MetricKind kind, const char* help) {
+    (void)reg_.add_family(name, kind, help);
+    (void)reg_.set(name, group_, 0);
+  };
+  (void)reg_.add_family("sparsefill_worker_info", MetricKind::kGauge,
+                        "The job's settings as labels (value 1).");
+  (void)reg_.set("sparsefill_worker_info",
+                 {{"group", std::to_string(info.group)},
+                  {"model", info.model},
+                  {"device", info.device},
+                  {"attention", info.attention},
+                  {"tp", std::to_string(info.tp)},
+                  {"cp", std::to_string(info.cp)},
+                  {"groups", std::to_string(info.n_groups)}},
+                 1);
+  add("sparsefill_worker_requests_assigned", MetricKind::kGauge,
+      "Good batch lines this group runs (round-robin share).");
+  (void)reg_.add_family("sparsefill_worker_requests_total", MetricKind::kCounter,
+                        "Requests finished by this group, by outcome: written (export and "
+                        "summary), skipped (already complete on resume), failed.");
+  for (const char* oc : {"written", "skipped", "failed"})
+    (void)reg_.set("sparsefill_worker_requests_total",
+                   {{"group", std::to_string(info.group)}, {"outcome", oc}}, 0);
+  if (info.group == 0) {
+    (void)reg_.add_family("sparsefill_worker_batch_bad_lines", MetricKind::kGauge,
+                          "Lines of the batch file that were reported and skipped (whole job).");
+    (void)reg_.set("sparsefill_worker_batch_bad_lines", group_, 0);
+  }
+  add("sparsefill_worker_request_in_flight", MetricKind::kGauge,
+      "1 while a request is being prefilled or exported.");
+  add("sparsefill_worker_finished", MetricKind::kGauge, "1 once this group ran its whole share.");
+  add("sparsefill_worker_last_update_timestamp_seconds", MetricKind::kGauge,
+      "Unix time this file was last written (before each request and at the end).");
+  add("sparsefill_worker_prompt_tokens_total", MetricKind::kCounter,
+      "Prompt tokens of written requests.");
+  add("sparsefill_worker_prefix_reused_tokens_total", MetricKind::kCounter,
+      "Prompt tokens taken from the prefix cache instead of computed.");
+  add("sparsefill_worker_comm_seconds_total", MetricKind::kCounter,
+      "Time the leader waited on the group's collectives during written requests.");
+  add("sparsefill_worker_kv_allgather_bytes_total", MetricKind::kCounter,
+      "Bytes a full K/V all-gather would move over the group for written requests.");
+  add("sparsefill_worker_kv_moved_bytes_total", MetricKind::kCounter,
+      "K/V bytes the group's ranks received (equal to the all-gather unless --selective-kv).");
+  add("sparsefill_worker_estimate_bytes_total", MetricKind::kCounter,
+      "Bytes the sparse estimator exchanged (--cp-estimate).");
+  add("sparsefill_worker_tp_allreduce_bytes_total", MetricKind::kCounter,
+      "Bytes the leader all-reduced over TP (each TP rank of the group as much).");
+  (void)reg_.add_histogram("sparsefill_worker_prefill_seconds",
+                           "Wall time of a written request's prefill (leader).", kPrefillBuckets);
+  (void)reg_.touch("sparsefill_worker_prefill_seconds", group_);
+}
+
+Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
+  if (path_.empty()) return Status::ok();
+  SF_TRY(reg_.set("sparsefill_worker_requests_assigned", group_, double(assigned)));
+  if (group_idx_ == 0)
+    SF_TRY(reg_.set("sparsefill_worker_batch_bad_lines", group_, double(bad_lines)));
+  return publish(0, 0, 0, false, false);
+}
+
+void BatchMetrics::add_written(const WrittenRequest& w) {
+  if (path_.empty()) return;
+  tokens_ += w.tokens;
+  reused_ += w.prefix_reused_tokens;
+  comm_s_ += w.comm_s;
+  allgather_ += w.kv_allgather_bytes;
+  moved_ += w.kv_moved_bytes;
+  estimate_ += w.estimate_bytes;
+  allreduce_ += w.tp_allreduce_bytes;
+  (void)reg_.observe("sparsefill_worker_prefill_seconds", group_, w.prefill_s);
+}
+
+Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, bool in_flight,
+                             bool finished) {
+  if (path_.empty()) return Status::ok();
+  const std::string g = group_[0].second;
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "written"}},
+                  double(written)));
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "skipped"}},
+                  double(skipped)));
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "failed"}},
+                  double(failed)));
+  SF_TRY(reg_.set("sparsefill_worker_request_in_flight", group_, in_flight ? 1 : 0));
+  SF_TRY(reg_.set("sparsefill_worker_finished", group_, finished ? 1 : 0));
+  SF_TRY(reg_.set("sparsefill_worker_last_update_timestamp_seconds", group_, unix_now()));
+  SF_TRY(reg_.set("sparsefill_worker_prompt_tokens_total", group_, double(tokens_)));
+  SF_TRY(reg_.set("sparsefill_worker_prefix_reused_tokens_total", group_, double(reused_)));
+  SF_TRY(reg_.set("sparsefill_worker_comm_seconds_total", group_, comm_s_));
+  SF_TRY(reg_.set("sparsefill_worker_kv_allgather_bytes_total", group_, double(allgather_)));
+  SF_TRY(reg_.set("sparsefill_worker_kv_moved_bytes_total", group_, double(moved_)));
+  SF_TRY(reg_.set("sparsefill_worker_estimate_bytes_total", group_, double(estimate_)));
+  SF_TRY(reg_.set("sparsefill_worker_tp_allreduce_bytes_total", group_, double(allreduce_)));
+  return reg_.write_textfile(path_);
+}
+
+}  // namespace sf::runtime

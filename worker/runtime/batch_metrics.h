@@ -1,0 +1,57 @@
+// Prometheus metrics of a worker group's batch, for operators who watch a job under mpirun.
+//
+// Each group leader writes its group's series to a file in the text exposition format, for
+// node_exporter's textfile collector (or anything that reads the format): at start, before each
+// request, and at the end. The file is replaced by a rename, so a scrape never reads half of it.
+// With one group the file is PATH; with several, group G writes PATH with ".gG" before its
+// extension (sf.prom -> sf.g0.prom, sf.g1.prom), and every series carries group="G". The
+// batch-wide bad-line count is in group 0's file only, so a sum over files counts it once.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "common/metrics.h"
+#include "common/status.h"
+
+namespace sf::runtime {
+
+struct BatchMetricsInfo {
+  std::string model, device, attention;
+  int tp = 1, cp = 1;
+  int group = 0, n_groups = 1;
+};
+
+// One written request's figures (its summary's group totals).
+struct WrittenRequest {
+  int64_t tokens = 0, prefix_reused_tokens = 0;
+  double prefill_s = 0, comm_s = 0;
+  int64_t kv_allgather_bytes = 0, kv_moved_bytes = 0, estimate_bytes = 0, tp_allreduce_bytes = 0;
+};
+
+class BatchMetrics {
+ public:
+  // The file group `group` of `n_groups` writes for --metrics-file PATH.
+  static std::string group_path(const std::string& path, int group, int n_groups);
+
+  // path empty: disabled (every call is a no-op). Registers every series with zeros.
+  BatchMetrics(std::string path, const BatchMetricsInfo& info);
+
+  // The group's share of the batch and (group 0) the batch's bad lines; writes the first file.
+  [[nodiscard]] Status start(int64_t assigned, int64_t bad_lines);
+  void add_written(const WrittenRequest& w);
+  // Request counts so far (snapshots), whether a request is now running; writes the file.
+  [[nodiscard]] Status publish(int64_t written, int64_t skipped, int64_t failed, bool in_flight,
+                               bool finished);
+  const MetricsRegistry& registry() const { return reg_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  MetricsRegistry reg_;
+  MetricLabels group_;
+  int group_idx_ = 0;
+  int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
+  double comm_s_ = 0;
+};
+
+}  // namespace sf::runtime
