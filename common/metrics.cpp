@@ -1,11 +1,10 @@
 #include "common/metrics.h"
+#include "common/file_io.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 
 namespace sf {
 namespace {
@@ -191,27 +190,8 @@ std::string MetricsRegistry::render() const {
 }
 
 Status MetricsRegistry::write_textfile(const std::string& path) const {
-  // The temporary name does not end in .prom, so a collector never reads it half written.
-  const std::string tmp = path + ".tmp";
-  const std::string text = render();
-  {
-    std::ofstream f(tmp, std::ios::trunc | std::ios::binary);
-    f << text;
-    f.flush();
-    if (!f) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      return SF_ERR(kIo, "metrics: cannot write '" + tmp + "'");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code rm;
-    std::filesystem::remove(tmp, rm);
-    return SF_ERR(kIo, "metrics: cannot rename '" + tmp + "' to '" + path + "': " + ec.message());
-  }
-  return Status::ok();
+  // The temporary name (PATH.tmp) does not end in .prom, so a collector never reads it.
+  return write_file_atomic(path, render());
 }
 
 }  // namespace sf

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <thread>
@@ -95,9 +96,13 @@ Pool& pool() {
 
 int num_threads() {
   static const int n = [] {
-    if (const char* e = std::getenv("SF_NUM_THREADS")) {
-      const int v = std::atoi(e);
-      if (v > 0) return v;
+    if (const char* e = std::getenv("SF_NUM_THREADS"); e && *e) {
+      // Whole numbers only: "4x" is not 4. A bad value is said once and the default used.
+      char* end = nullptr;
+      const long v = std::strtol(e, &end, 10);
+      if (*end == '\0' && v > 0 && v <= 4096) return int(v);
+      std::fprintf(stderr, "warning: SF_NUM_THREADS='%s' is not a thread count in [1, 4096]; using %u\n",
+                   e, std::max(1u, std::thread::hardware_concurrency()));
     }
     return std::max(1, int(std::thread::hardware_concurrency()));
   }();

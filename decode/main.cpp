@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <string>
@@ -31,12 +32,12 @@
 namespace {
 
 int fail(const sf::Status& st) {
-  std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
+  std::fprintf(stderr, "error: %s\n", st.message().c_str());
   return 1;
 }
 
-void usage() {
-  std::fprintf(stderr,
+void usage(FILE* to = stderr) {
+  std::fprintf(to,
                "usage: sparsefill-decode --model PATH|default --kv DIR [--tokens N] [--attention "
                "full|psa[-avg|-strict][+gqa]:EPS[:MARGIN][:verifyN]]\n"
                "                         [--device auto|cpu|cuda] [--pool-dtype f32|bf16|int8]\n"
@@ -45,7 +46,7 @@ void usage() {
 
 std::string resolve_model(const std::string& m) {
   if (m != "default") return m;
-  if (const char* e = std::getenv("SF_MODEL")) return e;
+  if (const char* e = std::getenv("SF_MODEL"); e && *e) return e;  // empty: unset
   return std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
@@ -54,7 +55,7 @@ int run(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "-h" || k == "--help") {
-      usage();
+      usage(stdout);
       return 0;
     }
     if (k == "--reference" || k == "--no-cuda-graph" || k == "--no-fused-step") {
@@ -94,6 +95,12 @@ int run(int argc, char** argv) {
   const bool on_gpu = dev == "cuda" || (dev == "auto" && sf::model::cuda_device_check(0).is_ok());
   auto ap = sf::decode::decode_attn_parse(a.count("attention") ? a["attention"] : "full");
   if (!ap.is_ok()) return fail(ap.status());
+  {
+    // Before the model load: a wrong --kv should not cost it.
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(std::filesystem::path(a["kv"]) / "manifest.json", ec))
+      return fail(SF_ERR(kNotFound, "--kv: no manifest.json in '" + a["kv"] + "' (not a KV export)"));
+  }
   const std::string path = resolve_model(a.count("model") ? a["model"] : "default");
   auto mr = sf::model::Model::load(path);
   if (!mr.is_ok()) return fail(mr.status());
@@ -144,8 +151,9 @@ int run(int argc, char** argv) {
       (man.kv_dtype + (man.kv_dtype_low.empty() ? "" : "+" + man.kv_dtype_low)).c_str(),
       static_cast<long long>(man.kv_bytes), static_cast<long long>(man.kv_bytes_full),
       100.0 * double(man.kv_bytes) / double(man.kv_bytes_full));
-  std::printf("load + verify: %.3f s; decode %d tokens on %s: %.3f s\n",
-              std::chrono::duration<double>(t1 - t0).count(), n_new,
+  // The N tokens start with the prefill's first token: N - 1 decode steps.
+  std::printf("load + verify: %.3f s; %d tokens (%d decode steps) on %s: %.3f s\n",
+              std::chrono::duration<double>(t1 - t0).count(), n_new, n_new - 1,
               gpu ? dm->device_name().c_str() : "cpu",
               std::chrono::duration<double>(t2 - t1).count());
   if (gpu)

@@ -300,7 +300,8 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
   const fs::path tmp = out.parent_path() / (out.filename().string() + ".partial-" + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
-    return SF_ERR(kIo, "cannot create '" + tmp.string() + "': " + ec.message());
+    return SF_ERR(kIo, "cannot create the export '" + dir + "' (its temporary directory '" +
+                           tmp.string() + "'): " + ec.message());
   return tmp.string();
 }
 

@@ -32,6 +32,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "common/checksum.h"
+#include "common/file_io.h"
 #include "common/log.h"
 #include "common/text.h"
 #include "kvstore/kv_export.h"
@@ -198,7 +199,7 @@ Result<Options> parse_options(int argc, char** argv) {
   }
   if (o.model == "default") {
     const char* e = std::getenv("SF_MODEL");
-    o.model = e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    o.model = e && *e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
   }
   return o;
 }
@@ -328,17 +329,7 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
 
 // Written whole or not at all: resume reads the fingerprint from it.
 Status write_summary(const std::string& path, const std::string& json_line) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << json_line << "\n";
-    f.flush();
-    if (!f) return SF_ERR(kIo, "cannot write the summary '" + tmp + "'");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return SF_ERR(kIo, "cannot rename the summary to '" + path + "': " + ec.message());
-  return Status::ok();
+  return write_file_atomic(path, json_line + "\n");
 }
 
 int run(int argc, char** argv) {

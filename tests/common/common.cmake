@@ -2,3 +2,5 @@ sf_add_test(test_safetensors SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_safetensors.
             LIBS sf_common)
 sf_add_test(test_metrics SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics.cpp LABELS unit
             LIBS sf_common)
+sf_add_test(test_file_io SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_file_io.cpp LABELS unit
+            LIBS sf_common)

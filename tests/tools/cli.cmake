@@ -68,7 +68,7 @@ if(TARGET sparsefill)
            ${_tmp}/short.txt ${_tmp}/kv-pool-metrics)
   add_test(NAME cli_metrics_file_needs_pool COMMAND ${_ef} "^error: --metrics-file writes the --kv-pool tiers' counters; give --kv-pool"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --metrics-file ${_tmp}/m.prom)
-  add_test(NAME cli_metrics_file_bad_dir COMMAND ${_ef} "^error: --metrics-file '${_tmp}/no/such/m.prom': not a file in an existing directory"
+  add_test(NAME cli_metrics_file_bad_dir COMMAND ${_ef} "^error: --metrics-file '${_tmp}/no/such/m.prom': its directory '${_tmp}/no/such' does not exist"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=1M,disk=${_tmp}/kvp --metrics-file ${_tmp}/no/such/m.prom)
   set_tests_properties(cli_kv_pool_metrics cli_metrics_file_needs_pool cli_metrics_file_bad_dir
                        PROPERTIES LABELS unit TIMEOUT 120)
@@ -106,6 +106,52 @@ if(TARGET sparsefill)
   # A trailing "/" names the same directory (its temporary sibling must not land inside it).
   add_test(NAME cli_export_trailing_slash COMMAND ${_ok} "kv export: .*slashed" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --export-kv ${_tmp}/slashed/ --force)
+  # Refused before the slow part (each `--stdout-lacks` the model line the load prints, or the
+  # run's timing): arguments that would be misread, outputs that could not be written, inputs
+  # that are not files.
+  add_test(NAME cli_option_twice COMMAND ${_ef} "^error: option --prompt is given twice$"
+           ${_sf} prefill --model default --prompt a --prompt b)
+  add_test(NAME cli_value_is_an_option COMMAND ${_ef} "^error: option --export-kv needs a value \\(got option '--force'; use --export-kv=VALUE"
+           ${_sf} prefill --model default --prompt a --export-kv --force)
+  add_test(NAME cli_value_with_equals COMMAND ${_ef} "^error: --chunk: '--3' is not an integer"
+           ${_sf} prefill --model default --prompt a --chunk=--3)
+  add_test(NAME cli_prompt_file_is_a_directory COMMAND ${_ef} "^error: prompt file '${_tmp}' is a directory, not a file$"
+           ${_sf} prefill --model default --prompt-file ${_tmp})
+  add_test(NAME cli_dump_attention_layer_overflow COMMAND ${_ef} "^error: --dump-attention: expected LAYER:FILE, got '4294967296:"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 4294967296:${_tmp}/d.safetensors)
+  add_test(NAME cli_dump_attention_missing_dir COMMAND ${_ef} --stdout-lacks "^model:" "^error: --dump-attention '${_tmp}/no/d.st': its directory '${_tmp}/no' does not exist"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 3:${_tmp}/no/d.st)
+  add_test(NAME cli_importance_needs_export COMMAND ${_ef} "^error: --importance applies to --export-kv$"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --importance estimator)
+  add_test(NAME cli_force_needs_export COMMAND ${_ef} "^error: --force applies to --export-kv$"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --force)
+  add_test(NAME cli_pool_dir_inside_export COMMAND ${_ef} --stdout-lacks "^model:" "^error: --kv-pool disk='${_tmp}/pe/pool' and --export-kv '${_tmp}/pe' overlap"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/pe --kv-pool host=1M,disk=${_tmp}/pe/pool)
+  add_test(NAME cli_export_under_a_file COMMAND ${_ef} --stdout-lacks "^model:" "^error: --export-kv '${_tmp}/empty.txt/kv': '${_tmp}/empty.txt' exists and is not a directory"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/empty.txt/kv)
+  add_test(NAME cli_attention_config_missing COMMAND ${_ef} --stdout-lacks "^model:" "^error: cannot read --attention config '/nonexistent/c.json'"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --attention config:/nonexistent/c.json)
+  add_test(NAME cli_search_out_dir_missing COMMAND ${_ef} "^error: --out '/nonexistent/c.json': its directory '/nonexistent' does not exist"
+           ${_sf} search --calib ${_doc} --target-density 0.3 --out /nonexistent/c.json)
+  add_test(NAME cli_search_dense_below_early COMMAND ${_ef} "^error: --dense-below: '1k' is not an integer"
+           ${_sf} search --calib ${_doc} --target-density 0.3 --out ${_tmp}/c.json --dense-below 1k)
+  add_test(NAME cli_moa_profile_density_too_low COMMAND ${_ef} "^error: --density 0.1 keeps 25 tokens a head at the shortest length 256, fewer than --sink \\+ --step \\(128\\)"
+           ${_sf} moa-profile --out ${_tmp}/m.json --lengths 256 --density 0.1)
+  add_test(NAME cli_moa_profile_out_dir_missing COMMAND ${_ef} "^error: --out '/nonexistent/m.json': its directory '/nonexistent' does not exist"
+           ${_sf} moa-profile --out /nonexistent/m.json)
+  add_test(NAME cli_bench_document_missing COMMAND ${_ef} "^error: cannot read document '/nonexistent/doc.txt'"
+           ${_sf} bench prefill --lengths 256 --reps 1 --document /nonexistent/doc.txt)
+  add_test(NAME cli_retention_eval_bad_name COMMAND ${_ef} "^error: --name '../up': 1-64 characters"
+           ${_sf} eval --retention full --name ../up)
+  add_test(NAME cli_retention_eval_out_dir_under_file COMMAND ${_ef} "^error: --out-dir '${_tmp}/empty.txt/sub' cannot be created"
+           ${_sf} eval --retention full --out-dir ${_tmp}/empty.txt/sub)
+  set_tests_properties(cli_option_twice cli_value_is_an_option cli_value_with_equals cli_prompt_file_is_a_directory
+                       cli_dump_attention_layer_overflow cli_dump_attention_missing_dir cli_importance_needs_export
+                       cli_force_needs_export cli_pool_dir_inside_export cli_export_under_a_file
+                       cli_attention_config_missing cli_search_out_dir_missing cli_search_dense_below_early
+                       cli_moa_profile_density_too_low cli_moa_profile_out_dir_missing cli_bench_document_missing
+                       cli_retention_eval_bad_name cli_retention_eval_out_dir_under_file
+                       PROPERTIES LABELS unit TIMEOUT 60)
   set_tests_properties(cli_missing_model cli_not_a_model cli_unknown_arch cli_empty_prompt cli_unreadable_prompt
                        cli_export_dir_not_empty cli_prompt_too_long cli_unknown_option cli_export_force cli_unknown_attention
                        cli_export_force_not_an_export cli_export_dir_dot cli_export_trailing_slash

@@ -190,7 +190,7 @@ PY
     run 4 --model default --cp 2 --metrics-file "$tmp/no/such/dir/w.prom" --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] || fail "metrics: exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "metrics: want one error line"
-    errors | grep -q "^error: --metrics-file: metrics: cannot write '.*/no/such/dir/w.g0.prom.tmp'" || fail "metrics: message"
+    errors | grep -q "^error: --metrics-file: cannot write '.*/no/such/dir/w.g0.prom' (creating" || fail "metrics: message"
     [ ! -e "$tmp/out/lighthouse" ] || fail "metrics: a request ran"
     ;;
   tp)

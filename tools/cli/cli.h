@@ -8,7 +8,8 @@
 
 namespace sf::cli {
 
-// --key value / --flag parsing with a whitelist; unknown options are errors naming the option.
+// --key value / --key=value / --flag parsing with a whitelist; unknown options, an option given
+// twice and a value that is another option ("--export-kv --force") are errors naming the option.
 struct Args {
   std::map<std::string, std::string> opts;
   bool has(const std::string& k) const { return opts.count(k) > 0; }

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/file_io.h"
 #include "common/thread_pool.h"
 #include "tools/cli/cli.h"
 #include "worker/model/gguf.h"
@@ -69,6 +70,13 @@ int cmd_bench(int argc, char** argv) {
   auto reps_r = a.get_int("reps", 3, 1, 100000);
   if (!reps_r.is_ok()) return fail(reps_r.status());
   const int reps = int(reps_r.value());
+  if (a.has("out")) {
+    if (Status st = check_output_file(a.get("out"), "--out"); !st.is_ok()) return fail(st);
+  }
+  // The benchmark's text: a --document that cannot be read is an error, never random tokens.
+  const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt");
+  auto doc_text = read_text_file(doc_path, "document");
+  if (a.has("document") && !doc_text.is_ok()) return fail(doc_text.status());
 
   auto mr = model::Model::load(model_path);
   if (!mr.is_ok()) return fail(mr.status());
@@ -77,15 +85,18 @@ int cmd_bench(int argc, char** argv) {
 
   // Real text tokens (the bundled document, repeated if needed), never zeros.
   std::vector<int32_t> doc;
-  if (m.format() == model::ModelFormat::kGguf) {
+  std::string doc_source = "random token ids (the model has no GGUF tokenizer)";
+  if (m.format() == model::ModelFormat::kGguf && doc_text.is_ok()) {
     auto g = model::GgufFile::open(model_path);
     auto spec = g.is_ok() ? model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf) : Result<model::TokenizerSpec>(g.status());
     if (spec.is_ok()) {
       auto tok = model::Tokenizer::create(std::move(spec).value());
-      auto text = read_text_file(a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt"), "document");
-      if (tok.is_ok() && text.is_ok()) doc = tok->encode(text.value(), true, false);
+      if (tok.is_ok()) doc = tok->encode(doc_text.value(), true, false);
     }
+    if (!doc.empty()) doc_source = doc_path;
   }
+  if (doc.empty() && a.has("document"))
+    return fail(SF_ERR(kUnsupported, "--document needs a model with a GGUF tokenizer"));
   if (doc.empty()) {
     std::mt19937 rng(1);
     for (int i = 0; i < 4096; ++i) doc.push_back(int32_t(rng() % uint32_t(cfg.vocab)));
@@ -107,6 +118,10 @@ int cmd_bench(int argc, char** argv) {
     auto r = model::prefill(m, w, {});
     if (!r.is_ok()) return fail(r.status());
   }
+  for (int64_t L : lengths)
+    if (cfg.max_context > 0 && L > cfg.max_context)
+      return fail(SF_ERR(kOutOfRange, "--lengths: " + std::to_string(L) + " exceeds the model context of " +
+                                          std::to_string(cfg.max_context)));
   for (int64_t L : lengths) {
     std::vector<int32_t> ids;
     while (int64_t(ids.size()) < L) ids.insert(ids.end(), doc.begin(), doc.end());
@@ -160,12 +175,11 @@ int cmd_bench(int argc, char** argv) {
   out["model"] = std::move(mo);
   out["sgemm_gflops_2048"] = ceiling;
   out["sgemm_gflops_model_shape"] = ceiling_model;
+  out["document"] = doc_source;  // the prompts' text, repeated to each length
   out["records"] = std::move(recs);
   const std::string js = boost::json::serialize(out);
   if (a.has("out")) {
-    std::ofstream f(a.get("out"));
-    f << js << "\n";
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + a.get("out") + "'"));
+    if (Status st = write_file_atomic(a.get("out"), js + "\n"); !st.is_ok()) return fail(st);
     std::printf("wrote %s\n", a.get("out").c_str());
   } else {
     std::printf("%s\n", js.c_str());

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "common/file_io.h"
 #include "common/dtype.h"
 #include "common/hash.h"
 #include "common/safetensors.h"
@@ -576,9 +577,14 @@ int cmd_bench_attention(int argc, char** argv) {
     return (x == "fp32") > (y == "fp32");
   });
   const bool want_bf16 = std::count(dtypes.begin(), dtypes.end(), "bf16") > 0;
+  auto seed_r = a.get_int("seed", 0, 0, INT64_MAX);
+  if (!seed_r.is_ok()) return fail(seed_r.status());
   const uint64_t seed = a.has("seed")
-                            ? std::strtoull(a.get("seed").c_str(), nullptr, 10)
+                            ? uint64_t(seed_r.value())
                             : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  if (a.has("out")) {
+    if (Status st = check_output_file(a.get("out"), "--out"); !st.is_ok()) return fail(st);
+  }
   auto topk_r = a.get_int("blocks", 64, 1, int64_t(1) << 24);
   if (!topk_r.is_ok()) return fail(topk_r.status());
   const int64_t topk_blocks = topk_r.value();
@@ -776,9 +782,8 @@ int cmd_bench_attention(int argc, char** argv) {
     out["records"] = recs;
     const std::string js = boost::json::serialize(out);
     if (a.has("out")) {
-      std::ofstream f(a.get("out"));
-      f << js << "\n";
-      if (!f) return SF_ERR(kIo, "cannot write '" + a.get("out") + "'");
+      // Rewritten after every record: a run cut off mid-write keeps the previous records.
+      SF_TRY(write_file_atomic(a.get("out"), js + "\n"));
       if (final_write) std::printf("wrote %s\n", a.get("out").c_str());
     } else if (final_write) {
       std::printf("%s\n", js.c_str());

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/file_io.h"
 #include "common/thread_pool.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
@@ -173,12 +174,7 @@ int cmd_eval(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--out '" + out_path +
                                              "' ends in .md, the markdown summary's name; give "
                                              "the JSON's (FILE.json)"));
-  {
-    const auto parent = std::filesystem::path(out_path).parent_path();
-    std::error_code ec;
-    if (!parent.empty() && !std::filesystem::is_directory(parent, ec))
-      return fail(SF_ERR(kNotFound, "output directory '" + parent.string() + "' does not exist"));
-  }
+  if (Status st = check_output_file(out_path, "--out"); !st.is_ok()) return fail(st);
 
   const std::string model_path = resolve_model(a.get("model", "default"));
   // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
@@ -275,18 +271,15 @@ int cmd_eval(int argc, char** argv) {
                     "dense decode; the format gets easier (levels 0..3) until dense reaches 0.8";
   out["definitions"] = std::move(defs);
   out["records"] = std::move(jrecs);
-  {
-    std::ofstream f(out_path);
-    f << boost::json::serialize(out) << "\n";
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + out_path + "'"));
-  }
+  if (Status st = write_file_atomic(out_path, boost::json::serialize(out) + "\n"); !st.is_ok())
+    return fail(st);
   const std::string md_path = std::filesystem::path(out_path).replace_extension(".md").string();
-  {
-    std::ofstream f(md_path);
-    f << markdown(mode, out["date"].as_string().c_str(), out["git_commit"].as_string().c_str(), cpu_name(),
-                  out["command"].as_string().c_str(), doc_path, recs, trials.value(), doc.size());
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + md_path + "'"));
-  }
+  if (Status st = write_file_atomic(
+          md_path, markdown(mode, out["date"].as_string().c_str(), out["git_commit"].as_string().c_str(),
+                            cpu_name(), out["command"].as_string().c_str(), doc_path, recs, trials.value(),
+                            doc.size()));
+      !st.is_ok())
+    return fail(st);
   std::printf("wrote %s and %s\n", out_path.c_str(), md_path.c_str());
   return 0;
 }

@@ -13,6 +13,7 @@
 
 #include <boost/json.hpp>
 
+#include "common/file_io.h"
 #include "kvstore/moa_profile.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
@@ -28,6 +29,7 @@ int cmd_moa_profile(int argc, char** argv) {
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
   if (!a.has("out")) return fail(SF_ERR(kInvalidArgument, "--out FILE.json is required"));
+  if (Status st = check_output_file(a.get("out"), "--out"); !st.is_ok()) return fail(st);
   auto lengths_r = parse_length_list(a.get("lengths", "2048,4096,8192"));
   if (!lengths_r.is_ok()) return fail(lengths_r.status());
   std::vector<int64_t> lengths = lengths_r.value();
@@ -51,6 +53,20 @@ int cmd_moa_profile(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument,
                        "--sink >= 0, --step > 0 and --obs-window > 0, with sink + step below the "
                        "shortest length"));
+  // Each head keeps floor(density x N) tokens: the sink plus at least one step of span.
+  if (int64_t(density * double(lengths.front())) < sink + step)
+    return fail(SF_ERR(kInvalidArgument,
+                       "--density " + a.get("density", "0.25") + " keeps " +
+                           std::to_string(int64_t(density * double(lengths.front()))) +
+                           " tokens a head at the shortest length " + std::to_string(lengths.front()) +
+                           ", fewer than --sink + --step (" + std::to_string(sink + step) +
+                           "): raise --density or the shortest --lengths, or lower --sink or --step"));
+  // Calibration text, held out from eval's documents (data/README.md); read before the load.
+  const std::string doc_path =
+      a.get("document", std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt," +
+                            std::string(SF_SOURCE_DIR) + "/data/calibration_document_2.txt");
+  auto text = read_text_files(doc_path, "document");
+  if (!text.is_ok()) return fail(text.status());
 
   const std::string model_path = resolve_model(a.get("model", "default"));
   // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
@@ -60,12 +76,9 @@ int cmd_moa_profile(int argc, char** argv) {
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
-  // Calibration text, held out from eval's documents (data/README.md).
-  const std::string doc_path =
-      a.get("document", std::string(SF_SOURCE_DIR) + "/data/calibration_document.txt," +
-                            std::string(SF_SOURCE_DIR) + "/data/calibration_document_2.txt");
-  auto text = read_text_files(doc_path, "document");
-  if (!text.is_ok()) return fail(text.status());
+  if (cfg.max_context > 0 && lengths.back() > cfg.max_context)
+    return fail(SF_ERR(kOutOfRange, "--lengths: " + std::to_string(lengths.back()) +
+                                        " exceeds the model context of " + std::to_string(cfg.max_context)));
   const auto doc = tok->encode(text.value(), true, false);
   // A repeated text would teach heads to attend to the earlier copy.
   if (int64_t(doc.size()) < lengths.back())
@@ -148,15 +161,10 @@ int cmd_moa_profile(int argc, char** argv) {
   root["layers"] = std::move(layers);
   root["profile"] = std::move(profile);
   const std::string out = a.get("out");
-  {
-    std::ofstream f(out);
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + out + "'"));
-    f << boost::json::serialize(root) << "\n";
-    if (!f) return fail(SF_ERR(kIo, "writing '" + out + "' failed"));
-  }
-  // What was written must load as a retention config.
-  auto back = kvstore::moa_config_load(out);
-  if (!back.is_ok()) return fail(back.status());
+  // What is written must load as a retention config: checked before it replaces anything.
+  const std::string json_text = boost::json::serialize(root) + "\n";
+  if (auto back = kvstore::moa_config_parse(json_text, out); !back.is_ok()) return fail(back.status());
+  if (Status st = write_file_atomic(out, json_text); !st.is_ok()) return fail(st);
   std::printf("wrote %s (%d layers x %d KV heads)\n", out.c_str(), L, Hkv);
   return 0;
 }

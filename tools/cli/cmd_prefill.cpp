@@ -1,11 +1,14 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
@@ -59,10 +62,22 @@ int cmd_prefill(int argc, char** argv) {
     text = a.get("prompt");
   }
   if (!a.has("prompt-tokens") && text.empty()) return fail(SF_ERR(kInvalidArgument, "the prompt is empty"));
+  std::vector<int32_t> token_file_ids;
+  if (a.has("prompt-tokens")) {
+    auto t = read_text_file(a.get("prompt-tokens"), "prompt token file");
+    if (!t.is_ok()) return fail(t.status());
+    auto r = parse_token_file(t.value());
+    if (!r.is_ok()) return fail(r.status());
+    token_file_ids = std::move(r).value();
+  }
   if (a.has("export-kv")) {
     if (Status st = kvstore::export_dir_check(a.get("export-kv"), a.has("force")); !st.is_ok())
       return fail(st);
+    if (Status st = check_output_dir(a.get("export-kv"), "--export-kv"); !st.is_ok()) return fail(st);
   }
+  for (const char* k : {"importance", "force"})
+    if (a.has(k) && !a.has("export-kv"))
+      return fail(SF_ERR(kInvalidArgument, std::string("--") + k + " applies to --export-kv"));
   const std::string importance_src = a.get("importance", "lse");
   if (importance_src != "lse" && importance_src != "estimator")
     return fail(SF_ERR(kInvalidArgument, "--importance '" + importance_src + "' is not lse or estimator"));
@@ -94,9 +109,15 @@ int cmd_prefill(int argc, char** argv) {
     auto sp = kvstore::kv_pool_spec_parse(a.get("kv-pool"));
     if (!sp.is_ok()) return fail(sp.status());
     kv_pool = std::move(sp).value();
-    if (!kv_pool->disk_dir.empty()) {
-      const Status st = kvstore::kv_pool_dir_check(kv_pool->disk_dir);
-      if (!st.is_ok()) return fail(st);
+    // The pool's blocks.bin inside the export (or the export inside the pool's directory) would
+    // make the export's directory non-empty, or be removed with it.
+    if (!kv_pool->disk_dir.empty() && a.has("export-kv")) {
+      std::error_code ec;
+      const std::string d = std::filesystem::weakly_canonical(kv_pool->disk_dir, ec).string() + "/";
+      const std::string e = std::filesystem::weakly_canonical(a.get("export-kv"), ec).string() + "/";
+      if (d.rfind(e, 0) == 0 || e.rfind(d, 0) == 0)
+        return fail(SF_ERR(kInvalidArgument, "--kv-pool disk='" + kv_pool->disk_dir + "' and --export-kv '" +
+                                                 a.get("export-kv") + "' overlap; give them separate directories"));
     }
   }
   // --metrics-file: the pool's per-tier counters (Prometheus text) once the prefill is done; its
@@ -106,11 +127,7 @@ int cmd_prefill(int argc, char** argv) {
     if (!kv_pool)
       return fail(SF_ERR(kInvalidArgument, "--metrics-file writes the --kv-pool tiers' counters; give --kv-pool"));
     metrics_file = a.get("metrics-file");
-    const std::filesystem::path parent = std::filesystem::path(metrics_file).parent_path();
-    std::error_code ec;
-    if (metrics_file.empty() || metrics_file.back() == '/' ||
-        !std::filesystem::is_directory(parent.empty() ? "." : parent, ec))
-      return fail(SF_ERR(kInvalidArgument, "--metrics-file '" + metrics_file + "': not a file in an existing directory"));
+    if (Status st = check_output_file(metrics_file, "--metrics-file"); !st.is_ok()) return fail(st);
   }
   // gguf: the model's own metadata (pre-tokenizer, add_bos), as llama.cpp does.
   // hf: what transformers' GGUF conversion does (always BOS, GPT-2 regex); the golden reference.
@@ -127,7 +144,6 @@ int cmd_prefill(int argc, char** argv) {
   // the slow model load.
   const std::string device = a.get("device", "cpu");
   if (device != "cpu" && device != "cuda") return fail(SF_ERR(kInvalidArgument, "--device must be 'cpu' or 'cuda'"));
-  const std::string mode = a.get("attention", "dense");
   if (device == "cuda") {
     // The device forward scores importance by its LSE pass only; the estimator's column sums
     // stay on the device's estimate and are not kept.
@@ -139,6 +155,13 @@ int cmd_prefill(int argc, char** argv) {
   }
   if (kv_pool && kv_pool->device_bytes > 0 && device != "cuda")
     return fail(SF_ERR(kInvalidArgument, "--kv-pool device= needs --device cuda"));
+  const std::string mode = a.get("attention", "dense");
+  if (mode.rfind("config:", 0) == 0) {
+    if (auto t = read_text_file(mode.substr(7), "--attention config"); !t.is_ok()) return fail(t.status());
+  } else if (mode != "dense") {
+    // The name alone (one layer, one head): an unknown mode fails before the model loads.
+    if (auto sc = model::sparse_config_for_mode(mode, 1, 1); !sc.is_ok()) return fail(sc.status());
+  }
 
   // --dump-attention LAYER:FILE: that layer's attention inputs (q, and the final k, v) as F32
   // safetensors, for `sparsefill bench attention --inputs FILE` (real-model tensors on the GPU).
@@ -148,12 +171,19 @@ int cmd_prefill(int argc, char** argv) {
     const std::string spec = a.get("dump-attention");
     const size_t colon = spec.find(':');
     char* end = nullptr;
-    const long l = colon == std::string::npos ? -1 : std::strtol(spec.substr(0, colon).c_str(), &end, 10);
-    if (colon == std::string::npos || colon == 0 || *end || l < 0 || colon + 1 == spec.size())
+    errno = 0;
+    const long long l = colon == std::string::npos ? -1 : std::strtoll(spec.substr(0, colon).c_str(), &end, 10);
+    if (colon == std::string::npos || colon == 0 || *end || errno || l < 0 || l > INT32_MAX ||
+        colon + 1 == spec.size())
       return fail(SF_ERR(kInvalidArgument, "--dump-attention: expected LAYER:FILE, got '" + spec + "'"));
     if (device != "cpu") return fail(SF_ERR(kUnsupported, "--dump-attention reads the CPU forward"));
     dump_layer = int(l);
     dump_path = spec.substr(colon + 1);
+    if (Status st = check_output_file(dump_path, "--dump-attention"); !st.is_ok()) return fail(st);
+  }
+  // Created last among the checks, so a refused command leaves no directory behind.
+  if (kv_pool && !kv_pool->disk_dir.empty()) {
+    if (Status st = kvstore::kv_pool_dir_check(kv_pool->disk_dir); !st.is_ok()) return fail(st);
   }
 
   const std::string model_path = resolve_model(a.get("model"));
@@ -182,11 +212,7 @@ int cmd_prefill(int argc, char** argv) {
     }
   }
   if (a.has("prompt-tokens")) {
-    auto t = read_text_file(a.get("prompt-tokens"), "prompt token file");
-    if (!t.is_ok()) return fail(t.status());
-    auto r = parse_token_file(t.value());
-    if (!r.is_ok()) return fail(r.status());
-    ids = std::move(r).value();
+    ids = std::move(token_file_ids);
   } else {
     if (!tok) return fail(SF_ERR(kUnsupported, "this model format has no tokenizer support yet; pass --prompt-tokens"));
     ids = tok->encode(text, /*add_special=*/true, /*parse_special=*/true);

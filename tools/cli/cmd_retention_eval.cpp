@@ -5,6 +5,7 @@
 // on CPU with the reference decode session. Writes bench/results/retention-<policy>.json.
 // moa takes per-head spans from a config (kvstore::moa_config_load) and scales them per budget.
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <boost/json.hpp>
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <functional>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/kv_quant.h"
@@ -336,19 +338,25 @@ int cmd_retention_eval(int argc, char** argv) {
     Status st = int_opt(k, def, lo, hi, out);
     if (!st.is_ok()) return fail(st);
   }
-
-  const std::string model_path = resolve_model(a.get("model", "default"));
-  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
-  auto mr = model::Model::load(model_path);
-  if (!mr.is_ok()) return fail(mr.status());
-  const model::Model& m = mr.value();
-  // A moa config for another model fails here, not after the prefill.
-  if (Status st =
-          kvstore::retention_check_geometry(moa, m.config().n_layers, m.config().n_kv_heads);
-      !st.is_ok())
-    return fail(st);
+  // The results' directory and names, and the text, before the minutes of prefill and decode.
+  // --name becomes part of a file name: no path separators.
+  if (a.has("name")) {
+    const std::string n = a.get("name");
+    if (n.empty() || n.size() > 64 ||
+        !std::all_of(n.begin(), n.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+        }) ||
+        n[0] == '.')
+      return fail(SF_ERR(kInvalidArgument, "--name '" + n + "': 1-64 characters of [A-Za-z0-9._-], not starting with '.'"));
+  }
+  const std::string out_dir = a.get("out-dir", std::string(SF_SOURCE_DIR) + "/bench/results");
+  {
+    std::error_code ec;
+    std::filesystem::create_directories(out_dir, ec);
+    if (ec || !std::filesystem::is_directory(out_dir, ec))
+      return fail(SF_ERR(kIo, "--out-dir '" + out_dir + "' cannot be created: " +
+                                  (ec ? ec.message() : std::string("not a directory"))));
+  }
   // The held-out evaluation text (data/README.md): two essays, 10K tokens, so an 8K prompt does
   // not repeat itself (a repeated text turns the continuation into verbatim copying of the
   // earlier copy, which any eviction breaks).
@@ -357,6 +365,22 @@ int cmd_retention_eval(int argc, char** argv) {
                             std::string(SF_SOURCE_DIR) + "/data/long_document_2.txt");
   auto text = read_text_files(doc_path, "document");
   if (!text.is_ok()) return fail(text.status());
+
+  const std::string model_path = resolve_model(a.get("model", "default"));
+  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
+  auto tok = eval::load_tokenizer(model_path);
+  if (!tok.is_ok()) return fail(tok.status());
+  auto mr = model::Model::load(model_path);
+  if (!mr.is_ok()) return fail(mr.status());
+  const model::Model& m = mr.value();
+  if (m.config().max_context > 0 && length > m.config().max_context)
+    return fail(SF_ERR(kOutOfRange, "--length " + std::to_string(length) + " exceeds the model context of " +
+                                        std::to_string(m.config().max_context)));
+  // A moa config for another model fails here, not after the prefill.
+  if (Status st =
+          kvstore::retention_check_geometry(moa, m.config().n_layers, m.config().n_kv_heads);
+      !st.is_ok())
+    return fail(st);
   const auto doc_all = tok->encode(text.value(), true, false);
   if (doc_all.empty())
     return fail(SF_ERR(kInvalidArgument, "the document '" + doc_path + "' has no tokens"));
@@ -568,9 +592,6 @@ int cmd_retention_eval(int argc, char** argv) {
 
   // 3) One results file per policy.
   namespace json = boost::json;
-  const std::string out_dir = a.get("out-dir", std::string(SF_SOURCE_DIR) + "/bench/results");
-  std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
   for (auto k : kinds) {
     json::object o;
     o["device"] = json::object{{"cpu", cpu_name()}};
@@ -751,9 +772,7 @@ int cmd_retention_eval(int argc, char** argv) {
     std::string name = kvstore::retention_kind_name(k);
     if (a.has("name")) name += "-" + a.get("name");
     const std::string path = out_dir + "/retention-" + name + ".json";
-    std::ofstream f(path);
-    f << json::serialize(o) << "\n";
-    if (!f) return fail(SF_ERR(kIo, "cannot write '" + path + "'"));
+    if (Status st = write_file_atomic(path, json::serialize(o) + "\n"); !st.is_ok()) return fail(st);
     std::printf("wrote %s\n", path.c_str());
   }
   return 0;

@@ -29,6 +29,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/file_io.h"
 #include "kernels/sparse.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
@@ -180,6 +181,10 @@ int cmd_search(int argc, char** argv) {
   if (!a.has("calib")) return fail(SF_ERR(kInvalidArgument, "--calib FILE is required (a text not used for eval)"));
   if (!a.has("target-density")) return fail(SF_ERR(kInvalidArgument, "--target-density D is required"));
   if (!a.has("out")) return fail(SF_ERR(kInvalidArgument, "--out FILE.json is required"));
+  // What would fail after an hours-long search fails now.
+  if (Status st = check_output_file(a.get("out"), "--out"); !st.is_ok()) return fail(st);
+  auto dense_below = a.get_int("dense-below", 0, 0, INT32_MAX);
+  if (!dense_below.is_ok()) return fail(dense_below.status());
   char* end = nullptr;
   const double target = std::strtod(a.get("target-density").c_str(), &end);
   if (*end || !(target > 0 && target <= 1))
@@ -210,6 +215,9 @@ int cmd_search(int argc, char** argv) {
     std::stringstream ss(
         a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs"));
     std::string item;
+    const std::string list = a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs");
+    if (!list.empty() && list.back() == ',')
+      return fail(SF_ERR(kInvalidArgument, "--patterns: empty item in '" + list + "'"));
     while (std::getline(ss, item, ',')) {
       auto p = kernels::pattern_from_string(item);
       if (!p.is_ok() || (p.value() != Pattern::kAShape && p.value() != Pattern::kVerticalSlash &&
@@ -369,11 +377,7 @@ int cmd_search(int argc, char** argv) {
   sc.n_layers = NL;
   sc.n_heads = NH;
   sc.target_density = target;
-  if (a.has("dense-below")) {
-    auto db = a.get_int("dense-below", 0, 0, INT32_MAX);
-    if (!db.is_ok()) return fail(db.status());
-    sc.dense_below = db.value();
-  }
+  if (a.has("dense-below")) sc.dense_below = dense_below.value();
   sc.layers.assign(size_t(NL), {});
   double sum_d = 0, sum_r = 0, min_r = 1;
   std::map<std::string, int> counts;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <chrono>
@@ -9,8 +10,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <string_view>
 
 #include "tools/cli/cli.h"
 
@@ -23,10 +27,29 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
     std::string k = argv[i];
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
+    // --key=value gives a value that itself starts with "--".
+    std::optional<std::string> inline_value;
+    if (const size_t eq = k.find('='); eq != std::string::npos) {
+      inline_value = k.substr(eq + 1);
+      k = k.substr(0, eq);
+    }
+    // A second --k would silently replace the first (two prompts, two outputs): refused.
+    if (a.has(k)) return SF_ERR(kInvalidArgument, "option --" + k + " is given twice");
     if (std::find(flags.begin(), flags.end(), k) != flags.end()) {
+      if (inline_value) return SF_ERR(kInvalidArgument, "option --" + k + " takes no value");
       a.opts.insert_or_assign(k, std::string("1"));  // (= "1" trips GCC 12's -Wrestrict)
     } else if (std::find(valued.begin(), valued.end(), k) != valued.end()) {
-      if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
+      if (inline_value) {
+        a.opts[k] = *inline_value;
+        continue;
+      }
+      // "--export-kv --force" means a forgotten value, not a directory named --force.
+      if (i + 1 >= argc || std::string_view(argv[i + 1]).rfind("--", 0) == 0)
+        return SF_ERR(kInvalidArgument, "option --" + k + " needs a value" +
+                                            (i + 1 < argc ? std::string(" (got option '") +
+                                                                argv[i + 1] + "'; use --" + k +
+                                                                "=VALUE for a value starting with --)"
+                                                          : std::string()));
       a.opts[k] = argv[++i];
     } else {
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -37,11 +60,15 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
 
 std::string resolve_model(const std::string& m) {
   if (m != "default") return m;
-  if (const char* e = std::getenv("SF_MODEL")) return e;
+  if (const char* e = std::getenv("SF_MODEL"); e && *e) return e;  // empty: unset
   return std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 Result<std::string> read_text_file(const std::string& path, const char* what) {
+  // An ifstream opens a directory and reads nothing: "the prompt is empty" would mislead.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return SF_ERR(kInvalidArgument, std::string(what) + " '" + path + "' is a directory, not a file");
   std::ifstream f(path, std::ios::binary);
   if (!f) return SF_ERR(kIo, std::string("cannot read ") + what + " '" + path + "': " + std::strerror(errno));
   std::ostringstream ss;
@@ -180,7 +207,17 @@ std::string shell_quote_args(int argc, char** argv) {
       a = p == std::string::npos ? a : a.substr(p + 1);
     }
     if (i) s += ' ';
-    s += a.find_first_of(" '\"") == std::string::npos ? a : "'" + a + "'";
+    // Quoted unless every character is safe unquoted, so the recorded command runs as given.
+    const bool safe = !a.empty() && std::all_of(a.begin(), a.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("_./=:,+@%-", c) != nullptr;
+    });
+    if (safe) {
+      s += a;
+    } else {
+      s += '\'';
+      for (char c : a) s += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      s += '\'';
+    }
   }
   return s;
 }

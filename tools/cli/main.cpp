@@ -15,7 +15,7 @@ void usage(FILE* to) {
                "           [--export-kv DIR [--retention POLICY] [--importance lse|estimator]\n"
                "            [--kv-dtype f32|bf16|int8|int4|HIGH+LOW]] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
-               "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|config:FILE]\n"
+               "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|adaptive-vs|adaptive-block|config:FILE]\n"
                "           [--device cpu|cuda] [--dump-attention LAYER:FILE.safetensors]\n"
                "           [--kv-pool host=BYTES,disk=DIR[:BYTES] | --kv-pool device=BYTES,host=BYTES\n"
                "            [--metrics-file F.prom]]\n"

@@ -9,6 +9,8 @@
 #include <random>
 #include <set>
 
+#include "common/file_io.h"
+#include "common/text.h"
 #include "common/thread_pool.h"
 #include "worker/model/gguf.h"
 
@@ -417,6 +419,14 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
     o.all_logits = s.do_logits;
     double nll_d = 0, nll_tail_d = 0;
     std::vector<double> rows_d;
+    // --dump-nll: each position's NLL, dense and under test (a dense mode's run is the dense one).
+    auto dump_nll = [&](const std::vector<double>& rows_s) -> Status {
+      if (s.nll_dump_path.empty()) return Status::ok();
+      std::string t = "position\ttoken\tdense_nll\tsparse_nll\n";
+      for (size_t i = 0; i < rows_s.size(); ++i)
+        t += sformat("%zu\t%d\t%.5f\t%.5f\n", i + 1, ids[i + 1], rows_d[i], rows_s[i]);
+      return write_file_atomic(s.nll_dump_path, t);
+    };
     if (s.do_logits) {
       auto rd = model::prefill(m, ids, o);
       if (!rd.is_ok()) return rd.status();
@@ -425,6 +435,7 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
       nll_d = mean_of(rows_d, 0, rows_d.size());
       nll_tail_d = mean_of(rows_d, static_cast<size_t>(L - K), rows_d.size());
       dense_tail.assign(lg + size_t(L - K) * size_t(V), lg + size_t(L) * size_t(V));
+      if (!sp) SF_TRY(dump_nll(rows_d));
     }
     RecallStats rs;
     model::PrefillOptions os = o;
@@ -440,14 +451,7 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
         const std::vector<double> rows_s = nll_rows(lg, ids.data() + 1, L - 1, V);
         const double nll_s = mean_of(rows_s, 0, rows_s.size());
         const double nll_tail_s = mean_of(rows_s, static_cast<size_t>(L - K), rows_s.size());
-        if (!s.nll_dump_path.empty()) {
-          FILE* f = std::fopen(s.nll_dump_path.c_str(), "w");
-          if (!f) return SF_ERR(kIo, "cannot write '" + s.nll_dump_path + "'");
-          std::fprintf(f, "position\ttoken\tdense_nll\tsparse_nll\n");
-          for (size_t i = 0; i < rows_s.size(); ++i)
-            std::fprintf(f, "%zu\t%d\t%.5f\t%.5f\n", i + 1, ids[i + 1], rows_d[i], rows_s[i]);
-          if (std::fclose(f) != 0) return SF_ERR(kIo, "cannot write '" + s.nll_dump_path + "'");
-        }
+        SF_TRY(dump_nll(rows_s));
         // Where the loss goes: the ratio per quarter of the positions.
         for (size_t qi = 0; qi < 4; ++qi) {
           const size_t b = rows_s.size() * qi / 4, e = rows_s.size() * (qi + 1) / 4;

@@ -6,6 +6,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/file_io.h"
+
 namespace sf::model {
 namespace json = boost::json;
 using kernels::HeadPattern;
@@ -217,16 +219,7 @@ Status sparse_config_save(const SparseConfig& c, const std::string& path) {
     layers.push_back(std::move(heads));
   }
   o["layers"] = std::move(layers);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << json::serialize(o) << "\n";
-    if (!f) return SF_ERR(kIo, "cannot write '" + tmp + "'");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return SF_ERR(kIo, "cannot write '" + path + "': " + ec.message());
-  return Status::ok();
+  return write_file_atomic(path, json::serialize(o) + "\n");
 }
 
 }  // namespace sf::model

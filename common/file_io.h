@@ -1,0 +1,28 @@
+// Output files written whole or not at all, and output paths checked before slow work.
+//
+// Every result a run writes (summaries, configs, benchmark JSON, metrics) goes through
+// write_file_atomic, so a crash, a kill or a full disk leaves the previous file or none, never a
+// truncated one that looks complete. The checks let a command refuse a path it could not write
+// before it spends minutes or hours computing what would go there.
+#pragma once
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace sf {
+
+// `bytes` to `path`: written to `path`.tmp, flushed to disk (fsync), closed, then renamed over
+// `path`. On any failure the temporary file is removed and kIo names `path` and the reason
+// (ENOSPC: kResourceExhausted).
+[[nodiscard]] Status write_file_atomic(const std::string& path, std::string_view bytes);
+
+// `path` can be written as a file: it is not a directory, and its directory exists and is
+// writable. `what` names the option in the error ("--out").
+[[nodiscard]] Status check_output_file(const std::string& path, const std::string& what);
+
+// `dir` can be created (or is) a directory: it is not a file, and its nearest existing ancestor
+// is a writable directory.
+[[nodiscard]] Status check_output_dir(const std::string& dir, const std::string& what);
+
+}  // namespace sf
