@@ -657,6 +657,31 @@ int run(int argc, char** argv) {
     fs::create_directories(o.out, ec);
     if (ec) fatal(SF_ERR(kIo, "cannot create output dir '" + o.out + "': " + ec.message()));
   }
+  // One job an output directory: rank 0 holds its lock until the job ends. Under the lock, what
+  // a killed earlier job left half written (<id>.partial-PID export directories, *.tmp files) is
+  // nobody's, and goes: a 1M-token export left by a preempted job is hundreds of gigabytes.
+  int out_lock_fd = -1;
+  {
+    Status mine = Status::ok();
+    if (rank0) {
+      auto l = runtime::lock_output_dir(o.out);
+      if (l.is_ok()) {
+        out_lock_fd = l.value();
+        auto removed = runtime::remove_stale_partials(o.out);
+        if (removed.is_ok() && removed.value() > 0)
+          std::printf("%s: removed %lld stale partial output(s) of an earlier job\n", o.out.c_str(),
+                      static_cast<long long>(removed.value()));
+        else if (!removed.is_ok())
+          mine = removed.status();
+      } else {
+        mine = l.status();
+      }
+    }
+    const Status all = agree(*world, mine);
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(2, all.message(), false);
+  }
+  (void)out_lock_fd;  // released when the process exits
 
   // This group's share, round-robin over the good requests.
   int64_t n_done = 0, n_skipped = 0, n_failed = 0, my_total = 0;

@@ -3,7 +3,9 @@
 # The environment (loopback only, root allowed, one BLAS thread) comes from ctest.
 #   batch       np 4, 2 groups of cp 2: a batch with bad lines writes the good requests, reports
 #               each bad line with its number, exits 3; a second run resumes (writes nothing new);
-#               --metrics-file: each group's Prometheus file counts what its summaries say
+#               --metrics-file: each group's Prometheus file counts what its summaries say; a
+#               resume removes a killed job's partial outputs; a second job on a locked --out
+#               stops at start
 #   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
 #   flags       --selective-kv without --cp-estimate, or a --metrics-file in a missing
 #               directory: one error line, exit 2, no request run
@@ -105,8 +107,11 @@ case "$case_name" in
     got_tokens=$(( $(metric "$m0" 'sparsefill_worker_prompt_tokens_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_prompt_tokens_total{group="1"}') ))
     [ "$got_tokens" -eq "$want_tokens" ] || fail "metrics: prompt tokens $got_tokens, summaries $want_tokens"
     [ ! -e "$m0.tmp" ] && [ ! -e "$m1.tmp" ] || fail "metrics: a temporary file was left"
-    # Resume: one export removed, the rest are complete and skipped.
+    # Resume: one export removed, the rest are complete and skipped. What a killed job left half
+    # written (an export's temporary directory, a summary's .tmp) goes at start, under the lock.
     rm -rf "$tmp/out/village"
+    mkdir -p "$tmp/out/village.partial-424242" && echo junk >"$tmp/out/village.partial-424242/layer_000.safetensors"
+    echo '{"id": "ghost"' >"$tmp/out/ghost.json.tmp"
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
     grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
@@ -115,6 +120,18 @@ case "$case_name" in
     w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
     w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
     [ "$((s0 + s1))" -eq 3 ] && [ "$((w0 + w1))" -eq 1 ] || fail "metrics on resume: skipped $s0 + $s1, written $w0 + $w1"
+    [ ! -e "$tmp/out/village.partial-424242" ] && [ ! -e "$tmp/out/ghost.json.tmp" ] || fail "stale partial outputs were left"
+    grep -q "removed 2 stale partial output(s) of an earlier job" "$tmp/stdout" || fail "no line for the stale partials"
+    # One job a directory: while another holds --out's lock, a second job stops at start.
+    ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; exec sleep 30 ) &
+    holder=$!  # the sleep itself, holding the lock's descriptor: killing it releases the lock
+    sleep 0.5
+    run 2 --model default --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    [ "$rc" -eq 2 ] || fail "locked: exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "locked: want one error line"
+    errors | grep -q "^error: --out '.*/out' is in use by another sparsefill-worker job" || fail "locked: message"
+    grep -q "written" "$tmp/stdout" && fail "locked: a request ran"
     [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
     grep -q '"fingerprint": "[0-9a-f]\{16\}"' "$tmp/out/village.json" || fail "summary has no fingerprint"
     # Resume after a line changed (canal's retention) and after a job stopped between an export

@@ -1,6 +1,11 @@
 #include "worker/runtime/batch.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <boost/json.hpp>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -156,6 +161,54 @@ std::string summary_fingerprint(const std::string& out_dir, const std::string& i
 bool request_complete(const std::string& out_dir, const std::string& id,
                       const std::string& fingerprint) {
   return has_export(out_dir, id) && summary_fingerprint(out_dir, id) == fingerprint;
+}
+
+Result<int> lock_output_dir(const std::string& out_dir) {
+  const std::string path = (std::filesystem::path(out_dir) / ".sparsefill-worker.lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return SF_ERR(kIo, "cannot open the output lock '" + path + "': " + std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string holder;
+    char buf[256] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    if (n > 0) holder = std::string(buf, size_t(n));
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    ::close(fd);
+    if (err == EWOULDBLOCK)
+      return SF_ERR(kAlreadyExists, "--out '" + out_dir + "' is in use by another sparsefill-worker job" +
+                                        (holder.empty() ? std::string() : " (" + holder + ")") +
+                                        "; give each job its own --out");
+    return SF_ERR(kIo, "cannot lock '" + path + "': " + std::strerror(err));
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string who = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, who.data(), who.size(), 0) != ssize_t(who.size())) {
+    // The lock holds either way; only the holder's name in a second job's message is lost.
+  }
+  return fd;
+}
+
+Result<int64_t> remove_stale_partials(const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int64_t n = 0;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.find(".partial-") != std::string::npos ||
+        (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0))
+      stale.push_back(it->path());
+  }
+  if (ec) return SF_ERR(kIo, "cannot list '" + out_dir + "': " + ec.message());
+  for (const auto& p : stale) {
+    fs::remove_all(p, ec);
+    if (ec) return SF_ERR(kIo, "cannot remove the stale '" + p.string() + "': " + ec.message());
+    ++n;
+  }
+  return n;
 }
 
 std::string request_stale_reason(const std::string& out_dir, const std::string& id,

@@ -67,4 +67,12 @@ bool request_complete(const std::string& out_dir, const std::string& id,
 std::string request_stale_reason(const std::string& out_dir, const std::string& id,
                                  const std::string& fingerprint);
 
+// The output directory's lock (DIR/.sparsefill-worker.lock, flock): one job writes a directory
+// at a time. Returns the descriptor to keep open for the job's life; kAlreadyExists naming the
+// holder's pid and host when another job holds it.
+Result<int> lock_output_dir(const std::string& out_dir);
+// Under that lock: removes what an earlier job left half written (<id>.partial-* export
+// directories, *.tmp files) and returns how many entries went.
+Result<int64_t> remove_stale_partials(const std::string& out_dir);
+
 }  // namespace sf::runtime
