@@ -1,6 +1,8 @@
 // sparsefill CLI: prefill, bench, inspect, eval, search, moa-profile.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <exception>
 #include <string>
 
@@ -52,12 +54,20 @@ int main(int argc, char** argv) {
     usage(stderr);
     return 2;
   }
-  // --help anywhere: the usage on stdout, exit 0 (one text serves every command).
-  for (int i = 1; i < argc; ++i)
-    if (!std::strcmp(argv[i], "-h") || !std::strcmp(argv[i], "--help")) {
+  // --help anywhere an option can stand: the usage on stdout, exit 0 (one text serves every
+  // command). After a valued option it is that option's value (--prompt -h), not a request.
+  static const char* const kFlags[] = {"--force", "--allow-long", "--print-tokens", "--no-passkey",
+                                       "--share-group", "--help", "-h"};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-h") && std::strcmp(argv[i], "--help")) continue;
+    const char* prev = argv[i - 1];
+    const bool after_flag = std::any_of(std::begin(kFlags), std::end(kFlags),
+                                        [&](const char* f) { return !std::strcmp(prev, f); });
+    if (i <= 2 || std::strncmp(prev, "--", 2) != 0 || after_flag) {
       usage(stdout);
       return 0;
     }
+  }
   const std::string cmd = argv[1];
   try {
     if (cmd == "prefill") return sf::cli::cmd_prefill(argc, argv);
