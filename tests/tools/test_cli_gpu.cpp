@@ -79,8 +79,9 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
         << R"("n_heads":4,"dense_below":512,"layers":[)" << layer << "," << layer << "]}";
   }
   const std::string cli = SF_CLI_BIN;
-  const std::string common = cli + " prefill --model " + model + " --prompt-tokens " +
-                             (dir / "prompt.txt").string() + " --force";
+  const std::string base = cli + " prefill --model " + model + " --prompt-tokens " +
+                           (dir / "prompt.txt").string();
+  const std::string common = base + " --force";  // with --export-kv: replaces an earlier run's
   const std::string sparse = " --attention config:" + (dir / "sparse.json").string();
   const std::string snap = " --retention snapkv:budget=256";
   struct Run {
@@ -135,7 +136,7 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
     const std::string short_pool = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +
                                    ",host=" + std::to_string(28 * cfg.n_layers * block_bytes);
     const std::string slog = (dir / "short-host.log").string();
-    EXPECT_NE(testing::run_logged(common + " --device cuda" + short_pool, slog), 0);
+    EXPECT_NE(testing::run_logged(base + " --device cuda" + short_pool, slog), 0);
     const std::string need = "--kv-pool: tiered kv: the host tier holds " +
                              std::to_string(28 * cfg.n_layers) + " blocks of " + std::to_string(block_bytes) +
                              " bytes; 2048 tokens need " + std::to_string(28 * cfg.n_layers) +
