@@ -1,6 +1,7 @@
 #include "common/file_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -12,18 +13,26 @@ namespace fs = std::filesystem;
 
 Status write_file_atomic(const std::string& path, std::string_view bytes) {
   if (path.empty()) return SF_ERR(kInvalidArgument, "cannot write a file with an empty name");
-  const std::string tmp = path + ".tmp";
+  // A name of its own (mkstemp: O_EXCL, never through a planted link), so two writers of one path
+  // never write into each other's file; the last rename wins whole.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
   auto failed = [&](int err, const char* step) {
     ::unlink(tmp.c_str());
     return Status(err == ENOSPC ? Code::kResourceExhausted : Code::kIo,
                   "cannot write '" + path + "' (" + step + " '" + tmp + "'): " +
                       std::strerror(err));
   };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int err = errno;
-    return Status(Code::kIo, "cannot write '" + path + "' (creating '" + tmp + "'): " +
-                                 std::strerror(err));
+    return Status(Code::kIo, "cannot write '" + path + "' (creating '" + path +
+                                 ".tmp.XXXXXX'): " + std::strerror(err));
+  }
+  // mkstemp creates 0600; results are read by other users and processes (a node_exporter).
+  if (::fchmod(fd, 0644) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return failed(err, "fchmod");
   }
   size_t done = 0;
   while (done < bytes.size()) {
@@ -66,9 +75,14 @@ Status check_output_file(const std::string& path, const std::string& what) {
 Status check_output_dir(const std::string& dir, const std::string& what) {
   if (dir.empty()) return SF_ERR(kInvalidArgument, what + " is empty");
   std::error_code ec;
-  fs::path p = fs::absolute(dir, ec);
+  fs::path p = fs::absolute(dir, ec).lexically_normal();
   if (ec) return SF_ERR(kInvalidArgument, what + " '" + dir + "': " + ec.message());
-  // The directory itself, or the nearest ancestor that exists, must be a writable directory.
+  if (!p.has_filename()) p = p.parent_path();  // a trailing separator names the same directory
+  if (fs::exists(p, ec) && !fs::is_directory(p, ec))
+    return SF_ERR(kInvalidArgument, what + " '" + dir + "' exists and is not a directory");
+  // DIR is built beside itself (DIR.partial-PID) and renamed into place: the nearest existing
+  // ancestor of its parent must be a writable directory.
+  p = p.parent_path();
   for (;;) {
     const auto st = fs::status(p, ec);
     if (fs::exists(st)) {
@@ -84,6 +98,23 @@ Status check_output_dir(const std::string& dir, const std::string& what) {
       return SF_ERR(kInvalidArgument, what + " '" + dir + "': no existing parent directory");
     p = p.parent_path();
   }
+}
+
+bool path_within(const std::string& inner, const std::string& outer) {
+  std::error_code ec;
+  auto norm = [&](const std::string& s) {
+    fs::path p = fs::weakly_canonical(fs::absolute(s, ec), ec).lexically_normal();
+    if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+    return p;
+  };
+  const fs::path i = norm(inner), o = norm(outer);
+  auto it = i.begin();
+  for (const auto& part : o) {
+    if (part.empty()) continue;  // a trailing separator's empty element
+    if (it == i.end() || *it != part) return false;
+    ++it;
+  }
+  return true;
 }
 
 }  // namespace sf

@@ -12,17 +12,22 @@
 
 namespace sf {
 
-// `bytes` to `path`: written to `path`.tmp, flushed to disk (fsync), closed, then renamed over
-// `path`. On any failure the temporary file is removed and kIo names `path` and the reason
-// (ENOSPC: kResourceExhausted).
+// `bytes` to `path`: written to a new `path`.tmp.XXXXXX (mkstemp), flushed to disk (fsync),
+// closed, then renamed over `path`. On any failure the temporary file is removed and kIo names
+// `path` and the reason (ENOSPC: kResourceExhausted). Concurrent writers of one path each rename
+// a whole file.
 [[nodiscard]] Status write_file_atomic(const std::string& path, std::string_view bytes);
 
 // `path` can be written as a file: it is not a directory, and its directory exists and is
 // writable. `what` names the option in the error ("--out").
 [[nodiscard]] Status check_output_file(const std::string& path, const std::string& what);
 
-// `dir` can be created (or is) a directory: it is not a file, and its nearest existing ancestor
-// is a writable directory.
+// `dir` can be created (or is) a directory that a sibling can be renamed onto: it is not a file,
+// and the nearest existing ancestor of its parent is a writable directory.
 [[nodiscard]] Status check_output_dir(const std::string& dir, const std::string& what);
+
+// True when `inner` is `outer` or lies under it, symbolic links and trailing separators
+// resolved (paths that do not exist yet compare by their existing prefix).
+bool path_within(const std::string& inner, const std::string& outer);
 
 }  // namespace sf

@@ -9,6 +9,26 @@
 namespace sf {
 namespace {
 
+// Label names: no ':' (metric names only), and '__' is reserved for Prometheus itself.
+bool valid_label(const std::string& n) {
+  return !n.empty() && n.find(':') == std::string::npos && n.rfind("__", 0) != 0 &&
+         (n[0] < '0' || n[0] > '9') &&
+         std::all_of(n.begin(), n.end(), [](char c) {
+           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+         });
+}
+
+// HELP text escapes '\' and newlines (exposition format 0.0.4).
+std::string escape_help(const std::string& h) {
+  std::string s;
+  for (char c : h) {
+    if (c == '\\') s += "\\\\";
+    else if (c == '\n') s += "\\n";
+    else s += c;
+  }
+  return s;
+}
+
 bool valid_name(const std::string& n) {
   if (n.empty()) return false;
   for (size_t i = 0; i < n.size(); ++i) {
@@ -79,7 +99,7 @@ Status MetricsRegistry::add_family(const std::string& name, MetricKind kind,
 
 Status MetricsRegistry::set(const std::string& name, const MetricLabels& labels, double value) {
   for (const auto& [k, v] : labels)
-    if (!valid_name(k)) return SF_ERR(kInvalidArgument, "metrics: bad label name '" + k + "'");
+    if (!valid_label(k)) return SF_ERR(kInvalidArgument, "metrics: bad label name '" + k + "'");
   std::lock_guard<std::mutex> g(mu_);
   auto it = fam_.find(name);
   if (it == fam_.end()) return SF_ERR(kNotFound, "metrics: no family '" + name + "'");
@@ -117,7 +137,7 @@ Status MetricsRegistry::add_histogram(const std::string& name, const std::string
 Status MetricsRegistry::histogram_series(const std::string& name, const MetricLabels& labels,
                                          Histogram** h) {
   for (const auto& [k, v] : labels)
-    if (!valid_name(k) || k == "le")
+    if (!valid_label(k) || k == "le")
       return SF_ERR(kInvalidArgument, "metrics: bad histogram label name '" + k + "'");
   auto it = fam_.find(name);
   if (it == fam_.end()) return SF_ERR(kNotFound, "metrics: no family '" + name + "'");
@@ -167,7 +187,7 @@ std::string MetricsRegistry::render() const {
   std::lock_guard<std::mutex> g(mu_);
   std::string out;
   for (const auto& [name, f] : fam_) {
-    out += "# HELP " + name + " " + f.help + "\n";
+    out += "# HELP " + name + " " + escape_help(f.help) + "\n";
     out += "# TYPE " + name +
            (f.kind == MetricKind::kCounter     ? " counter\n"
             : f.kind == MetricKind::kHistogram ? " histogram\n"

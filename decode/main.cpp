@@ -91,8 +91,11 @@ int run(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--pool-dtype takes f32, bf16 or int8"));
   if (dev == "cpu" && pool_enc.value() != sf::kvstore::KvEncoding::kF32)
     return fail(SF_ERR(kInvalidArgument, "--pool-dtype is the device pool's; the cpu decodes F32"));
-  // auto: the GPU when this build and machine have one.
-  const bool on_gpu = dev == "cuda" || (dev == "auto" && sf::model::cuda_device_check(0).is_ok());
+  // auto: the GPU when this build and machine have one; cuda without one fails before the load.
+  const sf::Status cuda_ok = dev == "cpu" ? sf::Status::ok() : sf::model::cuda_device_check(0);
+  if (dev == "cuda" && !cuda_ok.is_ok())
+    return fail(SF_ERR(kUnsupported, "--device cuda: " + cuda_ok.message()));
+  const bool on_gpu = dev == "cuda" || (dev == "auto" && cuda_ok.is_ok());
   auto ap = sf::decode::decode_attn_parse(a.count("attention") ? a["attention"] : "full");
   if (!ap.is_ok()) return fail(ap.status());
   {
@@ -160,7 +163,7 @@ int run(int argc, char** argv) {
     std::printf("device pool: %s, %.1f MiB; %lld of %d steps replayed as a CUDA graph\n",
                 sf::kvstore::kv_encoding_name(pool_enc.value()),
                 double(ds->pool_bytes()) / (1 << 20), static_cast<long long>(ds->graph_steps()),
-                n_new);
+                n_new - 1);
   std::printf("attention %s: blocks visited %.4f of available\n",
               a.count("attention") ? a["attention"].c_str() : "full",
               st.blocks_total ? double(st.blocks_visited) / double(st.blocks_total) : 1.0);

@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -106,8 +107,11 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v) {
 Result<Options> parse_options(int argc, char** argv) {
   Options o;
   std::map<std::string, std::string> kv;
+  std::set<std::string> seen;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
+    // A second --k would silently replace the first: refused, as the sparsefill CLI does.
+    if (!seen.insert(k).second) return SF_ERR(kInvalidArgument, "option " + k + " is given twice");
     if (k == "--allow-long" || k == "--cp-estimate" || k == "--selective-kv") {
       (k == "--allow-long"    ? o.allow_long
        : k == "--cp-estimate" ? o.cp_estimate
@@ -123,7 +127,9 @@ Result<Options> parse_options(int argc, char** argv) {
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
-    if (i + 1 >= argc) return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
+    // "--metrics-file --allow-long" means a forgotten value, not a file named --allow-long.
+    if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0)
+      return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
     kv[k] = argv[++i];
   }
   for (const char* req : {"model", "batch", "out"})
@@ -387,6 +393,17 @@ int run(int argc, char** argv) {
   if (Status st = runtime::check_world(shape, world->size()); !st.is_ok())
     return finish(2, st.message(), false);
   const int n_groups = world->size() / shape.group_size();
+  if (!o.metrics_file.empty()) {
+    // Each leader's metrics file, before any rank spends minutes loading the model.
+    Status mine = Status::ok();
+    if (world->rank() % shape.group_size() == 0)
+      mine = check_output_file(runtime::BatchMetrics::group_path(
+                                   o.metrics_file, world->rank() / shape.group_size(), n_groups),
+                               "--metrics-file");
+    const Status all = agree(*world, mine);
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(2, all.message(), false);
+  }
   const Fault fault = parse_fault();
 
   // The batch file is read on rank 0 and broadcast, so other hosts need no copy of it.
@@ -673,6 +690,9 @@ int run(int argc, char** argv) {
                       static_cast<long long>(removed.value()));
         else if (!removed.is_ok())
           mine = removed.status();
+        // An earlier job's metrics files (perhaps for another group count) go before this job's
+        // leaders write theirs, after the agreement below.
+        if (!o.metrics_file.empty()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
       } else {
         mine = l.status();
       }
@@ -692,7 +712,9 @@ int run(int argc, char** argv) {
       g.leader() && !o.metrics_file.empty()
           ? runtime::BatchMetrics::group_path(o.metrics_file, g.group, n_groups)
           : std::string(),
-      runtime::BatchMetricsInfo{cfg.name, o.device, o.attention, o.tp, o.cp, g.group, n_groups});
+      runtime::BatchMetricsInfo{cfg.name, o.device, o.attention,
+                                fs::absolute(o.out).lexically_normal().string(), o.tp, o.cp,
+                                g.group, n_groups});
   {
     const Status st = metrics.start(my_total, int64_t(bf.bad.size()));
     const Status all = agree(*world, st.is_ok() ? st

@@ -9,7 +9,7 @@
 # SF_PROFILE_KERNELS (an ncu regex, default attention_sparse_bf16) and SF_PROFILE_COUNT (launches,
 # default 4) pick other kernels, e.g. the device estimator's:
 #   SF_PROFILE_KERNELS='score|row_lse|diag|select|build|pool' SF_PROFILE_COUNT=8
-# SF_PROFILE_ARGS adds bench options (e.g. '--cp-sizes none', which a 1M profile wants: the CP
+# SF_PROFILE_ARGS adds bench options not already in the command (a repeated option is refused; e.g. '--cp-sizes none', which a 1M profile wants: the CP
 # count walks each index on the host).
 set -uo pipefail
 root="$(pwd)"

@@ -25,6 +25,12 @@ TEST(Metrics, ExpositionAndValidation) {
             "# HELP sf_moves_total Moves.\n# TYPE sf_moves_total counter\n"
             "sf_moves_total{tier=\"a\\\"b\"} 12345678901\n");
   EXPECT_EQ(reg.get("sf_moves_total", {{"tier", "a\"b"}}).value(), 12345678901.0);
+  // Label names: no ':' and no reserved '__' prefix; HELP text escaped.
+  EXPECT_FALSE(reg.set("sf_moves_total", {{"a:b", "x"}}, 1).is_ok());
+  EXPECT_FALSE(reg.set("sf_moves_total", {{"__name__", "x"}}, 1).is_ok());
+  MetricsRegistry h;
+  ASSERT_TRUE(h.add_family("sf_g", MetricKind::kGauge, "two\nlines \\ here").is_ok());
+  EXPECT_EQ(h.render(), "# HELP sf_g two\\nlines \\\\ here\n# TYPE sf_g gauge\n");
 }
 
 TEST(Metrics, HistogramBucketsAreCumulativeWithSumAndCount) {
@@ -81,10 +87,13 @@ TEST(Metrics, TextfileIsReplacedWholeAndErrorsAreIo) {
   std::stringstream ss;
   ss << f.rdbuf();
   EXPECT_EQ(ss.str(), reg.render());
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  // Nothing beside it: the temporary was renamed.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++entries;
+  EXPECT_EQ(entries, 1);
   const Status st = reg.write_textfile(dir + "/missing/sf.prom");
   EXPECT_EQ(st.code(), Code::kIo) << st.message();
-  EXPECT_NE(st.message().find("missing/sf.prom.tmp"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("missing/sf.prom'"), std::string::npos) << st.message();
   std::filesystem::remove_all(dir);
 }
 

@@ -6,6 +6,7 @@ if(TARGET sparsefill)
   set(_tmp ${CMAKE_BINARY_DIR}/cli-test-tmp)
   set(_doc ${PROJECT_SOURCE_DIR}/data/long_document.txt)
   file(MAKE_DIRECTORY ${_tmp}/nonempty)
+  file(MAKE_DIRECTORY ${_tmp}/pm)
   file(WRITE ${_tmp}/nonempty/keep "x")
   file(WRITE ${_tmp}/empty.txt "")
   file(WRITE ${_tmp}/short.txt "The lighthouse keeper climbed the stairs and")
@@ -128,8 +129,10 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --importance estimator)
   add_test(NAME cli_force_needs_export COMMAND ${_ef} "^error: --force applies to --export-kv$"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --force)
-  add_test(NAME cli_pool_dir_inside_export COMMAND ${_ef} --stdout-lacks "^model:" "^error: --kv-pool disk='${_tmp}/pe/pool' and --export-kv '${_tmp}/pe' overlap"
-           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/pe --kv-pool host=1M,disk=${_tmp}/pe/pool)
+  add_test(NAME cli_pool_dir_inside_export COMMAND ${_ef} --stdout-lacks "^model:" "^error: --kv-pool disk='${_tmp}/pe/pool' and --export-kv '${_tmp}/pe/' overlap"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/pe/ --kv-pool host=1M,disk=${_tmp}/pe/pool)
+  add_test(NAME cli_metrics_file_inside_export COMMAND ${_ef} --stdout-lacks "^model:" "^error: --metrics-file '${_tmp}/pm/m.prom' and --export-kv '${_tmp}/pm' overlap"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/pm --kv-pool host=1M,disk=${_tmp}/kvp-pm --metrics-file ${_tmp}/pm/m.prom)
   add_test(NAME cli_export_under_a_file COMMAND ${_ef} --stdout-lacks "^model:" "^error: --export-kv '${_tmp}/empty.txt/kv': '${_tmp}/empty.txt' exists and is not a directory"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --export-kv ${_tmp}/empty.txt/kv)
   add_test(NAME cli_attention_config_missing COMMAND ${_ef} --stdout-lacks "^model:" "^error: cannot read --attention config '/nonexistent/c.json'"
@@ -145,12 +148,13 @@ if(TARGET sparsefill)
   add_test(NAME cli_bench_document_missing COMMAND ${_ef} "^error: cannot read document '/nonexistent/doc.txt'"
            ${_sf} bench prefill --lengths 256 --reps 1 --document /nonexistent/doc.txt)
   add_test(NAME cli_retention_eval_bad_name COMMAND ${_ef} "^error: --name '../up': 1-64 characters"
-           ${_sf} eval --retention full --name ../up)
+           ${_sf} eval --retention=full --name ../up)
   add_test(NAME cli_retention_eval_out_dir_under_file COMMAND ${_ef} "^error: --out-dir '${_tmp}/empty.txt/sub' cannot be created"
            ${_sf} eval --retention full --out-dir ${_tmp}/empty.txt/sub)
   set_tests_properties(cli_option_twice cli_value_is_an_option cli_value_with_equals cli_prompt_file_is_a_directory
                        cli_dump_attention_layer_overflow cli_dump_attention_missing_dir cli_importance_needs_export
-                       cli_force_needs_export cli_pool_dir_inside_export cli_export_under_a_file
+                       cli_force_needs_export cli_pool_dir_inside_export cli_metrics_file_inside_export
+                       cli_export_under_a_file
                        cli_attention_config_missing cli_search_out_dir_missing cli_search_dense_below_early
                        cli_moa_profile_density_too_low cli_moa_profile_out_dir_missing cli_bench_document_missing
                        cli_retention_eval_bad_name cli_retention_eval_out_dir_under_file

@@ -77,6 +77,11 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   add_test(NAME cli_decode_device_flags
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv
                    --no-cuda-graph --no-fused-step)
+  # --device cuda: on a machine without a GPU one line saying so (before the model loads); with
+  # one, the missing export.
+  add_test(NAME cli_decode_cuda_without_gpu
+           COMMAND ${_ref} "^error: (--device cuda: .+|--kv: no manifest.json in '/nonexistent/kv'.*)$" ${_rdec} --kv /nonexistent/kv
+                   --device cuda)
   add_test(NAME cli_decode_bad_attention
            COMMAND ${_ref} "^error: .*decode attention 'topk' is not" ${_rdec} --kv /nonexistent/kv --attention topk)
   add_test(NAME cli_decode_reproduces_dense
@@ -84,7 +89,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
                        cli_prefill_retention_budget_too_large cli_decode_missing_export
-                       cli_decode_device_flags cli_decode_bad_attention
+                       cli_decode_device_flags cli_decode_cuda_without_gpu cli_decode_bad_attention
                        cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
                        cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model
                        cli_prefill_retention_moa cli_retention_eval_moa cli_retention_eval_bad_span

@@ -88,7 +88,9 @@ case "$case_name" in
     # up to the summaries', the bad lines are in group 0's file only, both groups finished.
     m0="$tmp/metrics/w.g0.prom"; m1="$tmp/metrics/w.g1.prom"
     [ -f "$m0" ] && [ -f "$m1" ] && [ ! -e "$tmp/metrics/w.prom" ] || fail "metrics files: $(ls "$tmp/metrics")"
-    metric() { awk -v k="$2" '$1 == k { print $2 }' "$1"; }
+    # (series keyed without the job's out="..." label, which every series carries)
+    metric() { sed 's/,out="[^"]*"//' "$1" | awk -v k="$2" '$1 == k { print $2 }'; }
+    grep -q "^sparsefill_worker_finished{group=\"0\",out=\"$tmp/out\"} 1$" "$m0" || fail "metrics: no out label"
     w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
     w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
     [ "$((w0 + w1))" -eq 4 ] && [ "$w0" -ge 1 ] && [ "$w1" -ge 1 ] || fail "metrics: written $w0 + $w1, want 4"
@@ -106,12 +108,12 @@ case "$case_name" in
     want_tokens=$(grep -ho '"n_tokens": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
     got_tokens=$(( $(metric "$m0" 'sparsefill_worker_prompt_tokens_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_prompt_tokens_total{group="1"}') ))
     [ "$got_tokens" -eq "$want_tokens" ] || fail "metrics: prompt tokens $got_tokens, summaries $want_tokens"
-    [ ! -e "$m0.tmp" ] && [ ! -e "$m1.tmp" ] || fail "metrics: a temporary file was left"
+    [ "$(ls "$tmp/metrics")" = "$(printf 'w.g0.prom\nw.g1.prom')" ] || fail "metrics: files beside them: $(ls "$tmp/metrics")"
     # Resume: one export removed, the rest are complete and skipped. What a killed job left half
     # written (an export's temporary directory, a summary's .tmp) goes at start, under the lock.
     rm -rf "$tmp/out/village"
     mkdir -p "$tmp/out/village.partial-424242" && echo junk >"$tmp/out/village.partial-424242/layer_000.safetensors"
-    echo '{"id": "ghost"' >"$tmp/out/ghost.json.tmp"
+    echo '{"id": "ghost"' >"$tmp/out/ghost.json.tmp.Ab12Cd"
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
     grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
@@ -120,7 +122,7 @@ case "$case_name" in
     w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
     w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
     [ "$((s0 + s1))" -eq 3 ] && [ "$((w0 + w1))" -eq 1 ] || fail "metrics on resume: skipped $s0 + $s1, written $w0 + $w1"
-    [ ! -e "$tmp/out/village.partial-424242" ] && [ ! -e "$tmp/out/ghost.json.tmp" ] || fail "stale partial outputs were left"
+    [ ! -e "$tmp/out/village.partial-424242" ] && [ ! -e "$tmp/out/ghost.json.tmp.Ab12Cd" ] || fail "stale partial outputs were left"
     grep -q "removed 2 stale partial output(s) of an earlier job" "$tmp/stdout" || fail "no line for the stale partials"
     # One job a directory: while another holds --out's lock, a second job stops at start.
     ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; exec sleep 30 ) &
@@ -202,12 +204,15 @@ PY
     [ "$rc" -eq 2 ] || fail "exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "want one error line"
     errors | grep -q "^error: --selective-kv needs --cp-estimate" || fail "message"
+    run 2 --model default --cp 2 --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] && errors | grep -q "^error: option --cp is given twice" || fail "twice: exit $rc"
     # A metrics file the leaders cannot write (np 4: two groups, each leader its own file) is
-    # one start-up error, before any prefill.
+    # one start-up error, before the model loads.
     run 4 --model default --cp 2 --metrics-file "$tmp/no/such/dir/w.prom" --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] || fail "metrics: exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "metrics: want one error line"
-    errors | grep -q "^error: --metrics-file: cannot write '.*/no/such/dir/w.g0.prom' (creating" || fail "metrics: message"
+    errors | grep -q "^error: --metrics-file '.*/no/such/dir/w.g0.prom': its directory '.*/no/such/dir' does not exist" || fail "metrics: message"
+    grep -q "loaded" "$tmp/stderr" && fail "metrics: the model was loaded before the check"
     [ ! -e "$tmp/out/lighthouse" ] || fail "metrics: a request ran"
     ;;
   tp)

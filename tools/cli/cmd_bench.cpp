@@ -82,10 +82,16 @@ int cmd_bench(int argc, char** argv) {
   if (!mr.is_ok()) return fail(mr.status());
   const model::Model& m = mr.value();
   const auto& cfg = m.config();
+  for (int64_t L : lengths)
+    if (cfg.max_context > 0 && L > cfg.max_context)
+      return fail(SF_ERR(kOutOfRange, "--lengths: " + std::to_string(L) + " exceeds the model context of " +
+                                          std::to_string(cfg.max_context)));
 
   // Real text tokens (the bundled document, repeated if needed), never zeros.
   std::vector<int32_t> doc;
-  std::string doc_source = "random token ids (the model has no GGUF tokenizer)";
+  std::string doc_source = !doc_text.is_ok() ? "random token ids (the bundled document could not be read: " +
+                                                   doc_text.status().message() + ")"
+                                             : "random token ids (the model has no GGUF tokenizer)";
   if (m.format() == model::ModelFormat::kGguf && doc_text.is_ok()) {
     auto g = model::GgufFile::open(model_path);
     auto spec = g.is_ok() ? model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf) : Result<model::TokenizerSpec>(g.status());
@@ -118,10 +124,6 @@ int cmd_bench(int argc, char** argv) {
     auto r = model::prefill(m, w, {});
     if (!r.is_ok()) return fail(r.status());
   }
-  for (int64_t L : lengths)
-    if (cfg.max_context > 0 && L > cfg.max_context)
-      return fail(SF_ERR(kOutOfRange, "--lengths: " + std::to_string(L) + " exceeds the model context of " +
-                                          std::to_string(cfg.max_context)));
   for (int64_t L : lengths) {
     std::vector<int32_t> ids;
     while (int64_t(ids.size()) < L) ids.insert(ids.end(), doc.begin(), doc.end());

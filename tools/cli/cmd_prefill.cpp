@@ -109,16 +109,6 @@ int cmd_prefill(int argc, char** argv) {
     auto sp = kvstore::kv_pool_spec_parse(a.get("kv-pool"));
     if (!sp.is_ok()) return fail(sp.status());
     kv_pool = std::move(sp).value();
-    // The pool's blocks.bin inside the export (or the export inside the pool's directory) would
-    // make the export's directory non-empty, or be removed with it.
-    if (!kv_pool->disk_dir.empty() && a.has("export-kv")) {
-      std::error_code ec;
-      const std::string d = std::filesystem::weakly_canonical(kv_pool->disk_dir, ec).string() + "/";
-      const std::string e = std::filesystem::weakly_canonical(a.get("export-kv"), ec).string() + "/";
-      if (d.rfind(e, 0) == 0 || e.rfind(d, 0) == 0)
-        return fail(SF_ERR(kInvalidArgument, "--kv-pool disk='" + kv_pool->disk_dir + "' and --export-kv '" +
-                                                 a.get("export-kv") + "' overlap; give them separate directories"));
-    }
   }
   // --metrics-file: the pool's per-tier counters (Prometheus text) once the prefill is done; its
   // directory is checked here, before the model load.
@@ -180,6 +170,22 @@ int cmd_prefill(int argc, char** argv) {
     dump_layer = int(l);
     dump_path = spec.substr(colon + 1);
     if (Status st = check_output_file(dump_path, "--dump-attention"); !st.is_ok()) return fail(st);
+  }
+  // Nothing else may live inside the export's directory (it must be empty, or an earlier export
+  // that --force replaces whole): not the pool's disk tier (nor the export inside it), the
+  // metrics file or the attention dump.
+  if (a.has("export-kv")) {
+    const std::string e = a.get("export-kv");
+    auto overlap = [&](const std::string& what) {
+      return SF_ERR(kInvalidArgument, what + " and --export-kv '" + e + "' overlap; give them separate places");
+    };
+    if (kv_pool && !kv_pool->disk_dir.empty() &&
+        (path_within(kv_pool->disk_dir, e) || path_within(e, kv_pool->disk_dir)))
+      return fail(overlap("--kv-pool disk='" + kv_pool->disk_dir + "'"));
+    if (!metrics_file.empty() && path_within(metrics_file, e))
+      return fail(overlap("--metrics-file '" + metrics_file + "'"));
+    if (!dump_path.empty() && path_within(dump_path, e))
+      return fail(overlap("--dump-attention '" + dump_path + "'"));
   }
   // Created last among the checks, so a refused command leaves no directory behind.
   if (kv_pool && !kv_pool->disk_dir.empty()) {
@@ -368,12 +374,6 @@ int cmd_prefill(int argc, char** argv) {
     std::printf(" moved %s->%s %lld, %s->%s %lld blocks; the forward held at most %lld bytes of KV\n", fn, cn,
                 static_cast<long long>(h.demoted_out), cn, fn, static_cast<long long>(h.promoted_in),
                 static_cast<long long>(r.kv_peak_bytes));
-    if (!metrics_file.empty()) {
-      MetricsRegistry reg;
-      if (Status st = kvstore::pool_metrics_export(*pool, &reg); !st.is_ok()) return fail(st);
-      if (Status st = reg.write_textfile(metrics_file); !st.is_ok()) return fail(st);
-      std::printf("kv pool metrics: %s\n", metrics_file.c_str());
-    }
   }
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec = kvstore::model_export_spec(m);
@@ -429,6 +429,17 @@ int cmd_prefill(int argc, char** argv) {
     if (!st.is_ok()) return fail(st);
     std::printf("kv export: %s (%d layer shards%s + manifest.json)\n", a.get("export-kv").c_str(),
                 cfg.n_layers * (kv_dtype.low ? 2 : 1), kv_dtype.low ? ", two tiers a layer," : "");
+  }
+  // After the export, so its reads from the pool count; a file that cannot be written costs the
+  // operator the numbers, not the user the export (a warning, exit 0).
+  if (pool && !metrics_file.empty()) {
+    MetricsRegistry reg;
+    Status st = kvstore::pool_metrics_export(*pool, &reg);
+    if (st.is_ok()) st = reg.write_textfile(metrics_file);
+    if (st.is_ok())
+      std::printf("kv pool metrics: %s\n", metrics_file.c_str());
+    else
+      std::fprintf(stderr, "warning: --metrics-file: %s\n", st.message().c_str());
   }
   return 0;
 }

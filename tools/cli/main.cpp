@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
     if (cmd == "eval") {
       // KV retention evaluation lives in cmd_retention_eval.cpp.
       for (int i = 2; i < argc; ++i)
-        if (!std::strcmp(argv[i], "--retention")) return sf::cli::cmd_retention_eval(argc, argv);
+        if (!std::strcmp(argv[i], "--retention") || !std::strncmp(argv[i], "--retention=", 12))
+          return sf::cli::cmd_retention_eval(argc, argv);
       return sf::cli::cmd_eval(argc, argv);
     }
     if (cmd == "search") return sf::cli::cmd_search(argc, argv);

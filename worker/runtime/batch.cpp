@@ -26,16 +26,18 @@ Status validate_request_id(const std::string& id) {
       return SF_ERR(kInvalidArgument,
                     "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
   }
-  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries <id>.json.tmp and
-  // <id>.partial-PID beside them: an id must not be another id's file.
+  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries <id>.json.tmp.XXXXXX and
+  // <id>.partial-PID beside them: an id must not be another id's file, nor look like a
+  // temporary a resumed job removes.
   const auto ends_with = [&](const char* s) {
     const size_t n = std::strlen(s);
     return id.size() >= n && id.compare(id.size() - n, n, s) == 0;
   };
-  if (ends_with(".json") || ends_with(".tmp") || id.find(".partial-") != std::string::npos)
+  if (ends_with(".json") || ends_with(".tmp") || id.find(".tmp.") != std::string::npos ||
+      id.find(".partial-") != std::string::npos)
     return SF_ERR(kInvalidArgument,
-                  "field 'id' must not end in .json or .tmp or hold .partial- (the worker's own "
-                  "files beside each output directory are named so)");
+                  "field 'id' must not end in .json or .tmp or hold .tmp. or .partial- (the "
+                  "worker's own files beside each output directory are named so)");
   return Status::ok();
 }
 
@@ -198,7 +200,9 @@ Result<int64_t> remove_stale_partials(const std::string& out_dir) {
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name.find(".partial-") != std::string::npos ||
+    // Export directories DIR/<id>.partial-PID, write_file_atomic's <name>.tmp.XXXXXX, and the
+    // .tmp of earlier versions: no request id can be named so (validate_request_id).
+    if (name.find(".partial-") != std::string::npos || name.find(".tmp.") != std::string::npos ||
         (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0))
       stale.push_back(it->path());
   }

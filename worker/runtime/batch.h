@@ -72,7 +72,7 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
 // holder's pid and host when another job holds it.
 Result<int> lock_output_dir(const std::string& out_dir);
 // Under that lock: removes what an earlier job left half written (<id>.partial-* export
-// directories, *.tmp files) and returns how many entries went.
+// directories, *.tmp and *.tmp.* files) and returns how many entries went.
 Result<int64_t> remove_stale_partials(const std::string& out_dir);
 
 }  // namespace sf::runtime

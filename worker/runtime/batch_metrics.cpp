@@ -1,5 +1,6 @@
 #include "worker/runtime/batch_metrics.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -23,9 +24,39 @@ std::string BatchMetrics::group_path(const std::string& path, int group, int n_g
   return (p.parent_path() / (p.stem().string() + tag + p.extension().string())).string();
 }
 
+int BatchMetrics::remove_group_files(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const std::string stem = p.stem().string() + ".g", ext = p.extension().string();
+  std::error_code ec;
+  int n = 0;
+  if (fs::remove(p, ec)) ++n;
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  std::vector<fs::path> old;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= stem.size() + ext.size() || name.rfind(stem, 0) != 0 ||
+        name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
+      continue;
+    const std::string num = name.substr(stem.size(), name.size() - stem.size() - ext.size());
+    if (!num.empty() && std::all_of(num.begin(), num.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      old.push_back(it->path());
+  }
+  for (const auto& f : old)
+    if (fs::remove(f, ec)) ++n;
+  return n;
+}
+
+MetricLabels BatchMetrics::with(const char* k, const char* v) const {
+  MetricLabels l = group_;
+  l.emplace_back(k, v);
+  return l;
+}
+
 BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
     : path_(std::move(path)), group_{{"group", std::to_string(info.group)}},
       group_idx_(info.group) {
+  if (!info.out.empty()) group_.emplace_back("out", info.out);
   if (path_.empty()) return;
   // Names and kinds are fixed here, so a failure would be a programming error: checked by the
   // unit test that renders every family.
@@ -35,23 +66,21 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   };
   (void)reg_.add_family("sparsefill_worker_info", MetricKind::kGauge,
                         "The job's settings as labels (value 1).");
-  (void)reg_.set("sparsefill_worker_info",
-                 {{"group", std::to_string(info.group)},
-                  {"model", info.model},
-                  {"device", info.device},
-                  {"attention", info.attention},
-                  {"tp", std::to_string(info.tp)},
-                  {"cp", std::to_string(info.cp)},
-                  {"groups", std::to_string(info.n_groups)}},
-                 1);
+  MetricLabels info_labels = group_;
+  info_labels.insert(info_labels.end(), {{"model", info.model},
+                                         {"device", info.device},
+                                         {"attention", info.attention},
+                                         {"tp", std::to_string(info.tp)},
+                                         {"cp", std::to_string(info.cp)},
+                                         {"groups", std::to_string(info.n_groups)}});
+  (void)reg_.set("sparsefill_worker_info", info_labels, 1);
   add("sparsefill_worker_requests_assigned", MetricKind::kGauge,
       "Good batch lines this group runs (round-robin share).");
   (void)reg_.add_family("sparsefill_worker_requests_total", MetricKind::kCounter,
                         "Requests finished by this group, by outcome: written (export and "
                         "summary), skipped (already complete on resume), failed.");
   for (const char* oc : {"written", "skipped", "failed"})
-    (void)reg_.set("sparsefill_worker_requests_total",
-                   {{"group", std::to_string(info.group)}, {"outcome", oc}}, 0);
+    (void)reg_.set("sparsefill_worker_requests_total", with("outcome", oc), 0);
   if (info.group == 0) {
     (void)reg_.add_family("sparsefill_worker_batch_bad_lines", MetricKind::kGauge,
                           "Lines of the batch file that were reported and skipped (whole job).");
@@ -104,13 +133,9 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
 Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, bool in_flight,
                              bool finished) {
   if (path_.empty()) return Status::ok();
-  const std::string g = group_[0].second;
-  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "written"}},
-                  double(written)));
-  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "skipped"}},
-                  double(skipped)));
-  SF_TRY(reg_.set("sparsefill_worker_requests_total", {{"group", g}, {"outcome", "failed"}},
-                  double(failed)));
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", with("outcome", "written"), double(written)));
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", with("outcome", "skipped"), double(skipped)));
+  SF_TRY(reg_.set("sparsefill_worker_requests_total", with("outcome", "failed"), double(failed)));
   SF_TRY(reg_.set("sparsefill_worker_request_in_flight", group_, in_flight ? 1 : 0));
   SF_TRY(reg_.set("sparsefill_worker_finished", group_, finished ? 1 : 0));
   SF_TRY(reg_.set("sparsefill_worker_last_update_timestamp_seconds", group_, unix_now()));

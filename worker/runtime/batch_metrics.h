@@ -4,8 +4,9 @@
 // node_exporter's textfile collector (or anything that reads the format): at start, before each
 // request, and at the end. The file is replaced by a rename, so a scrape never reads half of it.
 // With one group the file is PATH; with several, group G writes PATH with ".gG" before its
-// extension (sf.prom -> sf.g0.prom, sf.g1.prom), and every series carries group="G". The
-// batch-wide bad-line count is in group 0's file only, so a sum over files counts it once.
+// extension (sf.prom -> sf.g0.prom, sf.g1.prom), and every series carries group="G" and
+// out="<the job's --out>". The batch-wide bad-line count is in group 0's file only, so a sum over
+// files counts it once.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -17,6 +18,9 @@ namespace sf::runtime {
 
 struct BatchMetricsInfo {
   std::string model, device, attention;
+  // The job's output directory (absolute): a label on every series, so files of two jobs read by
+  // one collector never export the same series (one job a directory: its lock).
+  std::string out;
   int tp = 1, cp = 1;
   int group = 0, n_groups = 1;
 };
@@ -32,6 +36,9 @@ class BatchMetrics {
  public:
   // The file group `group` of `n_groups` writes for --metrics-file PATH.
   static std::string group_path(const std::string& path, int group, int n_groups);
+  // Removes PATH and every PATH.gN (an earlier job's files, perhaps with another group count,
+  // which would otherwise keep exporting their last values); returns how many went.
+  static int remove_group_files(const std::string& path);
 
   // path empty: disabled (every call is a no-op). Registers every series with zeros.
   BatchMetrics(std::string path, const BatchMetricsInfo& info);
@@ -48,7 +55,8 @@ class BatchMetrics {
  private:
   std::string path_;
   MetricsRegistry reg_;
-  MetricLabels group_;
+  MetricLabels group_;  // group (and out) labels of every series
+  MetricLabels with(const char* k, const char* v) const;
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
   double comm_s_ = 0;

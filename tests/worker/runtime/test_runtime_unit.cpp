@@ -129,7 +129,7 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
   EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
   // Ids that would be another id's summary or a temporary beside the outputs.
-  for (const char* id : {"a.json", "a.tmp", "a.json.tmp", "a.partial-12", "x.partial-"})
+  for (const char* id : {"a.json", "a.tmp", "a.json.tmp", "a.json.tmp.Xy12Ab", "a.partial-12", "x.partial-"})
     EXPECT_FALSE(runtime::validate_request_id(id).is_ok()) << id;
   for (const char* id : {"a", "a.jsonl", "doc.v2", "json", "a-partial", "tmp.a"})
     EXPECT_TRUE(runtime::validate_request_id(id).is_ok()) << id;
@@ -257,7 +257,7 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   EXPECT_TRUE(off.publish(1, 1, 1, false, true).is_ok());
 
   const std::string p1 = (dir / "w.g1.prom").string();
-  BatchMetrics m(p1, {"SmolLM2", "cpu", "dense", 1, 2, 1, 2});
+  BatchMetrics m(p1, {"SmolLM2", "cpu", "dense", "", 1, 2, 1, 2});
   ASSERT_TRUE(m.start(3, 5).is_ok());
   std::string t = read(p1);
   EXPECT_TRUE(has(t, "sparsefill_worker_requests_assigned{group=\"1\"} 3")) << t;
@@ -289,9 +289,21 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   EXPECT_TRUE(has(t, "sparsefill_worker_request_in_flight{group=\"1\"} 0")) << t;
 
   const std::string p0 = (dir / "w.g0.prom").string();
-  BatchMetrics m0(p0, {"SmolLM2", "cpu", "dense", 1, 2, 0, 2});
+  BatchMetrics m0(p0, {"SmolLM2", "cpu", "dense", "/jobs/a", 1, 2, 0, 2});
   ASSERT_TRUE(m0.start(2, 5).is_ok());
-  EXPECT_TRUE(has(read(p0), "sparsefill_worker_batch_bad_lines{group=\"0\"} 5"));
+  t = read(p0);
+  // The job's --out on every series: two jobs' files never export the same series.
+  EXPECT_TRUE(has(t, "sparsefill_worker_batch_bad_lines{group=\"0\",out=\"/jobs/a\"} 5")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"0\",out=\"/jobs/a\",outcome=\"failed\"} 0")) << t;
+  // An earlier job's files, for any group count, go; other files stay.
+  std::ofstream(dir / "w.prom") << "x";
+  std::ofstream(dir / "w.g17.prom") << "x";
+  std::ofstream(dir / "w.gx.prom") << "x";
+  std::ofstream(dir / "other.prom") << "x";
+  EXPECT_EQ(BatchMetrics::remove_group_files((dir / "w.prom").string()), 4);  // w, g0, g1, g17
+  EXPECT_TRUE(std::filesystem::exists(dir / "w.gx.prom"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "other.prom"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "w.g1.prom"));
   // A directory that does not exist: the error names the file.
   BatchMetrics bad((dir / "nope" / "w.prom").string(), {});
   const Status st = bad.start(1, 0);
