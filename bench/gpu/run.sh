@@ -58,7 +58,8 @@
 #                            heads run in groups)
 #   SF_BENCH_CP_SIZES        CP sizes whose selective exchange is counted (default 2,4,8;
 #                            none skips the count, which walks each index on the host)
-#   SF_BENCH_SEED            the synthetic inputs' seed (default: from the clock; the JSON keeps it)
+#   SF_BENCH_SEED            the synthetic inputs' seed (default: from the clock; the JSON keeps it;
+#                            the peer's copy of the inputs uses the same one)
 #   SF_BENCH_ROPE_BASE, SF_BENCH_DIAG_LOGIT  the planted inputs' rotary base and diagonal logit
 #                            (defaults 10000 and 12; 500000 and 16: Llama-3-like concentration)
 #   SF_BENCH_HEAD_DIM        head_dim of the benchmark and its peer: 128 (default) or 64
@@ -66,6 +67,9 @@
 #                            wgmma-ws,wgmma adds the A/B, their repeats interleaved)
 #   SF_PEER_TIMEOUT          seconds for the SDPA peer (default 300; it saves after every record)
 #   SF_PEER_BACKENDS         SDPA backends to time (default cudnn,flash,efficient)
+#   SF_PEER_SAME_INPUTS      1 (default): the peer also times SDPA on the benchmark's own planted
+#                            tensors (dumped with --dump-inputs, same seed), and the benchmark
+#                            compares with those; 0: random normal inputs only
 #   SF_BENCH_INPUTS          a q/k/v safetensors file (sparsefill prefill --dump-attention): the
 #                            benchmark runs again on it, at its full length
 #   SF_CUDNN_ROOT            cuDNN folder (default: the torch environment's nvidia/cudnn)
@@ -321,11 +325,32 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
     nvidia-smi --query-gpu="$q,$reasons" --format=csv -lms 250 >"$logs/gpu-clocks.csv" 2>&1 &
     mon_pid=$!
   fi
-  echo "--- sdpa peer ($(date -u))" >>"$bl"
   hd="${SF_BENCH_HEAD_DIM:-128}"
-  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --head-dim "$hd" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" --out "$logs/sdpa.json" >>"$bl" 2>&1; then
+  # One seed for the peer's copy of the planted inputs and the benchmark's own (the JSON keeps it).
+  seed="${SF_BENCH_SEED:-$(( $(date +%s%N) / 1000 % 1000000000000 ))}"
+  # The peer also times SDPA on the very tensors our kernels run on (a GPU at its power cap clocks
+  # by the data it multiplies: random normal inputs ran cuDNN 5-11% slower than the planted ones
+  # in earlier runs); the benchmark then compares with those records.
+  in_pat=""
+  dumpdir="$build/peer-inputs"
+  if [[ "${SF_PEER_SAME_INPUTS:-1}" == 1 && -x "$build/tools/sparsefill" ]]; then
+    echo "--- planted inputs for the peer ($(date -u))" >>"$bl"
+    rm -rf "$dumpdir" && mkdir -p "$dumpdir"
+    if "$build/tools/sparsefill" bench attention --lengths "$dense_l" --sparse-lengths "$sparse_l" \
+         --head-dim "$hd" --seed "$seed" \
+         ${SF_BENCH_ROPE_BASE:+--planted-rope-base "$SF_BENCH_ROPE_BASE"} \
+         ${SF_BENCH_DIAG_LOGIT:+--planted-diag-logit "$SF_BENCH_DIAG_LOGIT"} \
+         --dump-inputs "$dumpdir/planted" >>"$bl" 2>&1; then
+      in_pat="$dumpdir/planted-{L}.safetensors"
+    else
+      note "planted inputs for the peer failed (see bench-attention.log); the peer runs on random inputs only"
+    fi
+  fi
+  echo "--- sdpa peer ($(date -u))" >>"$bl"
+  if ! timeout "${SF_PEER_TIMEOUT:-300}" python3 "$root/bench/gpu/sdpa_peer.py" --lengths "$peer_l" --head-dim "$hd" --reps "${SF_PEER_REPS:-10}" --backends "${SF_PEER_BACKENDS:-cudnn,flash,efficient}" ${in_pat:+--inputs "$in_pat"} --out "$logs/sdpa.json" >>"$bl" 2>&1; then
     note "sdpa peer failed (see bench-attention.log); benchmark runs without it"
   fi
+  rm -rf "$dumpdir"
   sdpa_arg=()
   [[ -f "$logs/sdpa.json" ]] && sdpa_arg=(--sdpa "$logs/sdpa.json")
   echo "--- sparsefill bench attention ($(date -u))" >>"$bl"
@@ -339,7 +364,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
          ${SF_BENCH_MAINLOOPS:+--mainloops "$SF_BENCH_MAINLOOPS"} \
          ${SF_BENCH_SPARSE_MEMORY_GB:+--sparse-memory-gb "$SF_BENCH_SPARSE_MEMORY_GB"} \
          ${SF_BENCH_ROPE_BASE:+--planted-rope-base "$SF_BENCH_ROPE_BASE"} \
-         ${SF_BENCH_SEED:+--seed "$SF_BENCH_SEED"} \
+         --seed "$seed" \
          ${SF_BENCH_DIAG_LOGIT:+--planted-diag-logit "$SF_BENCH_DIAG_LOGIT"} \
          --out "$out/attention-$gpu.json" >>"$bl" 2>&1; then
     fail "bench attention failed (see bench-attention.log)"

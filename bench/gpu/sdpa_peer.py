@@ -11,13 +11,33 @@ says which, as `kv_expanded`). bf16 runs cuDNN and flash (the peers in DESIGN.md
 memory-efficient backend, the same-precision peer of our fp32 kernels. Timing: CUDA events,
 median of --reps after warm-up; inputs are random normal, never zeros.
 
+--inputs FILE.safetensors (q [n, heads, d], k and v [n, kv_heads, d]), or a pattern with {L}
+(`sparsefill bench attention --seed S --dump-inputs PREFIX` writes PREFIX-<L>.safetensors, the
+planted tensors our kernels are timed on at each length): each length is also timed on the
+file's (first L) rows, its reps alternating with the random inputs' so clock drift weighs on
+both; records say which (`inputs`). A GPU at its power cap clocks by the data it
+multiplies, so only the same data makes a fair peer.
+
 Usage: python3 bench/gpu/sdpa_peer.py --lengths 8192,32768 --out sdpa.json
 """
 import argparse
 import json
+import os
 import statistics
+import struct
 import sys
 import traceback
+
+
+def read_safetensors(path):
+    """name -> (dtype, shape, offset in the file, bytes); the format's own header, no package."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    return {k: (v["dtype"], v["shape"], base + v["data_offsets"][0],
+                v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
 
 
 def main():
@@ -31,6 +51,8 @@ def main():
                     help="skip the fp32 (efficient backend) peer above this length")
     ap.add_argument("--backends", default="cudnn,flash,efficient",
                     help="subset of cudnn,flash,efficient (efficient is the fp32 peer)")
+    ap.add_argument("--inputs", default="",
+                    help="safetensors q/k/v [n, heads, d]: also time each length on its first rows")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -57,62 +79,107 @@ def main():
     wanted = set(a.backends.split(","))
     plan = [p for p in plan if p[0] in wanted]
 
+    def load_inputs(path):
+        """q, k, v [n, heads, d] on the host, or None when the file does not exist."""
+        if not os.path.exists(path):
+            return None
+        import numpy as np
+        meta = read_safetensors(path)
+        np_dt = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+        t = {}
+        for name in ("q", "k", "v"):
+            dt, shape, off, nbytes = meta[name]
+            arr = np.fromfile(path, dtype=np_dt[dt], count=nbytes // np.dtype(np_dt[dt]).itemsize,
+                              offset=off).reshape(shape)
+            x = torch.from_numpy(arr)
+            t[name] = x.view(torch.bfloat16) if dt == "BF16" else x
+        if (t["q"].shape[1] != a.heads or t["k"].shape[1] != a.kv_heads
+                or t["q"].shape[2] != a.head_dim):
+            sys.exit(f"--inputs {path}: shape {list(t['q'].shape)} / {list(t['k'].shape)} "
+                     f"is not heads {a.heads}, kv heads {a.kv_heads}, head_dim {a.head_dim}")
+        return t
+
+    if a.inputs:
+        out["inputs_file"] = a.inputs
+
     def save():  # after every record: a run cut short by its time limit keeps what it measured
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 
     for L in [int(x) for x in a.lengths.split(",") if x]:
         flops = 4.0 * a.heads * a.head_dim * L * (L + 1) / 2.0
+        file_path = a.inputs.replace("{L}", str(L)) if a.inputs else ""
+        file_t = load_inputs(file_path) if file_path else None
         for name, backend, dtype, dname in plan:
             if dname == "fp32" and L > a.fp32_max_len:
                 continue
-            rec = {"seq_len": L, "backend": name, "dtype": dname, "ok": False}
+            # The input sets timed at this length: random normal, and the file's first L rows.
+            sets = ["random normal"]
+            if file_t is not None and L <= file_t["q"].shape[0]:
+                sets.append(f"file {os.path.basename(file_path)} (first {L} rows)")
+            recs = [{"seq_len": L, "backend": name, "dtype": dname, "inputs": s, "ok": False}
+                    for s in sets]
+            runs = []
             try:
-                g = torch.Generator(device=dev).manual_seed(L)
-                q = torch.randn(1, a.heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
-                k = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
-                v = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+                for si, rec in enumerate(recs):
+                    if si == 0:
+                        g = torch.Generator(device=dev).manual_seed(L)
+                        q = torch.randn(1, a.heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+                        k = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+                        v = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+                    else:  # [n, h, d] -> [1, h, L, d]
+                        q, k, v = (file_t[n][:L].to(dev).to(dtype).permute(1, 0, 2).unsqueeze(0).contiguous()
+                                   for n in ("q", "k", "v"))
 
-                def run():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    def run(q=q, k=k, v=v):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
+                    with sdpa_kernel([backend]):
+                        try:
+                            run()
+                            torch.cuda.synchronize()
+                        except Exception as e:  # backend refuses native GQA: expand K/V once
+                            rec["gqa_error"] = str(e).splitlines()[0][:200]
+                            rep = a.heads // a.kv_heads
+                            k = k.repeat_interleave(rep, 1).contiguous()
+                            v = v.repeat_interleave(rep, 1).contiguous()
+                            rec["kv_expanded"] = True
+
+                            def run(q=q, k=k, v=v):  # noqa: F811  (plain MHA call, expanded K/V)
+                                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                            run()
+                            torch.cuda.synchronize()
+                        for _ in range(2):
+                            run()
+                    rec.setdefault("kv_expanded", False)
+                    runs.append(run)
+                ts = [[] for _ in recs]
                 with sdpa_kernel([backend]):
-                    try:
-                        run()
-                        torch.cuda.synchronize()
-                    except Exception as e:  # backend refuses native GQA: expand K/V once
-                        rec["gqa_error"] = str(e).splitlines()[0][:200]
-                        rep = a.heads // a.kv_heads
-                        k = k.repeat_interleave(rep, 1).contiguous()
-                        v = v.repeat_interleave(rep, 1).contiguous()
-                        rec["kv_expanded"] = True
-
-                        def run():  # noqa: F811  (plain MHA call on the expanded K/V)
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                        run()
-                        torch.cuda.synchronize()
-                    for _ in range(2):
-                        run()
-                    ts = []
-                    for _ in range(a.reps):
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        s.record()
-                        run()
-                        e.record()
-                        e.synchronize()
-                        ts.append(s.elapsed_time(e))
-                ms = statistics.median(ts)
-                rec.update(ok=True, time_ms=ms, tflops=flops / (ms * 1e-3) / 1e12, reps=a.reps)
-                rec.setdefault("kv_expanded", False)
-                print(f"sdpa {name:9s} {dname} L={L}: {ms:.3f} ms  {rec['tflops']:.1f} TFLOP/s"
-                      f"{'  (K/V expanded)' if rec['kv_expanded'] else ''}", flush=True)
+                    for r in range(a.reps):  # the sets' reps alternate, the first rotating
+                        for j in range(len(recs)):
+                            i = (r + j) % len(recs)
+                            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            s.record()
+                            runs[i]()
+                            e.record()
+                            e.synchronize()
+                            ts[i].append(s.elapsed_time(e))
+                for rec, t in zip(recs, ts):
+                    ms = statistics.median(t)
+                    rec.update(ok=True, time_ms=ms, tflops=flops / (ms * 1e-3) / 1e12, reps=a.reps)
+                    print(f"sdpa {name:9s} {dname} L={L} [{rec['inputs'][:40]}]: {ms:.3f} ms  "
+                          f"{rec['tflops']:.1f} TFLOP/s{'  (K/V expanded)' if rec['kv_expanded'] else ''}",
+                          flush=True)
             except Exception as e:
-                rec["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
-                print(f"sdpa {name} {dname} L={L}: FAILED {rec['error']}", flush=True)
+                for rec in recs:
+                    if not rec["ok"]:
+                        rec["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
+                print(f"sdpa {name} {dname} L={L}: FAILED {recs[0].get('error')}", flush=True)
                 traceback.print_exc(limit=1)
-            out["results"].append(rec)
+            out["results"].extend(recs)
             save()
-            del rec
+            del recs, runs
+            q = k = v = None
             torch.cuda.empty_cache()
     save()
     print(f"wrote {a.out}")

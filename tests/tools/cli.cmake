@@ -96,6 +96,13 @@ if(TARGET sparsefill)
   set_tests_properties(cli_dump_attention_bad_spec cli_dump_attention_bad_layer cli_dump_attention
                        PROPERTIES LABELS unit TIMEOUT 120)
   if(SF_HAVE_CUDA)
+    # The planted inputs for the SDPA peer, written before any device is needed (one file a
+    # length, BF16: 1024 x (32 + 2 x 8) x 128 x 2 bytes + header); without --seed, refused.
+    add_test(NAME cli_bench_dump_inputs COMMAND ${_ok} "planted inputs of L=1024 \\(seed 5\\): .*planted-1024.safetensors \\(q \\[1024, 32, 128\\], k and v \\[1024, 8, 128\\], BF16\\).*planted inputs of L=2048"
+             ${_sf} bench attention --lengths 1024 --sparse-lengths 2048 --seed 5 --dump-inputs ${_tmp}/planted)
+    add_test(NAME cli_bench_dump_inputs_needs_seed COMMAND ${_ef} "^error: --dump-inputs needs --seed"
+             ${_sf} bench attention --lengths 1024 --dump-inputs ${_tmp}/planted)
+    set_tests_properties(cli_bench_dump_inputs cli_bench_dump_inputs_needs_seed PROPERTIES LABELS unit TIMEOUT 60)
     add_test(NAME cli_bench_inputs_reads_dump COMMAND ${_sf} bench attention --inputs ${_tmp}/att.safetensors)
     set_tests_properties(cli_bench_inputs_reads_dump PROPERTIES FIXTURES_REQUIRED dumped_attention LABELS unit
                          TIMEOUT 60 PASS_REGULAR_EXPRESSION
@@ -151,6 +158,10 @@ if(TARGET sparsefill)
            ${_sf} eval --retention=full --name ../up)
   add_test(NAME cli_retention_eval_out_dir_under_file COMMAND ${_ef} "^error: --out-dir '${_tmp}/empty.txt/sub' cannot be created"
            ${_sf} eval --retention full --out-dir ${_tmp}/empty.txt/sub)
+  # A sparse mode below its dense_below runs dense, and eval says so.
+  add_test(NAME cli_eval_below_dense_below COMMAND ${_ok} "note: length 256 is below this mode's dense_below \\(1024\\): it runs dense there"
+           ${_sf} eval --attention vertical-slash --lengths 256 --no-passkey --out ${_tmp}/eval-vs-256.json)
+  set_tests_properties(cli_eval_below_dense_below PROPERTIES LABELS unit TIMEOUT 120)
   set_tests_properties(cli_option_twice cli_value_is_an_option cli_value_with_equals cli_prompt_file_is_a_directory
                        cli_dump_attention_layer_overflow cli_dump_attention_missing_dir cli_importance_needs_export
                        cli_force_needs_export cli_pool_dir_inside_export cli_metrics_file_inside_export

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "common/file_io.h"
+#include "common/text.h"
 #include "common/dtype.h"
 #include "common/hash.h"
 #include "common/safetensors.h"
@@ -453,24 +454,33 @@ std::string driver_version() {
 
 struct SdpaPeer {
   boost::json::value raw;
-  // Best bf16 backend at a length (time_ms, backend), and the fp32 figure if
-  // measured.
-  bool best(int64_t L, double* ms, std::string* backend, const std::string& dtype) const {
-    bool found = false;
+  // Best backend at a length and dtype (time_ms, backend, and the inputs it ran on). Records on
+  // this run's own tensors (sdpa_peer.py --inputs: "file ...") are preferred when the peer has
+  // them: the same data is the fair peer (a power-capped GPU clocks by the data).
+  bool best(int64_t L, double* ms, std::string* backend, const std::string& dtype,
+            std::string* inputs = nullptr) const {
     if (!raw.is_object() || !raw.as_object().contains("results")) return false;
-    for (const auto& r : raw.at("results").as_array()) {
-      const auto& o = r.as_object();
-      if (!o.contains("ok") || !o.at("ok").as_bool()) continue;
-      if (o.at("seq_len").to_number<int64_t>() != L) continue;
-      if (std::string(o.at("dtype").as_string()) != dtype) continue;
-      const double t = o.at("time_ms").to_number<double>();
-      if (!found || t < *ms) {
-        *ms = t;
-        *backend = std::string(o.at("backend").as_string());
-        found = true;
+    for (const bool file_only : {true, false}) {
+      bool found = false;
+      for (const auto& r : raw.at("results").as_array()) {
+        const auto& o = r.as_object();
+        if (!o.contains("ok") || !o.at("ok").as_bool()) continue;
+        if (o.at("seq_len").to_number<int64_t>() != L) continue;
+        if (std::string(o.at("dtype").as_string()) != dtype) continue;
+        const std::string in =
+            o.contains("inputs") ? std::string(o.at("inputs").as_string()) : "random normal";
+        if (file_only && in.rfind("file", 0) != 0) continue;
+        const double t = o.at("time_ms").to_number<double>();
+        if (!found || t < *ms) {
+          *ms = t;
+          *backend = std::string(o.at("backend").as_string());
+          if (inputs) *inputs = in;
+          found = true;
+        }
       }
+      if (found) return true;
     }
-    return found;
+    return false;
   }
 };
 
@@ -503,7 +513,8 @@ int cmd_bench_attention(int argc, char** argv) {
                             "sparse-memory-gb",
                             "cp-sizes",
                             "planted-rope-base",
-                            "planted-diag-logit"},
+                            "planted-diag-logit",
+                            "dump-inputs"},
                            {});
   if (!args_r.is_ok()) return fail(args_r.status());
   const Args& a = args_r.value();
@@ -644,6 +655,47 @@ int cmd_bench_attention(int argc, char** argv) {
       mainloops.push_back(m);
     }
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
+  }
+
+  // --dump-inputs PREFIX: each length's planted q, k, v (the exact tensors this command times
+  // with the same --seed) as BF16 safetensors [L, heads, d] in PREFIX-<L>.safetensors, and
+  // nothing else: the SDPA peer then times torch on the same data (bench/gpu/sdpa_peer.py
+  // --inputs 'PREFIX-{L}.safetensors'). A GPU at its power cap clocks by the data it multiplies,
+  // so a peer on other data is not a fair comparison.
+  if (a.has("dump-inputs")) {
+    if (file_in) return fail(SF_ERR(kInvalidArgument, "--dump-inputs writes planted inputs; not with --inputs"));
+    if (!a.has("seed"))
+      return fail(SF_ERR(kInvalidArgument, "--dump-inputs needs --seed (the bench run must draw the same inputs)"));
+    std::vector<int64_t> all = dense_lengths;
+    all.insert(all.end(), sparse_lengths.begin(), sparse_lengths.end());
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    for (const int64_t L : all) {
+      const std::string path = a.get("dump-inputs") + "-" + std::to_string(L) + ".safetensors";
+      if (Status st = check_output_file(path, "--dump-inputs"); !st.is_ok()) return fail(st);
+      const Inputs in = make_inputs(shape, L, seed + uint64_t(L), planted);
+      auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<uint16_t> h(x.size());
+        for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
+        return h;
+      };
+      const std::vector<uint16_t> q = to_bf16(in.q), k = to_bf16(in.k), v = to_bf16(in.v);
+      SafetensorsWriter w;
+      w.add("q", DType::kBF16, {L, shape.heads, shape.d}, q.data(), q.size() * 2);
+      w.add("k", DType::kBF16, {L, shape.kv_heads, shape.d}, k.data(), k.size() * 2);
+      w.add("v", DType::kBF16, {L, shape.kv_heads, shape.d}, v.data(), v.size() * 2);
+      w.set_metadata("inputs", "planted (sparsefill bench attention)");
+      w.set_metadata("seed", std::to_string(seed));
+      w.set_metadata("rope_base", sformat("%.17g", planted.rope_base));
+      w.set_metadata("diag_logit", sformat("%.17g", planted.diag_logit));
+      auto wr = w.write(path);
+      if (!wr.is_ok()) return fail(wr.status());
+      std::printf("planted inputs of L=%lld (seed %llu): %s (q [%lld, %lld, %lld], k and v [%lld, %lld, %lld], BF16)\n",
+                  static_cast<long long>(L), static_cast<unsigned long long>(seed), path.c_str(),
+                  static_cast<long long>(L), static_cast<long long>(shape.heads), static_cast<long long>(shape.d),
+                  static_cast<long long>(L), static_cast<long long>(shape.kv_heads), static_cast<long long>(shape.d));
+    }
+    return 0;
   }
 
   SdpaPeer peer;
@@ -840,12 +892,14 @@ int cmd_bench_attention(int argc, char** argv) {
 
     double sdpa_ms = 0, sdpa32_ms = 0;
     std::string sdpa_backend, sdpa32_backend;
-    const bool have_sdpa = peer.best(L, &sdpa_ms, &sdpa_backend, "bf16");
+    std::string sdpa_inputs;
+    const bool have_sdpa = peer.best(L, &sdpa_ms, &sdpa_backend, "bf16", &sdpa_inputs);
     const bool have_sdpa32 = peer.best(L, &sdpa32_ms, &sdpa32_backend, "fp32");
     auto add_sdpa = [&](boost::json::object& o, double total_ms) {
       if (have_sdpa) {
         o["sdpa_time_ms"] = sdpa_ms;
         o["sdpa_backend"] = sdpa_backend + " bf16";
+        o["sdpa_inputs"] = sdpa_inputs;  // "file ..." when the peer ran on this run's tensors
         o["speedup_vs_sdpa"] = sdpa_ms / total_ms;
       } else {
         o["sdpa_time_ms"] = nullptr;

@@ -196,6 +196,12 @@ int cmd_eval(int argc, char** argv) {
   std::printf("eval %s on %s (%zu tokens), lengths", mode.c_str(), doc_path.c_str(), doc.size());
   for (int64_t L : lengths.value()) std::printf(" %lld", static_cast<long long>(L));
   std::printf("\n");
+  // A sparse mode below its dense_below runs dense: its record would read density 1 unexplained.
+  if (!model::sparse_config_is_dense(sc.value()))
+    for (int64_t L : lengths.value())
+      if (L < sc->dense_below)
+        std::printf("note: length %lld is below this mode's dense_below (%lld): it runs dense there\n",
+                    static_cast<long long>(L), static_cast<long long>(sc->dense_below));
   std::fflush(stdout);
   {  // warm-up: page in weights, start thread pools
     std::vector<int32_t> w(doc.begin(), doc.begin() + std::min<size_t>(doc.size(), 128));

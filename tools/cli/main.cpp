@@ -29,6 +29,7 @@ void usage(FILE* to) {
                "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128]\n"
                "           [--host-estimate-max N] [--dense-ours-max N] [--sparse-memory-gb G] [--cp-sizes 2,4,8]\n"
                "           [--planted-rope-base B] [--planted-diag-logit X] [--out FILE.json]\n"
+               "           [--seed S --dump-inputs PREFIX]  (writes PREFIX-<L>.safetensors, the planted q/k/v, and stops)\n"
                "  inspect  --model PATH|default\n"
                "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
                "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--seed S] [--no-passkey]\n"
