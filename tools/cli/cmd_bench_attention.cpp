@@ -895,7 +895,17 @@ int cmd_bench_attention(int argc, char** argv) {
     std::string sdpa_inputs;
     const bool have_sdpa = peer.best(L, &sdpa_ms, &sdpa_backend, "bf16", &sdpa_inputs);
     const bool have_sdpa32 = peer.best(L, &sdpa32_ms, &sdpa32_backend, "fp32");
+    // A record's SDPA speedup is against the peer of its own precision: an fp32 record against the
+    // fp32 peer (null when none ran), never against bf16 SDPA.
     auto add_sdpa = [&](boost::json::object& o, double total_ms) {
+      const bool fp32_rec = o.contains("dtype") && o.at("dtype").as_string() == "fp32";
+      if (fp32_rec) {
+        o["sdpa_time_ms"] = have_sdpa32 ? boost::json::value(sdpa32_ms) : boost::json::value(nullptr);
+        o["speedup_vs_sdpa"] = have_sdpa32 ? boost::json::value(sdpa32_ms / total_ms) : boost::json::value(nullptr);
+        if (have_sdpa32) o["sdpa_backend"] = sdpa32_backend + " fp32";
+        if (have_sdpa) o["speedup_vs_sdpa_bf16"] = sdpa_ms / total_ms;
+        return;
+      }
       if (have_sdpa) {
         o["sdpa_time_ms"] = sdpa_ms;
         o["sdpa_backend"] = sdpa_backend + " bf16";
