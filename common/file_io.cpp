@@ -6,10 +6,26 @@
 
 #include <cerrno>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <string>
 
 namespace sf {
 namespace fs = std::filesystem;
+namespace {
+// The umask, read once without changing it (umask(2) would race other threads' creations).
+mode_t process_umask() {
+  static const mode_t m = [] {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line))
+      if (line.rfind("Umask:", 0) == 0) return mode_t(std::strtoul(line.c_str() + 6, nullptr, 8));
+    return mode_t(022);
+  }();
+  return m;
+}
+}  // namespace
 
 Status write_file_atomic(const std::string& path, std::string_view bytes) {
   if (path.empty()) return SF_ERR(kInvalidArgument, "cannot write a file with an empty name");
@@ -28,8 +44,9 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
     return Status(Code::kIo, "cannot write '" + path + "' (creating '" + path +
                                  ".tmp.XXXXXX'): " + std::strerror(err));
   }
-  // mkstemp creates 0600; results are read by other users and processes (a node_exporter).
-  if (::fchmod(fd, 0644) != 0) {
+  // mkstemp creates 0600; results are read by other processes (a node_exporter): the mode an
+  // open(..., 0666) would give under the process's umask.
+  if (::fchmod(fd, 0666 & ~process_umask()) != 0) {
     const int err = errno;
     ::close(fd);
     return failed(err, "fchmod");
@@ -101,13 +118,17 @@ Status check_output_dir(const std::string& dir, const std::string& what) {
 }
 
 bool path_within(const std::string& inner, const std::string& outer) {
-  std::error_code ec;
-  auto norm = [&](const std::string& s) {
-    fs::path p = fs::weakly_canonical(fs::absolute(s, ec), ec).lexically_normal();
+  auto norm = [](const std::string& s, bool* ok) {
+    std::error_code ec;
+    fs::path p = fs::absolute(s, ec);
+    if (!ec) p = fs::weakly_canonical(p, ec).lexically_normal();
+    if (ec || p.empty()) *ok = false;
     if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
     return p;
   };
-  const fs::path i = norm(inner), o = norm(outer);
+  bool ok = true;
+  const fs::path i = norm(inner, &ok), o = norm(outer, &ok);
+  if (!ok) return false;  // unresolvable (EACCES, ELOOP): not known to overlap
   auto it = i.begin();
   for (const auto& part : o) {
     if (part.empty()) continue;  // a trailing separator's empty element

@@ -297,7 +297,12 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
   SF_TRY(export_dir_check(dir, force));
   SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
-  const fs::path tmp = out.parent_path() / (out.filename().string() + ".partial-" + std::to_string(::getpid()));
+  // DIR.partial-HOST-PID: a later job can tell a dead process's leftover on its own host
+  // (sparsefill-worker removes those under its output lock).
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const fs::path tmp = out.parent_path() / (out.filename().string() + ".partial-" + host + "-" +
+                                            std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
     return SF_ERR(kIo, "cannot create the export '" + dir + "' (its temporary directory '" +

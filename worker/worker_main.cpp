@@ -393,17 +393,49 @@ int run(int argc, char** argv) {
   if (Status st = runtime::check_world(shape, world->size()); !st.is_ok())
     return finish(2, st.message(), false);
   const int n_groups = world->size() / shape.group_size();
-  if (!o.metrics_file.empty()) {
-    // Each leader's metrics file, before any rank spends minutes loading the model.
+  // Before any rank spends minutes loading the model (or takes a GPU): one job an output
+  // directory, and each leader's metrics file writable.
+  // - Rank 0 creates --out and holds its lock until the job ends (a filesystem without flock:
+  //   no lock, said once). Under the lock, what a killed earlier job left half written goes: a
+  //   1M-token export left by a preempted job is hundreds of gigabytes.
+  // - Each leader removes an earlier job's metrics files on its host (perhaps for another group
+  //   count); the agreement below comes before any leader writes its own.
+  int out_lock_fd = -1;
+  {
     Status mine = Status::ok();
-    if (world->rank() % shape.group_size() == 0)
-      mine = check_output_file(runtime::BatchMetrics::group_path(
-                                   o.metrics_file, world->rank() / shape.group_size(), n_groups),
-                               "--metrics-file");
+    if (rank0) {
+      std::error_code ec;
+      fs::create_directories(o.out, ec);
+      auto l = ec ? Result<int>(SF_ERR(kIo, "cannot create output dir '" + o.out + "': " + ec.message()))
+                  : runtime::lock_output_dir(o.out);
+      if (!l.is_ok()) {
+        mine = l.status();
+      } else if (l.value() < 0) {
+        std::fprintf(stderr,
+                     "warning: --out '%s': this filesystem has no flock, so nothing stops a second "
+                     "job writing it, and no stale partial output is removed\n",
+                     o.out.c_str());
+      } else {
+        out_lock_fd = l.value();
+        auto removed = runtime::remove_stale_partials(o.out);
+        if (removed.is_ok() && removed.value() > 0)
+          std::printf("%s: removed %lld stale partial output(s) of an earlier job\n", o.out.c_str(),
+                      static_cast<long long>(removed.value()));
+        else if (!removed.is_ok())
+          mine = removed.status();
+      }
+    }
+    if (mine.is_ok() && !o.metrics_file.empty() && world->rank() % shape.group_size() == 0) {
+      const std::string mine_path = runtime::BatchMetrics::group_path(
+          o.metrics_file, world->rank() / shape.group_size(), n_groups);
+      mine = check_output_file(mine_path, "--metrics-file");
+      if (mine.is_ok()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
+    }
     const Status all = agree(*world, mine);
     if (world->aborted()) fatal(world->abort_status());
     if (!all.is_ok()) return finish(2, all.message(), false);
   }
+  (void)out_lock_fd;  // released when the process exits
   const Fault fault = parse_fault();
 
   // The batch file is read on rank 0 and broadcast, so other hosts need no copy of it.
@@ -674,34 +706,6 @@ int run(int argc, char** argv) {
     fs::create_directories(o.out, ec);
     if (ec) fatal(SF_ERR(kIo, "cannot create output dir '" + o.out + "': " + ec.message()));
   }
-  // One job an output directory: rank 0 holds its lock until the job ends. Under the lock, what
-  // a killed earlier job left half written (<id>.partial-PID export directories, *.tmp files) is
-  // nobody's, and goes: a 1M-token export left by a preempted job is hundreds of gigabytes.
-  int out_lock_fd = -1;
-  {
-    Status mine = Status::ok();
-    if (rank0) {
-      auto l = runtime::lock_output_dir(o.out);
-      if (l.is_ok()) {
-        out_lock_fd = l.value();
-        auto removed = runtime::remove_stale_partials(o.out);
-        if (removed.is_ok() && removed.value() > 0)
-          std::printf("%s: removed %lld stale partial output(s) of an earlier job\n", o.out.c_str(),
-                      static_cast<long long>(removed.value()));
-        else if (!removed.is_ok())
-          mine = removed.status();
-        // An earlier job's metrics files (perhaps for another group count) go before this job's
-        // leaders write theirs, after the agreement below.
-        if (!o.metrics_file.empty()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
-      } else {
-        mine = l.status();
-      }
-    }
-    const Status all = agree(*world, mine);
-    if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(2, all.message(), false);
-  }
-  (void)out_lock_fd;  // released when the process exits
 
   // This group's share, round-robin over the good requests.
   int64_t n_done = 0, n_skipped = 0, n_failed = 0, my_total = 0;

@@ -113,6 +113,8 @@ gpu_slug() {
 fail() { status="FAIL"; note "FAIL: $*"; }
 
 finish() {
+  # The peer's copy of the planted inputs (12 GB at 1M) never stays on the host.
+  [[ -n "${dumpdir:-}" ]] && rm -rf "$dumpdir"
   {
     echo "status: $status"
     for n in "${notes[@]}"; do echo "$n"; done
@@ -336,7 +338,7 @@ if [[ "${SF_BENCH:-1}" != 0 ]]; then
   if [[ "${SF_PEER_SAME_INPUTS:-1}" == 1 && -x "$build/tools/sparsefill" ]]; then
     echo "--- planted inputs for the peer ($(date -u))" >>"$bl"
     rm -rf "$dumpdir" && mkdir -p "$dumpdir"
-    if "$build/tools/sparsefill" bench attention --lengths "$dense_l" --sparse-lengths "$sparse_l" \
+    if timeout "${SF_DUMP_TIMEOUT:-300}" "$build/tools/sparsefill" bench attention --lengths "$dense_l" --sparse-lengths "$sparse_l" \
          --head-dim "$hd" --seed "$seed" \
          ${SF_BENCH_ROPE_BASE:+--planted-rope-base "$SF_BENCH_ROPE_BASE"} \
          ${SF_BENCH_DIAG_LOGIT:+--planted-diag-logit "$SF_BENCH_DIAG_LOGIT"} \

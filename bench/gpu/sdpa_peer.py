@@ -29,6 +29,13 @@ import sys
 import traceback
 
 
+def read_metadata(path):
+    """The file's __metadata__ (seed and planted parameters for --dump-inputs files)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)).get("__metadata__", {})
+
+
 def read_safetensors(path):
     """name -> (dtype, shape, offset in the file, bytes); the format's own header, no package."""
     with open(path, "rb") as f:
@@ -106,53 +113,74 @@ def main():
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 
+    def setup(L, dtype, backend, file_t, rec):
+        """The set's tensors on the device and a warmed-up call, or an exception (the record then
+        says why). Out of memory is not a GQA refusal: it is raised, not retried expanded."""
+        if file_t is None:
+            g = torch.Generator(device=dev).manual_seed(L)
+            q = torch.randn(1, a.heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+            k = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+            v = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
+        else:  # [n, h, d] -> [1, h, L, d]
+            q, k, v = (file_t[n][:L].to(dev).to(dtype).permute(1, 0, 2).unsqueeze(0).contiguous()
+                       for n in ("q", "k", "v"))
+
+        def run(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        with sdpa_kernel([backend]):
+            try:
+                run()
+                torch.cuda.synchronize()
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # backend refuses native GQA: expand K/V once
+                rec["gqa_error"] = str(e).splitlines()[0][:200]
+                rep = a.heads // a.kv_heads
+                k = k.repeat_interleave(rep, 1).contiguous()
+                v = v.repeat_interleave(rep, 1).contiguous()
+                rec["kv_expanded"] = True
+
+                def run(q=q, k=k, v=v):  # noqa: F811  (plain MHA call, expanded K/V)
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                run()
+                torch.cuda.synchronize()
+            for _ in range(2):
+                run()
+        rec.setdefault("kv_expanded", False)
+        return run
+
+    file_t, file_meta = None, {}
     for L in [int(x) for x in a.lengths.split(",") if x]:
         flops = 4.0 * a.heads * a.head_dim * L * (L + 1) / 2.0
         file_path = a.inputs.replace("{L}", str(L)) if a.inputs else ""
-        file_t = load_inputs(file_path) if file_path else None
+        file_t = None  # the previous length's host copy goes before the next is read
+        if file_path:
+            file_t = load_inputs(file_path)
+            file_meta = read_metadata(file_path) if file_t is not None else {}
         for name, backend, dtype, dname in plan:
             if dname == "fp32" and L > a.fp32_max_len:
                 continue
-            # The input sets timed at this length: random normal, and the file's first L rows.
-            sets = ["random normal"]
-            if file_t is not None and L <= file_t["q"].shape[0]:
-                sets.append(f"file {os.path.basename(file_path)} (first {L} rows)")
-            recs = [{"seq_len": L, "backend": name, "dtype": dname, "inputs": s, "ok": False}
-                    for s in sets]
-            runs = []
+            # The input sets timed at this length: random normal, and the file's (first L) rows.
+            # The file is BF16, so it is the same data as our kernels' only for bf16 backends.
+            sets = [("random normal", None)]
+            if file_t is not None and L <= file_t["q"].shape[0] and dname == "bf16":
+                sets.append((f"file {os.path.basename(file_path)} (first {L} rows)", file_t))
+            recs, runs = [], []
+            for label, src in sets:  # each set on its own: one failing keeps the other's record
+                rec = {"seq_len": L, "backend": name, "dtype": dname, "inputs": label, "ok": False}
+                if src is not None:
+                    rec["inputs_meta"] = file_meta
+                try:
+                    runs.append(setup(L, dtype, backend, src, rec))
+                    recs.append(rec)
+                except Exception as e:
+                    rec["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
+                    print(f"sdpa {name} {dname} L={L} [{label[:40]}]: FAILED {rec['error']}", flush=True)
+                    traceback.print_exc(limit=1)
+                    out["results"].append(rec)
+                    torch.cuda.empty_cache()
             try:
-                for si, rec in enumerate(recs):
-                    if si == 0:
-                        g = torch.Generator(device=dev).manual_seed(L)
-                        q = torch.randn(1, a.heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
-                        k = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
-                        v = torch.randn(1, a.kv_heads, L, a.head_dim, device=dev, dtype=dtype, generator=g)
-                    else:  # [n, h, d] -> [1, h, L, d]
-                        q, k, v = (file_t[n][:L].to(dev).to(dtype).permute(1, 0, 2).unsqueeze(0).contiguous()
-                                   for n in ("q", "k", "v"))
-
-                    def run(q=q, k=k, v=v):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-                    with sdpa_kernel([backend]):
-                        try:
-                            run()
-                            torch.cuda.synchronize()
-                        except Exception as e:  # backend refuses native GQA: expand K/V once
-                            rec["gqa_error"] = str(e).splitlines()[0][:200]
-                            rep = a.heads // a.kv_heads
-                            k = k.repeat_interleave(rep, 1).contiguous()
-                            v = v.repeat_interleave(rep, 1).contiguous()
-                            rec["kv_expanded"] = True
-
-                            def run(q=q, k=k, v=v):  # noqa: F811  (plain MHA call, expanded K/V)
-                                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                            run()
-                            torch.cuda.synchronize()
-                        for _ in range(2):
-                            run()
-                    rec.setdefault("kv_expanded", False)
-                    runs.append(run)
                 ts = [[] for _ in recs]
                 with sdpa_kernel([backend]):
                     for r in range(a.reps):  # the sets' reps alternate, the first rotating
@@ -174,12 +202,12 @@ def main():
                 for rec in recs:
                     if not rec["ok"]:
                         rec["error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
-                print(f"sdpa {name} {dname} L={L}: FAILED {recs[0].get('error')}", flush=True)
+                print(f"sdpa {name} {dname} L={L}: FAILED timing: {e}", flush=True)
                 traceback.print_exc(limit=1)
             out["results"].extend(recs)
             save()
+            # The closures hold the tensors: drop them before the next backend or length.
             del recs, runs
-            q = k = v = None
             torch.cuda.empty_cache()
     save()
     print(f"wrote {a.out}")

@@ -112,8 +112,15 @@ case "$case_name" in
     # Resume: one export removed, the rest are complete and skipped. What a killed job left half
     # written (an export's temporary directory, a summary's .tmp) goes at start, under the lock.
     rm -rf "$tmp/out/village"
-    mkdir -p "$tmp/out/village.partial-424242" && echo junk >"$tmp/out/village.partial-424242/layer_000.safetensors"
-    echo '{"id": "ghost"' >"$tmp/out/ghost.json.tmp.Ab12Cd"
+    # (a dead process of this host: stale now; another host's, idle for two hours: stale; another
+    # host's, fresh: a job there may be live, kept; an export and user files named alike: kept)
+    host=$(hostname)
+    mkdir -p "$tmp/out/village.partial-$host-4194301" && echo junk >"$tmp/out/village.partial-$host-4194301/layer_000.safetensors"
+    mkdir -p "$tmp/out/old.partial-elsewhere-77" && touch -d '2 hours ago' "$tmp/out/old.partial-elsewhere-77"
+    mkdir -p "$tmp/out/live.partial-elsewhere-78"
+    echo '{"id": "ghost"' >"$tmp/out/ghost.json.tmp.Ab12Cd" && touch -d '1 hour ago' "$tmp/out/ghost.json.tmp.Ab12Cd"
+    mkdir -p "$tmp/out/doc.tmp.v1" && echo '{}' >"$tmp/out/doc.tmp.v1/manifest.json"
+    echo notes >"$tmp/out/notes.tmp"
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     [ "$rc" -eq 3 ] || fail "resume: exit $rc, want 3"
     grep -q "batch done: 1 written, 3 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "resume summary"
@@ -122,12 +129,16 @@ case "$case_name" in
     w0=$(metric "$m0" 'sparsefill_worker_requests_total{group="0",outcome="written"}')
     w1=$(metric "$m1" 'sparsefill_worker_requests_total{group="1",outcome="written"}')
     [ "$((s0 + s1))" -eq 3 ] && [ "$((w0 + w1))" -eq 1 ] || fail "metrics on resume: skipped $s0 + $s1, written $w0 + $w1"
-    [ ! -e "$tmp/out/village.partial-424242" ] && [ ! -e "$tmp/out/ghost.json.tmp.Ab12Cd" ] || fail "stale partial outputs were left"
-    grep -q "removed 2 stale partial output(s) of an earlier job" "$tmp/stdout" || fail "no line for the stale partials"
+    [ ! -e "$tmp/out/village.partial-$host-4194301" ] && [ ! -e "$tmp/out/old.partial-elsewhere-77" ] &&
+      [ ! -e "$tmp/out/ghost.json.tmp.Ab12Cd" ] || fail "stale partial outputs were left: $(ls "$tmp/out")"
+    [ -d "$tmp/out/live.partial-elsewhere-78" ] && [ -f "$tmp/out/doc.tmp.v1/manifest.json" ] &&
+      [ -f "$tmp/out/notes.tmp" ] || fail "something not stale was removed: $(ls "$tmp/out")"
+    grep -q "removed 3 stale partial output(s) of an earlier job" "$tmp/stdout" || fail "no line for the stale partials"
     # One job a directory: while another holds --out's lock, a second job stops at start.
-    ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; exec sleep 30 ) &
+    rm -f "$tmp/held"
+    ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; touch "$tmp/held"; exec sleep 30 ) &
     holder=$!  # the sleep itself, holding the lock's descriptor: killing it releases the lock
-    sleep 0.5
+    for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
     run 2 --model default --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
     [ "$rc" -eq 2 ] || fail "locked: exit $rc, want 2"

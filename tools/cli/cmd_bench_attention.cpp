@@ -454,9 +454,21 @@ std::string driver_version() {
 
 struct SdpaPeer {
   boost::json::value raw;
+  // The planted inputs this run draws ("" when it reads --inputs): a peer record on a file is
+  // this run's tensors only when the file's metadata names the same seed and parameters.
+  std::string seed, rope_base, diag_logit;
+  bool same_tensors(const boost::json::object& o) const {
+    if (seed.empty() || !o.contains("inputs_meta") || !o.at("inputs_meta").is_object()) return false;
+    const auto& m = o.at("inputs_meta").as_object();
+    auto is = [&](const char* k, const std::string& v) {
+      return m.contains(k) && m.at(k).is_string() && std::string(m.at(k).as_string()) == v;
+    };
+    return is("seed", seed) && is("rope_base", rope_base) && is("diag_logit", diag_logit);
+  }
   // Best backend at a length and dtype (time_ms, backend, and the inputs it ran on). Records on
-  // this run's own tensors (sdpa_peer.py --inputs: "file ...") are preferred when the peer has
-  // them: the same data is the fair peer (a power-capped GPU clocks by the data).
+  // this run's own tensors (sdpa_peer.py --inputs with --dump-inputs files of the same seed and
+  // planted parameters) are preferred when the peer has them: the same data is the fair peer (a
+  // power-capped GPU clocks by the data).
   bool best(int64_t L, double* ms, std::string* backend, const std::string& dtype,
             std::string* inputs = nullptr) const {
     if (!raw.is_object() || !raw.as_object().contains("results")) return false;
@@ -469,7 +481,7 @@ struct SdpaPeer {
         if (std::string(o.at("dtype").as_string()) != dtype) continue;
         const std::string in =
             o.contains("inputs") ? std::string(o.at("inputs").as_string()) : "random normal";
-        if (file_only && in.rfind("file", 0) != 0) continue;
+        if (file_only ? !same_tensors(o) : in.rfind("file", 0) == 0) continue;
         const double t = o.at("time_ms").to_number<double>();
         if (!found || t < *ms) {
           *ms = t;
@@ -705,6 +717,11 @@ int cmd_bench_attention(int argc, char** argv) {
     boost::system::error_code ec;
     peer.raw = boost::json::parse(txt.value(), ec);
     if (ec) return fail(SF_ERR(kInvalidArgument, "--sdpa: not JSON: " + ec.message()));
+    if (!file_in && a.has("seed")) {
+      peer.seed = std::to_string(seed);
+      peer.rope_base = sformat("%.17g", planted.rope_base);
+      peer.diag_logit = sformat("%.17g", planted.diag_logit);
+    }
   }
 
   int dev = 0;
@@ -902,7 +919,10 @@ int cmd_bench_attention(int argc, char** argv) {
       if (fp32_rec) {
         o["sdpa_time_ms"] = have_sdpa32 ? boost::json::value(sdpa32_ms) : boost::json::value(nullptr);
         o["speedup_vs_sdpa"] = have_sdpa32 ? boost::json::value(sdpa32_ms / total_ms) : boost::json::value(nullptr);
-        if (have_sdpa32) o["sdpa_backend"] = sdpa32_backend + " fp32";
+        if (have_sdpa32) {
+          o["sdpa_backend"] = sdpa32_backend + " fp32";
+          o["sdpa_inputs"] = "random normal";
+        }
         if (have_sdpa) o["speedup_vs_sdpa_bf16"] = sdpa_ms / total_ms;
         return;
       }
@@ -1019,9 +1039,14 @@ int cmd_bench_attention(int argc, char** argv) {
         auto dense_record = [&](const char* mode, const char* kernel, double ms) -> Status {
           const double tf = 4.0 * d * causal_pairs / (ms * 1e-3) / 1e12;
           std::printf("  %s %s: %.3f ms, %.2f TFLOP/s [%s]", mode, dt.c_str(), ms, tf, kernel);
-          if (have_sdpa)
-            std::printf("; SDPA %s bf16 %.3f ms (%.1f%% of SDPA throughput)", sdpa_backend.c_str(),
-                        sdpa_ms, 100.0 * sdpa_ms / ms);
+          // The peer of the record's own precision.
+          const bool f32 = dt == "fp32";
+          const bool have_peer = f32 ? have_sdpa32 : have_sdpa;
+          const double peer_ms = f32 ? sdpa32_ms : sdpa_ms;
+          if (have_peer)
+            std::printf("; SDPA %s %s %.3f ms (%.1f%% of SDPA throughput)",
+                        (f32 ? sdpa32_backend : sdpa_backend).c_str(), dt.c_str(), peer_ms,
+                        100.0 * peer_ms / ms);
           boost::json::object o;
           o["mode"] = mode;
           o["seq_len"] = L;
@@ -1031,7 +1056,7 @@ int cmd_bench_attention(int argc, char** argv) {
           o["estimate_ms"] = 0.0;
           o["tflops"] = tf;
           o["density"] = 1.0;
-          if (have_sdpa) o["fraction_of_sdpa_throughput"] = sdpa_ms / ms;
+          if (have_peer) o["fraction_of_sdpa_throughput"] = peer_ms / ms;
           if (!bf && run_sparse) {
             SF_TRY(download_out(&ref_out));
           } else if (bf && !ref_out.empty()) {
@@ -1546,7 +1571,9 @@ int cmd_bench_attention(int argc, char** argv) {
         if (slots_equal >= 0)
           std::printf("  host estimate %.1f ms, slots equal %.4f", est_host_ms[mi], slots_equal);
         if (run_dense) std::printf("  vs dense %.2fx", dense_ms / sp_ms);
-        if (have_sdpa) std::printf("  vs SDPA (incl. estimate) %.2fx", sdpa_ms / (sp_ms + est_ms));
+        if (bf ? have_sdpa : have_sdpa32)
+          std::printf("  vs SDPA %s (incl. estimate) %.2fx", bf ? "bf16" : "fp32",
+                      (bf ? sdpa_ms : sdpa32_ms) / (sp_ms + est_ms));
         if (err >= 0) std::printf("  out rel err %.2e", err);
         if (bf && mainloops.size() > 1)
           for (const auto& kv : by_mainloop)

@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
     const char* prev = argv[i - 1];
     const bool after_flag = std::any_of(std::begin(kFlags), std::end(kFlags),
                                         [&](const char* f) { return !std::strcmp(prev, f); });
-    if (i <= 2 || std::strncmp(prev, "--", 2) != 0 || after_flag) {
+    // "--key=value" is complete: what follows it is not its value.
+    if (i <= 2 || std::strncmp(prev, "--", 2) != 0 || after_flag || std::strchr(prev, '=')) {
       usage(stdout);
       return 0;
     }

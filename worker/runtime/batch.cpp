@@ -1,14 +1,18 @@
 #include "worker/runtime/batch.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/json.hpp>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 namespace sf::runtime {
@@ -26,18 +30,16 @@ Status validate_request_id(const std::string& id) {
       return SF_ERR(kInvalidArgument,
                     "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
   }
-  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries <id>.json.tmp.XXXXXX and
-  // <id>.partial-PID beside them: an id must not be another id's file, nor look like a
-  // temporary a resumed job removes.
+  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries (files <id>.json.tmp.XXXXXX,
+  // directories <id>.partial-HOST-PID) beside them: an id must not be another id's file.
   const auto ends_with = [&](const char* s) {
     const size_t n = std::strlen(s);
     return id.size() >= n && id.compare(id.size() - n, n, s) == 0;
   };
-  if (ends_with(".json") || ends_with(".tmp") || id.find(".tmp.") != std::string::npos ||
-      id.find(".partial-") != std::string::npos)
+  if (ends_with(".json") || ends_with(".tmp") || id.find(".partial-") != std::string::npos)
     return SF_ERR(kInvalidArgument,
-                  "field 'id' must not end in .json or .tmp or hold .tmp. or .partial- (the "
-                  "worker's own files beside each output directory are named so)");
+                  "field 'id' must not end in .json or .tmp or hold .partial- (the worker's own "
+                  "files beside each output directory are named so)");
   return Status::ok();
 }
 
@@ -182,28 +184,83 @@ Result<int> lock_output_dir(const std::string& out_dir) {
       return SF_ERR(kAlreadyExists, "--out '" + out_dir + "' is in use by another sparsefill-worker job" +
                                         (holder.empty() ? std::string() : " (" + holder + ")") +
                                         "; give each job its own --out");
+    // A filesystem without flock (Lustre's noflock, some FUSE mounts): no lock, not an error.
+    if (err == ENOSYS || err == EOPNOTSUPP || err == ENOLCK) return -1;
     return SF_ERR(kIo, "cannot lock '" + path + "': " + std::strerror(err));
   }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   const std::string who = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, who.data(), who.size(), 0) != ssize_t(who.size())) {
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, who.data(), who.size(), 0) != ssize_t(who.size()) ||
+      ::fsync(fd) != 0) {
     // The lock holds either way; only the holder's name in a second job's message is lost.
   }
   return fd;
 }
 
+namespace {
+namespace fs = std::filesystem;
+bool all_alnum(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+  });
+}
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+// Seconds since the entry, or anything directly in it, last changed (a live export writes a
+// shard a layer, so its directory keeps changing).
+double idle_seconds(const fs::path& p) {
+  std::error_code ec;
+  auto newest = fs::last_write_time(p, ec);
+  if (ec) return 0;
+  if (fs::is_directory(p, ec))
+    for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) {
+      const auto t = fs::last_write_time(it->path(), ec);
+      if (!ec && t > newest) newest = t;
+    }
+  return std::chrono::duration<double>(fs::file_time_type::clock::now() - newest).count();
+}
+}  // namespace
+
+bool stale_partial(const std::string& name, bool is_dir, const std::string& host,
+                   double idle_s, const std::function<bool(long)>& pid_alive) {
+  // Summaries' temporaries: files <id>.json.tmp (earlier versions) or <id>.json.tmp.XXXXXX
+  // (write_file_atomic), renamed within milliseconds of their creation by a live writer.
+  if (!is_dir) {
+    const size_t t = name.rfind(".json.tmp");
+    if (t == std::string::npos || t == 0) return false;
+    const std::string rest = name.substr(t + 9);
+    const bool tmp = rest.empty() || (rest.size() == 7 && rest[0] == '.' && all_alnum(rest.substr(1)));
+    return tmp && idle_s > kStaleTmpSeconds;
+  }
+  // Exports' temporaries: directories <id>.partial-HOST-PID (or <id>.partial-PID, earlier
+  // versions). One of this host whose process is gone is stale now; any other once it has been
+  // idle for kStalePartialSeconds (another host's job, or a flock that locks per host only).
+  const size_t p = name.rfind(".partial-");
+  if (p == std::string::npos || p == 0) return false;
+  const std::string tag = name.substr(p + 9);
+  const size_t dash = tag.rfind('-');
+  const std::string pid = dash == std::string::npos ? tag : tag.substr(dash + 1);
+  if (!all_digits(pid) || pid.size() > 9) return false;
+  const std::string h = dash == std::string::npos ? std::string() : tag.substr(0, dash);
+  if (!h.empty() && h == host && !pid_alive(std::stol(pid))) return true;
+  return idle_s > kStalePartialSeconds;
+}
+
 Result<int64_t> remove_stale_partials(const std::string& out_dir) {
-  namespace fs = std::filesystem;
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const auto alive = [](long pid) { return ::kill(pid_t(pid), 0) == 0 || errno != ESRCH; };
   std::error_code ec;
   int64_t n = 0;
   std::vector<fs::path> stale;
   for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    // Export directories DIR/<id>.partial-PID, write_file_atomic's <name>.tmp.XXXXXX, and the
-    // .tmp of earlier versions: no request id can be named so (validate_request_id).
-    if (name.find(".partial-") != std::string::npos || name.find(".tmp.") != std::string::npos ||
-        (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0))
+    std::error_code e2;
+    const bool dir = it->is_directory(e2) && !it->is_symlink(e2);
+    const bool file = it->is_regular_file(e2) && !it->is_symlink(e2);
+    if (!dir && !file) continue;
+    if (stale_partial(it->path().filename().string(), dir, host, idle_seconds(it->path()), alive))
       stale.push_back(it->path());
   }
   if (ec) return SF_ERR(kIo, "cannot list '" + out_dir + "': " + ec.message());

@@ -21,6 +21,7 @@
 // its old summary removed first and its export replaced.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,11 +69,20 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
                                  const std::string& fingerprint);
 
 // The output directory's lock (DIR/.sparsefill-worker.lock, flock): one job writes a directory
-// at a time. Returns the descriptor to keep open for the job's life; kAlreadyExists naming the
-// holder's pid and host when another job holds it.
+// at a time. Returns the descriptor to keep open for the job's life, -1 when the filesystem has
+// no flock (no lock: the caller says so), kAlreadyExists naming the holder's pid and host when
+// another job holds it.
 Result<int> lock_output_dir(const std::string& out_dir);
-// Under that lock: removes what an earlier job left half written (<id>.partial-* export
-// directories, *.tmp and *.tmp.* files) and returns how many entries went.
+
+// What an earlier job left half written, by name: a summary's temporary (file <id>.json.tmp or
+// <id>.json.tmp.XXXXXX) idle for kStaleTmpSeconds; an export's temporary (directory
+// <id>.partial-HOST-PID, or <id>.partial-PID from earlier versions) of this host whose process is
+// gone, or of any host once idle for kStalePartialSeconds. Nothing else (a finished export, a
+// user's file) ever matches.
+inline constexpr double kStaleTmpSeconds = 600, kStalePartialSeconds = 3600;
+bool stale_partial(const std::string& name, bool is_dir, const std::string& host, double idle_s,
+                   const std::function<bool(long)>& pid_alive);
+// Under the lock: removes the stale entries of DIR and returns how many went.
 Result<int64_t> remove_stale_partials(const std::string& out_dir);
 
 }  // namespace sf::runtime

@@ -129,9 +129,12 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
   EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
   // Ids that would be another id's summary or a temporary beside the outputs.
-  for (const char* id : {"a.json", "a.tmp", "a.json.tmp", "a.json.tmp.Xy12Ab", "a.partial-12", "x.partial-"})
+  for (const char* id : {"a.json", "a.tmp", "a.json.tmp", "a.partial-12", "x.partial-"})
     EXPECT_FALSE(runtime::validate_request_id(id).is_ok()) << id;
-  for (const char* id : {"a", "a.jsonl", "doc.v2", "json", "a-partial", "tmp.a"})
+  // (an export is a directory, a summary temporary a file: "doc.tmp.v1" or even
+  // "a.json.tmp.Xy12Ab" cannot be mistaken for one: stale_partial below)
+  for (const char* id : {"a", "a.jsonl", "doc.v2", "json", "a-partial", "tmp.a", "doc.tmp.v1",
+                         "a.json.tmp.Xy12Ab"})
     EXPECT_TRUE(runtime::validate_request_id(id).is_ok()) << id;
 }
 
@@ -231,6 +234,33 @@ TEST(Batch, CompleteMeansManifestAndASummaryWithTheSameFingerprint) {
             std::string::npos);
   EXPECT_FALSE(runtime::request_complete(dir.string(), "y", fp));
   std::filesystem::remove_all(dir);
+}
+
+TEST(Batch, StalePartialsByNameKindHostAndAge) {
+  using runtime::stale_partial;
+  const auto dead = [](long) { return false; };
+  const auto alive = [](long) { return true; };
+  const double fresh = 5, old_tmp = runtime::kStaleTmpSeconds + 1,
+               old_dir = runtime::kStalePartialSeconds + 1;
+  // An export's temporary of this host: stale once its process is gone, whatever its age.
+  EXPECT_TRUE(stale_partial("doc.partial-h1-123", true, "h1", fresh, dead));
+  EXPECT_FALSE(stale_partial("doc.partial-h1-123", true, "h1", fresh, alive));
+  // Another host's (or an earlier version's, with no host): only once idle for an hour.
+  EXPECT_FALSE(stale_partial("doc.partial-h2-123", true, "h1", fresh, dead));
+  EXPECT_TRUE(stale_partial("doc.partial-h2-123", true, "h1", old_dir, alive));
+  EXPECT_FALSE(stale_partial("doc.partial-123", true, "h1", fresh, dead));
+  EXPECT_TRUE(stale_partial("doc.partial-123", true, "h1", old_dir, alive));
+  EXPECT_TRUE(stale_partial("a.b-c.partial-host-1.x-9", true, "host-1.x", fresh, dead));
+  // A summary's temporary (a file), once idle for ten minutes.
+  EXPECT_TRUE(stale_partial("doc.json.tmp.Ab12Cd", false, "h1", old_tmp, alive));
+  EXPECT_TRUE(stale_partial("doc.json.tmp", false, "h1", old_tmp, alive));
+  EXPECT_FALSE(stale_partial("doc.json.tmp.Ab12Cd", false, "h1", fresh, alive));
+  // Never: exports and user files, however named or old.
+  for (const char* name : {"doc.tmp.v1", "a.json.tmp.Xy12Ab", "doc", "doc.partial-h1-x"})
+    EXPECT_FALSE(stale_partial(name, true, "h1", 1e9, dead)) << name;
+  for (const char* name : {"notes.tmp", "doc.json", "a.json.tmp.toolong", "doc.partial-h1-123",
+                           ".json.tmp"})
+    EXPECT_FALSE(stale_partial(name, false, "h1", 1e9, dead)) << name;
 }
 
 TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
