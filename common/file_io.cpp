@@ -31,7 +31,7 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   if (path.empty()) return SF_ERR(kInvalidArgument, "cannot write a file with an empty name");
   // A name of its own (mkstemp: O_EXCL, never through a planted link), so two writers of one path
   // never write into each other's file; the last rename wins whole.
-  std::string tmp = path + ".tmp.XXXXXX";
+  std::string tmp = path + ".tmp.XXXXXX";  // mkstemp's template: it replaces the six X
   const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
   auto failed = [&](int err, const char* step) {
     ::unlink(tmp.c_str());
@@ -42,7 +42,7 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   if (fd < 0) {
     const int err = errno;
     return Status(Code::kIo, "cannot write '" + path + "' (creating '" + path +
-                                 ".tmp.XXXXXX'): " + std::strerror(err));
+                                 ".tmp.<6 random characters>'): " + std::strerror(err));
   }
   // mkstemp creates 0600; results are read by other processes (a node_exporter): the mode an
   // open(..., 0666) would give under the process's umask.

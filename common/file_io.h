@@ -12,7 +12,7 @@
 
 namespace sf {
 
-// `bytes` to `path`: written to a new `path`.tmp.XXXXXX (mkstemp), flushed to disk (fsync),
+// `bytes` to `path`: written to a new `path`.tmp.<6 random characters> (mkstemp), fsynced,
 // closed, then renamed over `path`. On any failure the temporary file is removed and kIo names
 // `path` and the reason (ENOSPC: kResourceExhausted). Concurrent writers of one path each rename
 // a whole file.

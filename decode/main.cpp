@@ -44,12 +44,6 @@ void usage(FILE* to = stderr) {
                "                         [--no-cuda-graph] [--no-fused-step] [--reference]\n");
 }
 
-std::string resolve_model(const std::string& m) {
-  if (m != "default") return m;
-  if (const char* e = std::getenv("SF_MODEL"); e && *e) return e;  // empty: unset
-  return std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 int run(int argc, char** argv) {
   std::map<std::string, std::string> a;
   for (int i = 1; i < argc; ++i) {
@@ -104,7 +98,7 @@ int run(int argc, char** argv) {
     if (!std::filesystem::is_regular_file(std::filesystem::path(a["kv"]) / "manifest.json", ec))
       return fail(SF_ERR(kNotFound, "--kv: no manifest.json in '" + a["kv"] + "' (not a KV export)"));
   }
-  const std::string path = resolve_model(a.count("model") ? a["model"] : "default");
+  const std::string path = sf::model::resolve_model_path(a.count("model") ? a["model"] : "default", SF_SOURCE_DIR);
   auto mr = sf::model::Model::load(path);
   if (!mr.is_ok()) return fail(mr.status());
   const sf::model::Model& m = mr.value();

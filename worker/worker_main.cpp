@@ -203,10 +203,7 @@ Result<Options> parse_options(int argc, char** argv) {
                     "--prefix-cache needs a positive size, --device cpu, --tp 1 --cp 1 and dense "
                     "attention (each rank then serves its own requests from its own cache)");
   }
-  if (o.model == "default") {
-    const char* e = std::getenv("SF_MODEL");
-    o.model = e && *e ? e : std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  }
+  o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
   return o;
 }
 
@@ -334,10 +331,6 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
 }
 
 // Written whole or not at all: resume reads the fingerprint from it.
-Status write_summary(const std::string& path, const std::string& json_line) {
-  return write_file_atomic(path, json_line + "\n");
-}
-
 int run(int argc, char** argv) {
   const bool have_mpi = comm::mpi_init(&argc, &argv).is_ok();
   std::unique_ptr<comm::Communicator> world;
@@ -1012,7 +1005,7 @@ int run(int argc, char** argv) {
     summary += std::string(group) +
                ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
-    if (Status ws = write_summary(dir + ".json", summary); !ws.is_ok()) {
+    if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
       --n_done;
       ++n_failed;
       std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),

@@ -29,22 +29,17 @@ import sys
 import traceback
 
 
-def read_metadata(path):
-    """The file's __metadata__ (seed and planted parameters for --dump-inputs files)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)).get("__metadata__", {})
-
-
 def read_safetensors(path):
-    """name -> (dtype, shape, offset in the file, bytes); the format's own header, no package."""
+    """({name: (dtype, shape, offset in the file, bytes)}, __metadata__): the format's own
+    header, no package."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     base = 8 + n
-    return {k: (v["dtype"], v["shape"], base + v["data_offsets"][0],
-                v["data_offsets"][1] - v["data_offsets"][0])
-            for k, v in header.items() if k != "__metadata__"}
+    return ({k: (v["dtype"], v["shape"], base + v["data_offsets"][0],
+                 v["data_offsets"][1] - v["data_offsets"][0])
+             for k, v in header.items() if k != "__metadata__"},
+            header.get("__metadata__", {}))
 
 
 def main():
@@ -87,11 +82,12 @@ def main():
     plan = [p for p in plan if p[0] in wanted]
 
     def load_inputs(path):
-        """q, k, v [n, heads, d] on the host, or None when the file does not exist."""
+        """(q, k, v [n, heads, d] on the host, the file's metadata), or (None, {}) when the file
+        does not exist."""
         if not os.path.exists(path):
-            return None
+            return None, {}
         import numpy as np
-        meta = read_safetensors(path)
+        meta, file_meta = read_safetensors(path)
         np_dt = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
         t = {}
         for name in ("q", "k", "v"):
@@ -104,7 +100,7 @@ def main():
                 or t["q"].shape[2] != a.head_dim):
             sys.exit(f"--inputs {path}: shape {list(t['q'].shape)} / {list(t['k'].shape)} "
                      f"is not heads {a.heads}, kv heads {a.kv_heads}, head_dim {a.head_dim}")
-        return t
+        return t, file_meta
 
     if a.inputs:
         out["inputs_file"] = a.inputs
@@ -156,8 +152,7 @@ def main():
         file_path = a.inputs.replace("{L}", str(L)) if a.inputs else ""
         file_t = None  # the previous length's host copy goes before the next is read
         if file_path:
-            file_t = load_inputs(file_path)
-            file_meta = read_metadata(file_path) if file_t is not None else {}
+            file_t, file_meta = load_inputs(file_path)
         for name, backend, dtype, dname in plan:
             if dname == "fp32" and L > a.fp32_max_len:
                 continue

@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "tools/cli/cli.h"
+#include "worker/model/model.h"
 
 namespace sf::cli {
 
@@ -58,11 +59,7 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
   return a;
 }
 
-std::string resolve_model(const std::string& m) {
-  if (m != "default") return m;
-  if (const char* e = std::getenv("SF_MODEL"); e && *e) return e;  // empty: unset
-  return std::string(SF_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
+std::string resolve_model(const std::string& m) { return model::resolve_model_path(m, SF_SOURCE_DIR); }
 
 Result<std::string> read_text_file(const std::string& path, const char* what) {
   // An ifstream opens a directory and reads nothing: "the prompt is empty" would mislead.

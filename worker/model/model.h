@@ -37,6 +37,10 @@ struct ModelWeights {
 
 enum class ModelFormat { kGguf, kSafetensors };
 
+// "--model default": $SF_MODEL when set and not empty, else the bundled SmolLM2 GGUF under
+// source_dir/models (every binary passes its SF_SOURCE_DIR). Any other value is the path itself.
+std::string resolve_model_path(const std::string& m, const std::string& source_dir);
+
 class Model {
  public:
   // path: a .gguf file, or a Hugging Face directory with config.json + *.safetensors.

@@ -1,5 +1,6 @@
 // Loading weights from GGUF or Hugging Face safetensors into fp32 OwnedTensors.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -280,6 +281,12 @@ Result<Model> Model::synthetic(const ModelConfig& cfg, uint64_t seed) {
     fill(&L.w_down, {H, cfg.intermediate}, 1.f / std::sqrt(float(cfg.intermediate)));
   }
   return m;
+}
+
+std::string resolve_model_path(const std::string& m, const std::string& source_dir) {
+  if (m != "default") return m;
+  if (const char* e = std::getenv("SF_MODEL"); e && *e) return e;  // empty: unset
+  return source_dir + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 }  // namespace sf::model

@@ -30,7 +30,7 @@ Status validate_request_id(const std::string& id) {
       return SF_ERR(kInvalidArgument,
                     "field 'id' may hold only [A-Za-z0-9._-] (it names the output directory)");
   }
-  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries (files <id>.json.tmp.XXXXXX,
+  // The worker writes DIR/<id>/, DIR/<id>.json and temporaries (files <id>.json.tmp.<6 random>,
   // directories <id>.partial-HOST-PID) beside them: an id must not be another id's file.
   const auto ends_with = [&](const char* s) {
     const size_t n = std::strlen(s);
@@ -225,7 +225,7 @@ double idle_seconds(const fs::path& p) {
 
 bool stale_partial(const std::string& name, bool is_dir, const std::string& host,
                    double idle_s, const std::function<bool(long)>& pid_alive) {
-  // Summaries' temporaries: files <id>.json.tmp (earlier versions) or <id>.json.tmp.XXXXXX
+  // Summaries' temporaries: files <id>.json.tmp (earlier versions) or <id>.json.tmp.<6 random>
   // (write_file_atomic), renamed within milliseconds of their creation by a live writer.
   if (!is_dir) {
     const size_t t = name.rfind(".json.tmp");

@@ -75,7 +75,7 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
 Result<int> lock_output_dir(const std::string& out_dir);
 
 // What an earlier job left half written, by name: a summary's temporary (file <id>.json.tmp or
-// <id>.json.tmp.XXXXXX) idle for kStaleTmpSeconds; an export's temporary (directory
+// <id>.json.tmp.<6 random characters>) idle for kStaleTmpSeconds; an export's temporary (directory
 // <id>.partial-HOST-PID, or <id>.partial-PID from earlier versions) of this host whose process is
 // gone, or of any host once idle for kStalePartialSeconds. Nothing else (a finished export, a
 // user's file) ever matches.

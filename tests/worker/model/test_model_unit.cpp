@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "worker/model/gguf.h"
 #include "worker/model/model.h"
@@ -13,12 +14,6 @@
 
 namespace sf {
 namespace {
-
-uint64_t seed_from_time() {
-  const uint64_t s = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
 
 model::ModelConfig tiny_config(model::Arch arch = model::Arch::kLlama) {
   model::ModelConfig c;
@@ -64,7 +59,7 @@ model::SparseConfig patterns_config(const model::ModelConfig& c,
 }
 
 TEST(Forward, ChunkSizeDoesNotChangeResults) {
-  const uint64_t seed = seed_from_time();
+  const uint64_t seed = testing::fresh_seed();
   for (auto arch : {model::Arch::kLlama, model::Arch::kQwen2}) {
     auto m = model::Model::synthetic(tiny_config(arch), seed);
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
@@ -82,7 +77,7 @@ TEST(Forward, ChunkSizeDoesNotChangeResults) {
 }
 
 TEST(Forward, ExtendEqualsFullPrefill) {
-  const uint64_t seed = seed_from_time();
+  const uint64_t seed = testing::fresh_seed();
   auto m = model::Model::synthetic(tiny_config(), seed);
   ASSERT_TRUE(m.is_ok());
   const auto toks = random_tokens(150, 101, seed + 2);
@@ -123,8 +118,7 @@ TEST(Forward, ExtendEqualsFullPrefill) {
 // covers the selected keys only). Layer 1's group 1 mixes a dense head in, so it keeps the LSE
 // pass; PrefillResult::importance_reused_groups shows which path each run took.
 TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();
   const model::ModelConfig c = tiny_config();
   auto m = model::Model::synthetic(c, seed);
   ASSERT_TRUE(m.is_ok());
@@ -184,8 +178,7 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
 // every group's scores then sum to (query heads a group) x 32, from either source, so adakv's
 // shared budget and tiering's max over KV heads compare like with like.
 TEST(Forward, ImportanceFromEstimatorIsOnTheWindowScale) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();
   const model::ModelConfig c = tiny_config();
   auto m = model::Model::synthetic(c, seed);
   ASSERT_TRUE(m.is_ok());
@@ -228,7 +221,7 @@ TEST(Forward, RejectsBadTokens) {
 // weights fed to Model::synthetic's forward via a second path: Q/K rows permuted to the GGUF
 // adjacent-pair layout must give the same logits as the rotate-half model.
 TEST(GgufLoader, LoadsTinyLlamaAndMatchesRotateHalfEquivalent) {
-  const uint64_t seed = seed_from_time();
+  const uint64_t seed = testing::fresh_seed();
   auto cfg = tiny_config();
   cfg.rope.neox = true;
   cfg.tied_embeddings = true;  // the GGUF below has no output.weight
@@ -287,7 +280,7 @@ TEST(GgufLoader, UnknownArchitectureIsRejectedByName) {
 // rotate with unscaled frequencies; "none", or a factor of 1, loads.
 TEST(GgufLoader, UnsupportedRopeScalingIsRefused) {
   const model::ModelConfig cfg = tiny_config();
-  auto m = model::Model::synthetic(cfg, seed_from_time());
+  auto m = model::Model::synthetic(cfg, testing::fresh_seed());
   ASSERT_TRUE(m.is_ok());
   struct Case {
     const char* type;
