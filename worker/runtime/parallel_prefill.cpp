@@ -450,6 +450,10 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       st.estimate_s += es.seconds;
       for (int j = 0; j < n_ar; ++j) sliced[size_t(j)] = std::move(est[size_t(j)]);
     }
+    if (opt.on_index && have_index)
+      for (int j = 0; j < n_ar; ++j)
+        if (aranges[size_t(j)].size() > 0)
+          opt.on_index(l, aranges[size_t(j)], int(hq0), sliced[size_t(j)]);
     const int64_t allgather_recv = int64_t(sizeof(float)) * (2 * S * kvw - 2 * n_loc * kvw);
     st.kv_allgather_bytes += allgather_recv;
     if (!selective) {

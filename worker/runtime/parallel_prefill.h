@@ -59,6 +59,11 @@ struct ParallelOptions {
   int importance_pool = 7;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
+  // With index_source or cp_estimate: called on every rank with each non-empty attention piece's
+  // index as the layer will use it (query heads [h0, h0 + index.n_heads) of this TP slice, the
+  // piece's rows, keys [0, piece.end)). Tests compare an estimated index with single-rank's.
+  std::function<void(int layer, const TokenRange& piece, int h0, const kernels::SparseIndex& index)>
+      on_index;
 };
 
 struct ParallelStats {
