@@ -13,27 +13,23 @@
 
 #include "common/checksum.h"
 #include "common/safetensors.h"
+#include "tests/common/test_seed.h"
 
 namespace sf {
 namespace {
 
 namespace fs = std::filesystem;
 
+// One seed a process (printed; SF_TEST_SEED replays it).
 uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("SF_TEST_SEED");
-    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::printf("test_safetensors seed: %llu (set SF_TEST_SEED to replay)\n",
-                static_cast<unsigned long long>(s));
-    return s;
-  }();
+  static const uint64_t seed = testing::fresh_seed();
   return seed;
 }
 
 class TempDir {
  public:
   TempDir() {
-    path_ = fs::path(testing::TempDir()) /
+    path_ = fs::path(::testing::TempDir()) /
             ("sf_st_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
     fs::create_directories(path_);
   }

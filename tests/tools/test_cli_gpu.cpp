@@ -36,6 +36,7 @@
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "tests/common/subprocess.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/device_model.h"
@@ -52,8 +53,7 @@ double reported_density(const std::string& log) {
 }
 
 TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("  seed=%llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();  // printed; SF_TEST_SEED replays it
   const fs::path dir = fs::temp_directory_path() / ("sf-cli-gpu-" + std::to_string(seed));
   fs::create_directories(dir);
   const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-cli");

@@ -30,6 +30,7 @@
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "tests/common/subprocess.h"
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
@@ -67,8 +68,7 @@ std::pair<double, double> kept_rows_err(const decode::HeadKv& a, const decode::H
 TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) GTEST_SKIP() << "needs a GPU";
-  const uint64_t seed = std::random_device{}();
-  std::printf("  seed=%llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();  // printed; SF_TEST_SEED replays it
   const fs::path dir = fs::temp_directory_path() / ("sf-worker-gpu-" + std::to_string(seed));
   fs::create_directories(dir);
   const std::string model = write_gguf((dir / "tiny.gguf").string(), seed);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/gguf.h"
@@ -26,14 +27,9 @@ namespace {
 
 namespace json = boost::json;
 
+// One seed a process (printed; SF_TEST_SEED replays it).
 uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("SF_TEST_SEED");
-    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::printf("test_tokenizer seed: %llu (set SF_TEST_SEED to replay)\n",
-                static_cast<unsigned long long>(s));
-    return s;
-  }();
+  static const uint64_t seed = testing::fresh_seed();
   return seed;
 }
 

@@ -11,6 +11,7 @@
 #include "worker/model/model.h"
 #include "worker/runtime/batch.h"
 #include "worker/runtime/batch_metrics.h"
+#include "tests/common/test_seed.h"
 #include "worker/runtime/cp_need.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
@@ -352,8 +353,7 @@ TEST(ParallelSelf, OneRankEqualsModelPrefill) {
   c.intermediate = 96;
   c.vocab = 101;
   c.max_context = 4096;
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::fresh_seed();  // printed; SF_TEST_SEED replays it
   auto m = model::Model::synthetic(c, seed);
   ASSERT_TRUE(m.is_ok());
   std::mt19937_64 rng(seed);
