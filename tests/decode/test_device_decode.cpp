@@ -631,7 +631,9 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
       int32_t t = pr.first_token;
       double worst = 0, worst_rel = 0;
       int same_top = 0, near_tie_swaps = 0;
-      const double logit_rel = 0.05;  // BF16: |gpu - cpu| per logit, against the row's RMS
+      // |gpu - cpu| per logit, against the row's RMS: BF16 weights; F32 (measured 3.4e-6 on
+      // H100 at a7beda3) within fp32 summation order, where a top-2 gap under twice it may swap.
+      const double logit_rel = wdt == DType::kBF16 ? 0.05 : 1e-4;
       for (int i = 0; i < n_new; ++i) {
         ASSERT_TRUE(cpu.step(t, &zc).is_ok());
         ASSERT_TRUE(dev->step(t, &zg).is_ok());
@@ -644,19 +646,18 @@ TEST_F(DeviceDecode, SessionDecodesWhatTheCpuSessionDecodes) {
         const int32_t a = int32_t(rc.cpu_top);
         if (rc.same_top()) {
           ++same_top;
-        } else if (wdt == DType::kBF16 && rc.within_rounding(logit_rel)) {
+        } else if (rc.within_rounding(logit_rel)) {
           ++near_tie_swaps;
         } else {
           ADD_FAILURE() << dtype_name(wdt) << " " << spec << " step " << i << ": gpu top-1 "
                         << rc.gpu_top << " != cpu " << a << ", cpu top-2 gap " << rc.top2_gap
-                        << (wdt == DType::kBF16 ? " >= " + std::to_string(rc.allowed_gap(logit_rel))
-                                                : "");
+                        << " >= " << rc.allowed_gap(logit_rel);
         }
         t = a;
       }
       const double bound = wdt == DType::kF32 ? 1e-3 : 1e-2;
       EXPECT_LT(worst, bound) << dtype_name(wdt) << " " << spec;
-      if (wdt == DType::kBF16) EXPECT_LE(worst_rel, logit_rel) << spec;
+      EXPECT_LE(worst_rel, logit_rel) << dtype_name(wdt) << " " << spec;
       const auto& sc = cpu.stats();
       const auto& sg = dev->stats();
       EXPECT_EQ(sg.blocks_total, sc.blocks_total) << spec;

@@ -211,9 +211,14 @@ void check_grid(bool f32, runtime::GridShape shape, const model::SparseConfig* s
       }
       std::printf("  leader logits nerr %.3g\n", num / den);
       EXPECT_LE(num / den, tol);
+      // Every logit is within tol x max|ref| of one GPU's, so the token picked must be within
+      // twice that of one GPU's top logit (the same token unless one GPU's top two are closer).
       const int32_t top =
           int32_t(std::max_element(ref.logits.begin(), ref.logits.end()) - ref.logits.begin());
-      EXPECT_EQ(res.value().first_token, top);
+      const int32_t ft = res.value().first_token;
+      ASSERT_TRUE(ft >= 0 && size_t(ft) < ref.logits.size()) << ft;
+      EXPECT_GE(double(ref.logits[size_t(ft)]), double(ref.logits[size_t(top)]) - 2 * tol * den)
+          << "first token " << ft << " against one GPU's " << top;
     }
     // Under a 64-token block a CP rank, every CP rank computes the prompt whole: no exchange.
     const bool whole = n_tokens < 2 * shape.cp * 64;
