@@ -200,6 +200,25 @@ double SparseIndex::density() const {
   return double(sum) / double(causal);
 }
 
+void sparse_index_copy_slot(const SparseIndex& from, size_t s, SparseIndex* to, size_t d) {
+  const int32_t nb = from.block_count[s], nc = from.column_count[s];
+  to->block_count[d] = nb;
+  to->column_count[d] = nc;
+  std::copy_n(from.block_offset.begin() + ptrdiff_t(s * size_t(from.max_blocks)), nb,
+              to->block_offset.begin() + ptrdiff_t(d * size_t(to->max_blocks)));
+  std::copy_n(from.column_index.begin() + ptrdiff_t(s * size_t(from.max_cols)), nc,
+              to->column_index.begin() + ptrdiff_t(d * size_t(to->max_cols)));
+}
+
+bool sparse_index_slot_equal(const SparseIndex& a, size_t s, const SparseIndex& b, size_t t) {
+  const int32_t nb = a.block_count[s], nc = a.column_count[s];
+  if (nb != b.block_count[t] || nc != b.column_count[t]) return false;
+  const auto ab = a.block_offset.begin() + ptrdiff_t(s * size_t(a.max_blocks));
+  const auto ac = a.column_index.begin() + ptrdiff_t(s * size_t(a.max_cols));
+  return std::equal(ab, ab + nb, b.block_offset.begin() + ptrdiff_t(t * size_t(b.max_blocks))) &&
+         std::equal(ac, ac + nc, b.column_index.begin() + ptrdiff_t(t * size_t(b.max_cols)));
+}
+
 SparseIndex sparse_index_make(int n_heads, int64_t n_q, int64_t n_k, int64_t q_offset,
                               int max_blocks, int max_cols) {
   SparseIndex idx;

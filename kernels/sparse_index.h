@@ -78,6 +78,12 @@ struct SparseIndex {
 SparseIndex sparse_index_make(int n_heads, int64_t n_q, int64_t n_k, int64_t q_offset,
                               int max_blocks, int max_cols);
 
+// Slot-level copies and comparisons between indices of different capacities (slot numbers
+// from SparseIndex::slot): a slot's counts and listed entries, not the unused capacity. The copy
+// needs `to`'s capacities to hold the slot's entries.
+void sparse_index_copy_slot(const SparseIndex& from, size_t s, SparseIndex* to, size_t d);
+bool sparse_index_slot_equal(const SparseIndex& a, size_t s, const SparseIndex& b, size_t t);
+
 // Checks every invariant above; names the head, query block and field that breaks it.
 Status sparse_index_validate(const SparseIndex& idx, int64_t sink);
 

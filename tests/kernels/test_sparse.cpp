@@ -188,6 +188,46 @@ TEST(SparseIndex, BuilderProperties) {
   }
 }
 
+// Slot copies between indices of other capacities keep a slot's keys; the comparison sees any
+// listed entry changed, added or dropped, and ignores unused capacity.
+TEST(SparseIndex, SlotCopyAndCompareAcrossCapacities) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int iter = 0; iter < 50; ++iter) {
+    const int64_t nq = uni(rng, 65, 300), nk = nq + uni(rng, 0, 200), q_off = nk - nq;
+    SparseIndex a = kernels::sparse_index_make(2, nq, nk, q_off, 8, 40);
+    for (int h = 0; h < 2; ++h)
+      for (int64_t qb = 0; qb < a.n_qblocks; ++qb)
+        kernels::sparse_index_build(&a, h, qb, random_candidates(rng, nk, 30, 6, 3), 16, 64);
+    // Heads swapped into an index with more capacity (its slack poisoned).
+    SparseIndex b = kernels::sparse_index_make(2, nq, nk, q_off, a.max_blocks + 3, a.max_cols + 5);
+    std::fill(b.block_offset.begin(), b.block_offset.end(), -7);
+    std::fill(b.column_index.begin(), b.column_index.end(), -7);
+    for (int h = 0; h < 2; ++h)
+      for (int64_t qb = 0; qb < a.n_qblocks; ++qb)
+        kernels::sparse_index_copy_slot(a, a.slot(h, qb), &b, b.slot(1 - h, qb));
+    for (int h = 0; h < 2; ++h)
+      for (int64_t qb = 0; qb < a.n_qblocks; ++qb) {
+        ASSERT_TRUE(kernels::sparse_index_slot_equal(a, a.slot(h, qb), b, b.slot(1 - h, qb)));
+        ASSERT_EQ(slot_keys(a, h, qb), slot_keys(b, 1 - h, qb));
+      }
+    // One entry moved, or one dropped, is a difference.
+    const int h = int(uni(rng, 0, 1));
+    const int64_t qb = uni(rng, 0, a.n_qblocks - 1);
+    const size_t sa = a.slot(h, qb), sb = b.slot(1 - h, qb);
+    SparseIndex c = b;
+    if (c.column_count[sb] > 0) {
+      c.column_index[sb * size_t(c.max_cols)] += 1;
+      EXPECT_FALSE(kernels::sparse_index_slot_equal(a, sa, c, sb));
+      c = b;
+      c.column_count[sb] -= 1;
+      EXPECT_FALSE(kernels::sparse_index_slot_equal(a, sa, c, sb));
+    }
+    c = b;
+    c.block_offset[sb * size_t(c.max_blocks)] += 1;  // every slot lists its local window
+    EXPECT_FALSE(kernels::sparse_index_slot_equal(a, sa, c, sb));
+  }
+}
+
 // The tail rule (sparse_index.h, step 4's option), from its definition: the candidates' ranges
 // (not their columns) merged into maximal intervals; an interval ending before kend whose tail
 // t = (e - a) % 64 is at least T gains the keys [e, at + 64) (at = its full entries' end) when

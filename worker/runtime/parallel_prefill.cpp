@@ -221,17 +221,8 @@ Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0,
       kernels::sparse_index_make(nh, r.size(), r.end, r.begin, gi.max_blocks, gi.max_cols);
   const int64_t qb0 = r.begin / B;
   for (int h = 0; h < nh; ++h)
-    for (int64_t qb = 0; qb < out.n_qblocks; ++qb) {
-      const size_t s = gi.slot(h0 + h, qb0 + qb), d = out.slot(h, qb);
-      out.block_count[d] = gi.block_count[s];
-      out.column_count[d] = gi.column_count[s];
-      std::copy_n(gi.block_offset.begin() + std::ptrdiff_t(s * size_t(gi.max_blocks)),
-                  gi.block_count[s],
-                  out.block_offset.begin() + std::ptrdiff_t(d * size_t(out.max_blocks)));
-      std::copy_n(gi.column_index.begin() + std::ptrdiff_t(s * size_t(gi.max_cols)),
-                  gi.column_count[s],
-                  out.column_index.begin() + std::ptrdiff_t(d * size_t(out.max_cols)));
-    }
+    for (int64_t qb = 0; qb < out.n_qblocks; ++qb)
+      kernels::sparse_index_copy_slot(gi, gi.slot(h0 + h, qb0 + qb), &out, out.slot(h, qb));
   return out;
 }
 

@@ -112,17 +112,9 @@ std::vector<kernels::SparseIndex> assemble_index(runtime::GridComms& g,
       if (p.layer != l) continue;
       const auto& x = p.index;
       for (int h = 0; h < x.n_heads; ++h)
-        for (int64_t qb = 0; qb < x.n_qblocks; ++qb) {
-          const size_t s = x.slot(h, qb), d = gi.slot(p.h0 + h, p.piece.begin / 64 + qb);
-          gi.block_count[d] = x.block_count[s];
-          gi.column_count[d] = x.column_count[s];
-          std::copy_n(x.block_offset.begin() + std::ptrdiff_t(s * size_t(x.max_blocks)),
-                      x.block_count[s],
-                      gi.block_offset.begin() + std::ptrdiff_t(d * size_t(gi.max_blocks)));
-          std::copy_n(x.column_index.begin() + std::ptrdiff_t(s * size_t(x.max_cols)),
-                      x.column_count[s],
-                      gi.column_index.begin() + std::ptrdiff_t(d * size_t(gi.max_cols)));
-        }
+        for (int64_t qb = 0; qb < x.n_qblocks; ++qb)
+          kernels::sparse_index_copy_slot(x, x.slot(h, qb), &gi,
+                                          gi.slot(p.h0 + h, p.piece.begin / 64 + qb));
     }
     for (auto* v : {&gi.block_count, &gi.column_count, &gi.block_offset, &gi.column_index}) {
       std::vector<int32_t> sum(v->size());
@@ -142,19 +134,9 @@ int64_t differing_slots(const kernels::SparseIndex& a, const kernels::SparseInde
   int64_t n = 0;
   for (int h = 0; h < a.n_heads; ++h) {
     bool head_differs = false;
-    for (int64_t qb = 0; qb < a.n_qblocks; ++qb) {
-      const size_t s = a.slot(h, qb);
-      bool same = a.block_count[s] == b.block_count[s] && a.column_count[s] == b.column_count[s];
-      same = same && std::equal(a.block_offset.begin() + std::ptrdiff_t(s * size_t(a.max_blocks)),
-                                a.block_offset.begin() +
-                                    std::ptrdiff_t(s * size_t(a.max_blocks) + size_t(a.block_count[s])),
-                                b.block_offset.begin() + std::ptrdiff_t(s * size_t(b.max_blocks)));
-      same = same && std::equal(a.column_index.begin() + std::ptrdiff_t(s * size_t(a.max_cols)),
-                                a.column_index.begin() +
-                                    std::ptrdiff_t(s * size_t(a.max_cols) + size_t(a.column_count[s])),
-                                b.column_index.begin() + std::ptrdiff_t(s * size_t(b.max_cols)));
-      if (!same) ++n, head_differs = true;
-    }
+    for (int64_t qb = 0; qb < a.n_qblocks; ++qb)
+      if (!kernels::sparse_index_slot_equal(a, a.slot(h, qb), b, b.slot(h, qb)))
+        ++n, head_differs = true;
     if (head_differs) heads->push_back(h);
   }
   return n;
