@@ -256,7 +256,7 @@ TEST(CommMpi, ReductionOnHalfIsRefused) {
 }
 
 // Rank 0 waits on a collective the others join 1.5 s after its 1 s deadline. Rank 0 must fail in
-// [1 s, 1 s + slack), name the collective and the ranks, abort, and then fail fast. The late
+// [1 s, 2 s), name the collective and the ranks, abort, and then fail fast. The late
 // ranks complete against rank 0's abandoned (staged) request, which never touches freed memory.
 TEST(CommMpi, DeadlineAbortsAndNamesTheCollective) {
   auto& w = test_world();
@@ -273,7 +273,9 @@ TEST(CommMpi, DeadlineAbortsAndNamesTheCollective) {
     std::printf("rank 0 deadline error after %.3f s: %s\n", waited, st.to_string().c_str());
     EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
     EXPECT_GE(waited, 1.0);
-    EXPECT_LT(waited, 1.5);  // the others arrive at 2.5 s: failing later means no deadline at all
+    // The others arrive at 2.5 s: failing that late means no deadline at all (the bound leaves a
+    // loaded CI machine a second of scheduling slack past the deadline).
+    EXPECT_LT(waited, 2.0);
     EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
     EXPECT_NE(st.message().find("'deadline-test'"), std::string::npos);
     EXPECT_NE(st.message().find("world 0-" + std::to_string(w.size() - 1)), std::string::npos);
@@ -281,7 +283,8 @@ TEST(CommMpi, DeadlineAbortsAndNamesTheCollective) {
     EXPECT_TRUE(c.aborted());
     const auto t1 = clock::now();
     const Status again = c.barrier();
-    EXPECT_LT(std::chrono::duration<double>(clock::now() - t1).count(), 0.05);
+    // Fails at once (a wait would take the 1 s deadline again).
+    EXPECT_LT(std::chrono::duration<double>(clock::now() - t1).count(), 0.25);
     EXPECT_EQ(again.code(), Code::kDeadlineExceeded);
     EXPECT_NE(again.message().find("aborted"), std::string::npos);
     buf.assign(buf.size(), -5.f);
