@@ -12,6 +12,7 @@
 #include "common/checksum.h"
 #include "common/safetensors.h"
 #include "kvstore/kv_export.h"
+#include "kvstore/position_runs.h"
 
 namespace sf::decode {
 namespace fs = std::filesystem;
@@ -197,10 +198,10 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     return SF_ERR(kUnsupported, "kv export: kv_dtype '" + out.kv_dtype +
                                     "' is not supported (f32, bf16, int8, int4)");
   const kvstore::KvEncoding enc = enc_r.value();
-  // Format 5 may add a low tier in a second, narrower encoding.
+  // Formats 5 and 6 may add a low tier in a second, narrower encoding.
   std::optional<kvstore::KvEncoding> enc_low;
   if (man.contains("kv_dtype_low")) {
-    if (version < 5) return corrupt(W, "kv_dtype_low needs format_version 5");
+    if (version < 5) return corrupt(W, "kv_dtype_low needs format_version 5 or later");
     SF_ASSIGN(out.kv_dtype_low, get_str(man, "kv_dtype_low", W));
     auto lo = kvstore::kv_encodings_parse(out.kv_dtype + "+" + out.kv_dtype_low);
     if (!lo.is_ok())
@@ -284,26 +285,37 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
       const json::value& hv = (*rheads)[size_t(hh)];
       if (!hv.is_object()) return corrupt("retention", "head entry is not an object");
       const std::string lh = "layer " + std::to_string(l) + " head " + std::to_string(hh);
-      // {"n": N, "ranges": [[begin, end), ...]}: ascending, disjoint, summing to n.
+      // {"n": N, "runs": "<base64>"} (format 6, kvstore/position_runs.h) or
+      // {"n": N, "ranges": [[begin, end), ...]} (3 to 5): ascending, disjoint, summing to n.
       // A head keeps at least one token; its low tier may be empty.
       auto read_ranges = [&](const json::object& o, const std::string& what,
                              std::vector<std::pair<int64_t, int64_t>>* rr) -> Result<int64_t> {
         SF_ASSIGN(int64_t n, get_int(o, "n", what));
         if (n < (what == "low" ? 0 : 1) || n > out.n_tokens)
           return corrupt("retention", what + " count out of range");
-        SF_ASSIGN(const json::array* ranges, get_arr(o, "ranges", what));
-        int64_t sum = 0, prev_end = 0;
-        for (const auto& rv : *ranges) {
-          if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
-              !rv.as_array()[1].is_int64())
-            return corrupt("retention", "a range is not [begin, end)");
-          const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
-          if (a < prev_end || b > out.n_tokens || a >= b)
-            return corrupt("retention", what + " ranges of " + lh + " are out of bounds or order");
-          rr->emplace_back(a, b);
-          sum += b - a;
-          prev_end = b;
+        if (version >= 6) {
+          SF_ASSIGN(std::string runs, get_str(o, "runs", what));
+          auto dr = kvstore::decode_position_runs(runs, out.n_tokens);
+          if (!dr.is_ok())
+            return corrupt("retention", what + " runs of " + lh + ": " + dr.status().message());
+          *rr = std::move(dr).value();
+        } else {
+          SF_ASSIGN(const json::array* ranges, get_arr(o, "ranges", what));
+          int64_t prev_end = 0;
+          for (const auto& rv : *ranges) {
+            if (!rv.is_array() || rv.as_array().size() != 2 || !rv.as_array()[0].is_int64() ||
+                !rv.as_array()[1].is_int64())
+              return corrupt("retention", "a range is not [begin, end)");
+            const int64_t a = rv.as_array()[0].as_int64(), b = rv.as_array()[1].as_int64();
+            if (a < prev_end || b > out.n_tokens || a >= b)
+              return corrupt("retention",
+                             what + " ranges of " + lh + " are out of bounds or order");
+            rr->emplace_back(a, b);
+            prev_end = b;
+          }
         }
+        int64_t sum = 0;
+        for (const auto& [a, b] : *rr) sum += b - a;
         if (sum != n)
           return corrupt("retention", what + " ranges of " + lh + " cover " + std::to_string(sum) +
                                           " positions, n says " + std::to_string(n));

@@ -11,6 +11,7 @@
 
 #include "common/checksum.h"
 #include "common/safetensors.h"
+#include "kvstore/position_runs.h"
 
 namespace sf::kvstore {
 namespace fs = std::filesystem;
@@ -59,17 +60,6 @@ HeadMeta block_meta(const float* keys, int64_t n, int d, const float* imp_row, c
 }
 
 // Half-open [a, b) runs of a sorted position list: compact for windows and sinks.
-boost::json::array to_ranges(const std::vector<int32_t>& pos) {
-  boost::json::array out;
-  for (size_t i = 0; i < pos.size();) {
-    size_t j = i + 1;
-    while (j < pos.size() && pos[j] == pos[j - 1] + 1) ++j;
-    out.push_back(boost::json::array{pos[i], pos[j - 1] + 1});
-    i = j;
-  }
-  return out;
-}
-
 Status check_retention(const KvExportSpec& spec, const Retention& r) {
   if (r.n_layers != spec.n_layers || r.n_kv_heads != spec.n_kv_heads || r.n_tokens != spec.n_tokens ||
       int64_t(r.kept.size()) != int64_t(spec.n_layers) * spec.n_kv_heads)
@@ -561,12 +551,12 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
       const auto& kept = ret ? ret->positions(l, h) : all_pos;
       boost::json::object hj;
       hj["n"] = int64_t(kept.size());
-      hj["ranges"] = to_ranges(kept);
+      hj["runs"] = encode_position_runs(position_runs(kept));
       if (n_tiers == 2) {
         const auto& lo = ret->low[size_t(l) * size_t(hkv) + size_t(h)];
         boost::json::object lj;
         lj["n"] = int64_t(lo.size());
-        lj["ranges"] = to_ranges(lo);
+        lj["runs"] = encode_position_runs(position_runs(lo));
         hj["low"] = std::move(lj);
       }
       heads_json.push_back(std::move(hj));
@@ -586,7 +576,7 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   if (!spec.rope_variant.empty()) model["rope_variant"] = spec.rope_variant;
   boost::json::object man;
   man["format"] = "sparsefill-kv";
-  man["format_version"] = n_tiers == 2 ? kKvFormatVersion : kKvFormatVersionOneTier;
+  man["format_version"] = kKvFormatVersion;
   man["model"] = std::move(model);
   man["compat_hash"] = compat_hash(spec);
   man["dtype"] = "F32";

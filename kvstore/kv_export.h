@@ -20,14 +20,16 @@
 
 namespace sf::kvstore {
 
+// 6: the retention's kept positions as one string a head (`runs`, kvstore/position_runs.h)
+// instead of a JSON array a run (`ranges`), which at a million scattered tokens a head could pass
+// the reader's manifest cap; written with or without a low tier;
 // 5: a second, narrower encoding for the retention's low tier (kv_dtype_low; exports without a
-// low tier are still written as 4);
+// low tier were written as 4);
 // 4: keys and values may be stored in another encoding than F32 (kv_dtype, kvstore/kv_quant.h);
 // 3: a layer may be split over several shard files, each holding some token runs of some KV
 // heads (the TP x CP ranks that computed them); 2: retention detail, per-head positions and
-// per-block metadata; 1: full retention only. Readers read 3, 4 and 5; 3's K/V are F32.
-constexpr int kKvFormatVersion = 5;
-constexpr int kKvFormatVersionOneTier = 4;  // what an export without a low tier is written as
+// per-block metadata; 1: full retention only. Readers read 3 to 6; 3's K/V are F32.
+constexpr int kKvFormatVersion = 6;
 // The version named inside compat_hash's string. It changes only when what a consumer must agree
 // on changes, not with the file format: version 4 added an encoding, which any reader of 4
 // decodes, so format 3 and 4 exports of one model share a hash.

@@ -14,6 +14,7 @@
 #include "common/safetensors.h"
 #include "decode/kv_client.h"
 #include "decode/paged_kv.h"
+#include "kvstore/position_runs.h"
 #include "tests/decode/decode_test_util.h"
 
 namespace sf {
@@ -97,6 +98,30 @@ class KvClient : public ::testing::Test {
   }
   static void write_manifest(const std::string& dir, const boost::json::value& v) {
     std::ofstream(dir + "/manifest.json") << boost::json::serialize(v);
+  }
+  // A head's (or its low tier's) positions as format 6 writes them, and back.
+  static std::vector<kvstore::PositionRun> runs_of(const boost::json::object& o) {
+    auto r = kvstore::decode_position_runs(std::string(o.at("runs").as_string()), kN);
+    EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+    return r.is_ok() ? std::move(r).value() : std::vector<kvstore::PositionRun>{};
+  }
+  static void set_runs(boost::json::object& o, std::vector<kvstore::PositionRun> runs) {
+    o["runs"] = kvstore::encode_position_runs(runs);
+  }
+  // A format 6 manifest rewritten as formats 3-5 kept positions (JSON [begin, end) arrays).
+  static void to_json_ranges(boost::json::value& v, int version) {
+    v.as_object()["format_version"] = version;
+    for (auto& lv : v.as_object()["retention"].as_object()["layers"].as_array())
+      for (auto& hv : lv.as_object()["heads"].as_array()) {
+        auto convert = [](boost::json::object& o) {
+          boost::json::array ranges;
+          for (const auto& [b, e] : runs_of(o)) ranges.push_back(boost::json::array{b, e});
+          o.erase("runs");
+          o["ranges"] = std::move(ranges);
+        };
+        convert(hv.as_object());
+        if (hv.as_object().contains("low")) convert(hv.as_object()["low"].as_object());
+      }
   }
   // Channel c of exported (rotate-half) key row vs the forward's adjacent-pair layout.
   float cache_key(int l, int t, int h, int c) const {
@@ -444,7 +469,7 @@ TEST_F(KvClient, TwoTierExportLoadsAsTheInProcessCache) {
     EXPECT_EQ(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt8, E::kInt4));
     EXPECT_LT(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt8));
     EXPECT_GT(e->kv_bytes, kvstore::kv_bytes(ret.value(), 16, E::kInt4));
-    EXPECT_EQ(read_manifest(dir).as_object().at("format_version").as_int64(), 5);
+    EXPECT_EQ(read_manifest(dir).as_object().at("format_version").as_int64(), 6);
     for (int l = 0; l < 2; ++l) {
       EXPECT_TRUE(fs::exists(dir + "/layer_00" + std::to_string(l) + ".low.safetensors"));
       for (int h = 0; h < 2; ++h) EXPECT_EQ(e->head(l, h).positions, ret->positions(l, h));
@@ -517,12 +542,13 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
     const std::string d = copy_of(good, "tiers-outside");
     auto v = read_manifest(d);
     auto& h0 = retention_head(v, 0, 0);
-    const auto kept = h0["ranges"].as_array();
+    const auto kept = runs_of(h0);
+    ASSERT_FALSE(kept.empty());
     // One low token just past the first kept range, where the head keeps nothing.
-    const int64_t end = kept[0].as_array()[1].as_int64();
+    const int64_t end = kept[0].second;
     boost::json::object outside;
     outside["n"] = 1;
-    outside["ranges"] = boost::json::array{boost::json::array{end, end + 1}};
+    set_runs(outside, {{end, end + 1}});
     h0["low"] = std::move(outside);
     write_manifest(d, v);
     expect_err(d, Code::kCorrupt, "not inside its kept ranges");
@@ -532,13 +558,50 @@ TEST_F(KvClient, TwoTierExportRejectsBadTiers) {
     const std::string d = copy_of(good, "tiers-all-low");
     auto v = read_manifest(d);
     auto& h0 = retention_head(v, 0, 0);
-    const boost::json::value n = h0.at("n"), ranges = h0.at("ranges");
+    const boost::json::value n = h0.at("n"), runs = h0.at("runs");
     boost::json::object all_low;
     all_low["n"] = n;
-    all_low["ranges"] = ranges;
+    all_low["runs"] = runs;
     h0["low"] = std::move(all_low);
     write_manifest(d, v);
     expect_err(d, Code::kCorrupt, "keeps no token");
+  }
+  // Formats 3-5 kept positions as JSON ranges: a format 5 rewrite of the same export loads with
+  // the same positions in both tiers.
+  {
+    const std::string d = copy_of(good, "tiers-v5");
+    auto v = read_manifest(d);
+    to_json_ranges(v, 5);
+    write_manifest(d, v);
+    auto a = decode::load_kv_export(good, hash_);
+    auto b = decode::load_kv_export(d, hash_);
+    ASSERT_TRUE(a.is_ok() && b.is_ok()) << b.status().to_string();
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < 2; ++h) {
+        EXPECT_EQ(b->head(l, h).positions, a->head(l, h).positions);
+        EXPECT_EQ(b->head(l, h).positions, ret->positions(l, h));
+      }
+    EXPECT_EQ(b->kv_bytes, a->kv_bytes);
+    // ... and a format 6 manifest with JSON ranges instead of runs is refused.
+    v.as_object()["format_version"] = 6;
+    write_manifest(d, v);
+    expect_err(d, Code::kCorrupt, "runs");
+  }
+  // Runs that are not base64, cut off inside a varint, or past the prompt.
+  int bad_i = 0;
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"AB*=", "is not base64"},
+           {"gA==", "cut off"},
+           {kvstore::encode_position_runs(std::vector<kvstore::PositionRun>{{kN - 1, kN + 1}}),
+            "ends past the prompt"}}) {
+    const std::string d = copy_of(good, "tiers-bad-runs-" + std::to_string(bad_i++));
+    auto v = read_manifest(d);
+    retention_head(v, 1, 0)["runs"] = bad;
+    write_manifest(d, v);
+    expect_err(d, Code::kCorrupt, "runs of layer 1 head 0: position runs: ");
+    auto r = decode::load_kv_export(d, hash_);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().to_string();
   }
   // A low tier's shard gone: never a partial load.
   {
@@ -587,7 +650,7 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
   {
     const std::string d = copy_of(good, "v3");
     auto v = read_manifest(d);
-    v.as_object()["format_version"] = 3;
+    to_json_ranges(v, 3);
     v.as_object().erase("kv_dtype");
     write_manifest(d, v);
     auto r = decode::load_kv_export(d, hash_);
@@ -671,8 +734,7 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
                      .as_array()[1]
                      .as_object()["heads"]
                      .as_array()[0];
-    head.as_object()["ranges"] =
-        boost::json::array{boost::json::array{0, kN - 2}, boost::json::array{kN - 1, kN}};
+    set_runs(head.as_object(), {{0, kN - 2}, {kN - 1, kN}});
     write_manifest(d, v);
     expect_err(d, hash_, Code::kCorrupt, "cover 299 positions, n says 300");
   }
@@ -688,7 +750,7 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
                      .as_array()[0]
                      .as_object()["heads"]
                      .as_array()[1];
-    head.as_object()["ranges"] = boost::json::array{boost::json::array{0, 100}};
+    set_runs(head.as_object(), {{0, 100}});
     write_manifest(d, v);
     expect_err(d, hash_, Code::kCorrupt,
                "positions.h1 differ from the manifest's retention ranges");

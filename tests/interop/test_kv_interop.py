@@ -13,8 +13,8 @@ Exit codes: 0 pass, 1 fail, 77 skip (prints "SKIP: <reason>"), 2 usage error.
 For each case (a ~500-token slice of data/long_document.txt, and a short ChatML prompt) it:
 
 1. writes the prompt file and runs `sparsefill prefill --model M --prompt-file F --export-kv DIR --force`;
-2. checks manifest.json (format "sparsefill-kv", format_version 4, dtype F32, kv_dtype f32 (the
-   default encoding), retention "full",
+2. checks manifest.json (format "sparsefill-kv", format_version 6, dtype F32, kv_dtype f32 (the
+   default encoding), retention "full" with every head's `runs` decoded here to [0, n_tokens),
    model geometry against the HF config, one shard per layer, shard sizes) and, when the `xxhash`
    package is importable, each shard's xxh64 (of the whole file, seed 0); without it only that check
    is skipped and the output says so;
@@ -47,6 +47,7 @@ layout, and (c) a shard modified without updating its xxh64 (when xxhash is pres
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -69,6 +70,23 @@ CHAT_TEXT = (
     "<|im_end|>\n<|im_start|>user\nWhat does the cill of a canal lock do, and why should boaters "
     "keep clear of it?<|im_end|>\n<|im_start|>assistant\n"
 )
+
+
+def decode_position_runs(text: str) -> list:
+    """A manifest head's `runs` (format 6): base64 of LEB128 varint pairs (gap, length)."""
+    data = base64.b64decode(text, validate=True)
+    vals, v, shift = [], 0, 0
+    for b in data:
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            vals.append(v)
+            v, shift = 0, 0
+    out, end = [], 0
+    for gap, length in zip(vals[0::2], vals[1::2]):
+        out.append((end + gap, end + gap + length))
+        end += gap + length
+    return out
 
 
 def skip(reason: str) -> None:
@@ -203,7 +221,7 @@ def check_manifest(man: dict, ref: Reference, export_dir: str, fails: Failures) 
         return cond
 
     expect(man.get("format") == "sparsefill-kv", f"manifest.format = {man.get('format')!r}")
-    expect(man.get("format_version") == 4, f"manifest.format_version = {man.get('format_version')!r}")
+    expect(man.get("format_version") == 6, f"manifest.format_version = {man.get('format_version')!r}")
     expect(man.get("kv_dtype") == "f32", f"manifest.kv_dtype = {man.get('kv_dtype')!r}, expected f32")
     expect(man.get("dtype") == "F32", f"manifest.dtype = {man.get('dtype')!r}, expected F32")
     expect(man.get("block_size") == 64, f"manifest.block_size = {man.get('block_size')!r}")
@@ -215,6 +233,16 @@ def check_manifest(man: dict, ref: Reference, export_dir: str, fails: Failures) 
            f"manifest.retention.policy = {ret.get('policy')!r}; this test needs the full cache")
     ids = man.get("token_ids")
     n = man.get("n_tokens")
+    # Format 6 keeps each head's positions as base64 LEB128 varints (gap from the previous run's
+    # end, then length); under full retention every head keeps [0, n_tokens) as one run.
+    layers = ret.get("layers") or []
+    expect(len(layers) == ref.n_layers, f"manifest.retention.layers has {len(layers)} entries")
+    for lj in layers:
+        for hi, hj in enumerate(lj.get("heads") or []):
+            runs = decode_position_runs(hj.get("runs", ""))
+            expect(runs == [(0, n)] and hj.get("n") == n,
+                   f"retention layer {lj.get('layer')} head {hi}: runs {runs[:3]}, n {hj.get('n')}, "
+                   f"expected [(0, {n})]")
     if not expect(isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids),
                   "manifest.token_ids missing or not a list of ints"):
         return []

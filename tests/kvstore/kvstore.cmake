@@ -10,3 +10,5 @@ sf_add_test(test_prefix_cache_model SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_prefi
             LABELS quality LIBS sf_kvstore TIMEOUT 300)
 sf_add_test(test_tiered_kv SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_tiered_kv.cpp LABELS unit
             LIBS sf_kvstore TIMEOUT 120)
+sf_add_test(test_position_runs SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_position_runs.cpp LABELS unit
+            LIBS sf_kvstore TIMEOUT 60)

@@ -340,7 +340,7 @@ PY
     [ -f "$tmp/out_s/doc/layer_029.r0.safetensors" ] && [ -f "$tmp/out_s/doc/layer_029.r1.safetensors" ] \
       || fail "want a layer-29 shard from each rank"
     [ ! -e "$tmp/out_s/doc/layer_029.safetensors" ] || fail "a whole-layer shard in a sharded export"
-    grep -q '"format_version":4' "$tmp/out_s/doc/manifest.json" || fail "manifest is not format 4"
+    grep -q '"format_version":6' "$tmp/out_s/doc/manifest.json" || fail "manifest is not format 6"
     grep -Eq '"tokens":\[\[0,128\],\[384,5[0-9]{2}\]\],"kv_heads":\[0,3\]' "$tmp/out_s/doc/manifest.json" \
       || fail "rank 0's shard entry does not name its zigzag chunks"
     grep -q '"export": "sharded"' "$tmp/out_s/doc.json" || fail "summary does not say sharded"
@@ -416,7 +416,7 @@ PY
       run "$np" --model default "$@" --retention adakv:budget=256,high=96 --kv-dtype int8+int4 --batch "$tmp/one.jsonl" --out "$tmp/tier_$tag"
       [ "$rc" -eq 0 ] || fail "two tiers ($grid): exit $rc"
       m="$tmp/tier_$tag/doc/manifest.json"
-      grep -q '"format_version":5' "$m" && grep -q '"kv_dtype_low":"int4"' "$m" || fail "two tiers ($grid): manifest"
+      grep -q '"format_version":6' "$m" && grep -q '"kv_dtype_low":"int4"' "$m" || fail "two tiers ($grid): manifest"
       ls "$tmp/tier_$tag/doc" | grep -q '^layer_029.*\.low\.safetensors$' || fail "two tiers ($grid): no low-tier shard"
       grep -q '"kv_dtype": "int8+int4"' "$tmp/tier_$tag/doc.json" || fail "two tiers ($grid): summary"
       "$decoder" --model default --kv "$tmp/tier_$tag/doc" --tokens 12 >"$tmp/dec_tier_$tag" 2>&1 || { cat "$tmp/dec_tier_$tag"; fail "decode of two tiers ($grid)"; }

@@ -36,7 +36,8 @@ rm -rf "$CORPUS/seeds"
 "$PY" "$ROOT/tools/fuzz/make_seeds.py" "$CORPUS/seeds"
 # The KV manifest seed is a committed file (a valid manifest for the target's expected hash).
 mkdir -p "$CORPUS/seeds/kv_manifest"
-cp "$ROOT/tests/fuzz/kv_manifest_seed.json" "$ROOT/tests/fuzz/kv_manifest_seed_v5.json" "$CORPUS/seeds/kv_manifest/"
+cp "$ROOT/tests/fuzz/kv_manifest_seed.json" "$ROOT/tests/fuzz/kv_manifest_seed_v5.json" \
+  "$ROOT/tests/fuzz/kv_manifest_seed_v6.json" "$CORPUS/seeds/kv_manifest/"
 # The moa retention config's seed is the shipped config.
 mkdir -p "$CORPUS/seeds/moa_config"
 cp "$ROOT/configs/smollm2-135m-instruct-moa.json" "$CORPUS/seeds/moa_config/"
