@@ -235,7 +235,7 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
   if (flipped) {
     const double frac = double(n_diff) / double(n_slots);
     if (g.leader())
-        std::printf("tp %d cp %d group %d: the estimated index differs from single-rank's in %lld of "
+      std::printf("tp %d cp %d group %d: the estimated index differs from single-rank's in %lld of "
                   "%lld slots (%.4f; density %.6f against %.6f):%s\n",
                   shape.tp, shape.cp, g.group, static_cast<long long>(n_diff),
                   static_cast<long long>(n_slots), frac, alt->stats.group_density, ref->density,
