@@ -138,4 +138,10 @@ bool path_within(const std::string& inner, const std::string& outer) {
   return true;
 }
 
+std::string host_name() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return {};
+  return host;
+}
+
 }  // namespace sf

@@ -26,6 +26,10 @@ namespace sf {
 // and the nearest existing ancestor of its parent is a writable directory.
 [[nodiscard]] Status check_output_dir(const std::string& dir, const std::string& what);
 
+// This machine's host name (empty if it cannot be read): temporary and lock names carry it so a
+// later job can tell its own host's leftovers.
+std::string host_name();
+
 // True when `inner` is `outer` or lies under it, symbolic links and trailing separators
 // resolved (paths that do not exist yet compare by their existing prefix).
 bool path_within(const std::string& inner, const std::string& outer);

@@ -9,26 +9,7 @@
 namespace sf {
 namespace {
 
-// Label names: no ':' (metric names only), and '__' is reserved for Prometheus itself.
-bool valid_label(const std::string& n) {
-  return !n.empty() && n.find(':') == std::string::npos && n.rfind("__", 0) != 0 &&
-         (n[0] < '0' || n[0] > '9') &&
-         std::all_of(n.begin(), n.end(), [](char c) {
-           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-         });
-}
-
-// HELP text escapes '\' and newlines (exposition format 0.0.4).
-std::string escape_help(const std::string& h) {
-  std::string s;
-  for (char c : h) {
-    if (c == '\\') s += "\\\\";
-    else if (c == '\n') s += "\\n";
-    else s += c;
-  }
-  return s;
-}
-
+// Metric names: [a-zA-Z_:][a-zA-Z0-9_:]*.
 bool valid_name(const std::string& n) {
   if (n.empty()) return false;
   for (size_t i = 0; i < n.size(); ++i) {
@@ -39,21 +20,29 @@ bool valid_name(const std::string& n) {
   return true;
 }
 
+// Label names: a metric name without ':' (metric names only); '__' is reserved for Prometheus.
+bool valid_label(const std::string& n) {
+  return valid_name(n) && n.find(':') == std::string::npos && n.rfind("__", 0) != 0;
+}
+
+// Exposition format 0.0.4 escapes '\' and newlines, and in label values '"' too.
+std::string escape(const std::string& text, bool quote) {
+  std::string s;
+  for (char c : text) {
+    if (c == '\\') s += "\\\\";
+    else if (c == '\n') s += "\\n";
+    else if (quote && c == '"') s += "\\\"";
+    else s += c;
+  }
+  return s;
+}
+
 std::string render_labels(const MetricLabels& labels) {
   if (labels.empty()) return "";
   std::string s = "{";
   for (size_t i = 0; i < labels.size(); ++i) {
     if (i) s += ",";
-    s += labels[i].first + "=\"";
-    for (char c : labels[i].second) {
-      if (c == '\\' || c == '"') s += '\\';
-      if (c == '\n') {
-        s += "\\n";
-        continue;
-      }
-      s += c;
-    }
-    s += "\"";
+    s += labels[i].first + "=\"" + escape(labels[i].second, true) + "\"";
   }
   return s + "}";
 }
@@ -187,7 +176,7 @@ std::string MetricsRegistry::render() const {
   std::lock_guard<std::mutex> g(mu_);
   std::string out;
   for (const auto& [name, f] : fam_) {
-    out += "# HELP " + name + " " + escape_help(f.help) + "\n";
+    out += "# HELP " + name + " " + escape(f.help, false) + "\n";
     out += "# TYPE " + name +
            (f.kind == MetricKind::kCounter     ? " counter\n"
             : f.kind == MetricKind::kHistogram ? " histogram\n"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/checksum.h"
+#include "common/file_io.h"
 #include "common/safetensors.h"
 #include "kvstore/position_runs.h"
 
@@ -287,12 +288,9 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
   SF_TRY(export_dir_check(dir, force));
   SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
-  // DIR.partial-HOST-PID: a later job can tell a dead process's leftover on its own host
-  // (sparsefill-worker removes those under its output lock).
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const fs::path tmp = out.parent_path() / (out.filename().string() + ".partial-" + host + "-" +
-                                            std::to_string(::getpid()));
+  const fs::path tmp =
+      out.parent_path() / (out.filename().string() + std::string(kExportPartialTag) +
+                           host_name() + "-" + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   if (!fs::create_directories(tmp, ec) || ec)
     return SF_ERR(kIo, "cannot create the export '" + dir + "' (its temporary directory '" +

@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -111,7 +112,10 @@ KvShardPart whole_part(const KvExportSpec& spec);
 // manifest.json. Cheap: callers check before a prefill, begin_export checks again.
 Status export_dir_check(const std::string& dir, bool force);
 // The temporary directory an export is built in (beside dir; created, emptied first) and its
-// final move into place, which replaces an earlier export there.
+// final move into place, which replaces an earlier export there. Its name is dir's +
+// kExportPartialTag + HOST-PID, so a later job can tell a dead process's leftover on its own host
+// (sparsefill-worker removes those under its output lock: runtime::stale_partial).
+inline constexpr std::string_view kExportPartialTag = ".partial-";
 Result<std::string> begin_export(const std::string& dir, bool force);
 Status finish_export(const std::string& tmp, const std::string& dir);
 

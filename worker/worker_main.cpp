@@ -391,8 +391,10 @@ int run(int argc, char** argv) {
   // - Rank 0 creates --out and holds its lock until the job ends (a filesystem without flock:
   //   no lock, said once). Under the lock, what a killed earlier job left half written goes: a
   //   1M-token export left by a preempted job is hundreds of gigabytes.
-  // - Each leader removes an earlier job's metrics files on its host (perhaps for another group
-  //   count); the agreement below comes before any leader writes its own.
+  // - Then, once every rank knows the lock is this job's (a second job stopped at it must not
+  //   touch the running one's files), each leader checks its metrics file and removes an earlier
+  //   job's on its host (perhaps for another group count); the second agreement comes before any
+  //   leader writes its own.
   int out_lock_fd = -1;
   {
     Status mine = Status::ok();
@@ -418,13 +420,16 @@ int run(int argc, char** argv) {
           mine = removed.status();
       }
     }
-    if (mine.is_ok() && !o.metrics_file.empty() && world->rank() % shape.group_size() == 0) {
+    Status all = agree(*world, mine);
+    if (world->aborted()) fatal(world->abort_status());
+    if (!all.is_ok()) return finish(2, all.message(), false);
+    if (!o.metrics_file.empty() && world->rank() % shape.group_size() == 0) {
       const std::string mine_path = runtime::BatchMetrics::group_path(
           o.metrics_file, world->rank() / shape.group_size(), n_groups);
       mine = check_output_file(mine_path, "--metrics-file");
       if (mine.is_ok()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
     }
-    const Status all = agree(*world, mine);
+    all = agree(*world, mine);
     if (world->aborted()) fatal(world->abort_status());
     if (!all.is_ok()) return finish(2, all.message(), false);
   }

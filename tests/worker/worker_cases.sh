@@ -134,13 +134,16 @@ case "$case_name" in
     [ -d "$tmp/out/live.partial-elsewhere-78" ] && [ -f "$tmp/out/doc.tmp.v1/manifest.json" ] &&
       [ -f "$tmp/out/notes.tmp" ] || fail "something not stale was removed: $(ls "$tmp/out")"
     grep -q "removed 3 stale partial output(s) of an earlier job" "$tmp/stdout" || fail "no line for the stale partials"
-    # One job a directory: while another holds --out's lock, a second job stops at start.
+    # One job a directory: while another holds --out's lock, a second job stops at start, and
+    # none of its group leaders removes the running job's metrics files (the lock is agreed on
+    # before any leader touches them).
     rm -f "$tmp/held"
     ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; touch "$tmp/held"; exec sleep 30 ) &
     holder=$!  # the sleep itself, holding the lock's descriptor: killing it releases the lock
     for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
-    run 2 --model default --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    [ -f "$m0" ] && [ -f "$m1" ] || fail "locked: the second job removed the first one's metrics files"
     [ "$rc" -eq 2 ] || fail "locked: exit $rc, want 2"
     [ "$(errors | wc -l)" -eq 1 ] || fail "locked: want one error line"
     errors | grep -q "^error: --out '.*/out' is in use by another sparsefill-worker job" || fail "locked: message"

@@ -669,6 +669,12 @@ int cmd_bench_attention(int argc, char** argv) {
     if (mainloops.empty()) return fail(SF_ERR(kInvalidArgument, "--mainloops: empty"));
   }
 
+  // Length L's planted inputs, drawn alike by --dump-inputs and the timed run, and the planted
+  // parameters as the dumped files and the SDPA peer's records name them.
+  auto planted_inputs = [&](int64_t L) { return make_inputs(shape, L, seed + uint64_t(L), planted); };
+  const std::string rope_base_s = sformat("%.17g", planted.rope_base),
+                    diag_logit_s = sformat("%.17g", planted.diag_logit);
+
   // --dump-inputs PREFIX: each length's planted q, k, v (the exact tensors this command times
   // with the same --seed) as BF16 safetensors [L, heads, d] in PREFIX-<L>.safetensors, and
   // nothing else: the SDPA peer then times torch on the same data (bench/gpu/sdpa_peer.py
@@ -685,7 +691,7 @@ int cmd_bench_attention(int argc, char** argv) {
     for (const int64_t L : all) {
       const std::string path = a.get("dump-inputs") + "-" + std::to_string(L) + ".safetensors";
       if (Status st = check_output_file(path, "--dump-inputs"); !st.is_ok()) return fail(st);
-      const Inputs in = make_inputs(shape, L, seed + uint64_t(L), planted);
+      const Inputs in = planted_inputs(L);
       auto to_bf16 = [](const std::vector<float>& x) {
         std::vector<uint16_t> h(x.size());
         for (size_t i = 0; i < x.size(); ++i) h[i] = f32_to_bf16(x[i]);
@@ -698,8 +704,8 @@ int cmd_bench_attention(int argc, char** argv) {
       w.add("v", DType::kBF16, {L, shape.kv_heads, shape.d}, v.data(), v.size() * 2);
       w.set_metadata("inputs", "planted (sparsefill bench attention)");
       w.set_metadata("seed", std::to_string(seed));
-      w.set_metadata("rope_base", sformat("%.17g", planted.rope_base));
-      w.set_metadata("diag_logit", sformat("%.17g", planted.diag_logit));
+      w.set_metadata("rope_base", rope_base_s);
+      w.set_metadata("diag_logit", diag_logit_s);
       auto wr = w.write(path);
       if (!wr.is_ok()) return fail(wr.status());
       std::printf("planted inputs of L=%lld (seed %llu): %s (q [%lld, %lld, %lld], k and v [%lld, %lld, %lld], BF16)\n",
@@ -719,8 +725,8 @@ int cmd_bench_attention(int argc, char** argv) {
     if (ec) return fail(SF_ERR(kInvalidArgument, "--sdpa: not JSON: " + ec.message()));
     if (!file_in && a.has("seed")) {
       peer.seed = std::to_string(seed);
-      peer.rope_base = sformat("%.17g", planted.rope_base);
-      peer.diag_logit = sformat("%.17g", planted.diag_logit);
+      peer.rope_base = rope_base_s;
+      peer.diag_logit = diag_logit_s;
     }
   }
 
@@ -864,8 +870,7 @@ int cmd_bench_attention(int argc, char** argv) {
     const bool run_dense = std::count(dense_lengths.begin(), dense_lengths.end(), L) > 0;
     const bool run_sparse = std::count(sparse_lengths.begin(), sparse_lengths.end(), L) > 0;
     const double t_gen = now_s();
-    const Inputs in = file_in ? prefix_of(*file_in, shape, L)
-                              : make_inputs(shape, L, seed + uint64_t(L), planted);
+    const Inputs in = file_in ? prefix_of(*file_in, shape, L) : planted_inputs(L);
     if (file_in)
       std::printf("L=%lld: the first %lld rows of %s\n", static_cast<long long>(L), static_cast<long long>(L),
                   file_in->path.c_str());

@@ -15,6 +15,9 @@
 #include <functional>
 #include <set>
 
+#include "common/file_io.h"
+#include "kvstore/kv_export.h"
+
 namespace sf::runtime {
 namespace json = boost::json;
 
@@ -36,7 +39,7 @@ Status validate_request_id(const std::string& id) {
     const size_t n = std::strlen(s);
     return id.size() >= n && id.compare(id.size() - n, n, s) == 0;
   };
-  if (ends_with(".json") || ends_with(".tmp") || id.find(".partial-") != std::string::npos)
+  if (ends_with(".json") || ends_with(".tmp") || id.find(kvstore::kExportPartialTag) != std::string::npos)
     return SF_ERR(kInvalidArgument,
                   "field 'id' must not end in .json or .tmp or hold .partial- (the worker's own "
                   "files beside each output directory are named so)");
@@ -188,9 +191,7 @@ Result<int> lock_output_dir(const std::string& out_dir) {
     if (err == ENOSYS || err == EOPNOTSUPP || err == ENOLCK) return -1;
     return SF_ERR(kIo, "cannot lock '" + path + "': " + std::strerror(err));
   }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const std::string who = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+  const std::string who = "pid " + std::to_string(::getpid()) + " on " + host_name() + "\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, who.data(), who.size(), 0) != ssize_t(who.size()) ||
       ::fsync(fd) != 0) {
     // The lock holds either way; only the holder's name in a second job's message is lost.
@@ -224,7 +225,8 @@ double idle_seconds(const fs::path& p) {
 }  // namespace
 
 bool stale_partial(const std::string& name, bool is_dir, const std::string& host,
-                   double idle_s, const std::function<bool(long)>& pid_alive) {
+                   const std::function<double()>& idle_s,
+                   const std::function<bool(long)>& pid_alive) {
   // Summaries' temporaries: files <id>.json.tmp (earlier versions) or <id>.json.tmp.<6 random>
   // (write_file_atomic), renamed within milliseconds of their creation by a live writer.
   if (!is_dir) {
@@ -232,25 +234,24 @@ bool stale_partial(const std::string& name, bool is_dir, const std::string& host
     if (t == std::string::npos || t == 0) return false;
     const std::string rest = name.substr(t + 9);
     const bool tmp = rest.empty() || (rest.size() == 7 && rest[0] == '.' && all_alnum(rest.substr(1)));
-    return tmp && idle_s > kStaleTmpSeconds;
+    return tmp && idle_s() > kStaleTmpSeconds;
   }
   // Exports' temporaries: directories <id>.partial-HOST-PID (or <id>.partial-PID, earlier
   // versions). One of this host whose process is gone is stale now; any other once it has been
   // idle for kStalePartialSeconds (another host's job, or a flock that locks per host only).
-  const size_t p = name.rfind(".partial-");
+  const size_t p = name.rfind(kvstore::kExportPartialTag);
   if (p == std::string::npos || p == 0) return false;
-  const std::string tag = name.substr(p + 9);
+  const std::string tag = name.substr(p + kvstore::kExportPartialTag.size());
   const size_t dash = tag.rfind('-');
   const std::string pid = dash == std::string::npos ? tag : tag.substr(dash + 1);
   if (!all_digits(pid) || pid.size() > 9) return false;
   const std::string h = dash == std::string::npos ? std::string() : tag.substr(0, dash);
   if (!h.empty() && h == host && !pid_alive(std::stol(pid))) return true;
-  return idle_s > kStalePartialSeconds;
+  return idle_s() > kStalePartialSeconds;
 }
 
 Result<int64_t> remove_stale_partials(const std::string& out_dir) {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
+  const std::string host = host_name();
   const auto alive = [](long pid) { return ::kill(pid_t(pid), 0) == 0 || errno != ESRCH; };
   std::error_code ec;
   int64_t n = 0;
@@ -260,8 +261,10 @@ Result<int64_t> remove_stale_partials(const std::string& out_dir) {
     const bool dir = it->is_directory(e2) && !it->is_symlink(e2);
     const bool file = it->is_regular_file(e2) && !it->is_symlink(e2);
     if (!dir && !file) continue;
-    if (stale_partial(it->path().filename().string(), dir, host, idle_seconds(it->path()), alive))
-      stale.push_back(it->path());
+    const fs::path path = it->path();
+    if (stale_partial(path.filename().string(), dir, host, [&] { return idle_seconds(path); },
+                      alive))
+      stale.push_back(path);
   }
   if (ec) return SF_ERR(kIo, "cannot list '" + out_dir + "': " + ec.message());
   for (const auto& p : stale) {

@@ -80,8 +80,14 @@ Result<int> lock_output_dir(const std::string& out_dir);
 // gone, or of any host once idle for kStalePartialSeconds. Nothing else (a finished export, a
 // user's file) ever matches.
 inline constexpr double kStaleTmpSeconds = 600, kStalePartialSeconds = 3600;
-bool stale_partial(const std::string& name, bool is_dir, const std::string& host, double idle_s,
+// idle_s is asked only of a name that matches, so a directory of finished exports is not walked.
+bool stale_partial(const std::string& name, bool is_dir, const std::string& host,
+                   const std::function<double()>& idle_s,
                    const std::function<bool(long)>& pid_alive);
+inline bool stale_partial(const std::string& name, bool is_dir, const std::string& host,
+                          double idle_s, const std::function<bool(long)>& pid_alive) {
+  return stale_partial(name, is_dir, host, [idle_s] { return idle_s; }, pid_alive);
+}
 // Under the lock: removes the stale entries of DIR and returns how many went.
 Result<int64_t> remove_stale_partials(const std::string& out_dir);
 
