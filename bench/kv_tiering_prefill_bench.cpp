@@ -7,10 +7,14 @@
 //           the host thread, cold device blocks swapped for hot host ones on the pool's stream;
 //   hostkv: plain + keep_kv (the forward's own D2H copy of every layer): the copy-out this
 //           path replaces, for scale.
+// With host_frac < 1 the host tier holds that share of the KV's blocks (at least two layers'
+// landings plus one) and a disk tier in disk_dir takes the rest: the tiered run then includes
+// the background drain to disk, waited for before its time is taken.
 // One JSON line: times (best of reps), the tiered run's overhead over plain, the bytes it wrote
 // off the device, the pool's tier counts, the host time place() took, and whether the pool read
 // back equals the hostkv run's KV bit for bit (layer 0 and the last layer).
 //   sf_bench_kv_tiering_prefill [tokens=32768] [layers=8] [device_frac=0.25] [reps=3]
+//                               [host_frac=1] [disk_dir]
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,8 +36,13 @@ int main(int argc, char** argv) {
   const int layers = argc > 2 ? std::atoi(argv[2]) : 8;
   const double frac = argc > 3 ? std::atof(argv[3]) : 0.25;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 3;
-  if (S < 128 || layers < 1 || !(frac > 0 && frac < 1) || reps < 1) {
-    std::fprintf(stderr, "usage: %s [tokens>=128] [layers>=1] [device_frac in (0,1)] [reps>=1]\n",
+  const double host_frac = argc > 5 ? std::atof(argv[5]) : 1.0;
+  const std::string disk_dir = argc > 6 ? argv[6] : "";
+  if (S < 128 || layers < 1 || !(frac > 0 && frac < 1) || reps < 1 ||
+      !(host_frac > 0 && host_frac <= 1) || (host_frac < 1) != !disk_dir.empty()) {
+    std::fprintf(stderr,
+                 "usage: %s [tokens>=128] [layers>=1] [device_frac in (0,1)] [reps>=1] "
+                 "[host_frac in (0,1] [disk_dir, with host_frac < 1 only]]\n",
                  argv[0]);
     return 2;
   }
@@ -55,17 +64,26 @@ int main(int argc, char** argv) {
   const int64_t dev_blocks = std::max<int64_t>(int64_t(double(layers * nb) * frac), layers);
   pc.device_bytes = dev_blocks * bb;
   pc.host_bytes = int64_t(layers) * nb * bb;
+  if (host_frac < 1) {
+    // Never below what the drain needs in flight: two layers' landings and a swap block.
+    const int64_t landing = nb - dev_blocks / layers;
+    pc.host_bytes = std::max<int64_t>(int64_t(host_frac * double(layers * nb)), 2 * landing + 1) * bb;
+    pc.disk_bytes = int64_t(layers) * nb * bb;
+    pc.disk_dir = disk_dir;
+  }
   auto pool = kvstore::BlockPool::create(pc);
   if (!pool.is_ok()) return fail("pool", pool.status());
   kvstore::TieredKvConfig tc{layers, c.n_kv_heads, c.head_dim};
   tc.fast = kvstore::Tier::kDevice;
   auto tk = kvstore::TieredKv::create(pool->get(), tc);
   if (!tk.is_ok()) return fail("tiered kv", tk.status());
+  if (Status st = (*tk)->check_device_room(S); !st.is_ok()) return fail("room", st);
   // The sink, with place() timed (the host thread's part).
   double place_s = 0;
   model::DeviceLayerKvSink inner = (*tk)->device_sink();
   model::DeviceLayerKvSink sink;
   sink.enqueue = inner.enqueue;
+  sink.max_inflight = inner.max_inflight;
   sink.place = [&](int l, std::span<const float> imp) {
     const double t0 = now_s();
     Status st = inner.place(l, imp);
@@ -100,6 +118,7 @@ int main(int argc, char** argv) {
     t0 = now_s();
     auto b = p_tiered->run(tokens);
     if (!b.is_ok()) return fail("tiered run", b.status());
+    if (Status st = (*tk)->wait_drained(); !st.is_ok()) return fail("drain", st);
     const double tb = now_s() - t0;
     t0 = now_s();
     auto h = p_hostkv->run(tokens);
@@ -128,6 +147,7 @@ int main(int argc, char** argv) {
   }
   const kvstore::TierStats d = (*pool)->stats(kvstore::Tier::kDevice);
   const kvstore::TierStats h = (*pool)->stats(kvstore::Tier::kHost);
+  const kvstore::TierStats k = (*pool)->stats(kvstore::Tier::kDisk);
   const int64_t runs = reps + 1;  // every run placed its layers again
   const double kv_bytes = double(layers) * double(nb) * double(bb);
   std::printf(
@@ -137,6 +157,8 @@ int main(int argc, char** argv) {
       "\"plain_prefill_s\": %.4f, \"tiered_prefill_s\": %.4f, \"hostkv_prefill_s\": %.4f, "
       "\"tiered_over_plain\": %.4f, \"hostkv_over_plain\": %.4f, \"place_host_s\": %.4f, "
       "\"device_blocks\": %lld, \"host_blocks\": %lld, \"swapped_per_run\": %.1f, "
+      "\"host_budget_blocks\": %lld, \"host_keep_per_layer\": %lld, \"disk_blocks\": %lld, "
+      "\"to_disk_per_run\": %.1f, \"to_disk_GBps\": %.2f, "
       "\"written_off_device_GBps\": %.2f, \"byte_exact\": %s}\n",
       dm->device_name().c_str(), sf::bench::source_commit().c_str(),
       sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
@@ -144,8 +166,13 @@ int main(int argc, char** argv) {
       static_cast<long long>(int64_t(layers) * nb), t_plain, t_tiered, t_hostkv,
       t_tiered / t_plain, t_hostkv / t_plain, place_best, static_cast<long long>(d.blocks),
       static_cast<long long>(h.blocks), double(d.demoted_out) / double(runs),
+      static_cast<long long>(h.capacity_bytes / bb),
+      static_cast<long long>(host_frac < 1 ? (*tk)->host_keep(S) : nb - dev_blocks / layers),
+      static_cast<long long>(k.blocks), double(h.demoted_out) / double(runs),
+      // The last run's blocks to disk over its wall time (the drain overlaps the compute).
+      double(k.blocks) * double(bb) / t_tiered / 1e9,
       // Bytes that left the device per tiered run (spilled blocks' copies plus demotions) over
       // the tiered run's wall time: the copy stream's average rate beside the compute.
-      (double(h.blocks) * double(bb)) / t_tiered / 1e9, exact ? "true" : "false");
+      (double(h.blocks + k.blocks) * double(bb)) / t_tiered / 1e9, exact ? "true" : "false");
   return exact ? 0 : 1;
 }

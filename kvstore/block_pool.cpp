@@ -214,8 +214,28 @@ Status BlockPool::check_id(BlockId id) const {
 
 Result<BlockId> BlockPool::alloc(Tier preferred, Tier slowest) {
   std::lock_guard<std::mutex> g(mu_);
-  int p = int(preferred);
-  const int last = int(slowest);
+  return alloc_locked(int(preferred), int(slowest));
+}
+
+Result<std::vector<BlockId>> BlockPool::alloc_batch(std::span<const Tier> preferred,
+                                                    Tier slowest) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<BlockId> ids;
+  ids.reserve(preferred.size());
+  for (size_t i = 0; i < preferred.size(); ++i) {
+    Result<BlockId> id = alloc_locked(int(preferred[i]), int(slowest));
+    if (!id.is_ok()) {
+      for (auto it = ids.rbegin(); it != ids.rend(); ++it) (void)free_locked(*it);
+      return Status(id.status().code(), "block " + std::to_string(i) + " of " +
+                                            std::to_string(preferred.size()) + ": " +
+                                            id.status().message());
+    }
+    ids.push_back(id.value());
+  }
+  return ids;
+}
+
+Result<BlockId> BlockPool::alloc_locked(int p, int last) {
   if (p < 0 || p >= kNumTiers || last < p || last >= kNumTiers)
     return SF_ERR(kInvalidArgument, "block pool: bad tier");
   // A disabled preferred tier (e.g. no device) is no spill: start at the first enabled one.
@@ -253,6 +273,10 @@ Result<BlockId> BlockPool::alloc(Tier preferred, Tier slowest) {
 
 Status BlockPool::free(BlockId id) {
   std::lock_guard<std::mutex> g(mu_);
+  return free_locked(id);
+}
+
+Status BlockPool::free_locked(BlockId id) {
   SF_TRY(check_id(id));
   Entry& e = entries_[size_t(id)];
   if (e.pins > 0)
@@ -522,15 +546,7 @@ Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
     SF_TRY(check_id(id));
     if (entries_[size_t(id)].tier == f) ++room;
   }
-  // Priority order: sink, recent window, then descending score (ties: earlier position).
-  std::vector<int64_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), int64_t(0));
-  auto rank = [&](int64_t i) { return i < sink_blocks ? 0 : (i >= n - recent_blocks ? 1 : 2); };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    const int ra = rank(a), rb = rank(b);
-    if (ra != rb) return ra < rb;
-    return ra == 2 && scores[size_t(a)] > scores[size_t(b)];
-  });
+  const std::vector<int64_t> order = placement_order(scores, sink_blocks, recent_blocks);
   // Pinned blocks on the fast tier hold their slot whatever their rank.
   for (BlockId id : blocks) {
     const Entry& e = entries_[size_t(id)];
@@ -589,6 +605,20 @@ Result<PlacementResult> BlockPool::place(std::span<const BlockId> blocks,
     }
   }
   return r;
+}
+
+std::vector<int64_t> placement_order(std::span<const float> scores, int64_t sink_blocks,
+                                     int64_t recent_blocks) {
+  const int64_t n = int64_t(scores.size());
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t(0));
+  auto rank = [&](int64_t i) { return i < sink_blocks ? 0 : (i >= n - recent_blocks ? 1 : 2); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int ra = rank(a), rb = rank(b);
+    if (ra != rb) return ra < rb;
+    return ra == 2 && scores[size_t(a)] > scores[size_t(b)];
+  });
+  return order;
 }
 
 TierStats BlockPool::stats(Tier t) const {

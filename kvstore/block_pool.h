@@ -72,6 +72,10 @@ class BlockPool {
   // A block on `preferred` or, when that tier is full, on the next slower tier that has room, down
   // to `slowest` (the device forward's blocks stop at host: a disk write would wait).
   Result<BlockId> alloc(Tier preferred = Tier::kDevice, Tier slowest = Tier::kDisk);
+  // One block a preferred tier, each as alloc(preferred[i], slowest), under one lock (a caller
+  // that allocates a layer's blocks then waits once behind a background mover, not once a
+  // block). All or nothing: on failure nothing stays allocated and the error names the block.
+  Result<std::vector<BlockId>> alloc_batch(std::span<const Tier> preferred, Tier slowest);
   Status free(BlockId id);
   // k and v: [64, n_kv_heads, head_dim] each, host memory, whatever tier the block is on.
   Status write(BlockId id, const float* k, const float* v);
@@ -128,6 +132,8 @@ class BlockPool {
     int pins = 0;
   };
   Status check_id(BlockId id) const;  // caller holds mu_
+  Result<BlockId> alloc_locked(int preferred, int slowest);
+  Status free_locked(BlockId id);
   Status move_locked(BlockId id, int to);
   Status move_batch_locked(std::span<const BlockId> ids, int to);
   void count_move(int from, int to);
@@ -143,6 +149,11 @@ class BlockPool {
   std::vector<BlockId> free_ids_;
   mutable std::vector<float> staging_;  // one block: disk reads/writes and disk<->device moves
 };
+
+// The order place() ranks one sequence's blocks in: the first sink_blocks and the last
+// recent_blocks, then the rest by descending score (ties: earlier position first).
+std::vector<int64_t> placement_order(std::span<const float> scores, int64_t sink_blocks,
+                                     int64_t recent_blocks);
 
 // Storage of one tier: a fixed number of block slots. Implementations: host (aligned, or
 // cudaHostAlloc'd in CUDA builds), disk (file), device (CUDA builds only).

@@ -5,11 +5,36 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <limits>
+#include <mutex>
+#include <thread>
 
 namespace sf::kvstore {
+namespace {
+// Layers enqueued and not yet placed, at most, when a disk tier drains the host: the one being
+// enqueued and the one before it (its copies and importance still in flight).
+constexpr int kMaxInflight = 2;
+// Blocks a demotion to disk moves under one hold of the pool's lock: the forward's allocations
+// and placements wait at most this long behind the drain.
+constexpr size_t kDrainBatch = 16;
+}  // namespace
+
+struct TieredKv::Drainer {
+  std::thread thread;
+  mutable std::mutex mu;
+  // Signalled when a layer is queued, a batch has moved (host room), the drain goes idle, or it
+  // must stop.
+  mutable std::condition_variable cv;
+  std::deque<int> queue;
+  int current = -1;  // the layer being drained, -1: idle
+  bool stop = false;
+  Status error;
+  int64_t keep = 0;  // host blocks a placed layer keeps (host_keep of the prompt being tiered)
+};
 
 Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const TieredKvConfig& cfg) {
   SF_ENSURE(pool != nullptr, kInvalidArgument, "tiered kv: pool is null");
@@ -42,16 +67,38 @@ Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const Tiered
   t->blocks_.resize(size_t(cfg.n_layers));
   t->scores_.resize(size_t(cfg.n_layers));
   t->placed_.resize(size_t(cfg.n_layers));
+  t->drained_.assign(size_t(cfg.n_layers), 0);
   t->kbuf_.resize(size_t(pool->half_floats()));
   t->vbuf_.resize(size_t(pool->half_floats()));
+  if (cfg.fast == Tier::kDevice && pool->stats(Tier::kDisk).capacity_bytes > 0) {
+    t->drain_ = std::make_unique<Drainer>();
+    TieredKv* self = t.get();
+    t->drain_->thread = std::thread([self] { self->drain_loop(); });
+  }
   return t;
 }
 
 TieredKv::~TieredKv() {
+  if (drain_) {
+    {
+      std::lock_guard<std::mutex> g(drain_->mu);
+      drain_->stop = true;
+    }
+    drain_->cv.notify_all();
+    drain_->thread.join();
+  }
   for (size_t l = 0; l < blocks_.size(); ++l) release(int(l));  // empty when create() failed
 }
 
 void TieredKv::release(int layer) {
+  if (blocks_[size_t(layer)].empty() && pending_[size_t(layer)] == 0) return;
+  if (drain_) {
+    // The drain must not move blocks that are being freed (their ids may be handed out again).
+    std::unique_lock<std::mutex> lk(drain_->mu);
+    auto& q = drain_->queue;
+    q.erase(std::remove(q.begin(), q.end(), layer), q.end());
+    drain_->cv.wait(lk, [&] { return drain_->current != layer; });
+  }
   // Our blocks are never pinned by us and are live, so free() cannot fail here. Freed last to
   // first: the pool hands slots back last in, first out, so the layer's next blocks get them
   // in ascending order again (runs of consecutive slots copy as one).
@@ -62,6 +109,98 @@ void TieredKv::release(int layer) {
   tokens_[size_t(layer)] = 0;
   pending_[size_t(layer)] = 0;
   placed_[size_t(layer)] = {};
+  drained_[size_t(layer)] = 0;
+}
+
+int64_t TieredKv::host_keep(int64_t n_tokens) const {
+  const int64_t nb = (n_tokens + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  if (!drain_) return nb;
+  int64_t landing = 0;
+  for (int64_t q : quota_) landing = std::max(landing, nb - q);
+  const int64_t host = pool_->stats(Tier::kHost).capacity_bytes / pool_->block_bytes();
+  const int64_t avail = host - kMaxInflight * landing - 1;
+  return avail < 0 ? -1 : avail / cfg_.n_layers;
+}
+
+void TieredKv::wait_idle() const {
+  if (!drain_) return;
+  std::unique_lock<std::mutex> lk(drain_->mu);
+  drain_->cv.wait(lk, [&] { return drain_->queue.empty() && drain_->current < 0; });
+}
+
+Status TieredKv::wait_drained() const {
+  wait_idle();
+  return drain_error();
+}
+
+Status TieredKv::drain_error() const {
+  if (!drain_) return Status::ok();
+  std::lock_guard<std::mutex> g(drain_->mu);
+  return drain_->error;
+}
+
+void TieredKv::drain_loop() {
+  Drainer& d = *drain_;
+  std::unique_lock<std::mutex> lk(d.mu);
+  for (;;) {
+    d.cv.wait(lk, [&] { return d.stop || !d.queue.empty(); });
+    if (d.stop) return;
+    d.current = d.queue.front();
+    d.queue.pop_front();
+    lk.unlock();
+    const Status st = drain_layer(d.current);
+    lk.lock();
+    if (!st.is_ok() && d.error.is_ok()) {
+      d.error = st;
+      d.queue.clear();
+    }
+    d.current = -1;
+    d.cv.notify_all();
+  }
+}
+
+// Runs on the drain thread. The layer's blocks and scores stay put meanwhile: release() waits
+// for this layer to be done, and nothing else changes a placed layer.
+Status TieredKv::drain_layer(int layer) {
+  Drainer& d = *drain_;
+  int64_t keep;
+  {
+    std::lock_guard<std::mutex> g(d.mu);
+    keep = d.keep;
+  }
+  const std::vector<BlockId>& ids = blocks_[size_t(layer)];
+  // The layer's host blocks in placement order: the first `keep` stay, the rest go to disk.
+  std::vector<int64_t> down;
+  int64_t kept = 0;
+  for (int64_t b : placement_order(scores_[size_t(layer)], cfg_.sink_blocks, cfg_.recent_blocks)) {
+    const BlockId id = ids[size_t(b)];
+    SF_ASSIGN(const Tier t, pool_->tier_of(id));
+    SF_ASSIGN(const int pins, pool_->pins(id));
+    if (t != Tier::kHost || pins > 0) continue;
+    if (kept < keep)
+      ++kept;
+    else
+      down.push_back(b);
+  }
+  // In position order: the host slots were taken in ascending order, so runs copy as one write.
+  std::sort(down.begin(), down.end());
+  std::vector<BlockId> batch;
+  for (size_t i = 0; i < down.size(); i += kDrainBatch) {
+    batch.clear();
+    for (size_t j = i; j < std::min(down.size(), i + kDrainBatch); ++j)
+      batch.push_back(ids[size_t(down[j])]);
+    const Status st = pool_->move_batch(batch, Tier::kDisk);
+    if (!st.is_ok())
+      return Status(st.code(), "tiered kv: layer " + std::to_string(layer) +
+                                   ": demoting cold host blocks to disk: " + st.message());
+    drained_[size_t(layer)] += int64_t(batch.size());
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      if (d.stop) return Status::ok();
+    }
+    d.cv.notify_all();  // host room for a waiting enqueue_device()
+  }
+  return Status::ok();
 }
 
 float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_tokens, int64_t t0,
@@ -150,6 +289,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
             "tiered kv: K/V from device memory need the device as the fast tier");
   SF_ENSURE(k && v && n_rows > 0, kInvalidArgument,
             "tiered kv: layer " + std::to_string(layer) + " enqueue_device needs K/V rows");
+  SF_TRY(drain_error());
   release(layer);
   const int64_t nb = (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens;
   // The layer's device share goes, before any score exists, to the blocks place() keeps first
@@ -168,21 +308,40 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
   for (int64_t b = 0; b < sink; ++b) take(b);
   for (int64_t b = nb - 1; b >= nb - recent; --b) take(b);
   for (int64_t b = nb - 1; b >= 0; --b) take(b);
-  std::vector<BlockId>& ids = blocks_[size_t(layer)];
-  Status st;
-  for (int64_t b = 0; b < nb && st.is_ok(); ++b) {
-    Result<BlockId> id = fast[size_t(b)] ? pool_->alloc(Tier::kDevice, Tier::kHost)
-                                         : pool_->alloc(Tier::kHost, Tier::kHost);
-    if (id.is_ok())
-      ids.push_back(id.value());
-    else
-      st = SF_ERR(kResourceExhausted,
-                  "tiered kv: layer " + std::to_string(layer) + " block " + std::to_string(b) +
-                      " of " + std::to_string(nb) + " fits neither the device nor the host tier: " +
-                      id.status().message());
+  std::vector<Tier> where(static_cast<size_t>(nb));
+  int64_t host_blocks = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    where[size_t(b)] = fast[size_t(b)] ? Tier::kDevice : Tier::kHost;
+    host_blocks += !fast[size_t(b)];
   }
+  if (drain_) {
+    // Host room for this layer's landing plus one block to swap through: earlier layers' cold
+    // blocks leave for disk in the background. When the drain has nothing left to move, the
+    // allocation below says what does not fit.
+    const int64_t keep = host_keep(n_rows);
+    SF_ENSURE(keep >= 0, kResourceExhausted,
+              "tiered kv: layer " + std::to_string(layer) + ": the host tier cannot hold " +
+                  std::to_string(kMaxInflight) + " layers' landings of " +
+                  std::to_string(host_blocks) + " blocks plus one (see check_device_room)");
+    const int64_t bb = pool_->block_bytes();
+    std::unique_lock<std::mutex> lk(drain_->mu);
+    drain_->keep = keep;
+    drain_->cv.wait(lk, [&] {
+      const TierStats h = pool_->stats(Tier::kHost);
+      return !drain_->error.is_ok() || (h.capacity_bytes - h.used_bytes) / bb > host_blocks ||
+             (drain_->queue.empty() && drain_->current < 0);
+    });
+    SF_TRY(drain_->error);
+  }
+  Result<std::vector<BlockId>> got = pool_->alloc_batch(where, Tier::kHost);
+  if (!got.is_ok())
+    return SF_ERR(kResourceExhausted, "tiered kv: layer " + std::to_string(layer) + ": " +
+                                          got.status().message() +
+                                          " (it fits neither the device nor the host tier)");
+  std::vector<BlockId>& ids = blocks_[size_t(layer)];
+  ids = std::move(got).value();
   // Nothing is left in flight when this fails, so the blocks can go back at once.
-  if (st.is_ok()) st = pool_->write_from_device_async(ids, k, v, n_rows, stream);
+  const Status st = pool_->write_from_device_async(ids, k, v, n_rows, stream);
   if (!st.is_ok()) {
     release(layer);
     return st;
@@ -204,15 +363,51 @@ Status TieredKv::place_device(int layer, std::span<const float> importance) {
                 std::to_string(importance.size()) + " scores, want " +
                 std::to_string(int64_t(cfg_.n_kv_heads) * n));
   pending_[size_t(layer)] = 0;
-  const Status st = rank_and_place(layer, n, importance);
-  if (!st.is_ok()) release(layer);
-  return st;
+  Status st = drain_error();
+  if (st.is_ok()) st = rank_and_place(layer, n, importance);
+  if (!st.is_ok()) {
+    release(layer);
+    return st;
+  }
+  if (drain_) {
+    {
+      std::lock_guard<std::mutex> g(drain_->mu);
+      drain_->queue.push_back(layer);
+    }
+    drain_->cv.notify_all();
+  }
+  return Status::ok();
 }
 
 Status TieredKv::check_device_room(int64_t n_tokens) const {
   if (cfg_.fast != Tier::kDevice) return Status::ok();
   const int64_t bb = pool_->block_bytes();
   const int64_t nb = (n_tokens + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  if (drain_) {
+    int64_t landing = 0;
+    for (int64_t q : quota_) landing = std::max(landing, nb - q);
+    const int64_t keep = host_keep(n_tokens);
+    const int64_t host = pool_->stats(Tier::kHost).capacity_bytes / bb;
+    if (keep < 0)
+      return SF_ERR(kResourceExhausted,
+                    "tiered kv: the host tier holds " + std::to_string(host) + " blocks of " +
+                        std::to_string(bb) + " bytes; with a disk tier it must hold " +
+                        std::to_string(kMaxInflight) + " layers' blocks beyond the device's share (" +
+                        std::to_string(landing) + " each at " + std::to_string(n_tokens) +
+                        " tokens) plus one to swap through: a host budget of " +
+                        std::to_string((kMaxInflight * landing + 1) * bb) + " bytes or more");
+    int64_t disk_need = 0;
+    for (int64_t q : quota_) disk_need += std::max<int64_t>(0, nb - q - keep);
+    const int64_t disk = pool_->stats(Tier::kDisk).capacity_bytes / bb;
+    if (disk >= disk_need) return Status::ok();
+    return SF_ERR(kResourceExhausted,
+                  "tiered kv: the disk tier holds " + std::to_string(disk) + " blocks of " +
+                      std::to_string(bb) + " bytes; " + std::to_string(n_tokens) +
+                      " tokens need " + std::to_string(disk_need) +
+                      " beyond the device's share and the host's (" + std::to_string(keep) +
+                      " a layer): a disk budget of " + std::to_string(disk_need * bb) +
+                      " bytes or more");
+  }
   int64_t need = 1;
   for (int64_t q : quota_) need += std::max<int64_t>(0, nb - q);
   const int64_t host = pool_->stats(Tier::kHost).capacity_bytes;
@@ -233,6 +428,7 @@ model::DeviceLayerKvSink TieredKv::device_sink() {
   s.place = [this](int layer, std::span<const float> importance) {
     return place_device(layer, importance);
   };
+  s.max_inflight = drain_ ? kMaxInflight : 0;
   return s;
 }
 
@@ -247,6 +443,7 @@ Status TieredKv::read_layer(int layer, std::vector<float>* k, std::vector<float>
   SF_ENSURE(k && v, kInvalidArgument, "tiered kv: read_layer needs k and v");
   SF_ENSURE(pending_[size_t(layer)] == 0, kInvalidArgument,
             "tiered kv: layer " + std::to_string(layer) + " is enqueued but not placed yet");
+  wait_idle();  // the drain's moves are whole, but the layer is read where it ends up
   const int64_t n = tokens_[size_t(layer)], row = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
   k->resize(size_t(n * row));
   v->resize(size_t(n * row));
@@ -324,7 +521,8 @@ Result<int64_t> parse_byte_size(const std::string& s, const std::string& what) {
 }
 
 Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
-  const std::string form = " (forms: host=BYTES,disk=DIR[:BYTES] or device=BYTES,host=BYTES)";
+  const std::string form =
+      " (forms: host=BYTES,disk=DIR[:BYTES] or device=BYTES,host=BYTES[,disk=DIR[:BYTES]])";
   KvPoolSpec out;
   bool host = false, disk = false, device = false;
   size_t p = 0;
@@ -367,10 +565,7 @@ Result<KvPoolSpec> kv_pool_spec_parse(const std::string& spec) {
   }
   if (!host) return SF_ERR(kInvalidArgument, "--kv-pool: host=BYTES is required" + form);
   if (device) {
-    // The device forward's blocks never go to disk (a disk write would wait inside a layer).
-    if (disk)
-      return SF_ERR(kInvalidArgument,
-                    "--kv-pool: with device=, cold blocks go to host=; disk= is not used" + form);
+    // disk= is optional here: the coldest host blocks drain there while later layers compute.
     if (out.device_bytes == 0 || out.host_bytes == 0)
       return SF_ERR(kInvalidArgument,
                     "--kv-pool: device and host must be > 0 (the fast tier and the cold one)");

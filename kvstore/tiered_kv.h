@@ -20,6 +20,13 @@
 // the end) device to device and the rest straight to pinned host; place_device() then ranks them
 // by importance when it lands and swaps cold device blocks for hot host ones on the pool's copy
 // stream. Neither waits inside a layer, and both run while the GPU computes later layers.
+//
+// A disk tier under the device form (device, host, disk) makes pinned host the middle tier: each
+// placed layer keeps its host_keep() best cold blocks on host, and a background thread demotes
+// the rest of them to disk while later layers compute. The sink then bounds the layers in flight
+// to two (DeviceLayerKvSink::max_inflight), so the host needs room for two layers' landings plus
+// every layer's host share, not for the whole KV; enqueue_device() waits for that room when the
+// disk is slower than the forward.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -69,12 +76,21 @@ class TieredKv {
   // The sink for model::PrefillOptions::on_layer_kv_device.
   model::DeviceLayerKvSink device_sink();
   // Before a device-path prefill of n_tokens: the host tier must hold every block outside the
-  // layers' device shares, plus one that placement swaps through (kResourceExhausted naming the
-  // host budget it needs otherwise). Checks nothing for a host fast tier (its spill goes to disk).
+  // layers' device shares, plus one that placement swaps through; with a disk tier, two layers'
+  // landings plus one, and the disk the rest (kResourceExhausted naming the budget it needs
+  // otherwise). Checks nothing for a host fast tier (its spill goes to disk).
   Status check_device_room(int64_t n_tokens) const;
 
+  // Device form with a disk tier: the blocks each layer keeps on host once placed, for a prompt
+  // of n_tokens (the host minus two layers' landings and one swap block, shared equally); -1
+  // when the host cannot hold even the landings. Without a disk tier: no limit (n blocks).
+  int64_t host_keep(int64_t n_tokens) const;
+  // Waits until the background demotions to disk are done and returns the first error they met
+  // (every later enqueue_device/place_device returns it too). Ok at once without a disk tier.
+  Status wait_drained() const;
+
   // Reassembles a layer's K and V ([n_tokens, n_kv_heads, head_dim]) from whatever tiers its
-  // blocks are on.
+  // blocks are on (after wait_drained()).
   Status read_layer(int layer, std::vector<float>* k, std::vector<float>* v) const;
 
   int64_t n_tokens(int layer) const { return tokens_[size_t(layer)]; }
@@ -82,19 +98,30 @@ class TieredKv {
   const std::vector<float>& scores(int layer) const { return scores_[size_t(layer)]; }
   int64_t fast_quota(int layer) const { return quota_[size_t(layer)]; }
   const PlacementResult& placement(int layer) const { return placed_[size_t(layer)]; }
+  // Blocks of the layer the background demoted from host to disk (read after wait_drained()).
+  int64_t drained(int layer) const { return drained_[size_t(layer)]; }
 
  private:
   TieredKv() = default;
   void release(int layer);
+  void wait_idle() const;
   // Scores the layer's blocks (importance: [n_kv_heads, n] or empty) and places them.
   Status rank_and_place(int layer, int64_t n, std::span<const float> importance);
+  // Background demotion of placed layers' surplus host blocks to disk (device form + disk).
+  struct Drainer;
+  bool draining() const { return drain_ != nullptr; }
+  void drain_loop();
+  Status drain_layer(int layer);
+  Status drain_error() const;
   BlockPool* pool_ = nullptr;
   TieredKvConfig cfg_;
+  std::unique_ptr<Drainer> drain_;
   std::vector<int64_t> quota_, tokens_;
   std::vector<int64_t> pending_;  // rows enqueue_device() queued, not yet placed (0: none)
   std::vector<std::vector<BlockId>> blocks_;
   std::vector<std::vector<float>> scores_;
   std::vector<PlacementResult> placed_;
+  std::vector<int64_t> drained_;
   std::vector<float> kbuf_, vbuf_;  // one block, zero-padded past the last token
 };
 
@@ -111,8 +138,9 @@ float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_t
 Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg);
 
 // `--kv-pool host=BYTES,disk=DIR[:BYTES]` (fast tier host, cold blocks to disk) or
-// `--kv-pool device=BYTES,host=BYTES` (the device forward's: fast tier device, cold blocks to
-// pinned host). Sizes: 123, 64K, 64M, 2G, 1T; binary multiples.
+// `--kv-pool device=BYTES,host=BYTES[,disk=DIR[:BYTES]]` (the device forward's: fast tier
+// device, cold blocks to pinned host, and with disk= the coldest of those on to disk). Sizes:
+// 123, 64K, 64M, 2G, 1T; binary multiples.
 struct KvPoolSpec {
   int64_t device_bytes = 0;  // > 0: the device form
   int64_t host_bytes = 0;

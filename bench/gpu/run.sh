@@ -39,9 +39,11 @@
 #                  with verified drafts, e.g. psa-avg:0.95:verify8, a line each)
 #   SF_GEMV        1: sf_bench_gemv, the decode step's GEMVs at the Llama-3-8B and SmolLM2 shapes
 #                  beside a copy of the same bytes, into gemv-<gpu>.jsonl
-#   SF_TIERING_PREFILL  "tokens:layers:device_frac" items (e.g. "32768:8:0.25"): the KV tiering
-#                  device sink's cost to a Llama-3-8B-shaped prefill (sf_bench_kv_tiering_prefill),
-#                  one JSON line each into tiering-prefill-<gpu>.jsonl
+#   SF_TIERING_PREFILL  "tokens:layers:device_frac[:host_frac]" items (e.g. "32768:8:0.25"): the
+#                  KV tiering device sink's cost to a Llama-3-8B-shaped prefill
+#                  (sf_bench_kv_tiering_prefill), one JSON line each into
+#                  tiering-prefill-<gpu>.jsonl; host_frac < 1 adds a disk tier (a temporary
+#                  directory under TMPDIR, removed after) for what the host does not hold
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -449,11 +451,18 @@ if [[ -n "${SF_TIERING_PREFILL:-}" ]]; then
   tj="$out/tiering-prefill-$(gpu_slug).jsonl"
   : >"$tj"
   for item in $SF_TIERING_PREFILL; do
-    IFS=: read -r t_tok t_lay t_frac <<<"$item"
+    IFS=: read -r t_tok t_lay t_frac t_host <<<"$item"
+    t_disk=()
+    if [[ -n "$t_host" ]]; then
+      t_dir="$(mktemp -d "${TMPDIR:-/tmp}/sf-tiering-disk.XXXXXX")"
+      t_disk=("$t_host" "$t_dir")
+    fi
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_kv_tiering_prefill" \
-         "$t_tok" "$t_lay" "$t_frac" "${SF_TIERING_REPS:-3}" >>"$tj" 2>>"$logs/build.log"; then
+         "$t_tok" "$t_lay" "$t_frac" "${SF_TIERING_REPS:-3}" "${t_disk[@]}" \
+         >>"$tj" 2>>"$logs/build.log"; then
       fail "sf_bench_kv_tiering_prefill $item failed (its stderr is at the end of build.log)"
     fi
+    [[ -n "$t_host" ]] && rm -rf "$t_dir"
   done
   notes+=("$(cut -c1-600 "$tj")")
 fi

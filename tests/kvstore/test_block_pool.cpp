@@ -208,6 +208,36 @@ TEST(BlockPool, AllocStopsAtItsSlowestTier) {
   EXPECT_EQ(tier(*p, *c), Tier::kDisk);
 }
 
+// A batch takes each block as alloc() would, in order, and on failure hands every block back.
+TEST(BlockPool, AllocBatchIsAllOrNothing) {
+  TempDir tmp;
+  auto p = make_pool(config(2, 2, tmp.sub("disk")));
+  ASSERT_TRUE(p);
+  const std::vector<Tier> three = {Tier::kHost, Tier::kHost, Tier::kHost};
+  auto a = p->alloc_batch(three, Tier::kDisk);  // the third spills to disk
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  ASSERT_EQ(a->size(), 3u);
+  EXPECT_EQ(tier(*p, (*a)[0]), Tier::kHost);
+  EXPECT_EQ(tier(*p, (*a)[1]), Tier::kHost);
+  EXPECT_EQ(tier(*p, (*a)[2]), Tier::kDisk);
+  EXPECT_EQ(p->stats(Tier::kDisk).spilled_in, 1);
+  // One disk slot is left: a batch of two fails at its second block and leaves none behind.
+  const std::vector<Tier> two = {Tier::kDisk, Tier::kDisk};
+  auto b = p->alloc_batch(two, Tier::kDisk);
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(b.status().message().rfind("block 1 of 2: ", 0), 0u) << b.status().message();
+  EXPECT_EQ(p->live_blocks(), 3);
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 1);
+  // The slot it took and gave back is the next one handed out.
+  auto c = p->alloc_batch(std::span<const Tier>(two).first(1), Tier::kDisk);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(p->stats(Tier::kDisk).blocks, 2);
+  EXPECT_EQ(p->alloc_batch({}, Tier::kDisk).value().size(), 0u);
+  const std::vector<Tier> bad = {Tier::kDisk};
+  EXPECT_EQ(p->alloc_batch(bad, Tier::kHost).status().code(), Code::kInvalidArgument);
+}
+
 TEST(BlockPool, DiskBudgetFullIsAClearError) {
   TempDir tmp;
   auto p = make_pool(config(0, 1, tmp.sub("disk")));

@@ -335,6 +335,14 @@ TEST(KvPoolSpec, Parses) {
   EXPECT_EQ(g->device_bytes, int64_t(256) << 20);
   EXPECT_EQ(g->host_bytes, int64_t(4) << 30);
   EXPECT_TRUE(g->disk_dir.empty());
+  // ... and with a disk tier under the host one.
+  auto h = kv_pool_spec_parse("device=1G,host=2G,disk=/tmp/kv:64G");
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  EXPECT_EQ(h->device_bytes, int64_t(1) << 30);
+  EXPECT_EQ(h->host_bytes, int64_t(2) << 30);
+  EXPECT_EQ(h->disk_dir, "/tmp/kv");
+  EXPECT_EQ(h->disk_bytes, int64_t(64) << 30);
+  EXPECT_EQ(kv_pool_spec_parse("disk=/tmp/kv,device=1G,host=1G").value().disk_bytes, -1);
   EXPECT_EQ(kv_pool_spec_parse("host=1M,disk=d").value().device_bytes, 0);
   EXPECT_EQ(kv_pool_spec_parse("host=1k,disk=d").value().host_bytes, 1024);
   EXPECT_EQ(kv_pool_spec_parse("host=3GB,disk=d").value().host_bytes, int64_t(3) << 30);
@@ -342,7 +350,7 @@ TEST(KvPoolSpec, Parses) {
                           "gpu=1G", "host=1M,host=2M", "host=1M,disk=", "host=1M,disk=:1G",
                           "host=1M,disk=/tmp/kv:x", "host=99999999999T", "disk=/tmp/kv", "host=1M",
                           "device=1G", "device=0,host=1G", "device=1G,host=0", "device=1G,device=1G,host=1M",
-                          "device=1G,host=1G,disk=/tmp/kv", "device=x,host=1G"}) {
+                          "device=1G,disk=/tmp/kv", "device=1G,host=1G,disk=", "device=x,host=1G"}) {
     auto r = kv_pool_spec_parse(bad);
     EXPECT_FALSE(r.is_ok()) << bad;
     if (!r.is_ok()) EXPECT_EQ(r.status().message().rfind("--kv-pool", 0), 0u) << r.status().message();

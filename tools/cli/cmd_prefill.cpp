@@ -360,6 +360,8 @@ int cmd_prefill(int argc, char** argv) {
                 static_cast<long long>(d));
   }
   if (pool) {
+    // With device, host and disk tiers, cold host blocks may still be on their way to disk.
+    if (Status st = tiered->wait_drained(); !st.is_ok()) return fail(st);
     std::printf("kv pool:");
     for (kvstore::Tier t : {kvstore::Tier::kDevice, kvstore::Tier::kHost, kvstore::Tier::kDisk}) {
       const kvstore::TierStats s = pool->stats(t);
@@ -371,9 +373,11 @@ int cmd_prefill(int argc, char** argv) {
     const kvstore::TierStats h = pool->stats(fast);
     const char* fn = kvstore::tier_name(fast);
     const char* cn = kvstore::tier_name(kvstore::Tier(int(fast) + 1));
-    std::printf(" moved %s->%s %lld, %s->%s %lld blocks; the forward held at most %lld bytes of KV\n", fn, cn,
-                static_cast<long long>(h.demoted_out), cn, fn, static_cast<long long>(h.promoted_in),
-                static_cast<long long>(r.kv_peak_bytes));
+    std::printf(" moved %s->%s %lld, %s->%s %lld blocks", fn, cn, static_cast<long long>(h.demoted_out), cn, fn,
+                static_cast<long long>(h.promoted_in));
+    if (fast == kvstore::Tier::kDevice && !kv_pool->disk_dir.empty())
+      std::printf(", host->disk %lld", static_cast<long long>(pool->stats(kvstore::Tier::kHost).demoted_out));
+    std::printf("; the forward held at most %lld bytes of KV\n", static_cast<long long>(r.kv_peak_bytes));
   }
   if (a.has("export-kv")) {
     kvstore::KvExportSpec spec = kvstore::model_export_spec(m);

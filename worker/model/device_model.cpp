@@ -546,6 +546,32 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     SF_CUDA_TRY(cudaEventRecord(layers_begin.get(), st));
   }
 
+  // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
+  // flag), beside other ranks' threads.
+  const auto wait_event = [](cudaEvent_t e) -> Status {
+    cudaError_t ce;
+    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    SF_CUDA_TRY(ce);
+    return Status::ok();
+  };
+  // The device sink's placements, in layer order: layers [0, placed) are placed. Each waits for
+  // its layer's block copies and importance.
+  int placed = 0;
+  const auto place_through = [&](int last) -> Status {
+    for (; placed <= last; ++placed) {
+      SF_TRY(wait_event(kv_copied[size_t(placed)].get()));
+      std::span<const float> imp_p;
+      if (imp_here) {
+        SF_TRY(wait_event(imp_copied[size_t(placed)].get()));
+        imp_p = std::span<const float>(
+            h_imp.as<float>() + size_t(placed) * size_t(hkv * max_tokens), size_t(hkv * S));
+      }
+      SF_TRY(opt.on_layer_kv_device.place(placed, imp_p));
+    }
+    return Status::ok();
+  };
+
   for (int l = 0; l < c.n_layers; ++l) {
     const DeviceModel::Impl::Layer& L = m->layers[size_t(l)];
     const int slot = kv_out ? l % 2 : 0;
@@ -586,6 +612,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       }
       // The tiering sink queues its block copies (device tier: device to device; spilled
       // blocks: to pinned host) behind them, on the same stream; it never waits here.
+      // A sink that bounds the layers in flight gets layer l - max_inflight placed first (its
+      // cold blocks then drain in the background); layer l's QKV is already queued meanwhile.
+      if (dev_sink && opt.on_layer_kv_device.max_inflight > 0)
+        SF_TRY(place_through(l - opt.on_layer_kv_device.max_inflight));
       if (dev_sink) SF_TRY(opt.on_layer_kv_device.enqueue(l, K, V, NL, cp));
       SF_CUDA_TRY(cudaEventRecord(kv_free[slot].get(), cp));
       SF_CUDA_TRY(cudaEventRecord(kv_copied[size_t(l)].get(), cp));
@@ -794,15 +824,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   //   demotions it issues run on the pool's copy stream beside the compute);
   // - the host hook (KV tiering) gets the layer's host K/V and importance;
   // - opt.on_layer_done reports progress.
-  // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
-  // flag), beside other ranks' threads.
-  const auto wait_event = [](cudaEvent_t e) -> Status {
-    cudaError_t ce;
-    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady)
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    SF_CUDA_TRY(ce);
-    return Status::ok();
-  };
   if (keep_kv) {
     std::atomic<bool> no_memory{false};
     parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
@@ -843,13 +864,13 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
           },
           size_t(1) << 18);  // 1 MiB a task at least
     }
+    if (dev_sink) SF_TRY(place_through(l));
     std::span<const float> imp_l;
-    if (imp_here && (opt.on_layer_kv || dev_sink)) {
+    if (imp_here && opt.on_layer_kv) {
       SF_TRY(wait_event(imp_copied[size_t(l)].get()));
       imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
                                      size_t(hkv * S));
     }
-    if (dev_sink) SF_TRY(opt.on_layer_kv_device.place(l, imp_l));
     if (opt.on_layer_kv)
       SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
                              TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));

@@ -97,6 +97,11 @@ struct DeviceLayerKvSink {
   std::function<Status(int layer, const float* k, const float* v, int64_t n_rows, void* stream)>
       enqueue;
   std::function<Status(int layer, std::span<const float> importance)> place;
+  // > 0: at most this many layers enqueued and not yet placed; the forward places layer
+  // l - max_inflight before it enqueues layer l (waiting for that layer's copies and importance),
+  // so a sink whose cold blocks drain to a slower tier in the background gets host room back
+  // while later layers compute. 0: every layer is enqueued first, then placed in order.
+  int max_inflight = 0;
   explicit operator bool() const { return bool(enqueue) && bool(place); }
 };
 

@@ -922,5 +922,132 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   EXPECT_EQ(prefill(ref.model, ref.tokens, opt).status().code(), Code::kUnsupported);
 }
 
+// ---- Three tiers from device memory: device, pinned host, disk. The host holds two layers'
+// landings (8 blocks each past the device's 3), one swap block, and 2 blocks a placed layer
+// keeps; the other 6 of a layer's 11 drain to disk in the background while later layers compute
+// (the sink keeps two layers in flight). Checked against a run keeping its KV: logits and every
+// block bit-identical, each layer's blocks on the tier its placement order gives (device: sink,
+// window, best; host: the next 2; disk: the rest), and the budgets' boundaries: one host or disk
+// block less is refused before the run, and a disk one block short at run time fails the run
+// with the disk named, never hangs. ----------------------------------------------------------------
+TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+  const int64_t row = int64_t(c.n_kv_heads) * c.head_dim;
+  const int64_t bb = int64_t(2) * kvstore::kPoolBlockTokens * row * int64_t(sizeof(float));
+  const int64_t dev = 3, keep = 2, landing = n_blocks - dev, cold = n_blocks - dev - keep;
+  const std::string dir =
+      (std::filesystem::temp_directory_path() /
+       ("sf_gpu_three_tier_" + std::to_string(::getpid()) + "_" + std::to_string(base_seed())))
+          .string();
+  const auto make = [&](int64_t host_blocks, int64_t disk_blocks,
+                        std::unique_ptr<kvstore::BlockPool>* pool,
+                        std::unique_ptr<kvstore::TieredKv>* tk) {
+    kvstore::BlockPoolConfig pc;
+    pc.n_kv_heads = c.n_kv_heads;
+    pc.head_dim = c.head_dim;
+    pc.device_bytes = dev * c.n_layers * bb;
+    pc.host_bytes = host_blocks * bb;
+    pc.disk_bytes = disk_blocks * bb;
+    pc.disk_dir = dir;
+    auto p = kvstore::BlockPool::create(pc);
+    ASSERT_OK(p.status());
+    kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
+    tc.fast = kvstore::Tier::kDevice;
+    auto t = kvstore::TieredKv::create(p->get(), tc);
+    ASSERT_OK(t.status());
+    *pool = std::move(p).value();
+    *tk = std::move(t).value();
+  };
+  const int64_t host_blocks = keep * c.n_layers + 2 * landing + 1;
+  const int64_t disk_blocks = cold * c.n_layers;
+
+  PrefillOptions kept = full_options();
+  auto plain = prefill_device(dm.value(), ref.tokens, kept);
+  ASSERT_OK(plain.status());
+  {
+    std::unique_ptr<kvstore::BlockPool> pool;
+    std::unique_ptr<kvstore::TieredKv> tk;
+    make(host_blocks, disk_blocks, &pool, &tk);
+    ASSERT_TRUE(pool && tk);
+    ASSERT_OK(tk->check_device_room(kTokens));
+    EXPECT_EQ(tk->host_keep(kTokens), keep);
+    std::vector<int> done;
+    PrefillOptions opt = full_options();
+    opt.keep_kv = false;
+    opt.on_layer_kv_device = tk->device_sink();
+    EXPECT_EQ(opt.on_layer_kv_device.max_inflight, 2);
+    opt.on_layer_done = [&](int l) { done.push_back(l); };
+    auto gpu = prefill_device(dm.value(), ref.tokens, opt);
+    ASSERT_OK(gpu.status());
+    ASSERT_OK(tk->wait_drained());
+    ASSERT_EQ(int(done.size()), c.n_layers);
+    for (int l = 0; l < c.n_layers; ++l) EXPECT_EQ(done[size_t(l)], l) << "progress order";
+    ASSERT_EQ(gpu->logits.size(), plain->logits.size());
+    EXPECT_EQ(std::memcmp(gpu->logits.data(), plain->logits.data(), gpu->logits.size() * 4), 0);
+    for (int l = 0; l < c.n_layers; ++l) {
+      expect_tiered_layer(*tk, l, plain.value(), gpu.value(), c.n_kv_heads, dev);
+      EXPECT_EQ(tk->drained(l), cold) << "layer " << l;
+      const std::vector<int64_t> order = kvstore::placement_order(tk->scores(l), 1, 1);
+      for (size_t i = 0; i < order.size(); ++i) {
+        auto t = pool->tier_of(tk->blocks(l)[size_t(order[i])]);
+        ASSERT_OK(t.status());
+        const kvstore::Tier want = int64_t(i) < dev          ? kvstore::Tier::kDevice
+                                   : int64_t(i) < dev + keep ? kvstore::Tier::kHost
+                                                             : kvstore::Tier::kDisk;
+        EXPECT_EQ(*t, want) << "layer " << l << ", block " << order[i] << ", rank " << i;
+      }
+    }
+    const kvstore::TierStats h = pool->stats(kvstore::Tier::kHost);
+    EXPECT_EQ(pool->stats(kvstore::Tier::kDevice).blocks, dev * c.n_layers);
+    EXPECT_EQ(h.blocks, keep * c.n_layers);
+    EXPECT_EQ(pool->stats(kvstore::Tier::kDisk).blocks, cold * c.n_layers);
+    EXPECT_EQ(h.demoted_out, cold * c.n_layers);
+    std::cout << "  three tiers from device memory: " << dev * c.n_layers << " device, "
+              << keep * c.n_layers << " host, " << cold * c.n_layers
+              << " disk blocks (host budget " << host_blocks << " blocks); KV and logits "
+              << "bit-identical; gpu run " << gpu->seconds << " s (plain " << plain->seconds
+              << " s)\n";
+  }
+  {
+    // One block short of either budget: refused before anything runs, naming the budget.
+    std::unique_ptr<kvstore::BlockPool> pool;
+    std::unique_ptr<kvstore::TieredKv> tk;
+    make(2 * landing, disk_blocks, &pool, &tk);
+    ASSERT_TRUE(pool && tk);
+    const Status st = tk->check_device_room(kTokens);
+    EXPECT_EQ(st.code(), Code::kResourceExhausted);
+    EXPECT_NE(st.message().find("host budget of " + std::to_string((2 * landing + 1) * bb)),
+              std::string::npos)
+        << st.message();
+  }
+  {
+    std::unique_ptr<kvstore::BlockPool> pool;
+    std::unique_ptr<kvstore::TieredKv> tk;
+    make(host_blocks, disk_blocks - 1, &pool, &tk);
+    ASSERT_TRUE(pool && tk);
+    const Status st = tk->check_device_room(kTokens);
+    EXPECT_EQ(st.code(), Code::kResourceExhausted);
+    EXPECT_NE(st.message().find("disk budget of " + std::to_string(disk_blocks * bb)),
+              std::string::npos)
+        << st.message();
+    // Run anyway: the last drain finds the disk full. The run or the drain says so.
+    PrefillOptions opt = full_options();
+    opt.keep_kv = false;
+    opt.on_layer_kv_device = tk->device_sink();
+    auto gpu = prefill_device(dm.value(), ref.tokens, opt);
+    const Status got = gpu.is_ok() ? tk->wait_drained() : gpu.status();
+    EXPECT_EQ(got.code(), Code::kResourceExhausted) << got.to_string();
+    EXPECT_NE(got.message().find("to disk"), std::string::npos) << got.message();
+    EXPECT_EQ(tk->wait_drained().code(), Code::kResourceExhausted) << "the error stays";
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 }  // namespace
 }  // namespace sf::model
