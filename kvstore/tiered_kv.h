@@ -69,8 +69,9 @@ class TieredKv {
 
   // The device forward's path (CUDA builds, fast tier kDevice): k, v are the layer's device rows
   // ([n_rows, n_kv_heads, head_dim] F32), read on `stream` (a cudaStream_t) after this returns;
-  // blocks never go to disk here. place_device() must follow once the stream has passed those
-  // reads; until then the layer reads as empty and read_layer() refuses it.
+  // no block lands on disk here (a disk tier gets placed layers' cold host blocks later; with
+  // one, this waits for host room the drain frees). place_device() must follow once the stream
+  // has passed those reads; until then the layer reads as empty and read_layer() refuses it.
   Status enqueue_device(int layer, const float* k, const float* v, int64_t n_rows, void* stream);
   Status place_device(int layer, std::span<const float> importance);
   // The sink for model::PrefillOptions::on_layer_kv_device.

@@ -188,7 +188,8 @@ TEST(BlockPool, PlaceSwapsThroughOneFreeBlock) {
   ASSERT_TRUE(p->free(filler).is_ok());
 }
 
-// alloc's slowest bound: spill stops there (the device forward's blocks never go to disk).
+// alloc's slowest bound: spill stops there (the device forward's blocks land on device or host,
+// never on disk).
 TEST(BlockPool, AllocStopsAtItsSlowestTier) {
   TempDir tmp;
   auto p = make_pool(config(1, 2, tmp.sub("disk")));

@@ -19,7 +19,10 @@
 // - the kept positions shared with the CPU's own snapkv export are printed, not bounded;
 // - the dense GPU run tiers its KV from device memory (--kv-pool device=,host=): 4 blocks a layer
 //   stay on the device, the other 28 go to pinned host, and its export (bounded above) is read
-//   back from those blocks: the forward keeps no host copy of the KV.
+//   back from those blocks: the forward keeps no host copy of the KV;
+// - the same run with a disk tier under host (--kv-pool device=,host=,disk=) keeps 4 blocks a
+//   layer on the device, 4 on host and drains the other 24 to disk while later layers compute;
+//   its export is byte for byte the two-tier run's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -95,11 +98,17 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   const int64_t block_bytes = int64_t(2) * 64 * cfg.n_kv_heads * cfg.head_dim * 4;
   const std::string pool = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +
                            ",host=" + std::to_string(32 * cfg.n_layers * block_bytes);
+  // Three tiers: the host holds two layers' landings (28 blocks each), a swap block and 4 blocks
+  // a placed layer keeps; the disk takes the rest.
+  const std::string pool3 = " --kv-pool device=" + std::to_string(4 * cfg.n_layers * block_bytes) +
+                            ",host=" + std::to_string((4 * cfg.n_layers + 2 * 28 + 1) * block_bytes) +
+                            ",disk=" + (dir / "disk-tier").string();
   std::vector<Run> runs{{"cpu-full", " --device cpu" + sparse},
                         {"cpu-snap", " --device cpu" + sparse + snap}};
   if (dev.is_ok())
     for (const Run& r : {Run{"gpu-snap", " --device cuda" + sparse + snap},
-                         Run{"cpu-dense", " --device cpu"}, Run{"gpu-dense", " --device cuda" + snap + pool}})
+                         Run{"cpu-dense", " --device cpu"}, Run{"gpu-dense", " --device cuda" + snap + pool},
+                         Run{"gpu-dense3", " --device cuda" + snap + pool3}})
       runs.push_back(r);
   for (const Run& r : runs) {
     const std::string log = (dir / (r.name + ".log")).string();
@@ -143,6 +152,30 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
                              " beyond the device's share, plus one to swap through: a host budget of " +
                              std::to_string((28 * cfg.n_layers + 1) * block_bytes) + " bytes or more";
     EXPECT_NE(testing::slurp(slog).find(need), std::string::npos) << testing::slurp(slog);
+  }
+  {
+    const std::string log = testing::slurp((dir / "gpu-dense3.log").string());
+    std::smatch pm;
+    const std::regex pool_re("kv pool: device ([0-9]+) blocks .*host ([0-9]+) blocks .*disk ([0-9]+) blocks "
+                             ".*host->disk ([0-9]+);");
+    ASSERT_TRUE(std::regex_search(log, pm, pool_re)) << log;
+    std::printf("  gpu-dense three tiers: device %s, host %s, disk %s blocks (%s drained)\n", pm[1].str().c_str(),
+                pm[2].str().c_str(), pm[3].str().c_str(), pm[4].str().c_str());
+    EXPECT_EQ(std::stoll(pm[1]), 4 * cfg.n_layers);
+    EXPECT_EQ(std::stoll(pm[2]), 4 * cfg.n_layers);
+    EXPECT_EQ(std::stoll(pm[3]), 24 * cfg.n_layers);
+    EXPECT_EQ(std::stoll(pm[4]), 24 * cfg.n_layers);
+    EXPECT_NE(log.find("the forward held at most 0 bytes of KV"), std::string::npos) << log;
+    // Every shard of the export equals the two-tier run's, byte for byte.
+    int shards = 0;
+    for (const auto& e : fs::directory_iterator(dir / "gpu-dense")) {
+      if (e.path().extension() != ".safetensors") continue;
+      ++shards;
+      EXPECT_EQ(testing::slurp(e.path().string()),
+                testing::slurp((dir / "gpu-dense3" / e.path().filename()).string()))
+          << e.path().filename();
+    }
+    EXPECT_GT(shards, 0);
   }
 
   auto m = model::Model::load(model);

@@ -19,7 +19,7 @@ void usage(FILE* to) {
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|adaptive-vs|adaptive-block|config:FILE]\n"
                "           [--device cpu|cuda] [--dump-attention LAYER:FILE.safetensors]\n"
-               "           [--kv-pool host=BYTES,disk=DIR[:BYTES] | --kv-pool device=BYTES,host=BYTES\n"
+               "           [--kv-pool host=BYTES,disk=DIR[:BYTES] | --kv-pool device=BYTES,host=BYTES[,disk=DIR[:BYTES]]\n"
                "            [--metrics-file F.prom]]\n"
                "           (sizes: 4096, 64K, 64M, 2G; device= needs --device cuda)\n"
                "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--reps 3] [--document F]\n"

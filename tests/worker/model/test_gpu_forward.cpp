@@ -825,6 +825,30 @@ TEST_F(GpuForward, PoolWritesFromDeviceMemory) {
   cudaStreamDestroy(s);
 }
 
+// A pool of the model's KV blocks (budgets in blocks; disk_blocks > 0 needs dir) and a TieredKv
+// over it with the device as the fast tier.
+void make_device_tiering(const ModelConfig& c, int64_t device_blocks, int64_t host_blocks,
+                         int64_t disk_blocks, const std::string& dir,
+                         std::unique_ptr<kvstore::BlockPool>* pool,
+                         std::unique_ptr<kvstore::TieredKv>* tk) {
+  const int64_t bb = int64_t(2) * kvstore::kPoolBlockTokens * c.n_kv_heads * c.head_dim * 4;
+  kvstore::BlockPoolConfig pc;
+  pc.n_kv_heads = c.n_kv_heads;
+  pc.head_dim = c.head_dim;
+  pc.device_bytes = device_blocks * bb;
+  pc.host_bytes = host_blocks * bb;
+  pc.disk_bytes = disk_blocks * bb;
+  pc.disk_dir = dir;
+  auto p = kvstore::BlockPool::create(pc);
+  ASSERT_OK(p.status());
+  kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
+  tc.fast = kvstore::Tier::kDevice;
+  auto t = kvstore::TieredKv::create(p->get(), tc);
+  ASSERT_OK(t.status());
+  *pool = std::move(p).value();
+  *tk = std::move(t).value();
+}
+
 // ---- KV tiering from device memory: the sink queues each layer's blocks on the forward's copy
 // stream (its device share device to device, the rest to pinned host) and places them when the
 // importance lands. The run keeps no host KV of its own (keep_kv off), so the only host copy is
@@ -840,18 +864,10 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   ASSERT_OK(dm.status());
   const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
   const int64_t row = int64_t(c.n_kv_heads) * c.head_dim;
-  const int64_t block_bytes = int64_t(2) * kvstore::kPoolBlockTokens * row * int64_t(sizeof(float));
-  kvstore::BlockPoolConfig pc;
-  pc.n_kv_heads = c.n_kv_heads;
-  pc.head_dim = c.head_dim;
-  pc.device_bytes = 3 * c.n_layers * block_bytes;
-  pc.host_bytes = c.n_layers * n_blocks * block_bytes;
-  auto pool = kvstore::BlockPool::create(pc);
-  ASSERT_OK(pool.status());
-  kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
-  tc.fast = kvstore::Tier::kDevice;
-  auto tk = kvstore::TieredKv::create(pool->get(), tc);
-  ASSERT_OK(tk.status());
+  std::unique_ptr<kvstore::BlockPool> pool;
+  std::unique_ptr<kvstore::TieredKv> tk;
+  make_device_tiering(c, 3 * c.n_layers, c.n_layers * n_blocks, 0, "", &pool, &tk);
+  ASSERT_TRUE(pool && tk);
 
   // Progress reaches the caller once a layer, in order, on every path: keeping the KV, the sink,
   // and neither.
@@ -866,7 +882,7 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   done.clear();
   PrefillOptions opt = full_options();
   opt.keep_kv = false;
-  opt.on_layer_kv_device = (*tk)->device_sink();
+  opt.on_layer_kv_device = tk->device_sink();
   opt.on_layer_done = kept.on_layer_done;
   auto gpu = prefill_device(dm.value(), ref.tokens, opt);
   ASSERT_OK(gpu.status());
@@ -883,31 +899,31 @@ TEST_F(GpuForward, TieredKvFromDeviceDuringGpuPrefill) {
   EXPECT_EQ(std::memcmp(gpu->logits.data(), plain->logits.data(), gpu->logits.size() * 4), 0);
   EXPECT_EQ(gpu->kv_peak_bytes, 0) << "no host KV besides the pool's";
   ASSERT_EQ(gpu->importance.size(), size_t(c.n_layers));
-  std::vector<float> kb(size_t((*pool)->half_floats())), vb(kb.size());
+  std::vector<float> kb(size_t(pool->half_floats())), vb(kb.size());
   const int64_t tail = kTokens - (n_blocks - 1) * kvstore::kPoolBlockTokens;
   for (int l = 0; l < c.n_layers; ++l) {
-    expect_tiered_layer(**tk, l, plain.value(), gpu.value(), c.n_kv_heads, 3);
-    ASSERT_OK((*pool)->read((*tk)->blocks(l).back(), kb.data(), vb.data()));
+    expect_tiered_layer(*tk, l, plain.value(), gpu.value(), c.n_kv_heads, 3);
+    ASSERT_OK(pool->read(tk->blocks(l).back(), kb.data(), vb.data()));
     int64_t nonzero = 0;
     for (int64_t i = tail * row; i < int64_t(kb.size()); ++i)
       nonzero += (kb[size_t(i)] != 0.f) + (vb[size_t(i)] != 0.f);
     EXPECT_EQ(nonzero, 0) << "layer " << l << ": the partial last block's padding";
-    const auto& sc = (*tk)->scores(l);
+    const auto& sc = tk->scores(l);
     // Sink, window and the best-scored other block are the ones on the device.
     int64_t best = 1;
     for (int64_t b = 2; b + 1 < n_blocks; ++b)
       if (sc[size_t(b)] > sc[size_t(best)]) best = b;
     for (int64_t b = 0; b < n_blocks; ++b) {
-      auto t = (*pool)->tier_of((*tk)->blocks(l)[size_t(b)]);
+      auto t = pool->tier_of(tk->blocks(l)[size_t(b)]);
       ASSERT_OK(t.status());
       const bool hot = b == 0 || b == n_blocks - 1 || b == best;
       EXPECT_EQ(*t, hot ? kvstore::Tier::kDevice : kvstore::Tier::kHost)
           << "layer " << l << " block " << b;
     }
   }
-  const kvstore::TierStats d = (*pool)->stats(kvstore::Tier::kDevice);
+  const kvstore::TierStats d = pool->stats(kvstore::Tier::kDevice);
   EXPECT_EQ(d.blocks, 3 * c.n_layers);
-  EXPECT_EQ((*pool)->stats(kvstore::Tier::kHost).blocks, (n_blocks - 3) * c.n_layers);
+  EXPECT_EQ(pool->stats(kvstore::Tier::kHost).blocks, (n_blocks - 3) * c.n_layers);
   EXPECT_EQ(d.demoted_out, d.promoted_in);  // each layer swaps within its own share
   std::cout << "  tiered from device memory: " << d.blocks << " device blocks, "
             << (n_blocks - 3) * c.n_layers << " pinned host blocks, " << d.demoted_out
@@ -947,21 +963,7 @@ TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
   const auto make = [&](int64_t host_blocks, int64_t disk_blocks,
                         std::unique_ptr<kvstore::BlockPool>* pool,
                         std::unique_ptr<kvstore::TieredKv>* tk) {
-    kvstore::BlockPoolConfig pc;
-    pc.n_kv_heads = c.n_kv_heads;
-    pc.head_dim = c.head_dim;
-    pc.device_bytes = dev * c.n_layers * bb;
-    pc.host_bytes = host_blocks * bb;
-    pc.disk_bytes = disk_blocks * bb;
-    pc.disk_dir = dir;
-    auto p = kvstore::BlockPool::create(pc);
-    ASSERT_OK(p.status());
-    kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
-    tc.fast = kvstore::Tier::kDevice;
-    auto t = kvstore::TieredKv::create(p->get(), tc);
-    ASSERT_OK(t.status());
-    *pool = std::move(p).value();
-    *tk = std::move(t).value();
+    make_device_tiering(c, dev * c.n_layers, host_blocks, disk_blocks, dir, pool, tk);
   };
   const int64_t host_blocks = keep * c.n_layers + 2 * landing + 1;
   const int64_t disk_blocks = cold * c.n_layers;
