@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
       "\"tiered_over_plain\": %.4f, \"hostkv_over_plain\": %.4f, \"place_host_s\": %.4f, "
       "\"device_blocks\": %lld, \"host_blocks\": %lld, \"swapped_per_run\": %.1f, "
       "\"host_budget_blocks\": %lld, \"host_keep_per_layer\": %lld, \"disk_blocks\": %lld, "
-      "\"to_disk_per_run\": %.1f, \"to_disk_GBps\": %.2f, "
+      "\"to_disk_per_run\": %.1f, \"to_disk_GBps\": %.2f, \"host_wait_s_per_run\": %.4f, "
       "\"written_off_device_GBps\": %.2f, \"byte_exact\": %s}\n",
       dm->device_name().c_str(), sf::bench::source_commit().c_str(),
       sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
       static_cast<long long>(host_frac < 1 ? (*tk)->host_keep(S) : nb - dev_blocks / layers),
       static_cast<long long>(k.blocks), double(h.demoted_out) / double(runs),
       // The last run's blocks to disk over its wall time (the drain overlaps the compute).
-      double(k.blocks) * double(bb) / t_tiered / 1e9,
+      double(k.blocks) * double(bb) / t_tiered / 1e9, (*tk)->host_wait_seconds() / double(runs),
       // Bytes that left the device per tiered run (spilled blocks' copies plus demotions) over
       // the tiered run's wall time: the copy stream's average rate beside the compute.
       (double(h.blocks + k.blocks) * double(bb)) / t_tiered / 1e9, exact ? "true" : "false");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -324,6 +325,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
                   std::to_string(kMaxInflight) + " layers' landings of " +
                   std::to_string(host_blocks) + " blocks plus one (see check_device_room)");
     const int64_t bb = pool_->block_bytes();
+    const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lk(drain_->mu);
     drain_->keep = keep;
     drain_->cv.wait(lk, [&] {
@@ -331,6 +333,8 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
       return !drain_->error.is_ok() || (h.capacity_bytes - h.used_bytes) / bb > host_blocks ||
              (drain_->queue.empty() && drain_->current < 0);
     });
+    host_wait_s_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     SF_TRY(drain_->error);
   }
   Result<std::vector<BlockId>> got = pool_->alloc_batch(where, Tier::kHost);
@@ -494,6 +498,15 @@ Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg) {
     SF_TRY(reg->set("sparsefill_kv_pool_bytes_moved_total", up, double(s.bytes_up_out)));
   }
   return Status::ok();
+}
+
+Status tiering_metrics_export(const TieredKv& tiered, const BlockPool& pool, MetricsRegistry* reg) {
+  SF_TRY(pool_metrics_export(pool, reg));
+  SF_TRY(reg->add_family("sparsefill_kv_tiering_host_wait_seconds_total", MetricKind::kCounter,
+                         "Seconds the device forward's KV tiering waited for host room while "
+                         "cold blocks drained to disk."));
+  return reg->set("sparsefill_kv_tiering_host_wait_seconds_total", {},
+                  tiered.host_wait_seconds());
 }
 
 Result<int64_t> parse_byte_size(const std::string& s, const std::string& what) {

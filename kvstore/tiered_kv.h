@@ -101,6 +101,9 @@ class TieredKv {
   const PlacementResult& placement(int layer) const { return placed_[size_t(layer)]; }
   // Blocks of the layer the background demoted from host to disk (read after wait_drained()).
   int64_t drained(int layer) const { return drained_[size_t(layer)]; }
+  // Seconds enqueue_device() waited for the drain to free host room, over this object's life:
+  // how long the disk held the forward back.
+  double host_wait_seconds() const { return host_wait_s_; }
 
  private:
   TieredKv() = default;
@@ -123,6 +126,7 @@ class TieredKv {
   std::vector<std::vector<float>> scores_;
   std::vector<PlacementResult> placed_;
   std::vector<int64_t> drained_;
+  double host_wait_s_ = 0;
   std::vector<float> kbuf_, vbuf_;  // one block, zero-padded past the last token
 };
 
@@ -137,6 +141,8 @@ float block_score(std::span<const float> importance, int n_kv_heads, int64_t n_t
 // sparsefill_kv_pool_bytes_moved_total{tier,direction}, sparsefill_kv_pool_spilled_total{tier},
 // sparsefill_kv_pool_full_refusals_total{tier}, sparsefill_kv_pool_io_errors_total{tier}.
 Status pool_metrics_export(const BlockPool& pool, MetricsRegistry* reg);
+// The pool's metrics plus sparsefill_kv_tiering_host_wait_seconds_total (host_wait_seconds()).
+Status tiering_metrics_export(const TieredKv& tiered, const BlockPool& pool, MetricsRegistry* reg);
 
 // `--kv-pool host=BYTES,disk=DIR[:BYTES]` (fast tier host, cold blocks to disk) or
 // `--kv-pool device=BYTES,host=BYTES[,disk=DIR[:BYTES]]` (the device forward's: fast tier

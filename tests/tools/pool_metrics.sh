@@ -21,5 +21,7 @@ done
 [ "$(m 'sparsefill_kv_pool_spilled_total{tier="disk"}')" = "$(m 'sparsefill_kv_pool_blocks{tier="disk"}')" ] || fail "disk spills"
 [ "$(m 'sparsefill_kv_pool_capacity_bytes{tier="device"}')" = 0 ] || fail "device capacity"
 grep -q '^# TYPE sparsefill_kv_pool_bytes_moved_total counter$' "$tmp/pool.prom" || fail "TYPE line"
+# Host fast tier: nothing drains in the background, so the forward never waited for host room.
+[ "$(m 'sparsefill_kv_tiering_host_wait_seconds_total')" = 0 ] || fail "host wait"
 ! ls "$tmp" | grep -q '\.tmp' || fail "temporary file left: $(ls "$tmp")"
 echo "ok"

@@ -157,7 +157,7 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
     const std::string log = testing::slurp((dir / "gpu-dense3.log").string());
     std::smatch pm;
     const std::regex pool_re("kv pool: device ([0-9]+) blocks .*host ([0-9]+) blocks .*disk ([0-9]+) blocks "
-                             ".*host->disk ([0-9]+);");
+                             ".*host->disk ([0-9]+) \\(the forward waited [0-9.]+ s for host room\\);");
     ASSERT_TRUE(std::regex_search(log, pm, pool_re)) << log;
     std::printf("  gpu-dense three tiers: device %s, host %s, disk %s blocks (%s drained)\n", pm[1].str().c_str(),
                 pm[2].str().c_str(), pm[3].str().c_str(), pm[4].str().c_str());

@@ -376,7 +376,8 @@ int cmd_prefill(int argc, char** argv) {
     std::printf(" moved %s->%s %lld, %s->%s %lld blocks", fn, cn, static_cast<long long>(h.demoted_out), cn, fn,
                 static_cast<long long>(h.promoted_in));
     if (fast == kvstore::Tier::kDevice && !kv_pool->disk_dir.empty())
-      std::printf(", host->disk %lld", static_cast<long long>(pool->stats(kvstore::Tier::kHost).demoted_out));
+      std::printf(", host->disk %lld (the forward waited %.3f s for host room)",
+                  static_cast<long long>(pool->stats(kvstore::Tier::kHost).demoted_out), tiered->host_wait_seconds());
     std::printf("; the forward held at most %lld bytes of KV\n", static_cast<long long>(r.kv_peak_bytes));
   }
   if (a.has("export-kv")) {
@@ -438,7 +439,7 @@ int cmd_prefill(int argc, char** argv) {
   // operator the numbers, not the user the export (a warning, exit 0).
   if (pool && !metrics_file.empty()) {
     MetricsRegistry reg;
-    Status st = kvstore::pool_metrics_export(*pool, &reg);
+    Status st = kvstore::tiering_metrics_export(*tiered, *pool, &reg);
     if (st.is_ok()) st = reg.write_textfile(metrics_file);
     if (st.is_ok())
       std::printf("kv pool metrics: %s\n", metrics_file.c_str());
