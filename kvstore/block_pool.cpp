@@ -133,6 +133,10 @@ Status BlockPool::write_from_device_async(std::span<const BlockId>, const float*
                                           int64_t, void*) {
   return SF_ERR(kUnsupported, "block pool: writes from device memory need a CUDA build");
 }
+Status BlockPool::read_to_device_async(std::span<const BlockId>, float*, float*, int64_t,
+                                       void*) const {
+  return SF_ERR(kUnsupported, "block pool: reads into device memory need a CUDA build");
+}
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t, int64_t) {
   return SF_ERR(kUnsupported, "block pool: device tier needs a CUDA build (device_bytes > 0)");
 }

@@ -90,6 +90,13 @@ class BlockPool {
   // nothing in flight. CUDA builds only (kUnsupported otherwise).
   Status write_from_device_async(std::span<const BlockId> ids, const float* k, const float* v,
                                  int64_t n_rows, void* stream);
+  // The inverse: rows [0, n_rows) of k and v (device memory, [n_rows, n_kv_heads, head_dim] F32
+  // each) from blocks ids (ids.size() blocks cover n_rows; a partial last block gives its first
+  // rows), queued on `stream` and not waited for. Blocks must be live, on the device or host tier
+  // (pinned host copies by DMA), and must not move or be freed before the stream has passed the
+  // copies: pin them. Every block is checked before anything is queued. CUDA builds only.
+  Status read_to_device_async(std::span<const BlockId> ids, float* k, float* v, int64_t n_rows,
+                              void* stream) const;
   Result<Tier> tier_of(BlockId id) const;
 
   // Refcounted: a block with pins > 0 is not moved by move()/place() and cannot be freed.

@@ -133,6 +133,55 @@ Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const fl
   return st;
 }
 
+Status BlockPool::read_to_device_async(std::span<const BlockId> ids, float* k, float* v,
+                                       int64_t n_rows, void* stream) const {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_ENSURE(k && v, kInvalidArgument, "block pool: read_to_device_async with null k or v");
+  SF_ENSURE(n_rows > 0 && int64_t(ids.size()) == (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens,
+            kInvalidArgument,
+            "block pool: " + std::to_string(ids.size()) + " blocks for " +
+                std::to_string(n_rows) + " rows");
+  std::vector<const char*> src(ids.size());
+  for (size_t b = 0; b < ids.size(); ++b) {
+    SF_TRY(check_id(ids[b]));
+    const Entry& e = entries_[size_t(ids[b])];
+    const TierStore& ts = *store_[size_t(e.tier)];
+    src[b] = e.tier == int(Tier::kDevice) ? ts.device_ptr(e.slot) : ts.host_ptr(e.slot);
+    if (!src[b] || e.tier == int(Tier::kDisk))
+      return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is on the " +
+                                          tier_name(Tier(e.tier)) +
+                                          " tier; reads into device memory come from device or host");
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const size_t half = size_t(block_bytes_ / 2);
+  const auto queue = [&]() -> Status {
+    // Runs of blocks whose slots follow each other in one tier: one 2-D copy for K, one for V.
+    for (int64_t b = 0; b < int64_t(ids.size());) {
+      const int64_t r0 = b * kPoolBlockTokens;
+      const bool partial = n_rows - r0 < kPoolBlockTokens;
+      int64_t r = 1;
+      while (!partial && b + r < int64_t(ids.size()) &&
+             n_rows - (b + r) * kPoolBlockTokens >= kPoolBlockTokens &&
+             src[size_t(b + r)] == src[size_t(b)] + r * block_bytes_)
+        ++r;
+      const size_t off = size_t(b) * half / sizeof(float);
+      const size_t width = partial ? size_t(n_rows - r0) * half / kPoolBlockTokens : half;
+      SF_TRY(cuda_status(cudaMemcpy2DAsync(k + off, half, src[size_t(b)], size_t(block_bytes_),
+                                           width, size_t(r), cudaMemcpyDefault, s),
+                         "read into device (K)"));
+      SF_TRY(cuda_status(cudaMemcpy2DAsync(v + off, half, src[size_t(b)] + half,
+                                           size_t(block_bytes_), width, size_t(r),
+                                           cudaMemcpyDefault, s),
+                         "read into device (V)"));
+      b += r;
+    }
+    return Status::ok();
+  };
+  const Status st = queue();
+  if (!st.is_ok()) (void)cudaStreamSynchronize(s);
+  return st;
+}
+
 Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t block_bytes) {
   if (!cuda_usable())
     return SF_ERR(kUnsupported, "block pool: device tier: no usable CUDA device (device_bytes > 0)");

@@ -103,6 +103,43 @@ Status PrefixCache::read(const std::string& model_id, std::span<const int32_t> t
   return Status::ok();
 }
 
+Result<std::vector<std::vector<BlockId>>> PrefixCache::pin_blocks(
+    const std::string& model_id, std::span<const int32_t> tokens, int64_t n_tokens) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (n_tokens <= 0 || n_tokens % kPoolBlockTokens != 0)
+    return SF_ERR(kInvalidArgument, "prefix cache: pin of " + std::to_string(n_tokens) +
+                                        " tokens, not a positive whole number of blocks");
+  const int64_t nb = n_tokens / kPoolBlockTokens;
+  const std::vector<uint64_t> keys = match(model_id, tokens, nb);
+  if (int64_t(keys.size()) < nb)
+    return SF_ERR(kNotFound, "prefix cache: only " +
+                                 std::to_string(keys.size() * kPoolBlockTokens) + " of the " +
+                                 std::to_string(n_tokens) + " requested prefix tokens are cached");
+  std::vector<std::vector<BlockId>> out(static_cast<size_t>(n_layers_));
+  for (uint64_t key : keys) {
+    const Entry& e = map_.at(key);
+    for (int l = 0; l < n_layers_; ++l) {
+      const Status st = pool_->pin(e.blocks[size_t(l)]);
+      if (!st.is_ok()) {
+        (void)unpin_blocks(out);
+        return st;
+      }
+      out[size_t(l)].push_back(e.blocks[size_t(l)]);
+    }
+  }
+  return out;
+}
+
+Status PrefixCache::unpin_blocks(const std::vector<std::vector<BlockId>>& blocks) {
+  Status first;
+  for (const auto& layer : blocks)
+    for (BlockId id : layer) {
+      const Status st = pool_->unpin(id);
+      if (first.is_ok() && !st.is_ok()) first = st;
+    }
+  return first;
+}
+
 void PrefixCache::evict_one() {
   const uint64_t k = lru_.back();
   lru_.pop_back();

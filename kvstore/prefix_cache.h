@@ -55,6 +55,14 @@ class PrefixCache {
   // 0..n_tokens-1 of every layer. Blocks are pinned while they are read.
   Status read(const std::string& model_id, std::span<const int32_t> tokens, int64_t n_tokens,
               const KvRows& dst);
+  // The pool blocks of the first n_tokens (a cached prefix, as lookup returned), each pinned:
+  // result[layer] in position order, for a reader that copies them itself (the device prefill,
+  // BlockPool::read_to_device_async). kNotFound when part of the prefix is gone. Give them back
+  // with unpin_blocks() before the next insert: eviction cannot free a pinned block.
+  Result<std::vector<std::vector<BlockId>>> pin_blocks(const std::string& model_id,
+                                                       std::span<const int32_t> tokens,
+                                                       int64_t n_tokens);
+  Status unpin_blocks(const std::vector<std::vector<BlockId>>& blocks);
   // Caches every whole block of `tokens` not cached yet; src holds at least those rows. Evicts
   // LRU entries to fit the budget. A block that fits neither the budget nor the pool ends the
   // insert with kResourceExhausted (what was inserted before it stays).
@@ -63,6 +71,7 @@ class PrefixCache {
   PrefixCacheStats stats() const;
   int64_t entry_bytes() const;
   int n_layers() const { return n_layers_; }
+  BlockPool* pool() const { return pool_; }
   int64_t floats_per_token() const { return pool_->half_floats() / kPoolBlockTokens; }
 
  private:

@@ -4,12 +4,19 @@
 
 namespace sf::kvstore {
 
-Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, PrefixCache* cache,
-                                                       const std::string& model_id,
-                                                       std::span<const int32_t> tokens,
-                                                       const PrefixPrefillOptions& opt,
-                                                       PrefixPrefillStats* stats) {
-  const model::ModelConfig& c = m.config();
+#ifndef SF_KV_CUDA
+Result<model::PrefillResult> prefill_with_prefix_cache_device(const model::DeviceModel&,
+                                                              PrefixCache*, const std::string&,
+                                                              std::span<const int32_t>,
+                                                              const PrefixPrefillOptions&,
+                                                              PrefixPrefillStats*) {
+  return SF_ERR(kUnsupported, "prefix prefill on the device needs a CUDA build");
+}
+#endif
+
+Result<int64_t> prefix_lookup(PrefixCache* cache, const model::ModelConfig& c,
+                              const std::string& model_id, std::span<const int32_t> tokens,
+                              int64_t min_suffix) {
   SF_ENSURE(cache != nullptr, kInvalidArgument, "prefix prefill: null cache");
   SF_ENSURE(!tokens.empty(), kInvalidArgument, "prefix prefill: empty prompt");
   if (cache->n_layers() != c.n_layers ||
@@ -19,10 +26,20 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
                       " layers, " + std::to_string(cache->floats_per_token()) +
                       " floats per token) does not match the model (" + std::to_string(c.n_layers) +
                       ", " + std::to_string(int64_t(c.n_kv_heads) * c.head_dim) + ")");
-  const int64_t S = int64_t(tokens.size());
   // Leave at least one token to compute (the first generated token needs its logits), or the
   // caller's min_suffix.
-  int64_t P = cache->lookup(model_id, tokens, std::max<int64_t>(0, S - std::max<int64_t>(1, opt.min_suffix)));
+  const int64_t S = int64_t(tokens.size());
+  return cache->lookup(model_id, tokens, std::max<int64_t>(0, S - std::max<int64_t>(1, min_suffix)));
+}
+
+Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, PrefixCache* cache,
+                                                       const std::string& model_id,
+                                                       std::span<const int32_t> tokens,
+                                                       const PrefixPrefillOptions& opt,
+                                                       PrefixPrefillStats* stats) {
+  const model::ModelConfig& c = m.config();
+  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens, opt.min_suffix));
+  const int64_t S = int64_t(tokens.size());
   model::PrefillResult res;
   model::KvCache& kv = res.kv;
   if (P > 0) {

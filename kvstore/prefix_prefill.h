@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "kvstore/prefix_cache.h"
+#include "worker/model/device_model.h"
 #include "worker/model/model.h"
 
 namespace sf::kvstore {
@@ -36,5 +37,24 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
                                                        std::span<const int32_t> tokens,
                                                        const PrefixPrefillOptions& opt,
                                                        PrefixPrefillStats* stats = nullptr);
+
+// Checks the cache's geometry against the model and returns the cached prefix's length: whole
+// blocks, leaving at least max(1, min_suffix) tokens to compute. Shared by both paths.
+Result<int64_t> prefix_lookup(PrefixCache* cache, const model::ModelConfig& c,
+                              const std::string& model_id, std::span<const int32_t> tokens,
+                              int64_t min_suffix);
+
+// The same on the device forward (CUDA builds; one GPU, the whole model, dense attention). On a
+// hit the plan is a one-rank DeviceShard whose only piece is the suffix [P, S): each layer's
+// exchange fills the attention's K/V with the prefix rows, copied from the cache's pool blocks
+// (device to device on a device tier: BlockPool::read_to_device_async) and cast to the
+// attention's dtype, then the suffix's own rows. The prefix's blocks stay pinned for the run.
+// The result's KV is the whole prompt's (the prefix rows read back from the cache), as the CPU
+// path's; its logits and importance are the suffix run's. A miss is a plain device prefill.
+// Plans per call (length-specific shapes); opt.prefill.sparse is refused.
+Result<model::PrefillResult> prefill_with_prefix_cache_device(
+    const model::DeviceModel& dm, PrefixCache* cache, const std::string& model_id,
+    std::span<const int32_t> tokens, const PrefixPrefillOptions& opt,
+    PrefixPrefillStats* stats = nullptr);
 
 }  // namespace sf::kvstore

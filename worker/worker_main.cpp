@@ -63,7 +63,7 @@ const char* kUsage =
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "f32|bf16|int8|int4|HIGH+LOW]\n"
-    "                  [--prefix-cache BYTES]  (CPU, TP = CP = 1, dense)\n";
+    "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
 
 struct Options {
   std::string model, batch, out, attention = "dense";
@@ -197,11 +197,10 @@ Result<Options> parse_options(int argc, char** argv) {
     SF_ASSIGN(o.prefix_cache_bytes, kvstore::parse_byte_size(kv["prefix-cache"], "--prefix-cache"));
     // Another rank's prefix would need its KV moved, and the sparse estimators score the rows a
     // call computes, so a hit's index would not be a full prefill's.
-    if (o.prefix_cache_bytes <= 0 || o.device != "cpu" || o.tp != 1 || o.cp != 1 ||
-        o.attention != "dense")
+    if (o.prefix_cache_bytes <= 0 || o.tp != 1 || o.cp != 1 || o.attention != "dense")
       return SF_ERR(kInvalidArgument,
-                    "--prefix-cache needs a positive size, --device cpu, --tp 1 --cp 1 and dense "
-                    "attention (each rank then serves its own requests from its own cache)");
+                    "--prefix-cache needs a positive size, --tp 1 --cp 1 and dense attention "
+                    "(each rank then serves its own requests from its own cache)");
   }
   o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
   return o;
@@ -738,7 +737,9 @@ int run(int argc, char** argv) {
   };
   int64_t k = 0;
   bool first_request = true;
-  // --prefix-cache: this rank's pool (host memory, the budget's bytes) and cache over it.
+  // --prefix-cache: this rank's pool (the budget's bytes: host memory, or device memory with
+  // --device cuda, where a hit's prefix rows then reach the attention device to device) and
+  // cache over it.
   std::unique_ptr<kvstore::BlockPool> prefix_pool;
   std::unique_ptr<kvstore::PrefixCache> prefix;
   int64_t prefix_reused_total = 0;
@@ -746,7 +747,7 @@ int run(int argc, char** argv) {
     kvstore::BlockPoolConfig pc;
     pc.n_kv_heads = cfg.n_kv_heads;
     pc.head_dim = cfg.head_dim;
-    pc.host_bytes = o.prefix_cache_bytes;
+    (dmodel ? pc.device_bytes : pc.host_bytes) = o.prefix_cache_bytes;
     auto p = kvstore::BlockPool::create(pc);
     if (!p.is_ok()) fatal(p.status());
     prefix_pool = std::move(p).value();
@@ -819,22 +820,9 @@ int run(int argc, char** argv) {
     first_request = false;
     Result<runtime::ParallelResult> pr = SF_ERR(kInternal, "not run");
     int64_t reused_tokens = 0;  // from the prefix cache
-    if (dmodel) {
-      // Planned per request (length-specific shapes); one rank's plan failure is the group's.
-      model::PrefillOptions dopt;
-      dopt.chunk = o.chunk;
-      dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
-      dopt.sparse = po.sparse;
-      dopt.importance_window = po.importance_window;
-      dopt.importance_pool = po.importance_pool;
-      dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
-      auto plan =
-          runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
-      const Status ok = agree(*g.group_comm, plan.status());
-      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
-      pr = ok.is_ok() ? plan.value().run(r.tokens) : Result<runtime::ParallelResult>(ok);
-    } else if (prefix) {
-      // This rank alone (a group of one): the cached prefix's K/V, model::extend on the rest.
+    if (prefix) {
+      // This rank alone (a group of one): the cached prefix's K/V, the forward on the rest
+      // (model::extend on the CPU; a one-piece shard on the device).
       // The importance window's rows are always computed, so a hit scores as a full prefill.
       kvstore::PrefixPrefillOptions ppo;
       ppo.prefill.chunk = o.chunk;
@@ -842,7 +830,9 @@ int run(int argc, char** argv) {
       ppo.prefill.importance_window = po.importance_window;
       ppo.prefill.importance_pool = po.importance_pool;
       ppo.min_suffix = std::max(1, po.importance_window);
-      if (po.on_layer)  // fault injection (tests): at the layer's end here, not its start
+      if (dmodel)
+        ppo.prefill.on_layer_done = po.on_layer;  // progress and fault injection
+      else if (po.on_layer)  // fault injection (tests): at the layer's end here, not its start
         ppo.prefill.on_layer_kv = [&](int l, const TensorView&, const TensorView&,
                                       std::span<const float>) {
           po.on_layer(l);
@@ -850,8 +840,10 @@ int run(int argc, char** argv) {
         };
       kvstore::PrefixPrefillStats pst;
       const auto t0 = std::chrono::steady_clock::now();
-      auto hr = kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat, r.tokens, ppo,
-                                                   &pst);
+      auto hr = dmodel ? kvstore::prefill_with_prefix_cache_device(
+                             *dmodel, prefix.get(), model_compat, r.tokens, ppo, &pst)
+                       : kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat,
+                                                            r.tokens, ppo, &pst);
       if (hr.is_ok()) {
         runtime::ParallelResult out;
         out.first_token = hr->first_token;
@@ -872,6 +864,20 @@ int run(int argc, char** argv) {
       } else {
         pr = hr.status();
       }
+    } else if (dmodel) {
+      // Planned per request (length-specific shapes); one rank's plan failure is the group's.
+      model::PrefillOptions dopt;
+      dopt.chunk = o.chunk;
+      dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
+      dopt.sparse = po.sparse;
+      dopt.importance_window = po.importance_window;
+      dopt.importance_pool = po.importance_pool;
+      dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
+      auto plan =
+          runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
+      const Status ok = agree(*g.group_comm, plan.status());
+      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+      pr = ok.is_ok() ? plan.value().run(r.tokens) : Result<runtime::ParallelResult>(ok);
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }

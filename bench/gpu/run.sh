@@ -44,6 +44,9 @@
 #                  (sf_bench_kv_tiering_prefill), one JSON line each into
 #                  tiering-prefill-<gpu>.jsonl; host_frac < 1 adds a disk tier (a temporary
 #                  directory under TMPDIR, removed after) for what the host does not hold
+#   SF_PREFIX_DEVICE  "tokens:prefix:layers" items (e.g. "32768:28672:8"): the prefix cache on the
+#                  device (sf_bench_prefix_device) against full prefills of the same prompts, one
+#                  JSON line each into prefix-device-<gpu>.jsonl (SF_PREFIX_REPS, default 3)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -465,6 +468,19 @@ if [[ -n "${SF_TIERING_PREFILL:-}" ]]; then
     [[ -n "$t_host" ]] && rm -rf "$t_dir"
   done
   notes+=("$(cut -c1-600 "$tj")")
+fi
+
+if [[ -n "${SF_PREFIX_DEVICE:-}" ]]; then
+  pj="$out/prefix-device-$(gpu_slug).jsonl"
+  : >"$pj"
+  for item in $SF_PREFIX_DEVICE; do
+    IFS=: read -r p_tok p_pre p_lay <<<"$item"
+    if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_prefix_device" \
+         "$p_tok" "$p_pre" "$p_lay" "${SF_PREFIX_REPS:-3}" >>"$pj" 2>>"$logs/build.log"; then
+      fail "sf_bench_prefix_device $item failed (its stderr is at the end of build.log)"
+    fi
+  done
+  notes+=("$(cut -c1-600 "$pj")")
 fi
 
 if [[ "${SF_DIST:-0}" == 1 ]]; then

@@ -12,7 +12,9 @@
 // for two tiers (snapkv high=96 in int8, the rest of 256 in int4): a format-5 export written by
 // the ranks, each tier within its encoding's error of the CPU's full export. A fifth, of 50 tokens
 // (under a 64-token block a CP rank at CP 2, so each CP rank computes it whole and keeps its own
-// rows), must export as the CPU's on every grid.
+// rows), must export as the CPU's on every grid. With --prefix-cache on the GPU the lines "r"
+// and "t" (a's tokens again) reuse a's 640 cached tokens from device memory: 1,280 tokens
+// reused, and every export of full retention equals the cacheless GPU run's within 1e-2 x max.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -200,6 +202,52 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
         grid.c_str(), terr / tden);
     EXPECT_LE(terr / tden, 0.1) << grid;
     EXPECT_GT(terr / tden, 1e-3) << grid << ": the two tiers' rows are not encoded";
+  }
+  {
+    // The prefix cache on the GPU: one rank, a device-memory cache.
+    const std::string out = (dir / "gpu-prefix").string(), log = out + ".log";
+    ASSERT_EQ(run(mpiexec + " --oversubscribe -np 1 " + worker + common +
+                      " --device cuda --prefix-cache 64M --out " + out,
+                  log),
+              0)
+        << slurp(log);
+    EXPECT_NE(slurp(log).find("prefix cache: 1280 prompt tokens reused"), std::string::npos)
+        << slurp(log);
+    for (const std::string id : {"a", "b", "s"}) {
+      auto g = decode::load_kv_export(out + "/" + id, hash);
+      auto p = decode::load_kv_export((dir / "gpu-cp1").string() + "/" + id, hash);
+      ASSERT_TRUE(g.is_ok() && p.is_ok()) << id;
+      double num = 0, den = 0;
+      for (int l = 0; l < 2; ++l)
+        for (int h = 0; h < 2; ++h) {
+          const auto& a = g->head(l, h);
+          const auto& b = p->head(l, h);
+          ASSERT_EQ(a.positions, b.positions);
+          for (size_t i = 0; i < a.k.size(); ++i) {
+            num = std::max(
+                {num, double(std::fabs(a.k[i] - b.k[i])), double(std::fabs(a.v[i] - b.v[i]))});
+            den = std::max({den, double(std::fabs(b.k[i])), double(std::fabs(b.v[i]))});
+          }
+        }
+      std::printf("  worker --prefix-cache %s: K/V vs the cacheless GPU run max |diff| / max = %.3g\n",
+                  id.c_str(), num / den);
+      EXPECT_LE(num / den, 1e-2) << id;
+    }
+    // r's kept rows (a's prefix reused, the rest computed) against the CPU's full export of a.
+    auto g = decode::load_kv_export(out + "/r", hash);
+    auto ca = decode::load_kv_export((dir / "cpu").string() + "/a", hash);
+    ASSERT_TRUE(g.is_ok() && ca.is_ok());
+    double num = 0, den = 0;
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < 2; ++h) {
+        ASSERT_EQ(g->head(l, h).positions.size(), 256u);
+        const auto [e, m] = kept_rows_err(g->head(l, h), ca->head(l, h), 64);
+        num = std::max(num, e);
+        den = std::max(den, m);
+      }
+    std::printf("  worker --prefix-cache r: kept rows vs CPU full max |diff| / max = %.3g\n",
+                num / den);
+    EXPECT_LE(num / den, 1e-2);
   }
   std::error_code ec;
   fs::remove_all(dir, ec);

@@ -205,7 +205,7 @@ PY
     done
     run 2 --model default --cp 2 --prefix-cache 64M --batch "$tmp/prefix.jsonl" --out "$tmp/bad"
     [ "$rc" -eq 2 ] || fail "--prefix-cache with --cp 2: exit $rc, want 2"
-    errors | grep -q "^error: --prefix-cache needs a positive size, --device cpu, --tp 1 --cp 1" || fail "message"
+    errors | grep -q "^error: --prefix-cache needs a positive size, --tp 1 --cp 1 and dense attention" || fail "message"
     ;;
   world)
     run 3 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -29,6 +29,8 @@
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kvstore/block_pool.h"
+#include "kvstore/prefix_cache.h"
+#include "kvstore/prefix_prefill.h"
 #include "kvstore/tiered_kv.h"
 #include "tests/common/logit_rows.h"
 #include "tests/common/test_seed.h"
@@ -825,12 +827,10 @@ TEST_F(GpuForward, PoolWritesFromDeviceMemory) {
   cudaStreamDestroy(s);
 }
 
-// A pool of the model's KV blocks (budgets in blocks; disk_blocks > 0 needs dir) and a TieredKv
-// over it with the device as the fast tier.
-void make_device_tiering(const ModelConfig& c, int64_t device_blocks, int64_t host_blocks,
-                         int64_t disk_blocks, const std::string& dir,
-                         std::unique_ptr<kvstore::BlockPool>* pool,
-                         std::unique_ptr<kvstore::TieredKv>* tk) {
+// A pool of the model's KV blocks (budgets in blocks; disk_blocks > 0 needs dir).
+void make_pool(const ModelConfig& c, int64_t device_blocks, int64_t host_blocks,
+               int64_t disk_blocks, const std::string& dir,
+               std::unique_ptr<kvstore::BlockPool>* pool) {
   const int64_t bb = int64_t(2) * kvstore::kPoolBlockTokens * c.n_kv_heads * c.head_dim * 4;
   kvstore::BlockPoolConfig pc;
   pc.n_kv_heads = c.n_kv_heads;
@@ -841,11 +841,20 @@ void make_device_tiering(const ModelConfig& c, int64_t device_blocks, int64_t ho
   pc.disk_dir = dir;
   auto p = kvstore::BlockPool::create(pc);
   ASSERT_OK(p.status());
+  *pool = std::move(p).value();
+}
+
+// ... and a TieredKv over it with the device as the fast tier.
+void make_device_tiering(const ModelConfig& c, int64_t device_blocks, int64_t host_blocks,
+                         int64_t disk_blocks, const std::string& dir,
+                         std::unique_ptr<kvstore::BlockPool>* pool,
+                         std::unique_ptr<kvstore::TieredKv>* tk) {
+  make_pool(c, device_blocks, host_blocks, disk_blocks, dir, pool);
+  ASSERT_TRUE(*pool);
   kvstore::TieredKvConfig tc{c.n_layers, c.n_kv_heads, c.head_dim};
   tc.fast = kvstore::Tier::kDevice;
-  auto t = kvstore::TieredKv::create(p->get(), tc);
+  auto t = kvstore::TieredKv::create(pool->get(), tc);
   ASSERT_OK(t.status());
-  *pool = std::move(p).value();
   *tk = std::move(t).value();
 }
 
@@ -1049,6 +1058,104 @@ TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+}
+
+// ---- The prefix cache on the device: prompt B shares its first 640 tokens (10 blocks) with A.
+// A runs first (a miss; its whole blocks go into a device-tier pool), then B hits: only its 200
+// other tokens are computed, the prefix's K/V reaching the attention device to device. Held to
+// B computed in full on the device: F32 weights, logits and every layer's K/V within 1e-5 (nerr;
+// the prefix rows come from A's run, whose GEMM chunks end elsewhere) and importance within
+// 1e-4; BF16 weights, logits within 1e-2 and top-1 equal unless the full run's top two are that
+// close. The bound sees the prefix rows: B's suffix after another cached prefix lands far
+// outside it. ------------------------------------------------------------------------------------
+TEST_F(GpuForward, PrefixCacheOnTheDeviceEqualsFullRecompute) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  const int64_t shared = 640;
+  std::vector<int32_t> a = ref.tokens;
+  std::vector<int32_t> b(ref.tokens.begin(), ref.tokens.begin() + shared);
+  std::mt19937_64 rng(base_seed() + 77);
+  for (int i = 0; i < 200; ++i) b.push_back(int32_t(rng() % uint64_t(c.vocab)));
+  const int64_t kvd = int64_t(c.n_kv_heads) * c.head_dim;
+  for (DType wd : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(wd == DType::kF32 ? "f32 weights" : "bf16 weights");
+    auto dm = DeviceModel::upload(ref.model, wd, 0);
+    ASSERT_OK(dm.status());
+    std::unique_ptr<kvstore::BlockPool> pool;
+    make_pool(c, 64 * c.n_layers, 0, 0, "", &pool);
+    ASSERT_TRUE(pool);
+    kvstore::PrefixCache cache(pool.get(), c.n_layers, 64 * c.n_layers * pool->block_bytes());
+    kvstore::PrefixPrefillOptions o;
+    o.prefill = full_options();
+    o.prefill.all_logits = false;
+    o.min_suffix = 32;
+    kvstore::PrefixPrefillStats st;
+    auto ra = kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "m", a, o, &st);
+    ASSERT_OK(ra.status());
+    EXPECT_EQ(st.reused_tokens, 0);
+    ASSERT_OK(st.insert_status);
+    EXPECT_EQ(cache.stats().entries, kTokens / 64);
+    EXPECT_EQ(pool->stats(kvstore::Tier::kDevice).blocks, (kTokens / 64) * c.n_layers);
+    auto rb = kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "m", b, o, &st);
+    ASSERT_OK(rb.status());
+    EXPECT_EQ(st.reused_tokens, shared);
+    EXPECT_EQ(st.computed_tokens, int64_t(b.size()) - shared);
+    PrefillOptions fo = full_options();
+    fo.all_logits = false;
+    auto full = prefill_device(dm.value(), b, fo);
+    ASSERT_OK(full.status());
+    ASSERT_EQ(rb->logits.size(), full->logits.size());
+    ASSERT_EQ(rb->kv.n_tokens, int64_t(b.size()));
+    const ErrStats le = compare(rb->logits.data(), full->logits.data(), full->logits.size());
+    const double bound = wd == DType::kF32 ? 1e-5 : 1e-2;
+    EXPECT_EQ(le.nonfinite, 0);
+    EXPECT_LT(le.nerr, bound);
+    double worst_kv = 0, worst_imp = 0;
+    for (int l = 0; l < c.n_layers; ++l) {
+      ASSERT_EQ(rb->kv.k[size_t(l)].size(), size_t(int64_t(b.size()) * kvd));
+      for (bool v : {false, true}) {
+        const auto& g = (v ? rb->kv.v : rb->kv.k)[size_t(l)];
+        const auto& f = (v ? full->kv.v : full->kv.k)[size_t(l)];
+        const ErrStats e = compare(g.data(), f.data(), f.size());
+        EXPECT_EQ(e.nonfinite, 0);
+        worst_kv = std::max(worst_kv, e.nerr);
+      }
+      ASSERT_EQ(rb->importance[size_t(l)].size(), full->importance[size_t(l)].size());
+      worst_imp = std::max(worst_imp, compare(rb->importance[size_t(l)].data(),
+                                              full->importance[size_t(l)].data(),
+                                              full->importance[size_t(l)].size())
+                                          .nerr);
+    }
+    EXPECT_LT(worst_kv, bound);
+    EXPECT_LT(worst_imp, wd == DType::kF32 ? 1e-4 : 2e-2);
+    // Top-1: equal unless the full run's top two logits are within the bound of each other.
+    const float* fl = full->logits.data();
+    std::vector<float> top(fl, fl + c.vocab);
+    std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+    if (double(top[0] - top[1]) > 2 * bound * std::abs(double(top[0])))
+      EXPECT_EQ(rb->first_token, full->first_token);
+    std::cout << "  prefix cache on the device (" << (wd == DType::kF32 ? "f32" : "bf16")
+              << "): " << st.reused_tokens << " of " << b.size()
+              << " tokens reused; logits nerr " << le.nerr << ", kv nerr " << worst_kv
+              << ", importance nerr " << worst_imp << "; hit run " << rb->seconds
+              << " s, full run " << full->seconds << " s\n";
+    if (wd == DType::kF32) {
+      // The check can fail: B's suffix after another prompt's cached prefix.
+      std::vector<int32_t> c2(b.size());
+      for (auto& t : c2) t = int32_t(rng() % uint64_t(c.vocab));
+      ASSERT_OK(kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "m", c2, o, &st)
+                    .status());
+      std::vector<int32_t> b_over_c2 = c2;
+      std::copy(b.begin() + shared, b.end(), b_over_c2.begin() + shared);
+      auto wrong = kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "m", b_over_c2, o,
+                                                             &st);
+      ASSERT_OK(wrong.status());
+      EXPECT_EQ(st.reused_tokens, shared);
+      EXPECT_GT(compare(wrong->logits.data(), full->logits.data(), full->logits.size()).nerr,
+                100 * bound);
+    }
+  }
 }
 
 }  // namespace

@@ -1,0 +1,118 @@
+// The prefix cache on the device (kvstore::prefill_with_prefix_cache_device): a Llama-3-8B-shaped
+// model (synthetic BF16 weights drawn on the device, fewer layers) prefills prompt A once (a
+// miss, its whole blocks cached in device memory), then prompts that share A's first `prefix`
+// tokens and end in fresh tokens, timed against the same prompts computed in full:
+//   hit:        the prefix path (plans its one-piece shard per call, as the worker does);
+//   full:       prefill_device (plans per call: the same planning cost);
+// Both keep the whole prompt's KV on the host, as an export needs (the hit reads the prefix's
+// rows back from the cache and inserts its new blocks: both counted).
+//   full_plan:  a plan made once and run (the full prefill's best case).
+// Each round draws a fresh suffix, so a round's prompt is not cached beyond the shared prefix.
+// One JSON line: best of reps for each, the speedups, and the hit's logits against full's (nerr).
+//   sf_bench_prefix_device [tokens=32768] [prefix=28672] [layers=8] [reps=3]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "bench/llama3_shape.h"
+#include "kvstore/block_pool.h"
+#include "kvstore/prefix_cache.h"
+#include "kvstore/prefix_prefill.h"
+#include "worker/model/device_model.h"
+
+using namespace sf;
+using sf::bench::fail;
+using sf::bench::now_s;
+
+int main(int argc, char** argv) {
+  const int64_t S = argc > 1 ? std::atoll(argv[1]) : 32768;
+  const int64_t P = argc > 2 ? std::atoll(argv[2]) : 28672;
+  const int layers = argc > 3 ? std::atoi(argv[3]) : 8;
+  const int reps = argc > 4 ? std::atoi(argv[4]) : 3;
+  if (S < 128 || P < 64 || P % 64 != 0 || P + 64 > S || layers < 1 || reps < 1) {
+    std::fprintf(stderr,
+                 "usage: %s [tokens>=128] [prefix: a multiple of 64, at least 64 under tokens] "
+                 "[layers>=1] [reps>=1]\n",
+                 argv[0]);
+    return 2;
+  }
+  const model::ModelConfig c = sf::bench::llama3_8b(layers);
+  auto dm = model::DeviceModel::synthetic(c, 1);
+  if (!dm.is_ok()) return fail("synthetic model", dm.status());
+  uint64_t x = 88172645463325252ull;
+  const auto draw = [&](std::vector<int32_t>* t, int64_t from) {
+    for (int64_t i = from; i < int64_t(t->size()); ++i) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      (*t)[size_t(i)] = int32_t(x % uint64_t(c.vocab));
+    }
+  };
+  std::vector<int32_t> a(static_cast<size_t>(S));
+  draw(&a, 0);
+
+  const int64_t bb = int64_t(2) * kvstore::kPoolBlockTokens * c.n_kv_heads * c.head_dim * 4;
+  const int64_t nb = S / kvstore::kPoolBlockTokens;
+  kvstore::BlockPoolConfig pc;
+  pc.n_kv_heads = c.n_kv_heads;
+  pc.head_dim = c.head_dim;
+  // Room for A's blocks and every round's suffix blocks, all on the device.
+  pc.device_bytes = int64_t(layers) * nb * (reps + 2) * bb;
+  auto pool = kvstore::BlockPool::create(pc);
+  if (!pool.is_ok()) return fail("pool", pool.status());
+  kvstore::PrefixCache cache(pool->get(), layers, pc.device_bytes);
+  kvstore::PrefixPrefillOptions o;
+  o.prefill.chunk = 8192;
+  o.prefill.keep_kv = true;  // both sides hand the whole prompt's KV to the host (an export)
+  o.prefill.importance_window = 32;
+  o.min_suffix = 32;
+  kvstore::PrefixPrefillStats st;
+  auto first = kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "bench", a, o, &st);
+  if (!first.is_ok()) return fail("prompt A", first.status());
+  model::PrefillOptions fo = o.prefill;
+  auto full_plan = model::DevicePrefill::plan(dm.value(), S, fo);
+  if (!full_plan.is_ok()) return fail("plan", full_plan.status());
+
+  double t_hit = 1e30, t_full = 1e30, t_plan = 1e30, worst_nerr = 0;
+  int64_t reused = 0;
+  std::vector<int32_t> b = a;
+  for (int r = 0; r <= reps; ++r) {  // round 0 warms up (not timed)
+    draw(&b, P);
+    double t0 = now_s();
+    auto hit = kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "bench", b, o, &st);
+    if (!hit.is_ok()) return fail("hit", hit.status());
+    const double th = now_s() - t0;
+    reused = st.reused_tokens;
+    t0 = now_s();
+    auto full = model::prefill_device(dm.value(), b, fo);
+    if (!full.is_ok()) return fail("full", full.status());
+    const double tf = now_s() - t0;
+    t0 = now_s();
+    auto planned = full_plan->run(b);
+    if (!planned.is_ok()) return fail("planned", planned.status());
+    const double tp = now_s() - t0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < full->logits.size(); ++i) {
+      const double d = double(hit->logits[i]) - double(full->logits[i]);
+      num += d * d;
+      den += double(full->logits[i]) * full->logits[i];
+    }
+    worst_nerr = std::max(worst_nerr, std::sqrt(num / std::max(den, 1e-30)));
+    if (r == 0) continue;
+    t_hit = std::min(t_hit, th);
+    t_full = std::min(t_full, tf);
+    t_plan = std::min(t_plan, tp);
+  }
+  std::printf(
+      "{\"bench\": \"prefix_device\", \"device\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\", "
+      "\"model\": \"%s\", \"layers\": %d, \"seq_len\": %lld, \"prefix\": %lld, "
+      "\"reused_tokens\": %lld, \"hit_s\": %.4f, \"full_s\": %.4f, \"full_planned_s\": %.4f, "
+      "\"speedup_vs_full\": %.3f, \"speedup_vs_full_planned\": %.3f, \"logits_nerr\": %.3g}\n",
+      dm->device_name().c_str(), sf::bench::source_commit().c_str(),
+      sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
+      static_cast<long long>(S), static_cast<long long>(P), static_cast<long long>(reused), t_hit,
+      t_full, t_plan, t_full / t_hit, t_plan / t_hit, worst_nerr);
+  return reused == P ? 0 : 1;
+}
