@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   pc.n_kv_heads = c.n_kv_heads;
   pc.head_dim = c.head_dim;
   // Room for A's blocks and every round's suffix blocks, all on the device.
-  pc.device_bytes = int64_t(layers) * nb * (reps + 2) * bb;
+  pc.device_bytes = int64_t(layers) * (nb + (S - P) / kvstore::kPoolBlockTokens * (reps + 1)) * bb;
   auto pool = kvstore::BlockPool::create(pc);
   if (!pool.is_ok()) return fail("pool", pool.status());
   kvstore::PrefixCache cache(pool->get(), layers, pc.device_bytes);
