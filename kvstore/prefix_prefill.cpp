@@ -5,14 +5,22 @@
 namespace sf::kvstore {
 
 #ifndef SF_KV_CUDA
-Result<model::PrefillResult> prefill_with_prefix_cache_device(const model::DeviceModel&,
-                                                              PrefixCache*, const std::string&,
-                                                              std::span<const int32_t>,
-                                                              const PrefixPrefillOptions&,
-                                                              PrefixPrefillStats*) {
+struct DevicePrefixPrefill::Impl {};
+DevicePrefixPrefill::DevicePrefixPrefill(const model::DeviceModel&, PrefixCache*, std::string,
+                                         PrefixPrefillOptions) {}
+DevicePrefixPrefill::~DevicePrefixPrefill() = default;
+Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t>,
+                                                      PrefixPrefillStats*) {
   return SF_ERR(kUnsupported, "prefix prefill on the device needs a CUDA build");
 }
 #endif
+
+Result<model::PrefillResult> prefill_with_prefix_cache_device(
+    const model::DeviceModel& dm, PrefixCache* cache, const std::string& model_id,
+    std::span<const int32_t> tokens, const PrefixPrefillOptions& opt, PrefixPrefillStats* stats) {
+  DevicePrefixPrefill p(dm, cache, model_id, opt);
+  return p.run(tokens, stats);
+}
 
 Result<int64_t> prefix_lookup(PrefixCache* cache, const model::ModelConfig& c,
                               const std::string& model_id, std::span<const int32_t> tokens,

@@ -3,6 +3,7 @@
 // causal mask continue from the prefix), and the prompt's whole blocks are then cached.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -51,7 +52,29 @@ Result<int64_t> prefix_lookup(PrefixCache* cache, const model::ModelConfig& c,
 // attention's dtype, then the suffix's own rows. The prefix's blocks stay pinned for the run.
 // The result's KV is the whole prompt's (the prefix rows read back from the cache), as the CPU
 // path's; its logits and importance are the suffix run's. A miss is a plain device prefill.
-// Plans per call (length-specific shapes); opt.prefill.sparse is refused.
+// opt.prefill.sparse is refused.
+//
+// Plans are length-specific (a hit's for exactly its S and P), and planning a long prompt costs
+// about a second (allocation, GEMM algorithm choice, the attention graph): the object keeps its
+// last hit plan and its last miss plan (for up to the longest prompt it has seen), so requests of
+// one shape behind one cached prefix plan once. Both hold device memory until the next shape or
+// the object's end. One run at a time; the DeviceModel and the cache outlive the object.
+class DevicePrefixPrefill {
+ public:
+  DevicePrefixPrefill(const model::DeviceModel& dm, PrefixCache* cache, std::string model_id,
+                      PrefixPrefillOptions opt);
+  ~DevicePrefixPrefill();
+  DevicePrefixPrefill(const DevicePrefixPrefill&) = delete;
+  DevicePrefixPrefill& operator=(const DevicePrefixPrefill&) = delete;
+  Result<model::PrefillResult> run(std::span<const int32_t> tokens,
+                                   PrefixPrefillStats* stats = nullptr);
+
+ private:
+  struct Impl;  // prefix_prefill_cuda.cpp
+  std::unique_ptr<Impl> impl_;
+};
+
+// One call through a fresh DevicePrefixPrefill (plans every time).
 Result<model::PrefillResult> prefill_with_prefix_cache_device(
     const model::DeviceModel& dm, PrefixCache* cache, const std::string& model_id,
     std::span<const int32_t> tokens, const PrefixPrefillOptions& opt,

@@ -1,10 +1,13 @@
 // Prefix-cached prefill on the device forward (prefix_prefill.h). Built only with SF_KV_CUDA.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "kernels/api.h"
 #include "kvstore/prefix_prefill.h"
 
@@ -16,118 +19,188 @@ Status cuda_ok(cudaError_t e, const char* what) {
   return SF_ERR(kIo, std::string("prefix prefill (device): ") + what + ": " + cudaGetErrorString(e));
 }
 
-// The prefix rows' F32 staging and the stream their copies run on, for one call.
-struct Staging {
-  float* rows = nullptr;  // K then V: 2 x prefix rows x kv_dim
+}  // namespace
+
+struct DevicePrefixPrefill::Impl {
+  const model::DeviceModel* dm = nullptr;
+  PrefixCache* cache = nullptr;
+  std::string model_id;
+  PrefixPrefillOptions opt;
+  bool keep_kv = true;  // the caller's opt.prefill.keep_kv (the runs keep it regardless)
+  // The hit plan (exactly hit_s tokens, prefix hit_p) and the miss plan (up to miss_max).
+  std::optional<model::DevicePrefill> hit_plan, miss_plan;
+  int64_t hit_s = -1, hit_p = -1, miss_max = 0;
+  // What the hit plan's exchange reads during a run: the prefix's pinned blocks, and the F32
+  // staging of its rows (2 x hit_p x kv_dim) with the stream their copies run on.
+  std::vector<std::vector<BlockId>> blocks;
+  float* staging = nullptr;
   cudaStream_t stream = nullptr;
-  ~Staging() {
+
+  ~Impl() {
+    hit_plan.reset();  // waits for work in flight before the staging goes
     if (stream) {
       (void)cudaStreamSynchronize(stream);
       (void)cudaStreamDestroy(stream);
     }
-    if (rows) (void)cudaFree(rows);
+    if (staging) (void)cudaFree(staging);
+  }
+
+  int64_t kv_dim() const { return int64_t(dm->config().n_kv_heads) * dm->config().head_dim; }
+
+  // Per layer, on the host thread after the compute stream drained: prefix rows from the pool
+  // blocks, cast to the attention's dtype, then the suffix's own rows after them.
+  Status exchange(int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
+                  DType dt) {
+    const int64_t P = hit_p, S = hit_s, kvd = kv_dim();
+    float* const sk = staging;
+    float* const sv = staging + P * kvd;
+    SF_TRY(cache->pool()->read_to_device_async(blocks[size_t(l)], sk, sv, P, stream));
+    const kernels::Stream ks{Device::kCuda, stream};
+    const size_t es = dtype_size(dt);
+    for (int kv = 0; kv < 2; ++kv) {
+      void* all = kv ? v_all : k_all;
+      SF_TRY(kernels::cast(TensorView::make(kv ? sv : sk, DType::kF32, {P * kvd}, Device::kCuda),
+                           TensorView::make(all, dt, {P * kvd}, Device::kCuda), ks));
+      SF_TRY(cuda_ok(cudaMemcpyAsync(static_cast<char*>(all) + size_t(P * kvd) * es,
+                                     kv ? v_loc : k_loc, size_t((S - P) * kvd) * es,
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "suffix rows"));
+    }
+    return cuda_ok(cudaStreamSynchronize(stream), "prefix rows");
+  }
+
+  // The hit plan for (S, P), reusing the last one of that shape.
+  Status plan_hit(int64_t S, int64_t P, const model::PrefillOptions& po) {
+    if (hit_plan && hit_s == S && hit_p == P) return Status::ok();
+    hit_plan.reset();
+    if (staging) {
+      SF_TRY(cuda_ok(cudaStreamSynchronize(stream), "staging"));
+      (void)cudaFree(staging);
+      staging = nullptr;
+    }
+    SF_TRY(cuda_ok(cudaSetDevice(dm->device()), "cudaSetDevice"));
+    SF_TRY(cuda_ok(cudaMalloc(&staging, size_t(2 * P * kv_dim()) * sizeof(float)),
+                   "cudaMalloc of the prefix rows"));
+    if (!stream)
+      SF_TRY(cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "copy stream"));
+    hit_s = S;
+    hit_p = P;
+    model::DeviceShard sh;
+    sh.n_tokens = S;
+    sh.pieces = {{P, S}};
+    sh.logits = true;
+    sh.exchange_kv = [this](int l, const void* kl, const void* vl, void* ka, void* va, DType dt) {
+      return exchange(l, kl, vl, ka, va, dt);
+    };
+    SF_ASSIGN(model::DevicePrefill p, model::DevicePrefill::plan_shard(*dm, std::move(sh), po));
+    hit_plan.emplace(std::move(p));
+    return Status::ok();
+  }
+
+  Status plan_miss(int64_t S, const model::PrefillOptions& po) {
+    if (miss_plan && S <= miss_max) return Status::ok();
+    miss_plan.reset();
+    SF_ASSIGN(model::DevicePrefill p, model::DevicePrefill::plan(*dm, S, po));
+    miss_plan.emplace(std::move(p));
+    miss_max = S;
+    return Status::ok();
   }
 };
 
-}  // namespace
+DevicePrefixPrefill::DevicePrefixPrefill(const model::DeviceModel& dm, PrefixCache* cache,
+                                         std::string model_id, PrefixPrefillOptions opt)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->dm = &dm;
+  impl_->cache = cache;
+  impl_->model_id = std::move(model_id);
+  impl_->opt = std::move(opt);
+  impl_->keep_kv = impl_->opt.prefill.keep_kv;
+  impl_->opt.prefill.keep_kv = true;  // the suffix's rows: the result's KV and the blocks to insert
+}
 
-Result<model::PrefillResult> prefill_with_prefix_cache_device(
-    const model::DeviceModel& dm, PrefixCache* cache, const std::string& model_id,
-    std::span<const int32_t> tokens, const PrefixPrefillOptions& opt, PrefixPrefillStats* stats) {
-  const model::ModelConfig& c = dm.config();
-  SF_ENSURE(dm.slice().ways == 1, kInvalidArgument,
+DevicePrefixPrefill::~DevicePrefixPrefill() = default;
+
+Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> tokens,
+                                                      PrefixPrefillStats* stats) {
+  Impl& I = *impl_;
+  const model::ModelConfig& c = I.dm->config();
+  SF_ENSURE(I.dm->slice().ways == 1, kInvalidArgument,
             "prefix prefill (device): needs the whole model on one device, not a TP slice");
-  SF_ENSURE(opt.prefill.sparse == nullptr, kUnsupported,
+  SF_ENSURE(I.opt.prefill.sparse == nullptr, kUnsupported,
             "prefix prefill (device): dense attention only (a sparse plan would estimate the "
             "suffix's index from keys it did not compute the same way)");
-  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens, opt.min_suffix));
+  SF_ASSIGN(int64_t P, prefix_lookup(I.cache, c, I.model_id, tokens, I.opt.min_suffix));
   const int64_t S = int64_t(tokens.size());
-  const int64_t kvd = int64_t(c.n_kv_heads) * c.head_dim;
-  std::vector<std::vector<BlockId>> blocks;
+  const int64_t kvd = I.kv_dim();
+  I.blocks.clear();
   if (P > 0) {
-    auto pinned = cache->pin_blocks(model_id, tokens, P);
+    auto pinned = I.cache->pin_blocks(I.model_id, tokens, P);
     if (pinned.is_ok())
-      blocks = std::move(pinned).value();
+      I.blocks = std::move(pinned).value();
     else if (pinned.status().code() == Code::kNotFound)
       P = 0;  // evicted between lookup and pin: compute it all
     else
       return pinned.status();
   }
-  model::PrefillOptions po = opt.prefill;
-  po.keep_kv = true;  // the suffix's rows: the result's KV and the blocks to insert
+  const model::PrefillOptions& po = I.opt.prefill;
   Result<model::PrefillResult> run = SF_ERR(kInternal, "prefix prefill (device): not run");
-  model::KvCache prefix_kv;
+  // The whole prompt's KV: each layer's rows allocated (and faulted in) on the thread pool, the
+  // prefix read from the cache while its blocks are pinned, the suffix copied in after the run.
+  model::KvCache full;
   {
-    // Everything that reads the pinned blocks, then the pins go back whatever happened.
-    const auto body = [&]() -> Result<model::PrefillResult> {
-      if (P == 0) return model::prefill_device(dm, tokens, po);
-      Staging stg;
-      SF_TRY(cuda_ok(cudaSetDevice(dm.device()), "cudaSetDevice"));
-      SF_TRY(cuda_ok(cudaMalloc(&stg.rows, size_t(2 * P * kvd) * sizeof(float)),
-                     "cudaMalloc of the prefix rows"));
-      SF_TRY(cuda_ok(cudaStreamCreateWithFlags(&stg.stream, cudaStreamNonBlocking),
-                     "copy stream"));
-      model::DeviceShard sh;
-      sh.n_tokens = S;
-      sh.pieces = {{P, S}};
-      sh.logits = true;
-      const BlockPool* pool = cache->pool();
-      sh.exchange_kv = [&](int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
-                           DType dt) -> Status {
-        float* const sk = stg.rows;
-        float* const sv = stg.rows + P * kvd;
-        SF_TRY(pool->read_to_device_async(blocks[size_t(l)], sk, sv, P, stg.stream));
-        const kernels::Stream ks{Device::kCuda, stg.stream};
-        const size_t es = dtype_size(dt);
-        for (int kv = 0; kv < 2; ++kv) {
-          // The prefix rows in the attention's dtype, then the suffix's own after them.
-          void* all = kv ? v_all : k_all;
-          SF_TRY(kernels::cast(
-              TensorView::make(kv ? sv : sk, DType::kF32, {P * kvd}, Device::kCuda),
-              TensorView::make(all, dt, {P * kvd}, Device::kCuda), ks));
-          SF_TRY(cuda_ok(cudaMemcpyAsync(static_cast<char*>(all) + size_t(P * kvd) * es,
-                                         kv ? v_loc : k_loc, size_t((S - P) * kvd) * es,
-                                         cudaMemcpyDeviceToDevice, stg.stream),
-                         "suffix rows"));
-        }
-        return cuda_ok(cudaStreamSynchronize(stg.stream), "prefix rows");
-      };
-      SF_ASSIGN(model::DevicePrefill plan, model::DevicePrefill::plan_shard(dm, sh, po));
-      return plan.run(tokens);
-    };
-    run = body();
-    if (run.is_ok() && P > 0) {
-      // The prefix rows for the whole prompt's KV, while the blocks are still pinned.
-      prefix_kv.k.assign(size_t(c.n_layers), std::vector<float>(size_t(P * kvd)));
-      prefix_kv.v.assign(size_t(c.n_layers), std::vector<float>(size_t(P * kvd)));
-      const Status rd = cache->read(model_id, tokens, P, [&](int l, bool value) {
-        return (value ? prefix_kv.v : prefix_kv.k)[size_t(l)].data();
-      });
-      if (!rd.is_ok()) run = rd;
+    if (P == 0) {
+      const Status st = I.plan_miss(S, po);
+      run = st.is_ok() ? I.miss_plan->run(tokens) : Result<model::PrefillResult>(st);
+    } else {
+      const Status st = I.plan_hit(S, P, po);
+      run = st.is_ok() ? I.hit_plan->run(tokens) : Result<model::PrefillResult>(st);
+      if (run.is_ok()) {
+        full.k.resize(size_t(c.n_layers));
+        full.v.resize(size_t(c.n_layers));
+        std::atomic<bool> no_memory{false};
+        parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
+          try {
+            for (size_t i = b; i < e; ++i) (i % 2 ? full.v : full.k)[i / 2].resize(size_t(S * kvd));
+          } catch (const std::bad_alloc&) {
+            no_memory = true;
+          }
+        });
+        if (no_memory)
+          run = SF_ERR(kResourceExhausted, "prefix prefill (device): no host memory for the KV");
+        else if (const Status rd = I.cache->read(I.model_id, tokens, P, [&](int l, bool value) {
+                   return (value ? full.v : full.k)[size_t(l)].data();
+                 });
+                 !rd.is_ok())
+          run = rd;
+      }
     }
-    const Status up = cache->unpin_blocks(blocks);
+    const Status up = I.cache->unpin_blocks(I.blocks);
+    I.blocks.clear();
     if (run.is_ok() && !up.is_ok()) run = up;
   }
   SF_TRY(run.status());
   model::PrefillResult res = std::move(run).value();
   model::KvCache& kv = res.kv;
   if (P > 0) {
-    // Prefix rows, then the suffix's (the shard kept its own rows only).
-    for (int l = 0; l < c.n_layers; ++l)
-      for (auto* side : {&kv.k, &kv.v}) {
-        std::vector<float>& rows = (*side)[size_t(l)];
-        std::vector<float>& pre = (side == &kv.k ? prefix_kv.k : prefix_kv.v)[size_t(l)];
-        pre.insert(pre.end(), rows.begin(), rows.end());
-        rows.swap(pre);
+    // The suffix's rows (the shard kept its own rows only) after the prefix's.
+    const size_t off = size_t(P * kvd), n = size_t((S - P) * kvd);
+    parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        auto& dst = (i % 2 ? full.v : full.k)[i / 2];
+        const auto& src = (i % 2 ? kv.v : kv.k)[i / 2];
+        std::memcpy(dst.data() + off, src.data(), n * sizeof(float));
       }
+    });
+    kv.k = std::move(full.k);
+    kv.v = std::move(full.v);
     kv.n_tokens = S;
   }
   Status ins;
-  if (opt.insert)
-    ins = cache->insert(model_id, tokens, [&](int l, bool value) {
+  if (I.opt.insert)
+    ins = I.cache->insert(I.model_id, tokens, [&](int l, bool value) {
       return (value ? kv.v : kv.k)[size_t(l)].data();
     });
-  if (!opt.prefill.keep_kv) {
+  if (!I.keep_kv) {
     kv.k.clear();
     kv.v.clear();
   }

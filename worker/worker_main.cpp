@@ -754,6 +754,11 @@ int run(int argc, char** argv) {
     prefix = std::make_unique<kvstore::PrefixCache>(prefix_pool.get(), cfg.n_layers,
                                                     o.prefix_cache_bytes);
   }
+  // On the device, a runner per importance setting (window, pool) for the job: each keeps its
+  // last plans, so requests of one shape behind one cached prefix plan once. Their progress
+  // callback is each request's.
+  std::function<void(int)> prefix_layer_done;
+  std::map<std::pair<int, int>, std::unique_ptr<kvstore::DevicePrefixPrefill>> dprefix;
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -831,7 +836,7 @@ int run(int argc, char** argv) {
       ppo.prefill.importance_pool = po.importance_pool;
       ppo.min_suffix = std::max(1, po.importance_window);
       if (dmodel)
-        ppo.prefill.on_layer_done = po.on_layer;  // progress and fault injection
+        prefix_layer_done = po.on_layer;  // progress and fault injection
       else if (po.on_layer)  // fault injection (tests): at the layer's end here, not its start
         ppo.prefill.on_layer_kv = [&](int l, const TensorView&, const TensorView&,
                                       std::span<const float>) {
@@ -840,10 +845,21 @@ int run(int argc, char** argv) {
         };
       kvstore::PrefixPrefillStats pst;
       const auto t0 = std::chrono::steady_clock::now();
-      auto hr = dmodel ? kvstore::prefill_with_prefix_cache_device(
-                             *dmodel, prefix.get(), model_compat, r.tokens, ppo, &pst)
-                       : kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat,
-                                                            r.tokens, ppo, &pst);
+      Result<model::PrefillResult> hr = SF_ERR(kInternal, "not run");
+      if (dmodel) {
+        auto& runner = dprefix[{ppo.prefill.importance_window, ppo.prefill.importance_pool}];
+        if (!runner) {
+          ppo.prefill.on_layer_done = [&prefix_layer_done](int l) {
+            if (prefix_layer_done) prefix_layer_done(l);
+          };
+          runner = std::make_unique<kvstore::DevicePrefixPrefill>(*dmodel, prefix.get(),
+                                                                  model_compat, ppo);
+        }
+        hr = runner->run(r.tokens, &pst);
+      } else {
+        hr = kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat, r.tokens, ppo,
+                                                &pst);
+      }
       if (hr.is_ok()) {
         runtime::ParallelResult out;
         out.first_token = hr->first_token;

@@ -1141,6 +1141,27 @@ TEST_F(GpuForward, PrefixCacheOnTheDeviceEqualsFullRecompute) {
               << ", importance nerr " << worst_imp << "; hit run " << rb->seconds
               << " s, full run " << full->seconds << " s\n";
     if (wd == DType::kF32) {
+      // A runner keeps its hit plan: two more prompts of B's shape (fresh suffixes behind the
+      // same prefix) run on one plan, each equal to a one-shot call on its own fresh plan.
+      kvstore::DevicePrefixPrefill runner(dm.value(), &cache, "m", o);
+      for (int round = 0; round < 2; ++round) {
+        std::vector<int32_t> b2 = b;
+        for (size_t i = size_t(shared); i < b2.size(); ++i) b2[i] = int32_t(rng() % uint64_t(c.vocab));
+        kvstore::PrefixPrefillStats s1, s2;
+        auto kept = runner.run(b2, &s1);
+        ASSERT_OK(kept.status());
+        // The one-shot call sees b2's blocks the runner just cached: hold it to the same prefix.
+        kvstore::PrefixPrefillOptions once = o;
+        once.min_suffix = int64_t(b2.size()) - shared;
+        auto fresh =
+            kvstore::prefill_with_prefix_cache_device(dm.value(), &cache, "m", b2, once, &s2);
+        ASSERT_OK(fresh.status());
+        EXPECT_EQ(s1.reused_tokens, shared);
+        EXPECT_EQ(s2.reused_tokens, shared);
+        EXPECT_LT(compare(kept->logits.data(), fresh->logits.data(), fresh->logits.size()).nerr,
+                  1e-6)
+            << "round " << round;
+      }
       // The check can fail: B's suffix after another prompt's cached prefix.
       std::vector<int32_t> c2(b.size());
       for (auto& t : c2) t = int32_t(rng() % uint64_t(c.vocab));
