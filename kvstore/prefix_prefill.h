@@ -28,6 +28,9 @@ struct PrefixPrefillStats {
   // Caching is best effort: a prompt that does not fit the cache budget or the pool still gets
   // its prefill result; why its blocks were not (all) cached is kept here.
   Status insert_status;
+  // Where the call's time went (seconds): the forward (with its plan when one was made), the
+  // whole prompt's KV put together on the host, and the insert.
+  double plan_s = 0, forward_s = 0, assemble_s = 0, insert_s = 0;
 };
 
 // model_id must name the weights, not only the architecture: two checkpoints of one config must

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -31,18 +32,26 @@ struct DevicePrefixPrefill::Impl {
   std::optional<model::DevicePrefill> hit_plan, miss_plan;
   int64_t hit_s = -1, hit_p = -1, miss_max = 0;
   // What the hit plan's exchange reads during a run: the prefix's pinned blocks, and the F32
-  // staging of its rows (2 x hit_p x kv_dim) with the stream their copies run on.
+  // staging of its rows (2 x hit_p x kv_dim) with the stream their copies run on. Each layer's
+  // prefix rows also go to pinned host memory (K then V a layer) while the run goes on, for the
+  // whole prompt's KV on the host: one DMA a layer instead of a read of every block afterwards.
   std::vector<std::vector<BlockId>> blocks;
   float* staging = nullptr;
+  float* host_prefix = nullptr;  // n_layers x 2 x hit_p x kv_dim, cudaHostAlloc'd
   cudaStream_t stream = nullptr;
+
+  void free_staging() {
+    if (stream) (void)cudaStreamSynchronize(stream);
+    if (staging) (void)cudaFree(staging);
+    if (host_prefix) (void)cudaFreeHost(host_prefix);
+    staging = nullptr;
+    host_prefix = nullptr;
+  }
 
   ~Impl() {
     hit_plan.reset();  // waits for work in flight before the staging goes
-    if (stream) {
-      (void)cudaStreamSynchronize(stream);
-      (void)cudaStreamDestroy(stream);
-    }
-    if (staging) (void)cudaFree(staging);
+    free_staging();
+    if (stream) (void)cudaStreamDestroy(stream);
   }
 
   int64_t kv_dim() const { return int64_t(dm->config().n_kv_heads) * dm->config().head_dim; }
@@ -66,6 +75,10 @@ struct DevicePrefixPrefill::Impl {
                                      cudaMemcpyDeviceToDevice, stream),
                      "suffix rows"));
     }
+    SF_TRY(cuda_ok(cudaMemcpyAsync(host_prefix + size_t(l) * size_t(2 * P * kvd), staging,
+                                   size_t(2 * P * kvd) * sizeof(float), cudaMemcpyDeviceToHost,
+                                   stream),
+                   "prefix rows to the host"));
     return cuda_ok(cudaStreamSynchronize(stream), "prefix rows");
   }
 
@@ -73,14 +86,16 @@ struct DevicePrefixPrefill::Impl {
   Status plan_hit(int64_t S, int64_t P, const model::PrefillOptions& po) {
     if (hit_plan && hit_s == S && hit_p == P) return Status::ok();
     hit_plan.reset();
-    if (staging) {
-      SF_TRY(cuda_ok(cudaStreamSynchronize(stream), "staging"));
-      (void)cudaFree(staging);
-      staging = nullptr;
-    }
+    free_staging();
+    hit_s = hit_p = -1;
     SF_TRY(cuda_ok(cudaSetDevice(dm->device()), "cudaSetDevice"));
     SF_TRY(cuda_ok(cudaMalloc(&staging, size_t(2 * P * kv_dim()) * sizeof(float)),
                    "cudaMalloc of the prefix rows"));
+    SF_TRY(cuda_ok(cudaHostAlloc(&host_prefix,
+                                 size_t(dm->config().n_layers) * size_t(2 * P * kv_dim()) *
+                                     sizeof(float),
+                                 cudaHostAllocDefault),
+                   "cudaHostAlloc of the prefix rows"));
     if (!stream)
       SF_TRY(cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "copy stream"));
     hit_s = S;
@@ -147,13 +162,25 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   // The whole prompt's KV: each layer's rows allocated (and faulted in) on the thread pool, the
   // prefix read from the cache while its blocks are pinned, the suffix copied in after the run.
   model::KvCache full;
+  PrefixPrefillStats times;
+  const auto since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   {
+    auto t0 = std::chrono::steady_clock::now();
     if (P == 0) {
       const Status st = I.plan_miss(S, po);
+      times.plan_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
       run = st.is_ok() ? I.miss_plan->run(tokens) : Result<model::PrefillResult>(st);
+      times.forward_s = since(t0);
     } else {
       const Status st = I.plan_hit(S, P, po);
+      times.plan_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
       run = st.is_ok() ? I.hit_plan->run(tokens) : Result<model::PrefillResult>(st);
+      times.forward_s = since(t0);
+      t0 = std::chrono::steady_clock::now();
       if (run.is_ok()) {
         full.k.resize(size_t(c.n_layers));
         full.v.resize(size_t(c.n_layers));
@@ -167,12 +194,8 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
         });
         if (no_memory)
           run = SF_ERR(kResourceExhausted, "prefix prefill (device): no host memory for the KV");
-        else if (const Status rd = I.cache->read(I.model_id, tokens, P, [&](int l, bool value) {
-                   return (value ? full.v : full.k)[size_t(l)].data();
-                 });
-                 !rd.is_ok())
-          run = rd;
       }
+      times.assemble_s = since(t0);
     }
     const Status up = I.cache->unpin_blocks(I.blocks);
     I.blocks.clear();
@@ -182,32 +205,40 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   model::PrefillResult res = std::move(run).value();
   model::KvCache& kv = res.kv;
   if (P > 0) {
-    // The suffix's rows (the shard kept its own rows only) after the prefix's.
-    const size_t off = size_t(P * kvd), n = size_t((S - P) * kvd);
+    // Each layer's prefix rows (from the pinned copies the run made), then the suffix's (the
+    // shard kept its own rows only).
+    const auto t0 = std::chrono::steady_clock::now();
+    const size_t pre = size_t(P * kvd), n = size_t((S - P) * kvd);
     parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) {
         auto& dst = (i % 2 ? full.v : full.k)[i / 2];
         const auto& src = (i % 2 ? kv.v : kv.k)[i / 2];
-        std::memcpy(dst.data() + off, src.data(), n * sizeof(float));
+        std::memcpy(dst.data(), I.host_prefix + (i / 2) * 2 * pre + (i % 2) * pre,
+                    pre * sizeof(float));
+        std::memcpy(dst.data() + pre, src.data(), n * sizeof(float));
       }
     });
     kv.k = std::move(full.k);
     kv.v = std::move(full.v);
     kv.n_tokens = S;
+    times.assemble_s += since(t0);
   }
   Status ins;
+  const auto ti = std::chrono::steady_clock::now();
   if (I.opt.insert)
     ins = I.cache->insert(I.model_id, tokens, [&](int l, bool value) {
       return (value ? kv.v : kv.k)[size_t(l)].data();
     });
+  times.insert_s = since(ti);
   if (!I.keep_kv) {
     kv.k.clear();
     kv.v.clear();
   }
   if (stats) {
-    stats->reused_tokens = P;
-    stats->computed_tokens = S - P;
-    stats->insert_status = ins;
+    times.reused_tokens = P;
+    times.computed_tokens = S - P;
+    times.insert_status = ins;
+    *stats = times;
   }
   return res;
 }
