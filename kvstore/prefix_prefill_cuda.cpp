@@ -1,6 +1,7 @@
 // Prefix-cached prefill on the device forward (prefix_prefill.h). Built only with SF_KV_CUDA.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -57,9 +58,16 @@ struct DevicePrefixPrefill::Impl {
   int64_t kv_dim() const { return int64_t(dm->config().n_kv_heads) * dm->config().head_dim; }
 
   // Per layer, on the host thread after the compute stream drained: prefix rows from the pool
-  // blocks, cast to the attention's dtype, then the suffix's own rows after them.
+  // blocks, cast to the attention's dtype, then the suffix's own rows after them. On an error
+  // the copies already queued are waited for: the blocks are unpinned right after.
   Status exchange(int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
                   DType dt) {
+    const Status st = exchange_queue(l, k_loc, v_loc, k_all, v_all, dt);
+    if (!st.is_ok()) (void)cudaStreamSynchronize(stream);
+    return st;
+  }
+  Status exchange_queue(int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
+                        DType dt) {
     const int64_t P = hit_p, S = hit_s, kvd = kv_dim();
     float* const sk = staging;
     float* const sv = staging + P * kvd;
@@ -144,7 +152,14 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   SF_ENSURE(I.opt.prefill.sparse == nullptr, kUnsupported,
             "prefix prefill (device): dense attention only (a sparse plan would estimate the "
             "suffix's index from keys it did not compute the same way)");
-  SF_ASSIGN(int64_t P, prefix_lookup(I.cache, c, I.model_id, tokens, I.opt.min_suffix));
+  // A hit's plan is a shard's: the last row's logits only, and the importance window's rows in
+  // the computed suffix. Refused or kept here, so a request does not fail once it hits.
+  SF_ENSURE(!I.opt.prefill.all_logits, kUnsupported,
+            "prefix prefill (device): all_logits is not supported (a hit computes the suffix's "
+            "last row's logits only)");
+  SF_ASSIGN(int64_t P,
+            prefix_lookup(I.cache, c, I.model_id, tokens,
+                          std::max<int64_t>(I.opt.min_suffix, I.opt.prefill.importance_window)));
   const int64_t S = int64_t(tokens.size());
   const int64_t kvd = I.kv_dim();
   I.blocks.clear();

@@ -291,6 +291,11 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
   SF_ENSURE(k && v && n_rows > 0, kInvalidArgument,
             "tiered kv: layer " + std::to_string(layer) + " enqueue_device needs K/V rows");
   SF_TRY(drain_error());
+  // With a disk tier, a prompt starting at layer 0 gives back every layer of the one before:
+  // host_keep() and the wait for room count only this prompt's layers, and an earlier prompt's
+  // layers would still hold their own (other) share of the host.
+  if (drain_ && layer == 0)
+    for (int l = 0; l < cfg_.n_layers; ++l) release(l);
   release(layer);
   const int64_t nb = (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens;
   // The layer's device share goes, before any score exists, to the blocks place() keeps first

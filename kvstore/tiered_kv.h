@@ -26,7 +26,7 @@
 // the rest of them to disk while later layers compute. The sink then bounds the layers in flight
 // to two (DeviceLayerKvSink::max_inflight), so the host needs room for two layers' landings plus
 // every layer's host share, not for the whole KV; enqueue_device() waits for that room when the
-// disk is slower than the forward.
+// disk is slower than the forward. A prompt that starts again at layer 0 replaces every layer.
 #pragma once
 #include <cstdint>
 #include <memory>

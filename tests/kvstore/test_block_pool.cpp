@@ -230,7 +230,7 @@ TEST(BlockPool, AllocBatchIsAllOrNothing) {
   EXPECT_EQ(b.status().message().rfind("block 1 of 2: ", 0), 0u) << b.status().message();
   EXPECT_EQ(p->live_blocks(), 3);
   EXPECT_EQ(p->stats(Tier::kDisk).blocks, 1);
-  // The slot it took and gave back is the next one handed out.
+  // The disk slot it took and gave back can be allocated again.
   auto c = p->alloc_batch(std::span<const Tier>(two).first(1), Tier::kDisk);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
   EXPECT_EQ(p->stats(Tier::kDisk).blocks, 2);
