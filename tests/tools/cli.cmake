@@ -59,7 +59,10 @@ if(TARGET sparsefill)
   add_test(NAME cli_help_as_a_value COMMAND ${_ok} "prompt tokens: [0-9]+.*first token" ${_sf} prefill --model default --prompt -h)
   # ... and after --key=value it is a help request again (that option has its value).
   add_test(NAME cli_help_after_key_value COMMAND ${_ok} "^usage: sparsefill" ${_sf} prefill --prompt=hello -h)
-  set_tests_properties(cli_help_as_a_value cli_help_after_key_value PROPERTIES LABELS unit TIMEOUT 60)
+  # ... and after a command's flag (each command's own parse knows which options take values).
+  add_test(NAME cli_help_after_flag COMMAND ${_ok} "^usage: sparsefill" ${_sf} search --share-group -h)
+  set_tests_properties(cli_help_as_a_value cli_help_after_key_value cli_help_after_flag PROPERTIES
+                       LABELS unit TIMEOUT 60)
   add_test(NAME cli_kv_pool_device_on_cpu COMMAND ${_ef} "^error: --kv-pool device= needs --device cuda"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool device=64M,host=64M)
   add_test(NAME cli_kv_pool_no_host COMMAND ${_ef} "^error: --kv-pool: host=BYTES is required"

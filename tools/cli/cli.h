@@ -1,5 +1,6 @@
 // Shared pieces of the `sparsefill` CLI. Process edge: errors become one line and an exit code.
 #pragma once
+#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
@@ -23,8 +24,12 @@ struct Args {
   // --k as a whole finite number in [lo, hi].
   Result<double> get_double(const std::string& k, double def, double lo, double hi) const;
 };
+// --help or -h where an option can stand prints print_usage(stdout) and exits 0 (the CLI's
+// edge: one usage text serves every command).
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
                         const std::vector<std::string>& flags);
+// Every command's usage.
+void print_usage(FILE* to);
 
 // Comma-separated whole integers, each at least lo ("what" names the option in errors); empty
 // items are errors, and so is an empty list unless allow_empty.

@@ -21,11 +21,56 @@
 
 namespace sf::cli {
 
+void print_usage(FILE* to) {
+  std::fprintf(to,
+               "usage: sparsefill <command> [options]   (sparsefill --help, or sparsefill <command> --help)\n"
+               "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT | --prompt-tokens F)\n"
+               "           [--export-kv DIR [--retention POLICY] [--importance lse|estimator]\n"
+               "            [--kv-dtype f32|bf16|int8|int4|HIGH+LOW]] [--force]\n"
+               "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
+               "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|adaptive-vs|adaptive-block|config:FILE]\n"
+               "           [--device cpu|cuda] [--dump-attention LAYER:FILE.safetensors]\n"
+               "           [--kv-pool host=BYTES,disk=DIR[:BYTES] | --kv-pool device=BYTES,host=BYTES[,disk=DIR[:BYTES]]\n"
+               "            [--metrics-file F.prom]]\n"
+               "           (sizes: 4096, 64K, 64M, 2G; device= needs --device cuda)\n"
+               "  bench    prefill [--model PATH|default] [--lengths 512,2048,8192] [--reps 3] [--document F]\n"
+               "           [--out FILE.json]\n"
+               "  bench    attention [--lengths 8192,32768] [--sparse-lengths 32768] [--dtypes fp32,bf16] [--reps N]\n"
+               "           [--blocks K] [--modes M[,M..]] [--mainloops L[,L..]] [--inputs FILE.safetensors]\n"
+               "           [--sdpa PEER.json] [--seed S] [--heads 32 --kv-heads 8 --head-dim 128]\n"
+               "           [--host-estimate-max N] [--dense-ours-max N] [--sparse-memory-gb G] [--cp-sizes 2,4,8]\n"
+               "           [--planted-rope-base B] [--planted-diag-logit X] [--out FILE.json]\n"
+               "           [--seed S --dump-inputs PREFIX]  (writes PREFIX-<L>.safetensors, the planted q/k/v, and stops)\n"
+               "  inspect  --model PATH|default\n"
+               "  eval     --model PATH|default --attention MODE [--lengths 2048,4096,8192] [--document F[,F2..]]\n"
+               "           [--passkey-trials N] [--passkey-level 0-3] [--reps N] [--seed S] [--no-passkey]\n"
+               "           [--dump-nll PREFIX] [--out FILE.json (default bench/results/eval-MODE.json in the source tree)]\n"
+               "  eval     --retention full|streaming|snapkv|adakv|pyramid|layerwise|moa[:config=F[,sink=S]][,...]\n"
+               "           [--budget 0.1,0.25,0.5] [--span 1[,N...]] [--kv-dtype ENC[,ENC..]] [--kv-ref-dtype ENC]\n"
+               "           [--decode full|psa[-avg][+gqa]:EPS[:verifyN[:MARGIN]][,...]] [--psa EPS|MODE[,...]]\n"
+               "           [--length 8192] [--tokens 64] [--obs-window 32] [--windows K] [--document F]\n"
+               "           [--passkey-trials N] [--passkey-depths D] [--passkey-level 0-3] [--no-passkey]\n"
+               "           [--out-dir DIR (default bench/results in the source tree)] [--name SUFFIX]\n"
+               "  search   --model PATH|default --calib F[,F2..] --target-density D --out configs/NAME.json [--length L]\n"
+               "           [--allocation global|uniform] [--patterns a-shape,vertical-slash,block-sparse,adaptive-vs]\n"
+               "           [--rows N] [--spread-rows N] [--segment-rows N] [--dense-below N] [--seed S]\n"
+               "           [--objective log-recall|recall] [--share-group]\n"
+               "  moa-profile --out FILE.json [--model PATH|default] [--document F[,F2..]] [--lengths 2048,4096,8192]\n"
+               "           [--density 0.25] [--sink 64] [--step 64] [--obs-window 32]\n");
+}
+
+
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
                         const std::vector<std::string>& flags) {
   Args a;
   for (int i = first; i < argc; ++i) {
     std::string k = argv[i];
+    // A help request where an option can stand (a valued option's value was taken above): the
+    // usage of every command on stdout, exit 0, before anything else is checked.
+    if (k == "--help" || k == "-h") {
+      print_usage(stdout);
+      std::exit(0);
+    }
     if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
     k = k.substr(2);
     // --key=value gives a value that itself starts with "--".
