@@ -73,18 +73,27 @@ int64_t PrefixCache::lookup(const std::string& model_id, std::span<const int32_t
   return int64_t(keys.size()) * kPoolBlockTokens;
 }
 
-Status PrefixCache::read(const std::string& model_id, std::span<const int32_t> tokens,
-                         int64_t n_tokens, const KvRows& dst) {
-  std::lock_guard<std::mutex> g(mu_);
+Result<std::vector<uint64_t>> PrefixCache::match_all(const std::string& model_id,
+                                                     std::span<const int32_t> tokens,
+                                                     int64_t n_tokens, const char* what) const {
   if (n_tokens < 0 || n_tokens % kPoolBlockTokens != 0)
-    return SF_ERR(kInvalidArgument, "prefix cache: read of " + std::to_string(n_tokens) +
+    return SF_ERR(kInvalidArgument, std::string("prefix cache: ") + what + " of " +
+                                        std::to_string(n_tokens) +
                                         " tokens, not a whole number of blocks");
   const int64_t nb = n_tokens / kPoolBlockTokens;
-  const std::vector<uint64_t> keys = match(model_id, tokens, nb);
+  std::vector<uint64_t> keys = match(model_id, tokens, nb);
   if (int64_t(keys.size()) < nb)
     return SF_ERR(kNotFound, "prefix cache: only " +
                                  std::to_string(keys.size() * kPoolBlockTokens) + " of the " +
                                  std::to_string(n_tokens) + " requested prefix tokens are cached");
+  return keys;
+}
+
+Status PrefixCache::read(const std::string& model_id, std::span<const int32_t> tokens,
+                         int64_t n_tokens, const KvRows& dst) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_ASSIGN(const std::vector<uint64_t> keys, match_all(model_id, tokens, n_tokens, "read"));
+  const int64_t nb = int64_t(keys.size());
   const int64_t row = pool_->half_floats() / kPoolBlockTokens;  // floats per token
   for (int64_t b = 0; b < nb; ++b) {
     const Entry& e = map_.at(keys[size_t(b)]);
@@ -106,15 +115,7 @@ Status PrefixCache::read(const std::string& model_id, std::span<const int32_t> t
 Result<std::vector<std::vector<BlockId>>> PrefixCache::pin_blocks(
     const std::string& model_id, std::span<const int32_t> tokens, int64_t n_tokens) {
   std::lock_guard<std::mutex> g(mu_);
-  if (n_tokens <= 0 || n_tokens % kPoolBlockTokens != 0)
-    return SF_ERR(kInvalidArgument, "prefix cache: pin of " + std::to_string(n_tokens) +
-                                        " tokens, not a positive whole number of blocks");
-  const int64_t nb = n_tokens / kPoolBlockTokens;
-  const std::vector<uint64_t> keys = match(model_id, tokens, nb);
-  if (int64_t(keys.size()) < nb)
-    return SF_ERR(kNotFound, "prefix cache: only " +
-                                 std::to_string(keys.size() * kPoolBlockTokens) + " of the " +
-                                 std::to_string(n_tokens) + " requested prefix tokens are cached");
+  SF_ASSIGN(const std::vector<uint64_t> keys, match_all(model_id, tokens, n_tokens, "pin"));
   std::vector<std::vector<BlockId>> out(static_cast<size_t>(n_layers_));
   for (uint64_t key : keys) {
     const Entry& e = map_.at(key);

@@ -85,6 +85,11 @@ class PrefixCache {
   // Keys of the cached chain of `tokens`, from the first block on (locked).
   std::vector<uint64_t> match(const std::string& model_id, std::span<const int32_t> tokens,
                               int64_t max_blocks) const;
+  // Keys of exactly the first n_tokens (whole blocks), or the error naming what is missing
+  // (locked; `what` names the caller in the error).
+  Result<std::vector<uint64_t>> match_all(const std::string& model_id,
+                                          std::span<const int32_t> tokens, int64_t n_tokens,
+                                          const char* what) const;
   void evict_one();  // least recent entry (locked)
 
   mutable std::mutex mu_;

@@ -449,7 +449,7 @@ if [[ "${SF_GEMV:-0}" == 1 ]]; then
   notes+=("$(cut -c1-300 "$gj" | head -36)")
 fi
 
-# ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------
+# ---- KV tiering during a prefill (sf_bench_kv_tiering_prefill) ---------------------------------
 if [[ -n "${SF_TIERING_PREFILL:-}" ]]; then
   tj="$out/tiering-prefill-$(gpu_slug).jsonl"
   : >"$tj"
@@ -457,7 +457,11 @@ if [[ -n "${SF_TIERING_PREFILL:-}" ]]; then
     IFS=: read -r t_tok t_lay t_frac t_host <<<"$item"
     t_disk=()
     if [[ -n "$t_host" ]]; then
-      t_dir="$(mktemp -d "${TMPDIR:-/tmp}/sf-tiering-disk.XXXXXX")"
+      # The disk tier's scratch directory (gigabytes at 128K), removed after the item.
+      if ! t_dir="$(mktemp -d "${TMPDIR:-/tmp}/sf-tiering-disk.XXXXXX")"; then
+        fail "sf_bench_kv_tiering_prefill $item: no scratch directory for its disk tier"
+        continue
+      fi
       t_disk=("$t_host" "$t_dir")
     fi
     if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_kv_tiering_prefill" \
@@ -483,6 +487,7 @@ if [[ -n "${SF_PREFIX_DEVICE:-}" ]]; then
   notes+=("$(cut -c1-600 "$pj")")
 fi
 
+# ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------
 if [[ "${SF_DIST:-0}" == 1 ]]; then
   if ! bash "$root/bench/gpu/distributed.sh" "$build" "$out"; then
     fail "distributed benchmark failed (see bench-distributed.log)"

@@ -115,6 +115,38 @@ TEST(PrefixCache, ReadReturnsTheInsertedKv) {
   EXPECT_EQ(cache.read("m", toks, 100, {}).code(), Code::kInvalidArgument);
 }
 
+// pin_blocks hands out the prefix's pool blocks per layer, in position order, each pinned once
+// (the device prefill copies them itself), with read's errors; unpin_blocks gives them back.
+TEST(PrefixCache, PinBlocksHandsOutThePrefixBlocksPinned) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto toks = random_tokens(64 * 3, 1000, rng);
+  auto pool = host_pool(16);
+  PrefixCache cache(pool.get(), kLayers, 16 * entry_bytes());
+  FakeKv kv(toks);
+  ASSERT_TRUE(cache.insert("m", toks, kv.rows()).is_ok());
+  auto pinned = cache.pin_blocks("m", toks, 128);
+  ASSERT_TRUE(pinned.is_ok()) << pinned.status().to_string();
+  ASSERT_EQ(pinned->size(), size_t(kLayers));
+  std::vector<float> kb(size_t(kPoolBlockTokens * kRow)), vb(kb.size());
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_EQ((*pinned)[size_t(l)].size(), 2u);
+    for (size_t b = 0; b < 2; ++b) {
+      const BlockId id = (*pinned)[size_t(l)][b];
+      EXPECT_EQ(pool->pins(id).value(), 1);
+      ASSERT_TRUE(pool->read(id, kb.data(), vb.data()).is_ok());
+      EXPECT_EQ(kb[0], kv.k[size_t(l)][b * kPoolBlockTokens * kRow]) << "layer " << l << " block " << b;
+      EXPECT_EQ(vb.back(), kv.v[size_t(l)][(b + 1) * kPoolBlockTokens * kRow - 1]);
+    }
+  }
+  ASSERT_TRUE(cache.unpin_blocks(*pinned).is_ok());
+  for (const auto& layer : *pinned)
+    for (BlockId id : layer) EXPECT_EQ(pool->pins(id).value(), 0);
+  EXPECT_EQ(cache.pin_blocks("m", toks, 256).status().code(), Code::kNotFound);
+  EXPECT_EQ(cache.pin_blocks("m", toks, 100).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(cache.unpin_blocks(*pinned).code(), Code::kInvalidArgument);  // not pinned now
+}
+
 TEST(PrefixCache, LruEvictsLeastRecentChainTailsFirst) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
