@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -125,6 +126,21 @@ void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_
     const size_t e = std::min(n, b + chunk);
     if (b < e) fn(b, e);
   });
+}
+
+void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
+                        size_t grain) {
+  parallel_for(
+      2 * n,
+      [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi;) {
+          const bool second = i >= n;
+          const size_t off = second ? i - n : i, len = std::min(hi, second ? 2 * n : n) - i;
+          std::memcpy((second ? db : da) + off, (second ? b : a) + off, len * sizeof(float));
+          i += len;
+        }
+      },
+      grain);
 }
 
 }  // namespace sf

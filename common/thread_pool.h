@@ -11,4 +11,10 @@ int num_threads();
 // ranges are done. grain is the smallest range worth a task. Reentrant calls run inline.
 void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
 
+// Copies n floats from a to da and n from b to db on the pool, as one range of 2n floats split
+// into tasks of at least `grain` (1 MiB): a large copy into fresh pages is bound by page faults
+// on one thread. The KV drains of the device prefill use it (K and V of a layer).
+void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
+                        size_t grain = size_t(1) << 18);
+
 }  // namespace sf

@@ -80,6 +80,13 @@ class BlockPool {
   // k and v: [64, n_kv_heads, head_dim] each, host memory, whatever tier the block is on.
   Status write(BlockId id, const float* k, const float* v);
   Status read(BlockId id, float* k, float* v) const;
+  // write() of many blocks under one lock: block ids[i] gets k[i] and v[i] (host memory, as
+  // write()). Host tiers copy on the thread pool; the device tier packs the rows into pinned
+  // memory and copies a chunk at a time, waiting once a chunk instead of once a block. Every
+  // block is checked before anything is written; on an I/O error some blocks may hold their new
+  // rows and others not.
+  Status write_batch(std::span<const BlockId> ids, std::span<const float* const> k,
+                     std::span<const float* const> v);
   // Block b of ids gets rows [64 b, min(n_rows, 64 b + 64)) of k and v (device memory,
   // [n_rows, n_kv_heads, head_dim] F32 each; ids.size() blocks cover n_rows); a partial last
   // block's other rows are zeroed. Copies are queued on `stream` (a cudaStream_t), runs of
@@ -183,6 +190,11 @@ class TierStore {
     return write(slot, src, bytes);
   }
   virtual Status sync() { return Status::ok(); }
+  // Slot slots[i] gets k[i] then v[i] (half_bytes each, host memory). The default packs each
+  // block into `scratch` (block-sized) and write()s it; the device tier batches its copies.
+  virtual Status write_blocks(std::span<const int64_t> slots, std::span<const float* const> k,
+                              std::span<const float* const> v, int64_t half_bytes,
+                              std::vector<float>* scratch);
 };
 
 // Device and pinned-host stores. CUDA builds take them from block_pool_cuda.cpp (cudaMalloc,

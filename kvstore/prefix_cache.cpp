@@ -159,12 +159,34 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
   const int64_t eb = entry_bytes();
   const int64_t row = pool_->half_floats() / kPoolBlockTokens;
   std::vector<uint64_t> chain;
-  // Refresh leaf first, as lookup does, so a prefix is more recent than its extensions: on every
-  // exit, a partial insert included (its blocks went in prefix first, which would leave the
-  // prefix oldest: evicted first, stranding the rest of its chain).
-  const auto refresh = [&] {
+  // This call's new entries (the tail of chain) and their rows, written in one batch at the end
+  // (a device tier then copies once a chunk, not once a block). The lock keeps the entries
+  // unseen until their rows are in.
+  size_t added = 0;
+  std::vector<BlockId> w_ids;
+  std::vector<const float*> w_k, w_v;
+  // Every exit: the batch written (or, when that fails, this call's entries taken out again),
+  // then the chain refreshed leaf first, as lookup does, so a prefix is more recent than its
+  // extensions; a partial insert included (its blocks went in prefix first, which would leave
+  // the prefix oldest: evicted first, stranding the rest of its chain).
+  const auto finish = [&](Status st) -> Status {
+    const Status wr = w_ids.empty() ? Status::ok() : pool_->write_batch(w_ids, w_k, w_v);
+    if (!wr.is_ok()) {
+      for (; added > 0; --added) {
+        auto it = map_.find(chain.back());
+        lru_.erase(it->second.lru);
+        for (BlockId id : it->second.blocks) (void)pool_->free(id);
+        map_.erase(it);
+        chain.pop_back();
+        --st_.inserted_blocks;
+        --st_.entries;
+        st_.used_bytes -= eb;
+      }
+      st = wr;
+    }
     for (auto it = chain.rbegin(); it != chain.rend(); ++it)
       lru_.splice(lru_.begin(), lru_, map_[*it].lru);
+    return st;
   };
   uint64_t parent = 0;
   for (int64_t b = 0; b < nb; ++b) {
@@ -180,28 +202,31 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
       parent = key;
       continue;
     }
-    if (eb > st_.budget_bytes) {
-      refresh();
-      return SF_ERR(kResourceExhausted, "prefix cache: one block (" + std::to_string(eb) +
-                                            " bytes) exceeds the budget of " +
-                                            std::to_string(st_.budget_bytes));
-    }
+    if (eb > st_.budget_bytes)
+      return finish(SF_ERR(kResourceExhausted, "prefix cache: one block (" + std::to_string(eb) +
+                                                   " bytes) exceeds the budget of " +
+                                                   std::to_string(st_.budget_bytes)));
     // Evict, never this request's own chain: its entries were just made most recent, so the
     // LRU tail is something else unless the budget holds only this chain.
     while (st_.used_bytes + eb > st_.budget_bytes && int64_t(lru_.size()) > int64_t(chain.size()))
       evict_one();
-    if (st_.used_bytes + eb > st_.budget_bytes) {
-      refresh();
-      return SF_ERR(kResourceExhausted,
-                    "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
-                        " bytes holds " + std::to_string(chain.size()) + " blocks of this prompt");
-    }
+    if (st_.used_bytes + eb > st_.budget_bytes)
+      return finish(SF_ERR(kResourceExhausted,
+                           "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
+                               " bytes holds " + std::to_string(chain.size()) +
+                               " blocks of this prompt"));
     Entry e;
     e.parent = parent;
     e.model_id = model_id;
     e.tokens.assign(blk.begin(), blk.end());
     Status st;
     for (int l = 0; l < n_layers_ && st.is_ok(); ++l) {
+      const float* k = src(l, false);
+      const float* v = src(l, true);
+      if (!k || !v) {
+        st = SF_ERR(kInvalidArgument, "prefix cache: null source rows");
+        break;
+      }
       Result<BlockId> id = pool_->alloc(Tier::kDevice);
       // The pool is full: give back cached blocks that are not this chain's, then retry.
       while (!id.is_ok() && id.status().code() == Code::kResourceExhausted &&
@@ -214,17 +239,16 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
         break;
       }
       e.blocks.push_back(*id);
-      const float* k = src(l, false);
-      const float* v = src(l, true);
-      if (!k || !v)
-        st = SF_ERR(kInvalidArgument, "prefix cache: null source rows");
-      else
-        st = pool_->write(*id, k + b * kPoolBlockTokens * row, v + b * kPoolBlockTokens * row);
+      w_ids.push_back(*id);
+      w_k.push_back(k + b * kPoolBlockTokens * row);
+      w_v.push_back(v + b * kPoolBlockTokens * row);
     }
     if (!st.is_ok()) {
       for (BlockId id : e.blocks) (void)pool_->free(id);
-      refresh();
-      return st;
+      w_ids.resize(w_ids.size() - e.blocks.size());
+      w_k.resize(w_ids.size());
+      w_v.resize(w_ids.size());
+      return finish(st);
     }
     lru_.push_front(key);
     e.lru = lru_.begin();
@@ -233,10 +257,10 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
     ++st_.entries;
     st_.used_bytes += eb;
     chain.push_back(key);
+    ++added;
     parent = key;
   }
-  refresh();
-  return Status::ok();
+  return finish(Status::ok());
 }
 
 PrefixCacheStats PrefixCache::stats() const {

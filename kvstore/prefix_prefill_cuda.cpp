@@ -2,7 +2,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -32,21 +31,30 @@ struct DevicePrefixPrefill::Impl {
   // The hit plan (exactly hit_s tokens, prefix hit_p) and the miss plan (up to miss_max).
   std::optional<model::DevicePrefill> hit_plan, miss_plan;
   int64_t hit_s = -1, hit_p = -1, miss_max = 0;
-  // What the hit plan's exchange reads during a run: the prefix's pinned blocks, and the F32
-  // staging of its rows (2 x hit_p x kv_dim) with the stream their copies run on. Each layer's
-  // prefix rows also go to pinned host memory (K then V a layer) while the run goes on, for the
-  // whole prompt's KV on the host: one DMA a layer instead of a read of every block afterwards.
+  // What the hit plan's exchange reads during a run: the prefix's pinned blocks, and two F32
+  // staging slots of its rows (2 x hit_p x kv_dim each; layer l uses slot l % 2). Each layer's
+  // prefix rows also go to pinned host memory (K then V a layer) on `stream` while later layers
+  // compute, from which fill_lead puts them in the result's KV: one DMA a layer instead of a
+  // read of every block afterwards. Nothing in a layer waits on the host.
   std::vector<std::vector<BlockId>> blocks;
   float* staging = nullptr;
   float* host_prefix = nullptr;  // n_layers x 2 x hit_p x kv_dim, cudaHostAlloc'd
   cudaStream_t stream = nullptr;
+  // Per layer: its prefix rows staged (compute stream), and on the host (`stream`).
+  std::vector<cudaEvent_t> staged, on_host;
+  int last_staged = -1;  // the last layer whose staging was queued in this run
+  double fill_s = 0;     // this run's time in fill_lead
 
   void free_staging() {
     if (stream) (void)cudaStreamSynchronize(stream);
     if (staging) (void)cudaFree(staging);
     if (host_prefix) (void)cudaFreeHost(host_prefix);
+    for (cudaEvent_t e : staged) (void)cudaEventDestroy(e);
+    for (cudaEvent_t e : on_host) (void)cudaEventDestroy(e);
     staging = nullptr;
     host_prefix = nullptr;
+    staged.clear();
+    on_host.clear();
   }
 
   ~Impl() {
@@ -57,22 +65,35 @@ struct DevicePrefixPrefill::Impl {
 
   int64_t kv_dim() const { return int64_t(dm->config().n_kv_heads) * dm->config().head_dim; }
 
-  // Per layer, on the host thread after the compute stream drained: prefix rows from the pool
-  // blocks, cast to the attention's dtype, then the suffix's own rows after them. On an error
-  // the copies already queued are waited for: the blocks are unpinned right after.
+  // Per layer, queued on the compute stream `cs` after the layer's K/V: prefix rows from the
+  // pool blocks into a staging slot, cast to the attention's dtype, then the suffix's own rows
+  // after them; the staged rows then go to the host on `stream`. The slot's layer before (l - 2)
+  // must be on the host first. `staged[l]` is recorded even when queueing fails part way, so a
+  // failed run can wait for every copy that reads the blocks before they are unpinned.
   Status exchange(int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
-                  DType dt) {
-    const Status st = exchange_queue(l, k_loc, v_loc, k_all, v_all, dt);
-    if (!st.is_ok()) (void)cudaStreamSynchronize(stream);
-    return st;
+                  DType dt, void* cs_ptr) {
+    const cudaStream_t cs = static_cast<cudaStream_t>(cs_ptr);
+    const Status st = exchange_queue(l, k_loc, v_loc, k_all, v_all, dt, cs);
+    SF_TRY(cuda_ok(cudaEventRecord(staged[size_t(l)], cs), "event"));
+    last_staged = l;
+    SF_TRY(st);
+    const int64_t n = 2 * hit_p * kv_dim();
+    SF_TRY(cuda_ok(cudaStreamWaitEvent(stream, staged[size_t(l)], 0), "stream wait"));
+    SF_TRY(cuda_ok(cudaMemcpyAsync(host_prefix + size_t(l) * size_t(n),
+                                   staging + size_t(l % 2) * size_t(n), size_t(n) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "prefix rows to the host"));
+    return cuda_ok(cudaEventRecord(on_host[size_t(l)], stream), "event");
   }
   Status exchange_queue(int l, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
-                        DType dt) {
+                        DType dt, cudaStream_t cs) {
     const int64_t P = hit_p, S = hit_s, kvd = kv_dim();
-    float* const sk = staging;
-    float* const sv = staging + P * kvd;
-    SF_TRY(cache->pool()->read_to_device_async(blocks[size_t(l)], sk, sv, P, stream));
-    const kernels::Stream ks{Device::kCuda, stream};
+    float* const sk = staging + size_t(l % 2) * size_t(2 * P * kvd);
+    float* const sv = sk + P * kvd;
+    if (l >= 2)
+      SF_TRY(cuda_ok(cudaStreamWaitEvent(cs, on_host[size_t(l - 2)], 0), "stream wait"));
+    SF_TRY(cache->pool()->read_to_device_async(blocks[size_t(l)], sk, sv, P, cs));
+    const kernels::Stream ks{Device::kCuda, cs};
     const size_t es = dtype_size(dt);
     for (int kv = 0; kv < 2; ++kv) {
       void* all = kv ? v_all : k_all;
@@ -80,14 +101,30 @@ struct DevicePrefixPrefill::Impl {
                            TensorView::make(all, dt, {P * kvd}, Device::kCuda), ks));
       SF_TRY(cuda_ok(cudaMemcpyAsync(static_cast<char*>(all) + size_t(P * kvd) * es,
                                      kv ? v_loc : k_loc, size_t((S - P) * kvd) * es,
-                                     cudaMemcpyDeviceToDevice, stream),
+                                     cudaMemcpyDeviceToDevice, cs),
                      "suffix rows"));
     }
-    SF_TRY(cuda_ok(cudaMemcpyAsync(host_prefix + size_t(l) * size_t(2 * P * kvd), staging,
-                                   size_t(2 * P * kvd) * sizeof(float), cudaMemcpyDeviceToHost,
-                                   stream),
-                   "prefix rows to the host"));
-    return cuda_ok(cudaStreamSynchronize(stream), "prefix rows");
+    return Status::ok();
+  }
+
+  // The result's first hit_p rows of layer l (host), on the forward's host thread, once the
+  // layer's prefix rows are on the host; split over the thread pool as the forward's own drain.
+  Status fill_lead(int l, float* k, float* v) {
+    const auto t0 = std::chrono::steady_clock::now();
+    SF_TRY(cuda_ok(cudaEventSynchronize(on_host[size_t(l)]), "prefix rows to the host"));
+    const size_t n = size_t(hit_p * kv_dim());
+    const float* src = host_prefix + size_t(l) * 2 * n;
+    parallel_copy_pair(k, src, v, src + n, n);
+    fill_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return Status::ok();
+  }
+
+  // After a hit run, before its blocks are unpinned: every queued copy that reads them (or the
+  // staging) has finished. A run that failed part way may have left them in flight.
+  void drain() {
+    if (last_staged >= 0) (void)cudaEventSynchronize(staged[size_t(last_staged)]);
+    if (stream) (void)cudaStreamSynchronize(stream);
+    last_staged = -1;
   }
 
   // The hit plan for (S, P), reusing the last one of that shape.
@@ -97,8 +134,15 @@ struct DevicePrefixPrefill::Impl {
     free_staging();
     hit_s = hit_p = -1;
     SF_TRY(cuda_ok(cudaSetDevice(dm->device()), "cudaSetDevice"));
-    SF_TRY(cuda_ok(cudaMalloc(&staging, size_t(2 * P * kv_dim()) * sizeof(float)),
+    SF_TRY(cuda_ok(cudaMalloc(&staging, size_t(4 * P * kv_dim()) * sizeof(float)),
                    "cudaMalloc of the prefix rows"));
+    const int L = dm->config().n_layers;
+    for (auto* ev : {&staged, &on_host})
+      for (int l = 0; l < L; ++l) {
+        cudaEvent_t e = nullptr;
+        SF_TRY(cuda_ok(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+        ev->push_back(e);
+      }
     SF_TRY(cuda_ok(cudaHostAlloc(&host_prefix,
                                  size_t(dm->config().n_layers) * size_t(2 * P * kv_dim()) *
                                      sizeof(float),
@@ -112,9 +156,12 @@ struct DevicePrefixPrefill::Impl {
     sh.n_tokens = S;
     sh.pieces = {{P, S}};
     sh.logits = true;
-    sh.exchange_kv = [this](int l, const void* kl, const void* vl, void* ka, void* va, DType dt) {
-      return exchange(l, kl, vl, ka, va, dt);
+    sh.exchange_kv_enqueue = [this](int l, const void* kl, const void* vl, void* ka, void* va,
+                                    DType dt, void* cs) {
+      return exchange(l, kl, vl, ka, va, dt, cs);
     };
+    sh.kv_lead_rows = P;
+    sh.fill_kv_lead = [this](int l, float* k, float* v) { return fill_lead(l, k, v); };
     SF_ASSIGN(model::DevicePrefill p, model::DevicePrefill::plan_shard(*dm, std::move(sh), po));
     hit_plan.emplace(std::move(p));
     return Status::ok();
@@ -161,7 +208,6 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
             prefix_lookup(I.cache, c, I.model_id, tokens,
                           std::max<int64_t>(I.opt.min_suffix, I.opt.prefill.importance_window)));
   const int64_t S = int64_t(tokens.size());
-  const int64_t kvd = I.kv_dim();
   I.blocks.clear();
   if (P > 0) {
     auto pinned = I.cache->pin_blocks(I.model_id, tokens, P);
@@ -174,9 +220,8 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   }
   const model::PrefillOptions& po = I.opt.prefill;
   Result<model::PrefillResult> run = SF_ERR(kInternal, "prefix prefill (device): not run");
-  // The whole prompt's KV: each layer's rows allocated (and faulted in) on the thread pool, the
-  // prefix read from the cache while its blocks are pinned, the suffix copied in after the run.
-  model::KvCache full;
+  // On a hit the run's KV is already the whole prompt's: the forward drains the suffix's rows
+  // after P lead rows that fill_lead writes from the pinned prefix copies, layer by layer.
   PrefixPrefillStats times;
   const auto since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -193,24 +238,11 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
       const Status st = I.plan_hit(S, P, po);
       times.plan_s = since(t0);
       t0 = std::chrono::steady_clock::now();
+      I.fill_s = 0;
       run = st.is_ok() ? I.hit_plan->run(tokens) : Result<model::PrefillResult>(st);
+      I.drain();
       times.forward_s = since(t0);
-      t0 = std::chrono::steady_clock::now();
-      if (run.is_ok()) {
-        full.k.resize(size_t(c.n_layers));
-        full.v.resize(size_t(c.n_layers));
-        std::atomic<bool> no_memory{false};
-        parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
-          try {
-            for (size_t i = b; i < e; ++i) (i % 2 ? full.v : full.k)[i / 2].resize(size_t(S * kvd));
-          } catch (const std::bad_alloc&) {
-            no_memory = true;
-          }
-        });
-        if (no_memory)
-          run = SF_ERR(kResourceExhausted, "prefix prefill (device): no host memory for the KV");
-      }
-      times.assemble_s = since(t0);
+      times.assemble_s = I.fill_s;  // inside forward_s: the prefix rows' share of the KV drain
     }
     const Status up = I.cache->unpin_blocks(I.blocks);
     I.blocks.clear();
@@ -219,25 +251,6 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   SF_TRY(run.status());
   model::PrefillResult res = std::move(run).value();
   model::KvCache& kv = res.kv;
-  if (P > 0) {
-    // Each layer's prefix rows (from the pinned copies the run made), then the suffix's (the
-    // shard kept its own rows only).
-    const auto t0 = std::chrono::steady_clock::now();
-    const size_t pre = size_t(P * kvd), n = size_t((S - P) * kvd);
-    parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
-      for (size_t i = b; i < e; ++i) {
-        auto& dst = (i % 2 ? full.v : full.k)[i / 2];
-        const auto& src = (i % 2 ? kv.v : kv.k)[i / 2];
-        std::memcpy(dst.data(), I.host_prefix + (i / 2) * 2 * pre + (i % 2) * pre,
-                    pre * sizeof(float));
-        std::memcpy(dst.data() + pre, src.data(), n * sizeof(float));
-      }
-    });
-    kv.k = std::move(full.k);
-    kv.v = std::move(full.v);
-    kv.n_tokens = S;
-    times.assemble_s += since(t0);
-  }
   Status ins;
   const auto ti = std::chrono::steady_clock::now();
   if (I.opt.insert)

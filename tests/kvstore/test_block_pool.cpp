@@ -557,6 +557,48 @@ TEST(BlockPool, DeviceTierRoundTrip) {
   EXPECT_EQ(p->stats(Tier::kDevice).bytes_down_out, 3 * p->block_bytes());
 }
 
+// write_batch: every block of a batch that spans the tiers (the device tier too, where one is
+// usable: packed into pinned chunks) reads back byte-exact; a bad id or a span of the wrong
+// length writes nothing.
+TEST(BlockPool, WriteBatchLandsEveryBlockOnEveryTier) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  BlockPoolConfig c = config(3, 3, tmp.sub("disk"));
+  c.device_bytes = 3 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
+  auto r = BlockPool::create(c);
+  if (!r.is_ok()) {  // a build or machine without a device: host and disk only
+    c.device_bytes = 0;
+    r = BlockPool::create(c);
+  }
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  auto p = std::move(r).value();
+  const int n = c.device_bytes > 0 ? 9 : 6;
+  std::vector<BlockId> ids;
+  for (int i = 0; i < n; ++i) ids.push_back(must_alloc(*p, Tier::kDevice));  // spill in order
+  EXPECT_EQ(tier(*p, ids.back()), Tier::kDisk);
+  std::vector<BlockData> d;
+  std::vector<const float*> k, v;
+  for (int i = 0; i < n; ++i) d.emplace_back(p->half_floats(), rng);
+  // Out of slot order, so a device batch has runs of consecutive slots and breaks between them.
+  const std::vector<int> order = n == 9 ? std::vector<int>{0, 1, 4, 3, 8, 2, 5, 6, 7}
+                                        : std::vector<int>{5, 0, 1, 3, 2, 4};
+  std::vector<BlockId> batch;
+  for (int i : order) {
+    batch.push_back(ids[size_t(i)]);
+    k.push_back(d[size_t(i)].k.data());
+    v.push_back(d[size_t(i)].v.data());
+  }
+  // Refused before anything is written.
+  std::vector<BlockId> bad = batch;
+  bad.back() = 1000;
+  EXPECT_EQ(p->write_batch(bad, k, v).code(), Code::kInvalidArgument);
+  EXPECT_EQ(p->write_batch(batch, std::span<const float* const>(k).first(2), v).code(),
+            Code::kInvalidArgument);
+  ASSERT_TRUE(p->write_batch(batch, k, v).is_ok());
+  for (int i = 0; i < n; ++i) expect_block(*p, ids[size_t(i)], d[size_t(i)]);
+}
+
 TEST(BlockPool, InvalidConfigIsRejected) {
   BlockPoolConfig c = config(1, 0, "");
   c.n_kv_heads = 0;

@@ -2,9 +2,12 @@
 // longest-prefix lookup, LRU eviction order, counters, and the end-to-end contract on a synthetic
 // model: a prefix-hit prefill gives the same logits and KV as a full recompute.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <random>
 #include <vector>
 
@@ -223,6 +226,63 @@ TEST(PrefixCache, PartialInsertKeepsItsPrefixMostRecent) {
   EXPECT_EQ(cache.stats().evicted_blocks, 1);
   EXPECT_EQ(cache.lookup("m", a), 3 * 64);
   EXPECT_EQ(cache.lookup("m", b), 64);
+}
+
+// The rows of an insert are written in one batch at its end. When that write fails (here a
+// disk tier that is /dev/full), every entry the insert made goes again, its written ones too: no
+// entry without its rows, no block or budget leaked, and what was cached before stays.
+TEST(PrefixCache, FailedWriteTakesTheInsertBack) {
+  namespace fs = std::filesystem;
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const fs::path dir = fs::temp_directory_path() /
+                       ("sf-prefix-full-" + std::to_string(::getpid()) + "-" +
+                        std::to_string(seed % 100000));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::create_symlink("/dev/full", dir / "blocks.bin");
+  BlockPoolConfig c;
+  c.n_kv_heads = kHeads;
+  c.head_dim = kDim;
+  const int64_t bb = int64_t(2) * kPoolBlockTokens * kRow * 4;
+  // Two entries (kLayers blocks each) on the host: a's, then b's first new one; b's second
+  // spills to disk, so the failed batch also held a block that was written.
+  c.host_bytes = 4 * bb;
+  c.disk_bytes = 8 * bb;
+  c.disk_dir = dir.string();
+  auto r = BlockPool::create(c);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  auto pool = std::move(r).value();
+  {
+    PrefixCache cache(pool.get(), kLayers, 16 * entry_bytes());
+    const auto a = random_tokens(64, 1000, rng);
+    FakeKv ka(a);
+    ASSERT_TRUE(cache.insert("m", a, ka.rows()).is_ok());  // fits the host tier
+    auto b = a;
+    const auto tail = random_tokens(128, 1000, rng);
+    b.insert(b.end(), tail.begin(), tail.end());
+    FakeKv kb(b);
+    const Status st = cache.insert("m", b, kb.rows());
+    EXPECT_FALSE(st.is_ok());
+    std::printf("error: %s\n", st.to_string().c_str());
+    const PrefixCacheStats s = cache.stats();
+    EXPECT_EQ(s.entries, 1);
+    EXPECT_EQ(s.inserted_blocks, 1);
+    EXPECT_EQ(s.used_bytes, entry_bytes());
+    EXPECT_EQ(pool->stats(Tier::kHost).blocks, kLayers);  // b's host entry freed too
+    EXPECT_EQ(pool->stats(Tier::kDisk).blocks, 0);
+    EXPECT_EQ(cache.lookup("m", b), 64);
+    // a's rows are still there.
+    FakeKv got(a);
+    for (auto* side : {&got.k, &got.v})
+      for (auto& layer : *side) std::fill(layer.begin(), layer.end(), 0.f);
+    ASSERT_TRUE(cache.read("m", a, 64, got.rows()).is_ok());
+    EXPECT_EQ(got.k, ka.k);
+    EXPECT_EQ(got.v, ka.v);
+  }
+  pool.reset();
+  fs::remove_all(dir);
 }
 
 model::ModelConfig tiny_config() {

@@ -629,7 +629,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     void* const OA = attn_bf16 ? atth.data() : static_cast<void*>(ATT);
     void* KA = attn_bf16 ? kh.data() : static_cast<void*>(K);
     void* VA = attn_bf16 ? vh.data() : static_cast<void*>(V);
-    if (shard.exchange_kv) {
+    if (shard.exchanges()) {
       void* kl = K;
       void* vl = V;
       if (attn_bf16) {
@@ -645,7 +645,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         KA = k_all.data();
         VA = v_all.data();
       }
-      if (!dry) SF_TRY(hook([&] { return shard.exchange_kv(l, kl, vl, KA, VA, adt); }));
+      if (!dry && shard.exchange_kv_enqueue)
+        SF_TRY(shard.exchange_kv_enqueue(l, kl, vl, KA, VA, adt, st));
+      else if (!dry)
+        SF_TRY(hook([&] { return shard.exchange_kv(l, kl, vl, KA, VA, adt); }));
     }
     // Attention time: the casts and the kernels (a shard's exchange is communication).
     if (!dry) {
@@ -653,7 +656,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       if (attn_bf16) {
         SF_TRY(
             kernels::cast(dview(Q, DType::kF32, {NL, hq, d}), dview(QA, adt, {NL, hq, d}), cs()));
-        if (!shard.exchange_kv) {
+        if (!shard.exchanges()) {
           SF_TRY(
               kernels::cast(dview(K, DType::kF32, {S, hkv, d}), dview(KA, adt, {S, hkv, d}), cs()));
           SF_TRY(
@@ -811,7 +814,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   kv.n_layers = c.n_layers;
   kv.n_kv_heads = int(hkv);
   kv.head_dim = int(d);
-  kv.n_tokens = NL;  // a shard's rows: its pieces in order
+  // A shard's rows (its pieces in order), after the caller's lead rows when it has any.
+  const int64_t lead = keep_kv ? shard.kv_lead_rows : 0;
+  kv.n_tokens = lead + NL;
   kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   // Each layer in order, on this thread, as soon as its copies land while the device computes
@@ -828,14 +833,15 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     std::atomic<bool> no_memory{false};
     parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
       try {
-        for (size_t i = b; i < e; ++i) (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t(NL * kvd));
+        for (size_t i = b; i < e; ++i)
+          (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t((lead + NL) * kvd));
       } catch (const std::bad_alloc&) {
         no_memory = true;
       }
     });
     SF_ENSURE(!no_memory, kResourceExhausted,
               "device prefill: no host memory for the kept KV (" +
-                  std::to_string(2 * c.n_layers * NL * kvd * 4) + " bytes)");
+                  std::to_string(2 * c.n_layers * (lead + NL) * kvd * 4) + " bytes)");
   }
   for (int l = 0; l < c.n_layers; ++l) {
     if (!kv_out) {
@@ -849,20 +855,11 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     float* hk = host_kv ? h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd) : nullptr;
     float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
     if (keep_kv) {
-      // K then V of the layer as one range of 2 x NL x kvd floats, split over the pool.
-      const size_t n = size_t(NL * kvd);
-      parallel_for(
-          2 * n,
-          [&](size_t b, size_t e) {
-            for (size_t i = b; i < e;) {
-              const bool v = i >= n;
-              const size_t off = v ? i - n : i, len = std::min(e, v ? 2 * n : n) - i;
-              std::memcpy((v ? kv.v : kv.k)[size_t(l)].data() + off, (v ? hv : hk) + off,
-                          len * sizeof(float));
-              i += len;
-            }
-          },
-          size_t(1) << 18);  // 1 MiB a task at least
+      const size_t at = size_t(lead * kvd);
+      parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
+                         size_t(NL * kvd));
+      if (lead > 0)
+        SF_TRY(shard.fill_kv_lead(l, kv.k[size_t(l)].data(), kv.v[size_t(l)].data()));
     }
     if (dev_sink) SF_TRY(place_through(l));
     std::span<const float> imp_l;
@@ -1041,7 +1038,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     SF_TRY(alloc(vh, S * kvd * 2));
     SF_TRY(alloc(atth, NL * qd * 2));
   }
-  if (shard.exchange_kv) {
+  if (shard.exchanges()) {
     if (attn_bf16) {
       SF_TRY(alloc(kh_loc, NL * kvd * 2));
       SF_TRY(alloc(vh_loc, NL * kvd * 2));
@@ -1224,8 +1221,14 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel& dm, DeviceSha
     prev = p[1];
     NL += p[1] - p[0];
   }
-  SF_ENSURE(NL == S || shard.exchange_kv, kInvalidArgument,
+  SF_ENSURE(NL == S || shard.exchanges(), kInvalidArgument,
             "device prefill shard: a rank that holds part of the prompt needs exchange_kv");
+  SF_ENSURE(shard.kv_lead_rows == 0 ||
+                (shard.kv_lead_rows > 0 && shard.fill_kv_lead && opt.keep_kv &&
+                 shard.kv_lead_rows + NL <= S),
+            kInvalidArgument,
+            "device prefill shard: kv_lead_rows needs fill_kv_lead, keep_kv and at most the "
+            "prompt's rows beside the shard's own");
   SF_ENSURE(!opt.all_logits && !opt.on_layer_kv, kUnsupported,
             "device prefill shard: all_logits and the per-layer KV hook are single-device only");
   // Importance comes from the piece that ends the prompt: the window's rows must all be in it.

@@ -100,6 +100,19 @@ struct DeviceShard {
   std::function<Status(int layer, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
                        DType dtype)>
       exchange_kv;
+  // Enqueue-only form of exchange_kv, used instead of it when set: queue the fill of k_all and
+  // v_all on `stream` (the compute stream, a cudaStream_t) and return without waiting, so the
+  // layers stay pipelined. For fills that need no host round trip (a local prefix cache's rows).
+  std::function<Status(int layer, const void* k_loc, const void* v_loc, void* k_all, void* v_all,
+                       DType dtype, void* stream)>
+      exchange_kv_enqueue;
+  bool exchanges() const { return bool(exchange_kv) || bool(exchange_kv_enqueue); }
+  // With keep_kv, each layer of the result's KV holds kv_lead_rows rows this rank did not
+  // compute (a cached prefix) before its own: run() sizes the vectors for both and calls
+  // fill_kv_lead(layer, k, v) with the layer's host rows on the host thread, in layer order,
+  // while later layers compute. The result's n_tokens counts them.
+  int64_t kv_lead_rows = 0;
+  std::function<Status(int layer, float* k, float* v)> fill_kv_lead;
   // Sums a device F32 buffer of `count` values over the TP slices, in place (the O and down
   // projections' partial sums, every row of the rank at once). Null: one slice.
   std::function<Status(float* x, int64_t count)> reduce_tp;
