@@ -28,8 +28,9 @@ struct PrefixPrefillStats {
   // Caching is best effort: a prompt that does not fit the cache budget or the pool still gets
   // its prefill result; why its blocks were not (all) cached is kept here.
   Status insert_status;
-  // Where the call's time went (seconds): the forward (with its plan when one was made), the
-  // whole prompt's KV put together on the host, and the insert.
+  // Where the call's time went (seconds): the plan when one was made, the forward, the cached
+  // prefix's rows put into the result's KV on the host (on the device path, inside forward_s:
+  // the drain overlaps later layers), and the insert.
   double plan_s = 0, forward_s = 0, assemble_s = 0, insert_s = 0;
 };
 
@@ -50,11 +51,12 @@ Result<int64_t> prefix_lookup(PrefixCache* cache, const model::ModelConfig& c,
 
 // The same on the device forward (CUDA builds; one GPU, the whole model, dense attention). On a
 // hit the plan is a one-rank DeviceShard whose only piece is the suffix [P, S): each layer's
-// exchange fills the attention's K/V with the prefix rows, copied from the cache's pool blocks
-// (device to device on a device tier: BlockPool::read_to_device_async) and cast to the
-// attention's dtype, then the suffix's own rows. The prefix's blocks stay pinned for the run.
-// The result's KV is the whole prompt's (the prefix rows read back from the cache), as the CPU
-// path's; its logits and importance are the suffix run's. A miss is a plain device prefill.
+// exchange, queued on the compute stream, fills the attention's K/V with the prefix rows, copied
+// from the cache's pool blocks (device to device on a device tier:
+// BlockPool::read_to_device_async) and cast to the attention's dtype, then the suffix's own rows.
+// The prefix's blocks stay pinned for the run. The result's KV is the whole prompt's (the prefix
+// rows as lead rows of the forward's own KV drain), as the CPU path's; its logits and importance
+// are the suffix run's. A miss is a plain device prefill.
 // opt.prefill.sparse is refused.
 //
 // Plans are length-specific (a hit's for exactly its S and P), and planning a long prompt costs
