@@ -1,10 +1,11 @@
 // Small helpers the GPU-host benchmarks share: a failure line, a wall clock, and what a result
-// line records about its own run (the command and the commit; bench/gpu/run.sh exports
+// line records about its own run (the date, the command and the commit; bench/gpu/run.sh exports
 // SF_SOURCE_COMMIT from the .source-commit file the caller carries).
 #pragma once
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 
 #include "common/status.h"
@@ -29,6 +30,16 @@ inline std::string command_line(int argc, char** argv) {
       if (*p != '"' && *p != '\\') c += *p;  // kept JSON-safe
   }
   return c;
+}
+
+// The run's start in UTC, ISO 8601 (2026-11-27T03:40:00Z).
+inline std::string utc_date() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char b[32];
+  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return b;
 }
 
 inline std::string source_commit() {

@@ -94,7 +94,8 @@ int main(int argc, char** argv) {
   if (!dq.alloc(q.size() * 4).is_ok() || !dq.upload(q.data(), q.size() * 4).is_ok() ||
       !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
     return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
-  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv);
+  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
+                    date = bench::utc_date();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   cudaEvent_t e0, e1;
@@ -208,13 +209,14 @@ int main(int argc, char** argv) {
           "\"device_blocks_visited\": %lld, \"max_head_blocks_visited_frac\": %.4f, "
           "\"kv_blocks_loaded_frac\": %.4f, \"device_us\": %.1f, \"host_us\": %.1f, "
           "\"device_kv_GBps\": %.1f, \"device_copy_GBps\": %.1f, \"kv_shared\": %s, "
-          "\"staged\": %s, \"plan_staged\": %s, \"commit\": \"%s\", \"command\": \"%s\"}\n",
+          "\"staged\": %s, \"plan_staged\": %s, \"date\": \"%s\", \"commit\": \"%s\", "
+          "\"command\": \"%s\"}\n",
           prop.name, kvstore::kv_encoding_name(enc), pool->bytes(), double(pull),
           static_cast<long long>(n), hq, hkv, d, spec, visited_frac,
           static_cast<long long>(host_visited[si]), static_cast<long long>(visited),
           double(most) / double(nb), host_kv_loaded[si], dev_us,
           host_us[si], bytes / (dev_us * 1e-6) / 1e9, copy_GBps, shared ? "true" : "false",
-          staged ? "true" : "false", plan_staged ? "true" : "false", commit.c_str(),
+          staged ? "true" : "false", plan_staged ? "true" : "false", date.c_str(), commit.c_str(),
           command.c_str());
     }
     // A verification pass's attention (full mode, PagedDecodeParams::n_tokens): the newest
@@ -252,9 +254,11 @@ int main(int argc, char** argv) {
             "{\"device\": \"%s\", \"pool\": \"%s\", \"tokens\": %lld, \"heads\": %d, "
             "\"kv_heads\": %d, \"head_dim\": %d, \"mode\": \"full-pass\", \"pass_tokens\": %d, "
             "\"device_us\": %.1f, \"single_token_full_us\": %.1f, \"per_token_us\": %.1f, "
-            "\"speedup_vs_single_calls\": %.2f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
+            "\"speedup_vs_single_calls\": %.2f, \"date\": \"%s\", \"commit\": \"%s\", "
+            "\"command\": \"%s\"}\n",
             prop.name, kvstore::kv_encoding_name(enc), static_cast<long long>(n), hq, hkv, d, nt,
-            us, one_us, us / nt, double(nt) * one_us / us, commit.c_str(), command.c_str());
+            us, one_us, us / nt, double(nt) * one_us / us, date.c_str(), commit.c_str(),
+            command.c_str());
       }
     }
   }

@@ -116,7 +116,8 @@ int main(int argc, char** argv) {
     if (!pc.is_ok()) return fail("paged cache", pc.status());
     cache = std::move(pc).value();
   }
-  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv);
+  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
+                    date = bench::utc_date();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   const auto ap = decode::decode_attn_parse("full").value();
@@ -175,13 +176,13 @@ int main(int argc, char** argv) {
             "\"cuda_graph\": %s, \"fused_step\": %s, \"dependent_launch\": %s, "
             "\"graph_steps\": %lld, "
             "\"ms_per_token\": %.3f, \"ms_per_token_rounds\": [%.3f, %.3f, %.3f], "
-            "\"tokens_per_s\": %.1f, \"commit\": \"%s\", \"command\": \"%s\"}\n",
+            "\"tokens_per_s\": %.1f, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
             sess[size_t(si)]->pool_bytes(), static_cast<long long>(n), steps,
             graph_of(si) ? "true" : "false", fused_of(si) ? "true" : "false",
             pdl_of(si) ? "true" : "false",
             static_cast<long long>(sess[size_t(si)]->graph_steps()), med, ms[size_t(si)][0], ms[size_t(si)][1], ms[size_t(si)][2],
-            1e3 / med, commit.c_str(), command.c_str());
+            1e3 / med, date.c_str(), commit.c_str(), command.c_str());
         std::fflush(stdout);
       }
       // Verified drafts: rounds of `steps` generated tokens, median of three, as above.
@@ -212,13 +213,13 @@ int main(int argc, char** argv) {
             "\"tokens_per_pass\": %.2f, \"blocks_visited_frac\": %.4f, "
             "\"blocks_computed_frac\": %.4f, \"ms_per_token\": %.3f, "
             "\"ms_per_token_rounds\": [%.3f, %.3f, %.3f], \"tokens_per_s\": %.1f, "
-            "\"commit\": \"%s\", \"command\": \"%s\"}\n",
+            "\"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
             prop.name, shape_name.c_str(), c.n_layers, wname.c_str(), pname.c_str(),
             static_cast<long long>(n), steps, spec.c_str(), static_cast<long long>(st.draft_steps),
             static_cast<long long>(st.draft_accepted), static_cast<long long>(st.verify_passes),
             double(st.steps) / double(std::max<int64_t>(st.verify_passes, 1)),
             double(st.blocks_visited) / tot, double(st.blocks_computed) / tot, med, vms[0], vms[1],
-            vms[2], 1e3 / med, commit.c_str(), command.c_str());
+            vms[2], 1e3 / med, date.c_str(), commit.c_str(), command.c_str());
         std::fflush(stdout);
       }
     }

@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
       {"smollm2 down", "gemv", 1536, {576}},
       {"smollm2 lm_head", "gemv", 576, {49152}},
   };
-  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv);
+  const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
+                    date = bench::utc_date();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   cudaStream_t st = nullptr;
@@ -139,11 +140,11 @@ int main(int argc, char** argv) {
           "{\"device\": \"%s\", \"shape\": \"%s\", \"op\": \"%s\", \"weights\": \"%s\", "
           "\"in\": %lld, \"out\": %lld, \"weight_bytes\": %lld, \"us\": %.2f, "
           "\"weight_gbs\": %.1f, \"copy_us_same_bytes\": %.2f, \"copy_gbs_read_write\": %.1f, "
-          "\"reps\": %d, \"commit\": \"%s\", \"command\": \"%s\"}\n",
+          "\"reps\": %d, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
           prop.name, sh.name, sh.op, dtype_name(wdt), static_cast<long long>(sh.in),
           static_cast<long long>(out_total), static_cast<long long>(bytes), t,
           double(bytes) / (t * 1e3), copy_us, 2.0 * double(bytes) / (copy_us * 1e3), reps,
-          commit.c_str(), command.c_str());
+          date.c_str(), commit.c_str(), command.c_str());
       std::fflush(stdout);
     }
   return 0;

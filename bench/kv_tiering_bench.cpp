@@ -98,12 +98,15 @@ int main(int argc, char** argv) {
   const double g1 = double(third) * double(bb) / single / 1e9;
   const double g2 = double(third) * double(bb) / ordered / 1e9;
   const double g3 = double(rest.size()) * double(bb) / shuffled / 1e9;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) std::snprintf(prop.name, 8, "unknown");
   std::printf(
-      "{\"blocks\": %lld, \"block_bytes\": %lld, \"pinned_d2h_GBps\": %.2f, "
+      "{\"device\": \"%s\", \"blocks\": %lld, \"block_bytes\": %lld, \"pinned_d2h_GBps\": %.2f, "
       "\"move_GBps\": %.2f, \"batch_ordered_GBps\": %.2f, \"batch_shuffled_GBps\": %.2f, "
       "\"ratio_move\": %.3f, \"ratio_batch_ordered\": %.3f, \"ratio_batch_shuffled\": %.3f, "
-      "\"byte_exact\": %s}\n",
-      (long long)n, (long long)bb, gbs_raw, g1, g2, g3, g1 / gbs_raw, g2 / gbs_raw, g3 / gbs_raw,
-      exact ? "true" : "false");
+      "\"byte_exact\": %s, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
+      prop.name, (long long)n, (long long)bb, gbs_raw, g1, g2, g3, g1 / gbs_raw, g2 / gbs_raw,
+      g3 / gbs_raw, exact ? "true" : "false", sf::bench::utc_date().c_str(),
+      sf::bench::source_commit().c_str(), sf::bench::command_line(argc, argv).c_str());
   return exact ? 0 : 1;
 }

@@ -107,12 +107,12 @@ int main(int argc, char** argv) {
     t_plan = std::min(t_plan, tp);
   }
   std::printf(
-      "{\"bench\": \"prefix_device\", \"device\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\", "
+      "{\"bench\": \"prefix_device\", \"device\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\", "
       "\"model\": \"%s\", \"layers\": %d, \"seq_len\": %lld, \"prefix\": %lld, "
       "\"reused_tokens\": %lld, \"hit_s\": %.4f, \"full_s\": %.4f, \"speedup\": %.3f, "
       "\"first_hit_with_plan_s\": %.4f, \"hit_forward_s\": %.4f, \"hit_assemble_s\": %.4f, "
       "\"hit_insert_s\": %.4f, \"logits_nerr\": %.3g}\n",
-      dm->device_name().c_str(), sf::bench::source_commit().c_str(),
+      dm->device_name().c_str(), sf::bench::utc_date().c_str(), sf::bench::source_commit().c_str(),
       sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
       static_cast<long long>(S), static_cast<long long>(P), static_cast<long long>(reused), t_hit,
       t_plan, t_plan / t_hit, first_hit, best.forward_s, best.assemble_s, best.insert_s,
