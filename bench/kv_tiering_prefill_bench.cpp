@@ -151,7 +151,8 @@ int main(int argc, char** argv) {
   const int64_t runs = reps + 1;  // every run placed its layers again
   const double kv_bytes = double(layers) * double(nb) * double(bb);
   std::printf(
-      "{\"bench\": \"kv_tiering_prefill\", \"device\": \"%s\", \"date\": \"%s\", \"commit\": \"%s\", "
+      "{\"bench\": \"kv_tiering_prefill\", \"device\": \"%s\", \"date\": \"%s\", "
+      "\"commit\": \"%s\", "
       "\"command\": \"%s\", \"model\": \"%s\", \"layers\": %d, \"seq_len\": %lld, "
       "\"kv_bytes_f32\": %.0f, \"device_budget_blocks\": %lld, \"blocks\": %lld, "
       "\"plain_prefill_s\": %.4f, \"tiered_prefill_s\": %.4f, \"hostkv_prefill_s\": %.4f, "

@@ -1,12 +1,18 @@
 #include "common/thread_pool.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -141,6 +147,51 @@ void parallel_copy_pair(float* da, const float* a, float* db, const float* b, si
         }
       },
       grain);
+}
+
+namespace {
+
+// madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside [p, p + bytes); a hint: errors (no
+// THP in this kernel, "never" mode) leave ordinary pages.
+void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool on = [] {
+    const char* e = std::getenv("SF_HOST_HUGEPAGES");
+    return !(e && std::string(e) == "0");
+  }();
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (!on || bytes < 2 * kHuge) return;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (e > b) (void)madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+}  // namespace
+
+bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
+  std::atomic<bool> ok{true};
+  parallel_for(vs.size(), [&](size_t b, size_t e) {
+    try {
+      for (size_t i = b; i < e; ++i) {
+        std::vector<float>& v = *vs[i];
+        if (v.capacity() < n) {
+          std::vector<float>().swap(v);
+          v.reserve(n);  // allocated, not touched yet
+          advise_huge_pages(v.data(), n * sizeof(float));
+        }
+        v.resize(n);
+      }
+    } catch (const std::bad_alloc&) {
+      ok = false;
+    } catch (const std::length_error&) {  // more than a vector can hold
+      ok = false;
+    }
+  });
+  return ok;
 }
 
 }  // namespace sf

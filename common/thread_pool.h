@@ -3,6 +3,8 @@
 #pragma once
 #include <cstddef>
 #include <functional>
+#include <span>
+#include <vector>
 
 namespace sf {
 
@@ -16,5 +18,12 @@ void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_
 // on one thread. The KV drains of the device prefill use it (K and V of a layer).
 void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
                         size_t grain = size_t(1) << 18);
+
+// Sizes every vector to n floats, one vector a task on the pool: a large vector's first touch is
+// bound by page faults, so one thread would take seconds for a long prompt's KV. A vector that
+// must grow is allocated afresh and, on Linux, marked for transparent huge pages before it is
+// touched (4 MiB or more; one 2 MiB fault instead of 512 small ones; SF_HOST_HUGEPAGES=0 turns
+// this off). False when an allocation failed; the vectors' sizes are then unspecified.
+bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
 
 }  // namespace sf

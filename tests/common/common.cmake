@@ -4,3 +4,5 @@ sf_add_test(test_metrics SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_metrics.cpp LABE
             LIBS sf_common)
 sf_add_test(test_file_io SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_file_io.cpp LABELS unit
             LIBS sf_common)
+sf_add_test(test_thread_pool SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_thread_pool.cpp LABELS unit
+            LIBS sf_common)

@@ -830,18 +830,16 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - the host hook (KV tiering) gets the layer's host K/V and importance;
   // - opt.on_layer_done reports progress.
   if (keep_kv) {
-    std::atomic<bool> no_memory{false};
-    parallel_for(size_t(2 * c.n_layers), [&](size_t b, size_t e) {
-      try {
-        for (size_t i = b; i < e; ++i)
-          (i % 2 ? kv.v : kv.k)[i / 2].resize(size_t((lead + NL) * kvd));
-      } catch (const std::bad_alloc&) {
-        no_memory = true;
-      }
-    });
-    SF_ENSURE(!no_memory, kResourceExhausted,
+    const auto a0 = Clock::now();
+    std::vector<std::vector<float>*> vs;
+    for (int l = 0; l < c.n_layers; ++l) {
+      vs.push_back(&kv.k[size_t(l)]);
+      vs.push_back(&kv.v[size_t(l)]);
+    }
+    SF_ENSURE(size_vectors(vs, size_t((lead + NL) * kvd)), kResourceExhausted,
               "device prefill: no host memory for the kept KV (" +
                   std::to_string(2 * c.n_layers * (lead + NL) * kvd * 4) + " bytes)");
+    res->kv_alloc_s = seconds_since(a0);
   }
   for (int l = 0; l < c.n_layers; ++l) {
     if (!kv_out) {
@@ -855,11 +853,13 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     float* hk = host_kv ? h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd) : nullptr;
     float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
     if (keep_kv) {
+      const auto c0 = Clock::now();
       const size_t at = size_t(lead * kvd);
       parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
                          size_t(NL * kvd));
       if (lead > 0)
         SF_TRY(shard.fill_kv_lead(l, kv.k[size_t(l)].data(), kv.v[size_t(l)].data()));
+      res->kv_copy_s += seconds_since(c0);
     }
     if (dev_sink) SF_TRY(place_through(l));
     std::span<const float> imp_l;

@@ -150,6 +150,10 @@ struct PrefillResult {
   // when keep_kv, one layer's at a time when not (the per-layer hook, e.g. KV tiering, keeps its
   // own copy). The GPU forward reports its pinned host copies.
   int64_t kv_peak_bytes = 0;
+  // Device forward with keep_kv: host seconds spent sizing the result's KV vectors (their page
+  // faults) and copying each layer into them out of pinned memory (a shard's lead rows
+  // included, with their wait for their own copy). Both overlap later layers' compute.
+  double kv_alloc_s = 0, kv_copy_s = 0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});

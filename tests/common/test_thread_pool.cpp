@@ -1,0 +1,65 @@
+// The pool's loops: parallel_for covers [0, n) once (nested calls run inline), parallel_copy_pair
+// copies both arrays across the split between them, and size_vectors sizes, zeroes and reuses
+// vectors and reports an allocation it cannot make instead of throwing from a pool thread.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "common/thread_pool.h"
+
+namespace sf {
+namespace {
+
+TEST(ThreadPool, ParallelForCoversEveryIndexOnce) {
+  for (size_t n : {size_t(1), size_t(7), size_t(1000), size_t(100003)}) {
+    std::vector<std::atomic<int>> hits(n);
+    parallel_for(n, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) hits[i]++;
+      // A nested call runs inline on the calling task.
+      parallel_for(2, [](size_t, size_t) {});
+    });
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n " << n << " index " << i;
+  }
+}
+
+TEST(ThreadPool, ParallelCopyPairCopiesBothArrays) {
+  // Odd sizes and a small grain, so tasks straddle the boundary between the two arrays.
+  for (size_t n : {size_t(1), size_t(333), size_t(70001)}) {
+    std::vector<float> a(n), b(n), da(n, -1.f), db(n, -1.f);
+    std::iota(a.begin(), a.end(), 1.f);
+    std::iota(b.begin(), b.end(), -float(n));
+    parallel_copy_pair(da.data(), a.data(), db.data(), b.data(), n, 64);
+    EXPECT_EQ(da, a) << n;
+    EXPECT_EQ(db, b) << n;
+  }
+}
+
+TEST(ThreadPool, SizeVectorsSizesZeroesAndReuses) {
+  // 6 MiB a vector: past the huge-page hint's threshold (4 MiB), so that path runs too.
+  const size_t n = size_t(3) << 19;
+  std::vector<std::vector<float>> store(5);
+  store[1].assign(10, 7.f);         // grows: allocated afresh
+  store[2].assign(2 * n, 7.f);      // large enough already: keeps its memory
+  const float* kept = store[2].data();
+  std::vector<std::vector<float>*> vs;
+  for (auto& v : store) vs.push_back(&v);
+  ASSERT_TRUE(size_vectors(vs, n));
+  for (size_t i = 0; i < store.size(); ++i) {
+    ASSERT_EQ(store[i].size(), n) << i;
+    if (i != 2)
+      for (size_t j = 0; j < n; j += 4099) ASSERT_EQ(store[i][j], 0.f) << i << " " << j;
+  }
+  EXPECT_EQ(store[2].data(), kept);
+  EXPECT_EQ(store[2][0], 7.f);  // a shrink keeps the values (resize semantics)
+  // More than a vector can hold: reported, not thrown from a pool thread.
+  std::vector<float> big;
+  std::vector<std::vector<float>*> one = {&big};
+  EXPECT_FALSE(size_vectors(one, big.max_size() + 1));
+}
+
+}  // namespace
+}  // namespace sf
