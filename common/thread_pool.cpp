@@ -13,6 +13,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -192,6 +193,26 @@ bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
     }
   });
   return ok;
+}
+
+Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn) {
+  std::vector<Status> st(n);
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) st[i] = fn(i);
+  };
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < std::min(n, size_t(std::max(1, width))); ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {  // no thread to be had: the running ones do it all
+      break;
+    }
+  }
+  work();
+  for (std::thread& h : helpers) h.join();
+  for (const Status& s : st) SF_TRY(s);
+  return Status::ok();
 }
 
 }  // namespace sf

@@ -6,6 +6,8 @@
 #include <span>
 #include <vector>
 
+#include "common/status.h"
+
 namespace sf {
 
 int num_threads();
@@ -25,5 +27,12 @@ void parallel_copy_pair(float* da, const float* a, float* db, const float* b, si
 // touched (4 MiB or more; one 2 MiB fault instead of 512 small ones; SF_HOST_HUGEPAGES=0 turns
 // this off). False when an allocation failed; the vectors' sizes are then unspecified.
 bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
+
+// Runs fn(i) for every i in [0, n) on `width` threads (the caller's and up to width - 1 more),
+// each taking the next index when it is done: for items that wait (writes, fsync) or hold memory
+// each (a layer's shard), where parallel_for's pool (sized for compute; nested calls run inline)
+// is not the tool. Every item runs; the result is the first failure in index order, so which
+// error is reported does not depend on timing. Items must not touch each other's state.
+Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn);
 
 }  // namespace sf

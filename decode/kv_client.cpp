@@ -11,6 +11,7 @@
 
 #include "common/checksum.h"
 #include "common/safetensors.h"
+#include "common/thread_pool.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/position_runs.h"
 
@@ -515,7 +516,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     std::vector<float> k, v, kmin, kmax, kmean, imp;
     kvstore::EncodedRows kq, vq;  // int8 exports
   };
-  for (int64_t layer = 0; layer < nl; ++layer) {
+  // Layers are read on several threads at once (their checksums, reads and decoding overlap);
+  // each writes only its own heads of `out`.
+  const auto one_layer = [&](int64_t layer) -> Status {
+    std::error_code fec;  // this layer's own
     // Every shard of the layer: verified, then its heads read.
     std::vector<std::vector<HeadData>> data(mf.shards.size());
     for (size_t si = 0; si < mf.shards.size(); ++si) {
@@ -523,10 +527,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       if (S.layer != layer) continue;
       const std::string where = "shard '" + S.file + "'";
       const fs::path p = root / S.file;
-      if (!fs::is_regular_file(p, ec))
+      if (!fs::is_regular_file(p, fec))
         return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
-      const uint64_t fsz = fs::file_size(p, ec);
-      if (ec || int64_t(fsz) != S.bytes)
+      const uint64_t fsz = fs::file_size(p, fec);
+      if (fec || int64_t(fsz) != S.bytes)
         return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
                                   std::to_string(S.bytes));
       SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
@@ -597,7 +601,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
                            "positions.h" + std::to_string(hh) +
                                " differ from the manifest's retention ranges");
     }
-  }
+    return Status::ok();
+  };
+  SF_TRY(run_items(size_t(nl), kvstore::default_layers_in_flight(),
+                   [&](size_t l) { return one_layer(int64_t(l)); }));
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include "common/checksum.h"
 #include "common/file_io.h"
 #include "common/safetensors.h"
+#include "common/thread_pool.h"
 #include "kvstore/position_runs.h"
 
 namespace sf::kvstore {
@@ -310,7 +311,7 @@ Status finish_export(const std::string& tmp, const std::string& dir) {
 
 Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
                                                   const KvShardPart& part, const LayerSource& src,
-                                                  bool validate) {
+                                                  bool validate, const ExportOptions& opt) {
   if (validate) SF_TRY(check_spec(spec));
   // Cheap even unvalidated: the tiers below read the low encoding exactly when there is one.
   if ((spec.retention && spec.retention->has_low()) != spec.encoding_low.has_value())
@@ -334,133 +335,142 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   if (part.layer < -1 || part.layer >= spec.n_layers)
     return SF_ERR(kInvalidArgument, "export_kv: shard layer " + std::to_string(part.layer) +
                                         " outside the model's " + std::to_string(spec.n_layers));
-  std::error_code ec;
-  std::vector<std::string> entries;
   const int l_end = part.layer < 0 ? spec.n_layers : part.layer + 1;
   // Each tier is its own shard file: the high one (every kept token without a low tier), then
   // the low one.
   const int n_tiers = ret && ret->has_low() ? 2 : 1;
+  std::vector<std::array<int, 2>> items;  // (layer, tier), in the order the entries are listed
   for (int l = std::max(part.layer, 0); l < l_end; ++l)
-    for (int tier = 0; tier < n_tiers; ++tier) {
-      if (part.tier >= 0 && tier != part.tier) continue;
-      const bool low = tier == 1;
-      const float* k = src(l, false);
-      const float* v = src(l, true);
-      if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
-      std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
-      std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
-      std::vector<int32_t> scratch;
-      for (int h = 0; h < hp; ++h)
-        intersect(ret ? tier_positions(*ret, l, h0 + h, low, &scratch) : all_pos, part.tokens,
-                  &pos[size_t(h)], &rows[size_t(h)]);
-      bool uniform = true;
-      for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
-      // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
-      std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
-      for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
-      std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
-      std::vector<HeadMeta> meta(static_cast<size_t>(hp));
-      for (int h = 0; h < hp; ++h) {
-        float* kh = kbuf.data() + off[size_t(h)] * d;
-        const int64_t n = int64_t(pos[size_t(h)].size());
-        gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
-        gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
-        const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
-        meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
-      }
-      // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
-      // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
-      const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
-      const bool raw = enc == KvEncoding::kF32;
-      EncodedRows enc_kv[2];                                           // keys, values
-      std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
-      if (!raw) {
-        for (int h = 0; h < hp; ++h)
-          for (int kv = 0; kv < 2; ++kv) {
-            EncodedRows& dst = enc_kv[kv];
-            at[size_t(h)][size_t(2 * kv)] = dst.data.size();
-            at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
-            SF_ASSIGN(EncodedRows e,
-                      kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
-                                int64_t(pos[size_t(h)].size()), d));
-            dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
-            dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
-            dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
-          }
-        std::vector<float>().swap(kbuf);
-        std::vector<float>().swap(vbuf);
-      }
-      SafetensorsWriter w;
-      boost::json::array names;
-      auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
-        w.add(name, t, std::move(shape), p, bytes);
-        names.push_back(boost::json::string(name));
-      };
-      // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
-      // for the integer encodings, their F16 scales and zeros.
-      const DType elem = kv_encoding_element(enc);
-      const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
-      auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
-        for (int kv = 0; kv < 2; ++kv) {
-          const std::string name = kv ? "value" : "key";
-          if (raw) {
-            add(name + sfx, DType::kF32, {1, heads, n, d},
-                (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
-            continue;
-          }
-          const EncodedRows& e = enc_kv[kv];
-          const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
-          add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
-              size_t(heads * n * width * esize));
-          const int64_t per = kv_param_groups(enc, kv == 0, n, d);
-          if (per == 0) continue;
-          const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
-          const size_t count = size_t(heads * per);
-          add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
-          add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
-        }
-      };
-      if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);
-      for (int h = 0; h < hp; ++h) {
-        const std::string sfx = ".h" + std::to_string(h0 + h);
-        const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-        if (!uniform) add_kv(sfx, 1, n, h);
-        const HeadMeta& m = meta[size_t(h)];
-        add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
-        add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
-        add("block_key_max" + sfx, DType::kF32, {nb, d}, m.kmax.data(), m.kmax.size() * 4);
-        add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
-        if (!m.importance.empty())
-          add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
-      }
-      w.set_metadata("layer", std::to_string(l));
-      w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
-                                       : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
-      w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
-      // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
-      w.set_metadata("kv_dtype", kv_encoding_name(enc));
-      if (n_tiers == 2) w.set_metadata("tier", low ? "low" : "high");
-      char name[64];
-      std::snprintf(name, sizeof name, "layer_%03d%s%s.safetensors", l, part.file_tag.c_str(),
-                    low ? ".low" : "");
-      const fs::path p = fs::path(tmp) / name;
-      auto r = w.write(p.string());
-      if (!r.is_ok()) return r.status();
-      boost::json::object sh;
-      sh["file"] = name;
-      sh["layer"] = l;
-      sh["layout"] = uniform ? "uniform" : "per_head";
-      sh["tokens"] = tok_json;
-      sh["kv_heads"] = boost::json::array{h0, h0 + hp};
-      sh["rank"] = part.rank;
-      if (n_tiers == 2) sh["tier"] = low ? "low" : "high";
-      sh["tensors"] = std::move(names);
-      sh["bytes"] = uint64_t(fs::file_size(p, ec));
-      sh["xxh64"] = hex64(r.value());
-      entries.push_back(boost::json::serialize(sh));
+    for (int tier = 0; tier < n_tiers; ++tier)
+      if (part.tier < 0 || tier == part.tier) items.push_back({l, tier});
+  // One shard file: gathered, encoded, written (hashed and fsynced) and described in *entry.
+  const auto one = [&](int l, int tier, std::string* entry) -> Status {
+    std::error_code ec;
+    const bool low = tier == 1;
+    const float* k = src(l, false);
+    const float* v = src(l, true);
+    if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
+    std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
+    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
+    std::vector<int32_t> scratch;
+    for (int h = 0; h < hp; ++h)
+      intersect(ret ? tier_positions(*ret, l, h0 + h, low, &scratch) : all_pos, part.tokens,
+                &pos[size_t(h)], &rows[size_t(h)]);
+    bool uniform = true;
+    for (int h = 1; h < hp; ++h) uniform = uniform && pos[size_t(h)].size() == pos[0].size();
+    // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
+    std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
+    for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
+    std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
+    std::vector<HeadMeta> meta(static_cast<size_t>(hp));
+    for (int h = 0; h < hp; ++h) {
+      float* kh = kbuf.data() + off[size_t(h)] * d;
+      const int64_t n = int64_t(pos[size_t(h)].size());
+      gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
+      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
+      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
+      meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
     }
+    // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
+    // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
+    const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
+    const bool raw = enc == KvEncoding::kF32;
+    EncodedRows enc_kv[2];                                           // keys, values
+    std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
+    if (!raw) {
+      for (int h = 0; h < hp; ++h)
+        for (int kv = 0; kv < 2; ++kv) {
+          EncodedRows& dst = enc_kv[kv];
+          at[size_t(h)][size_t(2 * kv)] = dst.data.size();
+          at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
+          SF_ASSIGN(EncodedRows e,
+                    kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
+                              int64_t(pos[size_t(h)].size()), d));
+          dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
+          dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
+          dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
+        }
+      std::vector<float>().swap(kbuf);
+      std::vector<float>().swap(vbuf);
+    }
+    SafetensorsWriter w;
+    boost::json::array names;
+    auto add = [&](const std::string& name, DType t, std::vector<int64_t> shape, const void* p, size_t bytes) {
+      w.add(name, t, std::move(shape), p, bytes);
+      names.push_back(boost::json::string(name));
+    };
+    // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
+    // for the integer encodings, their F16 scales and zeros.
+    const DType elem = kv_encoding_element(enc);
+    const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
+    auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::string name = kv ? "value" : "key";
+        if (raw) {
+          add(name + sfx, DType::kF32, {1, heads, n, d},
+              (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
+          continue;
+        }
+        const EncodedRows& e = enc_kv[kv];
+        const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
+        add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
+            size_t(heads * n * width * esize));
+        const int64_t per = kv_param_groups(enc, kv == 0, n, d);
+        if (per == 0) continue;
+        const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
+        const size_t count = size_t(heads * per);
+        add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
+        add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
+      }
+    };
+    if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);
+    for (int h = 0; h < hp; ++h) {
+      const std::string sfx = ".h" + std::to_string(h0 + h);
+      const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+      if (!uniform) add_kv(sfx, 1, n, h);
+      const HeadMeta& m = meta[size_t(h)];
+      add("positions" + sfx, DType::kI32, {n}, pos[size_t(h)].data(), size_t(n) * 4);
+      add("block_key_min" + sfx, DType::kF32, {nb, d}, m.kmin.data(), m.kmin.size() * 4);
+      add("block_key_max" + sfx, DType::kF32, {nb, d}, m.kmax.data(), m.kmax.size() * 4);
+      add("block_key_mean" + sfx, DType::kF32, {nb, d}, m.kmean.data(), m.kmean.size() * 4);
+      if (!m.importance.empty())
+        add("block_importance" + sfx, DType::kF32, {nb}, m.importance.data(), m.importance.size() * 4);
+    }
+    w.set_metadata("layer", std::to_string(l));
+    w.set_metadata("layout", uniform ? "key/value [batch, kv_heads, tokens, head_dim]; keys post-RoPE, rotate-half"
+                                     : "key.hH/value.hH [batch, 1, tokens, head_dim] per KV head; keys post-RoPE, rotate-half");
+    w.set_metadata("kv_heads", std::to_string(h0) + "-" + std::to_string(h0 + hp));
+    // The key/value tensors' encoding (their last dimension is head_dim / 2 in int4).
+    w.set_metadata("kv_dtype", kv_encoding_name(enc));
+    if (n_tiers == 2) w.set_metadata("tier", low ? "low" : "high");
+    char name[64];
+    std::snprintf(name, sizeof name, "layer_%03d%s%s.safetensors", l, part.file_tag.c_str(),
+                  low ? ".low" : "");
+    const fs::path p = fs::path(tmp) / name;
+    auto r = w.write(p.string());
+    if (!r.is_ok()) return r.status();
+    boost::json::object sh;
+    sh["file"] = name;
+    sh["layer"] = l;
+    sh["layout"] = uniform ? "uniform" : "per_head";
+    sh["tokens"] = tok_json;
+    sh["kv_heads"] = boost::json::array{h0, h0 + hp};
+    sh["rank"] = part.rank;
+    if (n_tiers == 2) sh["tier"] = low ? "low" : "high";
+    sh["tensors"] = std::move(names);
+    sh["bytes"] = uint64_t(fs::file_size(p, ec));
+    sh["xxh64"] = hex64(r.value());
+    *entry = boost::json::serialize(sh);
+    return Status::ok();
+  };
+  std::vector<std::string> entries(items.size());
+  SF_TRY(run_items(items.size(), opt.layers_in_flight, [&](size_t i) {
+    return one(items[i][0], items[i][1], &entries[i]);
+  }));
   return entries;
 }
+
+int default_layers_in_flight() { return std::clamp(num_threads() / 2, 1, 8); }
 
 Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
                           const std::vector<std::string>& entries) {
@@ -627,7 +637,8 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   return Status::ok();
 }
 
-Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force) {
+Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force,
+                 const ExportOptions& opt) {
   SF_TRY(check_spec(spec));
   SF_ASSIGN(const std::string tmp, begin_export(dir, force));
   auto fail = [&](Status st) {
@@ -635,7 +646,7 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
     fs::remove_all(tmp, e2);
     return st;
   };
-  auto entries = export_kv_shards(tmp, spec, whole_part(spec), src);
+  auto entries = export_kv_shards(tmp, spec, whole_part(spec), src, /*validate=*/true, opt);
   if (!entries.is_ok()) return fail(entries.status());
   Status st = export_kv_manifest(tmp, spec, entries.value());
   if (!st.is_ok()) return fail(st);

@@ -82,10 +82,23 @@ std::string rope_variant(const kernels::RopeParams& rope, int head_dim, const fl
 // Every exporter (prefill, the worker) and every consumer's hash start from this one.
 KvExportSpec model_export_spec(const model::Model& m);
 
+// How an export runs.
+struct ExportOptions {
+  // Shard files gathered, encoded and written (hashed, fsynced) at once, each on its own thread
+  // (the caller's is one): their copies and their waits for the disk overlap. Each holds one
+  // shard's kept K/V in a gathered copy meanwhile. Above 1, the LayerSource is called from
+  // several threads at once and must allow that.
+  int layers_in_flight = 1;
+};
+// A layers_in_flight for callers whose source is thread-safe: half the CPU pool's threads,
+// between 1 and 8 (measured: bench/NOTES.md, forty-second session).
+int default_layers_in_flight();
+
 // Writes dir/manifest.json and dir/layer_XXX.safetensors. The export is built in a sibling
 // temporary directory and renamed into place, so a failure leaves nothing half-written.
 // An existing non-empty dir is an error unless force.
-Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force);
+Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force,
+                 const ExportOptions& opt = {});
 
 // ---- sharded exports: each writer (a TP x CP rank) writes the part of every layer it holds;
 // one writer then writes the manifest over every part's entries (docs/kv-format.md, "Shards").
@@ -124,7 +137,8 @@ Status finish_export(const std::string& tmp, const std::string& dir);
 // skips the spec's own checks (O(kept tokens)): for the second and later parts of one spec.
 Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const KvExportSpec& spec,
                                                   const KvShardPart& part, const LayerSource& src,
-                                                  bool validate = true);
+                                                  bool validate = true,
+                                                  const ExportOptions& opt = {});
 // Writes tmp/manifest.json over every part's entries, after checking that every entry's file is
 // in tmp at its size (kNotFound otherwise), that per layer they cover every (token, KV head)
 // exactly once and that their blocks align (see KvShardPart).

@@ -959,16 +959,24 @@ int run(int argc, char** argv) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
       if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
     } else {
-      if (g.leader())
+      if (g.leader()) {
+        // Several layers are written at once; the heartbeat (MPI) is sent from this thread only,
+        // which takes its turn at the layers as the others do.
+        const std::thread::id self = std::this_thread::get_id();
+        kvstore::ExportOptions eo;
+        // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
+        // export outlasts --comm-timeout on any core count.)
+        eo.layers_in_flight = fault.kind == "slow_export" ? 1 : kvstore::default_layers_in_flight();
         st = kvstore::export_kv(
             dir, spec,
             [&](int l, bool v) {
-              beat(k);  // a long export is progress too
+              if (std::this_thread::get_id() == self) beat(k);  // a long export is progress too
               if (!v && fault.kind == "slow_export" && fault.rank == world->rank())
                 std::this_thread::sleep_for(std::chrono::milliseconds(fault.layer));
               return (v ? res.kv.v : res.kv.k)[size_t(l)].data();
             },
-            /*force=*/true);
+            /*force=*/true, eo);
+      }
       // The other ranks wait for the leader's export here (every layer written and hashed:
       // minutes for a long prompt on a slow filesystem), under --stall-timeout, not in the next
       // request's first collective under --comm-timeout.

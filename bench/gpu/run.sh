@@ -47,6 +47,10 @@
 #   SF_PREFIX_DEVICE  "tokens:prefix:layers" items (e.g. "32768:28672:8"): the prefix cache on the
 #                  device (sf_bench_prefix_device) against full prefills of the same prompts, one
 #                  JSON line each into prefix-device-<gpu>.jsonl (SF_PREFIX_REPS, default 3)
+#   SF_KV_EXPORT   "tokens:layers:dtype:widths" items (e.g. "32768:8:f32:1,2,4,8"): KV export and
+#                  load throughput on this host's CPUs and disk (sf_bench_kv_export, Llama-3-8B KV
+#                  geometry, one JSON line per layers_in_flight width into kv-export-<gpu>.jsonl;
+#                  written under TMPDIR and removed; SF_KV_EXPORT_REPS, default 2)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -485,6 +489,21 @@ if [[ -n "${SF_PREFIX_DEVICE:-}" ]]; then
     fi
   done
   notes+=("$(cut -c1-600 "$pj")")
+fi
+
+if [[ -n "${SF_KV_EXPORT:-}" ]]; then
+  ej="$out/kv-export-$(gpu_slug).jsonl"
+  : >"$ej"
+  for item in $SF_KV_EXPORT; do
+    IFS=: read -r e_tok e_lay e_dt e_widths <<<"$item"
+    for w in ${e_widths//,/ }; do
+      if ! timeout "${SF_DECODE_TIMEOUT:-300}" "$build/bench/sf_bench_kv_export" "$e_tok" "$e_lay" 8 \
+           128 "$e_dt" "${SF_KV_EXPORT_REPS:-2}" "$w" >>"$ej" 2>>"$logs/build.log"; then
+        fail "sf_bench_kv_export $item width $w failed (its stderr is at the end of build.log)"
+      fi
+    done
+  done
+  notes+=("$(cut -c1-400 "$ej")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

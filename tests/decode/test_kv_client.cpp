@@ -8,6 +8,8 @@
 #include <boost/json.hpp>
 #include <cmath>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -500,6 +502,75 @@ TEST_F(KvClient, TwoTierExportLoadsAsTheInProcessCache) {
     ASSERT_GT(cnt[0], 0);
     ASSERT_GT(cnt[1], 0);
     EXPECT_GT(err[1] / double(cnt[1]), 4 * err[0] / double(cnt[0]));
+  }
+}
+
+// Shard files written several at once (ExportOptions::layers_in_flight) are the files written
+// one at a time, byte for byte, manifest included; a failing layer is reported as the same error
+// whatever runs beside it, and leaves no export behind.
+TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
+  using E = kvstore::KvEncoding;
+  auto pol = kvstore::retention_parse("adakv:budget=200,window=32,pool=7,high=70");
+  ASSERT_TRUE(pol.is_ok()) << pol.status().to_string();
+  auto ret = kvstore::retention_apply(pol.value(), 2, 2, kN, &imp_);
+  ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+  const auto files = [](const std::string& dir) {
+    std::map<std::string, std::string> out;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      std::ifstream f(e.path(), std::ios::binary);
+      out[e.path().filename().string()] =
+          std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    return out;
+  };
+  // Full retention (one shard a layer) and two tiers (two a layer: 4 shard files in flight).
+  for (const bool tiers : {false, true}) {
+    SCOPED_TRACE(tiers ? "two tiers" : "full");
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+    spec.n_tokens = kN;
+    spec.token_ids = toks_;
+    spec.first_token = pr_.first_token;
+    spec.importance = &imp_;
+    if (tiers) {
+      spec.retention = &ret.value();
+      spec.encoding = E::kInt8;
+      spec.encoding_low = E::kInt4;
+    }
+    const kvstore::LayerSource src = [&](int l, bool v) {
+      return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data();
+    };
+    std::map<std::string, std::string> want;
+    for (const int n : {1, 2, 4, 16}) {
+      kvstore::ExportOptions eo;
+      eo.layers_in_flight = n;
+      const std::string dir = tmp_.sub(std::string("inflight-") + (tiers ? "t" : "f") +
+                                       std::to_string(n));
+      const Status st = kvstore::export_kv(dir, spec, src, false, eo);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const auto got = files(dir);
+      EXPECT_EQ(got.size(), tiers ? 5u : 3u);
+      if (n == 1)
+        want = got;
+      else
+        EXPECT_TRUE(got == want) << n << " in flight wrote other bytes";
+      ASSERT_TRUE(decode::load_kv_export(dir, hash_).is_ok());
+    }
+    // Layer 1 has no KV: the same error at every width, and nothing left behind.
+    const kvstore::LayerSource bad = [&](int l, bool v) -> const float* {
+      return l == 1 ? nullptr : src(l, v);
+    };
+    for (const int n : {1, 4}) {
+      kvstore::ExportOptions eo;
+      eo.layers_in_flight = n;
+      const std::string dir = tmp_.sub(std::string("inflight-bad") + std::to_string(n));
+      const Status st = kvstore::export_kv(dir, spec, bad, false, eo);
+      EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+      EXPECT_NE(st.message().find("layer 1 has no KV"), std::string::npos) << st.to_string();
+      EXPECT_FALSE(fs::exists(dir));
+      for (const auto& e : fs::directory_iterator(tmp_.path))
+        EXPECT_EQ(e.path().filename().string().find("inflight-bad" + std::to_string(n) + ".partial"),
+                  std::string::npos);
+    }
   }
 }
 

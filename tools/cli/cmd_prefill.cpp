@@ -429,7 +429,10 @@ int cmd_prefill(int argc, char** argv) {
       }
       return v ? pv.data() : pk.data();
     };
-    Status st = kvstore::export_kv(a.get("export-kv"), spec, src, a.has("force"));
+    // The pool's source reads into one buffer, so its layers go one at a time.
+    kvstore::ExportOptions eo;
+    eo.layers_in_flight = tiered ? 1 : kvstore::default_layers_in_flight();
+    Status st = kvstore::export_kv(a.get("export-kv"), spec, src, a.has("force"), eo);
     if (!read_st.is_ok()) return fail(Status(read_st.code(), "kv export from the pool: " + read_st.message()));
     if (!st.is_ok()) return fail(st);
     std::printf("kv export: %s (%d layer shards%s + manifest.json)\n", a.get("export-kv").c_str(),

@@ -233,10 +233,13 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
     part.kv_head0 = g.tp_rank * local.n_kv_heads;
     part.rank = c.rank();
     part.file_tag = ".r" + std::to_string(c.rank());
+    kvstore::ExportOptions eo;
+    eo.layers_in_flight = kvstore::default_layers_in_flight();
     if (!part.tokens.empty())
-      add(kvstore::export_kv_shards(tmp, spec, part, [&](int l, bool v) {
-        return (v ? local.v : local.k)[size_t(l)].data();
-      }));
+      add(kvstore::export_kv_shards(
+          tmp, spec, part,
+          [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); },
+          /*validate=*/true, eo));
   }
   const int n = c.size();
   std::vector<int64_t> lens(static_cast<size_t>(n));
