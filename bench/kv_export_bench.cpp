@@ -1,7 +1,8 @@
 // KV export and load throughput (CPU): a synthetic cache of Llama-3-8B-like geometry (random
 // keys and values, never zeros) exported with kvstore::export_kv, full retention, then loaded
 // back with decode::load_kv_export (checksums, compat hash, decode to F32), each timed; best of
-// reps. One JSON line: bytes of K/V, seconds and GB/s of each, the thread count.
+// reps. Both run layers_in_flight layers at once. One JSON line: bytes of K/V, seconds and GB/s
+// of each, the thread count.
 //   sf_bench_kv_export [tokens=32768] [layers=8] [kv_heads=8] [head_dim=128] [dtype=f32] [reps=3]
 //                      [layers_in_flight=kvstore::default_layers_in_flight()]
 //                      [dir=$TMPDIR/sf-kv-export-bench]
@@ -81,7 +82,7 @@ int main(int argc, char** argv) {
     if (!st.is_ok()) return bench::fail("export", st);
     t_exp = std::min(t_exp, bench::now_s() - t0);
     t0 = bench::now_s();
-    auto loaded = decode::load_kv_export(dir.string(), hash);
+    auto loaded = decode::load_kv_export(dir.string(), hash, eo.layers_in_flight);
     if (!loaded.is_ok()) return bench::fail("load", loaded.status());
     t_load = std::min(t_load, bench::now_s() - t0);
     if (r == 0) {  // the round trip must be the cache written (F32: exact)

@@ -484,7 +484,8 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   return mf;
 }
 
-Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash) {
+Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash,
+                                int layers_in_flight) {
   const fs::path root(dir);
   const fs::path mpath = root / "manifest.json";
   std::error_code ec;
@@ -603,7 +604,8 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
     }
     return Status::ok();
   };
-  SF_TRY(run_items(size_t(nl), kvstore::default_layers_in_flight(),
+  SF_TRY(run_items(size_t(nl),
+                   layers_in_flight > 0 ? layers_in_flight : kvstore::default_layers_in_flight(),
                    [&](size_t l) { return one_layer(int64_t(l)); }));
   return out;
 }

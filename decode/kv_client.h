@@ -84,7 +84,10 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
                                      const std::string& expected_compat_hash);
 
 // expected_compat_hash: the hash of the consumer's own model (decode::model_compat_hash); an
-// export for any other model, dtype, geometry, rope or block size is refused.
-Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash);
+// export for any other model, dtype, geometry, rope or block size is refused. Layers are
+// verified and read layers_in_flight at a time, each on its own thread (0:
+// kvstore::default_layers_in_flight()); the result and any error are the same at every width.
+Result<KvExport> load_kv_export(const std::string& dir, const std::string& expected_compat_hash,
+                                int layers_in_flight = 0);
 
 }  // namespace sf::decode

@@ -553,7 +553,17 @@ TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
         want = got;
       else
         EXPECT_TRUE(got == want) << n << " in flight wrote other bytes";
-      ASSERT_TRUE(decode::load_kv_export(dir, hash_).is_ok());
+      // Loaded one layer at a time and several at once: the same cache.
+      auto one = decode::load_kv_export(dir, hash_, 1);
+      auto many = decode::load_kv_export(dir, hash_, 4);
+      ASSERT_TRUE(one.is_ok()) << one.status().to_string();
+      ASSERT_TRUE(many.is_ok()) << many.status().to_string();
+      for (size_t i = 0; i < one->heads.size(); ++i) {
+        EXPECT_EQ(one->heads[i].positions, many->heads[i].positions);
+        EXPECT_EQ(one->heads[i].k, many->heads[i].k);
+        EXPECT_EQ(one->heads[i].v, many->heads[i].v);
+        EXPECT_EQ(one->heads[i].block_kmin, many->heads[i].block_kmin);
+      }
     }
     // Layer 1 has no KV: the same error at every width, and nothing left behind.
     const kvstore::LayerSource bad = [&](int l, bool v) -> const float* {
