@@ -955,6 +955,7 @@ int run(int argc, char** argv) {
              : double(ret->kept_total()) /
                    double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
     Status st;
+    const auto export_t0 = std::chrono::steady_clock::now();
     if (sharded) {
       st = runtime::export_sharded(g, dir, spec, res.kv);
       if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
@@ -999,6 +1000,14 @@ int run(int argc, char** argv) {
       continue;
     }
     ++n_done;
+    const double export_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - export_t0).count();
+    int64_t export_bytes = 0;
+    {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+        if (e.is_regular_file(ec)) export_bytes += int64_t(e.file_size(ec));
+    }
     const auto& s = res.stats;
     std::string summary = sformat(
         "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
@@ -1009,7 +1018,8 @@ int run(int argc, char** argv) {
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
         "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
-        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"fingerprint\": \"%s\"}",
+        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
+        "\"export_bytes\": %lld, \"fingerprint\": \"%s\"}",
         json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
@@ -1022,7 +1032,8 @@ int run(int argc, char** argv) {
         json_quoted(ret->policy + (ret->params.empty() ? "" : ":" + ret->params)).c_str(),
         kept_frac, kvstore::kv_encodings_name(encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
-        static_cast<long long>(reused_tokens), fingerprint.c_str());
+        static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
+        fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     auto list = [](const std::vector<int64_t>& v) {
       std::string o = "[";
@@ -1049,14 +1060,15 @@ int run(int argc, char** argv) {
     }
     metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
                          s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
-                         s.group_estimate_bytes, s.tp_allreduce_bytes});
+                         s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes});
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
-        "s) -> %s\n",
+        "s), export %.3f s -> %s\n",
         g.group, static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(),
         r.tokens.size(),
         prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
-        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, dir.c_str());
+        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, export_s,
+        dir.c_str());
     std::fflush(stdout);
   }
 

@@ -101,6 +101,8 @@ case "$case_name" in
       [ "$(metric "$f" "sparsefill_worker_finished{group=\"$g\"}")" = 1 ] || fail "metrics: group $g not finished"
       [ "$(metric "$f" "sparsefill_worker_prefill_seconds_count{group=\"$g\"}")" = \
         "$(metric "$f" "sparsefill_worker_requests_total{group=\"$g\",outcome=\"written\"}")" ] || fail "metrics: histogram count"
+      [ "$(metric "$f" "sparsefill_worker_export_seconds_count{group=\"$g\"}")" = \
+        "$(metric "$f" "sparsefill_worker_requests_total{group=\"$g\",outcome=\"written\"}")" ] || fail "metrics: export histogram count"
       # CP 2 all-gathers its K/V: bytes counted, and the moved bytes equal them (no --selective-kv).
       ag=$(metric "$f" "sparsefill_worker_kv_allgather_bytes_total{group=\"$g\"}")
       [ "$ag" -gt 0 ] && [ "$ag" = "$(metric "$f" "sparsefill_worker_kv_moved_bytes_total{group=\"$g\"}")" ] || fail "metrics: group $g K/V bytes $ag"
@@ -108,6 +110,15 @@ case "$case_name" in
     want_tokens=$(grep -ho '"n_tokens": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
     got_tokens=$(( $(metric "$m0" 'sparsefill_worker_prompt_tokens_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_prompt_tokens_total{group="1"}') ))
     [ "$got_tokens" -eq "$want_tokens" ] || fail "metrics: prompt tokens $got_tokens, summaries $want_tokens"
+    # Export bytes: each summary's are its export directory's files, and the metrics add them up.
+    for j in "$tmp"/out/*.json; do
+      d="${j%.json}"
+      on_disk=$(find "$d" -maxdepth 1 -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')
+      [ "$(grep -o '"export_bytes": [0-9]*' "$j" | awk '{ print $2 }')" = "$on_disk" ] || fail "summary $j: export_bytes, files hold $on_disk"
+    done
+    want_eb=$(grep -ho '"export_bytes": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
+    got_eb=$(( $(metric "$m0" 'sparsefill_worker_export_bytes_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_export_bytes_total{group="1"}') ))
+    [ "$want_eb" -gt 0 ] && [ "$got_eb" -eq "$want_eb" ] || fail "metrics: export bytes $got_eb, summaries $want_eb"
     [ "$(ls "$tmp/metrics")" = "$(printf 'w.g0.prom\nw.g1.prom')" ] || fail "metrics: files beside them: $(ls "$tmp/metrics")"
     # Resume: one export removed, the rest are complete and skipped. What a killed job left half
     # written (an export's temporary directory, a summary's .tmp) goes at start, under the lock.

@@ -108,6 +108,13 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   (void)reg_.add_histogram("sparsefill_worker_prefill_seconds",
                            "Wall time of a written request's prefill (leader).", kPrefillBuckets);
   (void)reg_.touch("sparsefill_worker_prefill_seconds", group_);
+  (void)reg_.add_histogram("sparsefill_worker_export_seconds",
+                           "Wall time of a written request's KV export, to its manifest in place "
+                           "(leader; the group's shards included when sharded).",
+                           kPrefillBuckets);
+  (void)reg_.touch("sparsefill_worker_export_seconds", group_);
+  add("sparsefill_worker_export_bytes_total", MetricKind::kCounter,
+      "Bytes of the written requests' KV exports (shards and manifests).");
 }
 
 Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
@@ -127,7 +134,9 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   moved_ += w.kv_moved_bytes;
   estimate_ += w.estimate_bytes;
   allreduce_ += w.tp_allreduce_bytes;
+  export_bytes_ += w.export_bytes;
   (void)reg_.observe("sparsefill_worker_prefill_seconds", group_, w.prefill_s);
+  (void)reg_.observe("sparsefill_worker_export_seconds", group_, w.export_s);
 }
 
 Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, bool in_flight,
@@ -146,6 +155,7 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_kv_moved_bytes_total", group_, double(moved_)));
   SF_TRY(reg_.set("sparsefill_worker_estimate_bytes_total", group_, double(estimate_)));
   SF_TRY(reg_.set("sparsefill_worker_tp_allreduce_bytes_total", group_, double(allreduce_)));
+  SF_TRY(reg_.set("sparsefill_worker_export_bytes_total", group_, double(export_bytes_)));
   return reg_.write_textfile(path_);
 }
 

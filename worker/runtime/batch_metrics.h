@@ -30,6 +30,10 @@ struct WrittenRequest {
   int64_t tokens = 0, prefix_reused_tokens = 0;
   double prefill_s = 0, comm_s = 0;
   int64_t kv_allgather_bytes = 0, kv_moved_bytes = 0, estimate_bytes = 0, tp_allreduce_bytes = 0;
+  // The KV export: the leader's wall time from its start to the manifest in place (the group's
+  // shards included when sharded), and the bytes of the export's files.
+  double export_s = 0;
+  int64_t export_bytes = 0;
 };
 
 class BatchMetrics {
@@ -59,6 +63,7 @@ class BatchMetrics {
   MetricLabels with(const char* k, const char* v) const;
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
+  int64_t export_bytes_ = 0;
   double comm_s_ = 0;
 };
 
