@@ -86,6 +86,12 @@ if(TARGET sparsefill)
   add_test(NAME cli_kv_pool_export COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/export_via_pool.sh ${_sf}
            ${_tmp}/export-via-pool)
   set_tests_properties(cli_kv_pool_export PROPERTIES LABELS unit TIMEOUT 180)
+  # The same with a pool of 8 threads: 4 export threads, each reading its layer back from the pool
+  # into its own buffers, write the same bytes.
+  add_test(NAME cli_kv_pool_export_threads COMMAND ${PROJECT_SOURCE_DIR}/tests/tools/export_via_pool.sh
+           ${_sf} ${_tmp}/export-via-pool-threads)
+  set_tests_properties(cli_kv_pool_export_threads PROPERTIES LABELS unit TIMEOUT 180
+                       ENVIRONMENT "SF_NUM_THREADS=8")
   set_tests_properties(cli_kv_pool_bad_spec cli_kv_pool_device_on_cpu cli_kv_pool_no_host cli_kv_pool_bad_dir cli_kv_pool
                        PROPERTIES LABELS unit TIMEOUT 120)
   # --dump-attention LAYER:FILE: bad specs fail before the slow part; a good one writes q, k, v

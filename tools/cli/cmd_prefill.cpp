@@ -4,9 +4,12 @@
 #include <climits>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "common/file_io.h"
 #include "common/log.h"
@@ -414,24 +417,38 @@ int cmd_prefill(int argc, char** argv) {
             double(
                 int64_t(cfg.n_layers) * cfg.n_kv_heads *
                 kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, S, cfg.head_dim)));
-    // The pool's layers, read back one at a time (export_kv asks for a layer's K, then its V);
-    // without a pool, the forward's kept KV.
-    int pooled_layer = -1;
-    std::vector<float> pk, pv;
-    Status read_st;
+    // Without a pool, the forward's kept KV. With one, each export thread reads the layer it
+    // writes back into buffers of its own (export_kv asks for a layer's K, then its V, on one
+    // thread): one layer a thread in host memory at a time.
+    struct Held {
+      int layer = -1;
+      std::vector<float> k, v;
+    };
+    std::mutex held_mu;
+    std::map<std::thread::id, Held> held;  // nodes stay put as threads are added
+    Status read_st;                         // the first read error
     const kvstore::LayerSource src = [&](int l, bool v) -> const float* {
       if (!tiered) return (v ? kv.v : kv.k)[size_t(l)].data();
-      if (!read_st.is_ok()) return nullptr;  // keep the first read error
-      if (l != pooled_layer) {
-        read_st = tiered->read_layer(l, &pk, &pv);
+      Held* h = nullptr;
+      {
+        std::lock_guard<std::mutex> g(held_mu);
         if (!read_st.is_ok()) return nullptr;
-        pooled_layer = l;
+        h = &held[std::this_thread::get_id()];
       }
-      return v ? pv.data() : pk.data();
+      if (h->layer != l) {
+        h->layer = -1;
+        const Status rs = tiered->read_layer(l, &h->k, &h->v);
+        if (!rs.is_ok()) {
+          std::lock_guard<std::mutex> g(held_mu);
+          if (read_st.is_ok()) read_st = rs;
+          return nullptr;
+        }
+        h->layer = l;
+      }
+      return v ? h->v.data() : h->k.data();
     };
-    // The pool's source reads into one buffer, so its layers go one at a time.
     kvstore::ExportOptions eo;
-    eo.layers_in_flight = tiered ? 1 : kvstore::default_layers_in_flight();
+    eo.layers_in_flight = kvstore::default_layers_in_flight();
     Status st = kvstore::export_kv(a.get("export-kv"), spec, src, a.has("force"), eo);
     if (!read_st.is_ok()) return fail(Status(read_st.code(), "kv export from the pool: " + read_st.message()));
     if (!st.is_ok()) return fail(st);
