@@ -198,8 +198,17 @@ bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
 Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn) {
   std::vector<Status> st(n);
   std::atomic<size_t> next{0};
+  // An exception must not leave a helper thread (std::terminate): it becomes the item's error.
   const auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) st[i] = fn(i);
+    for (size_t i; (i = next.fetch_add(1)) < n;) {
+      try {
+        st[i] = fn(i);
+      } catch (const std::bad_alloc&) {
+        st[i] = SF_ERR(kResourceExhausted, "out of memory in item " + std::to_string(i));
+      } catch (const std::exception& e) {
+        st[i] = SF_ERR(kInternal, "item " + std::to_string(i) + " threw: " + e.what());
+      }
+    }
   };
   std::vector<std::thread> helpers;
   for (size_t t = 1; t < std::min(n, size_t(std::max(1, width))); ++t) {

@@ -32,7 +32,8 @@ bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
 // each taking the next index when it is done: for items that wait (writes, fsync) or hold memory
 // each (a layer's shard), where parallel_for's pool (sized for compute; nested calls run inline)
 // is not the tool. Every item runs; the result is the first failure in index order, so which
-// error is reported does not depend on timing. Items must not touch each other's state.
+// error is reported does not depend on timing; an item that throws fails with kResourceExhausted
+// (std::bad_alloc) or kInternal. Items must not touch each other's state.
 Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn);
 
 }  // namespace sf

@@ -1,12 +1,16 @@
 // The pool's loops: parallel_for covers [0, n) once (nested calls run inline), parallel_copy_pair
 // copies both arrays across the split between them, and size_vectors sizes, zeroes and reuses
-// vectors and reports an allocation it cannot make instead of throwing from a pool thread.
+// vectors and reports an allocation it cannot make instead of throwing from a pool thread, and
+// run_items runs every item and reports the first failure in index order, throws included.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -59,6 +63,35 @@ TEST(ThreadPool, SizeVectorsSizesZeroesAndReuses) {
   std::vector<float> big;
   std::vector<std::vector<float>*> one = {&big};
   EXPECT_FALSE(size_vectors(one, big.max_size() + 1));
+}
+
+TEST(ThreadPool, RunItemsRunsEveryItemAndReportsTheFirstFailureInOrder) {
+  for (const int width : {1, 3, 16}) {
+    std::vector<std::atomic<int>> ran(50);
+    const Status st = run_items(50, width, [&](size_t i) -> Status {
+      ran[i]++;
+      if (i == 7) throw std::bad_alloc();
+      if (i == 31) throw std::runtime_error("boom");
+      if (i % 10 == 3) return SF_ERR(kInvalidArgument, "item " + std::to_string(i) + " is bad");
+      return Status::ok();
+    });
+    for (size_t i = 0; i < ran.size(); ++i) ASSERT_EQ(ran[i].load(), 1) << width << " " << i;
+    // Item 3 fails first in index order, whatever finished first.
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("item 3 is bad"), std::string::npos) << st.to_string();
+  }
+  const Status oom = run_items(10, 4, [](size_t i) -> Status {
+    if (i == 7) throw std::bad_alloc();
+    return Status::ok();
+  });
+  EXPECT_EQ(oom.code(), Code::kResourceExhausted) << oom.to_string();
+  const Status threw = run_items(10, 4, [](size_t i) -> Status {
+    if (i == 5) throw std::runtime_error("boom");
+    return Status::ok();
+  });
+  EXPECT_EQ(threw.code(), Code::kInternal);
+  EXPECT_NE(threw.message().find("boom"), std::string::npos) << threw.to_string();
+  EXPECT_TRUE(run_items(0, 4, [](size_t) { return SF_ERR(kInternal, "never"); }).is_ok());
 }
 
 }  // namespace
