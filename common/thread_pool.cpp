@@ -198,9 +198,14 @@ bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
 Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn) {
   std::vector<Status> st(n);
   std::atomic<size_t> next{0};
+  // The lowest failed index so far. Items are taken in index order, so every item below the
+  // final one was taken and ran to its end: the first error in index order is the same at any
+  // width, and the items after a failure need not start.
+  std::atomic<size_t> failed{n};
   // An exception must not leave a helper thread (std::terminate): it becomes the item's error.
   const auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < n;) {
+      if (i > failed.load()) continue;
       try {
         st[i] = fn(i);
       } catch (const std::bad_alloc&) {
@@ -208,10 +213,15 @@ Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn) {
       } catch (const std::exception& e) {
         st[i] = SF_ERR(kInternal, "item " + std::to_string(i) + " threw: " + e.what());
       }
+      if (!st[i].is_ok())
+        for (size_t f = failed.load(); i < f && !failed.compare_exchange_weak(f, i);) {
+        }
     }
   };
   std::vector<std::thread> helpers;
-  for (size_t t = 1; t < std::min(n, size_t(std::max(1, width))); ++t) {
+  const size_t want = std::min(n, size_t(std::max(1, width)));
+  helpers.reserve(want);  // (growing it while threads run would destroy joinable ones)
+  for (size_t t = 1; t < want; ++t) {
     try {
       helpers.emplace_back(work);
     } catch (const std::system_error&) {  // no thread to be had: the running ones do it all

@@ -28,12 +28,13 @@ void parallel_copy_pair(float* da, const float* a, float* db, const float* b, si
 // this off). False when an allocation failed; the vectors' sizes are then unspecified.
 bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
 
-// Runs fn(i) for every i in [0, n) on `width` threads (the caller's and up to width - 1 more),
-// each taking the next index when it is done: for items that wait (writes, fsync) or hold memory
-// each (a layer's shard), where parallel_for's pool (sized for compute; nested calls run inline)
-// is not the tool. Every item runs; the result is the first failure in index order, so which
-// error is reported does not depend on timing; an item that throws fails with kResourceExhausted
-// (std::bad_alloc) or kInternal. Items must not touch each other's state.
+// Runs fn(i) for i in [0, n) on `width` threads (the caller's and up to width - 1 more), each
+// taking the next index when it is done: for items that wait (writes, fsync) or hold memory each
+// (a layer's shard), where parallel_for's pool (sized for compute; nested calls run inline) is
+// not the tool. The result is the first failure in index order, so which error is reported does
+// not depend on timing; items after a failed one are not started (those already running finish).
+// An item that throws fails with kResourceExhausted (std::bad_alloc) or kInternal. Items must not
+// touch each other's state.
 Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn);
 
 }  // namespace sf

@@ -22,7 +22,8 @@ Status cuda_status(cudaError_t e, const char* what) {
 
 class DeviceStore final : public TierStore {
  public:
-  DeviceStore(void* p, int64_t bb, cudaStream_t s) : p_(static_cast<char*>(p)), bb_(bb), s_(s) {}
+  DeviceStore(void* p, int64_t bb, cudaStream_t s, int device)
+      : p_(static_cast<char*>(p)), bb_(bb), s_(s), device_(device) {}
   ~DeviceStore() override {
     (void)cudaStreamSynchronize(s_);
     (void)cudaStreamDestroy(s_);
@@ -58,15 +59,14 @@ class DeviceStore final : public TierStore {
   // From pageable host rows, a copy a block would wait for the driver's staging each time (a
   // prefix cache insert of 512 blocks took 61 ms). Here the blocks are packed on the thread pool
   // into one of two pinned chunks while the other's copies run, consecutive slots as one copy.
+  // A few blocks (a single write()), or no pinned memory to be had, take the plain path: staged
+  // one block at a time through `scratch`.
   Status write_blocks(std::span<const int64_t> slots, std::span<const float* const> k,
                       std::span<const float* const> v, int64_t half_bytes,
-                      std::vector<float>*) override {
+                      std::vector<float>* scratch) override {
     const int64_t per = std::max<int64_t>(1, kStageBytes / bb_);  // blocks a chunk
-    for (cudaEvent_t& e : done_)
-      if (!e) SF_TRY(cuda_status(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
-    if (!stage_)
-      SF_TRY(cuda_status(cudaHostAlloc(&stage_, size_t(2 * per * bb_), cudaHostAllocDefault),
-                         "pinned staging for writes"));
+    if (slots.size() < kBatchMin || !batch_ready(per))
+      return TierStore::write_blocks(slots, k, v, half_bytes, scratch);
     const Status st = [&]() -> Status {
       const size_t half = size_t(half_bytes);
       for (size_t c0 = 0, n = 0; c0 < slots.size(); c0 += size_t(per), ++n) {
@@ -101,9 +101,31 @@ class DeviceStore final : public TierStore {
 
  private:
   static constexpr int64_t kStageBytes = int64_t(32) << 20;
+  static constexpr size_t kBatchMin = 8;
+  // The pinned chunks and their events, made at the first large batch on this store's device;
+  // false (the error cleared) when either cannot be had.
+  bool batch_ready(int64_t per) {
+    if (stage_) return true;
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    bool ok = true;
+    for (cudaEvent_t& e : done_)
+      if (ok && !e) ok = cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess;
+    if (ok) ok = cudaHostAlloc(&stage_, size_t(2 * per * bb_), cudaHostAllocDefault) == cudaSuccess;
+    if (!ok) {
+      (void)cudaGetLastError();
+      stage_ = nullptr;
+    }
+    (void)cudaSetDevice(prev);
+    return ok;
+  }
   char* p_;
   int64_t bb_;
   cudaStream_t s_;
+  int device_ = 0;
   void* stage_ = nullptr;  // 2 chunks of pinned memory, allocated at the first write_blocks
   cudaEvent_t done_[2] = {nullptr, nullptr};
 };
@@ -249,7 +271,9 @@ Result<std::unique_ptr<TierStore>> make_device_store(int64_t slots, int64_t bloc
     return SF_ERR(kIo,
                   std::string("block pool: device tier copy stream: ") + cudaGetErrorString(es));
   }
-  return std::unique_ptr<TierStore>(new DeviceStore(p, block_bytes, s));
+  int device = 0;
+  (void)cudaGetDevice(&device);  // the arena's (current at creation)
+  return std::unique_ptr<TierStore>(new DeviceStore(p, block_bytes, s, device));
 }
 
 Result<std::unique_ptr<TierStore>> make_host_store(int64_t slots, int64_t block_bytes) {

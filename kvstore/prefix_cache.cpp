@@ -163,8 +163,23 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
   // (a device tier then copies once a chunk, not once a block). The lock keeps the entries
   // unseen until their rows are in.
   size_t added = 0;
-  std::vector<BlockId> w_ids;
+  std::vector<BlockId> w_ids, cur;  // cur: the entry being built, freed if it does not go in
   std::vector<const float*> w_k, w_v;
+  bool placing = false;  // an entry is in the map but not yet in the LRU list
+  uint64_t placing_key = 0;
+  // This call's entries out again (their rows were not written).
+  const auto take_back = [&] {
+    for (; added > 0; --added) {
+      auto it = map_.find(chain.back());
+      lru_.erase(it->second.lru);
+      for (BlockId id : it->second.blocks) (void)pool_->free(id);
+      map_.erase(it);
+      chain.pop_back();
+      --st_.inserted_blocks;
+      --st_.entries;
+      st_.used_bytes -= eb;
+    }
+  };
   // Every exit: the batch written (or, when that fails, this call's entries taken out again),
   // then the chain refreshed leaf first, as lookup does, so a prefix is more recent than its
   // extensions; a partial insert included (its blocks went in prefix first, which would leave
@@ -172,95 +187,113 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
   const auto finish = [&](Status st) -> Status {
     const Status wr = w_ids.empty() ? Status::ok() : pool_->write_batch(w_ids, w_k, w_v);
     if (!wr.is_ok()) {
-      for (; added > 0; --added) {
-        auto it = map_.find(chain.back());
-        lru_.erase(it->second.lru);
-        for (BlockId id : it->second.blocks) (void)pool_->free(id);
-        map_.erase(it);
-        chain.pop_back();
-        --st_.inserted_blocks;
-        --st_.entries;
-        st_.used_bytes -= eb;
-      }
+      take_back();
       st = wr;
     }
     for (auto it = chain.rbegin(); it != chain.rend(); ++it)
       lru_.splice(lru_.begin(), lru_, map_[*it].lru);
     return st;
   };
-  uint64_t parent = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    auto blk = tokens.subspan(size_t(b * kPoolBlockTokens), kPoolBlockTokens);
-    const uint64_t key = prefix_block_key(parent, model_id, blk);
-    auto it = map_.find(key);
-    if (it != map_.end()) {
-      if (it->second.parent != parent || it->second.model_id != model_id ||
-          !std::equal(blk.begin(), blk.end(), it->second.tokens.begin()))
-        break;  // a collision holds this key: leave the rest uncached
-      lru_.splice(lru_.begin(), lru_, it->second.lru);
-      chain.push_back(key);
-      parent = key;
-      continue;
-    }
-    if (eb > st_.budget_bytes)
-      return finish(SF_ERR(kResourceExhausted, "prefix cache: one block (" + std::to_string(eb) +
-                                                   " bytes) exceeds the budget of " +
-                                                   std::to_string(st_.budget_bytes)));
-    // Evict, never this request's own chain: its entries were just made most recent, so the
-    // LRU tail is something else unless the budget holds only this chain.
-    while (st_.used_bytes + eb > st_.budget_bytes && int64_t(lru_.size()) > int64_t(chain.size()))
-      evict_one();
-    if (st_.used_bytes + eb > st_.budget_bytes)
-      return finish(SF_ERR(kResourceExhausted,
-                           "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
-                               " bytes holds " + std::to_string(chain.size()) +
-                               " blocks of this prompt"));
-    Entry e;
-    e.parent = parent;
-    e.model_id = model_id;
-    e.tokens.assign(blk.begin(), blk.end());
-    Status st;
-    for (int l = 0; l < n_layers_ && st.is_ok(); ++l) {
-      const float* k = src(l, false);
-      const float* v = src(l, true);
-      if (!k || !v) {
-        st = SF_ERR(kInvalidArgument, "prefix cache: null source rows");
-        break;
+  try {
+    // Sized up front, so that adding to them below cannot throw half way through an entry.
+    chain.reserve(size_t(nb));
+    cur.reserve(size_t(n_layers_));
+    w_ids.reserve(size_t(nb * n_layers_));
+    w_k.reserve(size_t(nb * n_layers_));
+    w_v.reserve(size_t(nb * n_layers_));
+    uint64_t parent = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      auto blk = tokens.subspan(size_t(b * kPoolBlockTokens), kPoolBlockTokens);
+      const uint64_t key = prefix_block_key(parent, model_id, blk);
+      auto it = map_.find(key);
+      if (it != map_.end()) {
+        if (it->second.parent != parent || it->second.model_id != model_id ||
+            !std::equal(blk.begin(), blk.end(), it->second.tokens.begin()))
+          break;  // a collision holds this key: leave the rest uncached
+        lru_.splice(lru_.begin(), lru_, it->second.lru);
+        chain.push_back(key);
+        parent = key;
+        continue;
       }
-      Result<BlockId> id = pool_->alloc(Tier::kDevice);
-      // The pool is full: give back cached blocks that are not this chain's, then retry.
-      while (!id.is_ok() && id.status().code() == Code::kResourceExhausted &&
-             int64_t(lru_.size()) > int64_t(chain.size())) {
+      if (eb > st_.budget_bytes)
+        return finish(SF_ERR(kResourceExhausted, "prefix cache: one block (" +
+                                                     std::to_string(eb) +
+                                                     " bytes) exceeds the budget of " +
+                                                     std::to_string(st_.budget_bytes)));
+      // Evict, never this request's own chain: its entries were just made most recent, so the
+      // LRU tail is something else unless the budget holds only this chain.
+      while (st_.used_bytes + eb > st_.budget_bytes &&
+             int64_t(lru_.size()) > int64_t(chain.size()))
         evict_one();
-        id = pool_->alloc(Tier::kDevice);
+      if (st_.used_bytes + eb > st_.budget_bytes)
+        return finish(SF_ERR(kResourceExhausted,
+                             "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
+                                 " bytes holds " + std::to_string(chain.size()) +
+                                 " blocks of this prompt"));
+      Entry e;
+      e.parent = parent;
+      e.model_id = model_id;
+      e.tokens.assign(blk.begin(), blk.end());
+      Status st;
+      for (int l = 0; l < n_layers_ && st.is_ok(); ++l) {
+        const float* k = src(l, false);
+        const float* v = src(l, true);
+        if (!k || !v) {
+          st = SF_ERR(kInvalidArgument, "prefix cache: null source rows");
+          break;
+        }
+        Result<BlockId> id = pool_->alloc(Tier::kDevice);
+        // The pool is full: give back cached blocks that are not this chain's, then retry.
+        while (!id.is_ok() && id.status().code() == Code::kResourceExhausted &&
+               int64_t(lru_.size()) > int64_t(chain.size())) {
+          evict_one();
+          id = pool_->alloc(Tier::kDevice);
+        }
+        if (!id.is_ok()) {
+          st = id.status();
+          break;
+        }
+        cur.push_back(*id);
+        w_ids.push_back(*id);
+        w_k.push_back(k + b * kPoolBlockTokens * row);
+        w_v.push_back(v + b * kPoolBlockTokens * row);
       }
-      if (!id.is_ok()) {
-        st = id.status();
-        break;
+      if (!st.is_ok()) {
+        for (BlockId id : cur) (void)pool_->free(id);
+        w_ids.resize(w_ids.size() - cur.size());
+        w_k.resize(w_ids.size());
+        w_v.resize(w_ids.size());
+        cur.clear();
+        return finish(st);
       }
-      e.blocks.push_back(*id);
-      w_ids.push_back(*id);
-      w_k.push_back(k + b * kPoolBlockTokens * row);
-      w_v.push_back(v + b * kPoolBlockTokens * row);
+      e.blocks = cur;
+      auto pos = map_.emplace(key, std::move(e)).first;
+      cur.clear();  // the map's entry holds them now
+      placing = true;
+      placing_key = key;
+      lru_.push_front(key);
+      pos->second.lru = lru_.begin();
+      placing = false;
+      ++st_.inserted_blocks;
+      ++st_.entries;
+      st_.used_bytes += eb;
+      chain.push_back(key);
+      ++added;
+      parent = key;
     }
-    if (!st.is_ok()) {
-      for (BlockId id : e.blocks) (void)pool_->free(id);
-      w_ids.resize(w_ids.size() - e.blocks.size());
-      w_k.resize(w_ids.size());
-      w_v.resize(w_ids.size());
-      return finish(st);
+    return finish(Status::ok());
+  } catch (...) {
+    // An allocation failed (the map, the LRU list) or src threw: no entry may stay without its
+    // rows, and no block may leak.
+    for (BlockId id : cur) (void)pool_->free(id);
+    if (placing) {
+      auto it = map_.find(placing_key);
+      for (BlockId id : it->second.blocks) (void)pool_->free(id);
+      map_.erase(it);
     }
-    lru_.push_front(key);
-    e.lru = lru_.begin();
-    map_.emplace(key, std::move(e));
-    ++st_.inserted_blocks;
-    ++st_.entries;
-    st_.used_bytes += eb;
-    chain.push_back(key);
-    ++added;
-    parent = key;
+    take_back();
+    throw;
   }
-  return finish(Status::ok());
 }
 
 PrefixCacheStats PrefixCache::stats() const {

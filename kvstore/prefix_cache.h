@@ -66,8 +66,9 @@ class PrefixCache {
   // Caches every whole block of `tokens` not cached yet; src holds at least those rows. Evicts
   // LRU entries to fit the budget. A block that fits neither the budget nor the pool ends the
   // insert with kResourceExhausted (what was inserted before it stays). The new blocks' rows are
-  // written in one batch at the end (BlockPool::write_batch); if that write fails, none of this
-  // call's entries stay.
+  // written in one batch at the end (BlockPool::write_batch), so src's rows must stay valid until
+  // insert returns; if that write fails (or an allocation throws), none of this call's entries
+  // stay.
   Status insert(const std::string& model_id, std::span<const int32_t> tokens, const KvRows& src);
 
   PrefixCacheStats stats() const;

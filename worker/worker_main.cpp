@@ -1002,11 +1002,15 @@ int run(int argc, char** argv) {
     ++n_done;
     const double export_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - export_t0).count();
-    int64_t export_bytes = 0;
+    int64_t export_bytes = 0;  // what can be read of it (a listing error counts nothing more)
     {
       std::error_code ec;
-      for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-        if (e.is_regular_file(ec)) export_bytes += int64_t(e.file_size(ec));
+      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end;
+           it.increment(ec)) {
+        std::error_code fe;
+        const uintmax_t n = it->is_regular_file(fe) ? it->file_size(fe) : 0;
+        if (!fe) export_bytes += int64_t(n);
+      }
     }
     const auto& s = res.stats;
     std::string summary = sformat(

@@ -1,7 +1,7 @@
 // The pool's loops: parallel_for covers [0, n) once (nested calls run inline), parallel_copy_pair
 // copies both arrays across the split between them, and size_vectors sizes, zeroes and reuses
 // vectors and reports an allocation it cannot make instead of throwing from a pool thread, and
-// run_items runs every item and reports the first failure in index order, throws included.
+// run_items reports the first failure in index order (throws included) and starts nothing after.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -65,7 +65,7 @@ TEST(ThreadPool, SizeVectorsSizesZeroesAndReuses) {
   EXPECT_FALSE(size_vectors(one, big.max_size() + 1));
 }
 
-TEST(ThreadPool, RunItemsRunsEveryItemAndReportsTheFirstFailureInOrder) {
+TEST(ThreadPool, RunItemsReportsTheFirstFailureInOrderAndStartsNothingAfterIt) {
   for (const int width : {1, 3, 16}) {
     std::vector<std::atomic<int>> ran(50);
     const Status st = run_items(50, width, [&](size_t i) -> Status {
@@ -75,7 +75,13 @@ TEST(ThreadPool, RunItemsRunsEveryItemAndReportsTheFirstFailureInOrder) {
       if (i % 10 == 3) return SF_ERR(kInvalidArgument, "item " + std::to_string(i) + " is bad");
       return Status::ok();
     });
-    for (size_t i = 0; i < ran.size(); ++i) ASSERT_EQ(ran[i].load(), 1) << width << " " << i;
+    // Every item up to the first failure ran once; later ones at most once (those started
+    // before item 3 failed), and at width 1 none.
+    for (size_t i = 0; i <= 3; ++i) ASSERT_EQ(ran[i].load(), 1) << width << " " << i;
+    for (size_t i = 4; i < ran.size(); ++i) {
+      ASSERT_LE(ran[i].load(), 1) << width << " " << i;
+      if (width == 1) ASSERT_EQ(ran[i].load(), 0) << i;
+    }
     // Item 3 fails first in index order, whatever finished first.
     EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
     EXPECT_NE(st.message().find("item 3 is bad"), std::string::npos) << st.to_string();
@@ -92,6 +98,15 @@ TEST(ThreadPool, RunItemsRunsEveryItemAndReportsTheFirstFailureInOrder) {
   EXPECT_EQ(threw.code(), Code::kInternal);
   EXPECT_NE(threw.message().find("boom"), std::string::npos) << threw.to_string();
   EXPECT_TRUE(run_items(0, 4, [](size_t) { return SF_ERR(kInternal, "never"); }).is_ok());
+  // Without failures every item runs once, at any width.
+  for (const int width : {1, 5, 64}) {
+    std::vector<std::atomic<int>> ran(37);
+    ASSERT_TRUE(run_items(37, width, [&](size_t i) {
+                  ran[i]++;
+                  return Status::ok();
+                }).is_ok());
+    for (size_t i = 0; i < ran.size(); ++i) ASSERT_EQ(ran[i].load(), 1) << width << " " << i;
+  }
 }
 
 }  // namespace

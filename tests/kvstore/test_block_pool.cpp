@@ -558,14 +558,15 @@ TEST(BlockPool, DeviceTierRoundTrip) {
 }
 
 // write_batch: every block of a batch that spans the tiers (the device tier too, where one is
-// usable: packed into pinned chunks) reads back byte-exact; a bad id or a span of the wrong
-// length writes nothing.
+// usable: ten blocks, enough for the packed pinned chunks) reads back byte-exact, then a batch of
+// one (the plain path); a bad id or a span of the wrong length is refused before anything is
+// written.
 TEST(BlockPool, WriteBatchLandsEveryBlockOnEveryTier) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   TempDir tmp;
   BlockPoolConfig c = config(3, 3, tmp.sub("disk"));
-  c.device_bytes = 3 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
+  c.device_bytes = 10 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
   auto r = BlockPool::create(c);
   if (!r.is_ok()) {  // a build or machine without a device: host and disk only
     c.device_bytes = 0;
@@ -573,7 +574,7 @@ TEST(BlockPool, WriteBatchLandsEveryBlockOnEveryTier) {
   }
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   auto p = std::move(r).value();
-  const int n = c.device_bytes > 0 ? 9 : 6;
+  const int n = c.device_bytes > 0 ? 16 : 6;
   std::vector<BlockId> ids;
   for (int i = 0; i < n; ++i) ids.push_back(must_alloc(*p, Tier::kDevice));  // spill in order
   EXPECT_EQ(tier(*p, ids.back()), Tier::kDisk);
@@ -581,21 +582,35 @@ TEST(BlockPool, WriteBatchLandsEveryBlockOnEveryTier) {
   std::vector<const float*> k, v;
   for (int i = 0; i < n; ++i) d.emplace_back(p->half_floats(), rng);
   // Out of slot order, so a device batch has runs of consecutive slots and breaks between them.
-  const std::vector<int> order = n == 9 ? std::vector<int>{0, 1, 4, 3, 8, 2, 5, 6, 7}
-                                        : std::vector<int>{5, 0, 1, 3, 2, 4};
+  const std::vector<int> order =
+      n == 16 ? std::vector<int>{0, 1, 2, 5, 4, 3, 9, 10, 11, 12, 15, 6, 7, 8, 13, 14}
+              : std::vector<int>{5, 0, 1, 3, 2, 4};
   std::vector<BlockId> batch;
   for (int i : order) {
     batch.push_back(ids[size_t(i)]);
     k.push_back(d[size_t(i)].k.data());
     v.push_back(d[size_t(i)].v.data());
   }
-  // Refused before anything is written.
+  ASSERT_TRUE(p->write_batch(batch, k, v).is_ok());
+  for (int i = 0; i < n; ++i) expect_block(*p, ids[size_t(i)], d[size_t(i)]);
+  // Refused before anything is written: other rows offered, every block keeps its own.
+  const BlockData other(p->half_floats(), rng);
+  const std::vector<const float*> ok(size_t(n), other.k.data()), ov(size_t(n), other.v.data());
   std::vector<BlockId> bad = batch;
   bad.back() = 1000;
-  EXPECT_EQ(p->write_batch(bad, k, v).code(), Code::kInvalidArgument);
-  EXPECT_EQ(p->write_batch(batch, std::span<const float* const>(k).first(2), v).code(),
+  EXPECT_EQ(p->write_batch(bad, ok, ov).code(), Code::kInvalidArgument);
+  EXPECT_EQ(p->write_batch(batch, std::span<const float* const>(ok).first(2), ov).code(),
             Code::kInvalidArgument);
-  ASSERT_TRUE(p->write_batch(batch, k, v).is_ok());
+  std::vector<const float*> with_null = ok;
+  with_null.back() = nullptr;
+  EXPECT_EQ(p->write_batch(batch, with_null, ov).code(), Code::kInvalidArgument);
+  for (int i = 0; i < n; ++i) expect_block(*p, ids[size_t(i)], d[size_t(i)]);
+  // A batch of one on each tier (write()'s path) replaces just that block.
+  for (const int i : {0, n / 2, n - 1}) {
+    ASSERT_TRUE(p->write(ids[size_t(i)], other.k.data(), other.v.data()).is_ok());
+    expect_block(*p, ids[size_t(i)], other);
+    d[size_t(i)] = other;
+  }
   for (int i = 0; i < n; ++i) expect_block(*p, ids[size_t(i)], d[size_t(i)]);
 }
 

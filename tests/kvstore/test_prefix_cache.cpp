@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "kvstore/prefix_cache.h"
@@ -283,6 +284,40 @@ TEST(PrefixCache, FailedWriteTakesTheInsertBack) {
   }
   pool.reset();
   fs::remove_all(dir);
+}
+
+// A source that throws part way through an insert (as an allocation failure would): the insert
+// takes back every entry it made, frees the blocks of the one it was building, and rethrows.
+TEST(PrefixCache, ThrowingInsertLeavesNothingBehind) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 16 * entry_bytes());
+  const auto a = random_tokens(64, 1000, rng);
+  FakeKv ka(a);
+  ASSERT_TRUE(cache.insert("m", a, ka.rows()).is_ok());
+  auto b = a;
+  const auto tail = random_tokens(128, 1000, rng);
+  b.insert(b.end(), tail.begin(), tail.end());
+  FakeKv kb(b);
+  int calls = 0;
+  // Calls go (layer 0 K, V, layer 1 K, V) a new block: the 7th is the second new block's
+  // layer 1 K, after its layer 0 block was allocated.
+  const KvRows throwing = [&](int l, bool value) -> float* {
+    if (++calls == 7) throw std::runtime_error("source failed");
+    return value ? kb.v[size_t(l)].data() : kb.k[size_t(l)].data();
+  };
+  EXPECT_THROW((void)cache.insert("m", b, throwing), std::runtime_error);
+  EXPECT_EQ(calls, 7);
+  const PrefixCacheStats s = cache.stats();
+  EXPECT_EQ(s.entries, 1);
+  EXPECT_EQ(s.inserted_blocks, 1);
+  EXPECT_EQ(s.used_bytes, entry_bytes());
+  EXPECT_EQ(pool->stats(Tier::kHost).blocks, kLayers);
+  EXPECT_EQ(cache.lookup("m", b), 64);
+  // The cache still works: the same insert with a good source caches the rest.
+  ASSERT_TRUE(cache.insert("m", b, kb.rows()).is_ok());
+  EXPECT_EQ(cache.lookup("m", b), 192);
 }
 
 model::ModelConfig tiny_config() {
