@@ -51,6 +51,8 @@
 #                  load throughput on this host's CPUs and disk (sf_bench_kv_export, Llama-3-8B KV
 #                  geometry, one JSON line per layers_in_flight width into kv-export-<gpu>.jsonl;
 #                  written under TMPDIR and removed; SF_KV_EXPORT_REPS, default 2)
+#   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
+#                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
@@ -284,7 +286,10 @@ if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSF_CUDA=
 fi
 
 # Keep going past unrelated failures: every test that can be built still runs.
-if ! cmake --build "$build" -j "$jobs" -- -k 0 >"$logs/build.log" 2>&1; then
+# SF_BUILD_TARGETS (space-separated) builds only those targets, for a short check of a few tests.
+build_targets=()
+[[ -n "${SF_BUILD_TARGETS:-}" ]] && build_targets=(--target ${SF_BUILD_TARGETS})
+if ! cmake --build "$build" -j "$jobs" "${build_targets[@]}" -- -k 0 >"$logs/build.log" 2>&1; then
   note "build had failures (see build.log); running the gpu tests that did build"
   notes+=("$(grep -m 10 '^FAILED:' "$logs/build.log")")
   build_failed=1
@@ -297,7 +302,10 @@ if [[ "${SF_TESTS:-1}" == 0 ]]; then
   echo "gpu tests not run (SF_TESTS=0)" >"$logs/ctest.log"
   notes+=("gpu tests not run (SF_TESTS=0)")
 else
-ctest --test-dir "$build" -L gpu --output-on-failure --verbose --timeout "${SF_GPU_TEST_TIMEOUT:-1200}" >"$logs/ctest.log" 2>&1
+# SF_GPU_TEST_REGEX narrows the gpu label to the tests whose names match (with SF_BUILD_TARGETS).
+test_filter=()
+[[ -n "${SF_GPU_TEST_REGEX:-}" ]] && test_filter=(-R "$SF_GPU_TEST_REGEX")
+ctest --test-dir "$build" -L gpu "${test_filter[@]}" --output-on-failure --verbose --timeout "${SF_GPU_TEST_TIMEOUT:-1200}" >"$logs/ctest.log" 2>&1
 ctest_rc=$?
 notes+=("$(grep -E '^ *[0-9]+/[0-9]+ Test +#|tests passed|tests failed|^[[:space:]]+[0-9]+ - ' "$logs/ctest.log" | tail -20)")
 # test_gpu_forward's figures (GPU prefill vs the CPU forward) belong in the summary too.
