@@ -5,10 +5,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <string>
 
 #include "common/status.h"
+#include "common/text.h"
 
 namespace sf::bench {
 
@@ -30,16 +30,6 @@ inline std::string command_line(int argc, char** argv) {
       if (*p != '"' && *p != '\\') c += *p;  // kept JSON-safe
   }
   return c;
-}
-
-// The run's start in UTC, ISO 8601 (2026-11-27T03:40:00Z).
-inline std::string utc_date() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char b[32];
-  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return b;
 }
 
 inline std::string source_commit() {

@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
       !dout.alloc(q.size() * 4).is_ok() || !dvis.alloc(size_t(hq) * 4).is_ok())
     return fail("device buffers", SF_ERR(kResourceExhausted, "alloc/upload"));
   const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
-                    date = bench::utc_date();
+                    date = now_iso8601();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   cudaEvent_t e0, e1;

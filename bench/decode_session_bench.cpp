@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
     cache = std::move(pc).value();
   }
   const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
-                    date = bench::utc_date();
+                    date = now_iso8601();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   const auto ap = decode::decode_attn_parse("full").value();

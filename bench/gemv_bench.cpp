@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
       {"smollm2 lm_head", "gemv", 576, {49152}},
   };
   const std::string commit = bench::source_commit(), command = bench::command_line(argc, argv),
-                    date = bench::utc_date();
+                    date = now_iso8601();
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   cudaStream_t st = nullptr;

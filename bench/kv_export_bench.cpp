@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
       "\"export_bytes\": %lld, \"export_s\": %.3f, \"export_f32_GBps\": %.2f, \"load_s\": %.3f, "
       "\"load_f32_GBps\": %.2f, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
       (long long)S, L, hkv, d, dtype.c_str(), num_threads(), eo.layers_in_flight, f32_bytes, (long long)disk, t_exp,
-      f32_bytes / t_exp / 1e9, t_load, f32_bytes / t_load / 1e9, bench::utc_date().c_str(),
+      f32_bytes / t_exp / 1e9, t_load, f32_bytes / t_load / 1e9, now_iso8601().c_str(),
       bench::source_commit().c_str(), bench::command_line(argc, argv).c_str());
   return 0;
 }

@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
       "\"ratio_move\": %.3f, \"ratio_batch_ordered\": %.3f, \"ratio_batch_shuffled\": %.3f, "
       "\"byte_exact\": %s, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
       prop.name, (long long)n, (long long)bb, gbs_raw, g1, g2, g3, g1 / gbs_raw, g2 / gbs_raw,
-      g3 / gbs_raw, exact ? "true" : "false", sf::bench::utc_date().c_str(),
+      g3 / gbs_raw, exact ? "true" : "false", sf::now_iso8601().c_str(),
       sf::bench::source_commit().c_str(), sf::bench::command_line(argc, argv).c_str());
   return exact ? 0 : 1;
 }

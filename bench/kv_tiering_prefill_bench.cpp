@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
       "\"host_budget_blocks\": %lld, \"host_keep_per_layer\": %lld, \"disk_blocks\": %lld, "
       "\"to_disk_per_run\": %.1f, \"to_disk_GBps\": %.2f, \"host_wait_s_per_run\": %.4f, "
       "\"written_off_device_GBps\": %.2f, \"byte_exact\": %s}\n",
-      dm->device_name().c_str(), sf::bench::utc_date().c_str(), sf::bench::source_commit().c_str(),
+      dm->device_name().c_str(), sf::now_iso8601().c_str(), sf::bench::source_commit().c_str(),
       sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
       static_cast<long long>(S), kv_bytes, static_cast<long long>(dev_blocks),
       static_cast<long long>(int64_t(layers) * nb), t_plain, t_tiered, t_hostkv,

@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
       "\"hit_insert_s\": %.4f, \"hit_kv_alloc_s\": %.4f, \"hit_kv_copy_s\": %.4f, "
       "\"full_kv_alloc_s\": %.4f, \"full_kv_copy_s\": %.4f, \"host_hugepages\": %s, "
       "\"logits_nerr\": %.3g}\n",
-      dm->device_name().c_str(), sf::bench::utc_date().c_str(), sf::bench::source_commit().c_str(),
+      dm->device_name().c_str(), sf::now_iso8601().c_str(), sf::bench::source_commit().c_str(),
       sf::bench::command_line(argc, argv).c_str(), c.name.c_str(), layers,
       static_cast<long long>(S), static_cast<long long>(P), static_cast<long long>(reused), t_hit,
       t_plan, t_plan / t_hit, first_hit, best.forward_s, best.assemble_s, best.insert_s, hit_alloc,

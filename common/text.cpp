@@ -2,6 +2,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <ctime>
 
 namespace sf {
 
@@ -40,6 +41,15 @@ std::string sformat(const char* fmt, ...) {
   if (n > 0) std::vsnprintf(out.data(), size_t(n) + 1, fmt, ap2);
   va_end(ap2);
   return out;
+}
+
+std::string now_iso8601() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);  // (std::gmtime's buffer is shared between threads)
+  char b[32];
+  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return b;
 }
 
 }  // namespace sf

@@ -1,4 +1,5 @@
-// Small text helpers shared by writers of JSON by hand (safetensors headers, worker summaries).
+// Small text helpers shared by writers of JSON by hand (safetensors headers, worker summaries,
+// results files).
 #pragma once
 #include <string>
 #include <string_view>
@@ -13,5 +14,8 @@ std::string json_quoted(std::string_view s);
 
 // printf into a string of whatever length it needs.
 __attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...);
+
+// The current time in UTC, ISO 8601 to the second (2026-11-27T03:40:00Z): results' dates.
+std::string now_iso8601();
 
 }  // namespace sf

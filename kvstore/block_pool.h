@@ -146,6 +146,11 @@ class BlockPool {
     int pins = 0;
   };
   Status check_id(BlockId id) const;  // caller holds mu_
+  // The device-copy entry points' common checks (caller holds mu_; CUDA builds): n_rows fills
+  // ids, and each block is live and on the device or host tier (not pinned, for writes). Its
+  // address, device or host, a block; `what` names the call in errors.
+  Result<std::vector<char*>> device_copy_targets(std::span<const BlockId> ids, int64_t n_rows,
+                                                 bool writing, const char* what) const;
   Result<BlockId> alloc_locked(int preferred, int slowest);
   Status free_locked(BlockId id);
   Status move_locked(BlockId id, int to);

@@ -142,28 +142,36 @@ bool cuda_usable() {
 
 }  // namespace
 
-Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const float* k,
-                                         const float* v, int64_t n_rows, void* stream) {
-  std::lock_guard<std::mutex> g(mu_);
-  SF_ENSURE(k && v, kInvalidArgument, "block pool: write_from_device_async with null k or v");
+Result<std::vector<char*>> BlockPool::device_copy_targets(std::span<const BlockId> ids,
+                                                           int64_t n_rows, bool writing,
+                                                           const char* what) const {
   SF_ENSURE(n_rows > 0 && int64_t(ids.size()) == (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens,
             kInvalidArgument,
             "block pool: " + std::to_string(ids.size()) + " blocks for " +
                 std::to_string(n_rows) + " rows");
-  // Everything is checked before the first copy is queued.
-  std::vector<char*> dst(ids.size());
+  std::vector<char*> at(ids.size());
   for (size_t b = 0; b < ids.size(); ++b) {
     SF_TRY(check_id(ids[b]));
     const Entry& e = entries_[size_t(ids[b])];
-    if (e.pins > 0)
+    if (writing && e.pins > 0)
       return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is pinned");
     const TierStore& ts = *store_[size_t(e.tier)];
-    dst[b] = e.tier == int(Tier::kDevice) ? ts.device_ptr(e.slot) : ts.host_ptr(e.slot);
-    if (!dst[b] || e.tier == int(Tier::kDisk))
+    at[b] = e.tier == int(Tier::kDevice) ? ts.device_ptr(e.slot) : ts.host_ptr(e.slot);
+    if (!at[b] || e.tier == int(Tier::kDisk))
       return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is on the " +
-                                          tier_name(Tier(e.tier)) +
-                                          " tier; writes from device memory go to device or host");
+                                          tier_name(Tier(e.tier)) + " tier; " + what +
+                                          " need the device or host tier");
   }
+  return at;
+}
+
+Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const float* k,
+                                         const float* v, int64_t n_rows, void* stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  SF_ENSURE(k && v, kInvalidArgument, "block pool: write_from_device_async with null k or v");
+  // Everything is checked before the first copy is queued.
+  SF_ASSIGN(const std::vector<char*> dst,
+            device_copy_targets(ids, n_rows, /*writing=*/true, "writes from device memory"));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t half = size_t(block_bytes_ / 2);
   const int64_t full = n_rows / kPoolBlockTokens;  // blocks with all 64 rows
@@ -210,21 +218,8 @@ Status BlockPool::read_to_device_async(std::span<const BlockId> ids, float* k, f
                                        int64_t n_rows, void* stream) const {
   std::lock_guard<std::mutex> g(mu_);
   SF_ENSURE(k && v, kInvalidArgument, "block pool: read_to_device_async with null k or v");
-  SF_ENSURE(n_rows > 0 && int64_t(ids.size()) == (n_rows + kPoolBlockTokens - 1) / kPoolBlockTokens,
-            kInvalidArgument,
-            "block pool: " + std::to_string(ids.size()) + " blocks for " +
-                std::to_string(n_rows) + " rows");
-  std::vector<const char*> src(ids.size());
-  for (size_t b = 0; b < ids.size(); ++b) {
-    SF_TRY(check_id(ids[b]));
-    const Entry& e = entries_[size_t(ids[b])];
-    const TierStore& ts = *store_[size_t(e.tier)];
-    src[b] = e.tier == int(Tier::kDevice) ? ts.device_ptr(e.slot) : ts.host_ptr(e.slot);
-    if (!src[b] || e.tier == int(Tier::kDisk))
-      return SF_ERR(kInvalidArgument, "block pool: block " + std::to_string(ids[b]) + " is on the " +
-                                          tier_name(Tier(e.tier)) +
-                                          " tier; reads into device memory come from device or host");
-  }
+  SF_ASSIGN(const std::vector<char*> src,
+            device_copy_targets(ids, n_rows, /*writing=*/false, "reads into device memory"));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t half = size_t(block_bytes_ / 2);
   const auto queue = [&]() -> Status {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/text.h"  // now_iso8601
 
 namespace sf::cli {
 
@@ -48,7 +49,6 @@ Result<std::string> read_text_file(const std::string& path, const char* what);
 Result<std::string> read_text_files(const std::string& list, const char* what);
 std::string git_commit();
 std::string cpu_name();
-std::string now_iso8601();
 std::string shell_quote_args(int argc, char** argv);
 
 int cmd_prefill(int argc, char** argv);

@@ -233,13 +233,6 @@ int fail(const Status& st) {
   return 1;
 }
 
-std::string now_iso8601() {
-  std::time_t t = std::time(nullptr);
-  char b[32];
-  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return b;
-}
-
 std::string shell_quote_args(int argc, char** argv) {
   std::string s;
   for (int i = 0; i < argc; ++i) {
