@@ -1,8 +1,8 @@
 // KV export and load throughput (CPU): a synthetic cache of Llama-3-8B-like geometry (random
 // keys and values, never zeros) exported with kvstore::export_kv, full retention, then loaded
 // back with decode::load_kv_export (checksums, compat hash, decode to F32), each timed; best of
-// reps. Both run layers_in_flight layers at once. One JSON line: bytes of K/V, seconds and GB/s
-// of each, the thread count.
+// reps. Both run layers_in_flight layers at once. One JSON line: the CPU, bytes of K/V, seconds
+// and GB/s of each, the thread count.
 //   sf_bench_kv_export [tokens=32768] [layers=8] [kv_heads=8] [head_dim=128] [dtype=f32] [reps=3]
 //                      [layers_in_flight=kvstore::default_layers_in_flight()]
 //                      [dir=$TMPDIR/sf-kv-export-bench]
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "common/file_io.h"
 #include "common/thread_pool.h"
 #include "decode/kv_client.h"
 #include "kvstore/kv_export.h"
@@ -100,14 +101,17 @@ int main(int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(dir);
+  std::string json_cpu;  // the CPU's name, as a JSON string's contents
+  for (char ch : cpu_name())
+    if (ch != '"' && ch != '\\') json_cpu += ch;
   const double f32_bytes = double(2) * L * S * hkv * d * 4;
   std::printf(
-      "{\"bench\": \"kv_export\", \"tokens\": %lld, \"layers\": %d, \"kv_heads\": %d, "
+      "{\"bench\": \"kv_export\", \"device\": \"CPU: %s\", \"tokens\": %lld, \"layers\": %d, \"kv_heads\": %d, "
       "\"head_dim\": %d, \"kv_dtype\": \"%s\", \"threads\": %d, \"layers_in_flight\": %d, "
       "\"f32_kv_bytes\": %.0f, "
       "\"export_bytes\": %lld, \"export_s\": %.3f, \"export_f32_GBps\": %.2f, \"load_s\": %.3f, "
       "\"load_f32_GBps\": %.2f, \"date\": \"%s\", \"commit\": \"%s\", \"command\": \"%s\"}\n",
-      (long long)S, L, hkv, d, dtype.c_str(), num_threads(), eo.layers_in_flight, f32_bytes, (long long)disk, t_exp,
+      json_cpu.c_str(), (long long)S, L, hkv, d, dtype.c_str(), num_threads(), eo.layers_in_flight, f32_bytes, (long long)disk, t_exp,
       f32_bytes / t_exp / 1e9, t_load, f32_bytes / t_load / 1e9, now_iso8601().c_str(),
       bench::source_commit().c_str(), bench::command_line(argc, argv).c_str());
   return 0;

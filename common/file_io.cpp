@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -142,6 +143,19 @@ std::string host_name() {
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) != 0) return {};
   return host;
+}
+
+std::string cpu_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      auto p = line.find(':');
+      if (p != std::string::npos) return line.substr(p + 2);
+    }
+  utsname u{};
+  uname(&u);
+  return u.machine;
 }
 
 }  // namespace sf

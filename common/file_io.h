@@ -29,6 +29,8 @@ namespace sf {
 // This machine's host name (empty if it cannot be read): temporary and lock names carry it so a
 // later job can tell its own host's leftovers.
 std::string host_name();
+// The CPU's model name (/proc/cpuinfo), else the machine type (uname): results' device.
+std::string cpu_name();
 
 // True when `inner` is `outer` or lies under it, symbolic links and trailing separators
 // resolved (paths that do not exist yet compare by their existing prefix).

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/file_io.h"  // cpu_name
 #include "common/status.h"
 #include "common/text.h"  // now_iso8601
 
@@ -48,7 +49,6 @@ Result<std::string> read_text_file(const std::string& path, const char* what);
 // Comma-separated paths, read and joined by a blank line (one long document from several texts).
 Result<std::string> read_text_files(const std::string& list, const char* what);
 std::string git_commit();
-std::string cpu_name();
 std::string shell_quote_args(int argc, char** argv);
 
 int cmd_prefill(int argc, char** argv);

@@ -1,5 +1,3 @@
-#include <sys/utsname.h>
-
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -154,19 +152,6 @@ std::string git_commit() {
   if (!run_capture(("git -C '" + std::string(SF_SOURCE_DIR) + "' status --porcelain --untracked-files=no 2>/dev/null").c_str()).empty())
     c += "-dirty";
   return c;
-}
-
-std::string cpu_name() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) {
-      auto p = line.find(':');
-      if (p != std::string::npos) return line.substr(p + 2);
-    }
-  utsname u{};
-  uname(&u);
-  return u.machine;
 }
 
 namespace {
