@@ -7,8 +7,24 @@ venv="$root/.venv-ref"
 req="$root/tools/golden/requirements.txt"
 stamp="$venv/.installed-$(sha256sum "$req" | cut -c1-16)"
 if [ -f "$stamp" ]; then echo "setup-reference: $venv up to date"; exit 0; fi
+
+# torch's wheel unpacks to ~1.5 GiB; a full disk fails pip halfway with ENOSPC and leaves its
+# pip-unpack-* directories behind. Say so up front, and keep pip's scratch beside the venv so an
+# interrupted install cannot leak into /tmp.
+need_kib=$((4 * 1024 * 1024))
+avail_kib=$(df -Pk "$root" | awk 'NR==2 {print $4}')
+if [ "${avail_kib:-0}" -lt "$need_kib" ]; then
+  echo "setup-reference: $((avail_kib / 1024)) MiB free under $root; the reference stack needs" \
+       "about 4096 MiB (free space, or run deploy/test.sh --no-reference)" >&2
+  exit 1
+fi
+scratch="$root/.venv-ref-tmp"
+rm -rf "$scratch"; mkdir -p "$scratch"
+trap 'rm -rf "$scratch"' EXIT
+export TMPDIR="$scratch"
+
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q -r "$req"
+"$venv/bin/pip" install -q --no-cache-dir --upgrade pip
+"$venv/bin/pip" install -q --no-cache-dir -r "$req"
 touch "$stamp"
 echo "setup-reference: installed into $venv"
