@@ -30,6 +30,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <future>
 
 #include "comm/mpi_communicator.h"
 #include "common/checksum.h"
@@ -60,7 +61,8 @@ const char* kUsage =
     "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
-    "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered]\n"
+    "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
+    "[--export-overlap on|off]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -71,6 +73,10 @@ struct Options {
   // (needs --out on a filesystem the group's ranks share); gathered: the leader gathers the
   // whole cache and writes every shard.
   std::string export_mode = "sharded";
+  // on: a request's export files are written on another thread while the next request's
+  // prefill runs (its manifest and summary follow that prefill), so a rank holds two requests'
+  // KV at the peak; off: each export finishes before the next prefill starts.
+  bool export_overlap = true;
   // cuda: one GPU per rank (its host-local rank), the model's TP slice in BF16 on it, NCCL
   // along the grid (worker/runtime/device_parallel.h); exports are sharded.
   std::string device = "cpu";
@@ -123,7 +129,8 @@ Result<Options> parse_options(int argc, char** argv) {
     static const char* valued[] = {"model",  "batch",     "out",       "tp",
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
-                                   "prefix-cache", "stall-timeout", "metrics-file"};
+                                   "prefix-cache", "stall-timeout", "metrics-file",
+                                   "export-overlap"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -142,6 +149,12 @@ Result<Options> parse_options(int argc, char** argv) {
   if (o.export_mode != "sharded" && o.export_mode != "gathered")
     return SF_ERR(kInvalidArgument,
                   "--export must be sharded or gathered, got '" + o.export_mode + "'");
+  if (kv.count("export-overlap")) {
+    const std::string& v = kv["export-overlap"];
+    if (v != "on" && v != "off")
+      return SF_ERR(kInvalidArgument, "--export-overlap must be on or off, got '" + v + "'");
+    o.export_overlap = v == "on";
+  }
   if (kv.count("tp")) {
     SF_ASSIGN(const int64_t x, parse_int("tp", kv["tp"]));
     o.tp = decltype(o.tp)(x);
@@ -759,6 +772,212 @@ int run(int argc, char** argv) {
   // callback is each request's.
   std::function<void(int)> prefix_layer_done;
   std::map<std::pair<int, int>, std::unique_ptr<kvstore::DevicePrefixPrefill>> dprefix;
+  // A written request's export: begun on the main thread (the sharded export's collective
+  // opening), its files written on another thread, completed (the manifest, the summary) by the
+  // main thread once the next request's prefill is done, or at once with --export-overlap off.
+  // It owns everything its export and summary read; the write thread reads it by reference, so
+  // `write` is the last member (destroyed first: its destructor waits for the thread).
+  struct WriteOutcome {
+    std::string mine;  // sharded: this rank's entries for the leader (ShardedExport::write)
+    Status st;         // gathered (leader): the export's outcome
+    double seconds = 0;
+  };
+  struct PendingExport {
+    const runtime::BatchRequest* r = nullptr;
+    int64_t k = 0;  // its place in this group's share
+    kvstore::KvEncodings encs;
+    std::string fingerprint, dir;
+    int64_t reused_tokens = 0;
+    runtime::ParallelResult res;
+    kvstore::KvExportSpec spec;
+    std::optional<kvstore::ImportanceScores> imp;
+    kvstore::Retention ret;
+    double kept_frac = 1.0;
+    double begin_s = 0;
+    Status begun;  // the sharded export's opening (the same on every rank)
+    std::unique_ptr<runtime::ShardedExport> sharded;
+    std::future<WriteOutcome> write;
+  };
+  using clk = std::chrono::steady_clock;
+  auto since = [](clk::time_point t0) {
+    return std::chrono::duration<double>(clk::now() - t0).count();
+  };
+  const bool sharded = o.export_mode == "sharded";
+  auto start_export = [&](PendingExport& x) {
+    const auto t0 = clk::now();
+    if (sharded) {
+      auto b = runtime::ShardedExport::begin(g, x.dir, x.spec, x.res.kv);
+      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(b.status());
+      x.begin_s = since(t0);
+      if (!b.is_ok()) {
+        x.begun = b.status();
+        return;
+      }
+      x.sharded = std::move(b).value();
+      kvstore::ExportOptions eo;
+      eo.layers_in_flight = kvstore::default_layers_in_flight();
+      const int rank = world->rank();
+      x.write = std::async(std::launch::async, [&x, eo, rank] {
+        const auto w0 = clk::now();
+        WriteOutcome w;
+        try {
+          w.mine = x.sharded->write(eo);
+        } catch (const std::exception& e) {  // reported as this rank's error, as a write's
+          w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
+        }
+        w.seconds = std::chrono::duration<double>(clk::now() - w0).count();
+        return w;
+      });
+    } else if (g.leader()) {
+      kvstore::ExportOptions eo;
+      // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
+      // export outlasts --comm-timeout on any core count.)
+      eo.layers_in_flight = fault.kind == "slow_export" ? 1 : kvstore::default_layers_in_flight();
+      const int slow_ms = fault.kind == "slow_export" && fault.rank == world->rank() ? fault.layer : 0;
+      x.write = std::async(std::launch::async, [&x, eo, slow_ms] {
+        const auto w0 = clk::now();
+        WriteOutcome w;
+        try {
+          w.st = kvstore::export_kv(
+              x.dir, x.spec,
+              [&](int l, bool v) {
+                if (!v && slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+                return (v ? x.res.kv.v : x.res.kv.k)[size_t(l)].data();
+              },
+              /*force=*/true, eo);
+        } catch (const std::exception& e) {
+          w.st = SF_ERR(kInternal, std::string("export thread: ") + e.what());
+        }
+        w.seconds = std::chrono::duration<double>(clk::now() - w0).count();
+        return w;
+      });
+    }
+  };
+  auto complete_export = [&](std::unique_ptr<PendingExport> x) {
+    const runtime::BatchRequest& r = *x->r;
+    const auto w0 = clk::now();
+    WriteOutcome w;
+    if (x->write.valid()) {
+      // The heartbeat goes from this thread only; a long write is progress too.
+      while (x->write.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready)
+        beat(k);
+      w = x->write.get();
+    }
+    const double wait_s = since(w0);
+    const auto f0 = clk::now();
+    Status st;
+    if (sharded) {
+      st = x->begun;
+      if (st.is_ok()) {
+        st = x->sharded->finish(g, w.mine);
+        if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
+      }
+    } else {
+      st = w.st;
+      // The other ranks wait for the leader's export here (every layer written and hashed:
+      // minutes for a long prompt on a slow filesystem), under --stall-timeout, not in the next
+      // request's first collective under --comm-timeout.
+      int32_t wrote = st.is_ok() ? 1 : 0;
+      const auto t = g.group_comm->timeout();
+      g.group_comm->set_timeout(
+          std::max(t, std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))));
+      const Status bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
+      g.group_comm->set_timeout(t);
+      if (!bs.is_ok()) fatal(bs);
+    }
+    const double finish_s = since(f0);
+    if (!g.leader()) {
+      ++n_done;
+      return;
+    }
+    if (!st.is_ok()) {
+      ++n_failed;
+      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                   static_cast<long long>(r.line), r.id.c_str(), st.message().c_str());
+      return;
+    }
+    ++n_done;
+    // The export's own time (its opening, the files, the manifest), and what of it the batch
+    // waited for: all of it with --export-overlap off, less what the next prefill hid.
+    const double export_s = x->begin_s + w.seconds + finish_s;
+    const double export_wait_s = x->begin_s + wait_s + finish_s;
+    const std::string& dir = x->dir;
+    const runtime::ParallelResult& res = x->res;
+    const int64_t reused_tokens = x->reused_tokens;
+    int64_t export_bytes = 0;  // what can be read of it (a listing error counts nothing more)
+    {
+      std::error_code ec;
+      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end;
+           it.increment(ec)) {
+        std::error_code fe;
+        const uintmax_t n = it->is_regular_file(fe) ? it->file_size(fe) : 0;
+        if (!fe) export_bytes += int64_t(n);
+      }
+    }
+    const auto& s = res.stats;
+    std::string summary = sformat(
+        "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
+        "\"cp\": %d, "
+        "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
+        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
+        "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
+        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
+        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
+        "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
+        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
+        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
+        json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
+        o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
+        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
+        static_cast<long long>(s.estimate_queries_bytes),
+        static_cast<long long>(s.estimate_columns_bytes),
+        static_cast<long long>(s.estimate_diagonals_bytes),
+        static_cast<long long>(s.estimate_blocks_bytes),
+        static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
+        json_quoted(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
+        json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
+        x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
+        static_cast<long long>(s.importance_bytes), s.importance_s,
+        static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
+        export_wait_s, x->fingerprint.c_str());
+    // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
+    auto list = [](const std::vector<int64_t>& v) {
+      std::string o = "[";
+      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
+      return o + "]";
+    };
+    summary.pop_back();  // the closing brace
+    char group[256];
+    std::snprintf(group, sizeof group,
+                  ", \"group_kv_allgather_bytes\": %lld, \"group_kv_moved_bytes\": %lld, "
+                  "\"group_estimate_bytes\": %lld, \"group_density\": %.6f",
+                  static_cast<long long>(s.group_kv_allgather_bytes),
+                  static_cast<long long>(s.group_kv_moved_bytes),
+                  static_cast<long long>(s.group_estimate_bytes), s.group_density);
+    summary += std::string(group) +
+               ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
+               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
+    if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
+      --n_done;
+      ++n_failed;
+      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                   static_cast<long long>(r.line), r.id.c_str(), ws.message().c_str());
+      return;
+    }
+    metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
+                         s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
+                         s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes, export_wait_s});
+    std::printf(
+        "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
+        "s), export %.3f s (%.3f s waited) -> %s\n",
+        g.group, static_cast<long long>(x->k), static_cast<long long>(my_total), r.id.c_str(),
+        r.tokens.size(),
+        prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
+        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, export_s,
+        export_wait_s, dir.c_str());
+    std::fflush(stdout);
+  };
+  std::unique_ptr<PendingExport> pending;
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -785,7 +1004,6 @@ int run(int argc, char** argv) {
                     static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str());
       continue;
     }
-    const bool sharded = o.export_mode == "sharded";
     runtime::ParallelOptions po;
     po.chunk = o.chunk;
     po.gather_kv = !sharded;
@@ -919,19 +1137,25 @@ int run(int argc, char** argv) {
       continue;
     }
     runtime::ParallelResult& res = pr.value();
-    kvstore::KvExportSpec spec = kvstore::model_export_spec(m);
+    auto x = std::make_unique<PendingExport>();
+    x->r = &r;
+    x->k = k;
+    x->encs = encs;
+    x->fingerprint = fingerprint;
+    x->reused_tokens = reused_tokens;
+    x->dir = runtime::request_dir(o.out, r.id);
+    kvstore::KvExportSpec& spec = x->spec;
+    spec = kvstore::model_export_spec(m);
     spec.n_tokens = int64_t(r.tokens.size());
     spec.token_ids = r.tokens;
     spec.first_token = res.first_token;
     spec.encoding = encs.high;
     spec.encoding_low = encs.low;
-    const std::string dir = runtime::request_dir(o.out, r.id);
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
-    std::optional<kvstore::ImportanceScores> imp;
     if (!res.importance.empty())
-      imp = kvstore::ImportanceScores{cfg.n_layers,       cfg.n_kv_heads,
-                                      spec.n_tokens,      po.importance_window,
-                                      po.importance_pool, std::move(res.importance)};
+      x->imp = kvstore::ImportanceScores{cfg.n_layers,       cfg.n_kv_heads,
+                                         spec.n_tokens,      po.importance_window,
+                                         po.importance_pool, std::move(res.importance)};
     // Full retention stays implicit (null): its position lists would cost 4 bytes a token per
     // layer and KV head, a gigabyte for a 1M-token Llama-3-8B prompt.
     const bool full = policy.kind == kvstore::RetentionKind::kFull;
@@ -940,7 +1164,7 @@ int run(int argc, char** argv) {
     Result<kvstore::Retention> ret = full_retention;
     if (!full)
       ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
-                                     imp ? &*imp : nullptr);
+                                     x->imp ? &*x->imp : nullptr);
     if (!ret.is_ok()) {
       ++n_failed;
       if (g.leader())
@@ -948,134 +1172,21 @@ int run(int argc, char** argv) {
                      static_cast<long long>(r.line), r.id.c_str(), ret.status().message().c_str());
       continue;
     }
-    spec.retention = full ? nullptr : &ret.value();
-    spec.importance = imp ? &*imp : nullptr;
-    const double kept_frac =
-        full ? 1.0
-             : double(ret->kept_total()) /
-                   double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
-    Status st;
-    const auto export_t0 = std::chrono::steady_clock::now();
-    if (sharded) {
-      st = runtime::export_sharded(g, dir, spec, res.kv);
-      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
-    } else {
-      if (g.leader()) {
-        // Several layers are written at once; the heartbeat (MPI) is sent from this thread only,
-        // which takes its turn at the layers as the others do.
-        const std::thread::id self = std::this_thread::get_id();
-        kvstore::ExportOptions eo;
-        // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
-        // export outlasts --comm-timeout on any core count.)
-        eo.layers_in_flight = fault.kind == "slow_export" ? 1 : kvstore::default_layers_in_flight();
-        st = kvstore::export_kv(
-            dir, spec,
-            [&](int l, bool v) {
-              if (std::this_thread::get_id() == self) beat(k);  // a long export is progress too
-              if (!v && fault.kind == "slow_export" && fault.rank == world->rank())
-                std::this_thread::sleep_for(std::chrono::milliseconds(fault.layer));
-              return (v ? res.kv.v : res.kv.k)[size_t(l)].data();
-            },
-            /*force=*/true, eo);
-      }
-      // The other ranks wait for the leader's export here (every layer written and hashed:
-      // minutes for a long prompt on a slow filesystem), under --stall-timeout, not in the next
-      // request's first collective under --comm-timeout.
-      int32_t wrote = st.is_ok() ? 1 : 0;
-      const auto t = g.group_comm->timeout();
-      g.group_comm->set_timeout(
-          std::max(t, std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))));
-      const Status bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
-      g.group_comm->set_timeout(t);
-      if (!bs.is_ok()) fatal(bs);
-    }
-    if (!g.leader()) {
-      ++n_done;
-      continue;
-    }
-    if (!st.is_ok()) {
-      ++n_failed;
-      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
-                   static_cast<long long>(r.line), r.id.c_str(), st.message().c_str());
-      continue;
-    }
-    ++n_done;
-    const double export_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - export_t0).count();
-    int64_t export_bytes = 0;  // what can be read of it (a listing error counts nothing more)
-    {
-      std::error_code ec;
-      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end;
-           it.increment(ec)) {
-        std::error_code fe;
-        const uintmax_t n = it->is_regular_file(fe) ? it->file_size(fe) : 0;
-        if (!fe) export_bytes += int64_t(n);
-      }
-    }
-    const auto& s = res.stats;
-    std::string summary = sformat(
-        "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
-        "\"cp\": %d, "
-        "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
-        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
-        "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
-        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
-        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
-        "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
-        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
-        "\"export_bytes\": %lld, \"fingerprint\": \"%s\"}",
-        json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
-        o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
-        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
-        static_cast<long long>(s.estimate_queries_bytes),
-        static_cast<long long>(s.estimate_columns_bytes),
-        static_cast<long long>(s.estimate_diagonals_bytes),
-        static_cast<long long>(s.estimate_blocks_bytes),
-        static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_quoted(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
-        json_quoted(ret->policy + (ret->params.empty() ? "" : ":" + ret->params)).c_str(),
-        kept_frac, kvstore::kv_encodings_name(encs).c_str(),
-        static_cast<long long>(s.importance_bytes), s.importance_s,
-        static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
-        fingerprint.c_str());
-    // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
-    auto list = [](const std::vector<int64_t>& v) {
-      std::string o = "[";
-      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
-      return o + "]";
-    };
-    summary.pop_back();  // the closing brace
-    char group[256];
-    std::snprintf(group, sizeof group,
-                  ", \"group_kv_allgather_bytes\": %lld, \"group_kv_moved_bytes\": %lld, "
-                  "\"group_estimate_bytes\": %lld, \"group_density\": %.6f",
-                  static_cast<long long>(s.group_kv_allgather_bytes),
-                  static_cast<long long>(s.group_kv_moved_bytes),
-                  static_cast<long long>(s.group_estimate_bytes), s.group_density);
-    summary += std::string(group) +
-               ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
-               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
-    if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
-      --n_done;
-      ++n_failed;
-      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
-                   static_cast<long long>(r.line), r.id.c_str(), ws.message().c_str());
-      continue;
-    }
-    metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
-                         s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
-                         s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes});
-    std::printf(
-        "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
-        "s), export %.3f s -> %s\n",
-        g.group, static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str(),
-        r.tokens.size(),
-        prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
-        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, export_s,
-        dir.c_str());
-    std::fflush(stdout);
+    x->ret = std::move(ret).value();
+    spec.retention = full ? nullptr : &x->ret;
+    spec.importance = x->imp ? &*x->imp : nullptr;
+    x->kept_frac = full ? 1.0
+                        : double(x->ret.kept_total()) /
+                              double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
+    x->res = std::move(res);
+    // The previous request's export, written while this prefill ran, completes first: a rank
+    // holds at most two requests' KV.
+    if (pending) complete_export(std::move(pending));
+    start_export(*x);
+    pending = std::move(x);
+    if (!o.export_overlap) complete_export(std::move(pending));
   }
-
+  if (pending) complete_export(std::move(pending));
   publish(/*in_flight=*/false, /*finished=*/true);
   // Every other group's "done", or the job ends when one goes quiet for --stall-timeout.
   if (hb && g.leader()) {

@@ -34,6 +34,9 @@ struct WrittenRequest {
   // shards included when sharded), and the bytes of the export's files.
   double export_s = 0;
   int64_t export_bytes = 0;
+  // What of the export the batch waited for (its start, the wait for its files after the next
+  // request's prefill, its manifest step): export_s less what the next prefill hid.
+  double export_wait_s = 0;
 };
 
 class BatchMetrics {
@@ -64,7 +67,7 @@ class BatchMetrics {
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
   int64_t export_bytes_ = 0;
-  double comm_s_ = 0;
+  double comm_s_ = 0, export_wait_s_ = 0;
 };
 
 }  // namespace sf::runtime

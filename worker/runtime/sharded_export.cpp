@@ -74,45 +74,60 @@ int64_t local_row(const std::array<TokenRange, 2>& ranges, int64_t p) {
                                                       : ranges[0].size() + p - ranges[1].begin;
 }
 
+}  // namespace
+
 // tier: -1 every kept token (one-tier exports); 0 / 1 the high / low tier of a two-tier one,
 // which is cut on its own blocks and written as its own parts.
-template <typename Add>
-Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore::KvExportSpec& spec,
-                            const model::KvCache& local, int tier, Add&& add) {
+struct ShardedExport::Tier {
+  int tier = -1;
+  std::vector<std::vector<int32_t>> built;  // the high tier's positions (tier 0)
+  std::vector<const std::vector<int32_t>*> pos;  // per (layer, local head): the tier's positions
+  std::vector<HeadCut> cuts;
+  // Rows received from other ranks, per (layer, head, kept index): K then V.
+  std::map<std::array<int64_t, 3>, std::vector<float>> moved;
+};
+
+ShardedExport::~ShardedExport() = default;
+
+namespace {
+
+// A tier's cut, and the rows that change rank at its block boundaries moved (collective over
+// the CP group: every rank cuts the tiers in the same order, so their exchanges pair up).
+Result<std::unique_ptr<ShardedExport::Tier>> exchange_tier(GridComms& g,
+                                                           const kvstore::KvExportSpec& spec,
+                                                           const model::KvCache& local, int tier) {
   const int CP = g.shape.cp, me = g.cp_rank;
   const int64_t S = spec.n_tokens, d = spec.head_dim;
   const int hl = local.n_kv_heads, h0 = g.tp_rank * hl, nl = spec.n_layers;
   const auto chunks = zigzag_chunks(S, CP);
   const auto ranges = cp_rank_ranges(S, CP, me);
+  auto t = std::make_unique<ShardedExport::Tier>();
+  t->tier = tier;
   // The tier's positions per (layer, head): the retention's own lists, or the high tier built.
-  std::vector<std::vector<int32_t>> built(tier == 0 ? size_t(nl * hl) : 0);
-  std::vector<const std::vector<int32_t>*> tier_pos(size_t(nl * hl));
+  t->built.resize(tier == 0 ? size_t(nl * hl) : 0);
+  t->pos.resize(size_t(nl * hl));
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
       const size_t i = size_t(l * hl + h);
       if (tier < 0) {
-        tier_pos[i] = &spec.retention->positions(l, h0 + h);
+        t->pos[i] = &spec.retention->positions(l, h0 + h);
       } else if (tier == 1) {
-        tier_pos[i] = &spec.retention->low[size_t(l) * size_t(spec.n_kv_heads) + size_t(h0 + h)];
+        t->pos[i] = &spec.retention->low[size_t(l) * size_t(spec.n_kv_heads) + size_t(h0 + h)];
       } else {
-        built[i] = spec.retention->high_positions(l, h0 + h);
-        tier_pos[i] = &built[i];
+        t->built[i] = spec.retention->high_positions(l, h0 + h);
+        t->pos[i] = &t->built[i];
       }
     }
-  std::vector<HeadCut> cuts(size_t(nl * hl));
-  for (int l = 0; l < nl; ++l)
-    for (int h = 0; h < hl; ++h)
-      cuts[size_t(l * hl + h)] = cut_head(*tier_pos[size_t(l * hl + h)], chunks, CP, S);
-  // Rows that change rank, per (layer, head, kept index) in that order on both sides: K then V.
-  std::map<std::array<int64_t, 3>, std::vector<float>> moved;  // (layer, head, kept index)
+  t->cuts.resize(size_t(nl * hl));
+  for (size_t i = 0; i < t->cuts.size(); ++i) t->cuts[i] = cut_head(*t->pos[i], chunks, CP, S);
   for (int step = 1; step < CP; ++step) {
     const int to = (me + step) % CP, from = (me + CP - step) % CP;
     std::vector<float> send, recv;
     std::vector<std::array<int64_t, 3>> take;
     for (int l = 0; l < nl; ++l)
       for (int h = 0; h < hl; ++h) {
-        const auto& kept = *tier_pos[size_t(l * hl + h)];
-        for_each_moved(cuts[size_t(l * hl + h)], CP, [&](int64_t k, int owner, int dest) {
+        const auto& kept = *t->pos[size_t(l * hl + h)];
+        for_each_moved(t->cuts[size_t(l * hl + h)], CP, [&](int64_t k, int owner, int dest) {
           if (owner == me && dest == to) {
             const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
             send.insert(send.end(), local.k[size_t(l)].begin() + row * d,
@@ -127,13 +142,24 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
     SF_TRY(g.cp->sendrecv(send.data(), int64_t(send.size()), to, recv.data(), int64_t(recv.size()),
                           from, DType::kF32, 900 + step));
     for (size_t i = 0; i < take.size(); ++i)
-      moved[take[i]].assign(recv.begin() + std::ptrdiff_t(2 * i * size_t(d)),
-                            recv.begin() + std::ptrdiff_t(2 * (i + 1) * size_t(d)));
+      t->moved[take[i]].assign(recv.begin() + std::ptrdiff_t(2 * i * size_t(d)),
+                               recv.begin() + std::ptrdiff_t(2 * (i + 1) * size_t(d)));
   }
-  // One part per (layer, head) with runs here: its rows laid out over the runs' positions, in
-  // one buffer sized once (the writer reads only the kept rows, so the rest is never filled).
+  return t;
+}
+
+// One part per (layer, head) with runs on this rank: its rows laid out over the runs'
+// positions, in one buffer sized once (the writer reads only the kept rows, so the rest is never
+// filled). No communication.
+template <typename Add>
+void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
+                const kvstore::KvExportSpec& spec, const model::KvCache& local, int cp, int me,
+                int tp_rank, int rank, Add&& add) {
+  const int64_t d = spec.head_dim;
+  const int hl = local.n_kv_heads, h0 = tp_rank * hl, nl = spec.n_layers;
+  const auto ranges = cp_rank_ranges(spec.n_tokens, cp, me);
   int64_t max_span = 0;
-  for (const HeadCut& hc : cuts) {
+  for (const HeadCut& hc : t.cuts) {
     int64_t span = 0;
     for (size_t r = 0; r < hc.runs.size(); ++r)
       if (hc.run_rank[r] == me) span += hc.runs[r][1] - hc.runs[r][0];
@@ -143,19 +169,19 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
   bool validate = true;  // the spec once, not once a part
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
-      const HeadCut& hc = cuts[size_t(l * hl + h)];
-      const auto& kept = *tier_pos[size_t(l * hl + h)];
+      const HeadCut& hc = t.cuts[size_t(l * hl + h)];
+      const auto& kept = *t.pos[size_t(l * hl + h)];
       kvstore::KvShardPart part;
-      part.tier = tier;
+      part.tier = t.tier;
       for (size_t r = 0; r < hc.runs.size(); ++r)
         if (hc.run_rank[r] == me) part.tokens.push_back(hc.runs[r]);
       if (part.tokens.empty()) continue;
-      for (int64_t base = 0; const auto& t : part.tokens) {
-        const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(t[0])) - kept.begin();
-        for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < t[1]; ++k) {
+      for (int64_t base = 0; const auto& tok : part.tokens) {
+        const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(tok[0])) - kept.begin();
+        for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < tok[1]; ++k) {
           const int64_t p = kept[size_t(k)];
-          float* kd = kbuf.data() + (base + p - t[0]) * d;
-          float* vd = vbuf.data() + (base + p - t[0]) * d;
+          float* kd = kbuf.data() + (base + p - tok[0]) * d;
+          float* vd = vbuf.data() + (base + p - tok[0]) * d;
           const bool mine = (p >= ranges[0].begin && p < ranges[0].end) ||
                             (p >= ranges[1].begin && p < ranges[1].end);
           if (mine) {
@@ -163,84 +189,109 @@ Status write_retained_parts(GridComms& g, const std::string& tmp, const kvstore:
             std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
             std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
           } else {
-            const std::vector<float>& m = moved.at({l, h, int64_t(k)});
+            const std::vector<float>& m = t.moved.at({l, h, int64_t(k)});
             std::copy_n(m.data(), d, kd);
             std::copy_n(m.data() + d, d, vd);
           }
         }
-        base += t[1] - t[0];
+        base += tok[1] - tok[0];
       }
       part.n_kv_heads = 1;
       part.kv_head0 = h0 + h;
-      part.rank = g.group_comm->rank();
+      part.rank = rank;
       part.layer = l;
       part.file_tag = ".r" + std::to_string(part.rank) + ".h" + std::to_string(h0 + h);
       add(kvstore::export_kv_shards(
           tmp, spec, part, [&](int, bool v) { return (v ? vbuf : kbuf).data(); }, validate));
       validate = false;
     }
-  return Status::ok();
 }
 
 }  // namespace
 
-Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
-                      const model::KvCache& local) {
+namespace {
+
+Status bcast_str(comm::Communicator& c, std::string* str) {
+  int64_t n = int64_t(str->size());
+  SF_TRY(c.bcast(&n, 1, DType::kI64, 0));
+  str->resize(size_t(n));
+  return c.bcast(str->data(), n, DType::kU8, 0);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ShardedExport>> ShardedExport::begin(GridComms& g, const std::string& dir,
+                                                            const kvstore::KvExportSpec& spec,
+                                                            const model::KvCache& local) {
   comm::Communicator& c = *g.group_comm;
-  auto bcast_str = [&](std::string* str) -> Status {
-    int64_t n = int64_t(str->size());
-    SF_TRY(c.bcast(&n, 1, DType::kI64, 0));
-    str->resize(size_t(n));
-    return c.bcast(str->data(), n, DType::kU8, 0);
-  };
-  std::string tmp;
+  std::unique_ptr<ShardedExport> x(new ShardedExport());
+  x->dir_ = dir;
+  x->spec_ = &spec;
+  x->local_ = &local;
+  x->cp_ = g.shape.cp;
+  x->cp_rank_ = g.cp_rank;
+  x->tp_rank_ = g.tp_rank;
+  x->rank_ = c.rank();
   Status opened = Status::ok();
   if (g.leader()) {
     auto t = kvstore::begin_export(dir, /*force=*/true);
     if (t.is_ok())
-      tmp = t.value();
+      x->tmp_ = t.value();
     else
       opened = t.status();
   }
-  SF_TRY(bcast_str(&tmp));
-  if (tmp.empty()) return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
+  SF_TRY(bcast_str(c, &x->tmp_));
+  if (x->tmp_.empty())
+    return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
+  // With a retention other than full, block-aligned runs per layer and head
+  // (cut_head); two tiers are each cut on their own blocks.
+  if (spec.retention && spec.retention->has_low()) {
+    for (int tier : {0, 1}) {
+      auto t = exchange_tier(g, spec, local, tier);
+      if (!t.is_ok()) return t.status();
+      x->tiers_.push_back(std::move(t).value());
+    }
+  } else if (spec.retention && !spec.retention->is_full()) {
+    auto t = exchange_tier(g, spec, local, -1);
+    if (!t.is_ok()) return t.status();
+    x->tiers_.push_back(std::move(t).value());
+  }
+  return x;
+}
 
-  // This rank's parts: with full retention its CP chunks (merged when adjacent) of its TP
-  // slice's KV heads; with any other, block-aligned runs per layer and head
-  // (write_retained_parts).
-  // What goes to the leader: "ok" and one entry per line, or "error" and the message.
+std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
+  const kvstore::KvExportSpec& spec = *spec_;
+  const model::KvCache& local = *local_;
   std::string mine = "ok";
   auto add = [&](const Result<std::vector<std::string>>& e) {
     if (mine.starts_with("error")) return;  // the first failure is the one reported
     if (!e.is_ok()) {
-      mine = "error\nrank " + std::to_string(c.rank()) + ": " + e.status().message();
+      mine = "error\nrank " + std::to_string(rank_) + ": " + e.status().message();
       return;
     }
     for (const std::string& x : e.value()) mine += "\n" + x;
   };
-  if (spec.retention && spec.retention->has_low()) {
-    // Two tiers: each cut on its own blocks (every rank loops the tiers in the same order, so
-    // their exchanges pair up).
-    SF_TRY(write_retained_parts(g, tmp, spec, local, 0, add));
-    SF_TRY(write_retained_parts(g, tmp, spec, local, 1, add));
-  } else if (spec.retention && !spec.retention->is_full()) {
-    SF_TRY(write_retained_parts(g, tmp, spec, local, -1, add));
-  } else {
-    kvstore::KvShardPart part;
-    for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, g.shape.cp, g.cp_rank))
-      part.tokens.push_back({p.begin, p.end});
-    part.n_kv_heads = local.n_kv_heads;
-    part.kv_head0 = g.tp_rank * local.n_kv_heads;
-    part.rank = c.rank();
-    part.file_tag = ".r" + std::to_string(c.rank());
-    kvstore::ExportOptions eo;
-    eo.layers_in_flight = kvstore::default_layers_in_flight();
-    if (!part.tokens.empty())
-      add(kvstore::export_kv_shards(
-          tmp, spec, part,
-          [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); },
-          /*validate=*/true, eo));
+  if (!tiers_.empty()) {
+    for (const auto& t : tiers_) write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_, add);
+    return mine;
   }
+  // Full retention: this rank's CP chunks (merged when adjacent) of its TP slice's KV heads.
+  kvstore::KvShardPart part;
+  for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, cp_, cp_rank_))
+    part.tokens.push_back({p.begin, p.end});
+  part.n_kv_heads = local.n_kv_heads;
+  part.kv_head0 = tp_rank_ * local.n_kv_heads;
+  part.rank = rank_;
+  part.file_tag = ".r" + std::to_string(rank_);
+  if (!part.tokens.empty())
+    add(kvstore::export_kv_shards(
+        tmp_, spec, part, [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); },
+        /*validate=*/true, eo));
+  return mine;
+}
+
+Status ShardedExport::finish(GridComms& g, const std::string& mine) {
+  comm::Communicator& c = *g.group_comm;
   const int n = c.size();
   std::vector<int64_t> lens(static_cast<size_t>(n));
   const int64_t my_len = int64_t(mine.size());
@@ -266,23 +317,33 @@ Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExp
       while (std::getline(in, line)) entries.push_back(line);
     }
     if (st.is_ok()) {
-      st = kvstore::export_kv_manifest(tmp, spec, entries);
+      st = kvstore::export_kv_manifest(tmp_, *spec_, entries);
       if (st.code() == Code::kNotFound)  // a shard the leader cannot see
         st = SF_ERR(kIo, "sharded export: " + st.message() +
                              " as the group leader sees it (--out must be on a filesystem every "
                              "rank of the group shares; --export gathered writes everything "
                              "from the leader)");
     }
-    if (st.is_ok()) st = kvstore::finish_export(tmp, dir);
+    if (st.is_ok()) st = kvstore::finish_export(tmp_, dir_);
     if (!st.is_ok()) {
       std::error_code ec;
-      fs::remove_all(tmp, ec);
+      fs::remove_all(tmp_, ec);
     }
   }
   // Every rank learns the outcome (the leader's message).
   std::string msg = st.is_ok() ? std::string() : st.message();
-  SF_TRY(bcast_str(&msg));
+  SF_TRY(bcast_str(c, &msg));
   return msg.empty() ? Status::ok() : SF_ERR(kIo, msg);
+}
+
+Status export_sharded(GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
+                      const model::KvCache& local) {
+  auto x = ShardedExport::begin(g, dir, spec, local);
+  if (!x.is_ok()) return x.status();
+  kvstore::ExportOptions eo;
+  eo.layers_in_flight = kvstore::default_layers_in_flight();
+  const std::string mine = x.value()->write(eo);
+  return x.value()->finish(g, mine);
 }
 
 }  // namespace sf::runtime
