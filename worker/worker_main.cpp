@@ -223,7 +223,7 @@ struct Fault {
   // Test-only (SF_WORKER_FAULT=KIND:RANK[:N]): load, kill and stop (at layer N of the first
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
   // (every request fails on that rank after its prefill), slow_export (N ms a layer of a gathered
-  // export).
+  // export), slow_all (slow and slow_export at once).
   std::string kind;
   int rank = -1, layer = -1;
 };
@@ -832,8 +832,9 @@ int run(int argc, char** argv) {
       kvstore::ExportOptions eo;
       // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
       // export outlasts --comm-timeout on any core count.)
-      eo.layers_in_flight = fault.kind == "slow_export" ? 1 : kvstore::default_layers_in_flight();
-      const int slow_ms = fault.kind == "slow_export" && fault.rank == world->rank() ? fault.layer : 0;
+      const bool slow = fault.kind == "slow_export" || fault.kind == "slow_all";
+      eo.layers_in_flight = slow ? 1 : kvstore::default_layers_in_flight();
+      const int slow_ms = slow && fault.rank == world->rank() ? fault.layer : 0;
       x.write = std::async(std::launch::async, [&x, eo, slow_ms] {
         const auto w0 = clk::now();
         WriteOutcome w;
@@ -1024,7 +1025,7 @@ int run(int argc, char** argv) {
                                : 7;
     }
     po.on_layer = [&](int) { beat(k); };
-    if (fault.kind == "slow" && fault.rank == world->rank())
+    if ((fault.kind == "slow" || fault.kind == "slow_all") && fault.rank == world->rank())
       po.on_layer = [&](int) {
         beat(k);
         std::this_thread::sleep_for(std::chrono::milliseconds(fault.layer));

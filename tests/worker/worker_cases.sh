@@ -33,6 +33,10 @@
 #               does; a line's own "retention" overrides the flag; bad specs are bad lines or a
 #               start-up error; a budget larger than its prompt is a bad line (no prefill); the
 #               same at TP 3 x CP 2 (np 6) and CP 4 (np 4, runs that span several chunks)
+#   overlap     np 2, CP 2, prefills and gathered exports slowed alike: --export-overlap on and
+#               off write the same files (and sharded exports too); on, the batch waits less than
+#               half as long for its exports and finishes sooner; summaries' export_wait_s add up
+#               to the metrics counter; a bad value is refused
 #   prefix      np 1 with --prefix-cache: a request sharing 200 tokens with an earlier one reuses
 #               its 3 whole blocks (192 tokens) and computes the rest; its export (snapkv, so
 #               importance counts too) is byte for byte the one the same request writes alone,
@@ -468,6 +472,61 @@ PY
     run 2 --model default --cp 2 --retention bogus --batch "$tmp/ret.jsonl" --out "$tmp/out_b"
     [ "$rc" -eq 2 ] || fail "--retention bogus: exit $rc, want 2"
     errors | grep -q "^error: --retention: " || fail "--retention message"
+    ;;
+  overlap)
+    # --export-overlap on (the default) and off, each prefill slowed on rank 0 (60 ms a layer) and
+    # each gathered export as much (one layer at a time): the same files either way; with the
+    # overlap each export but the last hides behind the next request's prefill.
+    mkdir -p "$tmp/metrics"
+    for mode in on off; do
+      SF_WORKER_FAULT=slow_all:0:60 run 2 --model default --cp 2 --export gathered --export-overlap "$mode" \
+        --batch "$tmp/prompts.jsonl" --out "$tmp/out_$mode" --metrics-file "$tmp/metrics/$mode.prom"
+      [ "$rc" -eq 3 ] || fail "overlap $mode: exit $rc, want 3 (the batch's bad lines)"
+      grep -q "batch done: 4 written, 0 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "overlap $mode: summary"
+      eval "ms_$mode=$ms"
+      waited=$(grep -ho '"export_wait_s": [0-9.]*' "$tmp/out_$mode"/*.json | awk '{ s += $2 } END { printf "%.6f", s }')
+      eval "wait_$mode=$waited"
+      # Each summary's wait is part of its export; the metrics counter adds the waits up.
+      for j in "$tmp/out_$mode"/*.json; do
+        awk '{ match($0, /"export_s": [0-9.]+/); e = substr($0, RSTART + 12, RLENGTH - 12);
+               match($0, /"export_wait_s": [0-9.]+/); w = substr($0, RSTART + 17, RLENGTH - 17);
+               exit !(e >= 30 * 0.06 && w >= 0 && w <= e + 0.01) }' "$j" || fail "overlap $mode: $j: export_s / export_wait_s"
+      done
+      counter=$(sed 's/,out="[^"]*"//' "$tmp/metrics/$mode.prom" | awk '$1 == "sparsefill_worker_export_wait_seconds_total{group=\"0\"}" { print $2 }')
+      awk -v a="$counter" -v b="$waited" 'BEGIN { exit !(a - b < 0.001 && b - a < 0.001) }' || fail "overlap $mode: metrics wait $counter, summaries $waited"
+    done
+    for id in lighthouse ids village canal; do
+      [ "$(ls "$tmp/out_on/$id")" = "$(ls "$tmp/out_off/$id")" ] || fail "$id: other files with the overlap"
+      for f in "$tmp/out_on/$id"/*; do
+        cmp -s "$f" "$tmp/out_off/$id/$(basename "$f")" || fail "$id: $(basename "$f") differs with the overlap"
+      done
+    done
+    # Off, the batch waits for every export (4 x 30 x 60 ms at least); on, for about the last one.
+    awk -v on="$wait_on" -v off="$wait_off" 'BEGIN { exit !(off >= 4 * 30 * 0.06 && on < 0.5 * off) }' \
+      || fail "export waits: $wait_on s with the overlap, $wait_off s without"
+    [ $((ms_on * 100)) -lt $((ms_off * 85)) ] || fail "the overlapped job took $ms_on ms, the serial one $ms_off ms"
+    # Sharded exports (each rank writing its own shards on its own thread; with a retention,
+    # rows moved between ranks first): the same files too. Two ~530-token prompts, so both ranks
+    # hold rows of each.
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+    for part in 1 2; do
+      text=$(head -c $((2500 * part)) "$root/data/long_document.txt" | tail -c 2500 | tr '\n\t"\\' '    ')
+      printf '{"id": "doc%d", "prompt": "%s"}\n' "$part" "$text"
+    done >"$tmp/long.jsonl"
+    for mode in on off; do
+      run 2 --model default --cp 2 --retention snapkv:budget=128 --export-overlap "$mode" --batch "$tmp/long.jsonl" --out "$tmp/sh_$mode"
+      [ "$rc" -eq 0 ] || fail "sharded overlap $mode: exit $rc"
+    done
+    for id in doc1 doc2; do
+      [ "$(ls "$tmp/sh_on/$id")" = "$(ls "$tmp/sh_off/$id")" ] && ls "$tmp/sh_on/$id" | grep -q '\.r1\.' || fail "$id: sharded files"
+      for f in "$tmp/sh_on/$id"/*; do
+        cmp -s "$f" "$tmp/sh_off/$id/$(basename "$f")" || fail "$id: sharded $(basename "$f") differs with the overlap"
+      done
+    done
+    run 2 --model default --cp 2 --export-overlap maybe --batch "$tmp/prompts.jsonl" --out "$tmp/bad"
+    [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
+    errors | grep -q "^error: --export-overlap must be on or off, got 'maybe'" || fail "--export-overlap message"
+    echo "overlap: $ms_on ms (waited $wait_on s) against $ms_off ms (waited $wait_off s)"
     ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac
