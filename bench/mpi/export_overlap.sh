@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# sparsefill-worker's --export-overlap on the CPU: one batch run with each request's export
+# written while the next request's prefill runs (on), and once with each export finished before
+# the next prefill (off). Default model, SF_OVERLAP_N requests (default 4) of SF_OVERLAP_CHARS
+# characters each (default 12000, ~2,800 tokens) cut from the bundled documents, np 2 x CP 2.
+#
+#   bench/mpi/export_overlap.sh [BUILD_DIR] [OUT.json]
+#
+# SF_OVERLAP_ARGS: more worker flags for both runs (e.g. "--export gathered", "--kv-dtype bf16").
+# Each record: the job's wall time, and summed over its requests prefill_s, export_s (the
+# exports' own time) and export_wait_s (what of it the batch waited for).
+set -euo pipefail
+n="${SF_OVERLAP_N:-4}"; chars="${SF_OVERLAP_CHARS:-12000}"; extra="${SF_OVERLAP_ARGS:-}"
+cmdline="SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_ARGS='$extra' $0 $*"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+build="${1:-$root/build}"
+out="${2:-$root/bench/results/export-overlap-cpu.json}"
+worker="$build/worker/sparsefill-worker"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+python3 - "$root" "$tmp" "$n" "$chars" <<'PY'
+import json, sys
+root, tmp, n, chars = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+docs = ["long_document.txt", "long_document_2.txt", "calibration_document.txt", "calibration_document_2.txt"]
+text = "\n\n".join(open(f"{root}/data/{d}").read() for d in docs)
+if n * chars > len(text):
+    sys.exit(f"export_overlap.sh: {n} x {chars} characters is more than the {len(text)} bundled")
+with open(f"{tmp}/p.jsonl", "w") as f:
+    for i in range(n):
+        f.write(json.dumps({"id": f"r{i}", "prompt": text[i * chars:(i + 1) * chars]}) + "\n")
+PY
+records=()
+for mode in on off; do
+  rm -rf "$tmp/out"
+  t0=$(date +%s%N)
+  # shellcheck disable=SC2086
+  mpirun --bind-to none --oversubscribe -np 2 "$worker" --model default --cp 2 --export-overlap "$mode" \
+    $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
+  wall=$(( ($(date +%s%N) - t0) / 1000000 ))
+  grep '^\[group' "$tmp/log"
+  records+=("$mode $wall $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
+done
+python3 - "$out" "$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)" \
+  "$cmdline" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)" "${records[@]}" <<'PY'
+import json, sys, datetime
+out, commit, cmd, cpu, *recs = sys.argv[1:]
+rows = []
+for rec in recs:
+    mode, wall, reqs = rec.split(" ", 2)
+    reqs = json.loads(reqs)
+    rows.append({"export_overlap": mode, "requests": len(reqs), "tokens": sum(r["n_tokens"] for r in reqs),
+                 "job_s": int(wall) / 1000, "prefill_s": sum(r["prefill_s"] for r in reqs),
+                 "export_s": sum(r["export_s"] for r in reqs), "export_wait_s": sum(r["export_wait_s"] for r in reqs),
+                 "export_bytes": sum(r["export_bytes"] for r in reqs), "export": reqs[0]["export"],
+                 "kv_dtype": reqs[0]["kv_dtype"]})
+doc = {"bench": "export_overlap", "device": "CPU: " + cpu, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+       "commit": commit, "command": cmd, "tp": 1, "cp": 2, "runs": rows}
+json.dump(doc, open(out, "w"), indent=1)
+for r in rows:
+    print(f"overlap {r['export_overlap']}: job {r['job_s']:.2f} s, prefill {r['prefill_s']:.2f} s, export {r['export_s']:.2f} s, waited {r['export_wait_s']:.2f} s")
+print("wrote", out)
+PY
