@@ -26,7 +26,7 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   return *this;
 }
 
-Result<MappedFile> MappedFile::open(const std::string& path) {
+Result<MappedFile> MappedFile::open(const std::string& path, bool populate) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int e = errno;
@@ -41,7 +41,7 @@ Result<MappedFile> MappedFile::open(const std::string& path) {
   f.path_ = path;
   f.size_ = size_t(st.st_size);
   if (f.size_ > 0) {
-    void* p = mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    void* p = mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE | (populate ? MAP_POPULATE : 0), fd, 0);
     if (p == MAP_FAILED) {
       const int e = errno;
       ::close(fd);

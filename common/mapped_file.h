@@ -23,7 +23,9 @@ class MappedFile {
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
 
-  static Result<MappedFile> open(const std::string& path);
+  // populate: every page read in by the map call itself (MAP_POPULATE), for a caller about to
+  // read the whole file (a checksum): one read-ahead instead of a fault per page.
+  static Result<MappedFile> open(const std::string& path, bool populate = false);
   ByteSpan bytes() const { return {static_cast<const uint8_t*>(addr_), size_}; }
   const std::string& path() const { return path_; }
 

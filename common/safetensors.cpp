@@ -268,8 +268,12 @@ Result<SafetensorsFile> SafetensorsFile::parse(ByteSpan bytes) {
 
 Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   SF_ASSIGN(MappedFile m, MappedFile::open(path));
+  return open(std::move(m));
+}
+
+Result<SafetensorsFile> SafetensorsFile::open(MappedFile m) {
   SafetensorsFile f;
-  SF_TRY(parse_impl(m.bytes(), "safetensors '" + path + "'", &f.tensors_, &f.metadata_,
+  SF_TRY(parse_impl(m.bytes(), "safetensors '" + m.path() + "'", &f.tensors_, &f.metadata_,
                     &f.header_bytes_));
   for (size_t i = 0; i < f.tensors_.size(); ++i) f.index_.emplace(f.tensors_[i].name, i);
   // Moving the mapping keeps its address, so the data pointers stay valid.

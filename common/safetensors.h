@@ -43,6 +43,8 @@ class SafetensorsFile {
  public:
   // Maps the file; the tensors' data pointers stay valid as long as this object lives.
   static Result<SafetensorsFile> open(const std::string& path);
+  // The same over a mapping already made (e.g. one whose bytes were checksummed first); takes it.
+  static Result<SafetensorsFile> open(MappedFile m);
   // Parses an in-memory file; bytes must outlive the returned object (no ownership taken).
   static Result<SafetensorsFile> parse(ByteSpan bytes);
 

@@ -534,11 +534,14 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       if (fec || int64_t(fsz) != S.bytes)
         return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
                                   std::to_string(S.bytes));
-      SF_ASSIGN(uint64_t h, xxh64_file(p.string()));
+      // Mapped once: the checksum and then the tensors read the same pages.
+      SF_ASSIGN(MappedFile mapped, MappedFile::open(p.string(), /*populate=*/true));
+      const ByteSpan bytes = mapped.bytes();
+      const uint64_t h = xxh64_bytes(bytes.data, bytes.size);
       if (hex64(h) != S.xxh64)
         return corrupt(where,
                        "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
-      SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(p.string()));
+      SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(std::move(mapped)));
       const int64_t hs = S.kv_head1 - S.kv_head0;
       data[si].resize(size_t(hs));
       for (int64_t j = 0; j < hs; ++j) {
@@ -565,10 +568,26 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       for (int t = 0; t < n_tiers; ++t) {
         HeadKv& H = tiers[t];
         bool imp = true;
-        for (const KvManifest::Piece& pc : mf.pieces[size_t(t)][size_t(layer * nh + hh)]) {
+        const auto& pieces = mf.pieces[size_t(t)][size_t(layer * nh + hh)];
+        for (const KvManifest::Piece& pc : pieces) {
           const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
-          const HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
+          HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
           const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
+          if (pieces.size() == 1 && r0 == 0 && r1 == int64_t(D.positions.size())) {
+            // The head is this one piece (a one-shard layer, or a shard holding one run): its
+            // data is taken as read, not copied again (a shard's head belongs to one piece list).
+            H.positions = std::move(D.positions);
+            H.k = std::move(D.k);
+            H.v = std::move(D.v);
+            H.kq = std::move(D.kq);
+            H.vq = std::move(D.vq);
+            H.block_kmin = std::move(D.kmin);
+            H.block_kmax = std::move(D.kmax);
+            H.block_kmean = std::move(D.kmean);
+            imp = !D.imp.empty();
+            H.block_importance = std::move(D.imp);
+            continue;
+          }
           H.positions.insert(H.positions.end(), D.positions.begin() + r0, D.positions.begin() + r1);
           H.k.insert(H.k.end(), D.k.begin() + r0 * hd, D.k.begin() + r1 * hd);
           H.v.insert(H.v.end(), D.v.begin() + r0 * hd, D.v.begin() + r1 * hd);
