@@ -537,6 +537,9 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       // Mapped once: the checksum and then the tensors read the same pages.
       SF_ASSIGN(MappedFile mapped, MappedFile::open(p.string(), /*populate=*/true));
       const ByteSpan bytes = mapped.bytes();
+      if (int64_t(bytes.size) != S.bytes)  // changed since the size check above
+        return corrupt(where, "file has " + std::to_string(bytes.size) +
+                                  " bytes, the manifest says " + std::to_string(S.bytes));
       const uint64_t h = xxh64_bytes(bytes.data, bytes.size);
       if (hex64(h) != S.xxh64)
         return corrupt(where,

@@ -222,8 +222,9 @@ Result<Options> parse_options(int argc, char** argv) {
 struct Fault {
   // Test-only (SF_WORKER_FAULT=KIND:RANK[:N]): load, kill and stop (at layer N of the first
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
-  // (every request fails on that rank after its prefill), slow_export (N ms a layer of a gathered
-  // export), slow_all (slow and slow_export at once).
+  // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
+  // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
+  // and slow_export at once).
   std::string kind;
   int rank = -1, layer = -1;
 };
@@ -802,7 +803,28 @@ int run(int argc, char** argv) {
   auto since = [](clk::time_point t0) {
     return std::chrono::duration<double>(clk::now() - t0).count();
   };
+  // The files' writer on its own thread; where no thread can be had (std::system_error), the
+  // write runs here: the group's next collective (finish) must not wait on a rank that gave up.
+  // Its time counts from the launch, so a wait for it never exceeds it but by a wake-up.
+  auto launch = [&](auto write) -> std::future<WriteOutcome> {
+    const auto w0 = clk::now();
+    auto timed = [write, w0, since] {
+      WriteOutcome w = write();
+      w.seconds = since(w0);
+      return w;
+    };
+    try {
+      return std::async(std::launch::async, timed);
+    } catch (const std::system_error&) {
+      std::promise<WriteOutcome> p;
+      p.set_value(timed());
+      return p.get_future();
+    }
+  };
   const bool sharded = o.export_mode == "sharded";
+  // A CPU prefill keeps every core busy: an export written beside it takes one layer at a time,
+  // not the several that compete with the prefill's threads (on GPUs the host cores are free).
+  const bool overlap_cpu = o.export_overlap && !dmodel;
   auto start_export = [&](PendingExport& x) {
     const auto t0 = clk::now();
     if (sharded) {
@@ -815,17 +837,15 @@ int run(int argc, char** argv) {
       }
       x.sharded = std::move(b).value();
       kvstore::ExportOptions eo;
-      eo.layers_in_flight = kvstore::default_layers_in_flight();
-      const int rank = world->rank();
-      x.write = std::async(std::launch::async, [&x, eo, rank] {
-        const auto w0 = clk::now();
+      eo.layers_in_flight = overlap_cpu ? 1 : kvstore::default_layers_in_flight();
+      const int rank = g.group_comm->rank();  // as a write's own errors name it
+      x.write = launch([&x, eo, rank] {
         WriteOutcome w;
         try {
           w.mine = x.sharded->write(eo);
         } catch (const std::exception& e) {  // reported as this rank's error, as a write's
           w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
         }
-        w.seconds = std::chrono::duration<double>(clk::now() - w0).count();
         return w;
       });
     } else if (g.leader()) {
@@ -833,10 +853,9 @@ int run(int argc, char** argv) {
       // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
       // export outlasts --comm-timeout on any core count.)
       const bool slow = fault.kind == "slow_export" || fault.kind == "slow_all";
-      eo.layers_in_flight = slow ? 1 : kvstore::default_layers_in_flight();
+      eo.layers_in_flight = slow || overlap_cpu ? 1 : kvstore::default_layers_in_flight();
       const int slow_ms = slow && fault.rank == world->rank() ? fault.layer : 0;
-      x.write = std::async(std::launch::async, [&x, eo, slow_ms] {
-        const auto w0 = clk::now();
+      x.write = launch([&x, eo, slow_ms] {
         WriteOutcome w;
         try {
           w.st = kvstore::export_kv(
@@ -849,7 +868,6 @@ int run(int argc, char** argv) {
         } catch (const std::exception& e) {
           w.st = SF_ERR(kInternal, std::string("export thread: ") + e.what());
         }
-        w.seconds = std::chrono::duration<double>(clk::now() - w0).count();
         return w;
       });
     }
@@ -1116,7 +1134,8 @@ int run(int argc, char** argv) {
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }
-    if (fault.kind == "fail_after" && fault.rank == world->rank() && pr.is_ok())
+    if (((fault.kind == "fail_after") || (fault.kind == "fail_nth" && k == fault.layer)) &&
+        fault.rank == world->rank() && pr.is_ok())
       pr = SF_ERR(kInternal, "fault injection: rank " + std::to_string(world->rank()) +
                                  " fails the request after its prefill");
     if (!pr.is_ok() && (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
@@ -1166,6 +1185,13 @@ int run(int argc, char** argv) {
     if (!full)
       ret = kvstore::retention_apply(policy, cfg.n_layers, cfg.n_kv_heads, spec.n_tokens,
                                      x->imp ? &*x->imp : nullptr);
+    {
+      // The same importance gives every rank the same retention, but a rank that failed alone
+      // (memory) must not skip the collectives its peers go on to (a pending export's finish).
+      const Status all = agree(*g.group_comm, ret.is_ok() ? Status::ok() : ret.status());
+      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+      if (!all.is_ok()) ret = all;
+    }
     if (!ret.is_ok()) {
       ++n_failed;
       if (g.leader())

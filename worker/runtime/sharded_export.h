@@ -34,7 +34,8 @@ class ShardedExport {
       GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
       const model::KvCache& local);
   // This rank's shards; what finish sends the leader ("ok" and one manifest entry a line, or
-  // "error" and the message). Call once.
+  // "error" and the message). Call once. eo applies to full retention's one part; a
+  // retention's per-head parts are written one at a time.
   std::string write(const kvstore::ExportOptions& eo = {});
   [[nodiscard]] Status finish(GridComms& g, const std::string& written);
 
