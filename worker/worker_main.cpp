@@ -58,7 +58,8 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* kUsage =
-    "usage: mpirun -np N sparsefill-worker --model PATH|default --batch prompts.jsonl --out DIR\n"
+    "usage: mpirun -np N sparsefill-worker --model PATH|default|synthetic:llama3-8b[:L[:SEED]]\n"
+    "                  --batch prompts.jsonl --out DIR\n"
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
@@ -99,6 +100,8 @@ struct Options {
   int64_t prefix_cache_bytes = 0;
   // Each group leader's Prometheus text file (worker/runtime/batch_metrics.h); empty: none.
   std::string metrics_file;
+  // --model synthetic:...: the shape, its weights drawn on each rank's GPU (--device cuda).
+  std::optional<model::SyntheticModelSpec> synthetic;
 };
 
 Result<int64_t> parse_int(const std::string& k, const std::string& v) {
@@ -216,6 +219,10 @@ Result<Options> parse_options(int argc, char** argv) {
                     "(each rank then serves its own requests from its own cache)");
   }
   o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
+  SF_ASSIGN(o.synthetic, model::parse_synthetic_model(o.model));
+  if (o.synthetic && o.device != "cuda")
+    return SF_ERR(kInvalidArgument, "--model " + o.model +
+                                        " draws its weights on the GPU: it needs --device cuda");
   return o;
 }
 
@@ -477,7 +484,8 @@ int run(int argc, char** argv) {
     mr = SF_ERR(kIo, "fault injection: rank " + std::to_string(world->rank()) + " cannot load '" +
                          o.model + "'");
   } else {
-    mr = model::Model::load(o.model);
+    mr = o.synthetic ? model::Model::shape_only(o.synthetic->config, o.model)
+                     : model::Model::load(o.model);
   }
   {
     // Loading takes each rank a different time: this one wait gets a longer deadline.
@@ -520,7 +528,8 @@ int run(int argc, char** argv) {
   // read on each rank's host: ranks holding other weights or another config file would compute
   // a mix of two models, so they must agree.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
-  std::string job = "model=" + model_compat + ";weights=" + model_identity(o.model) +
+  std::string job = "model=" + model_compat +
+                    ";weights=" + (o.synthetic ? o.model : model_identity(o.model)) +
                     ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
                     ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
                     std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
@@ -542,7 +551,7 @@ int run(int argc, char** argv) {
                     false);
   }
   std::optional<model::Tokenizer> tok;
-  if (m.format() == model::ModelFormat::kGguf) {
+  if (m.has_weights() && m.format() == model::ModelFormat::kGguf) {
     auto g = model::GgufFile::open(o.model);
     if (g.is_ok()) {
       auto spec = model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf);
@@ -602,8 +611,10 @@ int run(int argc, char** argv) {
     if (!dev.is_ok()) {
       mine = dev.status();
     } else {
-      auto d =
-          model::DeviceModel::upload(m, DType::kBF16, dev.value(), model::TpSlice{o.tp, g.tp_rank});
+      const model::TpSlice slice{o.tp, g.tp_rank};
+      auto d = o.synthetic ? model::DeviceModel::synthetic(o.synthetic->config, o.synthetic->seed,
+                                                           DType::kBF16, dev.value(), slice)
+                           : model::DeviceModel::upload(m, DType::kBF16, dev.value(), slice);
       if (d.is_ok())
         dmodel.emplace(std::move(d).value());
       else

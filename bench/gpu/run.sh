@@ -51,6 +51,10 @@
 #                  load throughput on this host's CPUs and disk (sf_bench_kv_export, Llama-3-8B KV
 #                  geometry, one JSON line per layers_in_flight width into kv-export-<gpu>.jsonl;
 #                  written under TMPDIR and removed; SF_KV_EXPORT_REPS, default 2)
+#   SF_WORKER_OVERLAP  "tokens:layers[:requests]" (e.g. "131072:8:4"): sparsefill-worker batches
+#                  on 2 GPUs (CP 2, --model synthetic:llama3-8b:LAYERS, random token ids) with
+#                  --export-overlap on and off (bench/mpi/export_overlap.sh; more worker flags in
+#                  SF_WORKER_OVERLAP_ARGS) into export-overlap-<gpu>.json
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -512,6 +516,19 @@ if [[ -n "${SF_KV_EXPORT:-}" ]]; then
     done
   done
   notes+=("$(cut -c1-400 "$ej")")
+fi
+
+# ---- the worker's export overlap on GPUs (needs -DSF_MPI=ON and 2 GPUs) ----------------------
+if [[ -n "${SF_WORKER_OVERLAP:-}" ]]; then
+  IFS=: read -r o_tok o_lay o_n <<<"$SF_WORKER_OVERLAP"
+  oj="$out/export-overlap-$(gpu_slug).json"
+  if ! SF_OVERLAP_MODEL="synthetic:llama3-8b:$o_lay" SF_OVERLAP_TOKENS="$o_tok" SF_OVERLAP_N="${o_n:-4}" \
+       SF_OVERLAP_ARGS="--device cuda ${SF_WORKER_OVERLAP_ARGS:-}" \
+       timeout "${SF_WORKER_OVERLAP_TIMEOUT:-500}" bash "$root/bench/mpi/export_overlap.sh" "$build" "$oj" \
+       >>"$logs/build.log" 2>&1; then
+    fail "export overlap benchmark failed (its output is at the end of build.log)"
+  fi
+  notes+=("$(cut -c1-800 "$oj")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

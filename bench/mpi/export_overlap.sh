@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# sparsefill-worker's --export-overlap on the CPU: one batch run with each request's export
-# written while the next request's prefill runs (on), and once with each export finished before
-# the next prefill (off). Default model, SF_OVERLAP_N requests (default 4) of SF_OVERLAP_CHARS
-# characters each (default 12000, ~2,800 tokens) cut from the bundled documents, np 2 x CP 2.
+# sparsefill-worker's --export-overlap: one batch run with each request's export written while
+# the next request's prefill runs (on), and once with each export finished before the next
+# prefill (off); np 2 x CP 2. On the CPU: the default model, SF_OVERLAP_N requests (default 4) of
+# SF_OVERLAP_CHARS characters each (default 12000, ~2,800 tokens) cut from the bundled documents.
 #
 #   bench/mpi/export_overlap.sh [BUILD_DIR] [OUT.json]
 #
-# SF_OVERLAP_ARGS: more worker flags for both runs (e.g. "--export gathered", "--kv-dtype bf16").
+# SF_OVERLAP_ARGS: more worker flags for both runs (e.g. "--export gathered", "--kv-dtype bf16",
+# "--device cuda"). SF_OVERLAP_MODEL: the --model (default "default"); with SF_OVERLAP_TOKENS set,
+# each request is that many seeded random token ids instead of text (for a model with no
+# tokenizer). On a 2-GPU host (bench/gpu/run.sh's SF_WORKER_OVERLAP):
+#   SF_OVERLAP_MODEL=synthetic:llama3-8b:8 SF_OVERLAP_TOKENS=131072 SF_OVERLAP_ARGS="--device cuda"
 # Each record: the job's wall time, and summed over its requests prefill_s, export_s (the
 # exports' own time) and export_wait_s (what of it the batch waited for).
 set -euo pipefail
 n="${SF_OVERLAP_N:-4}"; chars="${SF_OVERLAP_CHARS:-12000}"; extra="${SF_OVERLAP_ARGS:-}"
-cmdline="SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_ARGS='$extra' $0 $*"
+model="${SF_OVERLAP_MODEL:-default}"; ntok="${SF_OVERLAP_TOKENS:-}"
+cmdline="SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_MODEL=$model SF_OVERLAP_TOKENS=$ntok SF_OVERLAP_ARGS='$extra' $0 $*"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="${1:-$root/build}"
 out="${2:-$root/bench/results/export-overlap-cpu.json}"
@@ -19,9 +24,17 @@ worker="$build/worker/sparsefill-worker"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-python3 - "$root" "$tmp" "$n" "$chars" <<'PY'
-import json, sys
-root, tmp, n, chars = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+export NCCL_NVLS_ENABLE=0
+python3 - "$root" "$tmp" "$n" "$chars" "$ntok" <<'PY'
+import json, random, sys
+root, tmp, n, chars, ntok = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+if ntok:
+    rng = random.Random(1234)
+    with open(f"{tmp}/p.jsonl", "w") as f:
+        for i in range(n):
+            # ids below 32000, inside any vocabulary the bench runs with (Llama-3's is 128256)
+            f.write(json.dumps({"id": f"r{i}", "tokens": [rng.randrange(32000) for _ in range(int(ntok))]}) + "\n")
+    sys.exit(0)
 docs = ["long_document.txt", "long_document_2.txt", "calibration_document.txt", "calibration_document_2.txt"]
 text = "\n\n".join(open(f"{root}/data/{d}").read() for d in docs)
 if n * chars > len(text):
@@ -35,16 +48,23 @@ for mode in on off; do
   rm -rf "$tmp/out"
   t0=$(date +%s%N)
   # shellcheck disable=SC2086
-  mpirun --bind-to none --oversubscribe -np 2 "$worker" --model default --cp 2 --export-overlap "$mode" \
+  mpirun --bind-to none --oversubscribe -np 2 "$worker" --model "$model" --cp 2 --export-overlap "$mode" \
     $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
   wall=$(( ($(date +%s%N) - t0) / 1000000 ))
   grep '^\[group' "$tmp/log"
   records+=("$mode $wall $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
 done
-python3 - "$out" "$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)" \
-  "$cmdline" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)" "${records[@]}" <<'PY'
+device="CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)"
+if [[ "$extra" == *"--device cuda"* ]]; then
+  device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -2 | paste -sd+) + $device"
+fi
+# A device copy of the tree has no history of its own: bench/gpu/run.sh exports SF_SOURCE_COMMIT
+# (from the carried .source-commit).
+commit="${SF_SOURCE_COMMIT:-}"
+[[ -n "$commit" ]] || commit="$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)"
+python3 - "$out" "$commit" "$cmdline" "$device" "$model" "${records[@]}" <<'PY'
 import json, sys, datetime
-out, commit, cmd, cpu, *recs = sys.argv[1:]
+out, commit, cmd, device, model, *recs = sys.argv[1:]
 rows = []
 for rec in recs:
     mode, wall, reqs = rec.split(" ", 2)
@@ -54,7 +74,7 @@ for rec in recs:
                  "export_s": sum(r["export_s"] for r in reqs), "export_wait_s": sum(r["export_wait_s"] for r in reqs),
                  "export_bytes": sum(r["export_bytes"] for r in reqs), "export": reqs[0]["export"],
                  "kv_dtype": reqs[0]["kv_dtype"]})
-doc = {"bench": "export_overlap", "device": "CPU: " + cpu, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+doc = {"bench": "export_overlap", "device": device, "model": model, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
        "commit": commit, "command": cmd, "tp": 1, "cp": 2, "runs": rows}
 json.dump(doc, open(out, "w"), indent=1)
 for r in rows:

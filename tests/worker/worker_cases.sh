@@ -7,8 +7,9 @@
 #               resume removes a killed job's partial outputs; a second job on a locked --out
 #               stops at start
 #   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
-#   flags       --selective-kv without --cp-estimate, or a --metrics-file in a missing
-#               directory: one error line, exit 2, no request run
+#   flags       --selective-kv without --cp-estimate, a --metrics-file in a missing directory,
+#               --model synthetic:... without --device cuda or malformed: one error line, exit 2,
+#               no request run
 #   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
 #   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
 #   hosts       np 2 by MPMD, each rank in its own directory: an --attention config file missing
@@ -245,6 +246,13 @@ PY
     errors | grep -q "^error: --metrics-file '.*/no/such/dir/w.g0.prom': its directory '.*/no/such/dir' does not exist" || fail "metrics: message"
     grep -q "loaded" "$tmp/stderr" && fail "metrics: the model was loaded before the check"
     [ ! -e "$tmp/out/lighthouse" ] || fail "metrics: a request ran"
+    # --model synthetic:...: weights drawn on the GPU only; a malformed spec is named.
+    run 1 --model synthetic:llama3-8b:2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] && [ "$(errors | wc -l)" -eq 1 ] || fail "synthetic on cpu: exit $rc"
+    errors | grep -q "^error: --model synthetic:llama3-8b:2 draws its weights on the GPU: it needs --device cuda" || fail "synthetic on cpu: message"
+    run 1 --model synthetic:llama3-8b:0 --device cuda --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] && errors | grep -q "^error: --model synthetic:llama3-8b:0: want synthetic:SHAPE\[:LAYERS\[:SEED\]\] with SHAPE llama3-8b ('0' is not a number in \[1, 32\])" \
+      || fail "synthetic layers 0: exit $rc"
     ;;
   tp)
     run 2 --model default --tp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

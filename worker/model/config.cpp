@@ -1,6 +1,9 @@
 #include "worker/model/config.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <vector>
 
 namespace sf::model {
 
@@ -72,6 +75,61 @@ Status ModelConfig::validate() const {
               where + "rope.original_max_pos must be positive");
   }
   return Status::ok();
+}
+
+ModelConfig llama3_8b_config(int layers) {
+  ModelConfig c;
+  c.name = "llama3-8b-shaped (synthetic weights)";
+  c.n_layers = layers > 0 ? layers : 32;
+  c.hidden = 4096;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.intermediate = 14336;
+  c.vocab = 128256;
+  c.max_context = 1 << 20;
+  c.rms_eps = 1e-5f;
+  c.rope.theta = 500000.f;
+  c.rope.scaling_factor = 8.f;
+  c.rope.low_freq_factor = 1.f;
+  c.rope.high_freq_factor = 4.f;
+  c.rope.original_max_pos = 8192;
+  return c;
+}
+
+Result<std::optional<SyntheticModelSpec>> parse_synthetic_model(const std::string& model) {
+  const std::string prefix = kSyntheticModelPrefix;
+  if (model.rfind(prefix, 0) != 0) return std::optional<SyntheticModelSpec>();
+  std::vector<std::string> parts;
+  for (size_t b = prefix.size();;) {
+    const size_t e = model.find(':', b);
+    parts.push_back(model.substr(b, e == std::string::npos ? std::string::npos : e - b));
+    if (e == std::string::npos) break;
+    b = e + 1;
+  }
+  const std::string usage =
+      "--model " + model + ": want synthetic:SHAPE[:LAYERS[:SEED]] with SHAPE llama3-8b";
+  if (parts.size() > 3 || parts[0] != "llama3-8b") return SF_ERR(kInvalidArgument, usage);
+  auto number = [&](const std::string& s, uint64_t lo, uint64_t hi) -> Result<uint64_t> {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long x = std::strtoull(s.c_str(), &end, 10);
+    if (s.empty() || *end || errno || s[0] == '-' || x < lo || x > hi)
+      return SF_ERR(kInvalidArgument, usage + " ('" + s + "' is not a number in [" +
+                                          std::to_string(lo) + ", " + std::to_string(hi) + "])");
+    return uint64_t(x);
+  };
+  SyntheticModelSpec spec;
+  int layers = 0;
+  if (parts.size() > 1) {
+    SF_ASSIGN(const uint64_t l, number(parts[1], 1, 32));
+    layers = int(l);
+  }
+  spec.config = llama3_8b_config(layers);
+  if (parts.size() > 2) {
+    SF_ASSIGN(spec.seed, number(parts[2], 0, UINT64_MAX));
+  }
+  return std::optional<SyntheticModelSpec>(std::move(spec));
 }
 
 }  // namespace sf::model

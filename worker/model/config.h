@@ -1,6 +1,7 @@
 // Model hyper-parameters, filled from GGUF metadata or a Hugging Face config.json.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -31,5 +32,22 @@ struct ModelConfig {
   // Checks internal consistency (divisibility, positivity); names the offending field.
   Status validate() const;
 };
+
+// The Llama-3-8B shape (config.json of meta-llama/Meta-Llama-3-8B): 32 layers, hidden 4096, 32
+// query / 8 KV heads of 128, intermediate 14336, vocab 128256, rope theta 500000 with Llama-3
+// scaling (factor 8, low 1, high 4, original 8192). layers > 0 keeps that many.
+ModelConfig llama3_8b_config(int layers = 0);
+
+// "--model synthetic:SHAPE[:LAYERS[:SEED]]": a model of a known shape with deterministic
+// synthetic weights, for benchmarks on hosts the real weights cannot reach (vLLM's dummy load
+// format). SHAPE: llama3-8b. The weights are drawn where they are used (DeviceModel::synthetic).
+struct SyntheticModelSpec {
+  ModelConfig config;
+  uint64_t seed = 1;
+};
+inline constexpr const char* kSyntheticModelPrefix = "synthetic:";
+// nullopt when `model` does not start with "synthetic:"; an error names what is wrong with one
+// that does.
+Result<std::optional<SyntheticModelSpec>> parse_synthetic_model(const std::string& model);
 
 }  // namespace sf::model

@@ -47,6 +47,10 @@ class Model {
   static Result<Model> load(const std::string& path);
   // For tests and GPU-host runs: deterministic synthetic weights (seeded) of a given shape.
   static Result<Model> synthetic(const ModelConfig& cfg, uint64_t seed);
+  // The shape alone, no weights: for runs whose weights live elsewhere (a device model drawn on
+  // the GPU, `--model synthetic:...`). No host forward may run on it (has_weights() is false).
+  static Result<Model> shape_only(const ModelConfig& cfg, std::string path);
+  bool has_weights() const { return !w_.layers.empty(); }
 
   const ModelConfig& config() const { return cfg_; }
   const ModelWeights& weights() const { return w_; }

@@ -244,6 +244,14 @@ Result<Model> Model::load(const std::string& path) {
   return m;
 }
 
+Result<Model> Model::shape_only(const ModelConfig& cfg, std::string path) {
+  SF_TRY(cfg.validate());
+  Model m;
+  m.cfg_ = cfg;
+  m.path_ = std::move(path);
+  return m;
+}
+
 Result<Model> Model::synthetic(const ModelConfig& cfg, uint64_t seed) {
   SF_TRY(cfg.validate());
   Model m;
