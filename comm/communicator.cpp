@@ -107,6 +107,24 @@ Status Communicator::all_reduce_enqueue(void*, int64_t, DType, ReduceOp, void*, 
 }
 Status Communicator::wait_enqueued() { return Status::ok(); }
 
+Status Communicator::check_usable(const char* op, int64_t count) const {
+  if (aborted())
+    return Status(abort_status_.code(),
+                  "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
+                      "' (first error: " + abort_status_.message() + ")",
+                  __FILE__, __LINE__);
+  if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
+  return Status::ok();
+}
+
+Status Communicator::check_peer(const char* op, int peer) const {
+  if (peer < 0 || peer >= size())
+    return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " + std::to_string(peer) +
+                                        " outside '" + name_ + "' of size " +
+                                        std::to_string(size()));
+  return Status::ok();
+}
+
 std::unique_ptr<Communicator> make_self_communicator(const std::string& name) {
   return std::make_unique<SelfCommunicator>(name);
 }

@@ -81,6 +81,11 @@ class Communicator {
   int64_t bytes_sent() const { return bytes_sent_; }
 
  protected:
+  // The checks every implementation's calls start with: the communicator not aborted (its first
+  // error named), a count not negative, a peer inside the group.
+  Status check_usable(const char* op, int64_t count) const;
+  Status check_peer(const char* op, int peer) const;
+
   std::string name_ = "world";
   std::chrono::milliseconds timeout_{120000};
   Status abort_status_;

@@ -116,7 +116,7 @@ class MpiCommunicator final : public Communicator {
   const char* backend() const override { return "mpi"; }
 
   Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp op) override {
-    SF_TRY(check_usable("all_reduce", count));
+    SF_TRY(usable("all_reduce", count));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, true));
     const size_t n = size_t(count) * dtype_size(t);
     stage_.resize(n);
@@ -130,7 +130,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
-    SF_TRY(check_usable("all_gather", count * size_));
+    SF_TRY(usable("all_gather", count * size_));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t n = size_t(count) * dtype_size(t);
     stage_.resize(n * size_t(size_));
@@ -190,7 +190,7 @@ class MpiCommunicator final : public Communicator {
       disp[size_t(i)] = off;
       off += cnt[size_t(i)];
     }
-    SF_TRY(check_usable("all_gatherv", total / unit));
+    SF_TRY(usable("all_gatherv", total / unit));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     MPI_Datatype ut = mt;
     if (unit > 1) {
@@ -217,7 +217,7 @@ class MpiCommunicator final : public Communicator {
 
   Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t,
                         ReduceOp op) override {
-    SF_TRY(check_usable("reduce_scatter", recv_count * size_));
+    SF_TRY(usable("reduce_scatter", recv_count * size_));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, true));
     const size_t n = size_t(recv_count) * dtype_size(t);
     stage_.resize(n * size_t(size_) + n);
@@ -233,7 +233,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status send(const void* buf, int64_t count, DType t, int peer, int tag) override {
-    SF_TRY(check_usable("send", count));
+    SF_TRY(usable("send", count));
     SF_TRY(check_peer("send", peer));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t n = size_t(count) * dtype_size(t);
@@ -247,7 +247,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status recv(void* buf, int64_t count, DType t, int peer, int tag) override {
-    SF_TRY(check_usable("recv", count));
+    SF_TRY(usable("recv", count));
     SF_TRY(check_peer("recv", peer));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t n = size_t(count) * dtype_size(t);
@@ -261,8 +261,8 @@ class MpiCommunicator final : public Communicator {
 
   Status sendrecv(const void* send, int64_t send_count, int dest, void* recv, int64_t recv_count,
                   int src, DType t, int tag) override {
-    SF_TRY(check_usable("sendrecv", std::max(send_count, recv_count)));
-    SF_TRY(check_usable("sendrecv", std::min(send_count, recv_count)));
+    SF_TRY(usable("sendrecv", std::max(send_count, recv_count)));
+    SF_TRY(usable("sendrecv", std::min(send_count, recv_count)));
     SF_TRY(check_peer("sendrecv", dest));
     SF_TRY(check_peer("sendrecv", src));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
@@ -294,7 +294,7 @@ class MpiCommunicator final : public Communicator {
         SF_TRY(bcast(static_cast<char*>(buf) + size_t(o) * es, std::min(kPiece, count - o), t, root));
       return Status::ok();
     }
-    SF_TRY(check_usable("bcast", count));
+    SF_TRY(usable("bcast", count));
     SF_TRY(check_peer("bcast", root));
     SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t n = size_t(count) * dtype_size(t);
@@ -309,13 +309,13 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status barrier() override {
-    SF_TRY(check_usable("barrier", 0));
+    SF_TRY(usable("barrier", 0));
     return run("barrier", group_desc(), [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
   }
 
   Result<std::unique_ptr<Communicator>> split(int color, int key,
                                               const std::string& name) override {
-    SF_TRY(check_usable("split", 0));
+    SF_TRY(usable("split", 0));
     if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
     // Everyone is here once the barrier completes, so the blocking split cannot hang on a
     // missing rank.
@@ -331,23 +331,12 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  Status check_usable(const char* op, int64_t count) {
-    if (aborted())
-      return Status(abort_status_.code(),
-                    "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
-                        "' (first error: " + abort_status_.message() + ")",
-                    __FILE__, __LINE__);
-    if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
+  // The base's checks, then one MPI call's element limit.
+  Status usable(const char* op, int64_t count) {
+    SF_TRY(check_usable(op, count));
     if (count > INT_MAX)
       return SF_ERR(kOutOfRange, "comm: " + std::string(op) + ": " + std::to_string(count) +
                                      " elements exceed one MPI call (INT_MAX)");
-    return Status::ok();
-  }
-  Status check_peer(const char* op, int peer) {
-    if (peer < 0 || peer >= size_)
-      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " +
-                                          std::to_string(peer) + " outside '" + name_ +
-                                          "' of size " + std::to_string(size_));
     return Status::ok();
   }
   std::string group_desc() const {

@@ -96,7 +96,7 @@ class NcclCommunicator final : public Communicator {
   const char* backend() const override { return "nccl"; }
 
   Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp op) override {
-    SF_TRY(usable("all_reduce", count));
+    SF_TRY(check_usable("all_reduce", count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     SF_TRY(run("all_reduce", group(), [&] {
       return ncclAllReduce(send, recv, size_t(count), nt, nccl_op(op), comm_, stream_);
@@ -106,7 +106,7 @@ class NcclCommunicator final : public Communicator {
   }
   Status all_reduce_enqueue(void* buf, int64_t count, DType t, ReduceOp op, void* ready,
                             void* done) override {
-    SF_TRY(usable("all_reduce", count));
+    SF_TRY(check_usable("all_reduce", count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     const auto deadline = clock::now() + timeout_;
     SF_TRY(cuda("cudaSetDevice", cudaSetDevice(device_)));
@@ -126,12 +126,12 @@ class NcclCommunicator final : public Communicator {
     return Status::ok();
   }
   Status wait_enqueued() override {
-    SF_TRY(usable("wait", 0));
+    SF_TRY(check_usable("wait", 0));
     SF_TRY(cuda("cudaSetDevice", cudaSetDevice(device_)));
     return drain("all_reduce (enqueued)", group(), clock::now() + timeout_);
   }
   Status all_gather(const void* send, void* recv, int64_t count, DType t) override {
-    SF_TRY(usable("all_gather", count));
+    SF_TRY(check_usable("all_gather", count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     SF_TRY(run("all_gather", group(),
                [&] { return ncclAllGather(send, recv, size_t(count), nt, comm_, stream_); }));
@@ -144,7 +144,7 @@ class NcclCommunicator final : public Communicator {
       return SF_ERR(kInvalidArgument, "comm: all_gatherv on '" + name_ +
                                           "': counts must have one entry per rank and "
                                           "counts[rank] == send_count");
-    SF_TRY(usable("all_gatherv", send_count));
+    SF_TRY(check_usable("all_gatherv", send_count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     const size_t es = dtype_size(t);
     SF_TRY(run("all_gatherv", group(), [&] {
@@ -164,7 +164,7 @@ class NcclCommunicator final : public Communicator {
   }
   Status reduce_scatter(const void* send, void* recv, int64_t recv_count, DType t,
                         ReduceOp op) override {
-    SF_TRY(usable("reduce_scatter", recv_count));
+    SF_TRY(check_usable("reduce_scatter", recv_count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     SF_TRY(run("reduce_scatter", group(), [&] {
       return ncclReduceScatter(send, recv, size_t(recv_count), nt, nccl_op(op), comm_, stream_);
@@ -173,7 +173,7 @@ class NcclCommunicator final : public Communicator {
     return Status::ok();
   }
   Status send(const void* buf, int64_t count, DType t, int peer, int) override {
-    SF_TRY(usable("send", count));
+    SF_TRY(check_usable("send", count));
     SF_TRY(check_peer("send", peer));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     SF_TRY(run("send", pair(peer),
@@ -182,7 +182,7 @@ class NcclCommunicator final : public Communicator {
     return Status::ok();
   }
   Status recv(void* buf, int64_t count, DType t, int peer, int) override {
-    SF_TRY(usable("recv", count));
+    SF_TRY(check_usable("recv", count));
     SF_TRY(check_peer("recv", peer));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     return run("recv", pair(peer),
@@ -190,7 +190,7 @@ class NcclCommunicator final : public Communicator {
   }
   Status sendrecv(const void* sbuf, int64_t send_count, int dest, void* rbuf, int64_t recv_count,
                   int src, DType t, int) override {
-    SF_TRY(usable("sendrecv", std::max(send_count, recv_count)));
+    SF_TRY(check_usable("sendrecv", std::max(send_count, recv_count)));
     SF_TRY(check_peer("sendrecv", dest));
     SF_TRY(check_peer("sendrecv", src));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
@@ -205,7 +205,7 @@ class NcclCommunicator final : public Communicator {
     return Status::ok();
   }
   Status bcast(void* buf, int64_t count, DType t, int root) override {
-    SF_TRY(usable("bcast", count));
+    SF_TRY(check_usable("bcast", count));
     SF_TRY(check_peer("bcast", root));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     SF_TRY(run("bcast", group(),
@@ -214,14 +214,14 @@ class NcclCommunicator final : public Communicator {
     return Status::ok();
   }
   Status barrier() override {
-    SF_TRY(usable("barrier", 1));
+    SF_TRY(check_usable("barrier", 1));
     return run("barrier", group(), [&] {
       return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_);
     });
   }
   Result<std::unique_ptr<Communicator>> split(int color, int key,
                                               const std::string& name) override {
-    SF_TRY(usable("split", 0));
+    SF_TRY(check_usable("split", 0));
     if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
@@ -250,22 +250,7 @@ class NcclCommunicator final : public Communicator {
     if (e == cudaSuccess) return Status::ok();
     return SF_ERR(kInternal, std::string("comm: ") + what + ": " + cudaGetErrorString(e));
   }
-  Status usable(const char* op, int64_t count) {
-    if (aborted())
-      return Status(abort_status_.code(),
-                    "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
-                        "' (first error: " + abort_status_.message() + ")",
-                    __FILE__, __LINE__);
-    if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
-    return Status::ok();
-  }
-  Status check_peer(const char* op, int peer) {
-    if (peer < 0 || peer >= size_)
-      return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": rank " +
-                                          std::to_string(peer) + " outside '" + name_ +
-                                          "' of size " + std::to_string(size_));
-    return Status::ok();
-  }
+
   std::string group() const {
     return "'" + name_ + "' (nccl, " + std::to_string(size_) + " ranks; this is rank " +
            std::to_string(rank_) + ", cuda:" + std::to_string(device_) + ")";
