@@ -145,6 +145,18 @@ std::string host_name() {
   return host;
 }
 
+int64_t host_memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line))  // "MemAvailable:   12345678 kB"
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      const long long kib = std::strtoll(line.c_str() + 13, nullptr, 10);
+      if (kib > 0) return int64_t(kib) * 1024;
+    }
+  const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? int64_t(pages) * page : -1;
+}
+
 std::string cpu_name() {
   std::ifstream f("/proc/cpuinfo");
   std::string line;

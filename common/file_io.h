@@ -31,6 +31,10 @@ namespace sf {
 std::string host_name();
 // The CPU's model name (/proc/cpuinfo), else the machine type (uname): results' device.
 std::string cpu_name();
+// Bytes of host memory the kernel says a new allocation can have without swapping (MemAvailable
+// of /proc/meminfo, which counts reclaimable page cache), else the free physical pages; -1 when
+// neither can be read.
+int64_t host_memory_available();
 
 // True when `inner` is `outer` or lies under it, symbolic links and trailing separators
 // resolved (paths that do not exist yet compare by their existing prefix).

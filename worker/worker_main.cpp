@@ -231,7 +231,7 @@ struct Fault {
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
   // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
   // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
-  // and slow_export at once).
+  // and slow_export at once), low_memory (the rank sees no host memory available).
   std::string kind;
   int rank = -1, layer = -1;
 };
@@ -1033,6 +1033,31 @@ int run(int argc, char** argv) {
         std::printf("[group %d] %lld/%lld %s: complete, skipped\n", g.group,
                     static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str());
       continue;
+    }
+    if (pending) {
+      // Two requests' KV at once is the overlap's price. Where this request's (its rows of its
+      // KV heads in F32, the whole cache on a gathering rank) would not fit in the host memory
+      // now available beside the pending one's, that export finishes first; any rank short of
+      // memory decides for its group, so every rank runs the same collectives.
+      const int64_t T = int64_t(r.tokens.size());
+      const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
+      const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
+      const int64_t need = rows * heads * cfg.head_dim * cfg.n_layers * 2 * int64_t(sizeof(float));
+      const int64_t avail = fault.kind == "low_memory" && fault.rank == world->rank()
+                                ? 0
+                                : host_memory_available();
+      const int32_t mine = avail >= 0 && double(need) * 1.25 > double(avail) ? 1 : 0;
+      int32_t any = 0;
+      if (Status st = g.group_comm->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax);
+          !st.is_ok())
+        fatal(st);
+      if (any) {
+        if (g.leader())
+          std::printf("[group %d] %s: %.2f GB of KV to compute and a rank of the group short of "
+                      "host memory for it beside %s's: that export finishes first\n",
+                      g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
+        complete_export(std::move(pending));
+      }
     }
     runtime::ParallelOptions po;
     po.chunk = o.chunk;

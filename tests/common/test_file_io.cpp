@@ -118,5 +118,20 @@ TEST(FileIo, OutputChecksBeforeTheWork) {
   EXPECT_FALSE(check_output_dir("", "--export-kv").is_ok());
 }
 
+// MemAvailable is a positive amount no larger than the machine's memory, and it follows an
+// allocation: 512 MiB touched lowers it by at least half of that.
+TEST(FileIo, HostMemoryAvailableFollowsAnAllocation) {
+  const int64_t before = host_memory_available();
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  ASSERT_GT(before, 0);
+  EXPECT_LE(before, int64_t(pages) * page);
+  if (before < (int64_t(2) << 30)) GTEST_SKIP() << "under 2 GiB available";
+  std::vector<char> big(size_t(512) << 20, 1);
+  for (size_t i = 0; i < big.size(); i += 4096) big[i] = char(i);
+  const int64_t during = host_memory_available();
+  EXPECT_LT(during, before - (int64_t(256) << 20)) << "before " << before << ", during " << during;
+  EXPECT_GT(int(big[4096]), -1000);  // keeps the buffer alive and touched
+}
+
 }  // namespace
 }  // namespace sf

@@ -38,8 +38,9 @@
 #               off write the same files (and sharded exports too); on, the batch waits less than
 #               half as long for its exports; summaries' export_wait_s add up
 #               to the metrics counter; a request failing while the one before it is written
-#               leaves that export whole, and a rerun computes only the failed one; a bad value
-#               is refused
+#               leaves that export whole, and a rerun computes only the failed one; a rank short
+#               of host memory makes the pending export finish before the next prefill; a bad
+#               value is refused
 #   prefix      np 1 with --prefix-cache: a request sharing 200 tokens with an earlier one reuses
 #               its 3 whole blocks (192 tokens) and computes the rest; its export (snapkv, so
 #               importance counts too) is byte for byte the one the same request writes alone,
@@ -549,6 +550,17 @@ PY
     for id in lighthouse ids village canal; do
       [ -f "$tmp/fail/$id/manifest.json" ] && ls "$tmp/fail/$id"/layer_029.r*.safetensors >/dev/null 2>&1 \
         || fail "fail_nth resume: $id's export: $(ls "$tmp/fail/$id")"
+    done
+    # A rank short of host memory for the next request's KV: the pending export finishes before
+    # that prefill (said once a request), and the files are still the same.
+    SF_WORKER_FAULT=low_memory:1 run 2 --model default --cp 2 --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/sh_low"
+    [ "$rc" -eq 0 ] || fail "low memory: exit $rc"
+    [ "$(grep -c "doc2: .* GB of KV to compute and a rank of the group short of host memory for it beside doc1's: that export finishes first" "$tmp/stdout")" -eq 1 ] \
+      || fail "low memory: want one line saying doc1's export finishes first"
+    for id in doc1 doc2; do
+      for f in "$tmp/sh_off/$id"/*; do
+        cmp -s "$f" "$tmp/sh_low/$id/$(basename "$f")" || fail "low memory: $id: $(basename "$f") differs"
+      done
     done
     run 2 --model default --cp 2 --export-overlap maybe --batch "$tmp/prompts.jsonl" --out "$tmp/bad"
     [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
