@@ -43,6 +43,19 @@ std::string sformat(const char* fmt, ...) {
   return out;
 }
 
+std::string human_bytes(int64_t n) {
+  if (n < 0) return "unknown";
+  if (n < 1000) return std::to_string(n) + " B";
+  static const char* units[] = {"kB", "MB", "GB", "TB", "PB"};
+  double x = double(n) / 1000;
+  int u = 0;
+  while (x >= 999.5 && u < 4) {
+    x /= 1000;
+    ++u;
+  }
+  return sformat(x < 9.995 ? "%.2f %s" : x < 99.95 ? "%.1f %s" : "%.0f %s", x, units[u]);
+}
+
 std::string now_iso8601() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};

@@ -1,6 +1,7 @@
 // Small text helpers shared by writers of JSON by hand (safetensors headers, worker summaries,
 // results files).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -17,5 +18,9 @@ __attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...);
 
 // The current time in UTC, ISO 8601 to the second (2026-11-27T03:40:00Z): results' dates.
 std::string now_iso8601();
+
+// A byte count for people, in decimal units with three significant digits: "512 B", "1.50 MB",
+// "23.4 GB", "1.20 TB"; negative counts as "unknown".
+std::string human_bytes(int64_t n);
 
 }  // namespace sf

@@ -63,7 +63,7 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
-    "[--export-overlap on|off]\n"
+    "[--export-overlap on|off] [--dry-run]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -78,6 +78,9 @@ struct Options {
   // prefill runs (its manifest and summary follow that prefill), so a rank holds two requests'
   // KV at the peak; off: each export finishes before the next prefill starts.
   bool export_overlap = true;
+  // The plan alone: every line checked (bad lines reported as a run reports them), each request's
+  // group, resume status and KV sizes, the peak host memory for KV; no prefill, nothing written.
+  bool dry_run = false;
   // cuda: one GPU per rank (its host-local rank), the model's TP slice in BF16 on it, NCCL
   // along the grid (worker/runtime/device_parallel.h); exports are sharded.
   std::string device = "cpu";
@@ -121,9 +124,10 @@ Result<Options> parse_options(int argc, char** argv) {
     std::string k = argv[i];
     // A second --k would silently replace the first: refused, as the sparsefill CLI does.
     if (!seen.insert(k).second) return SF_ERR(kInvalidArgument, "option " + k + " is given twice");
-    if (k == "--allow-long" || k == "--cp-estimate" || k == "--selective-kv") {
+    if (k == "--allow-long" || k == "--cp-estimate" || k == "--selective-kv" || k == "--dry-run") {
       (k == "--allow-long"    ? o.allow_long
        : k == "--cp-estimate" ? o.cp_estimate
+       : k == "--dry-run"     ? o.dry_run
                               : o.selective_kv) = true;
       continue;
     }
@@ -333,6 +337,57 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
   return hex64(xxh64_bytes(s.data(), s.size()));
 }
 
+// --dry-run's plan (rank 0): one line a request, its group (round-robin, as the run assigns),
+// whether a run would compute it or skip it (resume), its K/V bytes in the export's encoding
+// (at most that under a retention) and its host KV; then the totals and the peak host memory a
+// rank would hold for KV, against what this host has available.
+template <typename KvBytes>
+void print_plan(const Options& o, const model::ModelConfig& cfg,
+                const std::vector<runtime::BatchRequest>& good, int n_groups,
+                const std::string& job, KvBytes&& kv_host_bytes) {
+  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0;
+  std::vector<int64_t> last(size_t(n_groups), 0);  // each group's last computed request's KV
+  for (size_t i = 0; i < good.size(); ++i) {
+    const runtime::BatchRequest& r = good[i];
+    const int group = int(i % size_t(n_groups));
+    const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
+    const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+    const std::string fp = request_fingerprint(r.tokens, policy, encs, job);
+    const int64_t T = int64_t(r.tokens.size());
+    const int64_t kv = int64_t(cfg.n_layers) * cfg.n_kv_heads *
+                       kvstore::kv_encoded_bytes(encs.high, T, cfg.head_dim);  // K and V
+    const int64_t host = kv_host_bytes(T);
+    std::string status = "to compute";
+    if (runtime::request_complete(o.out, r.id, fp)) {
+      status = "complete, a run skips it";
+    } else if (const std::string why = runtime::request_stale_reason(o.out, r.id, fp);
+               !why.empty()) {
+      status = "to compute again (" + why + ")";
+    }
+    const bool compute = status.rfind("complete", 0) != 0;
+    const bool full = policy.kind == kvstore::RetentionKind::kFull;
+    std::printf("plan: %s (line %lld): %lld tokens, group %d, %s; K/V %s%s in %s, host KV %s a "
+                "rank\n",
+                r.id.c_str(), static_cast<long long>(r.line), static_cast<long long>(T), group,
+                status.c_str(), full ? "" : "at most ", human_bytes(kv).c_str(),
+                kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str());
+    if (!compute) continue;
+    ++n_compute;
+    tokens += T;
+    export_bytes += kv;
+    // With --export-overlap a rank holds the pending export's KV beside the next request's.
+    peak = std::max(peak, host + (o.export_overlap ? last[size_t(group)] : 0));
+    last[size_t(group)] = host;
+  }
+  const int64_t avail = host_memory_available();
+  std::printf("plan: %lld of %zu requests to compute (%lld tokens), K/V to write at most %s; peak "
+              "host KV a rank %s (--export-overlap %s), %s of host memory available here\n",
+              static_cast<long long>(n_compute), good.size(), static_cast<long long>(tokens),
+              human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
+              o.export_overlap ? "on" : "off", human_bytes(avail).c_str());
+  std::fflush(stdout);
+}
+
 // Per item, whether every rank holds the same fingerprint (fingerprints >= 0, -1: the rank has
 // no such item): one all-reduce of (fp, -fp) under min gives each item's min and max.
 Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
@@ -416,7 +471,7 @@ int run(int argc, char** argv) {
   //   job's on its host (perhaps for another group count); the second agreement comes before any
   //   leader writes its own.
   int out_lock_fd = -1;
-  {
+  if (!o.dry_run) {  // a dry run reads --out (resume status) and writes nothing
     Status mine = Status::ok();
     if (rank0) {
       std::error_code ec;
@@ -605,7 +660,7 @@ int run(int argc, char** argv) {
   // rank's failure before the next collective step (NCCL init would wait for a missing peer).
   std::optional<model::DeviceModel> dmodel;
   std::optional<runtime::DeviceGrid> dgrid;
-  if (o.device == "cuda") {
+  if (o.device == "cuda" && !o.dry_run) {
     Status mine = Status::ok();
     auto dev = runtime::local_device(world->rank());
     if (!dev.is_ok()) {
@@ -723,6 +778,18 @@ int run(int argc, char** argv) {
                 good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str());
     std::fflush(stdout);
   }
+  const bool sharded = o.export_mode == "sharded";
+  // Host memory a rank holds for one request's KV while it is prefilled and exported: its rows of
+  // its KV heads in F32 (a sharded export's ranks), or the whole cache (a gathering rank).
+  auto kv_host_bytes = [&](int64_t T) {
+    const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
+    const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
+    return rows * heads * cfg.head_dim * cfg.n_layers * 2 * int64_t(sizeof(float));
+  };
+  if (o.dry_run) {
+    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes);
+    return finish(bf.bad.empty() ? 0 : 3, "", false);
+  }
   if (g.leader()) {
     std::error_code ec;
     fs::create_directories(o.out, ec);
@@ -832,7 +899,6 @@ int run(int argc, char** argv) {
       return p.get_future();
     }
   };
-  const bool sharded = o.export_mode == "sharded";
   // A CPU prefill keeps every core busy: an export written beside it takes one layer at a time,
   // not the several that compete with the prefill's threads (on GPUs the host cores are free).
   const bool overlap_cpu = o.export_overlap && !dmodel;
@@ -1039,10 +1105,7 @@ int run(int argc, char** argv) {
       // KV heads in F32, the whole cache on a gathering rank) would not fit in the host memory
       // now available beside the pending one's, that export finishes first; any rank short of
       // memory decides for its group, so every rank runs the same collectives.
-      const int64_t T = int64_t(r.tokens.size());
-      const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
-      const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
-      const int64_t need = rows * heads * cfg.head_dim * cfg.n_layers * 2 * int64_t(sizeof(float));
+      const int64_t need = kv_host_bytes(int64_t(r.tokens.size()));
       const int64_t avail = fault.kind == "low_memory" && fault.rank == world->rank()
                                 ? 0
                                 : host_memory_available();

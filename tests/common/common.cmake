@@ -6,3 +6,5 @@ sf_add_test(test_file_io SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_file_io.cpp LABE
             LIBS sf_common)
 sf_add_test(test_thread_pool SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_thread_pool.cpp LABELS unit
             LIBS sf_common)
+sf_add_test(test_text SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_text.cpp LABELS unit
+            LIBS sf_common)

@@ -41,6 +41,10 @@
 #               leaves that export whole, and a rerun computes only the failed one; a rank short
 #               of host memory makes the pending export finish before the next prefill; a bad
 #               value is refused
+#   dry_run     np 4, 2 groups of cp 2, --dry-run: bad lines reported, a plan line per request
+#               (group, status, KV sizes) and the totals, exit 3, no prefill, --out not created;
+#               the peak host KV differs with --export-overlap off; after a run with one summary
+#               removed, the plan marks the others complete and that one to compute again
 #   prefix      np 1 with --prefix-cache: a request sharing 200 tokens with an earlier one reuses
 #               its 3 whole blocks (192 tokens) and computes the rest; its export (snapkv, so
 #               importance counts too) is byte for byte the one the same request writes alone,
@@ -566,6 +570,33 @@ PY
     [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
     errors | grep -q "^error: --export-overlap must be on or off, got 'maybe'" || fail "--export-overlap message"
     echo "overlap: $ms_on ms (waited $wait_on s) against $ms_off ms (waited $wait_off s)"
+    ;;
+  dry_run)
+    # The plan: bad lines as a run reports them, a line per good request with its group and
+    # status, the totals; no prefill, and --out is not even created.
+    run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "dry run: exit $rc, want 3 (bad lines)"
+    [ "$(grep -c '; skipped$' "$tmp/stderr")" -eq 5 ] || fail "dry run: want 5 bad lines reported"
+    [ ! -e "$tmp/out" ] || fail "dry run: --out was created"
+    ! grep -q "first token" "$tmp/stdout" || fail "dry run: a request ran"
+    # 7 tokens x 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes = 322,560; a rank holds 4 rows.
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 184 kB a rank$" "$tmp/stdout" || fail "dry run: lighthouse's line"
+    grep -q "^plan: ids (line 2): 8 tokens, group 1, to compute;" "$tmp/stdout" || fail "dry run: ids's line"
+    grep -q "^plan: 4 of 4 requests to compute (48 tokens), K/V to write at most .*; peak host KV a rank .* (--export-overlap on), .* of host memory available here$" "$tmp/stdout" \
+      || fail "dry run: totals"
+    peak_on=$(sed -n 's/.*peak host KV a rank \(.*\) (--export-overlap on).*/\1/p' "$tmp/stdout")
+    run 4 --model default --cp 2 --dry-run --export-overlap off --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    peak_off=$(sed -n 's/.*peak host KV a rank \(.*\) (--export-overlap off).*/\1/p' "$tmp/stdout")
+    [ -n "$peak_on" ] && [ -n "$peak_off" ] && [ "$peak_on" != "$peak_off" ] || fail "dry run: peak $peak_on with the overlap, $peak_off without"
+    # After a run, with one summary removed: the plan says what a resume would do.
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 3 ] || fail "real run: exit $rc"
+    rm -f "$tmp/out/village.json"
+    run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, complete, a run skips it;" "$tmp/stdout" || fail "dry run after a run: lighthouse"
+    grep -q "^plan: village (line 6): 18 tokens, group 0, to compute again (its export has no summary with a fingerprint);" "$tmp/stdout" || fail "dry run after a run: village"
+    grep -q "^plan: 1 of 4 requests to compute (18 tokens)" "$tmp/stdout" || fail "dry run after a run: totals"
+    [ -f "$tmp/out/village/manifest.json" ] || fail "dry run: it touched village's export"
     ;;
   *) echo "unknown case $case_name"; exit 2 ;;
 esac
