@@ -145,16 +145,60 @@ std::string host_name() {
   return host;
 }
 
+namespace {
+
+// A number read from a one-line file ("max" and unreadable files: -1).
+int64_t read_count(const std::string& path) {
+  std::ifstream f(path);
+  std::string s;
+  if (!(f >> s) || s.empty() || s == "max") return -1;
+  char* end = nullptr;
+  const long long x = std::strtoll(s.c_str(), &end, 10);
+  return *end || x < 0 ? -1 : int64_t(x);
+}
+
+// What this process's memory cgroup still allows (limit less usage), or -1 without a limit:
+// a job under Slurm, Docker or Kubernetes is killed at its cgroup's limit whatever the host has.
+int64_t cgroup_memory_left() {
+  std::ifstream f("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(f, line)) {
+    // v2: "0::/path"; v1: "N:memory:/path" (or "N:...,memory,...:/path").
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string ctrl = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    int64_t limit = -1, usage = -1;
+    if (ctrl.empty()) {
+      limit = read_count("/sys/fs/cgroup" + path + "/memory.max");
+      usage = read_count("/sys/fs/cgroup" + path + "/memory.current");
+    } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
+      limit = read_count("/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes");
+      usage = read_count("/sys/fs/cgroup/memory" + path + "/memory.usage_in_bytes");
+      if (limit >= (int64_t(1) << 60)) limit = -1;  // v1's "no limit" is a huge number
+    }
+    if (limit >= 0 && usage >= 0) return std::max<int64_t>(0, limit - usage);
+  }
+  return -1;
+}
+
+}  // namespace
+
 int64_t host_memory_available() {
+  int64_t avail = -1;
   std::ifstream f("/proc/meminfo");
   std::string line;
   while (std::getline(f, line))  // "MemAvailable:   12345678 kB"
     if (line.rfind("MemAvailable:", 0) == 0) {
       const long long kib = std::strtoll(line.c_str() + 13, nullptr, 10);
-      if (kib > 0) return int64_t(kib) * 1024;
+      if (kib > 0) avail = int64_t(kib) * 1024;
+      break;
     }
-  const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? int64_t(pages) * page : -1;
+  if (avail < 0) {
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) avail = int64_t(pages) * page;
+  }
+  const int64_t cg = cgroup_memory_left();
+  return cg >= 0 && (avail < 0 || cg < avail) ? cg : avail;
 }
 
 std::string cpu_name() {

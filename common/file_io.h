@@ -32,8 +32,9 @@ std::string host_name();
 // The CPU's model name (/proc/cpuinfo), else the machine type (uname): results' device.
 std::string cpu_name();
 // Bytes of host memory the kernel says a new allocation can have without swapping (MemAvailable
-// of /proc/meminfo, which counts reclaimable page cache), else the free physical pages; -1 when
-// neither can be read.
+// of /proc/meminfo, which counts reclaimable page cache; else the free physical pages), or what
+// this process's memory cgroup (v2 or v1) still allows when that is less; -1 when nothing can be
+// read.
 int64_t host_memory_available();
 
 // True when `inner` is `outer` or lies under it, symbolic links and trailing separators

@@ -321,6 +321,14 @@ std::string model_identity(const std::string& path) {
   return s;
 }
 
+// A synthetic model's weights as the fingerprint names them: the shape, layers and seed, and the
+// version of DeviceModel::synthetic's drawing (raise it when the drawing changes, so a resume
+// does not keep exports of other weights).
+std::string synthetic_identity(const model::SyntheticModelSpec& s) {
+  return "synthetic-v1:llama3-8b:" + std::to_string(s.config.n_layers) + ":" +
+         std::to_string(s.seed);
+}
+
 // What a request's export depends on, as 16 hex digits that stay the same across builds: the
 // tokens, the retention (moa spans included) and the encodings, then `job`, the job's part: the
 // model's compatibility hash and weights (model_identity), --device, the grid and the
@@ -344,7 +352,7 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
 template <typename KvBytes>
 void print_plan(const Options& o, const model::ModelConfig& cfg,
                 const std::vector<runtime::BatchRequest>& good, int n_groups,
-                const std::string& job, KvBytes&& kv_host_bytes) {
+                const std::string& job, KvBytes&& kv_host_bytes, int local_ranks) {
   int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0;
   std::vector<int64_t> last(size_t(n_groups), 0);  // each group's last computed request's KV
   for (size_t i = 0; i < good.size(); ++i) {
@@ -381,10 +389,12 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
   }
   const int64_t avail = host_memory_available();
   std::printf("plan: %lld of %zu requests to compute (%lld tokens), K/V to write at most %s; peak "
-              "host KV a rank %s (--export-overlap %s), %s of host memory available here\n",
+              "host KV a rank %s (--export-overlap %s), %d rank(s) on this host: %s of its %s "
+              "available\n",
               static_cast<long long>(n_compute), good.size(), static_cast<long long>(tokens),
               human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
-              o.export_overlap ? "on" : "off", human_bytes(avail).c_str());
+              o.export_overlap ? "on" : "off", local_ranks,
+              human_bytes(peak * local_ranks).c_str(), human_bytes(avail).c_str());
   std::fflush(stdout);
 }
 
@@ -442,12 +452,18 @@ int run(int argc, char** argv) {
     Status all = agree(*world, opts_r.status());
     if (world->aborted()) fatal(world->abort_status());
     if (all.is_ok()) {
-      auto same = same_on_every_rank(*world, {policy_fingerprint(opts_r.value().retention)});
+      const Options& p = opts_r.value();
+      auto same = same_on_every_rank(
+          *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap)});
       if (!same.is_ok()) fatal(same.status());
       if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
+      else if (!same.value()[1] || !same.value()[2])
+        all = SF_ERR(kInvalidArgument,
+                     "the ranks were given different --dry-run or --export-overlap flags (an "
+                     "MPMD launch must pass the same ones to every rank)");
     }
     if (!all.is_ok()) {
       if (rank0) std::fputs(kUsage, stderr);
@@ -584,7 +600,8 @@ int run(int argc, char** argv) {
   // a mix of two models, so they must agree.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
   std::string job = "model=" + model_compat +
-                    ";weights=" + (o.synthetic ? o.model : model_identity(o.model)) +
+                    ";weights=" + (o.synthetic ? synthetic_identity(*o.synthetic)
+                                                 : model_identity(o.model)) +
                     ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
                     ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
                     std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
@@ -780,14 +797,26 @@ int run(int argc, char** argv) {
   }
   const bool sharded = o.export_mode == "sharded";
   // Host memory a rank holds for one request's KV while it is prefilled and exported: its rows of
-  // its KV heads in F32 (a sharded export's ranks), or the whole cache (a gathering rank).
+  // its KV heads in F32 (a sharded export's ranks), or the whole cache (a gathering rank); the
+  // CPU runtime also holds one layer's whole-prompt K/V twice (its own and the exchanged).
   auto kv_host_bytes = [&](int64_t T) {
     const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
     const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
-    return rows * heads * cfg.head_dim * cfg.n_layers * 2 * int64_t(sizeof(float));
+    const int64_t row = int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float));  // K and V
+    const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
+    return rows * heads * row * cfg.n_layers + layer;
   };
+  // The ranks on this host share its memory: a rank's check counts them all (every group's).
+  int local_ranks = 1;
+  {
+    const std::string h = host_name();
+    const int64_t mine = int64_t(xxh64_bytes(h.data(), h.size()) & 0x7fffffffffffffffULL);
+    std::vector<int64_t> all(size_t(world->size()));
+    if (Status st = world->all_gather(&mine, all.data(), 1, DType::kI64); !st.is_ok()) fatal(st);
+    local_ranks = int(std::count(all.begin(), all.end(), mine));
+  }
   if (o.dry_run) {
-    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes);
+    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes, local_ranks);
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {
@@ -1101,15 +1130,16 @@ int run(int argc, char** argv) {
       continue;
     }
     if (pending) {
-      // Two requests' KV at once is the overlap's price. Where this request's (its rows of its
-      // KV heads in F32, the whole cache on a gathering rank) would not fit in the host memory
-      // now available beside the pending one's, that export finishes first; any rank short of
-      // memory decides for its group, so every rank runs the same collectives.
+      // Two requests' KV at once is the overlap's price. Where this request's (kv_host_bytes),
+      // times the ranks of this host, would not fit in the host memory now available beside the
+      // pending one's, that export finishes first; any rank short of memory decides for its
+      // group, so every rank runs the same collectives.
       const int64_t need = kv_host_bytes(int64_t(r.tokens.size()));
       const int64_t avail = fault.kind == "low_memory" && fault.rank == world->rank()
                                 ? 0
                                 : host_memory_available();
-      const int32_t mine = avail >= 0 && double(need) * 1.25 > double(avail) ? 1 : 0;
+      const int32_t mine =
+          avail >= 0 && double(need) * local_ranks * 1.25 > double(avail) ? 1 : 0;
       int32_t any = 0;
       if (Status st = g.group_comm->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax);
           !st.is_ok())

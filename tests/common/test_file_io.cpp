@@ -118,19 +118,25 @@ TEST(FileIo, OutputChecksBeforeTheWork) {
   EXPECT_FALSE(check_output_dir("", "--export-kv").is_ok());
 }
 
-// MemAvailable is a positive amount no larger than the machine's memory, and it follows an
-// allocation: 512 MiB touched lowers it by at least half of that.
+// The available memory is a positive amount no larger than the machine's, and it follows an
+// allocation: 512 MiB touched lowers it by at least half of that. The figure is the whole
+// machine's, so another process freeing memory in between can hide the drop: the best of five
+// tries counts.
 TEST(FileIo, HostMemoryAvailableFollowsAnAllocation) {
-  const int64_t before = host_memory_available();
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  ASSERT_GT(before, 0);
-  EXPECT_LE(before, int64_t(pages) * page);
-  if (before < (int64_t(2) << 30)) GTEST_SKIP() << "under 2 GiB available";
-  std::vector<char> big(size_t(512) << 20, 1);
-  for (size_t i = 0; i < big.size(); i += 4096) big[i] = char(i);
-  const int64_t during = host_memory_available();
-  EXPECT_LT(during, before - (int64_t(256) << 20)) << "before " << before << ", during " << during;
-  EXPECT_GT(int(big[4096]), -1000);  // keeps the buffer alive and touched
+  const int64_t first = host_memory_available();
+  ASSERT_GT(first, 0);
+  EXPECT_LE(first, int64_t(pages) * page);
+  if (first < (int64_t(2) << 30)) GTEST_SKIP() << "under 2 GiB available";
+  int64_t best = 0;
+  for (int t = 0; t < 5 && best < (int64_t(256) << 20); ++t) {
+    const int64_t before = host_memory_available();
+    std::vector<char> big(size_t(512) << 20);
+    for (size_t i = 0; i < big.size(); i += 4096) big[i] = char(i | 1);
+    asm volatile("" : : "r"(big.data()) : "memory");  // the pages are touched before the read
+    best = std::max(best, before - host_memory_available());
+  }
+  EXPECT_GE(best, int64_t(256) << 20) << "the largest drop of five tries";
 }
 
 }  // namespace

@@ -579,10 +579,11 @@ PY
     [ "$(grep -c '; skipped$' "$tmp/stderr")" -eq 5 ] || fail "dry run: want 5 bad lines reported"
     [ ! -e "$tmp/out" ] || fail "dry run: --out was created"
     ! grep -q "first token" "$tmp/stdout" || fail "dry run: a request ran"
-    # 7 tokens x 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes = 322,560; a rank holds 4 rows.
-    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 184 kB a rank$" "$tmp/stdout" || fail "dry run: lighthouse's line"
+    # 7 tokens x 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes = 322,560; a rank holds 4 rows
+    # of them (184,320) and, on the CPU, one layer's whole-prompt K/V twice (21,504).
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 206 kB a rank$" "$tmp/stdout" || fail "dry run: lighthouse's line"
     grep -q "^plan: ids (line 2): 8 tokens, group 1, to compute;" "$tmp/stdout" || fail "dry run: ids's line"
-    grep -q "^plan: 4 of 4 requests to compute (48 tokens), K/V to write at most .*; peak host KV a rank .* (--export-overlap on), .* of host memory available here$" "$tmp/stdout" \
+    grep -q "^plan: 4 of 4 requests to compute (48 tokens), K/V to write at most 2.21 MB; peak host KV a rank .* (--export-overlap on), 4 rank(s) on this host: .* of its .* available$" "$tmp/stdout" \
       || fail "dry run: totals"
     peak_on=$(sed -n 's/.*peak host KV a rank \(.*\) (--export-overlap on).*/\1/p' "$tmp/stdout")
     run 4 --model default --cp 2 --dry-run --export-overlap off --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -1,6 +1,6 @@
 #include "worker/model/config.h"
 
-#include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <vector>
@@ -111,10 +111,9 @@ Result<std::optional<SyntheticModelSpec>> parse_synthetic_model(const std::strin
       "--model " + model + ": want synthetic:SHAPE[:LAYERS[:SEED]] with SHAPE llama3-8b";
   if (parts.size() > 3 || parts[0] != "llama3-8b") return SF_ERR(kInvalidArgument, usage);
   auto number = [&](const std::string& s, uint64_t lo, uint64_t hi) -> Result<uint64_t> {
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long x = std::strtoull(s.c_str(), &end, 10);
-    if (s.empty() || *end || errno || s[0] == '-' || x < lo || x > hi)
+    uint64_t x = 0;  // digits only: no sign, space or base prefix
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size() || x < lo || x > hi)
       return SF_ERR(kInvalidArgument, usage + " ('" + s + "' is not a number in [" +
                                           std::to_string(lo) + ", " + std::to_string(hi) + "])");
     return uint64_t(x);
