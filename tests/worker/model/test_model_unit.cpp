@@ -342,5 +342,35 @@ TEST(Dequant, Q4_1AndQ8_0AndQ4_0KnownBlocks) {
   EXPECT_FALSE(model::dequantize_row(12, q40, 32, out).is_ok());  // Q4_K: unsupported, clear error
 }
 
+// --model synthetic:SHAPE[:LAYERS[:SEED]]: the Llama-3-8B shape, its layer count and seed;
+// anything else after the prefix is an error naming the spec; other model strings are not
+// synthetic at all.
+TEST(SyntheticModel, SpecsParseToTheShapeLayersAndSeed) {
+  auto a = model::parse_synthetic_model("synthetic:llama3-8b");
+  ASSERT_TRUE(a.is_ok() && a.value().has_value());
+  EXPECT_EQ(a.value()->config.n_layers, 32);
+  EXPECT_EQ(a.value()->config.hidden, 4096);
+  EXPECT_EQ(a.value()->config.n_kv_heads, 8);
+  EXPECT_EQ(a.value()->seed, 1u);
+  auto b = model::parse_synthetic_model("synthetic:llama3-8b:8:18446744073709551615");
+  ASSERT_TRUE(b.is_ok() && b.value().has_value());
+  EXPECT_EQ(b.value()->config.n_layers, 8);
+  EXPECT_EQ(b.value()->seed, 18446744073709551615ull);
+  auto none = model::parse_synthetic_model("models/x.gguf");
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_FALSE(none.value().has_value());
+  for (const char* bad : {"synthetic:", "synthetic:llama3-70b", "synthetic:llama3-8b:0",
+                          "synthetic:llama3-8b:33", "synthetic:llama3-8b:8:", "synthetic:llama3-8b: 8",
+                          "synthetic:llama3-8b:+8", "synthetic:llama3-8b:8:-1",
+                          "synthetic:llama3-8b:8:18446744073709551616", "synthetic:llama3-8b:8:1:2"}) {
+    auto r = model::parse_synthetic_model(bad);
+    EXPECT_FALSE(r.is_ok()) << bad;
+    if (!r.is_ok()) EXPECT_NE(r.status().message().find(bad), std::string::npos) << r.status().message();
+  }
+  auto shape = model::Model::shape_only(b.value()->config, "synthetic:llama3-8b:8");
+  ASSERT_TRUE(shape.is_ok());
+  EXPECT_FALSE(shape.value().has_weights());
+}
+
 }  // namespace
 }  // namespace sf
