@@ -159,8 +159,8 @@ int64_t read_count(const std::string& path) {
 
 // What this process's memory cgroup still allows (limit less usage), or -1 without a limit:
 // a job under Slurm, Docker or Kubernetes is killed at its cgroup's limit whatever the host has.
-int64_t cgroup_memory_left() {
-  std::ifstream f("/proc/self/cgroup");
+int64_t cgroup_memory_left(const std::string& root) {
+  std::ifstream f(root + "/proc/self/cgroup");
   std::string line;
   while (std::getline(f, line)) {
     // v2: "0::/path"; v1: "N:memory:/path" (or "N:...,memory,...:/path").
@@ -169,11 +169,11 @@ int64_t cgroup_memory_left() {
     const std::string ctrl = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
     int64_t limit = -1, usage = -1;
     if (ctrl.empty()) {
-      limit = read_count("/sys/fs/cgroup" + path + "/memory.max");
-      usage = read_count("/sys/fs/cgroup" + path + "/memory.current");
+      limit = read_count(root + "/sys/fs/cgroup" + path + "/memory.max");
+      usage = read_count(root + "/sys/fs/cgroup" + path + "/memory.current");
     } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
-      limit = read_count("/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes");
-      usage = read_count("/sys/fs/cgroup/memory" + path + "/memory.usage_in_bytes");
+      limit = read_count(root + "/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes");
+      usage = read_count(root + "/sys/fs/cgroup/memory" + path + "/memory.usage_in_bytes");
       if (limit >= (int64_t(1) << 60)) limit = -1;  // v1's "no limit" is a huge number
     }
     if (limit >= 0 && usage >= 0) return std::max<int64_t>(0, limit - usage);
@@ -183,9 +183,9 @@ int64_t cgroup_memory_left() {
 
 }  // namespace
 
-int64_t host_memory_available() {
+int64_t host_memory_available(const std::string& root) {
   int64_t avail = -1;
-  std::ifstream f("/proc/meminfo");
+  std::ifstream f(root + "/proc/meminfo");
   std::string line;
   while (std::getline(f, line))  // "MemAvailable:   12345678 kB"
     if (line.rfind("MemAvailable:", 0) == 0) {
@@ -193,11 +193,11 @@ int64_t host_memory_available() {
       if (kib > 0) avail = int64_t(kib) * 1024;
       break;
     }
-  if (avail < 0) {
+  if (avail < 0 && root.empty()) {
     const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
     if (pages > 0 && page > 0) avail = int64_t(pages) * page;
   }
-  const int64_t cg = cgroup_memory_left();
+  const int64_t cg = cgroup_memory_left(root);
   return cg >= 0 && (avail < 0 || cg < avail) ? cg : avail;
 }
 

@@ -34,8 +34,8 @@ std::string cpu_name();
 // Bytes of host memory the kernel says a new allocation can have without swapping (MemAvailable
 // of /proc/meminfo, which counts reclaimable page cache; else the free physical pages), or what
 // this process's memory cgroup (v2 or v1) still allows when that is less; -1 when nothing can be
-// read.
-int64_t host_memory_available();
+// read. root: a directory standing in for / (tests); empty for the machine itself.
+int64_t host_memory_available(const std::string& root = "");
 
 // True when `inner` is `outer` or lies under it, symbolic links and trailing separators
 // resolved (paths that do not exist yet compare by their existing prefix).
