@@ -70,6 +70,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   const ModelConfig& c = m.config();
   const ModelWeights& w = m.weights();
   const int64_t S = int64_t(tokens.size());
+  SF_TRY(check_host_weights(m, "prefill"));
   if (S == 0) return SF_ERR(kInvalidArgument, "prefill: empty prompt");
   if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");
   if (opt.on_layer_kv_device.enqueue || opt.on_layer_kv_device.place)

@@ -68,6 +68,15 @@ class Model {
   friend Status load_safetensors(const std::string&, Model*);
 };
 
+// The host forwards' first check: a shape-only model (Model::shape_only) has no weights to run
+// on the CPU (kUnsupported, naming `who` and the model).
+inline Status check_host_weights(const Model& m, const char* who) {
+  if (m.has_weights()) return Status::ok();
+  return SF_ERR(kUnsupported, std::string(who) + ": '" + m.path() +
+                                         "' has no host weights (a shape-only model runs on a "
+                                         "device model only)");
+}
+
 // Keys are stored after RoPE, in the model's own rotary convention (config().rope.neox).
 struct KvCache {
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;

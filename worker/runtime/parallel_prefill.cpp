@@ -262,6 +262,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   if (!g.tp || !g.cp || !g.group_comm || g.tp->size() != TP || g.cp->size() != CP)
     return SF_ERR(kInvalidArgument, "parallel_prefill: communicators do not match the grid shape");
   SF_TRY(check_model_divides(c, TP));
+  SF_TRY(model::check_host_weights(m, "parallel_prefill"));
   const int64_t S = int64_t(tokens.size());
   if (S == 0) return SF_ERR(kInvalidArgument, "prefill: empty prompt");
   if (opt.chunk <= 0) return SF_ERR(kInvalidArgument, "prefill: chunk must be positive");

@@ -370,6 +370,13 @@ TEST(SyntheticModel, SpecsParseToTheShapeLayersAndSeed) {
   auto shape = model::Model::shape_only(b.value()->config, "synthetic:llama3-8b:8");
   ASSERT_TRUE(shape.is_ok());
   EXPECT_FALSE(shape.value().has_weights());
+  // No host forward runs on it: one clear error, not an index into empty weights.
+  const std::vector<int32_t> toks{1, 2, 3};
+  auto p = model::prefill(shape.value(), toks, {});
+  ASSERT_FALSE(p.is_ok());
+  EXPECT_EQ(p.status().code(), Code::kUnsupported);
+  EXPECT_NE(p.status().message().find("has no host weights"), std::string::npos)
+      << p.status().message();
 }
 
 }  // namespace
