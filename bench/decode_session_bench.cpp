@@ -61,13 +61,7 @@ Result<model::ModelConfig> shape(const std::string& name) {
     c.intermediate = 1536, c.vocab = 49152, c.rms_eps = 1e-5f, c.tied_embeddings = true;
     c.rope.theta = 100000.f;
   } else if (name == "llama3-8b") {
-    c.n_layers = 32, c.hidden = 4096, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128;
-    c.intermediate = 14336, c.vocab = 128256, c.rms_eps = 1e-5f;
-    c.rope.theta = 500000.f;
-    c.rope.scaling_factor = 8.f;
-    c.rope.low_freq_factor = 1.f;
-    c.rope.high_freq_factor = 4.f;
-    c.rope.original_max_pos = 8192;
+    c = model::llama3_8b_config();
   } else {
     return SF_ERR(kInvalidArgument, "shape '" + name + "' is not smollm2 or llama3-8b");
   }

@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "bench/llama3_shape.h"
 #include "comm/mpi_communicator.h"
+#include "worker/model/config.h"
 #include "worker/model/device_model.h"
 #include "worker/model/sparse_config.h"
 #include "worker/runtime/device_parallel.h"
@@ -46,7 +46,6 @@ struct Args {
   std::string out;
 };
 
-using bench::llama3_8b;
 
 Result<Args> parse(int argc, char** argv) {
   Args a;
@@ -205,7 +204,7 @@ int run(int argc, char** argv) {
     return 2;
   }
   const Args& a = args.value();
-  const model::ModelConfig cfg = llama3_8b(a.layers);
+  const model::ModelConfig cfg = model::llama3_8b_config(a.layers);
   std::ofstream out;
   if (rank0 && !a.out.empty()) out.open(a.out, std::ios::trunc);
   for (int64_t L : a.lengths) {

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "bench/llama3_shape.h"
+#include "worker/model/config.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/tiered_kv.h"
 #include "worker/model/device_model.h"
@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  const model::ModelConfig c = sf::bench::llama3_8b(layers);
+  const model::ModelConfig c = model::llama3_8b_config(layers);
   auto dm = model::DeviceModel::synthetic(c, 1);
   if (!dm.is_ok()) return fail("synthetic model", dm.status());
   std::vector<int32_t> tokens(static_cast<size_t>(S));

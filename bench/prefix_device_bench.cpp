@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "bench/llama3_shape.h"
+#include "worker/model/config.h"
 #include "kvstore/block_pool.h"
 #include "kvstore/prefix_cache.h"
 #include "kvstore/prefix_prefill.h"
@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  const model::ModelConfig c = sf::bench::llama3_8b(layers);
+  const model::ModelConfig c = model::llama3_8b_config(layers);
   const char* hp = std::getenv("SF_HOST_HUGEPAGES");  // as common/thread_pool.h reads it
   const bool hugepages = !(hp && std::string(hp) == "0");
   auto dm = model::DeviceModel::synthetic(c, 1);
