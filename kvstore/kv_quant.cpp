@@ -73,6 +73,13 @@ Result<KvEncodings> kv_encodings_parse(std::string_view s) {
   return out;
 }
 
+Result<KvEncodings> kv_encodings_parse(std::string_view s, DType compute) {
+  if (s != "auto") return kv_encodings_parse(s);
+  KvEncodings out;
+  out.high = compute == DType::kBF16 ? KvEncoding::kBF16 : KvEncoding::kF32;
+  return out;
+}
+
 std::string kv_encodings_name(const KvEncodings& e) {
   std::string s = kv_encoding_name(e.high);
   if (e.low) s += std::string("+") + kv_encoding_name(*e.low);

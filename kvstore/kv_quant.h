@@ -39,6 +39,11 @@ struct KvEncodings {
 };
 // "ENC" or "HIGH+LOW"; LOW must take fewer bytes a token than HIGH (kInvalidArgument otherwise).
 Result<KvEncodings> kv_encodings_parse(std::string_view s);
+// As kv_encodings_parse, and also "auto": the dtype the model computes K/V in (`compute`), as
+// vLLM's kv_cache_dtype "auto" takes the model's: bf16 for BF16 weights (the device forward),
+// f32 otherwise (the CPU forward). A BF16 forward's attention reads K/V rounded to bf16, so
+// exporting F32 would double the bytes for precision the prefill itself did not use.
+Result<KvEncodings> kv_encodings_parse(std::string_view s, DType compute);
 std::string kv_encodings_name(const KvEncodings& e);
 
 // The element type of an encoding's K/V tensors (F32, BF16, or U8 codes) and how many elements a

@@ -65,7 +65,7 @@ const char* kUsage =
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--dry-run]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
-    "f32|bf16|int8|int4|HIGH+LOW]\n"
+    "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
 
 struct Options {
@@ -196,11 +196,6 @@ Result<Options> parse_options(int argc, char** argv) {
     if (!rp.is_ok()) return SF_ERR(kInvalidArgument, "--retention: " + rp.status().message());
     o.retention = std::move(rp).value();
   }
-  if (kv.count("kv-dtype")) {
-    auto e = kvstore::kv_encodings_parse(kv["kv-dtype"]);
-    if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
-    o.kv_dtype = e.value();
-  }
   if (kv.count("metrics-file")) {
     o.metrics_file = kv["metrics-file"];
     if (o.metrics_file.empty() || o.metrics_file.back() == '/')
@@ -209,6 +204,13 @@ Result<Options> parse_options(int argc, char** argv) {
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
     return SF_ERR(kInvalidArgument, "--device must be cpu or cuda, got '" + o.device + "'");
+  {
+    // auto (the default): bf16 on the GPU, whose forward runs on BF16 weights; f32 on the CPU.
+    auto e = kvstore::kv_encodings_parse(kv.count("kv-dtype") ? kv["kv-dtype"] : "auto",
+                                         o.device == "cuda" ? DType::kBF16 : DType::kF32);
+    if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
+    o.kv_dtype = e.value();
+  }
   if (o.device == "cuda" && (o.cp_estimate || o.export_mode != "sharded"))
     return SF_ERR(kInvalidArgument,
                   "--device cuda runs per-piece estimation and sharded exports only (no "
@@ -704,7 +706,8 @@ int run(int argc, char** argv) {
   }
 
   // Requests: parse, tokenize, validate; identical on every rank, reported once.
-  runtime::BatchFile bf = runtime::parse_batch(text);
+  runtime::BatchFile bf =
+      runtime::parse_batch(text, o.device == "cuda" ? DType::kBF16 : DType::kF32);
   std::vector<runtime::BatchRequest> good;
   for (auto& r : bf.requests) {
     if (!r.has_tokens) {

@@ -54,6 +54,26 @@ TEST(KvQuant, TwoTierNamesParseNarrowerLowOnly) {
             std::string::npos);
 }
 
+TEST(KvQuant, AutoIsTheForwardsDtypeAndOnlyAlone) {
+  auto dev = kvstore::kv_encodings_parse("auto", DType::kBF16);
+  ASSERT_TRUE(dev.is_ok());
+  EXPECT_EQ(dev->high, KvEncoding::kBF16);
+  EXPECT_FALSE(dev->low.has_value());
+  auto cpu = kvstore::kv_encodings_parse("auto", DType::kF32);
+  ASSERT_TRUE(cpu.is_ok());
+  EXPECT_EQ(cpu->high, KvEncoding::kF32);
+  // Any other name is the plain parser's, whatever the forward's dtype.
+  EXPECT_EQ(kvstore::kv_encodings_parse("int8+int4", DType::kBF16)->low, KvEncoding::kInt4);
+  EXPECT_EQ(kvstore::kv_encodings_parse("f32", DType::kBF16)->high, KvEncoding::kF32);
+  for (const char* s : {"auto+int4", "int8+auto", "Auto"}) {
+    auto r = kvstore::kv_encodings_parse(s, DType::kBF16);
+    EXPECT_FALSE(r.is_ok()) << s;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << s;
+  }
+  // The batch line's parser (one argument) has no forward to take a dtype from.
+  EXPECT_FALSE(kvstore::kv_encodings_parse("auto").is_ok());
+}
+
 TEST(KvQuant, EncodedBytesCountCodesScalesAndZeros) {
   // 100 rows of 64 channels: K and V each 6400 elements; keys have 2 blocks x 64 channel groups,
   // values 100 row groups; each group an F16 scale and zero (4 bytes).

@@ -23,6 +23,8 @@
 // - the same run with a disk tier under host (--kv-pool device=,host=,disk=) keeps 4 blocks a
 //   layer on the device, 4 on host and drains the other 24 to disk while later layers compute;
 //   its export is byte for byte the two-tier run's.
+// - those GPU runs pin --kv-dtype f32; one more dense GPU run without it exports bf16 (auto, the
+//   device forward's dtype), every value the f32 export's rounded to nearest.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,9 +35,11 @@
 #include <fstream>
 #include <random>
 #include <regex>
+#include <utility>
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "tests/common/subprocess.h"
@@ -106,9 +110,13 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   std::vector<Run> runs{{"cpu-full", " --device cpu" + sparse},
                         {"cpu-snap", " --device cpu" + sparse + snap}};
   if (dev.is_ok())
-    for (const Run& r : {Run{"gpu-snap", " --device cuda" + sparse + snap},
-                         Run{"cpu-dense", " --device cpu"}, Run{"gpu-dense", " --device cuda" + snap + pool},
-                         Run{"gpu-dense3", " --device cuda" + snap + pool3}})
+    // The GPU runs pin --kv-dtype f32 so the comparisons below bound the forward's K/V; the
+    // "auto" run takes the default (bf16 on the device) and must be exactly gpu-dense rounded.
+    for (const Run& r : {Run{"gpu-snap", " --device cuda --kv-dtype f32" + sparse + snap},
+                         Run{"cpu-dense", " --device cpu"},
+                         Run{"gpu-dense", " --device cuda --kv-dtype f32" + snap + pool},
+                         Run{"gpu-dense3", " --device cuda --kv-dtype f32" + snap + pool3},
+                         Run{"gpu-dense-auto", " --device cuda" + snap}})
       runs.push_back(r);
   for (const Run& r : runs) {
     const std::string log = (dir / (r.name + ".log")).string();
@@ -225,6 +233,35 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   };
   compare("gpu-snap", full.value(), {0});
   compare("gpu-dense", dense.value(), {0, 1});
+  {
+    // --kv-dtype auto on the device is bf16, and each stored value is the F32 export's value
+    // rounded to nearest (the same tokens kept: importance does not depend on the encoding).
+    auto a = decode::load_kv_export((dir / "gpu-dense-auto").string(), hash);
+    auto f = decode::load_kv_export((dir / "gpu-dense").string(), hash);
+    ASSERT_TRUE(a.is_ok() && f.is_ok()) << a.status().to_string();
+    EXPECT_EQ(f->kv_dtype, "f32");
+    EXPECT_EQ(a->kv_dtype, "bf16");
+    int64_t values = 0, differ = 0, rounded = 0;
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) {
+        const decode::HeadKv& x = a->head(l, h);
+        const decode::HeadKv& y = f->head(l, h);
+        ASSERT_EQ(x.positions, y.positions) << "layer " << l << " head " << h;
+        ASSERT_EQ(x.k.size(), y.k.size());
+        for (size_t i = 0; i < x.k.size(); ++i)
+          for (const auto& [got, src] : {std::pair{x.k[i], y.k[i]}, std::pair{x.v[i], y.v[i]}}) {
+            ++values;
+            differ += got != round_to_bf16(src);
+            rounded += got != src;
+          }
+      }
+    std::printf("  gpu-dense-auto (bf16): %lld values, %lld differ from the f32 export rounded, "
+                "%lld changed by rounding\n",
+                static_cast<long long>(values), static_cast<long long>(differ),
+                static_cast<long long>(rounded));
+    EXPECT_EQ(differ, 0);
+    EXPECT_GT(rounded, values / 2);  // real F32 values, not already bf16
+  }
   std::error_code ec;
   fs::remove_all(dir, ec);
 }

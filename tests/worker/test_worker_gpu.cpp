@@ -112,7 +112,7 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
     const std::string out = (dir / ("gpu-" + grid.substr(2, 2) + grid.back())).string();
     const std::string log = out + ".log";
     ASSERT_EQ(run(mpiexec + " --oversubscribe -np " + std::to_string(np) + " " + worker + common +
-                      " " + grid + " --device cuda --out " + out,
+                      " " + grid + " --device cuda --kv-dtype f32 --out " + out,
                   log),
               0)
         << slurp(log);
@@ -207,7 +207,7 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
     // The prefix cache on the GPU: one rank, a device-memory cache.
     const std::string out = (dir / "gpu-prefix").string(), log = out + ".log";
     ASSERT_EQ(run(mpiexec + " --oversubscribe -np 1 " + worker + common +
-                      " --device cuda --prefix-cache 64M --out " + out,
+                      " --device cuda --kv-dtype f32 --prefix-cache 64M --out " + out,
                   log),
               0)
         << slurp(log);
@@ -256,7 +256,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // --model synthetic:llama3-8b:2 on the GPUs (CP 2 where there are two): each rank draws its
 // weights, the batch runs with its exports overlapped and again one at a time, and both runs'
 // shard files are byte for byte the same (the same seed, the same work); the exports load with
-// the shape's compat hash and hold real values (finite, not all zero) for every token.
+// the shape's compat hash, in bf16 (no --kv-dtype: auto, the GPU forward's dtype), and hold real
+// values (finite, not all zero) for every token. The other GPU runs pin --kv-dtype f32, so their
+// comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) GTEST_SKIP() << "needs a GPU";
@@ -297,6 +299,8 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     EXPECT_EQ(files, 1 + 2 * np) << id;  // the manifest and a shard a layer from each rank
     auto g = decode::load_kv_export((dir / "on" / id).string(), hash);
     ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+    // No --kv-dtype: auto, the BF16 forward's own dtype.
+    EXPECT_EQ(g->kv_dtype, "bf16") << id;
     double mx = 0;
     bool finite = true;
     for (int l = 0; l < 2; ++l)

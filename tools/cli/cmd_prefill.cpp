@@ -93,14 +93,13 @@ int cmd_prefill(int argc, char** argv) {
   }
   // --kv-dtype: how the export stores K and V (kvstore/kv_quant.h); HIGH+LOW pairs with a
   // retention whose high= splits the kept tokens into two tiers.
-  kvstore::KvEncodings kv_dtype;
-  if (a.has("kv-dtype")) {
-    if (!a.has("export-kv"))
-      return fail(SF_ERR(kInvalidArgument, "--kv-dtype applies to --export-kv"));
-    auto e = kvstore::kv_encodings_parse(a.get("kv-dtype"));
-    if (!e.is_ok()) return fail(e.status());
-    kv_dtype = e.value();
-  }
+  // auto (the default): the forward's own dtype, bf16 on --device cuda (BF16 weights), else f32.
+  if (a.has("kv-dtype") && !a.has("export-kv"))
+    return fail(SF_ERR(kInvalidArgument, "--kv-dtype applies to --export-kv"));
+  auto kv_dtype_r = kvstore::kv_encodings_parse(
+      a.get("kv-dtype", "auto"), a.get("device", "cpu") == "cuda" ? DType::kBF16 : DType::kF32);
+  if (!kv_dtype_r.is_ok()) return fail(kv_dtype_r.status());
+  const kvstore::KvEncodings kv_dtype = kv_dtype_r.value();
   if (kv_dtype.low.has_value() != (retention.high > 0))
     return fail(SF_ERR(kInvalidArgument,
                        kv_dtype.low ? "--kv-dtype HIGH+LOW needs a --retention with high=TOKENS"

@@ -24,7 +24,7 @@ void print_usage(FILE* to) {
                "usage: sparsefill <command> [options]   (sparsefill --help, or sparsefill <command> --help)\n"
                "  prefill  --model PATH|default (--prompt-file F | --prompt TEXT | --prompt-tokens F)\n"
                "           [--export-kv DIR [--retention POLICY] [--importance lse|estimator]\n"
-               "            [--kv-dtype f32|bf16|int8|int4|HIGH+LOW]] [--force]\n"
+               "            [--kv-dtype auto|f32|bf16|int8|int4|HIGH+LOW]] [--force]\n"
                "           [--allow-long] [--chunk N] [--tokenizer gguf|hf] [--print-tokens]\n"
                "           [--attention dense|a-shape|vertical-slash|block-sparse|moa|adaptive|adaptive-vs|adaptive-block|config:FILE]\n"
                "           [--device cpu|cuda] [--dump-attention LAYER:FILE.safetensors]\n"

@@ -48,7 +48,7 @@ Status validate_request_id(const std::string& id) {
 
 namespace {
 
-Result<BatchRequest> parse_line(std::string_view line) {
+Result<BatchRequest> parse_line(std::string_view line, DType compute) {
   boost::system::error_code ec;
   json::parse_options po;
   po.max_depth = 4;  // {"tokens": [..]} needs 2
@@ -102,7 +102,7 @@ Result<BatchRequest> parse_line(std::string_view line) {
   }
   if (const json::value* e = o.if_contains("kv_dtype")) {
     if (!e->is_string()) return SF_ERR(kInvalidArgument, "field 'kv_dtype' must be a string");
-    auto enc = kvstore::kv_encodings_parse(std::string(e->as_string()));
+    auto enc = kvstore::kv_encodings_parse(std::string(e->as_string()), compute);
     if (!enc.is_ok())
       return SF_ERR(kInvalidArgument, "field 'kv_dtype': " + enc.status().message());
     r.kv_dtype = enc.value();
@@ -112,7 +112,7 @@ Result<BatchRequest> parse_line(std::string_view line) {
 
 }  // namespace
 
-BatchFile parse_batch(const std::string& text) {
+BatchFile parse_batch(const std::string& text, DType compute) {
   BatchFile f;
   std::set<std::string> seen;
   int64_t line_no = 0;
@@ -128,7 +128,7 @@ BatchFile parse_batch(const std::string& text) {
       if (nl == text.size()) break;
       continue;
     }
-    auto r = parse_line(line);
+    auto r = parse_line(line, compute);
     if (!r.is_ok()) {
       f.bad.push_back({line_no, r.status().message()});
     } else if (!seen.insert(r->id).second) {

@@ -5,8 +5,8 @@
 //   {"id": "doc-17", "prompt": "text ..."}      or      {"id": "doc-17", "tokens": [1, 2, 3]}
 // with an optional "retention": "POLICY" (kvstore::retention_parse's syntax, e.g.
 // "snapkv:budget=1024,span=4") that overrides the worker's --retention for that request, and an
-// optional "kv_dtype": "f32" | "bf16" | "int8" | "int4" (or two tiers, "int8+int4", with a
-// retention's high=TOKENS) that overrides its --kv-dtype.
+// optional "kv_dtype": "auto" | "f32" | "bf16" | "int8" | "int4" (or two tiers, "int8+int4", with a
+// retention's high=TOKENS) that overrides its --kv-dtype ("auto": the forward's dtype, `compute`).
 // id: 1-128 characters of [A-Za-z0-9._-], not starting with '.', unique in the file (it names
 // the output directory). Exactly one of prompt (non-empty string) / tokens (non-empty array of
 // integers). Blank lines are ignored. Every other line is a bad line: it is reported with its
@@ -54,7 +54,9 @@ struct BatchFile {
 
 // Parses the whole file's text. Never fails: a line that is not a valid request becomes a
 // BadLine (including a repeated id: the first occurrence wins).
-BatchFile parse_batch(const std::string& text);
+// `compute`: the dtype the job's forward computes K/V in, which a line's "kv_dtype": "auto" takes
+// (kvstore::kv_encodings_parse).
+BatchFile parse_batch(const std::string& text, DType compute = DType::kF32);
 
 // The id check alone (also used for the output paths).
 Status validate_request_id(const std::string& id);

@@ -183,6 +183,17 @@ TEST(Batch, KvDtypeField) {
       << f.bad[1].reason;
 }
 
+// "auto" in a line is the job's forward dtype: bf16 for the GPU worker, f32 for the CPU one.
+TEST(Batch, KvDtypeAutoIsTheForwardsDtype) {
+  const std::string text = "{\"id\": \"a\", \"prompt\": \"p\", \"kv_dtype\": \"auto\"}\n";
+  const auto gpu = runtime::parse_batch(text, DType::kBF16);
+  ASSERT_EQ(gpu.requests.size(), 1u);
+  EXPECT_EQ(gpu.requests[0].kv_dtype->high, kvstore::KvEncoding::kBF16);
+  const auto cpu = runtime::parse_batch(text);
+  ASSERT_EQ(cpu.requests.size(), 1u);
+  EXPECT_EQ(cpu.requests[0].kv_dtype->high, kvstore::KvEncoding::kF32);
+}
+
 // CpNeedCount on a hand-built index: 512 tokens (CP 2: rank 0 holds [0,128) and [384,512),
 // rank 1 [128,384)), 2 heads each its own KV head. Every slot reads the sink block and its own
 // diagonal block; head 1's slots past key 300 also read column 300.
