@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <algorithm>
 #include <vector>
 
@@ -19,13 +20,13 @@ namespace sf::kvstore {
 namespace fs = std::filesystem;
 namespace {
 
-// Rows `rows` of head h of a token-major [rows, Hkv, d] layer into dst [n, d], undoing the
+// Rows rows[0..n) of head h of a token-major [rows, Hkv, d] layer into dst [n, d], undoing the
 // adjacent-pair interleave if asked (GGUF llama keys -> HF rotate-half order).
-void gather_head(const float* src, int hkv, int d, int h, const std::vector<int64_t>& rows,
+void gather_head(const float* src, int hkv, int d, int h, const int64_t* rows, int64_t n,
                  bool deinterleave, float* dst) {
-  for (size_t i = 0; i < rows.size(); ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float* r = src + (rows[i] * hkv + h) * d;
-    float* o = dst + int64_t(i) * d;
+    float* o = dst + i * d;
     if (deinterleave) {
       for (int c = 0; c < d / 2; ++c) {
         o[c] = r[2 * c];
@@ -42,24 +43,13 @@ struct HeadMeta {
   std::vector<float> kmin, kmax, kmean, importance;  // [n_blocks, d] x3, [n_blocks]
 };
 
-HeadMeta block_meta(const float* keys, int64_t n, int d, const float* imp_row, const std::vector<int32_t>& pos) {
-  const int64_t nb = (n + kKvBlockSize - 1) / kKvBlockSize;
-  HeadMeta m;
-  m.kmin.resize(size_t(nb * d));
-  m.kmax.resize(size_t(nb * d));
-  m.kmean.resize(size_t(nb * d));
-  block_key_stats(keys, n, d, m.kmin.data(), m.kmax.data(), m.kmean.data());
-  if (imp_row) m.importance.assign(size_t(nb), 0.f);
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t t0 = b * kKvBlockSize, t1 = std::min(n, t0 + kKvBlockSize);
-    if (imp_row) {
-      double s = 0;
-      for (int64_t t = t0; t < t1; ++t) s += imp_row[pos[size_t(t)]];
-      m.importance[size_t(b)] = float(s);
-    }
-  }
-  return m;
-}
+// Storage of uninitialized bytes: every byte of an export's K/V buffers is written before it is
+// read, so the zero fill a vector would do is a wasted pass over hundreds of megabytes.
+struct RawBytes {
+  std::unique_ptr<uint8_t[]> p;
+  explicit RawBytes(size_t n) : p(new uint8_t[n]) {}
+  uint8_t* data() { return p.get(); }
+};
 
 // Half-open [a, b) runs of a sorted position list: compact for windows and sinks.
 Status check_retention(const KvExportSpec& spec, const Retention& r) {
@@ -361,37 +351,62 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     // Per head K/V rows [n_h, d]; in the uniform layout they sit back to back as [hp, n, d].
     std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
     for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
-    std::vector<float> kbuf(static_cast<size_t>(off.back() * d)), vbuf(static_cast<size_t>(off.back() * d));
-    std::vector<HeadMeta> meta(static_cast<size_t>(hp));
-    for (int h = 0; h < hp; ++h) {
-      float* kh = kbuf.data() + off[size_t(h)] * d;
-      const int64_t n = int64_t(pos[size_t(h)].size());
-      gather_head(k, hp, d, h, rows[size_t(h)], spec.keys_interleaved, kh);
-      gather_head(v, hp, d, h, rows[size_t(h)], false, vbuf.data() + off[size_t(h)] * d);
-      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
-      meta[size_t(h)] = block_meta(kh, n, d, imp, pos[size_t(h)]);
-    }
-    // K and V as stored: the F32 rows themselves, or every head encoded back to back (each head
-    // its own groups; the metadata above came from the F32 keys), the F32 copies then released.
+    // K and V as stored, every head back to back (each head its own groups): F32 rows, or their
+    // encoding. Each block of kKvBlockSize rows is gathered, described (key min, max, mean and
+    // importance, from the F32 keys) and encoded while it is in cache, straight into the
+    // shard's buffers: the source is read once and no whole-layer F32 copy is made to encode.
     const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
     const bool raw = enc == KvEncoding::kF32;
-    EncodedRows enc_kv[2];                                           // keys, values
-    std::vector<std::array<size_t, 4>> at(static_cast<size_t>(hp));  // K data, K params, V ...
-    if (!raw) {
-      for (int h = 0; h < hp; ++h)
-        for (int kv = 0; kv < 2; ++kv) {
-          EncodedRows& dst = enc_kv[kv];
-          at[size_t(h)][size_t(2 * kv)] = dst.data.size();
-          at[size_t(h)][size_t(2 * kv + 1)] = dst.scale.size();
-          SF_ASSIGN(EncodedRows e,
-                    kv_encode(enc, kv == 0, (kv ? vbuf : kbuf).data() + off[size_t(h)] * d,
-                              int64_t(pos[size_t(h)].size()), d));
-          dst.data.insert(dst.data.end(), e.data.begin(), e.data.end());
-          dst.scale.insert(dst.scale.end(), e.scale.begin(), e.scale.end());
-          dst.zero.insert(dst.zero.end(), e.zero.begin(), e.zero.end());
+    const DType elem = kv_encoding_element(enc);
+    const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
+    const size_t row_bytes = size_t(width * esize);
+    // Per head, where its key and value groups start (their F16 scales and zeros).
+    std::vector<int64_t> kgrp(static_cast<size_t>(hp) + 1, 0), vgrp(static_cast<size_t>(hp) + 1, 0);
+    for (int h = 0; h < hp; ++h) {
+      const int64_t n = int64_t(pos[size_t(h)].size());
+      kgrp[size_t(h) + 1] = kgrp[size_t(h)] + kv_param_groups(enc, true, n, d);
+      vgrp[size_t(h) + 1] = vgrp[size_t(h)] + kv_param_groups(enc, false, n, d);
+    }
+    RawBytes data[2] = {RawBytes(size_t(off.back()) * row_bytes + 1),
+                        RawBytes(size_t(off.back()) * row_bytes + 1)};  // keys, values
+    std::vector<uint16_t> scale[2] = {std::vector<uint16_t>(size_t(kgrp.back())),
+                                      std::vector<uint16_t>(size_t(vgrp.back()))};
+    std::vector<uint16_t> zero[2] = {std::vector<uint16_t>(size_t(kgrp.back())),
+                                     std::vector<uint16_t>(size_t(vgrp.back()))};
+    std::vector<float> blk(raw ? 0 : size_t(2 * kKvBlockSize * d));  // one block's F32 K, V
+    std::vector<HeadMeta> meta(static_cast<size_t>(hp));
+    for (int h = 0; h < hp; ++h) {
+      const int64_t n = int64_t(pos[size_t(h)].size()), nb = (n + kKvBlockSize - 1) / kKvBlockSize;
+      const float* imp = spec.importance ? spec.importance->layers[size_t(l)].data() + int64_t(h0 + h) * S : nullptr;
+      HeadMeta& m = meta[size_t(h)];
+      m.kmin.resize(size_t(nb * d));
+      m.kmax.resize(size_t(nb * d));
+      m.kmean.resize(size_t(nb * d));
+      if (imp) m.importance.assign(size_t(nb), 0.f);
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t0 = b * kKvBlockSize, nt = std::min<int64_t>(kKvBlockSize, n - t0);
+        const int64_t* rr = rows[size_t(h)].data() + t0;
+        uint8_t* kd = data[0].data() + size_t(off[size_t(h)] + t0) * row_bytes;
+        uint8_t* vd = data[1].data() + size_t(off[size_t(h)] + t0) * row_bytes;
+        float* kf = raw ? reinterpret_cast<float*>(kd) : blk.data();
+        float* vf = raw ? reinterpret_cast<float*>(vd) : blk.data() + kKvBlockSize * d;
+        gather_head(k, hp, d, h, rr, nt, spec.keys_interleaved, kf);
+        gather_head(v, hp, d, h, rr, nt, false, vf);
+        block_key_stats(kf, nt, d, m.kmin.data() + b * d, m.kmax.data() + b * d,
+                        m.kmean.data() + b * d);
+        if (imp) {
+          double sum = 0;
+          for (int64_t t = t0; t < t0 + nt; ++t) sum += imp[pos[size_t(h)][size_t(t)]];
+          m.importance[size_t(b)] = float(sum);
         }
-      std::vector<float>().swap(kbuf);
-      std::vector<float>().swap(vbuf);
+        if (raw) continue;
+        // A key block is its own groups ([n_blocks, d]); values have one a row.
+        SF_TRY(kv_encode_into(enc, true, kf, nt, d, kd, scale[0].data() + kgrp[size_t(h)] + b * d,
+                              zero[0].data() + kgrp[size_t(h)] + b * d));
+        const int64_t vg = kv_param_groups(enc, false, t0, d);  // value groups before this block
+        SF_TRY(kv_encode_into(enc, false, vf, nt, d, vd, scale[1].data() + vgrp[size_t(h)] + vg,
+                              zero[1].data() + vgrp[size_t(h)] + vg));
+      }
     }
     SafetensorsWriter w;
     boost::json::array names;
@@ -401,26 +416,18 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     };
     // The K/V tensors of `heads` heads of n rows each, from head h on: F32 rows, or codes and,
     // for the integer encodings, their F16 scales and zeros.
-    const DType elem = kv_encoding_element(enc);
-    const int64_t width = kv_encoding_row_elems(enc, d), esize = int64_t(dtype_size(elem));
     auto add_kv = [&](const std::string& sfx, int64_t heads, int64_t n, int h) {
       for (int kv = 0; kv < 2; ++kv) {
         const std::string name = kv ? "value" : "key";
-        if (raw) {
-          add(name + sfx, DType::kF32, {1, heads, n, d},
-              (kv ? vbuf : kbuf).data() + off[size_t(h)] * d, size_t(heads * n * d) * 4);
-          continue;
-        }
-        const EncodedRows& e = enc_kv[kv];
-        const size_t d0 = at[size_t(h)][size_t(2 * kv)], p0 = at[size_t(h)][size_t(2 * kv + 1)];
-        add(name + sfx, elem, {1, heads, n, width}, e.data.data() + d0,
-            size_t(heads * n * width * esize));
+        add(name + sfx, raw ? DType::kF32 : elem, {1, heads, n, raw ? d : width},
+            data[kv].data() + size_t(off[size_t(h)]) * row_bytes, size_t(heads * n) * row_bytes);
         const int64_t per = kv_param_groups(enc, kv == 0, n, d);
         if (per == 0) continue;
         const std::vector<int64_t> shape = kv_param_shape(kv == 0, heads, n, d);
         const size_t count = size_t(heads * per);
-        add(name + "_scale" + sfx, DType::kF16, shape, e.scale.data() + p0, count * 2);
-        add(name + "_zero" + sfx, DType::kF16, shape, e.zero.data() + p0, count * 2);
+        const int64_t p0 = (kv ? vgrp : kgrp)[size_t(h)];
+        add(name + "_scale" + sfx, DType::kF16, shape, scale[kv].data() + p0, count * 2);
+        add(name + "_zero" + sfx, DType::kF16, shape, zero[kv].data() + p0, count * 2);
       }
     };
     if (uniform) add_kv("", hp, int64_t(pos[0].size()), 0);

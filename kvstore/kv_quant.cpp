@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -124,29 +125,28 @@ int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim) {
          (kv_param_groups(e, true, n, head_dim) + kv_param_groups(e, false, n, head_dim)) * params;
 }
 
-Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim) {
+Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim,
+                      uint8_t* data, uint16_t* scale, uint16_t* zero) {
   const int d = head_dim;
   if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
     return SF_ERR(kInvalidArgument, std::string("kv_encode: ") + kv_encoding_name(e) +
                                         " needs n >= 0 and a positive" +
                                         (e == KvEncoding::kInt4 ? ", even" : "") + " head_dim");
-  EncodedRows out;
-  out.data.assign(size_t(data_bytes(e, n, d)), 0);
   if (e == KvEncoding::kF32) {
-    if (n > 0) std::memcpy(out.data.data(), rows, out.data.size());
-    return out;
+    if (n > 0) std::memcpy(data, rows, size_t(data_bytes(e, n, d)));
+    return Status::ok();
   }
   if (e == KvEncoding::kBF16) {
     for (int64_t i = 0; i < n * d; ++i) {
       const uint16_t h = f32_to_bf16(rows[i]);
-      std::memcpy(out.data.data() + 2 * i, &h, 2);
+      std::memcpy(data + 2 * i, &h, 2);
     }
-    return out;
+    return Status::ok();
   }
   const int L = levels(e);
   const int64_t ng = kv_param_groups(e, keys, n, d);
-  out.scale.resize(size_t(ng));
-  out.zero.resize(size_t(ng));
+  // int4 codes share bytes: each nibble is set into its byte, so the bytes start defined.
+  if (e == KvEncoding::kInt4 && n > 0) std::memset(data, 0, size_t(data_bytes(e, n, d)));
   for (int64_t g = 0; g < ng; ++g) {
     const Group G = group_of(keys, g, n, d);
     float mn = rows[G.first], mx = mn;
@@ -173,14 +173,27 @@ Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_
                     std::string("kv_encode: ") + kv_encoding_name(e) + " " +
                         (keys ? "key" : "value") +
                         " group needs a zero or scale F16 cannot hold (beyond 65504, or NaN)");
-    out.zero[size_t(g)] = zh;
-    out.scale[size_t(g)] = sh;
+    zero[g] = zh;
+    scale[g] = sh;
     for (int64_t i = 0; i < G.count; ++i) {
       const int64_t idx = G.first + i * G.stride;
       const int q = s > 0 ? int(std::lrint((rows[idx] - z) / s)) : 0;
-      put_code(e, out.data.data(), idx, std::clamp(q, 0, L));
+      put_code(e, data, idx, std::clamp(q, 0, L));
     }
   }
+  return Status::ok();
+}
+
+Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim) {
+  EncodedRows out;
+  if (n >= 0 && head_dim > 0) {
+    out.data.assign(size_t(data_bytes(e, n, head_dim)), 0);
+    const int64_t ng = is_int(e) ? kv_param_groups(e, keys, n, head_dim) : 0;
+    out.scale.resize(size_t(ng));
+    out.zero.resize(size_t(ng));
+  }
+  SF_TRY(kv_encode_into(e, keys, rows, n, head_dim, out.data.data(), out.scale.data(),
+                        out.zero.data()));
   return out;
 }
 
@@ -228,21 +241,25 @@ Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_d
 }
 
 void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* kmax, float* kmean) {
+  // Row by row over a block (each channel sees its rows in the same order as a column walk, so
+  // the results are the same, but the loads are contiguous and the channels vectorize).
+  std::vector<double> sum(static_cast<size_t>(d));
   for (int64_t b = 0; b * kKvQuantKeyRows < n; ++b) {
     const int64_t t0 = b * kKvQuantKeyRows, t1 = std::min(n, t0 + kKvQuantKeyRows);
-    for (int c = 0; c < d; ++c) {
-      float lo = keys[t0 * d + c], hi = lo;
-      double sum = 0;
-      for (int64_t t = t0; t < t1; ++t) {
-        const float x = keys[t * d + c];
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
-        sum += x;
+    float* lo = kmin + b * d;
+    float* hi = kmax + b * d;
+    std::copy(keys + t0 * d, keys + (t0 + 1) * d, lo);
+    std::copy(keys + t0 * d, keys + (t0 + 1) * d, hi);
+    std::fill(sum.begin(), sum.end(), 0.0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* r = keys + t * d;
+      for (int c = 0; c < d; ++c) {
+        lo[c] = std::min(lo[c], r[c]);
+        hi[c] = std::max(hi[c], r[c]);
+        sum[size_t(c)] += r[c];
       }
-      kmin[b * d + c] = lo;
-      kmax[b * d + c] = hi;
-      kmean[b * d + c] = float(sum / double(t1 - t0));
     }
+    for (int c = 0; c < d; ++c) kmean[b * d + c] = float(sum[size_t(c)] / double(t1 - t0));
   }
 }
 

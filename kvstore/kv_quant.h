@@ -81,6 +81,14 @@ struct EncodedRows {
 // scale is not finite in F16 (beyond 65504, or NaN) is kOutOfRange: the encoding cannot hold it.
 Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim);
 
+// kv_encode into the caller's buffers: data of n x kv_encoding_row_elems elements of
+// kv_encoding_element, scale and zero of kv_param_groups each (unused for f32 and bf16). Every
+// group lies inside one block of kKvQuantKeyRows rows, so blocks encoded one call each (from a
+// block boundary, at their offsets) store exactly what one call over all the rows does: an
+// export encodes a block while its rows are in cache.
+Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim,
+                      uint8_t* data, uint16_t* scale, uint16_t* zero);
+
 // The inverse into out [n, head_dim]. Checks that every buffer has the size n and head_dim
 // imply (kInvalidArgument otherwise), so a reader can hand it what a file declared.
 Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
