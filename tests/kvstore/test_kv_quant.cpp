@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <random>
+#include <vector>
+#include <algorithm>
 
 #include "common/dtype.h"
 #include "kvstore/kv_quant.h"
@@ -165,6 +167,34 @@ TEST(KvQuant, AnOutlierOnlyCoarsensItsOwnGroup) {
   // The outlier channel and row themselves are two-valued: exact up to F16.
   EXPECT_NEAR(k2[size_t(1 * d + 2)], 500.f, 0.5f);
   EXPECT_NEAR(v2[size_t(9 * d + 1)], -300.f, 0.5f);
+}
+
+// The export encodes a 64-row block at a time, at its offsets: the bytes must be one whole
+// call's (keys: a block is its own groups; values: a row is), for a short last block too.
+TEST(KvQuant, BlockAtATimeEncodesAsOneCall) {
+  const int d = 64;
+  const int64_t n = 150;  // blocks of 64, 64, 22
+  const std::vector<float> x = random_rows(n, d, 7);
+  for (KvEncoding e : {KvEncoding::kF32, KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+    for (bool keys : {true, false}) {
+      auto whole = kvstore::kv_encode(e, keys, x.data(), n, d);
+      ASSERT_TRUE(whole.is_ok());
+      const int64_t row_bytes = int64_t(whole->data.size()) / n;
+      std::vector<uint8_t> data(whole->data.size(), 0xA5);
+      std::vector<uint16_t> scale(whole->scale.size(), 0xBEEF), zero(whole->zero.size(), 0xBEEF);
+      for (int64_t t0 = 0; t0 < n; t0 += kvstore::kKvQuantKeyRows) {
+        const int64_t nt = std::min<int64_t>(kvstore::kKvQuantKeyRows, n - t0);
+        const int64_t g0 = keys ? kvstore::kv_param_groups(e, true, t0, d)
+                                : kvstore::kv_param_groups(e, false, t0, d);
+        ASSERT_TRUE(kvstore::kv_encode_into(e, keys, x.data() + t0 * d, nt, d,
+                                            data.data() + t0 * row_bytes, scale.data() + g0,
+                                            zero.data() + g0)
+                        .is_ok());
+      }
+      EXPECT_EQ(data, whole->data) << kvstore::kv_encoding_name(e) << (keys ? " keys" : " values");
+      EXPECT_EQ(scale, whole->scale) << kvstore::kv_encoding_name(e);
+      EXPECT_EQ(zero, whole->zero) << kvstore::kv_encoding_name(e);
+    }
 }
 
 TEST(KvQuant, Int4PacksTheEvenChannelInTheLowNibble) {
