@@ -419,6 +419,10 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
 
 // Written whole or not at all: resume reads the fingerprint from it.
 int run(int argc, char** argv) {
+  const auto job_t0 = std::chrono::steady_clock::now();
+  const auto job_s = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - job_t0).count();
+  };
   const bool have_mpi = comm::mpi_init(&argc, &argv).is_ok();
   std::unique_ptr<comm::Communicator> world;
   if (have_mpi) {
@@ -794,8 +798,11 @@ int run(int argc, char** argv) {
     for (const auto& b : bf.bad)
       std::fprintf(stderr, "%s:%lld: %s; skipped\n", o.batch.c_str(),
                    static_cast<long long>(b.line), b.reason.c_str());
-    std::printf("batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s\n",
-                good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str());
+    // "ready": launch, model load (and device upload, NCCL grid) and the lines' tokenization.
+    std::printf(
+        "batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s; ready in "
+        "%.1f s\n",
+        good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str(), job_s());
     std::fflush(stdout);
   }
   const bool sharded = o.export_mode == "sharded";
@@ -1400,9 +1407,10 @@ int run(int argc, char** argv) {
   }
   if (rank0) {
     std::printf(
-        "batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s\n",
+        "batch done: %lld written, %lld already complete, %lld failed, %zu bad lines -> %s "
+        "(%.1f s)\n",
         static_cast<long long>(tot[0]), static_cast<long long>(tot[1]),
-        static_cast<long long>(tot[2]), bf.bad.size(), o.out.c_str());
+        static_cast<long long>(tot[2]), bf.bad.size(), o.out.c_str(), job_s());
     if (o.prefix_cache_bytes > 0)
       std::printf("prefix cache: %lld prompt tokens reused, not computed\n",
                   static_cast<long long>(tot[3]));

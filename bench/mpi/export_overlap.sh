@@ -11,8 +11,9 @@
 # each request is that many seeded random token ids instead of text (for a model with no
 # tokenizer). On a 2-GPU host (bench/gpu/run.sh's SF_WORKER_OVERLAP):
 #   SF_OVERLAP_MODEL=synthetic:llama3-8b:8 SF_OVERLAP_TOKENS=131072 SF_OVERLAP_ARGS="--device cuda"
-# Each record: the job's wall time, and summed over its requests prefill_s, export_s (the
-# exports' own time) and export_wait_s (what of it the batch waited for).
+# Each record: the job's wall time, ready_s (launch to its first request: model load, device
+# upload, NCCL), and summed over its requests prefill_s, export_s (the exports' own time) and
+# export_wait_s (what of it the batch waited for).
 set -euo pipefail
 n="${SF_OVERLAP_N:-4}"; chars="${SF_OVERLAP_CHARS:-12000}"; extra="${SF_OVERLAP_ARGS:-}"
 model="${SF_OVERLAP_MODEL:-default}"; ntok="${SF_OVERLAP_TOKENS:-}"
@@ -51,8 +52,9 @@ for mode in on off; do
   mpirun --bind-to none --oversubscribe -np 2 "$worker" --model "$model" --cp 2 --export-overlap "$mode" \
     $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
   wall=$(( ($(date +%s%N) - t0) / 1000000 ))
-  grep '^\[group' "$tmp/log"
-  records+=("$mode $wall $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
+  grep -E '^\[group|^batch' "$tmp/log"
+  ready=$(grep -o 'ready in [0-9.]* s' "$tmp/log" | grep -o '[0-9.]*' || echo null)
+  records+=("$mode $wall $ready $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
 done
 device="CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)"
 if [[ "$extra" == *"--device cuda"* ]]; then
@@ -67,10 +69,10 @@ import json, sys, datetime
 out, commit, cmd, device, model, *recs = sys.argv[1:]
 rows = []
 for rec in recs:
-    mode, wall, reqs = rec.split(" ", 2)
+    mode, wall, ready, reqs = rec.split(" ", 3)
     reqs = json.loads(reqs)
     rows.append({"export_overlap": mode, "requests": len(reqs), "tokens": sum(r["n_tokens"] for r in reqs),
-                 "job_s": int(wall) / 1000, "prefill_s": sum(r["prefill_s"] for r in reqs),
+                 "job_s": int(wall) / 1000, "ready_s": json.loads(ready), "prefill_s": sum(r["prefill_s"] for r in reqs),
                  "export_s": sum(r["export_s"] for r in reqs), "export_wait_s": sum(r["export_wait_s"] for r in reqs),
                  "export_bytes": sum(r["export_bytes"] for r in reqs), "export": reqs[0]["export"],
                  "kv_dtype": reqs[0]["kv_dtype"]})
@@ -78,6 +80,6 @@ doc = {"bench": "export_overlap", "device": device, "model": model, "date": date
        "commit": commit, "command": cmd, "tp": 1, "cp": 2, "runs": rows}
 json.dump(doc, open(out, "w"), indent=1)
 for r in rows:
-    print(f"overlap {r['export_overlap']}: job {r['job_s']:.2f} s, prefill {r['prefill_s']:.2f} s, export {r['export_s']:.2f} s, waited {r['export_wait_s']:.2f} s")
+    print(f"overlap {r['export_overlap']}: job {r['job_s']:.2f} s (ready {r['ready_s']} s), prefill {r['prefill_s']:.2f} s, export {r['export_s']:.2f} s, waited {r['export_wait_s']:.2f} s")
 print("wrote", out)
 PY
