@@ -1053,7 +1053,8 @@ int run(int argc, char** argv) {
     std::string summary = sformat(
         "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
         "\"cp\": %d, "
-        "\"group\": %d, \"prefill_s\": %.6f, \"comm_s\": %.6f, \"kv_allgather_bytes\": %lld, "
+        "\"group\": %d, \"prefill_s\": %.6f, \"plan_s\": %.6f, \"comm_s\": %.6f, "
+        "\"kv_allgather_bytes\": %lld, "
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
@@ -1062,7 +1063,8 @@ int run(int argc, char** argv) {
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
         "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
         json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
-        o.tp, o.cp, g.group, s.seconds, s.comm_s, static_cast<long long>(s.kv_allgather_bytes),
+        o.tp, o.cp, g.group, s.seconds, s.plan_s, s.comm_s,
+        static_cast<long long>(s.kv_allgather_bytes),
         static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
         static_cast<long long>(s.estimate_queries_bytes),
         static_cast<long long>(s.estimate_columns_bytes),
@@ -1104,15 +1106,18 @@ int run(int argc, char** argv) {
                          s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes, export_wait_s});
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
-        "s), export %.3f s (%.3f s waited) -> %s\n",
+        "s%s), export %.3f s (%.3f s waited) -> %s\n",
         g.group, static_cast<long long>(x->k), static_cast<long long>(my_total), r.id.c_str(),
         r.tokens.size(),
         prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
-        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s, export_s,
+        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
+        s.plan_s > 0 ? sformat(", after a %.3f s plan", s.plan_s).c_str() : "", export_s,
         export_wait_s, dir.c_str());
     std::fflush(stdout);
   };
   std::unique_ptr<PendingExport> pending;
+  std::optional<runtime::DeviceParallelPrefill> dplan;  // --device cuda: the last plan
+  std::array<int64_t, 3> dplan_key{-1, -1, -1};           // its tokens, importance window, pool
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -1257,19 +1262,38 @@ int run(int argc, char** argv) {
         pr = hr.status();
       }
     } else if (dmodel) {
-      // Planned per request (length-specific shapes); one rank's plan failure is the group's.
-      model::PrefillOptions dopt;
-      dopt.chunk = o.chunk;
-      dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
-      dopt.sparse = po.sparse;
-      dopt.importance_window = po.importance_window;
-      dopt.importance_pool = po.importance_pool;
-      dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
-      auto plan =
-          runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, int64_t(r.tokens.size()), dopt);
-      const Status ok = agree(*g.group_comm, plan.status());
-      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
-      pr = ok.is_ok() ? plan.value().run(r.tokens) : Result<runtime::ParallelResult>(ok);
+      // Planned per prompt length (length-specific shapes); one rank's plan failure is the
+      // group's. The last plan is kept: a request of the same length and importance settings
+      // (every rank of the group decides alike) runs on it without planning again.
+      const std::array<int64_t, 3> key{int64_t(r.tokens.size()), po.importance_window,
+                                       po.importance_pool};
+      double plan_s = 0;
+      if (!dplan || dplan_key != key) {
+        dplan.reset();  // its device workspace and pinned host KV go before the next plan's
+        model::PrefillOptions dopt;
+        dopt.chunk = o.chunk;
+        dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
+        dopt.sparse = po.sparse;
+        dopt.importance_window = po.importance_window;
+        dopt.importance_pool = po.importance_pool;
+        dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
+        const auto p0 = std::chrono::steady_clock::now();
+        auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid,
+                                                         int64_t(r.tokens.size()), dopt);
+        plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
+        const Status ok = agree(*g.group_comm, plan.status());
+        if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+        if (ok.is_ok()) {
+          dplan.emplace(std::move(plan).value());
+          dplan_key = key;
+        } else {
+          pr = ok;
+        }
+      }
+      if (dplan) {
+        pr = dplan->run(r.tokens);
+        if (pr.is_ok()) pr.value().stats.plan_s = plan_s;
+      }
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }

@@ -257,7 +257,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // weights, the batch runs with its exports overlapped and again one at a time, and both runs'
 // shard files are byte for byte the same (the same seed, the same work); the exports load with
 // the shape's compat hash, in bf16 (no --kv-dtype: auto, the GPU forward's dtype), and hold real
-// values (finite, not all zero) for every token. The other GPU runs pin --kv-dtype f32, so their
+// values (finite, not all zero) for every token. Every line has the same length, so only the first
+// request plans; a fourth line repeats the first's tokens on the reused plan and must export the
+// same shard bytes. The other GPU runs pin --kv-dtype f32, so their
 // comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   int n = 0;
@@ -269,11 +271,15 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   {
     std::mt19937_64 rng(seed);
     std::ofstream b(dir / "batch.jsonl");
+    std::string first;
     for (const char* id : {"a", "b", "c"}) {
       std::string toks;
       for (int64_t i = 0; i < T; ++i) toks += (i ? ", " : "") + std::to_string(rng() % 32000);
       b << "{\"id\": \"" << id << "\", \"tokens\": [" << toks << "]}\n";
+      if (first.empty()) first = toks;
     }
+    // a's tokens again: planned once for a, this request reuses that plan after b and c ran on it.
+    b << "{\"id\": \"d\", \"tokens\": [" << first << "]}\n";
   }
   const int np = std::min(n, 2);
   const std::string spec = "synthetic:llama3-8b:2:" + std::to_string(seed % 1000);
@@ -288,7 +294,7 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   auto shape = model::Model::shape_only(model::llama3_8b_config(2), spec);
   ASSERT_TRUE(shape.is_ok());
   const std::string hash = decode::model_compat_hash(shape.value());
-  for (const std::string id : {"a", "b", "c"}) {
+  for (const std::string id : {"a", "b", "c", "d"}) {
     int files = 0;
     for (const auto& e : fs::directory_iterator(dir / "on" / id)) {
       ++files;
@@ -314,9 +320,20 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
       }
     EXPECT_TRUE(finite) << id;
     EXPECT_GT(mx, 1e-3) << id;
-    EXPECT_NE(slurp((dir / "on").string() + "/" + id + ".json").find("\"export_wait_s\""),
-              std::string::npos);
+    const std::string summary = slurp((dir / "on").string() + "/" + id + ".json");
+    EXPECT_NE(summary.find("\"export_wait_s\""), std::string::npos);
+    // Every line has T tokens: only the first request plans.
+    EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id != "a") << summary;
   }
+  // The reused plan's run equals the fresh plan's: d's shards are a's, byte for byte.
+  int same = 0;
+  for (const auto& e : fs::directory_iterator(dir / "on" / "a")) {
+    if (e.path().extension() != ".safetensors") continue;
+    EXPECT_EQ(slurp(e.path().string()), slurp((dir / "on" / "d" / e.path().filename()).string()))
+        << e.path().filename();
+    ++same;
+  }
+  EXPECT_EQ(same, 2 * np);
   std::error_code ec;
   fs::remove_all(dir, ec);
 }

@@ -68,6 +68,9 @@ struct ParallelOptions {
 
 struct ParallelStats {
   double seconds = 0, attention_s = 0, estimate_s = 0;
+  // Before the run, not in `seconds`: the device path plans per prompt length (workspaces,
+  // pinned host KV, cuDNN graphs and GEMM algorithms); 0 when the worker reused the last plan.
+  double plan_s = 0;
   double comm_s = 0;               // time waiting in collectives (this rank)
   int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
   int64_t estimate_bytes = 0;      // what cp_estimate's collectives brought this rank
