@@ -1,5 +1,6 @@
 #include "common/thread_pool.h"
 
+#include <sched.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -102,6 +103,15 @@ Pool& pool() {
 
 }  // namespace
 
+int usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1, int(std::thread::hardware_concurrency()));
+}
+
 int num_threads() {
   static const int n = [] {
     if (const char* e = std::getenv("SF_NUM_THREADS"); e && *e) {
@@ -109,10 +119,10 @@ int num_threads() {
       char* end = nullptr;
       const long v = std::strtol(e, &end, 10);
       if (*end == '\0' && v > 0 && v <= 4096) return int(v);
-      std::fprintf(stderr, "warning: SF_NUM_THREADS='%s' is not a thread count in [1, 4096]; using %u\n",
-                   e, std::max(1u, std::thread::hardware_concurrency()));
+      std::fprintf(stderr, "warning: SF_NUM_THREADS='%s' is not a thread count in [1, 4096]; using %d\n",
+                   e, usable_cpus());
     }
-    return std::max(1, int(std::thread::hardware_concurrency()));
+    return usable_cpus();
   }();
   return n;
 }

@@ -1,5 +1,5 @@
 // A fixed pool for data-parallel loops in CPU kernels. One process-wide pool, sized by
-// SF_NUM_THREADS or the hardware; BLAS keeps its own threads.
+// SF_NUM_THREADS or the CPUs the process may use; BLAS keeps its own threads.
 #pragma once
 #include <cstddef>
 #include <functional>
@@ -10,7 +10,11 @@
 
 namespace sf {
 
+// SF_NUM_THREADS, or usable_cpus().
 int num_threads();
+// The CPUs this process may run on (its affinity mask: a core binding, taskset, a cpuset), or the
+// hardware's count where the mask cannot be read.
+int usable_cpus();
 // Splits [0, n) into contiguous ranges and runs fn(begin, end) on the pool; returns when all
 // ranges are done. grain is the smallest range worth a task. Reentrant calls run inline.
 void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);

@@ -37,6 +37,7 @@
 #include "common/file_io.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "common/thread_pool.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/prefix_prefill.h"
 #include "kvstore/tiered_kv.h"
@@ -800,9 +801,10 @@ int run(int argc, char** argv) {
                    static_cast<long long>(b.line), b.reason.c_str());
     // "ready": launch, model load (and device upload, NCCL grid) and the lines' tokenization.
     std::printf(
-        "batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s; ready in "
-        "%.1f s\n",
-        good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str(), job_s());
+        "batch: %zu requests, %zu bad lines; %d group(s) of tp %d x cp %d; model %s; %d host "
+        "threads a rank; ready in %.1f s\n",
+        good.size(), bf.bad.size(), n_groups, o.tp, o.cp, cfg.name.c_str(), num_threads(),
+        job_s());
     std::fflush(stdout);
   }
   const bool sharded = o.export_mode == "sharded";
@@ -1446,6 +1448,17 @@ int run(int argc, char** argv) {
 }  // namespace sf
 
 int main(int argc, char** argv) {
+  // Ranks launched unbound (mpirun --bind-to none) each see every core of the host: without
+  // SF_NUM_THREADS, each takes its share, so two ranks' pools do not run 2x the cores' threads.
+  // A rank bound to cores sizes its pool by its own mask (sf::usable_cpus) as it is.
+  if (const char* set = std::getenv("SF_NUM_THREADS"); !set || !*set) {
+    int local = 0;
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+      if (const char* e = std::getenv(v); e && *e && local == 0) local = std::atoi(e);
+    const int cpus = sf::usable_cpus();
+    if (local > 1 && cpus == int(std::thread::hardware_concurrency()))
+      setenv("SF_NUM_THREADS", std::to_string(std::max(1, cpus / local)).c_str(), 1);
+  }
   try {
     return sf::run(argc, argv);
   } catch (const std::exception& e) {

@@ -80,8 +80,17 @@ EOF
 case "$case_name" in
   batch)
     mkdir -p "$tmp/metrics"
+    # Without SF_NUM_THREADS (ctest sets 1): the worker's own split of the host's CPUs.
+    saved_threads="${SF_NUM_THREADS-}"; unset SF_NUM_THREADS
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
+    export SF_NUM_THREADS="$saved_threads"
     [ "$rc" -eq 3 ] || fail "exit $rc, want 3 (bad lines present)"
+    # Four ranks on this host share its CPUs: a rank's pool takes at most a quarter (one thread
+    # at the least), unless SF_NUM_THREADS says otherwise.
+    threads=$(grep -o '[0-9]* host threads a rank' "$tmp/stdout" | grep -o '^[0-9]*')
+    share=$(( $(nproc) / 4 )); [ "$share" -ge 1 ] || share=1
+    [ -n "$threads" ] && [ "$threads" -ge 1 ] && [ "$threads" -le "$share" ] ||
+      fail "host threads a rank '$threads', want 1 to $share of $(nproc) CPUs"
     for l in 3 4 7 8 9; do
       grep -q "prompts.jsonl:$l: .*; skipped" "$tmp/stderr" || fail "bad line $l not reported"
     done
