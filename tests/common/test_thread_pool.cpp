@@ -3,6 +3,7 @@
 // vectors and reports an allocation it cannot make instead of throwing from a pool thread, and
 // run_items reports the first failure in index order (throws included) and starts nothing after.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <atomic>
 #include <cstdint>
@@ -17,6 +18,24 @@
 
 namespace sf {
 namespace {
+
+// The pool's default size follows the affinity mask (a core binding, taskset), not the machine.
+TEST(ThreadPool, UsableCpusFollowTheAffinityMask) {
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  EXPECT_EQ(sf::usable_cpus(), CPU_COUNT(&all));
+  int first = -1;
+  for (int c = 0; c < CPU_SETSIZE && first < 0; ++c)
+    if (CPU_ISSET(c, &all)) first = c;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  const int bound = sf::usable_cpus();
+  ASSERT_EQ(sched_setaffinity(0, sizeof all, &all), 0);  // restore before any assertion fails
+  EXPECT_EQ(bound, 1);
+}
 
 TEST(ThreadPool, ParallelForCoversEveryIndexOnce) {
   for (size_t n : {size_t(1), size_t(7), size_t(1000), size_t(100003)}) {
