@@ -1319,6 +1319,9 @@ int run(int argc, char** argv) {
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
                      static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
+      // A plan whose run failed may hold a half-done state: the next request plans afresh
+      // (every rank of the group, since all of them agreed on the failure just above).
+      dplan.reset();
       continue;
     }
     runtime::ParallelResult& res = pr.value();
