@@ -64,7 +64,7 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
-    "[--export-overlap on|off] [--dry-run]\n"
+    "[--export-overlap on|off] [--export-threads N] [--dry-run]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -79,6 +79,9 @@ struct Options {
   // prefill runs (its manifest and summary follow that prefill), so a rank holds two requests'
   // KV at the peak; off: each export finishes before the next prefill starts.
   bool export_overlap = true;
+  // Shard files a rank writes at once (kvstore::ExportOptions::layers_in_flight); 0: half its
+  // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
+  int export_threads = 0;
   // The plan alone: every line checked (bad lines reported as a run reports them), each request's
   // group, resume status and KV sizes, the peak host memory for KV; no prefill, nothing written.
   bool dry_run = false;
@@ -138,7 +141,7 @@ Result<Options> parse_options(int argc, char** argv) {
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
                                    "prefix-cache", "stall-timeout", "metrics-file",
-                                   "export-overlap"};
+                                   "export-overlap", "export-threads"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -174,6 +177,12 @@ Result<Options> parse_options(int argc, char** argv) {
   if (kv.count("chunk")) {
     SF_ASSIGN(const int64_t x, parse_int("chunk", kv["chunk"]));
     o.chunk = decltype(o.chunk)(x);
+  }
+  if (kv.count("export-threads")) {
+    SF_ASSIGN(const int64_t x, parse_int("export-threads", kv["export-threads"]));
+    if (x < 1 || x > 64)
+      return SF_ERR(kInvalidArgument, "--export-threads must be in [1, 64], got " + kv["export-threads"]);
+    o.export_threads = int(x);
   }
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
@@ -943,6 +952,9 @@ int run(int argc, char** argv) {
   // A CPU prefill keeps every core busy: an export written beside it takes one layer at a time,
   // not the several that compete with the prefill's threads (on GPUs the host cores are free).
   const bool overlap_cpu = o.export_overlap && !dmodel;
+  const int export_width = o.export_threads > 0 ? o.export_threads
+                           : overlap_cpu        ? 1
+                                                : kvstore::default_layers_in_flight();
   auto start_export = [&](PendingExport& x) {
     const auto t0 = clk::now();
     if (sharded) {
@@ -955,7 +967,7 @@ int run(int argc, char** argv) {
       }
       x.sharded = std::move(b).value();
       kvstore::ExportOptions eo;
-      eo.layers_in_flight = overlap_cpu ? 1 : kvstore::default_layers_in_flight();
+      eo.layers_in_flight = export_width;
       const int rank = g.group_comm->rank();  // as a write's own errors name it
       x.write = launch([&x, eo, rank] {
         WriteOutcome w;
@@ -971,7 +983,7 @@ int run(int argc, char** argv) {
       // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
       // export outlasts --comm-timeout on any core count.)
       const bool slow = fault.kind == "slow_export" || fault.kind == "slow_all";
-      eo.layers_in_flight = slow || overlap_cpu ? 1 : kvstore::default_layers_in_flight();
+      eo.layers_in_flight = slow ? 1 : export_width;
       const int slow_ms = slow && fault.rank == world->rank() ? fault.layer : 0;
       x.write = launch([&x, eo, slow_ms] {
         WriteOutcome w;

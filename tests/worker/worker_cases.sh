@@ -543,12 +543,19 @@ PY
       run 2 --model default --cp 2 --retention snapkv:budget=128 --export-overlap "$mode" --batch "$tmp/long.jsonl" --out "$tmp/sh_$mode"
       [ "$rc" -eq 0 ] || fail "sharded overlap $mode: exit $rc"
     done
+    # Three shard files at once (--export-threads; the CPU's overlapped default is one): the same
+    # files again.
+    run 2 --model default --cp 2 --retention snapkv:budget=128 --export-threads 3 --batch "$tmp/long.jsonl" --out "$tmp/sh_t3"
+    [ "$rc" -eq 0 ] || fail "--export-threads 3: exit $rc"
     for id in doc1 doc2; do
       [ "$(ls "$tmp/sh_on/$id")" = "$(ls "$tmp/sh_off/$id")" ] && ls "$tmp/sh_on/$id" | grep -q '\.r1\.' || fail "$id: sharded files"
       for f in "$tmp/sh_on/$id"/*; do
         cmp -s "$f" "$tmp/sh_off/$id/$(basename "$f")" || fail "$id: sharded $(basename "$f") differs with the overlap"
+        cmp -s "$f" "$tmp/sh_t3/$id/$(basename "$f")" || fail "$id: sharded $(basename "$f") differs with --export-threads 3"
       done
     done
+    run 1 --model default --export-threads 65 --batch "$tmp/long.jsonl" --out "$tmp/sh_bad"
+    [ "$rc" -eq 2 ] && grep -q "^error: --export-threads must be in \[1, 64\], got 65" "$tmp/stderr" || fail "--export-threads 65: exit $rc"
     # A request that fails (rank 1, after its prefill) while the one before it is being written:
     # that export completes, the rest go on. A second run then computes only the failed one
     # while skipping complete ones with its export pending.
