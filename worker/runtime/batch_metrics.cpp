@@ -118,6 +118,9 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   add("sparsefill_worker_export_wait_seconds_total", MetricKind::kCounter,
       "Time the batch waited on written requests' exports: what the next prefill did not hide "
       "(all of the export with --export-overlap off).");
+  add("sparsefill_worker_plan_seconds_total", MetricKind::kCounter,
+      "Time the leader spent planning device prefills (--device cuda; a request of the last "
+      "plan's length reuses it).");
 }
 
 Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
@@ -139,6 +142,7 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   allreduce_ += w.tp_allreduce_bytes;
   export_bytes_ += w.export_bytes;
   export_wait_s_ += w.export_wait_s;
+  plan_s_ += w.plan_s;
   (void)reg_.observe("sparsefill_worker_prefill_seconds", group_, w.prefill_s);
   (void)reg_.observe("sparsefill_worker_export_seconds", group_, w.export_s);
 }
@@ -161,6 +165,7 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_tp_allreduce_bytes_total", group_, double(allreduce_)));
   SF_TRY(reg_.set("sparsefill_worker_export_bytes_total", group_, double(export_bytes_)));
   SF_TRY(reg_.set("sparsefill_worker_export_wait_seconds_total", group_, export_wait_s_));
+  SF_TRY(reg_.set("sparsefill_worker_plan_seconds_total", group_, plan_s_));
   return reg_.write_textfile(path_);
 }
 

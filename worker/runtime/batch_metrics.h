@@ -37,6 +37,8 @@ struct WrittenRequest {
   // What of the export the batch waited for (its start, the wait for its files after the next
   // request's prefill, its manifest step): export_s less what the next prefill hid.
   double export_wait_s = 0;
+  // The device prefill's planning before the run (0 when the last plan was reused).
+  double plan_s = 0;
 };
 
 class BatchMetrics {
@@ -67,7 +69,7 @@ class BatchMetrics {
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
   int64_t export_bytes_ = 0;
-  double comm_s_ = 0, export_wait_s_ = 0;
+  double comm_s_ = 0, export_wait_s_ = 0, plan_s_ = 0;
 };
 
 }  // namespace sf::runtime
