@@ -54,7 +54,8 @@
 #   SF_WORKER_OVERLAP  "tokens:layers[:requests]" (e.g. "131072:8:4"): sparsefill-worker batches
 #                  on 2 GPUs (CP 2, --model synthetic:llama3-8b:LAYERS, random token ids) with
 #                  --export-overlap on and off (bench/mpi/export_overlap.sh; more worker flags in
-#                  SF_WORKER_OVERLAP_ARGS) into export-overlap-<gpu>.json
+#                  SF_WORKER_OVERLAP_ARGS; SF_OVERLAP_REPS=N for N alternating pairs) into
+#                  export-overlap-<gpu>.json
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own

@@ -6,7 +6,8 @@
 #
 #   bench/mpi/export_overlap.sh [BUILD_DIR] [OUT.json]
 #
-# SF_OVERLAP_WARMUP=0 skips the untimed one-request warm-up job.
+# SF_OVERLAP_WARMUP=0 skips the untimed one-request warm-up job; SF_OVERLAP_REPS (default 1)
+# repeats the on/off pair in alternating order.
 # SF_OVERLAP_ARGS: more worker flags for both runs (e.g. "--export gathered", "--kv-dtype bf16",
 # "--device cuda"). SF_OVERLAP_MODEL: the --model (default "default"); with SF_OVERLAP_TOKENS set,
 # each request is that many seeded random token ids instead of text (for a model with no
@@ -18,7 +19,7 @@
 set -euo pipefail
 n="${SF_OVERLAP_N:-4}"; chars="${SF_OVERLAP_CHARS:-12000}"; extra="${SF_OVERLAP_ARGS:-}"
 model="${SF_OVERLAP_MODEL:-default}"; ntok="${SF_OVERLAP_TOKENS:-}"
-cmdline="SF_OVERLAP_WARMUP=${SF_OVERLAP_WARMUP:-1} SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_MODEL=$model SF_OVERLAP_TOKENS=$ntok SF_OVERLAP_ARGS='$extra' $0 $*"
+cmdline="SF_OVERLAP_WARMUP=${SF_OVERLAP_WARMUP:-1} SF_OVERLAP_REPS=${SF_OVERLAP_REPS:-1} SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_MODEL=$model SF_OVERLAP_TOKENS=$ntok SF_OVERLAP_ARGS='$extra' $0 $*"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="${1:-$root/build}"
 out="${2:-$root/bench/results/export-overlap-cpu.json}"
@@ -56,7 +57,13 @@ if [[ "${SF_OVERLAP_WARMUP:-1}" == 1 ]]; then
     $extra --batch "$tmp/w.jsonl" --out "$tmp/warm" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
   rm -rf "$tmp/warm"
 fi
-for mode in on off; do
+# SF_OVERLAP_REPS=N: N pairs, alternating which mode goes first (on off, off on, ...), so neither
+# mode always runs on a colder or warmer machine; every job is a record.
+order=()
+for ((i = 0; i < ${SF_OVERLAP_REPS:-1}; i++)); do
+  if ((i % 2 == 0)); then order+=(on off); else order+=(off on); fi
+done
+for mode in "${order[@]}"; do
   rm -rf "$tmp/out"
   t0=$(date +%s%N)
   # shellcheck disable=SC2086
