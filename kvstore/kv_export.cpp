@@ -400,12 +400,15 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
           m.importance[size_t(b)] = float(sum);
         }
         if (raw) continue;
-        // A key block is its own groups ([n_blocks, d]); values have one a row.
-        SF_TRY(kv_encode_into(enc, true, kf, nt, d, kd, scale[0].data() + kgrp[size_t(h)] + b * d,
-                              zero[0].data() + kgrp[size_t(h)] + b * d));
-        const int64_t vg = kv_param_groups(enc, false, t0, d);  // value groups before this block
-        SF_TRY(kv_encode_into(enc, false, vf, nt, d, vd, scale[1].data() + vgrp[size_t(h)] + vg,
-                              zero[1].data() + vgrp[size_t(h)] + vg));
+        // A key block is its own groups ([n_blocks, d]); values have one a row. bf16 has none
+        // (its scale and zero buffers are empty: no pointer into them is formed).
+        const bool grouped = kgrp.back() > 0;
+        const size_t kp = size_t(kgrp[size_t(h)] + b * d);
+        const size_t vp = size_t(vgrp[size_t(h)] + kv_param_groups(enc, false, t0, d));
+        SF_TRY(kv_encode_into(enc, true, kf, nt, d, kd, grouped ? scale[0].data() + kp : nullptr,
+                              grouped ? zero[0].data() + kp : nullptr));
+        SF_TRY(kv_encode_into(enc, false, vf, nt, d, vd, grouped ? scale[1].data() + vp : nullptr,
+                              grouped ? zero[1].data() + vp : nullptr));
       }
     }
     SafetensorsWriter w;

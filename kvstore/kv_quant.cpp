@@ -243,7 +243,8 @@ Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_d
 void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* kmax, float* kmean) {
   // Row by row over a block (each channel sees its rows in the same order as a column walk, so
   // the results are the same, but the loads are contiguous and the channels vectorize).
-  std::vector<double> sum(static_cast<size_t>(d));
+  thread_local std::vector<double> sum;  // the export calls this once a block: no allocation each
+  sum.resize(static_cast<size_t>(d));
   for (int64_t b = 0; b * kKvQuantKeyRows < n; ++b) {
     const int64_t t0 = b * kKvQuantKeyRows, t1 = std::min(n, t0 + kKvQuantKeyRows);
     float* lo = kmin + b * d;

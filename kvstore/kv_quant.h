@@ -41,8 +41,9 @@ struct KvEncodings {
 Result<KvEncodings> kv_encodings_parse(std::string_view s);
 // As kv_encodings_parse, and also "auto": the dtype the model computes K/V in (`compute`), as
 // vLLM's kv_cache_dtype "auto" takes the model's: bf16 for BF16 weights (the device forward),
-// f32 otherwise (the CPU forward). A BF16 forward's attention reads K/V rounded to bf16, so
-// exporting F32 would double the bytes for precision the prefill itself did not use.
+// f32 otherwise (the CPU forward). The device forward's cuDNN attention reads K/V rounded to
+// bf16, so exporting F32 would double the bytes for precision the prefill itself did not use
+// (without cuDNN its F32 reference kernel does use it; ask for f32 there).
 Result<KvEncodings> kv_encodings_parse(std::string_view s, DType compute);
 std::string kv_encodings_name(const KvEncodings& e);
 

@@ -19,6 +19,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <sched.h>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -428,6 +429,32 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
 }
 
 // Written whole or not at all: resume reads the fingerprint from it.
+// Sets SF_NUM_THREADS to this rank's share of its CPUs: its affinity mask's CPUs divided by the
+// ranks on this host whose masks overlap it (itself included). Collective over `world`.
+Status share_host_cpus(comm::Communicator& world) {
+  constexpr int kWords = CPU_SETSIZE / 64;
+  std::vector<int64_t> mine(size_t(kWords) + 1, 0), all;
+  const std::string h = host_name();
+  mine[0] = int64_t(xxh64_bytes(h.data(), h.size()) & 0x7fffffffffffffffULL);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) mine[size_t(1 + c / 64)] |= int64_t(uint64_t(1) << (c % 64));
+  all.resize(mine.size() * size_t(world.size()));
+  SF_TRY(world.all_gather(mine.data(), all.data(), int64_t(mine.size()), DType::kI64));
+  int sharers = 0;
+  for (int r = 0; r < world.size(); ++r) {
+    const int64_t* o = all.data() + size_t(r) * mine.size();
+    bool overlap = false;
+    for (int w = 1; w <= kWords && !overlap; ++w) overlap = (o[w] & mine[size_t(w)]) != 0;
+    sharers += o[0] == mine[0] && overlap;
+  }
+  if (sharers > 1)
+    setenv("SF_NUM_THREADS", std::to_string(std::max(1, usable_cpus() / sharers)).c_str(), 1);
+  return Status::ok();
+}
+
 int run(int argc, char** argv) {
   const auto job_t0 = std::chrono::steady_clock::now();
   const auto job_s = [&] {
@@ -446,6 +473,15 @@ int run(int argc, char** argv) {
     world = comm::make_self_communicator("world");
   }
   const bool rank0 = world->rank() == 0;
+  if (const char* set = std::getenv("SF_NUM_THREADS"); (!set || !*set) && world->size() > 1) {
+    // Ranks whose CPU sets overlap on one host (launched unbound, --bind-to none, or bound to a
+    // shared socket or cpuset) would each run a thread per CPU of the set: each takes its share
+    // instead, before the pool's first use. A rank bound to CPUs of its own keeps them all.
+    if (Status st = share_host_cpus(*world); !st.is_ok()) {
+      std::fprintf(stderr, "error: %s\n", st.message().c_str());
+      comm::mpi_abort_job(1);
+    }
+  }
   std::unique_ptr<comm::Heartbeat> hb;  // several groups: the leaders' progress notes
   // Exits every rank the same way; the message prints once (rank 0) or on every rank.
   auto finish = [&](int code, const std::string& err, bool every_rank) {
@@ -1464,17 +1500,6 @@ int run(int argc, char** argv) {
 }  // namespace sf
 
 int main(int argc, char** argv) {
-  // Ranks launched unbound (mpirun --bind-to none) each see every core of the host: without
-  // SF_NUM_THREADS, each takes its share, so two ranks' pools do not run 2x the cores' threads.
-  // A rank bound to cores sizes its pool by its own mask (sf::usable_cpus) as it is.
-  if (const char* set = std::getenv("SF_NUM_THREADS"); !set || !*set) {
-    int local = 0;
-    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
-      if (const char* e = std::getenv(v); e && *e && local == 0) local = std::atoi(e);
-    const int cpus = sf::usable_cpus();
-    if (local > 1 && cpus == int(std::thread::hardware_concurrency()))
-      setenv("SF_NUM_THREADS", std::to_string(std::max(1, cpus / local)).c_str(), 1);
-  }
   try {
     return sf::run(argc, argv);
   } catch (const std::exception& e) {

@@ -58,7 +58,8 @@ fail() { echo "FAIL ($case_name): $*"; echo "--- stdout"; cat "$tmp/stdout"; ech
 run() {  # run NP ARGS...: runs the worker, sets rc and ms
   local np="$1"; shift
   local t0; t0=$(date +%s%N)
-  "$mpiexec" --oversubscribe -np "$np" "$worker" "$@" >"$tmp/stdout" 2>"$tmp/stderr"
+  # shellcheck disable=SC2086
+  "$mpiexec" --oversubscribe ${mpi_extra:-} -np "$np" "$worker" "$@" >"$tmp/stdout" 2>"$tmp/stderr"
   rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
 }
@@ -80,17 +81,17 @@ EOF
 case "$case_name" in
   batch)
     mkdir -p "$tmp/metrics"
-    # Without SF_NUM_THREADS (ctest sets 1): the worker's own split of the host's CPUs.
+    # Without SF_NUM_THREADS (ctest sets 1) and unbound: the worker's own split of the CPUs.
     saved_threads="${SF_NUM_THREADS-}"; unset SF_NUM_THREADS
+    mpi_extra="--bind-to none"
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
-    export SF_NUM_THREADS="$saved_threads"
+    mpi_extra=""; export SF_NUM_THREADS="$saved_threads"
     [ "$rc" -eq 3 ] || fail "exit $rc, want 3 (bad lines present)"
-    # Four ranks on this host share its CPUs: a rank's pool takes at most a quarter (one thread
-    # at the least), unless SF_NUM_THREADS says otherwise.
+    # Four unbound ranks share this process's CPUs: each pool takes a quarter (one at the least).
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+    share=$(( cpus / 4 )); [ "$share" -ge 1 ] || share=1
     threads=$(grep -o '[0-9]* host threads a rank' "$tmp/stdout" | grep -o '^[0-9]*')
-    share=$(( $(nproc) / 4 )); [ "$share" -ge 1 ] || share=1
-    [ -n "$threads" ] && [ "$threads" -ge 1 ] && [ "$threads" -le "$share" ] ||
-      fail "host threads a rank '$threads', want 1 to $share of $(nproc) CPUs"
+    [ "$threads" = "$share" ] || fail "host threads a rank '$threads', want $share of $cpus CPUs"
     for l in 3 4 7 8 9; do
       grep -q "prompts.jsonl:$l: .*; skipped" "$tmp/stderr" || fail "bad line $l not reported"
     done

@@ -120,7 +120,7 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
       "(all of the export with --export-overlap off).");
   add("sparsefill_worker_plan_seconds_total", MetricKind::kCounter,
       "Time the leader spent planning device prefills (--device cuda; a request of the last "
-      "plan's length reuses it).");
+      "plan's length and importance settings reuses it).");
 }
 
 Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
