@@ -428,10 +428,15 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
   return same;
 }
 
-// Written whole or not at all: resume reads the fingerprint from it.
-// Sets SF_NUM_THREADS to this rank's share of its CPUs: its affinity mask's CPUs divided by the
-// ranks on this host whose masks overlap it (itself included). Collective over `world`.
-Status share_host_cpus(comm::Communicator& world) {
+// This rank's neighbours on its host, from one all-gather of (host, CPU affinity mask) over the
+// world, made by every rank at start. local_ranks: the ranks on this host (they share its memory).
+// cpu_sharers: those whose CPU sets overlap this rank's (launched unbound, --bind-to none, or
+// bound to a shared socket or cpuset), itself included.
+struct HostPeers {
+  int local_ranks = 1, cpu_sharers = 1;
+};
+
+Result<HostPeers> host_peers(comm::Communicator& world) {
   constexpr int kWords = CPU_SETSIZE / 64;
   std::vector<int64_t> mine(size_t(kWords) + 1, 0), all;
   const std::string h = host_name();
@@ -443,16 +448,17 @@ Status share_host_cpus(comm::Communicator& world) {
       if (CPU_ISSET(c, &set)) mine[size_t(1 + c / 64)] |= int64_t(uint64_t(1) << (c % 64));
   all.resize(mine.size() * size_t(world.size()));
   SF_TRY(world.all_gather(mine.data(), all.data(), int64_t(mine.size()), DType::kI64));
-  int sharers = 0;
+  HostPeers p{0, 0};
   for (int r = 0; r < world.size(); ++r) {
     const int64_t* o = all.data() + size_t(r) * mine.size();
+    if (o[0] != mine[0]) continue;
+    ++p.local_ranks;
     bool overlap = false;
     for (int w = 1; w <= kWords && !overlap; ++w) overlap = (o[w] & mine[size_t(w)]) != 0;
-    sharers += o[0] == mine[0] && overlap;
+    p.cpu_sharers += overlap;
   }
-  if (sharers > 1)
-    setenv("SF_NUM_THREADS", std::to_string(std::max(1, usable_cpus() / sharers)).c_str(), 1);
-  return Status::ok();
+  p.cpu_sharers = std::max(p.cpu_sharers, 1);  // a rank with no readable mask counts itself
+  return p;
 }
 
 int run(int argc, char** argv) {
@@ -473,15 +479,18 @@ int run(int argc, char** argv) {
     world = comm::make_self_communicator("world");
   }
   const bool rank0 = world->rank() == 0;
-  if (const char* set = std::getenv("SF_NUM_THREADS"); (!set || !*set) && world->size() > 1) {
-    // Ranks whose CPU sets overlap on one host (launched unbound, --bind-to none, or bound to a
-    // shared socket or cpuset) would each run a thread per CPU of the set: each takes its share
-    // instead, before the pool's first use. A rank bound to CPUs of its own keeps them all.
-    if (Status st = share_host_cpus(*world); !st.is_ok()) {
-      std::fprintf(stderr, "error: %s\n", st.message().c_str());
-      comm::mpi_abort_job(1);
-    }
+  // Every rank gathers, whatever its environment says, so the collective is always matched.
+  auto peers_r = host_peers(*world);
+  if (!peers_r.is_ok()) {
+    std::fprintf(stderr, "error: %s\n", peers_r.status().message().c_str());
+    comm::mpi_abort_job(1);
   }
+  const HostPeers peers = peers_r.value();
+  // Ranks whose CPU sets overlap would each run a thread per CPU of the set: without
+  // SF_NUM_THREADS each takes its share, before the pool's first use. A rank bound to CPUs of
+  // its own keeps them all.
+  if (const char* set = std::getenv("SF_NUM_THREADS"); (!set || !*set) && peers.cpu_sharers > 1)
+    setenv("SF_NUM_THREADS", std::to_string(std::max(1, usable_cpus() / peers.cpu_sharers)).c_str(), 1);
   std::unique_ptr<comm::Heartbeat> hb;  // several groups: the leaders' progress notes
   // Exits every rank the same way; the message prints once (rank 0) or on every rank.
   auto finish = [&](int code, const std::string& err, bool every_rank) {
@@ -864,14 +873,7 @@ int run(int argc, char** argv) {
     return rows * heads * row * cfg.n_layers + layer;
   };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
-  int local_ranks = 1;
-  {
-    const std::string h = host_name();
-    const int64_t mine = int64_t(xxh64_bytes(h.data(), h.size()) & 0x7fffffffffffffffULL);
-    std::vector<int64_t> all(size_t(world->size()));
-    if (Status st = world->all_gather(&mine, all.data(), 1, DType::kI64); !st.is_ok()) fatal(st);
-    local_ranks = int(std::count(all.begin(), all.end(), mine));
-  }
+  const int local_ranks = peers.local_ranks;
   if (o.dry_run) {
     if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes, local_ranks);
     return finish(bf.bad.empty() ? 0 : 3, "", false);

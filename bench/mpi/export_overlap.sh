@@ -20,13 +20,9 @@ set -euo pipefail
 n="${SF_OVERLAP_N:-4}"; chars="${SF_OVERLAP_CHARS:-12000}"; extra="${SF_OVERLAP_ARGS:-}"
 model="${SF_OVERLAP_MODEL:-default}"; ntok="${SF_OVERLAP_TOKENS:-}"
 cmdline="SF_OVERLAP_WARMUP=${SF_OVERLAP_WARMUP:-1} SF_OVERLAP_REPS=${SF_OVERLAP_REPS:-1} SF_OVERLAP_N=$n SF_OVERLAP_CHARS=$chars SF_OVERLAP_MODEL=$model SF_OVERLAP_TOKENS=$ntok SF_OVERLAP_ARGS='$extra' $0 $*"
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build}"
-out="${2:-$root/bench/results/export-overlap-cpu.json}"
-worker="$build/worker/sparsefill-worker"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+# shellcheck source=bench/mpi/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+mpi_bench_setup export-overlap-cpu.json "$@"
 export NCCL_NVLS_ENABLE=0
 python3 - "$root" "$tmp" "$n" "$chars" "$ntok" <<'PY'
 import json, random, sys

@@ -11,14 +11,11 @@
 set -euo pipefail
 cmdline="$0 $*"
 load0="$(cut -d' ' -f1-3 /proc/loadavg)"
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build}"
-out="${2:-$root/bench/results/distributed-cpu-mpi.json}"
+# shellcheck source=bench/mpi/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+mpi_bench_setup distributed-cpu-mpi.json "$@"
 chars="${3:-9000}"
-worker="$build/worker/sparsefill-worker"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 SF_NUM_THREADS=1
+export SF_NUM_THREADS=1
 python3 - "$root/data/long_document.txt" "$chars" >"$tmp/p.jsonl" <<'EOF'
 import json, sys
 print(json.dumps({"id": "doc", "prompt": open(sys.argv[1]).read()[: int(sys.argv[2])]}))

@@ -15,13 +15,10 @@
 # 256, n_slash 130, spread 256) and "a-shape" (sink + window), the lower bound.
 set -euo pipefail
 cmdline="SF_SPARSE_CP_CHARS=${SF_SPARSE_CP_CHARS:-18000} SF_SPARSE_CP_RUNS='${SF_SPARSE_CP_RUNS:-default}' $0 $*"
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build}"
-out="${2:-$root/bench/results/sparse-cp-cpu.json}"
-worker="$build/worker/sparsefill-worker"
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 SF_NUM_THREADS=1
+# shellcheck source=bench/mpi/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+mpi_bench_setup sparse-cp-cpu.json "$@"
+export SF_NUM_THREADS=1
 python3 - "$root" "$tmp" <<'EOF'
 import json, sys
 root, tmp = sys.argv[1:]
