@@ -89,6 +89,9 @@ struct Options {
   // cuda: one GPU per rank (its host-local rank), the model's TP slice in BF16 on it, NCCL
   // along the grid (worker/runtime/device_parallel.h); exports are sharded.
   std::string device = "cpu";
+  // The dtype the forward computes K/V in, which --kv-dtype auto (and a line's "auto") takes: the
+  // GPU forward runs on BF16 weights.
+  DType compute_dtype() const { return device == "cuda" ? DType::kBF16 : DType::kF32; }
   int tp = 1, cp = 1;
   int64_t chunk = 512;
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
@@ -218,7 +221,7 @@ Result<Options> parse_options(int argc, char** argv) {
   {
     // auto (the default): bf16 on the GPU, whose forward runs on BF16 weights; f32 on the CPU.
     auto e = kvstore::kv_encodings_parse(kv.count("kv-dtype") ? kv["kv-dtype"] : "auto",
-                                         o.device == "cuda" ? DType::kBF16 : DType::kF32);
+                                         o.compute_dtype());
     if (!e.is_ok()) return SF_ERR(kInvalidArgument, "--kv-dtype: " + e.status().message());
     o.kv_dtype = e.value();
   }
@@ -766,7 +769,7 @@ int run(int argc, char** argv) {
 
   // Requests: parse, tokenize, validate; identical on every rank, reported once.
   runtime::BatchFile bf =
-      runtime::parse_batch(text, o.device == "cuda" ? DType::kBF16 : DType::kF32);
+      runtime::parse_batch(text, o.compute_dtype());
   std::vector<runtime::BatchRequest> good;
   for (auto& r : bf.requests) {
     if (!r.has_tokens) {
