@@ -963,6 +963,7 @@ int run(int argc, char** argv) {
     std::optional<kvstore::ImportanceScores> imp;
     kvstore::Retention ret;
     double kept_frac = 1.0;
+    std::optional<model::PlanTimes> plan;  // --device cuda, when this request planned
     double begin_s = 0;
     Status begun;  // the sharded export's opening (the same on every rank)
     std::unique_ptr<runtime::ShardedExport> sharded;
@@ -1146,7 +1147,16 @@ int run(int argc, char** argv) {
                   static_cast<long long>(s.group_kv_allgather_bytes),
                   static_cast<long long>(s.group_kv_moved_bytes),
                   static_cast<long long>(s.group_estimate_bytes), s.group_density);
-    summary += std::string(group) +
+    // Where this rank's plan spent its time (--device cuda, when the request planned).
+    std::string plan_parts = "null";
+    if (x->plan)
+      plan_parts = sformat(
+          "{\"device_buffers_s\": %.6f, \"host_buffers_s\": %.6f, \"sparse_s\": %.6f, "
+          "\"shapes_s\": %.6f, \"reused_bytes\": %lld, \"allocated_bytes\": %lld}",
+          x->plan->device_buffers_s, x->plan->host_buffers_s, x->plan->sparse_s,
+          x->plan->shapes_s, static_cast<long long>(x->plan->reused_bytes),
+          static_cast<long long>(x->plan->allocated_bytes));
+    summary += std::string(group) + ", \"plan_parts\": " + plan_parts +
                ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
     if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
@@ -1173,6 +1183,13 @@ int run(int argc, char** argv) {
   };
   std::unique_ptr<PendingExport> pending;
   std::optional<runtime::DeviceParallelPrefill> dplan;  // --device cuda: the last plan
+  // ... and the buffers it leaves to the next plan (model::DeviceBufferCache);
+  // SF_DEVICE_BUFFER_CACHE=0 frees them instead (bench/mpi/plan_reuse.sh's comparison).
+  const char* cache_env = std::getenv("SF_DEVICE_BUFFER_CACHE");
+  const std::shared_ptr<model::DeviceBufferCache> dbuffers =
+      cache_env && std::string_view(cache_env) == "0"
+          ? nullptr
+          : std::make_shared<model::DeviceBufferCache>();
   std::array<int64_t, 3> dplan_key{-1, -1, -1};           // its tokens, importance window, pool
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
@@ -1325,15 +1342,18 @@ int run(int argc, char** argv) {
                                        po.importance_pool};
       double plan_s = 0;
       if (!dplan || dplan_key != key) {
-        dplan.reset();  // its device workspace and pinned host KV go before the next plan's
+        const auto p0 = std::chrono::steady_clock::now();
+        // Its device workspace and pinned host KV go back to the cache, for the next plan to
+        // take where they are large enough.
+        dplan.reset();
         model::PrefillOptions dopt;
+        dopt.buffers = dbuffers;
         dopt.chunk = o.chunk;
         dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
         dopt.sparse = po.sparse;
         dopt.importance_window = po.importance_window;
         dopt.importance_pool = po.importance_pool;
         dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
-        const auto p0 = std::chrono::steady_clock::now();
         auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid,
                                                          int64_t(r.tokens.size()), dopt);
         plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
@@ -1385,6 +1405,7 @@ int run(int argc, char** argv) {
     x->encs = encs;
     x->fingerprint = fingerprint;
     x->reused_tokens = reused_tokens;
+    if (dplan && res.stats.plan_s > 0) x->plan = dplan->prefill().plan_times();
     x->dir = runtime::request_dir(o.out, r.id);
     kvstore::KvExportSpec& spec = x->spec;
     spec = kvstore::model_export_spec(m);

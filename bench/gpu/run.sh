@@ -56,6 +56,9 @@
 #                  --export-overlap on and off (bench/mpi/export_overlap.sh; more worker flags in
 #                  SF_WORKER_OVERLAP_ARGS; SF_OVERLAP_REPS=N for N alternating pairs) into
 #                  export-overlap-<gpu>.json
+#   SF_WORKER_PLANS  1: sparsefill-worker batches on 2 GPUs whose prompt lengths differ, each
+#                  new length planning again, with the plans' buffers kept and freed
+#                  (bench/mpi/plan_reuse.sh, its SF_PLAN_* settings) into plan-reuse-<gpu>.json
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -530,6 +533,16 @@ if [[ -n "${SF_WORKER_OVERLAP:-}" ]]; then
     fail "export overlap benchmark failed (its output is at the end of build.log)"
   fi
   notes+=("$(cut -c1-800 "$oj")")
+fi
+
+# ---- the worker's plans across prompt lengths (needs -DSF_MPI=ON and 2 GPUs) ------------------
+if [[ "${SF_WORKER_PLANS:-0}" == 1 ]]; then
+  pj="$out/plan-reuse-$(gpu_slug).json"
+  if ! timeout "${SF_WORKER_PLANS_TIMEOUT:-400}" bash "$root/bench/mpi/plan_reuse.sh" "$build" "$pj" \
+       >>"$logs/build.log" 2>&1; then
+    fail "plan reuse benchmark failed (its output is at the end of build.log)"
+  fi
+  notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["buffer_cache"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

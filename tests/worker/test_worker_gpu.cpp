@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
@@ -257,9 +258,12 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // weights, the batch runs with its exports overlapped and again one at a time, and both runs'
 // shard files are byte for byte the same (the same seed, the same work); the exports load with
 // the shape's compat hash, in bf16 (no --kv-dtype: auto, the GPU forward's dtype), and hold real
-// values (finite, not all zero) for every token. Every line has the same length, so only the first
-// request plans; a fourth line repeats the first's tokens on the reused plan and must export the
-// same shard bytes. The other GPU runs pin --kv-dtype f32, so their
+// values (finite, not all zero) for every token. Lines a and b have the same length, so b runs on
+// a's plan; c is shorter and plans again, on the buffers a's plan left in the worker's cache
+// (model::DeviceBufferCache: every one large enough, none allocated); d repeats a's tokens and
+// plans once more on those same buffers, now larger than c needed, and must export a's shard
+// bytes (the cache's buffers are NaN-poisoned again, so a stale value cannot pass as written).
+// The other GPU runs pin --kv-dtype f32, so their
 // comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   int n = 0;
@@ -268,17 +272,19 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   const fs::path dir = fs::temp_directory_path() / ("sf-worker-syn-" + std::to_string(seed));
   fs::create_directories(dir);
   const int64_t T = 1000;
+  const std::map<std::string, int64_t> length{{"a", T}, {"b", T}, {"c", T - 200}, {"d", T}};
   {
     std::mt19937_64 rng(seed);
     std::ofstream b(dir / "batch.jsonl");
     std::string first;
     for (const char* id : {"a", "b", "c"}) {
       std::string toks;
-      for (int64_t i = 0; i < T; ++i) toks += (i ? ", " : "") + std::to_string(rng() % 32000);
+      for (int64_t i = 0; i < length.at(id); ++i)
+        toks += (i ? ", " : "") + std::to_string(rng() % 32000);
       b << "{\"id\": \"" << id << "\", \"tokens\": [" << toks << "]}\n";
       if (first.empty()) first = toks;
     }
-    // a's tokens again: planned once for a, this request reuses that plan after b and c ran on it.
+    // a's tokens again: planned afresh after c, on the buffers a's plan and then c's held.
     b << "{\"id\": \"d\", \"tokens\": [" << first << "]}\n";
   }
   const int np = std::min(n, 2);
@@ -312,7 +318,8 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     for (int l = 0; l < 2; ++l)
       for (int h = 0; h < 8; ++h) {
         const auto& hk = g->head(l, h);
-        ASSERT_EQ(int64_t(hk.positions.size()), T) << id << " layer " << l << " head " << h;
+        ASSERT_EQ(int64_t(hk.positions.size()), length.at(id))
+            << id << " layer " << l << " head " << h;
         for (float x : hk.k) {
           finite = finite && std::isfinite(x);
           mx = std::max(mx, double(std::fabs(x)));
@@ -322,8 +329,16 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     EXPECT_GT(mx, 1e-3) << id;
     const std::string summary = slurp((dir / "on").string() + "/" + id + ".json");
     EXPECT_NE(summary.find("\"export_wait_s\""), std::string::npos);
-    // Every line has T tokens: only the first request plans.
-    EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id != "a") << summary;
+    // b runs on a's plan; a plans with nothing to reuse; c and d plan on the cache's buffers
+    // alone (this rank's: the summary is the leader's).
+    EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id == "b") << summary;
+    if (id == "b") {
+      EXPECT_NE(summary.find("\"plan_parts\": null"), std::string::npos) << summary;
+    } else {
+      EXPECT_EQ(summary.find("\"reused_bytes\": 0,") != std::string::npos, id == "a") << summary;
+      EXPECT_EQ(summary.find("\"allocated_bytes\": 0}") != std::string::npos, id != "a")
+          << summary;
+    }
   }
   // The reused plan's run equals the fresh plan's: d's shards are a's, byte for byte.
   int same = 0;

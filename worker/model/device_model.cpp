@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <new>
 #include <span>
 #include <thread>
@@ -192,15 +193,32 @@ class PinnedBuffer {
   PinnedBuffer() = default;
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
+  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(o.p_), bytes_(o.bytes_) {
+    o.p_ = nullptr;
+    o.bytes_ = 0;
+  }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      std::swap(p_, o.p_);
+      std::swap(bytes_, o.bytes_);
+    }
+    return *this;
+  }
+  ~PinnedBuffer() { reset(); }
+  void reset() {
     if (p_) (void)cudaFreeHost(p_);
+    p_ = nullptr;
+    bytes_ = 0;
   }
   Status alloc(size_t bytes) {
+    reset();
     if (bytes == 0) return Status::ok();
     SF_CUDA_TRY(cudaMallocHost(&p_, bytes));
     bytes_ = bytes;
     return Status::ok();
   }
+  void* data() const { return p_; }
   template <typename T>
   T* as() const {
     return static_cast<T*>(p_);
@@ -220,6 +238,30 @@ Status stream_after(cudaStream_t waiter, cudaStream_t producer, cudaEvent_t ev) 
 }
 
 }  // namespace
+
+// Spare buffers between plans, by role: a role is the buffer's place in DevicePrefill::Impl (its
+// offset there), the same in every plan.
+struct DeviceBufferCache::Impl {
+  std::map<size_t, DeviceBuffer> device;
+  std::map<size_t, PinnedBuffer> host;
+};
+
+DeviceBufferCache::DeviceBufferCache() : impl_(std::make_unique<Impl>()) {}
+DeviceBufferCache::~DeviceBufferCache() = default;
+size_t DeviceBufferCache::device_bytes_held() const {
+  size_t n = 0;
+  for (const auto& [k, b] : impl_->device) n += b.size();
+  return n;
+}
+size_t DeviceBufferCache::host_bytes_held() const {
+  size_t n = 0;
+  for (const auto& [k, b] : impl_->host) n += b.size();
+  return n;
+}
+void DeviceBufferCache::clear() {
+  impl_->device.clear();
+  impl_->host.clear();
+}
 
 struct DeviceModel::Impl {
   ModelConfig cfg;       // the slice's
@@ -366,6 +408,10 @@ struct DevicePrefill::Impl {
   DeviceShard shard;
   double plan_s = 0, hook_s = 0;
   size_t ws_bytes = 0;
+  PlanTimes times;
+  // opt.buffers: the buffers this plan holds, by role, to give back when it is destroyed.
+  std::map<size_t, DeviceBuffer*> dev_roles;
+  std::map<size_t, PinnedBuffer*> host_roles;
 
   CudaStream compute, copy;
   // Device workspace, NL = the rows this rank holds (S unsharded). x: residual [NL, H]; q, att:
@@ -419,16 +465,70 @@ struct DevicePrefill::Impl {
     (void)cudaSetDevice(m ? m->device : 0);
     if (compute.get()) (void)cudaStreamSynchronize(compute.get());
     if (copy.get()) (void)cudaStreamSynchronize(copy.get());
+    // Nothing is in flight now: the buffers go back to the cache for the next plan.
+    if (DeviceBufferCache* bc = opt.buffers.get()) {
+      for (auto& [role, b] : dev_roles)
+        if (b->data()) bc->impl_->device[role] = std::move(*b);
+      for (auto& [role, b] : host_roles)
+        if (b->data()) bc->impl_->host[role] = std::move(*b);
+    }
   }
 
   kernels::Stream cs() const { return kernels::Stream{Device::kCuda, compute.get()}; }
 
+  // A buffer's role: its place in this struct, the same in every plan.
+  size_t role_of(const void* member) const {
+    return size_t(static_cast<const char*>(member) - reinterpret_cast<const char*>(this));
+  }
+
+  // b, at least `bytes` long: the cache's buffer of the same role when it is large enough, else
+  // a new allocation (after freeing the cache's smaller one, and once more after freeing every
+  // spare if the first attempt runs out of memory).
+  template <typename Buf>
+  Status take_or_alloc(Buf& b, size_t bytes, std::map<size_t, Buf>* spares,
+                       std::map<size_t, Buf*>* roles) {
+    if (spares) {
+      const size_t role = role_of(&b);
+      (*roles)[role] = &b;
+      auto it = spares->find(role);
+      if (it != spares->end()) {
+        if (bytes > 0 && it->second.size() >= bytes) {
+          b = std::move(it->second);
+          spares->erase(it);
+          times.reused_bytes += int64_t(b.size());
+          return Status::ok();
+        }
+        spares->erase(it);
+      }
+    }
+    Status st = b.alloc(bytes);
+    if (!st.is_ok() && opt.buffers) {
+      opt.buffers->clear();
+      (void)cudaGetLastError();  // the failed allocation's error is not the next launch's
+      st = b.alloc(bytes);
+    }
+    SF_TRY(st);
+    times.allocated_bytes += int64_t(bytes);
+    return Status::ok();
+  }
+
   Status alloc(DeviceBuffer& b, size_t bytes) {
-    SF_TRY(b.alloc(bytes));
-    ws_bytes += bytes;
+    const auto t0 = Clock::now();
+    DeviceBufferCache::Impl* bc = opt.buffers ? opt.buffers->impl_.get() : nullptr;
+    SF_TRY(take_or_alloc(b, bytes, bc ? &bc->device : nullptr, &dev_roles));
+    ws_bytes += b.size();
     // All-ones bytes are NaN as F32/BF16: a read of an element no kernel wrote shows in the
     // output instead of passing as a plausible value.
-    if (bytes) SF_CUDA_TRY(cudaMemsetAsync(b.data(), 0xFF, bytes, compute.get()));
+    if (b.size()) SF_CUDA_TRY(cudaMemsetAsync(b.data(), 0xFF, b.size(), compute.get()));
+    times.device_buffers_s += seconds_since(t0);
+    return Status::ok();
+  }
+
+  Status alloc_host(PinnedBuffer& b, size_t bytes) {
+    const auto t0 = Clock::now();
+    DeviceBufferCache::Impl* bc = opt.buffers ? opt.buffers->impl_.get() : nullptr;
+    SF_TRY(take_or_alloc(b, bytes, bc ? &bc->host : nullptr, &host_roles));
+    times.host_buffers_s += seconds_since(t0);
     return Status::ok();
   }
 
@@ -1067,9 +1167,9 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
     ws_bytes += NL * sizeof(int32_t);
   }
 
-  SF_TRY(h_tokens.alloc(NL * sizeof(int32_t)));
-  SF_TRY(h_logits.alloc(size_t(max_logit_rows) * vocab * f));
-  if (host_kv) SF_TRY(h_kv.alloc(size_t(c.n_layers) * 2 * NL * kvd * f));
+  SF_TRY(alloc_host(h_tokens, NL * sizeof(int32_t)));
+  SF_TRY(alloc_host(h_logits, size_t(max_logit_rows) * vocab * f));
+  if (host_kv) SF_TRY(alloc_host(h_kv, size_t(c.n_layers) * 2 * NL * kvd * f));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
   // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.
   SF_ENSURE(o.importance_window == 0 ||
@@ -1084,7 +1184,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
       SF_TRY(alloc(imp_o, wn * qd * f));
       SF_TRY(alloc(imp_lse, wn * size_t(c.n_heads) * f));
     }
-    SF_TRY(h_imp.alloc(size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
+    SF_TRY(alloc_host(h_imp, size_t(c.n_layers) * size_t(c.n_kv_heads) * S * f));
   }
 
   for (int s = 0; s < 2; ++s) {
@@ -1115,16 +1215,30 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   use_sparse =
       o.sparse && max_tokens >= o.sparse->dense_below && !sparse_config_is_dense(*o.sparse);
-  if (use_sparse) SF_TRY(plan_sparse());
+  if (use_sparse) {
+    const auto s0 = Clock::now();
+    const double dev0 = times.device_buffers_s;
+    SF_TRY(plan_sparse());
+    times.sparse_s = seconds_since(s0) - (times.device_buffers_s - dev0);
+  }
+  // What the cache holds that this plan did not take is sized for another plan: free it now
+  // rather than hold it to the next.
+  if (opt.buffers) {
+    opt.buffers->impl_->device.clear();
+    opt.buffers->impl_->host.clear();
+  }
 
   // Walk the forward of max_tokens tokens once without enqueueing: every GEMM shape (full and
   // tail chunks, exact pointers and so alignments) and every attention shape gets its cuBLASLt
   // algorithm or cuDNN graph now.
+  const auto d0 = Clock::now();
   dry = true;
   SF_TRY(forward({}, max_tokens, nullptr));
   dry = false;
+  times.shapes_s = seconds_since(d0);
   SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));  // the poisoning memsets
   plan_s = seconds_since(t0);
+  times.total_s = plan_s;
   return Status::ok();
 }
 
@@ -1365,8 +1479,16 @@ struct DevicePrefill::Impl {
   int64_t max_tokens = 0;
   size_t ws_bytes = 0;
   double plan_s = 0, hook_s = 0;
+  PlanTimes times;
   bool attn_bf16 = false;
 };
+
+struct DeviceBufferCache::Impl {};
+DeviceBufferCache::DeviceBufferCache() : impl_(std::make_unique<Impl>()) {}
+DeviceBufferCache::~DeviceBufferCache() = default;
+size_t DeviceBufferCache::device_bytes_held() const { return 0; }
+size_t DeviceBufferCache::host_bytes_held() const { return 0; }
+void DeviceBufferCache::clear() {}
 
 namespace {
 Status no_cuda() {
@@ -1420,6 +1542,7 @@ DevicePrefill::~DevicePrefill() = default;
 int64_t DevicePrefill::max_tokens() const { return impl_->max_tokens; }
 size_t DevicePrefill::workspace_bytes() const { return impl_->ws_bytes; }
 double DevicePrefill::plan_seconds() const { return impl_->plan_s; }
+PlanTimes DevicePrefill::plan_times() const { return impl_->times; }
 double DevicePrefill::hook_seconds() const { return impl_->hook_s; }
 
 Result<PrefillResult> prefill_device(const DeviceModel& dm, std::span<const int32_t> tokens,

@@ -126,6 +126,41 @@ struct DeviceShard {
   bool logits = true;  // whether this rank computes the last row's logits (the group leader)
 };
 
+// What a plan's setup spent its time on (DevicePrefill::plan_times), for the worker's summary.
+struct PlanTimes {
+  double total_s = 0;
+  double device_buffers_s = 0;  // device workspace: cudaMalloc (or a cache hit) and NaN poisoning
+  double host_buffers_s = 0;    // pinned host staging (cudaMallocHost: allocating and pinning)
+  double sparse_s = 0;          // the estimators' plans and their arena
+  double shapes_s = 0;          // the dry walk: cuBLASLt algorithms and cuDNN graphs per shape
+  int64_t reused_bytes = 0;     // buffers taken from PrefillOptions::buffers
+  int64_t allocated_bytes = 0;  // buffers allocated afresh
+};
+
+// Buffers between plans. A worker plans its device prefill per prompt length (shapes, zigzag
+// pieces and sparse plans depend on it); without a cache each new length frees and allocates
+// the device workspace and re-pins gigabytes of host staging for the KV (cudaMallocHost of 4 GB
+// takes about a second). With PrefillOptions::buffers set, a plan takes each buffer from the
+// cache when the one left there under the same role is large enough (a shorter prompt reuses
+// all of them), allocates the rest, frees what it did not take once its setup is done, and
+// gives every buffer back when it is destroyed. Buffers keep their larger size, as a caching
+// allocator's do: bytes_held() says how much. One plan at a time draws on a cache, on one thread.
+class DeviceBufferCache {
+ public:
+  DeviceBufferCache();
+  ~DeviceBufferCache();
+  DeviceBufferCache(const DeviceBufferCache&) = delete;
+  DeviceBufferCache& operator=(const DeviceBufferCache&) = delete;
+  size_t device_bytes_held() const;  // between plans: what the last plan gave back
+  size_t host_bytes_held() const;
+  void clear();  // frees everything held
+
+ private:
+  friend class DevicePrefill;
+  struct Impl;  // device_model.cpp
+  std::unique_ptr<Impl> impl_;
+};
+
 // Plan/run split. plan() does everything that may allocate or block: it checks the shapes
 // against the kernels, creates a compute and a copy stream and their events, allocates the
 // device workspace (sized for max_tokens and opt.chunk) and the pinned host staging for logits
@@ -193,6 +228,7 @@ class DevicePrefill {
   DType attention_dtype() const;   // of Q/K/V/out in attention (and so of a shard's K/V exchange)
   size_t workspace_bytes() const;  // device memory of the plan (weights excluded)
   double plan_seconds() const;
+  PlanTimes plan_times() const;
 
  private:
   struct Impl;  // device_model.cpp

@@ -2,6 +2,7 @@
 // backend, and its prefill forward. The weights are dequantized once at load time.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -85,6 +86,7 @@ struct KvCache {
 };
 
 struct SparseConfig;
+class DeviceBufferCache;  // device_model.h
 
 // Observer of each layer's attention inputs (eval measures attention recall here): q holds the
 // rows computed in this call, k all keys; idx is null when the layer ran dense.
@@ -137,6 +139,9 @@ struct PrefillOptions {
   bool importance_from_estimator = false;
   LayerKvHook on_layer_kv;
   DeviceLayerKvSink on_layer_kv_device;  // DevicePrefill only
+  // DevicePrefill only: take workspace and pinned host buffers from this cache where they are
+  // large enough, and give them back to it when the plan is destroyed (DeviceBufferCache).
+  std::shared_ptr<DeviceBufferCache> buffers;
   // Progress: called on the calling thread once layer l is done (the CPU forward: after its
   // hook; DevicePrefill: as its work lands on the host, after the KV copy-out and hooks, while
   // later layers still compute). The worker's stall notes use it.

@@ -500,6 +500,77 @@ TEST_F(GpuForward, PlanReuseAndLastRowOnly) {
   EXPECT_EQ(r2->first_token, fresh->first_token);
 }
 
+// ---- Plans that share buffers (DeviceBufferCache): a 700-token plan, then a 500-token plan that
+// must take every buffer from the cache (each large enough) and allocate none, then a 900-token
+// plan that must allocate. Each run's logits, K/V and importance equal a plan of the same length
+// planned without the cache, to fp32 rounding (1e-6; same kernels and shapes), and are finite: the
+// cache's buffers are NaN-poisoned again when taken, so an element the shorter run did not write
+// cannot pass with the longer run's stale value. Between plans the cache holds the last plan's
+// buffers (device and pinned host); while a plan lives it holds none.
+// --------
+TEST_F(GpuForward, PlansShareBuffersThroughACache) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  PrefillOptions opt = full_options();  // keep_kv, importance, every logit row
+  const auto cache = std::make_shared<DeviceBufferCache>();
+  PrefillOptions cached = opt;
+  cached.buffers = cache;
+  std::mt19937_64 rng(base_seed() + 11);
+  for (const int64_t n : {int64_t(700), int64_t(500), int64_t(900)}) {
+    std::vector<int32_t> toks(static_cast<size_t>(n));
+    for (auto& t : toks) t = int32_t(rng() % uint64_t(ref.model.config().vocab));
+    const size_t held = cache->device_bytes_held() + cache->host_bytes_held();
+    auto plan = DevicePrefill::plan(dm.value(), n, cached);
+    ASSERT_OK(plan.status());
+    const PlanTimes t = plan->plan_times();
+    std::cout << "  " << n << " tokens: plan " << t.total_s << " s (device buffers "
+              << t.device_buffers_s << ", pinned " << t.host_buffers_s << ", shapes " << t.shapes_s
+              << "), reused " << t.reused_bytes << " B, allocated " << t.allocated_bytes << " B\n";
+    EXPECT_EQ(cache->device_bytes_held() + cache->host_bytes_held(), 0u) << n;
+    if (n == 700) {
+      EXPECT_EQ(held, 0u);
+      EXPECT_EQ(t.reused_bytes, 0);
+    } else {
+      EXPECT_GT(held, 0u);
+      EXPECT_GT(t.reused_bytes, 0) << n;
+    }
+    if (n == 500) EXPECT_EQ(t.allocated_bytes, 0) << "every buffer of the 700-token plan fits";
+    if (n == 900) EXPECT_GT(t.allocated_bytes, 0) << "the 700-token buffers are too small";
+    auto got = plan->run(toks);
+    ASSERT_OK(got.status());
+    auto want = prefill_device(dm.value(), toks, opt);
+    ASSERT_OK(want.status());
+    const ErrStats le = compare(got->logits.data(), want->logits.data(), want->logits.size());
+    EXPECT_EQ(le.nonfinite, 0) << n;
+    EXPECT_LE(le.nerr, 1e-6) << n;
+    EXPECT_EQ(got->first_token, want->first_token) << n;
+    ASSERT_EQ(got->kv.k.size(), want->kv.k.size());
+    ASSERT_EQ(got->importance.size(), want->importance.size());
+    for (size_t l = 0; l < want->kv.k.size(); ++l) {
+      for (int which = 0; which < 2; ++which) {
+        const auto& g = (which ? got->kv.v : got->kv.k)[l];
+        const auto& w = (which ? want->kv.v : want->kv.k)[l];
+        ASSERT_EQ(g.size(), w.size());
+        const ErrStats e = compare(g.data(), w.data(), w.size());
+        EXPECT_EQ(e.nonfinite, 0) << n << " layer " << l;
+        EXPECT_LE(e.nerr, 1e-6) << n << " layer " << l;
+      }
+      ASSERT_EQ(got->importance[l].size(), want->importance[l].size());
+      const ErrStats ie = compare(got->importance[l].data(), want->importance[l].data(),
+                                  want->importance[l].size());
+      EXPECT_EQ(ie.nonfinite, 0) << n << " layer " << l;
+      EXPECT_LE(ie.nerr, 1e-6) << n << " layer " << l;
+    }
+  }
+  // The last plan is gone: its buffers wait in the cache, and clear() frees them.
+  EXPECT_GT(cache->device_bytes_held(), 0u);
+  EXPECT_GT(cache->host_bytes_held(), 0u);
+  cache->clear();
+  EXPECT_EQ(cache->device_bytes_held() + cache->host_bytes_held(), 0u);
+}
+
 // ---- A CP shard's importance, on one GPU. ------------------------------------------------------
 // The rank of a CP 2 split holding pieces [0, 192) and [512, 700) (the prompt's end), planned as
 // a shard whose exchange hook fills the other rank's rows from the one-GPU run of the same model,
