@@ -70,14 +70,8 @@ for mode in "${order[@]}"; do
   ready=$(grep -o 'ready in [0-9.]* s' "$tmp/log" | grep -o '[0-9.]*' || echo null)
   records+=("$mode $wall $ready $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
 done
-device="CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)"
-if [[ "$extra" == *"--device cuda"* ]]; then
-  device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -2 | paste -sd+) + $device"
-fi
-# A device copy of the tree has no history of its own: bench/gpu/run.sh exports SF_SOURCE_COMMIT
-# (from the carried .source-commit).
-commit="${SF_SOURCE_COMMIT:-}"
-[[ -n "$commit" ]] || commit="$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)"
+device="$(mpi_bench_device "$([[ "$extra" == *"--device cuda"* ]] && echo gpu)")"
+commit="$(mpi_bench_commit)"
 python3 - "$out" "$commit" "$cmdline" "$device" "$model" "${records[@]}" <<'PY'
 import json, sys, datetime
 out, commit, cmd, device, model, *recs = sys.argv[1:]

@@ -53,9 +53,8 @@ for mode in "${order[@]}"; do
   grep -E '^\[group|^batch' "$tmp/log"
   records+=("$mode $wall $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
 done
-device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -2 | paste -sd+) + CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)"
-commit="${SF_SOURCE_COMMIT:-}"
-[[ -n "$commit" ]] || commit="$(git -C "$root" rev-parse --short HEAD)$(git -C "$root" diff --quiet HEAD -- . || echo -dirty)"
+device="$(mpi_bench_device gpu)"
+commit="$(mpi_bench_commit)"
 python3 - "$out" "$commit" "$cmdline" "$device" "$model" "${records[@]}" <<'PY'
 import json, sys, datetime
 out, commit, cmd, device, model, *recs = sys.argv[1:]

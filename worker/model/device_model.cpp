@@ -483,22 +483,25 @@ struct DevicePrefill::Impl {
 
   // b, at least `bytes` long: the cache's buffer of the same role when it is large enough, else
   // a new allocation (after freeing the cache's smaller one, and once more after freeing every
-  // spare if the first attempt runs out of memory).
+  // spare if the first attempt runs out of memory). Its time goes to `timer`.
   template <typename Buf>
-  Status take_or_alloc(Buf& b, size_t bytes, std::map<size_t, Buf>* spares,
-                       std::map<size_t, Buf*>* roles) {
-    if (spares) {
+  Status take_or_alloc(Buf& b, size_t bytes, std::map<size_t, Buf> DeviceBufferCache::Impl::*pool,
+                       std::map<size_t, Buf*>& roles, double& timer) {
+    const auto t0 = Clock::now();
+    if (opt.buffers) {
+      std::map<size_t, Buf>& spares = opt.buffers->impl_.get()->*pool;
       const size_t role = role_of(&b);
-      (*roles)[role] = &b;
-      auto it = spares->find(role);
-      if (it != spares->end()) {
+      roles[role] = &b;
+      auto it = spares.find(role);
+      if (it != spares.end()) {
         if (bytes > 0 && it->second.size() >= bytes) {
           b = std::move(it->second);
-          spares->erase(it);
+          spares.erase(it);
           times.reused_bytes += int64_t(b.size());
+          timer += seconds_since(t0);
           return Status::ok();
         }
-        spares->erase(it);
+        spares.erase(it);
       }
     }
     Status st = b.alloc(bytes);
@@ -509,27 +512,23 @@ struct DevicePrefill::Impl {
     }
     SF_TRY(st);
     times.allocated_bytes += int64_t(bytes);
+    timer += seconds_since(t0);
     return Status::ok();
   }
 
   Status alloc(DeviceBuffer& b, size_t bytes) {
-    const auto t0 = Clock::now();
-    DeviceBufferCache::Impl* bc = opt.buffers ? opt.buffers->impl_.get() : nullptr;
-    SF_TRY(take_or_alloc(b, bytes, bc ? &bc->device : nullptr, &dev_roles));
+    SF_TRY(take_or_alloc(b, bytes, &DeviceBufferCache::Impl::device, dev_roles,
+                         times.device_buffers_s));
     ws_bytes += b.size();
     // All-ones bytes are NaN as F32/BF16: a read of an element no kernel wrote shows in the
     // output instead of passing as a plausible value.
     if (b.size()) SF_CUDA_TRY(cudaMemsetAsync(b.data(), 0xFF, b.size(), compute.get()));
-    times.device_buffers_s += seconds_since(t0);
     return Status::ok();
   }
 
   Status alloc_host(PinnedBuffer& b, size_t bytes) {
-    const auto t0 = Clock::now();
-    DeviceBufferCache::Impl* bc = opt.buffers ? opt.buffers->impl_.get() : nullptr;
-    SF_TRY(take_or_alloc(b, bytes, bc ? &bc->host : nullptr, &host_roles));
-    times.host_buffers_s += seconds_since(t0);
-    return Status::ok();
+    return take_or_alloc(b, bytes, &DeviceBufferCache::Impl::host, host_roles,
+                         times.host_buffers_s);
   }
 
   // The rows this rank computes: the shard's pieces, or the whole prompt.
