@@ -65,7 +65,7 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
-    "[--export-overlap on|off] [--export-threads N] [--dry-run]\n"
+    "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N] [--dry-run]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -83,6 +83,7 @@ struct Options {
   // Shard files a rank writes at once (kvstore::ExportOptions::layers_in_flight); 0: half its
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
+  int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
   // The plan alone: every line checked (bad lines reported as a run reports them), each request's
   // group, resume status and KV sizes, the peak host memory for KV; no prefill, nothing written.
   bool dry_run = false;
@@ -145,7 +146,7 @@ Result<Options> parse_options(int argc, char** argv) {
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
                                    "prefix-cache", "stall-timeout", "metrics-file",
-                                   "export-overlap", "export-threads"};
+                                   "export-overlap", "export-threads", "kv-staging-layers"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -187,6 +188,15 @@ Result<Options> parse_options(int argc, char** argv) {
     if (x < 1 || x > 64)
       return SF_ERR(kInvalidArgument, "--export-threads must be in [1, 64], got " + kv["export-threads"]);
     o.export_threads = int(x);
+  }
+  if (kv.count("kv-staging-layers")) {
+    const std::string& v = kv["kv-staging-layers"];  // 0 is allowed: a slot per layer
+    char* end = nullptr;
+    errno = 0;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end || errno || x < 0 || x > 4096)
+      return SF_ERR(kInvalidArgument, "--kv-staging-layers must be in [0, 4096], got " + v);
+    o.kv_staging_layers = int(x);
   }
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
@@ -1348,6 +1358,7 @@ int run(int argc, char** argv) {
         dplan.reset();
         model::PrefillOptions dopt;
         dopt.buffers = dbuffers;
+        dopt.kv_staging_layers = o.kv_staging_layers;
         dopt.chunk = o.chunk;
         dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
         dopt.sparse = po.sparse;

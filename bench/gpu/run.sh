@@ -58,7 +58,8 @@
 #                  export-overlap-<gpu>.json
 #   SF_WORKER_PLANS  1: sparsefill-worker batches on 2 GPUs whose prompt lengths differ, each
 #                  new length planning again, with the plans' buffers kept and freed
-#                  (bench/mpi/plan_reuse.sh, its SF_PLAN_* settings) into plan-reuse-<gpu>.json
+#                  (bench/mpi/plan_reuse.sh, its SF_PLAN_* settings; SF_PLAN_COMPARE=staging:
+#                  the pinned K/V ring against a slot per layer) into plan-reuse-<gpu>.json
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -542,7 +543,7 @@ if [[ "${SF_WORKER_PLANS:-0}" == 1 ]]; then
        >>"$logs/build.log" 2>&1; then
     fail "plan reuse benchmark failed (its output is at the end of build.log)"
   fi
-  notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["buffer_cache"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
+  notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["variant"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]], [q["prefill_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

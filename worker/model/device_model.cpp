@@ -398,6 +398,7 @@ struct DevicePrefill::Impl {
   PrefillOptions opt;
   int64_t max_tokens = 0, chunk = 0, max_logit_rows = 0;
   int64_t max_rows = 0;  // rows this rank holds at most: max_tokens, or a shard's local rows
+  int kv_stage = 0;      // pinned K/V slots (PrefillOptions::kv_staging_layers; n_layers: one each)
   bool half = false;  // linear inputs are cast to the weight dtype first
   // BF16 weights and a cuDNN build: attention runs on BF16 copies of Q, K, V (cuDNN's fused
   // kernel, fp32 softmax and accumulation) and its output is widened back to F32. F32 weights
@@ -671,6 +672,86 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     return Status::ok();
   };
 
+  // Layer l's K/V in pinned memory: its slot of the ring (one slot per layer unless
+  // kv_staging_layers asked for fewer).
+  const auto staged = [&](int l) {
+    return h_kv.as<float>() + size_t(2 * (l % kv_stage)) * size_t(max_rows * kvd);
+  };
+  // A shard's rows (its pieces in order), after the caller's lead rows when it has any.
+  const int64_t lead = keep_kv ? shard.kv_lead_rows : 0;
+  if (!dry) {
+    KvCache& kv = res->kv;
+    kv.n_layers = c.n_layers;
+    kv.n_kv_heads = int(hkv);
+    kv.head_dim = int(d);
+    kv.n_tokens = lead + NL;
+    kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
+    kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
+  }
+  // Layers [landed, last] leave the host side, in order, on this thread, as soon as their copies
+  // land while the device computes later layers (their work is already enqueued: all of it with a
+  // slot per layer, else up to the ring's size, so the host holds the device back only when it
+  // copies slower than the device computes):
+  // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
+  //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
+  //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
+  //   pool first, at the first landing (after the ring's first turn, or the last layer's
+  //   enqueue), while the device computes, and each layer is then one parallel memcpy;
+  // - the device sink places the layer (its block copies were queued before kv_copied; the
+  //   demotions it issues run on the pool's copy stream beside the compute);
+  // - the host hook (KV tiering) gets the layer's host K/V and importance;
+  // - opt.on_layer_done reports progress.
+  int landed = 0;
+  const auto land_through = [&](int last) -> Status {
+    KvCache& kv = res->kv;
+    if (keep_kv && landed == 0 && last >= 0) {
+      const auto a0 = Clock::now();
+      std::vector<std::vector<float>*> vs;
+      for (int l = 0; l < c.n_layers; ++l) {
+        vs.push_back(&kv.k[size_t(l)]);
+        vs.push_back(&kv.v[size_t(l)]);
+      }
+      SF_ENSURE(size_vectors(vs, size_t((lead + NL) * kvd)), kResourceExhausted,
+                "device prefill: no host memory for the kept KV (" +
+                    std::to_string(2 * c.n_layers * (lead + NL) * kvd * 4) + " bytes)");
+      res->kv_alloc_s = seconds_since(a0);
+    }
+    for (; landed <= last; ++landed) {
+      const int l = landed;
+      if (!kv_out) {
+        if (opt.on_layer_done) {
+          SF_TRY(wait_event(layer_end[size_t(l)].get()));
+          opt.on_layer_done(l);
+        }
+        continue;
+      }
+      SF_TRY(wait_event(kv_copied[size_t(l)].get()));
+      float* hk = host_kv ? staged(l) : nullptr;
+      float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
+      if (keep_kv) {
+        const auto c0 = Clock::now();
+        const size_t at = size_t(lead * kvd);
+        parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
+                           size_t(NL * kvd));
+        if (lead > 0)
+          SF_TRY(shard.fill_kv_lead(l, kv.k[size_t(l)].data(), kv.v[size_t(l)].data()));
+        res->kv_copy_s += seconds_since(c0);
+      }
+      if (dev_sink) SF_TRY(place_through(l));
+      std::span<const float> imp_l;
+      if (imp_here && opt.on_layer_kv) {
+        SF_TRY(wait_event(imp_copied[size_t(l)].get()));
+        imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
+                                       size_t(hkv * S));
+      }
+      if (opt.on_layer_kv)
+        SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
+                               TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
+      if (opt.on_layer_done) opt.on_layer_done(l);
+    }
+    return Status::ok();
+  };
+
   for (int l = 0; l < c.n_layers; ++l) {
     const DeviceModel::Impl::Layer& L = m->layers[size_t(l)];
     const int slot = kv_out ? l % 2 : 0;
@@ -703,8 +784,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     if (!dry && kv_out) {
       SF_TRY(stream_after(cp, st, kv_ready[slot].get()));
       if (host_kv) {
+        // The ring's slot is free once the host took out the layer that used it last.
+        if (l >= kv_stage) SF_TRY(land_through(l - kv_stage));
         const size_t bytes = size_t(NL * kvd) * sizeof(float);
-        float* const hk = h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd);
+        float* const hk = staged(l);
         float* const hv = hk + size_t(max_rows * kvd);
         SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
         SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
@@ -907,71 +990,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // before anything else can block on a stream that waits for them.
   if (shard.reduce_tp_enqueue && shard.reduce_tp_wait) SF_TRY(hook_nosync(shard.reduce_tp_wait));
 
-  // The only waits of the run. Each layer's KV leaves pinned memory as soon as its copy is done,
-  // while the device still computes later layers.
-  KvCache& kv = res->kv;
-  kv.n_layers = c.n_layers;
-  kv.n_kv_heads = int(hkv);
-  kv.head_dim = int(d);
-  // A shard's rows (its pieces in order), after the caller's lead rows when it has any.
-  const int64_t lead = keep_kv ? shard.kv_lead_rows : 0;
-  kv.n_tokens = lead + NL;
-  kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
-  kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
-  // Each layer in order, on this thread, as soon as its copies land while the device computes
-  // later layers (every layer's work is already enqueued, so nothing here holds the GPU back):
-  // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
-  //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
-  //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
-  //   pool first, while the device computes, and each layer is then one parallel memcpy;
-  // - the device sink places the layer (its block copies were queued before kv_copied; the
-  //   demotions it issues run on the pool's copy stream beside the compute);
-  // - the host hook (KV tiering) gets the layer's host K/V and importance;
-  // - opt.on_layer_done reports progress.
-  if (keep_kv) {
-    const auto a0 = Clock::now();
-    std::vector<std::vector<float>*> vs;
-    for (int l = 0; l < c.n_layers; ++l) {
-      vs.push_back(&kv.k[size_t(l)]);
-      vs.push_back(&kv.v[size_t(l)]);
-    }
-    SF_ENSURE(size_vectors(vs, size_t((lead + NL) * kvd)), kResourceExhausted,
-              "device prefill: no host memory for the kept KV (" +
-                  std::to_string(2 * c.n_layers * (lead + NL) * kvd * 4) + " bytes)");
-    res->kv_alloc_s = seconds_since(a0);
-  }
-  for (int l = 0; l < c.n_layers; ++l) {
-    if (!kv_out) {
-      if (opt.on_layer_done) {
-        SF_TRY(wait_event(layer_end[size_t(l)].get()));
-        opt.on_layer_done(l);
-      }
-      continue;
-    }
-    SF_TRY(wait_event(kv_copied[size_t(l)].get()));
-    float* hk = host_kv ? h_kv.as<float>() + size_t(2 * l) * size_t(max_rows * kvd) : nullptr;
-    float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
-    if (keep_kv) {
-      const auto c0 = Clock::now();
-      const size_t at = size_t(lead * kvd);
-      parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
-                         size_t(NL * kvd));
-      if (lead > 0)
-        SF_TRY(shard.fill_kv_lead(l, kv.k[size_t(l)].data(), kv.v[size_t(l)].data()));
-      res->kv_copy_s += seconds_since(c0);
-    }
-    if (dev_sink) SF_TRY(place_through(l));
-    std::span<const float> imp_l;
-    if (imp_here && opt.on_layer_kv) {
-      SF_TRY(wait_event(imp_copied[size_t(l)].get()));
-      imp_l = std::span<const float>(h_imp.as<float>() + size_t(l) * size_t(hkv * max_tokens),
-                                     size_t(hkv * S));
-    }
-    if (opt.on_layer_kv)
-      SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
-                             TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
-    if (opt.on_layer_done) opt.on_layer_done(l);
-  }
+  // Every layer's work is enqueued; the layers the ring did not land yet leave pinned memory now.
+  SF_TRY(land_through(c.n_layers - 1));
   SF_CUDA_TRY(cudaStreamSynchronize(st));
   SF_CUDA_TRY(cudaStreamSynchronize(cp));
   res->n_logit_rows = rows;
@@ -987,7 +1007,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     res->attention_s += double(ms) * 1e-3;
   }
   res->kv_peak_bytes =
-      host_kv ? int64_t(c.n_layers) * 2 * max_rows * kvd * int64_t(sizeof(float)) : 0;
+      host_kv ? int64_t(kv_stage) * 2 * max_rows * kvd * int64_t(sizeof(float)) : 0;
   res->importance_s = 0;
   res->importance.clear();
   if (imp_here) {
@@ -1168,7 +1188,14 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   SF_TRY(alloc_host(h_tokens, NL * sizeof(int32_t)));
   SF_TRY(alloc_host(h_logits, size_t(max_logit_rows) * vocab * f));
-  if (host_kv) SF_TRY(alloc_host(h_kv, size_t(c.n_layers) * 2 * NL * kvd * f));
+  // A ring of fewer slots than layers only for the result alone: a per-layer host hook (tiering)
+  // may take long over a layer and keeps a slot per layer, so the device never waits for it.
+  SF_ENSURE(o.kv_staging_layers >= 0, kInvalidArgument,
+            "device prefill: kv_staging_layers must be >= 0, got " +
+                std::to_string(o.kv_staging_layers));
+  kv_stage = o.kv_staging_layers == 0 || o.on_layer_kv ? c.n_layers
+                                                       : std::min(c.n_layers, o.kv_staging_layers);
+  if (host_kv) SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * f));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
   // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.
   SF_ENSURE(o.importance_window == 0 ||

@@ -571,6 +571,52 @@ TEST_F(GpuForward, PlansShareBuffersThroughACache) {
   EXPECT_EQ(cache->device_bytes_held() + cache->host_bytes_held(), 0u);
 }
 
+// ---- The pinned K/V ring (PrefillOptions::kv_staging_layers): with 1 and 3 slots for the 4
+// layers, a layer's copy reuses a slot the host has just emptied, and the host lands layers
+// while the forward is still being enqueued. The result must be the slot-per-layer run's bit for
+// bit (same kernels, same copies; only the order of host work moves): logits, K/V and importance
+// equal exactly, and kv_peak_bytes (the pinned K/V) is the slots' size. A slot reused before the
+// host took its layer out would show as another layer's K/V.
+// --------
+TEST_F(GpuForward, KvStagingRingEqualsASlotPerLayer) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  PrefillOptions all = full_options();
+  all.kv_staging_layers = 0;
+  auto want = prefill_device(dm.value(), ref.tokens, all);
+  ASSERT_OK(want.status());
+  const int64_t layer_bytes = 2 * kTokens * c.n_kv_heads * c.head_dim * int64_t(sizeof(float));
+  EXPECT_EQ(want->kv_peak_bytes, c.n_layers * layer_bytes);
+  for (const int slots : {1, 3}) {
+    PrefillOptions ring = full_options();
+    ring.kv_staging_layers = slots;
+    auto got = prefill_device(dm.value(), ref.tokens, ring);
+    ASSERT_OK(got.status());
+    EXPECT_EQ(got->kv_peak_bytes, slots * layer_bytes) << slots;
+    const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    EXPECT_TRUE(same(got->logits, want->logits)) << slots;
+    ASSERT_EQ(got->kv.k.size(), size_t(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      EXPECT_TRUE(same(got->kv.k[size_t(l)], want->kv.k[size_t(l)])) << slots << " layer " << l;
+      EXPECT_TRUE(same(got->kv.v[size_t(l)], want->kv.v[size_t(l)])) << slots << " layer " << l;
+      EXPECT_TRUE(same(got->importance[size_t(l)], want->importance[size_t(l)]))
+          << slots << " layer " << l;
+    }
+    std::cout << "  " << slots << " pinned K/V slots: " << got->kv_peak_bytes
+              << " bytes against " << want->kv_peak_bytes << ", result identical\n";
+  }
+  // A negative count is refused at plan time.
+  PrefillOptions bad = full_options();
+  bad.kv_staging_layers = -1;
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), kTokens, bad).status().code(),
+            Code::kInvalidArgument);
+}
+
 // ---- A CP shard's importance, on one GPU. ------------------------------------------------------
 // The rank of a CP 2 split holding pieces [0, 192) and [512, 700) (the prompt's end), planned as
 // a shard whose exchange hook fills the other rank's rows from the one-GPU run of the same model,
