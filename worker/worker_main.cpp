@@ -375,11 +375,12 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
 // whether a run would compute it or skip it (resume), its K/V bytes in the export's encoding
 // (at most that under a retention) and its host KV; then the totals and the peak host memory a
 // rank would hold for KV, against what this host has available.
-template <typename KvBytes>
+template <typename KvBytes, typename StagingBytes>
 void print_plan(const Options& o, const model::ModelConfig& cfg,
                 const std::vector<runtime::BatchRequest>& good, int n_groups,
-                const std::string& job, KvBytes&& kv_host_bytes, int local_ranks) {
-  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0;
+                const std::string& job, KvBytes&& kv_host_bytes, StagingBytes&& staging_bytes,
+                int local_ranks) {
+  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, staging = 0;
   std::vector<int64_t> last(size_t(n_groups), 0);  // each group's last computed request's KV
   for (size_t i = 0; i < good.size(); ++i) {
     const runtime::BatchRequest& r = good[i];
@@ -412,15 +413,21 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     // With --export-overlap a rank holds the pending export's KV beside the next request's.
     peak = std::max(peak, host + (o.export_overlap ? last[size_t(group)] : 0));
     last[size_t(group)] = host;
+    // The GPU plan's pinned staging stays at the largest request's (plans pass buffers on).
+    staging = std::max(staging, staging_bytes(T));
   }
   const int64_t avail = host_memory_available();
+  const std::string pinned =
+      o.device == "cuda" ? sformat(", and %s of pinned K/V staging (--kv-staging-layers %d)",
+                                   human_bytes(staging).c_str(), o.kv_staging_layers)
+                         : "";
   std::printf("plan: %lld of %zu requests to compute (%lld tokens), K/V to write at most %s; peak "
-              "host KV a rank %s (--export-overlap %s), %d rank(s) on this host: %s of its %s "
+              "host KV a rank %s (--export-overlap %s)%s, %d rank(s) on this host: %s of its %s "
               "available\n",
               static_cast<long long>(n_compute), good.size(), static_cast<long long>(tokens),
               human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
-              o.export_overlap ? "on" : "off", local_ranks,
-              human_bytes(peak * local_ranks).c_str(), human_bytes(avail).c_str());
+              o.export_overlap ? "on" : "off", pinned.c_str(), local_ranks,
+              human_bytes((peak + staging) * local_ranks).c_str(), human_bytes(avail).c_str());
   std::fflush(stdout);
 }
 
@@ -885,10 +892,22 @@ int run(int argc, char** argv) {
     const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
     return rows * heads * row * cfg.n_layers + layer;
   };
+  // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
+  // --kv-staging-layers layers; a slot per layer with 0, and at TP > 1, whose all-reduces the
+  // device path overlaps: model::PrefillOptions::kv_staging_layers).
+  auto kv_staging_bytes = [&](int64_t T) -> int64_t {
+    if (o.device != "cuda") return 0;
+    const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
+    const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
+    const int64_t slots = o.kv_staging_layers == 0 || o.tp > 1
+                              ? cfg.n_layers
+                              : std::min<int64_t>(cfg.n_layers, o.kv_staging_layers);
+    return rows * heads * int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float)) * slots;
+  };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;
   if (o.dry_run) {
-    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes, local_ranks);
+    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes, kv_staging_bytes, local_ranks);
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {

@@ -608,6 +608,13 @@ PY
     run 4 --model default --cp 2 --dry-run --export-overlap off --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     peak_off=$(sed -n 's/.*peak host KV a rank \(.*\) (--export-overlap off).*/\1/p' "$tmp/stdout")
     [ -n "$peak_on" ] && [ -n "$peak_off" ] && [ "$peak_on" != "$peak_off" ] || fail "dry run: peak $peak_on with the overlap, $peak_off without"
+    # --device cuda (planned only, no GPU needed): the pinned K/V ring, sized for the largest
+    # request (village, 18 tokens: 9 rows a rank x 3 KV heads x 64 x (K, V) x 4 bytes = 13,824 a
+    # layer): 2 slots, then a slot for each of the 30 layers.
+    run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "(--export-overlap on), and 27.6 kB of pinned K/V staging (--kv-staging-layers 2), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    run 4 --model default --cp 2 --device cuda --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "and 415 kB of pinned K/V staging (--kv-staging-layers 0)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
     # After a run, with one summary removed: the plan says what a resume would do.
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 3 ] || fail "real run: exit $rc"
