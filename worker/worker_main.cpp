@@ -1180,9 +1180,10 @@ int run(int argc, char** argv) {
     std::string plan_parts = "null";
     if (x->plan)
       plan_parts = sformat(
-          "{\"device_buffers_s\": %.6f, \"host_buffers_s\": %.6f, \"sparse_s\": %.6f, "
-          "\"shapes_s\": %.6f, \"reused_bytes\": %lld, \"allocated_bytes\": %lld}",
-          x->plan->device_buffers_s, x->plan->host_buffers_s, x->plan->sparse_s,
+          "{\"total_s\": %.6f, \"device_buffers_s\": %.6f, \"host_buffers_s\": %.6f, "
+          "\"sparse_s\": %.6f, \"shapes_s\": %.6f, \"reused_bytes\": %lld, "
+          "\"allocated_bytes\": %lld}",
+          x->plan->total_s, x->plan->device_buffers_s, x->plan->host_buffers_s, x->plan->sparse_s,
           x->plan->shapes_s, static_cast<long long>(x->plan->reused_bytes),
           static_cast<long long>(x->plan->allocated_bytes));
     summary += std::string(group) + ", \"plan_parts\": " + plan_parts +

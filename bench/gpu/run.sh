@@ -533,7 +533,7 @@ if [[ -n "${SF_WORKER_OVERLAP:-}" ]]; then
        >>"$logs/build.log" 2>&1; then
     fail "export overlap benchmark failed (its output is at the end of build.log)"
   fi
-  notes+=("$(cut -c1-800 "$oj")")
+  [[ -s "$oj" ]] && notes+=("$(cut -c1-800 "$oj")")
 fi
 
 # ---- the worker's plans across prompt lengths (needs -DSF_MPI=ON and 2 GPUs) ------------------
@@ -543,7 +543,7 @@ if [[ "${SF_WORKER_PLANS:-0}" == 1 ]]; then
        >>"$logs/build.log" 2>&1; then
     fail "plan reuse benchmark failed (its output is at the end of build.log)"
   fi
-  notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["variant"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]], [q["prefill_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
+  [[ -s "$pj" ]] && notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["variant"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]], [q["prefill_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------

@@ -13,6 +13,7 @@
 # (default 8); SF_PLAN_REPS (default 1) pairs of jobs, alternating which mode goes first;
 # SF_PLAN_ARGS: more worker flags for both. An untimed one-request job runs first (a fresh
 # machine's first job pays for first-touching its memory).
+# SF_PLAN_ARGS must not set --kv-staging-layers or --tp (the records name 8 and 1).
 # Each record: the job's wall time and, per request, plan_s (the worker's: the last plan's
 # release and this plan) and plan_parts (this rank's device prefill plan: device buffers, pinned
 # host buffers, sparse plans, shapes; bytes reused and allocated), prefill_s and export_s.
@@ -58,7 +59,7 @@ for mode in "${order[@]}"; do
   t0=$(date +%s%N)
   run_job "$tmp/p.jsonl" "$tmp/out" "$tmp/log" "$mode"
   wall=$(( ($(date +%s%N) - t0) / 1000000 ))
-  grep -E '^\[group|^batch' "$tmp/log"
+  grep -E '^\[group|^batch' "$tmp/log" || true
   records+=("$mode $wall $(cat "$tmp"/out/r*.json | python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin]; print(json.dumps(r))')")
 done
 device="$(mpi_bench_device gpu)"

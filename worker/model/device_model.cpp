@@ -244,6 +244,8 @@ Status stream_after(cudaStream_t waiter, cudaStream_t producer, cudaEvent_t ev) 
 struct DeviceBufferCache::Impl {
   std::map<size_t, DeviceBuffer> device;
   std::map<size_t, PinnedBuffer> host;
+  bool lent = false;  // a live plan draws on it (one at a time)
+  int device_ordinal = -1;  // where its device buffers live
 };
 
 DeviceBufferCache::DeviceBufferCache() : impl_(std::make_unique<Impl>()) {}
@@ -413,6 +415,8 @@ struct DevicePrefill::Impl {
   // opt.buffers: the buffers this plan holds, by role, to give back when it is destroyed.
   std::map<size_t, DeviceBuffer*> dev_roles;
   std::map<size_t, PinnedBuffer*> host_roles;
+  bool holds_cache = false;  // this plan draws on opt.buffers (and gives back to it)
+  bool idle = true;          // no run in progress or failed since the last success
 
   CudaStream compute, copy;
   // Device workspace, NL = the rows this rank holds (S unsharded). x: residual [NL, H]; q, att:
@@ -464,14 +468,21 @@ struct DevicePrefill::Impl {
   ~Impl() {
     // An error path may leave work in flight on buffers about to be freed.
     (void)cudaSetDevice(m ? m->device : 0);
-    if (compute.get()) (void)cudaStreamSynchronize(compute.get());
-    if (copy.get()) (void)cudaStreamSynchronize(copy.get());
-    // Nothing is in flight now: the buffers go back to the cache for the next plan.
-    if (DeviceBufferCache* bc = opt.buffers.get()) {
-      for (auto& [role, b] : dev_roles)
-        if (b->data()) bc->impl_->device[role] = std::move(*b);
-      for (auto& [role, b] : host_roles)
-        if (b->data()) bc->impl_->host[role] = std::move(*b);
+    bool synced = true;
+    if (compute.get()) synced = cudaStreamSynchronize(compute.get()) == cudaSuccess && synced;
+    if (copy.get()) synced = cudaStreamSynchronize(copy.get()) == cudaSuccess && synced;
+    if (DeviceBufferCache* bc = holds_cache ? opt.buffers.get() : nullptr) {
+      // The buffers go back to the cache for the next plan only when nothing can still be
+      // writing them: the last run succeeded (a failed one may have left a TP sum in flight on
+      // the communicator's stream over `part`) and both streams drained. Otherwise they are
+      // freed with the plan.
+      if (idle && synced) {
+        for (auto& [role, b] : dev_roles)
+          if (b->data()) bc->impl_->device[role] = std::move(*b);
+        for (auto& [role, b] : host_roles)
+          if (b->data()) bc->impl_->host[role] = std::move(*b);
+      }
+      bc->impl_->lent = false;
     }
   }
 
@@ -489,7 +500,7 @@ struct DevicePrefill::Impl {
   Status take_or_alloc(Buf& b, size_t bytes, std::map<size_t, Buf> DeviceBufferCache::Impl::*pool,
                        std::map<size_t, Buf*>& roles, double& timer) {
     const auto t0 = Clock::now();
-    if (opt.buffers) {
+    if (holds_cache) {
       std::map<size_t, Buf>& spares = opt.buffers->impl_.get()->*pool;
       const size_t role = role_of(&b);
       roles[role] = &b;
@@ -506,7 +517,7 @@ struct DevicePrefill::Impl {
       }
     }
     Status st = b.alloc(bytes);
-    if (!st.is_ok() && opt.buffers) {
+    if (!st.is_ok() && holds_cache) {
       opt.buffers->clear();
       (void)cudaGetLastError();  // the failed allocation's error is not the next launch's
       st = b.alloc(bytes);
@@ -702,6 +713,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - the host hook (KV tiering) gets the layer's host K/V and importance;
   // - opt.on_layer_done reports progress.
   int landed = 0;
+  Status land_error;  // the ring's first failed landing (see its call in the layer loop)
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
     if (keep_kv && landed == 0 && last >= 0) {
@@ -784,8 +796,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     if (!dry && kv_out) {
       SF_TRY(stream_after(cp, st, kv_ready[slot].get()));
       if (host_kv) {
-        // The ring's slot is free once the host took out the layer that used it last.
-        if (l >= kv_stage) SF_TRY(land_through(l - kv_stage));
+        // The ring's slot is free once the host took out the layer that used it last. A failed
+        // landing stops the host's side, not the enqueueing: a shard's peers wait in this
+        // layer's and later layers' collectives, so the error is returned after them.
+        if (l >= kv_stage && land_error.is_ok()) land_error = land_through(l - kv_stage);
         const size_t bytes = size_t(NL * kvd) * sizeof(float);
         float* const hk = staged(l);
         float* const hv = hk + size_t(max_rows * kvd);
@@ -991,6 +1005,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   if (shard.reduce_tp_enqueue && shard.reduce_tp_wait) SF_TRY(hook_nosync(shard.reduce_tp_wait));
 
   // Every layer's work is enqueued; the layers the ring did not land yet leave pinned memory now.
+  SF_TRY(land_error);
   SF_TRY(land_through(c.n_layers - 1));
   SF_CUDA_TRY(cudaStreamSynchronize(st));
   SF_CUDA_TRY(cudaStreamSynchronize(cp));
@@ -1124,6 +1139,17 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   m = &dmi;
   opt = o;
+  if (opt.buffers) {
+    // Two live plans on one cache would each give back the other's roles.
+    SF_ENSURE(!opt.buffers->impl_->lent, kInvalidArgument,
+              "device prefill: PrefillOptions::buffers is held by another live plan (one plan at "
+              "a time draws on a DeviceBufferCache; destroy that plan first)");
+    opt.buffers->impl_->lent = true;
+    holds_cache = true;
+    // Buffers of another device are of no use here.
+    if (opt.buffers->impl_->device_ordinal != dmi.device) opt.buffers->clear();
+    opt.buffers->impl_->device_ordinal = dmi.device;
+  }
   max_tokens = max_toks;
   max_rows = max_toks;
   if (sharded) {
@@ -1188,13 +1214,18 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   SF_TRY(alloc_host(h_tokens, NL * sizeof(int32_t)));
   SF_TRY(alloc_host(h_logits, size_t(max_logit_rows) * vocab * f));
-  // A ring of fewer slots than layers only for the result alone: a per-layer host hook (tiering)
-  // may take long over a layer and keeps a slot per layer, so the device never waits for it.
   SF_ENSURE(o.kv_staging_layers >= 0, kInvalidArgument,
             "device prefill: kv_staging_layers must be >= 0, got " +
                 std::to_string(o.kv_staging_layers));
-  kv_stage = o.kv_staging_layers == 0 || o.on_layer_kv ? c.n_layers
-                                                       : std::min(c.n_layers, o.kv_staging_layers);
+  // A ring of fewer slots than layers only for the result alone: a per-layer host hook or device
+  // sink (tiering, which may take long over a layer) keeps a slot per layer, so the device never
+  // waits for it. Nor with overlapped TP sums: a layer's copy waits on them, and only the
+  // communicator's wait after the last layer has a deadline, so the host must not block on a
+  // copy before that.
+  kv_stage = o.kv_staging_layers == 0 || o.on_layer_kv || o.on_layer_kv_device ||
+                     shard.reduce_tp_enqueue
+                 ? c.n_layers
+                 : std::min(c.n_layers, o.kv_staging_layers);
   if (host_kv) SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * f));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
   // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.
@@ -1249,7 +1280,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   }
   // What the cache holds that this plan did not take is sized for another plan: free it now
   // rather than hold it to the next.
-  if (opt.buffers) {
+  if (holds_cache) {
     opt.buffers->impl_->device.clear();
     opt.buffers->impl_->host.clear();
   }
@@ -1413,6 +1444,7 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
+  w.idle = false;
   Status st = w.forward(tokens, S, &res);
   // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
   // past what this run needed and run again (twice at most: float atomics in the scoring can
@@ -1431,6 +1463,7 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
     st = w.forward(tokens, S, &res);
   }
   SF_TRY(st);
+  w.idle = true;
   res.seconds = seconds_since(t0);
   return res;
 }
@@ -1465,7 +1498,9 @@ Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
     return std::max(cap, int((int64_t(need) * 5 / 4 + 63) / 64 * 64));
   };
   w.sparse_broken = true;  // until the re-plan below succeeds whole
+  const PlanTimes setup_times = w.times;  // plan_times() describes the setup, not later grows
   SF_TRY(w.plan_sparse(room(max_blocks, w.cap_blocks), room(max_cols, w.cap_cols)));
+  w.times = setup_times;
   w.sparse_broken = false;
   w.ws_bytes -= before;                                 // alloc() counted the new arena
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the new arena's poisoning

@@ -144,7 +144,11 @@ struct PlanTimes {
 // cache when the one left there under the same role is large enough (a shorter prompt reuses
 // all of them), allocates the rest, frees what it did not take once its setup is done, and
 // gives every buffer back when it is destroyed. Buffers keep their larger size, as a caching
-// allocator's do: bytes_held() says how much. One plan at a time draws on a cache, on one thread.
+// allocator's do: the *_bytes_held() say how much. One plan at a time draws on a cache (a second
+// live plan on it is refused with kInvalidArgument, so a prefix prefill's hit and miss plans
+// need a cache each), on one thread. A plan whose last run failed frees its buffers instead of
+// giving them back (work may still be in flight on them), and a plan on another device than the
+// cache's last clears it first.
 class DeviceBufferCache {
  public:
   DeviceBufferCache();

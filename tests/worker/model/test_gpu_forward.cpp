@@ -503,10 +503,12 @@ TEST_F(GpuForward, PlanReuseAndLastRowOnly) {
 // ---- Plans that share buffers (DeviceBufferCache): a 700-token plan, then a 500-token plan that
 // must take every buffer from the cache (each large enough) and allocate none, then a 900-token
 // plan that must allocate. Each run's logits, K/V and importance equal a plan of the same length
-// planned without the cache, to fp32 rounding (1e-6; same kernels and shapes), and are finite: the
-// cache's buffers are NaN-poisoned again when taken, so an element the shorter run did not write
-// cannot pass with the longer run's stale value. Between plans the cache holds the last plan's
-// buffers (device and pinned host); while a plan lives it holds none.
+// planned without the cache, to fp32 rounding (1e-6; same kernels and shapes), and are finite.
+// (The cache's buffers are NaN-poisoned again when taken, as fresh ones are; a correct forward
+// writes every element before reading it, so this test cannot tell whether they were: the
+// poisoning guards the forward's own bugs, which the other tests here would show as NaN.)
+// Between plans the cache holds the last plan's buffers (device and pinned host); while a plan
+// lives it holds none, and a second plan on it is refused.
 // --------
 TEST_F(GpuForward, PlansShareBuffersThroughACache) {
   ASSERT_NE(reference(), nullptr);
@@ -536,6 +538,9 @@ TEST_F(GpuForward, PlansShareBuffersThroughACache) {
       EXPECT_GT(held, 0u);
       EXPECT_GT(t.reused_bytes, 0) << n;
     }
+    // A second live plan on the same cache is refused (it would take and give back the
+    // first's roles); the first keeps its buffers.
+    EXPECT_EQ(DevicePrefill::plan(dm.value(), n, cached).status().code(), Code::kInvalidArgument);
     if (n == 500) EXPECT_EQ(t.allocated_bytes, 0) << "every buffer of the 700-token plan fits";
     if (n == 900) EXPECT_GT(t.allocated_bytes, 0) << "the 700-token buffers are too small";
     auto got = plan->run(toks);
