@@ -885,8 +885,15 @@ int run(int argc, char** argv) {
   // Host memory a rank holds for one request's KV while it is prefilled and exported: its rows of
   // its KV heads in F32 (a sharded export's ranks), or the whole cache (a gathering rank); the
   // CPU runtime also holds one layer's whole-prompt K/V twice (its own and the exchanged).
+  // A rank's rows: its share of the prompt, or on the GPU all of a prompt too short for a 64-token
+  // block on every CP rank, which each CP rank computes whole (runtime::DeviceParallelPrefill).
+  auto rank_rows = [&](int64_t T) {
+    if (!sharded) return T;
+    if (o.device == "cuda" && o.cp > 1 && T < 2 * int64_t(o.cp) * 64) return T;
+    return (T + o.cp - 1) / o.cp;
+  };
   auto kv_host_bytes = [&](int64_t T) {
-    const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
+    const int64_t rows = rank_rows(T);
     const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
     const int64_t row = int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float));  // K and V
     const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
@@ -897,7 +904,7 @@ int run(int argc, char** argv) {
   // device path overlaps: model::PrefillOptions::kv_staging_layers).
   auto kv_staging_bytes = [&](int64_t T) -> int64_t {
     if (o.device != "cuda") return 0;
-    const int64_t rows = sharded ? (T + o.cp - 1) / o.cp : T;
+    const int64_t rows = rank_rows(T);
     const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
     const int64_t slots = o.kv_staging_layers == 0 || o.tp > 1
                               ? cfg.n_layers

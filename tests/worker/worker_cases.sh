@@ -609,12 +609,14 @@ PY
     peak_off=$(sed -n 's/.*peak host KV a rank \(.*\) (--export-overlap off).*/\1/p' "$tmp/stdout")
     [ -n "$peak_on" ] && [ -n "$peak_off" ] && [ "$peak_on" != "$peak_off" ] || fail "dry run: peak $peak_on with the overlap, $peak_off without"
     # --device cuda (planned only, no GPU needed): the pinned K/V ring, sized for the largest
-    # request (village, 18 tokens: 9 rows a rank x 3 KV heads x 64 x (K, V) x 4 bytes = 13,824 a
-    # layer): 2 slots, then a slot for each of the 30 layers.
+    # request (village, 18 tokens, under 2 x CP x 64, so each CP rank computes all of it: 18 rows
+    # x 3 KV heads x 64 x (K, V) x 4 bytes = 27,648 a layer): 2 slots, then one for each of the
+    # 30 layers; and lighthouse's host KV is its 7 tokens whole (7 x 30 x 3 x 64 x 2 x 4).
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    grep -q "(--export-overlap on), and 27.6 kB of pinned K/V staging (--kv-staging-layers 2), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    grep -q "(--export-overlap on), and 55.3 kB of pinned K/V staging (--kv-staging-layers 2), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank$" "$tmp/stdout" || fail "dry run: cuda lighthouse ($(grep '^plan: lighthouse' "$tmp/stdout"))"
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    grep -q "and 415 kB of pinned K/V staging (--kv-staging-layers 0)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    grep -q "and 829 kB of pinned K/V staging (--kv-staging-layers 0)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
     # After a run, with one summary removed: the plan says what a resume would do.
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 3 ] || fail "real run: exit $rc"
