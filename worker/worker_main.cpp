@@ -900,13 +900,12 @@ int run(int argc, char** argv) {
     return rows * heads * row * cfg.n_layers + layer;
   };
   // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
-  // --kv-staging-layers layers; a slot per layer with 0, and at TP > 1, whose all-reduces the
-  // device path overlaps: model::PrefillOptions::kv_staging_layers).
+  // --kv-staging-layers layers; a slot per layer with 0: model::PrefillOptions::kv_staging_layers).
   auto kv_staging_bytes = [&](int64_t T) -> int64_t {
     if (o.device != "cuda") return 0;
     const int64_t rows = rank_rows(T);
     const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
-    const int64_t slots = o.kv_staging_layers == 0 || o.tp > 1
+    const int64_t slots = o.kv_staging_layers == 0
                               ? cfg.n_layers
                               : std::min<int64_t>(cfg.n_layers, o.kv_staging_layers);
     return rows * heads * int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float)) * slots;

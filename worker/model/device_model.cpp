@@ -19,6 +19,7 @@
 
 #include "common/hash.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "common/thread_pool.h"
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -658,11 +659,20 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   }
 
   // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
-  // flag), beside other ranks' threads.
-  const auto wait_event = [](cudaEvent_t e) -> Status {
+  // flag), beside other ranks' threads. A shard whose copies can wait on a collective bounds
+  // them (DeviceShard::copy_wait_timeout_s).
+  const double wait_limit_s = sharded ? shard.copy_wait_timeout_s : 0.0;
+  const auto wait_event = [wait_limit_s](cudaEvent_t e) -> Status {
+    const auto w0 = Clock::now();
     cudaError_t ce;
-    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady)
+    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
+      if (wait_limit_s > 0 && seconds_since(w0) > wait_limit_s)
+        return SF_ERR(kDeadlineExceeded,
+                      sformat("device prefill: a K/V copy did not complete in %.0f s (it waits "
+                              "on the TP all-reduces: a peer may have stopped)",
+                              wait_limit_s));
       std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
     SF_CUDA_TRY(ce);
     return Status::ok();
   };
@@ -1219,11 +1229,11 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
                 std::to_string(o.kv_staging_layers));
   // A ring of fewer slots than layers only for the result alone: a per-layer host hook or device
   // sink (tiering, which may take long over a layer) keeps a slot per layer, so the device never
-  // waits for it. Nor with overlapped TP sums: a layer's copy waits on them, and only the
-  // communicator's wait after the last layer has a deadline, so the host must not block on a
-  // copy before that.
+  // waits for it. Nor with overlapped TP sums and no DeviceShard::copy_wait_timeout_s: a layer's
+  // copy waits on them, and only the communicator's wait after the last layer would have a
+  // deadline.
   kv_stage = o.kv_staging_layers == 0 || o.on_layer_kv || o.on_layer_kv_device ||
-                     shard.reduce_tp_enqueue
+                     (shard.reduce_tp_enqueue && !(shard.copy_wait_timeout_s > 0))
                  ? c.n_layers
                  : std::min(c.n_layers, o.kv_staging_layers);
   if (host_kv) SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * f));

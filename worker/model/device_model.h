@@ -124,6 +124,11 @@ struct DeviceShard {
   std::function<Status(float* x, int64_t count, void* ready, void* done)> reduce_tp_enqueue;
   std::function<Status()> reduce_tp_wait;
   bool logits = true;  // whether this rank computes the last row's logits (the group leader)
+  // > 0: the host's waits for this shard's K/V copies (the pinned ring's landings, inside the
+  // layer loop) give up after this many seconds with kDeadlineExceeded. Set it with
+  // reduce_tp_enqueue, whose sums a copy may wait on (the communicator's timeout): without it,
+  // such a plan keeps a pinned slot per layer and waits for copies only after reduce_tp_wait.
+  double copy_wait_timeout_s = 0;
 };
 
 // What a plan's setup spent its time on (DevicePrefill::plan_times), for the worker's summary.

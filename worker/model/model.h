@@ -142,8 +142,8 @@ struct PrefillOptions {
   // DevicePrefill only, with keep_kv: pinned host slots for the layers' K/V on their way to the
   // result (a ring: layer l's copy reuses layer l - N's slot once the host has taken that layer
   // out). 0, or at least n_layers: a slot per layer (every layer's copy can be queued at once),
-  // which is also what a plan with on_layer_kv, on_layer_kv_device or a shard's overlapped TP
-  // sums (reduce_tp_enqueue) gets. Fewer slots pin less host memory (at 128K on a CP 2 rank of
+  // which is also what a plan with on_layer_kv or on_layer_kv_device gets, and a shard with
+  // overlapped TP sums but no DeviceShard::copy_wait_timeout_s. Fewer slots pin less host memory (at 128K on a CP 2 rank of
   // Llama-3-8B, 537 MB a layer) and the device runs at most N layers ahead of the host's copies.
   int kv_staging_layers = 8;
   // DevicePrefill only: take workspace and pinned host buffers from this cache where they are

@@ -158,6 +158,9 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
                                             done);
     };
     shard.reduce_tp_wait = [wp] { return wp->dg->tp->wait_enqueued(); };
+    // A K/V copy can wait on these sums: the host's waits for copies get the communicator's
+    // deadline, so a dead TP peer is an error there too, not a hang.
+    shard.copy_wait_timeout_s = std::chrono::duration<double>(wp->dg->tp->timeout()).count();
   } else if (TP > 1) {
     shard.reduce_tp = [wp](float* x, int64_t count) {
       return wp->dg->tp->all_reduce(x, x, count, DType::kF32, comm::ReduceOp::kSum);

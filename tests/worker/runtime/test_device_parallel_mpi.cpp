@@ -280,7 +280,8 @@ TEST(DeviceParallel, Bf16SyntheticCp2SparseAShape) {
 // Overlapped TP (the default: per-chunk all-reduces enqueued on NCCL's stream behind events)
 // against the blocking all-reduce of every row after a drain: with two slices each sum is one
 // fp32 addition, whose result does not depend on when or in which pieces it runs, so logits and
-// K/V must agree bit for bit, on every rank.
+// K/V must agree bit for bit, on every rank. The overlapped run stages its K/V through a
+// one-slot pinned ring (kv_staging_layers 1), the blocking one through a slot per layer.
 TEST(DeviceParallel, Bf16Tp2OverlapEqualsBlocking) {
   if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
   auto& w = test_world();
@@ -301,6 +302,9 @@ TEST(DeviceParallel, Bf16Tp2OverlapEqualsBlocking) {
   for (bool overlap : {true, false}) {
     runtime::DeviceParallelOptions po;
     po.overlap_tp = overlap;
+    // The overlapped run also stages K/V through one pinned slot (its landings wait on copies
+    // behind the TP sums, under the communicator's deadline): the same bytes either way.
+    o.kv_staging_layers = overlap ? 1 : 0;
     auto p =
         runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, o, po);
     ASSERT_TRUE(p.is_ok()) << p.status().to_string();
