@@ -116,12 +116,14 @@ struct Options {
   std::optional<model::SyntheticModelSpec> synthetic;
 };
 
-Result<int64_t> parse_int(const std::string& k, const std::string& v) {
+Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo = 1) {
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end || errno || x <= 0)
-    return SF_ERR(kInvalidArgument, "--" + k + " must be a positive integer, got '" + v + "'");
+  if (v.empty() || *end || errno || x < lo)
+    return SF_ERR(kInvalidArgument, "--" + k + " must be a " +
+                                        (lo == 1 ? "positive" : ">= " + std::to_string(lo)) +
+                                        " integer, got '" + v + "'");
   return int64_t(x);
 }
 
@@ -190,13 +192,11 @@ Result<Options> parse_options(int argc, char** argv) {
     o.export_threads = int(x);
   }
   if (kv.count("kv-staging-layers")) {
-    const std::string& v = kv["kv-staging-layers"];  // 0 is allowed: a slot per layer
-    char* end = nullptr;
-    errno = 0;
-    const long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end || errno || x < 0 || x > 4096)
+    const std::string& v = kv["kv-staging-layers"];
+    const auto x = parse_int("kv-staging-layers", v, 0);  // 0 is allowed: a slot per layer
+    if (!x.is_ok() || x.value() > 4096)
       return SF_ERR(kInvalidArgument, "--kv-staging-layers must be in [0, 4096], got " + v);
-    o.kv_staging_layers = int(x);
+    o.kv_staging_layers = int(x.value());
   }
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
@@ -892,23 +892,23 @@ int run(int argc, char** argv) {
     if (o.device == "cuda" && o.cp > 1 && T < 2 * int64_t(o.cp) * 64) return T;
     return (T + o.cp - 1) / o.cp;
   };
+  const int64_t row = int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float));  // K and V, F32
+  // One layer of this rank's K/V: its rows of its KV heads.
+  auto rank_layer_bytes = [&](int64_t T) {
+    return rank_rows(T) * (sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads) * row;
+  };
   auto kv_host_bytes = [&](int64_t T) {
-    const int64_t rows = rank_rows(T);
-    const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
-    const int64_t row = int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float));  // K and V
     const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
-    return rows * heads * row * cfg.n_layers + layer;
+    return rank_layer_bytes(T) * cfg.n_layers + layer;
   };
   // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
   // --kv-staging-layers layers; a slot per layer with 0: model::PrefillOptions::kv_staging_layers).
   auto kv_staging_bytes = [&](int64_t T) -> int64_t {
-    if (o.device != "cuda") return 0;
-    const int64_t rows = rank_rows(T);
-    const int64_t heads = sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads;
+    if (o.device != "cuda") return int64_t(0);
     const int64_t slots = o.kv_staging_layers == 0
                               ? cfg.n_layers
                               : std::min<int64_t>(cfg.n_layers, o.kv_staging_layers);
-    return rows * heads * int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float)) * slots;
+    return rank_layer_bytes(T) * slots;
   };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;

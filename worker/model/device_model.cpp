@@ -251,16 +251,16 @@ struct DeviceBufferCache::Impl {
 
 DeviceBufferCache::DeviceBufferCache() : impl_(std::make_unique<Impl>()) {}
 DeviceBufferCache::~DeviceBufferCache() = default;
-size_t DeviceBufferCache::device_bytes_held() const {
+namespace {
+template <typename Spares>
+size_t bytes_held(const Spares& m) {
   size_t n = 0;
-  for (const auto& [k, b] : impl_->device) n += b.size();
+  for (const auto& [role, b] : m) n += b.size();
   return n;
 }
-size_t DeviceBufferCache::host_bytes_held() const {
-  size_t n = 0;
-  for (const auto& [k, b] : impl_->host) n += b.size();
-  return n;
-}
+}  // namespace
+size_t DeviceBufferCache::device_bytes_held() const { return bytes_held(impl_->device); }
+size_t DeviceBufferCache::host_bytes_held() const { return bytes_held(impl_->host); }
 void DeviceBufferCache::clear() {
   impl_->device.clear();
   impl_->host.clear();
@@ -661,7 +661,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
   // flag), beside other ranks' threads. A shard whose copies can wait on a collective bounds
   // them (DeviceShard::copy_wait_timeout_s).
-  const double wait_limit_s = sharded ? shard.copy_wait_timeout_s : 0.0;
+  const double wait_limit_s = shard.copy_wait_timeout_s;
   const auto wait_event = [wait_limit_s](cudaEvent_t e) -> Status {
     const auto w0 = Clock::now();
     cudaError_t ce;
