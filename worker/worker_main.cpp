@@ -1227,6 +1227,9 @@ int run(int argc, char** argv) {
           ? nullptr
           : std::make_shared<model::DeviceBufferCache>();
   std::array<int64_t, 3> dplan_key{-1, -1, -1};           // its tokens, importance window, pool
+  // Pinned K/V staging the last plan holds (kv_staging_bytes): a cache keeps the largest plan's
+  // buffers, without one each plan pins its own.
+  int64_t staging_held = 0;
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -1258,12 +1261,14 @@ int run(int argc, char** argv) {
       // times the ranks of this host, would not fit in the host memory now available beside the
       // pending one's, that export finishes first; any rank short of memory decides for its
       // group, so every rank runs the same collectives.
-      const int64_t need = kv_host_bytes(int64_t(r.tokens.size()));
+      const int64_t T = int64_t(r.tokens.size());
+      const int64_t need = kv_host_bytes(T);
       const int64_t avail = fault.kind == "low_memory" && fault.rank == world->rank()
                                 ? 0
                                 : host_memory_available();
       const int32_t mine =
-          avail >= 0 && double(need) * local_ranks * 1.25 > double(avail) ? 1 : 0;
+          runtime::overlap_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail) ? 0
+                                                                                              : 1;
       int32_t any = 0;
       if (Status st = g.group_comm->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax);
           !st.is_ok())
@@ -1399,8 +1404,11 @@ int run(int argc, char** argv) {
         if (ok.is_ok()) {
           dplan.emplace(std::move(plan).value());
           dplan_key = key;
+          const int64_t staged = kv_staging_bytes(int64_t(r.tokens.size()));
+          staging_held = dbuffers ? std::max(staging_held, staged) : staged;
         } else {
           pr = ok;
+          if (!dbuffers) staging_held = 0;
         }
       }
       if (dplan) {

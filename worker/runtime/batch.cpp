@@ -284,4 +284,11 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
   return "its export was made for other inputs (fingerprint " + had + ", now " + fingerprint + ")";
 }
 
+bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
+                  int64_t avail) {
+  if (avail < 0) return true;
+  const int64_t need = kv_bytes + std::max<int64_t>(0, staging_bytes - staging_held);
+  return double(need) * local_ranks * 1.25 <= double(avail);
+}
+
 }  // namespace sf::runtime

@@ -70,6 +70,14 @@ bool request_complete(const std::string& out_dir, const std::string& id,
 std::string request_stale_reason(const std::string& out_dir, const std::string& id,
                                  const std::string& fingerprint);
 
+// Whether a rank has host memory for the next request beside a pending export (the export
+// overlap): its KV (kv_bytes) plus what its device plan's pinned K/V staging must grow by
+// (staging_bytes for this request against staging_held, what the last plan pinned and passes
+// on: a longer prompt pins more), times the ranks on this host, within 0.8 of avail (-1: unknown,
+// which passes).
+bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
+                  int64_t avail);
+
 // The output directory's lock (DIR/.sparsefill-worker.lock, flock): one job writes a directory
 // at a time. Returns the descriptor to keep open for the job's life, -1 when the filesystem has
 // no flock (no lock: the caller says so), kAlreadyExists naming the holder's pid and host when
