@@ -66,6 +66,7 @@ const char* kUsage =
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N] [--dry-run]\n"
+    "                  [--host-memory-check on|off]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -84,6 +85,9 @@ struct Options {
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
   int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
+  // on: a request whose KV (with a device plan's pinned staging) does not fit in 0.8 of the
+  // host memory available, counted for every rank on the host, fails before its prefill.
+  bool host_memory_check = true;
   // The plan alone: every line checked (bad lines reported as a run reports them), each request's
   // group, resume status and KV sizes, the peak host memory for KV; no prefill, nothing written.
   bool dry_run = false;
@@ -148,7 +152,8 @@ Result<Options> parse_options(int argc, char** argv) {
                                    "cp",     "attention", "chunk",     "comm-timeout",
                                    "export", "device",    "retention", "kv-dtype",
                                    "prefix-cache", "stall-timeout", "metrics-file",
-                                   "export-overlap", "export-threads", "kv-staging-layers"};
+                                   "export-overlap", "export-threads", "kv-staging-layers",
+                                   "host-memory-check"};
     if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
         std::end(valued))
       return SF_ERR(kInvalidArgument, "unknown option --" + k);
@@ -172,6 +177,12 @@ Result<Options> parse_options(int argc, char** argv) {
     if (v != "on" && v != "off")
       return SF_ERR(kInvalidArgument, "--export-overlap must be on or off, got '" + v + "'");
     o.export_overlap = v == "on";
+  }
+  if (kv.count("host-memory-check")) {
+    const std::string& v = kv["host-memory-check"];
+    if (v != "on" && v != "off")
+      return SF_ERR(kInvalidArgument, "--host-memory-check must be on or off, got '" + v + "'");
+    o.host_memory_check = v == "on";
   }
   if (kv.count("tp")) {
     SF_ASSIGN(const int64_t x, parse_int("tp", kv["tp"]));
@@ -261,7 +272,8 @@ struct Fault {
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
   // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
   // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
-  // and slow_export at once), low_memory (the rank sees no host memory available).
+  // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
+  // the overlap's check), no_memory (none at all: the request's own check).
   std::string kind;
   int rank = -1, layer = -1;
 };
@@ -1256,30 +1268,58 @@ int run(int argc, char** argv) {
                     static_cast<long long>(k), static_cast<long long>(my_total), r.id.c_str());
       continue;
     }
-    if (pending) {
-      // Two requests' KV at once is the overlap's price. Where this request's (kv_host_bytes),
-      // times the ranks of this host, would not fit in the host memory now available beside the
-      // pending one's, that export finishes first; any rank short of memory decides for its
-      // group, so every rank runs the same collectives.
-      const int64_t T = int64_t(r.tokens.size());
-      const int64_t need = kv_host_bytes(T);
-      const int64_t avail = fault.kind == "low_memory" && fault.rank == world->rank()
-                                ? 0
-                                : host_memory_available();
-      const int32_t mine =
-          runtime::overlap_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail) ? 0
-                                                                                              : 1;
-      int32_t any = 0;
-      if (Status st = g.group_comm->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax);
+    // Whether any rank of the group is short of host memory for this request's KV (plus what
+    // its device plan's pinned staging grows by), beside whatever is still held: all of the
+    // group's ranks take part, so they run the same collectives.
+    const int64_t T = int64_t(r.tokens.size());
+    const int64_t need = kv_host_bytes(T);
+    // room: the least memory a rank of the group may use (0.8 of its host's available memory
+    // over the host's ranks), for the message.
+    const int64_t grow = std::max<int64_t>(0, kv_staging_bytes(T) - staging_held);
+    int64_t room = 0;
+    auto group_short = [&](bool beside_pending) -> bool {
+      const bool faulted = fault.rank == world->rank() &&
+                           ((fault.kind == "low_memory" && beside_pending) ||
+                            fault.kind == "no_memory");
+      const int64_t avail = faulted ? 0 : host_memory_available();
+      const bool fits =
+          runtime::overlap_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
+      std::array<int64_t, 2> mine{fits ? 1 : 0,
+                                  avail < 0 ? INT64_MAX : int64_t(0.8 * double(avail) / local_ranks)},
+          all{};
+      if (Status st = g.group_comm->all_reduce(mine.data(), all.data(), 2, DType::kI64,
+                                               comm::ReduceOp::kMin);
           !st.is_ok())
         fatal(st);
-      if (any) {
-        if (g.leader())
-          std::printf("[group %d] %s: %.2f GB of KV to compute and a rank of the group short of "
-                      "host memory for it beside %s's: that export finishes first\n",
-                      g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
-        complete_export(std::move(pending));
-      }
+      room = all[1];
+      return all[0] == 0;
+    };
+    if (pending && group_short(true)) {
+      // Two requests' KV at once is the overlap's price: where this one would not fit beside
+      // the pending export's, that export finishes first.
+      if (g.leader())
+        std::printf("[group %d] %s: %.2f GB of KV to compute and a rank of the group short of "
+                    "host memory for it beside %s's: that export finishes first\n",
+                    g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
+      complete_export(std::move(pending));
+    }
+    // A request whose KV does not fit on its own fails here, before its prefill, instead of
+    // taking the host's last memory (and the job with it when the kernel kills a rank); the
+    // job goes on with the next request.
+    if (o.host_memory_check && group_short(false)) {
+      ++n_failed;
+      if (g.leader())
+        std::fprintf(stderr,
+                     "%s:%lld: request '%s' failed: its KV needs %s of host memory a rank%s, and "
+                     "a rank of the group may use %s (0.8 of its host's available memory over "
+                     "the host's %d rank(s)); --dry-run prints each request's need, "
+                     "--host-memory-check off skips this check\n",
+                     o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(),
+                     human_bytes(need + grow).c_str(),
+                     grow > 0 ? sformat(" (%s of it pinned staging)", human_bytes(grow).c_str()).c_str()
+                              : "",
+                     human_bytes(room).c_str(), local_ranks);
+      continue;
     }
     runtime::ParallelOptions po;
     po.chunk = o.chunk;

@@ -585,6 +585,19 @@ PY
         cmp -s "$f" "$tmp/sh_low/$id/$(basename "$f")" || fail "low memory: $id: $(basename "$f") differs"
       done
     done
+    # A rank with no host memory for any request's KV: each request fails before its prefill,
+    # with the need and the way out named, and the job goes on to the end; without the check
+    # the same job writes both.
+    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
+    [ "$rc" -eq 3 ] || fail "no memory: exit $rc, want 3"
+    grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "no memory: summary"
+    [ "$(grep -c "request 'doc[12]' failed: its KV needs [0-9.]* [kMG]B of host memory a rank, and a rank of the group may use 0 B (0.8 of its host's available memory over the host's 2 rank(s)); --dry-run prints each request's need, --host-memory-check off skips this check" "$tmp/stderr")" -eq 2 ] \
+      || fail "no memory: want both requests' reason"
+    [ ! -e "$tmp/sh_nomem/doc1" ] && [ ! -e "$tmp/sh_nomem/doc2" ] || fail "no memory: outputs $(ls "$tmp/sh_nomem")"
+    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --host-memory-check off --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
+    [ "$rc" -eq 0 ] && grep -q "batch done: 2 written, 0 already complete, 0 failed" "$tmp/stdout" || fail "no memory, check off: exit $rc"
+    run 1 --model default --host-memory-check maybe --batch "$tmp/long.jsonl" --out "$tmp/bad"
+    [ "$rc" -eq 2 ] && grep -q "^error: --host-memory-check must be on or off, got 'maybe'" "$tmp/stderr" || fail "--host-memory-check maybe: exit $rc"
     run 2 --model default --cp 2 --export-overlap maybe --batch "$tmp/prompts.jsonl" --out "$tmp/bad"
     [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
     errors | grep -q "^error: --export-overlap must be on or off, got 'maybe'" || fail "--export-overlap message"
