@@ -547,16 +547,18 @@ int run(int argc, char** argv) {
     if (all.is_ok()) {
       const Options& p = opts_r.value();
       auto same = same_on_every_rank(
-          *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap)});
+          *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
+                   int64_t(p.host_memory_check)});
       if (!same.is_ok()) fatal(same.status());
       if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
-      else if (!same.value()[1] || !same.value()[2])
+      else if (!same.value()[1] || !same.value()[2] || !same.value()[3])
         all = SF_ERR(kInvalidArgument,
-                     "the ranks were given different --dry-run or --export-overlap flags (an "
-                     "MPMD launch must pass the same ones to every rank)");
+                     "the ranks were given different --dry-run, --export-overlap or "
+                     "--host-memory-check flags (an MPMD launch must pass the same ones to every "
+                     "rank)");
     }
     if (!all.is_ok()) {
       if (rank0) std::fputs(kUsage, stderr);
@@ -1306,7 +1308,7 @@ int run(int argc, char** argv) {
     // A request whose KV does not fit on its own fails here, before its prefill, instead of
     // taking the host's last memory (and the job with it when the kernel kills a rank); the
     // job goes on with the next request.
-    if (o.host_memory_check && group_short(false)) {
+    if (group_short(false) && o.host_memory_check) {
       ++n_failed;
       if (g.leader())
         std::fprintf(stderr,
@@ -1369,6 +1371,7 @@ int run(int argc, char** argv) {
       ppo.prefill.keep_kv = true;
       ppo.prefill.importance_window = po.importance_window;
       ppo.prefill.importance_pool = po.importance_pool;
+      ppo.prefill.kv_staging_layers = o.kv_staging_layers;
       ppo.min_suffix = std::max(1, po.importance_window);
       if (dmodel)
         prefix_layer_done = po.on_layer;  // progress and fault injection
@@ -1481,6 +1484,12 @@ int run(int argc, char** argv) {
       // A plan whose run failed may hold a half-done state: the next request plans afresh
       // (every rank of the group, since all of them agreed on the failure just above).
       dplan.reset();
+      // Its buffers went back to the cache only where this rank's own run succeeded; where they
+      // were freed the pinned staging is gone from the host check's ledger too.
+      if (dbuffers)
+        staging_held = std::min<int64_t>(staging_held, int64_t(dbuffers->host_bytes_held()));
+      else
+        staging_held = 0;
       continue;
     }
     runtime::ParallelResult& res = pr.value();

@@ -334,6 +334,16 @@ PY
     errors | grep -q "^error: the ranks read different model weights or --attention config files" \
       || fail "message"
     [ ! -e "$tmp/out" ] || [ -z "$(find "$tmp/out" -name manifest.json)" ] || fail "exports were written"
+    # A flag that decides collectives, given to one rank only: one start-up error, no deadline.
+    t0=$(date +%s%N)
+    SF_COMM_TIMEOUT_S=30 "$mpiexec" --oversubscribe -np 1 "$worker" --model default --cp 2 \
+      --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" : -np 1 "$worker" --model default --cp 2 \
+      --host-memory-check off --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" >"$tmp/stdout" 2>"$tmp/stderr"
+    rc=$?
+    ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    [ "$rc" -eq 2 ] && [ "$ms" -lt 20000 ] || fail "--host-memory-check on one rank only: exit $rc after $ms ms"
+    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap or --host-memory-check flags" \
+      || fail "--host-memory-check on one rank only: message"
     ;;
   stalled)
     SF_WORKER_FAULT=stop:1:3 run 2 --model default --cp 2 --comm-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
