@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 
+#include "common/args.h"
 #include "decode/decode_session.h"
 #include "decode/device_session.h"
 #include "worker/model/gguf.h"
@@ -45,25 +46,16 @@ void usage(FILE* to = stderr) {
 }
 
 int run(int argc, char** argv) {
-  std::map<std::string, std::string> a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "-h" || k == "--help") {
-      usage(stdout);
-      return 0;
-    }
-    if (k == "--reference" || k == "--no-cuda-graph" || k == "--no-fused-step") {
-      a.insert_or_assign(k.substr(2), std::string("1"));  // (= "1" trips GCC 12's -Wrestrict)
-      continue;
-    }
-    if (k != "--model" && k != "--kv" && k != "--tokens" && k != "--attention" && k != "--device" &&
-        k != "--pool-dtype") {
-      usage();
-      return fail(SF_ERR(kInvalidArgument, "unknown option '" + k + "'"));
-    }
-    if (i + 1 >= argc) return fail(SF_ERR(kInvalidArgument, "option '" + k + "' needs a value"));
-    a[k.substr(2)] = argv[++i];
+  // The same parser as sparsefill's and sparsefill-worker's (common/args.h).
+  auto parsed = sf::parse_args(argc, argv, 1,
+                               {"model", "kv", "tokens", "attention", "device", "pool-dtype"},
+                               {"reference", "no-cuda-graph", "no-fused-step"});
+  if (!parsed.is_ok()) return fail(parsed.status());  // one line, as the sparsefill CLI's
+  if (parsed->help) {
+    usage(stdout);
+    return 0;
   }
+  std::map<std::string, std::string>& a = parsed->opts;
   if (!a.count("kv")) {
     usage();
     return fail(SF_ERR(kInvalidArgument, "--kv DIR is required"));

@@ -34,6 +34,7 @@
 #include <future>
 
 #include "comm/mpi_communicator.h"
+#include "common/args.h"
 #include "common/checksum.h"
 #include "common/file_io.h"
 #include "common/log.h"
@@ -66,7 +67,7 @@ const char* kUsage =
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N] [--dry-run]\n"
-    "                  [--host-memory-check on|off]\n"
+    "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
     "                  [--prefix-cache BYTES]  (TP = CP = 1, dense; on the GPU with --device cuda)\n";
@@ -91,6 +92,7 @@ struct Options {
   // The plan alone: every line checked (bad lines reported as a run reports them), each request's
   // group, resume status and KV sizes, the peak host memory for KV; no prefill, nothing written.
   bool dry_run = false;
+  bool help = false;  // --help: the usage on stdout, exit 0
   // cuda: one GPU per rank (its host-local rank), the model's TP slice in BF16 on it, NCCL
   // along the grid (worker/runtime/device_parallel.h); exports are sharded.
   std::string device = "cpu";
@@ -133,35 +135,23 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo
 
 Result<Options> parse_options(int argc, char** argv) {
   Options o;
-  std::map<std::string, std::string> kv;
-  std::set<std::string> seen;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    // A second --k would silently replace the first: refused, as the sparsefill CLI does.
-    if (!seen.insert(k).second) return SF_ERR(kInvalidArgument, "option " + k + " is given twice");
-    if (k == "--allow-long" || k == "--cp-estimate" || k == "--selective-kv" || k == "--dry-run") {
-      (k == "--allow-long"    ? o.allow_long
-       : k == "--cp-estimate" ? o.cp_estimate
-       : k == "--dry-run"     ? o.dry_run
-                              : o.selective_kv) = true;
-      continue;
-    }
-    if (k.rfind("--", 0) != 0) return SF_ERR(kInvalidArgument, "unexpected argument '" + k + "'");
-    k = k.substr(2);
-    static const char* valued[] = {"model",  "batch",     "out",       "tp",
-                                   "cp",     "attention", "chunk",     "comm-timeout",
-                                   "export", "device",    "retention", "kv-dtype",
-                                   "prefix-cache", "stall-timeout", "metrics-file",
-                                   "export-overlap", "export-threads", "kv-staging-layers",
-                                   "host-memory-check"};
-    if (std::find_if(std::begin(valued), std::end(valued), [&](const char* s) { return k == s; }) ==
-        std::end(valued))
-      return SF_ERR(kInvalidArgument, "unknown option --" + k);
-    // "--metrics-file --allow-long" means a forgotten value, not a file named --allow-long.
-    if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0)
-      return SF_ERR(kInvalidArgument, "option --" + k + " needs a value");
-    kv[k] = argv[++i];
+  // The same parser as sparsefill's and sparsefill-decode's (common/args.h).
+  SF_ASSIGN(Args args,
+            parse_args(argc, argv, 1,
+                       {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout",
+                        "export", "device", "retention", "kv-dtype", "prefix-cache",
+                        "stall-timeout", "metrics-file", "export-overlap", "export-threads",
+                        "kv-staging-layers", "host-memory-check"},
+                       {"allow-long", "cp-estimate", "selective-kv", "dry-run"}));
+  if (args.help) {
+    o.help = true;
+    return o;
   }
+  o.allow_long = args.has("allow-long");
+  o.cp_estimate = args.has("cp-estimate");
+  o.selective_kv = args.has("selective-kv");
+  o.dry_run = args.has("dry-run");
+  std::map<std::string, std::string>& kv = args.opts;
   for (const char* req : {"model", "batch", "out"})
     if (!kv.count(req)) return SF_ERR(kInvalidArgument, std::string("--") + req + " is required");
   o.model = kv["model"];
@@ -548,17 +538,17 @@ int run(int argc, char** argv) {
       const Options& p = opts_r.value();
       auto same = same_on_every_rank(
           *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
-                   int64_t(p.host_memory_check)});
+                   int64_t(p.host_memory_check), int64_t(p.help)});
       if (!same.is_ok()) fatal(same.status());
       if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
-      else if (!same.value()[1] || !same.value()[2] || !same.value()[3])
+      else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4])
         all = SF_ERR(kInvalidArgument,
                      "the ranks were given different --dry-run, --export-overlap or "
-                     "--host-memory-check flags (an MPMD launch must pass the same ones to every "
-                     "rank)");
+                     "--host-memory-check flags (or --help on some only; an MPMD launch must pass "
+                     "the same ones to every rank)");
     }
     if (!all.is_ok()) {
       if (rank0) std::fputs(kUsage, stderr);
@@ -566,6 +556,10 @@ int run(int argc, char** argv) {
     }
   }
   const Options& o = opts_r.value();
+  if (o.help) {
+    if (rank0) std::fputs(kUsage, stdout);
+    return finish(0, "", false);
+  }
   if (o.comm_timeout_s > 0)
     world->set_timeout(std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1000)));
   const runtime::GridShape shape{o.tp, o.cp};

@@ -73,6 +73,14 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    ${_rsf} eval --retention streaming --kv-dtype int8+int4:0.6)
   add_test(NAME cli_decode_missing_export
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv)
+  # The options parse as the sparsefill CLI's (common/args.h): a repeat and a value that is an
+  # option are refused, --key=VALUE is a value.
+  add_test(NAME cli_decode_option_twice
+           COMMAND ${_ref} "^error: option --kv is given twice$" ${_rdec} --kv /nonexistent/a --kv /nonexistent/b)
+  add_test(NAME cli_decode_value_is_an_option
+           COMMAND ${_ref} "^error: option --kv needs a value \\(got option '--reference'" ${_rdec} --kv --reference)
+  add_test(NAME cli_decode_inline_value
+           COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv=/nonexistent/kv)
   # The device step's flags parse on any build (the export check comes after them).
   add_test(NAME cli_decode_device_flags
            COMMAND ${_ref} "^error: .*no manifest.json in '/nonexistent/kv'" ${_rdec} --kv /nonexistent/kv
@@ -89,6 +97,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
                    bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
                        cli_prefill_retention_budget_too_large cli_decode_missing_export
+                       cli_decode_option_twice cli_decode_value_is_an_option cli_decode_inline_value
                        cli_decode_device_flags cli_decode_cuda_without_gpu cli_decode_bad_attention
                        cli_decode_reproduces_dense cli_retention_eval_moa_missing_config
                        cli_retention_eval_moa_wrong_model cli_prefill_retention_moa_wrong_model

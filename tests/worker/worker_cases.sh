@@ -253,6 +253,13 @@ PY
     errors | grep -q "^error: --selective-kv needs --cp-estimate" || fail "message"
     run 2 --model default --cp 2 --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] && errors | grep -q "^error: option --cp is given twice" || fail "twice: exit $rc"
+    # The parser is the sparsefill CLI's (common/args.h): --help prints the usage on stdout and
+    # exits 0 before the required options are checked; --key=VALUE gives a value.
+    run 2 --help
+    [ "$rc" -eq 0 ] && grep -q "^usage: mpirun -np N sparsefill-worker" "$tmp/stdout" && [ -z "$(errors)" ] || fail "--help: exit $rc"
+    grep -q -- "--metrics-file PATH.prom" "$tmp/stdout" || fail "--help: the usage lacks --metrics-file"
+    run 2 --model=default --cp=2 --batch="$tmp/prompts.jsonl" --out "$tmp/out_eq" --dry-run
+    [ "$rc" -eq 3 ] && grep -q "^plan: lighthouse (line 1)" "$tmp/stdout" || fail "--key=VALUE: exit $rc"
     # A metrics file the leaders cannot write (np 4: two groups, each leader its own file) is
     # one start-up error, before the model loads.
     run 4 --model default --cp 2 --metrics-file "$tmp/no/such/dir/w.prom" --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -5,27 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "common/args.h"
 #include "common/file_io.h"  // cpu_name
 #include "common/status.h"
 #include "common/text.h"  // now_iso8601
 
 namespace sf::cli {
 
-// --key value / --key=value / --flag parsing with a whitelist; unknown options, an option given
-// twice and a value that is another option ("--export-kv --force") are errors naming the option.
-struct Args {
-  std::map<std::string, std::string> opts;
-  bool has(const std::string& k) const { return opts.count(k) > 0; }
-  std::string get(const std::string& k, const std::string& def = "") const {
-    auto it = opts.find(k);
-    return it == opts.end() ? def : it->second;
-  }
-  // --k as a whole decimal integer (or def when absent) in [lo, hi]; "64k", "x" and "" are
-  // errors naming the option, never read as 64 or 0.
-  Result<int64_t> get_int(const std::string& k, int64_t def, int64_t lo, int64_t hi) const;
-  // --k as a whole finite number in [lo, hi].
-  Result<double> get_double(const std::string& k, double def, double lo, double hi) const;
-};
+using ::sf::Args;  // common/args.h
 // --help or -h where an option can stand prints print_usage(stdout) and exits 0 (the CLI's
 // edge: one usage text serves every command).
 Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std::string>& valued,
