@@ -1397,8 +1397,12 @@ int run(int argc, char** argv) {
         out.first_token = hr->first_token;
         out.kv = std::move(hr->kv);
         out.importance = std::move(hr->importance);
+        // A plan the runner made (a new prompt shape) is plan_s, not prefill_s, as on the
+        // group path.
+        out.stats.plan_s = pst.plan_s;
         out.stats.seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
+            pst.plan_s;
         out.stats.attention_s = hr->attention_s;
         out.stats.importance_s = hr->importance_s;
         out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
