@@ -214,6 +214,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
         << slurp(log);
     EXPECT_NE(slurp(log).find("prefix cache: 1280 prompt tokens reused"), std::string::npos)
         << slurp(log);
+    // The runner's first plan is the summary's plan_s, as on the group path, not prefill_s.
+    const std::string first = slurp(out + "/a.json");
+    EXPECT_EQ(first.find("\"plan_s\": 0.000000,"), std::string::npos) << first;
     for (const std::string id : {"a", "b", "s"}) {
       auto g = decode::load_kv_export(out + "/" + id, hash);
       auto p = decode::load_kv_export((dir / "gpu-cp1").string() + "/" + id, hash);
