@@ -1157,7 +1157,8 @@ int run(int argc, char** argv) {
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
-        "%.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
+        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"kv_alloc_s\": %.6f, "
+        "\"kv_copy_s\": %.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
         "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
@@ -1170,7 +1171,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_diagonals_bytes),
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_quoted(o.attention).c_str(), s.density, o.export_mode.c_str(), o.device.c_str(),
+        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.kv_alloc_s,
+        s.kv_copy_s, o.export_mode.c_str(), o.device.c_str(),
         json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,

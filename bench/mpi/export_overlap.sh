@@ -83,11 +83,17 @@ for rec in recs:
                  "job_s": int(wall) / 1000, "ready_s": json.loads(ready), "prefill_s": sum(r["prefill_s"] for r in reqs),
                  "export_s": sum(r["export_s"] for r in reqs), "export_wait_s": sum(r["export_wait_s"] for r in reqs),
                  "export_bytes": sum(r["export_bytes"] for r in reqs), "export": reqs[0]["export"],
-                 "kv_dtype": reqs[0]["kv_dtype"]})
+                 "kv_dtype": reqs[0]["kv_dtype"],
+                 # each request's own split (the leader's): plan, attention, estimators, host KV
+                 "per_request": [{k: r.get(k) for k in ("id", "n_tokens", "plan_s", "prefill_s", "attention",
+                                  "density", "attention_s", "estimate_s", "kv_alloc_s", "kv_copy_s",
+                                  "comm_s", "export_s", "export_wait_s")} for r in reqs]})
 doc = {"bench": "export_overlap", "device": device, "model": model, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
        "commit": commit, "command": cmd, "tp": 1, "cp": 2, "runs": rows}
 json.dump(doc, open(out, "w"), indent=1)
 for r in rows:
     print(f"overlap {r['export_overlap']}: job {r['job_s']:.2f} s (ready {r['ready_s']} s), prefill {r['prefill_s']:.2f} s, export {r['export_s']:.2f} s, waited {r['export_wait_s']:.2f} s")
+    for q in r["per_request"]:
+        print("  ", json.dumps(q))
 print("wrote", out)
 PY

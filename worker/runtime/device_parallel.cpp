@@ -277,6 +277,8 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.attention_s = r.attention_s;
   st.estimate_s = r.estimate_s;
+  st.kv_alloc_s = r.kv_alloc_s;
+  st.kv_copy_s = r.kv_copy_s;
   st.density = r.density;
   st.comm_s = w.prefill->hook_seconds();
   st.kv_allgather_bytes = w.kv_recv_bytes;

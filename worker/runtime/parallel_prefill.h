@@ -68,6 +68,9 @@ struct ParallelOptions {
 
 struct ParallelStats {
   double seconds = 0, attention_s = 0, estimate_s = 0;
+  // Device path: host seconds sizing the KV result (page faults) and copying layers into it out
+  // of pinned memory (model::PrefillResult); both overlap later layers' compute.
+  double kv_alloc_s = 0, kv_copy_s = 0;
   // Before the run, not in `seconds`: the device path plans per prompt length (workspaces,
   // pinned host KV, cuDNN graphs and GEMM algorithms); 0 when the worker reused the last plan.
   double plan_s = 0;
