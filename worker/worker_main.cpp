@@ -1157,8 +1157,8 @@ int run(int argc, char** argv) {
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
-        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"kv_alloc_s\": %.6f, "
-        "\"kv_copy_s\": %.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
+        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"sparse_reruns\": %d, "
+        "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
         "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
@@ -1171,8 +1171,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_diagonals_bytes),
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.kv_alloc_s,
-        s.kv_copy_s, o.export_mode.c_str(), o.device.c_str(),
+        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_reruns,
+        s.kv_alloc_s, s.kv_copy_s, o.export_mode.c_str(), o.device.c_str(),
         json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
@@ -1223,7 +1223,12 @@ int run(int argc, char** argv) {
         r.tokens.size(),
         prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
         res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
-        s.plan_s > 0 ? sformat(", after a %.3f s plan", s.plan_s).c_str() : "", export_s,
+        (std::string(s.plan_s > 0 ? sformat(", after a %.3f s plan", s.plan_s) : "") +
+         (s.sparse_reruns > 0
+              ? sformat(", run %d more time(s): a sparse index outgrew its plan", s.sparse_reruns)
+              : ""))
+            .c_str(),
+        export_s,
         export_wait_s, dir.c_str());
     std::fflush(stdout);
   };
@@ -1240,6 +1245,11 @@ int run(int argc, char** argv) {
   // Pinned K/V staging the last plan holds (kv_staging_bytes): a cache keeps the largest plan's
   // buffers, without one each plan pins its own.
   int64_t staging_held = 0;
+  // The last plan's sparse index capacity and its prompt length: a new length's plan starts
+  // there (scaled to its length) instead of at the estimators' default, which the data may
+  // outgrow, and running the whole prefill again costs as much as the prefill.
+  std::array<int, 2> sparse_cap{0, 0};
+  int64_t sparse_cap_tokens = 0;
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -1439,11 +1449,21 @@ int run(int argc, char** argv) {
         dopt.importance_window = po.importance_window;
         dopt.importance_pool = po.importance_pool;
         dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
-        auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid,
-                                                         int64_t(r.tokens.size()), dopt);
-        plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
-        const Status ok = agree(*g.group_comm, plan.status());
+        const int64_t T = int64_t(r.tokens.size());
+        if (po.sparse && sparse_cap_tokens > 0)
+          dopt.sparse_capacity = runtime::scaled_sparse_capacity(sparse_cap, sparse_cap_tokens, T);
+        auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, T, dopt);
+        Status ok = agree(*g.group_comm, plan.status());
         if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+        if (!ok.is_ok() && dopt.sparse_capacity != std::array<int, 2>{0, 0}) {
+          // The carried capacity may not fit this length's device memory: the defaults then.
+          { auto dropped = std::move(plan); }  // a rank whose own plan succeeded frees it first
+          dopt.sparse_capacity = {0, 0};
+          plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, T, dopt);
+          ok = agree(*g.group_comm, plan.status());
+          if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+        }
+        plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
         if (ok.is_ok()) {
           dplan.emplace(std::move(plan).value());
           dplan_key = key;
@@ -1456,7 +1476,11 @@ int run(int argc, char** argv) {
       }
       if (dplan) {
         pr = dplan->run(r.tokens);
-        if (pr.is_ok()) pr.value().stats.plan_s = plan_s;
+        if (pr.is_ok()) {
+          pr.value().stats.plan_s = plan_s;
+          sparse_cap = dplan->prefill().sparse_capacity();
+          sparse_cap_tokens = int64_t(r.tokens.size());
+        }
       }
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);

@@ -1224,6 +1224,10 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   SF_TRY(alloc_host(h_tokens, NL * sizeof(int32_t)));
   SF_TRY(alloc_host(h_logits, size_t(max_logit_rows) * vocab * f));
+  SF_ENSURE(o.sparse_capacity[0] >= 0 && o.sparse_capacity[1] >= 0, kInvalidArgument,
+            "device prefill: sparse_capacity must be >= 0, got {" +
+                std::to_string(o.sparse_capacity[0]) + ", " + std::to_string(o.sparse_capacity[1]) +
+                "}");
   SF_ENSURE(o.kv_staging_layers >= 0, kInvalidArgument,
             "device prefill: kv_staging_layers must be >= 0, got " +
                 std::to_string(o.kv_staging_layers));
@@ -1285,7 +1289,7 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   if (use_sparse) {
     const auto s0 = Clock::now();
     const double dev0 = times.device_buffers_s;
-    SF_TRY(plan_sparse());
+    SF_TRY(plan_sparse(o.sparse_capacity[0], o.sparse_capacity[1]));
     times.sparse_s = seconds_since(s0) - (times.device_buffers_s - dev0);
   }
   // What the cache holds that this plan did not take is sized for another plan: free it now
@@ -1462,8 +1466,10 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   // first (its caller does). Only that error is retried: a KV sink's full tier is the same
   // kResourceExhausted but would fail again.
   const auto outgrew = [&] { return st.code() == Code::kResourceExhausted && w.outgrown; };
+  int reruns = 0;
   for (int retry = 0; retry < 2 && outgrew() && !w.sharded; ++retry) {
     SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
+    ++reruns;
     // The failed run's copies (a KV sink's into its pool blocks) must land before the sink
     // releases and reuses those blocks.
     SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
@@ -1475,6 +1481,7 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_TRY(st);
   w.idle = true;
   res.seconds = seconds_since(t0);
+  res.sparse_reruns = reruns;
   return res;
 }
 
@@ -1482,6 +1489,10 @@ std::array<int, 2> DevicePrefill::sparse_need() const {
   return {impl_->need_blocks, impl_->need_cols};
 }
 bool DevicePrefill::outgrew() const { return impl_->outgrown; }
+std::array<int, 2> DevicePrefill::sparse_capacity() const {
+  if (!impl_->use_sparse) return {0, 0};
+  return {impl_->cap_blocks, impl_->cap_cols};
+}
 
 DeviceModel::Views DeviceModel::views() const {
   const Impl& m = *impl_;
@@ -1584,6 +1595,7 @@ std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
 bool DevicePrefill::outgrew() const { return false; }
 DeviceModel::Views DeviceModel::views() const { return {}; }
+std::array<int, 2> DevicePrefill::sparse_capacity() const { return {0, 0}; }
 Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }
 
 #endif  // SF_HAVE_CUDA

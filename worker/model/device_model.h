@@ -220,6 +220,9 @@ class DevicePrefill {
   // and reallocates the estimators' arena, with a quarter more room than asked; synchronous)
   // before running again.
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
+  // What every piece's slots hold now (after any grow): PrefillOptions::sparse_capacity for a
+  // later plan. {0, 0} without sparse attention.
+  std::array<int, 2> sparse_capacity() const;
   bool outgrew() const;  // the last run failed because an index slot outgrew its plan
   // (A grow that fails part way leaves the sparse plan unusable: later runs fail with
   // kInternal until a grow succeeds.)

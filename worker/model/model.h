@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include <array>
 #include <functional>
 
 #include "common/tensor.h"
@@ -146,6 +147,12 @@ struct PrefillOptions {
   // overlapped TP sums but no DeviceShard::copy_wait_timeout_s. Fewer slots pin less host memory (at 128K on a CP 2 rank of
   // Llama-3-8B, 537 MB a layer) and the device runs at most N layers ahead of the host's copies.
   int kv_staging_layers = 8;
+  // DevicePrefill with sparse attention: floors for its index slots' capacity {64-key blocks,
+  // gathered columns} (0: each piece's estimator default). The slots' needs depend on the data;
+  // a run that needs more grows the plan and runs the whole forward again
+  // (PrefillResult::sparse_reruns), so a caller that saw an earlier plan's
+  // (DevicePrefill::sparse_capacity) can start a new plan there.
+  std::array<int, 2> sparse_capacity{0, 0};
   // DevicePrefill only: take workspace and pinned host buffers from this cache where they are
   // large enough, and give them back to it when the plan is destroyed (DeviceBufferCache).
   std::shared_ptr<DeviceBufferCache> buffers;
@@ -179,6 +186,9 @@ struct PrefillResult {
   // faults) and copying each layer into them out of pinned memory (a shard's lead rows
   // included, with their wait for their own copy). Both overlap later layers' compute.
   double kv_alloc_s = 0, kv_copy_s = 0;
+  // DevicePrefill: forwards run again because a sparse index slot outgrew the plan (each
+  // re-plans with room for what the run needed; `seconds` counts every run).
+  int sparse_reruns = 0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});

@@ -284,6 +284,19 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
   return "its export was made for other inputs (fingerprint " + had + ", now " + fingerprint + ")";
 }
 
+std::array<int, 2> scaled_sparse_capacity(std::array<int, 2> cap, int64_t from, int64_t to) {
+  if (from <= 0 || to <= 0) return {0, 0};
+  const auto up64 = [](int64_t x) { return (x + 63) / 64 * 64; };
+  const int64_t most[2] = {up64((to + 63) / 64), up64(to)};
+  std::array<int, 2> out{0, 0};
+  for (int i = 0; i < 2; ++i) {
+    if (cap[size_t(i)] <= 0) continue;
+    const int64_t scaled = (int64_t(cap[size_t(i)]) * to + from - 1) / from;
+    out[size_t(i)] = int(std::min(up64(scaled), most[i]));
+  }
+  return out;
+}
+
 bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
                   int64_t avail) {
   if (avail < 0) return true;

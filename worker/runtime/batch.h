@@ -20,6 +20,7 @@
 // grid, another model, or a job stopped between the export and its summary) it is computed again,
 // its old summary removed first and its export replaced.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -77,6 +78,12 @@ std::string request_stale_reason(const std::string& out_dir, const std::string& 
 // which passes).
 bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
                   int64_t avail);
+
+// A device plan's sparse index capacity {64-key blocks, columns} a slot, seen on a prompt of
+// `from` tokens, for a plan of `to` tokens (model::PrefillOptions::sparse_capacity): scaled by
+// to / from (a slot's keys grow with the prompt), in whole 64-entry steps, at most what a slot of
+// `to` keys can hold. {0, 0} stays {0, 0}.
+std::array<int, 2> scaled_sparse_capacity(std::array<int, 2> cap, int64_t from, int64_t to);
 
 // The output directory's lock (DIR/.sparsefill-worker.lock, flock): one job writes a directory
 // at a time. Returns the descriptor to keep open for the job's life, -1 when the filesystem has

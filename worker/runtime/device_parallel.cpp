@@ -193,6 +193,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   // failed run, so they stay in step).
   // Any other failure of any rank is every rank's, here, before the collectives below (a rank
   // returning alone would meet its peers' next collective with its caller's).
+  int reruns = 0;
   for (int retry = 0;; ++retry) {
     // Only an outgrown index is retried (a host allocation's kResourceExhausted would fail again).
     const bool grow = !rr.is_ok() && w.prefill->outgrew();
@@ -209,6 +210,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     if (!all[0]) break;
     // A grow that fails on one rank (no memory for the larger arena) is carried by the next
     // all-reduce like any failure, so its peers do not run alone into the exchange.
+    ++reruns;
     if (Status gs = w.prefill->grow_sparse(all[1], all[2]); !gs.is_ok())
       rr = gs;
     else
@@ -279,6 +281,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   st.estimate_s = r.estimate_s;
   st.kv_alloc_s = r.kv_alloc_s;
   st.kv_copy_s = r.kv_copy_s;
+  st.sparse_reruns = reruns + r.sparse_reruns;
   st.density = r.density;
   st.comm_s = w.prefill->hook_seconds();
   st.kv_allgather_bytes = w.kv_recv_bytes;

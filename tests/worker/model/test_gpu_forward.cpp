@@ -442,6 +442,7 @@ TEST_F(GpuForward, SparseCapacityGrowsOnOverflow) {
   std::cout << "  capacity: a slot needed " << need[0] << " blocks and " << need[1]
             << " columns; density gpu " << gpu->density << " cpu " << cpu->density << "\n";
   EXPECT_GT(need[1], 4096);  // the default capacity was exceeded, so the grow path ran
+  EXPECT_EQ(gpu->sparse_reruns, 1);  // and the forward ran a second time, once
   const ErrStats e = compare(gpu->logits.data(), cpu->logits.data(), cpu->logits.size());
   std::cout << "  capacity: last-row logits nerr=" << e.nerr << "\n";
   EXPECT_EQ(e.nonfinite, 0);
@@ -452,7 +453,24 @@ TEST_F(GpuForward, SparseCapacityGrowsOnOverflow) {
   auto again = plan->run(tokens);
   ASSERT_OK(again.status());
   EXPECT_EQ(plan->workspace_bytes(), ws);
+  EXPECT_EQ(again->sparse_reruns, 0);
   EXPECT_LE(compare(again->logits.data(), gpu->logits.data(), gpu->logits.size()).nerr, 5e-3);
+  // A new plan started at the grown plan's capacity (PrefillOptions::sparse_capacity, what the
+  // worker carries from one prompt length to the next) runs once, to the same logits.
+  const std::array<int, 2> cap = plan->sparse_capacity();
+  EXPECT_GE(cap[1], need[1]);
+  PrefillOptions carried = o;
+  carried.sparse_capacity = cap;
+  auto plan2 = DevicePrefill::plan(dm.value(), int64_t(tokens.size()), carried);
+  ASSERT_OK(plan2.status());
+  EXPECT_EQ(plan2->sparse_capacity(), cap);
+  auto once = plan2->run(tokens);
+  ASSERT_OK(once.status());
+  EXPECT_EQ(once->sparse_reruns, 0);
+  EXPECT_LE(compare(once->logits.data(), gpu->logits.data(), gpu->logits.size()).nerr, 5e-3);
+  carried.sparse_capacity = {-1, 0};
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), int64_t(tokens.size()), carried).status().code(),
+            Code::kInvalidArgument);
 }
 
 // ---- Plan reuse: one plan for 700 tokens serves a shorter prompt next (stale workspace from the

@@ -263,6 +263,21 @@ TEST(Batch, OverlapCountsThePinnedStagingAPlanMustAdd) {
   EXPECT_TRUE(overlap_fits(int64_t(1) << 50, 0, 0, 8, -1));  // memory unknown: no check
 }
 
+// A plan's sparse capacity carried to another length: scaled, in 64-entry steps, within what a
+// slot of the new length can hold.
+TEST(Batch, SparseCapacityScalesWithThePrompt) {
+  using runtime::scaled_sparse_capacity;
+  using A = std::array<int, 2>;
+  EXPECT_EQ(scaled_sparse_capacity({640, 4160}, 131072, 131072), (A{640, 4160}));
+  EXPECT_EQ(scaled_sparse_capacity({640, 4160}, 131072, 262144), (A{1280, 8320}));
+  EXPECT_EQ(scaled_sparse_capacity({640, 4160}, 131072, 65536), (A{320, 2112}));  // 2080 -> 2112
+  EXPECT_EQ(scaled_sparse_capacity({100, 0}, 100000, 101000), (A{128, 0}));  // 101 up to 128
+  // A slot of 5000 keys holds at most 79 blocks (128 in 64-entry steps) and 5000 columns (5056).
+  EXPECT_EQ(scaled_sparse_capacity({4096, 65536}, 8192, 5000), (A{128, 5056}));
+  EXPECT_EQ(scaled_sparse_capacity({0, 0}, 8192, 16384), (A{0, 0}));
+  EXPECT_EQ(scaled_sparse_capacity({64, 64}, 0, 16384), (A{0, 0}));
+}
+
 TEST(Batch, StalePartialsByNameKindHostAndAge) {
   using runtime::stale_partial;
   const auto dead = [](long) { return false; };
