@@ -60,6 +60,10 @@
 #                  new length planning again, with the plans' buffers kept and freed
 #                  (bench/mpi/plan_reuse.sh, its SF_PLAN_* settings; SF_PLAN_COMPARE=staging:
 #                  the pinned K/V ring against a slot per layer) into plan-reuse-<gpu>.json
+#   SF_WORKER_LONG  1: a sparsefill-worker batch of long requests on 2 GPUs (CP 2; lengths,
+#                  layers and flags in SF_LONG_LENGTHS, SF_LONG_LAYERS, SF_LONG_ARGS; default two
+#                  requests near 1M tokens, vertical-slash, int4 export) with each request's
+#                  split of its time (bench/mpi/long_requests.sh) into long-requests-<gpu>.json
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -534,6 +538,16 @@ if [[ -n "${SF_WORKER_OVERLAP:-}" ]]; then
     fail "export overlap benchmark failed (its output is at the end of build.log)"
   fi
   [[ -s "$oj" ]] && notes+=("$(cut -c1-800 "$oj")")
+fi
+
+# ---- long requests through the worker (needs -DSF_MPI=ON and 2 GPUs) ---------------------------
+if [[ "${SF_WORKER_LONG:-0}" == 1 ]]; then
+  lj="$out/long-requests-$(gpu_slug).json"
+  if ! timeout "${SF_WORKER_LONG_TIMEOUT:-500}" bash "$root/bench/mpi/long_requests.sh" "$build" "$lj" \
+       >>"$logs/build.log" 2>&1; then
+    fail "long requests benchmark failed (its output is at the end of build.log)"
+  fi
+  [[ -s "$lj" ]] && notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["id"], r["n_tokens"], r["plan_s"], r["prefill_s"], r["attention_s"], r["sparse_reruns"]) for r in d["requests"]]' "$lj")")
 fi
 
 # ---- the worker's plans across prompt lengths (needs -DSF_MPI=ON and 2 GPUs) ------------------

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One sparsefill-worker batch of long requests on 2 GPUs (CP 2, Llama-3-8B-shaped synthetic
+# weights, seeded random token ids) and each request's summary: where a long prefill's time goes
+# (plan_s, prefill_s, attention_s, estimate_s, sparse_reruns, kv_alloc_s, kv_copy_s, export_s).
+#
+#   bench/mpi/long_requests.sh [BUILD_DIR] [OUT.json]
+#
+# SF_LONG_LENGTHS: the requests' lengths in batch order (default 1040384,1048576: the second is
+# a new length, whose plan starts at the first plan's sparse capacity); SF_LONG_LAYERS (default
+# 8); SF_LONG_ARGS: more worker flags (default "--attention vertical-slash --kv-dtype int4";
+# int4 keeps a 1M export to about 11 GB). On a GPU host: bench/gpu/run.sh's SF_WORKER_LONG.
+set -euo pipefail
+lengths="${SF_LONG_LENGTHS:-1040384,1048576}"; layers="${SF_LONG_LAYERS:-8}"
+extra="${SF_LONG_ARGS:---attention vertical-slash --kv-dtype int4}"
+cmdline="SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_ARGS='$extra' $0 $*"
+# shellcheck source=bench/mpi/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+mpi_bench_setup long-requests.json "$@"
+export NCCL_NVLS_ENABLE=0
+python3 - "$tmp/p.jsonl" "$lengths" <<'PY'
+import json, random, sys
+rng = random.Random(1234)
+with open(sys.argv[1], "w") as f:
+    for i, n in enumerate(int(x) for x in sys.argv[2].split(",")):
+        # ids below 32000, inside Llama-3's vocabulary
+        f.write(json.dumps({"id": f"r{i}", "tokens": [rng.randrange(32000) for _ in range(n)]}) + "\n")
+PY
+t0=$(date +%s%N)
+# shellcheck disable=SC2086
+mpirun --bind-to none --oversubscribe -np 2 "$worker" --model "synthetic:llama3-8b:$layers" --cp 2 \
+  --device cuda $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
+wall=$(( ($(date +%s%N) - t0) / 1000000 ))
+grep -E '^\[group|^batch' "$tmp/log"
+python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device gpu)" "$layers" "$wall" "$tmp/out" <<'PY'
+import datetime, glob, json, os, sys
+out, commit, cmd, device, layers, wall, odir = sys.argv[1:]
+keys = ("id", "n_tokens", "attention", "density", "plan_s", "prefill_s", "attention_s", "estimate_s",
+        "sparse_reruns", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
+        "export_bytes", "kv_dtype", "plan_parts")
+reqs = []
+for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):
+    s = json.load(open(f))
+    reqs.append({k: s.get(k) for k in keys})
+doc = {"bench": "long_requests", "device": device, "model": f"synthetic:llama3-8b:{layers}",
+       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+       "commit": commit, "command": cmd, "tp": 1, "cp": 2, "job_s": int(wall) / 1000,
+       "requests": reqs}
+json.dump(doc, open(out, "w"), indent=1)
+print("wrote", out)
+PY
