@@ -128,8 +128,9 @@ struct DevicePrefixPrefill::Impl {
   }
 
   // The hit plan for (S, P), reusing the last one of that shape.
-  Status plan_hit(int64_t S, int64_t P, const model::PrefillOptions& po) {
+  Status plan_hit(int64_t S, int64_t P, const model::PrefillOptions& po, bool* planned) {
     if (hit_plan && hit_s == S && hit_p == P) return Status::ok();
+    *planned = true;
     hit_plan.reset();
     free_staging();
     hit_s = hit_p = -1;
@@ -167,8 +168,9 @@ struct DevicePrefixPrefill::Impl {
     return Status::ok();
   }
 
-  Status plan_miss(int64_t S, const model::PrefillOptions& po) {
+  Status plan_miss(int64_t S, const model::PrefillOptions& po, bool* planned) {
     if (miss_plan && S <= miss_max) return Status::ok();
+    *planned = true;
     miss_plan.reset();
     SF_ASSIGN(model::DevicePrefill p, model::DevicePrefill::plan(*dm, S, po));
     miss_plan.emplace(std::move(p));
@@ -228,15 +230,16 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   };
   {
     auto t0 = std::chrono::steady_clock::now();
+    bool planned = false;  // a reused plan's lookup is not a plan (plan_s stays 0)
     if (P == 0) {
-      const Status st = I.plan_miss(S, po);
-      times.plan_s = since(t0);
+      const Status st = I.plan_miss(S, po, &planned);
+      times.plan_s = planned ? since(t0) : 0.0;
       t0 = std::chrono::steady_clock::now();
       run = st.is_ok() ? I.miss_plan->run(tokens) : Result<model::PrefillResult>(st);
       times.forward_s = since(t0);
     } else {
-      const Status st = I.plan_hit(S, P, po);
-      times.plan_s = since(t0);
+      const Status st = I.plan_hit(S, P, po, &planned);
+      times.plan_s = planned ? since(t0) : 0.0;
       t0 = std::chrono::steady_clock::now();
       I.fill_s = 0;
       run = st.is_ok() ? I.hit_plan->run(tokens) : Result<model::PrefillResult>(st);

@@ -1248,8 +1248,11 @@ int run(int argc, char** argv) {
   // The last plan's sparse index capacity and its prompt length: a new length's plan starts
   // there (scaled to its length) instead of at the estimators' default, which the data may
   // outgrow, and running the whole prefill again costs as much as the prefill.
+  // Only a capacity some run grew is carried: the estimators' defaults are not a need (their
+  // column default is a constant, which scaled to a longer prompt would only waste memory).
   std::array<int, 2> sparse_cap{0, 0};
   int64_t sparse_cap_tokens = 0;
+  bool dplan_carried = false;  // the last plan started at a carried capacity
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -1416,7 +1419,13 @@ int run(int argc, char** argv) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
             pst.plan_s;
         out.stats.attention_s = hr->attention_s;
+        out.stats.estimate_s = hr->estimate_s;
         out.stats.importance_s = hr->importance_s;
+        out.stats.kv_alloc_s = hr->kv_alloc_s;
+        out.stats.kv_copy_s = hr->kv_copy_s;
+        out.stats.sparse_reruns = hr->sparse_reruns;
+        // The runner keeps a plan at least this long (its pinned staging for the host check).
+        if (dmodel) staging_held = std::max(staging_held, kv_staging_bytes(int64_t(r.tokens.size())));
         out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
         out.stats.estimate_bytes_by_rank = {0};
         pr = std::move(out);
@@ -1455,6 +1464,7 @@ int run(int argc, char** argv) {
         auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, T, dopt);
         Status ok = agree(*g.group_comm, plan.status());
         if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+        dplan_carried = ok.is_ok() && dopt.sparse_capacity != std::array<int, 2>{0, 0};
         if (!ok.is_ok() && dopt.sparse_capacity != std::array<int, 2>{0, 0}) {
           // The carried capacity may not fit this length's device memory: the defaults then.
           { auto dropped = std::move(plan); }  // a rank whose own plan succeeded frees it first
@@ -1478,8 +1488,11 @@ int run(int argc, char** argv) {
         pr = dplan->run(r.tokens);
         if (pr.is_ok()) {
           pr.value().stats.plan_s = plan_s;
-          sparse_cap = dplan->prefill().sparse_capacity();
-          sparse_cap_tokens = int64_t(r.tokens.size());
+          if (pr.value().stats.sparse_reruns > 0 || dplan_carried) {
+            sparse_cap = dplan->prefill().sparse_capacity();
+            sparse_cap_tokens = int64_t(r.tokens.size());
+            dplan_carried = true;  // this plan's capacity is now a grown one
+          }
         }
       }
     } else {
