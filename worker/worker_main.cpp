@@ -381,8 +381,8 @@ template <typename KvBytes, typename StagingBytes>
 void print_plan(const Options& o, const model::ModelConfig& cfg,
                 const std::vector<runtime::BatchRequest>& good, int n_groups,
                 const std::string& job, KvBytes&& kv_host_bytes, StagingBytes&& staging_bytes,
-                int local_ranks) {
-  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, staging = 0;
+                int local_ranks, int64_t avail) {
+  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, staging = 0, n_short = 0;
   std::vector<int64_t> last(size_t(n_groups), 0);  // each group's last computed request's KV
   for (size_t i = 0; i < good.size(); ++i) {
     const runtime::BatchRequest& r = good[i];
@@ -403,11 +403,18 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     }
     const bool compute = status.rfind("complete", 0) != 0;
     const bool full = policy.kind == kvstore::RetentionKind::kFull;
+    // What a run's host memory check would say of it (no plan held yet: its whole staging).
+    const bool too_big = compute && o.host_memory_check &&
+                         !runtime::overlap_fits(host, staging_bytes(T), 0, local_ranks, avail);
+    n_short += too_big ? 1 : 0;
     std::printf("plan: %s (line %lld): %lld tokens, group %d, %s; K/V %s%s in %s, host KV %s a "
-                "rank\n",
+                "rank%s\n",
                 r.id.c_str(), static_cast<long long>(r.line), static_cast<long long>(T), group,
                 status.c_str(), full ? "" : "at most ", human_bytes(kv).c_str(),
-                kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str());
+                kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str(),
+                too_big ? "; more than this host's memory allows a rank now: a run would fail it "
+                          "(--host-memory-check)"
+                        : "");
     if (!compute) continue;
     ++n_compute;
     tokens += T;
@@ -418,7 +425,6 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     // The GPU plan's pinned staging stays at the largest request's (plans pass buffers on).
     staging = std::max(staging, staging_bytes(T));
   }
-  const int64_t avail = host_memory_available();
   const std::string pinned =
       o.device == "cuda" ? sformat(", and %s of pinned K/V staging (--kv-staging-layers %d)",
                                    human_bytes(staging).c_str(), o.kv_staging_layers)
@@ -430,6 +436,11 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
               human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
               o.export_overlap ? "on" : "off", pinned.c_str(), local_ranks,
               human_bytes((peak + staging) * local_ranks).c_str(), human_bytes(avail).c_str());
+  if (n_short > 0)
+    std::printf("plan: %lld request(s) need more host memory than this host allows a rank now "
+                "(0.8 of its available memory over its %d rank(s)); a run fails them before their "
+                "prefills (--host-memory-check off skips the check)\n",
+                static_cast<long long>(n_short), local_ranks);
   std::fflush(stdout);
 }
 
@@ -921,7 +932,9 @@ int run(int argc, char** argv) {
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;
   if (o.dry_run) {
-    if (rank0) print_plan(o, cfg, good, n_groups, job, kv_host_bytes, kv_staging_bytes, local_ranks);
+    if (rank0)
+      print_plan(o, cfg, good, n_groups, job, kv_host_bytes, kv_staging_bytes, local_ranks,
+                 fault.kind == "no_memory" && fault.rank == 0 ? 0 : host_memory_available());
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {

@@ -647,6 +647,14 @@ PY
     grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank$" "$tmp/stdout" || fail "dry run: cuda lighthouse ($(grep '^plan: lighthouse' "$tmp/stdout"))"
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "and 829 kB of pinned K/V staging (--kv-staging-layers 0)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    # A host with no memory to spare (the no_memory fault on rank 0, which prints the plan): each
+    # request to compute is marked as one a run's host check fails, and the totals say how many;
+    # with the check off, none is.
+    SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$(grep -c "a rank; more than this host's memory allows a rank now: a run would fail it (--host-memory-check)$" "$tmp/stdout")" -eq 4 ] || fail "dry run, no memory: want 4 marked requests"
+    grep -q "^plan: 4 request(s) need more host memory than this host allows a rank now (0.8 of its available memory over its 4 rank(s)); a run fails them before their prefills" "$tmp/stdout" || fail "dry run, no memory: totals"
+    SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --host-memory-check off --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    ! grep -q "more than this host's memory\|need more host memory" "$tmp/stdout" || fail "dry run, no memory, check off: a request was marked"
     # After a run, with one summary removed: the plan says what a resume would do.
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 3 ] || fail "real run: exit $rc"
