@@ -338,8 +338,13 @@ int cmd_prefill(int argc, char** argv) {
   std::printf("prefill throughput: %.1f tokens/s\n", double(ids.size()) / r.seconds);
   std::string piece = tok ? tok->token_to_piece(r.first_token) : "";
   std::printf("first token: %d \"%s\"\n", r.first_token, piece.c_str());
-  std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s\n", mode.c_str(), r.density,
-              r.estimate_s, r.attention_s);
+  std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s%s\n", mode.c_str(),
+              r.density, r.estimate_s, r.attention_s,
+              r.sparse_reruns > 0 ? sformat(" (the forward ran %d more time(s): a sparse index "
+                                            "outgrew its plan)",
+                                            r.sparse_reruns)
+                                        .c_str()
+                                  : "");
 
   if (dump_layer >= 0) {
     const auto& kv = r.kv;
