@@ -263,7 +263,8 @@ struct Fault {
   // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
   // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
   // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
-  // the overlap's check), no_memory (none at all: the request's own check).
+  // the overlap's check), no_memory (none at all: the request's own check), memory (N bytes
+  // available, for every check and the dry run's).
   std::string kind;
   int rank = -1, layer = -1;
 };
@@ -377,13 +378,15 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
 // whether a run would compute it or skip it (resume), its K/V bytes in the export's encoding
 // (at most that under a retention) and its host KV; then the totals and the peak host memory a
 // rank would hold for KV, against what this host has available.
-template <typename KvBytes, typename StagingBytes>
+template <typename KvBytes, typename HostKvBytes, typename StagingBytes>
 void print_plan(const Options& o, const model::ModelConfig& cfg,
                 const std::vector<runtime::BatchRequest>& good, int n_groups,
-                const std::string& job, KvBytes&& kv_host_bytes, StagingBytes&& staging_bytes,
-                int local_ranks, int64_t avail) {
-  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, staging = 0, n_short = 0;
-  std::vector<int64_t> last(size_t(n_groups), 0);  // each group's last computed request's KV
+                const std::string& job, KvBytes&& kv_host_bytes, HostKvBytes&& host_kv_bytes,
+                StagingBytes&& staging_bytes, int local_ranks, int64_t avail) {
+  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, peak_host = 0, staging = 0,
+          n_short = 0;
+  // Each group's last computed request's KV (this rank's, and this host's).
+  std::vector<int64_t> last(size_t(n_groups), 0), last_host(size_t(n_groups), 0);
   for (size_t i = 0; i < good.size(); ++i) {
     const runtime::BatchRequest& r = good[i];
     const int group = int(i % size_t(n_groups));
@@ -404,15 +407,16 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     const bool compute = status.rfind("complete", 0) != 0;
     const bool full = policy.kind == kvstore::RetentionKind::kFull;
     // What a run's host memory check would say of it (no plan held yet: its whole staging).
+    const int64_t on_host = host_kv_bytes(T);
     const bool too_big = compute && o.host_memory_check &&
-                         !runtime::overlap_fits(host, staging_bytes(T), 0, local_ranks, avail);
+                         !runtime::host_memory_fits(on_host, staging_bytes(T), 0, local_ranks, avail);
     n_short += too_big ? 1 : 0;
     std::printf("plan: %s (line %lld): %lld tokens, group %d, %s; K/V %s%s in %s, host KV %s a "
                 "rank%s\n",
                 r.id.c_str(), static_cast<long long>(r.line), static_cast<long long>(T), group,
                 status.c_str(), full ? "" : "at most ", human_bytes(kv).c_str(),
                 kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str(),
-                too_big ? "; more than this host's memory allows a rank now: a run would fail it "
+                too_big ? "; more than this host's memory allows now: a run would fail it "
                           "(--host-memory-check)"
                         : "");
     if (!compute) continue;
@@ -422,6 +426,8 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     // With --export-overlap a rank holds the pending export's KV beside the next request's.
     peak = std::max(peak, host + (o.export_overlap ? last[size_t(group)] : 0));
     last[size_t(group)] = host;
+    peak_host = std::max(peak_host, on_host + (o.export_overlap ? last_host[size_t(group)] : 0));
+    last_host[size_t(group)] = on_host;
     // The GPU plan's pinned staging stays at the largest request's (plans pass buffers on).
     staging = std::max(staging, staging_bytes(T));
   }
@@ -435,10 +441,10 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
               static_cast<long long>(n_compute), good.size(), static_cast<long long>(tokens),
               human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
               o.export_overlap ? "on" : "off", pinned.c_str(), local_ranks,
-              human_bytes((peak + staging) * local_ranks).c_str(), human_bytes(avail).c_str());
+              human_bytes(peak_host + staging * local_ranks).c_str(), human_bytes(avail).c_str());
   if (n_short > 0)
-    std::printf("plan: %lld request(s) need more host memory than this host allows a rank now "
-                "(0.8 of its available memory over its %d rank(s)); a run fails them before their "
+    std::printf("plan: %lld request(s) need more host memory than this host can give now "
+                "(0.8 of its available memory, for its %d rank(s)); a run fails them before their "
                 "prefills (--host-memory-check off skips the check)\n",
                 static_cast<long long>(n_short), local_ranks);
   std::fflush(stdout);
@@ -467,6 +473,7 @@ Result<std::vector<bool>> same_on_every_rank(comm::Communicator& world,
 // bound to a shared socket or cpuset), itself included.
 struct HostPeers {
   int local_ranks = 1, cpu_sharers = 1;
+  std::vector<int> ranks;  // the world ranks on this host, this one included
 };
 
 Result<HostPeers> host_peers(comm::Communicator& world) {
@@ -481,11 +488,12 @@ Result<HostPeers> host_peers(comm::Communicator& world) {
       if (CPU_ISSET(c, &set)) mine[size_t(1 + c / 64)] |= int64_t(uint64_t(1) << (c % 64));
   all.resize(mine.size() * size_t(world.size()));
   SF_TRY(world.all_gather(mine.data(), all.data(), int64_t(mine.size()), DType::kI64));
-  HostPeers p{0, 0};
+  HostPeers p{0, 0, {}};
   for (int r = 0; r < world.size(); ++r) {
     const int64_t* o = all.data() + size_t(r) * mine.size();
     if (o[0] != mine[0]) continue;
     ++p.local_ranks;
+    p.ranks.push_back(r);
     bool overlap = false;
     for (int w = 1; w <= kWords && !overlap; ++w) overlap = (o[w] & mine[size_t(w)]) != 0;
     p.cpu_sharers += overlap;
@@ -920,6 +928,28 @@ int run(int argc, char** argv) {
     const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
     return rank_layer_bytes(T) * cfg.n_layers + layer;
   };
+  // What each of this host's ranks holds, by its place in its group (runtime::make_grid: group
+  // rank r % (tp x cp), TP rank the group rank % tp, CP rank the group rank / tp): a sharded
+  // export's ranks hold their own rows (kv_host_bytes); a gathered one's leader holds the whole
+  // cache (kv_host_bytes too), the other CP rank 0 of each TP slice that slice's heads of every
+  // token, the others nothing beyond the forward's layer buffers (their own rows with
+  // --selective-kv); summed over the host's ranks for the host memory check.
+  auto host_kv_bytes = [&](int64_t T) {
+    int64_t sum = 0;
+    for (const int r : peers.ranks) {
+      const int gr = r % (o.tp * o.cp), cp_rank = gr / o.tp;
+      if (sharded || gr == 0) {
+        sum += kv_host_bytes(T);
+        continue;
+      }
+      const int64_t slice = int64_t(cfg.n_kv_heads / o.tp) * row;  // a token of a TP slice's heads
+      const int64_t keep = cp_rank == 0 ? T * slice
+                           : o.selective_kv ? (T + o.cp - 1) / o.cp * slice
+                                            : 0;
+      sum += keep * cfg.n_layers + (o.device == "cpu" ? 2 * T * slice : 0);
+    }
+    return sum;
+  };
   // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
   // --kv-staging-layers layers; a slot per layer with 0: model::PrefillOptions::kv_staging_layers).
   auto kv_staging_bytes = [&](int64_t T) -> int64_t {
@@ -933,8 +963,12 @@ int run(int argc, char** argv) {
   const int local_ranks = peers.local_ranks;
   if (o.dry_run) {
     if (rank0)
-      print_plan(o, cfg, good, n_groups, job, kv_host_bytes, kv_staging_bytes, local_ranks,
-                 fault.kind == "no_memory" && fault.rank == 0 ? 0 : host_memory_available());
+      print_plan(o, cfg, good, n_groups, job, kv_host_bytes, host_kv_bytes, kv_staging_bytes,
+                 local_ranks,
+                 fault.rank != 0                ? host_memory_available()
+                 : fault.kind == "no_memory" ? 0
+                 : fault.kind == "memory"    ? int64_t(fault.layer)
+                                             : host_memory_available());
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {
@@ -1296,20 +1330,22 @@ int run(int argc, char** argv) {
     // its device plan's pinned staging grows by), beside whatever is still held: all of the
     // group's ranks take part, so they run the same collectives.
     const int64_t T = int64_t(r.tokens.size());
-    const int64_t need = kv_host_bytes(T);
-    // room: the least memory a rank of the group may use (0.8 of its host's available memory
-    // over the host's ranks), for the message.
+    const int64_t need = host_kv_bytes(T);  // this host's ranks, summed
+    // room: the least a host of the group may give (0.8 of its available memory), for the
+    // message; grow: what each rank's pinned staging adds.
     const int64_t grow = std::max<int64_t>(0, kv_staging_bytes(T) - staging_held);
     int64_t room = 0;
     auto group_short = [&](bool beside_pending) -> bool {
       const bool faulted = fault.rank == world->rank() &&
                            ((fault.kind == "low_memory" && beside_pending) ||
                             fault.kind == "no_memory");
-      const int64_t avail = faulted ? 0 : host_memory_available();
+      const int64_t avail = faulted                                             ? 0
+                            : fault.kind == "memory" && fault.rank == world->rank() ? fault.layer
+                                                                                    : host_memory_available();
       const bool fits =
-          runtime::overlap_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
+          runtime::host_memory_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
       std::array<int64_t, 2> mine{fits ? 1 : 0,
-                                  avail < 0 ? INT64_MAX : int64_t(0.8 * double(avail) / local_ranks)},
+                                  avail < 0 ? INT64_MAX : int64_t(0.8 * double(avail))},
           all{};
       if (Status st = g.group_comm->all_reduce(mine.data(), all.data(), 2, DType::kI64,
                                                comm::ReduceOp::kMin);
@@ -1334,15 +1370,17 @@ int run(int argc, char** argv) {
       ++n_failed;
       if (g.leader())
         std::fprintf(stderr,
-                     "%s:%lld: request '%s' failed: its KV needs %s of host memory a rank%s, and "
-                     "a rank of the group may use %s (0.8 of its host's available memory over "
-                     "the host's %d rank(s)); --dry-run prints each request's need, "
+                     "%s:%lld: request '%s' failed: its KV needs %s of host memory for the %d "
+                     "rank(s) on the leader's host%s, and a host of the group can give %s (0.8 of "
+                     "its available memory); --dry-run prints each request's need, "
                      "--host-memory-check off skips this check\n",
                      o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(),
-                     human_bytes(need + grow).c_str(),
-                     grow > 0 ? sformat(" (%s of it pinned staging)", human_bytes(grow).c_str()).c_str()
+                     human_bytes(need + local_ranks * grow).c_str(), local_ranks,
+                     grow > 0 ? sformat(" (%s of it pinned staging)",
+                                        human_bytes(local_ranks * grow).c_str())
+                                    .c_str()
                               : "",
-                     human_bytes(room).c_str(), local_ranks);
+                     human_bytes(room).c_str());
       continue;
     }
     runtime::ParallelOptions po;

@@ -608,7 +608,7 @@ PY
     SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
     [ "$rc" -eq 3 ] || fail "no memory: exit $rc, want 3"
     grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "no memory: summary"
-    [ "$(grep -c "request 'doc[12]' failed: its KV needs [0-9.]* [kMG]B of host memory a rank, and a rank of the group may use 0 B (0.8 of its host's available memory over the host's 2 rank(s)); --dry-run prints each request's need, --host-memory-check off skips this check" "$tmp/stderr")" -eq 2 ] \
+    [ "$(grep -c "request 'doc[12]' failed: its KV needs [0-9.]* [kMG]B of host memory for the 2 rank(s) on the leader's host, and a host of the group can give 0 B (0.8 of its available memory); --dry-run prints each request's need, --host-memory-check off skips this check" "$tmp/stderr")" -eq 2 ] \
       || fail "no memory: want both requests' reason"
     [ ! -e "$tmp/sh_nomem/doc1" ] && [ ! -e "$tmp/sh_nomem/doc2" ] || fail "no memory: outputs $(ls "$tmp/sh_nomem")"
     SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --host-memory-check off --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
@@ -651,10 +651,22 @@ PY
     # request to compute is marked as one a run's host check fails, and the totals say how many;
     # with the check off, none is.
     SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    [ "$(grep -c "a rank; more than this host's memory allows a rank now: a run would fail it (--host-memory-check)$" "$tmp/stdout")" -eq 4 ] || fail "dry run, no memory: want 4 marked requests"
-    grep -q "^plan: 4 request(s) need more host memory than this host allows a rank now (0.8 of its available memory over its 4 rank(s)); a run fails them before their prefills" "$tmp/stdout" || fail "dry run, no memory: totals"
+    [ "$(grep -c "a rank; more than this host's memory allows now: a run would fail it (--host-memory-check)$" "$tmp/stdout")" -eq 4 ] || fail "dry run, no memory: want 4 marked requests"
+    grep -q "^plan: 4 request(s) need more host memory than this host can give now (0.8 of its available memory, for its 4 rank(s)); a run fails them before their prefills" "$tmp/stdout" || fail "dry run, no memory: totals"
     SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --host-memory-check off --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     ! grep -q "more than this host's memory\|need more host memory" "$tmp/stdout" || fail "dry run, no memory, check off: a request was marked"
+    # The host check counts what each rank holds: with --export gathered at CP 4 the leader holds
+    # the whole cache and the other three only the forward's two whole-prompt layers. lighthouse
+    # (7 tokens): 7 x 30 layers x 3 KV heads x 512 bytes = 322,560, plus 2 x 7 x 3 x 512 = 21,504
+    # on every rank: 344,064 + 3 x 21,504 = 408,576 (x 1.25 = 510,720); ids (8 tokens) 466,944
+    # (583,680); village (18 tokens) 1,050,624. With 600,000 bytes available the first two fit
+    # and village does not (counting the whole cache on all four ranks, lighthouse would not).
+    SF_WORKER_FAULT=memory:0:600000 run 4 --model default --cp 4 --export gathered --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; .* a rank$" "$tmp/stdout" || fail "dry run, gathered: lighthouse was marked"
+    grep -q "^plan: ids (line 2): 8 tokens, group 0, to compute; .* a rank$" "$tmp/stdout" || fail "dry run, gathered: ids was marked"
+    grep -q "^plan: village (line 6): 18 tokens, .*: a run would fail it (--host-memory-check)$" "$tmp/stdout" || fail "dry run, gathered: village was not marked"
+    SF_WORKER_FAULT=memory:0:510719 run 4 --model default --cp 4 --export gathered --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): .*: a run would fail it (--host-memory-check)$" "$tmp/stdout" || fail "dry run, gathered: lighthouse one byte short was not marked"
     # After a run, with one summary removed: the plan says what a resume would do.
     run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 3 ] || fail "real run: exit $rc"

@@ -297,11 +297,12 @@ std::array<int, 2> scaled_sparse_capacity(std::array<int, 2> cap, int64_t from, 
   return out;
 }
 
-bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
-                  int64_t avail) {
+bool host_memory_fits(int64_t host_kv_bytes, int64_t staging_bytes, int64_t staging_held,
+                      int local_ranks, int64_t avail) {
   if (avail < 0) return true;
-  const int64_t need = kv_bytes + std::max<int64_t>(0, staging_bytes - staging_held);
-  return double(need) * local_ranks * 1.25 <= double(avail);
+  const int64_t need =
+      host_kv_bytes + int64_t(local_ranks) * std::max<int64_t>(0, staging_bytes - staging_held);
+  return double(need) * 1.25 <= double(avail);
 }
 
 }  // namespace sf::runtime

@@ -71,13 +71,13 @@ bool request_complete(const std::string& out_dir, const std::string& id,
 std::string request_stale_reason(const std::string& out_dir, const std::string& id,
                                  const std::string& fingerprint);
 
-// Whether a rank has host memory for the next request beside a pending export (the export
-// overlap): its KV (kv_bytes) plus what its device plan's pinned K/V staging must grow by
-// (staging_bytes for this request against staging_held, what the last plan pinned and passes
-// on: a longer prompt pins more), times the ranks on this host, within 0.8 of avail (-1: unknown,
+// Whether a host has memory for the next request (beside a pending export, where one is): its
+// ranks' KV (host_kv_bytes, summed over the host's ranks) plus what each rank's device plan's
+// pinned K/V staging must grow by (staging_bytes for this request against staging_held, what the
+// last plan pinned and passes on: a longer prompt pins more), within 0.8 of avail (-1: unknown,
 // which passes).
-bool overlap_fits(int64_t kv_bytes, int64_t staging_bytes, int64_t staging_held, int local_ranks,
-                  int64_t avail);
+bool host_memory_fits(int64_t host_kv_bytes, int64_t staging_bytes, int64_t staging_held,
+                      int local_ranks, int64_t avail);
 
 // A device plan's sparse index capacity {64-key blocks, columns} a slot, seen on a prompt of
 // `from` tokens, for a plan of `to` tokens (model::PrefillOptions::sparse_capacity): scaled by

@@ -248,19 +248,19 @@ TEST(Batch, CompleteMeansManifestAndASummaryWithTheSameFingerprint) {
   std::filesystem::remove_all(dir);
 }
 
-// The export overlap's host check: a request's KV plus the growth of its plan's pinned staging
-// over what the last plan holds, times the host's ranks, with a quarter to spare.
-TEST(Batch, OverlapCountsThePinnedStagingAPlanMustAdd) {
-  using runtime::overlap_fits;
-  const int64_t kv = 4000, avail = 2 * 5000 * 5 / 4;  // two ranks, 5000 bytes each fit exactly
-  EXPECT_TRUE(overlap_fits(kv, 1000, 0, 2, avail));      // 4000 + 1000 new pinned bytes
-  EXPECT_FALSE(overlap_fits(kv, 1001, 0, 2, avail));     // one byte more
-  EXPECT_FALSE(overlap_fits(kv, 3000, 1999, 2, avail));  // grows by 1001
-  EXPECT_TRUE(overlap_fits(kv, 3000, 2000, 2, avail));   // grows by 1000
-  EXPECT_TRUE(overlap_fits(kv, 1000, 8000, 2, avail));   // the held staging is larger: no growth
-  EXPECT_FALSE(overlap_fits(kv + 1001, 1000, 8000, 2, avail));
-  EXPECT_FALSE(overlap_fits(kv, 1000, 0, 3, avail));     // a third rank on the host
-  EXPECT_TRUE(overlap_fits(int64_t(1) << 50, 0, 0, 8, -1));  // memory unknown: no check
+// The host memory check: the host's ranks' KV plus each rank's growth of its plan's pinned
+// staging over what the last plan holds, with a quarter to spare.
+TEST(Batch, HostMemoryCountsThePinnedStagingAPlanMustAdd) {
+  using runtime::host_memory_fits;
+  const int64_t kv = 8000, avail = 10000 * 5 / 4;  // 10000 bytes fit exactly
+  EXPECT_TRUE(host_memory_fits(kv, 1000, 0, 2, avail));      // 8000 + 2 x 1000 new pinned bytes
+  EXPECT_FALSE(host_memory_fits(kv, 1001, 0, 2, avail));     // two bytes more
+  EXPECT_FALSE(host_memory_fits(kv + 1, 1000, 0, 2, avail));
+  EXPECT_FALSE(host_memory_fits(kv, 3000, 1999, 2, avail));  // grows by 1001 a rank
+  EXPECT_TRUE(host_memory_fits(kv, 3000, 2000, 2, avail));   // grows by 1000 a rank
+  EXPECT_TRUE(host_memory_fits(kv, 1000, 8000, 2, avail));   // the held staging is larger
+  EXPECT_FALSE(host_memory_fits(kv, 1000, 0, 3, avail));     // a third rank's staging
+  EXPECT_TRUE(host_memory_fits(int64_t(1) << 50, 0, 0, 8, -1));  // memory unknown: no check
 }
 
 // A plan's sparse capacity carried to another length: scaled, in 64-entry steps, within what a
