@@ -266,7 +266,8 @@ struct Fault {
   // the overlap's check), no_memory (none at all: the request's own check), memory (N bytes
   // available, for every check and the dry run's).
   std::string kind;
-  int rank = -1, layer = -1;
+  int rank = -1;
+  int64_t layer = -1;  // a layer, milliseconds, a request's number, or bytes (memory)
 };
 Fault parse_fault() {
   Fault f;
@@ -280,7 +281,7 @@ Fault parse_fault() {
   if (p.size() >= 2) {
     f.kind = p[0];
     f.rank = std::atoi(p[1].c_str());
-    if (p.size() >= 3) f.layer = std::atoi(p[2].c_str());
+    if (p.size() >= 3) f.layer = std::atoll(p[2].c_str());
   }
   return f;
 }
@@ -1358,8 +1359,8 @@ int run(int argc, char** argv) {
       // Two requests' KV at once is the overlap's price: where this one would not fit beside
       // the pending export's, that export finishes first.
       if (g.leader())
-        std::printf("[group %d] %s: %.2f GB of KV to compute and a rank of the group short of "
-                    "host memory for it beside %s's: that export finishes first\n",
+        std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
+                    "group is short of memory for it beside %s's: that export finishes first\n",
                     g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
       complete_export(std::move(pending));
     }
@@ -1475,8 +1476,8 @@ int run(int argc, char** argv) {
         out.stats.kv_alloc_s = hr->kv_alloc_s;
         out.stats.kv_copy_s = hr->kv_copy_s;
         out.stats.sparse_reruns = hr->sparse_reruns;
-        // The runner keeps a plan at least this long (its pinned staging for the host check).
-        if (dmodel) staging_held = std::max(staging_held, kv_staging_bytes(int64_t(r.tokens.size())));
+        // (staging_held stays 0 here: the runner holds a miss and a hit plan, each with its own
+        // pinned staging, so the check counts a request's staging whole every time.)
         out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
         out.stats.estimate_bytes_by_rank = {0};
         pr = std::move(out);

@@ -595,7 +595,7 @@ PY
     # that prefill (said once a request), and the files are still the same.
     SF_WORKER_FAULT=low_memory:1 run 2 --model default --cp 2 --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/sh_low"
     [ "$rc" -eq 0 ] || fail "low memory: exit $rc"
-    [ "$(grep -c "doc2: .* GB of KV to compute and a rank of the group short of host memory for it beside doc1's: that export finishes first" "$tmp/stdout")" -eq 1 ] \
+    [ "$(grep -c "doc2: .* GB of KV to compute on this host, and a host of the group is short of memory for it beside doc1's: that export finishes first" "$tmp/stdout")" -eq 1 ] \
       || fail "low memory: want one line saying doc1's export finishes first"
     for id in doc1 doc2; do
       for f in "$tmp/sh_off/$id"/*; do

@@ -711,6 +711,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         }
         SF_TRY(timed(
             &st, [&] { return g.tp->all_gather(mine.data(), all.data(), S * kvw, DType::kF32); }));
+        // Sent: the slice goes now, so the leader's peak is the whole cache, not the whole
+        // cache and its own slice of it (the worker's host memory check counts the former).
+        std::vector<float>().swap(mine);
         if (!g.leader()) continue;
         auto& dst = (which ? kv.v : kv.k)[size_t(l)];
         dst.resize(size_t(S * c.n_kv_heads * d));
