@@ -199,7 +199,7 @@ std::string MetricsRegistry::render() const {
 }
 
 Status MetricsRegistry::write_textfile(const std::string& path) const {
-  // The temporary name (PATH.tmp.XXXXXX) does not end in .prom, so a collector never reads it.
+  // The temporary name (PATH.tmp. and six random characters) does not end in .prom, so a collector never reads it.
   return write_file_atomic(path, render());
 }
 

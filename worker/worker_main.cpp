@@ -962,14 +962,18 @@ int run(int argc, char** argv) {
   };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;
+  // The host memory this rank sees (the memory faults stand in for it in tests): beside_pending
+  // for the export overlap's check, which low_memory alone fails.
+  auto host_avail = [&](bool beside_pending) -> int64_t {
+    if (fault.rank != world->rank()) return host_memory_available();
+    if (fault.kind == "no_memory" || (fault.kind == "low_memory" && beside_pending)) return 0;
+    if (fault.kind == "memory") return fault.layer;
+    return host_memory_available();
+  };
   if (o.dry_run) {
     if (rank0)
       print_plan(o, cfg, good, n_groups, job, kv_host_bytes, host_kv_bytes, kv_staging_bytes,
-                 local_ranks,
-                 fault.rank != 0                ? host_memory_available()
-                 : fault.kind == "no_memory" ? 0
-                 : fault.kind == "memory"    ? int64_t(fault.layer)
-                                             : host_memory_available());
+                 local_ranks, host_avail(false));
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {
@@ -1337,12 +1341,7 @@ int run(int argc, char** argv) {
     const int64_t grow = std::max<int64_t>(0, kv_staging_bytes(T) - staging_held);
     int64_t room = 0;
     auto group_short = [&](bool beside_pending) -> bool {
-      const bool faulted = fault.rank == world->rank() &&
-                           ((fault.kind == "low_memory" && beside_pending) ||
-                            fault.kind == "no_memory");
-      const int64_t avail = faulted                                             ? 0
-                            : fault.kind == "memory" && fault.rank == world->rank() ? fault.layer
-                                                                                    : host_memory_available();
+      const int64_t avail = host_avail(beside_pending);
       const bool fits =
           runtime::host_memory_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
       std::array<int64_t, 2> mine{fits ? 1 : 0,
