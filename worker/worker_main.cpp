@@ -1209,7 +1209,7 @@ int run(int argc, char** argv) {
         "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
-        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"sparse_reruns\": %d, "
+        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"sparse_grows\": %d, "
         "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
@@ -1223,7 +1223,7 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_diagonals_bytes),
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_reruns,
+        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_grows,
         s.kv_alloc_s, s.kv_copy_s, o.export_mode.c_str(), o.device.c_str(),
         json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
@@ -1276,8 +1276,8 @@ int run(int argc, char** argv) {
         prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
         res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
         (std::string(s.plan_s > 0 ? sformat(", after a %.3f s plan", s.plan_s) : "") +
-         (s.sparse_reruns > 0
-              ? sformat(", run %d more time(s): a sparse index outgrew its plan", s.sparse_reruns)
+         (s.sparse_grows > 0
+              ? sformat(", sparse plan grown %d time(s) during the run", s.sparse_grows)
               : ""))
             .c_str(),
         export_s,
@@ -1474,7 +1474,7 @@ int run(int argc, char** argv) {
         out.stats.importance_s = hr->importance_s;
         out.stats.kv_alloc_s = hr->kv_alloc_s;
         out.stats.kv_copy_s = hr->kv_copy_s;
-        out.stats.sparse_reruns = hr->sparse_reruns;
+        out.stats.sparse_grows = hr->sparse_grows;
         // (staging_held stays 0 here: the runner holds a miss and a hit plan, each with its own
         // pinned staging, so the check counts a request's staging whole every time.)
         out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
@@ -1539,7 +1539,7 @@ int run(int argc, char** argv) {
         pr = dplan->run(r.tokens);
         if (pr.is_ok()) {
           pr.value().stats.plan_s = plan_s;
-          if (pr.value().stats.sparse_reruns > 0 || dplan_carried) {
+          if (pr.value().stats.sparse_grows > 0 || dplan_carried) {
             sparse_cap = dplan->prefill().sparse_capacity();
             sparse_cap_tokens = int64_t(r.tokens.size());
             dplan_carried = true;  // this plan's capacity is now a grown one

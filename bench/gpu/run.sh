@@ -547,7 +547,7 @@ if [[ "${SF_WORKER_LONG:-0}" == 1 ]]; then
        >>"$logs/build.log" 2>&1; then
     fail "long requests benchmark failed (its output is at the end of build.log)"
   fi
-  [[ -s "$lj" ]] && notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["id"], r["n_tokens"], r["plan_s"], r["prefill_s"], r["attention_s"], r["sparse_reruns"]) for r in d["requests"]]' "$lj")")
+  [[ -s "$lj" ]] && notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["id"], r["n_tokens"], r["plan_s"], r["prefill_s"], r["attention_s"], r["sparse_grows"]) for r in d["requests"]]' "$lj")")
 fi
 
 # ---- the worker's plans across prompt lengths (needs -DSF_MPI=ON and 2 GPUs) ------------------

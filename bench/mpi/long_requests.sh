@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One sparsefill-worker batch of long requests on 2 GPUs (CP 2, Llama-3-8B-shaped synthetic
 # weights, seeded random token ids) and each request's summary: where a long prefill's time goes
-# (plan_s, prefill_s, attention_s, estimate_s, sparse_reruns, kv_alloc_s, kv_copy_s, export_s).
+# (plan_s, prefill_s, attention_s, estimate_s, sparse_grows, kv_alloc_s, kv_copy_s, export_s).
 #
 #   bench/mpi/long_requests.sh [BUILD_DIR] [OUT.json]
 #
@@ -39,7 +39,7 @@ python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device "$([[ "$de
 import datetime, glob, json, os, sys
 out, commit, cmd, device, model, wall, odir = sys.argv[1:]
 keys = ("id", "n_tokens", "attention", "density", "plan_s", "prefill_s", "attention_s", "estimate_s",
-        "sparse_reruns", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
+        "sparse_grows", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
         "export_bytes", "kv_dtype", "plan_parts")
 reqs = []
 for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):

@@ -332,6 +332,15 @@ Status sparse_estimate_needed(const SparseEstimatePlan& plan, void* stream, int*
   return Status::ok();
 }
 
+Status sparse_estimate_need_enqueue(const SparseEstimatePlan& plan, int32_t* host_need,
+                                    void* stream) {
+  SF_ENSURE(plan.launch.need != nullptr && host_need != nullptr, kInvalidArgument,
+            "sparse_estimate_need_enqueue: needs a planned estimator and a host destination");
+  SF_CUDA_TRY(cudaMemcpyAsync(host_need, plan.launch.need, 2 * sizeof(int32_t),
+                              cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
+  return Status::ok();
+}
+
 Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int max_cols,
                              SparseIndex* out, void* stream) {
   SF_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));

@@ -56,6 +56,12 @@ Status sparse_estimate_run(SparseEstimatePlan* plan, const TensorView& q, const 
 // Larger than the plan's capacity means that run truncated slots: re-plan with these.
 Status sparse_estimate_needed(const SparseEstimatePlan& plan, void* stream, int* max_blocks,
                               int* max_cols);
+// Enqueue-only form of sparse_estimate_needed: copies the run's {blocks, columns} need into
+// host_need[2] (pinned memory) on `stream`, after the run, without waiting; the caller waits on
+// the stream (an event) before reading it. A forward checks each layer's need while its
+// attention runs, not after the whole prefill.
+Status sparse_estimate_need_enqueue(const SparseEstimatePlan& plan, int32_t* host_need,
+                                    void* stream);
 // Copies a device index to a host SparseIndex, repacked to the capacities given (>= every
 // count). Synchronizes the stream.
 Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int max_cols,

@@ -340,11 +340,10 @@ int cmd_prefill(int argc, char** argv) {
   std::printf("first token: %d \"%s\"\n", r.first_token, piece.c_str());
   std::printf("attention: %s, density %.3f, estimate %.3f s, attention %.3f s%s\n", mode.c_str(),
               r.density, r.estimate_s, r.attention_s,
-              r.sparse_reruns > 0 ? sformat(" (the forward ran %d more time(s): a sparse index "
-                                            "outgrew its plan)",
-                                            r.sparse_reruns)
-                                        .c_str()
-                                  : "");
+              r.sparse_grows > 0
+                  ? sformat(" (the sparse plan grew %d time(s) during the run)", r.sparse_grows)
+                        .c_str()
+                  : "");
 
   if (dump_layer >= 0) {
     const auto& kv = r.kv;

@@ -454,13 +454,17 @@ struct DevicePrefill::Impl {
   std::vector<kernels::cuda::SparseEstimatePlan> est;  // [layer * pieces + piece]
   DeviceBuffer est_ws, est_index, pairs;
   std::vector<CudaEvent> est_begin, est_end;
+  // Each estimator run's {blocks, columns} need, copied to pinned memory behind it, and per layer
+  // an event after the layer's last copy: the host checks a layer's slots while its attention
+  // runs and grows the plan in place (grow_sparse) before anything reads a truncated index.
+  PinnedBuffer h_need;  // int32 [est.size() x 2]
+  std::vector<CudaEvent> need_ready;
   double causal_pairs = 0;  // of one layer, every head of the slice
   // Index capacity per slot of every plan (0 before planning), and the most any slot of the last
   // run needed: more than the capacity means the run truncated slots and must be redone.
   int cap_blocks = 0, cap_cols = 0, need_blocks = 0, need_cols = 0;
-  // The last run's index outgrew some plan's capacity (each plan's own: a piece's bound differs
-  // from another's, so a largest need against the smallest capacity would re-run for nothing).
-  bool outgrown = false;
+  int grows = 0;            // in-place grows during the last run (PrefillResult::sparse_grows)
+  double grown_est_s = 0;   // estimator time of runs a grow discarded, in the last run
   // plan_sparse failed part way (a grow with no memory): its plans are not usable until one
   // succeeds, and a run says so instead of launching on a freed arena.
   bool sparse_broken = false;
@@ -608,6 +612,9 @@ struct DevicePrefill::Impl {
   // (Re-)plans every layer's and piece's estimator with at least the given slot capacities (0:
   // the estimator's defaults) on one arena sized for the largest.
   Status plan_sparse(int min_blocks = 0, int min_cols = 0);
+  // Re-plans with a quarter more room than {max_blocks, max_cols} (never less than now), on a
+  // new arena; synchronizes the compute stream first (the old arena's readers) and after.
+  Status grow_sparse(int max_blocks, int max_cols);
   Status setup(const DeviceModel::Impl& dmi, int64_t max_toks, const PrefillOptions& o);
   Status forward(std::span<const int32_t> ids, int64_t S, PrefillResult* res);
 };
@@ -637,7 +644,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   ap.causal = true;
   const DevTensor none;
   hook_s = 0;
-  outgrown = false;
+  grows = 0;
+  grown_est_s = 0;
   if (use_sparse && sparse_broken)
     return SF_ERR(kInternal,
                   "device prefill: the sparse plan could not grow (see the earlier error); plan "
@@ -662,15 +670,16 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // flag), beside other ranks' threads. A shard whose copies can wait on a collective bounds
   // them (DeviceShard::copy_wait_timeout_s).
   const double wait_limit_s = shard.copy_wait_timeout_s;
-  const auto wait_event = [wait_limit_s](cudaEvent_t e) -> Status {
+  const auto wait_event = [wait_limit_s](cudaEvent_t e,
+                                         const char* what = "a K/V copy") -> Status {
     const auto w0 = Clock::now();
     cudaError_t ce;
     while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
       if (wait_limit_s > 0 && seconds_since(w0) > wait_limit_s)
         return SF_ERR(kDeadlineExceeded,
-                      sformat("device prefill: a K/V copy did not complete in %.0f s (it waits "
-                              "on the TP all-reduces: a peer may have stopped)",
-                              wait_limit_s));
+                      sformat("device prefill: %s did not complete in %.0f s (it waits on the "
+                              "TP all-reduces: a peer may have stopped)",
+                              what, wait_limit_s));
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     SF_CUDA_TRY(ce);
@@ -870,33 +879,85 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         }
       }
     }
-    for (int64_t j = 0, lo = 0; j < int64_t(pcs.size());
-         lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
-      const int64_t b = pcs[size_t(j)][0], e = pcs[size_t(j)][1], n = e - b;
-      ap.q_offset = b;
-      const TensorView qv = dview(static_cast<char*>(QA) + size_t(lo * qd) * aes, adt, {n, hq, d});
-      const TensorView kv3 = dview(KA, adt, {e, hkv, d});
-      const TensorView vv = dview(VA, adt, {e, hkv, d});
-      const TensorView ov = dview(static_cast<char*>(OA) + size_t(lo * qd) * aes, adt, {n, hq, d});
-      if (dry) {
-        if (attn_bf16 && !use_sparse)
-          SF_TRY(kernels::cuda::attention_dense_plan(qv, kv3, vv, ov, ap));
-        continue;
+    // One attention call per piece.
+    const auto attend = [&]() -> Status {
+      for (int64_t j = 0, lo = 0; j < int64_t(pcs.size());
+           lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
+        const int64_t b = pcs[size_t(j)][0], e = pcs[size_t(j)][1], n = e - b;
+        ap.q_offset = b;
+        const TensorView qv =
+            dview(static_cast<char*>(QA) + size_t(lo * qd) * aes, adt, {n, hq, d});
+        const TensorView kv3 = dview(KA, adt, {e, hkv, d});
+        const TensorView vv = dview(VA, adt, {e, hkv, d});
+        const TensorView ov =
+            dview(static_cast<char*>(OA) + size_t(lo * qd) * aes, adt, {n, hq, d});
+        if (dry) {
+          if (attn_bf16 && !use_sparse)
+            SF_TRY(kernels::cuda::attention_dense_plan(qv, kv3, vv, ov, ap));
+          continue;
+        }
+        const TensorView lv = dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n});
+        if (use_sparse) {
+          // The piece's index from its own queries (the last 64 rows score vertical-slash heads)
+          // against keys [0, e), then the sparse kernel on it.
+          const size_t i = size_t(l) * pcs.size() + size_t(j);
+          kernels::cuda::SparseIndexDevice idx;
+          SF_CUDA_TRY(cudaEventRecord(est_begin[i].get(), st));
+          SF_TRY(kernels::cuda::sparse_estimate_run(&est[i], qv, kv3, &idx, st));
+          SF_CUDA_TRY(cudaEventRecord(est_end[i].get(), st));
+          SF_TRY(kernels::cuda::sparse_estimate_need_enqueue(est[i], h_need.as<int32_t>() + 2 * i,
+                                                             st));
+          if (j + 1 == int64_t(pcs.size()))
+            SF_CUDA_TRY(cudaEventRecord(need_ready[size_t(l)].get(), st));
+          SF_TRY(kernels::cuda::attention_sparse(qv, kv3, vv, idx, ov, lv, ap, st));
+          SF_TRY(kernels::cuda::sparse_index_pairs(idx, pairs.as<unsigned long long>() + l, st));
+        } else {
+          SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap, cs()));
+        }
       }
-      const TensorView lv = dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n});
-      if (use_sparse) {
-        // The piece's index from its own queries (the last 64 rows score vertical-slash heads)
-        // against keys [0, e), then the sparse kernel on it.
-        const size_t i = size_t(l) * pcs.size() + size_t(j);
-        kernels::cuda::SparseIndexDevice idx;
-        SF_CUDA_TRY(cudaEventRecord(est_begin[i].get(), st));
-        SF_TRY(kernels::cuda::sparse_estimate_run(&est[i], qv, kv3, &idx, st));
-        SF_CUDA_TRY(cudaEventRecord(est_end[i].get(), st));
-        SF_TRY(kernels::cuda::attention_sparse(qv, kv3, vv, idx, ov, lv, ap, st));
-        SF_TRY(kernels::cuda::sparse_index_pairs(idx, pairs.as<unsigned long long>() + l, st));
-      } else {
-        SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap, cs()));
+      return Status::ok();
+    };
+    SF_TRY(attend());
+    // Sparse: the layer's index slots against the plan's capacity, checked while its attention
+    // runs (the host waits for the estimators only). A slot that needed more was truncated:
+    // grow the plan in place (a quarter more room, so later layers rarely grow again) and run
+    // the layer's estimators and attention again before anything reads its output. Twice at
+    // most: float atomics in the scoring can move a near-tie selection, and so a slot's size,
+    // between runs.
+    for (int tries = 0; !dry && use_sparse; ++tries) {
+      SF_TRY(wait_event(need_ready[size_t(l)].get(), "a layer's sparse estimate"));
+      int nb = 0, nc = 0;
+      bool over = false;
+      for (size_t j = 0; j < pcs.size(); ++j) {
+        const size_t i = size_t(l) * pcs.size() + j;
+        const int32_t* h = h_need.as<int32_t>() + 2 * i;
+        nb = std::max(nb, int(h[0]));
+        nc = std::max(nc, int(h[1]));
+        over = over || h[0] > est[i].launch.max_blocks || h[1] > est[i].launch.max_cols;
       }
+      if (!over) break;
+      if (tries == 2)
+        return SF_ERR(kResourceExhausted,
+                      "device prefill: layer " + std::to_string(l) + "'s index slots needed " +
+                          std::to_string(nb) + " blocks and " + std::to_string(nc) +
+                          " columns after two grows of the plan (now " +
+                          std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) + ")");
+      SF_CUDA_TRY(cudaStreamSynchronize(st));
+      for (size_t j = 0; j < pcs.size(); ++j) {
+        const size_t i = size_t(l) * pcs.size() + j;
+        float ms = 0.f;
+        SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
+        grown_est_s += double(ms) * 1e-3;
+      }
+      SF_LOG(kInfo, "prefill",
+             "layer " << l << ": an index slot needed " << nb << " blocks and " << nc
+                      << " columns, the plan holds " << cap_blocks << " and " << cap_cols
+                      << "; growing it and running the layer's attention again");
+      SF_TRY(grow_sparse(nb, nc));
+      ++grows;
+      SF_CUDA_TRY(cudaMemsetAsync(pairs.as<unsigned long long>() + l, 0,
+                                  sizeof(unsigned long long), st));
+      SF_TRY(attend());
     }
     if (!dry) {
       if (attn_bf16)
@@ -1048,29 +1109,19 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   res->estimate_s = 0;
   res->density = 1.0;
   if (use_sparse) {
+    // Every layer's slots were checked against the plan as it ran (and grown where short); the
+    // needs are what a later plan may start from (sparse_need).
     need_blocks = need_cols = 0;
-    size_t worst = est.size();
+    res->estimate_s = grown_est_s;
     for (size_t i = 0; i < est.size(); ++i) {
       float ms = 0.f;
       SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
       res->estimate_s += double(ms) * 1e-3;
-      // A slot that needed more than its plan's capacity was truncated: never pass that off.
-      int nb = 0, nc = 0;
-      SF_TRY(kernels::cuda::sparse_estimate_needed(est[i], st, &nb, &nc));
-      need_blocks = std::max(need_blocks, nb);
-      need_cols = std::max(need_cols, nc);
-      if ((nb > est[i].launch.max_blocks || nc > est[i].launch.max_cols) && worst == est.size())
-        worst = i;
+      const int32_t* h = h_need.as<int32_t>() + 2 * i;
+      need_blocks = std::max(need_blocks, int(h[0]));
+      need_cols = std::max(need_cols, int(h[1]));
     }
-    outgrown = worst < est.size();
-    if (outgrown)
-      return SF_ERR(kResourceExhausted,
-                    "device prefill: an index slot needed " + std::to_string(need_blocks) +
-                        " blocks and " + std::to_string(need_cols) + " columns, plan " +
-                        std::to_string(worst) + " holds " +
-                        std::to_string(est[worst].launch.max_blocks) + " and " +
-                        std::to_string(est[worst].launch.max_cols) +
-                        " (DevicePrefill::grow_sparse re-plans for them)");
+    res->sparse_grows = grows;
     res->attention_s -= res->estimate_s;  // the estimators ran inside the attention window
     std::vector<unsigned long long> got(size_t(c.n_layers));
     SF_TRY(pairs.download(got.data(), got.size() * sizeof(unsigned long long)));
@@ -1313,6 +1364,24 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   return Status::ok();
 }
 
+Status DevicePrefill::Impl::grow_sparse(int max_blocks, int max_cols) {
+  SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));  // the old arena's last readers
+  const size_t before = est_ws.size() + est_index.size();
+  // A quarter more than asked, in whole 64-entry steps: later layers' (and later runs') needs
+  // may differ a little.
+  auto room = [](int need, int cap) {
+    return std::max(cap, int((int64_t(need) * 5 / 4 + 63) / 64 * 64));
+  };
+  sparse_broken = true;  // until the re-plan below succeeds whole
+  const PlanTimes setup_times = times;  // plan_times() describes the setup, not later grows
+  SF_TRY(plan_sparse(room(max_blocks, cap_blocks), room(max_cols, cap_cols)));
+  times = setup_times;
+  sparse_broken = false;
+  ws_bytes -= before;                                 // alloc() counted the new arena
+  SF_CUDA_TRY(cudaStreamSynchronize(compute.get()));  // the new arena's poisoning
+  return Status::ok();
+}
+
 Status DevicePrefill::Impl::plan_sparse(int min_blocks, int min_cols) {
   const ModelConfig& c = m->cfg;
   const int64_t hq = c.n_heads, hkv = c.n_kv_heads, d = c.head_dim;
@@ -1324,9 +1393,6 @@ Status DevicePrefill::Impl::plan_sparse(int min_blocks, int min_cols) {
   size_t ws_max = 0, ix_max = 0;
   est_ws.reset();  // a re-plan frees the old arena before sizing the new one
   est_index.reset();
-  pairs.reset();
-  est_begin.clear();
-  est_end.clear();
   auto plan_all = [&](const kernels::cuda::EstimateMemory& mem) -> Status {
     for (int l = 0; l < c.n_layers; ++l) {
       const auto& lp = opt.sparse->layers[size_t(l)];
@@ -1368,13 +1434,22 @@ Status DevicePrefill::Impl::plan_sparse(int min_blocks, int min_cols) {
   SF_TRY(alloc(est_index, ix_max));
   SF_TRY(plan_all(kernels::cuda::EstimateMemory{est_ws.as<char>(), ws_max, est_index.as<char>(),
                                                 ix_max, false}));
-  SF_TRY(alloc(pairs, size_t(c.n_layers) * sizeof(unsigned long long)));
-  for (size_t i = 0; i < est.size(); ++i) {
+  // A grow during a run keeps what does not depend on the capacity: the layers' pair counts
+  // (earlier layers' are summed already), the events (earlier layers' timings) and the need
+  // records.
+  if (!pairs.data()) SF_TRY(alloc(pairs, size_t(c.n_layers) * sizeof(unsigned long long)));
+  while (est_begin.size() < est.size()) {
     est_begin.emplace_back();
     SF_TRY(est_begin.back().create(true));
     est_end.emplace_back();
     SF_TRY(est_end.back().create(true));
   }
+  while (need_ready.size() < size_t(c.n_layers)) {
+    need_ready.emplace_back();
+    SF_TRY(need_ready.back().create(false));
+  }
+  if (h_need.size() < est.size() * 2 * sizeof(int32_t))
+    SF_TRY(h_need.alloc(est.size() * 2 * sizeof(int32_t)));
   // Causal pairs of one layer: a piece [b, e) has rows b..e-1, row t seeing keys [0, t].
   causal_pairs = 0;
   for (const auto& p : pcs) {
@@ -1459,36 +1534,15 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
   w.idle = false;
-  Status st = w.forward(tokens, S, &res);
-  // An index slot outgrew the plan's capacity (the estimators' needs depend on the data): grow
-  // past what this run needed and run again (twice at most: float atomics in the scoring can
-  // move a near-tie selection, and so a slot's size, between runs). A shard's group must agree
-  // first (its caller does). Only that error is retried: a KV sink's full tier is the same
-  // kResourceExhausted but would fail again.
-  const auto outgrew = [&] { return st.code() == Code::kResourceExhausted && w.outgrown; };
-  int reruns = 0;
-  for (int retry = 0; retry < 2 && outgrew() && !w.sharded; ++retry) {
-    SF_LOG(kWarn, "prefill", st.message() << "; re-planning and running again");
-    ++reruns;
-    // The failed run's copies (a KV sink's into its pool blocks) must land before the sink
-    // releases and reuses those blocks.
-    SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
-    SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
-    SF_TRY(grow_sparse(w.need_blocks, w.need_cols));
-    res = PrefillResult{};
-    st = w.forward(tokens, S, &res);
-  }
-  SF_TRY(st);
+  SF_TRY(w.forward(tokens, S, &res));
   w.idle = true;
   res.seconds = seconds_since(t0);
-  res.sparse_reruns = reruns;
   return res;
 }
 
 std::array<int, 2> DevicePrefill::sparse_need() const {
   return {impl_->need_blocks, impl_->need_cols};
 }
-bool DevicePrefill::outgrew() const { return impl_->outgrown; }
 std::array<int, 2> DevicePrefill::sparse_capacity() const {
   if (!impl_->use_sparse) return {0, 0};
   return {impl_->cap_blocks, impl_->cap_cols};
@@ -1512,20 +1566,7 @@ Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
   Impl& w = *impl_;
   if (!w.use_sparse) return Status::ok();
   SF_CUDA_TRY(cudaSetDevice(w.m->device));
-  SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
-  const size_t before = w.est_ws.size() + w.est_index.size() + w.pairs.size();
-  // A quarter more than asked, in whole 64-entry steps: the next run's need may differ a little.
-  auto room = [](int need, int cap) {
-    return std::max(cap, int((int64_t(need) * 5 / 4 + 63) / 64 * 64));
-  };
-  w.sparse_broken = true;  // until the re-plan below succeeds whole
-  const PlanTimes setup_times = w.times;  // plan_times() describes the setup, not later grows
-  SF_TRY(w.plan_sparse(room(max_blocks, w.cap_blocks), room(max_cols, w.cap_cols)));
-  w.times = setup_times;
-  w.sparse_broken = false;
-  w.ws_bytes -= before;                                 // alloc() counted the new arena
-  SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));  // the new arena's poisoning
-  return Status::ok();
+  return w.grow_sparse(max_blocks, max_cols);
 }
 
 std::vector<double> DevicePrefill::layer_seconds() const {
@@ -1593,7 +1634,6 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel&, DeviceShard,
 Result<PrefillResult> DevicePrefill::run(std::span<const int32_t>) { return no_cuda(); }
 std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
-bool DevicePrefill::outgrew() const { return false; }
 DeviceModel::Views DeviceModel::views() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_capacity() const { return {0, 0}; }
 Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }

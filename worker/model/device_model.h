@@ -213,19 +213,19 @@ class DevicePrefill {
   // differenced), seconds; and the time the shard's hooks spent (host, communication).
   std::vector<double> layer_seconds() const;
   double hook_seconds() const;
-  // Sparse index capacity. The estimators' slot sizes depend on the data; a run whose slots
-  // needed more than the plan holds fails with kResourceExhausted (nothing truncated is passed
-  // off) and sparse_need() says how much. An unsharded run then grows and runs again by itself;
-  // a shard's group agrees on the largest need and every rank calls grow_sparse (re-plans, frees
-  // and reallocates the estimators' arena, with a quarter more room than asked; synchronous)
-  // before running again.
+  // Sparse index capacity. The estimators' slot sizes depend on the data. A run checks each
+  // layer's slots as the layer's attention runs; where one needed more than the plan holds (its
+  // index was truncated), the run grows the plan in place (grow_sparse) and runs that layer's
+  // estimators and attention again before anything reads them, so nothing truncated is passed
+  // off and no layer runs twice otherwise (PrefillResult::sparse_grows). A shard grows alone:
+  // capacities are local, and its peers wait in the next exchange meanwhile.
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
   // What every piece's slots hold now (after any grow): PrefillOptions::sparse_capacity for a
   // later plan. {0, 0} without sparse attention.
   std::array<int, 2> sparse_capacity() const;
-  bool outgrew() const;  // the last run failed because an index slot outgrew its plan
-  // (A grow that fails part way leaves the sparse plan unusable: later runs fail with
-  // kInternal until a grow succeeds.)
+  // Re-plans every estimator with a quarter more room than {max_blocks, max_cols} (never less
+  // than now): frees and reallocates their arena; synchronous. A grow that fails part way
+  // leaves the sparse plan unusable: later runs fail with kInternal until a grow succeeds.
   Status grow_sparse(int max_blocks, int max_cols);
 
   DevicePrefill(DevicePrefill&&) noexcept;

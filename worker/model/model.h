@@ -149,8 +149,8 @@ struct PrefillOptions {
   int kv_staging_layers = 8;
   // DevicePrefill with sparse attention: floors for its index slots' capacity {64-key blocks,
   // gathered columns} (0: each piece's estimator default). The slots' needs depend on the data;
-  // a run that needs more grows the plan and runs the whole forward again
-  // (PrefillResult::sparse_reruns), so a caller that saw an earlier plan's
+  // a layer that needs more grows the plan during the run and runs that layer's attention again
+  // (PrefillResult::sparse_grows), so a caller that saw an earlier plan's
   // (DevicePrefill::sparse_capacity) can start a new plan there.
   std::array<int, 2> sparse_capacity{0, 0};
   // DevicePrefill only: take workspace and pinned host buffers from this cache where they are
@@ -186,9 +186,10 @@ struct PrefillResult {
   // faults) and copying each layer into them out of pinned memory (a shard's lead rows
   // included, with their wait for their own copy). Both overlap later layers' compute.
   double kv_alloc_s = 0, kv_copy_s = 0;
-  // DevicePrefill: forwards run again because a sparse index slot outgrew the plan (each
-  // re-plans with room for what the run needed; `seconds` counts every run).
-  int sparse_reruns = 0;
+  // DevicePrefill: times the run grew its sparse plan because a layer's index slot outgrew it
+  // (each grow re-plans with a quarter more room than the layer needed and runs that layer's
+  // estimators and attention again; attention_s counts the grow, estimate_s both estimates).
+  int sparse_grows = 0;
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});

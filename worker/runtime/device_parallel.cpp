@@ -188,33 +188,16 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(tokens.size()) +
                                         " tokens, planned for " + std::to_string(w.S));
   Result<model::PrefillResult> rr = w.prefill->run(tokens);
-  // Sparse index capacity: when any rank's slots outgrew its plan, every rank grows to the
-  // group's largest need and the group runs again (all ranks finished every collective of the
-  // failed run, so they stay in step).
-  // Any other failure of any rank is every rank's, here, before the collectives below (a rank
-  // returning alone would meet its peers' next collective with its caller's).
-  int reruns = 0;
-  for (int retry = 0;; ++retry) {
-    // Only an outgrown index is retried (a host allocation's kResourceExhausted would fail again).
-    const bool grow = !rr.is_ok() && w.prefill->outgrew();
-    const bool failed = !rr.is_ok() && !grow;
-    const std::array<int, 2> need = w.prefill->sparse_need();
-    int32_t mine[4] = {grow ? 1 : 0, need[0], need[1], failed ? 1 : 0}, all[4] = {0, 0, 0, 0};
-    SF_TRY(g.group_comm->all_reduce(mine, all, 4, DType::kI32, comm::ReduceOp::kMax));
-    if (all[3] || (all[0] && retry == 2)) {
-      if (!rr.is_ok()) return rr.status();
-      return SF_ERR(kInternal, all[3] ? "device parallel prefill: another rank of the group failed"
-                                      : "device parallel prefill: another rank's sparse index "
-                                        "outgrew its plan three times");
-    }
-    if (!all[0]) break;
-    // A grow that fails on one rank (no memory for the larger arena) is carried by the next
-    // all-reduce like any failure, so its peers do not run alone into the exchange.
-    ++reruns;
-    if (Status gs = w.prefill->grow_sparse(all[1], all[2]); !gs.is_ok())
-      rr = gs;
-    else
-      rr = w.prefill->run(tokens);
+  // Any failure of any rank is every rank's, here, before the collectives below (a rank
+  // returning alone would meet its peers' next collective with its caller's). A sparse index
+  // that outgrew its plan is not one: each rank grew its own plan during the run. The group
+  // reports its ranks' most grows.
+  int32_t mine[2] = {rr.is_ok() ? 0 : 1, rr.is_ok() ? rr.value().sparse_grows : 0};
+  int32_t all[2] = {0, 0};
+  SF_TRY(g.group_comm->all_reduce(mine, all, 2, DType::kI32, comm::ReduceOp::kMax));
+  if (all[0]) {
+    if (!rr.is_ok()) return rr.status();
+    return SF_ERR(kInternal, "device parallel prefill: another rank of the group failed");
   }
   SF_ASSIGN(model::PrefillResult r, std::move(rr));
   ParallelResult out;
@@ -281,7 +264,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   st.estimate_s = r.estimate_s;
   st.kv_alloc_s = r.kv_alloc_s;
   st.kv_copy_s = r.kv_copy_s;
-  st.sparse_reruns = reruns + r.sparse_reruns;
+  st.sparse_grows = all[1];
   st.density = r.density;
   st.comm_s = w.prefill->hook_seconds();
   st.kv_allgather_bytes = w.kv_recv_bytes;

@@ -71,9 +71,9 @@ struct ParallelStats {
   // Device path: host seconds sizing the KV result (page faults) and copying layers into it out
   // of pinned memory (model::PrefillResult); both overlap later layers' compute.
   double kv_alloc_s = 0, kv_copy_s = 0;
-  // Device path: forwards the group ran again because a sparse index slot outgrew its plan
-  // (model::PrefillResult::sparse_reruns); `seconds` counts every run.
-  int sparse_reruns = 0;
+  // Device path: the most times a rank of the group grew its sparse plan during the run because
+  // a layer's index slot outgrew it (model::PrefillResult::sparse_grows).
+  int sparse_grows = 0;
   // Before the run, not in `seconds`: the device path plans per prompt length (workspaces,
   // pinned host KV, cuDNN graphs and GEMM algorithms); 0 when the worker reused the last plan.
   double plan_s = 0;
