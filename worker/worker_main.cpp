@@ -66,7 +66,8 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
-    "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N] [--dry-run]\n"
+    "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N]\n"
+    "                  [--kv-staging-max-gib G] [--dry-run]\n"
     "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
@@ -86,6 +87,12 @@ struct Options {
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
   int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
+  // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
+  // model::PrefillOptions::kv_staging_max_bytes).
+  double kv_staging_max_gib = 8;
+  int64_t kv_staging_max_bytes() const {
+    return int64_t(kv_staging_max_gib * double(int64_t(1) << 30));
+  }
   // on: a request whose KV (with a device plan's pinned staging) does not fit in 0.8 of the
   // host memory available, counted for every rank on the host, fails before its prefill.
   bool host_memory_check = true;
@@ -141,7 +148,7 @@ Result<Options> parse_options(int argc, char** argv) {
                        {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout",
                         "export", "device", "retention", "kv-dtype", "prefix-cache",
                         "stall-timeout", "metrics-file", "export-overlap", "export-threads",
-                        "kv-staging-layers", "host-memory-check"},
+                        "kv-staging-layers", "kv-staging-max-gib", "host-memory-check"},
                        {"allow-long", "cp-estimate", "selective-kv", "dry-run"}));
   if (args.help) {
     o.help = true;
@@ -198,6 +205,14 @@ Result<Options> parse_options(int argc, char** argv) {
     if (!x.is_ok() || x.value() > 4096)
       return SF_ERR(kInvalidArgument, "--kv-staging-layers must be in [0, 4096], got " + v);
     o.kv_staging_layers = int(x.value());
+  }
+  if (kv.count("kv-staging-max-gib")) {
+    const std::string& v = kv["kv-staging-max-gib"];
+    char* end = nullptr;
+    const double g = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end || !(g >= 0) || g > 1 << 20)
+      return SF_ERR(kInvalidArgument, "--kv-staging-max-gib must be in [0, 1048576], got " + v);
+    o.kv_staging_max_gib = g;
   }
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
@@ -433,8 +448,9 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     staging = std::max(staging, staging_bytes(T));
   }
   const std::string pinned =
-      o.device == "cuda" ? sformat(", and %s of pinned K/V staging (--kv-staging-layers %d)",
-                                   human_bytes(staging).c_str(), o.kv_staging_layers)
+      o.device == "cuda"
+          ? sformat(", and %s of pinned K/V staging (--kv-staging-layers %d, --kv-staging-max-gib %g)",
+                    human_bytes(staging).c_str(), o.kv_staging_layers, o.kv_staging_max_gib)
                          : "";
   std::printf("plan: %lld of %zu requests to compute (%lld tokens), K/V to write at most %s; peak "
               "host KV a rank %s (--export-overlap %s)%s, %d rank(s) on this host: %s of its %s "
@@ -952,13 +968,13 @@ int run(int argc, char** argv) {
     return sum;
   };
   // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
-  // --kv-staging-layers layers; a slot per layer with 0: model::PrefillOptions::kv_staging_layers).
+  // --kv-staging-layers layers within --kv-staging-max-gib, as model::kv_staging_slots counts).
   auto kv_staging_bytes = [&](int64_t T) -> int64_t {
     if (o.device != "cuda") return int64_t(0);
-    const int64_t slots = o.kv_staging_layers == 0
-                              ? cfg.n_layers
-                              : std::min<int64_t>(cfg.n_layers, o.kv_staging_layers);
-    return rank_layer_bytes(T) * slots;
+    model::PrefillOptions po;
+    po.kv_staging_layers = o.kv_staging_layers;
+    po.kv_staging_max_bytes = o.kv_staging_max_bytes();
+    return rank_layer_bytes(T) * model::kv_staging_slots(po, cfg.n_layers, rank_layer_bytes(T));
   };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;
@@ -1432,6 +1448,7 @@ int run(int argc, char** argv) {
       ppo.prefill.importance_window = po.importance_window;
       ppo.prefill.importance_pool = po.importance_pool;
       ppo.prefill.kv_staging_layers = o.kv_staging_layers;
+      ppo.prefill.kv_staging_max_bytes = o.kv_staging_max_bytes();
       ppo.min_suffix = std::max(1, po.importance_window);
       if (dmodel)
         prefix_layer_done = po.on_layer;  // progress and fault injection
@@ -1503,6 +1520,7 @@ int run(int argc, char** argv) {
         model::PrefillOptions dopt;
         dopt.buffers = dbuffers;
         dopt.kv_staging_layers = o.kv_staging_layers;
+        dopt.kv_staging_max_bytes = o.kv_staging_max_bytes();
         dopt.chunk = o.chunk;
         dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
         dopt.sparse = po.sparse;

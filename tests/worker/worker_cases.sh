@@ -576,6 +576,8 @@ PY
     [ "$rc" -eq 2 ] && grep -q "^error: --export-threads must be in \[1, 64\], got 65" "$tmp/stderr" || fail "--export-threads 65: exit $rc"
     run 1 --model default --kv-staging-layers -1 --batch "$tmp/long.jsonl" --out "$tmp/sh_bad"
     [ "$rc" -eq 2 ] && grep -q "^error: --kv-staging-layers must be in \[0, 4096\], got -1" "$tmp/stderr" || fail "--kv-staging-layers -1: exit $rc"
+    run 1 --model default --kv-staging-max-gib -1 --batch "$tmp/long.jsonl" --out "$tmp/sh_bad"
+    [ "$rc" -eq 2 ] && grep -q "^error: --kv-staging-max-gib must be in \[0, 1048576\], got -1" "$tmp/stderr" || fail "--kv-staging-max-gib -1: exit $rc"
     # A request that fails (rank 1, after its prefill) while the one before it is being written:
     # that export completes, the rest go on. A second run then computes only the failed one
     # while skipping complete ones with its export pending.
@@ -643,10 +645,17 @@ PY
     # x 3 KV heads x 64 x (K, V) x 4 bytes = 27,648 a layer): 2 slots, then one for each of the
     # 30 layers; and lighthouse's host KV is its 7 tokens whole (7 x 30 x 3 x 64 x 2 x 4).
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    grep -q "(--export-overlap on), and 55.3 kB of pinned K/V staging (--kv-staging-layers 2), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    grep -q "(--export-overlap on), and 55.3 kB of pinned K/V staging (--kv-staging-layers 2, --kv-staging-max-gib 8), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
     grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank$" "$tmp/stdout" || fail "dry run: cuda lighthouse ($(grep '^plan: lighthouse' "$tmp/stdout"))"
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    grep -q "and 829 kB of pinned K/V staging (--kv-staging-layers 0)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    grep -q "and 829 kB of pinned K/V staging (--kv-staging-layers 0, --kv-staging-max-gib 8)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    # A byte cap on the ring (model::kv_staging_slots): 0.0001 GiB (107,374 bytes) holds 3 of
+    # village's slots of 27,648 bytes (82,944) but 4 of a 16-token request's 24,576 (98,304, the
+    # largest plan); a cap below two slots still gets two (village's 55,296).
+    run 4 --model default --cp 2 --device cuda --kv-staging-max-gib 0.0001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "and 98.3 kB of pinned K/V staging (--kv-staging-layers 8, --kv-staging-max-gib 0.0001)" "$tmp/stdout" || fail "dry run: staging cap 3 slots ($(grep '^plan: 4 of' "$tmp/stdout"))"
+    run 4 --model default --cp 2 --device cuda --kv-staging-max-gib 0.00000001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "and 55.3 kB of pinned K/V staging (--kv-staging-layers 8, --kv-staging-max-gib 1e-08)" "$tmp/stdout" || fail "dry run: staging cap floor ($(grep '^plan: 4 of' "$tmp/stdout"))"
     # A host with no memory to spare (the no_memory fault on rank 0, which prints the plan): each
     # request to compute is marked as one a run's host check fails, and the totals say how many;
     # with the check off, none is.

@@ -1279,18 +1279,19 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
             "device prefill: sparse_capacity must be >= 0, got {" +
                 std::to_string(o.sparse_capacity[0]) + ", " + std::to_string(o.sparse_capacity[1]) +
                 "}");
-  SF_ENSURE(o.kv_staging_layers >= 0, kInvalidArgument,
-            "device prefill: kv_staging_layers must be >= 0, got " +
-                std::to_string(o.kv_staging_layers));
+  SF_ENSURE(o.kv_staging_layers >= 0 && o.kv_staging_max_bytes >= 0, kInvalidArgument,
+            "device prefill: kv_staging_layers and kv_staging_max_bytes must be >= 0, got " +
+                std::to_string(o.kv_staging_layers) + " and " +
+                std::to_string(o.kv_staging_max_bytes));
   // A ring of fewer slots than layers only for the result alone: a per-layer host hook or device
   // sink (tiering, which may take long over a layer) keeps a slot per layer, so the device never
   // waits for it. Nor with overlapped TP sums and no DeviceShard::copy_wait_timeout_s: a layer's
   // copy waits on them, and only the communicator's wait after the last layer would have a
   // deadline.
-  kv_stage = o.kv_staging_layers == 0 || o.on_layer_kv || o.on_layer_kv_device ||
+  kv_stage = o.on_layer_kv || o.on_layer_kv_device ||
                      (shard.reduce_tp_enqueue && !(shard.copy_wait_timeout_s > 0))
                  ? c.n_layers
-                 : std::min(c.n_layers, o.kv_staging_layers);
+                 : kv_staging_slots(o, c.n_layers, 2 * NL * kvd * int64_t(f));
   if (host_kv) SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * f));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
   // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.

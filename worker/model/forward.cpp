@@ -59,6 +59,16 @@ void importance_from_columns(const std::vector<std::vector<float>>& cols,
 
 }  // namespace
 
+int kv_staging_slots(const PrefillOptions& opt, int n_layers, int64_t slot_bytes) {
+  if (opt.kv_staging_layers <= 0) return n_layers;  // a slot per layer, asked for
+  int slots = std::min(n_layers, opt.kv_staging_layers);
+  if (opt.kv_staging_max_bytes > 0 && slot_bytes > 0) {
+    const int64_t fit = std::max<int64_t>(2, opt.kv_staging_max_bytes / slot_bytes);
+    slots = int(std::min<int64_t>(slots, fit));
+  }
+  return slots;
+}
+
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt) {
   PrefillResult res;
   SF_TRY(extend(m, tokens, opt, &res));

@@ -144,9 +144,15 @@ struct PrefillOptions {
   // result (a ring: layer l's copy reuses layer l - N's slot once the host has taken that layer
   // out). 0, or at least n_layers: a slot per layer (every layer's copy can be queued at once),
   // which is also what a plan with on_layer_kv or on_layer_kv_device gets, and a shard with
-  // overlapped TP sums but no DeviceShard::copy_wait_timeout_s. Fewer slots pin less host memory (at 128K on a CP 2 rank of
-  // Llama-3-8B, 537 MB a layer) and the device runs at most N layers ahead of the host's copies.
+  // overlapped TP sums but no DeviceShard::copy_wait_timeout_s. Fewer slots pin less host
+  // memory (at 128K on a CP 2 rank of Llama-3-8B, 537 MB a layer) and the device runs at most N
+  // layers ahead of the host's copies.
   int kv_staging_layers = 8;
+  // With a ring (kv_staging_layers > 0): at most this many bytes of slots, but never fewer than
+  // two (0: no cap). Pinning runs at about 1.5 GB/s, so at 1M tokens (4.3 GB a layer on a CP 2
+  // rank) 8 slots took 21-28 s of each new plan; the device needs only enough slots to stay ahead
+  // of the host's copies, a fraction of a layer's compute at such lengths. kv_staging_slots().
+  int64_t kv_staging_max_bytes = int64_t(8) << 30;
   // DevicePrefill with sparse attention: floors for its index slots' capacity {64-key blocks,
   // gathered columns} (0: each piece's estimator default). The slots' needs depend on the data;
   // a layer that needs more grows the plan during the run and runs that layer's attention again
@@ -193,6 +199,11 @@ struct PrefillResult {
 };
 
 Result<PrefillResult> prefill(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt = {});
+// The pinned K/V slots a DevicePrefill stages through for slots of slot_bytes (one layer's K and
+// V of the rows it holds) under opt's kv_staging_layers and kv_staging_max_bytes: n_layers for a
+// slot per layer. The worker's host memory check counts the same.
+int kv_staging_slots(const PrefillOptions& opt, int n_layers, int64_t slot_bytes);
+
 // Appends tokens to out->kv (which may already hold a prefix) and replaces out's logits with
 // those of the new tokens. Positions continue from the cached prefix.
 Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOptions& opt, PrefillResult* out);

@@ -379,5 +379,26 @@ TEST(SyntheticModel, SpecsParseToTheShapeLayersAndSeed) {
       << p.status().message();
 }
 
+// The pinned K/V ring's slots (model::kv_staging_slots, which the device plan allocates and the
+// worker's host check counts): kv_staging_layers bounded by n_layers and by the byte cap, never
+// below two slots for the cap, and a slot per layer (uncapped) for 0.
+TEST(KvStaging, SlotsFollowLayersAndTheByteCap) {
+  model::PrefillOptions o;  // 8 slots, 8 GiB
+  const int64_t gib = int64_t(1) << 30;
+  EXPECT_EQ(model::kv_staging_slots(o, 32, 537 * (int64_t(1) << 20)), 8);  // 128K CP 2: 4.2 GiB
+  EXPECT_EQ(model::kv_staging_slots(o, 32, int64_t(4.3 * double(gib))), 2);  // 1M CP 2: the floor
+  EXPECT_EQ(model::kv_staging_slots(o, 32, 3 * gib), 2);
+  EXPECT_EQ(model::kv_staging_slots(o, 32, gib), 8);
+  EXPECT_EQ(model::kv_staging_slots(o, 32, gib + 1), 7);
+  EXPECT_EQ(model::kv_staging_slots(o, 4, 1024), 4);  // never more than the layers
+  o.kv_staging_layers = 1;
+  EXPECT_EQ(model::kv_staging_slots(o, 32, 3 * gib), 1);  // the floor does not raise a ring
+  o.kv_staging_layers = 0;
+  EXPECT_EQ(model::kv_staging_slots(o, 32, 3 * gib), 32);  // a slot per layer, as asked
+  o.kv_staging_layers = 8;
+  o.kv_staging_max_bytes = 0;
+  EXPECT_EQ(model::kv_staging_slots(o, 32, 3 * gib), 8);  // no cap
+}
+
 }  // namespace
 }  // namespace sf
