@@ -718,6 +718,36 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
     kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   }
+  // The result's K/V vectors are sized (their pages faulted in, on the CPU pool) by a helper
+  // thread from the run's start, while the host enqueues and the device computes the first
+  // layers; the first landing waits for it. Sized inline at that landing instead, a 1M-token CP
+  // rank's 34 GB took 7.8-8.8 s with the host blocked and a two-slot ring's device idle behind it
+  // (bench/NOTES.md, forty-seventh session). Nothing else touches the vectors until the join.
+  std::thread sizer;
+  Status size_status;
+  double size_s = 0;
+  if (!dry && keep_kv) {
+    sizer = std::thread([&, n = size_t((lead + NL) * kvd)] {
+      const auto a0 = Clock::now();
+      std::vector<std::vector<float>*> vs;
+      for (int l = 0; l < c.n_layers; ++l) {
+        vs.push_back(&res->kv.k[size_t(l)]);
+        vs.push_back(&res->kv.v[size_t(l)]);
+      }
+      if (!size_vectors(vs, n))
+        size_status = SF_ERR(kResourceExhausted,
+                             "device prefill: no host memory for the kept KV (" +
+                                 std::to_string(2 * c.n_layers * n * 4) + " bytes)");
+      size_s = seconds_since(a0);
+    });
+  }
+  // Joined on every return (an error path too) before the vectors and the status go.
+  struct JoinAtExit {
+    std::thread& t;
+    ~JoinAtExit() {
+      if (t.joinable()) t.join();
+    }
+  } join_sizer{sizer};
   // Layers [landed, last] leave the host side, in order, on this thread, as soon as their copies
   // land while the device computes later layers (their work is already enqueued: all of it with a
   // slot per layer, else up to the ring's size, so the host holds the device back only when it
@@ -725,8 +755,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
   //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
   //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
-  //   pool first, at the first landing (after the ring's first turn, or the last layer's
-  //   enqueue), while the device computes, and each layer is then one parallel memcpy;
+  //   pool first (the sizer thread above, joined at the first landing), while the device
+  //   computes, and each layer is then one parallel memcpy;
   // - the device sink places the layer (its block copies were queued before kv_copied; the
   //   demotions it issues run on the pool's copy stream beside the compute);
   // - the host hook (KV tiering) gets the layer's host K/V and importance;
@@ -735,17 +765,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   Status land_error;  // the ring's first failed landing (see its call in the layer loop)
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
-    if (keep_kv && landed == 0 && last >= 0) {
-      const auto a0 = Clock::now();
-      std::vector<std::vector<float>*> vs;
-      for (int l = 0; l < c.n_layers; ++l) {
-        vs.push_back(&kv.k[size_t(l)]);
-        vs.push_back(&kv.v[size_t(l)]);
-      }
-      SF_ENSURE(size_vectors(vs, size_t((lead + NL) * kvd)), kResourceExhausted,
-                "device prefill: no host memory for the kept KV (" +
-                    std::to_string(2 * c.n_layers * (lead + NL) * kvd * 4) + " bytes)");
-      res->kv_alloc_s = seconds_since(a0);
+    if (keep_kv && landed == 0 && last >= 0 && sizer.joinable()) {
+      sizer.join();
+      SF_TRY(size_status);
+      res->kv_alloc_s = size_s;
     }
     for (; landed <= last; ++landed) {
       const int l = landed;

@@ -189,8 +189,9 @@ struct PrefillResult {
   // own copy). The GPU forward reports its pinned host copies.
   int64_t kv_peak_bytes = 0;
   // Device forward with keep_kv: host seconds spent sizing the result's KV vectors (their page
-  // faults) and copying each layer into them out of pinned memory (a shard's lead rows
-  // included, with their wait for their own copy). Both overlap later layers' compute.
+  // faults, on a helper thread from the run's start) and copying each layer into them out of
+  // pinned memory (a shard's lead rows included, with their wait for their own copy). Both
+  // overlap the layers' compute.
   double kv_alloc_s = 0, kv_copy_s = 0;
   // DevicePrefill: times the run grew its sparse plan because a layer's index slot outgrew it
   // (each grow re-plans with a quarter more room than the layer needed and runs that layer's
