@@ -112,7 +112,7 @@ struct Measured {
   std::string device_name;
   double plan_s = 0;
   // The warm-up run on a fresh plan: what a worker pays per request (it plans each one),
-  // re-plans of an outgrown sparse index included.
+  // grows of an outgrown sparse index included.
   double first_run_s = 0;
 };
 

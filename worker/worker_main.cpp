@@ -90,8 +90,9 @@ struct Options {
   // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
   // model::PrefillOptions::kv_staging_max_bytes).
   double kv_staging_max_gib = 8;
-  int64_t kv_staging_max_bytes() const {
-    return int64_t(kv_staging_max_gib * double(int64_t(1) << 30));
+  int64_t kv_staging_max_bytes() const {  // a positive cap stays one (at least a byte)
+    if (!(kv_staging_max_gib > 0)) return 0;
+    return std::max<int64_t>(1, int64_t(kv_staging_max_gib * double(int64_t(1) << 30)));
   }
   // on: a request whose KV (with a device plan's pinned staging) does not fit in 0.8 of the
   // host memory available, counted for every rank on the host, fails before its prefill.

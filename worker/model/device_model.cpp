@@ -11,6 +11,7 @@
 #include <map>
 #include <new>
 #include <span>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -726,9 +727,11 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   std::thread sizer;
   Status size_status;
   double size_s = 0;
-  if (!dry && keep_kv) {
-    sizer = std::thread([&, n = size_t((lead + NL) * kvd)] {
-      const auto a0 = Clock::now();
+  bool sized = !keep_kv;
+  const auto size_kv = [&, n = size_t((lead + NL) * kvd)]() noexcept {
+    const auto a0 = Clock::now();
+    size_status = Status::ok();
+    try {
       std::vector<std::vector<float>*> vs;
       for (int l = 0; l < c.n_layers; ++l) {
         vs.push_back(&res->kv.k[size_t(l)]);
@@ -738,8 +741,19 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         size_status = SF_ERR(kResourceExhausted,
                              "device prefill: no host memory for the kept KV (" +
                                  std::to_string(2 * c.n_layers * n * 4) + " bytes)");
-      size_s = seconds_since(a0);
-    });
+    } catch (const std::exception& e) {
+      size_status = Status(Code::kResourceExhausted,
+                           std::string("device prefill: sizing the kept KV: ") + e.what(),
+                           __FILE__, __LINE__);
+    }
+    size_s = seconds_since(a0);
+  };
+  if (!dry && keep_kv) {
+    try {
+      sizer = std::thread(size_kv);
+    } catch (const std::system_error&) {
+      // No thread to spare: the first landing sizes them inline, as before the helper.
+    }
   }
   // Joined on every return (an error path too) before the vectors and the status go.
   struct JoinAtExit {
@@ -763,11 +777,16 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - opt.on_layer_done reports progress.
   int landed = 0;
   Status land_error;  // the ring's first failed landing (see its call in the layer loop)
+  Status sparse_error;  // a shard's failed check or grow of its sparse plan (see below)
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
-    if (keep_kv && landed == 0 && last >= 0 && sizer.joinable()) {
-      sizer.join();
+    if (!sized && last >= 0) {
+      if (sizer.joinable())
+        sizer.join();
+      else
+        size_kv();
       SF_TRY(size_status);
+      sized = true;
       res->kv_alloc_s = size_s;
     }
     for (; landed <= last; ++landed) {
@@ -920,6 +939,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
           continue;
         }
         const TensorView lv = dview(lse.as<float>() + hq * lo, DType::kF32, {hq, n});
+        if (use_sparse && !sparse_error.is_ok()) continue;  // a failed run, kept in step
         if (use_sparse) {
           // The piece's index from its own queries (the last 64 rows score vertical-slash heads)
           // against keys [0, e), then the sparse kernel on it.
@@ -942,45 +962,55 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     };
     SF_TRY(attend());
     // Sparse: the layer's index slots against the plan's capacity, checked while its attention
-    // runs (the host waits for the estimators only). A slot that needed more was truncated:
-    // grow the plan in place (a quarter more room, so later layers rarely grow again) and run
-    // the layer's estimators and attention again before anything reads its output. Twice at
-    // most: float atomics in the scoring can move a near-tie selection, and so a slot's size,
-    // between runs.
-    for (int tries = 0; !dry && use_sparse; ++tries) {
-      SF_TRY(wait_event(need_ready[size_t(l)].get(), "a layer's sparse estimate"));
-      int nb = 0, nc = 0;
-      bool over = false;
-      for (size_t j = 0; j < pcs.size(); ++j) {
-        const size_t i = size_t(l) * pcs.size() + j;
-        const int32_t* h = h_need.as<int32_t>() + 2 * i;
-        nb = std::max(nb, int(h[0]));
-        nc = std::max(nc, int(h[1]));
-        over = over || h[0] > est[i].launch.max_blocks || h[1] > est[i].launch.max_cols;
+    // runs (the host waits for the estimators, and with two pieces for the first piece's
+    // attention). A slot that needed more was truncated: grow the plan in place (a quarter more
+    // room, so later layers rarely grow again) and run the layer's estimators and attention
+    // again before anything reads its output. Twice at most: float atomics in the scoring can
+    // move a near-tie selection, and so a slot's size, between runs.
+    const auto check_sparse = [&]() -> Status {
+      for (int tries = 0;; ++tries) {
+        SF_TRY(wait_event(need_ready[size_t(l)].get(), "a layer's sparse estimate"));
+        int nb = 0, nc = 0;
+        bool over = false;
+        for (size_t j = 0; j < pcs.size(); ++j) {
+          const size_t i = size_t(l) * pcs.size() + j;
+          const int32_t* h = h_need.as<int32_t>() + 2 * i;
+          nb = std::max(nb, int(h[0]));
+          nc = std::max(nc, int(h[1]));
+          over = over || h[0] > est[i].launch.max_blocks || h[1] > est[i].launch.max_cols;
+        }
+        if (!over) return Status::ok();
+        if (tries == 2)
+          return SF_ERR(kResourceExhausted,
+                        "device prefill: layer " + std::to_string(l) + "'s index slots needed " +
+                            std::to_string(nb) + " blocks and " + std::to_string(nc) +
+                            " columns after two grows of the plan (now " +
+                            std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) +
+                            ")");
+        SF_CUDA_TRY(cudaStreamSynchronize(st));
+        for (size_t j = 0; j < pcs.size(); ++j) {
+          const size_t i = size_t(l) * pcs.size() + j;
+          float ms = 0.f;
+          SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
+          grown_est_s += double(ms) * 1e-3;
+        }
+        SF_LOG(kInfo, "prefill",
+               "layer " << l << ": an index slot needed " << nb << " blocks and " << nc
+                        << " columns, the plan holds " << cap_blocks << " and " << cap_cols
+                        << "; growing it and running the layer's attention again");
+        SF_TRY(grow_sparse(nb, nc));
+        ++grows;
+        SF_CUDA_TRY(cudaMemsetAsync(pairs.as<unsigned long long>() + l, 0,
+                                    sizeof(unsigned long long), st));
+        SF_TRY(attend());
       }
-      if (!over) break;
-      if (tries == 2)
-        return SF_ERR(kResourceExhausted,
-                      "device prefill: layer " + std::to_string(l) + "'s index slots needed " +
-                          std::to_string(nb) + " blocks and " + std::to_string(nc) +
-                          " columns after two grows of the plan (now " +
-                          std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) + ")");
-      SF_CUDA_TRY(cudaStreamSynchronize(st));
-      for (size_t j = 0; j < pcs.size(); ++j) {
-        const size_t i = size_t(l) * pcs.size() + j;
-        float ms = 0.f;
-        SF_CUDA_TRY(cudaEventElapsedTime(&ms, est_begin[i].get(), est_end[i].get()));
-        grown_est_s += double(ms) * 1e-3;
-      }
-      SF_LOG(kInfo, "prefill",
-             "layer " << l << ": an index slot needed " << nb << " blocks and " << nc
-                      << " columns, the plan holds " << cap_blocks << " and " << cap_cols
-                      << "; growing it and running the layer's attention again");
-      SF_TRY(grow_sparse(nb, nc));
-      ++grows;
-      SF_CUDA_TRY(cudaMemsetAsync(pairs.as<unsigned long long>() + l, 0,
-                                  sizeof(unsigned long long), st));
-      SF_TRY(attend());
+    };
+    if (!dry && use_sparse && sparse_error.is_ok()) {
+      sparse_error = check_sparse();
+      // Alone, stop here. A shard's peers wait in this and later layers' exchanges and TP sums:
+      // it enqueues the rest of the layers without attention (the plan may be half re-planned)
+      // and returns the error after them, and its caller makes it the group's.
+      if (!sparse_error.is_ok() && !sharded) return sparse_error;
     }
     if (!dry) {
       if (attn_bf16)
@@ -1099,6 +1129,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   if (shard.reduce_tp_enqueue && shard.reduce_tp_wait) SF_TRY(hook_nosync(shard.reduce_tp_wait));
 
   // Every layer's work is enqueued; the layers the ring did not land yet leave pinned memory now.
+  SF_TRY(sparse_error);
   SF_TRY(land_error);
   SF_TRY(land_through(c.n_layers - 1));
   SF_CUDA_TRY(cudaStreamSynchronize(st));

@@ -218,7 +218,10 @@ class DevicePrefill {
   // index was truncated), the run grows the plan in place (grow_sparse) and runs that layer's
   // estimators and attention again before anything reads them, so nothing truncated is passed
   // off and no layer runs twice otherwise (PrefillResult::sparse_grows). A shard grows alone:
-  // capacities are local, and its peers wait in the next exchange meanwhile.
+  // capacities are local, and its peers wait in the next exchange meanwhile. Where a grow fails
+  // (no device memory, or a third overflow at one layer), a shard enqueues its remaining layers'
+  // exchanges and TP sums without attention, so its peers do not wait on it, and returns the
+  // error after them (DeviceParallelPrefill makes it the group's).
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run
   // What every piece's slots hold now (after any grow): PrefillOptions::sparse_capacity for a
   // later plan. {0, 0} without sparse attention.

@@ -148,8 +148,8 @@ struct PrefillOptions {
   // memory (at 128K on a CP 2 rank of Llama-3-8B, 537 MB a layer) and the device runs at most N
   // layers ahead of the host's copies.
   int kv_staging_layers = 8;
-  // With a ring (kv_staging_layers > 0): at most this many bytes of slots, but never fewer than
-  // two (0: no cap). Pinning runs at about 1.5 GB/s, so at 1M tokens (4.3 GB a layer on a CP 2
+  // With a ring (kv_staging_layers > 0): at most this many bytes of slots, but the cap leaves at
+  // least two (or the one kv_staging_layers = 1 asks for; 0: no cap). Pinning runs at about 1.5 GB/s, so at 1M tokens (4.3 GB a layer on a CP 2
   // rank) 8 slots took 21-28 s of each new plan; the device needs only enough slots to stay ahead
   // of the host's copies, a fraction of a layer's compute at such lengths. kv_staging_slots().
   int64_t kv_staging_max_bytes = int64_t(8) << 30;

@@ -277,6 +277,97 @@ TEST(DeviceParallel, Bf16SyntheticCp2SparseAShape) {
   check_grid(false, {1, 2}, &sc);
 }
 
+// A sparse index that outgrows its plan on one CP rank only: 4600 vertical columns a head at
+// 5000 tokens. CP rank 0's last piece ([3750, 5000)) plans the default 4096 column slots and needs
+// 4600; CP rank 1's pieces end at 2500 and 3750 keys, whose defaults hold every key. Rank 0 grows
+// its plan during the run and redoes those layers' attention while rank 1 waits in the next
+// exchange: the run must finish on both (no deadlock; the group reports one grow), the grown plan
+// must serve a second run without growing, and a plan that starts at the grown capacity
+// (PrefillOptions::sparse_capacity, each rank its own) must give the same K/V and logits. Those
+// agree up to near-tie flips in the estimators' float-atomic scoring at the 4600th column (the
+// smallest, nearly equal scores): the grid test's bf16 bound, 1e-2 of the largest value.
+TEST(DeviceParallel, Bf16Cp2SparseGrowsOnOneRank) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  auto& w = test_world();
+  const model::ModelConfig c = small_llama3();
+  constexpr int64_t kLong = 5000;
+  std::mt19937_64 rng(test_seed() + 17);
+  std::vector<int32_t> tokens(static_cast<size_t>(kLong));
+  for (auto& t : tokens) t = int32_t(rng() % uint64_t(c.vocab));
+  model::SparseConfig sc = testing::mixed_sparse_config(c);
+  for (auto& layer : sc.layers)
+    for (auto& p : layer) {
+      p = kernels::HeadPattern{};
+      p.pattern = kernels::Pattern::kVerticalSlash;
+      p.n_vertical = 4600;
+      p.n_slash = 64;
+    }
+  sc.source = "vertical-slash 4600";
+  auto g = runtime::make_grid(w, {1, 2});
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  const int dev = w.rank();
+  auto dm = make_model(false, nullptr, {1, 0}, dev);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().to_string();
+  auto dg = runtime::make_device_grid(g.value(), dev);
+  ASSERT_TRUE(dg.is_ok()) << dg.status().to_string();
+  model::PrefillOptions o;
+  o.chunk = kChunk;
+  o.sparse = &sc;
+  auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong, o);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  const std::array<int, 2> planned = p.value().prefill().sparse_capacity();
+  auto grown = p.value().run(tokens);
+  ASSERT_TRUE(grown.is_ok()) << grown.status().to_string();
+  const std::array<int, 2> cap = p.value().prefill().sparse_capacity();
+  std::printf("  rank %d cp 2: capacity {%d, %d} -> {%d, %d}, need {%d, %d}, group grows %d\n",
+              w.rank(), planned[0], planned[1], cap[0], cap[1],
+              p.value().prefill().sparse_need()[0], p.value().prefill().sparse_need()[1],
+              grown.value().stats.sparse_grows);
+  EXPECT_EQ(grown.value().stats.sparse_grows, 1);
+  if (g.value().cp_rank == 0) {
+    EXPECT_GT(cap[1], planned[1]);  // this rank grew
+    EXPECT_GE(cap[1], 4600);
+  } else {
+    EXPECT_EQ(cap, planned);  // its peer did not
+  }
+  auto again = p.value().run(tokens);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_EQ(again.value().stats.sparse_grows, 0);
+  model::PrefillOptions big = o;
+  big.sparse_capacity = cap;
+  auto p2 = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong, big);
+  ASSERT_TRUE(p2.is_ok()) << p2.status().to_string();
+  auto once = p2.value().run(tokens);
+  ASSERT_TRUE(once.is_ok()) << once.status().to_string();
+  EXPECT_EQ(once.value().stats.sparse_grows, 0);
+  const auto nerr = [](const std::vector<float>& a, const std::vector<float>& b) {
+    if (a.size() != b.size() || a.empty()) return double(INFINITY);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return double(INFINITY);
+      num = std::max(num, double(std::fabs(a[i] - b[i])));
+      den = std::max(den, double(std::fabs(b[i])));
+    }
+    return den > 0 ? num / den : double(INFINITY);
+  };
+  double worst = 0;
+  ASSERT_EQ(grown.value().kv.k.size(), size_t(c.n_layers));
+  ASSERT_EQ(once.value().kv.k.size(), size_t(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    worst = std::max(worst, nerr(grown.value().kv.k[size_t(l)], once.value().kv.k[size_t(l)]));
+    worst = std::max(worst, nerr(grown.value().kv.v[size_t(l)], once.value().kv.v[size_t(l)]));
+  }
+  std::printf("  rank %d: grown-in-run against planned-big K/V nerr %.3g, density %.4f / %.4f\n",
+              w.rank(), worst, grown.value().stats.density, once.value().stats.density);
+  EXPECT_LE(worst, 1e-2) << "rank " << w.rank();
+  EXPECT_NEAR(grown.value().stats.density, once.value().stats.density, 1e-3);
+  if (g.value().leader()) {
+    const double le = nerr(grown.value().logits, once.value().logits);
+    std::printf("  leader logits nerr %.3g\n", le);
+    EXPECT_LE(le, 1e-2);
+  }
+}
+
 // Overlapped TP (the default: per-chunk all-reduces enqueued on NCCL's stream behind events)
 // against the blocking all-reduce of every row after a drain: with two slices each sum is one
 // fp32 addition, whose result does not depend on when or in which pieces it runs, so logits and
