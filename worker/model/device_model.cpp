@@ -965,8 +965,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     // runs (the host waits for the estimators, and with two pieces for the first piece's
     // attention). A slot that needed more was truncated: grow the plan in place (a quarter more
     // room, so later layers rarely grow again) and run the layer's estimators and attention
-    // again before anything reads its output. Twice at most: float atomics in the scoring can
-    // move a near-tie selection, and so a slot's size, between runs.
+    // again before anything reads its output. At most opt.sparse_max_grows times (2 by default).
     const auto check_sparse = [&]() -> Status {
       for (int tries = 0;; ++tries) {
         SF_TRY(wait_event(need_ready[size_t(l)].get(), "a layer's sparse estimate"));
@@ -980,13 +979,13 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
           over = over || h[0] > est[i].launch.max_blocks || h[1] > est[i].launch.max_cols;
         }
         if (!over) return Status::ok();
-        if (tries == 2)
+        if (tries == opt.sparse_max_grows)
           return SF_ERR(kResourceExhausted,
                         "device prefill: layer " + std::to_string(l) + "'s index slots needed " +
                             std::to_string(nb) + " blocks and " + std::to_string(nc) +
-                            " columns after two grows of the plan (now " +
-                            std::to_string(cap_blocks) + " and " + std::to_string(cap_cols) +
-                            ")");
+                            " columns, the plan holds " + std::to_string(cap_blocks) + " and " +
+                            std::to_string(cap_cols) + " after " + std::to_string(tries) +
+                            " grow(s) (PrefillOptions::sparse_max_grows)");
         SF_CUDA_TRY(cudaStreamSynchronize(st));
         for (size_t j = 0; j < pcs.size(); ++j) {
           const size_t i = size_t(l) * pcs.size() + j;
@@ -1329,6 +1328,9 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
 
   SF_TRY(alloc_host(h_tokens, NL * sizeof(int32_t)));
   SF_TRY(alloc_host(h_logits, size_t(max_logit_rows) * vocab * f));
+  SF_ENSURE(o.sparse_max_grows >= 0, kInvalidArgument,
+            "device prefill: sparse_max_grows must be >= 0, got " +
+                std::to_string(o.sparse_max_grows));
   SF_ENSURE(o.sparse_capacity[0] >= 0 && o.sparse_capacity[1] >= 0, kInvalidArgument,
             "device prefill: sparse_capacity must be >= 0, got {" +
                 std::to_string(o.sparse_capacity[0]) + ", " + std::to_string(o.sparse_capacity[1]) +

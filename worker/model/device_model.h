@@ -219,7 +219,7 @@ class DevicePrefill {
   // estimators and attention again before anything reads them, so nothing truncated is passed
   // off and no layer runs twice otherwise (PrefillResult::sparse_grows). A shard grows alone:
   // capacities are local, and its peers wait in the next exchange meanwhile. Where a grow fails
-  // (no device memory, or a third overflow at one layer), a shard enqueues its remaining layers'
+  // (no device memory, or an overflow past PrefillOptions::sparse_max_grows), a shard enqueues its remaining layers'
   // exchanges and TP sums without attention, so its peers do not wait on it, and returns the
   // error after them (DeviceParallelPrefill makes it the group's).
   std::array<int, 2> sparse_need() const;  // {blocks, columns} per slot in the last run

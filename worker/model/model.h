@@ -159,6 +159,11 @@ struct PrefillOptions {
   // (PrefillResult::sparse_grows), so a caller that saw an earlier plan's
   // (DevicePrefill::sparse_capacity) can start a new plan there.
   std::array<int, 2> sparse_capacity{0, 0};
+  // DevicePrefill with sparse attention: grows of the plan one layer may take before the run
+  // fails with kResourceExhausted (float atomics in the scoring can move a near-tie selection,
+  // and so a slot's size, between a layer's runs); 0 fails at the first slot that outgrows the
+  // plan, for callers that size it themselves (sparse_capacity).
+  int sparse_max_grows = 2;
   // DevicePrefill only: take workspace and pinned host buffers from this cache where they are
   // large enough, and give them back to it when the plan is destroyed (DeviceBufferCache).
   std::shared_ptr<DeviceBufferCache> buffers;

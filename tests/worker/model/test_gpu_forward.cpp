@@ -478,6 +478,19 @@ TEST_F(GpuForward, SparseCapacityGrowsOnOverflow) {
   carried.sparse_capacity = {-1, 0};
   EXPECT_EQ(DevicePrefill::plan(dm.value(), int64_t(tokens.size()), carried).status().code(),
             Code::kInvalidArgument);
+  // No grow allowed (PrefillOptions::sparse_max_grows 0): the default plan's run fails at the
+  // layer that outgrows it, naming the option, and never passes off the truncated index.
+  PrefillOptions strict = o;
+  strict.sparse_max_grows = 0;
+  auto plan3 = DevicePrefill::plan(dm.value(), int64_t(tokens.size()), strict);
+  ASSERT_OK(plan3.status());
+  auto refused = plan3->run(tokens);
+  EXPECT_EQ(refused.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("sparse_max_grows"), std::string::npos)
+      << refused.status().to_string();
+  strict.sparse_max_grows = -1;
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), int64_t(tokens.size()), strict).status().code(),
+            Code::kInvalidArgument);
 }
 
 // ---- Plan reuse: one plan for 700 tokens serves a shorter prompt next (stale workspace from the

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -286,8 +287,7 @@ TEST(DeviceParallel, Bf16SyntheticCp2SparseAShape) {
 // (PrefillOptions::sparse_capacity, each rank its own) must give the same K/V and logits. Those
 // agree up to near-tie flips in the estimators' float-atomic scoring at the 4600th column (the
 // smallest, nearly equal scores): the grid test's bf16 bound, 1e-2 of the largest value.
-TEST(DeviceParallel, Bf16Cp2SparseGrowsOnOneRank) {
-  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+void sparse_grow_case(bool fail) {
   auto& w = test_world();
   const model::ModelConfig c = small_llama3();
   constexpr int64_t kLong = 5000;
@@ -313,6 +313,25 @@ TEST(DeviceParallel, Bf16Cp2SparseGrowsOnOneRank) {
   model::PrefillOptions o;
   o.chunk = kChunk;
   o.sparse = &sc;
+  if (fail) {
+    // No grow allowed: rank 0 fails at layer 0 and must keep rank 1 in step (the rest of the
+    // layers' exchanges without attention), so both return at once with the group's error
+    // instead of rank 1 waiting in an exchange until the communicator's deadline aborts it.
+    model::PrefillOptions no_grow = o;
+    no_grow.sparse_max_grows = 0;
+    auto pf = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong,
+                                                   no_grow);
+    ASSERT_TRUE(pf.is_ok()) << pf.status().to_string();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = pf.value().run(tokens);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_FALSE(r.is_ok());
+    std::printf("  rank %d: failed in %.2f s: %s\n", w.rank(), s, r.status().message().c_str());
+    EXPECT_LT(s, 20.0);
+    const std::string want = g.value().cp_rank == 0 ? "sparse_max_grows" : "another rank";
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().to_string();
+    // The group's communicators are intact: a plan that may grow runs next.
+  }
   auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong, o);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   const std::array<int, 2> planned = p.value().prefill().sparse_capacity();
@@ -366,6 +385,17 @@ TEST(DeviceParallel, Bf16Cp2SparseGrowsOnOneRank) {
     std::printf("  leader logits nerr %.3g\n", le);
     EXPECT_LE(le, 1e-2);
   }
+}
+
+TEST(DeviceParallel, Bf16Cp2SparseGrowsOnOneRank) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  sparse_grow_case(false);
+}
+// The same grid where the grow is not allowed (PrefillOptions::sparse_max_grows 0), then the
+// growing run on the same communicators.
+TEST(DeviceParallel, Bf16Cp2SparseGrowFailureKeepsTheGroupInStep) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  sparse_grow_case(true);
 }
 
 // Overlapped TP (the default: per-chunk all-reduces enqueued on NCCL's stream behind events)
