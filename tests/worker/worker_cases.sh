@@ -132,6 +132,11 @@ case "$case_name" in
     want_tokens=$(grep -ho '"n_tokens": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
     got_tokens=$(( $(metric "$m0" 'sparsefill_worker_prompt_tokens_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_prompt_tokens_total{group="1"}') ))
     [ "$got_tokens" -eq "$want_tokens" ] || fail "metrics: prompt tokens $got_tokens, summaries $want_tokens"
+    # Sparse plan grows: the summaries' sum (0 on the CPU, whose estimators size their own index),
+    # and the series exported by both groups.
+    want_grows=$(grep -ho '"sparse_grows": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s + 0 }')
+    got_grows=$(( $(metric "$m0" 'sparsefill_worker_sparse_grows_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_sparse_grows_total{group="1"}') ))
+    [ "$got_grows" -eq "$want_grows" ] || fail "metrics: sparse grows $got_grows, summaries $want_grows"
     # Export bytes: each summary's are its export directory's files, and the metrics add them up.
     for j in "$tmp"/out/*.json; do
       d="${j%.json}"

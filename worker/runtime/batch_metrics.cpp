@@ -121,6 +121,9 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   add("sparsefill_worker_plan_seconds_total", MetricKind::kCounter,
       "Time the leader spent planning device prefills (--device cuda; a request of the last "
       "plan's length and importance settings reuses it).");
+  add("sparsefill_worker_sparse_grows_total", MetricKind::kCounter,
+      "Times a written request's device prefill grew its sparse plan during the run because a "
+      "layer's index outgrew it (each redoes that layer's attention; --device cuda).");
 }
 
 Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
@@ -143,6 +146,7 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   export_bytes_ += w.export_bytes;
   export_wait_s_ += w.export_wait_s;
   plan_s_ += w.plan_s;
+  sparse_grows_ += w.sparse_grows;
   (void)reg_.observe("sparsefill_worker_prefill_seconds", group_, w.prefill_s);
   (void)reg_.observe("sparsefill_worker_export_seconds", group_, w.export_s);
 }
@@ -166,6 +170,7 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_export_bytes_total", group_, double(export_bytes_)));
   SF_TRY(reg_.set("sparsefill_worker_export_wait_seconds_total", group_, export_wait_s_));
   SF_TRY(reg_.set("sparsefill_worker_plan_seconds_total", group_, plan_s_));
+  SF_TRY(reg_.set("sparsefill_worker_sparse_grows_total", group_, double(sparse_grows_)));
   return reg_.write_textfile(path_);
 }
 

@@ -39,6 +39,8 @@ struct WrittenRequest {
   double export_wait_s = 0;
   // The device prefill's planning before the run (0 when the last plan was reused).
   double plan_s = 0;
+  // Times the device prefill grew its sparse plan during the run (ParallelStats::sparse_grows).
+  int64_t sparse_grows = 0;
 };
 
 class BatchMetrics {
@@ -68,7 +70,7 @@ class BatchMetrics {
   MetricLabels with(const char* k, const char* v) const;
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
-  int64_t export_bytes_ = 0;
+  int64_t export_bytes_ = 0, sparse_grows_ = 0;
   double comm_s_ = 0, export_wait_s_ = 0, plan_s_ = 0;
 };
 
