@@ -207,14 +207,8 @@ Result<Options> parse_options(int argc, char** argv) {
       return SF_ERR(kInvalidArgument, "--kv-staging-layers must be in [0, 4096], got " + v);
     o.kv_staging_layers = int(x.value());
   }
-  if (kv.count("kv-staging-max-gib")) {
-    const std::string& v = kv["kv-staging-max-gib"];
-    char* end = nullptr;
-    const double g = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end || !(g >= 0) || g > 1 << 20)
-      return SF_ERR(kInvalidArgument, "--kv-staging-max-gib must be in [0, 1048576], got " + v);
-    o.kv_staging_max_gib = g;
-  }
+  SF_ASSIGN(o.kv_staging_max_gib,
+            args.get_double("kv-staging-max-gib", o.kv_staging_max_gib, 0, 65536));
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
     o.comm_timeout_s = std::strtod(kv["comm-timeout"].c_str(), &end);
@@ -975,7 +969,8 @@ int run(int argc, char** argv) {
     model::PrefillOptions po;
     po.kv_staging_layers = o.kv_staging_layers;
     po.kv_staging_max_bytes = o.kv_staging_max_bytes();
-    return rank_layer_bytes(T) * model::kv_staging_slots(po, cfg.n_layers, rank_layer_bytes(T));
+    const int64_t slot = rank_layer_bytes(T);
+    return slot * model::kv_staging_slots(po, cfg.n_layers, slot);
   };
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;

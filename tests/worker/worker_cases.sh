@@ -582,7 +582,7 @@ PY
     run 1 --model default --kv-staging-layers -1 --batch "$tmp/long.jsonl" --out "$tmp/sh_bad"
     [ "$rc" -eq 2 ] && grep -q "^error: --kv-staging-layers must be in \[0, 4096\], got -1" "$tmp/stderr" || fail "--kv-staging-layers -1: exit $rc"
     run 1 --model default --kv-staging-max-gib -1 --batch "$tmp/long.jsonl" --out "$tmp/sh_bad"
-    [ "$rc" -eq 2 ] && grep -q "^error: --kv-staging-max-gib must be in \[0, 1048576\], got -1" "$tmp/stderr" || fail "--kv-staging-max-gib -1: exit $rc"
+    [ "$rc" -eq 2 ] && grep -q "^error: --kv-staging-max-gib: '-1' is not a number in \[0, 65536\]" "$tmp/stderr" || fail "--kv-staging-max-gib -1: exit $rc"
     # A request that fails (rank 1, after its prefill) while the one before it is being written:
     # that export completes, the rest go on. A second run then computes only the failed one
     # while skipping complete ones with its export pending.
