@@ -60,7 +60,7 @@
 #                  new length planning again, with the plans' buffers kept and freed
 #                  (bench/mpi/plan_reuse.sh, its SF_PLAN_* settings; SF_PLAN_COMPARE=staging:
 #                  the pinned K/V ring against a slot per layer) into plan-reuse-<gpu>.json
-#   SF_WORKER_LONG  1: a sparsefill-worker batch of long requests on 2 GPUs (CP 2; lengths,
+#   SF_WORKER_LONG  1: a sparsefill-worker batch of long requests (CP 2 on 2 GPUs, or SF_LONG_TP x SF_LONG_CP; lengths,
 #                  layers and flags in SF_LONG_LENGTHS, SF_LONG_LAYERS, SF_LONG_ARGS; default two
 #                  requests near 1M tokens, vertical-slash, int4 export) with each request's
 #                  split of its time (bench/mpi/long_requests.sh) into long-requests-<gpu>.json

@@ -18,7 +18,7 @@ mpi_bench_setup() {
 mpi_bench_device() {
   local d
   d="CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') ($(nproc) cores)"
-  [[ "${1:-}" == gpu ]] && d="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -2 | paste -sd+) + $d"
+  [[ "${1:-}" == gpu ]] && d="$(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd+) + $d"
   echo "$d"
 }
 mpi_bench_commit() {

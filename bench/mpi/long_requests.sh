@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One sparsefill-worker batch of long requests on 2 GPUs (CP 2, Llama-3-8B-shaped synthetic
-# weights, seeded random token ids) and each request's summary: where a long prefill's time goes
+# One sparsefill-worker batch of long requests on TP x CP GPUs (default CP 2, Llama-3-8B-shaped
+# synthetic weights, seeded random token ids) and each request's summary: where a long prefill's time goes
 # (plan_s, prefill_s, attention_s, estimate_s, sparse_grows, kv_alloc_s, kv_copy_s, export_s).
 #
 #   bench/mpi/long_requests.sh [BUILD_DIR] [OUT.json]
 #
 # SF_LONG_LENGTHS: the requests' lengths in batch order (default 1040384,1048576: the second is
 # a new length, whose plan starts at the first plan's sparse capacity); SF_LONG_LAYERS (default
-# 8); SF_LONG_ARGS: more worker flags (default "--attention vertical-slash --kv-dtype int4";
+# 8); SF_LONG_TP and SF_LONG_CP (default 1 and 2; the job runs TP x CP ranks); SF_LONG_ARGS: more worker flags (default "--attention vertical-slash --kv-dtype int4";
 # int4 keeps a 1M export to about 11 GB); SF_LONG_DEVICE (default cuda) and SF_LONG_MODEL
 # (default synthetic:llama3-8b:LAYERS, which needs a GPU): a smoke test on a CPU machine is
 # SF_LONG_DEVICE=cpu SF_LONG_MODEL=default SF_LONG_LENGTHS=1024,1536. On a GPU host:
@@ -16,7 +16,8 @@ set -euo pipefail
 lengths="${SF_LONG_LENGTHS:-1040384,1048576}"; layers="${SF_LONG_LAYERS:-8}"
 extra="${SF_LONG_ARGS:---attention vertical-slash --kv-dtype int4}"
 device="${SF_LONG_DEVICE:-cuda}"; model="${SF_LONG_MODEL:-synthetic:llama3-8b:$layers}"
-cmdline="SF_LONG_DEVICE=$device SF_LONG_MODEL=$model SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_ARGS='$extra' $0 $*"
+tp="${SF_LONG_TP:-1}"; cp="${SF_LONG_CP:-2}"
+cmdline="SF_LONG_DEVICE=$device SF_LONG_MODEL=$model SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_TP=$tp SF_LONG_CP=$cp SF_LONG_ARGS='$extra' $0 $*"
 # shellcheck source=bench/mpi/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 mpi_bench_setup long-requests.json "$@"
@@ -31,13 +32,13 @@ with open(sys.argv[1], "w") as f:
 PY
 t0=$(date +%s%N)
 # shellcheck disable=SC2086
-mpirun --bind-to none --oversubscribe -np 2 "$worker" --model "$model" --cp 2 \
+mpirun --bind-to none --oversubscribe -np $((tp * cp)) "$worker" --model "$model" --tp "$tp" --cp "$cp" \
   --device "$device" $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
 wall=$(( ($(date +%s%N) - t0) / 1000000 ))
 grep -E '^\[group|^batch' "$tmp/log"
-python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device "$([[ "$device" == cuda ]] && echo gpu)")" "$model" "$wall" "$tmp/out" <<'PY'
+python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device "$([[ "$device" == cuda ]] && echo gpu)")" "$model" "$wall" "$tmp/out" "$tp" "$cp" <<'PY'
 import datetime, glob, json, os, sys
-out, commit, cmd, device, model, wall, odir = sys.argv[1:]
+out, commit, cmd, device, model, wall, odir, tp, cp = sys.argv[1:]
 keys = ("id", "n_tokens", "attention", "density", "plan_s", "prefill_s", "attention_s", "estimate_s",
         "sparse_grows", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
         "export_bytes", "kv_dtype", "plan_parts")
@@ -47,7 +48,7 @@ for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):
     reqs.append({k: s.get(k) for k in keys})
 doc = {"bench": "long_requests", "device": device, "model": model,
        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-       "commit": commit, "command": cmd, "tp": 1, "cp": 2, "job_s": int(wall) / 1000,
+       "commit": commit, "command": cmd, "tp": int(tp), "cp": int(cp), "job_s": int(wall) / 1000,
        "requests": reqs}
 json.dump(doc, open(out, "w"), indent=1)
 print("wrote", out)
