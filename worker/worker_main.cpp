@@ -1248,6 +1248,11 @@ int run(int argc, char** argv) {
       for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
       return o + "]";
     };
+    auto list_s = [](const std::vector<double>& v) {
+      std::string o = "[";
+      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + sformat("%.6f", v[i]);
+      return o + "]";
+    };
     summary.pop_back();  // the closing brace
     char group[256];
     std::snprintf(group, sizeof group,
@@ -1268,7 +1273,11 @@ int run(int argc, char** argv) {
           static_cast<long long>(x->plan->allocated_bytes));
     summary += std::string(group) + ", \"plan_parts\": " + plan_parts +
                ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
-               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) + "}";
+               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) +
+               ", \"prefill_s_by_rank\": " + list_s(s.seconds_by_rank) +
+               ", \"attention_s_by_rank\": " + list_s(s.attention_s_by_rank) +
+               ", \"comm_s_by_rank\": " + list_s(s.comm_s_by_rank) +
+               ", \"density_by_rank\": " + list_s(s.density_by_rank) + "}";
     if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
       --n_done;
       ++n_failed;
@@ -1492,6 +1501,10 @@ int run(int argc, char** argv) {
         // pinned staging, so the check counts a request's staging whole every time.)
         out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
         out.stats.estimate_bytes_by_rank = {0};
+        out.stats.seconds_by_rank = {out.stats.seconds};
+        out.stats.attention_s_by_rank = {out.stats.attention_s};
+        out.stats.comm_s_by_rank = {0.0};
+        out.stats.density_by_rank = {out.stats.density};
         pr = std::move(out);
         reused_tokens = pst.reused_tokens;
         prefix_reused_total += pst.reused_tokens;

@@ -137,6 +137,17 @@ case "$case_name" in
     want_grows=$(grep -ho '"sparse_grows": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s + 0 }')
     got_grows=$(( $(metric "$m0" 'sparsefill_worker_sparse_grows_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_sparse_grows_total{group="1"}') ))
     [ "$got_grows" -eq "$want_grows" ] || fail "metrics: sparse grows $got_grows, summaries $want_grows"
+    # Per-rank figures: one entry per rank of the CP 2 group, the leader's first and its own.
+    for j in "$tmp"/out/*.json; do
+      python3 - "$j" <<'PY' || fail "summary $j: per-rank figures"
+import json, sys
+s = json.load(open(sys.argv[1]))
+byr = {k: s[k + "_by_rank"] for k in ("prefill_s", "attention_s", "comm_s", "density")}
+assert all(len(v) == 2 for v in byr.values()), byr
+assert all(abs(byr[k][0] - s[k]) <= 1e-6 for k in byr), (byr, {k: s[k] for k in byr})
+assert all(0 < d <= 1 for d in byr["density"]) and all(t > 0 for t in byr["prefill_s"]), byr
+PY
+    done
     # Export bytes: each summary's are its export directory's files, and the metrics add them up.
     for j in "$tmp"/out/*.json; do
       d="${j%.json}"

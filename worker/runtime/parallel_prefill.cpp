@@ -227,17 +227,23 @@ Result<kernels::SparseIndex> slice_index(const kernels::SparseIndex& gi, int h0,
 }
 
 Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal, ParallelStats* st) {
-  constexpr int kStat = 5;
+  constexpr int kStat = 8;
   const int G = g.group_comm->size();
   const int64_t mine[kStat] = {st->kv_allgather_bytes, st->kv_moved_bytes, st->estimate_bytes,
                                std::bit_cast<int64_t>(pairs_done),
-                               std::bit_cast<int64_t>(pairs_causal)};
+                               std::bit_cast<int64_t>(pairs_causal),
+                               std::bit_cast<int64_t>(st->seconds),
+                               std::bit_cast<int64_t>(st->attention_s),
+                               std::bit_cast<int64_t>(st->comm_s)};
   std::vector<int64_t> all(size_t(G) * kStat);
   SF_TRY(g.group_comm->all_gather(mine, all.data(), kStat, DType::kI64));
   double done = 0, causal = 0;
   st->group_kv_allgather_bytes = st->group_kv_moved_bytes = st->group_estimate_bytes = 0;
   st->kv_moved_bytes_by_rank.resize(size_t(G));
   st->estimate_bytes_by_rank.resize(size_t(G));
+  for (auto* v : {&st->seconds_by_rank, &st->attention_s_by_rank, &st->comm_s_by_rank,
+                  &st->density_by_rank})
+    v->resize(size_t(G));
   for (int r = 0; r < G; ++r) {
     const int64_t* a = all.data() + size_t(r) * kStat;
     st->group_kv_allgather_bytes += a[0];
@@ -245,8 +251,13 @@ Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal, 
     st->group_estimate_bytes += a[2];
     st->kv_moved_bytes_by_rank[size_t(r)] = a[1];
     st->estimate_bytes_by_rank[size_t(r)] = a[2];
-    done += std::bit_cast<double>(a[3]);
-    causal += std::bit_cast<double>(a[4]);
+    const double rank_done = std::bit_cast<double>(a[3]), rank_causal = std::bit_cast<double>(a[4]);
+    done += rank_done;
+    causal += rank_causal;
+    st->density_by_rank[size_t(r)] = rank_causal > 0 ? rank_done / rank_causal : 1.0;
+    st->seconds_by_rank[size_t(r)] = std::bit_cast<double>(a[5]);
+    st->attention_s_by_rank[size_t(r)] = std::bit_cast<double>(a[6]);
+    st->comm_s_by_rank[size_t(r)] = std::bit_cast<double>(a[7]);
   }
   st->group_density = causal > 0 ? done / causal : 1.0;
   return Status::ok();

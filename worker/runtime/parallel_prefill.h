@@ -96,6 +96,10 @@ struct ParallelStats {
   // furthest, so its own fraction is usually the largest of the ranks.
   int64_t group_kv_allgather_bytes = 0, group_kv_moved_bytes = 0, group_estimate_bytes = 0;
   std::vector<int64_t> kv_moved_bytes_by_rank, estimate_bytes_by_rank;  // group rank order
+  // Each rank's own seconds, attention_s, comm_s and density, in group rank order: a rank
+  // slower than its peers (more attention work, a plan grown mid-run) shows as the others'
+  // comm_s, the time they waited for it in the next exchange.
+  std::vector<double> seconds_by_rank, attention_s_by_rank, comm_s_by_rank, density_by_rank;
   double group_density = 1.0;  // causal pairs computed over causal pairs, whole prompt, all heads
 };
 
@@ -116,8 +120,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
                                         std::span<const int32_t> tokens,
                                         const ParallelOptions& opt = {});
 
-// Fills st's group_* and *_by_rank fields: an all-gather of this rank's byte counters and causal
-// pairs (computed, total) over g.group_comm. Collective; parallel_prefill calls it last.
+// Fills st's group_* and *_by_rank fields: an all-gather of this rank's byte counters, causal
+// pairs (computed, total) and seconds, attention_s and comm_s over g.group_comm (set them
+// first). Collective; parallel_prefill calls it last.
 Status gather_group_stats(GridComms& g, double pairs_done, double pairs_causal, ParallelStats* st);
 
 // Slices one layer's global index (see GlobalIndexSource) to query heads [h0, h0 + nh) and the

@@ -313,6 +313,20 @@ void check_grid(const model::Model& m, runtime::GridShape shape, int64_t n_token
                                                c.head_dim * (shape.cp - 1) * c.n_layers);
     ASSERT_EQ(st.kv_moved_bytes_by_rank.size(), size_t(shape.group_size()));
     EXPECT_EQ(st.kv_moved_bytes_by_rank[0], st.kv_moved_bytes);  // the leader is group rank 0
+    // Per-rank timings and densities, the leader's entries its own.
+    for (const auto* v : {&st.seconds_by_rank, &st.attention_s_by_rank, &st.comm_s_by_rank,
+                          &st.density_by_rank})
+      ASSERT_EQ(v->size(), size_t(shape.group_size()));
+    EXPECT_EQ(st.seconds_by_rank[0], st.seconds);
+    EXPECT_EQ(st.attention_s_by_rank[0], st.attention_s);
+    EXPECT_EQ(st.comm_s_by_rank[0], st.comm_s);
+    EXPECT_NEAR(st.density_by_rank[0], st.density, 1e-12);
+    for (int r = 0; r < shape.group_size(); ++r) {
+      EXPECT_GT(st.seconds_by_rank[size_t(r)], 0.0) << r;
+      EXPECT_GE(st.comm_s_by_rank[size_t(r)], 0.0) << r;
+      EXPECT_GT(st.density_by_rank[size_t(r)], 0.0) << r;
+      EXPECT_LE(st.density_by_rank[size_t(r)], 1.0) << r;
+    }
     if (!selective) EXPECT_EQ(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
     if (selective && shape.cp > 1) EXPECT_LT(st.group_kv_moved_bytes, st.group_kv_allgather_bytes);
     // With a shared index, the exchange moves exactly what CpNeedCount predicts from the global
