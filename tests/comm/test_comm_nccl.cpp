@@ -54,6 +54,17 @@ TEST(CommNccl, CollectivesAndDeadline) {
   for (int r = 0; r < w.size(); ++r)
     for (int64_t i = 0; i < counts[size_t(r)]; ++i)
       ASSERT_EQ(all[off++], float((i % 97) * (r + 1))) << "rank " << r << " item " << i;
+  // all_gatherv with equal counts (one ncclAllGather): every rank's block in rank order.
+  const int64_t even = 300;
+  std::fill(counts.begin(), counts.end(), even);
+  cudaMemcpy(a.p, h.data(), size_t(even) * sizeof(float), cudaMemcpyHostToDevice);
+  std::vector<float> fill(size_t(even * w.size()), -1.f);
+  cudaMemcpy(b.p, fill.data(), fill.size() * sizeof(float), cudaMemcpyHostToDevice);
+  ASSERT_TRUE(c.all_gatherv(a.p, even, b.p, counts, DType::kF32).is_ok());
+  cudaMemcpy(fill.data(), b.p, fill.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  for (int r = 0; r < w.size(); ++r)
+    for (int64_t i = 0; i < even; ++i)
+      ASSERT_EQ(fill[size_t(r * even + i)], float((i % 97) * (r + 1))) << "rank " << r << " item " << i;
   ASSERT_TRUE(c.barrier().is_ok());
 
   // Deadline: rank 0 waits 1 s; the others join 2 s late and time out themselves (the aborted
