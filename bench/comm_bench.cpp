@@ -1,6 +1,7 @@
-// NCCL all-gather bandwidth as the device CP exchange uses it (issue 5): Communicator::all_gatherv
-// on device buffers with equal counts (one ncclAllGather) against counts one 64-token row block
-// uneven (a grouped broadcast per rank), at the sizes of a CP rank's K (or V) per layer.
+// NCCL all-gather bandwidth at the sizes of a CP rank's K (or V) per layer (issue 5): the device
+// CP exchange's Communicator::all_gatherv (a grouped ncclBroadcast per rank; here with the last
+// rank one 64-token row block short, as zigzag chunks of a prompt not divisible by 2 x CP are)
+// against Communicator::all_gather (one ncclAllGather, equal blocks), on device buffers.
 //
 //   mpirun -np N sf_bench_comm [--mib 100,400,800] [--reps 5] [--out R.json]
 //
@@ -76,7 +77,10 @@ Result<std::pair<double, bool>> time_gather(comm::Communicator& c, const std::ve
   for (int rep = 0; rep <= reps; ++rep) {
     SF_TRY(c.barrier());
     const auto t0 = std::chrono::steady_clock::now();
-    SF_TRY(c.all_gatherv(send, counts[size_t(me)], recv, counts, DType::kBF16));
+    if (std::all_of(counts.begin(), counts.end(), [&](int64_t x) { return x == counts[0]; }))
+      SF_TRY(c.all_gather(send, recv, counts[0], DType::kBF16));
+    else
+      SF_TRY(c.all_gatherv(send, counts[size_t(me)], recv, counts, DType::kBF16));
     if (rep > 0) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
@@ -146,7 +150,7 @@ int run(int argc, char** argv) {
       }
       for (const bool even : {true, false}) {
         std::vector<int64_t> counts(size_t(N), n);
-        if (!even) counts.back() -= row_block;  // the grouped-broadcast path
+        if (!even) counts.back() -= row_block;  // all_gatherv's grouped broadcasts
         auto r = time_gather(*nc, counts, send, recv, a.reps);
         if (!r.is_ok()) {
           std::fprintf(stderr, "error (rank %d): %s\n", world->rank(), r.status().message().c_str());
@@ -164,7 +168,7 @@ int run(int argc, char** argv) {
                         "{\"ranks\": %d, \"path\": \"%s\", \"block_bytes\": %lld, "
                         "\"recv_bytes_per_rank\": %lld, \"median_s\": %.6f, \"recv_gb_per_s\": "
                         "%.2f, \"data_ok\": %s}",
-                        N, even ? "equal counts: ncclAllGather" : "uneven: grouped ncclBroadcast",
+                        N, even ? "all_gather: ncclAllGather" : "all_gatherv: grouped ncclBroadcast",
                         static_cast<long long>(n * 2), static_cast<long long>(recv_elems * 2), s,
                         gb / s, r.value().second ? "true" : "false");
           std::printf("%s\n", line);

@@ -1,6 +1,5 @@
 #include "comm/nccl_communicator.h"
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -148,15 +147,6 @@ class NcclCommunicator final : public Communicator {
     SF_TRY(check_usable("all_gatherv", send_count));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     const size_t es = dtype_size(t);
-    // Equal counts (a zigzag CP exchange whose chunks are alike) are one ncclAllGather, whose
-    // ring every rank feeds at once; uneven ones a broadcast per rank in one group.
-    if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; })) {
-      SF_TRY(run("all_gatherv", group(), [&] {
-        return ncclAllGather(send, recv, size_t(send_count), nt, comm_, stream_);
-      }));
-      bytes_sent_ += send_count * int64_t(es);
-      return Status::ok();
-    }
     SF_TRY(run("all_gatherv", group(), [&] {
       ncclResult_t rc = ncclGroupStart();
       size_t off = 0;
