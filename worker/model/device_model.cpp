@@ -7,8 +7,10 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <new>
 #include <span>
 #include <system_error>
@@ -721,47 +723,94 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   }
   // The result's K/V vectors are sized (their pages faulted in, on the CPU pool) by a helper
   // thread from the run's start, while the host enqueues and the device computes the first
-  // layers; the first landing waits for it. Sized inline at that landing instead, a 1M-token CP
-  // rank's 34 GB took 7.8-8.8 s with the host blocked and a two-slot ring's device idle behind it
-  // (bench/NOTES.md, forty-seventh session). Nothing else touches the vectors until the join.
+  // layers, in windows of layers in order: a window's vectors, one a pool thread, fault in
+  // parallel, and each layer's landing waits only for its own window. Sized inline at the first
+  // landing instead, a 1M-token CP rank's 34 GB took 7.8-8.8 s with the host blocked and a
+  // two-slot ring's device idle behind it; waiting for all of it at the first landing still
+  // stalled a 4-way 1M block-sparse prefill for about the sizing's 4 s (bench/NOTES.md,
+  // forty-seventh and forty-eighth sessions). The sizer touches only layers at or past
+  // `sized_layers`; a landing only layers before it.
   std::thread sizer;
   Status size_status;
   double size_s = 0;
-  bool sized = !keep_kv;
+  int sized_layers = keep_kv ? 0 : c.n_layers;  // layers [0, sized_layers) are sized
+  bool size_failed = false, size_stop = false;
+  std::mutex size_mu;
+  std::condition_variable size_cv;
   const auto size_kv = [&, n = size_t((lead + NL) * kvd)]() noexcept {
     const auto a0 = Clock::now();
-    size_status = Status::ok();
+    Status st = Status::ok();
+    // Two vectors a layer: half the pool's threads in layers keeps every thread faulting.
+    const int window = std::max(1, num_threads() / 2);
     try {
-      std::vector<std::vector<float>*> vs;
-      for (int l = 0; l < c.n_layers; ++l) {
-        vs.push_back(&res->kv.k[size_t(l)]);
-        vs.push_back(&res->kv.v[size_t(l)]);
+      for (int l0 = 0; l0 < c.n_layers && st.is_ok();) {
+        {
+          std::lock_guard<std::mutex> lk(size_mu);
+          if (size_stop) break;
+        }
+        const int l1 = std::min(c.n_layers, l0 + window);
+        std::vector<std::vector<float>*> vs;
+        for (int l = l0; l < l1; ++l) {
+          vs.push_back(&res->kv.k[size_t(l)]);
+          vs.push_back(&res->kv.v[size_t(l)]);
+        }
+        if (!size_vectors(vs, n))
+          st = SF_ERR(kResourceExhausted,
+                      "device prefill: no host memory for the kept KV (" +
+                          std::to_string(2 * c.n_layers * n * 4) + " bytes)");
+        std::lock_guard<std::mutex> lk(size_mu);
+        if (st.is_ok()) sized_layers = l1;
+        size_cv.notify_all();
+        l0 = l1;
       }
-      if (!size_vectors(vs, n))
-        size_status = SF_ERR(kResourceExhausted,
-                             "device prefill: no host memory for the kept KV (" +
-                                 std::to_string(2 * c.n_layers * n * 4) + " bytes)");
     } catch (const std::exception& e) {
-      size_status = Status(Code::kResourceExhausted,
-                           std::string("device prefill: sizing the kept KV: ") + e.what(),
-                           __FILE__, __LINE__);
+      st = Status(Code::kResourceExhausted,
+                  std::string("device prefill: sizing the kept KV: ") + e.what(), __FILE__,
+                  __LINE__);
     }
+    std::lock_guard<std::mutex> lk(size_mu);
     size_s = seconds_since(a0);
+    if (!st.is_ok()) {
+      size_status = st;
+      size_failed = true;
+    }
+    size_cv.notify_all();
   };
+  bool sizer_started = false;
   if (!dry && keep_kv) {
     try {
       sizer = std::thread(size_kv);
+      sizer_started = true;
     } catch (const std::system_error&) {
       // No thread to spare: the first landing sizes them inline, as before the helper.
     }
   }
-  // Joined on every return (an error path too) before the vectors and the status go.
+  // Stopped (between windows) and joined on every return (an error path too) before the
+  // vectors and the status go.
   struct JoinAtExit {
     std::thread& t;
+    std::mutex& mu;
+    bool& stop;
     ~JoinAtExit() {
-      if (t.joinable()) t.join();
+      if (!t.joinable()) return;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        stop = true;
+      }
+      t.join();
     }
-  } join_sizer{sizer};
+  } join_sizer{sizer, size_mu, size_stop};
+  // Layer l's vectors are sized (waiting for the sizer's window), or the sizing's error.
+  const auto wait_sized = [&](int l) -> Status {
+    if (!sizer_started) {
+      size_kv();
+      sizer_started = true;  // sized (or failed) inline, once
+    }
+    std::unique_lock<std::mutex> lk(size_mu);
+    size_cv.wait(lk, [&] { return sized_layers > l || size_failed; });
+    if (sized_layers > l) return Status::ok();
+    return size_status;
+  };
   // Layers [landed, last] leave the host side, in order, on this thread, as soon as their copies
   // land while the device computes later layers (their work is already enqueued: all of it with a
   // slot per layer, else up to the ring's size, so the host holds the device back only when it
@@ -769,7 +818,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
   //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
   //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
-  //   pool first (the sizer thread above, joined at the first landing), while the device
+  //   pool first (the sizer thread above; a layer waits for its own window), while the device
   //   computes, and each layer is then one parallel memcpy;
   // - the device sink places the layer (its block copies were queued before kv_copied; the
   //   demotions it issues run on the pool's copy stream beside the compute);
@@ -780,15 +829,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   Status sparse_error;  // a shard's failed check or grow of its sparse plan (see below)
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
-    if (!sized && last >= 0) {
-      if (sizer.joinable())
-        sizer.join();
-      else
-        size_kv();
-      SF_TRY(size_status);
-      sized = true;
-      res->kv_alloc_s = size_s;
-    }
     for (; landed <= last; ++landed) {
       const int l = landed;
       if (!kv_out) {
@@ -802,6 +842,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       float* hk = host_kv ? staged(l) : nullptr;
       float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
       if (keep_kv) {
+        SF_TRY(wait_sized(l));
         const auto c0 = Clock::now();
         const size_t at = size_t(lead * kvd);
         parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
@@ -1131,6 +1172,11 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   SF_TRY(sparse_error);
   SF_TRY(land_error);
   SF_TRY(land_through(c.n_layers - 1));
+  if (keep_kv) {
+    // Every layer landed, so the sizer sized them all and is past its last window.
+    if (sizer.joinable()) sizer.join();
+    res->kv_alloc_s = size_s;
+  }
   SF_CUDA_TRY(cudaStreamSynchronize(st));
   SF_CUDA_TRY(cudaStreamSynchronize(cp));
   res->n_logit_rows = rows;
