@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/mpi_world.h"
 #include "comm/mpi_communicator.h"
 #include "comm/nccl_communicator.h"
 
@@ -96,16 +97,8 @@ Result<std::pair<double, bool>> time_gather(comm::Communicator& c, const std::ve
 #endif
 
 int run(int argc, char** argv) {
-  if (!comm::mpi_init(&argc, &argv).is_ok()) {
-    std::fprintf(stderr, "error: MPI did not initialize (run under mpirun)\n");
-    return 2;
-  }
-  auto wr = comm::make_mpi_world();
-  if (!wr.is_ok()) {
-    std::fprintf(stderr, "error: %s\n", wr.status().message().c_str());
-    comm::mpi_abort_job(1);
-  }
-  std::unique_ptr<comm::Communicator> world = std::move(wr).value();
+  std::unique_ptr<comm::Communicator> world = bench::mpi_world(&argc, &argv);
+  if (!world) return 2;
   const bool rank0 = world->rank() == 0;
   int rc = 0;
   auto args = parse(argc, argv);

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/mpi_world.h"
 #include "comm/mpi_communicator.h"
 #include "worker/model/config.h"
 #include "worker/model/device_model.h"
@@ -183,16 +184,8 @@ std::string json_list(const std::vector<double>& v, double scale = 1.0) {
 }
 
 int run(int argc, char** argv) {
-  if (!comm::mpi_init(&argc, &argv).is_ok()) {
-    std::fprintf(stderr, "error: MPI did not initialize (run under mpirun)\n");
-    return 2;
-  }
-  auto wr = comm::make_mpi_world();
-  if (!wr.is_ok()) {
-    std::fprintf(stderr, "error: %s\n", wr.status().message().c_str());
-    comm::mpi_abort_job(1);
-  }
-  std::unique_ptr<comm::Communicator> world = std::move(wr).value();
+  std::unique_ptr<comm::Communicator> world = bench::mpi_world(&argc, &argv);
+  if (!world) return 2;
   // Idle ranks wait at the barrier while a grid smaller than the world runs (minutes at 128K).
   world->set_timeout(std::chrono::seconds(1800));
   const bool rank0 = world->rank() == 0;
