@@ -1288,7 +1288,8 @@ int run(int argc, char** argv) {
     metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
                          s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
                          s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes,
-                         export_wait_s, s.plan_s, s.sparse_grows});
+                         export_wait_s, s.plan_s, s.sparse_grows, s.attention_s_by_rank,
+                         s.comm_s_by_rank});
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
         "s%s), export %.3f s (%.3f s waited) -> %s\n",

@@ -148,6 +148,25 @@ assert all(abs(byr[k][0] - s[k]) <= 1e-6 for k in byr), (byr, {k: s[k] for k in 
 assert all(0 < d <= 1 for d in byr["density"]) and all(t > 0 for t in byr["prefill_s"]), byr
 PY
     done
+    # Per-rank metrics: each group's series per rank add up its summaries' per-rank figures.
+    python3 - "$tmp/out" "$m0" "$m1" <<'PY' || fail "metrics: per-rank series against the summaries"
+import glob, json, os, re, sys
+want = {}
+for f in glob.glob(os.path.join(sys.argv[1], "*.json")):
+    s = json.load(open(f))
+    for k in ("attention_s", "comm_s"):
+        for r, x in enumerate(s[k + "_by_rank"]):
+            want[(k, s["group"], r)] = want.get((k, s["group"], r), 0.0) + x
+got = {}
+for f in sys.argv[2:]:
+    for line in open(f):
+        m = re.match(r'sparsefill_worker_rank_(attention|comm)_seconds_total\{group="(\d+)",out="[^"]*",rank="(\d+)"\} (\S+)$', line)
+        if m:
+            got[(m[1] + "_s", int(m[2]), int(m[3]))] = float(m[4])
+assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+assert all(abs(got[k] - want[k]) <= 1e-5 * (1 + abs(want[k])) for k in want), (got, want)
+assert any(v > 0 for (k, _, _), v in got.items() if k == "attention_s"), got
+PY
     # Export bytes: each summary's are its export directory's files, and the metrics add them up.
     for j in "$tmp"/out/*.json; do
       d="${j%.json}"

@@ -124,6 +124,22 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   add("sparsefill_worker_sparse_grows_total", MetricKind::kCounter,
       "Times a written request's device prefill grew its sparse plan during the run because a "
       "layer's index outgrew it (each redoes that layer's attention; --device cuda).");
+  // Per rank of the group: a rank whose attention runs longer than its peers' shows as their
+  // larger collective waits (docs/operations.md, "Stragglers").
+  (void)reg_.add_family("sparsefill_worker_rank_attention_seconds_total", MetricKind::kCounter,
+                        "Attention kernel time of each rank of the group (group rank order) "
+                        "during written requests.");
+  (void)reg_.add_family("sparsefill_worker_rank_comm_seconds_total", MetricKind::kCounter,
+                        "Time each rank of the group waited on the group's collectives during "
+                        "written requests.");
+  const int ranks = std::max(1, info.tp * info.cp);
+  rank_attention_s_.assign(size_t(ranks), 0.0);
+  rank_comm_s_.assign(size_t(ranks), 0.0);
+  for (int r = 0; r < ranks; ++r) {
+    const std::string rs = std::to_string(r);
+    (void)reg_.set("sparsefill_worker_rank_attention_seconds_total", with("rank", rs.c_str()), 0);
+    (void)reg_.set("sparsefill_worker_rank_comm_seconds_total", with("rank", rs.c_str()), 0);
+  }
 }
 
 Status BatchMetrics::start(int64_t assigned, int64_t bad_lines) {
@@ -147,6 +163,10 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   export_wait_s_ += w.export_wait_s;
   plan_s_ += w.plan_s;
   sparse_grows_ += w.sparse_grows;
+  for (size_t r = 0; r < w.attention_s_by_rank.size() && r < rank_attention_s_.size(); ++r)
+    rank_attention_s_[r] += w.attention_s_by_rank[r];
+  for (size_t r = 0; r < w.comm_s_by_rank.size() && r < rank_comm_s_.size(); ++r)
+    rank_comm_s_[r] += w.comm_s_by_rank[r];
   (void)reg_.observe("sparsefill_worker_prefill_seconds", group_, w.prefill_s);
   (void)reg_.observe("sparsefill_worker_export_seconds", group_, w.export_s);
 }
@@ -171,6 +191,13 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_export_wait_seconds_total", group_, export_wait_s_));
   SF_TRY(reg_.set("sparsefill_worker_plan_seconds_total", group_, plan_s_));
   SF_TRY(reg_.set("sparsefill_worker_sparse_grows_total", group_, double(sparse_grows_)));
+  for (size_t r = 0; r < rank_attention_s_.size(); ++r) {
+    const std::string rs = std::to_string(r);
+    SF_TRY(reg_.set("sparsefill_worker_rank_attention_seconds_total", with("rank", rs.c_str()),
+                    rank_attention_s_[r]));
+    SF_TRY(reg_.set("sparsefill_worker_rank_comm_seconds_total", with("rank", rs.c_str()),
+                    rank_comm_s_[r]));
+  }
   return reg_.write_textfile(path_);
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/metrics.h"
 #include "common/status.h"
@@ -41,6 +42,9 @@ struct WrittenRequest {
   double plan_s = 0;
   // Times the device prefill grew its sparse plan during the run (ParallelStats::sparse_grows).
   int64_t sparse_grows = 0;
+  // Each rank's attention and collective-wait seconds, group rank order (ParallelStats'
+  // *_by_rank; empty counts nothing).
+  std::vector<double> attention_s_by_rank, comm_s_by_rank;
 };
 
 class BatchMetrics {
@@ -72,6 +76,7 @@ class BatchMetrics {
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
   int64_t export_bytes_ = 0, sparse_grows_ = 0;
   double comm_s_ = 0, export_wait_s_ = 0, plan_s_ = 0;
+  std::vector<double> rank_attention_s_, rank_comm_s_;  // per group rank, summed
 };
 
 }  // namespace sf::runtime

@@ -337,13 +337,19 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   EXPECT_TRUE(has(t, "sparsefill_worker_prefill_seconds_count{group=\"1\"} 0")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_export_seconds_count{group=\"1\"} 0")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_export_bytes_total{group=\"1\"} 0")) << t;
+  // A series per rank of the group (TP 1 x CP 2), zero before any request.
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_attention_seconds_total{group=\"1\",rank=\"1\"} 0")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_comm_seconds_total{group=\"1\",rank=\"0\"} 0")) << t;
+  EXPECT_EQ(t.find("rank=\"2\""), std::string::npos) << t;
   // Only group 0 carries the batch's bad lines.
   EXPECT_EQ(t.find("sparsefill_worker_batch_bad_lines"), std::string::npos) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_info{group=\"1\",model=\"SmolLM2\",device=\"cpu\","
                      "attention=\"dense\",tp=\"1\",cp=\"2\",groups=\"2\"} 1"))
       << t;
-  m.add_written({100, 0, 2.5, 0.25, 4000, 1000, 200, 0, 0.25, 7000, 0, 1.5});
-  m.add_written({50, 10, 0.75, 0.5, 2000, 500, 100, 0, 2.0, 3000, 0, 0.0});
+  m.add_written({100, 0, 2.5, 0.25, 4000, 1000, 200, 0, 0.25, 7000, 0, 1.5, 0, {1.0, 1.5},
+                 {0.25, 0.125}});
+  m.add_written({50, 10, 0.75, 0.5, 2000, 500, 100, 0, 2.0, 3000, 0, 0.0, 0, {0.5, 2.0},
+                 {0.5, 0.0}});
   ASSERT_TRUE(m.publish(2, 1, 1, false, true).is_ok());
   t = read(p1);
   EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"written\"} 2")) << t;
@@ -364,6 +370,10 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   EXPECT_TRUE(has(t, "sparsefill_worker_export_seconds_sum{group=\"1\"} 2.25")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_export_bytes_total{group=\"1\"} 10000")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_plan_seconds_total{group=\"1\"} 1.5")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_attention_seconds_total{group=\"1\",rank=\"0\"} 1.5")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_attention_seconds_total{group=\"1\",rank=\"1\"} 3.5")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_comm_seconds_total{group=\"1\",rank=\"0\"} 0.75")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_rank_comm_seconds_total{group=\"1\",rank=\"1\"} 0.125")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_finished{group=\"1\"} 1")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_request_in_flight{group=\"1\"} 0")) << t;
 
