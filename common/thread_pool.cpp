@@ -183,24 +183,27 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 }  // namespace
 
+bool size_vector(std::vector<float>& v, size_t n) {
+  try {
+    if (v.capacity() < n) {
+      std::vector<float>().swap(v);
+      v.reserve(n);  // allocated, not touched yet
+      advise_huge_pages(v.data(), n * sizeof(float));
+    }
+    v.resize(n);
+    return true;
+  } catch (const std::bad_alloc&) {
+    return false;
+  } catch (const std::length_error&) {  // more than a vector can hold
+    return false;
+  }
+}
+
 bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
   std::atomic<bool> ok{true};
   parallel_for(vs.size(), [&](size_t b, size_t e) {
-    try {
-      for (size_t i = b; i < e; ++i) {
-        std::vector<float>& v = *vs[i];
-        if (v.capacity() < n) {
-          std::vector<float>().swap(v);
-          v.reserve(n);  // allocated, not touched yet
-          advise_huge_pages(v.data(), n * sizeof(float));
-        }
-        v.resize(n);
-      }
-    } catch (const std::bad_alloc&) {
-      ok = false;
-    } catch (const std::length_error&) {  // more than a vector can hold
-      ok = false;
-    }
+    for (size_t i = b; i < e; ++i)
+      if (!size_vector(*vs[i], n)) ok = false;
   });
   return ok;
 }

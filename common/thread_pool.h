@@ -31,6 +31,9 @@ void parallel_copy_pair(float* da, const float* a, float* db, const float* b, si
 // touched (4 MiB or more; one 2 MiB fault instead of 512 small ones; SF_HOST_HUGEPAGES=0 turns
 // this off). False when an allocation failed; the vectors' sizes are then unspecified.
 bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
+// One vector, as size_vectors does each, on the calling thread (not the pool): for callers that
+// fault memory in beside a pool another thread is using.
+bool size_vector(std::vector<float>& v, size_t n);
 
 // Runs fn(i) for i in [0, n) on `width` threads (the caller's and up to width - 1 more), each
 // taking the next index when it is done: for items that wait (writes, fsync) or hold memory each

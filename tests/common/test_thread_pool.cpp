@@ -82,6 +82,12 @@ TEST(ThreadPool, SizeVectorsSizesZeroesAndReuses) {
   std::vector<float> big;
   std::vector<std::vector<float>*> one = {&big};
   EXPECT_FALSE(size_vectors(one, big.max_size() + 1));
+  // One vector on the calling thread: the same sizing.
+  std::vector<float> lone(3, 5.f);
+  ASSERT_TRUE(size_vector(lone, n));
+  ASSERT_EQ(lone.size(), n);
+  for (size_t j = 0; j < n; j += 4099) ASSERT_EQ(lone[j], 0.f) << j;  // grown: afresh, zeroed
+  EXPECT_FALSE(size_vector(big, big.max_size() + 1));
 }
 
 TEST(ThreadPool, RunItemsReportsTheFirstFailureInOrderAndStartsNothingAfterIt) {

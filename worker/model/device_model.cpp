@@ -7,13 +7,11 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <new>
+#include <optional>
 #include <span>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -29,6 +27,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse_estimate.h"
 #include "kernels/kv_importance.h"
+#include "worker/model/kv_sizer.h"
 #include "worker/model/sparse_config.h"
 #endif
 
@@ -721,96 +720,15 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
     kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
   }
-  // The result's K/V vectors are sized (their pages faulted in, on the CPU pool) by a helper
-  // thread from the run's start, while the host enqueues and the device computes the first
-  // layers, in windows of layers in order: a window's vectors, one a pool thread, fault in
-  // parallel, and each layer's landing waits only for its own window. Sized inline at the first
-  // landing instead, a 1M-token CP rank's 34 GB took 7.8-8.8 s with the host blocked and a
+  // The result's K/V vectors are sized (their pages faulted in) from the run's start on threads
+  // of their own (KvSizer), while the host enqueues and the device computes the first layers,
+  // in layer order; each landing waits only for its own layer's two vectors. Sized inline at the
+  // first landing instead, a 1M-token CP rank's 34 GB took 7.8-8.8 s with the host blocked and a
   // two-slot ring's device idle behind it; waiting for all of it at the first landing still
   // stalled a 4-way 1M block-sparse prefill for about the sizing's 4 s (bench/NOTES.md,
-  // forty-seventh and forty-eighth sessions). The sizer touches only layers at or past
-  // `sized_layers`; a landing only layers before it.
-  std::thread sizer;
-  Status size_status;
-  double size_s = 0;
-  int sized_layers = keep_kv ? 0 : c.n_layers;  // layers [0, sized_layers) are sized
-  bool size_failed = false, size_stop = false;
-  std::mutex size_mu;
-  std::condition_variable size_cv;
-  const auto size_kv = [&, n = size_t((lead + NL) * kvd)]() noexcept {
-    const auto a0 = Clock::now();
-    Status st = Status::ok();
-    // Two vectors a layer: half the pool's threads in layers keeps every thread faulting.
-    const int window = std::max(1, num_threads() / 2);
-    try {
-      for (int l0 = 0; l0 < c.n_layers && st.is_ok();) {
-        {
-          std::lock_guard<std::mutex> lk(size_mu);
-          if (size_stop) break;
-        }
-        const int l1 = std::min(c.n_layers, l0 + window);
-        std::vector<std::vector<float>*> vs;
-        for (int l = l0; l < l1; ++l) {
-          vs.push_back(&res->kv.k[size_t(l)]);
-          vs.push_back(&res->kv.v[size_t(l)]);
-        }
-        if (!size_vectors(vs, n))
-          st = SF_ERR(kResourceExhausted,
-                      "device prefill: no host memory for the kept KV (" +
-                          std::to_string(2 * c.n_layers * n * 4) + " bytes)");
-        std::lock_guard<std::mutex> lk(size_mu);
-        if (st.is_ok()) sized_layers = l1;
-        size_cv.notify_all();
-        l0 = l1;
-      }
-    } catch (const std::exception& e) {
-      st = Status(Code::kResourceExhausted,
-                  std::string("device prefill: sizing the kept KV: ") + e.what(), __FILE__,
-                  __LINE__);
-    }
-    std::lock_guard<std::mutex> lk(size_mu);
-    size_s = seconds_since(a0);
-    if (!st.is_ok()) {
-      size_status = st;
-      size_failed = true;
-    }
-    size_cv.notify_all();
-  };
-  bool sizer_started = false;
-  if (!dry && keep_kv) {
-    try {
-      sizer = std::thread(size_kv);
-      sizer_started = true;
-    } catch (const std::system_error&) {
-      // No thread to spare: the first landing sizes them inline, as before the helper.
-    }
-  }
-  // Stopped (between windows) and joined on every return (an error path too) before the
-  // vectors and the status go.
-  struct JoinAtExit {
-    std::thread& t;
-    std::mutex& mu;
-    bool& stop;
-    ~JoinAtExit() {
-      if (!t.joinable()) return;
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        stop = true;
-      }
-      t.join();
-    }
-  } join_sizer{sizer, size_mu, size_stop};
-  // Layer l's vectors are sized (waiting for the sizer's window), or the sizing's error.
-  const auto wait_sized = [&](int l) -> Status {
-    if (!sizer_started) {
-      size_kv();
-      sizer_started = true;  // sized (or failed) inline, once
-    }
-    std::unique_lock<std::mutex> lk(size_mu);
-    size_cv.wait(lk, [&] { return sized_layers > l || size_failed; });
-    if (sized_layers > l) return Status::ok();
-    return size_status;
-  };
+  // forty-seventh and forty-eighth sessions). Destroyed (stopped, joined) on every return.
+  std::optional<KvSizer> kv_sizer;
+  if (!dry && keep_kv) kv_sizer.emplace(&res->kv, size_t((lead + NL) * kvd), num_threads());
   // Layers [landed, last] leave the host side, in order, on this thread, as soon as their copies
   // land while the device computes later layers (their work is already enqueued: all of it with a
   // slot per layer, else up to the ring's size, so the host holds the device back only when it
@@ -818,7 +736,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - the result's K and V leave pinned memory on the CPU thread pool. One thread's copy into
   //   fresh pages (page faults first) ran at 2-3 GB/s and tripled a 32K prefill with keep_kv
   //   (bench/NOTES.md, thirty-seventh session), so the vectors are sized (faulted in) by the
-  //   pool first (the sizer thread above; a layer waits for its own window), while the device
+  //   sizer thread above first (a layer waits for its own vectors), while the device
   //   computes, and each layer is then one parallel memcpy;
   // - the device sink places the layer (its block copies were queued before kv_copied; the
   //   demotions it issues run on the pool's copy stream beside the compute);
@@ -842,7 +760,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       float* hk = host_kv ? staged(l) : nullptr;
       float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
       if (keep_kv) {
-        SF_TRY(wait_sized(l));
+        if (Status w = kv_sizer->wait(l); !w.is_ok())
+          return Status(w.code(), "device prefill: " + w.message(), __FILE__, __LINE__);
         const auto c0 = Clock::now();
         const size_t at = size_t(lead * kvd);
         parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
@@ -1172,11 +1091,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   SF_TRY(sparse_error);
   SF_TRY(land_error);
   SF_TRY(land_through(c.n_layers - 1));
-  if (keep_kv) {
-    // Every layer landed, so the sizer sized them all and is past its last window.
-    if (sizer.joinable()) sizer.join();
-    res->kv_alloc_s = size_s;
-  }
+  if (kv_sizer) SF_TRY(kv_sizer->finish(&res->kv_alloc_s));
   SF_CUDA_TRY(cudaStreamSynchronize(st));
   SF_CUDA_TRY(cudaStreamSynchronize(cp));
   res->n_logit_rows = rows;

@@ -9,6 +9,7 @@
 #include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "worker/model/gguf.h"
+#include "worker/model/kv_sizer.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
 
@@ -398,6 +399,48 @@ TEST(KvStaging, SlotsFollowLayersAndTheByteCap) {
   o.kv_staging_layers = 8;
   o.kv_staging_max_bytes = 0;
   EXPECT_EQ(model::kv_staging_slots(o, 32, 3 * gib), 8);  // no cap
+}
+
+// The device forward's KV sizer: every layer's K and V sized and zeroed, a layer's wait
+// returning once its own are (the rest may still be going), no memory reported at the first
+// wait and at finish, and a sizer destroyed before its waits stops and joins.
+TEST(KvSizer, SizesInLayerOrderAndReportsFailure) {
+  const size_t n = size_t(3) << 19;  // 6 MiB a vector (the huge-page path too)
+  model::KvCache kv;
+  kv.k.assign(6, std::vector<float>(7, 1.f));
+  kv.v.assign(6, {});
+  {
+    model::KvSizer sz(&kv, n, 3);
+    ASSERT_TRUE(sz.wait(0).is_ok());
+    ASSERT_EQ(kv.k[0].size(), n);
+    ASSERT_EQ(kv.v[0].size(), n);
+    ASSERT_TRUE(sz.wait(5).is_ok());
+    double s = -1;
+    ASSERT_TRUE(sz.finish(&s).is_ok());
+    EXPECT_GE(s, 0.0);
+  }
+  for (int l = 0; l < 6; ++l)
+    for (const auto* v : {&kv.k[size_t(l)], &kv.v[size_t(l)]}) {
+      ASSERT_EQ(v->size(), n) << l;
+      for (size_t j = 0; j < n; j += 4099) ASSERT_EQ((*v)[j], 0.f) << l << " " << j;
+    }
+  model::KvCache huge;
+  huge.k.assign(2, {});
+  huge.v.assign(2, {});
+  {
+    model::KvSizer sz(&huge, huge.k[0].max_size() + 1, 2);
+    const Status w = sz.wait(0);
+    EXPECT_EQ(w.code(), Code::kResourceExhausted) << w.message();
+    EXPECT_NE(w.message().find("no host memory for the kept KV"), std::string::npos) << w.message();
+    EXPECT_EQ(sz.finish(nullptr).code(), Code::kResourceExhausted);
+  }
+  model::KvCache many;
+  many.k.assign(64, {});
+  many.v.assign(64, {});
+  { model::KvSizer sz(&many, n, 1); }  // destroyed at once: stops between vectors, joins
+  size_t sized = 0;
+  for (const auto& v : many.k) sized += v.size() == n;
+  EXPECT_LT(sized, many.k.size());  // it stopped before the end (64 x 2 x 6 MiB on one thread)
 }
 
 }  // namespace
