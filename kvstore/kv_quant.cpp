@@ -19,15 +19,6 @@ int64_t data_bytes(KvEncoding e, int64_t n, int d) {
   return n * kv_encoding_row_elems(e, d) * int64_t(dtype_size(kv_encoding_element(e)));
 }
 
-void put_code(KvEncoding e, uint8_t* data, int64_t idx, int q) {
-  if (e == KvEncoding::kInt8) {
-    data[idx] = uint8_t(q);
-  } else {
-    uint8_t& b = data[idx / 2];
-    b = (idx & 1) ? uint8_t((b & 0x0f) | (q << 4)) : uint8_t((b & 0xf0) | q);
-  }
-}
-
 int get_code(KvEncoding e, const uint8_t* data, int64_t idx) {
   if (e == KvEncoding::kInt8) return data[idx];
   const uint8_t b = data[idx / 2];
@@ -125,6 +116,65 @@ int64_t kv_encoded_bytes(KvEncoding e, int64_t n, int head_dim) {
          (kv_param_groups(e, true, n, head_dim) + kv_param_groups(e, false, n, head_dim)) * params;
 }
 
+namespace {
+
+// The F16 zero (rounded down) and scale (rounded up) of a group with min mn and max mx, so
+// [zero, zero + L * scale] covers the group and no value clamps: a nearest-rounded zero above a
+// large minimum (a post-RoPE key channel far from 0 with a narrow range) would cost that
+// rounding, not half a step. Codes are taken against the stored values. False when F16 cannot
+// hold them.
+bool group_params(float mn, float mx, int L, uint16_t* zh, uint16_t* sh, float* z, float* s) {
+  *zh = f32_to_f16(mn);
+  if (f16_to_f32(*zh) > mn) *zh = f16_down(*zh);
+  *z = f16_to_f32(*zh);
+  const float need = std::max(0.f, mx - *z) / float(L);
+  *sh = f32_to_f16(need);
+  if (f16_to_f32(*sh) < need) *sh = f16_up(*sh);
+  *s = f16_to_f32(*sh);
+  return std::isfinite(*z) && std::isfinite(*s);
+}
+
+// A value's code: round((x - z) / s) to nearest even, in [0, L]; 0 where s is 0. The loops below
+// call it across contiguous elements, so it stays branch-free to vectorize.
+inline int code_of(float x, float z, float s, float L) {
+  const float t = s > 0.f ? std::nearbyint((x - z) / s) : 0.f;
+  return int(std::clamp(t, 0.f, L));
+}
+
+// False for infinities and NaN (x - x is then NaN), vectorizably.
+inline bool finite_of(float x) { return x - x == 0.f; }
+
+Status nonfinite_group(KvEncoding e, bool keys) {
+  return SF_ERR(kOutOfRange, std::string("kv_encode: ") + kv_encoding_name(e) + " " +
+                                 (keys ? "key" : "value") +
+                                 " group needs a zero or scale F16 cannot hold (beyond 65504, "
+                                 "or NaN)");
+}
+
+// Codes of `m` contiguous values (m even for int4, starting at an even index) into `out` (their
+// first byte), against one zero and scale or one a channel (z[i], s[i]).
+template <bool kPerChannel>
+void put_codes(KvEncoding e, const float* x, int64_t m, const float* z, const float* s,
+               uint8_t* out) {
+  const float L = float(levels(e));
+  if (e == KvEncoding::kInt8) {
+    for (int64_t i = 0; i < m; ++i)
+      out[i] = uint8_t(code_of(x[i], z[kPerChannel ? i : 0], s[kPerChannel ? i : 0], L));
+    return;
+  }
+  for (int64_t i = 0; i < m / 2; ++i) {
+    const int lo = code_of(x[2 * i], z[kPerChannel ? 2 * i : 0], s[kPerChannel ? 2 * i : 0], L);
+    const int hi =
+        code_of(x[2 * i + 1], z[kPerChannel ? 2 * i + 1 : 0], s[kPerChannel ? 2 * i + 1 : 0], L);
+    out[i] = uint8_t(lo | (hi << 4));
+  }
+}
+
+}  // namespace
+
+// Vectorizable by layout, not by intrinsics: keys are walked a 64-row block at a time with the
+// channel innermost (their groups are channels), values a row at a time (a row is a group), so
+// every inner loop runs over contiguous elements; codes are the same as one group at a time.
 Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim,
                       uint8_t* data, uint16_t* scale, uint16_t* zero) {
   const int d = head_dim;
@@ -137,49 +187,69 @@ Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int
     return Status::ok();
   }
   if (e == KvEncoding::kBF16) {
-    for (int64_t i = 0; i < n * d; ++i) {
-      const uint16_t h = f32_to_bf16(rows[i]);
-      std::memcpy(data + 2 * i, &h, 2);
+    uint16_t buf[512];  // converted in blocks, then copied (data need not be 2-byte aligned)
+    for (int64_t i0 = 0; i0 < n * d; i0 += 512) {
+      const int64_t m = std::min<int64_t>(512, n * d - i0);
+      for (int64_t i = 0; i < m; ++i) buf[i] = f32_to_bf16(rows[i0 + i]);
+      std::memcpy(data + 2 * i0, buf, size_t(m) * 2);
     }
     return Status::ok();
   }
   const int L = levels(e);
-  const int64_t ng = kv_param_groups(e, keys, n, d);
-  // int4 codes share bytes: each nibble is set into its byte, so the bytes start defined.
-  if (e == KvEncoding::kInt4 && n > 0) std::memset(data, 0, size_t(data_bytes(e, n, d)));
-  for (int64_t g = 0; g < ng; ++g) {
-    const Group G = group_of(keys, g, n, d);
-    float mn = rows[G.first], mx = mn;
-    bool finite = true;  // min/max skip a NaN, so it is looked for
-    for (int64_t i = 0; i < G.count; ++i) {
-      const float x = rows[G.first + i * G.stride];
-      finite = finite && std::isfinite(x);
-      mn = std::min(mn, x);
-      mx = std::max(mx, x);
+  const int64_t row_bytes = kv_encoding_row_elems(e, d);  // bytes of one row's codes
+  if (!keys) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* x = rows + r * d;
+      // Eight lanes, so the min, max and finite check vectorize; the order does not change a
+      // min or a max of finite values, and a non-finite one fails the group either way.
+      float mn[8], mx[8];
+      bool fin[8];
+      for (int j = 0; j < 8; ++j) mn[j] = mx[j] = x[0], fin[j] = true;
+      int64_t c = 0;
+      for (; c + 8 <= d; c += 8)
+        for (int j = 0; j < 8; ++j) {
+          mn[j] = x[c + j] < mn[j] ? x[c + j] : mn[j];
+          mx[j] = x[c + j] > mx[j] ? x[c + j] : mx[j];
+          fin[j] = fin[j] & finite_of(x[c + j]);
+        }
+      for (; c < d; ++c) {
+        mn[0] = x[c] < mn[0] ? x[c] : mn[0];
+        mx[0] = x[c] > mx[0] ? x[c] : mx[0];
+        fin[0] = fin[0] & finite_of(x[c]);
+      }
+      float lo = mn[0], hi = mx[0];
+      bool finite = fin[0];
+      for (int j = 1; j < 8; ++j) lo = std::min(lo, mn[j]), hi = std::max(hi, mx[j]), finite &= fin[j];
+      float z, s;
+      if (!finite || !group_params(lo, hi, L, &zero[r], &scale[r], &z, &s))
+        return nonfinite_group(e, keys);
+      put_codes<false>(e, x, d, &z, &s, data + r * row_bytes);
     }
-    // The zero rounds down and the scale up to F16, so [zero, zero + L * scale] covers the
-    // group and no value clamps: a nearest-rounded zero above a large minimum (a post-RoPE key
-    // channel far from 0 with a narrow range) would cost that rounding, not half a step. Codes
-    // are taken against the stored values.
-    uint16_t zh = f32_to_f16(mn);
-    if (f16_to_f32(zh) > mn) zh = f16_down(zh);
-    const float z = f16_to_f32(zh);
-    const float need = std::max(0.f, mx - z) / float(L);
-    uint16_t sh = f32_to_f16(need);
-    if (f16_to_f32(sh) < need) sh = f16_up(sh);
-    const float s = f16_to_f32(sh);
-    if (!finite || !std::isfinite(z) || !std::isfinite(s))
-      return SF_ERR(kOutOfRange,
-                    std::string("kv_encode: ") + kv_encoding_name(e) + " " +
-                        (keys ? "key" : "value") +
-                        " group needs a zero or scale F16 cannot hold (beyond 65504, or NaN)");
-    zero[g] = zh;
-    scale[g] = sh;
-    for (int64_t i = 0; i < G.count; ++i) {
-      const int64_t idx = G.first + i * G.stride;
-      const int q = s > 0 ? int(std::lrint((rows[idx] - z) / s)) : 0;
-      put_code(e, data, idx, std::clamp(q, 0, L));
+    return Status::ok();
+  }
+  const size_t dc = size_t(d);
+  std::vector<float> mn(dc), mx(dc), z(dc), s(dc);
+  std::vector<uint8_t> fin(dc);
+  for (int64_t b = 0; b < key_blocks(n); ++b) {
+    const int64_t r0 = b * kKvQuantKeyRows, cnt = std::min<int64_t>(kKvQuantKeyRows, n - r0);
+    const float* x0 = rows + r0 * d;
+    for (int c = 0; c < d; ++c) mn[size_t(c)] = mx[size_t(c)] = x0[c], fin[size_t(c)] = 1;
+    for (int64_t r = 0; r < cnt; ++r) {
+      const float* x = x0 + r * d;
+      for (int c = 0; c < d; ++c) {
+        mn[size_t(c)] = x[c] < mn[size_t(c)] ? x[c] : mn[size_t(c)];
+        mx[size_t(c)] = x[c] > mx[size_t(c)] ? x[c] : mx[size_t(c)];
+        fin[size_t(c)] = uint8_t(fin[size_t(c)] & uint8_t(finite_of(x[c])));
+      }
     }
+    for (int c = 0; c < d; ++c) {
+      const int64_t g = b * d + c;
+      if (!fin[size_t(c)] || !group_params(mn[size_t(c)], mx[size_t(c)], L, &zero[g], &scale[g],
+                                           &z[size_t(c)], &s[size_t(c)]))
+        return nonfinite_group(e, keys);
+    }
+    for (int64_t r = 0; r < cnt; ++r)
+      put_codes<true>(e, x0 + r * d, d, z.data(), s.data(), data + (r0 + r) * row_bytes);
   }
   return Status::ok();
 }

@@ -7,6 +7,8 @@
 #include <random>
 #include <vector>
 #include <algorithm>
+#include <cstring>
+#include <limits>
 
 #include "common/dtype.h"
 #include "kvstore/kv_quant.h"
@@ -195,6 +197,114 @@ TEST(KvQuant, BlockAtATimeEncodesAsOneCall) {
       EXPECT_EQ(scale, whole->scale) << kvstore::kv_encoding_name(e);
       EXPECT_EQ(zero, whole->zero) << kvstore::kv_encoding_name(e);
     }
+}
+
+// The encoder as it was written first, one group at a time with strided reads: the reference the
+// vectorizable one (channel-innermost key blocks, row-at-a-time values) must equal byte for
+// byte. It follows docs/kv-format.md's rules directly: zero = min rounded down to F16, scale =
+// (max - zero) / levels rounded up to F16, code = round-half-even((x - zero) / scale) clamped.
+uint16_t f16_down(uint16_t h) { return h == 0x0000 ? 0x8001 : (h & 0x8000) ? h + 1 : h - 1; }
+uint16_t f16_up(uint16_t h) { return h == 0x8000 ? 0x0001 : (h & 0x8000) ? h - 1 : h + 1; }
+bool reference_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int d,
+                      std::vector<uint8_t>* data, std::vector<uint16_t>* scale,
+                      std::vector<uint16_t>* zero) {
+  if (e == KvEncoding::kBF16) {
+    data->assign(size_t(n * d * 2), 0);
+    for (int64_t i = 0; i < n * d; ++i) {
+      const uint16_t h = f32_to_bf16(rows[i]);
+      std::memcpy(data->data() + 2 * i, &h, 2);
+    }
+    return true;
+  }
+  const int L = e == KvEncoding::kInt8 ? 255 : 15;
+  const int64_t B = kvstore::kKvQuantKeyRows, blocks = (n + B - 1) / B;
+  const int64_t ng = keys ? blocks * d : n;
+  data->assign(size_t(e == KvEncoding::kInt8 ? n * d : n * d / 2), 0);
+  scale->assign(size_t(ng), 0);
+  zero->assign(size_t(ng), 0);
+  for (int64_t g = 0; g < ng; ++g) {
+    int64_t first, stride, count;
+    if (keys) {
+      const int64_t b = g / d, c = g % d;
+      first = b * B * d + c, stride = d, count = std::min<int64_t>(B, n - b * B);
+    } else {
+      first = g * d, stride = 1, count = d;
+    }
+    float mn = rows[first], mx = mn;
+    bool finite = true;
+    for (int64_t i = 0; i < count; ++i) {
+      const float x = rows[first + i * stride];
+      finite = finite && std::isfinite(x);
+      mn = std::min(mn, x);
+      mx = std::max(mx, x);
+    }
+    uint16_t zh = f32_to_f16(mn);
+    if (f16_to_f32(zh) > mn) zh = f16_down(zh);
+    const float z = f16_to_f32(zh);
+    const float need = std::max(0.f, mx - z) / float(L);
+    uint16_t sh = f32_to_f16(need);
+    if (f16_to_f32(sh) < need) sh = f16_up(sh);
+    const float s = f16_to_f32(sh);
+    if (!finite || !std::isfinite(z) || !std::isfinite(s)) return false;
+    (*zero)[size_t(g)] = zh;
+    (*scale)[size_t(g)] = sh;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t idx = first + i * stride;
+      const int q = std::clamp(s > 0 ? int(std::lrint((rows[idx] - z) / s)) : 0, 0, L);
+      if (e == KvEncoding::kInt8) {
+        (*data)[size_t(idx)] = uint8_t(q);
+      } else {
+        uint8_t& b = (*data)[size_t(idx / 2)];
+        b = (idx & 1) ? uint8_t((b & 0x0f) | (q << 4)) : uint8_t((b & 0xf0) | q);
+      }
+    }
+  }
+  return true;
+}
+
+TEST(KvQuant, EqualsTheGroupAtATimeReferenceByteForByte) {
+  int cases = 0;
+  for (const int d : {2, 6, 12, 64, 128})
+    for (const int64_t n : {int64_t(1), int64_t(7), int64_t(64), int64_t(65), int64_t(200)})
+      for (KvEncoding e : {KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+        for (bool keys : {true, false}) {
+          std::vector<float> x = random_rows(n, d, uint32_t(1000 + d * 7 + n));
+          // A constant group (scale 0), exact ties between codes (x - zero a half step), a
+          // negative zero and a subnormal: where a rounding or a select could differ.
+          for (int64_t r = 0; r < n; ++r) x[size_t(r * d)] = 2.5f;
+          if (n > 3) {
+            x[size_t(1 * d + d - 1)] = -0.f;
+            x[size_t(2 * d + d - 1)] = 1e-40f;
+            for (int c = 0; c < d; ++c) x[size_t(3 * d + c)] = float(c % 16) * 0.5f;
+          }
+          auto got = kvstore::kv_encode(e, keys, x.data(), n, d);
+          std::vector<uint8_t> data;
+          std::vector<uint16_t> scale, zero;
+          ASSERT_TRUE(reference_encode(e, keys, x.data(), n, d, &data, &scale, &zero));
+          ASSERT_TRUE(got.is_ok()) << got.status().message();
+          const std::string what = std::string(kvstore::kv_encoding_name(e)) +
+                                   (keys ? " keys" : " values") + " n " + std::to_string(n) +
+                                   " d " + std::to_string(d);
+          EXPECT_EQ(got->data, data) << what;
+          if (e != KvEncoding::kBF16) {
+            EXPECT_EQ(got->scale, scale) << what;
+            EXPECT_EQ(got->zero, zero) << what;
+          }
+          ++cases;
+        }
+  EXPECT_EQ(cases, 150);
+  // bf16 of the values a conversion treats specially, against f32_to_bf16 one at a time.
+  const std::vector<float> special = {0.f, -0.f, 1e-40f, -1e-40f, 3.4e38f, -3.4e38f,
+                                      std::numeric_limits<float>::infinity(),
+                                      -std::numeric_limits<float>::infinity(), std::nanf(""),
+                                      1.00390625f, 1.01171875f, 65504.f};
+  auto b = kvstore::kv_encode(KvEncoding::kBF16, false, special.data(), 1, int(special.size()));
+  ASSERT_TRUE(b.is_ok());
+  for (size_t i = 0; i < special.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, b->data.data() + 2 * i, 2);
+    EXPECT_EQ(h, f32_to_bf16(special[i])) << i;
+  }
 }
 
 TEST(KvQuant, Int4PacksTheEvenChannelInTheLowNibble) {
