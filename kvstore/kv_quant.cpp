@@ -19,26 +19,9 @@ int64_t data_bytes(KvEncoding e, int64_t n, int d) {
   return n * kv_encoding_row_elems(e, d) * int64_t(dtype_size(kv_encoding_element(e)));
 }
 
-int get_code(KvEncoding e, const uint8_t* data, int64_t idx) {
-  if (e == KvEncoding::kInt8) return data[idx];
-  const uint8_t b = data[idx / 2];
-  return (idx & 1) ? b >> 4 : b & 0x0f;
-}
-
 // The F16 neighbours of a finite h toward -inf and +inf (an infinity past the largest).
 uint16_t f16_down(uint16_t h) { return h == 0x0000 ? 0x8001 : (h & 0x8000) ? h + 1 : h - 1; }
 uint16_t f16_up(uint16_t h) { return h == 0x8000 ? 0x0001 : (h & 0x8000) ? h - 1 : h + 1; }
-
-// The elements of one group: `count` of them, element i at rows[first + i * stride].
-struct Group {
-  int64_t first, stride, count;
-};
-
-Group group_of(bool keys, int64_t g, int64_t n, int d) {
-  if (!keys) return {g * d, 1, d};
-  const int64_t b = g / d, c = g % d, r0 = b * kKvQuantKeyRows;
-  return {r0 * d + c, d, std::min<int64_t>(kKvQuantKeyRows, n - r0)};
-}
 
 }  // namespace
 
@@ -170,6 +153,23 @@ void put_codes(KvEncoding e, const float* x, int64_t m, const float* z, const fl
   }
 }
 
+// Values of `m` contiguous codes (m even for int4) from `q` (their first byte): zero + code *
+// scale, against one zero and scale or one a channel.
+template <bool kPerChannel>
+void get_codes(KvEncoding e, const uint8_t* q, int64_t m, const float* z, const float* s,
+               float* out) {
+  if (e == KvEncoding::kInt8) {
+    for (int64_t i = 0; i < m; ++i)
+      out[i] = z[kPerChannel ? i : 0] + float(q[i]) * s[kPerChannel ? i : 0];
+    return;
+  }
+  for (int64_t i = 0; i < m / 2; ++i) {
+    out[2 * i] = z[kPerChannel ? 2 * i : 0] + float(q[i] & 0x0f) * s[kPerChannel ? 2 * i : 0];
+    out[2 * i + 1] =
+        z[kPerChannel ? 2 * i + 1 : 0] + float(q[i] >> 4) * s[kPerChannel ? 2 * i + 1 : 0];
+  }
+}
+
 }  // namespace
 
 // Vectorizable by layout, not by intrinsics: keys are walked a 64-row block at a time with the
@@ -284,22 +284,35 @@ Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int 
     return Status::ok();
   }
   if (e == KvEncoding::kBF16) {
-    for (int64_t i = 0; i < n * d; ++i) {
-      uint16_t h;
-      std::memcpy(&h, in.data.data() + 2 * i, 2);
-      out[i] = bf16_to_f32(h);
+    uint16_t buf[512];  // copied out in blocks (the data need not be 2-byte aligned), widened
+    for (int64_t i0 = 0; i0 < n * d; i0 += 512) {
+      const int64_t m = std::min<int64_t>(512, n * d - i0);
+      std::memcpy(buf, in.data.data() + 2 * i0, size_t(m) * 2);
+      for (int64_t i = 0; i < m; ++i) out[i0 + i] = bf16_to_f32(buf[i]);
     }
     return Status::ok();
   }
-  for (int64_t g = 0; g < ng; ++g) {
-    const Group G = group_of(keys, g, n, d);
-    const float z = f16_to_f32(in.zero[size_t(g)]), s = f16_to_f32(in.scale[size_t(g)]);
-    if (!std::isfinite(z) || !std::isfinite(s) || s < 0)
-      return SF_ERR(kInvalidArgument, "kv_decode: a group's F16 zero or scale is not finite");
-    for (int64_t i = 0; i < G.count; ++i) {
-      const int64_t idx = G.first + i * G.stride;
-      out[idx] = z + float(get_code(e, in.data.data(), idx)) * s;
+  // As the encoder: groups' parameters first, then each row's codes across contiguous elements
+  // (keys against one zero and scale a channel, values against their row's).
+  const int64_t row_bytes = kv_encoding_row_elems(e, d);
+  const uint8_t* data = in.data.data();
+  std::vector<float> z(keys ? size_t(d) : 1), s(keys ? size_t(d) : 1);
+  const auto params = [&](int64_t g, size_t at) -> bool {
+    z[at] = f16_to_f32(in.zero[size_t(g)]);
+    s[at] = f16_to_f32(in.scale[size_t(g)]);
+    return std::isfinite(z[at]) && std::isfinite(s[at]) && s[at] >= 0;
+  };
+  for (int64_t r = 0; r < n; ++r) {
+    if (!keys || r % kKvQuantKeyRows == 0) {
+      const int64_t g0 = keys ? (r / kKvQuantKeyRows) * d : r;
+      for (int64_t c = 0; c < int64_t(z.size()); ++c)
+        if (!params(g0 + c, size_t(c)))
+          return SF_ERR(kInvalidArgument, "kv_decode: a group's F16 zero or scale is not finite");
     }
+    if (keys)
+      get_codes<true>(e, data + r * row_bytes, d, z.data(), s.data(), out + r * d);
+    else
+      get_codes<false>(e, data + r * row_bytes, d, z.data(), s.data(), out + r * d);
   }
   return Status::ok();
 }

@@ -262,6 +262,62 @@ bool reference_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int
   return true;
 }
 
+// The decoder as it was written first, one group at a time: zero + code * scale.
+std::vector<float> reference_decode(KvEncoding e, bool keys, const kvstore::EncodedRows& in,
+                                    int64_t n, int d) {
+  std::vector<float> out(size_t(n * d));
+  if (e == KvEncoding::kBF16) {
+    for (int64_t i = 0; i < n * d; ++i) {
+      uint16_t h;
+      std::memcpy(&h, in.data.data() + 2 * i, 2);
+      out[size_t(i)] = bf16_to_f32(h);
+    }
+    return out;
+  }
+  const int64_t B = kvstore::kKvQuantKeyRows;
+  const int64_t ng = keys ? (n + B - 1) / B * d : n;
+  for (int64_t g = 0; g < ng; ++g) {
+    const float z = f16_to_f32(in.zero[size_t(g)]), s = f16_to_f32(in.scale[size_t(g)]);
+    int64_t first, stride, count;
+    if (keys)
+      first = g / d * B * d + g % d, stride = d, count = std::min<int64_t>(B, n - g / d * B);
+    else
+      first = g * d, stride = 1, count = d;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t idx = first + i * stride;
+      const int q = e == KvEncoding::kInt8 ? in.data[size_t(idx)]
+                    : (idx & 1)            ? in.data[size_t(idx / 2)] >> 4
+                                           : in.data[size_t(idx / 2)] & 0x0f;
+      out[size_t(idx)] = z + float(q) * s;
+    }
+  }
+  return out;
+}
+
+TEST(KvQuant, DecodeEqualsTheGroupAtATimeReferenceBitForBit) {
+  std::mt19937 rng(5);
+  for (const int d : {2, 12, 128})
+    for (const int64_t n : {int64_t(1), int64_t(65), int64_t(130)})
+      for (KvEncoding e : {KvEncoding::kBF16, KvEncoding::kInt8, KvEncoding::kInt4})
+        for (bool keys : {true, false}) {
+          const std::vector<float> x = random_rows(n, d, uint32_t(d + n));
+          auto enc = kvstore::kv_encode(e, keys, x.data(), n, d);
+          ASSERT_TRUE(enc.is_ok());
+          // Arbitrary codes too (every byte value), not only those an encoder writes.
+          for (size_t i = 0; i < enc->data.size(); i += 3) enc->data[i] = uint8_t(rng());
+          std::vector<float> got(size_t(n * d), -7.f);
+          ASSERT_TRUE(kvstore::kv_decode(e, keys, *enc, n, d, got.data()).is_ok());
+          const std::vector<float> want = reference_decode(e, keys, *enc, n, d);
+          for (size_t i = 0; i < got.size(); ++i) {
+            uint32_t a, b;
+            std::memcpy(&a, &got[i], 4);
+            std::memcpy(&b, &want[i], 4);
+            ASSERT_EQ(a, b) << kvstore::kv_encoding_name(e) << (keys ? " keys" : " values")
+                            << " n " << n << " d " << d << " at " << i;
+          }
+        }
+}
+
 TEST(KvQuant, EqualsTheGroupAtATimeReferenceByteForByte) {
   int cases = 0;
   for (const int d : {2, 6, 12, 64, 128})
