@@ -129,6 +129,13 @@ int run(int argc, char** argv) {
     if (rank0 && !a.out.empty()) out.open(a.out, std::ios::trunc);
     if (rank0) out << "[";
     bool first = true;
+    // A failure on one rank (memory, a collective, wrong data) ends the run on every rank at the
+    // same point, so none waits in a collective its peers left.
+    const auto agree = [&](int mine) {
+      int any = mine;
+      if (!world->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax).is_ok()) any = 1;
+      return any;
+    };
     for (int64_t mib : a.mib) {
       // A rank's block, in bf16 elements, a multiple of a 64-token row block of 8 KV heads x 128.
       const int64_t row_block = 64 * 8 * 128;
@@ -139,31 +146,35 @@ int run(int argc, char** argv) {
         std::fprintf(stderr, "error (rank %d): cudaMalloc of %lld MiB failed\n", world->rank(),
                      static_cast<long long>(mib * (N + 1)));
         rc = 1;
+      }
+      if ((rc = agree(rc)) != 0) {
+        cudaFree(send);  // (null is fine)
+        cudaFree(recv);
         break;
       }
       for (const bool even : {true, false}) {
         std::vector<int64_t> counts(size_t(N), n);
         if (!even) counts.back() -= row_block;  // all_gatherv's grouped broadcasts
         auto r = time_gather(*nc, counts, send, recv, a.reps);
-        if (!r.is_ok()) {
+        if (!r.is_ok())
           std::fprintf(stderr, "error (rank %d): %s\n", world->rank(), r.status().message().c_str());
-          rc = 1;
-          break;
-        }
+        if (r.is_ok() && !r.value().second)
+          std::fprintf(stderr, "error (rank %d): gathered data differs from the ranks' ramps\n",
+                       world->rank());
+        if ((rc = agree(r.is_ok() && r.value().second ? 0 : 1)) != 0) break;
         int64_t recv_elems = 0;
         for (int i = 0; i < N; ++i)
           if (i != world->rank()) recv_elems += counts[size_t(i)];
         const double gb = double(recv_elems) * 2 / 1e9, s = r.value().first;
-        if (!r.value().second) rc = 1;
         if (rank0) {
           char line[512];
           std::snprintf(line, sizeof line,
                         "{\"ranks\": %d, \"path\": \"%s\", \"block_bytes\": %lld, "
                         "\"recv_bytes_per_rank\": %lld, \"median_s\": %.6f, \"recv_gb_per_s\": "
-                        "%.2f, \"data_ok\": %s}",
+                        "%.2f, \"data_ok\": true}",
                         N, even ? "all_gather: ncclAllGather" : "all_gatherv: grouped ncclBroadcast",
                         static_cast<long long>(n * 2), static_cast<long long>(recv_elems * 2), s,
-                        gb / s, r.value().second ? "true" : "false");
+                        gb / s);
           std::printf("%s\n", line);
           out << (first ? "\n" : ",\n") << line;
           first = false;

@@ -201,7 +201,8 @@ Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int
     for (int64_t r = 0; r < n; ++r) {
       const float* x = rows + r * d;
       // Eight lanes, so the min, max and finite check vectorize; the order does not change a
-      // min or a max of finite values, and a non-finite one fails the group either way.
+      // min or a max of finite values (but for the sign of a zero, below), and a non-finite one
+      // fails the group either way.
       float mn[8], mx[8];
       bool fin[8];
       for (int j = 0; j < 8; ++j) mn[j] = mx[j] = x[0], fin[j] = true;
@@ -220,6 +221,14 @@ Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int
       float lo = mn[0], hi = mx[0];
       bool finite = fin[0];
       for (int j = 1; j < 8; ++j) lo = std::min(lo, mn[j]), hi = std::max(hi, mx[j]), finite &= fin[j];
+      // A zero minimum is the row's first zero, +0 or -0, as a scan in order keeps it: the sign
+      // reaches the stored zero (F16 0x8000 or 0x0000; the decoded values are the same).
+      if (lo == 0.f)
+        for (int64_t i = 0; i < d; ++i)
+          if (x[i] == 0.f) {
+            lo = x[i];
+            break;
+          }
       float z, s;
       if (!finite || !group_params(lo, hi, L, &zero[r], &scale[r], &z, &s))
         return nonfinite_group(e, keys);

@@ -54,7 +54,8 @@ TEST(CommNccl, CollectivesAndDeadline) {
   for (int r = 0; r < w.size(); ++r)
     for (int64_t i = 0; i < counts[size_t(r)]; ++i)
       ASSERT_EQ(all[off++], float((i % 97) * (r + 1))) << "rank " << r << " item " << i;
-  // all_gatherv with equal counts (one ncclAllGather): every rank's block in rank order.
+  // all_gatherv with equal counts (as the CP exchange's zigzag chunks usually are): every rank's
+  // block in rank order.
   const int64_t even = 300;
   std::fill(counts.begin(), counts.end(), even);
   cudaMemcpy(a.p, h.data(), size_t(even) * sizeof(float), cudaMemcpyHostToDevice);

@@ -333,6 +333,13 @@ TEST(KvQuant, EqualsTheGroupAtATimeReferenceByteForByte) {
             x[size_t(2 * d + d - 1)] = 1e-40f;
             for (int c = 0; c < d; ++c) x[size_t(3 * d + c)] = float(c % 16) * 0.5f;
           }
+          if (n > 5 && d >= 12) {
+            // Rows whose minimum is zero with both signs, each first in one row: the stored zero
+            // is the first one's (-0 then +0, and +0 then -0, in different lanes).
+            for (int c = 0; c < d; ++c) x[size_t(4 * d + c)] = x[size_t(5 * d + c)] = 1.f + float(c);
+            x[size_t(4 * d + 1)] = -0.f, x[size_t(4 * d + 8)] = 0.f;
+            x[size_t(5 * d + 1)] = 0.f, x[size_t(5 * d + 8)] = -0.f;
+          }
           auto got = kvstore::kv_encode(e, keys, x.data(), n, d);
           std::vector<uint8_t> data;
           std::vector<uint16_t> scale, zero;
