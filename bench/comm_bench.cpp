@@ -7,8 +7,9 @@
 //
 // One rank per GPU. Each size: a warm-up, then --reps timed calls (host wall time until the
 // communicator's wait returns), median reported. Data: each rank's rank-dependent ramp, checked
-// once after the timed calls, so a fast wrong gather cannot pass as a bandwidth. Prints (rank 0)
-// and writes one JSON record per (size, path): bytes received per rank, median seconds, GB/s.
+// once after the timed calls on every rank, so a fast wrong gather cannot pass as a bandwidth.
+// Prints (rank 0) one JSON record per (size, path): bytes received per rank, median seconds,
+// GB/s; --out writes them with the device, driver, date, commit and command.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,9 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "bench/mpi_world.h"
 #include "comm/mpi_communicator.h"
 #include "comm/nccl_communicator.h"
+#include "common/text.h"
 
 #if SF_HAVE_NCCL
 #include <cuda_runtime.h>
@@ -127,7 +130,18 @@ int run(int argc, char** argv) {
     const int N = world->size();
     std::ofstream out;
     if (rank0 && !a.out.empty()) out.open(a.out, std::ios::trunc);
-    if (rank0) out << "[";
+    if (rank0) {
+      // What the records were measured on and how (bench/gpu/run.sh sets SF_SOURCE_COMMIT).
+      cudaDeviceProp prop{};
+      const bool named = cudaGetDeviceProperties(&prop, 0) == cudaSuccess;
+      int driver = 0;
+      cudaDriverGetVersion(&driver);
+      out << "{\"bench\": \"comm_allgather\", \"device\": \"" << N << "x "
+          << (named ? prop.name : "unknown GPU") << "\", \"cuda_driver\": " << driver
+          << ", \"date\": \"" << now_iso8601() << "\", \"commit\": \"" << bench::source_commit()
+          << "\", \"command\": \"mpirun -np " << N << " " << bench::command_line(argc, argv)
+          << "\", \"records\": [";
+    }
     bool first = true;
     // A failure on one rank (memory, a collective, wrong data) ends the run on every rank at the
     // same point, so none waits in a collective its peers left.
@@ -184,7 +198,7 @@ int run(int argc, char** argv) {
       cudaFree(recv);
       if (rc) break;
     }
-    if (rank0) out << "\n]\n";
+    if (rank0) out << "\n]}\n";
   }
   nc.reset();
 #else

@@ -69,6 +69,9 @@
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
 #                  SF_DIST_* settings; needs -DSF_MPI=ON among the cmake args and 2 GPUs for the
 #                  2-rank grids); writes bench-distributed.log and distributed-<gpu>.json
+#   SF_COMM        1: NCCL all-gather bandwidth of the device CP exchange's two paths on every GPU
+#                  of the host (sf_bench_comm; needs -DSF_MPI=ON; SF_COMM_MIB, default
+#                  64,512,1024) into comm-<gpu>.json
 #   SF_BENCH_LENGTHS         dense lengths (default 8192,32768)
 #   SF_BENCH_SPARSE_LENGTHS  sparse-mode lengths (default 32768)
 #   SF_BENCH_REPS            timed repeats per kernel (default 3)
@@ -558,6 +561,18 @@ if [[ "${SF_WORKER_PLANS:-0}" == 1 ]]; then
     fail "plan reuse benchmark failed (its output is at the end of build.log)"
   fi
   [[ -s "$pj" ]] && notes+=("$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["variant"], r["job_s"], r["plan_s"], [q["plan_s"] for q in r["requests"]], [q["prefill_s"] for q in r["requests"]]) for r in d["runs"]]' "$pj")")
+fi
+
+# ---- NCCL all-gather bandwidth (needs -DSF_MPI=ON and 2 or more GPUs) ------------------------
+if [[ "${SF_COMM:-0}" == 1 ]]; then
+  cj="$out/comm-$(gpu_slug).json"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if ! NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+       timeout "${SF_COMM_TIMEOUT:-120}" mpirun --bind-to none -np "$ngpu" "$build/bench/sf_bench_comm" \
+       --mib "${SF_COMM_MIB:-64,512,1024}" --reps 5 --out "$cj" >>"$logs/build.log" 2>&1; then
+    fail "comm benchmark failed (its output is at the end of build.log)"
+  fi
+  [[ -s "$cj" ]] && notes+=("$(cut -c1-600 "$cj")")
 fi
 
 # ---- distributed prefill: TP x CP over NCCL (needs -DSF_MPI=ON among the cmake args) ---------
