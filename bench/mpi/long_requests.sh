@@ -17,6 +17,8 @@ lengths="${SF_LONG_LENGTHS:-1040384,1048576}"; layers="${SF_LONG_LAYERS:-8}"
 extra="${SF_LONG_ARGS:---attention vertical-slash --kv-dtype int4}"
 device="${SF_LONG_DEVICE:-cuda}"; model="${SF_LONG_MODEL:-synthetic:llama3-8b:$layers}"
 tp="${SF_LONG_TP:-1}"; cp="${SF_LONG_CP:-2}"
+[[ "$tp" =~ ^[1-9][0-9]*$ && "$cp" =~ ^[1-9][0-9]*$ ]] ||
+  { echo "long_requests.sh: SF_LONG_TP and SF_LONG_CP must be positive integers (got '$tp', '$cp')" >&2; exit 2; }
 cmdline="SF_LONG_DEVICE=$device SF_LONG_MODEL=$model SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_TP=$tp SF_LONG_CP=$cp SF_LONG_ARGS='$extra' $0 $*"
 # shellcheck source=bench/mpi/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
