@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <algorithm>
 #include <vector>
 
@@ -47,8 +48,44 @@ struct HeadMeta {
 // read, so the zero fill a vector would do is a wasted pass over hundreds of megabytes.
 struct RawBytes {
   std::unique_ptr<uint8_t[]> p;
-  explicit RawBytes(size_t n) : p(new uint8_t[n]) {}
+  size_t n = 0;
+  RawBytes() = default;
+  explicit RawBytes(size_t bytes) : p(new uint8_t[bytes]), n(bytes) {}
   uint8_t* data() { return p.get(); }
+};
+
+// A shard's K and V bytes, reused by the shards one export call writes in turn: each is up to
+// a few hundred MB, and a fresh allocation is page-faulted in again for every layer (a quarter
+// of an F32 export's time on the build box; on a GPU host's first request, its first touch of
+// that memory). At most one set per shard in flight; all go when the call returns.
+class ShardBuffers {
+ public:
+  struct Set {
+    RawBytes kv[2];  // keys, values
+  };
+  // A set with at least `bytes` in each buffer: a free one (grown afresh if smaller), or new.
+  std::unique_ptr<Set> take(size_t bytes) {
+    std::unique_ptr<Set> s;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!free_.empty()) {
+        s = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (!s) s = std::make_unique<Set>();
+    for (RawBytes& b : s->kv)
+      if (b.n < bytes) b = RawBytes(bytes);
+    return s;
+  }
+  void give(std::unique_ptr<Set> s) {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.push_back(std::move(s));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Set>> free_;
 };
 
 // Half-open [a, b) runs of a sorted position list: compact for windows and sinks.
@@ -333,6 +370,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   for (int l = std::max(part.layer, 0); l < l_end; ++l)
     for (int tier = 0; tier < n_tiers; ++tier)
       if (part.tier < 0 || tier == part.tier) items.push_back({l, tier});
+  ShardBuffers buffers;
   // One shard file: gathered, encoded, written (hashed and fsynced) and described in *entry.
   const auto one = [&](int l, int tier, std::string* entry) -> Status {
     std::error_code ec;
@@ -367,8 +405,14 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
       kgrp[size_t(h) + 1] = kgrp[size_t(h)] + kv_param_groups(enc, true, n, d);
       vgrp[size_t(h) + 1] = vgrp[size_t(h)] + kv_param_groups(enc, false, n, d);
     }
-    RawBytes data[2] = {RawBytes(size_t(off.back()) * row_bytes + 1),
-                        RawBytes(size_t(off.back()) * row_bytes + 1)};  // keys, values
+    // Keys and values, from the call's reused buffers (returned however this shard ends).
+    std::unique_ptr<ShardBuffers::Set> bufs = buffers.take(size_t(off.back()) * row_bytes + 1);
+    struct GiveBack {
+      ShardBuffers& pool;
+      std::unique_ptr<ShardBuffers::Set>& set;
+      ~GiveBack() { pool.give(std::move(set)); }
+    } give_back{buffers, bufs};
+    RawBytes* data = bufs->kv;
     std::vector<uint16_t> scale[2] = {std::vector<uint16_t>(size_t(kgrp.back())),
                                       std::vector<uint16_t>(size_t(vgrp.back()))};
     std::vector<uint16_t> zero[2] = {std::vector<uint16_t>(size_t(kgrp.back())),
