@@ -31,6 +31,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 #include <future>
 
 #include "comm/mpi_communicator.h"
@@ -1243,14 +1244,16 @@ int run(int argc, char** argv) {
         static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
         export_wait_s, x->fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
-    auto list = [](const std::vector<int64_t>& v) {
+    // A JSON array of byte counts, or of seconds and densities (six decimals, as above).
+    auto list = [](const auto& v) {
       std::string o = "[";
-      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
-      return o + "]";
-    };
-    auto list_s = [](const std::vector<double>& v) {
-      std::string o = "[";
-      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + sformat("%.6f", v[i]);
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (i) o += ", ";
+        if constexpr (std::is_floating_point_v<std::decay_t<decltype(v[i])>>)
+          o += sformat("%.6f", v[i]);
+        else
+          o += std::to_string(v[i]);
+      }
       return o + "]";
     };
     summary.pop_back();  // the closing brace
@@ -1274,10 +1277,10 @@ int run(int argc, char** argv) {
     summary += std::string(group) + ", \"plan_parts\": " + plan_parts +
                ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
                ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) +
-               ", \"prefill_s_by_rank\": " + list_s(s.seconds_by_rank) +
-               ", \"attention_s_by_rank\": " + list_s(s.attention_s_by_rank) +
-               ", \"comm_s_by_rank\": " + list_s(s.comm_s_by_rank) +
-               ", \"density_by_rank\": " + list_s(s.density_by_rank) + "}";
+               ", \"prefill_s_by_rank\": " + list(s.seconds_by_rank) +
+               ", \"attention_s_by_rank\": " + list(s.attention_s_by_rank) +
+               ", \"comm_s_by_rank\": " + list(s.comm_s_by_rank) +
+               ", \"density_by_rank\": " + list(s.density_by_rank) + "}";
     if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
       --n_done;
       ++n_failed;

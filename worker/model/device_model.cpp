@@ -467,8 +467,8 @@ struct DevicePrefill::Impl {
   int cap_blocks = 0, cap_cols = 0, need_blocks = 0, need_cols = 0;
   int grows = 0;            // in-place grows during the last run (PrefillResult::sparse_grows)
   double grown_est_s = 0;   // estimator time of runs a grow discarded, in the last run
-  // plan_sparse failed part way (a grow with no memory): its plans are not usable until one
-  // succeeds, and a run says so instead of launching on a freed arena.
+  // plan_sparse failed part way (a grow with no memory): its plans are not usable, and a later
+  // run says so instead of launching on a freed arena (the caller plans again).
   bool sparse_broken = false;
   bool dry = false;         // forward() walks the ops but only plans the GEMMs and attention shapes
 
@@ -1580,13 +1580,6 @@ DeviceModel::Views DeviceModel::views() const {
   return v;
 }
 
-Status DevicePrefill::grow_sparse(int max_blocks, int max_cols) {
-  Impl& w = *impl_;
-  if (!w.use_sparse) return Status::ok();
-  SF_CUDA_TRY(cudaSetDevice(w.m->device));
-  return w.grow_sparse(max_blocks, max_cols);
-}
-
 std::vector<double> DevicePrefill::layer_seconds() const {
   const Impl& w = *impl_;
   std::vector<double> out;
@@ -1654,7 +1647,6 @@ std::vector<double> DevicePrefill::layer_seconds() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_need() const { return {0, 0}; }
 DeviceModel::Views DeviceModel::views() const { return {}; }
 std::array<int, 2> DevicePrefill::sparse_capacity() const { return {0, 0}; }
-Status DevicePrefill::grow_sparse(int, int) { return no_cuda(); }
 
 #endif  // SF_HAVE_CUDA
 

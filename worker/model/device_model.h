@@ -215,7 +215,7 @@ class DevicePrefill {
   double hook_seconds() const;
   // Sparse index capacity. The estimators' slot sizes depend on the data. A run checks each
   // layer's slots as the layer's attention runs; where one needed more than the plan holds (its
-  // index was truncated), the run grows the plan in place (grow_sparse) and runs that layer's
+  // index was truncated), the run grows the plan in place and runs that layer's
   // estimators and attention again before anything reads them, so nothing truncated is passed
   // off and no layer runs twice otherwise (PrefillResult::sparse_grows). A shard grows alone:
   // capacities are local, and its peers wait in the next exchange meanwhile. Where a grow fails
@@ -226,10 +226,6 @@ class DevicePrefill {
   // What every piece's slots hold now (after any grow): PrefillOptions::sparse_capacity for a
   // later plan. {0, 0} without sparse attention.
   std::array<int, 2> sparse_capacity() const;
-  // Re-plans every estimator with a quarter more room than {max_blocks, max_cols} (never less
-  // than now): frees and reallocates their arena; synchronous. A grow that fails part way
-  // leaves the sparse plan unusable: later runs fail with kInternal until a grow succeeds.
-  Status grow_sparse(int max_blocks, int max_cols);
 
   DevicePrefill(DevicePrefill&&) noexcept;
   DevicePrefill& operator=(DevicePrefill&&) noexcept;
