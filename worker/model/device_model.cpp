@@ -881,7 +881,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         }
       }
     }
-    // One attention call per piece.
+    // One attention call per piece; each piece's index view (for opt.on_sparse_index).
+    std::vector<kernels::cuda::SparseIndexDevice> piece_idx(use_sparse ? pcs.size() : 0);
     const auto attend = [&]() -> Status {
       for (int64_t j = 0, lo = 0; j < int64_t(pcs.size());
            lo += pcs[size_t(j)][1] - pcs[size_t(j)][0], ++j) {
@@ -914,6 +915,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
             SF_CUDA_TRY(cudaEventRecord(need_ready[size_t(l)].get(), st));
           SF_TRY(kernels::cuda::attention_sparse(qv, kv3, vv, idx, ov, lv, ap, st));
           SF_TRY(kernels::cuda::sparse_index_pairs(idx, pairs.as<unsigned long long>() + l, st));
+          piece_idx[size_t(j)] = idx;
         } else {
           SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap, cs()));
         }
@@ -970,6 +972,13 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       // it enqueues the rest of the layers without attention (the plan may be half re-planned)
       // and returns the error after them, and its caller makes it the group's.
       if (!sparse_error.is_ok() && !sharded) return sparse_error;
+      // The index views stay valid until the next layer's estimators run on this stream.
+      if (sparse_error.is_ok() && opt.on_sparse_index)
+        for (const kernels::cuda::SparseIndexDevice& di : piece_idx) {
+          kernels::SparseIndex hi;
+          SF_TRY(kernels::cuda::sparse_index_download(di, di.max_blocks, di.max_cols, &hi, st));
+          opt.on_sparse_index(l, hi);
+        }
     }
     if (!dry) {
       if (attn_bf16)

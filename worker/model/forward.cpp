@@ -204,6 +204,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       res.attention_s += std::chrono::duration<double>(e2 - e1).count();
       pairs_done += st.density * causal_pairs;
       if (opt.on_attention) opt.on_attention(l, qv, kv3, &idx);
+      if (opt.on_sparse_index) opt.on_sparse_index(l, idx);
       est_columns = std::move(st.columns);
     } else {
       const auto a0 = clock::now();

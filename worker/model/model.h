@@ -127,6 +127,10 @@ struct PrefillOptions {
   bool keep_kv = true;
   const SparseConfig* sparse = nullptr;  // null: dense attention everywhere
   AttentionObserver on_attention;
+  // Each sparse layer's final index (after any grow), one call per piece of the layer's queries
+  // (SparseIndex::q_offset says which), on the calling thread. Both forwards; the device forward
+  // copies the index to the host and so waits for the layer: tests and tools, not serving.
+  std::function<void(int layer, const kernels::SparseIndex& idx)> on_sparse_index;
   // > 0: SnapKV importance of the last importance_window queries of this call against all keys,
   // from the attention's LSE (kernels/kv_importance.h), into PrefillResult::importance.
   int importance_window = 0;

@@ -358,12 +358,34 @@ void sparse_matches_cpu(DType wdt) {
   // over the window rows in the attention's dtype (BF16: cuDNN on the rounded copies).
   o.importance_window = 32;
   o.sparse = &sc;
+  // Each side's per-layer indices (one piece a layer at this length on both).
+  std::vector<kernels::SparseIndex> cpu_idx, gpu_idx;
+  const auto keep_into = [](std::vector<kernels::SparseIndex>* to) {
+    return [to](int layer, const kernels::SparseIndex& idx) {
+      EXPECT_EQ(size_t(layer), to->size()) << "one index per layer, in order";
+      to->push_back(idx);
+    };
+  };
+  o.on_sparse_index = keep_into(&cpu_idx);
   auto cpu = prefill(ref.model, ref.tokens, o);
   ASSERT_OK(cpu.status());
   auto dm = DeviceModel::upload(ref.model, wdt, 0);
   ASSERT_OK(dm.status());
+  o.on_sparse_index = keep_into(&gpu_idx);
   auto gpu = prefill_device(dm.value(), ref.tokens, o);
   ASSERT_OK(gpu.status());
+  ASSERT_EQ(cpu_idx.size(), size_t(ref.model.config().n_layers));
+  ASSERT_EQ(gpu_idx.size(), cpu_idx.size());
+  // Slots whose counts or listed entries differ, over all layers.
+  int64_t slots = 0, differing = 0;
+  for (size_t l = 0; l < cpu_idx.size(); ++l) {
+    const kernels::SparseIndex &a = cpu_idx[l], &b = gpu_idx[l];
+    ASSERT_EQ(a.n_heads, b.n_heads);
+    ASSERT_EQ(a.n_qblocks, b.n_qblocks);
+    ASSERT_EQ(a.q_offset, b.q_offset);
+    for (size_t t = 0; t < size_t(a.n_heads) * size_t(a.n_qblocks); ++t, ++slots)
+      differing += !kernels::sparse_index_slot_equal(a, t, b, t);
+  }
   const PrefillResult& g = gpu.value();
   const PrefillResult& c = cpu.value();
   ASSERT_EQ(g.logits.size(), c.logits.size());
@@ -372,14 +394,20 @@ void sparse_matches_cpu(DType wdt) {
             << ", density gpu " << g.density << " cpu " << c.density << ", estimate "
             << g.estimate_s * 1e3 << " ms, attention " << g.attention_s * 1e3 << " ms\n";
   EXPECT_EQ(e.nonfinite, 0);
-  // The density is a ratio of exact pair counts, so it equals the CPU's when the index does. An
-  // F32 run whose density moved took the other side of a near-tie somewhere (seen once on H100
-  // with SF_TEST_SEED=267688216216858427: density 0.820008 against 0.82053, logits 1.06e-2 off,
-  // after 114 runs with equal densities and logits within 1.2e-6); its outputs come from another
-  // index, so only what holds whatever the index is checked: finite outputs and the density
-  // within 1e-3. (A swap that keeps the pair count, e.g. two full blocks, would still be held
-  // to the bounds below; none has been seen.)
-  const bool same_index = !f32 || g.density == c.density;
+  // An F32 run whose index differs from the CPU's took the other side of a near-tie somewhere
+  // (seen on H100 with SF_TEST_SEED=267688216216858427: density 0.820008 against 0.82053, logits
+  // 1.06e-2 off, after 114 runs with equal indices and logits within 1.2e-6; and with
+  // SF_TEST_SEED=11692476072949434071 at equal density, logits 3.9e-2 off: a swap that kept the
+  // pair count, which a density check missed). Its outputs come from another index, so only what
+  // holds whatever the index is is checked then: finite outputs, few differing slots, and the
+  // density within 1e-3. BF16: structural heads only, whose indices must be equal.
+  std::cout << "  sparse " << (f32 ? "f32" : "bf16") << ": " << differing << " of " << slots
+            << " index slots differ from the CPU's\n";
+  if (!f32) EXPECT_EQ(differing, 0);
+  // Against a device estimator that picks wholesale differently (a near-tie's drift through
+  // later layers moves a few slots; how many is printed above, not yet measured in a failure).
+  EXPECT_LE(differing * 10, slots) << "more than near-ties: at most 10% of slots may differ";
+  const bool same_index = differing == 0;
   if (!same_index)
     std::cout << "  sparse f32: the device's index took the other side of a near-tie (density "
               << g.density << " against " << c.density << "); logits (nerr " << e.nerr

@@ -138,11 +138,23 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   o.importance_pool = 7;
   auto dense = model::prefill(m.value(), toks, o);
   o.sparse = &sc;
+  std::vector<std::pair<int, double>> seen;  // on_sparse_index: layer, the index's density
+  o.on_sparse_index = [&](int l, const kernels::SparseIndex& idx) {
+    seen.emplace_back(l, idx.density());
+  };
   auto lse = model::prefill(m.value(), toks, o);
+  o.on_sparse_index = nullptr;
   o.importance_from_estimator = true;
   auto est = model::prefill(m.value(), toks, o);
   ASSERT_TRUE(dense.is_ok() && lse.is_ok() && est.is_ok());
   EXPECT_EQ(lse->logits, est->logits);  // attention is the same either way
+  // Each layer's index once, in order; both layers have the same causal pairs, so the run's
+  // density is their mean.
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].first, 0);
+  EXPECT_EQ(seen[1].first, 1);
+  EXPECT_NEAR(lse->density, (seen[0].second + seen[1].second) / 2, 1e-12);
+  EXPECT_LT(lse->density, 0.95);
   EXPECT_EQ(lse->importance_reused_groups, 0);
   // Layer 0: both groups (block-sparse pair, vertical-slash pair); layer 1: group 0 only.
   EXPECT_EQ(est->importance_reused_groups, 3);
