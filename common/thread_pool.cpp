@@ -232,12 +232,21 @@ Status run_items(size_t n, int width, const std::function<Status(size_t)>& fn) {
     }
   };
   std::vector<std::thread> helpers;
+  // Joined on every way out, an exception from this thread's share included (a joinable
+  // std::thread destroyed would terminate the process).
+  struct JoinAll {
+    std::vector<std::thread>& ts;
+    ~JoinAll() {
+      for (std::thread& t : ts)
+        if (t.joinable()) t.join();
+    }
+  } join_all{helpers};
   const size_t want = std::min(n, size_t(std::max(1, width)));
   helpers.reserve(want);  // (growing it while threads run would destroy joinable ones)
   for (size_t t = 1; t < want; ++t) {
     try {
       helpers.emplace_back(work);
-    } catch (const std::system_error&) {  // no thread to be had: the running ones do it all
+    } catch (const std::exception&) {  // no thread to be had: the running ones do it all
       break;
     }
   }

@@ -820,7 +820,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         // The ring's slot is free once the host took out the layer that used it last. A failed
         // landing stops the host's side, not the enqueueing: a shard's peers wait in this
         // layer's and later layers' collectives, so the error is returned after them.
-        if (l >= kv_stage && land_error.is_ok()) land_error = land_through(l - kv_stage);
+        if (l >= kv_stage && land_error.is_ok()) {
+          land_error = land_through(l - kv_stage);
+          if (!land_error.is_ok() && kv_sizer) kv_sizer->stop();  // nothing more will land
+        }
         const size_t bytes = size_t(NL * kvd) * sizeof(float);
         float* const hk = staged(l);
         float* const hv = hk + size_t(max_rows * kvd);
@@ -972,6 +975,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       // it enqueues the rest of the layers without attention (the plan may be half re-planned)
       // and returns the error after them, and its caller makes it the group's.
       if (!sparse_error.is_ok() && !sharded) return sparse_error;
+      // A failed shard's result is dropped: stop faulting in its K/V (the rest of the run's
+      // landings then fail too, and sparse_error is what is returned).
+      if (!sparse_error.is_ok() && kv_sizer) kv_sizer->stop();
       // The index views stay valid until the next layer's estimators run on this stream.
       if (sparse_error.is_ok() && opt.on_sparse_index)
         for (const kernels::cuda::SparseIndexDevice& di : piece_idx) {

@@ -15,18 +15,20 @@ KvSizer::KvSizer(KvCache* kv, size_t floats, int threads)
   try {
     thread_ = std::thread([this] { run(); });
     started_ = true;
-  } catch (const std::system_error&) {
+  } catch (const std::exception&) {  // std::system_error, or no memory for the thread
     // No thread to spare: the first wait() sizes everything inline.
   }
 }
 
 KvSizer::~KvSizer() {
   if (!thread_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-  }
+  stop();
   thread_.join();
+}
+
+void KvSizer::stop() {
+  std::lock_guard<std::mutex> lk(mu_);
+  stop_ = true;
 }
 
 // Vector i: layer i / 2's K (even) or V (odd); then publishes the layers now whole.
@@ -38,8 +40,8 @@ Status KvSizer::size_one(size_t i) {
   }
   if (!size_vector(i % 2 ? kv_->v[l] : kv_->k[l], floats_))
     return SF_ERR(kResourceExhausted, "no host memory for the kept KV (" +
-                                          std::to_string(2 * size_t(n_layers_) * floats_ * 4) +
-                                          " bytes)");
+                                          std::to_string(2 * n_layers_) + " vectors of " +
+                                          std::to_string(floats_) + " floats)");
   std::lock_guard<std::mutex> lk(mu_);
   ++vectors_sized_[l];
   const int before = sized_layers_;

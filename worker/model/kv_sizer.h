@@ -23,6 +23,10 @@ class KvSizer {
   KvSizer(KvCache* kv, size_t floats, int threads);
   // Stops (vectors not yet begun are skipped) and joins.
   ~KvSizer();
+  // Vectors not yet begun are skipped from now on (a failed run's caller that goes on enqueuing
+  // to keep its group in step stops faulting in memory nobody will read); wait() for a layer
+  // left unsized then fails. Does not join.
+  void stop();
   KvSizer(const KvSizer&) = delete;
   KvSizer& operator=(const KvSizer&) = delete;
 

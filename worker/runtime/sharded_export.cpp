@@ -5,9 +5,13 @@
 #include <filesystem>
 #include <iterator>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "common/thread_pool.h"
 
 namespace sf::runtime {
 namespace fs = std::filesystem;
@@ -149,62 +153,104 @@ Result<std::unique_ptr<ShardedExport::Tier>> exchange_tier(GridComms& g,
 }
 
 // One part per (layer, head) with runs on this rank: its rows laid out over the runs'
-// positions, in one buffer sized once (the writer reads only the kept rows, so the rest is never
-// filled). No communication.
+// positions (the writer reads only the kept rows, so the rest is never filled). Parts are
+// gathered and written `width` at a time (run_items), each in a buffer pair taken from a free
+// list, so at most `width` pairs are ever faulted in; entries are added in part order. No
+// communication.
 template <typename Add>
 void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
                 const kvstore::KvExportSpec& spec, const model::KvCache& local, int cp, int me,
-                int tp_rank, int rank, Add&& add) {
+                int tp_rank, int rank, int width, Add&& add) {
   const int64_t d = spec.head_dim;
   const int hl = local.n_kv_heads, h0 = tp_rank * hl, nl = spec.n_layers;
   const auto ranges = cp_rank_ranges(spec.n_tokens, cp, me);
+  // The (layer, head) parts this rank writes, and the longest span of positions one covers.
+  std::vector<kvstore::KvShardPart> parts;
+  std::vector<int> part_item;  // l * hl + h
   int64_t max_span = 0;
-  for (const HeadCut& hc : t.cuts) {
-    int64_t span = 0;
-    for (size_t r = 0; r < hc.runs.size(); ++r)
-      if (hc.run_rank[r] == me) span += hc.runs[r][1] - hc.runs[r][0];
-    max_span = std::max(max_span, span);
-  }
-  std::vector<float> kbuf(size_t(max_span * d)), vbuf(size_t(max_span * d));
-  bool validate = true;  // the spec once, not once a part
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
       const HeadCut& hc = t.cuts[size_t(l * hl + h)];
-      const auto& kept = *t.pos[size_t(l * hl + h)];
       kvstore::KvShardPart part;
       part.tier = t.tier;
+      int64_t span = 0;
       for (size_t r = 0; r < hc.runs.size(); ++r)
-        if (hc.run_rank[r] == me) part.tokens.push_back(hc.runs[r]);
-      if (part.tokens.empty()) continue;
-      for (int64_t base = 0; const auto& tok : part.tokens) {
-        const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(tok[0])) - kept.begin();
-        for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < tok[1]; ++k) {
-          const int64_t p = kept[size_t(k)];
-          float* kd = kbuf.data() + (base + p - tok[0]) * d;
-          float* vd = vbuf.data() + (base + p - tok[0]) * d;
-          const bool mine = (p >= ranges[0].begin && p < ranges[0].end) ||
-                            (p >= ranges[1].begin && p < ranges[1].end);
-          if (mine) {
-            const int64_t row = local_row(ranges, p) * hl + h;
-            std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
-            std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
-          } else {
-            const std::vector<float>& m = t.moved.at({l, h, int64_t(k)});
-            std::copy_n(m.data(), d, kd);
-            std::copy_n(m.data() + d, d, vd);
-          }
+        if (hc.run_rank[r] == me) {
+          part.tokens.push_back(hc.runs[r]);
+          span += hc.runs[r][1] - hc.runs[r][0];
         }
-        base += tok[1] - tok[0];
-      }
+      if (part.tokens.empty()) continue;
+      max_span = std::max(max_span, span);
       part.n_kv_heads = 1;
       part.kv_head0 = h0 + h;
       part.rank = rank;
       part.layer = l;
-      part.file_tag = ".r" + std::to_string(part.rank) + ".h" + std::to_string(h0 + h);
-      add(kvstore::export_kv_shards(
-          tmp, spec, part, [&](int, bool v) { return (v ? vbuf : kbuf).data(); }, validate));
-      validate = false;
+      part.file_tag = ".r" + std::to_string(rank) + ".h" + std::to_string(h0 + h);
+      parts.push_back(std::move(part));
+      part_item.push_back(l * hl + h);
     }
+  std::mutex free_mu;
+  std::vector<std::unique_ptr<std::array<std::vector<float>, 2>>> free_bufs;
+  std::vector<Result<std::vector<std::string>>> done(parts.size(),
+                                                     Result<std::vector<std::string>>(
+                                                         SF_ERR(kInternal, "not written")));
+  const auto write_part = [&](size_t i) -> Status {
+    const int l = part_item[i] / hl, h = part_item[i] % hl;
+    const auto& kept = *t.pos[size_t(part_item[i])];
+    std::unique_ptr<std::array<std::vector<float>, 2>> buf;
+    {
+      std::lock_guard<std::mutex> lk(free_mu);
+      if (!free_bufs.empty()) {
+        buf = std::move(free_bufs.back());
+        free_bufs.pop_back();
+      }
+    }
+    if (!buf) {
+      buf = std::make_unique<std::array<std::vector<float>, 2>>();
+      (*buf)[0].resize(size_t(max_span * d));
+      (*buf)[1].resize(size_t(max_span * d));
+    }
+    std::vector<float>&kbuf = (*buf)[0], &vbuf = (*buf)[1];
+    for (int64_t base = 0; const auto& tok : parts[i].tokens) {
+      const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(tok[0])) - kept.begin();
+      for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < tok[1]; ++k) {
+        const int64_t p = kept[size_t(k)];
+        float* kd = kbuf.data() + (base + p - tok[0]) * d;
+        float* vd = vbuf.data() + (base + p - tok[0]) * d;
+        const bool mine = (p >= ranges[0].begin && p < ranges[0].end) ||
+                          (p >= ranges[1].begin && p < ranges[1].end);
+        if (mine) {
+          const int64_t row = local_row(ranges, p) * hl + h;
+          std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
+          std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
+        } else {
+          const std::vector<float>& m = t.moved.at({l, h, int64_t(k)});
+          std::copy_n(m.data(), d, kd);
+          std::copy_n(m.data() + d, d, vd);
+        }
+      }
+      base += tok[1] - tok[0];
+    }
+    // The spec is validated with the first part (written before the others start).
+    done[i] = kvstore::export_kv_shards(
+        tmp, spec, parts[i], [&](int, bool v) { return (v ? vbuf : kbuf).data(); },
+        /*validate=*/i == 0);
+    {
+      std::lock_guard<std::mutex> lk(free_mu);
+      free_bufs.push_back(std::move(buf));
+    }
+    return done[i].status();
+  };
+  if (parts.empty()) return;
+  // The first part alone (it validates the spec), then the rest; run_items stops starting parts
+  // after a failure and the first failure in part order is the one added.
+  if (write_part(0).is_ok())
+    (void)run_items(parts.size() - 1, std::max(width, 1),
+                    [&](size_t i) { return write_part(i + 1); });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    add(done[i]);
+    if (!done[i].is_ok()) break;
+  }
 }
 
 }  // namespace
@@ -272,7 +318,9 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
     for (const std::string& x : e.value()) mine += "\n" + x;
   };
   if (!tiers_.empty()) {
-    for (const auto& t : tiers_) write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_, add);
+    for (const auto& t : tiers_)
+      write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_,
+                 std::max(eo.layers_in_flight, 1), add);
     return mine;
   }
   // Full retention: this rank's CP chunks (merged when adjacent) of its TP slice's KV heads.

@@ -34,8 +34,8 @@ class ShardedExport {
       GridComms& g, const std::string& dir, const kvstore::KvExportSpec& spec,
       const model::KvCache& local);
   // This rank's shards; what finish sends the leader ("ok" and one manifest entry a line, or
-  // "error" and the message). Call once. eo applies to full retention's one part; a
-  // retention's per-head parts are written one at a time.
+  // "error" and the message). Call once. eo.layers_in_flight shard files are written at once:
+  // full retention's layers, or a retention's (layer, KV head) parts.
   std::string write(const kvstore::ExportOptions& eo = {});
   [[nodiscard]] Status finish(GridComms& g, const std::string& written);
 

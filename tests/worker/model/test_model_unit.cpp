@@ -449,6 +449,22 @@ TEST(KvSizer, SizesEveryLayerWaitsAndReportsFailure) {
   model::KvCache many;
   many.k.assign(64, {});
   many.v.assign(64, {});
+  {
+    // stop(): the rest is skipped, a wait for a layer it did not reach fails instead of
+    // hanging, and one it reached succeeds.
+    model::KvCache stopped;
+    stopped.k.assign(64, {});
+    stopped.v.assign(64, {});
+    model::KvSizer sz(&stopped, n, 1);
+    sz.stop();
+    const Status last = sz.wait(63);
+    EXPECT_EQ(last.is_ok(), stopped.k[63].size() == n && stopped.v[63].size() == n)
+        << last.message();
+    if (!last.is_ok())
+      EXPECT_NE(last.message().find("stopped before layer 63"), std::string::npos)
+          << last.message();
+    EXPECT_TRUE(sz.finish(nullptr).is_ok());
+  }
   { model::KvSizer sz(&many, n, 1); }  // destroyed at once: stops between vectors, joins
   // Whatever it reached before the stop is whole; the rest untouched (how far it got depends on
   // timing, so only that each vector is one or the other).
