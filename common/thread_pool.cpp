@@ -145,19 +145,33 @@ void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_
   });
 }
 
-void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
-                        size_t grain) {
+namespace {
+
+template <typename T>
+void copy_pair(T* da, const T* a, T* db, const T* b, size_t n, size_t grain) {
   parallel_for(
       2 * n,
       [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi;) {
           const bool second = i >= n;
           const size_t off = second ? i - n : i, len = std::min(hi, second ? 2 * n : n) - i;
-          std::memcpy((second ? db : da) + off, (second ? b : a) + off, len * sizeof(float));
+          std::memcpy((second ? db : da) + off, (second ? b : a) + off, len * sizeof(T));
           i += len;
         }
       },
       grain);
+}
+
+}  // namespace
+
+void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
+                        size_t grain) {
+  copy_pair(da, a, db, b, n, grain);
+}
+
+void parallel_copy_pair(uint16_t* da, const uint16_t* a, uint16_t* db, const uint16_t* b, size_t n,
+                        size_t grain) {
+  copy_pair(da, a, db, b, n, grain);
 }
 
 namespace {
@@ -181,14 +195,13 @@ void advise_huge_pages(void* p, size_t bytes) {
 #endif
 }
 
-}  // namespace
-
-bool size_vector(std::vector<float>& v, size_t n) {
+template <typename T>
+bool size_vector_of(std::vector<T>& v, size_t n) {
   try {
     if (v.capacity() < n) {
-      std::vector<float>().swap(v);
+      std::vector<T>().swap(v);
       v.reserve(n);  // allocated, not touched yet
-      advise_huge_pages(v.data(), n * sizeof(float));
+      advise_huge_pages(v.data(), n * sizeof(T));
     }
     v.resize(n);
     return true;
@@ -198,6 +211,11 @@ bool size_vector(std::vector<float>& v, size_t n) {
     return false;
   }
 }
+
+}  // namespace
+
+bool size_vector(std::vector<float>& v, size_t n) { return size_vector_of(v, n); }
+bool size_vector(std::vector<uint16_t>& v, size_t n) { return size_vector_of(v, n); }
 
 bool size_vectors(std::span<std::vector<float>* const> vs, size_t n) {
   std::atomic<bool> ok{true};

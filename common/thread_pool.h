@@ -24,6 +24,9 @@ void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_
 // on one thread. The KV drains of the device prefill use it (K and V of a layer).
 void parallel_copy_pair(float* da, const float* a, float* db, const float* b, size_t n,
                         size_t grain = size_t(1) << 18);
+// The same for n bf16 (or any 2-byte) elements each.
+void parallel_copy_pair(uint16_t* da, const uint16_t* a, uint16_t* db, const uint16_t* b, size_t n,
+                        size_t grain = size_t(1) << 19);
 
 // Sizes every vector to n floats, one vector a task on the pool: a large vector's first touch is
 // bound by page faults, so one thread would take seconds for a long prompt's KV. A vector that
@@ -34,6 +37,7 @@ bool size_vectors(std::span<std::vector<float>* const> vs, size_t n);
 // One vector, as size_vectors does each, on the calling thread (not the pool): for callers that
 // fault memory in beside a pool another thread is using.
 bool size_vector(std::vector<float>& v, size_t n);
+bool size_vector(std::vector<uint16_t>& v, size_t n);
 
 // Runs fn(i) for i in [0, n) on `width` threads (the caller's and up to width - 1 more), each
 // taking the next index when it is done: for items that wait (writes, fsync) or hold memory each

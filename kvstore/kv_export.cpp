@@ -9,9 +9,11 @@
 #include <memory>
 #include <mutex>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common/checksum.h"
+#include "common/dtype.h"
 #include "common/file_io.h"
 #include "common/safetensors.h"
 #include "common/thread_pool.h"
@@ -23,20 +25,38 @@ namespace {
 
 // Rows rows[0..n) of head h of a token-major [rows, Hkv, d] layer into dst [n, d], undoing the
 // adjacent-pair interleave if asked (GGUF llama keys -> HF rotate-half order).
-void gather_head(const float* src, int hkv, int d, int h, const int64_t* rows, int64_t n,
-                 bool deinterleave, float* dst) {
+template <typename T>
+void gather_head_as(const T* src, int hkv, int d, int h, const int64_t* rows, int64_t n,
+                    bool deinterleave, float* dst) {
+  const auto f32 = [](T x) {
+    if constexpr (std::is_same_v<T, float>)
+      return x;
+    else
+      return bf16_to_f32(x);
+  };
   for (int64_t i = 0; i < n; ++i) {
-    const float* r = src + (rows[i] * hkv + h) * d;
+    const T* r = src + (rows[i] * hkv + h) * d;
     float* o = dst + i * d;
     if (deinterleave) {
       for (int c = 0; c < d / 2; ++c) {
-        o[c] = r[2 * c];
-        o[c + d / 2] = r[2 * c + 1];
+        o[c] = f32(r[2 * c]);
+        o[c + d / 2] = f32(r[2 * c + 1]);
       }
-    } else {
+    } else if constexpr (std::is_same_v<T, float>) {
       std::copy(r, r + d, o);
+    } else {
+      for (int c = 0; c < d; ++c) o[c] = f32(r[c]);
     }
   }
+}
+
+// F32 rows, or BF16 ones widened.
+void gather_head(const LayerRows& src, int hkv, int d, int h, const int64_t* rows, int64_t n,
+                 bool deinterleave, float* dst) {
+  if (src.dtype == DType::kBF16)
+    gather_head_as(static_cast<const uint16_t*>(src.data), hkv, d, h, rows, n, deinterleave, dst);
+  else
+    gather_head_as(static_cast<const float*>(src.data), hkv, d, h, rows, n, deinterleave, dst);
 }
 
 // Per-block metadata of one head: blocks are runs of kKvBlockSize kept tokens in position order.
@@ -374,9 +394,13 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   const auto one = [&](int l, int tier, std::string* entry) -> Status {
     std::error_code ec;
     const bool low = tier == 1;
-    const float* k = src(l, false);
-    const float* v = src(l, true);
-    if (!k || !v) return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
+    const LayerRows k = src(l, false);
+    const LayerRows v = src(l, true);
+    if (!k.data || !v.data)
+      return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) + " has no KV");
+    if ((k.dtype != DType::kF32 && k.dtype != DType::kBF16) || v.dtype != k.dtype)
+      return SF_ERR(kInvalidArgument, "export_kv: layer " + std::to_string(l) +
+                                          "'s K and V must both be F32 or both BF16");
     std::vector<std::vector<int32_t>> pos(static_cast<size_t>(hp));
     std::vector<std::vector<int64_t>> rows(static_cast<size_t>(hp));
     std::vector<int32_t> scratch;

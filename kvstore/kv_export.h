@@ -59,8 +59,23 @@ struct KvExportSpec {
   std::optional<KvEncoding> encoding_low;
 };
 
-// Returns the layer's K or V, token-major [n_tokens, n_kv_heads, head_dim] fp32.
-using LayerSource = std::function<const float*(int layer, bool value)>;
+// A layer's K or V rows as a source holds them: F32, or BF16 (a device prefill's host K/V kept
+// in bf16, model::PrefillOptions::kv_host_bf16), widened exactly as they are gathered; what is
+// written is then the export of those widened values.
+struct LayerRows {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  LayerRows() = default;
+  LayerRows(const float* f32) : data(f32) {}  // NOLINT: F32 is what most sources hold
+  static LayerRows bf16(const uint16_t* p) {
+    LayerRows r;
+    r.data = p;
+    r.dtype = DType::kBF16;
+    return r;
+  }
+};
+// Returns the layer's K or V, token-major [n_tokens, n_kv_heads, head_dim], F32 or BF16.
+using LayerSource = std::function<LayerRows(int layer, bool value)>;
 
 // Bytes of K and V a retention keeps, summed over layers and heads, stored in `enc`
 // (kv_encoded_bytes per head); a low tier's tokens in `low` (in `enc` when not given).

@@ -68,7 +68,7 @@ const char* kUsage =
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N]\n"
-    "                  [--kv-staging-max-gib G] [--dry-run]\n"
+    "                  [--kv-staging-max-gib G] [--kv-host-dtype f32|bf16] [--dry-run]\n"
     "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
@@ -87,7 +87,10 @@ struct Options {
   // Shard files a rank writes at once (kvstore::ExportOptions::layers_in_flight); 0: half its
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
-  int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
+  int kv_staging_layers = 8;
+  // --device cuda: a rank's K/V on the host (and in its pinned staging) in bf16 instead of F32
+  // (model::PrefillOptions::kv_host_bf16): half the host memory; full retention only.
+  bool kv_host_bf16 = false;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
   // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
   // model::PrefillOptions::kv_staging_max_bytes).
   double kv_staging_max_gib = 8;
@@ -150,7 +153,7 @@ Result<Options> parse_options(int argc, char** argv) {
                        {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout",
                         "export", "device", "retention", "kv-dtype", "prefix-cache",
                         "stall-timeout", "metrics-file", "export-overlap", "export-threads",
-                        "kv-staging-layers", "kv-staging-max-gib", "host-memory-check"},
+                        "kv-staging-layers", "kv-staging-max-gib", "host-memory-check", "kv-host-dtype"},
                        {"allow-long", "cp-estimate", "selective-kv", "dry-run"}));
   if (args.help) {
     o.help = true;
@@ -210,6 +213,12 @@ Result<Options> parse_options(int argc, char** argv) {
   }
   SF_ASSIGN(o.kv_staging_max_gib,
             args.get_double("kv-staging-max-gib", o.kv_staging_max_gib, 0, 65536));
+  if (kv.count("kv-host-dtype")) {
+    const std::string& v = kv["kv-host-dtype"];
+    if (v != "f32" && v != "bf16")
+      return SF_ERR(kInvalidArgument, "--kv-host-dtype must be f32 or bf16, got '" + v + "'");
+    o.kv_host_bf16 = v == "bf16";
+  }
   if (kv.count("comm-timeout")) {
     char* end = nullptr;
     o.comm_timeout_s = std::strtod(kv["comm-timeout"].c_str(), &end);
@@ -260,6 +269,10 @@ Result<Options> parse_options(int argc, char** argv) {
                     "--prefix-cache needs a positive size, --tp 1 --cp 1 and dense attention "
                     "(each rank then serves its own requests from its own cache)");
   }
+  if (o.kv_host_bf16 && (o.device != "cuda" || o.prefix_cache_bytes > 0))
+    return SF_ERR(kInvalidArgument,
+                  "--kv-host-dtype bf16 is the device prefill's (--device cuda, no --prefix-cache, "
+                  "whose cache holds F32)");
   o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
   SF_ASSIGN(o.synthetic, model::parse_synthetic_model(o.model));
   if (o.synthetic && o.device != "cuda")
@@ -867,6 +880,13 @@ int run(int argc, char** argv) {
         ok = false;
       }
     }
+    // bf16 host K/V export with full retention only (a retention's rows move as F32).
+    if (ok && o.kv_host_bf16 &&
+        (r.retention ? *r.retention : o.retention).kind != kvstore::RetentionKind::kFull) {
+      bf.bad.push_back({r.line, "a retention other than full needs --kv-host-dtype f32 (its "
+                                "sharded export moves F32 rows)"});
+      ok = false;
+    }
     // Two tiers: a retention's high= and a HIGH+LOW encoding come together.
     if (ok) {
       const bool high = (r.retention ? *r.retention : o.retention).high > 0;
@@ -932,7 +952,8 @@ int run(int argc, char** argv) {
     if (o.device == "cuda" && o.cp > 1 && T < 2 * int64_t(o.cp) * 64) return T;
     return (T + o.cp - 1) / o.cp;
   };
-  const int64_t row = int64_t(cfg.head_dim) * 2 * int64_t(sizeof(float));  // K and V, F32
+  // K and V of a token and head: F32, or bf16 with --kv-host-dtype bf16.
+  const int64_t row = int64_t(cfg.head_dim) * 2 * (o.kv_host_bf16 ? 2 : int64_t(sizeof(float)));
   // One layer of this rank's K/V: its rows of its KV heads.
   auto rank_layer_bytes = [&](int64_t T) {
     return rank_rows(T) * (sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads) * row;
@@ -1223,7 +1244,7 @@ int run(int argc, char** argv) {
         "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
         "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
         "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"sparse_grows\": %d, "
-        "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
+        "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"kv_host_dtype\": \"%s\", \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
         "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
@@ -1237,7 +1258,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_grows,
-        s.kv_alloc_s, s.kv_copy_s, o.export_mode.c_str(), o.device.c_str(),
+        s.kv_alloc_s, s.kv_copy_s, o.kv_host_bf16 ? "bf16" : "f32", o.export_mode.c_str(),
+        o.device.c_str(),
         json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
@@ -1536,6 +1558,7 @@ int run(int argc, char** argv) {
         dopt.kv_staging_max_bytes = o.kv_staging_max_bytes();
         dopt.chunk = o.chunk;
         dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
+        dopt.kv_host_bf16 = o.kv_host_bf16;
         dopt.sparse = po.sparse;
         dopt.importance_window = po.importance_window;
         dopt.importance_pool = po.importance_pool;

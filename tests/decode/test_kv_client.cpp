@@ -12,7 +12,9 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
+#include "common/dtype.h"
 #include "common/safetensors.h"
 #include "decode/kv_client.h"
 #include "decode/paged_kv.h"
@@ -581,6 +583,81 @@ TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
                   std::string::npos);
     }
   }
+}
+
+// A BF16 source (a device prefill's host K/V kept in bf16) exports exactly as the F32 source of
+// its widened values: the same files, byte for byte, in every encoding, with full retention and
+// two tiers (keys de-interleaved on the way, as this GGUF model's are). K and V of different
+// dtypes are refused.
+TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
+  using E = kvstore::KvEncoding;
+  auto ret = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=200,window=32,pool=7,high=64").value(), 2, 2, kN,
+      &imp_);
+  ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+  const size_t nl = pr_.kv.k.size();
+  std::vector<std::vector<uint16_t>> k16(nl), v16(nl);
+  std::vector<std::vector<float>> kw(nl), vw(nl);
+  size_t changed = 0;  // values bf16 rounding moved: the comparison is not of equal inputs
+  for (size_t l = 0; l < nl; ++l)
+    for (auto [f, h, w] : {std::tuple{&pr_.kv.k[l], &k16[l], &kw[l]},
+                           std::tuple{&pr_.kv.v[l], &v16[l], &vw[l]}}) {
+      for (float x : *f) {
+        h->push_back(f32_to_bf16(x));
+        w->push_back(bf16_to_f32(h->back()));
+        changed += w->back() != x;
+      }
+    }
+  EXPECT_GT(changed, size_t(0));
+  const auto files = [](const std::string& dir) {
+    std::map<std::string, std::string> out;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      std::ifstream f(e.path(), std::ios::binary);
+      out[e.path().filename().string()] =
+          std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    return out;
+  };
+  int i = 0;
+  for (const auto& [enc, low] : std::vector<std::pair<E, std::optional<E>>>{
+           {E::kF32, std::nullopt}, {E::kBF16, std::nullopt}, {E::kInt8, std::nullopt},
+           {E::kInt4, std::nullopt}, {E::kInt8, E::kInt4}}) {
+    SCOPED_TRACE(std::to_string(i));
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+    spec.n_tokens = kN;
+    spec.token_ids = toks_;
+    spec.first_token = pr_.first_token;
+    spec.importance = &imp_;
+    spec.encoding = enc;
+    if (low) {
+      spec.retention = &ret.value();
+      spec.encoding_low = low;
+    }
+    const std::string a = tmp_.sub("bf16src-" + std::to_string(i));
+    const std::string b = tmp_.sub("widened-" + std::to_string(i++));
+    const Status sa = kvstore::export_kv(a, spec, [&](int l, bool v) {
+      return kvstore::LayerRows::bf16((v ? v16 : k16)[size_t(l)].data());
+    }, false);
+    ASSERT_TRUE(sa.is_ok()) << sa.to_string();
+    const Status sb = kvstore::export_kv(b, spec, [&](int l, bool v) {
+      return kvstore::LayerRows((v ? vw : kw)[size_t(l)].data());
+    }, false);
+    ASSERT_TRUE(sb.is_ok()) << sb.to_string();
+    const auto fa = files(a), fb = files(b);
+    EXPECT_EQ(fa.size(), fb.size());
+    EXPECT_TRUE(fa == fb) << "a bf16 source wrote other bytes than its widened values";
+  }
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+  spec.n_tokens = kN;
+  spec.token_ids = toks_;
+  spec.first_token = pr_.first_token;
+  const Status mixed = kvstore::export_kv(tmp_.sub("bf16-mixed"), spec, [&](int l, bool v) {
+    return v ? kvstore::LayerRows::bf16(v16[size_t(l)].data())
+             : kvstore::LayerRows(kw[size_t(l)].data());
+  }, false);
+  EXPECT_EQ(mixed.code(), Code::kInvalidArgument) << mixed.to_string();
+  EXPECT_NE(mixed.message().find("must both be F32 or both BF16"), std::string::npos)
+      << mixed.to_string();
 }
 
 TEST_F(KvClient, TwoTierExportRejectsBadTiers) {

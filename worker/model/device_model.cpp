@@ -432,6 +432,10 @@ struct DevicePrefill::Impl {
   DeviceBuffer kh_loc, vh_loc;    // sharded, attn_bf16: this rank's BF16 K/V rows [NL, hkv*d]
   DeviceBuffer k_all, v_all;      // sharded, F32 attention: every row [S, hkv*d]
   DeviceBuffer k[2], v[2], logits[2];
+  // PrefillOptions::kv_host_bf16: per slot, the layer's K then V rounded to bf16 on the copy
+  // stream before they leave the device (the pinned staging and the result then hold bf16).
+  DeviceBuffer kv16[2];
+  bool kv_bf16 = false;
   CudaEvent kv_ready[2], kv_free[2], logits_ready[2], logits_free[2];
   std::vector<CudaEvent> kv_copied;           // per layer, on the copy stream
   std::vector<CudaEvent> att_begin, att_end;  // per layer, timing the attention kernel
@@ -706,8 +710,9 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
   // Layer l's K/V in pinned memory: its slot of the ring (one slot per layer unless
   // kv_staging_layers asked for fewer).
+  const size_t he = kv_bf16 ? sizeof(uint16_t) : sizeof(float);  // a host K/V element
   const auto staged = [&](int l) {
-    return h_kv.as<float>() + size_t(2 * (l % kv_stage)) * size_t(max_rows * kvd);
+    return h_kv.as<char>() + size_t(2 * (l % kv_stage)) * size_t(max_rows * kvd) * he;
   };
   // A shard's rows (its pieces in order), after the caller's lead rows when it has any.
   const int64_t lead = keep_kv ? shard.kv_lead_rows : 0;
@@ -717,8 +722,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     kv.n_kv_heads = int(hkv);
     kv.head_dim = int(d);
     kv.n_tokens = lead + NL;
-    kv.k.assign(keep_kv ? size_t(c.n_layers) : 0, {});
-    kv.v.assign(keep_kv ? size_t(c.n_layers) : 0, {});
+    kv.k.assign(keep_kv && !kv_bf16 ? size_t(c.n_layers) : 0, {});
+    kv.v.assign(keep_kv && !kv_bf16 ? size_t(c.n_layers) : 0, {});
+    kv.k16.assign(keep_kv && kv_bf16 ? size_t(c.n_layers) : 0, {});
+    kv.v16.assign(keep_kv && kv_bf16 ? size_t(c.n_layers) : 0, {});
   }
   // The result's K/V vectors are sized (their pages faulted in) from the run's start on threads
   // of their own (KvSizer), while the host enqueues and the device computes the first layers,
@@ -757,15 +764,21 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         continue;
       }
       SF_TRY(wait_event(kv_copied[size_t(l)].get()));
-      float* hk = host_kv ? staged(l) : nullptr;
-      float* hv = host_kv ? hk + size_t(max_rows * kvd) : nullptr;
+      char* const hb = host_kv ? staged(l) : nullptr;
+      float* hk = host_kv ? reinterpret_cast<float*>(hb) : nullptr;
+      float* hv = host_kv ? reinterpret_cast<float*>(hb + size_t(max_rows * kvd) * he) : nullptr;
       if (keep_kv) {
         if (Status w = kv_sizer->wait(l); !w.is_ok())
           return Status(w.code(), "device prefill: " + w.message(), __FILE__, __LINE__);
         const auto c0 = Clock::now();
         const size_t at = size_t(lead * kvd);
-        parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
-                           size_t(NL * kvd));
+        if (kv_bf16)
+          parallel_copy_pair(kv.k16[size_t(l)].data() + at, reinterpret_cast<const uint16_t*>(hk),
+                             kv.v16[size_t(l)].data() + at, reinterpret_cast<const uint16_t*>(hv),
+                             size_t(NL * kvd));
+        else
+          parallel_copy_pair(kv.k[size_t(l)].data() + at, hk, kv.v[size_t(l)].data() + at, hv,
+                             size_t(NL * kvd));
         if (lead > 0)
           SF_TRY(shard.fill_kv_lead(l, kv.k[size_t(l)].data(), kv.v[size_t(l)].data()));
         res->kv_copy_s += seconds_since(c0);
@@ -824,11 +837,23 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
           land_error = land_through(l - kv_stage);
           if (!land_error.is_ok() && kv_sizer) kv_sizer->stop();  // nothing more will land
         }
-        const size_t bytes = size_t(NL * kvd) * sizeof(float);
-        float* const hk = staged(l);
-        float* const hv = hk + size_t(max_rows * kvd);
-        SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
-        SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
+        const size_t bytes = size_t(NL * kvd) * he;
+        char* const hk = staged(l);
+        char* const hv = hk + size_t(max_rows * kvd) * he;
+        if (kv_bf16) {
+          // Rounded on the copy stream (after kv_ready, as the copies are), into this slot's
+          // bf16 pair; the slot's next use two layers on is ordered behind these on `cp`.
+          char* const k16 = static_cast<char*>(kv16[slot].data());
+          SF_TRY(kernels::cuda::cast(dview(K, DType::kF32, {NL, hkv, d}),
+                                     dview(k16, DType::kBF16, {NL, hkv, d}), cp));
+          SF_TRY(kernels::cuda::cast(dview(V, DType::kF32, {NL, hkv, d}),
+                                     dview(k16 + bytes, DType::kBF16, {NL, hkv, d}), cp));
+          SF_CUDA_TRY(cudaMemcpyAsync(hk, k16, bytes, cudaMemcpyDeviceToHost, cp));
+          SF_CUDA_TRY(cudaMemcpyAsync(hv, k16 + bytes, bytes, cudaMemcpyDeviceToHost, cp));
+        } else {
+          SF_CUDA_TRY(cudaMemcpyAsync(hk, K, bytes, cudaMemcpyDeviceToHost, cp));
+          SF_CUDA_TRY(cudaMemcpyAsync(hv, V, bytes, cudaMemcpyDeviceToHost, cp));
+        }
       }
       // The tiering sink queues its block copies (device tier: device to device; spilled
       // blocks: to pinned host) behind them, on the same stream; it never waits here.
@@ -1122,7 +1147,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     res->attention_s += double(ms) * 1e-3;
   }
   res->kv_peak_bytes =
-      host_kv ? int64_t(kv_stage) * 2 * max_rows * kvd * int64_t(sizeof(float)) : 0;
+      host_kv ? int64_t(kv_stage) * 2 * max_rows * kvd * int64_t(kv_bf16 ? 2 : 4) : 0;
   res->importance_s = 0;
   res->importance.clear();
   if (imp_here) {
@@ -1213,6 +1238,10 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
             kInvalidArgument, "device prefill: on_layer_kv_device needs both enqueue and place");
   SF_ENSURE(!sharded || !o.on_layer_kv_device, kUnsupported,
             "device prefill shard: the device KV tiering sink is single-device only");
+  SF_ENSURE(!o.kv_host_bf16 || (o.keep_kv && !o.on_layer_kv && !o.on_layer_kv_device),
+            kInvalidArgument,
+            "device prefill: kv_host_bf16 keeps the result's K/V in bf16; it needs keep_kv and "
+            "no per-layer KV hook or sink (they take F32)");
   SF_ENSURE(!o.on_layer_kv_device || !o.on_layer_kv, kInvalidArgument,
             "device prefill: on_layer_kv_device and on_layer_kv are two ways to tier the same KV; "
             "give one");
@@ -1282,11 +1311,13 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
       SF_TRY(alloc(v_all, S * kvd * f));
     }
   }
+  kv_bf16 = o.kv_host_bf16;
   const bool host_kv = o.keep_kv || bool(o.on_layer_kv);  // as in forward()
   const int kv_slots = host_kv || bool(o.on_layer_kv_device) ? 2 : 1;
   for (int s = 0; s < kv_slots; ++s) {
     SF_TRY(alloc(k[s], NL * kvd * f));
     SF_TRY(alloc(v[s], NL * kvd * f));
+    if (kv_bf16) SF_TRY(alloc(kv16[s], 2 * NL * kvd * sizeof(uint16_t)));
   }
   const size_t logit_chunk = std::min(C, size_t(max_logit_rows));
   const int logit_slots = size_t(max_logit_rows) > logit_chunk ? 2 : 1;
@@ -1324,7 +1355,8 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
                      (shard.reduce_tp_enqueue && !(shard.copy_wait_timeout_s > 0))
                  ? c.n_layers
                  : kv_staging_slots(o, c.n_layers, 2 * NL * kvd * int64_t(f));
-  if (host_kv) SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * f));
+  if (host_kv)
+    SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * (kv_bf16 ? sizeof(uint16_t) : f)));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
   // The CUDA kernel's pool limit, checked here so a shard's group agrees on it at plan time.
   SF_ENSURE(o.importance_window == 0 ||
@@ -1524,6 +1556,8 @@ Result<DevicePrefill> DevicePrefill::plan_shard(const DeviceModel& dm, DeviceSha
             "prompt's rows beside the shard's own");
   SF_ENSURE(!opt.all_logits && !opt.on_layer_kv, kUnsupported,
             "device prefill shard: all_logits and the per-layer KV hook are single-device only");
+  SF_ENSURE(shard.kv_lead_rows == 0 || !opt.kv_host_bf16, kUnsupported,
+            "device prefill shard: kv_lead_rows are filled as F32; not with kv_host_bf16");
   // Importance comes from the piece that ends the prompt: the window's rows must all be in it.
   const int64_t last_rows = shard.pieces.back()[1] - shard.pieces.back()[0];
   SF_ENSURE(opt.importance_window == 0 || shard.pieces.back()[1] != S ||

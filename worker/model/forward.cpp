@@ -86,6 +86,9 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   if (opt.on_layer_kv_device.enqueue || opt.on_layer_kv_device.place)
     return SF_ERR(kUnsupported, "prefill: on_layer_kv_device (device KV tiering) needs the device "
                                 "forward; the CPU forward takes on_layer_kv");
+  if (opt.kv_host_bf16)
+    return SF_ERR(kUnsupported, "prefill: kv_host_bf16 (bf16 host K/V) is the device forward's; "
+                                "the CPU forward keeps F32");
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
       return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +

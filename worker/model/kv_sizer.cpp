@@ -10,8 +10,8 @@
 namespace sf::model {
 
 KvSizer::KvSizer(KvCache* kv, size_t floats, int threads)
-    : kv_(kv), floats_(floats), threads_(threads < 1 ? 1 : threads),
-      n_layers_(int(kv->k.size())), vectors_sized_(kv->k.size(), 0) {
+    : kv_(kv), floats_(floats), threads_(threads < 1 ? 1 : threads), bf16_(kv->bf16()),
+      n_layers_(int(bf16_ ? kv->k16.size() : kv->k.size())), vectors_sized_(size_t(n_layers_), 0) {
   try {
     thread_ = std::thread([this] { run(); });
     started_ = true;
@@ -38,10 +38,13 @@ Status KvSizer::size_one(size_t i) {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) return Status::ok();  // the owner is going: nobody waits for the rest
   }
-  if (!size_vector(i % 2 ? kv_->v[l] : kv_->k[l], floats_))
+  const bool sized = bf16_ ? size_vector(i % 2 ? kv_->v16[l] : kv_->k16[l], floats_)
+                          : size_vector(i % 2 ? kv_->v[l] : kv_->k[l], floats_);
+  if (!sized)
     return SF_ERR(kResourceExhausted, "no host memory for the kept KV (" +
                                           std::to_string(2 * n_layers_) + " vectors of " +
-                                          std::to_string(floats_) + " floats)");
+                                          std::to_string(floats_) +
+                                          (bf16_ ? " bf16 values)" : " floats)"));
   std::lock_guard<std::mutex> lk(mu_);
   ++vectors_sized_[l];
   const int before = sized_layers_;

@@ -17,7 +17,8 @@ namespace sf::model {
 class KvSizer {
  public:
   // Sizes every layer's kv->k[l] and kv->v[l] (kv->k and kv->v already hold n_layers vectors,
-  // not resized while this lives) to `floats` each, on `threads` threads of its own (not the CPU
+  // not resized while this lives; with KvCache::bf16(), kv->k16 and kv->v16) to `floats`
+  // elements each, on `threads` threads of its own (not the CPU
   // pool, whose parallel regions run one at a time and would queue the caller's copies behind
   // the sizing). Where no thread can start, the first wait() sizes everything inline.
   KvSizer(KvCache* kv, size_t floats, int threads);
@@ -41,7 +42,9 @@ class KvSizer {
 
   KvCache* kv_;
   size_t floats_;
-  int threads_, n_layers_;
+  int threads_;
+  bool bf16_;
+  int n_layers_;
   std::thread thread_;
   bool started_ = false;  // a thread, or the inline sizing, has begun
   std::mutex mu_;

@@ -84,6 +84,10 @@ struct KvCache {
   int n_layers = 0, n_kv_heads = 0, head_dim = 0;
   int64_t n_tokens = 0;
   std::vector<std::vector<float>> k, v;  // per layer: [n_tokens, n_kv_heads, head_dim]
+  // Or, from a device prefill with PrefillOptions::kv_host_bf16, the same rows in bf16 (k and v
+  // then empty): half the host memory. Readers that take F32 only check bf16() and refuse.
+  std::vector<std::vector<uint16_t>> k16, v16;
+  bool bf16() const { return !k16.empty(); }
 };
 
 struct SparseConfig;
@@ -152,6 +156,12 @@ struct PrefillOptions {
   // memory (at 128K on a CP 2 rank of Llama-3-8B, 537 MB a layer) and the device runs at most N
   // layers ahead of the host's copies.
   int kv_staging_layers = 8;
+  // DevicePrefill with keep_kv: the result's K/V in bf16 (KvCache::k16 / v16), rounded on the
+  // device before they leave it, so the pinned staging, the copies and the host's K/V take half
+  // the bytes (at 1M tokens through 32 Llama-3-8B layers, 134 GB instead of 268 GB over the
+  // ranks). Not with the per-layer hooks or kv_lead_rows (they take F32); the CPU forward
+  // refuses it.
+  bool kv_host_bf16 = false;
   // With a ring (kv_staging_layers > 0): at most this many bytes of slots, but the cap leaves at
   // least two (or the one kv_staging_layers = 1 asks for; 0: no cap). Pinning runs at about 1.5 GB/s, so at 1M tokens (4.3 GB a layer on a CP 2
   // rank) 8 slots took 21-28 s of each new plan; the device needs only enough slots to stay ahead

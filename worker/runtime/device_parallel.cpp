@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/nccl_communicator.h"
@@ -209,14 +210,14 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     out.n_logit_rows = r.n_logit_rows;
   }
   out.kv = std::move(r.kv);
-  if (w.whole && !out.kv.k.empty()) {
-    // Computed whole: keep this rank's pieces' rows, as a sharded run holds them.
+  if (w.whole && (!out.kv.k.empty() || out.kv.bf16())) {
+    // Computed whole: keep this rank's pieces' rows, as a sharded run holds them (F32 or bf16).
     const size_t row = size_t(w.kvd);
     int64_t n_mine = 0;
     for (const auto& p : w.mine) n_mine += p[1] - p[0];
-    for (auto* side : {&out.kv.k, &out.kv.v})
-      for (std::vector<float>& layer : *side) {
-        std::vector<float> kept(size_t(n_mine) * row);
+    const auto keep_mine = [&](auto& layers) {
+      for (auto& layer : layers) {
+        std::remove_reference_t<decltype(layer)> kept(size_t(n_mine) * row);
         size_t o = 0;
         for (const auto& p : w.mine) {
           std::copy(layer.begin() + std::ptrdiff_t(size_t(p[0]) * row),
@@ -225,6 +226,11 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
         }
         layer = std::move(kept);
       }
+    };
+    keep_mine(out.kv.k);
+    keep_mine(out.kv.v);
+    keep_mine(out.kv.k16);
+    keep_mine(out.kv.v16);
     out.kv.n_tokens = n_mine;
   }
   ParallelStats& st = out.stats;

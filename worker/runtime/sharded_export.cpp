@@ -289,6 +289,12 @@ Result<std::unique_ptr<ShardedExport>> ShardedExport::begin(GridComms& g, const 
   SF_TRY(bcast_str(c, &x->tmp_));
   if (x->tmp_.empty())
     return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
+  // The rows that change rank under a retention are moved as F32: a bf16 local KV (a device
+  // prefill's kv_host_bf16) exports with full retention only. Every rank of a group holds the
+  // same kind, so all of them return here alike.
+  if (local.bf16() && spec.retention && !spec.retention->is_full())
+    return SF_ERR(kUnsupported, "sharded export: a retention other than full needs F32 host K/V "
+                                "(kv_host_bf16 keeps bf16)");
   // With a retention other than full, block-aligned runs per layer and head
   // (cut_head); two tiers are each cut on their own blocks.
   if (spec.retention && spec.retention->has_low()) {
@@ -333,7 +339,11 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
   part.file_tag = ".r" + std::to_string(rank_);
   if (!part.tokens.empty())
     add(kvstore::export_kv_shards(
-        tmp_, spec, part, [&](int l, bool v) { return (v ? local.v : local.k)[size_t(l)].data(); },
+        tmp_, spec, part,
+        [&](int l, bool v) {
+          return local.bf16() ? kvstore::LayerRows::bf16((v ? local.v16 : local.k16)[size_t(l)].data())
+                              : kvstore::LayerRows((v ? local.v : local.k)[size_t(l)].data());
+        },
         /*validate=*/true, eo));
   return mine;
 }

@@ -688,6 +688,68 @@ TEST_F(GpuForward, KvStagingRingEqualsASlotPerLayer) {
             Code::kInvalidArgument);
 }
 
+// ---- bf16 host K/V (PrefillOptions::kv_host_bf16): rounded on the device before they leave it,
+// so the result holds bf16 (KvCache::k16 / v16, k and v empty) equal to the F32 run's K/V
+// rounded to nearest even, element for element; logits and importance are untouched (bit for
+// bit); the pinned staging is half (a slot per layer and a 3-slot ring). Refused without
+// keep_kv and beside the per-layer hook.
+// --------
+TEST_F(GpuForward, Bf16HostKvIsTheF32KvRounded) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  auto want = prefill_device(dm.value(), ref.tokens, full_options());
+  ASSERT_OK(want.status());
+  const auto same = [](const auto& a, const auto& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  const int64_t layer_bytes = 2 * kTokens * c.n_kv_heads * c.head_dim * int64_t(sizeof(float));
+  for (const int slots : {0, 3}) {
+    PrefillOptions o = full_options();
+    o.kv_staging_layers = slots;
+    o.kv_host_bf16 = true;
+    auto got = prefill_device(dm.value(), ref.tokens, o);
+    ASSERT_OK(got.status());
+    ASSERT_TRUE(got->kv.bf16());
+    EXPECT_TRUE(got->kv.k.empty() && got->kv.v.empty());
+    ASSERT_EQ(got->kv.k16.size(), size_t(c.n_layers));
+    ASSERT_EQ(got->kv.v16.size(), size_t(c.n_layers));
+    EXPECT_EQ(got->kv_peak_bytes, (slots ? slots : c.n_layers) * layer_bytes / 2) << slots;
+    EXPECT_TRUE(same(got->logits, want->logits)) << slots;
+    int64_t differ = 0, moved = 0;
+    for (int l = 0; l < c.n_layers; ++l) {
+      EXPECT_TRUE(same(got->importance[size_t(l)], want->importance[size_t(l)])) << l;
+      for (const auto& [h, f] : {std::pair{&got->kv.k16[size_t(l)], &want->kv.k[size_t(l)]},
+                                 std::pair{&got->kv.v16[size_t(l)], &want->kv.v[size_t(l)]}}) {
+        ASSERT_EQ(h->size(), f->size()) << l;
+        for (size_t i = 0; i < f->size(); ++i) {
+          differ += (*h)[i] != f32_to_bf16((*f)[i]);
+          moved += bf16_to_f32((*h)[i]) != (*f)[i];
+        }
+      }
+    }
+    EXPECT_EQ(differ, 0) << slots;
+    EXPECT_GT(moved, 0) << "the F32 K/V were already bf16 values: the rounding went unchecked";
+    std::cout << "  bf16 host K/V (" << slots << " slots): " << differ
+              << " values differ from the F32 run's rounded, " << moved
+              << " moved by the rounding; pinned " << got->kv_peak_bytes << " bytes\n";
+  }
+  PrefillOptions bad = full_options();
+  bad.kv_host_bf16 = true;
+  bad.keep_kv = false;
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), kTokens, bad).status().code(),
+            Code::kInvalidArgument);
+  bad.keep_kv = true;
+  bad.on_layer_kv = [](int, const TensorView&, const TensorView&, std::span<const float>) {
+    return Status::ok();
+  };
+  EXPECT_EQ(DevicePrefill::plan(dm.value(), kTokens, bad).status().code(),
+            Code::kInvalidArgument);
+}
+
 // ---- A CP shard's importance, on one GPU. ------------------------------------------------------
 // The rank of a CP 2 split holding pieces [0, 192) and [512, 700) (the prompt's end), planned as
 // a shard whose exchange hook fills the other rank's rows from the one-GPU run of the same model,

@@ -448,7 +448,9 @@ TEST(DeviceParallel, Bf16Tp2OverlapEqualsBlocking) {
 // The sharded export of a grid's run (runtime::export_sharded: every rank writes the shards of
 // its own rows and KV heads, the leader the manifest) loads, through the decode client, as the
 // one-GPU run's whole-cache export: exactly for CP 2, within 1e-4 x max for TP 2 (F32 weights).
-void check_sharded_export(runtime::GridShape shape) {
+// bf16_host: the ranks keep their K/V in bf16 (PrefillOptions::kv_host_bf16), exported as the
+// one-GPU run's K/V rounded to bf16 (exactly, for CP 2).
+void check_sharded_export(runtime::GridShape shape, bool bf16_host = false) {
   auto& w = test_world();
   const model::ModelConfig c = small_llama3();
   std::mt19937_64 rng(test_seed() + 13);
@@ -465,9 +467,14 @@ void check_sharded_export(runtime::GridShape shape) {
       int32_t(std::max_element(ref.logits.begin(), ref.logits.end()) - ref.logits.begin());
   const std::string base = "/tmp/sf-device-parallel-" + std::to_string(test_seed()) + "-" +
                            std::to_string(shape.tp) + "x" + std::to_string(shape.cp);
+  std::vector<std::vector<float>> rk = ref.k, rv = ref.v;  // bf16_host: rounded
+  if (bf16_host)
+    for (auto* side : {&rk, &rv})
+      for (auto& layer : *side)
+        for (float& x : layer) x = round_to_bf16(x);
   if (w.rank() == 0) {
     const Status st = kvstore::export_kv(
-        base + "/whole", spec, [&](int l, bool v) { return (v ? ref.v : ref.k)[size_t(l)].data(); },
+        base + "/whole", spec, [&](int l, bool v) { return (v ? rv : rk)[size_t(l)].data(); },
         true);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
@@ -480,11 +487,13 @@ void check_sharded_export(runtime::GridShape shape) {
   ASSERT_TRUE(dg.is_ok()) << dg.status().to_string();
   model::PrefillOptions o;
   o.chunk = kChunk;
+  o.kv_host_bf16 = bf16_host;
   auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kTokens, o);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   auto res = p.value().run(tokens);
   ASSERT_TRUE(res.is_ok()) << res.status().to_string();
   EXPECT_EQ(res.value().first_token, spec.first_token);
+  EXPECT_EQ(res.value().kv.bf16(), bf16_host);
   const Status st = runtime::export_sharded(g.value(), base + "/sharded", spec, res.value().kv);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   if (w.rank() != 0) return;
@@ -507,8 +516,8 @@ void check_sharded_export(runtime::GridShape shape) {
       }
       ASSERT_EQ(a.block_kmin.size(), b.block_kmin.size());
     }
-  std::printf("  sharded export tp %d cp %d: %zu files, K/V max |diff| / max = %.3g\n", shape.tp,
-              shape.cp,
+  std::printf("  sharded export tp %d cp %d%s: %zu files, K/V max |diff| / max = %.3g\n", shape.tp,
+              shape.cp, bf16_host ? " (bf16 host K/V)" : "",
               size_t(std::distance(std::filesystem::directory_iterator(base + "/sharded"),
                                    std::filesystem::directory_iterator{})),
               num / den);
@@ -520,6 +529,10 @@ void check_sharded_export(runtime::GridShape shape) {
 TEST(DeviceParallel, ShardedExportOfCp2EqualsOneGpu) {
   if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
   check_sharded_export({1, 2});
+}
+TEST(DeviceParallel, ShardedExportOfCp2Bf16HostKvEqualsOneGpuRounded) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  check_sharded_export({1, 2}, /*bf16_host=*/true);
 }
 TEST(DeviceParallel, ShardedExportOfTp2EqualsOneGpu) {
   if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
