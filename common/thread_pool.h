@@ -2,6 +2,7 @@
 // SF_NUM_THREADS or the CPUs the process may use; BLAS keeps its own threads.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <span>
 #include <vector>
