@@ -507,6 +507,17 @@ TEST_F(KvClient, TwoTierExportLoadsAsTheInProcessCache) {
   }
 }
 
+// Every file of an export directory, by name: its bytes.
+std::map<std::string, std::string> dir_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::ifstream f(e.path(), std::ios::binary);
+    out[e.path().filename().string()] =
+        std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
 // Shard files written several at once (ExportOptions::layers_in_flight) are the files written
 // one at a time, byte for byte, manifest included; failing layers are reported as the first
 // one's error whatever runs beside them, and leave no export behind.
@@ -516,15 +527,6 @@ TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
   ASSERT_TRUE(pol.is_ok()) << pol.status().to_string();
   auto ret = kvstore::retention_apply(pol.value(), 2, 2, kN, &imp_);
   ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
-  const auto files = [](const std::string& dir) {
-    std::map<std::string, std::string> out;
-    for (const auto& e : fs::directory_iterator(dir)) {
-      std::ifstream f(e.path(), std::ios::binary);
-      out[e.path().filename().string()] =
-          std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    }
-    return out;
-  };
   // Full retention (one shard a layer) and two tiers (two a layer: 4 shard files in flight).
   for (const bool tiers : {false, true}) {
     SCOPED_TRACE(tiers ? "two tiers" : "full");
@@ -549,7 +551,7 @@ TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
                                        std::to_string(n));
       const Status st = kvstore::export_kv(dir, spec, src, false, eo);
       ASSERT_TRUE(st.is_ok()) << st.to_string();
-      const auto got = files(dir);
+      const auto got = dir_files(dir);
       EXPECT_EQ(got.size(), tiers ? 5u : 3u);
       if (n == 1)
         want = got;
@@ -609,15 +611,6 @@ TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
       }
     }
   EXPECT_GT(changed, size_t(0));
-  const auto files = [](const std::string& dir) {
-    std::map<std::string, std::string> out;
-    for (const auto& e : fs::directory_iterator(dir)) {
-      std::ifstream f(e.path(), std::ios::binary);
-      out[e.path().filename().string()] =
-          std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    }
-    return out;
-  };
   int i = 0;
   for (const auto& [enc, low] : std::vector<std::pair<E, std::optional<E>>>{
            {E::kF32, std::nullopt}, {E::kBF16, std::nullopt}, {E::kInt8, std::nullopt},
@@ -643,7 +636,7 @@ TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
       return kvstore::LayerRows((v ? vw : kw)[size_t(l)].data());
     }, false);
     ASSERT_TRUE(sb.is_ok()) << sb.to_string();
-    const auto fa = files(a), fb = files(b);
+    const auto fa = dir_files(a), fb = dir_files(b);
     EXPECT_EQ(fa.size(), fb.size());
     EXPECT_TRUE(fa == fb) << "a bf16 source wrote other bytes than its widened values";
   }
