@@ -89,7 +89,7 @@ struct Options {
   int export_threads = 0;
   int kv_staging_layers = 8;
   // --device cuda: a rank's K/V on the host (and in its pinned staging) in bf16 instead of F32
-  // (model::PrefillOptions::kv_host_bf16): half the host memory; full retention only.
+  // (model::PrefillOptions::kv_host_bf16): half the host memory.
   bool kv_host_bf16 = false;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
   // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
   // model::PrefillOptions::kv_staging_max_bytes).
@@ -879,13 +879,6 @@ int run(int argc, char** argv) {
                                       ": " + st.message()});
         ok = false;
       }
-    }
-    // bf16 host K/V export with full retention only (a retention's rows move as F32).
-    if (ok && o.kv_host_bf16 &&
-        (r.retention ? *r.retention : o.retention).kind != kvstore::RetentionKind::kFull) {
-      bf.bad.push_back({r.line, "a retention other than full needs --kv-host-dtype f32 (its "
-                                "sharded export moves F32 rows)"});
-      ok = false;
     }
     // Two tiers: a retention's high= and a HIGH+LOW encoding come together.
     if (ok) {

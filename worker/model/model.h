@@ -160,7 +160,7 @@ struct PrefillOptions {
   // device before they leave it, so the pinned staging, the copies and the host's K/V take half
   // the bytes (at 1M tokens through 32 Llama-3-8B layers, 134 GB instead of 268 GB over the
   // ranks). Not with the per-layer hooks or kv_lead_rows (they take F32); the CPU forward
-  // refuses it.
+  // refuses it. The sharded export reads such a cache with any retention.
   bool kv_host_bf16 = false;
   // With a ring (kv_staging_layers > 0): at most this many bytes of slots, but the cap leaves at
   // least two (or the one kv_staging_layers = 1 asks for; 0: no cap). Pinning runs at about 1.5 GB/s, so at 1M tokens (4.3 GB a layer on a CP 2

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/thread_pool.h"
 
 namespace sf::runtime {
@@ -70,6 +71,17 @@ void for_each_moved(const HeadCut& h, int cp, F&& f) {
           int(std::upper_bound(h.start.begin(), h.start.end() - 1, k) - h.start.begin()) - 1;
       f(k, chunk_owner(ch, cp), chunk_owner(dest, cp));
     }
+}
+
+// d values of a local K (value false) or V row as F32: copied, or widened from a bf16 local KV
+// (PrefillOptions::kv_host_bf16), so a retention's cut and exchange are the same either way.
+void row_f32(const model::KvCache& kv, int l, int64_t row, int64_t d, bool value, float* out) {
+  if (kv.bf16()) {
+    const uint16_t* p = (value ? kv.v16 : kv.k16)[size_t(l)].data() + row * d;
+    for (int64_t c = 0; c < d; ++c) out[c] = bf16_to_f32(p[c]);
+  } else {
+    std::copy_n((value ? kv.v : kv.k)[size_t(l)].data() + row * d, d, out);
+  }
 }
 
 // The local row of prompt position p on a rank holding `ranges` (its rows in prompt order).
@@ -134,10 +146,9 @@ Result<std::unique_ptr<ShardedExport::Tier>> exchange_tier(GridComms& g,
         for_each_moved(t->cuts[size_t(l * hl + h)], CP, [&](int64_t k, int owner, int dest) {
           if (owner == me && dest == to) {
             const int64_t row = local_row(ranges, kept[size_t(k)]) * hl + h;
-            send.insert(send.end(), local.k[size_t(l)].begin() + row * d,
-                        local.k[size_t(l)].begin() + (row + 1) * d);
-            send.insert(send.end(), local.v[size_t(l)].begin() + row * d,
-                        local.v[size_t(l)].begin() + (row + 1) * d);
+            send.resize(send.size() + 2 * size_t(d));
+            row_f32(local, l, row, d, false, send.data() + send.size() - 2 * size_t(d));
+            row_f32(local, l, row, d, true, send.data() + send.size() - size_t(d));
           }
           if (owner == from && dest == me) take.push_back({l, h, k});
         });
@@ -221,8 +232,8 @@ void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
                           (p >= ranges[1].begin && p < ranges[1].end);
         if (mine) {
           const int64_t row = local_row(ranges, p) * hl + h;
-          std::copy_n(local.k[size_t(l)].data() + row * d, d, kd);
-          std::copy_n(local.v[size_t(l)].data() + row * d, d, vd);
+          row_f32(local, l, row, d, false, kd);
+          row_f32(local, l, row, d, true, vd);
         } else {
           const std::vector<float>& m = t.moved.at({l, h, int64_t(k)});
           std::copy_n(m.data(), d, kd);
@@ -289,12 +300,6 @@ Result<std::unique_ptr<ShardedExport>> ShardedExport::begin(GridComms& g, const 
   SF_TRY(bcast_str(c, &x->tmp_));
   if (x->tmp_.empty())
     return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
-  // The rows that change rank under a retention are moved as F32: a bf16 local KV (a device
-  // prefill's kv_host_bf16) exports with full retention only. Every rank of a group holds the
-  // same kind, so all of them return here alike.
-  if (local.bf16() && spec.retention && !spec.retention->is_full())
-    return SF_ERR(kUnsupported, "sharded export: a retention other than full needs F32 host K/V "
-                                "(kv_host_bf16 keeps bf16)");
   // With a retention other than full, block-aligned runs per layer and head
   // (cut_head); two tiers are each cut on their own blocks.
   if (spec.retention && spec.retention->has_low()) {

@@ -25,8 +25,8 @@ namespace sf::runtime {
 //    checks it can see every shard (a group spread over hosts needs --out on a shared
 //    filesystem), writes the manifest and moves the export into place. Returns the same status
 //    on every rank.
-// `local` is this rank's rows (its CP chunks in prompt order) of its TP slice's KV heads, F32
-// token-major, as parallel_prefill's local_kv or the device runtime's keep_kv return it; spec
+// `local` is this rank's rows (its CP chunks in prompt order) of its TP slice's KV heads, F32 (or
+// bf16: KvCache::bf16(), widened where a retention's rows move or are gathered) token-major, as parallel_prefill's local_kv or the device runtime's keep_kv return it; spec
 // is the whole request's (every rank passes the same). Both must outlive the ShardedExport.
 class ShardedExport {
  public:

@@ -15,14 +15,21 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <random>
 
+#include "common/dtype.h"
+#include "kvstore/kv_export.h"
+#include "kvstore/retention.h"
 #include "tests/comm/mpi_test_env.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
 #include "worker/runtime/cp_need.h"
 #include "worker/runtime/parallel_prefill.h"
+#include "worker/runtime/sharded_export.h"
 
 namespace sf {
 namespace {
@@ -598,6 +605,89 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
       m = std::max(m, double(std::abs(par->logits[i] - ref->logits[i])));
     std::printf("cp %d per-chunk estimation: max |dlogit| vs single-rank estimation %.3e\n", cp, m);
   }
+}
+
+// A rank's K/V kept in bf16 (a device prefill's kv_host_bf16) exports through the sharded
+// export as the same values in F32 do, file for file and byte for byte: with full retention, one
+// retention tier (snapkv, whose block cuts move rows between CP ranks) and two (adakv high= with
+// int8+int4). Here the CPU runtime's rows are rounded to bf16 and held both ways.
+TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
+  const auto [tp, cp] = GetParam();
+  auto& w = test_world();
+  auto gr = runtime::make_grid(w, {tp, cp});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  runtime::GridComms& g = gr.value();
+  const model::ModelConfig& c = model_->config();
+  const auto tokens = tokens_for(600, c.vocab, 21);
+  runtime::ParallelOptions po;
+  po.chunk = 128;
+  po.gather_kv = false;
+  po.local_kv = true;
+  po.importance_window = 32;
+  auto par = runtime::parallel_prefill(*model_, g, tokens, po);
+  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+  model::KvCache f32 = par->kv, b16 = par->kv;
+  b16.k.clear();
+  b16.v.clear();
+  for (auto [from, to16] : {std::pair{&f32.k, &b16.k16}, std::pair{&f32.v, &b16.v16}})
+    for (auto& layer : *from) {
+      to16->emplace_back();
+      for (float& x : layer) {
+        to16->back().push_back(f32_to_bf16(x));
+        x = bf16_to_f32(to16->back().back());
+      }
+    }
+  ASSERT_TRUE(b16.bf16());
+  kvstore::ImportanceScores imp;
+  imp.n_layers = c.n_layers;
+  imp.n_kv_heads = c.n_kv_heads;
+  imp.n_tokens = int64_t(tokens.size());
+  imp.window = po.importance_window;
+  imp.pool = po.importance_pool;
+  imp.layers = par->importance;
+  const std::string base = "/tmp/sf-bf16-sharded-" + std::to_string(test_seed()) + "-" +
+                           std::to_string(tp) + "x" + std::to_string(cp) + "-g" +
+                           std::to_string(g.group);
+  int i = 0;
+  for (const char* spec_text : {"full", "snapkv:budget=200", "adakv:budget=256,high=96"}) {
+    SCOPED_TRACE(spec_text);
+    auto policy = kvstore::retention_parse(spec_text);
+    ASSERT_TRUE(policy.is_ok()) << policy.status().to_string();
+    auto ret = kvstore::retention_apply(policy.value(), c.n_layers, c.n_kv_heads,
+                                        int64_t(tokens.size()), &imp);
+    ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+    spec.n_tokens = int64_t(tokens.size());
+    spec.token_ids = tokens;
+    spec.first_token = par->first_token;
+    spec.importance = &imp;
+    spec.retention = &ret.value();
+    if (ret->has_low()) {
+      spec.encoding = kvstore::KvEncoding::kInt8;
+      spec.encoding_low = kvstore::KvEncoding::kInt4;
+    }
+    const std::string a = base + "/f32-" + std::to_string(i), b = base + "/bf16-" + std::to_string(i++);
+    const Status sa = runtime::export_sharded(g, a, spec, f32);
+    ASSERT_TRUE(sa.is_ok()) << sa.to_string();
+    const Status sb = runtime::export_sharded(g, b, spec, b16);
+    ASSERT_TRUE(sb.is_ok()) << sb.to_string();
+    if (!g.leader()) continue;
+    size_t n_files = 0;
+    for (const auto& e : std::filesystem::directory_iterator(a)) {
+      const std::string name = e.path().filename().string();
+      std::ifstream fa(e.path(), std::ios::binary), fb(b + "/" + name, std::ios::binary);
+      ASSERT_TRUE(fb.good()) << name << " missing from the bf16 export";
+      const std::string da((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
+      const std::string db((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
+      EXPECT_TRUE(da == db) << name << " differs";
+      ++n_files;
+    }
+    EXPECT_EQ(n_files, size_t(std::distance(std::filesystem::directory_iterator(b),
+                                            std::filesystem::directory_iterator{})));
+    EXPECT_GT(n_files, size_t(c.n_layers));  // shards and the manifest
+  }
+  std::error_code ec;
+  if (g.leader()) std::filesystem::remove_all(base, ec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
