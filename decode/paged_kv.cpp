@@ -111,6 +111,9 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
                                                 const kvstore::Retention& r,
                                                 kvstore::KvEncoding enc,
                                                 std::optional<kvstore::KvEncoding> low) {
+  if (kv.bf16())
+    return SF_ERR(kUnsupported, "paged kv: a bf16 host cache (kv_host_bf16) is read through its "
+                                "export, not in process");
   if (r.n_layers != kv.n_layers || r.n_kv_heads != kv.n_kv_heads || r.n_tokens != kv.n_tokens ||
       int64_t(kv.k.size()) != kv.n_layers)
     return SF_ERR(kInvalidArgument,

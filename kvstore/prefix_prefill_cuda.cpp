@@ -198,6 +198,8 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   const model::ModelConfig& c = I.dm->config();
   SF_ENSURE(I.dm->slice().ways == 1, kInvalidArgument,
             "prefix prefill (device): needs the whole model on one device, not a TP slice");
+  SF_ENSURE(!I.opt.prefill.kv_host_bf16, kUnsupported,
+            "prefix prefill (device): the cache holds F32 K/V; kv_host_bf16 is refused");
   SF_ENSURE(I.opt.prefill.sparse == nullptr, kUnsupported,
             "prefix prefill (device): dense attention only (a sparse plan would estimate the "
             "suffix's index from keys it did not compute the same way)");

@@ -87,10 +87,10 @@ struct Options {
   // Shard files a rank writes at once (kvstore::ExportOptions::layers_in_flight); 0: half its
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
-  int kv_staging_layers = 8;
+  int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
   // --device cuda: a rank's K/V on the host (and in its pinned staging) in bf16 instead of F32
   // (model::PrefillOptions::kv_host_bf16): half the host memory.
-  bool kv_host_bf16 = false;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
+  bool kv_host_bf16 = false;
   // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
   // model::PrefillOptions::kv_staging_max_bytes).
   double kv_staging_max_gib = 8;
@@ -273,6 +273,10 @@ Result<Options> parse_options(int argc, char** argv) {
     return SF_ERR(kInvalidArgument,
                   "--kv-host-dtype bf16 is the device prefill's (--device cuda, no --prefix-cache, "
                   "whose cache holds F32)");
+  if (o.kv_host_bf16 && (o.kv_dtype.high == kvstore::KvEncoding::kF32 ||
+                         o.kv_dtype.low == kvstore::KvEncoding::kF32))
+    return SF_ERR(kInvalidArgument, "--kv-host-dtype bf16 keeps bf16 values: an f32 export "
+                                    "(--kv-dtype) needs --kv-host-dtype f32");
   o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
   SF_ASSIGN(o.synthetic, model::parse_synthetic_model(o.model));
   if (o.synthetic && o.device != "cuda")
@@ -740,7 +744,9 @@ int run(int argc, char** argv) {
                     ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
                     std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
                     std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
-                    ";export=" + o.export_mode;
+                    ";export=" + o.export_mode +
+                    // The exports' values (bf16-rounded or not): a resume must not mix them.
+                    ";kv_host_dtype=" + (o.kv_host_bf16 ? "bf16" : "f32");
   if (o.attention.rfind("config:", 0) == 0) {
     std::ifstream f(o.attention.substr(7), std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -879,6 +885,14 @@ int run(int argc, char** argv) {
                                       ": " + st.message()});
         ok = false;
       }
+    }
+    // A line's own f32 export would hold bf16 values with --kv-host-dtype bf16.
+    if (ok && o.kv_host_bf16 && r.kv_dtype &&
+        (r.kv_dtype->high == kvstore::KvEncoding::kF32 ||
+         r.kv_dtype->low == kvstore::KvEncoding::kF32)) {
+      bf.bad.push_back({r.line, "field 'kv_dtype': an f32 export needs --kv-host-dtype f32 (this "
+                                "job keeps bf16 K/V)"});
+      ok = false;
     }
     // Two tiers: a retention's high= and a HIGH+LOW encoding come together.
     if (ok) {

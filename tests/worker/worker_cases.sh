@@ -686,7 +686,9 @@ PY
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --kv-host-dtype bf16 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "(--export-overlap on), and 27.6 kB of pinned K/V staging (--kv-staging-layers 2, --kv-staging-max-gib 8), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: bf16 staging ($(grep '^plan: 4 of' "$tmp/stdout"))"
     grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 161 kB a rank$" "$tmp/stdout" || fail "dry run: bf16 host KV ($(grep '^plan: lighthouse' "$tmp/stdout"))"
-    # ... on the device only.
+    # ... on the device only, and not for an f32 export.
+    run 4 --model default --cp 2 --device cuda --kv-host-dtype bf16 --kv-dtype f32 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype bf16 keeps bf16 values: an f32 export (--kv-dtype) needs --kv-host-dtype f32" "$tmp/stderr" || fail "--kv-host-dtype bf16 --kv-dtype f32: exit $rc"
     run 1 --model default --kv-host-dtype bf16 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype bf16 is the device prefill's" "$tmp/stderr" || fail "--kv-host-dtype bf16 on the CPU: exit $rc"
     run 1 --model default --kv-host-dtype f16 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -1354,7 +1354,8 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   kv_stage = o.on_layer_kv || o.on_layer_kv_device ||
                      (shard.reduce_tp_enqueue && !(shard.copy_wait_timeout_s > 0))
                  ? c.n_layers
-                 : kv_staging_slots(o, c.n_layers, 2 * NL * kvd * int64_t(f));
+                 : kv_staging_slots(o, c.n_layers,
+                                    2 * NL * kvd * int64_t(kv_bf16 ? sizeof(uint16_t) : f));
   if (host_kv)
     SF_TRY(alloc_host(h_kv, size_t(kv_stage) * 2 * NL * kvd * (kv_bf16 ? sizeof(uint16_t) : f)));
   imp_here = o.importance_window > 0 && (!sharded || shard.pieces.back()[1] == max_tokens);
