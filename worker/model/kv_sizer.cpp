@@ -1,6 +1,7 @@
 #include "worker/model/kv_sizer.h"
 
 #include <chrono>
+#include <utility>
 #include <exception>
 #include <string>
 #include <system_error>
@@ -9,8 +10,9 @@
 
 namespace sf::model {
 
-KvSizer::KvSizer(KvCache* kv, size_t floats, int threads)
-    : kv_(kv), floats_(floats), threads_(threads < 1 ? 1 : threads), bf16_(kv->bf16()),
+KvSizer::KvSizer(KvCache* kv, size_t floats, int threads, std::function<void(size_t)> on_vector)
+    : kv_(kv), floats_(floats), on_vector_(std::move(on_vector)),
+      threads_(threads < 1 ? 1 : threads), bf16_(kv->bf16()),
       n_layers_(int(bf16_ ? kv->k16.size() : kv->k.size())), vectors_sized_(size_t(n_layers_), 0) {
   try {
     thread_ = std::thread([this] { run(); });
@@ -38,6 +40,7 @@ Status KvSizer::size_one(size_t i) {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) return Status::ok();  // the owner is going: nobody waits for the rest
   }
+  if (on_vector_) on_vector_(i);
   const bool sized = bf16_ ? size_vector(i % 2 ? kv_->v16[l] : kv_->k16[l], floats_)
                           : size_vector(i % 2 ? kv_->v[l] : kv_->k[l], floats_);
   if (!sized)

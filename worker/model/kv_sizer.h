@@ -4,6 +4,7 @@
 // first layers, and each layer's landing waits only for its own two vectors.
 #pragma once
 #include <condition_variable>
+#include <functional>
 #include <cstddef>
 #include <mutex>
 #include <thread>
@@ -21,7 +22,9 @@ class KvSizer {
   // elements each, on `threads` threads of its own (not the CPU
   // pool, whose parallel regions run one at a time and would queue the caller's copies behind
   // the sizing). Where no thread can start, the first wait() sizes everything inline.
-  KvSizer(KvCache* kv, size_t floats, int threads);
+  // on_vector (tests): called on the sizing thread before vector i (layer i / 2's K, then V).
+  KvSizer(KvCache* kv, size_t floats, int threads,
+          std::function<void(size_t)> on_vector = {});
   // Stops (vectors not yet begun are skipped) and joins.
   ~KvSizer();
   // Vectors not yet begun are skipped from now on (a failed run's caller that goes on enqueuing
@@ -42,6 +45,7 @@ class KvSizer {
 
   KvCache* kv_;
   size_t floats_;
+  std::function<void(size_t)> on_vector_;
   int threads_;
   bool bf16_;
   int n_layers_;

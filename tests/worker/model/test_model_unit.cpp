@@ -1,7 +1,11 @@
 // Loader and forward invariants on small synthetic models (no external files needed).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -471,6 +475,37 @@ TEST(KvSizer, SizesEveryLayerWaitsAndReportsFailure) {
   for (size_t l = 0; l < many.k.size(); ++l)
     for (const auto* v : {&many.k[l], &many.v[l]})
       EXPECT_TRUE(v->empty() || v->size() == n) << l << " " << v->size();
+}
+
+// A layer's wait returns once its own vectors are sized, not after the rest: layer 1's are held
+// back (on_vector blocks before them) while wait(0) must return; a wait that waited for every
+// layer would time out here.
+TEST(KvSizer, ALayersWaitDoesNotWaitForLaterLayers) {
+  model::KvCache kv;
+  kv.k.assign(4, {});
+  kv.v.assign(4, {});
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  model::KvSizer sz(&kv, 1024, 1, [&](size_t i) {
+    if (i < 2) return;
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return open; });
+  });
+  auto w0 = std::async(std::launch::async, [&] { return sz.wait(0); });
+  EXPECT_EQ(w0.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "wait(0) waited for the layers after it";
+  EXPECT_TRUE(kv.k[1].empty() && kv.v[1].empty());  // held back: not sized yet
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    open = true;
+  }
+  cv.notify_all();
+  EXPECT_TRUE(w0.get().is_ok());
+  EXPECT_EQ(kv.k[0].size(), 1024u);
+  EXPECT_TRUE(sz.wait(3).is_ok());
+  EXPECT_TRUE(sz.finish(nullptr).is_ok());
+  for (size_t l = 0; l < 4; ++l) EXPECT_EQ(kv.v[l].size(), 1024u) << l;
 }
 
 }  // namespace
