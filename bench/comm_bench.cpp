@@ -22,6 +22,7 @@
 #include "bench/mpi_world.h"
 #include "comm/mpi_communicator.h"
 #include "comm/nccl_communicator.h"
+#include "common/args.h"
 #include "common/text.h"
 
 #if SF_HAVE_NCCL
@@ -31,35 +32,30 @@
 namespace sf {
 namespace {
 
-struct Args {
+struct BenchArgs {
   std::vector<int64_t> mib{100, 400, 800};
   int reps = 5;
   std::string out;
 };
 
-Result<Args> parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (i + 1 >= argc) return SF_ERR(kInvalidArgument, k + " needs a value");
-    const std::string v = argv[++i];
-    if (k == "--mib") {
-      a.mib.clear();
-      std::stringstream ss(v);
-      for (std::string x; std::getline(ss, x, ',');) {
-        const long long m = std::atoll(x.c_str());
-        if (m < 1 || m > 16384) return SF_ERR(kInvalidArgument, "--mib: '" + x + "' is not 1..16384");
-        a.mib.push_back(m);
-      }
-    } else if (k == "--reps") {
-      a.reps = std::atoi(v.c_str());
-      if (a.reps < 1 || a.reps > 1000) return SF_ERR(kInvalidArgument, "--reps: 1..1000");
-    } else if (k == "--out") {
-      a.out = v;
-    } else {
-      return SF_ERR(kInvalidArgument, "unknown option " + k);
+// Through the project's one option parser (common/args.h): unknown or repeated options and
+// values that are not whole numbers in range are errors naming the option.
+Result<BenchArgs> parse(int argc, char** argv) {
+  SF_ASSIGN(const Args args, parse_args(argc, argv, 1, {"mib", "reps", "out"}, {}));
+  BenchArgs a;
+  if (args.has("mib")) {
+    a.mib.clear();
+    std::stringstream ss(args.get("mib"));
+    for (std::string x; std::getline(ss, x, ',');) {
+      int64_t m = 0;
+      if (!whole_int(x, &m) || m < 1 || m > 16384)
+        return SF_ERR(kInvalidArgument, "--mib: '" + x + "' is not a whole number in [1, 16384]");
+      a.mib.push_back(m);
     }
   }
+  SF_ASSIGN(const int64_t reps, args.get_int("reps", a.reps, 1, 1000));
+  a.reps = int(reps);
+  a.out = args.get("out");
   if (a.mib.empty()) return SF_ERR(kInvalidArgument, "--mib: no sizes");
   return a;
 }
@@ -126,7 +122,7 @@ int run(int argc, char** argv) {
     }
   }
   if (rc == 0) {
-    const Args& a = args.value();
+    const BenchArgs& a = args.value();
     const int N = world->size();
     std::ofstream out;
     if (rank0 && !a.out.empty()) out.open(a.out, std::ios::trunc);

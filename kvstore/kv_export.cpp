@@ -15,6 +15,7 @@
 #include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/file_io.h"
+#include "common/free_list.h"
 #include "common/safetensors.h"
 #include "common/thread_pool.h"
 #include "kvstore/position_runs.h"
@@ -74,37 +75,12 @@ struct RawBytes {
   uint8_t* data() { return p.get(); }
 };
 
-// A shard's K and V bytes, reused by the shards one export call writes in turn: each is up to
-// a few hundred MB, and a fresh allocation is page-faulted in again for every layer (an F32
-// export on the build box: 2.5 s -> 2.0 s with reuse, bench/NOTES.md forty-eighth session). At most one set per shard in flight; all go when the call returns.
-class ShardBuffers {
- public:
-  struct Set {
-    RawBytes kv[2];  // keys, values
-  };
-  // A set with at least `bytes` in each buffer: a free one (grown afresh if smaller), or new.
-  std::unique_ptr<Set> take(size_t bytes) {
-    std::unique_ptr<Set> s;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (!free_.empty()) {
-        s = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    if (!s) s = std::make_unique<Set>();
-    for (RawBytes& b : s->kv)
-      if (b.n < bytes) b = RawBytes(bytes);
-    return s;
-  }
-  void give(std::unique_ptr<Set> s) {
-    std::lock_guard<std::mutex> lk(mu_);
-    free_.push_back(std::move(s));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::unique_ptr<Set>> free_;
+// A shard's K and V bytes, reused by the shards one export call writes in turn (a FreeList):
+// each is up to a few hundred MB, and a fresh allocation is page-faulted in again for every
+// layer (an F32 export on the build box: 2.5 s -> 2.0 s with reuse, bench/NOTES.md forty-eighth
+// session). At most one set per shard in flight; all go when the call returns.
+struct ShardBuffers {
+  RawBytes kv[2];  // keys, values
 };
 
 // Half-open [a, b) runs of a sorted position list: compact for windows and sinks.
@@ -389,7 +365,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   for (int l = std::max(part.layer, 0); l < l_end; ++l)
     for (int tier = 0; tier < n_tiers; ++tier)
       if (part.tier < 0 || tier == part.tier) items.push_back({l, tier});
-  ShardBuffers buffers;
+  FreeList<ShardBuffers> buffers;
   // One shard file: gathered, encoded, written (hashed and fsynced) and described in *entry.
   const auto one = [&](int l, int tier, std::string* entry) -> Status {
     std::error_code ec;
@@ -429,12 +405,9 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
       vgrp[size_t(h) + 1] = vgrp[size_t(h)] + kv_param_groups(enc, false, n, d);
     }
     // Keys and values, from the call's reused buffers (returned however this shard ends).
-    std::unique_ptr<ShardBuffers::Set> bufs = buffers.take(size_t(off.back()) * row_bytes + 1);
-    struct GiveBack {
-      ShardBuffers& pool;
-      std::unique_ptr<ShardBuffers::Set>& set;
-      ~GiveBack() { pool.give(std::move(set)); }
-    } give_back{buffers, bufs};
+    const auto bufs = buffers.take();  // returned however this shard ends
+    for (RawBytes& b : bufs->kv)
+      if (b.n < size_t(off.back()) * row_bytes + 1) b = RawBytes(size_t(off.back()) * row_bytes + 1);
     RawBytes* data = bufs->kv;
     std::vector<uint16_t> scale[2] = {std::vector<uint16_t>(size_t(kgrp.back())),
                                       std::vector<uint16_t>(size_t(vgrp.back()))};

@@ -145,6 +145,11 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo
   return int64_t(x);
 }
 
+// Whether an export in `e` stores F32 values (which --kv-host-dtype bf16 cannot give it).
+bool stores_f32(const kvstore::KvEncodings& e) {
+  return e.high == kvstore::KvEncoding::kF32 || e.low == kvstore::KvEncoding::kF32;
+}
+
 Result<Options> parse_options(int argc, char** argv) {
   Options o;
   // The same parser as sparsefill's and sparsefill-decode's (common/args.h).
@@ -273,8 +278,7 @@ Result<Options> parse_options(int argc, char** argv) {
     return SF_ERR(kInvalidArgument,
                   "--kv-host-dtype bf16 is the device prefill's (--device cuda, no --prefix-cache, "
                   "whose cache holds F32)");
-  if (o.kv_host_bf16 && (o.kv_dtype.high == kvstore::KvEncoding::kF32 ||
-                         o.kv_dtype.low == kvstore::KvEncoding::kF32))
+  if (o.kv_host_bf16 && stores_f32(o.kv_dtype))
     return SF_ERR(kInvalidArgument, "--kv-host-dtype bf16 keeps bf16 values: an f32 export "
                                     "(--kv-dtype) needs --kv-host-dtype f32");
   o.model = model::resolve_model_path(o.model, SF_SOURCE_DIR);
@@ -887,9 +891,7 @@ int run(int argc, char** argv) {
       }
     }
     // A line's own f32 export would hold bf16 values with --kv-host-dtype bf16.
-    if (ok && o.kv_host_bf16 && r.kv_dtype &&
-        (r.kv_dtype->high == kvstore::KvEncoding::kF32 ||
-         r.kv_dtype->low == kvstore::KvEncoding::kF32)) {
+    if (ok && o.kv_host_bf16 && r.kv_dtype && stores_f32(*r.kv_dtype)) {
       bf.bad.push_back({r.line, "field 'kv_dtype': an f32 export needs --kv-host-dtype f32 (this "
                                 "job keeps bf16 K/V)"});
       ok = false;

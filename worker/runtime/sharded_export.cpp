@@ -5,13 +5,12 @@
 #include <filesystem>
 #include <iterator>
 #include <map>
-#include <memory>
-#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/free_list.h"
 #include "common/thread_pool.h"
 
 namespace sf::runtime {
@@ -200,28 +199,17 @@ void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
       parts.push_back(std::move(part));
       part_item.push_back(l * hl + h);
     }
-  std::mutex free_mu;
-  std::vector<std::unique_ptr<std::array<std::vector<float>, 2>>> free_bufs;
+  FreeList<std::array<std::vector<float>, 2>> buffers;  // K, V of a part in flight
   std::vector<Result<std::vector<std::string>>> done(parts.size(),
                                                      Result<std::vector<std::string>>(
                                                          SF_ERR(kInternal, "not written")));
   const auto write_part = [&](size_t i) -> Status {
     const int l = part_item[i] / hl, h = part_item[i] % hl;
     const auto& kept = *t.pos[size_t(part_item[i])];
-    std::unique_ptr<std::array<std::vector<float>, 2>> buf;
-    {
-      std::lock_guard<std::mutex> lk(free_mu);
-      if (!free_bufs.empty()) {
-        buf = std::move(free_bufs.back());
-        free_bufs.pop_back();
-      }
-    }
-    if (!buf) {
-      buf = std::make_unique<std::array<std::vector<float>, 2>>();
-      (*buf)[0].resize(size_t(max_span * d));
-      (*buf)[1].resize(size_t(max_span * d));
-    }
+    const auto buf = buffers.take();
     std::vector<float>&kbuf = (*buf)[0], &vbuf = (*buf)[1];
+    kbuf.resize(size_t(max_span * d));  // once per pair
+    vbuf.resize(size_t(max_span * d));
     for (int64_t base = 0; const auto& tok : parts[i].tokens) {
       const auto lo = std::lower_bound(kept.begin(), kept.end(), int32_t(tok[0])) - kept.begin();
       for (auto k = lo; k < std::ptrdiff_t(kept.size()) && kept[size_t(k)] < tok[1]; ++k) {
@@ -246,10 +234,6 @@ void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
     done[i] = kvstore::export_kv_shards(
         tmp, spec, parts[i], [&](int, bool v) { return (v ? vbuf : kbuf).data(); },
         /*validate=*/i == 0);
-    {
-      std::lock_guard<std::mutex> lk(free_mu);
-      free_bufs.push_back(std::move(buf));
-    }
     return done[i].status();
   };
   if (parts.empty()) return;
