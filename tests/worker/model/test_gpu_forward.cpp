@@ -55,6 +55,12 @@ uint64_t base_seed() { return testing::process_seed(); }
 
 using testing::small_llama3;
 
+// Two vectors of one element type hold the same bytes (results that must match bit for bit).
+template <typename V>
+bool bitwise_equal(const V& a, const V& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+}
+
 PrefillOptions full_options() {
   PrefillOptions o;
   o.chunk = kChunk;
@@ -667,15 +673,12 @@ TEST_F(GpuForward, KvStagingRingEqualsASlotPerLayer) {
     auto got = prefill_device(dm.value(), ref.tokens, ring);
     ASSERT_OK(got.status());
     EXPECT_EQ(got->kv_peak_bytes, slots * layer_bytes) << slots;
-    const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-    };
-    EXPECT_TRUE(same(got->logits, want->logits)) << slots;
+    EXPECT_TRUE(bitwise_equal(got->logits, want->logits)) << slots;
     ASSERT_EQ(got->kv.k.size(), size_t(c.n_layers));
     for (int l = 0; l < c.n_layers; ++l) {
-      EXPECT_TRUE(same(got->kv.k[size_t(l)], want->kv.k[size_t(l)])) << slots << " layer " << l;
-      EXPECT_TRUE(same(got->kv.v[size_t(l)], want->kv.v[size_t(l)])) << slots << " layer " << l;
-      EXPECT_TRUE(same(got->importance[size_t(l)], want->importance[size_t(l)]))
+      EXPECT_TRUE(bitwise_equal(got->kv.k[size_t(l)], want->kv.k[size_t(l)])) << slots << " layer " << l;
+      EXPECT_TRUE(bitwise_equal(got->kv.v[size_t(l)], want->kv.v[size_t(l)])) << slots << " layer " << l;
+      EXPECT_TRUE(bitwise_equal(got->importance[size_t(l)], want->importance[size_t(l)]))
           << slots << " layer " << l;
     }
     std::cout << "  " << slots << " pinned K/V slots: " << got->kv_peak_bytes
@@ -702,10 +705,6 @@ TEST_F(GpuForward, Bf16HostKvIsTheF32KvRounded) {
   ASSERT_OK(dm.status());
   auto want = prefill_device(dm.value(), ref.tokens, full_options());
   ASSERT_OK(want.status());
-  const auto same = [](const auto& a, const auto& b) {
-    return a.size() == b.size() &&
-           std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
-  };
   const int64_t layer_bytes = 2 * kTokens * c.n_kv_heads * c.head_dim * int64_t(sizeof(float));
   for (const int slots : {0, 3}) {
     PrefillOptions o = full_options();
@@ -718,10 +717,10 @@ TEST_F(GpuForward, Bf16HostKvIsTheF32KvRounded) {
     ASSERT_EQ(got->kv.k16.size(), size_t(c.n_layers));
     ASSERT_EQ(got->kv.v16.size(), size_t(c.n_layers));
     EXPECT_EQ(got->kv_peak_bytes, (slots ? slots : c.n_layers) * layer_bytes / 2) << slots;
-    EXPECT_TRUE(same(got->logits, want->logits)) << slots;
+    EXPECT_TRUE(bitwise_equal(got->logits, want->logits)) << slots;
     int64_t differ = 0, moved = 0;
     for (int l = 0; l < c.n_layers; ++l) {
-      EXPECT_TRUE(same(got->importance[size_t(l)], want->importance[size_t(l)])) << l;
+      EXPECT_TRUE(bitwise_equal(got->importance[size_t(l)], want->importance[size_t(l)])) << l;
       for (const auto& [h, f] : {std::pair{&got->kv.k16[size_t(l)], &want->kv.k[size_t(l)]},
                                  std::pair{&got->kv.v16[size_t(l)], &want->kv.v[size_t(l)]}}) {
         ASSERT_EQ(h->size(), f->size()) << l;
