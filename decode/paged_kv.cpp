@@ -179,12 +179,20 @@ Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
       SF_TRY(kvstore::kv_round_trip(enc, true, B.k.data(), B.n, d));
       SF_TRY(kvstore::kv_round_trip(enc, false, B.v.data(), B.n, d));
       B.kq = B.vq = kvstore::EncodedRows{};
-      continue;
+    } else {
+      SF_ASSIGN(B.kq, kvstore::kv_encode(enc, true, B.k.data(), B.n, d));
+      SF_ASSIGN(B.vq, kvstore::kv_encode(enc, false, B.v.data(), B.n, d));
+      SF_TRY(kvstore::kv_decode(enc, true, B.kq, B.n, d, B.k.data()));
+      SF_TRY(kvstore::kv_decode(enc, false, B.vq, B.n, d, B.v.data()));
     }
-    SF_ASSIGN(B.kq, kvstore::kv_encode(enc, true, B.k.data(), B.n, d));
-    SF_ASSIGN(B.vq, kvstore::kv_encode(enc, false, B.v.data(), B.n, d));
-    SF_TRY(kvstore::kv_decode(enc, true, B.kq, B.n, d, B.k.data()));
-    SF_TRY(kvstore::kv_decode(enc, false, B.vq, B.n, d, B.v.data()));
+    // The bounds of the keys as they now are, as an export's block statistics are: PSA's bound
+    // on q.k must hold for the stored keys, which the encoding may move past the F32 ones' range.
+    for (int32_t t = 0; t < B.n; ++t)
+      for (int c = 0; c < d; ++c) {
+        const float x = B.k[size_t(t) * size_t(d) + size_t(c)];
+        B.kmin[size_t(c)] = t == 0 ? x : std::min(B.kmin[size_t(c)], x);
+        B.kmax[size_t(c)] = t == 0 ? x : std::max(B.kmax[size_t(c)], x);
+      }
   }
   return Status::ok();
 }

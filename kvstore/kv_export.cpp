@@ -432,14 +432,18 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
         float* vf = raw ? reinterpret_cast<float*>(vd) : blk.data() + kKvBlockSize * d;
         gather_head(k, hp, d, h, rr, nt, spec.keys_interleaved, kf);
         gather_head(v, hp, d, h, rr, nt, false, vf);
-        block_key_stats(kf, nt, d, m.kmin.data() + b * d, m.kmax.data() + b * d,
-                        m.kmean.data() + b * d);
         if (imp) {
           double sum = 0;
           for (int64_t t = t0; t < t0 + nt; ++t) sum += imp[pos[size_t(h)][size_t(t)]];
           m.importance[size_t(b)] = float(sum);
         }
-        if (raw) continue;
+        float* const kmin = m.kmin.data() + b * d;
+        float* const kmax = m.kmax.data() + b * d;
+        float* const kmean = m.kmean.data() + b * d;
+        if (raw) {
+          block_key_stats(kf, nt, d, kmin, kmax, kmean);
+          continue;
+        }
         // A key block is its own groups ([n_blocks, d]); values have one a row. bf16 has none
         // (its scale and zero buffers are empty: no pointer into them is formed).
         const bool grouped = kgrp.back() > 0;
@@ -449,6 +453,12 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
                               grouped ? zero[0].data() + kp : nullptr));
         SF_TRY(kv_encode_into(enc, false, vf, nt, d, vd, grouped ? scale[1].data() + vp : nullptr,
                               grouped ? zero[1].data() + vp : nullptr));
+        // The statistics of the keys as stored: bf16 rounding, or a code's step (half of it up or
+        // down), can put a stored key outside the F32 keys' min and max, and PSA's bound on q.k
+        // (decode/decode_attention.h) must hold for the keys a node reads.
+        SF_TRY(kv_decode_into(enc, true, kd, grouped ? scale[0].data() + kp : nullptr,
+                              grouped ? zero[0].data() + kp : nullptr, nt, d, kf));
+        block_key_stats(kf, nt, d, kmin, kmax, kmean);
       }
     }
     SafetensorsWriter w;

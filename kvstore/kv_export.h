@@ -52,7 +52,8 @@ struct KvExportSpec {
   // Optional; null means full retention and no importance. Not owned; must match the geometry.
   const Retention* retention = nullptr;
   const ImportanceScores* importance = nullptr;
-  // How the shards store K and V; block metadata stays F32, taken from the F32 keys.
+  // How the shards store K and V; block metadata stays F32, taken from the keys as stored
+  // (decoded), so a block's key min and max bound what a reader loads.
   KvEncoding encoding = KvEncoding::kF32;
   // The low tier's encoding: set exactly when the retention has a low tier (Retention::low),
   // narrower than `encoding`. Each tier is written to its own shard files (docs/kv-format.md).

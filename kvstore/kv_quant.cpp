@@ -276,27 +276,20 @@ Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_
   return out;
 }
 
-Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
-                 float* out) {
+Status kv_decode_into(KvEncoding e, bool keys, const uint8_t* data, const uint16_t* scale,
+                      const uint16_t* zero, int64_t n, int head_dim, float* out) {
   const int d = head_dim;
   if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
     return SF_ERR(kInvalidArgument, "kv_decode: bad geometry");
-  const int64_t ng = kv_param_groups(e, keys, n, d);
-  if (int64_t(in.data.size()) != data_bytes(e, n, d) || int64_t(in.scale.size()) != ng ||
-      int64_t(in.zero.size()) != ng)
-    return SF_ERR(kInvalidArgument, std::string("kv_decode: ") + kv_encoding_name(e) + " " +
-                                        (keys ? "keys" : "values") + " of " + std::to_string(n) +
-                                        " x " + std::to_string(d) +
-                                        " need other buffer sizes than were given");
   if (e == KvEncoding::kF32) {
-    if (n > 0) std::memcpy(out, in.data.data(), in.data.size());
+    if (n > 0) std::memcpy(out, data, size_t(data_bytes(e, n, d)));
     return Status::ok();
   }
   if (e == KvEncoding::kBF16) {
     uint16_t buf[512];  // copied out in blocks (the data need not be 2-byte aligned), widened
     for (int64_t i0 = 0; i0 < n * d; i0 += 512) {
       const int64_t m = std::min<int64_t>(512, n * d - i0);
-      std::memcpy(buf, in.data.data() + 2 * i0, size_t(m) * 2);
+      std::memcpy(buf, data + 2 * i0, size_t(m) * 2);
       for (int64_t i = 0; i < m; ++i) out[i0 + i] = bf16_to_f32(buf[i]);
     }
     return Status::ok();
@@ -304,11 +297,10 @@ Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int 
   // As the encoder: groups' parameters first, then each row's codes across contiguous elements
   // (keys against one zero and scale a channel, values against their row's).
   const int64_t row_bytes = kv_encoding_row_elems(e, d);
-  const uint8_t* data = in.data.data();
   std::vector<float> z(keys ? size_t(d) : 1), s(keys ? size_t(d) : 1);
   const auto params = [&](int64_t g, size_t at) -> bool {
-    z[at] = f16_to_f32(in.zero[size_t(g)]);
-    s[at] = f16_to_f32(in.scale[size_t(g)]);
+    z[at] = f16_to_f32(zero[size_t(g)]);
+    s[at] = f16_to_f32(scale[size_t(g)]);
     return std::isfinite(z[at]) && std::isfinite(s[at]) && s[at] >= 0;
   };
   for (int64_t r = 0; r < n; ++r) {
@@ -324,6 +316,21 @@ Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int 
       get_codes<false>(e, data + r * row_bytes, d, z.data(), s.data(), out + r * d);
   }
   return Status::ok();
+}
+
+Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
+                 float* out) {
+  const int d = head_dim;
+  if (n < 0 || d <= 0 || (e == KvEncoding::kInt4 && d % 2 != 0))
+    return SF_ERR(kInvalidArgument, "kv_decode: bad geometry");
+  const int64_t ng = kv_param_groups(e, keys, n, d);
+  if (int64_t(in.data.size()) != data_bytes(e, n, d) || int64_t(in.scale.size()) != ng ||
+      int64_t(in.zero.size()) != ng)
+    return SF_ERR(kInvalidArgument, std::string("kv_decode: ") + kv_encoding_name(e) + " " +
+                                        (keys ? "keys" : "values") + " of " + std::to_string(n) +
+                                        " x " + std::to_string(d) +
+                                        " need other buffer sizes than were given");
+  return kv_decode_into(e, keys, in.data.data(), in.scale.data(), in.zero.data(), n, d, out);
 }
 
 Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_dim) {

@@ -95,6 +95,11 @@ Status kv_encode_into(KvEncoding e, bool keys, const float* rows, int64_t n, int
 Status kv_decode(KvEncoding e, bool keys, const EncodedRows& in, int64_t n, int head_dim,
                  float* out);
 
+// kv_decode from the caller's buffers (kv_encode_into's layout), unchecked for size: an export
+// decodes each key block it wrote, so its block statistics are those of the stored keys.
+Status kv_decode_into(KvEncoding e, bool keys, const uint8_t* data, const uint16_t* scale,
+                      const uint16_t* zero, int64_t n, int head_dim, float* out);
+
 // rows <- kv_decode(kv_encode(rows)): what a decode node holds after loading the encoding.
 Status kv_round_trip(KvEncoding e, bool keys, float* rows, int64_t n, int head_dim);
 

@@ -68,7 +68,7 @@ const char* kUsage =
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N]\n"
-    "                  [--kv-staging-max-gib G] [--kv-host-dtype f32|bf16] [--dry-run]\n"
+    "                  [--kv-staging-max-gib G] [--kv-host-dtype auto|f32|bf16] [--dry-run]\n"
     "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
@@ -89,8 +89,11 @@ struct Options {
   int export_threads = 0;
   int kv_staging_layers = 8;  // --device cuda: pinned host slots for K/V on its way (0: a layer each)
   // --device cuda: a rank's K/V on the host (and in its pinned staging) in bf16 instead of F32
-  // (model::PrefillOptions::kv_host_bf16): half the host memory.
+  // (model::PrefillOptions::kv_host_bf16): half the host memory. --kv-host-dtype auto (the
+  // default, kv_host_auto) decides it once the batch is read: bf16 when every export of the job
+  // is plain bf16 (whose K/V are then the same bytes either way), f32 otherwise.
   bool kv_host_bf16 = false;
+  bool kv_host_auto = true;
   // --device cuda: at most this many GiB of those slots, at least two (0: no cap;
   // model::PrefillOptions::kv_staging_max_bytes).
   double kv_staging_max_gib = 8;
@@ -220,8 +223,9 @@ Result<Options> parse_options(int argc, char** argv) {
             args.get_double("kv-staging-max-gib", o.kv_staging_max_gib, 0, 65536));
   if (kv.count("kv-host-dtype")) {
     const std::string& v = kv["kv-host-dtype"];
-    if (v != "f32" && v != "bf16")
-      return SF_ERR(kInvalidArgument, "--kv-host-dtype must be f32 or bf16, got '" + v + "'");
+    if (v != "auto" && v != "f32" && v != "bf16")
+      return SF_ERR(kInvalidArgument, "--kv-host-dtype must be auto, f32 or bf16, got '" + v + "'");
+    o.kv_host_auto = v == "auto";
     o.kv_host_bf16 = v == "bf16";
   }
   if (kv.count("comm-timeout")) {
@@ -414,7 +418,7 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
 template <typename KvBytes, typename HostKvBytes, typename StagingBytes>
 void print_plan(const Options& o, const model::ModelConfig& cfg,
                 const std::vector<runtime::BatchRequest>& good, int n_groups,
-                const std::string& job, KvBytes&& kv_host_bytes, HostKvBytes&& host_kv_bytes,
+                const std::string& job, bool host_bf16, KvBytes&& kv_host_bytes, HostKvBytes&& host_kv_bytes,
                 StagingBytes&& staging_bytes, int local_ranks, int64_t avail) {
   int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, peak_host = 0, staging = 0,
           n_short = 0;
@@ -445,11 +449,11 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
                          !runtime::host_memory_fits(on_host, staging_bytes(T), 0, local_ranks, avail);
     n_short += too_big ? 1 : 0;
     std::printf("plan: %s (line %lld): %lld tokens, group %d, %s; K/V %s%s in %s, host KV %s a "
-                "rank%s\n",
+                "rank in %s%s\n",
                 r.id.c_str(), static_cast<long long>(r.line), static_cast<long long>(T), group,
                 status.c_str(), full ? "" : "at most ", human_bytes(kv).c_str(),
                 kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str(),
-                too_big ? "; more than this host's memory allows now: a run would fail it "
+                host_bf16 ? "bf16" : "f32", too_big ? "; more than this host's memory allows now: a run would fail it "
                           "(--host-memory-check)"
                         : "");
     if (!compute) continue;
@@ -748,9 +752,7 @@ int run(int argc, char** argv) {
                     ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
                     std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
                     std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
-                    ";export=" + o.export_mode +
-                    // The exports' values (bf16-rounded or not): a resume must not mix them.
-                    ";kv_host_dtype=" + (o.kv_host_bf16 ? "bf16" : "f32");
+                    ";export=" + o.export_mode;
   if (o.attention.rfind("config:", 0) == 0) {
     std::ifstream f(o.attention.substr(7), std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -936,6 +938,23 @@ int run(int argc, char** argv) {
     }
     good = std::move(agreed);
   }
+  // --kv-host-dtype auto: bf16 on the device when every export of the batch is plain bf16 (what
+  // --kv-dtype auto gives there, the device forward's own dtype). Those files' K and V are then the
+  // same bytes as from F32 host K/V: rounded once to nearest even, by the device's cast instead of
+  // the writer (ExportFromBf16HostKvIsTheF32ExportsKv), for half the host memory; the block key
+  // statistics are then those of the stored keys. An f32, int8 or int4 export keeps F32: quantizing
+  // bf16-rounded values could move codes. Every rank holds the same lines, so all decide alike.
+  const bool host_bf16 = [&] {
+    if (!o.kv_host_auto) return o.kv_host_bf16;
+    bool all = o.device == "cuda" && o.prefix_cache_bytes == 0 && !good.empty();
+    for (const auto& r : good) {
+      const kvstore::KvEncodings& e = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
+      all = all && e.high == kvstore::KvEncoding::kBF16 && !e.low;
+    }
+    return all;
+  }();
+  // The exports' values (bf16-rounded on the device or not): a resume must not mix them.
+  job += std::string(";kv_host_dtype=") + (host_bf16 ? "bf16" : "f32");
   std::sort(bf.bad.begin(), bf.bad.end(),
             [](const auto& a, const auto& b) { return a.line < b.line; });
   if (rank0) {
@@ -961,8 +980,8 @@ int run(int argc, char** argv) {
     if (o.device == "cuda" && o.cp > 1 && T < 2 * int64_t(o.cp) * 64) return T;
     return (T + o.cp - 1) / o.cp;
   };
-  // K and V of a token and head: F32, or bf16 with --kv-host-dtype bf16.
-  const int64_t row = int64_t(cfg.head_dim) * 2 * (o.kv_host_bf16 ? 2 : int64_t(sizeof(float)));
+  // K and V of a token and head: F32, or bf16 (host_bf16).
+  const int64_t row = int64_t(cfg.head_dim) * 2 * (host_bf16 ? 2 : int64_t(sizeof(float)));
   // One layer of this rank's K/V: its rows of its KV heads.
   auto rank_layer_bytes = [&](int64_t T) {
     return rank_rows(T) * (sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads) * row;
@@ -1015,7 +1034,7 @@ int run(int argc, char** argv) {
   };
   if (o.dry_run) {
     if (rank0)
-      print_plan(o, cfg, good, n_groups, job, kv_host_bytes, host_kv_bytes, kv_staging_bytes,
+      print_plan(o, cfg, good, n_groups, job, host_bf16, kv_host_bytes, host_kv_bytes, kv_staging_bytes,
                  local_ranks, host_avail(false));
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
@@ -1267,7 +1286,7 @@ int run(int argc, char** argv) {
         static_cast<long long>(s.estimate_blocks_bytes),
         static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
         json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_grows,
-        s.kv_alloc_s, s.kv_copy_s, o.kv_host_bf16 ? "bf16" : "f32", o.export_mode.c_str(),
+        s.kv_alloc_s, s.kv_copy_s, host_bf16 ? "bf16" : "f32", o.export_mode.c_str(),
         o.device.c_str(),
         json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
@@ -1567,7 +1586,7 @@ int run(int argc, char** argv) {
         dopt.kv_staging_max_bytes = o.kv_staging_max_bytes();
         dopt.chunk = o.chunk;
         dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
-        dopt.kv_host_bf16 = o.kv_host_bf16;
+        dopt.kv_host_bf16 = host_bf16;
         dopt.sparse = po.sparse;
         dopt.importance_window = po.importance_window;
         dopt.importance_pool = po.importance_pool;

@@ -357,18 +357,22 @@ TEST_F(KvClient, EncodedExportsLoadAsTheEncodingsRoundTrip) {
               v[size_t(i * d + c)] =
                   pr_.kv.v[size_t(l)][(size_t(pos[size_t(i)]) * 2 + size_t(h)) * d + size_t(c)];
             }
-          // Metadata from the F32 keys, before encoding.
           const decode::HeadKv& H = e->head(l, h);
-          for (int64_t b = 0; b * 64 < n; ++b)
-            for (int c = 0; c < d; ++c) {
-              float lo = 1e30f;
-              for (int64_t i = b * 64; i < std::min(n, b * 64 + 64); ++i)
-                lo = std::min(lo, k[size_t(i * d + c)]);
-              ASSERT_EQ(H.block_kmin[size_t(b * d + c)], lo);
-            }
           std::vector<float> k0 = k;
           ASSERT_TRUE(kvstore::kv_round_trip(enc, true, k.data(), n, d).is_ok());
           ASSERT_TRUE(kvstore::kv_round_trip(enc, false, v.data(), n, d).is_ok());
+          // Metadata from the keys as stored (decoded), which can lie outside the F32 keys'
+          // range by a code's half step: the min and max bound what the node reads.
+          for (int64_t b = 0; b * 64 < n; ++b)
+            for (int c = 0; c < d; ++c) {
+              float lo = 1e30f, hi = -1e30f;
+              for (int64_t i = b * 64; i < std::min(n, b * 64 + 64); ++i) {
+                lo = std::min(lo, k[size_t(i * d + c)]);
+                hi = std::max(hi, k[size_t(i * d + c)]);
+              }
+              ASSERT_EQ(H.block_kmin[size_t(b * d + c)], lo);
+              ASSERT_EQ(H.block_kmax[size_t(b * d + c)], hi);
+            }
           EXPECT_EQ(H.positions, pos);
           EXPECT_EQ(H.k, k) << "l" << l << " h" << h;
           EXPECT_EQ(H.v, v) << "l" << l << " h" << h;
@@ -651,6 +655,77 @@ TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
   EXPECT_EQ(mixed.code(), Code::kInvalidArgument) << mixed.to_string();
   EXPECT_NE(mixed.message().find("must both be F32 or both BF16"), std::string::npos)
       << mixed.to_string();
+}
+
+// What sparsefill-worker's --kv-host-dtype auto relies on: a bf16 export of bf16 host K/V (the
+// F32 rounded to nearest even, as the device's cast does) is the bf16 export of the F32, file for
+// file, since the writer rounds the same way and takes its block statistics from the stored keys
+// (which they then bound, though rounding moved keys past the F32 ones' range). An int8 export of
+// the rounded values does move codes, which is why auto keeps F32 for quantized exports.
+TEST_F(KvClient, ExportFromBf16HostKvIsTheF32ExportsKv) {
+  using E = kvstore::KvEncoding;
+  const size_t nl = pr_.kv.k.size();
+  std::vector<std::vector<uint16_t>> k16(nl), v16(nl);
+  for (size_t l = 0; l < nl; ++l) {
+    for (float x : pr_.kv.k[l]) k16[l].push_back(f32_to_bf16(x));
+    for (float x : pr_.kv.v[l]) v16[l].push_back(f32_to_bf16(x));
+  }
+  // The bf16 and the F32 sourced exports' directories.
+  auto export_both = [&](E enc) {
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+    spec.n_tokens = kN;
+    spec.token_ids = toks_;
+    spec.first_token = pr_.first_token;
+    spec.importance = &imp_;
+    spec.encoding = enc;
+    const std::string name = kvstore::kv_encodings_name({enc, std::nullopt});
+    const std::string a = tmp_.sub("host16-" + name), b = tmp_.sub("host32-" + name);
+    const Status sa = kvstore::export_kv(a, spec, [&](int l, bool v) {
+      return kvstore::LayerRows::bf16((v ? v16 : k16)[size_t(l)].data());
+    }, false);
+    const Status sb = kvstore::export_kv(b, spec, [&](int l, bool v) {
+      return kvstore::LayerRows((v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data());
+    }, false);
+    EXPECT_TRUE(sa.is_ok()) << sa.to_string();
+    EXPECT_TRUE(sb.is_ok()) << sb.to_string();
+    return std::pair{a, b};
+  };
+  {
+    const auto [from16, from32] = export_both(E::kBF16);
+    EXPECT_TRUE(dir_files(from16) == dir_files(from32)) << "bf16 host K/V changed a bf16 export";
+    // The F32 export's block statistics are the F32 keys': count the stored bf16 keys outside
+    // them (what statistics taken before rounding would have missed).
+    auto e = decode::load_kv_export(from32, hash_);
+    auto f = decode::load_kv_export(export_both(E::kF32).second, hash_);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+    const size_t d = size_t(e->head_dim);
+    size_t past_f32_range = 0;
+    for (size_t i = 0; i < e->heads.size(); ++i) {
+      const decode::HeadKv& H = e->heads[i];
+      const decode::HeadKv& F = f->heads[i];
+      for (size_t t = 0; t < H.positions.size(); ++t)
+        for (size_t c = 0; c < d; ++c) {
+          const size_t at = (t / 64) * d + c;
+          const float x = H.k[t * d + c];
+          ASSERT_TRUE(x >= H.block_kmin[at] && x <= H.block_kmax[at]) << t << " " << c;
+          past_f32_range += x < F.block_kmin[at] || x > F.block_kmax[at];
+        }
+    }
+    std::printf("  bf16 export: %zu stored keys lie outside their block's F32 key range\n",
+                past_f32_range);
+    EXPECT_GT(past_f32_range, size_t(0));
+  }
+  {
+    const auto [from16, from32] = export_both(E::kInt8);
+    auto a = decode::load_kv_export(from16, hash_), b = decode::load_kv_export(from32, hash_);
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    bool same = true;
+    for (size_t i = 0; i < a->heads.size(); ++i)
+      same = same && a->heads[i].k == b->heads[i].k && a->heads[i].v == b->heads[i].v;
+    EXPECT_FALSE(same) << "int8 of bf16-rounded K/V decoded as int8 of the F32: auto could keep "
+                          "bf16 host K/V for int8 exports too";
+  }
 }
 
 TEST_F(KvClient, TwoTierExportRejectsBadTiers) {

@@ -266,7 +266,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // (model::DeviceBufferCache: every one large enough, none allocated); d repeats a's tokens and
 // plans once more on those same buffers, now larger than c needed, and must export a's shard
 // bytes (the cache's buffers are NaN-poisoned again, so a stale value cannot pass as written).
-// The `off` run stages K/V through a one-slot pinned ring (--kv-staging-layers 1).
+// The `off` run stages K/V through a one-slot pinned ring (--kv-staging-layers 1). Both keep
+// their host K/V in bf16 (--kv-host-dtype auto, for these bf16 exports); a third run keeps F32
+// (--kv-host-dtype f32) and must write the same files, which is what auto relies on.
 // The other GPU runs pin --kv-dtype f32, so their
 // comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
@@ -296,13 +298,14 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   const std::string base = std::string(SF_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) +
                            " " + SF_WORKER_BIN + " --model " + spec + " --device cuda --cp " +
                            std::to_string(np) + " --batch " + (dir / "batch.jsonl").string();
-  for (const char* mode : {"on", "off"}) {
+  for (const std::string mode : {"on", "off", "f32"}) {
     const std::string out = (dir / mode).string();
     // The second run also stages each rank's K/V through one pinned slot for its two layers
     // (the default, 8, is a slot per layer here), so the ring must give the same bytes too.
-    const std::string ring = std::string(mode) == "off" ? " --kv-staging-layers 1" : "";
-    ASSERT_EQ(run(base + " --export-overlap " + mode + ring + " --out " + out, out + ".log"), 0)
-        << slurp(out + ".log");
+    const std::string opts = mode == "off"   ? " --export-overlap off --kv-staging-layers 1"
+                             : mode == "f32" ? " --kv-host-dtype f32"
+                                             : " --export-overlap on";
+    ASSERT_EQ(run(base + opts + " --out " + out, out + ".log"), 0) << slurp(out + ".log");
   }
   auto shape = model::Model::shape_only(model::llama3_8b_config(2), spec);
   ASSERT_TRUE(shape.is_ok());
@@ -311,10 +314,14 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     int files = 0;
     for (const auto& e : fs::directory_iterator(dir / "on" / id)) {
       ++files;
-      const fs::path other = dir / "off" / id / e.path().filename();
-      ASSERT_TRUE(fs::exists(other)) << other;
-      EXPECT_EQ(slurp(e.path().string()), slurp(other.string())) << e.path();
+      for (const char* mode : {"off", "f32"}) {
+        const fs::path other = dir / mode / id / e.path().filename();
+        ASSERT_TRUE(fs::exists(other)) << other;
+        EXPECT_EQ(slurp(e.path().string()), slurp(other.string())) << e.path() << " vs " << mode;
+      }
     }
+    EXPECT_NE(slurp((dir / "f32").string() + "/" + id + ".json").find("\"kv_host_dtype\": \"f32\""),
+              std::string::npos);
     EXPECT_EQ(files, 1 + 2 * np) << id;  // the manifest and a shard a layer from each rank
     auto g = decode::load_kv_export((dir / "on" / id).string(), hash);
     ASSERT_TRUE(g.is_ok()) << g.status().to_string();
@@ -336,6 +343,7 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     EXPECT_GT(mx, 1e-3) << id;
     const std::string summary = slurp((dir / "on").string() + "/" + id + ".json");
     EXPECT_NE(summary.find("\"export_wait_s\""), std::string::npos);
+    EXPECT_NE(summary.find("\"kv_host_dtype\": \"bf16\""), std::string::npos) << summary;
     // b runs on a's plan; a plans with nothing to reuse; c and d plan on the cache's buffers
     // alone (this rank's: the summary is the leader's).
     EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id == "b") << summary;

@@ -667,7 +667,7 @@ PY
     ! grep -q "first token" "$tmp/stdout" || fail "dry run: a request ran"
     # 7 tokens x 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes = 322,560; a rank holds 4 rows
     # of them (184,320) and, on the CPU, one layer's whole-prompt K/V twice (21,504).
-    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 206 kB a rank$" "$tmp/stdout" || fail "dry run: lighthouse's line"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 206 kB a rank in f32$" "$tmp/stdout" || fail "dry run: lighthouse's line"
     grep -q "^plan: ids (line 2): 8 tokens, group 1, to compute;" "$tmp/stdout" || fail "dry run: ids's line"
     grep -q "^plan: 4 of 4 requests to compute (48 tokens), K/V to write at most 2.21 MB; peak host KV a rank .* (--export-overlap on), 4 rank(s) on this host: .* of its .* available$" "$tmp/stdout" \
       || fail "dry run: totals"
@@ -679,34 +679,45 @@ PY
     # request (village, 18 tokens, under 2 x CP x 64, so each CP rank computes all of it: 18 rows
     # x 3 KV heads x 64 x (K, V) x 4 bytes = 27,648 a layer): 2 slots, then one for each of the
     # 30 layers; and lighthouse's host KV is its 7 tokens whole (7 x 30 x 3 x 64 x 2 x 4).
-    run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --kv-host-dtype f32 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "(--export-overlap on), and 55.3 kB of pinned K/V staging (--kv-staging-layers 2, --kv-staging-max-gib 8), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: staging 2 ($(grep '^plan: 4 of' "$tmp/stdout"))"
-    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank$" "$tmp/stdout" || fail "dry run: cuda lighthouse ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank in f32$" "$tmp/stdout" || fail "dry run: cuda lighthouse ($(grep '^plan: lighthouse' "$tmp/stdout"))"
     # --kv-host-dtype bf16: half of both (161,280 bytes of host KV; 27,648 / 2 a slot).
     run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --kv-host-dtype bf16 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "(--export-overlap on), and 27.6 kB of pinned K/V staging (--kv-staging-layers 2, --kv-staging-max-gib 8), 4 rank(s) on this host" "$tmp/stdout" || fail "dry run: bf16 staging ($(grep '^plan: 4 of' "$tmp/stdout"))"
-    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 161 kB a rank$" "$tmp/stdout" || fail "dry run: bf16 host KV ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 161 kB a rank in bf16$" "$tmp/stdout" || fail "dry run: bf16 host KV ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    # auto (the default): bf16 when every export of the job is plain bf16 (--kv-dtype auto is bf16
+    # on the device), f32 for a quantized or f32 job, or when one line's own kv_dtype is.
+    run 4 --model default --cp 2 --device cuda --kv-staging-layers 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 161 kB a rank in bf16$" "$tmp/stdout" || fail "dry run: auto, bf16 exports ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    run 4 --model default --cp 2 --device cuda --kv-dtype int8 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V .* in int8, host KV 323 kB a rank in f32$" "$tmp/stdout" || fail "dry run: auto, int8 exports ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    { head -n 2 "$tmp/prompts.jsonl"; echo '{"id": "own", "prompt": "a line of its own dtype", "kv_dtype": "f32"}'; } >"$tmp/own.jsonl"
+    run 4 --model default --cp 2 --device cuda --dry-run --batch "$tmp/own.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 161 kB in bf16, host KV 323 kB a rank in f32$" "$tmp/stdout" || fail "dry run: auto, an f32 line ($(grep '^plan: lighthouse' "$tmp/stdout"))"
+    run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; K/V 323 kB in f32, host KV 206 kB a rank in f32$" "$tmp/stdout" || fail "dry run: auto on the CPU ($(grep '^plan: lighthouse' "$tmp/stdout"))"
     # ... on the device only, and not for an f32 export.
     run 4 --model default --cp 2 --device cuda --kv-host-dtype bf16 --kv-dtype f32 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype bf16 keeps bf16 values: an f32 export (--kv-dtype) needs --kv-host-dtype f32" "$tmp/stderr" || fail "--kv-host-dtype bf16 --kv-dtype f32: exit $rc"
     run 1 --model default --kv-host-dtype bf16 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype bf16 is the device prefill's" "$tmp/stderr" || fail "--kv-host-dtype bf16 on the CPU: exit $rc"
     run 1 --model default --kv-host-dtype f16 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype must be f32 or bf16, got 'f16'" "$tmp/stderr" || fail "--kv-host-dtype f16: exit $rc"
-    run 4 --model default --cp 2 --device cuda --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    [ "$rc" -eq 2 ] && grep -q "^error: --kv-host-dtype must be auto, f32 or bf16, got 'f16'" "$tmp/stderr" || fail "--kv-host-dtype f16: exit $rc"
+    run 4 --model default --cp 2 --device cuda --kv-host-dtype f32 --kv-staging-layers 0 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "and 829 kB of pinned K/V staging (--kv-staging-layers 0, --kv-staging-max-gib 8)" "$tmp/stdout" || fail "dry run: staging 0 ($(grep '^plan: 4 of' "$tmp/stdout"))"
     # A byte cap on the ring (model::kv_staging_slots): 0.0001 GiB (107,374 bytes) holds 3 of
     # village's slots of 27,648 bytes (82,944) but 4 of a 16-token request's 24,576 (98,304, the
     # largest plan); a cap below two slots still gets two (village's 55,296).
-    run 4 --model default --cp 2 --device cuda --kv-staging-max-gib 0.0001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    run 4 --model default --cp 2 --device cuda --kv-host-dtype f32 --kv-staging-max-gib 0.0001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "and 98.3 kB of pinned K/V staging (--kv-staging-layers 8, --kv-staging-max-gib 0.0001)" "$tmp/stdout" || fail "dry run: staging cap 3 slots ($(grep '^plan: 4 of' "$tmp/stdout"))"
-    run 4 --model default --cp 2 --device cuda --kv-staging-max-gib 0.00000001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
+    run 4 --model default --cp 2 --device cuda --kv-host-dtype f32 --kv-staging-max-gib 0.00000001 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "and 55.3 kB of pinned K/V staging (--kv-staging-layers 8, --kv-staging-max-gib 1e-08)" "$tmp/stdout" || fail "dry run: staging cap floor ($(grep '^plan: 4 of' "$tmp/stdout"))"
     # A host with no memory to spare (the no_memory fault on rank 0, which prints the plan): each
     # request to compute is marked as one a run's host check fails, and the totals say how many;
     # with the check off, none is.
     SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    [ "$(grep -c "a rank; more than this host's memory allows now: a run would fail it (--host-memory-check)$" "$tmp/stdout")" -eq 4 ] || fail "dry run, no memory: want 4 marked requests"
+    [ "$(grep -c "a rank in f32; more than this host's memory allows now: a run would fail it (--host-memory-check)$" "$tmp/stdout")" -eq 4 ] || fail "dry run, no memory: want 4 marked requests"
     grep -q "^plan: 4 request(s) need more host memory than this host can give now (0.8 of its available memory, for its 4 rank(s)); a run fails them before their prefills" "$tmp/stdout" || fail "dry run, no memory: totals"
     SF_WORKER_FAULT=no_memory:0 run 4 --model default --cp 2 --dry-run --host-memory-check off --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     ! grep -q "more than this host's memory\|need more host memory" "$tmp/stdout" || fail "dry run, no memory, check off: a request was marked"
@@ -717,8 +728,8 @@ PY
     # (583,680); village (18 tokens) 1,050,624. With 600,000 bytes available the first two fit
     # and village does not (counting the whole cache on all four ranks, lighthouse would not).
     SF_WORKER_FAULT=memory:0:600000 run 4 --model default --cp 4 --export gathered --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
-    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; .* a rank$" "$tmp/stdout" || fail "dry run, gathered: lighthouse was marked"
-    grep -q "^plan: ids (line 2): 8 tokens, group 0, to compute; .* a rank$" "$tmp/stdout" || fail "dry run, gathered: ids was marked"
+    grep -q "^plan: lighthouse (line 1): 7 tokens, group 0, to compute; .* a rank in f32$" "$tmp/stdout" || fail "dry run, gathered: lighthouse was marked"
+    grep -q "^plan: ids (line 2): 8 tokens, group 0, to compute; .* a rank in f32$" "$tmp/stdout" || fail "dry run, gathered: ids was marked"
     grep -q "^plan: village (line 6): 18 tokens, .*: a run would fail it (--host-memory-check)$" "$tmp/stdout" || fail "dry run, gathered: village was not marked"
     SF_WORKER_FAULT=memory:0:510719 run 4 --model default --cp 4 --export gathered --dry-run --batch "$tmp/prompts.jsonl" --out "$tmp/out"
     grep -q "^plan: lighthouse (line 1): .*: a run would fail it (--host-memory-check)$" "$tmp/stdout" || fail "dry run, gathered: lighthouse one byte short was not marked"
