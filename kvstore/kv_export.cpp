@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -524,8 +525,14 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     return Status::ok();
   };
   std::vector<std::string> entries(items.size());
+  // Files left to write per layer, for on_layer_written.
+  std::vector<std::atomic<int>> left(static_cast<size_t>(spec.n_layers));
+  for (const auto& it : items) left[size_t(it[0])].fetch_add(1, std::memory_order_relaxed);
   SF_TRY(run_items(items.size(), opt.layers_in_flight, [&](size_t i) {
-    return one(items[i][0], items[i][1], &entries[i]);
+    SF_TRY(one(items[i][0], items[i][1], &entries[i]));
+    if (opt.on_layer_written && left[size_t(items[i][0])].fetch_sub(1) == 1)
+      opt.on_layer_written(items[i][0]);
+    return Status::ok();
   }));
   return entries;
 }

@@ -105,6 +105,11 @@ struct ExportOptions {
   // shard's kept K/V in a gathered copy meanwhile. Above 1, the LayerSource is called from
   // several threads at once and must allow that.
   int layers_in_flight = 1;
+  // Called once for each layer when every shard file this call writes of it is written: the
+  // source's rows of that layer are no longer read, so a caller may free them (a batch's next
+  // request then needs less memory beside this export). From the writing threads, several at
+  // once; not for a layer whose file failed.
+  std::function<void(int layer)> on_layer_written;
 };
 // A layers_in_flight for callers whose source is thread-safe: half the CPU pool's threads,
 // between 1 and 8 (measured: bench/NOTES.md, forty-second session).

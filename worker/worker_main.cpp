@@ -15,6 +15,7 @@
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
 // first request), slow:R:MS (rank R sleeps MS milliseconds at every layer: slow but alive).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -299,8 +300,9 @@ struct Fault {
   // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
   // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
   // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
-  // the overlap's check), no_memory (none at all: the request's own check), memory (N bytes
-  // available, for every check and the dry run's).
+  // the overlap's check), freeing (its export sleeps N ms after each layer it frees, and beside
+  // a pending export it has room once that export has freed half its K/V), no_memory (none at
+  // all: the request's own check), memory (N bytes available, for every check and the dry run's).
   std::string kind;
   int rank = -1;
   int64_t layer = -1;  // a layer, milliseconds, a request's number, or bytes (memory)
@@ -1125,6 +1127,29 @@ int run(int argc, char** argv) {
     Status begun;  // the sharded export's opening (the same on every rank)
     std::unique_ptr<runtime::ShardedExport> sharded;
     std::future<WriteOutcome> write;
+    // Host K/V the export holds, and what it has freed so far (layers whose files are written).
+    int64_t held_bytes = 0;
+    std::atomic<int64_t> freed_bytes{0};
+    std::atomic<int> freed_layers{0};
+  };
+  // Frees layer l of a request's host K/V (F32 or bf16) once its files are written
+  // (kvstore::ExportOptions::on_layer_written): a next request that would not fit beside the
+  // whole export can start when enough of it is gone.
+  const int freeing_ms = fault.kind == "freeing" && fault.rank == world->rank() ? int(fault.layer) : 0;
+  auto free_layer_when_written = [freeing_ms](PendingExport& x) {
+    return [&x, freeing_ms](int l) {
+      model::KvCache& kv = x.res.kv;
+      int64_t bytes = 0;
+      auto drop = [&](auto& layers) {
+        if (size_t(l) >= layers.size()) return;
+        bytes += int64_t(layers[size_t(l)].size() * sizeof(layers[size_t(l)][0]));
+        std::remove_reference_t<decltype(layers[0])>().swap(layers[size_t(l)]);
+      };
+      drop(kv.k), drop(kv.v), drop(kv.k16), drop(kv.v16);
+      x.freed_bytes.fetch_add(bytes);
+      x.freed_layers.fetch_add(1);
+      if (freeing_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(freeing_ms));
+    };
   };
   using clk = std::chrono::steady_clock;
   auto since = [](clk::time_point t0) {
@@ -1167,6 +1192,7 @@ int run(int argc, char** argv) {
       x.sharded = std::move(b).value();
       kvstore::ExportOptions eo;
       eo.layers_in_flight = export_width;
+      eo.on_layer_written = free_layer_when_written(x);
       const int rank = g.group_comm->rank();  // as a write's own errors name it
       x.write = launch([&x, eo, rank] {
         WriteOutcome w;
@@ -1183,6 +1209,7 @@ int run(int argc, char** argv) {
       // export outlasts --comm-timeout on any core count.)
       const bool slow = fault.kind == "slow_export" || fault.kind == "slow_all";
       eo.layers_in_flight = slow ? 1 : export_width;
+      eo.on_layer_written = free_layer_when_written(x);
       const int slow_ms = slow && fault.rank == world->rank() ? fault.layer : 0;
       x.write = launch([&x, eo, slow_ms] {
         WriteOutcome w;
@@ -1416,7 +1443,9 @@ int run(int argc, char** argv) {
     const int64_t grow = std::max<int64_t>(0, kv_staging_bytes(T) - staging_held);
     int64_t room = 0;
     auto group_short = [&](bool beside_pending) -> bool {
-      const int64_t avail = host_avail(beside_pending);
+      int64_t avail = host_avail(beside_pending);
+      if (freeing_ms > 0 && beside_pending && pending)  // the freeing fault's room (above)
+        avail = 2 * pending->freed_bytes.load() >= pending->held_bytes ? int64_t(1) << 60 : 0;
       const bool fits =
           runtime::host_memory_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
       std::array<int64_t, 2> mine{fits ? 1 : 0,
@@ -1430,13 +1459,43 @@ int run(int argc, char** argv) {
       return all[0] == 0;
     };
     if (pending && group_short(true)) {
-      // Two requests' KV at once is the overlap's price: where this one would not fit beside
-      // the pending export's, that export finishes first.
+      // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as
+      // its files are written, so this request starts once what is left of that leaves room,
+      // or after the export (its finish, a collective, then runs here). Every rank takes the
+      // same turns: each round's two answers are the group's.
       if (g.leader())
         std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
-                    "group is short of memory for it beside %s's: that export finishes first\n",
+                    "group is short of memory for it beside %s's: it waits as that export frees "
+                    "its K/V\n",
                     g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
-      complete_export(std::move(pending));
+      std::fflush(stdout);
+      const auto w0 = clk::now();
+      bool fits = false;
+      for (;;) {
+        const int32_t mine = !pending->write.valid() || pending->write.wait_for(
+                                 std::chrono::seconds(0)) == std::future_status::ready;
+        int32_t all_written = 0;
+        if (Status st = g.group_comm->all_reduce(&mine, &all_written, 1, DType::kI32,
+                                                 comm::ReduceOp::kMin);
+            !st.is_ok())
+          fatal(st);
+        if (!group_short(true)) {
+          fits = true;
+          break;
+        }
+        if (all_written) break;  // nothing more to free: the export completes first
+        beat(k);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      if (!fits) {
+        complete_export(std::move(pending));
+      } else if (g.leader()) {
+        std::printf("[group %d] %s: starts with %d of %s's %d layers of K/V not yet freed here, "
+                    "after %.2f s\n",
+                    g.group, r.id.c_str(), cfg.n_layers - pending->freed_layers.load(),
+                    pending->r->id.c_str(), cfg.n_layers, since(w0));
+        std::fflush(stdout);
+      }
     }
     // A request whose KV does not fit on its own fails here, before its prefill, instead of
     // taking the host's last memory (and the job with it when the kernel kills a rank); the
@@ -1713,6 +1772,10 @@ int run(int argc, char** argv) {
                         : double(x->ret.kept_total()) /
                               double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
     x->res = std::move(res);
+    for (const auto* layers : {&x->res.kv.k, &x->res.kv.v})
+      for (const auto& layer : *layers) x->held_bytes += int64_t(layer.size() * sizeof(float));
+    for (const auto* layers : {&x->res.kv.k16, &x->res.kv.v16})
+      for (const auto& layer : *layers) x->held_bytes += int64_t(layer.size() * sizeof(uint16_t));
     // The previous request's export, written while this prefill ran, completes first: a rank
     // holds at most two requests' KV.
     if (pending) complete_export(std::move(pending));

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -726,6 +727,51 @@ TEST_F(KvClient, ExportFromBf16HostKvIsTheF32ExportsKv) {
     EXPECT_FALSE(same) << "int8 of bf16-rounded K/V decoded as int8 of the F32: auto could keep "
                           "bf16 host K/V for int8 exports too";
   }
+}
+
+// ExportOptions::on_layer_written (what sparsefill-worker frees a pending export's K/V by): once a
+// layer, at any width, with one tier and two, and the source is never read for a layer after it.
+TEST_F(KvClient, OnLayerWrittenComesOnceALayerAfterItsLastRead) {
+  using E = kvstore::KvEncoding;
+  auto ret = kvstore::retention_apply(
+      kvstore::retention_parse("snapkv:budget=200,window=32,pool=7,high=64").value(), 2, 2, kN,
+      &imp_);
+  ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+  const int nl = int(pr_.kv.k.size());
+  int i = 0;
+  for (const bool tiers : {false, true})
+    for (const int width : {1, 4}) {
+      SCOPED_TRACE(std::to_string(tiers) + " " + std::to_string(width));
+      kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+      spec.n_tokens = kN;
+      spec.token_ids = toks_;
+      spec.first_token = pr_.first_token;
+      spec.importance = &imp_;
+      spec.encoding = tiers ? E::kInt8 : E::kBF16;
+      if (tiers) {
+        spec.retention = &ret.value();
+        spec.encoding_low = E::kInt4;
+      }
+      std::mutex mu;
+      std::vector<int> calls(size_t(nl), 0);
+      int late_reads = 0;
+      kvstore::ExportOptions eo;
+      eo.layers_in_flight = width;
+      eo.on_layer_written = [&](int l) {
+        std::lock_guard<std::mutex> lk(mu);
+        ++calls[size_t(l)];
+      };
+      const Status st = kvstore::export_kv(tmp_.sub("released-" + std::to_string(i++)), spec,
+                                           [&](int l, bool v) {
+                                             std::lock_guard<std::mutex> lk(mu);
+                                             late_reads += calls[size_t(l)] > 0;
+                                             return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data();
+                                           },
+                                           false, eo);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_EQ(calls, std::vector<int>(size_t(nl), 1));
+      EXPECT_EQ(late_reads, 0);
+    }
 }
 
 TEST_F(KvClient, TwoTierExportRejectsBadTiers) {

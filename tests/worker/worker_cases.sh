@@ -632,11 +632,31 @@ PY
     # that prefill (said once a request), and the files are still the same.
     SF_WORKER_FAULT=low_memory:1 run 2 --model default --cp 2 --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/sh_low"
     [ "$rc" -eq 0 ] || fail "low memory: exit $rc"
-    [ "$(grep -c "doc2: .* GB of KV to compute on this host, and a host of the group is short of memory for it beside doc1's: that export finishes first" "$tmp/stdout")" -eq 1 ] \
-      || fail "low memory: want one line saying doc1's export finishes first"
+    [ "$(grep -c "doc2: .* GB of KV to compute on this host, and a host of the group is short of memory for it beside doc1's: it waits as that export frees its K/V$" "$tmp/stdout")" -eq 1 ] \
+      || fail "low memory: want one line saying doc2 waits for doc1's export"
+    ! grep -q "doc2: starts with" "$tmp/stdout" || fail "low memory: doc2 started beside doc1's export"
     for id in doc1 doc2; do
       for f in "$tmp/sh_off/$id"/*; do
         cmp -s "$f" "$tmp/sh_low/$id/$(basename "$f")" || fail "low memory: $id: $(basename "$f") differs"
+      done
+    done
+    # An export frees each layer's K/V once its files are written (full retention), and a request
+    # that did not fit beside the whole export starts when enough is gone. The freeing fault:
+    # rank 0's export sleeps 50 ms after each layer it frees, and that rank has room once half of
+    # doc1's K/V is freed; so doc2 starts before doc1's export ends (some layers still held), and
+    # the files are those of a run without the overlap.
+    run 2 --model default --cp 2 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_full_off"
+    [ "$rc" -eq 0 ] || fail "full retention, overlap off: exit $rc"
+    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_free"
+    [ "$rc" -eq 0 ] || fail "freeing: exit $rc"
+    grep -q "doc2: .* short of memory for it beside doc1's: it waits as that export frees its K/V$" "$tmp/stdout" || fail "freeing: no wait line"
+    left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
+    [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
+    echo "freeing: doc2 started with $left of doc1's 30 layers held on rank 0"
+    for id in doc1 doc2; do
+      [ "$(ls "$tmp/sh_free/$id")" = "$(ls "$tmp/sh_full_off/$id")" ] || fail "freeing: $id: other files"
+      for f in "$tmp/sh_full_off/$id"/*; do
+        cmp -s "$f" "$tmp/sh_free/$id/$(basename "$f")" || fail "freeing: $id: $(basename "$f") differs"
       done
     done
     # A rank with no host memory for any request's KV: each request fails before its prefill,

@@ -313,6 +313,8 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
     for (const std::string& x : e.value()) mine += "\n" + x;
   };
   if (!tiers_.empty()) {
+    // A retention's parts are (layer, KV head) files, each tier in turn, all reading `local`:
+    // a layer is free only at the end, so eo.on_layer_written is not called.
     for (const auto& t : tiers_)
       write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_,
                  std::max(eo.layers_in_flight, 1), add);
