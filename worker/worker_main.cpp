@@ -1387,6 +1387,10 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   };
   std::unique_ptr<PendingExport> pending;
+  // SF_WAIT_WHOLE_EXPORT=1: a request short of memory beside a pending export waits for all of
+  // it, as before exports freed their K/V layer by layer (bench/mpi/long_requests.sh's A/B).
+  const char* whole_env = std::getenv("SF_WAIT_WHOLE_EXPORT");
+  const bool wait_whole_export = whole_env && std::string_view(whole_env) == "1";
   std::optional<runtime::DeviceParallelPrefill> dplan;  // --device cuda: the last plan
   // ... and the buffers it leaves to the next plan (model::DeviceBufferCache);
   // SF_DEVICE_BUFFER_CACHE=0 frees them instead (bench/mpi/plan_reuse.sh's comparison).
@@ -1483,7 +1487,7 @@ int run(int argc, char** argv) {
           fits = true;
           break;
         }
-        if (all_written) break;  // nothing more to free: the export completes first
+        if (all_written || wait_whole_export) break;  // the export completes first
         beat(k);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }

@@ -11,7 +11,8 @@
 # int4 keeps a 1M export to about 11 GB); SF_LONG_DEVICE (default cuda) and SF_LONG_MODEL
 # (default synthetic:llama3-8b:LAYERS, which needs a GPU): a smoke test on a CPU machine is
 # SF_LONG_DEVICE=cpu SF_LONG_MODEL=default SF_LONG_LENGTHS=1024,1536. On a GPU host:
-# bench/gpu/run.sh's SF_WORKER_LONG.
+# bench/gpu/run.sh's SF_WORKER_LONG. SF_WAIT_WHOLE_EXPORT=1 reaches the worker (a request short
+# of memory beside a pending export then waits for all of it: the A/B of freeing its K/V early).
 set -euo pipefail
 lengths="${SF_LONG_LENGTHS:-1040384,1048576}"; layers="${SF_LONG_LAYERS:-8}"
 extra="${SF_LONG_ARGS:---attention vertical-slash --kv-dtype int4}"
@@ -19,7 +20,8 @@ device="${SF_LONG_DEVICE:-cuda}"; model="${SF_LONG_MODEL:-synthetic:llama3-8b:$l
 tp="${SF_LONG_TP:-1}"; cp="${SF_LONG_CP:-2}"
 [[ "$tp" =~ ^[1-9][0-9]*$ && "$cp" =~ ^[1-9][0-9]*$ ]] ||
   { echo "long_requests.sh: SF_LONG_TP and SF_LONG_CP must be positive integers (got '$tp', '$cp')" >&2; exit 2; }
-cmdline="SF_LONG_DEVICE=$device SF_LONG_MODEL=$model SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_TP=$tp SF_LONG_CP=$cp SF_LONG_ARGS='$extra' $0 $*"
+whole="${SF_WAIT_WHOLE_EXPORT:-}"
+cmdline="${whole:+SF_WAIT_WHOLE_EXPORT=$whole }SF_LONG_DEVICE=$device SF_LONG_MODEL=$model SF_LONG_LENGTHS=$lengths SF_LONG_LAYERS=$layers SF_LONG_TP=$tp SF_LONG_CP=$cp SF_LONG_ARGS='$extra' $0 $*"
 # shellcheck source=bench/mpi/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 mpi_bench_setup long-requests.json "$@"
@@ -34,7 +36,7 @@ with open(sys.argv[1], "w") as f:
 PY
 t0=$(date +%s%N)
 # shellcheck disable=SC2086
-mpirun --bind-to none --oversubscribe -np $((tp * cp)) "$worker" --model "$model" --tp "$tp" --cp "$cp" \
+mpirun --bind-to none --oversubscribe ${whole:+-x SF_WAIT_WHOLE_EXPORT} -np $((tp * cp)) "$worker" --model "$model" --tp "$tp" --cp "$cp" \
   --device "$device" $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
 wall=$(( ($(date +%s%N) - t0) / 1000000 ))
 grep -E '^\[group|^batch' "$tmp/log"

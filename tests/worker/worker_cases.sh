@@ -653,6 +653,9 @@ PY
     left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
     [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
     echo "freeing: doc2 started with $left of doc1's 30 layers held on rank 0"
+    # SF_WAIT_WHOLE_EXPORT=1 (the A/B switch): the whole export first, as before.
+    SF_WAIT_WHOLE_EXPORT=1 SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_whole"
+    [ "$rc" -eq 0 ] && ! grep -q "doc2: starts with" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: exit $rc, or doc2 started beside doc1's export"
     for id in doc1 doc2; do
       [ "$(ls "$tmp/sh_free/$id")" = "$(ls "$tmp/sh_full_off/$id")" ] || fail "freeing: $id: other files"
       for f in "$tmp/sh_full_off/$id"/*; do
