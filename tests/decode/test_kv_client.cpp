@@ -54,6 +54,20 @@ class KvClient : public ::testing::Test {
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     return d;
   }
+  // The prefill's export spec (its tokens and importance), stored as `enc`; with a retention, its
+  // low tier as `low`.
+  kvstore::KvExportSpec spec_of(kvstore::KvEncoding enc, const kvstore::Retention* ret = nullptr,
+                                std::optional<kvstore::KvEncoding> low = std::nullopt) const {
+    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+    spec.n_tokens = kN;
+    spec.token_ids = toks_;
+    spec.first_token = pr_.first_token;
+    spec.importance = &imp_;
+    spec.encoding = enc;
+    spec.retention = ret;
+    spec.encoding_low = low;
+    return spec;
+  }
   // A copy of a good export to break.
   std::string copy_of(const std::string& src, const std::string& name) {
     const std::string d = tmp_.sub(name);
@@ -250,11 +264,7 @@ TEST_F(KvClient, ExportDirectoryRules) {
   auto again = kvstore::begin_export(d + "/", /*force=*/false);
   ASSERT_FALSE(again.is_ok());
   EXPECT_NE(again.status().message().find("use --force"), std::string::npos);
-  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-  spec.n_tokens = int64_t(toks_.size());
-  spec.token_ids = toks_;
-  spec.first_token = pr_.first_token;
-  spec.importance = &imp_;
+  const kvstore::KvExportSpec spec = spec_of(kvstore::KvEncoding::kF32);
   const auto src = [&](int l, bool v) { return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data(); };
   ASSERT_TRUE(kvstore::export_kv(d + "/", spec, src, /*force=*/true).is_ok());
   ASSERT_TRUE(decode::load_kv_export(d, hash_).is_ok());
@@ -535,16 +545,8 @@ TEST_F(KvClient, LayersInFlightWriteTheSameExport) {
   // Full retention (one shard a layer) and two tiers (two a layer: 4 shard files in flight).
   for (const bool tiers : {false, true}) {
     SCOPED_TRACE(tiers ? "two tiers" : "full");
-    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-    spec.n_tokens = kN;
-    spec.token_ids = toks_;
-    spec.first_token = pr_.first_token;
-    spec.importance = &imp_;
-    if (tiers) {
-      spec.retention = &ret.value();
-      spec.encoding = E::kInt8;
-      spec.encoding_low = E::kInt4;
-    }
+    const kvstore::KvExportSpec spec =
+        tiers ? spec_of(E::kInt8, &ret.value(), E::kInt4) : spec_of(E::kF32);
     const kvstore::LayerSource src = [&](int l, bool v) {
       return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data();
     };
@@ -621,16 +623,7 @@ TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
            {E::kF32, std::nullopt}, {E::kBF16, std::nullopt}, {E::kInt8, std::nullopt},
            {E::kInt4, std::nullopt}, {E::kInt8, E::kInt4}}) {
     SCOPED_TRACE(std::to_string(i));
-    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-    spec.n_tokens = kN;
-    spec.token_ids = toks_;
-    spec.first_token = pr_.first_token;
-    spec.importance = &imp_;
-    spec.encoding = enc;
-    if (low) {
-      spec.retention = &ret.value();
-      spec.encoding_low = low;
-    }
+    const kvstore::KvExportSpec spec = spec_of(enc, low ? &ret.value() : nullptr, low);
     const std::string a = tmp_.sub("bf16src-" + std::to_string(i));
     const std::string b = tmp_.sub("widened-" + std::to_string(i++));
     const Status sa = kvstore::export_kv(a, spec, [&](int l, bool v) {
@@ -645,10 +638,7 @@ TEST_F(KvClient, Bf16SourceExportsAsItsWidenedValues) {
     EXPECT_EQ(fa.size(), fb.size());
     EXPECT_TRUE(fa == fb) << "a bf16 source wrote other bytes than its widened values";
   }
-  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-  spec.n_tokens = kN;
-  spec.token_ids = toks_;
-  spec.first_token = pr_.first_token;
+  const kvstore::KvExportSpec spec = spec_of(E::kF32);
   const Status mixed = kvstore::export_kv(tmp_.sub("bf16-mixed"), spec, [&](int l, bool v) {
     return v ? kvstore::LayerRows::bf16(v16[size_t(l)].data())
              : kvstore::LayerRows(kw[size_t(l)].data());
@@ -673,12 +663,7 @@ TEST_F(KvClient, ExportFromBf16HostKvIsTheF32ExportsKv) {
   }
   // The bf16 and the F32 sourced exports' directories.
   auto export_both = [&](E enc) {
-    kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-    spec.n_tokens = kN;
-    spec.token_ids = toks_;
-    spec.first_token = pr_.first_token;
-    spec.importance = &imp_;
-    spec.encoding = enc;
+    const kvstore::KvExportSpec spec = spec_of(enc);
     const std::string name = kvstore::kv_encodings_name({enc, std::nullopt});
     const std::string a = tmp_.sub("host16-" + name), b = tmp_.sub("host32-" + name);
     const Status sa = kvstore::export_kv(a, spec, [&](int l, bool v) {
@@ -742,16 +727,8 @@ TEST_F(KvClient, OnLayerWrittenComesOnceALayerAfterItsLastRead) {
   for (const bool tiers : {false, true})
     for (const int width : {1, 4}) {
       SCOPED_TRACE(std::to_string(tiers) + " " + std::to_string(width));
-      kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-      spec.n_tokens = kN;
-      spec.token_ids = toks_;
-      spec.first_token = pr_.first_token;
-      spec.importance = &imp_;
-      spec.encoding = tiers ? E::kInt8 : E::kBF16;
-      if (tiers) {
-        spec.retention = &ret.value();
-        spec.encoding_low = E::kInt4;
-      }
+      const kvstore::KvExportSpec spec =
+          tiers ? spec_of(E::kInt8, &ret.value(), E::kInt4) : spec_of(E::kBF16);
       std::mutex mu;
       std::vector<int> calls(size_t(nl), 0);
       int late_reads = 0;
@@ -1057,11 +1034,7 @@ TEST_F(KvClient, ExportRejectsARetentionOfAnotherGeometry) {
 // export_kv_shards call from its own rows, then one manifest. Loading it gives exactly the heads
 // of the one-part export; coverage and block alignment are checked on both sides.
 TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
-  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-  spec.n_tokens = kN;
-  spec.token_ids = toks_;
-  spec.first_token = pr_.first_token;
-  spec.importance = &imp_;
+  kvstore::KvExportSpec spec = spec_of(kvstore::KvEncoding::kF32);
   const int d = 16, hkv = 2;
   const std::vector<std::vector<std::array<int64_t, 2>>> chunks = {{{0, 64}, {256, kN}},
                                                                    {{64, 256}}};
