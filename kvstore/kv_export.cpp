@@ -390,9 +390,9 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
     std::vector<int64_t> off(static_cast<size_t>(hp) + 1, 0);
     for (int h = 0; h < hp; ++h) off[size_t(h) + 1] = off[size_t(h)] + int64_t(pos[size_t(h)].size());
     // K and V as stored, every head back to back (each head its own groups): F32 rows, or their
-    // encoding. Each block of kKvBlockSize rows is gathered, described (key min, max, mean and
-    // importance, from the F32 keys) and encoded while it is in cache, straight into the
-    // shard's buffers: the source is read once and no whole-layer F32 copy is made to encode.
+    // encoding. Each block of kKvBlockSize rows is gathered, encoded and described (key min, max
+    // and mean of the keys as stored, decoded back; importance) while it is in cache, straight
+    // into the shard's buffers: the source is read once and no whole-layer F32 copy is made.
     const KvEncoding enc = low ? *spec.encoding_low : spec.encoding;
     const bool raw = enc == KvEncoding::kF32;
     const DType elem = kv_encoding_element(enc);

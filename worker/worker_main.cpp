@@ -401,15 +401,21 @@ std::string synthetic_identity(const model::SyntheticModelSpec& s) {
 // tokens, the retention (moa spans included) and the encodings, then `job`, the job's part: the
 // model's compatibility hash and weights (model_identity), --device, the grid and the
 // sparsity-aware CP flags (per-chunk estimation and the device's BF16 sums differ with them),
-// the attention (a config file by its contents) and the export layout. Resume skips a request only
-// when its summary holds the same one.
+// the attention (a config file by its contents) and the export layout; and bf16 host K/V where
+// they change the bytes (host_bf16). Resume skips a request only when its summary holds the same
+// one.
 std::string request_fingerprint(const std::vector<int32_t>& tokens,
                                 const kvstore::RetentionPolicy& policy,
-                                const kvstore::KvEncodings& encs, const std::string& job) {
+                                const kvstore::KvEncodings& encs, const std::string& job,
+                                bool host_bf16) {
+  // bf16 host K/V change the bytes of an export that is not plain bf16 (a bf16 one is the same
+  // bytes from either: ExportFromBf16HostKvIsTheF32ExportsKv), so only those name them.
+  const bool plain_bf16 = encs.high == kvstore::KvEncoding::kBF16 && !encs.low;
   const std::string s =
       "tokens=" + hex64(xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))) +
       ";n=" + std::to_string(tokens.size()) + ";retention=" + policy_string(policy) +
-      ";kv=" + kvstore::kv_encodings_name(encs) + ";" + job;
+      ";kv=" + kvstore::kv_encodings_name(encs) + (host_bf16 && !plain_bf16 ? ";kv_host=bf16" : "") +
+      ";" + job;
   return hex64(xxh64_bytes(s.data(), s.size()));
 }
 
@@ -431,7 +437,7 @@ void print_plan(const Options& o, const model::ModelConfig& cfg,
     const int group = int(i % size_t(n_groups));
     const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
     const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
-    const std::string fp = request_fingerprint(r.tokens, policy, encs, job);
+    const std::string fp = request_fingerprint(r.tokens, policy, encs, job, host_bf16);
     const int64_t T = int64_t(r.tokens.size());
     const int64_t kv = int64_t(cfg.n_layers) * cfg.n_kv_heads *
                        kvstore::kv_encoded_bytes(encs.high, T, cfg.head_dim);  // K and V
@@ -597,17 +603,19 @@ int run(int argc, char** argv) {
       const Options& p = opts_r.value();
       auto same = same_on_every_rank(
           *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
-                   int64_t(p.host_memory_check), int64_t(p.help)});
+                   int64_t(p.host_memory_check), int64_t(p.help),
+                   int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16)});
       if (!same.is_ok()) fatal(same.status());
       if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
-      else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4])
+      else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4] ||
+               !same.value()[5])
         all = SF_ERR(kInvalidArgument,
-                     "the ranks were given different --dry-run, --export-overlap or "
-                     "--host-memory-check flags (or --help on some only; an MPMD launch must pass "
-                     "the same ones to every rank)");
+                     "the ranks were given different --dry-run, --export-overlap, "
+                     "--host-memory-check or --kv-host-dtype flags (or --help on some only; an "
+                     "MPMD launch must pass the same ones to every rank)");
     }
     if (!all.is_ok()) {
       if (rank0) std::fputs(kUsage, stderr);
@@ -955,8 +963,6 @@ int run(int argc, char** argv) {
     }
     return all;
   }();
-  // The exports' values (bf16-rounded on the device or not): a resume must not mix them.
-  job += std::string(";kv_host_dtype=") + (host_bf16 ? "bf16" : "f32");
   std::sort(bf.bad.begin(), bf.bad.end(),
             [](const auto& a, const auto& b) { return a.line < b.line; });
   if (rank0) {
@@ -1126,11 +1132,13 @@ int run(int argc, char** argv) {
     double begin_s = 0;
     Status begun;  // the sharded export's opening (the same on every rank)
     std::unique_ptr<runtime::ShardedExport> sharded;
-    std::future<WriteOutcome> write;
     // Host K/V the export holds, and what it has freed so far (layers whose files are written).
     int64_t held_bytes = 0;
     std::atomic<int64_t> freed_bytes{0};
     std::atomic<int> freed_layers{0};
+    // Last, so it is destroyed first: its destructor waits for the writer, which updates the
+    // counters above.
+    std::future<WriteOutcome> write;
   };
   // Frees layer l of a request's host K/V (F32 or bf16) once its files are written
   // (kvstore::ExportOptions::on_layer_written): a next request that would not fit beside the
@@ -1389,8 +1397,17 @@ int run(int argc, char** argv) {
   std::unique_ptr<PendingExport> pending;
   // SF_WAIT_WHOLE_EXPORT=1: a request short of memory beside a pending export waits for all of
   // it, as before exports freed their K/V layer by layer (bench/mpi/long_requests.sh's A/B).
-  const char* whole_env = std::getenv("SF_WAIT_WHOLE_EXPORT");
-  const bool wait_whole_export = whole_env && std::string_view(whole_env) == "1";
+  // Agreed over the world (an environment the launcher did not pass to every host could differ),
+  // since it decides which collectives a rank calls next.
+  const bool wait_whole_export = [&] {
+    const char* e = std::getenv("SF_WAIT_WHOLE_EXPORT");
+    const int32_t mine = e && std::string_view(e) == "1" ? 1 : 0;
+    int32_t any = 0;
+    if (Status st = world->all_reduce(&mine, &any, 1, DType::kI32, comm::ReduceOp::kMax);
+        !st.is_ok())
+      fatal(st);
+    return any != 0;
+  }();
   std::optional<runtime::DeviceParallelPrefill> dplan;  // --device cuda: the last plan
   // ... and the buffers it leaves to the next plan (model::DeviceBufferCache);
   // SF_DEVICE_BUFFER_CACHE=0 frees them instead (bench/mpi/plan_reuse.sh's comparison).
@@ -1418,7 +1435,8 @@ int run(int argc, char** argv) {
     ++k;
     const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
     const std::string fingerprint =
-        request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, encs, job);
+        request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, encs, job,
+                            host_bf16);
     int32_t complete = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
     if (g.leader() && !complete) {
       const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
@@ -1462,6 +1480,13 @@ int run(int argc, char** argv) {
       room = all[1];
       return all[0] == 0;
     };
+    if (pending && wait_whole_export && group_short(true)) {
+      if (g.leader())
+        std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
+                    "group is short of memory for it beside %s's: that export finishes first\n",
+                    g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
+      complete_export(std::move(pending));
+    }
     if (pending && group_short(true)) {
       // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as
       // its files are written, so this request starts once what is left of that leaves room,
@@ -1487,7 +1512,7 @@ int run(int argc, char** argv) {
           fits = true;
           break;
         }
-        if (all_written || wait_whole_export) break;  // the export completes first
+        if (all_written) break;  // nothing more to free: the export completes first
         beat(k);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }

@@ -715,7 +715,8 @@ TEST_F(KvClient, ExportFromBf16HostKvIsTheF32ExportsKv) {
 }
 
 // ExportOptions::on_layer_written (what sparsefill-worker frees a pending export's K/V by): once a
-// layer, at any width, with one tier and two, and the source is never read for a layer after it.
+// layer, at any width, with one tier and two; the source is never read for a layer after it, and
+// one file at a time, a layer's call comes before the next layer is read (not all at the end).
 TEST_F(KvClient, OnLayerWrittenComesOnceALayerAfterItsLastRead) {
   using E = kvstore::KvEncoding;
   auto ret = kvstore::retention_apply(
@@ -731,7 +732,7 @@ TEST_F(KvClient, OnLayerWrittenComesOnceALayerAfterItsLastRead) {
           tiers ? spec_of(E::kInt8, &ret.value(), E::kInt4) : spec_of(E::kBF16);
       std::mutex mu;
       std::vector<int> calls(size_t(nl), 0);
-      int late_reads = 0;
+      int late_reads = 0, released_before_last = -1;
       kvstore::ExportOptions eo;
       eo.layers_in_flight = width;
       eo.on_layer_written = [&](int l) {
@@ -742,12 +743,16 @@ TEST_F(KvClient, OnLayerWrittenComesOnceALayerAfterItsLastRead) {
                                            [&](int l, bool v) {
                                              std::lock_guard<std::mutex> lk(mu);
                                              late_reads += calls[size_t(l)] > 0;
+                                             if (l == nl - 1 && released_before_last < 0)
+                                               released_before_last = calls[0];
                                              return (v ? pr_.kv.v : pr_.kv.k)[size_t(l)].data();
                                            },
                                            false, eo);
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       EXPECT_EQ(calls, std::vector<int>(size_t(nl), 1));
       EXPECT_EQ(late_reads, 0);
+      ASSERT_GE(nl, 2);
+      if (width == 1) EXPECT_EQ(released_before_last, 1);
     }
 }
 

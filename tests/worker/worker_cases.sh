@@ -384,7 +384,7 @@ PY
     rc=$?
     ms=$(( ($(date +%s%N) - t0) / 1000000 ))
     [ "$rc" -eq 2 ] && [ "$ms" -lt 20000 ] || fail "--host-memory-check on one rank only: exit $rc after $ms ms"
-    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap or --host-memory-check flags" \
+    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap, --host-memory-check or --kv-host-dtype flags" \
       || fail "--host-memory-check on one rank only: message"
     ;;
   stalled)
@@ -653,9 +653,16 @@ PY
     left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
     [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
     echo "freeing: doc2 started with $left of doc1's 30 layers held on rank 0"
-    # SF_WAIT_WHOLE_EXPORT=1 (the A/B switch): the whole export first, as before.
+    # SF_WAIT_WHOLE_EXPORT=1 (the A/B switch): the whole export first, as before, said so; the
+    # same files.
     SF_WAIT_WHOLE_EXPORT=1 SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_whole"
     [ "$rc" -eq 0 ] && ! grep -q "doc2: starts with" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: exit $rc, or doc2 started beside doc1's export"
+    grep -q "doc2: .* short of memory for it beside doc1's: that export finishes first$" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: no line saying doc1's export finishes first"
+    for id in doc1 doc2; do
+      for f in "$tmp/sh_full_off/$id"/*; do
+        cmp -s "$f" "$tmp/sh_whole/$id/$(basename "$f")" || fail "SF_WAIT_WHOLE_EXPORT=1: $id: $(basename "$f") differs"
+      done
+    done
     for id in doc1 doc2; do
       [ "$(ls "$tmp/sh_free/$id")" = "$(ls "$tmp/sh_full_off/$id")" ] || fail "freeing: $id: other files"
       for f in "$tmp/sh_full_off/$id"/*; do
