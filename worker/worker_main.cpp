@@ -1129,6 +1129,7 @@ int run(int argc, char** argv) {
     kvstore::Retention ret;
     double kept_frac = 1.0;
     std::optional<model::PlanTimes> plan;  // --device cuda, when this request planned
+    double memory_wait_s = 0;  // before its prefill, for memory the pending export held
     double begin_s = 0;
     Status begun;  // the sharded export's opening (the same on every rank)
     std::unique_ptr<runtime::ShardedExport> sharded;
@@ -1310,7 +1311,8 @@ int run(int argc, char** argv) {
         "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"kv_host_dtype\": \"%s\", \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
-        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"fingerprint\": \"%s\"}",
+        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"memory_wait_s\": %.6f, "
+        "\"fingerprint\": \"%s\"}",
         json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.plan_s, s.comm_s,
         static_cast<long long>(s.kv_allgather_bytes),
@@ -1327,7 +1329,7 @@ int run(int argc, char** argv) {
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
         static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
-        export_wait_s, x->fingerprint.c_str());
+        export_wait_s, x->memory_wait_s, x->fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     // A JSON array of byte counts, or of seconds and densities (six decimals, as above).
     auto list = [](const auto& v) {
@@ -1377,7 +1379,7 @@ int run(int argc, char** argv) {
                          s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
                          s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes,
                          export_wait_s, s.plan_s, s.sparse_grows, s.attention_s_by_rank,
-                         s.comm_s_by_rank});
+                         s.comm_s_by_rank, x->memory_wait_s});
     std::printf(
         "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
         "s%s), export %.3f s (%.3f s waited) -> %s\n",
@@ -1480,12 +1482,15 @@ int run(int argc, char** argv) {
       room = all[1];
       return all[0] == 0;
     };
+    double memory_wait_s = 0;  // this request's, in its summary (memory_wait_s)
     if (pending && wait_whole_export && group_short(true)) {
       if (g.leader())
         std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
                     "group is short of memory for it beside %s's: that export finishes first\n",
                     g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
+      const auto w0 = clk::now();
       complete_export(std::move(pending));
+      memory_wait_s = since(w0);
     }
     if (pending && group_short(true)) {
       // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as
@@ -1516,9 +1521,9 @@ int run(int argc, char** argv) {
         beat(k);
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
-      if (!fits) {
-        complete_export(std::move(pending));
-      } else if (g.leader()) {
+      if (!fits) complete_export(std::move(pending));
+      memory_wait_s = since(w0);
+      if (fits && g.leader()) {
         std::printf("[group %d] %s: starts with %d of %s's %d layers of K/V not yet freed here, "
                     "after %.2f s\n",
                     g.group, r.id.c_str(), cfg.n_layers - pending->freed_layers.load(),
@@ -1752,6 +1757,7 @@ int run(int argc, char** argv) {
     }
     runtime::ParallelResult& res = pr.value();
     auto x = std::make_unique<PendingExport>();
+    x->memory_wait_s = memory_wait_s;
     x->r = &r;
     x->k = k;
     x->encs = encs;

@@ -647,8 +647,15 @@ PY
     # the files are those of a run without the overlap.
     run 2 --model default --cp 2 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_full_off"
     [ "$rc" -eq 0 ] || fail "full retention, overlap off: exit $rc"
-    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_free"
+    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_free" --metrics-file "$tmp/metrics/free.prom"
     [ "$rc" -eq 0 ] || fail "freeing: exit $rc"
+    # The wait is doc2's (its summary's memory_wait_s, over the 100 ms a re-check sleeps), not
+    # doc1's, and the metrics counter adds it up.
+    w1=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/sh_free/doc1.json" | awk '{ print $2 }')
+    w2=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/sh_free/doc2.json" | awk '{ print $2 }')
+    awk -v a="$w1" -v b="$w2" 'BEGIN { exit !(a == 0 && b > 0.1) }' || fail "freeing: memory_wait_s doc1 '$w1', doc2 '$w2'"
+    counter=$(sed 's/,out="[^"]*"//' "$tmp/metrics/free.prom" | awk '$1 == "sparsefill_worker_memory_wait_seconds_total{group=\"0\"}" { print $2 }')
+    awk -v a="$counter" -v b="$w2" 'BEGIN { exit !(a - b < 0.001 && b - a < 0.001) }' || fail "freeing: metrics memory wait '$counter', summary '$w2'"
     grep -q "doc2: .* short of memory for it beside doc1's: it waits as that export frees its K/V$" "$tmp/stdout" || fail "freeing: no wait line"
     left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
     [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"

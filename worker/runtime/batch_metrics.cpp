@@ -118,6 +118,9 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   add("sparsefill_worker_export_wait_seconds_total", MetricKind::kCounter,
       "Time the batch waited on written requests' exports: what the next prefill did not hide "
       "(all of the export with --export-overlap off).");
+  add("sparsefill_worker_memory_wait_seconds_total", MetricKind::kCounter,
+      "Time written requests waited before their prefills for host memory the pending export "
+      "held (it frees a full retention's K/V layer by layer).");
   add("sparsefill_worker_plan_seconds_total", MetricKind::kCounter,
       "Time the leader spent planning device prefills (--device cuda; a request of the last "
       "plan's length and importance settings reuses it).");
@@ -161,6 +164,7 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   allreduce_ += w.tp_allreduce_bytes;
   export_bytes_ += w.export_bytes;
   export_wait_s_ += w.export_wait_s;
+  memory_wait_s_ += w.memory_wait_s;
   plan_s_ += w.plan_s;
   sparse_grows_ += w.sparse_grows;
   for (size_t r = 0; r < w.attention_s_by_rank.size() && r < rank_attention_s_.size(); ++r)
@@ -189,6 +193,7 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_tp_allreduce_bytes_total", group_, double(allreduce_)));
   SF_TRY(reg_.set("sparsefill_worker_export_bytes_total", group_, double(export_bytes_)));
   SF_TRY(reg_.set("sparsefill_worker_export_wait_seconds_total", group_, export_wait_s_));
+  SF_TRY(reg_.set("sparsefill_worker_memory_wait_seconds_total", group_, memory_wait_s_));
   SF_TRY(reg_.set("sparsefill_worker_plan_seconds_total", group_, plan_s_));
   SF_TRY(reg_.set("sparsefill_worker_sparse_grows_total", group_, double(sparse_grows_)));
   for (size_t r = 0; r < rank_attention_s_.size(); ++r) {
