@@ -1494,7 +1494,8 @@ int run(int argc, char** argv) {
     }
     if (pending && group_short(true)) {
       // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as
-      // its files are written, so this request starts once what is left of that leaves room,
+      // its files (all of its parts and tiers) are written, so this request starts once what is
+      // left of that leaves room,
       // or after the export (its finish, a collective, then runs here). Every rank takes the
       // same turns: each round's two answers are the group's.
       if (g.leader())

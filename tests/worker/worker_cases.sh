@@ -41,6 +41,11 @@
 #               leaves that export whole, and a rerun computes only the failed one; a rank short
 #               of host memory makes the pending export finish before the next prefill; a bad
 #               value is refused
+#   freeing     np 2, CP 2, the freeing fault (rank 0's export sleeps 50 ms after each layer it
+#               frees, and has room once half the pending K/V is freed): the next request starts
+#               with some layers of the pending export still held (full retention, snapkv, two
+#               tiers), its memory_wait_s in its summary and the metrics, the files those of a run
+#               without the overlap; SF_WAIT_WHOLE_EXPORT=1 waits for the whole export
 #   dry_run     np 4, 2 groups of cp 2, --dry-run: bad lines reported, a plan line per request
 #               (group, status, KV sizes) and the totals, exit 3, no prefill, --out not created;
 #               the peak host KV differs with --export-overlap off; after a run with one summary
@@ -64,6 +69,16 @@ run() {  # run NP ARGS...: runs the worker, sets rc and ms
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
 }
 errors() { grep '^error: ' "$tmp/stderr" || true; }
+# Two ~530-token prompts of the long document into $tmp/long.jsonl (at CP 2 both ranks hold rows
+# of each).
+two_long_prompts() {
+  local root part text
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  for part in 1 2; do
+    text=$(head -c $((2500 * part)) "$root/data/long_document.txt" | tail -c 2500 | tr '\n\t"\\' '    ')
+    printf '{"id": "doc%d", "prompt": "%s"}\n' "$part" "$text"
+  done >"$tmp/long.jsonl"
+}
 
 cat >"$tmp/prompts.jsonl" <<'EOF'
 {"id": "lighthouse", "prompt": "The lighthouse keeper climbed the stairs and"}
@@ -587,11 +602,7 @@ PY
     # Sharded exports (each rank writing its own shards on its own thread; with a retention,
     # rows moved between ranks first): the same files too. Two ~530-token prompts, so both ranks
     # hold rows of each.
-    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-    for part in 1 2; do
-      text=$(head -c $((2500 * part)) "$root/data/long_document.txt" | tail -c 2500 | tr '\n\t"\\' '    ')
-      printf '{"id": "doc%d", "prompt": "%s"}\n' "$part" "$text"
-    done >"$tmp/long.jsonl"
+    two_long_prompts
     for mode in on off; do
       run 2 --model default --cp 2 --retention snapkv:budget=128 --export-overlap "$mode" --batch "$tmp/long.jsonl" --out "$tmp/sh_$mode"
       [ "$rc" -eq 0 ] || fail "sharded overlap $mode: exit $rc"
@@ -640,6 +651,29 @@ PY
         cmp -s "$f" "$tmp/sh_low/$id/$(basename "$f")" || fail "low memory: $id: $(basename "$f") differs"
       done
     done
+    # A rank with no host memory for any request's KV: each request fails before its prefill,
+    # with the need and the way out named, and the job goes on to the end; without the check
+    # the same job writes both.
+    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
+    [ "$rc" -eq 3 ] || fail "no memory: exit $rc, want 3"
+    grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "no memory: summary"
+    [ "$(grep -c "request 'doc[12]' failed: its KV needs [0-9.]* [kMG]B of host memory for the 2 rank(s) on the leader's host, and a host of the group can give 0 B (0.8 of its available memory); --dry-run prints each request's need, --host-memory-check off skips this check" "$tmp/stderr")" -eq 2 ] \
+      || fail "no memory: want both requests' reason"
+    [ ! -e "$tmp/sh_nomem/doc1" ] && [ ! -e "$tmp/sh_nomem/doc2" ] || fail "no memory: outputs $(ls "$tmp/sh_nomem")"
+    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --host-memory-check off --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
+    [ "$rc" -eq 0 ] && grep -q "batch done: 2 written, 0 already complete, 0 failed" "$tmp/stdout" || fail "no memory, check off: exit $rc"
+    run 1 --model default --host-memory-check maybe --batch "$tmp/long.jsonl" --out "$tmp/bad"
+    [ "$rc" -eq 2 ] && grep -q "^error: --host-memory-check must be on or off, got 'maybe'" "$tmp/stderr" || fail "--host-memory-check maybe: exit $rc"
+    run 2 --model default --cp 2 --export-overlap maybe --batch "$tmp/prompts.jsonl" --out "$tmp/bad"
+    [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
+    errors | grep -q "^error: --export-overlap must be on or off, got 'maybe'" || fail "--export-overlap message"
+    echo "overlap: $ms_on ms (waited $wait_on s) against $ms_off ms (waited $wait_off s)"
+    ;;
+  freeing)
+    # np 2, CP 2, the two long prompts: an export frees each layer's host K/V as its files are
+    # written, and a request that did not fit beside the whole export starts once enough is gone.
+    two_long_prompts
+    mkdir -p "$tmp/metrics"
     # An export frees each layer's K/V once its files are written (full retention), and a request
     # that did not fit beside the whole export starts when enough is gone. The freeing fault:
     # rank 0's export sleeps 50 ms after each layer it frees, and that rank has room once half of
@@ -660,6 +694,34 @@ PY
     left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
     [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
     echo "freeing: doc2 started with $left of doc1's 30 layers held on rank 0"
+    # With a retention (snapkv: (layer, KV head) parts, rows moved between ranks), a layer is
+    # freed once all its parts are written: the same early start, the files of a run without the
+    # overlap.
+    run 2 --model default --cp 2 --retention snapkv:budget=128 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_off"
+    [ "$rc" -eq 0 ] || fail "snapkv, overlap off: exit $rc"
+    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/sh_free_snap"
+    [ "$rc" -eq 0 ] || fail "freeing, snapkv: exit $rc"
+    left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
+    [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing, snapkv: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
+    echo "freeing, snapkv: doc2 started with $left of doc1's 30 layers held on rank 0"
+    for id in doc1 doc2; do
+      [ "$(ls "$tmp/sh_free_snap/$id")" = "$(ls "$tmp/sh_off/$id")" ] || fail "freeing, snapkv: $id: other files"
+      for f in "$tmp/sh_off/$id"/*; do
+        cmp -s "$f" "$tmp/sh_free_snap/$id/$(basename "$f")" || fail "freeing, snapkv: $id: $(basename "$f") differs"
+      done
+    done
+    # Two tiers (int8 + int4, each tier's parts written in turn): a layer goes after its parts in
+    # both; the files equal a run without the overlap.
+    run 2 --model default --cp 2 --retention snapkv:budget=128,high=64 --kv-dtype int8+int4 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_tiers_off"
+    [ "$rc" -eq 0 ] || fail "two tiers, overlap off: exit $rc"
+    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --retention snapkv:budget=128,high=64 --kv-dtype int8+int4 --batch "$tmp/long.jsonl" --out "$tmp/sh_tiers_free"
+    [ "$rc" -eq 0 ] && grep -q "doc2: starts with" "$tmp/stdout" || fail "freeing, two tiers: exit $rc, or doc2 did not start early"
+    for id in doc1 doc2; do
+      [ "$(ls "$tmp/sh_tiers_free/$id")" = "$(ls "$tmp/sh_tiers_off/$id")" ] || fail "freeing, two tiers: $id: other files"
+      for f in "$tmp/sh_tiers_off/$id"/*; do
+        cmp -s "$f" "$tmp/sh_tiers_free/$id/$(basename "$f")" || fail "freeing, two tiers: $id: $(basename "$f") differs"
+      done
+    done
     # SF_WAIT_WHOLE_EXPORT=1 (the A/B switch): the whole export first, as before, said so; the
     # same files.
     SF_WAIT_WHOLE_EXPORT=1 SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_whole"
@@ -676,23 +738,6 @@ PY
         cmp -s "$f" "$tmp/sh_free/$id/$(basename "$f")" || fail "freeing: $id: $(basename "$f") differs"
       done
     done
-    # A rank with no host memory for any request's KV: each request fails before its prefill,
-    # with the need and the way out named, and the job goes on to the end; without the check
-    # the same job writes both.
-    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
-    [ "$rc" -eq 3 ] || fail "no memory: exit $rc, want 3"
-    grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "no memory: summary"
-    [ "$(grep -c "request 'doc[12]' failed: its KV needs [0-9.]* [kMG]B of host memory for the 2 rank(s) on the leader's host, and a host of the group can give 0 B (0.8 of its available memory); --dry-run prints each request's need, --host-memory-check off skips this check" "$tmp/stderr")" -eq 2 ] \
-      || fail "no memory: want both requests' reason"
-    [ ! -e "$tmp/sh_nomem/doc1" ] && [ ! -e "$tmp/sh_nomem/doc2" ] || fail "no memory: outputs $(ls "$tmp/sh_nomem")"
-    SF_WORKER_FAULT=no_memory:1 run 2 --model default --cp 2 --host-memory-check off --batch "$tmp/long.jsonl" --out "$tmp/sh_nomem"
-    [ "$rc" -eq 0 ] && grep -q "batch done: 2 written, 0 already complete, 0 failed" "$tmp/stdout" || fail "no memory, check off: exit $rc"
-    run 1 --model default --host-memory-check maybe --batch "$tmp/long.jsonl" --out "$tmp/bad"
-    [ "$rc" -eq 2 ] && grep -q "^error: --host-memory-check must be on or off, got 'maybe'" "$tmp/stderr" || fail "--host-memory-check maybe: exit $rc"
-    run 2 --model default --cp 2 --export-overlap maybe --batch "$tmp/prompts.jsonl" --out "$tmp/bad"
-    [ "$rc" -eq 2 ] || fail "--export-overlap maybe: exit $rc, want 2"
-    errors | grep -q "^error: --export-overlap must be on or off, got 'maybe'" || fail "--export-overlap message"
-    echo "overlap: $ms_on ms (waited $wait_on s) against $ms_off ms (waited $wait_off s)"
     ;;
   dry_run)
     # The plan: bad lines as a run reports them, a line per good request with its group and

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <filesystem>
 #include <iterator>
 #include <map>
@@ -162,22 +163,17 @@ Result<std::unique_ptr<ShardedExport::Tier>> exchange_tier(GridComms& g,
   return t;
 }
 
-// One part per (layer, head) with runs on this rank: its rows laid out over the runs'
-// positions (the writer reads only the kept rows, so the rest is never filled). Parts are
-// gathered and written `width` at a time (run_items), each in a buffer pair taken from a free
-// list, so at most `width` pairs are ever faulted in; entries are added in part order. No
-// communication.
-template <typename Add>
-void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
-                const kvstore::KvExportSpec& spec, const model::KvCache& local, int cp, int me,
-                int tp_rank, int rank, int width, Add&& add) {
-  const int64_t d = spec.head_dim;
-  const int hl = local.n_kv_heads, h0 = tp_rank * hl, nl = spec.n_layers;
-  const auto ranges = cp_rank_ranges(spec.n_tokens, cp, me);
-  // The (layer, head) parts this rank writes, and the longest span of positions one covers.
+// The (layer, KV head) parts of a tier this rank writes: one per head with runs on this rank.
+struct TierParts {
   std::vector<kvstore::KvShardPart> parts;
-  std::vector<int> part_item;  // l * hl + h
-  int64_t max_span = 0;
+  std::vector<int> item;  // l * hl + h
+  int64_t max_span = 0;   // the longest span of positions one covers
+};
+TierParts tier_parts(const ShardedExport::Tier& t, int nl, int hl, int h0, int me, int rank) {
+  TierParts tp;
+  auto& parts = tp.parts;
+  auto& part_item = tp.item;
+  int64_t& max_span = tp.max_span;
   for (int l = 0; l < nl; ++l)
     for (int h = 0; h < hl; ++h) {
       const HeadCut& hc = t.cuts[size_t(l * hl + h)];
@@ -199,6 +195,34 @@ void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
       parts.push_back(std::move(part));
       part_item.push_back(l * hl + h);
     }
+  return tp;
+}
+
+// Each layer's parts over the tiers (what ShardedExport::write counts down to free a layer).
+std::vector<int> parts_per_layer(const std::vector<std::unique_ptr<ShardedExport::Tier>>& tiers,
+                                 int nl, int hl, int h0, int me, int rank) {
+  std::vector<int> n(static_cast<size_t>(nl), 0);
+  for (const auto& t : tiers)
+    for (const int it : tier_parts(*t, nl, hl, h0, me, rank).item) ++n[size_t(it / hl)];
+  return n;
+}
+
+// One part per (layer, head) with runs on this rank: its rows laid out over the runs'
+// positions (the writer reads only the kept rows, so the rest is never filled). Parts are
+// gathered and written `width` at a time (run_items), each in a buffer pair taken from a free
+// list, so at most `width` pairs are ever faulted in; entries are added in part order. No
+// communication. part_done(l) after each part written (from the writing threads).
+template <typename Add, typename Done>
+void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
+                const kvstore::KvExportSpec& spec, const model::KvCache& local, int cp, int me,
+                int tp_rank, int rank, int width, Add&& add, Done&& part_done) {
+  const int64_t d = spec.head_dim;
+  const int hl = local.n_kv_heads, h0 = tp_rank * hl, nl = spec.n_layers;
+  const auto ranges = cp_rank_ranges(spec.n_tokens, cp, me);
+  const TierParts tp = tier_parts(t, nl, hl, h0, me, rank);
+  const auto& parts = tp.parts;
+  const auto& part_item = tp.item;
+  const int64_t max_span = tp.max_span;
   FreeList<std::array<std::vector<float>, 2>> buffers;  // K, V of a part in flight
   std::vector<Result<std::vector<std::string>>> done(parts.size(),
                                                      Result<std::vector<std::string>>(
@@ -234,6 +258,7 @@ void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
     done[i] = kvstore::export_kv_shards(
         tmp, spec, parts[i], [&](int, bool v) { return (v ? vbuf : kbuf).data(); },
         /*validate=*/i == 0);
+    if (done[i].is_ok()) part_done(l);
     return done[i].status();
   };
   if (parts.empty()) return;
@@ -313,11 +338,21 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
     for (const std::string& x : e.value()) mine += "\n" + x;
   };
   if (!tiers_.empty()) {
-    // A retention's parts are (layer, KV head) files, each tier in turn, all reading `local`:
-    // a layer is free only at the end, so eo.on_layer_written is not called.
+    // A retention's parts are (layer, KV head) files, each tier in turn, reading `local`: a
+    // layer is free once its parts in every tier are written (at once where it has none here).
+    const int hl = local.n_kv_heads;
+    std::vector<int> n = parts_per_layer(tiers_, spec.n_layers, hl, tp_rank_ * hl, cp_rank_, rank_);
+    std::vector<std::atomic<int>> left(n.size());
+    for (size_t l = 0; l < n.size(); ++l) {
+      left[l].store(n[l], std::memory_order_relaxed);
+      if (n[l] == 0 && eo.on_layer_written) eo.on_layer_written(int(l));
+    }
+    const auto part_done = [&](int l) {
+      if (eo.on_layer_written && left[size_t(l)].fetch_sub(1) == 1) eo.on_layer_written(l);
+    };
     for (const auto& t : tiers_)
       write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_,
-                 std::max(eo.layers_in_flight, 1), add);
+                 std::max(eo.layers_in_flight, 1), add, part_done);
     return mine;
   }
   // Full retention: this rank's CP chunks (merged when adjacent) of its TP slice's KV heads.

@@ -35,8 +35,8 @@ class ShardedExport {
       const model::KvCache& local);
   // This rank's shards; what finish sends the leader ("ok" and one manifest entry a line, or
   // "error" and the message). Call once. eo.layers_in_flight shard files are written at once:
-  // full retention's layers, or a retention's (layer, KV head) parts. eo.on_layer_written is
-  // called for full retention's layers only (a retention reads every layer to the end).
+  // full retention's layers, or a retention's (layer, KV head) parts. eo.on_layer_written comes
+  // once a layer, when its files (every part, every tier) are written.
   std::string write(const kvstore::ExportOptions& eo = {});
   [[nodiscard]] Status finish(GridComms& g, const std::string& written);
 
