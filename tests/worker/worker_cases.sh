@@ -672,72 +672,63 @@ PY
   freeing)
     # np 2, CP 2, the two long prompts: an export frees each layer's host K/V as its files are
     # written, and a request that did not fit beside the whole export starts once enough is gone.
+    # The freeing fault: rank 0's export sleeps 50 ms after each layer it frees, and that rank has
+    # room once half of doc1's K/V is freed; so doc2 starts before doc1's export ends (some layers
+    # still held), and the files are those of a run without the overlap.
     two_long_prompts
     mkdir -p "$tmp/metrics"
-    # An export frees each layer's K/V once its files are written (full retention), and a request
-    # that did not fit beside the whole export starts when enough is gone. The freeing fault:
-    # rank 0's export sleeps 50 ms after each layer it frees, and that rank has room once half of
-    # doc1's K/V is freed; so doc2 starts before doc1's export ends (some layers still held), and
-    # the files are those of a run without the overlap.
-    run 2 --model default --cp 2 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_full_off"
+    # same_files WANT GOT WHAT: both requests' exports hold the same files, byte for byte.
+    same_files() {
+      local id f
+      for id in doc1 doc2; do
+        [ "$(ls "$2/$id")" = "$(ls "$1/$id")" ] || fail "$3: $id: other files"
+        for f in "$1/$id"/*; do
+          cmp -s "$f" "$2/$id/$(basename "$f")" || fail "$3: $id: $(basename "$f") differs"
+        done
+      done
+    }
+    # started_early WHAT: doc2 started with 1 to 15 of doc1's 30 layers held on rank 0.
+    started_early() {
+      local left
+      left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
+      [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "$1: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
+      echo "$1: doc2 started with $left of doc1's 30 layers held on rank 0"
+    }
+    # Full retention.
+    run 2 --model default --cp 2 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/full_off"
     [ "$rc" -eq 0 ] || fail "full retention, overlap off: exit $rc"
-    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_free" --metrics-file "$tmp/metrics/free.prom"
+    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/full_free" --metrics-file "$tmp/metrics/free.prom"
     [ "$rc" -eq 0 ] || fail "freeing: exit $rc"
+    grep -q "doc2: .* short of memory for it beside doc1's: it waits as that export frees its K/V$" "$tmp/stdout" || fail "freeing: no wait line"
+    started_early freeing
+    same_files "$tmp/full_off" "$tmp/full_free" freeing
     # The wait is doc2's (its summary's memory_wait_s, over the 100 ms a re-check sleeps), not
     # doc1's, and the metrics counter adds it up.
-    w1=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/sh_free/doc1.json" | awk '{ print $2 }')
-    w2=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/sh_free/doc2.json" | awk '{ print $2 }')
+    w1=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/full_free/doc1.json" | awk '{ print $2 }')
+    w2=$(grep -o '"memory_wait_s": [0-9.]*' "$tmp/full_free/doc2.json" | awk '{ print $2 }')
     awk -v a="$w1" -v b="$w2" 'BEGIN { exit !(a == 0 && b > 0.1) }' || fail "freeing: memory_wait_s doc1 '$w1', doc2 '$w2'"
     counter=$(sed 's/,out="[^"]*"//' "$tmp/metrics/free.prom" | awk '$1 == "sparsefill_worker_memory_wait_seconds_total{group=\"0\"}" { print $2 }')
     awk -v a="$counter" -v b="$w2" 'BEGIN { exit !(a - b < 0.001 && b - a < 0.001) }' || fail "freeing: metrics memory wait '$counter', summary '$w2'"
-    grep -q "doc2: .* short of memory for it beside doc1's: it waits as that export frees its K/V$" "$tmp/stdout" || fail "freeing: no wait line"
-    left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
-    [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
-    echo "freeing: doc2 started with $left of doc1's 30 layers held on rank 0"
-    # With a retention (snapkv: (layer, KV head) parts, rows moved between ranks), a layer is
-    # freed once all its parts are written: the same early start, the files of a run without the
-    # overlap.
-    run 2 --model default --cp 2 --retention snapkv:budget=128 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_off"
-    [ "$rc" -eq 0 ] || fail "snapkv, overlap off: exit $rc"
-    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/sh_free_snap"
-    [ "$rc" -eq 0 ] || fail "freeing, snapkv: exit $rc"
-    left=$(sed -n "s/.*doc2: starts with \([0-9]*\) of doc1's 30 layers of K\/V not yet freed here, after .*/\1/p" "$tmp/stdout")
-    [ -n "$left" ] && [ "$left" -gt 0 ] && [ "$left" -le 15 ] || fail "freeing, snapkv: doc2 started with '$left' of 30 layers held ($(grep 'doc2' "$tmp/stdout"))"
-    echo "freeing, snapkv: doc2 started with $left of doc1's 30 layers held on rank 0"
-    for id in doc1 doc2; do
-      [ "$(ls "$tmp/sh_free_snap/$id")" = "$(ls "$tmp/sh_off/$id")" ] || fail "freeing, snapkv: $id: other files"
-      for f in "$tmp/sh_off/$id"/*; do
-        cmp -s "$f" "$tmp/sh_free_snap/$id/$(basename "$f")" || fail "freeing, snapkv: $id: $(basename "$f") differs"
-      done
-    done
-    # Two tiers (int8 + int4, each tier's parts written in turn): a layer goes after its parts in
-    # both; the files equal a run without the overlap.
-    run 2 --model default --cp 2 --retention snapkv:budget=128,high=64 --kv-dtype int8+int4 --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/sh_tiers_off"
-    [ "$rc" -eq 0 ] || fail "two tiers, overlap off: exit $rc"
-    SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --retention snapkv:budget=128,high=64 --kv-dtype int8+int4 --batch "$tmp/long.jsonl" --out "$tmp/sh_tiers_free"
-    [ "$rc" -eq 0 ] && grep -q "doc2: starts with" "$tmp/stdout" || fail "freeing, two tiers: exit $rc, or doc2 did not start early"
-    for id in doc1 doc2; do
-      [ "$(ls "$tmp/sh_tiers_free/$id")" = "$(ls "$tmp/sh_tiers_off/$id")" ] || fail "freeing, two tiers: $id: other files"
-      for f in "$tmp/sh_tiers_off/$id"/*; do
-        cmp -s "$f" "$tmp/sh_tiers_free/$id/$(basename "$f")" || fail "freeing, two tiers: $id: $(basename "$f") differs"
-      done
+    # A retention (snapkv: (layer, KV head) parts, rows moved between ranks), then two tiers
+    # (int8 + int4, each tier's parts written in turn): a layer goes once all its parts are
+    # written.
+    for ret in "snapkv:budget=128" "snapkv:budget=128,high=64 --kv-dtype int8+int4"; do
+      # shellcheck disable=SC2086  # $ret carries a flag and its value
+      run 2 --model default --cp 2 --retention $ret --export-overlap off --batch "$tmp/long.jsonl" --out "$tmp/ret_off"
+      [ "$rc" -eq 0 ] || fail "$ret, overlap off: exit $rc"
+      # shellcheck disable=SC2086
+      SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --retention $ret --batch "$tmp/long.jsonl" --out "$tmp/ret_free"
+      [ "$rc" -eq 0 ] || fail "freeing, $ret: exit $rc"
+      started_early "freeing, $ret"
+      same_files "$tmp/ret_off" "$tmp/ret_free" "freeing, $ret"
+      rm -rf "$tmp/ret_off" "$tmp/ret_free"
     done
     # SF_WAIT_WHOLE_EXPORT=1 (the A/B switch): the whole export first, as before, said so; the
     # same files.
-    SF_WAIT_WHOLE_EXPORT=1 SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/sh_whole"
+    SF_WAIT_WHOLE_EXPORT=1 SF_WORKER_FAULT=freeing:0:50 run 2 --model default --cp 2 --batch "$tmp/long.jsonl" --out "$tmp/whole"
     [ "$rc" -eq 0 ] && ! grep -q "doc2: starts with" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: exit $rc, or doc2 started beside doc1's export"
     grep -q "doc2: .* short of memory for it beside doc1's: that export finishes first$" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: no line saying doc1's export finishes first"
-    for id in doc1 doc2; do
-      for f in "$tmp/sh_full_off/$id"/*; do
-        cmp -s "$f" "$tmp/sh_whole/$id/$(basename "$f")" || fail "SF_WAIT_WHOLE_EXPORT=1: $id: $(basename "$f") differs"
-      done
-    done
-    for id in doc1 doc2; do
-      [ "$(ls "$tmp/sh_free/$id")" = "$(ls "$tmp/sh_full_off/$id")" ] || fail "freeing: $id: other files"
-      for f in "$tmp/sh_full_off/$id"/*; do
-        cmp -s "$f" "$tmp/sh_free/$id/$(basename "$f")" || fail "freeing: $id: $(basename "$f") differs"
-      done
-    done
+    same_files "$tmp/full_off" "$tmp/whole" "SF_WAIT_WHOLE_EXPORT=1"
     ;;
   dry_run)
     # The plan: bad lines as a run reports them, a line per good request with its group and
