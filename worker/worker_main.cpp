@@ -153,6 +153,11 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo
 bool stores_f32(const kvstore::KvEncodings& e) {
   return e.high == kvstore::KvEncoding::kF32 || e.low == kvstore::KvEncoding::kF32;
 }
+// Whether it is plain bf16 (one tier), whose files are the same bytes from bf16 or F32 host K/V
+// (ExportFromBf16HostKvIsTheF32ExportsKv).
+bool plain_bf16(const kvstore::KvEncodings& e) {
+  return e.high == kvstore::KvEncoding::kBF16 && !e.low;
+}
 
 Result<Options> parse_options(int argc, char** argv) {
   Options o;
@@ -408,13 +413,11 @@ std::string request_fingerprint(const std::vector<int32_t>& tokens,
                                 const kvstore::RetentionPolicy& policy,
                                 const kvstore::KvEncodings& encs, const std::string& job,
                                 bool host_bf16) {
-  // bf16 host K/V change the bytes of an export that is not plain bf16 (a bf16 one is the same
-  // bytes from either: ExportFromBf16HostKvIsTheF32ExportsKv), so only those name them.
-  const bool plain_bf16 = encs.high == kvstore::KvEncoding::kBF16 && !encs.low;
+  // bf16 host K/V change the bytes of an export that is not plain bf16, so only those name them.
   const std::string s =
       "tokens=" + hex64(xxh64_bytes(tokens.data(), tokens.size() * sizeof(int32_t))) +
       ";n=" + std::to_string(tokens.size()) + ";retention=" + policy_string(policy) +
-      ";kv=" + kvstore::kv_encodings_name(encs) + (host_bf16 && !plain_bf16 ? ";kv_host=bf16" : "") +
+      ";kv=" + kvstore::kv_encodings_name(encs) + (host_bf16 && !plain_bf16(encs) ? ";kv_host=bf16" : "") +
       ";" + job;
   return hex64(xxh64_bytes(s.data(), s.size()));
 }
@@ -957,10 +960,7 @@ int run(int argc, char** argv) {
   const bool host_bf16 = [&] {
     if (!o.kv_host_auto) return o.kv_host_bf16;
     bool all = o.device == "cuda" && o.prefix_cache_bytes == 0 && !good.empty();
-    for (const auto& r : good) {
-      const kvstore::KvEncodings& e = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
-      all = all && e.high == kvstore::KvEncoding::kBF16 && !e.low;
-    }
+    for (const auto& r : good) all = all && plain_bf16(r.kv_dtype ? *r.kv_dtype : o.kv_dtype);
     return all;
   }();
   std::sort(bf.bad.begin(), bf.bad.end(),
@@ -1147,15 +1147,7 @@ int run(int argc, char** argv) {
   const int freeing_ms = fault.kind == "freeing" && fault.rank == world->rank() ? int(fault.layer) : 0;
   auto free_layer_when_written = [freeing_ms](PendingExport& x) {
     return [&x, freeing_ms](int l) {
-      model::KvCache& kv = x.res.kv;
-      int64_t bytes = 0;
-      auto drop = [&](auto& layers) {
-        if (size_t(l) >= layers.size()) return;
-        bytes += int64_t(layers[size_t(l)].size() * sizeof(layers[size_t(l)][0]));
-        std::remove_reference_t<decltype(layers[0])>().swap(layers[size_t(l)]);
-      };
-      drop(kv.k), drop(kv.v), drop(kv.k16), drop(kv.v16);
-      x.freed_bytes.fetch_add(bytes);
+      x.freed_bytes.fetch_add(x.res.kv.free_layer(l));
       x.freed_layers.fetch_add(1);
       if (freeing_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(freeing_ms));
     };
@@ -1483,30 +1475,22 @@ int run(int argc, char** argv) {
       return all[0] == 0;
     };
     double memory_wait_s = 0;  // this request's, in its summary (memory_wait_s)
-    if (pending && wait_whole_export && group_short(true)) {
-      if (g.leader())
-        std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
-                    "group is short of memory for it beside %s's: that export finishes first\n",
-                    g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
-      const auto w0 = clk::now();
-      complete_export(std::move(pending));
-      memory_wait_s = since(w0);
-    }
     if (pending && group_short(true)) {
       // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as
       // its files (all of its parts and tiers) are written, so this request starts once what is
-      // left of that leaves room,
-      // or after the export (its finish, a collective, then runs here). Every rank takes the
-      // same turns: each round's two answers are the group's.
+      // left of that leaves room, or after the export (its finish, a collective, then runs
+      // here; at once with SF_WAIT_WHOLE_EXPORT=1). Every rank takes the same turns: each
+      // round's two answers are the group's.
       if (g.leader())
         std::printf("[group %d] %s: %.2f GB of KV to compute on this host, and a host of the "
-                    "group is short of memory for it beside %s's: it waits as that export frees "
-                    "its K/V\n",
-                    g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str());
+                    "group is short of memory for it beside %s's: %s\n",
+                    g.group, r.id.c_str(), double(need) / 1e9, pending->r->id.c_str(),
+                    wait_whole_export ? "that export finishes first"
+                                      : "it waits as that export frees its K/V");
       std::fflush(stdout);
       const auto w0 = clk::now();
       bool fits = false;
-      for (;;) {
+      while (!wait_whole_export) {
         const int32_t mine = !pending->write.valid() || pending->write.wait_for(
                                  std::chrono::seconds(0)) == std::future_status::ready;
         int32_t all_written = 0;
@@ -1808,10 +1792,7 @@ int run(int argc, char** argv) {
                         : double(x->ret.kept_total()) /
                               double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
     x->res = std::move(res);
-    for (const auto* layers : {&x->res.kv.k, &x->res.kv.v})
-      for (const auto& layer : *layers) x->held_bytes += int64_t(layer.size() * sizeof(float));
-    for (const auto* layers : {&x->res.kv.k16, &x->res.kv.v16})
-      for (const auto& layer : *layers) x->held_bytes += int64_t(layer.size() * sizeof(uint16_t));
+    for (int l = 0; l < x->res.kv.n_layers; ++l) x->held_bytes += x->res.kv.layer_bytes(l);
     // The previous request's export, written while this prefill ran, completes first: a rank
     // holds at most two requests' KV.
     if (pending) complete_export(std::move(pending));

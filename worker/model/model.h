@@ -88,6 +88,23 @@ struct KvCache {
   // then empty): half the host memory. Readers that take F32 only check bf16() and refuse.
   std::vector<std::vector<uint16_t>> k16, v16;
   bool bf16() const { return !k16.empty(); }
+  // Bytes of layer l's K and V as held (F32 or bf16; 0 once freed).
+  int64_t layer_bytes(int l) const {
+    const size_t i = size_t(l);
+    int64_t b = 0;
+    if (i < k.size()) b += int64_t((k[i].size() + v[i].size()) * sizeof(float));
+    if (i < k16.size()) b += int64_t((k16[i].size() + v16[i].size()) * sizeof(uint16_t));
+    return b;
+  }
+  // Frees layer l's K and V (an export that has written them: kvstore::ExportOptions::
+  // on_layer_written); returns the bytes freed. Other layers stay as they are.
+  int64_t free_layer(int l) {
+    const int64_t b = layer_bytes(l);
+    const size_t i = size_t(l);
+    if (i < k.size()) std::vector<float>().swap(k[i]), std::vector<float>().swap(v[i]);
+    if (i < k16.size()) std::vector<uint16_t>().swap(k16[i]), std::vector<uint16_t>().swap(v16[i]);
+    return b;
+  }
 };
 
 struct SparseConfig;

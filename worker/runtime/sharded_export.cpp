@@ -198,28 +198,18 @@ TierParts tier_parts(const ShardedExport::Tier& t, int nl, int hl, int h0, int m
   return tp;
 }
 
-// Each layer's parts over the tiers (what ShardedExport::write counts down to free a layer).
-std::vector<int> parts_per_layer(const std::vector<std::unique_ptr<ShardedExport::Tier>>& tiers,
-                                 int nl, int hl, int h0, int me, int rank) {
-  std::vector<int> n(static_cast<size_t>(nl), 0);
-  for (const auto& t : tiers)
-    for (const int it : tier_parts(*t, nl, hl, h0, me, rank).item) ++n[size_t(it / hl)];
-  return n;
-}
-
 // One part per (layer, head) with runs on this rank: its rows laid out over the runs'
 // positions (the writer reads only the kept rows, so the rest is never filled). Parts are
 // gathered and written `width` at a time (run_items), each in a buffer pair taken from a free
 // list, so at most `width` pairs are ever faulted in; entries are added in part order. No
 // communication. part_done(l) after each part written (from the writing threads).
 template <typename Add, typename Done>
-void write_tier(const ShardedExport::Tier& t, const std::string& tmp,
+void write_tier(const ShardedExport::Tier& t, const TierParts& tp, const std::string& tmp,
                 const kvstore::KvExportSpec& spec, const model::KvCache& local, int cp, int me,
-                int tp_rank, int rank, int width, Add&& add, Done&& part_done) {
+                int width, Add&& add, Done&& part_done) {
   const int64_t d = spec.head_dim;
-  const int hl = local.n_kv_heads, h0 = tp_rank * hl, nl = spec.n_layers;
+  const int hl = local.n_kv_heads;
   const auto ranges = cp_rank_ranges(spec.n_tokens, cp, me);
-  const TierParts tp = tier_parts(t, nl, hl, h0, me, rank);
   const auto& parts = tp.parts;
   const auto& part_item = tp.item;
   const int64_t max_span = tp.max_span;
@@ -341,17 +331,19 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
     // A retention's parts are (layer, KV head) files, each tier in turn, reading `local`: a
     // layer is free once its parts in every tier are written (at once where it has none here).
     const int hl = local.n_kv_heads;
-    std::vector<int> n = parts_per_layer(tiers_, spec.n_layers, hl, tp_rank_ * hl, cp_rank_, rank_);
-    std::vector<std::atomic<int>> left(n.size());
-    for (size_t l = 0; l < n.size(); ++l) {
-      left[l].store(n[l], std::memory_order_relaxed);
-      if (n[l] == 0 && eo.on_layer_written) eo.on_layer_written(int(l));
+    std::vector<TierParts> parts;
+    std::vector<std::atomic<int>> left(static_cast<size_t>(spec.n_layers));
+    for (const auto& t : tiers_) {
+      parts.push_back(tier_parts(*t, spec.n_layers, hl, tp_rank_ * hl, cp_rank_, rank_));
+      for (const int it : parts.back().item) left[size_t(it / hl)].fetch_add(1);
     }
+    for (size_t l = 0; l < left.size(); ++l)
+      if (left[l].load() == 0 && eo.on_layer_written) eo.on_layer_written(int(l));
     const auto part_done = [&](int l) {
       if (eo.on_layer_written && left[size_t(l)].fetch_sub(1) == 1) eo.on_layer_written(l);
     };
-    for (const auto& t : tiers_)
-      write_tier(*t, tmp_, spec, local, cp_, cp_rank_, tp_rank_, rank_,
+    for (size_t i = 0; i < tiers_.size(); ++i)
+      write_tier(*tiers_[i], parts[i], tmp_, spec, local, cp_, cp_rank_,
                  std::max(eo.layers_in_flight, 1), add, part_done);
     return mine;
   }
