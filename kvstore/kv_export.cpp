@@ -371,6 +371,7 @@ Result<std::vector<std::string>> export_kv_shards(const std::string& tmp, const 
   const auto one = [&](int l, int tier, std::string* entry) -> Status {
     std::error_code ec;
     const bool low = tier == 1;
+    if (opt.wait_layer) SF_TRY(opt.wait_layer(l));
     const LayerRows k = src(l, false);
     const LayerRows v = src(l, true);
     if (!k.data || !v.data)

@@ -110,6 +110,11 @@ struct ExportOptions {
   // request then needs less memory beside this export). From the writing threads, several at
   // once; not for a layer whose file failed.
   std::function<void(int layer)> on_layer_written;
+  // Called from the writing threads before a layer's rows (the LayerSource) or its importance
+  // are read: an export begun while its prefill still runs (sparsefill-worker --export-stream)
+  // waits here until the prefill has made that layer final. A non-ok status fails the layer's
+  // file, and so the export, with that error. Unset: every layer is final already.
+  std::function<Status(int layer)> wait_layer;
 };
 // A layers_in_flight for callers whose source is thread-safe: half the CPU pool's threads,
 // between 1 and 8 (measured: bench/NOTES.md, forty-second session).

@@ -28,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -68,7 +69,8 @@ const char* kUsage =
     "                  [--tp T] [--cp C] [--attention MODE] [--chunk N] [--comm-timeout S] "
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
-    "[--export-overlap on|off] [--export-threads N] [--kv-staging-layers N]\n"
+    "[--export-overlap on|off] [--export-stream auto|on|off] [--export-threads N]\n"
+    "                  [--kv-staging-layers N]"
     "                  [--kv-staging-max-gib G] [--kv-host-dtype auto|f32|bf16] [--dry-run]\n"
     "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
@@ -85,6 +87,12 @@ struct Options {
   // prefill runs (its manifest and summary follow that prefill), so a rank holds two requests'
   // KV at the peak; off: each export finishes before the next prefill starts.
   bool export_overlap = true;
+  // A full-retention sharded export (no prefix cache) begins with its prefill and writes each
+  // layer as the prefill makes it final (runtime::LayerGate), instead of after the prefill: the
+  // request's export is then mostly written when its prefill ends. auto (-1): on with --device
+  // cuda, where the host's cores are free during the prefill; off on CPUs, whose prefill uses
+  // every core (on: there too).
+  int export_stream = -1;
   // Shard files a rank writes at once (kvstore::ExportOptions::layers_in_flight); 0: half its
   // pool threads, 1 to 8, or 1 for a CPU prefill's overlapped export.
   int export_threads = 0;
@@ -166,7 +174,7 @@ Result<Options> parse_options(int argc, char** argv) {
             parse_args(argc, argv, 1,
                        {"model", "batch", "out", "tp", "cp", "attention", "chunk", "comm-timeout",
                         "export", "device", "retention", "kv-dtype", "prefix-cache",
-                        "stall-timeout", "metrics-file", "export-overlap", "export-threads",
+                        "stall-timeout", "metrics-file", "export-overlap", "export-stream", "export-threads",
                         "kv-staging-layers", "kv-staging-max-gib", "host-memory-check", "kv-host-dtype"},
                        {"allow-long", "cp-estimate", "selective-kv", "dry-run"}));
   if (args.help) {
@@ -193,6 +201,12 @@ Result<Options> parse_options(int argc, char** argv) {
     if (v != "on" && v != "off")
       return SF_ERR(kInvalidArgument, "--export-overlap must be on or off, got '" + v + "'");
     o.export_overlap = v == "on";
+  }
+  if (kv.count("export-stream")) {
+    const std::string& v = kv["export-stream"];
+    if (v != "auto" && v != "on" && v != "off")
+      return SF_ERR(kInvalidArgument, "--export-stream must be auto, on or off, got '" + v + "'");
+    o.export_stream = v == "auto" ? -1 : v == "on" ? 1 : 0;
   }
   if (kv.count("host-memory-check")) {
     const std::string& v = kv["host-memory-check"];
@@ -607,17 +621,18 @@ int run(int argc, char** argv) {
       auto same = same_on_every_rank(
           *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
                    int64_t(p.host_memory_check), int64_t(p.help),
-                   int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16)});
+                   int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16),
+                   int64_t(p.export_stream)});
       if (!same.is_ok()) fatal(same.status());
       if (!same.value()[0])
         all = SF_ERR(kInvalidArgument,
                      "--retention: the ranks read different policies (a moa config file must "
                      "hold the same spans on every host)");
       else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4] ||
-               !same.value()[5])
+               !same.value()[5] || !same.value()[6])
         all = SF_ERR(kInvalidArgument,
                      "the ranks were given different --dry-run, --export-overlap, "
-                     "--host-memory-check or --kv-host-dtype flags (or --help on some only; an "
+                     "--host-memory-check, --kv-host-dtype or --export-stream flags (or --help on some only; an "
                      "MPMD launch must pass the same ones to every rank)");
     }
     if (!all.is_ok()) {
@@ -1137,6 +1152,15 @@ int run(int argc, char** argv) {
     int64_t held_bytes = 0;
     std::atomic<int64_t> freed_bytes{0};
     std::atomic<int> freed_layers{0};
+    std::atomic<int> written_layers{0};  // this rank's layers whose files are written
+    // A streamed export (--export-stream): begun before the prefill, it reads each layer from
+    // `gate` as the prefill publishes it. Until the prefill's result is attached (res), a
+    // written layer cannot be freed yet: it is noted in written_early and freed at the attach.
+    std::unique_ptr<runtime::LayerGate> gate;
+    int written_at_prefill_end = -1;  // written_layers when the prefill ended (streamed only)
+    std::mutex attach_mu;
+    bool attached = true;
+    std::vector<int> written_early;
     // Last, so it is destroyed first: its destructor waits for the writer, which updates the
     // counters above.
     std::future<WriteOutcome> write;
@@ -1147,6 +1171,14 @@ int run(int argc, char** argv) {
   const int freeing_ms = fault.kind == "freeing" && fault.rank == world->rank() ? int(fault.layer) : 0;
   auto free_layer_when_written = [freeing_ms](PendingExport& x) {
     return [&x, freeing_ms](int l) {
+      x.written_layers.fetch_add(1);
+      {
+        std::lock_guard<std::mutex> lk(x.attach_mu);
+        if (!x.attached) {  // a streamed export's prefill still runs: freed at the attach
+          x.written_early.push_back(l);
+          return;
+        }
+      }
       x.freed_bytes.fetch_add(x.res.kv.free_layer(l));
       x.freed_layers.fetch_add(1);
       if (freeing_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(freeing_ms));
@@ -1177,6 +1209,7 @@ int run(int argc, char** argv) {
   // A CPU prefill keeps every core busy: an export written beside it takes one layer at a time,
   // not the several that compete with the prefill's threads (on GPUs the host cores are free).
   const bool overlap_cpu = o.export_overlap && !dmodel;
+  const bool stream_exports = o.export_stream == 1 || (o.export_stream < 0 && dmodel);
   const int export_width = o.export_threads > 0 ? o.export_threads
                            : overlap_cpu        ? 1
                                                 : kvstore::default_layers_in_flight();
@@ -1198,7 +1231,7 @@ int run(int argc, char** argv) {
       x.write = launch([&x, eo, rank] {
         WriteOutcome w;
         try {
-          w.mine = x.sharded->write(eo);
+          w.mine = x.gate ? x.sharded->write_streamed(*x.gate, eo) : x.sharded->write(eo);
         } catch (const std::exception& e) {  // reported as this rank's error, as a write's
           w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
         }
@@ -1229,16 +1262,50 @@ int run(int argc, char** argv) {
       });
     }
   };
+  // A request's export, its spec but first_token (and retention, importance) filled in.
+  auto new_export = [&](const runtime::BatchRequest& r, const kvstore::KvEncodings& encs,
+                        const std::string& fingerprint) {
+    auto x = std::make_unique<PendingExport>();
+    x->r = &r;
+    x->k = k;
+    x->encs = encs;
+    x->fingerprint = fingerprint;
+    x->dir = runtime::request_dir(o.out, r.id);
+    kvstore::KvExportSpec& spec = x->spec;
+    spec = kvstore::model_export_spec(m);
+    spec.n_tokens = int64_t(r.tokens.size());
+    spec.token_ids = r.tokens;
+    spec.encoding = encs.high;
+    spec.encoding_low = encs.low;
+    return x;
+  };
+  // The heartbeat goes from this thread only: a long wait for a writer is progress too.
+  auto wait_writer = [&](PendingExport& x) {
+    WriteOutcome w;
+    if (x.write.valid()) {
+      while (x.write.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready)
+        beat(k);
+      w = x.write.get();
+    }
+    return w;
+  };
+  // A streamed export whose request failed (on every rank of the group alike, so they all come
+  // here): the writer stops at its next unpublished layer, and the group's finish, told of the
+  // failure by every rank, removes the partial export.
+  auto abandon = [&](std::unique_ptr<PendingExport> x, const Status& why) {
+    x->gate->fail(why);
+    (void)wait_writer(*x);
+    if (x->begun.is_ok() && x->sharded) {
+      const Status st = x->sharded->finish(
+          g, "error\nrank " + std::to_string(g.group_comm->rank()) + ": the request failed (" +
+                 why.message() + ")");
+      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
+    }
+  };
   auto complete_export = [&](std::unique_ptr<PendingExport> x) {
     const runtime::BatchRequest& r = *x->r;
     const auto w0 = clk::now();
-    WriteOutcome w;
-    if (x->write.valid()) {
-      // The heartbeat goes from this thread only; a long write is progress too.
-      while (x->write.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready)
-        beat(k);
-      w = x->write.get();
-    }
+    const WriteOutcome w = wait_writer(*x);
     const double wait_s = since(w0);
     const auto f0 = clk::now();
     Status st;
@@ -1303,7 +1370,8 @@ int run(int argc, char** argv) {
         "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"kv_host_dtype\": \"%s\", \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
         "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
         "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
-        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"memory_wait_s\": %.6f, "
+        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"export_streamed\": %s, "
+        "\"export_layers_at_prefill_end\": %d, \"memory_wait_s\": %.6f, "
         "\"fingerprint\": \"%s\"}",
         json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
         o.tp, o.cp, g.group, s.seconds, s.plan_s, s.comm_s,
@@ -1321,7 +1389,8 @@ int run(int argc, char** argv) {
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
         static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
-        export_wait_s, x->memory_wait_s, x->fingerprint.c_str());
+        export_wait_s, x->gate ? "true" : "false", std::max(x->written_at_prefill_end, 0),
+        x->memory_wait_s, x->fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     // A JSON array of byte counts, or of seconds and densities (six decimals, as above).
     auto list = [](const auto& v) {
@@ -1573,6 +1642,45 @@ int run(int argc, char** argv) {
       };
     }
     first_request = false;
+    // --export-stream: a full-retention sharded export begins now (its opening is a collective;
+    // every rank decides alike) and writes each layer as the prefill publishes it.
+    std::unique_ptr<PendingExport> streamed;
+    model::LayerKvHooks kv_hooks;
+    if (stream_exports && sharded && !prefix && policy.kind == kvstore::RetentionKind::kFull) {
+      streamed = new_export(r, encs, fingerprint);
+      PendingExport& sx = *streamed;
+      if (po.importance_window > 0) {
+        // Filled layer by layer as the prefill's importance lands (the writer reads a layer's
+        // after its rows are published).
+        const int64_t T = int64_t(r.tokens.size());
+        sx.imp = kvstore::ImportanceScores{
+            cfg.n_layers, cfg.n_kv_heads, T, po.importance_window, po.importance_pool,
+            std::vector<std::vector<float>>(size_t(cfg.n_layers),
+                                            std::vector<float>(size_t(cfg.n_kv_heads * T)))};
+        sx.spec.importance = &*sx.imp;
+      }
+      sx.gate = std::make_unique<runtime::LayerGate>(cfg.n_layers);
+      sx.attached = false;
+      start_export(sx);
+      kv_hooks.final = [&sx](int l, const model::KvCache& kv, std::span<const float> imp) {
+        Status st = Status::ok();
+        if (sx.imp) {
+          std::vector<float>& dst = sx.imp->layers[size_t(l)];
+          if (imp.size() == dst.size())
+            std::copy(imp.begin(), imp.end(), dst.begin());
+          else
+            st = SF_ERR(kInternal, "streamed export: layer " + std::to_string(l) +
+                                       "'s importance has " + std::to_string(imp.size()) +
+                                       " scores, not " + std::to_string(dst.size()));
+        }
+        if (st.is_ok()) st = sx.gate->publish(l, kv);
+        if (!st.is_ok()) sx.gate->fail(st);
+      };
+      // A failed run's K/V stays with the export (never attached, so nothing frees it) until
+      // its writer is done with the published rows.
+      kv_hooks.failed = [&sx](model::KvCache&& kv) { sx.res.kv = std::move(kv); };
+      po.kv_hooks = kv_hooks;
+    }
     Result<runtime::ParallelResult> pr = SF_ERR(kInternal, "not run");
     int64_t reused_tokens = 0;  // from the prefix cache
     if (prefix) {
@@ -1696,7 +1804,7 @@ int run(int argc, char** argv) {
         }
       }
       if (dplan) {
-        pr = dplan->run(r.tokens);
+        pr = dplan->run(r.tokens, kv_hooks);
         if (pr.is_ok()) {
           pr.value().stats.plan_s = plan_s;
           if (pr.value().stats.sparse_grows > 0 || dplan_carried) {
@@ -1716,6 +1824,12 @@ int run(int argc, char** argv) {
     if (!pr.is_ok() && (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
                         (dgrid && (dgrid->tp->aborted() || dgrid->cp->aborted()))))
       fatal(pr.status());
+    if (streamed) {
+      streamed->written_at_prefill_end = streamed->written_layers.load();
+      // Its writer reads the result's rows: the export holds them from here, whatever becomes of
+      // the request (a failure below must not free them under the writer).
+      if (pr.is_ok()) streamed->res = std::move(pr.value());
+    }
     {
       // One rank's failure is the group's: a rank that failed alone (after the run's last
       // collective) must not go on to the next request's collectives while its peers export
@@ -1738,27 +1852,20 @@ int run(int argc, char** argv) {
         staging_held = std::min<int64_t>(staging_held, int64_t(dbuffers->host_bytes_held()));
       else
         staging_held = 0;
+      if (streamed) abandon(std::move(streamed), pr.status());
       continue;
     }
-    runtime::ParallelResult& res = pr.value();
-    auto x = std::make_unique<PendingExport>();
+    std::unique_ptr<PendingExport> x =
+        streamed ? std::move(streamed) : new_export(r, encs, fingerprint);
+    runtime::ParallelResult& res = x->gate ? x->res : pr.value();  // (streamed: held already)
     x->memory_wait_s = memory_wait_s;
-    x->r = &r;
-    x->k = k;
-    x->encs = encs;
-    x->fingerprint = fingerprint;
     x->reused_tokens = reused_tokens;
     if (dplan && res.stats.plan_s > 0) x->plan = dplan->prefill().plan_times();
-    x->dir = runtime::request_dir(o.out, r.id);
     kvstore::KvExportSpec& spec = x->spec;
-    spec = kvstore::model_export_spec(m);
-    spec.n_tokens = int64_t(r.tokens.size());
-    spec.token_ids = r.tokens;
-    spec.first_token = res.first_token;
-    spec.encoding = encs.high;
-    spec.encoding_low = encs.low;
+    spec.first_token = res.first_token;  // (a streamed writer reads no first_token: the manifest's)
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
-    if (!res.importance.empty())
+    // (A streamed export's is in place already.)
+    if (!x->gate && !res.importance.empty())
       x->imp = kvstore::ImportanceScores{cfg.n_layers,       cfg.n_kv_heads,
                                          spec.n_tokens,      po.importance_window,
                                          po.importance_pool, std::move(res.importance)};
@@ -1783,20 +1890,60 @@ int run(int argc, char** argv) {
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: retention: %s\n", o.batch.c_str(),
                      static_cast<long long>(r.line), r.id.c_str(), ret.status().message().c_str());
+      if (x->gate) abandon(std::move(x), ret.status());
       continue;
     }
     x->ret = std::move(ret).value();
-    spec.retention = full ? nullptr : &x->ret;
-    spec.importance = x->imp ? &*x->imp : nullptr;
+    if (!x->gate) {  // (a streamed writer reads these: set before it started, full and its own)
+      spec.retention = full ? nullptr : &x->ret;
+      spec.importance = x->imp ? &*x->imp : nullptr;
+    }
     x->kept_frac = full ? 1.0
                         : double(x->ret.kept_total()) /
                               double(int64_t(cfg.n_layers) * cfg.n_kv_heads * spec.n_tokens);
-    x->res = std::move(res);
+    if (!x->gate) x->res = std::move(res);
     for (int l = 0; l < x->res.kv.n_layers; ++l) x->held_bytes += x->res.kv.layer_bytes(l);
+    if (x->gate) {
+      // The rows the prefill published must be where the result holds them; a layer it did not
+      // publish (a device prompt run whole, cut after its run) is published from the result.
+      Status st = x->gate->check_in_place(x->res.kv);
+      for (int l = 0; st.is_ok() && l < cfg.n_layers; ++l) {
+        if (x->gate->published(l)) continue;
+        if (x->imp) {
+          if (size_t(l) < x->res.importance.size() &&
+              x->res.importance[size_t(l)].size() == x->imp->layers[size_t(l)].size())
+            x->imp->layers[size_t(l)] = x->res.importance[size_t(l)];
+          else
+            st = SF_ERR(kInternal, "streamed export: no importance for layer " + std::to_string(l));
+        }
+        if (st.is_ok()) st = x->gate->publish(l, x->res.kv);
+      }
+      const Status grp = agree(*g.group_comm, st);
+      if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
+      if (!grp.is_ok()) {
+        ++n_failed;
+        if (g.leader())
+          std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
+                       static_cast<long long>(r.line), r.id.c_str(), grp.message().c_str());
+        abandon(std::move(x), grp);
+        continue;
+      }
+      // Attached: the layers written so far go now, later ones as they are written.
+      std::vector<int> early;
+      {
+        std::lock_guard<std::mutex> lk(x->attach_mu);
+        x->attached = true;
+        early.swap(x->written_early);
+      }
+      for (const int l : early) {
+        x->freed_bytes.fetch_add(x->res.kv.free_layer(l));
+        x->freed_layers.fetch_add(1);
+      }
+    }
     // The previous request's export, written while this prefill ran, completes first: a rank
     // holds at most two requests' KV.
     if (pending) complete_export(std::move(pending));
-    start_export(*x);
+    if (!x->gate) start_export(*x);
     pending = std::move(x);
     if (!o.export_overlap) complete_export(std::move(pending));
   }

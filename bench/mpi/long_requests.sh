@@ -45,7 +45,7 @@ import datetime, glob, json, os, sys
 out, commit, cmd, device, model, wall, odir, tp, cp = sys.argv[1:]
 keys = ("id", "n_tokens", "attention", "density", "plan_s", "prefill_s", "attention_s", "estimate_s",
         "sparse_grows", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
-        "export_bytes", "kv_dtype", "plan_parts", "prefill_s_by_rank", "attention_s_by_rank",
+        "export_streamed", "export_layers_at_prefill_end", "memory_wait_s", "export_bytes", "kv_dtype", "plan_parts", "prefill_s_by_rank", "attention_s_by_rank",
         "comm_s_by_rank", "density_by_rank")
 reqs = []
 for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):

@@ -269,6 +269,10 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // The `off` run stages K/V through a one-slot pinned ring (--kv-staging-layers 1). Both keep
 // their host K/V in bf16 (--kv-host-dtype auto, for these bf16 exports); a third run keeps F32
 // (--kv-host-dtype f32) and must write the same files, which is what auto relies on.
+// The `on` and `f32` runs stream their exports (--export-stream auto: each layer written as the
+// prefill makes it final), the `off` run writes each after its prefill (--export-stream off):
+// the same files again. Line e (100 tokens, under 2 x CP x 64) runs whole on each rank, whose
+// rows are cut after the run: its streamed export takes every layer from the result instead.
 // The other GPU runs pin --kv-dtype f32, so their
 // comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
@@ -278,7 +282,8 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   const fs::path dir = fs::temp_directory_path() / ("sf-worker-syn-" + std::to_string(seed));
   fs::create_directories(dir);
   const int64_t T = 1000;
-  const std::map<std::string, int64_t> length{{"a", T}, {"b", T}, {"c", T - 200}, {"d", T}};
+  const std::map<std::string, int64_t> length{
+      {"a", T}, {"b", T}, {"c", T - 200}, {"d", T}, {"e", 100}};
   {
     std::mt19937_64 rng(seed);
     std::ofstream b(dir / "batch.jsonl");
@@ -292,6 +297,9 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     }
     // a's tokens again: planned afresh after c, on the buffers a's plan and then c's held.
     b << "{\"id\": \"d\", \"tokens\": [" << first << "]}\n";
+    std::string toks;
+    for (int64_t i = 0; i < length.at("e"); ++i) toks += (i ? ", " : "") + std::to_string(rng() % 32000);
+    b << "{\"id\": \"e\", \"tokens\": [" << toks << "]}\n";
   }
   const int np = std::min(n, 2);
   const std::string spec = "synthetic:llama3-8b:2:" + std::to_string(seed % 1000);
@@ -302,7 +310,8 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     const std::string out = (dir / mode).string();
     // The second run also stages each rank's K/V through one pinned slot for its two layers
     // (the default, 8, is a slot per layer here), so the ring must give the same bytes too.
-    const std::string opts = mode == "off"   ? " --export-overlap off --kv-staging-layers 1"
+    const std::string opts = mode == "off"   ? " --export-overlap off --kv-staging-layers 1 "
+                                               "--export-stream off"
                              : mode == "f32" ? " --kv-host-dtype f32"
                                              : " --export-overlap on";
     ASSERT_EQ(run(base + opts + " --out " + out, out + ".log"), 0) << slurp(out + ".log");
@@ -310,7 +319,7 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   auto shape = model::Model::shape_only(model::llama3_8b_config(2), spec);
   ASSERT_TRUE(shape.is_ok());
   const std::string hash = decode::model_compat_hash(shape.value());
-  for (const std::string id : {"a", "b", "c", "d"}) {
+  for (const std::string id : {"a", "b", "c", "d", "e"}) {
     int files = 0;
     for (const auto& e : fs::directory_iterator(dir / "on" / id)) {
       ++files;
@@ -344,6 +353,10 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     const std::string summary = slurp((dir / "on").string() + "/" + id + ".json");
     EXPECT_NE(summary.find("\"export_wait_s\""), std::string::npos);
     EXPECT_NE(summary.find("\"kv_host_dtype\": \"bf16\""), std::string::npos) << summary;
+    EXPECT_NE(summary.find("\"export_streamed\": true"), std::string::npos) << summary;
+    EXPECT_NE(slurp((dir / "off").string() + "/" + id + ".json").find("\"export_streamed\": false"),
+              std::string::npos);
+    if (id == "e") continue;  // (its plan runs the prompt whole: not the plan-reuse sequence)
     // b runs on a's plan; a plans with nothing to reuse; c and d plan on the cache's buffers
     // alone (this rank's: the summary is the leader's).
     EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id == "b") << summary;

@@ -2,7 +2,7 @@
 # load failure on one rank, killed and stalled ranks, sharded vs gathered exports (tests/worker/worker_cases.sh says what each
 # checks). Each has a ctest TIMEOUT well above its own bound, so a hang fails instead of blocking.
 if(SF_MPI AND TARGET sparsefill-worker)
-  foreach(case batch world flags tp load hosts group_fail killed stalled stalled_group sharded retention prefix overlap freeing dry_run)
+  foreach(case batch world flags tp load hosts group_fail killed stalled stalled_group sharded retention prefix overlap freeing stream dry_run)
     add_test(NAME worker_${case}
              COMMAND ${PROJECT_SOURCE_DIR}/tests/worker/worker_cases.sh ${case} ${MPIEXEC_EXECUTABLE}
                      $<TARGET_FILE:sparsefill-worker> ${CMAKE_BINARY_DIR}/worker-test-tmp/${case})

@@ -46,6 +46,12 @@
 #               with some layers of the pending export still held (full retention, snapkv, two
 #               tiers), its memory_wait_s in its summary and the metrics, the files those of a run
 #               without the overlap; SF_WAIT_WHOLE_EXPORT=1 waits for the whole export
+#   stream      np 2, CP 2, the two long prompts: --export-stream on (each full-retention export
+#               begun with its prefill, a layer written as the prefill makes it final) writes the
+#               files --export-stream off does, its summaries say so, and with rank 0's prefill
+#               slowed the leader had written layers by its prefill's end (off: none); a request
+#               failing after its prefill leaves no export and no partial directory; a retention
+#               or a gathered export is not streamed; a bad value is refused
 #   dry_run     np 4, 2 groups of cp 2, --dry-run: bad lines reported, a plan line per request
 #               (group, status, KV sizes) and the totals, exit 3, no prefill, --out not created;
 #               the peak host KV differs with --export-overlap off; after a run with one summary
@@ -78,6 +84,17 @@ two_long_prompts() {
     text=$(head -c $((2500 * part)) "$root/data/long_document.txt" | tail -c 2500 | tr '\n\t"\\' '    ')
     printf '{"id": "doc%d", "prompt": "%s"}\n' "$part" "$text"
   done >"$tmp/long.jsonl"
+}
+
+# same_files WANT GOT WHAT: both long prompts' exports hold the same files, byte for byte.
+same_files() {
+  local id f
+  for id in doc1 doc2; do
+    [ "$(ls "$2/$id")" = "$(ls "$1/$id")" ] || fail "$3: $id: other files"
+    for f in "$1/$id"/*; do
+      cmp -s "$f" "$2/$id/$(basename "$f")" || fail "$3: $id: $(basename "$f") differs"
+    done
+  done
 }
 
 cat >"$tmp/prompts.jsonl" <<'EOF'
@@ -399,8 +416,15 @@ PY
     rc=$?
     ms=$(( ($(date +%s%N) - t0) / 1000000 ))
     [ "$rc" -eq 2 ] && [ "$ms" -lt 20000 ] || fail "--host-memory-check on one rank only: exit $rc after $ms ms"
-    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap, --host-memory-check or --kv-host-dtype flags" \
+    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap, --host-memory-check, --kv-host-dtype or --export-stream flags" \
       || fail "--host-memory-check on one rank only: message"
+    # --export-stream decides whether an export opens (a collective) before the prefill.
+    SF_COMM_TIMEOUT_S=30 "$mpiexec" --oversubscribe -np 1 "$worker" --model default --cp 2 \
+      --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" : -np 1 "$worker" --model default --cp 2 \
+      --export-stream on --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" >"$tmp/stdout" 2>"$tmp/stderr"
+    rc=$?
+    [ "$rc" -eq 2 ] && errors | grep -q "^error: the ranks were given different .*--export-stream flags" \
+      || fail "--export-stream on one rank only: exit $rc"
     ;;
   stalled)
     SF_WORKER_FAULT=stop:1:3 run 2 --model default --cp 2 --comm-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
@@ -677,16 +701,6 @@ PY
     # still held), and the files are those of a run without the overlap.
     two_long_prompts
     mkdir -p "$tmp/metrics"
-    # same_files WANT GOT WHAT: both requests' exports hold the same files, byte for byte.
-    same_files() {
-      local id f
-      for id in doc1 doc2; do
-        [ "$(ls "$2/$id")" = "$(ls "$1/$id")" ] || fail "$3: $id: other files"
-        for f in "$1/$id"/*; do
-          cmp -s "$f" "$2/$id/$(basename "$f")" || fail "$3: $id: $(basename "$f") differs"
-        done
-      done
-    }
     # started_early WHAT: doc2 started with 1 to 15 of doc1's 30 layers held on rank 0.
     started_early() {
       local left
@@ -729,6 +743,34 @@ PY
     [ "$rc" -eq 0 ] && ! grep -q "doc2: starts with" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: exit $rc, or doc2 started beside doc1's export"
     grep -q "doc2: .* short of memory for it beside doc1's: that export finishes first$" "$tmp/stdout" || fail "SF_WAIT_WHOLE_EXPORT=1: no line saying doc1's export finishes first"
     same_files "$tmp/full_off" "$tmp/whole" "SF_WAIT_WHOLE_EXPORT=1"
+    ;;
+  stream)
+    two_long_prompts
+    run 2 --model default --cp 2 --export-stream off --batch "$tmp/long.jsonl" --out "$tmp/off"
+    [ "$rc" -eq 0 ] || fail "off: exit $rc"
+    # Rank 0's prefill sleeps 60 ms a layer: its export writes each layer while later ones run.
+    SF_WORKER_FAULT=slow:0:60 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/on"
+    [ "$rc" -eq 0 ] || fail "on: exit $rc"
+    same_files "$tmp/off" "$tmp/on" "--export-stream on"
+    for id in doc1 doc2; do
+      grep -q '"export_streamed": false, "export_layers_at_prefill_end": 0,' "$tmp/off/$id.json" || fail "off: $id's summary"
+      grep -q '"export_streamed": true, ' "$tmp/on/$id.json" || fail "on: $id's summary says it was not streamed"
+      n=$(grep -o '"export_layers_at_prefill_end": [0-9]*' "$tmp/on/$id.json" | awk '{ print $2 }')
+      [ -n "$n" ] && [ "$n" -ge 5 ] && [ "$n" -le 30 ] || fail "on: $id: '$n' of 30 layers written when its prefill ended"
+      echo "stream: $id: $n of 30 layers written here when its prefill ended"
+    done
+    # A request that fails after its prefill (rank 1): its streamed export, files and all, goes.
+    SF_WORKER_FAULT=fail_after:1 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/fail"
+    [ "$rc" -eq 3 ] && grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "fail_after: exit $rc"
+    ! ls -a "$tmp/fail" | grep -q -e '^doc' -e 'partial' || fail "fail_after: left $(ls -a "$tmp/fail")"
+    # Not streamable (a retention's cut needs the whole prefill; a gathered export is the
+    # leader's after the gather): written after the prefill, as with off.
+    run 2 --model default --cp 2 --export-stream on --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/ret"
+    [ "$rc" -eq 0 ] && grep -q '"export_streamed": false, ' "$tmp/ret/doc1.json" || fail "snapkv: exit $rc or streamed"
+    run 2 --model default --cp 2 --export-stream on --export gathered --batch "$tmp/long.jsonl" --out "$tmp/gath"
+    [ "$rc" -eq 0 ] && grep -q '"export_streamed": false, ' "$tmp/gath/doc1.json" || fail "gathered: exit $rc or streamed"
+    run 1 --model default --export-stream maybe --batch "$tmp/long.jsonl" --out "$tmp/bad"
+    [ "$rc" -eq 2 ] && grep -q "^error: --export-stream must be auto, on or off, got 'maybe'" "$tmp/stderr" || fail "--export-stream maybe: exit $rc"
     ;;
   dry_run)
     # The plan: bad lines as a run reports them, a line per good request with its group and

@@ -793,6 +793,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       if (opt.on_layer_kv)
         SF_TRY(opt.on_layer_kv(l, TensorView::make(hk, DType::kF32, {S, hkv, d}),
                                TensorView::make(hv, DType::kF32, {S, hkv, d}), imp_l));
+      if (keep_kv && opt.kv_hooks.final) opt.kv_hooks.final(l, kv, {});
       if (opt.on_layer_done) opt.on_layer_done(l);
     }
     return Status::ok();
@@ -1601,9 +1602,20 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.compute.get()));
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
+  // A failed run hands its K/V to kv_hooks.failed (whose caller may still read published rows)
+  // instead of freeing it as it returns.
+  struct HandOver {
+    PrefillResult& r;
+    const std::function<void(KvCache&&)>& failed;
+    bool ok = false;
+    ~HandOver() {
+      if (!ok && failed) failed(std::move(r.kv));
+    }
+  } hand{res, w.opt.kv_hooks.failed};
   w.idle = false;
   SF_TRY(w.forward(tokens, S, &res));
   w.idle = true;
+  hand.ok = true;
   res.seconds = seconds_since(t0);
   return res;
 }

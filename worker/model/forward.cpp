@@ -89,6 +89,9 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   if (opt.kv_host_bf16)
     return SF_ERR(kUnsupported, "prefill: kv_host_bf16 (bf16 host K/V) is the device forward's; "
                                 "the CPU forward keeps F32");
+  if (opt.kv_hooks.final || opt.kv_hooks.failed)
+    return SF_ERR(kUnsupported, "prefill: kv_hooks are the device forward's; the CPU forward "
+                                "takes on_layer_kv");
   for (int64_t i = 0; i < S; ++i)
     if (tokens[size_t(i)] < 0 || tokens[size_t(i)] >= c.vocab)
       return SF_ERR(kOutOfRange, "prefill: token id " + std::to_string(tokens[size_t(i)]) + " at position " +

@@ -110,6 +110,23 @@ struct KvCache {
 struct SparseConfig;
 class DeviceBufferCache;  // device_model.h
 
+// A run's K/V as it becomes final, for a caller that reads each layer while later layers still
+// compute (the worker's streamed export): PrefillOptions::kv_hooks on the device,
+// runtime::ParallelOptions::kv_hooks on the CPU grid.
+struct LayerKvHooks {
+  // On the run's thread, once layer l's rows (kv.k[l] / kv.v[l], or k16 / v16) and its
+  // importance ([n_kv_heads, n_tokens], all KV heads; empty where the run has none or, as on the
+  // device, gathers it after the run) are final. Those rows stay where they are until the result
+  // is destroyed (moving it moves no row), so they may be read from other threads meanwhile;
+  // nothing else of kv may be.
+  std::function<void(int layer, const KvCache& kv, std::span<const float> importance)> final;
+  // The run failed after `final` was called: its KvCache, with the rows `final` named still in
+  // place, handed over before the run returns (which would otherwise free them under their
+  // readers), for the caller to hold until its readers are done. Must not throw.
+  std::function<void(KvCache&& kv)> failed;
+  explicit operator bool() const { return bool(final); }
+};
+
 // Observer of each layer's attention inputs (eval measures attention recall here): q holds the
 // rows computed in this call, k all keys; idx is null when the layer ran dense.
 using AttentionObserver = std::function<void(int layer, const TensorView& q, const TensorView& k,
@@ -202,6 +219,10 @@ struct PrefillOptions {
   // hook; DevicePrefill: as its work lands on the host, after the KV copy-out and hooks, while
   // later layers still compute). The worker's stall notes use it.
   std::function<void(int layer)> on_layer_done;
+  // DevicePrefill with keep_kv: each layer's K/V as it becomes final (before on_layer_done), and
+  // the result's KvCache should the run fail after that (LayerKvHooks). The CPU forward refuses
+  // them (the CPU grid's are runtime::ParallelOptions::kv_hooks).
+  LayerKvHooks kv_hooks;
 };
 
 struct PrefillResult {

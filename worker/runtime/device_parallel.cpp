@@ -70,6 +70,7 @@ struct DeviceParallelPrefill::Impl {
   // (no exchange), and keeps only its own pieces' rows, so exports shard as at any length.
   bool whole = false;
   bool importance = false;    // PrefillOptions::importance_window > 0
+  model::LayerKvHooks kv_hooks;  // the current run's (run's argument)
 
   // CP exchange: all-gather each of K and V into `stage` (rank blocks in rank order), then copy
   // every rank's pieces to their places in the prompt.
@@ -167,7 +168,18 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
       return wp->dg->tp->all_reduce(x, x, count, DType::kF32, comm::ReduceOp::kSum);
     };
   }
-  SF_ASSIGN(model::DevicePrefill dp, model::DevicePrefill::plan_shard(dm, std::move(shard), opt));
+  if (opt.kv_hooks.final || opt.kv_hooks.failed)
+    return SF_ERR(kInvalidArgument, "device parallel prefill: kv_hooks are run's argument");
+  // Each run's own hooks, through the plan's (a prompt run whole is cut after the run).
+  model::PrefillOptions shard_opt = opt;
+  shard_opt.kv_hooks.final = [wp](int l, const model::KvCache& kv, std::span<const float> imp) {
+    if (wp->kv_hooks.final && !wp->whole) wp->kv_hooks.final(l, kv, imp);
+  };
+  shard_opt.kv_hooks.failed = [wp](model::KvCache&& kv) {
+    if (wp->kv_hooks.failed) wp->kv_hooks.failed(std::move(kv));
+  };
+  SF_ASSIGN(model::DevicePrefill dp,
+            model::DevicePrefill::plan_shard(dm, std::move(shard), shard_opt));
   if (CP > 1 && !w.whole) {
     // The exchange dtype is the attention's: BF16 on the cuDNN path.
     const size_t es = dtype_size(dp.attention_dtype());
@@ -179,8 +191,14 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
   return p;
 }
 
-Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> tokens) {
+Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> tokens,
+                                                  const model::LayerKvHooks& kv) {
   Impl& w = *impl_;
+  w.kv_hooks = kv;
+  struct Clear {  // the hooks are this run's only
+    Impl& w;
+    ~Clear() { w.kv_hooks = {}; }
+  } clear{w};
   GridComms& g = *w.g;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t tp0 = w.dg->tp->bytes_sent(), cp0 = w.dg->cp->bytes_sent(),
@@ -189,6 +207,22 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     return SF_ERR(kInvalidArgument, "device parallel prefill: " + std::to_string(tokens.size()) +
                                         " tokens, planned for " + std::to_string(w.S));
   Result<model::PrefillResult> rr = w.prefill->run(tokens);
+  ParallelResult out;
+  // A failure from here on (a peer's, or a collective's) hands this rank's K/V to kv.failed, as
+  // the shard's own failed run does.
+  struct HandOver {
+    Result<model::PrefillResult>& rr;
+    ParallelResult& out;
+    const std::function<void(model::KvCache&&)>& failed;
+    bool ok = false;
+    ~HandOver() {
+      if (ok || !failed) return;
+      if (out.kv.n_layers > 0)
+        failed(std::move(out.kv));
+      else if (rr.is_ok())
+        failed(std::move(rr.value().kv));
+    }
+  } hand{rr, out, kv.failed};
   // Any failure of any rank is every rank's, here, before the collectives below (a rank
   // returning alone would meet its peers' next collective with its caller's). A sparse index
   // that outgrew its plan is not one: each rank grew its own plan during the run. The group
@@ -200,8 +234,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     if (!rr.is_ok()) return rr.status();
     return SF_ERR(kInternal, "device parallel prefill: another rank of the group failed");
   }
-  SF_ASSIGN(model::PrefillResult r, std::move(rr));
-  ParallelResult out;
+  model::PrefillResult& r = rr.value();
   int32_t first = g.leader() ? r.first_token : -1;
   SF_TRY(g.group_comm->bcast(&first, 1, DType::kI32, 0));
   out.first_token = first;
@@ -287,6 +320,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     causal += n * double(p[0]) + n * (n + 1) / 2;
   }
   SF_TRY(gather_group_stats(g, causal * r.density, causal, &st));
+  hand.ok = true;
   return out;
 }
 

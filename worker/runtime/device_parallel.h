@@ -62,7 +62,13 @@ class DeviceParallelPrefill {
                                             const DeviceParallelOptions& popt = {});
   // Collective over the group. Every rank passes the whole prompt. first_token on every rank;
   // logits (the last row) on the leader; kv: this rank's rows when keep_kv; stats: this rank's.
-  Result<ParallelResult> run(std::span<const int32_t> tokens);
+  // kv (keep_kv): this run's K/V hooks (model::LayerKvHooks; the result's kv then holds the
+  // published rows in place, and a failed run hands its K/V to kv.failed, this rank's run or a
+  // peer's; a plan's own kv_hooks are refused: they belong to a run). kv.final is not called
+  // for a prompt run whole (shorter than 2 x CP x 64 tokens), whose rows are cut to this rank's
+  // after the run.
+  Result<ParallelResult> run(std::span<const int32_t> tokens,
+                             const model::LayerKvHooks& kv = {});
 
   // This rank's prompt rows: [begin, end) pieces in prompt order.
   const std::vector<std::array<int64_t, 2>>& pieces() const;

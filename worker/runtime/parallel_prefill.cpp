@@ -331,6 +331,16 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   std::vector<float> xn(size_t(C * H)), gate(size_t(C * I_t)), up(size_t(C * I_t));
   std::vector<float> K(size_t(S * kvw)), V(size_t(S * kvw));
   ParallelResult res;
+  // A failed run hands its K/V to kv_hooks.failed (whose caller may still read the rows
+  // kv_hooks.final named) instead of freeing it as it returns.
+  struct HandOver {
+    ParallelResult& r;
+    const std::function<void(model::KvCache&&)>& failed;
+    bool ok = false;
+    ~HandOver() {
+      if (!ok && failed && !r.kv.k.empty()) failed(std::move(r.kv));
+    }
+  } hand{res, opt.kv_hooks.failed};
   ParallelStats& st = res.stats;
   const int64_t ar_bytes0 = g.tp->bytes_sent(), cp_bytes0 = g.cp->bytes_sent(),
                 grp_bytes0 = g.group_comm->bytes_sent();
@@ -388,6 +398,11 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     return SF_ERR(kInvalidArgument,
                   "parallel_prefill: importance_window must be >= 0 and importance_pool odd");
   if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
+  // kv_hooks.final's readers hold each layer's rows: the per-layer vectors must not move.
+  if (opt.local_kv && !opt.gather_kv) {
+    res.kv.k.reserve(size_t(c.n_layers));
+    res.kv.v.reserve(size_t(c.n_layers));
+  }
   int64_t imp_tp_bytes = 0;
   if (n_loc > 0)
     SF_TRY(kernels::embedding(w.tok_embd.view(), ids.data(), n_loc, view2(x.data(), n_loc, H)));
@@ -586,6 +601,11 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
     if (opt.local_kv && !opt.gather_kv) {
       res.kv.k.emplace_back(kl, kl + n_loc * kvw);
       res.kv.v.emplace_back(vl, vl + n_loc * kvw);
+      if (opt.kv_hooks.final)
+        opt.kv_hooks.final(l, res.kv,
+                           opt.importance_window > 0
+                               ? std::span<const float>(res.importance[size_t(l)])
+                               : std::span<const float>());
     }
     if (keep_local) {
       kslice[size_t(l)].assign(kl, kl + n_loc * kvw);
@@ -740,6 +760,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
 
   // Group totals, for reporting only: after the clock and the byte counters stop.
   SF_TRY(gather_group_stats(g, pairs_done, pairs_causal, &st));
+  hand.ok = true;
   return res;
 }
 

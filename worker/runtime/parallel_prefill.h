@@ -59,6 +59,10 @@ struct ParallelOptions {
   int importance_pool = 7;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
+  // With local_kv: this rank's K/V (and, with importance_window, each layer's importance) as
+  // they become final, and its KvCache should the run fail after that (model::LayerKvHooks;
+  // model::PrefillOptions::kv_hooks on devices).
+  model::LayerKvHooks kv_hooks;
   // With index_source or cp_estimate: called on every rank with each non-empty attention piece's
   // index as the layer will use it (query heads [h0, h0 + index.n_heads) of this TP slice, the
   // piece's rows, keys [0, piece.end)). Tests compare an estimated index with single-rank's.

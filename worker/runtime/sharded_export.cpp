@@ -288,6 +288,7 @@ Result<std::unique_ptr<ShardedExport>> ShardedExport::begin(GridComms& g, const 
   x->cp_rank_ = g.cp_rank;
   x->tp_rank_ = g.tp_rank;
   x->rank_ = c.rank();
+  x->kv_heads_ = spec.n_kv_heads / g.shape.tp;
   Status opened = Status::ok();
   if (g.leader()) {
     auto t = kvstore::begin_export(dir, /*force=*/true);
@@ -347,23 +348,122 @@ std::string ShardedExport::write(const kvstore::ExportOptions& eo) {
                  std::max(eo.layers_in_flight, 1), add, part_done);
     return mine;
   }
-  // Full retention: this rank's CP chunks (merged when adjacent) of its TP slice's KV heads.
+  return write_full(
+      [&](int l, bool v) {
+        return local.bf16() ? kvstore::LayerRows::bf16((v ? local.v16 : local.k16)[size_t(l)].data())
+                            : kvstore::LayerRows((v ? local.v : local.k)[size_t(l)].data());
+      },
+      eo);
+}
+
+std::string ShardedExport::write_streamed(LayerGate& gate, kvstore::ExportOptions eo) {
+  if (!tiers_.empty())
+    return "error\nrank " + std::to_string(rank_) +
+           ": a streamed export takes full retention only (a retention's cut needs the whole "
+           "prefill)";
+  eo.wait_layer = [&gate](int l) { return gate.wait(l); };
+  return write_full([&gate](int l, bool v) { return gate.rows(l, v); }, eo);
+}
+
+// Full retention: this rank's CP chunks (merged when adjacent) of its TP slice's KV heads.
+std::string ShardedExport::write_full(const kvstore::LayerSource& src,
+                                      const kvstore::ExportOptions& eo) {
   kvstore::KvShardPart part;
-  for (const TokenRange& p : cp_rank_pieces(spec.n_tokens, cp_, cp_rank_))
+  for (const TokenRange& p : cp_rank_pieces(spec_->n_tokens, cp_, cp_rank_))
     part.tokens.push_back({p.begin, p.end});
-  part.n_kv_heads = local.n_kv_heads;
-  part.kv_head0 = tp_rank_ * local.n_kv_heads;
+  part.n_kv_heads = kv_heads_;
+  part.kv_head0 = tp_rank_ * kv_heads_;
   part.rank = rank_;
   part.file_tag = ".r" + std::to_string(rank_);
-  if (!part.tokens.empty())
-    add(kvstore::export_kv_shards(
-        tmp_, spec, part,
-        [&](int l, bool v) {
-          return local.bf16() ? kvstore::LayerRows::bf16((v ? local.v16 : local.k16)[size_t(l)].data())
-                              : kvstore::LayerRows((v ? local.v : local.k)[size_t(l)].data());
-        },
-        /*validate=*/true, eo));
+  if (part.tokens.empty()) {
+    // Nothing of the prompt here: every layer is done with at once.
+    if (eo.on_layer_written)
+      for (int l = 0; l < spec_->n_layers; ++l) eo.on_layer_written(l);
+    return "ok";
+  }
+  auto e = kvstore::export_kv_shards(tmp_, *spec_, part, src, /*validate=*/true, eo);
+  if (!e.is_ok()) return "error\nrank " + std::to_string(rank_) + ": " + e.status().message();
+  std::string mine = "ok";
+  for (const std::string& x : e.value()) mine += "\n" + x;
   return mine;
+}
+
+LayerGate::LayerGate(int n_layers)
+    : rows_(static_cast<size_t>(std::max(n_layers, 0))),
+      ready_(static_cast<size_t>(std::max(n_layers, 0)), 0) {}
+
+Status LayerGate::publish(int l, const model::KvCache& kv) {
+  if (l < 0 || size_t(l) >= rows_.size())
+    return SF_ERR(kInvalidArgument, "layer gate: layer " + std::to_string(l) + " of " +
+                                        std::to_string(rows_.size()));
+  const bool b = kv.bf16();
+  if (size_t(l) >= (b ? kv.k16.size() : kv.k.size()))
+    return SF_ERR(kInvalidArgument, "layer gate: the cache has no layer " + std::to_string(l));
+  std::array<kvstore::LayerRows, 2> r;
+  for (int v = 0; v < 2; ++v)
+    r[size_t(v)] = b ? kvstore::LayerRows::bf16((v ? kv.v16 : kv.k16)[size_t(l)].data())
+                     : kvstore::LayerRows((v ? kv.v : kv.k)[size_t(l)].data());
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (ready_[size_t(l)])
+      return SF_ERR(kInternal, "layer gate: layer " + std::to_string(l) + " published twice");
+    rows_[size_t(l)] = r;
+    ready_[size_t(l)] = 1;
+    ++n_ready_;
+  }
+  cv_.notify_all();
+  return Status::ok();
+}
+
+void LayerGate::fail(Status st) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (failed_.is_ok()) failed_ = st.is_ok() ? SF_ERR(kInternal, "layer gate: failed") : st;
+  }
+  cv_.notify_all();
+}
+
+Status LayerGate::wait(int l) {
+  if (l < 0 || size_t(l) >= rows_.size())
+    return SF_ERR(kInvalidArgument, "layer gate: layer " + std::to_string(l) + " of " +
+                                        std::to_string(rows_.size()));
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return ready_[size_t(l)] || !failed_.is_ok(); });
+  return ready_[size_t(l)] ? Status::ok() : failed_;
+}
+
+kvstore::LayerRows LayerGate::rows(int l, bool value) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return l >= 0 && size_t(l) < rows_.size() && ready_[size_t(l)] ? rows_[size_t(l)][value ? 1 : 0]
+                                                                 : kvstore::LayerRows();
+}
+
+bool LayerGate::published(int l) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return l >= 0 && size_t(l) < ready_.size() && ready_[size_t(l)];
+}
+
+int LayerGate::n_published() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return n_ready_;
+}
+
+Status LayerGate::check_in_place(const model::KvCache& kv) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t l = 0; l < rows_.size(); ++l) {
+    if (!ready_[l]) continue;
+    const bool b = kv.bf16();
+    const void* k = l < (b ? kv.k16.size() : kv.k.size())
+                        ? (b ? static_cast<const void*>(kv.k16[l].data()) : kv.k[l].data())
+                        : nullptr;
+    const void* v = l < (b ? kv.v16.size() : kv.v.size())
+                        ? (b ? static_cast<const void*>(kv.v16[l].data()) : kv.v[l].data())
+                        : nullptr;
+    if (k != rows_[l][0].data || v != rows_[l][1].data)
+      return SF_ERR(kInternal, "streamed export: layer " + std::to_string(l) +
+                                   "'s K/V moved after the prefill published it");
+  }
+  return Status::ok();
 }
 
 Status ShardedExport::finish(GridComms& g, const std::string& mine) {

@@ -2,8 +2,10 @@
 // runtimes on CPUs and GPUs alike: the KV stays on the rank that computed it.
 #pragma once
 #include <array>
+#include <condition_variable>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,36 @@
 #include "worker/runtime/grid.h"
 
 namespace sf::runtime {
+
+// The layers of a prefill that is still running, as a streamed export reads them
+// (kvstore::ExportOptions::wait_layer): the prefill's thread publishes each layer once its K/V
+// rows are final (model::PrefillOptions::on_layer_kv_final, ParallelOptions::on_layer_kv), and
+// the export's writing threads wait for the layer they write next. Rows stay where the prefill
+// put them: its result must keep them in place (moving it does) until the export is done.
+class LayerGate {
+ public:
+  explicit LayerGate(int n_layers);
+  // Layer l of kv (F32 or bf16) is final. Publishing a layer twice is an error.
+  Status publish(int l, const model::KvCache& kv);
+  // Layers not yet published never will be: their waiters, now and later, get st.
+  void fail(Status st);
+  // Until layer l is published (ok) or can no longer be (the failure).
+  Status wait(int l);
+  // Layer l's K (value false) or V rows; after wait(l) succeeded.
+  kvstore::LayerRows rows(int l, bool value) const;
+  bool published(int l) const;
+  int n_published() const;
+  // Every published layer's rows are still those kv holds (the result kept them in place).
+  Status check_in_place(const model::KvCache& kv) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::array<kvstore::LayerRows, 2>> rows_;
+  std::vector<char> ready_;
+  int n_ready_ = 0;
+  Status failed_;
+};
 
 // The sharded export of one request in three steps, so that a batch can write one request's
 // files while the next request's prefill runs (sparsefill-worker --export-overlap):
@@ -38,6 +70,10 @@ class ShardedExport {
   // full retention's layers, or a retention's (layer, KV head) parts. eo.on_layer_written comes
   // once a layer, when its files (every part, every tier) are written.
   std::string write(const kvstore::ExportOptions& eo = {});
+  // A streamed export (full retention only): the same files, each layer read from `gate` once
+  // the prefill has published it, instead of from `local` (which begin did not read). Call once,
+  // instead of write.
+  std::string write_streamed(LayerGate& gate, kvstore::ExportOptions eo);
   [[nodiscard]] Status finish(GridComms& g, const std::string& written);
 
   // A retention tier's cut on this rank (sharded_export.cpp).
@@ -51,6 +87,8 @@ class ShardedExport {
   const model::KvCache* local_ = nullptr;
   int cp_ = 1, cp_rank_ = 0, tp_rank_ = 0, rank_ = 0;
   std::vector<std::unique_ptr<Tier>> tiers_;  // empty with full retention
+  int kv_heads_ = 0;  // this rank's TP slice's KV heads
+  std::string write_full(const kvstore::LayerSource& src, const kvstore::ExportOptions& eo);
 };
 
 // begin, write and finish in one call.

@@ -20,6 +20,8 @@
 #include <iterator>
 #include <optional>
 #include <random>
+#include <span>
+#include <thread>
 
 #include "common/dtype.h"
 #include "kvstore/kv_export.h"
@@ -688,6 +690,149 @@ TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
   }
   std::error_code ec;
   if (g.leader()) std::filesystem::remove_all(base, ec);
+}
+
+// The streamed export (sparsefill-worker --export-stream): begun before the prefill, its files
+// written on another thread as kv_hooks.final publishes each layer (rows and importance), it
+// writes what the export after the prefill writes, byte for byte. A run that fails after
+// publishing a layer hands its K/V to kv_hooks.failed with the published rows in place (the
+// writer may still read them), and the failed export leaves nothing behind.
+TEST_P(ParallelPrefill, StreamedExportEqualsTheExportAfterThePrefill) {
+  namespace fs = std::filesystem;
+  const auto [tp, cp] = GetParam();
+  auto& w = test_world();
+  auto gr = runtime::make_grid(w, {tp, cp});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  runtime::GridComms& g = gr.value();
+  const model::ModelConfig& c = model_->config();
+  const auto tokens = tokens_for(600, c.vocab, 33);
+  const int64_t S = int64_t(tokens.size());
+  const std::string base = "/tmp/sf-streamed-" + std::to_string(test_seed()) + "-" +
+                           std::to_string(tp) + "x" + std::to_string(cp) + "-g" +
+                           std::to_string(g.group);
+  kvstore::ImportanceScores imp;  // filled layer by layer, as the worker does
+  imp.n_layers = c.n_layers;
+  imp.n_kv_heads = c.n_kv_heads;
+  imp.n_tokens = S;
+  imp.window = 32;
+  imp.pool = 7;
+  imp.layers.assign(size_t(c.n_layers), std::vector<float>(size_t(c.n_kv_heads * S)));
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+  spec.n_tokens = S;
+  spec.token_ids = tokens;
+  spec.importance = &imp;
+  spec.encoding = kvstore::KvEncoding::kInt8;  // (encoded blocks: the statistics path too)
+
+  const model::KvCache none;  // what begin is given: a streamed export does not read it
+  runtime::ParallelOptions po;
+  po.chunk = 128;
+  po.gather_kv = false;
+  po.local_kv = true;
+  po.importance_window = imp.window;
+  po.importance_pool = imp.pool;
+  {
+    auto x = runtime::ShardedExport::begin(g, base + "/streamed", spec, none);
+    ASSERT_TRUE(x.is_ok()) << x.status().to_string();
+    runtime::LayerGate gate(c.n_layers);
+    std::string mine;
+    std::thread writer([&] {
+      kvstore::ExportOptions eo;
+      eo.layers_in_flight = 2;
+      mine = x.value()->write_streamed(gate, eo);
+    });
+    std::vector<int> order;
+    po.kv_hooks.final = [&](int l, const model::KvCache& kv, std::span<const float> sc) {
+      order.push_back(l);
+      if (sc.size() == imp.layers[size_t(l)].size())
+        std::copy(sc.begin(), sc.end(), imp.layers[size_t(l)].begin());
+      const Status st = gate.publish(l, kv);
+      if (!st.is_ok()) gate.fail(st);
+    };
+    auto par = runtime::parallel_prefill(*model_, g, tokens, po);
+    if (!par.is_ok()) gate.fail(par.status());
+    writer.join();
+    ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+    EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(gate.n_published(), c.n_layers);
+    EXPECT_TRUE(gate.check_in_place(par->kv).is_ok());
+    EXPECT_EQ(imp.layers, par->importance);
+    spec.first_token = par->first_token;
+    const Status fin = x.value()->finish(g, mine);
+    ASSERT_TRUE(fin.is_ok()) << fin.to_string() << " (" << mine.substr(0, 200) << ")";
+    // The export after the prefill, of the same result.
+    const Status after = runtime::export_sharded(g, base + "/after", spec, par->kv);
+    ASSERT_TRUE(after.is_ok()) << after.to_string();
+    if (g.leader()) {
+      size_t n_files = 0;
+      for (const auto& e : fs::directory_iterator(base + "/after")) {
+        const std::string name = e.path().filename().string();
+        std::ifstream fa(e.path(), std::ios::binary),
+            fb(base + "/streamed/" + name, std::ios::binary);
+        ASSERT_TRUE(fb.good()) << name << " missing from the streamed export";
+        const std::string da((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
+        const std::string db((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
+        EXPECT_TRUE(da == db) << name << " differs";
+        ++n_files;
+      }
+      EXPECT_EQ(n_files, size_t(std::distance(fs::directory_iterator(base + "/streamed"),
+                                              fs::directory_iterator{})));
+      EXPECT_GT(n_files, size_t(c.n_layers));
+    }
+  }
+  {
+    // A run that fails in layer 1 (no index for it), after publishing layer 0.
+    auto sc = sparse_everywhere("a-shape");
+    model::PrefillOptions ro;
+    ro.sparse = &sc;
+    std::vector<kernels::SparseIndex> indices(size_t(c.n_layers));
+    ro.on_attention = [&](int l, const TensorView&, const TensorView&,
+                          const kernels::SparseIndex* idx) {
+      if (idx) indices[size_t(l)] = *idx;
+    };
+    auto ref = model::prefill(*model_, tokens, ro);
+    ASSERT_TRUE(ref.is_ok()) << ref.status().to_string();
+    runtime::ParallelOptions pf = po;
+    pf.index_source = [&](int l) { return l == 0 ? &indices[0] : nullptr; };
+    const std::string dir = base + "/failed";
+    auto x = runtime::ShardedExport::begin(g, dir, spec, none);
+    ASSERT_TRUE(x.is_ok()) << x.status().to_string();
+    runtime::LayerGate gate(c.n_layers);
+    std::string mine;
+    std::thread writer([&] { mine = x.value()->write_streamed(gate, {}); });
+    const float* published0 = nullptr;
+    pf.kv_hooks.final = [&](int l, const model::KvCache& kv, std::span<const float>) {
+      if (l == 0) published0 = kv.k[0].data();
+      const Status st = gate.publish(l, kv);
+      if (!st.is_ok()) gate.fail(st);
+    };
+    model::KvCache handed;
+    int n_handed = 0;
+    pf.kv_hooks.failed = [&](model::KvCache&& kv) {
+      handed = std::move(kv);
+      ++n_handed;
+    };
+    auto par = runtime::parallel_prefill(*model_, g, tokens, pf);
+    ASSERT_FALSE(par.is_ok());
+    EXPECT_NE(par.status().message().find("no index for layer 1"), std::string::npos)
+        << par.status().to_string();
+    EXPECT_EQ(n_handed, 1);
+    ASSERT_EQ(handed.k.size(), 1u);
+    EXPECT_EQ(handed.k[0].data(), published0);
+    EXPECT_TRUE(gate.check_in_place(handed).is_ok());
+    gate.fail(par.status());
+    writer.join();
+    EXPECT_EQ(mine.rfind("error", 0), 0u) << mine.substr(0, 200);
+    EXPECT_NE(mine.find("no index for layer 1"), std::string::npos) << mine.substr(0, 200);
+    EXPECT_FALSE(x.value()->finish(g, mine).is_ok());
+    if (g.leader()) {
+      EXPECT_FALSE(fs::exists(dir));
+      for (const auto& e : fs::directory_iterator(base))
+        EXPECT_EQ(e.path().filename().string().find("failed"), std::string::npos)
+            << e.path() << " left behind";
+    }
+  }
+  std::error_code ec;
+  if (g.leader()) fs::remove_all(base, ec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
