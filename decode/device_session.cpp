@@ -114,6 +114,7 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
   std::vector<uint16_t> hks(q8 ? size_t(n_blocks * d) : 0, 0), hkz(hks.size(), 0),
       hvs(q8 ? size_t(n_blocks * B) : 0, 0), hvz(hvs.size(), 0);
   std::vector<float> hopen(q8 ? size_t(L * hkv * B * d) : 0, 0.f);
+  std::vector<float> stored(static_cast<size_t>(B * d)), mean(static_cast<size_t>(d));  // one block's keys as stored
   std::vector<int32_t> hfill(size_t(n_blocks), 0), hpages(size_t(n_blocks), -1),
       hnp(size_t(L * hkv), 0);
   for (int l = 0; l < L; ++l)
@@ -146,8 +147,20 @@ Result<DevicePagedPool> DevicePagedPool::upload(const PagedKvCache& cache, int r
           if (i + 1 == int64_t(pg.size()))  // the block appends re-encode
             std::copy(kb.k.begin(), kb.k.begin() + kb.n * d, hopen.begin() + lh * B * d);
         }
-        std::memcpy(hmin.data() + blk * d, kb.kmin.data(), sizeof(float) * size_t(d));
-        std::memcpy(hmax.data() + blk * d, kb.kmax.data(), sizeof(float) * size_t(d));
+        if (dt == kernels::PoolDType::kF32) {
+          std::memcpy(hmin.data() + blk * d, kb.kmin.data(), sizeof(float) * size_t(d));
+          std::memcpy(hmax.data() + blk * d, kb.kmax.data(), sizeof(float) * size_t(d));
+        } else {
+          // PSA's bound on q.k must hold for the keys the kernel reads: those of the codes going
+          // up, whose bf16 rounding or int8 step (a code's half step, the F16 zero rounded down
+          // and scale up) can fall outside the cache's own min and max (a two-tier export's
+          // merged blocks re-encoded here, a cache kept in F32).
+          SF_TRY(kvstore::kv_decode_into(enc, true, ek.data.data(), q8 ? ek.scale.data() : nullptr,
+                                         q8 ? ek.zero.data() : nullptr, kb.n, int(d),
+                                         stored.data()));
+          kvstore::block_key_stats(stored.data(), kb.n, int(d), hmin.data() + blk * d,
+                                   hmax.data() + blk * d, mean.data());
+        }
         hfill[size_t(blk)] = kb.n;
       }
     }

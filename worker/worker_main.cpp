@@ -70,8 +70,8 @@ const char* kUsage =
     "[--stall-timeout S] [--allow-long]\n"
     "                  [--cp-estimate [--selective-kv]] [--export sharded|gathered] "
     "[--export-overlap on|off] [--export-stream auto|on|off] [--export-threads N]\n"
-    "                  [--kv-staging-layers N]"
-    "                  [--kv-staging-max-gib G] [--kv-host-dtype auto|f32|bf16] [--dry-run]\n"
+    "                  [--kv-staging-layers N] "
+    "[--kv-staging-max-gib G] [--kv-host-dtype auto|f32|bf16] [--dry-run]\n"
     "                  [--host-memory-check on|off] [--metrics-file PATH.prom]\n"
     "                  [--device cpu|cuda] [--retention POLICY] [--kv-dtype "
     "auto|f32|bf16|int8|int4|HIGH+LOW]\n"
@@ -1123,8 +1123,9 @@ int run(int argc, char** argv) {
   std::function<void(int)> prefix_layer_done;
   std::map<std::pair<int, int>, std::unique_ptr<kvstore::DevicePrefixPrefill>> dprefix;
   // A written request's export: begun on the main thread (the sharded export's collective
-  // opening), its files written on another thread, completed (the manifest, the summary) by the
-  // main thread once the next request's prefill is done, or at once with --export-overlap off.
+  // opening; a streamed export's before its own prefill, the others' after it), its files written
+  // on another thread, completed (the manifest, the summary) by the main thread once the next
+  // request's prefill is done, or at once with --export-overlap off.
   // It owns everything its export and summary read; the write thread reads it by reference, so
   // `write` is the last member (destroyed first: its destructor waits for the thread).
   struct WriteOutcome {
@@ -1164,6 +1165,12 @@ int run(int argc, char** argv) {
     // Last, so it is destroyed first: its destructor waits for the writer, which updates the
     // counters above.
     std::future<WriteOutcome> write;
+    // A streamed export dropped unfinished (an exception unwinding past it): its writer may wait
+    // for a layer no prefill will publish; failing the gate first lets `write`'s destructor
+    // return (this body runs before the members are destroyed).
+    ~PendingExport() {
+      if (gate) gate->fail(SF_ERR(kInternal, "the request's export was abandoned"));
+    }
   };
   // Frees layer l of a request's host K/V (F32 or bf16) once its files are written
   // (kvstore::ExportOptions::on_layer_written): a next request that would not fit beside the
@@ -1290,8 +1297,8 @@ int run(int argc, char** argv) {
     return w;
   };
   // A streamed export whose request failed (on every rank of the group alike, so they all come
-  // here): the writer stops at its next unpublished layer, and the group's finish, told of the
-  // failure by every rank, removes the partial export.
+  // here): the failed gate stops the writer at its next layer (published or not), and the
+  // group's finish, told of the failure by every rank, removes the partial export.
   auto abandon = [&](std::unique_ptr<PendingExport> x, const Status& why) {
     x->gate->fail(why);
     (void)wait_writer(*x);
@@ -1817,6 +1824,12 @@ int run(int argc, char** argv) {
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }
+    if (streamed) {
+      streamed->written_at_prefill_end = streamed->written_layers.load();
+      // Its writer reads the result's rows: the export holds them from here, before anything
+      // below can replace `pr` (a fault, the group's failure), which would free them under it.
+      if (pr.is_ok()) streamed->res = std::move(pr.value());
+    }
     if (((fault.kind == "fail_after") || (fault.kind == "fail_nth" && k == fault.layer)) &&
         fault.rank == world->rank() && pr.is_ok())
       pr = SF_ERR(kInternal, "fault injection: rank " + std::to_string(world->rank()) +
@@ -1824,12 +1837,6 @@ int run(int argc, char** argv) {
     if (!pr.is_ok() && (g.group_comm->aborted() || g.tp->aborted() || g.cp->aborted() ||
                         (dgrid && (dgrid->tp->aborted() || dgrid->cp->aborted()))))
       fatal(pr.status());
-    if (streamed) {
-      streamed->written_at_prefill_end = streamed->written_layers.load();
-      // Its writer reads the result's rows: the export holds them from here, whatever becomes of
-      // the request (a failure below must not free them under the writer).
-      if (pr.is_ok()) streamed->res = std::move(pr.value());
-    }
     {
       // One rank's failure is the group's: a rank that failed alone (after the run's last
       // collective) must not go on to the next request's collectives while its peers export
@@ -1939,6 +1946,8 @@ int run(int argc, char** argv) {
         x->freed_bytes.fetch_add(x->res.kv.free_layer(l));
         x->freed_layers.fetch_add(1);
       }
+      // (Its importance was copied into x->imp layer by layer.)
+      std::vector<std::vector<float>>().swap(x->res.importance);
     }
     // The previous request's export, written while this prefill ran, completes first: a rank
     // holds at most two requests' KV.

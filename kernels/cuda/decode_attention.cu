@@ -2137,9 +2137,12 @@ __device__ __forceinline__ uint8_t quant_code(float x, const QuantGroup& g) {
 
 // n_tokens new tokens per KV head (one CTA each), in order: for each, thread 0 opens the next
 // reserved page when the last block is full (or the head has none yet); then thread c writes
-// channel c of the row and folds it into kmin/kmax. INT8: the key row goes to the head's kopen,
-// the value row is encoded (its min and max reduced over the CTA), then each channel of the
-// block's keys is re-encoded over the filled rows. k_new, v_new: [n_tokens, n_kv_heads, d].
+// channel c of the row and folds it, as stored, into kmin/kmax. INT8: the key row goes to the
+// head's kopen, the value row is encoded (its min and max reduced over the CTA), then each
+// channel of the block's keys is re-encoded over the filled rows, and its kmin/kmax become those
+// of the decoded codes (zero + code x scale, unfused, as the host's decoder rounds): PSA's bound
+// on q.k holds for what attention reads, not just for the F32 keys. k_new, v_new: [n_tokens,
+// n_kv_heads, d].
 template <PoolDType T>
 __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const float* v_new,
                                     int n_tokens) {
@@ -2174,22 +2177,27 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
     const int64_t row = (blk * kBT + slot) * d;
     float vmn = INFINITY, vmx = -INFINITY;
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
-      const float kc = k_new[int64_t(g) * d + c], vc = v_new[int64_t(g) * d + c];
+      float kc = k_new[int64_t(g) * d + c];
+      const float vc = v_new[int64_t(g) * d + c];
       if constexpr (T == PoolDType::kF32) {
         static_cast<float*>(kv.k)[row + c] = kc;
         static_cast<float*>(kv.v)[row + c] = vc;
       } else if constexpr (T == PoolDType::kBF16) {
-        static_cast<__nv_bfloat16*>(kv.k)[row + c] = __float2bfloat16_rn(kc);
+        const __nv_bfloat16 kb = __float2bfloat16_rn(kc);
+        static_cast<__nv_bfloat16*>(kv.k)[row + c] = kb;
         static_cast<__nv_bfloat16*>(kv.v)[row + c] = __float2bfloat16_rn(vc);
+        kc = __bfloat162float(kb);  // the bound is of the key as stored
       } else {
         kv.kopen[(int64_t(g) * kBT + slot) * d + c] = kc;
         vmn = fminf(vmn, vc);
         vmx = fmaxf(vmx, vc);
       }
-      float& lo = kv.kmin[blk * d + c];
-      float& hi = kv.kmax[blk * d + c];
-      lo = slot == 0 ? kc : fminf(lo, kc);
-      hi = slot == 0 ? kc : fmaxf(hi, kc);
+      if constexpr (T != PoolDType::kInt8) {  // (INT8: from the re-encoded codes below)
+        float& lo = kv.kmin[blk * d + c];
+        float& hi = kv.kmax[blk * d + c];
+        lo = slot == 0 ? kc : fminf(lo, kc);
+        hi = slot == 0 ? kc : fmaxf(hi, kc);
+      }
     }
     if constexpr (T == PoolDType::kInt8) {
       for (int o = 16; o >= 1; o >>= 1) {
@@ -2218,7 +2226,16 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
         const QuantGroup kg = quant_group(mn, mx);
         kv.kzero[blk * d + c] = kg.zh;
         kv.kscale[blk * d + c] = kg.sh;
-        for (int r = 0; r <= slot; ++r) k8[(blk * kBT + r) * d + c] = quant_code(open[r * d + c], kg);
+        float lo = INFINITY, hi = -INFINITY;
+        for (int r = 0; r <= slot; ++r) {
+          const uint8_t q = quant_code(open[r * d + c], kg);
+          k8[(blk * kBT + r) * d + c] = q;
+          const float x = __fadd_rn(kg.z, __fmul_rn(float(q), kg.s));
+          lo = fminf(lo, x);
+          hi = fmaxf(hi, x);
+        }
+        kv.kmin[blk * d + c] = lo;
+        kv.kmax[blk * d + c] = hi;
       }
     }
     __syncthreads();

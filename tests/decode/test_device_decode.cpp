@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "decode/device_session.h"
+#include "kvstore/kv_quant.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "tests/common/logit_rows.h"
 #include "tests/decode/decode_test_util.h"
@@ -503,6 +504,71 @@ TEST_F(DeviceDecode, EncodedAppendIsTheEncoderOfTheGrownCache) {
                 static_cast<long long>(codes));
     ASSERT_TRUE(p.cache.round_trip(enc).is_ok());
     for (const char* m : kModes) expect_same_as_host(p.cache, pool.value(), p.q, m);
+  }
+}
+
+// PSA's block bound (decode_attention.h) on q.k takes each block's per-channel key min and max;
+// it must hold for the keys the kernel reads, which in a BF16 or INT8 pool are rounded or coded
+// (an INT8 code decodes to zero + code x scale, the F16 zero rounded down and the scale up).
+// Blocks uploaded from an F32 cache and blocks grown by appends (spiky keys, the INT8 last block
+// re-encoded each time) must have as their kmin / kmax exactly the min / max of their stored
+// keys decoded (kvstore's decoder), channel by channel: so every stored key lies inside its
+// bounds, and they are no looser than need be. Before, the F32 keys' min / max were used, and
+// decoded keys fell outside them (the count is printed for the F32 bounds).
+TEST_F(DeviceDecode, BlockKeyBoundsAreThoseOfTheStoredKeys) {
+  const uint64_t seed = testing::fresh_seed();
+  const int n0 = 64 * 5 + 20, n_new = 100;
+  for (auto enc : {kvstore::KvEncoding::kBF16, kvstore::KvEncoding::kInt8}) {
+    Planted p = planted(n0, seed, /*uneven=*/true);
+    auto pool = decode::DevicePagedPool::upload(p.cache, n_new, enc);
+    ASSERT_TRUE(pool.is_ok()) << pool.status().to_string();
+    append_both(p, pool.value(), n0, n_new, seed + 1, 0.3f, 2.f);
+    const kernels::PagedKv kv = pool->layer(0);
+    const int d = kv.head_dim;
+    const bool q8 = enc == kvstore::KvEncoding::kInt8;
+    int64_t blocks = 0, outside_f32 = 0;
+    for (int g = 0; g < kHkv; ++g) {
+      const auto& pages = p.cache.pages(0, g);
+      for (size_t i = 0; i < pages.size(); ++i) {
+        const decode::KvBlock& kb = p.cache.block(pages[i]);
+        const PoolBlock got = download_block(pool.value(), g, int(i));
+        int32_t blk = -1;
+        ASSERT_EQ(cudaMemcpy(&blk, kv.pages + int64_t(g) * kv.max_pages + int64_t(i), 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        std::vector<float> lo(static_cast<size_t>(d)), hi(static_cast<size_t>(d));
+        ASSERT_EQ(cudaMemcpy(lo.data(), kv.kmin + int64_t(blk) * d, size_t(d) * 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(hi.data(), kv.kmax + int64_t(blk) * d, size_t(d) * 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        std::vector<float> keys(size_t(kb.n * d));
+        ASSERT_TRUE(kvstore::kv_decode_into(enc, true, got.k.data(), q8 ? got.ks.data() : nullptr,
+                                            q8 ? got.kz.data() : nullptr, kb.n, d, keys.data())
+                        .is_ok());
+        for (int c = 0; c < d; ++c) {
+          float mn = keys[size_t(c)], mx = mn, fmn = kb.k[size_t(c)], fmx = fmn;
+          for (int r = 1; r < kb.n; ++r) {
+            mn = std::min(mn, keys[size_t(r * d + c)]);
+            mx = std::max(mx, keys[size_t(r * d + c)]);
+            fmn = std::min(fmn, kb.k[size_t(r * d + c)]);
+            fmx = std::max(fmx, kb.k[size_t(r * d + c)]);
+          }
+          ASSERT_EQ(lo[size_t(c)], mn) << kvstore::kv_encoding_name(enc) << " head " << g
+                                       << " block " << i << " channel " << c;
+          ASSERT_EQ(hi[size_t(c)], mx) << kvstore::kv_encoding_name(enc) << " head " << g
+                                       << " block " << i << " channel " << c;
+          outside_f32 += (mn < fmn) + (mx > fmx);
+        }
+        ++blocks;
+      }
+    }
+    std::printf("%s: %lld blocks' bounds are their stored keys'; %lld channel ends lie outside "
+                "the F32 keys' min / max\n",
+                kvstore::kv_encoding_name(enc), static_cast<long long>(blocks),
+                static_cast<long long>(outside_f32));
+    EXPECT_GT(outside_f32, 0) << "the F32 bounds would have held here: the test shows nothing";
   }
 }
 

@@ -271,8 +271,9 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
 // (--kv-host-dtype f32) and must write the same files, which is what auto relies on.
 // The `on` and `f32` runs stream their exports (--export-stream auto: each layer written as the
 // prefill makes it final), the `off` run writes each after its prefill (--export-stream off):
-// the same files again. Line e (100 tokens, under 2 x CP x 64) runs whole on each rank, whose
-// rows are cut after the run: its streamed export takes every layer from the result instead.
+// the same files again. Line e (100 tokens, under 2 x CP x 64) runs whole on each of two GPUs'
+// ranks, whose rows are cut after the run: its streamed export takes every layer from the result
+// instead (on a one-GPU host, CP 1, it streams as the others do).
 // The other GPU runs pin --kv-dtype f32, so their
 // comparisons with the CPU bound the forward's K/V, not the encoding.
 TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
@@ -356,7 +357,7 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     EXPECT_NE(summary.find("\"export_streamed\": true"), std::string::npos) << summary;
     EXPECT_NE(slurp((dir / "off").string() + "/" + id + ".json").find("\"export_streamed\": false"),
               std::string::npos);
-    if (id == "e") continue;  // (its plan runs the prompt whole: not the plan-reuse sequence)
+    if (id == "e") continue;  // (its own plan, after d's: not the plan-reuse sequence)
     // b runs on a's plan; a plans with nothing to reuse; c and d plan on the cache's buffers
     // alone (this rank's: the summary is the leader's).
     EXPECT_EQ(summary.find("\"plan_s\": 0.000000,") != std::string::npos, id == "b") << summary;

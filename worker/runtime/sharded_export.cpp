@@ -429,7 +429,7 @@ Status LayerGate::wait(int l) {
                                         std::to_string(rows_.size()));
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return ready_[size_t(l)] || !failed_.is_ok(); });
-  return ready_[size_t(l)] ? Status::ok() : failed_;
+  return failed_;  // (ok unless failed)
 }
 
 kvstore::LayerRows LayerGate::rows(int l, bool value) const {

@@ -18,17 +18,19 @@ namespace sf::runtime {
 
 // The layers of a prefill that is still running, as a streamed export reads them
 // (kvstore::ExportOptions::wait_layer): the prefill's thread publishes each layer once its K/V
-// rows are final (model::PrefillOptions::on_layer_kv_final, ParallelOptions::on_layer_kv), and
-// the export's writing threads wait for the layer they write next. Rows stay where the prefill
+// rows are final (model::LayerKvHooks::final: PrefillOptions::kv_hooks on the device,
+// ParallelOptions::kv_hooks on the CPU grid), and the export's writing threads wait for the
+// layer they write next. Rows stay where the prefill
 // put them: its result must keep them in place (moving it does) until the export is done.
 class LayerGate {
  public:
   explicit LayerGate(int n_layers);
   // Layer l of kv (F32 or bf16) is final. Publishing a layer twice is an error.
   Status publish(int l, const model::KvCache& kv);
-  // Layers not yet published never will be: their waiters, now and later, get st.
+  // The export is abandoned: every wait, now and later, gets st, published layers' too (so a
+  // failed request's writer stops at its next layer instead of writing the rest).
   void fail(Status st);
-  // Until layer l is published (ok) or can no longer be (the failure).
+  // Until layer l is published (ok) or the gate has failed (the failure).
   Status wait(int l);
   // Layer l's K (value false) or V rows; after wait(l) succeeded.
   kvstore::LayerRows rows(int l, bool value) const;

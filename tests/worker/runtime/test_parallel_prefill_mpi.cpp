@@ -752,7 +752,9 @@ TEST_P(ParallelPrefill, StreamedExportEqualsTheExportAfterThePrefill) {
     if (!par.is_ok()) gate.fail(par.status());
     writer.join();
     ASSERT_TRUE(par.is_ok()) << par.status().to_string();
-    EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+    std::vector<int> in_order(size_t(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) in_order[size_t(l)] = l;
+    EXPECT_EQ(order, in_order);
     EXPECT_EQ(gate.n_published(), c.n_layers);
     EXPECT_TRUE(gate.check_in_place(par->kv).is_ok());
     EXPECT_EQ(imp.layers, par->importance);
@@ -821,6 +823,8 @@ TEST_P(ParallelPrefill, StreamedExportEqualsTheExportAfterThePrefill) {
     EXPECT_TRUE(gate.check_in_place(handed).is_ok());
     gate.fail(par.status());
     writer.join();
+    EXPECT_TRUE(gate.published(0));
+    EXPECT_FALSE(gate.wait(0).is_ok()) << "a failed gate stops the writer at published layers too";
     EXPECT_EQ(mine.rfind("error", 0), 0u) << mine.substr(0, 200);
     EXPECT_NE(mine.find("no index for layer 1"), std::string::npos) << mine.substr(0, 200);
     EXPECT_FALSE(x.value()->finish(g, mine).is_ok());
