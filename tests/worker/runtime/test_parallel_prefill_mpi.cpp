@@ -609,6 +609,23 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
   }
 }
 
+// Files of export directories a and b: the same names, byte for byte; returns how many.
+size_t expect_same_files(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  size_t n_files = 0;
+  for (const auto& e : fs::directory_iterator(a)) {
+    const std::string name = e.path().filename().string();
+    std::ifstream fa(e.path(), std::ios::binary), fb(b + "/" + name, std::ios::binary);
+    EXPECT_TRUE(fb.good()) << name << " missing from " << b;
+    const std::string da((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
+    const std::string db((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(da == db) << name << " differs";
+    ++n_files;
+  }
+  EXPECT_EQ(n_files, size_t(std::distance(fs::directory_iterator(b), fs::directory_iterator{})));
+  return n_files;
+}
+
 // A rank's K/V kept in bf16 (a device prefill's kv_host_bf16) exports through the sharded
 // export as the same values in F32 do, file for file and byte for byte: with full retention, one
 // retention tier (snapkv, whose block cuts move rows between CP ranks) and two (adakv high= with
@@ -674,19 +691,7 @@ TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
     const Status sb = runtime::export_sharded(g, b, spec, b16);
     ASSERT_TRUE(sb.is_ok()) << sb.to_string();
     if (!g.leader()) continue;
-    size_t n_files = 0;
-    for (const auto& e : std::filesystem::directory_iterator(a)) {
-      const std::string name = e.path().filename().string();
-      std::ifstream fa(e.path(), std::ios::binary), fb(b + "/" + name, std::ios::binary);
-      ASSERT_TRUE(fb.good()) << name << " missing from the bf16 export";
-      const std::string da((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
-      const std::string db((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
-      EXPECT_TRUE(da == db) << name << " differs";
-      ++n_files;
-    }
-    EXPECT_EQ(n_files, size_t(std::distance(std::filesystem::directory_iterator(b),
-                                            std::filesystem::directory_iterator{})));
-    EXPECT_GT(n_files, size_t(c.n_layers));  // shards and the manifest
+    EXPECT_GT(expect_same_files(a, b), size_t(c.n_layers));  // shards and the manifest
   }
   std::error_code ec;
   if (g.leader()) std::filesystem::remove_all(base, ec);
@@ -764,22 +769,7 @@ TEST_P(ParallelPrefill, StreamedExportEqualsTheExportAfterThePrefill) {
     // The export after the prefill, of the same result.
     const Status after = runtime::export_sharded(g, base + "/after", spec, par->kv);
     ASSERT_TRUE(after.is_ok()) << after.to_string();
-    if (g.leader()) {
-      size_t n_files = 0;
-      for (const auto& e : fs::directory_iterator(base + "/after")) {
-        const std::string name = e.path().filename().string();
-        std::ifstream fa(e.path(), std::ios::binary),
-            fb(base + "/streamed/" + name, std::ios::binary);
-        ASSERT_TRUE(fb.good()) << name << " missing from the streamed export";
-        const std::string da((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
-        const std::string db((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
-        EXPECT_TRUE(da == db) << name << " differs";
-        ++n_files;
-      }
-      EXPECT_EQ(n_files, size_t(std::distance(fs::directory_iterator(base + "/streamed"),
-                                              fs::directory_iterator{})));
-      EXPECT_GT(n_files, size_t(c.n_layers));
-    }
+    if (g.leader()) EXPECT_GT(expect_same_files(base + "/after", base + "/streamed"), size_t(c.n_layers));
   }
   {
     // A run that fails in layer 1 (no index for it), after publishing layer 0.
