@@ -316,7 +316,8 @@ Result<Options> parse_options(int argc, char** argv) {
 struct Fault {
   // Test-only (SF_WORKER_FAULT=KIND:RANK[:N]): load, kill and stop (at layer N of the first
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
-  // (every request fails on that rank after its prefill), fail_nth (the same for the Nth request
+  // (every request fails on that rank after its prefill; with N, its streamed export sleeps N ms
+  // after each layer, so it still reads the prefill's rows then), fail_nth (the same for the Nth request
   // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
   // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
   // the overlap's check), freeing (its export sleeps N ms after each layer it frees, and beside
@@ -1234,6 +1235,13 @@ int run(int argc, char** argv) {
       kvstore::ExportOptions eo;
       eo.layers_in_flight = export_width;
       eo.on_layer_written = free_layer_when_written(x);
+      if (x.gate && fault.kind == "fail_after" && fault.rank == world->rank() && fault.layer > 0)
+        // (fail_after's N: this rank's streamed export sleeps N ms after each layer, so it is
+        // still reading the prefill's rows when the request fails.)
+        eo.on_layer_written = [written = eo.on_layer_written, ms = fault.layer](int l) {
+          written(l);
+          std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+        };
       const int rank = g.group_comm->rank();  // as a write's own errors name it
       x.write = launch([&x, eo, rank] {
         WriteOutcome w;

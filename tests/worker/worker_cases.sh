@@ -50,7 +50,8 @@
 #               begun with its prefill, a layer written as the prefill makes it final) writes the
 #               files --export-stream off does, its summaries say so, and with rank 0's prefill
 #               slowed the leader had written layers by its prefill's end (off: none); a request
-#               failing after its prefill leaves no export and no partial directory; a retention
+#               failing after its prefill, its export still writing, leaves no export and no
+#               partial directory, its writer stopped at the next layer; a retention
 #               or a gathered export is not streamed; a bad value is refused
 #   dry_run     np 4, 2 groups of cp 2, --dry-run: bad lines reported, a plan line per request
 #               (group, status, KV sizes) and the totals, exit 3, no prefill, --out not created;
@@ -759,10 +760,14 @@ PY
       [ -n "$n" ] && [ "$n" -ge 5 ] && [ "$n" -le 30 ] || fail "on: $id: '$n' of 30 layers written when its prefill ended"
       echo "stream: $id: $n of 30 layers written here when its prefill ended"
     done
-    # A request that fails after its prefill (rank 1): its streamed export, files and all, goes.
-    SF_WORKER_FAULT=fail_after:1 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/fail"
+    # A request that fails after its prefill (rank 1, whose export sleeps 300 ms after each layer,
+    # so it is still reading the prefill's rows then): its streamed export, files and all, goes,
+    # and the writer stops at its next layer (writing all 30 would take 9 s a request). Under an
+    # SF_ASAN build this also catches rows freed under the writer (it did, before bf9a982).
+    SF_WORKER_FAULT=fail_after:1:300 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/fail"
     [ "$rc" -eq 3 ] && grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "fail_after: exit $rc"
     ! ls -a "$tmp/fail" | grep -q -e '^doc' -e 'partial' || fail "fail_after: left $(ls -a "$tmp/fail")"
+    [ "$ms" -lt 12000 ] || fail "fail_after: the job took $ms ms: the failed exports were written out"
     # Not streamable (a retention's cut needs the whole prefill; a gathered export is the
     # leader's after the gather): written after the prefill, as with off.
     run 2 --model default --cp 2 --export-stream on --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/ret"
