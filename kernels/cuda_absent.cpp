@@ -19,17 +19,6 @@ bool dependent_launch() { return false; }
 void set_dependent_launch(bool) {}
 
 DeviceBuffer::~DeviceBuffer() = default;
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
-  o.ptr_ = nullptr;
-  o.bytes_ = 0;
-}
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  ptr_ = o.ptr_;
-  bytes_ = o.bytes_;
-  o.ptr_ = nullptr;
-  o.bytes_ = 0;
-  return *this;
-}
 void DeviceBuffer::reset() {
   ptr_ = nullptr;
   bytes_ = 0;

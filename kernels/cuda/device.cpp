@@ -45,22 +45,6 @@ void set_dependent_launch(bool on) {
 
 DeviceBuffer::~DeviceBuffer() { reset(); }
 
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
-  o.ptr_ = nullptr;
-  o.bytes_ = 0;
-}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    reset();
-    ptr_ = o.ptr_;
-    bytes_ = o.bytes_;
-    o.ptr_ = nullptr;
-    o.bytes_ = 0;
-  }
-  return *this;
-}
-
 void DeviceBuffer::reset() {
   if (ptr_) (void)cudaFree(ptr_);  // a destructor cannot report; errors resurface on the next call
   ptr_ = nullptr;
