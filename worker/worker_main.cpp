@@ -1159,7 +1159,7 @@ int run(int argc, char** argv) {
     // `gate` as the prefill publishes it. Until the prefill's result is attached (res), a
     // written layer cannot be freed yet: it is noted in written_early and freed at the attach.
     std::unique_ptr<runtime::LayerGate> gate;
-    int written_at_prefill_end = -1;  // written_layers when the prefill ended (streamed only)
+    int written_at_prefill_end = 0;  // written_layers when the prefill ended (streamed only)
     std::mutex attach_mu;
     bool attached = true;
     std::vector<int> written_early;
@@ -1276,6 +1276,20 @@ int run(int argc, char** argv) {
         return w;
       });
     }
+  };
+  // Layer l of a streamed export's prefill is final: its importance (when the export has any)
+  // copied into place, then its rows published to the writer.
+  auto publish_layer = [](PendingExport& x, int l, const model::KvCache& kv,
+                          std::span<const float> imp) -> Status {
+    if (x.imp) {
+      std::vector<float>& dst = x.imp->layers[size_t(l)];
+      if (imp.size() != dst.size())
+        return SF_ERR(kInternal, "streamed export: layer " + std::to_string(l) +
+                                     "'s importance has " + std::to_string(imp.size()) +
+                                     " scores, not " + std::to_string(dst.size()));
+      std::copy(imp.begin(), imp.end(), dst.begin());
+    }
+    return x.gate->publish(l, kv);
   };
   // A request's export, its spec but first_token (and retention, importance) filled in.
   auto new_export = [&](const runtime::BatchRequest& r, const kvstore::KvEncodings& encs,
@@ -1404,7 +1418,7 @@ int run(int argc, char** argv) {
         x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
         static_cast<long long>(s.importance_bytes), s.importance_s,
         static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
-        export_wait_s, x->gate ? "true" : "false", std::max(x->written_at_prefill_end, 0),
+        export_wait_s, x->gate ? "true" : "false", x->written_at_prefill_end,
         x->memory_wait_s, x->fingerprint.c_str());
     // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
     // A JSON array of byte counts, or of seconds and densities (six decimals, as above).
@@ -1677,19 +1691,9 @@ int run(int argc, char** argv) {
       sx.gate = std::make_unique<runtime::LayerGate>(cfg.n_layers);
       sx.attached = false;
       start_export(sx);
-      kv_hooks.final = [&sx](int l, const model::KvCache& kv, std::span<const float> imp) {
-        Status st = Status::ok();
-        if (sx.imp) {
-          std::vector<float>& dst = sx.imp->layers[size_t(l)];
-          if (imp.size() == dst.size())
-            std::copy(imp.begin(), imp.end(), dst.begin());
-          else
-            st = SF_ERR(kInternal, "streamed export: layer " + std::to_string(l) +
-                                       "'s importance has " + std::to_string(imp.size()) +
-                                       " scores, not " + std::to_string(dst.size()));
-        }
-        if (st.is_ok()) st = sx.gate->publish(l, kv);
-        if (!st.is_ok()) sx.gate->fail(st);
+      kv_hooks.final = [&sx, &publish_layer](int l, const model::KvCache& kv,
+                                             std::span<const float> imp) {
+        if (Status st = publish_layer(sx, l, kv, imp); !st.is_ok()) sx.gate->fail(st);
       };
       // A failed run's K/V stays with the export (never attached, so nothing frees it) until
       // its writer is done with the published rows.
@@ -1922,17 +1926,12 @@ int run(int argc, char** argv) {
       // The rows the prefill published must be where the result holds them; a layer it did not
       // publish (a device prompt run whole, cut after its run) is published from the result.
       Status st = x->gate->check_in_place(x->res.kv);
-      for (int l = 0; st.is_ok() && l < cfg.n_layers; ++l) {
-        if (x->gate->published(l)) continue;
-        if (x->imp) {
-          if (size_t(l) < x->res.importance.size() &&
-              x->res.importance[size_t(l)].size() == x->imp->layers[size_t(l)].size())
-            x->imp->layers[size_t(l)] = x->res.importance[size_t(l)];
-          else
-            st = SF_ERR(kInternal, "streamed export: no importance for layer " + std::to_string(l));
-        }
-        if (st.is_ok()) st = x->gate->publish(l, x->res.kv);
-      }
+      for (int l = 0; st.is_ok() && l < cfg.n_layers; ++l)
+        if (!x->gate->published(l))
+          st = publish_layer(*x, l, x->res.kv,
+                             size_t(l) < x->res.importance.size()
+                                 ? std::span<const float>(x->res.importance[size_t(l)])
+                                 : std::span<const float>());
       const Status grp = agree(*g.group_comm, st);
       if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
       if (!grp.is_ok()) {
