@@ -37,4 +37,14 @@ inline RowCompare compare_logit_row(const float* gpu, const float* cpu, int64_t 
   return r;
 }
 
+// The top-1 logit of a row minus its second. Two runs whose logits differ by at most d may pick
+// different top-1 tokens only where the reference's gap is under 2 d (a near-tie, not a bug).
+inline double top2_gap(const float* row, int64_t n) {
+  const int64_t top = std::max_element(row, row + n) - row;
+  double second = -INFINITY;
+  for (int64_t j = 0; j < n; ++j)
+    if (j != top) second = std::max(second, double(row[j]));
+  return double(row[top]) - second;
+}
+
 }  // namespace sf::testing

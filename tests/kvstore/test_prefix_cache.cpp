@@ -14,6 +14,7 @@
 
 #include "kvstore/prefix_cache.h"
 #include "kvstore/prefix_prefill.h"
+#include "tests/common/logit_rows.h"
 #include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
@@ -398,7 +399,10 @@ TEST(PrefixPrefill, PrefixHitEqualsFullRecompute) {
       dk.max_abs, dk.rel(), dl.max_abs, dl.rel());
   EXPECT_LE(dk.rel(), 1e-5);
   EXPECT_LE(dl.rel(), 1e-5);
-  EXPECT_EQ(rb->first_token, full->first_token);
+  if (rb->first_token != full->first_token)  // only at a near-tie of the full run's top two
+    EXPECT_LT(testing::top2_gap(full->logits.data() + full->logits.size() - cfg.vocab, cfg.vocab),
+              2 * dl.max_abs)
+        << "first tokens " << rb->first_token << " vs " << full->first_token;
 
   // A different model id never reuses the other model's blocks.
   ASSERT_TRUE(prefill_with_prefix_cache(*m, &cache, "other", b, opt, &st).is_ok());

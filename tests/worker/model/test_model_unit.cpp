@@ -10,6 +10,7 @@
 #include <fstream>
 #include <random>
 
+#include "tests/common/logit_rows.h"
 #include "tests/common/test_seed.h"
 #include "tests/worker/model/gguf_builder.h"
 #include "worker/model/gguf.h"
@@ -92,8 +93,13 @@ TEST(Forward, ExtendEqualsFullPrefill) {
   ASSERT_TRUE(model::extend(m.value(), std::span(toks).first(100), {}, &r).is_ok());
   ASSERT_TRUE(model::extend(m.value(), std::span(toks).subspan(100), {}, &r).is_ok());
   EXPECT_EQ(r.kv.n_tokens, 150);
-  EXPECT_LT(max_abs_diff(r.logits, full->logits), 1e-4);
-  EXPECT_EQ(r.first_token, full->first_token);
+  const double dl = max_abs_diff(r.logits, full->logits);
+  EXPECT_LT(dl, 1e-4);
+  if (r.first_token != full->first_token)  // only at a near-tie of the reference's top two
+    EXPECT_LT(testing::top2_gap(full->logits.data() + full->logits.size() - tiny_config().vocab,
+                                tiny_config().vocab),
+              2 * dl)
+        << "first tokens " << r.first_token << " vs " << full->first_token;
   EXPECT_LT(max_abs_diff(r.kv.v[1], full->kv.v[1]), 1e-5);
   // A call that fails (here: a sparse config for another model) leaves the cache as it was, so a
   // later call does not attend to rows it never finished.
