@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 #include <vector>
 
@@ -38,6 +39,16 @@ Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo
                                         (lo == 1 ? "positive" : ">= " + std::to_string(lo)) +
                                         " integer, got '" + v + "'");
   return int64_t(x);
+}
+
+// An on|off flag, when given.
+Status on_off(const std::map<std::string, std::string>& kv, const std::string& k, bool* out) {
+  const auto it = kv.find(k);
+  if (it == kv.end()) return Status::ok();
+  if (it->second != "on" && it->second != "off")
+    return SF_ERR(kInvalidArgument, "--" + k + " must be on or off, got '" + it->second + "'");
+  *out = it->second == "on";
+  return Status::ok();
 }
 
 }  // namespace
@@ -81,24 +92,14 @@ Result<Options> parse_options(int argc, char** argv) {
   if (o.export_mode != "sharded" && o.export_mode != "gathered")
     return SF_ERR(kInvalidArgument,
                   "--export must be sharded or gathered, got '" + o.export_mode + "'");
-  if (kv.count("export-overlap")) {
-    const std::string& v = kv["export-overlap"];
-    if (v != "on" && v != "off")
-      return SF_ERR(kInvalidArgument, "--export-overlap must be on or off, got '" + v + "'");
-    o.export_overlap = v == "on";
-  }
+  SF_TRY(on_off(kv, "export-overlap", &o.export_overlap));
   if (kv.count("export-stream")) {
     const std::string& v = kv["export-stream"];
     if (v != "auto" && v != "on" && v != "off")
       return SF_ERR(kInvalidArgument, "--export-stream must be auto, on or off, got '" + v + "'");
     o.export_stream = v == "auto" ? -1 : v == "on" ? 1 : 0;
   }
-  if (kv.count("host-memory-check")) {
-    const std::string& v = kv["host-memory-check"];
-    if (v != "on" && v != "off")
-      return SF_ERR(kInvalidArgument, "--host-memory-check must be on or off, got '" + v + "'");
-    o.host_memory_check = v == "on";
-  }
+  SF_TRY(on_off(kv, "host-memory-check", &o.host_memory_check));
   if (kv.count("tp")) {
     SF_ASSIGN(const int64_t x, parse_int("tp", kv["tp"]));
     o.tp = decltype(o.tp)(x);

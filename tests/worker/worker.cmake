@@ -1,3 +1,8 @@
+# sparsefill-worker's options and fingerprints, without MPI (label unit).
+if(TARGET sf_worker_job)
+  sf_add_test(test_worker_options SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_worker_options.cpp
+              LABELS unit LIBS sf_worker_job TIMEOUT 60)
+endif()
 # sparsefill-worker under mpiexec (label mpi): batch with bad lines + resume, start-up errors,
 # load failure on one rank, killed and stalled ranks, sharded vs gathered exports (tests/worker/worker_cases.sh says what each
 # checks). Each has a ctest TIMEOUT well above its own bound, so a hang fails instead of blocking.
