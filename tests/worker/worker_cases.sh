@@ -760,14 +760,21 @@ PY
       [ -n "$n" ] && [ "$n" -ge 5 ] && [ "$n" -le 30 ] || fail "on: $id: '$n' of 30 layers written when its prefill ended"
       echo "stream: $id: $n of 30 layers written here when its prefill ended"
     done
-    # A request that fails after its prefill (rank 1, whose export sleeps 300 ms after each layer,
-    # so it is still reading the prefill's rows then): its streamed export, files and all, goes,
-    # and the writer stops at its next layer (writing all 30 would take 9 s a request). Under an
+    # A request that fails after its prefill (rank 1, whose streamed export sleeps 1 s after each
+    # layer, so it is still reading the prefill's rows then): its streamed export, files and all,
+    # goes, and the writer stops at its next layer. Timed against the same failing job without
+    # streaming (no export starts there): writing the rest out would add tens of seconds (about
+    # 25 layers x 1 s a request); stopping adds at most a layer's sleep a request. A fixed bound
+    # (12 s) failed on a slower 2-core machine, where the job alone took 12.5 s. Under an
     # SF_ASAN build this also catches rows freed under the writer (it did, before bf9a982).
-    SF_WORKER_FAULT=fail_after:1:300 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/fail"
+    SF_WORKER_FAULT=fail_after:1:1000 run 2 --model default --cp 2 --export-stream off --batch "$tmp/long.jsonl" --out "$tmp/fail_off"
+    [ "$rc" -eq 3 ] && grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "fail_after, off: exit $rc"
+    ms_off=$ms
+    SF_WORKER_FAULT=fail_after:1:1000 run 2 --model default --cp 2 --export-stream on --batch "$tmp/long.jsonl" --out "$tmp/fail"
     [ "$rc" -eq 3 ] && grep -q "batch done: 0 written, 0 already complete, 2 failed" "$tmp/stdout" || fail "fail_after: exit $rc"
     ! ls -a "$tmp/fail" | grep -q -e '^doc' -e 'partial' || fail "fail_after: left $(ls -a "$tmp/fail")"
-    [ "$ms" -lt 12000 ] || fail "fail_after: the job took $ms ms: the failed exports were written out"
+    echo "stream: failing job $ms ms streamed, $ms_off ms without streaming"
+    [ "$ms" -lt $((ms_off + 10000)) ] || fail "fail_after: the job took $ms ms against $ms_off without streaming: the failed exports were written out"
     # Not streamable (a retention's cut needs the whole prefill; a gathered export is the
     # leader's after the gather): written after the prefill, as with off.
     run 2 --model default --cp 2 --export-stream on --retention snapkv:budget=128 --batch "$tmp/long.jsonl" --out "$tmp/ret"
