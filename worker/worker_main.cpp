@@ -20,7 +20,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <sched.h>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -37,7 +36,6 @@
 #include <future>
 
 #include "comm/mpi_communicator.h"
-#include "common/args.h"
 #include "common/checksum.h"
 #include "common/file_io.h"
 #include "common/log.h"

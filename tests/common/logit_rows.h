@@ -19,6 +19,16 @@ struct RowCompare {
   bool within_rounding(double logit_rel) const { return top2_gap < allowed_gap(logit_rel); }
 };
 
+// The top-1 logit of a row minus its second. Two runs whose logits differ by at most d may pick
+// different top-1 tokens only where the reference's gap is under 2 d (a near-tie, not a bug).
+inline double top2_gap(const float* row, int64_t n) {
+  const int64_t top = std::max_element(row, row + n) - row;
+  double second = -INFINITY;
+  for (int64_t j = 0; j < n; ++j)
+    if (j != top) second = std::max(second, double(row[j]));
+  return double(row[top]) - second;
+}
+
 inline RowCompare compare_logit_row(const float* gpu, const float* cpu, int64_t n) {
   RowCompare r;
   for (int64_t j = 0; j < n; ++j) {
@@ -30,21 +40,8 @@ inline RowCompare compare_logit_row(const float* gpu, const float* cpu, int64_t 
   r.rms = std::sqrt(r.sq_ref / double(n));
   r.cpu_top = std::max_element(cpu, cpu + n) - cpu;
   r.gpu_top = std::max_element(gpu, gpu + n) - gpu;
-  double second = -INFINITY;
-  for (int64_t j = 0; j < n; ++j)
-    if (j != r.cpu_top) second = std::max(second, double(cpu[j]));
-  r.top2_gap = double(cpu[r.cpu_top]) - second;
+  r.top2_gap = top2_gap(cpu, n);
   return r;
-}
-
-// The top-1 logit of a row minus its second. Two runs whose logits differ by at most d may pick
-// different top-1 tokens only where the reference's gap is under 2 d (a near-tie, not a bug).
-inline double top2_gap(const float* row, int64_t n) {
-  const int64_t top = std::max_element(row, row + n) - row;
-  double second = -INFINITY;
-  for (int64_t j = 0; j < n; ++j)
-    if (j != top) second = std::max(second, double(row[j]));
-  return double(row[top]) - second;
 }
 
 }  // namespace sf::testing

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <random>
 
+#include "tests/common/logit_rows.h"
 #include "tests/decode/decode_test_util.h"
 
 namespace sf {
@@ -54,9 +54,7 @@ void run_full_equals_dense(model::Arch arch) {
       max_diff = std::max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
     if (got.back() == want.back()) continue;
     parted = i;
-    std::vector<float> top(ref.logits);
-    std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
-    const double gap = double(top[0]) - double(top[1]);
+    const double gap = testing::top2_gap(ref.logits.data(), int64_t(ref.logits.size()));
     EXPECT_LT(gap, 2 * kLogit) << "step " << i << ": the session took " << got.back()
                                << ", the dense continuation " << want.back()
                                << ", whose top two are " << gap << " apart";
@@ -646,9 +644,8 @@ TEST(DecodeSession, VerifiedDraftsGiveFullDecodesTokens) {
         EXPECT_LT(diff, 1e-4) << spec << " step " << i;  // batched GEMM against GEMV rows
         if (got.tokens[i + 1] != ref.tokens[i + 1]) {
           // Only a near-tie of the full cache's own logits may flip under that rounding.
-          std::vector<float> top = ref.z[i];
-          std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
-          EXPECT_LT(top[0] - top[1], 1e-4) << spec << " token " << i + 1;
+          EXPECT_LT(testing::top2_gap(ref.z[i].data(), int64_t(ref.z[i].size())), 1e-4)
+              << spec << " token " << i + 1;
           parted = true;
           break;  // the continuations part here
         }
