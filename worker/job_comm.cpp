@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 
 #include "common/checksum.h"
 #include "common/file_io.h"
+#include "common/text.h"
 
 namespace sf::worker {
 
@@ -62,6 +64,64 @@ Result<HostPeers> host_peers(comm::Communicator& world) {
   }
   p.cpu_sharers = std::max(p.cpu_sharers, 1);  // a rank with no readable mask counts itself
   return p;
+}
+
+GroupProgress::GroupProgress(std::unique_ptr<comm::Heartbeat> hb, bool leader, int group,
+                             int n_groups, int group_size)
+    : hb_(std::move(hb)),
+      leader_(leader),
+      group_(group),
+      n_groups_(n_groups),
+      group_size_(group_size),
+      seen_(size_t(n_groups), clock::now()),
+      done_(size_t(n_groups), 0),
+      last_beat_(clock::now() - std::chrono::hours(1)) {
+  for (int q = 0; q < n_groups; ++q) leaders_.push_back(q * group_size);
+}
+
+// What each group last said and when: a leader receives while it beats, so notes do not pile up
+// unreceived while it works.
+Status GroupProgress::drain() {
+  notes_.clear();
+  SF_TRY(hb_->poll(&notes_));
+  for (const auto& [src, v] : notes_) {
+    seen_[size_t(src / group_size_)] = clock::now();
+    if (v < 0) done_[size_t(src / group_size_)] = 1;
+  }
+  return Status::ok();
+}
+
+Status GroupProgress::beat(int64_t value) {
+  if (!hb_ || !leader_) return Status::ok();
+  const auto now = clock::now();
+  if (value >= 0 && now - last_beat_ < std::chrono::seconds(1)) return Status::ok();
+  last_beat_ = now;
+  SF_TRY(hb_->beat(leaders_, value));
+  return drain();
+}
+
+Status GroupProgress::finish(double stall_timeout_s) {
+  if (!hb_ || !leader_) return Status::ok();
+  SF_TRY(beat(-1));
+  done_[size_t(group_)] = 1;
+  // The silence is counted from here at the earliest: a group busy with a long request while
+  // this one worked is not held to notes this leader was not reading.
+  const auto start = clock::now();
+  for (auto& t : seen_) t = std::max(t, start);
+  for (;;) {
+    SF_TRY(drain());
+    if (std::all_of(done_.begin(), done_.end(), [](char d) { return d != 0; })) return Status::ok();
+    for (int q = 0; q < n_groups_; ++q)
+      if (!done_[size_t(q)] &&
+          std::chrono::duration<double>(clock::now() - seen_[size_t(q)]).count() > stall_timeout_s)
+        return SF_ERR(kDeadlineExceeded,
+                      sformat("group %d (world ranks %d-%d) sent no progress for %.0f s while "
+                              "group %d waited for it to finish: a rank stopped or hung (or a "
+                              "layer takes longer than --stall-timeout); ending the job",
+                              q, q * group_size_, q * group_size_ + group_size_ - 1,
+                              stall_timeout_s, group_));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 }  // namespace sf::worker

@@ -1,10 +1,14 @@
 // The worker job's agreements over MPI: every rank learns any rank's failure, whether every rank
 // holds the same setting, and which ranks share its host (memory) and its CPUs.
 #pragma once
+#include <chrono>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
 #include "common/status.h"
 
 namespace sf::worker {
@@ -27,5 +31,34 @@ struct HostPeers {
   std::vector<int> ranks;  // the world ranks on this host, this one included
 };
 Result<HostPeers> host_peers(comm::Communicator& world);
+
+// Groups finish at different times and wait for each other only in the final tally. Each leader
+// notes its progress to the other leaders (at most once a second, and at each layer and
+// request), and "done" at the end; a leader that has finished waits for every other group's
+// "done" and ends the job when one sends nothing for --stall-timeout. Without a heartbeat (one
+// group, or no MPI) and on other ranks than leaders every call does nothing.
+class GroupProgress {
+ public:
+  GroupProgress(std::unique_ptr<comm::Heartbeat> hb, bool leader, int group, int n_groups,
+                int group_size);
+  // A progress note (value >= 0: at most once a second), and what the others said since.
+  Status beat(int64_t value);
+  // "Done", then every other group's "done"; kDeadlineExceeded naming the group that went quiet
+  // for stall_timeout_s.
+  Status finish(double stall_timeout_s);
+  void close() { hb_.reset(); }  // before MPI finalizes
+
+ private:
+  using clock = std::chrono::steady_clock;
+  Status drain();
+  std::unique_ptr<comm::Heartbeat> hb_;
+  bool leader_;
+  int group_, n_groups_, group_size_;
+  std::vector<int> leaders_;
+  std::vector<clock::time_point> seen_;  // when each group last said anything
+  std::vector<char> done_;
+  std::vector<std::pair<int, int64_t>> notes_;
+  clock::time_point last_beat_;
+};
 
 }  // namespace sf::worker

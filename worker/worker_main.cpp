@@ -29,10 +29,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <thread>
-#include <type_traits>
 #include <future>
 
 #include "comm/mpi_communicator.h"
@@ -44,6 +42,8 @@
 #include "kvstore/kv_export.h"
 #include "kvstore/prefix_prefill.h"
 #include "kvstore/tiered_kv.h"
+#include "worker/dry_run.h"
+#include "worker/host_kv.h"
 #include "worker/job_comm.h"
 #include "worker/job_identity.h"
 #include "worker/model/device_model.h"
@@ -52,6 +52,8 @@
 #include "worker/model/sparse_config.h"
 #include "worker/model/tokenizer.h"
 #include "worker/options.h"
+#include "worker/request_checks.h"
+#include "worker/request_summary.h"
 #include "worker/runtime/batch.h"
 #include "worker/runtime/batch_metrics.h"
 #include "worker/runtime/device_parallel.h"
@@ -65,6 +67,9 @@ namespace {
 namespace fs = std::filesystem;
 
 using worker::agree;
+using worker::check_requests;
+using worker::GroupProgress;
+using worker::HostKvSizing;
 using worker::Fault;
 using worker::host_peers;
 using worker::HostPeers;
@@ -73,90 +78,15 @@ using worker::model_identity;
 using worker::Options;
 using worker::parse_fault;
 using worker::parse_options;
+using worker::print_dry_run;
 using worker::plain_bf16;
 using worker::policy_fingerprint;
 using worker::request_fingerprint;
+using worker::request_summary_json;
+using worker::RequestSummary;
 using worker::same_on_every_rank;
 using worker::stores_f32;
 using worker::synthetic_identity;
-
-// --dry-run's plan (rank 0): one line a request, its group (round-robin, as the run assigns),
-// whether a run would compute it or skip it (resume), its K/V bytes in the export's encoding
-// (at most that under a retention) and its host KV; then the totals and the peak host memory a
-// rank would hold for KV, against what this host has available.
-template <typename KvBytes, typename HostKvBytes, typename StagingBytes>
-void print_plan(const Options& o, const model::ModelConfig& cfg,
-                const std::vector<runtime::BatchRequest>& good, int n_groups,
-                const std::string& job, bool host_bf16, KvBytes&& kv_host_bytes, HostKvBytes&& host_kv_bytes,
-                StagingBytes&& staging_bytes, int local_ranks, int64_t avail) {
-  int64_t n_compute = 0, tokens = 0, export_bytes = 0, peak = 0, peak_host = 0, staging = 0,
-          n_short = 0;
-  // Each group's last computed request's KV (this rank's, and this host's).
-  std::vector<int64_t> last(size_t(n_groups), 0), last_host(size_t(n_groups), 0);
-  for (size_t i = 0; i < good.size(); ++i) {
-    const runtime::BatchRequest& r = good[i];
-    const int group = int(i % size_t(n_groups));
-    const kvstore::RetentionPolicy& policy = r.retention ? *r.retention : o.retention;
-    const kvstore::KvEncodings encs = r.kv_dtype ? *r.kv_dtype : o.kv_dtype;
-    const std::string fp = request_fingerprint(r.tokens, policy, encs, job, host_bf16);
-    const int64_t T = int64_t(r.tokens.size());
-    const int64_t kv = int64_t(cfg.n_layers) * cfg.n_kv_heads *
-                       kvstore::kv_encoded_bytes(encs.high, T, cfg.head_dim);  // K and V
-    const int64_t host = kv_host_bytes(T);
-    std::string status = "to compute";
-    if (runtime::request_complete(o.out, r.id, fp)) {
-      status = "complete, a run skips it";
-    } else if (const std::string why = runtime::request_stale_reason(o.out, r.id, fp);
-               !why.empty()) {
-      status = "to compute again (" + why + ")";
-    }
-    const bool compute = status.rfind("complete", 0) != 0;
-    const bool full = policy.kind == kvstore::RetentionKind::kFull;
-    // What a run's host memory check would say of it (no plan held yet: its whole staging).
-    const int64_t on_host = host_kv_bytes(T);
-    const bool too_big = compute && o.host_memory_check &&
-                         !runtime::host_memory_fits(on_host, staging_bytes(T), 0, local_ranks, avail);
-    n_short += too_big ? 1 : 0;
-    std::printf("plan: %s (line %lld): %lld tokens, group %d, %s; K/V %s%s in %s, host KV %s a "
-                "rank in %s%s\n",
-                r.id.c_str(), static_cast<long long>(r.line), static_cast<long long>(T), group,
-                status.c_str(), full ? "" : "at most ", human_bytes(kv).c_str(),
-                kvstore::kv_encodings_name(encs).c_str(), human_bytes(host).c_str(),
-                host_bf16 ? "bf16" : "f32", too_big ? "; more than this host's memory allows now: a run would fail it "
-                          "(--host-memory-check)"
-                        : "");
-    if (!compute) continue;
-    ++n_compute;
-    tokens += T;
-    export_bytes += kv;
-    // With --export-overlap a rank holds the pending export's KV beside the next request's.
-    peak = std::max(peak, host + (o.export_overlap ? last[size_t(group)] : 0));
-    last[size_t(group)] = host;
-    peak_host = std::max(peak_host, on_host + (o.export_overlap ? last_host[size_t(group)] : 0));
-    last_host[size_t(group)] = on_host;
-    // The GPU plan's pinned staging stays at the largest request's (plans pass buffers on).
-    staging = std::max(staging, staging_bytes(T));
-  }
-  const std::string pinned =
-      o.device == "cuda"
-          ? sformat(", and %s of pinned K/V staging (--kv-staging-layers %d, --kv-staging-max-gib %g)",
-                    human_bytes(staging).c_str(), o.kv_staging_layers, o.kv_staging_max_gib)
-                         : "";
-  std::printf("plan: %lld of %zu requests to compute (%lld tokens), K/V to write at most %s; peak "
-              "host KV a rank %s (--export-overlap %s)%s, %d rank(s) on this host: %s of its %s "
-              "available\n",
-              static_cast<long long>(n_compute), good.size(), static_cast<long long>(tokens),
-              human_bytes(export_bytes).c_str(), human_bytes(peak).c_str(),
-              o.export_overlap ? "on" : "off", pinned.c_str(), local_ranks,
-              human_bytes(peak_host + staging * local_ranks).c_str(), human_bytes(avail).c_str());
-  if (n_short > 0)
-    std::printf("plan: %lld request(s) need more host memory than this host can give now "
-                "(0.8 of its available memory, for its %d rank(s)); a run fails them before their "
-                "prefills (--host-memory-check off skips the check)\n",
-                static_cast<long long>(n_short), local_ranks);
-  std::fflush(stdout);
-}
-
 
 int run(int argc, char** argv) {
   const auto job_t0 = std::chrono::steady_clock::now();
@@ -188,12 +118,12 @@ int run(int argc, char** argv) {
   // its own keeps them all.
   if (const char* set = std::getenv("SF_NUM_THREADS"); (!set || !*set) && peers.cpu_sharers > 1)
     setenv("SF_NUM_THREADS", std::to_string(std::max(1, usable_cpus() / peers.cpu_sharers)).c_str(), 1);
-  std::unique_ptr<comm::Heartbeat> hb;  // several groups: the leaders' progress notes
+  std::unique_ptr<GroupProgress> progress;  // several groups: the leaders' progress notes
   // Exits every rank the same way; the message prints once (rank 0) or on every rank.
   auto finish = [&](int code, const std::string& err, bool every_rank) {
     if (!err.empty() && (every_rank || rank0)) std::fprintf(stderr, "error: %s\n", err.c_str());
     std::fflush(stdout);
-    hb.reset();
+    if (progress) progress->close();
     world.reset();
     comm::mpi_finalize();
     return code;
@@ -404,40 +334,19 @@ int run(int argc, char** argv) {
   auto grid_r = runtime::make_grid(*world, shape);
   if (!grid_r.is_ok()) fatal(grid_r.status());
   runtime::GridComms& g = grid_r.value();
-  // Groups finish at different times and wait for each other only in the final tally. Each
-  // leader notes its progress to the other leaders (at most once a second, and at each layer
-  // and request), and "done" (-1) at the end; a leader that has finished waits for every other
-  // group's "done" and ends the job when one sends nothing for --stall-timeout.
-  const int gs = shape.group_size();
-  std::vector<int> leaders;
-  for (int q = 0; q < n_groups; ++q) leaders.push_back(q * gs);
-  if (have_mpi && n_groups > 1) {
-    auto h = comm::Heartbeat::create();
-    if (!h.is_ok()) fatal(h.status());
-    hb = std::move(h).value();
-  }
-  // What each group last said and when (a leader receives while it beats, so notes do not pile
-  // up unreceived while it works).
-  using hb_clock = std::chrono::steady_clock;
-  std::vector<hb_clock::time_point> seen(size_t(n_groups), hb_clock::now());
-  std::vector<char> done(size_t(n_groups), 0);
-  std::vector<std::pair<int, int64_t>> notes;
-  auto drain = [&] {
-    notes.clear();
-    if (Status st = hb->poll(&notes); !st.is_ok()) fatal(st);
-    for (const auto& [src, v] : notes) {
-      seen[size_t(src / gs)] = hb_clock::now();
-      if (v < 0) done[size_t(src / gs)] = 1;
+  // The leaders' progress notes (GroupProgress), for a job of several groups.
+  {
+    std::unique_ptr<comm::Heartbeat> hb;
+    if (have_mpi && n_groups > 1) {
+      auto h = comm::Heartbeat::create();
+      if (!h.is_ok()) fatal(h.status());
+      hb = std::move(h).value();
     }
-  };
-  auto last_beat = hb_clock::now() - std::chrono::hours(1);
+    progress = std::make_unique<GroupProgress>(std::move(hb), g.leader(), g.group, n_groups,
+                                               shape.group_size());
+  }
   auto beat = [&](int64_t value) {
-    if (!hb || !g.leader()) return;
-    const auto now = hb_clock::now();
-    if (value >= 0 && now - last_beat < std::chrono::seconds(1)) return;
-    last_beat = now;
-    if (Status st = hb->beat(leaders, value); !st.is_ok()) fatal(st);
-    drain();
+    if (Status st = progress->beat(value); !st.is_ok()) fatal(st);
   };
 
   // GPUs: each rank's TP slice on its device, then NCCL over the grid. Every rank learns of any
@@ -473,64 +382,7 @@ int run(int argc, char** argv) {
   // Requests: parse, tokenize, validate; identical on every rank, reported once.
   runtime::BatchFile bf =
       runtime::parse_batch(text, o.compute_dtype());
-  std::vector<runtime::BatchRequest> good;
-  for (auto& r : bf.requests) {
-    if (!r.has_tokens) {
-      if (!tok) {
-        bf.bad.push_back({r.line, "this model has no tokenizer support; give 'tokens'"});
-        continue;
-      }
-      r.tokens = tok->encode(r.prompt, /*add_special=*/true, /*parse_special=*/true);
-      if (r.tokens.empty()) {
-        bf.bad.push_back({r.line, "field 'prompt' encodes to no tokens"});
-        continue;
-      }
-    }
-    bool ok = true;
-    for (size_t i = 0; i < r.tokens.size() && ok; ++i)
-      if (r.tokens[i] >= cfg.vocab) {
-        bf.bad.push_back({r.line, "field 'tokens' item " + std::to_string(i) + " (" +
-                                      std::to_string(r.tokens[i]) +
-                                      ") is outside the vocabulary of " +
-                                      std::to_string(cfg.vocab)});
-        ok = false;
-      }
-    if (ok && int64_t(r.tokens.size()) > cfg.max_context && cfg.max_context > 0 && !o.allow_long) {
-      bf.bad.push_back({r.line, "prompt has " + std::to_string(r.tokens.size()) +
-                                    " tokens, more than the model context of " +
-                                    std::to_string(cfg.max_context) +
-                                    " (--allow-long to run anyway)"});
-      ok = false;
-    }
-    // Budgets against this prompt (and moa spans against the model), before its prefill runs.
-    if (ok) {
-      if (Status st = kvstore::retention_check_prompt(r.retention ? *r.retention : o.retention,
-                                                      cfg.n_layers, cfg.n_kv_heads,
-                                                      int64_t(r.tokens.size()));
-          !st.is_ok()) {
-        bf.bad.push_back({r.line, std::string(r.retention ? "field 'retention'" : "--retention") +
-                                      ": " + st.message()});
-        ok = false;
-      }
-    }
-    // A line's own f32 export would hold bf16 values with --kv-host-dtype bf16.
-    if (ok && o.kv_host_bf16 && r.kv_dtype && stores_f32(*r.kv_dtype)) {
-      bf.bad.push_back({r.line, "field 'kv_dtype': an f32 export needs --kv-host-dtype f32 (this "
-                                "job keeps bf16 K/V)"});
-      ok = false;
-    }
-    // Two tiers: a retention's high= and a HIGH+LOW encoding come together.
-    if (ok) {
-      const bool high = (r.retention ? *r.retention : o.retention).high > 0;
-      const bool two = (r.kv_dtype ? *r.kv_dtype : o.kv_dtype).low.has_value();
-      if (high != two) {
-        bf.bad.push_back({r.line, high ? "a retention with high= needs a two-tier kv_dtype (HIGH+LOW)"
-                                       : "a two-tier kv_dtype (HIGH+LOW) needs a retention with high="});
-        ok = false;
-      }
-    }
-    if (ok) good.push_back(std::move(r));
-  }
+  std::vector<runtime::BatchRequest> good = check_requests(bf, cfg, tok ? &*tok : nullptr, o);
   {
     // A line's own retention may name a moa config, read on each rank's host: keep only the
     // lines every rank accepted with the same policy, so every group sees the same requests.
@@ -586,58 +438,9 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   const bool sharded = o.export_mode == "sharded";
-  // Host memory a rank holds for one request's KV while it is prefilled and exported: its rows of
-  // its KV heads in F32 (a sharded export's ranks), or the whole cache (a gathering rank); the
-  // CPU runtime also holds one layer's whole-prompt K/V twice (its own and the exchanged).
-  // A rank's rows: its share of the prompt, or on the GPU all of a prompt too short for a 64-token
-  // block on every CP rank, which each CP rank computes whole (runtime::DeviceParallelPrefill).
-  auto rank_rows = [&](int64_t T) {
-    if (!sharded) return T;
-    if (o.device == "cuda" && o.cp > 1 && T < 2 * int64_t(o.cp) * 64) return T;
-    return (T + o.cp - 1) / o.cp;
-  };
-  // K and V of a token and head: F32, or bf16 (host_bf16).
-  const int64_t row = int64_t(cfg.head_dim) * 2 * (host_bf16 ? 2 : int64_t(sizeof(float)));
-  // One layer of this rank's K/V: its rows of its KV heads.
-  auto rank_layer_bytes = [&](int64_t T) {
-    return rank_rows(T) * (sharded ? cfg.n_kv_heads / o.tp : cfg.n_kv_heads) * row;
-  };
-  auto kv_host_bytes = [&](int64_t T) {
-    const int64_t layer = o.device == "cpu" ? 2 * T * (cfg.n_kv_heads / o.tp) * row : 0;
-    return rank_layer_bytes(T) * cfg.n_layers + layer;
-  };
-  // What each of this host's ranks holds, by its place in its group (runtime::make_grid: group
-  // rank r % (tp x cp), TP rank the group rank % tp, CP rank the group rank / tp): a sharded
-  // export's ranks hold their own rows (kv_host_bytes); a gathered one's leader holds the whole
-  // cache (kv_host_bytes too), the other CP rank 0 of each TP slice that slice's heads of every
-  // token, the others nothing beyond the forward's layer buffers (their own rows with
-  // --selective-kv); summed over the host's ranks for the host memory check.
-  auto host_kv_bytes = [&](int64_t T) {
-    int64_t sum = 0;
-    for (const int r : peers.ranks) {
-      const int gr = r % (o.tp * o.cp), cp_rank = gr / o.tp;
-      if (sharded || gr == 0) {
-        sum += kv_host_bytes(T);
-        continue;
-      }
-      const int64_t slice = int64_t(cfg.n_kv_heads / o.tp) * row;  // a token of a TP slice's heads
-      const int64_t keep = cp_rank == 0 ? T * slice
-                           : o.selective_kv ? (T + o.cp - 1) / o.cp * slice
-                                            : 0;
-      sum += keep * cfg.n_layers + (o.device == "cpu" ? 2 * T * slice : 0);
-    }
-    return sum;
-  };
-  // --device cuda: a plan's pinned slots for K/V on its way to the host (a ring of
-  // --kv-staging-layers layers within --kv-staging-max-gib, as model::kv_staging_slots counts).
-  auto kv_staging_bytes = [&](int64_t T) -> int64_t {
-    if (o.device != "cuda") return int64_t(0);
-    model::PrefillOptions po;
-    po.kv_staging_layers = o.kv_staging_layers;
-    po.kv_staging_max_bytes = o.kv_staging_max_bytes();
-    const int64_t slot = rank_layer_bytes(T);
-    return slot * model::kv_staging_slots(po, cfg.n_layers, slot);
-  };
+  // Host memory a rank holds for one request's KV while it is prefilled and exported, and what
+  // this host's ranks hold together (the host memory check and the dry run's plan).
+  const HostKvSizing sizing(o, cfg, host_bf16, peers.ranks);
   // The ranks on this host share its memory: a rank's check counts them all (every group's).
   const int local_ranks = peers.local_ranks;
   // The host memory this rank sees (the memory faults stand in for it in tests): beside_pending
@@ -650,8 +453,7 @@ int run(int argc, char** argv) {
   };
   if (o.dry_run) {
     if (rank0)
-      print_plan(o, cfg, good, n_groups, job, host_bf16, kv_host_bytes, host_kv_bytes, kv_staging_bytes,
-                 local_ranks, host_avail(false));
+      print_dry_run(o, cfg, good, n_groups, job, sizing, local_ranks, host_avail(false));
     return finish(bf.bad.empty() ? 0 : 3, "", false);
   }
   if (g.leader()) {
@@ -979,77 +781,30 @@ int run(int argc, char** argv) {
       }
     }
     const auto& s = res.stats;
-    std::string summary = sformat(
-        "{\"id\": %s, \"line\": %lld, \"n_tokens\": %zu, \"first_token\": %d, \"tp\": %d, "
-        "\"cp\": %d, "
-        "\"group\": %d, \"prefill_s\": %.6f, \"plan_s\": %.6f, \"comm_s\": %.6f, "
-        "\"kv_allgather_bytes\": %lld, "
-        "\"kv_moved_bytes\": %lld, \"estimate_bytes\": %lld, \"estimate_bytes_parts\": "
-        "{\"queries\": %lld, \"columns\": %lld, \"diagonals\": %lld, \"blocks\": %lld}, "
-        "\"tp_allreduce_bytes\": %lld, \"comm_bytes\": %lld, \"attention\": %s, \"density\": "
-        "%.6f, \"attention_s\": %.6f, \"estimate_s\": %.6f, \"sparse_grows\": %d, "
-        "\"kv_alloc_s\": %.6f, \"kv_copy_s\": %.6f, \"kv_host_dtype\": \"%s\", \"export\": \"%s\", \"device\": \"%s\", \"retention\": %s, "
-        "\"kv_kept_fraction\": %.6f, \"kv_dtype\": \"%s\", \"importance_bytes\": %lld, "
-        "\"importance_s\": %.6f, \"prefix_reused_tokens\": %lld, \"export_s\": %.6f, "
-        "\"export_bytes\": %lld, \"export_wait_s\": %.6f, \"export_streamed\": %s, "
-        "\"export_layers_at_prefill_end\": %d, \"memory_wait_s\": %.6f, "
-        "\"fingerprint\": \"%s\"}",
-        json_quoted(r.id).c_str(), static_cast<long long>(r.line), r.tokens.size(), res.first_token,
-        o.tp, o.cp, g.group, s.seconds, s.plan_s, s.comm_s,
-        static_cast<long long>(s.kv_allgather_bytes),
-        static_cast<long long>(s.kv_moved_bytes), static_cast<long long>(s.estimate_bytes),
-        static_cast<long long>(s.estimate_queries_bytes),
-        static_cast<long long>(s.estimate_columns_bytes),
-        static_cast<long long>(s.estimate_diagonals_bytes),
-        static_cast<long long>(s.estimate_blocks_bytes),
-        static_cast<long long>(s.tp_allreduce_bytes), static_cast<long long>(s.comm_bytes),
-        json_quoted(o.attention).c_str(), s.density, s.attention_s, s.estimate_s, s.sparse_grows,
-        s.kv_alloc_s, s.kv_copy_s, host_bf16 ? "bf16" : "f32", o.export_mode.c_str(),
-        o.device.c_str(),
-        json_quoted(x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params)).c_str(),
-        x->kept_frac, kvstore::kv_encodings_name(x->encs).c_str(),
-        static_cast<long long>(s.importance_bytes), s.importance_s,
-        static_cast<long long>(reused_tokens), export_s, static_cast<long long>(export_bytes),
-        export_wait_s, x->gate ? "true" : "false", x->written_at_prefill_end,
-        x->memory_wait_s, x->fingerprint.c_str());
-    // Group totals beside the leader's own counters (docs/distributed.md, sparsity-aware CP).
-    // A JSON array of byte counts, or of seconds and densities (six decimals, as above).
-    auto list = [](const auto& v) {
-      std::string o = "[";
-      for (size_t i = 0; i < v.size(); ++i) {
-        if (i) o += ", ";
-        if constexpr (std::is_floating_point_v<std::decay_t<decltype(v[i])>>)
-          o += sformat("%.6f", v[i]);
-        else
-          o += std::to_string(v[i]);
-      }
-      return o + "]";
-    };
-    summary.pop_back();  // the closing brace
-    char group[256];
-    std::snprintf(group, sizeof group,
-                  ", \"group_kv_allgather_bytes\": %lld, \"group_kv_moved_bytes\": %lld, "
-                  "\"group_estimate_bytes\": %lld, \"group_density\": %.6f",
-                  static_cast<long long>(s.group_kv_allgather_bytes),
-                  static_cast<long long>(s.group_kv_moved_bytes),
-                  static_cast<long long>(s.group_estimate_bytes), s.group_density);
-    // Where this rank's plan spent its time (--device cuda, when the request planned).
-    std::string plan_parts = "null";
-    if (x->plan)
-      plan_parts = sformat(
-          "{\"total_s\": %.6f, \"device_buffers_s\": %.6f, \"host_buffers_s\": %.6f, "
-          "\"sparse_s\": %.6f, \"shapes_s\": %.6f, \"reused_bytes\": %lld, "
-          "\"allocated_bytes\": %lld}",
-          x->plan->total_s, x->plan->device_buffers_s, x->plan->host_buffers_s, x->plan->sparse_s,
-          x->plan->shapes_s, static_cast<long long>(x->plan->reused_bytes),
-          static_cast<long long>(x->plan->allocated_bytes));
-    summary += std::string(group) + ", \"plan_parts\": " + plan_parts +
-               ", \"kv_moved_bytes_by_rank\": " + list(s.kv_moved_bytes_by_rank) +
-               ", \"estimate_bytes_by_rank\": " + list(s.estimate_bytes_by_rank) +
-               ", \"prefill_s_by_rank\": " + list(s.seconds_by_rank) +
-               ", \"attention_s_by_rank\": " + list(s.attention_s_by_rank) +
-               ", \"comm_s_by_rank\": " + list(s.comm_s_by_rank) +
-               ", \"density_by_rank\": " + list(s.density_by_rank) + "}";
+    RequestSummary sum;
+    sum.request = &r;
+    sum.first_token = res.first_token;
+    sum.tp = o.tp;
+    sum.cp = o.cp;
+    sum.group = g.group;
+    sum.stats = &s;
+    sum.attention = o.attention;
+    sum.kv_host_dtype = host_bf16 ? "bf16" : "f32";
+    sum.export_mode = o.export_mode;
+    sum.device = o.device;
+    sum.retention = x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params);
+    sum.kv_kept_fraction = x->kept_frac;
+    sum.kv_dtype = kvstore::kv_encodings_name(x->encs);
+    sum.prefix_reused_tokens = reused_tokens;
+    sum.export_s = export_s;
+    sum.export_bytes = export_bytes;
+    sum.export_wait_s = export_wait_s;
+    sum.export_streamed = x->gate != nullptr;
+    sum.export_layers_at_prefill_end = x->written_at_prefill_end;
+    sum.memory_wait_s = x->memory_wait_s;
+    sum.fingerprint = x->fingerprint;
+    sum.plan = x->plan;
+    const std::string summary = request_summary_json(sum);
     if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
       --n_done;
       ++n_failed;
@@ -1143,17 +898,17 @@ int run(int argc, char** argv) {
     // its device plan's pinned staging grows by), beside whatever is still held: all of the
     // group's ranks take part, so they run the same collectives.
     const int64_t T = int64_t(r.tokens.size());
-    const int64_t need = host_kv_bytes(T);  // this host's ranks, summed
+    const int64_t need = sizing.host_bytes(T);  // this host's ranks, summed
     // room: the least a host of the group may give (0.8 of its available memory), for the
     // message; grow: what each rank's pinned staging adds.
-    const int64_t grow = std::max<int64_t>(0, kv_staging_bytes(T) - staging_held);
+    const int64_t grow = std::max<int64_t>(0, sizing.staging_bytes(T) - staging_held);
     int64_t room = 0;
     auto group_short = [&](bool beside_pending) -> bool {
       int64_t avail = host_avail(beside_pending);
       if (freeing_ms > 0 && beside_pending && pending)  // the freeing fault's room (above)
         avail = 2 * pending->freed_bytes.load() >= pending->held_bytes ? int64_t(1) << 60 : 0;
       const bool fits =
-          runtime::host_memory_fits(need, kv_staging_bytes(T), staging_held, local_ranks, avail);
+          runtime::host_memory_fits(need, sizing.staging_bytes(T), staging_held, local_ranks, avail);
       std::array<int64_t, 2> mine{fits ? 1 : 0,
                                   avail < 0 ? INT64_MAX : int64_t(0.8 * double(avail))},
           all{};
@@ -1407,7 +1162,7 @@ int run(int argc, char** argv) {
         if (ok.is_ok()) {
           dplan.emplace(std::move(plan).value());
           dplan_key = key;
-          const int64_t staged = kv_staging_bytes(int64_t(r.tokens.size()));
+          const int64_t staged = sizing.staging_bytes(int64_t(r.tokens.size()));
           staging_held = dbuffers ? std::max(staging_held, staged) : staged;
         } else {
           pr = ok;
@@ -1558,28 +1313,7 @@ int run(int argc, char** argv) {
   if (pending) complete_export(std::move(pending));
   publish(/*in_flight=*/false, /*finished=*/true);
   // Every other group's "done", or the job ends when one goes quiet for --stall-timeout.
-  if (hb && g.leader()) {
-    beat(-1);
-    done[size_t(g.group)] = 1;
-    // The silence is counted from here at the earliest: a group busy with a long request while
-    // this one worked is not held to notes this leader was not reading.
-    const auto start = hb_clock::now();
-    for (auto& t : seen) t = std::max(t, start);
-    for (;;) {
-      drain();
-      if (std::all_of(done.begin(), done.end(), [](char d) { return d != 0; })) break;
-      for (int q = 0; q < n_groups; ++q)
-        if (!done[size_t(q)] &&
-            std::chrono::duration<double>(hb_clock::now() - seen[size_t(q)]).count() >
-                o.stall_timeout_s)
-          fatal(SF_ERR(kDeadlineExceeded,
-                       sformat("group %d (world ranks %d-%d) sent no progress for %.0f s while "
-                               "group %d waited for it to finish: a rank stopped or hung (or a "
-                               "layer takes longer than --stall-timeout); ending the job",
-                               q, q * gs, q * gs + gs - 1, o.stall_timeout_s, g.group)));
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
+  if (Status st = progress->finish(o.stall_timeout_s); !st.is_ok()) fatal(st);
   // Test fault: this rank stops after its group's last request, before the tally.
   if (fault.kind == "stop_end" && fault.rank == world->rank()) {
     std::fprintf(stderr, "fault injection: rank %d stops before the final tally\n", world->rank());

@@ -1,6 +1,9 @@
-# sparsefill-worker's options and fingerprints, without MPI (label unit).
+# sparsefill-worker's options and fingerprints, its batch lines' checks, host K/V sizing and
+# request summaries, without MPI (label unit).
 if(TARGET sf_worker_job)
   sf_add_test(test_worker_options SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_worker_options.cpp
+              LABELS unit LIBS sf_worker_job TIMEOUT 60)
+  sf_add_test(test_worker_job SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_worker_job.cpp
               LABELS unit LIBS sf_worker_job TIMEOUT 60)
 endif()
 # sparsefill-worker under mpiexec (label mpi): batch with bad lines + resume, start-up errors,
