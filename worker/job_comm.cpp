@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <thread>
 
@@ -11,6 +12,11 @@
 #include "common/text.h"
 
 namespace sf::worker {
+
+void end_job(const Status& st) {
+  std::fprintf(stderr, "error: %s\n", st.message().c_str());
+  comm::mpi_abort_job(1);
+}
 
 Status agree(comm::Communicator& world, const Status& mine) {
   int32_t cand = mine.is_ok() ? INT32_MAX : world.rank(), first = INT32_MAX;

@@ -13,6 +13,10 @@
 
 namespace sf::worker {
 
+// After a communication failure ranks may be stuck in a collective: the error on stderr, and the
+// whole job ends (MPI_Abort).
+[[noreturn]] void end_job(const Status& st);
+
 // Every rank learns whether any rank failed; the lowest failing rank's message reaches all.
 // Returns ok on every rank, or the same error on every rank.
 Status agree(comm::Communicator& world, const Status& mine);

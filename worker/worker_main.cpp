@@ -15,7 +15,6 @@
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
 // first request), slow:R:MS (rank R sleeps MS milliseconds at every layer: slow but alive).
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -27,11 +26,9 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
-#include <future>
 
 #include "comm/mpi_communicator.h"
 #include "common/checksum.h"
@@ -42,6 +39,7 @@
 #include "kvstore/kv_export.h"
 #include "kvstore/prefix_prefill.h"
 #include "kvstore/tiered_kv.h"
+#include "worker/device_plans.h"
 #include "worker/dry_run.h"
 #include "worker/host_kv.h"
 #include "worker/job_comm.h"
@@ -53,13 +51,12 @@
 #include "worker/model/tokenizer.h"
 #include "worker/options.h"
 #include "worker/request_checks.h"
-#include "worker/request_summary.h"
+#include "worker/request_exports.h"
 #include "worker/runtime/batch.h"
 #include "worker/runtime/batch_metrics.h"
 #include "worker/runtime/device_parallel.h"
 #include "worker/runtime/grid.h"
 #include "worker/runtime/parallel_prefill.h"
-#include "worker/runtime/sharded_export.h"
 
 namespace sf {
 namespace {
@@ -68,6 +65,7 @@ namespace fs = std::filesystem;
 
 using worker::agree;
 using worker::check_requests;
+using worker::DevicePlans;
 using worker::GroupProgress;
 using worker::HostKvSizing;
 using worker::Fault;
@@ -78,12 +76,13 @@ using worker::model_identity;
 using worker::Options;
 using worker::parse_fault;
 using worker::parse_options;
+using worker::PendingExport;
 using worker::print_dry_run;
+using worker::publish_layer;
+using worker::RequestExports;
 using worker::plain_bf16;
 using worker::policy_fingerprint;
 using worker::request_fingerprint;
-using worker::request_summary_json;
-using worker::RequestSummary;
 using worker::same_on_every_rank;
 using worker::stores_f32;
 using worker::synthetic_identity;
@@ -128,10 +127,7 @@ int run(int argc, char** argv) {
     comm::mpi_finalize();
     return code;
   };
-  auto fatal = [&](const Status& st) {  // after a comm failure: ranks may be stuck, end the job
-    std::fprintf(stderr, "error: %s\n", st.message().c_str());
-    comm::mpi_abort_job(1);
-  };
+  auto fatal = [](const Status& st) { worker::end_job(st); };
 
   auto opts_r = parse_options(argc, argv);
   {
@@ -517,321 +513,30 @@ int run(int argc, char** argv) {
   // callback is each request's.
   std::function<void(int)> prefix_layer_done;
   std::map<std::pair<int, int>, std::unique_ptr<kvstore::DevicePrefixPrefill>> dprefix;
-  // A written request's export: begun on the main thread (the sharded export's collective
-  // opening; a streamed export's before its own prefill, the others' after it), its files written
-  // on another thread, completed (the manifest, the summary) by the main thread once the next
-  // request's prefill is done, or at once with --export-overlap off.
-  // It owns everything its export and summary read; the write thread reads it by reference, so
-  // `write` is the last member (destroyed first: its destructor waits for the thread).
-  struct WriteOutcome {
-    std::string mine;  // sharded: this rank's entries for the leader (ShardedExport::write)
-    Status st;         // gathered (leader): the export's outcome
-    double seconds = 0;
+  // The requests' exports (worker/request_exports.h): a written one's files beside the next
+  // request's prefill, its manifest and summary after it.
+  RequestExports exports({.o = &o,
+                          .g = &g,
+                          .m = &m,
+                          .fault = fault,
+                          .world_rank = world->rank(),
+                          .device = dmodel.has_value(),
+                          .host_bf16 = host_bf16,
+                          .prefix_cache = prefix != nullptr,
+                          .my_total = my_total,
+                          .metrics = &metrics,
+                          .beat = [&] { beat(k); }});
+  auto complete_export = [&](std::unique_ptr<PendingExport> x) {
+    if (exports.complete(std::move(x)))
+      ++n_done;
+    else
+      ++n_failed;
   };
-  struct PendingExport {
-    const runtime::BatchRequest* r = nullptr;
-    int64_t k = 0;  // its place in this group's share
-    kvstore::KvEncodings encs;
-    std::string fingerprint, dir;
-    int64_t reused_tokens = 0;
-    runtime::ParallelResult res;
-    kvstore::KvExportSpec spec;
-    std::optional<kvstore::ImportanceScores> imp;
-    kvstore::Retention ret;
-    double kept_frac = 1.0;
-    std::optional<model::PlanTimes> plan;  // --device cuda, when this request planned
-    double memory_wait_s = 0;  // before its prefill, for memory the pending export held
-    double begin_s = 0;
-    Status begun;  // the sharded export's opening (the same on every rank)
-    std::unique_ptr<runtime::ShardedExport> sharded;
-    // Host K/V the export holds, and what it has freed so far (layers whose files are written).
-    int64_t held_bytes = 0;
-    std::atomic<int64_t> freed_bytes{0};
-    std::atomic<int> freed_layers{0};
-    std::atomic<int> written_layers{0};  // this rank's layers whose files are written
-    // A streamed export (--export-stream): begun before the prefill, it reads each layer from
-    // `gate` as the prefill publishes it. Until the prefill's result is attached (res), a
-    // written layer cannot be freed yet: it is noted in written_early and freed at the attach.
-    std::unique_ptr<runtime::LayerGate> gate;
-    int written_at_prefill_end = 0;  // written_layers when the prefill ended (streamed only)
-    std::mutex attach_mu;
-    bool attached = true;
-    std::vector<int> written_early;
-    // Last, so it is destroyed first: its destructor waits for the writer, which updates the
-    // counters above.
-    std::future<WriteOutcome> write;
-    // A streamed export dropped unfinished (an exception unwinding past it): its writer may wait
-    // for a layer no prefill will publish; failing the gate first lets `write`'s destructor
-    // return (this body runs before the members are destroyed).
-    ~PendingExport() {
-      if (gate) gate->fail(SF_ERR(kInternal, "the request's export was abandoned"));
-    }
-  };
-  // Frees layer l of a request's host K/V (F32 or bf16) once its files are written
-  // (kvstore::ExportOptions::on_layer_written): a next request that would not fit beside the
-  // whole export can start when enough of it is gone.
-  const int freeing_ms = fault.kind == "freeing" && fault.rank == world->rank() ? int(fault.layer) : 0;
-  auto free_layer_when_written = [freeing_ms](PendingExport& x) {
-    return [&x, freeing_ms](int l) {
-      x.written_layers.fetch_add(1);
-      {
-        std::lock_guard<std::mutex> lk(x.attach_mu);
-        if (!x.attached) {  // a streamed export's prefill still runs: freed at the attach
-          x.written_early.push_back(l);
-          return;
-        }
-      }
-      x.freed_bytes.fetch_add(x.res.kv.free_layer(l));
-      x.freed_layers.fetch_add(1);
-      if (freeing_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(freeing_ms));
-    };
-  };
+  const int freeing_ms = exports.freeing_ms();
+  const bool stream_exports = o.export_stream == 1 || (o.export_stream < 0 && dmodel);
   using clk = std::chrono::steady_clock;
   auto since = [](clk::time_point t0) {
     return std::chrono::duration<double>(clk::now() - t0).count();
-  };
-  // The files' writer on its own thread; where no thread can be had (std::system_error), the
-  // write runs here: the group's next collective (finish) must not wait on a rank that gave up.
-  // Its time counts from the launch, so a wait for it never exceeds it but by a wake-up.
-  auto launch = [&](auto write) -> std::future<WriteOutcome> {
-    const auto w0 = clk::now();
-    auto timed = [write, w0, since] {
-      WriteOutcome w = write();
-      w.seconds = since(w0);
-      return w;
-    };
-    try {
-      return std::async(std::launch::async, timed);
-    } catch (const std::system_error&) {
-      std::promise<WriteOutcome> p;
-      p.set_value(timed());
-      return p.get_future();
-    }
-  };
-  // A CPU prefill keeps every core busy: an export written beside it takes one layer at a time,
-  // not the several that compete with the prefill's threads (on GPUs the host cores are free).
-  const bool overlap_cpu = o.export_overlap && !dmodel;
-  const bool stream_exports = o.export_stream == 1 || (o.export_stream < 0 && dmodel);
-  const int export_width = o.export_threads > 0 ? o.export_threads
-                           : overlap_cpu        ? 1
-                                                : kvstore::default_layers_in_flight();
-  auto start_export = [&](PendingExport& x) {
-    const auto t0 = clk::now();
-    if (sharded) {
-      auto b = runtime::ShardedExport::begin(g, x.dir, x.spec, x.res.kv);
-      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(b.status());
-      x.begin_s = since(t0);
-      if (!b.is_ok()) {
-        x.begun = b.status();
-        return;
-      }
-      x.sharded = std::move(b).value();
-      kvstore::ExportOptions eo;
-      eo.layers_in_flight = export_width;
-      eo.on_layer_written = free_layer_when_written(x);
-      if (x.gate && fault.kind == "fail_after" && fault.rank == world->rank() && fault.layer > 0)
-        // (fail_after's N: this rank's streamed export sleeps N ms after each layer, so it is
-        // still reading the prefill's rows when the request fails.)
-        eo.on_layer_written = [written = eo.on_layer_written, ms = fault.layer](int l) {
-          written(l);
-          std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-        };
-      const int rank = g.group_comm->rank();  // as a write's own errors name it
-      x.write = launch([&x, eo, rank] {
-        WriteOutcome w;
-        try {
-          w.mine = x.gate ? x.sharded->write_streamed(*x.gate, eo) : x.sharded->write(eo);
-        } catch (const std::exception& e) {  // reported as this rank's error, as a write's
-          w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
-        }
-        return w;
-      });
-    } else if (g.leader()) {
-      kvstore::ExportOptions eo;
-      // (The slow-export fault stands for a slow filesystem: one layer at a time, so its
-      // export outlasts --comm-timeout on any core count.)
-      const bool slow = fault.kind == "slow_export" || fault.kind == "slow_all";
-      eo.layers_in_flight = slow ? 1 : export_width;
-      eo.on_layer_written = free_layer_when_written(x);
-      const int slow_ms = slow && fault.rank == world->rank() ? fault.layer : 0;
-      x.write = launch([&x, eo, slow_ms] {
-        WriteOutcome w;
-        try {
-          w.st = kvstore::export_kv(
-              x.dir, x.spec,
-              [&](int l, bool v) {
-                if (!v && slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
-                return (v ? x.res.kv.v : x.res.kv.k)[size_t(l)].data();
-              },
-              /*force=*/true, eo);
-        } catch (const std::exception& e) {
-          w.st = SF_ERR(kInternal, std::string("export thread: ") + e.what());
-        }
-        return w;
-      });
-    }
-  };
-  // Layer l of a streamed export's prefill is final: its importance (when the export has any)
-  // copied into place, then its rows published to the writer.
-  auto publish_layer = [](PendingExport& x, int l, const model::KvCache& kv,
-                          std::span<const float> imp) -> Status {
-    if (x.imp) {
-      std::vector<float>& dst = x.imp->layers[size_t(l)];
-      if (imp.size() != dst.size())
-        return SF_ERR(kInternal, "streamed export: layer " + std::to_string(l) +
-                                     "'s importance has " + std::to_string(imp.size()) +
-                                     " scores, not " + std::to_string(dst.size()));
-      std::copy(imp.begin(), imp.end(), dst.begin());
-    }
-    return x.gate->publish(l, kv);
-  };
-  // A request's export, its spec but first_token (and retention, importance) filled in.
-  auto new_export = [&](const runtime::BatchRequest& r, const kvstore::KvEncodings& encs,
-                        const std::string& fingerprint) {
-    auto x = std::make_unique<PendingExport>();
-    x->r = &r;
-    x->k = k;
-    x->encs = encs;
-    x->fingerprint = fingerprint;
-    x->dir = runtime::request_dir(o.out, r.id);
-    kvstore::KvExportSpec& spec = x->spec;
-    spec = kvstore::model_export_spec(m);
-    spec.n_tokens = int64_t(r.tokens.size());
-    spec.token_ids = r.tokens;
-    spec.encoding = encs.high;
-    spec.encoding_low = encs.low;
-    return x;
-  };
-  // The heartbeat goes from this thread only: a long wait for a writer is progress too.
-  auto wait_writer = [&](PendingExport& x) {
-    WriteOutcome w;
-    if (x.write.valid()) {
-      while (x.write.wait_for(std::chrono::milliseconds(200)) != std::future_status::ready)
-        beat(k);
-      w = x.write.get();
-    }
-    return w;
-  };
-  // A streamed export whose request failed (on every rank of the group alike, so they all come
-  // here): the failed gate stops the writer at its next layer (published or not), and the
-  // group's finish, told of the failure by every rank, removes the partial export.
-  auto abandon = [&](std::unique_ptr<PendingExport> x, const Status& why) {
-    x->gate->fail(why);
-    (void)wait_writer(*x);
-    if (x->begun.is_ok() && x->sharded) {
-      const Status st = x->sharded->finish(
-          g, "error\nrank " + std::to_string(g.group_comm->rank()) + ": the request failed (" +
-                 why.message() + ")");
-      if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
-    }
-  };
-  auto complete_export = [&](std::unique_ptr<PendingExport> x) {
-    const runtime::BatchRequest& r = *x->r;
-    const auto w0 = clk::now();
-    const WriteOutcome w = wait_writer(*x);
-    const double wait_s = since(w0);
-    const auto f0 = clk::now();
-    Status st;
-    if (sharded) {
-      st = x->begun;
-      if (st.is_ok()) {
-        st = x->sharded->finish(g, w.mine);
-        if (g.group_comm->aborted() || g.cp->aborted() || g.tp->aborted()) fatal(st);
-      }
-    } else {
-      st = w.st;
-      // The other ranks wait for the leader's export here (every layer written and hashed:
-      // minutes for a long prompt on a slow filesystem), under --stall-timeout, not in the next
-      // request's first collective under --comm-timeout.
-      int32_t wrote = st.is_ok() ? 1 : 0;
-      const auto t = g.group_comm->timeout();
-      g.group_comm->set_timeout(
-          std::max(t, std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))));
-      const Status bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
-      g.group_comm->set_timeout(t);
-      if (!bs.is_ok()) fatal(bs);
-    }
-    const double finish_s = since(f0);
-    if (!g.leader()) {
-      ++n_done;
-      return;
-    }
-    if (!st.is_ok()) {
-      ++n_failed;
-      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
-                   static_cast<long long>(r.line), r.id.c_str(), st.message().c_str());
-      return;
-    }
-    ++n_done;
-    // The export's own time (its opening, the files, the manifest), and what of it the batch
-    // waited for: all of it with --export-overlap off, less what the next prefill hid.
-    const double export_s = x->begin_s + w.seconds + finish_s;
-    const double export_wait_s = x->begin_s + wait_s + finish_s;
-    const std::string& dir = x->dir;
-    const runtime::ParallelResult& res = x->res;
-    const int64_t reused_tokens = x->reused_tokens;
-    int64_t export_bytes = 0;  // what can be read of it (a listing error counts nothing more)
-    {
-      std::error_code ec;
-      for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end;
-           it.increment(ec)) {
-        std::error_code fe;
-        const uintmax_t n = it->is_regular_file(fe) ? it->file_size(fe) : 0;
-        if (!fe) export_bytes += int64_t(n);
-      }
-    }
-    const auto& s = res.stats;
-    RequestSummary sum;
-    sum.request = &r;
-    sum.first_token = res.first_token;
-    sum.tp = o.tp;
-    sum.cp = o.cp;
-    sum.group = g.group;
-    sum.stats = &s;
-    sum.attention = o.attention;
-    sum.kv_host_dtype = host_bf16 ? "bf16" : "f32";
-    sum.export_mode = o.export_mode;
-    sum.device = o.device;
-    sum.retention = x->ret.policy + (x->ret.params.empty() ? "" : ":" + x->ret.params);
-    sum.kv_kept_fraction = x->kept_frac;
-    sum.kv_dtype = kvstore::kv_encodings_name(x->encs);
-    sum.prefix_reused_tokens = reused_tokens;
-    sum.export_s = export_s;
-    sum.export_bytes = export_bytes;
-    sum.export_wait_s = export_wait_s;
-    sum.export_streamed = x->gate != nullptr;
-    sum.export_layers_at_prefill_end = x->written_at_prefill_end;
-    sum.memory_wait_s = x->memory_wait_s;
-    sum.fingerprint = x->fingerprint;
-    sum.plan = x->plan;
-    const std::string summary = request_summary_json(sum);
-    if (Status ws = write_file_atomic(dir + ".json", summary + "\n"); !ws.is_ok()) {
-      --n_done;
-      ++n_failed;
-      std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
-                   static_cast<long long>(r.line), r.id.c_str(), ws.message().c_str());
-      return;
-    }
-    metrics.add_written({int64_t(r.tokens.size()), reused_tokens, s.seconds, s.comm_s,
-                         s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
-                         s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes,
-                         export_wait_s, s.plan_s, s.sparse_grows, s.attention_s_by_rank,
-                         s.comm_s_by_rank, x->memory_wait_s});
-    std::printf(
-        "[group %d] %lld/%lld %s: %zu tokens%s, first token %d, %.3f s (%.0f tokens/s, comm %.3f "
-        "s%s), export %.3f s (%.3f s waited) -> %s\n",
-        g.group, static_cast<long long>(x->k), static_cast<long long>(my_total), r.id.c_str(),
-        r.tokens.size(),
-        prefix ? (" (" + std::to_string(reused_tokens) + " from the prefix cache)").c_str() : "",
-        res.first_token, s.seconds, double(r.tokens.size()) / s.seconds, s.comm_s,
-        (std::string(s.plan_s > 0 ? sformat(", after a %.3f s plan", s.plan_s) : "") +
-         (s.sparse_grows > 0
-              ? sformat(", sparse plan grown %d time(s) during the run", s.sparse_grows)
-              : ""))
-            .c_str(),
-        export_s,
-        export_wait_s, dir.c_str());
-    std::fflush(stdout);
   };
   std::unique_ptr<PendingExport> pending;
   // SF_WAIT_WHOLE_EXPORT=1: a request short of memory beside a pending export waits for all of
@@ -847,26 +552,15 @@ int run(int argc, char** argv) {
       fatal(st);
     return any != 0;
   }();
-  std::optional<runtime::DeviceParallelPrefill> dplan;  // --device cuda: the last plan
-  // ... and the buffers it leaves to the next plan (model::DeviceBufferCache);
-  // SF_DEVICE_BUFFER_CACHE=0 frees them instead (bench/mpi/plan_reuse.sh's comparison).
-  const char* cache_env = std::getenv("SF_DEVICE_BUFFER_CACHE");
-  const std::shared_ptr<model::DeviceBufferCache> dbuffers =
-      cache_env && std::string_view(cache_env) == "0"
-          ? nullptr
-          : std::make_shared<model::DeviceBufferCache>();
-  std::array<int64_t, 3> dplan_key{-1, -1, -1};           // its tokens, importance window, pool
-  // Pinned K/V staging the last plan holds (kv_staging_bytes): a cache keeps the largest plan's
-  // buffers, without one each plan pins its own.
-  int64_t staging_held = 0;
-  // The last plan's sparse index capacity and its prompt length: a new length's plan starts
-  // there (scaled to its length) instead of at the estimators' default, which the data may
-  // outgrow, and running the whole prefill again costs as much as the prefill.
-  // Only a capacity some run grew is carried: the estimators' defaults are not a need (their
-  // column default is a constant, which scaled to a longer prompt would only waste memory).
-  std::array<int, 2> sparse_cap{0, 0};
-  int64_t sparse_cap_tokens = 0;
-  bool dplan_carried = false;  // the last plan started at a carried capacity
+  // --device cuda: the last plan kept, buffers passed between plans (worker/device_plans.h).
+  std::optional<DevicePlans> dplans;
+  if (dmodel)
+    dplans.emplace(DevicePlans::Setup{.o = &o,
+                                      .dm = &*dmodel,
+                                      .g = &g,
+                                      .dgrid = &*dgrid,
+                                      .sizing = &sizing,
+                                      .beat = [&] { beat(k); }});
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with
@@ -899,6 +593,7 @@ int run(int argc, char** argv) {
     // group's ranks take part, so they run the same collectives.
     const int64_t T = int64_t(r.tokens.size());
     const int64_t need = sizing.host_bytes(T);  // this host's ranks, summed
+    const int64_t staging_held = dplans ? dplans->staging_held() : 0;
     // room: the least a host of the group may give (0.8 of its available memory), for the
     // message; grow: what each rank's pinned staging adds.
     const int64_t grow = std::max<int64_t>(0, sizing.staging_bytes(T) - staging_held);
@@ -936,8 +631,7 @@ int run(int argc, char** argv) {
       const auto w0 = clk::now();
       bool fits = false;
       while (!wait_whole_export) {
-        const int32_t mine = !pending->write.valid() || pending->write.wait_for(
-                                 std::chrono::seconds(0)) == std::future_status::ready;
+        const int32_t mine = pending->written() ? 1 : 0;
         int32_t all_written = 0;
         if (Status st = g.group_comm->all_reduce(&mine, &all_written, 1, DType::kI32,
                                                  comm::ReduceOp::kMin);
@@ -1023,7 +717,7 @@ int run(int argc, char** argv) {
     std::unique_ptr<PendingExport> streamed;
     model::LayerKvHooks kv_hooks;
     if (stream_exports && sharded && !prefix && policy.kind == kvstore::RetentionKind::kFull) {
-      streamed = new_export(r, encs, fingerprint);
+      streamed = exports.make(r, encs, fingerprint, k);
       PendingExport& sx = *streamed;
       if (po.importance_window > 0) {
         // Filled layer by layer as the prefill's importance lands (the writer reads a layer's
@@ -1037,9 +731,8 @@ int run(int argc, char** argv) {
       }
       sx.gate = std::make_unique<runtime::LayerGate>(cfg.n_layers);
       sx.attached = false;
-      start_export(sx);
-      kv_hooks.final = [&sx, &publish_layer](int l, const model::KvCache& kv,
-                                             std::span<const float> imp) {
+      exports.start(sx);
+      kv_hooks.final = [&sx](int l, const model::KvCache& kv, std::span<const float> imp) {
         if (Status st = publish_layer(sx, l, kv, imp); !st.is_ok()) sx.gate->fail(st);
       };
       // A failed run's K/V stays with the export (never attached, so nothing frees it) until
@@ -1120,66 +813,8 @@ int run(int argc, char** argv) {
       } else {
         pr = hr.status();
       }
-    } else if (dmodel) {
-      // Planned per prompt length (length-specific shapes); one rank's plan failure is the
-      // group's. The last plan is kept: a request of the same length and importance settings
-      // (every rank of the group decides alike) runs on it without planning again.
-      const std::array<int64_t, 3> key{int64_t(r.tokens.size()), po.importance_window,
-                                       po.importance_pool};
-      double plan_s = 0;
-      if (!dplan || dplan_key != key) {
-        const auto p0 = std::chrono::steady_clock::now();
-        // Its device workspace and pinned host KV go back to the cache, for the next plan to
-        // take where they are large enough.
-        dplan.reset();
-        model::PrefillOptions dopt;
-        dopt.buffers = dbuffers;
-        dopt.kv_staging_layers = o.kv_staging_layers;
-        dopt.kv_staging_max_bytes = o.kv_staging_max_bytes();
-        dopt.chunk = o.chunk;
-        dopt.keep_kv = true;  // this rank's rows of its KV heads, for the sharded export
-        dopt.kv_host_bf16 = host_bf16;
-        dopt.sparse = po.sparse;
-        dopt.importance_window = po.importance_window;
-        dopt.importance_pool = po.importance_pool;
-        dopt.on_layer_done = [&](int) { beat(k); };  // stall notes, as the CPU paths' on_layer
-        const int64_t T = int64_t(r.tokens.size());
-        if (po.sparse && sparse_cap_tokens > 0)
-          dopt.sparse_capacity = runtime::scaled_sparse_capacity(sparse_cap, sparse_cap_tokens, T);
-        auto plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, T, dopt);
-        Status ok = agree(*g.group_comm, plan.status());
-        if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
-        dplan_carried = ok.is_ok() && dopt.sparse_capacity != std::array<int, 2>{0, 0};
-        if (!ok.is_ok() && dopt.sparse_capacity != std::array<int, 2>{0, 0}) {
-          // The carried capacity may not fit this length's device memory: the defaults then.
-          { auto dropped = std::move(plan); }  // a rank whose own plan succeeded frees it first
-          dopt.sparse_capacity = {0, 0};
-          plan = runtime::DeviceParallelPrefill::plan(*dmodel, g, *dgrid, T, dopt);
-          ok = agree(*g.group_comm, plan.status());
-          if (g.group_comm->aborted()) fatal(g.group_comm->abort_status());
-        }
-        plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
-        if (ok.is_ok()) {
-          dplan.emplace(std::move(plan).value());
-          dplan_key = key;
-          const int64_t staged = sizing.staging_bytes(int64_t(r.tokens.size()));
-          staging_held = dbuffers ? std::max(staging_held, staged) : staged;
-        } else {
-          pr = ok;
-          if (!dbuffers) staging_held = 0;
-        }
-      }
-      if (dplan) {
-        pr = dplan->run(r.tokens, kv_hooks);
-        if (pr.is_ok()) {
-          pr.value().stats.plan_s = plan_s;
-          if (pr.value().stats.sparse_grows > 0 || dplan_carried) {
-            sparse_cap = dplan->prefill().sparse_capacity();
-            sparse_cap_tokens = int64_t(r.tokens.size());
-            dplan_carried = true;  // this plan's capacity is now a grown one
-          }
-        }
-      }
+    } else if (dplans) {
+      pr = dplans->run(r.tokens, po, kv_hooks);
     } else {
       pr = runtime::parallel_prefill(m, g, r.tokens, po);
     }
@@ -1209,24 +844,17 @@ int run(int argc, char** argv) {
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
                      static_cast<long long>(r.line), r.id.c_str(), pr.status().message().c_str());
-      // A plan whose run failed may hold a half-done state: the next request plans afresh
-      // (every rank of the group, since all of them agreed on the failure just above).
-      dplan.reset();
-      // Its buffers went back to the cache only where this rank's own run succeeded; where they
-      // were freed the pinned staging is gone from the host check's ledger too.
-      if (dbuffers)
-        staging_held = std::min<int64_t>(staging_held, int64_t(dbuffers->host_bytes_held()));
-      else
-        staging_held = 0;
-      if (streamed) abandon(std::move(streamed), pr.status());
+      // (Every rank of the group drops its plan: all of them agreed on the failure just above.)
+      if (dplans) dplans->drop_after_failure();
+      if (streamed) exports.abandon(std::move(streamed), pr.status());
       continue;
     }
     std::unique_ptr<PendingExport> x =
-        streamed ? std::move(streamed) : new_export(r, encs, fingerprint);
+        streamed ? std::move(streamed) : exports.make(r, encs, fingerprint, k);
     runtime::ParallelResult& res = x->gate ? x->res : pr.value();  // (streamed: held already)
     x->memory_wait_s = memory_wait_s;
     x->reused_tokens = reused_tokens;
-    if (dplan && res.stats.plan_s > 0) x->plan = dplan->prefill().plan_times();
+    if (dplans && res.stats.plan_s > 0) x->plan = dplans->plan_times();
     kvstore::KvExportSpec& spec = x->spec;
     spec.first_token = res.first_token;  // (a streamed writer reads no first_token: the manifest's)
     // Every rank holds the same importance, so every rank reaches the same retention (or error).
@@ -1256,7 +884,7 @@ int run(int argc, char** argv) {
       if (g.leader())
         std::fprintf(stderr, "%s:%lld: request '%s' failed: retention: %s\n", o.batch.c_str(),
                      static_cast<long long>(r.line), r.id.c_str(), ret.status().message().c_str());
-      if (x->gate) abandon(std::move(x), ret.status());
+      if (x->gate) exports.abandon(std::move(x), ret.status());
       continue;
     }
     x->ret = std::move(ret).value();
@@ -1286,27 +914,18 @@ int run(int argc, char** argv) {
         if (g.leader())
           std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),
                        static_cast<long long>(r.line), r.id.c_str(), grp.message().c_str());
-        abandon(std::move(x), grp);
+        exports.abandon(std::move(x), grp);
         continue;
       }
       // Attached: the layers written so far go now, later ones as they are written.
-      std::vector<int> early;
-      {
-        std::lock_guard<std::mutex> lk(x->attach_mu);
-        x->attached = true;
-        early.swap(x->written_early);
-      }
-      for (const int l : early) {
-        x->freed_bytes.fetch_add(x->res.kv.free_layer(l));
-        x->freed_layers.fetch_add(1);
-      }
+      x->attach();
       // (Its importance was copied into x->imp layer by layer.)
       std::vector<std::vector<float>>().swap(x->res.importance);
     }
     // The previous request's export, written while this prefill ran, completes first: a rank
     // holds at most two requests' KV.
     if (pending) complete_export(std::move(pending));
-    if (!x->gate) start_export(*x);
+    if (!x->gate) exports.start(*x);
     pending = std::move(x);
     if (!o.export_overlap) complete_export(std::move(pending));
   }
