@@ -580,8 +580,17 @@ TEST(DecodeSession, PsaGuardRerunsNearTiesInFull) {
   run(never, &z_never);
   run(plain, &z_full);
   run(always, &z_always);
-  EXPECT_EQ(z_never, z_psa);
-  EXPECT_EQ(never.stats().guard_steps, 0);
+  // An exact tie (top two logits equal, about 1e-5 a run) is under every positive margin, so the
+  // guard re-runs that step even at 1e-30: the sessions agree bit for bit up to the first one.
+  size_t first_tie = z_psa.size();
+  for (size_t i = 0; i < z_psa.size() && first_tie == z_psa.size(); ++i)
+    if (testing::top2_gap(z_psa[i].data(), int64_t(z_psa[i].size())) <= 0) first_tie = i;
+  ASSERT_EQ(z_never.size(), z_psa.size());
+  for (size_t i = 0; i < first_tie; ++i) EXPECT_EQ(z_never[i], z_psa[i]) << "step " << i;
+  if (first_tie == z_psa.size())
+    EXPECT_EQ(never.stats().guard_steps, 0);
+  else
+    EXPECT_GE(never.stats().guard_steps, 1) << "exact tie at step " << first_tie;
   EXPECT_EQ(z_always, z_full);
   EXPECT_EQ(always.stats().guard_steps, always.stats().steps);
   EXPECT_EQ(always.stats().steps, 15);
