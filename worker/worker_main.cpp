@@ -24,7 +24,6 @@
 #include <fstream>
 #include <iterator>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -37,8 +36,6 @@
 #include "common/text.h"
 #include "common/thread_pool.h"
 #include "kvstore/kv_export.h"
-#include "kvstore/prefix_prefill.h"
-#include "kvstore/tiered_kv.h"
 #include "worker/device_plans.h"
 #include "worker/dry_run.h"
 #include "worker/host_kv.h"
@@ -50,6 +47,7 @@
 #include "worker/model/sparse_config.h"
 #include "worker/model/tokenizer.h"
 #include "worker/options.h"
+#include "worker/prefix_requests.h"
 #include "worker/request_checks.h"
 #include "worker/request_exports.h"
 #include "worker/runtime/batch.h"
@@ -77,6 +75,7 @@ using worker::Options;
 using worker::parse_fault;
 using worker::parse_options;
 using worker::PendingExport;
+using worker::PrefixRequests;
 using worker::print_dry_run;
 using worker::publish_layer;
 using worker::RequestExports;
@@ -491,28 +490,13 @@ int run(int argc, char** argv) {
   };
   int64_t k = 0;
   bool first_request = true;
-  // --prefix-cache: this rank's pool (the budget's bytes: host memory, or device memory with
-  // --device cuda, where a hit's prefix rows then reach the attention device to device) and
-  // cache over it.
-  std::unique_ptr<kvstore::BlockPool> prefix_pool;
-  std::unique_ptr<kvstore::PrefixCache> prefix;
-  int64_t prefix_reused_total = 0;
+  // --prefix-cache: this rank's cache and the requests computed behind it.
+  std::unique_ptr<PrefixRequests> prefix;
   if (o.prefix_cache_bytes > 0) {
-    kvstore::BlockPoolConfig pc;
-    pc.n_kv_heads = cfg.n_kv_heads;
-    pc.head_dim = cfg.head_dim;
-    (dmodel ? pc.device_bytes : pc.host_bytes) = o.prefix_cache_bytes;
-    auto p = kvstore::BlockPool::create(pc);
+    auto p = PrefixRequests::create(o, m, dmodel ? &*dmodel : nullptr, model_compat);
     if (!p.is_ok()) fatal(p.status());
-    prefix_pool = std::move(p).value();
-    prefix = std::make_unique<kvstore::PrefixCache>(prefix_pool.get(), cfg.n_layers,
-                                                    o.prefix_cache_bytes);
+    prefix = std::move(p).value();
   }
-  // On the device, a runner per importance setting (window, pool) for the job: each keeps its
-  // last plans, so requests of one shape behind one cached prefix plan once. Their progress
-  // callback is each request's.
-  std::function<void(int)> prefix_layer_done;
-  std::map<std::pair<int, int>, std::unique_ptr<kvstore::DevicePrefixPrefill>> dprefix;
   // The requests' exports (worker/request_exports.h): a written one's files beside the next
   // request's prefill, its manifest and summary after it.
   RequestExports exports({.o = &o,
@@ -743,76 +727,9 @@ int run(int argc, char** argv) {
     Result<runtime::ParallelResult> pr = SF_ERR(kInternal, "not run");
     int64_t reused_tokens = 0;  // from the prefix cache
     if (prefix) {
-      // This rank alone (a group of one): the cached prefix's K/V, the forward on the rest
-      // (model::extend on the CPU; a one-piece shard on the device).
-      // The importance window's rows are always computed, so a hit scores as a full prefill.
-      kvstore::PrefixPrefillOptions ppo;
-      ppo.prefill.chunk = o.chunk;
-      ppo.prefill.keep_kv = true;
-      ppo.prefill.importance_window = po.importance_window;
-      ppo.prefill.importance_pool = po.importance_pool;
-      ppo.prefill.kv_staging_layers = o.kv_staging_layers;
-      ppo.prefill.kv_staging_max_bytes = o.kv_staging_max_bytes();
-      ppo.min_suffix = std::max(1, po.importance_window);
-      if (dmodel)
-        prefix_layer_done = po.on_layer;  // progress and fault injection
-      else if (po.on_layer)  // fault injection (tests): at the layer's end here, not its start
-        ppo.prefill.on_layer_kv = [&](int l, const TensorView&, const TensorView&,
-                                      std::span<const float>) {
-          po.on_layer(l);
-          return Status::ok();
-        };
-      kvstore::PrefixPrefillStats pst;
-      const auto t0 = std::chrono::steady_clock::now();
-      Result<model::PrefillResult> hr = SF_ERR(kInternal, "not run");
-      if (dmodel) {
-        auto& runner = dprefix[{ppo.prefill.importance_window, ppo.prefill.importance_pool}];
-        if (!runner) {
-          ppo.prefill.on_layer_done = [&prefix_layer_done](int l) {
-            if (prefix_layer_done) prefix_layer_done(l);
-          };
-          runner = std::make_unique<kvstore::DevicePrefixPrefill>(*dmodel, prefix.get(),
-                                                                  model_compat, ppo);
-        }
-        hr = runner->run(r.tokens, &pst);
-      } else {
-        hr = kvstore::prefill_with_prefix_cache(m, prefix.get(), model_compat, r.tokens, ppo,
-                                                &pst);
-      }
-      if (hr.is_ok()) {
-        runtime::ParallelResult out;
-        out.first_token = hr->first_token;
-        out.kv = std::move(hr->kv);
-        out.importance = std::move(hr->importance);
-        // A plan the runner made (a new prompt shape) is plan_s, not prefill_s, as on the
-        // group path.
-        out.stats.plan_s = pst.plan_s;
-        out.stats.seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() -
-            pst.plan_s;
-        out.stats.attention_s = hr->attention_s;
-        out.stats.estimate_s = hr->estimate_s;
-        out.stats.importance_s = hr->importance_s;
-        out.stats.kv_alloc_s = hr->kv_alloc_s;
-        out.stats.kv_copy_s = hr->kv_copy_s;
-        out.stats.sparse_grows = hr->sparse_grows;
-        // (staging_held stays 0 here: the runner holds a miss and a hit plan, each with its own
-        // pinned staging, so the check counts a request's staging whole every time.)
-        out.stats.kv_moved_bytes_by_rank = {0};  // one rank, nothing moved (as parallel_prefill)
-        out.stats.estimate_bytes_by_rank = {0};
-        out.stats.seconds_by_rank = {out.stats.seconds};
-        out.stats.attention_s_by_rank = {out.stats.attention_s};
-        out.stats.comm_s_by_rank = {0.0};
-        out.stats.density_by_rank = {out.stats.density};
-        pr = std::move(out);
-        reused_tokens = pst.reused_tokens;
-        prefix_reused_total += pst.reused_tokens;
-        if (!pst.insert_status.is_ok())
-          std::fprintf(stderr, "%s: prefix cache: not all of its blocks were cached: %s\n",
-                       r.id.c_str(), pst.insert_status.message().c_str());
-      } else {
-        pr = hr.status();
-      }
+      // This rank alone (a group of one). (The device runner holds a miss and a hit plan, each
+      // with its own pinned staging, so the memory check counts a request's staging whole.)
+      pr = prefix->run(r, po, &reused_tokens);
     } else if (dplans) {
       pr = dplans->run(r.tokens, po, kv_hooks);
     } else {
@@ -945,7 +862,7 @@ int run(int argc, char** argv) {
   // and due within moments: a rank stopped after its group's last request ends the job after
   // --stall-timeout instead of holding it for the day.
   int64_t mine[4] = {g.leader() ? n_done : 0, g.leader() ? n_skipped : 0,
-                     g.leader() ? n_failed : 0, prefix_reused_total},
+                     g.leader() ? n_failed : 0, prefix ? prefix->reused_total() : 0},
           tot[4] = {};
   // (In a job of one group every rank is past the group's last collective: all are due.)
   world->set_timeout(

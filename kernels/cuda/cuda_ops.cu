@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/attention_dense.cuh"
@@ -233,12 +234,13 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
   const float scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(d));
   cudaError_t err = cudaSuccess;
   bool supported = false;
-  if (bf16) {
-    AttentionSparseBf16Params kp{};
-    kp.q = q.ptr<__nv_bfloat16>();
-    kp.k = k.ptr<__nv_bfloat16>();
-    kp.v = v.ptr<__nv_bfloat16>();
-    kp.out = out.ptr<__nv_bfloat16>();
+  // The fields both precisions' kernel parameters share: pointers, shapes, scale, the index.
+  auto fill = [&](auto& kp, auto* elem) {
+    using T = std::remove_pointer_t<decltype(elem)>;
+    kp.q = q.ptr<T>();
+    kp.k = k.ptr<T>();
+    kp.v = v.ptr<T>();
+    kp.out = out.ptr<T>();
     kp.lse = lse.ptr<float>();
     kp.n_q = q.shape[0];
     kp.n_k = k.shape[0];
@@ -253,6 +255,10 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
     kp.n_qblocks = idx.n_qblocks;
     kp.max_blocks = idx.max_blocks;
     kp.max_cols = idx.max_cols;
+  };
+  if (bf16) {
+    AttentionSparseBf16Params kp{};
+    fill(kp, static_cast<__nv_bfloat16*>(nullptr));
     kp.pair_heads = idx.pair_heads;
     supported = dispatch_head_dim(d, [&](auto head_dim) {
       err = attention_sparse_bf16_launch<decltype(head_dim)::value>(kp, sparse_bf16_mainloop(),
@@ -260,24 +266,7 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
     });
   } else {
     AttentionSparseParams kp{};
-    kp.q = q.ptr<float>();
-    kp.k = k.ptr<float>();
-    kp.v = v.ptr<float>();
-    kp.out = out.ptr<float>();
-    kp.lse = lse.ptr<float>();
-    kp.n_q = q.shape[0];
-    kp.n_k = k.shape[0];
-    kp.n_heads = int(q.shape[1]);
-    kp.n_kv_heads = int(k.shape[1]);
-    kp.scale = scale;
-    kp.q_offset = p.q_offset;
-    kp.block_count = idx.block_count;
-    kp.block_offset = idx.block_offset;
-    kp.column_count = idx.column_count;
-    kp.column_index = idx.column_index;
-    kp.n_qblocks = idx.n_qblocks;
-    kp.max_blocks = idx.max_blocks;
-    kp.max_cols = idx.max_cols;
+    fill(kp, static_cast<float*>(nullptr));
     supported = dispatch_head_dim(d, [&](auto head_dim) {
       err = attention_sparse_launch<decltype(head_dim)::value>(kp, as_stream(stream));
     });

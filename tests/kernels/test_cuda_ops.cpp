@@ -103,6 +103,22 @@ class DevBuf {
   size_t bytes_ = 0;
 };
 
+// An attention test's device buffers: q, k and v uploaded; out and lse allocated and poisoned.
+struct DevAttention {
+  DevBuf q, k, v, out, lse;
+  template <typename T>
+  Status upload(const std::vector<T>& hq, const std::vector<T>& hk, const std::vector<T>& hv,
+                size_t out_bytes, size_t lse_bytes) {
+    SF_TRY(q.alloc_upload(hq));
+    SF_TRY(k.alloc_upload(hk));
+    SF_TRY(v.alloc_upload(hv));
+    SF_TRY(out.alloc(out_bytes));
+    SF_TRY(lse.alloc(lse_bytes));
+    SF_TRY(out.poison());
+    return lse.poison();
+  }
+};
+
 struct ErrStats {
   double nerr = 0, max_abs = 0;
   int64_t bad_nonfinite = 0, first_bad = -1;
@@ -838,14 +854,9 @@ TEST_F(CudaOps, AttentionDense) {
         TensorView::make(const_cast<float*>(v.data()), DType::kF32, {c.n_k, c.kv_heads, d}),
         TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
         TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
-    DevBuf d_q, d_k, d_v, d_out, d_lse;
-    ASSERT_OK(d_q.alloc_upload(q));
-    ASSERT_OK(d_k.alloc_upload(k));
-    ASSERT_OK(d_v.alloc_upload(v));
-    ASSERT_OK(d_out.alloc(ref.size() * 4));
-    ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
-    ASSERT_OK(d_out.poison());
-    ASSERT_OK(d_lse.poison());
+    DevAttention dev;
+    ASSERT_OK(dev.upload(q, k, v, ref.size() * 4, ref_lse.size() * 4));
+    auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
     ASSERT_OK(attention_dense(
         d_q.view(DType::kF32, {c.n_q, c.heads, d}), d_k.view(DType::kF32, {c.n_k, c.kv_heads, d}),
         d_v.view(DType::kF32, {c.n_k, c.kv_heads, d}), d_out.view(DType::kF32, {c.n_q, c.heads, d}),
@@ -950,12 +961,9 @@ TEST_F(CudaOps, AttentionSparse) {
                                  TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
                                  TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}),
                                  p, kCpu));
-      DevBuf d_q, d_k, d_v, d_out, d_lse;
-      ASSERT_OK(d_q.alloc_upload(q));
-      ASSERT_OK(d_k.alloc_upload(k));
-      ASSERT_OK(d_v.alloc_upload(v));
-      ASSERT_OK(d_out.alloc(ref.size() * 4));
-      ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
+      DevAttention dev;
+      ASSERT_OK(dev.upload(q, k, v, ref.size() * 4, ref_lse.size() * 4));
+      auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
       const TensorView qv = d_q.view(DType::kF32, {c.n_q, c.heads, d});
       const TensorView kv = d_k.view(DType::kF32, {c.n_k, c.kv_heads, d});
       const TensorView vv = d_v.view(DType::kF32, {c.n_k, c.kv_heads, d});
@@ -1052,14 +1060,9 @@ TEST_F(CudaOps, AttentionSparseBf16) {
             TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
             TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
             TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
-        DevBuf d_q, d_k, d_v, d_out, d_lse;
-        ASSERT_OK(d_q.alloc_upload(qb));
-        ASSERT_OK(d_k.alloc_upload(kb));
-        ASSERT_OK(d_v.alloc_upload(vb));
-        ASSERT_OK(d_out.alloc(ref.size() * 2));
-        ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
-        ASSERT_OK(d_out.poison());
-        ASSERT_OK(d_lse.poison());
+        DevAttention dev;
+        ASSERT_OK(dev.upload(qb, kb, vb, ref.size() * 2, ref_lse.size() * 4));
+        auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
         ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
                                    d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
                                    d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
@@ -1211,14 +1214,9 @@ TEST_F(CudaOps, AttentionDenseBf16Cudnn) {
                               TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
                               TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p,
                               kCpu));
-    DevBuf d_q, d_k, d_v, d_out, d_lse;
-    ASSERT_OK(d_q.alloc_upload(qb));
-    ASSERT_OK(d_k.alloc_upload(kb));
-    ASSERT_OK(d_v.alloc_upload(vb));
-    ASSERT_OK(d_out.alloc(ref.size() * 2));
-    ASSERT_OK(d_lse.alloc(ref_lse.size() * 4));
-    ASSERT_OK(d_out.poison());
-    ASSERT_OK(d_lse.poison());
+    DevAttention dev;
+    ASSERT_OK(dev.upload(qb, kb, vb, ref.size() * 2, ref_lse.size() * 4));
+    auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
     const TensorView qv = d_q.view(DType::kBF16, {c.n_q, c.heads, d});
     const TensorView kv = d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d});
     const TensorView vv = d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d});
@@ -1254,12 +1252,9 @@ TEST_F(CudaOps, AttentionSparseDeviceIndexGraphAndRejects) {
   const auto k = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
   const auto v = uniform(size_t(n * kv_heads * d), -1.f, 1.f);
   const SparseIndex idx = random_index(rng_, heads, n, n, 0);
-  DevBuf d_q, d_k, d_v, d_out, d_lse;
-  ASSERT_OK(d_q.alloc_upload(q));
-  ASSERT_OK(d_k.alloc_upload(k));
-  ASSERT_OK(d_v.alloc_upload(v));
-  ASSERT_OK(d_out.alloc(q.size() * 4));
-  ASSERT_OK(d_lse.alloc(size_t(heads * n) * 4));
+  DevAttention dev;
+  ASSERT_OK(dev.upload(q, k, v, q.size() * 4, size_t(heads * n) * 4));
+  auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
   const TensorView qv = d_q.view(DType::kF32, {n, heads, d});
   const TensorView kv = d_k.view(DType::kF32, {n, kv_heads, d});
   const TensorView vv = d_v.view(DType::kF32, {n, kv_heads, d});
