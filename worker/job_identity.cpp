@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "common/checksum.h"
 #include "worker/options.h"
@@ -80,6 +81,22 @@ std::string synthetic_identity(const model::SyntheticModelSpec& s) {
 // the attention (a config file by its contents) and the export layout; and bf16 host K/V where
 // they change the bytes (host_bf16). Resume skips a request only when its summary holds the same
 // one.
+std::string job_identity(const Options& o, const std::string& model_compat) {
+  std::string job = "model=" + model_compat + ";weights=" +
+                    (o.synthetic ? synthetic_identity(*o.synthetic) : model_identity(o.model)) +
+                    ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
+                    ";cp=" + std::to_string(o.cp) +
+                    ";cp_estimate=" + std::to_string(int(o.cp_estimate)) +
+                    ";selective_kv=" + std::to_string(int(o.selective_kv)) +
+                    ";attention=" + o.attention + ";export=" + o.export_mode;
+  if (o.attention.rfind("config:", 0) == 0) {
+    std::ifstream f(o.attention.substr(7), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    job += ";attention_file=" + hex64(xxh64_bytes(text.data(), text.size()));
+  }
+  return job;
+}
+
 std::string request_fingerprint(const std::vector<int32_t>& tokens,
                                 const kvstore::RetentionPolicy& policy,
                                 const kvstore::KvEncodings& encs, const std::string& job,

@@ -15,6 +15,7 @@
 // to load the model), kill:R:L / stop:R:L (rank R SIGKILLs / SIGSTOPs itself at layer L of its
 // first request), slow:R:MS (rank R sleeps MS milliseconds at every layer: slow but alive).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -27,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "comm/mpi_communicator.h"
@@ -70,7 +72,6 @@ using worker::Fault;
 using worker::host_peers;
 using worker::HostPeers;
 using worker::kUsage;
-using worker::model_identity;
 using worker::Options;
 using worker::parse_fault;
 using worker::parse_options;
@@ -84,7 +85,6 @@ using worker::policy_fingerprint;
 using worker::request_fingerprint;
 using worker::same_on_every_rank;
 using worker::stores_f32;
-using worker::synthetic_identity;
 
 int run(int argc, char** argv) {
   const auto job_t0 = std::chrono::steady_clock::now();
@@ -291,19 +291,7 @@ int run(int argc, char** argv) {
   // read on each rank's host: ranks holding other weights or another config file would compute
   // a mix of two models, so they must agree.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
-  std::string job = "model=" + model_compat +
-                    ";weights=" + (o.synthetic ? synthetic_identity(*o.synthetic)
-                                                 : model_identity(o.model)) +
-                    ";device=" + o.device + ";tp=" + std::to_string(o.tp) +
-                    ";cp=" + std::to_string(o.cp) + ";cp_estimate=" +
-                    std::to_string(int(o.cp_estimate)) + ";selective_kv=" +
-                    std::to_string(int(o.selective_kv)) + ";attention=" + o.attention +
-                    ";export=" + o.export_mode;
-  if (o.attention.rfind("config:", 0) == 0) {
-    std::ifstream f(o.attention.substr(7), std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    job += ";attention_file=" + hex64(xxh64_bytes(text.data(), text.size()));
-  }
+  const std::string job = worker::job_identity(o, model_compat);
   {
     auto same = same_on_every_rank(
         *world, {int64_t(xxh64_bytes(job.data(), job.size()) & 0x7fffffffffffffffULL)});

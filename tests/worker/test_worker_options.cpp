@@ -2,6 +2,8 @@
 // rejection naming its flag (the mpi cases in worker_cases.sh check the job's start-up paths).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -143,5 +145,50 @@ TEST(WorkerOptions, RequestFingerprintNamesItsInputs) {
   EXPECT_GE(policy_fingerprint(snap.value()), 0);
 }
 
+
+// The job's part of the fingerprint: each option that changes what a prefill computes changes
+// it, as do the weights' bytes and an --attention config file's contents under the same paths;
+// the options that change no byte of an export do not.
+TEST(WorkerOptions, JobIdentityNamesWhatChangesTheBytes) {
+  const std::string dir = ::testing::TempDir();
+  const std::string model = dir + "/sf_job_identity_model.gguf";
+  const std::string attn = dir + "/sf_job_identity_attn.json";
+  const auto write = [](const std::string& path, const std::string& text) {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+  };
+  write(model, std::string(4096, 'w'));
+  write(attn, "{\"a\": 1}");
+  const auto id = [&](const std::vector<std::string>& extra, const std::string& compat = "c") {
+    std::vector<std::string> all{"--batch", "b.jsonl", "--out", "o", "--model", model};
+    all.insert(all.end(), extra.begin(), extra.end());
+    auto o = parse(all, false);
+    EXPECT_TRUE(o.is_ok()) << o.status().to_string();
+    return o.is_ok() ? job_identity(o.value(), compat) : std::string();
+  };
+  const std::string base = id({});
+  EXPECT_EQ(base, id({}));
+  EXPECT_NE(base, id({}, "other"));  // another model spec
+  for (const std::vector<std::string>& flags : std::vector<std::vector<std::string>>{
+           {"--tp", "2"},
+           {"--cp", "2"},
+           {"--attention", "vertical-slash"},
+           {"--export", "gathered"},
+           {"--attention", "vertical-slash", "--cp", "2", "--cp-estimate"},
+           {"--device", "cuda"}})
+    EXPECT_NE(base, id(flags)) << flags[0];
+  EXPECT_NE(id({"--attention", "vertical-slash", "--cp", "2"}),
+            id({"--attention", "vertical-slash", "--cp", "2", "--cp-estimate"}));
+  EXPECT_EQ(base, id({"--export-overlap", "off"}));
+  EXPECT_EQ(base, id({"--chunk", "256"}));
+  // The same paths with other contents.
+  const std::string with_config = id({"--attention", "config:" + attn});
+  write(attn, "{\"a\": 2}");
+  EXPECT_NE(with_config, id({"--attention", "config:" + attn}));
+  write(model, std::string(4095, 'w') + "x");
+  EXPECT_NE(base, id({}));
+  std::remove(model.c_str());
+  std::remove(attn.c_str());
+}
 }  // namespace
 }  // namespace sf::worker
