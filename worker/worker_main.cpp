@@ -23,8 +23,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
