@@ -177,12 +177,10 @@ int cmd_eval(int argc, char** argv) {
   if (Status st = check_output_file(out_path, "--out"); !st.is_ok()) return fail(st);
 
   const std::string model_path = resolve_model(a.get("model", "default"));
-  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
-  auto mr = model::Model::load(model_path);
-  if (!mr.is_ok()) return fail(mr.status());
-  const model::Model& m = mr.value();
+  auto em = eval::load_eval_model(model_path);
+  if (!em.is_ok()) return fail(em.status());
+  const model::Tokenizer* tok = &em->tok;
+  const model::Model& m = em->m;
   const auto& cfg = m.config();
   for (int64_t L : lengths.value())
     if (L > cfg.max_context)
@@ -220,7 +218,7 @@ int cmd_eval(int argc, char** argv) {
     if (a.has("seed")) s.seed = uint64_t(seed.value());
     if (a.has("dump-nll")) s.nll_dump_path = a.get("dump-nll") + "-" + std::to_string(L) + ".tsv";
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = eval::evaluate(m, tok.value(), doc, &sc.value(), mode, s);
+    auto r = eval::evaluate(m, *tok, doc, &sc.value(), mode, s);
     if (!r.is_ok()) return fail(r.status());
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto& e = r.value();

@@ -69,12 +69,10 @@ int cmd_moa_profile(int argc, char** argv) {
   if (!text.is_ok()) return fail(text.status());
 
   const std::string model_path = resolve_model(a.get("model", "default"));
-  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
-  auto mr = model::Model::load(model_path);
-  if (!mr.is_ok()) return fail(mr.status());
-  const model::Model& m = mr.value();
+  auto em = eval::load_eval_model(model_path);
+  if (!em.is_ok()) return fail(em.status());
+  const model::Tokenizer* tok = &em->tok;
+  const model::Model& m = em->m;
   const model::ModelConfig& cfg = m.config();
   if (cfg.max_context > 0 && lengths.back() > cfg.max_context)
     return fail(SF_ERR(kOutOfRange, "--lengths: " + std::to_string(lengths.back()) +

@@ -367,12 +367,10 @@ int cmd_retention_eval(int argc, char** argv) {
   if (!text.is_ok()) return fail(text.status());
 
   const std::string model_path = resolve_model(a.get("model", "default"));
-  // The tokenizer first: it is the GGUF's, so a Hugging Face directory fails before the load.
-  auto tok = eval::load_tokenizer(model_path);
-  if (!tok.is_ok()) return fail(tok.status());
-  auto mr = model::Model::load(model_path);
-  if (!mr.is_ok()) return fail(mr.status());
-  const model::Model& m = mr.value();
+  auto em = eval::load_eval_model(model_path);
+  if (!em.is_ok()) return fail(em.status());
+  const model::Tokenizer* tok = &em->tok;
+  const model::Model& m = em->m;
   if (m.config().max_context > 0 && length > m.config().max_context)
     return fail(SF_ERR(kOutOfRange, "--length " + std::to_string(length) + " exceeds the model context of " +
                                         std::to_string(m.config().max_context)));
@@ -549,7 +547,7 @@ int cmd_retention_eval(int argc, char** argv) {
   if (!a.has("no-passkey")) {
     for (long tr = 0; tr < trials; ++tr) {
       auto prompts =
-          eval::passkey_prompts(tok.value(), length, int(level), int(depths), int(tr), 20261122);
+          eval::passkey_prompts(*tok, length, int(level), int(depths), int(tr), 20261122);
       if (!prompts.is_ok()) return fail(prompts.status());
       for (const auto& p : prompts.value()) {
         auto ppr = model::prefill(m, p.ids, po);

@@ -266,6 +266,14 @@ Result<model::Tokenizer> load_tokenizer(const std::string& model_path) {
   return model::Tokenizer::create(std::move(spec).value());
 }
 
+Result<EvalModel> load_eval_model(const std::string& model_path) {
+  auto tok = load_tokenizer(model_path);
+  if (!tok.is_ok()) return tok.status();
+  auto m = model::Model::load(model_path);
+  if (!m.is_ok()) return m.status();
+  return EvalModel{std::move(tok).value(), std::move(m).value()};
+}
+
 std::vector<int32_t> fit_tokens(std::span<const int32_t> doc, int64_t len) {
   std::vector<int32_t> ids;
   if (doc.empty() || len <= 0) return ids;

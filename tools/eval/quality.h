@@ -84,6 +84,13 @@ double rel_l2(const float* a, const float* b, int64_t n);
 
 // The GGUF's own tokenizer (TokenizerCompat::kGguf: SmolLM2's metadata, no BOS).
 Result<model::Tokenizer> load_tokenizer(const std::string& model_path);
+// A model with its GGUF tokenizer, as eval, search, moa-profile and eval --retention load them:
+// the tokenizer first, so a Hugging Face directory fails before minutes of weight loading.
+struct EvalModel {
+  model::Tokenizer tok;
+  model::Model m;
+};
+Result<EvalModel> load_eval_model(const std::string& model_path);
 // doc repeated as often as needed, then truncated to exactly len tokens.
 std::vector<int32_t> fit_tokens(std::span<const int32_t> doc, int64_t len);
 
