@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <boost/json/object.hpp>
+
 #include "common/args.h"
 #include "common/file_io.h"  // cpu_name
 #include "common/status.h"
@@ -37,6 +39,8 @@ Result<std::string> read_text_file(const std::string& path, const char* what);
 Result<std::string> read_text_files(const std::string& list, const char* what);
 std::string git_commit();
 std::string shell_quote_args(int argc, char** argv);
+// A CPU result's "device": kind, CPU name, hardware threads and the pool's threads.
+boost::json::object cpu_device_json();
 
 int cmd_prefill(int argc, char** argv);
 int cmd_bench(int argc, char** argv);

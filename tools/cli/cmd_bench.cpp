@@ -159,11 +159,7 @@ int cmd_bench(int argc, char** argv) {
   out["date"] = now_iso8601();
   out["git_commit"] = git_commit();
   out["command"] = shell_quote_args(argc, argv);
-  boost::json::object dev;
-  dev["kind"] = "cpu";
-  dev["name"] = cpu_name();
-  dev["hardware_threads"] = int(std::thread::hardware_concurrency());
-  dev["sf_threads"] = num_threads();
+  boost::json::object dev = cpu_device_json();
   dev["blas"] = openblas_get_config();
   dev["blas_threads_ceiling"] = num_threads();
   dev["blas_threads_in_forward"] = 1;

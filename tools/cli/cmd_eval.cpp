@@ -244,11 +244,7 @@ int cmd_eval(int argc, char** argv) {
   out["date"] = now_iso8601();
   out["git_commit"] = git_commit();
   out["command"] = shell_quote_args(argc, argv);
-  boost::json::object dev;
-  dev["kind"] = "cpu";
-  dev["name"] = cpu_name();
-  dev["hardware_threads"] = int(std::thread::hardware_concurrency());
-  dev["sf_threads"] = num_threads();
+  boost::json::object dev = cpu_device_json();
   out["device"] = std::move(dev);
   boost::json::object mo;
   mo["path"] = model_path;

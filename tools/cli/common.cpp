@@ -13,7 +13,9 @@
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <thread>
 
+#include "common/thread_pool.h"
 #include "tools/cli/cli.h"
 #include "worker/model/model.h"
 
@@ -146,6 +148,15 @@ Result<std::vector<int64_t>> parse_length_list(const std::string& s) {
 int fail(const Status& st) {
   std::fprintf(stderr, "error: %s\n", st.message().c_str());
   return 1;
+}
+
+boost::json::object cpu_device_json() {
+  boost::json::object dev;
+  dev["kind"] = "cpu";
+  dev["name"] = cpu_name();
+  dev["hardware_threads"] = int(std::thread::hardware_concurrency());
+  dev["sf_threads"] = num_threads();
+  return dev;
 }
 
 std::string shell_quote_args(int argc, char** argv) {
