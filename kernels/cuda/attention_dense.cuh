@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attention_f32_tile.cuh"
 #include "kernels/cuda/reduce.cuh"
 
 namespace sf::kernels::cuda {
@@ -33,9 +34,9 @@ namespace attention_dense_detail {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = 4;  // each K element read from smem feeds 4 FMAs
+constexpr int kRowsPerWarp = attention_f32::kRowsPerWarp;
 constexpr int kRows = kWarps * kRowsPerWarp;
-constexpr int kKeys = 32;  // one key per lane
+constexpr int kKeys = attention_f32::kKeys;
 
 // D=128: 8 KB + 16.5 KB + 16 KB, under the 48 KB static limit. K rows are padded by one float so
 // that lanes reading K[lane][d] hit 32 different banks.
@@ -46,13 +47,7 @@ struct Smem {
   float v[kKeys][D];
 };
 
-// Per-warp running state of kRowsPerWarp rows; m and l are replicated across lanes.
-template <int D>
-struct RowState {
-  float m[kRowsPerWarp], l[kRowsPerWarp];
-  float o[kRowsPerWarp][D / 32];
-  int64_t limit[kRowsPerWarp];  // keys [0, limit) are visible to the row
-};
+using attention_f32::RowState;
 
 __device__ __forceinline__ void unpack_row(const AttentionDenseParams& p, int group, int kv_head,
                                            int64_t row, int64_t* token, int* head) {
@@ -105,34 +100,11 @@ __device__ __forceinline__ void mainloop_tile(const AttentionDenseParams& p, con
     for (int r = 0; r < kRowsPerWarp; ++r) s[r] += sm.q[warp * kRowsPerWarp + r][d] * kd;
   }
   const int64_t key = kv0 + lane;
-  float prob[kRowsPerWarp];
+  float sc[kRowsPerWarp];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const float sc = key < st.limit[r] ? s[r] * p.scale : -INFINITY;
-    const float m_new = fmaxf(st.m[r], warp_max(sc));
-    if (m_new == -INFINITY) {  // warp-uniform: the row has seen no visible key yet
-      prob[r] = 0.f;
-      continue;
-    }
-    const float alpha = expf(st.m[r] - m_new);  // 0 on the first visible tile (m = -inf)
-    prob[r] = expf(sc - m_new);
-    st.l[r] = st.l[r] * alpha + warp_sum(prob[r]);
-    st.m[r] = m_new;
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) st.o[r][i] *= alpha;
-  }
-#pragma unroll 4
-  for (int j = 0; j < kKeys; ++j) {
-    float vj[D / 32];
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) vj[i] = sm.v[j][lane + 32 * i];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const float pj = __shfl_sync(kFullMask, prob[r], j);
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) st.o[r][i] += pj * vj[i];
-    }
-  }
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    sc[r] = key < st.limit[r] ? s[r] * p.scale : -INFINITY;
+  attention_f32::softmax_tile<D>(st, sc, sm.v, lane);
 }
 
 // Normalize and store; rows that saw no key get out = 0 and lse = -inf (as the CPU reference).

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attention_f32_tile.cuh"
 #include "kernels/cuda/reduce.cuh"
 
 namespace sf::kernels::cuda {
@@ -48,10 +49,10 @@ namespace attention_sparse_detail {
 constexpr int kQBlock = 64;  // kSparseBlock: query rows and key entry width of the index
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = 4;
+constexpr int kRowsPerWarp = attention_f32::kRowsPerWarp;
 constexpr int kRows = kWarps * kRowsPerWarp;  // 16: a quarter of a slot
 constexpr int kSubBlocks = kQBlock / kRows;
-constexpr int kKeys = 32;
+constexpr int kKeys = attention_f32::kKeys;
 
 // D=128: 8 KB + 16.5 KB + 16 KB + 256 B, under the 48 KB static limit. Rows of q and k are read
 // as float4; k rows are padded by 4 floats so the 8 lanes of a 128-bit load phase (rows 132
@@ -64,12 +65,7 @@ struct Smem {
   int64_t pos[kKeys];  // key position of tile slot j, -1 when empty
 };
 
-template <int D>
-struct RowState {
-  float m[kRowsPerWarp], l[kRowsPerWarp];
-  float o[kRowsPerWarp][D / 32];
-  int64_t limit[kRowsPerWarp];  // keys < limit are visible to the row (0: no row)
-};
+using attention_f32::RowState;
 
 // Stages K/V rows of the tile: positions first (one per lane of warp 0), then the rows as float4.
 // Empty slots are zero-filled: their probability is 0, and 0 * garbage could be NaN.
@@ -109,34 +105,11 @@ __device__ __forceinline__ void mainloop_tile(float scale, const Smem<D>& sm, in
     }
   }
   const int64_t key = sm.pos[lane];
-  float prob[kRowsPerWarp];
+  float sc[kRowsPerWarp];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const float sc = (key >= 0 && key < st.limit[r]) ? s[r] * scale : -INFINITY;
-    const float m_new = fmaxf(st.m[r], warp_max(sc));
-    if (m_new == -INFINITY) {  // warp-uniform: the row has seen no visible key yet
-      prob[r] = 0.f;
-      continue;
-    }
-    const float alpha = expf(st.m[r] - m_new);  // 0 on the first visible tile (m = -inf)
-    prob[r] = expf(sc - m_new);
-    st.l[r] = st.l[r] * alpha + warp_sum(prob[r]);
-    st.m[r] = m_new;
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) st.o[r][i] *= alpha;
-  }
-#pragma unroll 4
-  for (int j = 0; j < kKeys; ++j) {
-    float vj[D / 32];
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) vj[i] = sm.v[j][lane + 32 * i];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const float pj = __shfl_sync(kFullMask, prob[r], j);
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) st.o[r][i] += pj * vj[i];
-    }
-  }
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    sc[r] = (key >= 0 && key < st.limit[r]) ? s[r] * scale : -INFINITY;
+  attention_f32::softmax_tile<D>(st, sc, sm.v, lane);
 }
 
 template <int D>
