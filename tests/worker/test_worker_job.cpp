@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/worker/model/model_test_util.h"
 #include "worker/host_kv.h"
 #include "worker/options.h"
 #include "worker/request_checks.h"
@@ -14,14 +15,10 @@
 namespace sf::worker {
 namespace {
 
+// The tiny synthetic Llama (2 KV heads of 16, vocabulary 101) with 4 layers and a 50-token
+// context.
 model::ModelConfig small_config() {
-  model::ModelConfig c;
-  c.name = "test";
-  c.n_layers = 4;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.head_dim = 64;
-  c.vocab = 100;
+  model::ModelConfig c = testing::tiny_config(4);
   c.max_context = 50;
   return c;
 }
@@ -52,7 +49,7 @@ std::string reason(const runtime::BatchFile& bf, int64_t line) {
 
 TEST(WorkerRequestChecks, EachRuleNamesItsLine) {
   const std::string text = tokens_line("ok1", 5) +                     // 1
-                           tokens_line("vocab", 5, 100) +               // 2: id 100 of vocab 100
+                           tokens_line("vocab", 5, 101) +               // 2: id 101 of vocab 101
                            tokens_line("long", 51) +                    // 3: over max_context 50
                            "{\"id\": \"text\", \"prompt\": \"hello\"}\n" +  // 4: no tokenizer
                            tokens_line("tier", 45, 1, ", \"retention\": \"adakv:budget=40,high=36\"") +
@@ -68,7 +65,7 @@ TEST(WorkerRequestChecks, EachRuleNamesItsLine) {
   EXPECT_EQ(good[1].line, 7);
   EXPECT_TRUE(bf.requests.empty());
   EXPECT_EQ(bf.bad.size(), 5u);
-  EXPECT_NE(reason(bf, 2).find("item 0 (100) is outside the vocabulary of 100"), std::string::npos)
+  EXPECT_NE(reason(bf, 2).find("item 0 (101) is outside the vocabulary of 101"), std::string::npos)
       << reason(bf, 2);
   EXPECT_NE(reason(bf, 3).find("51 tokens, more than the model context of 50"), std::string::npos)
       << reason(bf, 3);
