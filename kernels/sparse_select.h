@@ -40,6 +40,16 @@ std::vector<int32_t> select_union_rows(const std::vector<std::vector<float>>& ro
                                        const float* mean_mass, int64_t n,
                                        const std::vector<int32_t>& forced, const SelectBudget& b);
 
+// A block head's forced key blocks for a query segment whose own keys are [base, kend) (kend >
+// 0): block 0 (the sinks) and every block from the segment's first to its last key. Block size
+// block (kSparseBlock).
+inline std::vector<int32_t> block_forced(int64_t base, int64_t kend, int64_t block) {
+  std::vector<int32_t> forced{0};
+  for (int64_t b = std::min(base, kend - 1) / block; b <= (kend - 1) / block; ++b)
+    if (b > 0) forced.push_back(int32_t(b));
+  return forced;
+}
+
 // 0, 1, ..., n-1 (empty for n <= 0).
 std::vector<int32_t> iota_list(int64_t n);
 

@@ -488,9 +488,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
             }
             s = srow.data();
           }
-          std::vector<int32_t> forced{0};
-          for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
-            if (b > 0) forced.push_back(int32_t(b));
+          std::vector<int32_t> forced = block_forced(sg.base, sg.kend, kB);
           Budget bb;
           if (hp.pattern == Pattern::kBlockSparse) {
             bb.k = hp.n_blocks;

@@ -697,9 +697,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
         for (int64_t b = 0; b < n_allowed; ++b) sc[size_t(b)] += r[size_t(b)];
       }
     }
-    std::vector<int32_t> forced{0};
-    for (int64_t b = std::min(sg.base, sg.kend - 1) / kB; b <= (sg.kend - 1) / kB; ++b)
-      if (b > 0) forced.push_back(int32_t(b));
+    std::vector<int32_t> forced = kernels::block_forced(sg.base, sg.kend, kB);
     Budget bb;
     if (hp.pattern == Pattern::kBlockSparse) {
       bb.k = hp.n_blocks;

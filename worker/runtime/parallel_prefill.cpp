@@ -614,19 +614,24 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       kslice[size_t(l)] = K;
       vslice[size_t(l)] = V;
     }
+    // A row-parallel projection's partial sums (part): summed over TP, added to the residual x.
+    auto reduce_into_residual = [&]() -> Status {
+      if (TP > 1)
+        SF_TRY(timed(&st, [&] {
+          return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32,
+                                  comm::ReduceOp::kSum);
+        }));
+      if (n_loc > 0)
+        SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+      return Status::ok();
+    };
     // 4) Row-parallel O projection: partial sums over this slice's heads, all-reduced over TP.
     for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
       const int64_t n = std::min(C, n_loc - c0);
       SF_TRY(kernels::linear(view2(att.data() + c0 * hq_t * d, n, hq_t * d), sw.wo, none,
                              view2(part.data() + c0 * H, n, H)));
     }
-    if (TP > 1)
-      SF_TRY(timed(&st, [&] {
-        return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32,
-                                comm::ReduceOp::kSum);
-      }));
-    if (n_loc > 0)
-      SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+    SF_TRY(reduce_into_residual());
     // 5) MLP: column-parallel gate/up, row-parallel down, all-reduce.
     for (int64_t c0 = 0; c0 < n_loc; c0 += C) {
       const int64_t n = std::min(C, n_loc - c0);
@@ -639,13 +644,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       SF_TRY(kernels::linear(view2(gate.data(), n, I_t), sw.down, none,
                              view2(part.data() + c0 * H, n, H)));
     }
-    if (TP > 1)
-      SF_TRY(timed(&st, [&] {
-        return g.tp->all_reduce(part.data(), part.data(), n_loc * H, DType::kF32,
-                                comm::ReduceOp::kSum);
-      }));
-    if (n_loc > 0)
-      SF_TRY(kernels::add_inplace(view2(x.data(), n_loc, H), view2(part.data(), n_loc, H)));
+    SF_TRY(reduce_into_residual());
   }
   if (opt.local_kv && !opt.gather_kv) {
     res.kv.n_layers = c.n_layers;
