@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tests/worker/model/model_test_util.h"
+#include "tests/worker/worker_args.h"
 #include "worker/host_kv.h"
 #include "worker/options.h"
 #include "worker/request_checks.h"
@@ -24,12 +25,7 @@ model::ModelConfig small_config() {
 }
 
 Options options(const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> a{"sparsefill-worker", "--model", "m.gguf", "--batch", "b.jsonl",
-                             "--out", "o"};
-  a.insert(a.end(), extra.begin(), extra.end());
-  std::vector<char*> argv;
-  for (auto& s : a) argv.push_back(s.data());
-  auto o = parse_options(int(argv.size()), argv.data());
+  auto o = parse_worker_args(extra);
   EXPECT_TRUE(o.is_ok()) << o.status().to_string();
   return o.is_ok() ? o.value() : Options{};
 }

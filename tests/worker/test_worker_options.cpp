@@ -8,23 +8,14 @@
 #include <vector>
 
 #include "worker/job_identity.h"
+#include "tests/worker/worker_args.h"
 #include "worker/options.h"
 
 namespace sf::worker {
 namespace {
 
-// The options after the program name; `required` puts --model, --batch and --out first.
-Result<Options> parse(const std::vector<std::string>& extra, bool required = true) {
-  std::vector<std::string> a{"sparsefill-worker"};
-  if (required) a.insert(a.end(), {"--model", "m.gguf", "--batch", "b.jsonl", "--out", "o"});
-  a.insert(a.end(), extra.begin(), extra.end());
-  std::vector<char*> argv;
-  for (auto& s : a) argv.push_back(s.data());
-  return parse_options(int(argv.size()), argv.data());
-}
-
 TEST(WorkerOptions, Defaults) {
-  auto o = parse({});
+  auto o = parse_worker_args({});
   ASSERT_TRUE(o.is_ok()) << o.status().to_string();
   EXPECT_EQ(o->model, "m.gguf");
   EXPECT_EQ(o->tp, 1);
@@ -42,7 +33,7 @@ TEST(WorkerOptions, Defaults) {
 }
 
 TEST(WorkerOptions, FlagsSetTheirFields) {
-  auto o = parse({"--device", "cuda", "--tp", "2", "--cp=4", "--export-stream", "off",
+  auto o = parse_worker_args({"--device", "cuda", "--tp", "2", "--cp=4", "--export-stream", "off",
                   "--kv-host-dtype", "bf16", "--kv-staging-max-gib", "0", "--export-threads", "3",
                   "--retention", "snapkv:budget=1024", "--host-memory-check", "off"});
   ASSERT_TRUE(o.is_ok()) << o.status().to_string();
@@ -57,7 +48,7 @@ TEST(WorkerOptions, FlagsSetTheirFields) {
   EXPECT_EQ(o->export_threads, 3);
   EXPECT_EQ(o->retention.kind, kvstore::RetentionKind::kSnapKV);
   EXPECT_FALSE(o->host_memory_check);
-  auto s = parse({"--model", "synthetic:llama3-8b:2:7", "--batch", "b", "--out", "o", "--device",
+  auto s = parse_worker_args({"--model", "synthetic:llama3-8b:2:7", "--batch", "b", "--out", "o", "--device",
                   "cuda"},
                  false);
   ASSERT_TRUE(s.is_ok()) << s.status().to_string();
@@ -67,7 +58,7 @@ TEST(WorkerOptions, FlagsSetTheirFields) {
 }
 
 TEST(WorkerOptions, HelpNeedsNothingElse) {
-  auto o = parse({"--help"}, false);
+  auto o = parse_worker_args({"--help"}, false);
   ASSERT_TRUE(o.is_ok()) << o.status().to_string();
   EXPECT_TRUE(o->help);
   EXPECT_NE(std::string(kUsage).find("--export-stream auto|on|off"), std::string::npos);
@@ -112,7 +103,7 @@ TEST(WorkerOptions, RejectionsNameTheFlag) {
       {{"--no-such-flag", "1"}, "no-such-flag"},
   };
   for (const Bad& b : bad) {
-    auto o = parse(b.args, b.required);
+    auto o = parse_worker_args(b.args, b.required);
     std::string joined;
     for (const auto& s : b.args) joined += s + " ";
     ASSERT_FALSE(o.is_ok()) << joined << "was accepted";
@@ -162,7 +153,7 @@ TEST(WorkerOptions, JobIdentityNamesWhatChangesTheBytes) {
   const auto id = [&](const std::vector<std::string>& extra, const std::string& compat = "c") {
     std::vector<std::string> all{"--batch", "b.jsonl", "--out", "o", "--model", model};
     all.insert(all.end(), extra.begin(), extra.end());
-    auto o = parse(all, false);
+    auto o = parse_worker_args(all, false);
     EXPECT_TRUE(o.is_ok()) << o.status().to_string();
     return o.is_ok() ? job_identity(o.value(), compat) : std::string();
   };
@@ -190,5 +181,6 @@ TEST(WorkerOptions, JobIdentityNamesWhatChangesTheBytes) {
   std::remove(model.c_str());
   std::remove(attn.c_str());
 }
+
 }  // namespace
 }  // namespace sf::worker
