@@ -755,6 +755,11 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
     for (; landed <= last; ++landed) {
+      // A shard whose sparse plan failed goes on enqueuing without attention: its later layers'
+      // K/V are not the prompt's, so none lands (kv_hooks.final would call them final) and the
+      // host copies nothing more. (The stopped sizer alone does not stop this: it skips only
+      // the layers it had not sized yet.)
+      if (!sparse_error.is_ok()) return sparse_error;
       const int l = landed;
       if (!kv_out) {
         if (opt.on_layer_done) {
@@ -1001,8 +1006,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
       // it enqueues the rest of the layers without attention (the plan may be half re-planned)
       // and returns the error after them, and its caller makes it the group's.
       if (!sparse_error.is_ok() && !sharded) return sparse_error;
-      // A failed shard's result is dropped: stop faulting in its K/V (the rest of the run's
-      // landings then fail too, and sparse_error is what is returned).
+      // A failed shard's result is dropped: stop faulting in its K/V (no later landing runs:
+      // land_through returns sparse_error, which is what the run returns).
       if (!sparse_error.is_ok() && kv_sizer) kv_sizer->stop();
       // The index views stay valid until the next layer's estimators run on this stream.
       if (sparse_error.is_ok() && opt.on_sparse_index)

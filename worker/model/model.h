@@ -122,7 +122,10 @@ struct LayerKvHooks {
   std::function<void(int layer, const KvCache& kv, std::span<const float> importance)> final;
   // The run failed after `final` was called: its KvCache, with the rows `final` named still in
   // place, handed over before the run returns (which would otherwise free them under their
-  // readers), for the caller to hold until its readers are done. Must not throw.
+  // readers), for the caller to hold until its readers are done. Must not throw. The rows of a
+  // failed run are not the prompt's K/V to keep: a device shard learns of a peer's failure only
+  // at the run's end, and may have called final for layers computed from the failed peer's.
+  // (A shard that fails itself lands no layer after its failure.)
   std::function<void(KvCache&& kv)> failed;
   explicit operator bool() const { return bool(final); }
 };

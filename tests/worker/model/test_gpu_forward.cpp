@@ -22,6 +22,7 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -747,6 +748,135 @@ TEST_F(GpuForward, Bf16HostKvIsTheF32KvRounded) {
   };
   EXPECT_EQ(DevicePrefill::plan(dm.value(), kTokens, bad).status().code(),
             Code::kInvalidArgument);
+}
+
+// ---- The per-layer K/V hooks (PrefillOptions::kv_hooks; sparsefill-worker --export-stream
+// writes a request's files from them while its prefill runs). kv_hooks.final names every layer
+// once, in order, with its rows already at the result's address and value, byte for byte: in
+// F32 and bf16 host K/V, through a two-slot ring. A run that fails after publishing (the
+// per-layer hook refuses layer 2) names no later layer and hands its K/V to kv_hooks.failed,
+// once, with the named rows where final named them and unchanged, equal to the K/V a good run
+// computes; the same plan then runs again, to a fresh plan's result bit for bit (the failed
+// run's work in flight must not reach it).
+// --------
+// Layer l's K (value false) or V as the cache holds it (F32 or bf16), as bytes.
+std::span<const uint8_t> kv_bytes(const KvCache& kv, int l, bool value) {
+  if (kv.bf16()) {
+    const auto& x = (value ? kv.v16 : kv.k16)[size_t(l)];
+    return {reinterpret_cast<const uint8_t*>(x.data()), x.size() * sizeof(x[0])};
+  }
+  const auto& x = (value ? kv.v : kv.k)[size_t(l)];
+  return {reinterpret_cast<const uint8_t*>(x.data()), x.size() * sizeof(x[0])};
+}
+
+TEST_F(GpuForward, LayerKvHooksPublishFinalRowsAndHandOverOnFailure) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  // What final was shown: the layers in call order, and each one's K then V rows (their address
+  // and a copy of their bytes at the call).
+  struct Seen {
+    std::vector<int> order;
+    std::vector<const uint8_t*> at;
+    std::vector<std::vector<uint8_t>> bytes;
+  };
+  const auto watch = [](Seen* s) {
+    return [s](int l, const KvCache& kv, std::span<const float>) {
+      s->order.push_back(l);
+      for (const bool value : {false, true}) {
+        const std::span<const uint8_t> b = kv_bytes(kv, l, value);
+        s->at.push_back(b.data());
+        s->bytes.emplace_back(b.begin(), b.end());
+      }
+    };
+  };
+  const auto expect_in = [](const Seen& s, const KvCache& kv, const std::string& what) {
+    for (size_t i = 0; i < s.order.size(); ++i)
+      for (const bool value : {false, true}) {
+        const size_t j = 2 * i + size_t(value);
+        const std::span<const uint8_t> b = kv_bytes(kv, s.order[i], value);
+        EXPECT_EQ(b.data(), s.at[j]) << what << " layer " << s.order[i] << (value ? " V" : " K");
+        EXPECT_TRUE(std::equal(b.begin(), b.end(), s.bytes[j].begin(), s.bytes[j].end()))
+            << what << " layer " << s.order[i] << (value ? " V" : " K")
+            << ": the rows changed after final named them";
+        EXPECT_FALSE(b.empty()) << what;
+      }
+  };
+  std::vector<int> every(size_t(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) every[size_t(l)] = l;
+
+  for (const bool bf16 : {false, true}) {
+    PrefillOptions o = full_options();
+    o.kv_staging_layers = 2;
+    o.kv_host_bf16 = bf16;
+    Seen seen;
+    o.kv_hooks.final = watch(&seen);
+    auto plan = DevicePrefill::plan(dm.value(), kTokens, o);
+    ASSERT_OK(plan.status());
+    auto got = plan->run(ref.tokens);
+    ASSERT_OK(got.status());
+    EXPECT_EQ(seen.order, every) << (bf16 ? "bf16" : "f32");
+    expect_in(seen, got->kv, bf16 ? "bf16 host K/V" : "f32 host K/V");
+  }
+
+  int fail_at = 2;
+  PrefillOptions o = full_options();
+  o.on_layer_kv = [&fail_at](int l, const TensorView&, const TensorView&,
+                             std::span<const float>) {
+    return l == fail_at ? SF_ERR(kIo, "test: the per-layer hook refuses layer " + std::to_string(l))
+                        : Status::ok();
+  };
+  PrefillOptions plain = o;  // the same run without kv_hooks, for the reference below
+  Seen seen;
+  o.kv_hooks.final = watch(&seen);
+  KvCache handed;
+  int n_handed = 0;
+  o.kv_hooks.failed = [&](KvCache&& kv) {
+    handed = std::move(kv);
+    ++n_handed;
+  };
+  auto plan = DevicePrefill::plan(dm.value(), kTokens, o);
+  ASSERT_OK(plan.status());
+  auto failed = plan->run(ref.tokens);
+  ASSERT_FALSE(failed.is_ok());
+  EXPECT_EQ(failed.status().code(), Code::kIo) << failed.status().to_string();
+  EXPECT_NE(failed.status().message().find("refuses layer 2"), std::string::npos)
+      << failed.status().to_string();
+  EXPECT_EQ(seen.order, (std::vector<int>{0, 1})) << "final named a layer after the failure";
+  EXPECT_EQ(n_handed, 1);
+  ASSERT_EQ(handed.k.size(), size_t(c.n_layers));
+  expect_in(seen, handed, "handed over");
+  const Seen failed_seen = seen;
+
+  fail_at = -1;
+  seen = {};
+  n_handed = 0;
+  auto again = plan->run(ref.tokens);
+  ASSERT_OK(again.status());
+  EXPECT_EQ(n_handed, 0);
+  EXPECT_EQ(seen.order, every);
+  auto want = prefill_device(dm.value(), ref.tokens, plain);
+  ASSERT_OK(want.status());
+  EXPECT_TRUE(bitwise_equal(again->logits, want->logits));
+  for (int l = 0; l < c.n_layers; ++l) {
+    EXPECT_TRUE(bitwise_equal(again->kv.k[size_t(l)], want->kv.k[size_t(l)])) << "layer " << l;
+    EXPECT_TRUE(bitwise_equal(again->kv.v[size_t(l)], want->kv.v[size_t(l)])) << "layer " << l;
+    EXPECT_TRUE(bitwise_equal(again->importance[size_t(l)], want->importance[size_t(l)]))
+        << "layer " << l;
+  }
+  // The failed run named the good run's rows.
+  for (size_t i = 0; i < failed_seen.order.size(); ++i)
+    for (const bool value : {false, true}) {
+      const std::span<const uint8_t> b = kv_bytes(want->kv, failed_seen.order[i], value);
+      const std::vector<uint8_t>& named = failed_seen.bytes[2 * i + size_t(value)];
+      EXPECT_TRUE(std::equal(b.begin(), b.end(), named.begin(), named.end()))
+          << "layer " << failed_seen.order[i] << (value ? " V" : " K");
+    }
+  std::cout << "  kv_hooks: every layer named final in order (f32, bf16); a run failing at "
+               "layer 2 named layers 0-1 and handed them over in place; the plan's next run "
+               "equals a fresh plan's\n";
 }
 
 // ---- A CP shard's importance, on one GPU. ------------------------------------------------------

@@ -302,7 +302,10 @@ void sparse_grow_case(bool fail) {
       p.n_vertical = 4600;
       p.n_slash = 64;
     }
-  sc.source = "vertical-slash 4600";
+  // Layer 0 fits every default plan, so rank 0 outgrows its plan at layer 1, after layer 0's K/V
+  // are final (the failing case's hand-over below).
+  for (auto& p : sc.layers[0]) p.n_vertical = 1000;
+  sc.source = "vertical-slash 1000 (layer 0), 4600";
   auto g = runtime::make_grid(w, {1, 2});
   ASSERT_TRUE(g.is_ok()) << g.status().to_string();
   const int dev = w.rank();
@@ -314,22 +317,48 @@ void sparse_grow_case(bool fail) {
   o.chunk = kChunk;
   o.sparse = &sc;
   if (fail) {
-    // No grow allowed: rank 0 fails at layer 0 and must keep rank 1 in step (the rest of the
+    // No grow allowed: rank 0 fails at layer 1 and must keep rank 1 in step (the rest of the
     // layers' exchanges without attention), so both return at once with the group's error
     // instead of rank 1 waiting in an exchange until the communicator's deadline aborts it.
+    // With a one-slot K/V ring, rank 0 lands layer 0 while it enqueues layer 1: its run's
+    // kv_hooks name layer 0 final and no layer after the failure (the layers it enqueues to keep
+    // in step are not the prompt's), and each rank's failed run hands its K/V over once, with
+    // the named rows in place.
     model::PrefillOptions no_grow = o;
     no_grow.sparse_max_grows = 0;
+    no_grow.kv_staging_layers = 1;
     auto pf = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong,
                                                    no_grow);
     ASSERT_TRUE(pf.is_ok()) << pf.status().to_string();
+    std::vector<int> named;
+    std::vector<const float*> named_at;
+    model::KvCache handed;
+    int n_handed = 0;
+    model::LayerKvHooks hooks;
+    hooks.final = [&](int l, const model::KvCache& kv, std::span<const float>) {
+      named.push_back(l);
+      named_at.push_back(kv.k[size_t(l)].data());
+    };
+    hooks.failed = [&](model::KvCache&& kv) {
+      handed = std::move(kv);
+      ++n_handed;
+    };
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = pf.value().run(tokens);
+    auto r = pf.value().run(tokens, hooks);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ASSERT_FALSE(r.is_ok());
-    std::printf("  rank %d: failed in %.2f s: %s\n", w.rank(), s, r.status().message().c_str());
+    std::printf("  rank %d: failed in %.2f s: %s; layers named final:", w.rank(), s,
+                r.status().message().c_str());
+    for (const int l : named) std::printf(" %d", l);
+    std::printf("\n");
     EXPECT_LT(s, 20.0);
     const std::string want = g.value().cp_rank == 0 ? "sparse_max_grows" : "another rank";
     EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().to_string();
+    if (g.value().cp_rank == 0) EXPECT_EQ(named, std::vector<int>{0});
+    EXPECT_EQ(n_handed, 1);
+    ASSERT_EQ(handed.k.size(), size_t(c.n_layers));
+    for (size_t i = 0; i < named.size(); ++i)
+      EXPECT_EQ(handed.k[size_t(named[i])].data(), named_at[i]) << "layer " << named[i];
     // The group's communicators are intact: a plan that may grow runs next.
   }
   auto p = runtime::DeviceParallelPrefill::plan(dm.value(), g.value(), dg.value(), kLong, o);
