@@ -158,6 +158,75 @@ HeadKv merge_tiers(const HeadKv& a, const HeadKv& b, int64_t hd) {
   return m;
 }
 
+// A head's positions are exactly the declared ranges (their count is, by the tensor shapes;
+// this walk is bounded by it).
+Status check_positions(const std::vector<int32_t>& pos,
+                       const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                       const std::string& where, int64_t head, const std::string& whose) {
+  size_t i = 0;
+  for (const auto& [a, b] : ranges)
+    for (int64_t t = a; t < b; ++t, ++i)
+      if (i >= pos.size() || pos[i] != t)
+        return corrupt(where, "positions.h" + std::to_string(head) + " differ from the " + whose +
+                                  " retention ranges");
+  if (i != pos.size())
+    return corrupt(where, "positions.h" + std::to_string(head) + " differ from the " + whose +
+                              " retention ranges");
+  return Status::ok();
+}
+
+// A shard head's block_key_min/max/mean are its stored keys' (k: their decoding, [n, hd]), bit
+// for bit: the writer computed them with block_key_stats from the same decoded keys.
+Status check_block_stats(const std::vector<float>& k, const std::vector<float>& kmin,
+                         const std::vector<float>& kmax, const std::vector<float>& kmean,
+                         int64_t n, int64_t hd, const std::string& where, const std::string& sfx) {
+  std::vector<float> st[3];
+  for (auto& x : st) x.resize(kmin.size());
+  kvstore::block_key_stats(k.data(), n, int(hd), st[0].data(), st[1].data(), st[2].data());
+  const std::vector<float>* file[3] = {&kmin, &kmax, &kmean};
+  const char* name[3] = {"block_key_min", "block_key_max", "block_key_mean"};
+  for (int i = 0; i < 3; ++i)
+    if (std::memcmp(st[i].data(), file[i]->data(), st[i].size() * sizeof(float)) != 0) {
+      size_t at = 0;
+      while (at < st[i].size() && std::memcmp(&st[i][at], &(*file[i])[at], sizeof(float)) == 0)
+        ++at;
+      return corrupt(where, std::string(name[i]) + sfx + " is not its keys' (block " +
+                                std::to_string(int64_t(at) / hd) + ", channel " +
+                                std::to_string(int64_t(at) % hd) + ")");
+    }
+  return Status::ok();
+}
+
+// The shard file's own metadata (layer, KV heads, encoding, tier) and tensor names agree with
+// its manifest entry. Metadata keys a file lacks are not required: files before they were
+// written.
+Status check_shard_file(const SafetensorsFile& f, const KvManifest::Shard& S,
+                        kvstore::KvEncoding e, bool two_tiers, const std::string& where) {
+  const auto& md = f.metadata();
+  const auto expect = [&](const char* key, const std::string& want) -> Status {
+    const auto it = md.find(key);
+    if (it != md.end() && it->second != want)
+      return corrupt(where, std::string("the file's metadata says ") + key + " " + it->second +
+                                ", its manifest entry " + want);
+    return Status::ok();
+  };
+  SF_TRY(expect("layer", std::to_string(S.layer)));
+  SF_TRY(expect("kv_heads", std::to_string(S.kv_head0) + "-" + std::to_string(S.kv_head1)));
+  SF_TRY(expect("kv_dtype", kvstore::kv_encoding_name(e)));
+  if (two_tiers) SF_TRY(expect("tier", S.low ? "low" : "high"));
+  if (!S.tensors.empty()) {
+    std::vector<std::string> want = S.tensors, have;
+    for (const SafetensorsTensor& t : f.tensors()) have.push_back(t.name);
+    std::sort(want.begin(), want.end());
+    std::sort(have.begin(), have.end());
+    if (want != have)
+      return corrupt(where, "its tensors are not the " + std::to_string(want.size()) +
+                                " its manifest entry lists (the file has " +
+                                std::to_string(have.size()) + ")");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<KvManifest> parse_kv_manifest(std::string_view text,
@@ -360,6 +429,36 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
   if (out.kv_bytes != kept_bytes)
     return corrupt("retention",
                    "kv_bytes " + std::to_string(out.kv_bytes) + " does not match the kept tokens");
+  {
+    // The other totals the writer records (kept_tokens since format 2): a consumer's accounting
+    // reads them, so they must be the retention's. (Products of checked bounds: nl, nh < 4096,
+    // n_tokens < 2^31, head_dim < 4096, so no overflow.)
+    int64_t kept_total = 0;
+    for (const int64_t k : mf.kept) kept_total += k;
+    if (ret->contains("kept_tokens")) {
+      SF_ASSIGN(int64_t kt, get_int(*ret, "kept_tokens", "retention"));
+      if (kt != kept_total)
+        return corrupt("retention", "kept_tokens " + std::to_string(kt) + " is not the heads' " +
+                                        std::to_string(kept_total));
+    }
+    const int64_t full_bytes = nl * nh * kvstore::kv_encoded_bytes(enc, out.n_tokens, int(hd));
+    if (out.kv_bytes_full != full_bytes)
+      return corrupt("retention", "kv_bytes_full " + std::to_string(out.kv_bytes_full) +
+                                      " is not the full cache's " + std::to_string(full_bytes));
+  }
+  if (man.contains("importance")) {
+    const json::value& iv = man.at("importance");
+    if (iv.is_null()) {
+      mf.importance = KvManifest::Importance::kNull;
+    } else {
+      if (!iv.is_object()) return corrupt(W, "importance is neither null nor an object");
+      SF_ASSIGN(int64_t window, get_int(iv.as_object(), "window", "importance"));
+      SF_ASSIGN(int64_t pool, get_int(iv.as_object(), "pool", "importance"));
+      if (window < 1 || pool < 1)
+        return corrupt("importance", "window and pool must be at least 1");
+      mf.importance = KvManifest::Importance::kPresent;
+    }
+  }
 
   SF_ASSIGN(const json::array* shards, get_arr(man, "shards", W));
   // Shard entries: each holds token runs of a KV head range of one layer. Their run x head
@@ -389,6 +488,13 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
     S.layer = int(layer);
     SF_ASSIGN(S.bytes, get_int(sh, "bytes", where));
     SF_ASSIGN(S.xxh64, get_str(sh, "xxh64", where));
+    if (sh.contains("tensors")) {
+      SF_ASSIGN(const json::array* tl, get_arr(sh, "tensors", where));
+      for (const auto& tv : *tl) {
+        if (!tv.is_string()) return corrupt(where, "tensors holds a name that is not a string");
+        S.tensors.emplace_back(tv.as_string());
+      }
+    }
     SF_ASSIGN(std::string layout, get_str(sh, "layout", where));
     S.uniform = layout == "uniform";
     if (!S.uniform && layout != "per_head")
@@ -430,7 +536,13 @@ Result<KvManifest> parse_kv_manifest(std::string_view text,
       // The head's kept tokens in each run of the shard: declared ranges intersected with it.
       const auto& rr = mf.tier_ranges[size_t(t)][size_t(layer * nh + hh)];
       int64_t row = 0;
-      size_t j = 0;
+      // The first declared range the shard can touch, by bisection: a walk from the head's first
+      // range for each shard would cost shards x ranges (200,000 of each in a 25 MB manifest).
+      size_t j = size_t(std::partition_point(rr.begin(), rr.end(),
+                                             [&](const auto& x) {
+                                               return x.second <= S.tokens.front().first;
+                                             }) -
+                        rr.begin());
       for (const auto& [a, b] : S.tokens) {
         while (j < rr.size() && rr[j].second <= a) ++j;
         int64_t k = 0;
@@ -545,6 +657,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         return corrupt(where,
                        "xxh64 checksum mismatch: file " + hex64(h) + ", manifest " + S.xxh64);
       SF_ASSIGN(SafetensorsFile f, SafetensorsFile::open(std::move(mapped)));
+      const kvstore::KvEncoding e = S.low ? enc_low : enc;
+      // The file must be the one its entry describes: tensor names carry no layer, so a file
+      // listed under another layer's entry (a leader's mislabelled part) would load silently.
+      SF_TRY(check_shard_file(f, S, e, n_tiers == 2, where));
       const int64_t hs = S.kv_head1 - S.kv_head0;
       data[si].resize(size_t(hs));
       for (int64_t j = 0; j < hs; ++j) {
@@ -554,15 +670,25 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         // Uniform: head j of the shared key/value tensors; per head: its own key.hH/value.hH.
         const std::string kv_sfx = S.uniform ? "" : sfx;
         const int64_t heads = S.uniform ? hs : 1, jj = S.uniform ? j : 0;
-        const kvstore::KvEncoding e = S.low ? enc_low : enc;
         SF_TRY(read_kv(f, e, true, kv_sfx, heads, jj, n, hd, where, &H.k, &H.kq));
         SF_TRY(read_kv(f, e, false, kv_sfx, heads, jj, n, hd, where, &H.v, &H.vq));
         SF_TRY(read_tensor<int32_t>(f, "positions" + sfx, "I32", {n}, where, &H.positions));
         SF_TRY(read_tensor<float>(f, "block_key_min" + sfx, "F32", {nb, hd}, where, &H.kmin));
         SF_TRY(read_tensor<float>(f, "block_key_max" + sfx, "F32", {nb, hd}, where, &H.kmax));
         SF_TRY(read_tensor<float>(f, "block_key_mean" + sfx, "F32", {nb, hd}, where, &H.kmean));
-        if (f.find("block_importance" + sfx))
+        // (A head keeping no token of a tier has no block, and so no importance tensor.)
+        const bool has_imp = f.find("block_importance" + sfx) != nullptr;
+        if (mf.importance != KvManifest::Importance::kAbsent &&
+            has_imp != (mf.importance == KvManifest::Importance::kPresent && nb > 0))
+          return corrupt(where, has_imp ? "carries block_importance" + sfx +
+                                              ", but the manifest's importance is null"
+                                        : "has no block_importance" + sfx +
+                                              ", but the manifest names an importance");
+        if (has_imp)
           SF_TRY(read_tensor<float>(f, "block_importance" + sfx, "F32", {nb}, where, &H.imp));
+        // PSA's bound (decode/decode_attention.h) trusts the block statistics: they must be
+        // those of the keys as stored, which the writer computed with the same function.
+        SF_TRY(check_block_stats(H.k, H.kmin, H.kmax, H.kmean, n, hd, where, sfx));
       }
     }
     // Each head's pieces in position order: rows and (whole-block aligned) blocks appended.
@@ -573,6 +699,9 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         bool imp = true;
         const auto& pieces = mf.pieces[size_t(t)][size_t(layer * nh + hh)];
         for (const KvManifest::Piece& pc : pieces) {
+          // A run where the head keeps nothing adds no row and no block (its row may fall inside
+          // the shard's last, partial block, which the run before it appended already).
+          if (pc.kept == 0) continue;
           const KvManifest::Shard& S = mf.shards[size_t(pc.shard)];
           HeadData& D = data[size_t(pc.shard)][size_t(hh - S.kv_head0)];
           const int64_t r0 = pc.row, r1 = pc.row + pc.kept, b0 = r0 / bs, b1 = (r1 + bs - 1) / bs;
@@ -611,18 +740,19 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
         }
         if (!imp) H.block_importance.clear();  // importance only when every shard carried it
         if (n_tiers == 2) H.kq = H.vq = kvstore::EncodedRows{};  // tiers differ in encoding
+        // Each tier's positions are its declared ranges (checked before the merge, which would
+        // hide tokens moved between the tiers).
+        if (n_tiers == 2)
+          SF_TRY(check_positions(H.positions, mf.tier_ranges[size_t(t)][size_t(layer * nh + hh)],
+                                 "layer " + std::to_string(layer) + (t ? " low" : " high") +
+                                     " tier shards",
+                                 hh, t ? "low tier's" : "high tier's"));
       }
       HeadKv& H = out.heads[size_t(layer * nh + hh)];
       H = n_tiers == 2 ? merge_tiers(tiers[0], tiers[1], hd) : std::move(tiers[0]);
-      // The positions must be exactly the manifest's declared retention (their count is, by the
-      // tensor shapes; this walk is bounded by it).
-      size_t i = 0;
-      for (const auto& [a, b] : mf.ranges[size_t(layer * nh + hh)])
-        for (int64_t t = a; t < b; ++t, ++i)
-          if (i >= H.positions.size() || H.positions[i] != t)
-            return corrupt("layer " + std::to_string(layer) + " shards",
-                           "positions.h" + std::to_string(hh) +
-                               " differ from the manifest's retention ranges");
+      // The positions must be exactly the manifest's declared retention.
+      SF_TRY(check_positions(H.positions, mf.ranges[size_t(layer * nh + hh)],
+                             "layer " + std::to_string(layer) + " shards", hh, "manifest's"));
     }
     return Status::ok();
   };

@@ -1,11 +1,12 @@
-// Decode-side KV client: loads an export (docs/kv-format.md, format versions 3-5) from a directory,
+// Decode-side KV client: loads an export (docs/kv-format.md, format versions 3-6) from a directory,
 // verifies it completely and returns it only when every check passed, so a consumer never sees
 // partial data. Checks: format and version, the compatibility hash against the consumer's model,
-// every shard's size and XXH64, tensor names, dtypes and shapes, that the shards of each layer
-// cover every (token, KV head) exactly once (a layer may be split over the TP x CP ranks that
-// computed it), and that the positions stored in the shards equal the retention the manifest
-// declares. The network transport comes later; this
-// is the file-backed path.
+// every shard's size and XXH64, its metadata and tensor names against its manifest entry, dtypes
+// and shapes, that the shards of each layer cover every (token, KV head) exactly once (a layer
+// may be split over the TP x CP ranks that computed it), that the positions stored in the shards
+// equal the retention the manifest declares (each tier's its own), and that the block key
+// statistics are the stored keys'. The network transport comes later; this is the file-backed
+// path.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -58,6 +59,7 @@ struct KvManifest {
   KvExport meta;  // every field but the heads' data
   struct Shard {
     std::string file, xxh64;
+    std::vector<std::string> tensors;  // its entry's `tensors` (empty where the entry has none)
     int64_t bytes = 0;
     bool uniform = true;                        // key/value for all its heads, else key.hH/value.hH
     int layer = 0, kv_head0 = 0, kv_head1 = 0;  // KV heads [kv_head0, kv_head1)
@@ -79,6 +81,9 @@ struct KvManifest {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges;  // declared [begin, end) runs
   // [tier][layer * n_kv_heads + head]: each tier's runs (tier 0 is `ranges` minus the low tier's).
   std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> tier_ranges;
+  // The manifest's `importance`: an object (every shard head carries block_importance), null
+  // (none does), or absent (a manifest before the field: either, as the files have it).
+  enum class Importance { kAbsent, kNull, kPresent } importance = Importance::kAbsent;
 };
 Result<KvManifest> parse_kv_manifest(std::string_view text,
                                      const std::string& expected_compat_hash);

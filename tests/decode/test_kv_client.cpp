@@ -7,14 +7,18 @@
 #include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 
+#include "common/checksum.h"
 #include "common/dtype.h"
 #include "common/safetensors.h"
 #include "decode/kv_client.h"
@@ -117,6 +121,56 @@ class KvClient : public ::testing::Test {
   }
   static void write_manifest(const std::string& dir, const boost::json::value& v) {
     std::ofstream(dir + "/manifest.json") << boost::json::serialize(v);
+  }
+  // A shard of `dir` rewritten: `edit` may change its tensors' bytes (same sizes) and metadata
+  // (an empty value drops the key), and tensors named in `drop` are left out. The new file's size
+  // and xxh64 go into its manifest entry (and `drop` out of the entry's tensors), as a writer that
+  // meant it would: only the reader's own checks can catch what changed.
+  struct ShardEdit {
+    std::function<void(const std::string& name, std::vector<uint8_t>& bytes)> bytes;
+    std::map<std::string, std::string> metadata;
+    std::set<std::string> drop;
+  };
+  static void rewrite_shard(const std::string& dir, const std::string& file, const ShardEdit& e) {
+    const std::string path = dir + "/" + file;
+    std::vector<std::pair<SafetensorsTensor, std::vector<uint8_t>>> ts;
+    std::map<std::string, std::string> md;
+    {
+      auto f = SafetensorsFile::open(path);
+      ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+      md = f->metadata();
+      for (const SafetensorsTensor& t : f->tensors())
+        if (!e.drop.count(t.name)) ts.push_back({t, {t.data, t.data + t.n_bytes()}});
+    }
+    SafetensorsWriter w;
+    for (auto& [t, b] : ts) {
+      if (e.bytes) e.bytes(t.name, b);
+      auto dt = safetensors_to_dtype(t.dtype);
+      ASSERT_TRUE(dt.is_ok()) << t.dtype;
+      w.add(t.name, dt.value(), t.shape, b.data(), b.size());
+    }
+    for (const auto& [k, v] : e.metadata) md[k] = v;
+    for (const auto& [k, v] : md)
+      if (!v.empty()) w.set_metadata(k, v);
+    auto h = w.write(path);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    auto m = read_manifest(dir);
+    bool found = false;
+    for (auto& sv : m.as_object()["shards"].as_array()) {
+      auto& sh = sv.as_object();
+      if (sh.at("file").as_string() != file) continue;
+      found = true;
+      sh["bytes"] = int64_t(fs::file_size(path));
+      sh["xxh64"] = hex64(h.value());
+      if (sh.contains("tensors")) {
+        boost::json::array kept;
+        for (const auto& n : sh.at("tensors").as_array())
+          if (!e.drop.count(std::string(n.as_string()))) kept.push_back(n);
+        sh["tensors"] = std::move(kept);
+      }
+    }
+    ASSERT_TRUE(found) << file;
+    write_manifest(dir, m);
   }
   // A head's (or its low tier's) positions as format 6 writes them, and back.
   static std::vector<kvstore::PositionRun> runs_of(const boost::json::object& o) {
@@ -919,9 +973,14 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     const std::string d = export_to("int8-claims-f32", nullptr, kvstore::KvEncoding::kInt8);
     auto v = read_manifest(d);
     v.as_object()["kv_dtype"] = "f32";
-    v.as_object()["retention"].as_object()["kv_bytes"] =
-        2 * 2 * kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kN, 16);
+    for (const char* total : {"kv_bytes", "kv_bytes_full"})
+      v.as_object()["retention"].as_object()[total] =
+          2 * 2 * kvstore::kv_encoded_bytes(kvstore::KvEncoding::kF32, kN, 16);
     write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "the file's metadata says kv_dtype int8, its manifest entry f32");
+    // A file without that metadata (before it was written): its tensors say otherwise.
+    for (const char* f : {"layer_000.safetensors", "layer_001.safetensors"})
+      rewrite_shard(d, f, {.metadata = {{"kv_dtype", ""}}});
     expect_err(d, hash_, Code::kCorrupt, "tensor 'key' has dtype U8, expected F32");
   }
   // Compatibility hash of another model (the consumer's) and a manifest whose hash was edited.
@@ -1022,6 +1081,127 @@ TEST_F(KvClient, RejectsEveryBadInputWithAClearError) {
     v.as_object()["shards"].as_array()[0].as_object()["file"] = "../good/layer_000.safetensors";
     write_manifest(d, v);
     expect_err(d, hash_, Code::kCorrupt, "not a plain file name");
+  }
+}
+
+// A shard whose checksum is right (rewritten as a writer would) but whose contents are not what
+// its manifest entry or its own keys say: each is refused, naming the shard and the field.
+TEST_F(KvClient, RejectsShardsThatDisagreeWithTheirEntryOrTheirKeys) {
+  const std::string good = export_to("agree-good", nullptr);
+  ASSERT_TRUE(decode::load_kv_export(good, hash_).is_ok());
+  const auto& expect_err = expect_load_err;
+  // Block statistics that are not the keys': PSA's bound would rank by them (halved here; a NaN
+  // would break its sort).
+  for (const char* name : {"block_key_max.h0", "block_key_min.h1", "block_key_mean.h0"}) {
+    const std::string d = copy_of(good, std::string("stats-") + name);
+    rewrite_shard(d, "layer_001.safetensors",
+                  {.bytes = [&](const std::string& n, std::vector<uint8_t>& b) {
+                     if (n != name) return;
+                     float x;
+                     std::memcpy(&x, b.data() + 16 * 4 + 4, 4);  // block 1, channel 1
+                     x = x * 0.5f + 0.25f;
+                     std::memcpy(b.data() + 16 * 4 + 4, &x, 4);
+                   }});
+    expect_err(d, hash_, Code::kCorrupt,
+               "shard 'layer_001.safetensors': " + std::string(name) +
+                   " is not its keys' (block 1, channel 1)");
+  }
+  // The stored keys of an int8 export are checked against the statistics as stored too.
+  {
+    const std::string q = export_to("agree-int8", nullptr, kvstore::KvEncoding::kInt8);
+    ASSERT_TRUE(decode::load_kv_export(q, hash_).is_ok());
+    const std::string d = copy_of(q, "stats-int8-code");
+    rewrite_shard(d, "layer_000.safetensors", {.bytes = [](const std::string& n, std::vector<uint8_t>& b) {
+                                                 if (n == "key") b[5] ^= 0x40;  // one key code
+                                               }});
+    expect_err(d, hash_, Code::kCorrupt, "is not its keys' (block 0, channel 5)");
+  }
+  // Two entries' files swapped (names, sizes and checksums): the tensors carry no layer, but the
+  // files' metadata does.
+  {
+    const std::string d = copy_of(good, "swapped-layers");
+    auto v = read_manifest(d);
+    auto& sh = v.as_object()["shards"].as_array();
+    ASSERT_EQ(sh.size(), 2u);
+    for (const char* k : {"file", "bytes", "xxh64"})
+      std::swap(sh[0].as_object()[k], sh[1].as_object()[k]);
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt,
+               "shard 'layer_001.safetensors': the file's metadata says layer 1, its manifest "
+               "entry 0");
+  }
+  {
+    const std::string d = copy_of(good, "heads-meta");
+    rewrite_shard(d, "layer_000.safetensors", {.metadata = {{"kv_heads", "0-1"}}});
+    expect_err(d, hash_, Code::kCorrupt, "metadata says kv_heads 0-1, its manifest entry 0-2");
+  }
+  // A tensor the entry lists but the file lacks, and one the file has but the entry does not.
+  {
+    const std::string d = copy_of(good, "tensor-list");
+    auto v = read_manifest(d);
+    v.as_object()["shards"].as_array()[0].as_object()["tensors"].as_array().push_back(
+        "block_key_p99.h0");
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "its tensors are not the");
+  }
+  // Importance: the manifest names one, a shard head has none; and the reverse.
+  {
+    const std::string d = copy_of(good, "imp-dropped");
+    rewrite_shard(d, "layer_000.safetensors", {.drop = {"block_importance.h1"}});
+    expect_err(d, hash_, Code::kCorrupt,
+               "has no block_importance.h1, but the manifest names an importance");
+    const std::string d2 = copy_of(good, "imp-null");
+    auto v = read_manifest(d2);
+    v.as_object()["importance"] = nullptr;
+    write_manifest(d2, v);
+    expect_err(d2, hash_, Code::kCorrupt,
+               "carries block_importance.h0, but the manifest's importance is null");
+    v.as_object()["importance"] = "snapkv";
+    write_manifest(d2, v);
+    expect_err(d2, hash_, Code::kCorrupt, "importance is neither null nor an object");
+  }
+  // Totals that are not the retention's.
+  for (const char* total : {"kept_tokens", "kv_bytes_full"}) {
+    const std::string d = copy_of(good, std::string("total-") + total);
+    auto v = read_manifest(d);
+    auto& r = v.as_object()["retention"].as_object();
+    r[total] = r[total].as_int64() + 1;
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, std::string(total) + " ");
+  }
+  // A two-tier export whose low tier declares other tokens of the head (as many, inside its kept
+  // ones) than the low tier's file holds: the merged positions would still be the kept ones.
+  {
+    using E = kvstore::KvEncoding;
+    auto ret = kvstore::retention_apply(
+        kvstore::retention_parse("snapkv:budget=200,window=32,pool=7,high=64").value(), 2, 2,
+        kN, &imp_);
+    ASSERT_TRUE(ret.is_ok());
+    const std::string two = export_to("agree-tiers", &ret.value(), E::kInt8, E::kInt4);
+    ASSERT_TRUE(decode::load_kv_export(two, hash_).is_ok());
+    const std::string d = copy_of(two, "tiers-moved");
+    auto v = read_manifest(d);
+    auto& h0 = retention_head(v, 0, 0);
+    std::vector<int64_t> kept, low;
+    for (const auto& [a, b] : runs_of(h0))
+      for (int64_t t = a; t < b; ++t) kept.push_back(t);
+    for (const auto& [a, b] : runs_of(h0.at("low").as_object()))
+      for (int64_t t = a; t < b; ++t) low.push_back(t);
+    ASSERT_FALSE(low.empty());
+    ASSERT_LT(low.size(), kept.size());
+    // The first kept tokens as the low tier, or the last ones where those are the low tier.
+    std::vector<int64_t> moved(kept.begin(), kept.begin() + int64_t(low.size()));
+    if (moved == low) moved.assign(kept.end() - int64_t(low.size()), kept.end());
+    ASSERT_NE(moved, low);
+    std::vector<kvstore::PositionRun> runs;
+    for (const int64_t t : moved)
+      if (!runs.empty() && runs.back().second == t)
+        ++runs.back().second;
+      else
+        runs.push_back({t, t + 1});
+    set_runs(h0["low"].as_object(), runs);
+    write_manifest(d, v);
+    expect_err(d, hash_, Code::kCorrupt, "positions.h0 differ from the ");
   }
 }
 
@@ -1154,6 +1334,39 @@ TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
     EXPECT_EQ(r.status().code(), Code::kCorrupt);
     EXPECT_NE(r.status().message().find("leave a gap"), std::string::npos)
         << r.status().to_string();
+  }
+  // Every head keeps tokens 0-29 only: the parts' runs [64, 256) and [256, 300) keep nothing, and
+  // the latter's first row falls inside the part's one partial block. The load has that one
+  // block's metadata once, as the whole export's.
+  {
+    kvstore::Retention first30;
+    first30.policy = "streaming";
+    first30.params = "sink=30,window=0";
+    first30.n_layers = 2;
+    first30.n_kv_heads = hkv;
+    first30.n_tokens = kN;
+    std::vector<int32_t> p30(30);
+    for (int i = 0; i < 30; ++i) p30[size_t(i)] = i;
+    first30.kept.assign(size_t(2 * hkv), p30);
+    spec.retention = &first30;
+    ASSERT_TRUE(write("sharded-first30", parts).is_ok());
+    spec.retention = nullptr;
+    auto a = decode::load_kv_export(tmp_.sub("sharded-first30"), hash_);
+    ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+    auto b = decode::load_kv_export(export_to("whole-first30", &first30), hash_);
+    ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+    for (int l = 0; l < 2; ++l)
+      for (int h = 0; h < hkv; ++h) {
+        const decode::HeadKv& x = a->head(l, h);
+        EXPECT_EQ(x.positions, p30);
+        EXPECT_EQ(x.block_kmin.size(), size_t(d)) << "one block of metadata";
+        EXPECT_EQ(x.block_importance.size(), 1u);
+        EXPECT_EQ(x.block_kmin, b->head(l, h).block_kmin);
+        EXPECT_EQ(x.block_kmax, b->head(l, h).block_kmax);
+        EXPECT_EQ(x.block_kmean, b->head(l, h).block_kmean);
+        EXPECT_EQ(x.block_importance, b->head(l, h).block_importance);
+        EXPECT_EQ(x.k, b->head(l, h).k);
+      }
   }
 }
 
