@@ -141,15 +141,29 @@ Status PrefixCache::unpin_blocks(const std::vector<std::vector<BlockId>>& blocks
   return first;
 }
 
-void PrefixCache::evict_one() {
-  const uint64_t k = lru_.back();
-  lru_.pop_back();
-  auto it = map_.find(k);
-  for (BlockId b : it->second.blocks) (void)pool_->free(b);  // unpinned at rest: cannot fail
-  map_.erase(it);
-  ++st_.evicted_blocks;
-  st_.used_bytes -= entry_bytes();
-  --st_.entries;
+bool PrefixCache::evict_one(size_t keep) {
+  // A pinned block cannot be freed: evicting its entry would leak it (out of the map and the
+  // byte count, never freed). Pins cover a prefix from its first block, so an unpinned entry
+  // is never a pinned one's prefix, and skipping pinned entries keeps every chain whole.
+  size_t left = lru_.size() > keep ? lru_.size() - keep : 0;
+  for (auto li = lru_.end(); left > 0; --left) {
+    --li;
+    auto it = map_.find(*li);
+    bool pinned = false;
+    for (BlockId b : it->second.blocks) {
+      const Result<int> p = pool_->pins(b);
+      pinned = pinned || !p.is_ok() || p.value() > 0;
+    }
+    if (pinned) continue;
+    for (BlockId b : it->second.blocks) (void)pool_->free(b);  // unpinned: cannot fail
+    lru_.erase(li);
+    map_.erase(it);
+    ++st_.evicted_blocks;
+    st_.used_bytes -= entry_bytes();
+    --st_.entries;
+    return true;
+  }
+  return false;
 }
 
 Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t> tokens,
@@ -162,41 +176,49 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
   // This call's new entries (the tail of chain) and their rows, written in one batch at the end
   // (a device tier then copies once a chunk, not once a block). The lock keeps the entries
   // unseen until their rows are in.
-  size_t added = 0;
+  std::vector<uint64_t> mine;  // this call's new entries (the chain may reuse entries after one)
   std::vector<BlockId> w_ids, cur;  // cur: the entry being built, freed if it does not go in
   std::vector<const float*> w_k, w_v;
   bool placing = false;  // an entry is in the map but not yet in the LRU list
   uint64_t placing_key = 0;
-  // This call's entries out again (their rows were not written).
+  // This call's entries out again (their rows were not written), and the chain cut before the
+  // first of them (what follows it no longer extends a cached prefix).
   const auto take_back = [&] {
-    for (; added > 0; --added) {
-      auto it = map_.find(chain.back());
+    if (mine.empty()) return;
+    chain.resize(size_t(std::find(chain.begin(), chain.end(), mine.front()) - chain.begin()));
+    for (auto k = mine.rbegin(); k != mine.rend(); ++k) {
+      auto it = map_.find(*k);
       lru_.erase(it->second.lru);
       for (BlockId id : it->second.blocks) (void)pool_->free(id);
       map_.erase(it);
-      chain.pop_back();
       --st_.inserted_blocks;
       --st_.entries;
       st_.used_bytes -= eb;
     }
+    mine.clear();
   };
-  // Every exit: the batch written (or, when that fails, this call's entries taken out again),
-  // then the chain refreshed leaf first, as lookup does, so a prefix is more recent than its
-  // extensions; a partial insert included (its blocks went in prefix first, which would leave
-  // the prefix oldest: evicted first, stranding the rest of its chain).
+  // Every exit, a throw's included: the chain refreshed leaf first, as lookup does, so a prefix
+  // is more recent than its extensions. The loop moves its entries to the front prefix first,
+  // which would leave the prefix oldest: evicted first, stranding the rest of its chain.
+  const auto refresh = [&] {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+      lru_.splice(lru_.begin(), lru_, map_.find(*it)->second.lru);
+  };
+  // Every return: the batch written (or, when that fails, this call's entries taken out again),
+  // then the refresh.
   const auto finish = [&](Status st) -> Status {
     const Status wr = w_ids.empty() ? Status::ok() : pool_->write_batch(w_ids, w_k, w_v);
     if (!wr.is_ok()) {
       take_back();
       st = wr;
     }
-    for (auto it = chain.rbegin(); it != chain.rend(); ++it)
-      lru_.splice(lru_.begin(), lru_, map_[*it].lru);
+    refresh();
     return st;
   };
   try {
     // Sized up front, so that adding to them below cannot throw half way through an entry.
     chain.reserve(size_t(nb));
+    mine.reserve(size_t(nb));
     cur.reserve(size_t(n_layers_));
     w_ids.reserve(size_t(nb * n_layers_));
     w_k.reserve(size_t(nb * n_layers_));
@@ -222,14 +244,17 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
                                                      std::to_string(st_.budget_bytes)));
       // Evict, never this request's own chain: its entries were just made most recent, so the
       // LRU tail is something else unless the budget holds only this chain.
-      while (st_.used_bytes + eb > st_.budget_bytes &&
-             int64_t(lru_.size()) > int64_t(chain.size()))
-        evict_one();
+      while (st_.used_bytes + eb > st_.budget_bytes && evict_one(chain.size())) {
+      }
       if (st_.used_bytes + eb > st_.budget_bytes)
         return finish(SF_ERR(kResourceExhausted,
                              "prefix cache: budget of " + std::to_string(st_.budget_bytes) +
                                  " bytes holds " + std::to_string(chain.size()) +
-                                 " blocks of this prompt"));
+                                 " blocks of this prompt" +
+                                 (int64_t(lru_.size()) > int64_t(chain.size())
+                                      ? " and " + std::to_string(lru_.size() - chain.size()) +
+                                            " pinned by readers"
+                                      : "")));
       Entry e;
       e.parent = parent;
       e.model_id = model_id;
@@ -245,10 +270,8 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
         Result<BlockId> id = pool_->alloc(Tier::kDevice);
         // The pool is full: give back cached blocks that are not this chain's, then retry.
         while (!id.is_ok() && id.status().code() == Code::kResourceExhausted &&
-               int64_t(lru_.size()) > int64_t(chain.size())) {
-          evict_one();
+               evict_one(chain.size()))
           id = pool_->alloc(Tier::kDevice);
-        }
         if (!id.is_ok()) {
           st = id.status();
           break;
@@ -278,7 +301,7 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
       ++st_.entries;
       st_.used_bytes += eb;
       chain.push_back(key);
-      ++added;
+      mine.push_back(key);
       parent = key;
     }
     return finish(Status::ok());
@@ -292,6 +315,7 @@ Status PrefixCache::insert(const std::string& model_id, std::span<const int32_t>
       map_.erase(it);
     }
     take_back();
+    refresh();
     throw;
   }
 }

@@ -58,7 +58,8 @@ class PrefixCache {
   // The pool blocks of the first n_tokens (a cached prefix, as lookup returned), each pinned:
   // result[layer] in position order, for a reader that copies them itself (the device prefill,
   // BlockPool::read_to_device_async). kNotFound when part of the prefix is gone. Give them back
-  // with unpin_blocks() before the next insert: eviction cannot free a pinned block.
+  // with unpin_blocks() before the next insert: eviction skips an entry with a pinned block, so
+  // pins held across inserts shrink what the budget can make room for.
   Result<std::vector<std::vector<BlockId>>> pin_blocks(const std::string& model_id,
                                                        std::span<const int32_t> tokens,
                                                        int64_t n_tokens);
@@ -93,7 +94,9 @@ class PrefixCache {
   Result<std::vector<uint64_t>> match_all(const std::string& model_id,
                                           std::span<const int32_t> tokens, int64_t n_tokens,
                                           const char* what) const;
-  void evict_one();  // least recent entry (locked)
+  // The least recent entry none of whose blocks is pinned, among all but the `keep` most recent
+  // (an insert's own chain); false when there is none (locked).
+  bool evict_one(size_t keep);
 
   mutable std::mutex mu_;
   BlockPool* pool_;

@@ -321,6 +321,72 @@ TEST(PrefixCache, ThrowingInsertLeavesNothingBehind) {
   EXPECT_EQ(cache.lookup("m", b), 192);
 }
 
+// A throwing insert that went over cached entries of its chain (moving them to the front prefix
+// first) leaves the chain refreshed leaf first, as every other exit does: an insert that evicts
+// next takes the other chain's tail, never this chain's first block (which would leave its
+// second one unreachable, holding budget).
+TEST(PrefixCache, ThrowingInsertKeepsThePrefixMoreRecentThanItsTail) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 4 * entry_bytes());  // four blocks
+  const auto a = random_tokens(128, 1000, rng), x = random_tokens(64, 1000, rng),
+             y = random_tokens(192, 1000, rng);
+  FakeKv ka(a), kx(x), ky(y);
+  ASSERT_TRUE(cache.insert("m", a, ka.rows()).is_ok());
+  ASSERT_TRUE(cache.insert("m", x, kx.rows()).is_ok());  // LRU: x, a0, a1 (most recent first)
+  auto b = a;
+  const auto tail = random_tokens(64, 1000, rng);
+  b.insert(b.end(), tail.begin(), tail.end());
+  FakeKv kb(b);
+  const KvRows throwing = [](int, bool) -> float* { throw std::runtime_error("source failed"); };
+  EXPECT_THROW((void)cache.insert("m", b, throwing), std::runtime_error);
+  EXPECT_EQ(cache.stats().entries, 3);
+  // y's three blocks need two evictions: x and then a's tail (a1), which leaves a0 cached.
+  EXPECT_EQ(cache.insert("m", y, ky.rows()).code(), Code::kOk);
+  EXPECT_EQ(cache.stats().evicted_blocks, 2);
+  EXPECT_EQ(cache.lookup("m", a), 64);
+  EXPECT_EQ(cache.lookup("m", x), 0);
+}
+
+// An entry whose blocks a reader holds pinned (pin_blocks) is not evicted: its blocks could not
+// be freed, and would stay allocated with nothing referring to them. An insert that needs its
+// room evicts other entries, or fails with the budget error naming the pinned entries; once
+// unpinned, every block the pool holds is an entry's.
+TEST(PrefixCache, PinnedEntriesAreNotEvicted) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  auto pool = host_pool(64);
+  PrefixCache cache(pool.get(), kLayers, 2 * entry_bytes());  // two blocks
+  const auto a = random_tokens(64, 1000, rng), x = random_tokens(64, 1000, rng),
+             b = random_tokens(128, 1000, rng);
+  FakeKv ka(a), kx(x), kb(b);
+  ASSERT_TRUE(cache.insert("m", a, ka.rows()).is_ok());
+  ASSERT_TRUE(cache.insert("m", x, kx.rows()).is_ok());  // LRU: x, a
+  auto pinned = cache.pin_blocks("m", a, 64);
+  ASSERT_TRUE(pinned.is_ok()) << pinned.status().to_string();
+  // b's first block evicts x (a, the least recent, is pinned); its second finds no room.
+  const Status st = cache.insert("m", b, kb.rows());
+  EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.to_string();
+  EXPECT_NE(st.message().find("1 pinned by readers"), std::string::npos) << st.to_string();
+  EXPECT_EQ(cache.stats().entries, 2);
+  EXPECT_EQ(cache.lookup("m", x), 0);
+  EXPECT_EQ(cache.lookup("m", b), 64);
+  EXPECT_EQ(pool->stats(Tier::kHost).blocks, 2 * kLayers);
+  // a's rows are intact.
+  FakeKv got(a);
+  for (auto* side : {&got.k, &got.v})
+    for (auto& layer : *side) std::fill(layer.begin(), layer.end(), 0.f);
+  ASSERT_TRUE(cache.read("m", a, 64, got.rows()).is_ok());
+  EXPECT_EQ(got.k, ka.k);
+  ASSERT_TRUE(cache.unpin_blocks(*pinned).is_ok());
+  // Unpinned, a is evictable again: b's whole prompt now fits, and no block is left over.
+  ASSERT_TRUE(cache.insert("m", b, kb.rows()).is_ok());
+  EXPECT_EQ(cache.lookup("m", b), 128);
+  EXPECT_EQ(cache.lookup("m", a), 0);
+  EXPECT_EQ(pool->stats(Tier::kHost).blocks, cache.stats().entries * kLayers);
+}
+
 model::ModelConfig tiny_config() {
   model::ModelConfig c = testing::tiny_config(kLayers);
   c.n_kv_heads = kHeads;
