@@ -549,8 +549,12 @@ Status BlockPool::move_batch_locked(std::span<const BlockId> ids, int to) {
     } else {
       run = 1;  // one staging block
       st = src.read(e.slot, staging_.data(), block_bytes_);
-      if (st.is_ok()) st = dst.write(slot, staging_.data(), block_bytes_);
-      if (!st.is_ok()) ++d.io_errors;
+      if (!st.is_ok()) {
+        ++st_[size_t(e.tier)].io_errors;  // the tier that failed, as move_locked counts it
+      } else {
+        st = dst.write(slot, staging_.data(), block_bytes_);
+        if (!st.is_ok()) ++d.io_errors;
+      }
     }
     i += run;
   }

@@ -592,6 +592,42 @@ struct DevicePrefill::Impl {
     return s;
   }
 
+  // Waits for e polling with a sleep (cudaEventSynchronize spins a core: the events have no
+  // blocking-sync flag), giving up after DeviceShard::copy_wait_timeout_s when it is set: a wait
+  // that may depend on a TP peer's sums.
+  Status wait_bounded(cudaEvent_t e, const char* what) const {
+    const double limit_s = shard.copy_wait_timeout_s;
+    const auto w0 = Clock::now();
+    cudaError_t ce;
+    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
+      if (limit_s > 0 && seconds_since(w0) > limit_s)
+        return SF_ERR(kDeadlineExceeded,
+                      sformat("device prefill: %s did not complete in %.0f s (it waits on the "
+                              "TP all-reduces: a peer may have stopped)",
+                              what, limit_s));
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    SF_CUDA_TRY(ce);
+    return Status::ok();
+  }
+
+  // Overlapped TP with a deadline: the host enqueues at most kPaceChunks chunks ahead of the
+  // compute stream. A TP peer that stopped leaves the stream waiting on a sum that never lands;
+  // unbounded, the host would go on enqueuing (a 1M-token layer is thousands of launches) until
+  // the driver's launch queue is full, and then block inside a launch with no deadline, never
+  // reaching a wait that has one. Called once a chunk by the layer's chunk loops.
+  static constexpr int kPaceChunks = 32;
+  std::vector<CudaEvent> pace_ev;  // a ring of kPaceChunks, recorded once a chunk
+  int64_t paced = 0;               // chunks recorded this run
+  Status pace() {
+    if (dry || pace_ev.empty()) return Status::ok();
+    cudaEvent_t e = pace_ev[size_t(paced % kPaceChunks)].get();
+    if (paced >= kPaceChunks) SF_TRY(wait_bounded(e, "the compute stream"));
+    SF_CUDA_TRY(cudaEventRecord(e, compute.get()));
+    ++paced;
+    return Status::ok();
+  }
+
   // Overlapped TP: part rows [r0, r0 + n) are final on the compute stream; their sum over the
   // slices starts now on the communicator's stream.
   Status partial_ready(int64_t r0, int64_t n) {
@@ -652,10 +688,15 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   hook_s = 0;
   grows = 0;
   grown_est_s = 0;
-  if (use_sparse && sparse_broken)
-    return SF_ERR(kInternal,
-                  "device prefill: the sparse plan could not grow (see the earlier error); plan "
-                  "the prefill again");
+  const Status broken =
+      use_sparse && sparse_broken
+          ? SF_ERR(kInternal,
+                   "device prefill: the sparse plan could not grow (see the earlier error); plan "
+                   "the prefill again")
+          : Status::ok();
+  // Alone, refuse at once; a shard's peers would wait in this run's exchanges and TP sums, so it
+  // keeps in step without attention (as a run whose plan fails mid-way does, below).
+  if (!broken.is_ok() && !sharded) return broken;
 
   if (!dry) {
     int32_t* const ht = h_tokens.as<int32_t>();
@@ -675,22 +716,10 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
   // flag), beside other ranks' threads. A shard whose copies can wait on a collective bounds
   // them (DeviceShard::copy_wait_timeout_s).
-  const double wait_limit_s = shard.copy_wait_timeout_s;
-  const auto wait_event = [wait_limit_s](cudaEvent_t e,
-                                         const char* what = "a K/V copy") -> Status {
-    const auto w0 = Clock::now();
-    cudaError_t ce;
-    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
-      if (wait_limit_s > 0 && seconds_since(w0) > wait_limit_s)
-        return SF_ERR(kDeadlineExceeded,
-                      sformat("device prefill: %s did not complete in %.0f s (it waits on the "
-                              "TP all-reduces: a peer may have stopped)",
-                              what, wait_limit_s));
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    SF_CUDA_TRY(ce);
-    return Status::ok();
+  const auto wait_event = [this](cudaEvent_t e, const char* what = "a K/V copy") -> Status {
+    return wait_bounded(e, what);
   };
+  paced = 0;
   // The device sink's placements, in layer order: layers [0, placed) are placed. Each waits for
   // its layer's block copies and importance.
   int placed = 0;
@@ -751,7 +780,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // - opt.on_layer_done reports progress.
   int landed = 0;
   Status land_error;  // the ring's first failed landing (see its call in the layer loop)
-  Status sparse_error;  // a shard's failed check or grow of its sparse plan (see below)
+  Status sparse_error = broken;  // a shard's failed check or grow of its sparse plan (see below)
+  if (!sparse_error.is_ok() && kv_sizer) kv_sizer->stop();  // nothing will land
   const auto land_through = [&](int last) -> Status {
     KvCache& kv = res->kv;
     for (; landed <= last; ++landed) {
@@ -814,6 +844,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
     // 1) norm, QKV, RoPE per chunk of this rank's rows (positions: their places in the prompt).
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
       float* const qc = Q + c0 * qd;
@@ -842,6 +873,8 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
         if (l >= kv_stage && land_error.is_ok()) {
           land_error = land_through(l - kv_stage);
           if (!land_error.is_ok() && kv_sizer) kv_sizer->stop();  // nothing more will land
+          // Alone, no peer waits on this run: stop here rather than compute the rest for nothing.
+          if (!land_error.is_ok() && !sharded) return land_error;
         }
         const size_t bytes = size_t(NL * kvd) * he;
         char* const hk = staged(l);
@@ -1078,6 +1111,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
     // 3) O projection of every row (partial over this TP slice's heads), summed, residual.
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       SF_ASSIGN(const TensorView in_o, gemm_input(dview(ATT + c0 * qd, DType::kF32, {n, qd})));
       SF_TRY(linear(in_o, L.wo, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
@@ -1086,6 +1120,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     SF_TRY(residual_add(X, NL));
     // 4) MLP per chunk (down projection partial over this slice's columns), summed, residual.
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
+      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
       const TensorView gv = dview(gate.data(), DType::kF32, {n, I});
@@ -1390,6 +1425,10 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(layers_begin.create(true));
   SF_TRY(tp_ready.create(false));
   SF_TRY(tp_done.create(false));
+  if (shard.reduce_tp_enqueue && shard.copy_wait_timeout_s > 0) {
+    pace_ev.resize(kPaceChunks);
+    for (CudaEvent& e : pace_ev) SF_TRY(e.create(false));
+  }
   // Per-layer events: timing ones around kernels, ordering-only ones for copies.
   const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
     v.emplace_back();
