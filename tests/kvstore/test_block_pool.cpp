@@ -557,6 +557,37 @@ TEST(BlockPool, DeviceTierRoundTrip) {
   EXPECT_EQ(p->stats(Tier::kDevice).bytes_down_out, 3 * p->block_bytes());
 }
 
+// A disk<->device batch goes through the host staging block: a failed read of the disk (its
+// file cut short under the pool) counts on the disk tier, where it failed, as move() counts it,
+// and the block stays on disk. CUDA builds on a GPU host; skips elsewhere.
+TEST(BlockPool, MoveBatchCountsAReadErrorOnItsSourceTier) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  TempDir tmp;
+  const std::string dir = tmp.sub("disk");
+  BlockPoolConfig c = config(0, 2, dir);
+  c.device_bytes = 2 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
+  auto r = BlockPool::create(c);
+  if (!r.is_ok()) {
+    EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
+                r.status().code() == Code::kResourceExhausted)
+        << r.status().to_string();
+    GTEST_SKIP() << r.status().to_string();
+  }
+  auto p = std::move(r).value();
+  const BlockId id = must_alloc(*p, Tier::kDisk);
+  ASSERT_EQ(tier(*p, id), Tier::kDisk);
+  const BlockData d(p->half_floats(), rng);
+  ASSERT_TRUE(p->write(id, d.k.data(), d.v.data()).is_ok());
+  fs::resize_file(dir + "/blocks.bin", 0);
+  const std::vector<BlockId> one = {id};
+  const Status st = p->move_batch(one, Tier::kDevice);
+  EXPECT_EQ(st.code(), Code::kIo) << st.to_string();
+  EXPECT_EQ(tier(*p, id), Tier::kDisk);
+  EXPECT_EQ(p->stats(Tier::kDisk).io_errors, 1);
+  EXPECT_EQ(p->stats(Tier::kDevice).io_errors, 0);
+}
+
 // write_batch: every block of a batch that spans the tiers (the device tier too, where one is
 // usable: ten blocks, enough for the packed pinned chunks) reads back byte-exact, then a batch of
 // one (the plain path); a bad id or a span of the wrong length is refused before anything is
