@@ -612,13 +612,17 @@ struct DevicePrefill::Impl {
   }
 
   // Overlapped TP with a deadline: the host enqueues at most kPaceChunks chunks ahead of the
-  // compute stream. A TP peer that stopped leaves the stream waiting on a sum that never lands;
-  // unbounded, the host would go on enqueuing (a 1M-token layer is thousands of launches) until
-  // the driver's launch queue is full, and then block inside a launch with no deadline, never
-  // reaching a wait that has one. Called once a chunk by the layer's chunk loops.
+  // compute stream, and at most kPaceChunks sums ahead of the last one that landed. A TP peer
+  // that stopped leaves the communicator's stream on a sum that never lands, and the compute
+  // stream waiting on it; unbounded, the host would go on enqueuing (a 1M-token layer is
+  // thousands of launches and sums) until the driver's queue is full, and then block inside a
+  // launch with no deadline, never reaching a wait that has one. pace() is called once a chunk
+  // by the layer's chunk loops; partial_ready paces the sums.
   static constexpr int kPaceChunks = 32;
   std::vector<CudaEvent> pace_ev;  // a ring of kPaceChunks, recorded once a chunk
-  int64_t paced = 0;               // chunks recorded this run
+  std::vector<CudaEvent> sum_ev;   // a ring of kPaceChunks: the sums' `done` events
+  int64_t paced = 0, summed = 0;   // chunks and sums recorded this run
+  cudaEvent_t last_sum = nullptr;  // the last sum's `done`
   Status pace() {
     if (dry || pace_ev.empty()) return Status::ok();
     cudaEvent_t e = pace_ev[size_t(paced % kPaceChunks)].get();
@@ -633,8 +637,14 @@ struct DevicePrefill::Impl {
   Status partial_ready(int64_t r0, int64_t n) {
     if (dry || !shard.reduce_tp_enqueue || n == 0) return Status::ok();
     const int64_t H = m->cfg.hidden;
+    last_sum = tp_done.get();
+    if (!sum_ev.empty()) {
+      last_sum = sum_ev[size_t(summed % kPaceChunks)].get();
+      if (summed >= kPaceChunks) SF_TRY(wait_bounded(last_sum, "a TP sum"));
+      ++summed;
+    }
     SF_CUDA_TRY(cudaEventRecord(tp_ready.get(), compute.get()));
-    return shard.reduce_tp_enqueue(part.as<float>() + r0 * H, n * H, tp_ready.get(), tp_done.get());
+    return shard.reduce_tp_enqueue(part.as<float>() + r0 * H, n * H, tp_ready.get(), last_sum);
   }
 
   // x += part over n rows, after the TP slices' partial sums have been added up: the compute
@@ -643,10 +653,11 @@ struct DevicePrefill::Impl {
   Status residual_add(float* X, int64_t n) {
     const int64_t H = m->cfg.hidden;
     if (dry || n == 0) return Status::ok();
-    if (shard.reduce_tp_enqueue)
-      SF_CUDA_TRY(cudaStreamWaitEvent(compute.get(), tp_done.get(), 0));
-    else if (shard.reduce_tp)
+    if (shard.reduce_tp_enqueue) {  // (the communicator's stream runs the sums in order)
+      if (last_sum) SF_CUDA_TRY(cudaStreamWaitEvent(compute.get(), last_sum, 0));
+    } else if (shard.reduce_tp) {
       SF_TRY(hook([&] { return shard.reduce_tp(part.as<float>(), n * H); }));
+    }
     return kernels::add_inplace(dview(X, DType::kF32, {n, H}),
                                 dview(part.data(), DType::kF32, {n, H}), cs());
   }
@@ -719,7 +730,7 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   const auto wait_event = [this](cudaEvent_t e, const char* what = "a K/V copy") -> Status {
     return wait_bounded(e, what);
   };
-  paced = 0;
+  paced = summed = 0;
   // The device sink's placements, in layer order: layers [0, placed) are placed. Each waits for
   // its layer's block copies and importance.
   int placed = 0;
@@ -1427,7 +1438,9 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(tp_done.create(false));
   if (shard.reduce_tp_enqueue && shard.copy_wait_timeout_s > 0) {
     pace_ev.resize(kPaceChunks);
+    sum_ev.resize(kPaceChunks);
     for (CudaEvent& e : pace_ev) SF_TRY(e.create(false));
+    for (CudaEvent& e : sum_ev) SF_TRY(e.create(false));
   }
   // Per-layer events: timing ones around kernels, ordering-only ones for copies.
   const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
