@@ -592,59 +592,13 @@ struct DevicePrefill::Impl {
     return s;
   }
 
-  // Waits for e polling with a sleep (cudaEventSynchronize spins a core: the events have no
-  // blocking-sync flag), giving up after DeviceShard::copy_wait_timeout_s when it is set: a wait
-  // that may depend on a TP peer's sums.
-  Status wait_bounded(cudaEvent_t e, const char* what) const {
-    const double limit_s = shard.copy_wait_timeout_s;
-    const auto w0 = Clock::now();
-    cudaError_t ce;
-    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
-      if (limit_s > 0 && seconds_since(w0) > limit_s)
-        return SF_ERR(kDeadlineExceeded,
-                      sformat("device prefill: %s did not complete in %.0f s (it waits on the "
-                              "TP all-reduces: a peer may have stopped)",
-                              what, limit_s));
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    SF_CUDA_TRY(ce);
-    return Status::ok();
-  }
-
-  // Overlapped TP with a deadline: the host enqueues at most kPaceChunks chunks ahead of the
-  // compute stream, and at most kPaceChunks sums ahead of the last one that landed. A TP peer
-  // that stopped leaves the communicator's stream on a sum that never lands, and the compute
-  // stream waiting on it; unbounded, the host would go on enqueuing (a 1M-token layer is
-  // thousands of launches and sums) until the driver's queue is full, and then block inside a
-  // launch with no deadline, never reaching a wait that has one. pace() is called once a chunk
-  // by the layer's chunk loops; partial_ready paces the sums.
-  static constexpr int kPaceChunks = 32;
-  std::vector<CudaEvent> pace_ev;  // a ring of kPaceChunks, recorded once a chunk
-  std::vector<CudaEvent> sum_ev;   // a ring of kPaceChunks: the sums' `done` events
-  int64_t paced = 0, summed = 0;   // chunks and sums recorded this run
-  cudaEvent_t last_sum = nullptr;  // the last sum's `done`
-  Status pace() {
-    if (dry || pace_ev.empty()) return Status::ok();
-    cudaEvent_t e = pace_ev[size_t(paced % kPaceChunks)].get();
-    if (paced >= kPaceChunks) SF_TRY(wait_bounded(e, "the compute stream"));
-    SF_CUDA_TRY(cudaEventRecord(e, compute.get()));
-    ++paced;
-    return Status::ok();
-  }
-
   // Overlapped TP: part rows [r0, r0 + n) are final on the compute stream; their sum over the
   // slices starts now on the communicator's stream.
   Status partial_ready(int64_t r0, int64_t n) {
     if (dry || !shard.reduce_tp_enqueue || n == 0) return Status::ok();
     const int64_t H = m->cfg.hidden;
-    last_sum = tp_done.get();
-    if (!sum_ev.empty()) {
-      last_sum = sum_ev[size_t(summed % kPaceChunks)].get();
-      if (summed >= kPaceChunks) SF_TRY(wait_bounded(last_sum, "a TP sum"));
-      ++summed;
-    }
     SF_CUDA_TRY(cudaEventRecord(tp_ready.get(), compute.get()));
-    return shard.reduce_tp_enqueue(part.as<float>() + r0 * H, n * H, tp_ready.get(), last_sum);
+    return shard.reduce_tp_enqueue(part.as<float>() + r0 * H, n * H, tp_ready.get(), tp_done.get());
   }
 
   // x += part over n rows, after the TP slices' partial sums have been added up: the compute
@@ -653,11 +607,10 @@ struct DevicePrefill::Impl {
   Status residual_add(float* X, int64_t n) {
     const int64_t H = m->cfg.hidden;
     if (dry || n == 0) return Status::ok();
-    if (shard.reduce_tp_enqueue) {  // (the communicator's stream runs the sums in order)
-      if (last_sum) SF_CUDA_TRY(cudaStreamWaitEvent(compute.get(), last_sum, 0));
-    } else if (shard.reduce_tp) {
+    if (shard.reduce_tp_enqueue)
+      SF_CUDA_TRY(cudaStreamWaitEvent(compute.get(), tp_done.get(), 0));
+    else if (shard.reduce_tp)
       SF_TRY(hook([&] { return shard.reduce_tp(part.as<float>(), n * H); }));
-    }
     return kernels::add_inplace(dview(X, DType::kF32, {n, H}),
                                 dview(part.data(), DType::kF32, {n, H}), cs());
   }
@@ -727,10 +680,22 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
   // Waits poll with a sleep: cudaEventSynchronize spins a core (the events have no blocking-sync
   // flag), beside other ranks' threads. A shard whose copies can wait on a collective bounds
   // them (DeviceShard::copy_wait_timeout_s).
-  const auto wait_event = [this](cudaEvent_t e, const char* what = "a K/V copy") -> Status {
-    return wait_bounded(e, what);
+  const double wait_limit_s = shard.copy_wait_timeout_s;
+  const auto wait_event = [wait_limit_s](cudaEvent_t e,
+                                         const char* what = "a K/V copy") -> Status {
+    const auto w0 = Clock::now();
+    cudaError_t ce;
+    while ((ce = cudaEventQuery(e)) == cudaErrorNotReady) {
+      if (wait_limit_s > 0 && seconds_since(w0) > wait_limit_s)
+        return SF_ERR(kDeadlineExceeded,
+                      sformat("device prefill: %s did not complete in %.0f s (it waits on the "
+                              "TP all-reduces: a peer may have stopped)",
+                              what, wait_limit_s));
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    SF_CUDA_TRY(ce);
+    return Status::ok();
   };
-  paced = summed = 0;
   // The device sink's placements, in layer order: layers [0, placed) are placed. Each waits for
   // its layer's block copies and importance.
   int placed = 0;
@@ -855,7 +820,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
     // 1) norm, QKV, RoPE per chunk of this rank's rows (positions: their places in the prompt).
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
-      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
       float* const qc = Q + c0 * qd;
@@ -1122,7 +1086,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
 
     // 3) O projection of every row (partial over this TP slice's heads), summed, residual.
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
-      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       SF_ASSIGN(const TensorView in_o, gemm_input(dview(ATT + c0 * qd, DType::kF32, {n, qd})));
       SF_TRY(linear(in_o, L.wo, none, dview(part.as<float>() + c0 * H, DType::kF32, {n, H})));
@@ -1131,7 +1094,6 @@ Status DevicePrefill::Impl::forward(std::span<const int32_t> ids, int64_t S, Pre
     SF_TRY(residual_add(X, NL));
     // 4) MLP per chunk (down projection partial over this slice's columns), summed, residual.
     for (int64_t c0 = 0; c0 < NL; c0 += C) {
-      SF_TRY(pace());
       const int64_t n = std::min(C, NL - c0);
       const TensorView xnv = dview(xn.data(), DType::kF32, {n, H});
       const TensorView gv = dview(gate.data(), DType::kF32, {n, I});
@@ -1436,12 +1398,6 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
   SF_TRY(layers_begin.create(true));
   SF_TRY(tp_ready.create(false));
   SF_TRY(tp_done.create(false));
-  if (shard.reduce_tp_enqueue && shard.copy_wait_timeout_s > 0) {
-    pace_ev.resize(kPaceChunks);
-    sum_ev.resize(kPaceChunks);
-    for (CudaEvent& e : pace_ev) SF_TRY(e.create(false));
-    for (CudaEvent& e : sum_ev) SF_TRY(e.create(false));
-  }
   // Per-layer events: timing ones around kernels, ordering-only ones for copies.
   const auto add_event = [](std::vector<CudaEvent>& v, bool timing) {
     v.emplace_back();

@@ -128,9 +128,6 @@ struct DeviceShard {
   // layer loop) give up after this many seconds with kDeadlineExceeded. Set it with
   // reduce_tp_enqueue, whose sums a copy may wait on (the communicator's timeout): without it,
   // such a plan keeps a pinned slot per layer and waits for copies only after reduce_tp_wait.
-  // With reduce_tp_enqueue it also bounds the host's lead: it enqueues at most 32 chunks ahead
-  // of the compute stream, waiting with this deadline, so a stopped TP peer is an error in time
-  // rather than a host blocked in a full launch queue.
   double copy_wait_timeout_s = 0;
 };
 
