@@ -37,7 +37,10 @@ Result<runtime::ParallelResult> DevicePlans::run(std::span<const int32_t> tokens
     dopt.sparse = po.sparse;
     dopt.importance_window = po.importance_window;
     dopt.importance_pool = po.importance_pool;
-    dopt.on_layer_done = [beat = s_.beat](int) { beat(); };
+    // The plan is kept for later requests: it calls whichever request runs it.
+    dopt.on_layer_done = [this](int l) {
+      if (on_layer_) on_layer_(l);
+    };
     if (po.sparse && sparse_cap_tokens_ > 0)
       dopt.sparse_capacity = runtime::scaled_sparse_capacity(sparse_cap_, sparse_cap_tokens_, T);
     const bool carry = dopt.sparse_capacity != std::array<int, 2>{0, 0};
@@ -63,7 +66,10 @@ Result<runtime::ParallelResult> DevicePlans::run(std::span<const int32_t> tokens
     const int64_t staged = s_.sizing->staging_bytes(T);
     staging_held_ = buffers_ ? std::max(staging_held_, staged) : staged;
   }
+  on_layer_ = po.on_layer;
+  if (!on_layer_) on_layer_ = [beat = s_.beat](int) { if (beat) beat(); };
   auto pr = plan_->run(tokens, hooks);
+  on_layer_ = nullptr;
   if (pr.is_ok()) {
     pr.value().stats.plan_s = plan_s;
     if (pr.value().stats.sparse_grows > 0 || carried_) {

@@ -35,10 +35,15 @@ class DevicePlans {
   // SF_DEVICE_BUFFER_CACHE=0 frees a plan's buffers instead of keeping them for the next plan
   // (bench/mpi/plan_reuse.sh's comparison).
   explicit DevicePlans(Setup s);
+  // Its plans call back into it (the request's per-layer callback): it stays where it was made.
+  DevicePlans(const DevicePlans&) = delete;
+  DevicePlans& operator=(const DevicePlans&) = delete;
 
   // Collective over the group: plans when the last plan was for another length or importance
   // setting (one rank's plan failure is the group's, agreed), then runs. po: the request's
-  // sparse config and importance settings. The result's stats.plan_s is this call's planning.
+  // sparse config, importance settings and per-layer callback (po.on_layer: progress notes and
+  // the test faults; Setup::beat where it has none), which a kept plan calls for this request.
+  // The result's stats.plan_s is this call's planning.
   Result<runtime::ParallelResult> run(std::span<const int32_t> tokens,
                                       const runtime::ParallelOptions& po,
                                       const model::LayerKvHooks& hooks);
@@ -55,6 +60,7 @@ class DevicePlans {
   std::shared_ptr<model::DeviceBufferCache> buffers_;  // null: SF_DEVICE_BUFFER_CACHE=0
   std::optional<runtime::DeviceParallelPrefill> plan_;
   std::array<int64_t, 3> key_{-1, -1, -1};  // its tokens, importance window, pool
+  std::function<void(int layer)> on_layer_;  // the running request's (po.on_layer)
   // A cache keeps the largest plan's pinned staging; without one each plan pins its own.
   int64_t staging_held_ = 0;
   // The last grown sparse index capacity and its prompt length: a new length's plan starts there
