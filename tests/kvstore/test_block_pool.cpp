@@ -78,6 +78,20 @@ void expect_block(const BlockPool& p, BlockId id, const BlockData& want) {
   EXPECT_EQ(0, std::memcmp(v.data(), want.v.data(), v.size() * 4)) << "V of block " << id;
 }
 
+// c with a device tier of `blocks` blocks, created; null with the reason where no device tier
+// can be had (a CPU build: kUnsupported; no usable device: kResourceExhausted), for the caller
+// to skip on. Any other error fails the test.
+std::unique_ptr<BlockPool> with_device_tier(BlockPoolConfig c, int64_t blocks, std::string* why) {
+  c.device_bytes = blocks * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
+  auto r = BlockPool::create(c);
+  if (r.is_ok()) return std::move(r).value();
+  EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
+              r.status().code() == Code::kResourceExhausted)
+      << r.status().to_string();
+  *why = r.status().to_string();
+  return nullptr;
+}
+
 BlockId must_alloc(BlockPool& p, Tier t) {
   auto id = p.alloc(t);
   EXPECT_TRUE(id.is_ok()) << id.status().to_string();
@@ -518,16 +532,9 @@ TEST(BlockPool, MoveBatchToAFullDiskMovesNothing) {
 TEST(BlockPool, DeviceTierRoundTrip) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
-  BlockPoolConfig c = config(2, 0, "");
-  c.device_bytes = 2 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
-  auto r = BlockPool::create(c);
-  if (!r.is_ok()) {
-    EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
-                r.status().code() == Code::kResourceExhausted)
-        << r.status().to_string();
-    GTEST_SKIP() << r.status().to_string();
-  }
-  auto p = std::move(r).value();
+  std::string why;
+  auto p = with_device_tier(config(2, 0, ""), 2, &why);
+  if (!p) GTEST_SKIP() << why;
   std::vector<BlockId> ids;
   for (int i = 0; i < 3; ++i) ids.push_back(must_alloc(*p, Tier::kDevice));
   EXPECT_EQ(tier(*p, ids[0]), Tier::kDevice);
@@ -565,16 +572,9 @@ TEST(BlockPool, MoveBatchCountsAReadErrorOnItsSourceTier) {
   std::mt19937_64 rng(seed);
   TempDir tmp;
   const std::string dir = tmp.sub("disk");
-  BlockPoolConfig c = config(0, 2, dir);
-  c.device_bytes = 2 * (int64_t(2) * kPoolBlockTokens * kHeads * kDim * 4);
-  auto r = BlockPool::create(c);
-  if (!r.is_ok()) {
-    EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
-                r.status().code() == Code::kResourceExhausted)
-        << r.status().to_string();
-    GTEST_SKIP() << r.status().to_string();
-  }
-  auto p = std::move(r).value();
+  std::string why;
+  auto p = with_device_tier(config(0, 2, dir), 2, &why);
+  if (!p) GTEST_SKIP() << why;
   const BlockId id = must_alloc(*p, Tier::kDisk);
   ASSERT_EQ(tier(*p, id), Tier::kDisk);
   const BlockData d(p->half_floats(), rng);
