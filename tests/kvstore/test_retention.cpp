@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <random>
 #include <set>
 #include <string>
@@ -348,6 +349,10 @@ TEST(Retention, HighSplitsTheKeptTokensIntoTwoTiers) {
   bad("streaming:sink=4,window=100,high=50", "unknown or malformed parameter 'high=50'");
   bad("adakv:budget=150,window=32,high=150", "high 150 out of range [window 32, budget 150)");
   bad("adakv:budget=150,window=32,high=20", "high 20 out of range");
+  // A key given twice (the last would have won) and a trailing comma are malformed too.
+  bad("snapkv:budget=100,budget=50", "budget given twice");
+  bad("snapkv:budget=100,", "trailing comma");
+  bad("snapkv:budget=100,,window=32", "unknown or malformed parameter ''");
   RetentionPolicy st;
   st.kind = RetentionKind::kStreaming;
   st.window = 100;
@@ -364,7 +369,7 @@ TEST(Retention, PyramidBudgetsFallLinearlyAndKeepTheTotal) {
     total += b.value()[size_t(l)];
     if (l > 0) EXPECT_LE(b.value()[size_t(l)], b.value()[size_t(l - 1)]);
   }
-  EXPECT_NEAR(double(total), 1024.0 * L, L);  // rounding per layer
+  EXPECT_EQ(total, 1024 * L);
   // Top layer's scored part is avg / beta = (1024 - 32) / 20.
   EXPECT_NEAR(double(b.value().back() - 32), (1024.0 - 32) / 20, 1.0);
   EXPECT_GT(b.value().front(), 1.9 * (1024 - 32));
@@ -376,8 +381,26 @@ TEST(Retention, PyramidBudgetsFallLinearlyAndKeepTheTotal) {
     EXPECT_LE(x, 1000);
     t2 += x;
   }
-  EXPECT_NEAR(double(t2), 600.0 * L, L);
+  EXPECT_EQ(t2, 600 * L);
   EXPECT_EQ(c.value().front(), 1000);
+  // Shares ending in exactly .5 (a step of 1.0 from 0.5 to 19.5 over 20 layers; 0.5 and 19.5 at
+  // 2): rounded one by one, every mirrored pair gained a token (850 for 840). The total is exact
+  // at any geometry, windowless too, and the schedule still falls.
+  for (const auto& [budget, window, layers, n] :
+       std::vector<std::array<int64_t, 4>>{{42, 32, 20, 1000}, {42, 32, 2, 1000}, {7, 0, 9, 50},
+                                           {100, 16, 7, 333}, {300, 32, 30, 310}}) {
+    auto d = pyramid_layer_budgets(budget, window, 20, int(layers), n);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    int64_t t3 = 0;
+    for (size_t l = 0; l < d->size(); ++l) {
+      t3 += (*d)[l];
+      EXPECT_GE((*d)[l], std::max<int64_t>(window, 1));
+      EXPECT_LE((*d)[l], n);
+      if (l > 0) EXPECT_LE((*d)[l], (*d)[l - 1]) << budget << "/" << layers << " layer " << l;
+    }
+    EXPECT_EQ(t3, budget * layers) << "budget " << budget << ", window " << window << ", "
+                                   << layers << " layers";
+  }
 
   const auto sc = random_scores(4, 2, 500, 7, fresh_seed());
   auto p = retention_parse("pyramid:budget=100,window=16");
