@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <charconv>
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -164,10 +165,13 @@ int64_t moa_kept_total(const RetentionPolicy& p, int64_t N) {
   return n;
 }
 
+// The shortest text that parses back to x exactly: a policy's canonical params name it in the
+// job's fingerprint, so two values must never print alike (the stream's 6 digits made
+// floor=0.1234567 and 0.123457 one policy).
 std::string num(double x) {
-  std::ostringstream o;
-  o << x;
-  return o.str();
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
 }
 
 // The moa spec's own loop: config is a path, not a number.
@@ -365,7 +369,7 @@ std::string retention_params(const RetentionPolicy& p) {
         << ",floor=" << num(p.floor);
       break;
     case RetentionKind::kPyramid:
-      o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << p.beta;
+      o << "budget=" << p.budget << ",window=" << p.window << ",beta=" << num(p.beta);
       break;
     case RetentionKind::kMoA:
       if (!p.moa_config.empty()) o << "config=" << p.moa_config << ",";

@@ -250,6 +250,22 @@ TEST(Retention, AdaKVSharesTheLayerBudgetAcrossHeads) {
   ASSERT_TRUE(r.is_ok()) << r.status().to_string();
   EXPECT_EQ(r->policy, "adakv");
   EXPECT_EQ(r->params, "budget=150,window=32,pool=7,floor=0.2");
+  // The canonical params name every value exactly (they are part of a job's fingerprint): two
+  // floors or betas that differ past the sixth digit must not print alike, and each parses back.
+  for (const char* spec : {"adakv:budget=150,window=32,floor=0.1234567",
+                           "pyramid:budget=150,window=32,beta=20.0000004"}) {
+    auto q = retention_parse(spec);
+    ASSERT_TRUE(q.is_ok()) << q.status().to_string();
+    const std::string params = retention_params(q.value());
+    EXPECT_NE(params.find(std::string(spec).substr(std::string(spec).rfind(','))),
+              std::string::npos)
+        << params;
+    auto back = retention_parse(std::string(spec).substr(0, std::string(spec).find(':') + 1) +
+                                params);
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(back->floor, q->floor);
+    EXPECT_EQ(back->beta, q->beta);
+  }
   expect_sorted_unique_in_range(r.value());
   EXPECT_EQ(r->kept_total(), int64_t(L) * H * B);
   for (int l = 0; l < L; ++l) {
