@@ -108,10 +108,10 @@ Status Communicator::all_reduce_enqueue(void*, int64_t, DType, ReduceOp, void*, 
 Status Communicator::wait_enqueued() { return Status::ok(); }
 
 Status Communicator::check_usable(const char* op, int64_t count) const {
-  if (aborted())
-    return Status(abort_status_.code(),
+  if (const Status& first = abort_status(); !first.is_ok())
+    return Status(first.code(),
                   "comm: " + std::string(op) + " on the aborted communicator '" + name_ +
-                      "' (first error: " + abort_status_.message() + ")",
+                      "' (first error: " + first.message() + ")",
                   __FILE__, __LINE__);
   if (count < 0) return SF_ERR(kInvalidArgument, "comm: " + std::string(op) + ": negative count");
   return Status::ok();

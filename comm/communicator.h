@@ -72,9 +72,10 @@ class Communicator {
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
-  bool aborted() const { return !abort_status_.is_ok(); }
-  // The error that aborted the communicator (ok when it is not aborted).
-  const Status& abort_status() const { return abort_status_; }
+  bool aborted() const { return !abort_status().is_ok(); }
+  // The error that aborted the communicator (ok when it is not aborted). Virtual: a device
+  // communicator's watchdog can abort it from its own thread (nccl_communicator.h).
+  virtual const Status& abort_status() const { return abort_status_; }
 
   // Bytes this rank sent through collectives and send() since construction (payload only, as
   // the caller counted them; what the algorithm moves on the wire is the implementation's).

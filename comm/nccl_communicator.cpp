@@ -1,7 +1,12 @@
 #include "comm/nccl_communicator.h"
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -53,8 +58,9 @@ std::string seconds_str(std::chrono::milliseconds ms) {
   return b;
 }
 
-// Polls a non-blocking NCCL communicator until its pending operation (init, split, enqueue)
-// leaves ncclInProgress, or the deadline passes.
+// Polls a non-blocking NCCL communicator until its pending operation (init, split) leaves
+// ncclInProgress, or the deadline passes. (A live NcclCommunicator polls its own through
+// NcclCommunicator::poll_ready, under its API lock.)
 ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_out) {
   *timed_out = false;
   for (;;) {
@@ -70,6 +76,20 @@ ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_ou
   }
 }
 
+// Enqueued sums (all_reduce_enqueue) have a watchdog thread. The caller does not wait for them:
+// it goes on enqueuing its own work, some of it behind the sums. When a peer has stopped, a sum
+// never completes, the caller's stream stalls behind it, and once the driver's launch queue is
+// full the caller blocks inside a kernel launch, which no deadline of ours reaches (bench/NOTES.md,
+// fifty-fourth and fifty-fifth sessions). So a thread watches the sums in order: a sum that
+// started (its `begin` event, recorded after the caller's `ready`, completed) and has not
+// completed within timeout() aborts the communicator. ncclCommAbort makes the NCCL kernels
+// return, the streams behind them drain, the blocked launch returns, and the caller's next call
+// here fails with the watchdog's error.
+//
+// ncclCommAbort frees the communicator, so every NCCL call on comm_ runs under api_mu_ and only
+// while the communicator is not aborted (nccl()). The watchdog aborts under api_mu_ too, unless
+// the caller holds it for over a second: then the caller is itself blocked inside an NCCL call,
+// which only the abort can release.
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t c, int device, int rank, int size, std::string name)
@@ -84,16 +104,25 @@ class NcclCommunicator final : public Communicator {
     return cuda("cudaMalloc", cudaMalloc(&scratch_, sizeof(int32_t)));
   }
   ~NcclCommunicator() override {
-    if (!aborted()) {
+    stop_watchdog();
+    if (!gone()) {
       ncclCommDestroy(comm_);
       if (scratch_) cudaFree(scratch_);
       if (stream_) cudaStreamDestroy(stream_);
+      for (const Pending& p : pending_) spare_.insert(spare_.end(), {p.begin, p.end});
+      for (cudaEvent_t e : spare_) cudaEventDestroy(e);
     }
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* backend() const override { return "nccl"; }
+  const Status& abort_status() const override {
+    if (!abort_status_.is_ok()) return abort_status_;
+    // watch_status_ is written once, before the watchdog's abort is published.
+    if (state_.load(std::memory_order_acquire) == kWatchdogAborted) return watch_status_;
+    return abort_status_;
+  }
 
   Status all_reduce(const void* send, void* recv, int64_t count, DType t, ReduceOp op) override {
     SF_TRY(check_usable("all_reduce", count));
@@ -113,13 +142,30 @@ class NcclCommunicator final : public Communicator {
     if (ready)
       SF_TRY(cuda("cudaStreamWaitEvent",
                   cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0)));
-    ncclResult_t rc = ncclAllReduce(buf, buf, size_t(count), nt, nccl_op(op), comm_, stream_);
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      return fail("all_reduce", group(), ncclGetErrorString(rc));
-    bool timed_out = false;
-    rc = wait_ready(comm_, deadline, &timed_out);  // the enqueue itself, not the transfer
-    if (timed_out) return deadline_passed("all_reduce", group());
-    if (rc != ncclSuccess) return fail("all_reduce", group(), ncclGetErrorString(rc));
+    Pending p;
+    SF_TRY(take_events(p));
+    Status st = cuda("cudaEventRecord", cudaEventRecord(p.begin, stream_));
+    if (st.is_ok()) {
+      ncclResult_t rc =
+          nccl([&] { return ncclAllReduce(buf, buf, size_t(count), nt, nccl_op(op), comm_, stream_); });
+      if (rc != ncclSuccess && rc != ncclInProgress) {
+        st = fail("all_reduce", group(), ncclGetErrorString(rc));
+      } else {
+        bool timed_out = false;
+        rc = poll_ready(deadline, &timed_out);  // the enqueue itself, not the transfer
+        if (timed_out)
+          st = deadline_passed("all_reduce", group());
+        else if (rc != ncclSuccess)
+          st = fail("all_reduce", group(), ncclGetErrorString(rc));
+      }
+    }
+    if (st.is_ok()) st = cuda("cudaEventRecord", cudaEventRecord(p.end, stream_));
+    if (!st.is_ok()) {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      spare_.insert(spare_.end(), {p.begin, p.end});
+      return st;
+    }
+    watch(p);
     if (done)
       SF_TRY(cuda("cudaEventRecord", cudaEventRecord(static_cast<cudaEvent_t>(done), stream_)));
     bytes_sent_ += count * int64_t(dtype_size(t));
@@ -227,13 +273,15 @@ class NcclCommunicator final : public Communicator {
     cfg.blocking = 0;
     ncclComm_t nc = nullptr;
     const auto deadline = clock::now() + timeout_;
-    ncclResult_t rc = ncclCommSplit(comm_, color, key, &nc, &cfg);
+    ncclResult_t rc = nccl([&] { return ncclCommSplit(comm_, color, key, &nc, &cfg); });
+    if (gone()) return check_usable("split", 0);
     if (rc != ncclSuccess && rc != ncclInProgress)
       return fail("split", group(), ncclGetErrorString(rc));
     bool timed_out = false;
-    rc = wait_ready(comm_, deadline, &timed_out);
+    rc = poll_ready(deadline, &timed_out);
     if (!timed_out && rc == ncclSuccess && nc) rc = wait_ready(nc, deadline, &timed_out);
     if ((timed_out || rc != ncclSuccess) && nc) ncclCommAbort(nc);  // the child, half made
+    if (gone()) return check_usable("split", 0);
     if (timed_out) return deadline_passed("split", group());
     if (rc != ncclSuccess) return fail("split", group(), ncclGetErrorString(rc));
     int r = 0, n = 0;
@@ -246,6 +294,14 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // One enqueued sum: `begin` is recorded after the caller's `ready`, `end` after the sum.
+  struct Pending {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    std::chrono::milliseconds limit{0};  // timeout() when it was enqueued
+    bool started = false;                // `begin` seen complete, at `began`
+    clock::time_point began{};
+  };
+
   Status cuda(const char* what, cudaError_t e) {
     if (e == cudaSuccess) return Status::ok();
     return SF_ERR(kInternal, std::string("comm: ") + what + ": " + cudaGetErrorString(e));
@@ -258,9 +314,46 @@ class NcclCommunicator final : public Communicator {
   std::string pair(int peer) const {
     return "'" + name_ + "' rank " + std::to_string(rank_) + " <-> rank " + std::to_string(peer);
   }
+
+  // True once comm_ is aborted (freed), by a failed call or by the watchdog.
+  bool gone() const { return state_.load(std::memory_order_acquire) != kLive; }
+  // Moves the state from live to `to`; false when it was already aborted.
+  bool claim_abort(int to) {
+    int live = kLive;
+    return state_.compare_exchange_strong(live, to, std::memory_order_acq_rel);
+  }
+  // Runs NCCL calls on comm_ under the API lock; after an abort they are not run (and the caller
+  // checks gone()).
+  template <typename F>
+  ncclResult_t nccl(F&& f) {
+    std::lock_guard<std::timed_mutex> lk(api_mu_);
+    if (gone()) return ncclInvalidUsage;
+    return f();
+  }
+  // wait_ready on comm_, a call at a time under the API lock.
+  ncclResult_t poll_ready(clock::time_point deadline, bool* timed_out) {
+    *timed_out = false;
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      const ncclResult_t rc = nccl([&] { return ncclCommGetAsyncError(comm_, &st); });
+      if (rc != ncclSuccess) return rc;
+      if (st != ncclInProgress) return st;
+      if (clock::now() >= deadline) {
+        *timed_out = true;
+        return ncclInProgress;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   Status fail(const char* op, const std::string& who, const std::string& why,
               Code code = Code::kInternal) {
-    ncclCommAbort(comm_);
+    {
+      std::lock_guard<std::timed_mutex> lk(api_mu_);
+      if (!claim_abort(kCallerAborted))
+        return check_usable(op, 0);  // the watchdog aborted it first: its error
+      ncclCommAbort(comm_);
+    }
     abort_status_ = Status(
         code, "comm: " + std::string(op) + " on " + who + ": " + why + "; communicator aborted",
         __FILE__, __LINE__);
@@ -278,10 +371,12 @@ class NcclCommunicator final : public Communicator {
   Status run(const char* op, const std::string& who, F&& enqueue) {
     const auto deadline = clock::now() + timeout_;
     cudaSetDevice(device_);
-    ncclResult_t rc = enqueue();
+    ncclResult_t rc = nccl(enqueue);
+    if (gone()) return check_usable(op, 0);
     if (rc != ncclSuccess && rc != ncclInProgress) return fail(op, who, ncclGetErrorString(rc));
     bool timed_out = false;
-    rc = wait_ready(comm_, deadline, &timed_out);
+    rc = poll_ready(deadline, &timed_out);
+    if (gone()) return check_usable(op, 0);
     if (timed_out) return deadline_passed(op, who);
     if (rc != ncclSuccess) return fail(op, who, ncclGetErrorString(rc));
     return drain(op, who, deadline);
@@ -291,11 +386,13 @@ class NcclCommunicator final : public Communicator {
   // deadline.
   Status drain(const char* op, const std::string& who, clock::time_point deadline) {
     for (int spins = 0;; ++spins) {
+      if (gone()) return check_usable(op, 0);
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return Status::ok();
       if (e != cudaErrorNotReady) return fail(op, who, cudaGetErrorString(e));
       ncclResult_t st = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &st);
+      nccl([&] { return ncclCommGetAsyncError(comm_, &st); });
+      if (gone()) return check_usable(op, 0);
       if (st != ncclSuccess && st != ncclInProgress) return fail(op, who, ncclGetErrorString(st));
       if (clock::now() >= deadline) return deadline_passed(op, who);
       if (spins < 64)
@@ -305,10 +402,93 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // ---- The watchdog of enqueued sums (see the class comment). ----
+  Status take_events(Pending& p) {
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      for (cudaEvent_t* e : {&p.begin, &p.end})
+        if (!spare_.empty()) {
+          *e = spare_.back();
+          spare_.pop_back();
+        }
+    }
+    for (cudaEvent_t* e : {&p.begin, &p.end})
+      if (!*e) SF_TRY(cuda("cudaEventCreateWithFlags",
+                           cudaEventCreateWithFlags(e, cudaEventDisableTiming)));
+    p.limit = timeout_;
+    return Status::ok();
+  }
+  void watch(const Pending& p) {
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      pending_.push_back(p);
+    }
+    if (!watch_.joinable()) watch_ = std::thread([this] { watch_loop(); });
+    watch_cv_.notify_one();
+  }
+  void stop_watchdog() {
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      watch_stop_ = true;
+    }
+    watch_cv_.notify_one();
+    if (watch_.joinable()) watch_.join();
+  }
+  void watch_loop() {
+    cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lk(watch_mu_);
+    while (!watch_stop_ && !gone()) {
+      watch_cv_.wait_for(lk, pending_.empty() ? std::chrono::milliseconds(100)
+                                              : std::chrono::milliseconds(5));
+      // Sums complete in stream order: retire the finished ones, then look at the oldest.
+      while (!pending_.empty() && cudaEventQuery(pending_.front().end) == cudaSuccess) {
+        spare_.insert(spare_.end(), {pending_.front().begin, pending_.front().end});
+        pending_.pop_front();
+      }
+      if (pending_.empty()) continue;
+      Pending& p = pending_.front();
+      const auto now = clock::now();
+      if (!p.started) {
+        if (cudaEventQuery(p.begin) == cudaSuccess) p.started = true, p.began = now;
+        continue;
+      }
+      if (now - p.began < p.limit) continue;
+      char ran[32];
+      std::snprintf(ran, sizeof ran, "%.1f s",
+                    std::chrono::duration<double>(now - p.began).count());
+      watch_status_ = Status(
+          Code::kDeadlineExceeded,
+          "comm: all_reduce (enqueued) on " + group() + ": a sum running for " + ran +
+              " did not complete within its deadline of " + seconds_str(p.limit) +
+              " (a peer is stuck, dead or not calling it); communicator aborted by its watchdog",
+          __FILE__, __LINE__);
+      lk.unlock();
+      {
+        // Under the API lock unless the caller has held it for a second: then it is blocked in
+        // an NCCL call that only the abort releases.
+        std::unique_lock<std::timed_mutex> api(api_mu_, std::defer_lock);
+        (void)api.try_lock_for(std::chrono::seconds(1));
+        if (claim_abort(kWatchdogAborted)) ncclCommAbort(comm_);
+      }
+      lk.lock();
+    }
+  }
+
   ncclComm_t comm_;
   int device_ = 0, rank_ = 0, size_ = 1;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;
+  std::timed_mutex api_mu_;             // held around every NCCL call on comm_
+  // Whether comm_ is live or aborted (freed), and by whom.
+  static constexpr int kLive = 0, kCallerAborted = 1, kWatchdogAborted = 2;
+  std::atomic<int> state_{kLive};
+  Status watch_status_;  // the watchdog's error, written before it claims the abort
+  std::mutex watch_mu_;  // pending_, spare_, watch_stop_
+  std::condition_variable watch_cv_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> spare_;
+  bool watch_stop_ = false;
+  std::thread watch_;
 };
 
 }  // namespace

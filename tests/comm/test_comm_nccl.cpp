@@ -1,10 +1,15 @@
 // NcclCommunicator under mpiexec -np 2, one GPU per rank (label gpu: skips with fewer than two
 // GPUs). Collectives on device buffers against host-computed results, and the deadline: rank 0's
-// all-reduce that rank 1 joins late fails within its deadline and aborts the communicator.
+// all-reduce that rank 1 joins late fails within its deadline and aborts the communicator; an
+// enqueued sum rank 1 never joins is aborted by the watchdog while rank 0 is blocked in a launch.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -139,6 +144,75 @@ TEST(CommNccl, EnqueuedAllReduceAndDeadline) {
     EXPECT_LT(waited, 2.0);
     EXPECT_NE(st.message().find("all_reduce"), std::string::npos);
   }
+  (void)cudaEventDestroy(ready);
+  (void)cudaEventDestroy(done);
+  (void)cudaStreamDestroy(s);
+}
+
+// The watchdog of enqueued sums. Rank 0 goes on as overlapped TP does: work on its stream, a sum
+// enqueued behind it, its stream waiting for the sum, again and again; rank 1 never joins. The
+// first sum never completes, rank 0's stream stalls behind it, and once the launch queue is full
+// rank 0 blocks inside cudaMemsetAsync, which no deadline of the communicator's calls reaches.
+// The watchdog aborts the communicator at the sum's 1 s deadline: the NCCL kernel returns, the
+// stream drains, and rank 0's next enqueue fails with the watchdog's error. Without the watchdog
+// rank 0 stays blocked; the test then fails and ends the process (the thread cannot be joined).
+TEST(CommNccl, StuckEnqueuedSumAbortsACallerBlockedInALaunch) {
+  if (!have_gpus()) GTEST_SKIP() << "needs one GPU per rank";
+  auto& w = test_world();
+  auto nc = comm::make_nccl_communicator(w, w.rank(), "nccl-stuck");
+  ASSERT_TRUE(nc.is_ok()) << nc.status().to_string();
+  comm::Communicator& c = *nc.value();
+  const int64_t n = 1 << 10;
+  DeviceBuf a{size_t(n)}, x{size_t(1) << 12};
+  cudaStream_t s = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  c.set_timeout(std::chrono::milliseconds(1000));
+  using clock = std::chrono::steady_clock;
+  if (w.rank() == 0) {
+    std::atomic<int> sums{0};
+    const auto t0 = clock::now();
+    auto fut = std::async(std::launch::async, [&]() -> Status {
+      if (cudaSetDevice(w.rank()) != cudaSuccess) return SF_ERR(kInternal, "test: device");
+      while (std::chrono::duration<double>(clock::now() - t0).count() < 20.0) {
+        // More of the caller's own work than sums, so its stream's queue fills first.
+        for (int k = 0; k < 8; ++k)
+          if (cudaMemsetAsync(x.p, sums & 0xff, 4096, s) != cudaSuccess)
+            return SF_ERR(kInternal, "test: memset");
+        if (cudaEventRecord(ready, s) != cudaSuccess) return SF_ERR(kInternal, "test: record");
+        SF_TRY(c.all_reduce_enqueue(a.p, n, DType::kF32, comm::ReduceOp::kSum, ready, done));
+        if (cudaStreamWaitEvent(s, done, 0) != cudaSuccess) return SF_ERR(kInternal, "test: wait");
+        ++sums;
+      }
+      return SF_ERR(kInternal, "test: still enqueuing after 20 s behind a sum that never ran");
+    });
+    if (fut.wait_for(std::chrono::seconds(40)) != std::future_status::ready) {
+      std::fprintf(stderr,
+                   "FAILED: rank 0 still blocked after 40 s, %d sums enqueued behind a stuck one "
+                   "(a hang)\n",
+                   sums.load());
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
+    const Status st = fut.get();
+    const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+    std::printf("rank 0 (stuck sum): %s after %.3f s, %d sums enqueued\n", st.to_string().c_str(),
+                waited, sums.load());
+    EXPECT_EQ(st.code(), Code::kDeadlineExceeded) << st.to_string();
+    EXPECT_NE(st.message().find("watchdog"), std::string::npos) << st.to_string();
+    EXPECT_NE(st.message().find("all_reduce"), std::string::npos) << st.to_string();
+    EXPECT_GE(waited, 1.0);
+    EXPECT_LT(waited, 10.0);
+    EXPECT_TRUE(c.aborted());
+    EXPECT_FALSE(c.wait_enqueued().is_ok()) << "an aborted communicator must fail fast";
+    (void)cudaStreamSynchronize(s);  // drained by the abort (its result is not the test's)
+  }
+  // Rank 1 joined nothing. It waits for rank 0 over MPI, then fails its own barrier (rank 0 is
+  // aborted), so its communicator is aborted rather than destroyed against a gone peer.
+  ASSERT_TRUE(w.barrier().is_ok());
+  if (w.rank() != 0) EXPECT_FALSE(c.barrier().is_ok());
   (void)cudaEventDestroy(ready);
   (void)cudaEventDestroy(done);
   (void)cudaStreamDestroy(s);

@@ -383,48 +383,67 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
   fs::remove_all(dir, ec);
 }
 
-// A rank lost mid-prefill on the GPU, at CP 2 on two GPUs: SF_WORKER_FAULT=kill:1:1 (rank 1
-// kills itself once layer 1 of its first request has landed on its host) and stop:1:1 (it stops
-// there, SIGSTOP). The other rank's next exchange or group collective runs into --comm-timeout
-// (10 s), and the job ends non-zero well within a minute with an error saying what happened;
-// no export of the request is published. (The fault hooks reach the device plan through its
+// A rank lost mid-prefill on the GPU, on two GPUs: SF_WORKER_FAULT=kill:1:1 (rank 1 kills itself
+// once layer 1 of its first request has landed on its host) and stop:1:1 (it stops there,
+// SIGSTOP). The job must end non-zero well within a minute with an error saying what happened,
+// and no export of the request is published. (The fault hooks reach the device plan through its
 // per-layer callback, DevicePlans::run.)
+// - CP 2: the other rank's next exchange or group collective runs into --comm-timeout (10 s).
+// - TP 2, stopped: rank 1 stops while enqueuing layer 3 (a two-slot staging ring lands layer 1
+//   there), so rank 0's layer-3 sums never run. Rank 0's overlapped TP goes on enqueuing (64-token
+//   chunks: thousands of launches a layer) behind them until the launch queue is full and it
+//   blocks inside a launch; only the NCCL communicator's watchdog, aborting the sum at its
+//   deadline, lets it out (bench/NOTES.md, fifty-fifth session). The command runs under
+//   `timeout` so that a hang fails the case instead of the suite.
 TEST(WorkerGpu, ARankLostMidPrefillEndsTheJobInTime) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs two GPUs";
   const uint64_t seed = testing::fresh_seed();
   const fs::path dir = fs::temp_directory_path() / ("sf-worker-lost-" + std::to_string(seed));
   fs::create_directories(dir);
-  {
-    std::mt19937_64 rng(seed);
-    std::ofstream b(dir / "batch.jsonl");
+  std::mt19937_64 rng(seed);
+  const auto write_batch = [&](const std::string& name, int n_tokens) {
+    std::ofstream b(dir / name);
     for (const char* id : {"a", "b"}) {
       std::string toks;
-      for (int i = 0; i < 2000; ++i) toks += (i ? ", " : "") + std::to_string(rng() % 32000);
+      for (int i = 0; i < n_tokens; ++i)
+        toks += (i ? ", " : "") + std::to_string(rng() % 32000);
       b << "{\"id\": \"" << id << "\", \"tokens\": [" << toks << "]}\n";
     }
-  }
-  const std::string spec = "synthetic:llama3-8b:4:" + std::to_string(seed % 1000);
-  for (const std::string fault : {"kill:1:1", "stop:1:1"}) {
-    const std::string out = (dir / fault.substr(0, 4)).string();
-    const std::string cmd = "SF_WORKER_FAULT=" + fault + " " + SF_MPIEXEC +
-                            " --oversubscribe -np 2 " + SF_WORKER_BIN + " --model " + spec +
-                            " --device cuda --cp 2 --comm-timeout 10 --stall-timeout 10 --batch " +
-                            (dir / "batch.jsonl").string() + " --out " + out;
+  };
+  write_batch("batch.jsonl", 2000);
+  write_batch("long.jsonl", 16384);
+  const std::string tag = std::to_string(seed % 1000);
+  struct Case {
+    std::string name, fault, args, batch;
+  };
+  const Case cases[] = {
+      {"cp2-kill", "kill:1:1", "--model synthetic:llama3-8b:4:" + tag + " --cp 2", "batch.jsonl"},
+      {"cp2-stop", "stop:1:1", "--model synthetic:llama3-8b:4:" + tag + " --cp 2", "batch.jsonl"},
+      {"tp2-stop", "stop:1:1",
+       "--model synthetic:llama3-8b:6:" + tag + " --tp 2 --chunk 64 --kv-staging-layers 2",
+       "long.jsonl"},
+  };
+  for (const Case& cs : cases) {
+    const std::string out = (dir / cs.name).string();
+    const std::string cmd = "SF_WORKER_FAULT=" + cs.fault + " timeout -k 10 150 " + SF_MPIEXEC +
+                            " --oversubscribe -np 2 " + SF_WORKER_BIN + " " + cs.args +
+                            " --device cuda --comm-timeout 10 --stall-timeout 10 --batch " +
+                            (dir / cs.batch).string() + " --out " + out;
     const auto t0 = std::chrono::steady_clock::now();
     const int rc = run(cmd, out + ".log");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string log = slurp(out + ".log");
-    EXPECT_NE(rc, 0) << fault << ": exit 0 with a lost rank\n" << log;
-    EXPECT_LT(s, 60.0) << fault;
+    EXPECT_NE(rc, 0) << cs.name << ": exit 0 with a lost rank\n" << log;
+    EXPECT_LT(s, 60.0) << cs.name << ": a hang (the command is cut at 150 s)";
     EXPECT_NE(log.find("fault injection: rank 1"), std::string::npos)
-        << fault << ": the fault did not fire on the device path\n" << log;
+        << cs.name << ": the fault did not fire on the device path\n" << log;
     const bool clear = log.find("deadline") != std::string::npos ||
                        log.find("exited on signal 9") != std::string::npos ||
                        log.find("unexpectedly disconnected") != std::string::npos;
-    EXPECT_TRUE(clear) << fault << ": no clear error\n" << log;
-    EXPECT_FALSE(fs::exists(fs::path(out) / "a" / "manifest.json")) << fault;
-    std::printf("  %s: exit %d after %.1f s\n", fault.c_str(), rc, s);
+    EXPECT_TRUE(clear) << cs.name << ": no clear error\n" << log;
+    EXPECT_FALSE(fs::exists(fs::path(out) / "a" / "manifest.json")) << cs.name;
+    std::printf("  %s: exit %d after %.1f s\n", cs.name.c_str(), rc, s);
     for (size_t at = 0, nl; (nl = log.find('\n', at)) != std::string::npos; at = nl + 1)
       if (log.compare(at, 6, "error:") == 0) std::printf("    %s\n", log.substr(at, nl - at).c_str());
   }
