@@ -169,6 +169,11 @@ TEST(CommNccl, StuckEnqueuedSumAbortsACallerBlockedInALaunch) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  // One sum both ranks join first: NCCL connects peers at their first collective, and until
+  // then an enqueue whose peer is absent is itself in progress (and fails at its own deadline).
+  ASSERT_TRUE(c.all_reduce_enqueue(a.p, n, DType::kF32, comm::ReduceOp::kSum, nullptr, nullptr)
+                  .is_ok());
+  ASSERT_TRUE(c.wait_enqueued().is_ok());
   c.set_timeout(std::chrono::milliseconds(1000));
   using clock = std::chrono::steady_clock;
   if (w.rank() == 0) {

@@ -390,11 +390,12 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
 // per-layer callback, DevicePlans::run.)
 // - CP 2: the other rank's next exchange or group collective runs into --comm-timeout (10 s).
 // - TP 2, stopped: rank 1 stops while enqueuing layer 3 (a two-slot staging ring lands layer 1
-//   there), so rank 0's layer-3 sums never run. Rank 0's overlapped TP goes on enqueuing (64-token
-//   chunks: thousands of launches a layer) behind them until the launch queue is full and it
-//   blocks inside a launch; only the NCCL communicator's watchdog, aborting the sum at its
-//   deadline, lets it out (bench/NOTES.md, fifty-fifth session). The command runs under
-//   `timeout` so that a hang fails the case instead of the suite.
+//   there), so rank 0's layer-3 sums never run. Rank 0's overlapped TP goes on enqueuing layers 3
+//   and 4 behind them (64K tokens in 64-token chunks: tens of thousands of launches) before its
+//   next bounded wait; once the launch queue is full it blocks inside a launch, and only the NCCL
+//   communicator's watchdog, aborting the sum at its deadline, lets it out (bench/NOTES.md,
+//   fifty-fifth session). The command runs under `timeout` so that a hang fails the case instead
+//   of the suite.
 TEST(WorkerGpu, ARankLostMidPrefillEndsTheJobInTime) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs two GPUs";
@@ -412,7 +413,7 @@ TEST(WorkerGpu, ARankLostMidPrefillEndsTheJobInTime) {
     }
   };
   write_batch("batch.jsonl", 2000);
-  write_batch("long.jsonl", 16384);
+  write_batch("long.jsonl", 65536);
   const std::string tag = std::to_string(seed % 1000);
   struct Case {
     std::string name, fault, args, batch;
