@@ -44,7 +44,9 @@ Result<runtime::ParallelResult> DevicePlans::run(std::span<const int32_t> tokens
     if (po.sparse && sparse_cap_tokens_ > 0)
       dopt.sparse_capacity = runtime::scaled_sparse_capacity(sparse_cap_, sparse_cap_tokens_, T);
     const bool carry = dopt.sparse_capacity != std::array<int, 2>{0, 0};
-    auto plan = runtime::DeviceParallelPrefill::plan(*s_.dm, g, *s_.dgrid, T, dopt);
+    runtime::DeviceParallelOptions popt;
+    popt.before_tp_sum = s_.before_tp_sum;
+    auto plan = runtime::DeviceParallelPrefill::plan(*s_.dm, g, *s_.dgrid, T, dopt, popt);
     Status ok = agree(*g.group_comm, plan.status());
     if (g.group_comm->aborted()) end_job(g.group_comm->abort_status());
     carried_ = ok.is_ok() && carry;
@@ -52,7 +54,7 @@ Result<runtime::ParallelResult> DevicePlans::run(std::span<const int32_t> tokens
       // The carried capacity may not fit this length's device memory: the defaults then.
       { auto dropped = std::move(plan); }  // a rank whose own plan succeeded frees it first
       dopt.sparse_capacity = {0, 0};
-      plan = runtime::DeviceParallelPrefill::plan(*s_.dm, g, *s_.dgrid, T, dopt);
+      plan = runtime::DeviceParallelPrefill::plan(*s_.dm, g, *s_.dgrid, T, dopt, popt);
       ok = agree(*g.group_comm, plan.status());
       if (g.group_comm->aborted()) end_job(g.group_comm->abort_status());
     }

@@ -31,6 +31,7 @@ class DevicePlans {
     runtime::DeviceGrid* dgrid = nullptr;
     const HostKvSizing* sizing = nullptr;
     std::function<void()> beat;  // a stall note at each layer, as the CPU paths' on_layer
+    std::function<void(int64_t)> before_tp_sum;  // the stop_sum test fault (DeviceParallelOptions)
   };
   // SF_DEVICE_BUFFER_CACHE=0 frees a plan's buffers instead of keeping them for the next plan
   // (bench/mpi/plan_reuse.sh's comparison).

@@ -103,7 +103,9 @@ struct Fault {
   // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
   // the overlap's check), freeing (its export sleeps N ms after each layer it frees, and beside
   // a pending export it has room once that export has freed half its K/V), no_memory (none at
-  // all: the request's own check), memory (N bytes available, for every check and the dry run's).
+  // all: the request's own check), memory (N bytes available, for every check and the dry run's),
+// stop_sum (a GPU TP rank SIGSTOPs itself before enqueuing its Nth overlapped TP sum, from 0:
+// its peers' sums then wait on one that never runs).
   std::string kind;
   int rank = -1;
   int64_t layer = -1;  // a layer, milliseconds, a request's number, or bytes (memory)

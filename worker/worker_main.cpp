@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -83,6 +84,19 @@ using worker::policy_fingerprint;
 using worker::request_fingerprint;
 using worker::same_on_every_rank;
 using worker::stores_f32;
+
+// SF_WORKER_FAULT=stop_sum:R:N: world rank R stops (SIGSTOP) before enqueuing its Nth overlapped
+// TP sum; no hook elsewhere.
+std::function<void(int64_t)> stop_before_tp_sum(const Fault& fault, int rank) {
+  if (fault.kind != "stop_sum" || fault.rank != rank) return nullptr;
+  return [rank, at = fault.layer](int64_t sum) {
+    if (sum != at) return;
+    std::fprintf(stderr, "fault injection: rank %d stops before TP sum %lld\n", rank,
+                 static_cast<long long>(sum));
+    std::fflush(stderr);
+    std::raise(SIGSTOP);
+  };
+}
 
 int run(int argc, char** argv) {
   const auto job_t0 = std::chrono::steady_clock::now();
@@ -530,7 +544,8 @@ int run(int argc, char** argv) {
                                       .g = &g,
                                       .dgrid = &*dgrid,
                                       .sizing = &sizing,
-                                      .beat = [&] { beat(k); }});
+                                      .beat = [&] { beat(k); },
+                                      .before_tp_sum = stop_before_tp_sum(fault, world->rank())});
   for (size_t i = size_t(g.group); i < good.size(); i += size_t(n_groups)) {
     const runtime::BatchRequest& r = good[i];
     beat(k);  // progress: the last request is done with

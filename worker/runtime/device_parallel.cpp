@@ -71,6 +71,8 @@ struct DeviceParallelPrefill::Impl {
   bool whole = false;
   bool importance = false;    // PrefillOptions::importance_window > 0
   model::LayerKvHooks kv_hooks;  // the current run's (run's argument)
+  std::function<void(int64_t)> before_tp_sum;  // DeviceParallelOptions::before_tp_sum
+  int64_t tp_sums = 0;                          // overlapped TP sums enqueued since the plan
 
   // CP exchange: all-gather each of K and V into `stage` (rank blocks in rank order), then copy
   // every rank's pieces to their places in the prompt.
@@ -155,7 +157,10 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
       return wp->exchange(kl, vl, ka, va, dt);
     };
   if (TP > 1 && popt.overlap_tp) {
+    w.before_tp_sum = popt.before_tp_sum;
     shard.reduce_tp_enqueue = [wp](float* x, int64_t count, void* ready, void* done) {
+      if (wp->before_tp_sum) wp->before_tp_sum(wp->tp_sums);
+      ++wp->tp_sums;
       return wp->dg->tp->all_reduce_enqueue(x, count, DType::kF32, comm::ReduceOp::kSum, ready,
                                             done);
     };

@@ -20,6 +20,7 @@
 // same kernels on the same rows; TP adds partial sums in another order (tests state bounds).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -45,6 +46,11 @@ Result<DeviceGrid> make_device_grid(GridComms& g, int device);
 
 struct DeviceParallelOptions {
   bool overlap_tp = true;  // enqueue the TP all-reduces per chunk (see above)
+  // Test hook: called before each overlapped TP sum is enqueued, with its number since the plan
+  // was made (from 0). The worker's fault injection stops a rank there (SF_WORKER_FAULT=stop_sum),
+  // the one place where a stopped TP peer leaves the other ranks' sums behind a sum that never
+  // runs.
+  std::function<void(int64_t sum)> before_tp_sum;
 };
 
 class DeviceParallelPrefill {
