@@ -234,7 +234,15 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
   // reports its ranks' most grows.
   int32_t mine[2] = {rr.is_ok() ? 0 : 1, rr.is_ok() ? rr.value().sparse_grows : 0};
   int32_t all[2] = {0, 0};
-  SF_TRY(g.group_comm->all_reduce(mine, all, 2, DType::kI32, comm::ReduceOp::kMax));
+  if (Status st = g.group_comm->all_reduce(mine, all, 2, DType::kI32, comm::ReduceOp::kMax);
+      !st.is_ok()) {
+    if (rr.is_ok()) return st;
+    // This rank's own failure comes first: a stuck peer fails both, and its sums' deadline
+    // (the TP communicator's watchdog) says more than the group's check does.
+    return Status(rr.status().code(),
+                  rr.status().message() + " (then the group's check of it: " + st.message() + ")",
+                  __FILE__, __LINE__);
+  }
   if (all[0]) {
     if (!rr.is_ok()) return rr.status();
     return SF_ERR(kInternal, "device parallel prefill: another rank of the group failed");
