@@ -65,7 +65,9 @@ class Communicator {
   // caller recorded on its stream), with `done` (a cudaEvent_t, may be null) recorded after it.
   // Returns once enqueued, without waiting for the result; wait_enqueued() then waits for
   // everything enqueued so far against the deadline (timeout() from its call), with the same
-  // abort-on-deadline contract as the blocking calls. Host communicators: kUnsupported.
+  // abort-on-deadline contract as the blocking calls; a sum that runs longer than timeout() also
+  // aborts the communicator while nobody waits (the NCCL one's watchdog), and the next call
+  // returns that error. Host communicators: kUnsupported.
   virtual Status all_reduce_enqueue(void* buf, int64_t count, DType t, ReduceOp op, void* ready,
                                     void* done);
   virtual Status wait_enqueued();

@@ -9,7 +9,9 @@
 //   given device). Every call enqueues, then polls ncclCommGetAsyncError and cudaStreamQuery
 //   against the deadline; when it passes, ncclCommAbort and the communicator fails fast from then
 //   on, as the MPI one. all_reduce_enqueue only enqueues (behind the caller's event) and
-//   wait_enqueued polls the same way for everything enqueued.
+//   wait_enqueued polls the same way for everything enqueued. Enqueued sums also have a watchdog
+//   thread: one that started and did not complete within the deadline aborts the communicator,
+//   since its caller may be blocked in a CUDA launch behind it (nccl_communicator.cpp).
 // - All pointers are device pointers of that device. all_gatherv is one grouped broadcast per
 //   rank (NCCL has no gatherv); barrier all-reduces one int in a device scratch word.
 #pragma once

@@ -242,10 +242,19 @@ Result<std::vector<BlockId>> BlockPool::alloc_batch(std::span<const Tier> prefer
   std::lock_guard<std::mutex> g(mu_);
   std::vector<BlockId> ids;
   ids.reserve(preferred.size());
+  // All or nothing, the counters too: a batch handed back counts as the one alloc that failed
+  // (its refusals), not as allocs, spills and frees the caller never saw.
+  const auto before = st_;
   for (size_t i = 0; i < preferred.size(); ++i) {
+    const auto before_block = st_;
     Result<BlockId> id = alloc_locked(int(preferred[i]), int(slowest));
     if (!id.is_ok()) {
       for (auto it = ids.rbegin(); it != ids.rend(); ++it) (void)free_locked(*it);
+      for (size_t t = 0; t < st_.size(); ++t) {
+        const int64_t refused = st_[t].full_refusals - before_block[t].full_refusals;
+        st_[t] = before[t];
+        st_[t].full_refusals += refused;
+      }
       return Status(id.status().code(), "block " + std::to_string(i) + " of " +
                                             std::to_string(preferred.size()) + ": " +
                                             id.status().message());

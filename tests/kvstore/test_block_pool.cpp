@@ -244,6 +244,19 @@ TEST(BlockPool, AllocBatchIsAllOrNothing) {
   EXPECT_EQ(b.status().message().rfind("block 1 of 2: ", 0), 0u) << b.status().message();
   EXPECT_EQ(p->live_blocks(), 3);
   EXPECT_EQ(p->stats(Tier::kDisk).blocks, 1);
+  // A batch handed back leaves the counters as the one alloc that failed would: its first block
+  // spilled from host to disk and was freed again, and none of that counts; its second block's
+  // refusals do (host full, then disk full).
+  const TierStats host0 = p->stats(Tier::kHost), disk0 = p->stats(Tier::kDisk);
+  const std::vector<Tier> two_host = {Tier::kHost, Tier::kHost};
+  ASSERT_FALSE(p->alloc_batch(two_host, Tier::kDisk).is_ok());
+  const TierStats host1 = p->stats(Tier::kHost), disk1 = p->stats(Tier::kDisk);
+  EXPECT_EQ(disk1.allocs, disk0.allocs);
+  EXPECT_EQ(disk1.frees, disk0.frees);
+  EXPECT_EQ(disk1.spilled_in, disk0.spilled_in);
+  EXPECT_EQ(disk1.used_bytes, disk0.used_bytes);
+  EXPECT_EQ(host1.full_refusals, host0.full_refusals + 1);
+  EXPECT_EQ(disk1.full_refusals, disk0.full_refusals + 1);
   // The disk slot it took and gave back can be allocated again.
   auto c = p->alloc_batch(std::span<const Tier>(two).first(1), Tier::kDisk);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
