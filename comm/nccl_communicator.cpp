@@ -87,9 +87,13 @@ ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_ou
 // here fails with the watchdog's error.
 //
 // ncclCommAbort frees the communicator, so every NCCL call on comm_ runs under api_mu_ and only
-// while the communicator is not aborted (nccl()). The watchdog aborts under api_mu_ too, unless
-// the caller holds it for over a second: then the caller is itself blocked inside an NCCL call,
-// which only the abort can release.
+// while the communicator is not aborted (nccl()). The watchdog aborts under api_mu_ too. So that
+// the caller is never blocked inside an NCCL call (holding api_mu_) behind a stuck sum, at most
+// kMaxPending sums are in flight: a few entries each on the communicator's stream, well below
+// the launch queue's depth (about a thousand entries on H200; bench/NOTES.md, fifty-fifth
+// session), so NCCL's own launch never waits for room. Should the caller still hold api_mu_ for a
+// second, the watchdog aborts without it (the caller is then blocked in an NCCL call that only
+// the abort releases; it may crash on the freed communicator, but does not hang).
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t c, int device, int rank, int size, std::string name)
@@ -105,6 +109,16 @@ class NcclCommunicator final : public Communicator {
   }
   ~NcclCommunicator() override {
     stop_watchdog();
+    // Work still on the stream (a caller that failed elsewhere with sums behind a stopped peer):
+    // ncclCommDestroy would wait for it for good, so abort instead. After an abort the stream,
+    // scratch word and events are left to the process's end, as after any abort.
+    if (!gone() && stream_) {
+      const auto until = clock::now() + std::chrono::seconds(1);
+      while (cudaStreamQuery(stream_) == cudaErrorNotReady && clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (cudaStreamQuery(stream_) == cudaErrorNotReady && claim_abort(kCallerAborted))
+        ncclCommAbort(comm_);
+    }
     if (!gone()) {
       ncclCommDestroy(comm_);
       if (scratch_) cudaFree(scratch_);
@@ -142,6 +156,7 @@ class NcclCommunicator final : public Communicator {
     if (ready)
       SF_TRY(cuda("cudaStreamWaitEvent",
                   cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0)));
+    SF_TRY(wait_for_room(deadline));
     Pending p;
     SF_TRY(take_events(p));
     Status st = cuda("cudaEventRecord", cudaEventRecord(p.begin, stream_));
@@ -159,7 +174,11 @@ class NcclCommunicator final : public Communicator {
           st = fail("all_reduce", group(), ncclGetErrorString(rc));
       }
     }
-    if (st.is_ok()) st = cuda("cudaEventRecord", cudaEventRecord(p.end, stream_));
+    // A sum enqueued but not watched (its `end` not recorded) could hang its caller unseen: the
+    // communicator is aborted instead.
+    if (st.is_ok())
+      if (const cudaError_t e = cudaEventRecord(p.end, stream_); e != cudaSuccess)
+        st = fail("all_reduce", group(), std::string("cudaEventRecord: ") + cudaGetErrorString(e));
     if (!st.is_ok()) {
       std::lock_guard<std::mutex> lk(watch_mu_);
       spare_.insert(spare_.end(), {p.begin, p.end});
@@ -167,7 +186,9 @@ class NcclCommunicator final : public Communicator {
     }
     watch(p);
     if (done)
-      SF_TRY(cuda("cudaEventRecord", cudaEventRecord(static_cast<cudaEvent_t>(done), stream_)));
+      if (const cudaError_t e = cudaEventRecord(static_cast<cudaEvent_t>(done), stream_);
+          e != cudaSuccess)
+        return fail("all_reduce", group(), std::string("cudaEventRecord: ") + cudaGetErrorString(e));
     bytes_sent_ += count * int64_t(dtype_size(t));
     return Status::ok();
   }
@@ -274,13 +295,16 @@ class NcclCommunicator final : public Communicator {
     ncclComm_t nc = nullptr;
     const auto deadline = clock::now() + timeout_;
     ncclResult_t rc = nccl([&] { return ncclCommSplit(comm_, color, key, &nc, &cfg); });
-    if (gone()) return check_usable("split", 0);
+    if (gone()) {
+      if (nc) ncclCommAbort(nc);  // the child, half made
+      return check_usable("split", 0);
+    }
     if (rc != ncclSuccess && rc != ncclInProgress)
       return fail("split", group(), ncclGetErrorString(rc));
     bool timed_out = false;
     rc = poll_ready(deadline, &timed_out);
     if (!timed_out && rc == ncclSuccess && nc) rc = wait_ready(nc, deadline, &timed_out);
-    if ((timed_out || rc != ncclSuccess) && nc) ncclCommAbort(nc);  // the child, half made
+    if ((timed_out || rc != ncclSuccess || gone()) && nc) ncclCommAbort(nc);  // the child, half made
     if (gone()) return check_usable("split", 0);
     if (timed_out) return deadline_passed("split", group());
     if (rc != ncclSuccess) return fail("split", group(), ncclGetErrorString(rc));
@@ -418,6 +442,35 @@ class NcclCommunicator final : public Communicator {
     p.limit = timeout_;
     return Status::ok();
   }
+  // Retires the completed sums at the front (they complete in stream order). Under watch_mu_.
+  void retire_locked() {
+    while (!pending_.empty() && cudaEventQuery(pending_.front().end) == cudaSuccess) {
+      spare_.insert(spare_.end(), {pending_.front().begin, pending_.front().end});
+      pending_.pop_front();
+    }
+  }
+  // Waits until fewer than kMaxPending sums are in flight (see the class comment), up to twice the
+  // deadline: a stuck sum is the watchdog's to abort at one.
+  Status wait_for_room(clock::time_point deadline) {
+    const auto until = deadline + timeout_;
+    std::unique_lock<std::mutex> lk(watch_mu_);
+    for (;;) {
+      retire_locked();
+      if (pending_.size() < kMaxPending || gone()) break;
+      if (clock::now() >= until) {
+        lk.unlock();
+        return fail("all_reduce", group(),
+                    "no room for another sum within twice its deadline of " +
+                        seconds_str(timeout_) + " (a peer is stuck, dead or not calling it)",
+                    Code::kDeadlineExceeded);
+      }
+      lk.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      lk.lock();
+    }
+    lk.unlock();
+    return gone() ? check_usable("all_reduce", 0) : Status::ok();
+  }
   void watch(const Pending& p) {
     {
       std::lock_guard<std::mutex> lk(watch_mu_);
@@ -441,10 +494,7 @@ class NcclCommunicator final : public Communicator {
       watch_cv_.wait_for(lk, pending_.empty() ? std::chrono::milliseconds(100)
                                               : std::chrono::milliseconds(5));
       // Sums complete in stream order: retire the finished ones, then look at the oldest.
-      while (!pending_.empty() && cudaEventQuery(pending_.front().end) == cudaSuccess) {
-        spare_.insert(spare_.end(), {pending_.front().begin, pending_.front().end});
-        pending_.pop_front();
-      }
+      retire_locked();
       if (pending_.empty()) continue;
       Pending& p = pending_.front();
       const auto now = clock::now();
@@ -479,6 +529,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;
   std::timed_mutex api_mu_;             // held around every NCCL call on comm_
+  static constexpr size_t kMaxPending = 96;  // sums in flight (see the class comment)
   // Whether comm_ is live or aborted (freed), and by whom.
   static constexpr int kLive = 0, kCallerAborted = 1, kWatchdogAborted = 2;
   std::atomic<int> state_{kLive};

@@ -27,6 +27,7 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
   const int64_t nq = q.shape[0], hq = q.shape[1], d = q.shape[2], nk = k.shape[0], hkv = k.shape[1];
   if (k.shape[2] != d)
     return bad("q and k head_dim differ: q" + q.shape_str() + " k" + k.shape_str());
+  if (d <= 0) return bad("head_dim must be positive, got " + std::to_string(d));
   if (hkv <= 0 || hq % hkv != 0)
     return bad("heads " + std::to_string(hq) + " not a multiple of kv_heads " +
                std::to_string(hkv));

@@ -12,7 +12,7 @@ template <auto Kernel>
 cudaError_t attention_sparse_bf16_launch_opted(dim3 grid, unsigned threads, size_t smem,
                                                cudaStream_t stream,
                                                const AttentionSparseBf16Params& p) {
-  static std::atomic<uint64_t> opted{0};
+  static SmemOptIn opted;
   if (const cudaError_t err = opt_in_smem(Kernel, smem, opted); err != cudaSuccess) return err;
   Kernel<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();

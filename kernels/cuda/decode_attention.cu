@@ -2337,7 +2337,7 @@ int full_splits(int n_heads, int max_pages, int ctas_per_sm = 6) {
 template <int D, PoolDType T, int NHF = kStagedHeadsPerWarp<T>>
 int staged_per_sm() {
   static std::atomic<int> occ[64];  // CTAs an SM + 1 per device; 0: not asked yet
-  static std::atomic<uint64_t> opted{0};
+  static SmemOptIn opted;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
     (void)cudaGetLastError();
@@ -2439,7 +2439,7 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
     psa_rank_kernel<8><<<unsigned(a.n_heads), kPsaRankThreads, 0, st>>>(a, w);
   SF_CUDA_TRY(cudaGetLastError());
   if (a.gqa) {
-    static std::atomic<uint64_t> walk_opted{0};
+    static SmemOptIn walk_opted;
     SF_CUDA_TRY(opt_in_smem(gqa_walk_kernel<D>, gqa_walk_smem_limit(), walk_opted));
   }
   const int n_kv = a.kv.n_kv_heads;
@@ -2471,7 +2471,7 @@ Status launch_psa(const DecodeArgs& a, void* workspace, cudaStream_t st) {
 
 template <int D, PoolDType T>
 Status launch_pass(const DecodeArgs& a, cudaStream_t st) {
-  static std::atomic<uint64_t> opted{0};
+  static SmemOptIn opted;
   constexpr size_t smem = pass_smem_bytes<D>();
   SF_CUDA_TRY(opt_in_smem(pass_kernel<D, T>, smem, opted));
   const int chunks = pass_chunks(a.n_heads, a.kv.n_kv_heads, a.n_tokens);

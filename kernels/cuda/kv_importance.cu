@@ -141,8 +141,10 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
         const float l = ls[i0 + i];
         // Rows that saw no key (lse -inf) contribute nothing; key must be causal for the row.
         if (!(l > -INFINITY) || key > p.q_offset + rs[i0 + i]) continue;
-        // Recomputed scores can exceed lse by rounding: p <= 1.
-        const float s = fminf(dot[i] * p.scale, l);
+        // Recomputed scores can exceed lse by rounding: p <= 1. (As the CPU's std::min(x, l): a
+        // NaN score stays NaN, where fminf would make it l.)
+        const float x = dot[i] * p.scale;
+        const float s = l < x ? l : x;
         acc += expf(s - l);
       }
     }
@@ -155,8 +157,9 @@ __global__ void __launch_bounds__(kThreads) kv_importance_kernel(const ImpParams
     const int64_t oj = o0 + j;
     const int64_t a = oj - p.half > 0 ? oj - p.half : 0;
     const int64_t e = oj + p.half < p.nk - 1 ? oj + p.half : p.nk - 1;
-    float m = -INFINITY;
-    for (int64_t u = a; u <= e; ++u) m = fmaxf(m, sums[u - t0]);
+    // As the CPU's max_pool_keys (std::max from the key's own sum): NaN propagates alike.
+    float m = sums[oj - t0];
+    for (int64_t u = a; u <= e; ++u) m = m < sums[u - t0] ? sums[u - t0] : m;
     p.out[int64_t(g) * p.nk + oj] = m;
   }
 }
@@ -203,7 +206,7 @@ Status kv_importance(const TensorView& q, const TensorView& k, const TensorView&
   if ((p.nk + out_keys - 1) / out_keys > 0x7fffffff || p.hkv > 65535)
     return SF_ERR(kUnsupported, "kv_importance: grid too large");
   const size_t smem = smem_bytes(p.d);
-  static std::atomic<uint64_t> opted{0};  // above 48 KB from head_dim 89 on
+  static SmemOptIn opted;  // above 48 KB from head_dim 80 on
   SF_CUDA_TRY(opt_in_smem(kv_importance_kernel, smem, opted));
   const dim3 grid(unsigned((p.nk + out_keys - 1) / out_keys), unsigned(p.hkv));
   kv_importance_kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);

@@ -152,7 +152,8 @@ TEST(CommNccl, EnqueuedAllReduceAndDeadline) {
 // The watchdog of enqueued sums. Rank 0 goes on as overlapped TP does: work on its stream, a sum
 // enqueued behind it, its stream waiting for the sum, again and again; rank 1 never joins. The
 // first sum never completes, rank 0's stream stalls behind it, and once the launch queue is full
-// rank 0 blocks inside cudaMemsetAsync, which no deadline of the communicator's calls reaches.
+// rank 0 blocks inside cudaMemsetAsync, which no deadline of the communicator's calls reaches
+// (measured: at 128 sums with 8 memsets a sum, 2x H200).
 // The watchdog aborts the communicator at the sum's 1 s deadline: the NCCL kernel returns, the
 // stream drains, and rank 0's next enqueue fails with the watchdog's error. Without the watchdog
 // rank 0 stays blocked; the test then fails and ends the process (the thread cannot be joined).
@@ -182,8 +183,10 @@ TEST(CommNccl, StuckEnqueuedSumAbortsACallerBlockedInALaunch) {
     auto fut = std::async(std::launch::async, [&]() -> Status {
       if (cudaSetDevice(w.rank()) != cudaSuccess) return SF_ERR(kInternal, "test: device");
       while (std::chrono::duration<double>(clock::now() - t0).count() < 20.0) {
-        // More of the caller's own work than sums, so its stream's queue fills first.
-        for (int k = 0; k < 8; ++k)
+        // More of the caller's own work than sums: its stream's queue (about a thousand
+        // entries) fills at about 32 sums, before the communicator's cap on sums in flight
+        // (96) would stop it in all_reduce_enqueue instead.
+        for (int k = 0; k < 32; ++k)
           if (cudaMemsetAsync(x.p, sums & 0xff, 4096, s) != cudaSuccess)
             return SF_ERR(kInternal, "test: memset");
         if (cudaEventRecord(ready, s) != cudaSuccess) return SF_ERR(kInternal, "test: record");

@@ -1082,7 +1082,10 @@ TEST_F(CudaOps, AttentionSparseBf16) {
 // in different orders with different exp implementations: ~1e-6 relative; bounds 1e-5 relative,
 // 1e-4 absolute (sums reach window x group). A row or key counted twice, or a causal slip, moves
 // a sum by a whole probability (> 1e-3). Cases: GQA 4 and 8, head_dim 64 and 128, a chunk
-// (q_offset > 0), a window longer than the prompt, pool 1, 7 and the largest CUDA takes (65).
+// (q_offset > 0), a window longer than the prompt, pool 1, 7 and the largest CUDA takes (65),
+// fewer keys than the pool. Head_dim 64 runs first: a larger head_dim then needs more shared
+// memory than the first call's opt-in (which once stayed at the first call's size, so the d 128
+// launches failed when a d 64 one came first in a process).
 TEST_F(CudaOps, KvImportance) {
   const Tolerance tol{1e-5, 1e-4};
   struct Case {
@@ -1091,10 +1094,11 @@ TEST_F(CudaOps, KvImportance) {
     int window, pool;
   };
   const Case cases[] = {
-      {"gqa4 d128", 300, 300, 8, 2, 128, 0, 64, 7},
-      {"gqa4 d128 chunk", 77, 333, 8, 2, 128, 256, 32, 1},
       {"gqa8 d64 long", 1500, 1500, 8, 1, 64, 0, 32, 7},
       {"window past the prompt", 20, 20, 4, 1, 64, 0, 64, 5},
+      {"fewer keys than the pool", 40, 40, 4, 1, 64, 0, 16, 65},
+      {"gqa4 d128", 300, 300, 8, 2, 128, 0, 64, 7},
+      {"gqa4 d128 chunk", 77, 333, 8, 2, 128, 256, 32, 1},
       {"pool 65", 200, 200, 4, 2, 128, 0, 16, 65},
   };
   for (const Case& c : cases) {

@@ -134,6 +134,12 @@ TEST(KvImportance, RejectsBadParams) {
   auto bad_lse = TensorView::make(lse.data(), DType::kF32, {4, 2});
   EXPECT_NE(kernels::kv_importance(qv, kv, bad_lse, ip, ov).message().find("lse"),
             std::string::npos);
+  // head_dim 0: no scores to take (the CUDA kernel divided its lanes by it).
+  const Status d0 = kernels::kv_importance(TensorView::make(q.data(), DType::kF32, {4, 2, 0}),
+                                           TensorView::make(k.data(), DType::kF32, {4, 1, 0}),
+                                           lv, ip, ov);
+  EXPECT_EQ(d0.code(), Code::kInvalidArgument);
+  EXPECT_NE(d0.message().find("head_dim"), std::string::npos) << d0.message();
   EXPECT_TRUE(kernels::kv_importance(qv, kv, lv, ip, ov).is_ok());
 }
 
