@@ -73,6 +73,7 @@ class Communicator {
   virtual Status wait_enqueued();
 
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // For calls made from now on: a sum already enqueued keeps the deadline it was enqueued with.
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   bool aborted() const { return !abort_status().is_ok(); }
   // The error that aborted the communicator (ok when it is not aborted). Virtual: a device

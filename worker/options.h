@@ -99,13 +99,14 @@ struct Fault {
   // request), slow (N ms slept at every layer), stop_end (before the final tally), fail_after
   // (every request fails on that rank after its prefill; with N, its streamed export sleeps N ms
   // after each layer, so it still reads the prefill's rows then), fail_nth (the same for the Nth request
-  // of its group's share only), slow_export (N ms a layer of a gathered export), slow_all (slow
+  // of its group's share only), slow_export (N ms a layer of an export: the leader's gathered
+  // one, or this rank's shards), slow_all (slow
   // and slow_export at once), low_memory (the rank sees no host memory beside a pending export:
   // the overlap's check), freeing (its export sleeps N ms after each layer it frees, and beside
   // a pending export it has room once that export has freed half its K/V), no_memory (none at
   // all: the request's own check), memory (N bytes available, for every check and the dry run's),
-// stop_sum (a GPU TP rank SIGSTOPs itself before enqueuing its Nth overlapped TP sum, from 0:
-// its peers' sums then wait on one that never runs).
+  // stop_sum (a GPU TP rank SIGSTOPs itself before enqueuing its Nth overlapped TP sum, from 0:
+  // its peers' sums then wait on one that never runs).
   std::string kind;
   int rank = -1;
   int64_t layer = -1;  // a layer, milliseconds, a request's number, or bytes (memory)

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <system_error>
 #include <thread>
 
@@ -21,9 +22,12 @@ double since(clk::time_point t0) { return std::chrono::duration<double>(clk::now
 
 // The files' writer on its own thread; where no thread can be had (std::system_error), the write
 // runs here: the group's next collective (finish) must not wait on a rank that gave up. Its time
-// counts from the launch, so a wait for it never exceeds it but by a wake-up.
+// counts from the launch, so a wait for it never exceeds it but by a wake-up. A streamed write
+// cannot run here (it waits for layers the prefill, not yet begun, would publish): `no_thread`,
+// when given, is its outcome instead.
 template <typename Write>
-std::future<WriteOutcome> launch(Write write) {
+std::future<WriteOutcome> launch(Write write,
+                                 std::function<WriteOutcome(const std::system_error&)> no_thread = {}) {
   const auto w0 = clk::now();
   auto timed = [write, w0] {
     WriteOutcome w = write();
@@ -32,12 +36,28 @@ std::future<WriteOutcome> launch(Write write) {
   };
   try {
     return std::async(std::launch::async, timed);
-  } catch (const std::system_error&) {
+  } catch (const std::system_error& e) {
     std::promise<WriteOutcome> p;
-    p.set_value(timed());
+    p.set_value(no_thread ? no_thread(e) : timed());
     return p.get_future();
   }
 }
+
+// A communicator's deadline raised to at least `seconds` for a scope: a wait for a peer's export
+// files, which may take minutes on a slow filesystem (--stall-timeout, not --comm-timeout).
+class DeadlineAtLeast {
+ public:
+  DeadlineAtLeast(comm::Communicator& c, double seconds) : c_(c), was_(c.timeout()) {
+    c_.set_timeout(std::max(was_, std::chrono::milliseconds(int64_t(seconds * 1000))));
+  }
+  ~DeadlineAtLeast() { c_.set_timeout(was_); }
+  DeadlineAtLeast(const DeadlineAtLeast&) = delete;
+  DeadlineAtLeast& operator=(const DeadlineAtLeast&) = delete;
+
+ private:
+  comm::Communicator& c_;
+  const std::chrono::milliseconds was_;
+};
 
 // What can be read of an export's files (a listing error counts nothing more).
 int64_t dir_bytes(const std::string& dir) {
@@ -163,16 +183,36 @@ void RequestExports::start(PendingExport& x) {
         written(l);
         std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       };
+    if ((fault.kind == "slow_export" || fault.kind == "slow_all") && fault.rank == s_.world_rank &&
+        fault.layer > 0) {
+      // (slow_export's N: this rank's shard files take N ms more a layer, one layer at a time:
+      // a slow filesystem on one host.)
+      eo.layers_in_flight = 1;
+      eo.on_layer_written = [written = eo.on_layer_written, ms = fault.layer](int l) {
+        written(l);
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      };
+    }
     const int rank = g.group_comm->rank();  // as a write's own errors name it
-    x.write = launch([&x, eo, rank] {
-      WriteOutcome w;
-      try {
-        w.mine = x.gate ? x.sharded->write_streamed(*x.gate, eo) : x.sharded->write(eo);
-      } catch (const std::exception& e) {  // reported as this rank's error, as a write's
-        w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
-      }
-      return w;
-    });
+    std::function<WriteOutcome(const std::system_error&)> no_thread;
+    if (x.gate)
+      no_thread = [rank](const std::system_error& e) {
+        WriteOutcome w;
+        w.mine = "error\nrank " + std::to_string(rank) +
+                 ": no thread for the streamed export: " + e.what();
+        return w;
+      };
+    x.write = launch(
+        [&x, eo, rank] {
+          WriteOutcome w;
+          try {
+            w.mine = x.gate ? x.sharded->write_streamed(*x.gate, eo) : x.sharded->write(eo);
+          } catch (const std::exception& e) {  // reported as this rank's error, as a write's
+            w.mine = "error\nrank " + std::to_string(rank) + ": export thread: " + e.what();
+          }
+          return w;
+        },
+        std::move(no_thread));
   } else if (g.leader()) {
     kvstore::ExportOptions eo;
     // (The slow-export fault stands for a slow filesystem: one layer at a time, so its export
@@ -232,7 +272,12 @@ bool RequestExports::complete(std::unique_ptr<PendingExport> x) {
   if (o.export_mode == "sharded") {
     st = x->begun;
     if (st.is_ok()) {
-      st = x->sharded->finish(g, w.mine);
+      // Each rank waited for its own writer only: finish's first collective waits for the
+      // slowest rank's files, under --stall-timeout as the gathered export's wait below.
+      {
+        DeadlineAtLeast d(*g.group_comm, o.stall_timeout_s);
+        st = x->sharded->finish(g, w.mine);
+      }
       if (group_aborted()) end_job(st);
     }
   } else {
@@ -241,11 +286,11 @@ bool RequestExports::complete(std::unique_ptr<PendingExport> x) {
     // for a long prompt on a slow filesystem), under --stall-timeout, not in the next request's
     // first collective under --comm-timeout.
     int32_t wrote = st.is_ok() ? 1 : 0;
-    const auto t = g.group_comm->timeout();
-    g.group_comm->set_timeout(
-        std::max(t, std::chrono::milliseconds(int64_t(o.stall_timeout_s * 1000))));
-    const Status bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
-    g.group_comm->set_timeout(t);
+    Status bs;
+    {
+      DeadlineAtLeast d(*g.group_comm, o.stall_timeout_s);
+      bs = g.group_comm->bcast(&wrote, 1, DType::kI32, 0);
+    }
     if (!bs.is_ok()) end_job(bs);
   }
   const double finish_s = since(f0);

@@ -374,6 +374,13 @@ PY
     [ "$rc" -eq 3 ] || fail "slow gathered export: exit $rc, want 3 (the batch's bad lines)"
     [ "$(find "$tmp/slow" -name manifest.json | wc -l)" -eq 4 ] || fail "want 4 exports"
     [ "$ms" -gt 9000 ] || fail "the exports took only $ms ms: the sleep did not happen"
+    # The same with sharded exports, rank 1's shards the slow ones: rank 0 waits for them in the
+    # export's closing collective under --stall-timeout, not --comm-timeout.
+    SF_WORKER_FAULT=slow_export:1:300 run 2 --model default --cp 2 --comm-timeout 5 \
+      --batch "$tmp/prompts.jsonl" --out "$tmp/slow_sharded"
+    [ "$rc" -eq 3 ] || fail "slow sharded export: exit $rc, want 3 (the batch's bad lines)"
+    [ "$(find "$tmp/slow_sharded" -name manifest.json | wc -l)" -eq 4 ] || fail "want 4 sharded exports"
+    [ "$ms" -gt 9000 ] || fail "the sharded exports took only $ms ms: the sleep did not happen"
     ;;
   killed)
     SF_WORKER_FAULT=kill:1:3 run 2 --model default --cp 2 --comm-timeout 10 --batch "$tmp/prompts.jsonl" --out "$tmp/out"
