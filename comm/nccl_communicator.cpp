@@ -58,14 +58,15 @@ std::string seconds_str(std::chrono::milliseconds ms) {
   return b;
 }
 
-// Polls a non-blocking NCCL communicator until its pending operation (init, split) leaves
-// ncclInProgress, or the deadline passes. (A live NcclCommunicator polls its own through
-// NcclCommunicator::poll_ready, under its API lock.)
-ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_out) {
+// Polls a non-blocking NCCL communicator's async state until its pending operation (init, split,
+// enqueue) leaves ncclInProgress, or the deadline passes. get_error(&state) is
+// ncclCommGetAsyncError on the communicator (a live NcclCommunicator's under its API lock).
+template <typename GetError>
+ncclResult_t poll_until_ready(GetError&& get_error, clock::time_point deadline, bool* timed_out) {
   *timed_out = false;
   for (;;) {
     ncclResult_t st = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(c, &st);
+    const ncclResult_t rc = get_error(&st);
     if (rc != ncclSuccess) return rc;
     if (st != ncclInProgress) return st;
     if (clock::now() >= deadline) {
@@ -74,6 +75,10 @@ ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_ou
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+}
+ncclResult_t wait_ready(ncclComm_t c, clock::time_point deadline, bool* timed_out) {
+  return poll_until_ready([c](ncclResult_t* st) { return ncclCommGetAsyncError(c, st); }, deadline,
+                          timed_out);
 }
 
 // Enqueued sums (all_reduce_enqueue) have a watchdog thread. The caller does not wait for them:
@@ -356,18 +361,9 @@ class NcclCommunicator final : public Communicator {
   }
   // wait_ready on comm_, a call at a time under the API lock.
   ncclResult_t poll_ready(clock::time_point deadline, bool* timed_out) {
-    *timed_out = false;
-    for (;;) {
-      ncclResult_t st = ncclSuccess;
-      const ncclResult_t rc = nccl([&] { return ncclCommGetAsyncError(comm_, &st); });
-      if (rc != ncclSuccess) return rc;
-      if (st != ncclInProgress) return st;
-      if (clock::now() >= deadline) {
-        *timed_out = true;
-        return ncclInProgress;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    return poll_until_ready(
+        [this](ncclResult_t* st) { return nccl([&] { return ncclCommGetAsyncError(comm_, st); }); },
+        deadline, timed_out);
   }
 
   Status fail(const char* op, const std::string& who, const std::string& why,

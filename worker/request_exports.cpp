@@ -59,6 +59,14 @@ class DeadlineAtLeast {
   const std::chrono::milliseconds was_;
 };
 
+// Test faults: a write that sleeps `ms` after each layer it has written.
+void sleep_after_each_layer(kvstore::ExportOptions& eo, int64_t ms) {
+  eo.on_layer_written = [written = eo.on_layer_written, ms](int l) {
+    if (written) written(l);
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  };
+}
+
 // What can be read of an export's files (a listing error counts nothing more).
 int64_t dir_bytes(const std::string& dir) {
   int64_t bytes = 0;
@@ -179,19 +187,13 @@ void RequestExports::start(PendingExport& x) {
     if (x.gate && fault.kind == "fail_after" && fault.rank == s_.world_rank && fault.layer > 0)
       // (fail_after's N: this rank's streamed export sleeps N ms after each layer, so it is
       // still reading the prefill's rows when the request fails.)
-      eo.on_layer_written = [written = eo.on_layer_written, ms = fault.layer](int l) {
-        written(l);
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      };
+      sleep_after_each_layer(eo, fault.layer);
     if ((fault.kind == "slow_export" || fault.kind == "slow_all") && fault.rank == s_.world_rank &&
         fault.layer > 0) {
       // (slow_export's N: this rank's shard files take N ms more a layer, one layer at a time:
       // a slow filesystem on one host.)
       eo.layers_in_flight = 1;
-      eo.on_layer_written = [written = eo.on_layer_written, ms = fault.layer](int l) {
-        written(l);
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      };
+      sleep_after_each_layer(eo, fault.layer);
     }
     const int rank = g.group_comm->rank();  // as a write's own errors name it
     std::function<WriteOutcome(const std::system_error&)> no_thread;
