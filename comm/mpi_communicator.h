@@ -4,8 +4,10 @@
 //
 // Every wait is a non-blocking MPI call polled against the call's deadline (MPI_Test, yielding
 // then sleeping up to 200 us between polls: ranks are often oversubscribed on CPU). Buffers are
-// staged in memory the communicator owns; on a deadline the staging is handed to the pending
-// request and never freed, because MPI cannot cancel a collective.
+// staged in memory the communicator owns; on a deadline (or an error once a request is posted) the
+// staging is handed to the pending request and never freed, because MPI cannot cancel a
+// collective. MPI counts are ints: a call past INT_MAX elements goes in pieces, each under the
+// deadline (a message's pieces are posted together, so a sendrecv pairs up whatever its sizes).
 //
 // MPI_Comm_split has no non-blocking form: split() first passes a deadline-bounded barrier, so a
 // missing rank shows as a deadline error rather than a hang.
@@ -28,6 +30,9 @@ bool mpi_initialized();
 // finalization forever: end the job with mpi_abort_job instead.
 void mpi_finalize();
 bool mpi_any_aborted();
+// Tests only: the elements one MPI call may carry (default INT_MAX, MPI's int counts; 0 restores
+// it). Calls past it go in pieces, which a test can then run on small buffers.
+void mpi_set_call_limit_for_tests(int64_t elements);
 // Ends every rank of the job (MPI_Abort on the world) with the given exit code. Process edge
 // only: library code returns a Status instead.
 [[noreturn]] void mpi_abort_job(int code);
@@ -48,8 +53,9 @@ Result<std::unique_ptr<Communicator>> make_mpi_world(const std::string& name = "
 // worker's senders end with a "done" note, and its receivers poll until they have every one).
 class Heartbeat {
  public:
-  // Collective over the world (like make_mpi_world, with its deadline).
-  static Result<std::unique_ptr<Heartbeat>> create();
+  // Collective over the world (like make_mpi_world), within `timeout`.
+  static Result<std::unique_ptr<Heartbeat>> create(
+      std::chrono::milliseconds timeout = default_timeout());
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;

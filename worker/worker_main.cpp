@@ -333,7 +333,7 @@ int run(int argc, char** argv) {
   {
     std::unique_ptr<comm::Heartbeat> hb;
     if (have_mpi && n_groups > 1) {
-      auto h = comm::Heartbeat::create();
+      auto h = comm::Heartbeat::create(world->timeout());
       if (!h.is_ok()) fatal(h.status());
       hb = std::move(h).value();
     }

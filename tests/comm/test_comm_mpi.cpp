@@ -147,10 +147,10 @@ TEST(CommMpi, AllGatherAndGatherV) {
   EXPECT_FALSE(w.aborted());
 }
 
-// Past INT_MAX elements in one call (MPI counts are ints): all_gatherv counts in units of the
-// counts' common divisor, bcast goes in pieces. About 5 GiB a rank, so opt-in:
+// Past INT_MAX elements at the real limit (MPI counts are ints): all_gatherv and bcast go in
+// pieces. About 5 GiB a rank, so opt-in:
 // SF_COMM_BIG_TESTS=1 mpiexec -np 2 tests/test_comm_mpi --gtest_filter='*PastIntMax*'.
-TEST(CommMpi, PastIntMaxElementsGoInUnitsAndPieces) {
+TEST(CommMpi, PastIntMaxElementsGoInPieces) {
   if (!std::getenv("SF_COMM_BIG_TESTS")) GTEST_SKIP() << "SF_COMM_BIG_TESTS=1 runs it (~5 GiB a rank)";
   auto& w = test_world();
   const int64_t row = 64;
@@ -188,6 +188,85 @@ TEST(CommMpi, PastIntMaxElementsGoInUnitsAndPieces) {
   for (int64_t i = 0; i < total; i += 4099) bad += b[size_t(i)] != byte(5, i);
   bad += b[size_t(total - 1)] != byte(5, total - 1);
   EXPECT_EQ(bad, 0);
+}
+
+// Calls past one MPI call's element limit go in pieces (at INT_MAX, a 1M-token prompt's
+// O-projection sums at hidden 4096 and TP 2 x CP 2 are 2^31 floats). The limit lowered to 7
+// elements runs every piece path on small buffers: counts over, under and at it, unequal
+// all_gatherv counts with an empty rank, and a sendrecv ring whose send and receive sizes differ
+// (so the two sides' piece counts differ).
+TEST(CommMpi, CallsPastTheElementLimitGoInPieces) {
+  auto& w = test_world();
+  const int n = w.size(), r = w.rank();
+  struct Restore {
+    ~Restore() { comm::mpi_set_call_limit_for_tests(0); }
+  } restore;
+  comm::mpi_set_call_limit_for_tests(7);
+  for (const int64_t cnt : {int64_t(0), int64_t(1), int64_t(7), int64_t(50)}) {
+    SCOPED_TRACE("count " + std::to_string(cnt));
+    auto mine = input_i64(r, cnt, 21);
+    std::vector<int64_t> sum(size_t(cnt), -7), want(size_t(cnt), 0);
+    for (int q = 0; q < n; ++q) {
+      auto v = input_i64(q, cnt, 21);
+      for (int64_t i = 0; i < cnt; ++i) want[size_t(i)] += v[size_t(i)];
+    }
+    ASSERT_TRUE(w.all_reduce(mine.data(), sum.data(), cnt, DType::kI64, comm::ReduceOp::kSum).is_ok());
+    EXPECT_EQ(sum, want);
+    std::vector<int64_t> all(size_t(cnt * n), -7), want_all;
+    for (int q = 0; q < n; ++q) {
+      auto v = input_i64(q, cnt, 21);
+      want_all.insert(want_all.end(), v.begin(), v.end());
+    }
+    ASSERT_TRUE(w.all_gather(mine.data(), all.data(), cnt, DType::kI64).is_ok());
+    EXPECT_EQ(all, want_all);
+    // reduce_scatter: block q of every rank's input summed onto rank q.
+    auto blocks = input_i64(r, cnt * n, 22);
+    std::vector<int64_t> got(size_t(cnt), -7), want_rs(size_t(cnt), 0);
+    for (int q = 0; q < n; ++q) {
+      auto v = input_i64(q, cnt * n, 22);
+      for (int64_t i = 0; i < cnt; ++i) want_rs[size_t(i)] += v[size_t(r * cnt + i)];
+    }
+    ASSERT_TRUE(w.reduce_scatter(blocks.data(), got.data(), cnt, DType::kI64,
+                                 comm::ReduceOp::kSum).is_ok());
+    EXPECT_EQ(got, want_rs);
+    // bcast from the last rank.
+    std::vector<int64_t> b = r == n - 1 ? input_i64(n - 1, cnt, 23) : std::vector<int64_t>(size_t(cnt), -7);
+    ASSERT_TRUE(w.bcast(b.data(), cnt, DType::kI64, n - 1).is_ok());
+    EXPECT_EQ(b, input_i64(n - 1, cnt, 23));
+  }
+  // all_gatherv with unequal counts (one empty, one exactly the limit, some past it).
+  std::vector<int64_t> counts(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) total += counts[size_t(q)] = q == 1 ? 0 : q == 2 ? 7 : 9 + 11 * q;
+  auto mv = input_i64(r, counts[size_t(r)], 24);
+  std::vector<int64_t> gv(size_t(total) + 3, -7), want_gv;
+  for (int q = 0; q < n; ++q) {
+    auto v = input_i64(q, counts[size_t(q)], 24);
+    want_gv.insert(want_gv.end(), v.begin(), v.end());
+  }
+  want_gv.insert(want_gv.end(), 3, -7);  // nothing written past the end
+  ASSERT_TRUE(w.all_gatherv(mv.data(), counts[size_t(r)], gv.data(), counts, DType::kI64).is_ok());
+  EXPECT_EQ(gv, want_gv);
+  // A sendrecv ring: rank q sends 5 + 9q elements to q+1, so each rank's send and receive sizes
+  // (and piece counts) differ.
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  auto sv = input_i64(r, 5 + 9 * r, 25);
+  std::vector<int64_t> rv(size_t(5 + 9 * prev), -7);
+  ASSERT_TRUE(w.sendrecv(sv.data(), int64_t(sv.size()), next, rv.data(), int64_t(rv.size()), prev,
+                         DType::kI64, 31).is_ok());
+  EXPECT_EQ(rv, input_i64(prev, 5 + 9 * prev, 25));
+  // send / recv in pieces, even ranks first.
+  std::vector<int64_t> pr(size_t(20), -7);
+  auto ps = input_i64(r, 20, 26);
+  if (r % 2 == 0) {
+    ASSERT_TRUE(w.send(ps.data(), 20, DType::kI64, next, 32).is_ok());
+    ASSERT_TRUE(w.recv(pr.data(), 20, DType::kI64, prev, 32).is_ok());
+  } else {
+    ASSERT_TRUE(w.recv(pr.data(), 20, DType::kI64, prev, 32).is_ok());
+    ASSERT_TRUE(w.send(ps.data(), 20, DType::kI64, next, 32).is_ok());
+  }
+  EXPECT_EQ(pr, input_i64(prev, 20, 26));
+  EXPECT_FALSE(w.aborted());
 }
 
 TEST(CommMpi, ReduceScatter) {
