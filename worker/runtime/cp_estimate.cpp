@@ -29,6 +29,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 bool uses_vs(Pattern p) { return p == Pattern::kVerticalSlash || p == Pattern::kAdaptiveVS; }
 bool uses_blocks(Pattern p) { return p == Pattern::kBlockSparse || p == Pattern::kAdaptiveBlock; }
 int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
+// Bytes an all-reduce of `array_bytes` brings each rank: a reduce-scatter and an all-gather,
+// (CP - 1) / CP of the array each, as the reduce-scatter and all-gathers here are counted.
+int64_t all_reduce_bytes(int CP, int64_t array_bytes) {
+  return 2 * int64_t(CP - 1) * array_bytes / CP;
+}
 
 // How score_rows hands one head's sums over, when only a top-k selection over all S items reads
 // them: k >= 0 (the non-forced items the selection takes at most) sends only candidates for the
@@ -190,7 +195,7 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
     n2[size_t(x)] = int64_t(l2[size_t(x)].size());
   }
   SF_TRY(cp.all_reduce(n2.data(), n2.data(), nh, DType::kI64, comm::ReduceOp::kSum));
-  *bytes += 2 * int64_t(sizeof(int64_t)) * nh;
+  *bytes += all_reduce_bytes(cp.size(), int64_t(sizeof(int64_t)) * nh);
   std::vector<char> use(static_cast<size_t>(nh), 1);
   const int64_t rs_floats = (CP - 1) * ceil_div(S, CP);
   for (int64_t x = 0; x < nh; ++x)
@@ -353,7 +358,8 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         mx[r] == kNegInf ? 0.f : float(double(sum[r]) * std::exp(double(mx[r]) - double(gmx[r])));
   SF_TRY(cp.all_reduce(sum.data(), sum.data(), int64_t(sum.size()), DType::kF32,
                        comm::ReduceOp::kSum));
-  bytes.queries += 2 * int64_t(sizeof(float)) * int64_t(mx.size() + sum.size());
+  bytes.queries +=
+      all_reduce_bytes(CP, int64_t(sizeof(float)) * int64_t(mx.size() + sum.size()));
   // 3) Probabilities of local keys into column and diagonal sums, then over ranks.
   std::vector<float> cs(static_cast<size_t>(nh * S), 0.f), ds(static_cast<size_t>(nh * S), 0.f);
   for (int64_t x = 0; x < nh; ++x)
@@ -448,8 +454,7 @@ Status score_rows(comm::Communicator& cp, const CpEstimateArgs& a, const std::ve
         std::copy_n(ds.data() + full[i] * size_t(S), S, buf.data() + i * size_t(S));
       SF_TRY(cp.all_reduce(buf.data(), buf.data(), int64_t(buf.size()), DType::kF32,
                            comm::ReduceOp::kSum));
-      // A ring all-reduce moves about twice the array through each rank.
-      bytes.diagonals += 2 * int64_t(sizeof(float)) * int64_t(buf.size());
+      bytes.diagonals += all_reduce_bytes(CP, int64_t(sizeof(float)) * int64_t(buf.size()));
       for (size_t i = 0; i < full.size(); ++i)
         std::copy_n(buf.data() + i * size_t(S), S, ds.data() + full[i] * size_t(S));
     }

@@ -459,7 +459,8 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       ea.patterns = sc->layers[size_t(l)].data() + hq0;
       std::vector<kernels::SparseIndex> est;
       CpEstimateStats es;
-      SF_TRY(timed(&st, [&] { return cp_estimate(*g.cp, ea, &est, &es); }));
+      // Its collectives are in estimate_s with its arithmetic, not in comm_s as well.
+      SF_TRY(cp_estimate(*g.cp, ea, &est, &es));
       st.estimate_bytes += es.bytes;
       st.estimate_queries_bytes += es.parts.queries;
       st.estimate_columns_bytes += es.parts.columns;
@@ -721,6 +722,13 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       unpack_gathered(kv_all.data(), kslice[size_t(l)].data(), vslice[size_t(l)].data());
     }
   // KV to the leader: CP rank 0's TP row holds every token of its slice; gather the slices.
+  // That row alone gathers, for minutes at 1M tokens; the other CP rows pass a group barrier
+  // after each of its layers, so what they wait for is one layer's gather, under the deadline,
+  // not all of them (then the stats below, or the caller's next collective).
+  const bool layer_barriers = opt.gather_kv && TP > 1 && CP > 1;
+  if (!keep && layer_barriers)
+    for (int l = 0; l < c.n_layers; ++l)
+      SF_TRY(timed(&st, [&] { return g.group_comm->barrier(); }));
   if (keep) {
     model::KvCache& kv = res.kv;
     if (g.leader()) {
@@ -732,7 +740,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       kv.v.assign(size_t(c.n_layers), {});
     }
     std::vector<float> all(TP > 1 ? size_t(TP * S * kvw) : 0);
-    for (int l = 0; l < c.n_layers; ++l)
+    for (int l = 0; l < c.n_layers; ++l) {
       for (int which = 0; which < 2; ++which) {
         std::vector<float>& mine = (which ? vslice : kslice)[size_t(l)];
         if (TP == 1) {
@@ -752,6 +760,9 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
             std::copy_n(all.data() + (int64_t(t) * S + i) * kvw, kvw,
                         dst.data() + (i * c.n_kv_heads + t * hkv_t) * d);
       }
+      if (opt.on_kv_gathered) opt.on_kv_gathered(l);
+      if (layer_barriers) SF_TRY(timed(&st, [&] { return g.group_comm->barrier(); }));
+    }
   }
   st.comm_bytes = (g.tp->bytes_sent() - ar_bytes0) + (g.cp->bytes_sent() - cp_bytes0) +
                   (g.group_comm->bytes_sent() - grp_bytes0);

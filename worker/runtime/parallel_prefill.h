@@ -59,6 +59,9 @@ struct ParallelOptions {
   int importance_pool = 7;
   // Called on every rank before each layer (progress; the worker's fault injection).
   std::function<void(int layer)> on_layer;
+  // With gather_kv: called on the ranks gathering the cache to the leader (CP rank 0's TP row)
+  // after each layer's gather (progress; tests slow the gather with it).
+  std::function<void(int layer)> on_kv_gathered;
   // With local_kv: this rank's K/V (and, with importance_window, each layer's importance) as
   // they become final, and its KvCache should the run fail after that (model::LayerKvHooks;
   // model::PrefillOptions::kv_hooks on devices).
@@ -81,7 +84,8 @@ struct ParallelStats {
   // Before the run, not in `seconds`: the device path plans per prompt length (workspaces,
   // pinned host KV, cuDNN graphs and GEMM algorithms); 0 when the worker reused the last plan.
   double plan_s = 0;
-  double comm_s = 0;               // time waiting in collectives (this rank)
+  double comm_s = 0;               // time waiting in collectives (this rank; cp_estimate's
+                                   // are in estimate_s)
   int64_t kv_allgather_bytes = 0;  // K/V bytes the per-layer CP all-gather brings this rank
   int64_t estimate_bytes = 0;      // what cp_estimate's collectives brought this rank
   // ... by part (CpEstimateBytes): scoring rows' q and row stats, columns, diagonals, blocks

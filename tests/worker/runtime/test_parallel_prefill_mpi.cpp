@@ -12,6 +12,7 @@
 // there is 6.5e-5). A one-position error in q_offset gives 0.17 (the test was run against it).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <algorithm>
 #include <cstdio>
@@ -836,6 +837,39 @@ INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
                            return "tp" + std::to_string(i.param.first) + "_cp" +
                                   std::to_string(i.param.second);
                          });
+
+// A gathered cache goes to the leader after the last layer: CP rank 0's TP row gathers it while
+// the other rows wait. They wait layer by layer (a group barrier after each layer's gather), so
+// a gather longer in all than the deadline, though not a layer of it, completes; before, they
+// waited for all of it in the group's next collective and failed at the deadline.
+TEST(ParallelPrefillGather, GatherLongerThanTheDeadlineInAllCompletes) {
+  auto& w = test_world();
+  if (w.size() != 4) GTEST_SKIP() << "needs 4 ranks (tp 2 x cp 2)";
+  auto m = model::Model::synthetic(llama_small(), test_seed());
+  ASSERT_TRUE(m.is_ok());
+  auto gr = runtime::make_grid(w, {2, 2});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  runtime::GridComms& g = gr.value();
+  const auto deadline = std::chrono::milliseconds(1500);
+  for (comm::Communicator* c : {g.tp.get(), g.cp.get(), g.group_comm.get()}) c->set_timeout(deadline);
+  runtime::ParallelOptions po;
+  po.gather_kv = true;
+  int gathered = 0;
+  // 3 layers x 0.7 s: 2.1 s of gathering, each layer's well within the 1.5 s deadline.
+  po.on_kv_gathered = [&](int) {
+    ++gathered;
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  };
+  std::vector<int32_t> tokens(200);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t((i * 37 + 5) % 211);
+  const auto r = runtime::parallel_prefill(m.value(), g, tokens, po);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(gathered, g.cp_rank == 0 ? m.value().config().n_layers : 0);
+  if (g.leader()) {
+    EXPECT_EQ(r->kv.n_tokens, 200);
+    EXPECT_EQ(int(r->kv.k.size()), m.value().config().n_layers);
+  }
+}
 
 TEST(ParallelPrefillErrors, ModelThatDoesNotDivideByTp) {
   auto cfg = llama_small();
