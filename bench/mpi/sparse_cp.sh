@@ -78,7 +78,7 @@ json.dump({"device": {"cpu": cpu}, "date": datetime.datetime.utcnow().isoformat(
                    "without a prefix are rank 0's (it holds the last chunk); group_* are the sums over "
                    "every rank of the job, *_by_rank each rank's (rank order), max_rank_* the worst "
                    "rank against its own all-gather share; bytes are received per prefill (all "
-                   "layers); estimate bytes count each all-reduce as twice its array (ring)",
+                   "layers); estimate bytes count each all-reduce as a reduce-scatter plus an all-gather, 2(CP-1)/CP of its array (before 5323697: twice its array)",
            "records": rows}, open(out, "w"), indent=1)
 print("wrote", out)
 EOF
