@@ -60,6 +60,28 @@ Status DecodeSession::step(int32_t token, std::vector<float>* logits) {
 Status DecodeSession::run(const int32_t* tokens, int n, const DecodeAttnParams& p,
                           std::vector<float>* logits, std::vector<PagedKvCache::AppendUndo>* undo,
                           std::vector<int>* undo_token, std::vector<int64_t>* totals) {
+  // The constructor takes any cache; one whose geometry is not the model's would be indexed out
+  // of bounds by the appends.
+  const model::ModelConfig& c = m_.config();
+  SF_TRY(check_cache_geometry(cache_, c.n_layers, c.n_kv_heads, c.head_dim, "decode"));
+  // Every append is recorded, so a failure at layer L takes back layers 0..L's (a session used
+  // after an error must not hold a token in some layers only).
+  std::vector<PagedKvCache::AppendUndo> mine;
+  std::vector<PagedKvCache::AppendUndo>* u = undo ? undo : &mine;
+  const size_t u0 = u->size(), t0 = undo_token ? undo_token->size() : 0;
+  Status st = run_layers(tokens, n, p, logits, u, undo_token, totals);
+  if (!st.is_ok()) {
+    for (size_t i = u->size(); i-- > u0;) cache_.undo_append(std::move((*u)[i]));
+    u->resize(u0);
+    if (undo_token) undo_token->resize(t0);
+  }
+  return st;
+}
+
+Status DecodeSession::run_layers(const int32_t* tokens, int n, const DecodeAttnParams& p,
+                                 std::vector<float>* logits,
+                                 std::vector<PagedKvCache::AppendUndo>* undo,
+                                 std::vector<int>* undo_token, std::vector<int64_t>* totals) {
   const model::ModelConfig& c = m_.config();
   const model::ModelWeights& w = m_.weights();
   if (n < 1) return SF_ERR(kInvalidArgument, "decode: no tokens to run");
@@ -97,12 +119,8 @@ Status DecodeSession::run(const int32_t* tokens, int n, const DecodeAttnParams& 
       for (int h = 0; h < hkv; ++h) {
         const float* kr = k.data() + (i * hkv + h) * d;
         const float* vr = v.data() + (i * hkv + h) * d;
-        if (undo) {
-          undo->push_back(cache_.append_undoable(l, h, pos[size_t(i)], kr, vr));
-          if (undo_token) undo_token->push_back(i);
-        } else {
-          cache_.append(l, h, pos[size_t(i)], kr, vr);
-        }
+        undo->push_back(cache_.append_undoable(l, h, pos[size_t(i)], kr, vr));
+        if (undo_token) undo_token->push_back(i);
       }
     if (n == 1) {
       const int64_t before = stats_.blocks_total;
@@ -240,8 +258,9 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
   int drafts = 0;
   VerifyOps ops;
   ops.draft = [&](int32_t t, std::vector<float>* z) {
+    SF_TRY(run(&t, 1, p_, z, &undo));
     ++drafts;
-    return run(&t, 1, p_, z, &undo);
+    return Status::ok();
   };
   ops.drop_drafts = [&]() {
     for (auto it = undo.rbegin(); it != undo.rend(); ++it) cache_.undo_append(std::move(*it));
@@ -266,8 +285,12 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
     pass_undo.clear();
     return Status::ok();
   };
-  return verified_decode(first_token, n_new, p_, m_.config().vocab,
-                         m_.config().n_heads / m_.config().n_kv_heads, &stats_, ops, on_logits);
+  auto out = verified_decode(first_token, n_new, p_, m_.config().vocab,
+                             m_.config().n_heads / m_.config().n_kv_heads, &stats_, ops, on_logits);
+  // A failure mid-round leaves the round's drafts in the cache (a failed pass or draft took its
+  // own appends back; a pass's kept tokens stay, as with plain steps).
+  if (!out.is_ok()) (void)ops.drop_drafts();
+  return out;
 }
 
 Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,

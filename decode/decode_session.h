@@ -65,7 +65,8 @@ class DecodeSession {
   // The cache must come from an export whose compat hash matched m (load_kv_export checks it).
   DecodeSession(const model::Model& m, PagedKvCache cache, int64_t next_pos, DecodeAttnParams p);
 
-  // Runs `token` at the next position, appends its K/V to every head, returns the logits. With a
+  // Runs `token` at the next position, appends its K/V to every head, returns the logits. A step
+  // that fails leaves the cache and position as they were (and so does generate_greedy). With a
   // psa guard margin (DecodeAttnParams::guard_margin), a step whose top two logits are closer
   // than the margin is taken back and run again with full attention. With verify_draft, a step
   // is the draft's PSA alone (no guard, no verification).
@@ -84,10 +85,14 @@ class DecodeSession {
   // Runs tokens[0..n) at the next n positions under attention params p and appends their K/V;
   // logits: [n, vocab]. n > 1 needs full attention (decode_attention_causal; a verification
   // pass). undo (optional) receives every cache append, and undo_token the token index of each;
-  // totals (optional) each token's blocks over layers and query heads.
+  // totals (optional) each token's blocks over layers and query heads. On failure every append
+  // of the call is taken back (undo and undo_token as they were) and the position kept.
   Status run(const int32_t* tokens, int n, const DecodeAttnParams& p, std::vector<float>* logits,
              std::vector<PagedKvCache::AppendUndo>* undo, std::vector<int>* undo_token = nullptr,
              std::vector<int64_t>* totals = nullptr);
+  Status run_layers(const int32_t* tokens, int n, const DecodeAttnParams& p,
+                    std::vector<float>* logits, std::vector<PagedKvCache::AppendUndo>* undo,
+                    std::vector<int>* undo_token, std::vector<int64_t>* totals);
   // generate_greedy with verify_draft.
   Result<std::vector<int32_t>> generate_verified(
       int32_t first_token, int n_new,

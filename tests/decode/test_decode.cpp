@@ -560,6 +560,75 @@ struct TinyPrefill {
   }
 };
 
+// A step that fails part-way takes its appends back. Here layer 1's output projection is given
+// a wrong shape, so the step fails in layer 1's linear after layers 0 and 1 appended their K/V:
+// every head keeps its token count, and once the weight is mended the next step's logits are a
+// fresh session's first step's, bit for bit (the same position and cache). Then the same with
+// verified drafts, whose first draft fails.
+TEST(DecodeSession, AFailedStepLeavesTheCacheAsItWas) {
+  TinyPrefill tp(200);
+  ASSERT_TRUE(tp.ok);
+  const model::ModelConfig& c = tp.cfg;
+  ASSERT_GE(c.n_layers, 2);
+  // The test owns the model: breaking and mending one weight's shape in place is fine here.
+  auto& wo = const_cast<model::ModelWeights&>(tp.m.value().weights()).layers[1].wo;
+  const std::vector<int64_t> shape = wo.shape;
+  for (const char* spec : {"full", "psa-avg:0.95:verify4"}) {
+    SCOPED_TRACE(spec);
+    auto s = tp.session(spec);
+    auto counts = [&] {
+      std::vector<int64_t> n;
+      for (int l = 0; l < c.n_layers; ++l)
+        for (int h = 0; h < c.n_kv_heads; ++h) n.push_back(s.cache().n_tokens(l, h));
+      return n;
+    };
+    const std::vector<int64_t> before = counts();
+    ASSERT_EQ(before.front(), 200);
+    wo.shape = {shape[0], shape[1] / 2};
+    std::vector<float> z;
+    const bool verified = std::string(spec).find("verify") != std::string::npos;
+    if (verified) {
+      EXPECT_FALSE(s.generate_greedy(tp.pr.first_token, 8).is_ok());
+    } else {
+      EXPECT_FALSE(s.step(tp.pr.first_token, &z).is_ok());
+    }
+    EXPECT_EQ(counts(), before) << "a failed step left K/V in the cache";
+    wo.shape = shape;
+    if (verified) {
+      auto a = s.generate_greedy(tp.pr.first_token, 8);
+      auto b = tp.session(spec).generate_greedy(tp.pr.first_token, 8);
+      ASSERT_TRUE(a.is_ok() && b.is_ok());
+      EXPECT_EQ(a.value(), b.value());
+    } else {
+      ASSERT_TRUE(s.step(tp.pr.first_token, &z).is_ok());
+      std::vector<float> want;
+      auto fresh = tp.session(spec);
+      ASSERT_TRUE(fresh.step(tp.pr.first_token, &want).is_ok());
+      EXPECT_EQ(z, want);
+    }
+  }
+  wo.shape = shape;
+}
+
+// A cache whose geometry is not the model's is refused by a step, not indexed out of bounds.
+TEST(DecodeSession, ACacheOfAnotherGeometryIsRefused) {
+  TinyPrefill tp(100);
+  ASSERT_TRUE(tp.ok);
+  model::KvCache kv = tp.pr.kv;
+  kv.n_layers = 1;  // the first layer only
+  kv.k.resize(1);
+  kv.v.resize(1);
+  auto ret = kvstore::retention_apply(kvstore::RetentionPolicy{}, 1, tp.cfg.n_kv_heads, 100, nullptr);
+  ASSERT_TRUE(ret.is_ok());
+  auto pc = decode::PagedKvCache::from_prefill(kv, ret.value());
+  ASSERT_TRUE(pc.is_ok()) << pc.status().to_string();
+  decode::DecodeSession s(tp.m.value(), std::move(pc).value(), 100, decode::DecodeAttnParams{});
+  std::vector<float> z;
+  const Status st = s.step(tp.pr.first_token, &z);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("the cache is 1 layers"), std::string::npos) << st.message();
+}
+
 // The psa guard: a margin no step's top two logits can be under re-runs nothing (the plain PSA
 // session's logits bit for bit); one every step is under re-runs every step in full (the full
 // session's logits bit for bit), and the re-runs' blocks count as visited.
