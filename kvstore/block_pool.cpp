@@ -131,6 +131,7 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
 }  // namespace
 
 #ifndef SF_KV_CUDA
+Status BlockPool::wait_stream(void*) { return Status::ok(); }
 Status BlockPool::write_from_device_async(std::span<const BlockId>, const float*, const float*,
                                           int64_t, void*) {
   return SF_ERR(kUnsupported, "block pool: writes from device memory need a CUDA build");

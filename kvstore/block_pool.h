@@ -104,6 +104,9 @@ class BlockPool {
   // copies: pin them. Every block is checked before anything is queued. CUDA builds only.
   Status read_to_device_async(std::span<const BlockId> ids, float* k, float* v, int64_t n_rows,
                               void* stream) const;
+  // Waits until `stream` (a cudaStream_t) has passed everything queued on it, such as the copies
+  // above, before their blocks are freed. Ok at once without CUDA.
+  static Status wait_stream(void* stream);
   Result<Tier> tier_of(BlockId id) const;
 
   // Refcounted: a block with pins > 0 is not moved by move()/place() and cannot be freed.

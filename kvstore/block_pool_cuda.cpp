@@ -165,6 +165,10 @@ Result<std::vector<char*>> BlockPool::device_copy_targets(std::span<const BlockI
   return at;
 }
 
+Status BlockPool::wait_stream(void* stream) {
+  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "wait for a stream");
+}
+
 Status BlockPool::write_from_device_async(std::span<const BlockId> ids, const float* k,
                                          const float* v, int64_t n_rows, void* stream) {
   std::lock_guard<std::mutex> g(mu_);

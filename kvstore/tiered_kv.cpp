@@ -65,6 +65,7 @@ Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const Tiered
     t->quota_[size_t(l)] = fast_blocks / cfg.n_layers + (l < fast_blocks % cfg.n_layers ? 1 : 0);
   t->tokens_.assign(size_t(cfg.n_layers), 0);
   t->pending_.assign(size_t(cfg.n_layers), 0);
+  t->pending_stream_.assign(size_t(cfg.n_layers), nullptr);
   t->blocks_.resize(size_t(cfg.n_layers));
   t->scores_.resize(size_t(cfg.n_layers));
   t->placed_.resize(size_t(cfg.n_layers));
@@ -100,6 +101,11 @@ void TieredKv::release(int layer) {
     q.erase(std::remove(q.begin(), q.end(), layer), q.end());
     drain_->cv.wait(lk, [&] { return drain_->current != layer; });
   }
+  // A layer enqueued and not placed may still have copies into its blocks on the caller's
+  // stream (a prefill that failed between the two, a second enqueue, the destructor): they land
+  // before the blocks can be handed out again.
+  if (pending_[size_t(layer)] != 0 && pending_stream_[size_t(layer)])
+    (void)BlockPool::wait_stream(pending_stream_[size_t(layer)]);
   // Our blocks are never pinned by us and are live, so free() cannot fail here. Freed last to
   // first: the pool hands slots back last in, first out, so the layer's next blocks get them
   // in ascending order again (runs of consecutive slots copy as one).
@@ -109,6 +115,7 @@ void TieredKv::release(int layer) {
   scores_[size_t(layer)].clear();
   tokens_[size_t(layer)] = 0;
   pending_[size_t(layer)] = 0;
+  pending_stream_[size_t(layer)] = nullptr;
   placed_[size_t(layer)] = {};
   drained_[size_t(layer)] = 0;
 }
@@ -356,6 +363,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
     return st;
   }
   pending_[size_t(layer)] = n_rows;
+  pending_stream_[size_t(layer)] = stream;
   return Status::ok();
 }
 
@@ -371,7 +379,9 @@ Status TieredKv::place_device(int layer, std::span<const float> importance) {
             "tiered kv: layer " + std::to_string(layer) + " importance has " +
                 std::to_string(importance.size()) + " scores, want " +
                 std::to_string(int64_t(cfg_.n_kv_heads) * n));
+  // The caller let the stream pass the copies (the contract above).
   pending_[size_t(layer)] = 0;
+  pending_stream_[size_t(layer)] = nullptr;
   Status st = drain_error();
   if (st.is_ok()) st = rank_and_place(layer, n, importance);
   if (!st.is_ok()) {

@@ -122,6 +122,7 @@ class TieredKv {
   std::unique_ptr<Drainer> drain_;
   std::vector<int64_t> quota_, tokens_;
   std::vector<int64_t> pending_;  // rows enqueue_device() queued, not yet placed (0: none)
+  std::vector<void*> pending_stream_;  // the stream those copies are queued on
   std::vector<std::vector<BlockId>> blocks_;
   std::vector<std::vector<float>> scores_;
   std::vector<PlacementResult> placed_;

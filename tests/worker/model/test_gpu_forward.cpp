@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -1235,6 +1236,40 @@ void make_device_tiering(const ModelConfig& c, int64_t device_blocks, int64_t ho
   auto t = kvstore::TieredKv::create(pool->get(), tc);
   ASSERT_OK(t.status());
   *tk = std::move(t).value();
+}
+
+// A layer enqueued and never placed (a prefill that failed between the two) may still have copies
+// in flight on the caller's stream. Freeing its blocks, here by destroying the TieredKv, waits for
+// them, so no block goes back to the pool while a copy may still land in it: 512 MB of K/V to
+// pinned host take milliseconds, and the stream must be idle once the destructor returns.
+TEST_F(GpuForward, TieredKvWaitsForAnUnplacedLayersCopiesBeforeFreeing) {
+  ModelConfig c = testing::tiny_config(1);
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  const int64_t rows = 65536, nb = rows / kvstore::kPoolBlockTokens;
+  const size_t bytes = size_t(rows) * size_t(c.n_kv_heads * c.head_dim) * sizeof(float);
+  std::unique_ptr<kvstore::BlockPool> pool;
+  std::unique_ptr<kvstore::TieredKv> tk;
+  make_device_tiering(c, 1, nb, 0, "", &pool, &tk);
+  ASSERT_TRUE(pool && tk);
+  float *k = nullptr, *v = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&k), bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&v), bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(k, 0x3f, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(v, 0x3e, bytes), cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_OK(tk->enqueue_device(0, k, v, rows, s));
+  const cudaError_t queued = cudaStreamQuery(s);
+  tk.reset();
+  const cudaError_t after = cudaStreamQuery(s);
+  EXPECT_EQ(after, cudaSuccess) << "the layer's blocks were freed with its copies still in flight";
+  std::printf("stream after enqueue: %s; after the TieredKv's destructor: %s\n",
+              cudaGetErrorName(queued), cudaGetErrorName(after));
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaStreamDestroy(s);
+  cudaFree(k);
+  cudaFree(v);
 }
 
 // ---- KV tiering from device memory: the sink queues each layer's blocks on the forward's copy
