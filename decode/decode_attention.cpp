@@ -184,7 +184,12 @@ void rank_blocks(const PagedKvCache& cache, const std::vector<int32_t>& pages, c
   std::iota(order.begin(), order.end(), size_t(0));
   if (p.mode != DecodeAttnMode::kPsa) return;
   ub.resize(nb);
-  for (size_t b = 0; b < nb; ++b) ub[b] = block_score_bound(q, cache.block(pages[b]), d);
+  // A NaN bound (NaN keys or query) counts as unbounded: the block is visited first, so the NaN
+  // reaches the output as with full attention, and the sort keeps a strict order.
+  for (size_t b = 0; b < nb; ++b) {
+    ub[b] = block_score_bound(q, cache.block(pages[b]), d);
+    if (std::isnan(ub[b])) ub[b] = std::numeric_limits<float>::infinity();
+  }
   // Pinned blocks rank above every bound.
   if (p.pin_sink_recent && nb > 0) {
     ub[0] = std::numeric_limits<float>::infinity();

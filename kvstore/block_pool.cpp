@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
+#include <cmath>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -675,10 +677,16 @@ std::vector<int64_t> placement_order(std::span<const float> scores, int64_t sink
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t(0));
   auto rank = [&](int64_t i) { return i < sink_blocks ? 0 : (i >= n - recent_blocks ? 1 : 2); };
+  // A NaN score (a model that produced NaN) ranks last: compared as is, it would break the
+  // ordering the sort needs.
+  auto key = [&](int64_t i) {
+    const float s = scores[size_t(i)];
+    return std::isnan(s) ? -std::numeric_limits<float>::infinity() : s;
+  };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     const int ra = rank(a), rb = rank(b);
     if (ra != rb) return ra < rb;
-    return ra == 2 && scores[size_t(a)] > scores[size_t(b)];
+    return ra == 2 && key(a) > key(b);
   });
   return order;
 }

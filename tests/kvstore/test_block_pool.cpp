@@ -104,6 +104,15 @@ Tier tier(const BlockPool& p, BlockId id) {
   return t.is_ok() ? *t : Tier::kDevice;
 }
 
+// Placement keeps sink blocks first, then the recent window, then the rest by score, highest
+// first; a NaN score ranks last instead of breaking the sort's order.
+TEST(BlockPool, PlacementOrderRanksNanScoresLast) {
+  const float nan = std::nanf("");
+  const std::vector<float> scores = {5.f, 1.f, nan, 3.f, nan, 2.f, 9.f, 0.f};
+  EXPECT_EQ(placement_order(scores, 1, 1), (std::vector<int64_t>{0, 7, 6, 3, 5, 1, 2, 4}));
+  EXPECT_EQ(placement_order(scores, 0, 0), (std::vector<int64_t>{6, 0, 3, 5, 1, 7, 2, 4}));
+}
+
 TEST(BlockPool, BudgetsAndAccounting) {
   TempDir tmp;
   auto p = make_pool(config(3, 2, tmp.sub("disk")));
