@@ -709,17 +709,21 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
                  const ExportOptions& opt) {
   SF_TRY(check_spec(spec));
   SF_ASSIGN(const std::string tmp, begin_export(dir, force));
-  auto fail = [&](Status st) {
-    std::error_code e2;
-    fs::remove_all(tmp, e2);
-    return st;
-  };
+  // The temporary directory goes on any way out but success, an exception from the caller's
+  // LayerSource or an allocation included (a 1M-token export's is hundreds of gigabytes).
+  struct RemoveUnlessMoved {
+    const std::string& dir;
+    bool moved = false;
+    ~RemoveUnlessMoved() {
+      std::error_code ec;
+      if (!moved) fs::remove_all(dir, ec);
+    }
+  } guard{tmp};
   auto entries = export_kv_shards(tmp, spec, whole_part(spec), src, /*validate=*/true, opt);
-  if (!entries.is_ok()) return fail(entries.status());
-  Status st = export_kv_manifest(tmp, spec, entries.value());
-  if (!st.is_ok()) return fail(st);
-  st = finish_export(tmp, dir);
-  if (!st.is_ok()) return fail(st);
+  SF_TRY(entries.status());
+  SF_TRY(export_kv_manifest(tmp, spec, entries.value()));
+  SF_TRY(finish_export(tmp, dir));
+  guard.moved = true;
   return Status::ok();
 }
 

@@ -4,6 +4,8 @@
 // and a clear error for every bad input.
 #include <gtest/gtest.h>
 
+#include <stdexcept>
+
 #include <algorithm>
 #include <boost/json.hpp>
 #include <cmath>
@@ -324,6 +326,22 @@ TEST_F(KvClient, ExportDirectoryRules) {
   ASSERT_TRUE(decode::load_kv_export(d, hash_).is_ok());
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator{}), 1)
       << "a temporary directory was left behind";
+  // A layer source that throws (an allocation, a caller's bug) fails the export and leaves no
+  // temporary directory.
+  const std::string thrown = tmp_.sub("thrown");
+  const auto bad_src = [&](int l, bool v) -> kvstore::LayerRows {
+    if (l == 1) throw std::runtime_error("layer source failed");
+    return src(l, v);
+  };
+  try {
+    const Status t = kvstore::export_kv(thrown, spec, bad_src, /*force=*/false);
+    EXPECT_FALSE(t.is_ok());
+    std::printf("a throwing layer source: %s\n", t.to_string().c_str());
+  } catch (const std::runtime_error& e) {
+    std::printf("a throwing layer source: thrown through (%s)\n", e.what());
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(tmp_.path), fs::directory_iterator{}), 1)
+      << "a throwing export left its temporary directory";
   // --force replaces an earlier export, never a directory that is not one.
   const std::string other = tmp_.sub("other");
   fs::create_directories(other);
