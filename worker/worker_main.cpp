@@ -23,15 +23,12 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <thread>
 
 #include "comm/mpi_communicator.h"
-#include "common/checksum.h"
 #include "common/file_io.h"
 #include "common/log.h"
 #include "common/text.h"
@@ -42,11 +39,10 @@
 #include "worker/host_kv.h"
 #include "worker/job_comm.h"
 #include "worker/job_identity.h"
+#include "worker/job_start.h"
 #include "worker/model/device_model.h"
-#include "worker/model/gguf.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
-#include "worker/model/tokenizer.h"
 #include "worker/options.h"
 #include "worker/prefix_requests.h"
 #include "worker/request_checks.h"
@@ -80,10 +76,7 @@ using worker::print_dry_run;
 using worker::publish_layer;
 using worker::RequestExports;
 using worker::plain_bf16;
-using worker::policy_fingerprint;
 using worker::request_fingerprint;
-using worker::same_on_every_rank;
-using worker::stores_f32;
 
 // SF_WORKER_FAULT=stop_sum:R:N: world rank R stops (SIGSTOP) before enqueuing its Nth overlapped
 // TP sum; no hook elsewhere.
@@ -130,201 +123,50 @@ int run(int argc, char** argv) {
     setenv("SF_NUM_THREADS", std::to_string(std::max(1, usable_cpus() / peers.cpu_sharers)).c_str(), 1);
   std::unique_ptr<GroupProgress> progress;  // several groups: the leaders' progress notes
   // Exits every rank the same way; the message prints once (rank 0) or on every rank.
-  auto finish = [&](int code, const std::string& err, bool every_rank) {
-    if (!err.empty() && (every_rank || rank0)) std::fprintf(stderr, "error: %s\n", err.c_str());
+  auto finish = [&](const worker::JobExit& e) {
+    if (!e.message.empty() && (e.every_rank || rank0))
+      std::fprintf(stderr, "error: %s\n", e.message.c_str());
     std::fflush(stdout);
     if (progress) progress->close();
     world.reset();
     comm::mpi_finalize();
-    return code;
+    return e.code;
   };
   auto fatal = [](const Status& st) { worker::end_job(st); };
 
   auto opts_r = parse_options(argc, argv);
-  {
-    // Every rank parses the options; a --retention moa config is read on each rank's host, so
-    // one rank may fail where the others do not, or read other spans: agree before going on.
-    Status all = agree(*world, opts_r.status());
-    if (world->aborted()) fatal(world->abort_status());
-    if (all.is_ok()) {
-      const Options& p = opts_r.value();
-      auto same = same_on_every_rank(
-          *world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
-                   int64_t(p.host_memory_check), int64_t(p.help),
-                   int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16),
-                   int64_t(p.export_stream)});
-      if (!same.is_ok()) fatal(same.status());
-      if (!same.value()[0])
-        all = SF_ERR(kInvalidArgument,
-                     "--retention: the ranks read different policies (a moa config file must "
-                     "hold the same spans on every host)");
-      else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4] ||
-               !same.value()[5] || !same.value()[6])
-        all = SF_ERR(kInvalidArgument,
-                     "the ranks were given different --dry-run, --export-overlap, "
-                     "--host-memory-check, --kv-host-dtype or --export-stream flags (or --help on some only; an "
-                     "MPMD launch must pass the same ones to every rank)");
-    }
-    if (!all.is_ok()) {
-      if (rank0) std::fputs(kUsage, stderr);
-      return finish(2, all.message(), false);
-    }
-  }
+  if (auto e = worker::agree_options(*world, opts_r)) return finish(*e);
   const Options& o = opts_r.value();
   if (o.help) {
     if (rank0) std::fputs(kUsage, stdout);
-    return finish(0, "", false);
+    return finish({0, ""});
   }
   if (o.comm_timeout_s > 0)
     world->set_timeout(std::chrono::milliseconds(int64_t(o.comm_timeout_s * 1000)));
   const runtime::GridShape shape{o.tp, o.cp};
   if (Status st = runtime::check_world(shape, world->size()); !st.is_ok())
-    return finish(2, st.message(), false);
+    return finish({2, st.message()});
   const int n_groups = world->size() / shape.group_size();
-  // Before any rank spends minutes loading the model (or takes a GPU): one job an output
-  // directory, and each leader's metrics file writable.
-  // - Rank 0 creates --out and holds its lock until the job ends (a filesystem without flock:
-  //   no lock, said once). Under the lock, what a killed earlier job left half written goes: a
-  //   1M-token export left by a preempted job is hundreds of gigabytes.
-  // - Then, once every rank knows the lock is this job's (a second job stopped at it must not
-  //   touch the running one's files), each leader checks its metrics file and removes an earlier
-  //   job's on its host (perhaps for another group count); the second agreement comes before any
-  //   leader writes its own.
-  int out_lock_fd = -1;
-  if (!o.dry_run) {  // a dry run reads --out (resume status) and writes nothing
-    Status mine = Status::ok();
-    if (rank0) {
-      std::error_code ec;
-      fs::create_directories(o.out, ec);
-      auto l = ec ? Result<int>(SF_ERR(kIo, "cannot create output dir '" + o.out + "': " + ec.message()))
-                  : runtime::lock_output_dir(o.out);
-      if (!l.is_ok()) {
-        mine = l.status();
-      } else if (l.value() < 0) {
-        std::fprintf(stderr,
-                     "warning: --out '%s': this filesystem has no flock, so nothing stops a second "
-                     "job writing it, and no stale partial output is removed\n",
-                     o.out.c_str());
-      } else {
-        out_lock_fd = l.value();
-        auto removed = runtime::remove_stale_partials(o.out);
-        if (removed.is_ok() && removed.value() > 0)
-          std::printf("%s: removed %lld stale partial output(s) of an earlier job\n", o.out.c_str(),
-                      static_cast<long long>(removed.value()));
-        else if (!removed.is_ok())
-          mine = removed.status();
-      }
-    }
-    Status all = agree(*world, mine);
-    if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(2, all.message(), false);
-    if (!o.metrics_file.empty() && world->rank() % shape.group_size() == 0) {
-      const std::string mine_path = runtime::BatchMetrics::group_path(
-          o.metrics_file, world->rank() / shape.group_size(), n_groups);
-      mine = check_output_file(mine_path, "--metrics-file");
-      if (mine.is_ok()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
-    }
-    all = agree(*world, mine);
-    if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(2, all.message(), false);
-  }
-  (void)out_lock_fd;  // released when the process exits
+  if (auto e = worker::claim_output(*world, o, shape, n_groups)) return finish(*e);
   const Fault fault = parse_fault();
 
   // The batch file is read on rank 0 and broadcast, so other hosts need no copy of it.
   std::string text;
-  {
-    int64_t len = -1;
-    std::string err;
-    if (rank0) {
-      std::ifstream f(o.batch, std::ios::binary);
-      if (f) {
-        std::ostringstream ss;
-        ss << f.rdbuf();
-        text = ss.str();
-        len = int64_t(text.size());
-      } else {
-        err = "cannot read batch file '" + o.batch + "': " + std::strerror(errno);
-      }
-    }
-    if (Status st = world->bcast(&len, 1, DType::kI64, 0); !st.is_ok()) fatal(st);
-    if (len < 0) return finish(2, err, false);
-    text.resize(size_t(len));
-    if (Status st = world->bcast(text.data(), len, DType::kU8, 0); !st.is_ok()) fatal(st);
-  }
+  if (auto e = worker::read_batch(*world, o, &text)) return finish(*e);
 
   // Every rank loads the model; one rank's failure is every rank's error.
   Result<model::Model> mr = SF_ERR(kInternal, "not loaded");
-  if (fault.kind == "load" && fault.rank == world->rank()) {
-    mr = SF_ERR(kIo, "fault injection: rank " + std::to_string(world->rank()) + " cannot load '" +
-                         o.model + "'");
-  } else {
-    mr = o.synthetic ? model::Model::shape_only(o.synthetic->config, o.model)
-                     : model::Model::load(o.model);
-  }
-  {
-    // Loading takes each rank a different time: this one wait gets a longer deadline.
-    const auto t = world->timeout();
-    world->set_timeout(t * 10);
-    Status mine = mr.is_ok() ? Status::ok()
-                             : Status(mr.status().code(),
-                                      "rank " + std::to_string(world->rank()) +
-                                          " could not load the model: " + mr.status().message());
-    Status all = agree(*world, mine);
-    world->set_timeout(t);
-    if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(1, all.message(), true);
-  }
+  if (auto e = worker::load_model(*world, o, fault.kind == "load" && fault.rank == world->rank(),
+                                  &mr))
+    return finish(*e);
   const model::Model& m = mr.value();
   const model::ModelConfig& cfg = m.config();
-  // The model against the options. An --attention config file is read on each rank's host, so
-  // one rank may fail where the others do not: agree before the grid's first collective.
-  std::optional<model::SparseConfig> sparse;
-  {
-    Status mine = runtime::check_model_divides(cfg, o.tp);
-    if (mine.is_ok()) {
-      if (Status st = kvstore::retention_check_geometry(o.retention, cfg.n_layers, cfg.n_kv_heads);
-          !st.is_ok())
-        mine = Status(st.code(), "--retention: " + st.message());
-    }
-    if (mine.is_ok() && o.attention != "dense") {
-      auto sc = model::sparse_config_for_mode(o.attention, cfg.n_layers, cfg.n_heads);
-      if (sc.is_ok())
-        sparse.emplace(std::move(sc).value());
-      else
-        mine = Status(sc.status().code(),
-                      "rank " + std::to_string(world->rank()) + ": " + sc.status().message());
-    }
-    Status all = agree(*world, mine);
-    if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(2, all.message(), false);
-  }
-  // The request fingerprint's model and attention parts, the same for every request. They are
-  // read on each rank's host: ranks holding other weights or another config file would compute
-  // a mix of two models, so they must agree.
+  // The request fingerprint's model and attention parts, the same for every request.
   const std::string model_compat = kvstore::compat_hash(kvstore::model_export_spec(m));
   const std::string job = worker::job_identity(o, model_compat);
-  {
-    auto same = same_on_every_rank(
-        *world, {int64_t(xxh64_bytes(job.data(), job.size()) & 0x7fffffffffffffffULL)});
-    if (!same.is_ok()) fatal(same.status());
-    if (!same.value()[0])
-      return finish(2,
-                    "the ranks read different model weights or --attention config files (each "
-                    "host must hold the same files: compare their sizes and checksums)",
-                    false);
-  }
-  std::optional<model::Tokenizer> tok;
-  if (m.has_weights() && m.format() == model::ModelFormat::kGguf) {
-    auto g = model::GgufFile::open(o.model);
-    if (g.is_ok()) {
-      auto spec = model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf);
-      if (spec.is_ok()) {
-        auto t = model::Tokenizer::create(std::move(spec).value());
-        if (t.is_ok()) tok.emplace(std::move(t).value());
-      }
-    }
-  }
+  std::optional<model::SparseConfig> sparse;
+  if (auto e = worker::check_model(*world, o, m, job, &sparse)) return finish(*e);
+  const std::optional<model::Tokenizer> tok = worker::load_tokenizer(o, m);
 
   auto grid_r = runtime::make_grid(*world, shape);
   if (!grid_r.is_ok()) fatal(grid_r.status());
@@ -368,7 +210,7 @@ int run(int argc, char** argv) {
                                    : Status(mine.code(), "rank " + std::to_string(world->rank()) +
                                                              ": " + mine.message()));
     if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(1, all.message(), true);
+    if (!all.is_ok()) return finish({1, all.message(), /*every_rank=*/true});
     auto grid = runtime::make_device_grid(g, dmodel->device());
     if (!grid.is_ok()) fatal(grid.status());
     dgrid.emplace(std::move(grid).value());
@@ -378,34 +220,7 @@ int run(int argc, char** argv) {
   runtime::BatchFile bf =
       runtime::parse_batch(text, o.compute_dtype());
   std::vector<runtime::BatchRequest> good = check_requests(bf, cfg, tok ? &*tok : nullptr, o);
-  {
-    // A line's own retention may name a moa config, read on each rank's host: keep only the
-    // lines every rank accepted with the same policy, so every group sees the same requests.
-    int64_t n_lines = 0;
-    for (const auto& r : good) n_lines = std::max(n_lines, r.line);
-    for (const auto& b : bf.bad) n_lines = std::max(n_lines, b.line);
-    int64_t all_lines = 0;
-    if (Status st = world->all_reduce(&n_lines, &all_lines, 1, DType::kI64, comm::ReduceOp::kMax);
-        !st.is_ok())
-      fatal(st);
-    std::vector<int64_t> fp(size_t(all_lines + 1), -1);
-    for (const auto& r : good)
-      fp[size_t(r.line)] = r.retention ? policy_fingerprint(*r.retention) : 0;
-    auto same = same_on_every_rank(*world, fp);
-    if (!same.is_ok()) fatal(same.status());
-    std::vector<runtime::BatchRequest> agreed;
-    for (auto& r : good) {
-      if (same.value()[size_t(r.line)]) {
-        agreed.push_back(std::move(r));
-      } else {
-        bf.bad.push_back({r.line,
-                          "rejected on another rank (that rank could not tokenize it, or its "
-                          "field 'retention' names a moa config that rank cannot read or reads "
-                          "with other spans)"});
-      }
-    }
-    good = std::move(agreed);
-  }
+  worker::agree_requests(*world, &bf, &good);
   // --kv-host-dtype auto: bf16 on the device when every export of the batch is plain bf16 (what
   // --kv-dtype auto gives there, the device forward's own dtype). Those files' K and V are then the
   // same bytes as from F32 host K/V: rounded once to nearest even, by the device's cast instead of
@@ -449,7 +264,7 @@ int run(int argc, char** argv) {
   if (o.dry_run) {
     if (rank0)
       print_dry_run(o, cfg, good, n_groups, job, sizing, local_ranks, host_avail(false));
-    return finish(bf.bad.empty() ? 0 : 3, "", false);
+    return finish({bf.bad.empty() ? 0 : 3, ""});
   }
   if (g.leader()) {
     std::error_code ec;
@@ -475,7 +290,7 @@ int run(int argc, char** argv) {
                                                 : Status(st.code(), "--metrics-file: " +
                                                                         st.message()));
     if (world->aborted()) fatal(world->abort_status());
-    if (!all.is_ok()) return finish(2, all.message(), false);
+    if (!all.is_ok()) return finish({2, all.message()});
   }
   bool metrics_warned = false;
   auto publish = [&](bool in_flight, bool finished) {
@@ -889,7 +704,7 @@ int run(int argc, char** argv) {
       std::printf("prefix cache: %lld prompt tokens reused, not computed\n",
                   static_cast<long long>(tot[3]));
   }
-  return finish(tot[2] > 0 || !bf.bad.empty() ? 3 : 0, "", false);
+  return finish({tot[2] > 0 || !bf.bad.empty() ? 3 : 0, ""});
 }
 
 }  // namespace
