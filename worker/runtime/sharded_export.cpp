@@ -56,6 +56,13 @@ HeadCut cut_head(const std::vector<int32_t>& kept, const std::vector<TokenRange>
     if (h.runs.size() > 1) h.runs[h.runs.size() - 2][1] = h.runs.back()[0];
     h.run_rank.push_back(chunk_owner(ch, cp));
   }
+  // A head that keeps nothing here (a two-tier retention's empty low tier) is still one part
+  // covering the prompt, with no rows, as the gathered export writes it: the manifest needs
+  // every (tier, layer, head) covered. The first chunk's owner writes it; no row moves.
+  if (h.runs.empty()) {
+    h.runs.push_back({0, n_tokens});
+    h.run_rank.push_back(chunk_owner(0, cp));
+  }
   return h;
 }
 

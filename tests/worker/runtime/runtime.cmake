@@ -2,7 +2,7 @@ sf_add_test(test_runtime_unit SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_runtime_uni
 if(SF_MPI)
   # TP x CP on a synthetic model, every grid with np <= 4, dense and sparse (shared index).
   sf_add_mpi_test(test_parallel_prefill_mpi NP 4 SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_parallel_prefill_mpi.cpp
-                  LIBS sf_runtime TIMEOUT 120)
+                  LIBS sf_runtime sf_decode TIMEOUT 120)
   # The seed CI drew at 3c50535: on this build's OpenBLAS the shared-groups estimate at TP 1,
   # CP 2 takes the other side of a near-tie in layer 2, so the flipped comparison (the run
   # against the forward on its own index) runs every time, not once in many seeds.
