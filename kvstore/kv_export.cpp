@@ -325,10 +325,27 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
 Status finish_export(const std::string& tmp, const std::string& dir) {
   SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
-  if (fs::exists(out, ec)) fs::remove_all(out, ec);
-  if (ec) return SF_ERR(kIo, "cannot replace '" + dir + "': " + ec.message());
+  // An earlier export is renamed aside, then removed once the new one is in place: removing it
+  // in place (hundreds of gigabytes, or files a consumer holds open on NFS) could stop part way
+  // and leave a directory without a manifest, which no later export may replace. The aside name
+  // is a temporary one ('+' is in no request id) that a later job's start-up removes should
+  // this process die first.
+  const fs::path aside = out.parent_path() / (out.filename().string() + "+replaced" +
+                                              std::string(kExportPartialTag) + host_name() + "-" +
+                                              std::to_string(::getpid()));
+  const bool replacing = fs::exists(out, ec);
+  if (replacing) {
+    fs::remove_all(aside, ec);
+    fs::rename(out, aside, ec);
+    if (ec) return SF_ERR(kIo, "cannot replace '" + dir + "': " + ec.message());
+  }
   fs::rename(tmp, out, ec);
-  if (ec) return SF_ERR(kIo, "cannot move export into '" + dir + "': " + ec.message());
+  if (ec) {
+    std::error_code back;
+    if (replacing) fs::rename(aside, out, back);  // the earlier export stays as it was
+    return SF_ERR(kIo, "cannot move export into '" + dir + "': " + ec.message());
+  }
+  if (replacing) fs::remove_all(aside, ec);  // a failure leaves it to the stale cleanup
   return Status::ok();
 }
 

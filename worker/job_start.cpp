@@ -78,12 +78,16 @@ std::optional<JobExit> claim_output(comm::Communicator& world, const Options& o,
                    o.out.c_str());
     } else {
       // The lock's descriptor stays open (and the lock held) until the process exits.
-      auto removed = runtime::remove_stale_partials(o.out);
+      std::vector<std::string> left;
+      auto removed = runtime::remove_stale_partials(o.out, &left);
       if (removed.is_ok() && removed.value() > 0)
         std::printf("%s: removed %lld stale partial output(s) of an earlier job\n", o.out.c_str(),
                     static_cast<long long>(removed.value()));
       else if (!removed.is_ok())
         mine = removed.status();
+      for (const std::string& l : left)
+        std::fprintf(stderr, "warning: --out: cannot remove a stale partial output, left: %s\n",
+                     l.c_str());
     }
   }
   Status all = agree(world, mine);

@@ -377,10 +377,23 @@ int run(int argc, char** argv) {
         std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
       // The old summary goes before the export is replaced: a job stopped in between must not
       // leave the new export beside the old fingerprint.
+      // (-1: it could not go, and the request fails without touching its export.)
       std::error_code rm_ec;
-      fs::remove(runtime::request_dir(o.out, r.id) + ".json", rm_ec);
+      const std::string summary = runtime::request_dir(o.out, r.id) + ".json";
+      fs::remove(summary, rm_ec);
+      if (rm_ec) {
+        complete = -1;
+        std::fprintf(stderr, "%s:%lld: request '%s' failed: cannot remove its old summary '%s' "
+                             "before replacing its export: %s\n",
+                     o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(),
+                     summary.c_str(), rm_ec.message().c_str());
+      }
     }
     if (Status st = g.group_comm->bcast(&complete, 1, DType::kI32, 0); !st.is_ok()) fatal(st);
+    if (complete < 0) {
+      ++n_failed;
+      continue;
+    }
     if (complete) {
       ++n_skipped;
       if (g.leader())

@@ -48,6 +48,12 @@ Status validate_request_id(const std::string& id) {
 
 namespace {
 
+std::string lower_ascii(std::string s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
+  return s;
+}
+
 Result<BatchRequest> parse_line(std::string_view line, DType compute) {
   boost::system::error_code ec;
   json::parse_options po;
@@ -131,8 +137,11 @@ BatchFile parse_batch(const std::string& text, DType compute) {
     auto r = parse_line(line, compute);
     if (!r.is_ok()) {
       f.bad.push_back({line_no, r.status().message()});
-    } else if (!seen.insert(r->id).second) {
-      f.bad.push_back({line_no, "id '" + r->id + "' repeats an earlier line"});
+    } else if (!seen.insert(lower_ascii(r->id)).second) {
+      // Case-folded: on a case-insensitive filesystem (APFS, SMB) 'Doc' and 'doc' would share
+      // one export and one summary.
+      f.bad.push_back({line_no, "id '" + r->id + "' repeats an earlier line's (ids differing "
+                                                 "only in case count as one)"});
     } else {
       r->line = line_no;
       f.requests.push_back(std::move(r).value());
@@ -250,7 +259,8 @@ bool stale_partial(const std::string& name, bool is_dir, const std::string& host
   return idle_s() > kStalePartialSeconds;
 }
 
-Result<int64_t> remove_stale_partials(const std::string& out_dir) {
+Result<int64_t> remove_stale_partials(const std::string& out_dir,
+                                      std::vector<std::string>* not_removed) {
   const std::string host = host_name();
   const auto alive = [](long pid) { return ::kill(pid_t(pid), 0) == 0 || errno != ESRCH; };
   std::error_code ec;
@@ -267,10 +277,15 @@ Result<int64_t> remove_stale_partials(const std::string& out_dir) {
       stale.push_back(path);
   }
   if (ec) return SF_ERR(kIo, "cannot list '" + out_dir + "': " + ec.message());
+  // One entry that cannot go (another user's, a busy NFS file) must not stop the others, nor
+  // every later job: it is reported and left.
   for (const auto& p : stale) {
     fs::remove_all(p, ec);
-    if (ec) return SF_ERR(kIo, "cannot remove the stale '" + p.string() + "': " + ec.message());
-    ++n;
+    if (!ec) {
+      ++n;
+    } else if (not_removed) {
+      not_removed->push_back(p.string() + ": " + ec.message());
+    }
   }
   return n;
 }

@@ -106,6 +106,9 @@ inline bool stale_partial(const std::string& name, bool is_dir, const std::strin
   return stale_partial(name, is_dir, host, [idle_s] { return idle_s; }, pid_alive);
 }
 // Under the lock: removes the stale entries of DIR and returns how many went.
-Result<int64_t> remove_stale_partials(const std::string& out_dir);
+// Entries that cannot be removed are left and named in *not_removed (when given); only a
+// directory that cannot be listed is an error.
+Result<int64_t> remove_stale_partials(const std::string& out_dir,
+                                      std::vector<std::string>* not_removed = nullptr);
 
 }  // namespace sf::runtime

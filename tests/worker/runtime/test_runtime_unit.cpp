@@ -102,6 +102,7 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
       "{\"id\": \"a\", \"prompt\": \"again\"}\n"
       "{\"id\": \"f\", \"prompt\": \"x\", \"extra\": 1}\n"
       "{\"id\": \"g\", \"tokens\": []}\n"
+      "{\"id\": \"B\", \"tokens\": [4]}\n"
       "{\"id\": \"h\", \"prompt\": \"last line, no newline\"}";
   const auto f = runtime::parse_batch(text);
   ASSERT_EQ(f.requests.size(), 3u);
@@ -111,10 +112,10 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_EQ(f.requests[1].line, 3);
   EXPECT_EQ(f.requests[1].tokens, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(f.requests[2].id, "h");
-  EXPECT_EQ(f.requests[2].line, 14);
+  EXPECT_EQ(f.requests[2].line, 15);
   std::vector<int64_t> bad_lines;
   for (const auto& b : f.bad) bad_lines.push_back(b.line);
-  EXPECT_EQ(bad_lines, (std::vector<int64_t>{4, 5, 6, 7, 8, 9, 10, 11, 12, 13}));
+  EXPECT_EQ(bad_lines, (std::vector<int64_t>{4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}));
   auto reason = [&](int64_t line) {
     for (const auto& b : f.bad)
       if (b.line == line) return b.reason;
@@ -127,6 +128,8 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_NE(reason(9).find("item 1"), std::string::npos);
   EXPECT_NE(reason(11).find("repeats"), std::string::npos);
   EXPECT_NE(reason(12).find("unknown field 'extra'"), std::string::npos);
+  // 'B' after 'b': one export and one summary on a case-insensitive filesystem.
+  EXPECT_NE(reason(14).find("only in case"), std::string::npos) << reason(14);
   EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
   EXPECT_FALSE(runtime::validate_request_id(std::string(129, 'a')).is_ok());
   // Ids that would be another id's summary or a temporary beside the outputs.
@@ -286,6 +289,9 @@ TEST(Batch, StalePartialsByNameKindHostAndAge) {
                old_dir = runtime::kStalePartialSeconds + 1;
   // An export's temporary of this host: stale once its process is gone, whatever its age.
   EXPECT_TRUE(stale_partial("doc.partial-h1-123", true, "h1", fresh, dead));
+  // An earlier export renamed aside while a new one replaced it (kvstore::finish_export).
+  EXPECT_TRUE(stale_partial("doc+replaced.partial-h1-123", true, "h1", fresh, dead));
+  EXPECT_FALSE(stale_partial("doc+replaced.partial-h1-123", true, "h1", fresh, alive));
   EXPECT_FALSE(stale_partial("doc.partial-h1-123", true, "h1", fresh, alive));
   // Another host's (or an earlier version's, with no host): only once idle for an hour.
   EXPECT_FALSE(stale_partial("doc.partial-h2-123", true, "h1", fresh, dead));
