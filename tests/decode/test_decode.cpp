@@ -220,6 +220,38 @@ TEST(DecodeAttention, PsaNewestPartialBlockDoesNotEndTheVisit) {
   EXPECT_NEAR(out[0], 1.f, 1e-6f);
 }
 
+// A NaN key (a model that produced one) gives its block a NaN bound, which counts as unbounded:
+// the block is visited first and the NaN reaches the output, as with full attention. Ranked as
+// is, the NaN broke the sort's order and the visit could stop short of it with a finite output.
+TEST(DecodeAttention, PsaVisitsABlockWithANanBound) {
+  const int n = 64 * 20, d = 16;
+  std::vector<float> q(static_cast<size_t>(d), 1.f), k(static_cast<size_t>(n * d), 0.f),
+      v(static_cast<size_t>(n * d), 1.f);
+  for (int t = 3 * 64; t < 4 * 64; ++t)
+    for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = 2.f;  // block 3 holds nearly all the mass
+  k[size_t((10 * 64 + 5) * d)] = std::nanf("");
+  decode::KvExport e = hand_export(n, d, k, v);
+  e.heads[0].block_kmin[size_t(10 * d)] = std::nanf("");  // std::min above skipped the NaN
+  e.heads[0].block_kmax[size_t(10 * d)] = std::nanf("");
+  auto cache = decode::PagedKvCache::from_export(e, false);
+  ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
+  decode::DecodeAttnParams p;
+  p.mode = decode::DecodeAttnMode::kPsa;
+  p.eps = 0.9;
+  decode::DecodeAttnStats st;
+  std::vector<float> out(static_cast<size_t>(d));
+  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p, out.data(), &st).is_ok());
+  EXPECT_TRUE(std::isnan(out[0])) << "visited " << st.blocks_visited << " blocks, out " << out[0];
+  // Without the NaN the visit stops after a few blocks (the pinned ones, block 3): block 10 is
+  // one a visit by bound skips.
+  k[size_t((10 * 64 + 5) * d)] = 0.f;
+  auto clean = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
+  ASSERT_TRUE(clean.is_ok());
+  decode::DecodeAttnStats st2;
+  ASSERT_TRUE(decode::decode_attention(clean.value(), 0, q.data(), 1, p, out.data(), &st2).is_ok());
+  EXPECT_LT(st2.blocks_visited, 10);
+}
+
 // A block whose min/max box is wide but whose keys are orthogonal to q ranks first with almost no
 // mass. AS_min then stands for every unseen block, and the seed rule stops after 4 of 20 blocks
 // with a sixth of the mass; psa-avg's recent mean forgets that block and reaches eps. The
