@@ -202,19 +202,26 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
 // Uniform attention (all keys zero) over 20 full blocks and a newest block holding one token.
 // The one-token block's raw mass must not become AS_min (it is pinned, and masses count as
 // full-block equivalents): it would stand for every unseen block and end the visit early.
+// One query of ones over layer 0, head 0 of `cache` under psa:eps: the output row, its stats.
+std::vector<float> psa_visit(const decode::PagedKvCache& cache, int d, double eps,
+                             decode::DecodeAttnStats* st) {
+  const std::vector<float> q(static_cast<size_t>(d), 1.f);
+  decode::DecodeAttnParams p;
+  p.mode = decode::DecodeAttnMode::kPsa;
+  p.eps = eps;
+  std::vector<float> out(static_cast<size_t>(d));
+  EXPECT_TRUE(decode::decode_attention(cache, 0, q.data(), 1, p, out.data(), st).is_ok());
+  return out;
+}
+
 TEST(DecodeAttention, PsaNewestPartialBlockDoesNotEndTheVisit) {
   const int n = 64 * 20 + 1, d = 16;
-  std::vector<float> q(static_cast<size_t>(d), 1.f), k(static_cast<size_t>(n * d), 0.f),
-      v(static_cast<size_t>(n * d), 1.f);
+  std::vector<float> k(static_cast<size_t>(n * d), 0.f), v(static_cast<size_t>(n * d), 1.f);
   auto cache = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
   ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
   ASSERT_EQ(cache->pages(0, 0).size(), 21u);
-  decode::DecodeAttnParams p;
-  p.mode = decode::DecodeAttnMode::kPsa;
-  p.eps = 0.9;
   decode::DecodeAttnStats st;
-  std::vector<float> out(static_cast<size_t>(d));
-  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p, out.data(), &st).is_ok());
+  const std::vector<float> out = psa_visit(cache.value(), d, 0.9, &st);
   // Exact uniform mass: stop once (65 + 64 k) / (65 + 64 * 19) >= 0.9, i.e. k = 17 ranked blocks.
   EXPECT_EQ(st.blocks_visited, 2 + 17);
   EXPECT_NEAR(out[0], 1.f, 1e-6f);
@@ -225,8 +232,7 @@ TEST(DecodeAttention, PsaNewestPartialBlockDoesNotEndTheVisit) {
 // is, the NaN broke the sort's order and the visit could stop short of it with a finite output.
 TEST(DecodeAttention, PsaVisitsABlockWithANanBound) {
   const int n = 64 * 20, d = 16;
-  std::vector<float> q(static_cast<size_t>(d), 1.f), k(static_cast<size_t>(n * d), 0.f),
-      v(static_cast<size_t>(n * d), 1.f);
+  std::vector<float> k(static_cast<size_t>(n * d), 0.f), v(static_cast<size_t>(n * d), 1.f);
   for (int t = 3 * 64; t < 4 * 64; ++t)
     for (int c = 0; c < d; ++c) k[size_t(t * d + c)] = 2.f;  // block 3 holds nearly all the mass
   k[size_t((10 * 64 + 5) * d)] = std::nanf("");
@@ -235,12 +241,8 @@ TEST(DecodeAttention, PsaVisitsABlockWithANanBound) {
   e.heads[0].block_kmax[size_t(10 * d)] = std::nanf("");
   auto cache = decode::PagedKvCache::from_export(e, false);
   ASSERT_TRUE(cache.is_ok()) << cache.status().to_string();
-  decode::DecodeAttnParams p;
-  p.mode = decode::DecodeAttnMode::kPsa;
-  p.eps = 0.9;
   decode::DecodeAttnStats st;
-  std::vector<float> out(static_cast<size_t>(d));
-  ASSERT_TRUE(decode::decode_attention(cache.value(), 0, q.data(), 1, p, out.data(), &st).is_ok());
+  const std::vector<float> out = psa_visit(cache.value(), d, 0.9, &st);
   EXPECT_TRUE(std::isnan(out[0])) << "visited " << st.blocks_visited << " blocks, out " << out[0];
   // Without the NaN the visit stops after a few blocks (the pinned ones, block 3): block 10 is
   // one a visit by bound skips.
@@ -248,7 +250,7 @@ TEST(DecodeAttention, PsaVisitsABlockWithANanBound) {
   auto clean = decode::PagedKvCache::from_export(hand_export(n, d, k, v), false);
   ASSERT_TRUE(clean.is_ok());
   decode::DecodeAttnStats st2;
-  ASSERT_TRUE(decode::decode_attention(clean.value(), 0, q.data(), 1, p, out.data(), &st2).is_ok());
+  (void)psa_visit(clean.value(), d, 0.9, &st2);
   EXPECT_LT(st2.blocks_visited, 10);
 }
 
