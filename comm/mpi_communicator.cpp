@@ -31,8 +31,6 @@ bool g_any_abort = false;
 // by tests (mpi_set_call_limit_for_tests), so the pieces run without gigabytes of data.
 std::atomic<int64_t> g_call_limit{INT_MAX};
 int64_t call_limit() { return g_call_limit.load(std::memory_order_relaxed); }
-// Pieces of at most `per` elements over [0, n): at least one, so a count of 0 is one empty call.
-int64_t n_pieces(int64_t n, int64_t per) { return std::max<int64_t>(1, (n + per - 1) / per); }
 
 std::string mpi_error_string(int rc) {
   char buf[MPI_MAX_ERROR_STRING];
@@ -174,58 +172,47 @@ class MpiCommunicator final : public Communicator {
                                           std::to_string(rank_) +
                                           "] = " + std::to_string(counts[size_t(rank_)]) +
                                           " but send_count is " + std::to_string(send_count));
-    int64_t total = 0, most = 0;
+    int64_t total = 0;
     for (int i = 0; i < size_; ++i) {
       if (counts[size_t(i)] < 0)
         return SF_ERR(kInvalidArgument, "comm: all_gatherv: negative count");
       total += counts[size_t(i)];
-      most = std::max(most, counts[size_t(i)]);
     }
     SF_TRY(usable("all_gatherv", total));
-    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
     const size_t es = dtype_size(t);
     // MPI counts and displacements are ints. Past one call's limit (K/V rows of a 1M-token
-    // prompt: 2^31 floats at 8 KV heads x 128), the rows go in pieces: piece p carries elements
-    // [p*per, (p+1)*per) of every rank's contribution into a scratch area after the result,
-    // whence they are copied to their place.
-    const int64_t limit = call_limit();
-    const int64_t per = total <= limit ? std::max<int64_t>(most, 1)
-                                       : std::max<int64_t>(1, limit / size_);
-    const int64_t pieces = n_pieces(most, per);
-    const size_t scratch = pieces > 1 ? size_t(per) * size_t(size_) * es : 0;
-    stage_.resize(size_t(total) * es + scratch);
+    // prompt: 2^31 floats at 8 KV heads x 128), each rank's contribution is broadcast from it
+    // straight into its place (bcast goes in pieces): every rank still receives what the others
+    // hold, and no scratch copy of the whole result is made.
+    if (total > call_limit()) {
+      char* out = static_cast<char*>(recv);
+      int64_t at = 0;
+      for (int i = 0; i < size_; ++i) {
+        if (i == rank_ && send_count)
+          std::memcpy(out + size_t(at) * es, send, size_t(send_count) * es);
+        SF_TRY(bcast(out + size_t(at) * es, counts[size_t(i)], t, i));
+        at += counts[size_t(i)];
+      }
+      return Status::ok();  // (bcast counted this rank's bytes as the root's)
+    }
+    SF_ASSIGN(MPI_Datatype mt, mpi_type(t, false));
+    stage_.resize(size_t(total) * es);
     // Members: MPI reads them until completion, which may come after a deadline.
     cnt_.assign(size_t(size_), 0);
     disp_.assign(size_t(size_), 0);
-    std::vector<int64_t> start(size_t(size_), 0);  // each rank's place in the result
-    for (int i = 1; i < size_; ++i) start[size_t(i)] = start[size_t(i - 1)] + counts[size_t(i - 1)];
-    char* result = stage_.data();
-    if (pieces == 1 && send_count)
-      std::memcpy(result + size_t(start[size_t(rank_)]) * es, send, size_t(send_count) * es);
-    for (int64_t p = 0; p < pieces; ++p) {
-      const int64_t o = p * per;
-      char* area = pieces == 1 ? result : result + size_t(total) * es;
-      int off = 0;
-      for (int i = 0; i < size_; ++i) {
-        cnt_[size_t(i)] = int(std::clamp<int64_t>(counts[size_t(i)] - o, 0, per));
-        disp_[size_t(i)] = off;
-        off += cnt_[size_t(i)];
-      }
-      if (pieces > 1 && cnt_[size_t(rank_)])
-        std::memcpy(area + size_t(disp_[size_t(rank_)]) * es,
-                    static_cast<const char*>(send) + size_t(o) * es,
-                    size_t(cnt_[size_t(rank_)]) * es);
-      SF_TRY(run("all_gatherv", group_desc(), [&](Requests& r) {
-        return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, area, cnt_.data(),
-                               disp_.data(), mt, comm_, r.add());
-      }));
-      if (pieces > 1)
-        for (int i = 0; i < size_; ++i)
-          if (cnt_[size_t(i)])
-            std::memcpy(result + size_t(start[size_t(i)] + o) * es,
-                        area + size_t(disp_[size_t(i)]) * es, size_t(cnt_[size_t(i)]) * es);
+    for (int i = 0, off = 0; i < size_; ++i) {
+      cnt_[size_t(i)] = int(counts[size_t(i)]);
+      disp_[size_t(i)] = off;
+      off += cnt_[size_t(i)];
     }
-    if (total) std::memcpy(recv, result, size_t(total) * es);
+    if (send_count)
+      std::memcpy(stage_.data() + size_t(disp_[size_t(rank_)]) * es, send,
+                  size_t(send_count) * es);
+    SF_TRY(run("all_gatherv", group_desc(), [&](Requests& r) {
+      return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, stage_.data(), cnt_.data(),
+                             disp_.data(), mt, comm_, r.add());
+    }));
+    if (total) std::memcpy(recv, stage_.data(), size_t(total) * es);
     bytes_sent_ += send_count * int64_t(es);
     return Status::ok();
   }

@@ -1,6 +1,7 @@
 // The worker job's agreements over MPI: every rank learns any rank's failure, whether every rank
 // holds the same setting, and which ranks share its host (memory) and its CPUs.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -16,6 +17,22 @@ namespace sf::worker {
 // After a communication failure ranks may be stuck in a collective: the error on stderr, and the
 // whole job ends (MPI_Abort).
 [[noreturn]] void end_job(const Status& st);
+
+// A communicator's deadline raised to at least `seconds` for a scope: a wait that may take far
+// longer than --comm-timeout (a peer's export files on a slow filesystem, the model load).
+class DeadlineAtLeast {
+ public:
+  DeadlineAtLeast(comm::Communicator& c, double seconds) : c_(c), was_(c.timeout()) {
+    c_.set_timeout(std::max(was_, std::chrono::milliseconds(int64_t(seconds * 1000))));
+  }
+  ~DeadlineAtLeast() { c_.set_timeout(was_); }
+  DeadlineAtLeast(const DeadlineAtLeast&) = delete;
+  DeadlineAtLeast& operator=(const DeadlineAtLeast&) = delete;
+
+ private:
+  comm::Communicator& c_;
+  const std::chrono::milliseconds was_;
+};
 
 // Every rank learns whether any rank failed; the lowest failing rank's message reaches all.
 // Returns ok on every rank, or the same error on every rank.

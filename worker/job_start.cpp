@@ -136,14 +136,15 @@ std::optional<JobExit> load_model(comm::Communicator& world, const Options& o, b
     mr = o.synthetic ? model::Model::shape_only(o.synthetic->config, o.model)
                      : model::Model::load(o.model);
   }
-  const auto t = world.timeout();
-  world.set_timeout(t * 10);
   Status mine = mr.is_ok() ? Status::ok()
                            : Status(mr.status().code(),
                                     "rank " + std::to_string(world.rank()) +
                                         " could not load the model: " + mr.status().message());
-  Status all = agree(world, mine);
-  world.set_timeout(t);
+  Status all;
+  {
+    DeadlineAtLeast d(world, 10 * std::chrono::duration<double>(world.timeout()).count());
+    all = agree(world, mine);
+  }
   end_if_aborted(world);
   if (!all.is_ok()) return JobExit{1, all.message(), /*every_rank=*/true};
   return std::nullopt;

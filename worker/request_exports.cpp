@@ -43,22 +43,6 @@ std::future<WriteOutcome> launch(Write write,
   }
 }
 
-// A communicator's deadline raised to at least `seconds` for a scope: a wait for a peer's export
-// files, which may take minutes on a slow filesystem (--stall-timeout, not --comm-timeout).
-class DeadlineAtLeast {
- public:
-  DeadlineAtLeast(comm::Communicator& c, double seconds) : c_(c), was_(c.timeout()) {
-    c_.set_timeout(std::max(was_, std::chrono::milliseconds(int64_t(seconds * 1000))));
-  }
-  ~DeadlineAtLeast() { c_.set_timeout(was_); }
-  DeadlineAtLeast(const DeadlineAtLeast&) = delete;
-  DeadlineAtLeast& operator=(const DeadlineAtLeast&) = delete;
-
- private:
-  comm::Communicator& c_;
-  const std::chrono::milliseconds was_;
-};
-
 // Test faults: a write that sleeps `ms` after each layer it has written.
 void sleep_after_each_layer(kvstore::ExportOptions& eo, int64_t ms) {
   eo.on_layer_written = [written = eo.on_layer_written, ms](int l) {
