@@ -96,4 +96,8 @@ std::optional<model::PlanTimes> DevicePlans::plan_times() const {
   return plan_->prefill().plan_times();
 }
 
+int64_t DevicePlans::workspace_bytes() const {
+  return plan_ ? int64_t(plan_->prefill().workspace_bytes()) : 0;
+}
+
 }  // namespace sf::worker

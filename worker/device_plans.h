@@ -55,6 +55,8 @@ class DevicePlans {
   int64_t staging_held() const { return staging_held_; }
   // Where the last planning's time went, while its plan is kept.
   std::optional<model::PlanTimes> plan_times() const;
+  // The kept plan's device workspace (weights excluded; after any grow of its sparse arena).
+  int64_t workspace_bytes() const;
 
  private:
   Setup s_;

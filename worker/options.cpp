@@ -164,6 +164,7 @@ Result<Options> parse_options(int argc, char** argv) {
   if (kv.count("device")) o.device = kv["device"];
   if (o.device != "cpu" && o.device != "cuda")
     return SF_ERR(kInvalidArgument, "--device must be cpu or cuda, got '" + o.device + "'");
+  if (o.chunk == 0) o.chunk = o.device == "cuda" ? model::kDefaultChunkDevice : model::kDefaultChunkCpu;
   {
     // auto (the default): bf16 on the GPU, whose forward runs on BF16 weights; f32 on the CPU.
     auto e = kvstore::kv_encodings_parse(kv.count("kv-dtype") ? kv["kv-dtype"] : "auto",

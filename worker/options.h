@@ -63,7 +63,7 @@ struct Options {
   // GPU forward runs on BF16 weights.
   DType compute_dtype() const { return device == "cuda" ? DType::kBF16 : DType::kF32; }
   int tp = 1, cp = 1;
-  int64_t chunk = 512;
+  int64_t chunk = 0;  // 0 until parsed: --chunk, or the device's default (model::kDefaultChunk*)
   double comm_timeout_s = 0;  // 0: SF_COMM_TIMEOUT_S or 120
   // Several groups: a group whose leader sends no progress note for this long (a layer, a
   // request's export) while the others wait for it to finish ends the job (comm::Heartbeat).

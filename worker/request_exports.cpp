@@ -322,6 +322,8 @@ bool RequestExports::write_summary(const PendingExport& x, const WriteOutcome& w
   sum.memory_wait_s = x.memory_wait_s;
   sum.fingerprint = x.fingerprint;
   sum.plan = x.plan;
+  sum.chunk = o.chunk;
+  sum.device_workspace_bytes = x.device_workspace_bytes;
   if (Status ws = write_file_atomic(x.dir + ".json", request_summary_json(sum) + "\n");
       !ws.is_ok()) {
     std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),

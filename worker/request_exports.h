@@ -50,6 +50,7 @@ struct PendingExport {
   kvstore::Retention ret;
   double kept_frac = 1.0;
   std::optional<model::PlanTimes> plan;  // --device cuda, when this request planned
+  int64_t device_workspace_bytes = 0;     // --device cuda: the plan this request ran on
   double memory_wait_s = 0;              // before its prefill, for memory the pending export held
   double begin_s = 0;
   Status begun;  // the sharded export's opening (the same on every rank)

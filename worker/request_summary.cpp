@@ -63,9 +63,10 @@ std::string request_summary_json(const RequestSummary& x) {
   // this rank's plan spent its time, and each rank's figures in group rank order.
   out += sformat(
       ", \"group_kv_allgather_bytes\": %lld, \"group_kv_moved_bytes\": %lld, "
-      "\"group_estimate_bytes\": %lld, \"group_density\": %.6f",
+      "\"group_estimate_bytes\": %lld, \"group_density\": %.6f, \"chunk\": %lld, "
+      "\"device_workspace_bytes\": %lld",
       ll(s.group_kv_allgather_bytes), ll(s.group_kv_moved_bytes), ll(s.group_estimate_bytes),
-      s.group_density);
+      s.group_density, ll(x.chunk), ll(x.device_workspace_bytes));
   out += ", \"plan_parts\": " + plan_json(x.plan) +
          ", \"kv_moved_bytes_by_rank\": " + json_list(s.kv_moved_bytes_by_rank) +
          ", \"estimate_bytes_by_rank\": " + json_list(s.estimate_bytes_by_rank) +

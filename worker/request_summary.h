@@ -28,6 +28,8 @@ struct RequestSummary {
   int export_layers_at_prefill_end = 0;
   std::string fingerprint;
   std::optional<model::PlanTimes> plan;  // --device cuda, when the request planned
+  int64_t chunk = 0;                     // tokens per linear-layer chunk
+  int64_t device_workspace_bytes = 0;    // --device cuda: its plan's (0 on the CPU)
 };
 
 // One JSON object, no newline. Seconds and densities with six decimals.

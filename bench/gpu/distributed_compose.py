@@ -4,7 +4,7 @@
   distributed_compose.py RECORDS.jsonl|RESULT.json OUT.json [COMMAND COMMIT NGPU]
 
 Adds the device (nvidia-smi), date, commit and command, and per record: speedup over the one-GPU
-run of the same length and attention, scaling efficiency, and the communication split. CP
+run of the same length, attention and chunk (each record carries its run's), scaling efficiency, and the communication split. CP
 exchanges and blocking all-reduces run after the compute stream drains, so their time
 (comm_exposed_s, host wait) is all exposed. An overlapped TP grid (tp_overlap) has no such wait
 inside a layer: its exposed communication is derived from its blocking twin (same grid, length
@@ -38,7 +38,7 @@ def derive(recs):
         if r.get("tp_overlap"):
             twin = next((b for b in recs if not b.get("tp_overlap") and b["tp"] == r["tp"]
                          and b["cp"] == r["cp"] and b["seq_len"] == r["seq_len"]
-                         and b["attention"] == r["attention"]), None)
+                         and b["attention"] == r["attention"] and b.get("chunk") == r.get("chunk")), None)
             if twin is None:  # not measured
                 r["comm_hidden_s"] = r["comm_hidden_fraction"] = r["comm_exposed_s"] = None
             else:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One sparsefill-worker batch of long requests on TP x CP GPUs (default CP 2, Llama-3-8B-shaped
 # synthetic weights, seeded random token ids) and each request's summary: where a long prefill's time goes
-# (plan_s, prefill_s, attention_s, estimate_s, sparse_grows, kv_alloc_s, kv_copy_s, export_s).
+# (plan_s, prefill_s, attention_s, estimate_s, sparse_grows, kv_alloc_s, kv_copy_s, export_s), the
+# chunk and plan workspace each ran with, and on GPUs each GPU's peak memory in use (nvidia-smi).
 #
 #   bench/mpi/long_requests.sh [BUILD_DIR] [OUT.json]
 #
@@ -34,18 +35,33 @@ with open(sys.argv[1], "w") as f:
         # ids below 32000, inside Llama-3's vocabulary
         f.write(json.dumps({"id": f"r{i}", "tokens": [rng.randrange(32000) for _ in range(n)]}) + "\n")
 PY
+# On GPUs: every GPU's memory in use, sampled every 250 ms while the job runs (the whole
+# processes': weights, plan workspace, cuBLAS/cuDNN/NCCL), for the peak beside the plan's own count.
+mem_pid=
+if [[ "$device" == cuda ]] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 >"$tmp/mem.csv" 2>/dev/null &
+  mem_pid=$!
+fi
 t0=$(date +%s%N)
 # shellcheck disable=SC2086
 mpirun --bind-to none --oversubscribe ${whole:+-x SF_WAIT_WHOLE_EXPORT} -np $((tp * cp)) "$worker" --model "$model" --tp "$tp" --cp "$cp" \
   --device "$device" $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
 wall=$(( ($(date +%s%N) - t0) / 1000000 ))
+[[ -n "$mem_pid" ]] && { kill "$mem_pid" 2>/dev/null; wait "$mem_pid" 2>/dev/null || true; }
 grep -E '^\[group|^batch' "$tmp/log"
-python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device "$([[ "$device" == cuda ]] && echo gpu)")" "$model" "$wall" "$tmp/out" "$tp" "$cp" <<'PY'
+python3 - "$out" "$(mpi_bench_commit)" "$cmdline" "$(mpi_bench_device "$([[ "$device" == cuda ]] && echo gpu)")" "$model" "$wall" "$tmp/out" "$tp" "$cp" "$tmp/mem.csv" <<'PY'
 import datetime, glob, json, os, sys
-out, commit, cmd, device, model, wall, odir, tp, cp = sys.argv[1:]
+out, commit, cmd, device, model, wall, odir, tp, cp, mem_csv = sys.argv[1:]
+peak = {}  # GPU index -> the most MiB in use any sample saw
+if os.path.exists(mem_csv):
+    for line in open(mem_csv):
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            peak[int(parts[0])] = max(peak.get(int(parts[0]), 0), int(parts[1]))
 keys = ("id", "n_tokens", "attention", "density", "plan_s", "prefill_s", "attention_s", "estimate_s",
         "sparse_grows", "kv_alloc_s", "kv_copy_s", "comm_s", "export_s", "export_wait_s",
-        "export_streamed", "export_layers_at_prefill_end", "memory_wait_s", "export_bytes", "kv_dtype", "plan_parts", "prefill_s_by_rank", "attention_s_by_rank",
+        "export_streamed", "export_layers_at_prefill_end", "memory_wait_s", "export_bytes", "kv_dtype", "chunk",
+        "device_workspace_bytes", "plan_parts", "prefill_s_by_rank", "attention_s_by_rank",
         "comm_s_by_rank", "density_by_rank")
 reqs = []
 for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):
@@ -54,6 +70,7 @@ for f in sorted(glob.glob(os.path.join(odir, "r*.json"))):
 doc = {"bench": "long_requests", "device": device, "model": model,
        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
        "commit": commit, "command": cmd, "tp": int(tp), "cp": int(cp), "job_s": int(wall) / 1000,
+       "device_memory_peak_mib": [peak[i] for i in sorted(peak)] or None,
        "requests": reqs}
 json.dump(doc, open(out, "w"), indent=1)
 print("wrote", out)

@@ -190,6 +190,8 @@ TEST(WorkerRequestSummary, ParsesWithEveryField) {
   s.export_streamed = true;
   s.export_layers_at_prefill_end = 3;
   s.fingerprint = "0123456789abcdef";
+  s.chunk = 8192;
+  s.device_workspace_bytes = int64_t(3) << 33;  // past 32 bits
   const std::string text = request_summary_json(s);
   EXPECT_EQ(text.find('\n'), std::string::npos);
   boost::system::error_code ec;
@@ -215,6 +217,8 @@ TEST(WorkerRequestSummary, ParsesWithEveryField) {
   EXPECT_TRUE(o.at("density_by_rank").as_array().empty());
   EXPECT_EQ(o.at("estimate_bytes_parts").as_object().size(), 4u);
   EXPECT_EQ(o.at("fingerprint").as_string(), "0123456789abcdef");
+  EXPECT_EQ(o.at("chunk").as_int64(), 8192);
+  EXPECT_EQ(o.at("device_workspace_bytes").as_int64(), int64_t(3) << 33);
   // A planned device request names where its plan's time went.
   model::PlanTimes pt;
   pt.total_s = 2.0;

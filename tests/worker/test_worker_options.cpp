@@ -30,6 +30,21 @@ TEST(WorkerOptions, Defaults) {
   EXPECT_EQ(o->kv_dtype.high, kvstore::KvEncoding::kF32);  // --kv-dtype auto on the CPU
   EXPECT_EQ(o->kv_staging_max_bytes(), int64_t(8) << 30);
   EXPECT_FALSE(o->synthetic.has_value());
+  EXPECT_EQ(o->chunk, 512);  // the CPU's default chunk
+}
+
+// The linear chunk's default follows the device (model::kDefaultChunk*); --chunk overrides it
+// on either (docs/api.md and docs/distributed.md name these figures).
+TEST(WorkerOptions, ChunkDefaultFollowsTheDevice) {
+  auto gpu = parse_worker_args({"--device", "cuda"});
+  ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+  EXPECT_EQ(gpu->chunk, 8192);
+  auto gpu_set = parse_worker_args({"--device", "cuda", "--chunk", "512"});
+  ASSERT_TRUE(gpu_set.is_ok()) << gpu_set.status().to_string();
+  EXPECT_EQ(gpu_set->chunk, 512);
+  auto cpu_set = parse_worker_args({"--chunk", "8192"});
+  ASSERT_TRUE(cpu_set.is_ok()) << cpu_set.status().to_string();
+  EXPECT_EQ(cpu_set->chunk, 8192);
 }
 
 TEST(WorkerOptions, FlagsSetTheirFields) {

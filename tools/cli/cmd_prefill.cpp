@@ -128,14 +128,15 @@ int cmd_prefill(int argc, char** argv) {
     if (a.get("tokenizer") == "hf") compat = model::TokenizerCompat::kHfTransformers;
     else if (a.get("tokenizer") != "gguf") return fail(SF_ERR(kInvalidArgument, "--tokenizer must be 'gguf' or 'hf'"));
   }
-  auto chunk_r = a.get_int("chunk", 512, 1, int64_t(1) << 30);
-  if (!chunk_r.is_ok()) return fail(chunk_r.status());
-  const int64_t chunk = chunk_r.value();
-
   // --device cuda: BF16 weights on GPU 0, any --attention mode (DevicePrefill). Checked before
   // the slow model load.
   const std::string device = a.get("device", "cpu");
   if (device != "cpu" && device != "cuda") return fail(SF_ERR(kInvalidArgument, "--device must be 'cpu' or 'cuda'"));
+  auto chunk_r = a.get_int(
+      "chunk", device == "cuda" ? model::kDefaultChunkDevice : model::kDefaultChunkCpu, 1,
+      int64_t(1) << 30);
+  if (!chunk_r.is_ok()) return fail(chunk_r.status());
+  const int64_t chunk = chunk_r.value();
   if (device == "cuda") {
     // The device forward scores importance by its LSE pass only; the estimator's column sums
     // stay on the device's estimate and are not kept.
