@@ -47,6 +47,7 @@
 #include "worker/prefix_requests.h"
 #include "worker/request_checks.h"
 #include "worker/request_exports.h"
+#include "worker/request_resume.h"
 #include "worker/runtime/batch.h"
 #include "worker/runtime/batch_metrics.h"
 #include "worker/runtime/device_parallel.h"
@@ -370,31 +371,12 @@ int run(int argc, char** argv) {
     const std::string fingerprint =
         request_fingerprint(r.tokens, r.retention ? *r.retention : o.retention, encs, job,
                             host_bf16);
-    int32_t complete = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
-    if (g.leader() && !complete) {
-      const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
-      if (!why.empty())
-        std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
-      // The old summary goes before the export is replaced: a job stopped in between must not
-      // leave the new export beside the old fingerprint.
-      // (-1: it could not go, and the request fails without touching its export.)
-      std::error_code rm_ec;
-      const std::string summary = runtime::request_dir(o.out, r.id) + ".json";
-      fs::remove(summary, rm_ec);
-      if (rm_ec) {
-        complete = -1;
-        std::fprintf(stderr, "%s:%lld: request '%s' failed: cannot remove its old summary '%s' "
-                             "before replacing its export: %s\n",
-                     o.batch.c_str(), static_cast<long long>(r.line), r.id.c_str(),
-                     summary.c_str(), rm_ec.message().c_str());
-      }
-    }
-    if (Status st = g.group_comm->bcast(&complete, 1, DType::kI32, 0); !st.is_ok()) fatal(st);
-    if (complete < 0) {
+    const worker::ResumeState resume = worker::resume_state(o, g, r, fingerprint);
+    if (resume == worker::ResumeState::kFailed) {
       ++n_failed;
       continue;
     }
-    if (complete) {
+    if (resume == worker::ResumeState::kComplete) {
       ++n_skipped;
       if (g.leader())
         std::printf("[group %d] %lld/%lld %s: complete, skipped\n", g.group,

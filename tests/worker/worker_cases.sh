@@ -256,9 +256,18 @@ PY
     sed 's/"id": "canal", "prompt"/"id": "canal", "retention": "streaming:sink=2,window=8", "prompt"/' \
       "$tmp/prompts.jsonl" >"$tmp/changed.jsonl"
     rm -f "$tmp/out/lighthouse.json"
+    # An old summary that cannot be removed (here a non-empty directory in its place) fails its
+    # request before the export is touched; the others go on.
+    rm -f "$tmp/out/village.json" && mkdir "$tmp/out/village.json" && touch "$tmp/out/village.json/keep"
+    village_export=$(stat -c '%i %Y' "$tmp/out/village" "$tmp/out/village/manifest.json")
     run 4 --model default --cp 2 --batch "$tmp/changed.jsonl" --out "$tmp/out"
     [ "$rc" -eq 3 ] || fail "changed resume: exit $rc, want 3"
-    grep -q "batch done: 2 written, 2 already complete, 0 failed, 5 bad lines" "$tmp/stdout" || fail "changed resume summary"
+    grep -q "batch done: 2 written, 1 already complete, 1 failed, 5 bad lines" "$tmp/stdout" || fail "changed resume summary"
+    grep -q "changed.jsonl:6: request 'village' failed: cannot remove its old summary '.*/village.json' before replacing its export" "$tmp/stderr" \
+      || fail "the summary that could not be removed was not reported"
+    # (the same inodes: a recompute would have renamed a new directory into place)
+    [ "$(stat -c '%i %Y' "$tmp/out/village" "$tmp/out/village/manifest.json")" = "$village_export" ] || fail "village's export was replaced"
+    rm -rf "$tmp/out/village.json"
     grep -q "canal: its export was made for other inputs (fingerprint [0-9a-f]*, now [0-9a-f]*); computed again" "$tmp/stdout" \
       || fail "the changed line was not reported as recomputed"
     grep -q "lighthouse: its export has no summary with a fingerprint; computed again" "$tmp/stdout" \

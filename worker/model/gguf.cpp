@@ -2,6 +2,7 @@
 
 #include "common/dtype.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -110,7 +111,7 @@ Status read_value(Reader& r, GgufValue* v, const std::string& key) {
   if (v->elem_type == GgufValueType::kString) {
     // Each string needs at least its 8-byte length: reject impossible counts before reserving.
     if (n > r.remaining() / 8) return r.trunc("string array");
-    v->strings.reserve(size_t(n));
+    v->strings.reserve(size_t(std::min<uint64_t>(n, 1 << 20)));  // grows past a vocabulary's size
     for (uint64_t i = 0; i < n; ++i) {
       std::string s;
       SF_TRY(r.read_string(&s, "array string"));
@@ -212,7 +213,9 @@ Result<GgufFile> GgufFile::parse(ByteSpan bytes) {
     g.alignment_ = *u;
   }
 
-  g.tensors_.reserve(size_t(n_tensors));
+  // (Reserved only up to a count real models stay under: the file-size bound above still lets a
+  // damaged count reserve several times the file's size before the first entry is read.)
+  g.tensors_.reserve(size_t(std::min<uint64_t>(n_tensors, 1 << 16)));
   for (uint64_t i = 0; i < n_tensors; ++i) {
     GgufTensorInfo t;
     SF_TRY(r.read_string(&t.name, "tensor name"));

@@ -68,8 +68,13 @@ Result<ModelConfig> config_from_gguf(const GgufFile& g) {
   c.qkv_bias = g.find_tensor("blk.0.attn_q.bias") != nullptr;
   // llama.cpp permutes Q/K rows of llama/mistral for adjacent-pair rotation; qwen2 keeps halves.
   c.rope.neox = c.arch == Arch::kQwen2;
-  if (auto r = g.get_int(key(arch, "rope.dimension_count")); r.is_ok() && r.value() != c.head_dim)
+  if (auto r = g.get_int(key(arch, "rope.dimension_count")); r.is_ok() && r.value() != c.head_dim) {
+    // Checked before narrowing: 2^32 + 64 must not become a partial rotation of 64 (validate()
+    // then checks it against head_dim).
+    if (!fits(r.value()))
+      return SF_ERR(kCorrupt, "gguf: rope.dimension_count " + std::to_string(r.value()) + " out of range");
     c.rope.rot_dim = int(r.value());
+  }
   // The forward applies one RoPE scaling, Llama-3's (its rope_freqs.weight tensor, which the
   // loader reads). A linearly scaled or YaRN model would rotate with unscaled frequencies,
   // silently wrong past its original context, so it is refused, as the HF path refuses it.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <boost/json/basic_parser_impl.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -54,6 +55,45 @@ std::string lower_ascii(std::string s) {
   return s;
 }
 
+// Boost.JSON keeps the last of an object's duplicate keys without a word, so a line naming
+// "tokens" twice would run whichever came last. This pass over the line (no values built) finds
+// the first key a line's top-level object repeats.
+struct TopLevelKeys {
+  static constexpr std::size_t max_array_size = std::size_t(-1);
+  static constexpr std::size_t max_object_size = std::size_t(-1);
+  static constexpr std::size_t max_string_size = std::size_t(-1);
+  static constexpr std::size_t max_key_size = std::size_t(-1);
+  using ec_t = boost::system::error_code;
+  int depth = 0;
+  std::string key;
+  std::set<std::string> seen;
+  std::string repeated;  // the first key seen twice at depth 1
+
+  bool on_document_begin(ec_t&) { return true; }
+  bool on_document_end(ec_t&) { return true; }
+  bool on_array_begin(ec_t&) { return ++depth, true; }
+  bool on_array_end(std::size_t, ec_t&) { return --depth, true; }
+  bool on_object_begin(ec_t&) { return ++depth, true; }
+  bool on_object_end(std::size_t, ec_t&) { return --depth, true; }
+  bool on_string_part(json::string_view, std::size_t, ec_t&) { return true; }
+  bool on_string(json::string_view, std::size_t, ec_t&) { return true; }
+  bool on_key_part(json::string_view s, std::size_t, ec_t&) { return key.append(s), true; }
+  bool on_key(json::string_view s, std::size_t, ec_t&) {
+    key.append(s);
+    if (depth == 1 && !seen.insert(key).second && repeated.empty()) repeated = key;
+    key.clear();
+    return true;
+  }
+  bool on_number_part(json::string_view, ec_t&) { return true; }
+  bool on_int64(int64_t, json::string_view, ec_t&) { return true; }
+  bool on_uint64(uint64_t, json::string_view, ec_t&) { return true; }
+  bool on_double(double, json::string_view, ec_t&) { return true; }
+  bool on_bool(bool, ec_t&) { return true; }
+  bool on_null(ec_t&) { return true; }
+  bool on_comment_part(json::string_view, ec_t&) { return true; }
+  bool on_comment(json::string_view, ec_t&) { return true; }
+};
+
 Result<BatchRequest> parse_line(std::string_view line, DType compute) {
   boost::system::error_code ec;
   json::parse_options po;
@@ -61,6 +101,14 @@ Result<BatchRequest> parse_line(std::string_view line, DType compute) {
   json::value v = json::parse(line, ec, {}, po);
   if (ec) return SF_ERR(kInvalidArgument, "invalid JSON: " + ec.message());
   if (!v.is_object()) return SF_ERR(kInvalidArgument, "a line must be a JSON object");
+  {
+    // (After the full parse, so this pass only ever sees valid JSON within the depth limit.)
+    json::basic_parser<TopLevelKeys> keys(po);
+    keys.write_some(false, line.data(), line.size(), ec);
+    if (ec) return SF_ERR(kInternal, "batch line: key scan failed: " + ec.message());
+    if (!keys.handler().repeated.empty())
+      return SF_ERR(kInvalidArgument, "field '" + keys.handler().repeated + "' appears twice");
+  }
   const json::object& o = v.as_object();
   for (const auto& kv : o)
     if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" &&

@@ -15,6 +15,7 @@ class GgufBuilder {
  public:
   void kv_string(const std::string& k, const std::string& v) { key(k, 8); str(meta_, v); ++n_kv_; }
   void kv_u32(const std::string& k, uint32_t v) { key(k, 4); pod(meta_, v); ++n_kv_; }
+  void kv_u64(const std::string& k, uint64_t v) { key(k, 10); pod(meta_, v); ++n_kv_; }
   void kv_f32(const std::string& k, float v) { key(k, 6); pod(meta_, v); ++n_kv_; }
   void kv_bool(const std::string& k, bool v) { key(k, 7); pod(meta_, uint8_t(v)); ++n_kv_; }
   // F32 tensor; dims in ggml order (dims[0] contiguous).

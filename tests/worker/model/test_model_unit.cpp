@@ -331,6 +331,33 @@ TEST(GgufLoader, UnsupportedRopeScalingIsRefused) {
   }
 }
 
+// A partial rotary dimension is range-checked before it is narrowed to int: 2^32 + 2 would
+// otherwise load as a rotation of 2 dimensions. An in-range partial rotation loads.
+TEST(GgufLoader, RopeDimensionCountOutOfRangeIsRefused) {
+  const model::ModelConfig cfg = tiny_config();
+  auto m = model::Model::synthetic(cfg, testing::fresh_seed());
+  ASSERT_TRUE(m.is_ok());
+  for (const uint64_t rot : {(uint64_t(1) << 32) + 2, uint64_t(2)}) {
+    testing::GgufBuilder b;
+    testing::add_llama(b, m.value(), "tiny-rot");
+    b.kv_u64("llama.rope.dimension_count", rot);
+    const auto bytes = b.build();
+    const std::string path = ::testing::TempDir() + "rot.gguf";
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    auto r = model::Model::load(path);
+    if (rot == 2) {
+      ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+      EXPECT_EQ(r->config().rope.rot_dim, 2);
+    } else {
+      ASSERT_FALSE(r.is_ok());
+      EXPECT_EQ(r.status().code(), Code::kCorrupt);
+      EXPECT_NE(r.status().message().find("rope.dimension_count"), std::string::npos)
+          << r.status().message();
+    }
+  }
+}
+
 TEST(GgufLoader, BadMagicAndMissingFile) {
   const uint8_t junk[16] = {'G', 'G', 'U', 'X'};
   auto g = model::GgufFile::parse({junk, sizeof junk});

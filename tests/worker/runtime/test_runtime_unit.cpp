@@ -142,6 +142,28 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
     EXPECT_TRUE(runtime::validate_request_id(id).is_ok()) << id;
 }
 
+// JSON parsers keep the last of an object's repeated keys; a batch line naming a field twice is
+// refused instead of running whichever value came last (an escaped spelling is the same key).
+TEST(Batch, RepeatedFieldsAreBadLines) {
+  const std::string text =
+      "{\"id\": \"a\", \"tokens\": [1], \"tokens\": [2, 3]}\n"
+      "{\"id\": \"b\", \"prompt\": \"p\", \"id\": \"c\"}\n"
+      "{\"id\": \"d\", \"to\\u006bens\": [1], \"tokens\": [2]}\n"
+      "{\"id\": \"e\", \"prompt\": \"tokens\", \"retention\": \"full\"}\n"
+      "{\"id\": \"f\", \"kv_dtype\": \"int8\", \"tokens\": [7], \"kv_dtype\": \"int8\"}\n";
+  const auto f = runtime::parse_batch(text);
+  ASSERT_EQ(f.requests.size(), 1u);
+  EXPECT_EQ(f.requests[0].id, "e");  // a value spelled like a field is not a field
+  ASSERT_EQ(f.bad.size(), 4u);
+  const char* want[] = {"'tokens' appears twice", "'id' appears twice", "'tokens' appears twice",
+                        "'kv_dtype' appears twice"};
+  const int64_t lines[] = {1, 2, 3, 5};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(f.bad[i].line, lines[i]);
+    EXPECT_NE(f.bad[i].reason.find(want[i]), std::string::npos) << f.bad[i].reason;
+  }
+}
+
 // A line's own retention: parsed with the kvstore syntax, errors name the field.
 TEST(Batch, RetentionField) {
   const std::string text =
