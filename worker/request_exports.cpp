@@ -334,7 +334,7 @@ bool RequestExports::write_summary(const PendingExport& x, const WriteOutcome& w
                            s.group_kv_allgather_bytes, s.group_kv_moved_bytes,
                            s.group_estimate_bytes, s.tp_allreduce_bytes, export_s, export_bytes,
                            export_wait_s, s.plan_s, s.sparse_grows, s.attention_s_by_rank,
-                           s.comm_s_by_rank, x.memory_wait_s});
+                           s.comm_s_by_rank, x.memory_wait_s, x.device_workspace_bytes});
   const std::string reused =
       s_.prefix_cache ? " (" + std::to_string(x.reused_tokens) + " from the prefix cache)" : "";
   const std::string plan =

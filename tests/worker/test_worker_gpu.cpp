@@ -356,6 +356,11 @@ TEST(WorkerGpu, SyntheticLlamaShapeExportsTheSameWithAndWithoutOverlap) {
     EXPECT_NE(summary.find("\"export_wait_s\""), std::string::npos);
     EXPECT_NE(summary.find("\"kv_host_dtype\": \"bf16\""), std::string::npos) << summary;
     EXPECT_NE(summary.find("\"export_streamed\": true"), std::string::npos) << summary;
+    // The device's default linear chunk, and the plan's workspace beside it.
+    EXPECT_NE(summary.find("\"chunk\": 8192,"), std::string::npos) << summary;
+    const size_t ws_at = summary.find("\"device_workspace_bytes\": ");
+    ASSERT_NE(ws_at, std::string::npos) << summary;
+    EXPECT_GT(std::atoll(summary.c_str() + ws_at + 26), int64_t(1) << 20) << summary;
     EXPECT_NE(slurp((dir / "off").string() + "/" + id + ".json").find("\"export_streamed\": false"),
               std::string::npos);
     if (id == "e") continue;  // (its own plan, after d's: not the plan-reuse sequence)

@@ -127,6 +127,9 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
   add("sparsefill_worker_sparse_grows_total", MetricKind::kCounter,
       "Times a written request's device prefill grew its sparse plan during the run because a "
       "layer's index outgrew it (each redoes that layer's attention; --device cuda).");
+  add("sparsefill_worker_device_workspace_bytes", MetricKind::kGauge,
+      "Device memory of the plan the last written request ran on, weights excluded (leader; "
+      "--device cuda, 0 on the CPU; the linear chunk adds to it: docs/operations.md).");
   // Per rank of the group: a rank whose attention runs longer than its peers' shows as their
   // larger collective waits (docs/operations.md, "Stragglers").
   (void)reg_.add_family("sparsefill_worker_rank_attention_seconds_total", MetricKind::kCounter,
@@ -167,6 +170,7 @@ void BatchMetrics::add_written(const WrittenRequest& w) {
   memory_wait_s_ += w.memory_wait_s;
   plan_s_ += w.plan_s;
   sparse_grows_ += w.sparse_grows;
+  workspace_ = w.device_workspace_bytes;
   for (size_t r = 0; r < w.attention_s_by_rank.size() && r < rank_attention_s_.size(); ++r)
     rank_attention_s_[r] += w.attention_s_by_rank[r];
   for (size_t r = 0; r < w.comm_s_by_rank.size() && r < rank_comm_s_.size(); ++r)
@@ -196,6 +200,7 @@ Status BatchMetrics::publish(int64_t written, int64_t skipped, int64_t failed, b
   SF_TRY(reg_.set("sparsefill_worker_memory_wait_seconds_total", group_, memory_wait_s_));
   SF_TRY(reg_.set("sparsefill_worker_plan_seconds_total", group_, plan_s_));
   SF_TRY(reg_.set("sparsefill_worker_sparse_grows_total", group_, double(sparse_grows_)));
+  SF_TRY(reg_.set("sparsefill_worker_device_workspace_bytes", group_, double(workspace_)));
   for (size_t r = 0; r < rank_attention_s_.size(); ++r) {
     const std::string rs = std::to_string(r);
     SF_TRY(reg_.set("sparsefill_worker_rank_attention_seconds_total", with("rank", rs.c_str()),

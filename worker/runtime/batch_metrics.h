@@ -47,6 +47,8 @@ struct WrittenRequest {
   std::vector<double> attention_s_by_rank, comm_s_by_rank;
   // How long it waited before its prefill for host memory beside the pending export.
   double memory_wait_s = 0;
+  // --device cuda: the device memory of the plan it ran on (weights excluded), the leader's.
+  int64_t device_workspace_bytes = 0;
 };
 
 class BatchMetrics {
@@ -76,7 +78,7 @@ class BatchMetrics {
   MetricLabels with(const char* k, const char* v) const;
   int group_idx_ = 0;
   int64_t tokens_ = 0, reused_ = 0, allgather_ = 0, moved_ = 0, estimate_ = 0, allreduce_ = 0;
-  int64_t export_bytes_ = 0, sparse_grows_ = 0;
+  int64_t export_bytes_ = 0, sparse_grows_ = 0, workspace_ = 0;
   double comm_s_ = 0, export_wait_s_ = 0, plan_s_ = 0, memory_wait_s_ = 0;
   std::vector<double> rank_attention_s_, rank_comm_s_;  // per group rank, summed
 };

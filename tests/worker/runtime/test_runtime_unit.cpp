@@ -375,10 +375,11 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
                      "attention=\"dense\",tp=\"1\",cp=\"2\",groups=\"2\"} 1"))
       << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_memory_wait_seconds_total{group=\"1\"} 0")) << t;
+  EXPECT_TRUE(has(t, "sparsefill_worker_device_workspace_bytes{group=\"1\"} 0")) << t;
   m.add_written({100, 0, 2.5, 0.25, 4000, 1000, 200, 0, 0.25, 7000, 0, 1.5, 0, {1.0, 1.5},
-                 {0.25, 0.125}, 0.0});
+                 {0.25, 0.125}, 0.0, int64_t(5) << 32});
   m.add_written({50, 10, 0.75, 0.5, 2000, 500, 100, 0, 2.0, 3000, 0, 0.0, 0, {0.5, 2.0},
-                 {0.5, 0.0}, 3.25});
+                 {0.5, 0.0}, 3.25, int64_t(3) << 32});
   ASSERT_TRUE(m.publish(2, 1, 1, false, true).is_ok());
   t = read(p1);
   EXPECT_TRUE(has(t, "sparsefill_worker_requests_total{group=\"1\",outcome=\"written\"} 2")) << t;
@@ -400,6 +401,8 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   EXPECT_TRUE(has(t, "sparsefill_worker_export_bytes_total{group=\"1\"} 10000")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_plan_seconds_total{group=\"1\"} 1.5")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_memory_wait_seconds_total{group=\"1\"} 3.25")) << t;
+  // A gauge: the last written request's plan (3 x 2^32 bytes), not a sum.
+  EXPECT_TRUE(has(t, "sparsefill_worker_device_workspace_bytes{group=\"1\"} 12884901888")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_rank_attention_seconds_total{group=\"1\",rank=\"0\"} 1.5")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_rank_attention_seconds_total{group=\"1\",rank=\"1\"} 3.5")) << t;
   EXPECT_TRUE(has(t, "sparsefill_worker_rank_comm_seconds_total{group=\"1\",rank=\"0\"} 0.75")) << t;
