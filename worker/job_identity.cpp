@@ -78,9 +78,10 @@ std::string synthetic_identity(const model::SyntheticModelSpec& s) {
 // tokens, the retention (moa spans included) and the encodings, then `job`, the job's part: the
 // model's compatibility hash and weights (model_identity), --device, the grid and the
 // sparsity-aware CP flags (per-chunk estimation and the device's BF16 sums differ with them),
-// the attention (a config file by its contents) and the export layout; and bf16 host K/V where
-// they change the bytes (host_bf16). Resume skips a request only when its summary holds the same
-// one.
+// the attention (a config file by its contents), the export layout and, on GPUs, the linear
+// chunk (cuBLASLt picks its algorithm per GEMM shape, so the bytes move with the chunk; the CPU's
+// GEMMs give each row the same sums at any chunk); and bf16 host K/V where they change the bytes
+// (host_bf16). Resume skips a request only when its summary holds the same one.
 std::string job_identity(const Options& o, const std::string& model_compat) {
   std::string job = "model=" + model_compat + ";weights=" +
                     (o.synthetic ? synthetic_identity(*o.synthetic) : model_identity(o.model)) +
@@ -89,6 +90,7 @@ std::string job_identity(const Options& o, const std::string& model_compat) {
                     ";cp_estimate=" + std::to_string(int(o.cp_estimate)) +
                     ";selective_kv=" + std::to_string(int(o.selective_kv)) +
                     ";attention=" + o.attention + ";export=" + o.export_mode;
+  if (o.device == "cuda") job += ";chunk=" + std::to_string(o.chunk);
   if (o.attention.rfind("config:", 0) == 0) {
     std::ifstream f(o.attention.substr(7), std::ios::binary);
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());

@@ -35,18 +35,19 @@ std::optional<JobExit> agree_options(comm::Communicator& world, const Result<Opt
     auto same = same_on_every_rank(
         world, {policy_fingerprint(p.retention), int64_t(p.dry_run), int64_t(p.export_overlap),
                 int64_t(p.host_memory_check), int64_t(p.help),
-                int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16), int64_t(p.export_stream)});
+                int64_t(p.kv_host_auto) * 2 + int64_t(p.kv_host_bf16), int64_t(p.export_stream),
+                p.chunk});
     if (!same.is_ok()) end_job(same.status());
     if (!same.value()[0])
       all = SF_ERR(kInvalidArgument,
                    "--retention: the ranks read different policies (a moa config file must "
                    "hold the same spans on every host)");
     else if (!same.value()[1] || !same.value()[2] || !same.value()[3] || !same.value()[4] ||
-             !same.value()[5] || !same.value()[6])
+             !same.value()[5] || !same.value()[6] || !same.value()[7])
       all = SF_ERR(kInvalidArgument,
                    "the ranks were given different --dry-run, --export-overlap, "
-                   "--host-memory-check, --kv-host-dtype or --export-stream flags (or --help on "
-                   "some only; an MPMD launch must pass the same ones to every rank)");
+                   "--host-memory-check, --kv-host-dtype, --export-stream or --chunk flags (or "
+                   "--help on some only; an MPMD launch must pass the same ones to every rank)");
   }
   if (all.is_ok()) return std::nullopt;
   if (world.rank() == 0) std::fputs(kUsage, stderr);

@@ -15,11 +15,11 @@ ResumeState resume_state(const Options& o, runtime::GridComms& g, const runtime:
   int32_t state = g.leader() && runtime::request_complete(o.out, r.id, fingerprint) ? 1 : 0;
   if (g.leader() && state == 0) {
     const std::string why = runtime::request_stale_reason(o.out, r.id, fingerprint);
-    if (!why.empty())
-      std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
     std::error_code ec;
     const std::string summary = runtime::request_dir(o.out, r.id) + ".json";
     std::filesystem::remove(summary, ec);
+    if (!ec && !why.empty())
+      std::printf("[group %d] %s: %s; computed again\n", g.group, r.id.c_str(), why.c_str());
     if (ec) {
       state = -1;
       std::fprintf(stderr,

@@ -45,7 +45,8 @@ fi
 t0=$(date +%s%N)
 # shellcheck disable=SC2086
 mpirun --bind-to none --oversubscribe ${whole:+-x SF_WAIT_WHOLE_EXPORT} -np $((tp * cp)) "$worker" --model "$model" --tp "$tp" --cp "$cp" \
-  --device "$device" $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 || { cat "$tmp/log"; exit 1; }
+  --device "$device" $extra --batch "$tmp/p.jsonl" --out "$tmp/out" >"$tmp/log" 2>&1 ||
+  { [[ -n "$mem_pid" ]] && kill "$mem_pid" 2>/dev/null; cat "$tmp/log"; exit 1; }
 wall=$(( ($(date +%s%N) - t0) / 1000000 ))
 [[ -n "$mem_pid" ]] && { kill "$mem_pid" 2>/dev/null; wait "$mem_pid" 2>/dev/null || true; }
 grep -E '^\[group|^batch' "$tmp/log"

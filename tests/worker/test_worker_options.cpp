@@ -34,7 +34,7 @@ TEST(WorkerOptions, Defaults) {
 }
 
 // The linear chunk's default follows the device (model::kDefaultChunk*); --chunk overrides it
-// on either (docs/api.md and docs/distributed.md name these figures).
+// on either (docs/api.md and docs/operations.md name these figures).
 TEST(WorkerOptions, ChunkDefaultFollowsTheDevice) {
   auto gpu = parse_worker_args({"--device", "cuda"});
   ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
@@ -187,6 +187,9 @@ TEST(WorkerOptions, JobIdentityNamesWhatChangesTheBytes) {
             id({"--attention", "vertical-slash", "--cp", "2", "--cp-estimate"}));
   EXPECT_EQ(base, id({"--export-overlap", "off"}));
   EXPECT_EQ(base, id({"--chunk", "256"}));
+  // On GPUs the chunk changes the bytes (GEMM shapes): 512 and the default 8192 differ.
+  EXPECT_NE(id({"--device", "cuda"}), id({"--device", "cuda", "--chunk", "512"}));
+  EXPECT_EQ(id({"--device", "cuda"}), id({"--device", "cuda", "--chunk", "8192"}));
   // The same paths with other contents.
   const std::string with_config = id({"--attention", "config:" + attn});
   write(attn, "{\"a\": 2}");

@@ -433,15 +433,22 @@ PY
     rc=$?
     ms=$(( ($(date +%s%N) - t0) / 1000000 ))
     [ "$rc" -eq 2 ] && [ "$ms" -lt 20000 ] || fail "--host-memory-check on one rank only: exit $rc after $ms ms"
-    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap, --host-memory-check, --kv-host-dtype or --export-stream flags" \
+    errors | grep -q "^error: the ranks were given different --dry-run, --export-overlap, --host-memory-check, --kv-host-dtype, --export-stream or --chunk flags" \
       || fail "--host-memory-check on one rank only: message"
     # --export-stream decides whether an export opens (a collective) before the prefill.
     SF_COMM_TIMEOUT_S=30 "$mpiexec" --oversubscribe -np 1 "$worker" --model default --cp 2 \
       --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" : -np 1 "$worker" --model default --cp 2 \
       --export-stream on --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" >"$tmp/stdout" 2>"$tmp/stderr"
     rc=$?
-    [ "$rc" -eq 2 ] && errors | grep -q "^error: the ranks were given different .*--export-stream flags" \
+    [ "$rc" -eq 2 ] && errors | grep -q "^error: the ranks were given different .*--export-stream or --chunk flags" \
       || fail "--export-stream on one rank only: exit $rc"
+    # --chunk sets how many sums a TP layer issues (per chunk): one rank's own value is refused too.
+    SF_COMM_TIMEOUT_S=30 "$mpiexec" --oversubscribe -np 1 "$worker" --model default --tp 2 \
+      --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" : -np 1 "$worker" --model default --tp 2 \
+      --chunk 64 --batch "$tmp/prompts.jsonl" --out "$tmp/out_f" >"$tmp/stdout" 2>"$tmp/stderr"
+    rc=$?
+    [ "$rc" -eq 2 ] && errors | grep -q "^error: the ranks were given different .*--chunk flags" \
+      || fail "--chunk on one rank only: exit $rc"
     ;;
   stalled)
     SF_WORKER_FAULT=stop:1:3 run 2 --model default --cp 2 --comm-timeout 3 --batch "$tmp/prompts.jsonl" --out "$tmp/out"

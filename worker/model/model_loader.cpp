@@ -71,7 +71,7 @@ Result<ModelConfig> config_from_gguf(const GgufFile& g) {
   if (auto r = g.get_int(key(arch, "rope.dimension_count")); r.is_ok() && r.value() != c.head_dim) {
     // Checked before narrowing: 2^32 + 64 must not become a partial rotation of 64 (validate()
     // then checks it against head_dim).
-    if (!fits(r.value()))
+    if (r.value() != 0 && !fits(r.value()))  // (0: the whole head, as before)
       return SF_ERR(kCorrupt, "gguf: rope.dimension_count " + std::to_string(r.value()) + " out of range");
     c.rope.rot_dim = int(r.value());
   }

@@ -396,19 +396,49 @@ Result<Tokenizer> Tokenizer::create(TokenizerSpec spec) {
                                Merge{static_cast<int32_t>(r), merged->second});
   }
 
-  // Literal tokens: control (and user-defined) ones; longest first for leftmost-longest.
+  // Literal tokens: control (and user-defined) ones, matched leftmost-longest.
   for (size_t i = 0; i < spec.token_types.size(); ++i) {
     int32_t ty = spec.token_types[i];
-    if ((ty == kTokenControl || ty == kTokenUserDefined) && !spec.tokens[i].empty()) {
-      t.specials_.push_back(static_cast<int32_t>(i));
-      t.special_first_byte_[static_cast<unsigned char>(spec.tokens[i][0])] = true;
-    }
+    if ((ty == kTokenControl || ty == kTokenUserDefined) && !spec.tokens[i].empty())
+      t.add_special(spec.tokens[i], static_cast<int32_t>(i));
   }
-  std::stable_sort(t.specials_.begin(), t.specials_.end(), [&](int32_t a, int32_t b) {
-    return spec.tokens[a].size() > spec.tokens[b].size();
-  });
   t.spec_ = std::move(spec);
   return t;
+}
+
+void Tokenizer::add_special(std::string_view text, int32_t id) {
+  int32_t node = 0;
+  for (char ch : text) {
+    const auto b = static_cast<uint8_t>(ch);
+    auto& next = specials_[size_t(node)].next;
+    auto it = std::lower_bound(next.begin(), next.end(), b,
+                               [](const std::pair<uint8_t, int32_t>& e, uint8_t v) { return e.first < v; });
+    if (it != next.end() && it->first == b) {
+      node = it->second;
+      continue;
+    }
+    const auto child = static_cast<int32_t>(specials_.size());
+    next.insert(it, {b, child});  // (before the push_back below, which may move `next`)
+    specials_.emplace_back();
+    node = child;
+  }
+  // Ids are added in order: two tokens of the same text keep the lower id.
+  if (specials_[size_t(node)].id < 0) specials_[size_t(node)].id = id;
+}
+
+std::pair<int32_t, size_t> Tokenizer::longest_special(std::string_view text, size_t i) const {
+  std::pair<int32_t, size_t> best{-1, 0};
+  int32_t node = 0;
+  for (size_t j = i; j < text.size(); ++j) {
+    const auto b = static_cast<uint8_t>(text[j]);
+    const auto& next = specials_[size_t(node)].next;
+    auto it = std::lower_bound(next.begin(), next.end(), b,
+                               [](const std::pair<uint8_t, int32_t>& e, uint8_t v) { return e.first < v; });
+    if (it == next.end() || it->first != b) break;
+    node = it->second;
+    if (specials_[size_t(node)].id >= 0) best = {specials_[size_t(node)].id, j + 1 - i};
+  }
+  return best;
 }
 
 int32_t Tokenizer::find_token(std::string_view token) const {
@@ -426,23 +456,19 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special,
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 2);
   if (add_special && spec_.add_bos) out.push_back(spec_.bos_id);
-  if (!parse_special || specials_.empty()) {
+  if (!parse_special || specials_[0].next.empty()) {
     encode_text(text, &out);
   } else {
     // Leftmost-longest literal match of special tokens; text between them is encoded alone,
     // so regex context never crosses a special token (as in HF and llama.cpp).
     size_t seg = 0;
     for (size_t i = 0; i < text.size(); ++i) {
-      if (!special_first_byte_[static_cast<unsigned char>(text[i])]) continue;
-      for (int32_t id : specials_) {
-        const std::string& s = spec_.tokens[id];
-        if (text.compare(i, s.size(), s) != 0) continue;
-        encode_text(text.substr(seg, i - seg), &out);
-        out.push_back(id);
-        i += s.size() - 1;
-        seg = i + 1;
-        break;
-      }
+      const auto [id, len] = longest_special(text, i);
+      if (id < 0) continue;
+      encode_text(text.substr(seg, i - seg), &out);
+      out.push_back(id);
+      i += len - 1;
+      seg = i + 1;
     }
     encode_text(text.substr(seg), &out);
   }

@@ -121,8 +121,16 @@ class Tokenizer {
   std::unordered_map<uint64_t, Merge> merges_;              // (left << 32 | right)
   std::array<int32_t, 256> byte_ids_{};                     // -1 when not in the vocab
   std::vector<std::string> raw_pieces_;                     // decoded bytes per id
-  std::vector<int32_t> specials_;  // literal-matched ids, longest text first
-  std::array<bool, 256> special_first_byte_{};
+  // Literal-matched tokens (control and user-defined) as a byte trie: the longest one starting
+  // at a text position is found in as many steps as its length, however many there are.
+  struct SpecialNode {
+    std::vector<std::pair<uint8_t, int32_t>> next;  // (byte, node), sorted by byte
+    int32_t id = -1;                                // a token ending here (the lowest id)
+  };
+  std::vector<SpecialNode> specials_{1};  // [0]: the root
+  void add_special(std::string_view text, int32_t id);
+  // The longest special token at text[i...]: {id, length}, or {-1, 0}.
+  std::pair<int32_t, size_t> longest_special(std::string_view text, size_t i) const;
 };
 
 }  // namespace sf::model

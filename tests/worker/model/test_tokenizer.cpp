@@ -298,6 +298,27 @@ TEST(Tokenizer, MergesFollowRankOrder) {
   EXPECT_EQ(t->encode("<|xy|><|x|>"), (std::vector<int32_t>{9, 8}));
 }
 
+// Literal specials that share prefixes: the longest one at a position wins, a partial one is
+// plain text, the lower of two ids spelled alike is matched, and text between specials is
+// encoded on its own.
+TEST(Tokenizer, SpecialTokensMatchLeftmostLongest) {
+  TokenizerSpec s;
+  s.model = "gpt2";
+  s.pre = "gpt2";
+  s.tokens = {"a", "b", "<s>", "<s>ab", "<s>", "<", "s", ">", "?"};
+  s.token_types = {1, 1, 3, 4, 3, 1, 1, 1, 2};
+  s.unk_id = 8;
+  Result<Tokenizer> t = Tokenizer::create(s);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  const auto enc = [&](const char* text) { return t->encode(text, false, true); };
+  EXPECT_EQ(enc("<s>ab"), (std::vector<int32_t>{3}));        // the longer special
+  EXPECT_EQ(enc("<s>a"), (std::vector<int32_t>{2, 0}));      // "<s>ab" breaks off: "<s>", then a
+  EXPECT_EQ(enc("a<s>b<s>"), (std::vector<int32_t>{0, 2, 1, 2}));
+  EXPECT_EQ(enc("<s"), (std::vector<int32_t>{5, 6}));        // a special's prefix is text
+  EXPECT_EQ(enc("<<s>ab>"), (std::vector<int32_t>{5, 3, 7}));
+  EXPECT_EQ(t->encode("<s>ab", false, false), (std::vector<int32_t>{5, 6, 7, 0, 1}));
+}
+
 TEST(Tokenizer, SpecValidation) {
   auto expect_code = [](TokenizerSpec s, Code code, const char* what) {
     Result<Tokenizer> t = Tokenizer::create(std::move(s));
