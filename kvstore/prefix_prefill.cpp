@@ -13,6 +13,7 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t>,
                                                       PrefixPrefillStats*) {
   return SF_ERR(kUnsupported, "prefix prefill on the device needs a CUDA build");
 }
+int64_t DevicePrefixPrefill::workspace_bytes() const { return 0; }
 #endif
 
 Result<model::PrefillResult> prefill_with_prefix_cache_device(

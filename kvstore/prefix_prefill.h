@@ -73,6 +73,8 @@ class DevicePrefixPrefill {
   DevicePrefixPrefill& operator=(const DevicePrefixPrefill&) = delete;
   Result<model::PrefillResult> run(std::span<const int32_t> tokens,
                                    PrefixPrefillStats* stats = nullptr);
+  // Device memory its kept plans and the hit plan's prefix staging hold (weights excluded).
+  int64_t workspace_bytes() const;
 
  private:
   struct Impl;  // prefix_prefill_cuda.cpp

@@ -192,6 +192,15 @@ DevicePrefixPrefill::DevicePrefixPrefill(const model::DeviceModel& dm, PrefixCac
 
 DevicePrefixPrefill::~DevicePrefixPrefill() = default;
 
+int64_t DevicePrefixPrefill::workspace_bytes() const {
+  const Impl& I = *impl_;
+  int64_t n = 0;
+  if (I.hit_plan) n += int64_t(I.hit_plan->workspace_bytes());
+  if (I.miss_plan) n += int64_t(I.miss_plan->workspace_bytes());
+  if (I.staging) n += 4 * I.hit_p * I.kv_dim() * int64_t(sizeof(float));
+  return n;
+}
+
 Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> tokens,
                                                       PrefixPrefillStats* stats) {
   Impl& I = *impl_;

@@ -94,4 +94,10 @@ Result<runtime::ParallelResult> PrefixRequests::run(const runtime::BatchRequest&
   return out;
 }
 
+int64_t PrefixRequests::device_workspace_bytes() const {
+  int64_t n = 0;
+  for (const auto& [key, runner] : runners_) n += runner->workspace_bytes();
+  return n;
+}
+
 }  // namespace sf::worker

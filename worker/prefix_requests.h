@@ -37,6 +37,8 @@ class PrefixRequests {
   Result<runtime::ParallelResult> run(const runtime::BatchRequest& r,
                                       const runtime::ParallelOptions& po, int64_t* reused_tokens);
   int64_t reused_total() const { return reused_total_; }
+  // --device cuda: the device memory its runners' kept plans hold (0 on the CPU).
+  int64_t device_workspace_bytes() const;
 
  private:
   PrefixRequests() = default;

@@ -583,7 +583,10 @@ int run(int argc, char** argv) {
     x->memory_wait_s = memory_wait_s;
     x->reused_tokens = reused_tokens;
     if (dplans && res.stats.plan_s > 0) x->plan = dplans->plan_times();
-    if (dplans) x->device_workspace_bytes = dplans->workspace_bytes();
+    if (prefix)
+      x->device_workspace_bytes = prefix->device_workspace_bytes();
+    else if (dplans)
+      x->device_workspace_bytes = dplans->workspace_bytes();
     kvstore::KvExportSpec& spec = x->spec;
     spec.first_token = res.first_token;  // (a streamed writer reads no first_token: the manifest's)
     // Every rank holds the same importance, so every rank reaches the same retention (or error).

@@ -218,6 +218,10 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
     // The runner's first plan is the summary's plan_s, as on the group path, not prefill_s.
     const std::string first = slurp(out + "/a.json");
     EXPECT_EQ(first.find("\"plan_s\": 0.000000,"), std::string::npos) << first;
+    // Its runner's plans are the summary's device workspace, as the group path's plan is.
+    const size_t ws_at = first.find("\"device_workspace_bytes\": ");
+    ASSERT_NE(ws_at, std::string::npos) << first;
+    EXPECT_GT(std::atoll(first.c_str() + ws_at + 26), int64_t(1) << 20) << first;
     for (const std::string id : {"a", "b", "s"}) {
       auto g = decode::load_kv_export(out + "/" + id, hash);
       auto p = decode::load_kv_export((dir / "gpu-cp1").string() + "/" + id, hash);
