@@ -42,7 +42,8 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   };
   if (fd < 0) {
     const int err = errno;
-    return Status(Code::kIo, "cannot write '" + path + "' (creating '" + path +
+    return Status(err == ENOSPC || err == EDQUOT ? Code::kResourceExhausted : Code::kIo,
+                  "cannot write '" + path + "' (creating '" + path +
                                  ".tmp.<6 random characters>'): " + std::strerror(err));
   }
   // mkstemp creates 0600; results are read by other processes (a node_exporter): the mode an
@@ -70,6 +71,15 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   }
   if (::close(fd) != 0) return failed(errno, "closing");
   if (::rename(tmp.c_str(), path.c_str()) != 0) return failed(errno, "renaming");
+  // The rename is durable once its directory is synced (a summary or manifest said written must
+  // not vanish at a power loss). Best effort: some filesystems refuse fsync on a directory, and
+  // the file's own bytes are already synced.
+  const fs::path parent = fs::path(path).parent_path();
+  const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
+  }
   return Status::ok();
 }
 
@@ -157,28 +167,44 @@ int64_t read_count(const std::string& path) {
   return *end || x < 0 ? -1 : int64_t(x);
 }
 
-// What this process's memory cgroup still allows (limit less usage), or -1 without a limit:
-// a job under Slurm, Docker or Kubernetes is killed at its cgroup's limit whatever the host has.
+// Limit less usage of the memory cgroup at `dir`, or -1 where it sets no limit (or is absent).
+int64_t cgroup_left_at(const std::string& dir, bool v1) {
+  int64_t limit = read_count(dir + (v1 ? "/memory.limit_in_bytes" : "/memory.max"));
+  const int64_t usage = read_count(dir + (v1 ? "/memory.usage_in_bytes" : "/memory.current"));
+  if (v1 && limit >= (int64_t(1) << 60)) limit = -1;  // v1's "no limit" is a huge number
+  return limit >= 0 && usage >= 0 ? std::max<int64_t>(0, limit - usage) : -1;
+}
+
+// What this process's memory cgroups still allow, or -1 without a limit: a job under Slurm,
+// Docker or Kubernetes is killed at its cgroup's limit whatever the host has. A limit may sit on
+// any ancestor (a systemd or Slurm slice above the job's step), so the least over the path to the
+// root counts. Inside a container without a cgroup namespace, /proc/self/cgroup names the host's
+// path ("/docker/<id>") while the container's own cgroup is mounted at the hierarchy's root: when
+// that path is not there, the root is read instead.
 int64_t cgroup_memory_left(const std::string& root) {
   std::ifstream f(root + "/proc/self/cgroup");
   std::string line;
+  int64_t least = -1;
   while (std::getline(f, line)) {
     // v2: "0::/path"; v1: "N:memory:/path" (or "N:...,memory,...:/path").
     const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
     if (b == std::string::npos) continue;
-    const std::string ctrl = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    int64_t limit = -1, usage = -1;
-    if (ctrl.empty()) {
-      limit = read_count(root + "/sys/fs/cgroup" + path + "/memory.max");
-      usage = read_count(root + "/sys/fs/cgroup" + path + "/memory.current");
-    } else if (("," + ctrl + ",").find(",memory,") != std::string::npos) {
-      limit = read_count(root + "/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes");
-      usage = read_count(root + "/sys/fs/cgroup/memory" + path + "/memory.usage_in_bytes");
-      if (limit >= (int64_t(1) << 60)) limit = -1;  // v1's "no limit" is a huge number
+    const std::string ctrl = line.substr(a + 1, b - a - 1);
+    const bool v1 = !ctrl.empty();
+    if (v1 && ("," + ctrl + ",").find(",memory,") == std::string::npos) continue;
+    const std::string mount = root + (v1 ? "/sys/fs/cgroup/memory" : "/sys/fs/cgroup");
+    std::string path = line.substr(b + 1);
+    std::error_code ec;
+    if (!fs::is_directory(mount + path, ec)) path = "/";  // the container's view (above)
+    for (;;) {
+      const int64_t left = cgroup_left_at(mount + path, v1);
+      if (left >= 0) least = least < 0 ? left : std::min(least, left);
+      const size_t cut = path.find_last_of('/');
+      if (path.size() <= 1 || cut == std::string::npos) break;
+      path = cut == 0 ? "/" : path.substr(0, cut);
     }
-    if (limit >= 0 && usage >= 0) return std::max<int64_t>(0, limit - usage);
   }
-  return -1;
+  return least;
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "common/metrics.h"
+
 #include "common/file_io.h"
+#include "common/text.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +28,10 @@ bool valid_label(const std::string& n) {
 }
 
 // Exposition format 0.0.4 escapes '\' and newlines, and in label values '"' too.
-std::string escape(const std::string& text, bool quote) {
+// Invalid UTF-8 becomes U+FFFD first: one bad byte (a GGUF's name in a label) would make a
+// scraper refuse the whole file.
+std::string escape(const std::string& raw, bool quote) {
+  const std::string text = utf8_repaired(raw);
   std::string s;
   for (char c : text) {
     if (c == '\\') s += "\\\\";

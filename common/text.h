@@ -7,8 +7,15 @@
 
 namespace sf {
 
+// The length of the well-formed UTF-8 sequence at s[i] (1-4; RFC 3629: no overlong forms, no
+// surrogates, nothing past U+10FFFF), or 0 where the bytes there are not one.
+size_t utf8_sequence_length(std::string_view s, size_t i);
+// s with each byte that does not start a well-formed sequence replaced by U+FFFD: text from files
+// (a GGUF's name, a path) made fit for JSON and Prometheus readers, which refuse invalid UTF-8.
+std::string utf8_repaired(std::string_view s);
+
 // Appends s as a JSON string literal, quotes included: '"' and '\' escaped, control characters
-// as \u00XX, everything else (UTF-8 included) as is.
+// as \u00XX, valid UTF-8 as is and any other byte as U+FFFD.
 void json_escape(std::string_view s, std::string* out);
 // The same, returned.
 std::string json_quoted(std::string_view s);

@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace sf {
@@ -23,10 +25,25 @@ namespace {
 
 thread_local bool t_in_pool = false;
 
+// One parallel region at a time (run_mu_). A worker joins a region under mu_, taking its task
+// and size with it, and is counted (active_) until it leaves; run() returns only when every task
+// is done and no worker is inside the region, so a worker that woke late can never claim an index
+// of the next region (next_ is reset per region), and none calls a task that has gone out of
+// scope. A task that throws: the first exception is kept, the region's remaining indices are
+// skipped (counted, not run), and run() rethrows it on the caller once the region is empty.
 class Pool {
  public:
   explicit Pool(int n) {
-    for (int i = 0; i < n - 1; ++i) workers_.emplace_back([this] { loop(); });
+    for (int i = 0; i < n - 1; ++i) {
+      try {
+        workers_.emplace_back([this] { loop(); });
+      } catch (const std::system_error& e) {
+        // No thread to be had (a process or pids limit): the pool runs with those it got.
+        std::fprintf(stderr, "warning: the thread pool has %d of %d threads (%s)\n", i + 1, n,
+                     e.what());
+        break;
+      }
+    }
   }
   ~Pool() {
     {
@@ -45,53 +62,82 @@ class Pool {
       task_ = &task;
       n_tasks_ = n_tasks;
       next_.store(0);
+      failed_.store(false);
+      error_ = nullptr;
       done_ = 0;
       ++gen_;
     }
     cv_.notify_all();
     t_in_pool = true;
-    drain();
+    drain(task, n_tasks);
     t_in_pool = false;
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return done_ == n_tasks_; });
-    task_ = nullptr;
+    std::exception_ptr error;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return done_ == n_tasks_ && active_ == 0; });
+      task_ = nullptr;  // (a worker waking from here on does not join this region)
+      error = std::exchange(error_, nullptr);
+    }
+    if (error) std::rethrow_exception(error);
   }
 
  private:
-  void drain() {
+  void drain(const std::function<void(size_t)>& task, size_t n) {
     size_t i;
     size_t finished = 0;
-    while ((i = next_.fetch_add(1)) < n_tasks_) {
-      (*task_)(i);
+    while ((i = next_.fetch_add(1)) < n) {
+      if (!failed_.load(std::memory_order_relaxed)) {
+        try {
+          task(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (!error_) error_ = std::current_exception();
+          failed_.store(true);
+        }
+      }
       ++finished;
     }
     if (finished) {
       std::lock_guard<std::mutex> lk(mu_);
       done_ += finished;
-      if (done_ == n_tasks_) done_cv_.notify_all();
+      if (done_ == n_tasks_ && active_ == 0) done_cv_.notify_all();
     }
   }
   void loop() {
     t_in_pool = true;
     uint64_t seen = 0;
     for (;;) {
+      const std::function<void(size_t)>* task = nullptr;
+      size_t n = 0;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || (gen_ != seen && task_ != nullptr); });
         if (stop_) return;
         seen = gen_;
+        task = task_;
+        n = n_tasks_;
+        ++active_;
       }
-      drain();
+      drain(*task, n);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        --active_;
+        if (done_ == n_tasks_ && active_ == 0) done_cv_.notify_all();
+      }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;
+  // The region (under mu_): its task and size, the tasks done, the workers inside it.
   const std::function<void(size_t)>* task_ = nullptr;
   size_t n_tasks_ = 0;
   std::atomic<size_t> next_{0};
   size_t done_ = 0;
+  int active_ = 0;
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;
   uint64_t gen_ = 0;
   bool stop_ = false;
 };

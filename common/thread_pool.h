@@ -17,7 +17,9 @@ int num_threads();
 // hardware's count where the mask cannot be read.
 int usable_cpus();
 // Splits [0, n) into contiguous ranges and runs fn(begin, end) on the pool; returns when all
-// ranges are done. grain is the smallest range worth a task. Reentrant calls run inline.
+// ranges are done. grain is the smallest range worth a task. Reentrant calls run inline. A range
+// that throws: no further ranges start, and the first exception is rethrown here once every
+// range already running has returned.
 void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
 
 // Copies n floats from a to da and n from b to db on the pool, as one range of 2n floats split

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <sstream>
@@ -30,14 +31,19 @@ const char* const kUsage =
 
 namespace {
 
-Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo = 1) {
+// Whole numbers in [lo, hi] (hi: what the int fields hold, so --tp 4294967298 is not 2).
+Result<int64_t> parse_int(const std::string& k, const std::string& v, int64_t lo = 1,
+                          int64_t hi = INT32_MAX) {
   char* end = nullptr;
   errno = 0;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end || errno || x < lo)
+  if (v.empty() || *end || (errno && errno != ERANGE) || x < lo)  // (x < lo: a negative overflow too)
     return SF_ERR(kInvalidArgument, "--" + k + " must be a " +
                                         (lo == 1 ? "positive" : ">= " + std::to_string(lo)) +
                                         " integer, got '" + v + "'");
+  if (errno == ERANGE || x > hi)
+    return SF_ERR(kInvalidArgument,
+                  "--" + k + " must be at most " + std::to_string(hi) + ", got '" + v + "'");
   return int64_t(x);
 }
 

@@ -152,6 +152,23 @@ TEST(FileIo, HostMemoryAvailableReadsMeminfoAndTheMemoryCgroup) {
   EXPECT_EQ(host_memory_available(root), int64_t(20000000) * 1024);
   put("/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", "2000000000\n");
   EXPECT_EQ(host_memory_available(root), 2000000000 - 1000);
+  // Inside a container without a cgroup namespace: the host's path is not mounted there, the
+  // container's own cgroup is the hierarchy's root.
+  fs::remove_all(root + "/sys/fs/cgroup/memory/docker");
+  put("/sys/fs/cgroup/memory/memory.limit_in_bytes", "3000000000\n");
+  put("/sys/fs/cgroup/memory/memory.usage_in_bytes", "500\n");
+  EXPECT_EQ(host_memory_available(root), 3000000000 - 500);
+  // v2 with the limit on a parent slice, none on the job's own cgroup: the least on the path.
+  fs::remove_all(root + "/sys/fs/cgroup");
+  put("/proc/self/cgroup", "0::/job.slice/step\n");
+  put("/sys/fs/cgroup/job.slice/step/memory.max", "max\n");
+  put("/sys/fs/cgroup/job.slice/step/memory.current", "100\n");
+  put("/sys/fs/cgroup/job.slice/memory.max", "4000000000\n");
+  put("/sys/fs/cgroup/job.slice/memory.current", "1000000000\n");
+  EXPECT_EQ(host_memory_available(root), 3000000000);
+  // ... and a tighter one below it wins.
+  put("/sys/fs/cgroup/job.slice/step/memory.max", "1000000100\n");
+  EXPECT_EQ(host_memory_available(root), 1000000000);
 }
 
 }  // namespace

@@ -31,6 +31,10 @@ TEST(Metrics, ExpositionAndValidation) {
   MetricsRegistry h;
   ASSERT_TRUE(h.add_family("sf_g", MetricKind::kGauge, "two\nlines \\ here").is_ok());
   EXPECT_EQ(h.render(), "# HELP sf_g two\\nlines \\\\ here\n# TYPE sf_g gauge\n");
+  // A label value that is not UTF-8 (a model file's name) is rendered with U+FFFD: a scraper
+  // would refuse the whole file over one bad byte.
+  ASSERT_TRUE(h.set("sf_g", {{"model", "m\xff"}}, 1).is_ok());
+  EXPECT_NE(h.render().find("sf_g{model=\"m\xef\xbf\xbd\"} 1\n"), std::string::npos) << h.render();
 }
 
 TEST(Metrics, HistogramBucketsAreCumulativeWithSumAndCount) {

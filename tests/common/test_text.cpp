@@ -14,6 +14,20 @@ TEST(Text, JsonQuotedEscapesQuotesBackslashesAndControls) {
   EXPECT_EQ(json_quoted("caf\xc3\xa9"), "\"caf\xc3\xa9\"");  // UTF-8 as is
 }
 
+// Bytes that are not well-formed UTF-8 become U+FFFD, one per byte; well-formed sequences of
+// every length stay, and a sequence cut short at the end is not read past.
+TEST(Text, InvalidUtf8BecomesTheReplacementCharacter) {
+  const std::string r = "\xef\xbf\xbd";
+  EXPECT_EQ(utf8_repaired("a\xff" "b"), "a" + r + "b");
+  EXPECT_EQ(utf8_repaired("\xc0\xaf"), r + r);                // overlong '/'
+  EXPECT_EQ(utf8_repaired("\xed\xa0\x80"), r + r + r);        // a surrogate
+  EXPECT_EQ(utf8_repaired("\xf4\x90\x80\x80"), r + r + r + r);  // past U+10FFFF
+  EXPECT_EQ(utf8_repaired("x\xe2\x82"), "x" + r + r);          // cut short
+  const std::string ok = "\x7f\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\xf4\x8f\xbf\xbf";
+  EXPECT_EQ(utf8_repaired(ok), ok);
+  EXPECT_EQ(json_quoted("n\xff\""), "\"n" + r + "\\\"\"");
+}
+
 TEST(Text, HumanBytesKeepsThreeSignificantDigits) {
   EXPECT_EQ(human_bytes(0), "0 B");
   EXPECT_EQ(human_bytes(999), "999 B");

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -18,6 +19,11 @@
 
 namespace sf {
 namespace {
+
+// More threads than this machine's cores (unless the environment names a count): the pool's
+// workers are then preempted inside regions, which the region tests below rely on. Set before
+// main, so before the pool's size is first read.
+const bool kManyThreads = [] { return setenv("SF_NUM_THREADS", "8", /*overwrite=*/0) == 0; }();
 
 // The pool's default size follows the affinity mask (a core binding, taskset), not the machine.
 TEST(ThreadPool, UsableCpusFollowTheAffinityMask) {
@@ -47,6 +53,49 @@ TEST(ThreadPool, ParallelForCoversEveryIndexOnce) {
     });
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n " << n << " index " << i;
   }
+}
+
+// Regions of different sizes back to back: a worker that wakes late for one region must not
+// claim an index of the next (each index of each region runs exactly once), and every region
+// returns (a hang fails by the test's timeout).
+TEST(ThreadPool, BackToBackRegionsRunEachIndexOnce) {
+  ASSERT_TRUE(kManyThreads);
+  constexpr int kRounds = 20000;
+  std::vector<std::atomic<int>> small(2), large(64);
+  for (int r = 0; r < kRounds; ++r) {
+    parallel_for(2, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) small[i]++;
+    });
+    parallel_for(64, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) large[i]++;
+    });
+  }
+  for (size_t i = 0; i < small.size(); ++i) EXPECT_EQ(small[i].load(), kRounds) << i;
+  for (size_t i = 0; i < large.size(); ++i) EXPECT_EQ(large[i].load(), kRounds) << i;
+}
+
+// A task that throws, on a worker or on the caller: the region stops starting ranges, the first
+// exception reaches parallel_for's caller once no worker is inside the region, and the pool
+// (and the caller's own later regions) work as before.
+TEST(ThreadPool, ATaskThatThrowsReachesTheCaller) {
+  ASSERT_TRUE(kManyThreads);
+  for (int r = 0; r < 200; ++r) {
+    std::atomic<int> ran{0};
+    EXPECT_THROW(parallel_for(1000,
+                              [&](size_t b, size_t) {
+                                ran++;
+                                if (b % 3 == 1) throw std::runtime_error("task " + std::to_string(b));
+                              }),
+                 std::runtime_error);
+    EXPECT_GE(ran.load(), 1);
+    std::vector<std::atomic<int>> hits(100);
+    parallel_for(100, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) hits[i]++;
+    });
+    for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i].load(), 1) << r << " " << i;
+  }
+  // A std::bad_alloc keeps its type.
+  EXPECT_THROW(parallel_for(64, [](size_t, size_t) { throw std::bad_alloc(); }), std::bad_alloc);
 }
 
 TEST(ThreadPool, ParallelCopyPairCopiesBothArrays) {

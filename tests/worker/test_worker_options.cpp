@@ -89,6 +89,8 @@ TEST(WorkerOptions, RejectionsNameTheFlag) {
       {{"--batch", "b", "--out", "o"}, "--model is required", false},
       {{"--tp", "0"}, "--tp must be a positive integer, got '0'"},
       {{"--cp", "two"}, "--cp must be a positive integer"},
+      {{"--tp", "4294967298"}, "--tp must be at most 2147483647, got '4294967298'"},
+      {{"--cp", "99999999999999999999"}, "--cp must be at most 2147483647"},
       {{"--chunk", "-5"}, "--chunk must be a positive integer"},
       {{"--export", "bogus"}, "--export must be sharded or gathered, got 'bogus'"},
       {{"--export-overlap", "maybe"}, "--export-overlap must be on or off"},
