@@ -56,12 +56,9 @@ void json_escape(std::string_view s, std::string* out) {
       out->push_back(kHex[c >> 4]);
       out->push_back(kHex[c & 15]);
       ++i;
-    } else if (const size_t n = utf8_sequence_length(s, i); n == 0) {
-      *out += kReplacement;
-      ++i;
     } else {
-      out->append(s.substr(i, n));
-      i += n;
+      out->push_back(char(c));
+      ++i;
     }
   }
   out->push_back('"');

@@ -15,7 +15,9 @@ size_t utf8_sequence_length(std::string_view s, size_t i);
 std::string utf8_repaired(std::string_view s);
 
 // Appends s as a JSON string literal, quotes included: '"' and '\' escaped, control characters
-// as \u00XX, valid UTF-8 as is and any other byte as U+FFFD.
+// as \u00XX, everything else as is: bytes that are not UTF-8 make invalid JSON, which a writer
+// that must not rename its keys (safetensors) detects and refuses; text from outside that may
+// simply be shown goes through utf8_repaired first.
 void json_escape(std::string_view s, std::string* out);
 // The same, returned.
 std::string json_quoted(std::string_view s);

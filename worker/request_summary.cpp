@@ -53,9 +53,9 @@ std::string request_summary_json(const RequestSummary& x) {
       s.seconds, s.plan_s, s.comm_s, ll(s.kv_allgather_bytes), ll(s.kv_moved_bytes),
       ll(s.estimate_bytes), ll(s.estimate_queries_bytes), ll(s.estimate_columns_bytes),
       ll(s.estimate_diagonals_bytes), ll(s.estimate_blocks_bytes), ll(s.tp_allreduce_bytes),
-      ll(s.comm_bytes), json_quoted(x.attention).c_str(), s.density, s.attention_s, s.estimate_s,
+      ll(s.comm_bytes), json_quoted(utf8_repaired(x.attention)).c_str(), s.density, s.attention_s, s.estimate_s,
       s.sparse_grows, s.kv_alloc_s, s.kv_copy_s, x.kv_host_dtype.c_str(), x.export_mode.c_str(),
-      x.device.c_str(), json_quoted(x.retention).c_str(), x.kv_kept_fraction, x.kv_dtype.c_str(),
+      x.device.c_str(), json_quoted(utf8_repaired(x.retention)).c_str(), x.kv_kept_fraction, x.kv_dtype.c_str(),
       ll(s.importance_bytes), s.importance_s, ll(x.prefix_reused_tokens), x.export_s,
       ll(x.export_bytes), x.export_wait_s, x.export_streamed ? "true" : "false",
       x.export_layers_at_prefill_end, x.memory_wait_s, x.fingerprint.c_str());
