@@ -227,13 +227,14 @@ int64_t host_memory_available(const std::string& root) {
   return cg >= 0 && (avail < 0 || cg < avail) ? cg : avail;
 }
 
-std::string cpu_name() {
-  std::ifstream f("/proc/cpuinfo");
+std::string cpu_name(const std::string& root) {
+  std::ifstream f(root + "/proc/cpuinfo");
   std::string line;
   while (std::getline(f, line))
     if (line.rfind("model name", 0) == 0) {
-      auto p = line.find(':');
-      if (p != std::string::npos) return line.substr(p + 2);
+      const size_t p = line.find(':');
+      const size_t b = p == std::string::npos ? p : line.find_first_not_of(" \t", p + 1);
+      if (b != std::string::npos) return line.substr(b);  // (an empty name: the machine's)
     }
   utsname u{};
   uname(&u);

@@ -29,8 +29,9 @@ namespace sf {
 // This machine's host name (empty if it cannot be read): temporary and lock names carry it so a
 // later job can tell its own host's leftovers.
 std::string host_name();
-// The CPU's model name (/proc/cpuinfo), else the machine type (uname): results' device.
-std::string cpu_name();
+// The CPU's model name (/proc/cpuinfo), else the machine type (uname): results' device. root: a
+// directory standing in for / (tests).
+std::string cpu_name(const std::string& root = "");
 // Bytes of host memory the kernel says a new allocation can have without swapping (MemAvailable
 // of /proc/meminfo, which counts reclaimable page cache; else the free physical pages), or what
 // this process's memory cgroup (v2 or v1) still allows when that is less; -1 when nothing can be

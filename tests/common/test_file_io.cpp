@@ -1,6 +1,7 @@
 // write_file_atomic (whole file or the old one, never a part) and the output-path checks that
 // commands run before their slow work.
 #include <gtest/gtest.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -122,6 +123,23 @@ TEST(FileIo, OutputChecksBeforeTheWork) {
 // stand-in root: MemAvailable alone; a cgroup v2 limit below it wins ("max": no limit); a v1
 // memory controller's limit less usage wins, its "no limit" (a huge number) does not; nothing
 // readable is -1.
+// The CPU's name from /proc/cpuinfo; a "model name" line with nothing after its colon (seen in
+// some VMs) gives the machine type instead of an exception.
+TEST(FileIo, CpuNameReadsCpuinfoAndFallsBackToTheMachine) {
+  EXPECT_FALSE(cpu_name().empty());
+  TmpDir d;
+  const std::string root = d.p.string();
+  fs::create_directories(root + "/proc");
+  std::ofstream(root + "/proc/cpuinfo") << "processor\t: 0\nmodel name\t: AMD EPYC 9654\n";
+  EXPECT_EQ(cpu_name(root), "AMD EPYC 9654");
+  std::ofstream(root + "/proc/cpuinfo") << "processor\t: 0\nmodel name\t:\n";
+  std::string name;
+  EXPECT_NO_THROW(name = cpu_name(root));
+  utsname u{};
+  ASSERT_EQ(uname(&u), 0);
+  EXPECT_EQ(name, u.machine);
+}
+
 TEST(FileIo, HostMemoryAvailableReadsMeminfoAndTheMemoryCgroup) {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   const int64_t here = host_memory_available();
