@@ -4,40 +4,24 @@
 #include <cstdio>
 #include <ctime>
 
+#include "common/utf8.h"
+
 namespace sf {
 
 namespace {
 constexpr char kReplacement[] = "\xef\xbf\xbd";  // U+FFFD
 }  // namespace
 
-size_t utf8_sequence_length(std::string_view s, size_t i) {
-  const auto at = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = at(i);
-  if (c < 0x80) return 1;
-  size_t n;
-  unsigned char lo = 0x80, hi = 0xbf;  // the second byte's range
-  if (c >= 0xc2 && c <= 0xdf) n = 2;
-  else if (c >= 0xe0 && c <= 0xef) n = 3, lo = c == 0xe0 ? 0xa0 : 0x80, hi = c == 0xed ? 0x9f : 0xbf;
-  else if (c >= 0xf0 && c <= 0xf4) n = 4, lo = c == 0xf0 ? 0x90 : 0x80, hi = c == 0xf4 ? 0x8f : 0xbf;
-  else return 0;
-  if (i + n > s.size() || at(i + 1) < lo || at(i + 1) > hi) return 0;
-  for (size_t k = 2; k < n; ++k)
-    if (at(i + k) < 0x80 || at(i + k) > 0xbf) return 0;
-  return n;
-}
-
 std::string utf8_repaired(std::string_view s) {
   std::string out;
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
-    const size_t n = utf8_sequence_length(s, i);
-    if (n == 0) {
+    const utf8::DecodedCodepoint d = utf8::utf8_decode(s, i);
+    if (d.cp == utf8::kInvalidCodepoint)
       out += kReplacement;
-      ++i;
-    } else {
-      out.append(s.substr(i, n));
-      i += n;
-    }
+    else
+      out.append(s.substr(i, d.len));
+    i += d.len;
   }
   return out;
 }
@@ -45,20 +29,17 @@ std::string utf8_repaired(std::string_view s) {
 void json_escape(std::string_view s, std::string* out) {
   static const char kHex[] = "0123456789abcdef";
   out->push_back('"');
-  for (size_t i = 0; i < s.size();) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
+  for (char ch : s) {
+    const unsigned char c = static_cast<unsigned char>(ch);
     if (c == '"' || c == '\\') {
       out->push_back('\\');
       out->push_back(char(c));
-      ++i;
     } else if (c < 0x20) {
       *out += "\\u00";
       out->push_back(kHex[c >> 4]);
       out->push_back(kHex[c & 15]);
-      ++i;
     } else {
       out->push_back(char(c));
-      ++i;
     }
   }
   out->push_back('"');

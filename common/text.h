@@ -7,10 +7,8 @@
 
 namespace sf {
 
-// The length of the well-formed UTF-8 sequence at s[i] (1-4; RFC 3629: no overlong forms, no
-// surrogates, nothing past U+10FFFF), or 0 where the bytes there are not one.
-size_t utf8_sequence_length(std::string_view s, size_t i);
-// s with each byte that does not start a well-formed sequence replaced by U+FFFD: text from files
+// s with each byte that does not start a well-formed UTF-8 sequence (RFC 3629: no overlong
+// forms, surrogates or values past U+10FFFF; common/utf8.h) replaced by U+FFFD: text from files
 // (a GGUF's name, a path) made fit for JSON and Prometheus readers, which refuse invalid UTF-8.
 std::string utf8_repaired(std::string_view s);
 

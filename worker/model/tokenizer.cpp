@@ -406,13 +406,21 @@ Result<Tokenizer> Tokenizer::create(TokenizerSpec spec) {
   return t;
 }
 
+namespace {
+// Where byte b's child is, or would go, in a trie node's sorted (byte, node) list.
+template <typename Next>
+auto child_slot(Next& next, uint8_t b) {
+  return std::lower_bound(next.begin(), next.end(), b,
+                          [](const std::pair<uint8_t, int32_t>& e, uint8_t v) { return e.first < v; });
+}
+}  // namespace
+
 void Tokenizer::add_special(std::string_view text, int32_t id) {
   int32_t node = 0;
   for (char ch : text) {
     const auto b = static_cast<uint8_t>(ch);
     auto& next = specials_[size_t(node)].next;
-    auto it = std::lower_bound(next.begin(), next.end(), b,
-                               [](const std::pair<uint8_t, int32_t>& e, uint8_t v) { return e.first < v; });
+    auto it = child_slot(next, b);
     if (it != next.end() && it->first == b) {
       node = it->second;
       continue;
@@ -432,8 +440,7 @@ std::pair<int32_t, size_t> Tokenizer::longest_special(std::string_view text, siz
   for (size_t j = i; j < text.size(); ++j) {
     const auto b = static_cast<uint8_t>(text[j]);
     const auto& next = specials_[size_t(node)].next;
-    auto it = std::lower_bound(next.begin(), next.end(), b,
-                               [](const std::pair<uint8_t, int32_t>& e, uint8_t v) { return e.first < v; });
+    auto it = child_slot(next, b);
     if (it == next.end() || it->first != b) break;
     node = it->second;
     if (specials_[size_t(node)].id >= 0) best = {specials_[size_t(node)].id, j + 1 - i};
