@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/args.h"
 #include "common/log.h"
 
 namespace sf::comm {
@@ -22,10 +23,9 @@ const char* reduce_op_name(ReduceOp op) {
 
 std::chrono::milliseconds default_timeout() {
   if (const char* e = std::getenv("SF_COMM_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double s = std::strtod(e, &end);
+    double s = 0;
     // Up to 1e6 s (11.6 days): a larger value would overflow the deadline's clock arithmetic.
-    if (end != e && *end == '\0' && s > 0 && s <= kMaxTimeoutS)
+    if (whole_number(e, &s) && s > 0 && s <= kMaxTimeoutS)
       return std::chrono::milliseconds(std::max<int64_t>(1, int64_t(s * 1000)));
     static bool warned = false;  // once a process, not at every communicator
     if (!warned) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <optional>
@@ -10,12 +11,22 @@
 
 namespace sf {
 
-bool whole_int(const std::string& s, int64_t* out) {
-  if (s.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const long long x = std::strtoll(s.c_str(), &end, 10);
-  if (*end || errno == ERANGE) return false;
+bool whole_int(std::string_view s, int64_t* out) {
+  int64_t x = 0;
+  // As whole_number: no blanks or '+' (which strtoll skips), out of range refused.
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), x, 10);
+  if (s.empty() || r.ec != std::errc() || r.ptr != s.data() + s.size()) return false;
+  *out = x;
+  return true;
+}
+
+bool whole_number(std::string_view s, double* out) {
+  double x = 0;
+  // from_chars reads neither hex (without chars_format::hex) nor a leading '+' or blank, and
+  // reports overflow and underflow as out of range instead of rounding to inf or 0.
+  const auto r = std::from_chars(s.data(), s.data() + s.size(), x, std::chars_format::general);
+  if (s.empty() || r.ec != std::errc() || r.ptr != s.data() + s.size() || !std::isfinite(x))
+    return false;
   *out = x;
   return true;
 }
@@ -32,9 +43,8 @@ Result<int64_t> Args::get_int(const std::string& k, int64_t def, int64_t lo, int
 Result<double> Args::get_double(const std::string& k, double def, double lo, double hi) const {
   if (!has(k)) return def;
   const std::string v = get(k);
-  char* end = nullptr;
-  const double x = v.empty() ? 0.0 : std::strtod(v.c_str(), &end);
-  if (v.empty() || *end || !std::isfinite(x) || x < lo || x > hi) {
+  double x = 0;
+  if (!whole_number(v, &x) || x < lo || x > hi) {
     std::ostringstream range;
     range << "[" << lo << ", " << hi << "]";
     return SF_ERR(kInvalidArgument,

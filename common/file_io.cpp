@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
@@ -239,6 +240,12 @@ std::string cpu_name(const std::string& root) {
   utsname u{};
   uname(&u);
   return u.machine;
+}
+
+int exit_status_after_stdout(int rc) {
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return rc;
+  std::fprintf(stderr, "error: writing the standard output failed: %s\n", std::strerror(errno));
+  return rc == 0 ? 1 : rc;
 }
 
 }  // namespace sf

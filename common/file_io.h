@@ -26,6 +26,11 @@ namespace sf {
 // and the nearest existing ancestor of its parent is a writable directory.
 [[nodiscard]] Status check_output_dir(const std::string& dir, const std::string& what);
 
+// A command's exit status once its standard output is flushed: rc, or 1 (said on stderr) where
+// stdout did not take everything written to it (a full disk, /dev/full), since a command whose
+// result is what it prints must not exit 0 with a truncated result.
+int exit_status_after_stdout(int rc);
+
 // This machine's host name (empty if it cannot be read): temporary and lock names carry it so a
 // later job can tell its own host's leftovers.
 std::string host_name();

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/args.h"
 #include "common/thread_pool.h"
 
 namespace sf::decode {
@@ -43,17 +44,15 @@ Result<DecodeAttnParams> decode_attn_parse(const std::string& spec) {
         p.verify_draft = int(k);
         continue;
       }
-      char* gend = nullptr;
-      const double margin = std::strtod(g.c_str(), &gend);
-      if (g.empty() || *gend != '\0' || !(margin > 0 && std::isfinite(margin)) ||
+      double margin = 0;
+      if (!whole_number(g, &margin) || !(margin > 0) ||
           p.guard_margin > 0)
         return SF_ERR(kOutOfRange, "decode attention psa: guard margin '" + g +
                                        "' must be a positive number of nats, given once");
       p.guard_margin = margin;
     }
-    char* end = nullptr;
-    const double e = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !(e > 0 && e <= 1))
+    double e = 0;
+    if (!whole_number(v, &e) || !(e > 0 && e <= 1))
       return SF_ERR(kOutOfRange,
                     "decode attention psa: eps '" + v + "' must be a number in (0, 1]");
     p.mode = DecodeAttnMode::kPsa;

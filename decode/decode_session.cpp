@@ -296,15 +296,11 @@ Result<std::vector<int32_t>> DecodeSession::generate_verified(
 Result<DecodeSession> open_decode_session(const model::Model& m, const std::string& kv_dir,
                                           DecodeAttnParams p, KvExport* manifest_out) {
   SF_ASSIGN(KvExport e, load_kv_export(kv_dir, model_compat_hash(m)));
-  SF_ASSIGN(PagedKvCache cache, PagedKvCache::from_export(e, !m.config().rope.neox));
+  SF_ASSIGN(PagedKvCache cache, PagedKvCache::take_from_export(e, !m.config().rope.neox));
   const model::ModelConfig& c = m.config();
   SF_TRY(check_cache_geometry(cache, c.n_layers, c.n_kv_heads, c.head_dim, "decode"));
   const int64_t next = e.n_tokens;
-  if (manifest_out) {
-    // The K/V copies now live in the cache; keep only the manifest fields.
-    for (auto& h : e.heads) h = HeadKv{};
-    *manifest_out = std::move(e);
-  }
+  if (manifest_out) *manifest_out = std::move(e);  // (its K/V copies were freed as paged)
   return DecodeSession(m, std::move(cache), next, p);
 }
 

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "common/args.h"
+#include "common/file_io.h"
 #include "decode/decode_session.h"
 #include "decode/device_session.h"
 #include "worker/model/gguf.h"
@@ -62,9 +63,8 @@ int run(int argc, char** argv) {
   }
   int n_new = 32;
   if (a.count("tokens")) {
-    char* end = nullptr;
-    const long n = std::strtol(a["tokens"].c_str(), &end, 10);
-    if (*end != '\0' || n < 1 || n > 100000)
+    int64_t n = 0;
+    if (!sf::whole_int(a["tokens"], &n) || n < 1 || n > 100000)
       return fail(SF_ERR(kInvalidArgument, "--tokens must be in [1, 100000]"));
     n_new = int(n);
   }
@@ -72,9 +72,9 @@ int run(int argc, char** argv) {
   if (dev != "auto" && dev != "cpu" && dev != "cuda")
     return fail(SF_ERR(kInvalidArgument, "--device '" + dev + "' is not auto, cpu or cuda"));
   auto pool_enc = sf::kvstore::kv_encoding_parse(a.count("pool-dtype") ? a["pool-dtype"] : "f32");
-  if (!pool_enc.is_ok()) return fail(pool_enc.status());
-  if (pool_enc.value() == sf::kvstore::KvEncoding::kInt4)
-    return fail(SF_ERR(kInvalidArgument, "--pool-dtype takes f32, bf16 or int8"));
+  if (!pool_enc.is_ok() || pool_enc.value() == sf::kvstore::KvEncoding::kInt4)
+    return fail(SF_ERR(kInvalidArgument, "--pool-dtype '" + a["pool-dtype"] +
+                                             "' is not f32, bf16 or int8 (the device pool's)"));
   if (dev == "cpu" && pool_enc.value() != sf::kvstore::KvEncoding::kF32)
     return fail(SF_ERR(kInvalidArgument, "--pool-dtype is the device pool's; the cpu decodes F32"));
   // auto: the GPU when this build and machine have one; cuda without one fails before the load.
@@ -105,21 +105,28 @@ int run(int argc, char** argv) {
   std::optional<sf::decode::DeviceDecodeSession> ds;
   bool gpu = on_gpu;
   if (gpu) {
-    auto up = sf::model::DeviceModel::upload(m, sf::DType::kF32);
-    if (!up.is_ok()) return fail(up.status());
-    dm.emplace(std::move(up).value());
-    auto op = sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(),
-                                                    n_new, pool_enc.value(),
-                                                    /*cuda_graph=*/!a.count("no-cuda-graph"),
-                                                    /*fused_step=*/!a.count("no-fused-step"));
-    if (op.is_ok()) {
-      ds.emplace(std::move(op).value());
-    } else if (dev == "auto" && op.status().code() == sf::Code::kUnsupported) {
-      // auto: a model or mode the device session does not take decodes on the CPU.
-      std::fprintf(stderr, "note: decoding on cpu: %s\n", op.status().message().c_str());
+    auto open = [&]() -> sf::Status {
+      SF_ASSIGN(sf::model::DeviceModel up, sf::model::DeviceModel::upload(m, sf::DType::kF32));
+      dm.emplace(std::move(up));
+      SF_ASSIGN(sf::decode::DeviceDecodeSession s,
+                sf::decode::DeviceDecodeSession::open(*dm, sr->cache(), man.n_tokens, ap.value(),
+                                                      n_new, pool_enc.value(),
+                                                      /*cuda_graph=*/!a.count("no-cuda-graph"),
+                                                      /*fused_step=*/!a.count("no-fused-step")));
+      ds.emplace(std::move(s));
+      return sf::Status::ok();
+    };
+    const sf::Status op = open();
+    if (!op.is_ok() && dev == "auto" &&
+        (op.code() == sf::Code::kUnsupported || op.code() == sf::Code::kResourceExhausted)) {
+      // auto: a model or mode the device session does not take, or a GPU without room for the
+      // F32 weights and the pool, decodes on the CPU (the device memory given back first).
+      std::fprintf(stderr, "note: decoding on cpu: %s\n", op.message().c_str());
+      ds.reset();
+      dm.reset();
       gpu = false;
-    } else {
-      return fail(op.status());
+    } else if (!op.is_ok()) {
+      return fail(op);
     }
   }
   // auto that ended on the cpu: a --pool-dtype given for the device pool is not used.
@@ -186,7 +193,7 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    return run(argc, argv);
+    return sf::exit_status_after_stdout(run(argc, argv));  // the tokens are its result
   } catch (const std::exception& e) {  // process edge
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

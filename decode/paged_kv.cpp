@@ -1,5 +1,7 @@
 #include "decode/paged_kv.h"
 
+#include <type_traits>
+
 #include <algorithm>
 #include <string>
 
@@ -48,6 +50,15 @@ int32_t PagedKvCache::new_block() {
 }
 
 Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_interleaved) {
+  return page_export(e, keys_interleaved);
+}
+
+Result<PagedKvCache> PagedKvCache::take_from_export(KvExport& e, bool keys_interleaved) {
+  return page_export(e, keys_interleaved);
+}
+
+template <typename Export>
+Result<PagedKvCache> PagedKvCache::page_export(Export& e, bool keys_interleaved) {
   if (e.block_size != kBlockTokens)
     return SF_ERR(kUnsupported,
                   "paged kv: block size " + std::to_string(e.block_size) + " is not 64");
@@ -103,6 +114,8 @@ Result<PagedKvCache> PagedKvCache::from_export(const KvExport& e, bool keys_inte
           std::copy(mx, mx + d, B.kmax.begin());
         }
       }
+      if constexpr (!std::is_const_v<Export>)  // take_from_export: this head's copy is paged
+        e.heads[size_t(l) * size_t(e.n_kv_heads) + size_t(h)] = HeadKv{};
     }
   return c;
 }

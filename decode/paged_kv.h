@@ -33,12 +33,15 @@ class PagedKvCache {
   // keys_interleaved: the consuming model rotates adjacent channel pairs (GGUF llama); exported
   // keys (rotate-half order) and their block min/max are permuted back to that order.
   static Result<PagedKvCache> from_export(const KvExport& e, bool keys_interleaved);
+  // The same, freeing each head's K/V in e once it is paged (e keeps its manifest fields): a
+  // load then peaks near one copy of the cache, not two.
+  static Result<PagedKvCache> take_from_export(KvExport& e, bool keys_interleaved);
 
   // In-process path (evaluation): the prefill's own cache (model channel order already) with a
   // retention applied, same paging and metadata as an export would give. enc: the keys and
   // values become what a decode node loading an export in that encoding holds
-  // (kvstore::kv_round_trip per block of 64 kept tokens); the block min/max stay the F32 keys',
-  // as the export's metadata does.
+  // (kvstore::kv_round_trip per block of 64 kept tokens); the block min/max are those of the
+  // keys as stored (decoded), as the export's metadata is.
   // With a low tier (r.low; `low` then names its encoding) each tier of a head is round-tripped
   // on its own, in position order (its key groups are 64 of its own tokens, as the export's
   // tier shards hold them), and the merged blocks' min/max are the decoded keys', as the
@@ -48,8 +51,9 @@ class PagedKvCache {
                                            std::optional<kvstore::KvEncoding> low = std::nullopt);
 
   // Every block's keys and values replaced by kv_round_trip in `enc` (keys per block, values
-  // per row), the block min/max kept: what a pool storing that encoding attends over, which is
-  // also what a device pool in INT8 or BF16 holds (DevicePagedPool encodes each block so).
+  // per row), the block min/max recomputed from the decoded keys (PSA's bound must hold for the
+  // keys it attends over): what a pool storing that encoding attends over, which is also what a
+  // device pool in INT8 or BF16 holds (DevicePagedPool encodes each block so).
   Status round_trip(kvstore::KvEncoding enc);
 
   int n_layers() const { return n_layers_; }
@@ -77,6 +81,9 @@ class PagedKvCache {
   void undo_append(AppendUndo&& u);
 
  private:
+  // from_export and take_from_export (Export: const KvExport or KvExport, whose heads it frees).
+  template <typename Export>
+  static Result<PagedKvCache> page_export(Export& e, bool keys_interleaved);
   size_t idx(int layer, int head) const {
     return size_t(layer) * size_t(n_kv_heads_) + size_t(head);
   }

@@ -11,6 +11,8 @@
 #include <optional>
 #include <sstream>
 
+#include "common/args.h"
+
 namespace sf::kvstore {
 namespace {
 
@@ -194,9 +196,8 @@ Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
       config = val;
       continue;
     }
-    char* end = nullptr;
-    const long long x = std::strtoll(val.c_str(), &end, 10);
-    if (val.empty() || *end != '\0' || x < 0)
+    int64_t x = 0;
+    if (!whole_int(val, &x) || x < 0)
       return SF_ERR(kInvalidArgument,
                     "retention moa: sink = '" + val + "' must be an integer >= 0");
     sink = int64_t(x);
@@ -306,9 +307,8 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
       return SF_ERR(kInvalidArgument, "retention " + name + ": " + key + " given twice");
     seen.push_back(key);
     const std::string val = kv.substr(eq + 1);
-    char* end = nullptr;
-    const double x = std::strtod(val.c_str(), &end);
-    if (val.empty() || *end != '\0' || !std::isfinite(x))
+    double x = 0;
+    if (!whole_number(val, &x))
       return SF_ERR(kInvalidArgument,
                     "retention " + name + ": " + key + " = '" + val + "' is not a number");
     if (key != "beta" && key != "floor" && x != std::floor(x))

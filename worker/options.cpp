@@ -141,15 +141,11 @@ Result<Options> parse_options(int argc, char** argv) {
     o.kv_host_bf16 = v == "bf16";
   }
   if (kv.count("comm-timeout")) {
-    char* end = nullptr;
-    o.comm_timeout_s = std::strtod(kv["comm-timeout"].c_str(), &end);
-    if (*end || !(o.comm_timeout_s > 0) || o.comm_timeout_s > comm::kMaxTimeoutS)
+    if (!whole_number(kv["comm-timeout"], &o.comm_timeout_s) || !(o.comm_timeout_s > 0) || o.comm_timeout_s > comm::kMaxTimeoutS)
       return SF_ERR(kInvalidArgument, "--comm-timeout must be a number of seconds in (0, 1e6]");
   }
   if (kv.count("stall-timeout")) {
-    char* end = nullptr;
-    o.stall_timeout_s = std::strtod(kv["stall-timeout"].c_str(), &end);
-    if (*end || !(o.stall_timeout_s > 0) || o.stall_timeout_s > comm::kMaxTimeoutS)
+    if (!whole_number(kv["stall-timeout"], &o.stall_timeout_s) || !(o.stall_timeout_s > 0) || o.stall_timeout_s > comm::kMaxTimeoutS)
       return SF_ERR(kInvalidArgument, "--stall-timeout must be a number of seconds in (0, 1e6]");
   }
   if (o.cp_estimate && o.attention == "dense")

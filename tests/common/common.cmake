@@ -8,3 +8,5 @@ sf_add_test(test_thread_pool SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_thread_pool.
             LIBS sf_common)
 sf_add_test(test_text SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_text.cpp LABELS unit
             LIBS sf_common)
+sf_add_test(test_args SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_args.cpp LABELS unit
+            LIBS sf_common)

@@ -115,6 +115,35 @@ decode::KvExport hand_export(int n, int d, const std::vector<float>& k,
   return e;
 }
 
+// Loading pages the export's K/V and frees each head's copy as it goes: the pages equal
+// from_export's, and the export keeps its manifest fields but no K/V.
+TEST(PagedKv, TakeFromExportFreesTheExportsCopy) {
+  const int n = 64 * 3 + 5, d = 8;
+  std::vector<float> k(size_t(n * d)), v(size_t(n * d));
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = std::sin(0.37f * float(i));
+    v[i] = std::cos(0.11f * float(i));
+  }
+  decode::KvExport e = hand_export(n, d, k, v);
+  auto kept = decode::PagedKvCache::from_export(e, true);
+  auto taken = decode::PagedKvCache::take_from_export(e, true);
+  ASSERT_TRUE(kept.is_ok() && taken.is_ok());
+  EXPECT_EQ(e.n_tokens, n);
+  ASSERT_EQ(e.heads.size(), 1u);
+  EXPECT_TRUE(e.heads[0].k.empty() && e.heads[0].v.empty() && e.heads[0].positions.empty() &&
+              e.heads[0].block_kmin.empty());
+  ASSERT_EQ(kept->pages(0, 0).size(), taken->pages(0, 0).size());
+  for (size_t i = 0; i < kept->pages(0, 0).size(); ++i) {
+    const auto& a = kept->block(kept->pages(0, 0)[i]);
+    const auto& b = taken->block(taken->pages(0, 0)[i]);
+    ASSERT_EQ(a.n, b.n);
+    EXPECT_EQ(a.k, b.k);
+    EXPECT_EQ(a.v, b.v);
+    EXPECT_EQ(a.kmin, b.kmin);
+    EXPECT_EQ(a.pos, b.pos);
+  }
+}
+
 TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
   const uint64_t seed = testing::fresh_seed();
   std::mt19937_64 rng(seed);

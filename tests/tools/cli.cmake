@@ -79,6 +79,15 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --metrics-file ${_tmp}/m.prom)
   add_test(NAME cli_metrics_file_bad_dir COMMAND ${_ef} "^error: --metrics-file '${_tmp}/no/such/m.prom': its directory '${_tmp}/no/such' does not exist"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=1M,disk=${_tmp}/kvp --metrics-file ${_tmp}/no/such/m.prom)
+  # eval --attention's --dump-nll is written during the first length's run: a path whose
+  # directory is missing fails before the model loads.
+  add_test(NAME cli_eval_dump_nll_bad_dir COMMAND ${_ef} --stdout-lacks "."
+           "^error: --dump-nll '${_tmp}/no/such/nll-2048.tsv': its directory '${_tmp}/no/such' does not exist$"
+           ${_sf} eval --attention a-shape --lengths 2048 --dump-nll ${_tmp}/no/such/nll --out ${_tmp}/eval.json)
+  # A result printed on a stdout that cannot take it is a failure, not exit 0.
+  add_test(NAME cli_stdout_full COMMAND ${_ef} "^error: writing the standard output failed: No space left on device$"
+           bash -c "exec '${_sf}' bench prefill --model default --lengths 256 --reps 1 > /dev/full")
+  set_tests_properties(cli_eval_dump_nll_bad_dir cli_stdout_full PROPERTIES LABELS unit TIMEOUT 120)
   set_tests_properties(cli_kv_pool_metrics cli_metrics_file_needs_pool cli_metrics_file_bad_dir
                        PROPERTIES LABELS unit TIMEOUT 120)
   # --kv-pool with --export-kv: the export is read from the pool (host and disk blocks), byte for

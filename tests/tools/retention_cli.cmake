@@ -95,6 +95,25 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   add_test(NAME cli_decode_reproduces_dense
            COMMAND ${_rok} "first 16 of 16 tokens equal"
                    bash -c "set -e; '${_rsf}' prefill --model default --prompt-file '${_rtmp}/short.txt' --export-kv '${_rtmp}/e2e' --force; '${_rdec}' --model default --kv '${_rtmp}/e2e' --tokens 16 --reference")
+  # Lists: an empty one or an empty item is refused before the model loads (it used to run every
+  # window and then rewrite the results file with no records); --psa with no one-tier encoding to
+  # decode is refused (it used to be dropped).
+  add_test(NAME cli_retention_eval_empty_list
+           COMMAND ${_ref} "^error: --kv-dtype is empty$" ${_rsf} eval --retention snapkv --kv-dtype=
+                   --out-dir ${_rtmp}/never)
+  add_test(NAME cli_retention_eval_empty_item
+           COMMAND ${_ref} "^error: --budget: '0.1,,0.5' has an empty item$" ${_rsf} eval --retention snapkv
+                   --budget 0.1,,0.5 --out-dir ${_rtmp}/never)
+  add_test(NAME cli_retention_eval_psa_two_tiers_only
+           COMMAND ${_ref} "^error: --psa decodes the full cache in a one-tier --kv-dtype" ${_rsf} eval
+                   --retention snapkv --kv-dtype int8+int4 --psa 0.9 --out-dir ${_rtmp}/never)
+  # Numbers are plain decimals: a hex float is not read as one.
+  add_test(NAME cli_retention_eval_hex_budget
+           COMMAND ${_ref} "^error: .*--budget '0x1p-2' out of range" ${_rsf} eval --retention snapkv
+                   --budget 0x1p-2 --out-dir ${_rtmp}/never)
+  set_tests_properties(cli_retention_eval_empty_list cli_retention_eval_empty_item
+                       cli_retention_eval_psa_two_tiers_only cli_retention_eval_hex_budget
+                       PROPERTIES LABELS unit TIMEOUT 60)
   set_tests_properties(cli_retention_budget_out_of_range cli_retention_unknown_policy
                        cli_prefill_retention_budget_too_large cli_decode_missing_export
                        cli_decode_option_twice cli_decode_value_is_an_option cli_decode_inline_value

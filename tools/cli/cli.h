@@ -22,6 +22,9 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
 // Every command's usage.
 void print_usage(FILE* to);
 
+// A comma-separated list ("what" names the option in errors): an empty item (",a", "a,,b",
+// "a,") and an empty list are errors, never skipped or run as nothing.
+Result<std::vector<std::string>> parse_list(const std::string& s, const std::string& what);
 // Comma-separated whole integers, each at least lo ("what" names the option in errors); empty
 // items are errors, and so is an empty list unless allow_empty.
 Result<std::vector<int64_t>> parse_int_list(const std::string& s, const std::string& what,

@@ -587,9 +587,9 @@ int cmd_bench_attention(int argc, char** argv) {
   const int reps = int(reps_r.value());
   std::vector<std::string> dtypes;
   {
-    std::stringstream ss(a.get("dtypes", "fp32,bf16"));
-    std::string t;
-    while (std::getline(ss, t, ','))
+    auto items = parse_list(a.get("dtypes", "fp32,bf16"), "--dtypes");
+    if (!items.is_ok()) return fail(items.status());
+    for (const std::string& t : items.value())
       if (t == "fp32" || t == "bf16")
         dtypes.push_back(t);
       else
@@ -655,9 +655,9 @@ int cmd_bench_attention(int argc, char** argv) {
   // (time_ms_by_mainloop), and each gets its own "dense-ours" record.
   std::vector<kernels::cuda::SparseBf16Mainloop> mainloops;
   {
-    std::stringstream ss(a.get("mainloops", "wgmma-ws"));
-    std::string t;
-    while (std::getline(ss, t, ',')) {
+    auto items = parse_list(a.get("mainloops", "wgmma-ws"), "--mainloops");
+    if (!items.is_ok()) return fail(items.status());
+    for (const std::string& t : items.value()) {
       kernels::cuda::SparseBf16Mainloop m;
       if (!kernels::cuda::parse_sparse_bf16_mainloop(t, &m))
         return fail(SF_ERR(
@@ -778,11 +778,9 @@ int cmd_bench_attention(int argc, char** argv) {
   }
 
   if (a.has("modes")) {  // a subset, by the name before '(': vertical-slash,block-sparse,...
-    std::vector<std::string> want;
-    std::stringstream ss(a.get("modes"));
-    std::string t;
-    while (std::getline(ss, t, ','))
-      if (!t.empty()) want.push_back(t);
+    auto items = parse_list(a.get("modes"), "--modes");
+    if (!items.is_ok()) return fail(items.status());
+    const std::vector<std::string>& want = items.value();
     for (const std::string& w : want)
       if (std::none_of(modes.begin(), modes.end(),
                        [&](const ModeSpec& m) { return m.name.substr(0, m.name.find('(')) == w; }))

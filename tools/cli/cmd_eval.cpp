@@ -158,7 +158,7 @@ int cmd_eval(int argc, char** argv) {
   if (!level.is_ok()) return fail(level.status());
   auto reps = a.get_int("reps", 1, 1, 20);
   if (!reps.is_ok()) return fail(reps.status());
-  auto seed = a.get_int("seed", 0, 0, INT64_MAX);
+  auto seed = a.get_int("seed", int64_t(eval::EvalSettings{}.seed), 0, INT64_MAX);
   if (!seed.is_ok()) return fail(seed.status());
   // Default: two original held-out essays, together longer than 8K tokens, so no length up to
   // the model's context repeats text (a repeat turns the tail into a copy task).
@@ -175,6 +175,14 @@ int cmd_eval(int argc, char** argv) {
                                              "' ends in .md, the markdown summary's name; give "
                                              "the JSON's (FILE.json)"));
   if (Status st = check_output_file(out_path, "--out"); !st.is_ok()) return fail(st);
+  // The NLL dumps are written during the first length's run: a path that cannot take them fails
+  // before the model loads.
+  if (a.has("dump-nll"))
+    if (Status st = check_output_file(a.get("dump-nll") + "-" + std::to_string(lengths.value()[0]) +
+                                          ".tsv",
+                                      "--dump-nll");
+        !st.is_ok())
+      return fail(st);
 
   const std::string model_path = resolve_model(a.get("model", "default"));
   auto em = eval::load_eval_model(model_path);
@@ -215,7 +223,7 @@ int cmd_eval(int argc, char** argv) {
     s.passkey_level = level.value();
     s.timing_reps = reps.value();
     s.do_passkey = !a.has("no-passkey");
-    if (a.has("seed")) s.seed = uint64_t(seed.value());
+    s.seed = uint64_t(seed.value());
     if (a.has("dump-nll")) s.nll_dump_path = a.get("dump-nll") + "-" + std::to_string(L) + ".tsv";
     const auto t0 = std::chrono::steady_clock::now();
     auto r = eval::evaluate(m, *tok, doc, &sc.value(), mode, s);

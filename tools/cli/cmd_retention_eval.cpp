@@ -8,13 +8,19 @@
 #include <cctype>
 #include <chrono>
 #include <boost/json.hpp>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
 
+#include <unistd.h>
+
+#include "common/args.h"
 #include "common/file_io.h"
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
@@ -27,14 +33,6 @@
 namespace sf::cli {
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) out.push_back(x);
-  return out;
-}
-
 // "0.25" or "25%", in (0, 1].
 Result<double> parse_fraction(const std::string& s) {
   std::string v = s;
@@ -43,9 +41,10 @@ Result<double> parse_fraction(const std::string& s) {
     v.pop_back();
     mul = 0.01;
   }
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end) * mul;
-  if (v.empty() || *end != '\0' || !(x > 0 && x <= 1))
+  double x = 0;
+  const bool number = whole_number(v, &x);
+  x *= mul;
+  if (!number || !(x > 0 && x <= 1))
     return SF_ERR(kOutOfRange,
                   "--budget '" + s +
                       "' out of range: a fraction of the full KV bytes in (0, 1] (or 1%-100%)");
@@ -54,9 +53,10 @@ Result<double> parse_fraction(const std::string& s) {
 
 // --retention entries: a comma-separated list where moa's own "key=value" parameters
 // (moa:config=FILE,sink=S) stay with it: a piece with '=' and no ':' continues the previous entry.
-std::vector<std::string> split_policies(const std::string& s) {
+Result<std::vector<std::string>> split_policies(const std::string& s) {
   std::vector<std::string> out;
-  for (auto& x : split(s))
+  SF_ASSIGN(const std::vector<std::string> items, parse_list(s, "--retention"));
+  for (auto& x : items)
     if (!out.empty() && x.find('=') != std::string::npos && x.find(':') == std::string::npos)
       out.back() += "," + x;
     else
@@ -252,25 +252,36 @@ int cmd_retention_eval(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--retention POLICY[,POLICY...] is required"));
   std::vector<kvstore::RetentionKind> kinds;
   kvstore::RetentionPolicy moa;
-  for (const auto& s : split_policies(a.get("retention"))) {
+  auto policies = split_policies(a.get("retention"));
+  if (!policies.is_ok()) return fail(policies.status());
+  for (const auto& s : policies.value()) {
     auto k = parse_kind(s, &moa);
     if (!k.is_ok()) return fail(k.status());
     if (std::find(kinds.begin(), kinds.end(), k.value()) != kinds.end())
       return fail(SF_ERR(kInvalidArgument, "--retention: '" + s + "' names a policy twice"));
     kinds.push_back(k.value());
   }
+  // Every list option: an empty one or an empty item is an error (not a run of nothing that
+  // rewrites its results file with no records).
+  std::map<std::string, std::vector<std::string>> lists;
+  for (const auto& [k, def] : {std::pair<std::string, std::string>{"budget", "0.1,0.25,0.5"},
+                               {"span", "1"}, {"kv-dtype", "f32"}, {"decode", "full"}, {"psa", ""}}) {
+    if (k == "psa" && !a.has(k)) continue;
+    auto l = parse_list(a.get(k, def), "--" + k);
+    if (!l.is_ok()) return fail(l.status());
+    lists[k] = std::move(l).value();
+  }
   std::vector<double> budgets;
-  for (const auto& s : split(a.get("budget", "0.1,0.25,0.5"))) {
+  for (const auto& s : lists["budget"]) {
     auto f = parse_fraction(s);
     if (!f.is_ok()) return fail(f.status());
     budgets.push_back(f.value());
   }
   // --span N,...: each snapkv, adakv and pyramid configuration once per span.
   std::vector<int> spans;
-  for (const auto& s : split(a.get("span", "1"))) {
-    char* end = nullptr;
-    const long x = std::strtol(s.c_str(), &end, 10);
-    if (s.empty() || *end != '\0' || x < 1 || x > kvstore::kRetentionMaxSpan)
+  for (const auto& s : lists["span"]) {
+    int64_t x = 0;
+    if (!whole_int(s, &x) || x < 1 || x > kvstore::kRetentionMaxSpan)
       return fail(SF_ERR(kOutOfRange, "--span '" + s + "' must be an integer in [1, " +
                                           std::to_string(kvstore::kRetentionMaxSpan) + "]"));
     spans.push_back(int(x));
@@ -283,16 +294,14 @@ int cmd_retention_eval(int argc, char** argv) {
     double share = 0.5;
   };
   std::vector<EncChoice> encs;
-  for (const auto& s : split(a.get("kv-dtype", "f32"))) {
+  for (const auto& s : lists["kv-dtype"]) {
     const size_t colon = s.find(':');
     auto e = kvstore::kv_encodings_parse(s.substr(0, colon));
     if (!e.is_ok()) return fail(e.status());
     EncChoice ch{e.value()};
     if (colon != std::string::npos) {
-      char* end = nullptr;
       const std::string v = s.substr(colon + 1);
-      ch.share = std::strtod(v.c_str(), &end);
-      if (!ch.e.low || v.empty() || *end != '\0' || !(ch.share > 0 && ch.share < 1))
+      if (!ch.e.low || !whole_number(v, &ch.share) || !(ch.share > 0 && ch.share < 1))
         return fail(SF_ERR(kOutOfRange, "--kv-dtype '" + s +
                                             "': SHARE is for two tiers (HIGH+LOW:SHARE), in (0, 1)"));
     }
@@ -301,12 +310,12 @@ int cmd_retention_eval(int argc, char** argv) {
   auto ref_r = kvstore::kv_encoding_parse(a.get("kv-ref-dtype", "f32"));
   if (!ref_r.is_ok()) return fail(ref_r.status());
   const kvstore::KvEncoding ref_enc = ref_r.value();
-  std::vector<std::string> decodes = split(a.get("decode", "full"));
+  const std::vector<std::string> decodes = lists["decode"];
   // --psa EPS,...: PSA decode over the full cache, recorded with the full policy. An entry may be
   // a whole decode spec (psa-avg:EPS).
   std::vector<std::string> psa_specs;
   if (a.has("psa"))
-    for (const auto& e : split(a.get("psa")))  // EPS, or a whole spec (psa-avg:EPS)
+    for (const auto& e : lists["psa"])  // EPS, or a whole spec (psa-avg:EPS)
       psa_specs.push_back(e.rfind("psa", 0) == 0 ? e : "psa:" + e);
   for (const auto& d : decodes) {
     auto p = decode::decode_attn_parse(d);
@@ -316,11 +325,16 @@ int cmd_retention_eval(int argc, char** argv) {
     auto p = decode::decode_attn_parse(d);
     if (!p.is_ok()) return fail(p.status());
   }
+  // PSA decodes the full cache in a one-tier encoding (its configs are added per such encoding).
+  if (!psa_specs.empty() &&
+      std::none_of(encs.begin(), encs.end(), [](const EncChoice& ec) { return !ec.e.low; }))
+    return fail(SF_ERR(kInvalidArgument,
+                       "--psa decodes the full cache in a one-tier --kv-dtype; every --kv-dtype "
+                       "given is two-tier (add one, e.g. --kv-dtype int8+int4,int8)"));
   auto int_opt = [&](const char* k, long def, long lo, long hi, long* out) -> Status {
     const std::string v = a.get(k, std::to_string(def));
-    char* end = nullptr;
-    const long x = std::strtol(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || x < lo || x > hi)
+    int64_t x = 0;
+    if (!whole_int(v, &x) || x < lo || x > hi)
       return SF_ERR(kOutOfRange, std::string("--") + k + " '" + v + "' must be an integer in [" +
                                      std::to_string(lo) + ", " + std::to_string(hi) + "]");
     *out = x;
@@ -356,6 +370,10 @@ int cmd_retention_eval(int argc, char** argv) {
     if (ec || !std::filesystem::is_directory(out_dir, ec))
       return fail(SF_ERR(kIo, "--out-dir '" + out_dir + "' cannot be created: " +
                                   (ec ? ec.message() : std::string("not a directory"))));
+    // The results are written after the whole run: a directory that takes no file fails now.
+    if (::access(out_dir.c_str(), W_OK | X_OK) != 0)
+      return fail(SF_ERR(kInvalidArgument, "--out-dir '" + out_dir +
+                                               "' is not writable: " + std::strerror(errno)));
   }
   // The held-out evaluation text (data/README.md): two essays, 10K tokens, so an 8K prompt does
   // not repeat itself (a repeated text turns the continuation into verbatim copying of the

@@ -29,6 +29,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/args.h"
 #include "common/file_io.h"
 #include "kernels/sparse.h"
 #include "tools/cli/cli.h"
@@ -185,9 +186,8 @@ int cmd_search(int argc, char** argv) {
   if (Status st = check_output_file(a.get("out"), "--out"); !st.is_ok()) return fail(st);
   auto dense_below = a.get_int("dense-below", 0, 0, INT32_MAX);
   if (!dense_below.is_ok()) return fail(dense_below.status());
-  char* end = nullptr;
-  const double target = std::strtod(a.get("target-density").c_str(), &end);
-  if (*end || !(target > 0 && target <= 1))
+  double target = 0;
+  if (!whole_number(a.get("target-density"), &target) || !(target > 0 && target <= 1))
     return fail(SF_ERR(kInvalidArgument, "--target-density must be a number in (0, 1]"));
   const std::string alloc = a.get("allocation", "global");
   if (alloc != "uniform" && alloc != "global")
@@ -212,13 +212,10 @@ int cmd_search(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--segment-rows must be 0 or a positive multiple of 64"));
   std::set<Pattern> use;
   {
-    std::stringstream ss(
-        a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs"));
-    std::string item;
-    const std::string list = a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs");
-    if (!list.empty() && list.back() == ',')
-      return fail(SF_ERR(kInvalidArgument, "--patterns: empty item in '" + list + "'"));
-    while (std::getline(ss, item, ',')) {
+    auto items = parse_list(a.get("patterns", "a-shape,vertical-slash,block-sparse,adaptive-vs"),
+                            "--patterns");
+    if (!items.is_ok()) return fail(items.status());
+    for (const std::string& item : items.value()) {
       auto p = kernels::pattern_from_string(item);
       if (!p.is_ok() || (p.value() != Pattern::kAShape && p.value() != Pattern::kVerticalSlash &&
                          p.value() != Pattern::kBlockSparse && p.value() != Pattern::kAdaptiveVS &&

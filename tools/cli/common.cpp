@@ -86,10 +86,9 @@ Result<std::string> read_text_file(const std::string& path, const char* what) {
 }
 
 Result<std::string> read_text_files(const std::string& list, const char* what) {
-  std::string all, item;
-  std::stringstream ss(list);
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) return SF_ERR(kInvalidArgument, std::string("empty path in the ") + what + " list '" + list + "'");
+  std::string all;
+  SF_ASSIGN(const std::vector<std::string> items, parse_list(list, std::string("the ") + what + " list"));
+  for (const std::string& item : items) {
     SF_ASSIGN(std::string text, read_text_file(item, what));
     if (!all.empty()) all += "\n\n";
     all += text;
@@ -123,21 +122,31 @@ std::string git_commit() {
 }
 
 
+Result<std::vector<std::string>> parse_list(const std::string& s, const std::string& what) {
+  if (s.empty()) return SF_ERR(kInvalidArgument, what + " is empty");
+  std::vector<std::string> out;
+  for (size_t b = 0;;) {
+    const size_t e = s.find(',', b);
+    out.push_back(s.substr(b, e == std::string::npos ? std::string::npos : e - b));
+    if (out.back().empty())
+      return SF_ERR(kInvalidArgument, what + ": '" + s + "' has an empty item");
+    if (e == std::string::npos) return out;
+    b = e + 1;
+  }
+}
+
 Result<std::vector<int64_t>> parse_int_list(const std::string& s, const std::string& what,
                                             int64_t lo, bool allow_empty) {
   std::vector<int64_t> v;
-  if (!s.empty() && s.back() == ',')
-    return SF_ERR(kInvalidArgument, what + ": '" + s + "' ends in an empty item");
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  if (s.empty() && allow_empty) return v;
+  SF_ASSIGN(const std::vector<std::string> items, parse_list(s, what));
+  for (const std::string& item : items) {
     int64_t x = 0;
     if (!whole_int(item, &x) || x < lo)
       return SF_ERR(kInvalidArgument,
                     what + ": '" + item + "' is not an integer >= " + std::to_string(lo));
     v.push_back(x);
   }
-  if (v.empty() && !allow_empty) return SF_ERR(kInvalidArgument, what + " is empty");
   return v;
 }
 

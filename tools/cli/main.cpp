@@ -4,6 +4,7 @@
 #include <exception>
 #include <string>
 
+#include "common/file_io.h"
 #include "tools/cli/cli.h"
 
 int main(int argc, char** argv) {
@@ -20,7 +21,7 @@ int main(int argc, char** argv) {
       return 0;
     }
   const std::string cmd = argv[1];
-  try {
+  auto dispatch = [&]() -> int {
     if (cmd == "prefill") return sf::cli::cmd_prefill(argc, argv);
     if (cmd == "bench") return sf::cli::cmd_bench(argc, argv);
     if (cmd == "inspect") return sf::cli::cmd_inspect(argc, argv);
@@ -33,11 +34,17 @@ int main(int argc, char** argv) {
     }
     if (cmd == "search") return sf::cli::cmd_search(argc, argv);
     if (cmd == "moa-profile") return sf::cli::cmd_moa_profile(argc, argv);
+    std::fprintf(stderr, "error: unknown command '%s'\n", cmd.c_str());
+    sf::cli::print_usage(stderr);
+    return 2;
+  };
+  int rc = 1;
+  try {
+    rc = dispatch();
   } catch (const std::exception& e) {  // process edge: nothing escapes as a crash
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr, "error: unknown command '%s'\n", cmd.c_str());
-  sf::cli::print_usage(stderr);
-  return 2;
+  // Some commands' result is what they print (bench prefill without --out).
+  return sf::exit_status_after_stdout(rc);
 }
