@@ -127,6 +127,16 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
   }
   if (fd < 0)
     return SF_ERR(kIo, "block pool: '" + path + "' kept being replaced while it was opened");
+  // A pool killed before its destructor (a signal, the OOM killer) leaves its file behind,
+  // locked by nobody: emptied now, so its stale blocks stop holding disk (no slot is read
+  // before it is written, so nothing reads them either way).
+  struct stat own {};
+  if (::fstat(fd, &own) == 0 && S_ISREG(own.st_mode) && own.st_size > 0 && ::ftruncate(fd, 0) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return SF_ERR(kIo, "block pool: cannot empty '" + path + "' left by an earlier pool: " +
+                           std::strerror(err));
+  }
   return std::unique_ptr<TierStore>(new DiskStore(fd, path, block_bytes));
 }
 

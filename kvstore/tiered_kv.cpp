@@ -448,7 +448,13 @@ model::DeviceLayerKvSink TieredKv::device_sink() {
     return place_device(layer, importance);
   };
   s.max_inflight = drain_ ? kMaxInflight : 0;
+  s.abandon = [this] { abandon_pending(); };
   return s;
+}
+
+void TieredKv::abandon_pending() {
+  for (size_t l = 0; l < pending_.size(); ++l)
+    if (pending_[l] != 0) release(int(l));
 }
 
 model::LayerKvHook TieredKv::hook() {

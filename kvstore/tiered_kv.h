@@ -76,6 +76,10 @@ class TieredKv {
   Status place_device(int layer, std::span<const float> importance);
   // The sink for model::PrefillOptions::on_layer_kv_device.
   model::DeviceLayerKvSink device_sink();
+  // A device prefill failed between enqueue_device and place_device: waits for the copies still
+  // in flight into the unplaced layers' blocks (on their streams, which must still exist) and
+  // frees those layers. The sink's `abandon`.
+  void abandon_pending();
   // Before a device-path prefill of n_tokens: the host tier must hold every block outside the
   // layers' device shares, plus one that placement swaps through; with a disk tier, two layers'
   // landings plus one, and the disk the rest (kResourceExhausted naming the budget it needs

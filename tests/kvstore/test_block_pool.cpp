@@ -589,6 +589,28 @@ TEST(BlockPool, DeviceTierRoundTrip) {
 // A disk<->device batch goes through the host staging block: a failed read of the disk (its
 // file cut short under the pool) counts on the disk tier, where it failed, as move() counts it,
 // and the block stays on disk. CUDA builds on a GPU host; skips elsewhere.
+// A pool that died without its destructor (kill -9) leaves blocks.bin behind, unlocked: the next
+// pool in that directory takes it over and empties it, so the dead pool's blocks stop holding
+// the disk.
+TEST(BlockPool, ALeftoverDiskFileIsEmptiedOnTakeOver) {
+  TempDir tmp;
+  const std::string dir = tmp.sub("disk");
+  fs::create_directories(dir);
+  {
+    std::ofstream f(dir + "/blocks.bin", std::ios::binary);
+    f << std::string(1 << 20, 'x');
+  }
+  ASSERT_EQ(fs::file_size(dir + "/blocks.bin"), uintmax_t(1) << 20);
+  auto p = BlockPool::create(config(1, 2, dir));
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(fs::file_size(dir + "/blocks.bin"), 0u) << "the dead pool's blocks still hold the disk";
+  const BlockId id = must_alloc(*p.value(), Tier::kDisk);
+  std::mt19937_64 rng(fresh_seed());
+  const BlockData d(p.value()->half_floats(), rng);
+  ASSERT_TRUE(p.value()->write(id, d.k.data(), d.v.data()).is_ok());
+  EXPECT_GT(fs::file_size(dir + "/blocks.bin"), 0u);
+}
+
 TEST(BlockPool, MoveBatchCountsAReadErrorOnItsSourceTier) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);

@@ -109,6 +109,60 @@ TEST(Retention, SnapKVKeepsWindowPlusTopScored) {
   EXPECT_NE(r->positions(0, 0), r->positions(0, 1));
 }
 
+// NaN scores (a forward that overflowed) rank last: the scored picks are the top-k of the finite
+// scores, for snapkv, adakv and a span, never a NaN position while finite ones are left. (Compared
+// raw, a NaN ties with everything, and the sorts' picks were arbitrary.)
+TEST(Retention, NanScoresRankLast) {
+  const uint64_t seed = fresh_seed();
+  const int L = 2, H = 2;
+  const int64_t N = 777, W = 32;
+  auto sc = random_scores(L, H, N, 7, seed);
+  std::mt19937_64 rng(seed ^ 0x9e3779b9u);
+  std::vector<std::vector<char>> nan_at(size_t(L), std::vector<char>(size_t(H * N)));
+  for (int l = 0; l < L; ++l)
+    for (int64_t i = 0; i < H * N; ++i)
+      if (i % N == 0 || rng() % 5 == 0) {  // position 0 of each head, and a fifth of the rest
+        sc.layers[size_t(l)][size_t(i)] = std::nanf("");
+        nan_at[size_t(l)][size_t(i)] = 1;
+      }
+  for (const char* spec : {"snapkv:budget=200,window=32,pool=7", "adakv:budget=200,window=32,pool=7",
+                           "snapkv:budget=200,window=32,pool=7,span=4"}) {
+    auto p = retention_parse(spec);
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    auto r = retention_apply(p.value(), L, H, N, &sc);
+    ASSERT_TRUE(r.is_ok()) << spec << ": " << r.status().to_string();
+    expect_sorted_unique_in_range(r.value());
+    const bool span = std::string(spec).find("span") != std::string::npos;
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h) {
+        const auto& k = r->positions(l, h);
+        EXPECT_TRUE(keeps_last(k, N, W)) << spec;
+        if (span) continue;  // (spanned scores: a NaN's neighbours carry their own maxima)
+        for (const int32_t t : k)
+          if (t < N - W)
+            EXPECT_FALSE(nan_at[size_t(l)][size_t(h * N + t)])
+                << spec << ": layer " << l << " head " << h << " keeps NaN-scored position " << t;
+        if (std::string(spec).rfind("snapkv", 0) == 0) {
+          ASSERT_EQ(k.size(), 200u) << spec;
+          expect_topk(k, sc.layers[size_t(l)].data() + h * N, N, W);
+        }
+      }
+    if (span) {
+      // With span 4 a position's score is the best finite one of the 4 ending there: a kept
+      // position has at least one finite score among them.
+      for (int l = 0; l < L; ++l)
+        for (int h = 0; h < H; ++h)
+          for (const int32_t t : r->positions(l, h)) {
+            if (t >= N - W) continue;
+            bool finite = false;
+            for (int64_t j = std::max<int64_t>(0, t - 3); j <= t; ++j)
+              finite |= !nan_at[size_t(l)][size_t(h * N + j)];
+            EXPECT_TRUE(finite) << spec << ": keeps " << t << ", whose span holds only NaN";
+          }
+    }
+  }
+}
+
 // span: snapkv over the forward-spanned scores. A single scored spike at t keeps [t, t + span)
 // (the tokens a copy of it would read next) where plain SnapKV keeps t alone; the rest is the
 // same top-k over s'[j] = max(s[j - span + 1 .. j]).

@@ -1617,14 +1617,18 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   PrefillResult res;
   // A failed run hands its K/V to kv_hooks.failed (whose caller may still read published rows)
   // instead of freeing it as it returns.
+  // A device KV sink drops the layers it holds unplaced while the copy stream still exists.
   struct HandOver {
     PrefillResult& r;
     const std::function<void(KvCache&&)>& failed;
+    const std::function<void()>& abandon;
     bool ok = false;
     ~HandOver() {
-      if (!ok && failed) failed(std::move(r.kv));
+      if (ok) return;
+      if (abandon) abandon();
+      if (failed) failed(std::move(r.kv));
     }
-  } hand{res, w.opt.kv_hooks.failed};
+  } hand{res, w.opt.kv_hooks.failed, w.opt.on_layer_kv_device.abandon};
   w.idle = false;
   SF_TRY(w.forward(tokens, S, &res));
   w.idle = true;

@@ -159,6 +159,10 @@ struct DeviceLayerKvSink {
   // so a sink whose cold blocks drain to a slower tier in the background gets host room back
   // while later layers compute. 0: every layer is enqueued first, then placed in order.
   int max_inflight = 0;
+  // Optional: called when a run fails, before the forward's streams can go (its plan may be
+  // destroyed right after): the sink waits for the copies of layers it enqueued and was never
+  // asked to place, and drops them, so nothing later waits on a stream that no longer exists.
+  std::function<void()> abandon;
   explicit operator bool() const { return bool(enqueue) && bool(place); }
 };
 

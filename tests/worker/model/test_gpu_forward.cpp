@@ -1272,6 +1272,39 @@ TEST_F(GpuForward, TieredKvWaitsForAnUnplacedLayersCopiesBeforeFreeing) {
   cudaFree(v);
 }
 
+// A run that fails with layers enqueued and not placed hands them back (the sink's abandon)
+// while its copy stream exists: the plan that owns the stream is destroyed as prefill_device
+// returns, and a TieredKv freeing those layers later would wait on a destroyed stream.
+TEST_F(GpuForward, FailedRunDropsItsUnplacedLayersBeforeItsStreamGoes) {
+  ASSERT_NE(reference(), nullptr);
+  const Reference& ref = *reference();
+  const ModelConfig& c = ref.model.config();
+  ASSERT_GE(c.n_layers, 2);
+  auto dm = DeviceModel::upload(ref.model, DType::kBF16, 0);
+  ASSERT_OK(dm.status());
+  const int64_t n_blocks = (kTokens + kvstore::kPoolBlockTokens - 1) / kvstore::kPoolBlockTokens;
+  std::unique_ptr<kvstore::BlockPool> pool;
+  std::unique_ptr<kvstore::TieredKv> tk;
+  make_device_tiering(c, 3 * c.n_layers, c.n_layers * n_blocks, 0, "", &pool, &tk);
+  ASSERT_TRUE(pool && tk);
+  PrefillOptions opt = full_options();
+  opt.keep_kv = false;
+  opt.on_layer_kv_device = tk->device_sink();
+  ASSERT_EQ(opt.on_layer_kv_device.max_inflight, 0) << "the case needs every layer enqueued first";
+  const auto place = opt.on_layer_kv_device.place;
+  opt.on_layer_kv_device.place = [&](int l, std::span<const float> imp) -> Status {
+    if (l == 1) return SF_ERR(kIo, "injected: layer 1 cannot be placed");
+    return place(l, imp);
+  };
+  auto gpu = prefill_device(dm.value(), ref.tokens, opt);
+  ASSERT_FALSE(gpu.is_ok());
+  EXPECT_NE(gpu.status().message().find("injected"), std::string::npos) << gpu.status().to_string();
+  EXPECT_FALSE(tk->blocks(0).empty()) << "layer 0 was placed before the failure";
+  for (int l = 1; l < c.n_layers; ++l)
+    EXPECT_TRUE(tk->blocks(l).empty()) << "layer " << l << " still holds its unplaced blocks";
+  tk.reset();  // frees layer 0 only: no stream to wait on
+}
+
 // ---- KV tiering from device memory: the sink queues each layer's blocks on the forward's copy
 // stream (its device share device to device, the rest to pinned host) and places them when the
 // importance lands. The run keeps no host KV of its own (keep_kv off), so the only host copy is
