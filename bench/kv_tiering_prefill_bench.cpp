@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   tc.fast = kvstore::Tier::kDevice;
   auto tk = kvstore::TieredKv::create(pool->get(), tc);
   if (!tk.is_ok()) return fail("tiered kv", tk.status());
-  if (Status st = (*tk)->check_device_room(S); !st.is_ok()) return fail("room", st);
+  if (Status st = (*tk)->check_room(S); !st.is_ok()) return fail("room", st);
   // The sink, with place() timed (the host thread's part).
   double place_s = 0;
   model::DeviceLayerKvSink inner = (*tk)->device_sink();

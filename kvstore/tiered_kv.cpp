@@ -335,7 +335,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
     SF_ENSURE(keep >= 0, kResourceExhausted,
               "tiered kv: layer " + std::to_string(layer) + ": the host tier cannot hold " +
                   std::to_string(kMaxInflight) + " layers' landings of " +
-                  std::to_string(host_blocks) + " blocks plus one (see check_device_room)");
+                  std::to_string(host_blocks) + " blocks plus one (see check_room)");
     const int64_t bb = pool_->block_bytes();
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lk(drain_->mu);
@@ -398,10 +398,22 @@ Status TieredKv::place_device(int layer, std::span<const float> importance) {
   return Status::ok();
 }
 
-Status TieredKv::check_device_room(int64_t n_tokens) const {
-  if (cfg_.fast != Tier::kDevice) return Status::ok();
+Status TieredKv::check_room(int64_t n_tokens) const {
   const int64_t bb = pool_->block_bytes();
   const int64_t nb = (n_tokens + kPoolBlockTokens - 1) / kPoolBlockTokens;
+  if (cfg_.fast != Tier::kDevice) {
+    const int64_t have = (pool_->stats(Tier::kHost).capacity_bytes +
+                          pool_->stats(Tier::kDisk).capacity_bytes) / bb;
+    const int64_t need = int64_t(cfg_.n_layers) * nb;
+    if (have < need)
+      return SF_ERR(kResourceExhausted,
+                    "tiered kv: the host and disk tiers hold " + std::to_string(have) +
+                        " blocks of " + std::to_string(bb) + " bytes; " + std::to_string(n_tokens) +
+                        " tokens need " + std::to_string(nb) + " a layer, " + std::to_string(need) +
+                        " for " + std::to_string(cfg_.n_layers) + " layers: " +
+                        std::to_string(need * bb) + " bytes of host and disk budget or more");
+    return Status::ok();
+  }
   if (drain_) {
     int64_t landing = 0;
     for (int64_t q : quota_) landing = std::max(landing, nb - q);

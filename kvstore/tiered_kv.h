@@ -83,8 +83,10 @@ class TieredKv {
   // Before a device-path prefill of n_tokens: the host tier must hold every block outside the
   // layers' device shares, plus one that placement swaps through; with a disk tier, two layers'
   // landings plus one, and the disk the rest (kResourceExhausted naming the budget it needs
-  // otherwise). Checks nothing for a host fast tier (its spill goes to disk).
-  Status check_device_room(int64_t n_tokens) const;
+  // otherwise). For a host fast tier: host and disk together must hold every layer's blocks (the
+  // pool holds the forward's only copy), so a disk budget too small fails before the prefill,
+  // not in its last layer.
+  Status check_room(int64_t n_tokens) const;
 
   // Device form with a disk tier: the blocks each layer keeps on host once placed, for a prompt
   // of n_tokens (the host minus two layers' landings and one swap block, shared equally); -1

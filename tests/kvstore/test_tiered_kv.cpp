@@ -249,6 +249,23 @@ TEST(TieredKv, NoTierHasRoomIsAClearError) {
             std::string::npos)
       << r.status().message();
   EXPECT_EQ((*pool)->live_blocks(), 0);  // nothing half-placed is left behind
+  // check_room says so before the prefill (host and disk together against every layer's
+  // blocks), and passes where the tiers hold them exactly.
+  const Status room = (*tk)->check_room(int64_t(f.tokens.size()));
+  EXPECT_EQ(room.code(), Code::kResourceExhausted) << room.to_string();
+  EXPECT_NE(room.message().find("the host and disk tiers hold 6 blocks"), std::string::npos)
+      << room.message();
+  const int64_t need = int64_t(f.cfg.n_layers) *
+                       ((int64_t(f.tokens.size()) + kPoolBlockTokens - 1) / kPoolBlockTokens);
+  tk->reset();  // (one pool a disk directory)
+  pool->reset();
+  auto enough = BlockPool::create(f.pool_config(4, need - 4));
+  ASSERT_TRUE(enough.is_ok());
+  auto tk2 = TieredKv::create(enough->get(), {f.cfg.n_layers, f.cfg.n_kv_heads, f.cfg.head_dim});
+  ASSERT_TRUE(tk2.is_ok());
+  EXPECT_TRUE((*tk2)->check_room(int64_t(f.tokens.size())).is_ok());
+  EXPECT_EQ((*tk2)->check_room(int64_t(f.tokens.size()) + kPoolBlockTokens).code(),
+            Code::kResourceExhausted);
 }
 
 TEST(TieredKv, CreateValidates) {

@@ -79,6 +79,12 @@ if(TARGET sparsefill)
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --metrics-file ${_tmp}/m.prom)
   add_test(NAME cli_metrics_file_bad_dir COMMAND ${_ef} "^error: --metrics-file '${_tmp}/no/such/m.prom': its directory '${_tmp}/no/such' does not exist"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=1M,disk=${_tmp}/kvp --metrics-file ${_tmp}/no/such/m.prom)
+  # The host form's tiers too small for the prompt's KV: refused before the prefill (it used to
+  # fail in the layer that did not fit).
+  add_test(NAME cli_kv_pool_host_form_too_small COMMAND ${_ef} --stdout-lacks "time to first token"
+           "^error: --kv-pool: tiered kv: the host and disk tiers hold 2 blocks of 98304 bytes; [0-9]+ tokens need 1 a layer, 30 for 30 layers"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --kv-pool host=98304,disk=${_tmp}/kvp-small:98304)
+  set_tests_properties(cli_kv_pool_host_form_too_small PROPERTIES LABELS unit TIMEOUT 60)
   # eval --attention's --dump-nll is written during the first length's run: a path whose
   # directory is missing fails before the model loads.
   add_test(NAME cli_eval_dump_nll_bad_dir COMMAND ${_ef} --stdout-lacks "."

@@ -298,9 +298,9 @@ int cmd_prefill(int argc, char** argv) {
     tiered = std::move(t).value();
     // device=: the device forward hands each layer's K/V over on its copy stream (no host copy
     // for the pool); otherwise the forward's host K/V go through the per-layer hook.
+    const Status room = tiered->check_room(int64_t(ids.size()));
+    if (!room.is_ok()) return fail(Status(room.code(), "--kv-pool: " + room.message()));
     if (kv_pool->device_bytes > 0) {
-      const Status room = tiered->check_device_room(int64_t(ids.size()));
-      if (!room.is_ok()) return fail(Status(room.code(), "--kv-pool: " + room.message()));
       opt.on_layer_kv_device = tiered->device_sink();
     } else {
       opt.on_layer_kv = tiered->hook();

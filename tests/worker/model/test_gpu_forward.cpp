@@ -1432,7 +1432,7 @@ TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
     std::unique_ptr<kvstore::TieredKv> tk;
     make(host_blocks, disk_blocks, &pool, &tk);
     ASSERT_TRUE(pool && tk);
-    ASSERT_OK(tk->check_device_room(kTokens));
+    ASSERT_OK(tk->check_room(kTokens));
     EXPECT_EQ(tk->host_keep(kTokens), keep);
     std::vector<int> done;
     PrefillOptions opt = full_options();
@@ -1477,7 +1477,7 @@ TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
     std::unique_ptr<kvstore::TieredKv> tk;
     make(2 * landing, disk_blocks, &pool, &tk);
     ASSERT_TRUE(pool && tk);
-    const Status st = tk->check_device_room(kTokens);
+    const Status st = tk->check_room(kTokens);
     EXPECT_EQ(st.code(), Code::kResourceExhausted);
     EXPECT_NE(st.message().find("host budget of " + std::to_string((2 * landing + 1) * bb)),
               std::string::npos)
@@ -1488,7 +1488,7 @@ TEST_F(GpuForward, ThreeTierKvFromDeviceDrainsToDisk) {
     std::unique_ptr<kvstore::TieredKv> tk;
     make(host_blocks, disk_blocks - 1, &pool, &tk);
     ASSERT_TRUE(pool && tk);
-    const Status st = tk->check_device_room(kTokens);
+    const Status st = tk->check_room(kTokens);
     EXPECT_EQ(st.code(), Code::kResourceExhausted);
     EXPECT_NE(st.message().find("disk budget of " + std::to_string(disk_blocks * bb)),
               std::string::npos)
