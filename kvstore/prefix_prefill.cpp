@@ -47,7 +47,14 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
                                                        const PrefixPrefillOptions& opt,
                                                        PrefixPrefillStats* stats) {
   const model::ModelConfig& c = m.config();
-  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens, opt.min_suffix));
+  // As the device path: a cache keyed by model and tokens serves one attention. A sparse run's
+  // K/V past layer 0 depend on its index, and would be served to dense requests.
+  SF_ENSURE(opt.prefill.sparse == nullptr, kUnsupported,
+            "prefix prefill: dense attention only (cached K/V past the first layer depend on the "
+            "attention that computed them)");
+  // A hit scores importance from the same window of queries a full prefill would.
+  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens,
+                                     std::max<int64_t>(opt.min_suffix, opt.prefill.importance_window)));
   const int64_t S = int64_t(tokens.size());
   model::PrefillResult res;
   model::KvCache& kv = res.kv;

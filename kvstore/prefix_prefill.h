@@ -35,8 +35,9 @@ struct PrefixPrefillStats {
 };
 
 // model_id must name the weights, not only the architecture: two checkpoints of one config must
-// not share KV. At least the last token is always computed so the result carries its logits;
-// with all_logits the rows cover the computed suffix only.
+// not share KV. At least the last token is always computed so the result carries its logits, and
+// at least opt.prefill.importance_window tokens (so a hit's importance scores the same queries);
+// with all_logits the rows cover the computed suffix only. opt.prefill.sparse is refused.
 Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, PrefixCache* cache,
                                                        const std::string& model_id,
                                                        std::span<const int32_t> tokens,

@@ -18,6 +18,7 @@
 #include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
+#include "worker/model/sparse_config.h"
 
 namespace sf::kvstore {
 namespace {
@@ -487,6 +488,24 @@ TEST(PrefixPrefill, PrefixHitEqualsFullRecompute) {
   std::printf("whole-prompt hit: last-row logits max abs diff %.3g (rel %.3g)\n", dc.max_abs,
               dc.rel());
   EXPECT_LE(dc.rel(), 1e-5);
+}
+
+// The cache serves dense attention only, on both paths: a sparse prefill is refused before it
+// can insert K/V that later dense requests would be served.
+TEST(PrefixPrefill, SparseAttentionIsRefused) {
+  auto m = model::Model::synthetic(tiny_config(), 1);
+  ASSERT_TRUE(m.is_ok());
+  auto pool = host_pool(8);
+  PrefixCache cache(pool.get(), kLayers, 4 * entry_bytes());
+  auto sc = model::sparse_config_for_mode("a-shape", m->config().n_layers, m->config().n_heads);
+  ASSERT_TRUE(sc.is_ok()) << sc.status().to_string();
+  PrefixPrefillOptions opt;
+  opt.prefill.sparse = &sc.value();
+  const std::vector<int32_t> t(70, 3);
+  auto r = prefill_with_prefix_cache(*m, &cache, "tiny", t, opt, nullptr);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kUnsupported) << r.status().to_string();
+  EXPECT_EQ(cache.stats().entries, 0) << "nothing was cached";
 }
 
 TEST(PrefixPrefill, GeometryMismatchIsAnError) {
