@@ -190,7 +190,11 @@ class MpiCommunicator final : public Communicator {
       for (int i = 0; i < size_; ++i) {
         if (i == rank_ && send_count)
           std::memcpy(out + size_t(at) * es, send, size_t(send_count) * es);
-        SF_TRY(bcast(out + size_t(at) * es, counts[size_t(i)], t, i));
+        // (Its error names the all-gather: the caller asked for one, not for a broadcast.)
+        if (Status st = bcast(out + size_t(at) * es, counts[size_t(i)], t, i); !st.is_ok())
+          return Status(st.code(), "comm: all_gatherv on '" + name_ + "', past one call's limit " +
+                                       "as a bcast from each rank, at rank " + std::to_string(i) +
+                                       "'s part: " + st.message());
         at += counts[size_t(i)];
       }
       return Status::ok();  // (bcast counted this rank's bytes as the root's)
@@ -329,8 +333,8 @@ class MpiCommunicator final : public Communicator {
                                               const std::string& name) override {
     SF_TRY(usable("split", 0));
     if (color < 0) return SF_ERR(kInvalidArgument, "comm: split: color must be >= 0");
-    // Everyone is here once the barrier completes, so the blocking split cannot hang on a
-    // missing rank.
+    // Everyone is here once the barrier completes, so the blocking split cannot hang on a rank
+    // that never came (see the header for the one race left to the caller).
     SF_TRY(run("split (barrier)", group_desc(),
                [&](Requests& r) { return MPI_Ibarrier(comm_, r.add()); }));
     MPI_Comm nc = MPI_COMM_NULL;
@@ -450,6 +454,12 @@ Status mpi_init(int* argc, char*** argv) {
   if (rc != MPI_SUCCESS)
     return SF_ERR(kInternal, "MPI_Init_thread failed: " + mpi_error_string(rc));
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  // The job runs threads of its own beside MPI (export writers, the NCCL watchdog, the CPU
+  // pool): an MPI that grants only MPI_THREAD_SINGLE does not allow that.
+  if (provided < MPI_THREAD_FUNNELED)
+    return SF_ERR(kUnsupported, "MPI granted thread level " + std::to_string(provided) +
+                                    ", below MPI_THREAD_FUNNELED; use an MPI built with thread "
+                                    "support (OpenMPI and MPICH are by default)");
   return Status::ok();
 }
 

@@ -10,7 +10,10 @@
 // deadline (a message's pieces are posted together, so a sendrecv pairs up whatever its sizes).
 //
 // MPI_Comm_split has no non-blocking form: split() first passes a deadline-bounded barrier, so a
-// missing rank shows as a deadline error rather than a hang.
+// rank that never comes shows as a deadline error on every rank rather than a hang. Not proof
+// against every race: a rank whose deadline passes just as the last rank arrives fails while the
+// others, whose barrier completed, wait in the blocking split; the caller must then end the job
+// (sparsefill-worker aborts on any failure to build its grid, which frees them).
 #pragma once
 #include <cstdint>
 #include <memory>

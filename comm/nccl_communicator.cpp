@@ -217,6 +217,8 @@ class NcclCommunicator final : public Communicator {
                                           "': counts must have one entry per rank and "
                                           "counts[rank] == send_count");
     SF_TRY(check_usable("all_gatherv", send_count));
+    for (const int64_t c : counts)  // (another rank's count too: a negative one wraps to size_t)
+      SF_TRY(check_usable("all_gatherv", c));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));
     const size_t es = dtype_size(t);
     SF_TRY(run("all_gatherv", group(), [&] {
@@ -262,7 +264,7 @@ class NcclCommunicator final : public Communicator {
   }
   Status sendrecv(const void* sbuf, int64_t send_count, int dest, void* rbuf, int64_t recv_count,
                   int src, DType t, int) override {
-    SF_TRY(check_usable("sendrecv", std::max(send_count, recv_count)));
+    SF_TRY(check_usable("sendrecv", std::min(send_count, recv_count)));  // (either negative)
     SF_TRY(check_peer("sendrecv", dest));
     SF_TRY(check_peer("sendrecv", src));
     SF_ASSIGN(ncclDataType_t nt, nccl_type(t));

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace sf {
 
@@ -34,6 +35,12 @@ inline uint16_t f32_to_bf16(float f) {
 }
 // f rounded to the nearest bf16 value (kept as f32).
 inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// A score as every ranking compares it (top-k picks, retention, tier placement): NaN, which a
+// forward that overflowed can leave, ranks last, as -inf. Compared raw, a NaN ties with every
+// score, which breaks the strict weak order std::sort and std::partial_sort need (undefined
+// behaviour: arbitrary picks).
+inline float nan_last(float s) { return s != s ? -std::numeric_limits<float>::infinity() : s; }
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 

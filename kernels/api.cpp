@@ -95,7 +95,10 @@ Status linear(const TensorView& x, const TensorView& w, const TensorView& bias, 
   SF_TRY(need(x.shape[1] == w.shape[1] && y.shape[0] == x.shape[0] && y.shape[1] == w.shape[0], "linear",
               "shape mismatch x" + x.shape_str() + " w" + w.shape_str() + " y" + y.shape_str()));
   SF_TRY(need(x.stride[1] == 1 && w.stride[1] == 1 && y.stride[1] == 1, "linear", "rows must be contiguous"));
-  SF_TRY(need(!bias.data || bias.numel() == w.shape[0], "linear", "bias must have out elements"));
+  SF_TRY(need(x.data && w.data && y.data, "linear", "x, w and y need data"));
+  SF_TRY(need(!bias.data || (bias.numel() == w.shape[0] && bias.dtype == DType::kF32 && bias.contiguous()),
+              "linear", "bias must have out F32 elements"));
+  SF_TRY(need(!overlap(x, y), "linear", "y must not overlap x"));
   if (s.device == Device::kCpu)
     SF_TRY(need(x.dtype == DType::kF32 && w.dtype == DType::kF32 && y.dtype == DType::kF32, "linear", "CPU linear is F32"));
   SF_DISPATCH(linear, x, w, bias, y);
@@ -175,6 +178,8 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
   SF_TRY(need(k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0, "attention_dense", "n_heads must be a multiple of n_kv_heads"));
   SF_TRY(need(out.shape == q.shape, "attention_dense", "out must match q"));
   SF_TRY(need(lse.numel() == q.shape[0] * q.shape[1], "attention_dense", "lse must be [n_heads, n_q]"));
+  SF_TRY(need(q.numel() == 0 || (q.data && k.data && v.data && out.data && lse.data), "attention_dense",
+              "q, k, v, out and lse need data"));
   SF_DISPATCH(attention_dense, q, k, v, out, lse, p);
 }
 

@@ -39,18 +39,26 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   auto err = [&](const char* field, const std::string& what) {
     return SF_ERR(kInvalidArgument, f + field + " " + what);
   };
-  if (hp.sink < 0) return err("sink", "must be >= 0");
-  if (hp.local < 0) return err("local", "must be >= 0");
-  if (hp.n_vertical < 0) return err("n_vertical", "must be >= 0");
-  if (hp.n_slash < 0) return err("n_slash", "must be >= 0");
+  // Counts of keys, columns, diagonals or blocks: at most a prompt's positions (int32), so the
+  // estimators' rounding up to blocks and their sums cannot overflow (a larger value means
+  // "all" and is written so).
+  constexpr int64_t kMaxCount = INT32_MAX;
+  const std::string in_range = "must be in [0, " + std::to_string(kMaxCount) + "]";
+  for (const auto& [name, x] : {std::pair<const char*, int64_t>{"sink", hp.sink},
+                                {"local", hp.local},
+                                {"n_vertical", hp.n_vertical},
+                                {"n_slash", hp.n_slash},
+                                {"n_blocks", hp.n_blocks},
+                                {"min_budget", hp.min_budget},
+                                {"max_budget", hp.max_budget}})
+    if (x < 0 || x > kMaxCount) return err(name, in_range);
   if (hp.spread_rows < 0 || hp.spread_rows > 4096) return err("spread_rows", "must be in [0, 4096]");
   if (hp.segment_rows < 0 || hp.segment_rows % kSparseBlock != 0)
     return err("segment_rows", "must be >= 0 and a multiple of 64");
-  if (hp.n_blocks < 0) return err("n_blocks", "must be >= 0");
-  if (!std::isfinite(hp.alpha) || hp.alpha < 0) return err("alpha", "must be finite and >= 0");
-  if (!std::isfinite(hp.beta) || hp.beta < 0) return err("beta", "must be finite and >= 0");
+  // MoA's span alpha + beta * n_k is rounded to an integer: bounded so that it converts.
+  if (!(hp.alpha >= 0 && hp.alpha <= double(kMaxCount))) return err("alpha", in_range);
+  if (!(hp.beta >= 0 && hp.beta <= double(kMaxCount))) return err("beta", in_range);
   if (!(hp.gamma > 0 && hp.gamma <= 1)) return err("gamma", "must be in (0, 1]");
-  if (hp.min_budget < 0) return err("min_budget", "must be >= 0");
   if (hp.max_budget < hp.min_budget) return err("max_budget", "must be >= min_budget");
   if (hp.last_block_rows != 0 && hp.last_block_rows != 1)
     return err("last_block_rows", "must be 0 or 1");
@@ -142,6 +150,8 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
   SF_TRY(need(out.shape == q.shape, "attention_sparse", "out must match q"));
   SF_TRY(need(lse.numel() == q.shape[0] * q.shape[1], "attention_sparse",
               "lse must be [n_heads, n_q]"));
+  SF_TRY(need(q.numel() == 0 || (q.data && k.data && v.data && out.data && lse.data),
+              "attention_sparse", "q, k, v, out and lse need data"));
   SF_TRY(
       need(p.causal, "attention_sparse", "the sparse index is causal; params.causal must be true"));
   SF_TRY(need(idx.n_heads == q.shape[1] && idx.n_q == q.shape[0] && idx.n_k == k.shape[0],

@@ -23,7 +23,8 @@ std::vector<int32_t> select_ranked(const float* score, int64_t n, std::vector<in
   for (int64_t j = 0; j < n; ++j)
     if (!is_forced[size_t(j)]) rest.push_back(int32_t(j));
   auto better = [&](int32_t x, int32_t y) {
-    return score[x] > score[y] || (score[x] == score[y] && x < y);
+    const float sx = nan_last(score[x]), sy = nan_last(score[y]);
+    return sx > sy || (sx == sy && x < y);
   };
   const int64_t nf = int64_t(forced.size()), nr = int64_t(rest.size());
   int64_t take = 0;

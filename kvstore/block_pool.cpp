@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "common/dtype.h"
 #include "common/thread_pool.h"
 
 namespace sf::kvstore {
@@ -687,12 +688,7 @@ std::vector<int64_t> placement_order(std::span<const float> scores, int64_t sink
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t(0));
   auto rank = [&](int64_t i) { return i < sink_blocks ? 0 : (i >= n - recent_blocks ? 1 : 2); };
-  // A NaN score (a model that produced NaN) ranks last: compared as is, it would break the
-  // ordering the sort needs.
-  auto key = [&](int64_t i) {
-    const float s = scores[size_t(i)];
-    return std::isnan(s) ? -std::numeric_limits<float>::infinity() : s;
-  };
+  auto key = [&](int64_t i) { return nan_last(scores[size_t(i)]); };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     const int ra = rank(a), rb = rank(b);
     if (ra != rb) return ra < rb;

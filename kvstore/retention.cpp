@@ -1,7 +1,6 @@
 #include "kvstore/retention.h"
 
 #include <algorithm>
-#include <limits>
 #include <boost/json.hpp>
 #include <charconv>
 #include <cmath>
@@ -13,6 +12,7 @@
 #include <sstream>
 
 #include "common/args.h"
+#include "common/dtype.h"
 
 namespace sf::kvstore {
 namespace {
@@ -25,11 +25,6 @@ constexpr int kMaxPool = kRetentionMaxPool;
 // RetentionPolicy::span: out[j] = max of s over [j - span + 1, j], per head row of N. A
 // monotonic queue of candidate positions (scores decreasing), so a 1M-token row costs O(N)
 // whatever the span.
-// A score as the policies rank it: NaN (a forward that overflowed) ranks last, like -inf, as
-// block placement ranks it (block_pool.cpp); compared raw it would tie with every score, which
-// breaks the strict weak order the sorts below need (undefined behaviour, arbitrary picks).
-float rank_score(float s) { return std::isnan(s) ? -std::numeric_limits<float>::infinity() : s; }
-
 ImportanceScores forward_span(const ImportanceScores& in, int span) {
   ImportanceScores out = in;
   const int64_t N = in.n_tokens;
@@ -40,10 +35,10 @@ ImportanceScores forward_span(const ImportanceScores& in, int span) {
       float* o = out.layers[l].data() + h * N;
       size_t head = 0, tail = 0;  // q[head, tail)
       for (int64_t j = 0; j < N; ++j) {
-        while (tail > head && rank_score(a[q[tail - 1]]) <= rank_score(a[j])) --tail;
+        while (tail > head && nan_last(a[q[tail - 1]]) <= nan_last(a[j])) --tail;
         q[tail++] = j;
         if (q[head] <= j - span) ++head;
-        o[j] = rank_score(a[q[head]]);
+        o[j] = nan_last(a[q[head]]);
       }
     }
   return out;
@@ -59,7 +54,7 @@ std::vector<int32_t> window_plus_topk(const float* score, int64_t N, int64_t win
   std::iota(idx.begin(), idx.end(), 0);
   if (k < cand && k > 0)
     std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
-      const float sa = rank_score(score[a]), sb = rank_score(score[b]);
+      const float sa = nan_last(score[a]), sb = nan_last(score[b]);
       return sa != sb ? sa > sb : a < b;
     });
   idx.resize(size_t(k));
@@ -90,7 +85,7 @@ std::vector<std::vector<int32_t>> ada_window_plus_topk(const float* score, int n
   rest.reserve(size_t(n_heads) * size_t(cand - floor_k));
   for (int h = 0; h < n_heads; ++h) {
     std::vector<Item> it(static_cast<size_t>(cand));
-    for (int64_t t = 0; t < cand; ++t) it[size_t(t)] = {rank_score(score[h * N + t]), h, int32_t(t)};
+    for (int64_t t = 0; t < cand; ++t) it[size_t(t)] = {nan_last(score[h * N + t]), h, int32_t(t)};
     std::partial_sort(it.begin(), it.begin() + floor_k, it.end(), better);
     for (int64_t i = 0; i < floor_k; ++i) out[size_t(h)].push_back(it[size_t(i)].t);
     rest.insert(rest.end(), it.begin() + floor_k, it.end());

@@ -141,12 +141,14 @@ Result<Options> parse_options(int argc, char** argv) {
     o.kv_host_bf16 = v == "bf16";
   }
   if (kv.count("comm-timeout")) {
-    if (!whole_number(kv["comm-timeout"], &o.comm_timeout_s) || !(o.comm_timeout_s > 0) || o.comm_timeout_s > comm::kMaxTimeoutS)
-      return SF_ERR(kInvalidArgument, "--comm-timeout must be a number of seconds in (0, 1e6]");
+    // At least 1 ms: the deadlines are whole milliseconds, and a smaller value would be 0 ms
+    // (every wait failing at once as "a peer is stuck").
+    if (!whole_number(kv["comm-timeout"], &o.comm_timeout_s) || !(o.comm_timeout_s >= 1e-3) || o.comm_timeout_s > comm::kMaxTimeoutS)
+      return SF_ERR(kInvalidArgument, "--comm-timeout must be a number of seconds in [0.001, 1e6]");
   }
   if (kv.count("stall-timeout")) {
-    if (!whole_number(kv["stall-timeout"], &o.stall_timeout_s) || !(o.stall_timeout_s > 0) || o.stall_timeout_s > comm::kMaxTimeoutS)
-      return SF_ERR(kInvalidArgument, "--stall-timeout must be a number of seconds in (0, 1e6]");
+    if (!whole_number(kv["stall-timeout"], &o.stall_timeout_s) || !(o.stall_timeout_s >= 1e-3) || o.stall_timeout_s > comm::kMaxTimeoutS)
+      return SF_ERR(kInvalidArgument, "--stall-timeout must be a number of seconds in [0.001, 1e6]");
   }
   if (o.cp_estimate && o.attention == "dense")
     return SF_ERR(kInvalidArgument, "--cp-estimate needs a sparse --attention");

@@ -136,6 +136,7 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
           float mx = m[size_t(i)];
           for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, sr[j]);
           if (lim == 0 || mx == -std::numeric_limits<float>::infinity()) {
+            if (any_nan(sr, lim)) l[size_t(i)] = std::numeric_limits<float>::quiet_NaN();
             std::fill(sr, sr + tn, 0.f);
             continue;
           }
@@ -150,15 +151,8 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(tn), 1.f, s.data(), int(tn),
                     vp + k0 * hkv * d + kvh * d, int(hkv * d), 1.f, o, int(ld));
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        if (l[size_t(i)] > 0.f) {
-          const float inv = 1.f / l[size_t(i)];
-          for (int64_t c = 0; c < d; ++c) o[i * ld + c] *= inv;
-          lp[h * nq + r0 + i] = m[size_t(i)] + std::log(l[size_t(i)]);
-        } else {  // a row that sees no key: output 0, lse -inf
-          lp[h * nq + r0 + i] = -std::numeric_limits<float>::infinity();
-        }
-      }
+      for (int64_t i = 0; i < rows; ++i)
+        finish_row(m[size_t(i)], l[size_t(i)], o + i * ld, d, &lp[h * nq + r0 + i]);
     }
   });
   return Status::ok();

@@ -1,6 +1,9 @@
 // CPU backend: plain loops + OpenBLAS for GEMMs, parallelized with common/thread_pool.
 // Called through kernels/api.h, which validates shapes and dtypes first.
 #pragma once
+#include <cmath>
+#include <limits>
+
 #include "kernels/api.h"
 
 namespace sf::kernels::cpu {
@@ -25,6 +28,29 @@ Status attention_dense(const TensorView& q, const TensorView& k, const TensorVie
 // 8K-token prefill): exp(v) = 2^k * exp(r), |r| <= ln2/2, degree-6 Taylor polynomial, relative
 // error < 2e-7. Shared by the dense and sparse attention kernels and the estimators.
 float exp_sub_sum(float* x, int64_t n, float sub);
+// The online softmax's row rules, shared by the dense and sparse kernels. A score that is NaN must
+// not pass for a row that sees no key: max() skips NaN, so a row of NaN scores would look masked
+// (-inf max) and one NaN among finite ones would leave l NaN, which `l > 0` reads as "no key".
+// A tile whose visible scores have no finite maximum marks its row NaN (l = NaN) when any is NaN.
+inline bool any_nan(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return true;
+  return false;
+}
+// A finished row: out / l and lse = m + log l; a row with a NaN score gets NaN out and lse; a row
+// that sees no key gets 0 (as accumulated) and lse -inf.
+inline void finish_row(float m, float l, float* o, int64_t d, float* lse) {
+  if (l > 0.f) {
+    const float inv = 1.f / l;
+    for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+    *lse = m + std::log(l);
+  } else if (l != l) {
+    for (int64_t c = 0; c < d; ++c) o[c] = l;
+    *lse = l;
+  } else {
+    *lse = -std::numeric_limits<float>::infinity();
+  }
+}
 // x[0, n) <- softmax(x[0, n)) (max-subtracted; n <= 0: nothing).
 void softmax_in_place(float* x, int64_t n);
 

@@ -54,6 +54,7 @@ void tile_step(const float* qp, int64_t ldq, int64_t rows, int64_t d, float scal
     float mx = w.m[size_t(i)];
     for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, sr[j]);
     if (lim == 0 || mx == -std::numeric_limits<float>::infinity()) {
+      if (any_nan(sr, lim)) w.l[size_t(i)] = std::numeric_limits<float>::quiet_NaN();
       std::fill(sr, sr + tn, 0.f);
       continue;
     }
@@ -138,15 +139,8 @@ Status attention_sparse(const TensorView& q, const TensorView& k, const TensorVi
         }
         tile_step(qh, ldq, rows, d, scale, w.kbuf.data(), d, w.vbuf.data(), d, tn, w, o, ldq);
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        if (w.l[size_t(i)] > 0.f) {
-          const float inv = 1.f / w.l[size_t(i)];
-          for (int64_t c = 0; c < d; ++c) o[i * ldq + c] *= inv;
-          lp[h * nq + r0 + i] = w.m[size_t(i)] + std::log(w.l[size_t(i)]);
-        } else {  // a row that sees no selected key: output 0, lse -inf (as the dense kernel)
-          lp[h * nq + r0 + i] = -std::numeric_limits<float>::infinity();
-        }
-      }
+      for (int64_t i = 0; i < rows; ++i)  // (no selected key: 0 and -inf, as the dense kernel)
+        finish_row(w.m[size_t(i)], w.l[size_t(i)], o + i * ldq, d, &lp[h * nq + r0 + i]);
     }
   });
   return Status::ok();
@@ -192,9 +186,16 @@ Status attention_sparse_ref(const TensorView& q, const TensorView& k, const Tens
           double dot = 0;
           for (int64_t c = 0; c < d; ++c) dot += double(qr[c]) * double(kr[c]);
           s.push_back(dot * scale);
-          mx = std::max(mx, dot * scale);
+          // NaN propagates (std::max would skip it): a NaN score makes the row NaN.
+          mx = std::isnan(dot) || std::isnan(mx) ? std::numeric_limits<double>::quiet_NaN()
+                                                 : std::max(mx, dot * scale);
         }
         float* orow = out.ptr<float>() + (row * hq + h) * d;
+        if (std::isnan(mx)) {
+          std::fill(orow, orow + d, std::numeric_limits<float>::quiet_NaN());
+          lse.ptr<float>()[h * nq + row] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         if (mx == -std::numeric_limits<double>::infinity()) {
           std::fill(orow, orow + d, 0.f);
           lse.ptr<float>()[h * nq + row] = -std::numeric_limits<float>::infinity();

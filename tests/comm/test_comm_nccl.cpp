@@ -71,6 +71,14 @@ TEST(CommNccl, CollectivesAndDeadline) {
   for (int r = 0; r < w.size(); ++r)
     for (int64_t i = 0; i < even; ++i)
       ASSERT_EQ(fill[size_t(r * even + i)], float((i % 97) * (r + 1))) << "rank " << r << " item " << i;
+  // A negative count anywhere (another rank's, a receive's) is refused before NCCL sees it as a
+  // huge size_t; the communicator stays usable.
+  std::vector<int64_t> bad(size_t(w.size()), even);
+  bad[size_t((w.rank() + 1) % w.size())] = w.size() > 1 ? -1 : even;
+  if (w.size() > 1)
+    EXPECT_EQ(c.all_gatherv(a.p, even, b.p, bad, DType::kF32).code(), Code::kInvalidArgument);
+  EXPECT_EQ(c.sendrecv(a.p, 4, w.rank(), b.p, -4, w.rank(), DType::kF32, 0).code(),
+            Code::kInvalidArgument);
   ASSERT_TRUE(c.barrier().is_ok());
 
   // Deadline: rank 0 waits 1 s; the others join 2 s late and time out themselves (the aborted

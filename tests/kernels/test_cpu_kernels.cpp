@@ -153,6 +153,22 @@ TEST(CpuKernels, ValidationNamesTheProblem) {
   kernels::Stream gpu{Device::kCuda, nullptr};
   EXPECT_FALSE(kernels::swiglu(TensorView::make(a.data(), DType::kF32, {12}), TensorView::make(a.data(), DType::kF32, {12}),
                                TensorView::make(c.data(), DType::kF32, {12}), gpu).is_ok());
+  // linear: a bias the kernels read as F32 must be F32 (a BF16 one of `out` elements was read
+  // past its end), and y must not alias x (the threads read x while others write y).
+  std::vector<float> x(2 * 3, 1.f), w(4 * 3, 1.f), y(2 * 4), bias(4, 1.f);
+  std::vector<uint16_t> bias16(4);
+  const TensorView tx = TensorView::make(x.data(), DType::kF32, {2, 3}),
+                   tw = TensorView::make(w.data(), DType::kF32, {4, 3});
+  EXPECT_TRUE(kernels::linear(tx, tw, TensorView::make(bias.data(), DType::kF32, {4}),
+                              TensorView::make(y.data(), DType::kF32, {2, 4})).is_ok());
+  EXPECT_EQ(y[0], 4.f);
+  st = kernels::linear(tx, tw, TensorView::make(bias16.data(), DType::kBF16, {4}),
+                       TensorView::make(y.data(), DType::kF32, {2, 4}));
+  EXPECT_NE(st.message().find("bias must have out F32 elements"), std::string::npos) << st.to_string();
+  std::vector<float> xy(2 * 4, 1.f);  // x [2, 3] in its first 6, y [2, 4] over all 8
+  st = kernels::linear(TensorView::make(xy.data(), DType::kF32, {2, 3}), tw, TensorView{},
+                       TensorView::make(xy.data(), DType::kF32, {2, 4}));
+  EXPECT_NE(st.message().find("must not overlap"), std::string::npos) << st.to_string();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "kernels/api.h"
@@ -491,6 +492,45 @@ TEST(SparseAttention, FullIndexEqualsDense) {
   }
 }
 
+// A NaN score is said, not hidden: a query row of NaN and the rows that see a NaN key come out
+// NaN (out and lse) from the dense and the sparse kernel, as the reference gives them, never as a
+// row that sees no key (0, lse -inf); the other rows are untouched.
+TEST(SparseAttention, NanScoresComeOutNanNotAsMaskedRows) {
+  std::mt19937_64 rng(fresh_seed());
+  const Case c{130, 130, 0, 2, 1, 16};
+  auto q = randn(size_t(c.nq * c.hq * c.d), rng), k = randn(size_t(c.nk * c.hkv * c.d), rng),
+       v = randn(size_t(c.nk * c.hkv * c.d), rng);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int c0 = 0; c0 < c.d; ++c0) q[size_t((5 * c.hq + 0) * c.d + c0)] = nan;  // row 5, head 0
+  k[size_t(70 * c.hkv * c.d + 3)] = nan;  // key 70: every row from 70 on sees it
+  const SparseIndex idx = kernels::sparse_index_dense(c.hq, c.nq, c.nk, c.q_off);
+  std::vector<float> out(q.size()), lse(size_t(c.hq * c.nq));
+  kernels::AttentionParams p;
+  ASSERT_TRUE(
+      kernels::attention_dense(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                               TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                               TensorView::make(v.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+                               TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
+                               TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p)
+          .is_ok());
+  const Outputs fast = run_sparse(q, k, v, c, idx, false), ref = run_sparse(q, k, v, c, idx, true);
+  using Run = std::tuple<const char*, const std::vector<float>*, const std::vector<float>*>;
+  for (const auto& [name, o, l] : {Run{"dense", &out, &lse}, Run{"sparse", &fast.out, &fast.lse},
+                                   Run{"reference", &ref.out, &ref.lse}})
+    for (int h = 0; h < c.hq; ++h)
+      for (int64_t i = 0; i < c.nq; ++i) {
+        const bool poisoned = (h == 0 && i == 5) || i >= 70;
+        const float x = (*l)[size_t(h * c.nq + i)], y = (*o)[size_t((i * c.hq + h) * c.d)];
+        if (poisoned) {
+          EXPECT_TRUE(std::isnan(x) && std::isnan(y))
+              << name << " head " << h << " row " << i << ": lse " << x << ", out " << y;
+        } else {
+          EXPECT_TRUE(std::isfinite(x) && std::isfinite(y))
+              << name << " head " << h << " row " << i << ": lse " << x << ", out " << y;
+        }
+      }
+}
+
 TEST(SparseAttention, RandomIndicesMatchMaskedReference) {
   std::mt19937_64 rng(fresh_seed());
   struct Sparse {
@@ -553,6 +593,14 @@ TEST(SparseAttention, RejectsMismatchedIndexAndCuda) {
   EXPECT_EQ(call(kernels::sparse_index_dense(3, 64, 64, 0), {}).code(), Code::kInvalidArgument);
   const Status st = call(idx, {}, kernels::Stream{Device::kCuda, nullptr});
   EXPECT_FALSE(st.is_ok());
+  // A view without data is refused, not written through.
+  const Status null_out = kernels::attention_sparse(
+      TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
+      TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
+      TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}), idx,
+      TensorView::make(nullptr, DType::kF32, {c.nq, c.hq, c.d}),
+      TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), {});
+  EXPECT_NE(null_out.message().find("need data"), std::string::npos) << null_out.to_string();
 }
 
 // ---- estimators against brute force ---------------------------------------------------------
@@ -1159,6 +1207,22 @@ TEST(SparseEstimate, RejectsBadPatternsNamingTheField) {
   pats[0].max_budget = 1;
   st = kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr);
   EXPECT_NE(st.message().find("patterns[0].max_budget"), std::string::npos) << st.message();
+  pats[0].max_budget = 1 << 20;
+  // Budgets past a prompt's positions (their rounding up to blocks wrapped round) and a MoA
+  // span that cannot be an integer are refused, not run as a few blocks.
+  {
+    std::vector<HeadPattern> pv = pats;
+    pv[0].min_budget = 0;
+    pv[0].max_budget = INT64_MAX;
+    st = kernels::sparse_estimate(tq, tk, pv, 0, &idx, nullptr);
+    EXPECT_NE(st.message().find("patterns[0].max_budget must be in [0, 2147483647]"),
+              std::string::npos)
+        << st.message();
+    pv = pats;
+    pv[1].alpha = 1e19;
+    st = kernels::sparse_estimate(tq, tk, pv, 0, &idx, nullptr);
+    EXPECT_NE(st.message().find("patterns[1].alpha must be in"), std::string::npos) << st.message();
+  }
   pats.pop_back();
   EXPECT_FALSE(kernels::sparse_estimate(tq, tk, pats, 0, &idx, nullptr).is_ok());
   EXPECT_EQ(std::string(kernels::pattern_name(Pattern::kAdaptiveBlock)), "adaptive-block");
@@ -1413,6 +1477,33 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
   for (int64_t x = 0; x < nd; ++x)
     if (r.round[1][size_t(x)] >= 0) r.diags.push_back(int32_t(x));
   return r;
+}
+
+// A NaN score (a forward that overflowed) ranks last in the top-k picks, as in retention and tier
+// placement: the picks are the k best finite scores. (Compared raw, a NaN ties with everything and
+// the partial sort's picks were undefined.)
+TEST(SparseSelect, NanScoresRankLast) {
+  std::mt19937_64 rng(fresh_seed());
+  const int64_t n = 500;
+  std::vector<float> score = randn(size_t(n), rng);
+  std::vector<char> nan_at(size_t(n), 0);
+  for (int64_t j = 0; j < n; ++j)
+    if (j < 8 || rng() % 4 == 0) {
+      score[size_t(j)] = std::numeric_limits<float>::quiet_NaN();
+      nan_at[size_t(j)] = 1;
+    }
+  kernels::SelectBudget b;
+  b.k = 40;
+  const auto sel = kernels::select_ranked(score.data(), n, {}, b);
+  ASSERT_EQ(int64_t(sel.size()), b.k);
+  std::vector<float> finite;
+  for (int64_t j = 0; j < n; ++j)
+    if (!nan_at[size_t(j)]) finite.push_back(score[size_t(j)]);
+  std::sort(finite.begin(), finite.end(), std::greater<float>());
+  for (const int32_t x : sel) {
+    ASSERT_FALSE(nan_at[size_t(x)]) << "picked NaN-scored item " << x;
+    EXPECT_GE(score[size_t(x)], finite[size_t(b.k - 1)]) << "item " << x << " is not in the top k";
+  }
 }
 
 TEST(SparseSelect, VsCoverIsTheRoundsCover) {

@@ -34,13 +34,14 @@ Result<DeviceGrid> make_device_grid(GridComms& g, int device) {
   DeviceGrid dg;
   dg.device = device;
   // A size-1 row or column needs no transport (NCCL init would cost time for nothing).
-  auto one = [&](comm::Communicator& host,
-                 const char* what) -> Result<std::unique_ptr<comm::Communicator>> {
-    if (host.size() == 1) return comm::make_self_communicator(std::string(what) + " (self)");
-    return comm::make_nccl_communicator(host, device, std::string(what) + " (nccl)");
+  // Named after the host communicator it is built over ("tp (group g, cp rank c)"), so a
+  // deadline on the device names which group and row stalled, as the host's errors do.
+  auto one = [&](comm::Communicator& host) -> Result<std::unique_ptr<comm::Communicator>> {
+    if (host.size() == 1) return comm::make_self_communicator(host.name() + " (self)");
+    return comm::make_nccl_communicator(host, device, host.name() + " (nccl)");
   };
-  SF_ASSIGN(dg.tp, one(*g.tp, "tp"));
-  SF_ASSIGN(dg.cp, one(*g.cp, "cp"));
+  SF_ASSIGN(dg.tp, one(*g.tp));
+  SF_ASSIGN(dg.cp, one(*g.cp));
   return dg;
 }
 
