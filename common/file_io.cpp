@@ -75,13 +75,16 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   // The rename is durable once its directory is synced (a summary or manifest said written must
   // not vanish at a power loss). Best effort: some filesystems refuse fsync on a directory, and
   // the file's own bytes are already synced.
-  const fs::path parent = fs::path(path).parent_path();
-  const int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  sync_dir(fs::path(path).parent_path().string());
+  return Status::ok();
+}
+
+void sync_dir(const std::string& dir) {
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     (void)::fsync(dfd);
     ::close(dfd);
   }
-  return Status::ok();
 }
 
 Status check_output_file(const std::string& path, const std::string& what) {

@@ -17,6 +17,9 @@ namespace sf {
 // `path` and the reason (ENOSPC: kResourceExhausted). Concurrent writers of one path each rename
 // a whole file.
 [[nodiscard]] Status write_file_atomic(const std::string& path, std::string_view bytes);
+// fsync of a directory, so renames into it survive a power loss. Best effort: some filesystems
+// refuse fsync on a directory.
+void sync_dir(const std::string& dir);
 
 // `path` can be written as a file: it is not a directory, and its directory exists and is
 // writable. `what` names the option in the error ("--out").

@@ -322,7 +322,8 @@ Result<std::string> begin_export(const std::string& dir, bool force) {
   return tmp.string();
 }
 
-Status finish_export(const std::string& tmp, const std::string& dir) {
+Status finish_export(const std::string& tmp, const std::string& dir, bool force) {
+  SF_TRY(export_dir_check(dir, force));
   SF_ASSIGN(const fs::path out, export_dir_path(dir));
   std::error_code ec;
   // An earlier export is renamed aside, then removed once the new one is in place: removing it
@@ -345,6 +346,7 @@ Status finish_export(const std::string& tmp, const std::string& dir) {
     if (replacing) fs::rename(aside, out, back);  // the earlier export stays as it was
     return SF_ERR(kIo, "cannot move export into '" + dir + "': " + ec.message());
   }
+  sync_dir(out.parent_path().string());  // the move survives a power loss
   if (replacing) fs::remove_all(aside, ec);  // a failure leaves it to the stale cleanup
   return Status::ok();
 }
@@ -716,9 +718,11 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   }
   man["checksum"] = "xxh64 of each whole shard file, seed 0";
   man["shards"] = std::move(shards);
-  std::ofstream f(fs::path(tmp) / "manifest.json");
-  f << boost::json::serialize(man) << "\n";
-  if (!f) return SF_ERR(kIo, "cannot write manifest.json in '" + tmp + "'");
+  // Synced (file and directory) like the shards: a worker's summary, written after it, makes the
+  // request count as done, and an empty manifest after a power loss would never be redone.
+  const Status st = write_file_atomic((fs::path(tmp) / "manifest.json").string(),
+                                      boost::json::serialize(man) + "\n");
+  if (!st.is_ok()) return SF_ERR(kIo, "cannot write manifest.json in '" + tmp + "': " + st.message());
   return Status::ok();
 }
 
@@ -739,7 +743,7 @@ Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSo
   auto entries = export_kv_shards(tmp, spec, whole_part(spec), src, /*validate=*/true, opt);
   SF_TRY(entries.status());
   SF_TRY(export_kv_manifest(tmp, spec, entries.value()));
-  SF_TRY(finish_export(tmp, dir));
+  SF_TRY(finish_export(tmp, dir, force));
   guard.moved = true;
   return Status::ok();
 }

@@ -156,7 +156,10 @@ Status export_dir_check(const std::string& dir, bool force);
 // (sparsefill-worker removes those under its output lock: runtime::stale_partial).
 inline constexpr std::string_view kExportPartialTag = ".partial-";
 Result<std::string> begin_export(const std::string& dir, bool force);
-Status finish_export(const std::string& tmp, const std::string& dir);
+// dir is checked again (export_dir_check with the same force): what appeared there while the
+// shards were written (another export, a user's directory) is not replaced unless begin would
+// have replaced it. The move is made durable (the parent directory synced).
+Status finish_export(const std::string& tmp, const std::string& dir, bool force);
 
 // Writes the part's shard files into tmp and returns their manifest entries (JSON objects, one
 // per layer, as text: writers on other ranks send them to the manifest's writer). validate false

@@ -350,6 +350,20 @@ TEST_F(KvClient, ExportDirectoryRules) {
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("holds no manifest.json"), std::string::npos) << st.message();
   EXPECT_TRUE(fs::exists(other + "/notes.txt"));
+  // What appears at the directory while the shards are written is checked again at the move:
+  // a directory that is not an export is never replaced, and an export only with force.
+  const std::string racing = tmp_.sub("racing");
+  for (const bool force : {false, true}) {
+    auto t = kvstore::begin_export(racing, force);
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    fs::create_directories(racing);
+    { std::ofstream(racing + "/notes.txt") << "keep me"; }
+    const Status m = kvstore::finish_export(t.value(), racing, force);
+    EXPECT_EQ(m.code(), Code::kAlreadyExists) << m.to_string();
+    EXPECT_TRUE(fs::exists(racing + "/notes.txt")) << "force " << force;
+    fs::remove_all(t.value());
+    fs::remove_all(racing);
+  }
   // Paths with no name of their own are refused before anything is touched.
   for (const std::string bad : {".", "..", "/", "", "sub/..", "sub/../"}) {
     const Status c = kvstore::export_dir_check(bad, /*force=*/true);
@@ -1269,7 +1283,7 @@ TEST_F(KvClient, ShardedExportLoadsAsTheWhole) {
       entries.insert(entries.end(), e->begin(), e->end());
     }
     Status st = kvstore::export_kv_manifest(tmp.value(), spec, entries);
-    if (st.is_ok()) st = kvstore::finish_export(tmp.value(), tmp_.sub(name));
+    if (st.is_ok()) st = kvstore::finish_export(tmp.value(), tmp_.sub(name), /*force=*/true);
     return st;
   };
   std::vector<kvstore::KvShardPart> parts;

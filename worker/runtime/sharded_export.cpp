@@ -309,15 +309,21 @@ Result<std::unique_ptr<ShardedExport>> ShardedExport::begin(GridComms& g, const 
     return g.leader() ? opened : SF_ERR(kIo, "the leader could not open the export");
   // With a retention other than full, block-aligned runs per layer and head
   // (cut_head); two tiers are each cut on their own blocks.
+  // A failed exchange (the communicator aborted) leaves no temporary directory behind.
+  const auto dropped = [&](const Status& st) {
+    std::error_code ec;
+    if (g.leader()) fs::remove_all(x->tmp_, ec);
+    return st;
+  };
   if (spec.retention && spec.retention->has_low()) {
     for (int tier : {0, 1}) {
       auto t = exchange_tier(g, spec, local, tier);
-      if (!t.is_ok()) return t.status();
+      if (!t.is_ok()) return dropped(t.status());
       x->tiers_.push_back(std::move(t).value());
     }
   } else if (spec.retention && !spec.retention->is_full()) {
     auto t = exchange_tier(g, spec, local, -1);
-    if (!t.is_ok()) return t.status();
+    if (!t.is_ok()) return dropped(t.status());
     x->tiers_.push_back(std::move(t).value());
   }
   return x;
@@ -478,11 +484,20 @@ Status ShardedExport::finish(GridComms& g, const std::string& mine) {
   const int n = c.size();
   std::vector<int64_t> lens(static_cast<size_t>(n));
   const int64_t my_len = int64_t(mine.size());
-  SF_TRY(c.all_gather(&my_len, lens.data(), 1, DType::kI64));
+  // A failed exchange ends the job (the communicator is aborted); the leader still removes its
+  // temporary directory, which no later step would.
+  const auto drop_tmp = [&](Status st) {
+    std::error_code ec;
+    if (g.leader() && !tmp_.empty()) fs::remove_all(tmp_, ec);
+    return st;
+  };
+  if (Status st = c.all_gather(&my_len, lens.data(), 1, DType::kI64); !st.is_ok())
+    return drop_tmp(st);
   int64_t total = 0;
   for (int64_t x : lens) total += x;
   std::string all(size_t(total), '\0');
-  SF_TRY(c.all_gatherv(mine.data(), my_len, all.data(), lens, DType::kU8));
+  if (Status st = c.all_gatherv(mine.data(), my_len, all.data(), lens, DType::kU8); !st.is_ok())
+    return drop_tmp(st);
   Status st = Status::ok();
   if (g.leader()) {
     std::vector<std::string> entries;
@@ -507,7 +522,7 @@ Status ShardedExport::finish(GridComms& g, const std::string& mine) {
                              "rank of the group shares; --export gathered writes everything "
                              "from the leader)");
     }
-    if (st.is_ok()) st = kvstore::finish_export(tmp_, dir_);
+    if (st.is_ok()) st = kvstore::finish_export(tmp_, dir_, /*force=*/true);  // (as begin)
     if (!st.is_ok()) {
       std::error_code ec;
       fs::remove_all(tmp_, ec);
