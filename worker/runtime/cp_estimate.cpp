@@ -142,6 +142,10 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
   // A head that takes no non-forced item needs nothing (every rank knows k).
   for (int64_t x = 0; x < nh; ++x)
     if (tk[size_t(x)].k == 0) std::fill(row(x), row(x) + S, -1.f);
+  // A NaN partial (NaN activations) becomes -inf, so its item's sum ranks last, as a NaN score
+  // does in the single-rank selection (nan_last), and the orderings below stay valid.
+  for (int64_t x = 0; x < nh; ++x)
+    for (float* p = row(x); p < row(x) + S; ++p) *p = nan_last(*p);
   // 1) top k partials.
   std::vector<std::vector<float>> l1(static_cast<size_t>(nh));
   for (int64_t x = 0; x < nh; ++x) top_candidates(row(x), {{0, S}}, tk[size_t(x)], &l1[size_t(x)]);
@@ -213,10 +217,17 @@ Status tput_top_sums(comm::Communicator& cp, std::vector<float>* part, int64_t S
     if (!use[size_t(x)]) continue;
     for (int r = 0; r < CP; ++r) add(x, r2[size_t(r)][size_t(x)], &slot[size_t(x)]);
     const double tau2 = kth(ksum[size_t(x)], tk[size_t(x)].k);
-    for (size_t i = 0; i < kids[size_t(x)].size(); ++i)
-      // (a relative margin keeps near-ties in: the final ranking is on rounded float sums)
-      if (ksum[size_t(x)][i] + T[size_t(x)] * double(CP - kcnt[size_t(x)][i]) >= tau2 - 1e-6 * tau2)
-        cand[size_t(x)].push_back(kids[size_t(x)][i]);
+    for (size_t i = 0; i < kids[size_t(x)].size(); ++i) {
+      // A relative margin keeps near-ties in: the final ranking is on rounded float sums. (-inf
+      // sums, from NaN partials: no margin arithmetic on infinities, and an item every rank
+      // sent has no unknown part.)
+      const int silent = CP - kcnt[size_t(x)][i];
+      const double bound =
+          ksum[size_t(x)][i] + (silent == 0 ? 0.0 : T[size_t(x)] * double(silent));
+      const double bar = std::isfinite(tau2) ? tau2 - 1e-6 * std::fabs(tau2)
+                                             : -std::numeric_limits<double>::infinity();
+      if (bound >= bar) cand[size_t(x)].push_back(kids[size_t(x)][i]);
+    }
     std::sort(cand[size_t(x)].begin(), cand[size_t(x)].end());
     const float* p = row(x);
     for (int32_t id : cand[size_t(x)]) l3[size_t(x)].push_back(p[id]);

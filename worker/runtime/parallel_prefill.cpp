@@ -436,11 +436,15 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       if (!gi)
         return SF_ERR(kInvalidArgument,
                       "parallel_prefill: no index for layer " + std::to_string(l));
-      if (gi->n_q != S || gi->n_heads != c.n_heads)
+      // Checked whole on every rank, a rank without rows included (slice_index runs only where
+      // a piece has rows): a rank that refused alone would leave its peers in the exchange.
+      if (gi->n_q != S || gi->n_k != S || gi->q_offset != 0 || gi->n_heads != c.n_heads)
         return SF_ERR(kInvalidArgument,
                       "parallel_prefill: the index of layer " + std::to_string(l) + " covers " +
-                          std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_heads) +
-                          " heads, the prompt has " + std::to_string(S) + " x " +
+                          std::to_string(gi->n_q) + " rows x " + std::to_string(gi->n_k) +
+                          " keys (q_offset " + std::to_string(gi->q_offset) + ") x " +
+                          std::to_string(gi->n_heads) + " heads, the prompt has " +
+                          std::to_string(S) + " x " + std::to_string(S) + " (0) x " +
                           std::to_string(c.n_heads));
       for (int j = 0; j < n_ar; ++j) {
         if (aranges[size_t(j)].size() == 0) continue;
