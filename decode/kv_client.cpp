@@ -601,9 +601,10 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
   if (!fs::is_regular_file(mpath, ec))
     return SF_ERR(kNotFound, "kv export: no manifest.json in '" + dir + "'");
   const uint64_t msize = fs::file_size(mpath, ec);
-  if (ec || msize > kMaxManifestBytes)
-    return corrupt("manifest.json",
-                   "size " + std::to_string(msize) + " unreadable or above the 1 GiB limit");
+  if (ec)  // (an unreadable size is an I/O problem, not a corrupt export)
+    return SF_ERR(kIo, "kv export: cannot read the size of '" + mpath.string() + "': " + ec.message());
+  if (msize > kMaxManifestBytes)
+    return corrupt("manifest.json", "size " + std::to_string(msize) + " above the 1 GiB limit");
   std::string text;
   {
     std::ifstream f(mpath, std::ios::binary);
@@ -638,9 +639,17 @@ Result<KvExport> load_kv_export(const std::string& dir, const std::string& expec
       const std::string where = "shard '" + S.file + "'";
       const fs::path p = root / S.file;
       if (!fs::is_regular_file(p, fec))
-        return SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
+        // (absent: missing; anything else, EACCES say, is an I/O problem, not a missing file)
+        return fec && fec != std::errc::no_such_file_or_directory &&
+                       fec != std::errc::not_a_directory
+                   ? SF_ERR(kIo, "kv export: cannot stat shard file '" + p.string() + "': " +
+                                     fec.message())
+                   : SF_ERR(kNotFound, "kv export: shard file '" + p.string() + "' is missing");
       const uint64_t fsz = fs::file_size(p, fec);
-      if (fec || int64_t(fsz) != S.bytes)
+      if (fec)
+        return SF_ERR(kIo, "kv export: cannot read the size of shard file '" + p.string() +
+                               "': " + fec.message());
+      if (int64_t(fsz) != S.bytes)
         return corrupt(where, "file has " + std::to_string(fsz) + " bytes, the manifest says " +
                                   std::to_string(S.bytes));
       // Mapped once: the checksum and then the tensors read the same pages.
