@@ -466,6 +466,24 @@ void expect_close(const A& got, const B& want, double tol, const char* what) {
   EXPECT_LT(worst, tol) << what;
 }
 
+// The dense kernel's out and lse (out poisoned with NaN first).
+Outputs run_dense(const std::vector<float>& q, const std::vector<float>& k,
+                  const std::vector<float>& v, const Case& c) {
+  Outputs o;
+  o.out.assign(q.size(), std::numeric_limits<float>::quiet_NaN());
+  o.lse.assign(size_t(c.hq * c.nq), 0.f);
+  kernels::AttentionParams p;
+  p.q_offset = c.q_off;
+  auto tv = [](const std::vector<float>& x, std::initializer_list<int64_t> dims) {
+    return TensorView::make(const_cast<float*>(x.data()), DType::kF32, dims);
+  };
+  EXPECT_TRUE(kernels::attention_dense(tv(q, {c.nq, c.hq, c.d}), tv(k, {c.nk, c.hkv, c.d}),
+                                       tv(v, {c.nk, c.hkv, c.d}), tv(o.out, {c.nq, c.hq, c.d}),
+                                       tv(o.lse, {c.hq, c.nq}), p)
+                  .is_ok());
+  return o;
+}
+
 TEST(SparseAttention, FullIndexEqualsDense) {
   std::mt19937_64 rng(fresh_seed());
   for (Case c : {Case{300, 300, 0, 4, 2, 64}, Case{100, 357, 257, 6, 2, 16},
@@ -473,17 +491,8 @@ TEST(SparseAttention, FullIndexEqualsDense) {
     auto q = randn(size_t(c.nq * c.hq * c.d), rng), k = randn(size_t(c.nk * c.hkv * c.d), rng),
          v = randn(size_t(c.nk * c.hkv * c.d), rng);
     const SparseIndex idx = kernels::sparse_index_dense(c.hq, c.nq, c.nk, c.q_off);
-    std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN()),
-        lse(size_t(c.hq * c.nq));
-    kernels::AttentionParams p;
-    p.q_offset = c.q_off;
-    ASSERT_TRUE(
-        kernels::attention_dense(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
-                                 TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
-                                 TensorView::make(v.data(), DType::kF32, {c.nk, c.hkv, c.d}),
-                                 TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
-                                 TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p)
-            .is_ok());
+    const Outputs dense = run_dense(q, k, v, c);
+    const std::vector<float>&out = dense.out, &lse = dense.lse;
     const Outputs fast = run_sparse(q, k, v, c, idx, false),
                   ref = run_sparse(q, k, v, c, idx, true);
     expect_close(fast.out, out, 1e-5, "sparse(full) vs dense out");
@@ -504,18 +513,10 @@ TEST(SparseAttention, NanScoresComeOutNanNotAsMaskedRows) {
   for (int c0 = 0; c0 < c.d; ++c0) q[size_t((5 * c.hq + 0) * c.d + c0)] = nan;  // row 5, head 0
   k[size_t(70 * c.hkv * c.d + 3)] = nan;  // key 70: every row from 70 on sees it
   const SparseIndex idx = kernels::sparse_index_dense(c.hq, c.nq, c.nk, c.q_off);
-  std::vector<float> out(q.size()), lse(size_t(c.hq * c.nq));
-  kernels::AttentionParams p;
-  ASSERT_TRUE(
-      kernels::attention_dense(TensorView::make(q.data(), DType::kF32, {c.nq, c.hq, c.d}),
-                               TensorView::make(k.data(), DType::kF32, {c.nk, c.hkv, c.d}),
-                               TensorView::make(v.data(), DType::kF32, {c.nk, c.hkv, c.d}),
-                               TensorView::make(out.data(), DType::kF32, {c.nq, c.hq, c.d}),
-                               TensorView::make(lse.data(), DType::kF32, {c.hq, c.nq}), p)
-          .is_ok());
+  const Outputs dense = run_dense(q, k, v, c);
   const Outputs fast = run_sparse(q, k, v, c, idx, false), ref = run_sparse(q, k, v, c, idx, true);
   using Run = std::tuple<const char*, const std::vector<float>*, const std::vector<float>*>;
-  for (const auto& [name, o, l] : {Run{"dense", &out, &lse}, Run{"sparse", &fast.out, &fast.lse},
+  for (const auto& [name, o, l] : {Run{"dense", &dense.out, &dense.lse}, Run{"sparse", &fast.out, &fast.lse},
                                    Run{"reference", &ref.out, &ref.lse}})
     for (int h = 0; h < c.hq; ++h)
       for (int64_t i = 0; i < c.nq; ++i) {
