@@ -8,14 +8,15 @@ req="$root/tools/golden/requirements.txt"
 stamp="$venv/.installed-$(sha256sum "$req" | cut -c1-16)"
 if [ -f "$stamp" ]; then echo "setup-reference: $venv up to date"; exit 0; fi
 
-# torch's wheel unpacks to ~1.5 GiB; a full disk fails pip halfway with ENOSPC and leaves its
-# pip-unpack-* directories behind. Say so up front, and keep pip's scratch beside the venv so an
-# interrupted install cannot leak into /tmp.
-need_kib=$((4 * 1024 * 1024))
+# torch==2.5.1 from PyPI is its CUDA build: the installed stack is about 5.4 GiB (2.7 GiB of
+# nvidia-*-cu12 wheels), and pip holds the downloaded wheels beside it until it is done, about
+# 8.5 GiB at the peak. A full disk fails pip halfway with ENOSPC: say so up front, and keep pip's
+# scratch beside the venv so an interrupted install cannot leak into /tmp.
+need_kib=$((9 * 1024 * 1024))
 avail_kib=$(df -Pk "$root" | awk 'NR==2 {print $4}')
 if [ "${avail_kib:-0}" -lt "$need_kib" ]; then
   echo "setup-reference: $((avail_kib / 1024)) MiB free under $root; the reference stack needs" \
-       "about 4096 MiB (free space, or run deploy/test.sh --no-reference)" >&2
+       "about 9216 MiB while it installs (free space, or run deploy/test.sh --no-reference)" >&2
   exit 1
 fi
 scratch="$root/.venv-ref-tmp"
