@@ -318,6 +318,7 @@ Status DeviceModel::Impl::build(const ModelConfig& c, DType weight_dtype, int de
   device = dev;
   device_name = prop.name;
   if (host) {
+    SF_TRY(check_host_weights(*host, "device upload"));  // (not "0 layers" for a shape-only one)
     const ModelWeights& w = host->weights();
     rope_freqs = w.rope_freqs.data;
     SF_ENSURE(w.layers.size() == size_t(c.n_layers), kInvalidArgument,

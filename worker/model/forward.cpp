@@ -105,6 +105,19 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   PrefillResult& res = *out;
   KvCache& kv = res.kv;
   const int64_t P = kv.n_tokens;  // tokens already in the cache
+  // A cached prefix is extended in place: a run that keeps no K/V would free the prefix's rows
+  // too (and a failure could not give them back), and a bf16 host cache is not extended here.
+  // Checked here too: when the estimator supplies every group's importance, kv_importance (which
+  // checks it) never runs, and a bad pool would be used as is.
+  if (opt.importance_window > 0 && (opt.importance_pool <= 0 || opt.importance_pool % 2 == 0))
+    return SF_ERR(kInvalidArgument, "prefill: importance_pool must be a positive odd kernel size, got " +
+                                        std::to_string(opt.importance_pool));
+  if (P > 0 && !opt.keep_kv)
+    return SF_ERR(kInvalidArgument, "extend: keep_kv false with " + std::to_string(P) +
+                                        " cached tokens would drop the cache's own rows");
+  if (P > 0 && kv.bf16())
+    return SF_ERR(kInvalidArgument, "extend: the cache holds bf16 rows (kv_host_bf16); extend "
+                                    "takes an F32 cache");
   if (P > 0 && (kv.n_layers != c.n_layers || kv.n_kv_heads != hkv || kv.head_dim != d ||
                 int64_t(kv.k.size()) != c.n_layers || int64_t(kv.v.size()) != c.n_layers))
     return SF_ERR(kInvalidArgument, "extend: KV cache does not match the model");
@@ -155,6 +168,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   const bool use_sparse = sc && P + S >= sc->dense_below && !sparse_config_is_dense(*sc);
   res.estimate_s = res.attention_s = res.importance_s = 0;
   res.kv_peak_bytes = 0;
+  res.importance_reused_groups = 0;  // (this call's, as the other figures)
   if (opt.importance_window > 0) res.importance.assign(size_t(c.n_layers), {});
   else res.importance.clear();
   double pairs_done = 0, pairs_causal = 0;

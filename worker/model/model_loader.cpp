@@ -138,7 +138,10 @@ Status load_gguf(const std::string& path, Model* m) {
   SF_TRY(gguf_tensor(g, "token_embd.weight", {c.vocab, H}, &w.tok_embd));
   SF_TRY(gguf_tensor(g, "output_norm.weight", {H}, &w.out_norm));
   SF_TRY(gguf_tensor(g, "output.weight", {c.vocab, H}, &w.lm_head, /*optional=*/true));
-  SF_TRY(gguf_tensor(g, "rope_freqs.weight", {c.head_dim / 2}, &w.rope_freqs, true));
+  // One divisor per rotated pair: rot_dim / 2 (llama.cpp writes n_rot / 2), the whole head's
+  // half when every channel rotates.
+  SF_TRY(gguf_tensor(g, "rope_freqs.weight", {(c.rope.rot_dim > 0 ? c.rope.rot_dim : c.head_dim) / 2},
+                     &w.rope_freqs, true));
   w.layers.resize(size_t(c.n_layers));
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
@@ -157,6 +160,16 @@ Status load_gguf(const std::string& path, Model* m) {
     SF_TRY(gguf_tensor(g, p + "ffn_gate.weight", {c.intermediate, H}, &L.w_gate));
     SF_TRY(gguf_tensor(g, p + "ffn_up.weight", {c.intermediate, H}, &L.w_up));
     SF_TRY(gguf_tensor(g, p + "ffn_down.weight", {H, c.intermediate}, &L.w_down));
+    // Biases the forward does not apply (a Llama with attention_bias or mlp_bias converted by
+    // llama.cpp keeps them as optional tensors): refused, as the HF path refuses those configs,
+    // rather than dropped into wrong logits. Q/K/V biases are all or none across layers.
+    for (const char* b : {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"})
+      if (g.find_tensor(p + b))
+        return SF_ERR(kUnsupported, "gguf: tensor '" + p + b +
+                                        "' is a bias the forward does not apply (only Q/K/V "
+                                        "biases are supported)");
+    if (!c.qkv_bias && g.find_tensor(p + "attn_q.bias"))
+      return SF_ERR(kCorrupt, "gguf: tensor '" + p + "attn_q.bias' present, but layer 0 has none");
   }
   m->format_ = ModelFormat::kGguf;
   return Status::ok();

@@ -1,6 +1,8 @@
 // Loader and forward invariants on small synthetic models (no external files needed).
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -119,6 +121,14 @@ TEST(Forward, ExtendEqualsFullPrefill) {
   model::PrefillResult cut = r;
   cut.kv.v[1].resize(10);
   EXPECT_FALSE(model::extend(m.value(), more, {}, &cut).is_ok());
+  // Not keeping K/V while extending a cached prefix would free the prefix's rows (and a failure
+  // could not give them back): refused, the cache untouched.
+  model::PrefillOptions drop;
+  drop.keep_kv = false;
+  const Status st = model::extend(m.value(), more, drop, &r);
+  EXPECT_NE(st.message().find("keep_kv false with 150 cached tokens"), std::string::npos)
+      << st.to_string();
+  EXPECT_EQ(r.kv.k[0].size(), full->kv.k[0].size());
 }
 
 // Importance from the estimator's own scores: with 640 tokens (whole 64-row blocks) the
@@ -157,6 +167,13 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   o.importance_from_estimator = true;
   auto est = model::prefill(m.value(), toks, o);
   ASSERT_TRUE(dense.is_ok() && lse.is_ok() && est.is_ok());
+  {
+    // An even pool is refused whichever path scores importance (the estimator's skipped the
+    // only check).
+    model::PrefillOptions even = o;
+    even.importance_pool = 8;
+    EXPECT_FALSE(model::prefill(m.value(), toks, even).is_ok());
+  }
   EXPECT_EQ(lse->logits, est->logits);  // attention is the same either way
   // Each layer's index once, in order; both layers have the same causal pairs, so the run's
   // density is their mean.
@@ -356,6 +373,41 @@ TEST(GgufLoader, RopeDimensionCountOutOfRangeIsRefused) {
           << r.status().message();
     }
   }
+}
+
+// Biases the forward does not apply (o_proj, MLP) are refused, not dropped into wrong logits; a
+// partial rotation's rope_freqs holds rot_dim / 2 divisors, as llama.cpp writes it.
+TEST(GgufLoader, UnappliedBiasesAreRefusedAndRopeFreqsFollowTheRotation) {
+  const model::ModelConfig cfg = tiny_config();
+  auto m = model::Model::synthetic(cfg, testing::fresh_seed());
+  ASSERT_TRUE(m.is_ok());
+  const auto load = [&](const std::function<void(testing::GgufBuilder&)>& extra) {
+    testing::GgufBuilder b;
+    testing::add_llama(b, m.value(), "tiny-extra");
+    extra(b);
+    const auto bytes = b.build();
+    const std::string path = ::testing::TempDir() + "extra.gguf";
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    return model::Model::load(path);
+  };
+  const uint64_t H = uint64_t(cfg.hidden);
+  for (const char* bias : {"attn_output.bias", "ffn_down.bias"}) {
+    auto r = load([&](testing::GgufBuilder& b) {
+      b.tensor_f32(std::string("blk.1.") + bias, {H}, std::vector<float>(size_t(H), 0.5f));
+    });
+    ASSERT_FALSE(r.is_ok()) << bias;
+    EXPECT_EQ(r.status().code(), Code::kUnsupported);
+    EXPECT_NE(r.status().message().find(std::string("blk.1.") + bias), std::string::npos)
+        << r.status().message();
+  }
+  const int rot = cfg.head_dim / 2;
+  auto partial = load([&](testing::GgufBuilder& b) {
+    b.kv_u64("llama.rope.dimension_count", uint64_t(rot));
+    b.tensor_f32("rope_freqs.weight", {uint64_t(rot / 2)}, std::vector<float>(size_t(rot / 2), 1.f));
+  });
+  ASSERT_TRUE(partial.is_ok()) << partial.status().to_string();
+  EXPECT_EQ(partial->config().rope.rot_dim, rot);
 }
 
 TEST(GgufLoader, BadMagicAndMissingFile) {
