@@ -47,7 +47,7 @@ if(TARGET sparsefill AND TARGET sparsefill-decode)
   # KV encodings: bad names fail before any work; an int8 export decodes to the dense
   # continuation on this prompt, an int4 one loads and says what it stored.
   add_test(NAME cli_retention_eval_bad_kv_dtype
-           COMMAND ${_ref} "^error: .*KV encoding 'fp8' is not f32, bf16, int8 or int4"
+           COMMAND ${_ref} "^error: --kv-dtype: KV encoding 'fp8' is not f32, bf16, int8 or int4"
                    ${_rsf} eval --retention adakv --kv-dtype int8,fp8)
   add_test(NAME cli_prefill_kv_dtype_needs_export
            COMMAND ${_ref} "^error: .*--kv-dtype applies to --export-kv"

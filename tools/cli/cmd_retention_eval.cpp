@@ -33,6 +33,11 @@
 namespace sf::cli {
 namespace {
 
+// An option's value refused by a shared parser: the error names the option given.
+Status named(const char* option, const Status& st) {
+  return Status(st.code(), std::string(option) + ": " + st.message());
+}
+
 // "0.25" or "25%", in (0, 1].
 Result<double> parse_fraction(const std::string& s) {
   std::string v = s;
@@ -297,7 +302,7 @@ int cmd_retention_eval(int argc, char** argv) {
   for (const auto& s : lists["kv-dtype"]) {
     const size_t colon = s.find(':');
     auto e = kvstore::kv_encodings_parse(s.substr(0, colon));
-    if (!e.is_ok()) return fail(e.status());
+    if (!e.is_ok()) return fail(named("--kv-dtype", e.status()));
     EncChoice ch{e.value()};
     if (colon != std::string::npos) {
       const std::string v = s.substr(colon + 1);
@@ -308,7 +313,7 @@ int cmd_retention_eval(int argc, char** argv) {
     encs.push_back(ch);
   }
   auto ref_r = kvstore::kv_encoding_parse(a.get("kv-ref-dtype", "f32"));
-  if (!ref_r.is_ok()) return fail(ref_r.status());
+  if (!ref_r.is_ok()) return fail(named("--kv-ref-dtype", ref_r.status()));
   const kvstore::KvEncoding ref_enc = ref_r.value();
   const std::vector<std::string> decodes = lists["decode"];
   // --psa EPS,...: PSA decode over the full cache, recorded with the full policy. An entry may be
@@ -319,11 +324,11 @@ int cmd_retention_eval(int argc, char** argv) {
       psa_specs.push_back(e.rfind("psa", 0) == 0 ? e : "psa:" + e);
   for (const auto& d : decodes) {
     auto p = decode::decode_attn_parse(d);
-    if (!p.is_ok()) return fail(p.status());
+    if (!p.is_ok()) return fail(named("--decode", p.status()));
   }
   for (const auto& d : psa_specs) {
     auto p = decode::decode_attn_parse(d);
-    if (!p.is_ok()) return fail(p.status());
+    if (!p.is_ok()) return fail(named("--psa", p.status()));
   }
   // PSA decodes the full cache in a one-tier encoding (its configs are added per such encoding).
   if (!psa_specs.empty() &&
