@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
   model::DeviceLayerKvSink sink;
   sink.enqueue = inner.enqueue;
   sink.max_inflight = inner.max_inflight;
+  sink.abandon = inner.abandon;  // (a failed run drops its unplaced layers while its stream lives)
   sink.place = [&](int l, std::span<const float> imp) {
     const double t0 = now_s();
     Status st = inner.place(l, imp);

@@ -246,8 +246,14 @@ std::string cpu_name(const std::string& root) {
 }
 
 int exit_status_after_stdout(int rc) {
-  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return rc;
-  std::fprintf(stderr, "error: writing the standard output failed: %s\n", std::strerror(errno));
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  if (flushed && !std::ferror(stdout)) return rc;
+  // errno names the flush's failure; an earlier buffered write's was not kept by stdio.
+  if (!flushed && errno != 0)
+    std::fprintf(stderr, "error: writing the standard output failed: %s\n", std::strerror(errno));
+  else
+    std::fprintf(stderr, "error: writing the standard output failed\n");
   return rc == 0 ? 1 : rc;
 }
 

@@ -722,8 +722,7 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   // request count as done, and an empty manifest after a power loss would never be redone.
   const Status st = write_file_atomic((fs::path(tmp) / "manifest.json").string(),
                                       boost::json::serialize(man) + "\n");
-  if (!st.is_ok()) return SF_ERR(kIo, "cannot write manifest.json in '" + tmp + "': " + st.message());
-  return Status::ok();
+  return st;  // (its own message names the file; ENOSPC stays kResourceExhausted)
 }
 
 Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force,

@@ -97,7 +97,14 @@ int run(int argc, char** argv) {
   const auto job_s = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - job_t0).count();
   };
-  const bool have_mpi = comm::mpi_init(&argc, &argv).is_ok();
+  const Status mpi = comm::mpi_init(&argc, &argv);
+  // An MPI that started but cannot host the job's threads ends it: running on as N one-rank jobs
+  // would have every rank write the same outputs.
+  if (!mpi.is_ok() && comm::mpi_initialized()) {
+    std::fprintf(stderr, "error: %s\n", mpi.message().c_str());
+    comm::mpi_abort_job(1);
+  }
+  const bool have_mpi = mpi.is_ok();
   std::unique_ptr<comm::Communicator> world;
   if (have_mpi) {
     auto w = comm::make_mpi_world();

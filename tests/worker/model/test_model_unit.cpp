@@ -168,11 +168,16 @@ TEST(Forward, ImportanceFromEstimatorIsTheSoftmaxOfTheLastRows) {
   auto est = model::prefill(m.value(), toks, o);
   ASSERT_TRUE(dense.is_ok() && lse.is_ok() && est.is_ok());
   {
-    // An even pool is refused whichever path scores importance (the estimator's skipped the
-    // only check).
+    // An even pool is refused when the estimator scores every group (kv_importance, which held
+    // the only check, then never runs): every head vertical-slash.
+    const model::SparseConfig all_vs = patterns_config(c, {{vs, vs, vs, vs}, {vs, vs, vs, vs}});
     model::PrefillOptions even = o;
+    even.sparse = &all_vs;
     even.importance_pool = 8;
-    EXPECT_FALSE(model::prefill(m.value(), toks, even).is_ok());
+    auto r = model::prefill(m.value(), toks, even);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_NE(r.status().message().find("prefill: importance_pool"), std::string::npos)
+        << r.status().to_string();
   }
   EXPECT_EQ(lse->logits, est->logits);  // attention is the same either way
   // Each layer's index once, in order; both layers have the same causal pairs, so the run's
