@@ -5,7 +5,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv-ref"
 req="$root/tools/golden/requirements.txt"
-stamp="$venv/.installed-$(sha256sum "$req" | cut -c1-16)"
+# Every transitive package at the version the pinned stack resolved to (unpinned, a later
+# huggingface_hub or packaging could break transformers 4.46.3 under the interop test).
+cons="$root/tools/golden/constraints.txt"
+stamp="$venv/.installed-$(cat "$req" "$cons" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then echo "setup-reference: $venv up to date"; exit 0; fi
 
 # torch==2.5.1 from PyPI is its CUDA build: the installed stack is about 5.4 GiB (2.7 GiB of
@@ -25,7 +28,7 @@ trap 'rm -rf "$scratch"' EXIT
 export TMPDIR="$scratch"
 
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q --no-cache-dir --upgrade pip
-"$venv/bin/pip" install -q --no-cache-dir -r "$req"
+"$venv/bin/pip" install -q --no-cache-dir "pip==26.3"
+"$venv/bin/pip" install -q --no-cache-dir -r "$req" -c "$cons"
 touch "$stamp"
 echo "setup-reference: installed into $venv"
