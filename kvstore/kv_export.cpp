@@ -720,9 +720,8 @@ Status export_kv_manifest(const std::string& tmp, const KvExportSpec& spec,
   man["shards"] = std::move(shards);
   // Synced (file and directory) like the shards: a worker's summary, written after it, makes the
   // request count as done, and an empty manifest after a power loss would never be redone.
-  const Status st = write_file_atomic((fs::path(tmp) / "manifest.json").string(),
-                                      boost::json::serialize(man) + "\n");
-  return st;  // (its own message names the file; ENOSPC stays kResourceExhausted)
+  return write_file_atomic((fs::path(tmp) / "manifest.json").string(),
+                           boost::json::serialize(man) + "\n");
 }
 
 Status export_kv(const std::string& dir, const KvExportSpec& spec, const LayerSource& src, bool force,

@@ -52,9 +52,7 @@ Result<model::PrefillResult> prefill_with_prefix_cache(const model::Model& m, Pr
   SF_ENSURE(opt.prefill.sparse == nullptr, kUnsupported,
             "prefix prefill: dense attention only (cached K/V past the first layer depend on the "
             "attention that computed them)");
-  // A hit scores importance from the same window of queries a full prefill would.
-  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens,
-                                     std::max<int64_t>(opt.min_suffix, opt.prefill.importance_window)));
+  SF_ASSIGN(int64_t P, prefix_lookup(cache, c, model_id, tokens, computed_suffix(opt)));
   const int64_t S = int64_t(tokens.size());
   model::PrefillResult res;
   model::KvCache& kv = res.kv;

@@ -2,6 +2,7 @@
 // into the KV cache, model::extend computes only the suffix from that offset (positions and the
 // causal mask continue from the prefix), and the prompt's whole blocks are then cached.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -22,6 +23,12 @@ struct PrefixPrefillOptions {
   // sets it to that window, so a hit scores from the same queries a full prefill would.
   int64_t min_suffix = 1;
 };
+
+// The tokens a run always computes at the end: max(1, min_suffix, the importance window), so a
+// hit scores importance from the same queries a full prefill would. Both paths look up with it.
+inline int64_t computed_suffix(const PrefixPrefillOptions& o) {
+  return std::max<int64_t>({1, o.min_suffix, o.prefill.importance_window});
+}
 
 struct PrefixPrefillStats {
   int64_t reused_tokens = 0, computed_tokens = 0;

@@ -218,8 +218,7 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
             "prefix prefill (device): all_logits is not supported (a hit computes the suffix's "
             "last row's logits only)");
   SF_ASSIGN(int64_t P,
-            prefix_lookup(I.cache, c, I.model_id, tokens,
-                          std::max<int64_t>(I.opt.min_suffix, I.opt.prefill.importance_window)));
+            prefix_lookup(I.cache, c, I.model_id, tokens, computed_suffix(I.opt)));
   const int64_t S = int64_t(tokens.size());
   I.blocks.clear();
   if (P > 0) {

@@ -1617,8 +1617,8 @@ Result<PrefillResult> DevicePrefill::run(std::span<const int32_t> tokens) {
   SF_CUDA_TRY(cudaStreamSynchronize(w.copy.get()));
   PrefillResult res;
   // A failed run hands its K/V to kv_hooks.failed (whose caller may still read published rows)
-  // instead of freeing it as it returns.
-  // A device KV sink drops the layers it holds unplaced while the copy stream still exists.
+  // instead of freeing it as it returns, after a device KV sink has dropped the layers it holds
+  // unplaced (while the copy stream still exists).
   struct HandOver {
     PrefillResult& r;
     const std::function<void(KvCache&&)>& failed;

@@ -105,13 +105,13 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
   PrefillResult& res = *out;
   KvCache& kv = res.kv;
   const int64_t P = kv.n_tokens;  // tokens already in the cache
-  // A cached prefix is extended in place: a run that keeps no K/V would free the prefix's rows
-  // too (and a failure could not give them back), and a bf16 host cache is not extended here.
   // Checked here too: when the estimator supplies every group's importance, kv_importance (which
   // checks it) never runs, and a bad pool would be used as is.
   if (opt.importance_window > 0 && (opt.importance_pool <= 0 || opt.importance_pool % 2 == 0))
     return SF_ERR(kInvalidArgument, "prefill: importance_pool must be a positive odd kernel size, got " +
                                         std::to_string(opt.importance_pool));
+  // A cached prefix is extended in place: a run that keeps no K/V would free the prefix's rows
+  // too (and a failure could not give them back), and a bf16 host cache is not extended here.
   if (P > 0 && !opt.keep_kv)
     return SF_ERR(kInvalidArgument, "extend: keep_kv false with " + std::to_string(P) +
                                         " cached tokens would drop the cache's own rows");
