@@ -1257,6 +1257,9 @@ Status DevicePrefill::Impl::setup(const DeviceModel::Impl& dmi, int64_t max_toks
             kInvalidArgument,
             "device prefill: kv_host_bf16 keeps the result's K/V in bf16; it needs keep_kv and "
             "no per-layer KV hook or sink (they take F32)");
+  // Without keep_kv no layer's K/V lands on the host, so the hooks would never be called.
+  SF_ENSURE(o.keep_kv || (!o.kv_hooks.final && !o.kv_hooks.failed), kInvalidArgument,
+            "device prefill: kv_hooks hand over the result's K/V; they need keep_kv");
   SF_ENSURE(!o.on_layer_kv_device || !o.on_layer_kv, kInvalidArgument,
             "device prefill: on_layer_kv_device and on_layer_kv are two ways to tier the same KV; "
             "give one");

@@ -71,6 +71,7 @@ struct DeviceParallelPrefill::Impl {
   // (no exchange), and keeps only its own pieces' rows, so exports shard as at any length.
   bool whole = false;
   bool importance = false;    // PrefillOptions::importance_window > 0
+  bool keep_kv = false;       // PrefillOptions::keep_kv
   model::LayerKvHooks kv_hooks;  // the current run's (run's argument)
   std::function<void(int64_t)> before_tp_sum;  // DeviceParallelOptions::before_tp_sum
   int64_t tp_sums = 0;                          // overlapped TP sums enqueued since the plan
@@ -138,6 +139,7 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
   w.n_layers = size_t(c.n_layers);
   w.mine = rank_pieces(n_tokens, CP, g.cp_rank);
   w.importance = opt.importance_window > 0;
+  w.keep_kv = opt.keep_kv;
   // The device shard needs rows on every rank: below a 64-token block a CP rank, each CP rank
   // runs the prompt whole (at most 2 x CP x 64 tokens, a few milliseconds) instead of failing.
   w.whole = CP > 1 && n_tokens < 2 * CP * 64;
@@ -178,12 +180,14 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
     return SF_ERR(kInvalidArgument, "device parallel prefill: kv_hooks are run's argument");
   // Each run's own hooks, through the plan's (a prompt run whole is cut after the run).
   model::PrefillOptions shard_opt = opt;
-  shard_opt.kv_hooks.final = [wp](int l, const model::KvCache& kv, std::span<const float> imp) {
-    if (wp->kv_hooks.final && !wp->whole) wp->kv_hooks.final(l, kv, imp);
-  };
-  shard_opt.kv_hooks.failed = [wp](model::KvCache&& kv) {
-    if (wp->kv_hooks.failed) wp->kv_hooks.failed(std::move(kv));
-  };
+  if (opt.keep_kv) {  // (without it no K/V reaches the host to hand over)
+    shard_opt.kv_hooks.final = [wp](int l, const model::KvCache& kv, std::span<const float> imp) {
+      if (wp->kv_hooks.final && !wp->whole) wp->kv_hooks.final(l, kv, imp);
+    };
+    shard_opt.kv_hooks.failed = [wp](model::KvCache&& kv) {
+      if (wp->kv_hooks.failed) wp->kv_hooks.failed(std::move(kv));
+    };
+  }
   SF_ASSIGN(model::DevicePrefill dp,
             model::DevicePrefill::plan_shard(dm, std::move(shard), shard_opt));
   if (CP > 1 && !w.whole) {
@@ -200,6 +204,11 @@ Result<DeviceParallelPrefill> DeviceParallelPrefill::plan(const model::DeviceMod
 Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> tokens,
                                                   const model::LayerKvHooks& kv) {
   Impl& w = *impl_;
+  // (Before any collective: every rank of the group is given the same hooks.)
+  if (!w.keep_kv && (kv.final || kv.failed))
+    return SF_ERR(kInvalidArgument,
+                  "device parallel prefill: K/V hooks need a plan with keep_kv (no K/V reaches "
+                  "the host to hand over)");
   w.kv_hooks = kv;
   struct Clear {  // the hooks are this run's only
     Impl& w;

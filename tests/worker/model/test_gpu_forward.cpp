@@ -821,6 +821,15 @@ TEST_F(GpuForward, LayerKvHooksPublishFinalRowsAndHandOverOnFailure) {
     EXPECT_EQ(seen.order, every) << (bf16 ? "bf16" : "f32");
     expect_in(seen, got->kv, bf16 ? "bf16 host K/V" : "f32 host K/V");
   }
+  {
+    // Without keep_kv no layer's K/V reaches the host: hooks there would never be called.
+    PrefillOptions o = full_options();
+    o.keep_kv = false;
+    Seen seen;
+    o.kv_hooks.final = watch(&seen);
+    auto plan = DevicePrefill::plan(dm.value(), kTokens, o);
+    EXPECT_EQ(plan.status().code(), Code::kInvalidArgument) << plan.status().to_string();
+  }
 
   int fail_at = 2;
   PrefillOptions o = full_options();

@@ -846,6 +846,104 @@ TEST_P(ParallelPrefill, StreamedExportEqualsTheExportAfterThePrefill) {
   if (g.leader()) fs::remove_all(base, ec);
 }
 
+// A communicator whose sendrecv fails at once on every rank (as an aborted one's calls do),
+// everything else passed through: the sharded export's row exchange then fails without a hang.
+class SendrecvRefused final : public comm::Communicator {
+ public:
+  explicit SendrecvRefused(comm::Communicator& c) : c_(c) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  const char* backend() const override { return c_.backend(); }
+  Status all_reduce(const void* s, void* r, int64_t n, DType t, comm::ReduceOp op) override {
+    return c_.all_reduce(s, r, n, t, op);
+  }
+  Status all_gather(const void* s, void* r, int64_t n, DType t) override {
+    return c_.all_gather(s, r, n, t);
+  }
+  Status all_gatherv(const void* s, int64_t n, void* r, std::span<const int64_t> counts,
+                     DType t) override {
+    return c_.all_gatherv(s, n, r, counts, t);
+  }
+  Status reduce_scatter(const void* s, void* r, int64_t n, DType t, comm::ReduceOp op) override {
+    return c_.reduce_scatter(s, r, n, t, op);
+  }
+  Status send(const void* b, int64_t n, DType t, int peer, int tag) override {
+    return c_.send(b, n, t, peer, tag);
+  }
+  Status recv(void* b, int64_t n, DType t, int peer, int tag) override {
+    return c_.recv(b, n, t, peer, tag);
+  }
+  Status sendrecv(const void*, int64_t, int, void*, int64_t, int, DType, int) override {
+    ++refused;
+    return SF_ERR(kDeadlineExceeded, "test: sendrecv refused");
+  }
+  Status bcast(void* b, int64_t n, DType t, int root) override { return c_.bcast(b, n, t, root); }
+  Status barrier() override { return c_.barrier(); }
+  Result<std::unique_ptr<comm::Communicator>> split(int color, int key,
+                                                    const std::string& name) override {
+    return c_.split(color, key, name);
+  }
+  int refused = 0;
+
+ private:
+  comm::Communicator& c_;
+};
+
+// A sharded export whose row exchange fails (a retention that moves rows between CP ranks)
+// returns the error on every rank and leaves no temporary directory beside its destination.
+TEST_P(ParallelPrefill, FailedShardedExchangeLeavesNoTemporaryDirectory) {
+  namespace fs = std::filesystem;
+  const auto [tp, cp] = GetParam();
+  if (cp == 1) GTEST_SKIP() << "CP 1 exchanges no rows";
+  auto& w = test_world();
+  auto gr = runtime::make_grid(w, {tp, cp});
+  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+  runtime::GridComms& g = gr.value();
+  const model::ModelConfig& c = model_->config();
+  const auto tokens = tokens_for(600, c.vocab, 45);
+  runtime::ParallelOptions po;
+  po.chunk = 128;
+  po.gather_kv = false;
+  po.local_kv = true;
+  po.importance_window = 32;
+  auto par = runtime::parallel_prefill(*model_, g, tokens, po);
+  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+  kvstore::ImportanceScores imp{c.n_layers, c.n_kv_heads, int64_t(tokens.size()),
+                                po.importance_window, po.importance_pool, par->importance};
+  auto policy = kvstore::retention_parse("snapkv:budget=200");
+  ASSERT_TRUE(policy.is_ok()) << policy.status().to_string();
+  auto ret = kvstore::retention_apply(policy.value(), c.n_layers, c.n_kv_heads,
+                                      int64_t(tokens.size()), &imp);
+  ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
+  kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
+  spec.n_tokens = int64_t(tokens.size());
+  spec.token_ids = tokens;
+  spec.first_token = par->first_token;
+  spec.importance = &imp;
+  spec.retention = &ret.value();
+  const std::string base = "/tmp/sf-failed-exchange-" + std::to_string(test_seed()) + "-" +
+                           std::to_string(tp) + "x" + std::to_string(cp) + "-g" +
+                           std::to_string(g.group);
+  std::error_code ec;
+  if (g.leader()) fs::create_directories(base, ec);
+  ASSERT_TRUE(g.group_comm->barrier().is_ok());
+  std::unique_ptr<comm::Communicator> real = std::move(g.cp);
+  auto refusing = std::make_unique<SendrecvRefused>(*real);
+  SendrecvRefused* r = refusing.get();
+  g.cp = std::move(refusing);
+  const Status st = runtime::export_sharded(g, base + "/out", spec, par->kv);
+  g.cp = std::move(real);
+  EXPECT_GT(r->refused, 0) << "the case needs an export that exchanges rows";
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("sendrecv refused"), std::string::npos) << st.to_string();
+  ASSERT_TRUE(g.group_comm->barrier().is_ok());
+  if (g.leader()) {
+    EXPECT_FALSE(fs::exists(base + "/out"));
+    for (const auto& e : fs::directory_iterator(base)) ADD_FAILURE() << e.path() << " left behind";
+    fs::remove_all(base, ec);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Grids, ParallelPrefill,
                          ::testing::Values(std::pair{1, 1}, std::pair{1, 2}, std::pair{1, 4},
                                            std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 1}),
