@@ -8,6 +8,7 @@
 
 #include "tests/common/logit_rows.h"
 #include "tests/decode/decode_test_util.h"
+#include "tests/common/nan_max.h"
 
 namespace sf {
 namespace {
@@ -51,7 +52,7 @@ void run_full_equals_dense(model::Arch arch) {
     if (parted >= 0) continue;
     ASSERT_EQ(logits.size(), ref.logits.size());
     for (size_t j = 0; j < logits.size(); ++j)
-      max_diff = std::max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
+      max_diff = testing::nan_max(max_diff, double(std::fabs(logits[j] - ref.logits[j])));
     if (got.back() == want.back()) continue;
     parted = i;
     const double gap = testing::top2_gap(ref.logits.data(), int64_t(ref.logits.size()));
@@ -216,9 +217,9 @@ TEST(DecodeAttention, PsaBoundHoldsAndStopsEarlyOnAPeakedHead) {
       ref[size_t(c)] += std::exp(sc[size_t(t)] - mx) / z * v[size_t(t * d + c)];
   double e_full = 0, e_one = 0, e_psa = 0, norm = 0;
   for (int c = 0; c < d; ++c) {
-    e_full = std::max(e_full, std::fabs(full[size_t(c)] - ref[size_t(c)]));
-    e_one = std::max(e_one, std::fabs(one[size_t(c)] - ref[size_t(c)]));
-    e_psa = std::max(e_psa, std::fabs(psa[size_t(c)] - ref[size_t(c)]));
+    e_full = testing::nan_max(e_full, std::fabs(full[size_t(c)] - ref[size_t(c)]));
+    e_one = testing::nan_max(e_one, std::fabs(one[size_t(c)] - ref[size_t(c)]));
+    e_psa = testing::nan_max(e_psa, std::fabs(psa[size_t(c)] - ref[size_t(c)]));
     norm = std::max(norm, std::fabs(ref[size_t(c)]));
   }
   EXPECT_LT(e_full, 1e-5 * (1 + norm));

@@ -353,9 +353,11 @@ def verify_export(export_dir: str, ref: Reference, tol: float, expect_ids: list 
         dv = float((v - hv).abs().max())
         worst_k, worst_v = max(worst_k, dk), max(worst_v, dv)
         row.append(f"{l:2d}: {dk:.2e} {dv:.2e}")
-        if dk > tol or dv > tol:
-            which, d, a, b = ("K", dk, k, hk) if dk >= dv else ("V", dv, v, hv)
-            where = torch.nonzero((a - b).abs() == d)[0].tolist()
+        if not (dk <= tol and dv <= tol):  # (a NaN difference fails too)
+            which, d, a, b = ("K", dk, k, hk) if not dk < dv else ("V", dv, v, hv)
+            diff = (a - b).abs()
+            hit = torch.nonzero(torch.isnan(diff) if d != d else diff == d)
+            where = hit[0].tolist() if len(hit) else []
             bad.append(f"layer {l} max|dK| {dk:.3e} max|dV| {dv:.3e} "
                        f"({which} worst at [b,h,t,d]={where})")
     for i in range(0, len(row), 5):

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/cuda_ops.h"
 #include "kvstore/block_pool.h"
 #include "tests/common/test_seed.h"
 
@@ -88,6 +89,12 @@ std::unique_ptr<BlockPool> with_device_tier(BlockPoolConfig c, int64_t blocks, s
   EXPECT_TRUE(r.status().code() == Code::kUnsupported ||
               r.status().code() == Code::kResourceExhausted)
       << r.status().to_string();
+  // Where a device is usable (a CUDA build on a GPU host), the device tier must be had: a
+  // regression there is a failure, not a skip.
+  int n = 0;
+  if (kernels::cuda::device_count(&n).is_ok() && n > 0)
+    ADD_FAILURE() << "a device tier on a host with " << n << " CUDA device(s): "
+                  << r.status().to_string();
   *why = r.status().to_string();
   return nullptr;
 }

@@ -19,6 +19,7 @@
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
+#include "tests/common/nan_max.h"
 
 namespace sf::kvstore {
 namespace {
@@ -399,7 +400,7 @@ struct Diff {
   double max_abs = 0, max_ref = 0;
   void add(const float* a, const float* b, size_t n) {
     for (size_t i = 0; i < n; ++i) {
-      max_abs = std::max(max_abs, double(std::fabs(a[i] - b[i])));
+      max_abs = testing::nan_max(max_abs, double(std::fabs(a[i] - b[i])));
       max_ref = std::max(max_ref, double(std::fabs(b[i])));
     }
   }

@@ -11,6 +11,7 @@
 #include "tests/common/test_seed.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
+#include "tests/common/nan_max.h"
 
 namespace sf::kvstore {
 namespace {
@@ -18,7 +19,7 @@ namespace {
 double max_abs_diff(const std::vector<float>& a, const float* b, size_t n, double* max_ref) {
   double d = 0;
   for (size_t i = 0; i < n; ++i) {
-    d = std::max(d, double(std::fabs(a[i] - b[i])));
+    d = testing::nan_max(d, double(std::fabs(a[i] - b[i])));
     *max_ref = std::max(*max_ref, double(std::fabs(b[i])));
   }
   return d;

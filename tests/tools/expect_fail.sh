@@ -12,6 +12,8 @@ trap 'rm -f "$out_file"' EXIT
 err="$("$@" 2>&1 >"$out_file")"
 rc=$?
 if [ $rc -eq 0 ]; then echo "FAIL: exited 0 (expected an error)"; exit 1; fi
+# 126-255: not run, or killed by a signal (an abort or crash after the error line) - not a refusal.
+if [ $rc -gt 125 ]; then echo "FAIL: exited $rc (a signal or a failed exec, not an error exit)"; printf '%s\n' "$err" | tail -n 20; exit 1; fi
 # Log lines ([I model] ...) are not errors; the error itself must be exactly one line.
 errlines="$(printf '%s\n' "$err" | grep -v '^\[[DIWE] ' || true)"
 n="$(printf '%s\n' "$errlines" | grep -c .)"

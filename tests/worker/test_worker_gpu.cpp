@@ -38,6 +38,7 @@
 #include "tests/worker/model/gguf_builder.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
+#include "tests/common/nan_max.h"
 
 namespace sf {
 namespace {
@@ -62,8 +63,8 @@ std::pair<double, double> kept_rows_err(const decode::HeadKv& a, const decode::H
     for (int64_t j = 0; j < d; ++j) {
       const size_t gi = i * size_t(d) + size_t(j);
       const size_t fi = size_t(a.positions[i]) * size_t(d) + size_t(j);
-      num = std::max(
-          {num, double(std::fabs(a.k[gi] - full.k[fi])), double(std::fabs(a.v[gi] - full.v[fi]))});
+      num = testing::nan_max(testing::nan_max(num, double(std::fabs(a.k[gi] - full.k[fi]))),
+                             double(std::fabs(a.v[gi] - full.v[fi])));
       den = std::max({den, double(std::fabs(full.k[fi])), double(std::fabs(full.v[fi]))});
     }
   return {num, den};
@@ -139,8 +140,8 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
           ASSERT_EQ(a.positions, b.positions);
           ASSERT_EQ(a.k.size(), b.k.size());
           for (size_t i = 0; i < a.k.size(); ++i) {
-            num = std::max(
-                {num, double(std::fabs(a.k[i] - b.k[i])), double(std::fabs(a.v[i] - b.v[i]))});
+            num = testing::nan_max(testing::nan_max(num, double(std::fabs(a.k[i] - b.k[i]))),
+                                   double(std::fabs(a.v[i] - b.v[i])));
             den = std::max({den, double(std::fabs(b.k[i])), double(std::fabs(b.v[i]))});
           }
         }
@@ -233,8 +234,8 @@ TEST(WorkerGpu, ShardedGpuExportsMatchTheCpuWorker) {
           const auto& b = p->head(l, h);
           ASSERT_EQ(a.positions, b.positions);
           for (size_t i = 0; i < a.k.size(); ++i) {
-            num = std::max(
-                {num, double(std::fabs(a.k[i] - b.k[i])), double(std::fabs(a.v[i] - b.v[i]))});
+            num = testing::nan_max(testing::nan_max(num, double(std::fabs(a.k[i] - b.k[i]))),
+                                   double(std::fabs(a.v[i] - b.v[i])));
             den = std::max({den, double(std::fabs(b.k[i])), double(std::fabs(b.v[i]))});
           }
         }

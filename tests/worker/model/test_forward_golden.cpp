@@ -17,6 +17,7 @@
 #include "common/safetensors.h"
 #include "tests/worker/model/model_test_util.h"
 #include "worker/model/model.h"
+#include "tests/common/nan_max.h"
 
 namespace sf {
 namespace {
@@ -95,7 +96,7 @@ TEST_P(ForwardGolden, LogitsAndTop1MatchHuggingFace) {
   for (size_t i = 0; i < g.positions.size(); ++i) {
     const float* ours = r->logits.data() + size_t(g.positions[i]) * size_t(V);
     const float* ref = g.logits.data() + i * size_t(V);
-    for (int64_t j = 0; j < V; ++j) max_diff = std::max(max_diff, double(std::fabs(ours[j] - ref[j])));
+    for (int64_t j = 0; j < V; ++j) max_diff = testing::nan_max(max_diff, double(std::fabs(ours[j] - ref[j])));
   }
   std::printf("[%s] %zu tokens: top-1 equal at %zu/%zu positions, max |dlogit| = %.3g over %zu full rows (bound %.0e)\n",
               GetParam().c_str(), g.ids.size(), g.ids.size() - size_t(mismatches), g.ids.size(), max_diff,

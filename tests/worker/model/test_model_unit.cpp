@@ -19,6 +19,7 @@
 #include "worker/model/kv_sizer.h"
 #include "worker/model/model.h"
 #include "worker/model/sparse_config.h"
+#include "tests/common/nan_max.h"
 
 namespace sf {
 namespace {
@@ -51,7 +52,7 @@ std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = testing::nan_max(m, double(std::fabs(a[i] - b[i])));
   return m;
 }
 
