@@ -282,7 +282,8 @@ int run(int argc, char** argv) {
             "\"tp_allreduce_bytes\": %lld, \"logits_max_rel_err_vs_1gpu\": %.3e, "
             "\"top1\": %d, \"top1_1gpu\": %d, \"weight_bytes\": %zu, \"workspace_bytes\": %zu, "
             "\"plan_s\": %.3f, \"chunk\": %lld, \"device\": \"%s\", \"attention\": \"%s\", "
-            "\"density\": %.5f, \"estimate_s\": %.6f, \"tp_overlap\": %s, "
+            "\"density\": %.5f, \"group_density\": %.5f, \"density_by_rank\": %s, "
+            "\"estimate_s\": %.6f, \"tp_overlap\": %s, "
             "\"importance_window\": %d, \"importance_s\": %.6f, \"importance_bytes\": %lld, "
             "\"importance_max_rel_err_vs_1gpu\": %.3e}",
             shape.tp, shape.cp, shape.group_size(), (long long)L, cfg.n_layers, s,
@@ -291,7 +292,7 @@ int run(int argc, char** argv) {
             (long long)m.stats.kv_allgather_bytes, (long long)m.stats.tp_allreduce_bytes, rel,
             m.first_token, ref_top1, m.weight_bytes, m.workspace_bytes, m.plan_s,
             (long long)a.chunk, m.device_name.c_str(), mode.c_str(), m.stats.density,
-            median(m.estimate_s), shape.tp > 1 && !blocking ? "true" : "false", a.importance,
+            m.stats.group_density, json_list(m.stats.density_by_rank).c_str(), median(m.estimate_s), shape.tp > 1 && !blocking ? "true" : "false", a.importance,
             median(m.importance_s), (long long)m.stats.importance_bytes, imp_rel);
         std::printf("%s\n", b);
         std::fflush(stdout);

@@ -72,7 +72,9 @@ def plot_attention(d, out):
                           color=f"C{i}", label=f"{L // 1024}K {dt}: estimate + kernel")
             ax[1].scatter([r["density"] for r in rs], [r["time_ms"] for r in rs], marker=mk,
                           facecolors="none", edgecolors=f"C{i}", label=f"{L // 1024}K {dt}: kernel")
-        sd = [r["sdpa_time_ms"] for r in recs if r["seq_len"] == L and r.get("sdpa_time_ms")]
+        # bf16 records only: an fp32 record's sdpa_time_ms is the fp32 peer's (another backend).
+        sd = [r["sdpa_time_ms"] for r in recs
+              if r["seq_len"] == L and r.get("dtype") == "bf16" and r.get("sdpa_time_ms")]
         if sd:
             ax[1].axhline(sd[0], color=f"C{i}", ls="--", lw=1, label=f"{L // 1024}K SDPA best bf16")
     ax[1].set_yscale("log")

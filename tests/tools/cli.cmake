@@ -129,6 +129,12 @@ if(TARGET sparsefill)
     add_test(NAME cli_bench_dump_inputs_needs_seed COMMAND ${_ef} "^error: --dump-inputs needs --seed"
              ${_sf} bench attention --lengths 1024 --dump-inputs ${_tmp}/planted)
     set_tests_properties(cli_bench_dump_inputs cli_bench_dump_inputs_needs_seed PROPERTIES LABELS unit TIMEOUT 60)
+    # An SDPA peer file of another shape is refused before any device is needed.
+    file(WRITE ${_tmp}/sdpa-64heads.json "{\"shape\": {\"heads\": 64, \"kv_heads\": 8, \"head_dim\": 128}, \"results\": []}")
+    add_test(NAME cli_bench_sdpa_other_shape COMMAND ${_ef}
+             "^error: --sdpa: the peer's shape \\(heads 64, kv_heads 8, head_dim 128\\) is not this run's \\(32, 8, 128\\)"
+             ${_sf} bench attention --lengths 1024 --sdpa ${_tmp}/sdpa-64heads.json)
+    set_tests_properties(cli_bench_sdpa_other_shape PROPERTIES LABELS unit TIMEOUT 60)
     # Without a GPU the benchmark stops after reading the file, with one error line.
     add_test(NAME cli_bench_inputs_reads_dump COMMAND ${_ok} --or-error "^error: bench attention: no usable CUDA device"
              "inputs: .*att.safetensors \\(n [0-9]+, heads 9, kv heads 3, head_dim 64\\)"

@@ -171,13 +171,15 @@ Inputs make_inputs(const Shape& s, int64_t n, uint64_t seed, const Planted& pl) 
   return in;
 }
 
-// Where the attention mass of sampled rows lies, from the fp32 inputs on the host: rows L - 1,
-// 3L/4, L/2 and L/4 of every head, each row's exact softmax over its causal keys. It tells what
+// Where the attention mass of sampled rows lies, from the fp32 inputs on the host: rows L - 65,
+// 3L/4, L/2 and L/4 of every head, each row's exact softmax over its causal keys. L - 65 and not
+// L - 1: the estimators score the last 64 rows themselves (and the cover makes them reach gamma),
+// so a row among them would measure a mode on rows it was fitted to. It tells what
 // any index must cover (the oracle) and how much of it one index covers (its recall), so the
 // density a mode chooses can be judged against what the inputs allow.
 constexpr double kOracleGamma = 0.95;
 std::vector<int64_t> sampled_rows(int64_t L) {
-  std::vector<int64_t> r{L - 1, 3 * L / 4, L / 2, L / 4};
+  std::vector<int64_t> r{std::max<int64_t>(L - 65, 0), 3 * L / 4, L / 2, L / 4};
   std::sort(r.begin(), r.end());
   r.erase(std::unique(r.begin(), r.end()), r.end());
   return r;
@@ -376,7 +378,8 @@ Inputs prefix_of(const FileInputs& fi, const Shape& s, int64_t L) {
 // Times n variants of one kernel (select(i) switches to variant i outside the timed region)
 // with their repeats interleaved, the variant that goes first rotating each round: a GPU that
 // heats and slows over a run then weighs on every variant alike. (Back-to-back timing gave the
-// second of two identical kernels up to 11% more time at 1M on H200.) Median per variant.
+// second of two identical kernels up to 11% more time at 1M on H200.) Median per variant; of an
+// even count the upper middle time (with 2 reps, the slower run: conservative).
 Status time_interleaved(cudaStream_t stream, int warmup, int reps, int n,
                         const std::function<void(int)>& select, const std::function<Status()>& run,
                         std::vector<double>* ms_out) {
@@ -723,6 +726,25 @@ int cmd_bench_attention(int argc, char** argv) {
     boost::system::error_code ec;
     peer.raw = boost::json::parse(txt.value(), ec);
     if (ec) return fail(SF_ERR(kInvalidArgument, "--sdpa: not JSON: " + ec.message()));
+    // The peer's times are per length and dtype; its shape must be this run's, or every
+    // speedup_vs_sdpa would compare other work.
+    {
+      const boost::json::object* ps = nullptr;
+      if (peer.raw.is_object() && peer.raw.as_object().contains("shape") &&
+          peer.raw.at("shape").is_object())
+        ps = &peer.raw.at("shape").as_object();
+      auto field = [&](const char* k) -> int64_t {
+        return ps && ps->contains(k) && ps->at(k).is_int64() ? ps->at(k).as_int64() : -1;
+      };
+      if (field("heads") != shape.heads || field("kv_heads") != shape.kv_heads ||
+          field("head_dim") != shape.d)
+        return fail(SF_ERR(kInvalidArgument,
+                           "--sdpa: the peer's shape (heads " + std::to_string(field("heads")) +
+                               ", kv_heads " + std::to_string(field("kv_heads")) + ", head_dim " +
+                               std::to_string(field("head_dim")) + ") is not this run's (" +
+                               std::to_string(shape.heads) + ", " + std::to_string(shape.kv_heads) +
+                               ", " + std::to_string(shape.d) + ")"));
+    }
     if (!file_in && a.has("seed")) {
       peer.seed = std::to_string(seed);
       peer.rope_base = rope_base_s;
@@ -1380,7 +1402,12 @@ int cmd_bench_attention(int argc, char** argv) {
             st = kernels::cuda::sparse_index_download(didx, std::max(nb, 1), std::max(nc, 1), &idx,
                                                       stream);
             if (st.is_ok()) st = kernels::sparse_index_validate(idx, 0);
-            if (st.is_ok()) {
+            // A head group narrower than a KV group (a large index split finer) cannot be counted
+            // by KV rows alone: the record then has no cp_selective_kv (as for a large index).
+            const int q_per_kv = int(shape.heads / shape.kv_heads);
+            if (st.is_ok() && (idx.n_heads % q_per_kv != 0 || int(g.h0) % q_per_kv != 0))
+              cp_counted = false;
+            if (st.is_ok() && cp_counted) {
               // Every (CP size, rank) on the host's threads: each owns its need mask.
               std::vector<std::pair<size_t, int> > tasks;
               for (size_t ci = 0; ci < cp_counts.size(); ++ci)
@@ -1388,8 +1415,8 @@ int cmd_bench_attention(int argc, char** argv) {
               std::vector<Status> task_st(tasks.size(), Status::ok());
               parallel_for(tasks.size(), [&](size_t b, size_t e) {
                 for (size_t t = b; t < e; ++t)
-                  task_st[t] = cp_counts[tasks[t].first].add_rank(
-                      idx, int(shape.heads / shape.kv_heads), int(g.h0), tasks[t].second);
+                  task_st[t] = cp_counts[tasks[t].first].add_rank(idx, q_per_kv, int(g.h0),
+                                                                   tasks[t].second);
               });
               for (const Status& ts : task_st)
                 if (st.is_ok() && !ts.is_ok()) st = ts;
@@ -1520,8 +1547,13 @@ int cmd_bench_attention(int argc, char** argv) {
         o["index_max_cols"] = max_cols_seen;
         o["clamped_heads"] = double(clamped_heads);
         o["index_validated"] = validated;  // downloaded and checked on the host (small indexes)
-        o["sampled_recall"] = rec_mean;  // see mass_oracle: rows L-1, 3L/4, L/2, L/4, every head
+        o["sampled_recall"] = rec_mean;  // see mass_oracle: rows L-65, 3L/4, L/2, L/4, every head
         o["sampled_recall_min"] = rec_min;
+        {
+          boost::json::array rows;
+          for (int64_t r : sampled_rows(L)) rows.push_back(r);
+          o["sampled_rows"] = std::move(rows);
+        }
         o["oracle_block_density_95"] = oracle.block_density;
         o["oracle_key_density_95"] = oracle.key_density;
         // No field when not asked for (--cp-sizes none).
