@@ -59,7 +59,9 @@ TEST(DecodeModel, FullRetentionFullDecodeReproducesDenseContinuation) {
   ASSERT_TRUE(got.is_ok()) << got.status().to_string();
   EXPECT_EQ(got.value(), dense.value());
 
-  // Measured, not gated: PSA at eps 0.95 on the full cache, and a 25% SnapKV retention.
+  // The tokens are measured, not gated (free-running matches collapse at the first near-tie): PSA
+  // at eps 0.95 on the full cache, and a 25% SnapKV retention. PSA's reads are gated: measured
+  // 0.403 of the blocks; a ranking or stop rule gone wrong reads most of them.
   auto pp = decode::decode_attn_parse("psa:0.95").value();
   auto sp = decode::open_decode_session(m.value(), tmp.sub("full"), pp);
   ASSERT_TRUE(sp.is_ok());
@@ -68,7 +70,7 @@ TEST(DecodeModel, FullRetentionFullDecodeReproducesDenseContinuation) {
   const double visited = double(sp->stats().blocks_visited) / double(sp->stats().blocks_total);
   std::printf("psa eps 0.95: blocks visited %.3f, greedy prefix match %d/%d\n", visited,
               prefix_match(gp.value(), dense.value()), n_new);
-  EXPECT_LT(visited, 1.0);
+  EXPECT_LT(visited, 0.6);
 
   auto pol = kvstore::retention_for_fraction(kvstore::RetentionKind::kSnapKV, 0.25,
                                              m->config().n_layers, int64_t(ids.size()));

@@ -89,6 +89,21 @@ def decode_position_runs(text: str) -> list:
     return out
 
 
+def encode_position_runs(runs: list) -> str:
+    """The inverse of decode_position_runs: [(begin, end), ...] in order -> base64 LEB128."""
+    out, end = bytearray(), 0
+    for b, e in runs:
+        for v in (b - end, e - b):
+            while True:
+                byte = v & 0x7F
+                v >>= 7
+                out.append(byte | (0x80 if v else 0))
+                if not v:
+                    break
+        end = e
+    return base64.b64encode(bytes(out)).decode()
+
+
 def skip(reason: str) -> None:
     # deploy/test.sh installs the reference stack and sets SF_REQUIRE_REFERENCE: there a missing
     # or broken stack is a failure, not a skip that leaves CI green.
@@ -456,9 +471,14 @@ def write_fake_export(ref: Reference, ids: list, export_dir: str, layout: str = 
     model = {"name": "SmolLM2-135M-Instruct", "arch": "llama", "n_layers": ref.n_layers,
              "n_kv_heads": ref.n_kv_heads, "head_dim": ref.head_dim, "rope_theta": ref.rope_theta}
     compat = hashlib.sha256(json.dumps([model, "F32", 64], sort_keys=True).encode()).hexdigest()[:16]
-    man = {"format": "sparsefill-kv", "format_version": 4, "model": model, "compat_hash": compat,
-           "dtype": "F32", "kv_dtype": "f32", "block_size": 64, "n_tokens": len(ids), "token_ids": ids,
-           "first_token": int(torch.argmax(last)), "retention": {"policy": "full"}, "shards": shards}
+    # Format 6: the retention names each head's kept positions (full: [0, n) as one run).
+    n = len(ids)
+    heads = [{"n": n, "runs": encode_position_runs([(0, n)])} for _ in range(ref.n_kv_heads)]
+    retention = {"policy": "full",
+                 "layers": [{"layer": l, "heads": heads} for l in range(ref.n_layers)]}
+    man = {"format": "sparsefill-kv", "format_version": 6, "model": model, "compat_hash": compat,
+           "dtype": "F32", "kv_dtype": "f32", "block_size": 64, "n_tokens": n, "token_ids": ids,
+           "first_token": int(torch.argmax(last)), "retention": retention, "shards": shards}
     with open(os.path.join(export_dir, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(man, f)
 
@@ -498,6 +518,8 @@ def self_check(ref: Reference, workdir: str, tol: float) -> int:
 
     ids = ref.encode(prompts["doc"])
     negatives = [("one key +0.1, checksums updated", "rotate_half", lambda d: perturb(d, 15, True)),
+                 ("one key NaN, checksums updated", "rotate_half",
+                  lambda d: perturb(d, 11, True, float("nan"))),
                  ("keys in interleaved RoPE layout", "interleaved", lambda d: "interleaved layout")]
     if xxhash is not None:
         negatives.append(("one key +0.1, checksum NOT updated", "rotate_half",

@@ -137,7 +137,8 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   EXPECT_GT(d_gpu, 0.0);
   EXPECT_LT(d_gpu, 0.9) << testing::slurp((dir / "gpu-snap.log").string());
   EXPECT_LT(d_cpu, 0.9);
-  EXPECT_NEAR(d_gpu, d_cpu, 0.05);
+  // Ties of BF16 scores move a few picks: 0.005 at most over 67 suite runs, so bound 0.02.
+  EXPECT_NEAR(d_gpu, d_cpu, 0.02);
   {
     const std::string log = testing::slurp((dir / "gpu-dense.log").string());
     std::smatch pm;

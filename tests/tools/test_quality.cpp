@@ -131,7 +131,8 @@ TEST(QualitySearchedConfig, RecallAndPasskeyAt2K) {
               e.attention_recall, e.min_head_recall, e.passkey_accuracy, e.dense_passkey_accuracy, e.passkey_level);
   for (const auto& f : e.passkey_failures) std::printf("  passkey miss: %s\n", f.c_str());
 
-  EXPECT_LT(e.density, 1.0) << "the config ran dense: nothing was tested";
+  // Measured 0.553 (README); a config drifting towards dense would pass recall trivially.
+  EXPECT_LT(e.density, 0.6) << "the config ran (nearly) dense: recall and passkey prove little";
   EXPECT_GE(e.attention_recall, kMinRecall);
   ASSERT_EQ(e.recall_per_layer.size(), size_t(cfg.n_layers));
   // A passkey task that dense fails proves nothing: the format ladder must reach the bar.

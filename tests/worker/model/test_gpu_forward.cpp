@@ -300,8 +300,9 @@ TEST_F(GpuForward, Bf16WeightsMatchCpu) {
             << gpu->attention_s << " s)\n";
   // Importance: exp(s - lse) with s from the F32 Q, K and lse from cuDNN on their bf16 copies,
   // on top of the bf16 forward's ~5e-3 in Q and K: scores of magnitude ~10 move by ~0.05, so the
-  // window's probabilities by ~5%: bound 0.1 (a dropped row or key moves a sum by a whole term).
-  expect_matches_cpu("bf16", ref, gpu.value(), Bounds{1e-2, 5e-2, 1e-2, 1e-1});
+  // window's probabilities by ~5% at worst; measured 1.3-1.7e-3 over the suite's runs, so bound
+  // 1e-2 (a dropped or doubled one of the window's 32 rows moves a sum by ~3%).
+  expect_matches_cpu("bf16", ref, gpu.value(), Bounds{1e-2, 5e-2, 1e-2, 1e-2});
 }
 
 // ---- F32 weights: both sides compute in fp32 and differ only by summation order (cuBLASLt vs
@@ -433,11 +434,11 @@ void sparse_matches_cpu(DType wdt) {
         compare(g.importance[l].data(), c.importance[l].data(), c.importance[l].size());
     EXPECT_EQ(ie.nonfinite, 0) << "importance layer " << l;
     // F32: the logits' sparse bound x 10. BF16: the dense BF16 forward's importance bound.
-    if (same_index) EXPECT_LE(ie.nerr, f32 ? 1e-3 : 1e-1) << "importance layer " << l;
+    if (same_index) EXPECT_LE(ie.nerr, f32 ? 1e-3 : 1e-2) << "importance layer " << l;
     worst = std::max(worst, ie.nerr);
   }
   std::cout << "  sparse " << (f32 ? "f32" : "bf16") << " importance: worst nerr=" << worst
-            << " (bound " << (f32 ? 1e-3 : 1e-1) << ")\n";
+            << " (bound " << (f32 ? 1e-3 : 1e-2) << ")\n";
 }
 
 TEST_F(GpuForward, SparseF32MatchesCpuSparse) { sparse_matches_cpu(DType::kF32); }

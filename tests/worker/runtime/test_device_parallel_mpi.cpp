@@ -33,6 +33,7 @@
 #include "worker/model/sparse_config.h"
 #include "worker/runtime/device_parallel.h"
 #include "worker/runtime/sharded_export.h"
+#include "tests/common/nan_max.h"
 
 namespace sf {
 namespace {
@@ -192,11 +193,11 @@ void check_grid(bool f32, runtime::GridShape shape, const model::SparseConfig* s
       ASSERT_EQ(imp[l].size(), ref.imp[l].size()) << "layer " << l;
       for (size_t i = 0; i < imp[l].size(); ++i) {
         ASSERT_TRUE(std::isfinite(imp[l][i])) << "layer " << l << " item " << i;
-        inum = std::max(inum, double(std::fabs(imp[l][i] - ref.imp[l][i])));
+        inum = testing::nan_max(inum, double(std::fabs(imp[l][i] - ref.imp[l][i])));
         iden = std::max(iden, double(std::fabs(ref.imp[l][i])));
       }
     }
-    const double imp_tol = f32 ? 1e-4 : 0.1;
+    const double imp_tol = f32 ? 1e-4 : 1e-2;  // (bf16 measured up to 2.7e-3)
     std::printf("  rank %d importance nerr %.3g (tol %.0e)\n", w.rank(),
                 iden > 0 ? inum / iden : INFINITY, imp_tol);
     EXPECT_GT(iden, 0.0);
