@@ -58,10 +58,10 @@ int main(int argc, char** argv) {
       red.is_ok() ? sf::testing::g_world->all_reduce(&all_skipped, &every_rank, 1,
                                                      sf::DType::kI32, sf::comm::ReduceOp::kMin)
                   : red;
-  if (!red.is_ok() || sf::comm::mpi_any_aborted()) {
-    if (!red.is_ok()) std::fprintf(stderr, "error: %s\n", red.to_string().c_str());
+  if (!red2.is_ok() || sf::comm::mpi_any_aborted()) {
+    if (!red2.is_ok()) std::fprintf(stderr, "error: %s\n", red2.to_string().c_str());
     // A test aborted a communicator on purpose or failed: finalization could block.
-    if (!red.is_ok() || any_bad) sf::comm::mpi_abort_job(1);
+    if (!red2.is_ok() || any_bad) sf::comm::mpi_abort_job(1);
   }
   const int rank = sf::testing::g_world->rank();
   sf::testing::g_world.reset();
