@@ -25,6 +25,7 @@
 //   its export is byte for byte the two-tier run's.
 // - those GPU runs pin --kv-dtype f32; one more dense GPU run without it exports bf16 (auto, the
 //   device forward's dtype), every value the f32 export's rounded to nearest.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -264,6 +265,74 @@ TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
     EXPECT_EQ(differ, 0);
     EXPECT_GT(rounded, values / 2);  // real F32 values, not already bf16
   }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// The tokens line of a sparsefill-decode log ("" when there is none).
+std::string decoded_tokens(const std::string& log) {
+  std::smatch m;
+  static const std::regex re("\ntokens:([ 0-9]+)\n");
+  return std::regex_search(log, m, re) ? m[1].str() : std::string();
+}
+
+// sparsefill-decode --device auto on a GPU without room for it (this process holds all but a few
+// MiB of the device's memory) decodes on the CPU, says why in one note, and gives the CPU's
+// tokens; before, a device out-of-memory failed the command.
+TEST(CliGpu, DecodeAutoFallsBackToTheCpuWhenTheDeviceIsFull) {
+  const Status dev = model::cuda_device_check(0);
+  if (!dev.is_ok()) GTEST_SKIP() << "no CUDA device: " << dev.message();
+  const uint64_t seed = testing::fresh_seed();
+  const fs::path dir = fs::temp_directory_path() / ("sf-cli-gpu-oom-" + std::to_string(seed));
+  fs::create_directories(dir);
+  const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-oom");
+  auto synth = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(synth.is_ok()) << synth.status().to_string();
+  const std::string model =
+      testing::write_llama_gguf((dir / "tiny.gguf").string(), synth.value(), cfg.name);
+  {
+    std::mt19937_64 rng(seed + 2);
+    std::ofstream t(dir / "prompt.txt");
+    for (int i = 0; i < 300; ++i) t << (rng() % uint64_t(cfg.vocab)) << ' ';
+  }
+  const std::string kv = (dir / "kv").string();
+  ASSERT_EQ(testing::run_logged(std::string(SF_CLI_BIN) + " prefill --model " + model +
+                                    " --prompt-tokens " + (dir / "prompt.txt").string() +
+                                    " --device cpu --export-kv " + kv,
+                                (dir / "prefill.log").string()),
+            0)
+      << testing::slurp((dir / "prefill.log").string());
+  const std::string decode = std::string(SF_DECODE_BIN) + " --model " + model + " --kv " + kv +
+                             " --tokens 8 --device ";
+  ASSERT_EQ(testing::run_logged(decode + "cpu", (dir / "cpu.log").string()), 0)
+      << testing::slurp((dir / "cpu.log").string());
+  const std::string want = decoded_tokens(testing::slurp((dir / "cpu.log").string()));
+  ASSERT_FALSE(want.empty()) << testing::slurp((dir / "cpu.log").string());
+
+  // Fill the device: large pieces, then smaller ones, until less than 8 MiB is free.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  std::vector<void*> held;
+  size_t free_b = 0, total_b = 0;
+  for (size_t piece = size_t(1) << 30; piece >= (size_t(1) << 20); piece /= 4) {
+    while (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b > piece + (8u << 20)) {
+      void* p = nullptr;
+      if (cudaMalloc(&p, piece) != cudaSuccess) {
+        (void)cudaGetLastError();
+        break;
+      }
+      held.push_back(p);
+    }
+  }
+  (void)cudaMemGetInfo(&free_b, &total_b);
+  const int rc = testing::run_logged(decode + "auto", (dir / "auto.log").string());
+  for (void* p : held) cudaFree(p);
+  const std::string log = testing::slurp((dir / "auto.log").string());
+  std::printf("  device held: %zu MiB of %zu free during the run; auto: exit %d\n",
+              size_t(total_b - free_b) >> 20, size_t(free_b) >> 20, rc);
+  EXPECT_LT(free_b, size_t(64) << 20) << "the device was not full: the case did not run";
+  ASSERT_EQ(rc, 0) << log;
+  EXPECT_NE(log.find("note: decoding on cpu: "), std::string::npos) << log;
+  EXPECT_EQ(decoded_tokens(log), want) << log;
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
