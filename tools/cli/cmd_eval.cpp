@@ -45,6 +45,9 @@ boost::json::object record_json(const eval::EvalRecord& r) {
   o["density"] = r.density;
   o["attention_recall"] = r.attention_recall;
   o["min_head_recall"] = r.min_head_recall;
+  o["attention_recall_held_out"] = r.attention_recall_held_out;
+  o["min_head_recall_held_out"] = r.min_head_recall_held_out;
+  o["attention_recall_last_block"] = r.attention_recall_last_block;
   o["recall_per_layer"] = to_json(r.recall_per_layer);
   o["density_per_layer"] = to_json(r.density_per_layer);
   o["ppl_dense"] = r.ppl_dense;
@@ -69,6 +72,10 @@ boost::json::object record_json(const eval::EvalRecord& r) {
   o["passkey_format_level"] = r.passkey_level;
   o["passkey_format"] = r.passkey_format;
   o["passkey_prompt_tokens"] = r.passkey_prompt_tokens;
+  o["passkey_dense_hit_sparse_miss"] = r.passkey_dense_hit_sparse_miss;
+  o["passkey_sparse_hit_dense_miss"] = r.passkey_sparse_hit_dense_miss;
+  o["passkey_bar_met"] = r.passkey_bar_met;
+  o["passkey_prompts_below_dense_below"] = r.passkey_prompts_below_dense_below;
   boost::json::array ladder;
   for (const auto& t : r.passkey_ladder) {
     boost::json::object x;
@@ -109,13 +116,15 @@ std::string markdown(const std::string& mode, const std::string& date, const std
        "ratios, absolute CPU times mean little)\n- command: `" + command + "`\n- document: " + doc +
        " (comma-separated files joined by a blank line; " + std::to_string(doc_tokens) +
        " tokens; repeated when shorter than the length, then truncated)\n\n";
-  s += "| seq_len | density | recall (mean) | min head recall | ppl ratio | ppl ratio (last 256) | ppl ratio by quarter | KL mean | KL max | "
+  s += "| seq_len | density | recall (mean) | min head recall | recall held out (min head) | recall last block | ppl ratio | ppl ratio (last 256) | ppl ratio by quarter | KL mean | KL max | "
        "logit rel err | top-1 agree | passkey sparse | passkey dense | format | estimate s | attention s | "
        "dense attention s | prefill s | dense prefill s | speedup |\n";
-  s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : recs) {
     s += "| " + std::to_string(r.seq_len) + " | " + fmt("%.3f", r.density) + " | " + fmt("%.4f", r.attention_recall) +
-         " | " + fmt("%.3f", r.min_head_recall) + " | " + fmt("%.4f", r.ppl_ratio) + " | " +
+         " | " + fmt("%.3f", r.min_head_recall) + " | " + fmt("%.4f", r.attention_recall_held_out) + " (" +
+         fmt("%.3f", r.min_head_recall_held_out) + ") | " + fmt("%.4f", r.attention_recall_last_block) +
+         " | " + fmt("%.4f", r.ppl_ratio) + " | " +
          fmt("%.4f", r.ppl_tail_ratio) + " | " + quarters(r.ppl_ratio_by_quarter) + " | " + fmt("%.2e", r.kl_mean) + " | " + fmt("%.2e", r.kl_max) + " | " +
          fmt("%.4f", r.output_rel_error) + " | " + fmt("%.3f", r.top1_agreement) + " | " +
          fmt("%.2f", r.passkey_accuracy) + " | " + fmt("%.2f", r.dense_passkey_accuracy) + " | L" +
@@ -126,13 +135,15 @@ std::string markdown(const std::string& mode, const std::string& date, const std
   s += "\nDefinitions: density = fraction of causal query-key pairs the sparse kernel computes (all layers and "
        "heads). recall = dense softmax mass on the keys the index selects, per sampled query row (last 64 rows "
        "plus 64 random rows per layer, per-row causal clipping), averaged over rows, heads and layers; computed "
-       "on the sparse run's own q and k. ppl ratio = perplexity of the sparse prefill / dense over all positions "
-       "of the document (and over the last 256, and over each quarter of the positions in order). KL = KL(dense || sparse) of the next-token distributions of the "
+       "on the sparse run's own q and k. recall held out = the random rows only: the last 64 are the rows the "
+       "vertical-slash and adaptive estimators score themselves, so recall last block measures the index on "
+       "rows it was fitted to. ppl ratio = perplexity of the sparse prefill / dense over all positions "
+       "of the document (and over the last 255 targets, and over each quarter of the positions in order). KL = KL(dense || sparse) of the next-token distributions of the "
        "last 256 positions. logit rel err = ||logits_sparse - logits_dense||_2 / ||logits_dense||_2 over the "
        "last 256 positions. Passkey: " + std::to_string(passkey_trials) +
        " trial(s) x 10 depths per length; the prompt prefill runs in the mode under test, the ~10 decoded tokens "
        "use dense attention over that cache; the format level (L0 hardest .. L3 easiest) is the first at which "
-       "dense reached 0.8 (see passkey_format in the JSON).\n";
+       "dense reached 0.8, or L3 when none did (see passkey_format and passkey_ladder in the JSON).\n";
   for (const auto& r : recs)
     if (!r.passkey_format.empty())
       s += "\nPasskey format at " + std::to_string(r.seq_len) + ": " + r.passkey_format + ".\n";
@@ -230,12 +241,22 @@ int cmd_eval(int argc, char** argv) {
     if (!r.is_ok()) return fail(r.status());
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto& e = r.value();
-    std::printf("L=%lld density %.3f recall %.4f (min head %.3f) ppl_ratio %.4f (tail %.4f) kl %.2e rel_err %.4f "
+    std::printf("L=%lld density %.3f recall %.4f (min head %.3f; held out %.4f, min head %.3f; last "
+                "block %.4f) ppl_ratio %.4f (tail %.4f) kl %.2e rel_err %.4f "
                 "passkey %.2f/dense %.2f (L%d) prefill %.2fs dense %.2fs speedup %.2fx est %.2fs attn %.2fs "
                 "[%.0fs]\n",
-                static_cast<long long>(L), e.density, e.attention_recall, e.min_head_recall, e.ppl_ratio,
+                static_cast<long long>(L), e.density, e.attention_recall, e.min_head_recall,
+                e.attention_recall_held_out, e.min_head_recall_held_out, e.attention_recall_last_block,
+                e.ppl_ratio,
                 e.ppl_tail_ratio, e.kl_mean, e.output_rel_error, e.passkey_accuracy, e.dense_passkey_accuracy,
                 e.passkey_level, e.prefill_s, e.dense_prefill_s, e.speedup, e.estimate_s, e.attention_s, dt);
+    if (e.passkey_accuracy >= 0)
+      std::printf("  passkey per prompt: %d found by dense only, %d by sparse only%s%s\n",
+                  e.passkey_dense_hit_sparse_miss, e.passkey_sparse_hit_dense_miss,
+                  e.passkey_bar_met ? "" : "; dense never reached the bar, the easiest format kept",
+                  e.passkey_prompts_below_dense_below > 0
+                      ? "; some prompts are shorter than dense_below: they ran dense in both runs"
+                      : "");
     if (!e.ppl_ratio_by_quarter.empty())
       std::printf("  ppl ratio by quarter of positions: %.4f %.4f %.4f %.4f\n", e.ppl_ratio_by_quarter[0],
                   e.ppl_ratio_by_quarter[1], e.ppl_ratio_by_quarter[2], e.ppl_ratio_by_quarter[3]);
@@ -268,9 +289,13 @@ int cmd_eval(int argc, char** argv) {
                     "layers and heads, as reported by the forward";
   defs["attention_recall"] = "dense softmax mass on the keys the index selects, per sampled query row (last 64 rows "
                              "+ 64 random rows per layer, fixed seed), clipped causally per row; mean over rows, "
-                             "heads and layers; on the sparse run's own q/k";
+                             "heads and layers; on the sparse run's own q/k. attention_recall_held_out / "
+                             "min_head_recall_held_out: the random rows only (the last 64 are the rows the "
+                             "vertical-slash and adaptive estimators score themselves); "
+                             "attention_recall_last_block: the last 64 only";
   defs["ppl_ratio"] = "perplexity (exp mean NLL over all next-token positions of the document) sparse / dense; "
-                      "ppl_tail_ratio: the same over the last 256 positions";
+                      "ppl_tail_ratio: the same over the last 255 targets (logit rows L-256 .. L-2; the "
+                      "last logit row has no target)";
   defs["kl_mean"] = "mean over the last 256 positions of KL(dense || sparse) of next-token distributions (nats)";
   defs["output_rel_error"] = "||logits_sparse - logits_dense||_2 / ||logits_dense||_2 over the last 256 positions";
   defs["timing"] = "prefill_s / dense_prefill_s: whole prefill (last-position logits, no KV kept), dense and sparse "

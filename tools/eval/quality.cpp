@@ -145,12 +145,18 @@ double head_density(const kernels::SparseIndex& idx, int h) {
   return causal > 0 ? pairs / causal : 1.0;
 }
 
-double RecallStats::mean() const {
-  if (per_layer.empty()) return 1.0;
+namespace {
+double mean_of_layers(const std::vector<double>& v) {
+  if (v.empty()) return 1.0;
   double s = 0;
-  for (double x : per_layer) s += x;
-  return s / double(per_layer.size());
+  for (double x : v) s += x;
+  return s / double(v.size());
 }
+}  // namespace
+
+double RecallStats::mean() const { return mean_of_layers(per_layer); }
+double RecallStats::mean_held_out() const { return mean_of_layers(per_layer_held_out); }
+double RecallStats::mean_last() const { return mean_of_layers(per_layer_last); }
 
 model::AttentionObserver recall_observer(RecallStats* out, int n_last, int n_random, uint64_t seed) {
   return [out, n_last, n_random, seed](int layer, const TensorView& q, const TensorView& k,
@@ -160,27 +166,54 @@ model::AttentionObserver recall_observer(RecallStats* out, int n_last, int n_ran
     if (out->per_layer.size() < L) {
       out->per_layer.resize(L, 1.0);
       out->per_head.resize(L);
+      out->per_layer_held_out.resize(L, 1.0);
+      out->per_head_held_out.resize(L);
+      out->per_layer_last.resize(L, 1.0);
       out->density_per_layer.resize(L, 1.0);
     }
     const int hq = int(q.shape[1]);
     if (!idx) {
       out->per_head[size_t(layer)].assign(size_t(hq), 1.0);
+      out->per_head_held_out[size_t(layer)].assign(size_t(hq), 1.0);
       return;
     }
-    DenseRowMass dm;
-    Status st = dm.compute(q, k, idx->q_offset, sample_rows(q.shape[0], n_last, n_random, seed + uint64_t(layer)));
-    if (!st.is_ok()) {
-      out->error = st;
-      return;
+    // The two sets apart: the last n_last rows and the random ones before them.
+    const int64_t n_q = q.shape[0];
+    const int64_t last0 = std::max<int64_t>(0, n_q - std::max(0, n_last));
+    std::vector<int64_t> rows_last, rows_rand;
+    for (int64_t r : sample_rows(n_q, n_last, n_random, seed + uint64_t(layer)))
+      (r >= last0 ? rows_last : rows_rand).push_back(r);
+    // Per head: {recall over the last rows, over the random rows}; a set with no rows weighs 0.
+    std::vector<double> ph_last(size_t(hq), 1.0), ph_rand(size_t(hq), 1.0);
+    for (int set = 0; set < 2; ++set) {
+      std::vector<int64_t>& rows = set == 0 ? rows_last : rows_rand;
+      if (rows.empty()) continue;
+      DenseRowMass dm;
+      Status st = dm.compute(q, k, idx->q_offset, rows);
+      if (!st.is_ok()) {
+        out->error = st;
+        return;
+      }
+      std::vector<double>& ph = set == 0 ? ph_last : ph_rand;
+      parallel_for(size_t(hq), [&](size_t b, size_t e) {
+        for (size_t h = b; h < e; ++h) ph[h] = dm.recall(*idx, int(h));
+      });
     }
-    std::vector<double> ph(static_cast<size_t>(hq), 0.0);
-    parallel_for(size_t(hq), [&](size_t b, size_t e) {
-      for (size_t h = b; h < e; ++h) ph[h] = dm.recall(*idx, int(h));
-    });
-    double s = 0;
-    for (double x : ph) s += x;
+    // Every sampled row alike (what this record gave before the split).
+    const double nl = double(rows_last.size()), nr = double(rows_rand.size());
+    std::vector<double> ph(static_cast<size_t>(hq));
+    double s = 0, s_rand = 0, s_last = 0;
+    for (int h = 0; h < hq; ++h) {
+      ph[size_t(h)] = (nl * ph_last[size_t(h)] + nr * ph_rand[size_t(h)]) / std::max(1.0, nl + nr);
+      s += ph[size_t(h)];
+      s_rand += ph_rand[size_t(h)];
+      s_last += ph_last[size_t(h)];
+    }
     out->per_head[size_t(layer)] = ph;
     out->per_layer[size_t(layer)] = s / double(hq);
+    out->per_head_held_out[size_t(layer)] = ph_rand;
+    out->per_layer_held_out[size_t(layer)] = s_rand / double(hq);
+    out->per_layer_last[size_t(layer)] = s_last / double(hq);
     out->density_per_layer[size_t(layer)] = idx->density();
   };
 }
@@ -497,6 +530,10 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
       rec.attention_recall = rs.mean();
       for (const auto& l : rs.per_head)
         for (double x : l) rec.min_head_recall = std::min(rec.min_head_recall, x);
+      rec.attention_recall_held_out = rs.mean_held_out();
+      rec.attention_recall_last_block = rs.mean_last();
+      for (const auto& l : rs.per_head_held_out)
+        for (double x : l) rec.min_head_recall_held_out = std::min(rec.min_head_recall_held_out, x);
     } else {
       rec.recall_per_layer.assign(size_t(n_layers), 1.0);
       rec.density_per_layer.assign(size_t(n_layers), 1.0);
@@ -561,6 +598,7 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
       rec.passkey_ladder.push_back({level, acc});
       if (acc >= s.passkey_dense_bar || level + 1 >= kPasskeyLevels) {
         rec.dense_passkey_accuracy = acc;
+        rec.passkey_bar_met = acc >= s.passkey_dense_bar;
         break;
       }
       ++level;
@@ -574,6 +612,7 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
     int hits = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       rec.passkey_prompt_tokens = std::max<int64_t>(rec.passkey_prompt_tokens, int64_t(prompts[i].ids.size()));
+      if (sp && int64_t(prompts[i].ids.size()) < sp->dense_below) ++rec.passkey_prompts_below_dense_below;
       PasskeyAnswer a = dense_ans[i];
       if (sp) {
         auto r = passkey_answer(m, tok, prompts[i], sp, s.passkey_new_tokens);
@@ -584,6 +623,8 @@ Result<EvalRecord> evaluate(const model::Model& m, const model::Tokenizer& tok, 
       rec.passkey_dense_hits[d] += dense_ans[i].found;
       rec.passkey_sparse_hits[d] += a.found;
       hits += a.found;
+      rec.passkey_dense_hit_sparse_miss += dense_ans[i].found && !a.found;
+      rec.passkey_sparse_hit_dense_miss += a.found && !dense_ans[i].found;
       if ((!a.found || !dense_ans[i].found) && rec.passkey_failures.size() < 20)
         rec.passkey_failures.push_back("depth " + std::to_string(prompts[i].depth).substr(0, 4) + " key " +
                                        prompts[i].key + ": dense '" + dense_ans[i].text + "' sparse '" + a.text + "'");

@@ -60,12 +60,21 @@ double head_density(const kernels::SparseIndex& idx, int h);
 // Per-layer recall collected by an attention observer during a (sparse) prefill: the index of
 // each layer is scored against dense attention of that same layer's q and k. Layers that ran
 // dense (idx null) score 1.
+// The sampled rows are the last n_last rows (the last query block at 64: the rows the
+// vertical-slash and adaptive estimators score themselves, so a measure of the index on the rows
+// it was fitted to) and n_random others before them (held out from that fit, except where one
+// happens to be an estimator's spread row): each set is also kept on its own.
 struct RecallStats {
-  std::vector<double> per_layer;                // mean over heads and sampled rows
+  std::vector<double> per_layer;                // mean over heads and every sampled row
   std::vector<std::vector<double>> per_head;    // [layer][head]
+  std::vector<double> per_layer_held_out;       // the random rows only
+  std::vector<std::vector<double>> per_head_held_out;
+  std::vector<double> per_layer_last;           // the last n_last rows only
   std::vector<double> density_per_layer;        // idx density (1 for dense layers)
   Status error;                                 // first failure inside the observer
   double mean() const;
+  double mean_held_out() const;
+  double mean_last() const;
 };
 model::AttentionObserver recall_observer(RecallStats* out, int n_last, int n_random, uint64_t seed);
 
@@ -147,9 +156,12 @@ struct EvalRecord {
   int64_t seq_len = 0;
   // density of the sparse prefill (fraction of causal pairs computed), from the forward.
   double density = 1;
-  double attention_recall = 1;
+  double attention_recall = 1;  // every sampled row (the last 64 and 64 random ones)
   std::vector<double> recall_per_layer, density_per_layer;
   double min_head_recall = 1;
+  // The random rows only (held out from the estimators' last-64-row fit), and the last 64 only.
+  double attention_recall_held_out = 1, min_head_recall_held_out = 1;
+  double attention_recall_last_block = 1;
   // logits
   double ppl_dense = 0, ppl_sparse = 0, ppl_ratio = 1;
   double ppl_tail_dense = 0, ppl_tail_sparse = 0, ppl_tail_ratio = 1;  // last kl_positions only
@@ -168,6 +180,12 @@ struct EvalRecord {
   std::vector<double> passkey_depths;
   std::vector<int> passkey_dense_hits, passkey_sparse_hits;  // per depth, summed over trials
   int64_t passkey_prompt_tokens = 0;
+  // Per prompt, not only in total: equal accuracies can hide a swap (a prompt only sparse finds
+  // beside one only dense finds).
+  int passkey_dense_hit_sparse_miss = 0, passkey_sparse_hit_dense_miss = 0;
+  bool passkey_bar_met = false;  // dense reached passkey_dense_bar at passkey_level (else L3 anyway)
+  // Prompts shorter than the sparse config's dense_below: they ran dense in the "sparse" run too.
+  int passkey_prompts_below_dense_below = 0;
   std::vector<std::string> passkey_failures;  // "depth 0.3 key 12345: dense '...' sparse '...'"
 };
 
