@@ -61,20 +61,25 @@ double reported_density(const std::string& log) {
   return std::regex_search(log, m, re) ? std::stod(m[1]) : -1.0;
 }
 
+// A synthetic model of cfg written as DIR/tiny.gguf (*model its path) and n random token ids of
+// its vocabulary as DIR/prompt.txt (the CLI's --prompt-tokens), both from seed.
+void write_model_and_prompt(const fs::path& dir, const model::ModelConfig& cfg, uint64_t seed,
+                            int n, std::string* model) {
+  auto synth = model::Model::synthetic(cfg, seed);
+  ASSERT_TRUE(synth.is_ok()) << synth.status().to_string();
+  *model = testing::write_llama_gguf((dir / "tiny.gguf").string(), synth.value(), cfg.name);
+  std::mt19937_64 rng(seed + 1);
+  std::ofstream t(dir / "prompt.txt");
+  for (int i = 0; i < n; ++i) t << (rng() % uint64_t(cfg.vocab)) << ' ';
+}
+
 TEST(CliGpu, SparsePrefillWithImportanceExportsWhatTheCpuDoes) {
   const uint64_t seed = testing::fresh_seed();  // printed; SF_TEST_SEED replays it
   const fs::path dir = fs::temp_directory_path() / ("sf-cli-gpu-" + std::to_string(seed));
   fs::create_directories(dir);
   const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-cli");
-  auto synth = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(synth.is_ok()) << synth.status().to_string();
-  const std::string model =
-      testing::write_llama_gguf((dir / "tiny.gguf").string(), synth.value(), cfg.name);
-  {
-    std::mt19937_64 rng(seed + 1);
-    std::ofstream t(dir / "prompt.txt");
-    for (int i = 0; i < 2048; ++i) t << (rng() % uint64_t(cfg.vocab)) << ' ';
-  }
+  std::string model;
+  ASSERT_NO_FATAL_FAILURE(write_model_and_prompt(dir, cfg, seed, 2048, &model));
   // One pattern a head, the same in both layers: every device estimator family runs.
   {
     const std::string head[4] = {
@@ -286,15 +291,8 @@ TEST(CliGpu, DecodeAutoFallsBackToTheCpuWhenTheDeviceIsFull) {
   const fs::path dir = fs::temp_directory_path() / ("sf-cli-gpu-oom-" + std::to_string(seed));
   fs::create_directories(dir);
   const model::ModelConfig cfg = testing::tiny_gpu_config("tiny-gpu-oom");
-  auto synth = model::Model::synthetic(cfg, seed);
-  ASSERT_TRUE(synth.is_ok()) << synth.status().to_string();
-  const std::string model =
-      testing::write_llama_gguf((dir / "tiny.gguf").string(), synth.value(), cfg.name);
-  {
-    std::mt19937_64 rng(seed + 2);
-    std::ofstream t(dir / "prompt.txt");
-    for (int i = 0; i < 300; ++i) t << (rng() % uint64_t(cfg.vocab)) << ' ';
-  }
+  std::string model;
+  ASSERT_NO_FATAL_FAILURE(write_model_and_prompt(dir, cfg, seed, 300, &model));
   const std::string kv = (dir / "kv").string();
   ASSERT_EQ(testing::run_logged(std::string(SF_CLI_BIN) + " prefill --model " + model +
                                     " --prompt-tokens " + (dir / "prompt.txt").string() +

@@ -624,6 +624,17 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
   }
 }
 
+// The CPU runtime as the worker runs it before a sharded export: each rank keeps its own K/V rows
+// (no gather), with SnapKV importance over a 32-query window.
+runtime::ParallelOptions local_kv_options() {
+  runtime::ParallelOptions po;
+  po.chunk = 128;
+  po.gather_kv = false;
+  po.local_kv = true;
+  po.importance_window = 32;
+  return po;
+}
+
 // Files of export directories a and b: the same names, byte for byte; returns how many.
 size_t expect_same_files(const std::string& a, const std::string& b) {
   namespace fs = std::filesystem;
@@ -653,11 +664,7 @@ TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
   runtime::GridComms& g = gr.value();
   const model::ModelConfig& c = model_->config();
   const auto tokens = tokens_for(600, c.vocab, 21);
-  runtime::ParallelOptions po;
-  po.chunk = 128;
-  po.gather_kv = false;
-  po.local_kv = true;
-  po.importance_window = 32;
+  const runtime::ParallelOptions po = local_kv_options();
   auto par = runtime::parallel_prefill(*model_, g, tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   model::KvCache f32 = par->kv, b16 = par->kv;
@@ -914,11 +921,7 @@ TEST_P(ParallelPrefill, FailedShardedExchangeLeavesNoTemporaryDirectory) {
   runtime::GridComms& g = gr.value();
   const model::ModelConfig& c = model_->config();
   const auto tokens = tokens_for(600, c.vocab, 45);
-  runtime::ParallelOptions po;
-  po.chunk = 128;
-  po.gather_kv = false;
-  po.local_kv = true;
-  po.importance_window = 32;
+  const runtime::ParallelOptions po = local_kv_options();
   auto par = runtime::parallel_prefill(*model_, g, tokens, po);
   ASSERT_TRUE(par.is_ok()) << par.status().to_string();
   kvstore::ImportanceScores imp{c.n_layers, c.n_kv_heads, int64_t(tokens.size()),
