@@ -76,7 +76,8 @@ struct EstimatorStats {
   // importance (PrefillOptions::importance_from_estimator). columns[h] ([n_k], empty for heads
   // with no such scores) sums softmax(q_row K^T * scale) over the head's scoring rows: the last
   // segment's rows for vertical-slash and adaptive-vs heads (the last 64 rows, plus spread rows
-  // when set), the last query block's rows for block-sparse and adaptive-block heads.
+  // when set and segment_rows is 0; with segment_rows only the last 64), the last query block's
+  // rows for block-sparse and adaptive-block heads.
   bool keep_columns = false;
   std::vector<std::vector<float>> columns;
 };

@@ -97,7 +97,12 @@ VsSegments vs_segments(int64_t n, int64_t spread, int64_t segment_rows) {
   if (last > 0 && segment_rows > 0) sg.begin.push_back(last);
   const int64_t count = sg.count();
   sg.rows.assign(size_t(count), {});
-  for (int64_t r : scoring_rows(n, spread)) sg.rows[size_t(sg.of_row(r))].push_back(r);
+  // The last min(64, n) rows all rank the last segment, also those before the last block's start
+  // (n not a multiple of 64): else the segment before it ranked from the few rows spilling into
+  // it, and every earlier segment without rows of its own borrowed that (one row at n = 4095).
+  const int64_t tail0 = n - std::min<int64_t>(kSparseBlock, n);
+  for (int64_t r : scoring_rows(n, spread))
+    sg.rows[size_t(segment_rows > 0 && r >= tail0 ? count - 1 : sg.of_row(r))].push_back(r);
   sg.source.assign(size_t(count), count - 1);
   for (int64_t s = count - 1, src = count - 1; s >= 0; --s) {
     if (!sg.rows[size_t(s)].empty()) src = s;

@@ -61,9 +61,11 @@ std::vector<int64_t> scoring_rows(int64_t n, int64_t spread);
 // with spread rows when set). Otherwise the boundaries are the multiples of segment_rows below
 // the last query block, and the last query block itself: that block is its own segment, ranked
 // by its own rows only, so the rows whose logits a decode node continues from are not outvoted
-// by spread rows (a pass key read only by the last rows was the measured case). Segment s holds rows [begin[s], end_row(s)) and ranks from the scoring
-// rows inside it, rows[s]; one with none takes the selection of the nearest later segment that
-// has some, source[s] (the last segment always has rows).
+// by spread rows (a pass key read only by the last rows was the measured case). Segment s holds
+// rows [begin[s], end_row(s)) and ranks from the scoring rows inside it, rows[s], except that
+// the last min(64, n) rows all rank the last segment (when n is not a multiple of 64 a few of
+// them lie before its start); one with none takes the selection of the nearest later segment
+// that has some, source[s] (the last segment always has rows).
 struct VsSegments {
   int64_t n = 0;
   std::vector<int64_t> begin;  // ascending, begin[0] = 0
