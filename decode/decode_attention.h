@@ -2,9 +2,12 @@
 //   full:     every block of the head, in position order, online softmax.
 //   psa(eps): seed 002. Blocks are ranked by an upper bound on q.k from their per-channel key
 //             min/max (sum_c max(q_c min_c, q_c max_c)) and visited in descending order. After
-//             each block, the unseen mass is bounded by AS_min * N_left (AS_min: the smallest
-//             block mass seen so far, a bound because blocks come in descending criticality);
-//             the visit stops once AS_acc / (AS_acc + AS_min * N_left) >= eps.
+//             each block, the unseen mass is estimated as AS_min * N_left (AS_min: the smallest
+//             block mass seen so far). The seed calls it a bound, as blocks come in descending
+//             criticality, but the ranking is by a bound on a block's best score, not by its
+//             mass: a wide min/max box with little mass can rank early, make AS_min small and
+//             end the visit short of eps (DecodeAttention.PsaAvgReachesEpsWhereAMisrankedBlock-
+//             FoolsAsMin); the visit stops once AS_acc / (AS_acc + AS_min * N_left) >= eps.
 //   psa-avg(eps): the same visit, but the unseen blocks are estimated at the mean mass of the last
 //             kPsaAvgBlocks ranked blocks, and no stop comes before that many ranked blocks. With
 //             min/max bounds over 64 keys the ranking is loose: one low-mass block ranked early

@@ -268,9 +268,11 @@ void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, cons
   B.pos[size_t(t)] = pos;
   std::copy(k, k + d, B.k.begin() + t * d);
   std::copy(v, v + d, B.v.begin() + t * d);
-  for (int c = 0; c < d; ++c) {
-    B.kmin[size_t(c)] = t == 0 ? k[c] : std::min(B.kmin[size_t(c)], k[c]);
-    B.kmax[size_t(c)] = t == 0 ? k[c] : std::max(B.kmax[size_t(c)], k[c]);
+  for (int c = 0; c < d; ++c) {  // NaN-keeping, as kvstore::block_key_stats
+    float& lo = B.kmin[size_t(c)];
+    float& hi = B.kmax[size_t(c)];
+    lo = t == 0 || k[c] < lo || k[c] != k[c] ? k[c] : lo;
+    hi = t == 0 || k[c] > hi || k[c] != k[c] ? k[c] : hi;
   }
 }
 

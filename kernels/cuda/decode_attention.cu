@@ -1158,7 +1158,9 @@ __device__ float block_bound(const float* q, const float* kmin, const float* kma
     u += fmaxf(q[c + 2] * lo.z, q[c + 2] * hi.z);
     u += fmaxf(q[c + 3] * lo.w, q[c + 3] * hi.w);
   }
-  return isnan(u) ? -INFINITY : u;
+  // A NaN bound counts as unbounded, as on the host: the block is visited first, so the NaN
+  // reaches the output as with full attention (and the visit order is the host's).
+  return isnan(u) ? INFINITY : u;
 }
 
 // PSA in rounds over the whole device. A launch is a fixed sequence of kernels (no host wait, so
@@ -2195,8 +2197,9 @@ __global__ void paged_append_kernel(const PagedKv kv, const float* k_new, const 
       if constexpr (T != PoolDType::kInt8) {  // (INT8: from the re-encoded codes below)
         float& lo = kv.kmin[blk * d + c];
         float& hi = kv.kmax[blk * d + c];
-        lo = slot == 0 ? kc : fminf(lo, kc);
-        hi = slot == 0 ? kc : fmaxf(hi, kc);
+        // NaN-keeping, as the host's block statistics (fminf / fmaxf drop a NaN).
+        lo = slot == 0 || kc < lo || kc != kc ? kc : lo;
+        hi = slot == 0 || kc > hi || kc != kc ? kc : hi;
       }
     }
     if constexpr (T == PoolDType::kInt8) {
