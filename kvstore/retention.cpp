@@ -595,7 +595,7 @@ Result<Retention> retention_apply(const RetentionPolicy& p, int n_layers, int n_
 }
 
 Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int n_layers,
-                                               int64_t N) {
+                                               int64_t N, int64_t window) {
   if (!(f > 0 && f <= 1))
     return SF_ERR(kOutOfRange,
                   "retention budget fraction " + std::to_string(f) + " out of range (0, 1]");
@@ -612,7 +612,7 @@ Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int
     case RetentionKind::kSnapKV:
     case RetentionKind::kAdaKV:
     case RetentionKind::kPyramid:
-      p.window = std::min<int64_t>(32, B);
+      p.window = std::min<int64_t>(window, B);
       p.budget = B;
       break;
     case RetentionKind::kLayerwise: {
@@ -620,7 +620,7 @@ Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double f, int
       p.n_full = std::min(n_layers - 1, int(f * n_layers / 2));
       const double rest = (f * n_layers - p.n_full) / double(n_layers - p.n_full);
       const int64_t per = std::max<int64_t>(1, std::llround(rest * double(N)));
-      p.window = std::min<int64_t>(32, per);
+      p.window = std::min<int64_t>(window, per);
       p.topk = per - p.window;
       break;
     }

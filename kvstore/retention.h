@@ -126,10 +126,13 @@ Result<std::vector<int64_t>> pyramid_layer_budgets(int64_t budget, int64_t windo
                                                    int n_layers, int64_t n_tokens);
 
 // A policy of the given kind whose kept tokens are `fraction` (0, 1] of the full cache, with the
-// defaults the evaluation uses (streaming sink 4; snapkv/pyramid window 32, pool 7; layerwise
-// n_full = fraction x n_layers / 2, window 32).
+// defaults the evaluation uses (streaming sink 4; snapkv/adakv/pyramid window `window`, pool 7;
+// layerwise n_full = fraction x n_layers / 2, window `window`). `window` is the kept recent
+// window; the evaluation gives its observation window, as SnapKV keeps that window. (A policy
+// whose window is shorter than the scores' observation window ranks the keys between by column
+// sums that include their own rows: allowed, but not SnapKV.)
 Result<RetentionPolicy> retention_for_fraction(RetentionKind kind, double fraction, int n_layers,
-                                               int64_t n_tokens);
+                                               int64_t n_tokens, int64_t window = 32);
 
 // moa at a budget: every span scaled by one factor s (alpha * s, min(1, beta * s); a beta that
 // reaches 1 keeps the whole prompt either way), s the largest whose kept tokens on an n_tokens

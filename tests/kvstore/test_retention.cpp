@@ -238,6 +238,14 @@ TEST(Retention, SnapKVRejectsBadBudgetsAndScores) {
             std::string::npos);
   p.pool = 7;
   EXPECT_TRUE(retention_apply(p, 2, 2, 100, &sc).is_ok());
+  // The evaluation's policies take its observation window as their kept window, as SnapKV keeps
+  // its observation window (eval --obs-window 64: window 64, not 32).
+  for (RetentionKind k : {RetentionKind::kSnapKV, RetentionKind::kAdaKV, RetentionKind::kPyramid}) {
+    auto f = retention_for_fraction(k, 0.9, 2, 100, 64);
+    ASSERT_TRUE(f.is_ok()) << retention_kind_name(k);
+    EXPECT_EQ(f->window, 64) << retention_kind_name(k);
+  }
+  EXPECT_EQ(retention_for_fraction(RetentionKind::kSnapKV, 0.9, 2, 100)->window, 32);
 }
 
 // The prompt-only checks (a worker's pre-flight): every policy's out-of-range case fails with the

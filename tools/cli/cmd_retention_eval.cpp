@@ -197,7 +197,9 @@ Result<decode::DecodeSession> session_for(const model::Model& m, const model::Pr
       // Scaled per prompt: spans grow with N, so the same budget needs a prompt-specific factor.
       SF_ASSIGN(pol, kvstore::retention_moa_scaled(*c.moa, tokens, mc.n_layers, mc.n_kv_heads, N));
     } else if (c.kind != kvstore::RetentionKind::kFull) {
-      SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, tokens, mc.n_layers, N));
+      // The kept window covers the scores' observation window (--obs-window), as SnapKV's does.
+      SF_ASSIGN(pol, kvstore::retention_for_fraction(c.kind, tokens, mc.n_layers, N,
+                                                     std::max<int64_t>(32, imp.window)));
       pol.span = c.span;
       if (c.low) {
         if (!kvstore::retention_uses_span(c.kind))
