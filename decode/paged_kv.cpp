@@ -200,11 +200,14 @@ Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
     }
     // The bounds of the keys as they now are, as an export's block statistics are: PSA's bound
     // on q.k must hold for the stored keys, which the encoding may move past the F32 ones' range.
+    // (NaN-keeping, as kvstore::block_key_stats and append.)
     for (int32_t t = 0; t < B.n; ++t)
       for (int c = 0; c < d; ++c) {
         const float x = B.k[size_t(t) * size_t(d) + size_t(c)];
-        B.kmin[size_t(c)] = t == 0 ? x : std::min(B.kmin[size_t(c)], x);
-        B.kmax[size_t(c)] = t == 0 ? x : std::max(B.kmax[size_t(c)], x);
+        float& lo = B.kmin[size_t(c)];
+        float& hi = B.kmax[size_t(c)];
+        lo = t == 0 || x < lo || x != x ? x : lo;
+        hi = t == 0 || x > hi || x != x ? x : hi;
       }
   }
   return Status::ok();

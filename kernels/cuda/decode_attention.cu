@@ -1146,7 +1146,8 @@ __global__ void __launch_bounds__(kFullWarps * 32) full_shared_kernel(const Deco
 }
 
 // The host's bound, summed channel by channel in its order (the ranking must be the host's).
-// A NaN bound (from a NaN query or key) ranks last, as -inf, so the order stays a total one.
+// A NaN bound (from a NaN query or key) counts as unbounded, +inf, as on the host: the block is
+// visited first and the order stays a total one.
 template <int D>
 __device__ float block_bound(const float* q, const float* kmin, const float* kmax) {
   float u = 0.f;

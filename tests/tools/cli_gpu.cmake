@@ -7,4 +7,6 @@ if(SF_HAVE_CUDA AND TARGET sparsefill AND TARGET sparsefill-decode)
                              SF_DECODE_BIN="$<TARGET_FILE:sparsefill-decode>")
   target_link_libraries(test_cli_gpu PRIVATE CUDA::cudart_static)
   add_dependencies(test_cli_gpu sparsefill sparsefill-decode)
+  # One of its cases fills the device's memory: no other test may run beside it.
+  set_tests_properties(test_cli_gpu PROPERTIES RUN_SERIAL TRUE)
 endif()

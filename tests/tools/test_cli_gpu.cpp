@@ -321,12 +321,15 @@ TEST(CliGpu, DecodeAutoFallsBackToTheCpuWhenTheDeviceIsFull) {
       held.push_back(p);
     }
   }
-  (void)cudaMemGetInfo(&free_b, &total_b);
+  free_b = total_b;  // (stays "not full" should the query fail)
+  const cudaError_t got = cudaMemGetInfo(&free_b, &total_b);
   const int rc = testing::run_logged(decode + "auto", (dir / "auto.log").string());
   for (void* p : held) cudaFree(p);
+  EXPECT_EQ(got, cudaSuccess) << cudaGetErrorString(got);
   const std::string log = testing::slurp((dir / "auto.log").string());
-  std::printf("  device held: %zu MiB of %zu free during the run; auto: exit %d\n",
-              size_t(total_b - free_b) >> 20, size_t(free_b) >> 20, rc);
+  std::printf("  device: %zu MiB of %zu held (this process and others), %zu MiB free during the "
+              "run; auto: exit %d\n",
+              size_t(total_b - free_b) >> 20, size_t(total_b) >> 20, size_t(free_b) >> 20, rc);
   EXPECT_LT(free_b, size_t(64) << 20) << "the device was not full: the case did not run";
   ASSERT_EQ(rc, 0) << log;
   EXPECT_NE(log.find("note: decoding on cpu: "), std::string::npos) << log;

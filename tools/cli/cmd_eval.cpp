@@ -116,7 +116,7 @@ std::string markdown(const std::string& mode, const std::string& date, const std
        "ratios, absolute CPU times mean little)\n- command: `" + command + "`\n- document: " + doc +
        " (comma-separated files joined by a blank line; " + std::to_string(doc_tokens) +
        " tokens; repeated when shorter than the length, then truncated)\n\n";
-  s += "| seq_len | density | recall (mean) | min head recall | recall held out (min head) | recall last block | ppl ratio | ppl ratio (last 256) | ppl ratio by quarter | KL mean | KL max | "
+  s += "| seq_len | density | recall (mean) | min head recall | recall held out (min head) | recall last block | ppl ratio | ppl ratio (last 255 targets) | ppl ratio by quarter | KL mean | KL max | "
        "logit rel err | top-1 agree | passkey sparse | passkey dense | format | estimate s | attention s | "
        "dense attention s | prefill s | dense prefill s | speedup |\n";
   s += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
