@@ -185,6 +185,7 @@ Result<PagedKvCache> PagedKvCache::from_prefill(const model::KvCache& kv,
 
 Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
   const int d = head_dim_;
+  std::vector<float> mean;
   for (size_t id = 0; id < pool_.size(); ++id) {
     if (std::find(free_.begin(), free_.end(), int32_t(id)) != free_.end()) continue;
     KvBlock& B = pool_[id];
@@ -198,17 +199,11 @@ Status PagedKvCache::round_trip(kvstore::KvEncoding enc) {
       SF_TRY(kvstore::kv_decode(enc, true, B.kq, B.n, d, B.k.data()));
       SF_TRY(kvstore::kv_decode(enc, false, B.vq, B.n, d, B.v.data()));
     }
-    // The bounds of the keys as they now are, as an export's block statistics are: PSA's bound
-    // on q.k must hold for the stored keys, which the encoding may move past the F32 ones' range.
-    // (NaN-keeping, as kvstore::block_key_stats and append.)
-    for (int32_t t = 0; t < B.n; ++t)
-      for (int c = 0; c < d; ++c) {
-        const float x = B.k[size_t(t) * size_t(d) + size_t(c)];
-        float& lo = B.kmin[size_t(c)];
-        float& hi = B.kmax[size_t(c)];
-        lo = t == 0 || x < lo || x != x ? x : lo;
-        hi = t == 0 || x > hi || x != x ? x : hi;
-      }
+    // The bounds of the keys as they now are, by the function an export's block statistics
+    // come from: PSA's bound on q.k must hold for the stored keys, which the encoding may move
+    // past the F32 ones' range. (A page is one 64-token key group; its mean is not kept.)
+    mean.resize(size_t(d));
+    kvstore::block_key_stats(B.k.data(), B.n, d, B.kmin.data(), B.kmax.data(), mean.data());
   }
   return Status::ok();
 }

@@ -17,6 +17,7 @@
 namespace sf::decode {
 
 constexpr int kBlockTokens = 64;
+static_assert(kBlockTokens == kvstore::kKvQuantKeyRows, "a page is one key group of the export");
 
 struct KvBlock {
   int32_t n = 0;                  // tokens filled, <= kBlockTokens

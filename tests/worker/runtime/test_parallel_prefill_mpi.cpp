@@ -403,6 +403,34 @@ class ParallelPrefill : public ::testing::TestWithParam<std::pair<int, int>> {
     c.dense_below = 0;
     return c;
   }
+  // GetParam's grid, a 600-token prompt (from salt) and its prefill as the worker runs it before
+  // a sharded export: each rank keeps its own K/V rows (no gather), with SnapKV importance over a
+  // 32-query window, kept as the scores an export retains by.
+  struct LocalRun {
+    runtime::GridComms g;
+    std::vector<int32_t> tokens;
+    runtime::ParallelResult par;
+    kvstore::ImportanceScores imp;
+  };
+  void run_local(uint64_t salt, LocalRun* out) const {
+    const auto [tp, cp] = GetParam();
+    auto gr = runtime::make_grid(test_world(), {tp, cp});
+    ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
+    out->g = std::move(gr).value();
+    const model::ModelConfig& c = model_->config();
+    out->tokens = tokens_for(600, c.vocab, salt);
+    runtime::ParallelOptions po;
+    po.chunk = 128;
+    po.gather_kv = false;
+    po.local_kv = true;
+    po.importance_window = 32;
+    auto par = runtime::parallel_prefill(*model_, out->g, out->tokens, po);
+    ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+    out->par = std::move(par).value();
+    out->imp = kvstore::ImportanceScores{c.n_layers, c.n_kv_heads, int64_t(out->tokens.size()),
+                                         po.importance_window, po.importance_pool,
+                                         out->par.importance};
+  }
   static model::Model* model_;
 };
 model::Model* ParallelPrefill::model_ = nullptr;
@@ -624,17 +652,6 @@ TEST_P(ParallelPrefill, PerChunkEstimation) {
   }
 }
 
-// The CPU runtime as the worker runs it before a sharded export: each rank keeps its own K/V rows
-// (no gather), with SnapKV importance over a 32-query window.
-runtime::ParallelOptions local_kv_options() {
-  runtime::ParallelOptions po;
-  po.chunk = 128;
-  po.gather_kv = false;
-  po.local_kv = true;
-  po.importance_window = 32;
-  return po;
-}
-
 // Files of export directories a and b: the same names, byte for byte; returns how many.
 size_t expect_same_files(const std::string& a, const std::string& b) {
   namespace fs = std::filesystem;
@@ -658,15 +675,12 @@ size_t expect_same_files(const std::string& a, const std::string& b) {
 // int8+int4). Here the CPU runtime's rows are rounded to bf16 and held both ways.
 TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
   const auto [tp, cp] = GetParam();
-  auto& w = test_world();
-  auto gr = runtime::make_grid(w, {tp, cp});
-  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
-  runtime::GridComms& g = gr.value();
+  LocalRun run;
+  ASSERT_NO_FATAL_FAILURE(run_local(21, &run));
+  runtime::GridComms& g = run.g;
   const model::ModelConfig& c = model_->config();
-  const auto tokens = tokens_for(600, c.vocab, 21);
-  const runtime::ParallelOptions po = local_kv_options();
-  auto par = runtime::parallel_prefill(*model_, g, tokens, po);
-  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
+  const auto& tokens = run.tokens;
+  const runtime::ParallelResult* par = &run.par;
   model::KvCache f32 = par->kv, b16 = par->kv;
   b16.k.clear();
   b16.v.clear();
@@ -679,13 +693,7 @@ TEST_P(ParallelPrefill, ShardedExportOfBf16LocalKvEqualsItsValuesInF32) {
       }
     }
   ASSERT_TRUE(b16.bf16());
-  kvstore::ImportanceScores imp;
-  imp.n_layers = c.n_layers;
-  imp.n_kv_heads = c.n_kv_heads;
-  imp.n_tokens = int64_t(tokens.size());
-  imp.window = po.importance_window;
-  imp.pool = po.importance_pool;
-  imp.layers = par->importance;
+  kvstore::ImportanceScores& imp = run.imp;
   const std::string base = "/tmp/sf-bf16-sharded-" + std::to_string(test_seed()) + "-" +
                            std::to_string(tp) + "x" + std::to_string(cp) + "-g" +
                            std::to_string(g.group);
@@ -915,27 +923,20 @@ TEST_P(ParallelPrefill, FailedShardedExchangeLeavesNoTemporaryDirectory) {
   namespace fs = std::filesystem;
   const auto [tp, cp] = GetParam();
   if (cp == 1) GTEST_SKIP() << "CP 1 exchanges no rows";
-  auto& w = test_world();
-  auto gr = runtime::make_grid(w, {tp, cp});
-  ASSERT_TRUE(gr.is_ok()) << gr.status().to_string();
-  runtime::GridComms& g = gr.value();
+  LocalRun run;
+  ASSERT_NO_FATAL_FAILURE(run_local(45, &run));
+  runtime::GridComms& g = run.g;
   const model::ModelConfig& c = model_->config();
-  const auto tokens = tokens_for(600, c.vocab, 45);
-  const runtime::ParallelOptions po = local_kv_options();
-  auto par = runtime::parallel_prefill(*model_, g, tokens, po);
-  ASSERT_TRUE(par.is_ok()) << par.status().to_string();
-  kvstore::ImportanceScores imp{c.n_layers, c.n_kv_heads, int64_t(tokens.size()),
-                                po.importance_window, po.importance_pool, par->importance};
   auto policy = kvstore::retention_parse("snapkv:budget=200");
   ASSERT_TRUE(policy.is_ok()) << policy.status().to_string();
   auto ret = kvstore::retention_apply(policy.value(), c.n_layers, c.n_kv_heads,
-                                      int64_t(tokens.size()), &imp);
+                                      int64_t(run.tokens.size()), &run.imp);
   ASSERT_TRUE(ret.is_ok()) << ret.status().to_string();
   kvstore::KvExportSpec spec = kvstore::model_export_spec(*model_);
-  spec.n_tokens = int64_t(tokens.size());
-  spec.token_ids = tokens;
-  spec.first_token = par->first_token;
-  spec.importance = &imp;
+  spec.n_tokens = int64_t(run.tokens.size());
+  spec.token_ids = run.tokens;
+  spec.first_token = run.par.first_token;
+  spec.importance = &run.imp;
   spec.retention = &ret.value();
   const std::string base = "/tmp/sf-failed-exchange-" + std::to_string(test_seed()) + "-" +
                            std::to_string(tp) + "x" + std::to_string(cp) + "-g" +
@@ -947,7 +948,7 @@ TEST_P(ParallelPrefill, FailedShardedExchangeLeavesNoTemporaryDirectory) {
   auto refusing = std::make_unique<SendrecvRefused>(*real);
   SendrecvRefused* r = refusing.get();
   g.cp = std::move(refusing);
-  const Status st = runtime::export_sharded(g, base + "/out", spec, par->kv);
+  const Status st = runtime::export_sharded(g, base + "/out", spec, run.par.kv);
   const int refused = r->refused;  // (before g.cp's wrapper goes)
   g.cp = std::move(real);
   EXPECT_GT(refused, 0) << "the case needs an export that exchanges rows";
