@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <filesystem>
 #include <limits>
 #include <mutex>
@@ -75,7 +76,15 @@ Result<std::unique_ptr<TieredKv>> TieredKv::create(BlockPool* pool, const Tiered
   if (cfg.fast == Tier::kDevice && pool->stats(Tier::kDisk).capacity_bytes > 0) {
     t->drain_ = std::make_unique<Drainer>();
     TieredKv* self = t.get();
-    t->drain_->thread = std::thread([self] { self->drain_loop(); });
+    // A thread that cannot start (pid or memory limits) is an error, not an abort: the
+    // destructor would otherwise join a thread that never ran.
+    try {
+      t->drain_->thread = std::thread([self] { self->drain_loop(); });
+    } catch (const std::exception& e) {
+      t->drain_.reset();
+      return SF_ERR(kResourceExhausted,
+                    std::string("tiered kv: cannot start the disk drain thread: ") + e.what());
+    }
   }
   return t;
 }
@@ -156,7 +165,14 @@ void TieredKv::drain_loop() {
     d.current = d.queue.front();
     d.queue.pop_front();
     lk.unlock();
-    const Status st = drain_layer(d.current);
+    // An exception (bad_alloc in the layer's bookkeeping) must not leave the thread, which
+    // would end the process: it becomes the drain's error, reported as any other.
+    Status st = Status::ok();
+    try {
+      st = drain_layer(d.current);
+    } catch (const std::exception& e) {
+      st = SF_ERR(kResourceExhausted, std::string("tiered kv: disk drain failed: ") + e.what());
+    }
     lk.lock();
     if (!st.is_ok() && d.error.is_ok()) {
       d.error = st;

@@ -5,7 +5,8 @@
 #   OUT=/path/to/logs bench/gpu/run.sh [extra cmake args...]
 #
 # Writes up to 8 files to $OUT (default: <build>/out): summary.txt, env.txt, build.log (dependency,
-# configure and build logs), ctest.log (verbose: every test's output), bench-attention.log,
+# configure and build logs), ctest.log (verbose: every test's output), sanitizer.log (with
+# SF_SANITIZE), bench-attention.log,
 # gpu-clocks.csv (nvidia-smi's SM and memory clocks, power, temperature and clock-event reasons
 # every 250 ms while the benchmark runs: read only, nothing is set), attention-<gpu>.json and,
 # with SF_BENCH_INPUTS, attention-<gpu>-inputs.json.
@@ -64,6 +65,12 @@
 #                  layers and flags in SF_LONG_LENGTHS, SF_LONG_LAYERS, SF_LONG_ARGS; default two
 #                  requests near 1M tokens, vertical-slash, int4 export) with each request's
 #                  split of its time (bench/mpi/long_requests.sh) into long-requests-<gpu>.json
+#   SF_SANITIZE    "tool@test_binary[@gtest_filter[@seconds]]" items (e.g. "memcheck@test_cuda_ops
+#                  racecheck@test_cuda_ops@CudaOps.AttentionSparse*:CudaOps.KvImportance@300"):
+#                  each gpu test binary under
+#                  compute-sanitizer's tool (memcheck, racecheck, synccheck, initcheck), after the
+#                  gpu tests, into sanitizer.log; an error or hazard it reports, or a run that
+#                  fails, fails the call (default timeout 300 s an item)
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -146,7 +153,7 @@ finish() {
     echo "status: $status"
     for n in "${notes[@]}"; do echo "$n"; done
   } >"$logs/summary.txt"
-  for f in summary.txt env.txt ctest.log bench-attention.log gpu-clocks.csv; do
+  for f in summary.txt env.txt ctest.log sanitizer.log bench-attention.log gpu-clocks.csv; do
     [[ -f "$logs/$f" ]] && cp "$logs/$f" "$out/$f"
   done
   # $OUT brings back at most 8 files: dependency, configure and build logs travel as one.
@@ -339,6 +346,38 @@ elif grep -q '(Skipped)' "$logs/ctest.log"; then
 elif [[ $build_failed == 1 ]]; then
   status="ok (gpu tests passed; other targets failed to build, see build.log)"
 fi
+fi
+
+# ---- compute-sanitizer over gpu test binaries (SF_SANITIZE) --------------------------------
+if [[ -n "${SF_SANITIZE:-}" ]]; then
+  san=""
+  for c in compute-sanitizer /usr/local/cuda/bin/compute-sanitizer; do
+    command -v "$c" >/dev/null 2>&1 && { san="$c"; break; }
+  done
+  sl="$logs/sanitizer.log"
+  : >"$sl"
+  if [[ -z "$san" ]]; then
+    fail "SF_SANITIZE: no compute-sanitizer on this host"
+  else
+    for item in $SF_SANITIZE; do
+      IFS=@ read -r tool bin filt secs <<<"$item"
+      exe="$build/tests/$bin"
+      if [[ ! -x "$exe" ]]; then
+        fail "SF_SANITIZE: $bin was not built"
+        continue
+      fi
+      args=()
+      [[ -n "$filt" ]] && args=(--gtest_filter="$filt")
+      echo "===== $tool $bin ${filt:-(all)}" >>"$sl"
+      # --error-exitcode: a reported error fails the item even when the test itself passes.
+      timeout "${secs:-300}" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+        "$exe" "${args[@]}" >>"$sl" 2>&1
+      rc=$?
+      line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$sl" | tail -1)
+      notes+=("sanitizer $tool $bin ${filt:-(all)}: rc $rc; ${line:-no summary line}")
+      [[ $rc -ne 0 ]] && fail "sanitizer $tool $bin ${filt:-(all)}: exit $rc (see sanitizer.log)"
+    done
+  fi
 fi
 
 # ---- attention benchmark: torch SDPA peer, then ours (dense and sparse modes) ---------------
