@@ -1033,7 +1033,9 @@ __device__ long long radix_walk(const float* s, int n, Forced forced, bool mass_
         }
       }
       const unsigned ballot = __ballot_sync(0xffffffffu, hit >= 0);
-      if constexpr (BS == 32) __syncwarp();  // every lane has read cnt_gt / mass_gt
+      // Every lane has read cnt_gt / mass_gt before one of them writes them: a ballot orders no
+      // memory (compute-sanitizer racecheck flagged the CTA walk, which had no barrier here).
+      __syncwarp();
       if (ballot == 0) {
         if (lane == 0) {
           sh.found = 0;
