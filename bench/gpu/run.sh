@@ -369,11 +369,13 @@ if [[ -n "${SF_SANITIZE:-}" ]]; then
       args=()
       [[ -n "$filt" ]] && args=(--gtest_filter="$filt")
       echo "===== $tool $bin ${filt:-(all)}" >>"$sl"
+      from=$(wc -l <"$sl")
       # --error-exitcode: a reported error fails the item even when the test itself passes.
       timeout "${secs:-300}" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
         "$exe" "${args[@]}" >>"$sl" 2>&1
       rc=$?
-      line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$sl" | tail -1)
+      # This item's own summary line (a run cut by its timeout prints none).
+      line=$(tail -n +"$((from + 1))" "$sl" | grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' | tail -1)
       notes+=("sanitizer $tool $bin ${filt:-(all)}: rc $rc; ${line:-no summary line}")
       [[ $rc -ne 0 ]] && fail "sanitizer $tool $bin ${filt:-(all)}: exit $rc (see sanitizer.log)"
     done
