@@ -1824,6 +1824,9 @@ __device__ int gqa_chunk_head(const DecodeArgs& a, GqaWalkShared& S, int i, int 
     const int last = n - 1;
     const double t_sum = __shfl_sync(kAll, ps, last), t_min = __shfl_sync(kAll, pm, last);
     const int t_cnt = __shfl_sync(kAll, pc, last);
+    // Every lane's reads of the state (m, acc, as_min; ranked and l4 under `test`) come before
+    // lane 0 overwrites it: shuffles and ballots order no memory.
+    __syncwarp();
     if (lane == 0) {
       double r4[kPsaRecentBlocks];
       recent(last, r4);
