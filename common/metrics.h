@@ -36,7 +36,8 @@ class MetricsRegistry {
   [[nodiscard]] Status touch(const std::string& name, const MetricLabels& labels);
   std::string render() const;  // text/plain; version=0.0.4
   // The rendered text written for a node_exporter textfile collector: first to a unique
-  // `path`.tmp.XXXXXX (mkostemp), then renamed over `path`, so a scrape never reads half a file.
+  // temporary file beside `path` (mkostemp names it `path`.tmp plus six random characters),
+  // then renamed over `path`, so a scrape never reads half a file.
   // kIo when the file cannot be written.
   [[nodiscard]] Status write_textfile(const std::string& path) const;
 

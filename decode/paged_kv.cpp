@@ -266,11 +266,11 @@ void PagedKvCache::append(int layer, int head, int32_t pos, const float* k, cons
   B.pos[size_t(t)] = pos;
   std::copy(k, k + d, B.k.begin() + t * d);
   std::copy(v, v + d, B.v.begin() + t * d);
-  for (int c = 0; c < d; ++c) {  // NaN-keeping, as kvstore::block_key_stats
-    float& lo = B.kmin[size_t(c)];
-    float& hi = B.kmax[size_t(c)];
-    lo = t == 0 || k[c] < lo || k[c] != k[c] ? k[c] : lo;
-    hi = t == 0 || k[c] > hi || k[c] != k[c] ? k[c] : hi;
+  if (t == 0) {
+    std::copy(k, k + d, B.kmin.begin());
+    std::copy(k, k + d, B.kmax.begin());
+  } else {
+    kvstore::fold_key_bounds(k, d, B.kmin.data(), B.kmax.data());
   }
 }
 

@@ -353,13 +353,8 @@ void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* km
     std::fill(sum.begin(), sum.end(), 0.0);
     for (int64_t t = t0; t < t1; ++t) {
       const float* r = keys + t * d;
-      // A NaN key makes its channel's bounds NaN (std::min/max would drop it unless first), so
-      // PSA visits the block and the NaN reaches the output as with full attention.
-      for (int c = 0; c < d; ++c) {
-        lo[c] = r[c] < lo[c] || r[c] != r[c] ? r[c] : lo[c];
-        hi[c] = r[c] > hi[c] || r[c] != r[c] ? r[c] : hi[c];
-        sum[size_t(c)] += r[c];
-      }
+      fold_key_bounds(r, d, lo, hi);
+      for (int c = 0; c < d; ++c) sum[size_t(c)] += r[c];
     }
     for (int c = 0; c < d; ++c) kmean[b * d + c] = float(sum[size_t(c)] / double(t1 - t0));
   }

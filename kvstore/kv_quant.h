@@ -66,6 +66,17 @@ std::vector<int64_t> kv_param_shape(bool keys, int64_t heads, int64_t n, int hea
 // (kvstore/kv_export.h), also what a reader recomputes for blocks it merges.
 void block_key_stats(const float* keys, int64_t n, int d, float* kmin, float* kmax, float* kmean);
 
+// Folds one key row r[d] into a block's running per-channel bounds lo / hi. A NaN key makes its
+// channel's bounds NaN, and they stay NaN (std::min / max would drop it unless first), so PSA
+// visits the block and the NaN reaches the output as with full attention. block_key_stats and
+// the decode node's appends use it.
+inline void fold_key_bounds(const float* r, int d, float* lo, float* hi) {
+  for (int c = 0; c < d; ++c) {
+    lo[c] = r[c] < lo[c] || r[c] != r[c] ? r[c] : lo[c];
+    hi[c] = r[c] > hi[c] || r[c] != r[c] ? r[c] : hi[c];
+  }
+}
+
 // Stored bytes of one head's n kept tokens, keys and values together, with the scales and
 // zeros of the integer encodings (blocks of kKvQuantKeyRows rows for keys, one group per row for
 // values). This is what the retention evaluation counts as kv_bytes.
