@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -161,6 +162,7 @@ class NcclCommunicator final : public Communicator {
     if (ready)
       SF_TRY(cuda("cudaStreamWaitEvent",
                   cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0)));
+    SF_TRY(start_watchdog());
     SF_TRY(wait_for_room(deadline));
     Pending p;
     SF_TRY(take_events(p));
@@ -469,12 +471,25 @@ class NcclCommunicator final : public Communicator {
     lk.unlock();
     return gone() ? check_usable("all_reduce", 0) : Status::ok();
   }
+  // Started with the first enqueued sum (most communicators never enqueue one), before that sum
+  // goes in: a thread that cannot start is this call's error, not std::thread's exception, and no
+  // sum is ever in flight unwatched.
+  Status start_watchdog() {
+    if (watch_.joinable()) return Status::ok();
+    try {
+      watch_ = std::thread([this] { watch_loop(); });
+    } catch (const std::system_error& e) {
+      return fail("all_reduce", group(),
+                  std::string("cannot start the enqueued sums' watchdog thread: ") + e.what(),
+                  Code::kResourceExhausted);
+    }
+    return Status::ok();
+  }
   void watch(const Pending& p) {
     {
       std::lock_guard<std::mutex> lk(watch_mu_);
       pending_.push_back(p);
     }
-    if (!watch_.joinable()) watch_ = std::thread([this] { watch_loop(); });
     watch_cv_.notify_one();
   }
   void stop_watchdog() {
