@@ -70,7 +70,8 @@
 #                  each gpu test binary under
 #                  compute-sanitizer's tool (memcheck, racecheck, synccheck, initcheck), after the
 #                  gpu tests, into sanitizer.log; an error or hazard it reports, or a run that
-#                  fails, fails the call (default timeout 300 s an item)
+#                  fails, fails the call (default timeout 300 s an item); the build then has
+#                  -lineinfo, so a report names its source line
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -301,6 +302,9 @@ fi
 { echo "--- cudnn"; echo "root=$cudnn_root"; ls "$cudnn_root/lib" 2>&1 | head; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; } >>"$logs/env.txt"
 
 # ---- configure, build, test ----------------------------------------------------------------
+# Sanitizer runs name the source line of a report (-lineinfo; no change to the code generated).
+# Set either way, so a build folder does not keep the flag from an earlier call.
+extra+=(-DCMAKE_CUDA_FLAGS="$([[ -n "${SF_SANITIZE:-}" ]] && echo -lineinfo)")
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSF_CUDA=ON -DSF_UCX=OFF -DSF_MPI=OFF \
        "${extra[@]}" "$@" >"$logs/configure.log" 2>&1; then
   fail "configure (see configure.log; last lines below)"

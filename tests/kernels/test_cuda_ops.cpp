@@ -1006,8 +1006,15 @@ TEST_F(CudaOps, AttentionSparse) {
 // probability) and the output to bf16 (2^-9 relative per element): ~3e-3 relative in all,
 // bounded at 1e-2 relative and 1e-2 absolute (|out| <= 1). lse is computed from fp32 scores and
 // unrounded probabilities: 2e-5 relative, 5e-4 absolute. A wrong mask or fragment layout moves
-// out by > 5e-2.
-TEST_F(CudaOps, AttentionSparseBf16) {
+// out by > 5e-2. One test per index kind (full; random per slot; random per head; random per slot
+// with up to 400 columns; random per slot without columns), so a kind can run alone (a
+// sanitizer's slow run, or a failure's replay).
+class CudaOpsSparseBf16 : public CudaOps, public ::testing::WithParamInterface<int> {};
+constexpr std::array<const char*, 5> kSparseIndexKinds{"full", "random", "per_head",
+                                                         "column_heavy", "block_only"};
+
+TEST_P(CudaOpsSparseBf16, AttentionSparseBf16) {
+  const int kind = GetParam();
   const Tolerance tol{1e-2, 1e-2}, tol_lse{2e-5, 5e-4};
   const SparseCase cases[] = {
       {"gqa4 d128", 300, 300, 8, 2, 128, 0},
@@ -1034,48 +1041,47 @@ TEST_F(CudaOps, AttentionSparseBf16) {
                         cuda::SparseBf16Mainloop::kMmaSync}) {
     cuda::set_sparse_bf16_mainloop(ml);
     for (const SparseCase& c : cases) {
-      // full, random per slot, random per head, random per slot with up to 400 columns, random
-      // per slot without columns
-      for (int kind = 0; kind < 5; ++kind) {
-        const bool full = kind == 0;
-        const int64_t d = c.head_dim;
-        std::vector<uint16_t> qb, kb, vb;
-        std::vector<float> q, k, v;
-        to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
-        to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
-        to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
-        const SparseIndex idx = full
-                                    ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
-                                    : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
-                                                   kind == 2, std::array{48, 48, 400, 0}[kind - 1]);
-        const std::string name =
-            std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " + c.name +
-            std::array<const char*, 5>{", full index", ", random index", ", per-head index",
-                                       ", column-heavy index", ", block-only index"}[kind];
-        AttentionParams p;
-        p.q_offset = c.q_offset;
-        std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
-        ASSERT_OK(attention_sparse(
-            TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
-            TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
-            TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
-            TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
-            TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
-        DevAttention dev;
-        ASSERT_OK(dev.upload(qb, kb, vb, ref.size() * 2, ref_lse.size() * 4));
-        auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
-        ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
-                                   d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
-                                   d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
-                                   d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
-                                   d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
-        expect_matches_bf16(name, d_out, ref, tol);
-        expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
-        if (HasFailure()) return;
-      }
+      const bool full = kind == 0;
+      const int64_t d = c.head_dim;
+      std::vector<uint16_t> qb, kb, vb;
+      std::vector<float> q, k, v;
+      to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
+      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
+      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+      const SparseIndex idx = full
+                                  ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
+                                  : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
+                                                 kind == 2, std::array{48, 48, 400, 0}[kind - 1]);
+      const std::string name = std::string("bf16 ") + cuda::sparse_bf16_mainloop_name(ml) + " " +
+                               c.name + ", " + kSparseIndexKinds[size_t(kind)] + " index";
+      AttentionParams p;
+      p.q_offset = c.q_offset;
+      std::vector<float> ref(q.size()), ref_lse(size_t(c.heads * c.n_q));
+      ASSERT_OK(attention_sparse(
+          TensorView::make(q.data(), DType::kF32, {c.n_q, c.heads, d}),
+          TensorView::make(k.data(), DType::kF32, {c.n_k, c.kv_heads, d}),
+          TensorView::make(v.data(), DType::kF32, {c.n_k, c.kv_heads, d}), idx,
+          TensorView::make(ref.data(), DType::kF32, {c.n_q, c.heads, d}),
+          TensorView::make(ref_lse.data(), DType::kF32, {c.heads, c.n_q}), p, kCpu));
+      DevAttention dev;
+      ASSERT_OK(dev.upload(qb, kb, vb, ref.size() * 2, ref_lse.size() * 4));
+      auto& [d_q, d_k, d_v, d_out, d_lse] = dev;
+      ASSERT_OK(attention_sparse(d_q.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                 d_k.view(DType::kBF16, {c.n_k, c.kv_heads, d}),
+                                 d_v.view(DType::kBF16, {c.n_k, c.kv_heads, d}), idx,
+                                 d_out.view(DType::kBF16, {c.n_q, c.heads, d}),
+                                 d_lse.view(DType::kF32, {c.heads, c.n_q}), p, kGpu));
+      expect_matches_bf16(name, d_out, ref, tol);
+      expect_matches(name + " lse", d_lse, ref_lse, tol_lse);
+      if (HasFailure()) return;
     }
   }
 }
+INSTANTIATE_TEST_SUITE_P(IndexKinds, CudaOpsSparseBf16,
+                         ::testing::Range(0, int(kSparseIndexKinds.size())),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return std::string(kSparseIndexKinds[size_t(i.param)]);
+                         });
 
 // ---- kv_importance ------------------------------------------------------------------------------
 // Against the CPU kernel on the same q, k and lse (the CPU dense attention's, so p <= 1; one
