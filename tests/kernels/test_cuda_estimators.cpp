@@ -778,24 +778,38 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
 // cover in rounds, over spread scoring rows (the cover's passes score 64 gathered rows at a time
 // at their own positions), beside plain adaptive-vs and block heads of the same layer. Judged
 // round by round (judge_cover); a min_budget above the cover exercises the top-up.
-TEST_F(CudaEstimators, CoverMatchesCpu) {
+std::vector<HeadPattern> cover_patterns(int spread_rows) {
   std::vector<HeadPattern> ps = mixed_patterns(8);
   for (int h : {1, 2, 6}) {
     HeadPattern& hp = ps[size_t(h)];
     hp = HeadPattern{};
     hp.pattern = Pattern::kAdaptiveVS;
     hp.vs_cover = 1;
-    hp.spread_rows = 200;
+    hp.spread_rows = spread_rows;
     hp.gamma = h == 6 ? 0.8 : 0.95;
     hp.sink = 16;
     hp.local = 32;
     hp.min_budget = h == 2 ? 600 : 0;
   }
+  return ps;
+}
+
+TEST_F(CudaEstimators, CoverMatchesCpu) {
+  const std::vector<HeadPattern> ps = cover_patterns(200);
   run_case({2048, 2048, 0, 8, 2, 128}, false, ps);
   run_case({3000, 3000, 0, 8, 4, 128}, true, ps);
   run_case({700, 1900, 1200, 8, 2, 128}, true, ps);  // q_offset > 0: rows past the spread
   run_case({1000, 1000, 0, 8, 2, 64}, true, ps);
   EXPECT_GT(max_cover_rounds_, 1);  // the rounds, not one threshold
+}
+
+// The cover on a short prompt (8 query blocks; 64 spread rows, so the spread and the last 64
+// overlap): every pass and round of the cover at sizes compute-sanitizer's racecheck gets
+// through (the cases above take it past 150 s each), and the short-prompt edge for everyone.
+TEST_F(CudaEstimators, CoverMatchesCpuShortPrompt) {
+  const std::vector<HeadPattern> ps = cover_patterns(64);
+  run_case({512, 512, 0, 8, 2, 128}, true, ps);
+  run_case({300, 500, 200, 8, 2, 64}, false, ps);  // q_offset > 0, a partial last query block
 }
 
 // HeadPattern::tail_block_min: the device builder's tail rule (a tail becomes a block when it
