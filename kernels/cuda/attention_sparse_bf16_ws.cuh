@@ -16,11 +16,11 @@
 // threads, which then arrive on the stage's "full" mbarrier with cp.async.mbarrier.arrive.noinc
 // (the arrival lands when the thread's copies have). Warpgroups 1 and 2 consume slot 0 and 1
 // with the wgmma kernel's schedule (S(t + 1) and P(t - 1) V(t - 1) on the tensor cores during
-// tile t's softmax); a warp releases a stage on its "empty" mbarrier once the product that read
-// it has landed. Registers move to the consumers with setmaxnreg (producer 56, consumers 224:
-// 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM. At D = 128
-// neither role spills (ptxas). The launcher builds it for D = 128 only (D = 64 keeps the wgmma
-// kernel's three CTAs an SM); the code is written for both.
+// tile t's softmax); each consumer thread releases a stage on its "empty" mbarrier once the
+// product that read it has landed. Registers move to the consumers with setmaxnreg (producer 56,
+// consumers 224: 128 * 56 + 256 * 224 = 64,512, the CTA's allocation at launch), one CTA an SM.
+// At D = 128 neither role spills (ptxas). The launcher builds it for D = 128 only (D = 64 keeps
+// the wgmma kernel's three CTAs an SM); the code is written for both.
 //
 // Measured on H200 (bench/NOTES.md, thirteenth session), against the wgmma kernel in one run
 // with their repeats interleaved: 128K +16% vertical-slash, +10% block-sparse, +9%
@@ -87,8 +87,12 @@ struct SmemWs {
   };
   int32_t none[kTile];  // all -1: the mask of a tile the consumer's slot does not hold (paired)
 };
-// empty_*: kEmpty arrivals a consumer warpgroup; paired, both consumers release each stage.
-constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kWarps;
+// empty_*: kEmpty arrivals a consumer warpgroup, one a thread: each thread's reads of a stage and
+// of its positions come before the producer's rewrite by its own arrival. (One arrival a warp
+// after __syncwarp is as correct, but racecheck does not follow that chain and reported every
+// reuse of the position ring; as fast at 128K: bench/NOTES.md, sixty-first session.) Paired,
+// both consumers release each stage.
+constexpr uint32_t kFullK = 2 * kProd, kFullV = kProd, kEmpty = kThreads;
 
 // A tile's flags (WsPipe::masked), written with its K: bit c, consumer c masks by the positions;
 // bit 2 + c, consumer c's slot does not hold the tile (every score masked); kLast, no tile
@@ -340,10 +344,6 @@ __device__ __forceinline__ void wait_full(uint64_t* bar, int parity) {
   mbar::wait(bar, uint32_t(parity));
   fence_proxy_async();
 }
-__device__ __forceinline__ void release(uint64_t* bar, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar::arrive(bar);
-}
 
 // The consumer warpgroup of one slot: the wgmma kernel's schedule over the producer's stages.
 // Iteration t (tile t's scores in s_cur): waits K(t + 1) and V(t - 1), issues S(t + 1) and
@@ -353,7 +353,7 @@ struct WsConsumer {
   WsPipe<D, S>& pp;
   const int32_t* none;  // all -1
   float scale_log2;
-  int tq, lane, c;  // c: the consumer's bit in the flags (0 unpaired)
+  int tq, c;  // c: the consumer's bit in the flags (0 unpaired)
   Ring<S> r;        // tile t (the current iteration)
 
   __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
@@ -385,11 +385,11 @@ struct WsConsumer {
     if constexpr (kNext || kPrev) wgmma_wait<0>();
     if constexpr (kNext) {
       fence_regs(s_next);
-      release(&pp.empty_k[sn], lane);
+      mbar::arrive(&pp.empty_k[sn]);
     }
     if constexpr (kPrev) {
       fence_regs(st.o);
-      release(&pp.empty_v[sp], lane);
+      mbar::arrive(&pp.empty_v[sp]);
     }
     rescale_o<D>(alpha, st);
 #pragma unroll
@@ -413,14 +413,14 @@ __device__ __forceinline__ void consume(const AttentionSparseBf16Params& p, int 
   if (n > 0) {
     uint32_t qa[D / 16][4];
     load_q_fragments<D>(p, h, sg, warp, g, tq, qa);
-    WsConsumer<D, S, kPair> cs{pp, none, p.scale * kLog2e, tq, lane, c, {}};
+    WsConsumer<D, S, kPair> cs{pp, none, p.scale * kLog2e, tq, c, {}};
     float s0[kTile / 8][4], s1[kTile / 8][4];
     uint32_t pa[kTile / 16][4];
     wait_full(&pp.full_k[0], 0);
     issue_s<D>(s0, qa, pp.k[0]);
     wgmma_wait<0>();
     fence_regs(s0);
-    release(&pp.empty_k[0], lane);
+    mbar::arrive(&pp.empty_k[0]);
     // Tile t's scores are in s0 for even t, s1 for odd t.
     if constexpr (!kPair) {
       if (n == 1) {
