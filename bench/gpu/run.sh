@@ -66,12 +66,11 @@
 #                  requests near 1M tokens, vertical-slash, int4 export) with each request's
 #                  split of its time (bench/mpi/long_requests.sh) into long-requests-<gpu>.json
 #   SF_SANITIZE    "tool@test_binary[@gtest_filter[@seconds]]" items (e.g. "memcheck@test_cuda_ops
-#                  racecheck@test_cuda_ops@CudaOps.AttentionSparse*:CudaOps.KvImportance@300"):
-#                  each gpu test binary under
-#                  compute-sanitizer's tool (memcheck, racecheck, synccheck, initcheck), after the
-#                  gpu tests, into sanitizer.log; an error or hazard it reports, or a run that
-#                  fails, fails the call (default timeout 300 s an item); the build then has
-#                  -lineinfo, so a report names its source line
+#                  racecheck@test_cuda_ops@*AttentionSparseBf16/column_heavy:CudaOps.KvImportance@300"):
+#                  each gpu test binary under compute-sanitizer's tool (memcheck, racecheck,
+#                  synccheck, initcheck), after the gpu tests, into sanitizer.log; an error or
+#                  hazard it reports, or a run that fails, fails the call (default timeout 300 s an
+#                  item); the build then has -lineinfo, so a report names its source line
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
