@@ -219,6 +219,20 @@ class CudaOps : public ::testing::Test {
     return v;
   }
 
+  // Attention inputs rounded to bf16 (q ~ U(-3, 3), k and v ~ U(-1, 1)): the bits the device
+  // reads and the values the CPU reference sees.
+  struct Bf16Qkv {
+    std::vector<uint16_t> qb, kb, vb;
+    std::vector<float> q, k, v;
+  };
+  Bf16Qkv bf16_qkv(int64_t n_q, int64_t heads, int64_t n_k, int64_t kv_heads, int64_t d) {
+    Bf16Qkv x;
+    to_bf16(uniform(size_t(n_q * heads * d), -3.f, 3.f), &x.qb, &x.q);
+    to_bf16(uniform(size_t(n_k * kv_heads * d), -1.f, 1.f), &x.kb, &x.k);
+    to_bf16(uniform(size_t(n_k * kv_heads * d), -1.f, 1.f), &x.vb, &x.v);
+    return x;
+  }
+
   std::mt19937_64 rng_;
 };
 
@@ -1043,11 +1057,7 @@ TEST_P(CudaOpsSparseBf16, AttentionSparseBf16) {
     for (const SparseCase& c : cases) {
       const bool full = kind == 0;
       const int64_t d = c.head_dim;
-      std::vector<uint16_t> qb, kb, vb;
-      std::vector<float> q, k, v;
-      to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
-      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
-      to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+      auto [qb, kb, vb, q, k, v] = bf16_qkv(c.n_q, c.heads, c.n_k, c.kv_heads, d);
       const SparseIndex idx = full
                                   ? sparse_index_dense(int(c.heads), c.n_q, c.n_k, c.q_offset)
                                   : random_index(rng_, c.heads, c.n_q, c.n_k, c.q_offset,
@@ -1210,11 +1220,7 @@ TEST_F(CudaOps, AttentionDenseBf16Cudnn) {
   };
   for (const Case& c : cases) {
     const int64_t d = c.head_dim;
-    std::vector<uint16_t> qb, kb, vb;
-    std::vector<float> q, k, v;
-    to_bf16(uniform(size_t(c.n_q * c.heads * d), -3.f, 3.f), &qb, &q);
-    to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &kb, &k);
-    to_bf16(uniform(size_t(c.n_k * c.kv_heads * d), -1.f, 1.f), &vb, &v);
+    auto [qb, kb, vb, q, k, v] = bf16_qkv(c.n_q, c.heads, c.n_k, c.kv_heads, d);
     AttentionParams p;
     p.causal = c.causal;
     p.q_offset = c.q_offset;
