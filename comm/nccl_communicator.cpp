@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <mutex>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -473,15 +473,14 @@ class NcclCommunicator final : public Communicator {
   }
   // Started with the first enqueued sum (most communicators never enqueue one), before that sum
   // goes in: a thread that cannot start is this call's error, not std::thread's exception, and no
-  // sum is ever in flight unwatched.
+  // sum is ever in flight unwatched. Nothing is enqueued yet, so the communicator stays usable.
   Status start_watchdog() {
     if (watch_.joinable()) return Status::ok();
     try {
       watch_ = std::thread([this] { watch_loop(); });
-    } catch (const std::system_error& e) {
-      return fail("all_reduce", group(),
-                  std::string("cannot start the enqueued sums' watchdog thread: ") + e.what(),
-                  Code::kResourceExhausted);
+    } catch (const std::exception& e) {
+      return SF_ERR(kResourceExhausted, "comm: all_reduce (enqueued) on " + group() +
+                                            ": cannot start the sums' watchdog thread: " + e.what());
     }
     return Status::ok();
   }

@@ -301,9 +301,9 @@ fi
 { echo "--- cudnn"; echo "root=$cudnn_root"; ls "$cudnn_root/lib" 2>&1 | head; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; } >>"$logs/env.txt"
 
 # ---- configure, build, test ----------------------------------------------------------------
-# Sanitizer runs name the source line of a report (-lineinfo; no change to the code generated).
-# Set either way, so a build folder does not keep the flag from an earlier call.
-extra+=(-DCMAKE_CUDA_FLAGS="$([[ -n "${SF_SANITIZE:-}" ]] && echo -lineinfo)")
+# Sanitizer runs name the source line of a report (-lineinfo: line tables only). Set either way,
+# so a build folder does not keep it from an earlier call.
+if [[ -n "${SF_SANITIZE:-}" ]]; then extra+=(-DSF_CUDA_LINEINFO=ON); else extra+=(-DSF_CUDA_LINEINFO=OFF); fi
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSF_CUDA=ON -DSF_UCX=OFF -DSF_MPI=OFF \
        "${extra[@]}" "$@" >"$logs/configure.log" 2>&1; then
   fail "configure (see configure.log; last lines below)"

@@ -67,7 +67,7 @@ static_assert(kThreads * kProducerRegs + kSlots * kThreads * kConsumerRegs <= 16
 
 // One slot's pipeline. full_k counts 2 arrivals a producer thread (its copies' arrival, or
 // TMA's expect_tx / a plain arrival, then a plain arrival that publishes the positions), full_v
-// one, empty_* one a consumer warp. S stages of K and V each; positions and flags in 2 S slots.
+// one, empty_* one a consumer thread. S stages of K and V each; positions and flags in 2 S slots.
 template <int D, int S>
 struct alignas(kSwAlign) WsPipe {
   static constexpr int kS = S;

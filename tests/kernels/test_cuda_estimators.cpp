@@ -804,8 +804,8 @@ TEST_F(CudaEstimators, CoverMatchesCpu) {
 }
 
 // The cover on a short prompt (8 query blocks; 64 spread rows, so the spread and the last 64
-// overlap): every pass and round of the cover at sizes compute-sanitizer's racecheck gets
-// through (the cases above take it past 150 s each), and the short-prompt edge for everyone.
+// overlap): the cover's passes and rounds at sizes compute-sanitizer's racecheck gets through
+// (the cases above take it past 150 s each), and the short-prompt edge for everyone.
 TEST_F(CudaEstimators, CoverMatchesCpuShortPrompt) {
   const std::vector<HeadPattern> ps = cover_patterns(64);
   run_case({512, 512, 0, 8, 2, 128}, true, ps);
