@@ -14,7 +14,7 @@
 //
 // Output: DIR/<id>/ is the request's KV export (kvstore/kv_export.h: manifest.json + layer
 // shards, renamed into place when complete) and DIR/<id>.json a one-line summary, written after
-// it, holding the request's fingerprint (what the export depends on; worker_main.cpp,
+// it, holding the request's fingerprint (what the export depends on; worker/job_identity.h,
 // request_fingerprint). On resume a request is complete, and skipped, when its manifest.json
 // exists and its summary holds the same fingerprint; otherwise (a changed line, other options or
 // grid, another model, or a job stopped between the export and its summary) it is computed again,
