@@ -1,11 +1,13 @@
 #include "worker/batch_loop.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <climits>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <span>
 #include <string_view>
 #include <thread>
 #include <utility>
@@ -105,11 +107,11 @@ void BatchLoop::drain() {
   if (pending_) complete(std::move(pending_));
 }
 
-bool BatchLoop::group_short(int64_t need, int64_t staging, bool beside_pending, int64_t* room) {
+bool BatchLoop::group_short(int64_t need, int64_t staging, int64_t staging_held,
+                            bool beside_pending, int64_t* room) {
   int64_t avail = s_.host_avail(beside_pending);
   if (freeing_ms_ > 0 && beside_pending && pending_)  // the freeing fault's room (RequestExports)
     avail = 2 * pending_->freed_bytes.load() >= pending_->held_bytes ? int64_t(1) << 60 : 0;
-  const int64_t staging_held = dplans_ ? dplans_->staging_held() : 0;
   const bool fits = runtime::host_memory_fits(need, staging, staging_held, s_.local_ranks, avail);
   std::array<int64_t, 2> mine{fits ? 1 : 0, avail < 0 ? INT64_MAX : int64_t(0.8 * double(avail))},
       all{};
@@ -129,9 +131,11 @@ bool BatchLoop::admit(const runtime::BatchRequest& r, double* wait_s) {
   const int64_t T = int64_t(r.tokens.size());
   const int64_t need = s_.sizing->host_bytes(T);  // this host's ranks, summed
   const int64_t staging = s_.sizing->staging_bytes(T);
+  // What this rank's device plan holds pinned already (no plan runs or drops before the prefill).
+  const int64_t staging_held = dplans_ ? dplans_->staging_held() : 0;
   int64_t room = 0;
   *wait_s = 0;
-  if (pending_ && group_short(need, staging, true, &room)) {
+  if (pending_ && group_short(need, staging, staging_held, true, &room)) {
     // Two requests' KV at once is the overlap's price. The export frees each layer's K/V as its
     // files (all of its parts and tiers) are written, so this request starts once what is left
     // of that leaves room, or after the export (its finish, a collective, then runs here; at
@@ -153,7 +157,7 @@ bool BatchLoop::admit(const runtime::BatchRequest& r, double* wait_s) {
                                                comm::ReduceOp::kMin);
           !st.is_ok())
         s_.fatal(st);
-      if (!group_short(need, staging, true, &room)) {
+      if (!group_short(need, staging, staging_held, true, &room)) {
         fits = true;
         break;
       }
@@ -175,8 +179,7 @@ bool BatchLoop::admit(const runtime::BatchRequest& r, double* wait_s) {
   // A request whose KV does not fit on its own fails here, before its prefill, instead of
   // taking the host's last memory (and the job with it when the kernel kills a rank); the job
   // goes on with the next request.
-  if (group_short(need, staging, false, &room) && s_.o->host_memory_check) {
-    const int64_t staging_held = dplans_ ? dplans_->staging_held() : 0;
+  if (group_short(need, staging, staging_held, false, &room) && s_.o->host_memory_check) {
     const int64_t grow = std::max<int64_t>(0, staging - staging_held);  // each rank's staging
     const int n = s_.local_ranks;
     fail(r, sformat("its KV needs %s of host memory for the %d rank(s) on the leader's host%s, "

@@ -78,9 +78,11 @@ class BatchLoop {
   // counted). *wait_s: the seconds waited.
   bool admit(const runtime::BatchRequest& r, double* wait_s);
   // Whether any rank of the group is short of host memory for `need` bytes of KV plus `staging`
-  // of pinned staging (beside the pending export when beside_pending); *room: the least a host
-  // of the group may give. A collective of the group.
-  bool group_short(int64_t need, int64_t staging, bool beside_pending, int64_t* room);
+  // of pinned staging, of which the device plan holds `staging_held` already (beside the pending
+  // export when beside_pending); *room: the least a host of the group may give. A collective of
+  // the group.
+  bool group_short(int64_t need, int64_t staging, int64_t staging_held, bool beside_pending,
+                   int64_t* room);
   // The prefill's options for a request under `policy`, with the test faults' layer hooks.
   runtime::ParallelOptions options(const kvstore::RetentionPolicy& policy);
   // --export-stream: a full-retention sharded export begun before the prefill, which writes
