@@ -353,8 +353,8 @@ struct WsConsumer {
   WsPipe<D, S>& pp;
   const int32_t* none;  // all -1
   float scale_log2;
-  int tq, c;  // c: the consumer's bit in the flags (0 unpaired)
-  Ring<S> r;        // tile t (the current iteration)
+  int tq, c;   // c: the consumer's bit in the flags (0 unpaired)
+  Ring<S> r;  // tile t (the current iteration)
 
   __device__ __forceinline__ bool last() const { return pp.masked[r.s6] & kLast; }
 

@@ -774,10 +774,7 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({6000, 6000, 0, 8, 2, 64}, true);
 }
 
-// HeadPattern::vs_cover on the device: adaptive-vs heads choosing columns and diagonals as one
-// cover in rounds, over spread scoring rows (the cover's passes score 64 gathered rows at a time
-// at their own positions), beside plain adaptive-vs and block heads of the same layer. Judged
-// round by round (judge_cover); a min_budget above the cover exercises the top-up.
+// The cover heads' patterns: heads 1, 2 and 6 of the mix choose by one cover over spread rows.
 std::vector<HeadPattern> cover_patterns(int spread_rows) {
   std::vector<HeadPattern> ps = mixed_patterns(8);
   for (int h : {1, 2, 6}) {
@@ -794,6 +791,10 @@ std::vector<HeadPattern> cover_patterns(int spread_rows) {
   return ps;
 }
 
+// HeadPattern::vs_cover on the device: adaptive-vs heads choosing columns and diagonals as one
+// cover in rounds, over spread scoring rows (the cover's passes score 64 gathered rows at a time
+// at their own positions), beside plain adaptive-vs and block heads of the same layer. Judged
+// round by round (judge_cover); a min_budget above the cover exercises the top-up.
 TEST_F(CudaEstimators, CoverMatchesCpu) {
   const std::vector<HeadPattern> ps = cover_patterns(200);
   run_case({2048, 2048, 0, 8, 2, 128}, false, ps);
