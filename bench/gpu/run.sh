@@ -70,7 +70,8 @@
 #                  each gpu test binary under compute-sanitizer's tool (memcheck, racecheck,
 #                  synccheck, initcheck), after the gpu tests, into sanitizer.log; an error or
 #                  hazard it reports, or a run that fails, fails the call (default timeout 300 s an
-#                  item); the build then has -lineinfo, so a report names its source line
+#                  item); the build then has -lineinfo, so a report names its source line;
+#                  SF_SANITIZE_ARGS adds the tool's flags to every item (e.g. "--leak-check full")
 #   SF_BUILD_TARGETS  build only these targets (space-separated), and SF_GPU_TEST_REGEX: run only
 #                  the gpu tests whose names match (a short check when device time is scarce)
 #   SF_DIST        1: also run the TP x CP prefill benchmark (bench/gpu/distributed.sh, its own
@@ -384,8 +385,10 @@ if [[ -n "${SF_SANITIZE:-}" ]]; then
       echo "===== $tool $bin ${filt:-(all)}" >>"$sl"
       from=$(wc -l <"$sl")
       # --error-exitcode: a reported error fails the item even when the test itself passes.
+      # SF_SANITIZE_ARGS: more of the tool's flags for every item (e.g. "--leak-check full").
+      # shellcheck disable=SC2086
       timeout "${secs:-300}" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
-        "$exe" "${args[@]}" >>"$sl" 2>&1
+        ${SF_SANITIZE_ARGS:-} "$exe" "${args[@]}" >>"$sl" 2>&1
       rc=$?
       # This item's own summary line (a run cut by its timeout prints none).
       line=$(tail -n +"$((from + 1))" "$sl" | grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' | tail -1)
