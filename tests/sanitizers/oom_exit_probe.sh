@@ -13,5 +13,6 @@ cat "$bin.fill.log"
 "$bin" check; echo "plain: exit $?"
 "$san" --tool memcheck "$bin" check; echo "memcheck: exit $?"
 "$san" --tool memcheck --report-api-errors no "$bin" check; echo "memcheck --report-api-errors no: exit $?"
+"$san" --tool memcheck --leak-check full "$bin" check; echo "memcheck --leak-check full: exit $?"
 kill "$filler"; wait "$filler" 2>/dev/null
 "$san" --tool memcheck "$bin" check; echo "memcheck, device not full: exit $?"
