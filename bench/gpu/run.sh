@@ -382,12 +382,22 @@ if [[ -n "${SF_SANITIZE:-}" ]]; then
       fi
       args=()
       [[ -n "$filt" ]] && args=(--gtest_filter="$filt")
+      # The environment ctest gives this binary's test (ENVIRONMENT: the MPI tests' run-as-root
+      # switches, SF_SOURCE_DIR, NCCL_NVLS_ENABLE), so it runs as it does under ctest.
+      mapfile -t tenv < <(ctest --test-dir "$build" --show-only=json-v1 2>/dev/null | python3 -c '
+import json, sys
+for t in json.load(sys.stdin).get("tests", []):
+    if t.get("command") and t["command"][0].endswith("/" + sys.argv[1]):
+        for p in t.get("properties", []):
+            if p.get("name") == "ENVIRONMENT":
+                print("\n".join(p["value"]))
+        break' "$bin")
       echo "===== $tool $bin ${filt:-(all)}" >>"$sl"
       from=$(wc -l <"$sl")
       # --error-exitcode: a reported error fails the item even when the test itself passes.
       # SF_SANITIZE_ARGS: more of the tool's flags for every item (e.g. "--leak-check full").
       # shellcheck disable=SC2086
-      timeout "${secs:-300}" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
+      env "${tenv[@]}" timeout "${secs:-300}" "$san" --tool "$tool" --error-exitcode 99 --print-limit 50 \
         ${SF_SANITIZE_ARGS:-} "$exe" "${args[@]}" >>"$sl" 2>&1
       rc=$?
       # This item's own summary line (a run cut by its timeout prints none).
