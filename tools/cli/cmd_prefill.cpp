@@ -1,5 +1,4 @@
 // `sparsefill prefill`: tokenize, run the prefill forward, report TTFT, optionally export KV.
-#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -163,11 +162,9 @@ int cmd_prefill(int argc, char** argv) {
   if (a.has("dump-attention")) {
     const std::string spec = a.get("dump-attention");
     const size_t colon = spec.find(':');
-    char* end = nullptr;
-    errno = 0;
-    const long long l = colon == std::string::npos ? -1 : std::strtoll(spec.substr(0, colon).c_str(), &end, 10);
-    if (colon == std::string::npos || colon == 0 || *end || errno || l < 0 || l > INT32_MAX ||
-        colon + 1 == spec.size())
+    int64_t l = -1;
+    if (colon == std::string::npos || !whole_int(std::string_view(spec).substr(0, colon), &l) ||
+        l < 0 || l > INT32_MAX || colon + 1 == spec.size())
       return fail(SF_ERR(kInvalidArgument, "--dump-attention: expected LAYER:FILE, got '" + spec + "'"));
     if (device != "cpu") return fail(SF_ERR(kUnsupported, "--dump-attention reads the CPU forward"));
     dump_layer = int(l);
