@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CPU test suite under AddressSanitizer + UBSan (RelWithDebInfo, MPI on) in build-asan/:
-# every report, whether or not its test failed (an expect-fail CLI test would pass on a crash),
-# goes to a file under $SF_ASAN_REPORTS (default build-asan/reports), and the script ends 1 if
-# there is any. OpenMPI's own leaks are suppressed (lsan-openmpi.supp). Extra args go to ctest
-# (e.g. -R worker_). About 12 minutes for the whole suite on 2 cores, plus the build.
+# every report goes to a file under $SF_ASAN_REPORTS (default build-asan/reports), those of child
+# processes whose output a test keeps to itself too, and the script ends 1 if there is any.
+# OpenMPI's own leaks are suppressed (lsan-openmpi.supp). Extra args go to ctest (e.g. -R
+# worker_). About 18 minutes of tests for the whole suite on 2 cores, plus the build.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build="$root/build-asan"
