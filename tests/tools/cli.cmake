@@ -115,13 +115,16 @@ if(TARGET sparsefill)
   # usable CUDA device", is the accepted failure; on a GPU host the benchmark must exit 0).
   add_test(NAME cli_dump_attention_bad_spec COMMAND ${_ef} "^error: --dump-attention: expected LAYER:FILE, got '7'"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 7)
+  # The layer is a whole number as every other (no sign or blank: strtoll took '+3').
+  add_test(NAME cli_dump_attention_signed_layer COMMAND ${_ef} "^error: --dump-attention: expected LAYER:FILE, got '\\+3:"
+           ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention +3:${_tmp}/att-signed.safetensors)
   add_test(NAME cli_dump_attention_bad_layer COMMAND ${_ef} "^error: --dump-attention: layer 30 of a 30-layer model"
            ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt --dump-attention 30:${_tmp}/att.safetensors)
   add_test(NAME cli_dump_attention COMMAND ${_ok} "attention inputs of layer 3: .*att.safetensors \\(q \\[[0-9]+, 9, 64\\], k and v \\[[0-9]+, 3, 64\\], F32\\)" ${_sf} prefill --model default --prompt-file ${_tmp}/short.txt
            --dump-attention 3:${_tmp}/att.safetensors)
   set_tests_properties(cli_dump_attention PROPERTIES FIXTURES_SETUP dumped_attention)
-  set_tests_properties(cli_dump_attention_bad_spec cli_dump_attention_bad_layer cli_dump_attention
-                       PROPERTIES LABELS unit TIMEOUT 120)
+  set_tests_properties(cli_dump_attention_bad_spec cli_dump_attention_signed_layer
+                       cli_dump_attention_bad_layer cli_dump_attention PROPERTIES LABELS unit TIMEOUT 120)
   if(SF_HAVE_CUDA)
     # The planted inputs for the SDPA peer, written before any device is needed (one file a
     # length, BF16: 1024 x (32 + 2 x 8) x 128 x 2 bytes + header); without --seed, refused.
