@@ -453,13 +453,7 @@ size_t stats_group_smem(int64_t d) {
   return size_t(kGroupHeads + 2) * size_t(kB * tile_stride_b(d)) * 2;
 }
 
-//
-// kProbs: the second pass instead, for passes that want only each row's probabilities (vs_cover's
-// rows: no column sums, diagonal partials or mass): exp(logit - lse) of every visible key, 0 past
-// a row's causal limit, stored from the registers, the same logits and expf as
-// score_probs_kernel's (which takes one head a CTA and loads each k tile without overlap: at 1M it
-// was the cover's largest kernel, bench/NOTES.md sixty-third session).
-template <int D, bool kProbs>
+template <int D>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
   using namespace attention_sparse_bf16_detail;
@@ -544,38 +538,18 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
       for (int half = 0; half < 2; ++half) {
         const int i = row0 + m * 16 + g + 8 * half;
         const int lim = whole ? kB : (i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0);
-        if constexpr (kProbs) {
-          if (i < sp.L) {
-            const float lse = p.lse[hs * kB + i];
-            float* dst = sp.probs +
-                         (size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
-                             size_t(p.kend_last) +
-                         size_t(c0);
+        float v[16];
 #pragma unroll
-            for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int j = n * 8 + 2 * t + e;
-                if (j < kc)
-                  dst[j] = j < lim && lse != -INFINITY
-                               ? expf(c[m][n][2 * half + e] * p.scale - lse)
-                               : 0.f;
-              }
-          }
-        } else {
-          float v[16];
-#pragma unroll
-          for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              v[n * 2 + e] = n * 8 + 2 * t + e < lim ? c[m][n][2 * half + e] * p.scale : -INFINITY;
-          float mx, l;
-          quad_row_stats(v, mx, l);
-          if (t == 0 && i < sp.L) {
-            const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
-            p.part_m[at] = mx;
-            p.part_l[at] = l;
-          }
+          for (int e = 0; e < 2; ++e)
+            v[n * 2 + e] = n * 8 + 2 * t + e < lim ? c[m][n][2 * half + e] * p.scale : -INFINITY;
+        float mx, l;
+        quad_row_stats(v, mx, l);
+        if (t == 0 && i < sp.L) {
+          const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+          p.part_m[at] = mx;
+          p.part_l[at] = l;
         }
       }
   }
@@ -618,7 +592,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 
 // One CTA per (head, row): the row's log-sum-exp over all chunks. A CTA, not a warp: at 1M a row
 // has 16K chunk partials, and a warp a row left the pass bound by one warp's load latency (403 us
-// for 4 heads x 64 rows on H200 under ncu).
+// for 4 heads x 64 rows on H200 under ncu, 59 us this way; bench/NOTES.md sixty-third session).
 constexpr int kLseThreads = 256;
 __global__ void __launch_bounds__(kLseThreads) row_lse_kernel(const EstimateLaunch p,
                                                               const ScorePass sp) {
@@ -1446,27 +1420,13 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
   if (x < ncx) {
     const bool forced = col ? x < eh.sink : x - nc <= eh.local;
     p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
-    // Rows in order, kRowsAhead loads issued before their sums: one load at a time a thread left
-    // the kernel bound by latency (10.8 ms a 4-head group at 1M under ncu, about 1 TB/s).
-    constexpr int kRowsAhead = 8;
-    for (int64_t ra = 0; ra < p.cov_rows; ra += kRowsAhead) {
-      float v[kRowsAhead];
-      bool in[kRowsAhead], res[kRowsAhead];
-#pragma unroll
-      for (int u = 0; u < kRowsAhead; ++u) {
-        const int64_t r = ra + u;
-        const int64_t pos = r < p.cov_rows ? p.cov_pos[r] : -1;
-        const int64_t j = col ? x : pos - (x - nc);
-        in[u] = r < p.cov_rows && j >= 0 && j < nc && j <= pos;
-        res[u] = !forced && j >= eh.sink && pos - j > eh.local;
-        v[u] = in[u] ? P[size_t(r) * size_t(nc) + size_t(j)] : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kRowsAhead; ++u)
-        if (in[u]) {
-          s += double(v[u]);
-          if (res[u]) r0 += double(v[u]);
-        }
+    for (int64_t r = 0; r < p.cov_rows; ++r) {
+      const int64_t pos = p.cov_pos[r];
+      const int64_t j = col ? x : pos - (x - nc);
+      if (j < 0 || j >= nc || j > pos) continue;
+      const double v = double(P[size_t(r) * size_t(nc) + size_t(j)]);
+      s += v;
+      if (!forced && j >= eh.sink && pos - j > eh.local) r0 += v;
     }
     p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0;
     if (col)
@@ -2519,14 +2479,12 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
          gx * ((p.n_chunks + 2 * gsp.group_chunks - 1) / (2 * gsp.group_chunks)) >= kMinCtas)
     gsp.group_chunks *= 2;
   const dim3 ggrid(unsigned(gx), unsigned((p.n_chunks + gsp.group_chunks - 1) / gsp.group_chunks));
-  const bool grouped = mma_scores(p) && G > 1;
   if (!mma_scores(p))
     score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
-  else if (grouped && p.d == 128)
-    score_stats_group_kernel<128, false>
-        <<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
-  else if (grouped)
-    score_stats_group_kernel<64, false><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
+  else if (G > 1 && p.d == 128)
+    score_stats_group_kernel<128><<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
+  else if (G > 1)
+    score_stats_group_kernel<64><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
   else if (p.d == 128)
     score_stats_mma_kernel<128><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else
@@ -2535,14 +2493,6 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   if (!sp.col && !sp.part_d && !sp.probs) {  // mass alone: from the stats, no second pass
     const int64_t n = int64_t(sp.n_heads) * p.n_chunks;
     block_mass_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, sp);
-    return cudaGetLastError();
-  }
-  if (grouped && sp.probs && !sp.col && !sp.part_d && !sp.mass) {  // probabilities alone
-    if (p.d == 128)
-      score_stats_group_kernel<128, true>
-          <<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
-    else
-      score_stats_group_kernel<64, true><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
     return cudaGetLastError();
   }
   score_probs_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
@@ -2620,18 +2570,6 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-// Both passes of the grouped scoring kernel at head dim D.
-template <int D>
-cudaError_t set_group_smem() {
-  const int bytes = int(stats_group_smem(D));
-  cudaError_t e = cudaFuncSetAttribute(score_stats_group_kernel<D, false>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(score_stats_group_kernel<D, true>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  return e;
-}
-
 template <typename T>
 cudaError_t configure(const EstimateLaunch& p) {
   const int smem = int(score_smem_max(p.d));
@@ -2647,9 +2585,13 @@ cudaError_t configure(const EstimateLaunch& p) {
     e = cudaFuncSetAttribute(score_stats_mma_kernel<64>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
-    e = set_group_smem<128>();
+    e = cudaFuncSetAttribute(score_stats_group_kernel<128>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(stats_group_smem(128)));
   if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
-    e = set_group_smem<64>();
+    e = cudaFuncSetAttribute(score_stats_group_kernel<64>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(stats_group_smem(64)));
   if (e == cudaSuccess && (!p.block_stream || p.block_mass_heads > 0))
     e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
