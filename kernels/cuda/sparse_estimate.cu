@@ -2,7 +2,7 @@
 // CPU estimator's (kernels/cpu/sparse_estimators.cpp), step for step:
 //   1. last-query scoring (vertical-slash, and the block family's exact last query block): per
 //      64-key chunk one CTA computes the (<= 64 rows) x 64 logits in shared memory; pass 1 keeps
-//      each row's max and sum-exp, a warp per row merges them into the row LSE, pass 2 recomputes
+//      each row's max and sum-exp, a CTA per row merges them into the row LSE, pass 2 recomputes
 //      the logits, turns them into probabilities and writes column sums and per-chunk diagonal
 //      partials (127 offsets), which a third kernel adds (each offset lies in <= 2 chunks).
 //      Every sum has a fixed order: the result does not depend on scheduling.
