@@ -130,8 +130,8 @@ inline bool finite_of(float x) { return x - x == 0.f; }
 Status nonfinite_group(KvEncoding e, bool keys) {
   return SF_ERR(kOutOfRange, std::string("kv_encode: ") + kv_encoding_name(e) + " " +
                                  (keys ? "key" : "value") +
-                                 " group needs a zero or scale F16 cannot hold (beyond 65504, "
-                                 "or NaN)");
+                                 " group needs a zero or scale F16 cannot hold (a minimum below "
+                                 "-65504, a scale past 65504, or NaN)");
 }
 
 // Codes of `m` contiguous values (m even for int4, starting at an even index) into `out` (their

@@ -89,8 +89,9 @@ struct EncodedRows {
   std::vector<uint16_t> scale, zero;
 };
 
-// rows: [n, head_dim] F32. int4 needs an even head_dim. A group whose zero (its minimum) or
-// scale is not finite in F16 (beyond 65504, or NaN) is kOutOfRange: the encoding cannot hold it.
+// rows: [n, head_dim] F32. int4 needs an even head_dim. A group holding a NaN or infinity, with a
+// minimum below -65504 (no F16 zero under it) or a scale past 65504 is kOutOfRange; a minimum
+// above 65504 is stored as a zero of 65504 with the scale covering the rest.
 Result<EncodedRows> kv_encode(KvEncoding e, bool keys, const float* rows, int64_t n, int head_dim);
 
 // kv_encode into the caller's buffers: data of n x kv_encoding_row_elems elements of

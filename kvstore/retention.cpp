@@ -184,18 +184,27 @@ Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
   if (colon == std::string::npos)
     return SF_ERR(kInvalidArgument,
                   "retention moa needs config=FILE (per-layer, per-KV-head spans; docs/api.md)");
-  std::stringstream ss(spec.substr(colon + 1));
+  // As retention_parse: a trailing comma and a key given twice are refused (a second config= was
+  // taken silently, the first never read). A path cannot hold a comma.
+  const std::string params = spec.substr(colon + 1);
+  if (!params.empty() && params.back() == ',')
+    return SF_ERR(kInvalidArgument, "retention moa: unknown or malformed parameter '' (trailing comma)");
+  std::stringstream ss(params);
   std::string kv, config;
   int64_t sink = -1;
+  bool have_config = false;
   while (std::getline(ss, kv, ',')) {
     const auto eq = kv.find('=');
     const std::string key = kv.substr(0, eq);
     if (eq == std::string::npos || (key != "config" && key != "sink"))
       return SF_ERR(kInvalidArgument,
                     "retention moa: unknown or malformed parameter '" + kv + "' (config, sink)");
+    if (key == "config" ? have_config : sink >= 0)
+      return SF_ERR(kInvalidArgument, "retention moa: " + key + " given twice");
     const std::string val = kv.substr(eq + 1);
     if (key == "config") {
       config = val;
+      have_config = true;
       continue;
     }
     int64_t x = 0;
@@ -785,8 +794,19 @@ Result<RetentionPolicy> retention_moa_scaled(const RetentionPolicy& base, double
     for (const MoaSpan& sp : layer)
       if (sp.alpha + sp.beta * double(N) > 0)
         s_hi = std::max(s_hi, 2 * double(N) / (sp.alpha + sp.beta * double(N)));
+  if (!std::isfinite(s_hi))  // a span near 0 but not 0 (alpha 1e-310): no finite scale covers it
+    return SF_ERR(kInvalidArgument,
+                  "retention moa: a head's span (alpha + beta * N) is too small to scale to "
+                  "the prompt; give it alpha = beta = 0 or a usable span");
   if (s_hi == 0 || moa_kept_total(scaled(s_hi), N) <= target) return scaled(s_hi);
-  double lo = 0, hi = s_hi;  // kept(lo) <= target < kept(hi)
+  // kept(lo) <= target < kept(hi). One head's tiny span can put s_hi hundreds of orders of
+  // magnitude above the answer, beyond what bisecting from 0 reaches in 200 steps: step down by
+  // 2^16 until the budget holds (lo reaches 0 only by underflow, where kept is floor_kept).
+  double hi = s_hi, lo = s_hi / 65536;
+  while (lo > 0 && moa_kept_total(scaled(lo), N) > target) {
+    hi = lo;
+    lo /= 65536;
+  }
   for (int i = 0; i < 200 && hi - lo > 1e-12 * hi; ++i) {
     const double mid = 0.5 * (lo + hi);
     if (moa_kept_total(scaled(mid), N) <= target)

@@ -386,7 +386,7 @@ TEST(KvQuant, Int4PacksTheEvenChannelInTheLowNibble) {
 
 TEST(KvQuant, RefusesWhatItCannotRepresentOrRead) {
   std::vector<float> x = random_rows(4, 8, 3);
-  x[5] = -1e6f;  // its group's zero (the minimum) is beyond F16's range
+  x[5] = -1e6f;  // its group's zero (the minimum) is below F16's range
   auto r = kvstore::kv_encode(KvEncoding::kInt8, true, x.data(), 4, 8);
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), Code::kOutOfRange);
@@ -395,6 +395,16 @@ TEST(KvQuant, RefusesWhatItCannotRepresentOrRead) {
             Code::kOutOfRange);
   EXPECT_EQ(kvstore::kv_encode(KvEncoding::kInt4, true, x.data(), 3, 7).status().code(),
             Code::kInvalidArgument);  // odd head_dim cannot pack
+  // A minimum above F16's largest (65504) is not refused (docs/kv-format.md): the zero saturates
+  // at 65504 and the scale covers the group from there, so the error is half of that wider step.
+  std::vector<float> big(32);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = 7e4f + 1e3f * float(i);
+  std::vector<float> rt = big;
+  ASSERT_TRUE(kvstore::kv_round_trip(KvEncoding::kInt8, false, rt.data(), 4, 8).is_ok());
+  for (size_t i = 0; i < big.size(); ++i) {
+    const double step = (double(big[i / 8 * 8 + 7]) - 65504.0) / 255.0;  // the value row's group
+    EXPECT_LE(std::fabs(double(rt[i]) - double(big[i])), 0.5 * step * (1 + 0x1p-10) + 0.02) << i;
+  }
   // A buffer that does not match its geometry (as a file could declare) is refused.
   const auto y = random_rows(4, 8, 4);
   auto enc = kvstore::kv_encode(KvEncoding::kInt8, true, y.data(), 4, 8).value();

@@ -716,6 +716,20 @@ TEST(Retention, MoaConfigRejectsBadInputNamingTheField) {
             std::string::npos);
   EXPECT_NE(retention_parse("moa:config=x.json,sink=-4").status().message().find("sink"),
             std::string::npos);
+  // Refused before any file is read, as retention_parse refuses them for the other policies (a
+  // second config= was taken silently and the first path never read).
+  const std::string shipped = std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json";
+  ASSERT_TRUE(retention_parse("moa:config=" + shipped + ",sink=4").is_ok());
+  for (const std::string& bad :
+       {"moa:config=" + shipped + ",", "moa:config=/nonexistent/moa.json,config=" + shipped,
+        "moa:config=" + shipped + ",sink=1,sink=2"}) {
+    auto r = retention_parse(bad);
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << bad;
+    const std::string& m = r.status().message();
+    EXPECT_TRUE(m.find("trailing comma") != std::string::npos ||
+                m.find("given twice") != std::string::npos)
+        << bad << ": " << m;
+  }
 }
 
 TEST(Retention, MoaScaledKeepsJustUnderTheBudget) {
@@ -762,6 +776,28 @@ TEST(Retention, MoaScaledKeepsJustUnderTheBudget) {
   EXPECT_EQ(retention_moa_scaled(RetentionPolicy{}, 0.5, L, H, N).status().code(),
             Code::kInvalidArgument);
   EXPECT_EQ(retention_moa_scaled(random, 0.5, L, 2, N).status().code(), Code::kInvalidArgument);
+}
+
+// One head whose span is tiny but not zero puts the search's upper scale far above the answer
+// (beta 1e-70: 2/beta); the search must still land on the budget, not at scale 0 (it kept 130
+// of 8,192 tokens here before the step-down). A span no finite scale covers is refused, not
+// turned into a policy with an infinite alpha that retention_apply then refuses.
+TEST(Retention, MoaScaledReachesTheBudgetPastATinySpan) {
+  const int64_t N = 8192;
+  RetentionPolicy p;
+  p.kind = RetentionKind::kMoA;
+  p.moa = {{MoaSpan{0, 1e-70}, MoaSpan{1024, 0.125}}};
+  for (double beta : {1e-70, 1e-60, 1e-200}) {
+    p.moa[0][0].beta = beta;
+    auto s = retention_moa_scaled(p, 0.5, 1, 2, N);
+    ASSERT_TRUE(s.is_ok()) << beta << ": " << s.status().to_string();
+    auto r = retention_apply(s.value(), 1, 2, N, nullptr);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_LE(r->kept_total(), N) << beta;
+    EXPECT_GE(r->kept_total(), N - 2) << beta << " scale " << s->moa_scale;
+  }
+  p.moa[0][0] = MoaSpan{1e-310, 0};
+  EXPECT_EQ(retention_moa_scaled(p, 0.5, 1, 2, N).status().code(), Code::kInvalidArgument);
 }
 
 }  // namespace
