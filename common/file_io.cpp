@@ -37,7 +37,7 @@ Status write_file_atomic(const std::string& path, std::string_view bytes) {
   const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
   auto failed = [&](int err, const char* step) {
     ::unlink(tmp.c_str());
-    return Status(err == ENOSPC ? Code::kResourceExhausted : Code::kIo,
+    return Status(err == ENOSPC || err == EDQUOT ? Code::kResourceExhausted : Code::kIo,
                   "cannot write '" + path + "' (" + step + " '" + tmp + "'): " +
                       std::strerror(err));
   };

@@ -58,13 +58,14 @@ class DiskStore final : public TierStore {
     while (done < bytes) {
       const ssize_t n = ::pwrite(fd_, s + done, size_t(bytes - done), off_t(slot * bb_ + done));
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno == ENOSPC)
-        return SF_ERR(kResourceExhausted, "block pool: disk tier '" + path_ +
-                                              "' is full (ENOSPC) writing slot " +
-                                              std::to_string(slot));
-      if (n <= 0)
+      if (n < 0 && (errno == ENOSPC || errno == EDQUOT))
+        return SF_ERR(kResourceExhausted, "block pool: disk tier '" + path_ + "' is full (" +
+                                              (errno == ENOSPC ? "ENOSPC" : "EDQUOT: quota") +
+                                              ") writing slot " + std::to_string(slot));
+      if (n <= 0)  // 0: nothing written and no errno to name
         return SF_ERR(kIo, "block pool: disk tier write to '" + path_ + "' slot " +
-                               std::to_string(slot) + " failed: " + std::strerror(errno));
+                               std::to_string(slot) + " failed: " +
+                               (n == 0 ? std::string("wrote nothing") : std::strerror(errno)));
       done += n;
     }
     return Status::ok();
@@ -102,7 +103,8 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
   // One pool a directory: two would write each other's slots, and the first to close would
   // unlink the other's file. The lock goes with the descriptor, so a crashed pool's file is
   // taken over. Only a regular file is locked (a test may point blocks.bin at a device). A file
-  // unlinked by a closing pool between our open and our lock is not ours to use: open again.
+  // unlinked by a closing pool between our open and our lock is not ours to use, whether we got
+  // its lock (after it closed) or not (before): open again.
   int fd = -1;
   for (int attempt = 0; attempt < 4 && fd < 0; ++attempt) {
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -113,7 +115,12 @@ Result<std::unique_ptr<TierStore>> make_disk_store(const std::string& dir, int64
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) break;
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
+      struct stat now {};
+      const bool replaced = ::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino ||
+                            now.st_dev != st.st_dev;
       ::close(fd);
+      fd = -1;
+      if (err == EWOULDBLOCK && replaced) continue;  // a closing pool's unlinked file
       if (err == EWOULDBLOCK)
         return SF_ERR(kAlreadyExists, "block pool: disk tier directory '" + dir +
                                           "' is in use by another block pool (its blocks.bin is "
@@ -233,6 +240,12 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const BlockPoolConfig& cfg)
     return SF_ERR(kInvalidArgument, "block pool: every tier budget is below one block (" +
                                         std::to_string(p->block_bytes_) + " bytes)");
   p->staging_.resize(size_t(p->block_bytes_ / 4));
+  // Live blocks never outnumber slots: with both reserved here, alloc and free never allocate
+  // (free runs in destructors, where a bad_alloc would end the process).
+  const int64_t total = (p->st_[0].capacity_bytes + p->st_[1].capacity_bytes +
+                         p->st_[2].capacity_bytes) / p->block_bytes_;
+  p->entries_.reserve(size_t(total));
+  p->free_ids_.reserve(size_t(total));
   return p;
 }
 

@@ -496,6 +496,11 @@ Status TieredKv::read_layer(int layer, std::vector<float>* k, std::vector<float>
   SF_ENSURE(k && v, kInvalidArgument, "tiered kv: read_layer needs k and v");
   SF_ENSURE(pending_[size_t(layer)] == 0, kInvalidArgument,
             "tiered kv: layer " + std::to_string(layer) + " is enqueued but not placed yet");
+  // No prompt is empty: a layer without tokens was never placed, or was released after a failure,
+  // and an empty read would pass for its K/V.
+  SF_ENSURE(tokens_[size_t(layer)] > 0, kNotFound,
+            "tiered kv: layer " + std::to_string(layer) +
+                " holds no K/V (never placed, or released after a failure)");
   wait_idle();  // the drain's moves are whole, but the layer is read where it ends up
   const int64_t n = tokens_[size_t(layer)], row = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
   k->resize(size_t(n * row));

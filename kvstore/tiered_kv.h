@@ -97,7 +97,8 @@ class TieredKv {
   Status wait_drained() const;
 
   // Reassembles a layer's K and V ([n_tokens, n_kv_heads, head_dim]) from whatever tiers its
-  // blocks are on (after wait_drained()).
+  // blocks are on (after wait_drained()). kNotFound for a layer that holds nothing (never placed,
+  // or released), which an empty result would otherwise pass for.
   Status read_layer(int layer, std::vector<float>* k, std::vector<float>* v) const;
 
   int64_t n_tokens(int layer) const { return tokens_[size_t(layer)]; }

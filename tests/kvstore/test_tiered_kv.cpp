@@ -281,6 +281,18 @@ TEST(TieredKv, CreateValidates) {
   EXPECT_NE(no_disk.status().message().find("whose budget is 0"), std::string::npos);
   EXPECT_FALSE(TieredKv::create(pool->get(), {3, 2, 32}).is_ok());  // block size mismatch
   EXPECT_FALSE(TieredKv::create(nullptr, {3, 2, 16}).is_ok());
+  {
+    BlockPoolConfig two = pc;  // host and disk: a valid TieredKv, no layer placed yet
+    two.disk_bytes = 4 * f.block_bytes();
+    two.disk_dir = f.dir;
+    auto p2 = BlockPool::create(two);
+    ASSERT_TRUE(p2.is_ok()) << p2.status().to_string();
+    auto tk = TieredKv::create(p2->get(), {3, 2, 16});
+    ASSERT_TRUE(tk.is_ok()) << tk.status().to_string();
+    std::vector<float> k, v;
+    const Status st = (*tk)->read_layer(1, &k, &v);  // was ok with 0 rows
+    EXPECT_EQ(st.code(), Code::kNotFound) << st.to_string();
+  }
   TieredKvConfig c{3, 2, 16};
   c.fast = Tier::kDisk;  // nothing below it
   EXPECT_FALSE(TieredKv::create(pool->get(), c).is_ok());
