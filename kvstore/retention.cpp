@@ -188,7 +188,8 @@ Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
   // taken silently, the first never read). A path cannot hold a comma.
   const std::string params = spec.substr(colon + 1);
   if (!params.empty() && params.back() == ',')
-    return SF_ERR(kInvalidArgument, "retention moa: unknown or malformed parameter '' (trailing comma)");
+    return SF_ERR(kInvalidArgument,
+                  "retention moa: unknown or malformed parameter '' (trailing comma)");
   std::stringstream ss(params);
   std::string kv, config;
   int64_t sink = -1;

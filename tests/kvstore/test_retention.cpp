@@ -718,7 +718,8 @@ TEST(Retention, MoaConfigRejectsBadInputNamingTheField) {
             std::string::npos);
   // Refused before any file is read, as retention_parse refuses them for the other policies (a
   // second config= was taken silently and the first path never read).
-  const std::string shipped = std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json";
+  const std::string shipped =
+      std::string(SF_SOURCE_DIR) + "/configs/smollm2-135m-instruct-moa.json";
   ASSERT_TRUE(retention_parse("moa:config=" + shipped + ",sink=4").is_ok());
   for (const std::string& bad :
        {"moa:config=" + shipped + ",", "moa:config=/nonexistent/moa.json,config=" + shipped,
