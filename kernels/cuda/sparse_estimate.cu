@@ -68,7 +68,7 @@ struct ScorePass {
   const int64_t* pos = nullptr;
   // Each row's probabilities, [n_heads][probs_rows][kend_last] at row probs_row0 + i, or null.
   float* probs = nullptr;
-  int64_t probs_row0 = 0, probs_rows = 0;
+  int64_t probs_row0 = 0, probs_rows = 0, probs_stride = 0;  // stride: floats a row
 };
 
 // Absolute position of the pass's row i.
@@ -453,7 +453,14 @@ size_t stats_group_smem(int64_t d) {
   return size_t(kGroupHeads + 2) * size_t(kB * tile_stride_b(d)) * 2;
 }
 
-template <int D>
+//
+// kProbs: the second pass instead, for passes that want only each row's probabilities (vs_cover's
+// rows: no column sums, diagonal partials or mass): exp(logit - lse) of every visible key, 0 past
+// a row's causal limit, stored from the registers as float2, so each store instruction fills
+// whole 32-byte sectors of 8 rows (fadbb63 stored single floats, half of each sector an
+// instruction, and took 4.4 ms a launch at 1M against the CUDA-core pass's 3.3;
+// bench/NOTES.md sixty-third and sixty-fourth sessions).
+template <int D, bool kProbs>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
   using namespace attention_sparse_bf16_detail;
@@ -538,18 +545,38 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
       for (int half = 0; half < 2; ++half) {
         const int i = row0 + m * 16 + g + 8 * half;
         const int lim = whole ? kB : (i < sp.L ? int(row_visible(p, sp, i, c0, kc)) : 0);
-        float v[16];
+        if constexpr (kProbs) {
+          if (i < sp.L) {
+            const float lse = p.lse[hs * kB + i];
+            float* dst = sp.probs +
+                         (size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
+                             size_t(sp.probs_stride) +
+                         size_t(c0);
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+            for (int n = 0; n < 8; ++n) {
+              const int j = n * 8 + 2 * t;  // j + 1 < the row stride (a multiple of 8 floats)
+              if (j >= kc) continue;
+              float2 v;
+              v.x = j < lim && lse != -INFINITY ? expf(c[m][n][2 * half] * p.scale - lse) : 0.f;
+              v.y = j + 1 < lim && lse != -INFINITY ? expf(c[m][n][2 * half + 1] * p.scale - lse)
+                                                    : 0.f;
+              *reinterpret_cast<float2*>(dst + j) = v;
+            }
+          }
+        } else {
+          float v[16];
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            v[n * 2 + e] = n * 8 + 2 * t + e < lim ? c[m][n][2 * half + e] * p.scale : -INFINITY;
-        float mx, l;
-        quad_row_stats(v, mx, l);
-        if (t == 0 && i < sp.L) {
-          const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
-          p.part_m[at] = mx;
-          p.part_l[at] = l;
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              v[n * 2 + e] = n * 8 + 2 * t + e < lim ? c[m][n][2 * half + e] * p.scale : -INFINITY;
+          float mx, l;
+          quad_row_stats(v, mx, l);
+          if (t == 0 && i < sp.L) {
+            const size_t at = (size_t(hs) * kB + size_t(i)) * size_t(p.n_chunks) + size_t(chunk);
+            p.part_m[at] = mx;
+            p.part_l[at] = l;
+          }
         }
       }
   }
@@ -652,7 +679,7 @@ __global__ void __launch_bounds__(kScoreThreads)
           if (j < lim && j < kc && lse != -INFINITY) v = expf(ss[i * (kB + 1) + j] - lse);
           if (sp.probs && j < kc)
             sp.probs[(size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
-                         size_t(p.kend_last) +
+                         size_t(sp.probs_stride) +
                      size_t(c0 + j)] = v;
         }
         ss[i * (kB + 1) + j] = v;
@@ -1402,40 +1429,64 @@ __device__ void block_add(double v, double* dst) {
   }
 }
 
-// grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
-// double: the plain column and diagonal sums (into col / diag of the slot, the top-up's ranking)
-// and the residual before round 1 (entries no forced item covers, into cov_resd); the round table
-// reset (forced items 0, the rest -1) and the total (the plain column sums) accumulated.
-// Coalesced: a column's threads read row r's consecutive keys, a diagonal's the same row's keys
-// in descending order.
-__global__ void cover_sums_kernel(const EstimateLaunch p) {
+// grid (ceil(n_cx / (256 kSumsPer)), n_cov): items x .. x + kSumsPer - 1 a thread, each item's
+// mass over the scoring rows, rows in order, summed in double: the plain column and diagonal
+// sums (into col / diag of the slot, the top-up's ranking) and the residual before round 1
+// (entries no forced item covers, into cov_resd); the round table reset (forced items 0, the
+// rest -1) and the total (the plain column sums) accumulated. Coalesced: a column's threads read
+// row r's consecutive keys, a diagonal's the same row's keys in descending order. Adjacent items
+// a thread, not one: one load in flight a thread held the kernel to about 1 TB/s at 1M (10.8 ms a
+// 4-head group under ncu); loads of rows ahead instead were slower (fadbb63, bench/NOTES.md
+// sixty-third session).
+constexpr int kSumsPer = 4;
+__global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p) {
   const int c = blockIdx.y;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
-  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t x0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kSumsPer;
   const int hs = p.n_vs - p.n_cov + c;
   const EstHead& eh = p.heads[p.cov_heads[c]];
-  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(nc);
-  const bool col = x < nc;
-  double s = 0, r0 = 0;
-  if (x < ncx) {
-    const bool forced = col ? x < eh.sink : x - nc <= eh.local;
-    p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
+  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(p.cov_ps);
+  double s[kSumsPer] = {}, r0[kSumsPer] = {};
+  bool forced[kSumsPer];
+#pragma unroll
+  for (int u = 0; u < kSumsPer; ++u) {
+    const int64_t x = x0 + u;
+    forced[u] = x < nc ? x < eh.sink : x - nc <= eh.local;
+    if (x < ncx) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced[u] ? 0 : -1;
+  }
+  if (x0 < ncx)
     for (int64_t r = 0; r < p.cov_rows; ++r) {
       const int64_t pos = p.cov_pos[r];
-      const int64_t j = col ? x : pos - (x - nc);
-      if (j < 0 || j >= nc || j > pos) continue;
-      const double v = double(P[size_t(r) * size_t(nc) + size_t(j)]);
-      s += v;
-      if (!forced && j >= eh.sink && pos - j > eh.local) r0 += v;
+      const float* row = P + size_t(r) * size_t(p.cov_ps);
+      float v[kSumsPer];
+      int64_t j[kSumsPer];
+#pragma unroll
+      for (int u = 0; u < kSumsPer; ++u) {  // every load first, then the sums
+        const int64_t x = x0 + u;
+        j[u] = x < nc ? x : pos - (x - nc);
+        v[u] = x < ncx && j[u] >= 0 && j[u] < nc && j[u] <= pos ? row[j[u]] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kSumsPer; ++u) {
+        if (v[u] == 0.f) continue;  // hidden entries are 0; a visible 0 adds nothing either
+        s[u] += double(v[u]);
+        if (!forced[u] && j[u] >= eh.sink && pos - j[u] > eh.local) r0[u] += double(v[u]);
+      }
     }
-    p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0;
-    if (col)
-      p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s);
-    else
-      p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
+  double tot = 0;
+#pragma unroll
+  for (int u = 0; u < kSumsPer; ++u) {
+    const int64_t x = x0 + u;
+    if (x >= ncx) continue;
+    p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0[u];
+    if (x < nc) {
+      p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s[u]);
+      tot += double(float(s[u]));  // the floats ranked, as the CPU adds them
+    } else {
+      p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s[u]);
+    }
   }
-  // The total: the block's column sums (of the floats ranked, as the CPU adds them).
-  block_add(col && x < ncx ? double(float(s)) : 0.0, p.cov_sum + 2 * c);
+  block_add(tot, p.cov_sum + 2 * c);  // the total: the block's column sums
 }
 
 // grid (ceil(n_cx / 256), n_cov), before round k's selection: the residuals as the floats the
@@ -1714,7 +1765,7 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
   const int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
   const int32_t* list = p.cov_list + size_t(c) * size_t(ncx);
   double* resd = p.cov_resd + size_t(c) * size_t(ncx);
-  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(nc);
+  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(p.cov_ps);
   const int64_t work = int64_t(p.cov_n_list[c]) * p.cov_rows;
   auto old = [&](int32_t r) { return r >= 0 && r < round; };
   for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < work;
@@ -1728,7 +1779,7 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
     if (old(rc) || old(rdg)) continue;  // covered before this round
     const int64_t other = x < nc ? nc + o : j;
     if (rd[other] == round) continue;  // taken in this round too
-    atomicAdd(resd + other, -double(P[size_t(r) * size_t(nc) + size_t(j)]));
+    atomicAdd(resd + other, -double(P[size_t(r) * size_t(p.cov_ps) + size_t(j)]));
   }
 }
 
@@ -1773,7 +1824,8 @@ cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
   if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hcnt, 0, nh * sizeof(uint32_t), s);
   if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hmass, 0, nh * sizeof(double), s);
   if (e != cudaSuccess) return e;
-  cover_sums_kernel<<<sgrid, 256, 0, s>>>(p);
+  const dim3 sumgrid(unsigned((ncx + 256 * kSumsPer - 1) / (256 * kSumsPer)), unsigned(p.n_cov));
+  cover_sums_kernel<<<sumgrid, 256, 0, s>>>(p);
   const dim3 hgrid(unsigned((ncx + 256 * kCoverPer - 1) / (256 * kCoverPer)), unsigned(p.n_cov));
   for (int k = 1; k <= p.cov_max_rounds; ++k) {
     cover_prep_kernel<<<sgrid, 256, 0, s>>>(p);
@@ -2479,12 +2531,14 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
          gx * ((p.n_chunks + 2 * gsp.group_chunks - 1) / (2 * gsp.group_chunks)) >= kMinCtas)
     gsp.group_chunks *= 2;
   const dim3 ggrid(unsigned(gx), unsigned((p.n_chunks + gsp.group_chunks - 1) / gsp.group_chunks));
+  const bool grouped = mma_scores(p) && G > 1;
   if (!mma_scores(p))
     score_stats_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
-  else if (G > 1 && p.d == 128)
-    score_stats_group_kernel<128><<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
-  else if (G > 1)
-    score_stats_group_kernel<64><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
+  else if (grouped && p.d == 128)
+    score_stats_group_kernel<128, false>
+        <<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
+  else if (grouped)
+    score_stats_group_kernel<64, false><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
   else if (p.d == 128)
     score_stats_mma_kernel<128><<<grid, kScoreThreads, smem, s>>>(p, sp);
   else
@@ -2493,6 +2547,14 @@ cudaError_t score_pass(const EstimateLaunch& p, const ScorePass& sp, cudaStream_
   if (!sp.col && !sp.part_d && !sp.probs) {  // mass alone: from the stats, no second pass
     const int64_t n = int64_t(sp.n_heads) * p.n_chunks;
     block_mass_kernel<<<unsigned((n + 255) / 256), 256, 0, s>>>(p, sp);
+    return cudaGetLastError();
+  }
+  if (grouped && sp.probs && !sp.col && !sp.part_d && !sp.mass) {  // probabilities alone
+    if (p.d == 128)
+      score_stats_group_kernel<128, true>
+          <<<ggrid, kScoreThreads, stats_group_smem(128), s>>>(p, gsp);
+    else
+      score_stats_group_kernel<64, true><<<ggrid, kScoreThreads, stats_group_smem(64), s>>>(p, gsp);
     return cudaGetLastError();
   }
   score_probs_kernel<T><<<grid, kScoreThreads, smem, s>>>(p, sp);
@@ -2534,6 +2596,7 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
       sp.probs = p.cov_p;
       sp.probs_row0 = r0;
       sp.probs_rows = p.cov_rows;
+      sp.probs_stride = p.cov_ps;
       if ((e = score_pass<T>(pc, sp, s)) != cudaSuccess) return e;
     }
   }
@@ -2570,6 +2633,18 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+// Both passes of the grouped scoring kernel at head dim D.
+template <int D>
+cudaError_t set_group_smem() {
+  const int bytes = int(stats_group_smem(D));
+  cudaError_t e = cudaFuncSetAttribute(score_stats_group_kernel<D, false>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(score_stats_group_kernel<D, true>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e;
+}
+
 template <typename T>
 cudaError_t configure(const EstimateLaunch& p) {
   const int smem = int(score_smem_max(p.d));
@@ -2584,14 +2659,8 @@ cudaError_t configure(const EstimateLaunch& p) {
   if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
     e = cudaFuncSetAttribute(score_stats_mma_kernel<64>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
-    e = cudaFuncSetAttribute(score_stats_group_kernel<128>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(stats_group_smem(128)));
-  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>)
-    e = cudaFuncSetAttribute(score_stats_group_kernel<64>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(stats_group_smem(64)));
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>) e = set_group_smem<128>();
+  if (e == cudaSuccess && std::is_same_v<T, __nv_bfloat16>) e = set_group_smem<64>();
   if (e == cudaSuccess && (!p.block_stream || p.block_mass_heads > 0))
     e = cudaFuncSetAttribute(block_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(sparse_estimate_block_smem(p.n_kb, p.d, p.block_select_group)));
