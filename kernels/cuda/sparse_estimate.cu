@@ -1429,20 +1429,21 @@ __device__ void block_add(double v, double* dst) {
   }
 }
 
-// grid (ceil(n_cx / (256 kSumsPer)), n_cov): items x .. x + kSumsPer - 1 a thread, each item's
-// mass over the scoring rows, rows in order, summed in double: the plain column and diagonal
-// sums (into col / diag of the slot, the top-up's ranking) and the residual before round 1
-// (entries no forced item covers, into cov_resd); the round table reset (forced items 0, the
-// rest -1) and the total (the plain column sums) accumulated. Coalesced: a column's threads read
-// row r's consecutive keys, a diagonal's the same row's keys in descending order. Adjacent items
-// a thread, not one: one load in flight a thread held the kernel to about 1 TB/s at 1M (10.8 ms a
-// 4-head group under ncu); loads of rows ahead instead were slower (fadbb63, bench/NOTES.md
-// sixty-third session).
+// grid (ceil(n_cx / (256 kSumsPer)), n_cov): kSumsPer items a thread, 256 apart (item
+// blockIdx.x * 256 kSumsPer + u * 256 + threadIdx.x), each item's mass over the scoring rows,
+// rows in order, summed in double: the plain column and diagonal sums (into col / diag of the
+// slot, the top-up's ranking) and the residual before round 1 (entries no forced item covers,
+// into cov_resd); the round table reset (forced items 0, the rest -1) and the total (the plain
+// column sums) accumulated. Each load instruction is coalesced: a column's threads read row r's
+// consecutive keys, a diagonal's the same row's keys in descending order. Several items a
+// thread: one load in flight a thread held the kernel to about 1 TB/s at 1M (10.8 ms a 4-head
+// group under ncu). Loads of rows ahead were slower (fadbb63), and so were 4 adjacent items a
+// thread, whose loads each touched 4x the sectors (97fba44; bench/NOTES.md sixty-fourth session).
 constexpr int kSumsPer = 4;
 __global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p) {
   const int c = blockIdx.y;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
-  const int64_t x0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kSumsPer;
+  const int64_t x0 = int64_t(blockIdx.x) * blockDim.x * kSumsPer + threadIdx.x;
   const int hs = p.n_vs - p.n_cov + c;
   const EstHead& eh = p.heads[p.cov_heads[c]];
   const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(p.cov_ps);
@@ -1450,7 +1451,7 @@ __global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p)
   bool forced[kSumsPer];
 #pragma unroll
   for (int u = 0; u < kSumsPer; ++u) {
-    const int64_t x = x0 + u;
+    const int64_t x = x0 + u * 256;
     forced[u] = x < nc ? x < eh.sink : x - nc <= eh.local;
     if (x < ncx) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced[u] ? 0 : -1;
   }
@@ -1462,7 +1463,7 @@ __global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p)
       int64_t j[kSumsPer];
 #pragma unroll
       for (int u = 0; u < kSumsPer; ++u) {  // every load first, then the sums
-        const int64_t x = x0 + u;
+        const int64_t x = x0 + u * 256;
         j[u] = x < nc ? x : pos - (x - nc);
         v[u] = x < ncx && j[u] >= 0 && j[u] < nc && j[u] <= pos ? row[j[u]] : 0.f;
       }
@@ -1476,7 +1477,7 @@ __global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p)
   double tot = 0;
 #pragma unroll
   for (int u = 0; u < kSumsPer; ++u) {
-    const int64_t x = x0 + u;
+    const int64_t x = x0 + u * 256;
     if (x >= ncx) continue;
     p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0[u];
     if (x < nc) {
