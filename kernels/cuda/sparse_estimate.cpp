@@ -167,7 +167,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
   if (L.n_cov > 0) cov_local = scoring_rows(L.nq, patterns[size_t(cov_heads[0])].spread_rows);
   for (int64_t r : cov_local) cov_pos.push_back(q_offset + r);
   L.cov_rows = int64_t(cov_local.size());
-  L.cov_ps = (L.kend_last + 7) / 8 * 8 + 8;
   L.cov_max_rounds = kVsCoverRounds;
   L.cov_finish = kVsCoverFinish;
   L.n_vs = int(vs_heads.size());
@@ -228,7 +227,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.n_runs = c.take<int32_t>(nv);
     const size_t ncov = size_t(L.n_cov), ncx = size_t(L.kend_last + L.n_diag);
     L.cov_q = c.take<char>(ncov ? size_t(L.cov_rows * L.hq * L.d) * (L.bf16 ? 2 : 4) : 0);
-    L.cov_p = c.take<float>(ncov * size_t(L.cov_rows) * size_t(L.cov_ps));
+    L.cov_p = c.take<float>(ncov * size_t(L.n_chunks) * size_t(L.cov_rows) * kB);
     L.cov_resd = c.take<double>(ncov * ncx);
     L.cov_res = c.take<float>(ncov * ncx);
     L.cov_sum = c.take<double>(ncov * 2);

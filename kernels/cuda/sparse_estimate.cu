@@ -66,10 +66,29 @@ struct ScorePass {
   // Rows not contiguous in the prompt (vs_cover's): q rows r0 .. of p.q (a gathered copy), each at
   // absolute position pos[i] (ascending); null: row i at q_offset + r0 + i.
   const int64_t* pos = nullptr;
-  // Each row's probabilities, [n_heads][probs_rows][kend_last] at row probs_row0 + i, or null.
+  // Each row's probabilities in cov_p's layout ([n_heads][n_chunks][probs_rows][64], row
+  // probs_row0 + i), or null.
   float* probs = nullptr;
-  int64_t probs_row0 = 0, probs_rows = 0, probs_stride = 0;  // stride: floats a row
+  int64_t probs_row0 = 0, probs_rows = 0;
 };
+
+// Where a pass's probability of (head slot hs, row i, key c0 + j) goes: cov_p's layout, a
+// [probs_rows][64] tile per 64-key chunk (sparse_estimate_launch.h).
+__device__ __forceinline__ float* probs_at(const EstimateLaunch& p, const ScorePass& sp, int64_t hs,
+                                           int64_t i, int64_t chunk) {
+  return sp.probs +
+         ((size_t(hs) * size_t(p.n_chunks) + size_t(chunk)) * size_t(sp.probs_rows) +
+          size_t(sp.probs_row0 + i)) *
+             kB;
+}
+
+// cov_p's entry of cover head c, scoring row r, key j.
+__device__ __forceinline__ size_t cov_at(const EstimateLaunch& p, int64_t c, int64_t r,
+                                         int64_t j) {
+  return ((size_t(c) * size_t(p.n_chunks) + size_t(j / kB)) * size_t(p.cov_rows) + size_t(r)) *
+             kB +
+         size_t(j % kB);
+}
 
 // Absolute position of the pass's row i.
 __device__ __forceinline__ int64_t row_pos(const EstimateLaunch& p, const ScorePass& sp,
@@ -453,13 +472,12 @@ size_t stats_group_smem(int64_t d) {
   return size_t(kGroupHeads + 2) * size_t(kB * tile_stride_b(d)) * 2;
 }
 
-//
 // kProbs: the second pass instead, for passes that want only each row's probabilities (vs_cover's
 // rows: no column sums, diagonal partials or mass): exp(logit - lse) of every visible key, 0 past
-// a row's causal limit, stored from the registers as float2, so each store instruction fills
-// whole 32-byte sectors of 8 rows (fadbb63 stored single floats, half of each sector an
-// instruction, and took 4.4 ms a launch at 1M against the CUDA-core pass's 3.3;
-// bench/NOTES.md sixty-third and sixty-fourth sessions).
+// a row's causal limit, stored from the registers as float2 (whole 32-byte sectors of 8 rows an
+// instruction) into cov_p's chunk tiles. Single-float stores into 1M-key rows took 4.4 ms a
+// launch at 1M (fadbb63), float2 ones 2.2 ms, the CUDA-core pass 3.3 (bench/NOTES.md
+// sixty-third and sixty-fourth sessions).
 template <int D, bool kProbs>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
@@ -548,13 +566,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2)
         if constexpr (kProbs) {
           if (i < sp.L) {
             const float lse = p.lse[hs * kB + i];
-            float* dst = sp.probs +
-                         (size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
-                             size_t(sp.probs_stride) +
-                         size_t(c0);
+            float* dst = probs_at(p, sp, hs, i, chunk);
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
-              const int j = n * 8 + 2 * t;  // j + 1 < the row stride (a multiple of 8 floats)
+              const int j = n * 8 + 2 * t;  // j + 1 < 64: inside the row's 64 floats
               if (j >= kc) continue;
               float2 v;
               v.x = j < lim && lse != -INFINITY ? expf(c[m][n][2 * half] * p.scale - lse) : 0.f;
@@ -677,10 +692,7 @@ __global__ void __launch_bounds__(kScoreThreads)
           const float lse = p.lse[hs * kB + i];
           const int64_t lim = row_pos(p, sp, i) + 1 - c0;  // row i sees keys j < lim
           if (j < lim && j < kc && lse != -INFINITY) v = expf(ss[i * (kB + 1) + j] - lse);
-          if (sp.probs && j < kc)
-            sp.probs[(size_t(hs) * size_t(sp.probs_rows) + size_t(sp.probs_row0 + i)) *
-                         size_t(sp.probs_stride) +
-                     size_t(c0 + j)] = v;
+          if (sp.probs && j < kc) probs_at(p, sp, hs, i, chunk)[j] = v;
         }
         ss[i * (kB + 1) + j] = v;
       }
@@ -1429,65 +1441,40 @@ __device__ void block_add(double v, double* dst) {
   }
 }
 
-// grid (ceil(n_cx / (256 kSumsPer)), n_cov): kSumsPer items a thread, 256 apart (item
-// blockIdx.x * 256 kSumsPer + u * 256 + threadIdx.x), each item's mass over the scoring rows,
-// rows in order, summed in double: the plain column and diagonal sums (into col / diag of the
-// slot, the top-up's ranking) and the residual before round 1 (entries no forced item covers,
-// into cov_resd); the round table reset (forced items 0, the rest -1) and the total (the plain
-// column sums) accumulated. Each load instruction is coalesced: a column's threads read row r's
-// consecutive keys, a diagonal's the same row's keys in descending order. Several items a
-// thread: one load in flight a thread held the kernel to about 1 TB/s at 1M (10.8 ms a 4-head
-// group under ncu). Loads of rows ahead were slower (fadbb63), and so were 4 adjacent items a
-// thread, whose loads each touched 4x the sectors (97fba44; bench/NOTES.md sixty-fourth session).
-constexpr int kSumsPer = 4;
-__global__ void __launch_bounds__(256) cover_sums_kernel(const EstimateLaunch p) {
+// grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
+// double: the plain column and diagonal sums (into col / diag of the slot, the top-up's ranking)
+// and the residual before round 1 (entries no forced item covers, into cov_resd); the round table
+// reset (forced items 0, the rest -1) and the total (the plain column sums) accumulated.
+// Coalesced: a column's threads read row r's consecutive keys, a diagonal's the same row's keys
+// in descending order. (Measured slower under ncu at 1M: 8 rows' loads issued ahead, fadbb63,
+// 17.2 ms a 4-head group against 10.8; 4 items a thread, 13.5 ms, 14e2ba7.)
+__global__ void cover_sums_kernel(const EstimateLaunch p) {
   const int c = blockIdx.y;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
-  const int64_t x0 = int64_t(blockIdx.x) * blockDim.x * kSumsPer + threadIdx.x;
+  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int hs = p.n_vs - p.n_cov + c;
   const EstHead& eh = p.heads[p.cov_heads[c]];
-  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(p.cov_ps);
-  double s[kSumsPer] = {}, r0[kSumsPer] = {};
-  bool forced[kSumsPer];
-#pragma unroll
-  for (int u = 0; u < kSumsPer; ++u) {
-    const int64_t x = x0 + u * 256;
-    forced[u] = x < nc ? x < eh.sink : x - nc <= eh.local;
-    if (x < ncx) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced[u] ? 0 : -1;
-  }
-  if (x0 < ncx)
+  const bool col = x < nc;
+  double s = 0, r0 = 0;
+  if (x < ncx) {
+    const bool forced = col ? x < eh.sink : x - nc <= eh.local;
+    p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
     for (int64_t r = 0; r < p.cov_rows; ++r) {
       const int64_t pos = p.cov_pos[r];
-      const float* row = P + size_t(r) * size_t(p.cov_ps);
-      float v[kSumsPer];
-      int64_t j[kSumsPer];
-#pragma unroll
-      for (int u = 0; u < kSumsPer; ++u) {  // every load first, then the sums
-        const int64_t x = x0 + u * 256;
-        j[u] = x < nc ? x : pos - (x - nc);
-        v[u] = x < ncx && j[u] >= 0 && j[u] < nc && j[u] <= pos ? row[j[u]] : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kSumsPer; ++u) {
-        if (v[u] == 0.f) continue;  // hidden entries are 0; a visible 0 adds nothing either
-        s[u] += double(v[u]);
-        if (!forced[u] && j[u] >= eh.sink && pos - j[u] > eh.local) r0[u] += double(v[u]);
-      }
+      const int64_t j = col ? x : pos - (x - nc);
+      if (j < 0 || j >= nc || j > pos) continue;
+      const double v = double(p.cov_p[cov_at(p, c, r, j)]);
+      s += v;
+      if (!forced && j >= eh.sink && pos - j > eh.local) r0 += v;
     }
-  double tot = 0;
-#pragma unroll
-  for (int u = 0; u < kSumsPer; ++u) {
-    const int64_t x = x0 + u * 256;
-    if (x >= ncx) continue;
-    p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0[u];
-    if (x < nc) {
-      p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s[u]);
-      tot += double(float(s[u]));  // the floats ranked, as the CPU adds them
-    } else {
-      p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s[u]);
-    }
+    p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0;
+    if (col)
+      p.col[size_t(hs) * size_t(nc) + size_t(x)] = float(s);
+    else
+      p.diag[size_t(hs) * size_t(nd) + size_t(x - nc)] = float(s);
   }
-  block_add(tot, p.cov_sum + 2 * c);  // the total: the block's column sums
+  // The total: the block's column sums (of the floats ranked, as the CPU adds them).
+  block_add(col && x < ncx ? double(float(s)) : 0.0, p.cov_sum + 2 * c);
 }
 
 // grid (ceil(n_cx / 256), n_cov), before round k's selection: the residuals as the floats the
@@ -1766,7 +1753,6 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
   const int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
   const int32_t* list = p.cov_list + size_t(c) * size_t(ncx);
   double* resd = p.cov_resd + size_t(c) * size_t(ncx);
-  const float* P = p.cov_p + size_t(c) * size_t(p.cov_rows) * size_t(p.cov_ps);
   const int64_t work = int64_t(p.cov_n_list[c]) * p.cov_rows;
   auto old = [&](int32_t r) { return r >= 0 && r < round; };
   for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < work;
@@ -1780,7 +1766,7 @@ __global__ void cover_update_kernel(const EstimateLaunch p, int round) {
     if (old(rc) || old(rdg)) continue;  // covered before this round
     const int64_t other = x < nc ? nc + o : j;
     if (rd[other] == round) continue;  // taken in this round too
-    atomicAdd(resd + other, -double(P[size_t(r) * size_t(p.cov_ps) + size_t(j)]));
+    atomicAdd(resd + other, -double(p.cov_p[cov_at(p, c, r, j)]));
   }
 }
 
@@ -1825,8 +1811,7 @@ cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
   if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hcnt, 0, nh * sizeof(uint32_t), s);
   if (e == cudaSuccess) e = cudaMemsetAsync(p.cov_hmass, 0, nh * sizeof(double), s);
   if (e != cudaSuccess) return e;
-  const dim3 sumgrid(unsigned((ncx + 256 * kSumsPer - 1) / (256 * kSumsPer)), unsigned(p.n_cov));
-  cover_sums_kernel<<<sumgrid, 256, 0, s>>>(p);
+  cover_sums_kernel<<<sgrid, 256, 0, s>>>(p);
   const dim3 hgrid(unsigned((ncx + 256 * kCoverPer - 1) / (256 * kCoverPer)), unsigned(p.n_cov));
   for (int k = 1; k <= p.cov_max_rounds; ++k) {
     cover_prep_kernel<<<sgrid, 256, 0, s>>>(p);
@@ -2597,7 +2582,6 @@ cudaError_t launch_all(const EstimateLaunch& p, cudaStream_t s) {
       sp.probs = p.cov_p;
       sp.probs_row0 = r0;
       sp.probs_rows = p.cov_rows;
-      sp.probs_stride = p.cov_ps;
       if ((e = score_pass<T>(pc, sp, s)) != cudaSuccess) return e;
     }
   }

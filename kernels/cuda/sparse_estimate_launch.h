@@ -73,11 +73,11 @@ struct EstimateLaunch {
   const int64_t* cov_local = nullptr;  // [cov_rows] local q rows, ascending
   const int64_t* cov_pos = nullptr;    // [cov_rows] their absolute positions
   void* cov_q = nullptr;               // [cov_rows, hq, d] those rows of q (q's type)
-  float* cov_p = nullptr;              // [n_cov * cov_rows * cov_ps] softmax, 0 past causal
-  // cov_p's row stride in floats: kend_last rounded up to 8 (32-byte rows, whole sectors for the
-  // probabilities pass's float2 stores) plus 8, so rows of a power-of-two length do not all
-  // start at the same DRAM channel offset.
-  int64_t cov_ps = 0;
+  // The scoring rows' softmax, 0 past causal: [n_cov][n_chunks][cov_rows][64], a tile of every
+  // row for each 64-key chunk, so what one CTA writes (a chunk of 64 rows) and what a column's
+  // sums read (a key over all rows) lie within a few pages: row-major over 1M keys, each row 4 MB
+  // from the next, the writes ran at 0.75 TB/s (bench/NOTES.md sixty-fourth session).
+  float* cov_p = nullptr;
   double* cov_resd = nullptr;          // [n_cov * n_cx] residuals, kept up to date by updates
   float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals, ranked (scratch after)
   double* cov_sum = nullptr;           // [n_cov * 2] total (plain column sums), uncovered
