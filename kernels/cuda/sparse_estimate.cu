@@ -1441,6 +1441,19 @@ __device__ void block_add(double v, double* dst) {
   }
 }
 
+// The first of rows 0 .. n - 1 (positions non-decreasing) at position >= v; n if none.
+__device__ __forceinline__ int64_t first_row_at(const int64_t* pos, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (pos[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 // grid (ceil(n_cx / 256), n_cov): item x's mass over the scoring rows, rows in order, summed in
 // double: the plain column and diagonal sums (into col / diag of the slot, the top-up's ranking)
 // and the residual before round 1 (entries no forced item covers, into cov_resd); the round table
@@ -1459,13 +1472,41 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
   if (x < ncx) {
     const bool forced = col ? x < eh.sink : x - nc <= eh.local;
     p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
-    for (int64_t r = 0; r < p.cov_rows; ++r) {
-      const int64_t pos = p.cov_pos[r];
-      const int64_t j = col ? x : pos - (x - nc);
-      if (j < 0 || j >= nc || j > pos) continue;
-      const double v = double(p.cov_p[cov_at(p, c, r, j)]);
-      s += v;
-      if (!forced && j >= eh.sink && pos - j > eh.local) r0 += v;
+    // The rows are ascending in position, so the rows holding an entry of the item, and those
+    // whose entry is residual (no forced item covers it), are two ranges found by bisection;
+    // the loops then carry no per-row test (more loads in flight did not speed the kernel up,
+    // so it was likely bound by issuing those tests; bench/NOTES.md sixty-fourth session).
+    // Column x: key x, rows at pos >= x; residual when x >= sink, from pos > x + local.
+    // Diagonal o: key pos - o, rows at o <= pos < nc + o; residual when o > local, from
+    // pos >= o + sink.
+    const int64_t o = col ? 0 : x - nc;
+    const int64_t* pos = p.cov_pos;
+    const int64_t n = p.cov_rows;
+    const int64_t r_in = first_row_at(pos, n, col ? x : o);
+    const int64_t r_end = col ? n : first_row_at(pos, n, nc + o);
+    int64_t r_res = r_end;
+    if (!forced) r_res = first_row_at(pos, n, col ? x + eh.local + 1 : o + eh.sink);
+    r_res = r_res < r_in ? r_in : r_res > r_end ? r_end : r_res;
+    const float* P = p.cov_p + size_t(c) * size_t(p.n_chunks) * size_t(n) * kB;
+    if (col) {  // row r's entry: chunk x / 64's tile, row r, lane x % 64
+      const float* e = P + size_t(x / kB) * size_t(n) * kB + size_t(x % kB);
+      for (int64_t r = r_in; r < r_res; ++r) s += double(e[size_t(r) * kB]);
+      for (int64_t r = r_res; r < r_end; ++r) {
+        const double v = double(e[size_t(r) * kB]);
+        s += v;
+        r0 += v;
+      }
+    } else {
+      auto at = [&](int64_t r) {
+        const int64_t j = pos[r] - o;
+        return double(P[(size_t(j / kB) * size_t(n) + size_t(r)) * kB + size_t(j % kB)]);
+      };
+      for (int64_t r = r_in; r < r_res; ++r) s += at(r);
+      for (int64_t r = r_res; r < r_end; ++r) {
+        const double v = at(r);
+        s += v;
+        r0 += v;
+      }
     }
     p.cov_resd[size_t(c) * size_t(ncx) + size_t(x)] = r0;
     if (col)
