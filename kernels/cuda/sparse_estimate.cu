@@ -1441,12 +1441,13 @@ __device__ void block_add(double v, double* dst) {
   }
 }
 
-// The first of rows 0 .. n - 1 (positions non-decreasing) at position >= v; n if none.
-__device__ __forceinline__ int64_t first_row_at(const int64_t* pos, int64_t n, int64_t v) {
+// The first i in [0, n) with a[i] >= v (a non-decreasing); n if none.
+template <typename T>
+__device__ __forceinline__ int64_t first_at_least(const T* a, int64_t n, T v) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (pos[mid] < v)
+    if (a[mid] < v)
       lo = mid + 1;
     else
       hi = mid;
@@ -1482,10 +1483,10 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
     const int64_t o = col ? 0 : x - nc;
     const int64_t* pos = p.cov_pos;
     const int64_t n = p.cov_rows;
-    const int64_t r_in = first_row_at(pos, n, col ? x : o);
-    const int64_t r_end = col ? n : first_row_at(pos, n, nc + o);
+    const int64_t r_in = first_at_least<int64_t>(pos, n, col ? x : o);
+    const int64_t r_end = col ? n : first_at_least<int64_t>(pos, n, nc + o);
     int64_t r_res = r_end;
-    if (!forced) r_res = first_row_at(pos, n, col ? x + eh.local + 1 : o + eh.sink);
+    if (!forced) r_res = first_at_least<int64_t>(pos, n, col ? x + eh.local + 1 : o + eh.sink);
     r_res = r_res < r_in ? r_in : r_res > r_end ? r_end : r_res;
     const float* P = p.cov_p + size_t(c) * size_t(p.n_chunks) * size_t(n) * kB;
     if (col) {  // row r's entry: chunk x / 64's tile, row r, lane x % 64
@@ -2344,15 +2345,7 @@ struct SlotWriter {
   int nb = 0, nc = 0;  // entries so far (uniform over the warp; may pass the capacities)
 
   __device__ int first_at_least(int x) const {
-    int lo = 0, hi = ncol;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (cols[mid] < x)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    return lo;
+    return int(::sf::kernels::cuda::first_at_least<int32_t>(cols, ncol, x));
   }
 
   // Where the range [A, E) with the next range at next_a ends once emitted: past E when its tail
