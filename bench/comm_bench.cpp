@@ -24,6 +24,7 @@
 #include "comm/nccl_communicator.h"
 #include "common/args.h"
 #include "common/text.h"
+#include "common/timing.h"
 
 #if SF_HAVE_NCCL
 #include <cuda_runtime.h>
@@ -81,7 +82,7 @@ Result<std::pair<double, bool>> time_gather(comm::Communicator& c, const std::ve
       SF_TRY(c.all_gather(send, recv, counts[0], DType::kBF16));
     else
       SF_TRY(c.all_gatherv(send, counts[size_t(me)], recv, counts, DType::kBF16));
-    if (rep > 0) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (rep > 0) t.push_back(sf::seconds_since(t0));
   }
   std::sort(t.begin(), t.end());
   std::vector<uint16_t> got(static_cast<size_t>(total));

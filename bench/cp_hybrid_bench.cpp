@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/timing.h"
 #include "kernels/sparse.h"
 #include "kernels/sparse_index.h"
 #include "tools/eval/quality.h"
@@ -239,7 +240,7 @@ int main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   auto r = model::prefill(m.value(), ids, o);
   if (!r.is_ok()) return die(r.status());
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = sf::seconds_since(t0);
   std::printf("%zu tokens, density %.4f, %d dense layers, %.1f s (prefill and counting)\n",
               ids.size(), r->density, dense_layers, secs);
   boost::json::array recs;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "kernels/api.h"
 #include "kernels/sparse.h"
 
@@ -116,7 +117,7 @@ int64_t computed_blocks(const kn::SparseIndex& idx) {
 double seconds_of(const std::function<void()>& f) {
   const auto t0 = std::chrono::steady_clock::now();
   f();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return sf::seconds_since(t0);
 }
 
 // Best of `reps` for each of two functions, run alternately so that load from other processes

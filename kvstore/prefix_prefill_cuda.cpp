@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "kernels/api.h"
 #include "kvstore/prefix_prefill.h"
 
@@ -115,7 +116,7 @@ struct DevicePrefixPrefill::Impl {
     const size_t n = size_t(hit_p * kv_dim());
     const float* src = host_prefix + size_t(l) * 2 * n;
     parallel_copy_pair(k, src, v, src + n, n);
-    fill_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fill_s += sf::seconds_since(t0);
     return Status::ok();
   }
 
@@ -235,26 +236,23 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
   // On a hit the run's KV is already the whole prompt's: the forward drains the suffix's rows
   // after P lead rows that fill_lead writes from the pinned prefix copies, layer by layer.
   PrefixPrefillStats times;
-  const auto since = [](std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
   {
     auto t0 = std::chrono::steady_clock::now();
     bool planned = false;  // a reused plan's lookup is not a plan (plan_s stays 0)
     if (P == 0) {
       const Status st = I.plan_miss(S, po, &planned);
-      times.plan_s = planned ? since(t0) : 0.0;
+      times.plan_s = planned ? seconds_since(t0) : 0.0;
       t0 = std::chrono::steady_clock::now();
       run = st.is_ok() ? I.miss_plan->run(tokens) : Result<model::PrefillResult>(st);
-      times.forward_s = since(t0);
+      times.forward_s = seconds_since(t0);
     } else {
       const Status st = I.plan_hit(S, P, po, &planned);
-      times.plan_s = planned ? since(t0) : 0.0;
+      times.plan_s = planned ? seconds_since(t0) : 0.0;
       t0 = std::chrono::steady_clock::now();
       I.fill_s = 0;
       run = st.is_ok() ? I.hit_plan->run(tokens) : Result<model::PrefillResult>(st);
       I.drain();
-      times.forward_s = since(t0);
+      times.forward_s = seconds_since(t0);
       times.assemble_s = I.fill_s;  // inside forward_s: the prefix rows' share of the KV drain
     }
     const Status up = I.cache->unpin_blocks(I.blocks);
@@ -270,7 +268,7 @@ Result<model::PrefillResult> DevicePrefixPrefill::run(std::span<const int32_t> t
     ins = I.cache->insert(I.model_id, tokens, [&](int l, bool value) {
       return (value ? kv.v : kv.k)[size_t(l)].data();
     });
-  times.insert_s = since(ti);
+  times.insert_s = seconds_since(ti);
   if (!I.keep_kv) {
     kv.k.clear();
     kv.v.clear();

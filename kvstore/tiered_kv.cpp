@@ -15,6 +15,8 @@
 #include <mutex>
 #include <thread>
 
+#include "common/timing.h"
+
 namespace sf::kvstore {
 namespace {
 // Layers enqueued and not yet placed, at most, when a disk tier drains the host: the one being
@@ -362,7 +364,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
              (drain_->queue.empty() && drain_->current < 0);
     });
     host_wait_s_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        sf::seconds_since(t0);
     SF_TRY(drain_->error);
   }
   Result<std::vector<BlockId>> got = pool_->alloc_batch(where, Tier::kHost);

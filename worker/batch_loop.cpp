@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "common/text.h"
+#include "common/timing.h"
 #include "kvstore/retention.h"
 #include "worker/job_comm.h"
 #include "worker/job_identity.h"
@@ -22,7 +23,6 @@ namespace sf::worker {
 namespace {
 
 using clk = std::chrono::steady_clock;
-double since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
 
 // SF_WORKER_FAULT=stop_sum:R:N: world rank R stops (SIGSTOP) before enqueuing its Nth overlapped
 // TP sum; no hook elsewhere.
@@ -166,13 +166,13 @@ bool BatchLoop::admit(const runtime::BatchRequest& r, double* wait_s) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (!fits) complete(std::move(pending_));
-    *wait_s = since(w0);
+    *wait_s = seconds_since(w0);
     if (fits && g.leader()) {
       const int n_layers = s_.m->config().n_layers;
       std::printf("[group %d] %s: starts with %d of %s's %d layers of K/V not yet freed here, "
                   "after %.2f s\n",
                   g.group, r.id.c_str(), n_layers - pending_->freed_layers.load(),
-                  pending_->r->id.c_str(), n_layers, since(w0));
+                  pending_->r->id.c_str(), n_layers, seconds_since(w0));
       std::fflush(stdout);
     }
   }

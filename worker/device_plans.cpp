@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "common/timing.h"
 #include "worker/job_comm.h"
 
 namespace sf::worker {
@@ -58,7 +59,7 @@ Result<runtime::ParallelResult> DevicePlans::run(std::span<const int32_t> tokens
       ok = agree(*g.group_comm, plan.status());
       if (g.group_comm->aborted()) end_job(g.group_comm->abort_status());
     }
-    plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
+    plan_s = sf::seconds_since(p0);
     if (!ok.is_ok()) {
       if (!buffers_) staging_held_ = 0;
       return ok;

@@ -1,3 +1,4 @@
+#include "common/timing.h"
 #include "worker/prefix_requests.h"
 
 #include <algorithm>
@@ -73,7 +74,7 @@ Result<runtime::ParallelResult> PrefixRequests::run(const runtime::BatchRequest&
   runtime::ParallelStats& s = out.stats;
   s.plan_s = pst.plan_s;
   s.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - pst.plan_s;
+      sf::seconds_since(t0) - pst.plan_s;
   s.attention_s = hr->attention_s;
   s.estimate_s = hr->estimate_s;
   s.importance_s = hr->importance_s;

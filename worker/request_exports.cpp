@@ -10,6 +10,7 @@
 
 #include "common/file_io.h"
 #include "common/text.h"
+#include "common/timing.h"
 #include "worker/job_comm.h"
 #include "worker/request_summary.h"
 
@@ -18,7 +19,6 @@ namespace {
 
 using clk = std::chrono::steady_clock;
 
-double since(clk::time_point t0) { return std::chrono::duration<double>(clk::now() - t0).count(); }
 
 // The files' writer on its own thread; where no thread can be had (std::system_error), the write
 // runs here: the group's next collective (finish) must not wait on a rank that gave up. Its time
@@ -31,7 +31,7 @@ std::future<WriteOutcome> launch(Write write,
   const auto w0 = clk::now();
   auto timed = [write, w0] {
     WriteOutcome w = write();
-    w.seconds = since(w0);
+    w.seconds = seconds_since(w0);
     return w;
   };
   try {
@@ -159,7 +159,7 @@ void RequestExports::start(PendingExport& x) {
   if (s_.o->export_mode == "sharded") {
     auto b = runtime::ShardedExport::begin(g, x.dir, x.spec, x.res.kv);
     if (group_aborted()) end_job(b.status());
-    x.begin_s = since(t0);
+    x.begin_s = seconds_since(t0);
     if (!b.is_ok()) {
       x.begun = b.status();
       return;
@@ -252,7 +252,7 @@ bool RequestExports::complete(std::unique_ptr<PendingExport> x) {
   const Options& o = *s_.o;
   const auto w0 = clk::now();
   const WriteOutcome w = wait_writer(*x);
-  const double wait_s = since(w0);
+  const double wait_s = seconds_since(w0);
   const auto f0 = clk::now();
   Status st;
   if (o.export_mode == "sharded") {
@@ -279,7 +279,7 @@ bool RequestExports::complete(std::unique_ptr<PendingExport> x) {
     }
     if (!bs.is_ok()) end_job(bs);
   }
-  const double finish_s = since(f0);
+  const double finish_s = seconds_since(f0);
   if (!g.leader()) return true;
   if (!st.is_ok()) {
     std::fprintf(stderr, "%s:%lld: request '%s' failed: %s\n", o.batch.c_str(),

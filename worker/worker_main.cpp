@@ -30,6 +30,7 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "kvstore/kv_export.h"
 #include "worker/batch_loop.h"
 #include "worker/dry_run.h"
@@ -72,7 +73,7 @@ using worker::plain_bf16;
 int run(int argc, char** argv) {
   const auto job_t0 = std::chrono::steady_clock::now();
   const auto job_s = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - job_t0).count();
+    return sf::seconds_since(job_t0);
   };
   const Status mpi = comm::mpi_init(&argc, &argv);
   // An MPI that started but cannot host the job's threads ends it: running on as N one-rank jobs

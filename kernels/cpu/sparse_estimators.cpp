@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/cpu_sparse.h"
 #include "kernels/sparse_select.h"
@@ -558,7 +559,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   }
   stats->density = out->density();
   stats->estimate_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      sf::seconds_since(t_start);
   return Status::ok();
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/timing.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/sparse_select.h"
 
@@ -467,7 +468,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     stats->clamped_heads = plan.clamped_heads;
     stats->density = out->density();
     stats->estimate_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        sf::seconds_since(t0);
   }
   return Status::ok();
 }

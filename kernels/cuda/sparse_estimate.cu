@@ -1459,9 +1459,11 @@ __device__ __forceinline__ int64_t first_at_least(const T* a, int64_t n, T v) {
 // double: the plain column and diagonal sums (into col / diag of the slot, the top-up's ranking)
 // and the residual before round 1 (entries no forced item covers, into cov_resd); the round table
 // reset (forced items 0, the rest -1) and the total (the plain column sums) accumulated.
-// Coalesced: a column's threads read row r's consecutive keys, a diagonal's the same row's keys
-// in descending order. (Measured slower under ncu at 1M: 8 rows' loads issued ahead, fadbb63,
-// 17.2 ms a 4-head group against 10.8; 4 items a thread, 13.5 ms, 14e2ba7.)
+// Coalesced where a warp's items share their row ranges (almost everywhere): a column's threads
+// read row r's consecutive keys, a diagonal's the same row's keys in descending order; near a
+// scoring row's own key or offset, lanes start at different rows. (Measured slower under ncu at
+// 1M: 8 rows' loads issued ahead, fadbb63, 17.2 ms a 4-head group against 10.8; 4 items a
+// thread, 13.5 ms, 14e2ba7.)
 __global__ void cover_sums_kernel(const EstimateLaunch p) {
   const int c = blockIdx.y;
   const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;

@@ -74,9 +74,10 @@ struct EstimateLaunch {
   const int64_t* cov_pos = nullptr;    // [cov_rows] their absolute positions
   void* cov_q = nullptr;               // [cov_rows, hq, d] those rows of q (q's type)
   // The scoring rows' softmax, 0 past causal: [n_cov][n_chunks][cov_rows][64], a tile of every
-  // row for each 64-key chunk, so what one CTA writes (a chunk of 64 rows) and what a column's
-  // sums read (a key over all rows) lie within a few pages: row-major over 1M keys, each row 4 MB
-  // from the next, the writes ran at 0.75 TB/s (bench/NOTES.md sixty-fourth session).
+  // row for each 64-key chunk, so what a CTA writes at once (a chunk's 64 rows of a head, 16 KB)
+  // and what a column's sums read (a key over all rows) lie within a few pages: row-major over 1M
+  // keys, each row 4 MB from the next, the writes ran at about 0.75 TB/s (bench/NOTES.md
+  // sixty-fourth session).
   float* cov_p = nullptr;
   double* cov_resd = nullptr;          // [n_cov * n_cx] residuals, kept up to date by updates
   float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals, ranked (scratch after)

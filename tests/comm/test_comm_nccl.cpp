@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comm/nccl_communicator.h"
+#include "common/timing.h"
 #include "tests/comm/mpi_gpu_env.h"
 #include "tests/comm/mpi_test_env.h"
 
@@ -88,7 +89,7 @@ TEST(CommNccl, CollectivesAndDeadline) {
   if (w.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   const auto t0 = clock::now();
   const Status st = c.all_reduce(a.p, a.p, n, DType::kF32, comm::ReduceOp::kSum);
-  const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+  const double waited = sf::seconds_since(t0);
   if (w.rank() == 0) {
     std::printf("rank 0: %s after %.3f s\n", st.to_string().c_str(), waited);
     EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
@@ -144,7 +145,7 @@ TEST(CommNccl, EnqueuedAllReduceAndDeadline) {
   const auto t0 = clock::now();
   Status st = c.all_reduce_enqueue(a.p, n, DType::kF32, comm::ReduceOp::kSum, nullptr, nullptr);
   if (st.is_ok()) st = c.wait_enqueued();
-  const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+  const double waited = sf::seconds_since(t0);
   if (w.rank() == 0) {
     std::printf("rank 0 (enqueued): %s after %.3f s\n", st.to_string().c_str(), waited);
     EXPECT_EQ(st.code(), Code::kDeadlineExceeded);
@@ -190,7 +191,7 @@ TEST(CommNccl, StuckEnqueuedSumAbortsACallerBlockedInALaunch) {
     const auto t0 = clock::now();
     auto fut = std::async(std::launch::async, [&]() -> Status {
       if (cudaSetDevice(w.rank()) != cudaSuccess) return SF_ERR(kInternal, "test: device");
-      while (std::chrono::duration<double>(clock::now() - t0).count() < 20.0) {
+      while (sf::seconds_since(t0) < 20.0) {
         // More of the caller's own work than sums: its stream's queue (about a thousand
         // entries) fills at about 32 sums, before the communicator's cap on sums in flight
         // (96) would stop it in all_reduce_enqueue instead.
@@ -213,7 +214,7 @@ TEST(CommNccl, StuckEnqueuedSumAbortsACallerBlockedInALaunch) {
       std::_Exit(1);
     }
     const Status st = fut.get();
-    const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+    const double waited = sf::seconds_since(t0);
     std::printf("rank 0 (stuck sum): %s after %.3f s, %d sums enqueued\n", st.to_string().c_str(),
                 waited, sums.load());
     EXPECT_EQ(st.code(), Code::kDeadlineExceeded) << st.to_string();

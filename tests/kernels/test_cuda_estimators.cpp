@@ -801,6 +801,7 @@ TEST_F(CudaEstimators, CoverMatchesCpu) {
   run_case({3000, 3000, 0, 8, 4, 128}, true, ps);
   run_case({701, 1901, 1200, 8, 2, 128}, true, ps);  // q_offset > 0: rows past the spread; odd
   run_case({1000, 1000, 0, 8, 2, 64}, true, ps);
+  run_case({1000, 1000, 0, 8, 8, 64}, true, ps);  // one query head a KV head: the ungrouped passes
   EXPECT_GT(max_cover_rounds_, 1);  // the rounds, not one threshold
 }
 

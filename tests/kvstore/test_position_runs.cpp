@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "common/timing.h"
 #include "kvstore/position_runs.h"
 #include "tests/common/test_seed.h"
 
@@ -117,11 +118,11 @@ TEST(PositionRuns, ScatteredMillionTokenHeadIsSmallerAndFasterToRead) {
     std::vector<PositionRun> from_json;
     for (const auto& rv : parsed.as_array())
       from_json.emplace_back(rv.as_array()[0].as_int64(), rv.as_array()[1].as_int64());
-    const double json_s = std::chrono::duration<double>(clock::now() - t0).count();
+    const double json_s = sf::seconds_since(t0);
     t0 = clock::now();
     const boost::json::value parsed_runs = boost::json::parse(runs_json);
     auto from_runs = decode_position_runs(std::string(parsed_runs.as_string()), n);
-    const double runs_s = std::chrono::duration<double>(clock::now() - t0).count();
+    const double runs_s = sf::seconds_since(t0);
     ASSERT_TRUE(from_runs.is_ok());
     EXPECT_EQ(from_runs.value(), runs);
     EXPECT_EQ(from_json, runs);

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/timing.h"
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "tests/common/subprocess.h"
@@ -442,7 +443,7 @@ TEST(WorkerGpu, ARankLostMidPrefillEndsTheJobInTime) {
                             (dir / cs.batch).string() + " --out " + out;
     const auto t0 = std::chrono::steady_clock::now();
     const int rc = run(cmd, out + ".log");
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double s = sf::seconds_since(t0);
     const std::string log = slurp(out + ".log");
     EXPECT_NE(rc, 0) << cs.name << ": exit 0 with a lost rank\n" << log;
     EXPECT_LT(s, 60.0) << cs.name << ": a hang (the command is cut at 150 s)";

@@ -13,6 +13,7 @@
 
 #include "common/file_io.h"
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
 #include "worker/model/model.h"
@@ -239,7 +240,7 @@ int cmd_eval(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     auto r = eval::evaluate(m, *tok, doc, &sc.value(), mode, s);
     if (!r.is_ok()) return fail(r.status());
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double dt = sf::seconds_since(t0);
     const auto& e = r.value();
     std::printf("L=%lld density %.3f recall %.4f (min head %.3f; held out %.4f, min head %.3f; last "
                 "block %.4f) ppl_ratio %.4f (tail %.4f) kl %.2e rel_err %.4f "

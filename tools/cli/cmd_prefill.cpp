@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
+#include "common/timing.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/tiered_kv.h"
 #include "tools/cli/cli.h"
@@ -319,7 +320,7 @@ int cmd_prefill(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     auto dm = model::DeviceModel::upload(m, DType::kBF16, 0);
     if (!dm.is_ok()) return fail(dm.status());
-    const double upload_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double upload_s = sf::seconds_since(t0);
     auto plan = model::DevicePrefill::plan(dm.value(), int64_t(ids.size()), opt);
     if (!plan.is_ok()) return fail(plan.status());
     std::printf("device: cuda:0 %s, bf16 weights %.2f GiB (upload %.3f s), workspace %.2f GiB (plan %.3f s), "

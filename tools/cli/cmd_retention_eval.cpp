@@ -22,6 +22,7 @@
 
 #include "common/args.h"
 #include "common/file_io.h"
+#include "common/timing.h"
 #include "decode/decode_session.h"
 #include "kvstore/kv_export.h"
 #include "kvstore/kv_quant.h"
@@ -518,7 +519,7 @@ int cmd_retention_eval(int argc, char** argv) {
       auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
       if (!g.is_ok()) return fail(g.status());
       me.fr_seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - g0).count());
+          sf::seconds_since(g0));
       me.fr_blocks_visited += s2->stats().blocks_visited;
       me.fr_blocks_total += s2->stats().blocks_total;
       me.fr_steps += s2->stats().steps;

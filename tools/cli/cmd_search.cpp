@@ -31,6 +31,7 @@
 
 #include "common/args.h"
 #include "common/file_io.h"
+#include "common/timing.h"
 #include "kernels/sparse.h"
 #include "tools/cli/cli.h"
 #include "tools/eval/quality.h"
@@ -290,7 +291,7 @@ int cmd_search(int argc, char** argv) {
       }
     }
     std::fprintf(stderr, "layer %2d: %zu candidates per head, %.1f s\n", layer, lc.empty() ? 0 : lc[0].size(),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - l0).count());
+                 sf::seconds_since(l0));
   };
   std::printf("search: %s, calibration %s (%zu tokens, run at %lld), target density %.3f, allocation %s\n",
               cfg.name.c_str(), a.get("calib").c_str(), doc.size(), static_cast<long long>(L), target, alloc.c_str());
@@ -396,7 +397,7 @@ int cmd_search(int argc, char** argv) {
     sum_r += lr;
     std::printf("layer %2d: density %.3f recall %.4f:%s\n", l, ld / NH, lr / NH, line.c_str());
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = sf::seconds_since(t0);
   Status st = model::sparse_config_save(sc, a.get("out"));
   if (!st.is_ok()) return fail(st);
   std::printf("patterns:");

@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "common/thread_pool.h"
+#include "common/timing.h"
 #include "kernels/api.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_status.h"
@@ -38,10 +39,6 @@ namespace {
 
 using kernels::cuda::DeviceBuffer;
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 TensorView dview(void* p, DType t, std::initializer_list<int64_t> dims) {
   return TensorView::make(p, t, dims, Device::kCuda);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/timing.h"
 #include "kernels/api.h"
 #include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
@@ -229,7 +230,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     } else {
       const auto a0 = clock::now();
       SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap));
-      res.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
+      res.attention_s += sf::seconds_since(a0);
       pairs_done += causal_pairs;
       if (opt.on_attention) opt.on_attention(l, qv, kv3, nullptr);
     }
@@ -266,7 +267,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
       }
       importance_from_columns(est_columns, reuse, hq / hkv, nk, opt.importance_pool,
                               double(std::min<int64_t>(opt.importance_window, S)), imp.data());
-      res.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
+      res.importance_s += sf::seconds_since(i0);
     }
     est_columns.clear();
     if (opt.on_layer_kv)
@@ -314,7 +315,7 @@ Status extend(const Model& m, std::span<const int32_t> tokens, const PrefillOpti
     kv.k.clear();
     kv.v.clear();
   }
-  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.seconds = sf::seconds_since(t0);
   restore.armed = false;
   return Status::ok();
 }

@@ -7,6 +7,7 @@
 #include <system_error>
 
 #include "common/thread_pool.h"
+#include "common/timing.h"
 
 namespace sf::model {
 
@@ -67,7 +68,7 @@ void KvSizer::run() noexcept {
                 __FILE__, __LINE__);
   }
   std::lock_guard<std::mutex> lk(mu_);
-  seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  seconds_ = sf::seconds_since(t0);
   status_ = st;
   done_ = true;
   cv_.notify_all();

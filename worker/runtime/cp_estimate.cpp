@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "common/dtype.h"
+#include "common/timing.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/sparse_select.h"
 
@@ -809,7 +810,7 @@ Status cp_estimate(comm::Communicator& cp, const CpEstimateArgs& a,
       stats->bytes += bytes.total();
       stats->parts += bytes;
     }
-    stats->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    stats->seconds += sf::seconds_since(t0);
   }
   return Status::ok();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/nccl_communicator.h"
+#include "common/timing.h"
 #include "kernels/cuda/cuda_ops.h"
 
 #if SF_HAVE_CUDA
@@ -321,7 +322,7 @@ Result<ParallelResult> DeviceParallelPrefill::run(std::span<const int32_t> token
     st.importance_bytes = g.cp->bytes_sent() + g.tp->bytes_sent() - b0;
     st.importance_s = r.importance_s;
   }
-  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.seconds = sf::seconds_since(t0);
   st.attention_s = r.attention_s;
   st.estimate_s = r.estimate_s;
   st.kv_alloc_s = r.kv_alloc_s;

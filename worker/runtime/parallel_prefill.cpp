@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/timing.h"
 #include "kernels/api.h"
 #include "kernels/kv_importance.h"
 #include "kernels/sparse.h"
@@ -51,7 +52,7 @@ template <typename F>
 Status timed(ParallelStats* st, F&& f) {
   const auto t0 = clock::now();
   Status s = f();
-  st->comm_s += std::chrono::duration<double>(clock::now() - t0).count();
+  st->comm_s += sf::seconds_since(t0);
   return s;
 }
 
@@ -577,11 +578,11 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
         const auto e1 = clock::now();
         SF_TRY(kernels::attention_sparse(qv, kv3, vv, idx, ov, lv, ap));
         st.estimate_s += std::chrono::duration<double>(e1 - e0).count();
-        st.attention_s += std::chrono::duration<double>(clock::now() - e1).count();
+        st.attention_s += sf::seconds_since(e1);
       } else {
         const auto a0 = clock::now();
         SF_TRY(kernels::attention_dense(qv, kv3, vv, ov, lv, ap));
-        st.attention_s += std::chrono::duration<double>(clock::now() - a0).count();
+        st.attention_s += sf::seconds_since(a0);
         pairs_done += causal;
       }
     }
@@ -601,7 +602,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
       ia.k = kl;
       ia.v = vl;
       SF_TRY(cp_importance(g, ia, &res.importance[size_t(l)], &st, &imp_tp_bytes));
-      st.importance_s += std::chrono::duration<double>(clock::now() - i0).count();
+      st.importance_s += sf::seconds_since(i0);
     }
     if (opt.local_kv && !opt.gather_kv) {
       res.kv.k.emplace_back(kl, kl + n_loc * kvw);
@@ -770,7 +771,7 @@ Result<ParallelResult> parallel_prefill(const model::Model& m, GridComms& g,
   }
   st.comm_bytes = (g.tp->bytes_sent() - ar_bytes0) + (g.cp->bytes_sent() - cp_bytes0) +
                   (g.group_comm->bytes_sent() - grp_bytes0);
-  st.seconds = std::chrono::duration<double>(clock::now() - t_start).count();
+  st.seconds = sf::seconds_since(t_start);
 
   // Group totals, for reporting only: after the clock and the byte counters stop.
   SF_TRY(gather_group_stats(g, pairs_done, pairs_causal, &st));

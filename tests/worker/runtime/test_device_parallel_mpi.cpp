@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <random>
 
+#include "common/timing.h"
 #include "decode/decode_session.h"
 #include "decode/kv_client.h"
 #include "kvstore/kv_export.h"
@@ -346,7 +347,7 @@ void sparse_grow_case(bool fail) {
     };
     const auto t0 = std::chrono::steady_clock::now();
     auto r = pf.value().run(tokens, hooks);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double s = sf::seconds_since(t0);
     ASSERT_FALSE(r.is_ok());
     std::printf("  rank %d: failed in %.2f s: %s; layers named final:", w.rank(), s,
                 r.status().message().c_str());
