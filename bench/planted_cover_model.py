@@ -98,7 +98,10 @@ def cover_greedy(p, rows, L, gamma):
     return picked, got / total
 
 
-def cover_rounds(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32, band=False):
+def cover_rounds(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32, band=False,
+                 rank_band=False):
+    """band: diagonals credited with their whole key range; rank_band: also ranked by its
+    uncovered mass (band_sums)."""
     cov = forced_cover(rows, L)
     total = p.sum()
     picked = ([], [])
@@ -109,7 +112,7 @@ def cover_rounds(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32, band
             n_rounds -= 1
             break
         col, diag = residual_sums(p, cov, rows, L)
-        vals = np.concatenate([col, diag])
+        vals = np.concatenate([col, band_sums(p, cov, rows, L) if rank_band else diag])
         order = np.argsort(-vals, kind="stable")
         need = gamma * total - got
         target = need * frac if need > finish * total else need
@@ -173,33 +176,6 @@ def band_sums(p, cov, rows, L):
     return out
 
 
-def cover_rounds_band(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32):
-    """The rounds with each diagonal both credited with and ranked by its whole key range's
-    uncovered mass (band_sums), columns by theirs as before."""
-    cov = forced_cover(rows, L)
-    total = p.sum()
-    picked = ([], [])
-    n_rounds = 0
-    for n_rounds in range(1, max_rounds + 1):
-        got = (p * cov).sum()
-        if got >= gamma * total:
-            n_rounds -= 1
-            break
-        col, _ = residual_sums(p, cov, rows, L)
-        vals = np.concatenate([col, band_sums(p, cov, rows, L)])
-        order = np.argsort(-vals, kind="stable")
-        need = gamma * total - got
-        target = need * frac if need > finish * total else need
-        k = int(np.searchsorted(np.cumsum(vals[order]), target) + 1)
-        for idx in order[:k]:
-            kind, x = (0, idx) if idx < L else (1, idx - L)
-            if vals[idx] <= 0:
-                continue
-            picked[kind].append(int(x))
-            take(p, cov, rows, kind, int(x), True)
-    return picked, (p * cov).sum() / total, n_rounds
-
-
 def report(name, L, cols, diags, ps, sampled, extra=""):
     cols = np.array(sorted(set(range(64)) | set(cols)))
     diags = np.array(sorted(set(range(65)) | set(diags)))
@@ -252,7 +228,8 @@ def main():
             (bc, bd), bcov, nb = cover_rounds(p, rows, L, args.gamma, frac=args.frac, band=True)
             report("one cover, rounds, diagonals credited with their ranges", L, bc, bd, ps,
                    sampled, f"; scoring rows {bcov:.3f} after {nb} rounds")
-            (bc, bd), bcov, nb = cover_rounds_band(p, rows, L, args.gamma, frac=args.frac)
+            (bc, bd), bcov, nb = cover_rounds(p, rows, L, args.gamma, frac=args.frac, band=True,
+                                              rank_band=True)
             report("one cover, rounds, diagonals credited with and ranked by their ranges", L,
                    bc, bd, ps, sampled, f"; scoring rows {bcov:.3f} after {nb} rounds")
 
