@@ -266,6 +266,11 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
               "sparse_estimate_plan: lent memory (" + std::to_string(mem->workspace_bytes) + " + " +
                   std::to_string(mem->index_bytes) + " bytes) is smaller than the plan's " +
                   std::to_string(sizing.off) + " + " + std::to_string(ic.off));
+    // The carvers align every array to 256 bytes from the base (the kernels' vector loads and
+    // stores rely on it), so a lent base must be as aligned.
+    SF_ENSURE(reinterpret_cast<uintptr_t>(mem->workspace) % 256 == 0 &&
+                  reinterpret_cast<uintptr_t>(mem->index) % 256 == 0,
+              kInvalidArgument, "sparse_estimate_plan: lent memory is not 256-byte aligned");
     plan->workspace.reset();
     plan->index.reset();
     plan->workspace_base = mem->workspace;

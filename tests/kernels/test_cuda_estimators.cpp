@@ -696,7 +696,7 @@ class CudaEstimators : public ::testing::Test {
       ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
                                            &sized, &mem));
       cuda::DeviceBuffer ws, ix;
-      ASSERT_OK(ws.alloc(sized.workspace_bytes));
+      ASSERT_OK(ws.alloc(sized.workspace_bytes + 256));
       ASSERT_OK(ix.alloc(sized.index_bytes));
       mem = cuda::EstimateMemory{ws.as<char>(), sized.workspace_bytes - 1, ix.as<char>(),
                                  sized.index_bytes, false};
@@ -705,6 +705,12 @@ class CudaEstimators : public ::testing::Test {
                     .code(),
                 Code::kOutOfRange);
       mem.workspace_bytes = sized.workspace_bytes;
+      mem.workspace = ws.as<char>() + 8;  // large enough, off the carvers' 256-byte alignment
+      EXPECT_EQ(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
+                                           &lent, &mem)
+                    .code(),
+                Code::kInvalidArgument);
+      mem.workspace = ws.as<char>();
       ASSERT_OK(cuda::sparse_estimate_plan(dq_v, dk_v, ps, g.q_offset, need_b, std::max(need_c, 1),
                                            &lent, &mem));
       mode(lent);
