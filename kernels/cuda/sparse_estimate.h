@@ -29,7 +29,8 @@ struct SparseEstimatePlan {
 // Device memory a plan uses for its scratch and its index instead of allocating them: plans whose
 // runs are ordered on one stream (a forward's layers and pieces) can share one arena, each run
 // overwriting the last one's index after that index was consumed. size_only: the plan only
-// records workspace_bytes and index_bytes (to size the arena) and allocates nothing.
+// records workspace_bytes and index_bytes (to size the arena) and allocates nothing. Both bases
+// must be 256-byte aligned (as cudaMalloc's are); the plan refuses others.
 struct EstimateMemory {
   char* workspace = nullptr;
   size_t workspace_bytes = 0;
