@@ -11,9 +11,22 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 namespace sf {
+
+Result<std::string> read_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return SF_ERR(kInvalidArgument, what + " '" + path + "' is a directory, not a file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return SF_ERR(kIo, "cannot read " + what + " '" + path + "': " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) return SF_ERR(kIo, "cannot read " + what + " '" + path + "'");
+  return ss.str();
+}
 namespace fs = std::filesystem;
 namespace {
 // The umask, read once without changing it (umask(2) would race other threads' creations).

@@ -12,6 +12,11 @@
 
 namespace sf {
 
+// The whole file at `path`. A directory is kInvalidArgument (an ifstream opens one and reads
+// nothing, which would pass for an empty file); a file that cannot be opened or read, kIo. `what`
+// names the file in the error ("batch file").
+[[nodiscard]] Result<std::string> read_file(const std::string& path, const std::string& what);
+
 // `bytes` to `path`: written to a new `path`.tmp.<6 random characters> (mkstemp), fsynced,
 // closed, then renamed over `path`. On any failure the temporary file is removed and kIo names
 // `path` and the reason (ENOSPC: kResourceExhausted). Concurrent writers of one path each rename

@@ -219,7 +219,7 @@ Result<std::unique_ptr<BlockPool>> BlockPool::create(const BlockPoolConfig& cfg)
   p->cfg_ = cfg;
   // 512 * heads * head_dim bytes: slots of the host arena are page-aligned once heads *
   // head_dim >= 8, which every real model meets.
-  p->block_bytes_ = int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
+  p->block_bytes_ = block_bytes_for(cfg);
   const std::array<int64_t, kNumTiers> budget = {cfg.device_bytes, cfg.host_bytes, cfg.disk_bytes};
   for (int t = 0; t < kNumTiers; ++t) {
     const int64_t slots = budget[size_t(t)] / p->block_bytes_;

@@ -61,6 +61,10 @@ class TierStore;  // storage backend of one tier (block_pool.cpp, block_pool_cud
 class BlockPool {
  public:
   static Result<std::unique_ptr<BlockPool>> create(const BlockPoolConfig& cfg);
+  // Bytes of one block (K and V of kPoolBlockTokens tokens, F32) for cfg's heads and head_dim.
+  static int64_t block_bytes_for(const BlockPoolConfig& cfg) {
+    return int64_t(2) * kPoolBlockTokens * cfg.n_kv_heads * cfg.head_dim * 4;
+  }
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;

@@ -128,10 +128,21 @@ struct DevicePrefixPrefill::Impl {
     last_staged = -1;
   }
 
-  // The hit plan for (S, P), reusing the last one of that shape.
+  // The hit plan for (S, P), reusing the last one of that shape. A plan that fails part way
+  // keeps nothing: its staging would stay allocated until the next hit, counted with hit_p -1.
   Status plan_hit(int64_t S, int64_t P, const model::PrefillOptions& po, bool* planned) {
     if (hit_plan && hit_s == S && hit_p == P) return Status::ok();
     *planned = true;
+    Status st = build_hit_plan(S, P, po);
+    if (!st.is_ok()) {
+      hit_plan.reset();
+      free_staging();
+      hit_s = hit_p = -1;
+    }
+    return st;
+  }
+
+  Status build_hit_plan(int64_t S, int64_t P, const model::PrefillOptions& po) {
     hit_plan.reset();
     free_staging();
     hit_s = hit_p = -1;

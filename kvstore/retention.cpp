@@ -4,7 +4,6 @@
 #include <boost/json.hpp>
 #include <charconv>
 #include <cmath>
-#include <fstream>
 #include <iterator>
 #include <map>
 #include <numeric>
@@ -13,6 +12,7 @@
 
 #include "common/args.h"
 #include "common/dtype.h"
+#include "common/file_io.h"
 
 namespace sf::kvstore {
 namespace {
@@ -758,11 +758,8 @@ Result<RetentionPolicy> moa_config_parse(const std::string& text, const std::str
 }
 
 Result<RetentionPolicy> moa_config_load(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return SF_ERR(kIo, "cannot read moa config '" + path + "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return moa_config_parse(ss.str(), path);
+  SF_ASSIGN(const std::string text, read_file(path, "moa config"));
+  return moa_config_parse(text, path);
 }
 
 Result<RetentionPolicy> retention_moa_scaled(const RetentionPolicy& base, double f, int n_layers,

@@ -1,12 +1,8 @@
 #include "worker/job_start.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "common/checksum.h"
 #include "common/file_io.h"
@@ -110,14 +106,12 @@ std::optional<JobExit> read_batch(comm::Communicator& world, const Options& o, s
   int64_t len = -1;
   std::string err;
   if (world.rank() == 0) {
-    std::ifstream f(o.batch, std::ios::binary);
-    if (f) {
-      std::ostringstream ss;
-      ss << f.rdbuf();
-      *text = ss.str();
+    Result<std::string> r = read_file(o.batch, "batch file");
+    if (r.is_ok()) {
+      *text = std::move(r).value();
       len = int64_t(text->size());
     } else {
-      err = "cannot read batch file '" + o.batch + "': " + std::strerror(errno);
+      err = r.status().message();
     }
   }
   if (Status st = world.bcast(&len, 1, DType::kI64, 0); !st.is_ok()) end_job(st);
@@ -185,14 +179,24 @@ std::optional<JobExit> check_model(comm::Communicator& world, const Options& o,
   return std::nullopt;
 }
 
-std::optional<model::Tokenizer> load_tokenizer(const Options& o, const model::Model& m) {
+std::optional<model::Tokenizer> load_tokenizer(const Options& o, const model::Model& m,
+                                               std::string* why) {
   if (!m.has_weights() || m.format() != model::ModelFormat::kGguf) return std::nullopt;
   auto g = model::GgufFile::open(o.model);
-  if (!g.is_ok()) return std::nullopt;
+  if (!g.is_ok()) {
+    *why = g.status().message();
+    return std::nullopt;
+  }
   auto spec = model::tokenizer_spec_from_gguf(g.value(), model::TokenizerCompat::kGguf);
-  if (!spec.is_ok()) return std::nullopt;
+  if (!spec.is_ok()) {
+    *why = spec.status().message();
+    return std::nullopt;
+  }
   auto t = model::Tokenizer::create(std::move(spec).value());
-  if (!t.is_ok()) return std::nullopt;
+  if (!t.is_ok()) {
+    *why = t.status().message();
+    return std::nullopt;
+  }
   return std::move(t).value();
 }
 

@@ -56,7 +56,10 @@ std::optional<JobExit> check_model(comm::Communicator& world, const Options& o,
                                    std::optional<model::SparseConfig>* sparse);
 
 // The GGUF's tokenizer, when the model has weights from a GGUF (prompts given as text need it).
-std::optional<model::Tokenizer> load_tokenizer(const Options& o, const model::Model& m);
+// None for other models; none with *why set when the GGUF's tokenizer cannot be built (an
+// unsupported pre-tokenizer, a corrupt vocabulary), so the job can say why prompts are refused.
+std::optional<model::Tokenizer> load_tokenizer(const Options& o, const model::Model& m,
+                                               std::string* why);
 
 // A line's own retention may name a moa config, read on each rank's host: keeps only the lines
 // every rank accepted with the same policy (the others join bf->bad), so every group sees the

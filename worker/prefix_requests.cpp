@@ -16,6 +16,15 @@ Result<std::unique_ptr<PrefixRequests>> PrefixRequests::create(const Options& o,
   pc.n_kv_heads = cfg.n_kv_heads;
   pc.head_dim = cfg.head_dim;
   (dm ? pc.device_bytes : pc.host_bytes) = o.prefix_cache_bytes;
+  // An entry is a block for each layer: a smaller budget would accept the option and cache
+  // nothing, warning at every request.
+  const int64_t entry = int64_t(cfg.n_layers) * kvstore::BlockPool::block_bytes_for(pc);
+  if (o.prefix_cache_bytes < entry)
+    return SF_ERR(kInvalidArgument, "--prefix-cache " + std::to_string(o.prefix_cache_bytes) +
+                                        " bytes holds no cache entry: one (" +
+                                        std::to_string(kvstore::kPoolBlockTokens) +
+                                        " tokens of every layer's K and V) takes " +
+                                        std::to_string(entry) + " bytes for this model");
   auto pool = kvstore::BlockPool::create(pc);
   if (!pool.is_ok()) return pool.status();
   std::unique_ptr<PrefixRequests> p(new PrefixRequests);

@@ -152,7 +152,11 @@ int run(int argc, char** argv) {
   const std::string job = worker::job_identity(o, model_compat);
   std::optional<model::SparseConfig> sparse;
   if (auto e = worker::check_model(*world, o, m, job, &sparse)) return finish(*e);
-  const std::optional<model::Tokenizer> tok = worker::load_tokenizer(o, m);
+  std::string no_tok;
+  const std::optional<model::Tokenizer> tok = worker::load_tokenizer(o, m, &no_tok);
+  if (!no_tok.empty() && rank0)
+    std::fprintf(stderr, "warning: no tokenizer (%s): lines with a 'prompt' are refused\n",
+                 no_tok.c_str());
 
   auto grid_r = runtime::make_grid(*world, shape);
   if (!grid_r.is_ok()) fatal(grid_r.status());
@@ -281,6 +285,10 @@ int run(int argc, char** argv) {
   std::unique_ptr<PrefixRequests> prefix;
   if (o.prefix_cache_bytes > 0) {
     auto p = PrefixRequests::create(o, m, dmodel ? &*dmodel : nullptr, model_compat);
+    // A budget too small for one entry is the same on every rank (one model, one option): a
+    // start-up error like the option's other checks. Anything else ends the job.
+    if (!p.is_ok() && p.status().code() == Code::kInvalidArgument)
+      return finish({2, p.status().message()});
     if (!p.is_ok()) fatal(p.status());
     prefix = std::move(p).value();
   }

@@ -54,6 +54,29 @@ TEST(FileIo, AtomicWriteReplacesWholeAndLeavesNoTemporary) {
   EXPECT_EQ(slurp(f), "");
 }
 
+TEST(FileIo, ReadFileTakesWholeFilesAndRefusesDirectories) {
+  TmpDir d;
+  const std::string f = (d.p / "t.jsonl").string();
+  const std::string bytes("{\"a\": 1}\r\n\0tail", 15);
+  ASSERT_TRUE(write_file_atomic(f, bytes).is_ok());
+  Result<std::string> r = read_file(f, "batch file");
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r.value(), bytes);  // binary-safe: CR and NUL kept
+  ASSERT_TRUE(write_file_atomic(f, "").is_ok());
+  r = read_file(f, "batch file");
+  ASSERT_TRUE(r.is_ok());  // an empty file is a file
+  EXPECT_EQ(r.value(), "");
+  // An ifstream opens a directory and reads nothing: that must not pass for an empty file.
+  r = read_file(d.p.string(), "batch file");
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("batch file '" + d.p.string() + "' is a directory"),
+            std::string::npos)
+      << r.status().message();
+  r = read_file((d.p / "none.jsonl").string(), "batch file");
+  EXPECT_EQ(r.status().code(), Code::kIo);
+  EXPECT_NE(r.status().message().find("cannot read batch file"), std::string::npos);
+}
+
 TEST(FileIo, AtomicWriteFailuresNameThePathAndLeaveNothingBehind) {
   TmpDir d;
   // The target is a (non-empty) directory: the data is written, the rename fails; the target is

@@ -313,6 +313,13 @@ a, b = (json.load(open(p))["retention"]["layers"] for p in sys.argv[1:3])
 sys.exit(0 if a == b else 1)
 PY
     done
+    # A budget under one entry (a 64-token block for each of the 30 layers: 30 x 98,304 bytes)
+    # would cache nothing and warn at every request: one start-up error instead.
+    run 1 --model default --prefix-cache 2M --batch "$tmp/prefix.jsonl" --out "$tmp/small"
+    [ "$rc" -eq 2 ] && [ "$(errors | wc -l)" -eq 1 ] || fail "--prefix-cache 2M: exit $rc, want 2"
+    errors | grep -q "^error: --prefix-cache 2097152 bytes holds no cache entry: one (64 tokens of every layer's K and V) takes 2949120 bytes for this model" \
+      || fail "--prefix-cache 2M: message"
+    [ ! -e "$tmp/small/first" ] || fail "--prefix-cache 2M: a request ran"
     run 2 --model default --cp 2 --prefix-cache 64M --batch "$tmp/prefix.jsonl" --out "$tmp/bad"
     [ "$rc" -eq 2 ] || fail "--prefix-cache with --cp 2: exit $rc, want 2"
     errors | grep -q "^error: --prefix-cache needs a positive size, --tp 1 --cp 1 and dense attention" || fail "message"
@@ -337,6 +344,12 @@ PY
     grep -q -- "--metrics-file PATH.prom" "$tmp/stdout" || fail "--help: the usage lacks --metrics-file"
     run 2 --model=default --cp=2 --batch="$tmp/prompts.jsonl" --out "$tmp/out_eq" --dry-run
     [ "$rc" -eq 3 ] && grep -q "^plan: lighthouse (line 1)" "$tmp/stdout" || fail "--key=VALUE: exit $rc"
+    # A directory given as the batch file is one start-up error (an ifstream opens it and read
+    # nothing: the job ran no request and exited 0).
+    mkdir -p "$tmp/batch_dir"
+    run 2 --model default --cp 2 --batch "$tmp/batch_dir" --out "$tmp/out_dir"
+    [ "$rc" -eq 2 ] && [ "$(errors | wc -l)" -eq 1 ] || fail "batch directory: exit $rc"
+    errors | grep -q "^error: batch file '.*/batch_dir' is a directory, not a file" || fail "batch directory: message"
     # A metrics file the leaders cannot write (np 4: two groups, each leader its own file) is
     # one start-up error, before the model loads.
     run 4 --model default --cp 2 --metrics-file "$tmp/no/such/dir/w.prom" --batch "$tmp/prompts.jsonl" --out "$tmp/out"

@@ -37,7 +37,6 @@ int fail(const Status& st);
 
 // "default" -> $SF_MODEL, else <repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf.
 std::string resolve_model(const std::string& m);
-Result<std::string> read_text_file(const std::string& path, const char* what);
 // Comma-separated paths, read and joined by a blank line (one long document from several texts).
 Result<std::string> read_text_files(const std::string& list, const char* what);
 std::string git_commit();

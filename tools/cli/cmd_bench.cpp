@@ -75,7 +75,7 @@ int cmd_bench(int argc, char** argv) {
   }
   // The benchmark's text: a --document that cannot be read is an error, never random tokens.
   const std::string doc_path = a.get("document", std::string(SF_SOURCE_DIR) + "/data/long_document.txt");
-  auto doc_text = read_text_file(doc_path, "document");
+  auto doc_text = read_file(doc_path, "document");
   if (a.has("document") && !doc_text.is_ok()) return fail(doc_text.status());
 
   auto mr = model::Model::load(model_path);

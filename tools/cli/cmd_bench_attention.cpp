@@ -721,7 +721,7 @@ int cmd_bench_attention(int argc, char** argv) {
 
   SdpaPeer peer;
   if (a.has("sdpa")) {
-    auto txt = read_text_file(a.get("sdpa"), "sdpa");
+    auto txt = read_file(a.get("sdpa"), "sdpa");
     if (!txt.is_ok()) return fail(txt.status());
     boost::system::error_code ec;
     peer.raw = boost::json::parse(txt.value(), ec);

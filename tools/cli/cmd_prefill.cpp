@@ -58,7 +58,7 @@ int cmd_prefill(int argc, char** argv) {
   // Check cheap inputs before the (slow) model load.
   std::string text;
   if (a.has("prompt-file")) {
-    auto t = read_text_file(a.get("prompt-file"), "prompt file");
+    auto t = read_file(a.get("prompt-file"), "prompt file");
     if (!t.is_ok()) return fail(t.status());
     text = std::move(t).value();
   } else if (a.has("prompt")) {
@@ -67,7 +67,7 @@ int cmd_prefill(int argc, char** argv) {
   if (!a.has("prompt-tokens") && text.empty()) return fail(SF_ERR(kInvalidArgument, "the prompt is empty"));
   std::vector<int32_t> token_file_ids;
   if (a.has("prompt-tokens")) {
-    auto t = read_text_file(a.get("prompt-tokens"), "prompt token file");
+    auto t = read_file(a.get("prompt-tokens"), "prompt token file");
     if (!t.is_ok()) return fail(t.status());
     auto r = parse_token_file(t.value());
     if (!r.is_ok()) return fail(r.status());
@@ -150,7 +150,7 @@ int cmd_prefill(int argc, char** argv) {
     return fail(SF_ERR(kInvalidArgument, "--kv-pool device= needs --device cuda"));
   const std::string mode = a.get("attention", "dense");
   if (mode.rfind("config:", 0) == 0) {
-    if (auto t = read_text_file(mode.substr(7), "--attention config"); !t.is_ok()) return fail(t.status());
+    if (auto t = read_file(mode.substr(7), "--attention config"); !t.is_ok()) return fail(t.status());
   } else if (mode != "dense") {
     // The name alone (one layer, one head): an unknown mode fails before the model loads.
     if (auto sc = model::sparse_config_for_mode(mode, 1, 1); !sc.is_ok()) return fail(sc.status());

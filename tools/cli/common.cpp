@@ -1,17 +1,13 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <thread>
 
@@ -72,24 +68,11 @@ Result<Args> parse_args(int argc, char** argv, int first, const std::vector<std:
 
 std::string resolve_model(const std::string& m) { return model::resolve_model_path(m, SF_SOURCE_DIR); }
 
-Result<std::string> read_text_file(const std::string& path, const char* what) {
-  // An ifstream opens a directory and reads nothing: "the prompt is empty" would mislead.
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    return SF_ERR(kInvalidArgument, std::string(what) + " '" + path + "' is a directory, not a file");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return SF_ERR(kIo, std::string("cannot read ") + what + " '" + path + "': " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return SF_ERR(kIo, std::string("cannot read ") + what + " '" + path + "'");
-  return ss.str();
-}
-
 Result<std::string> read_text_files(const std::string& list, const char* what) {
   std::string all;
   SF_ASSIGN(const std::vector<std::string> items, parse_list(list, std::string("the ") + what + " list"));
   for (const std::string& item : items) {
-    SF_ASSIGN(std::string text, read_text_file(item, what));
+    SF_ASSIGN(std::string text, read_file(item, what));
     if (!all.empty()) all += "\n\n";
     all += text;
   }

@@ -3,8 +3,6 @@
 #include <boost/json.hpp>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "common/file_io.h"
 
@@ -176,11 +174,8 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
 }
 
 Result<SparseConfig> sparse_config_load(const std::string& path, int n_layers, int n_heads) {
-  std::ifstream f(path);
-  if (!f) return SF_ERR(kIo, "cannot read sparse config '" + path + "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return sparse_config_parse(ss.str(), n_layers, n_heads, path);
+  SF_ASSIGN(const std::string text, read_file(path, "sparse config"));
+  return sparse_config_parse(text, n_layers, n_heads, path);
 }
 
 Status sparse_config_save(const SparseConfig& c, const std::string& path) {

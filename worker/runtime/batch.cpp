@@ -170,7 +170,8 @@ BatchFile parse_batch(const std::string& text, DType compute) {
   BatchFile f;
   std::set<std::string> seen;
   int64_t line_no = 0;
-  size_t pos = 0;
+  // A UTF-8 byte order mark (editors on Windows write one) is not part of line 1's JSON.
+  size_t pos = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;
   while (pos <= text.size()) {
     size_t nl = text.find('\n', pos);
     if (nl == std::string::npos) nl = text.size();

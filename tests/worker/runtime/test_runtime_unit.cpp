@@ -87,6 +87,19 @@ TEST(SliceIndex, CopiesHeadsAndRowsAndRefusesUnalignedChunks) {
   EXPECT_TRUE(runtime::slice_index(gi, 0, 4, {256, 300}).is_ok());  // the partial last block
 }
 
+// A UTF-8 byte order mark before line 1 (as Windows editors save a file) is skipped, not taken
+// for line 1's JSON; one anywhere else is the line's and makes it bad.
+TEST(Batch, ByteOrderMarkBeforeLineOneIsSkipped) {
+  const std::string bom = "\xEF\xBB\xBF";
+  const auto f = runtime::parse_batch(bom + "{\"id\": \"a\", \"prompt\": \"x\"}\n" + bom +
+                                      "{\"id\": \"b\", \"tokens\": [1]}\n");
+  ASSERT_EQ(f.requests.size(), 1u);
+  EXPECT_EQ(f.requests[0].id, "a");
+  EXPECT_EQ(f.requests[0].line, 1);
+  ASSERT_EQ(f.bad.size(), 1u);
+  EXPECT_EQ(f.bad[0].line, 2);
+}
+
 TEST(Batch, GoodAndBadLinesWithNumbers) {
   const std::string text =
       "{\"id\": \"a\", \"prompt\": \"hello\"}\n"
