@@ -17,6 +17,7 @@
 #include <set>
 
 #include "common/file_io.h"
+#include "common/text.h"
 #include "kvstore/kv_export.h"
 
 namespace sf::runtime {
@@ -48,6 +49,13 @@ Status validate_request_id(const std::string& id) {
 }
 
 namespace {
+
+// A line's key in a message, in single quotes with JSON's escapes (a key holding a newline or a
+// terminal escape must not break the one-line "file:line: reason; skipped" report).
+std::string shown_key(std::string_view k) {
+  const std::string q = json_quoted(k);
+  return "'" + q.substr(1, q.size() - 2) + "'";
+}
 
 std::string lower_ascii(std::string s) {
   for (char& c : s)
@@ -107,14 +115,15 @@ Result<BatchRequest> parse_line(std::string_view line, DType compute) {
     keys.write_some(false, line.data(), line.size(), ec);
     if (ec) return SF_ERR(kInternal, "batch line: key scan failed: " + ec.message());
     if (!keys.handler().repeated.empty())
-      return SF_ERR(kInvalidArgument, "field '" + keys.handler().repeated + "' appears twice");
+      return SF_ERR(kInvalidArgument,
+                    "field " + shown_key(keys.handler().repeated) + " appears twice");
   }
   const json::object& o = v.as_object();
   for (const auto& kv : o)
     if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" &&
         kv.key() != "retention" && kv.key() != "kv_dtype")
-      return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) +
-                                          "' (id, prompt, tokens, retention, kv_dtype)");
+      return SF_ERR(kInvalidArgument, "unknown field " + shown_key(kv.key()) +
+                                          " (id, prompt, tokens, retention, kv_dtype)");
   BatchRequest r;
   const json::value* id = o.if_contains("id");
   if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
