@@ -6,6 +6,7 @@
 // a group makes the same collective calls in the same order: each decision that picks the next
 // one is agreed over the group first.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -113,6 +114,7 @@ class BatchLoop {
   int64_t k_ = 0;  // requests of the share begun
   bool first_request_ = true;
   bool metrics_warned_ = false;
+  std::chrono::steady_clock::time_point last_publish_{};  // the metrics file's last rewrite
   int64_t n_done_ = 0, n_skipped_ = 0, n_failed_ = 0;
   std::unique_ptr<PendingExport> pending_;  // the export being written beside the next prefill
 };
