@@ -212,7 +212,7 @@ int64_t cgroup_memory_left(const std::string& root) {
     const std::string mount = root + (v1 ? "/sys/fs/cgroup/memory" : "/sys/fs/cgroup");
     std::string path = line.substr(b + 1);
     std::error_code ec;
-    if (!fs::is_directory(mount + path, ec)) path = "/";  // the container's view (above)
+    if (!fs::is_directory(mount + path, ec)) path.assign(1, '/');  // the container's view (above)
     for (;;) {
       const int64_t left = cgroup_left_at(mount + path, v1);
       if (left >= 0) least = least < 0 ? left : std::min(least, left);
