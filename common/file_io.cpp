@@ -16,18 +16,26 @@
 
 namespace sf {
 
+namespace fs = std::filesystem;
+
 Result<std::string> read_file(const std::string& path, const std::string& what) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
+  if (fs::is_directory(path, ec))
     return SF_ERR(kInvalidArgument, what + " '" + path + "' is a directory, not a file");
   std::ifstream f(path, std::ios::binary);
   if (!f) return SF_ERR(kIo, "cannot read " + what + " '" + path + "': " + std::strerror(errno));
   std::ostringstream ss;
   ss << f.rdbuf();
-  if (f.bad()) return SF_ERR(kIo, "cannot read " + what + " '" + path + "'");
-  return ss.str();
+  std::string text = ss.str();
+  // A filebuf takes a read error for the end of the file: a regular file that gave fewer bytes
+  // than its size is one (or was cut while read). /proc files say size 0, so are not checked.
+  const std::uintmax_t size = fs::is_regular_file(path, ec) ? fs::file_size(path, ec) : 0;
+  if (f.bad() || (!ec && text.size() < size))
+    return SF_ERR(kIo, "cannot read " + what + " '" + path + "': read " +
+                           std::to_string(text.size()) + " of " + std::to_string(size) + " bytes");
+  return text;
 }
-namespace fs = std::filesystem;
+
 namespace {
 // The umask, read once without changing it (umask(2) would race other threads' creations).
 mode_t process_umask() {

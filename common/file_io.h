@@ -13,7 +13,8 @@
 namespace sf {
 
 // The whole file at `path`. A directory is kInvalidArgument (an ifstream opens one and reads
-// nothing, which would pass for an empty file); a file that cannot be opened or read, kIo. `what`
+// nothing, which would pass for an empty file); a file that cannot be opened, or a regular file
+// that gives fewer bytes than its size (a read error, or a file cut while read), kIo. `what`
 // names the file in the error ("batch file").
 [[nodiscard]] Result<std::string> read_file(const std::string& path, const std::string& what);
 

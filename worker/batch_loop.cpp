@@ -369,7 +369,8 @@ void BatchLoop::request(const runtime::BatchRequest& r) {
                   static_cast<long long>(k_), static_cast<long long>(s_.my_total), r.id.c_str());
     // Each rewrite is two fsyncs and a rename: a resumed batch of many finished requests
     // rewrites the file at most once a second while it skips them.
-    if (seconds_since(last_publish_) >= 1.0) publish(/*in_flight=*/false, /*finished=*/false);
+    if (seconds_since(last_publish_) >= 1.0)
+      publish(/*in_flight=*/pending_ != nullptr, /*finished=*/false);  // an export may be going
     return;
   }
   publish(/*in_flight=*/true, /*finished=*/false);

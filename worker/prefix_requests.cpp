@@ -1,9 +1,10 @@
-#include "common/timing.h"
 #include "worker/prefix_requests.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+
+#include "common/timing.h"
 
 namespace sf::worker {
 

@@ -255,6 +255,18 @@ int run(int argc, char** argv) {
       print_dry_run(o, cfg, good, n_groups, job, sizing, local_ranks, host_avail(false));
     return finish({bf.bad.empty() ? 0 : 3, ""});
   }
+  // --prefix-cache: this rank's cache and the requests computed behind it (before --out and
+  // the metrics file are written, so a refused budget leaves neither).
+  std::unique_ptr<PrefixRequests> prefix;
+  if (o.prefix_cache_bytes > 0) {
+    auto p = PrefixRequests::create(o, m, dmodel ? &*dmodel : nullptr, model_compat);
+    // A budget too small for one entry is the same on every rank (one model, one option): a
+    // start-up error like the option's other checks. Anything else ends the job.
+    if (!p.is_ok() && p.status().code() == Code::kInvalidArgument)
+      return finish({2, p.status().message()});
+    if (!p.is_ok()) fatal(p.status());
+    prefix = std::move(p).value();
+  }
   if (g.leader()) {
     std::error_code ec;
     fs::create_directories(o.out, ec);
@@ -280,17 +292,6 @@ int run(int argc, char** argv) {
                                                                         st.message()));
     if (world->aborted()) fatal(world->abort_status());
     if (!all.is_ok()) return finish({2, all.message()});
-  }
-  // --prefix-cache: this rank's cache and the requests computed behind it.
-  std::unique_ptr<PrefixRequests> prefix;
-  if (o.prefix_cache_bytes > 0) {
-    auto p = PrefixRequests::create(o, m, dmodel ? &*dmodel : nullptr, model_compat);
-    // A budget too small for one entry is the same on every rank (one model, one option): a
-    // start-up error like the option's other checks. Anything else ends the job.
-    if (!p.is_ok() && p.status().code() == Code::kInvalidArgument)
-      return finish({2, p.status().message()});
-    if (!p.is_ok()) fatal(p.status());
-    prefix = std::move(p).value();
   }
   // This group's share of the batch (worker/batch_loop.h).
   worker::BatchLoop loop({.o = &o,

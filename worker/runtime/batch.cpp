@@ -17,7 +17,6 @@
 #include <set>
 
 #include "common/file_io.h"
-#include "common/text.h"
 #include "kvstore/kv_export.h"
 
 namespace sf::runtime {
@@ -50,11 +49,24 @@ Status validate_request_id(const std::string& id) {
 
 namespace {
 
-// A line's key in a message, in single quotes with JSON's escapes (a key holding a newline or a
-// terminal escape must not break the one-line "file:line: reason; skipped" report).
-std::string shown_key(std::string_view k) {
-  const std::string q = json_quoted(k);
-  return "'" + q.substr(1, q.size() - 2) + "'";
+// A bad line's reason on one line: it can quote the line's own keys and values, and a newline or
+// a terminal escape in them must not break the "file:line: reason; skipped" report. Control
+// characters become JSON's \u00XX escapes.
+std::string one_line(std::string_view reason) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(reason.size());
+  for (const char ch : reason) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\u00";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    } else {
+      out.push_back(ch);
+    }
+  }
+  return out;
 }
 
 std::string lower_ascii(std::string s) {
@@ -116,14 +128,14 @@ Result<BatchRequest> parse_line(std::string_view line, DType compute) {
     if (ec) return SF_ERR(kInternal, "batch line: key scan failed: " + ec.message());
     if (!keys.handler().repeated.empty())
       return SF_ERR(kInvalidArgument,
-                    "field " + shown_key(keys.handler().repeated) + " appears twice");
+                    "field '" + keys.handler().repeated + "' appears twice");
   }
   const json::object& o = v.as_object();
   for (const auto& kv : o)
     if (kv.key() != "id" && kv.key() != "prompt" && kv.key() != "tokens" &&
         kv.key() != "retention" && kv.key() != "kv_dtype")
-      return SF_ERR(kInvalidArgument, "unknown field " + shown_key(kv.key()) +
-                                          " (id, prompt, tokens, retention, kv_dtype)");
+      return SF_ERR(kInvalidArgument, "unknown field '" + std::string(kv.key()) +
+                                          "' (id, prompt, tokens, retention, kv_dtype)");
   BatchRequest r;
   const json::value* id = o.if_contains("id");
   if (!id) return SF_ERR(kInvalidArgument, "field 'id' is missing");
@@ -194,7 +206,7 @@ BatchFile parse_batch(const std::string& text, DType compute) {
     }
     auto r = parse_line(line, compute);
     if (!r.is_ok()) {
-      f.bad.push_back({line_no, r.status().message()});
+      f.bad.push_back({line_no, one_line(r.status().message())});
     } else if (!seen.insert(lower_ascii(r->id)).second) {
       // Case-folded: on a case-insensitive filesystem (APFS, SMB) 'Doc' and 'doc' would share
       // one export and one summary.

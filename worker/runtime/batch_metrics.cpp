@@ -90,7 +90,8 @@ BatchMetrics::BatchMetrics(std::string path, const BatchMetricsInfo& info)
       "1 while a request is being prefilled or exported.");
   add("sparsefill_worker_finished", MetricKind::kGauge, "1 once this group ran its whole share.");
   add("sparsefill_worker_last_update_timestamp_seconds", MetricKind::kGauge,
-      "Unix time this file was last written (before each request and at the end).");
+      "Unix time this file was last written (before each request computed, at most once a "
+      "second while requests are skipped as complete, and at the end).");
   add("sparsefill_worker_prompt_tokens_total", MetricKind::kCounter,
       "Prompt tokens of written requests.");
   add("sparsefill_worker_prefix_reused_tokens_total", MetricKind::kCounter,

@@ -141,12 +141,18 @@ TEST(Batch, GoodAndBadLinesWithNumbers) {
   EXPECT_NE(reason(9).find("item 1"), std::string::npos);
   EXPECT_NE(reason(11).find("repeats"), std::string::npos);
   EXPECT_NE(reason(12).find("unknown field 'extra'"), std::string::npos);
-  // A key holding control characters is shown escaped: the report stays one line.
-  const auto esc = runtime::parse_batch("{\"id\": \"a\", \"x\\n\\u001b[2J\": 1}");
-  ASSERT_EQ(esc.bad.size(), 1u);
+  // Control characters in a key or a value are shown escaped: each report stays one line.
+  const auto esc = runtime::parse_batch(
+      "{\"id\": \"a\", \"x\\n\\u001b[2J\": 1}\n"
+      "{\"id\": \"b\", \"tokens\": [1], \"kv_dtype\": \"y\\n\\u001b[2J\"}\n");
+  ASSERT_EQ(esc.bad.size(), 2u);
   EXPECT_NE(esc.bad[0].reason.find("unknown field 'x\\u000a\\u001b[2J'"), std::string::npos)
       << esc.bad[0].reason;
-  EXPECT_EQ(esc.bad[0].reason.find('\n'), std::string::npos);
+  EXPECT_NE(esc.bad[1].reason.find("y\\u000a\\u001b[2J"), std::string::npos) << esc.bad[1].reason;
+  for (const auto& b : esc.bad) {
+    EXPECT_EQ(b.reason.find('\n'), std::string::npos) << b.reason;
+    EXPECT_EQ(b.reason.find('\x1b'), std::string::npos) << b.reason;
+  }
   // 'B' after 'b': one export and one summary on a case-insensitive filesystem.
   EXPECT_NE(reason(14).find("only in case"), std::string::npos) << reason(14);
   EXPECT_FALSE(runtime::validate_request_id(".hidden").is_ok());
