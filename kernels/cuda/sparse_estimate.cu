@@ -475,9 +475,9 @@ size_t stats_group_smem(int64_t d) {
 // kProbs: the second pass instead, for passes that want only each row's probabilities (vs_cover's
 // rows: no column sums, diagonal partials or mass): exp(logit - lse) of every visible key, 0 past
 // a row's causal limit, stored from the registers as float2 (whole 32-byte sectors of 8 rows an
-// instruction) into cov_p's chunk tiles. Single-float stores into 1M-key rows took 4.4 ms a
-// launch at 1M (fadbb63), float2 ones 2.2 ms, the CUDA-core pass 3.3 (bench/NOTES.md
-// sixty-third and sixty-fourth sessions).
+// instruction) into cov_p's chunk tiles: 1.33 ms a launch at 1M under ncu, against 3.3 for the
+// CUDA-core pass, 4.4 for single-float stores into 1M-key rows (fadbb63) and 2.2 for float2
+// ones (bench/NOTES.md sixty-third and sixty-fourth sessions).
 template <int D, bool kProbs>
 __global__ void __launch_bounds__(kScoreThreads, 2)
     score_stats_group_kernel(const EstimateLaunch p, const ScorePass sp) {
