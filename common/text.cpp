@@ -26,8 +26,17 @@ std::string utf8_repaired(std::string_view s) {
   return out;
 }
 
-void json_escape(std::string_view s, std::string* out) {
+namespace {
+// c as JSON's \u00XX escape.
+void append_u00(unsigned char c, std::string* out) {
   static const char kHex[] = "0123456789abcdef";
+  *out += "\\u00";
+  out->push_back(kHex[c >> 4]);
+  out->push_back(kHex[c & 15]);
+}
+}  // namespace
+
+void json_escape(std::string_view s, std::string* out) {
   out->push_back('"');
   for (char ch : s) {
     const unsigned char c = static_cast<unsigned char>(ch);
@@ -35,14 +44,25 @@ void json_escape(std::string_view s, std::string* out) {
       out->push_back('\\');
       out->push_back(char(c));
     } else if (c < 0x20) {
-      *out += "\\u00";
-      out->push_back(kHex[c >> 4]);
-      out->push_back(kHex[c & 15]);
+      append_u00(c, out);
     } else {
       out->push_back(char(c));
     }
   }
   out->push_back('"');
+}
+
+std::string controls_escaped(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char ch : s) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7f)
+      append_u00(c, &out);
+    else
+      out.push_back(ch);
+  }
+  return out;
 }
 
 std::string json_quoted(std::string_view s) {

@@ -19,6 +19,10 @@ std::string utf8_repaired(std::string_view s);
 void json_escape(std::string_view s, std::string* out);
 // The same, returned.
 std::string json_quoted(std::string_view s);
+// s with its control characters (below 0x20, and DEL) as \u00XX, everything else as is: text
+// from outside (a line of an input file) shown in a one-line message, where a newline or a
+// terminal escape would break the line.
+std::string controls_escaped(std::string_view s);
 
 // printf into a string of whatever length it needs.
 __attribute__((format(printf, 1, 2))) std::string sformat(const char* fmt, ...);

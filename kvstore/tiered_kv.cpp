@@ -363,8 +363,7 @@ Status TieredKv::enqueue_device(int layer, const float* k, const float* v, int64
       return !drain_->error.is_ok() || (h.capacity_bytes - h.used_bytes) / bb > host_blocks ||
              (drain_->queue.empty() && drain_->current < 0);
     });
-    host_wait_s_ +=
-        sf::seconds_since(t0);
+    host_wait_s_ += sf::seconds_since(t0);
     SF_TRY(drain_->error);
   }
   Result<std::vector<BlockId>> got = pool_->alloc_batch(where, Tier::kHost);

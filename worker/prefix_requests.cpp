@@ -83,8 +83,7 @@ Result<runtime::ParallelResult> PrefixRequests::run(const runtime::BatchRequest&
   // A plan the runner made (a new prompt shape) is plan_s, not prefill_s, as on the group path.
   runtime::ParallelStats& s = out.stats;
   s.plan_s = pst.plan_s;
-  s.seconds =
-      sf::seconds_since(t0) - pst.plan_s;
+  s.seconds = sf::seconds_since(t0) - pst.plan_s;
   s.attention_s = hr->attention_s;
   s.estimate_s = hr->estimate_s;
   s.importance_s = hr->importance_s;

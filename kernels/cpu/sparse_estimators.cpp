@@ -558,8 +558,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
     }
   }
   stats->density = out->density();
-  stats->estimate_s =
-      sf::seconds_since(t_start);
+  stats->estimate_s = sf::seconds_since(t_start);
   return Status::ok();
 }
 

@@ -472,8 +472,7 @@ Status sparse_estimate(const TensorView& q, const TensorView& k,
   if (stats) {
     stats->clamped_heads = plan.clamped_heads;
     stats->density = out->density();
-    stats->estimate_s =
-        sf::seconds_since(t0);
+    stats->estimate_s = sf::seconds_since(t0);
   }
   return Status::ok();
 }

@@ -16,6 +16,12 @@ TEST(Text, JsonQuotedEscapesQuotesBackslashesAndControls) {
 
 // Bytes that are not well-formed UTF-8 become U+FFFD, one per byte; well-formed sequences of
 // every length stay, and a sequence cut short at the end is not read past.
+TEST(Text, ControlsEscapedKeepsEverythingElse) {
+  EXPECT_EQ(controls_escaped(std::string("a\nb\x1b[2J\x7f\"\\\xc3\xa9", 12)),
+            "a\\u000ab\\u001b[2J\\u007f\"\\\xc3\xa9");
+  EXPECT_EQ(controls_escaped(std::string("x\0y", 3)), "x\\u0000y");
+}
+
 TEST(Text, InvalidUtf8BecomesTheReplacementCharacter) {
   const std::string r = "\xef\xbf\xbd";
   EXPECT_EQ(utf8_repaired("a\xff" "b"), "a" + r + "b");

@@ -518,8 +518,7 @@ int cmd_retention_eval(int argc, char** argv) {
       const auto g0 = std::chrono::steady_clock::now();
       auto g = s2->generate_greedy(pr->first_token, int(T) + 1);  // free-running
       if (!g.is_ok()) return fail(g.status());
-      me.fr_seconds.push_back(
-          sf::seconds_since(g0));
+      me.fr_seconds.push_back(sf::seconds_since(g0));
       me.fr_blocks_visited += s2->stats().blocks_visited;
       me.fr_blocks_total += s2->stats().blocks_total;
       me.fr_steps += s2->stats().steps;

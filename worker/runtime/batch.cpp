@@ -17,6 +17,7 @@
 #include <set>
 
 #include "common/file_io.h"
+#include "common/text.h"
 #include "kvstore/kv_export.h"
 
 namespace sf::runtime {
@@ -48,26 +49,6 @@ Status validate_request_id(const std::string& id) {
 }
 
 namespace {
-
-// A bad line's reason on one line: it can quote the line's own keys and values, and a newline or
-// a terminal escape in them must not break the "file:line: reason; skipped" report. Control
-// characters become JSON's \u00XX escapes.
-std::string one_line(std::string_view reason) {
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(reason.size());
-  for (const char ch : reason) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c < 0x20 || c == 0x7f) {
-      out += "\\u00";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    } else {
-      out.push_back(ch);
-    }
-  }
-  return out;
-}
 
 std::string lower_ascii(std::string s) {
   for (char& c : s)
@@ -206,7 +187,8 @@ BatchFile parse_batch(const std::string& text, DType compute) {
     }
     auto r = parse_line(line, compute);
     if (!r.is_ok()) {
-      f.bad.push_back({line_no, one_line(r.status().message())});
+      // One line: a reason can quote the line's own keys and values.
+      f.bad.push_back({line_no, controls_escaped(r.status().message())});
     } else if (!seen.insert(lower_ascii(r->id)).second) {
       // Case-folded: on a case-insensitive filesystem (APFS, SMB) 'Doc' and 'doc' would share
       // one export and one summary.
