@@ -71,6 +71,31 @@ TEST(WorkerRequestChecks, EachRuleNamesItsLine) {
   EXPECT_NE(reason(bf, 6).find("field 'retention'"), std::string::npos) << reason(bf, 6);
 }
 
+// An id belongs to the first line that passes every check: a line refused for its tokens does
+// not take the id from the corrected line after it; a repeat of a passing line is refused.
+TEST(WorkerRequestChecks, ARefusedLineLeavesItsIdToALaterLine) {
+  const std::string text = tokens_line("fix", 5, 101) +  // 1: outside the vocabulary
+                           tokens_line("fix", 5) +       // 2: the corrected line runs
+                           tokens_line("Fix", 5) +       // 3: repeats line 2 (case folded)
+                           tokens_line("once", 5) +      // 4
+                           tokens_line("once", 51);      // 5: over the context, and a repeat
+  const model::ModelConfig cfg = small_config();
+  runtime::BatchFile bf = runtime::parse_batch(text);
+  ASSERT_TRUE(bf.bad.empty()) << bf.bad[0].reason;
+  const auto good = check_requests(bf, cfg, nullptr, options());
+  ASSERT_EQ(good.size(), 2u);
+  EXPECT_EQ(good[0].id, "fix");
+  EXPECT_EQ(good[0].line, 2);
+  EXPECT_EQ(good[1].id, "once");
+  EXPECT_EQ(good[1].line, 4);
+  ASSERT_EQ(bf.bad.size(), 3u);
+  EXPECT_NE(reason(bf, 1).find("outside the vocabulary"), std::string::npos) << reason(bf, 1);
+  EXPECT_NE(reason(bf, 3).find("repeats an earlier line's"), std::string::npos) << reason(bf, 3);
+  // Its own fault is the reason a user can act on; the repeat is not checked past it.
+  EXPECT_NE(reason(bf, 5).find("more than the model context"), std::string::npos)
+      << reason(bf, 5);
+}
+
 TEST(WorkerRequestChecks, FlagsChangeTheVerdict) {
   const model::ModelConfig cfg = small_config();
   {  // --allow-long runs a prompt over the context

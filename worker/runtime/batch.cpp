@@ -170,7 +170,6 @@ Result<BatchRequest> parse_line(std::string_view line, DType compute) {
 
 BatchFile parse_batch(const std::string& text, DType compute) {
   BatchFile f;
-  std::set<std::string> seen;
   int64_t line_no = 0;
   // A UTF-8 byte order mark (editors on Windows write one) is not part of line 1's JSON.
   size_t pos = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;
@@ -189,11 +188,6 @@ BatchFile parse_batch(const std::string& text, DType compute) {
     if (!r.is_ok()) {
       // One line: a reason can quote the line's own keys and values.
       f.bad.push_back({line_no, controls_escaped(r.status().message())});
-    } else if (!seen.insert(lower_ascii(r->id)).second) {
-      // Case-folded: on a case-insensitive filesystem (APFS, SMB) 'Doc' and 'doc' would share
-      // one export and one summary.
-      f.bad.push_back({line_no, "id '" + r->id + "' repeats an earlier line's (ids differing "
-                                                 "only in case count as one)"});
     } else {
       r->line = line_no;
       f.requests.push_back(std::move(r).value());
@@ -201,6 +195,23 @@ BatchFile parse_batch(const std::string& text, DType compute) {
     if (nl == text.size()) break;
   }
   return f;
+}
+
+std::vector<BatchRequest> first_of_each_id(std::vector<BatchRequest> requests,
+                                           std::vector<BadLine>& bad) {
+  std::set<std::string> seen;
+  std::vector<BatchRequest> kept;
+  kept.reserve(requests.size());
+  for (auto& r : requests) {
+    // Case-folded: on a case-insensitive filesystem (APFS, SMB) 'Doc' and 'doc' would share
+    // one export and one summary.
+    if (seen.insert(lower_ascii(r.id)).second)
+      kept.push_back(std::move(r));
+    else
+      bad.push_back({r.line, "id '" + r.id + "' repeats an earlier line's (ids differing "
+                                             "only in case count as one)"});
+  }
+  return kept;
 }
 
 std::string request_dir(const std::string& out_dir, const std::string& id) {

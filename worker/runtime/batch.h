@@ -54,10 +54,16 @@ struct BatchFile {
 };
 
 // Parses the whole file's text. Never fails: a line that is not a valid request becomes a
-// BadLine (including a repeated id: the first occurrence wins).
+// BadLine. Ids may repeat here: first_of_each_id settles that once the job's own checks have
+// run, so a line those checks refuse does not take its id from a corrected line after it.
 // `compute`: the dtype the job's forward computes K/V in, which a line's "kv_dtype": "auto" takes
 // (kvstore::kv_encodings_parse).
 BatchFile parse_batch(const std::string& text, DType compute = DType::kF32);
+
+// `requests` (in file order) keeping the first line of each id, ids equal up to ASCII case
+// counting as one; every later line becomes a BadLine in `bad`.
+std::vector<BatchRequest> first_of_each_id(std::vector<BatchRequest> requests,
+                                           std::vector<BadLine>& bad);
 
 // The id check alone (also used for the output paths).
 Status validate_request_id(const std::string& id);
