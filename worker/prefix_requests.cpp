@@ -8,25 +8,37 @@
 
 namespace sf::worker {
 
-Result<std::unique_ptr<PrefixRequests>> PrefixRequests::create(const Options& o,
-                                                               const model::Model& m,
-                                                               const model::DeviceModel* dm,
-                                                               std::string model_compat) {
-  const model::ModelConfig& cfg = m.config();
+namespace {
+kvstore::BlockPoolConfig pool_config(const Options& o, const model::ModelConfig& cfg, bool device) {
   kvstore::BlockPoolConfig pc;
   pc.n_kv_heads = cfg.n_kv_heads;
   pc.head_dim = cfg.head_dim;
-  (dm ? pc.device_bytes : pc.host_bytes) = o.prefix_cache_bytes;
+  (device ? pc.device_bytes : pc.host_bytes) = o.prefix_cache_bytes;
+  return pc;
+}
+}  // namespace
+
+Status PrefixRequests::check_budget(const Options& o, const model::ModelConfig& cfg) {
   // An entry is a block for each layer: a smaller budget would accept the option and cache
-  // nothing, warning at every request.
-  const int64_t entry = int64_t(cfg.n_layers) * kvstore::BlockPool::block_bytes_for(pc);
+  // nothing, warning at every request. (A block's bytes do not depend on its tier.)
+  const int64_t entry =
+      int64_t(cfg.n_layers) * kvstore::BlockPool::block_bytes_for(pool_config(o, cfg, false));
   if (o.prefix_cache_bytes < entry)
     return SF_ERR(kInvalidArgument, "--prefix-cache " + std::to_string(o.prefix_cache_bytes) +
                                         " bytes holds no cache entry: one (" +
                                         std::to_string(kvstore::kPoolBlockTokens) +
                                         " tokens of every layer's K and V) takes " +
                                         std::to_string(entry) + " bytes for this model");
-  auto pool = kvstore::BlockPool::create(pc);
+  return Status::ok();
+}
+
+Result<std::unique_ptr<PrefixRequests>> PrefixRequests::create(const Options& o,
+                                                               const model::Model& m,
+                                                               const model::DeviceModel* dm,
+                                                               std::string model_compat) {
+  const model::ModelConfig& cfg = m.config();
+  if (Status st = check_budget(o, cfg); !st.is_ok()) return st;
+  auto pool = kvstore::BlockPool::create(pool_config(o, cfg, dm != nullptr));
   if (!pool.is_ok()) return pool.status();
   std::unique_ptr<PrefixRequests> p(new PrefixRequests);
   p->o_ = &o;

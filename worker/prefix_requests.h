@@ -25,8 +25,12 @@ namespace sf::worker {
 
 class PrefixRequests {
  public:
-  // The pool and cache of o.prefix_cache_bytes; dm: the rank's device model (--device cuda) or
-  // null. model_compat: the export spec's compatibility hash, which names the cache's entries.
+  // kInvalidArgument when o.prefix_cache_bytes holds no entry (a block of every layer) of a
+  // model of `cfg`: a start-up error, the same on every rank, and one --dry-run reports too.
+  static Status check_budget(const Options& o, const model::ModelConfig& cfg);
+  // The pool and cache of o.prefix_cache_bytes (check_budget first); dm: the rank's device model
+  // (--device cuda) or null. model_compat: the export spec's compatibility hash, which names the
+  // cache's entries.
   static Result<std::unique_ptr<PrefixRequests>> create(const Options& o, const model::Model& m,
                                                         const model::DeviceModel* dm,
                                                         std::string model_compat);

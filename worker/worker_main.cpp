@@ -250,20 +250,20 @@ int run(int argc, char** argv) {
     if (fault.kind == "memory") return fault.layer;
     return host_memory_available();
   };
+  // A --prefix-cache budget under one entry: the same on every rank (one model, one option), a
+  // start-up error like the option's other checks, before --out, the metrics file or a plan.
+  if (o.prefix_cache_bytes > 0)
+    if (Status st = PrefixRequests::check_budget(o, cfg); !st.is_ok())
+      return finish({2, st.message()});
   if (o.dry_run) {
     if (rank0)
       print_dry_run(o, cfg, good, n_groups, job, sizing, local_ranks, host_avail(false));
     return finish({bf.bad.empty() ? 0 : 3, ""});
   }
-  // --prefix-cache: this rank's cache and the requests computed behind it (before --out and
-  // the metrics file are written, so a refused budget leaves neither).
+  // --prefix-cache: this rank's cache and the requests computed behind it.
   std::unique_ptr<PrefixRequests> prefix;
   if (o.prefix_cache_bytes > 0) {
     auto p = PrefixRequests::create(o, m, dmodel ? &*dmodel : nullptr, model_compat);
-    // A budget too small for one entry is the same on every rank (one model, one option): a
-    // start-up error like the option's other checks. Anything else ends the job.
-    if (!p.is_ok() && p.status().code() == Code::kInvalidArgument)
-      return finish({2, p.status().message()});
     if (!p.is_ok()) fatal(p.status());
     prefix = std::move(p).value();
   }

@@ -320,6 +320,12 @@ PY
     errors | grep -q "^error: --prefix-cache 2097152 bytes holds no cache entry: one (64 tokens of every layer's K and V) takes 2949120 bytes for this model" \
       || fail "--prefix-cache 2M: message"
     [ ! -e "$tmp/small/first" ] || fail "--prefix-cache 2M: a request ran"
+    # --dry-run reports it too, instead of a plan for a job that could not start.
+    run 1 --model default --prefix-cache 2M --batch "$tmp/prefix.jsonl" --out "$tmp/small" --dry-run
+    [ "$rc" -eq 2 ] && [ "$(errors | wc -l)" -eq 1 ] || fail "--prefix-cache 2M --dry-run: exit $rc, want 2"
+    errors | grep -q "^error: --prefix-cache 2097152 bytes holds no cache entry" \
+      || fail "--prefix-cache 2M --dry-run: message"
+    ! grep -q "^plan:" "$tmp/stdout" || fail "--prefix-cache 2M --dry-run: printed a plan"
     run 2 --model default --cp 2 --prefix-cache 64M --batch "$tmp/prefix.jsonl" --out "$tmp/bad"
     [ "$rc" -eq 2 ] || fail "--prefix-cache with --cp 2: exit $rc, want 2"
     errors | grep -q "^error: --prefix-cache needs a positive size, --tp 1 --cp 1 and dense attention" || fail "message"
