@@ -54,8 +54,8 @@ bool byte_level_to_raw(std::string_view s, std::string* out) {
 // The regexes are matched by hand on a decoded copy of the text: alternatives are tried in the
 // regex's order at each start, exactly as a backtracking engine (Oniguruma) would pick them.
 struct Char {
+  uint64_t off;  // byte offset in the text (64-bit: a prompt may pass 4 GiB)
   uint32_t cp;
-  uint32_t off;  // byte offset in the text
   uint8_t flags;
 };
 
@@ -152,7 +152,7 @@ void decode_chars(std::string_view text, std::vector<Char>* chars) {
   chars->reserve(text.size() + 1);
   for (size_t i = 0; i < text.size();) {
     unicode::DecodedCodepoint d = unicode::utf8_decode(text, i);
-    chars->push_back({d.cp, static_cast<uint32_t>(i), unicode::codepoint_flags(d.cp)});
+    chars->push_back({uint64_t(i), d.cp, unicode::codepoint_flags(d.cp)});
     i += d.len;
   }
 }
