@@ -178,41 +178,55 @@ std::string num(double x) {
   return std::string(buf, r.ptr);
 }
 
-// The moa spec's own loop: config is a path, not a number.
+// A spec's "key=value,..." after its colon, in order: each key one of `allowed` and given once,
+// no empty field (",," or a trailing comma: getline yields no field after a trailing comma, so
+// it is refused up front). Values are left to the caller: moa's config is a path, not a number.
+Result<std::vector<std::pair<std::string, std::string>>> spec_params(
+    const std::string& name, const std::string& params, const std::vector<std::string>& allowed) {
+  if (!params.empty() && params.back() == ',')
+    return SF_ERR(kInvalidArgument,
+                  "retention " + name + ": unknown or malformed parameter '' (trailing comma)");
+  std::vector<std::pair<std::string, std::string>> out;
+  std::stringstream ss(params);
+  std::string kv;
+  while (std::getline(ss, kv, ',')) {
+    const auto eq = kv.find('=');
+    std::string key = kv.substr(0, eq);
+    if (eq == std::string::npos || std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+      std::string keys;
+      for (const auto& a : allowed) keys += (keys.empty() ? "" : ", ") + a;
+      return SF_ERR(kInvalidArgument, "retention " + name + ": unknown or malformed parameter '" +
+                                          kv + "' (" + (keys.empty() ? "it takes none" : keys) +
+                                          ")");
+    }
+    for (const auto& [k, v] : out)
+      if (k == key) return SF_ERR(kInvalidArgument, "retention " + name + ": " + key + " given twice");
+    out.emplace_back(std::move(key), kv.substr(eq + 1));
+  }
+  return out;
+}
+
 Result<RetentionPolicy> moa_parse_spec(const std::string& spec) {
   const auto colon = spec.find(':');
   if (colon == std::string::npos)
     return SF_ERR(kInvalidArgument,
                   "retention moa needs config=FILE (per-layer, per-KV-head spans; docs/api.md)");
-  // As retention_parse: a trailing comma and a key given twice are refused (a second config= was
-  // taken silently, the first never read). A path cannot hold a comma.
-  const std::string params = spec.substr(colon + 1);
-  if (!params.empty() && params.back() == ',')
-    return SF_ERR(kInvalidArgument,
-                  "retention moa: unknown or malformed parameter '' (trailing comma)");
-  std::stringstream ss(params);
-  std::string kv, config;
+  // A second config= is refused, not taken silently with the first never read. A path cannot
+  // hold a comma.
+  const std::vector<std::string> allowed = {"config", "sink"};
+  SF_ASSIGN(auto params, spec_params("moa", spec.substr(colon + 1), allowed));
+  std::string config;
   int64_t sink = -1;
-  bool have_config = false;
-  while (std::getline(ss, kv, ',')) {
-    const auto eq = kv.find('=');
-    const std::string key = kv.substr(0, eq);
-    if (eq == std::string::npos || (key != "config" && key != "sink"))
-      return SF_ERR(kInvalidArgument,
-                    "retention moa: unknown or malformed parameter '" + kv + "' (config, sink)");
-    if (key == "config" ? have_config : sink >= 0)
-      return SF_ERR(kInvalidArgument, "retention moa: " + key + " given twice");
-    const std::string val = kv.substr(eq + 1);
+  for (const auto& [key, val] : params) {
     if (key == "config") {
       config = val;
-      have_config = true;
       continue;
     }
     int64_t x = 0;
     if (!whole_int(val, &x) || x < 0)
       return SF_ERR(kInvalidArgument,
                     "retention moa: sink = '" + val + "' must be an integer >= 0");
-    sink = int64_t(x);
+    sink = x;
   }
   if (config.empty()) return SF_ERR(kInvalidArgument, "retention moa needs config=FILE");
   SF_ASSIGN(RetentionPolicy p, moa_config_load(config));
@@ -300,25 +314,9 @@ Result<RetentionPolicy> retention_parse(const std::string& spec) {
     if (needs_budget) return SF_ERR(kInvalidArgument, "retention " + name + " needs budget=TOKENS");
     return p;
   }
-  const std::string params = spec.substr(colon + 1);
-  // (getline yields no field after a trailing comma, so it is refused here, as ",," is below.)
-  if (!params.empty() && params.back() == ',')
-    return SF_ERR(kInvalidArgument,
-                  "retention " + name + ": unknown or malformed parameter '' (trailing comma)");
-  std::stringstream ss(params);
-  std::string kv;
+  SF_ASSIGN(auto params, spec_params(name, spec.substr(colon + 1), allowed));
   bool have_budget = false;
-  std::vector<std::string> seen;
-  while (std::getline(ss, kv, ',')) {
-    const auto eq = kv.find('=');
-    const std::string key = kv.substr(0, eq);
-    if (eq == std::string::npos || std::find(allowed.begin(), allowed.end(), key) == allowed.end())
-      return SF_ERR(kInvalidArgument,
-                    "retention " + name + ": unknown or malformed parameter '" + kv + "'");
-    if (std::find(seen.begin(), seen.end(), key) != seen.end())
-      return SF_ERR(kInvalidArgument, "retention " + name + ": " + key + " given twice");
-    seen.push_back(key);
-    const std::string val = kv.substr(eq + 1);
+  for (const auto& [key, val] : params) {
     double x = 0;
     if (!whole_number(val, &x))
       return SF_ERR(kInvalidArgument,

@@ -424,13 +424,14 @@ TEST(Retention, HighSplitsTheKeptTokensIntoTwoTiers) {
     ASSERT_FALSE(st.is_ok()) << spec;
     EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
   };
-  bad("streaming:sink=4,window=100,high=50", "unknown or malformed parameter 'high=50'");
+  bad("streaming:sink=4,window=100,high=50", "unknown or malformed parameter 'high=50' (sink, window)");
   bad("adakv:budget=150,window=32,high=150", "high 150 out of range [window 32, budget 150)");
   bad("adakv:budget=150,window=32,high=20", "high 20 out of range");
   // A key given twice (the last would have won) and a trailing comma are malformed too.
   bad("snapkv:budget=100,budget=50", "budget given twice");
   bad("snapkv:budget=100,", "trailing comma");
   bad("snapkv:budget=100,,window=32", "unknown or malformed parameter ''");
+  bad("full:window=8", "unknown or malformed parameter 'window=8' (it takes none)");
   RetentionPolicy st;
   st.kind = RetentionKind::kStreaming;
   st.window = 100;
