@@ -98,10 +98,27 @@ def cover_greedy(p, rows, L, gamma):
     return picked, got / total
 
 
+def marginal_costs(L, diags, width_only=False):
+    """Pairs each item would add to the index: column j its L - j rows; diagonal d, in every query
+    block after it, the offsets of its 64-key range (s - key in [d - 63, d]) that no chosen
+    diagonal's range (the forced 0..64 included) reaches yet, for each of the block's 64 rows.
+    width_only: a column costs 1 and a diagonal its new offsets (no row counts)."""
+    reached = np.zeros(L + 64, bool)
+    for d in set(range(65)) | set(diags):
+        reached[max(0, d - 63): d + 1] = True
+    s = np.concatenate([[0], np.cumsum(~reached)])
+    d = np.arange(L)
+    new = s[d + 1] - s[np.maximum(0, d - 63)]
+    if width_only:
+        return np.concatenate([np.ones(L), new.astype(float)])
+    return np.concatenate([(L - d).astype(float), (new * (L - d)).astype(float)])
+
+
 def cover_rounds(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32, band=False,
-                 rank_band=False):
+                 rank_band=False, cost=None):
     """band: diagonals credited with their whole key range; rank_band: also ranked by its
-    uncovered mass (band_sums)."""
+    uncovered mass (band_sums); cost "pairs" or "width": ranked by uncovered mass over
+    marginal_costs (credit unchanged: an item's own keys only)."""
     cov = forced_cover(rows, L)
     total = p.sum()
     picked = ([], [])
@@ -113,7 +130,12 @@ def cover_rounds(p, rows, L, gamma, max_rounds=16, frac=0.5, finish=1 / 32, band
             break
         col, diag = residual_sums(p, cov, rows, L)
         vals = np.concatenate([col, band_sums(p, cov, rows, L) if rank_band else diag])
-        order = np.argsort(-vals, kind="stable")
+        if cost:
+            c = marginal_costs(L, picked[1], width_only=cost == "width")
+            key = np.where(c > 0, vals / np.maximum(c, 1), np.where(vals > 0, np.inf, 0))
+            order = np.argsort(-key, kind="stable")
+        else:
+            order = np.argsort(-vals, kind="stable")
         need = gamma * total - got
         target = need * frac if need > finish * total else need
         k = int(np.searchsorted(np.cumsum(vals[order]), target) + 1)
@@ -201,6 +223,9 @@ def main():
     ap.add_argument("--band", action="store_true",
                     help="also the rounds with each diagonal credited with its whole key range")
     ap.add_argument("--no-greedy", action="store_true", help="skip the exact greedy (slow at 1M)")
+    ap.add_argument("--cost", choices=["pairs", "width"],
+                    help="also the rounds ranking items by uncovered mass over their marginal "
+                         "pairs, or (width) over a diagonal's new offsets with columns at 1")
     args = ap.parse_args()
     for L in (int(x) for x in args.lengths.split(",")):
         last = np.arange(L - 64, L)
@@ -224,6 +249,12 @@ def main():
         (rc, rd), rcov, nr = cover_rounds(p, rows, L, args.gamma, frac=args.frac)
         report("one cover, rounds", L, rc, rd, ps, sampled,
                f"; scoring rows {rcov:.3f} after {nr} rounds")
+        if args.cost:
+            (cc, cd), ccov, nc = cover_rounds(p, rows, L, args.gamma, frac=args.frac,
+                                              cost=args.cost)
+            report(f"one cover, rounds, ranked by mass over marginal cost ({args.cost})", L, cc,
+                   cd, ps, sampled,
+                   f"; scoring rows {ccov:.3f} after {nc} rounds")
         if args.band:
             (bc, bd), bcov, nb = cover_rounds(p, rows, L, args.gamma, frac=args.frac, band=True)
             report("one cover, rounds, diagonals credited with their ranges", L, bc, bd, ps,
