@@ -115,7 +115,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
                           "sparse_estimate (CUDA): patterns[" + std::to_string(h) +
                               "].vs_cover with max_budget below the key or diagonal count is not "
                               "implemented on the device");
-          e.cover = int32_t(hp.vs_cover);
+          e.cover = 1;
           cov_heads.push_back(int32_t(h));
         } else {
           e.vs_slot = int32_t(vs_heads.size());
@@ -231,7 +231,6 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.cov_p = c.take<float>(ncov * size_t(L.n_chunks) * size_t(L.cov_rows) * kB);
     L.cov_resd = c.take<double>(ncov * ncx);
     L.cov_res = c.take<float>(ncov * ncx);
-    L.cov_key = c.take<float>(ncov * ncx);
     L.cov_sum = c.take<double>(ncov * 2);
     L.cov_hcnt = c.take<uint32_t>(ncov * 3 * kCoverBins);
     L.cov_hmass = c.take<double>(ncov * 3 * kCoverBins);

@@ -1521,54 +1521,19 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
   block_add(col && x < ncx ? double(float(s)) : 0.0, p.cov_sum + 2 * c);
 }
 
-// grid (ceil(n_cx / 256), n_cov), 256 threads, before round k's selection: the residuals as the
-// floats the selection sums (0 for taken items), their ranking keys, and the columns' residual
-// total (uncovered) accumulated. vs_cover 2: a diagonal's key is its residual over its width
-// (sparse_select.h vs_cover_widths, vs_cover_key), from the diagonals chosen before this round:
-// the CTA's offsets d0 .. d0 + 255 need the chosen flags of diagonals d0 - 63 .. d0 + 318.
-constexpr int kCoverPrepThreads = 256;  // cover_launch's sgrid: 256 items a CTA
-constexpr int kCoverSpan = 64;  // sparse_select.h kVsCoverSpan
-__global__ void __launch_bounds__(kCoverPrepThreads) cover_prep_kernel(const EstimateLaunch p) {
-  __shared__ uint8_t chosen[kCoverPrepThreads + 2 * kCoverSpan - 2];
-  __shared__ uint8_t reached[kCoverPrepThreads + kCoverSpan - 1];
+// grid (ceil(n_cx / 256), n_cov), before round k's selection: the residuals as the floats the
+// selection ranks (0 for taken items), and the columns' residual total (uncovered) accumulated.
+__global__ void cover_prep_kernel(const EstimateLaunch p) {
   const int c = blockIdx.y;
   if (p.cov_state[2 * c] != 0) return;  // done: uniform over the grid row
-  const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
-  const int64_t x0 = int64_t(blockIdx.x) * blockDim.x, x = x0 + threadIdx.x;
-  const int32_t* rd = p.cov_round + size_t(c) * size_t(ncx);
-  const bool by_width = p.heads[p.cov_heads[c]].cover == 2 && x0 + kCoverPrepThreads > nc;
-  if (by_width) {  // uniform over the CTA
-    // Offsets o in [d0 - 63, d0 + 255]: reached when a chosen diagonal lies in [o, o + 63].
-    const int64_t d0 = x0 - nc, e0 = d0 - (kCoverSpan - 1);
-    for (int i = threadIdx.x; i < kCoverPrepThreads + 2 * kCoverSpan - 2; i += blockDim.x) {
-      const int64_t e = e0 + i;
-      chosen[i] = e >= 0 && e < nd && rd[nc + e] >= 0;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < kCoverPrepThreads + kCoverSpan - 1; i += blockDim.x) {
-      uint8_t any = 0;
-      for (int t = 0; t < kCoverSpan; ++t) any |= chosen[i + t];
-      reached[i] = any;
-    }
-    __syncthreads();
-  }
+  const int64_t nc = p.kend_last, ncx = nc + p.n_diag;
+  const int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   double u = 0;
   if (x < ncx) {
     const size_t at = size_t(c) * size_t(ncx) + size_t(x);
-    const double r = rd[x] >= 0 ? 0.0 : p.cov_resd[at];
+    const double r = p.cov_round[at] >= 0 ? 0.0 : p.cov_resd[at];
     const float f = float(r > 0 ? r : 0.0);  // updates can leave -1e-17 where 0 is meant
     p.cov_res[at] = f;
-    float key = f;
-    if (by_width && x >= nc) {
-      // Offsets d - 63 .. d are reached[threadIdx.x .. threadIdx.x + 63]; those below 0 count
-      // as reached.
-      const int64_t d = x - nc;
-      int w = 0;
-      for (int t = 0; t < kCoverSpan; ++t)
-        w += d - (kCoverSpan - 1) + t >= 0 && !reached[threadIdx.x + t];
-      key = w > 0 ? __fdiv_rn(f, float(w)) : (f > 0.f ? INFINITY : 0.f);
-    }
-    p.cov_key[at] = key;
     if (x < nc) u = double(f);
   }
   block_add(u, p.cov_sum + 2 * c + 1);
@@ -1590,8 +1555,8 @@ __device__ __forceinline__ uint32_t cover_width_mask(int level) {
   return level == 2 ? 0x3ffu : 0x7ffu;
 }
 
-// grid (ceil(n_cx / (256 kCoverPer)), n_cov): level `level`'s histogram (counts, residual
-// masses) of the items with residual > 0 whose key matches the walk's prefix so far.
+// grid (ceil(n_cx / (256 kCoverPer)), n_cov): level `level`'s histogram of the residuals (> 0)
+// whose key matches the walk's prefix so far.
 __global__ void __launch_bounds__(256) cover_hist_kernel(const EstimateLaunch p, int level) {
   __shared__ unsigned cnt[kCoverBins];
   __shared__ double mass[kCoverBins];
@@ -1609,7 +1574,6 @@ __global__ void __launch_bounds__(256) cover_hist_kernel(const EstimateLaunch p,
   __syncthreads();
   const int64_t ncx = p.kend_last + p.n_diag;
   const float* res = p.cov_res + size_t(c) * size_t(ncx);
-  const float* rank = p.cov_key + size_t(c) * size_t(ncx);
   const int64_t x0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kCoverPer;
   uint32_t rb = 0xffffffffu;
   unsigned rc = 0;
@@ -1617,7 +1581,7 @@ __global__ void __launch_bounds__(256) cover_hist_kernel(const EstimateLaunch p,
   for (int i = 0; i < kCoverPer && x0 + i < ncx; ++i) {
     const float v = res[x0 + i];
     if (!(v > 0.f)) continue;
-    const uint32_t key = order_key(rank[x0 + i]);
+    const uint32_t key = order_key(v);
     if ((key & mask) != prefix) continue;
     const uint32_t b = (key >> shift) & wm;
     if (b != rb) {
@@ -1743,19 +1707,12 @@ __global__ void __launch_bounds__(kCoverWalkThreads)
     wi[2] = c_above;
     wd[1] = m_above;
     if (level == 2) {
+      const float tv = key_value(uint32_t(wi[0]));
+      long long m = (long long)ceil((target - m_above) / double(tv));
+      m = m < 1 ? 1 : (m > (long long)bc[e] ? (long long)bc[e] : m);
       wi[3] = bc[e];
-      if (p.heads[p.cov_heads[c]].cover == 2) {
-        // Items at T hold different residuals: the tie pass takes them by index while the mass
-        // taken stays short of the target.
-        wi[4] = 0;
-        wi[5] = bc[e] > 1 ? 1 : 0;
-      } else {  // key == residual: each holds T's value, so the first m reach the target
-        const float tv = key_value(uint32_t(wi[0]));
-        long long m = (long long)ceil((target - m_above) / double(tv));
-        m = m < 1 ? 1 : (m > (long long)bc[e] ? (long long)bc[e] : m);
-        wi[4] = m;
-        wi[5] = m < (long long)bc[e] ? 1 : 0;
-      }
+      wi[4] = m;
+      wi[5] = m < (long long)bc[e] ? 1 : 0;
     }
   }
   if (h == kCoverBins && threadIdx.x == 0) wi[6] = 1;  // the candidates fall short: take them all
@@ -1793,8 +1750,7 @@ __global__ void cover_mark_kernel(const EstimateLaunch p, int round) {
   if (x < ncx) {
     const float v = p.cov_res[size_t(c) * size_t(ncx) + size_t(x)];
     if (v > 0.f) {
-      const uint32_t key = order_key(p.cov_key[size_t(c) * size_t(ncx) + size_t(x)]),
-                     T = uint32_t(wi[0]);
+      const uint32_t key = order_key(v), T = uint32_t(wi[0]);
       take = wi[6] || key > T || (key == T && !wi[5]);
     }
   }
@@ -1802,42 +1758,30 @@ __global__ void cover_mark_kernel(const EstimateLaunch p, int round) {
   cover_append(p, c, take, int32_t(x));
 }
 
-// grid (n_cov): where fewer than T's count are taken, the items at T by index: the first m
-// (vs_cover 1: each holds T's value), or (vs_cover 2) each while the mass taken before it (the
-// items above T, then those at T before it) is short of the target, as the CPU's loop stops.
+// grid (n_cov): where fewer than T's count are taken, the first m at T by index.
 __global__ void __launch_bounds__(kVsSelectThreads)
     cover_tie_kernel(const EstimateLaunch p, int round) {
   using Scan = cub::BlockScan<int, kVsSelectThreads>;
-  using ScanD = cub::BlockScan<double, kVsSelectThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ typename ScanD::TempStorage tmpd;
   const int c = blockIdx.x;
   if (p.cov_state[2 * c] != 0) return;
   const int64_t* wi = p.cov_walki + size_t(c) * 8;
   if (wi[6] || !wi[5]) return;
   const uint32_t T = uint32_t(wi[0]);
   const long long m = wi[4];
-  const bool by_mass = p.heads[p.cov_heads[c]].cover == 2;
-  const double target = p.cov_walkd[2 * c];
-  double run = p.cov_walkd[2 * c + 1];  // the mass above T
   const int64_t ncx = p.kend_last + p.n_diag;
   const float* res = p.cov_res + size_t(c) * size_t(ncx);
-  const float* rank = p.cov_key + size_t(c) * size_t(ncx);
   long long seen = 0;
-  for (int64_t x0 = 0; x0 < ncx && (by_mass ? run < target : seen < m);
-       x0 += kVsSelectThreads) {
+  for (int64_t x0 = 0; x0 < ncx && seen < m; x0 += kVsSelectThreads) {
     const int64_t x = x0 + threadIdx.x;
-    const int eq = x < ncx && res[x] > 0.f && order_key(rank[x]) == T;
+    const int eq = x < ncx && res[x] > 0.f && order_key(res[x]) == T;
     int before, n_eq;
     Scan(tmp).ExclusiveSum(eq, before, n_eq);
-    double m_before = 0, m_eq = 0;
-    if (by_mass) ScanD(tmpd).ExclusiveSum(eq ? double(res[x]) : 0.0, m_before, m_eq);
     __syncthreads();
-    const bool take = eq && (by_mass ? run + m_before < target : seen + before < m);
+    const bool take = eq && seen + before < m;
     if (take) p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = round;
     cover_append(p, c, take, int32_t(x));
     seen += n_eq;
-    run += m_eq;
   }
 }
 
@@ -1914,7 +1858,7 @@ cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
   cover_sums_kernel<<<sgrid, 256, 0, s>>>(p);
   const dim3 hgrid(unsigned((ncx + 256 * kCoverPer - 1) / (256 * kCoverPer)), unsigned(p.n_cov));
   for (int k = 1; k <= p.cov_max_rounds; ++k) {
-    cover_prep_kernel<<<sgrid, kCoverPrepThreads, 0, s>>>(p);
+    cover_prep_kernel<<<sgrid, 256, 0, s>>>(p);
     for (int level = 0; level < 3; ++level) {
       if (level == 0)  // the walk sets the round up before level 0's histogram is read
         cover_walk_kernel<<<unsigned(p.n_cov), kCoverWalkThreads, 0, s>>>(p, -1, k);

@@ -23,7 +23,7 @@ struct EstHead {
   double gamma = 1.0;
   int64_t min_count = 0, max_count = 0;  // adaptive clamp (items: columns / diagonals / blocks)
   int64_t tail_block_min = 0;            // HeadPattern::tail_block_min
-  int32_t cover = 0;                     // HeadPattern::vs_cover (an adaptive-vs head): 1, 2
+  int32_t cover = 0;                     // HeadPattern::vs_cover (an adaptive-vs head)
 };
 
 struct EstimateLaunch {
@@ -80,9 +80,7 @@ struct EstimateLaunch {
   // sixty-fourth session).
   float* cov_p = nullptr;
   double* cov_resd = nullptr;          // [n_cov * n_cx] residuals, kept up to date by updates
-  float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals (scratch after)
-  float* cov_key = nullptr;            // [n_cov * n_cx] their ranking keys: the residual, or with
-                                       // vs_cover 2 a diagonal's over its width
+  float* cov_res = nullptr;            // [n_cov * n_cx] a round's residuals, ranked (scratch after)
   double* cov_sum = nullptr;           // [n_cov * 2] total (plain column sums), uncovered
   // A round's threshold search over the residuals' float keys (order_key), 11 + 11 + 10 bits:
   // per head three histograms of kCoverBins (count, mass) and the walk's state.

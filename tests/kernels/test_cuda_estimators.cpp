@@ -230,10 +230,9 @@ std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& g
 
 // Rule 1 for a vs_cover head (sparse_select.h vs_cover_select), round by round on the device's own
 // history: before round k the state is the device's picks of rounds < k, from which the reference
-// residuals (double), need and target give the rule's round-k picks (ranked by residual, or with
-// vs_cover 2 by vs_cover_key over the widths of the diagonals picked before round k); they must
-// equal the device's round-k picks up to ties (each differing pick at the rule's boundary key up
-// to rounding, and the device's picks still the smallest prefix reaching the target). Where the device stopped,
+// residuals (double), need and target give the rule's round-k picks; they must equal the device's
+// round-k picks up to ties (each differing pick at the rule's boundary residual up to rounding,
+// and the device's picks still the smallest prefix reaching the target). Where the device stopped,
 // the reference need must be <= 0 up to 1e-4 x total. Then each final list: the picks, topped up
 // to min_budget by the reference plain sums (judge, count mode, the picks forced).
 std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, int64_t nd,
@@ -257,8 +256,6 @@ std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, 
   double total = 0;
   for (double v : ref.probs) total += v;
   std::vector<double> res(static_cast<size_t>(ncx));
-  std::vector<double> key(static_cast<size_t>(ncx));
-  std::vector<int32_t> before(static_cast<size_t>(nd)), width(static_cast<size_t>(nd));
   for (int k = 1; k <= kVsCoverRounds; ++k) {
     std::fill(res.begin(), res.end(), 0.0);
     for (int64_t r = 0; r < nr; ++r)
@@ -289,18 +286,12 @@ std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, 
       return "round " + std::to_string(k) + " took items past the goal (need " +
              std::to_string(need) + ")";
     const double target = need > total * kVsCoverFinish ? need / 2 : need;
-    for (int64_t d = 0; d < nd; ++d) before[size_t(d)] = diag_round[size_t(d)] < k ? diag_round[size_t(d)] : -1;
-    if (hp.vs_cover == 2) kernels::vs_cover_widths(before.data(), nd, width.data());
-    for (int64_t x = 0; x < ncx; ++x)
-      key[size_t(x)] = hp.vs_cover == 2 && x >= nc
-                           ? double(kernels::vs_cover_key(float(res[size_t(x)]), width[size_t(x - nc)]))
-                           : res[size_t(x)];
     std::vector<int32_t> order;
     for (int64_t x = 0; x < ncx; ++x)
       if (round_of(x) < 0 || round_of(x) >= k)
         if (res[size_t(x)] > 0) order.push_back(int32_t(x));
     std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return key[size_t(a)] > key[size_t(b)]; });
+                     [&](int32_t a, int32_t b) { return res[size_t(a)] > res[size_t(b)]; });
     std::vector<int32_t> want;
     double taken = 0;
     for (int32_t x : order) {
@@ -313,31 +304,25 @@ std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, 
       // A tie: every differing pick's residual is the rule's boundary residual up to rounding,
       // and the device's picks are still the smallest prefix reaching the target: they reach it,
       // and without their smallest they do not (a superset of the rule's picks fails here).
-      // Keys: residuals, or (vs_cover 2) residual over width, where a key of +inf (width 0)
-      // ties only with +inf.
       const std::string at = "round " + std::to_string(k) + ": ";
-      double k_b = INFINITY, m_dev = 0, k_last = INFINITY, r_last = 0;
-      for (int32_t x : want) k_b = std::min(k_b, key[size_t(x)]);
-      for (int32_t x : dev) {  // the device's last pick in rank order: the lowest key, then index
+      double r_b = INFINITY, m_dev = 0, r_min = INFINITY;
+      for (int32_t x : want) r_b = std::min(r_b, res[size_t(x)]);
+      for (int32_t x : dev) {
         m_dev += res[size_t(x)];
-        if (key[size_t(x)] <= k_last) k_last = key[size_t(x)], r_last = res[size_t(x)];
+        r_min = std::min(r_min, res[size_t(x)]);
       }
       std::vector<int32_t> only;
       std::set_symmetric_difference(want.begin(), want.end(), dev.begin(), dev.end(),
                                     std::back_inserter(only));
-      const double key_tol = 1e-4 * k_b + 1e-9 * total;
-      for (int32_t x : only) {
-        const double kx = key[size_t(x)];
-        const bool tie = std::isinf(k_b) ? std::isinf(kx) : std::abs(kx - k_b) <= key_tol;
-        if (!tie)
+      for (int32_t x : only)
+        if (!(std::abs(res[size_t(x)] - r_b) <= 1e-4 * r_b + 1e-9 * total))
           return at + std::to_string(only.size()) + " picks differ (rule " +
                  std::to_string(want.size()) + ", device " + std::to_string(dev.size()) +
-                 "); item " + std::to_string(x) + " key " + std::to_string(kx) + ", boundary " +
-                 std::to_string(k_b);
-      }
+                 "); item " + std::to_string(x) + " residual " + std::to_string(res[size_t(x)]) +
+                 ", boundary " + std::to_string(r_b);
       const double tol = 1e-6 * total;
       if (m_dev < target - tol) return at + "the device's picks fall short of the target";
-      if (m_dev - r_last >= target + tol) return at + "the device's picks are not the smallest";
+      if (m_dev - r_min >= target + tol) return at + "the device's picks are not the smallest";
       *n_ties += int64_t(only.size());
     }
   }
@@ -795,15 +780,14 @@ TEST_F(CudaEstimators, MatchesCpuBf16) {
   run_case({6000, 6000, 0, 8, 2, 64}, true);
 }
 
-// The cover heads' patterns: heads 1, 2 and 6 of the mix choose by one cover over spread rows,
-// head 1 ranking by residual (vs_cover 1), heads 2 and 6 by residual over width (vs_cover 2).
+// The cover heads' patterns: heads 1, 2 and 6 of the mix choose by one cover over spread rows.
 std::vector<HeadPattern> cover_patterns(int spread_rows) {
   std::vector<HeadPattern> ps = mixed_patterns(8);
   for (int h : {1, 2, 6}) {
     HeadPattern& hp = ps[size_t(h)];
     hp = HeadPattern{};
     hp.pattern = Pattern::kAdaptiveVS;
-    hp.vs_cover = h == 1 ? 1 : 2;
+    hp.vs_cover = 1;
     hp.spread_rows = spread_rows;
     hp.gamma = h == 6 ? 0.8 : 0.95;
     hp.sink = 16;

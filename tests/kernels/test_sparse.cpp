@@ -1637,8 +1637,8 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
   EXPECT_GT(width_order, 0);
 }
 
-// Through the estimator: a vs_cover head's (1 or 2) columns and diagonals hold gamma of its
-// scoring rows' mass together (double brute force; the estimator's probabilities are floats), with fewer
+// Through the estimator: a vs_cover head's columns and diagonals hold gamma of its scoring rows'
+// mass together (double brute force; the estimator's probabilities are floats), with fewer
 // candidates over all cases than the same heads without vs_cover (two gamma sets), and the index
 // is the builder's from them.
 TEST(SparseEstimate, VsCoverCoversGammaOfTheScoringRows) {
@@ -1656,7 +1656,7 @@ TEST(SparseEstimate, VsCoverCoversGammaOfTheScoringRows) {
       hp.min_budget = 0;
       hp.gamma = h < 2 ? 0.9 : 0.6;
       hp.spread_rows = spread;
-      hp.vs_cover = h % 2 == 0 ? 0 : h == 1 ? 1 : 2;  // head 3 ranks diagonals by width
+      hp.vs_cover = h % 2;
     }
     const Estimated e = estimate(p, pats);
     expect_index_from_trace(e, pats);

@@ -793,11 +793,6 @@ int cmd_bench_attention(int argc, char** argv) {
     ac.vs_cover = 1;
     ac.spread_rows = 256;
     modes.push_back({"adaptive-vs-cover(gamma=0.95)", ac, true});
-    // The same cover ranking each diagonal by its mass over the new keys its range adds
-    // (vs_cover 2, sparse_select.h vs_cover_widths).
-    HeadPattern aw = ac;
-    aw.vs_cover = 2;
-    modes.push_back({"adaptive-vs-cover-width(gamma=0.95)", aw, true});
     HeadPattern ab;
     ab.pattern = Pattern::kAdaptiveBlock;
     ab.gamma = 0.95;
@@ -815,7 +810,7 @@ int cmd_bench_attention(int argc, char** argv) {
             kInvalidArgument,
             "--modes: unknown mode '" + w +
                 "' (vertical-slash, vertical-slash-plain, vertical-slash-tail48, block-sparse, "
-                "adaptive-vs, adaptive-vs-cover, adaptive-vs-cover-width, adaptive-block)"));
+                "adaptive-vs, adaptive-vs-cover, adaptive-block)"));
     std::erase_if(modes, [&](const ModeSpec& m) {
       return std::find(want.begin(), want.end(), m.name.substr(0, m.name.find('('))) == want.end();
     });
