@@ -67,7 +67,7 @@ Status check_pattern(const HeadPattern& hp, size_t h) {
   if (hp.share_group != 0 && hp.share_group != 1) return err("share_group", "must be 0 or 1");
   if (hp.tail_block_min < 0 || hp.tail_block_min >= kSparseBlock)
     return err("tail_block_min", "must be in [0, 63]");
-  if (hp.vs_cover < 0 || hp.vs_cover > 2) return err("vs_cover", "must be 0, 1 or 2");
+  if (hp.vs_cover != 0 && hp.vs_cover != 1) return err("vs_cover", "must be 0 or 1");
   if (hp.vs_cover != 0 && hp.pattern != Pattern::kAdaptiveVS)
     return err("vs_cover", "applies to adaptive-vs only");
   if (hp.vs_cover != 0 && (hp.segment_rows != 0 || hp.share_group != 0))

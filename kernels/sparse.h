@@ -59,9 +59,7 @@ struct HeadPattern {
   int64_t vs_cover = 0;          // adaptive-vs, 1: columns and diagonals chosen as ONE cover,
                                  // in rounds by the scoring rows' mass not yet covered, until
                                  // their union holds gamma of it (sparse_select.h,
-                                 // vs_cover_select); 2: the same rounds ranking each diagonal by
-                                 // its mass over the new keys its range adds (vs_cover_widths);
-                                 // 0: each set holds gamma alone (FlexPrefill).
+                                 // vs_cover_select); 0: each set holds gamma alone (FlexPrefill).
                                  // CPU and CUDA estimators (--cp-estimate refuses it)
   double score = 0;              // search: attention recall of this head's choice (informational)
 };

@@ -1,7 +1,6 @@
 #include "kernels/sparse_select.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <numeric>
 
@@ -174,24 +173,6 @@ void share_sums(const std::vector<int>& leader, const std::vector<std::vector<fl
   }
 }
 
-void vs_cover_widths(const int32_t* diag_round, int64_t n_diags, int32_t* width) {
-  const int64_t nd = std::max<int64_t>(n_diags, 0);
-  // chosen[e] as prefix counts; offset o is reached when a chosen diagonal lies in [o, o + 63];
-  // then prefix counts of the unreached offsets.
-  std::vector<int32_t> chosen(size_t(nd + 1), 0), open(size_t(nd + 1), 0);
-  for (int64_t e = 0; e < nd; ++e) chosen[size_t(e + 1)] = chosen[size_t(e)] + (diag_round[e] >= 0);
-  for (int64_t o = 0; o < nd; ++o) {
-    const bool reached = chosen[size_t(std::min(o + kVsCoverSpan, nd))] > chosen[size_t(o)];
-    open[size_t(o + 1)] = open[size_t(o)] + (reached ? 0 : 1);
-  }
-  for (int64_t d = 0; d < nd; ++d)
-    width[d] = open[size_t(d + 1)] - open[size_t(std::max<int64_t>(0, d - kVsCoverSpan + 1))];
-}
-
-float vs_cover_key(float residual, int32_t width) {
-  return width > 0 ? residual / float(width) : (residual > 0.f ? INFINITY : 0.f);
-}
-
 void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
                      int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
                      std::vector<int32_t>* cols, std::vector<int32_t>* diags, VsCoverTrace* trace) {
@@ -210,11 +191,8 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
   double total = 0;
   for (int64_t j = 0; j < nc; ++j) total += double(col[j]);
   const double goal = hp.gamma * total;
-  std::vector<float> res(size_t(nc + nd)), key;
+  std::vector<float> res(size_t(nc + nd));
   std::vector<double> acc(size_t(nc + nd));
-  const bool by_width = hp.vs_cover == 2;
-  std::vector<int32_t> width;
-  if (by_width) key.resize(size_t(nc + nd)), width.resize(size_t(nd));
   std::vector<int32_t> order;
   int rounds = 0;
   // Residuals: each item's mass on entries no taken item covers, in double. Summed once over the
@@ -256,16 +234,8 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
     const double need = goal - (total - uncovered);
     if (!(need > 0)) break;
     const double target = need > total * kVsCoverFinish ? 0.5 * need : need;
-    // Candidates ranked by key descending (the residual; with vs_cover 2 a diagonal's over its
-    // new offsets), then columns before diagonals, then index: one joint list with the
-    // diagonals after the columns.
-    const float* rank = res.data();
-    if (by_width) {
-      vs_cover_widths(round[1].data(), nd, width.data());
-      for (int64_t x = 0; x < nc + nd; ++x)
-        key[size_t(x)] = x < nc ? res[size_t(x)] : vs_cover_key(res[size_t(x)], width[size_t(x - nc)]);
-      rank = key.data();
-    }
+    // Candidates ranked by residual descending, then columns before diagonals, then index: one
+    // joint list with the diagonals after the columns.
     order.clear();
     for (int64_t x = 0; x < nc + nd; ++x) {
       const int kind = x < nc ? 0 : 1;
@@ -274,7 +244,7 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
     }
     if (order.empty()) break;
     std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-      return rank[a] > rank[b] || (rank[a] == rank[b] && a < b);
+      return res[size_t(a)] > res[size_t(b)] || (res[size_t(a)] == res[size_t(b)] && a < b);
     });
     double taken = 0;
     bool any = false;

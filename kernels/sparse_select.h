@@ -105,23 +105,8 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 // Halving the target keeps the overlap between one round's picks small, so the cover comes out
 // near the one-item-a-step greedy (planted_cover_model.py: 0.034 against 0.029 at 1M, where
 // taking all that is missing each round gives 0.047).
-// With vs_cover 2 the rounds rank by a key instead of the residual: a column's residual, a
-// diagonal's residual over its width (vs_cover_widths), the offsets its 64-key range would add
-// to what the chosen diagonals' ranges already read (+inf where it adds none); the picks still
-// stop on their residuals' sum. The index builder reads, in the query block from row s, keys
-// s - d .. s - d + 63 for diagonal d, so a diagonal beside chosen ones costs a few keys a row
-// and a lone one 64: ranking by mass alone took lone diagonals a column of the same mass would
-// beat 64 times over (planted_cover_model.py --cost width: at 1M 0.0189 density against 0.0250,
-// the sampled rows' own-key mass unchanged).
 // cols and diags come back ascending; trace (tests) gets each item's round.
 constexpr int kVsCoverRounds = 16;
-constexpr int64_t kVsCoverSpan = 64;  // a diagonal's key range in one query block
-// width[d], d < n_diags: how many offsets o in [max(0, d - 63), d] no chosen diagonal e (round
-// >= 0) reaches, where e reaches the offsets [e - 63, e] (offsets below 0 count as reached).
-void vs_cover_widths(const int32_t* diag_round, int64_t n_diags, int32_t* width);
-// The vs_cover 2 key of a diagonal: residual / width in float (+inf at width 0 when residual >
-// 0), as the device computes it.
-float vs_cover_key(float residual, int32_t width);
 constexpr double kVsCoverFinish = 1.0 / 32;
 struct VsCoverTrace {
   std::vector<int32_t> col_round, diag_round;  // -1 not taken, 0 forced, k: taken in round k

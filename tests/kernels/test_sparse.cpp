@@ -1401,9 +1401,7 @@ TEST(SparseEstimate, EstimatedIndexRunsThroughTheKernel) {
 // recounts every item's uncovered mass from scratch each round and ranks by a full comparison.
 // Probabilities are multiples of 2^-10 below 8 * 2^-10, so every sum is exact in any order and
 // ties are exact and frequent: the tie rule (columns first, then the lower index) is part of what
-// must match. vs_cover 2: a diagonal ranks by its mass over its width, counted here offset by
-// offset (the offsets of [d - 63, d] at or above 0 that no chosen diagonal's [e - 63, e] holds),
-// divided in float as the rule states.
+// must match.
 struct CoverRef {
   std::vector<int32_t> cols, diags;
   std::vector<int32_t> round[2];
@@ -1438,19 +1436,8 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
     const double target = need > r.total * kernels::kVsCoverFinish ? need / 2 : need;
     struct Cand {
       double m;
-      float rank;
       int kind;
       int64_t x;
-    };
-    // A diagonal's new offsets against the diagonals chosen before this round.
-    auto width = [&](int64_t d) {
-      int w = 0;
-      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d; ++o) {
-        bool reached = false;
-        for (int64_t e = o; e <= o + 63 && e < nd; ++e) reached |= r.round[1][size_t(e)] >= 0;
-        w += reached ? 0 : 1;
-      }
-      return w;
     };
     std::vector<Cand> cands;
     for (int kind = 0; kind < 2; ++kind)
@@ -1462,16 +1449,11 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
           if (j >= 0 && j < nc && j <= pos[size_t(i)] && !covered(i, j))
             m += probs[size_t(i * nc + j)];
         }
-        float rank = float(m);
-        if (hp.vs_cover == 2 && kind == 1) {
-          const int w = width(x);
-          rank = w > 0 ? float(m) / float(w) : std::numeric_limits<float>::infinity();
-        }
-        if (m > 0) cands.push_back({m, rank, kind, x});
+        if (m > 0) cands.push_back({m, kind, x});
       }
     if (cands.empty()) break;
     std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) {
-      if (a.rank != b.rank) return a.rank > b.rank;
+      if (a.m != b.m) return a.m > b.m;
       if (a.kind != b.kind) return a.kind < b.kind;
       return a.x < b.x;
     });
@@ -1526,51 +1508,11 @@ TEST(SparseSelect, NanScoresRankLast) {
   }
 }
 
-// vs_cover_widths against offset-by-offset counting: diagonal d's range in a query block is
-// [d - 63, d] of offsets; its width is how many of those at or above 0 no chosen diagonal's
-// range holds. Random chosen sets, sparse and dense, with runs that abut and gaps of 63-65.
-TEST(SparseSelect, VsCoverWidthsCountNewOffsets) {
-  std::mt19937_64 rng(fresh_seed());
-  int zero = 0, partial = 0, full = 0;
-  for (int iter = 0; iter < 200; ++iter) {
-    const int64_t nd = uni(rng, 1, 400);
-    std::vector<int32_t> round(size_t(nd), -1);
-    const int64_t every = uni(rng, 1, 130);
-    for (int64_t e = 0; e < nd; ++e)
-      if (uni(rng, 0, every) == 0) round[size_t(e)] = int32_t(uni(rng, 0, 5));
-    std::vector<int32_t> w(size_t(nd), -7);
-    kernels::vs_cover_widths(round.data(), nd, w.data());
-    for (int64_t d = 0; d < nd; ++d) {
-      int want = 0;
-      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d; ++o) {
-        bool reached = false;
-        for (int64_t e = std::max<int64_t>(0, o); e <= std::min<int64_t>(o + 63, nd - 1); ++e)
-          reached |= round[size_t(e)] >= 0;
-        want += reached ? 0 : 1;
-      }
-      ASSERT_EQ(w[size_t(d)], want) << "iter " << iter << " d " << d << " nd " << nd;
-      zero += want == 0;
-      partial += want > 0 && want < 64;
-      full += want == 64;
-    }
-  }
-  EXPECT_GT(zero, 0);
-  EXPECT_GT(partial, 0);
-  EXPECT_GT(full, 0);
-  // The key: residual over width in float, +inf for a positive residual at width 0.
-  EXPECT_EQ(kernels::vs_cover_key(3.f, 4), 0.75f);
-  EXPECT_EQ(kernels::vs_cover_key(1.f, 0), std::numeric_limits<float>::infinity());
-  EXPECT_EQ(kernels::vs_cover_key(0.f, 0), 0.f);
-}
-
 TEST(SparseSelect, VsCoverIsTheRoundsCover) {
   std::mt19937_64 rng(fresh_seed());
-  int reached = 0, capped = 0, topped = 0, multi_round = 0, width_order = 0;
-  for (int iter = 0; iter < 400; ++iter) {
-    // vs_cover 2 on odd iterations, over keys past one 64-offset range.
-    const int mode = 1 + iter % 2;
-    const int64_t nc = uni(rng, 1, mode == 2 ? 260 : 90), nr = uni(rng, 1, 12),
-                  q_off = uni(rng, 0, 3);
+  int reached = 0, capped = 0, topped = 0, multi_round = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    const int64_t nc = uni(rng, 1, 90), nr = uni(rng, 1, 12), q_off = uni(rng, 0, 3);
     const int64_t nd = nc + q_off;
     std::vector<int64_t> pos(static_cast<size_t>(nr));
     for (auto& x : pos) x = uni(rng, 0, nd - 1);
@@ -1580,7 +1522,7 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
         probs[size_t(i * nc + j)] = float(uni(rng, 0, 7)) / 1024.f;
     HeadPattern hp;
     hp.pattern = Pattern::kAdaptiveVS;
-    hp.vs_cover = mode;
+    hp.vs_cover = 1;
     hp.sink = uni(rng, 0, 6);
     hp.local = uni(rng, 0, 5);
     hp.gamma = double(uni(rng, 1, 20)) / 20.0;
@@ -1597,11 +1539,6 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
     kernels::vs_cover_select(hp, probs.data(), pos.data(), nr, nc, col.data(), nd, diag.data(),
                              &cols, &diags, &trace);
     CoverRef ref = reference_cover(hp, probs, pos, nc, nd);
-    if (mode == 2) {  // the width order picked another cover than the mass order here
-      HeadPattern by_mass = hp;
-      by_mass.vs_cover = 1;
-      width_order += reference_cover(by_mass, probs, pos, nc, nd).round[1] != ref.round[1];
-    }
     ASSERT_EQ(trace.col_round, ref.round[0]) << "iter " << iter;
     ASSERT_EQ(trace.diag_round, ref.round[1]) << "iter " << iter;
     ASSERT_EQ(trace.rounds, ref.rounds) << "iter " << iter;
@@ -1634,7 +1571,6 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
   EXPECT_GT(capped, 0);  // max_budget stopped the cover short of gamma
   EXPECT_GT(topped, 0);
   EXPECT_GT(multi_round, 0);
-  EXPECT_GT(width_order, 0);
 }
 
 // Through the estimator: a vs_cover head's columns and diagonals hold gamma of its scoring rows'

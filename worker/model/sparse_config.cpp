@@ -159,7 +159,7 @@ Result<SparseConfig> sparse_config_parse(const std::string& text, int n_layers, 
       if (hp.share_group > 1) return field_err(l, h, "share_group", "must be 0 or 1");
       if (hp.tail_block_min >= kernels::kSparseBlock)
         return field_err(l, h, "tail_block_min", "must be in [0, 63]");
-      if (hp.vs_cover > 2) return field_err(l, h, "vs_cover", "must be 0, 1 or 2");
+      if (hp.vs_cover > 1) return field_err(l, h, "vs_cover", "must be 0 or 1");
       if (hp.vs_cover != 0 && hp.pattern != Pattern::kAdaptiveVS)
         return field_err(l, h, "vs_cover", "applies to adaptive-vs only");
       // Everything the estimator checks at its first call, so a file it would refuse fails here,

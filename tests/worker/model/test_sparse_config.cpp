@@ -45,8 +45,8 @@ TEST(SparseConfig, RejectsWithLayerHeadField) {
                "layer 1 head 1: field 'share_group' must be 0 or 1");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","vs_cover":1})"),
                "layer 1 head 1: field 'vs_cover' applies to adaptive-vs only");
-  expect_error(two_by_two(R"({"pattern":"adaptive-vs","vs_cover":3})"),
-               "layer 1 head 1: field 'vs_cover' must be 0, 1 or 2");
+  expect_error(two_by_two(R"({"pattern":"adaptive-vs","vs_cover":2})"),
+               "layer 1 head 1: field 'vs_cover' must be 0 or 1");
   expect_error(two_by_two(R"({"pattern":"vertical-slash","tail_block_min":64})"),
                "layer 1 head 1: field 'tail_block_min' must be in [0, 63]");
   expect_error(R"({"n_layers":3,"n_heads":2,"layers":[]})", "it is for 3 layers x 2 heads, the model has 2 x 2");
@@ -105,8 +105,6 @@ TEST(SparseConfig, ModesAndRoundTrip) {
                     &kernels::HeadPattern::share_group, 1);
   field_round_trips(R"({"pattern":"adaptive-vs","vs_cover":1})", &kernels::HeadPattern::vs_cover,
                     1);
-  field_round_trips(R"({"pattern":"adaptive-vs","vs_cover":2})", &kernels::HeadPattern::vs_cover,
-                    2);
   // tail_block_min: a file without the field means 0 (files from before the default became 32
   // keep their index); what the CLI modes build carries the default, and saving writes it out.
   field_round_trips(R"({"pattern":"vertical-slash","tail_block_min":32})",
