@@ -106,7 +106,8 @@ struct Fault {
   // a pending export it has room once that export has freed half its K/V), no_memory (none at
   // all: the request's own check), memory (N bytes available, for every check and the dry run's),
   // stop_sum (a GPU TP rank SIGSTOPs itself before enqueuing its Nth overlapped TP sum, from 0:
-  // its peers' sums then wait on one that never runs).
+  // its peers' sums then wait on one that never runs), refuse_line (that rank's checks refuse
+  // batch line N, as a moa config only some hosts can read would).
   std::string kind;
   int rank = -1;
   int64_t layer = -1;  // a layer, milliseconds, a request's number, or bytes (memory)

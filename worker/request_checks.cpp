@@ -53,8 +53,7 @@ std::vector<runtime::BatchRequest> check_requests(runtime::BatchFile& bf,
       good.push_back(std::move(r));
   }
   bf.requests.clear();  // moved from
-  // After the checks: a refused line's id stays free for a corrected line later in the file.
-  return runtime::first_of_each_id(std::move(good), bf.bad);
+  return good;
 }
 
 }  // namespace sf::worker

@@ -14,8 +14,9 @@ namespace sf::worker {
 
 // The requests of `bf` that pass, in file order; each one that does not becomes a BadLine in
 // bf.bad with the reason a user reads. `tok` may be null (a model without tokenizer support):
-// prompts given as text are then bad lines. Lines given as text are tokenized in place. Of the
-// lines that pass, the first of each id runs; later ones are bad lines (first_of_each_id).
+// prompts given as text are then bad lines. Lines given as text are tokenized in place. Ids may
+// still repeat: the job settles them once its ranks agree on the lines (runtime::first_of_each_id
+// after agree_requests), so a line refused anywhere leaves its id to a corrected later line.
 std::vector<runtime::BatchRequest> check_requests(runtime::BatchFile& bf,
                                                   const model::ModelConfig& cfg,
                                                   const model::Tokenizer* tok, const Options& o);

@@ -152,6 +152,11 @@ int run(int argc, char** argv) {
   const std::string job = worker::job_identity(o, model_compat);
   std::optional<model::SparseConfig> sparse;
   if (auto e = worker::check_model(*world, o, m, job, &sparse)) return finish(*e);
+  // A --prefix-cache budget under one entry: the same on every rank (one model, one option), a
+  // start-up error like the option's other checks, before the lines, a plan or any output.
+  if (o.prefix_cache_bytes > 0)
+    if (Status st = PrefixRequests::check_budget(o, cfg); !st.is_ok())
+      return finish({2, st.message()});
   std::string no_tok;
   const std::optional<model::Tokenizer> tok = worker::load_tokenizer(o, m, &no_tok);
   if (!no_tok.empty() && rank0)
@@ -210,7 +215,17 @@ int run(int argc, char** argv) {
   runtime::BatchFile bf =
       runtime::parse_batch(text, o.compute_dtype());
   std::vector<runtime::BatchRequest> good = check_requests(bf, cfg, tok ? &*tok : nullptr, o);
+  if (fault.kind == "refuse_line" && fault.rank == world->rank())  // tests: this rank's checks
+    for (auto it = good.begin(); it != good.end(); ++it)
+      if (it->line == fault.layer) {
+        bf.bad.push_back({it->line, "fault injection: refused on this rank"});
+        good.erase(it);
+        break;
+      }
   worker::agree_requests(*world, &bf, &good);
+  // Repeated ids on the agreed lines, the same on every rank: the first line that passes every
+  // check on every rank owns its id.
+  good = runtime::first_of_each_id(std::move(good), bf.bad);
   // --kv-host-dtype auto: bf16 on the device when every export of the batch is plain bf16 (what
   // --kv-dtype auto gives there, the device forward's own dtype). Those files' K and V are then the
   // same bytes as from F32 host K/V: rounded once to nearest even, by the device's cast instead of
@@ -250,11 +265,6 @@ int run(int argc, char** argv) {
     if (fault.kind == "memory") return fault.layer;
     return host_memory_available();
   };
-  // A --prefix-cache budget under one entry: the same on every rank (one model, one option), a
-  // start-up error like the option's other checks, before --out, the metrics file or a plan.
-  if (o.prefix_cache_bytes > 0)
-    if (Status st = PrefixRequests::check_budget(o, cfg); !st.is_ok())
-      return finish({2, st.message()});
   if (o.dry_run) {
     if (rank0)
       print_dry_run(o, cfg, good, n_groups, job, sizing, local_ranks, host_avail(false));

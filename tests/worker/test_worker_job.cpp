@@ -72,7 +72,8 @@ TEST(WorkerRequestChecks, EachRuleNamesItsLine) {
 }
 
 // An id belongs to the first line that passes every check: a line refused for its tokens does
-// not take the id from the corrected line after it; a repeat of a passing line is refused.
+// not take the id from the corrected line after it; a repeat of a passing line is refused. (The
+// worker runs first_of_each_id on the lines every rank agreed on, after check_requests.)
 TEST(WorkerRequestChecks, ARefusedLineLeavesItsIdToALaterLine) {
   const std::string text = tokens_line("fix", 5, 101) +  // 1: outside the vocabulary
                            tokens_line("fix", 5) +       // 2: the corrected line runs
@@ -82,7 +83,7 @@ TEST(WorkerRequestChecks, ARefusedLineLeavesItsIdToALaterLine) {
   const model::ModelConfig cfg = small_config();
   runtime::BatchFile bf = runtime::parse_batch(text);
   ASSERT_TRUE(bf.bad.empty()) << bf.bad[0].reason;
-  const auto good = check_requests(bf, cfg, nullptr, options());
+  const auto good = runtime::first_of_each_id(check_requests(bf, cfg, nullptr, options()), bf.bad);
   ASSERT_EQ(good.size(), 2u);
   EXPECT_EQ(good[0].id, "fix");
   EXPECT_EQ(good[0].line, 2);

@@ -11,7 +11,9 @@
 #               --model synthetic:... without --device cuda or malformed: one error line, exit 2,
 #               no request run
 #   tp          np 2 with --tp 2 on the default model (3 KV heads): one error line, exit 2
-#   load        rank 1 cannot load the model: every rank prints the same single line, exit 1
+#   load        rank 1 cannot load the model: every rank prints the same single line, exit 1;
+#               a line only rank 1 refuses (SF_WORKER_FAULT=refuse_line) is a bad line
+#               everywhere and leaves its id to the corrected line after it
 #   hosts       np 2 by MPMD, each rank in its own directory: an --attention config file missing
 #               on rank 1, then one with other contents, is one start-up error naming it, exit 2
 #   group_fail  np 2, CP 2: rank 1 fails every request alone after its prefill; the group
@@ -62,7 +64,8 @@
 #               importance counts too) is byte for byte the one the same request writes alone,
 #               from nothing cached (manifest with shard checksums, positions, importance); a
 #               run without the cache (another code path, runtime::parallel_prefill) keeps the
-#               same positions; --prefix-cache with --cp 2 is one start-up error, exit 2
+#               same positions; --prefix-cache with --cp 2, and a budget under one entry (with
+#               and without --dry-run), are one start-up error each, exit 2
 set -u
 case_name="$1"; mpiexec="$2"; worker="$3"; tmp="$4"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -384,6 +387,19 @@ PY
     [ "$(errors | wc -l)" -eq 3 ] || fail "want one error line from each of the 3 ranks"
     [ "$(errors | sort -u | wc -l)" -eq 1 ] || fail "ranks printed different messages"
     errors | grep -q "^error: rank 1 could not load the model: " || fail "message"
+    # A line only rank 1 refuses (as a moa config some hosts cannot read) is a bad line
+    # everywhere, and leaves its id to the corrected line after it: ids are settled on the lines
+    # every rank agreed on (two groups of one rank).
+    printf '%s\n' '{"id": "twice", "prompt": "A first copy of a line"}' \
+      '{"id": "twice", "prompt": "The corrected copy of the line"}' \
+      '{"id": "twice", "prompt": "A third copy, repeating the second"}' >"$tmp/twice.jsonl"
+    SF_WORKER_FAULT=refuse_line:1:1 run 2 --model default --batch "$tmp/twice.jsonl" --out "$tmp/twice"
+    [ "$rc" -eq 3 ] || fail "refuse_line: exit $rc, want 3"
+    grep -q "twice.jsonl:1: rejected on another rank" "$tmp/stderr" || fail "refuse_line: line 1"
+    grep -q "twice.jsonl:3: id 'twice' repeats an earlier line's" "$tmp/stderr" || fail "refuse_line: line 3"
+    ! grep -q "twice.jsonl:2:" "$tmp/stderr" || fail "refuse_line: line 2 refused"
+    grep -q "batch done: 1 written" "$tmp/stdout" && [ -f "$tmp/twice/twice/manifest.json" ] \
+      || fail "refuse_line: the corrected line did not run"
     ;;
   group_fail)
     # Rank 1 of a CP 2 group fails every request alone, after its prefill: the whole group counts
