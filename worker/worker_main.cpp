@@ -162,6 +162,13 @@ int run(int argc, char** argv) {
   if (!no_tok.empty() && rank0)
     std::fprintf(stderr, "warning: no tokenizer (%s): lines with a 'prompt' are refused\n",
                  no_tok.c_str());
+  // node_exporter's textfile collector reads *.prom files only: another name is written and
+  // never scraped.
+  if (rank0 && !o.metrics_file.empty() && fs::path(o.metrics_file).extension() != ".prom")
+    std::fprintf(stderr,
+                 "warning: --metrics-file '%s' does not end in .prom: node_exporter's textfile "
+                 "collector will not read it\n",
+                 o.metrics_file.c_str());
 
   auto grid_r = runtime::make_grid(*world, shape);
   if (!grid_r.is_ok()) fatal(grid_r.status());

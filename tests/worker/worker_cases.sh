@@ -351,8 +351,12 @@ PY
     run 2 --help
     [ "$rc" -eq 0 ] && grep -q "^usage: mpirun -np N sparsefill-worker" "$tmp/stdout" && [ -z "$(errors)" ] || fail "--help: exit $rc"
     grep -q -- "--metrics-file PATH.prom" "$tmp/stdout" || fail "--help: the usage lacks --metrics-file"
-    run 2 --model=default --cp=2 --batch="$tmp/prompts.jsonl" --out "$tmp/out_eq" --dry-run
+    run 2 --model=default --cp=2 --batch="$tmp/prompts.jsonl" --out "$tmp/out_eq" --dry-run \
+      --metrics-file="$tmp/metrics.txt"
     [ "$rc" -eq 3 ] && grep -q "^plan: lighthouse (line 1)" "$tmp/stdout" || fail "--key=VALUE: exit $rc"
+    # A metrics file node_exporter would not read (not *.prom): one warning, the job goes on.
+    [ "$(grep -c "^warning: --metrics-file '.*/metrics.txt' does not end in .prom" "$tmp/stderr")" -eq 1 ] \
+      || fail "--metrics-file not .prom: want one warning"
     # A directory given as the batch file is one start-up error (an ifstream opens it and read
     # nothing: the job ran no request and exited 0).
     mkdir -p "$tmp/batch_dir"
