@@ -173,6 +173,20 @@ void share_sums(const std::vector<int>& leader, const std::vector<std::vector<fl
   }
 }
 
+void vs_cover_widths(const int32_t* diag_round, int64_t n_diags, int32_t* width) {
+  const int64_t nd = std::max<int64_t>(n_diags, 0);
+  // chosen[e] as prefix counts; offset o is reached when a chosen diagonal lies in [o, o + 63];
+  // then prefix counts of the unreached offsets.
+  std::vector<int32_t> chosen(size_t(nd + 1), 0), open(size_t(nd + 1), 0);
+  for (int64_t e = 0; e < nd; ++e) chosen[size_t(e + 1)] = chosen[size_t(e)] + (diag_round[e] >= 0);
+  for (int64_t o = 0; o < nd; ++o) {
+    const bool reached = chosen[size_t(std::min(o + kVsCoverSpan, nd))] > chosen[size_t(o)];
+    open[size_t(o + 1)] = open[size_t(o)] + (reached ? 0 : 1);
+  }
+  for (int64_t d = 0; d < nd; ++d)
+    width[d] = open[size_t(d + 1)] - open[size_t(std::max<int64_t>(0, d - kVsCoverSpan + 1))];
+}
+
 void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
                      int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
                      std::vector<int32_t>* cols, std::vector<int32_t>* diags, VsCoverTrace* trace) {
@@ -208,7 +222,9 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
       if (o < nd) acc[size_t(nc + o)] += double(p[j]);
     }
   }
-  std::vector<int32_t> fresh;  // the last round's picks, as joint ids
+  std::vector<int32_t> fresh;  // the last round's picks (and free diagonals), as joint ids
+  std::vector<int32_t> width(static_cast<size_t>(nd));
+  std::vector<uint8_t> freed(static_cast<size_t>(nd), 0);
   for (int k = 1; k <= kVsCoverRounds; ++k) {
     auto old = [&](int32_t rd) { return rd >= 0 && rd < k - 1; };
     for (int32_t x : fresh) {
@@ -260,6 +276,17 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
     }
     rounds = k;
     if (!any) break;
+    // Free diagonals: those whose whole range the chosen diagonals' ranges already read (width
+    // 0) are computed for every row of every query block; they are taken with the round and
+    // their mass counted, at no cost (in ascending order, up to the family's cap).
+    vs_cover_widths(round[1].data(), nd, width.data());
+    for (int64_t d = 0; d < nd && count[1] < cap[1]; ++d)
+      if (round[1][size_t(d)] < 0 && width[size_t(d)] == 0) {
+        round[1][size_t(d)] = k;
+        freed[size_t(d)] = 1;
+        ++count[1];
+        fresh.push_back(int32_t(nc + d));
+      }
   }
   const int64_t n[2] = {nc, nd};
   std::vector<int32_t>* out[2] = {cols, diags};
@@ -277,6 +304,7 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
   if (trace) {
     trace->col_round = std::move(round[0]);
     trace->diag_round = std::move(round[1]);
+    trace->diag_free = std::move(freed);
     trace->rounds = rounds;
   }
 }

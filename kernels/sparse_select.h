@@ -101,17 +101,33 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 //     taken, with residual > 0, ranked by residual descending, then columns before diagonals,
 //     then the lower index, are taken in order until their residuals sum to >= target; a family
 //     holding max_budget items takes no more;
+//   - after a round's picks, every diagonal not yet taken whose whole range the taken diagonals'
+//     ranges already read (vs_cover_widths: width 0) is taken in the same round (free: its
+//     entries are computed in every row of every query block), ascending, while the family is
+//     under max_budget; the next round's residuals and need count its mass;
 //   - a family then under min_budget is topped up by its plain sums as vs_select ranks them.
 // Halving the target keeps the overlap between one round's picks small, so the cover comes out
 // near the one-item-a-step greedy (planted_cover_model.py: 0.034 against 0.029 at 1M, where
 // taking all that is missing each round gives 0.047).
+// Free diagonals: the index builder reads, in the query block from row s, keys s - d .. s - d +
+// 63 for a taken diagonal d (offsets d - 63 .. d from s), runs of taken diagonals at most 64 apart
+// as one range; a diagonal whose offsets d - 63 .. d all lie in those ranges lies inside one run,
+// so taking it leaves every full query block's slot as it was (the last block, of fewer rows,
+// reads shorter ranges and may gain a few keys; `SparseSelect.FreeDiagonalsLeaveTheIndexAsItWas`),
+// while ranking by mass alone left such diagonals' mass uncounted and took other items for it
+// (planted_cover_model.py --free: 128K Llama-3-like density 0.0313 against 0.0467).
 // cols and diags come back ascending; trace (tests) gets each item's round.
 constexpr int kVsCoverRounds = 16;
 constexpr double kVsCoverFinish = 1.0 / 32;
+constexpr int64_t kVsCoverSpan = 64;  // a diagonal's key range in one query block
 struct VsCoverTrace {
   std::vector<int32_t> col_round, diag_round;  // -1 not taken, 0 forced, k: taken in round k
+  std::vector<uint8_t> diag_free;              // 1: taken free (width 0) in its round
   int rounds = 0;                              // rounds that took items
 };
+// width[d], d < n_diags: how many offsets o in [max(0, d - 63), d] no taken diagonal e (round
+// >= 0) reaches, where e reaches the offsets [e - 63, e] (offsets below 0 count as reached).
+void vs_cover_widths(const int32_t* diag_round, int64_t n_diags, int32_t* width);
 void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* pos, int64_t n_rows,
                      int64_t n_cols, const float* col, int64_t n_diags, const float* diag,
                      std::vector<int32_t>* cols, std::vector<int32_t>* diags,

@@ -237,6 +237,7 @@ Status sparse_estimate_plan(const TensorView& q, const TensorView& k,
     L.cov_walkd = c.take<double>(ncov * 2);
     L.cov_walki = c.take<int64_t>(ncov * 8);
     L.cov_round = c.take<int32_t>(ncov * ncx);
+    L.cov_free = c.take<uint8_t>(ncov * size_t(L.n_diag));
     L.cov_list = c.take<int32_t>(ncov * ncx);
     L.cov_n_list = c.take<int32_t>(ncov);
     L.cov_state = c.take<int32_t>(ncov * 2);
@@ -386,9 +387,9 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
                                   EstimateSelections* out) {
   SF_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
   const EstimateLaunch& L = plan.launch;
-  auto get = [](const int32_t* src, size_t n, std::vector<int32_t>* dst) -> Status {
+  auto get = []<typename T>(const T* src, size_t n, std::vector<T>* dst) -> Status {
     dst->resize(n);
-    if (n) SF_CUDA_TRY(cudaMemcpy(dst->data(), src, n * 4, cudaMemcpyDeviceToHost));
+    if (n) SF_CUDA_TRY(cudaMemcpy(dst->data(), src, n * sizeof(T), cudaMemcpyDeviceToHost));
     return Status::ok();
   };
   std::vector<EstHead> heads(size_t(L.hq));
@@ -399,6 +400,7 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
   out->key_blocks.assign(size_t(L.hq * L.n_qb), {});
   out->col_round.assign(size_t(L.hq), {});
   out->diag_round.assign(size_t(L.hq), {});
+  out->diag_free.assign(size_t(L.hq), {});
   std::vector<int32_t> n_sel;
   for (int64_t h = 0; h < L.hq; ++h) {
     const EstHead& e = heads[size_t(h)];
@@ -420,6 +422,7 @@ Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
         SF_TRY(get(L.cov_round + c * ncx, ncx, &r));
         out->col_round[size_t(h)].assign(r.begin(), r.begin() + L.kend_last);
         out->diag_round[size_t(h)].assign(r.begin() + L.kend_last, r.end());
+        SF_TRY(get(L.cov_free + c * size_t(L.n_diag), size_t(L.n_diag), &out->diag_free[size_t(h)]));
       }
     } else if (e.kind == kEstBlock) {
       SF_TRY(get(L.n_sel_kb + size_t(e.blk_slot) * size_t(L.n_qb), size_t(L.n_qb), &n_sel));

@@ -1475,6 +1475,7 @@ __global__ void cover_sums_kernel(const EstimateLaunch p) {
   if (x < ncx) {
     const bool forced = col ? x < eh.sink : x - nc <= eh.local;
     p.cov_round[size_t(c) * size_t(ncx) + size_t(x)] = forced ? 0 : -1;
+    if (!col) p.cov_free[size_t(c) * size_t(nd) + size_t(x - nc)] = 0;
     // The rows are ascending in position, so the rows holding an entry of the item, and those
     // whose entry is residual (no forced item covers it), are two ranges found by bisection;
     // the loops then carry no per-row test (more loads in flight did not speed the kernel up,
@@ -1785,6 +1786,49 @@ __global__ void __launch_bounds__(kVsSelectThreads)
   }
 }
 
+// grid (ceil(n_diag / 256), n_cov), 256 threads, after round k's picks (sparse_select.h: free
+// diagonals): takes, in round k, every diagonal not yet taken whose offsets d - 63 .. d the taken
+// diagonals' ranges (e reaches e - 63 .. e) all reach, so the update counts its mass. The CTA's
+// diagonals d0 .. d0 + 255 need the taken flags of d0 - 63 .. d0 + 318. Other CTAs may mark
+// diagonals in that window meanwhile; a free diagonal's range lies inside the taken ones', so
+// whichever value is read, the reached offsets, and so the result, are the same.
+constexpr int kCoverFreeThreads = 256;
+constexpr int kCoverSpan = 64;  // sparse_select.h kVsCoverSpan
+__global__ void __launch_bounds__(kCoverFreeThreads) cover_free_kernel(const EstimateLaunch p,
+                                                                       int round) {
+  __shared__ uint8_t taken[kCoverFreeThreads + 2 * kCoverSpan - 2];
+  __shared__ uint8_t reached[kCoverFreeThreads + kCoverSpan - 1];
+  const int c = blockIdx.y;
+  if (p.cov_state[2 * c] != 0 || p.cov_state[2 * c + 1] != round) return;  // took nothing
+  const int64_t nc = p.kend_last, nd = p.n_diag, ncx = nc + nd;
+  int32_t* rd = p.cov_round + size_t(c) * size_t(ncx) + size_t(nc);
+  const int64_t d0 = int64_t(blockIdx.x) * kCoverFreeThreads, e0 = d0 - (kCoverSpan - 1);
+  for (int i = threadIdx.x; i < kCoverFreeThreads + 2 * kCoverSpan - 2; i += blockDim.x) {
+    const int64_t e = e0 + i;
+    taken[i] = e >= 0 && e < nd && rd[e] >= 0;
+  }
+  __syncthreads();
+  // reached[i]: offset e0 + i has a taken diagonal in [e0 + i, e0 + i + 63].
+  for (int i = threadIdx.x; i < kCoverFreeThreads + kCoverSpan - 1; i += blockDim.x) {
+    uint8_t any = 0;
+    for (int t = 0; t < kCoverSpan; ++t) any |= taken[i + t];
+    reached[i] = any;
+  }
+  __syncthreads();
+  const int64_t d = d0 + threadIdx.x;
+  bool take = false;
+  if (d < nd && !taken[threadIdx.x + kCoverSpan - 1]) {
+    take = true;  // offsets d - 63 .. d are reached[threadIdx.x .. + 63]; below 0 count as reached
+    for (int t = 0; t < kCoverSpan && take; ++t)
+      take = d - (kCoverSpan - 1) + t < 0 || reached[threadIdx.x + t];
+  }
+  if (take) {
+    rd[d] = round;
+    p.cov_free[size_t(c) * size_t(nd) + size_t(d)] = 1;
+  }
+  cover_append(p, c, take, int32_t(nc + d));
+}
+
 // grid (kCoverUpdateBlocks, n_cov), after round k's selection: each entry the round's new items
 // cover, uncovered before it, leaves the residual of its other item (a new column's entry leaves
 // its diagonal's, a new diagonal's its column's) unless that item is new too. Per (item, row), in
@@ -1867,6 +1911,9 @@ cudaError_t cover_launch(const EstimateLaunch& p, cudaStream_t s) {
     }
     cover_mark_kernel<<<sgrid, 256, 0, s>>>(p, k);
     cover_tie_kernel<<<unsigned(p.n_cov), kVsSelectThreads, 0, s>>>(p, k);
+    cover_free_kernel<<<dim3(unsigned((p.n_diag + kCoverFreeThreads - 1) / kCoverFreeThreads),
+                             unsigned(p.n_cov)),
+                        kCoverFreeThreads, 0, s>>>(p, k);
     cover_update_kernel<<<dim3(kCoverUpdateBlocks, unsigned(p.n_cov)), 256, 0, s>>>(p, k);
   }
   cover_final_kernel<<<dim3(unsigned(p.n_cov), 2), kVsSelectThreads, 0, s>>>(p);

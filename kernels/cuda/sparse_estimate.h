@@ -70,11 +70,12 @@ Status sparse_index_download(const SparseIndexDevice& idx, int max_blocks, int m
 // The selections of the last run (tests, tools): per query head its columns and diagonals
 // (vertical-slash family; empty otherwise), per slot h * n_qblocks + qb its key blocks (block
 // family; empty otherwise). Synchronizes the stream.
-// vs_cover heads also hand back each item's round (VsCoverTrace's col_round / diag_round; empty
-// for other heads).
+// vs_cover heads also hand back each item's round and which diagonals came free (VsCoverTrace's
+// col_round / diag_round / diag_free; empty for other heads).
 struct EstimateSelections {
   std::vector<std::vector<int32_t>> columns, diagonals, key_blocks;
   std::vector<std::vector<int32_t>> col_round, diag_round;
+  std::vector<std::vector<uint8_t>> diag_free;
 };
 Status sparse_estimate_selections(const SparseEstimatePlan& plan, void* stream,
                                   EstimateSelections* out);

@@ -233,13 +233,18 @@ std::string judge(const std::vector<int32_t>& cpu, const std::vector<int32_t>& g
 // residuals (double), need and target give the rule's round-k picks; they must equal the device's
 // round-k picks up to ties (each differing pick at the rule's boundary residual up to rounding,
 // and the device's picks still the smallest prefix reaching the target). Where the device stopped,
-// the reference need must be <= 0 up to 1e-4 x total. Then each final list: the picks, topped up
-// to min_budget by the reference plain sums (judge, count mode, the picks forced).
+// the reference need must be <= 0 up to 1e-4 x total. The diagonals the device took free in round
+// k must be exactly those of width 0 against everything taken through round k's picks
+// (vs_cover_widths, checked on the host against offset-by-offset counts). Then each final list:
+// the picks, topped up to min_budget by the reference plain sums (judge, count mode, the picks
+// forced).
 std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, int64_t nd,
                         const std::vector<int32_t>& col_round,
-                        const std::vector<int32_t>& diag_round, const std::vector<int32_t>& cols,
+                        const std::vector<int32_t>& diag_round,
+                        const std::vector<uint8_t>& diag_free, const std::vector<int32_t>& cols,
                         const std::vector<int32_t>& diags, int64_t* n_ties, int* rounds_out) {
-  if (int64_t(col_round.size()) != nc || int64_t(diag_round.size()) != nd)
+  if (int64_t(col_round.size()) != nc || int64_t(diag_round.size()) != nd ||
+      int64_t(diag_free.size()) != nd)
     return "round tables of the wrong size";
   const int64_t nr = int64_t(ref.pos.size()), ncx = nc + nd;
   auto round_of = [&](int64_t x) {
@@ -272,10 +277,27 @@ std::string judge_cover(const HeadPattern& hp, const CoverRef& ref, int64_t nc, 
     for (int64_t x = 0; x < ncx; ++x)
       if (round_of(x) >= 0 && round_of(x) < k) res[size_t(x)] = 0;  // taken: nothing left
     const double need = hp.gamma * total - (total - uncovered);
-    std::vector<int32_t> dev;
+    std::vector<int32_t> dev, dev_free;  // round k's picks, and its diagonals taken free
     for (int64_t x = 0; x < ncx; ++x)
-      if (round_of(x) == k) dev.push_back(int32_t(x));
+      if (round_of(x) == k) (x >= nc && diag_free[size_t(x - nc)] ? dev_free : dev).push_back(int32_t(x));
+    for (int64_t d = 0; d < nd; ++d)
+      if (diag_free[size_t(d)] && diag_round[size_t(d)] < 1) return "a free diagonal of no round";
+    if (!dev.empty()) {
+      std::vector<int32_t> upto(static_cast<size_t>(nd)), w(static_cast<size_t>(nd));
+      for (int64_t d = 0; d < nd; ++d) {
+        const int32_t r = diag_round[size_t(d)];
+        upto[size_t(d)] = (r >= 0 && r < k) || (r == k && !diag_free[size_t(d)]) ? r : -1;
+      }
+      kernels::vs_cover_widths(upto.data(), nd, w.data());
+      std::vector<int32_t> want_free;
+      for (int64_t d = 0; d < nd; ++d)
+        if (upto[size_t(d)] < 0 && w[size_t(d)] == 0) want_free.push_back(int32_t(nc + d));
+      if (want_free != dev_free)
+        return "round " + std::to_string(k) + ": " + std::to_string(dev_free.size()) +
+               " diagonals taken free, " + std::to_string(want_free.size()) + " of width 0";
+    }
     if (dev.empty()) {
+      if (!dev_free.empty()) return "round " + std::to_string(k) + ": free diagonals, no picks";
       if (k <= max_round) return "round " + std::to_string(k) + " took nothing before later ones";
       if (need > 1e-4 * total)
         return "stopped at round " + std::to_string(k) + " with need " + std::to_string(need) +
@@ -596,6 +618,7 @@ class CudaEstimators : public ::testing::Test {
         int rounds = 0;
         EXPECT_EQ(judge_cover(hp, cover_reference(g, q, k, h, hp), kend_last, g.q_offset + g.nq,
                               sel.col_round[size_t(h)], sel.diag_round[size_t(h)],
+                              sel.diag_free[size_t(h)],
                               sel.columns[size_t(h)], sel.diagonals[size_t(h)], &n_ties, &rounds),
                   "")
             << "head " << h << " cover";

@@ -1401,10 +1401,12 @@ TEST(SparseEstimate, EstimatedIndexRunsThroughTheKernel) {
 // recounts every item's uncovered mass from scratch each round and ranks by a full comparison.
 // Probabilities are multiples of 2^-10 below 8 * 2^-10, so every sum is exact in any order and
 // ties are exact and frequent: the tie rule (columns first, then the lower index) is part of what
-// must match.
+// must match. After each round's picks, every diagonal whose whole range the taken ones'
+// ranges read (width 0, counted here offset by offset) is taken free in that round.
 struct CoverRef {
   std::vector<int32_t> cols, diags;
   std::vector<int32_t> round[2];
+  std::vector<uint8_t> free;
   double got = 0, total = 0;
   int rounds = 0;
 };
@@ -1414,6 +1416,7 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
   CoverRef r;
   r.round[0].assign(size_t(nc), -1);
   r.round[1].assign(size_t(nd), -1);
+  r.free.assign(size_t(nd), 0);
   auto key = [&](int kind, int64_t x, int64_t row) { return kind == 0 ? x : pos[size_t(row)] - x; };
   for (int64_t j = 0; j < std::min(hp.sink, nc); ++j) r.round[0][size_t(j)] = 0;
   for (int64_t o = 0; o < std::min(hp.local + 1, nd); ++o) r.round[1][size_t(o)] = 0;
@@ -1469,6 +1472,23 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
     }
     r.rounds = k;
     if (!any) break;
+    std::vector<int64_t> zero;  // width 0: every offset of [d - 63, d] (>= 0) reached
+    for (int64_t d = 0; d < nd; ++d) {
+      if (r.round[1][size_t(d)] >= 0) continue;
+      bool all = true;
+      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d && all; ++o) {
+        bool reached = false;
+        for (int64_t e = o; e <= o + 63 && e < nd; ++e) reached |= r.round[1][size_t(e)] >= 0;
+        all = reached;
+      }
+      if (all) zero.push_back(d);
+    }
+    for (int64_t d : zero) {
+      if (count[1] >= cap[1]) break;
+      r.round[1][size_t(d)] = k;
+      r.free[size_t(d)] = 1;
+      ++count[1];
+    }
   }
   r.got = 0;
   for (int64_t i = 0; i < nr; ++i)
@@ -1510,9 +1530,11 @@ TEST(SparseSelect, NanScoresRankLast) {
 
 TEST(SparseSelect, VsCoverIsTheRoundsCover) {
   std::mt19937_64 rng(fresh_seed());
-  int reached = 0, capped = 0, topped = 0, multi_round = 0;
-  for (int iter = 0; iter < 300; ++iter) {
-    const int64_t nc = uni(rng, 1, 90), nr = uni(rng, 1, 12), q_off = uni(rng, 0, 3);
+  int reached = 0, capped = 0, topped = 0, multi_round = 0, freed = 0;
+  for (int iter = 0; iter < 400; ++iter) {
+    // Every other case past one 64-offset range, where diagonals come free between picks.
+    const int64_t nc = uni(rng, 1, iter % 2 ? 260 : 90), nr = uni(rng, 1, 12),
+                  q_off = uni(rng, 0, 3);
     const int64_t nd = nc + q_off;
     std::vector<int64_t> pos(static_cast<size_t>(nr));
     for (auto& x : pos) x = uni(rng, 0, nd - 1);
@@ -1541,6 +1563,8 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
     CoverRef ref = reference_cover(hp, probs, pos, nc, nd);
     ASSERT_EQ(trace.col_round, ref.round[0]) << "iter " << iter;
     ASSERT_EQ(trace.diag_round, ref.round[1]) << "iter " << iter;
+    ASSERT_EQ(trace.diag_free, ref.free) << "iter " << iter;
+    freed += int(std::count(ref.free.begin(), ref.free.end(), 1));
     ASSERT_EQ(trace.rounds, ref.rounds) << "iter " << iter;
     if (ref.rounds > 1) ++multi_round;
     if (ref.got >= hp.gamma * ref.total)
@@ -1571,6 +1595,98 @@ TEST(SparseSelect, VsCoverIsTheRoundsCover) {
   EXPECT_GT(capped, 0);  // max_budget stopped the cover short of gamma
   EXPECT_GT(topped, 0);
   EXPECT_GT(multi_round, 0);
+  EXPECT_GT(freed, 0);
+}
+
+// vs_cover_widths against offset-by-offset counting: diagonal d's range in a query block is
+// [d - 63, d] of offsets; its width is how many of those at or above 0 no taken diagonal's range
+// holds. Random taken sets, sparse and dense, with runs that abut and gaps of 63-65.
+TEST(SparseSelect, VsCoverWidthsCountNewOffsets) {
+  std::mt19937_64 rng(fresh_seed());
+  int zero = 0, partial = 0, full = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const int64_t nd = uni(rng, 1, 400);
+    std::vector<int32_t> round(size_t(nd), -1);
+    const int64_t every = uni(rng, 1, 130);
+    for (int64_t e = 0; e < nd; ++e)
+      if (uni(rng, 0, every) == 0) round[size_t(e)] = int32_t(uni(rng, 0, 5));
+    std::vector<int32_t> w(size_t(nd), -7);
+    kernels::vs_cover_widths(round.data(), nd, w.data());
+    for (int64_t d = 0; d < nd; ++d) {
+      int want = 0;
+      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d; ++o) {
+        bool reached = false;
+        for (int64_t e = o; e <= std::min<int64_t>(o + 63, nd - 1); ++e)
+          reached |= round[size_t(e)] >= 0;
+        want += reached ? 0 : 1;
+      }
+      ASSERT_EQ(w[size_t(d)], want) << "iter " << iter << " d " << d << " nd " << nd;
+      zero += want == 0;
+      partial += want > 0 && want < 64;
+      full += want == 64;
+    }
+  }
+  EXPECT_GT(zero, 0);
+  EXPECT_GT(partial, 0);
+  EXPECT_GT(full, 0);
+}
+
+// What makes a free diagonal free: adding every diagonal of width 0 (vs_cover_widths over the
+// taken ones and the local window [0, local]) to a slot's candidates leaves every full query
+// block's built slot as it was, blocks and columns, with or without tail blocks, at any q_offset.
+// (A last block of r < 64 rows reads r-key ranges, whose union can miss a few keys the 64-key
+// ranges hold: there the diagonal adds them.) And the test is not vacuous: adding a diagonal of
+// width > 0 changes some full slot.
+TEST(SparseSelect, FreeDiagonalsLeaveTheIndexAsItWas) {
+  std::mt19937_64 rng(fresh_seed());
+  int64_t added = 0, changed_by_other = 0, full_slots = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    const int64_t n_q = uni(rng, 1, 700), q_off = uni(rng, 0, 400), n_k = n_q + q_off;
+    const int64_t nd = n_k, sink = uni(rng, 0, 70), local = uni(rng, 0, 80);
+    const int64_t tail = iter % 2 ? 32 : 0;
+    std::vector<int32_t> round(size_t(nd), -1), diags, cols;
+    for (int64_t o = 0; o <= std::min(local, nd - 1); ++o) round[size_t(o)] = 0;
+    const int64_t every = uni(rng, 2, 90);
+    for (int64_t d = 0; d < nd; ++d)
+      if (uni(rng, 0, every) == 0) {
+        round[size_t(d)] = 1;
+        diags.push_back(int32_t(d));
+      }
+    for (int64_t j = 0; j < n_k; ++j)
+      if (uni(rng, 0, 40) == 0) cols.push_back(int32_t(j));
+    std::vector<int32_t> w(static_cast<size_t>(nd));
+    kernels::vs_cover_widths(round.data(), nd, w.data());
+    std::vector<int32_t> with = diags, other = diags;
+    for (int64_t d = 0; d < nd; ++d)
+      if (round[size_t(d)] < 0 && w[size_t(d)] == 0) with.push_back(int32_t(d));
+    std::sort(with.begin(), with.end());
+    added += int64_t(with.size() - diags.size());
+    int64_t pick = -1;  // a diagonal of width > 0, if any
+    for (int64_t d = 0; d < nd && pick < 0; ++d)
+      if (round[size_t(d)] < 0 && w[size_t(d)] > 0 && uni(rng, 0, 3) == 0) pick = d;
+    if (pick >= 0) {
+      other.push_back(int32_t(pick));
+      std::sort(other.begin(), other.end());
+    }
+    bool other_differs = false;
+    const int64_t n_qb = (n_q + 63) / 64;
+    for (int64_t qb = 0; qb < n_qb; ++qb) {
+      const auto g = kernels::sparse_slot_geometry(n_q, n_k, q_off, qb);
+      if (g.rows < 64) continue;
+      ++full_slots;
+      std::vector<int32_t> b0, c0, b1, c1, b2, c2;
+      kernels::sparse_slot_build(g, cols, diags, {}, sink, local, tail, &b0, &c0);
+      kernels::sparse_slot_build(g, cols, with, {}, sink, local, tail, &b1, &c1);
+      ASSERT_EQ(b0, b1) << "iter " << iter << " qb " << qb;
+      ASSERT_EQ(c0, c1) << "iter " << iter << " qb " << qb;
+      kernels::sparse_slot_build(g, cols, other, {}, sink, local, tail, &b2, &c2);
+      other_differs |= b0 != b2 || c0 != c2;
+    }
+    changed_by_other += other_differs;
+  }
+  EXPECT_GT(added, 0);
+  EXPECT_GT(changed_by_other, 0);
+  EXPECT_GT(full_slots, 0);
 }
 
 // Through the estimator: a vs_cover head's columns and diagonals hold gamma of its scoring rows'
