@@ -1403,6 +1403,19 @@ TEST(SparseEstimate, EstimatedIndexRunsThroughTheKernel) {
 // ties are exact and frequent: the tie rule (columns first, then the lower index) is part of what
 // must match. After each round's picks, every diagonal whose whole range the taken ones'
 // ranges read (width 0, counted here offset by offset) is taken free in that round.
+// Offset by offset: how many offsets o in [max(0, d - 63), d] no taken diagonal e (round >= 0)
+// in [o, o + 63] reaches.
+int brute_width(const std::vector<int32_t>& round, int64_t d) {
+  const int64_t nd = int64_t(round.size());
+  int w = 0;
+  for (int64_t o = std::max<int64_t>(0, d - 63); o <= d; ++o) {
+    bool reached = false;
+    for (int64_t e = o; e <= std::min<int64_t>(o + 63, nd - 1); ++e) reached |= round[size_t(e)] >= 0;
+    w += reached ? 0 : 1;
+  }
+  return w;
+}
+
 struct CoverRef {
   std::vector<int32_t> cols, diags;
   std::vector<int32_t> round[2];
@@ -1473,16 +1486,8 @@ CoverRef reference_cover(const HeadPattern& hp, const std::vector<float>& probs,
     r.rounds = k;
     if (!any) break;
     std::vector<int64_t> zero;  // width 0: every offset of [d - 63, d] (>= 0) reached
-    for (int64_t d = 0; d < nd; ++d) {
-      if (r.round[1][size_t(d)] >= 0) continue;
-      bool all = true;
-      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d && all; ++o) {
-        bool reached = false;
-        for (int64_t e = o; e <= o + 63 && e < nd; ++e) reached |= r.round[1][size_t(e)] >= 0;
-        all = reached;
-      }
-      if (all) zero.push_back(d);
-    }
+    for (int64_t d = 0; d < nd; ++d)
+      if (r.round[1][size_t(d)] < 0 && brute_width(r.round[1], d) == 0) zero.push_back(d);
     for (int64_t d : zero) {
       if (count[1] >= cap[1]) break;
       r.round[1][size_t(d)] = k;
@@ -1613,13 +1618,7 @@ TEST(SparseSelect, VsCoverWidthsCountNewOffsets) {
     std::vector<int32_t> w(size_t(nd), -7);
     kernels::vs_cover_widths(round.data(), nd, w.data());
     for (int64_t d = 0; d < nd; ++d) {
-      int want = 0;
-      for (int64_t o = std::max<int64_t>(0, d - 63); o <= d; ++o) {
-        bool reached = false;
-        for (int64_t e = o; e <= std::min<int64_t>(o + 63, nd - 1); ++e)
-          reached |= round[size_t(e)] >= 0;
-        want += reached ? 0 : 1;
-      }
+      const int want = brute_width(round, d);
       ASSERT_EQ(w[size_t(d)], want) << "iter " << iter << " d " << d << " nd " << nd;
       zero += want == 0;
       partial += want > 0 && want < 64;
