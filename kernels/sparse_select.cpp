@@ -277,7 +277,7 @@ void vs_cover_select(const HeadPattern& hp, const float* probs, const int64_t* p
     rounds = k;
     if (!any) break;
     // Free diagonals: those whose whole range the chosen diagonals' ranges already read (width
-    // 0) are computed for every row of every query block; they are taken with the round and
+    // 0) are computed for every row of every full query block; they are taken with the round and
     // their mass counted, at no cost (in ascending order, up to the family's cap).
     vs_cover_widths(round[1].data(), nd, width.data());
     for (int64_t d = 0; d < nd && count[1] < cap[1]; ++d)

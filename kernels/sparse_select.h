@@ -103,7 +103,7 @@ void vs_select(const HeadPattern& hp, const float* col, int64_t n_cols, const fl
 //     holding max_budget items takes no more;
 //   - after a round's picks, every diagonal not yet taken whose whole range the taken diagonals'
 //     ranges already read (vs_cover_widths: width 0) is taken in the same round (free: its
-//     entries are computed in every row of every query block), ascending, while the family is
+//     entries are computed in every row of every full query block), ascending, while the family is
 //     under max_budget; the next round's residuals and need count its mass;
 //   - a family then under min_budget is topped up by its plain sums as vs_select ranks them.
 // Halving the target keeps the overlap between one round's picks small, so the cover comes out

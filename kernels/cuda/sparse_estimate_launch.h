@@ -90,7 +90,7 @@ struct EstimateLaunch {
   int64_t* cov_walki = nullptr;        // [n_cov * 8] see sparse_estimate.cu CoverWalk
   int32_t* cov_round = nullptr;        // [n_cov * n_cx] -1 not taken, 0 forced, k round k
   uint8_t* cov_free = nullptr;         // [n_cov * n_diag] 1: a diagonal taken free
-  int32_t* cov_list = nullptr;         // [n_cov * n_cx] a round's picks
+  int32_t* cov_list = nullptr;         // [n_cov * n_cx] a round's picks and free diagonals
   int32_t* cov_n_list = nullptr;       // [n_cov]
   int32_t* cov_state = nullptr;        // [n_cov * 2] done, rounds that took items
   int cov_max_rounds = 0;              // sparse_select.h kVsCoverRounds

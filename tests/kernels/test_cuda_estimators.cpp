@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <random>
@@ -623,6 +624,7 @@ class CudaEstimators : public ::testing::Test {
                   "")
             << "head " << h << " cover";
         max_cover_rounds_ = std::max(max_cover_rounds_, rounds);
+        for (uint8_t f : sel.diag_free[size_t(h)]) free_diagonals_ += f;
         head_identical[size_t(h)] =
             tc.columns == sel.columns[size_t(h)] && tc.diagonals == sel.diagonals[size_t(h)];
       } else if (hp.pattern == Pattern::kVerticalSlash || hp.pattern == Pattern::kAdaptiveVS) {
@@ -774,6 +776,7 @@ class CudaEstimators : public ::testing::Test {
 
   std::mt19937_64 rng_;
   int max_cover_rounds_ = 0;  // the most rounds a vs_cover head took (CoverMatchesCpu)
+  int64_t free_diagonals_ = 0;  // diagonals the vs_cover heads took free
   bool force_cta_ = false;
   int stream_chunk_ = 0;
 };
@@ -832,6 +835,9 @@ TEST_F(CudaEstimators, CoverMatchesCpu) {
   run_case({1000, 1000, 0, 8, 2, 64}, true, ps);
   run_case({1000, 1000, 0, 8, 8, 64}, true, ps);  // one query head a KV head: the ungrouped passes
   EXPECT_GT(max_cover_rounds_, 1);  // the rounds, not one threshold
+  EXPECT_GT(free_diagonals_, 0);    // the free step ran, and judge_cover checked its sets
+  std::printf("cover: %d rounds at most, %lld diagonals taken free\n", max_cover_rounds_,
+              static_cast<long long>(free_diagonals_));
 }
 
 // The cover on a short prompt (8 query blocks; 64 spread rows, so the spread and the last 64

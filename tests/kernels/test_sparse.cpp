@@ -1640,7 +1640,9 @@ TEST(SparseSelect, FreeDiagonalsLeaveTheIndexAsItWas) {
   std::mt19937_64 rng(fresh_seed());
   int64_t added = 0, changed_by_other = 0, full_slots = 0;
   for (int iter = 0; iter < 300; ++iter) {
-    const int64_t n_q = uni(rng, 1, 700), q_off = uni(rng, 0, 400), n_k = n_q + q_off;
+    // n_k below n_q + q_off on a third of the cases: the last rows' causal limit clips ranges.
+    const int64_t n_q = uni(rng, 1, 700), q_off = uni(rng, 0, 400),
+                  n_k = std::max<int64_t>(1, n_q + q_off - (iter % 3 == 0 ? uni(rng, 1, 90) : 0));
     const int64_t nd = n_k, sink = uni(rng, 0, 70), local = uni(rng, 0, 80);
     const int64_t tail = iter % 2 ? 32 : 0;
     std::vector<int32_t> round(size_t(nd), -1), diags, cols;
