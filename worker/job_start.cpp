@@ -1,5 +1,7 @@
 #include "worker/job_start.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include "worker/job_comm.h"
 #include "worker/job_identity.h"
 #include "worker/model/gguf.h"
+#include "worker/runtime/batch.h"
 #include "worker/runtime/batch_metrics.h"
 
 namespace sf::worker {
@@ -90,12 +93,37 @@ std::optional<JobExit> claim_output(comm::Communicator& world, const Options& o,
   Status all = agree(world, mine);
   end_if_aborted(world);
   if (!all.is_ok()) return JobExit{2, all.message()};
-  if (!o.metrics_file.empty() && world.rank() % shape.group_size() == 0) {
+  if (o.metrics_file.empty()) return std::nullopt;
+  // The metrics files: each leader locks its own (FILE.lock, held until the process exits, naming
+  // this job by rank 0's pid and host), so a second job on the same --metrics-file stops here;
+  // then, once every leader holds its lock, each removes an earlier job's files on its host
+  // (perhaps for another group count), but none another running job holds.
+  std::string holder = "sparsefill-worker pid " + std::to_string(::getpid()) + " on " + host_name();
+  int64_t len = int64_t(holder.size());
+  if (Status st = world.bcast(&len, 1, DType::kI64, 0); !st.is_ok()) end_job(st);
+  holder.resize(size_t(len));
+  if (Status st = world.bcast(holder.data(), len, DType::kU8, 0); !st.is_ok()) end_job(st);
+  const bool leader = world.rank() % shape.group_size() == 0;
+  if (leader) {
     const std::string mine_path = runtime::BatchMetrics::group_path(
         o.metrics_file, world.rank() / shape.group_size(), n_groups);
     mine = check_output_file(mine_path, "--metrics-file");
-    if (mine.is_ok()) runtime::BatchMetrics::remove_group_files(o.metrics_file);
+    if (mine.is_ok()) {
+      // The descriptor stays open (the lock held) until the process exits, as --out's.
+      auto l = runtime::lock_file(mine_path + ".lock", holder);
+      if (!l.is_ok() && l.status().code() == Code::kAlreadyExists)
+        mine = SF_ERR(kAlreadyExists, "--metrics-file '" + mine_path +
+                                          "' is in use by another sparsefill-worker job (" +
+                                          l.status().message() +
+                                          "); give each job its own --metrics-file");
+      else if (!l.is_ok())
+        mine = l.status();
+    }
   }
+  all = agree(world, mine);
+  end_if_aborted(world);
+  if (!all.is_ok()) return JobExit{2, all.message()};
+  if (leader) mine = runtime::BatchMetrics::remove_group_files(o.metrics_file, holder);
   all = agree(world, mine);
   end_if_aborted(world);
   if (!all.is_ok()) return JobExit{2, all.message()};

@@ -4,8 +4,8 @@
 #   batch       np 4, 2 groups of cp 2: a batch with bad lines writes the good requests, reports
 #               each bad line with its number, exits 3; a second run resumes (writes nothing new);
 #               --metrics-file: each group's Prometheus file counts what its summaries say; a
-#               resume removes a killed job's partial outputs; a second job on a locked --out
-#               stops at start
+#               resume removes a killed job's partial outputs; a second job on a locked --out,
+#               or on a --metrics-file whose lock another job holds, stops at start
 #   world       np 3 with --tp 2: one error line naming the world size and tp x cp, exit 2
 #   flags       --selective-kv without --cp-estimate, a --metrics-file in a missing directory,
 #               --model synthetic:... without --device cuda or malformed: one error line, exit 2,
@@ -212,7 +212,9 @@ PY
     want_eb=$(grep -ho '"export_bytes": [0-9]*' "$tmp"/out/*.json | awk '{ s += $2 } END { print s }')
     got_eb=$(( $(metric "$m0" 'sparsefill_worker_export_bytes_total{group="0"}') + $(metric "$m1" 'sparsefill_worker_export_bytes_total{group="1"}') ))
     [ "$want_eb" -gt 0 ] && [ "$got_eb" -eq "$want_eb" ] || fail "metrics: export bytes $got_eb, summaries $want_eb"
-    [ "$(ls "$tmp/metrics")" = "$(printf 'w.g0.prom\nw.g1.prom')" ] || fail "metrics: files beside them: $(ls "$tmp/metrics")"
+    # No temporary left; each leader's lock file stays (not *.prom: the collector skips it).
+    [ "$(ls "$tmp/metrics")" = "$(printf 'w.g0.prom\nw.g0.prom.lock\nw.g1.prom\nw.g1.prom.lock')" ] \
+      || fail "metrics: files beside them: $(ls "$tmp/metrics")"
     # Resume: one export removed, the rest are complete and skipped. What a killed job left half
     # written (an export's temporary directory, a summary's .tmp) goes at start, under the lock.
     rm -rf "$tmp/out/village"
@@ -252,6 +254,20 @@ PY
     [ "$(errors | wc -l)" -eq 1 ] || fail "locked: want one error line"
     errors | grep -q "^error: --out '.*/out' is in use by another sparsefill-worker job" || fail "locked: message"
     grep -q "written" "$tmp/stdout" && fail "locked: a request ran"
+    # One job a metrics file: while another job holds group 0's file lock (a shell here, its text
+    # naming it), a job with its own --out stops at start and removes none of the files.
+    rm -f "$tmp/held"
+    ( exec 9>"$tmp/metrics/w.g0.prom.lock"; flock 9; echo "another job" >&9; touch "$tmp/held"; exec sleep 30 ) &
+    holder=$!
+    for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
+    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out_m" --metrics-file "$tmp/metrics/w.prom"
+    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    [ -f "$m0" ] && [ -f "$m1" ] || fail "metrics locked: the second job removed the first one's metrics files"
+    [ "$rc" -eq 2 ] || fail "metrics locked: exit $rc, want 2"
+    [ "$(errors | wc -l)" -eq 1 ] || fail "metrics locked: want one error line"
+    errors | grep -q "^error: --metrics-file '.*/metrics/w.g0.prom' is in use by another sparsefill-worker job (another job)" \
+      || fail "metrics locked: message"
+    grep -q "written" "$tmp/stdout" && fail "metrics locked: a request ran"
     [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
     grep -q '"fingerprint": "[0-9a-f]\{16\}"' "$tmp/out/village.json" || fail "summary has no fingerprint"
     # Resume after a line changed (canal's retention) and after a job stopped between an export

@@ -242,33 +242,40 @@ bool request_complete(const std::string& out_dir, const std::string& id,
   return has_export(out_dir, id) && summary_fingerprint(out_dir, id) == fingerprint;
 }
 
-Result<int> lock_output_dir(const std::string& out_dir) {
-  const std::string path = (std::filesystem::path(out_dir) / ".sparsefill-worker.lock").string();
+Result<int> lock_file(const std::string& path, const std::string& holder) {
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0)
-    return SF_ERR(kIo, "cannot open the output lock '" + path + "': " + std::strerror(errno));
+  if (fd < 0) return SF_ERR(kIo, "cannot open the lock '" + path + "': " + std::strerror(errno));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    std::string holder;
-    char buf[256] = {};
+    std::string held;
+    char buf[512] = {};
     const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    if (n > 0) holder = std::string(buf, size_t(n));
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    if (n > 0) held = std::string(buf, size_t(n));
+    while (!held.empty() && (held.back() == '\n' || held.back() == ' ')) held.pop_back();
     ::close(fd);
-    if (err == EWOULDBLOCK)
-      return SF_ERR(kAlreadyExists, "--out '" + out_dir + "' is in use by another sparsefill-worker job" +
-                                        (holder.empty() ? std::string() : " (" + holder + ")") +
-                                        "; give each job its own --out");
+    if (err == EWOULDBLOCK) return SF_ERR(kAlreadyExists, held);
     // A filesystem without flock (Lustre's noflock, some FUSE mounts): no lock, not an error.
     if (err == ENOSYS || err == EOPNOTSUPP || err == ENOLCK) return -1;
     return SF_ERR(kIo, "cannot lock '" + path + "': " + std::strerror(err));
   }
-  const std::string who = "pid " + std::to_string(::getpid()) + " on " + host_name() + "\n";
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, who.data(), who.size(), 0) != ssize_t(who.size()) ||
+  const std::string text = holder + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != ssize_t(text.size()) ||
       ::fsync(fd) != 0) {
-    // The lock holds either way; only the holder's name in a second job's message is lost.
+    // The lock holds either way; only the holder's name in another job's message is lost.
   }
   return fd;
+}
+
+Result<int> lock_output_dir(const std::string& out_dir) {
+  const std::string path = (std::filesystem::path(out_dir) / ".sparsefill-worker.lock").string();
+  auto l = lock_file(path, "pid " + std::to_string(::getpid()) + " on " + host_name());
+  if (!l.is_ok() && l.status().code() == Code::kAlreadyExists) {
+    const std::string& held = l.status().message();
+    return SF_ERR(kAlreadyExists, "--out '" + out_dir + "' is in use by another sparsefill-worker job" +
+                                      (held.empty() ? std::string() : " (" + held + ")") +
+                                      "; give each job its own --out");
+  }
+  return l;
 }
 
 namespace {

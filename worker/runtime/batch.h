@@ -97,6 +97,12 @@ std::array<int, 2> scaled_sparse_capacity(std::array<int, 2> cap, int64_t from, 
 // another job holds it.
 Result<int> lock_output_dir(const std::string& out_dir);
 
+// An exclusive flock on `path` (created if missing), holder's text written into it: the
+// descriptor to keep open while the lock is held, -1 when the filesystem has no flock,
+// kAlreadyExists with the holder's text (the file's contents) as its message when another open
+// file holds it, kIo otherwise.
+Result<int> lock_file(const std::string& path, const std::string& holder);
+
 // What an earlier job left half written, by name: a summary's temporary (file <id>.json.tmp or
 // <id>.json.tmp.<6 random characters>) idle for kStaleTmpSeconds; an export's temporary (directory
 // <id>.partial-HOST-PID, or <id>.partial-PID from earlier versions) of this host whose process is

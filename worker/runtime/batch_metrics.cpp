@@ -1,8 +1,12 @@
 #include "worker/runtime/batch_metrics.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+
+#include "worker/runtime/batch.h"
 
 namespace sf::runtime {
 namespace {
@@ -24,15 +28,15 @@ std::string BatchMetrics::group_path(const std::string& path, int group, int n_g
   return (p.parent_path() / (p.stem().string() + tag + p.extension().string())).string();
 }
 
-int BatchMetrics::remove_group_files(const std::string& path) {
+Status BatchMetrics::remove_group_files(const std::string& path, const std::string& holder,
+                                       int* removed) {
   namespace fs = std::filesystem;
   const fs::path p(path);
   const std::string stem = p.stem().string() + ".g", ext = p.extension().string();
   std::error_code ec;
-  int n = 0;
-  if (fs::remove(p, ec)) ++n;
-  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
   std::vector<fs::path> old;
+  if (fs::exists(p, ec)) old.push_back(p);
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.size() <= stem.size() + ext.size() || name.rfind(stem, 0) != 0 ||
@@ -42,9 +46,25 @@ int BatchMetrics::remove_group_files(const std::string& path) {
     if (!num.empty() && std::all_of(num.begin(), num.end(), [](char c) { return c >= '0' && c <= '9'; }))
       old.push_back(it->path());
   }
+  // First every lock: a file another running job holds stops the job before anything goes.
+  for (const auto& f : old) {
+    const std::string lock = f.string() + ".lock";
+    if (!fs::exists(lock, ec)) continue;
+    auto l = runtime::lock_file(lock, holder);  // a probe: released at once when taken
+    if (l.is_ok()) {
+      if (l.value() >= 0) ::close(l.value());
+    } else if (l.status().code() == Code::kAlreadyExists && l.status().message() != holder) {
+      return SF_ERR(kAlreadyExists, "--metrics-file '" + f.string() +
+                                        "' is in use by another sparsefill-worker job (" +
+                                        l.status().message() +
+                                        "); give each job its own --metrics-file");
+    }
+  }
+  int n = 0;
   for (const auto& f : old)
     if (fs::remove(f, ec)) ++n;
-  return n;
+  if (removed) *removed = n;
+  return Status::ok();
 }
 
 MetricLabels BatchMetrics::with(const char* k, const char* v) const {

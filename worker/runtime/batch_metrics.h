@@ -56,8 +56,11 @@ class BatchMetrics {
   // The file group `group` of `n_groups` writes for --metrics-file PATH.
   static std::string group_path(const std::string& path, int group, int n_groups);
   // Removes PATH and every PATH.gN (an earlier job's files, perhaps with another group count,
-  // which would otherwise keep exporting their last values); returns how many went.
-  static int remove_group_files(const std::string& path);
+  // which would otherwise keep exporting their last values), except that a file whose lock
+  // (FILE.lock, runtime::lock_file) another job holds (its text is not `holder`) is an error,
+  // kAlreadyExists naming that job, and nothing is removed. *removed (when given): how many went.
+  static Status remove_group_files(const std::string& path, const std::string& holder,
+                                   int* removed = nullptr);
 
   // path empty: disabled (every call is a no-op). Registers every series with zeros.
   BatchMetrics(std::string path, const BatchMetricsInfo& info);

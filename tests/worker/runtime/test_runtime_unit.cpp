@@ -453,7 +453,26 @@ TEST(BatchMetrics, GroupFilesSeriesAndTotals) {
   std::ofstream(dir / "w.g17.prom") << "x";
   std::ofstream(dir / "w.gx.prom") << "x";
   std::ofstream(dir / "other.prom") << "x";
-  EXPECT_EQ(BatchMetrics::remove_group_files((dir / "w.prom").string()), 4);  // w, g0, g1, g17
+  // A lock another job holds (the text names that job) stops the removal of every file; one
+  // this job holds, or one nobody holds (left by a finished job), does not.
+  const std::string w = (dir / "w.prom").string(), ours = "job A", theirs = "job B";
+  auto held = runtime::lock_file((dir / "w.g17.prom.lock").string(), theirs);
+  ASSERT_TRUE(held.is_ok() && held.value() >= 0);
+  int removed = -1;
+  Status rm = BatchMetrics::remove_group_files(w, ours, &removed);
+  EXPECT_EQ(rm.code(), Code::kAlreadyExists) << rm.message();
+  EXPECT_NE(rm.message().find("w.g17.prom' is in use by another sparsefill-worker job (job B)"),
+            std::string::npos)
+      << rm.message();
+  EXPECT_EQ(removed, -1);
+  EXPECT_TRUE(std::filesystem::exists(dir / "w.prom"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "w.g0.prom"));
+  ::close(held.value());  // that job ends; its lock file stays behind
+  auto mine = runtime::lock_file((dir / "w.g0.prom.lock").string(), ours);
+  ASSERT_TRUE(mine.is_ok() && mine.value() >= 0);
+  ASSERT_TRUE(BatchMetrics::remove_group_files(w, ours, &removed).is_ok());
+  EXPECT_EQ(removed, 4);  // w, g0, g1, g17
+  ::close(mine.value());
   EXPECT_TRUE(std::filesystem::exists(dir / "w.gx.prom"));
   EXPECT_TRUE(std::filesystem::exists(dir / "other.prom"));
   EXPECT_FALSE(std::filesystem::exists(dir / "w.g1.prom"));
