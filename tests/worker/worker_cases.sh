@@ -79,6 +79,23 @@ run() {  # run NP ARGS...: runs the worker, sets rc and ms
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
 }
 errors() { grep '^error: ' "$tmp/stderr" || true; }
+# locked NAME LOCKFILE TEXT ARGS...: runs the worker (np 4) while a shell holds LOCKFILE's flock
+# with TEXT in it, as another job would; then it must stop at start with one error line, run no
+# request and leave the first job's metrics files ($m0, $m1).
+locked() {
+  local name="$1" lock="$2" text="$3" holder
+  shift 3
+  rm -f "$tmp/held"
+  ( exec 9>"$lock"; flock 9; [ -z "$text" ] || echo "$text" >&9; touch "$tmp/held"; exec sleep 30 ) &
+  holder=$!  # the sleep itself, holding the lock's descriptor: killing it releases the lock
+  for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
+  run 4 "$@"
+  kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+  [ -f "$m0" ] && [ -f "$m1" ] || fail "$name: the second job removed the first one's metrics files"
+  [ "$rc" -eq 2 ] || fail "$name: exit $rc, want 2"
+  [ "$(errors | wc -l)" -eq 1 ] || fail "$name: want one error line"
+  ! grep -q "written" "$tmp/stdout" || fail "$name: a request ran"
+}
 # Two ~530-token prompts of the long document into $tmp/long.jsonl (at CP 2 both ranks hold rows
 # of each).
 two_long_prompts() {
@@ -243,31 +260,15 @@ PY
     # One job a directory: while another holds --out's lock, a second job stops at start, and
     # none of its group leaders removes the running job's metrics files (the lock is agreed on
     # before any leader touches them).
-    rm -f "$tmp/held"
-    ( exec 9>"$tmp/out/.sparsefill-worker.lock"; flock 9; touch "$tmp/held"; exec sleep 30 ) &
-    holder=$!  # the sleep itself, holding the lock's descriptor: killing it releases the lock
-    for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
-    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
-    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
-    [ -f "$m0" ] && [ -f "$m1" ] || fail "locked: the second job removed the first one's metrics files"
-    [ "$rc" -eq 2 ] || fail "locked: exit $rc, want 2"
-    [ "$(errors | wc -l)" -eq 1 ] || fail "locked: want one error line"
+    locked locked "$tmp/out/.sparsefill-worker.lock" "" \
+      --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out" --metrics-file "$tmp/metrics/w.prom"
     errors | grep -q "^error: --out '.*/out' is in use by another sparsefill-worker job" || fail "locked: message"
-    grep -q "written" "$tmp/stdout" && fail "locked: a request ran"
-    # One job a metrics file: while another job holds group 0's file lock (a shell here, its text
-    # naming it), a job with its own --out stops at start and removes none of the files.
-    rm -f "$tmp/held"
-    ( exec 9>"$tmp/metrics/w.g0.prom.lock"; flock 9; echo "another job" >&9; touch "$tmp/held"; exec sleep 30 ) &
-    holder=$!
-    for _ in $(seq 100); do [ -e "$tmp/held" ] && break; sleep 0.1; done
-    run 4 --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out_m" --metrics-file "$tmp/metrics/w.prom"
-    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
-    [ -f "$m0" ] && [ -f "$m1" ] || fail "metrics locked: the second job removed the first one's metrics files"
-    [ "$rc" -eq 2 ] || fail "metrics locked: exit $rc, want 2"
-    [ "$(errors | wc -l)" -eq 1 ] || fail "metrics locked: want one error line"
+    # One job a metrics file: while another job holds group 0's file lock (its text naming it), a
+    # job with its own --out stops at start.
+    locked "metrics locked" "$tmp/metrics/w.g0.prom.lock" "another job" \
+      --model default --cp 2 --batch "$tmp/prompts.jsonl" --out "$tmp/out_m" --metrics-file "$tmp/metrics/w.prom"
     errors | grep -q "^error: --metrics-file '.*/metrics/w.g0.prom' is in use by another sparsefill-worker job (another job)" \
       || fail "metrics locked: message"
-    grep -q "written" "$tmp/stdout" && fail "metrics locked: a request ran"
     [ -f "$tmp/out/village/manifest.json" ] || fail "resume did not rewrite village"
     grep -q '"fingerprint": "[0-9a-f]\{16\}"' "$tmp/out/village.json" || fail "summary has no fingerprint"
     # Resume after a line changed (canal's retention) and after a job stopped between an export
