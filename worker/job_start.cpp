@@ -112,10 +112,7 @@ std::optional<JobExit> claim_output(comm::Communicator& world, const Options& o,
       // The descriptor stays open (the lock held) until the process exits, as --out's.
       auto l = runtime::lock_file(mine_path + ".lock", holder);
       if (!l.is_ok() && l.status().code() == Code::kAlreadyExists)
-        mine = SF_ERR(kAlreadyExists, "--metrics-file '" + mine_path +
-                                          "' is in use by another sparsefill-worker job (" +
-                                          l.status().message() +
-                                          "); give each job its own --metrics-file");
+        mine = runtime::BatchMetrics::in_use(mine_path, l.status().message());
       else if (!l.is_ok())
         mine = l.status();
     }

@@ -54,10 +54,7 @@ Status BatchMetrics::remove_group_files(const std::string& path, const std::stri
     if (l.is_ok()) {
       if (l.value() >= 0) ::close(l.value());
     } else if (l.status().code() == Code::kAlreadyExists && l.status().message() != holder) {
-      return SF_ERR(kAlreadyExists, "--metrics-file '" + f.string() +
-                                        "' is in use by another sparsefill-worker job (" +
-                                        l.status().message() +
-                                        "); give each job its own --metrics-file");
+      return in_use(f.string(), l.status().message());
     }
   }
   int n = 0;
@@ -65,6 +62,12 @@ Status BatchMetrics::remove_group_files(const std::string& path, const std::stri
     if (fs::remove(f, ec)) ++n;
   if (removed) *removed = n;
   return Status::ok();
+}
+
+Status BatchMetrics::in_use(const std::string& file, const std::string& held) {
+  return SF_ERR(kAlreadyExists, "--metrics-file '" + file +
+                                    "' is in use by another sparsefill-worker job (" + held +
+                                    "); give each job its own --metrics-file");
 }
 
 MetricLabels BatchMetrics::with(const char* k, const char* v) const {

@@ -61,6 +61,8 @@ class BatchMetrics {
   // kAlreadyExists naming that job, and nothing is removed. *removed (when given): how many went.
   static Status remove_group_files(const std::string& path, const std::string& holder,
                                    int* removed = nullptr);
+  // kAlreadyExists: `file`, a metrics file, is locked by the job `held` names.
+  static Status in_use(const std::string& file, const std::string& held);
 
   // path empty: disabled (every call is a no-op). Registers every series with zeros.
   BatchMetrics(std::string path, const BatchMetricsInfo& info);
